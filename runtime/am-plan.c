@@ -1,0 +1,281 @@
+/* am-plan - check a recipe against a cluster and print the parallel plan.
+ *
+ *   am-plan RECIPE [--nodes N] [--gpus-per-node G] [--nvlink-domain K] [--gpu-mem 80G]
+ *                  [--set KEY=VALUE]... [--json]
+ *
+ * Exit status: 0 the plan is valid (and fits --gpu-mem when given); 1 the recipe or the
+ * layout is invalid, or the estimate exceeds --gpu-mem; 2 the command line is wrong.
+ */
+#include <errno.h>
+#include <getopt.h>
+#include <jansson.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "plan.h"
+#include "recipe.h"
+
+static const double GiB = 1024.0 * 1024 * 1024;
+
+static void usage(FILE *f)
+{
+    fprintf(f, "usage: am-plan RECIPE [--nodes N] [--gpus-per-node G] [--nvlink-domain K] [--gpu-mem SIZE]\n"
+               "               [--set KEY=VALUE]... [--json]\n"
+               "  --nodes N           nodes in the job (default 1)\n"
+               "  --gpus-per-node G   GPUs (ranks) per node (default 8)\n"
+               "  --nvlink-domain K   GPUs per NVLink domain (default: G, one domain per node)\n"
+               "  --gpu-mem SIZE      memory per GPU, e.g. 80G or 141GiB: fail when the estimate exceeds it\n"
+               "  --set KEY=VALUE     override a recipe key, e.g. --set distributed.tp_size=8 (repeatable)\n"
+               "  --json              print one JSON object instead of the table\n");
+}
+
+/* "80G", "80GiB", "141g", "500M", "1T", or bytes. */
+static int parse_size(const char *s, double *out)
+{
+    char *end;
+    errno = 0;
+    double v = strtod(s, &end);
+    if (end == s || errno || v <= 0)
+        return -1;
+    double mult = 1;
+    switch (*end) {
+    case 'k': case 'K': mult = 1024.0; end++; break;
+    case 'm': case 'M': mult = 1024.0 * 1024; end++; break;
+    case 'g': case 'G': mult = GiB; end++; break;
+    case 't': case 'T': mult = GiB * 1024; end++; break;
+    default: break;
+    }
+    if (strcmp(end, "") && strcmp(end, "B") && strcmp(end, "iB") && strcmp(end, "b"))
+        return -1;
+    *out = v * mult;
+    return 0;
+}
+
+static int parse_count(const char *opt, const char *s, int *out)
+{
+    char *end;
+    errno = 0;
+    long v = strtol(s, &end, 10);
+    if (*s == '\0' || *end || errno || v < 1 || v > 1 << 20) {
+        fprintf(stderr, "am-plan: %s: '%s' is not a whole number from 1 to %d\n", opt, s, 1 << 20);
+        return -1;
+    }
+    *out = (int)v;
+    return 0;
+}
+
+static json_t *str_array(const struct am_list *l)
+{
+    json_t *a = json_array();
+    for (size_t i = 0; i < l->n; i++)
+        json_array_append_new(a, json_string(l->v[i]));
+    return a;
+}
+
+static void print_json(const struct am_recipe *r, const struct am_plan *p, bool planned, const struct am_errors *err)
+{
+    json_t *o = json_object();
+    json_t *errors = json_array();
+    for (size_t i = 0; i < err->n; i++)
+        json_array_append_new(errors, json_string(err->msg[i]));
+    if (planned) {
+        json_object_set_new(o, "world_size", json_integer(p->world));
+        json_object_set_new(o, "strategy", json_string(am_strategy_name(r->dist.strategy)));
+        json_object_set_new(o, "tp_size", json_integer(p->tp));
+        json_object_set_new(o, "pp_size", json_integer(p->pp));
+        json_object_set_new(o, "cp_size", json_integer(p->cp));
+        json_object_set_new(o, "ep_size", json_integer(p->ep));
+        json_object_set_new(o, "dp_size", json_integer(p->dp));
+        json_object_set_new(o, "dp_replicate_size", json_integer(p->dp_replicate));
+        json_object_set_new(o, "dp_shard_size", json_integer(p->dp_shard));
+        json_object_set_new(o, "ep_shard_size", json_integer(p->ep_shard));
+        json_object_set_new(o, "sequence_parallel", json_boolean(r->dist.sequence_parallel));
+        json_object_set_new(o, "activation_checkpointing", json_boolean(r->dist.activation_checkpointing));
+        json_object_set_new(o, "pp_schedule", json_string(am_pp_schedule_name(r->dist.pipeline.schedule)));
+        json_object_set_new(o, "virtual_stages", json_integer(p->virtual_stages));
+        json_t *stages = json_array();
+        for (int s = 0; s < p->n_stages; s++)
+            json_array_append_new(stages, json_pack("{s:i,s:i,s:i,s:b,s:b}", "pp_rank", p->stages[s].pp_rank,
+                                                    "first_layer", p->stages[s].first_layer, "n_layers",
+                                                    p->stages[s].n_layers, "embedding", p->stages[s].embedding,
+                                                    "head", p->stages[s].head));
+        json_object_set_new(o, "stages", stages);
+        json_object_set_new(o, "global_batch_size", json_integer(p->global_batch));
+        json_object_set_new(o, "local_batch_size", json_integer(p->local_batch));
+        json_object_set_new(o, "micro_batch_size", json_integer(p->microbatch_size));
+        json_object_set_new(o, "micro_batches", json_integer(p->n_microbatches));
+        json_object_set_new(o, "grad_accum_steps", json_integer(p->grad_accum));
+        json_object_set_new(o, "seq_length", json_integer(p->seq_length));
+        json_object_set_new(o, "params_total", json_real(p->params.total));
+        json_object_set_new(o, "memory_per_gpu_bytes", json_real(p->mem.total));
+        json_object_set_new(o, "memory_breakdown",
+                            json_pack("{s:f,s:f,s:f,s:f,s:f,s:i}", "weights", p->mem.weights, "grads", p->mem.grads,
+                                      "optimizer", p->mem.optimizer, "gathered_params", p->mem.gathered,
+                                      "activations", p->mem.activations, "pp_rank", p->mem.pp_rank));
+        json_object_set_new(o, "tokens_per_step", json_real(p->tokens_per_step));
+        json_object_set_new(o, "flops_per_step", json_real(p->flops_per_step));
+    }
+    json_object_set_new(o, "errors", errors);
+    json_object_set_new(o, "ignored_keys", r ? str_array(&r->ignored) : json_array());
+    json_object_set_new(o, "notes", r ? str_array(&r->notes) : json_array());
+    char *s = json_dumps(o, JSON_COMPACT | JSON_REAL_PRECISION(17));
+    if (s)
+        puts(s);
+    free(s);
+    json_decref(o);
+}
+
+static const char *human(double n, char *buf, size_t len)
+{
+    if (n >= 1e15)
+        snprintf(buf, len, "%.2fP", n / 1e15);
+    else if (n >= 1e12)
+        snprintf(buf, len, "%.2fT", n / 1e12);
+    else if (n >= 1e9)
+        snprintf(buf, len, "%.2fB", n / 1e9);
+    else if (n >= 1e6)
+        snprintf(buf, len, "%.2fM", n / 1e6);
+    else
+        snprintf(buf, len, "%.0f", n);
+    return buf;
+}
+
+static const char *bytes(double n, char *buf, size_t len)
+{
+    if (n >= GiB)
+        snprintf(buf, len, "%.1f GiB", n / GiB);
+    else
+        snprintf(buf, len, "%.1f MiB", n / (1024.0 * 1024));
+    return buf;
+}
+
+static void print_table(const struct am_recipe *r, const struct am_world *w, const struct am_plan *p)
+{
+    char a[32], b[32], c[32], d[32], e[32], f[32];
+    const struct am_memory *m = &p->mem;
+    printf("recipe       %s\n", r->file);
+    printf("model        %s, %s parameters, %ld layers, hidden %ld, %ld heads (%ld kv)%s\n", r->model.model_type,
+           human(p->params.total, a, sizeof(a)), r->model.num_hidden_layers, r->model.hidden_size,
+           r->model.num_attention_heads, r->model.num_key_value_heads,
+           r->model.num_experts ? ", mixture of experts" : "");
+    printf("             from %s\n", r->model_source);
+    printf("world        %d GPUs = %d node%s x %d, NVLink domain %d\n", p->world, w->nodes, w->nodes > 1 ? "s" : "",
+           w->gpus_per_node, w->nvlink_domain);
+    printf("layout       tp %d x pp %d x cp %d x dp %d (replicate %d x shard %d); ep %d (ep_shard %d); %s%s\n", p->tp,
+           p->pp, p->cp, p->dp, p->dp_replicate, p->dp_shard, p->ep, p->ep_shard, am_strategy_name(r->dist.strategy),
+           r->dist.sequence_parallel ? ", sequence parallel" : "");
+    if (p->pp > 1)
+        printf("pipeline     %s: %d stages of %d layers (%d per rank), %ld micro-batches of %ld\n",
+               am_pp_schedule_name(r->dist.pipeline.schedule), p->n_stages, p->stages[0].n_layers, p->virtual_stages,
+               p->n_microbatches, p->microbatch_size);
+    printf("batch        global %ld = local %ld x dp %d x %ld accumulation steps; sequence %ld%s; %s tokens/step\n",
+           p->global_batch, p->local_batch, p->dp, p->grad_accum, p->seq_length,
+           p->seq_length_assumed ? " (assumed: set dataset.seq_length)" : "", human(p->tokens_per_step, b, sizeof(b)));
+    printf("memory/GPU   %s on pp rank %d", bytes(m->total, a, sizeof(a)), m->pp_rank);
+    if (w->gpu_mem > 0)
+        printf(" of %s", bytes(w->gpu_mem, b, sizeof(b)));
+    printf("\n             weights %s, gradients %s, optimizer %s, gathered %s, activations %s\n",
+           bytes(m->weights, a, sizeof(a)), bytes(m->grads, b, sizeof(b)), bytes(m->optimizer, c, sizeof(c)),
+           bytes(m->gathered, d, sizeof(d)), bytes(m->activations, e, sizeof(e)));
+    printf("             %s parameters, %s compute%s\n", am_dtype_name(r->param_dtype), am_dtype_name(r->compute_dtype),
+           r->dist.activation_checkpointing ? ", activation checkpointing" : "");
+    printf("compute      %s FLOP per step\n", human(p->flops_per_step, f, sizeof(f)));
+    for (size_t i = 0; i < r->ignored.n; i++)
+        printf("%s %s\n", i ? "            " : "ignored     ", r->ignored.v[i]);
+    for (size_t i = 0; i < r->notes.n; i++)
+        printf("%s %s\n", i ? "            " : "note        ", r->notes.v[i]);
+}
+
+int main(int argc, char **argv)
+{
+    static const struct option opts[] = {{"nodes", required_argument, 0, 'n'},
+                                         {"gpus-per-node", required_argument, 0, 'g'},
+                                         {"nvlink-domain", required_argument, 0, 'k'},
+                                         {"gpu-mem", required_argument, 0, 'm'},
+                                         {"set", required_argument, 0, 's'},
+                                         {"json", no_argument, 0, 'j'},
+                                         {"help", no_argument, 0, 'h'},
+                                         {0, 0, 0, 0}};
+    struct am_world w = {.nodes = 1, .gpus_per_node = 8};
+    struct am_override ov[64];
+    size_t n_ov = 0;
+    bool json = false;
+    int c;
+    while ((c = getopt_long(argc, argv, "h", opts, NULL)) != -1) {
+        switch (c) {
+        case 'n':
+            if (parse_count("--nodes", optarg, &w.nodes) < 0)
+                return 2;
+            break;
+        case 'g':
+            if (parse_count("--gpus-per-node", optarg, &w.gpus_per_node) < 0)
+                return 2;
+            break;
+        case 'k':
+            if (parse_count("--nvlink-domain", optarg, &w.nvlink_domain) < 0)
+                return 2;
+            break;
+        case 'm':
+            if (parse_size(optarg, &w.gpu_mem) < 0) {
+                fprintf(stderr, "am-plan: --gpu-mem: '%s' is not a size (use e.g. 80G or 141GiB)\n", optarg);
+                return 2;
+            }
+            break;
+        case 's':
+            if (n_ov == sizeof(ov) / sizeof(ov[0]) || am_override_parse(optarg, &ov[n_ov]) < 0) {
+                fprintf(stderr, "am-plan: --set: expected KEY=VALUE (e.g. distributed.tp_size=8), at most 64\n");
+                return 2;
+            }
+            char *origin = malloc(strlen(ov[n_ov].path) + strlen(ov[n_ov].value) + 8);
+            if (!origin)
+                return 2;
+            sprintf(origin, "--set %s=%s", ov[n_ov].path, ov[n_ov].value);
+            ov[n_ov++].origin = origin;
+            break;
+        case 'j':
+            json = true;
+            break;
+        case 'h':
+            usage(stdout);
+            return 0;
+        default:
+            usage(stderr);
+            return 2;
+        }
+    }
+    if (optind != argc - 1) {
+        usage(stderr);
+        return 2;
+    }
+    if (!w.nvlink_domain)
+        w.nvlink_domain = w.gpus_per_node;
+    w.size = w.nodes * w.gpus_per_node;
+
+    struct am_errors err;
+    am_errors_init(&err);
+    struct am_plan plan = {0};
+    struct am_recipe *r = am_recipe_load(argv[optind], ov, n_ov, &err);
+    bool planned = false;
+    if (r && err.n == 0 && am_plan_build(r, &w, &plan, &err) == 0) {
+        planned = true;
+        am_plan_check_memory(r, &w, &plan, &err);
+    }
+    if (json) {
+        print_json(r, &plan, planned, &err);
+    } else {
+        if (planned)
+            print_table(r, &w, &plan);
+        for (size_t i = 0; i < err.n; i++)
+            fprintf(stderr, "error: %s\n", err.msg[i]);
+        if (err.truncated)
+            fprintf(stderr, "error: ... and %d more\n", err.truncated);
+    }
+    int rc = err.n ? 1 : 0;
+    am_plan_free(&plan);
+    am_recipe_free(r);
+    am_errors_free(&err);
+    for (size_t i = 0; i < n_ov; i++)
+        free((char *)ov[i].origin);
+    return rc;
+}

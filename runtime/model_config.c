@@ -1,0 +1,514 @@
+/* model_config.c - the model architecture: resolving, reading and counting (model_config.h). */
+#include "model_config.h"
+
+#include <errno.h>
+#include <jansson.h>
+#include <limits.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "util.h"
+
+#ifndef AM_PKGDATADIR
+#define AM_PKGDATADIR "/usr/local/share/am"
+#endif
+
+/* ---- finding config.json ------------------------------------------------------------- */
+
+static bool is_file(const char *p)
+{
+    struct stat st;
+    return stat(p, &st) == 0 && S_ISREG(st.st_mode);
+}
+
+static bool is_dir(const char *p)
+{
+    struct stat st;
+    return stat(p, &st) == 0 && S_ISDIR(st.st_mode);
+}
+
+/* The hub cache directory, as huggingface_hub computes it. */
+static void hub_cache_dir(char *out, size_t len)
+{
+    const char *v;
+    if ((v = getenv("HF_HUB_CACHE")) && *v)
+        snprintf(out, len, "%s", v);
+    else if ((v = getenv("HF_HOME")) && *v)
+        snprintf(out, len, "%s/hub", v);
+    else if ((v = getenv("XDG_CACHE_HOME")) && *v)
+        snprintf(out, len, "%s/huggingface/hub", v);
+    else
+        snprintf(out, len, "%s/.cache/huggingface/hub", (v = getenv("HOME")) && *v ? v : "");
+}
+
+static int from_hub_cache(const char *id, char *out, size_t out_len, char *looked, size_t looked_len)
+{
+    char cache[1024], repo[2048], ref[64] = "", refpath[2200];
+    hub_cache_dir(cache, sizeof(cache));
+    snprintf(repo, sizeof(repo), "%s/models--", cache);
+    size_t l = strlen(repo);
+    for (const char *c = id; *c && l + 3 < sizeof(repo); c++) { /* ORG/NAME -> ORG--NAME */
+        if (*c == '/') {
+            repo[l++] = '-';
+            repo[l++] = '-';
+        } else {
+            repo[l++] = *c;
+        }
+    }
+    repo[l] = '\0';
+    snprintf(refpath, sizeof(refpath), "%s/refs/main", repo);
+    FILE *f = fopen(refpath, "r");
+    if (f) {
+        if (!fgets(ref, sizeof(ref), f))
+            ref[0] = '\0';
+        fclose(f);
+        ref[strcspn(ref, "\r\n")] = '\0';
+    }
+    size_t ll = strlen(looked);
+    snprintf(looked + ll, looked_len - ll, "%sthe Hugging Face cache (%s)", ll ? ", " : "", repo);
+    if (!ref[0] || strchr(ref, '/'))
+        return -1;
+    snprintf(out, out_len, "%s/snapshots/%s/config.json", repo, ref);
+    return is_file(out) ? 0 : -1;
+}
+
+static int from_shipped(const char *id, char *out, size_t out_len, char *looked, size_t looked_len)
+{
+    const char *dir = getenv("AM_MODELS_DIR");
+    char def[1024];
+    if (!dir || !*dir) {
+        snprintf(def, sizeof(def), "%s/models", AM_PKGDATADIR);
+        dir = def;
+    }
+    char name[512];
+    size_t l = 0;
+    for (const char *c = id; *c && l + 3 < sizeof(name); c++) {
+        if (*c == '/') {
+            name[l++] = '-';
+            name[l++] = '-';
+        } else {
+            name[l++] = *c;
+        }
+    }
+    name[l] = '\0';
+    snprintf(out, out_len, "%s/%s.json", dir, name);
+    size_t ll = strlen(looked);
+    snprintf(looked + ll, looked_len - ll, "%sthe configs shipped with am (%s)", ll ? ", " : "", dir);
+    return is_file(out) ? 0 : -1;
+}
+
+int am_model_resolve(const char *name_or_path, char *out, size_t out_len, char *looked, size_t looked_len)
+{
+    looked[0] = '\0';
+    if (is_dir(name_or_path)) {
+        snprintf(out, out_len, "%s/config.json", name_or_path);
+        snprintf(looked, looked_len, "the directory %s (it has no config.json)", name_or_path);
+        return is_file(out) ? 0 : -1;
+    }
+    /* A path that is not a directory: only a hub id (ORG/NAME or NAME) is looked up. */
+    int slashes = 0;
+    for (const char *c = name_or_path; *c; c++)
+        slashes += *c == '/';
+    if (name_or_path[0] == '/' || name_or_path[0] == '.' || name_or_path[0] == '~' || slashes > 1 ||
+        !name_or_path[0]) {
+        snprintf(looked, looked_len, "a local directory (none exists at that path)");
+        return -1;
+    }
+    if (from_hub_cache(name_or_path, out, out_len, looked, looked_len) == 0)
+        return 0;
+    return from_shipped(name_or_path, out, out_len, looked, looked_len);
+}
+
+/* ---- JSON -> node tree --------------------------------------------------------------- */
+
+static struct am_node *json_to_node(struct am_arena *a, json_t *j, const struct am_pos *pos, int depth)
+{
+    if (depth > AM_YAML_MAX_DEPTH)
+        return NULL;
+    struct am_node *n = am_arena_alloc(a, sizeof(*n));
+    if (!n)
+        return NULL;
+    n->pos = *pos;
+    n->kind = AM_NODE_SCALAR;
+    n->plain = true;
+    char num[64];
+    switch (json_typeof(j)) {
+    case JSON_OBJECT: {
+        n->kind = AM_NODE_MAP;
+        const char *k;
+        json_t *v;
+        json_object_foreach(j, k, v) {
+            struct am_node *c = json_to_node(a, v, pos, depth + 1);
+            if (!c || am_node_append(a, n, am_arena_strdup(a, k), *pos, c) < 0)
+                return NULL;
+        }
+        return n;
+    }
+    case JSON_ARRAY: {
+        n->kind = AM_NODE_SEQ;
+        size_t i;
+        json_t *v;
+        json_array_foreach(j, i, v) {
+            struct am_node *c = json_to_node(a, v, pos, depth + 1);
+            if (!c || am_node_append(a, n, NULL, *pos, c) < 0)
+                return NULL;
+        }
+        return n;
+    }
+    case JSON_STRING:
+        n->plain = false;
+        n->str = am_arena_strndup(a, json_string_value(j), json_string_length(j));
+        break;
+    case JSON_INTEGER:
+        snprintf(num, sizeof(num), "%" JSON_INTEGER_FORMAT, json_integer_value(j));
+        n->str = am_arena_strdup(a, num);
+        break;
+    case JSON_REAL:
+        snprintf(num, sizeof(num), "%.17g", json_real_value(j));
+        n->str = am_arena_strdup(a, num);
+        break;
+    case JSON_TRUE:
+        n->str = "true";
+        break;
+    case JSON_FALSE:
+        n->str = "false";
+        break;
+    case JSON_NULL:
+        n->str = "null";
+        break;
+    }
+    return n->str ? n : NULL;
+}
+
+struct am_node *am_json_file_to_node(struct am_arena *a, const char *path, struct am_errors *err)
+{
+    size_t len;
+    char *buf = NULL;
+    const char *why = am_read_file(path, AM_JSON_MAX_BYTES, &buf, &len);
+    if (why) {
+        am_errorf(err, NULL, "%s: %s", path, why);
+        return NULL;
+    }
+    json_error_t je;
+    json_t *j = json_loadb(buf, len, JSON_REJECT_DUPLICATES, &je);
+    free(buf);
+    if (!j) {
+        am_errorf(err, NULL, "%s:%d:%d: invalid JSON: %s", path, je.line, je.column, je.text);
+        return NULL;
+    }
+    struct am_pos pos = {.file = am_arena_strdup(a, path)};
+    struct am_node *n = NULL;
+    if (!json_is_object(j))
+        am_errorf(err, NULL, "%s: expected a JSON object at the top", path);
+    else if (!pos.file || !(n = json_to_node(a, j, &pos, 0)))
+        am_errorf(err, NULL, "%s: too deeply nested or out of memory", path);
+    json_decref(j);
+    return n;
+}
+
+/* ---- reading the architecture -------------------------------------------------------- */
+
+enum kind { K_LONG, K_DOUBLE, K_BOOL, K_STR, K_ACT, K_ROPE_SCALING, K_CHECK_FALSE, K_IGNORE };
+
+struct hf_key {
+    const char *name;
+    enum kind kind;
+    size_t off;
+};
+
+#define F(field) offsetof(struct am_model_config, field)
+static const struct hf_key hf_keys[] = {
+    {"model_type", K_STR, F(model_type)},
+    {"hidden_size", K_LONG, F(hidden_size)},
+    {"num_hidden_layers", K_LONG, F(num_hidden_layers)},
+    {"num_attention_heads", K_LONG, F(num_attention_heads)},
+    {"num_key_value_heads", K_LONG, F(num_key_value_heads)},
+    {"head_dim", K_LONG, F(head_dim)},
+    {"intermediate_size", K_LONG, F(intermediate_size)},
+    {"vocab_size", K_LONG, F(vocab_size)},
+    {"max_position_embeddings", K_LONG, F(max_position_embeddings)},
+    {"rope_theta", K_DOUBLE, F(rope_theta)},
+    {"rms_norm_eps", K_DOUBLE, F(rms_norm_eps)},
+    {"initializer_range", K_DOUBLE, F(initializer_range)},
+    {"tie_word_embeddings", K_BOOL, F(tie_word_embeddings)},
+    {"num_local_experts", K_LONG, F(num_experts)}, /* mixtral */
+    {"num_experts", K_LONG, F(num_experts)},       /* qwen3_moe */
+    {"num_experts_per_tok", K_LONG, F(num_experts_per_tok)},
+    {"moe_intermediate_size", K_LONG, F(moe_intermediate_size)},
+    {"norm_topk_prob", K_BOOL, F(norm_topk_prob)},
+    {"router_aux_loss_coef", K_DOUBLE, F(router_aux_loss_coef)},
+    {"rope_scaling", K_ROPE_SCALING, 0},
+    {"torch_dtype", K_STR, F(torch_dtype)},
+    {"hidden_act", K_ACT, 0},
+    {"attention_bias", K_CHECK_FALSE, 0},
+    {"mlp_bias", K_CHECK_FALSE, 0},
+    /* config.json keys that do not change the architecture am builds */
+    {"architectures", K_IGNORE, 0},
+    {"bos_token_id", K_IGNORE, 0},
+    {"eos_token_id", K_IGNORE, 0},
+    {"pad_token_id", K_IGNORE, 0},
+    {"transformers_version", K_IGNORE, 0},
+    {"use_cache", K_IGNORE, 0},
+    {"pretraining_tp", K_IGNORE, 0},
+    {"attention_dropout", K_IGNORE, 0},
+    {"sliding_window", K_IGNORE, 0},
+    {"use_sliding_window", K_IGNORE, 0},
+    {"max_window_layers", K_IGNORE, 0},
+    {"output_router_logits", K_IGNORE, 0},
+    {"router_jitter_noise", K_IGNORE, 0},
+    {"decoder_sparse_step", K_IGNORE, 0},
+    {"mlp_only_layers", K_IGNORE, 0},
+    {"_name_or_path", K_IGNORE, 0},
+};
+#undef F
+
+static const char *const supported_types[] = {"llama", "mistral", "mixtral", "qwen3", "qwen3_moe", NULL};
+
+bool am_model_type_supported(const char *t)
+{
+    for (int i = 0; supported_types[i]; i++)
+        if (strcmp(t, supported_types[i]) == 0)
+            return true;
+    return false;
+}
+
+static const struct hf_key *find_key(const char *name)
+{
+    for (size_t i = 0; i < sizeof(hf_keys) / sizeof(hf_keys[0]); i++)
+        if (strcmp(hf_keys[i].name, name) == 0)
+            return &hf_keys[i];
+    return NULL;
+}
+
+static int read_rope_scaling(struct am_node *n, const char *section, struct am_model_config *m,
+                             struct am_errors *err)
+{
+    char key[128];
+    if (am_node_is_null(n)) {
+        m->rope_scaling.type = NULL;
+        return 0;
+    }
+    if (n->kind != AM_NODE_MAP) {
+        am_errorf(err, &n->pos, "%s.rope_scaling: expected a section (rope_type, factor, ...) or null", section);
+        return -1;
+    }
+    struct am_node *t = am_node_child(n, "rope_type");
+    if (!t)
+        t = am_node_child(n, "type");
+    const char *type = NULL;
+    snprintf(key, sizeof(key), "%s.rope_scaling.rope_type", section);
+    if (!t || am_node_str(t, key, &type, err) < 0) {
+        if (!t)
+            am_errorf(err, &n->pos, "%s: missing (llama3 or linear)", key);
+        return -1;
+    }
+    if (strcmp(type, "default") == 0) {
+        m->rope_scaling.type = NULL;
+        return 0;
+    }
+    if (strcmp(type, "llama3") != 0 && strcmp(type, "linear") != 0) {
+        am_errorf(err, &t->pos, "%s: '%s' is not supported by am (use llama3 or linear)", key, type);
+        return -1;
+    }
+    m->rope_scaling.type = type;
+    struct {
+        const char *name;
+        double *d;
+        long *l;
+    } fields[] = {
+        {"factor", &m->rope_scaling.factor, NULL},
+        {"low_freq_factor", &m->rope_scaling.low_freq_factor, NULL},
+        {"high_freq_factor", &m->rope_scaling.high_freq_factor, NULL},
+        {"original_max_position_embeddings", NULL, &m->rope_scaling.original_max_position_embeddings},
+    };
+    int rc = 0;
+    for (size_t i = 0; i < sizeof(fields) / sizeof(fields[0]); i++) {
+        struct am_node *v = am_node_child(n, fields[i].name);
+        snprintf(key, sizeof(key), "%s.rope_scaling.%s", section, fields[i].name);
+        bool needed = fields[i].d == &m->rope_scaling.factor || strcmp(type, "llama3") == 0;
+        if (!v) {
+            if (needed) {
+                am_errorf(err, &n->pos, "%s: missing (required for rope_type %s)", key, type);
+                rc = -1;
+            }
+            continue;
+        }
+        if (fields[i].d ? am_node_double(v, key, fields[i].d, err) : am_node_long(v, key, 1, LONG_MAX, fields[i].l, err))
+            rc = -1;
+    }
+    return rc;
+}
+
+static int read_key(const struct hf_key *k, struct am_node *v, const char *section,
+                    struct am_model_config *m, struct am_errors *err)
+{
+    char key[128];
+    snprintf(key, sizeof(key), "%s.%s", section, k->name);
+    char *base = (char *)m;
+    bool b;
+    switch (k->kind) {
+    case K_LONG:
+        if (am_node_is_null(v))
+            return *(long *)(base + k->off) = 0, 0;
+        return am_node_long(v, key, 0, 1L << 40, (long *)(base + k->off), err);
+    case K_DOUBLE:
+        return am_node_double(v, key, (double *)(base + k->off), err);
+    case K_BOOL:
+        return am_node_bool(v, key, (bool *)(base + k->off), err);
+    case K_ACT: {
+        const char *s;
+        if (am_node_str(v, key, &s, err) < 0)
+            return -1;
+        if (strcmp(s, "silu") != 0) {
+            am_errorf(err, &v->pos, "%s: '%s' is not supported by am (Llama-style models use silu)", key, s);
+            return -1;
+        }
+        return 0;
+    }
+    case K_STR:
+        if (am_node_is_null(v))
+            return 0;
+        return am_node_str(v, key, (const char **)(base + k->off), err);
+    case K_ROPE_SCALING:
+        return read_rope_scaling(v, section, m, err);
+    case K_CHECK_FALSE:
+        if (am_node_bool(v, key, &b, err) < 0)
+            return -1;
+        if (b) {
+            am_errorf(err, &v->pos, "%s: true is not supported by am (Llama-style layers have no bias)", key);
+            return -1;
+        }
+        return 0;
+    case K_IGNORE:
+        return 0;
+    }
+    return 0;
+}
+
+/* The model-level keys AutoModel passes to from_pretrained that do not describe the
+ * architecture: accepted in a recipe, listed as ignored. */
+static const char *const automodel_model_keys[] = {
+    "_target_", "trust_remote_code", "attn_implementation", "use_liger_kernel", "use_sdpa_patching",
+    "sdpa_method", "output_hidden_states", "is_meta_device", "force_hf", "backend", "quantization_config",
+    "cache_dir", "revision", "local_files_only", "low_cpu_mem_usage", "text_config", NULL};
+
+int am_model_config_read(struct am_arena *a, struct am_node *cfg, const char *section,
+                         struct am_model_config *m, struct am_list *ignored, struct am_errors *err)
+{
+    size_t before = err->n;
+    *m = (struct am_model_config){.rope_theta = 10000.0, .rms_norm_eps = 1e-6, .initializer_range = 0.02,
+                                  .max_position_embeddings = 2048, .router_aux_loss_coef = 0.001};
+    for (size_t i = 0; i < cfg->n; i++) {
+        struct am_entry *e = &cfg->entries[i];
+        if (e->used) /* read by the caller (pretrained_model_name_or_path, config, ...) */
+            continue;
+        const struct hf_key *k = find_key(e->key);
+        bool from_recipe = e->key_pos.line > 0 || e->key_pos.origin;
+        if (!k) {
+            if (!from_recipe)
+                continue; /* config.json may carry anything */
+            char *name = am_arena_strdup(a, e->key);
+            if (name && am_key_in(e->key, automodel_model_keys)) {
+                char full[256];
+                snprintf(full, sizeof(full), "%s.%s", section, e->key);
+                am_list_add(a, ignored, am_arena_strdup(a, full));
+                continue;
+            }
+            const char *names[sizeof(hf_keys) / sizeof(hf_keys[0]) + 1];
+            for (size_t j = 0; j < sizeof(hf_keys) / sizeof(hf_keys[0]); j++)
+                names[j] = hf_keys[j].name;
+            names[sizeof(hf_keys) / sizeof(hf_keys[0])] = NULL;
+            am_error_unknown_key(err, &e->key_pos, section, e->key, names, automodel_model_keys);
+            continue;
+        }
+        if (k->kind == K_IGNORE && from_recipe) {
+            char full[256];
+            snprintf(full, sizeof(full), "%s.%s", section, e->key);
+            am_list_add(a, ignored, am_arena_strdup(a, full));
+        }
+        read_key(k, e->value, section, m, err);
+    }
+    if (err->n > before)
+        return -1;
+
+    /* defaults and consistency of the architecture itself */
+    struct am_pos where = cfg->pos;
+    where.line = 0;
+    if (!m->model_type)
+        m->model_type = m->num_experts ? "mixtral" : "llama";
+    if (!am_model_type_supported(m->model_type)) {
+        am_errorf(err, &where, "%s.model_type: '%s' is not supported by am (supported: llama, mistral, "
+                  "mixtral, qwen3, qwen3_moe)", section, m->model_type);
+        return -1;
+    }
+    static const char *const required[] = {"hidden_size", "num_hidden_layers", "num_attention_heads",
+                                           "vocab_size", NULL};
+    long *req_val[] = {&m->hidden_size, &m->num_hidden_layers, &m->num_attention_heads, &m->vocab_size};
+    for (int i = 0; required[i]; i++)
+        if (*req_val[i] <= 0)
+            am_errorf(err, &where, "%s.%s: missing (write it under %s:, or set pretrained_model_name_or_path "
+                      "to a model directory or hub id)", section, required[i], section);
+    if (err->n > before)
+        return -1;
+    if (!m->num_key_value_heads)
+        m->num_key_value_heads = m->num_attention_heads;
+    if (!m->head_dim) {
+        if (m->hidden_size % m->num_attention_heads) {
+            am_errorf(err, &where, "%s.num_attention_heads: %ld does not divide hidden_size %ld (set head_dim, "
+                      "or use a divisor of %ld)", section, m->num_attention_heads, m->hidden_size, m->hidden_size);
+            return -1;
+        }
+        m->head_dim = m->hidden_size / m->num_attention_heads;
+    }
+    if (m->num_attention_heads % m->num_key_value_heads)
+        am_errorf(err, &where, "%s.num_key_value_heads: %ld does not divide num_attention_heads %ld "
+                  "(grouped-query attention shares each kv head among whole groups of query heads)",
+                  section, m->num_key_value_heads, m->num_attention_heads);
+    m->qk_norm = strncmp(m->model_type, "qwen3", 5) == 0;
+    bool moe = strcmp(m->model_type, "mixtral") == 0 || strcmp(m->model_type, "qwen3_moe") == 0;
+    if (moe && m->num_experts <= 0)
+        am_errorf(err, &where, "%s.%s: missing (a %s model has experts)", section,
+                  strcmp(m->model_type, "mixtral") == 0 ? "num_local_experts" : "num_experts", m->model_type);
+    if (!moe)
+        m->num_experts = 0;
+    if (moe && m->num_experts > 0) {
+        if (m->num_experts_per_tok < 1 || m->num_experts_per_tok > m->num_experts)
+            am_errorf(err, &where, "%s.num_experts_per_tok: %ld must be 1 to num_experts (%ld)", section,
+                      m->num_experts_per_tok, m->num_experts);
+        if (strcmp(m->model_type, "mixtral") == 0)
+            m->moe_intermediate_size = m->intermediate_size;
+        if (m->moe_intermediate_size <= 0)
+            am_errorf(err, &where, "%s.moe_intermediate_size: missing (the width of each expert's MLP)", section);
+    } else if (m->intermediate_size <= 0) {
+        am_errorf(err, &where, "%s.intermediate_size: missing (the MLP width)", section);
+    }
+    return err->n > before ? -1 : 0;
+}
+
+void am_model_params(const struct am_model_config *m, struct am_param_count *p)
+{
+    double h = (double)m->hidden_size, hd = (double)m->head_dim, L = (double)m->num_hidden_layers;
+    double q = (double)m->num_attention_heads * hd, kv = (double)m->num_key_value_heads * hd;
+    memset(p, 0, sizeof(*p));
+    p->embedding = (double)m->vocab_size * h;
+    p->lm_head = m->tie_word_embeddings ? 0 : p->embedding;
+    p->attn_per_layer = h * q + 2 * h * kv + q * h + (m->qk_norm ? 2 * hd : 0);
+    p->norms_per_layer = 2 * h;
+    if (m->num_experts > 0) {
+        p->router_per_layer = h * (double)m->num_experts;
+        p->experts_per_layer = (double)m->num_experts * 3 * h * (double)m->moe_intermediate_size;
+    } else {
+        p->mlp_per_layer = 3 * h * (double)m->intermediate_size;
+    }
+    p->per_layer = p->attn_per_layer + p->norms_per_layer + p->mlp_per_layer + p->router_per_layer +
+                   p->experts_per_layer;
+    p->final_norm = h;
+    p->total = p->embedding + p->lm_head + L * p->per_layer + p->final_norm;
+    double mlp_active = m->num_experts > 0
+                            ? p->router_per_layer + (double)m->num_experts_per_tok * 3 * h * (double)m->moe_intermediate_size
+                            : p->mlp_per_layer;
+    p->active_per_token = L * (h * q + 2 * h * kv + q * h + mlp_active) + (double)m->vocab_size * h;
+}

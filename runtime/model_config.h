@@ -1,0 +1,72 @@
+/* model_config.h - a model's architecture, in Hugging Face config.json terms.
+ *
+ * Where it comes from, in order (as transformers does with local_files_only):
+ *   1. `model.pretrained_model_name_or_path` as a local directory holding config.json;
+ *   2. a hub id (ORG/NAME) in the local Hugging Face cache: HF_HUB_CACHE, else
+ *      HF_HOME/hub, else $XDG_CACHE_HOME/huggingface/hub, else ~/.cache/huggingface/hub,
+ *      at models--ORG--NAME/snapshots/<refs/main>/config.json;
+ *   3. a config shipped with am for well-known models (AM_MODELS_DIR, else the installed
+ *      share/am/models), so that planning needs no weights;
+ * and finally keys written inline under `model:` (HF names) override what was loaded, as
+ * from_pretrained's keyword arguments do.
+ */
+#ifndef AM_MODEL_CONFIG_H
+#define AM_MODEL_CONFIG_H
+
+#include <stdbool.h>
+#include <stddef.h>
+
+#include "arena.h"
+#include "errors.h"
+#include "node.h"
+
+struct am_model_config {
+    const char *model_type; /* llama, mistral, mixtral, qwen2, qwen3, qwen3_moe */
+    long hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim;
+    long intermediate_size, vocab_size, max_position_embeddings;
+    double rope_theta, rms_norm_eps, initializer_range;
+    bool tie_word_embeddings;
+    bool qk_norm; /* qwen3: RMSNorm on each query and key head */
+    /* mixture of experts: num_experts 0 for a dense model */
+    long num_experts, num_experts_per_tok, moe_intermediate_size;
+    bool norm_topk_prob;
+    double router_aux_loss_coef;
+    struct {
+        const char *type; /* NULL: no scaling; "llama3", "linear" */
+        double factor, low_freq_factor, high_freq_factor;
+        long original_max_position_embeddings;
+    } rope_scaling;
+    const char *torch_dtype; /* as written in config.json, or NULL */
+};
+
+/* Finds the config.json for a name or path (steps 1-3 above). Returns 0 and the path in
+ * out, or -1 with `looked` describing every place tried. */
+int am_model_resolve(const char *name_or_path, char *out, size_t out_len, char *looked, size_t looked_len);
+
+/* Reads a JSON file into a node tree (positions name the file). NULL with an error when it
+ * cannot be read or is not a JSON object. */
+struct am_node *am_json_file_to_node(struct am_arena *a, const char *path, struct am_errors *err);
+
+/* Reads the architecture from `cfg` (config.json merged with inline keys). `strict`
+ * entries (those written in the recipe) must be known keys; config.json may hold
+ * anything. Checks the model itself (heads divide hidden size, kv heads divide heads,
+ * ...). `section` prefixes keys in messages ("model"). */
+int am_model_config_read(struct am_arena *a, struct am_node *cfg, const char *section,
+                         struct am_model_config *m, struct am_list *ignored, struct am_errors *err);
+
+/* Parameter counts, exact for the supported architectures. */
+struct am_param_count {
+    double embedding;   /* vocab x hidden */
+    double lm_head;     /* 0 when tied */
+    double per_layer;   /* attention + norms + MLP/experts (all experts) */
+    double attn_per_layer, mlp_per_layer, experts_per_layer, router_per_layer, norms_per_layer;
+    double final_norm;
+    double total;
+    double active_per_token; /* parameters touched per token (matmuls only, incl. lm_head) */
+};
+void am_model_params(const struct am_model_config *m, struct am_param_count *p);
+
+/* True when the model name is one am can train. */
+bool am_model_type_supported(const char *model_type);
+
+#endif

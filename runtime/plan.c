@@ -1,0 +1,339 @@
+/* plan.c - mesh, groups, pipeline stages, memory and FLOPs (plan.h). */
+#include "plan.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ---- mesh ---------------------------------------------------------------------------- */
+
+void am_plan_coords(const struct am_plan *p, int rank, struct am_coords *c)
+{
+    int r = rank;
+    c->tp = r % p->tp, r /= p->tp;
+    c->cp = r % p->cp, r /= p->cp;
+    c->dp_shard = r % p->dp_shard, r /= p->dp_shard;
+    c->dp_replicate = r % p->dp_replicate, r /= p->dp_replicate;
+    c->pp = r;
+    int dpcp = (c->dp_replicate * p->dp_shard + c->dp_shard) * p->cp + c->cp;
+    c->ep = dpcp % p->ep;
+    c->ep_shard = dpcp / p->ep;
+}
+
+int am_plan_rank(const struct am_plan *p, const struct am_coords *c)
+{
+    return (((c->pp * p->dp_replicate + c->dp_replicate) * p->dp_shard + c->dp_shard) * p->cp + c->cp) * p->tp +
+           c->tp;
+}
+
+/* Which coordinates may differ inside a group of kind g; the others must match. */
+static bool same_group(const struct am_plan *p, enum am_group g, const struct am_coords *a, const struct am_coords *b)
+{
+    (void)p;
+    bool pp = a->pp == b->pp, tp = a->tp == b->tp, cp = a->cp == b->cp;
+    bool rep = a->dp_replicate == b->dp_replicate, shard = a->dp_shard == b->dp_shard;
+    switch (g) {
+    case AM_GROUP_TP:
+        return pp && rep && shard && cp;
+    case AM_GROUP_CP:
+        return pp && rep && shard && tp;
+    case AM_GROUP_PP:
+        return rep && shard && cp && tp;
+    case AM_GROUP_DP:
+        return pp && cp && tp;
+    case AM_GROUP_DP_SHARD:
+        return pp && rep && cp && tp;
+    case AM_GROUP_DP_REPLICATE:
+        return pp && shard && cp && tp;
+    case AM_GROUP_DP_CP:
+        return pp && tp;
+    case AM_GROUP_EP:
+        return pp && tp && a->ep_shard == b->ep_shard;
+    case AM_GROUP_EP_SHARD:
+        return pp && tp && a->ep == b->ep;
+    case AM_NGROUPS:
+        break;
+    }
+    return false;
+}
+
+int am_plan_group(const struct am_plan *p, enum am_group g, int rank, int *members)
+{
+    struct am_coords me, other;
+    int n = 0;
+    am_plan_coords(p, rank, &me);
+    for (int r = 0; r < p->world; r++) {
+        am_plan_coords(p, r, &other);
+        if (same_group(p, g, &me, &other))
+            members[n++] = r;
+    }
+    return n;
+}
+
+const char *am_group_name(enum am_group g)
+{
+    static const char *const names[] = {"tp", "cp", "pp", "dp", "dp_shard", "dp_replicate", "dp_cp", "ep",
+                                        "ep_shard"};
+    return g < AM_NGROUPS ? names[g] : "?";
+}
+
+/* ---- pipeline stages ----------------------------------------------------------------- */
+
+static int virtual_stages(const struct am_recipe *r)
+{
+    int pp = r->dist.pp, lps = r->dist.pipeline.layers_per_stage;
+    long L = r->model.num_hidden_layers;
+    if (pp == 1 || r->dist.pipeline.schedule != AM_PP_INTERLEAVED_1F1B)
+        return 1;
+    long stages = lps ? (L + lps - 1) / lps : 2L * pp;
+    if (stages % pp) /* validated: rounding is allowed */
+        stages = r->dist.pipeline.round_virtual == AM_ROUND_UP ? (stages / pp + 1) * pp : stages / pp * pp;
+    return (int)(stages / pp);
+}
+
+static int build_stages(const struct am_recipe *r, struct am_plan *p)
+{
+    p->virtual_stages = virtual_stages(r);
+    p->n_stages = p->pp * p->virtual_stages;
+    p->stages = calloc((size_t)p->n_stages, sizeof(*p->stages));
+    if (!p->stages)
+        return -1;
+    int per = (int)(r->model.num_hidden_layers / p->n_stages);
+    for (int s = 0; s < p->n_stages; s++) {
+        p->stages[s] = (struct am_stage){.pp_rank = s % p->pp, .first_layer = s * per, .n_layers = per,
+                                         .embedding = s == 0, .head = s == p->n_stages - 1};
+    }
+    return 0;
+}
+
+/* ---- memory -------------------------------------------------------------------------- */
+
+/* Elements saved for backward per token of one layer on one tp rank (see docs/recipes.md). */
+static double act_elems_per_token(const struct am_recipe *r, const struct am_plan *p)
+{
+    const struct am_model_config *m = &r->model;
+    double tp = p->tp, h = (double)m->hidden_size, hd = (double)m->head_dim;
+    double q = (double)m->num_attention_heads * hd;
+    double kv_rank = (m->num_key_value_heads >= p->tp ? (double)m->num_key_value_heads / tp : 1.0) * hd;
+    double mlp = m->num_experts > 0 ? (double)m->num_experts_per_tok * 3 * (double)m->moe_intermediate_size
+                                    : 3 * (double)m->intermediate_size / tp;
+    double replicated = 4 * h; /* norm inputs and outputs */
+    if (r->dist.sequence_parallel)
+        replicated /= tp;
+    return replicated + 2 * q / tp + 2 * kv_rank + mlp;
+}
+
+/* Micro-batches whose activations a pp rank holds at its peak (in units of its layers). */
+static double in_flight_layers(const struct am_recipe *r, const struct am_plan *p, int k, int layers_on_rank)
+{
+    double m = (double)p->n_microbatches;
+    if (p->pp == 1)
+        return layers_on_rank;
+    switch (r->dist.pipeline.schedule) {
+    case AM_PP_GPIPE:
+        return m * layers_on_rank;
+    case AM_PP_1F1B: {
+        double f = p->pp - k < m ? p->pp - k : m;
+        return f * layers_on_rank;
+    }
+    case AM_PP_INTERLEAVED_1F1B: {
+        /* Narayanan et al. 2021: warm-up of (pp - k - 1) * 2 + (v - 1) * pp chunks, plus one */
+        double v = p->virtual_stages;
+        double chunks = (p->pp - k - 1) * 2.0 + (v - 1) * p->pp + 1;
+        if (chunks > m * v)
+            chunks = m * v;
+        return chunks * layers_on_rank / v;
+    }
+    }
+    return layers_on_rank;
+}
+
+static void memory_of_rank(const struct am_recipe *r, const struct am_plan *p, int k, struct am_memory *out)
+{
+    const struct am_model_config *m = &r->model;
+    const struct am_param_count *pc = &p->params;
+    double tp = p->tp, h = (double)m->hidden_size, hd = (double)m->head_dim;
+    double q = (double)m->num_attention_heads * hd;
+    double kv_rank = (m->num_key_value_heads >= p->tp ? (double)m->num_key_value_heads / tp : 1.0) * hd;
+    double attn = 2 * h * q / tp + 2 * h * kv_rank + (m->qk_norm ? 2 * hd : 0);
+    double dense = attn + pc->norms_per_layer + pc->mlp_per_layer / tp + pc->router_per_layer;
+    double experts = pc->experts_per_layer / p->ep;
+
+    int layers = 0;
+    bool emb = false, head = false;
+    for (int s = 0; s < p->n_stages; s++) {
+        if (p->stages[s].pp_rank != k)
+            continue;
+        layers += p->stages[s].n_layers;
+        emb |= p->stages[s].embedding;
+        head |= p->stages[s].head;
+    }
+    double dense_params = layers * dense, expert_params = layers * experts;
+    if (emb)
+        dense_params += pc->embedding / tp;
+    if (head)
+        dense_params += pc->final_norm + (m->tie_word_embeddings && emb ? 0 : pc->embedding / tp);
+
+    /* bytes per parameter: weights and gradients in the storage dtype, Adam's two moments
+     * too (ZeRO's accounting: fp32 storage = 4 + 4 + 8 = 16 B) */
+    double ws = am_dtype_bytes(r->param_dtype), cs = am_dtype_bytes(r->compute_dtype);
+    double shard = 1, expert_shard = 1;
+    int zero = 0;
+    if (r->dist.strategy == AM_FSDP2) {
+        zero = 3;
+        shard = (double)p->dp_shard * p->cp;
+        expert_shard = (double)p->ep_shard / p->dp_replicate;
+        if (expert_shard < 1)
+            expert_shard = 1;
+    } else if (r->dist.strategy == AM_MEGATRON_FSDP) {
+        zero = r->dist.zero_dp_strategy;
+        shard = expert_shard = (double)p->dp * p->cp;
+    }
+    double wshard = zero >= 3 ? shard : 1, gshard = zero >= 2 ? shard : 1, oshard = zero >= 1 ? shard : 1;
+    double ewshard = zero >= 3 ? expert_shard : 1, egshard = zero >= 2 ? expert_shard : 1,
+           eoshard = zero >= 1 ? expert_shard : 1;
+    out->pp_rank = k;
+    out->params = dense_params + expert_params;
+    out->weights = ws * (dense_params / wshard + expert_params / ewshard);
+    out->grads = ws * (dense_params / gshard + expert_params / egshard);
+    out->optimizer = 2 * ws * (dense_params / oshard + expert_params / eoshard);
+    /* ZeRO-3 gathers each layer before use; the next one is prefetched */
+    out->gathered = zero >= 3 && layers ? 2 * cs * (dense + experts) : 0;
+
+    double tokens = (double)(p->pp > 1 ? p->microbatch_size : p->local_batch) * (double)p->seq_length / p->cp;
+    double full_layer = tokens * act_elems_per_token(r, p) * cs;
+    double flight = in_flight_layers(r, p, k, layers);
+    if (r->dist.activation_checkpointing) {
+        double saved = tokens * h * cs / (r->dist.sequence_parallel ? tp : 1);
+        out->activations = flight * saved + (layers ? full_layer : 0);
+    } else {
+        out->activations = flight * full_layer;
+    }
+    out->total = out->weights + out->grads + out->optimizer + out->gathered + out->activations;
+}
+
+/* ---- the plan ------------------------------------------------------------------------ */
+
+void am_plan_free(struct am_plan *p)
+{
+    free(p->stages);
+    p->stages = NULL;
+}
+
+int am_plan_build(const struct am_recipe *r, const struct am_world *w, struct am_plan *p, struct am_errors *err)
+{
+    memset(p, 0, sizeof(*p));
+    if (am_validate(r, w, err) > 0 || r->model.num_hidden_layers <= 0)
+        return -1;
+    p->world = w->size;
+    p->tp = r->dist.tp;
+    p->pp = r->dist.pp;
+    p->cp = r->dist.cp;
+    p->ep = r->dist.ep;
+    p->dp = w->size / (p->tp * p->pp * p->cp);
+    p->dp_replicate = r->dist.dp_replicate > 1 ? r->dist.dp_replicate : 1;
+    p->dp_shard = p->dp / p->dp_replicate;
+    p->ep_shard = p->dp * p->cp / p->ep;
+    if (build_stages(r, p) < 0) {
+        am_errorf(err, NULL, "%s: out of memory while planning", r->file);
+        return -1;
+    }
+    p->global_batch = r->steps.global_batch;
+    p->local_batch = r->steps.local_batch;
+    p->grad_accum = p->global_batch / (p->local_batch * p->dp);
+    p->microbatch_size = p->pp > 1 ? r->dist.pipeline.microbatch_size : p->local_batch;
+    p->n_microbatches = p->local_batch / p->microbatch_size;
+    p->seq_length = am_recipe_seq_length(r, &p->seq_length_assumed);
+    am_model_params(&r->model, &p->params);
+
+    for (int k = 0; k < p->pp; k++) {
+        struct am_memory m;
+        memory_of_rank(r, p, k, &m);
+        if (k == 0 || m.total > p->mem.total)
+            p->mem = m;
+    }
+    const struct am_model_config *m = &r->model;
+    double attn_width = (double)m->num_attention_heads * (double)m->head_dim;
+    p->tokens_per_step = (double)p->global_batch * (double)p->seq_length;
+    /* PaLM (Chowdhery et al. 2022, appendix B): 6N + 12*L*H*Q*T per token */
+    p->flops_per_step = p->tokens_per_step * (6 * p->params.active_per_token +
+                                              12.0 * (double)m->num_hidden_layers * attn_width * (double)p->seq_length);
+    return 0;
+}
+
+/* ---- what would fit ------------------------------------------------------------------ */
+
+struct knob {
+    char text[96];
+    double total;
+};
+
+static void try_knob(const struct am_recipe *variant, const struct am_world *w, const char *text,
+                     struct knob *out, int *n)
+{
+    struct am_errors scratch;
+    struct am_plan p;
+    am_errors_init(&scratch);
+    if (am_plan_build(variant, w, &p, &scratch) == 0 && p.mem.total <= w->gpu_mem) {
+        snprintf(out[*n].text, sizeof(out[*n].text), "%s", text);
+        out[*n].total = p.mem.total;
+        (*n)++;
+    }
+    am_plan_free(&p);
+    am_errors_free(&scratch);
+}
+
+int am_plan_check_memory(const struct am_recipe *r, const struct am_world *w, const struct am_plan *p,
+                         struct am_errors *err)
+{
+    if (w->gpu_mem <= 0 || p->mem.total <= w->gpu_mem)
+        return 0;
+    const double gib = 1024.0 * 1024 * 1024;
+    struct knob fits[8];
+    int n = 0;
+    char text[96];
+    struct am_recipe v;
+    if (!r->dist.activation_checkpointing) {
+        v = *r;
+        v.dist.activation_checkpointing = true;
+        try_knob(&v, w, "distributed.activation_checkpointing=true", fits, &n);
+    }
+    if (r->dist.strategy != AM_FSDP2) {
+        v = *r;
+        v.dist.strategy = AM_FSDP2;
+        try_knob(&v, w, "distributed.strategy=fsdp2", fits, &n);
+    }
+    if (r->dist.tp > 1 && !r->dist.sequence_parallel) {
+        v = *r;
+        v.dist.sequence_parallel = true;
+        try_knob(&v, w, "distributed.sequence_parallel=true", fits, &n);
+    }
+    for (int f = 2; f <= 8; f *= 2) {
+        v = *r;
+        v.dist.pp = r->dist.pp * f;
+        v.dist.dp = 0;
+        snprintf(text, sizeof(text), "distributed.pp_size=%d", v.dist.pp);
+        int before = n;
+        try_knob(&v, w, text, fits, &n);
+        if (n > before)
+            break;
+    }
+    if (r->dist.strategy != AM_DDP) {
+        v = *r;
+        v.dist.tp = r->dist.tp * 2;
+        v.dist.dp = 0;
+        snprintf(text, sizeof(text), "distributed.tp_size=%d", v.dist.tp);
+        try_knob(&v, w, text, fits, &n);
+    }
+    char list[8 * 128] = "";
+    for (int i = 0; i < n; i++) {
+        size_t l = strlen(list);
+        snprintf(list + l, sizeof(list) - l, "%s%s (%.1f GiB)", i ? ", " : "", fits[i].text, fits[i].total / gib);
+    }
+    struct am_pos pos = {.file = r->file};
+    am_errorf(err, &pos, "estimated memory per GPU %.1f GiB exceeds the GPU's %.1f GiB by %.1f GiB; %s%s", p->mem.total / gib,
+              w->gpu_mem / gib, (p->mem.total - w->gpu_mem) / gib, n ? "it fits with " : "no single change of "
+              "activation_checkpointing, strategy, sequence_parallel, pp_size or tp_size makes it fit (use more GPUs "
+              "or a smaller local_batch_size)", list);
+    return -1;
+}

@@ -1,0 +1,108 @@
+/* plan.h - the parallel plan: which rank does what, and what it costs.
+ *
+ * Given a recipe and a world (how many GPUs, how they sit in nodes and NVLink domains),
+ * the planner checks every layout rule (validate.c), then computes:
+ *   - the sizes: dp inferred as world / (tp*pp*cp), dp = dp_replicate * dp_shard, and the
+ *     expert mesh ep_shard * ep = dp * cp;
+ *   - the device mesh (pp, dp_replicate, dp_shard, cp, tp), tp innermost, so a rank is
+ *       rank = (((pp * R + dp_replicate) * S + dp_shard) * C + cp) * T + tp;
+ *     and each rank's expert coordinates: within a (pp, tp) slice the dp*cp ranks, in mesh
+ *     order, form (ep_shard, ep) with ep innermost;
+ *   - the pipeline: pp * v stages (v virtual stages per rank for interleaved schedules),
+ *     stage s on pp rank s % pp, layers split evenly, embedding on the first stage and the
+ *     output head on the last;
+ *   - batches: micro-batches per step and gradient-accumulation steps;
+ *   - a per-GPU memory estimate and the FLOPs of one step (docs/recipes.md gives the
+ *     formulas and where they come from).
+ */
+#ifndef AM_PLAN_H
+#define AM_PLAN_H
+
+#include <stdbool.h>
+
+#include "errors.h"
+#include "recipe.h"
+
+struct am_world {
+    int size;          /* ranks in the job */
+    int nodes;         /* 0: unknown */
+    int gpus_per_node; /* 0: unknown or uneven */
+    int nvlink_domain; /* GPUs per NVLink domain; 0: unknown (not checked) */
+    double gpu_mem;    /* bytes per GPU; 0: not checked */
+};
+
+enum am_group {
+    AM_GROUP_TP,           /* tensor (+sequence) parallel */
+    AM_GROUP_CP,           /* context parallel */
+    AM_GROUP_PP,           /* pipeline: the pp ranks of one model replica */
+    AM_GROUP_DP,           /* data parallel: dp_replicate x dp_shard */
+    AM_GROUP_DP_SHARD,     /* FSDP sharding group */
+    AM_GROUP_DP_REPLICATE, /* HSDP replicas */
+    AM_GROUP_DP_CP,        /* gradient reduction with cp: dp x cp */
+    AM_GROUP_EP,           /* expert parallel */
+    AM_GROUP_EP_SHARD,     /* replicas of one expert shard */
+    AM_NGROUPS
+};
+
+struct am_coords {
+    int pp, dp_replicate, dp_shard, cp, tp;
+    int ep, ep_shard;
+};
+
+struct am_stage {
+    int pp_rank;
+    int first_layer, n_layers;
+    bool embedding, head;
+};
+
+/* Bytes per GPU on the most loaded pipeline rank. */
+struct am_memory {
+    double params;          /* parameters held by the rank before data-parallel sharding */
+    double weights, grads, optimizer; /* after sharding per strategy */
+    double gathered;        /* fsdp: unsharded parameters of the layers in flight */
+    double activations;     /* saved for backward, at the schedule's peak */
+    double total;
+    int pp_rank;            /* which pipeline rank this is */
+};
+
+struct am_plan {
+    int world, tp, pp, cp, ep, dp, dp_replicate, dp_shard, ep_shard;
+    int virtual_stages; /* per pp rank */
+    int n_stages;       /* pp * virtual_stages */
+    struct am_stage *stages;
+    long global_batch, local_batch, microbatch_size, n_microbatches, grad_accum;
+    long seq_length;
+    bool seq_length_assumed;
+    struct am_param_count params;
+    struct am_memory mem;
+    double tokens_per_step, flops_per_step;
+};
+
+/* Checks all rules for this world and fills the plan. Returns 0, or -1 with every
+ * violation in err. The plan is freed with am_plan_free in either case. */
+int am_plan_build(const struct am_recipe *r, const struct am_world *w, struct am_plan *p, struct am_errors *err);
+void am_plan_free(struct am_plan *p);
+
+/* When w->gpu_mem is set and the estimate exceeds it: appends an error saying by how much
+ * and which settings would fit (each tried on a copy of the recipe). Returns -1 then. */
+int am_plan_check_memory(const struct am_recipe *r, const struct am_world *w, const struct am_plan *p,
+                         struct am_errors *err);
+
+void am_plan_coords(const struct am_plan *p, int rank, struct am_coords *c);
+int am_plan_rank(const struct am_plan *p, const struct am_coords *c);
+/* The members of rank's group of kind g, ascending; returns how many (members must hold
+ * p->world entries). */
+int am_plan_group(const struct am_plan *p, enum am_group g, int rank, int *members);
+const char *am_group_name(enum am_group g);
+
+/* ---- validate.c ---- */
+
+/* The layout rules. With w NULL, only the rules that need no knowledge of the job's size
+ * (what sbatch can check before an allocation exists). Returns the number of errors added. */
+int am_validate(const struct am_recipe *r, const struct am_world *w, struct am_errors *err);
+
+/* Sequence length for planning: dataset.seq_length, else packed_sequence_size, else 2048
+ * (*assumed set). */
+long am_recipe_seq_length(const struct am_recipe *r, bool *assumed);
+
+#endif

@@ -1,0 +1,735 @@
+/* recipe.c - reading an AutoModel-layout recipe into struct am_recipe (recipe.h).
+ *
+ * Each section am owns is described by a table of keys: how to read each one into the
+ * recipe, or that it is accepted and ignored. The tables are the single list of what am
+ * understands; docs/recipes.md describes the same keys for users.
+ */
+#include "recipe.h"
+
+#include <limits.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "util.h"
+
+struct reader {
+    struct am_recipe *r;
+    struct am_errors *err;
+};
+
+enum kind {
+    K_INT,    /* int, >= min */
+    K_LONG,   /* long, >= min */
+    K_SIZE,   /* int >= 1; null/none stores 0 ("not set": inferred or default) */
+    K_DOUBLE, /* double */
+    K_BOOL,
+    K_STR,
+    K_FN,     /* read by fn */
+    K_IGNORE, /* accepted, listed as ignored */
+};
+
+struct key_spec {
+    const char *name;
+    enum kind kind;
+    size_t off;
+    long min;
+    int (*fn)(struct reader *rd, struct am_node *v, const char *key);
+};
+
+#define R(field) offsetof(struct am_recipe, field)
+#define IGNORE(name) {name, K_IGNORE, 0, 0, NULL}
+
+static void read_section(struct reader *rd, struct am_node *sec, const char *name, const struct key_spec *keys);
+
+static void add_ignored(struct reader *rd, const char *section, const char *key)
+{
+    char full[256];
+    snprintf(full, sizeof(full), "%s%s%s", section, *section ? "." : "", key);
+    am_list_add(&rd->r->arena, &rd->r->ignored, am_arena_strdup(&rd->r->arena, full));
+}
+
+static void add_note(struct reader *rd, const char *fmt, const char *a, const char *b)
+{
+    char text[512];
+    snprintf(text, sizeof(text), fmt, a, b);
+    am_list_add(&rd->r->arena, &rd->r->notes, am_arena_strdup(&rd->r->arena, text));
+}
+
+/* ---- custom readers ------------------------------------------------------------------ */
+
+static const char *const strategy_names[] = {"fsdp2", "megatron_fsdp", "ddp", NULL};
+
+static int read_strategy(struct reader *rd, struct am_node *v, const char *key)
+{
+    int i;
+    if (am_node_choice(v, key, strategy_names, &i, rd->err) < 0)
+        return -1;
+    rd->r->dist.strategy = (enum am_strategy)i;
+    return 0;
+}
+
+/* distributed._target_: AutoModel names the strategy by its manager class. */
+static int read_dist_target(struct reader *rd, struct am_node *v, const char *key)
+{
+    static const struct {
+        const char *suffix;
+        enum am_strategy s;
+    } managers[] = {{"FSDP2Manager", AM_FSDP2}, {"MegatronFSDPManager", AM_MEGATRON_FSDP},
+                    {"NVFSDPManager", AM_MEGATRON_FSDP}, {"DDPManager", AM_DDP}};
+    const char *s;
+    if (am_node_str(v, key, &s, rd->err) < 0)
+        return -1;
+    const char *cls = strrchr(s, '.');
+    cls = cls ? cls + 1 : s;
+    for (size_t i = 0; i < sizeof(managers) / sizeof(managers[0]); i++) {
+        if (strcmp(cls, managers[i].suffix) == 0) {
+            struct am_node *strategy = am_node_path(rd->r->root, "distributed.strategy");
+            if (strategy && strategy->kind == AM_NODE_SCALAR && strcmp(strategy->str, strategy_names[managers[i].s])) {
+                am_errorf(rd->err, &v->pos, "%s: %s is strategy %s, but distributed.strategy says %s (keep one)", key,
+                          cls, strategy_names[managers[i].s], strategy->str);
+                return -1;
+            }
+            rd->r->dist.strategy = managers[i].s;
+            return 0;
+        }
+    }
+    am_errorf(rd->err, &v->pos, "%s: '%s' is not a distributed manager am knows (use strategy: fsdp2, "
+              "megatron_fsdp or ddp)", key, s);
+    return -1;
+}
+
+static int read_activation_ckpt(struct reader *rd, struct am_node *v, const char *key)
+{
+    if (v->kind == AM_NODE_SCALAR && (strcmp(v->str, "full") == 0 || strcmp(v->str, "selective") == 0)) {
+        rd->r->dist.activation_checkpointing = true;
+        if (strcmp(v->str, "selective") == 0)
+            add_note(rd, "%s: selective: am recomputes whole layers%s", key, "");
+        return 0;
+    }
+    return am_node_bool(v, key, &rd->r->dist.activation_checkpointing, rd->err);
+}
+
+static int read_schedule(struct reader *rd, struct am_node *v, const char *key)
+{
+    static const struct {
+        const char *name;
+        enum am_pp_schedule s;
+    } names[] = {{"1f1b", AM_PP_1F1B},          {"1F1B", AM_PP_1F1B},
+                 {"schedule1f1b", AM_PP_1F1B},  {"gpipe", AM_PP_GPIPE},
+                 {"GPipe", AM_PP_GPIPE},        {"schedulegpipe", AM_PP_GPIPE},
+                 {"interleaved1f1b", AM_PP_INTERLEAVED_1F1B}, {"interleaved_1f1b", AM_PP_INTERLEAVED_1F1B},
+                 {"Interleaved1F1B", AM_PP_INTERLEAVED_1F1B}, {"scheduleinterleaved1f1b", AM_PP_INTERLEAVED_1F1B}};
+    const char *s;
+    if (am_node_is_null(v))
+        return 0;
+    if (am_node_str(v, key, &s, rd->err) < 0)
+        return -1;
+    for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
+        if (strcmp(s, names[i].name) == 0) {
+            rd->r->dist.pipeline.schedule = names[i].s;
+            return 0;
+        }
+    }
+    am_errorf(rd->err, &v->pos, "%s: '%s' is not a schedule am runs (use 1f1b, gpipe or interleaved1f1b)", key, s);
+    return -1;
+}
+
+static int read_round(struct reader *rd, struct am_node *v, const char *key)
+{
+    static const char *const names[] = {"up", "down", NULL};
+    int i;
+    if (am_node_is_null(v))
+        return rd->r->dist.pipeline.round_virtual = AM_ROUND_NONE, 0;
+    if (am_node_choice(v, key, names, &i, rd->err) < 0)
+        return -1;
+    rd->r->dist.pipeline.round_virtual = i == 0 ? AM_ROUND_UP : AM_ROUND_DOWN;
+    return 0;
+}
+
+static int read_dtype(struct reader *rd, struct am_node *v, const char *key, enum am_dtype *out)
+{
+    static const char *const names[] = {"bfloat16", "bf16", "torch.bfloat16", "float16", "fp16", "half",
+                                        "torch.float16", "float32", "fp32", "float", "torch.float32", NULL};
+    static const enum am_dtype types[] = {AM_DTYPE_BF16, AM_DTYPE_BF16, AM_DTYPE_BF16, AM_DTYPE_FP16,
+                                          AM_DTYPE_FP16, AM_DTYPE_FP16, AM_DTYPE_FP16, AM_DTYPE_FP32,
+                                          AM_DTYPE_FP32, AM_DTYPE_FP32, AM_DTYPE_FP32};
+    int i;
+    if (v->kind == AM_NODE_SCALAR && strcmp(v->str, "auto") == 0)
+        return 1; /* caller decides */
+    if (am_node_choice(v, key, names, &i, rd->err) < 0)
+        return -1;
+    *out = types[i];
+    return 0;
+}
+
+static int read_compute_dtype(struct reader *rd, struct am_node *v, const char *key)
+{
+    int rc = read_dtype(rd, v, key, &rd->r->compute_dtype);
+    return rc < 0 ? -1 : 0;
+}
+
+static const struct key_spec mp_policy_keys[] = {
+    {"param_dtype", K_FN, 0, 0, read_compute_dtype},
+    IGNORE("_target_"), IGNORE("reduce_dtype"), IGNORE("output_dtype"), IGNORE("cast_forward_inputs"),
+    {NULL, 0, 0, 0, NULL}};
+
+static int read_mp_policy(struct reader *rd, struct am_node *v, const char *key)
+{
+    if (am_node_is_null(v))
+        return 0;
+    read_section(rd, v, key, mp_policy_keys);
+    return 0;
+}
+
+static const struct key_spec pipeline_keys[] = {
+    {"pp_schedule", K_FN, 0, 0, read_schedule},
+    {"pp_microbatch_size", K_INT, R(dist.pipeline.microbatch_size), 1, NULL},
+    {"layers_per_stage", K_SIZE, R(dist.pipeline.layers_per_stage), 1, NULL},
+    {"round_virtual_stages_to_pp_multiple", K_FN, 0, 0, read_round},
+    IGNORE("pp_batch_size"), IGNORE("pp_schedule_csv"), IGNORE("module_fqns_per_model_part"),
+    IGNORE("patch_inner_model"), IGNORE("patch_causal_lm_model"), IGNORE("patch_stage_backward_maybe_with_nosync"),
+    IGNORE("dtype"), IGNORE("scale_grads_in_schedule"), IGNORE("loss_fn"), IGNORE("pp_seq_len"),
+    IGNORE("pp_recv_buffer_pool"), IGNORE("pp_recv_buffer_pool_slack"), IGNORE("_target_"),
+    {NULL, 0, 0, 0, NULL}};
+
+static int read_pipeline(struct reader *rd, struct am_node *v, const char *key)
+{
+    if (am_node_is_null(v))
+        return 0;
+    read_section(rd, v, key, pipeline_keys);
+    return 0;
+}
+
+static int ignore_whole(struct reader *rd, struct am_node *v, const char *key)
+{
+    (void)v;
+    add_ignored(rd, "", key);
+    return 0;
+}
+
+static const struct key_spec distributed_keys[] = {
+    {"strategy", K_FN, 0, 0, read_strategy},
+    {"_target_", K_FN, 0, 0, read_dist_target},
+    {"dp_size", K_SIZE, R(dist.dp), 1, NULL},
+    {"dp_replicate_size", K_SIZE, R(dist.dp_replicate), 1, NULL},
+    {"tp_size", K_SIZE, R(dist.tp), 1, NULL},
+    {"pp_size", K_SIZE, R(dist.pp), 1, NULL},
+    {"cp_size", K_SIZE, R(dist.cp), 1, NULL},
+    {"ep_size", K_SIZE, R(dist.ep), 1, NULL},
+    {"sequence_parallel", K_BOOL, R(dist.sequence_parallel), 0, NULL},
+    {"activation_checkpointing", K_FN, 0, 0, read_activation_ckpt},
+    {"zero_dp_strategy", K_INT, R(dist.zero_dp_strategy), 1, NULL},
+    {"pipeline", K_FN, 0, 0, read_pipeline},
+    {"mp_policy", K_FN, 0, 0, read_mp_policy},
+    {"moe", K_FN, 0, 0, ignore_whole},
+    IGNORE("tp_plan"), IGNORE("patch_is_packed_sequence"), IGNORE("offload_policy"), IGNORE("autocast_dtype"),
+    IGNORE("activation_checkpointing_scope"), IGNORE("defer_fsdp_grad_sync"), IGNORE("reshard_after_forward"),
+    IGNORE("enable_async_tensor_parallel"), IGNORE("enable_compile"), IGNORE("enable_fsdp2_prefetch"),
+    IGNORE("fsdp2_backward_prefetch_depth"), IGNORE("fsdp2_forward_prefetch_depth"),
+    IGNORE("megatron_fsdp_unit_modules"), IGNORE("init_fsdp_with_meta_device"), IGNORE("grad_reduce_in_fp32"),
+    IGNORE("preserve_fp32_weights"), IGNORE("overlap_grad_reduce"), IGNORE("overlap_param_gather"),
+    IGNORE("check_for_nan_in_grad"), IGNORE("report_nan_in_param_grad"), IGNORE("average_in_collective"),
+    IGNORE("disable_bucketing"), IGNORE("calculate_per_token_loss"), IGNORE("keep_fp8_transpose_cache"),
+    IGNORE("nccl_ub"), IGNORE("fsdp_double_buffer"), IGNORE("backend"), IGNORE("find_unused_parameters"),
+    IGNORE("use_hf_tp_plan"), IGNORE("cpu_offload"),
+    {NULL, 0, 0, 0, NULL}};
+
+static const struct key_spec step_keys[] = {
+    {"global_batch_size", K_LONG, R(steps.global_batch), 1, NULL},
+    {"local_batch_size", K_LONG, R(steps.local_batch), 1, NULL},
+    {"max_steps", K_LONG, R(steps.max_steps), 1, NULL},
+    {"ckpt_every_steps", K_LONG, R(steps.ckpt_every), 1, NULL},
+    {"val_every_steps", K_LONG, R(steps.val_every), 1, NULL},
+    {"num_epochs", K_LONG, R(steps.num_epochs), 1, NULL},
+    IGNORE("_target_"), IGNORE("val_batches"),
+    {NULL, 0, 0, 0, NULL}};
+
+/* dataset.paths: a prefix, a list of prefixes, or Megatron's blend [w1, p1, w2, p2, ...]. */
+static int read_paths(struct reader *rd, struct am_node *v, const char *key)
+{
+    struct am_recipe *r = rd->r;
+    r->data.n_paths = 0;
+    if (v->kind == AM_NODE_SCALAR) {
+        r->data.paths[0] = v->str;
+        r->data.weights[0] = 1.0;
+        r->data.n_paths = 1;
+        return 0;
+    }
+    if (v->kind != AM_NODE_SEQ || v->n == 0) {
+        am_errorf(rd->err, &v->pos, "%s: expected a path prefix, or a list of prefixes (optionally each "
+                  "preceded by its weight)", key);
+        return -1;
+    }
+    bool weighted = v->entries[0].value->kind == AM_NODE_SCALAR && strtod(v->entries[0].value->str, NULL) > 0 &&
+                    v->n % 2 == 0;
+    size_t step = weighted ? 2 : 1;
+    if (v->n / step > AM_MAX_DATA_PATHS) {
+        am_errorf(rd->err, &v->pos, "%s: %zu datasets, more than the %d am blends", key, v->n / step, AM_MAX_DATA_PATHS);
+        return -1;
+    }
+    for (size_t i = 0; i < v->n; i += step) {
+        int k = r->data.n_paths;
+        r->data.weights[k] = 1.0;
+        if (weighted && am_node_double(v->entries[i].value, key, &r->data.weights[k], rd->err) < 0)
+            return -1;
+        if (r->data.weights[k] <= 0) {
+            am_errorf(rd->err, &v->entries[i].value->pos, "%s: weight %g must be positive", key, r->data.weights[k]);
+            return -1;
+        }
+        if (am_node_str(v->entries[i + step - 1].value, key, &r->data.paths[k], rd->err) < 0)
+            return -1;
+        r->data.n_paths++;
+    }
+    return 0;
+}
+
+static const struct key_spec dataset_keys[] = {
+    {"paths", K_FN, 0, 0, read_paths},
+    {"seq_length", K_LONG, R(data.seq_length), 1, NULL},
+    {"shuffle", K_BOOL, R(data.shuffle), 0, NULL},
+    {"seed", K_LONG, R(data.seed), 0, NULL},
+    IGNORE("_target_"), IGNORE("split"), IGNORE("splits_to_build"), IGNORE("index_mapping_dir"),
+    IGNORE("tokenizer"), IGNORE("num_val_samples"), IGNORE("num_train_samples"),
+    {NULL, 0, 0, 0, NULL}};
+
+/* A dataset class am does not implement: only seq_length is read (for planning). */
+static const struct key_spec foreign_dataset_keys[] = {
+    {"seq_length", K_LONG, R(data.seq_length), 1, NULL},
+    {NULL, 0, 0, 0, NULL}};
+
+static const struct key_spec packed_keys[] = {
+    {"packed_sequence_size", K_LONG, R(packed_sequence_size), 0, NULL},
+    IGNORE("split_across_pack"), IGNORE("max_packs"),
+    {NULL, 0, 0, 0, NULL}};
+
+static int read_optimizer_target(struct reader *rd, struct am_node *v, const char *key)
+{
+    const char *s;
+    if (am_node_str(v, key, &s, rd->err) < 0)
+        return -1;
+    if (strcmp(s, "torch.optim.AdamW") == 0)
+        rd->r->optim.name = "adamw";
+    else if (strcmp(s, "torch.optim.Adam") == 0)
+        rd->r->optim.name = "adam";
+    else {
+        am_errorf(rd->err, &v->pos, "%s: '%s' is not an optimizer am runs (use torch.optim.AdamW or "
+                  "torch.optim.Adam)", key, s);
+        return -1;
+    }
+    return 0;
+}
+
+static int read_betas(struct reader *rd, struct am_node *v, const char *key)
+{
+    if (v->kind != AM_NODE_SEQ || v->n != 2) {
+        am_errorf(rd->err, &v->pos, "%s: expected two numbers, e.g. [0.9, 0.95]", key);
+        return -1;
+    }
+    if (am_node_double(v->entries[0].value, key, &rd->r->optim.beta1, rd->err) < 0 ||
+        am_node_double(v->entries[1].value, key, &rd->r->optim.beta2, rd->err) < 0)
+        return -1;
+    for (int i = 0; i < 2; i++) {
+        double b = i ? rd->r->optim.beta2 : rd->r->optim.beta1;
+        if (b < 0 || b >= 1) {
+            am_errorf(rd->err, &v->entries[i].value->pos, "%s: %g must be in [0, 1)", key, b);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static const struct key_spec optimizer_keys[] = {
+    {"_target_", K_FN, 0, 0, read_optimizer_target},
+    {"lr", K_DOUBLE, R(optim.lr), 0, NULL},
+    {"betas", K_FN, 0, 0, read_betas},
+    {"eps", K_DOUBLE, R(optim.eps), 0, NULL},
+    {"weight_decay", K_DOUBLE, R(optim.weight_decay), 0, NULL},
+    IGNORE("foreach"), IGNORE("fused"), IGNORE("capturable"), IGNORE("differentiable"),
+    {NULL, 0, 0, 0, NULL}};
+
+static int read_lr_style(struct reader *rd, struct am_node *v, const char *key)
+{
+    static const char *const names[] = {"constant", "linear", "cosine", NULL};
+    int i;
+    if (am_node_choice(v, key, names, &i, rd->err) < 0)
+        return -1;
+    rd->r->lr.style = (enum am_lr_style)i;
+    return 0;
+}
+
+static const struct key_spec lr_keys[] = {
+    {"lr_decay_style", K_FN, 0, 0, read_lr_style},
+    {"lr_warmup_steps", K_LONG, R(lr.warmup_steps), 0, NULL},
+    {"lr_decay_steps", K_LONG, R(lr.decay_steps), 1, NULL},
+    {"min_lr", K_DOUBLE, R(lr.min_lr), 0, NULL},
+    IGNORE("_target_"), IGNORE("init_lr"), IGNORE("start_weight_decay"), IGNORE("end_weight_decay"),
+    IGNORE("weight_decay_incr_style"), IGNORE("use_checkpoint_opt_param_scheduler"),
+    {NULL, 0, 0, 0, NULL}};
+
+static int read_save_format(struct reader *rd, struct am_node *v, const char *key)
+{
+    static const char *const names[] = {"safetensors", "torch_save", NULL};
+    int i;
+    if (am_node_choice(v, key, names, &i, rd->err) < 0)
+        return -1;
+    if (i == 1)
+        add_note(rd, "%s: torch_save: am writes Hugging Face safetensors checkpoints%s", key, "");
+    return 0;
+}
+
+static const struct key_spec checkpoint_keys[] = {
+    {"enabled", K_BOOL, R(ckpt.enabled), 0, NULL},
+    {"checkpoint_dir", K_STR, R(ckpt.dir), 0, NULL},
+    {"restore_from", K_STR, R(ckpt.restore_from), 0, NULL},
+    {"model_save_format", K_FN, 0, 0, read_save_format},
+    IGNORE("save_consolidated"), IGNORE("dequantize_base_checkpoint"), IGNORE("is_peft"),
+    IGNORE("model_cache_dir"), IGNORE("model_repo_id"), IGNORE("_target_"),
+    {NULL, 0, 0, 0, NULL}};
+
+static const struct key_spec dist_env_keys[] = {
+    {"timeout_minutes", K_DOUBLE, R(dist_env.timeout_minutes), 0, NULL},
+    {"backend", K_STR, R(dist_env.backend), 0, NULL},
+    {NULL, 0, 0, 0, NULL}};
+
+static const struct key_spec rng_keys[] = {
+    {"seed", K_LONG, R(seed), 0, NULL},
+    {"ranked", K_BOOL, R(seed_ranked), 0, NULL},
+    IGNORE("_target_"),
+    {NULL, 0, 0, 0, NULL}};
+
+/* ---- the generic section reader ------------------------------------------------------ */
+
+static void read_key(struct reader *rd, const struct key_spec *k, struct am_node *v, const char *key)
+{
+    char *base = (char *)rd->r;
+    long l;
+    switch (k->kind) {
+    case K_INT:
+        if (am_node_long(v, key, k->min, INT_MAX, &l, rd->err) == 0)
+            *(int *)(base + k->off) = (int)l;
+        break;
+    case K_SIZE:
+        if (am_node_is_null(v))
+            *(int *)(base + k->off) = 0;
+        else if (am_node_long(v, key, k->min, 1 << 20, &l, rd->err) == 0)
+            *(int *)(base + k->off) = (int)l;
+        break;
+    case K_LONG:
+        if (am_node_long(v, key, k->min, LONG_MAX, &l, rd->err) == 0)
+            *(long *)(base + k->off) = l;
+        break;
+    case K_DOUBLE:
+        if (am_node_double(v, key, (double *)(base + k->off), rd->err) == 0 && *(double *)(base + k->off) < 0)
+            am_errorf(rd->err, &v->pos, "%s: %g must not be negative", key, *(double *)(base + k->off));
+        break;
+    case K_BOOL:
+        am_node_bool(v, key, (bool *)(base + k->off), rd->err);
+        break;
+    case K_STR:
+        if (!am_node_is_null(v))
+            am_node_str(v, key, (const char **)(base + k->off), rd->err);
+        break;
+    case K_FN:
+        k->fn(rd, v, key);
+        break;
+    case K_IGNORE:
+        break;
+    }
+}
+
+static void read_section(struct reader *rd, struct am_node *sec, const char *name, const struct key_spec *keys)
+{
+    if (am_node_is_null(sec))
+        return;
+    if (sec->kind != AM_NODE_MAP) {
+        am_errorf(rd->err, &sec->pos, "%s: expected a section of key: value lines", name);
+        return;
+    }
+    const char *names[96];
+    size_t n_names = 0;
+    for (const struct key_spec *k = keys; k->name && n_names + 1 < sizeof(names) / sizeof(names[0]); k++)
+        names[n_names++] = k->name;
+    names[n_names] = NULL;
+    for (size_t i = 0; i < sec->n; i++) {
+        struct am_entry *e = &sec->entries[i];
+        char key[256];
+        snprintf(key, sizeof(key), "%s.%s", name, e->key);
+        const struct key_spec *k = keys;
+        while (k->name && strcmp(k->name, e->key) != 0)
+            k++;
+        e->used = true;
+        if (!k->name)
+            am_error_unknown_key(rd->err, &e->key_pos, name, e->key, names, NULL);
+        else if (k->kind == K_IGNORE)
+            add_ignored(rd, name, e->key);
+        else
+            read_key(rd, k, e->value, key);
+    }
+}
+
+/* ---- model --------------------------------------------------------------------------- */
+
+/* Loads config.json for model.pretrained_model_name_or_path (or model.config's) and
+ * merges the inline keys over it, then reads the architecture. */
+static void read_model(struct reader *rd, struct am_node *model)
+{
+    struct am_recipe *r = rd->r;
+    if (!model || model->kind != AM_NODE_MAP) {
+        struct am_pos pos = {.file = r->file};
+        if (model)
+            pos = model->pos;
+        am_errorf(rd->err, &pos, "model: missing (give pretrained_model_name_or_path, or the architecture "
+                  "with config.json keys such as hidden_size)");
+        return;
+    }
+    struct am_node *inline_cfg = model;
+    struct am_node *sub = am_node_child(model, "config"); /* from_config recipes */
+    if (sub && sub->kind == AM_NODE_MAP)
+        inline_cfg = sub;
+    struct am_node *src = am_node_child(model, "pretrained_model_name_or_path");
+    if (!src && inline_cfg != model)
+        src = am_node_child(inline_cfg, "pretrained_model_name_or_path");
+    struct am_node *dtype = am_node_child(model, "torch_dtype");
+    int dtype_rc = dtype ? read_dtype(rd, dtype, "model.torch_dtype", &r->param_dtype) : 1;
+    if (dtype_rc < 0)
+        return;
+
+    struct am_node *merged = inline_cfg;
+    r->model_source = "inline";
+    if (src) {
+        const char *name;
+        char path[4096], looked[4096];
+        if (am_node_str(src, "model.pretrained_model_name_or_path", &name, rd->err) < 0)
+            return;
+        if (am_model_resolve(name, path, sizeof(path), looked, sizeof(looked)) < 0) {
+            am_errorf(rd->err, &src->pos, "model.pretrained_model_name_or_path: '%s' not found; looked in %s "
+                      "(download it with huggingface-cli, or write the architecture under model:)", name, looked);
+            return;
+        }
+        struct am_node *cfg = am_json_file_to_node(&r->arena, path, rd->err);
+        if (!cfg)
+            return;
+        r->model_source = am_arena_strdup(&r->arena, path);
+        /* inline keys override config.json */
+        for (size_t i = 0; i < inline_cfg->n; i++) {
+            struct am_entry *e = &inline_cfg->entries[i];
+            if (e->used)
+                continue;
+            struct am_entry *j = am_node_entry(cfg, e->key);
+            if (j) {
+                j->value = e->value;
+                j->key_pos = e->key_pos;
+            } else if (am_node_append(&r->arena, cfg, e->key, e->key_pos, e->value) < 0) {
+                am_errorf(rd->err, NULL, "%s: out of memory", r->file);
+                return;
+            }
+        }
+        merged = cfg;
+    }
+    /* keys of `model` itself when the architecture sits under model.config */
+    if (inline_cfg != model)
+        for (size_t i = 0; i < model->n; i++)
+            if (!model->entries[i].used) {
+                model->entries[i].used = true;
+                add_ignored(rd, "model", model->entries[i].key);
+            }
+    const char *section = inline_cfg == model ? "model" : "model.config";
+    if (am_model_config_read(&r->arena, merged, section, &r->model, &r->ignored, rd->err) < 0)
+        return;
+    if (dtype_rc == 1 && r->model.torch_dtype) { /* absent or "auto": the checkpoint's dtype */
+        struct am_node v = {.kind = AM_NODE_SCALAR, .str = r->model.torch_dtype, .plain = true};
+        read_dtype(rd, &v, "config.json torch_dtype", &r->param_dtype);
+    }
+}
+
+/* ---- top level ----------------------------------------------------------------------- */
+
+static const char *const owned_sections[] = {"model", "distributed", "step_scheduler", "dataset",
+                                             "packed_sequence", "optimizer", "lr_scheduler", "checkpoint",
+                                             "dist_env", "rng", NULL};
+
+static void read_recipe(struct reader *rd)
+{
+    struct am_recipe *r = rd->r;
+    struct am_node *root = r->root;
+    if (root->kind != AM_NODE_MAP) {
+        struct am_pos pos = root->pos;
+        am_errorf(rd->err, &pos, "a recipe is a YAML mapping of sections (model:, distributed:, ...); this "
+                  "file is not");
+        return;
+    }
+    /* top-level keys am does not own are another component's: ignored, unless a typo */
+    for (size_t i = 0; i < root->n; i++) {
+        struct am_entry *e = &root->entries[i];
+        if (am_key_in(e->key, owned_sections))
+            continue;
+        for (int j = 0; owned_sections[j]; j++) {
+            if (am_edit_distance(e->key, owned_sections[j], 2) <= 2) {
+                am_error_unknown_key(rd->err, &e->key_pos, "", e->key, owned_sections, NULL);
+                goto next;
+            }
+        }
+        e->used = true;
+        add_ignored(rd, "", e->key);
+    next:;
+    }
+
+    /* defaults (AutoModel's) */
+    r->param_dtype = AM_DTYPE_BF16;
+    r->dist.strategy = AM_FSDP2;
+    r->dist.zero_dp_strategy = 3;
+    r->dist.pipeline.schedule = AM_PP_1F1B;
+    r->dist.pipeline.microbatch_size = 1;
+    r->data.shuffle = true;
+    r->optim.name = "adamw";
+    r->optim.lr = 1e-4;
+    r->optim.beta1 = 0.9;
+    r->optim.beta2 = 0.999;
+    r->optim.eps = 1e-8;
+    r->optim.weight_decay = 0.01;
+    r->optim.max_grad_norm = 1.0;
+    r->lr.style = AM_LR_CONSTANT;
+    r->dist_env.timeout_minutes = 10;
+    r->seed = 42;
+    r->steps.num_epochs = 1;
+
+    read_model(rd, am_node_child(root, "model"));
+    read_section(rd, am_node_child(root, "distributed"), "distributed", distributed_keys);
+    read_section(rd, am_node_child(root, "step_scheduler"), "step_scheduler", step_keys);
+    struct am_node *ds = am_node_child(root, "dataset");
+    struct am_node *target = am_node_path(ds, "_target_");
+    if (target && target->kind == AM_NODE_SCALAR && !strstr(target->str, "egatron")) {
+        for (size_t i = 0; i < ds->n; i++)
+            if (strcmp(ds->entries[i].key, "seq_length") != 0) {
+                ds->entries[i].used = true;
+                add_ignored(rd, "dataset", ds->entries[i].key);
+            }
+        struct am_node only = *ds;
+        only.n = 0;
+        only.entries = NULL;
+        struct am_entry *seq = am_node_entry(ds, "seq_length");
+        if (seq)
+            only.entries = seq, only.n = 1;
+        read_section(rd, &only, "dataset", foreign_dataset_keys);
+        add_note(rd, "dataset: %s is not a dataset am reads: am plans with this recipe but trains only on "
+                 "Megatron indexed datasets (dataset.paths)%s", target->str, "");
+    } else {
+        read_section(rd, ds, "dataset", dataset_keys);
+    }
+    read_section(rd, am_node_child(root, "packed_sequence"), "packed_sequence", packed_keys);
+    read_section(rd, am_node_child(root, "optimizer"), "optimizer", optimizer_keys);
+    read_section(rd, am_node_child(root, "lr_scheduler"), "lr_scheduler", lr_keys);
+    read_section(rd, am_node_child(root, "checkpoint"), "checkpoint", checkpoint_keys);
+    read_section(rd, am_node_child(root, "dist_env"), "dist_env", dist_env_keys);
+    read_section(rd, am_node_child(root, "rng"), "rng", rng_keys);
+
+    /* sizes not given are 1 (dp: inferred later) */
+    int *sizes[] = {&r->dist.tp, &r->dist.pp, &r->dist.cp, &r->dist.ep};
+    for (size_t i = 0; i < sizeof(sizes) / sizeof(sizes[0]); i++)
+        if (*sizes[i] == 0)
+            *sizes[i] = 1;
+    if (!am_node_path(root, "distributed.mp_policy.param_dtype"))
+        r->compute_dtype = r->dist.strategy == AM_DDP ? r->param_dtype : AM_DTYPE_BF16;
+    if (!am_node_path(root, "rng.seed") && am_node_path(root, "dataset.seed"))
+        r->seed = r->data.seed;
+    if (!am_node_path(root, "dataset.seed"))
+        r->data.seed = r->seed;
+}
+
+int am_override_parse(char *s, struct am_override *o)
+{
+    char *eq = strchr(s, '=');
+    if (!eq || eq == s)
+        return -1;
+    *eq = '\0';
+    o->path = s;
+    o->value = eq + 1;
+    return 0;
+}
+
+struct am_recipe *am_recipe_parse(const char *name, const char *buf, size_t len, const struct am_override *ov,
+                                  size_t n_ov, struct am_errors *err)
+{
+    struct am_recipe *r = calloc(1, sizeof(*r));
+    if (!r) {
+        am_errorf(err, NULL, "%s: out of memory", name);
+        return NULL;
+    }
+    am_arena_init(&r->arena, 64u << 20);
+    r->file = am_arena_strdup(&r->arena, name);
+    size_t before = err->n;
+    r->root = am_yaml_parse(&r->arena, r->file, NULL, buf, len, err);
+    if (!r->root) {
+        if (err->n == before)
+            am_errorf(err, NULL, "%s: out of memory while parsing", name);
+        am_recipe_free(r);
+        return NULL;
+    }
+    for (size_t i = 0; i < n_ov; i++) {
+        char origin[512];
+        snprintf(origin, sizeof(origin), "%s", ov[i].origin ? ov[i].origin : "--set");
+        const char *o = am_arena_strdup(&r->arena, origin);
+        struct am_pos pos = {.file = r->file, .origin = o};
+        struct am_node *v = am_yaml_parse(&r->arena, r->file, o, ov[i].value, strlen(ov[i].value), err);
+        if (!v)
+            continue;
+        if (v->kind == AM_NODE_MAP && v->n == 0) { /* "tp_size=" : an empty value */
+            v->kind = AM_NODE_SCALAR;
+            v->str = "";
+            v->plain = true;
+        }
+        if (r->root->kind == AM_NODE_MAP)
+            am_node_set(&r->arena, r->root, ov[i].path, v, &pos, err);
+    }
+    struct reader rd = {.r = r, .err = err};
+    read_recipe(&rd);
+    return r;
+}
+
+struct am_recipe *am_recipe_load(const char *path, const struct am_override *ov, size_t n_ov, struct am_errors *err)
+{
+    char *buf;
+    size_t len;
+    const char *why = am_read_file(path, AM_RECIPE_MAX_BYTES, &buf, &len);
+    if (why) {
+        am_errorf(err, NULL, "%s: %s", path, why);
+        return NULL;
+    }
+    struct am_recipe *r = am_recipe_parse(path, buf, len, ov, n_ov, err);
+    free(buf);
+    return r;
+}
+
+void am_recipe_free(struct am_recipe *r)
+{
+    if (!r)
+        return;
+    am_arena_free(&r->arena);
+    free(r);
+}
+
+struct am_pos am_recipe_pos(const struct am_recipe *r, const char *path)
+{
+    struct am_node *n = am_node_path(r->root, path);
+    if (n && (n->pos.line > 0 || n->pos.origin))
+        return n->pos;
+    return (struct am_pos){.file = r->file};
+}
+
+const char *am_strategy_name(enum am_strategy s) { return strategy_names[s]; }
+
+const char *am_pp_schedule_name(enum am_pp_schedule s)
+{
+    static const char *const names[] = {"1f1b", "gpipe", "interleaved1f1b"};
+    return names[s];
+}
+
+const char *am_dtype_name(enum am_dtype d)
+{
+    static const char *const names[] = {"bfloat16", "float16", "float32"};
+    return names[d];
+}
+
+int am_dtype_bytes(enum am_dtype d) { return d == AM_DTYPE_FP32 ? 4 : 2; }

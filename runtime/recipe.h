@@ -1,0 +1,143 @@
+/* recipe.h - the recipe: NeMo AutoModel's YAML layout, read into typed settings.
+ *
+ * A recipe has AutoModel's sections (model, distributed, step_scheduler, dataset,
+ * packed_sequence, optimizer, lr_scheduler, checkpoint, dist_env, rng). am reads the keys
+ * it uses; keys that AutoModel defines but am does not use (`_target_`, mp_policy, ...) and
+ * whole sections am does not own (wandb, ci, loss_fn, dataloader, ...) are accepted and
+ * listed in `ignored`. An unknown key inside a section am owns is an error (with a
+ * suggestion when it looks like a typo of a known key).
+ *
+ * Loading: the file is parsed, overrides (`--set distributed.tp_size=8`, or the plugin's
+ * `--am-tp=8`) are applied to the tree, then the typed settings are read and every rule
+ * that needs no knowledge of the cluster is checked (am_validate in validate.h adds the
+ * rules that need the world size). All errors are collected; none stops the others.
+ *
+ * Nothing here needs CUDA, NCCL or PMIx: the SPANK plugin links this library into sbatch.
+ */
+#ifndef AM_RECIPE_H
+#define AM_RECIPE_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "arena.h"
+#include "errors.h"
+#include "model_config.h"
+#include "node.h"
+
+enum am_strategy { AM_FSDP2, AM_MEGATRON_FSDP, AM_DDP };
+enum am_pp_schedule { AM_PP_1F1B, AM_PP_GPIPE, AM_PP_INTERLEAVED_1F1B };
+enum am_lr_style { AM_LR_CONSTANT, AM_LR_LINEAR, AM_LR_COSINE };
+enum am_dtype { AM_DTYPE_BF16, AM_DTYPE_FP16, AM_DTYPE_FP32 };
+enum am_round { AM_ROUND_NONE, AM_ROUND_UP, AM_ROUND_DOWN };
+
+#define AM_MAX_DATA_PATHS 64
+
+/* A command-line override: `path=value`, where value is YAML (a scalar, or a flow list).
+ * `origin` is how the user wrote it, shown in errors ("--set distributed.tp_size=6"). */
+struct am_override {
+    const char *path;
+    const char *value;
+    const char *origin;
+};
+
+/* Parses "distributed.tp_size=8" into o (pointing into s); -1 when there is no '='. */
+int am_override_parse(char *s, struct am_override *o);
+
+struct am_recipe {
+    const char *file; /* as given */
+    struct am_node *root;
+    struct am_arena arena;
+
+    struct am_model_config model;
+    const char *model_source; /* the resolved config.json, "inline", or a shipped config */
+    enum am_dtype param_dtype;   /* model.torch_dtype: storage of parameters */
+    enum am_dtype compute_dtype; /* distributed.mp_policy.param_dtype, else per strategy */
+
+    struct {
+        enum am_strategy strategy;
+        int tp, pp, cp, ep;
+        int dp;           /* 0: inferred as world / (tp*pp*cp) */
+        int dp_replicate; /* 0: not set (1) */
+        bool sequence_parallel;
+        bool activation_checkpointing;
+        int zero_dp_strategy; /* megatron_fsdp: 1, 2 or 3 */
+        struct {
+            enum am_pp_schedule schedule;
+            int microbatch_size;
+            int layers_per_stage; /* 0: split evenly */
+            enum am_round round_virtual;
+        } pipeline;
+    } dist;
+
+    struct {
+        long global_batch, local_batch, max_steps, ckpt_every, val_every, num_epochs;
+    } steps;
+
+    struct {
+        const char *paths[AM_MAX_DATA_PATHS];
+        double weights[AM_MAX_DATA_PATHS];
+        int n_paths;
+        long seq_length; /* 0: not given */
+        bool shuffle;
+        long seed;
+    } data;
+    long packed_sequence_size;
+
+    struct {
+        const char *name; /* "adam" or "adamw" */
+        double lr, beta1, beta2, eps, weight_decay, max_grad_norm;
+    } optim;
+
+    struct {
+        enum am_lr_style style;
+        long warmup_steps, decay_steps;
+        double min_lr;
+    } lr;
+
+    struct {
+        bool enabled;
+        const char *dir, *restore_from;
+    } ckpt;
+
+    struct {
+        double timeout_minutes;
+        const char *backend;
+    } dist_env;
+
+    long seed;
+    bool seed_ranked;
+
+    /* Keys accepted but not used, as "section.key" (or a whole section's name). */
+    struct am_list ignored;
+    /* Things the user should know that are not errors (assumptions made, ...). */
+    struct am_list notes;
+};
+
+/* Loads a recipe file: reads it (as the calling user), applies the overrides in order,
+ * reads the typed settings and checks the world-independent rules. Returns the recipe, or
+ * NULL when it could not be read or parsed at all; check err->n for rule violations. The
+ * caller frees with am_recipe_free in both cases where a recipe was returned. */
+struct am_recipe *am_recipe_load(const char *path, const struct am_override *ov, size_t n_ov,
+                                 struct am_errors *err);
+
+/* The same from a buffer (the fuzzer, and tests). `name` is used in positions. */
+struct am_recipe *am_recipe_parse(const char *name, const char *buf, size_t len,
+                                  const struct am_override *ov, size_t n_ov, struct am_errors *err);
+
+void am_recipe_free(struct am_recipe *r);
+
+/* The position of a dotted key's value for messages: its line and column when present,
+ * else the file alone. */
+struct am_pos am_recipe_pos(const struct am_recipe *r, const char *path);
+
+const char *am_strategy_name(enum am_strategy s);
+const char *am_pp_schedule_name(enum am_pp_schedule s);
+const char *am_dtype_name(enum am_dtype d);
+int am_dtype_bytes(enum am_dtype d);
+
+/* Largest recipe file accepted (a real one is a few KiB). */
+#define AM_RECIPE_MAX_BYTES (1024 * 1024)
+
+#endif

@@ -1,0 +1,121 @@
+/* util.c - helpers behind util.h. */
+#include "util.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+const char *am_read_file(const char *path, size_t max, char **buf, size_t *len)
+{
+    static __thread char why[160];
+    *buf = NULL;
+    *len = 0;
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK);
+    if (fd < 0) {
+        snprintf(why, sizeof(why), "cannot open: %s", strerror(errno));
+        return why;
+    }
+    struct stat st;
+    if (fstat(fd, &st) < 0) {
+        snprintf(why, sizeof(why), "cannot stat: %s", strerror(errno));
+        close(fd);
+        return why;
+    }
+    if (!S_ISREG(st.st_mode)) {
+        close(fd);
+        return S_ISDIR(st.st_mode) ? "is a directory, not a file" : "is not a regular file";
+    }
+    if ((size_t)st.st_size > max) {
+        snprintf(why, sizeof(why), "is %lld bytes, more than the %zu accepted (is this the right file?)",
+                 (long long)st.st_size, max);
+        close(fd);
+        return why;
+    }
+    char *b = malloc((size_t)st.st_size + 1);
+    if (!b) {
+        close(fd);
+        return "out of memory";
+    }
+    size_t got = 0;
+    while (got < (size_t)st.st_size) {
+        ssize_t r = read(fd, b + got, (size_t)st.st_size - got);
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r <= 0) {
+            snprintf(why, sizeof(why), "read failed: %s", r < 0 ? strerror(errno) : "file shrank");
+            free(b);
+            close(fd);
+            return why;
+        }
+        got += (size_t)r;
+    }
+    close(fd);
+    b[got] = '\0';
+    *buf = b;
+    *len = got;
+    return NULL;
+}
+
+bool am_key_in(const char *key, const char *const *names)
+{
+    for (; names && *names; names++)
+        if (strcmp(key, *names) == 0)
+            return true;
+    return false;
+}
+
+int am_edit_distance(const char *a, const char *b, int cap)
+{
+    size_t la = strlen(a), lb = strlen(b);
+    if (la > 63 || lb > 63)
+        return cap + 1;
+    int row[64];
+    for (size_t j = 0; j <= lb; j++)
+        row[j] = (int)j;
+    for (size_t i = 1; i <= la; i++) {
+        int prev = row[0];
+        row[0] = (int)i;
+        for (size_t j = 1; j <= lb; j++) {
+            int cur = row[j];
+            int sub = prev + (a[i - 1] != b[j - 1]);
+            int best = row[j] + 1 < row[j - 1] + 1 ? row[j] + 1 : row[j - 1] + 1;
+            row[j] = sub < best ? sub : best;
+            prev = cur;
+        }
+    }
+    return row[lb] > cap ? cap + 1 : row[lb];
+}
+
+static void closest(const char *key, const char *const *names, const char **best, int *best_d)
+{
+    for (; names && *names; names++) {
+        int d = am_edit_distance(key, *names, 3);
+        if (d < *best_d) {
+            *best_d = d;
+            *best = *names;
+        }
+    }
+}
+
+void am_error_unknown_key(struct am_errors *err, const struct am_pos *pos, const char *section,
+                          const char *key, const char *const *known, const char *const *also)
+{
+    const char *best = NULL;
+    int d = 4;
+    closest(key, known, &best, &d);
+    closest(key, also, &best, &d);
+    char shown[48];
+    size_t i = 0;
+    for (; key[i] && i < 40; i++)
+        shown[i] = (key[i] >= 0x20 && key[i] < 0x7f) ? key[i] : '?';
+    shown[i] = '\0';
+    if (best && d <= (strlen(key) > 4 ? 3 : 1))
+        am_errorf(err, pos, "%s%s%s: unknown key (did you mean %s?)", section, *section ? "." : "", shown, best);
+    else
+        am_errorf(err, pos, "%s%s%s: unknown key (docs/recipes.md lists the keys of %s)", section,
+                  *section ? "." : "", shown, *section ? section : "a recipe");
+}

@@ -1,0 +1,277 @@
+/* validate.c - the layout rules (plan.h: am_validate). Each rule is a few lines and one
+ * message naming the key, the rule, and values that would be valid. */
+#include <stdio.h>
+#include <string.h>
+
+#include "plan.h"
+
+struct check {
+    const struct am_recipe *r;
+    struct am_errors *err;
+    int added;
+};
+
+#define FAIL(c, key, ...)                                                                          \
+    do {                                                                                           \
+        struct am_pos pos_ = am_recipe_pos((c)->r, key);                                           \
+        am_errorf((c)->err, &pos_, key ": " __VA_ARGS__);                                          \
+        (c)->added++;                                                                              \
+    } while (0)
+
+/* "1, 2 or 4": the divisors of n up to max (at most 12 of them). */
+static const char *divisors(long n, long max, char *buf, size_t len)
+{
+    long d[12];
+    int k = 0;
+    for (long i = 1; i <= n && i <= max && k < 12; i++)
+        if (n % i == 0)
+            d[k++] = i;
+    buf[0] = '\0';
+    for (int i = 0; i < k; i++) {
+        size_t l = strlen(buf);
+        snprintf(buf + l, len - l, "%s%ld", i == 0 ? "" : i == k - 1 ? " or " : ", ", d[i]);
+    }
+    return buf;
+}
+
+long am_recipe_seq_length(const struct am_recipe *r, bool *assumed)
+{
+    *assumed = false;
+    if (r->data.seq_length > 0)
+        return r->data.seq_length;
+    if (r->packed_sequence_size > 0)
+        return r->packed_sequence_size;
+    *assumed = true;
+    return 2048;
+}
+
+static void strategy_rules(struct check *c)
+{
+    const struct am_recipe *r = c->r;
+    if (r->dist.strategy == AM_MEGATRON_FSDP) {
+        if (r->dist.pp > 1)
+            FAIL(c, "distributed.pp_size", "megatron_fsdp does not support pipeline parallelism (use strategy: "
+                 "fsdp2, or pp_size: 1)");
+        if (r->dist.ep > 1)
+            FAIL(c, "distributed.ep_size", "megatron_fsdp does not support expert parallelism (use strategy: "
+                 "fsdp2, or ep_size: 1)");
+        if (r->dist.sequence_parallel)
+            FAIL(c, "distributed.sequence_parallel", "megatron_fsdp does not support sequence_parallel (use "
+                 "strategy: fsdp2, or sequence_parallel: false)");
+        if (r->dist.dp_replicate > 1)
+            FAIL(c, "distributed.dp_replicate_size", "only fsdp2 supports HSDP; megatron_fsdp does not (use "
+                 "strategy: fsdp2, or remove dp_replicate_size)");
+        if (r->dist.zero_dp_strategy > 3)
+            FAIL(c, "distributed.zero_dp_strategy", "%d is not a ZeRO stage (use 1, 2 or 3)", r->dist.zero_dp_strategy);
+    }
+    if (r->dist.strategy == AM_DDP) {
+        if (r->dist.tp > 1)
+            FAIL(c, "distributed.tp_size", "ddp does not support tensor parallelism (use strategy: fsdp2, or "
+                 "tp_size: 1)");
+        if (r->dist.pp > 1)
+            FAIL(c, "distributed.pp_size", "ddp does not support pipeline parallelism (use strategy: fsdp2, or "
+                 "pp_size: 1)");
+        if (r->dist.cp > 1)
+            FAIL(c, "distributed.cp_size", "ddp does not support context parallelism (use strategy: fsdp2, or "
+                 "cp_size: 1)");
+        if (r->dist.ep > 1)
+            FAIL(c, "distributed.ep_size", "ddp does not support expert parallelism (use strategy: fsdp2, or "
+                 "ep_size: 1)");
+        if (r->dist.dp_replicate > 1)
+            FAIL(c, "distributed.dp_replicate_size", "ddp does not support HSDP (use strategy: fsdp2, or "
+                 "remove dp_replicate_size)");
+    }
+}
+
+static void model_rules(struct check *c)
+{
+    const struct am_recipe *r = c->r;
+    const struct am_model_config *m = &r->model;
+    int tp = r->dist.tp;
+    char d[128];
+    if (m->num_hidden_layers <= 0)
+        return; /* the model could not be read; that error is already reported */
+    if (m->num_attention_heads % tp)
+        FAIL(c, "distributed.tp_size", "%d does not divide num_attention_heads = %ld (use %s)", tp,
+             m->num_attention_heads, divisors(m->num_attention_heads, 1024, d, sizeof(d)));
+    else if (m->num_key_value_heads % tp && tp % m->num_key_value_heads)
+        FAIL(c, "distributed.tp_size", "%d is neither a divisor nor a multiple of num_key_value_heads = %ld (each "
+             "tp rank holds whole kv heads, or one replicated kv head)", tp, m->num_key_value_heads);
+    if (m->vocab_size % tp)
+        FAIL(c, "distributed.tp_size", "%d does not divide vocab_size = %ld (the vocabulary is split across tp "
+             "ranks; use %s)", tp, m->vocab_size, divisors(m->vocab_size, 64, d, sizeof(d)));
+    if (m->num_experts == 0 && m->intermediate_size % tp)
+        FAIL(c, "distributed.tp_size", "%d does not divide intermediate_size = %ld (the MLP is split across tp "
+             "ranks; use %s)", tp, m->intermediate_size, divisors(m->intermediate_size, 64, d, sizeof(d)));
+    if (r->dist.ep > 1 && m->num_experts == 0)
+        FAIL(c, "distributed.ep_size", "%d needs a mixture-of-experts model; %s has no experts (use ep_size: 1)",
+             r->dist.ep, m->model_type);
+    else if (m->num_experts > 0 && m->num_experts % r->dist.ep)
+        FAIL(c, "distributed.ep_size", "%d does not divide the model's %ld experts (use %s)", r->dist.ep,
+             m->num_experts, divisors(m->num_experts, 1024, d, sizeof(d)));
+}
+
+/* Stages: pp * v, layers split evenly; v from layers_per_stage for interleaved schedules. */
+static void pipeline_rules(struct check *c)
+{
+    const struct am_recipe *r = c->r;
+    long L = r->model.num_hidden_layers;
+    int pp = r->dist.pp, lps = r->dist.pipeline.layers_per_stage;
+    enum am_pp_schedule s = r->dist.pipeline.schedule;
+    char d[128];
+    if (L <= 0 || pp < 1)
+        return;
+    if (pp == 1) {
+        if (s == AM_PP_INTERLEAVED_1F1B && lps)
+            FAIL(c, "distributed.pipeline.pp_schedule", "interleaved1f1b needs pp_size > 1");
+        return;
+    }
+    if (s != AM_PP_INTERLEAVED_1F1B) {
+        if (lps && lps * pp != L)
+            FAIL(c, "distributed.pipeline.layers_per_stage", "%d makes %ld stages for pp_size = %d, but %s runs "
+                 "one stage per rank (use interleaved1f1b, or layers_per_stage: %ld)", lps, (L + lps - 1) / lps, pp,
+                 am_pp_schedule_name(s), L % pp ? 0 : L / pp);
+        else if (L % pp)
+            FAIL(c, "distributed.pp_size", "%d does not divide num_hidden_layers = %ld (use %s)", pp, L,
+                 divisors(L, 1024, d, sizeof(d)));
+        return;
+    }
+    long stages = lps ? (L + lps - 1) / lps : 2L * pp;
+    if (stages % pp) {
+        enum am_round rnd = r->dist.pipeline.round_virtual;
+        if (rnd == AM_ROUND_UP)
+            stages = (stages / pp + 1) * pp;
+        else if (rnd == AM_ROUND_DOWN && stages >= 2L * pp)
+            stages = stages / pp * pp;
+        else {
+            FAIL(c, "distributed.pipeline.layers_per_stage", "%d makes %ld stages of %ld layers, not a multiple "
+                 "of pp_size = %d (set round_virtual_stages_to_pp_multiple: up, or choose layers_per_stage so "
+                 "that num_hidden_layers / layers_per_stage is a multiple of %d)", lps, stages, L, pp, pp);
+            return;
+        }
+    }
+    if (stages / pp < 2)
+        FAIL(c, "distributed.pipeline.layers_per_stage", "%d gives one stage per rank; interleaved1f1b needs "
+             "at least 2 (use layers_per_stage <= %ld)", lps, L / (2L * pp));
+    else if (L % stages)
+        FAIL(c, "distributed.pipeline.layers_per_stage", "num_hidden_layers = %ld cannot be split evenly into "
+             "%ld stages (%d ranks x %ld virtual stages); use a layers_per_stage that divides %ld", L, stages, pp,
+             stages / pp, L);
+}
+
+static void batch_rules(struct check *c, long dp)
+{
+    const struct am_recipe *r = c->r;
+    long gb = r->steps.global_batch, lb = r->steps.local_batch;
+    int pp = r->dist.pp, mbs = r->dist.pipeline.microbatch_size;
+    char d[128];
+    if (gb == 0)
+        FAIL(c, "step_scheduler.global_batch_size", "missing (the number of sequences per optimizer step)");
+    if (lb == 0)
+        FAIL(c, "step_scheduler.local_batch_size", "missing (the number of sequences per rank per micro-step)");
+    if (!gb || !lb)
+        return;
+    if (dp > 0 && gb % (lb * dp))
+        FAIL(c, "step_scheduler.global_batch_size", "%ld is not a multiple of local_batch_size*dp_size = %ld*%ld "
+             "= %ld (use a multiple of %ld)", gb, lb, dp, lb * dp, lb * dp);
+    else if (gb < lb)
+        FAIL(c, "step_scheduler.global_batch_size", "%ld is smaller than local_batch_size = %ld", gb, lb);
+    if (pp > 1) {
+        if (lb % mbs)
+            FAIL(c, "distributed.pipeline.pp_microbatch_size", "%d does not divide step_scheduler.local_batch_size "
+                 "= %ld (use %s)", mbs, lb, divisors(lb, 1024, d, sizeof(d)));
+        else if (lb / mbs < pp)
+            FAIL(c, "step_scheduler.local_batch_size", "%ld gives %ld micro-batches, fewer than pp_size = %d "
+                 "stages (use local_batch_size >= %d * pp_microbatch_size)", lb, lb / mbs, pp, pp);
+        else if (r->dist.pipeline.schedule == AM_PP_INTERLEAVED_1F1B && (lb / mbs) % pp)
+            FAIL(c, "step_scheduler.local_batch_size", "interleaved1f1b needs the number of micro-batches "
+                 "(local_batch_size / pp_microbatch_size = %ld) to be a multiple of pp_size = %d", lb / mbs, pp);
+    }
+}
+
+static void sequence_rules(struct check *c)
+{
+    const struct am_recipe *r = c->r;
+    int cp = r->dist.cp, tp = r->dist.tp;
+    long seq = r->data.seq_length;
+    if (cp > 1 && r->packed_sequence_size % cp)
+        FAIL(c, "packed_sequence.packed_sequence_size", "%ld is not divisible by cp_size = %d (use a multiple of "
+             "%d)", r->packed_sequence_size, cp, cp);
+    if (cp > 1 && seq && seq % (2L * cp))
+        FAIL(c, "dataset.seq_length", "%ld is not divisible by 2*cp_size = %d (context parallelism splits each "
+             "sequence into 2*cp_size chunks for load balance)", seq, 2 * cp);
+    if (r->dist.sequence_parallel && tp > 1 && seq && seq % tp)
+        FAIL(c, "dataset.seq_length", "%ld is not divisible by tp_size = %d (sequence_parallel splits the "
+             "sequence across tp ranks)", seq, tp);
+    if (r->dist_env.timeout_minutes <= 0)
+        FAIL(c, "dist_env.timeout_minutes", "%g must be positive", r->dist_env.timeout_minutes);
+}
+
+/* The rules that need the job's size. Returns dp (0 when it cannot be inferred). */
+static long world_rules(struct check *c, const struct am_world *w)
+{
+    const struct am_recipe *r = c->r;
+    int tp = r->dist.tp;
+    long mp = (long)tp * r->dist.pp * r->dist.cp, dp;
+    char d[128];
+    if (w->size <= 0) {
+        struct am_pos pos = {.file = r->file};
+        am_errorf(c->err, &pos, "the job has no ranks (world size %d)", w->size);
+        c->added++;
+        return 0;
+    }
+    if (r->dist.dp) {
+        dp = r->dist.dp;
+        if (dp * mp != w->size) {
+            FAIL(c, "distributed.dp_size", "%ld * tp_size*pp_size*cp_size %ld = %ld ranks, but the job has %d (set "
+                 "dp_size: none to infer it%s)", dp, mp, dp * mp, w->size, w->size % mp ? "" : ", or use the value it infers");
+            return 0;
+        }
+    } else if (w->size % mp) {
+        FAIL(c, "distributed.dp_size", "none is inferred as world size / (tp_size*pp_size*cp_size) = %d / %ld, not "
+             "a whole number (use a world size that is a multiple of %ld, or change tp_size, pp_size or cp_size)",
+             w->size, mp, mp);
+        return 0;
+    } else {
+        dp = w->size / mp;
+    }
+    if (w->nvlink_domain > 0) {
+        if (tp > w->nvlink_domain)
+            FAIL(c, "distributed.tp_size", "%d does not fit in one NVLink domain of %d GPUs (use %s)", tp,
+                 w->nvlink_domain, divisors(w->nvlink_domain, 1 << 20, d, sizeof(d)));
+        else if (w->nvlink_domain % tp)
+            FAIL(c, "distributed.tp_size", "%d does not divide the NVLink domain of %d GPUs, so a tensor-parallel "
+                 "group would span two domains (use %s)", tp, w->nvlink_domain,
+                 divisors(w->nvlink_domain, 1 << 20, d, sizeof(d)));
+    }
+    return dp;
+}
+
+/* The rules that depend on dp (known from the recipe, or inferred from the world). */
+static void dp_rules(struct check *c, long dp)
+{
+    const struct am_recipe *r = c->r;
+    char d[128];
+    if ((dp * r->dist.cp) % r->dist.ep)
+        FAIL(c, "distributed.ep_size", "%d does not divide dp_size*cp_size = %ld (use %s)", r->dist.ep,
+             dp * r->dist.cp, divisors(dp * r->dist.cp, 1 << 20, d, sizeof(d)));
+    if (r->dist.dp_replicate > 1 && r->dist.strategy == AM_FSDP2 && dp % r->dist.dp_replicate)
+        FAIL(c, "distributed.dp_replicate_size", "%d does not divide dp_size = %ld (use %s)", r->dist.dp_replicate,
+             dp, divisors(dp, 1 << 20, d, sizeof(d)));
+}
+
+int am_validate(const struct am_recipe *r, const struct am_world *w, struct am_errors *err)
+{
+    struct check c = {.r = r, .err = err};
+    long dp = r->dist.dp;
+    strategy_rules(&c);
+    model_rules(&c);
+    pipeline_rules(&c);
+    sequence_rules(&c);
+    if (w)
+        dp = world_rules(&c, w);
+    if (dp)
+        dp_rules(&c, dp);
+    batch_rules(&c, dp);
+    return c.added;
+}
