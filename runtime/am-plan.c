@@ -141,15 +141,6 @@ static const char *human(double n, char *buf, size_t len)
     return buf;
 }
 
-static const char *bytes(double n, char *buf, size_t len)
-{
-    if (n >= GiB)
-        snprintf(buf, len, "%.1f GiB", n / GiB);
-    else
-        snprintf(buf, len, "%.1f MiB", n / (1024.0 * 1024));
-    return buf;
-}
-
 static void print_table(const struct am_recipe *r, const struct am_world *w, const struct am_plan *p)
 {
     char a[32], b[32], c[32], d[32], e[32], f[32];
@@ -172,12 +163,12 @@ static void print_table(const struct am_recipe *r, const struct am_world *w, con
     printf("batch        global %ld = local %ld x dp %d x %ld accumulation steps; sequence %ld%s; %s tokens/step\n",
            p->global_batch, p->local_batch, p->dp, p->grad_accum, p->seq_length,
            p->seq_length_assumed ? " (assumed: set dataset.seq_length)" : "", human(p->tokens_per_step, b, sizeof(b)));
-    printf("memory/GPU   %s on pp rank %d", bytes(m->total, a, sizeof(a)), m->pp_rank);
+    printf("memory/GPU   %s on pp rank %d", am_format_bytes(m->total, a, sizeof(a)), m->pp_rank);
     if (w->gpu_mem > 0)
-        printf(" of %s", bytes(w->gpu_mem, b, sizeof(b)));
+        printf(" of %s", am_format_bytes(w->gpu_mem, b, sizeof(b)));
     printf("\n             weights %s, gradients %s, optimizer %s, gathered %s, activations %s\n",
-           bytes(m->weights, a, sizeof(a)), bytes(m->grads, b, sizeof(b)), bytes(m->optimizer, c, sizeof(c)),
-           bytes(m->gathered, d, sizeof(d)), bytes(m->activations, e, sizeof(e)));
+           am_format_bytes(m->weights, a, sizeof(a)), am_format_bytes(m->grads, b, sizeof(b)), am_format_bytes(m->optimizer, c, sizeof(c)),
+           am_format_bytes(m->gathered, d, sizeof(d)), am_format_bytes(m->activations, e, sizeof(e)));
     printf("             %s parameters, %s compute%s\n", am_dtype_name(r->param_dtype), am_dtype_name(r->compute_dtype),
            r->dist.activation_checkpointing ? ", activation checkpointing" : "");
     printf("compute      %s FLOP per step\n", human(p->flops_per_step, f, sizeof(f)));
@@ -246,6 +237,11 @@ int main(int argc, char **argv)
     }
     if (optind != argc - 1) {
         usage(stderr);
+        return 2;
+    }
+    if ((long)w.nodes * w.gpus_per_node > 1 << 24) {
+        fprintf(stderr, "am-plan: --nodes %d x --gpus-per-node %d is more than %d GPUs\n", w.nodes, w.gpus_per_node,
+                1 << 24);
         return 2;
     }
     if (!w.nvlink_domain)

@@ -261,6 +261,16 @@ int am_plan_build(const struct am_recipe *r, const struct am_world *w, struct am
     return 0;
 }
 
+const char *am_format_bytes(double n, char *buf, size_t len)
+{
+    const double gib = 1024.0 * 1024 * 1024;
+    if (n >= gib)
+        snprintf(buf, len, "%.1f GiB", n / gib);
+    else
+        snprintf(buf, len, "%.1f MiB", n / (1024.0 * 1024));
+    return buf;
+}
+
 /* ---- what would fit ------------------------------------------------------------------ */
 
 struct knob {
@@ -288,7 +298,6 @@ int am_plan_check_memory(const struct am_recipe *r, const struct am_world *w, co
 {
     if (w->gpu_mem <= 0 || p->mem.total <= w->gpu_mem)
         return 0;
-    const double gib = 1024.0 * 1024 * 1024;
     struct knob fits[8];
     int n = 0;
     char text[96];
@@ -325,15 +334,17 @@ int am_plan_check_memory(const struct am_recipe *r, const struct am_world *w, co
         snprintf(text, sizeof(text), "distributed.tp_size=%d", v.dist.tp);
         try_knob(&v, w, text, fits, &n);
     }
-    char list[8 * 128] = "";
+    char list[8 * 128] = "", a[32], b[32], c[32], d[32];
     for (int i = 0; i < n; i++) {
         size_t l = strlen(list);
-        snprintf(list + l, sizeof(list) - l, "%s%s (%.1f GiB)", i ? ", " : "", fits[i].text, fits[i].total / gib);
+        snprintf(list + l, sizeof(list) - l, "%s%s (%s)", i ? ", " : "", fits[i].text,
+                 am_format_bytes(fits[i].total, a, sizeof(a)));
     }
     struct am_pos pos = {.file = r->file};
-    am_errorf(err, &pos, "estimated memory per GPU %.1f GiB exceeds the GPU's %.1f GiB by %.1f GiB; %s%s", p->mem.total / gib,
-              w->gpu_mem / gib, (p->mem.total - w->gpu_mem) / gib, n ? "it fits with " : "no single change of "
-              "activation_checkpointing, strategy, sequence_parallel, pp_size or tp_size makes it fit (use more GPUs "
-              "or a smaller local_batch_size)", list);
+    am_errorf(err, &pos, "estimated memory per GPU %s exceeds the GPU's %s by %s; %s%s",
+              am_format_bytes(p->mem.total, b, sizeof(b)), am_format_bytes(w->gpu_mem, c, sizeof(c)),
+              am_format_bytes(p->mem.total - w->gpu_mem, d, sizeof(d)),
+              n ? "it fits with " : "no single change of activation_checkpointing, strategy, sequence_parallel, "
+              "pp_size or tp_size makes it fit (use more GPUs or a smaller local_batch_size)", list);
     return -1;
 }

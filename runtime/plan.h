@@ -19,6 +19,7 @@
 #define AM_PLAN_H
 
 #include <stdbool.h>
+#include <stddef.h>
 
 #include "errors.h"
 #include "recipe.h"
@@ -94,6 +95,9 @@ int am_plan_rank(const struct am_plan *p, const struct am_coords *c);
  * p->world entries). */
 int am_plan_group(const struct am_plan *p, enum am_group g, int rank, int *members);
 const char *am_group_name(enum am_group g);
+
+/* "93.1 GiB", or "512.0 MiB" below one GiB. */
+const char *am_format_bytes(double bytes, char *buf, size_t len);
 
 /* ---- validate.c ---- */
 

@@ -144,8 +144,8 @@ static void pipeline_rules(struct check *c)
         else if (rnd == AM_ROUND_DOWN && stages >= 2L * pp)
             stages = stages / pp * pp;
         else {
-            FAIL(c, "distributed.pipeline.layers_per_stage", "%d makes %ld stages of %ld layers, not a multiple "
-                 "of pp_size = %d (set round_virtual_stages_to_pp_multiple: up, or choose layers_per_stage so "
+            FAIL(c, "distributed.pipeline.layers_per_stage", "%d makes %ld stages from num_hidden_layers = %ld, "
+                 "not a multiple of pp_size = %d (set round_virtual_stages_to_pp_multiple: up, or choose layers_per_stage so "
                  "that num_hidden_layers / layers_per_stage is a multiple of %d)", lps, stages, L, pp, pp);
             return;
         }

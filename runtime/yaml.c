@@ -93,7 +93,7 @@ static int remember_anchor(struct builder *b, const yaml_char_t *name, struct am
 
 /* Attaches a finished node to the open collection (or makes it the root). For a map, the
  * first scalar of each pair is the key. */
-static int attach(struct builder *b, struct am_node *n, yaml_mark_t m)
+static int attach(struct builder *b, struct am_node *n)
 {
     if (b->depth == 0) {
         b->root = n;
@@ -104,8 +104,7 @@ static int attach(struct builder *b, struct am_node *n, yaml_mark_t m)
         return am_node_append(b->a, f->node, NULL, n->pos, n);
     if (!f->key) {
         if (n->kind != AM_NODE_SCALAR) {
-            struct am_pos p = pos_at(b, m);
-            am_errorf(b->err, &p, "a key must be a plain name, not a %s",
+            am_errorf(b->err, &n->pos, "a key must be a plain name, not a %s",
                       n->kind == AM_NODE_MAP ? "mapping" : "list");
             return -1;
         }
@@ -148,11 +147,11 @@ static int on_event(struct builder *b, const yaml_event_t *ev)
         n->plain = ev->data.scalar.style == YAML_PLAIN_SCALAR_STYLE;
         if (remember_anchor(b, ev->data.scalar.anchor, n) < 0)
             return -1;
-        return attach(b, n, ev->start_mark);
+        return attach(b, n);
     case YAML_ALIAS_EVENT:
         if (!(n = on_alias(b, ev)))
             return -1;
-        return attach(b, n, ev->start_mark);
+        return attach(b, n);
     case YAML_SEQUENCE_START_EVENT:
     case YAML_MAPPING_START_EVENT: {
         int map = ev->type == YAML_MAPPING_START_EVENT;
@@ -172,7 +171,7 @@ static int on_event(struct builder *b, const yaml_event_t *ev)
     case YAML_SEQUENCE_END_EVENT:
     case YAML_MAPPING_END_EVENT:
         n = b->stack[--b->depth].node;
-        return attach(b, n, ev->start_mark);
+        return attach(b, n);
     default:
         return 0;
     }

@@ -1,0 +1,69 @@
+#!/bin/bash
+# am-plan from the command line: exit status, the table, the JSON object, and messages.
+set -u
+src=${AM_SRCDIR:-.}
+bin=${AM_BUILDDIR:-.}/am-plan
+recipes=$src/sbatch-templates/recipes
+fails=0 passes=0
+
+check() { # NAME EXPECTED_RC EXPECTED_TEXT(fixed string, in stdout+stderr) -- COMMAND...
+    local name=$1 want_rc=$2 want=$3
+    shift 4
+    local out rc
+    out=$("$@" 2>&1)
+    rc=$?
+    if [ "$rc" != "$want_rc" ] || ! grep -qF -- "$want" <<<"$out"; then
+        echo "FAIL: $name (exit $rc, want $want_rc; want text: $want)"
+        echo "$out" | sed 's/^/    /'
+        fails=$((fails + 1))
+    else
+        echo "ok: $name"
+        passes=$((passes + 1))
+    fi
+}
+
+check "llama70b on 8 nodes x 8 fits 80G" 0 \
+    "layout       tp 8 x pp 4 x cp 1 x dp 2 (replicate 1 x shard 2); ep 1 (ep_shard 2); fsdp2, sequence parallel" \
+    -- "$bin" "$recipes/llama70b.yaml" --nodes 8 --gpus-per-node 8 --gpu-mem 80G
+check "llama70b pipeline line" 0 "pipeline     1f1b: 4 stages of 20 layers (1 per rank), 8 micro-batches of 1" \
+    -- "$bin" "$recipes/llama70b.yaml" --nodes 8 --gpus-per-node 8 --gpu-mem 80G
+check "llama70b batch line" 0 "batch        global 256 = local 8 x dp 2 x 16 accumulation steps; sequence 8192" \
+    -- "$bin" "$recipes/llama70b.yaml" --nodes 8 --gpus-per-node 8 --gpu-mem 80G
+check "json object" 0 '"world_size":64,"strategy":"fsdp2","tp_size":8,"pp_size":4,"cp_size":1,"ep_size":1,"dp_size":2,"dp_replicate_size":1,"dp_shard_size":2' \
+    -- "$bin" "$recipes/llama70b.yaml" --nodes 8 --gpus-per-node 8 --json
+check "json has the step figures" 0 '"grad_accum_steps":16' \
+    -- "$bin" "$recipes/llama70b.yaml" --nodes 8 --gpus-per-node 8 --json
+check "json lists ignored keys" 0 '"errors":[],"ignored_keys":["recipe","loss_fn","model._target_"' \
+    -- "$bin" "$recipes/llama70b.yaml" --nodes 8 --gpus-per-node 8 --json
+check "json memory" 0 '"memory_per_gpu_bytes":' -- "$bin" "$recipes/llama70b.yaml" --nodes 8 --gpus-per-node 8 --json
+check "json flops" 0 '"flops_per_step":' -- "$bin" "$recipes/llama70b.yaml" --nodes 8 --gpus-per-node 8 --json
+check "override makes it invalid" 1 \
+    "error: --set distributed.tp_size=3: distributed.tp_size: 3 does not divide num_attention_heads = 64 (use 1, 2, 4, 8, 16, 32 or 64)" \
+    -- "$bin" "$recipes/llama70b.yaml" --nodes 8 --gpus-per-node 8 --set distributed.tp_size=3
+check "json carries errors" 1 \
+    '{"errors":["--set distributed.ep_size=2: distributed.ep_size: 2 needs a mixture-of-experts model; llama has no experts (use ep_size: 1)"]' \
+    -- "$bin" "$recipes/llama70b.yaml" --nodes 8 --gpus-per-node 8 --set distributed.ep_size=2 --json
+check "too little GPU memory names the fix" 1 \
+    "error: $recipes/llama70b.yaml: estimated memory per GPU 120.7 GiB exceeds the GPU's 80.0 GiB by 40.7 GiB; it fits with distributed.activation_checkpointing=true (30.3 GiB), distributed.sequence_parallel=true (50.7 GiB)" \
+    -- "$bin" "$recipes/llama70b.yaml" --nodes 8 --gpus-per-node 8 --gpu-mem 80G \
+    --set distributed.activation_checkpointing=false --set distributed.sequence_parallel=false \
+    --set step_scheduler.local_batch_size=16 --set distributed.pipeline.pp_microbatch_size=2
+check "world not divisible" 1 \
+    "distributed.dp_size: none is inferred as world size / (tp_size*pp_size*cp_size) = 24 / 32, not a whole number" \
+    -- "$bin" "$recipes/llama70b.yaml" --nodes 3 --gpus-per-node 8
+check "missing recipe" 1 "error: /nonexistent.yaml: cannot open: No such file or directory" \
+    -- "$bin" /nonexistent.yaml
+check "tiny on 2 ranks" 0 "layout       tp 1 x pp 1 x cp 1 x dp 2 (replicate 1 x shard 2); ep 1 (ep_shard 2); fsdp2" \
+    -- "$bin" "$recipes/tiny.yaml" --gpus-per-node 2
+check "tiny_moe with experts" 0 "ep 2 (ep_shard 2)" -- "$bin" "$recipes/tiny_moe.yaml" --gpus-per-node 4
+check "llama3_8b fits 80G" 0 "memory/GPU   21.9 GiB on pp rank 0 of 80.0 GiB" \
+    -- "$bin" "$recipes/llama3_8b.yaml" --gpu-mem 80G
+check "bad size" 2 "am-plan: --gpu-mem: '80X' is not a size (use e.g. 80G or 141GiB)" \
+    -- "$bin" "$recipes/tiny.yaml" --gpu-mem 80X
+check "bad count" 2 "am-plan: --nodes: 'zero' is not a whole number from 1 to 1048576" \
+    -- "$bin" "$recipes/tiny.yaml" --nodes zero
+check "bad --set" 2 "am-plan: --set: expected KEY=VALUE" -- "$bin" "$recipes/tiny.yaml" --set tp_size
+check "no recipe" 2 "usage: am-plan RECIPE" -- "$bin"
+
+echo "am-plan: $passes passed, $fails failed"
+[ "$fails" = 0 ]

@@ -1,0 +1,319 @@
+/* test_plan.c - the mesh, the groups, the pipeline stages, the memory estimate and the
+ * FLOPs, each against values computed by hand. */
+#include "testutil.h"
+
+static const char model8[] = "model:\n"
+                             "  hidden_size: 256\n"
+                             "  num_hidden_layers: 8\n"
+                             "  num_attention_heads: 8\n"
+                             "  num_key_value_heads: 4\n"
+                             "  intermediate_size: 512\n"
+                             "  vocab_size: 1024\n"
+                             "  torch_dtype: float32\n"
+                             "step_scheduler:\n"
+                             "  global_batch_size: 32\n"
+                             "  local_batch_size: 4\n"
+                             "dataset:\n"
+                             "  seq_length: 128\n";
+
+static struct am_recipe *plan_of(const char *yaml, const char *const *sets, int world, struct am_plan *p)
+{
+    struct am_errors err;
+    am_errors_init(&err);
+    struct am_recipe *r = parse_with("plan.yaml", yaml, sets, &err);
+    assert_non_null(r);
+    struct am_world w = {.size = world, .nodes = 1, .gpus_per_node = world, .nvlink_domain = world};
+    int rc = am_plan_build(r, &w, p, &err);
+    for (size_t i = 0; i < err.n; i++)
+        print_error("%s\n", err.msg[i]);
+    assert_int_equal(rc, 0);
+    am_errors_free(&err);
+    return r;
+}
+
+/* world 16 = pp 2 x dp_replicate 2 x dp_shard 2 x cp 1 x tp 2 */
+static void test_mesh_coordinates(void **state)
+{
+    (void)state;
+    const char *sets[] = {"distributed.tp_size=2", "distributed.pp_size=2", "distributed.dp_replicate_size=2", NULL};
+    struct am_plan p;
+    struct am_recipe *r = plan_of(model8, sets, 16, &p);
+    assert_int_equal(p.dp, 4);
+    assert_int_equal(p.dp_replicate, 2);
+    assert_int_equal(p.dp_shard, 2);
+    /* rank = ((pp*2 + rep)*2 + shard)*2 + tp  (cp = 1) */
+    static const int want[16][4] = {/* pp rep shard tp */
+                                    {0, 0, 0, 0}, {0, 0, 0, 1}, {0, 0, 1, 0}, {0, 0, 1, 1},
+                                    {0, 1, 0, 0}, {0, 1, 0, 1}, {0, 1, 1, 0}, {0, 1, 1, 1},
+                                    {1, 0, 0, 0}, {1, 0, 0, 1}, {1, 0, 1, 0}, {1, 0, 1, 1},
+                                    {1, 1, 0, 0}, {1, 1, 0, 1}, {1, 1, 1, 0}, {1, 1, 1, 1}};
+    for (int rank = 0; rank < 16; rank++) {
+        struct am_coords c;
+        am_plan_coords(&p, rank, &c);
+        assert_int_equal(c.pp, want[rank][0]);
+        assert_int_equal(c.dp_replicate, want[rank][1]);
+        assert_int_equal(c.dp_shard, want[rank][2]);
+        assert_int_equal(c.tp, want[rank][3]);
+        assert_int_equal(c.cp, 0);
+        assert_int_equal(am_plan_rank(&p, &c), rank);
+    }
+    am_plan_free(&p);
+    am_recipe_free(r);
+}
+
+static void assert_group(const struct am_plan *p, enum am_group g, int rank, const int *want, int n)
+{
+    int members[64];
+    int got = am_plan_group(p, g, rank, members);
+    assert_int_equal(got, n);
+    for (int i = 0; i < n; i++)
+        assert_int_equal(members[i], want[i]);
+}
+
+static void test_groups(void **state)
+{
+    (void)state;
+    const char *sets[] = {"distributed.tp_size=2", "distributed.pp_size=2", "distributed.dp_replicate_size=2", NULL};
+    struct am_plan p;
+    struct am_recipe *r = plan_of(model8, sets, 16, &p);
+    /* rank 5 = pp 0, rep 1, shard 0, tp 1 */
+    assert_group(&p, AM_GROUP_TP, 5, (int[]){4, 5}, 2);
+    assert_group(&p, AM_GROUP_PP, 5, (int[]){5, 13}, 2);
+    assert_group(&p, AM_GROUP_DP, 5, (int[]){1, 3, 5, 7}, 4);
+    assert_group(&p, AM_GROUP_DP_SHARD, 5, (int[]){5, 7}, 2);
+    assert_group(&p, AM_GROUP_DP_REPLICATE, 5, (int[]){1, 5}, 2);
+    assert_group(&p, AM_GROUP_CP, 5, (int[]){5}, 1);
+    /* every rank is in exactly one group of each kind: group sizes add up */
+    for (int g = 0; g < AM_NGROUPS; g++) {
+        int seen[16] = {0}, members[16];
+        for (int rank = 0; rank < 16; rank++) {
+            int n = am_plan_group(&p, (enum am_group)g, rank, members);
+            int self = 0;
+            for (int i = 0; i < n; i++)
+                self += members[i] == rank;
+            assert_int_equal(self, 1);
+            seen[rank] = n;
+        }
+        int expect = seen[0];
+        for (int rank = 0; rank < 16; rank++)
+            assert_int_equal(seen[rank], expect);
+    }
+    am_plan_free(&p);
+    am_recipe_free(r);
+}
+
+/* MoE: world 8, tp 2, ep 2: dp 4; within each tp slice the 4 dp ranks form ep_shard 2 x ep 2 */
+static void test_expert_groups(void **state)
+{
+    (void)state;
+    static const char moe[] = "model:\n  model_type: mixtral\n  hidden_size: 64\n  num_hidden_layers: 2\n"
+                              "  num_attention_heads: 4\n  num_key_value_heads: 2\n  intermediate_size: 128\n"
+                              "  vocab_size: 256\n  num_local_experts: 4\n  num_experts_per_tok: 2\n"
+                              "step_scheduler:\n  global_batch_size: 8\n  local_batch_size: 2\n";
+    const char *sets[] = {"distributed.tp_size=2", "distributed.ep_size=2", NULL};
+    struct am_plan p;
+    struct am_recipe *r = plan_of(moe, sets, 8, &p);
+    assert_int_equal(p.ep_shard, 2);
+    /* dp index d = rank / 2 (tp innermost); ep = d % 2, ep_shard = d / 2 */
+    assert_group(&p, AM_GROUP_EP, 0, (int[]){0, 2}, 2);
+    assert_group(&p, AM_GROUP_EP, 5, (int[]){5, 7}, 2);
+    assert_group(&p, AM_GROUP_EP_SHARD, 0, (int[]){0, 4}, 2);
+    assert_group(&p, AM_GROUP_EP_SHARD, 3, (int[]){3, 7}, 2);
+    struct am_coords c;
+    am_plan_coords(&p, 6, &c); /* d = 3 */
+    assert_int_equal(c.ep, 1);
+    assert_int_equal(c.ep_shard, 1);
+    am_plan_free(&p);
+    am_recipe_free(r);
+}
+
+static void test_interleaved_stages(void **state)
+{
+    (void)state;
+    const char *sets[] = {"distributed.pp_size=2", "distributed.pipeline.pp_schedule=interleaved1f1b",
+                          "distributed.pipeline.layers_per_stage=2", NULL};
+    struct am_plan p;
+    struct am_recipe *r = plan_of(model8, sets, 2, &p);
+    assert_int_equal(p.virtual_stages, 2);
+    assert_int_equal(p.n_stages, 4);
+    for (int s = 0; s < 4; s++) {
+        assert_int_equal(p.stages[s].pp_rank, s % 2);
+        assert_int_equal(p.stages[s].first_layer, 2 * s);
+        assert_int_equal(p.stages[s].n_layers, 2);
+        assert_int_equal(p.stages[s].embedding, s == 0);
+        assert_int_equal(p.stages[s].head, s == 3);
+    }
+    assert_int_equal(p.n_microbatches, 4); /* local 4 / micro-batch 1 */
+    assert_int_equal(p.grad_accum, 8);     /* 32 / (local 4 * dp 1) */
+    am_plan_free(&p);
+    am_recipe_free(r);
+}
+
+/* Parameters of model8 by hand:
+ *   embedding 1024*256 = 262144, lm_head 262144 (untied), final norm 256
+ *   per layer: q 256*256 + k,v 2*256*128 + o 256*256 = 196608; norms 512; mlp 3*256*512 = 393216
+ *   per layer total 590336; 8 layers 4722688; total 5247232 */
+static void test_param_count(void **state)
+{
+    (void)state;
+    struct am_plan p;
+    struct am_recipe *r = plan_of(model8, NULL, 1, &p);
+    assert_float_equal(p.params.embedding, 262144, 0);
+    assert_float_equal(p.params.per_layer, 590336, 0);
+    assert_float_equal(p.params.total, 5247232, 0);
+    /* active: 8 * (196608 + 393216) + lm_head 262144 */
+    assert_float_equal(p.params.active_per_token, 8 * (196608.0 + 393216) + 262144, 0);
+    /* FLOPs (PaLM): tokens * (6N + 12 * L * H * Q * T); tokens = 32 * 128 */
+    double tokens = 32 * 128;
+    assert_float_equal(p.flops_per_step, tokens * (6 * (8 * (196608.0 + 393216) + 262144) + 12.0 * 8 * 256 * 128), 1);
+    am_plan_free(&p);
+    am_recipe_free(r);
+}
+
+/* Mixed-precision Adam under ddp: 16 bytes per parameter (ZeRO's accounting: fp32
+ * weights 4 + gradients 4 + two moments 8), nothing sharded. */
+static void test_memory_ddp_16_bytes_per_parameter(void **state)
+{
+    (void)state;
+    const char *sets[] = {"distributed.strategy=ddp", NULL};
+    struct am_plan p;
+    struct am_recipe *r = plan_of(model8, sets, 4, &p);
+    double params = 5247232;
+    assert_float_equal(p.mem.params, params, 0);
+    assert_float_equal(p.mem.weights + p.mem.grads + p.mem.optimizer, 16 * params, 0);
+    assert_float_equal(p.mem.gathered, 0, 0);
+    am_plan_free(&p);
+    am_recipe_free(r);
+}
+
+/* fsdp2 shards all 16 bytes over dp_shard * cp (ZeRO-3) and gathers two layers (current and
+ * prefetched) in the compute dtype; bfloat16 storage halves everything. */
+static void test_memory_fsdp2_and_bf16(void **state)
+{
+    (void)state;
+    struct am_plan p;
+    struct am_recipe *r = plan_of(model8, NULL, 4, &p);
+    double params = 5247232;
+    assert_float_equal(p.mem.weights + p.mem.grads + p.mem.optimizer, 16 * params / 4, 1e-6);
+    assert_float_equal(p.mem.gathered, 2 * 2 * 590336.0, 0); /* bf16 compute (fsdp2 default) */
+    am_plan_free(&p);
+    am_recipe_free(r);
+
+    const char *bf16[] = {"model.torch_dtype=bfloat16", NULL};
+    r = plan_of(model8, bf16, 4, &p);
+    assert_float_equal(p.mem.weights + p.mem.grads + p.mem.optimizer, 8 * params / 4, 1e-6);
+    am_plan_free(&p);
+    am_recipe_free(r);
+
+    /* megatron_fsdp with ZeRO-1: only the optimizer state is sharded */
+    const char *zero1[] = {"distributed.strategy=megatron_fsdp", "distributed.zero_dp_strategy=1", NULL};
+    r = plan_of(model8, zero1, 4, &p);
+    assert_float_equal(p.mem.weights, 4 * params, 1e-6);
+    assert_float_equal(p.mem.grads, 4 * params, 1e-6);
+    assert_float_equal(p.mem.optimizer, 8 * params / 4, 1e-6);
+    am_plan_free(&p);
+    am_recipe_free(r);
+}
+
+/* Activations of model8 per token and layer, in elements (docs/recipes.md):
+ *   4h (norm inputs/outputs) + 2q (attention in/out) + 2kv + 3I = 1024 + 512 + 256 + 1536 = 3328
+ * ddp with fp32 compute, local batch 4 x 128 tokens, 8 layers: 3328 * 512 * 4 B * 8 */
+static void test_memory_activations(void **state)
+{
+    (void)state;
+    const char *sets[] = {"distributed.strategy=ddp", NULL};
+    struct am_plan p;
+    struct am_recipe *r = plan_of(model8, sets, 1, &p);
+    double layer = 3328.0 * 512 * 4;
+    assert_float_equal(p.mem.activations, 8 * layer, 0);
+    am_plan_free(&p);
+    am_recipe_free(r);
+
+    /* checkpointing: each layer keeps its input (h per token), plus one layer recomputed */
+    const char *ckpt[] = {"distributed.strategy=ddp", "distributed.activation_checkpointing=true", NULL};
+    r = plan_of(model8, ckpt, 1, &p);
+    assert_float_equal(p.mem.activations, 8 * 256.0 * 512 * 4 + layer, 0);
+    am_plan_free(&p);
+    am_recipe_free(r);
+
+    /* tp 2 with sequence parallel: every term divided by 2 (kv 4 heads / 2) */
+    const char *sp[] = {"distributed.tp_size=2", "distributed.sequence_parallel=true",
+                        "distributed.mp_policy.param_dtype=float32", NULL};
+    r = plan_of(model8, sp, 2, &p);
+    assert_float_equal(p.mem.activations, 8 * (3328.0 / 2) * 512 * 4, 0);
+    am_plan_free(&p);
+    am_recipe_free(r);
+}
+
+/* 1F1B: pp rank k holds min(pp - k, m) micro-batches; the first rank is the peak.
+ * GPipe holds all m. */
+static void test_memory_pipeline_schedules(void **state)
+{
+    (void)state;
+    /* pp 4, local batch 8 -> 8 micro-batches of 1 sequence (128 tokens), 2 layers per rank */
+    const char *f1b[] = {"distributed.pp_size=4", "step_scheduler.local_batch_size=8",
+                         "distributed.mp_policy.param_dtype=float32", NULL};
+    struct am_plan p;
+    struct am_recipe *r = plan_of(model8, f1b, 4, &p);
+    double layer_mb = 3328.0 * 128 * 4;
+    assert_int_equal(p.mem.pp_rank, 0);
+    assert_float_equal(p.mem.activations, 4 * 2 * layer_mb, 0);
+    am_plan_free(&p);
+    am_recipe_free(r);
+
+    const char *gpipe[] = {"distributed.pp_size=4", "step_scheduler.local_batch_size=8",
+                           "distributed.mp_policy.param_dtype=float32", "distributed.pipeline.pp_schedule=gpipe", NULL};
+    r = plan_of(model8, gpipe, 4, &p);
+    assert_float_equal(p.mem.activations, 8 * 2 * layer_mb, 0);
+    am_plan_free(&p);
+    am_recipe_free(r);
+
+    /* interleaved, v = 2 (default), pp 2: rank 0 warm-up (2-0-1)*2 + (2-1)*2 + 1 = 5 chunks of
+     * 2 layers = 10 layer-micro-batches (capped at m*v = 8*2) */
+    const char *il[] = {"distributed.pp_size=2", "step_scheduler.local_batch_size=8",
+                        "distributed.mp_policy.param_dtype=float32", "distributed.pipeline.pp_schedule=interleaved1f1b",
+                        NULL};
+    r = plan_of(model8, il, 2, &p);
+    assert_int_equal(p.virtual_stages, 2);
+    assert_float_equal(p.mem.activations, 5 * 2 * layer_mb, 0);
+    am_plan_free(&p);
+    am_recipe_free(r);
+}
+
+static void test_memory_over_budget_names_the_fix(void **state)
+{
+    (void)state;
+    struct am_plan p;
+    const char *sets[] = {"distributed.strategy=ddp", NULL};
+    struct am_recipe *r = plan_of(model8, sets, 4, &p);
+    /* 16 B * 5247232 = 80.1 MiB of state + 52.0 MiB of activations (3328 * 512 * 4 B * 8 layers)
+     * = 132.1 MiB; in 100 MiB it fits with checkpointing (80.1 + 4.0 saved + 6.5 recomputed) or
+     * with fsdp2 (80.1 / 4 + 4.5 gathered + 52.0) */
+    struct am_world w = {.size = 4, .nodes = 1, .gpus_per_node = 4, .nvlink_domain = 4, .gpu_mem = 100 << 20};
+    struct am_errors err;
+    am_errors_init(&err);
+    assert_int_equal(am_plan_check_memory(r, &w, &p, &err), -1);
+    assert_messages(&err, (const char *const[]){
+        "plan.yaml: estimated memory per GPU 132.1 MiB exceeds the GPU's 100.0 MiB by 32.1 MiB; it fits with "
+        "distributed.activation_checkpointing=true (90.6 MiB), distributed.strategy=fsdp2 (76.5 MiB)", NULL});
+    am_errors_free(&err);
+    am_plan_free(&p);
+    am_recipe_free(r);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_mesh_coordinates),
+        cmocka_unit_test(test_groups),
+        cmocka_unit_test(test_expert_groups),
+        cmocka_unit_test(test_interleaved_stages),
+        cmocka_unit_test(test_param_count),
+        cmocka_unit_test(test_memory_ddp_16_bytes_per_parameter),
+        cmocka_unit_test(test_memory_fsdp2_and_bf16),
+        cmocka_unit_test(test_memory_activations),
+        cmocka_unit_test(test_memory_pipeline_schedules),
+        cmocka_unit_test(test_memory_over_budget_names_the_fix),
+    };
+    return cmocka_run_group_tests_name("plan", tests, NULL, NULL);
+}

@@ -1,0 +1,492 @@
+/* test_recipe.c - parsing recipes: YAML positions and limits, AutoModel's layout (used,
+ * ignored and unknown keys), overrides, typed values, and finding model configs. */
+#include <stdlib.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "testutil.h"
+
+static const char arch[] = "model:\n  hidden_size: 64\n  num_hidden_layers: 2\n  num_attention_heads: 4\n"
+                           "  intermediate_size: 128\n  vocab_size: 256\n"
+                           "step_scheduler:\n  global_batch_size: 8\n  local_batch_size: 2\n";
+
+static char tmp[256];
+
+/* Shipped configs from the source tree; no Hugging Face cache. */
+static void default_env(void)
+{
+    char dir[512];
+    const char *src = getenv("AM_SRCDIR");
+    snprintf(dir, sizeof(dir), "%s/runtime/models", src ? src : ".");
+    setenv("AM_MODELS_DIR", dir, 1);
+    setenv("HF_HUB_CACHE", "/nonexistent/hub", 1);
+}
+
+static int setup_tmp(void **state)
+{
+    (void)state;
+    snprintf(tmp, sizeof(tmp), "/tmp/am-test-recipe-XXXXXX");
+    assert_non_null(mkdtemp(tmp));
+    default_env();
+    return 0;
+}
+
+static int teardown_tmp(void **state)
+{
+    (void)state;
+    char cmd[300];
+    snprintf(cmd, sizeof(cmd), "rm -rf '%s'", tmp);
+    return system(cmd);
+}
+
+static void write_file(const char *path, const char *text)
+{
+    FILE *f = fopen(path, "w");
+    assert_non_null(f);
+    fputs(text, f);
+    fclose(f);
+}
+
+static void expect(const char *yaml, const char *const *sets, const char *const *want)
+{
+    struct am_errors err;
+    am_errors_init(&err);
+    struct am_recipe *r = parse_with("r.yaml", yaml, sets, &err);
+    assert_messages(&err, want);
+    am_recipe_free(r);
+    am_errors_free(&err);
+}
+
+#define MSGS(...) ((const char *const[]){__VA_ARGS__, NULL})
+#define NONE ((const char *const[]){NULL})
+
+static void test_positions_and_types(void **state)
+{
+    (void)state;
+    char y[1024];
+    snprintf(y, sizeof(y), "%sdistributed:\n  tp_size: abc\n  sequence_parallel: maybe\n  pp_size: 0\n"
+             "optimizer:\n  lr: fast\n  betas: [0.9]\n", arch);
+    expect(y, NULL, MSGS("r.yaml:11:12: distributed.tp_size: expected a whole number, got 'abc'",
+                         "r.yaml:12:22: distributed.sequence_parallel: expected true or false, got 'maybe'",
+                         "r.yaml:13:12: distributed.pp_size: 0 is out of range (must be 1 to 1048576)",
+                         "r.yaml:15:7: optimizer.lr: expected a number, got 'fast'",
+                         "r.yaml:16:10: optimizer.betas: expected two numbers, e.g. [0.9, 0.95]"));
+    /* a long or binary value is cut and made printable, never echoed whole */
+    snprintf(y, sizeof(y), "%sdistributed:\n  tp_size: \"\\x01\\x02%s\"\n", arch,
+             "0123456789012345678901234567890123456789012345678901234567890123456789");
+    expect(y, NULL, MSGS("r.yaml:11:12: distributed.tp_size: expected a whole number, got "
+                         "'??01234567890123456789012345678901234567...'"));
+}
+
+static void test_yaml_errors(void **state)
+{
+    (void)state;
+    expect("model:\n  hidden_size: [1, 2\n", NULL,
+           MSGS("r.yaml:3:1: YAML syntax error: did not find expected ',' or ']' while parsing a flow sequence"));
+    expect("distributed:\n  tp_size: 2\n  tp_size: 4\n", NULL,
+           MSGS("r.yaml:3:3: key 'tp_size' appears twice in the same section (keep one)"));
+    expect("- a\n- b\n", NULL, MSGS("r.yaml:1:1: a recipe is a YAML mapping of sections (model:, distributed:, ...); "
+                                    "this file is not"));
+    expect("a: 1\n---\nb: 2\n", NULL, MSGS("r.yaml:2:1: a recipe is one YAML document; remove the second '---'"));
+    expect("? [a, b]\n: 1\n", NULL, MSGS("r.yaml:1:3: a key must be a plain name, not a list"));
+    expect("x: *nope\n", NULL, MSGS("r.yaml:1:4: alias *nope names no anchor defined before it"));
+}
+
+static void test_yaml_limits(void **state)
+{
+    (void)state;
+    /* nesting */
+    char deep[512] = "a: ";
+    for (int i = 0; i < 100; i++)
+        strcat(deep, "[");
+    expect(deep, NULL, MSGS("r.yaml:1:67: sections nest deeper than 64 levels"));
+    /* an alias bomb: 10 levels of 10 copies would be 10^10 values */
+    char bomb[4096] = "a0: &a0 [x, x, x, x, x, x, x, x, x, x]\n";
+    for (int i = 1; i < 10; i++) {
+        char line[128];
+        snprintf(line, sizeof(line), "a%d: &a%d [*a%d, *a%d, *a%d, *a%d, *a%d, *a%d, *a%d, *a%d, *a%d, *a%d]\n", i, i,
+                 i - 1, i - 1, i - 1, i - 1, i - 1, i - 1, i - 1, i - 1, i - 1, i - 1);
+        strcat(bomb, line);
+    }
+    struct am_errors err;
+    am_errors_init(&err);
+    struct am_recipe *r = parse_with("r.yaml", bomb, NULL, &err);
+    assert_null(r);
+    assert_int_equal(err.n, 1);
+    assert_non_null(strstr(err.msg[0], "more than 100000 values: a recipe is far smaller (is this the right file?)"));
+    am_errors_free(&err);
+}
+
+static void test_aliases_resolve(void **state)
+{
+    (void)state;
+    struct am_errors err;
+    am_errors_init(&err);
+    char y[1024];
+    snprintf(y, sizeof(y), "%ssizes: &two 2\ndistributed:\n  tp_size: *two\n  pp_size: *two\n", arch);
+    struct am_recipe *r = parse_with("r.yaml", y, NULL, &err);
+    assert_int_equal(err.n, 0);
+    assert_int_equal(r->dist.tp, 2);
+    assert_int_equal(r->dist.pp, 2);
+    am_recipe_free(r);
+    am_errors_free(&err);
+}
+
+static void test_unknown_keys(void **state)
+{
+    (void)state;
+    char y[1024];
+    snprintf(y, sizeof(y), "%sdistributed:\n  tp_szie: 2\n  flux_capacitor: 1\ndistributd:\n  tp_size: 2\n"
+             "step_schedular:\n  max_steps: 3\n", arch);
+    expect(y, NULL, MSGS("r.yaml:13:1: distributd: unknown key (did you mean distributed?)",
+                         "r.yaml:15:1: step_schedular: unknown key (did you mean step_scheduler?)",
+                         "r.yaml:11:3: distributed.tp_szie: unknown key (did you mean tp_size?)",
+                         "r.yaml:12:3: distributed.flux_capacitor: unknown key (docs/recipes.md lists the keys of "
+                         "distributed)"));
+    snprintf(y, sizeof(y), "%s  hiden_size: 64\n", "model:\n  num_hidden_layers: 2\n");
+    expect(y, NULL, MSGS("r.yaml:3:3: model.hiden_size: unknown key (did you mean hidden_size?)"));
+}
+
+/* A recipe in NeMo AutoModel's layout, with the keys its recipes use: it must load, with
+ * the keys am does not use listed as ignored. */
+static const char automodel[] =
+    "recipe: TrainFinetuneRecipeForNextTokenPrediction\n"
+    "step_scheduler:\n  global_batch_size: 64\n  local_batch_size: 8\n  ckpt_every_steps: 500\n"
+    "  val_every_steps: 100\n  num_epochs: 1\n  max_steps: 200\n"
+    "dist_env:\n  backend: nccl\n  timeout_minutes: 5\n"
+    "rng:\n  _target_: nemo_automodel.components.training.rng.StatefulRNG\n  seed: 4242\n  ranked: true\n"
+    "model:\n  _target_: nemo_automodel.NeMoAutoModelForCausalLM.from_pretrained\n"
+    "  pretrained_model_name_or_path: meta-llama/Llama-3.1-8B\n  torch_dtype: bfloat16\n"
+    "  trust_remote_code: false\n  attn_implementation: sdpa\n"
+    "checkpoint:\n  enabled: true\n  checkpoint_dir: ckpts/\n  model_save_format: safetensors\n"
+    "  save_consolidated: true\n"
+    "distributed:\n  _target_: nemo_automodel.components.distributed.fsdp2.FSDP2Manager\n  dp_size: none\n"
+    "  dp_replicate_size: 1\n  tp_size: 2\n  cp_size: 1\n  pp_size: 2\n  ep_size: null\n"
+    "  sequence_parallel: false\n  activation_checkpointing: true\n  defer_fsdp_grad_sync: false\n"
+    "  mp_policy:\n    _target_: torch.distributed.fsdp.MixedPrecisionPolicy\n    param_dtype: bfloat16\n"
+    "    reduce_dtype: float32\n    output_dtype: bfloat16\n    cast_forward_inputs: true\n"
+    "  pipeline:\n    pp_schedule: interleaved1f1b\n    pp_microbatch_size: 2\n    layers_per_stage: 8\n"
+    "    scale_grads_in_schedule: false\n    round_virtual_stages_to_pp_multiple: up\n"
+    "loss_fn:\n  _target_: nemo_automodel.components.loss.masked_ce.MaskedCrossEntropy\n"
+    "dataset:\n  _target_: nemo_automodel.components.datasets.llm.megatron_dataset.MegatronPretraining\n"
+    "  paths: [0.3, data/a_text_document, 0.7, data/b_text_document]\n  index_mapping_dir: mapping/\n"
+    "  tokenizer:\n    _target_: transformers.AutoTokenizer.from_pretrained\n"
+    "    pretrained_model_name_or_path: meta-llama/Llama-3.1-8B\n  seq_length: 4096\n  split: \"0.99, 0.01, 0.00\"\n"
+    "packed_sequence:\n  packed_sequence_size: 0\n  split_across_pack: false\n"
+    "dataloader:\n  _target_: torchdata.stateful_dataloader.StatefulDataLoader\n  shuffle: true\n"
+    "validation_dataset:\n  _target_: x.HellaSwag\n  split: validation\n"
+    "optimizer:\n  _target_: torch.optim.Adam\n  betas: [0.9, 0.95]\n  eps: 1e-8\n  lr: 1.0e-5\n"
+    "  weight_decay: 0\n  foreach: false\n"
+    "lr_scheduler:\n  lr_decay_style: cosine\n  lr_warmup_steps: 10\n  min_lr: 1.0e-6\n"
+    "wandb:\n  project: p\n  name: n\n"
+    "ci:\n  time: \"00:30:00\"\n";
+
+static void test_automodel_recipe_loads(void **state)
+{
+    (void)state;
+    struct am_errors err;
+    am_errors_init(&err);
+    struct am_recipe *r = parse_with("automodel.yaml", automodel, NULL, &err);
+    assert_messages(&err, NONE);
+    assert_int_equal(r->dist.strategy, AM_FSDP2);
+    assert_int_equal(r->dist.tp, 2);
+    assert_int_equal(r->dist.pp, 2);
+    assert_int_equal(r->dist.ep, 1);
+    assert_int_equal(r->dist.dp, 0);
+    assert_true(r->dist.activation_checkpointing);
+    assert_int_equal(r->dist.pipeline.schedule, AM_PP_INTERLEAVED_1F1B);
+    assert_int_equal(r->dist.pipeline.microbatch_size, 2);
+    assert_int_equal(r->dist.pipeline.layers_per_stage, 8);
+    assert_int_equal(r->dist.pipeline.round_virtual, AM_ROUND_UP);
+    assert_int_equal(r->model.hidden_size, 4096);
+    assert_int_equal(r->model.num_hidden_layers, 32);
+    assert_int_equal(r->data.n_paths, 2);
+    assert_string_equal(r->data.paths[1], "data/b_text_document");
+    assert_float_equal(r->data.weights[0], 0.3, 0);
+    assert_int_equal(r->data.seq_length, 4096);
+    assert_string_equal(r->optim.name, "adam");
+    assert_float_equal(r->optim.beta2, 0.95, 0);
+    assert_int_equal(r->lr.style, AM_LR_COSINE);
+    assert_int_equal(r->seed, 4242);
+    assert_float_equal(r->dist_env.timeout_minutes, 5, 0);
+    static const char *const ignored[] = {
+        "recipe", "loss_fn", "dataloader", "validation_dataset", "wandb", "ci", "model._target_",
+        "model.trust_remote_code", "model.attn_implementation", "distributed.dp_replicate_size" /* never */, NULL};
+    (void)ignored;
+    static const char *const want[] = {
+        "recipe", "loss_fn", "dataloader", "validation_dataset", "wandb", "ci", "model._target_",
+        "model.trust_remote_code", "model.attn_implementation", "distributed.defer_fsdp_grad_sync",
+        "distributed.mp_policy._target_", "distributed.mp_policy.reduce_dtype", "distributed.mp_policy.output_dtype",
+        "distributed.mp_policy.cast_forward_inputs", "distributed.pipeline.scale_grads_in_schedule",
+        "dataset._target_", "dataset.index_mapping_dir", "dataset.tokenizer", "dataset.split",
+        "packed_sequence.split_across_pack", "optimizer.foreach", "checkpoint.save_consolidated", "rng._target_", NULL};
+    size_t n = 0;
+    while (want[n])
+        n++;
+    for (size_t i = 0; i < n; i++) {
+        bool found = false;
+        for (size_t j = 0; j < r->ignored.n; j++)
+            found |= strcmp(r->ignored.v[j], want[i]) == 0;
+        if (!found)
+            print_error("not listed as ignored: %s\n", want[i]);
+        assert_true(found);
+    }
+    assert_int_equal(r->ignored.n, n);
+    am_recipe_free(r);
+    am_errors_free(&err);
+}
+
+static void test_overrides(void **state)
+{
+    (void)state;
+    struct am_errors err;
+    am_errors_init(&err);
+    const char *sets[] = {"distributed.tp_size=2", "packed_sequence.packed_sequence_size=512",
+                          "optimizer.betas=[0.8, 0.99]", "distributed.dp_size=none", NULL};
+    struct am_recipe *r = parse_with("r.yaml", arch, sets, &err);
+    assert_messages(&err, NONE);
+    assert_int_equal(r->dist.tp, 2);
+    assert_int_equal(r->packed_sequence_size, 512);
+    assert_float_equal(r->optim.beta1, 0.8, 0);
+    assert_int_equal(r->dist.dp, 0);
+    struct am_pos pos = am_recipe_pos(r, "distributed.tp_size");
+    assert_string_equal(pos.origin, "--set distributed.tp_size=2");
+    am_recipe_free(r);
+    am_errors_free(&err);
+
+    expect(arch, (const char *[]){"model.hidden_size.x=1", NULL},
+           MSGS("--set model.hidden_size.x=1: model.hidden_size.x: cannot set 'x' inside it: model.hidden_size is a "
+                "value, not a section"));
+    expect(arch, (const char *[]){"distributed..tp_size=1", NULL},
+           MSGS("--set distributed..tp_size=1: 'distributed..tp_size' is not a valid key path (use section.key, e.g. "
+                "distributed.tp_size)"));
+    expect(arch, (const char *[]){"step_scheduler.max_steps=", NULL},
+           MSGS("--set step_scheduler.max_steps=: step_scheduler.max_steps: expected a whole number, got ''"));
+    expect(arch, (const char *[]){"distributed.tp_size=[1", NULL},
+           MSGS("--set distributed.tp_size=[1: YAML syntax error: did not find expected ',' or ']' while parsing a "
+                "flow sequence"));
+}
+
+static void test_strategy_from_target(void **state)
+{
+    (void)state;
+    char y[1024];
+    snprintf(y, sizeof(y), "%sdistributed:\n  _target_: nemo_automodel.components.distributed.ddp.DDPManager\n", arch);
+    struct am_errors err;
+    am_errors_init(&err);
+    struct am_recipe *r = parse_with("r.yaml", y, NULL, &err);
+    assert_int_equal(err.n, 0);
+    assert_int_equal(r->dist.strategy, AM_DDP);
+    am_recipe_free(r);
+    am_errors_free(&err);
+    snprintf(y, sizeof(y), "%sdistributed:\n  strategy: fsdp2\n  _target_: x.DDPManager\n", arch);
+    expect(y, NULL, MSGS("r.yaml:12:13: distributed._target_: DDPManager is strategy ddp, but distributed.strategy "
+                         "says fsdp2 (keep one)"));
+    snprintf(y, sizeof(y), "%sdistributed:\n  strategy: fsdp3\n", arch);
+    expect(y, NULL, MSGS("r.yaml:11:13: distributed.strategy: 'fsdp3' is not one of: fsdp2, megatron_fsdp, ddp"));
+    snprintf(y, sizeof(y), "%sdistributed:\n  pipeline:\n    pp_schedule: zero_bubble\n", arch);
+    expect(y, NULL, MSGS("r.yaml:12:18: distributed.pipeline.pp_schedule: 'zero_bubble' is not a schedule am runs "
+                         "(use 1f1b, gpipe or interleaved1f1b)"));
+    snprintf(y, sizeof(y), "%soptimizer:\n  _target_: torch.optim.SGD\n", arch);
+    expect(y, NULL, MSGS("r.yaml:11:13: optimizer._target_: 'torch.optim.SGD' is not an optimizer am runs (use "
+                         "torch.optim.AdamW or torch.optim.Adam)"));
+}
+
+static void test_model_rules(void **state)
+{
+    (void)state;
+    expect("model:\n  model_type: gpt2\n  hidden_size: 64\n", NULL,
+           MSGS("r.yaml: model.model_type: 'gpt2' is not supported by am (supported: llama, mistral, mixtral, qwen3, "
+                "qwen3_moe)"));
+    expect("model:\n  hidden_act: gelu\n  attention_bias: true\n", NULL,
+           MSGS("r.yaml:2:15: model.hidden_act: 'gelu' is not supported by am (Llama-style models use silu)",
+                "r.yaml:3:19: model.attention_bias: true is not supported by am (Llama-style layers have no bias)"));
+    expect("model:\n  hidden_size: 64\n", NULL,
+           MSGS("r.yaml: model.num_hidden_layers: missing (write it under model:, or set "
+                "pretrained_model_name_or_path to a model directory or hub id)",
+                "r.yaml: model.num_attention_heads: missing (write it under model:, or set "
+                "pretrained_model_name_or_path to a model directory or hub id)",
+                "r.yaml: model.vocab_size: missing (write it under model:, or set pretrained_model_name_or_path to "
+                "a model directory or hub id)"));
+    expect("model:\n  hidden_size: 60\n  num_hidden_layers: 2\n  num_attention_heads: 8\n  vocab_size: 10\n"
+           "  intermediate_size: 8\n", NULL,
+           MSGS("r.yaml: model.num_attention_heads: 8 does not divide hidden_size 60 (set head_dim, or use a divisor "
+                "of 60)"));
+    expect("model:\n  hidden_size: 64\n  num_hidden_layers: 2\n  num_attention_heads: 8\n  num_key_value_heads: 3\n"
+           "  vocab_size: 10\n  intermediate_size: 8\n", NULL,
+           MSGS("r.yaml: model.num_key_value_heads: 3 does not divide num_attention_heads 8 (grouped-query "
+                "attention shares each kv head among whole groups of query heads)"));
+    expect("model:\n  model_type: mixtral\n  hidden_size: 64\n  num_hidden_layers: 2\n  num_attention_heads: 8\n"
+           "  vocab_size: 10\n  intermediate_size: 8\n", NULL,
+           MSGS("r.yaml: model.num_local_experts: missing (a mixtral model has experts)"));
+    expect("step_scheduler:\n  global_batch_size: 8\n", NULL,
+           MSGS("r.yaml: model: missing (give pretrained_model_name_or_path, or the architecture with config.json "
+                "keys such as hidden_size)"));
+}
+
+static const char config_json[] =
+    "{\"model_type\": \"llama\", \"hidden_size\": 128, \"num_hidden_layers\": 4, \"num_attention_heads\": 4,\n"
+    " \"num_key_value_heads\": 2, \"intermediate_size\": 256, \"vocab_size\": 512, \"rope_theta\": 500000.0,\n"
+    " \"tie_word_embeddings\": true, \"torch_dtype\": \"float16\", \"some_future_key\": [1, 2]}\n";
+
+static void test_model_from_hf_cache(void **state)
+{
+    (void)state;
+    char path[512], y[1024];
+    snprintf(path, sizeof(path), "%s/hub/models--acme--tiny/refs", tmp);
+    char cmd[1200];
+    snprintf(cmd, sizeof(cmd), "mkdir -p '%s' '%s/hub/models--acme--tiny/snapshots/abc123'", path, tmp);
+    assert_int_equal(system(cmd), 0);
+    snprintf(path, sizeof(path), "%s/hub/models--acme--tiny/refs/main", tmp);
+    write_file(path, "abc123");
+    snprintf(path, sizeof(path), "%s/hub/models--acme--tiny/snapshots/abc123/config.json", tmp);
+    write_file(path, config_json);
+    snprintf(path, sizeof(path), "%s/hub", tmp);
+    setenv("HF_HUB_CACHE", path, 1);
+
+    /* inline keys override config.json, as from_pretrained's kwargs do */
+    snprintf(y, sizeof(y), "model:\n  pretrained_model_name_or_path: acme/tiny\n  num_hidden_layers: 2\n"
+             "step_scheduler:\n  global_batch_size: 8\n  local_batch_size: 2\n");
+    struct am_errors err;
+    am_errors_init(&err);
+    struct am_recipe *r = parse_with("r.yaml", y, NULL, &err);
+    assert_messages(&err, NONE);
+    assert_int_equal(r->model.hidden_size, 128);
+    assert_int_equal(r->model.num_hidden_layers, 2);
+    assert_int_equal(r->model.num_key_value_heads, 2);
+    assert_true(r->model.tie_word_embeddings);
+    assert_float_equal(r->model.rope_theta, 500000.0, 0);
+    assert_int_equal(r->param_dtype, AM_DTYPE_FP16); /* torch_dtype absent: the checkpoint's */
+    snprintf(path, sizeof(path), "%s/hub/models--acme--tiny/snapshots/abc123/config.json", tmp);
+    assert_string_equal(r->model_source, path);
+    am_recipe_free(r);
+    am_errors_free(&err);
+
+    /* a local directory */
+    snprintf(y, sizeof(y), "model:\n  pretrained_model_name_or_path: %s/hub/models--acme--tiny/snapshots/abc123\n",
+             tmp);
+    am_errors_init(&err);
+    r = parse_with("r.yaml", y, NULL, &err);
+    assert_int_equal(r->model.num_hidden_layers, 4);
+    am_recipe_free(r);
+    am_errors_free(&err);
+
+    /* not found anywhere: every place tried is named */
+    setenv("AM_MODELS_DIR", "/nonexistent/models", 1);
+    char want[1024];
+    snprintf(want, sizeof(want), "r.yaml:2:34: model.pretrained_model_name_or_path: 'acme/huge' not found; looked in "
+             "the Hugging Face cache (%s/hub/models--acme--huge), the configs shipped with am (/nonexistent/models) "
+             "(download it with huggingface-cli, or write the architecture under model:)", tmp);
+    expect("model:\n  pretrained_model_name_or_path: acme/huge\n", NULL, MSGS(want));
+    snprintf(want, sizeof(want), "r.yaml:2:34: model.pretrained_model_name_or_path: './no/such/dir' not found; looked "
+             "in a local directory (none exists at that path) (download it with huggingface-cli, or write the "
+             "architecture under model:)");
+    expect("model:\n  pretrained_model_name_or_path: ./no/such/dir\n", NULL, MSGS(want));
+
+    /* a broken config.json */
+    snprintf(path, sizeof(path), "%s/hub/models--acme--tiny/snapshots/abc123/config.json", tmp);
+    write_file(path, "{\"hidden_size\": 12,,}");
+    snprintf(want, sizeof(want), "%s:1:20: invalid JSON: string or '}' expected near ','", path);
+    expect("model:\n  pretrained_model_name_or_path: acme/tiny\n", NULL, MSGS(want));
+    default_env();
+}
+
+static void test_model_shipped_configs(void **state)
+{
+    (void)state;
+    struct am_errors err;
+    am_errors_init(&err);
+    struct am_recipe *r =
+        parse_with("r.yaml", "model:\n  pretrained_model_name_or_path: meta-llama/Llama-3.3-70B-Instruct\n", NULL, &err);
+    assert_messages(&err, NONE);
+    assert_int_equal(r->model.hidden_size, 8192);
+    assert_int_equal(r->model.num_hidden_layers, 80);
+    assert_int_equal(r->model.num_key_value_heads, 8);
+    assert_int_equal(r->model.intermediate_size, 28672);
+    assert_string_equal(r->model.rope_scaling.type, "llama3");
+    assert_float_equal(r->model.rope_scaling.factor, 8.0, 0);
+    struct am_param_count pc;
+    am_model_params(&r->model, &pc);
+    assert_float_equal(pc.total, 70553706496.0, 0); /* Llama 3 70B's published parameter count */
+    am_recipe_free(r);
+
+    /* AutoModel's from_config layout: model.config carries the source */
+    r = parse_with("r.yaml", "model:\n  _target_: nemo_automodel.NeMoAutoModelForCausalLM.from_config\n  config:\n"
+                   "    _target_: transformers.AutoConfig.from_pretrained\n"
+                   "    pretrained_model_name_or_path: mistralai/Mixtral-8x7B-v0.1\n", NULL, &err);
+    assert_messages(&err, NONE);
+    assert_string_equal(r->model.model_type, "mixtral");
+    assert_int_equal(r->model.num_experts, 8);
+    assert_int_equal(r->model.moe_intermediate_size, 14336);
+    am_model_params(&r->model, &pc);
+    assert_float_equal(pc.total, 46702792704.0, 0); /* Mixtral 8x7B: 46.7B */
+    am_recipe_free(r);
+
+    r = parse_with("r.yaml", "model:\n  pretrained_model_name_or_path: Qwen/Qwen3-30B-A3B\n", NULL, &err);
+    assert_messages(&err, NONE);
+    am_model_params(&r->model, &pc);
+    assert_float_equal(pc.total, 30532122624.0, 0); /* Qwen3-30B-A3B: 30.5B */
+    am_recipe_free(r);
+    am_errors_free(&err);
+    default_env();
+}
+
+static void test_recipe_files(void **state)
+{
+    (void)state;
+    char path[512], want[700];
+    struct am_errors err;
+    am_errors_init(&err);
+    snprintf(path, sizeof(path), "%s/missing.yaml", tmp);
+    assert_null(am_recipe_load(path, NULL, 0, &err));
+    snprintf(want, sizeof(want), "%s: cannot open: No such file or directory", path);
+    assert_messages(&err, MSGS(want));
+    am_errors_free(&err);
+
+    assert_null(am_recipe_load(tmp, NULL, 0, &err));
+    snprintf(want, sizeof(want), "%s: is a directory, not a file", tmp);
+    assert_messages(&err, MSGS(want));
+    am_errors_free(&err);
+
+    assert_null(am_recipe_load("/dev/null", NULL, 0, &err));
+    assert_messages(&err, MSGS("/dev/null: is not a regular file"));
+    am_errors_free(&err);
+
+    snprintf(path, sizeof(path), "%s/big.yaml", tmp);
+    FILE *f = fopen(path, "w");
+    assert_non_null(f);
+    assert_int_equal(ftruncate(fileno(f), AM_RECIPE_MAX_BYTES + 1), 0);
+    fclose(f);
+    assert_null(am_recipe_load(path, NULL, 0, &err));
+    snprintf(want, sizeof(want), "%s: is 1048577 bytes, more than the 1048576 accepted (is this the right file?)", path);
+    assert_messages(&err, MSGS(want));
+    am_errors_free(&err);
+
+    /* a file that is not a recipe: nothing of its content appears in the messages */
+    snprintf(path, sizeof(path), "%s/shadow", tmp);
+    write_file(path, "root:$6$s3cr3tsalt$hash:19000:0:99999:7:::\n");
+    struct am_recipe *r = am_recipe_load(path, NULL, 0, &err);
+    assert_int_equal(err.n, 1);
+    assert_null(strstr(err.msg[0], "s3cr3t"));
+    am_recipe_free(r);
+    am_errors_free(&err);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_positions_and_types),
+        cmocka_unit_test(test_yaml_errors),
+        cmocka_unit_test(test_yaml_limits),
+        cmocka_unit_test(test_aliases_resolve),
+        cmocka_unit_test(test_unknown_keys),
+        cmocka_unit_test(test_automodel_recipe_loads),
+        cmocka_unit_test(test_overrides),
+        cmocka_unit_test(test_strategy_from_target),
+        cmocka_unit_test(test_model_rules),
+        cmocka_unit_test(test_model_from_hf_cache),
+        cmocka_unit_test(test_model_shipped_configs),
+        cmocka_unit_test(test_recipe_files),
+    };
+    return cmocka_run_group_tests_name("recipe", tests, setup_tmp, teardown_tmp);
+}
