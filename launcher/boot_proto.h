@@ -1,0 +1,35 @@
+/* boot_proto.h - the bootstrap's wire format between a rank and its launcher.
+ *
+ * A stream socket carries requests from the rank and one reply to each; integers in host
+ * order (both ends run on one machine). A request is struct am_boot_req followed by
+ * key_len bytes of key and val_len bytes of value; a reply is struct am_boot_rep followed
+ * by len bytes: the info (HELLO), the value (GET), or an error message (status != 0).
+ */
+#ifndef AM_BOOT_PROTO_H
+#define AM_BOOT_PROTO_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+enum am_boot_op { AM_BOOT_HELLO = 1, AM_BOOT_PUT, AM_BOOT_FENCE, AM_BOOT_GET, AM_BOOT_ABORT };
+
+struct am_boot_req {
+    uint32_t op;
+    uint32_t key_len;
+    uint64_t val_len;
+    int32_t rank;    /* GET: whose value; ABORT: the exit status */
+    uint32_t pad;
+    double timeout_s;
+};
+
+struct am_boot_rep {
+    int32_t status; /* 0 ok */
+    uint32_t pad;
+    uint64_t len;
+};
+
+/* Reads or writes exactly len bytes, retrying on EINTR; -1 on error or end of stream. */
+int am_io_read_full(int fd, void *buf, size_t len);
+int am_io_write_full(int fd, const void *buf, size_t len);
+
+#endif

@@ -1,0 +1,181 @@
+/* bootstrap.c - the rank side of bootstrap.h: requests over the launcher's socket. */
+#include "bootstrap.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "boot_proto.h"
+
+struct am_boot {
+    int fd;
+    struct am_boot_info info;
+    char err[512];
+};
+
+int am_io_read_full(int fd, void *buf, size_t len)
+{
+    char *p = buf;
+    while (len) {
+        ssize_t n = read(fd, p, len);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n <= 0)
+            return -1;
+        p += n;
+        len -= (size_t)n;
+    }
+    return 0;
+}
+
+int am_io_write_full(int fd, const void *buf, size_t len)
+{
+    const char *p = buf;
+    while (len) {
+        ssize_t n = write(fd, p, len);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n <= 0)
+            return -1;
+        p += n;
+        len -= (size_t)n;
+    }
+    return 0;
+}
+
+static int fail(struct am_boot *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static int fail(struct am_boot *b, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(b->err, sizeof(b->err), fmt, ap);
+    va_end(ap);
+    return -1;
+}
+
+/* Sends one request and reads its reply; the payload (if any) is malloc'd into *out. */
+static int call(struct am_boot *b, const char *what, uint32_t op, const char *key, const void *val, size_t val_len,
+                int32_t rank, double timeout_s, void **out, size_t *out_len)
+{
+    size_t key_len = key ? strlen(key) : 0;
+    if (key_len > AM_BOOT_MAX_KEY)
+        return fail(b, "bootstrap %s: key '%.64s...' is longer than %d bytes", what, key, AM_BOOT_MAX_KEY);
+    if (val_len > AM_BOOT_MAX_VALUE)
+        return fail(b, "bootstrap %s: value of %zu bytes is larger than %d", what, val_len, AM_BOOT_MAX_VALUE);
+    struct am_boot_req req = {.op = op, .key_len = (uint32_t)key_len, .val_len = val_len, .rank = rank,
+                              .timeout_s = timeout_s};
+    if (am_io_write_full(b->fd, &req, sizeof(req)) < 0 || am_io_write_full(b->fd, key, key_len) < 0 ||
+        am_io_write_full(b->fd, val, val_len) < 0)
+        return fail(b, "bootstrap %s: the launcher is gone (%s)", what, strerror(errno));
+    struct am_boot_rep rep;
+    if (am_io_read_full(b->fd, &rep, sizeof(rep)) < 0)
+        return fail(b, "bootstrap %s: the launcher closed the connection (it is stopping the job)", what);
+    if (rep.len > AM_BOOT_MAX_VALUE + 4096)
+        return fail(b, "bootstrap %s: reply of %llu bytes is too large", what, (unsigned long long)rep.len);
+    char *payload = malloc(rep.len + 1);
+    if (!payload)
+        return fail(b, "bootstrap %s: out of memory", what);
+    if (am_io_read_full(b->fd, payload, rep.len) < 0) {
+        free(payload);
+        return fail(b, "bootstrap %s: the launcher closed the connection", what);
+    }
+    payload[rep.len] = '\0';
+    if (rep.status != 0) {
+        fail(b, "bootstrap %s: %s", what, payload);
+        free(payload);
+        return -1;
+    }
+    if (out) {
+        *out = payload;
+        *out_len = rep.len;
+    } else {
+        free(payload);
+    }
+    return 0;
+}
+
+struct am_boot *am_boot_init(struct am_boot_info *info, char *err, size_t err_len)
+{
+    const char *fd_env = getenv("AM_BOOTSTRAP_FD");
+    char *end;
+    long fd = fd_env ? strtol(fd_env, &end, 10) : -1;
+    if (!fd_env || !*fd_env || *end || fd < 0 || fd > 1 << 20 || fcntl((int)fd, F_GETFD) < 0) {
+        snprintf(err, err_len, "no launcher: AM_BOOTSTRAP_FD is %s; start rank programs with am-launch "
+                 "(`am-launch --nproc N RECIPE` on one machine, `srun --mpi=pmix am-launch RECIPE` under Slurm)",
+                 fd_env ? "not an open descriptor" : "not set");
+        return NULL;
+    }
+    struct am_boot *b = calloc(1, sizeof(*b));
+    if (!b) {
+        snprintf(err, err_len, "bootstrap: out of memory");
+        return NULL;
+    }
+    b->fd = (int)fd;
+    void *p;
+    size_t len;
+    if (call(b, "hello", AM_BOOT_HELLO, NULL, NULL, 0, 0, 0, &p, &len) < 0 || len != sizeof(*info)) {
+        snprintf(err, err_len, "%s", b->err[0] ? b->err : "bootstrap hello: malformed reply");
+        if (!b->err[0])
+            free(p);
+        free(b);
+        return NULL;
+    }
+    memcpy(&b->info, p, sizeof(b->info));
+    free(p);
+    *info = b->info;
+    return b;
+}
+
+void am_boot_fini(struct am_boot *b)
+{
+    if (!b)
+        return;
+    close(b->fd);
+    free(b);
+}
+
+const char *am_boot_error(const struct am_boot *b) { return b->err; }
+
+int am_boot_put(struct am_boot *b, const char *key, const void *value, size_t len)
+{
+    return call(b, "put", AM_BOOT_PUT, key, value, len, 0, 0, NULL, NULL);
+}
+
+int am_boot_fence(struct am_boot *b, double timeout_s)
+{
+    return call(b, "fence", AM_BOOT_FENCE, NULL, NULL, 0, 0, timeout_s, NULL, NULL);
+}
+
+int am_boot_get(struct am_boot *b, int rank, const char *key, void **value, size_t *len, double timeout_s)
+{
+    return call(b, "get", AM_BOOT_GET, key, NULL, 0, rank, timeout_s, value, len);
+}
+
+int am_boot_allgather(struct am_boot *b, const char *key, const void *mine, size_t len, void *all, double timeout_s)
+{
+    if (am_boot_put(b, key, mine, len) < 0 || am_boot_fence(b, timeout_s) < 0)
+        return -1;
+    for (int r = 0; r < b->info.size; r++) {
+        void *v;
+        size_t n;
+        if (am_boot_get(b, r, key, &v, &n, timeout_s) < 0)
+            return -1;
+        if (n != len) {
+            free(v);
+            return fail(b, "bootstrap allgather '%s': rank %d published %zu bytes, this rank %zu", key, r, n, len);
+        }
+        memcpy((char *)all + (size_t)r * len, v, len);
+        free(v);
+    }
+    return 0;
+}
+
+void am_boot_abort(struct am_boot *b, int status, const char *msg)
+{
+    call(b, "abort", AM_BOOT_ABORT, NULL, msg, msg ? strlen(msg) : 0, status, 0, NULL, NULL);
+    _exit(status ? status : 1);
+}

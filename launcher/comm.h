@@ -1,0 +1,78 @@
+/* comm.h - communicators: one interface over two backends.
+ *
+ *   UCX  (AM_COMM_UCX):  host memory; UCP workers, endpoints to every peer created up front
+ *                        from addresses exchanged through the bootstrap; ring (or better)
+ *                        algorithms for the large collectives.
+ *   NCCL (AM_COMM_NCCL): device memory; one communicator per group from a unique id shared
+ *                        through the bootstrap, non-blocking, with async-error polling and
+ *                        ncclCommAbort on timeout.
+ *
+ * Groups are created all at once, in one fixed order, on every rank (am_comm_create_groups):
+ * lazily created communicators deadlock when ranks create them in different orders. Every
+ * blocking wait has a timeout (the recipe's dist_env.timeout_minutes); when it expires the
+ * call fails with a message naming the operation, the group, its sequence number and the peer
+ * that did not answer, and the caller aborts the job. Every call is counted per group (a
+ * sequence number), so logs of different ranks can be matched up.
+ *
+ * Counts are in elements. `count` may be 0. For reduce_scatter and allgather, `count` is
+ * the per-rank block: the full buffer holds count * group size elements. In-place
+ * operation is allowed where send == recv (allreduce), or send == recv + rank * count
+ * (allgather), or recv == send + rank * count (reduce_scatter).
+ * Functions return 0 or -1; am_comm_error() says why.
+ */
+#ifndef AM_COMM_H
+#define AM_COMM_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "bootstrap.h"
+
+enum am_comm_backend { AM_COMM_UCX, AM_COMM_NCCL };
+enum am_comm_dtype { AM_F32, AM_BF16, AM_F16, AM_I32, AM_I64 };
+enum am_comm_op { AM_SUM, AM_MAX, AM_AVG };
+
+size_t am_comm_dtype_size(enum am_comm_dtype t);
+const char *am_comm_dtype_name(enum am_comm_dtype t);
+
+struct am_comm_ctx; /* one per process: the backend's worker or device, the bootstrap */
+struct am_comm;     /* one group */
+
+/* device: the CUDA device for NCCL, ignored by UCX. timeout_s bounds every wait. */
+struct am_comm_ctx *am_comm_ctx_init(enum am_comm_backend backend, struct am_boot *boot,
+                                     const struct am_boot_info *info, int device, double timeout_s,
+                                     char *err, size_t err_len);
+void am_comm_ctx_fini(struct am_comm_ctx *ctx);
+const char *am_comm_ctx_error(const struct am_comm_ctx *ctx);
+
+/* Creates n_groups groups at once; collective over ALL ranks of the job, which must pass
+ * the same groups in the same order. groups[g] lists the global ranks of group g in group
+ * order (a rank's index in it is its group rank); a rank not in group g gets out[g] = NULL.
+ * names[g] ("tp", "dp", ...) appears in messages and logs. */
+int am_comm_create_groups(struct am_comm_ctx *ctx, int n_groups, const int *const *groups,
+                          const int *group_sizes, const char *const *names, struct am_comm **out);
+void am_comm_destroy(struct am_comm *c);
+
+int am_comm_rank(const struct am_comm *c); /* rank in the group */
+int am_comm_size(const struct am_comm *c);
+const char *am_comm_name(const struct am_comm *c);
+uint64_t am_comm_seq(const struct am_comm *c); /* operations issued on this group so far */
+const char *am_comm_error(const struct am_comm *c);
+
+/* NCCL: the CUDA stream the operations are enqueued on (cudaStream_t); UCX ignores it. */
+void am_comm_set_stream(struct am_comm *c, void *stream);
+
+int am_allreduce(struct am_comm *c, const void *send, void *recv, size_t count, enum am_comm_dtype t,
+                 enum am_comm_op op);
+int am_reduce_scatter(struct am_comm *c, const void *send, void *recv, size_t count, enum am_comm_dtype t,
+                      enum am_comm_op op);
+int am_allgather(struct am_comm *c, const void *send, void *recv, size_t count, enum am_comm_dtype t);
+/* counts and displacements in elements, one per group rank */
+int am_alltoallv(struct am_comm *c, const void *send, const size_t *send_counts, const size_t *send_displs,
+                 void *recv, const size_t *recv_counts, const size_t *recv_displs, enum am_comm_dtype t);
+int am_broadcast(struct am_comm *c, void *buf, size_t count, enum am_comm_dtype t, int root);
+int am_send(struct am_comm *c, const void *buf, size_t count, enum am_comm_dtype t, int peer);
+int am_recv(struct am_comm *c, void *buf, size_t count, enum am_comm_dtype t, int peer);
+int am_barrier(struct am_comm *c);
+
+#endif
