@@ -42,6 +42,7 @@ struct key_spec {
 #define IGNORE(name) {name, K_IGNORE, 0, 0, NULL}
 
 static void read_section(struct reader *rd, struct am_node *sec, const char *name, const struct key_spec *keys);
+static int read_norm_type(struct reader *rd, struct am_node *v, const char *key);
 
 static void add_ignored(struct reader *rd, const char *section, const char *key)
 {
@@ -393,11 +394,29 @@ static const struct key_spec dist_env_keys[] = {
     {"backend", K_STR, R(dist_env.backend), 0, NULL},
     {NULL, 0, 0, 0, NULL}};
 
+static const struct key_spec clip_keys[] = {
+    {"max_norm", K_DOUBLE, R(optim.max_grad_norm), 0, NULL},
+    {"norm_type", K_FN, 0, 0, read_norm_type},
+    IGNORE("foreach"), IGNORE("error_if_nonfinite"),
+    {NULL, 0, 0, 0, NULL}};
+
 static const struct key_spec rng_keys[] = {
     {"seed", K_LONG, R(seed), 0, NULL},
     {"ranked", K_BOOL, R(seed_ranked), 0, NULL},
     IGNORE("_target_"),
     {NULL, 0, 0, 0, NULL}};
+
+static int read_norm_type(struct reader *rd, struct am_node *v, const char *key)
+{
+    double d;
+    if (am_node_double(v, key, &d, rd->err) < 0)
+        return -1;
+    if (d != 2.0) {
+        am_errorf(rd->err, &v->pos, "%s: %g is not supported by am (it clips by the L2 norm: use 2)", key, d);
+        return -1;
+    }
+    return 0;
+}
 
 /* ---- the generic section reader ------------------------------------------------------ */
 
@@ -548,7 +567,7 @@ static void read_model(struct reader *rd, struct am_node *model)
 
 static const char *const owned_sections[] = {"model", "distributed", "step_scheduler", "dataset",
                                              "packed_sequence", "optimizer", "lr_scheduler", "checkpoint",
-                                             "dist_env", "rng", NULL};
+                                             "dist_env", "rng", "clip_grad_norm", NULL};
 
 static void read_recipe(struct reader *rd)
 {
@@ -624,6 +643,11 @@ static void read_recipe(struct reader *rd)
     read_section(rd, am_node_child(root, "checkpoint"), "checkpoint", checkpoint_keys);
     read_section(rd, am_node_child(root, "dist_env"), "dist_env", dist_env_keys);
     read_section(rd, am_node_child(root, "rng"), "rng", rng_keys);
+    struct am_node *clip = am_node_child(root, "clip_grad_norm");
+    if (clip && am_node_is_null(am_node_path(clip, "max_norm")) && am_node_entry(clip, "max_norm"))
+        r->optim.max_grad_norm = 0; /* max_norm: null turns clipping off */
+    else
+        read_section(rd, clip, "clip_grad_norm", clip_keys);
 
     /* sizes not given are 1 (dp: inferred later) */
     int *sizes[] = {&r->dist.tp, &r->dist.pp, &r->dist.cp, &r->dist.ep};

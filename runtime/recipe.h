@@ -1,7 +1,7 @@
 /* recipe.h - the recipe: NeMo AutoModel's YAML layout, read into typed settings.
  *
  * A recipe has AutoModel's sections (model, distributed, step_scheduler, dataset,
- * packed_sequence, optimizer, lr_scheduler, checkpoint, dist_env, rng). am reads the keys
+ * packed_sequence, optimizer, lr_scheduler, clip_grad_norm, checkpoint, dist_env, rng). am reads the keys
  * it uses; keys that AutoModel defines but am does not use (`_target_`, mp_policy, ...) and
  * whole sections am does not own (wandb, ci, loss_fn, dataloader, ...) are accepted and
  * listed in `ignored`. An unknown key inside a section am owns is an error (with a
@@ -87,7 +87,8 @@ struct am_recipe {
 
     struct {
         const char *name; /* "adam" or "adamw" */
-        double lr, beta1, beta2, eps, weight_decay, max_grad_norm;
+        double lr, beta1, beta2, eps, weight_decay;
+        double max_grad_norm; /* clip_grad_norm.max_norm; 0: no clipping */
     } optim;
 
     struct {

@@ -178,6 +178,7 @@ static const char automodel[] =
     "optimizer:\n  _target_: torch.optim.Adam\n  betas: [0.9, 0.95]\n  eps: 1e-8\n  lr: 1.0e-5\n"
     "  weight_decay: 0\n  foreach: false\n"
     "lr_scheduler:\n  lr_decay_style: cosine\n  lr_warmup_steps: 10\n  min_lr: 1.0e-6\n"
+    "clip_grad_norm:\n  max_norm: 0.5\n"
     "wandb:\n  project: p\n  name: n\n"
     "ci:\n  time: \"00:30:00\"\n";
 
@@ -208,6 +209,7 @@ static void test_automodel_recipe_loads(void **state)
     assert_float_equal(r->optim.beta2, 0.95, 0);
     assert_int_equal(r->lr.style, AM_LR_COSINE);
     assert_int_equal(r->seed, 4242);
+    assert_float_equal(r->optim.max_grad_norm, 0.5, 0);
     assert_float_equal(r->dist_env.timeout_minutes, 5, 0);
     static const char *const ignored[] = {
         "recipe", "loss_fn", "dataloader", "validation_dataset", "wandb", "ci", "model._target_",
@@ -287,6 +289,9 @@ static void test_strategy_from_target(void **state)
     snprintf(y, sizeof(y), "%sdistributed:\n  pipeline:\n    pp_schedule: zero_bubble\n", arch);
     expect(y, NULL, MSGS("r.yaml:12:18: distributed.pipeline.pp_schedule: 'zero_bubble' is not a schedule am runs "
                          "(use 1f1b, gpipe or interleaved1f1b)"));
+    snprintf(y, sizeof(y), "%sclip_grad_norm:\n  max_norm: 0.5\n  norm_type: 1\n", arch);
+    expect(y, NULL, MSGS("r.yaml:12:14: clip_grad_norm.norm_type: 1 is not supported by am (it clips by the L2 "
+                         "norm: use 2)"));
     snprintf(y, sizeof(y), "%soptimizer:\n  _target_: torch.optim.SGD\n", arch);
     expect(y, NULL, MSGS("r.yaml:11:13: optimizer._target_: 'torch.optim.SGD' is not an optimizer am runs (use "
                          "torch.optim.AdamW or torch.optim.Adam)"));
