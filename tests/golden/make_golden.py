@@ -1,0 +1,866 @@
+#!/usr/bin/env python3
+"""Golden reference generator for am (the ONLY Python in the project).
+
+Builds tiny random Hugging Face models (LlamaForCausalLM, MixtralForCausalLM) with fixed
+seeds, saves each as a Hugging Face directory under tests/golden/models/<case>/ and records
+what transformers computes on a fixed batch into tests/golden/models/<case>/golden.safetensors:
+logits, loss, the gradient of every parameter, the losses of 5 AdamW steps (without and with
+gradient-norm clipping), a few final parameters, and the rotary cos/sin tables.
+
+Usage (see tests/golden/README.md for the environment):
+    make_golden.py                       regenerate every case (writes tests/golden/models, summary.json)
+    make_golden.py --case llama_gqa      regenerate one case
+    make_golden.py --check-am-export DIR [--case CASE]
+                                         load DIR with transformers, run the golden batch of CASE and
+                                         compare logits with the golden (max abs diff <= 1e-5): PASS/FAIL
+    make_golden.py --self-test           check the checker: every golden model PASSes, a perturbed copy
+                                         and a copy with a tensor missing FAIL
+
+Conventions (must match the C side; also in README.md):
+  * labels = input_ids. transformers' ForCausalLMLoss pads labels with -100 on the right and shifts
+    them left by one, so position t (0 <= t < T-1) predicts input_ids[:, t+1] and position T-1 is
+    ignored. loss = mean over the B*(T-1) non-ignored positions of cross-entropy (natural log).
+  * float32 everywhere, eager attention (and eager experts for MoE),
+    torch.use_deterministic_algorithms(True), 1 thread.
+  * AdamW = torch.optim.AdamW(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
+    foreach=False), weight decay on every parameter; losses_*[k] (k = 0..4) is the loss of the
+    forward pass before update k+1 (so losses_*[0] == loss).
+  * Clipping = torch.nn.utils.clip_grad_norm_(params, 1.0) between backward and step.
+"""
+
+import argparse
+import copy
+import hashlib
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+import torch
+import torch.nn.functional as F
+
+import safetensors
+import transformers
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, MixtralConfig
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+MODELS = os.path.join(HERE, "models")
+
+BATCH = 2
+ADAMW = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+ADAMW_STEPS = 5
+CLIP_MAX_NORM = 1.0
+LOGITS_TOL = 1e-5  # --check-am-export tolerance (max abs diff of logits)
+SDPA_TOL = 1e-6    # eager vs sdpa (must agree to be sure the golden does not depend on it)
+NORM_PERTURB = 0.1  # RMSNorm weights: 1 + NORM_PERTURB * N(0,1) (see README: sensitivity)
+MIN_ROUTER_MARGIN = 1e-4  # Mixtral: 2nd vs 3rd router probability must differ by at least this
+# The float32 golden must be this close to the same computation in float64 (the generator
+# refuses a case otherwise), so that the tolerances recommended in README.md keep >= 5x headroom
+# for a float32 implementation that rounds differently.
+CONDITIONING = dict(logits_max_abs=1e-6, loss_abs=1e-6, grad_max_rel=2e-6,
+                    losses_adamw_max_abs=2e-6, losses_adamw_clip_max_abs=2e-6, final_max_abs=1e-5)
+
+LLAMA_BASE = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    tie_word_embeddings=False,
+    rope_theta=10000.0,
+    rope_scaling=None,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=64,
+    initializer_range=0.02,
+    hidden_act="silu",
+    attention_bias=False,
+    mlp_bias=False,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=None,
+)
+
+# Seeds: the first seed tried was kept where the checks in generate() passed; llama_tp
+# (model_seed 1004 -> 1044), llama3_scaling (data_seed 2003 -> 2023) and mixtral_tiny
+# (model_seed 1005 -> 1023) were re-seeded because lr 1e-2 makes some AdamW trajectories
+# ill-conditioned (float32 vs float64 losses 1e-5..2e-4 apart; see CONDITIONING) and, for
+# Mixtral, some tokens sat within 2e-5 of a top-2 routing tie (see MIN_ROUTER_MARGIN).
+#
+# config_format: "v5" keeps config.json as transformers 5 writes it (rope in "rope_parameters");
+# "legacy" rewrites it the way most checkpoints on the hub are written (top-level "rope_theta"
+# and "rope_scaling", as transformers 4.x and Meta's Llama 3.x configs do). The C loader must
+# read both; the script checks that transformers reads both to the same rope parameters.
+CASES = {
+    "llama_gqa": dict(
+        arch="llama", seq=16, model_seed=1001, data_seed=2001, config_format="v5",
+        config=dict(LLAMA_BASE),
+    ),
+    "llama_tied": dict(
+        arch="llama", seq=16, model_seed=1002, data_seed=2002, config_format="legacy",
+        config=dict(LLAMA_BASE, tie_word_embeddings=True, num_key_value_heads=4),
+    ),
+    "llama3_scaling": dict(
+        # same model_seed (and shapes) as llama_gqa: identical initial weights, so model.safetensors
+        # is byte-identical (one git blob) and the logits differ only by the rope configuration.
+        arch="llama", seq=32, model_seed=1001, data_seed=2023, config_format="legacy",
+        config=dict(
+            LLAMA_BASE,
+            rope_theta=500000.0,
+            rope_scaling=dict(
+                rope_type="llama3",
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=16,
+            ),
+        ),
+    ),
+    "llama_tp": dict(
+        arch="llama", seq=16, model_seed=1044, data_seed=2004, config_format="v5",
+        config=dict(LLAMA_BASE, num_hidden_layers=4, intermediate_size=128),
+    ),
+    "mixtral_tiny": dict(
+        arch="mixtral", seq=16, model_seed=1023, data_seed=2005, config_format="v5",
+        config=dict(
+            vocab_size=128,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            tie_word_embeddings=False,
+            rope_theta=10000.0,
+            rms_norm_eps=1e-5,
+            max_position_embeddings=64,
+            initializer_range=0.02,
+            hidden_act="silu",
+            sliding_window=None,
+            router_jitter_noise=0.0,
+            output_router_logits=True,
+            router_aux_loss_coef=0.02,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=None,
+        ),
+    ),
+}
+
+# A second llama3 inverse-frequency table whose parameters put head-dim pairs in all three
+# branches of the llama3 rule (unchanged / smoothed / divided by factor); with the model's own
+# parameters (original_max_position_embeddings 16) no pair is left unchanged.
+LLAMA3_ALL_BRANCHES = dict(
+    rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+    original_max_position_embeddings=64,
+)
+
+
+def log(msg):
+    print(msg, flush=True)
+
+
+def setup_torch():
+    torch.manual_seed(0)
+    torch.use_deterministic_algorithms(True)
+    torch.set_num_threads(1)
+    torch.set_default_dtype(torch.float32)
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    try:
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
+    except Exception:  # pragma: no cover - only cosmetics
+        pass
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+# ----------------------------------------------------------------------------------------
+# Models, batches, naming
+# ----------------------------------------------------------------------------------------
+
+
+def make_config(case):
+    spec = CASES[case]
+    cfg = dict(spec["config"])
+    if spec["arch"] == "llama":
+        return LlamaConfig(**cfg)
+    return MixtralConfig(**cfg)
+
+
+def impl_kwargs(config_or_case, fast=False):
+    """Implementation choice. The golden uses the plain reference code paths: eager attention and,
+    for MoE, the eager per-expert loop. fast=True picks transformers' defaults for a cross-check
+    (sdpa attention; grouped_mm experts), which must agree within SDPA_TOL."""
+    if isinstance(config_or_case, str):
+        is_moe = CASES[config_or_case]["arch"] == "mixtral"
+    else:
+        is_moe = getattr(config_or_case, "model_type", None) == "mixtral"
+    kw = dict(attn_implementation="sdpa" if fast else "eager")
+    if is_moe and not fast:
+        kw["experts_implementation"] = "eager"
+    return kw
+
+
+def load(outdir, case, dtype=torch.float32, fast=False, **extra):
+    model = AutoModelForCausalLM.from_pretrained(outdir, dtype=dtype, **impl_kwargs(case, fast), **extra)
+    m = model[0] if isinstance(model, tuple) else model
+    m.eval()
+    return model
+
+
+def make_model(case):
+    """from_config with a fixed seed (transformers' own init), then perturb RMSNorm weights."""
+    spec = CASES[case]
+    config = make_config(case)
+    torch.manual_seed(spec["model_seed"])
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **impl_kwargs(case))
+    g = torch.Generator().manual_seed(spec["model_seed"] + 500)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("layernorm.weight") or name == "model.norm.weight":
+                p.copy_(1.0 + NORM_PERTURB * torch.randn(p.shape, generator=g))
+    model.eval()  # no dropout anywhere (all dropouts are 0 anyway); training flag irrelevant
+    return model
+
+
+def make_batch(case):
+    spec = CASES[case]
+    g = torch.Generator().manual_seed(spec["data_seed"])
+    vocab = spec["config"]["vocab_size"]
+    return torch.randint(0, vocab, (BATCH, spec["seq"]), generator=g, dtype=torch.int64)
+
+
+def to_checkpoint_names(model, tensors):
+    """Map in-memory parameter names to the names used in model.safetensors.
+
+    Llama: identical. Mixtral (transformers 5 keeps experts fused in memory, but
+    save_pretrained writes the classic per-expert layout):
+      model.layers.L.mlp.gate.weight                [E, H]      -> model.layers.L.block_sparse_moe.gate.weight
+      model.layers.L.mlp.experts.gate_up_proj       [E, 2I, H]  -> ...block_sparse_moe.experts.e.w1.weight = [e, :I, :]
+                                                                   ...block_sparse_moe.experts.e.w3.weight = [e, I:, :]
+      model.layers.L.mlp.experts.down_proj          [E, H, I]   -> ...block_sparse_moe.experts.e.w2.weight = [e]
+    """
+    out = {}
+    for name, t in tensors.items():
+        if ".mlp.experts.gate_up_proj" in name:
+            prefix = name.split(".mlp.experts.gate_up_proj")[0]
+            inter = t.shape[1] // 2
+            for e in range(t.shape[0]):
+                out[f"{prefix}.block_sparse_moe.experts.{e}.w1.weight"] = t[e, :inter, :].contiguous()
+                out[f"{prefix}.block_sparse_moe.experts.{e}.w3.weight"] = t[e, inter:, :].contiguous()
+        elif ".mlp.experts.down_proj" in name:
+            prefix = name.split(".mlp.experts.down_proj")[0]
+            for e in range(t.shape[0]):
+                out[f"{prefix}.block_sparse_moe.experts.{e}.w2.weight"] = t[e].contiguous()
+        elif ".mlp.gate.weight" in name and isinstance(model.config, MixtralConfig):
+            out[name.replace(".mlp.gate.weight", ".block_sparse_moe.gate.weight")] = t.contiguous()
+        else:
+            out[name] = t.contiguous()
+    return out
+
+
+# ----------------------------------------------------------------------------------------
+# Forward / backward / training
+# ----------------------------------------------------------------------------------------
+
+
+def forward(model, ids, own_loss=False):
+    """Returns dict(loss, loss_lm, aux_loss, logits, router_logits). loss is what training uses.
+
+    own_loss=False: loss is transformers' own (asserted equal to the explicit shift below).
+    own_loss=True: loss is the explicit shifted cross-entropy computed in the model's dtype
+    (transformers upcasts logits to float32 for its loss, which would spoil the float64 reference).
+    """
+    is_moe = isinstance(model.config, MixtralConfig)
+    kwargs = dict(input_ids=ids, labels=ids)
+    if is_moe:
+        kwargs["output_router_logits"] = True
+    out = model(**kwargs)
+    logits = out.logits
+    # The label shift spelled out: position t predicts ids[:, t+1]; mean over B*(T-1).
+    vocab = logits.shape[-1]
+    loss_lm = F.cross_entropy(logits[:, :-1, :].reshape(-1, vocab), ids[:, 1:].reshape(-1))
+    res = dict(loss=out.loss, loss_lm=loss_lm, logits=logits, aux_loss=None, router_logits=None)
+    expect = loss_lm
+    if is_moe:
+        res["aux_loss"] = out.aux_loss
+        res["router_logits"] = out.router_logits
+        expect = loss_lm + model.config.router_aux_loss_coef * out.aux_loss
+    if own_loss:
+        res["loss"] = expect
+    else:
+        assert abs(float(out.loss.detach()) - float(expect.detach())) <= 1e-6, (out.loss, expect)
+    return res
+
+
+def router_margin(router_logits, top_k):
+    """Smallest gap between the k-th and (k+1)-th router probability over all tokens and layers."""
+    m = float("inf")
+    for layer_logits in router_logits:
+        p = torch.softmax(layer_logits.detach().float(), dim=-1)
+        s, _ = torch.sort(p, dim=-1, descending=True)
+        m = min(m, float((s[:, top_k - 1] - s[:, top_k]).min()))
+    return m
+
+
+def grads_of(model, ids, own_loss=False):
+    model.zero_grad(set_to_none=True)
+    res = forward(model, ids, own_loss)
+    res["loss"].backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    res = {k: v.detach() if torch.is_tensor(v) else v for k, v in res.items()}
+    return res, grads
+
+
+def train(model, ids, clip, own_loss=False):
+    """5 AdamW steps on the same batch. Returns losses [5], pre-clip grad norms [5], router margin."""
+    opt = torch.optim.AdamW(model.parameters(), foreach=False, **ADAMW)
+    losses, norms = [], []
+    margin = float("inf")
+    for _ in range(ADAMW_STEPS):
+        opt.zero_grad(set_to_none=True)
+        res = forward(model, ids, own_loss)
+        res["loss"].backward()
+        if res["router_logits"] is not None:
+            margin = min(margin, router_margin(res["router_logits"], model.config.num_experts_per_tok))
+        params = [p for p in model.parameters() if p.grad is not None]
+        if clip:
+            total = torch.nn.utils.clip_grad_norm_(params, CLIP_MAX_NORM)
+        else:
+            total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
+        norms.append(float(total))
+        losses.append(float(res["loss"].detach()))
+        opt.step()
+    return losses, norms, margin
+
+
+def rope_tables(model, seq):
+    rot = model.model.rotary_emb
+    x = torch.zeros(1, dtype=torch.float32)
+    pos = torch.arange(seq, dtype=torch.int64)[None, :]
+    cos, sin = rot(x, pos)
+    half = cos.shape[-1] // 2
+    cos, sin = cos[0], sin[0]
+    # transformers builds emb = cat(freqs, freqs): the two halves are identical.
+    assert torch.equal(cos[:, :half], cos[:, half:]) and torch.equal(sin[:, :half], sin[:, half:])
+    assert rot.attention_scaling == 1.0
+    return cos[:, :half].contiguous(), sin[:, :half].contiguous(), rot.inv_freq.detach().clone()
+
+
+def llama3_all_branches_inv_freq(config):
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    p = LLAMA3_ALL_BRANCHES
+    c = LlamaConfig(**dict(CASES["llama3_scaling"]["config"], rope_theta=p["rope_theta"], rope_scaling=dict(
+        rope_type="llama3", factor=p["factor"], low_freq_factor=p["low_freq_factor"],
+        high_freq_factor=p["high_freq_factor"],
+        original_max_position_embeddings=p["original_max_position_embeddings"])))
+    inv, _ = ROPE_INIT_FUNCTIONS["llama3"](c, torch.device("cpu"))
+    # check that each branch is really taken
+    head_dim = config.hidden_size // config.num_attention_heads
+    base = 1.0 / (p["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    wl = 2 * math.pi / base
+    lo = p["original_max_position_embeddings"] / p["low_freq_factor"]
+    hi = p["original_max_position_embeddings"] / p["high_freq_factor"]
+    assert (wl < hi).any() and (wl > lo).any() and ((wl >= hi) & (wl <= lo)).any()
+    return inv
+
+
+# ----------------------------------------------------------------------------------------
+# An independent re-statement of the computation, from the checkpoint tensors alone, in the
+# terms README.md uses. generate() asserts it reproduces transformers' logits/loss/aux loss:
+# if README's description were wrong, this would fail.
+# ----------------------------------------------------------------------------------------
+
+
+def ref_inv_freq(cfg):
+    rp = cfg.rope_parameters
+    hd = cfg.hidden_size // cfg.num_attention_heads
+    inv = 1.0 / (rp["rope_theta"] ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))  # float32, as HF
+    if rp.get("rope_type", "default") == "llama3":
+        factor, lo_f, hi_f = rp["factor"], rp["low_freq_factor"], rp["high_freq_factor"]
+        old = rp["original_max_position_embeddings"]
+        out = []
+        for f in inv.tolist():
+            wl = 2 * math.pi / f
+            if wl < old / hi_f:
+                out.append(f)  # high frequency: unchanged
+            elif wl > old / lo_f:
+                out.append(f / factor)  # low frequency: divided by factor
+            else:
+                s = (old / wl - lo_f) / (hi_f - lo_f)
+                out.append((1 - s) * f / factor + s * f)  # smooth interpolation
+        inv = torch.tensor(out, dtype=torch.float32)
+    return inv
+
+
+def ref_forward(W, cfg, ids):
+    B, T = ids.shape
+    H, nh, nkv = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
+    hd, eps = H // nh, cfg.rms_norm_eps
+
+    def rms(x, w):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+    def rot(x, cos, sin):  # rotate-half layout: pairs (i, i + hd/2)
+        x1, x2 = x[..., : hd // 2], x[..., hd // 2:]
+        c, s = cos[..., : hd // 2], sin[..., : hd // 2]
+        return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+
+    ang = torch.arange(T, dtype=torch.float32)[:, None] * ref_inv_freq(cfg)[None, :]
+    cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    x = W["model.embed_tokens.weight"][ids]
+    router_probs = []
+    for layer in range(cfg.num_hidden_layers):
+        p = f"model.layers.{layer}."
+        h = rms(x, W[p + "input_layernorm.weight"])
+        q = (h @ W[p + "self_attn.q_proj.weight"].T).view(B, T, nh, hd)
+        k = (h @ W[p + "self_attn.k_proj.weight"].T).view(B, T, nkv, hd)
+        v = (h @ W[p + "self_attn.v_proj.weight"].T).view(B, T, nkv, hd)
+        q, k = rot(q, cos[:, None], sin[:, None]), rot(k, cos[:, None], sin[:, None])
+        heads = []
+        for j in range(nh):
+            g = j // (nh // nkv)  # query head j uses kv head j // (nh / nkv)
+            sc = (q[:, :, j] @ k[:, :, g].transpose(1, 2)) / math.sqrt(hd)
+            sc = sc.masked_fill(~causal, float("-inf")).softmax(-1)
+            heads.append(sc @ v[:, :, g])
+        x = x + torch.cat(heads, -1) @ W[p + "self_attn.o_proj.weight"].T
+        h = rms(x, W[p + "post_attention_layernorm.weight"])
+        if isinstance(cfg, MixtralConfig):
+            flat = h.reshape(B * T, H)
+            probs = (flat @ W[p + "block_sparse_moe.gate.weight"].T).softmax(-1)
+            router_probs.append(probs)
+            top_p, top_e = probs.topk(cfg.num_experts_per_tok, dim=-1)
+            top_p = top_p / top_p.sum(-1, keepdim=True)  # renormalise the top-k weights
+            out = torch.zeros_like(flat)
+            for n in range(B * T):
+                for slot in range(cfg.num_experts_per_tok):
+                    e = f"{p}block_sparse_moe.experts.{int(top_e[n, slot])}."
+                    a = F.silu(flat[n] @ W[e + "w1.weight"].T) * (flat[n] @ W[e + "w3.weight"].T)
+                    out[n] += top_p[n, slot] * (a @ W[e + "w2.weight"].T)
+            x = x + out.view(B, T, H)
+        else:
+            a = F.silu(h @ W[p + "mlp.gate_proj.weight"].T) * (h @ W[p + "mlp.up_proj.weight"].T)
+            x = x + a @ W[p + "mlp.down_proj.weight"].T
+    x = rms(x, W["model.norm.weight"])
+    head = W["model.embed_tokens.weight"] if cfg.tie_word_embeddings else W["lm_head.weight"]
+    logits = x @ head.T
+    # position t predicts ids[t+1]; mean over the B*(T-1) predicted positions
+    logp = logits[:, :-1].log_softmax(-1)
+    loss_lm = -logp.gather(-1, ids[:, 1:, None]).mean()
+    aux = None
+    if router_probs:
+        E, k = cfg.num_local_experts, cfg.num_experts_per_tok
+        probs = torch.cat(router_probs)  # all layers' tokens together: [L*B*T, E]
+        counts = torch.zeros(E)
+        for e in probs.topk(k, dim=-1).indices.reshape(-1).tolist():
+            counts[e] += 1
+        aux = E * ((counts / probs.shape[0]) * probs.mean(0)).sum()
+    return logits, loss_lm, aux
+
+
+# ----------------------------------------------------------------------------------------
+# Saving
+# ----------------------------------------------------------------------------------------
+
+
+def rope_params(config):
+    rp = dict(config.rope_parameters)
+    return {k: rp[k] for k in sorted(rp)}
+
+
+def rewrite_legacy_config(path):
+    """Rewrite config.json with top-level rope_theta/rope_scaling instead of rope_parameters."""
+    with open(path) as f:
+        cfg = json.load(f)
+    rp = cfg.pop("rope_parameters")
+    cfg["rope_theta"] = rp.pop("rope_theta")
+    cfg["rope_scaling"] = rp if rp.get("rope_type", "default") != "default" else None
+    cfg = {k: cfg[k] for k in sorted(cfg)}
+    with open(path, "w") as f:
+        json.dump(cfg, f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
+def save_model(case, model, outdir):
+    if os.path.isdir(outdir):
+        shutil.rmtree(outdir)
+    os.makedirs(outdir)
+    model.save_pretrained(outdir)
+    # Only config.json + model.safetensors: a minimal HF model directory (what am must also write).
+    for extra in os.listdir(outdir):
+        if extra not in ("config.json", "model.safetensors"):
+            os.remove(os.path.join(outdir, extra))
+    if CASES[case]["config_format"] == "legacy":
+        rewrite_legacy_config(os.path.join(outdir, "config.json"))
+    # transformers must read the saved config to the same rope parameters
+    reread = AutoConfig.from_pretrained(outdir)
+    assert rope_params(reread) == rope_params(model.config), (rope_params(reread), rope_params(model.config))
+
+
+def max_abs(a, b):
+    return float((a.detach().double() - b.detach().double()).abs().max())
+
+
+def rel_to_max(a, b):
+    scale = float(b.detach().double().abs().max())
+    return max_abs(a, b) / scale if scale > 0 else max_abs(a, b)
+
+
+def generate(case):
+    t0 = time.time()
+    spec = CASES[case]
+    outdir = os.path.join(MODELS, case)
+    model = make_model(case)
+    ids = make_batch(case)
+    cfg = model.config
+    is_moe = spec["arch"] == "mixtral"
+
+    # Initial weights (checkpoint naming), before anything touches them.
+    init_weights = to_checkpoint_names(model, {n: p.detach().clone() for n, p in model.named_parameters()})
+    save_model(case, model, outdir)
+
+    # The saved file holds exactly the parameters under the names we use (tied lm_head omitted).
+    saved = load_file(os.path.join(outdir, "model.safetensors"))
+    assert set(saved) == set(init_weights), sorted(set(saved) ^ set(init_weights))
+    for k, v in saved.items():
+        assert v.dtype == torch.float32 and torch.equal(v, init_weights[k]), k
+
+    # Eager forward + backward on the in-memory model.
+    res, grads = grads_of(model, ids)
+
+    # README's description of the computation, re-implemented from the saved file, must agree.
+    with torch.no_grad():
+        r_logits, r_loss_lm, r_aux = ref_forward(saved, cfg, ids)
+    ref = dict(logits_max_abs=max_abs(r_logits, res["logits"]),
+               loss_lm_abs=abs(float(r_loss_lm) - float(res["loss_lm"])))
+    if is_moe:
+        ref["aux_loss_abs"] = abs(float(r_aux) - float(res["aux_loss"]))
+    assert all(v <= 1e-5 for v in ref.values()), ref
+    log(f"  [{case}] independent reference forward vs transformers: "
+        + ", ".join(f"{k} {v:.1e}" for k, v in ref.items()))
+    grads = to_checkpoint_names(model, grads)
+    assert set(grads) == set(init_weights)
+    for k, g in grads.items():
+        assert torch.isfinite(g).all() and float(g.abs().max()) > 0, f"zero/non-finite grad {k}"
+
+    # Reload from disk: eager must be bit-identical, sdpa within SDPA_TOL.
+    checks = {}
+    for attn in ("eager", "sdpa"):  # sdpa: also transformers' default (grouped_mm) experts for MoE
+        m2 = load(outdir, case, fast=(attn == "sdpa"))
+        assert m2.config._attn_implementation == attn
+        if is_moe:
+            log(f"  [{case}] {attn}: experts_implementation {m2.config._experts_implementation}")
+        r2, g2 = grads_of(m2, ids)
+        g2 = to_checkpoint_names(m2, g2)
+        d_logits = max_abs(r2["logits"], res["logits"])
+        d_loss = abs(float(r2["loss"]) - float(res["loss"]))
+        d_grad = max(rel_to_max(g2[k], grads[k]) for k in grads)
+        checks[attn] = dict(logits_max_abs=d_logits, loss_abs=d_loss, grad_max_rel=d_grad)
+        if attn == "eager":
+            assert d_logits == 0.0 and d_loss == 0.0 and d_grad == 0.0, checks[attn]
+        else:
+            assert d_logits <= SDPA_TOL and d_loss <= SDPA_TOL and d_grad <= SDPA_TOL, checks[attn]
+    log(f"  [{case}] reload eager: identical; sdpa vs eager: logits {checks['sdpa']['logits_max_abs']:.2e}, "
+        f"loss {checks['sdpa']['loss_abs']:.2e}, grads (rel. to max|g|) {checks['sdpa']['grad_max_rel']:.2e}")
+
+    # Sensitivity: the batch must be sensitive to RoPE (an un-rotated model gives other logits).
+    with torch.no_grad():
+        m_norope = copy.deepcopy(model)
+        m_norope.model.rotary_emb.inv_freq.zero_()
+        d_norope = max_abs(m_norope(input_ids=ids).logits, res["logits"])
+        del m_norope
+    sens = dict(logits_change_without_rope=d_norope)
+    if case == "llama3_scaling":
+        with torch.no_grad():
+            m_plain = copy.deepcopy(model)
+            base = m_plain.model.rotary_emb.compute_default_rope_parameters(cfg)[0]
+            m_plain.model.rotary_emb.inv_freq.copy_(base)
+            sens["logits_change_without_llama3_scaling"] = max_abs(m_plain(input_ids=ids).logits, res["logits"])
+            del m_plain
+
+    # AdamW, plain and clipped, each from the saved initial weights.
+    series = {}
+    finals = {}
+    margins = []
+    if is_moe:
+        margins.append(router_margin(res["router_logits"], cfg.num_experts_per_tok))
+    for clip in (False, True):
+        m3 = load(outdir, case)
+        losses, norms, margin = train(m3, ids, clip)
+        margins.append(margin)
+        series[clip] = (losses, norms)
+        if clip:
+            params = to_checkpoint_names(m3, {n: p.detach().clone() for n, p in m3.named_parameters()})
+            head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+            finals["final.model.norm.weight"] = params["model.norm.weight"]
+            finals["final." + head] = params[head]
+            if is_moe:
+                finals["final.model.layers.0.block_sparse_moe.gate.weight"] = \
+                    params["model.layers.0.block_sparse_moe.gate.weight"]
+        del m3
+    assert abs(series[False][0][0] - float(res["loss"])) <= 1e-6
+    assert min(series[True][1]) > CLIP_MAX_NORM, f"clipping inactive in some step: {series[True][1]}"
+    if is_moe:
+        assert min(margins) > MIN_ROUTER_MARGIN, f"near-tie in routing: {min(margins)}"
+
+    # float64 reference of the same computation: how far the float32 golden itself is from the
+    # exact result. A correct float32 implementation that sums in another order lands at about
+    # this distance too, so the C tolerances are set from it (see README).
+    m64 = load(outdir, case, dtype=torch.float64)
+    r64, g64 = grads_of(m64, ids, own_loss=True)
+    g64 = to_checkpoint_names(m64, g64)
+    fp64 = dict(
+        logits_max_abs=max_abs(res["logits"], r64["logits"]),
+        loss_abs=abs(float(res["loss"]) - float(r64["loss"])),
+        grad_max_rel=max(rel_to_max(grads[k], g64[k]) for k in grads),
+    )
+    del m64
+    for clip in (False, True):
+        m64 = load(outdir, case, dtype=torch.float64)
+        l64, n64, _ = train(m64, ids, clip, own_loss=True)
+        key = "losses_adamw_clip_max_abs" if clip else "losses_adamw_max_abs"
+        fp64[key] = max(abs(a - b) for a, b in zip(series[clip][0], l64))
+        if clip:
+            p64 = to_checkpoint_names(m64, {n: p.detach().clone() for n, p in m64.named_parameters()})
+            fp64["final_max_abs"] = max(max_abs(v, p64[k[len("final."):]]) for k, v in finals.items())
+        del m64
+    log(f"  [{case}] float32 golden vs float64: " + ", ".join(f"{k} {v:.1e}" for k, v in fp64.items()))
+    bad = {k: v for k, v in fp64.items() if not v <= CONDITIONING[k]}
+    assert not bad, f"{case}: ill-conditioned (float32 vs float64 {bad} > {CONDITIONING}); change model_seed"
+
+    cos, sin, inv_freq = rope_tables(model, spec["seq"])
+
+    tensors = {
+        "input_ids": ids.to(torch.int32),
+        "logits": res["logits"].detach(),
+        "loss": res["loss"].detach().reshape(()),
+        "losses_adamw": torch.tensor(series[False][0], dtype=torch.float32),
+        "losses_adamw_clip": torch.tensor(series[True][0], dtype=torch.float32),
+        "grad_norms_adamw": torch.tensor(series[False][1], dtype=torch.float32),
+        "grad_norms_adamw_clip": torch.tensor(series[True][1], dtype=torch.float32),
+        "rope_cos": cos,
+        "rope_sin": sin,
+        "rope_inv_freq": inv_freq,
+    }
+    if is_moe:
+        tensors["loss_lm"] = res["loss_lm"].detach().reshape(())
+        tensors["aux_loss"] = res["aux_loss"].detach().float().reshape(())
+    if case == "llama3_scaling":
+        tensors["rope_inv_freq_all_branches"] = llama3_all_branches_inv_freq(cfg)
+    for k, g in grads.items():
+        tensors["grad." + k] = g
+    tensors.update(finals)
+    tensors = {k: v.contiguous() for k, v in sorted(tensors.items())}
+
+    meta = {
+        "case": case,
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "safetensors": safetensors.__version__,
+        "batch": str(BATCH),
+        "seq": str(spec["seq"]),
+        "model_seed": str(spec["model_seed"]),
+        "data_seed": str(spec["data_seed"]),
+        "labels": "input_ids; position t predicts input_ids[:, t+1]; last position ignored; mean over B*(T-1)",
+        "attn_implementation": "eager",
+        "adamw": json.dumps(dict(ADAMW, foreach=False, steps=ADAMW_STEPS)),
+        "clip_max_norm": str(CLIP_MAX_NORM),
+        "norm_weight_init": f"1 + {NORM_PERTURB} * N(0,1)",
+        "config_format": spec["config_format"],
+    }
+    if is_moe:
+        meta["router_aux_loss_coef"] = str(cfg.router_aux_loss_coef)
+        meta["output_router_logits"] = "true"
+        meta["loss"] = "loss = loss_lm + router_aux_loss_coef * aux_loss (grads, AdamW and losses_* use this)"
+    # One metadata entry (a JSON string): safetensors writes its metadata map in hash order, so
+    # several entries would make the file bytes differ from run to run.
+    save_file(tensors, os.path.join(outdir, "golden.safetensors"),
+              metadata={"golden": json.dumps(meta, sort_keys=True)})
+
+    summary = dict(
+        loss=float(res["loss"]),
+        losses_adamw=series[False][0],
+        losses_adamw_clip=series[True][0],
+        grad_norms_adamw=series[False][1],
+        grad_norms_adamw_clip=series[True][1],
+        logits_abs_max=float(res["logits"].abs().max()),
+        grad_abs_max=max(float(g.abs().max()) for g in grads.values()),
+        num_params=sum(v.numel() for v in init_weights.values()),
+        sdpa_vs_eager=checks["sdpa"],
+        float32_vs_float64=fp64,
+        reference_forward_vs_transformers=ref,
+        sensitivity=sens,
+        config_format=spec["config_format"],
+        rope_parameters=rope_params(cfg),
+    )
+    if is_moe:
+        summary.update(loss_lm=float(res["loss_lm"]), aux_loss=float(res["aux_loss"]),
+                       router_aux_loss_coef=cfg.router_aux_loss_coef,
+                       min_router_top2_margin=min(margins))
+    log(f"  [{case}] loss {summary['loss']:.6f}  adamw {['%.5f' % x for x in series[False][0]]}  "
+        f"clip {['%.5f' % x for x in series[True][0]]}  ({time.time() - t0:.1f} s)")
+    return summary
+
+
+# ----------------------------------------------------------------------------------------
+# Checking a model exported by am
+# ----------------------------------------------------------------------------------------
+
+
+def _case_signature(cfg):
+    keys = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+            "num_attention_heads", "num_key_value_heads", "tie_word_embeddings")
+    sig = tuple(getattr(cfg, k, None) for k in keys)
+    if getattr(cfg, "model_type", None) == "mixtral":
+        sig += (cfg.num_local_experts, cfg.num_experts_per_tok)
+    return sig + (json.dumps(rope_params(cfg), sort_keys=True),)
+
+
+def infer_case(export_dir):
+    base = os.path.basename(os.path.normpath(export_dir))
+    if base in CASES:
+        return base
+    sig = _case_signature(AutoConfig.from_pretrained(export_dir))
+    matches = [c for c in CASES if os.path.isdir(os.path.join(MODELS, c))
+               and _case_signature(AutoConfig.from_pretrained(os.path.join(MODELS, c))) == sig]
+    if len(matches) != 1:
+        raise SystemExit(f"cannot tell which golden case {export_dir} is (candidates: {matches}); use --case")
+    return matches[0]
+
+
+def check_export(export_dir, case=None, quiet=False):
+    """Load export_dir with transformers, run the golden batch of `case`, compare logits."""
+    if not os.path.isfile(os.path.join(export_dir, "config.json")):
+        print(f"FAIL {export_dir}: no config.json there (not a Hugging Face model directory)")
+        return False
+    case = case or infer_case(export_dir)
+    gpath = os.path.join(MODELS, case, "golden.safetensors")
+    golden = load_file(gpath)
+    problems = []
+    try:
+        model, info = load(export_dir, AutoConfig.from_pretrained(export_dir), output_loading_info=True)
+    except Exception as e:  # noqa: BLE001 - any load failure is a FAIL
+        print(f"FAIL {export_dir} (case {case}): transformers cannot load it: {type(e).__name__}: {e}")
+        return False
+    for what in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs"):
+        if info.get(what):
+            problems.append(f"{what}: {sorted(map(str, info[what]))[:8]}")
+    model.eval()
+    ids = golden["input_ids"].to(torch.int64)
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    if tuple(logits.shape) != tuple(golden["logits"].shape):
+        problems.append(f"logits shape {tuple(logits.shape)} != golden {tuple(golden['logits'].shape)}")
+        diff = float("inf")
+    else:
+        diff = max_abs(logits, golden["logits"])
+        if not diff <= LOGITS_TOL:  # also catches NaN
+            problems.append(f"logits max abs diff {diff:.3e} > {LOGITS_TOL:.0e}")
+    dtypes = set()
+    for fn in sorted(os.listdir(export_dir)):
+        if fn.startswith("model") and fn.endswith(".safetensors"):
+            with safe_open(os.path.join(export_dir, fn), "pt") as f:
+                dtypes |= {f.get_slice(k).get_dtype() for k in f.keys()}
+    if dtypes - {"F32"}:
+        problems.append(f"note: tensors stored as {sorted(dtypes)}; the golden needs an F32 export")
+    ok = not [p for p in problems if not p.startswith("note:")]
+    verdict = "PASS" if ok else "FAIL"
+    print(f"{verdict} {export_dir} (case {case}): logits max abs diff {diff:.3e} (tolerance {LOGITS_TOL:.0e})"
+          + "".join("; " + p for p in problems if not p.startswith("logits max")))
+    return ok
+
+
+def self_test():
+    ok = True
+    with tempfile.TemporaryDirectory() as tmp:
+        for case in CASES:
+            src = os.path.join(MODELS, case)
+            ok &= check_export(src, case)
+            # perturbed copy: one element of one tensor moved by 1e-3 -> must FAIL
+            pert = os.path.join(tmp, case + "_perturbed")
+            shutil.copytree(src, pert)
+            st = load_file(os.path.join(pert, "model.safetensors"))
+            name = "model.layers.1.self_attn.o_proj.weight"
+            st[name] = st[name].clone()
+            st[name].view(-1)[7] += 1e-3
+            save_file(st, os.path.join(pert, "model.safetensors"), metadata={"format": "pt"})
+            r = check_export(pert, case)
+            ok &= not r
+            # copy with a tensor missing -> must FAIL (transformers would silently random-init it)
+            miss = os.path.join(tmp, case + "_missing")
+            shutil.copytree(src, miss)
+            st = load_file(os.path.join(miss, "model.safetensors"))
+            st.pop("model.norm.weight")
+            save_file(st, os.path.join(miss, "model.safetensors"), metadata={"format": "pt"})
+            r = check_export(miss, case)
+            ok &= not r
+    print("self-test: " + ("PASS (goldens pass, perturbed and incomplete copies fail)" if ok else "FAIL"))
+    return ok
+
+
+# ----------------------------------------------------------------------------------------
+
+
+def sha256(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        h.update(f.read())
+    return h.hexdigest()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--case", action="append", choices=sorted(CASES), help="case(s) to generate / check against")
+    ap.add_argument("--check-am-export", metavar="DIR", help="check a model directory written by am")
+    ap.add_argument("--self-test", action="store_true", help="check the --check-am-export checker")
+    args = ap.parse_args()
+    setup_torch()
+
+    if args.check_am_export:
+        if args.case and len(args.case) > 1:
+            ap.error("--check-am-export takes at most one --case")
+        ok = check_export(args.check_am_export, args.case[0] if args.case else None)
+        sys.exit(0 if ok else 1)
+    if args.self_test:
+        sys.exit(0 if self_test() else 1)
+
+    t0 = time.time()
+    cases = args.case or list(CASES)
+    os.makedirs(MODELS, exist_ok=True)
+    summary_path = os.path.join(HERE, "summary.json")
+    summary = {}
+    if os.path.exists(summary_path):
+        with open(summary_path) as f:
+            summary = json.load(f)
+    summary.setdefault("cases", {})
+    for case in cases:
+        log(f"generating {case}")
+        summary["cases"][case] = generate(case)
+    summary["versions"] = dict(python=sys.version.split()[0], torch=torch.__version__,
+                               transformers=transformers.__version__, safetensors=safetensors.__version__)
+    files = {}
+    for case in sorted(summary["cases"]):
+        for fn in sorted(os.listdir(os.path.join(MODELS, case))):
+            p = os.path.join(MODELS, case, fn)
+            files[f"models/{case}/{fn}"] = dict(bytes=os.path.getsize(p), sha256=sha256(p))
+    summary["files"] = files
+    summary["cases"] = {k: summary["cases"][k] for k in sorted(summary["cases"])}
+    with open(summary_path, "w") as f:
+        json.dump(summary, f, indent=1, sort_keys=True)
+        f.write("\n")
+    log(f"done in {time.time() - t0:.1f} s; wrote {summary_path}")
+
+
+if __name__ == "__main__":
+    main()
