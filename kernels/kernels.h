@@ -13,7 +13,8 @@
  *     around the calls); the vocabulary-parallel pieces take the shard's first vocabulary id.
  *   - Parameters, gradients and activations are AM_T_F32 on the CPU backend; token ids
  *     and targets are AM_T_I32. A target < 0 is ignored (no loss, no gradient).
- * Functions that can fail on bad shapes return -1 after setting am_kernels_error().
+ * A tensor of the wrong device, dtype or shape is a bug in the caller: the backend names the
+ * kernel, the tensor and the rule on stderr and aborts (the functions return no status).
  */
 #ifndef AM_KERNELS_H
 #define AM_KERNELS_H
@@ -25,7 +26,7 @@
 #include "tensor.h"
 
 struct am_rope_scaling {
-    const char *type; /* NULL, "llama3", "linear" */
+    const char *type; /* NULL or "default" (none), "llama3", "linear" */
     double factor, low_freq_factor, high_freq_factor;
     long original_max_position_embeddings;
 };
@@ -82,7 +83,7 @@ struct am_kernels {
     /* ---- causal grouped-query attention, softmax(q kᵀ / sqrt(D)) v ----
      * q, out [B, T, H, D]; k, v [B, T, KVH, D] with H a multiple of KVH (query head h reads
      * kv head h / (H / KVH)); lse [B, H, T] fp32 (log-sum-exp of each row, saved for
-     * backward). Never materialises more than one row of scores per thread. */
+     * backward). Never materialises more than a few rows of scores per thread (never T x T). */
     void (*attention_forward)(struct am_tensor *out, struct am_tensor *lse, const struct am_tensor *q,
                               const struct am_tensor *k, const struct am_tensor *v);
     void (*attention_backward)(struct am_tensor *dq, struct am_tensor *dk, struct am_tensor *dv,

@@ -11,6 +11,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "bootstrap.h"
+
 enum am_boot_op { AM_BOOT_HELLO = 1, AM_BOOT_PUT, AM_BOOT_FENCE, AM_BOOT_GET, AM_BOOT_ABORT };
 
 struct am_boot_req {
@@ -31,5 +33,13 @@ struct am_boot_rep {
 /* Reads or writes exactly len bytes, retrying on EINTR; -1 on error or end of stream. */
 int am_io_read_full(int fd, void *buf, size_t len);
 int am_io_write_full(int fd, const void *buf, size_t len);
+
+/* The launcher side (boot_server.c, pmix_task.c). Reads one request: its header, its key
+ * (NUL-terminated into key) and its value (malloc'd into *value, NUL-terminated, the
+ * caller frees). Returns 0; -1 when the stream ended or broke; -2 when the header asks
+ * for a key or value over the limits (nothing more is read: drop the connection). */
+int am_boot_read_request(int fd, struct am_boot_req *req, char key[AM_BOOT_MAX_KEY + 1], void **value);
+/* Sends one reply: status 0 and the payload, or status != 0 and an error message. */
+int am_boot_reply(int fd, int status, const void *payload, size_t len);
 
 #endif

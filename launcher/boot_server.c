@@ -5,6 +5,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "boot_proto.h"
 
@@ -19,6 +20,8 @@ struct am_boot_server {
     int size;
     struct am_boot_info *info;
     int *fence_fd; /* -1: not waiting in a fence */
+    double *fence_deadline; /* CLOCK_MONOTONIC seconds; 0: waits without a timeout */
+    double *fence_timeout;
     int n_fenced;
     int dropped; /* a rank that left: no fence can complete any more */
     struct entry *entries;
@@ -33,7 +36,9 @@ struct am_boot_server *am_boot_server_new(int size, const struct am_boot_info *i
     s->size = size;
     s->info = malloc((size_t)size * sizeof(*info));
     s->fence_fd = malloc((size_t)size * sizeof(int));
-    if (!s->info || !s->fence_fd) {
+    s->fence_deadline = calloc((size_t)size, sizeof(double));
+    s->fence_timeout = calloc((size_t)size, sizeof(double));
+    if (!s->info || !s->fence_fd || !s->fence_deadline || !s->fence_timeout) {
         am_boot_server_free(s);
         return NULL;
     }
@@ -53,16 +58,19 @@ void am_boot_server_free(struct am_boot_server *s)
     free(s->entries);
     free(s->info);
     free(s->fence_fd);
+    free(s->fence_deadline);
+    free(s->fence_timeout);
     free(s);
 }
 
-static int reply(int fd, int status, const void *payload, size_t len)
+static double now(void)
 {
-    struct am_boot_rep rep = {.status = status, .len = len};
-    if (am_io_write_full(fd, &rep, sizeof(rep)) < 0)
-        return -1;
-    return am_io_write_full(fd, payload, len);
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
+
+static int reply(int fd, int status, const void *payload, size_t len) { return am_boot_reply(fd, status, payload, len); }
 
 static int reply_error(int fd, const char *fmt, const char *a, int b)
 {
@@ -117,21 +125,16 @@ enum am_boot_event am_boot_server_serve(struct am_boot_server *s, int rank, int 
                                         size_t msg_len)
 {
     struct am_boot_req req;
-    if (am_io_read_full(fd, &req, sizeof(req)) < 0)
-        return AM_BOOT_CLOSED;
-    if (req.key_len > AM_BOOT_MAX_KEY || req.val_len > AM_BOOT_MAX_VALUE) {
+    char key[AM_BOOT_MAX_KEY + 1];
+    void *value;
+    int got = am_boot_read_request(fd, &req, key, &value);
+    if (got == -2) {
         snprintf(msg, msg_len, "rank %d sent a request with a %u-byte key and a %llu-byte value", rank,
                  req.key_len, (unsigned long long)req.val_len);
         return AM_BOOT_BAD;
     }
-    char key[AM_BOOT_MAX_KEY + 1];
-    void *value = malloc(req.val_len + 1);
-    if (!value || am_io_read_full(fd, key, req.key_len) < 0 || am_io_read_full(fd, value, req.val_len) < 0) {
-        free(value);
+    if (got < 0)
         return AM_BOOT_CLOSED;
-    }
-    key[req.key_len] = '\0';
-    ((char *)value)[req.val_len] = '\0';
 
     int rc = 0;
     switch (req.op) {
@@ -153,6 +156,8 @@ enum am_boot_event am_boot_server_serve(struct am_boot_server *s, int rank, int 
         }
         if (s->fence_fd[rank] < 0) {
             s->fence_fd[rank] = fd;
+            s->fence_timeout[rank] = req.timeout_s;
+            s->fence_deadline[rank] = req.timeout_s > 0 ? now() + req.timeout_s : 0;
             s->n_fenced++;
         }
         if (s->n_fenced == s->size)
@@ -172,6 +177,7 @@ enum am_boot_event am_boot_server_serve(struct am_boot_server *s, int rank, int 
         *status = req.rank;
         snprintf(msg, msg_len, "%s", (char *)value);
         free(value);
+        reply(fd, 0, NULL, 0);
         return AM_BOOT_ABORTED;
     default:
         snprintf(msg, msg_len, "rank %d sent unknown request %u", rank, req.op);
@@ -180,6 +186,40 @@ enum am_boot_event am_boot_server_serve(struct am_boot_server *s, int rank, int 
     }
     free(value);
     return rc < 0 ? AM_BOOT_CLOSED : AM_BOOT_OK;
+}
+
+double am_boot_server_deadline(const struct am_boot_server *s)
+{
+    double first = 0;
+    for (int r = 0; r < s->size; r++)
+        if (s->fence_fd[r] >= 0 && s->fence_deadline[r] > 0 && (first == 0 || s->fence_deadline[r] < first))
+            first = s->fence_deadline[r];
+    return first;
+}
+
+void am_boot_server_expire(struct am_boot_server *s)
+{
+    double t = now(), timeout = 0;
+    for (int r = 0; r < s->size; r++)
+        if (s->fence_fd[r] >= 0 && s->fence_deadline[r] > 0 && s->fence_deadline[r] <= t)
+            timeout = s->fence_timeout[r];
+    if (timeout == 0)
+        return;
+    char list[256] = "", why[512];
+    int missing = 0;
+    for (int r = 0; r < s->size; r++) {
+        if (s->fence_fd[r] >= 0)
+            continue;
+        size_t l = strlen(list);
+        if (l < sizeof(list) - 16)
+            snprintf(list + l, sizeof(list) - l, "%s%d", missing ? ", " : "", r);
+        else if (l < sizeof(list) - 4 && !strstr(list, "..."))
+            snprintf(list + l, sizeof(list) - l, ", ...");
+        missing++;
+    }
+    snprintf(why, sizeof(why), "timed out after %g s: %s %s did not reach it (stuck or slow: see %s log)", timeout,
+             missing > 1 ? "ranks" : "rank", list, missing > 1 ? "their" : "its");
+    release_fence(s, 1, why);
 }
 
 void am_boot_server_drop(struct am_boot_server *s, int rank)

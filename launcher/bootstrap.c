@@ -17,36 +17,6 @@ struct am_boot {
     char err[512];
 };
 
-int am_io_read_full(int fd, void *buf, size_t len)
-{
-    char *p = buf;
-    while (len) {
-        ssize_t n = read(fd, p, len);
-        if (n < 0 && errno == EINTR)
-            continue;
-        if (n <= 0)
-            return -1;
-        p += n;
-        len -= (size_t)n;
-    }
-    return 0;
-}
-
-int am_io_write_full(int fd, const void *buf, size_t len)
-{
-    const char *p = buf;
-    while (len) {
-        ssize_t n = write(fd, p, len);
-        if (n < 0 && errno == EINTR)
-            continue;
-        if (n <= 0)
-            return -1;
-        p += n;
-        len -= (size_t)n;
-    }
-    return 0;
-}
-
 static int fail(struct am_boot *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 static int fail(struct am_boot *b, const char *fmt, ...)
 {

@@ -11,8 +11,12 @@
  * lazily created communicators deadlock when ranks create them in different orders. Every
  * blocking wait has a timeout (the recipe's dist_env.timeout_minutes); when it expires the
  * call fails with a message naming the operation, the group, its sequence number and the peer
- * that did not answer, and the caller aborts the job. Every call is counted per group (a
- * sequence number), so logs of different ranks can be matched up.
+ * that did not answer, and the caller aborts the job. Every collective is counted per group (a
+ * sequence number, the same on every rank of the group), so logs of different ranks can be
+ * matched up; send and recv are counted per pair of ranks and direction instead ("send #3 to
+ * rank 1 on group pp ..."), since the ranks of a group make different numbers of them. After a
+ * failed call the group is broken: every later call on it fails at once, repeating the error.
+ * Calls on one context come from one thread at a time.
  *
  * Counts are in elements. `count` may be 0. For reduce_scatter and allgather, `count` is
  * the per-rank block: the full buffer holds count * group size elements. In-place
@@ -38,7 +42,8 @@ const char *am_comm_dtype_name(enum am_comm_dtype t);
 struct am_comm_ctx; /* one per process: the backend's worker or device, the bootstrap */
 struct am_comm;     /* one group */
 
-/* device: the CUDA device for NCCL, ignored by UCX. timeout_s bounds every wait. */
+/* device: the CUDA device for NCCL, ignored by UCX. timeout_s bounds every wait. Collective
+ * over all ranks of the job (UCX publishes its worker address through the bootstrap). */
 struct am_comm_ctx *am_comm_ctx_init(enum am_comm_backend backend, struct am_boot *boot,
                                      const struct am_boot_info *info, int device, double timeout_s,
                                      char *err, size_t err_len);
@@ -56,7 +61,7 @@ void am_comm_destroy(struct am_comm *c);
 int am_comm_rank(const struct am_comm *c); /* rank in the group */
 int am_comm_size(const struct am_comm *c);
 const char *am_comm_name(const struct am_comm *c);
-uint64_t am_comm_seq(const struct am_comm *c); /* operations issued on this group so far */
+uint64_t am_comm_seq(const struct am_comm *c); /* collectives issued on this group so far */
 const char *am_comm_error(const struct am_comm *c);
 
 /* NCCL: the CUDA stream the operations are enqueued on (cudaStream_t); UCX ignores it. */

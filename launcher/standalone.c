@@ -1,34 +1,47 @@
-/* standalone.c - N ranks on one machine (standalone.h). */
-#include "standalone.h"
-
+/* standalone.c - `am-launch --nproc N`: N ranks on this machine, one job (launch.h). */
 #include <errno.h>
-#include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
 #include "boot_server.h"
+#include "exit_record.h"
+#include "launch.h"
+#include "sigrelay.h"
+#include "spawn.h"
 
-static volatile sig_atomic_t pending_signal;
-static int sigpipe_w = -1;
+/* After a rank's socket closes, the launcher waits this long for the rank to exit (longer
+ * while the kernel is still tearing it down) before telling the ranks in a fence that it is
+ * gone: when it died, its exit (the cause) must be seen before the others fail in the fence
+ * because of it. */
+#define DROP_DELAY_S 0.25
 
-static void on_signal(int sig)
-{
-    int saved = errno;
-    if (sig != SIGCHLD)
-        pending_signal = sig;
-    if (sigpipe_w >= 0) {
-        char c = 0;
-        (void)!write(sigpipe_w, &c, 1);
-    }
-    errno = saved;
-}
+struct slot {
+    pid_t pid; /* 0: not running */
+    int fd;    /* bootstrap socket; -1 when closed */
+    double drop_at; /* > 0: the socket closed; forget the rank in fences at this time */
+    int stop_signal;
+    struct am_oom_watch oom;
+};
+
+/* Everything one standalone job needs; one per am_launch_standalone call. */
+struct job {
+    const struct am_launch_opts *o;
+    int n, alive;
+    struct slot *slot;
+    struct pollfd *pfd; /* the signal pipe, then one per rank */
+    struct am_boot_info *info;
+    struct am_boot_server *srv;
+    char job_id[64], host[256], log_dir[4096];
+    int sig_fd;
+    int rc, first_failed, stopping;
+    double kill_at;
+};
 
 static double now(void)
 {
@@ -37,206 +50,242 @@ static double now(void)
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-static pid_t spawn(const struct am_launch_opts *o, int rank, int fd, const char *job_id)
+/* True while the kernel is tearing the process down (PF_EXITING in /proc/PID/stat, or a
+ * zombie): its socket closed because it is exiting, and its exit status comes next. */
+static int exiting(pid_t pid)
 {
-    pid_t pid = fork();
-    if (pid != 0)
-        return pid;
-    char v[64];
-    snprintf(v, sizeof(v), "%d", fd);
-    setenv("AM_BOOTSTRAP_FD", v, 1);
-    snprintf(v, sizeof(v), "%d", rank);
-    setenv("AM_RANK", v, 1);
-    snprintf(v, sizeof(v), "%d", o->nproc);
-    setenv("AM_WORLD_SIZE", v, 1);
-    setenv("AM_JOB_ID", job_id, 1);
-    if (o->recipe)
-        setenv("AM_RECIPE", o->recipe, 1);
-    signal(SIGINT, SIG_DFL);
-    signal(SIGTERM, SIG_DFL);
-    signal(SIGCHLD, SIG_DFL);
-    execvp(o->argv[0], o->argv);
-    fprintf(stderr, "am-launch: rank %d: cannot run %s: %s\n", rank, o->argv[0], strerror(errno));
-    _exit(127);
+    char path[64], buf[1024];
+    snprintf(path, sizeof(path), "/proc/%d/stat", (int)pid);
+    FILE *f = fopen(path, "re");
+    if (!f)
+        return 0;
+    size_t n = fread(buf, 1, sizeof(buf) - 1, f);
+    fclose(f);
+    buf[n] = '\0';
+    const char *p = strrchr(buf, ')'); /* after the command name, which may hold spaces */
+    char state;
+    unsigned long flags;
+    if (!p || sscanf(p + 1, " %c %*d %*d %*d %*d %*d %lu", &state, &flags) != 2)
+        return 0;
+    return state == 'Z' || state == 'X' || (flags & 0x4) != 0;
 }
 
-static int status_code(int status)
+/* True when the rank has exited but is not reaped yet (it gets no more signals). */
+static int exited(pid_t pid)
 {
-    if (WIFEXITED(status))
-        return WEXITSTATUS(status);
-    return 128 + WTERMSIG(status);
+    siginfo_t si = {0};
+    return waitid(P_PID, (id_t)pid, &si, WEXITED | WNOHANG | WNOWAIT) == 0 && si.si_pid == pid;
 }
 
-static void describe(int rank, int status, char *buf, size_t len)
+static void signal_all(struct job *j, int sig, int except)
 {
-    if (WIFEXITED(status))
-        snprintf(buf, len, "rank %d exited with status %d", rank, WEXITSTATUS(status));
-    else
-        snprintf(buf, len, "rank %d was killed by signal %d (%s)%s", rank, WTERMSIG(status),
-                 strsignal(WTERMSIG(status)), WCOREDUMP(status) ? ", core dumped" : "");
+    for (int r = 0; r < j->n; r++) {
+        if (j->slot[r].pid <= 0 || r == except || exited(j->slot[r].pid))
+            continue;
+        kill(j->slot[r].pid, sig);
+        if (sig == SIGTERM || sig == SIGINT || sig == SIGKILL)
+            j->slot[r].stop_signal = sig;
+    }
+}
+
+/* The first failure decides the job's status; then every other rank is stopped. */
+static void fail_job(struct job *j, int rank, int rc)
+{
+    if (j->stopping)
+        return;
+    j->stopping = 1;
+    j->rc = rc;
+    j->first_failed = rank;
+    j->kill_at = now() + j->o->grace_s;
+    signal_all(j, SIGTERM, rank);
+}
+
+static void close_fd(struct job *j, int r)
+{
+    if (j->slot[r].fd >= 0) {
+        close(j->slot[r].fd);
+        j->slot[r].fd = -1;
+    }
+    j->slot[r].drop_at = 0;
+    am_boot_server_drop(j->srv, r);
+}
+
+static void rank_ended(struct job *j, int r, int status)
+{
+    char msg[512], err[512];
+    struct am_exit e = {.rank = r, .host = j->host, .pid = j->slot[r].pid, .status = status,
+                        .oom_killed = am_oom_watch_killed(&j->slot[r].oom, status),
+                        .stop_signal = j->slot[r].stop_signal};
+    if (e.oom_killed == 1 && j->slot[r].stop_signal == SIGKILL)
+        e.oom_killed = 0; /* we killed it */
+    j->slot[r].pid = 0;
+    j->alive--;
+    close_fd(j, r);
+    if (am_exit_record(j->log_dir, j->job_id, &e, err, sizeof(err)) < 0)
+        fprintf(stderr, "am-launch: %s\n", err);
+    if (!am_exit_failed(status) || j->stopping)
+        return;
+    am_exit_describe(&e, msg, sizeof(msg));
+    fprintf(stderr, "am-launch: %s; stopping the other ranks\n", msg);
+    fail_job(j, r, am_exit_code(status));
+}
+
+static void serve(struct job *j, int r)
+{
+    int status = 0;
+    char msg[512];
+    enum am_boot_event ev = am_boot_server_serve(j->srv, r, j->slot[r].fd, &status, msg, sizeof(msg));
+    if (ev == AM_BOOT_OK)
+        return;
+    if (ev == AM_BOOT_ABORTED) {
+        fprintf(stderr, "am-launch: rank %d aborted the job (status %d): %s\n", r, status, msg);
+        fail_job(j, r, status ? status : 1);
+    } else if (ev == AM_BOOT_BAD) {
+        fprintf(stderr, "am-launch: rank %d misbehaved: %s; stopping the job\n", r, msg);
+        fail_job(j, r, 1);
+        signal_all(j, SIGTERM, -1);
+    } else if (ev == AM_BOOT_CLOSED && j->slot[r].pid > 0) {
+        /* probably exiting: let its exit be seen first (see DROP_DELAY_S) */
+        close(j->slot[r].fd);
+        j->slot[r].fd = -1;
+        j->slot[r].drop_at = now() + DROP_DELAY_S;
+        return;
+    }
+    close_fd(j, r);
+}
+
+static void forward(struct job *j, int sig)
+{
+    char name[32];
+    if (sig == SIGTERM || sig == SIGINT) {
+        fprintf(stderr, "am-launch: got %s, stopping every rank\n", am_signal_name(sig, name, sizeof(name)));
+        signal_all(j, sig, -1);
+        if (!j->stopping) {
+            j->stopping = 1;
+            j->rc = 128 + sig;
+            j->kill_at = now() + j->o->grace_s;
+        }
+    } else {
+        signal_all(j, sig, -1);
+    }
+}
+
+static int start(struct job *j)
+{
+    char err[512];
+    for (int r = 0; r < j->n; r++) {
+        struct am_spawn sp = {.argv = j->o->argv, .rank = r, .size = j->n, .local_rank = r, .job_id = j->job_id,
+                              .log_dir = j->log_dir, .own_group = 1};
+        am_oom_watch_start(&j->slot[r].oom);
+        pid_t pid = am_spawn_rank(&sp, &j->slot[r].fd, err, sizeof(err));
+        if (pid < 0) {
+            fprintf(stderr, "am-launch: %s\n", err);
+            return -1;
+        }
+        j->slot[r].pid = pid;
+        j->alive++;
+    }
+    return 0;
+}
+
+static void loop(struct job *j)
+{
+    while (j->alive > 0) {
+        double deadline = am_boot_server_deadline(j->srv);
+        if (j->stopping && (deadline == 0 || j->kill_at < deadline))
+            deadline = j->kill_at;
+        for (int r = 0; r < j->n; r++)
+            if (j->slot[r].drop_at > 0 && (deadline == 0 || j->slot[r].drop_at < deadline))
+                deadline = j->slot[r].drop_at;
+        int timeout = -1;
+        if (deadline > 0) {
+            double ms = (deadline - now()) * 1000 + 1;
+            timeout = ms < 0 ? 0 : ms > 1e9 ? 1000000000 : (int)ms;
+        }
+        j->pfd[0] = (struct pollfd){.fd = j->sig_fd, .events = POLLIN};
+        for (int r = 0; r < j->n; r++)
+            j->pfd[r + 1] = (struct pollfd){.fd = j->slot[r].fd, .events = POLLIN};
+        if (poll(j->pfd, (nfds_t)j->n + 1, timeout) < 0 && errno != EINTR) {
+            fprintf(stderr, "am-launch: poll: %s\n", strerror(errno));
+            fail_job(j, -1, 1);
+            signal_all(j, SIGKILL, -1);
+        }
+        for (int sig, fwd; (sig = am_sigrelay_take(&fwd)) != 0;)
+            forward(j, sig);
+        for (int r = 0; r < j->n; r++)
+            if (j->slot[r].fd >= 0 && (j->pfd[r + 1].revents & (POLLIN | POLLHUP | POLLERR)))
+                serve(j, r);
+        am_boot_server_expire(j->srv);
+        int status;
+        pid_t done;
+        while ((done = waitpid(-1, &status, WNOHANG)) > 0)
+            for (int r = 0; r < j->n; r++)
+                if (j->slot[r].pid == done)
+                    rank_ended(j, r, status);
+        for (int r = 0; r < j->n; r++) {
+            if (j->slot[r].drop_at == 0 || now() < j->slot[r].drop_at)
+                continue;
+            if (j->slot[r].pid > 0 && exiting(j->slot[r].pid)) /* not reaped yet: wait for it */
+                j->slot[r].drop_at = now() + 0.05;
+            else
+                close_fd(j, r);
+        }
+        if (j->stopping && j->alive > 0 && now() >= j->kill_at) {
+            signal_all(j, SIGKILL, -1);
+            j->kill_at = now() + 3600;
+        }
+    }
 }
 
 int am_launch_standalone(const struct am_launch_opts *o)
 {
-    int n = o->nproc, rc = 0, alive = 0, first_failed = -1;
-    pid_t *pid = calloc((size_t)n, sizeof(pid_t));
-    int *fd = calloc((size_t)n, sizeof(int));
-    struct am_boot_info *info = calloc((size_t)n, sizeof(*info));
-    struct pollfd *pfd = calloc((size_t)n + 1, sizeof(*pfd));
-    struct am_boot_server *srv = NULL;
-    int sigpipe[2] = {-1, -1};
-    char job_id[64], host[256] = "localhost", msg[512];
-    if (!pid || !fd || !info || !pfd) {
-        fprintf(stderr, "am-launch: out of memory for %d ranks\n", n);
-        rc = 1;
+    struct job j = {.o = o, .n = o->nproc, .sig_fd = -1, .first_failed = -1};
+    char err[512];
+    j.slot = calloc((size_t)j.n, sizeof(*j.slot));
+    j.info = calloc((size_t)j.n, sizeof(*j.info));
+    j.pfd = calloc((size_t)j.n + 1, sizeof(*j.pfd));
+    if (!j.slot || !j.info || !j.pfd) {
+        fprintf(stderr, "am-launch: out of memory for %d ranks\n", j.n);
+        j.rc = 1;
         goto out;
     }
-    gethostname(host, sizeof(host) - 1);
-    snprintf(job_id, sizeof(job_id), "local-%ld-%d", (long)time(NULL), (int)getpid());
-    for (int r = 0; r < n; r++) {
-        info[r] = (struct am_boot_info){.rank = r, .size = n, .local_rank = r, .local_size = n, .node_id = 0,
-                                        .n_nodes = 1};
-        snprintf(info[r].host, sizeof(info[r].host), "%s", host);
-        snprintf(info[r].job_id, sizeof(info[r].job_id), "%s", job_id);
-        fd[r] = -1;
+    if (gethostname(j.host, sizeof(j.host) - 1) < 0)
+        snprintf(j.host, sizeof(j.host), "localhost");
+    snprintf(j.job_id, sizeof(j.job_id), "local-%ld-%d", (long)time(NULL), (int)getpid());
+    if (am_log_dir_prepare(o->log_dir, j.job_id, j.log_dir, sizeof(j.log_dir), err, sizeof(err)) < 0) {
+        fprintf(stderr, "am-launch: %s\n", err);
+        j.rc = 1;
+        goto out;
     }
-    srv = am_boot_server_new(n, info);
-    if (!srv || pipe2(sigpipe, O_CLOEXEC | O_NONBLOCK) < 0) {
+    for (int r = 0; r < j.n; r++) {
+        j.slot[r].fd = -1;
+        j.info[r] = (struct am_boot_info){.rank = r, .size = j.n, .local_rank = r, .local_size = j.n, .node_id = 0,
+                                          .n_nodes = 1};
+        snprintf(j.info[r].host, sizeof(j.info[r].host), "%s", j.host);
+        snprintf(j.info[r].job_id, sizeof(j.info[r].job_id), "%s", j.job_id);
+    }
+    j.srv = am_boot_server_new(j.n, j.info);
+    j.sig_fd = am_sigrelay_install(0);
+    if (!j.srv || j.sig_fd < 0) {
         fprintf(stderr, "am-launch: cannot set up the launcher: %s\n", strerror(errno));
-        rc = 1;
+        j.rc = 1;
         goto out;
     }
-    sigpipe_w = sigpipe[1];
-    struct sigaction sa = {.sa_handler = on_signal};
-    sigemptyset(&sa.sa_mask);
-    sigaction(SIGINT, &sa, NULL);
-    sigaction(SIGTERM, &sa, NULL);
-    sigaction(SIGCHLD, &sa, NULL);
-
-    for (int r = 0; r < n; r++) {
-        int sv[2];
-        if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) < 0) {
-            fprintf(stderr, "am-launch: socketpair: %s\n", strerror(errno));
-            rc = 1;
-            break;
-        }
-        fcntl(sv[1], F_SETFD, 0); /* the child's end survives exec */
-        pid[r] = spawn(o, r, sv[1], job_id);
-        close(sv[1]);
-        fd[r] = sv[0];
-        if (pid[r] < 0) {
-            fprintf(stderr, "am-launch: fork: %s\n", strerror(errno));
-            rc = 1;
-            break;
-        }
-        alive++;
-    }
-
-    double kill_at = 0;
-    int stopping = rc != 0;
-    if (stopping)
-        kill_at = now() + o->grace_s;
-    for (int r = 0; r < n && stopping; r++)
-        if (pid[r] > 0)
-            kill(pid[r], SIGTERM);
-
-    while (alive > 0) {
-        int np = 0;
-        pfd[np++] = (struct pollfd){.fd = sigpipe[0], .events = POLLIN};
-        for (int r = 0; r < n; r++)
-            pfd[np++] = (struct pollfd){.fd = fd[r], .events = POLLIN};
-        int timeout = stopping ? 100 : -1;
-        if (poll(pfd, (nfds_t)np, timeout) < 0 && errno != EINTR)
-            break;
-        char drain[64];
-        while (read(sigpipe[0], drain, sizeof(drain)) > 0)
-            ;
-        if (pending_signal) {
-            int sig = pending_signal;
-            pending_signal = 0;
-            fprintf(stderr, "am-launch: got %s, stopping every rank\n", strsignal(sig));
-            for (int r = 0; r < n; r++)
-                if (pid[r] > 0)
-                    kill(pid[r], sig);
-            if (!stopping) {
-                stopping = 1;
-                kill_at = now() + o->grace_s;
-                rc = 128 + sig;
-            }
-        }
-        for (int r = 0; r < n; r++) {
-            if (fd[r] < 0 || !(pfd[r + 1].revents & (POLLIN | POLLHUP)))
-                continue;
-            int status = 0;
-            enum am_boot_event ev = am_boot_server_serve(srv, r, fd[r], &status, msg, sizeof(msg));
-            if (ev == AM_BOOT_OK)
-                continue;
-            if (ev == AM_BOOT_ABORTED || ev == AM_BOOT_BAD) {
-                fprintf(stderr, "am-launch: rank %d %s: %s\n", r, ev == AM_BOOT_BAD ? "misbehaved" : "aborted the job",
-                        msg);
-                if (!stopping) {
-                    stopping = 1;
-                    kill_at = now() + o->grace_s;
-                    rc = ev == AM_BOOT_ABORTED && status ? status : 1;
-                    first_failed = r;
-                    for (int k = 0; k < n; k++)
-                        if (pid[k] > 0)
-                            kill(pid[k], SIGTERM);
-                }
-            }
-            close(fd[r]);
-            fd[r] = -1;
-            am_boot_server_drop(srv, r);
-        }
-        int status;
-        pid_t done;
-        while ((done = waitpid(-1, &status, WNOHANG)) > 0) {
-            int r = 0;
-            while (r < n && pid[r] != done)
-                r++;
-            if (r == n)
-                continue;
-            pid[r] = 0;
-            alive--;
-            if (fd[r] >= 0) {
-                close(fd[r]);
-                fd[r] = -1;
-            }
-            am_boot_server_drop(srv, r);
-            if (status_code(status) == 0 || stopping)
-                continue;
-            describe(r, status, msg, sizeof(msg));
-            fprintf(stderr, "am-launch: %s; stopping the other ranks\n", msg);
-            first_failed = r;
-            rc = status_code(status);
-            stopping = 1;
-            kill_at = now() + o->grace_s;
-            for (int k = 0; k < n; k++)
-                if (pid[k] > 0)
-                    kill(pid[k], SIGTERM);
-        }
-        if (stopping && alive > 0 && now() > kill_at) {
-            for (int r = 0; r < n; r++)
-                if (pid[r] > 0)
-                    kill(pid[r], SIGKILL);
-            kill_at = now() + 3600;
-        }
-    }
-    if (first_failed >= 0)
-        fprintf(stderr, "am-launch: job failed: rank %d failed first (exit status %d)\n", first_failed, rc);
+    if (start(&j) < 0)
+        fail_job(&j, -1, 127);
+    loop(&j);
+    if (j.first_failed >= 0)
+        fprintf(stderr, "am-launch: job %s failed: rank %d failed first (exit status %d); logs in %s/%s/\n", j.job_id,
+                j.first_failed, j.rc, j.log_dir, j.job_id);
 out:
-    for (int r = 0; fd && r < n; r++)
-        if (fd[r] >= 0)
-            close(fd[r]);
-    if (sigpipe[0] >= 0) {
-        close(sigpipe[0]);
-        close(sigpipe[1]);
-    }
-    sigpipe_w = -1;
-    am_boot_server_free(srv);
-    free(pid);
-    free(fd);
-    free(info);
-    free(pfd);
-    return rc;
+    for (int r = 0; j.slot && r < j.n; r++)
+        if (j.slot[r].fd >= 0)
+            close(j.slot[r].fd);
+    if (j.sig_fd >= 0)
+        am_sigrelay_uninstall();
+    am_boot_server_free(j.srv);
+    free(j.slot);
+    free(j.info);
+    free(j.pfd);
+    return j.rc;
 }

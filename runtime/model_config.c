@@ -211,7 +211,7 @@ struct am_node *am_json_file_to_node(struct am_arena *a, const char *path, struc
 
 /* ---- reading the architecture -------------------------------------------------------- */
 
-enum kind { K_LONG, K_DOUBLE, K_BOOL, K_STR, K_ACT, K_ROPE_SCALING, K_CHECK_FALSE, K_IGNORE };
+enum kind { K_LONG, K_DOUBLE, K_BOOL, K_STR, K_ACT, K_ROPE_SCALING, K_ROPE_PARAMETERS, K_CHECK_FALSE, K_IGNORE };
 
 struct hf_key {
     const char *name;
@@ -241,7 +241,9 @@ static const struct hf_key hf_keys[] = {
     {"norm_topk_prob", K_BOOL, F(norm_topk_prob)},
     {"router_aux_loss_coef", K_DOUBLE, F(router_aux_loss_coef)},
     {"rope_scaling", K_ROPE_SCALING, 0},
+    {"rope_parameters", K_ROPE_PARAMETERS, 0}, /* transformers 5: rope_theta and the scaling together */
     {"torch_dtype", K_STR, F(torch_dtype)},
+    {"dtype", K_STR, F(torch_dtype)}, /* transformers 5's name for torch_dtype */
     {"hidden_act", K_ACT, 0},
     {"attention_bias", K_CHECK_FALSE, 0},
     {"mlp_bias", K_CHECK_FALSE, 0},
@@ -374,6 +376,13 @@ static int read_key(const struct hf_key *k, struct am_node *v, const char *secti
         return am_node_str(v, key, (const char **)(base + k->off), err);
     case K_ROPE_SCALING:
         return read_rope_scaling(v, section, m, err);
+    case K_ROPE_PARAMETERS: {
+        struct am_node *theta = am_node_child(v, "rope_theta");
+        snprintf(key, sizeof(key), "%s.rope_parameters.rope_theta", section);
+        if (theta && am_node_double(theta, key, &m->rope_theta, err) < 0)
+            return -1;
+        return read_rope_scaling(v, section, m, err);
+    }
     case K_CHECK_FALSE:
         if (am_node_bool(v, key, &b, err) < 0)
             return -1;

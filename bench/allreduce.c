@@ -1,0 +1,151 @@
+/* bench/allreduce - allreduce bus bandwidth of am's communicators (UCX backend, host memory),
+ * measured the way nccl-tests measures it; bench/allreduce_mpi.c is the same loop over
+ * MPI_Allreduce, and bench/allreduce.sh runs both side by side.
+ *
+ *   am-launch --nproc N RECIPE -- bench/allreduce [--min BYTES] [--max BYTES] [--step F]
+ *                                                 [--warmup W] [--iters I]
+ *
+ * For each size (fp32, sum, out of place): W warm-up calls, then I timed calls, each after a
+ * barrier; a call's time is the slowest rank's (an allreduce with MAX of the times). Rank 0
+ * prints one line per size: bytes, median time in microseconds, algbw and busbw in GB/s, where
+ * algbw = bytes / time and busbw = algbw * 2 (n - 1) / n (nccl-tests' definitions).
+ * Sizes accept K, M, G suffixes (powers of 2). Default iterations scale with the size.
+ */
+#include <errno.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "comm.h"
+
+static double now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static int parse_size(const char *s, size_t *out)
+{
+    char *end;
+    errno = 0;
+    double v = strtod(s, &end);
+    if (errno || end == s || v < 0)
+        return -1;
+    double mult = *end == 'K' || *end == 'k' ? 1024.0 : *end == 'M' || *end == 'm' ? 1048576.0
+                : *end == 'G' || *end == 'g' ? 1073741824.0 : 1.0;
+    if (mult != 1.0)
+        end++;
+    if (*end && strcmp(end, "B") != 0)
+        return -1;
+    *out = (size_t)(v * mult);
+    return 0;
+}
+
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+int main(int argc, char **argv)
+{
+    size_t min = 1 << 20, max = 256 << 20;
+    double step = 4;
+    int warmup = 2, iters = 0;
+    for (int i = 1; i < argc; i++) {
+        const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (!strcmp(argv[i], "--min") && v && parse_size(v, &min) == 0)
+            i++;
+        else if (!strcmp(argv[i], "--max") && v && parse_size(v, &max) == 0)
+            i++;
+        else if (!strcmp(argv[i], "--step") && v && (step = atof(v)) > 1)
+            i++;
+        else if (!strcmp(argv[i], "--warmup") && v && (warmup = atoi(v)) >= 0)
+            i++;
+        else if (!strcmp(argv[i], "--iters") && v && (iters = atoi(v)) > 0)
+            i++;
+        else {
+            fprintf(stderr, "usage: bench/allreduce [--min BYTES] [--max BYTES] [--step F] [--warmup W] [--iters I]\n");
+            return 2;
+        }
+    }
+    struct am_boot_info info;
+    char err[1024];
+    struct am_boot *boot = am_boot_init(&info, err, sizeof(err));
+    if (!boot) {
+        fprintf(stderr, "bench/allreduce: %s\n", err);
+        return 3;
+    }
+    struct am_comm_ctx *ctx = am_comm_ctx_init(AM_COMM_UCX, boot, &info, 0, 600, err, sizeof(err));
+    if (!ctx) {
+        fprintf(stderr, "bench/allreduce: %s\n", err);
+        return 3;
+    }
+    int *world = malloc((size_t)info.size * sizeof(int));
+    for (int r = 0; r < info.size; r++)
+        world[r] = r;
+    const int *groups[] = {world};
+    int sizes[] = {info.size};
+    const char *names[] = {"world"};
+    struct am_comm *c = NULL;
+    if (am_comm_create_groups(ctx, 1, groups, sizes, names, &c) < 0) {
+        fprintf(stderr, "bench/allreduce: %s\n", am_comm_ctx_error(ctx));
+        return 3;
+    }
+    size_t n_max = max / 4 ? max / 4 : 1;
+    float *send = malloc(n_max * 4), *recv = malloc(n_max * 4);
+    double *times = malloc(1000 * sizeof(double));
+    if (!send || !recv || !times) {
+        fprintf(stderr, "bench/allreduce: out of memory for %zu bytes\n", max);
+        return 3;
+    }
+    for (size_t i = 0; i < n_max; i++)
+        send[i] = (float)(i % 1000) * 0.001f;
+    memset(recv, 0, n_max * 4);
+    int p = info.size, rc = 0;
+    if (info.rank == 0)
+        printf("# am allreduce (UCX backend), fp32 sum, %d ranks: bytes time_us algbw_GBps busbw_GBps\n", p);
+    for (double bytes_d = (double)min; bytes_d <= (double)max * 1.0001; bytes_d *= step) {
+        size_t n = (size_t)bytes_d / 4, bytes = n * 4;
+        int it = iters ? iters : bytes >= (64u << 20) ? 5 : bytes >= (4u << 20) ? 10 : bytes >= (64u << 10) ? 50 : 200;
+        if (it > 1000)
+            it = 1000;
+        for (int w = 0; w < warmup; w++)
+            if (am_allreduce(c, send, recv, n, AM_F32, AM_SUM) < 0)
+                goto fail;
+        for (int i = 0; i < it; i++) {
+            if (am_barrier(c) < 0)
+                goto fail;
+            double t0 = now();
+            if (am_allreduce(c, send, recv, n, AM_F32, AM_SUM) < 0)
+                goto fail;
+            int64_t ns = (int64_t)((now() - t0) * 1e9), slowest;
+            if (am_allreduce(c, &ns, &slowest, 1, AM_I64, AM_MAX) < 0)
+                goto fail;
+            times[i] = (double)slowest * 1e-9;
+        }
+        qsort(times, (size_t)it, sizeof(double), cmp_double);
+        double t = it % 2 ? times[it / 2] : 0.5 * (times[it / 2 - 1] + times[it / 2]);
+        double algbw = (double)bytes / t / 1e9, busbw = algbw * 2.0 * (p - 1) / p;
+        if (info.rank == 0) {
+            printf("%zu %.2f %.3f %.3f\n", bytes, t * 1e6, algbw, busbw);
+            fflush(stdout);
+        }
+    }
+    goto out;
+fail:
+    fprintf(stderr, "bench/allreduce: rank %d: %s\n", info.rank, am_comm_error(c));
+    rc = 1;
+out:
+    am_comm_destroy(c);
+    am_comm_ctx_fini(ctx);
+    am_boot_fini(boot);
+    free(world);
+    free(send);
+    free(recv);
+    free(times);
+    return rc;
+}

@@ -1,0 +1,223 @@
+/* bench/kernels.c - every CPU kernel at the bench-small shapes (DESIGN.md: Llama, vocab 8192,
+ * hidden 512, 4 layers, 8 heads, 4 kv heads, intermediate 1408, sequence 256, batch 4),
+ * against OpenBLAS sgemm on this machine, and the training step they add up to.
+ *
+ *   bench/kernels [seconds per kernel, default 0.5]
+ *   OMP_NUM_THREADS=1 AM_BENCH_CPUTIME=1 bench/kernels     (one core, CPU time: for a busy machine)
+ *
+ * The peer is OpenBLAS's own threaded sgemm at the MLP's shape (1024 x 1408 x 512), with
+ * as many threads as OpenMP uses. The step estimate sums each kernel's time times the
+ * number of calls in one forward + backward + AdamW step; achieved GFLOP/s is DESIGN.md's
+ * 6 * parameters * tokens / time. If OpenBLAS picked its Prescott kernels on a CPU with
+ * AVX2/AVX-512 (OpenBLAS 0.3.21 does not know recent Xeons), set OPENBLAS_CORETYPE
+ * (SkylakeX or Haswell): sgemm is then about five times faster.
+ */
+#include <cblas.h>
+#include <omp.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "kernels.h"
+
+char *openblas_get_corename(void);
+
+static const struct am_kernels *K;
+
+enum { NB = 4, NT = 256, NC = 512, NH = 8, NKV = 4, ND = 64, NI = 1408, NV = 8192, NL = 4, NN = NB * NT };
+
+/* Wall-clock time; with AM_BENCH_CPUTIME=1, this process's CPU time instead, which on a
+ * busy machine measures a single-threaded run (OMP_NUM_THREADS=1) without the time other
+ * processes take from it (with more threads it would count OpenMP's spinning). */
+static clockid_t bench_clock = CLOCK_MONOTONIC;
+
+static double now(void)
+{
+    struct timespec ts;
+    clock_gettime(bench_clock, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static float *buf(int64_t n, unsigned seed)
+{
+    float *p = K->alloc((size_t)n * sizeof(float));
+    if (!p) {
+        fprintf(stderr, "bench/kernels: out of memory for %lld floats\n", (long long)n);
+        exit(1);
+    }
+    for (int64_t i = 0; i < n; i++) {
+        seed = seed * 1664525u + 1013904223u;
+        p[i] = (float)((seed >> 8) & 0xFFFF) / 65536.0f - 0.5f;
+    }
+    return p;
+}
+
+static struct am_tensor f32(float *p, int64_t a, int64_t b, int64_t c, int64_t d)
+{
+    return am_tensor_view(p, AM_DEV_CPU, AM_T_F32, a, b, c, d);
+}
+
+static double seconds_per_call = 0.5;
+
+/* Sets var to the seconds one evaluation of expr takes: the fastest of as many runs as fit
+ * in seconds_per_call (after two warm-up runs). The minimum, not the mean: on a shared
+ * 2-core machine the mean measures the neighbours. */
+#define TIME(var, expr)                                                                                              \
+    do {                                                                                                             \
+        expr;                                                                                                        \
+        expr;                                                                                                        \
+        double best_ = 1e30, start_ = now();                                                                         \
+        do {                                                                                                         \
+            double t0_ = now();                                                                                      \
+            expr;                                                                                                    \
+            double t_ = now() - t0_;                                                                                 \
+            best_ = t_ < best_ ? t_ : best_;                                                                         \
+        } while (now() - start_ < seconds_per_call);                                                                 \
+        var = best_;                                                                                                 \
+    } while (0)
+
+struct row {
+    const char *name;
+    double s, flops;
+    int per_step;
+};
+static struct row make_row(const char *label, double secs, double fl, int count)
+{
+    struct row r = {label, secs, fl, count};
+    return r;
+}
+
+static void print_row(const struct row *r, double peer)
+{
+    if (r->flops > 0)
+        printf("  %-34s %9.3f ms %8.1f GFLOP/s %5.0f%% of sgemm  x%-3d\n", r->name, r->s * 1e3, r->flops / r->s / 1e9,
+               100.0 * r->flops / r->s / 1e9 / peer, r->per_step);
+    else
+        printf("  %-34s %9.3f ms                               x%-3d\n", r->name, r->s * 1e3, r->per_step);
+}
+
+int main(int argc, char **argv)
+{
+    if (argc > 1)
+        seconds_per_call = atof(argv[1]);
+    if (getenv("AM_BENCH_CPUTIME") && strcmp(getenv("AM_BENCH_CPUTIME"), "1") == 0)
+        bench_clock = CLOCK_PROCESS_CPUTIME_ID;
+    int nth = omp_get_max_threads();
+    K = am_kernels_for(AM_DEV_CPU); /* (sets OpenBLAS to one thread; the peer below resets it) */
+
+    float *x = buf(NN * NI, 1), *w = buf(NI * NC, 2), *y = buf(NN * NI, 3);
+    /* the peer: OpenBLAS's own threads */
+    openblas_set_num_threads(nth);
+    double peer_s;
+    TIME(peer_s, cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, NN, NI, NC, 1.0f, x, NC, w, NC, 0.0f, y, NI));
+    double peer = 2.0 * NN * NI * NC / peer_s / 1e9;
+    K = am_kernels_for(AM_DEV_CPU);
+    printf("bench-small kernels: %d OpenMP threads, OpenBLAS core %s\n", nth, openblas_get_corename());
+    printf("  peer: OpenBLAS sgemm %dx%dx%d, %d threads: %.1f GFLOP/s\n\n", NN, NI, NC, nth, peer);
+
+    struct row rows[32];
+    int nr = 0;
+#define ADD(label, expr, fl, count)                                                                                  \
+    do {                                                                                                             \
+        double s_;                                                                                                   \
+        TIME(s_, expr);                                                                                              \
+        rows[nr++] = make_row(label, s_, (double)(fl), count);                                                   \
+    } while (0)
+
+    /* linear layers */
+    struct {
+        const char *fwd, *bwd;
+        int64_t in, out;
+    } lin[] = {{"matmul fwd q/o 512->512", "matmul bwd q/o 512->512", NC, NC},
+               {"matmul fwd k/v 512->256", "matmul bwd k/v 512->256", NC, NKV * ND},
+               {"matmul fwd gate/up 512->1408", "matmul bwd gate/up 512->1408", NC, NI},
+               {"matmul fwd down 1408->512", "matmul bwd down 1408->512", NI, NC}};
+    for (int l = 0; l < 4; l++) {
+        struct am_tensor tx = f32(x, NN, lin[l].in, 0, 0), tw = f32(w, lin[l].out, lin[l].in, 0, 0);
+        struct am_tensor ty = f32(y, NN, lin[l].out, 0, 0);
+        float *dx = buf(NN * lin[l].in, 4), *dw = buf(lin[l].out * lin[l].in, 5);
+        struct am_tensor tdx = f32(dx, NN, lin[l].in, 0, 0), tdw = f32(dw, lin[l].out, lin[l].in, 0, 0);
+        int count = (l == 3 ? 1 : 2) * NL;
+        double fl = 2.0 * NN * lin[l].in * lin[l].out;
+        ADD(lin[l].fwd, K->matmul_forward(&ty, &tx, &tw), fl, count);
+        ADD(lin[l].bwd, K->matmul_backward(&tdx, &tdw, &ty, &tx, &tw), 2 * fl, count);
+        K->free(dx);
+        K->free(dw);
+    }
+
+    /* attention */
+    float *q = buf(NN * NH * ND, 6), *k = buf(NN * NKV * ND, 7), *v = buf(NN * NKV * ND, 8), *o = buf(NN * NH * ND, 9);
+    float *lse = buf(NB * NH * NT, 10), *dq = buf(NN * NH * ND, 11), *dk = buf(NN * NKV * ND, 12), *dv = buf(NN * NKV * ND, 13);
+    struct am_tensor tq = f32(q, NB, NT, NH, ND), tk = f32(k, NB, NT, NKV, ND), tv = f32(v, NB, NT, NKV, ND);
+    struct am_tensor to = f32(o, NB, NT, NH, ND), tl = f32(lse, NB, NH, NT, 0), tdq = f32(dq, NB, NT, NH, ND);
+    struct am_tensor tdk = f32(dk, NB, NT, NKV, ND), tdv = f32(dv, NB, NT, NKV, ND);
+    double pairs = (double)NB * NH * NT * (NT + 1) / 2 * ND; /* (query, key, d) triples under the mask */
+    ADD("attention fwd (causal, GQA 2)", K->attention_forward(&to, &tl, &tq, &tk, &tv), 4 * pairs, NL);
+    ADD("attention bwd", K->attention_backward(&tdq, &tdk, &tdv, &to, &to, &tl, &tq, &tk, &tv), 10 * pairs, NL);
+
+    /* rope */
+    float *cs = buf(NT * ND / 2, 14), *sn = buf(NT * ND / 2, 15);
+    struct am_tensor tcs = f32(cs, NT, ND / 2, 0, 0), tsn = f32(sn, NT, ND / 2, 0, 0);
+    K->rope_tables(&tcs, &tsn, 10000.0, NULL);
+    /* per layer: forward on q and k (k half of q's size), backward on dq and dk */
+    double rope_q;
+    TIME(rope_q, K->rope_forward(&tq, &tcs, &tsn));
+    rows[nr++] = make_row("rope fwd+bwd on q, k (3x rope(q))", 3 * rope_q, 0, NL);
+
+    /* rmsnorm, swiglu, residual add */
+    float *r = buf(NN, 16), *nw = buf(NC, 17), *dnw = buf(NC, 18);
+    struct am_tensor tx512 = f32(x, NN, NC, 0, 0), ty512 = f32(y, NN, NC, 0, 0), tr = f32(r, NN, 0, 0, 0);
+    struct am_tensor tnw = f32(nw, NC, 0, 0, 0), tdnw = f32(dnw, NC, 0, 0, 0), tdq512 = f32(dq, NN, NC, 0, 0);
+    ADD("rmsnorm fwd", K->rmsnorm_forward(&ty512, &tr, &tx512, &tnw, 1e-5f), 0, 2 * NL + 1);
+    ADD("rmsnorm bwd", K->rmsnorm_backward(&tdq512, &tdnw, &ty512, &tx512, &tnw, &tr), 0, 2 * NL + 1);
+    ADD("residual add [1024, 512]", K->add(&ty512, &tx512), 0, 4 * NL);
+    float *g = buf(NN * NI, 19), *u = buf(NN * NI, 20), *dg = buf(NN * NI, 21), *du = buf(NN * NI, 22);
+    struct am_tensor tg = f32(g, NN, NI, 0, 0), tu = f32(u, NN, NI, 0, 0), tdg = f32(dg, NN, NI, 0, 0);
+    struct am_tensor tdu = f32(du, NN, NI, 0, 0), tyI = f32(y, NN, NI, 0, 0);
+    ADD("swiglu fwd", K->swiglu_forward(&tyI, &tg, &tu), 0, NL);
+    ADD("swiglu bwd", K->swiglu_backward(&tdg, &tdu, &tyI, &tg, &tu), 0, NL);
+
+    /* embedding, cross-entropy */
+    int32_t *ids = malloc(NN * sizeof(int32_t));
+    for (int i = 0; i < NN; i++)
+        ids[i] = (int32_t)((i * 2654435761u) % NV);
+    struct am_tensor tids = am_tensor_view(ids, AM_DEV_CPU, AM_T_I32, NN, 0, 0, 0);
+    float *wte = buf(NV * NC, 23), *dwte = buf(NV * NC, 24);
+    struct am_tensor twte = f32(wte, NV, NC, 0, 0), tdwte = f32(dwte, NV, NC, 0, 0);
+    ADD("embedding fwd", K->embedding_forward(&ty512, &tids, &twte, 0), 0, 1);
+    ADD("embedding bwd", K->embedding_backward(&tdwte, &ty512, &tids, 0), 0, 1);
+    float *m = buf(NN, 25), *s = buf(NN, 26), *t = buf(NN, 27);
+    struct am_tensor tm = f32(m, NN, 0, 0, 0), ts = f32(s, NN, 0, 0, 0), tt = f32(t, NN, 0, 0, 0);
+    ADD("ce_stats (fused head 512->8192)", K->ce_stats(&tm, &ts, &tt, &tx512, &twte, &tids, 0), 2.0 * NN * NV * NC, 1);
+    ADD("ce_backward (recompute, dx, dw)",
+        K->ce_backward(&tdq512, &tdwte, &tx512, &twte, &tids, 0, &tm, &ts, 1.0f / NN), 6.0 * NN * NV * NC, 1);
+
+    /* optimizer over every parameter (untied head) */
+    int64_t params = 2LL * NV * NC + NL * (2LL * NC * NC + 2LL * NC * NKV * ND + 3LL * NC * NI + 2 * NC) + NC;
+    float *p = buf(params, 28), *pg = buf(params, 29), *pm = buf(params, 30), *pv = buf(params, 31);
+    struct am_tensor tp = f32(p, params, 0, 0, 0), tpg = f32(pg, params, 0, 0, 0), tpm = f32(pm, params, 0, 0, 0);
+    struct am_tensor tpv = f32(pv, params, 0, 0, 0);
+    for (int64_t i = 0; i < params; i++)
+        pm[i] = pv[i] = 0.0f;
+    ADD("adamw (all parameters)", K->adamw(&tp, &tpg, &tpm, &tpv, 1e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, 10), 0, 1);
+    ADD("sum_squares (grad norm)", (void)K->sum_squares(&tpg), 0, 1);
+    ADD("zero (gradients)", K->zero(&tpg), 0, 1);
+
+    double step = 0.0, matmul_s = 0.0, flops_matmul = 0.0;
+    for (int i = 0; i < nr; i++) {
+        print_row(&rows[i], peer);
+        step += rows[i].s * rows[i].per_step;
+        if (strncmp(rows[i].name, "matmul", 6) == 0 || strncmp(rows[i].name, "ce_", 3) == 0) {
+            matmul_s += rows[i].s * rows[i].per_step;
+            flops_matmul += rows[i].flops * rows[i].per_step;
+        }
+    }
+    double tok = (double)NN / step, achieved = 6.0 * (double)params * NN / step / 1e9;
+    printf("\n  step estimate (sum of kernels x calls): %.1f ms, %.0f tokens/s\n", step * 1e3, tok);
+    printf("  parameters %.2fM; achieved 6*P*tokens/time = %.1f GFLOP/s = %.0f%% of sgemm (goal > 60%%)\n",
+           (double)params / 1e6, achieved, 100.0 * achieved / peer);
+    printf("  of which GEMM-shaped work (matmuls, fused head): %.1f ms at %.1f GFLOP/s\n", matmul_s * 1e3,
+           flops_matmul / matmul_s / 1e9);
+    return 0;
+}

@@ -1,0 +1,349 @@
+/* attention.c - causal grouped-query attention, flash-style: a few query rows at a time.
+ *
+ * q, out [B, T, H, D]; k, v [B, T, KVH, D]; query head h reads kv head h / (H / KVH).
+ * For query row t of head h (scale = 1/sqrt(D)):
+ *   s_j   = scale * q_t · k_j             for j <= t (causal)
+ *   m     = max_j s_j,  l = Σ_j exp(s_j - m)
+ *   out_t = Σ_j exp(s_j - m) v_j / l,     lse_t = m + log l   (saved for backward)
+ * backward, with p_j = exp(s_j - lse_t) recomputed from the saved lse:
+ *   D_t    = dout_t · out_t               (= Σ_j p_j dp_j)
+ *   dp_j   = dout_t · v_j
+ *   ds_j   = p_j (dp_j - D_t)
+ *   dq_t  += scale Σ_j ds_j k_j
+ *   dk_j  += scale ds_j q_t,   dv_j += p_j dout_t
+ *
+ * How the work is laid out. A thread takes QB = 4 query rows at a time and holds their
+ * scores (4 x T floats: never the T x T matrix) beside a transposed copy of the head's k
+ * (and v) [D, T]. The four rows share every load of k and v and every update of a dk, dv
+ * row, and scores come from register tiles (4 rows x 16 keys) summed over d, so the inner
+ * loops are contiguous and vectorised, without horizontal sums; a block's rows run to the
+ * same padded length and the keys beyond each row's own t are masked (weight 0).
+ * The forward runs one (batch, head) per task; the backward one (batch, kv head) per task,
+ * which walks every query head of its group, so dk and dv of a shared kv head have a
+ * single writer: no races, no atomics, sums in a fixed order (deterministic).
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdlib.h>
+
+#include "cpu.h"
+
+#define QB 4  /* query rows per block */
+#define KB 16 /* keys (or head dims) per register tile */
+
+struct attn_shape {
+    int64_t B, T, H, KVH, D;
+    float scale;
+};
+
+/* Keys a block needs: 0..n-1, rounded up to whole tiles where T allows. */
+static inline int64_t padded(int64_t n, int64_t T)
+{
+    int64_t np = (n + KB - 1) / KB * KB;
+    return np < T ? np : T;
+}
+
+/* At[d, j] = A[j, d] for the T rows of one head (rows ld floats apart), in tiles of 16 x 16
+ * so that both the reads and the writes stay within a few cache lines. */
+AM_HOT static void transpose_head(float *restrict At, const float *restrict A, int64_t T, int64_t D, int64_t ld)
+{
+    for (int64_t j0 = 0; j0 < T; j0 += 16)
+        for (int64_t d0 = 0; d0 < D; d0 += 16) {
+            int64_t j1 = j0 + 16 < T ? j0 + 16 : T, d1 = d0 + 16 < D ? d0 + 16 : D;
+            for (int64_t d = d0; d < d1; d++)
+                for (int64_t j = j0; j < j1; j++)
+                    At[d * T + j] = A[j * ld + d];
+        }
+}
+
+/* S[r, j] = Σ_d x_r[d] At[d, j] for the QB rows x_r and keys j < n (S rows lds apart,
+ * At [D, ldt]): q_r · k_j (At = k transposed) or dout_r · v_j (At = v transposed). */
+AM_INLINE void scores_block(float *restrict S, int64_t lds, const float *restrict At, int64_t ldt,
+                                const float *const x[QB], int64_t D, int64_t n)
+{
+    const float *restrict x0 = x[0], *restrict x1 = x[1], *restrict x2 = x[2], *restrict x3 = x[3];
+    int64_t j = 0;
+    for (; j + KB <= n; j += KB) {
+        float a0[KB] = {0}, a1[KB] = {0}, a2[KB] = {0}, a3[KB] = {0};
+        for (int64_t d = 0; d < D; d++) {
+            const float *restrict k = At + d * ldt + j;
+            float q0 = x0[d], q1 = x1[d], q2 = x2[d], q3 = x3[d];
+#pragma omp simd
+            for (int c = 0; c < KB; c++) {
+                a0[c] += q0 * k[c];
+                a1[c] += q1 * k[c];
+                a2[c] += q2 * k[c];
+                a3[c] += q3 * k[c];
+            }
+        }
+        for (int c = 0; c < KB; c++) {
+            S[j + c] = a0[c];
+            S[lds + j + c] = a1[c];
+            S[2 * lds + j + c] = a2[c];
+            S[3 * lds + j + c] = a3[c];
+        }
+    }
+    for (; j < n; j++) { /* the last keys when T is not a multiple of KB */
+        float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
+        for (int64_t d = 0; d < D; d++) {
+            float k = At[d * ldt + j];
+            a0 += x0[d] * k;
+            a1 += x1[d] * k;
+            a2 += x2[d] * k;
+            a3 += x3[d] * k;
+        }
+        S[j] = a0;
+        S[lds + j] = a1;
+        S[2 * lds + j] = a2;
+        S[3 * lds + j] = a3;
+    }
+}
+
+/* o_r[0..D) += Σ_{j<n} P[r, j] A[j, 0..D) for the QB rows o_r (A rows lda apart, P rows
+ * ldp apart): out_r = Σ_j p_j v_j, or dq_r += Σ_j ds_j k_j. Tiles of 16 head dims of the
+ * four rows accumulate in registers over j. */
+AM_INLINE void pv_block(float *const o[QB], const float *restrict A, int64_t lda, const float *restrict P,
+                            int64_t ldp, int64_t n, int64_t D)
+{
+    float *restrict o0 = o[0], *restrict o1 = o[1], *restrict o2 = o[2], *restrict o3 = o[3];
+    const float *restrict P0 = P, *restrict P1 = P + ldp, *restrict P2 = P + 2 * ldp, *restrict P3 = P + 3 * ldp;
+    int64_t dc = 0;
+    for (; dc + KB <= D; dc += KB) {
+        float a0[KB], a1[KB], a2[KB], a3[KB];
+        for (int c = 0; c < KB; c++) {
+            a0[c] = o0[dc + c];
+            a1[c] = o1[dc + c];
+            a2[c] = o2[dc + c];
+            a3[c] = o3[dc + c];
+        }
+        for (int64_t j = 0; j < n; j++) {
+            const float *restrict a = A + j * lda + dc;
+            float p0 = P0[j], p1 = P1[j], p2 = P2[j], p3 = P3[j];
+#pragma omp simd
+            for (int c = 0; c < KB; c++) {
+                a0[c] += p0 * a[c];
+                a1[c] += p1 * a[c];
+                a2[c] += p2 * a[c];
+                a3[c] += p3 * a[c];
+            }
+        }
+        for (int c = 0; c < KB; c++) {
+            o0[dc + c] = a0[c];
+            o1[dc + c] = a1[c];
+            o2[dc + c] = a2[c];
+            o3[dc + c] = a3[c];
+        }
+    }
+    for (; dc < D; dc++) /* head sizes that are not a multiple of KB */
+        for (int64_t j = 0; j < n; j++) {
+            float a = A[j * lda + dc];
+            o0[dc] += P0[j] * a;
+            o1[dc] += P1[j] * a;
+            o2[dc] += P2[j] * a;
+            o3[dc] += P3[j] * a;
+        }
+}
+
+/* One block of QB rows starting at t0 (nr of them real) of one (batch, head). q, out: the
+ * head's first row (qs floats between rows); kt: its kv head's k transposed [D, T]; v: the
+ * kv head's rows (ks apart); lse: the head's T values. S: QB rows of T floats; spare: D
+ * floats where the block's missing rows write. */
+AM_HOT static void attn_forward_block(float *restrict out, float *restrict lse, const float *restrict q,
+                                      const float *restrict kt, const float *restrict v, int64_t t0, int64_t nr,
+                                      int64_t T, int64_t D, int64_t qs, int64_t ks, float scale, float *restrict S,
+                                      float *restrict spare)
+{
+    int64_t nmax = t0 + nr, np = padded(nmax, T);
+    const float *x[QB];
+    float *o[QB];
+    for (int r = 0; r < QB; r++) {
+        x[r] = q + (t0 + (r < nr ? r : nr - 1)) * qs; /* missing rows repeat the last one */
+        o[r] = r < nr ? out + (t0 + r) * qs : spare;
+    }
+    scores_block(S, T, kt, T, x, D, np);
+    float inv[QB];
+    for (int r = 0; r < QB; r++) {
+        float *restrict row = S + r * T;
+        int64_t n = r < nr ? t0 + r + 1 : 0; /* keys this row sees */
+        float m = -INFINITY;
+#pragma omp simd reduction(max : m)
+        for (int64_t j = 0; j < np; j++) {
+            row[j] = j < n ? row[j] * scale : -INFINITY;
+            m = row[j] > m ? row[j] : m;
+        }
+        if (n == 0) { /* a missing row: no weights */
+            for (int64_t j = 0; j < np; j++)
+                row[j] = 0.0f;
+            inv[r] = 0.0f;
+            continue;
+        }
+        float l = 0.0f;
+#pragma omp simd reduction(+ : l)
+        for (int64_t j = 0; j < np; j++) {
+            float p = am_expf(row[j] - m);
+            row[j] = p;
+            l += p;
+        }
+        inv[r] = 1.0f / l;
+        lse[t0 + r] = m + logf(l);
+    }
+    for (int r = 0; r < QB; r++)
+        for (int64_t d = 0; d < D; d++)
+            o[r][d] = 0.0f;
+    pv_block(o, v, ks, S, T, nmax, D);
+    for (int r = 0; r < nr; r++)
+        for (int64_t d = 0; d < D; d++)
+            o[r][d] *= inv[r];
+}
+
+/* One block of the backward, for one (batch, query head); dk, dv belong to its kv head
+ * (the caller runs every query head of a kv head on the same thread). k: the kv head's
+ * rows; kt, vt: k and v transposed. S, DS: QB rows of T floats each. */
+AM_HOT static void attn_backward_block(float *restrict dq, float *restrict dk, float *restrict dv,
+                                       const float *restrict dout, const float *restrict out,
+                                       const float *restrict lse, const float *restrict q, const float *restrict k,
+                                       const float *restrict kt, const float *restrict vt, int64_t t0, int64_t nr,
+                                       int64_t T, int64_t D, int64_t qs, int64_t ks, float scale, float *restrict S,
+                                       float *restrict DS, float *restrict spare)
+{
+    int64_t nmax = t0 + nr, np = padded(nmax, T);
+    const float *xq[QB], *xd[QB];
+    float *g[QB];
+    float Dt[QB];
+    for (int r = 0; r < QB; r++) {
+        int64_t t = t0 + (r < nr ? r : nr - 1);
+        xq[r] = q + t * qs;
+        xd[r] = dout + t * qs;
+        g[r] = r < nr ? dq + (t0 + r) * qs : spare;
+        const float *restrict dor = dout + t * qs, *restrict oor = out + t * qs;
+        float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+        for (int64_t d = 0; d < D; d++)
+            acc += dor[d] * oor[d];
+        Dt[r] = acc;
+    }
+    scores_block(S, T, kt, T, xq, D, np);  /* s_j  = q_t · k_j */
+    scores_block(DS, T, vt, T, xd, D, np); /* dp_j = dout_t · v_j */
+    for (int r = 0; r < QB; r++) {
+        float *restrict srow = S + r * T, *restrict dsrow = DS + r * T;
+        int64_t n = r < nr ? t0 + r + 1 : 0;
+        float L = r < nr ? lse[t0 + r] : 0.0f, Dr = Dt[r];
+#pragma omp simd
+        for (int64_t j = 0; j < np; j++) {
+            float p = j < n ? am_expf(srow[j] * scale - L) : 0.0f;
+            srow[j] = p;
+            dsrow[j] = p * (dsrow[j] - Dr) * scale; /* scale * ds_j */
+        }
+    }
+    pv_block(g, k, ks, DS, T, nmax, D); /* dq_t += scale Σ_j ds_j k_j */
+    const float *restrict q0 = xq[0], *restrict q1 = xq[1], *restrict q2 = xq[2], *restrict q3 = xq[3];
+    const float *restrict d0 = xd[0], *restrict d1 = xd[1], *restrict d2 = xd[2], *restrict d3 = xd[3];
+    for (int64_t j = 0; j < nmax; j++) { /* dk_j += scale Σ_t ds_j q_t,  dv_j += Σ_t p_j dout_t */
+        float *restrict dkj = dk + j * ks, *restrict dvj = dv + j * ks;
+        float s0 = DS[j], s1 = DS[T + j], s2 = DS[2 * T + j], s3 = DS[3 * T + j];
+        float p0 = S[j], p1 = S[T + j], p2 = S[2 * T + j], p3 = S[3 * T + j];
+#pragma omp simd
+        for (int64_t d = 0; d < D; d++) {
+            dkj[d] += s0 * q0[d] + s1 * q1[d] + s2 * q2[d] + s3 * q3[d];
+            dvj[d] += p0 * d0[d] + p1 * d1[d] + p2 * d2[d] + p3 * d3[d];
+        }
+    }
+}
+
+static struct attn_shape check_attention(const char *kernel, const struct am_tensor *o, const struct am_tensor *lse,
+                                         const struct am_tensor *q, const struct am_tensor *k,
+                                         const struct am_tensor *v)
+{
+    AM_CHECK(q->ndim == 4 && k->ndim == 4 && v->ndim == 4 && o->ndim == 4,
+             "q (%s), k, v and out must be 4-d [B, T, heads, D] (called from %s)", am_tname(q), kernel);
+    struct attn_shape s = {q->shape[0], q->shape[1], q->shape[2], k->shape[2], q->shape[3], 0.0f};
+    for (int i = 0; i < 4; i++)
+        AM_CHECK(o->shape[i] == q->shape[i], "out (%s) must have q's shape (called from %s)", am_tname(o), kernel);
+    AM_CHECK(k->shape[0] == s.B && k->shape[1] == s.T && k->shape[3] == s.D,
+             "k (%s) is [%lld, %lld, %lld, %lld]; q is [%lld, %lld, %lld, %lld]: B, T and D must match (called from %s)",
+             am_tname(k), (long long)k->shape[0], (long long)k->shape[1], (long long)k->shape[2],
+             (long long)k->shape[3], (long long)s.B, (long long)s.T, (long long)s.H, (long long)s.D, kernel);
+    for (int i = 0; i < 4; i++)
+        AM_CHECK(v->shape[i] == k->shape[i], "v (%s) must have k's shape (called from %s)", am_tname(v), kernel);
+    AM_CHECK(s.KVH > 0 && s.H % s.KVH == 0, "%lld query heads are not a multiple of %lld kv heads (called from %s)",
+             (long long)s.H, (long long)s.KVH, kernel);
+    AM_CHECK(am_tensor_numel(lse) == s.B * s.H * s.T, "lse (%s) must be [B, H, T] = [%lld, %lld, %lld] (called from %s)",
+             am_tname(lse), (long long)s.B, (long long)s.H, (long long)s.T, kernel);
+    s.scale = (float)(1.0 / sqrt((double)s.D)); /* transformers' head_dim ** -0.5, as an fp32 operand */
+    return s;
+}
+
+void am_cpu_attention_forward(struct am_tensor *out, struct am_tensor *lse, const struct am_tensor *q,
+                              const struct am_tensor *k, const struct am_tensor *v)
+{
+    float *o = F32(out), *l = F32(lse);
+    const float *qd = F32(q), *kd = F32(k), *vd = F32(v);
+    struct attn_shape s = check_attention(__func__, out, lse, q, k, v);
+    int64_t B = s.B, T = s.T, H = s.H, KVH = s.KVH, D = s.D, G = H / KVH;
+    int64_t qs = H * D, ks = KVH * D;
+    bool fail = false;
+#pragma omp parallel if (B * H > 1 && B * H * T * T * D >= AM_PAR_MIN) reduction(|| : fail)
+    {
+        /* QB rows of scores, the head's keys transposed, a spare row */
+        float *S = malloc(((size_t)(QB + D) * (size_t)T + (size_t)D) * sizeof(float));
+        if (!S)
+            fail = true;
+#pragma omp for collapse(2) schedule(static)
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t h = 0; h < H; h++) {
+                if (!S)
+                    continue;
+                int64_t kvh = h / G;
+                float *kt = S + QB * T, *spare = kt + D * T;
+                transpose_head(kt, kd + b * T * ks + kvh * D, T, D, ks);
+                for (int64_t t0 = 0; t0 < T; t0 += QB)
+                    attn_forward_block(o + b * T * qs + h * D, l + (b * H + h) * T, qd + b * T * qs + h * D, kt,
+                                       vd + b * T * ks + kvh * D, t0, T - t0 < QB ? T - t0 : QB, T, D, qs, ks,
+                                       s.scale, S, spare);
+            }
+        free(S);
+    }
+    AM_CHECK(!fail, "out of memory for %d rows of %lld scores", QB, (long long)T);
+}
+
+void am_cpu_attention_backward(struct am_tensor *dq, struct am_tensor *dk, struct am_tensor *dv,
+                               const struct am_tensor *dout, const struct am_tensor *out, const struct am_tensor *lse,
+                               const struct am_tensor *q, const struct am_tensor *k, const struct am_tensor *v)
+{
+    float *dqd = F32(dq), *dkd = F32(dk), *dvd = F32(dv);
+    const float *dod = F32(dout), *od = F32(out), *ld = F32(lse), *qd = F32(q), *kd = F32(k), *vd = F32(v);
+    struct attn_shape s = check_attention(__func__, out, lse, q, k, v);
+    AM_CHECK(am_tensor_numel(dq) == am_tensor_numel(q) && am_tensor_numel(dout) == am_tensor_numel(q),
+             "dq (%s) and dout (%s) must have q's shape", am_tname(dq), am_tname(dout));
+    AM_CHECK(am_tensor_numel(dk) == am_tensor_numel(k) && am_tensor_numel(dv) == am_tensor_numel(k),
+             "dk (%s) and dv (%s) must have k's shape", am_tname(dk), am_tname(dv));
+    int64_t B = s.B, T = s.T, H = s.H, KVH = s.KVH, D = s.D, G = H / KVH;
+    int64_t qs = H * D, ks = KVH * D;
+    bool fail = false;
+#pragma omp parallel if (B * KVH > 1 && B * H * T * T * D >= AM_PAR_MIN) reduction(|| : fail)
+    {
+        /* two blocks of QB rows (p, ds), k and v transposed, a spare row */
+        float *S = malloc(((size_t)(2 * QB + 2 * D) * (size_t)T + (size_t)D) * sizeof(float));
+        if (!S)
+            fail = true;
+#pragma omp for collapse(2) schedule(static)
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t kvh = 0; kvh < KVH; kvh++) {
+                if (!S)
+                    continue;
+                int64_t ko = b * T * ks + kvh * D;
+                float *DS = S + QB * T, *kt = DS + QB * T, *vt = kt + D * T, *spare = vt + D * T;
+                transpose_head(kt, kd + ko, T, D, ks);
+                transpose_head(vt, vd + ko, T, D, ks);
+                for (int64_t h = kvh * G; h < (kvh + 1) * G; h++) {
+                    int64_t qo = b * T * qs + h * D;
+                    for (int64_t t0 = 0; t0 < T; t0 += QB)
+                        attn_backward_block(dqd + qo, dkd + ko, dvd + ko, dod + qo, od + qo, ld + (b * H + h) * T,
+                                            qd + qo, kd + ko, kt, vt, t0, T - t0 < QB ? T - t0 : QB, T, D, qs, ks,
+                                            s.scale, S, DS, spare);
+                }
+            }
+        free(S);
+    }
+    AM_CHECK(!fail, "out of memory for %d rows of %lld scores", 2 * QB, (long long)T);
+}

@@ -1,0 +1,97 @@
+/* cpu.c - the CPU backend's table of kernels, and the checks every kernel shares. */
+#include <cblas.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "cpu.h"
+
+_Noreturn void am_cpu_fatal(const char *kernel, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    fprintf(stderr, "am kernels (cpu): %s: ", kernel);
+    vfprintf(stderr, fmt, ap);
+    fputc('\n', stderr);
+    va_end(ap);
+    abort();
+}
+
+static const char *dtype_name(enum am_tdtype d)
+{
+    switch (d) {
+    case AM_T_F32: return "f32";
+    case AM_T_BF16: return "bf16";
+    case AM_T_F16: return "f16";
+    case AM_T_I32: return "i32";
+    }
+    return "?";
+}
+
+static void check_tensor(const char *kernel, const char *what, const struct am_tensor *t, enum am_tdtype want)
+{
+    if (!t)
+        am_cpu_fatal(kernel, "%s is NULL", what);
+    if (t->device != AM_DEV_CPU)
+        am_cpu_fatal(kernel, "%s (%s) is not in host memory: the CPU backend takes CPU tensors only", what,
+                     am_tname(t));
+    if (t->dtype != want)
+        am_cpu_fatal(kernel, "%s (%s) is %s; the CPU backend takes %s here", what, am_tname(t), dtype_name(t->dtype),
+                     dtype_name(want));
+    if (t->ndim < 1 || t->ndim > AM_TENSOR_MAX_DIMS)
+        am_cpu_fatal(kernel, "%s (%s) has %d dimensions (1 to %d)", what, am_tname(t), t->ndim, AM_TENSOR_MAX_DIMS);
+    if (!t->data && am_tensor_numel(t) > 0)
+        am_cpu_fatal(kernel, "%s (%s) has no data", what, am_tname(t));
+}
+
+float *am_cpu_f32(const char *kernel, const char *what, const struct am_tensor *t)
+{
+    check_tensor(kernel, what, t, AM_T_F32);
+    return t->data;
+}
+
+const int32_t *am_cpu_i32(const char *kernel, const char *what, const struct am_tensor *t)
+{
+    check_tensor(kernel, what, t, AM_T_I32);
+    return t->data;
+}
+
+static const struct am_kernels cpu_kernels = {
+    .name = "cpu",
+    .device = AM_DEV_CPU,
+    .alloc = am_cpu_alloc,
+    .free = am_cpu_free,
+    .upload = am_cpu_upload,
+    .download = am_cpu_download,
+    .zero = am_cpu_zero,
+    .copy = am_cpu_copy,
+    .add = am_cpu_add,
+    .scale = am_cpu_scale,
+    .sum_squares = am_cpu_sum_squares,
+    .all_finite = am_cpu_all_finite,
+    .matmul_forward = am_cpu_matmul_forward,
+    .matmul_backward = am_cpu_matmul_backward,
+    .embedding_forward = am_cpu_embedding_forward,
+    .embedding_backward = am_cpu_embedding_backward,
+    .rmsnorm_forward = am_cpu_rmsnorm_forward,
+    .rmsnorm_backward = am_cpu_rmsnorm_backward,
+    .rope_tables = am_cpu_rope_tables,
+    .rope_forward = am_cpu_rope_forward,
+    .rope_backward = am_cpu_rope_backward,
+    .attention_forward = am_cpu_attention_forward,
+    .attention_backward = am_cpu_attention_backward,
+    .swiglu_forward = am_cpu_swiglu_forward,
+    .swiglu_backward = am_cpu_swiglu_backward,
+    .ce_stats = am_cpu_ce_stats,
+    .ce_backward = am_cpu_ce_backward,
+    .adamw = am_cpu_adamw,
+};
+
+/* One pool of threads (see cpu.h): OpenBLAS runs single-threaded inside our OpenMP
+ * regions. Setting it here, where every user of the backend starts, keeps it in one place;
+ * it is idempotent and cheap. */
+const struct am_kernels *am_kernels_cpu(void)
+{
+    openblas_set_num_threads(1);
+    return &cpu_kernels;
+}

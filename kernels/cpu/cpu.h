@@ -1,0 +1,178 @@
+/* cpu.h - private to the CPU backend (kernels/cpu/): every kernel's prototype, the checks
+ * they share, and the few numerical helpers (a vectorisable exp) used by more than one file.
+ *
+ * Threads. The backend keeps one pool of threads, OpenMP's: element-wise kernels,
+ * attention and the cross-entropy chunks run in OpenMP parallel regions, and OpenBLAS is
+ * set to one thread (am_kernels_cpu() does it) and called from inside those regions on
+ * disjoint slices. Two pools (OpenMP's and OpenBLAS's own) on the same cores spin against
+ * each other between calls; one pool sized by OMP_NUM_THREADS does not.
+ *
+ * Errors. The table's functions return nothing; a tensor of the wrong device, dtype or
+ * shape is a bug in the caller, so the kernel names itself, the tensor and the rule on
+ * stderr and aborts (am_cpu_fatal), rather than computing garbage.
+ */
+#ifndef AM_KERNELS_CPU_H
+#define AM_KERNELS_CPU_H
+
+#include <math.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "kernels.h"
+
+/* The hot loops are compiled three times, for AVX-512 (x86-64-v4), AVX2 (x86-64-v3) and
+ * the baseline, and the loader picks one for the machine (GCC's target_clones, an ifunc):
+ * the build stays portable (no -march) and still uses the wide vectors where they exist.
+ * Floating-point contraction stays off (-std=c11), so no clone fuses a*b+c. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12 && !defined(AM_NO_CLONES)
+#define AM_HOT __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define AM_HOT
+#endif
+
+/* Helpers called from AM_HOT functions must be inlined into each clone (a helper left out
+ * of line is compiled for the baseline only). */
+#define AM_INLINE static inline __attribute__((always_inline))
+
+/* Element-wise work below this many elements stays on the calling thread: opening a
+ * parallel region costs a few microseconds, more than streaming 32k floats. */
+#define AM_PAR_MIN 32768
+
+/* ---- checks ---- */
+_Noreturn void am_cpu_fatal(const char *kernel, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+#define AM_CHECK(cond, ...)                                                                                          \
+    do {                                                                                                             \
+        if (!(cond))                                                                                                 \
+            am_cpu_fatal(__func__, __VA_ARGS__);                                                                     \
+    } while (0)
+
+/* The tensor's data as fp32 / int32, after checking that it lives on the CPU with that
+ * dtype; `what` names the argument in the message ("x", "dw", ...). */
+float *am_cpu_f32(const char *kernel, const char *what, const struct am_tensor *t);
+const int32_t *am_cpu_i32(const char *kernel, const char *what, const struct am_tensor *t);
+#define F32(t) am_cpu_f32(__func__, #t, (t))
+#define I32(t) am_cpu_i32(__func__, #t, (t))
+
+/* A tensor seen as a matrix: the last dimension is the row, the others are rows. */
+static inline int64_t am_cols(const struct am_tensor *t) { return t->ndim ? t->shape[t->ndim - 1] : 1; }
+static inline int64_t am_rows(const struct am_tensor *t)
+{
+    int64_t c = am_cols(t);
+    return c ? am_tensor_numel(t) / c : 0;
+}
+static inline const char *am_tname(const struct am_tensor *t) { return t->name ? t->name : "(unnamed)"; }
+
+/* The slice [*lo, *hi) of n items that thread `id` of `nth` owns, its edges rounded to a
+ * multiple of `align` (contiguous, cache- and vector-friendly pieces). */
+static inline void am_split(int64_t n, int id, int nth, int64_t align, int64_t *lo, int64_t *hi)
+{
+    int64_t blocks = (n + align - 1) / align;
+    *lo = blocks * id / nth * align;
+    *hi = blocks * (id + 1) / nth * align;
+    if (*lo > n)
+        *lo = n;
+    if (*hi > n)
+        *hi = n;
+}
+
+/* ---- a vectorisable expf ----
+ * exp(x) = 2^n * exp(r) with n = round(x / ln 2) and r = x - n ln 2 in [-ln2/2, ln2/2]
+ * (Cody-Waite: ln 2 = C1 + C2 with C1 short enough that n*C1 is exact), exp(r) by Cephes'
+ * minimax polynomial (about 1 ulp, like glibc's expf), and 2^n applied as two factors
+ * 2^(n/2) 2^(n - n/2), each a normal float built in the exponent bits, so that n = 128
+ * (x up to ln FLT_MAX) needs no special case. n comes from "magic number" rounding (adding
+ * 1.5 * 2^23 leaves round(x / ln 2) in the low mantissa bits): no float->int conversion,
+ * so the loop vectorises without -ffast-math. Outside the normal range: x > ln FLT_MAX
+ * gives +Inf (as expf), x < ln FLT_MIN gives 0 (expf would give a denormal below 1.2e-38;
+ * 0 avoids denormal arithmetic and no sum we take can tell). NaN propagates. */
+AM_INLINE float am_expf(float x)
+{
+    float xc = x < -87.33654f ? -87.33654f : x;
+    xc = xc > 88.72283f ? 88.72283f : xc;
+    float t = xc * 1.44269504088896341f + 12582912.0f;
+    float n = t - 12582912.0f;
+    float r = xc - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * (r * r) + r + 1.0f;
+    uint32_t tb;
+    memcpy(&tb, &t, sizeof tb);
+    int32_t ni = (int32_t)(tb - 0x4B400000u); /* n, from t's low bits (two's complement) */
+    int32_t na = ni >> 1, nb = ni - na;
+    uint32_t ea = (uint32_t)(na + 127) << 23, eb = (uint32_t)(nb + 127) << 23;
+    float sa, sb;
+    memcpy(&sa, &ea, sizeof sa);
+    memcpy(&sb, &eb, sizeof sb);
+    float y = p * sa * sb;
+    y = x < -87.33654f ? 0.0f : y;
+    y = x > 88.72283f ? INFINITY : y;
+    return y;
+}
+
+/* ---- the kernels, one file per family (forward beside backward) ---- */
+/* memory.c */
+void *am_cpu_alloc(size_t bytes);
+void am_cpu_free(void *p);
+void am_cpu_upload(void *dst, const void *host_src, size_t bytes);
+void am_cpu_download(void *host_dst, const void *src, size_t bytes);
+void am_cpu_zero(struct am_tensor *t);
+void am_cpu_copy(struct am_tensor *dst, const struct am_tensor *src);
+/* elementwise.c */
+void am_cpu_add(struct am_tensor *dst, const struct am_tensor *src);
+void am_cpu_scale(struct am_tensor *t, float s);
+double am_cpu_sum_squares(const struct am_tensor *t);
+bool am_cpu_all_finite(const struct am_tensor *t);
+/* matmul.c */
+void am_cpu_matmul_forward(struct am_tensor *y, const struct am_tensor *x, const struct am_tensor *w);
+void am_cpu_matmul_backward(struct am_tensor *dx, struct am_tensor *dw, const struct am_tensor *dy,
+                            const struct am_tensor *x, const struct am_tensor *w);
+/* The shared sgemm driver: C[M,N] = alpha * op(A) op(B) + beta * C, row-major, split over
+ * the OpenMP threads on the larger of M and N when the product is big enough. Called from
+ * outside any parallel region. */
+void am_cpu_sgemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float *A,
+                  int64_t lda, const float *B, int64_t ldb, float beta, float *C, int64_t ldc);
+/* One single-threaded sgemm on the calling thread (for use inside a parallel region). */
+void am_cpu_sgemm1(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float *A,
+                   int64_t lda, const float *B, int64_t ldb, float beta, float *C, int64_t ldc);
+/* embedding.c */
+void am_cpu_embedding_forward(struct am_tensor *out, const struct am_tensor *ids, const struct am_tensor *wte,
+                              int64_t vocab_start);
+void am_cpu_embedding_backward(struct am_tensor *dwte, const struct am_tensor *dout, const struct am_tensor *ids,
+                               int64_t vocab_start);
+/* rmsnorm.c */
+void am_cpu_rmsnorm_forward(struct am_tensor *out, struct am_tensor *rstd, const struct am_tensor *x,
+                            const struct am_tensor *w, float eps);
+void am_cpu_rmsnorm_backward(struct am_tensor *dx, struct am_tensor *dw, const struct am_tensor *dout,
+                             const struct am_tensor *x, const struct am_tensor *w, const struct am_tensor *rstd);
+/* rope.c */
+void am_cpu_rope_tables(struct am_tensor *tcos, struct am_tensor *tsin, double theta,
+                        const struct am_rope_scaling *scaling);
+void am_cpu_rope_forward(struct am_tensor *x, const struct am_tensor *tcos, const struct am_tensor *tsin);
+void am_cpu_rope_backward(struct am_tensor *dx, const struct am_tensor *tcos, const struct am_tensor *tsin);
+/* attention.c */
+void am_cpu_attention_forward(struct am_tensor *out, struct am_tensor *lse, const struct am_tensor *q,
+                              const struct am_tensor *k, const struct am_tensor *v);
+void am_cpu_attention_backward(struct am_tensor *dq, struct am_tensor *dk, struct am_tensor *dv,
+                               const struct am_tensor *dout, const struct am_tensor *out, const struct am_tensor *lse,
+                               const struct am_tensor *q, const struct am_tensor *k, const struct am_tensor *v);
+/* swiglu.c */
+void am_cpu_swiglu_forward(struct am_tensor *out, const struct am_tensor *gate, const struct am_tensor *up);
+void am_cpu_swiglu_backward(struct am_tensor *dgate, struct am_tensor *dup, const struct am_tensor *dout,
+                            const struct am_tensor *gate, const struct am_tensor *up);
+/* crossentropy.c */
+void am_cpu_ce_stats(struct am_tensor *m, struct am_tensor *s, struct am_tensor *t, const struct am_tensor *x,
+                     const struct am_tensor *w, const struct am_tensor *targets, int64_t vocab_start);
+void am_cpu_ce_backward(struct am_tensor *dx, struct am_tensor *dw, const struct am_tensor *x,
+                        const struct am_tensor *w, const struct am_tensor *targets, int64_t vocab_start,
+                        const struct am_tensor *M, const struct am_tensor *S, float dloss_scale);
+/* adamw.c */
+void am_cpu_adamw(struct am_tensor *param, const struct am_tensor *grad, struct am_tensor *m, struct am_tensor *v,
+                  float lr, float beta1, float beta2, float eps, float weight_decay, int64_t step);
+
+#endif

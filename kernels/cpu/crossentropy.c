@@ -1,0 +1,192 @@
+/* crossentropy.c - cross-entropy fused with the output projection, vocabulary-parallel,
+ * in tiles of tokens x vocabulary so that the logits [N, V] never exist whole.
+ *
+ * x [N, C] final hidden states, w [V, C] this shard of the head (vocabulary ids
+ * vocab_start .. vocab_start + V - 1), targets [N] (< 0: ignored). For a tile of rows and
+ * vocabulary entries:
+ *   logits = x_rows · w_vocabᵀ                               (sgemm into scratch)
+ *   ce_stats:    m_i = max_v logit_iv,  s_i = Σ_v exp(logit_iv - m_i),
+ *                t_i = logit_i,target (0 when the target is not in this shard)
+ *                (over the vocabulary tiles with the online rescaling of s when m grows:
+ *                 s <- s exp(m_old - m_new) + Σ_tile exp(logit - m_new))
+ *   (the caller combines shards: M = max m, S = Σ s exp(m - M), T = Σ t,
+ *    loss_i = log S + M - T)
+ *   ce_backward: dlogit_iv = (exp(logit_iv - M_i - log S_i) - [v == target_i]) * scale
+ *                for rows with a target, 0 for ignored rows; then
+ *                dx_rows += dlogits · w_vocab,   dw_vocab += dlogitsᵀ · x_rows
+ * The backward recomputes the logits (one more sgemm) instead of storing them.
+ *
+ * Threads: ce_stats gives each thread whole chunks of rows (its own scratch, its own
+ * sgemms). The backward works on one tile at a time with all threads: first each thread
+ * takes a slice of the tile's vocabulary (its columns of the logits, its rows of dw: one
+ * writer each), then, after a barrier, a slice of the tile's rows for dx (the sum over the
+ * tile's vocabulary in one sgemm, tiles added in order). Nothing is summed across threads.
+ * Rows per chunk are 256: OpenBLAS packs the weight tile once per sgemm, and below ~128
+ * rows that packing costs more than the multiply.
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdlib.h>
+
+#include "cpu.h"
+
+#define CE_ROWS 256                /* rows per chunk */
+#define CE_TILE_FLOATS (1L << 21)  /* logits per scratch tile (8 MiB) */
+
+static void check_ce(const char *kernel, const struct am_tensor *x, const struct am_tensor *w,
+                     const struct am_tensor *targets)
+{
+    if (am_cols(x) != am_cols(w))
+        am_cpu_fatal(kernel, "x (%s) has rows of %lld, w (%s) of %lld: both must be the hidden size", am_tname(x),
+                     (long long)am_cols(x), am_tname(w), (long long)am_cols(w));
+    if (am_tensor_numel(targets) != am_rows(x))
+        am_cpu_fatal(kernel, "targets (%s) has %lld entries for %lld rows of x", am_tname(targets),
+                     (long long)am_tensor_numel(targets), (long long)am_rows(x));
+}
+
+/* Vocabulary entries per tile for chunks of R rows (the whole shard when it fits). */
+static int64_t vocab_tile(int64_t R, int64_t V)
+{
+    int64_t vt = CE_TILE_FLOATS / R / 16 * 16;
+    if (vt < 256)
+        vt = 256;
+    return vt < V ? vt : V;
+}
+
+/* Folds one tile of a row's logits into its running max m and sum s. */
+AM_HOT static void tile_stats(const float *restrict l, int64_t n, float *m, float *s)
+{
+    float mx = -INFINITY;
+#pragma omp simd reduction(max : mx)
+    for (int64_t v = 0; v < n; v++)
+        mx = l[v] > mx ? l[v] : mx;
+    if (mx > *m) { /* a new maximum: rescale what was summed so far */
+        *s = *m == -INFINITY ? 0.0f : *s * am_expf(*m - mx);
+        *m = mx;
+    }
+    float base = *m, sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t v = 0; v < n; v++)
+        sum += am_expf(l[v] - base);
+    *s += sum;
+}
+
+void am_cpu_ce_stats(struct am_tensor *m, struct am_tensor *s, struct am_tensor *t, const struct am_tensor *x,
+                     const struct am_tensor *w, const struct am_tensor *targets, int64_t vocab_start)
+{
+    float *md = F32(m), *sd = F32(s), *td = F32(t);
+    const float *xd = F32(x), *wd = F32(w);
+    const int32_t *tg = I32(targets);
+    check_ce(__func__, x, w, targets);
+    int64_t N = am_rows(x), C = am_cols(x), V = am_rows(w);
+    AM_CHECK(am_tensor_numel(m) == N && am_tensor_numel(s) == N && am_tensor_numel(t) == N,
+             "m (%s), s and t must have one entry per row of x (%lld)", am_tname(m), (long long)N);
+    int nth = omp_get_max_threads();
+    int64_t R = CE_ROWS;
+    if (nth > 1 && N < R * nth) /* fewer rows than threads x chunk: smaller chunks, one or more each */
+        R = (N + nth - 1) / nth;
+    if (R < 1)
+        R = 1;
+    int64_t VT = vocab_tile(R, V), nchunks = (N + R - 1) / R;
+    bool fail = false;
+#pragma omp parallel if (nchunks > 1 && N * V * C >= (1 << 20)) reduction(|| : fail)
+    {
+        float *L = malloc((size_t)(R * (VT > 0 ? VT : 1)) * sizeof(float));
+        if (!L)
+            fail = true;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t c = 0; c < nchunks; c++) {
+            if (!L)
+                continue;
+            int64_t r0 = c * R, nr = N - r0 < R ? N - r0 : R;
+            for (int64_t r = 0; r < nr; r++) {
+                md[r0 + r] = -INFINITY;
+                sd[r0 + r] = 0.0f;
+                td[r0 + r] = 0.0f;
+            }
+            for (int64_t v0 = 0; v0 < V; v0 += VT) {
+                int64_t vt = V - v0 < VT ? V - v0 : VT;
+                am_cpu_sgemm1(false, true, nr, vt, C, 1.0f, xd + r0 * C, C, wd + v0 * C, C, 0.0f, L, VT);
+                for (int64_t r = 0; r < nr; r++) {
+                    tile_stats(L + r * VT, vt, md + r0 + r, sd + r0 + r);
+                    int64_t tl = tg[r0 + r] < 0 ? -1 : (int64_t)tg[r0 + r] - vocab_start - v0;
+                    if (tl >= 0 && tl < vt)
+                        td[r0 + r] = L[r * VT + tl];
+                }
+            }
+        }
+        free(L);
+    }
+    AM_CHECK(!fail, "out of memory for %lld x %lld logits", (long long)R, (long long)VT);
+}
+
+/* Turns rows [0, nr) x columns [a, b) of a tile of logits (vocabulary v0.., rows ld apart)
+ * into dlogits, in place. */
+AM_HOT static void dlogits_slice(float *restrict L, int64_t ld, int64_t nr, int64_t a, int64_t b, int64_t v0,
+                                 const int32_t *restrict tg, int64_t vocab_start, const float *restrict M,
+                                 const float *restrict S, float scale)
+{
+    for (int64_t r = 0; r < nr; r++) {
+        float *restrict l = L + r * ld;
+        if (tg[r] < 0) {
+            for (int64_t v = a; v < b; v++)
+                l[v] = 0.0f;
+            continue;
+        }
+        int64_t tl = (int64_t)tg[r] - vocab_start - v0; /* the target's column in this tile */
+        float lse = M[r] + logf(S[r]);
+        float at_target = tl >= a && tl < b ? l[tl] : 0.0f;
+#pragma omp simd
+        for (int64_t v = a; v < b; v++)
+            l[v] = am_expf(l[v] - lse) * scale;
+        if (tl >= a && tl < b)
+            l[tl] = (am_expf(at_target - lse) - 1.0f) * scale;
+    }
+}
+
+void am_cpu_ce_backward(struct am_tensor *dx, struct am_tensor *dw, const struct am_tensor *x,
+                        const struct am_tensor *w, const struct am_tensor *targets, int64_t vocab_start,
+                        const struct am_tensor *M, const struct am_tensor *S, float dloss_scale)
+{
+    const float *xd = F32(x), *wd = F32(w), *Md = F32(M), *Sd = F32(S);
+    const int32_t *tg = I32(targets);
+    check_ce(__func__, x, w, targets);
+    int64_t N = am_rows(x), C = am_cols(x), V = am_rows(w);
+    AM_CHECK(am_tensor_numel(M) == N && am_tensor_numel(S) == N, "M (%s) and S (%s) need one entry per row (%lld)",
+             am_tname(M), am_tname(S), (long long)N);
+    float *dxd = dx ? F32(dx) : NULL, *dwd = dw ? F32(dw) : NULL;
+    AM_CHECK(!dx || (am_rows(dx) == N && am_cols(dx) == C), "dx (%s) must have x's shape", am_tname(dx));
+    AM_CHECK(!dw || (am_rows(dw) == V && am_cols(dw) == C), "dw (%s) must have w's shape", am_tname(dw));
+    if ((!dxd && !dwd) || N == 0 || V == 0)
+        return;
+    int64_t R = N < CE_ROWS ? N : CE_ROWS, VT = vocab_tile(R, V);
+    float *L = malloc((size_t)(R * VT) * sizeof(float));
+    AM_CHECK(L, "out of memory for %lld x %lld logits", (long long)R, (long long)VT);
+#pragma omp parallel if (N * V * C >= (1 << 20))
+    {
+        int id = omp_get_thread_num(), nth = omp_get_num_threads();
+        for (int64_t r0 = 0; r0 < N; r0 += R) {
+            int64_t nr = N - r0 < R ? N - r0 : R;
+            const float *xc = xd + r0 * C;
+            for (int64_t v0 = 0; v0 < V; v0 += VT) {
+                int64_t vt = V - v0 < VT ? V - v0 : VT, a, b;
+                /* this thread's columns of the tile: logits, dlogits, its rows of dw */
+                am_split(vt, id, nth, 16, &a, &b);
+                am_cpu_sgemm1(false, true, nr, b - a, C, 1.0f, xc, C, wd + (v0 + a) * C, C, 0.0f, L + a, VT);
+                dlogits_slice(L, VT, nr, a, b, v0, tg + r0, vocab_start, Md + r0, Sd + r0, dloss_scale);
+                if (dwd)
+                    am_cpu_sgemm1(true, false, b - a, C, nr, 1.0f, L + a, VT, xc, C, 1.0f, dwd + (v0 + a) * C, C);
+#pragma omp barrier
+                /* this thread's rows of the tile: dx += dlogits · w over the tile's vocabulary */
+                if (dxd) {
+                    int64_t ra, rb;
+                    am_split(nr, id, nth, 1, &ra, &rb);
+                    am_cpu_sgemm1(false, false, rb - ra, C, vt, 1.0f, L + ra * VT, VT, wd + v0 * C, C, 1.0f,
+                                  dxd + (r0 + ra) * C, C);
+                }
+#pragma omp barrier
+            }
+        }
+    }
+    free(L);
+}

@@ -1,0 +1,92 @@
+/* elementwise.c - dst += src, t *= s, the sum of squares (for the gradient norm) and the
+ * finiteness check (for NaN/Inf detection), parallel over the cores for large tensors. */
+#include "cpu.h"
+
+static void same_size(const char *kernel, const struct am_tensor *a, const struct am_tensor *b)
+{
+    if (am_tensor_numel(a) != am_tensor_numel(b))
+        am_cpu_fatal(kernel, "dst (%s) has %lld elements, src (%s) %lld: they must match", am_tname(a),
+                     (long long)am_tensor_numel(a), am_tname(b), (long long)am_tensor_numel(b));
+}
+
+void am_cpu_add(struct am_tensor *dst, const struct am_tensor *src)
+{
+    float *restrict d = F32(dst);
+    const float *restrict s = F32(src);
+    same_size(__func__, dst, src);
+    int64_t n = am_tensor_numel(dst);
+#pragma omp parallel for simd schedule(static) if (n >= AM_PAR_MIN)
+    for (int64_t i = 0; i < n; i++)
+        d[i] += s[i];
+}
+
+void am_cpu_scale(struct am_tensor *t, float s)
+{
+    float *restrict d = F32(t);
+    int64_t n = am_tensor_numel(t);
+#pragma omp parallel for simd schedule(static) if (n >= AM_PAR_MIN)
+    for (int64_t i = 0; i < n; i++)
+        d[i] *= s;
+}
+
+/* Σ x², each square exact in double and summed in double. The sum is cut into fixed
+ * blocks whose partial sums are added in order, so the result does not depend on the
+ * number of threads (the gradient norm is bitwise reproducible). */
+#define SS_MAX_BLOCKS 1024
+
+AM_HOT static double sum_squares_block(const float *restrict x, int64_t n)
+{
+    double acc = 0.0;
+#pragma omp simd reduction(+ : acc)
+    for (int64_t i = 0; i < n; i++)
+        acc += (double)x[i] * (double)x[i];
+    return acc;
+}
+
+double am_cpu_sum_squares(const struct am_tensor *t)
+{
+    const float *x = F32(t);
+    int64_t n = am_tensor_numel(t);
+    int64_t block = 65536;
+    if (n > block * SS_MAX_BLOCKS)
+        block = (n + SS_MAX_BLOCKS - 1) / SS_MAX_BLOCKS;
+    int64_t nb = (n + block - 1) / block;
+    double part[SS_MAX_BLOCKS];
+#pragma omp parallel for schedule(static) if (nb > 1)
+    for (int64_t b = 0; b < nb; b++) {
+        int64_t lo = b * block, hi = lo + block < n ? lo + block : n;
+        part[b] = sum_squares_block(x + lo, hi - lo);
+    }
+    double total = 0.0;
+    for (int64_t b = 0; b < nb; b++)
+        total += part[b];
+    return total;
+}
+
+/* A float is finite unless its exponent bits are all ones (Inf and NaN). */
+AM_HOT static bool all_finite_block(const float *restrict x, int64_t n)
+{
+    uint32_t bad = 0;
+#pragma omp simd reduction(| : bad)
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t u;
+        memcpy(&u, &x[i], sizeof u);
+        bad |= (uint32_t)((u & 0x7F800000u) == 0x7F800000u);
+    }
+    return bad == 0;
+}
+
+bool am_cpu_all_finite(const struct am_tensor *t)
+{
+    const float *x = F32(t);
+    int64_t n = am_tensor_numel(t);
+    int64_t block = 1 << 18;
+    int64_t nb = (n + block - 1) / block;
+    int bad = 0;
+#pragma omp parallel for schedule(static) reduction(| : bad) if (nb > 1)
+    for (int64_t b = 0; b < nb; b++) {
+        int64_t lo = b * block, hi = lo + block < n ? lo + block : n;
+        bad |= !all_finite_block(x + lo, hi - lo);
+    }
+    return !bad;
+}

@@ -1,0 +1,97 @@
+/* matmul.c - linear layers, y = x · wᵀ (torch.nn.Linear without bias), on OpenBLAS sgemm.
+ *
+ *   forward:  y[M,N]   = x[M,K] · w[N,K]ᵀ
+ *   backward: dx[M,K] += dy[M,N] · w[N,K]
+ *             dw[N,K] += dy[M,N]ᵀ · x[M,K]
+ * Backward accumulates (beta = 1), so residual branches and tied weights add up for free.
+ */
+#include <cblas.h>
+#include <omp.h>
+
+#include "cpu.h"
+
+/* Below this many multiply-adds a product runs on the calling thread. */
+#define SGEMM_PAR_MIN (1 << 18)
+
+void am_cpu_sgemm1(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float *A,
+                   int64_t lda, const float *B, int64_t ldb, float beta, float *C, int64_t ldc)
+{
+    if (M <= 0 || N <= 0)
+        return;
+    if (K <= 0) { /* nothing to add: C = beta * C, which OpenBLAS may not do for K = 0 */
+        for (int64_t i = 0; i < M; i++)
+            for (int64_t j = 0; j < N; j++)
+                C[i * ldc + j] = beta == 0.0f ? 0.0f : beta * C[i * ldc + j];
+        return;
+    }
+    cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans, (blasint)M,
+                (blasint)N, (blasint)K, alpha, A, (blasint)lda, B, (blasint)ldb, beta, C, (blasint)ldc);
+}
+
+/* C = alpha op(A) op(B) + beta C, split over the threads on the larger of M and N: each
+ * thread owns a block of C's rows (and op(A)'s) or of C's columns (and op(B)'s), so no two
+ * threads write the same element and each element's sum over K is the one sgemm does. */
+void am_cpu_sgemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float *A,
+                  int64_t lda, const float *B, int64_t ldb, float beta, float *C, int64_t ldc)
+{
+    int nth = omp_get_max_threads();
+    if (nth <= 1 || M * N * K < SGEMM_PAR_MIN || omp_in_parallel()) {
+        am_cpu_sgemm1(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+        return;
+    }
+    bool by_rows = M >= N;
+#pragma omp parallel
+    {
+        int id = omp_get_thread_num(), n = omp_get_num_threads();
+        int64_t lo, hi;
+        if (by_rows) { /* rows lo..hi of C and of op(A) */
+            am_split(M, id, n, 16, &lo, &hi);
+            const float *a = trans_a ? A + lo : A + lo * lda;
+            am_cpu_sgemm1(trans_a, trans_b, hi - lo, N, K, alpha, a, lda, B, ldb, beta, C + lo * ldc, ldc);
+        } else { /* columns lo..hi of C and of op(B) */
+            am_split(N, id, n, 16, &lo, &hi);
+            const float *b = trans_b ? B + lo * ldb : B + lo;
+            am_cpu_sgemm1(trans_a, trans_b, M, hi - lo, K, alpha, A, lda, b, ldb, beta, C + lo, ldc);
+        }
+    }
+}
+
+static void check_shapes(const char *kernel, const struct am_tensor *x, const struct am_tensor *w, int64_t M,
+                         int64_t N, int64_t yrows, int64_t ycols, const char *yname)
+{
+    if (am_cols(x) != am_cols(w))
+        am_cpu_fatal(kernel, "x (%s) has rows of %lld, w (%s) of %lld: x [M,K] · w[N,K]ᵀ needs the same K",
+                     am_tname(x), (long long)am_cols(x), am_tname(w), (long long)am_cols(w));
+    if (yrows != M || ycols != N)
+        am_cpu_fatal(kernel, "%s is [%lld, %lld]; x [M,K] · w[N,K]ᵀ is [%lld, %lld]", yname, (long long)yrows,
+                     (long long)ycols, (long long)M, (long long)N);
+}
+
+void am_cpu_matmul_forward(struct am_tensor *y, const struct am_tensor *x, const struct am_tensor *w)
+{
+    float *yd = F32(y);
+    const float *xd = F32(x), *wd = F32(w);
+    int64_t M = am_rows(x), K = am_cols(x), N = am_rows(w);
+    check_shapes(__func__, x, w, M, N, am_rows(y), am_cols(y), "y");
+    am_cpu_sgemm(false, true, M, N, K, 1.0f, xd, K, wd, K, 0.0f, yd, N);
+}
+
+void am_cpu_matmul_backward(struct am_tensor *dx, struct am_tensor *dw, const struct am_tensor *dy,
+                            const struct am_tensor *x, const struct am_tensor *w)
+{
+    const float *dyd = F32(dy), *xd = F32(x), *wd = F32(w);
+    int64_t M = am_rows(x), K = am_cols(x), N = am_rows(w);
+    check_shapes(__func__, x, w, M, N, am_rows(dy), am_cols(dy), "dy");
+    if (dx) {
+        float *dxd = F32(dx);
+        AM_CHECK(am_rows(dx) == M && am_cols(dx) == K, "dx (%s) must have x's shape [%lld, %lld]", am_tname(dx),
+                 (long long)M, (long long)K);
+        am_cpu_sgemm(false, false, M, K, N, 1.0f, dyd, N, wd, K, 1.0f, dxd, K); /* dx += dy · w */
+    }
+    if (dw) {
+        float *dwd = F32(dw);
+        AM_CHECK(am_rows(dw) == N && am_cols(dw) == K, "dw (%s) must have w's shape [%lld, %lld]", am_tname(dw),
+                 (long long)N, (long long)K);
+        am_cpu_sgemm(true, false, N, K, M, 1.0f, dyd, N, xd, K, 1.0f, dwd, K); /* dw += dyᵀ · x */
+    }
+}

@@ -1,0 +1,146 @@
+/* rope.c - rotary position embedding in Hugging Face's rotate-half layout.
+ *
+ * A head of size D is split in halves x1 = x[:D/2], x2 = x[D/2:]; at position t, with
+ * c = cos(t * inv_freq_i) and s = sin(t * inv_freq_i) for i < D/2:
+ *   forward:  y1 = x1 c - x2 s,   y2 = x2 c + x1 s      (q * cos + rotate_half(q) * sin)
+ *   backward: the transpose, a rotation by -angle:
+ *             dx1 = dy1 c + dy2 s,  dx2 = dy2 c - dy1 s
+ * Both work in place on [B, T, H, D].
+ *
+ * The tables follow transformers' LlamaRotaryEmbedding operation by operation in fp32,
+ * because at position 8000 one ulp of inv_freq moves the angle by ~5e-4:
+ *   inv_freq_i = 1 / theta^(float(2i) / D)          (fp32 pow, rounded; fp32 reciprocal)
+ *   llama3 (_compute_llama3_parameters), with wavelen = 2π / inv_freq in fp32:
+ *     wavelen < original / high_freq_factor: inv_freq unchanged
+ *     wavelen > original / low_freq_factor:  inv_freq / factor
+ *     otherwise smooth = (original / wavelen - low) / (high - low),
+ *               inv_freq = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+ *   linear (_compute_linear_scaling_rope_parameters): inv_freq / factor
+ *   angle = float(t) * inv_freq (fp32 product, as torch's matmul of the two), then cos and sin
+ *   of that fp32 angle, computed in double and rounded (torch's fp32 cos is within 1 ulp).
+ * theta^e is computed in double and rounded to fp32, i.e. the correctly rounded fp32 pow
+ * that torch's (Sleef, 1-ulp) pow returns for these arguments. The attention scaling
+ * factor is 1 for default, linear and llama3, so it is not applied.
+ */
+#include <math.h>
+#include <omp.h>
+
+#include "cpu.h"
+
+/* Python's math.pi * 2, rounded to fp32 as torch does with a scalar operand. */
+#define TWO_PI_F ((float)(2.0 * 3.141592653589793))
+
+/* Each fp32 operation rounds on its own, as torch's separate tensor operations do: the
+ * intermediates are volatile so that a build allowed to fuse a*b+c (FMA) cannot. */
+static bool no_scaling(const struct am_rope_scaling *sc)
+{
+    return !sc || !sc->type || strcmp(sc->type, "default") == 0;
+}
+
+static float scaled_inv_freq(float inv, const struct am_rope_scaling *sc)
+{
+    if (no_scaling(sc))
+        return inv;
+    if (strcmp(sc->type, "linear") == 0)
+        return inv / (float)sc->factor;
+    /* llama3: torch works on fp32 tensors with Python-float operands rounded to fp32 */
+    float factor = (float)sc->factor, low = (float)sc->low_freq_factor;
+    float span = (float)(sc->high_freq_factor - sc->low_freq_factor); /* a Python float, then fp32 */
+    float old = (float)sc->original_max_position_embeddings;
+    float low_wavelen = (float)((double)sc->original_max_position_embeddings / sc->low_freq_factor);
+    float high_wavelen = (float)((double)sc->original_max_position_embeddings / sc->high_freq_factor);
+    volatile float recip = 1.0f / inv;
+    float wavelen = recip * TWO_PI_F; /* 2π / inv_freq is reciprocal(inv) * 2π in torch */
+    float llama = wavelen > low_wavelen ? inv / factor : inv;
+    if (!(wavelen < high_wavelen) && !(wavelen > low_wavelen)) {
+        volatile float rw = 1.0f / wavelen, ratio = rw * old; /* old / wavelen = reciprocal * old */
+        volatile float smooth = (ratio - low) / span;
+        volatile float a = (1.0f - smooth) * llama, b = smooth * llama;
+        llama = a / factor + b;
+    }
+    return llama;
+}
+
+void am_cpu_rope_tables(struct am_tensor *tcos, struct am_tensor *tsin, double theta,
+                        const struct am_rope_scaling *scaling)
+{
+    float *c = F32(tcos), *s = F32(tsin);
+    int64_t T = am_rows(tcos), half = am_cols(tcos), D = 2 * half;
+    AM_CHECK(am_rows(tsin) == T && am_cols(tsin) == half, "cos (%s) and sin (%s) must both be [T, D/2]", am_tname(tcos),
+             am_tname(tsin));
+    AM_CHECK(theta > 0, "rope_theta %g must be positive", theta);
+    if (!no_scaling(scaling)) {
+        bool llama3 = strcmp(scaling->type, "llama3") == 0, linear = strcmp(scaling->type, "linear") == 0;
+        AM_CHECK(llama3 || linear, "rope_scaling type '%s' is not supported (default, llama3, linear)",
+                 scaling->type);
+        AM_CHECK(scaling->factor > 0, "rope_scaling factor %g must be positive", scaling->factor);
+        AM_CHECK(linear || (scaling->high_freq_factor > scaling->low_freq_factor && scaling->low_freq_factor > 0 &&
+                            scaling->original_max_position_embeddings > 0),
+                 "llama3 rope_scaling needs 0 < low_freq_factor (%g) < high_freq_factor (%g) and "
+                 "original_max_position_embeddings > 0 (%ld)",
+                 scaling->low_freq_factor, scaling->high_freq_factor, scaling->original_max_position_embeddings);
+    }
+    float base = (float)theta;
+    for (int64_t i = 0; i < half; i++) {
+        float e = (float)(2 * i) / (float)D;
+        float p = (float)pow((double)base, (double)e);
+        float inv = scaled_inv_freq(1.0f / p, scaling);
+        for (int64_t t = 0; t < T; t++) {
+            float angle = (float)t * inv;
+            c[t * half + i] = (float)cos((double)angle);
+            s[t * half + i] = (float)sin((double)angle);
+        }
+    }
+}
+
+static void check_rope(const char *kernel, const struct am_tensor *x, const struct am_tensor *tcos,
+                       const struct am_tensor *tsin)
+{
+    if (x->ndim != 4)
+        am_cpu_fatal(kernel, "x (%s) must be [B, T, H, D], has %d dimensions", am_tname(x), x->ndim);
+    int64_t T = x->shape[1], D = x->shape[3];
+    if (D % 2 || am_cols(tcos) != D / 2 || am_cols(tsin) != D / 2)
+        am_cpu_fatal(kernel, "head size %lld must be even and the tables [T, %lld], they are [.., %lld]",
+                     (long long)D, (long long)(D / 2), (long long)am_cols(tcos));
+    if (am_rows(tcos) < T || am_rows(tsin) < T)
+        am_cpu_fatal(kernel, "the tables cover %lld positions, x (%s) has %lld", (long long)am_rows(tcos), am_tname(x),
+                     (long long)T);
+}
+
+/* Rotates every head of x [B, T, H, D] by +angle (sign 1) or -angle (sign -1). */
+AM_HOT static void rope_rows(float *restrict x, const float *restrict cs, const float *restrict sn, int64_t H,
+                             int64_t half, float sign)
+{
+    for (int64_t h = 0; h < H; h++) {
+        float *restrict x1 = x + h * 2 * half, *restrict x2 = x1 + half;
+#pragma omp simd
+        for (int64_t i = 0; i < half; i++) {
+            float a = x1[i], b = x2[i], c = cs[i], s = sign * sn[i];
+            x1[i] = a * c - b * s;
+            x2[i] = b * c + a * s;
+        }
+    }
+}
+
+static void rope_apply(const char *kernel, struct am_tensor *x, const struct am_tensor *tcos,
+                       const struct am_tensor *tsin, float sign)
+{
+    float *xd = am_cpu_f32(kernel, "x", x);
+    const float *c = am_cpu_f32(kernel, "cos", tcos), *s = am_cpu_f32(kernel, "sin", tsin);
+    check_rope(kernel, x, tcos, tsin);
+    int64_t B = x->shape[0], T = x->shape[1], H = x->shape[2], half = x->shape[3] / 2;
+#pragma omp parallel for collapse(2) schedule(static) if (am_tensor_numel(x) >= AM_PAR_MIN)
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t t = 0; t < T; t++)
+            rope_rows(xd + (b * T + t) * H * 2 * half, c + t * half, s + t * half, H, half, sign);
+}
+
+void am_cpu_rope_forward(struct am_tensor *x, const struct am_tensor *tcos, const struct am_tensor *tsin)
+{
+    rope_apply(__func__, x, tcos, tsin, 1.0f);
+}
+
+void am_cpu_rope_backward(struct am_tensor *dx, const struct am_tensor *tcos, const struct am_tensor *tsin)
+{
+    rope_apply(__func__, dx, tcos, tsin, -1.0f);
+}

@@ -1,0 +1,718 @@
+/* comm.c - the generic front of the communicators (comm.h): argument checks, sequence
+ * numbers, messages, dtype helpers and host reductions; the backends do the communication
+ * (comm_impl.h). */
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "comm_impl.h"
+
+/* ---- dtypes ------------------------------------------------------------------------ */
+
+size_t am_comm_dtype_size(enum am_comm_dtype t)
+{
+    switch (t) {
+    case AM_F32: return 4;
+    case AM_BF16: return 2;
+    case AM_F16: return 2;
+    case AM_I32: return 4;
+    case AM_I64: return 8;
+    }
+    return 0;
+}
+
+const char *am_comm_dtype_name(enum am_comm_dtype t)
+{
+    switch (t) {
+    case AM_F32: return "fp32";
+    case AM_BF16: return "bf16";
+    case AM_F16: return "fp16";
+    case AM_I32: return "int32";
+    case AM_I64: return "int64";
+    }
+    return "unknown dtype";
+}
+
+const char *am_comm_op_name(enum am_comm_op op)
+{
+    switch (op) {
+    case AM_SUM: return "sum";
+    case AM_MAX: return "max";
+    case AM_AVG: return "avg";
+    }
+    return "unknown op";
+}
+
+static inline uint32_t f32_bits(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return u;
+}
+
+static inline float bits_f32(uint32_t u)
+{
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+float am_comm_bf16_to_f32(uint16_t h) { return bits_f32((uint32_t)h << 16); }
+
+uint16_t am_comm_f32_to_bf16(float f)
+{
+    uint32_t u = f32_bits(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) /* NaN: keep it a (quiet) NaN */
+        return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1); /* round to nearest, ties to even */
+    return (uint16_t)(u >> 16);
+}
+
+/* fp16 <-> fp32 by bit manipulation (F. Giesen's branch-light conversions). */
+float am_comm_f16_to_f32(uint16_t h)
+{
+    const uint32_t shifted_exp = 0x7c00u << 13;
+    uint32_t o = ((uint32_t)h & 0x7fffu) << 13;
+    uint32_t exp = shifted_exp & o;
+    o += (uint32_t)(127 - 15) << 23;
+    if (exp == shifted_exp) {       /* Inf or NaN */
+        o += (uint32_t)(128 - 16) << 23;
+    } else if (exp == 0) {          /* zero or subnormal: renormalise */
+        o += 1u << 23;
+        o = f32_bits(bits_f32(o) - bits_f32(113u << 23));
+    }
+    o |= ((uint32_t)h & 0x8000u) << 16;
+    return bits_f32(o);
+}
+
+uint16_t am_comm_f32_to_f16(float f)
+{
+    const uint32_t f32_inf = 255u << 23, f16_max = (127u + 16) << 23;
+    const uint32_t denorm_magic = ((127u - 15) + (23 - 10) + 1) << 23;
+    uint32_t u = f32_bits(f), sign = u & 0x80000000u, o;
+    u ^= sign;
+    if (u >= f16_max) {             /* overflow to Inf, or NaN */
+        o = u > f32_inf ? 0x7e00u : 0x7c00u;
+    } else if (u < (113u << 23)) {  /* result is subnormal or zero: let the FPU round */
+        o = f32_bits(bits_f32(u) + bits_f32(denorm_magic)) - denorm_magic;
+    } else {
+        uint32_t odd = (u >> 13) & 1;
+        u += ((uint32_t)(15 - 127) << 23) + 0xfffu;
+        u += odd;
+        o = u >> 13;
+    }
+    return (uint16_t)(o | (sign >> 16));
+}
+
+/* ---- host reductions ------------------------------------------------------------------ */
+
+/* max that is commutative bit for bit: NaN wins, and max(+0, -0) = +0 either way. */
+static inline float fmax_sym(float a, float b)
+{
+    if (a > b)
+        return a;
+    if (b > a)
+        return b;
+    if (a == b)
+        return a == 0 ? a + b : a;
+    return a != a ? a : b;
+}
+
+#define REDUCE_LOOP(T, EXPR)                                                                   \
+    do {                                                                                       \
+        T *o_ = out;                                                                           \
+        const T *a_ = a, *b_ = b;                                                              \
+        for (size_t i = 0; i < n; i++) {                                                       \
+            T x = a_[i], y = b_[i];                                                            \
+            o_[i] = (EXPR);                                                                    \
+        }                                                                                      \
+    } while (0)
+
+/* The hot loops of the large reductions, written with GCC/Clang vector types (eight lanes;
+ * SSE pairs by default, one AVX2 register in the avx2 clone picked at load time) because -O2
+ * does not vectorise loops with a remainder. out may equal a or b exactly, never partially:
+ * each block is loaded whole before it is stored. */
+typedef float v8f __attribute__((vector_size(32)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define HOT __attribute__((target_clones("avx2", "default")))
+#else
+#define HOT
+#endif
+
+HOT static void sum_f32(float *out, const float *a, const float *b, size_t n)
+{
+    size_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        v8f x0, x1, y0, y1;
+        memcpy(&x0, a + i, 32);
+        memcpy(&x1, a + i + 8, 32);
+        memcpy(&y0, b + i, 32);
+        memcpy(&y1, b + i + 8, 32);
+        x0 += y0;
+        x1 += y1;
+        memcpy(out + i, &x0, 32);
+        memcpy(out + i + 8, &x1, 32);
+    }
+    for (; i < n; i++)
+        out[i] = a[i] + b[i];
+}
+
+/* bf16 sum: widen (shift), add in fp32, round to nearest even; NaN stays a quiet NaN */
+HOT static void sum_bf16(uint16_t *out, const uint16_t *a, const uint16_t *b, size_t n)
+{
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        v8u x, y;
+        for (int j = 0; j < 8; j++) {
+            x[j] = (uint32_t)a[i + j] << 16;
+            y[j] = (uint32_t)b[i + j] << 16;
+        }
+        v8f f = (v8f)x + (v8f)y;
+        v8u u = (v8u)f;
+        v8u rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+        v8u nan = (v8u)((u & 0x7fffffffu) > 0x7f800000u); /* all ones where NaN */
+        v8u r = (rounded & ~nan) | (((u >> 16) | 0x40u) & nan);
+        for (int j = 0; j < 8; j++)
+            out[i + j] = (uint16_t)r[j];
+    }
+    for (; i < n; i++)
+        out[i] = am_comm_f32_to_bf16(am_comm_bf16_to_f32(a[i]) + am_comm_bf16_to_f32(b[i]));
+}
+
+void am_comm_reduce(void *out, const void *a, const void *b, size_t n, enum am_comm_dtype t, enum am_comm_op op)
+{
+    int max = op == AM_MAX;
+    switch (t) {
+    case AM_F32:
+        if (max)
+            REDUCE_LOOP(float, fmax_sym(x, y));
+        else
+            sum_f32(out, a, b, n);
+        break;
+    case AM_BF16:
+        if (max)
+            REDUCE_LOOP(uint16_t, am_comm_f32_to_bf16(fmax_sym(am_comm_bf16_to_f32(x), am_comm_bf16_to_f32(y))));
+        else
+            sum_bf16(out, a, b, n);
+        break;
+    case AM_F16:
+        if (max)
+            REDUCE_LOOP(uint16_t, am_comm_f32_to_f16(fmax_sym(am_comm_f16_to_f32(x), am_comm_f16_to_f32(y))));
+        else
+            REDUCE_LOOP(uint16_t, am_comm_f32_to_f16(am_comm_f16_to_f32(x) + am_comm_f16_to_f32(y)));
+        break;
+    case AM_I32: /* sums wrap around (two's complement) instead of overflowing */
+        if (max)
+            REDUCE_LOOP(int32_t, x > y ? x : y);
+        else
+            REDUCE_LOOP(int32_t, (int32_t)((uint32_t)x + (uint32_t)y));
+        break;
+    case AM_I64:
+        if (max)
+            REDUCE_LOOP(int64_t, x > y ? x : y);
+        else
+            REDUCE_LOOP(int64_t, (int64_t)((uint64_t)x + (uint64_t)y));
+        break;
+    }
+}
+
+void am_comm_scale(void *buf, size_t n, enum am_comm_dtype t, int divisor)
+{
+    switch (t) {
+    case AM_F32: {
+        float *p = buf;
+        for (size_t i = 0; i < n; i++)
+            p[i] /= (float)divisor;
+        break;
+    }
+    case AM_BF16: {
+        uint16_t *p = buf;
+        for (size_t i = 0; i < n; i++)
+            p[i] = am_comm_f32_to_bf16(am_comm_bf16_to_f32(p[i]) / (float)divisor);
+        break;
+    }
+    case AM_F16: {
+        uint16_t *p = buf;
+        for (size_t i = 0; i < n; i++)
+            p[i] = am_comm_f32_to_f16(am_comm_f16_to_f32(p[i]) / (float)divisor);
+        break;
+    }
+    case AM_I32: {
+        int32_t *p = buf;
+        for (size_t i = 0; i < n; i++)
+            p[i] /= divisor;
+        break;
+    }
+    case AM_I64: {
+        int64_t *p = buf;
+        for (size_t i = 0; i < n; i++)
+            p[i] /= divisor;
+        break;
+    }
+    }
+}
+
+double am_comm_now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* ---- messages ------------------------------------------------------------------------ */
+
+const char *am_comm_call_name(enum am_comm_kind k)
+{
+    switch (k) {
+    case AM_CALL_ALLREDUCE: return "allreduce";
+    case AM_CALL_REDUCE_SCATTER: return "reduce_scatter";
+    case AM_CALL_ALLGATHER: return "allgather";
+    case AM_CALL_ALLTOALLV: return "alltoallv";
+    case AM_CALL_BROADCAST: return "broadcast";
+    case AM_CALL_SEND: return "send";
+    case AM_CALL_RECV: return "recv";
+    case AM_CALL_BARRIER: return "barrier";
+    }
+    return "operation";
+}
+
+int am_comm_fail(struct am_comm *c, const char *fmt, ...)
+{
+    char what[AM_COMM_ERR_LEN - 160];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(what, sizeof(what), fmt, ap);
+    va_end(ap);
+    const struct am_comm_call *call = c->call;
+    if (call && (call->kind == AM_CALL_SEND || call->kind == AM_CALL_RECV))
+        snprintf(c->err, sizeof(c->err), "%s #%llu %s rank %d on group %s (%d rank%s) %s", am_comm_call_name(call->kind),
+                 (unsigned long long)call->seq, call->kind == AM_CALL_SEND ? "to" : "from", call->peer, c->name,
+                 c->size, c->size == 1 ? "" : "s", what);
+    else if (call)
+        snprintf(c->err, sizeof(c->err), "%s #%llu on group %s (%d rank%s) %s", am_comm_call_name(call->kind),
+                 (unsigned long long)call->seq, c->name, c->size, c->size == 1 ? "" : "s", what);
+    else
+        snprintf(c->err, sizeof(c->err), "group %s (%d rank%s): %s", c->name, c->size, c->size == 1 ? "" : "s",
+                 what);
+    return -1;
+}
+
+int am_comm_ctx_fail(struct am_comm_ctx *ctx, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(ctx->err, sizeof(ctx->err), fmt, ap);
+    va_end(ap);
+    return -1;
+}
+
+/* An argument error: the call is not numbered and the group stays usable. */
+static int arg_fail(struct am_comm *c, enum am_comm_kind k, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static int arg_fail(struct am_comm *c, enum am_comm_kind k, const char *fmt, ...)
+{
+    char what[AM_COMM_ERR_LEN - 160];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(what, sizeof(what), fmt, ap);
+    va_end(ap);
+    snprintf(c->err, sizeof(c->err), "%s on group %s (%d rank%s): %s", am_comm_call_name(k), c->name, c->size,
+             c->size == 1 ? "" : "s", what);
+    return -1;
+}
+
+/* ---- context and groups ------------------------------------------------------------- */
+
+static const struct am_comm_ops *backend_ops(enum am_comm_backend b)
+{
+    switch (b) {
+    case AM_COMM_UCX:
+#ifdef AM_HAVE_UCX
+        return &am_comm_ucx_backend;
+#else
+        return NULL;
+#endif
+    case AM_COMM_NCCL:
+#ifdef AM_HAVE_NCCL
+        return &am_comm_nccl_backend;
+#else
+        return NULL;
+#endif
+    }
+    return NULL;
+}
+
+struct am_comm_ctx *am_comm_ctx_init(enum am_comm_backend backend, struct am_boot *boot,
+                                     const struct am_boot_info *info, int device, double timeout_s,
+                                     char *err, size_t err_len)
+{
+    const struct am_comm_ops *ops = backend_ops(backend);
+    const char *bname = backend == AM_COMM_UCX ? "UCX" : backend == AM_COMM_NCCL ? "NCCL" : "unknown";
+    if (!ops) {
+        snprintf(err, err_len, "communicators: the %s backend was not built into this program (%s)", bname,
+                 backend == AM_COMM_NCCL ? "configure found no CUDA toolkit with nccl.h; see --with-cuda"
+                                         : "configure found no UCX; install libucx-dev");
+        return NULL;
+    }
+    if (!boot || !info) {
+        snprintf(err, err_len, "communicators: %s context needs a bootstrap (am_boot_init)", bname);
+        return NULL;
+    }
+    if (!(timeout_s > 0) || timeout_s > 1e7) {
+        snprintf(err, err_len, "communicators: timeout %g s is not a positive number of seconds", timeout_s);
+        return NULL;
+    }
+    struct am_comm_ctx *ctx = calloc(1, sizeof(*ctx));
+    if (!ctx) {
+        snprintf(err, err_len, "communicators: out of memory");
+        return NULL;
+    }
+    ctx->ops = ops;
+    ctx->backend = backend;
+    ctx->boot = boot;
+    ctx->info = *info;
+    ctx->timeout_s = timeout_s;
+    if (ops->ctx_init(ctx, device) < 0) {
+        snprintf(err, err_len, "%s", ctx->err);
+        free(ctx);
+        return NULL;
+    }
+    return ctx;
+}
+
+void am_comm_ctx_fini(struct am_comm_ctx *ctx)
+{
+    if (!ctx)
+        return;
+    ctx->ops->ctx_fini(ctx);
+    free(ctx);
+}
+
+const char *am_comm_ctx_error(const struct am_comm_ctx *ctx)
+{
+    return ctx ? ctx->err : "communicators: no context (NULL)";
+}
+
+static void group_free(struct am_comm *c)
+{
+    if (!c)
+        return;
+    free(c->ranks);
+    free(c->sent);
+    free(c->received);
+    free(c);
+}
+
+int am_comm_create_groups(struct am_comm_ctx *ctx, int n_groups, const int *const *groups,
+                          const int *group_sizes, const char *const *names, struct am_comm **out)
+{
+    if (!ctx)
+        return -1;
+    int world = ctx->info.size, me = ctx->info.rank, rc = -1;
+    char *seen = NULL;
+    struct am_comm **mine = NULL;
+    if (n_groups < 0 || (n_groups > 0 && (!groups || !group_sizes || !names || !out))) {
+        am_comm_ctx_fail(ctx, "create groups: %d groups with %s", n_groups, n_groups < 0 ? "a negative count" : "a NULL array");
+        goto out;
+    }
+    for (int g = 0; g < n_groups; g++)
+        out[g] = NULL;
+    seen = calloc((size_t)world, 1);
+    mine = calloc((size_t)n_groups + 1, sizeof(*mine));
+    if (!seen || !mine) {
+        am_comm_ctx_fail(ctx, "create groups: out of memory");
+        goto out;
+    }
+    /* Check every group on every rank, so that all ranks fail alike on a bad table. */
+    for (int g = 0; g < n_groups; g++) {
+        const char *name = names[g] ? names[g] : "(unnamed)";
+        if (group_sizes[g] < 1 || group_sizes[g] > world || !groups[g]) {
+            am_comm_ctx_fail(ctx, "create groups: group %d (%s) has %d ranks; it needs 1 to %d (the world size)", g, name,
+                             group_sizes[g], world);
+            goto out;
+        }
+        memset(seen, 0, (size_t)world);
+        for (int i = 0; i < group_sizes[g]; i++) {
+            int r = groups[g][i];
+            if (r < 0 || r >= world) {
+                am_comm_ctx_fail(ctx, "create groups: group %d (%s) lists rank %d, outside 0..%d", g, name, r, world - 1);
+                goto out;
+            }
+            if (seen[r]) {
+                am_comm_ctx_fail(ctx, "create groups: group %d (%s) lists rank %d twice", g, name, r);
+                goto out;
+            }
+            seen[r] = 1;
+        }
+    }
+    for (int g = 0; g < n_groups; g++) {
+        int pos = -1;
+        for (int i = 0; i < group_sizes[g]; i++)
+            if (groups[g][i] == me)
+                pos = i;
+        if (pos < 0)
+            continue;
+        struct am_comm *c = calloc(1, sizeof(*c));
+        if (c)
+            mine[g] = c;
+        if (!c || !(c->ranks = malloc((size_t)group_sizes[g] * sizeof(int))) ||
+            !(c->sent = calloc((size_t)group_sizes[g], sizeof(uint64_t))) ||
+            !(c->received = calloc((size_t)group_sizes[g], sizeof(uint64_t)))) {
+            am_comm_ctx_fail(ctx, "create groups: out of memory");
+            goto out;
+        }
+        c->ctx = ctx;
+        c->id = ctx->n_groups + g;
+        snprintf(c->name, sizeof(c->name), "%s", names[g] ? names[g] : "(unnamed)");
+        c->rank = pos;
+        c->size = group_sizes[g];
+        memcpy(c->ranks, groups[g], (size_t)c->size * sizeof(int));
+    }
+    if (ctx->ops->create_groups(ctx, n_groups, mine) < 0)
+        goto out;
+    ctx->n_groups += n_groups;
+    for (int g = 0; g < n_groups; g++) {
+        out[g] = mine[g];
+        mine[g] = NULL;
+    }
+    rc = 0;
+out:
+    for (int g = 0; mine && g < n_groups; g++)
+        am_comm_destroy(mine[g]);
+    free(mine);
+    free(seen);
+    return rc;
+}
+
+void am_comm_destroy(struct am_comm *c)
+{
+    if (!c)
+        return;
+    if (c->be)
+        c->ctx->ops->destroy(c);
+    group_free(c);
+}
+
+int am_comm_rank(const struct am_comm *c) { return c ? c->rank : -1; }
+int am_comm_size(const struct am_comm *c) { return c ? c->size : 0; }
+const char *am_comm_name(const struct am_comm *c) { return c ? c->name : "(none)"; }
+uint64_t am_comm_seq(const struct am_comm *c) { return c ? c->seq : 0; }
+const char *am_comm_error(const struct am_comm *c) { return c ? c->err : "communicators: no group (NULL handle)"; }
+
+void am_comm_set_stream(struct am_comm *c, void *stream)
+{
+    if (c)
+        c->stream = stream;
+}
+
+/* ---- the calls -------------------------------------------------------------------------- */
+
+/* The one place every checked call passes: numbering, the broken-group rule, the backend.
+ * (The flight recorder records the call here: before run() and after, with its status.) */
+static int am_comm_dispatch(struct am_comm *c, struct am_comm_call *call)
+{
+    if (call->kind == AM_CALL_SEND)
+        call->seq = ++c->sent[call->peer];
+    else if (call->kind == AM_CALL_RECV)
+        call->seq = ++c->received[call->peer];
+    else
+        call->seq = ++c->seq;
+    c->call = call;
+    int rc;
+    if (c->broken) {
+        rc = am_comm_fail(c, "refused: the group failed earlier (%s)", c->first_err);
+    } else {
+        rc = c->ctx->ops->run(c, call);
+        if (rc < 0) {
+            c->broken = 1;
+            snprintf(c->first_err, sizeof(c->first_err), "%s", c->err);
+        }
+    }
+    c->call = NULL;
+    return rc;
+}
+
+static int check_common(struct am_comm *c, enum am_comm_kind k, enum am_comm_dtype t)
+{
+    if ((unsigned)t > AM_I64)
+        return arg_fail(c, k, "dtype %d is not one of fp32, bf16, fp16, int32, int64", (int)t);
+    return 0;
+}
+
+static int check_op(struct am_comm *c, enum am_comm_kind k, enum am_comm_dtype t, enum am_comm_op op)
+{
+    if (check_common(c, k, t) < 0)
+        return -1;
+    if ((unsigned)op > AM_AVG)
+        return arg_fail(c, k, "reduction %d is not one of sum, max, avg", (int)op);
+    return 0;
+}
+
+/* n elements of size es, times mult, in bytes; -1 on overflow. */
+static int bytes_of(size_t n, size_t mult, size_t es, size_t *out)
+{
+    if (mult && n > SIZE_MAX / mult)
+        return -1;
+    n *= mult;
+    if (n > (SIZE_MAX >> 1) / es)
+        return -1;
+    *out = n * es;
+    return 0;
+}
+
+static int overlaps(const void *a, size_t alen, const void *b, size_t blen)
+{
+    uintptr_t x = (uintptr_t)a, y = (uintptr_t)b;
+    return alen && blen && x < y + blen && y < x + alen;
+}
+
+int am_allreduce(struct am_comm *c, const void *send, void *recv, size_t count, enum am_comm_dtype t,
+                 enum am_comm_op op)
+{
+    const enum am_comm_kind k = AM_CALL_ALLREDUCE;
+    size_t bytes;
+    if (!c)
+        return -1;
+    if (check_op(c, k, t, op) < 0)
+        return -1;
+    if (bytes_of(count, 1, am_comm_dtype_size(t), &bytes) < 0)
+        return arg_fail(c, k, "%zu %s elements overflow", count, am_comm_dtype_name(t));
+    if (count && (!send || !recv))
+        return arg_fail(c, k, "%s buffer is NULL for %zu elements", !send ? "send" : "recv", count);
+    if (send != recv && overlaps(send, bytes, recv, bytes))
+        return arg_fail(c, k, "send and recv buffers overlap without being the same (in place: send == recv)");
+    struct am_comm_call call = {.kind = k, .send = send, .recv = recv, .count = count, .dtype = t, .op = op,
+                                .bytes = bytes};
+    return am_comm_dispatch(c, &call);
+}
+
+int am_reduce_scatter(struct am_comm *c, const void *send, void *recv, size_t count, enum am_comm_dtype t,
+                      enum am_comm_op op)
+{
+    const enum am_comm_kind k = AM_CALL_REDUCE_SCATTER;
+    size_t bytes, full;
+    if (!c)
+        return -1;
+    if (check_op(c, k, t, op) < 0)
+        return -1;
+    size_t es = am_comm_dtype_size(t);
+    if (bytes_of(count, 1, es, &bytes) < 0 || bytes_of(count, (size_t)c->size, es, &full) < 0)
+        return arg_fail(c, k, "%zu %s elements per rank times %d ranks overflow", count, am_comm_dtype_name(t), c->size);
+    if (count && (!send || !recv))
+        return arg_fail(c, k, "%s buffer is NULL for %zu elements", !send ? "send" : "recv", count);
+    if ((const char *)recv != (const char *)send + (size_t)c->rank * bytes && overlaps(send, full, recv, bytes))
+        return arg_fail(c, k, "recv overlaps send without being its own block (in place: recv == send + rank * count)");
+    struct am_comm_call call = {.kind = k, .send = send, .recv = recv, .count = count, .dtype = t, .op = op,
+                                .bytes = full};
+    return am_comm_dispatch(c, &call);
+}
+
+int am_allgather(struct am_comm *c, const void *send, void *recv, size_t count, enum am_comm_dtype t)
+{
+    const enum am_comm_kind k = AM_CALL_ALLGATHER;
+    size_t bytes, full;
+    if (!c)
+        return -1;
+    if (check_common(c, k, t) < 0)
+        return -1;
+    size_t es = am_comm_dtype_size(t);
+    if (bytes_of(count, 1, es, &bytes) < 0 || bytes_of(count, (size_t)c->size, es, &full) < 0)
+        return arg_fail(c, k, "%zu %s elements per rank times %d ranks overflow", count, am_comm_dtype_name(t), c->size);
+    if (count && (!send || !recv))
+        return arg_fail(c, k, "%s buffer is NULL for %zu elements", !send ? "send" : "recv", count);
+    if ((const char *)send != (const char *)recv + (size_t)c->rank * bytes && overlaps(send, bytes, recv, full))
+        return arg_fail(c, k, "send overlaps recv without being this rank's block (in place: send == recv + rank * count)");
+    struct am_comm_call call = {.kind = k, .send = send, .recv = recv, .count = count, .dtype = t, .bytes = full};
+    return am_comm_dispatch(c, &call);
+}
+
+int am_alltoallv(struct am_comm *c, const void *send, const size_t *send_counts, const size_t *send_displs,
+                 void *recv, const size_t *recv_counts, const size_t *recv_displs, enum am_comm_dtype t)
+{
+    const enum am_comm_kind k = AM_CALL_ALLTOALLV;
+    if (!c)
+        return -1;
+    if (check_common(c, k, t) < 0)
+        return -1;
+    if (!send_counts || !send_displs || !recv_counts || !recv_displs)
+        return arg_fail(c, k, "a count or displacement array is NULL");
+    size_t es = am_comm_dtype_size(t), total = 0;
+    for (int j = 0; j < c->size; j++) {
+        size_t end;
+        if (send_displs[j] > SIZE_MAX - send_counts[j] || bytes_of(send_displs[j] + send_counts[j], 1, es, &end) < 0 ||
+            recv_displs[j] > SIZE_MAX - recv_counts[j] || bytes_of(recv_displs[j] + recv_counts[j], 1, es, &end) < 0)
+            return arg_fail(c, k, "counts and displacements for group rank %d overflow", j);
+        if ((send_counts[j] && !send) || (recv_counts[j] && !recv))
+            return arg_fail(c, k, "%s buffer is NULL but group rank %d has %zu elements", send_counts[j] && !send ? "send" : "recv",
+                            j, send_counts[j] && !send ? send_counts[j] : recv_counts[j]);
+        total += send_counts[j];
+    }
+    if (send && recv && send == recv)
+        return arg_fail(c, k, "in-place alltoallv (send == recv) is not supported");
+    struct am_comm_call call = {.kind = k, .send = send, .recv = recv, .dtype = t, .send_counts = send_counts,
+                                .send_displs = send_displs, .recv_counts = recv_counts, .recv_displs = recv_displs,
+                                .bytes = total * es};
+    return am_comm_dispatch(c, &call);
+}
+
+int am_broadcast(struct am_comm *c, void *buf, size_t count, enum am_comm_dtype t, int root)
+{
+    const enum am_comm_kind k = AM_CALL_BROADCAST;
+    size_t bytes;
+    if (!c)
+        return -1;
+    if (check_common(c, k, t) < 0)
+        return -1;
+    if (root < 0 || root >= c->size)
+        return arg_fail(c, k, "root %d is outside the group's ranks 0..%d", root, c->size - 1);
+    if (bytes_of(count, 1, am_comm_dtype_size(t), &bytes) < 0)
+        return arg_fail(c, k, "%zu %s elements overflow", count, am_comm_dtype_name(t));
+    if (count && !buf)
+        return arg_fail(c, k, "buffer is NULL for %zu elements", count);
+    struct am_comm_call call = {.kind = k, .recv = buf, .count = count, .dtype = t, .peer = root, .bytes = bytes};
+    return am_comm_dispatch(c, &call);
+}
+
+static int p2p(struct am_comm *c, enum am_comm_kind k, const void *sbuf, void *rbuf, size_t count,
+               enum am_comm_dtype t, int peer)
+{
+    size_t bytes;
+    if (!c)
+        return -1;
+    if (check_common(c, k, t) < 0)
+        return -1;
+    if (peer < 0 || peer >= c->size)
+        return arg_fail(c, k, "peer %d is outside the group's ranks 0..%d", peer, c->size - 1);
+    if (peer == c->rank)
+        return arg_fail(c, k, "peer %d is this rank itself (a blocking %s to itself never completes)", peer,
+                        am_comm_call_name(k));
+    if (bytes_of(count, 1, am_comm_dtype_size(t), &bytes) < 0)
+        return arg_fail(c, k, "%zu %s elements overflow", count, am_comm_dtype_name(t));
+    if (count && !sbuf && !rbuf)
+        return arg_fail(c, k, "buffer is NULL for %zu elements", count);
+    struct am_comm_call call = {.kind = k, .send = sbuf, .recv = rbuf, .count = count, .dtype = t, .peer = peer,
+                                .bytes = bytes};
+    return am_comm_dispatch(c, &call);
+}
+
+int am_send(struct am_comm *c, const void *buf, size_t count, enum am_comm_dtype t, int peer)
+{
+    return p2p(c, AM_CALL_SEND, buf, NULL, count, t, peer);
+}
+
+int am_recv(struct am_comm *c, void *buf, size_t count, enum am_comm_dtype t, int peer)
+{
+    return p2p(c, AM_CALL_RECV, NULL, buf, count, t, peer);
+}
+
+int am_barrier(struct am_comm *c)
+{
+    if (!c)
+        return -1;
+    struct am_comm_call call = {.kind = AM_CALL_BARRIER};
+    return am_comm_dispatch(c, &call);
+}

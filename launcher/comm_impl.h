@@ -1,0 +1,115 @@
+/* comm_impl.h - private to the communicators: the generic front (comm.c) and its backends
+ * (comm_ucx.c, comm_nccl.c). Nothing outside launcher/comm*.c includes this file.
+ *
+ * Every public operation is checked by the front, described in one struct am_comm_call,
+ * numbered (the group's sequence number) and handed to am_comm_dispatch(), the one place
+ * every call passes (where a flight recorder hooks in), which calls the backend's run().
+ * A backend reports a failure with am_comm_fail(), which prefixes the message with the
+ * call ("allreduce #17 on group dp (4 ranks) ..."); after a failure the group is broken
+ * and every later call on it fails at once, repeating the first error.
+ */
+#ifndef AM_COMM_IMPL_H
+#define AM_COMM_IMPL_H
+
+#include <stdint.h>
+
+#include "comm.h"
+
+#define AM_COMM_ERR_LEN 640
+#define AM_COMM_NAME_LEN 32
+
+enum am_comm_kind {
+    AM_CALL_ALLREDUCE,
+    AM_CALL_REDUCE_SCATTER,
+    AM_CALL_ALLGATHER,
+    AM_CALL_ALLTOALLV,
+    AM_CALL_BROADCAST,
+    AM_CALL_SEND,
+    AM_CALL_RECV,
+    AM_CALL_BARRIER,
+};
+
+/* One operation, as the caller asked for it. */
+struct am_comm_call {
+    enum am_comm_kind kind;
+    const void *send;
+    void *recv;                 /* broadcast: the buffer; send: NULL */
+    size_t count;               /* elements (per rank for reduce_scatter and allgather) */
+    enum am_comm_dtype dtype;
+    enum am_comm_op op;         /* reductions only */
+    int peer;                   /* broadcast: root; send/recv: the peer (group ranks) */
+    const size_t *send_counts, *send_displs, *recv_counts, *recv_displs; /* alltoallv */
+    uint64_t seq;               /* collectives: the group's sequence number of this call (1, 2,
+                                 * ...), the same on every rank; send/recv: the number of this
+                                 * message between this rank and the peer, in that direction */
+    size_t bytes;               /* payload size for logs: what this rank sends or holds */
+};
+
+struct am_comm_ops {
+    const char *name;
+    /* Sets ctx->be. Collective over all ranks of the job (it may use the bootstrap). */
+    int (*ctx_init)(struct am_comm_ctx *ctx, int device);
+    void (*ctx_fini)(struct am_comm_ctx *ctx);
+    /* groups[g] is this rank's group g (front fields filled in) or NULL when the rank is not
+     * a member; sets groups[g]->be. Collective over all ranks, like am_comm_create_groups. */
+    int (*create_groups)(struct am_comm_ctx *ctx, int n_groups, struct am_comm **groups);
+    void (*destroy)(struct am_comm *c);
+    /* Runs one checked call; count > 0 and group size > 1 are NOT guaranteed. */
+    int (*run)(struct am_comm *c, const struct am_comm_call *call);
+};
+
+struct am_comm_ctx {
+    const struct am_comm_ops *ops;
+    enum am_comm_backend backend;
+    struct am_boot *boot;
+    struct am_boot_info info;
+    double timeout_s;
+    int n_groups;               /* groups created so far: ids for the next ones start here */
+    void *be;                   /* the backend's per-process state */
+    char err[AM_COMM_ERR_LEN];
+};
+
+struct am_comm {
+    struct am_comm_ctx *ctx;
+    int id;                     /* index over every group created in ctx, same on all ranks */
+    char name[AM_COMM_NAME_LEN];
+    int rank, size;
+    int *ranks;                 /* global rank of each group rank */
+    uint64_t seq;               /* collectives issued */
+    uint64_t *sent, *received;  /* per group rank: messages sent to it, received from it */
+    void *stream;               /* NCCL: cudaStream_t */
+    const struct am_comm_call *call; /* the call in progress, for messages */
+    int broken;
+    void *be;                   /* the backend's per-group state */
+    char err[AM_COMM_ERR_LEN];
+    char first_err[AM_COMM_ERR_LEN];
+};
+
+/* Records "<op> #<seq> on group <name> (<n> ranks) <fmt...>" in c->err; returns -1. */
+int am_comm_fail(struct am_comm *c, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* Records a context-level message in ctx->err; returns -1. */
+int am_comm_ctx_fail(struct am_comm_ctx *ctx, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+const char *am_comm_call_name(enum am_comm_kind k);
+const char *am_comm_op_name(enum am_comm_op op);
+
+/* Host reductions, element-wise over n elements: out = a (op) b; out may equal a or b.
+ * bf16 and fp16 are widened to fp32, combined, and rounded back to nearest even. The
+ * combination is commutative bit for bit (max included), so two ranks that combine the same
+ * pair in either order get the same bits. */
+void am_comm_reduce(void *out, const void *a, const void *b, size_t n, enum am_comm_dtype t, enum am_comm_op op);
+/* AVG's last step: buf[i] /= divisor (integers truncate toward zero). */
+void am_comm_scale(void *buf, size_t n, enum am_comm_dtype t, int divisor);
+
+/* Scalar conversions (round to nearest even; NaN stays NaN). */
+float am_comm_bf16_to_f32(uint16_t h);
+uint16_t am_comm_f32_to_bf16(float f);
+float am_comm_f16_to_f32(uint16_t h);
+uint16_t am_comm_f32_to_f16(float f);
+
+/* Monotonic seconds. */
+double am_comm_now(void);
+
+extern const struct am_comm_ops am_comm_ucx_backend;
+extern const struct am_comm_ops am_comm_nccl_backend;
+
+#endif

@@ -1,0 +1,37 @@
+/* launch.h - am-launch's two ways of running a job, and the options they share.
+ *
+ * Standalone, `am-launch --nproc N` (standalone.c): N ranks on this machine, no Slurm. The
+ * launcher forks the N rank programs, serves their bootstrap itself (boot_server.h) and
+ * supervises them as one job.
+ *
+ * Under a PMIx server, `srun --mpi=pmix am-launch` (pmix_task.c): one am-launch per Slurm
+ * task. Each is its rank's supervisor and PMIx client: it forks the one rank program and
+ * relays its bootstrap requests to PMIx (put, commit + fence, get, abort).
+ *
+ * Both modes:
+ *   - hand the rank program its bootstrap socket in AM_BOOTSTRAP_FD (spawn.h);
+ *   - forward SIGTERM, SIGINT, SIGUSR1 and SIGUSR2 to the rank(s);
+ *   - append an exit record for every rank to <log dir>/<job id>/rank-<R>.jsonl
+ *     (exit_record.h) and say on stderr how a failed rank ended;
+ *   - make the job all-or-nothing: the first rank to fail (non-zero exit, signal, or an
+ *     abort request) ends the whole job within seconds (standalone: SIGTERM to the other
+ *     ranks, SIGKILL after grace_s; under Slurm: PMIx_Abort, which makes srun kill the
+ *     step) and am-launch exits with that rank's status (its exit code, or 128 + signal).
+ * Messages go to stderr prefixed "am-launch: ".
+ */
+#ifndef AM_LAUNCH_H
+#define AM_LAUNCH_H
+
+struct am_launch_opts {
+    int nproc;              /* standalone: ranks to start */
+    char *const *argv;      /* the rank program and its arguments */
+    const char *log_dir;    /* --log-dir, or NULL: $AM_LOG_DIR, else ./am-logs */
+    double grace_s;         /* standalone: SIGTERM -> SIGKILL */
+};
+
+/* Each returns am-launch's exit status: 0, the first failed rank's status, or 1 (2 for a
+ * usage error) when the launcher itself failed. */
+int am_launch_standalone(const struct am_launch_opts *o);
+int am_launch_pmix(const struct am_launch_opts *o);
+
+#endif

@@ -1,0 +1,530 @@
+/* pmix_task.c - `srun --mpi=pmix am-launch`: one task's supervisor and PMIx client (launch.h).
+ *
+ * The rank's requests are relayed to PMIx:
+ *   HELLO  -> the info read at PMIx_Init (rank, sizes, node, host, job id)
+ *   PUT    -> PMIx_Put(PMIX_GLOBAL, "am.KEY", byte object)
+ *   FENCE  -> PMIx_Commit + PMIx_Fence_nb over the whole namespace, PMIX_COLLECT_DATA
+ *   GET    -> PMIx_Get_nb(rank, "am.KEY")
+ *   ABORT  -> answered, then PMIx_Abort once the rank has exited (below)
+ * Fence and get run non-blocking: their callbacks (on PMIx's thread) hand the result to the
+ * poll loop through a pipe, so the loop keeps forwarding signals and notices the rank's
+ * death while a collective is in flight. Each carries PMIX_TIMEOUT and the loop enforces
+ * the same deadline (plus a second) itself, in case the server ignores it.
+ *
+ * When the rank fails (non-zero exit, signal, abort request) and was not being stopped
+ * (a forwarded SIGTERM/SIGINT), the supervisor records the exit, says why on stderr and
+ * calls PMIx_Abort: Slurm's PMIx plugin then kills the whole step at once (verified with
+ * Slurm 22.05: the other tasks end by SIGKILL within about a second, srun exits with the
+ * abort status). A rank stopped by a forwarded signal ends the task without an abort: the
+ * job is already being stopped by whoever sent it.
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <math.h>
+#include <pmix.h>
+#include <poll.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "boot_proto.h"
+#include "exit_record.h"
+#include "launch.h"
+#include "sigrelay.h"
+#include "spawn.h"
+
+#define KEY_PREFIX "am."
+
+/* The one PMIx operation in flight: the rank waits for its reply, so there is at most one.
+ * Shared with PMIx's thread under `lock`. */
+struct inflight {
+    pthread_mutex_t lock;
+    uint64_t seq; /* of the operation in flight; 0: none */
+    int done;
+    pmix_status_t status;
+    char *data;
+    size_t len;
+    /* read by the loop only */
+    int op;
+    char key[AM_BOOT_MAX_KEY + 1];
+    int rank;
+    double timeout_s, deadline;
+};
+
+struct task {
+    const struct am_launch_opts *o;
+    pmix_proc_t me;
+    struct am_boot_info info;
+    char log_dir[4096];
+    int sig_fd, wake[2], fd;
+    pid_t pid;
+    int stop_signal;
+    struct am_oom_watch oom;
+    int abort_requested, abort_status;
+    char abort_msg[512];
+    double kill_at;
+    uint64_t next_seq;
+    struct inflight op;
+};
+
+struct cb_arg {
+    struct task *t;
+    uint64_t seq;
+};
+
+static double now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* ---- PMIx's thread -> the loop --------------------------------------------------------- */
+
+static void complete(struct cb_arg *a, pmix_status_t status, const void *data, size_t len)
+{
+    struct task *t = a->t;
+    pthread_mutex_lock(&t->op.lock);
+    if (a->seq == t->op.seq && !t->op.done) {
+        t->op.status = status;
+        t->op.data = NULL;
+        t->op.len = 0;
+        if (status == PMIX_SUCCESS && len && (t->op.data = malloc(len)) != NULL) {
+            memcpy(t->op.data, data, len);
+            t->op.len = len;
+        } else if (status == PMIX_SUCCESS && len) {
+            t->op.status = PMIX_ERR_NOMEM;
+        }
+        t->op.done = 1;
+        char c = 0;
+        (void)!write(t->wake[1], &c, 1);
+    }
+    pthread_mutex_unlock(&t->op.lock);
+    free(a);
+}
+
+static void fence_cb(pmix_status_t status, void *cbdata) { complete(cbdata, status, NULL, 0); }
+
+static void get_cb(pmix_status_t status, pmix_value_t *kv, void *cbdata)
+{
+    if (status == PMIX_SUCCESS && (!kv || kv->type != PMIX_BYTE_OBJECT)) {
+        complete(cbdata, PMIX_ERR_TYPE_MISMATCH, NULL, 0);
+        return;
+    }
+    complete(cbdata, status, status == PMIX_SUCCESS ? kv->data.bo.bytes : NULL,
+             status == PMIX_SUCCESS ? kv->data.bo.size : 0);
+}
+
+/* ---- reading the job's layout from PMIx ------------------------------------------------ */
+
+static int get_number(const pmix_proc_t *proc, const char *key, const char *what, long *out, char *err,
+                      size_t err_len)
+{
+    pmix_value_t *v = NULL;
+    pmix_status_t rc = PMIx_Get(proc, key, NULL, 0, &v);
+    if (rc != PMIX_SUCCESS) {
+        snprintf(err, err_len, "PMIx has no %s (%s): %s; is this a PMIx server that publishes the standard job "
+                 "information (srun --mpi=pmix does)?", what, key, PMIx_Error_string(rc));
+        return -1;
+    }
+    int ok = 1;
+    switch (v->type) {
+    case PMIX_UINT8: *out = v->data.uint8; break;
+    case PMIX_UINT16: *out = v->data.uint16; break;
+    case PMIX_UINT32: *out = (long)v->data.uint32; break;
+    case PMIX_UINT64: *out = (long)v->data.uint64; break;
+    case PMIX_INT: *out = v->data.integer; break;
+    case PMIX_INT32: *out = v->data.int32; break;
+    case PMIX_UINT: *out = (long)v->data.uint; break;
+    case PMIX_SIZE: *out = (long)v->data.size; break;
+    case PMIX_PROC_RANK: *out = (long)v->data.rank; break;
+    default: ok = 0; break;
+    }
+    if (!ok)
+        snprintf(err, err_len, "PMIx's %s (%s) has type %s, not a number", what, key, PMIx_Data_type_string(v->type));
+    PMIX_VALUE_RELEASE(v);
+    return ok ? 0 : -1;
+}
+
+static int read_layout(struct task *t, char *err, size_t err_len)
+{
+    pmix_proc_t wild;
+    PMIX_LOAD_PROCID(&wild, t->me.nspace, PMIX_RANK_WILDCARD);
+    long size, local_rank, local_size, node_id, n_nodes;
+    if (get_number(&wild, PMIX_JOB_SIZE, "job size", &size, err, err_len) < 0 ||
+        get_number(&t->me, PMIX_LOCAL_RANK, "local rank", &local_rank, err, err_len) < 0 ||
+        get_number(&wild, PMIX_LOCAL_SIZE, "number of local ranks", &local_size, err, err_len) < 0 ||
+        get_number(&t->me, PMIX_NODEID, "node id", &node_id, err, err_len) < 0 ||
+        get_number(&wild, PMIX_NUM_NODES, "number of nodes", &n_nodes, err, err_len) < 0)
+        return -1;
+    t->info.rank = (int)t->me.rank;
+    t->info.size = (int)size;
+    t->info.local_rank = (int)local_rank;
+    t->info.local_size = (int)local_size;
+    t->info.node_id = (int)node_id;
+    t->info.n_nodes = (int)n_nodes;
+    const char *node = getenv("SLURMD_NODENAME");
+    pmix_value_t *v = NULL;
+    if (node && *node) {
+        snprintf(t->info.host, sizeof(t->info.host), "%s", node);
+    } else if (PMIx_Get(&t->me, PMIX_HOSTNAME, NULL, 0, &v) == PMIX_SUCCESS && v->type == PMIX_STRING) {
+        snprintf(t->info.host, sizeof(t->info.host), "%s", v->data.string);
+    } else if (gethostname(t->info.host, sizeof(t->info.host) - 1) < 0) {
+        snprintf(t->info.host, sizeof(t->info.host), "localhost");
+    }
+    if (v)
+        PMIX_VALUE_RELEASE(v);
+    if (t->info.rank < 0 || t->info.rank >= t->info.size || t->info.node_id < 0 || t->info.node_id >= t->info.n_nodes) {
+        snprintf(err, err_len, "PMIx gave an inconsistent layout: rank %d of %d, node %d of %d", t->info.rank,
+                 t->info.size, t->info.node_id, t->info.n_nodes);
+        return -1;
+    }
+    return 0;
+}
+
+/* SLURM_JOB_ID.SLURM_STEP_ID; outside Slurm, the PMIx namespace. */
+static void job_id(char *out, size_t len)
+{
+    const char *job = getenv("SLURM_JOB_ID"), *step = getenv("SLURM_STEP_ID");
+    if (!step)
+        step = getenv("SLURM_STEPID");
+    if (job && *job)
+        snprintf(out, len, "%s.%s", job, step && *step ? step : "0");
+    else
+        snprintf(out, len, "%s", getenv("PMIX_NAMESPACE"));
+}
+
+/* ---- serving the rank ------------------------------------------------------------------- */
+
+static void reply_error(struct task *t, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void reply_error(struct task *t, const char *fmt, ...)
+{
+    char text[512];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(text, sizeof(text), fmt, ap);
+    va_end(ap);
+    am_boot_reply(t->fd, 1, text, strlen(text));
+}
+
+static void start_op(struct task *t, const struct am_boot_req *req, const char *key)
+{
+    char pkey[sizeof(KEY_PREFIX) + AM_BOOT_MAX_KEY];
+    struct cb_arg *a = malloc(sizeof(*a));
+    pmix_info_t info[2];
+    size_t ninfo = 0;
+    bool collect = true;
+    int timeout = req->timeout_s > 0 ? (int)ceil(req->timeout_s) : 0;
+    if (!a) {
+        reply_error(t, "the supervisor is out of memory");
+        return;
+    }
+    pthread_mutex_lock(&t->op.lock);
+    t->op.seq = a->seq = ++t->next_seq;
+    t->op.done = 0;
+    pthread_mutex_unlock(&t->op.lock);
+    a->t = t;
+    t->op.op = (int)req->op;
+    t->op.rank = req->rank;
+    t->op.timeout_s = req->timeout_s;
+    t->op.deadline = req->timeout_s > 0 ? now() + req->timeout_s + 1 : 0;
+    snprintf(t->op.key, sizeof(t->op.key), "%s", key);
+    pmix_status_t rc;
+    if (req->op == AM_BOOT_FENCE) {
+        pmix_proc_t all;
+        PMIX_LOAD_PROCID(&all, t->me.nspace, PMIX_RANK_WILDCARD);
+        PMIX_INFO_LOAD(&info[ninfo++], PMIX_COLLECT_DATA, &collect, PMIX_BOOL);
+        if (timeout)
+            PMIX_INFO_LOAD(&info[ninfo++], PMIX_TIMEOUT, &timeout, PMIX_INT);
+        rc = PMIx_Commit();
+        if (rc == PMIX_SUCCESS)
+            rc = PMIx_Fence_nb(&all, 1, info, ninfo, fence_cb, a);
+    } else {
+        pmix_proc_t peer;
+        PMIX_LOAD_PROCID(&peer, t->me.nspace, (pmix_rank_t)req->rank);
+        snprintf(pkey, sizeof(pkey), KEY_PREFIX "%s", key);
+        if (timeout)
+            PMIX_INFO_LOAD(&info[ninfo++], PMIX_TIMEOUT, &timeout, PMIX_INT);
+        rc = PMIx_Get_nb(&peer, pkey, info, ninfo, get_cb, a);
+    }
+    for (size_t i = 0; i < ninfo; i++)
+        PMIX_INFO_DESTRUCT(&info[i]);
+    if (rc != PMIX_SUCCESS) { /* the callback will not run */
+        pthread_mutex_lock(&t->op.lock);
+        t->op.seq = 0;
+        pthread_mutex_unlock(&t->op.lock);
+        free(a);
+        reply_error(t, "PMIx refused the %s: %s", req->op == AM_BOOT_FENCE ? "fence" : "get", PMIx_Error_string(rc));
+    }
+}
+
+/* The operation in flight finished (or timed out): answer the rank. */
+static void finish_op(struct task *t, int timed_out)
+{
+    pthread_mutex_lock(&t->op.lock);
+    int done = t->op.done;
+    pmix_status_t st = t->op.status;
+    char *data = t->op.data;
+    size_t len = t->op.len;
+    if (done || timed_out) {
+        t->op.seq = 0;
+        t->op.data = NULL;
+    }
+    pthread_mutex_unlock(&t->op.lock);
+    if (!done && !timed_out)
+        return;
+    int fence = t->op.op == AM_BOOT_FENCE;
+    if (done && st == PMIX_SUCCESS)
+        am_boot_reply(t->fd, 0, data, len);
+    else if (!done || st == PMIX_ERR_TIMEOUT)
+        reply_error(t, "timed out after %g s: %s", t->op.timeout_s,
+                    fence ? "not every rank reached this fence (one is stuck or slow: see the logs)"
+                          : "the value never arrived");
+    else if (!fence && st == PMIX_ERR_NOT_FOUND)
+        reply_error(t, "rank %d has published no value for '%s'", t->op.rank, t->op.key);
+    else
+        reply_error(t, "PMIx %s failed: %s", fence ? "fence" : "get", PMIx_Error_string(st));
+    free(data);
+}
+
+static void serve(struct task *t)
+{
+    struct am_boot_req req;
+    char key[AM_BOOT_MAX_KEY + 1], pkey[sizeof(KEY_PREFIX) + AM_BOOT_MAX_KEY];
+    void *value = NULL;
+    int got = am_boot_read_request(t->fd, &req, key, &value);
+    if (got < 0) { /* the rank closed its end (or sent garbage): it gets no more answers */
+        if (got == -2)
+            fprintf(stderr, "am-launch: rank %d sent a request with a %u-byte key and a %llu-byte value; closing its "
+                    "bootstrap\n", t->info.rank, req.key_len, (unsigned long long)req.val_len);
+        close(t->fd);
+        t->fd = -1;
+        return;
+    }
+    switch (req.op) {
+    case AM_BOOT_HELLO:
+        am_boot_reply(t->fd, 0, &t->info, sizeof(t->info));
+        break;
+    case AM_BOOT_PUT: {
+        pmix_value_t v;
+        PMIX_VALUE_CONSTRUCT(&v);
+        v.type = PMIX_BYTE_OBJECT;
+        v.data.bo.bytes = value;
+        v.data.bo.size = req.val_len;
+        snprintf(pkey, sizeof(pkey), KEY_PREFIX "%s", key);
+        pmix_status_t rc = PMIx_Put(PMIX_GLOBAL, pkey, &v); /* copies the value */
+        if (rc == PMIX_SUCCESS)
+            am_boot_reply(t->fd, 0, NULL, 0);
+        else
+            reply_error(t, "PMIx_Put of '%s' failed: %s", key, PMIx_Error_string(rc));
+        break;
+    }
+    case AM_BOOT_FENCE:
+        start_op(t, &req, "");
+        break;
+    case AM_BOOT_GET:
+        if (req.rank < 0 || req.rank >= t->info.size)
+            reply_error(t, "no rank %d in this job (key '%s')", req.rank, key);
+        else
+            start_op(t, &req, key);
+        break;
+    case AM_BOOT_ABORT:
+        t->abort_requested = 1;
+        t->abort_status = req.rank ? req.rank : 1;
+        snprintf(t->abort_msg, sizeof(t->abort_msg), "%s", (char *)value);
+        am_boot_reply(t->fd, 0, NULL, 0);
+        t->kill_at = now() + t->o->grace_s;
+        break;
+    default:
+        reply_error(t, "unknown request %u", req.op);
+        break;
+    }
+    free(value);
+}
+
+/* ---- the rank's end --------------------------------------------------------------------- */
+
+/* Stop signals that arrived with the rank's end (Slurm signals the rank and its supervisor
+ * at the same time): they tell a stopped rank from a failed one. */
+static void take_signals(struct task *t)
+{
+    for (int sig, fwd; (sig = am_sigrelay_take(&fwd)) != 0;) {
+        if (fwd && t->pid > 0)
+            kill(t->pid, sig);
+        if (sig == SIGTERM || sig == SIGINT) {
+            t->stop_signal = sig;
+            if (fwd && t->kill_at == 0) /* Slurm's own stops end with its SIGKILL (KillWait) */
+                t->kill_at = now() + t->o->grace_s;
+        }
+    }
+}
+
+static int rank_ended(struct task *t, int status)
+{
+    char msg[1024], err[512];
+    pid_t pid = t->pid;
+    t->pid = 0; /* reaped: it gets no more signals */
+    take_signals(t);
+    struct am_exit e = {.rank = t->info.rank, .host = t->info.host, .pid = pid, .status = status,
+                        .oom_killed = am_oom_watch_killed(&t->oom, status), .stop_signal = t->stop_signal};
+    if (e.oom_killed == 1 && t->stop_signal == SIGKILL)
+        e.oom_killed = 0;
+    if (am_exit_record(t->log_dir, t->info.job_id, &e, err, sizeof(err)) < 0)
+        fprintf(stderr, "am-launch: %s\n", err);
+    int code = am_exit_code(status);
+    if (t->abort_requested) {
+        snprintf(msg, sizeof(msg), "rank %d on %s aborted the job (status %d): %s", t->info.rank, t->info.host,
+                 t->abort_status, t->abort_msg);
+        code = t->abort_status;
+    } else if (!am_exit_failed(status)) {
+        return 0;
+    } else {
+        am_exit_describe(&e, msg, sizeof(msg));
+    }
+    if (t->stop_signal && !t->abort_requested)
+        return code; /* stopped by a forwarded signal: the job is ending anyway */
+    fprintf(stderr, "am-launch: %s; aborting the job (log: %s/%s/rank-%d.jsonl)\n", msg, t->log_dir,
+            t->info.job_id, t->info.rank);
+    char abort_msg[1100];
+    snprintf(abort_msg, sizeof(abort_msg), "am-launch: %s", msg);
+    pmix_status_t rc = PMIx_Abort(code, abort_msg, NULL, 0);
+    if (rc != PMIX_SUCCESS)
+        fprintf(stderr, "am-launch: PMIx_Abort failed (%s): the other ranks may wait until their timeout\n",
+                PMIx_Error_string(rc));
+    return code;
+}
+
+/* ---- the loop -------------------------------------------------------------------------- */
+
+static int supervise(struct task *t)
+{
+    int rc = 0;
+    while (t->pid > 0) {
+        int in_flight = t->op.seq != 0;
+        double deadline = in_flight ? t->op.deadline : 0;
+        if (t->kill_at > 0 && (deadline == 0 || t->kill_at < deadline))
+            deadline = t->kill_at;
+        int timeout = -1;
+        if (deadline > 0) {
+            double ms = (deadline - now()) * 1000 + 1;
+            timeout = ms < 0 ? 0 : ms > 1e9 ? 1000000000 : (int)ms;
+        }
+        struct pollfd pfd[3] = {{.fd = t->sig_fd, .events = POLLIN},
+                                {.fd = t->wake[0], .events = POLLIN},
+                                {.fd = in_flight ? -1 : t->fd, .events = POLLIN}};
+        if (poll(pfd, 3, timeout) < 0 && errno != EINTR) {
+            fprintf(stderr, "am-launch: poll: %s\n", strerror(errno));
+            kill(t->pid, SIGKILL);
+        }
+        take_signals(t);
+        if (pfd[1].revents & POLLIN) {
+            char drain[64];
+            while (read(t->wake[0], drain, sizeof(drain)) > 0)
+                ;
+        }
+        if (in_flight)
+            finish_op(t, t->op.deadline > 0 && now() >= t->op.deadline);
+        else if (t->fd >= 0 && (pfd[2].revents & (POLLIN | POLLHUP | POLLERR)))
+            serve(t);
+        int status;
+        pid_t done = waitpid(t->pid, &status, WNOHANG);
+        if (done == t->pid) {
+            rc = rank_ended(t, status);
+        } else if (t->kill_at > 0 && now() >= t->kill_at) {
+            kill(t->pid, SIGKILL);
+            t->stop_signal = SIGKILL;
+            t->kill_at = now() + 3600;
+        }
+    }
+    return rc;
+}
+
+int am_launch_pmix(const struct am_launch_opts *o)
+{
+    struct task *t = calloc(1, sizeof(*t));
+    char err[1024];
+    int rc = 1, initialized = 0;
+    sigset_t relayed, old;
+    sigemptyset(&relayed);
+    sigaddset(&relayed, SIGTERM);
+    sigaddset(&relayed, SIGINT);
+    sigaddset(&relayed, SIGUSR1);
+    sigaddset(&relayed, SIGUSR2);
+    sigaddset(&relayed, SIGCHLD);
+    if (!t) {
+        fprintf(stderr, "am-launch: out of memory\n");
+        return 1;
+    }
+    t->o = o;
+    t->fd = t->sig_fd = t->wake[0] = t->wake[1] = -1;
+    pthread_mutex_init(&t->op.lock, NULL);
+    job_id(t->info.job_id, sizeof(t->info.job_id));
+    /* PMIx's thread starts with the relayed signals blocked, so they reach this thread. */
+    pthread_sigmask(SIG_BLOCK, &relayed, &old);
+    pmix_status_t prc = PMIx_Init(&t->me, NULL, 0);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    if (prc != PMIX_SUCCESS) {
+        fprintf(stderr, "am-launch: PMIx_Init failed: %s (PMIX_NAMESPACE=%s, PMIX_RANK=%s): start am-launch with "
+                "`srun --mpi=pmix`, or run `am-launch --nproc N` outside Slurm\n", PMIx_Error_string(prc),
+                getenv("PMIX_NAMESPACE"), getenv("PMIX_RANK"));
+        goto out;
+    }
+    initialized = 1;
+    /* From here on a failure of this task alone must end the step (PMIx_Abort), or the
+     * other ranks would wait for it in their first fence until the timeout. */
+    if (read_layout(t, err, sizeof(err)) < 0 ||
+        am_log_dir_prepare(o->log_dir, t->info.job_id, t->log_dir, sizeof(t->log_dir), err, sizeof(err)) < 0) {
+        char msg[1100];
+        snprintf(msg, sizeof(msg), "am-launch: %s", err);
+        fprintf(stderr, "%s; aborting the job\n", msg);
+        PMIx_Abort(1, msg, NULL, 0);
+        goto out;
+    }
+    /* Under Slurm, slurmstepd (our parent) signals every process of the step: the rank gets
+     * those signals itself. */
+    t->sig_fd = am_sigrelay_install(getenv("SLURM_JOB_ID") ? getppid() : 0);
+    if (t->sig_fd < 0 || pipe2(t->wake, O_CLOEXEC | O_NONBLOCK) < 0) {
+        fprintf(stderr, "am-launch: cannot set up the supervisor: %s; aborting the job\n", strerror(errno));
+        PMIx_Abort(1, "am-launch: cannot set up the supervisor", NULL, 0);
+        goto out;
+    }
+    struct am_spawn sp = {.argv = o->argv, .rank = t->info.rank, .size = t->info.size,
+                          .local_rank = t->info.local_rank, .job_id = t->info.job_id, .log_dir = t->log_dir};
+    am_oom_watch_start(&t->oom);
+    t->pid = am_spawn_rank(&sp, &t->fd, err, sizeof(err));
+    if (t->pid < 0) {
+        t->pid = 0;
+        fprintf(stderr, "am-launch: rank %d on %s: %s; aborting the job\n", t->info.rank, t->info.host, err);
+        char msg[1536];
+        snprintf(msg, sizeof(msg), "am-launch: rank %d on %s: %s", t->info.rank, t->info.host, err);
+        PMIx_Abort(127, msg, NULL, 0);
+        rc = 127;
+        goto out;
+    }
+    rc = supervise(t);
+out:
+    if (t->fd >= 0)
+        close(t->fd);
+    if (t->sig_fd >= 0)
+        am_sigrelay_uninstall();
+    if (initialized && rc == 0)
+        PMIx_Finalize(NULL, 0);
+    /* With an operation in flight (the rank died in a fence), a PMIx callback may still
+     * come: PMIx is left as is and `t` stays allocated; the process exits next. */
+    if (t->op.seq == 0) {
+        if (t->wake[0] >= 0) {
+            close(t->wake[0]);
+            close(t->wake[1]);
+        }
+        pthread_mutex_destroy(&t->op.lock);
+        free(t);
+    }
+    return rc;
+}

@@ -1,0 +1,430 @@
+/* am-data - builds and inspects Megatron-style indexed datasets (PREFIX.bin + PREFIX.idx).
+ *
+ *   am-data build --out PREFIX [--bytes] FILE...
+ *       --bytes: each file's bytes are the tokens (vocabulary 256, dtype uint8), one document
+ *                per paragraph: a paragraph ends after a blank line, and the blank lines
+ *                belong to it, so the documents put back together are the files exactly.
+ *       otherwise: each file holds token ids, decimal, separated by spaces or tabs, one
+ *                document per line (empty lines are skipped); the dtype is the smallest of
+ *                uint8, uint16 and int32 that holds the largest id.
+ *   am-data info PREFIX...
+ *   am-data sample PREFIX... --seq-length L [--weights W1,W2,...] [--num-samples N]
+ *                  [--seed S] [--no-shuffle] [--first I] [--count C] [--text]
+ *       prints samples as the trainer reads them (one per line).
+ *
+ * Exit status: 0 on success, 1 on an error (the message names the file and the rule), 2 on
+ * a usage error.
+ */
+#include <errno.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "dataset.h"
+#include "errors.h"
+#include "recipe.h" /* AM_MAX_DATA_PATHS */
+
+static const char usage[] =
+    "usage: am-data build --out PREFIX [--bytes] FILE...\n"
+    "       am-data info PREFIX...\n"
+    "       am-data sample PREFIX... --seq-length L [--weights W1,W2,...] [--num-samples N] [--seed S]\n"
+    "                      [--no-shuffle] [--first I] [--count C] [--text]\n"
+    "\n"
+    "build   writes PREFIX.bin and PREFIX.idx (Megatron's MMIDIDX format) from text files:\n"
+    "        --bytes  the files' bytes are the tokens (vocabulary 256), one document per paragraph\n"
+    "        default  the files hold decimal token ids, one document per line\n"
+    "info    prints the counts of a dataset\n"
+    "sample  prints GPT samples (seq_length + 1 tokens) as the trainer builds them\n";
+
+static int report(struct am_errors *err)
+{
+    for (size_t i = 0; i < err->n; i++)
+        fprintf(stderr, "am-data: %s\n", err->msg[i]);
+    return 1;
+}
+
+/* ---- build --bytes ------------------------------------------------------------------------- */
+
+static int build_bytes_file(struct am_indexed_builder *b, const char *path, int64_t *docs, struct am_errors *err)
+{
+    FILE *f = fopen(path, "rb");
+    if (!f) {
+        am_errorf(err, NULL, "%s: cannot open: %s", path, strerror(errno));
+        return -1;
+    }
+    unsigned char buf[65536];
+    int rc = -1, newlines = 0;
+    int64_t in_doc = 0;
+    size_t got;
+    while ((got = fread(buf, 1, sizeof(buf), f)) > 0) {
+        size_t start = 0;
+        for (size_t i = 0; i < got; i++) {
+            unsigned char c = buf[i];
+            if (c == '\n') {
+                newlines++;
+            } else if (c != ' ' && c != '\t' && c != '\r' && c != '\f' && c != '\v') {
+                if (newlines >= 2 && in_doc + (int64_t)(i - start) > 0) { /* a paragraph starts here */
+                    if (am_indexed_builder_add_raw(b, buf + start, i - start, err) < 0 ||
+                        am_indexed_builder_end_document(b, err) < 0)
+                        goto done;
+                    (*docs)++;
+                    start = i;
+                    in_doc = 0;
+                }
+                newlines = 0;
+            }
+        }
+        if (am_indexed_builder_add_raw(b, buf + start, got - start, err) < 0)
+            goto done;
+        in_doc += (int64_t)(got - start);
+    }
+    if (ferror(f)) {
+        am_errorf(err, NULL, "%s: read failed: %s", path, strerror(errno));
+        goto done;
+    }
+    if (in_doc > 0) {
+        if (am_indexed_builder_end_document(b, err) < 0)
+            goto done;
+        (*docs)++;
+    }
+    rc = 0;
+done:
+    fclose(f);
+    return rc;
+}
+
+/* ---- build from token ids ------------------------------------------------------------------ */
+
+/* The state of a token-id file being read. */
+struct ids {
+    const char *path;
+    struct am_indexed_builder *b; /* NULL: the checking pass */
+    int64_t ids[1024], value, line, col, max_id, docs;
+    size_t n;
+    bool in_number, line_has_tokens;
+};
+
+/* Feeds one byte (or '\n' at the end of the file). */
+static int ids_byte(struct ids *s, int c, struct am_errors *err)
+{
+    s->col++;
+    if (c >= '0' && c <= '9') {
+        s->value = s->value * 10 + (c - '0');
+        if (s->value > INT32_MAX) {
+            am_errorf(err, NULL, "%s:%" PRId64 ":%" PRId64 ": token id too large (am's token ids are below 2^31)",
+                      s->path, s->line, s->col);
+            return -1;
+        }
+        s->in_number = true;
+        return 0;
+    }
+    if (c != ' ' && c != '\t' && c != '\r' && c != '\n') {
+        bool printable = c >= 0x20 && c < 0x7f;
+        am_errorf(err, NULL, "%s:%" PRId64 ":%" PRId64 ": unexpected %s%c%s (a token file holds decimal token ids "
+                  "separated by spaces, one document per line; use --bytes for text)", s->path, s->line, s->col,
+                  printable ? "'" : "byte 0x", printable ? c : '?', printable ? "'" : "");
+        return -1;
+    }
+    if (s->in_number) {
+        s->max_id = s->value > s->max_id ? s->value : s->max_id;
+        s->ids[s->n++] = s->value;
+        s->line_has_tokens = true;
+        s->in_number = false;
+        s->value = 0;
+    }
+    if (s->n == 1024 || (c == '\n' && s->n > 0)) {
+        if (s->b && am_indexed_builder_add(s->b, s->ids, s->n, err) < 0)
+            return -1;
+        s->n = 0;
+    }
+    if (c == '\n') {
+        if (s->line_has_tokens) {
+            if (s->b && am_indexed_builder_end_document(s->b, err) < 0)
+                return -1;
+            s->docs++;
+        }
+        s->line_has_tokens = false;
+        s->line++;
+        s->col = 0;
+    }
+    return 0;
+}
+
+/* Reads a token-id file: with b NULL only checks it and finds the largest id; with b writes
+ * each non-empty line as a document. */
+static int parse_ids(const char *path, struct am_indexed_builder *b, int64_t *max_id, int64_t *docs,
+                     struct am_errors *err)
+{
+    FILE *f = fopen(path, "rb");
+    struct stat st;
+    if (!f || fstat(fileno(f), &st) < 0) {
+        am_errorf(err, NULL, "%s: cannot open: %s", path, strerror(errno));
+        if (f)
+            fclose(f);
+        return -1;
+    }
+    int rc = -1;
+    struct ids *s = calloc(1, sizeof(*s));
+    unsigned char buf[65536];
+    size_t got;
+    if (!s) {
+        am_errorf(err, NULL, "out of memory");
+        goto done;
+    }
+    if (!S_ISREG(st.st_mode)) {
+        am_errorf(err, NULL, "%s: not a regular file (am-data reads token files twice: once to choose the dtype)",
+                  path);
+        goto done;
+    }
+    *s = (struct ids){.path = path, .b = b, .line = 1};
+    while ((got = fread(buf, 1, sizeof(buf), f)) > 0)
+        for (size_t i = 0; i < got; i++)
+            if (ids_byte(s, buf[i], err) < 0)
+                goto done;
+    if (ferror(f)) {
+        am_errorf(err, NULL, "%s: read failed: %s", path, strerror(errno));
+        goto done;
+    }
+    if (ids_byte(s, '\n', err) < 0) /* a last line without a newline */
+        goto done;
+    *max_id = s->max_id > *max_id ? s->max_id : *max_id;
+    *docs += s->docs;
+    rc = 0;
+done:
+    free(s);
+    fclose(f);
+    return rc;
+}
+
+static int cmd_build(int argc, char **argv)
+{
+    const char *out = NULL;
+    bool bytes = false, options = true;
+    int n_files = 0;
+    for (int i = 0; i < argc; i++) {
+        const char *a = argv[i];
+        if (options && strcmp(a, "--") == 0) {
+            options = false;
+        } else if (options && strcmp(a, "--out") == 0 && i + 1 < argc) {
+            out = argv[++i];
+        } else if (options && strncmp(a, "--out=", 6) == 0) {
+            out = a + 6;
+        } else if (options && strcmp(a, "--bytes") == 0) {
+            bytes = true;
+        } else if (options && a[0] == '-' && a[1]) {
+            fprintf(stderr, "am-data build: unknown option %s\n%s", a, usage);
+            return 2;
+        } else {
+            argv[n_files++] = argv[i]; /* n_files <= i: the list is compacted in place */
+        }
+    }
+    if (!out || n_files == 0) {
+        fprintf(stderr, "am-data build: %s\n%s", out ? "no input files" : "--out PREFIX is required", usage);
+        return 2;
+    }
+    struct am_errors err;
+    am_errors_init(&err);
+    struct am_indexed_builder *b = NULL;
+    int64_t max_id = 0, docs = 0, ignored = 0;
+    int rc = 1;
+    enum am_idx_dtype dtype = AM_IDX_U8;
+    if (!bytes) {
+        for (int i = 0; i < n_files; i++)
+            if (parse_ids(argv[i], NULL, &max_id, &ignored, &err) < 0)
+                goto done;
+        dtype = max_id <= UINT8_MAX ? AM_IDX_U8 : max_id <= UINT16_MAX ? AM_IDX_U16 : AM_IDX_I32;
+    }
+    if (am_indexed_builder_open(out, dtype, &b, &err) < 0)
+        goto done;
+    for (int i = 0; i < n_files; i++)
+        if ((bytes ? build_bytes_file(b, argv[i], &docs, &err) : parse_ids(argv[i], b, &max_id, &docs, &err)) < 0)
+            goto done;
+    if (docs == 0) {
+        am_errorf(&err, NULL, "%s: the input files hold no tokens", out);
+        goto done;
+    }
+    struct am_indexed_builder *done_b = b;
+    b = NULL;
+    if (am_indexed_builder_finish(done_b, &err) < 0)
+        goto done;
+    printf("%s.bin, %s.idx: %" PRId64 " documents, dtype %s\n", out, out, docs, am_idx_dtype_name(dtype));
+    rc = 0;
+done:
+    am_indexed_builder_abort(b);
+    if (rc)
+        report(&err);
+    am_errors_free(&err);
+    return rc;
+}
+
+/* ---- info ----------------------------------------------------------------------------------- */
+
+static int cmd_info(int argc, char **argv)
+{
+    if (argc == 0) {
+        fprintf(stderr, "am-data info: no dataset prefix\n%s", usage);
+        return 2;
+    }
+    struct am_errors err;
+    am_errors_init(&err);
+    int rc = 0;
+    int32_t *buf = malloc(65536 * sizeof(*buf));
+    for (int a = 0; a < argc && buf; a++) {
+        struct am_indexed *d;
+        if (am_indexed_open(argv[a], &d, &err) < 0) {
+            rc = 1;
+            continue;
+        }
+        int64_t lo = INT64_MAX, hi = INT64_MIN, longest = 0;
+        for (int64_t s = 0; s < am_indexed_sequences(d) && rc == 0; s++) {
+            int64_t len = am_indexed_length(d, s);
+            longest = len > longest ? len : longest;
+            for (int64_t o = 0; o < len; o += 65536) {
+                int64_t k = len - o < 65536 ? len - o : 65536;
+                if (am_indexed_read(d, s, o, k, buf, &err) < 0) {
+                    rc = 1;
+                    break;
+                }
+                for (int64_t i = 0; i < k; i++) {
+                    lo = buf[i] < lo ? buf[i] : lo;
+                    hi = buf[i] > hi ? buf[i] : hi;
+                }
+            }
+        }
+        printf("%s: dtype %s, %" PRId64 " documents, %" PRId64 " sequences, %" PRId64 " tokens", argv[a],
+               am_idx_dtype_name(am_indexed_dtype(d)), am_indexed_documents(d), am_indexed_sequences(d),
+               am_indexed_tokens(d));
+        if (am_indexed_tokens(d) > 0)
+            printf(", token ids %" PRId64 " to %" PRId64 ", longest sequence %" PRId64, lo, hi, longest);
+        printf("\n");
+        am_indexed_close(d);
+    }
+    if (!buf)
+        am_errorf(&err, NULL, "out of memory");
+    free(buf);
+    if (err.n)
+        rc = report(&err);
+    am_errors_free(&err);
+    return rc;
+}
+
+/* ---- sample --------------------------------------------------------------------------------- */
+
+static int parse_i64(const char *opt, const char *s, int64_t lo, int64_t *out)
+{
+    char *end;
+    errno = 0;
+    long long v = strtoll(s, &end, 10);
+    if (errno || end == s || *end || v < lo) {
+        fprintf(stderr, "am-data sample: %s %s: expected an integer >= %" PRId64 "\n", opt, s, lo);
+        return -1;
+    }
+    *out = v;
+    return 0;
+}
+
+static int cmd_sample(int argc, char **argv)
+{
+    const char *paths[AM_MAX_DATA_PATHS];
+    double weights[AM_MAX_DATA_PATHS];
+    int n_paths = 0, n_weights = 0;
+    int64_t seq = 0, num = 0, seed = 1234, first = 0, count = 1;
+    bool shuffle = true, text = false;
+    for (int i = 0; i < argc; i++) {
+        const char *o = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        int rc = 0;
+        if (strcmp(o, "--no-shuffle") == 0) {
+            shuffle = false;
+        } else if (strcmp(o, "--text") == 0) {
+            text = true;
+        } else if (o[0] == '-' && !v) {
+            fprintf(stderr, "am-data sample: %s needs a value\n", o);
+            return 2;
+        } else if (strcmp(o, "--seq-length") == 0) {
+            rc = parse_i64(o, v, 1, &seq), i++;
+        } else if (strcmp(o, "--num-samples") == 0) {
+            rc = parse_i64(o, v, 0, &num), i++;
+        } else if (strcmp(o, "--seed") == 0) {
+            rc = parse_i64(o, v, 0, &seed), i++;
+        } else if (strcmp(o, "--first") == 0) {
+            rc = parse_i64(o, v, 0, &first), i++;
+        } else if (strcmp(o, "--count") == 0) {
+            rc = parse_i64(o, v, 0, &count), i++;
+        } else if (strcmp(o, "--weights") == 0) {
+            for (char *s = argv[++i], *end; *s && n_weights < AM_MAX_DATA_PATHS; s = *end ? end + 1 : end) {
+                weights[n_weights++] = strtod(s, &end);
+                if (end == s || (*end && *end != ',')) {
+                    fprintf(stderr, "am-data sample: --weights %s: expected numbers separated by commas\n", v);
+                    return 2;
+                }
+            }
+        } else if (o[0] == '-') {
+            fprintf(stderr, "am-data sample: unknown option %s\n%s", o, usage);
+            return 2;
+        } else if (n_paths < AM_MAX_DATA_PATHS) {
+            paths[n_paths++] = o;
+        }
+        if (rc < 0)
+            return 2;
+    }
+    if (n_paths == 0 || seq == 0 || seed > (int64_t)UINT32_MAX || (n_weights && n_weights != n_paths)) {
+        fprintf(stderr, "am-data sample: %s\n%s",
+                n_paths == 0 ? "no dataset prefix" : seq == 0 ? "--seq-length is required"
+                : seed > (int64_t)UINT32_MAX ? "--seed must be below 2^32" : "give one weight per dataset", usage);
+        return 2;
+    }
+    struct am_gpt_config cfg = {.paths = paths, .weights = n_weights ? weights : NULL, .n_paths = n_paths,
+                                .seq_length = seq, .shuffle = shuffle, .seed = (uint32_t)seed,
+                                .num_samples = num ? num : (n_paths > 1 ? first + count : 0)};
+    struct am_errors err;
+    am_errors_init(&err);
+    struct am_gpt *g = NULL;
+    int32_t *tok = malloc((size_t)(seq + 1) * sizeof(*tok));
+    int rc = 1;
+    if (!tok) {
+        am_errorf(&err, NULL, "out of memory");
+        goto done;
+    }
+    if (am_gpt_open(&cfg, &g, &err) < 0)
+        goto done;
+    for (int64_t i = first; i < first + count; i++) {
+        if (am_gpt_sample(g, i, tok, &err) < 0)
+            goto done;
+        printf("%" PRId64 ":", i);
+        for (int64_t t = 0; t <= seq; t++) {
+            if (!text)
+                printf(" %" PRId32, tok[t]);
+            else if (tok[t] >= 0x20 && tok[t] < 0x7f && tok[t] != '\\')
+                printf("%s%c", t ? "" : " ", (char)tok[t]);
+            else
+                printf("%s\\x%02x", t ? "" : " ", (unsigned)tok[t] & 0xff);
+        }
+        printf("\n");
+    }
+    rc = 0;
+done:
+    if (rc)
+        report(&err);
+    am_gpt_close(g);
+    free(tok);
+    am_errors_free(&err);
+    return rc;
+}
+
+int main(int argc, char **argv)
+{
+    if (argc < 2 || strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0) {
+        fputs(usage, argc < 2 ? stderr : stdout);
+        return argc < 2 ? 2 : 0;
+    }
+    if (strcmp(argv[1], "build") == 0)
+        return cmd_build(argc - 2, argv + 2);
+    if (strcmp(argv[1], "info") == 0)
+        return cmd_info(argc - 2, argv + 2);
+    if (strcmp(argv[1], "sample") == 0)
+        return cmd_sample(argc - 2, argv + 2);
+    fprintf(stderr, "am-data: unknown command '%s'\n%s", argv[1], usage);
+    return 2;
+}

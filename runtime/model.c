@@ -1,0 +1,474 @@
+/* model.c - the Llama decoder over the kernel table (model.h).
+ *
+ * Reading order: shapes and parameters (init), then forward and backward of one
+ * micro-batch, block by block, each backward below its forward in reverse.
+ */
+#include "model.h"
+
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "rng.h"
+
+static int fail(char *err, size_t len, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static int fail(char *err, size_t len, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err, len, fmt, ap);
+    va_end(ap);
+    return -1;
+}
+
+/* ---- parameters ---------------------------------------------------------------------- */
+
+/* Registers a parameter of local shape rows x cols (cols 0: a vector). */
+static struct am_param *add_param(struct am_model *m, const char *name, int64_t rows, int64_t cols,
+                                  enum am_split split, int64_t full_rows, int64_t full_cols, int64_t row0,
+                                  int64_t col0)
+{
+    struct am_param *p = &m->params[m->n_params++];
+    memset(p, 0, sizeof(*p));
+    snprintf(p->name, sizeof(p->name), "%s", name);
+    p->w = am_tensor_view(NULL, m->K->device, AM_T_F32, rows, cols, 0, 0);
+    p->g = p->w;
+    p->split = split;
+    p->full_rows = full_rows;
+    p->full_cols = full_cols;
+    p->row0 = row0;
+    p->col0 = col0;
+    p->replicated_in_tp = split == AM_SPLIT_NONE;
+    m->n_elems += (size_t)am_tensor_numel(&p->w);
+    return p;
+}
+
+static void layer_params(struct am_model *m, int l)
+{
+    const struct am_model_config *c = &m->cfg;
+    int64_t C = c->hidden_size, D = m->head_dim, r = m->sh.tp_rank;
+    int64_t Hq = c->num_attention_heads * D, Hkv = c->num_key_value_heads * D;
+    char n[96];
+    struct am_layer *L = &m->layers[l - m->sh.first_layer];
+#define NAME(s) (snprintf(n, sizeof(n), "model.layers.%d.%s", l, s), n)
+    L->attn_norm = add_param(m, NAME("input_layernorm.weight"), C, 0, AM_SPLIT_NONE, C, 0, 0, 0);
+    L->wq = add_param(m, NAME("self_attn.q_proj.weight"), m->heads * D, C, AM_SPLIT_ROWS, Hq, C, r * m->heads * D, 0);
+    L->wk = add_param(m, NAME("self_attn.k_proj.weight"), m->kv_heads * D, C, AM_SPLIT_ROWS, Hkv, C, m->kv_head0 * D, 0);
+    L->wv = add_param(m, NAME("self_attn.v_proj.weight"), m->kv_heads * D, C, AM_SPLIT_ROWS, Hkv, C, m->kv_head0 * D, 0);
+    L->wo = add_param(m, NAME("self_attn.o_proj.weight"), C, m->heads * D, AM_SPLIT_COLS, C, Hq, 0, r * m->heads * D);
+    L->mlp_norm = add_param(m, NAME("post_attention_layernorm.weight"), C, 0, AM_SPLIT_NONE, C, 0, 0, 0);
+    L->w_gate = add_param(m, NAME("mlp.gate_proj.weight"), m->inter, C, AM_SPLIT_ROWS, c->intermediate_size, C,
+                          r * m->inter, 0);
+    L->w_up = add_param(m, NAME("mlp.up_proj.weight"), m->inter, C, AM_SPLIT_ROWS, c->intermediate_size, C,
+                        r * m->inter, 0);
+    L->w_down = add_param(m, NAME("mlp.down_proj.weight"), C, m->inter, AM_SPLIT_COLS, C, c->intermediate_size, 0,
+                          r * m->inter);
+#undef NAME
+}
+
+/* Carves n elements of fp32 (or int32) out of a slab. */
+static struct am_tensor carve(char **cursor, enum am_device dev, enum am_tdtype dt, int64_t d0, int64_t d1, int64_t d2,
+                              int64_t d3)
+{
+    struct am_tensor t = am_tensor_view(*cursor, dev, dt, d0, d1, d2, d3);
+    *cursor += (am_tensor_bytes(&t) + 63) & ~(size_t)63;
+    return t;
+}
+
+/* Lays out (cursor at base NULL: only measures) the activation buffers. */
+static size_t layout_acts(struct am_model *m, char *base)
+{
+    enum am_device dev = m->K->device;
+    int64_t N = m->max_tokens, C = m->cfg.hidden_size, D = m->head_dim;
+    int64_t Q = m->heads * D, KV = m->kv_heads * D, I = m->inter, B = N / m->seq_len, T = m->seq_len;
+    char *c = base;
+    for (int l = 0; l < m->sh.n_layers; l++) {
+        struct am_layer_acts *a = &m->acts[l];
+        a->x_in = carve(&c, dev, AM_T_F32, N, C, 0, 0);
+        a->h1 = carve(&c, dev, AM_T_F32, N, C, 0, 0);
+        a->rstd1 = carve(&c, dev, AM_T_F32, N, 0, 0, 0);
+        a->q = carve(&c, dev, AM_T_F32, N, Q, 0, 0);
+        a->k = carve(&c, dev, AM_T_F32, N, KV, 0, 0);
+        a->v = carve(&c, dev, AM_T_F32, N, KV, 0, 0);
+        a->att = carve(&c, dev, AM_T_F32, N, Q, 0, 0);
+        a->lse = carve(&c, dev, AM_T_F32, B, m->heads, T, 0);
+        a->x_mid = carve(&c, dev, AM_T_F32, N, C, 0, 0);
+        a->h2 = carve(&c, dev, AM_T_F32, N, C, 0, 0);
+        a->rstd2 = carve(&c, dev, AM_T_F32, N, 0, 0, 0);
+        a->gate = carve(&c, dev, AM_T_F32, N, I, 0, 0);
+        a->up = carve(&c, dev, AM_T_F32, N, I, 0, 0);
+        a->act = carve(&c, dev, AM_T_F32, N, I, 0, 0);
+    }
+    m->x = carve(&c, dev, AM_T_F32, N, C, 0, 0);
+    m->dx = carve(&c, dev, AM_T_F32, N, C, 0, 0);
+    m->hf = carve(&c, dev, AM_T_F32, N, C, 0, 0);
+    m->rstdf = carve(&c, dev, AM_T_F32, N, 0, 0, 0);
+    m->dhf = carve(&c, dev, AM_T_F32, N, C, 0, 0);
+    m->cos = carve(&c, dev, AM_T_F32, T, D / 2, 0, 0);
+    m->sin = carve(&c, dev, AM_T_F32, T, D / 2, 0, 0);
+    m->ce_m = carve(&c, dev, AM_T_F32, N, 0, 0, 0);
+    m->ce_s = carve(&c, dev, AM_T_F32, N, 0, 0, 0);
+    m->ce_t = carve(&c, dev, AM_T_F32, N, 0, 0, 0);
+    m->tokens = carve(&c, dev, AM_T_I32, N, 0, 0, 0);
+    m->targets = carve(&c, dev, AM_T_I32, N, 0, 0, 0);
+    m->scratch_c = carve(&c, dev, AM_T_F32, N, C, 0, 0);
+    m->scratch_q = carve(&c, dev, AM_T_F32, N, Q, 0, 0);
+    m->scratch_att = carve(&c, dev, AM_T_F32, N, Q, 0, 0);
+    m->scratch_kv_k = carve(&c, dev, AM_T_F32, N, KV, 0, 0);
+    m->scratch_kv_v = carve(&c, dev, AM_T_F32, N, KV, 0, 0);
+    m->scratch_i1 = carve(&c, dev, AM_T_F32, N, I, 0, 0);
+    m->scratch_i2 = carve(&c, dev, AM_T_F32, N, 3 * I, 0, 0); /* dact, dgate, dup */
+    return (size_t)(c - base);
+}
+
+int am_model_init(struct am_model *m, const struct am_model_config *cfg, const struct am_model_shard *sh,
+                  const struct am_kernels *K, struct am_comm *tp_comm, int64_t batch, int64_t seq_len, char *err,
+                  size_t err_len)
+{
+    memset(m, 0, sizeof(*m));
+    m->cfg = *cfg;
+    m->sh = *sh;
+    m->K = K;
+    m->tp_comm = sh->tp > 1 ? tp_comm : NULL;
+    if (cfg->num_experts > 0)
+        return fail(err, err_len, "model: %s (mixture of experts) is not implemented by the trainer yet",
+                    cfg->model_type);
+    int tp = sh->tp;
+    int64_t H = cfg->num_attention_heads, KVH = cfg->num_key_value_heads;
+    m->head_dim = cfg->head_dim;
+    m->heads = H / tp;
+    if (KVH >= tp) {
+        m->kv_heads = KVH / tp;
+        m->kv_head0 = sh->tp_rank * m->kv_heads;
+    } else {
+        m->kv_heads = 1;
+        m->kv_head0 = sh->tp_rank * m->heads / (H / KVH);
+    }
+    m->inter = cfg->intermediate_size / tp;
+    m->vocab_shard = cfg->vocab_size / tp;
+    m->vocab_start = sh->tp_rank * m->vocab_shard;
+    m->max_tokens = batch * seq_len;
+    m->seq_len = seq_len;
+
+    m->params = calloc((size_t)(9 * sh->n_layers + 4), sizeof(*m->params));
+    m->layers = calloc((size_t)sh->n_layers, sizeof(*m->layers));
+    m->acts = calloc((size_t)sh->n_layers, sizeof(*m->acts));
+    if (!m->params || !m->layers || !m->acts)
+        goto oom;
+    int64_t C = cfg->hidden_size, V = cfg->vocab_size, r = sh->tp_rank;
+    if (sh->first_stage)
+        m->embed = add_param(m, "model.embed_tokens.weight", m->vocab_shard, C, AM_SPLIT_ROWS, V, C,
+                             r * m->vocab_shard, 0);
+    for (int l = sh->first_layer; l < sh->first_layer + sh->n_layers; l++)
+        layer_params(m, l);
+    if (sh->last_stage) {
+        m->final_norm = add_param(m, "model.norm.weight", C, 0, AM_SPLIT_NONE, C, 0, 0, 0);
+        if (cfg->tie_word_embeddings && sh->first_stage)
+            m->head = m->embed;
+        else
+            m->head = add_param(m, cfg->tie_word_embeddings ? "model.embed_tokens.weight" : "lm_head.weight",
+                                m->vocab_shard, C, AM_SPLIT_ROWS, V, C, r * m->vocab_shard, 0);
+    }
+    /* one slab for the values, one for the gradients */
+    m->param_mem = K->alloc(m->n_elems * sizeof(float));
+    m->grad_mem = K->alloc(m->n_elems * sizeof(float));
+    if (!m->param_mem || !m->grad_mem)
+        goto oom;
+    size_t off = 0;
+    for (int i = 0; i < m->n_params; i++) {
+        struct am_param *p = &m->params[i];
+        p->w.data = (float *)m->param_mem + off;
+        p->g.data = (float *)m->grad_mem + off;
+        off += (size_t)am_tensor_numel(&p->w);
+    }
+    size_t act_bytes = layout_acts(m, NULL);
+    m->act_mem = K->alloc(act_bytes);
+    if (!m->act_mem)
+        goto oom;
+    layout_acts(m, m->act_mem);
+    struct am_rope_scaling rs = {cfg->rope_scaling.type, cfg->rope_scaling.factor, cfg->rope_scaling.low_freq_factor,
+                                 cfg->rope_scaling.high_freq_factor,
+                                 cfg->rope_scaling.original_max_position_embeddings};
+    K->rope_tables(&m->cos, &m->sin, cfg->rope_theta, &rs);
+    return 0;
+oom:
+    am_model_free(m);
+    return fail(err, err_len, "model: out of memory for %zu parameters and activations of %lld tokens", m->n_elems,
+                (long long)(batch * seq_len));
+}
+
+void am_model_free(struct am_model *m)
+{
+    if (m->K) {
+        if (m->param_mem)
+            m->K->free(m->param_mem);
+        if (m->grad_mem)
+            m->K->free(m->grad_mem);
+        if (m->act_mem)
+            m->K->free(m->act_mem);
+    }
+    free(m->params);
+    free(m->layers);
+    free(m->acts);
+    memset(m, 0, sizeof(*m));
+}
+
+void am_model_init_weights(struct am_model *m, uint64_t seed)
+{
+    double std = m->cfg.initializer_range;
+    for (int i = 0; i < m->n_params; i++) {
+        struct am_param *p = &m->params[i];
+        int64_t rows = p->w.shape[0], cols = p->w.ndim > 1 ? p->w.shape[1] : 1;
+        float *host = malloc((size_t)(rows * cols) * sizeof(float));
+        if (!host)
+            continue;
+        uint64_t stream = am_hash_str(p->name);
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t c = 0; c < cols; c++) {
+                if (p->w.ndim == 1) {
+                    host[r] = 1.0f; /* RMSNorm weights */
+                    continue;
+                }
+                uint64_t idx = (uint64_t)((p->row0 + r) * p->full_cols + p->col0 + c);
+                host[r * cols + c] = (float)(std * am_rng_normal(seed, stream, idx));
+            }
+        m->K->upload(p->w.data, host, (size_t)(rows * cols) * sizeof(float));
+        free(host);
+    }
+}
+
+void am_model_zero_grad(struct am_model *m)
+{
+    struct am_tensor g = am_tensor_view(m->grad_mem, m->K->device, AM_T_F32, (int64_t)m->n_elems, 0, 0, 0);
+    m->K->zero(&g);
+}
+
+int am_model_find(const struct am_model *m, const char *name)
+{
+    for (int i = 0; i < m->n_params; i++)
+        if (strcmp(m->params[i].name, name) == 0)
+            return i;
+    return -1;
+}
+
+/* ---- helpers for one micro-batch ----------------------------------------------------- */
+
+/* A view of the first `rows` rows of a [max_rows, ...] buffer. */
+static struct am_tensor rows_of(const struct am_tensor *t, int64_t rows)
+{
+    struct am_tensor v = *t;
+    v.shape[0] = rows;
+    return v;
+}
+
+/* [N, H*D] as [B, T, H, D] */
+static struct am_tensor heads_of(const struct am_tensor *t, int64_t B, int64_t T, int64_t H, int64_t D)
+{
+    return am_tensor_view(t->data, t->device, t->dtype, B, T, H, D);
+}
+
+static int tp_sum(struct am_model *m, struct am_tensor *t, char *err, size_t err_len)
+{
+    if (!m->tp_comm)
+        return 0;
+    if (am_allreduce(m->tp_comm, t->data, t->data, (size_t)am_tensor_numel(t), AM_F32, AM_SUM) < 0)
+        return fail(err, err_len, "%s", am_comm_error(m->tp_comm));
+    return 0;
+}
+
+/* Combines the vocabulary shards' softmax statistics (kernels.h, ce_stats) into M and S,
+ * uploads them for the backward, and returns the sum of token losses. */
+static int combine_ce(struct am_model *m, int64_t N, const int32_t *targets, double *loss_sum, char *err,
+                      size_t err_len)
+{
+    float *h = malloc((size_t)N * 4 * sizeof(float));
+    if (!h)
+        return fail(err, err_len, "model: out of memory");
+    float *mx = h, *s = h + N, *t = h + 2 * N, *M = h + 3 * N;
+    int rc = 0;
+    m->K->download(mx, m->ce_m.data, (size_t)N * sizeof(float));
+    m->K->download(s, m->ce_s.data, (size_t)N * sizeof(float));
+    m->K->download(t, m->ce_t.data, (size_t)N * sizeof(float));
+    memcpy(M, mx, (size_t)N * sizeof(float));
+    if (m->tp_comm && am_allreduce(m->tp_comm, M, M, (size_t)N, AM_F32, AM_MAX) < 0) {
+        rc = fail(err, err_len, "%s", am_comm_error(m->tp_comm));
+        goto out;
+    }
+    for (int64_t i = 0; i < N; i++)
+        s[i] = s[i] * expf(mx[i] - M[i]);
+    if (m->tp_comm && (am_allreduce(m->tp_comm, s, s, (size_t)N, AM_F32, AM_SUM) < 0 ||
+                       am_allreduce(m->tp_comm, t, t, (size_t)N, AM_F32, AM_SUM) < 0)) {
+        rc = fail(err, err_len, "%s", am_comm_error(m->tp_comm));
+        goto out;
+    }
+    double sum = 0;
+    for (int64_t i = 0; i < N; i++)
+        if (targets[i] >= 0)
+            sum += (double)logf(s[i]) + (double)M[i] - (double)t[i];
+    *loss_sum = sum;
+    m->K->upload(m->ce_m.data, M, (size_t)N * sizeof(float));
+    m->K->upload(m->ce_s.data, s, (size_t)N * sizeof(float));
+out:
+    free(h);
+    return rc;
+}
+
+/* ---- forward ------------------------------------------------------------------------- */
+
+static int forward(struct am_model *m, const int32_t *tokens, const int32_t *targets, int64_t B, double *loss_sum,
+                   char *err, size_t err_len)
+{
+    const struct am_kernels *K = m->K;
+    int64_t T = m->seq_len, N = B * T, D = m->head_dim;
+    if (N > m->max_tokens)
+        return fail(err, err_len, "model: micro-batch of %lld tokens exceeds the %lld it was built for",
+                    (long long)N, (long long)m->max_tokens);
+    struct am_tensor tok = rows_of(&m->tokens, N), tgt = rows_of(&m->targets, N);
+    K->upload(tok.data, tokens, (size_t)N * sizeof(int32_t));
+    K->upload(tgt.data, targets, (size_t)N * sizeof(int32_t));
+    float eps = (float)m->cfg.rms_norm_eps;
+
+    struct am_tensor x = rows_of(&m->x, N);
+    K->embedding_forward(&x, &tok, &m->embed->w, m->vocab_start);
+    if (tp_sum(m, &x, err, err_len) < 0)
+        return -1;
+
+    for (int l = 0; l < m->sh.n_layers; l++) {
+        struct am_layer *L = &m->layers[l];
+        struct am_layer_acts *a = &m->acts[l];
+        struct am_tensor x_in = rows_of(&a->x_in, N), h1 = rows_of(&a->h1, N), rstd1 = rows_of(&a->rstd1, N);
+        struct am_tensor q = rows_of(&a->q, N), k = rows_of(&a->k, N), v = rows_of(&a->v, N);
+        struct am_tensor att = rows_of(&a->att, N), lse = a->lse;
+        struct am_tensor x_mid = rows_of(&a->x_mid, N), h2 = rows_of(&a->h2, N), rstd2 = rows_of(&a->rstd2, N);
+        struct am_tensor gate = rows_of(&a->gate, N), up = rows_of(&a->up, N), act = rows_of(&a->act, N);
+        struct am_tensor o = rows_of(&m->scratch_c, N);
+        lse.shape[0] = B;
+
+        /* attention block: x += o_proj(attention(rope(q), rope(k), v)) of rmsnorm(x) */
+        K->copy(&x_in, &x);
+        K->rmsnorm_forward(&h1, &rstd1, &x, &L->attn_norm->w, eps);
+        K->matmul_forward(&q, &h1, &L->wq->w);
+        K->matmul_forward(&k, &h1, &L->wk->w);
+        K->matmul_forward(&v, &h1, &L->wv->w);
+        struct am_tensor q4 = heads_of(&q, B, T, m->heads, D), k4 = heads_of(&k, B, T, m->kv_heads, D);
+        struct am_tensor v4 = heads_of(&v, B, T, m->kv_heads, D), att4 = heads_of(&att, B, T, m->heads, D);
+        K->rope_forward(&q4, &m->cos, &m->sin);
+        K->rope_forward(&k4, &m->cos, &m->sin);
+        K->attention_forward(&att4, &lse, &q4, &k4, &v4);
+        K->matmul_forward(&o, &att, &L->wo->w);
+        if (tp_sum(m, &o, err, err_len) < 0)
+            return -1;
+        K->add(&x, &o);
+
+        /* MLP block: x += down(silu(gate(h)) * up(h)) of h = rmsnorm(x) */
+        K->copy(&x_mid, &x);
+        K->rmsnorm_forward(&h2, &rstd2, &x, &L->mlp_norm->w, eps);
+        K->matmul_forward(&gate, &h2, &L->w_gate->w);
+        K->matmul_forward(&up, &h2, &L->w_up->w);
+        K->swiglu_forward(&act, &gate, &up);
+        K->matmul_forward(&o, &act, &L->w_down->w);
+        if (tp_sum(m, &o, err, err_len) < 0)
+            return -1;
+        K->add(&x, &o);
+    }
+
+    /* final norm, output head and cross-entropy, fused and vocabulary-parallel */
+    struct am_tensor hf = rows_of(&m->hf, N), rstdf = rows_of(&m->rstdf, N);
+    struct am_tensor cm = rows_of(&m->ce_m, N), cs = rows_of(&m->ce_s, N), ct = rows_of(&m->ce_t, N);
+    K->rmsnorm_forward(&hf, &rstdf, &x, &m->final_norm->w, eps);
+    K->ce_stats(&cm, &cs, &ct, &hf, &m->head->w, &tgt, m->vocab_start);
+    return combine_ce(m, N, targets, loss_sum, err, err_len);
+}
+
+/* ---- backward ------------------------------------------------------------------------ */
+
+static int backward(struct am_model *m, int64_t B, float dloss_scale, char *err, size_t err_len)
+{
+    const struct am_kernels *K = m->K;
+    int64_t T = m->seq_len, N = B * T, D = m->head_dim, I = m->inter;
+    struct am_tensor tok = rows_of(&m->tokens, N), tgt = rows_of(&m->targets, N);
+    struct am_tensor x = rows_of(&m->x, N), dx = rows_of(&m->dx, N);
+    struct am_tensor hf = rows_of(&m->hf, N), rstdf = rows_of(&m->rstdf, N), dhf = rows_of(&m->dhf, N);
+    struct am_tensor cm = rows_of(&m->ce_m, N), cs = rows_of(&m->ce_s, N);
+
+    /* head and loss: dhf is summed over the vocabulary shards */
+    K->zero(&dhf);
+    K->ce_backward(&dhf, &m->head->g, &hf, &m->head->w, &tgt, m->vocab_start, &cm, &cs, dloss_scale);
+    if (tp_sum(m, &dhf, err, err_len) < 0)
+        return -1;
+    K->zero(&dx);
+    K->rmsnorm_backward(&dx, &m->final_norm->g, &dhf, &x, &m->final_norm->w, &rstdf);
+
+    for (int l = m->sh.n_layers - 1; l >= 0; l--) {
+        struct am_layer *L = &m->layers[l];
+        struct am_layer_acts *a = &m->acts[l];
+        struct am_tensor x_in = rows_of(&a->x_in, N), h1 = rows_of(&a->h1, N), rstd1 = rows_of(&a->rstd1, N);
+        struct am_tensor q = rows_of(&a->q, N), k = rows_of(&a->k, N), v = rows_of(&a->v, N);
+        struct am_tensor att = rows_of(&a->att, N), lse = a->lse;
+        struct am_tensor x_mid = rows_of(&a->x_mid, N), h2 = rows_of(&a->h2, N), rstd2 = rows_of(&a->rstd2, N);
+        struct am_tensor gate = rows_of(&a->gate, N), up = rows_of(&a->up, N), act = rows_of(&a->act, N);
+        struct am_tensor dh = rows_of(&m->scratch_c, N);
+        struct am_tensor dact = am_tensor_view(m->scratch_i2.data, K->device, AM_T_F32, N, I, 0, 0);
+        struct am_tensor dgate = am_tensor_view((float *)m->scratch_i2.data + N * I, K->device, AM_T_F32, N, I, 0, 0);
+        struct am_tensor dup = am_tensor_view((float *)m->scratch_i2.data + 2 * N * I, K->device, AM_T_F32, N, I, 0, 0);
+        lse.shape[0] = B;
+
+        /* MLP block, in reverse; dx already holds the residual's gradient */
+        K->zero(&dact);
+        K->matmul_backward(&dact, &L->w_down->g, &dx, &act, &L->w_down->w);
+        K->zero(&dgate);
+        K->zero(&dup);
+        K->swiglu_backward(&dgate, &dup, &dact, &gate, &up);
+        K->zero(&dh);
+        K->matmul_backward(&dh, &L->w_gate->g, &dgate, &h2, &L->w_gate->w);
+        K->matmul_backward(&dh, &L->w_up->g, &dup, &h2, &L->w_up->w);
+        if (tp_sum(m, &dh, err, err_len) < 0)
+            return -1;
+        K->rmsnorm_backward(&dx, &L->mlp_norm->g, &dh, &x_mid, &L->mlp_norm->w, &rstd2);
+
+        /* attention block, in reverse */
+        struct am_tensor datt = rows_of(&m->scratch_att, N), dq = rows_of(&m->scratch_q, N);
+        struct am_tensor dk = rows_of(&m->scratch_kv_k, N), dv = rows_of(&m->scratch_kv_v, N);
+        K->zero(&datt);
+        K->matmul_backward(&datt, &L->wo->g, &dx, &att, &L->wo->w);
+        K->zero(&dq);
+        K->zero(&dk);
+        K->zero(&dv);
+        struct am_tensor q4 = heads_of(&q, B, T, m->heads, D), k4 = heads_of(&k, B, T, m->kv_heads, D);
+        struct am_tensor v4 = heads_of(&v, B, T, m->kv_heads, D), att4 = heads_of(&att, B, T, m->heads, D);
+        struct am_tensor dq4 = heads_of(&dq, B, T, m->heads, D), dk4 = heads_of(&dk, B, T, m->kv_heads, D);
+        struct am_tensor dv4 = heads_of(&dv, B, T, m->kv_heads, D), datt4 = heads_of(&datt, B, T, m->heads, D);
+        K->attention_backward(&dq4, &dk4, &dv4, &datt4, &att4, &lse, &q4, &k4, &v4);
+        K->rope_backward(&dq4, &m->cos, &m->sin);
+        K->rope_backward(&dk4, &m->cos, &m->sin);
+        K->zero(&dh);
+        K->matmul_backward(&dh, &L->wq->g, &dq, &h1, &L->wq->w);
+        K->matmul_backward(&dh, &L->wk->g, &dk, &h1, &L->wk->w);
+        K->matmul_backward(&dh, &L->wv->g, &dv, &h1, &L->wv->w);
+        if (tp_sum(m, &dh, err, err_len) < 0)
+            return -1;
+        K->rmsnorm_backward(&dx, &L->attn_norm->g, &dh, &x_in, &L->attn_norm->w, &rstd1);
+    }
+    K->embedding_backward(&m->embed->g, &dx, &tok, m->vocab_start);
+    return 0;
+}
+
+int am_model_step(struct am_model *m, const int32_t *tokens, const int32_t *targets, int64_t batch, float dloss_scale,
+                  double *loss_sum, char *err, size_t err_len)
+{
+    if (!m->sh.first_stage || !m->sh.last_stage)
+        return fail(err, err_len, "model: am_model_step runs a whole model; this rank holds one pipeline stage");
+    if (forward(m, tokens, targets, batch, loss_sum, err, err_len) < 0)
+        return -1;
+    return backward(m, batch, dloss_scale, err, err_len);
+}
+
+int am_model_loss(struct am_model *m, const int32_t *tokens, const int32_t *targets, int64_t batch, double *loss_sum,
+                  char *err, size_t err_len)
+{
+    if (!m->sh.first_stage || !m->sh.last_stage)
+        return fail(err, err_len, "model: am_model_loss runs a whole model; this rank holds one pipeline stage");
+    return forward(m, tokens, targets, batch, loss_sum, err, err_len);
+}

@@ -1,0 +1,54 @@
+/* optim.c - AdamW and the learning-rate schedule (optim.h). */
+#include "optim.h"
+
+#include <math.h>
+
+int am_optim_init(struct am_optim *o, const struct am_kernels *K, size_t n_elems, const struct am_recipe *r)
+{
+    *o = (struct am_optim){.K = K, .n = n_elems, .beta1 = (float)r->optim.beta1, .beta2 = (float)r->optim.beta2,
+                           .eps = (float)r->optim.eps, .weight_decay = (float)r->optim.weight_decay};
+    o->m_mem = K->alloc(n_elems * sizeof(float));
+    o->v_mem = K->alloc(n_elems * sizeof(float));
+    if (!o->m_mem || !o->v_mem) {
+        am_optim_free(o);
+        return -1;
+    }
+    return 0;
+}
+
+void am_optim_free(struct am_optim *o)
+{
+    if (o->K && o->m_mem)
+        o->K->free(o->m_mem);
+    if (o->K && o->v_mem)
+        o->K->free(o->v_mem);
+    o->m_mem = o->v_mem = NULL;
+}
+
+void am_optim_step(struct am_optim *o, void *params, const void *grads, float lr)
+{
+    enum am_device dev = o->K->device;
+    int64_t n = (int64_t)o->n;
+    struct am_tensor p = am_tensor_view(params, dev, AM_T_F32, n, 0, 0, 0);
+    struct am_tensor g = am_tensor_view((void *)grads, dev, AM_T_F32, n, 0, 0, 0);
+    struct am_tensor m = am_tensor_view(o->m_mem, dev, AM_T_F32, n, 0, 0, 0);
+    struct am_tensor v = am_tensor_view(o->v_mem, dev, AM_T_F32, n, 0, 0, 0);
+    o->step++;
+    o->K->adamw(&p, &g, &m, &v, lr, o->beta1, o->beta2, o->eps, o->weight_decay, o->step);
+}
+
+double am_lr_at(const struct am_recipe *r, long step)
+{
+    double max_lr = r->optim.lr, min_lr = r->lr.min_lr;
+    long warmup = r->lr.warmup_steps;
+    long decay = r->lr.decay_steps > 0 ? r->lr.decay_steps : r->steps.max_steps;
+    if (warmup > 0 && step <= warmup)
+        return max_lr * (double)step / (double)warmup;
+    if (r->lr.style == AM_LR_CONSTANT)
+        return max_lr;
+    if (step > decay || decay <= warmup)
+        return min_lr;
+    double ratio = (double)(step - warmup) / (double)(decay - warmup);
+    double coeff = r->lr.style == AM_LR_LINEAR ? 1.0 - ratio : 0.5 * (cos(M_PI * ratio) + 1.0);
+    return min_lr + coeff * (max_lr - min_lr);
+}

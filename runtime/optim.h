@@ -1,0 +1,35 @@
+/* optim.h - AdamW over a model's parameter slab, and the learning-rate schedule.
+ *
+ * The optimizer keeps Adam's two moments in two slabs parallel to the parameters, so one
+ * kernel call updates every parameter (torch.optim.AdamW semantics, weight decay applied
+ * to every parameter as AutoModel's default optimizer does).
+ *
+ * The schedule is AutoModel's (Megatron's OptimizerParamScheduler): linear warm-up from 0
+ * over lr_warmup_steps, then constant, linear or cosine decay to min_lr at lr_decay_steps
+ * (default max_steps), min_lr after. Step s (0-based) of the optimizer uses am_lr_at(s).
+ */
+#ifndef AM_OPTIM_H
+#define AM_OPTIM_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kernels.h"
+#include "recipe.h"
+
+struct am_optim {
+    const struct am_kernels *K;
+    void *m_mem, *v_mem;
+    size_t n;
+    int64_t step; /* optimizer steps taken */
+    float beta1, beta2, eps, weight_decay;
+};
+
+int am_optim_init(struct am_optim *o, const struct am_kernels *K, size_t n_elems, const struct am_recipe *r);
+void am_optim_free(struct am_optim *o);
+/* One AdamW step over params given grads (both slabs of o->n fp32 on the device). */
+void am_optim_step(struct am_optim *o, void *params, const void *grads, float lr);
+
+double am_lr_at(const struct am_recipe *r, long step);
+
+#endif

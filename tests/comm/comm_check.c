@@ -1,0 +1,728 @@
+/* comm_check - a rank program (start it with am-launch) that checks every communicator
+ * operation, dtype and edge size against a reference computed locally.
+ *
+ * Every rank derives every other rank's inputs from (global rank, test, index) with a hash,
+ * so each rank can compute the exact reference of what it must receive. Groups of several
+ * shapes are created at once: world, world reversed, lower and upper half, even and odd
+ * ranks, ranks modulo 3; each rank runs the suite on its groups in creation order, so groups
+ * with disjoint members run at the same time and their messages interleave on the workers.
+ *
+ * Tolerances. Integers and max are exact. A float sum of p inputs rounded to the dtype after
+ * each of its p-1 additions is off by at most (p-1) u sum|x| (u: the dtype's unit roundoff,
+ * 2^-24 fp32, 2^-8 bf16, 2^-11 fp16), whatever the order of the additions. We allow
+ * (p+1) u sum|x| for sums, which also covers backends that scale before summing (NCCL's avg
+ * multiplies each input by 1/p: one more rounding, and 1/p itself rounded), divided by p for
+ * avg, plus u |reference| for avg's final rounding, plus p times fp16's smallest subnormal
+ * step for results in fp16's subnormal range. A backend that accumulated bf16 without
+ * widening, or truncated instead of rounding, drifts past this bound on long vectors;
+ * tests/comm/test_comm_dtype checks the conversions themselves bit for bit.
+ * Allreduce results must also be bitwise identical on every rank of the group (checked by
+ * allgathering a hash of each rank's result).
+ *
+ * Environment:
+ *   AM_COMM_BACKEND        ucx (default) or nccl (the comm_check_nccl build: device buffers)
+ *   AM_COMM_TIMEOUT        seconds for every wait (default 60)
+ *   COMM_CHECK_BIG_BYTES   the "few MiB" size, run on the world group (default 3 MiB)
+ *   COMM_CHECK_DIE=R:MODE  rank R stops in the middle of a long run of allreduces on the world
+ *                          group: MODE exit (exits 0, unnoticed by the launcher), hang (stops
+ *                          answering) or kill (SIGKILL); the others must fail with a timeout.
+ */
+#include <errno.h>
+#include <math.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/time.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "comm.h"
+#include "comm_impl.h"
+
+#ifdef COMM_CHECK_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+#define MAX_FAIL_LINES 8
+
+struct check {
+    struct am_boot_info info;
+    struct am_comm_ctx *ctx;
+    void *stream;
+    long checks, failures;
+    size_t big_bytes;
+    const char *gname;          /* group being tested, for messages */
+};
+
+/* ---- inputs ------------------------------------------------------------------------------ */
+
+static uint64_t mix(uint64_t x)
+{
+    x += 0x9e3779b97f4a7c15ull;
+    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+    return x ^ (x >> 31);
+}
+
+static uint64_t salt_of(int a, int b, int c, int d, int e)
+{
+    return mix(mix(mix(mix(mix((uint64_t)a) + (uint64_t)b) + (uint64_t)c) + (uint64_t)d) + (uint64_t)e);
+}
+
+/* The value global rank `grank` contributes at index i of test `salt`, exactly representable
+ * in t. */
+static double input(enum am_comm_dtype t, int grank, uint64_t salt, size_t i)
+{
+    uint64_t h = mix(salt ^ mix(((uint64_t)grank << 40) ^ (uint64_t)i));
+    double u = (double)(h >> 11) * 0x1.0p-53 * 2.0 - 1.0; /* [-1, 1) */
+    switch (t) {
+    case AM_F32: return (double)(float)u;
+    case AM_BF16: return (double)am_comm_bf16_to_f32(am_comm_f32_to_bf16((float)u));
+    case AM_F16: return (double)am_comm_f16_to_f32(am_comm_f32_to_f16((float)u));
+    case AM_I32: return (double)((int64_t)(h % 2000001) - 1000000);
+    case AM_I64: return (double)((int64_t)(h % (1ull << 41)) - (int64_t)(1ull << 40));
+    }
+    return 0;
+}
+
+static void put_val(void *buf, enum am_comm_dtype t, size_t i, double v)
+{
+    switch (t) {
+    case AM_F32: ((float *)buf)[i] = (float)v; break;
+    case AM_BF16: ((uint16_t *)buf)[i] = am_comm_f32_to_bf16((float)v); break;
+    case AM_F16: ((uint16_t *)buf)[i] = am_comm_f32_to_f16((float)v); break;
+    case AM_I32: ((int32_t *)buf)[i] = (int32_t)v; break;
+    case AM_I64: ((int64_t *)buf)[i] = (int64_t)v; break;
+    }
+}
+
+static double get_val(const void *buf, enum am_comm_dtype t, size_t i)
+{
+    switch (t) {
+    case AM_F32: return ((const float *)buf)[i];
+    case AM_BF16: return am_comm_bf16_to_f32(((const uint16_t *)buf)[i]);
+    case AM_F16: return am_comm_f16_to_f32(((const uint16_t *)buf)[i]);
+    case AM_I32: return ((const int32_t *)buf)[i];
+    case AM_I64: return (double)((const int64_t *)buf)[i];
+    }
+    return 0;
+}
+
+static void fill(void *buf, enum am_comm_dtype t, int grank, uint64_t salt, size_t from, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        put_val(buf, t, i, input(t, grank, salt, from + i));
+}
+
+static double unit_roundoff(enum am_comm_dtype t)
+{
+    switch (t) {
+    case AM_F32: return 0x1.0p-24;
+    case AM_BF16: return 0x1.0p-8;
+    case AM_F16: return 0x1.0p-11;
+    default: return 0;
+    }
+}
+
+static int is_float(enum am_comm_dtype t) { return t == AM_F32 || t == AM_BF16 || t == AM_F16; }
+
+/* The reduction over every group rank's input at index i; *tol receives the tolerance. */
+static double reference(const struct am_comm *c, enum am_comm_dtype t, enum am_comm_op op, uint64_t salt, size_t i,
+                        double *tol)
+{
+    int p = am_comm_size(c);
+    double s = 0, abs_sum = 0, m = -INFINITY;
+    for (int j = 0; j < p; j++) {
+        double v = input(t, c->ranks[j], salt, i);
+        s += v;
+        abs_sum += fabs(v);
+        if (v > m)
+            m = v;
+    }
+    *tol = 0;
+    if (op == AM_MAX)
+        return m;
+    if (!is_float(t))
+        return op == AM_AVG ? trunc(s / p) : s;
+    double u = unit_roundoff(t), ref = op == AM_AVG ? s / p : s;
+    *tol = (p + 1) * u * abs_sum / (op == AM_AVG ? p : 1) + (op == AM_AVG ? u * fabs(ref) : 0);
+    if (t == AM_F16)
+        *tol += p * 0x1.0p-24;
+    return ref;
+}
+
+/* ---- device staging (nccl build) ------------------------------------------------------------ */
+
+static void *dev_alloc(size_t bytes)
+{
+#ifdef COMM_CHECK_CUDA
+    void *d = NULL;
+    if (cudaMalloc(&d, bytes ? bytes : 1) != cudaSuccess)
+        return NULL;
+    return d;
+#else
+    return malloc(bytes ? bytes : 1);
+#endif
+}
+
+static void dev_free(void *d)
+{
+#ifdef COMM_CHECK_CUDA
+    cudaFree(d);
+#else
+    free(d);
+#endif
+}
+
+/* host <-> "device": the same buffer in the UCX build */
+static void to_dev(void *d, const void *h, size_t bytes)
+{
+#ifdef COMM_CHECK_CUDA
+    cudaMemcpy(d, h, bytes, cudaMemcpyHostToDevice);
+#else
+    if (d != h)
+        memmove(d, h, bytes);
+#endif
+}
+
+static void to_host(void *h, const void *d, size_t bytes)
+{
+#ifdef COMM_CHECK_CUDA
+    cudaMemcpy(h, d, bytes, cudaMemcpyDeviceToHost);
+#else
+    if (d != h)
+        memmove(h, d, bytes);
+#endif
+}
+
+/* ---- reporting --------------------------------------------------------------------------- */
+
+static void failf(struct check *k, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void failf(struct check *k, const char *fmt, ...)
+{
+    k->failures++;
+    if (k->failures > MAX_FAIL_LINES)
+        return;
+    char msg[1024];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof(msg), fmt, ap);
+    va_end(ap);
+    fprintf(stderr, "comm_check: rank %d: group %s: %s\n", k->info.rank, k->gname, msg);
+}
+
+/* A communicator call failed: that ends the run (the job is all-or-nothing). */
+static void die_call(struct check *k, const struct am_comm *c, const char *what)
+{
+    fprintf(stderr, "comm_check: rank %d: %s: %s\n", k->info.rank, what, am_comm_error(c));
+    exit(1);
+}
+
+static const char *op_str(enum am_comm_op op) { return am_comm_op_name(op); }
+
+/* Which elements of an n-element result are compared with the reference: all of them up to
+ * 64 Ki elements; beyond (the "few MiB" size, where computing every rank's input for every
+ * element dominates the run time) the first and last 4 Ki and every 31st element between, which
+ * still lands several times in every pipeline segment. Copies (allgather, broadcast, ...) are
+ * always compared in full. */
+static int checked(size_t i, size_t n)
+{
+    return n <= (64u << 10) || i < 4096 || n - i <= 4096 || i % 31 == 0;
+}
+
+/* Compares n elements of got against the reduction reference starting at index from. */
+static void check_reduced(struct check *k, const struct am_comm *c, const char *what, enum am_comm_dtype t,
+                          enum am_comm_op op, uint64_t salt, const void *got, size_t from, size_t n)
+{
+    k->checks++;
+    for (size_t i = 0; i < n; i++) {
+        if (!checked(i, n))
+            continue;
+        double tol, ref = reference(c, t, op, salt, from + i, &tol), v = get_val(got, t, i);
+        if (!(fabs(v - ref) <= tol)) {
+            failf(k, "%s %s %s: element %zu: got %.9g, expected %.9g (tolerance %.3g)", what, op_str(op),
+                  am_comm_dtype_name(t), from + i, v, ref, tol);
+            return;
+        }
+    }
+}
+
+static void check_inputs(struct check *k, const char *what, enum am_comm_dtype t, int grank, uint64_t salt,
+                         const void *got, size_t from, size_t n, const char *where)
+{
+    for (size_t i = 0; i < n; i++) {
+        double ref = input(t, grank, salt, from + i), v = get_val(got, t, i);
+        if (v != ref) {
+            failf(k, "%s %s: %s element %zu: got %.9g, expected %.9g (rank %d's input)", what, am_comm_dtype_name(t),
+                  where, i, v, ref, grank);
+            return;
+        }
+    }
+}
+
+static uint64_t hash_bytes(const void *p, size_t n)
+{
+    const unsigned char *b = p;
+    uint64_t h = 1469598103934665603ull;
+    for (size_t i = 0; i < n; i++)
+        h = (h ^ b[i]) * 1099511628211ull;
+    return h;
+}
+
+/* Every rank of the group must hold the same bits. */
+static void check_same_everywhere(struct check *k, struct am_comm *c, const char *what, const void *buf, size_t bytes)
+{
+    int p = am_comm_size(c);
+    int64_t mine = (int64_t)hash_bytes(buf, bytes);
+    int64_t *all = calloc((size_t)p, sizeof(*all));
+    void *dmine = dev_alloc(sizeof(mine)), *dall = dev_alloc((size_t)p * sizeof(*all));
+    if (!all || !dmine || !dall) {
+        fprintf(stderr, "comm_check: out of memory\n");
+        exit(1);
+    }
+    to_dev(dmine, &mine, sizeof(mine));
+    if (am_allgather(c, dmine, dall, 1, AM_I64) < 0)
+        die_call(k, c, "allgather of result hashes");
+    to_host(all, dall, (size_t)p * sizeof(*all));
+    k->checks++;
+    for (int j = 0; j < p; j++)
+        if (all[j] != mine) {
+            failf(k, "%s: group rank %d holds different bits than this rank (%d)", what, j, am_comm_rank(c));
+            break;
+        }
+    free(all);
+    dev_free(dmine);
+    dev_free(dall);
+}
+
+/* ---- the tests ---------------------------------------------------------------------------- */
+
+static void *xmalloc(size_t n)
+{
+    void *p = malloc(n ? n : 1);
+    if (!p) {
+        fprintf(stderr, "comm_check: out of memory for %zu bytes\n", n);
+        exit(1);
+    }
+    return p;
+}
+
+static void test_allreduce(struct check *k, struct am_comm *c, enum am_comm_dtype t, enum am_comm_op op, size_t n,
+                           int in_place, uint64_t salt)
+{
+    size_t es = am_comm_dtype_size(t), bytes = n * es;
+    char what[96];
+    snprintf(what, sizeof(what), "allreduce%s n=%zu", in_place ? " (in place)" : "", n);
+    char *h = xmalloc(bytes), *out = xmalloc(bytes);
+    void *ds = dev_alloc(bytes), *dr = in_place ? ds : dev_alloc(bytes);
+    fill(h, t, k->info.rank, salt, 0, n);
+    to_dev(ds, h, bytes);
+    if (!in_place) {
+        memset(out, 0x5a, bytes);
+        to_dev(dr, out, bytes);
+    }
+    uint64_t seq = am_comm_seq(c);
+    if (am_allreduce(c, ds, dr, n, t, op) < 0)
+        die_call(k, c, what);
+    if (am_comm_seq(c) != seq + 1)
+        failf(k, "%s: sequence number went from %llu to %llu", what, (unsigned long long)seq,
+              (unsigned long long)am_comm_seq(c));
+    to_host(out, dr, bytes);
+    check_reduced(k, c, what, t, op, salt, out, 0, n);
+    if (!in_place) { /* the send buffer is left alone */
+        to_host(out, ds, bytes);
+        k->checks++;
+        if (memcmp(out, h, bytes) != 0)
+            failf(k, "%s %s: the send buffer changed", what, am_comm_dtype_name(t));
+    }
+    if (n) {
+        to_host(out, dr, bytes);
+        check_same_everywhere(k, c, what, out, bytes);
+    }
+    free(h);
+    free(out);
+    dev_free(ds);
+    if (!in_place)
+        dev_free(dr);
+}
+
+static void test_reduce_scatter(struct check *k, struct am_comm *c, enum am_comm_dtype t, enum am_comm_op op,
+                                size_t n, int in_place, uint64_t salt)
+{
+    int p = am_comm_size(c), r = am_comm_rank(c);
+    size_t es = am_comm_dtype_size(t), full = n * (size_t)p * es;
+    char what[96];
+    snprintf(what, sizeof(what), "reduce_scatter%s n=%zu", in_place ? " (in place)" : "", n);
+    char *h = xmalloc(full), *out = xmalloc(full);
+    void *ds = dev_alloc(full), *dr = in_place ? (char *)ds + (size_t)r * n * es : dev_alloc(n * es);
+    fill(h, t, k->info.rank, salt, 0, n * (size_t)p);
+    to_dev(ds, h, full);
+    if (am_reduce_scatter(c, ds, dr, n, t, op) < 0)
+        die_call(k, c, what);
+    to_host(out, dr, n * es);
+    check_reduced(k, c, what, t, op, salt, out, (size_t)r * n, n);
+    if (!in_place) {
+        to_host(out, ds, full);
+        k->checks++;
+        if (memcmp(out, h, full) != 0)
+            failf(k, "%s %s: the send buffer changed", what, am_comm_dtype_name(t));
+        dev_free(dr);
+    }
+    free(h);
+    free(out);
+    dev_free(ds);
+}
+
+static void test_allgather(struct check *k, struct am_comm *c, enum am_comm_dtype t, size_t n, int in_place,
+                           uint64_t salt)
+{
+    int p = am_comm_size(c), r = am_comm_rank(c);
+    size_t es = am_comm_dtype_size(t), full = n * (size_t)p * es;
+    char what[96];
+    snprintf(what, sizeof(what), "allgather%s n=%zu", in_place ? " (in place)" : "", n);
+    char *h = xmalloc(n * es), *out = xmalloc(full);
+    void *dr = dev_alloc(full), *ds = in_place ? (char *)dr + (size_t)r * n * es : dev_alloc(n * es);
+    fill(h, t, k->info.rank, salt, 0, n);
+    memset(out, 0x5a, full);
+    to_dev(dr, out, full);
+    to_dev(ds, h, n * es);
+    if (am_allgather(c, ds, dr, n, t) < 0)
+        die_call(k, c, what);
+    to_host(out, dr, full);
+    k->checks++;
+    for (int j = 0; j < p; j++)
+        check_inputs(k, what, t, c->ranks[j], salt, out + (size_t)j * n * es, 0, n, "block");
+    if (!in_place)
+        dev_free(ds);
+    free(h);
+    free(out);
+    dev_free(dr);
+}
+
+static void test_broadcast(struct check *k, struct am_comm *c, enum am_comm_dtype t, size_t n, int root, uint64_t salt)
+{
+    size_t es = am_comm_dtype_size(t), bytes = n * es;
+    char what[96];
+    snprintf(what, sizeof(what), "broadcast n=%zu root=%d", n, root);
+    char *h = xmalloc(bytes);
+    void *d = dev_alloc(bytes);
+    if (am_comm_rank(c) == root)
+        fill(h, t, k->info.rank, salt, 0, n);
+    else
+        memset(h, 0x5a, bytes);
+    to_dev(d, h, bytes);
+    if (am_broadcast(c, d, n, t, root) < 0)
+        die_call(k, c, what);
+    to_host(h, d, bytes);
+    k->checks++;
+    check_inputs(k, what, t, c->ranks[root], salt, h, 0, n, "buffer");
+    free(h);
+    dev_free(d);
+}
+
+/* Elements group rank i sends to group rank j: some zero, some not, scaled by n. */
+static size_t a2a_count(int i, int j, size_t n, uint64_t salt)
+{
+    return (size_t)((mix(salt + (uint64_t)i * 131 + (uint64_t)j) % 4) * n / 2);
+}
+
+static void test_alltoallv(struct check *k, struct am_comm *c, enum am_comm_dtype t, size_t n, uint64_t salt)
+{
+    int p = am_comm_size(c), r = am_comm_rank(c);
+    size_t es = am_comm_dtype_size(t);
+    char what[96];
+    snprintf(what, sizeof(what), "alltoallv n=%zu", n);
+    size_t *sc = xmalloc((size_t)p * sizeof(size_t)), *sd = xmalloc((size_t)p * sizeof(size_t));
+    size_t *rc = xmalloc((size_t)p * sizeof(size_t)), *rd = xmalloc((size_t)p * sizeof(size_t));
+    size_t stot = 0, rtot = 0;
+    for (int j = p - 1; j >= 0; j--) { /* blocks laid out in reverse, with 1-element gaps */
+        sc[j] = a2a_count(r, j, n, salt);
+        sd[j] = stot;
+        stot += sc[j] + 1;
+        rc[j] = a2a_count(j, r, n, salt);
+        rd[j] = rtot;
+        rtot += rc[j] + 1;
+    }
+    char *hs = xmalloc(stot * es), *hr = xmalloc(rtot * es);
+    memset(hs, 0, stot * es);
+    memset(hr, 0x5a, rtot * es);
+    for (int j = 0; j < p; j++) /* index space: destination j's block starts at j << 32 */
+        for (size_t i = 0; i < sc[j]; i++)
+            put_val(hs + sd[j] * es, t, i, input(t, k->info.rank, salt, ((size_t)j << 32) + i));
+    void *ds = dev_alloc(stot * es), *dr = dev_alloc(rtot * es);
+    to_dev(ds, hs, stot * es);
+    to_dev(dr, hr, rtot * es);
+    if (am_alltoallv(c, ds, sc, sd, dr, rc, rd, t) < 0)
+        die_call(k, c, what);
+    to_host(hr, dr, rtot * es);
+    k->checks++;
+    for (int j = 0; j < p; j++)
+        check_inputs(k, what, t, c->ranks[j], salt, hr + rd[j] * es, ((size_t)r << 32), rc[j], "block");
+    for (int j = 0; j < p; j++) { /* the gaps are untouched */
+        unsigned char *gap = (unsigned char *)hr + (rd[j] + rc[j]) * es;
+        for (size_t b = 0; b < es; b++)
+            if (gap[b] != 0x5a) {
+                failf(k, "%s: the gap after block %d was written", what, j);
+                break;
+            }
+    }
+    free(sc);
+    free(sd);
+    free(rc);
+    free(rd);
+    free(hs);
+    free(hr);
+    dev_free(ds);
+    dev_free(dr);
+}
+
+/* send/recv: a ring shift (even ranks send first) and a chain 0 -> 1 -> ... -> p-1 of several
+ * messages, in which ranks make different numbers of calls on the group. */
+static void test_p2p(struct check *k, struct am_comm *c, enum am_comm_dtype t, const size_t *sizes, int n_sizes,
+                     uint64_t salt)
+{
+    int p = am_comm_size(c), r = am_comm_rank(c);
+    if (p == 1) {
+        k->checks++;
+        if (am_send(c, "x", 1, AM_I32, 0) == 0 || !strstr(am_comm_error(c), "itself"))
+            failf(k, "send to itself was accepted (or said: %s)", am_comm_error(c));
+        return;
+    }
+    size_t es = am_comm_dtype_size(t);
+    int right = (r + 1) % p, left = (r + p - 1) % p;
+    for (int s = 0; s < n_sizes; s++) {
+        size_t n = sizes[s], bytes = n * es;
+        char what[96];
+        snprintf(what, sizeof(what), "send/recv ring n=%zu", n);
+        char *hs = xmalloc(bytes), *hr = xmalloc(bytes);
+        fill(hs, t, k->info.rank, salt + (uint64_t)s, 0, n);
+        memset(hr, 0x5a, bytes);
+        void *ds = dev_alloc(bytes), *dr = dev_alloc(bytes);
+        to_dev(ds, hs, bytes);
+        to_dev(dr, hr, bytes);
+        int rc;
+        if (r % 2 == 0)
+            rc = am_send(c, ds, n, t, right) < 0 || am_recv(c, dr, n, t, left) < 0;
+        else
+            rc = am_recv(c, dr, n, t, left) < 0 || am_send(c, ds, n, t, right) < 0;
+        if (rc)
+            die_call(k, c, what);
+        to_host(hr, dr, bytes);
+        k->checks++;
+        check_inputs(k, what, t, c->ranks[left], salt + (uint64_t)s, hr, 0, n, "message");
+        free(hs);
+        free(hr);
+        dev_free(ds);
+        dev_free(dr);
+    }
+    /* the chain: each message is relayed unchanged from rank 0 */
+    for (int s = 0; s < n_sizes; s++) {
+        size_t n = sizes[s], bytes = n * es;
+        char what[96];
+        snprintf(what, sizeof(what), "send/recv chain n=%zu", n);
+        char *h = xmalloc(bytes);
+        void *d = dev_alloc(bytes);
+        if (r == 0)
+            fill(h, t, c->ranks[0], salt + 100 + (uint64_t)s, 0, n);
+        else
+            memset(h, 0x5a, bytes);
+        to_dev(d, h, bytes);
+        if ((r > 0 && am_recv(c, d, n, t, r - 1) < 0) || (r < p - 1 && am_send(c, d, n, t, r + 1) < 0))
+            die_call(k, c, what);
+        to_host(h, d, bytes);
+        k->checks++;
+        check_inputs(k, what, t, c->ranks[0], salt + 100 + (uint64_t)s, h, 0, n, "message");
+        free(h);
+        dev_free(d);
+    }
+}
+
+/* Errors in the arguments are reported without numbering the call or breaking the group. */
+static void test_bad_arguments(struct check *k, struct am_comm *c)
+{
+    int x = 0;
+    uint64_t seq = am_comm_seq(c);
+    k->checks++;
+    if (am_allreduce(c, &x, &x, 1, (enum am_comm_dtype)42, AM_SUM) == 0 || !strstr(am_comm_error(c), "dtype 42"))
+        failf(k, "a bad dtype was accepted (or said: %s)", am_comm_error(c));
+    if (am_broadcast(c, &x, 1, AM_I32, am_comm_size(c)) == 0 || !strstr(am_comm_error(c), "root"))
+        failf(k, "a bad root was accepted (or said: %s)", am_comm_error(c));
+    if (am_allreduce(c, NULL, &x, 1, AM_I32, AM_SUM) == 0 || !strstr(am_comm_error(c), "NULL"))
+        failf(k, "a NULL buffer was accepted (or said: %s)", am_comm_error(c));
+    if (am_comm_seq(c) != seq)
+        failf(k, "rejected calls changed the sequence number");
+}
+
+static void run_group(struct check *k, struct am_comm *c, int is_world)
+{
+    int p = am_comm_size(c);
+    k->gname = am_comm_name(c);
+    test_bad_arguments(k, c);
+    static const enum am_comm_dtype dtypes[] = {AM_F32, AM_BF16, AM_F16, AM_I32, AM_I64};
+    static const enum am_comm_op ops[] = {AM_SUM, AM_MAX, AM_AVG};
+    for (int di = 0; di < 5; di++) {
+        enum am_comm_dtype t = dtypes[di];
+        size_t es = am_comm_dtype_size(t);
+        size_t sizes[10];
+        int ns = 0;
+        sizes[ns++] = 0;
+        sizes[ns++] = 1;
+        sizes[ns++] = 7;
+        if (p > 2)
+            sizes[ns++] = (size_t)p - 1;
+        sizes[ns++] = (size_t)p + 1;
+        sizes[ns++] = 5 * (size_t)p + 3;
+        sizes[ns++] = (96 << 10) / es + 1; /* above the small-message threshold */
+        if (is_world)
+            sizes[ns++] = k->big_bytes / es + 3;
+        for (int si = 0; si < ns; si++) {
+            size_t n = sizes[si], per_rank = n / (size_t)p + (n % 2); /* reduce_scatter/allgather blocks */
+            for (int oi = 0; oi < 3; oi++) {
+                uint64_t salt = salt_of(1, di, si, oi, 0);
+                test_allreduce(k, c, t, ops[oi], n, 0, salt);
+                test_reduce_scatter(k, c, t, ops[oi], per_rank, 0, salt + 1);
+            }
+            test_allreduce(k, c, t, AM_SUM, n, 1, salt_of(2, di, si, 0, 0));
+            test_reduce_scatter(k, c, t, AM_AVG, per_rank, 1, salt_of(3, di, si, 0, 0));
+            test_allgather(k, c, t, per_rank, 0, salt_of(4, di, si, 0, 0));
+            test_allgather(k, c, t, per_rank, 1, salt_of(5, di, si, 0, 0));
+            int roots = n <= 4096 ? p : 1;
+            for (int root = 0; root < roots; root++)
+                test_broadcast(k, c, t, n, p - 1 - root, salt_of(6, di, si, root, 0));
+            test_alltoallv(k, c, t, n / (size_t)p + 1, salt_of(7, di, si, 0, 0));
+        }
+        test_p2p(k, c, t, sizes, ns, salt_of(8, di, 0, 0, 0));
+    }
+    for (int i = 0; i < 3; i++)
+        if (am_barrier(c) < 0)
+            die_call(k, c, "barrier");
+}
+
+/* ---- a rank that stops mid-collective ------------------------------------------------------ */
+
+static volatile sig_atomic_t die_mode; /* 1 exit, 2 hang, 3 kill; read by the signal handler */
+
+static void on_alarm(int sig)
+{
+    (void)sig;
+    if (die_mode == 1)
+        _exit(0);
+    if (die_mode == 3)
+        kill(getpid(), SIGKILL);
+    for (;;)
+        pause();
+}
+
+static int run_die(struct check *k, struct am_comm *world, const char *spec)
+{
+    int who = atoi(spec);
+    const char *m = strchr(spec, ':');
+    size_t n = (8 << 20) / 4;
+    float *a = calloc(n, sizeof(float)), *b = calloc(n, sizeof(float));
+    void *da = dev_alloc(n * 4), *db = dev_alloc(n * 4);
+    if (!a || !b || !da || !db)
+        return 1;
+    if (k->info.rank == who) {
+        die_mode = !m ? 1 : !strcmp(m + 1, "hang") ? 2 : !strcmp(m + 1, "kill") ? 3 : 1;
+        signal(SIGALRM, on_alarm);
+        struct itimerval it = {.it_value = {0, 300000}};
+        setitimer(ITIMER_REAL, &it, NULL);
+    }
+    for (int i = 0; i < 1000000; i++)
+        if (am_allreduce(world, da, db, n, AM_F32, AM_SUM) < 0) {
+            fprintf(stderr, "comm_check: rank %d: %s\n", k->info.rank, am_comm_error(world));
+            return 1;
+        }
+    fprintf(stderr, "comm_check: rank %d: the dying rank never died\n", k->info.rank);
+    return 1;
+}
+
+/* ---- main ------------------------------------------------------------------------------------- */
+
+int main(void)
+{
+    struct check k = {0};
+    char err[1024];
+    struct am_boot *boot = am_boot_init(&k.info, err, sizeof(err));
+    if (!boot) {
+        fprintf(stderr, "comm_check: %s\n", err);
+        return 3;
+    }
+    const char *be = getenv("AM_COMM_BACKEND");
+    enum am_comm_backend backend = be && !strcmp(be, "nccl") ? AM_COMM_NCCL : AM_COMM_UCX;
+#ifdef COMM_CHECK_CUDA
+    backend = AM_COMM_NCCL;
+#endif
+    const char *to = getenv("AM_COMM_TIMEOUT"), *big = getenv("COMM_CHECK_BIG_BYTES");
+    double timeout = to ? atof(to) : 60;
+    k.big_bytes = big ? (size_t)atoll(big) : (size_t)3 << 20;
+    double t0 = am_comm_now();
+    k.ctx = am_comm_ctx_init(backend, boot, &k.info, k.info.local_rank, timeout, err, sizeof(err));
+    if (!k.ctx) {
+        fprintf(stderr, "comm_check: rank %d: %s\n", k.info.rank, err);
+        return 3;
+    }
+    int P = k.info.size, ng = 0;
+    int *members[16], sizes[16];
+    const char *names[16];
+    /* world, reversed world, halves, even/odd, modulo 3 (in reverse order) */
+    for (int g = 0; g < 9; g++) {
+        int *m = malloc((size_t)P * sizeof(int)), n = 0;
+        const char *name = "";
+        for (int i = 0; i < P; i++) {
+            int r = g == 1 ? P - 1 - i : g >= 6 ? P - 1 - i : i;
+            int in = g <= 1 ? 1 : g == 2 ? r < (P + 1) / 2 : g == 3 ? r >= (P + 1) / 2 : g == 4 ? r % 2 == 0
+                   : g == 5 ? r % 2 == 1 : r % 3 == g - 6;
+            if (in)
+                m[n++] = r;
+        }
+        static const char *const gnames[] = {"world", "rev", "lo", "hi", "even", "odd", "mod3_0", "mod3_1", "mod3_2"};
+        name = gnames[g];
+        if (n == 0) {
+            free(m);
+            continue;
+        }
+        members[ng] = m;
+        sizes[ng] = n;
+        names[ng] = name;
+        ng++;
+    }
+    struct am_comm *groups[16];
+    if (am_comm_create_groups(k.ctx, ng, (const int *const *)members, sizes, names, groups) < 0) {
+        fprintf(stderr, "comm_check: rank %d: %s\n", k.info.rank, am_comm_ctx_error(k.ctx));
+        return 3;
+    }
+#ifdef COMM_CHECK_CUDA
+    cudaStream_t stream;
+    cudaStreamCreate(&stream);
+    for (int g = 0; g < ng; g++)
+        am_comm_set_stream(groups[g], stream);
+#endif
+    double t1 = am_comm_now();
+    const char *die = getenv("COMM_CHECK_DIE");
+    if (die)
+        return run_die(&k, groups[0], die);
+    int n_mine = 0;
+    for (int g = 0; g < ng; g++)
+        if (groups[g]) {
+            run_group(&k, groups[g], g == 0);
+            n_mine++;
+        }
+    double t2 = am_comm_now();
+    for (int g = 0; g < ng; g++) {
+        am_comm_destroy(groups[g]);
+        free(members[g]);
+    }
+    am_comm_ctx_fini(k.ctx);
+    am_boot_fini(boot);
+    if (k.failures) {
+        fprintf(stderr, "comm_check: rank %d: %ld of %ld checks FAILED\n", k.info.rank, k.failures, k.checks);
+        return 1;
+    }
+    printf("comm_check: rank %d/%d on %s: %ld checks passed on %d groups (setup %.2f s, checks %.2f s)\n", k.info.rank,
+           P, k.info.host, k.checks, n_mine, t1 - t0, t2 - t1);
+    return 0;
+}

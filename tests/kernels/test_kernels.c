@@ -1,0 +1,1496 @@
+/* test_kernels.c - the CPU kernels against plain references written in double precision.
+ *
+ * Every forward is compared with a reference computed here, in double, from the same fp32
+ * inputs; every backward with (a) a reference backward and (b) central finite differences
+ * of a scalar loss, L = Σ out ⊙ R with R random, taken on the double-precision reference
+ * forward (so the differences are accurate to ~1e-9 and the tolerance is the kernel's).
+ * Backward kernels accumulate, so gradients start from random values and the expected
+ * result is start + gradient.
+ *
+ * Tolerances. u = 2^-24 is fp32's unit roundoff. A dot product of K fp32 terms, however it
+ * is blocked, errs by at most about K u Σ|a_k b_k| (the classic γ_K bound); where a
+ * reference can carry Σ|terms| along (matmul, RMSNorm, cross-entropy) the bound is per
+ * element and derived in the test; where the composition is long (attention) it is
+ * normwise, max|err| <= c (D + T) u max|ref|, with the factor explained at the test.
+ * Observed errors are one to three orders of magnitude below these bounds (run with
+ * AM_TEST_VERBOSE=1 to print the worst error/tolerance ratio of every comparison); a
+ * wrong index, sign, scale or GQA mapping gives errors of order 1.
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+
+#include <cmocka.h>
+
+#include <float.h>
+#include <math.h>
+#include <omp.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "kernels.h"
+#include "cpu/cpu.h" /* the backend's private am_expf, tested directly below */
+
+#define U 5.9604644775390625e-08 /* 2^-24 */
+
+static const struct am_kernels *K;
+
+/* ---- helpers: random numbers, paired fp32/double arrays, comparisons, finite differences ---- */
+
+struct rng {
+    uint64_t s;
+};
+
+static double rng_uniform(struct rng *r, double lo, double hi) /* xorshift64*, 53 bits */
+{
+    r->s ^= r->s >> 12;
+    r->s ^= r->s << 25;
+    r->s ^= r->s >> 27;
+    uint64_t v = r->s * 2685821657736338717ull;
+    return lo + (hi - lo) * (double)(v >> 11) * (1.0 / 9007199254740992.0);
+}
+
+/* An fp32 array (what the kernel sees) with its exact double copy (what the reference sees). */
+struct arr {
+    float *f;
+    double *d;
+    int64_t n;
+};
+
+static struct arr arr_new(int64_t n)
+{
+    struct arr a = {K->alloc((size_t)n * sizeof(float)), calloc((size_t)(n ? n : 1), sizeof(double)), n};
+    assert_non_null(a.f);
+    assert_non_null(a.d);
+    return a;
+}
+
+static struct arr arr_rand(struct rng *r, int64_t n, double lo, double hi)
+{
+    struct arr a = arr_new(n);
+    for (int64_t i = 0; i < n; i++) {
+        a.f[i] = (float)rng_uniform(r, lo, hi);
+        a.d[i] = a.f[i];
+    }
+    return a;
+}
+
+static struct arr arr_copy(const struct arr *src)
+{
+    struct arr a = arr_new(src->n);
+    memcpy(a.f, src->f, (size_t)src->n * sizeof(float));
+    memcpy(a.d, src->d, (size_t)src->n * sizeof(double));
+    return a;
+}
+
+static void arr_free(struct arr *a)
+{
+    K->free(a->f);
+    free(a->d);
+    a->f = NULL;
+    a->d = NULL;
+}
+
+static double *dalloc(int64_t n)
+{
+    double *p = calloc((size_t)(n ? n : 1), sizeof(double));
+    assert_non_null(p);
+    return p;
+}
+
+static struct am_tensor tview(struct arr *a, int64_t d0, int64_t d1, int64_t d2, int64_t d3)
+{
+    return am_tensor_view(a->f, AM_DEV_CPU, AM_T_F32, d0, d1, d2, d3);
+}
+
+static struct am_tensor ids_view(int32_t *p, int64_t n)
+{
+    return am_tensor_view(p, AM_DEV_CPU, AM_T_I32, n, 0, 0, 0);
+}
+
+static double max_abs(const double *x, int64_t n)
+{
+    double m = 0.0;
+    for (int64_t i = 0; i < n; i++)
+        m = fmax(m, fabs(x[i]));
+    return m;
+}
+
+/* Asserts |got_i - want_i| <= tol_i for every i (NaN fails). */
+static void expect_close(const char *what, const float *got, const double *want, const double *tol, int64_t n)
+{
+    double worst = 0.0;
+    int64_t at = -1, bad = 0;
+    for (int64_t i = 0; i < n; i++) {
+        double e = fabs((double)got[i] - want[i]);
+        double ratio = tol[i] > 0 ? e / tol[i] : (e > 0 ? INFINITY : 0.0);
+        if (!(e <= tol[i]))
+            bad++;
+        if (!(ratio <= worst)) {
+            worst = ratio;
+            at = i;
+        }
+    }
+    if (getenv("AM_TEST_VERBOSE"))
+        printf("    %-44s n=%-7lld worst err/tol %.2e [%lld]\n", what, (long long)n, worst, (long long)at);
+    if (bad) {
+        print_error("%s: %lld of %lld elements out of tolerance; worst [%lld]: got %.9g want %.9g (|err| %.3g, tol %.3g)\n",
+                    what, (long long)bad, (long long)n, (long long)at, (double)got[at], want[at],
+                    fabs((double)got[at] - want[at]), tol[at]);
+        fail();
+    }
+}
+
+/* The same with one tolerance for all: rel * max|want| + abs. */
+static void expect_close_norm(const char *what, const float *got, const double *want, int64_t n, double rel,
+                              double abs_tol)
+{
+    double *tol = dalloc(n), t = rel * max_abs(want, n) + abs_tol;
+    for (int64_t i = 0; i < n; i++)
+        tol[i] = t;
+    expect_close(what, got, want, tol, n);
+    free(tol);
+}
+
+static void expect_bitwise(const char *what, const float *a, const float *b, int64_t n)
+{
+    for (int64_t i = 0; i < n; i++)
+        if (memcmp(&a[i], &b[i], sizeof(float)) != 0) {
+            print_error("%s: element %lld differs: %.9g vs %.9g\n", what, (long long)i, (double)a[i], (double)b[i]);
+            fail();
+        }
+}
+
+/* Central differences of loss() with respect to p[0..n), into fd. loss() is the double
+ * reference forward, h = 1e-6: truncation error ~h² f''' / 6 ~ 1e-12 f''', cancellation
+ * ~1e-16 |L| / h ~ 1e-10 |L|. */
+typedef double (*loss_fn)(void *ctx);
+static void fd_grad(loss_fn loss, void *ctx, double *p, int64_t n, double *fd)
+{
+    for (int64_t i = 0; i < n; i++) {
+        double s = p[i], h = 1e-6 * fmax(1.0, fabs(s));
+        volatile double up = s + h, dn = s - h;
+        p[i] = up;
+        double lp = loss(ctx);
+        p[i] = dn;
+        double lm = loss(ctx);
+        p[i] = s;
+        fd[i] = (lp - lm) / (up - dn);
+    }
+}
+
+/* got (accumulated onto start) against start + fd, with the kernel's tolerance plus the
+ * finite differences' own error (1e-7 of the largest derivative, far above ~1e-10). */
+static void expect_fd(const char *what, const float *got, const double *start, const double *fd, const double *tol,
+                      int64_t n)
+{
+    double *want = dalloc(n), *t = dalloc(n), slack = 1e-7 * (1.0 + max_abs(fd, n));
+    for (int64_t i = 0; i < n; i++) {
+        want[i] = (start ? start[i] : 0.0) + fd[i];
+        t[i] = tol[i] + slack;
+    }
+    expect_close(what, got, want, t, n);
+    free(want);
+    free(t);
+}
+
+/* ---- the backend's vectorisable exp ---- */
+
+static void test_expf(void **state)
+{
+    (void)state;
+    /* over the whole normal range, against exp in double: Cephes' polynomial with the
+     * Cody-Waite reduction stays within 2 ulp; 3u relative (1.5 ulp-ish) is what we assert */
+    double worst = 0.0;
+    for (int i = 0; i <= 2000000; i++) {
+        float x = (float)(-87.3 + (88.7 + 87.3) * i / 2000000.0);
+        double want = exp((double)x), rel = fabs((double)am_expf(x) - want) / want;
+        worst = fmax(worst, rel);
+    }
+    if (getenv("AM_TEST_VERBOSE"))
+        printf("    am_expf worst relative error %.3g (u = %.3g)\n", worst, U);
+    assert_true(worst <= 3 * U);
+    assert_true(am_expf(0.0f) == 1.0f);
+    assert_true(am_expf(-INFINITY) == 0.0f);
+    assert_true(am_expf(-100.0f) == 0.0f);
+    assert_true(isinf(am_expf(89.0f)) && isinf(am_expf(INFINITY)));
+    assert_true(isnan(am_expf(NAN)));
+    assert_true(am_expf(88.7f) < INFINITY && am_expf(88.7f) > 3.3e38f);
+}
+
+/* ---- memory and element-wise ---- */
+
+static void test_memory(void **state)
+{
+    (void)state;
+    assert_ptr_equal(am_kernels_for(AM_DEV_CPU), K);
+    assert_null(am_kernels_for(AM_DEV_CUDA));
+    assert_string_equal(K->name, "cpu");
+    size_t sizes[] = {1, 3, 64, 1000, 1 << 20};
+    for (size_t s = 0; s < sizeof sizes / sizeof *sizes; s++) {
+        unsigned char *p = K->alloc(sizes[s]);
+        assert_non_null(p);
+        assert_int_equal((uintptr_t)p % 64, 0);
+        for (size_t i = 0; i < sizes[s]; i++)
+            assert_int_equal(p[i], 0);
+        K->free(p);
+    }
+    float host[37], back[37];
+    for (int i = 0; i < 37; i++)
+        host[i] = (float)i * 0.5f - 3.0f;
+    float *dev = K->alloc(sizeof host), *dev2 = K->alloc(sizeof host);
+    K->upload(dev, host, sizeof host);
+    K->download(back, dev, sizeof host);
+    assert_memory_equal(host, back, sizeof host);
+    struct am_tensor a = am_tensor_view(dev, AM_DEV_CPU, AM_T_F32, 37, 0, 0, 0);
+    struct am_tensor b = am_tensor_view(dev2, AM_DEV_CPU, AM_T_F32, 37, 0, 0, 0);
+    K->copy(&b, &a);
+    assert_memory_equal(dev2, host, sizeof host);
+    K->zero(&a);
+    for (int i = 0; i < 37; i++)
+        assert_true(dev[i] == 0.0f);
+    K->free(dev);
+    K->free(dev2);
+}
+
+static void test_elementwise(void **state)
+{
+    (void)state;
+    struct rng r = {42};
+    int64_t sizes[] = {1, 7, 1000, 5 * 65536 + 7};
+    for (size_t c = 0; c < sizeof sizes / sizeof *sizes; c++) {
+        int64_t n = sizes[c];
+        struct arr a = arr_rand(&r, n, -2, 2), b = arr_rand(&r, n, -2, 2), a0 = arr_copy(&a);
+        struct am_tensor ta = tview(&a, n, 0, 0, 0), tb = tview(&b, n, 0, 0, 0);
+        /* add and scale do one fp32 operation per element: bitwise what C computes */
+        K->add(&ta, &tb);
+        for (int64_t i = 0; i < n; i++)
+            assert_true(a.f[i] == a0.f[i] + b.f[i]);
+        K->scale(&ta, 0.37f);
+        for (int64_t i = 0; i < n; i++)
+            assert_true(a.f[i] == (a0.f[i] + b.f[i]) * 0.37f);
+        /* sum of squares: each square is exact in double and n double additions err by at
+         * most n 2^-53 of the sum */
+        double want = 0.0;
+        for (int64_t i = 0; i < n; i++)
+            want += b.d[i] * b.d[i];
+        double got = K->sum_squares(&tb);
+        assert_true(fabs(got - want) <= (double)n * 0x1p-53 * want);
+        /* and it does not depend on the number of threads (fixed blocks, summed in order) */
+        omp_set_num_threads(1);
+        double one = K->sum_squares(&tb);
+        omp_set_num_threads(3);
+        double three = K->sum_squares(&tb);
+        omp_set_num_threads(omp_get_num_procs());
+        assert_memory_equal(&one, &three, sizeof one);
+        assert_memory_equal(&one, &got, sizeof one);
+        /* all_finite: NaN and both infinities anywhere, and the largest finite values */
+        assert_true(K->all_finite(&tb));
+        float keep0 = b.f[0], keepl = b.f[n - 1], keepm = b.f[n / 2];
+        b.f[n - 1] = NAN;
+        assert_false(K->all_finite(&tb));
+        b.f[n - 1] = keepl;
+        b.f[0] = INFINITY;
+        assert_false(K->all_finite(&tb));
+        b.f[0] = keep0;
+        b.f[n / 2] = -INFINITY;
+        assert_false(K->all_finite(&tb));
+        b.f[n / 2] = -FLT_MAX;
+        b.f[0] = FLT_MIN / 4; /* a denormal */
+        assert_true(K->all_finite(&tb));
+        b.f[n / 2] = keepm;
+        b.f[0] = keep0;
+        arr_free(&a);
+        arr_free(&b);
+        arr_free(&a0);
+    }
+}
+
+/* ---- matmul: y = x · wᵀ ---- */
+
+static void ref_matmul(const double *x, const double *w, int64_t M, int64_t Kd, int64_t N, double *y, double *yabs)
+{
+    for (int64_t i = 0; i < M; i++)
+        for (int64_t j = 0; j < N; j++) {
+            double s = 0.0, a = 0.0;
+            for (int64_t k = 0; k < Kd; k++) {
+                s += x[i * Kd + k] * w[j * Kd + k];
+                a += fabs(x[i * Kd + k] * w[j * Kd + k]);
+            }
+            y[i * N + j] = s;
+            if (yabs)
+                yabs[i * N + j] = a;
+        }
+}
+
+struct mm_ctx {
+    double *x, *w, *R, *y;
+    int64_t M, K, N;
+};
+
+static double mm_loss(void *p)
+{
+    struct mm_ctx *c = p;
+    ref_matmul(c->x, c->w, c->M, c->K, c->N, c->y, NULL);
+    double L = 0.0;
+    for (int64_t i = 0; i < c->M * c->N; i++)
+        L += c->y[i] * c->R[i];
+    return L;
+}
+
+static void test_matmul(void **state)
+{
+    (void)state;
+    struct rng r = {7};
+    int64_t cases[][3] = {{1, 1, 1}, {7, 5, 3}, {7, 13, 9}, {64, 96, 40}, {130, 70, 300}}; /* M, K, N */
+    for (size_t c = 0; c < sizeof cases / sizeof *cases; c++) {
+        int64_t M = cases[c][0], Kd = cases[c][1], N = cases[c][2];
+        struct arr x = arr_rand(&r, M * Kd, -1, 1), w = arr_rand(&r, N * Kd, -1, 1), y = arr_new(M * N);
+        struct arr dy = arr_rand(&r, M * N, -1, 1), dx = arr_rand(&r, M * Kd, -1, 1), dw = arr_rand(&r, N * Kd, -1, 1);
+        struct arr dx0 = arr_copy(&dx), dw0 = arr_copy(&dw);
+        for (int64_t i = 0; i < M * N; i++)
+            y.f[i] = NAN; /* the forward overwrites */
+        struct am_tensor tx = tview(&x, M, Kd, 0, 0), tw = tview(&w, N, Kd, 0, 0), ty = tview(&y, M, N, 0, 0);
+        struct am_tensor tdy = tview(&dy, M, N, 0, 0), tdx = tview(&dx, M, Kd, 0, 0), tdw = tview(&dw, N, Kd, 0, 0);
+        K->matmul_forward(&ty, &tx, &tw);
+        double *want = dalloc(M * N), *absr = dalloc(M * N), *tol = dalloc(M * N);
+        ref_matmul(x.d, w.d, M, Kd, N, want, absr);
+        /* sgemm's dot of K terms: |err| <= (K + 2) u Σ|x w| */
+        for (int64_t i = 0; i < M * N; i++)
+            tol[i] = (double)(Kd + 2) * U * absr[i];
+        expect_close("matmul forward y", y.f, want, tol, M * N);
+
+        K->matmul_backward(&tdx, &tdw, &tdy, &tx, &tw);
+        /* dx = dx0 + dy · w (N terms), dw = dw0 + dyᵀ · x (M terms); +1 term for dx0 */
+        double *wdx = dalloc(M * Kd), *tdxl = dalloc(M * Kd), *wdw = dalloc(N * Kd), *tdwl = dalloc(N * Kd);
+        for (int64_t i = 0; i < M; i++)
+            for (int64_t k = 0; k < Kd; k++) {
+                double s = dx0.d[i * Kd + k], a = fabs(s);
+                for (int64_t j = 0; j < N; j++) {
+                    s += dy.d[i * N + j] * w.d[j * Kd + k];
+                    a += fabs(dy.d[i * N + j] * w.d[j * Kd + k]);
+                }
+                wdx[i * Kd + k] = s;
+                tdxl[i * Kd + k] = (double)(N + 3) * U * a;
+            }
+        for (int64_t j = 0; j < N; j++)
+            for (int64_t k = 0; k < Kd; k++) {
+                double s = dw0.d[j * Kd + k], a = fabs(s);
+                for (int64_t i = 0; i < M; i++) {
+                    s += dy.d[i * N + j] * x.d[i * Kd + k];
+                    a += fabs(dy.d[i * N + j] * x.d[i * Kd + k]);
+                }
+                wdw[j * Kd + k] = s;
+                tdwl[j * Kd + k] = (double)(M + 3) * U * a;
+            }
+        expect_close("matmul backward dx", dx.f, wdx, tdxl, M * Kd);
+        expect_close("matmul backward dw", dw.f, wdw, tdwl, N * Kd);
+
+        if (M * Kd * N <= 2000) { /* finite differences of L = Σ y ⊙ dy */
+            struct mm_ctx ctx = {x.d, w.d, dy.d, dalloc(M * N), M, Kd, N};
+            double *fd = dalloc(M * Kd > N * Kd ? M * Kd : N * Kd);
+            fd_grad(mm_loss, &ctx, x.d, M * Kd, fd);
+            expect_fd("matmul dx vs finite differences", dx.f, dx0.d, fd, tdxl, M * Kd);
+            fd_grad(mm_loss, &ctx, w.d, N * Kd, fd);
+            expect_fd("matmul dw vs finite differences", dw.f, dw0.d, fd, tdwl, N * Kd);
+            free(fd);
+            free(ctx.y);
+        }
+        /* either gradient may be NULL: dw alone again adds the same dyᵀ·x once more */
+        K->matmul_backward(NULL, &tdw, &tdy, &tx, &tw);
+        for (int64_t i = 0; i < N * Kd; i++) {
+            wdw[i] += wdw[i] - dw0.d[i];
+            tdwl[i] *= 2;
+        }
+        expect_close("matmul backward dw only (accumulates)", dw.f, wdw, tdwl, N * Kd);
+        free(want);
+        free(absr);
+        free(tol);
+        free(wdx);
+        free(tdxl);
+        free(wdw);
+        free(tdwl);
+        struct arr *all[] = {&x, &w, &y, &dy, &dx, &dw, &dx0, &dw0};
+        for (size_t i = 0; i < sizeof all / sizeof *all; i++)
+            arr_free(all[i]);
+    }
+}
+
+/* ---- embedding, vocabulary-parallel ---- */
+
+static void test_embedding(void **state)
+{
+    (void)state;
+    struct rng r = {11};
+    int64_t cases[][3] = {{9, 37, 13}, {300, 64, 512}}; /* N, V, C */
+    for (size_t c = 0; c < sizeof cases / sizeof *cases; c++) {
+        int64_t N = cases[c][0], V = cases[c][1], C = cases[c][2], V0 = V / 2;
+        int32_t *ids = malloc((size_t)N * sizeof(int32_t));
+        for (int64_t i = 0; i < N; i++)
+            ids[i] = (int32_t)(rng_uniform(&r, 0, 1) * (double)V) % (int32_t)V;
+        ids[0] = ids[N - 1] = 3;                /* repeated ids add up */
+        ids[1] = -1;                            /* out of the vocabulary: zero row, no gradient */
+        ids[2] = (int32_t)V;                    /* one past the end */
+        struct arr wte = arr_rand(&r, V * C, -1, 1), out = arr_new(N * C), dout = arr_rand(&r, N * C, -1, 1);
+        struct am_tensor tids = ids_view(ids, N), twte = tview(&wte, V, C, 0, 0), tout = tview(&out, N, C, 0, 0);
+        for (int64_t i = 0; i < N * C; i++)
+            out.f[i] = NAN;
+        K->embedding_forward(&tout, &tids, &twte, 0);
+        for (int64_t i = 0; i < N; i++)
+            for (int64_t j = 0; j < C; j++) {
+                float want = ids[i] >= 0 && ids[i] < V ? wte.f[ids[i] * C + j] : 0.0f;
+                assert_true(out.f[i * C + j] == want);
+            }
+        /* two shards [0, V0) and [V0, V): the sum of their outputs is the whole table's, exactly */
+        struct arr o1 = arr_new(N * C), o2 = arr_new(N * C);
+        struct am_tensor to1 = tview(&o1, N, C, 0, 0), to2 = tview(&o2, N, C, 0, 0);
+        struct am_tensor w1 = am_tensor_view(wte.f, AM_DEV_CPU, AM_T_F32, V0, C, 0, 0);
+        struct am_tensor w2 = am_tensor_view(wte.f + V0 * C, AM_DEV_CPU, AM_T_F32, V - V0, C, 0, 0);
+        K->embedding_forward(&to1, &tids, &w1, 0);
+        K->embedding_forward(&to2, &tids, &w2, V0);
+        for (int64_t i = 0; i < N * C; i++)
+            o1.f[i] += o2.f[i];
+        expect_bitwise("embedding: shards summed == unsharded", o1.f, out.f, N * C);
+
+        /* backward: dwte = dwte0 + scatter-add of dout; at most N + 1 terms per element */
+        struct arr dw = arr_rand(&r, V * C, -1, 1), dw0 = arr_copy(&dw);
+        struct am_tensor tdw = tview(&dw, V, C, 0, 0), tdout = tview(&dout, N, C, 0, 0);
+        K->embedding_backward(&tdw, &tdout, &tids, 0);
+        double *want = dalloc(V * C), *tol = dalloc(V * C);
+        for (int64_t i = 0; i < V * C; i++) {
+            want[i] = dw0.d[i];
+            tol[i] = fabs(dw0.d[i]);
+        }
+        for (int64_t i = 0; i < N; i++)
+            if (ids[i] >= 0 && ids[i] < V)
+                for (int64_t j = 0; j < C; j++) {
+                    want[ids[i] * C + j] += dout.d[i * C + j];
+                    tol[ids[i] * C + j] += fabs(dout.d[i * C + j]);
+                }
+        for (int64_t i = 0; i < V * C; i++)
+            tol[i] *= (double)(N + 1) * U;
+        expect_close("embedding backward dwte", dw.f, want, tol, V * C);
+        /* L = Σ out ⊙ dout is linear in wte: its derivative is the scatter itself */
+        double *fd = dalloc(V * C);
+        for (int64_t i = 0; i < N; i++)
+            if (ids[i] >= 0 && ids[i] < V)
+                for (int64_t j = 0; j < C; j++)
+                    fd[ids[i] * C + j] += dout.d[i * C + j];
+        expect_fd("embedding dwte vs derivative of Σ out·R", dw.f, dw0.d, fd, tol, V * C);
+        /* sharded backward: each shard's rows equal the unsharded rows, bitwise (same order) */
+        struct arr dws = arr_copy(&dw0);
+        struct am_tensor d1 = am_tensor_view(dws.f, AM_DEV_CPU, AM_T_F32, V0, C, 0, 0);
+        struct am_tensor d2 = am_tensor_view(dws.f + V0 * C, AM_DEV_CPU, AM_T_F32, V - V0, C, 0, 0);
+        K->embedding_backward(&d1, &tdout, &tids, 0);
+        K->embedding_backward(&d2, &tdout, &tids, V0);
+        expect_bitwise("embedding backward: shards == unsharded", dws.f, dw.f, V * C);
+        /* deterministic: one thread and three threads give the same bits */
+        struct arr a1 = arr_copy(&dw0), a3 = arr_copy(&dw0);
+        struct am_tensor ta1 = tview(&a1, V, C, 0, 0), ta3 = tview(&a3, V, C, 0, 0);
+        omp_set_num_threads(1);
+        K->embedding_backward(&ta1, &tdout, &tids, 0);
+        omp_set_num_threads(3);
+        K->embedding_backward(&ta3, &tdout, &tids, 0);
+        omp_set_num_threads(omp_get_num_procs());
+        expect_bitwise("embedding backward: 1 thread == 3 threads", a1.f, a3.f, V * C);
+        expect_bitwise("embedding backward: 1 thread == default", a1.f, dw.f, V * C);
+        free(want);
+        free(tol);
+        free(fd);
+        free(ids);
+        struct arr *all[] = {&wte, &out, &dout, &o1, &o2, &dw, &dw0, &dws, &a1, &a3};
+        for (size_t i = 0; i < sizeof all / sizeof *all; i++)
+            arr_free(all[i]);
+    }
+}
+
+/* ---- RMSNorm ---- */
+
+struct rms_ctx {
+    double *x, *w, *R, *out;
+    int64_t N, C;
+    double eps;
+};
+
+static void ref_rmsnorm(const double *x, const double *w, int64_t N, int64_t C, double eps, double *out, double *rstd)
+{
+    for (int64_t i = 0; i < N; i++) {
+        double ss = 0.0;
+        for (int64_t j = 0; j < C; j++)
+            ss += x[i * C + j] * x[i * C + j];
+        double r = 1.0 / sqrt(ss / (double)C + eps);
+        if (rstd)
+            rstd[i] = r;
+        for (int64_t j = 0; j < C; j++)
+            out[i * C + j] = w[j] * x[i * C + j] * r;
+    }
+}
+
+static double rms_loss(void *p)
+{
+    struct rms_ctx *c = p;
+    ref_rmsnorm(c->x, c->w, c->N, c->C, c->eps, c->out, NULL);
+    double L = 0.0;
+    for (int64_t i = 0; i < c->N * c->C; i++)
+        L += c->out[i] * c->R[i];
+    return L;
+}
+
+static void test_rmsnorm(void **state)
+{
+    (void)state;
+    struct rng r = {13};
+    struct {
+        int64_t N, C;
+        float eps;
+    } cases[] = {{1, 8, 1e-5f}, {7, 13, 1e-6f}, {64, 512, 1e-5f}};
+    for (size_t c = 0; c < sizeof cases / sizeof *cases; c++) {
+        int64_t N = cases[c].N, C = cases[c].C;
+        double eps = cases[c].eps;
+        struct arr x = arr_rand(&r, N * C, -2, 2), w = arr_rand(&r, C, 0.5, 1.5), out = arr_new(N * C);
+        struct arr rstd = arr_new(N);
+        for (int64_t j = 0; j < C; j++) { /* a row of small values, where eps matters */
+            x.f[j] *= 1e-3f;
+            x.d[j] = x.f[j];
+        }
+        struct am_tensor tx = tview(&x, N, C, 0, 0), tw = tview(&w, C, 0, 0, 0), to = tview(&out, N, C, 0, 0);
+        struct am_tensor tr = tview(&rstd, N, 0, 0, 0);
+        K->rmsnorm_forward(&to, &tr, &tx, &tw, cases[c].eps);
+        double *want = dalloc(N * C), *wr = dalloc(N), *tol = dalloc(N * C), *trs = dalloc(N);
+        ref_rmsnorm(x.d, w.d, N, C, eps, want, wr);
+        /* rstd: mean (double, rounded once), + eps, sqrt, reciprocal: 4 roundings; out: two
+         * more products. Tolerances 5u and 8u relative. */
+        for (int64_t i = 0; i < N; i++)
+            trs[i] = 5 * U * wr[i];
+        for (int64_t i = 0; i < N * C; i++)
+            tol[i] = 8 * U * fabs(want[i]);
+        expect_close("rmsnorm forward rstd", rstd.f, wr, trs, N);
+        expect_close("rmsnorm forward out", out.f, want, tol, N * C);
+
+        /* backward: dx_ij = r (g_ij - x_ij r² Σ_k g_ik x_ik / C), g = dout w; dw_j = Σ_i dout x r */
+        struct arr dout = arr_rand(&r, N * C, -1, 1), dx = arr_rand(&r, N * C, -1, 1), dw = arr_rand(&r, C, -1, 1);
+        struct arr dx0 = arr_copy(&dx), dw0 = arr_copy(&dw);
+        struct am_tensor tdo = tview(&dout, N, C, 0, 0), tdx = tview(&dx, N, C, 0, 0), tdw = tview(&dw, C, 0, 0, 0);
+        K->rmsnorm_backward(&tdx, &tdw, &tdo, &tx, &tw, &tr);
+        double *wdx = dalloc(N * C), *tdxl = dalloc(N * C), *wdw = dalloc(C), *tdwl = dalloc(C);
+        for (int64_t j = 0; j < C; j++) {
+            wdw[j] = dw0.d[j];
+            tdwl[j] = fabs(dw0.d[j]);
+        }
+        for (int64_t i = 0; i < N; i++) {
+            double rr = wr[i], dot = 0.0, adot = 0.0;
+            for (int64_t k = 0; k < C; k++) {
+                dot += dout.d[i * C + k] * w.d[k] * x.d[i * C + k];
+                adot += fabs(dout.d[i * C + k] * w.d[k] * x.d[i * C + k]);
+            }
+            for (int64_t j = 0; j < C; j++) {
+                double g = dout.d[i * C + j] * w.d[j], xv = x.d[i * C + j];
+                wdx[i * C + j] = dx0.d[i * C + j] + rr * (g - xv * rr * rr * dot / (double)C);
+                /* the C-term dot (C + 2) u, rstd 5u, and a handful of products: 10u */
+                tdxl[i * C + j] = U * ((double)(C + 10) * rr * rr * rr * fabs(xv) * adot / (double)C +
+                                       10 * rr * fabs(g) + fabs(wdx[i * C + j]));
+                wdw[j] += dout.d[i * C + j] * xv * rr;
+                tdwl[j] += fabs(dout.d[i * C + j] * xv * rr);
+            }
+        }
+        for (int64_t j = 0; j < C; j++)
+            tdwl[j] *= (double)(N + 8) * U; /* N-term sum, each term with rstd's 5u and 2 products */
+        expect_close("rmsnorm backward dx", dx.f, wdx, tdxl, N * C);
+        expect_close("rmsnorm backward dw", dw.f, wdw, tdwl, C);
+        if (N * C <= 200) {
+            struct rms_ctx ctx = {x.d, w.d, dout.d, dalloc(N * C), N, C, eps};
+            double *fd = dalloc(N * C);
+            fd_grad(rms_loss, &ctx, x.d, N * C, fd);
+            expect_fd("rmsnorm dx vs finite differences", dx.f, dx0.d, fd, tdxl, N * C);
+            fd_grad(rms_loss, &ctx, w.d, C, fd);
+            expect_fd("rmsnorm dw vs finite differences", dw.f, dw0.d, fd, tdwl, C);
+            free(fd);
+            free(ctx.out);
+        }
+        /* deterministic across thread counts (dw is summed per column, rows in order) */
+        struct arr a1 = arr_copy(&dx0), b1 = arr_copy(&dw0), a3 = arr_copy(&dx0), b3 = arr_copy(&dw0);
+        struct am_tensor ta1 = tview(&a1, N, C, 0, 0), tb1 = tview(&b1, C, 0, 0, 0);
+        struct am_tensor ta3 = tview(&a3, N, C, 0, 0), tb3 = tview(&b3, C, 0, 0, 0);
+        omp_set_num_threads(1);
+        K->rmsnorm_backward(&ta1, &tb1, &tdo, &tx, &tw, &tr);
+        omp_set_num_threads(3);
+        K->rmsnorm_backward(&ta3, &tb3, &tdo, &tx, &tw, &tr);
+        omp_set_num_threads(omp_get_num_procs());
+        expect_bitwise("rmsnorm backward dx: 1 thread == 3 threads", a1.f, a3.f, N * C);
+        expect_bitwise("rmsnorm backward dw: 1 thread == 3 threads", b1.f, b3.f, C);
+        free(want);
+        free(wr);
+        free(tol);
+        free(trs);
+        free(wdx);
+        free(tdxl);
+        free(wdw);
+        free(tdwl);
+        struct arr *all[] = {&x, &w, &out, &rstd, &dout, &dx, &dw, &dx0, &dw0, &a1, &b1, &a3, &b3};
+        for (size_t i = 0; i < sizeof all / sizeof *all; i++)
+            arr_free(all[i]);
+    }
+}
+
+/* ---- RoPE tables ---- */
+
+/* (A) The textbook definition in double: inv_freq_i = theta^(-2i/D), with Llama 3's
+ * scaling (transformers' _compute_llama3_parameters) or linear scaling. */
+static double ref_inv_freq(double theta, int64_t i, int64_t D, const struct am_rope_scaling *sc)
+{
+    double inv = 1.0 / pow(theta, (double)(2 * i) / (double)D);
+    if (!sc || !sc->type)
+        return inv;
+    if (strcmp(sc->type, "linear") == 0)
+        return inv / sc->factor;
+    double old = (double)sc->original_max_position_embeddings;
+    double low_wavelen = old / sc->low_freq_factor, high_wavelen = old / sc->high_freq_factor;
+    double wavelen = 2 * M_PI / inv;
+    if (wavelen < high_wavelen)
+        return inv;
+    if (wavelen > low_wavelen)
+        return inv / sc->factor;
+    double smooth = (old / wavelen - sc->low_freq_factor) / (sc->high_freq_factor - sc->low_freq_factor);
+    return (1 - smooth) * inv / sc->factor + smooth * inv;
+}
+
+/* (B) What transformers computes, step by step in fp32 tensors (LlamaRotaryEmbedding):
+ * written here from the Python source, separately from the kernel. Python scalars meet
+ * fp32 tensors as fp32; `a / tensor` is tensor.reciprocal() * a. */
+static float torch_inv_freq(double theta, int64_t i, int64_t D, const struct am_rope_scaling *sc)
+{
+    float expo = (float)(2 * i) / (float)D;                   /* arange(0, dim, 2).float() / dim */
+    float powered = (float)pow((double)(float)theta, expo);   /* base ** tensor (correctly rounded) */
+    float inv = 1.0f / powered;                               /* 1.0 / tensor */
+    if (!sc || !sc->type)
+        return inv;
+    if (strcmp(sc->type, "linear") == 0)
+        return inv / (float)sc->factor;                       /* inv_freq /= factor */
+    double old = (double)sc->original_max_position_embeddings;
+    float low_wl = (float)(old / sc->low_freq_factor), high_wl = (float)(old / sc->high_freq_factor);
+    float wavelen = (1.0f / inv) * (float)(2 * M_PI);         /* 2 * math.pi / inv_freq */
+    float llama = wavelen > low_wl ? inv / (float)sc->factor : inv;
+    if (wavelen >= high_wl && wavelen <= low_wl) {
+        float smooth = ((1.0f / wavelen) * (float)old - (float)sc->low_freq_factor) /
+                       (float)(sc->high_freq_factor - sc->low_freq_factor);
+        float a = (1.0f - smooth) * llama;
+        llama = a / (float)sc->factor + smooth * llama;
+    }
+    return llama;
+}
+
+static void test_rope_tables(void **state)
+{
+    (void)state;
+    struct am_rope_scaling llama31 = {"llama3", 8.0, 1.0, 4.0, 8192}; /* Llama 3.1's published settings */
+    struct am_rope_scaling linear4 = {"linear", 4.0, 0, 0, 0};
+    struct {
+        double theta;
+        int64_t D;
+        const struct am_rope_scaling *sc;
+    } cases[] = {{10000, 64, NULL},     {10000, 128, NULL},    {500000, 128, NULL}, {500000, 64, NULL},
+                 {500000, 128, &llama31}, {10000, 64, &llama31}, {10000, 64, &linear4}};
+    const int64_t T = 8192;
+    for (size_t c = 0; c < sizeof cases / sizeof *cases; c++) {
+        int64_t D = cases[c].D, half = D / 2;
+        struct arr co = arr_new(T * half), si = arr_new(T * half);
+        struct am_tensor tc = tview(&co, T, half, 0, 0), ts = tview(&si, T, half, 0, 0);
+        K->rope_tables(&tc, &ts, cases[c].theta, cases[c].sc);
+        /* (A) position 1 holds sin(inv_freq) and cos(inv_freq); for small angles sin keeps
+         * inv_freq's relative precision. The kernel's fp32 inv_freq comes out of at most
+         * ten fp32 operations (llama3's smoothing), each rounding once: 16u relative, plus
+         * sin's own rounding. */
+        double *wants = dalloc(half), *tol = dalloc(half);
+        for (int64_t i = 0; i < half; i++) {
+            double inv = ref_inv_freq(cases[c].theta, i, D, cases[c].sc);
+            wants[i] = sin(inv);
+            tol[i] = 16 * U * inv + U * fabs(wants[i]);
+        }
+        char what[160];
+        snprintf(what, sizeof what, "rope inv_freq theta=%g D=%lld %s", cases[c].theta, (long long)D,
+                 cases[c].sc ? cases[c].sc->type : "");
+        expect_close(what, si.f + half, wants, tol, half);
+        /* (B) every position up to 8191: angle = fp32(t * inv_freq) as torch forms it, cos
+         * and sin of that angle. Agreement to 1e-6 requires the fp32 order: at position 8000
+         * one ulp of inv_freq or of the angle moves cos by up to 5e-4. */
+        double *wc = dalloc(T * half), *ws = dalloc(T * half);
+        for (int64_t i = 0; i < half; i++) {
+            float inv = torch_inv_freq(cases[c].theta, i, D, cases[c].sc);
+            for (int64_t t = 0; t < T; t++) {
+                float angle = (float)t * inv;
+                wc[t * half + i] = cos((double)angle);
+                ws[t * half + i] = sin((double)angle);
+            }
+        }
+        snprintf(what, sizeof what, "rope cos theta=%g D=%lld %s", cases[c].theta, (long long)D,
+                 cases[c].sc ? cases[c].sc->type : "");
+        expect_close_norm(what, co.f, wc, T * half, 0.0, 1e-6);
+        snprintf(what, sizeof what, "rope sin theta=%g D=%lld %s", cases[c].theta, (long long)D,
+                 cases[c].sc ? cases[c].sc->type : "");
+        expect_close_norm(what, si.f, ws, T * half, 0.0, 1e-6);
+        free(wants);
+        free(tol);
+        free(wc);
+        free(ws);
+        arr_free(&co);
+        arr_free(&si);
+    }
+    /* llama3 scaling leaves the highest frequencies alone and divides the lowest by 8 */
+    struct arr co = arr_new(2 * 64), si = arr_new(2 * 64), co8 = arr_new(2 * 64), si8 = arr_new(2 * 64);
+    struct am_tensor tc = tview(&co, 2, 64, 0, 0), ts = tview(&si, 2, 64, 0, 0);
+    struct am_tensor tc8 = tview(&co8, 2, 64, 0, 0), ts8 = tview(&si8, 2, 64, 0, 0);
+    K->rope_tables(&tc, &ts, 500000, NULL);
+    struct am_rope_scaling deflt = {"default", 0, 0, 0, 0}; /* rope_type "default": no scaling */
+    K->rope_tables(&tc8, &ts8, 500000, &deflt);
+    expect_bitwise("rope: rope_type default == no scaling", si8.f, si.f, 2 * 64);
+    K->rope_tables(&tc8, &ts8, 500000, &llama31);
+    assert_true(si8.f[64 + 0] == si.f[64 + 0]);                       /* wavelen 2π < 2048 */
+    assert_true(fabs(si8.f[64 + 63] - si.f[64 + 63] / 8) < 1e-6 * si.f[64 + 63]); /* wavelen > 8192 */
+    arr_free(&co);
+    arr_free(&si);
+    arr_free(&co8);
+    arr_free(&si8);
+}
+
+/* ---- RoPE forward / backward ---- */
+
+static void ref_rope(const double *x, const double *co, const double *si, int64_t B, int64_t T, int64_t H, int64_t D,
+                     double sign, double *y, double *yabs)
+{
+    int64_t half = D / 2;
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t h = 0; h < H; h++) {
+                const double *xr = x + ((b * T + t) * H + h) * D;
+                double *yr = y + ((b * T + t) * H + h) * D;
+                for (int64_t i = 0; i < half; i++) {
+                    double c = co[t * half + i], s = sign * si[t * half + i];
+                    yr[i] = xr[i] * c - xr[i + half] * s;
+                    yr[i + half] = xr[i + half] * c + xr[i] * s;
+                    if (yabs) {
+                        yabs[((b * T + t) * H + h) * D + i] = fabs(xr[i] * c) + fabs(xr[i + half] * s);
+                        yabs[((b * T + t) * H + h) * D + i + half] = fabs(xr[i + half] * c) + fabs(xr[i] * s);
+                    }
+                }
+            }
+}
+
+struct rope_ctx {
+    double *x, *co, *si, *R, *y;
+    int64_t B, T, H, D;
+};
+
+static double rope_loss(void *p)
+{
+    struct rope_ctx *c = p;
+    ref_rope(c->x, c->co, c->si, c->B, c->T, c->H, c->D, 1.0, c->y, NULL);
+    double L = 0.0;
+    for (int64_t i = 0; i < c->B * c->T * c->H * c->D; i++)
+        L += c->y[i] * c->R[i];
+    return L;
+}
+
+static void test_rope(void **state)
+{
+    (void)state;
+    struct rng r = {17};
+    int64_t cases[][4] = {{2, 7, 3, 8}, {1, 1, 2, 4}, {2, 33, 4, 64}}; /* B, T, H, D */
+    for (size_t c = 0; c < sizeof cases / sizeof *cases; c++) {
+        int64_t B = cases[c][0], T = cases[c][1], H = cases[c][2], D = cases[c][3], n = B * T * H * D;
+        int64_t TT = T + 9; /* tables longer than the sequence */
+        struct arr co = arr_new(TT * D / 2), si = arr_new(TT * D / 2);
+        struct am_tensor tc = tview(&co, TT, D / 2, 0, 0), ts = tview(&si, TT, D / 2, 0, 0);
+        K->rope_tables(&tc, &ts, 10000, NULL);
+        for (int64_t i = 0; i < TT * D / 2; i++) {
+            co.d[i] = co.f[i];
+            si.d[i] = si.f[i];
+        }
+        struct arr x = arr_rand(&r, n, -1, 1), x0 = arr_copy(&x);
+        struct am_tensor tx = tview(&x, B, T, H, D);
+        K->rope_forward(&tx, &tc, &ts);
+        double *want = dalloc(n), *absr = dalloc(n), *tol = dalloc(n);
+        ref_rope(x0.d, co.d, si.d, B, T, H, D, 1.0, want, absr);
+        for (int64_t i = 0; i < n; i++) /* two products and a sum: 3 roundings */
+            tol[i] = 3 * U * absr[i];
+        expect_close("rope forward", x.f, want, tol, n);
+        /* backward rotates dy in place by the opposite angle */
+        struct arr g = arr_rand(&r, n, -1, 1), g0 = arr_copy(&g);
+        struct am_tensor tg = tview(&g, B, T, H, D);
+        K->rope_backward(&tg, &tc, &ts);
+        ref_rope(g0.d, co.d, si.d, B, T, H, D, -1.0, want, absr);
+        for (int64_t i = 0; i < n; i++)
+            tol[i] = 3 * U * absr[i];
+        expect_close("rope backward", g.f, want, tol, n);
+        if (n <= 512) {
+            struct rope_ctx ctx = {x0.d, co.d, si.d, g0.d, dalloc(n), B, T, H, D};
+            double *fd = dalloc(n);
+            fd_grad(rope_loss, &ctx, x0.d, n, fd);
+            expect_fd("rope backward vs finite differences", g.f, NULL, fd, tol, n);
+            free(fd);
+            free(ctx.y);
+        }
+        /* the backward undoes the forward (a rotation, cos² + sin² = 1 to 2u): 3 roundings
+         * each way plus the tables' 2u, relative to the head's largest value */
+        K->rope_backward(&tx, &tc, &ts);
+        double mx = max_abs(x0.d, n);
+        for (int64_t i = 0; i < n; i++)
+            tol[i] = 10 * U * mx;
+        expect_close("rope backward(forward(x)) == x", x.f, x0.d, tol, n);
+        free(want);
+        free(absr);
+        free(tol);
+        struct arr *all[] = {&co, &si, &x, &x0, &g, &g0};
+        for (size_t i = 0; i < sizeof all / sizeof *all; i++)
+            arr_free(all[i]);
+    }
+}
+
+/* ---- causal grouped-query attention ---- */
+
+struct attn_dims {
+    int64_t B, T, H, KVH, D;
+};
+
+static void ref_attention(const struct attn_dims *s, const double *q, const double *k, const double *v, double *out,
+                          double *lse)
+{
+    int64_t B = s->B, T = s->T, H = s->H, KVH = s->KVH, D = s->D, G = H / KVH;
+    double scale = 1.0 / sqrt((double)D), *sc = dalloc(T);
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t h = 0; h < H; h++)
+            for (int64_t t = 0; t < T; t++) {
+                const double *qt = q + ((b * T + t) * H + h) * D;
+                double m = -INFINITY;
+                for (int64_t j = 0; j <= t; j++) {
+                    const double *kj = k + ((b * T + j) * KVH + h / G) * D;
+                    double dot = 0.0;
+                    for (int64_t d = 0; d < D; d++)
+                        dot += qt[d] * kj[d];
+                    sc[j] = dot * scale;
+                    m = fmax(m, sc[j]);
+                }
+                double l = 0.0;
+                for (int64_t j = 0; j <= t; j++)
+                    l += exp(sc[j] - m);
+                double *ot = out + ((b * T + t) * H + h) * D;
+                for (int64_t d = 0; d < D; d++) {
+                    double acc = 0.0;
+                    for (int64_t j = 0; j <= t; j++)
+                        acc += exp(sc[j] - m) / l * v[((b * T + j) * KVH + h / G) * D + d];
+                    ot[d] = acc;
+                }
+                if (lse)
+                    lse[(b * H + h) * T + t] = m + log(l);
+            }
+    free(sc);
+}
+
+/* dq, dk, dv += the gradients of L = Σ out ⊙ dout (softmax backward written out plainly) */
+static void ref_attention_backward(const struct attn_dims *s, const double *q, const double *k, const double *v,
+                                   const double *dout, double *dq, double *dk, double *dv)
+{
+    int64_t B = s->B, T = s->T, H = s->H, KVH = s->KVH, D = s->D, G = H / KVH;
+    double scale = 1.0 / sqrt((double)D), *p = dalloc(T), *dp = dalloc(T);
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t h = 0; h < H; h++)
+            for (int64_t t = 0; t < T; t++) {
+                int64_t qo = ((b * T + t) * H + h) * D;
+                double m = -INFINITY, l = 0.0;
+                for (int64_t j = 0; j <= t; j++) {
+                    double dot = 0.0;
+                    for (int64_t d = 0; d < D; d++)
+                        dot += q[qo + d] * k[((b * T + j) * KVH + h / G) * D + d];
+                    p[j] = dot * scale;
+                    m = fmax(m, p[j]);
+                }
+                for (int64_t j = 0; j <= t; j++)
+                    l += exp(p[j] - m);
+                double sum_pdp = 0.0;
+                for (int64_t j = 0; j <= t; j++) {
+                    int64_t ko = ((b * T + j) * KVH + h / G) * D;
+                    p[j] = exp(p[j] - m) / l;
+                    dp[j] = 0.0;
+                    for (int64_t d = 0; d < D; d++)
+                        dp[j] += dout[qo + d] * v[ko + d];
+                    sum_pdp += p[j] * dp[j];
+                }
+                for (int64_t j = 0; j <= t; j++) {
+                    int64_t ko = ((b * T + j) * KVH + h / G) * D;
+                    double ds = p[j] * (dp[j] - sum_pdp) * scale;
+                    for (int64_t d = 0; d < D; d++) {
+                        dq[qo + d] += ds * k[ko + d];
+                        dk[ko + d] += ds * q[qo + d];
+                        dv[ko + d] += p[j] * dout[qo + d];
+                    }
+                }
+            }
+    free(p);
+    free(dp);
+}
+
+struct attn_ctx {
+    struct attn_dims s;
+    double *q, *k, *v, *R, *out;
+};
+
+static double attn_loss(void *p)
+{
+    struct attn_ctx *c = p;
+    ref_attention(&c->s, c->q, c->k, c->v, c->out, NULL);
+    double L = 0.0;
+    for (int64_t i = 0; i < c->s.B * c->s.T * c->s.H * c->s.D; i++)
+        L += c->out[i] * c->R[i];
+    return L;
+}
+
+static void test_attention(void **state)
+{
+    (void)state;
+    struct rng r = {19};
+    struct attn_dims cases[] = {
+        {2, 7, 4, 4, 8},   /* H/KVH = 1 */
+        {2, 7, 4, 2, 8},   /* 2 */
+        {1, 7, 4, 1, 8},   /* 4 */
+        {1, 1, 2, 1, 4},   /* a single token */
+        {2, 33, 8, 4, 16}, /* several threads */
+        {1, 64, 4, 2, 64}, /* Llama's head size */
+    };
+    for (size_t c = 0; c < sizeof cases / sizeof *cases; c++) {
+        struct attn_dims s = cases[c];
+        int64_t nq = s.B * s.T * s.H * s.D, nk = s.B * s.T * s.KVH * s.D, nl = s.B * s.H * s.T;
+        struct arr q = arr_rand(&r, nq, -1, 1), k = arr_rand(&r, nk, -1, 1), v = arr_rand(&r, nk, -1, 1);
+        struct arr out = arr_new(nq), lse = arr_new(nl);
+        struct am_tensor tq = tview(&q, s.B, s.T, s.H, s.D), tk = tview(&k, s.B, s.T, s.KVH, s.D);
+        struct am_tensor tv = tview(&v, s.B, s.T, s.KVH, s.D), to = tview(&out, s.B, s.T, s.H, s.D);
+        struct am_tensor tl = tview(&lse, s.B, s.H, s.T, 0);
+        K->attention_forward(&to, &tl, &tq, &tk, &tv);
+        double *wo = dalloc(nq), *wl = dalloc(nl);
+        ref_attention(&s, q.d, k.d, v.d, wo, wl);
+        /* Normwise, 4 (D + T) u: a score is a D-term fp32 dot (<= D u relative to Σ|q k|,
+         * which is <= sqrt(D) here, so the scores' error is <= D u in absolute terms); a
+         * softmax weight inherits that error plus exp's 2 ulp and the T-term normalising
+         * sum; the output adds a T-term weighted sum. The factor 4 covers the few products
+         * between. For D = T = 64 this is 3e-5 of the largest value. */
+        double rel = 4.0 * (double)(s.D + s.T) * U;
+        char what[128];
+        snprintf(what, sizeof what, "attention out B%lld T%lld H%lld KVH%lld D%lld", (long long)s.B, (long long)s.T,
+                 (long long)s.H, (long long)s.KVH, (long long)s.D);
+        expect_close_norm(what, out.f, wo, nq, rel, 0);
+        snprintf(what, sizeof what, "attention lse T%lld H%lld KVH%lld", (long long)s.T, (long long)s.H,
+                 (long long)s.KVH);
+        expect_close_norm(what, lse.f, wl, nl, rel, rel);
+
+        struct arr dout = arr_rand(&r, nq, -1, 1);
+        struct arr dq = arr_rand(&r, nq, -1, 1), dk = arr_rand(&r, nk, -1, 1), dv = arr_rand(&r, nk, -1, 1);
+        struct arr dq0 = arr_copy(&dq), dk0 = arr_copy(&dk), dv0 = arr_copy(&dv);
+        struct am_tensor tdo = tview(&dout, s.B, s.T, s.H, s.D), tdq = tview(&dq, s.B, s.T, s.H, s.D);
+        struct am_tensor tdk = tview(&dk, s.B, s.T, s.KVH, s.D), tdv = tview(&dv, s.B, s.T, s.KVH, s.D);
+        K->attention_backward(&tdq, &tdk, &tdv, &tdo, &to, &tl, &tq, &tk, &tv);
+        double *gq = dalloc(nq), *gk = dalloc(nk), *gv = dalloc(nk);
+        ref_attention_backward(&s, q.d, k.d, v.d, dout.d, gq, gk, gv);
+        /* Normwise on the gradient itself (the accumulated start adds u of itself):
+         * 4 (D + T H/KVH) u: dk and dv of a shared kv head sum over the group's rows. */
+        int64_t G = s.H / s.KVH;
+        double grel = 4.0 * (double)(s.D + s.T * G) * U;
+        double *wq = dalloc(nq), *wk = dalloc(nk), *wv = dalloc(nk), *tq_ = dalloc(nq), *tk_ = dalloc(nk),
+               *tv_ = dalloc(nk);
+        double mq = max_abs(gq, nq), mk = max_abs(gk, nk), mv = max_abs(gv, nk);
+        for (int64_t i = 0; i < nq; i++) {
+            wq[i] = dq0.d[i] + gq[i];
+            tq_[i] = grel * mq + U * fabs(wq[i]);
+        }
+        for (int64_t i = 0; i < nk; i++) {
+            wk[i] = dk0.d[i] + gk[i];
+            wv[i] = dv0.d[i] + gv[i];
+            tk_[i] = grel * mk + U * fabs(wk[i]);
+            tv_[i] = grel * mv + U * fabs(wv[i]);
+        }
+        snprintf(what, sizeof what, "attention dq T%lld H%lld KVH%lld D%lld", (long long)s.T, (long long)s.H,
+                 (long long)s.KVH, (long long)s.D);
+        expect_close(what, dq.f, wq, tq_, nq);
+        snprintf(what, sizeof what, "attention dk T%lld H%lld KVH%lld D%lld", (long long)s.T, (long long)s.H,
+                 (long long)s.KVH, (long long)s.D);
+        expect_close(what, dk.f, wk, tk_, nk);
+        snprintf(what, sizeof what, "attention dv T%lld H%lld KVH%lld D%lld", (long long)s.T, (long long)s.H,
+                 (long long)s.KVH, (long long)s.D);
+        expect_close(what, dv.f, wv, tv_, nk);
+        if (nq <= 1024) {
+            struct attn_ctx ctx = {s, q.d, k.d, v.d, dout.d, dalloc(nq)};
+            double *fd = dalloc(nq);
+            fd_grad(attn_loss, &ctx, q.d, nq, fd);
+            expect_fd("attention dq vs finite differences", dq.f, dq0.d, fd, tq_, nq);
+            /* and the reference backward against the same differences, tightly */
+            for (int64_t i = 0; i < nq; i++)
+                assert_true(fabs(gq[i] - fd[i]) <= 1e-7 * (1 + max_abs(fd, nq)));
+            fd_grad(attn_loss, &ctx, k.d, nk, fd);
+            expect_fd("attention dk vs finite differences", dk.f, dk0.d, fd, tk_, nk);
+            fd_grad(attn_loss, &ctx, v.d, nk, fd);
+            expect_fd("attention dv vs finite differences", dv.f, dv0.d, fd, tv_, nk);
+            free(fd);
+            free(ctx.out);
+        }
+        /* deterministic: one thread and three give the same bits */
+        struct arr a1[3] = {arr_copy(&dq0), arr_copy(&dk0), arr_copy(&dv0)};
+        struct arr a3[3] = {arr_copy(&dq0), arr_copy(&dk0), arr_copy(&dv0)};
+        struct am_tensor t1q = tview(&a1[0], s.B, s.T, s.H, s.D), t1k = tview(&a1[1], s.B, s.T, s.KVH, s.D),
+                         t1v = tview(&a1[2], s.B, s.T, s.KVH, s.D);
+        struct am_tensor t3q = tview(&a3[0], s.B, s.T, s.H, s.D), t3k = tview(&a3[1], s.B, s.T, s.KVH, s.D),
+                         t3v = tview(&a3[2], s.B, s.T, s.KVH, s.D);
+        omp_set_num_threads(1);
+        K->attention_backward(&t1q, &t1k, &t1v, &tdo, &to, &tl, &tq, &tk, &tv);
+        omp_set_num_threads(3);
+        K->attention_backward(&t3q, &t3k, &t3v, &tdo, &to, &tl, &tq, &tk, &tv);
+        omp_set_num_threads(omp_get_num_procs());
+        expect_bitwise("attention backward dq: 1 thread == 3 threads", a1[0].f, a3[0].f, nq);
+        expect_bitwise("attention backward dk: 1 thread == 3 threads", a1[1].f, a3[1].f, nk);
+        expect_bitwise("attention backward dv: 1 thread == 3 threads", a1[2].f, a3[2].f, nk);
+        for (int i = 0; i < 3; i++) {
+            arr_free(&a1[i]);
+            arr_free(&a3[i]);
+        }
+        double *bufs[] = {wo, wl, gq, gk, gv, wq, wk, wv, tq_, tk_, tv_};
+        for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++)
+            free(bufs[i]);
+        struct arr *all[] = {&q, &k, &v, &out, &lse, &dout, &dq, &dk, &dv, &dq0, &dk0, &dv0};
+        for (size_t i = 0; i < sizeof all / sizeof *all; i++)
+            arr_free(all[i]);
+    }
+}
+
+/* ---- SwiGLU ---- */
+
+struct swiglu_ctx {
+    double *g, *u, *R;
+    int64_t n;
+};
+
+static double silu(double x) { return x / (1.0 + exp(-x)); }
+
+static double swiglu_loss(void *p)
+{
+    struct swiglu_ctx *c = p;
+    double L = 0.0;
+    for (int64_t i = 0; i < c->n; i++)
+        L += silu(c->g[i]) * c->u[i] * c->R[i];
+    return L;
+}
+
+static void test_swiglu(void **state)
+{
+    (void)state;
+    struct rng r = {23};
+    int64_t sizes[] = {7 * 13, 64 * 1408};
+    for (size_t c = 0; c < sizeof sizes / sizeof *sizes; c++) {
+        int64_t n = sizes[c];
+        struct arr g = arr_rand(&r, n, -6, 6), u = arr_rand(&r, n, -2, 2), out = arr_new(n);
+        g.f[0] = -100.0f; /* exp(-g) overflows in fp32: silu -> -0 */
+        g.f[1] = 100.0f;
+        g.d[0] = g.f[0];
+        g.d[1] = g.f[1];
+        struct am_tensor tg = tview(&g, n, 0, 0, 0), tu = tview(&u, n, 0, 0, 0), to = tview(&out, n, 0, 0, 0);
+        K->swiglu_forward(&to, &tg, &tu);
+        double *want = dalloc(n), *tol = dalloc(n);
+        /* exp (2 ulp), 1 + e, the division and the product: 6 roundings; 8u relative, and
+         * 1e-37 absolute where silu(g) underflows (g = -100: exp(100) is +Inf, silu -0) */
+        for (int64_t i = 0; i < n; i++) {
+            want[i] = silu(g.d[i]) * u.d[i];
+            tol[i] = 8 * U * fabs(want[i]) + 1e-37;
+        }
+        expect_close("swiglu forward", out.f, want, tol, n);
+
+        struct arr dout = arr_rand(&r, n, -1, 1), dg = arr_rand(&r, n, -1, 1), du = arr_rand(&r, n, -1, 1);
+        struct arr dg0 = arr_copy(&dg), du0 = arr_copy(&du);
+        struct am_tensor tdo = tview(&dout, n, 0, 0, 0), tdg = tview(&dg, n, 0, 0, 0), tdu = tview(&du, n, 0, 0, 0);
+        K->swiglu_backward(&tdg, &tdu, &tdo, &tg, &tu);
+        double *wg = dalloc(n), *wu = dalloc(n), *tg_ = dalloc(n), *tu_ = dalloc(n);
+        for (int64_t i = 0; i < n; i++) {
+            double sig = 1.0 / (1.0 + exp(-g.d[i])), ds = sig * (1.0 + g.d[i] * (1.0 - sig));
+            wg[i] = dg0.d[i] + dout.d[i] * u.d[i] * ds;
+            wu[i] = du0.d[i] + dout.d[i] * silu(g.d[i]);
+            /* 1 - sig cancels where sig -> 1: its absolute error (~6u) is multiplied by g;
+             * the accumulation rounds once more, up to u of the result, the product's own
+             * rounding another u */
+            tg_[i] = U * (fabs(dout.d[i] * u.d[i]) * (10 * fabs(ds) + 8 * fabs(g.d[i]) * sig) + 2 * fabs(wg[i]));
+            tu_[i] = U * (8 * fabs(dout.d[i] * silu(g.d[i])) + 2 * fabs(wu[i])) + 1e-37;
+        }
+        expect_close("swiglu backward dgate", dg.f, wg, tg_, n);
+        expect_close("swiglu backward dup", du.f, wu, tu_, n);
+        if (n <= 200) {
+            struct swiglu_ctx ctx = {g.d, u.d, dout.d, n};
+            double *fd = dalloc(n);
+            fd_grad(swiglu_loss, &ctx, g.d, n, fd);
+            expect_fd("swiglu dgate vs finite differences", dg.f, dg0.d, fd, tg_, n);
+            fd_grad(swiglu_loss, &ctx, u.d, n, fd);
+            expect_fd("swiglu dup vs finite differences", du.f, du0.d, fd, tu_, n);
+            free(fd);
+        }
+        /* one of the two gradients may be NULL */
+        K->swiglu_backward(NULL, &tdu, &tdo, &tg, &tu);
+        for (int64_t i = 0; i < n; i++) {
+            wu[i] += wu[i] - du0.d[i];
+            tu_[i] *= 2;
+        }
+        expect_close("swiglu backward dup only", du.f, wu, tu_, n);
+        double *bufs[] = {want, tol, wg, wu, tg_, tu_};
+        for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++)
+            free(bufs[i]);
+        struct arr *all[] = {&g, &u, &out, &dout, &dg, &du, &dg0, &du0};
+        for (size_t i = 0; i < sizeof all / sizeof *all; i++)
+            arr_free(all[i]);
+    }
+}
+
+/* ---- cross-entropy fused with the output projection ---- */
+
+struct ce_case {
+    int64_t N, C, V;
+};
+
+/* logits z = x · wᵀ and Σ|x w| per logit */
+static void ref_logits(const double *x, const double *w, int64_t N, int64_t C, int64_t V, double *z, double *za)
+{
+    ref_matmul(x, w, N, C, V, z, za);
+}
+
+struct ce_ctx {
+    double *x, *w, *z;
+    const int32_t *tg;
+    int64_t N, C, V;
+    double scale;
+};
+
+/* L = scale Σ_{targets >= 0} (logsumexp(z_i) - z_i,target) */
+static double ce_loss(void *p)
+{
+    struct ce_ctx *c = p;
+    ref_logits(c->x, c->w, c->N, c->C, c->V, c->z, NULL);
+    double L = 0.0;
+    for (int64_t i = 0; i < c->N; i++) {
+        if (c->tg[i] < 0)
+            continue;
+        double m = -INFINITY, s = 0.0;
+        for (int64_t v = 0; v < c->V; v++)
+            m = fmax(m, c->z[i * c->V + v]);
+        for (int64_t v = 0; v < c->V; v++)
+            s += exp(c->z[i * c->V + v] - m);
+        L += c->scale * (log(s) + m - c->z[i * c->V + c->tg[i]]);
+    }
+    return L;
+}
+
+static void test_cross_entropy(void **state)
+{
+    (void)state;
+    struct rng r = {29};
+    /* the last case has more rows than a chunk (256) and more vocabulary than a tile of
+     * logits (8 MiB: 8192 entries for 256 rows), so chunks and tiles are both crossed */
+    struct ce_case cases[] = {{7, 13, 37}, {130, 32, 300}, {300, 64, 1000}, {600, 8, 9000}};
+    for (size_t c = 0; c < sizeof cases / sizeof *cases; c++) {
+        int64_t N = cases[c].N, C = cases[c].C, V = cases[c].V, V0 = V / 2 + 1;
+        int32_t *tg = malloc((size_t)N * sizeof(int32_t));
+        int64_t nvalid = 0;
+        for (int64_t i = 0; i < N; i++)
+            tg[i] = (int32_t)(rng_uniform(&r, 0, 1) * (double)V) % (int32_t)V;
+        tg[1] = -100; /* ignored (Hugging Face's ignore_index) */
+        tg[N - 1] = -1;
+        for (int64_t i = 0; i < N; i++)
+            nvalid += tg[i] >= 0;
+        struct arr x = arr_rand(&r, N * C, -1, 1), w = arr_rand(&r, V * C, -1, 1);
+        struct arr m = arr_new(N), s = arr_new(N), t = arr_new(N);
+        struct am_tensor tx = tview(&x, N, C, 0, 0), tw = tview(&w, V, C, 0, 0), ttg = ids_view(tg, N);
+        struct am_tensor tm = tview(&m, N, 0, 0, 0), ts = tview(&s, N, 0, 0, 0), tt = tview(&t, N, 0, 0, 0);
+        K->ce_stats(&tm, &ts, &tt, &tx, &tw, &ttg, 0);
+        double *z = dalloc(N * V), *za = dalloc(N * V);
+        ref_logits(x.d, w.d, N, C, V, z, za);
+        double *wm = dalloc(N), *wsum = dalloc(N), *wt = dalloc(N), *tm_ = dalloc(N), *ts_ = dalloc(N),
+               *tt_ = dalloc(N), *eps_row = dalloc(N), *wloss = dalloc(N);
+        for (int64_t i = 0; i < N; i++) {
+            double mx = -INFINITY, amax = 0.0, sum = 0.0;
+            for (int64_t v = 0; v < V; v++) {
+                mx = fmax(mx, z[i * V + v]);
+                amax = fmax(amax, za[i * V + v]);
+            }
+            for (int64_t v = 0; v < V; v++)
+                sum += exp(z[i * V + v] - mx);
+            /* a logit errs by <= (C + 2) u Σ|x w| (sgemm): the max by as much; each term of
+             * the sum by twice that (logit and max) plus exp's 2 ulp; the V-term sum adds
+             * V u. eps_row is that relative error of a softmax term. */
+            double dz = (double)(C + 2) * U * amax;
+            eps_row[i] = 2 * dz + (double)(V + 4) * U;
+            wm[i] = mx;
+            tm_[i] = dz;
+            wsum[i] = sum;
+            ts_[i] = eps_row[i] * sum;
+            wt[i] = tg[i] >= 0 ? z[i * V + tg[i]] : 0.0;
+            tt_[i] = tg[i] >= 0 ? (double)(C + 2) * U * za[i * V + tg[i]] : 0.0;
+            wloss[i] = log(sum) + mx - wt[i];
+        }
+        expect_close("ce_stats m", m.f, wm, tm_, N);
+        expect_close("ce_stats s", s.f, wsum, ts_, N);
+        expect_close("ce_stats t", t.f, wt, tt_, N);
+
+        /* two vocabulary shards [0, V0) and [V0, V), combined as kernels.h says, give the
+         * unsharded loss: M = max m, S = Σ s e^(m - M), T = Σ t, loss = log S + M - T */
+        struct arr m1 = arr_new(N), s1 = arr_new(N), t1 = arr_new(N), m2 = arr_new(N), s2 = arr_new(N),
+                   t2 = arr_new(N);
+        struct am_tensor tm1 = tview(&m1, N, 0, 0, 0), ts1 = tview(&s1, N, 0, 0, 0), tt1 = tview(&t1, N, 0, 0, 0);
+        struct am_tensor tm2 = tview(&m2, N, 0, 0, 0), ts2 = tview(&s2, N, 0, 0, 0), tt2 = tview(&t2, N, 0, 0, 0);
+        struct am_tensor w1 = am_tensor_view(w.f, AM_DEV_CPU, AM_T_F32, V0, C, 0, 0);
+        struct am_tensor w2 = am_tensor_view(w.f + V0 * C, AM_DEV_CPU, AM_T_F32, V - V0, C, 0, 0);
+        K->ce_stats(&tm1, &ts1, &tt1, &tx, &w1, &ttg, 0);
+        K->ce_stats(&tm2, &ts2, &tt2, &tx, &w2, &ttg, V0);
+        struct arr Mc = arr_new(N), Sc = arr_new(N), lsh = arr_new(N), lun = arr_new(N);
+        double *tl = dalloc(N);
+        for (int64_t i = 0; i < N; i++) {
+            float Mx = m1.f[i] > m2.f[i] ? m1.f[i] : m2.f[i];
+            float Sx = s1.f[i] * expf(m1.f[i] - Mx) + s2.f[i] * expf(m2.f[i] - Mx);
+            Mc.f[i] = Mx;
+            Sc.f[i] = Sx;
+            lsh.f[i] = logf(Sx) + Mx - (t1.f[i] + t2.f[i]);
+            lun.f[i] = logf(s.f[i]) + m.f[i] - t.f[i];
+            /* log S errs by eps_row, M and T by their logit errors, plus 4 roundings of
+             * quantities up to |M| + |T| + |log S| */
+            tl[i] = eps_row[i] + tm_[i] + tt_[i] + 4 * U * (fabs(wm[i]) + fabs(wt[i]) + fabs(log(wsum[i])));
+            if (tg[i] < 0)
+                tl[i] = INFINITY; /* no loss for ignored tokens */
+        }
+        expect_close("ce loss, unsharded", lun.f, wloss, tl, N);
+        expect_close("ce loss, 2 vocabulary shards combined", lsh.f, wloss, tl, N);
+
+        /* backward: dlogits = (softmax - onehot) * scale, dx += dlogits · w, dw += dlogitsᵀ · x */
+        float scale = 1.0f / (float)nvalid;
+        struct arr dx = arr_rand(&r, N * C, -1, 1), dw = arr_rand(&r, V * C, -1, 1);
+        struct arr dx0 = arr_copy(&dx), dw0 = arr_copy(&dw);
+        struct am_tensor tdx = tview(&dx, N, C, 0, 0), tdw = tview(&dw, V, C, 0, 0);
+        struct am_tensor tM = tview(&m, N, 0, 0, 0), tS = tview(&s, N, 0, 0, 0);
+        K->ce_backward(&tdx, &tdw, &tx, &tw, &ttg, 0, &tM, &tS, scale);
+        double *g = dalloc(N * V), *pa = dalloc(N * V);
+        for (int64_t i = 0; i < N; i++)
+            for (int64_t v = 0; v < V; v++) {
+                double p = tg[i] >= 0 ? exp(z[i * V + v] - wm[i]) / wsum[i] : 0.0;
+                g[i * V + v] = (p - (v == tg[i])) * scale;
+                pa[i * V + v] = p * scale * (eps_row[i] + tm_[i] + ts_[i] / wsum[i]); /* |δ dlogit| */
+            }
+        double *wdx = dalloc(N * C), *tdxl = dalloc(N * C), *wdw = dalloc(V * C), *tdwl = dalloc(V * C);
+        /* each gradient: its dlogits' errors carried through, plus the sgemm's (terms + 3) u
+         * Σ|terms|, plus one rounding of the running value per piece the kernel adds in
+         * (chunks of rows for dw, tiles of vocabulary for dx; at least 64 rows or 256
+         * entries each, so at most N/64 + 2 and V/256 + 2 pieces) */
+        for (int64_t i = 0; i < N; i++)
+            for (int64_t k = 0; k < C; k++) {
+                double acc = dx0.d[i * C + k], a = 0.0, e = 0.0;
+                for (int64_t v = 0; v < V; v++) {
+                    acc += g[i * V + v] * w.d[v * C + k];
+                    a += fabs(g[i * V + v] * w.d[v * C + k]);
+                    e += pa[i * V + v] * fabs(w.d[v * C + k]);
+                }
+                wdx[i * C + k] = acc;
+                tdxl[i * C + k] = e + (double)(V + 3) * U * a + (double)(V / 256 + 2) * U * (fabs(acc) + fabs(dx0.d[i * C + k]));
+            }
+        for (int64_t v = 0; v < V; v++)
+            for (int64_t k = 0; k < C; k++) {
+                double acc = dw0.d[v * C + k], a = 0.0, e = 0.0;
+                for (int64_t i = 0; i < N; i++) {
+                    acc += g[i * V + v] * x.d[i * C + k];
+                    a += fabs(g[i * V + v] * x.d[i * C + k]);
+                    e += pa[i * V + v] * fabs(x.d[i * C + k]);
+                }
+                wdw[v * C + k] = acc;
+                tdwl[v * C + k] = e + (double)(N + 3) * U * a + (double)(N / 64 + 2) * U * (fabs(acc) + fabs(dw0.d[v * C + k]));
+            }
+        expect_close("ce_backward dx", dx.f, wdx, tdxl, N * C);
+        expect_close("ce_backward dw", dw.f, wdw, tdwl, V * C);
+        if (N * C * V <= 5000) {
+            struct ce_ctx ctx = {x.d, w.d, dalloc(N * V), tg, N, C, V, scale};
+            double *fd = dalloc(V * C);
+            fd_grad(ce_loss, &ctx, x.d, N * C, fd);
+            expect_fd("ce dx vs finite differences", dx.f, dx0.d, fd, tdxl, N * C);
+            fd_grad(ce_loss, &ctx, w.d, V * C, fd);
+            expect_fd("ce dw vs finite differences", dw.f, dw0.d, fd, tdwl, V * C);
+            free(fd);
+            free(ctx.z);
+        }
+        /* sharded backward with the combined M and S: dx summed over the shards, dw
+         * concatenated, equal the unsharded gradients (within both tolerances) */
+        struct arr dxa = arr_copy(&dx0), dxb = arr_new(N * C), dws = arr_copy(&dw0);
+        struct am_tensor tdxa = tview(&dxa, N, C, 0, 0), tdxb = tview(&dxb, N, C, 0, 0);
+        struct am_tensor dws1 = am_tensor_view(dws.f, AM_DEV_CPU, AM_T_F32, V0, C, 0, 0);
+        struct am_tensor dws2 = am_tensor_view(dws.f + V0 * C, AM_DEV_CPU, AM_T_F32, V - V0, C, 0, 0);
+        struct am_tensor tMc = tview(&Mc, N, 0, 0, 0), tSc = tview(&Sc, N, 0, 0, 0);
+        K->ce_backward(&tdxa, &dws1, &tx, &w1, &ttg, 0, &tMc, &tSc, scale);
+        K->ce_backward(&tdxb, &dws2, &tx, &w2, &ttg, V0, &tMc, &tSc, scale);
+        for (int64_t i = 0; i < N * C; i++) {
+            dxa.f[i] += dxb.f[i];
+            tdxl[i] *= 2;
+        }
+        for (int64_t i = 0; i < V * C; i++)
+            tdwl[i] *= 2;
+        expect_close("ce_backward dx, 2 shards summed", dxa.f, wdx, tdxl, N * C);
+        expect_close("ce_backward dw, 2 shards", dws.f, wdw, tdwl, V * C);
+        /* an ignored token contributes nothing: its dx row is untouched */
+        for (int64_t k = 0; k < C; k++)
+            assert_true(dx.f[1 * C + k] == dx0.f[1 * C + k]);
+        free(tg);
+        double *bufs[] = {z, za, wm, wsum, wt, tm_, ts_, tt_, eps_row, wloss, tl, g, pa, wdx, tdxl, wdw, tdwl};
+        for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++)
+            free(bufs[i]);
+        struct arr *all[] = {&x, &w, &m, &s, &t, &m1, &s1, &t1, &m2, &s2, &t2, &Mc, &Sc, &lsh, &lun,
+                             &dx, &dw, &dx0, &dw0, &dxa, &dxb, &dws};
+        for (size_t i = 0; i < sizeof all / sizeof *all; i++)
+            arr_free(all[i]);
+    }
+}
+
+/* ---- AdamW ---- */
+
+struct adam_hp {
+    float lr, b1, b2, eps, wd;
+};
+
+/* torch's _single_tensor_adamw for one element, op by op in fp32 (Python scalars in double,
+ * rounded to fp32 where they meet a tensor), written from the Python source; lerp_ and
+ * addcmul_ round once, as torch's vectorised CPU kernels (a fused multiply-add) do. */
+static void torch_adamw_elem(float *p, float g, float *m, float *v, struct adam_hp h, int64_t step)
+{
+    double lr = h.lr, b1 = h.b1, b2 = h.b2;
+    *p = *p * (float)(1.0 - lr * (double)h.wd);                    /* param.mul_(1 - lr * wd) */
+    float w = (float)(1.0 - b1);                                    /* exp_avg.lerp_(grad, 1 - beta1) */
+    *m = w < 0.5f ? fmaf(w, g - *m, *m) : fmaf(w - 1.0f, g - *m, g);
+    *v = *v * h.b2;                                                 /* exp_avg_sq.mul_(beta2) */
+    *v = fmaf((float)(1.0 - b2) * g, g, *v);                        /* .addcmul_(g, g, 1 - beta2) */
+    double bc1 = 1.0 - pow(b1, (double)step), bc2 = 1.0 - pow(b2, (double)step);
+    float denom = sqrtf(*v) / (float)sqrt(bc2) + h.eps;            /* (v.sqrt() / sqrt(bc2)).add_(eps) */
+    *p = *p + ((float)-(lr / bc1) * *m) / denom;                    /* addcdiv_(m, denom, -lr / bc1) */
+}
+
+static void test_adamw(void **state)
+{
+    (void)state;
+    struct rng r = {31};
+    struct adam_hp hps[] = {
+        {1e-3f, 0.9f, 0.999f, 1e-8f, 0.01f},
+        {3e-4f, 0.9f, 0.95f, 1e-8f, 0.1f},
+        {1e-2f, 0.3f, 0.99f, 1e-6f, 0.0f}, /* Adam; beta1 < 0.5 takes torch's other lerp branch */
+    };
+    int64_t sizes[] = {1000, 100003};
+    for (size_t hc = 0; hc < sizeof hps / sizeof *hps; hc++)
+        for (size_t c = 0; c < sizeof sizes / sizeof *sizes; c++) {
+            struct adam_hp h = hps[hc];
+            int64_t n = sizes[c];
+            struct arr p = arr_rand(&r, n, -1, 1), m = arr_new(n), v = arr_new(n);
+            float *rp = malloc((size_t)n * sizeof(float)), *rm = calloc((size_t)n, sizeof(float)),
+                  *rv = calloc((size_t)n, sizeof(float));
+            double *dp = dalloc(n), *dm = dalloc(n), *dv = dalloc(n), *maxstep = dalloc(n);
+            memcpy(rp, p.f, (size_t)n * sizeof(float));
+            for (int64_t i = 0; i < n; i++)
+                dp[i] = p.d[i];
+            struct am_tensor tp = tview(&p, n, 0, 0, 0), tm = tview(&m, n, 0, 0, 0), tv = tview(&v, n, 0, 0, 0);
+            for (int64_t step = 1; step <= 3; step++) {
+                struct arr g = arr_rand(&r, n, -1, 1);
+                if (step == 2)
+                    for (int64_t i = 0; i < n; i += 7) { /* small gradients too, where eps matters */
+                        g.f[i] *= 1e-6f;
+                        g.d[i] = g.f[i];
+                    }
+                struct am_tensor tg = tview(&g, n, 0, 0, 0);
+                K->adamw(&tp, &tg, &tm, &tv, h.lr, h.b1, h.b2, h.eps, h.wd, step);
+                for (int64_t i = 0; i < n; i++) {
+                    torch_adamw_elem(&rp[i], g.f[i], &rm[i], &rv[i], h, step);
+                    /* the textbook AdamW in double */
+                    double b1 = h.b1, b2 = h.b2;
+                    dp[i] -= (double)h.lr * (double)h.wd * dp[i];
+                    dm[i] = b1 * dm[i] + (1 - b1) * g.d[i];
+                    dv[i] = b2 * dv[i] + (1 - b2) * g.d[i] * g.d[i];
+                    double mhat = dm[i] / (1 - pow(b1, (double)step)), vhat = dv[i] / (1 - pow(b2, (double)step));
+                    double upd = (double)h.lr * mhat / (sqrt(vhat) + (double)h.eps);
+                    dp[i] -= upd;
+                    maxstep[i] = fmax(maxstep[i], fabs(upd));
+                }
+                arr_free(&g);
+            }
+            /* (1) the fp32 op-by-op reimplementation: the kernel performs the same IEEE
+             * operations in the same order (vector sqrt, division and fma are correctly
+             * rounded), so they agree to the bit */
+            expect_bitwise("adamw param vs torch's fp32 order", p.f, rp, n);
+            expect_bitwise("adamw exp_avg vs torch's fp32 order", m.f, rm, n);
+            expect_bitwise("adamw exp_avg_sq vs torch's fp32 order", v.f, rv, n);
+            /* (2) the textbook formula in double: 3 steps, each rounding the parameter (a few
+             * u of |p|) and the update (about 12 fp32 operations: 16u of the update; the
+             * moment estimates' rounding is relative to themselves) */
+            double *tol = dalloc(n);
+            for (int64_t i = 0; i < n; i++)
+                tol[i] = 3 * (4 * U * fabs(dp[i]) + 16 * U * maxstep[i]);
+            char what[96];
+            snprintf(what, sizeof what, "adamw vs double formula lr=%g b1=%g wd=%g n=%lld", (double)h.lr,
+                     (double)h.b1, (double)h.wd, (long long)n);
+            expect_close(what, p.f, dp, tol, n);
+            free(tol);
+            free(rp);
+            free(rm);
+            free(rv);
+            free(dp);
+            free(dm);
+            free(dv);
+            free(maxstep);
+            arr_free(&p);
+            arr_free(&m);
+            arr_free(&v);
+        }
+}
+
+/* ---- a wrong shape is a caller's bug: the kernel names it and aborts ---- */
+
+static void test_bad_shape_aborts(void **state)
+{
+    (void)state;
+    int pipefd[2];
+    assert_int_equal(pipe(pipefd), 0);
+    fflush(stdout);
+    fflush(stderr);
+    pid_t pid = fork();
+    assert_true(pid >= 0);
+    if (pid == 0) {
+        dup2(pipefd[1], 2);
+        float a[6] = {0}, b[6] = {0}, c[4] = {0};
+        struct am_tensor x = am_tensor_view(a, AM_DEV_CPU, AM_T_F32, 2, 3, 0, 0);
+        struct am_tensor w = am_tensor_view(b, AM_DEV_CPU, AM_T_F32, 3, 2, 0, 0); /* K mismatch */
+        struct am_tensor y = am_tensor_view(c, AM_DEV_CPU, AM_T_F32, 2, 2, 0, 0);
+        w.name = "model.layers.0.mlp.up_proj.weight";
+        K->matmul_forward(&y, &x, &w);
+        _exit(0);
+    }
+    close(pipefd[1]);
+    char msg[512] = {0};
+    ssize_t got = 0, rd;
+    while ((rd = read(pipefd[0], msg + got, sizeof msg - 1 - (size_t)got)) > 0)
+        got += rd;
+    close(pipefd[0]);
+    int status = 0;
+    assert_int_equal(waitpid(pid, &status, 0), pid);
+    assert_true(WIFSIGNALED(status) && WTERMSIG(status) == SIGABRT);
+    assert_non_null(strstr(msg, "am_cpu_matmul_forward"));
+    assert_non_null(strstr(msg, "model.layers.0.mlp.up_proj.weight"));
+}
+
+static int setup(void **state)
+{
+    (void)state;
+    K = am_kernels_for(AM_DEV_CPU);
+    return K ? 0 : -1;
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_expf), cmocka_unit_test(test_memory),        cmocka_unit_test(test_elementwise), cmocka_unit_test(test_matmul),
+        cmocka_unit_test(test_embedding),     cmocka_unit_test(test_rmsnorm),     cmocka_unit_test(test_rope_tables),
+        cmocka_unit_test(test_rope),          cmocka_unit_test(test_attention),   cmocka_unit_test(test_swiglu),
+        cmocka_unit_test(test_cross_entropy), cmocka_unit_test(test_adamw),       cmocka_unit_test(test_bad_shape_aborts),
+    };
+    return cmocka_run_group_tests_name("kernels (cpu)", tests, setup, NULL);
+}

@@ -1,0 +1,267 @@
+/* test_golden.c - the model against Hugging Face transformers (tests/golden/).
+ *
+ * For each golden model directory: load it with am's own loader (recipe library + safetensors
+ * checkpoint), run the golden batch, and compare with what transformers computed in fp32:
+ *   logits        1e-5 absolute   (transformers' own fp32-vs-fp64 gap is 2.7e-7)
+ *   loss          1e-5 absolute
+ *   gradients     1e-5 of each tensor's largest |gradient| (fp32 vs fp64: 8.8e-7)
+ *   5 AdamW steps 1e-5 absolute per loss, with and without clipping to norm 1
+ *   final weights 5e-5 absolute after the clipped steps (Adam amplifies rounding: 5.2e-6 seen)
+ * tests/golden/README.md gives the conventions: HF shifts labels inside the model, so token
+ * t's target is input t+1 and the last position has none; the loss is the mean over targets.
+ */
+#include <math.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "kernels.h"
+#include "model.h"
+#include "model_io.h"
+#include "recipe.h"
+#include "safetensors.h"
+
+struct golden {
+    struct am_recipe *recipe;
+    struct am_st_file *g;
+    struct am_model m;
+    const struct am_kernels *K;
+    int64_t B, T;
+    int32_t *tokens, *targets;
+    int n_targets;
+    char dir[1024];
+};
+
+static float *read_all(struct golden *G, const char *name, int64_t *n)
+{
+    const struct am_st_info *t = am_st_find(G->g, name);
+    if (!t) {
+        print_error("golden %s has no tensor %s\n", G->dir, name);
+        return NULL;
+    }
+    struct am_errors err;
+    am_errors_init(&err);
+    float *v = malloc((size_t)(t->numel ? t->numel : 1) * sizeof(float));
+    if (am_st_read_f32(G->g, t, 0, t->numel, v, &err) < 0) {
+        print_error("%s\n", err.msg[0]);
+        free(v);
+        v = NULL;
+    }
+    am_errors_free(&err);
+    *n = t->numel;
+    return v;
+}
+
+static void open_golden(struct golden *G, const char *name)
+{
+    memset(G, 0, sizeof(*G));
+    const char *src = getenv("AM_SRCDIR");
+    snprintf(G->dir, sizeof(G->dir), "%s/tests/golden/models/%s", src ? src : ".", name);
+    char yaml[1200], path[1100];
+    snprintf(yaml, sizeof(yaml), "model:\n  pretrained_model_name_or_path: %s\n", G->dir);
+    struct am_errors err;
+    am_errors_init(&err);
+    G->recipe = am_recipe_parse("golden.yaml", yaml, strlen(yaml), NULL, 0, &err);
+    for (size_t i = 0; i < err.n; i++)
+        print_error("%s\n", err.msg[i]);
+    assert_int_equal(err.n, 0);
+    snprintf(path, sizeof(path), "%s/golden.safetensors", G->dir);
+    assert_int_equal(am_st_open(path, &G->g, &err), 0);
+    const struct am_st_info *ids = am_st_find(G->g, "input_ids");
+    assert_non_null(ids);
+    assert_int_equal(ids->dtype, AM_ST_I32);
+    G->B = ids->shape[0];
+    G->T = ids->shape[1];
+    int64_t N = G->B * G->T;
+    G->tokens = malloc((size_t)N * sizeof(int32_t));
+    G->targets = malloc((size_t)N * sizeof(int32_t));
+    memcpy(G->tokens, ids->data, (size_t)N * sizeof(int32_t));
+    for (int64_t b = 0; b < G->B; b++)
+        for (int64_t t = 0; t < G->T; t++)
+            G->targets[b * G->T + t] = t + 1 < G->T ? G->tokens[b * G->T + t + 1] : -1;
+    G->n_targets = (int)(G->B * (G->T - 1));
+
+    G->K = am_kernels_for(AM_DEV_CPU);
+    struct am_model_shard sh = {.tp = 1, .n_layers = (int)G->recipe->model.num_hidden_layers, .first_stage = true,
+                                .last_stage = true};
+    char msg[512];
+    assert_int_equal(am_model_init(&G->m, &G->recipe->model, &sh, G->K, NULL, G->B, G->T, msg, sizeof(msg)), 0);
+    int rc = am_model_load_hf(&G->m, G->dir, &err);
+    for (size_t i = 0; i < err.n; i++)
+        print_error("%s\n", err.msg[i]);
+    assert_int_equal(rc, 0);
+    am_errors_free(&err);
+}
+
+static void close_golden(struct golden *G)
+{
+    am_model_free(&G->m);
+    am_st_close(G->g);
+    am_recipe_free(G->recipe);
+    free(G->tokens);
+    free(G->targets);
+}
+
+static double step(struct golden *G)
+{
+    double loss_sum;
+    char msg[512];
+    am_model_zero_grad(&G->m);
+    assert_int_equal(am_model_step(&G->m, G->tokens, G->targets, G->B, 1.0f / (float)G->n_targets, &loss_sum, msg,
+                                   sizeof(msg)),
+                     0);
+    return loss_sum / G->n_targets;
+}
+
+static void check_forward_backward(const char *name)
+{
+    struct golden G;
+    open_golden(&G, name);
+    int64_t n;
+    float *want_loss = read_all(&G, "loss", &n);
+    double loss = step(&G);
+    assert_true(fabs(loss - want_loss[0]) < 1e-5);
+
+    /* logits: the final hidden states (kept by the model) times the head */
+    int64_t N = G.B * G.T, V = G.m.cfg.vocab_size;
+    float *want = read_all(&G, "logits", &n);
+    assert_int_equal(n, N * V);
+    float *logits = G.K->alloc((size_t)(N * V) * sizeof(float));
+    struct am_tensor y = am_tensor_view(logits, AM_DEV_CPU, AM_T_F32, N, V, 0, 0);
+    struct am_tensor hf = G.m.hf;
+    hf.shape[0] = N;
+    G.K->matmul_forward(&y, &hf, &G.m.head->w);
+    double worst = 0;
+    for (int64_t i = 0; i < N * V; i++)
+        worst = fmax(worst, fabs((double)logits[i] - want[i]));
+    if (worst >= 1e-5)
+        print_error("%s: logits differ by %g\n", name, worst);
+    assert_true(worst < 1e-5);
+
+    /* every parameter's gradient, relative to that tensor's largest */
+    for (int i = 0; i < G.m.n_params; i++) {
+        const struct am_param *p = &G.m.params[i];
+        if (i > 0 && p == G.m.head && G.m.head == G.m.embed)
+            continue;
+        char key[160];
+        snprintf(key, sizeof(key), "grad.%s", p->name);
+        float *g = read_all(&G, key, &n);
+        assert_non_null(g);
+        assert_int_equal(n, am_tensor_numel(&p->g));
+        const float *mine = p->g.data;
+        double big = 0, diff = 0;
+        for (int64_t k = 0; k < n; k++) {
+            big = fmax(big, fabs(g[k]));
+            diff = fmax(diff, fabs((double)mine[k] - g[k]));
+        }
+        if (diff > 1e-5 * big)
+            print_error("%s: gradient of %s differs by %g (largest %g)\n", name, p->name, diff, big);
+        assert_true(diff <= 1e-5 * big);
+        free(g);
+    }
+    G.K->free(logits);
+    free(want);
+    free(want_loss);
+    close_golden(&G);
+}
+
+/* The golden AdamW: lr 1e-2, betas (0.9, 0.95), eps 1e-8, weight decay 0.1, 5 steps on the
+ * same batch; the losses are those before each step. */
+static void check_adamw(const char *name, bool clip)
+{
+    struct golden G;
+    open_golden(&G, name);
+    int64_t n;
+    float *want = read_all(&G, clip ? "losses_adamw_clip" : "losses_adamw", &n);
+    float *norms = read_all(&G, clip ? "grad_norms_adamw_clip" : "grad_norms_adamw", &n);
+    struct am_optim_cfg {
+        float lr, b1, b2, eps, wd;
+    } o = {1e-2f, 0.9f, 0.95f, 1e-8f, 0.1f};
+    size_t E = G.m.n_elems;
+    float *mom = G.K->alloc(E * sizeof(float)), *var = G.K->alloc(E * sizeof(float));
+    struct am_tensor p = am_tensor_view(G.m.param_mem, AM_DEV_CPU, AM_T_F32, (int64_t)E, 0, 0, 0);
+    struct am_tensor g = am_tensor_view(G.m.grad_mem, AM_DEV_CPU, AM_T_F32, (int64_t)E, 0, 0, 0);
+    struct am_tensor m = am_tensor_view(mom, AM_DEV_CPU, AM_T_F32, (int64_t)E, 0, 0, 0);
+    struct am_tensor v = am_tensor_view(var, AM_DEV_CPU, AM_T_F32, (int64_t)E, 0, 0, 0);
+    for (int s = 0; s < 5; s++) {
+        double loss = step(&G);
+        if (fabs(loss - want[s]) >= 1e-5)
+            print_error("%s: step %d loss %.7f, transformers %.7f\n", name, s + 1, loss, want[s]);
+        assert_true(fabs(loss - want[s]) < 1e-5);
+        double norm = sqrt(G.K->sum_squares(&g));
+        assert_true(fabs(norm - norms[s]) < 1e-5 * fmax(1.0, norms[s]));
+        if (clip && 1.0 / (norm + 1e-6) < 1.0)
+            G.K->scale(&g, (float)(1.0 / (norm + 1e-6)));
+        G.K->adamw(&p, &g, &m, &v, o.lr, o.b1, o.b2, o.eps, o.wd, s + 1);
+    }
+    if (clip) { /* the weights themselves after the clipped steps */
+        static const char *const finals[] = {"model.norm.weight", "lm_head.weight", "model.embed_tokens.weight"};
+        for (size_t f = 0; f < sizeof(finals) / sizeof(finals[0]); f++) {
+            char key[128];
+            snprintf(key, sizeof(key), "final.%s", finals[f]);
+            if (!am_st_find(G.g, key))
+                continue;
+            float *w = read_all(&G, key, &n);
+            int i = am_model_find(&G.m, finals[f]);
+            if (i < 0 && G.m.cfg.tie_word_embeddings) /* the tied head is the embedding */
+                i = am_model_find(&G.m, "model.embed_tokens.weight");
+            assert_true(i >= 0);
+            const float *mine = G.m.params[i].w.data;
+            double diff = 0;
+            for (int64_t k = 0; k < n; k++)
+                diff = fmax(diff, fabs((double)mine[k] - w[k]));
+            if (diff >= 5e-5)
+                print_error("%s: %s after 5 steps differs by %g\n", name, finals[f], diff);
+            assert_true(diff < 5e-5);
+            free(w);
+        }
+    }
+    G.K->free(mom);
+    G.K->free(var);
+    free(want);
+    free(norms);
+    close_golden(&G);
+}
+
+/* The rotary tables against transformers' own */
+static void check_rope(const char *name)
+{
+    struct golden G;
+    open_golden(&G, name);
+    int64_t n;
+    float *cos = read_all(&G, "rope_cos", &n), *sin = read_all(&G, "rope_sin", &n);
+    const float *mc = G.m.cos.data, *ms = G.m.sin.data;
+    double diff = 0;
+    for (int64_t i = 0; i < n; i++)
+        diff = fmax(diff, fmax(fabs((double)mc[i] - cos[i]), fabs((double)ms[i] - sin[i])));
+    if (diff >= 2e-6)
+        print_error("%s: rope tables differ by %g\n", name, diff);
+    assert_true(diff < 2e-6);
+    free(cos);
+    free(sin);
+    close_golden(&G);
+}
+
+#define CASE(name)                                                                                                 \
+    static void test_##name##_forward_backward(void **s) { (void)s; check_forward_backward(#name); }            \
+    static void test_##name##_adamw(void **s) { (void)s; check_adamw(#name, false); }                            \
+    static void test_##name##_adamw_clip(void **s) { (void)s; check_adamw(#name, true); }                        \
+    static void test_##name##_rope(void **s) { (void)s; check_rope(#name); }
+CASE(llama_gqa)
+CASE(llama_tied)
+CASE(llama3_scaling)
+CASE(llama_tp)
+#define TESTS(name)                                                                                                \
+    cmocka_unit_test(test_##name##_rope), cmocka_unit_test(test_##name##_forward_backward),                       \
+        cmocka_unit_test(test_##name##_adamw), cmocka_unit_test(test_##name##_adamw_clip)
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {TESTS(llama_gqa), TESTS(llama_tied), TESTS(llama3_scaling), TESTS(llama_tp)};
+    return cmocka_run_group_tests_name("golden", tests, NULL, NULL);
+}
