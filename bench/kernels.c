@@ -114,7 +114,14 @@ int main(int argc, char **argv)
     double peer = 2.0 * NN * NI * NC / peer_s / 1e9;
     K = am_kernels_for(AM_DEV_CPU);
     printf("bench-small kernels: %d OpenMP threads, OpenBLAS core %s\n", nth, openblas_get_corename());
-    printf("  peer: OpenBLAS sgemm %dx%dx%d, %d threads: %.1f GFLOP/s\n\n", NN, NI, NC, nth, peer);
+    printf("  peer: OpenBLAS sgemm %dx%dx%d, %d threads: %.1f GFLOP/s\n", NN, NI, NC, nth, peer);
+    const char *core = openblas_get_corename();
+    if (core && (strcmp(core, "Prescott") == 0 || strcmp(core, "Core2") == 0 || strcmp(core, "Nehalem") == 0) &&
+        __builtin_cpu_supports("avx2"))
+        printf("  WARNING: OpenBLAS runs its %s kernels on a CPU with AVX2%s; set OPENBLAS_CORETYPE=%s\n", core,
+               __builtin_cpu_supports("avx512f") ? " and AVX-512" : "",
+               __builtin_cpu_supports("avx512f") ? "SkylakeX" : "Haswell");
+    printf("\n");
 
     struct row rows[32];
     int nr = 0;

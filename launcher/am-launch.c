@@ -17,6 +17,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "cpu_env.h"
 #include "launch.h"
 
 #ifndef AM_PKGLIBEXECDIR
@@ -147,6 +148,7 @@ int main(int argc, char **argv)
                         "a PMIx server (srun --mpi=pmix), where every task is one rank: drop --nproc\n");
         return 2;
     }
+    am_cpu_env_defaults(o.nproc > 0 ? o.nproc : am_cpu_env_slurm_local_tasks());
     if (o.nproc > 0)
         return am_launch_standalone(&o);
     if (under_pmix) {

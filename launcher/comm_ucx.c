@@ -31,16 +31,16 @@
  *                    included, so mismatched counts are reported rather than waited for).
  *   barrier          dissemination, ceil(log2 p) rounds of empty messages.
  *
- * Waiting: every wait polls the worker; after AM_COMM_UCX_SPIN_US of no progress (default
- * 50 us, 0 when this machine runs more ranks than this process has CPUs) it yields the CPU
- * between polls, and after 5 ms of no progress it sleeps (50 us doubling to 1 ms), so a rank
- * stuck behind a slow peer does not burn a core. Each wait gives up after the context's
+ * Waiting: every wait polls the worker; after AM_COMM_UCX_SPIN_US of no progress (default 0)
+ * it yields the CPU between polls, and after 5 ms of no progress it sleeps (50 us doubling to
+ * 1 ms), so a rank stuck behind a slow peer does not burn a core. Each wait gives up after the context's
  * timeout, with a message naming the call, the group and the peer it was waiting for; a copy
  * from a peer that died fails at once (see on_ucx_log). AM_COMM_UCX_PEER_ERRORS=1 turns on
  * UCX's peer error handling instead (dead peers are reported by UCX, but UCX 1.13 then moves
  * all small messages from shared memory to TCP).
  *
- * Tuning (environment, read at context creation): AM_COMM_UCX_SMALL (bytes, default 64 KiB),
+ * Tuning (environment, read at context creation): AM_COMM_UCX_SMALL (bytes, default 64 KiB; also
+ * UCX's rendezvous threshold unless UCX_RNDV_THRESH is set),
  * AM_COMM_UCX_SEGMENT (bytes, default 256 KiB), AM_COMM_UCX_WINDOW (staging slots, default 4),
  * AM_COMM_UCX_SPIN_US, AM_COMM_UCX_PEER_ERRORS; UCX's own UCX_* variables apply as usual.
  */
@@ -50,7 +50,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
-#include <unistd.h>
 
 #include <ucp/api/ucp.h>
 #include <ucs/debug/log_def.h>
@@ -65,7 +64,6 @@
 #define MAX_GROUPS 2048
 #define MAX_GROUP_SIZE 65536
 #define ADDR_KEY "am.comm.ucx.addr"
-#define HOST_KEY "am.comm.ucx.host"
 
 struct ucx_ctx {
     ucp_context_h context;
@@ -864,29 +862,11 @@ static ucs_log_func_rc_t on_ucx_log(const char *file, unsigned line, const char 
     return UCS_LOG_FUNC_RC_STOP;
 }
 
-/* This machine, as a hash of its host name and boot id (containers may share a name). */
-static uint64_t host_id(void)
-{
-    char buf[512] = {0};
-    gethostname(buf, 255);
-    FILE *f = fopen("/proc/sys/kernel/random/boot_id", "r");
-    if (f) {
-        if (!fgets(buf + 256, 200, f))
-            buf[256] = '\0';
-        fclose(f);
-    }
-    uint64_t h = 1469598103934665603ull;
-    for (size_t i = 0; i < sizeof(buf); i++)
-        h = (h ^ (unsigned char)buf[i]) * 1099511628211ull;
-    return h;
-}
-
 static int ucx_ctx_init(struct am_comm_ctx *ctx, int device)
 {
     (void)device;
     struct ucx_ctx *x = calloc(1, sizeof(*x));
     ucp_config_t *config = NULL;
-    uint64_t *hosts = NULL;
     ucs_status_t st;
     int rc = -1;
     if (!x || !(x->eps = calloc((size_t)ctx->info.size, sizeof(ucp_ep_h))) ||
@@ -903,10 +883,24 @@ static int ucx_ctx_init(struct am_comm_ctx *ctx, int device)
     ucs_log_push_handler(on_ucx_log);
     x->log_handler = 1;
     x->small_bytes = (size_t)env_num("AM_COMM_UCX_SMALL", 64 << 10, 0, 1 << 30);
+    /* Poll, and yield the CPU between polls that found nothing: as fast as spinning when each
+     * rank has a CPU of its own (measured: 0.7 us for an 8-byte allreduce on 2 ranks either
+     * way), 17 times faster when ranks share a CPU (a spinning rank holds the CPU its peer
+     * needs; under load the scheduler stacks ranks even when CPUs outnumber them). */
+    x->spin_s = env_num("AM_COMM_UCX_SPIN_US", 0, 0, 1e7) * 1e-6;
     if ((st = ucp_config_read(NULL, NULL, &config)) != UCS_OK) {
         am_comm_ctx_fail(ctx, "UCX context: reading the UCX configuration (UCX_* variables) failed: %s",
                          ucs_status_string(st));
         goto out;
+    }
+    /* Messages up to the small-algorithm size go eagerly: UCX's automatic threshold (16 KiB
+     * here) sends 16-64 KiB messages by rendezvous over CMA, 2-4 times slower between two
+     * processes on one machine (measured); the pipeline's 256 KiB segments stay rendezvous
+     * (one copy). UCX_RNDV_THRESH, when set, wins. */
+    if (!getenv("UCX_RNDV_THRESH")) {
+        char thresh[32];
+        snprintf(thresh, sizeof(thresh), "%zu", x->small_bytes > 4096 ? x->small_bytes : 4096);
+        ucp_config_modify(config, "RNDV_THRESH", thresh);
     }
     ucp_params_t params = {.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_ESTIMATED_NUM_EPS |
                                          UCP_PARAM_FIELD_ESTIMATED_NUM_PPN,
@@ -931,27 +925,13 @@ static int ucx_ctx_init(struct am_comm_ctx *ctx, int device)
                          x->addr_len, AM_BOOT_MAX_VALUE);
         goto out;
     }
-    /* The address is fetched later from the peers that share a group; the allgather of host
-     * identities (its fence publishes the address too) counts the ranks on this machine. */
-    hosts = calloc((size_t)ctx->info.size, sizeof(uint64_t));
-    uint64_t me = host_id();
-    if (!hosts || am_boot_put(ctx->boot, ADDR_KEY, x->addr, x->addr_len) < 0 ||
-        am_boot_allgather(ctx->boot, HOST_KEY, &me, sizeof(me), hosts, ctx->timeout_s) < 0) {
-        am_comm_ctx_fail(ctx, "UCX context: publishing this rank's worker address: %s",
-                         hosts ? am_boot_error(ctx->boot) : "out of memory");
+    /* the peers that share a group with this rank fetch it in am_comm_create_groups */
+    if (am_boot_put(ctx->boot, ADDR_KEY, x->addr, x->addr_len) < 0 || am_boot_fence(ctx->boot, ctx->timeout_s) < 0) {
+        am_comm_ctx_fail(ctx, "UCX context: publishing this rank's worker address: %s", am_boot_error(ctx->boot));
         goto out;
     }
-    /* Busy polling only pays when every rank on this machine has a CPU of its own: with more
-     * ranks than CPUs, a spinning rank takes the CPU from the peer it waits for. */
-    int here = 0;
-    for (int r = 0; r < ctx->info.size; r++)
-        here += hosts[r] == me;
-    cpu_set_t cpus;
-    int ncpu = sched_getaffinity(0, sizeof(cpus), &cpus) == 0 ? CPU_COUNT(&cpus) : 1;
-    x->spin_s = env_num("AM_COMM_UCX_SPIN_US", here > ncpu ? 0 : 50, 0, 1e7) * 1e-6;
     rc = 0;
 out:
-    free(hosts);
     if (config)
         ucp_config_release(config);
     if (rc < 0) {

@@ -198,6 +198,30 @@ done:
     return rc;
 }
 
+/* Creates the directories above PREFIX (mkdir -p of its dirname), as a user expects of --out. */
+static int make_parent_dirs(const char *prefix, struct am_errors *err)
+{
+    char dir[4096];
+    snprintf(dir, sizeof(dir), "%s", prefix);
+    char *slash = strrchr(dir, '/');
+    if (!slash || slash == dir)
+        return 0;
+    *slash = '\0';
+    for (char *p = dir + 1;; p++) {
+        char c = *p;
+        if (c != '/' && c != '\0')
+            continue;
+        *p = '\0';
+        if (mkdir(dir, 0755) < 0 && errno != EEXIST) {
+            am_errorf(err, NULL, "%s: cannot create the directory %s: %s", prefix, dir, strerror(errno));
+            return -1;
+        }
+        *p = c;
+        if (!c)
+            return 0;
+    }
+}
+
 static int cmd_build(int argc, char **argv)
 {
     const char *out = NULL;
@@ -236,7 +260,7 @@ static int cmd_build(int argc, char **argv)
                 goto done;
         dtype = max_id <= UINT8_MAX ? AM_IDX_U8 : max_id <= UINT16_MAX ? AM_IDX_U16 : AM_IDX_I32;
     }
-    if (am_indexed_builder_open(out, dtype, &b, &err) < 0)
+    if (make_parent_dirs(out, &err) < 0 || am_indexed_builder_open(out, dtype, &b, &err) < 0)
         goto done;
     for (int i = 0; i < n_files; i++)
         if ((bytes ? build_bytes_file(b, argv[i], &docs, &err) : parse_ids(argv[i], b, &max_id, &docs, &err)) < 0)
