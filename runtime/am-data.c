@@ -25,6 +25,7 @@
 #include "dataset.h"
 #include "errors.h"
 #include "recipe.h" /* AM_MAX_DATA_PATHS */
+#include "util.h"
 
 static const char usage[] =
     "usage: am-data build --out PREFIX [--bytes] FILE...\n"
@@ -207,19 +208,11 @@ static int make_parent_dirs(const char *prefix, struct am_errors *err)
     if (!slash || slash == dir)
         return 0;
     *slash = '\0';
-    for (char *p = dir + 1;; p++) {
-        char c = *p;
-        if (c != '/' && c != '\0')
-            continue;
-        *p = '\0';
-        if (mkdir(dir, 0755) < 0 && errno != EEXIST) {
-            am_errorf(err, NULL, "%s: cannot create the directory %s: %s", prefix, dir, strerror(errno));
-            return -1;
-        }
-        *p = c;
-        if (!c)
-            return 0;
+    if (am_mkdir_p(dir) < 0) {
+        am_errorf(err, NULL, "%s: cannot create the directory %s: %s", prefix, dir, strerror(errno));
+        return -1;
     }
+    return 0;
 }
 
 static int cmd_build(int argc, char **argv)

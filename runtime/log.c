@@ -1,6 +1,7 @@
 /* log.c - the per-rank JSONL log (log.h). */
 #include "log.h"
 
+
 #include <errno.h>
 #include <fcntl.h>
 #include <stdio.h>
@@ -10,19 +11,7 @@
 #include <time.h>
 #include <unistd.h>
 
-static int mkdir_p(char *path)
-{
-    for (char *p = path + 1; *p; p++) {
-        if (*p != '/')
-            continue;
-        *p = '\0';
-        int rc = mkdir(path, 0755);
-        *p = '/';
-        if (rc < 0 && errno != EEXIST)
-            return -1;
-    }
-    return mkdir(path, 0755) < 0 && errno != EEXIST ? -1 : 0;
-}
+#include "util.h"
 
 int am_log_open(struct am_log *l, const char *dir, const char *job_id, int rank, char *err, size_t err_len)
 {
@@ -33,7 +22,7 @@ int am_log_open(struct am_log *l, const char *dir, const char *job_id, int rank,
         dir = "am-logs";
     char d[1024];
     snprintf(d, sizeof(d), "%s/%s", dir, job_id);
-    if (mkdir_p(d) < 0) {
+    if (am_mkdir_p(d) < 0) {
         snprintf(err, err_len, "log: cannot create %s: %s (set --am-log-dir or AM_LOG_DIR to a writable directory)",
                  d, strerror(errno));
         return -1;

@@ -1,7 +1,9 @@
 /* train.c - the training loop (train.h). */
 #include "train.h"
 
+#include <errno.h>
 #include <libgen.h>
+#include <stdarg.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -14,6 +16,7 @@
 #include "model.h"
 #include "model_io.h"
 #include "optim.h"
+#include "util.h"
 
 struct trainer {
     struct am_rank_setup *s;
@@ -179,9 +182,10 @@ static int save_checkpoint(struct trainer *t, long step, struct am_errors *err)
     if (!t->r->ckpt.enabled || t->dp_rank != 0 || t->s->coords.tp != 0)
         return 0;
     char dir[4096];
-    snprintf(dir, sizeof(dir), "%s/step_%ld", t->r->ckpt.dir ? t->r->ckpt.dir : "checkpoints", step);
-    char parent[4096];
-    snprintf(parent, sizeof(parent), "%s", dir);
+    const char *root = t->r->ckpt.dir ? t->r->ckpt.dir : "checkpoints";
+    snprintf(dir, sizeof(dir), "%s/step_%ld", root, step);
+    if (am_mkdir_p(root) < 0)
+        return fail(err, "checkpoint.checkpoint_dir: cannot create %s: %s", root, strerror(errno));
     if (am_model_save_hf(&t->model, dir, t->base_config[0] ? t->base_config : NULL, err) < 0)
         return -1;
     am_log_record(&t->log, "checkpoint", json_pack("{s:i,s:s}", "step", (int)step, "dir", dir));

@@ -60,6 +60,25 @@ const char *am_read_file(const char *path, size_t max, char **buf, size_t *len)
     return NULL;
 }
 
+int am_mkdir_p(const char *path)
+{
+    char buf[4096];
+    if (snprintf(buf, sizeof(buf), "%s", path) >= (int)sizeof(buf)) {
+        errno = ENAMETOOLONG;
+        return -1;
+    }
+    for (char *p = buf + 1; *p; p++) {
+        if (*p != '/')
+            continue;
+        *p = '\0';
+        int rc = mkdir(buf, 0755);
+        *p = '/';
+        if (rc < 0 && errno != EEXIST)
+            return -1;
+    }
+    return mkdir(buf, 0755) < 0 && errno != EEXIST ? -1 : 0;
+}
+
 bool am_key_in(const char *key, const char *const *names)
 {
     for (; names && *names; names++)

@@ -15,6 +15,9 @@
  * that never quotes the file's content. Never blocks on a FIFO or device. */
 const char *am_read_file(const char *path, size_t max, char **buf, size_t *len);
 
+/* mkdir -p: creates path and the directories above it (mode 0755). 0, or -1 with errno. */
+int am_mkdir_p(const char *path);
+
 /* True when key is one of the NULL-terminated names. */
 bool am_key_in(const char *key, const char *const *names);
 

@@ -17,6 +17,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include <cmocka.h>
 
@@ -247,18 +248,58 @@ static void check_rope(const char *name)
     close_golden(&G);
 }
 
+/* A model saved by am reads back identically (and is what transformers loads: the golden
+ * script's --check-am-export runs it there, see tests/golden/README.md). AM_KEEP_EXPORT=DIR
+ * keeps the exported directory for that check. */
+static void check_save(const char *name)
+{
+    struct golden G;
+    open_golden(&G, name);
+    char dir[512];
+    const char *keep = getenv("AM_KEEP_EXPORT");
+    snprintf(dir, sizeof(dir), "%s/%s", keep ? keep : "/tmp", name);
+    if (!keep)
+        snprintf(dir, sizeof(dir), "/tmp/am-test-export-%d-%s", (int)getpid(), name);
+    struct am_errors err;
+    am_errors_init(&err);
+    char base[1100];
+    snprintf(base, sizeof(base), "%s/config.json", G.dir);
+    int rc = am_model_save_hf(&G.m, dir, base, &err);
+    for (size_t i = 0; i < err.n; i++)
+        print_error("%s\n", err.msg[i]);
+    assert_int_equal(rc, 0);
+
+    struct am_model back;
+    char msg[512];
+    struct am_model_shard sh = G.m.sh;
+    assert_int_equal(am_model_init(&back, &G.recipe->model, &sh, G.K, NULL, G.B, G.T, msg, sizeof(msg)), 0);
+    assert_int_equal(am_model_load_hf(&back, dir, &err), 0);
+    assert_int_equal(back.n_elems, G.m.n_elems);
+    assert_memory_equal(back.param_mem, G.m.param_mem, G.m.n_elems * sizeof(float));
+    am_model_free(&back);
+    if (!keep) {
+        char cmd[600];
+        snprintf(cmd, sizeof(cmd), "rm -rf '%s'", dir);
+        assert_int_equal(system(cmd), 0);
+    }
+    am_errors_free(&err);
+    close_golden(&G);
+}
+
 #define CASE(name)                                                                                                 \
     static void test_##name##_forward_backward(void **s) { (void)s; check_forward_backward(#name); }            \
     static void test_##name##_adamw(void **s) { (void)s; check_adamw(#name, false); }                            \
     static void test_##name##_adamw_clip(void **s) { (void)s; check_adamw(#name, true); }                        \
-    static void test_##name##_rope(void **s) { (void)s; check_rope(#name); }
+    static void test_##name##_rope(void **s) { (void)s; check_rope(#name); }                                     \
+    static void test_##name##_save(void **s) { (void)s; check_save(#name); }
 CASE(llama_gqa)
 CASE(llama_tied)
 CASE(llama3_scaling)
 CASE(llama_tp)
 #define TESTS(name)                                                                                                \
     cmocka_unit_test(test_##name##_rope), cmocka_unit_test(test_##name##_forward_backward),                       \
-        cmocka_unit_test(test_##name##_adamw), cmocka_unit_test(test_##name##_adamw_clip)
+        cmocka_unit_test(test_##name##_adamw), cmocka_unit_test(test_##name##_adamw_clip),                         \
+        cmocka_unit_test(test_##name##_save)
 
 int main(void)
 {
