@@ -30,8 +30,10 @@ while [[ $# -gt 0 ]]; do
     *) echo "allreduce.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
-command -v mpicc >/dev/null && command -v mpirun >/dev/null ||
-  { echo "allreduce.sh: needs mpicc and mpirun: apt-get install openmpi-bin libopenmpi-dev" >&2; exit 1; }
+if ! command -v mpicc >/dev/null || ! command -v mpirun >/dev/null; then
+  echo "allreduce.sh: needs mpicc and mpirun: apt-get install openmpi-bin libopenmpi-dev" >&2
+  exit 1
+fi
 
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/am-bench-allreduce.XXXXXX")
 trap 'rm -rf "$WORK"' EXIT

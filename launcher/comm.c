@@ -45,67 +45,6 @@ const char *am_comm_op_name(enum am_comm_op op)
     return "unknown op";
 }
 
-static inline uint32_t f32_bits(float f)
-{
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    return u;
-}
-
-static inline float bits_f32(uint32_t u)
-{
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-float am_comm_bf16_to_f32(uint16_t h) { return bits_f32((uint32_t)h << 16); }
-
-uint16_t am_comm_f32_to_bf16(float f)
-{
-    uint32_t u = f32_bits(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) /* NaN: keep it a (quiet) NaN */
-        return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1); /* round to nearest, ties to even */
-    return (uint16_t)(u >> 16);
-}
-
-/* fp16 <-> fp32 by bit manipulation (F. Giesen's branch-light conversions). */
-float am_comm_f16_to_f32(uint16_t h)
-{
-    const uint32_t shifted_exp = 0x7c00u << 13;
-    uint32_t o = ((uint32_t)h & 0x7fffu) << 13;
-    uint32_t exp = shifted_exp & o;
-    o += (uint32_t)(127 - 15) << 23;
-    if (exp == shifted_exp) {       /* Inf or NaN */
-        o += (uint32_t)(128 - 16) << 23;
-    } else if (exp == 0) {          /* zero or subnormal: renormalise */
-        o += 1u << 23;
-        o = f32_bits(bits_f32(o) - bits_f32(113u << 23));
-    }
-    o |= ((uint32_t)h & 0x8000u) << 16;
-    return bits_f32(o);
-}
-
-uint16_t am_comm_f32_to_f16(float f)
-{
-    const uint32_t f32_inf = 255u << 23, f16_max = (127u + 16) << 23;
-    const uint32_t denorm_magic = ((127u - 15) + (23 - 10) + 1) << 23;
-    uint32_t u = f32_bits(f), sign = u & 0x80000000u, o;
-    u ^= sign;
-    if (u >= f16_max) {             /* overflow to Inf, or NaN */
-        o = u > f32_inf ? 0x7e00u : 0x7c00u;
-    } else if (u < (113u << 23)) {  /* result is subnormal or zero: let the FPU round */
-        o = f32_bits(bits_f32(u) + bits_f32(denorm_magic)) - denorm_magic;
-    } else {
-        uint32_t odd = (u >> 13) & 1;
-        u += ((uint32_t)(15 - 127) << 23) + 0xfffu;
-        u += odd;
-        o = u >> 13;
-    }
-    return (uint16_t)(o | (sign >> 16));
-}
-
 /* ---- host reductions ------------------------------------------------------------------ */
 
 /* max that is commutative bit for bit: NaN wins, and max(+0, -0) = +0 either way. */
@@ -181,7 +120,7 @@ HOT static void sum_bf16(uint16_t *out, const uint16_t *a, const uint16_t *b, si
             out[i + j] = (uint16_t)r[j];
     }
     for (; i < n; i++)
-        out[i] = am_comm_f32_to_bf16(am_comm_bf16_to_f32(a[i]) + am_comm_bf16_to_f32(b[i]));
+        out[i] = am_f32_to_bf16(am_bf16_to_f32(a[i]) + am_bf16_to_f32(b[i]));
 }
 
 void am_comm_reduce(void *out, const void *a, const void *b, size_t n, enum am_comm_dtype t, enum am_comm_op op)
@@ -196,15 +135,15 @@ void am_comm_reduce(void *out, const void *a, const void *b, size_t n, enum am_c
         break;
     case AM_BF16:
         if (max)
-            REDUCE_LOOP(uint16_t, am_comm_f32_to_bf16(fmax_sym(am_comm_bf16_to_f32(x), am_comm_bf16_to_f32(y))));
+            REDUCE_LOOP(uint16_t, am_f32_to_bf16(fmax_sym(am_bf16_to_f32(x), am_bf16_to_f32(y))));
         else
             sum_bf16(out, a, b, n);
         break;
     case AM_F16:
         if (max)
-            REDUCE_LOOP(uint16_t, am_comm_f32_to_f16(fmax_sym(am_comm_f16_to_f32(x), am_comm_f16_to_f32(y))));
+            REDUCE_LOOP(uint16_t, am_f32_to_f16(fmax_sym(am_f16_to_f32(x), am_f16_to_f32(y))));
         else
-            REDUCE_LOOP(uint16_t, am_comm_f32_to_f16(am_comm_f16_to_f32(x) + am_comm_f16_to_f32(y)));
+            REDUCE_LOOP(uint16_t, am_f32_to_f16(am_f16_to_f32(x) + am_f16_to_f32(y)));
         break;
     case AM_I32: /* sums wrap around (two's complement) instead of overflowing */
         if (max)
@@ -233,13 +172,13 @@ void am_comm_scale(void *buf, size_t n, enum am_comm_dtype t, int divisor)
     case AM_BF16: {
         uint16_t *p = buf;
         for (size_t i = 0; i < n; i++)
-            p[i] = am_comm_f32_to_bf16(am_comm_bf16_to_f32(p[i]) / (float)divisor);
+            p[i] = am_f32_to_bf16(am_bf16_to_f32(p[i]) / (float)divisor);
         break;
     }
     case AM_F16: {
         uint16_t *p = buf;
         for (size_t i = 0; i < n; i++)
-            p[i] = am_comm_f32_to_f16(am_comm_f16_to_f32(p[i]) / (float)divisor);
+            p[i] = am_f32_to_f16(am_f16_to_f32(p[i]) / (float)divisor);
         break;
     }
     case AM_I32: {

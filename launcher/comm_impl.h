@@ -14,6 +14,7 @@
 #include <stdint.h>
 
 #include "comm.h"
+#include "half.h"
 
 #define AM_COMM_ERR_LEN 640
 #define AM_COMM_NAME_LEN 32
@@ -99,12 +100,6 @@ const char *am_comm_op_name(enum am_comm_op op);
 void am_comm_reduce(void *out, const void *a, const void *b, size_t n, enum am_comm_dtype t, enum am_comm_op op);
 /* AVG's last step: buf[i] /= divisor (integers truncate toward zero). */
 void am_comm_scale(void *buf, size_t n, enum am_comm_dtype t, int divisor);
-
-/* Scalar conversions (round to nearest even; NaN stays NaN). */
-float am_comm_bf16_to_f32(uint16_t h);
-uint16_t am_comm_f32_to_bf16(float f);
-float am_comm_f16_to_f32(uint16_t h);
-uint16_t am_comm_f32_to_f16(float f);
 
 /* Monotonic seconds. */
 double am_comm_now(void);

@@ -111,7 +111,7 @@ static int timed_out(struct am_comm *c, const char *waiting_for)
 {
     char peers[160];
     peers_text(c, peers, sizeof(peers));
-    am_comm_fail(c, "timed out after %.0f s waiting for %s (NCCL does not tell which peer is missing; the group's "
+    am_comm_fail(c, "timed out after %g s waiting for %s (NCCL does not tell which peer is missing; the group's "
                  "ranks are global %s)", c->ctx->timeout_s, waiting_for, peers);
     abort_comm(c);
     return -1;

@@ -299,7 +299,7 @@ static int wait_req(struct am_comm *c, long i)
             return -1;
         if (now - start > timeout) {
             const struct xreq *r = &u->reqs[i];
-            return am_comm_fail(c, "timed out after %.0f s waiting for rank %d (global %d)%s", timeout, r->peer,
+            return am_comm_fail(c, "timed out after %g s waiting for rank %d (global %d)%s", timeout, r->peer,
                                 c->ranks[r->peer], r->is_recv ? "" : " to take its data");
         }
         double idle = now - last;

@@ -80,8 +80,8 @@ static double input(enum am_comm_dtype t, int grank, uint64_t salt, size_t i)
     double u = (double)(h >> 11) * 0x1.0p-53 * 2.0 - 1.0; /* [-1, 1) */
     switch (t) {
     case AM_F32: return (double)(float)u;
-    case AM_BF16: return (double)am_comm_bf16_to_f32(am_comm_f32_to_bf16((float)u));
-    case AM_F16: return (double)am_comm_f16_to_f32(am_comm_f32_to_f16((float)u));
+    case AM_BF16: return (double)am_bf16_to_f32(am_f32_to_bf16((float)u));
+    case AM_F16: return (double)am_f16_to_f32(am_f32_to_f16((float)u));
     case AM_I32: return (double)((int64_t)(h % 2000001) - 1000000);
     case AM_I64: return (double)((int64_t)(h % (1ull << 41)) - (int64_t)(1ull << 40));
     }
@@ -92,8 +92,8 @@ static void put_val(void *buf, enum am_comm_dtype t, size_t i, double v)
 {
     switch (t) {
     case AM_F32: ((float *)buf)[i] = (float)v; break;
-    case AM_BF16: ((uint16_t *)buf)[i] = am_comm_f32_to_bf16((float)v); break;
-    case AM_F16: ((uint16_t *)buf)[i] = am_comm_f32_to_f16((float)v); break;
+    case AM_BF16: ((uint16_t *)buf)[i] = am_f32_to_bf16((float)v); break;
+    case AM_F16: ((uint16_t *)buf)[i] = am_f32_to_f16((float)v); break;
     case AM_I32: ((int32_t *)buf)[i] = (int32_t)v; break;
     case AM_I64: ((int64_t *)buf)[i] = (int64_t)v; break;
     }
@@ -103,8 +103,8 @@ static double get_val(const void *buf, enum am_comm_dtype t, size_t i)
 {
     switch (t) {
     case AM_F32: return ((const float *)buf)[i];
-    case AM_BF16: return am_comm_bf16_to_f32(((const uint16_t *)buf)[i]);
-    case AM_F16: return am_comm_f16_to_f32(((const uint16_t *)buf)[i]);
+    case AM_BF16: return am_bf16_to_f32(((const uint16_t *)buf)[i]);
+    case AM_F16: return am_f16_to_f32(((const uint16_t *)buf)[i]);
     case AM_I32: return ((const int32_t *)buf)[i];
     case AM_I64: return (double)((const int64_t *)buf)[i];
     }

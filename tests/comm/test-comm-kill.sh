@@ -14,7 +14,7 @@ S=${AM_SRCDIR:-$(dirname "$0")/../..}
 recipe=$S/sbatch-templates/recipes/tiny.yaml
 logs=$(mktemp -d "${TMPDIR:-/tmp}/am-test-comm-kill.XXXXXX") || exit 1
 trap 'rm -rf "$logs"' EXIT
-export AM_LOG_DIR=$logs/am-logs AM_COMM_TIMEOUT=3
+export AM_LOG_DIR="$logs/am-logs" AM_COMM_TIMEOUT=3
 failed=0
 
 check() { # MODE EXPECTED-REGEX

@@ -9,7 +9,7 @@ S=${AM_SRCDIR:-$(dirname "$0")/../..}
 recipe=$S/sbatch-templates/recipes/tiny.yaml
 logs=$(mktemp -d "${TMPDIR:-/tmp}/am-test-comm.XXXXXX") || exit 1
 trap 'rm -rf "$logs"' EXIT
-export AM_LOG_DIR=$logs/am-logs AM_COMM_TIMEOUT=${AM_COMM_TIMEOUT:-60}
+export AM_LOG_DIR="$logs/am-logs" AM_COMM_TIMEOUT="${AM_COMM_TIMEOUT:-60}"
 failed=0
 
 run() { # NAME NPROC [VAR=VALUE...]

@@ -89,11 +89,11 @@ static void test_bf16_roundtrip(void **state)
 {
     (void)state;
     for (uint32_t h = 0; h < 65536; h++) {
-        float f = am_comm_bf16_to_f32((uint16_t)h);
+        float f = am_bf16_to_f32((uint16_t)h);
         assert_int_equal(bits(f), h << 16);
-        uint16_t back = am_comm_f32_to_bf16(f);
+        uint16_t back = am_f32_to_bf16(f);
         if (isnan(f))
-            assert_true(isnan(am_comm_bf16_to_f32(back)));
+            assert_true(isnan(am_bf16_to_f32(back)));
         else
             assert_int_equal(back, h);
     }
@@ -108,12 +108,12 @@ static void test_bf16_rounding(void **state)
             u = (u & 0xffff0000u) | 0x8000u; /* exact ties */
         float f = from_bits(u);
         if (isnan(f)) {
-            assert_true(isnan(am_comm_bf16_to_f32(am_comm_f32_to_bf16(f))));
+            assert_true(isnan(am_bf16_to_f32(am_f32_to_bf16(f))));
             continue;
         }
         if (isinf(f))
             continue;
-        assert_int_equal(am_comm_f32_to_bf16(f), bf16_nearest(f));
+        assert_int_equal(am_f32_to_bf16(f), bf16_nearest(f));
     }
 }
 
@@ -122,15 +122,15 @@ static void test_f16_decode_all(void **state)
     (void)state;
     for (uint32_t h = 0; h < 65536; h++) {
         double ref = f16_ref((uint16_t)h);
-        float f = am_comm_f16_to_f32((uint16_t)h);
+        float f = am_f16_to_f32((uint16_t)h);
         if (isnan(ref)) {
             assert_true(isnan(f));
-            assert_true(isnan(am_comm_f16_to_f32(am_comm_f32_to_f16(f))));
+            assert_true(isnan(am_f16_to_f32(am_f32_to_f16(f))));
             continue;
         }
         assert_true((double)f == ref);
         assert_true(!signbit(f) == !signbit(ref));
-        assert_int_equal(am_comm_f32_to_f16(f), h); /* exact values round-trip */
+        assert_int_equal(am_f32_to_f16(f), h); /* exact values round-trip */
     }
 }
 
@@ -145,15 +145,15 @@ static void test_f16_rounding(void **state)
         uint32_t sign = (rnd() & 1) << 31;
         float f = from_bits(sign | exp << 23 | mant);
         uint16_t want = f16_nearest(fabs((double)f)) | (uint16_t)(sign >> 16);
-        assert_int_equal(am_comm_f32_to_f16(f), want);
+        assert_int_equal(am_f32_to_f16(f), want);
     }
-    assert_int_equal(am_comm_f32_to_f16(65519.0f), 0x7bff);
-    assert_int_equal(am_comm_f32_to_f16(65520.0f), 0x7c00); /* the tie goes to even: Inf */
-    assert_int_equal(am_comm_f32_to_f16(INFINITY), 0x7c00);
-    assert_int_equal(am_comm_f32_to_f16(-INFINITY), 0xfc00);
-    assert_int_equal(am_comm_f32_to_f16(0x1.0p-25f), 0x0000);  /* half the smallest subnormal: even */
-    assert_int_equal(am_comm_f32_to_f16(0x1.8p-25f), 0x0001);
-    assert_int_equal(am_comm_f32_to_f16(0x1.8p-24f), 0x0002);  /* 1.5 steps: tie to even (2) */
+    assert_int_equal(am_f32_to_f16(65519.0f), 0x7bff);
+    assert_int_equal(am_f32_to_f16(65520.0f), 0x7c00); /* the tie goes to even: Inf */
+    assert_int_equal(am_f32_to_f16(INFINITY), 0x7c00);
+    assert_int_equal(am_f32_to_f16(-INFINITY), 0xfc00);
+    assert_int_equal(am_f32_to_f16(0x1.0p-25f), 0x0000);  /* half the smallest subnormal: even */
+    assert_int_equal(am_f32_to_f16(0x1.8p-25f), 0x0001);
+    assert_int_equal(am_f32_to_f16(0x1.8p-24f), 0x0002);  /* 1.5 steps: tie to even (2) */
 }
 
 static int nan_at(const unsigned char *p, enum am_comm_dtype t, size_t i)
@@ -166,10 +166,10 @@ static int nan_at(const unsigned char *p, enum am_comm_dtype t, size_t i)
         return isnan(f);
     case AM_BF16:
         memcpy(&h, p + 2 * i, 2);
-        return isnan(am_comm_bf16_to_f32(h));
+        return isnan(am_bf16_to_f32(h));
     case AM_F16:
         memcpy(&h, p + 2 * i, 2);
-        return isnan(am_comm_f16_to_f32(h));
+        return isnan(am_f16_to_f32(h));
     default:
         return 0;
     }
@@ -217,15 +217,15 @@ static void test_reduce_values(void **state)
     assert_false(signbit(fo[2]));
     assert_true(isnan(fo[3]));    /* NaN wins */
     /* bf16: 1 + 2^-8 is a tie between 1 and 1 + 2^-7: rounds to even (1) */
-    uint16_t ba = am_comm_f32_to_bf16(1.0f), bb = am_comm_f32_to_bf16(0x1.0p-8f), bo;
+    uint16_t ba = am_f32_to_bf16(1.0f), bb = am_f32_to_bf16(0x1.0p-8f), bo;
     am_comm_reduce(&bo, &ba, &bb, 1, AM_BF16, AM_SUM);
-    assert_true(am_comm_bf16_to_f32(bo) == 1.0f);
-    bb = am_comm_f32_to_bf16(0x1.8p-8f); /* above the tie: rounds up */
+    assert_true(am_bf16_to_f32(bo) == 1.0f);
+    bb = am_f32_to_bf16(0x1.8p-8f); /* above the tie: rounds up */
     am_comm_reduce(&bo, &ba, &bb, 1, AM_BF16, AM_SUM);
-    assert_true(am_comm_bf16_to_f32(bo) == 1.0f + 0x1.0p-7f);
-    uint16_t ha = am_comm_f32_to_f16(1000.0f), hb = am_comm_f32_to_f16(0.25f), ho;
+    assert_true(am_bf16_to_f32(bo) == 1.0f + 0x1.0p-7f);
+    uint16_t ha = am_f32_to_f16(1000.0f), hb = am_f32_to_f16(0.25f), ho;
     am_comm_reduce(&ho, &ha, &hb, 1, AM_F16, AM_SUM); /* 1000.25: fp16 step is 0.5 there, tie to even */
-    assert_true(am_comm_f16_to_f32(ho) == 1000.0f);
+    assert_true(am_f16_to_f32(ho) == 1000.0f);
     int32_t ia[] = {INT32_MAX, -5}, ib[] = {1, 3}, io[2];
     am_comm_reduce(io, ia, ib, 2, AM_I32, AM_SUM); /* wraps, no undefined behaviour */
     assert_int_equal(io[0], INT32_MIN);
@@ -249,9 +249,9 @@ static void test_scale(void **state)
     float f[] = {1.0f};
     am_comm_scale(f, 1, AM_F32, 3);
     assert_true(f[0] == 1.0f / 3.0f);
-    uint16_t h = am_comm_f32_to_f16(3.0f);
+    uint16_t h = am_f32_to_f16(3.0f);
     am_comm_scale(&h, 1, AM_F16, 4);
-    assert_true(am_comm_f16_to_f32(h) == 0.75f);
+    assert_true(am_f16_to_f32(h) == 0.75f);
     assert_int_equal(am_comm_dtype_size(AM_BF16), 2);
     assert_string_equal(am_comm_dtype_name(AM_I64), "int64");
 }
