@@ -9,6 +9,7 @@
 #include <errno.h>
 #include <getopt.h>
 #include <jansson.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -36,7 +37,7 @@ static int parse_size(const char *s, double *out)
     char *end;
     errno = 0;
     double v = strtod(s, &end);
-    if (end == s || errno || v <= 0)
+    if (end == s || errno || !(v > 0) || !isfinite(v))
         return -1;
     double mult = 1;
     switch (*end) {
@@ -126,52 +127,9 @@ static void print_json(const struct am_recipe *r, const struct am_plan *p, bool 
     json_decref(o);
 }
 
-static const char *human(double n, char *buf, size_t len)
-{
-    if (n >= 1e15)
-        snprintf(buf, len, "%.2fP", n / 1e15);
-    else if (n >= 1e12)
-        snprintf(buf, len, "%.2fT", n / 1e12);
-    else if (n >= 1e9)
-        snprintf(buf, len, "%.2fB", n / 1e9);
-    else if (n >= 1e6)
-        snprintf(buf, len, "%.2fM", n / 1e6);
-    else
-        snprintf(buf, len, "%.0f", n);
-    return buf;
-}
-
 static void print_table(const struct am_recipe *r, const struct am_world *w, const struct am_plan *p)
 {
-    char a[32], b[32], c[32], d[32], e[32], f[32];
-    const struct am_memory *m = &p->mem;
-    printf("recipe       %s\n", r->file);
-    printf("model        %s, %s parameters, %ld layers, hidden %ld, %ld heads (%ld kv)%s\n", r->model.model_type,
-           human(p->params.total, a, sizeof(a)), r->model.num_hidden_layers, r->model.hidden_size,
-           r->model.num_attention_heads, r->model.num_key_value_heads,
-           r->model.num_experts ? ", mixture of experts" : "");
-    printf("             from %s\n", r->model_source);
-    printf("world        %d GPUs = %d node%s x %d, NVLink domain %d\n", p->world, w->nodes, w->nodes > 1 ? "s" : "",
-           w->gpus_per_node, w->nvlink_domain);
-    printf("layout       tp %d x pp %d x cp %d x dp %d (replicate %d x shard %d); ep %d (ep_shard %d); %s%s\n", p->tp,
-           p->pp, p->cp, p->dp, p->dp_replicate, p->dp_shard, p->ep, p->ep_shard, am_strategy_name(r->dist.strategy),
-           r->dist.sequence_parallel ? ", sequence parallel" : "");
-    if (p->pp > 1)
-        printf("pipeline     %s: %d stages of %d layers (%d per rank), %ld micro-batches of %ld\n",
-               am_pp_schedule_name(r->dist.pipeline.schedule), p->n_stages, p->stages[0].n_layers, p->virtual_stages,
-               p->n_microbatches, p->microbatch_size);
-    printf("batch        global %ld = local %ld x dp %d x %ld accumulation steps; sequence %ld%s; %s tokens/step\n",
-           p->global_batch, p->local_batch, p->dp, p->grad_accum, p->seq_length,
-           p->seq_length_assumed ? " (assumed: set dataset.seq_length)" : "", human(p->tokens_per_step, b, sizeof(b)));
-    printf("memory/GPU   %s on pp rank %d", am_format_bytes(m->total, a, sizeof(a)), m->pp_rank);
-    if (w->gpu_mem > 0)
-        printf(" of %s", am_format_bytes(w->gpu_mem, b, sizeof(b)));
-    printf("\n             weights %s, gradients %s, optimizer %s, gathered %s, activations %s\n",
-           am_format_bytes(m->weights, a, sizeof(a)), am_format_bytes(m->grads, b, sizeof(b)), am_format_bytes(m->optimizer, c, sizeof(c)),
-           am_format_bytes(m->gathered, d, sizeof(d)), am_format_bytes(m->activations, e, sizeof(e)));
-    printf("             %s parameters, %s compute%s\n", am_dtype_name(r->param_dtype), am_dtype_name(r->compute_dtype),
-           r->dist.activation_checkpointing ? ", activation checkpointing" : "");
-    printf("compute      %s FLOP per step\n", human(p->flops_per_step, f, sizeof(f)));
+    am_plan_print(stdout, r, w, p);
     for (size_t i = 0; i < r->ignored.n; i++)
         printf("%s %s\n", i ? "            " : "ignored     ", r->ignored.v[i]);
     for (size_t i = 0; i < r->notes.n; i++)

@@ -20,6 +20,7 @@
 
 #include <stdbool.h>
 #include <stddef.h>
+#include <stdio.h>
 
 #include "errors.h"
 #include "recipe.h"
@@ -96,6 +97,10 @@ int am_plan_rank(const struct am_plan *p, const struct am_coords *c);
 int am_plan_group(const struct am_plan *p, enum am_group g, int rank, int *members);
 const char *am_group_name(enum am_group g);
 
+/* The plan as the table am-plan prints (plan_print.c). */
+void am_plan_print(FILE *f, const struct am_recipe *r, const struct am_world *w, const struct am_plan *p);
+/* "70.55B", "2.10M", "1024": counts for people. */
+const char *am_format_count(double n, char *buf, size_t len);
 /* "93.1 GiB", or "512.0 MiB" below one GiB. */
 const char *am_format_bytes(double bytes, char *buf, size_t len);
 

@@ -421,59 +421,12 @@ static void step_world(const struct am_config *cfg, int nodes, int tasks, struct
                            .gpu_mem = cfg->gpu_mem};
 }
 
-static const char *human(double n, char *buf, size_t len)
-{
-    const char *unit[] = {"", "K", "M", "B", "T", "P"};
-    int u = 0;
-    for (; n >= 1000 && u < 5; u++)
-        n /= 1000;
-    snprintf(buf, len, u ? "%.2f%s" : "%.0f%s", n, unit[u]);
-    return buf;
-}
-
-static const char *bytes(double n, char *buf, size_t len)
-{
-    const double GiB = 1024.0 * 1024 * 1024;
-    if (n >= GiB)
-        snprintf(buf, len, "%.1f GiB", n / GiB);
-    else
-        snprintf(buf, len, "%.1f MiB", n / (1024.0 * 1024));
-    return buf;
-}
-
 /* The plan, as am-plan prints it, for --am-dry-run. */
 static void print_plan(const struct am_recipe *r, const struct am_world *w, const struct am_plan *p,
                        uint32_t job, uint32_t stepid)
 {
-    char a[32], b[32], c[32], d[32], e[32];
-    const struct am_memory *m = &p->mem;
     printf("am: dry run for step %u.%u: the command is not run\n", job, stepid);
-    printf("recipe       %s\n", r->file);
-    printf("model        %s, %s parameters, %ld layers, hidden %ld, %ld heads (%ld kv)%s\n",
-           r->model.model_type ? r->model.model_type : "?", human(p->params.total, a, sizeof(a)),
-           r->model.num_hidden_layers, r->model.hidden_size, r->model.num_attention_heads,
-           r->model.num_key_value_heads, r->model.num_experts ? ", mixture of experts" : "");
-    printf("world        %d rank%s on %d node%s, ", p->world, p->world == 1 ? "" : "s", w->nodes, w->nodes == 1 ? "" : "s");
-    if (w->nvlink_domain)
-        printf("NVLink domains of %d GPUs\n", w->nvlink_domain);
-    else
-        printf("NVLink domain not configured (tensor parallelism stays on one node)\n");
-    printf("layout       tp %d x pp %d x cp %d x dp %d (replicate %d x shard %d); ep %d (ep_shard %d); %s%s\n", p->tp,
-           p->pp, p->cp, p->dp, p->dp_replicate, p->dp_shard, p->ep, p->ep_shard, am_strategy_name(r->dist.strategy),
-           r->dist.sequence_parallel ? ", sequence parallel" : "");
-    if (p->pp > 1 && p->stages)
-        printf("pipeline     %s: %d stages of %d layers (%d per rank), %ld micro-batches of %ld\n",
-               am_pp_schedule_name(r->dist.pipeline.schedule), p->n_stages, p->stages[0].n_layers, p->virtual_stages,
-               p->n_microbatches, p->microbatch_size);
-    printf("batch        global %ld = local %ld x dp %d x %ld accumulation steps; sequence %ld%s\n", p->global_batch,
-           p->local_batch, p->dp, p->grad_accum, p->seq_length,
-           p->seq_length_assumed ? " (assumed: set dataset.seq_length)" : "");
-    printf("memory/GPU   %s on pp rank %d%s%s\n", bytes(m->total, a, sizeof(a)), m->pp_rank, w->gpu_mem > 0 ? " of " : "",
-           w->gpu_mem > 0 ? bytes(w->gpu_mem, b, sizeof(b)) : "");
-    printf("             weights %s, gradients %s, optimizer %s, activations %s\n", bytes(m->weights, a, sizeof(a)),
-           bytes(m->grads, b, sizeof(b)), bytes(m->optimizer, c, sizeof(c)), bytes(m->activations, d, sizeof(d)));
-    printf("compute      %s FLOP per step, %s tokens per step\n", human(p->flops_per_step, e, sizeof(e)),
-           human(p->tokens_per_step, a, sizeof(a)));
+    am_plan_print(stdout, r, w, p);
     fflush(stdout);
 }
 

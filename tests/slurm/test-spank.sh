@@ -17,7 +17,8 @@ CLUSTER=$SRCDIR/tests/slurm/cluster
 AM_PLAN=$BUILDDIR/am-plan
 export AM_MODELS_DIR=${AM_MODELS_DIR:-$SRCDIR/runtime/models}
 AM_CLUSTER_DIR=/tmp/am-spank-test.$$
-export -n AM_BUILDDIR AM_SRCDIR AM_CLUSTER_DIR 2>/dev/null # the jobs must not see the harness's variables
+KEEP=${AM_TEST_KEEP:-0}
+export -n AM_BUILDDIR AM_SRCDIR AM_CLUSTER_DIR AM_TEST_KEEP 2>/dev/null # the jobs must not see the harness's variables
 cluster() { AM_CLUSTER_DIR=$AM_CLUSTER_DIR "$CLUSTER" "$@"; }
 export COLUMNS=80 # Slurm wraps --help at $COLUMNS
 # The caller's own settings must not leak into the jobs under test.
@@ -35,7 +36,7 @@ WORK=$(mktemp -d /tmp/am-spank-work.XXXXXX) || { say "cannot create a work direc
 cleanup() {
   local rc=$?
   cluster down >/dev/null 2>&1 || say "warning: cluster down failed"
-  if [[ ${AM_TEST_KEEP:-0} == 1 || $FAILED -ne 0 || $rc -ne 0 ]]; then
+  if [[ $KEEP == 1 || $FAILED -ne 0 || $rc -ne 0 ]]; then
     say "work directory kept: $WORK; cluster logs: $AM_CLUSTER_DIR/log"
   else
     cluster down --purge >/dev/null 2>&1
@@ -333,9 +334,9 @@ run srun-dry srun -N 2 --ntasks-per-node=2 --am-recipe=tiny.yaml --am-tp=2 --am-
 rc_is srun-dry 0
 has srun-dry.out "recipe       $SITE/tiny.yaml"
 grep -qE '^am: dry run for step [0-9]+\.0: the command is not run$' srun-dry.out && pass || fail "srun-dry.out: no dry-run header"
-has srun-dry.out "world        4 ranks on 2 nodes, NVLink domains of 4 GPUs"
+has srun-dry.out "world        4 ranks on 2 nodes (2 per node), NVLink domains of 4 GPUs"
 has srun-dry.out "layout       tp 2 x pp 1 x cp 1 x dp 2 (replicate 1 x shard 2); ep 1 (ep_shard 2); fsdp2"
-has srun-dry.out "batch        global 16 = local 4 x dp 2 x 2 accumulation steps; sequence 64"
+has srun-dry.out "batch        global 16 = local 4 x dp 2 x 2 accumulation steps; sequence 64; 1024 tokens/step"
 grep -qE '^memory/GPU   .* on pp rank 0 of 16\.0 GiB$' srun-dry.out && pass || fail "srun-dry.out: no memory line"
 empty srun-dry.err
 if [[ ! -e marker ]]; then pass; else fail "--am-dry-run ran the command"; fi

@@ -60,6 +60,8 @@ check "llama3_8b fits 80G" 0 "memory/GPU   21.9 GiB on pp rank 0 of 80.0 GiB" \
     -- "$bin" "$recipes/llama3_8b.yaml" --gpu-mem 80G
 check "bad size" 2 "am-plan: --gpu-mem: '80X' is not a size (use e.g. 80G or 141GiB)" \
     -- "$bin" "$recipes/tiny.yaml" --gpu-mem 80X
+check "size that is not a number" 2 "am-plan: --gpu-mem: 'nan' is not a size (use e.g. 80G or 141GiB)" \
+    -- "$bin" "$recipes/tiny.yaml" --gpu-mem nan
 check "bad count" 2 "am-plan: --nodes: 'zero' is not a whole number from 1 to 1048576" \
     -- "$bin" "$recipes/tiny.yaml" --nodes zero
 check "bad --set" 2 "am-plan: --set: expected KEY=VALUE" -- "$bin" "$recipes/tiny.yaml" --set tp_size

@@ -1,0 +1,60 @@
+/* plan_print.c - the plan as a table for people (plan.h: am_plan_print). */
+#include <stdio.h>
+
+#include "plan.h"
+
+const char *am_format_count(double n, char *buf, size_t len)
+{
+    if (n >= 1e15)
+        snprintf(buf, len, "%.2fP", n / 1e15);
+    else if (n >= 1e12)
+        snprintf(buf, len, "%.2fT", n / 1e12);
+    else if (n >= 1e9)
+        snprintf(buf, len, "%.2fB", n / 1e9);
+    else if (n >= 1e6)
+        snprintf(buf, len, "%.2fM", n / 1e6);
+    else
+        snprintf(buf, len, "%.0f", n);
+    return buf;
+}
+
+void am_plan_print(FILE *f, const struct am_recipe *r, const struct am_world *w, const struct am_plan *p)
+{
+    char a[32], b[32], c[32], d[32], e[32];
+    const struct am_memory *m = &p->mem;
+    fprintf(f, "recipe       %s\n", r->file);
+    fprintf(f, "model        %s, %s parameters, %ld layers, hidden %ld, %ld heads (%ld kv)%s\n", r->model.model_type,
+            am_format_count(p->params.total, a, sizeof(a)), r->model.num_hidden_layers, r->model.hidden_size,
+            r->model.num_attention_heads, r->model.num_key_value_heads,
+            r->model.num_experts ? ", mixture of experts" : "");
+    fprintf(f, "             from %s\n", r->model_source);
+    fprintf(f, "world        %d rank%s on %d node%s", p->world, p->world == 1 ? "" : "s", w->nodes,
+            w->nodes == 1 ? "" : "s");
+    if (w->gpus_per_node)
+        fprintf(f, " (%d per node)", w->gpus_per_node);
+    if (w->nvlink_domain)
+        fprintf(f, ", NVLink domains of %d GPUs\n", w->nvlink_domain);
+    else
+        fprintf(f, ", NVLink domains not known (tp is not checked against them)\n");
+    fprintf(f, "layout       tp %d x pp %d x cp %d x dp %d (replicate %d x shard %d); ep %d (ep_shard %d); %s%s\n", p->tp,
+            p->pp, p->cp, p->dp, p->dp_replicate, p->dp_shard, p->ep, p->ep_shard, am_strategy_name(r->dist.strategy),
+            r->dist.sequence_parallel ? ", sequence parallel" : "");
+    if (p->pp > 1)
+        fprintf(f, "pipeline     %s: %d stages of %d layers (%d per rank), %ld micro-batches of %ld\n",
+                am_pp_schedule_name(r->dist.pipeline.schedule), p->n_stages, p->stages[0].n_layers, p->virtual_stages,
+                p->n_microbatches, p->microbatch_size);
+    fprintf(f, "batch        global %ld = local %ld x dp %d x %ld accumulation steps; sequence %ld%s; %s tokens/step\n",
+            p->global_batch, p->local_batch, p->dp, p->grad_accum, p->seq_length,
+            p->seq_length_assumed ? " (assumed: set dataset.seq_length)" : "",
+            am_format_count(p->tokens_per_step, b, sizeof(b)));
+    fprintf(f, "memory/GPU   %s on pp rank %d", am_format_bytes(m->total, a, sizeof(a)), m->pp_rank);
+    if (w->gpu_mem > 0)
+        fprintf(f, " of %s", am_format_bytes(w->gpu_mem, b, sizeof(b)));
+    fprintf(f, "\n             weights %s, gradients %s, optimizer %s, gathered %s, activations %s\n",
+            am_format_bytes(m->weights, a, sizeof(a)), am_format_bytes(m->grads, b, sizeof(b)),
+            am_format_bytes(m->optimizer, c, sizeof(c)), am_format_bytes(m->gathered, d, sizeof(d)),
+            am_format_bytes(m->activations, e, sizeof(e)));
+    fprintf(f, "             %s parameters, %s compute%s\n", am_dtype_name(r->param_dtype),
+            am_dtype_name(r->compute_dtype), r->dist.activation_checkpointing ? ", activation checkpointing" : "");
+    fprintf(f, "compute      %s FLOP per step\n", am_format_count(p->flops_per_step, a, sizeof(a)));
+}
