@@ -8,9 +8,9 @@
  * suggestion when it looks like a typo of a known key).
  *
  * Loading: the file is parsed, overrides (`--set distributed.tp_size=8`, or the plugin's
- * `--am-tp=8`) are applied to the tree, then the typed settings are read and every rule
- * that needs no knowledge of the cluster is checked (am_validate in validate.h adds the
- * rules that need the world size). All errors are collected; none stops the others.
+ * `--am-tp=8`) are applied to the tree, then the typed settings are read. The layout rules
+ * are checked afterwards by am_validate (plan.h): without a world (what sbatch can check),
+ * or with one (am_plan_build does). All errors are collected; none stops the others.
  *
  * Nothing here needs CUDA, NCCL or PMIx: the SPANK plugin links this library into sbatch.
  */
@@ -116,10 +116,10 @@ struct am_recipe {
     struct am_list notes;
 };
 
-/* Loads a recipe file: reads it (as the calling user), applies the overrides in order,
- * reads the typed settings and checks the world-independent rules. Returns the recipe, or
- * NULL when it could not be read or parsed at all; check err->n for rule violations. The
- * caller frees with am_recipe_free in both cases where a recipe was returned. */
+/* Loads a recipe file: reads it (as the calling user), applies the overrides in order and
+ * reads the typed settings. Returns the recipe, or NULL when the file could not be read or
+ * parsed as YAML; a recipe is also returned with errors (a file that is not a mapping, bad
+ * values): check err->n. The caller frees a returned recipe with am_recipe_free. */
 struct am_recipe *am_recipe_load(const char *path, const struct am_override *ov, size_t n_ov,
                                  struct am_errors *err);
 
