@@ -111,6 +111,14 @@ struct am_kernels {
     void (*ce_backward)(struct am_tensor *dx, struct am_tensor *dw, const struct am_tensor *x,
                         const struct am_tensor *w, const struct am_tensor *targets, int64_t vocab_start,
                         const struct am_tensor *M, const struct am_tensor *S, float dloss_scale);
+    /* ce_stats and ce_backward in one pass over the logits, for a head holding the whole
+     * vocabulary (no tensor parallelism: M = m, S = s): each tile of logits is computed once
+     * instead of twice. Writes m, s, t as ce_stats and accumulates dx, dw as ce_backward.
+     * Returns false, having done nothing, when the vocabulary is too large for one tile of
+     * the kernel's row chunk: then call ce_stats and ce_backward. */
+    bool (*ce_fused)(struct am_tensor *m, struct am_tensor *s, struct am_tensor *t, struct am_tensor *dx,
+                     struct am_tensor *dw, const struct am_tensor *x, const struct am_tensor *w,
+                     const struct am_tensor *targets, float dloss_scale);
 
     /* ---- AdamW, PyTorch's torch.optim.AdamW semantics (decoupled weight decay, bias
      * correction with step >= 1); weight_decay 0 gives Adam. m, v are fp32 state. ---- */

@@ -317,8 +317,11 @@ out:
 
 /* ---- forward ------------------------------------------------------------------------- */
 
-static int forward(struct am_model *m, const int32_t *tokens, const int32_t *targets, int64_t B, double *loss_sum,
-                   char *err, size_t err_len)
+/* With fused non-NULL (training without tensor parallelism), the head's gradients are
+ * computed here too, in one pass over the logits (kernels.h, ce_fused); *fused says whether
+ * that happened, so that backward does not do it again. */
+static int forward(struct am_model *m, const int32_t *tokens, const int32_t *targets, int64_t B, float dloss_scale,
+                   bool *fused, double *loss_sum, char *err, size_t err_len)
 {
     const struct am_kernels *K = m->K;
     int64_t T = m->seq_len, N = B * T, D = m->head_dim;
@@ -378,13 +381,20 @@ static int forward(struct am_model *m, const int32_t *tokens, const int32_t *tar
     struct am_tensor hf = rows_of(&m->hf, N), rstdf = rows_of(&m->rstdf, N);
     struct am_tensor cm = rows_of(&m->ce_m, N), cs = rows_of(&m->ce_s, N), ct = rows_of(&m->ce_t, N);
     K->rmsnorm_forward(&hf, &rstdf, &x, &m->final_norm->w, eps);
-    K->ce_stats(&cm, &cs, &ct, &hf, &m->head->w, &tgt, m->vocab_start);
+    if (fused) {
+        struct am_tensor dhf = rows_of(&m->dhf, N);
+        K->zero(&dhf);
+        *fused = !m->tp_comm && K->ce_fused &&
+                 K->ce_fused(&cm, &cs, &ct, &dhf, &m->head->g, &hf, &m->head->w, &tgt, dloss_scale);
+    }
+    if (!fused || !*fused)
+        K->ce_stats(&cm, &cs, &ct, &hf, &m->head->w, &tgt, m->vocab_start);
     return combine_ce(m, N, targets, loss_sum, err, err_len);
 }
 
 /* ---- backward ------------------------------------------------------------------------ */
 
-static int backward(struct am_model *m, int64_t B, float dloss_scale, char *err, size_t err_len)
+static int backward(struct am_model *m, int64_t B, float dloss_scale, bool head_done, char *err, size_t err_len)
 {
     const struct am_kernels *K = m->K;
     int64_t T = m->seq_len, N = B * T, D = m->head_dim, I = m->inter;
@@ -394,8 +404,10 @@ static int backward(struct am_model *m, int64_t B, float dloss_scale, char *err,
     struct am_tensor cm = rows_of(&m->ce_m, N), cs = rows_of(&m->ce_s, N);
 
     /* head and loss: dhf is summed over the vocabulary shards */
-    K->zero(&dhf);
-    K->ce_backward(&dhf, &m->head->g, &hf, &m->head->w, &tgt, m->vocab_start, &cm, &cs, dloss_scale);
+    if (!head_done) {
+        K->zero(&dhf);
+        K->ce_backward(&dhf, &m->head->g, &hf, &m->head->w, &tgt, m->vocab_start, &cm, &cs, dloss_scale);
+    }
     if (tp_sum(m, &dhf, err, err_len) < 0)
         return -1;
     K->zero(&dx);
@@ -460,9 +472,10 @@ int am_model_step(struct am_model *m, const int32_t *tokens, const int32_t *targ
 {
     if (!m->sh.first_stage || !m->sh.last_stage)
         return fail(err, err_len, "model: am_model_step runs a whole model; this rank holds one pipeline stage");
-    if (forward(m, tokens, targets, batch, loss_sum, err, err_len) < 0)
+    bool fused = false;
+    if (forward(m, tokens, targets, batch, dloss_scale, &fused, loss_sum, err, err_len) < 0)
         return -1;
-    return backward(m, batch, dloss_scale, err, err_len);
+    return backward(m, batch, dloss_scale, fused, err, err_len);
 }
 
 int am_model_loss(struct am_model *m, const int32_t *tokens, const int32_t *targets, int64_t batch, double *loss_sum,
@@ -470,5 +483,5 @@ int am_model_loss(struct am_model *m, const int32_t *tokens, const int32_t *targ
 {
     if (!m->sh.first_stage || !m->sh.last_stage)
         return fail(err, err_len, "model: am_model_loss runs a whole model; this rank holds one pipeline stage");
-    return forward(m, tokens, targets, batch, loss_sum, err, err_len);
+    return forward(m, tokens, targets, batch, 0.0f, NULL, loss_sum, err, err_len);
 }

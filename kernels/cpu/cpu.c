@@ -84,6 +84,7 @@ static const struct am_kernels cpu_kernels = {
     .swiglu_backward = am_cpu_swiglu_backward,
     .ce_stats = am_cpu_ce_stats,
     .ce_backward = am_cpu_ce_backward,
+    .ce_fused = am_cpu_ce_fused,
     .adamw = am_cpu_adamw,
 };
 

@@ -171,6 +171,9 @@ void am_cpu_ce_stats(struct am_tensor *m, struct am_tensor *s, struct am_tensor 
 void am_cpu_ce_backward(struct am_tensor *dx, struct am_tensor *dw, const struct am_tensor *x,
                         const struct am_tensor *w, const struct am_tensor *targets, int64_t vocab_start,
                         const struct am_tensor *M, const struct am_tensor *S, float dloss_scale);
+bool am_cpu_ce_fused(struct am_tensor *m, struct am_tensor *s, struct am_tensor *t, struct am_tensor *dx,
+                     struct am_tensor *dw, const struct am_tensor *x, const struct am_tensor *w,
+                     const struct am_tensor *targets, float dloss_scale);
 /* adamw.c */
 void am_cpu_adamw(struct am_tensor *param, const struct am_tensor *grad, struct am_tensor *m, struct am_tensor *v,
                   float lr, float beta1, float beta2, float eps, float weight_decay, int64_t step);

@@ -14,7 +14,8 @@
  *   ce_backward: dlogit_iv = (exp(logit_iv - M_i - log S_i) - [v == target_i]) * scale
  *                for rows with a target, 0 for ignored rows; then
  *                dx_rows += dlogits · w_vocab,   dw_vocab += dlogitsᵀ · x_rows
- * The backward recomputes the logits (one more sgemm) instead of storing them.
+ * The backward recomputes the logits (one more sgemm) instead of storing them; ce_fused,
+ * for a head holding the whole vocabulary, does both in one pass over the logits.
  *
  * Threads: ce_stats gives each thread whole chunks of rows (its own scratch, its own
  * sgemms). The backward works on one tile at a time with all threads: first each thread
@@ -189,4 +190,53 @@ void am_cpu_ce_backward(struct am_tensor *dx, struct am_tensor *dw, const struct
         }
     }
     free(L);
+}
+
+/* ce_stats + ce_backward over one tile per row chunk (the whole vocabulary: tp = 1). The
+ * threads share each chunk as ce_backward does: columns for the logits, rows for the
+ * statistics, columns again for dlogits and dw, rows for dx; barriers between. */
+bool am_cpu_ce_fused(struct am_tensor *m, struct am_tensor *s, struct am_tensor *t, struct am_tensor *dx,
+                     struct am_tensor *dw, const struct am_tensor *x, const struct am_tensor *w,
+                     const struct am_tensor *targets, float dloss_scale)
+{
+    check_ce(__func__, x, w, targets);
+    int64_t N = am_rows(x), C = am_cols(x), V = am_rows(w);
+    int64_t R = N < CE_ROWS ? N : CE_ROWS;
+    if (R < 1 || vocab_tile(R, V) < V)
+        return false;
+    AM_CHECK(am_tensor_numel(m) == N && am_tensor_numel(s) == N && am_tensor_numel(t) == N,
+             "m (%s), s and t must have one entry per row of x (%lld)", am_tname(m), (long long)N);
+    AM_CHECK(am_rows(dx) == N && am_cols(dx) == C, "dx (%s) must have x's shape", am_tname(dx));
+    AM_CHECK(am_rows(dw) == V && am_cols(dw) == C, "dw (%s) must have w's shape", am_tname(dw));
+    float *md = F32(m), *sd = F32(s), *td = F32(t), *dxd = F32(dx), *dwd = F32(dw);
+    const float *xd = F32(x), *wd = F32(w);
+    const int32_t *tg = I32(targets);
+    float *L = malloc((size_t)(R * V) * sizeof(float));
+    AM_CHECK(L, "out of memory for %lld x %lld logits", (long long)R, (long long)V);
+#pragma omp parallel if (N * V * C >= (1 << 20))
+    {
+        int id = omp_get_thread_num(), nth = omp_get_num_threads();
+        for (int64_t r0 = 0; r0 < N; r0 += R) {
+            int64_t nr = N - r0 < R ? N - r0 : R, a, b, ra, rb;
+            const float *xc = xd + r0 * C;
+            am_split(V, id, nth, 16, &a, &b);
+            am_split(nr, id, nth, 1, &ra, &rb);
+            am_cpu_sgemm1(false, true, nr, b - a, C, 1.0f, xc, C, wd + a * C, C, 0.0f, L + a, V);
+#pragma omp barrier
+            for (int64_t r = ra; r < rb; r++) { /* whole rows: max, sum of exp, target logit */
+                md[r0 + r] = -INFINITY;
+                sd[r0 + r] = 0.0f;
+                tile_stats(L + r * V, V, md + r0 + r, sd + r0 + r);
+                td[r0 + r] = tg[r0 + r] >= 0 && tg[r0 + r] < V ? L[r * V + tg[r0 + r]] : 0.0f;
+            }
+#pragma omp barrier
+            dlogits_slice(L, V, nr, a, b, 0, tg + r0, 0, md + r0, sd + r0, dloss_scale);
+            am_cpu_sgemm1(true, false, b - a, C, nr, 1.0f, L + a, V, xc, C, 1.0f, dwd + a * C, C);
+#pragma omp barrier
+            am_cpu_sgemm1(false, false, rb - ra, C, V, 1.0f, L + ra * V, V, wd, C, 1.0f, dxd + (r0 + ra) * C, C);
+#pragma omp barrier
+        }
+    }
+    free(L);
+    return true;
 }

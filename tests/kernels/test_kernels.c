@@ -1315,6 +1315,28 @@ static void test_cross_entropy(void **state)
             free(fd);
             free(ctx.z);
         }
+        /* ce_fused: the statistics and both gradients in one pass, within the same bounds;
+         * a vocabulary larger than one tile of a 256-row chunk is refused untouched */
+        {
+            struct arr fm = arr_new(N), fs = arr_new(N), ft = arr_new(N), fdx = arr_copy(&dx0), fdw = arr_copy(&dw0);
+            struct am_tensor tfm = tview(&fm, N, 0, 0, 0), tfs = tview(&fs, N, 0, 0, 0), tft = tview(&ft, N, 0, 0, 0);
+            struct am_tensor tfdx = tview(&fdx, N, C, 0, 0), tfdw = tview(&fdw, V, C, 0, 0);
+            bool done = K->ce_fused(&tfm, &tfs, &tft, &tfdx, &tfdw, &tx, &tw, &ttg, scale);
+            assert_int_equal(done, (N < 256 ? N : 256) * V <= (1L << 21));
+            if (done) {
+                expect_close("ce_fused m", fm.f, wm, tm_, N);
+                expect_close("ce_fused s", fs.f, wsum, ts_, N);
+                expect_close("ce_fused t", ft.f, wt, tt_, N);
+                expect_close("ce_fused dx", fdx.f, wdx, tdxl, N * C);
+                expect_close("ce_fused dw", fdw.f, wdw, tdwl, V * C);
+            } else {
+                assert_memory_equal(fdx.f, dx0.f, (size_t)(N * C) * sizeof(float));
+                assert_memory_equal(fdw.f, dw0.f, (size_t)(V * C) * sizeof(float));
+            }
+            struct arr *fa[] = {&fm, &fs, &ft, &fdx, &fdw};
+            for (size_t i = 0; i < sizeof fa / sizeof *fa; i++)
+                arr_free(fa[i]);
+        }
         /* sharded backward with the combined M and S: dx summed over the shards, dw
          * concatenated, equal the unsharded gradients (within both tolerances) */
         struct arr dxa = arr_copy(&dx0), dxb = arr_new(N * C), dws = arr_copy(&dw0);
