@@ -31,17 +31,29 @@ am_tokens_s() { # THREADS: median tokens/s of steps 3.. (the first two warm up)
 
 echo "bench-small: Llama vocab 8192, hidden 512, 4 layers, 8 heads (4 kv), intermediate 1408, seq 256, batch 4, fp32, AdamW"
 echo "$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //'), $(nproc) cores, OPENBLAS_CORETYPE=${OPENBLAS_CORETYPE:-unset}"
+median() { sort -g | awk '{ v[NR] = $1 } END { printf "%.1f", (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2 }'; }
+repeat=${REPEAT:-3}
+echo "tokens/s: median of $repeat runs each, am and PyTorch alternating"
 printf '%-8s %14s %14s %8s\n' threads "am tok/s" "torch tok/s" ratio
 best_am=0 best_torch=0
 for th in 1 2; do
-    am=$(am_tokens_s "$th")
-    torch=$(/usr/bin/python3 "$src/bench/torch_llama.py" --threads "$th")
+    : >"$work/am-$th"
+    : >"$work/torch-$th"
+    for ((i = 0; i < repeat; i++)); do
+        am_tokens_s "$th" >>"$work/am-$th"
+        echo >>"$work/am-$th"
+        /usr/bin/python3 "$src/bench/torch_llama.py" --threads "$th" >>"$work/torch-$th"
+    done
+    am=$(median <"$work/am-$th")
+    torch=$(median <"$work/torch-$th")
     printf '%-8s %14s %14s %8.2f\n' "$th" "$am" "$torch" "$(echo "$am / $torch" | bc -l)"
     best_am=$(echo "if ($am > $best_am) $am else $best_am" | bc -l)
     best_torch=$(echo "if ($torch > $best_torch) $torch else $best_torch" | bc -l)
 done
 printf 'best of each: am %.1f tok/s, torch %.1f tok/s, ratio %.2f\n' "$best_am" "$best_torch" "$(echo "$best_am / $best_torch" | bc -l)"
-sgemm=$("$build/bench/kernels" 0.5 2>/dev/null | sed -nE 's/.*peer: OpenBLAS sgemm .*: ([0-9.]+) GFLOP\/s.*/\1/p')
+sgemm=$(for ((i = 0; i < repeat; i++)); do
+    "$build/bench/kernels" 0.5 2>/dev/null | sed -nE 's/.*peer: OpenBLAS sgemm .*: ([0-9.]+) GFLOP\/s.*/\1/p'
+done | median)
 params=$("$build/am-plan" "$work/bench_small.yaml" --gpus-per-node 1 --json | sed -nE 's/.*"params_total":([0-9.]+).*/\1/p')
 gf=$(echo "6 * $params * $best_am / 1000000000" | bc -l)
 printf 'am achieved %.1f GFLOP/s (6 x %.0f parameters x tokens/s) = %.0f%% of OpenBLAS sgemm (%.1f GFLOP/s, 2 threads)\n' \
