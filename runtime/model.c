@@ -40,7 +40,7 @@ static struct am_param *add_param(struct am_model *m, const char *name, int64_t 
     p->full_cols = full_cols;
     p->row0 = row0;
     p->col0 = col0;
-    p->replicated_in_tp = split == AM_SPLIT_NONE;
+    p->copies_in_tp = split == AM_SPLIT_NONE ? m->sh.tp : 1;
     m->n_elems += (size_t)am_tensor_numel(&p->w);
     return p;
 }
@@ -57,6 +57,8 @@ static void layer_params(struct am_model *m, int l)
     L->wq = add_param(m, NAME("self_attn.q_proj.weight"), m->heads * D, C, AM_SPLIT_ROWS, Hq, C, r * m->heads * D, 0);
     L->wk = add_param(m, NAME("self_attn.k_proj.weight"), m->kv_heads * D, C, AM_SPLIT_ROWS, Hkv, C, m->kv_head0 * D, 0);
     L->wv = add_param(m, NAME("self_attn.v_proj.weight"), m->kv_heads * D, C, AM_SPLIT_ROWS, Hkv, C, m->kv_head0 * D, 0);
+    if (c->num_key_value_heads < m->sh.tp) /* each kv head is held by tp / kv heads ranks */
+        L->wk->copies_in_tp = L->wv->copies_in_tp = (int)(m->sh.tp / c->num_key_value_heads);
     L->wo = add_param(m, NAME("self_attn.o_proj.weight"), C, m->heads * D, AM_SPLIT_COLS, C, Hq, 0, r * m->heads * D);
     L->mlp_norm = add_param(m, NAME("post_attention_layernorm.weight"), C, 0, AM_SPLIT_NONE, C, 0, 0, 0);
     L->w_gate = add_param(m, NAME("mlp.gate_proj.weight"), m->inter, C, AM_SPLIT_ROWS, c->intermediate_size, C,
@@ -464,6 +466,53 @@ static int backward(struct am_model *m, int64_t B, float dloss_scale, bool head_
         K->rmsnorm_backward(&dx, &L->attn_norm->g, &dh, &x_in, &L->attn_norm->w, &rstd1);
     }
     K->embedding_backward(&m->embed->g, &dx, &tok, m->vocab_start);
+    return 0;
+}
+
+/* With fewer kv heads than tp ranks, the ranks that share a kv head each computed its
+ * gradient from their own query heads only: the true gradient is their sum. Each rank puts
+ * its share in its head's slot of a buffer of all kv heads, the tp group sums the buffer,
+ * and each rank takes its head's slot back. */
+int am_model_finish_grads(struct am_model *m, char *err, size_t err_len)
+{
+    int64_t KVH = m->cfg.num_key_value_heads, D = m->head_dim, C = m->cfg.hidden_size;
+    if (!m->tp_comm || KVH >= m->sh.tp)
+        return 0;
+    size_t slot = (size_t)(D * C), n = (size_t)KVH * slot;
+    float *buf = malloc(2 * n * sizeof(float));
+    if (!buf)
+        return fail(err, err_len, "model: out of memory for the kv gradients");
+    int rc = 0;
+    for (int l = 0; l < m->sh.n_layers && rc == 0; l++) {
+        struct am_param *kv[2] = {m->layers[l].wk, m->layers[l].wv};
+        memset(buf, 0, 2 * n * sizeof(float));
+        for (int i = 0; i < 2; i++)
+            m->K->download(buf + (size_t)i * n + (size_t)m->kv_head0 * slot, kv[i]->g.data, slot * sizeof(float));
+        if (am_allreduce(m->tp_comm, buf, buf, 2 * n, AM_F32, AM_SUM) < 0)
+            rc = fail(err, err_len, "%s", am_comm_error(m->tp_comm));
+        for (int i = 0; i < 2 && rc == 0; i++)
+            m->K->upload(kv[i]->g.data, buf + (size_t)i * n + (size_t)m->kv_head0 * slot, slot * sizeof(float));
+    }
+    free(buf);
+    return rc;
+}
+
+int am_model_grad_sumsq(struct am_model *m, double *sumsq, char *err, size_t err_len)
+{
+    double local = 0;
+    for (int i = 0; i < m->n_params; i++) {
+        const struct am_param *p = &m->params[i];
+        if (i > 0 && p == m->head && m->head == m->embed)
+            continue;
+        local += m->K->sum_squares(&p->g) / (double)p->copies_in_tp;
+    }
+    if (m->tp_comm) {
+        float v = (float)local; /* comm reduces fp32: a relative 6e-8, far below any clipping threshold's use */
+        if (am_allreduce(m->tp_comm, &v, &v, 1, AM_F32, AM_SUM) < 0)
+            return fail(err, err_len, "%s", am_comm_error(m->tp_comm));
+        local = v;
+    }
+    *sumsq = local;
     return 0;
 }
 

@@ -37,7 +37,8 @@ struct am_param {
     enum am_split split;
     int64_t full_rows, full_cols; /* the unsplit shape (cols 0 for vectors) */
     int64_t row0, col0;     /* where this rank's slice starts in the full tensor */
-    bool replicated_in_tp;  /* the same on every tp rank (norms): its gradient is summed over tp */
+    int copies_in_tp;       /* tp ranks holding this same tensor: 1 when split, tp for norms,
+                               tp / kv heads for a kv projection shared by several ranks */
 };
 
 struct am_model_shard {
@@ -107,6 +108,16 @@ int am_model_loss(struct am_model *m, const int32_t *tokens, const int32_t *targ
                   double *loss_sum, char *err, size_t err_len);
 
 void am_model_zero_grad(struct am_model *m);
+
+/* Completes the gradients of one optimizer step, after its last micro-batch (once: it sums
+ * across tp ranks what they computed separately, the kv heads they share). Collective
+ * over the tp group; nothing to do without tensor parallelism. */
+int am_model_finish_grads(struct am_model *m, char *err, size_t err_len);
+
+/* The squared L2 norm of all of the model's gradients on this tensor-parallel group:
+ * sharded parameters summed over tp, replicated ones (norms; kv heads shared by several
+ * ranks) counted once. Collective over the tp group. -1 with a message on a comm error. */
+int am_model_grad_sumsq(struct am_model *m, double *sumsq, char *err, size_t err_len);
 
 /* The index of a parameter by Hugging Face name, or -1. */
 int am_model_find(const struct am_model *m, const char *name);

@@ -48,12 +48,14 @@ static int fail(struct am_errors *err, const char *fmt, ...)
     return -1;
 }
 
-/* The layouts this trainer runs so far: data parallel (tp, pp, cp, ep of 1). */
-static int check_supported(const struct am_plan *p, struct am_errors *err)
+/* The layouts this trainer runs so far: data and tensor parallelism (without sequence
+ * parallelism); pipeline, context and expert parallelism not yet. */
+static int check_supported(const struct am_recipe *r, const struct am_plan *p, struct am_errors *err)
 {
-    if (p->tp > 1 || p->pp > 1 || p->cp > 1 || p->ep > 1)
-        return fail(err, "am-train runs data parallelism only so far: tp_size %d, pp_size %d, cp_size %d, "
-                    "ep_size %d (use 1 for each)", p->tp, p->pp, p->cp, p->ep);
+    if (p->pp > 1 || p->cp > 1 || p->ep > 1 || r->dist.sequence_parallel)
+        return fail(err, "am-train does not run this layout yet: pp_size %d, cp_size %d, ep_size %d, "
+                    "sequence_parallel %s (it runs data and tensor parallelism: use 1, 1, 1 and false)", p->pp,
+                    p->cp, p->ep, r->dist.sequence_parallel ? "true" : "false");
     return 0;
 }
 
@@ -213,6 +215,8 @@ static int run(struct trainer *t, struct am_errors *err)
                 return fail(err, "step %ld: %s", step + 1, msg);
             loss_sum += mb_loss;
         }
+        if (am_model_finish_grads(m, msg, sizeof(msg)) < 0)
+            return fail(err, "step %ld: %s", step + 1, msg);
         float loss_f = (float)loss_sum;
         if (p->dp > 1) {
             if (am_allreduce(t->dp, m->grad_mem, m->grad_mem, m->n_elems, AM_F32, AM_SUM) < 0 ||
@@ -222,7 +226,10 @@ static int run(struct trainer *t, struct am_errors *err)
         }
         double loss = loss_sum / total_tokens;
         struct am_tensor g = am_tensor_view(m->grad_mem, t->K->device, AM_T_F32, (int64_t)m->n_elems, 0, 0, 0);
-        double norm = sqrt(t->K->sum_squares(&g));
+        double sumsq;
+        if (am_model_grad_sumsq(m, &sumsq, msg, sizeof(msg)) < 0)
+            return fail(err, "step %ld: %s", step + 1, msg);
+        double norm = sqrt(sumsq);
         if (!isfinite(loss) || !isfinite(norm)) {
             const char *bad = first_nonfinite(m);
             am_log_record(&t->log, "cause", json_pack("{s:s,s:i,s:f,s:f,s:s}", "cause", "nonfinite", "step",
@@ -258,7 +265,7 @@ int am_train(struct am_rank_setup *s, struct am_errors *err)
     struct trainer t = {.s = s, .r = s->recipe, .p = &s->plan, .K = am_kernels_for(AM_DEV_CPU)};
     char msg[512];
     int rc = -1;
-    if (check_supported(t.p, err) < 0)
+    if (check_supported(t.r, t.p, err) < 0)
         goto out;
     if (am_log_open(&t.log, NULL, s->info.job_id, s->info.rank, msg, sizeof(msg)) < 0) {
         fail(err, "%s", msg);

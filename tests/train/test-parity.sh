@@ -1,11 +1,12 @@
 #!/bin/bash
-# Data-parallel parity: N ranks with local batch b and gradient accumulation A/N train the
-# same model on the same samples as 1 rank with accumulation A, so their loss trajectories
-# (and gradient norms) must agree to fp32 rounding: the only difference is the order in
-# which per-sample gradients are summed (one rank in sequence; N ranks, then an all-reduce),
-# a relative difference of a few 1e-7 per step that Adam carries forward. Tolerance: 1e-5
-# absolute on losses near 5, and 1e-5 relative on gradient norms, over 8 steps (measured:
-# 2.6e-7 and 2.6e-8).
+# Layout parity: every layout of the same recipe trains the same model on the same samples,
+# so its loss trajectory (and gradient norms) must equal one rank's to fp32 rounding.
+#   data parallel: N ranks with gradient accumulation A/N against 1 rank with A: only the
+#     order in which per-sample gradients are summed differs (measured: 2.6e-7 on losses);
+#   tensor parallel (tp 2, tp 2 x dp 2, and tp 4, where the 2 kv heads are shared by pairs of
+#     ranks): matrix products are split and summed across ranks, a different summation order
+#     again (measured: 1e-6 or less).
+# Tolerance: 1e-5 absolute on losses near 5 and 1e-5 relative on gradient norms, 8 steps.
 set -u
 : "${AM_SRCDIR:=$(cd "$(dirname "$0")/../.." && pwd)}"
 : "${AM_BUILDDIR:=$PWD}"
@@ -24,28 +25,32 @@ losses() { # LOGDIR: "loss grad_norm" per step of rank 0
     grep -h '"type":"step"' "$1"/*/rank-0.jsonl | sed -E 's/.*"loss":([^,]*),.*"grad_norm":([^,]*),.*/\1 \2/'
 }
 
-run() { # N
-    (cd "$work" && AM_LOG_DIR="$work/logs-$1" "$AM_BUILDDIR/am-launch" --nproc "$1" "$work/tiny.yaml" \
-        >"$work/out-$1" 2>&1)
+run() { # NAME N [VAR=VALUE...]: N ranks, with the plugin's AM_TP-style overrides
+    local name=$1 n=$2
+    shift 2
+    (cd "$work" && env "$@" AM_LOG_DIR="$work/logs-$name" "$AM_BUILDDIR/am-launch" --nproc "$n" "$work/tiny.yaml" \
+        >"$work/out-$name" 2>&1)
 }
 
-run 1 || { echo "FAIL: 1 rank did not train"; cat "$work/out-1"; exit 1; }
+run 1 1 || { echo "FAIL: 1 rank did not train"; cat "$work/out-1"; exit 1; }
 losses "$work/logs-1" >"$work/ref"
 [ "$(wc -l <"$work/ref")" = 8 ] || { echo "FAIL: 1 rank logged $(wc -l <"$work/ref") steps, want 8"; exit 1; }
-for n in 2 4; do
-    if ! run "$n"; then
-        echo "FAIL: $n ranks did not train"; sed 's/^/    /' "$work/out-$n"; fails=$((fails + 1)); continue
+for layout in "dp2 2" "dp4 4" "tp2 2 AM_TP=2" "tp2-dp2 4 AM_TP=2" "tp4 4 AM_TP=4"; do
+    set -- $layout
+    name=$1
+    if ! run "$@"; then
+        echo "FAIL: $name did not train"; sed 's/^/    /' "$work/out-$name"; fails=$((fails + 1)); continue
     fi
-    losses "$work/logs-$n" >"$work/got-$n"
-    if paste "$work/ref" "$work/got-$n" | awk '
+    losses "$work/logs-$name" >"$work/got-$name"
+    if paste "$work/ref" "$work/got-$name" | awk '
         { d = $1 - $3; if (d < 0) d = -d; if (d > worst) worst = d
           g = ($2 - $4) / $2; if (g < 0) g = -g; if (g > gworst) gworst = g; n++ }
         END { printf "%d steps, largest loss difference %.2g, grad norm %.2g relative\n", n, worst, gworst
-              exit !(n == 8 && worst <= 1e-5 && gworst <= 1e-5) }' >"$work/cmp-$n"; then
-        echo "ok: $n ranks match 1 rank: $(cat "$work/cmp-$n")"; passes=$((passes + 1))
+              exit !(n == 8 && worst <= 1e-5 && gworst <= 1e-5) }' >"$work/cmp-$name"; then
+        echo "ok: $name matches 1 rank: $(cat "$work/cmp-$name")"; passes=$((passes + 1))
     else
-        echo "FAIL: $n ranks differ from 1 rank: $(cat "$work/cmp-$n")"
-        paste "$work/ref" "$work/got-$n" | sed 's/^/    /'
+        echo "FAIL: $name differs from 1 rank: $(cat "$work/cmp-$name")"
+        paste "$work/ref" "$work/got-$name" | sed 's/^/    /'
         fails=$((fails + 1))
     fi
 done
