@@ -122,6 +122,10 @@ static size_t layout_acts(struct am_model *m, char *base)
     m->scratch_kv_v = carve(&c, dev, AM_T_F32, N, KV, 0, 0);
     m->scratch_i1 = carve(&c, dev, AM_T_F32, N, I, 0, 0);
     m->scratch_i2 = carve(&c, dev, AM_T_F32, N, 3 * I, 0, 0); /* dact, dgate, dup */
+    if (m->sh.sequence_parallel) {
+        m->gathered = carve(&c, dev, AM_T_F32, N, C, 0, 0);
+        m->scratch_rows = carve(&c, dev, AM_T_F32, N / m->sh.tp, C, 0, 0);
+    }
     return (size_t)(c - base);
 }
 
@@ -134,6 +138,10 @@ int am_model_init(struct am_model *m, const struct am_model_config *cfg, const s
     m->sh = *sh;
     m->K = K;
     m->tp_comm = sh->tp > 1 ? tp_comm : NULL;
+    m->sh.sequence_parallel = sh->sequence_parallel && sh->tp > 1;
+    if (m->sh.sequence_parallel && (batch * seq_len) % sh->tp)
+        return fail(err, err_len, "model: sequence parallelism splits the %lld tokens of a micro-batch over tp = %d "
+                    "ranks: they must divide evenly", (long long)(batch * seq_len), sh->tp);
     if (cfg->num_experts > 0)
         return fail(err, err_len, "model: %s (mixture of experts) is not implemented by the trainer yet",
                     cfg->model_type);
@@ -265,6 +273,8 @@ static struct am_tensor rows_of(const struct am_tensor *t, int64_t rows)
     return v;
 }
 
+static int64_t am_rows_of(const struct am_tensor *t) { return t->shape[0]; }
+
 /* [N, H*D] as [B, T, H, D] */
 static struct am_tensor heads_of(const struct am_tensor *t, int64_t B, int64_t T, int64_t H, int64_t D)
 {
@@ -277,6 +287,70 @@ static int tp_sum(struct am_model *m, struct am_tensor *t, char *err, size_t err
         return 0;
     if (am_allreduce(m->tp_comm, t->data, t->data, (size_t)am_tensor_numel(t), AM_F32, AM_SUM) < 0)
         return fail(err, err_len, "%s", am_comm_error(m->tp_comm));
+    return 0;
+}
+
+/* Sequence parallelism: rank r of the tp group holds token rows [r N/tp, (r+1) N/tp). */
+static int sp_gather(struct am_model *m, const struct am_tensor *rows, struct am_tensor *full, char *err,
+                     size_t err_len)
+{
+    if (am_allgather(m->tp_comm, rows->data, full->data, (size_t)am_tensor_numel(rows), AM_F32) < 0)
+        return fail(err, err_len, "%s", am_comm_error(m->tp_comm));
+    return 0;
+}
+
+static int sp_scatter(struct am_model *m, const struct am_tensor *full, struct am_tensor *rows, char *err,
+                      size_t err_len)
+{
+    if (am_reduce_scatter(m->tp_comm, full->data, rows->data, (size_t)am_tensor_numel(rows), AM_F32, AM_SUM) < 0)
+        return fail(err, err_len, "%s", am_comm_error(m->tp_comm));
+    return 0;
+}
+
+/* The output of a row-parallel product (full rows, partial sums over tp) added to the
+ * residual x: all-reduced, or reduce-scattered to this rank's rows. */
+static int add_row_parallel(struct am_model *m, struct am_tensor *x, struct am_tensor *out, char *err, size_t err_len)
+{
+    if (m->sh.sequence_parallel) {
+        struct am_tensor rows = rows_of(&m->scratch_rows, am_rows_of(x));
+        if (sp_scatter(m, out, &rows, err, err_len) < 0)
+            return -1;
+        m->K->add(x, &rows);
+        return 0;
+    }
+    if (tp_sum(m, out, err, err_len) < 0)
+        return -1;
+    m->K->add(x, out);
+    return 0;
+}
+
+/* The input of a column-parallel product: the normalised rows themselves, or all of them
+ * gathered from the tp group. */
+static int column_input(struct am_model *m, struct am_tensor *h, int64_t N, struct am_tensor *in, char *err,
+                        size_t err_len)
+{
+    if (!m->sh.sequence_parallel) {
+        *in = *h;
+        return 0;
+    }
+    *in = rows_of(&m->gathered, N);
+    return sp_gather(m, h, in, err, err_len);
+}
+
+/* The gradient of a column-parallel input, summed over tp (all-reduce, or reduce-scatter to
+ * this rank's rows), then through the norm into dx. */
+static int norm_backward(struct am_model *m, struct am_tensor *dx, struct am_param *norm, struct am_tensor *dh,
+                         const struct am_tensor *x, const struct am_tensor *rstd, char *err, size_t err_len)
+{
+    struct am_tensor d = *dh;
+    if (m->sh.sequence_parallel) {
+        d = rows_of(&m->scratch_rows, am_rows_of(dx));
+        if (sp_scatter(m, dh, &d, err, err_len) < 0)
+            return -1;
+    } else if (tp_sum(m, dh, err, err_len) < 0) {
+        return -1;
+    }
+    m->K->rmsnorm_backward(dx, &norm->g, &d, x, &norm->w, rstd);
     return 0;
 }
 
@@ -327,6 +401,7 @@ static int forward(struct am_model *m, const int32_t *tokens, const int32_t *tar
 {
     const struct am_kernels *K = m->K;
     int64_t T = m->seq_len, N = B * T, D = m->head_dim;
+    int64_t R = m->sh.sequence_parallel ? N / m->sh.tp : N; /* rows of the residual stream here */
     if (N > m->max_tokens)
         return fail(err, err_len, "model: micro-batch of %lld tokens exceeds the %lld it was built for",
                     (long long)N, (long long)m->max_tokens);
@@ -335,54 +410,65 @@ static int forward(struct am_model *m, const int32_t *tokens, const int32_t *tar
     K->upload(tgt.data, targets, (size_t)N * sizeof(int32_t));
     float eps = (float)m->cfg.rms_norm_eps;
 
-    struct am_tensor x = rows_of(&m->x, N);
-    K->embedding_forward(&x, &tok, &m->embed->w, m->vocab_start);
-    if (tp_sum(m, &x, err, err_len) < 0)
+    /* the embedding: each rank looks up the ids of its vocabulary shard; summed over tp */
+    struct am_tensor x = rows_of(&m->x, R), e = rows_of(&m->scratch_c, N);
+    K->embedding_forward(&e, &tok, &m->embed->w, m->vocab_start);
+    K->zero(&x);
+    if (add_row_parallel(m, &x, &e, err, err_len) < 0)
         return -1;
 
     for (int l = 0; l < m->sh.n_layers; l++) {
         struct am_layer *L = &m->layers[l];
         struct am_layer_acts *a = &m->acts[l];
-        struct am_tensor x_in = rows_of(&a->x_in, N), h1 = rows_of(&a->h1, N), rstd1 = rows_of(&a->rstd1, N);
+        struct am_tensor x_in = rows_of(&a->x_in, R), h1 = rows_of(&a->h1, R), rstd1 = rows_of(&a->rstd1, R);
         struct am_tensor q = rows_of(&a->q, N), k = rows_of(&a->k, N), v = rows_of(&a->v, N);
         struct am_tensor att = rows_of(&a->att, N), lse = a->lse;
-        struct am_tensor x_mid = rows_of(&a->x_mid, N), h2 = rows_of(&a->h2, N), rstd2 = rows_of(&a->rstd2, N);
+        struct am_tensor x_mid = rows_of(&a->x_mid, R), h2 = rows_of(&a->h2, R), rstd2 = rows_of(&a->rstd2, R);
         struct am_tensor gate = rows_of(&a->gate, N), up = rows_of(&a->up, N), act = rows_of(&a->act, N);
-        struct am_tensor o = rows_of(&m->scratch_c, N);
+        struct am_tensor o = rows_of(&m->scratch_c, N), in;
         lse.shape[0] = B;
 
         /* attention block: x += o_proj(attention(rope(q), rope(k), v)) of rmsnorm(x) */
         K->copy(&x_in, &x);
         K->rmsnorm_forward(&h1, &rstd1, &x, &L->attn_norm->w, eps);
-        K->matmul_forward(&q, &h1, &L->wq->w);
-        K->matmul_forward(&k, &h1, &L->wk->w);
-        K->matmul_forward(&v, &h1, &L->wv->w);
+        if (column_input(m, &h1, N, &in, err, err_len) < 0)
+            return -1;
+        K->matmul_forward(&q, &in, &L->wq->w);
+        K->matmul_forward(&k, &in, &L->wk->w);
+        K->matmul_forward(&v, &in, &L->wv->w);
         struct am_tensor q4 = heads_of(&q, B, T, m->heads, D), k4 = heads_of(&k, B, T, m->kv_heads, D);
         struct am_tensor v4 = heads_of(&v, B, T, m->kv_heads, D), att4 = heads_of(&att, B, T, m->heads, D);
         K->rope_forward(&q4, &m->cos, &m->sin);
         K->rope_forward(&k4, &m->cos, &m->sin);
         K->attention_forward(&att4, &lse, &q4, &k4, &v4);
         K->matmul_forward(&o, &att, &L->wo->w);
-        if (tp_sum(m, &o, err, err_len) < 0)
+        if (add_row_parallel(m, &x, &o, err, err_len) < 0)
             return -1;
-        K->add(&x, &o);
 
         /* MLP block: x += down(silu(gate(h)) * up(h)) of h = rmsnorm(x) */
         K->copy(&x_mid, &x);
         K->rmsnorm_forward(&h2, &rstd2, &x, &L->mlp_norm->w, eps);
-        K->matmul_forward(&gate, &h2, &L->w_gate->w);
-        K->matmul_forward(&up, &h2, &L->w_up->w);
+        if (column_input(m, &h2, N, &in, err, err_len) < 0)
+            return -1;
+        K->matmul_forward(&gate, &in, &L->w_gate->w);
+        K->matmul_forward(&up, &in, &L->w_up->w);
         K->swiglu_forward(&act, &gate, &up);
         K->matmul_forward(&o, &act, &L->w_down->w);
-        if (tp_sum(m, &o, err, err_len) < 0)
+        if (add_row_parallel(m, &x, &o, err, err_len) < 0)
             return -1;
-        K->add(&x, &o);
     }
 
     /* final norm, output head and cross-entropy, fused and vocabulary-parallel */
-    struct am_tensor hf = rows_of(&m->hf, N), rstdf = rows_of(&m->rstdf, N);
+    struct am_tensor hf = rows_of(&m->hf, N), rstdf = rows_of(&m->rstdf, R);
     struct am_tensor cm = rows_of(&m->ce_m, N), cs = rows_of(&m->ce_s, N), ct = rows_of(&m->ce_t, N);
-    K->rmsnorm_forward(&hf, &rstdf, &x, &m->final_norm->w, eps);
+    if (m->sh.sequence_parallel) {
+        struct am_tensor rows = rows_of(&m->scratch_rows, R);
+        K->rmsnorm_forward(&rows, &rstdf, &x, &m->final_norm->w, eps);
+        if (sp_gather(m, &rows, &hf, err, err_len) < 0)
+            return -1;
+    } else {
+        K->rmsnorm_forward(&hf, &rstdf, &x, &m->final_norm->w, eps);
+    }
     if (fused) {
         struct am_tensor dhf = rows_of(&m->dhf, N);
         K->zero(&dhf);
@@ -396,32 +482,44 @@ static int forward(struct am_model *m, const int32_t *tokens, const int32_t *tar
 
 /* ---- backward ------------------------------------------------------------------------ */
 
+/* The gradient of a row-parallel output: dx itself, or all of the rows gathered. */
+static int row_parallel_grad(struct am_model *m, struct am_tensor *dx, int64_t N, struct am_tensor *dy, char *err,
+                             size_t err_len)
+{
+    if (!m->sh.sequence_parallel) {
+        *dy = *dx;
+        return 0;
+    }
+    *dy = rows_of(&m->dhf, N); /* free once the head's gradient has gone into dx */
+    return sp_gather(m, dx, dy, err, err_len);
+}
+
 static int backward(struct am_model *m, int64_t B, float dloss_scale, bool head_done, char *err, size_t err_len)
 {
     const struct am_kernels *K = m->K;
     int64_t T = m->seq_len, N = B * T, D = m->head_dim, I = m->inter;
+    int64_t R = m->sh.sequence_parallel ? N / m->sh.tp : N;
     struct am_tensor tok = rows_of(&m->tokens, N), tgt = rows_of(&m->targets, N);
-    struct am_tensor x = rows_of(&m->x, N), dx = rows_of(&m->dx, N);
-    struct am_tensor hf = rows_of(&m->hf, N), rstdf = rows_of(&m->rstdf, N), dhf = rows_of(&m->dhf, N);
-    struct am_tensor cm = rows_of(&m->ce_m, N), cs = rows_of(&m->ce_s, N);
+    struct am_tensor x = rows_of(&m->x, R), dx = rows_of(&m->dx, R);
+    struct am_tensor hf = rows_of(&m->hf, N), rstdf = rows_of(&m->rstdf, R), dhf = rows_of(&m->dhf, N);
+    struct am_tensor cm = rows_of(&m->ce_m, N), cs = rows_of(&m->ce_s, N), dy, in;
 
     /* head and loss: dhf is summed over the vocabulary shards */
     if (!head_done) {
         K->zero(&dhf);
         K->ce_backward(&dhf, &m->head->g, &hf, &m->head->w, &tgt, m->vocab_start, &cm, &cs, dloss_scale);
     }
-    if (tp_sum(m, &dhf, err, err_len) < 0)
-        return -1;
     K->zero(&dx);
-    K->rmsnorm_backward(&dx, &m->final_norm->g, &dhf, &x, &m->final_norm->w, &rstdf);
+    if (norm_backward(m, &dx, m->final_norm, &dhf, &x, &rstdf, err, err_len) < 0)
+        return -1;
 
     for (int l = m->sh.n_layers - 1; l >= 0; l--) {
         struct am_layer *L = &m->layers[l];
         struct am_layer_acts *a = &m->acts[l];
-        struct am_tensor x_in = rows_of(&a->x_in, N), h1 = rows_of(&a->h1, N), rstd1 = rows_of(&a->rstd1, N);
+        struct am_tensor x_in = rows_of(&a->x_in, R), h1 = rows_of(&a->h1, R), rstd1 = rows_of(&a->rstd1, R);
         struct am_tensor q = rows_of(&a->q, N), k = rows_of(&a->k, N), v = rows_of(&a->v, N);
         struct am_tensor att = rows_of(&a->att, N), lse = a->lse;
-        struct am_tensor x_mid = rows_of(&a->x_mid, N), h2 = rows_of(&a->h2, N), rstd2 = rows_of(&a->rstd2, N);
+        struct am_tensor x_mid = rows_of(&a->x_mid, R), h2 = rows_of(&a->h2, R), rstd2 = rows_of(&a->rstd2, R);
         struct am_tensor gate = rows_of(&a->gate, N), up = rows_of(&a->up, N), act = rows_of(&a->act, N);
         struct am_tensor dh = rows_of(&m->scratch_c, N);
         struct am_tensor dact = am_tensor_view(m->scratch_i2.data, K->device, AM_T_F32, N, I, 0, 0);
@@ -430,23 +528,28 @@ static int backward(struct am_model *m, int64_t B, float dloss_scale, bool head_
         lse.shape[0] = B;
 
         /* MLP block, in reverse; dx already holds the residual's gradient */
+        if (row_parallel_grad(m, &dx, N, &dy, err, err_len) < 0)
+            return -1;
         K->zero(&dact);
-        K->matmul_backward(&dact, &L->w_down->g, &dx, &act, &L->w_down->w);
+        K->matmul_backward(&dact, &L->w_down->g, &dy, &act, &L->w_down->w);
         K->zero(&dgate);
         K->zero(&dup);
         K->swiglu_backward(&dgate, &dup, &dact, &gate, &up);
-        K->zero(&dh);
-        K->matmul_backward(&dh, &L->w_gate->g, &dgate, &h2, &L->w_gate->w);
-        K->matmul_backward(&dh, &L->w_up->g, &dup, &h2, &L->w_up->w);
-        if (tp_sum(m, &dh, err, err_len) < 0)
+        if (column_input(m, &h2, N, &in, err, err_len) < 0)
             return -1;
-        K->rmsnorm_backward(&dx, &L->mlp_norm->g, &dh, &x_mid, &L->mlp_norm->w, &rstd2);
+        K->zero(&dh);
+        K->matmul_backward(&dh, &L->w_gate->g, &dgate, &in, &L->w_gate->w);
+        K->matmul_backward(&dh, &L->w_up->g, &dup, &in, &L->w_up->w);
+        if (norm_backward(m, &dx, L->mlp_norm, &dh, &x_mid, &rstd2, err, err_len) < 0)
+            return -1;
 
         /* attention block, in reverse */
         struct am_tensor datt = rows_of(&m->scratch_att, N), dq = rows_of(&m->scratch_q, N);
         struct am_tensor dk = rows_of(&m->scratch_kv_k, N), dv = rows_of(&m->scratch_kv_v, N);
+        if (row_parallel_grad(m, &dx, N, &dy, err, err_len) < 0)
+            return -1;
         K->zero(&datt);
-        K->matmul_backward(&datt, &L->wo->g, &dx, &att, &L->wo->w);
+        K->matmul_backward(&datt, &L->wo->g, &dy, &att, &L->wo->w);
         K->zero(&dq);
         K->zero(&dk);
         K->zero(&dv);
@@ -457,16 +560,38 @@ static int backward(struct am_model *m, int64_t B, float dloss_scale, bool head_
         K->attention_backward(&dq4, &dk4, &dv4, &datt4, &att4, &lse, &q4, &k4, &v4);
         K->rope_backward(&dq4, &m->cos, &m->sin);
         K->rope_backward(&dk4, &m->cos, &m->sin);
-        K->zero(&dh);
-        K->matmul_backward(&dh, &L->wq->g, &dq, &h1, &L->wq->w);
-        K->matmul_backward(&dh, &L->wk->g, &dk, &h1, &L->wk->w);
-        K->matmul_backward(&dh, &L->wv->g, &dv, &h1, &L->wv->w);
-        if (tp_sum(m, &dh, err, err_len) < 0)
+        if (column_input(m, &h1, N, &in, err, err_len) < 0)
             return -1;
-        K->rmsnorm_backward(&dx, &L->attn_norm->g, &dh, &x_in, &L->attn_norm->w, &rstd1);
+        K->zero(&dh);
+        K->matmul_backward(&dh, &L->wq->g, &dq, &in, &L->wq->w);
+        K->matmul_backward(&dh, &L->wk->g, &dk, &in, &L->wk->w);
+        K->matmul_backward(&dh, &L->wv->g, &dv, &in, &L->wv->w);
+        if (norm_backward(m, &dx, L->attn_norm, &dh, &x_in, &rstd1, err, err_len) < 0)
+            return -1;
     }
-    K->embedding_backward(&m->embed->g, &dx, &tok, m->vocab_start);
+    if (row_parallel_grad(m, &dx, N, &dy, err, err_len) < 0)
+        return -1;
+    K->embedding_backward(&m->embed->g, &dy, &tok, m->vocab_start);
     return 0;
+}
+
+int am_model_step(struct am_model *m, const int32_t *tokens, const int32_t *targets, int64_t batch, float dloss_scale,
+                  double *loss_sum, char *err, size_t err_len)
+{
+    if (!m->sh.first_stage || !m->sh.last_stage)
+        return fail(err, err_len, "model: am_model_step runs a whole model; this rank holds one pipeline stage");
+    bool fused = false;
+    if (forward(m, tokens, targets, batch, dloss_scale, &fused, loss_sum, err, err_len) < 0)
+        return -1;
+    return backward(m, batch, dloss_scale, fused, err, err_len);
+}
+
+int am_model_loss(struct am_model *m, const int32_t *tokens, const int32_t *targets, int64_t batch, double *loss_sum,
+                  char *err, size_t err_len)
+{
+    if (!m->sh.first_stage || !m->sh.last_stage)
+        return fail(err, err_len, "model: am_model_loss runs a whole model; this rank holds one pipeline stage");
+    return forward(m, tokens, targets, batch, 0.0f, NULL, loss_sum, err, err_len);
 }
 
 /* With fewer kv heads than tp ranks, the ranks that share a kv head each computed its
@@ -475,6 +600,14 @@ static int backward(struct am_model *m, int64_t B, float dloss_scale, bool head_
  * and each rank takes its head's slot back. */
 int am_model_finish_grads(struct am_model *m, char *err, size_t err_len)
 {
+    /* with sequence parallelism each rank saw its own token rows: the norms' gradients are
+     * partial sums */
+    for (int i = 0; m->sh.sequence_parallel && i < m->n_params; i++) {
+        struct am_param *p = &m->params[i];
+        if (p->split == AM_SPLIT_NONE &&
+            am_allreduce(m->tp_comm, p->g.data, p->g.data, (size_t)am_tensor_numel(&p->g), AM_F32, AM_SUM) < 0)
+            return fail(err, err_len, "%s", am_comm_error(m->tp_comm));
+    }
     int64_t KVH = m->cfg.num_key_value_heads, D = m->head_dim, C = m->cfg.hidden_size;
     if (!m->tp_comm || KVH >= m->sh.tp)
         return 0;
@@ -516,21 +649,3 @@ int am_model_grad_sumsq(struct am_model *m, double *sumsq, char *err, size_t err
     return 0;
 }
 
-int am_model_step(struct am_model *m, const int32_t *tokens, const int32_t *targets, int64_t batch, float dloss_scale,
-                  double *loss_sum, char *err, size_t err_len)
-{
-    if (!m->sh.first_stage || !m->sh.last_stage)
-        return fail(err, err_len, "model: am_model_step runs a whole model; this rank holds one pipeline stage");
-    bool fused = false;
-    if (forward(m, tokens, targets, batch, dloss_scale, &fused, loss_sum, err, err_len) < 0)
-        return -1;
-    return backward(m, batch, dloss_scale, fused, err, err_len);
-}
-
-int am_model_loss(struct am_model *m, const int32_t *tokens, const int32_t *targets, int64_t batch, double *loss_sum,
-                  char *err, size_t err_len)
-{
-    if (!m->sh.first_stage || !m->sh.last_stage)
-        return fail(err, err_len, "model: am_model_loss runs a whole model; this rank holds one pipeline stage");
-    return forward(m, tokens, targets, batch, 0.0f, NULL, loss_sum, err, err_len);
-}

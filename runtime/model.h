@@ -10,7 +10,11 @@
  *     each rank holds the one kv head its query heads use.
  * With tp > 1 the model calls the tp communicator where Megatron's f/g operators stand
  * (an all-reduce after the row-parallel matmuls and the embedding, one in backward before
- * the column-parallel inputs); with tp = 1 it calls nothing.
+ * the column-parallel inputs); with tp = 1 it calls nothing. With sequence parallelism the
+ * residual stream, the norms and their inputs are split by token rows over the tp ranks,
+ * and the all-reduces become an all-gather before each column-parallel block and a
+ * reduce-scatter after each row-parallel one (their conjugates in backward); the norms'
+ * weight gradients are then summed over tp in am_model_finish_grads.
  *
  * Parameters and their gradients live in two slabs (one allocation each) so that data
  * parallelism reduces gradients with one collective and the optimizer walks one array.
@@ -43,6 +47,7 @@ struct am_param {
 
 struct am_model_shard {
     int tp, tp_rank;
+    bool sequence_parallel; /* the residual stream split over tp by token rows (Megatron's SP) */
     int first_layer, n_layers;
     bool first_stage, last_stage;
 };
@@ -81,6 +86,7 @@ struct am_model {
     struct am_tensor x, dx, hf, rstdf, dhf, cos, sin, ce_m, ce_s, ce_t;
     struct am_tensor tokens, targets; /* int32 on the device */
     struct am_tensor scratch_q, scratch_kv_k, scratch_kv_v, scratch_c, scratch_i1, scratch_i2, scratch_att;
+    struct am_tensor gathered, scratch_rows; /* sequence parallelism: [N, C] all-gathered, [N/tp, C] */
 };
 
 /* Builds the shard's parameters (zeroed) and activation buffers for micro-batches of up to

@@ -11,12 +11,18 @@
 #include <unistd.h>
 
 #include "comm.h"
+#include "crash.h"
 #include "dataset.h"
+#include "fault.h"
+#include "flight.h"
 #include "log.h"
 #include "model.h"
 #include "model_io.h"
 #include "optim.h"
 #include "util.h"
+#include "watchdog.h"
+
+extern char **environ;
 
 struct trainer {
     struct am_rank_setup *s;
@@ -34,6 +40,12 @@ struct trainer {
     struct am_log log;
     int32_t *sample, *tokens, *targets; /* host buffers for one micro-batch */
     char base_config[4096];
+    /* diagnostics (docs/diagnostics.md) */
+    struct am_flight flight;
+    struct am_watchdog wd;
+    struct am_fault fault;
+    const char **hosts;                 /* host of each global rank */
+    double comm_s;                      /* seconds in collectives this step */
 };
 
 static int fail(struct am_errors *err, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
@@ -48,15 +60,29 @@ static int fail(struct am_errors *err, const char *fmt, ...)
     return -1;
 }
 
-/* The layouts this trainer runs so far: data and tensor parallelism (without sequence
- * parallelism); pipeline, context and expert parallelism not yet. */
-static int check_supported(const struct am_recipe *r, const struct am_plan *p, struct am_errors *err)
+/* The layouts this trainer runs so far: data and tensor (+ sequence) parallelism; pipeline,
+ * context and expert parallelism not yet. */
+static int check_supported(const struct am_plan *p, struct am_errors *err)
 {
-    if (p->pp > 1 || p->cp > 1 || p->ep > 1 || r->dist.sequence_parallel)
-        return fail(err, "am-train does not run this layout yet: pp_size %d, cp_size %d, ep_size %d, "
-                    "sequence_parallel %s (it runs data and tensor parallelism: use 1, 1, 1 and false)", p->pp,
-                    p->cp, p->ep, r->dist.sequence_parallel ? "true" : "false");
+    if (p->pp > 1 || p->cp > 1 || p->ep > 1)
+        return fail(err, "am-train does not run this layout yet: pp_size %d, cp_size %d, ep_size %d (it runs data "
+                    "and tensor parallelism: use 1 for each)", p->pp, p->cp, p->ep);
     return 0;
+}
+
+/* This rank's groups, for am-diag: {"type":"groups","groups":[{"name":"dp","gid":0,"ranks":[0,1]},...]}. */
+static void log_groups(struct trainer *t)
+{
+    json_t *a = json_array();
+    for (int g = 0; g < t->groups.n; g++) {
+        if (!t->comms[g])
+            continue;
+        json_t *ranks = json_array();
+        for (int i = 0; i < t->groups.sizes[g]; i++)
+            json_array_append_new(ranks, json_integer(t->groups.groups[g][i]));
+        json_array_append_new(a, json_pack("{s:s,s:i,s:o}", "name", t->groups.names[g], "gid", g, "ranks", ranks));
+    }
+    am_log_record(&t->log, "groups", json_pack("{s:i,s:o}", "rank", t->s->info.rank, "groups", a));
 }
 
 static int build_comms(struct trainer *t, struct am_errors *err)
@@ -66,6 +92,9 @@ static int build_comms(struct trainer *t, struct am_errors *err)
     t->ctx = am_comm_ctx_init(AM_COMM_UCX, t->s->boot, &t->s->info, -1, t->s->timeout_s, msg, sizeof(msg));
     if (!t->ctx)
         return fail(err, "%s", msg);
+    am_comm_ctx_set_flight(t->ctx, &t->flight);
+    if (am_comm_ctx_set_hosts(t->ctx, t->hosts, t->s->info.size) < 0)
+        return fail(err, "%s", am_comm_ctx_error(t->ctx));
     if (am_place_groups(t->p, &t->s->place, kinds, 2, &t->groups, err) < 0)
         return -1;
     t->comms = calloc((size_t)t->groups.n, sizeof(*t->comms));
@@ -82,6 +111,7 @@ static int build_comms(struct trainer *t, struct am_errors *err)
             t->tp = t->comms[g];
     }
     t->dp_rank = am_comm_rank(t->dp);
+    log_groups(t);
     return 0;
 }
 
@@ -90,7 +120,8 @@ static int build_model(struct trainer *t, struct am_errors *err)
 {
     const struct am_recipe *r = t->r;
     char msg[512];
-    struct am_model_shard sh = {.tp = t->p->tp, .tp_rank = t->s->coords.tp, .first_layer = 0,
+    struct am_model_shard sh = {.tp = t->p->tp, .tp_rank = t->s->coords.tp,
+                                .sequence_parallel = r->dist.sequence_parallel, .first_layer = 0,
                                 .n_layers = (int)r->model.num_hidden_layers, .first_stage = true, .last_stage = true};
     if (am_model_init(&t->model, &r->model, &sh, t->K, t->tp, t->p->microbatch_size, t->p->seq_length, msg,
                       sizeof(msg)) < 0)
@@ -156,16 +187,142 @@ static const char *first_nonfinite(const struct am_model *m)
     return "(none)";
 }
 
+/* A number, or "nan" / "inf" / "-inf" (JSON has no such numbers). */
+static json_t *number(double v)
+{
+    if (isfinite(v))
+        return json_real(v);
+    return json_string(isnan(v) ? "nan" : v > 0 ? "inf" : "-inf");
+}
+
+/* FNV-1a (64 bits) of the recipe file, in hex: tells whether ranks ran the same recipe. */
+static void recipe_hash(const char *path, char out[17])
+{
+    char *buf = NULL;
+    size_t len = 0;
+    uint64_t h = 1469598103934665603ull;
+    if (!path || am_read_file(path, 16u << 20, &buf, &len) != NULL) {
+        snprintf(out, 17, "unknown");
+        return;
+    }
+    for (size_t i = 0; i < len; i++)
+        h = (h ^ (unsigned char)buf[i]) * 1099511628211ull;
+    free(buf);
+    snprintf(out, 17, "%016llx", (unsigned long long)h);
+}
+
+/* The AM_* variables of the environment (the bootstrap's socket number left out). */
+static json_t *am_settings(void)
+{
+    json_t *o = json_object();
+    for (char **e = environ; *e; e++) {
+        const char *eq = strchr(*e, '=');
+        if (strncmp(*e, "AM_", 3) != 0 || !eq || strncmp(*e, "AM_BOOTSTRAP_FD=", 16) == 0)
+            continue;
+        char key[128];
+        snprintf(key, sizeof(key), "%.*s", (int)(eq - *e) < 127 ? (int)(eq - *e) : 127, *e);
+        json_object_set_new(o, key, json_string(eq + 1));
+    }
+    return o;
+}
+
 static void log_start(struct trainer *t)
 {
     const struct am_coords *c = &t->s->coords;
+    char hash[17];
+    recipe_hash(t->r->file, hash);
     json_t *o = json_pack("{s:s,s:i,s:i,s:i,s:s,s:s,s:i,s:{s:i,s:i,s:i,s:i,s:i,s:i},s:s,s:f}", "host",
                           t->s->info.host, "pid", (int)getpid(), "rank", t->s->info.rank, "world", t->s->info.size,
                           "job", t->s->info.job_id, "recipe", t->r->file, "local_rank", t->s->info.local_rank, "coords",
                           "pp", c->pp, "dp_replicate", c->dp_replicate, "dp_shard", c->dp_shard, "cp", c->cp, "tp",
-                          c->tp, "ep", c->ep, "device", t->K->name, "time", am_wall_time());
+                          c->tp, "ep", c->ep, "device", t->K->name, "time", t->flight.anchor_wall);
     json_object_set_new(o, "version", json_string(PACKAGE_VERSION));
+    json_object_set_new(o, "mono", json_real(t->flight.anchor_mono));
+    json_object_set_new(o, "node_id", json_integer(t->s->info.node_id));
+    json_object_set_new(o, "mesh_rank", json_integer(t->s->place.mesh_of ? t->s->place.mesh_of[t->s->info.rank] : -1));
+    json_object_set_new(o, "recipe_hash", json_string(hash));
+    json_object_set_new(o, "max_steps", json_integer(t->r->steps.max_steps));
+    json_object_set_new(o, "timeout_s", json_real(t->wd.timeout_s));
+    json_object_set_new(o, "timeout_from", json_string(t->wd.timeout_from));
+    json_object_set_new(o, "flight_size", json_integer((json_int_t)t->flight.cap));
+    json_object_set_new(o, "settings", am_settings());
     am_log_record(&t->log, "start", o);
+}
+
+/* The one cause record of this rank (crash.h: the first one wins), then the flight recorder. */
+static void report(struct trainer *t, json_t *cause)
+{
+    if (!am_crash_report_begin() || t->log.fd < 0) {
+        json_decref(cause);
+        return;
+    }
+    json_object_set_new(cause, "rank", json_integer(t->s->info.rank));
+    if (!json_object_get(cause, "time"))
+        json_object_set_new(cause, "time", json_real(am_wall_time()));
+    am_log_record(&t->log, "cause", cause);
+    am_crash_report_end();
+}
+
+/* A communication call on group c failed: "timeout" (the backend's wait expired) or
+ * "comm" (an error, naming the peer and its host). */
+static void report_comm(struct trainer *t, struct am_comm *c)
+{
+    struct am_flight_view v;
+    uint64_t newest = atomic_load(&t->flight.newest);
+    if (!am_flight_get(&t->flight, newest, &v)) {
+        report(t, json_pack("{s:s,s:s}", "cause", "comm", "message", am_comm_error(c)));
+        return;
+    }
+    int timed_out = v.state == AM_FLIGHT_TIMED_OUT;
+    double waited = (v.ended > 0 ? v.ended : am_flight_now()) - (v.started > 0 ? v.started : v.enqueued);
+    report(t, am_watchdog_comm_cause(&t->flight, &v, timed_out ? "timeout" : "comm", "backend", waited,
+                                     timed_out ? t->s->timeout_s : 0, t->s->info.rank, t->hosts, t->s->info.size,
+                                     am_comm_error(c)));
+}
+
+/* AM_FAULT at the start of a step: writes the "fault" record, then misbehaves (fault.h). */
+static void fault_record(struct trainer *t, long step, const char *tensor)
+{
+    json_t *o = json_pack("{s:s,s:s,s:i,s:i,s:f}", "kind", am_fault_kind_name(t->fault.kind), "spec", t->fault.spec,
+                          "rank", t->fault.rank, "step", (int)step, "time", am_wall_time());
+    if (tensor)
+        json_object_set_new(o, "tensor", json_string(tensor));
+    am_log_record(&t->log, "fault", o);
+}
+
+static void fault_at_step_start(struct trainer *t, long step)
+{
+    const struct am_fault *f = &t->fault;
+    int rank = t->s->info.rank;
+    static const enum am_fault_kind now[] = {AM_FAULT_SEGV, AM_FAULT_ABORT, AM_FAULT_EXIT, AM_FAULT_HANG,
+                                             AM_FAULT_SLOW, AM_FAULT_KILL, AM_FAULT_OOM};
+    for (size_t i = 0; i < sizeof(now) / sizeof(now[0]); i++) {
+        if (!am_fault_due(f, rank, step, now[i]))
+            continue;
+        fault_record(t, step, NULL);
+        switch (f->kind) {
+        case AM_FAULT_SEGV: am_fault_segv();
+        case AM_FAULT_ABORT: am_fault_abort();
+        case AM_FAULT_EXIT: am_fault_exit(f->code);
+        case AM_FAULT_HANG: am_fault_hang();
+        case AM_FAULT_KILL: am_fault_kill();
+        case AM_FAULT_OOM: am_fault_oom();
+        case AM_FAULT_SLOW: am_fault_sleep(f->seconds); break;
+        default: break;
+        }
+    }
+}
+
+/* AM_FAULT kind=nan: a NaN in the middle parameter's gradient, after the backward pass. */
+static void fault_nan(struct trainer *t, long step)
+{
+    struct am_model *m = &t->model;
+    if (!am_fault_due(&t->fault, t->s->info.rank, step, AM_FAULT_NAN) || m->n_params < 1)
+        return;
+    struct am_param *p = &m->params[m->n_params / 2];
+    fault_record(t, step, p->name);
+    float nan = NAN;
+    memcpy(p->g.data, &nan, sizeof(nan));
 }
 
 static void print_step(const struct trainer *t, long step, double loss, double lr, double norm, double dt,
@@ -265,7 +422,7 @@ int am_train(struct am_rank_setup *s, struct am_errors *err)
     struct trainer t = {.s = s, .r = s->recipe, .p = &s->plan, .K = am_kernels_for(AM_DEV_CPU)};
     char msg[512];
     int rc = -1;
-    if (check_supported(t.r, t.p, err) < 0)
+    if (check_supported(t.p, err) < 0)
         goto out;
     if (am_log_open(&t.log, NULL, s->info.job_id, s->info.rank, msg, sizeof(msg)) < 0) {
         fail(err, "%s", msg);

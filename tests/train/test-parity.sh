@@ -5,7 +5,8 @@
 #     order in which per-sample gradients are summed differs (measured: 2.6e-7 on losses);
 #   tensor parallel (tp 2, tp 2 x dp 2, and tp 4, where the 2 kv heads are shared by pairs of
 #     ranks): matrix products are split and summed across ranks, a different summation order
-#     again (measured: 1e-6 or less).
+#     again (measured: 1e-6 or less); with sequence_parallel the norms and the residual
+#     stream are split by token rows too.
 # Tolerance: 1e-5 absolute on losses near 5 and 1e-5 relative on gradient norms, 8 steps.
 set -u
 : "${AM_SRCDIR:=$(cd "$(dirname "$0")/../.." && pwd)}"
@@ -25,17 +26,20 @@ losses() { # LOGDIR: "loss grad_norm" per step of rank 0
     grep -h '"type":"step"' "$1"/*/rank-0.jsonl | sed -E 's/.*"loss":([^,]*),.*"grad_norm":([^,]*),.*/\1 \2/'
 }
 
-run() { # NAME N [VAR=VALUE...]: N ranks, with the plugin's AM_TP-style overrides
-    local name=$1 n=$2
-    shift 2
-    (cd "$work" && env "$@" AM_LOG_DIR="$work/logs-$name" "$AM_BUILDDIR/am-launch" --nproc "$n" "$work/tiny.yaml" \
+run() { # NAME N RECIPE [VAR=VALUE...]: N ranks, with the plugin's AM_TP-style overrides
+    local name=$1 n=$2 recipe=$3
+    shift 3
+    (cd "$work" && env "$@" AM_LOG_DIR="$work/logs-$name" "$AM_BUILDDIR/am-launch" --nproc "$n" "$work/$recipe" \
         >"$work/out-$name" 2>&1)
 }
 
-run 1 1 || { echo "FAIL: 1 rank did not train"; cat "$work/out-1"; exit 1; }
+sed 's/sequence_parallel: false/sequence_parallel: true/' "$work/tiny.yaml" >"$work/tiny-sp.yaml"
+run 1 1 tiny.yaml || { echo "FAIL: 1 rank did not train"; cat "$work/out-1"; exit 1; }
 losses "$work/logs-1" >"$work/ref"
 [ "$(wc -l <"$work/ref")" = 8 ] || { echo "FAIL: 1 rank logged $(wc -l <"$work/ref") steps, want 8"; exit 1; }
-for layout in "dp2 2" "dp4 4" "tp2 2 AM_TP=2" "tp2-dp2 4 AM_TP=2" "tp4 4 AM_TP=4"; do
+for layout in "dp2 2 tiny.yaml" "dp4 4 tiny.yaml" "tp2 2 tiny.yaml AM_TP=2" "tp2-dp2 4 tiny.yaml AM_TP=2" \
+    "tp4 4 tiny.yaml AM_TP=4" "tp2-sp 2 tiny-sp.yaml AM_TP=2" "tp4-sp 4 tiny-sp.yaml AM_TP=4" \
+    "tp2-sp-dp2 4 tiny-sp.yaml AM_TP=2"; do
     set -- $layout
     name=$1
     if ! run "$@"; then
