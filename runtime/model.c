@@ -70,12 +70,17 @@ static void layer_params(struct am_model *m, int l)
 #undef NAME
 }
 
-/* Carves n elements of fp32 (or int32) out of a slab. */
-static struct am_tensor carve(char **cursor, enum am_device dev, enum am_tdtype dt, int64_t d0, int64_t d1, int64_t d2,
-                              int64_t d3)
+/* The next tensor of a slab: at byte offset *off of base (base NULL: only measures). */
+struct slab {
+    char *base;
+    size_t off;
+    enum am_device dev;
+};
+
+static struct am_tensor carve(struct slab *s, enum am_tdtype dt, int64_t d0, int64_t d1, int64_t d2, int64_t d3)
 {
-    struct am_tensor t = am_tensor_view(*cursor, dev, dt, d0, d1, d2, d3);
-    *cursor += (am_tensor_bytes(&t) + 63) & ~(size_t)63;
+    struct am_tensor t = am_tensor_view(s->base ? s->base + s->off : NULL, s->dev, dt, d0, d1, d2, d3);
+    s->off += (am_tensor_bytes(&t) + 63) & ~(size_t)63;
     return t;
 }
 
@@ -85,48 +90,47 @@ static size_t layout_acts(struct am_model *m, char *base)
     enum am_device dev = m->K->device;
     int64_t N = m->max_tokens, C = m->cfg.hidden_size, D = m->head_dim;
     int64_t Q = m->heads * D, KV = m->kv_heads * D, I = m->inter, B = N / m->seq_len, T = m->seq_len;
-    char *c = base;
+    struct slab c = {.base = base, .dev = dev};
     for (int l = 0; l < m->sh.n_layers; l++) {
         struct am_layer_acts *a = &m->acts[l];
-        a->x_in = carve(&c, dev, AM_T_F32, N, C, 0, 0);
-        a->h1 = carve(&c, dev, AM_T_F32, N, C, 0, 0);
-        a->rstd1 = carve(&c, dev, AM_T_F32, N, 0, 0, 0);
-        a->q = carve(&c, dev, AM_T_F32, N, Q, 0, 0);
-        a->k = carve(&c, dev, AM_T_F32, N, KV, 0, 0);
-        a->v = carve(&c, dev, AM_T_F32, N, KV, 0, 0);
-        a->att = carve(&c, dev, AM_T_F32, N, Q, 0, 0);
-        a->lse = carve(&c, dev, AM_T_F32, B, m->heads, T, 0);
-        a->x_mid = carve(&c, dev, AM_T_F32, N, C, 0, 0);
-        a->h2 = carve(&c, dev, AM_T_F32, N, C, 0, 0);
-        a->rstd2 = carve(&c, dev, AM_T_F32, N, 0, 0, 0);
-        a->gate = carve(&c, dev, AM_T_F32, N, I, 0, 0);
-        a->up = carve(&c, dev, AM_T_F32, N, I, 0, 0);
-        a->act = carve(&c, dev, AM_T_F32, N, I, 0, 0);
+        a->x_in = carve(&c, AM_T_F32, N, C, 0, 0);
+        a->h1 = carve(&c, AM_T_F32, N, C, 0, 0);
+        a->rstd1 = carve(&c, AM_T_F32, N, 0, 0, 0);
+        a->q = carve(&c, AM_T_F32, N, Q, 0, 0);
+        a->k = carve(&c, AM_T_F32, N, KV, 0, 0);
+        a->v = carve(&c, AM_T_F32, N, KV, 0, 0);
+        a->att = carve(&c, AM_T_F32, N, Q, 0, 0);
+        a->lse = carve(&c, AM_T_F32, B, m->heads, T, 0);
+        a->x_mid = carve(&c, AM_T_F32, N, C, 0, 0);
+        a->h2 = carve(&c, AM_T_F32, N, C, 0, 0);
+        a->rstd2 = carve(&c, AM_T_F32, N, 0, 0, 0);
+        a->gate = carve(&c, AM_T_F32, N, I, 0, 0);
+        a->up = carve(&c, AM_T_F32, N, I, 0, 0);
+        a->act = carve(&c, AM_T_F32, N, I, 0, 0);
     }
-    m->x = carve(&c, dev, AM_T_F32, N, C, 0, 0);
-    m->dx = carve(&c, dev, AM_T_F32, N, C, 0, 0);
-    m->hf = carve(&c, dev, AM_T_F32, N, C, 0, 0);
-    m->rstdf = carve(&c, dev, AM_T_F32, N, 0, 0, 0);
-    m->dhf = carve(&c, dev, AM_T_F32, N, C, 0, 0);
-    m->cos = carve(&c, dev, AM_T_F32, T, D / 2, 0, 0);
-    m->sin = carve(&c, dev, AM_T_F32, T, D / 2, 0, 0);
-    m->ce_m = carve(&c, dev, AM_T_F32, N, 0, 0, 0);
-    m->ce_s = carve(&c, dev, AM_T_F32, N, 0, 0, 0);
-    m->ce_t = carve(&c, dev, AM_T_F32, N, 0, 0, 0);
-    m->tokens = carve(&c, dev, AM_T_I32, N, 0, 0, 0);
-    m->targets = carve(&c, dev, AM_T_I32, N, 0, 0, 0);
-    m->scratch_c = carve(&c, dev, AM_T_F32, N, C, 0, 0);
-    m->scratch_q = carve(&c, dev, AM_T_F32, N, Q, 0, 0);
-    m->scratch_att = carve(&c, dev, AM_T_F32, N, Q, 0, 0);
-    m->scratch_kv_k = carve(&c, dev, AM_T_F32, N, KV, 0, 0);
-    m->scratch_kv_v = carve(&c, dev, AM_T_F32, N, KV, 0, 0);
-    m->scratch_i1 = carve(&c, dev, AM_T_F32, N, I, 0, 0);
-    m->scratch_i2 = carve(&c, dev, AM_T_F32, N, 3 * I, 0, 0); /* dact, dgate, dup */
+    m->x = carve(&c, AM_T_F32, N, C, 0, 0);
+    m->dx = carve(&c, AM_T_F32, N, C, 0, 0);
+    m->hf = carve(&c, AM_T_F32, N, C, 0, 0);
+    m->rstdf = carve(&c, AM_T_F32, N, 0, 0, 0);
+    m->dhf = carve(&c, AM_T_F32, N, C, 0, 0);
+    m->cos = carve(&c, AM_T_F32, T, D / 2, 0, 0);
+    m->sin = carve(&c, AM_T_F32, T, D / 2, 0, 0);
+    m->ce_m = carve(&c, AM_T_F32, N, 0, 0, 0);
+    m->ce_s = carve(&c, AM_T_F32, N, 0, 0, 0);
+    m->ce_t = carve(&c, AM_T_F32, N, 0, 0, 0);
+    m->tokens = carve(&c, AM_T_I32, N, 0, 0, 0);
+    m->targets = carve(&c, AM_T_I32, N, 0, 0, 0);
+    m->scratch_c = carve(&c, AM_T_F32, N, C, 0, 0);
+    m->scratch_q = carve(&c, AM_T_F32, N, Q, 0, 0);
+    m->scratch_att = carve(&c, AM_T_F32, N, Q, 0, 0);
+    m->scratch_kv_k = carve(&c, AM_T_F32, N, KV, 0, 0);
+    m->scratch_kv_v = carve(&c, AM_T_F32, N, KV, 0, 0);
+    m->scratch_mlp = carve(&c, AM_T_F32, N, 3 * I, 0, 0); /* dact, dgate, dup */
     if (m->sh.sequence_parallel) {
-        m->gathered = carve(&c, dev, AM_T_F32, N, C, 0, 0);
-        m->scratch_rows = carve(&c, dev, AM_T_F32, N / m->sh.tp, C, 0, 0);
+        m->gathered = carve(&c, AM_T_F32, N, C, 0, 0);
+        m->scratch_rows = carve(&c, AM_T_F32, N / m->sh.tp, C, 0, 0);
     }
-    return (size_t)(c - base);
+    return c.off;
 }
 
 int am_model_init(struct am_model *m, const struct am_model_config *cfg, const struct am_model_shard *sh,
@@ -522,9 +526,9 @@ static int backward(struct am_model *m, int64_t B, float dloss_scale, bool head_
         struct am_tensor x_mid = rows_of(&a->x_mid, R), h2 = rows_of(&a->h2, R), rstd2 = rows_of(&a->rstd2, R);
         struct am_tensor gate = rows_of(&a->gate, N), up = rows_of(&a->up, N), act = rows_of(&a->act, N);
         struct am_tensor dh = rows_of(&m->scratch_c, N);
-        struct am_tensor dact = am_tensor_view(m->scratch_i2.data, K->device, AM_T_F32, N, I, 0, 0);
-        struct am_tensor dgate = am_tensor_view((float *)m->scratch_i2.data + N * I, K->device, AM_T_F32, N, I, 0, 0);
-        struct am_tensor dup = am_tensor_view((float *)m->scratch_i2.data + 2 * N * I, K->device, AM_T_F32, N, I, 0, 0);
+        struct am_tensor dact = am_tensor_view(m->scratch_mlp.data, K->device, AM_T_F32, N, I, 0, 0);
+        struct am_tensor dgate = am_tensor_view((float *)m->scratch_mlp.data + N * I, K->device, AM_T_F32, N, I, 0, 0);
+        struct am_tensor dup = am_tensor_view((float *)m->scratch_mlp.data + 2 * N * I, K->device, AM_T_F32, N, I, 0, 0);
         lse.shape[0] = B;
 
         /* MLP block, in reverse; dx already holds the residual's gradient */

@@ -85,7 +85,7 @@ struct am_model {
     struct am_layer_acts *acts;
     struct am_tensor x, dx, hf, rstdf, dhf, cos, sin, ce_m, ce_s, ce_t;
     struct am_tensor tokens, targets; /* int32 on the device */
-    struct am_tensor scratch_q, scratch_kv_k, scratch_kv_v, scratch_c, scratch_i1, scratch_i2, scratch_att;
+    struct am_tensor scratch_q, scratch_kv_k, scratch_kv_v, scratch_c, scratch_mlp, scratch_att;
     struct am_tensor gathered, scratch_rows; /* sequence parallelism: [N, C] all-gathered, [N/tp, C] */
 };
 
