@@ -241,6 +241,28 @@ int am_comm_fail(struct am_comm *c, const char *fmt, ...)
     return -1;
 }
 
+const char *am_comm_peer_text(const struct am_comm *c, int peer, char *buf, size_t len)
+{
+    int g = peer >= 0 && peer < c->size ? c->ranks[peer] : -1;
+    const struct am_comm_ctx *ctx = c->ctx;
+    if (g >= 0 && ctx->hosts && g < ctx->n_hosts && ctx->hosts[g][0])
+        snprintf(buf, len, "rank %d (global %d on %s)", peer, g, ctx->hosts[g]);
+    else
+        snprintf(buf, len, "rank %d (global %d)", peer, g);
+    return buf;
+}
+
+void am_comm_waiting(struct am_comm *c, int peer)
+{
+    if (c->ctx->flight && c->flight_id)
+        am_flight_waiting(c->ctx->flight, c->flight_id, peer >= 0 && peer < c->size ? c->ranks[peer] : -1);
+}
+
+int am_comm_fail_aborted(struct am_comm *c)
+{
+    return am_comm_fail(c, "aborted: %s", c->ctx->abort_reason);
+}
+
 int am_comm_ctx_fail(struct am_comm_ctx *ctx, const char *fmt, ...)
 {
     va_list ap;
@@ -328,7 +350,63 @@ void am_comm_ctx_fini(struct am_comm_ctx *ctx)
     if (!ctx)
         return;
     ctx->ops->ctx_fini(ctx);
+    for (int r = 0; ctx->hosts && r < ctx->n_hosts; r++)
+        free(ctx->hosts[r]);
+    free(ctx->hosts);
     free(ctx);
+}
+
+void am_comm_ctx_set_flight(struct am_comm_ctx *ctx, struct am_flight *f)
+{
+    if (ctx)
+        ctx->flight = f;
+}
+
+int am_comm_ctx_set_hosts(struct am_comm_ctx *ctx, const char *const *hosts, int n)
+{
+    if (!ctx || n < 0)
+        return -1;
+    char **h = calloc((size_t)n + 1, sizeof(*h));
+    if (!h)
+        return am_comm_ctx_fail(ctx, "host names: out of memory");
+    for (int r = 0; r < n; r++) {
+        if (!(h[r] = strdup(hosts[r] ? hosts[r] : ""))) {
+            for (int q = 0; q < r; q++)
+                free(h[q]);
+            free(h);
+            return am_comm_ctx_fail(ctx, "host names: out of memory");
+        }
+    }
+    for (int r = 0; ctx->hosts && r < ctx->n_hosts; r++)
+        free(ctx->hosts[r]);
+    free(ctx->hosts);
+    ctx->hosts = h;
+    ctx->n_hosts = n;
+    return 0;
+}
+
+void am_comm_ctx_abort(struct am_comm_ctx *ctx, const char *reason)
+{
+    if (!ctx || atomic_load(&ctx->aborted))
+        return;
+    snprintf(ctx->abort_reason, sizeof(ctx->abort_reason), "%s", reason && *reason ? reason : "the context was aborted");
+    atomic_store(&ctx->aborted, 1);
+}
+
+int am_comm_ctx_aborted(const struct am_comm_ctx *ctx)
+{
+    return ctx && atomic_load_explicit(&ctx->aborted, memory_order_acquire);
+}
+
+void am_comm_inject_stall(struct am_comm *c, uint64_t seq)
+{
+    if (c)
+        c->stall_seq = seq;
+}
+
+double am_comm_ctx_busy_s(const struct am_comm_ctx *ctx)
+{
+    return ctx ? ctx->busy_s : 0;
 }
 
 const char *am_comm_ctx_error(const struct am_comm_ctx *ctx)
@@ -450,10 +528,54 @@ void am_comm_set_stream(struct am_comm *c, void *stream)
 
 /* ---- the calls -------------------------------------------------------------------------- */
 
-/* The one place every checked call passes: numbering, the broken-group rule, the backend.
- * (The flight recorder records the call here: before run() and after, with its status.) */
+/* The call as the flight recorder keeps it: count in elements (alltoallv: sent), the peer
+ * as a global rank (send/recv: the peer; broadcast: the root). */
+static uint64_t flight_begin(struct am_comm *c, const struct am_comm_call *call)
+{
+    struct am_flight_op op = {.op = am_comm_call_name(call->kind), .dtype = am_comm_dtype_name(call->dtype),
+                              .group = c->name, .gid = c->id, .seq = call->seq, .count = call->count,
+                              .bytes = call->bytes, .peer = -1};
+    switch (call->kind) {
+    case AM_CALL_ALLREDUCE:
+    case AM_CALL_REDUCE_SCATTER:
+        op.redop = am_comm_op_name(call->op);
+        break;
+    case AM_CALL_ALLTOALLV:
+        op.count = 0;
+        for (int j = 0; j < c->size; j++)
+            op.count += call->send_counts[j];
+        break;
+    case AM_CALL_BROADCAST:
+    case AM_CALL_SEND:
+    case AM_CALL_RECV:
+        op.peer = c->ranks[call->peer];
+        break;
+    case AM_CALL_BARRIER:
+        op.dtype = NULL;
+        break;
+    case AM_CALL_ALLGATHER:
+        break;
+    }
+    uint64_t id = am_flight_begin(c->ctx->flight, &op);
+    am_flight_start(c->ctx->flight, id);
+    return id;
+}
+
+/* am_comm_inject_stall: blocks, as a hung kernel would, until the context is aborted. */
+static int stall(struct am_comm *c)
+{
+    while (!am_comm_ctx_aborted(c->ctx)) {
+        struct timespec ts = {0, 10 * 1000 * 1000};
+        nanosleep(&ts, NULL);
+    }
+    return am_comm_fail_aborted(c);
+}
+
+/* The one place every checked call passes: numbering, the flight recorder (before run()
+ * and after, with its outcome), the broken-group and aborted-context rules, the backend. */
 static int am_comm_dispatch(struct am_comm *c, struct am_comm_call *call)
 {
+    int collective = call->kind != AM_CALL_SEND && call->kind != AM_CALL_RECV;
     if (call->kind == AM_CALL_SEND)
         call->seq = ++c->sent[call->peer];
     else if (call->kind == AM_CALL_RECV)
@@ -461,16 +583,29 @@ static int am_comm_dispatch(struct am_comm *c, struct am_comm_call *call)
     else
         call->seq = ++c->seq;
     c->call = call;
+    c->timed_out = 0;
+    c->flight_id = c->ctx->flight ? flight_begin(c, call) : 0;
+    double t0 = am_comm_now();
     int rc;
     if (c->broken) {
         rc = am_comm_fail(c, "refused: the group failed earlier (%s)", c->first_err);
+    } else if (am_comm_ctx_aborted(c->ctx)) {
+        rc = am_comm_fail_aborted(c);
     } else {
-        rc = c->ctx->ops->run(c, call);
+        rc = collective && c->stall_seq == call->seq ? stall(c) : c->ctx->ops->run(c, call);
         if (rc < 0) {
             c->broken = 1;
             snprintf(c->first_err, sizeof(c->first_err), "%s", c->err);
         }
     }
+    c->ctx->busy_s += am_comm_now() - t0;
+    if (c->flight_id) {
+        enum am_flight_state st = AM_FLIGHT_COMPLETED;
+        if (rc < 0)
+            st = c->timed_out ? AM_FLIGHT_TIMED_OUT : am_comm_ctx_aborted(c->ctx) ? AM_FLIGHT_ABORTED : AM_FLIGHT_FAILED;
+        am_flight_end(c->ctx->flight, c->flight_id, st);
+    }
+    c->flight_id = 0;
     c->call = NULL;
     return rc;
 }

@@ -50,6 +50,27 @@ struct am_comm_ctx *am_comm_ctx_init(enum am_comm_backend backend, struct am_boo
 void am_comm_ctx_fini(struct am_comm_ctx *ctx);
 const char *am_comm_ctx_error(const struct am_comm_ctx *ctx);
 
+/* Diagnostics (docs/diagnostics.md).
+ * set_flight: every later call on the context is recorded in the flight recorder f
+ * (runtime/flight.h: group, sequence number, op, size, peer, times, state); NULL: none. The
+ * recorder must outlive the context's calls.
+ * set_hosts: host names by global rank (hosts[r] for r < n, copied), so that messages that
+ * name a peer say where it runs: "waiting for rank 1 (global 5 on n3)". 0, or -1 (no memory).
+ * abort: from any thread (a watchdog): every blocked call on the context fails at once (its
+ * flight entry "aborted") and every later call fails, with a message ending in `reason`.
+ * inject_stall: fault injection (AM_FAULT kind=hang-in-collective): the collective with
+ * sequence number seq on group c blocks inside the call, after it started and before any
+ * data moves, as a hung kernel or a dead link would, until the context is aborted. */
+struct am_flight;
+void am_comm_ctx_set_flight(struct am_comm_ctx *ctx, struct am_flight *f);
+int am_comm_ctx_set_hosts(struct am_comm_ctx *ctx, const char *const *hosts, int n);
+void am_comm_ctx_abort(struct am_comm_ctx *ctx, const char *reason);
+int am_comm_ctx_aborted(const struct am_comm_ctx *ctx);
+void am_comm_inject_stall(struct am_comm *c, uint64_t seq);
+/* Seconds spent inside calls on the context so far (every group, every call, from its
+ * start to its return): the trainer's per-step time in communication. */
+double am_comm_ctx_busy_s(const struct am_comm_ctx *ctx);
+
 /* Creates n_groups groups at once; collective over ALL ranks of the job, which must pass
  * the same groups in the same order. groups[g] lists the global ranks of group g in group
  * order (a rank's index in it is its group rank); a rank not in group g gets out[g] = NULL.

@@ -3,7 +3,10 @@
  *
  * Every public operation is checked by the front, described in one struct am_comm_call,
  * numbered (the group's sequence number) and handed to am_comm_dispatch(), the one place
- * every call passes (where a flight recorder hooks in), which calls the backend's run().
+ * every call passes: it records the call in the context's flight recorder (flight.h) before
+ * and after the backend's run(), times it (busy_s), and refuses calls on an aborted context.
+ * While a backend waits it names the peer it waits for (am_comm_waiting), and its waits give
+ * up at once when another thread aborts the context (am_comm_ctx_aborted).
  * A backend reports a failure with am_comm_fail(), which prefixes the message with the
  * call ("allreduce #17 on group dp (4 ranks) ..."); after a failure the group is broken
  * and every later call on it fails at once, repeating the first error.
@@ -11,9 +14,11 @@
 #ifndef AM_COMM_IMPL_H
 #define AM_COMM_IMPL_H
 
+#include <stdatomic.h>
 #include <stdint.h>
 
 #include "comm.h"
+#include "flight.h"
 #include "half.h"
 
 #define AM_COMM_ERR_LEN 640
@@ -68,6 +73,12 @@ struct am_comm_ctx {
     int n_groups;               /* groups created so far: ids for the next ones start here */
     void *be;                   /* the backend's per-process state */
     char err[AM_COMM_ERR_LEN];
+    struct am_flight *flight;   /* the flight recorder, or NULL */
+    char **hosts;               /* host of each global rank (n_hosts of them), or NULL */
+    int n_hosts;
+    double busy_s;              /* seconds inside calls so far */
+    _Atomic int aborted;        /* am_comm_ctx_abort was called (any thread) */
+    char abort_reason[256];     /* written before `aborted` is set */
 };
 
 struct am_comm {
@@ -81,6 +92,9 @@ struct am_comm {
     void *stream;               /* NCCL: cudaStream_t */
     const struct am_comm_call *call; /* the call in progress, for messages */
     int broken;
+    int timed_out;              /* the backend's last failure was a timeout */
+    uint64_t flight_id;         /* the call in progress in the flight recorder, 0: none */
+    uint64_t stall_seq;         /* am_comm_inject_stall: the collective that blocks, 0: none */
     void *be;                   /* the backend's per-group state */
     char err[AM_COMM_ERR_LEN];
     char first_err[AM_COMM_ERR_LEN];
@@ -92,6 +106,14 @@ int am_comm_fail(struct am_comm *c, const char *fmt, ...) __attribute__((format(
 int am_comm_ctx_fail(struct am_comm_ctx *ctx, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 const char *am_comm_call_name(enum am_comm_kind k);
 const char *am_comm_op_name(enum am_comm_op op);
+
+/* The backend waits for group rank `peer` of the call in progress (-1: no longer waits):
+ * the flight recorder shows it (waiting_for), and a watchdog's timeout names it. */
+void am_comm_waiting(struct am_comm *c, int peer);
+/* "rank 1 (global 5 on n3)" ("rank 1 (global 5)" without host names) in buf; returns buf. */
+const char *am_comm_peer_text(const struct am_comm *c, int peer, char *buf, size_t len);
+/* A backend's wait saw am_comm_ctx_abort: fails the call ("aborted: REASON"); returns -1. */
+int am_comm_fail_aborted(struct am_comm *c);
 
 /* Host reductions, element-wise over n elements: out = a (op) b; out may equal a or b.
  * bf16 and fp16 are widened to fp32, combined, and rounded back to nearest even. The

@@ -111,8 +111,17 @@ static int timed_out(struct am_comm *c, const char *waiting_for)
 {
     char peers[160];
     peers_text(c, peers, sizeof(peers));
+    c->timed_out = 1;
     am_comm_fail(c, "timed out after %g s waiting for %s (NCCL does not tell which peer is missing; the group's "
                  "ranks are global %s)", c->ctx->timeout_s, waiting_for, peers);
+    abort_comm(c);
+    return -1;
+}
+
+/* am_comm_ctx_abort was called (a watchdog): abort the communicator, fail the call. */
+static int aborted(struct am_comm *c)
+{
+    am_comm_fail_aborted(c);
     abort_comm(c);
     return -1;
 }
@@ -131,6 +140,8 @@ static int wait_issued(struct am_comm *c, const char *what)
             return 0;
         if (st != ncclInProgress)
             return nccl_fail(c, what, st);
+        if (am_comm_ctx_aborted(c->ctx))
+            return aborted(c);
         if (backoff_wait(&b) < 0)
             return timed_out(c, what);
     }
@@ -156,6 +167,8 @@ static int wait_stream(struct am_comm *c, cudaStream_t s)
             abort_comm(c);
             return -1;
         }
+        if (am_comm_ctx_aborted(c->ctx))
+            return aborted(c);
         if (backoff_wait(&b) < 0)
             return timed_out(c, "the other ranks to complete it");
     }

@@ -37,7 +37,8 @@
  * behind a slow peer does not burn a core. Measured here, 8-byte allreduce on 2 ranks: 0.8 us
  * when each rank has a CPU (0.5 us spinning), 2.7 us when the two share one (105 us spinning
  * 50 us before yielding: a spinning rank holds the CPU its peer needs). Each wait gives up after the context's
- * timeout, with a message naming the call, the group and the peer it was waiting for; a copy
+ * timeout, with a message naming the call, the group and the peer it was waiting for (and its
+ * host, am_comm_ctx_set_hosts), or at once after am_comm_ctx_abort (a watchdog); a copy
  * from a peer that died fails at once (see on_ucx_log). AM_COMM_UCX_PEER_ERRORS=1 turns on
  * UCX's peer error handling instead (dead peers are reported by UCX, but UCX 1.13 then moves
  * all small messages from shared memory to TCP).
@@ -180,8 +181,9 @@ static long post_send(struct am_comm *c, int peer, const void *buf, size_t len, 
     ucp_request_param_t param = {.op_attr_mask = 0};
     ucs_status_ptr_t p = ucp_tag_send_nbx(u->eps[peer], len ? buf : u->sink, len, tag, &param);
     if (UCS_PTR_IS_ERR(p)) {
+        char who[320];
         r->done = 1;
-        return am_comm_fail(c, "failed sending %zu bytes to rank %d (global %d): %s", len, peer, c->ranks[peer],
+        return am_comm_fail(c, "failed sending %zu bytes to %s: %s", len, am_comm_peer_text(c, peer, who, sizeof(who)),
                             ucs_status_string(UCS_PTR_STATUS(p)));
     }
     if (p == NULL) {
@@ -209,8 +211,10 @@ static long post_recv(struct am_comm *c, int peer, void *buf, size_t len, ucp_ta
     ucp_request_param_t param = {.op_attr_mask = UCP_OP_ATTR_FLAG_NO_IMM_CMPL};
     ucs_status_ptr_t p = ucp_tag_recv_nbx(x->worker, len ? buf : u->sink, len, tag, (ucp_tag_t)-1, &param);
     if (UCS_PTR_IS_ERR(p) || p == NULL) {
+        char who[320];
         r->done = 1;
-        return am_comm_fail(c, "failed receiving %zu bytes from rank %d (global %d): %s", len, peer, c->ranks[peer],
+        return am_comm_fail(c, "failed receiving %zu bytes from %s: %s", len,
+                            am_comm_peer_text(c, peer, who, sizeof(who)),
                             p ? ucs_status_string(UCS_PTR_STATUS(p)) : "UCX returned no request");
     }
     r->req = p;
@@ -254,31 +258,31 @@ static int peer_gone(struct am_comm *c, const struct xreq *r)
     ucs_status_t st = x->ep_status[c->ranks[r->peer]];
     if (st == UCS_OK)
         return 0;
-    return am_comm_fail(c, "failed: rank %d (global %d) is gone (UCX: %s) while %s it", r->peer, c->ranks[r->peer],
+    char who[320];
+    return am_comm_fail(c, "failed: %s is gone (UCX: %s) while %s it", am_comm_peer_text(c, r->peer, who, sizeof(who)),
                         ucs_status_string(st), r->is_recv ? "receiving from" : "sending to");
 }
 
 static int req_result(struct am_comm *c, const struct xreq *r)
 {
+    char who[320];
     if (r->status != UCS_OK && peer_gone(c, r) < 0)
         return -1;
     if (r->status != UCS_OK)
-        return am_comm_fail(c, "failed %s rank %d (global %d): %s (is that rank still alive?)",
-                            r->is_recv ? "receiving from" : "sending to", r->peer, c->ranks[r->peer],
+        return am_comm_fail(c, "failed %s %s: %s (is that rank still alive?)",
+                            r->is_recv ? "receiving from" : "sending to", am_comm_peer_text(c, r->peer, who, sizeof(who)),
                             ucs_status_string(r->status));
     if (r->is_recv && r->got != r->expect)
-        return am_comm_fail(c, "failed: rank %d (global %d) sent %zu bytes where %zu were expected (every rank must "
-                            "pass matching counts)", r->peer, c->ranks[r->peer], r->got, r->expect);
+        return am_comm_fail(c, "failed: %s sent %zu bytes where %zu were expected (every rank must pass matching "
+                            "counts)", am_comm_peer_text(c, r->peer, who, sizeof(who)), r->got, r->expect);
     return 0;
 }
 
-/* Waits for request i: progress, then yield, then sleep; fails after the timeout. */
-static int wait_req(struct am_comm *c, long i)
+/* The slow path of wait_req: progress, then yield, then sleep. */
+static int wait_slow(struct am_comm *c, long i)
 {
     struct ucx_comm *u = c->be;
     struct ucx_ctx *x = c->ctx->be;
-    if (test_req(&u->reqs[i]))
-        return req_result(c, &u->reqs[i]);
     double start = am_comm_now(), last = start, timeout = c->ctx->timeout_s;
     unsigned polls = 0, busy = 0;
     long sleep_ns = 50000;
@@ -297,10 +301,14 @@ static int wait_req(struct am_comm *c, long i)
         }
         if (peer_gone(c, &u->reqs[i]) < 0)
             return -1;
+        if (am_comm_ctx_aborted(c->ctx))
+            return am_comm_fail_aborted(c);
         if (now - start > timeout) {
             const struct xreq *r = &u->reqs[i];
-            return am_comm_fail(c, "timed out after %g s waiting for rank %d (global %d)%s", timeout, r->peer,
-                                c->ranks[r->peer], r->is_recv ? "" : " to take its data");
+            char who[320];
+            c->timed_out = 1;
+            return am_comm_fail(c, "timed out after %g s waiting for %s%s", timeout,
+                                am_comm_peer_text(c, r->peer, who, sizeof(who)), r->is_recv ? "" : " to take its data");
         }
         double idle = now - last;
         if (idle < x->spin_s)
@@ -316,6 +324,20 @@ static int wait_req(struct am_comm *c, long i)
             sleep_ns *= 2;
         polls = x->polls - 1;
     }
+}
+
+/* Waits for request i: progress, then yield, then sleep; fails after the timeout, or at
+ * once when the context is aborted (a watchdog, from another thread). */
+static int wait_req(struct am_comm *c, long i)
+{
+    struct ucx_comm *u = c->be;
+    if (test_req(&u->reqs[i]))
+        return req_result(c, &u->reqs[i]);
+    am_comm_waiting(c, u->reqs[i].peer);
+    int rc = wait_slow(c, i);
+    if (rc == 0)
+        am_comm_waiting(c, -1); /* after a failure the recorder keeps whom it waited for */
+    return rc;
 }
 
 static int wait_all(struct am_comm *c)

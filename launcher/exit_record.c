@@ -208,45 +208,39 @@ int am_log_dir_prepare(const char *option, const char *job_id, char *out, size_t
     return 0;
 }
 
-int am_exit_record(const char *log_dir, const char *job_id, const struct am_exit *e, char *err, size_t err_len)
+static double wall_now(void)
 {
-    char path[PATH_MAX + 128], name[32];
     struct timespec ts;
     clock_gettime(CLOCK_REALTIME, &ts);
-    int sig = WIFSIGNALED(e->status) ? WTERMSIG(e->status) : 0;
-    json_t *o = json_pack("{s:s,s:i,s:s,s:I,s:i,s:i}", "type", "exit", "rank", e->rank, "host", e->host, "pid",
-                          (json_int_t)e->pid, "status", am_exit_code(e->status), "signal", sig);
-    if (!o) {
-        snprintf(err, err_len, "exit record of rank %d: out of memory", e->rank);
-        return -1;
-    }
-    json_object_set_new(o, "signal_name", sig ? json_string(am_signal_name(sig, name, sizeof(name))) : json_null());
-    json_object_set_new(o, "core_dumped", json_boolean(sig && WCOREDUMP(e->status)));
-    json_object_set_new(o, "oom_killed", e->oom_killed < 0 ? json_null() : json_boolean(e->oom_killed));
-    json_object_set_new(o, "stop_signal",
-                        e->stop_signal ? json_string(am_signal_name(e->stop_signal, name, sizeof(name))) : json_null());
-    json_object_set_new(o, "time", json_real((double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec));
-    char *text = json_dumps(o, JSON_COMPACT | JSON_REAL_PRECISION(16));
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* Appends o (released) as one line, in one write(), to <log_dir>/<job_id>/rank-<rank>.jsonl. */
+static int append_record(const char *log_dir, const char *job_id, int rank, const char *what, json_t *o, char *err,
+                         size_t err_len)
+{
+    char path[PATH_MAX + 128];
+    char *text = o ? json_dumps(o, JSON_COMPACT | JSON_REAL_PRECISION(16)) : NULL;
     json_decref(o);
     int rc = -1, fd = -1;
     size_t len = text ? strlen(text) : 0;
     char *line = text ? realloc(text, len + 2) : NULL;
     if (!line) {
         free(text);
-        snprintf(err, err_len, "exit record of rank %d: out of memory", e->rank);
+        snprintf(err, err_len, "%s record of rank %d: out of memory", what, rank);
         return -1;
     }
     line[len] = '\n';
     line[len + 1] = '\0';
-    snprintf(path, sizeof(path), "%s/%s/rank-%d.jsonl", log_dir, job_id, e->rank);
+    snprintf(path, sizeof(path), "%s/%s/rank-%d.jsonl", log_dir, job_id, rank);
     fd = open(path, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0644);
     if (fd < 0) {
-        snprintf(err, err_len, "cannot write the exit record of rank %d to %s: %s", e->rank, path, strerror(errno));
+        snprintf(err, err_len, "cannot write the %s record of rank %d to %s: %s", what, rank, path, strerror(errno));
         goto out;
     }
     ssize_t w = write(fd, line, len + 1);
     if (w != (ssize_t)(len + 1)) {
-        snprintf(err, err_len, "cannot write the exit record of rank %d to %s: %s", e->rank, path,
+        snprintf(err, err_len, "cannot write the %s record of rank %d to %s: %s", what, rank, path,
                  w < 0 ? strerror(errno) : "short write");
         goto out;
     }
@@ -256,4 +250,116 @@ out:
         close(fd);
     free(line);
     return rc;
+}
+
+int am_exit_record(const char *log_dir, const char *job_id, const struct am_exit *e, char *err, size_t err_len)
+{
+    char name[32];
+    int sig = WIFSIGNALED(e->status) ? WTERMSIG(e->status) : 0;
+    json_t *o = json_pack("{s:s,s:i,s:s,s:I,s:i,s:i}", "type", "exit", "rank", e->rank, "host", e->host, "pid",
+                          (json_int_t)e->pid, "status", am_exit_code(e->status), "signal", sig);
+    if (o) {
+        json_object_set_new(o, "signal_name", sig ? json_string(am_signal_name(sig, name, sizeof(name))) : json_null());
+        json_object_set_new(o, "core_dumped", json_boolean(sig && WCOREDUMP(e->status)));
+        json_object_set_new(o, "oom_killed", e->oom_killed < 0 ? json_null() : json_boolean(e->oom_killed));
+        json_object_set_new(o, "stop_signal", e->stop_signal ? json_string(am_signal_name(e->stop_signal, name,
+                                                                                          sizeof(name)))
+                                                             : json_null());
+        json_object_set_new(o, "time", json_real(wall_now()));
+    }
+    return append_record(log_dir, job_id, e->rank, "exit", o, err, err_len);
+}
+
+int am_stop_record(const char *log_dir, const char *job_id, const struct am_stop *s, char *err, size_t err_len)
+{
+    char name[32];
+    json_t *o = json_pack("{s:s,s:i,s:s,s:s,s:s}", "type", "stop", "rank", s->rank, "host", s->host, "signal",
+                          am_signal_name(s->signal, name, sizeof(name)), "by", s->by);
+    if (o) {
+        json_object_set_new(o, "because_rank", s->because_rank >= 0 ? json_integer(s->because_rank) : json_null());
+        json_object_set_new(o, "because_host", s->because_host ? json_string(s->because_host) : json_null());
+        json_object_set_new(o, "because", s->because ? json_string(s->because) : json_null());
+        json_object_set_new(o, "because_time", s->because_time > 0 ? json_real(s->because_time) : json_null());
+        json_object_set_new(o, "time", json_real(wall_now()));
+    }
+    return append_record(log_dir, job_id, s->rank, "stop", o, err, err_len);
+}
+
+int am_failure_mark(const char *log_dir, const char *job_id, int rank, int status, const char *host,
+                    const char *what)
+{
+    char path[PATH_MAX + 128], tmp[PATH_MAX + 160];
+    snprintf(path, sizeof(path), "%s/%s/first-failure.json", log_dir, job_id);
+    snprintf(tmp, sizeof(tmp), "%s/%s/.first-failure.%d.%d", log_dir, job_id, rank, (int)getpid());
+    json_t *o = json_pack("{s:i,s:i,s:s,s:s,s:f}", "rank", rank, "status", status, "host", host, "what", what, "time",
+                          wall_now());
+    char *text = o ? json_dumps(o, JSON_COMPACT | JSON_REAL_PRECISION(16)) : NULL;
+    json_decref(o);
+    if (!text) {
+        errno = ENOMEM;
+        return -1;
+    }
+    /* written whole under a private name, then linked to the shared one: link() fails when
+     * the name exists (another supervisor was first) and never shows a half-written file */
+    int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd < 0) {
+        free(text);
+        return -1;
+    }
+    size_t len = strlen(text);
+    text[len] = '\n'; /* json_dumps leaves room for the terminator */
+    ssize_t w = write(fd, text, len + 1);
+    close(fd);
+    free(text);
+    int rc = w == (ssize_t)(len + 1) ? link(tmp, path) : -1;
+    int saved = errno;
+    unlink(tmp);
+    if (rc == 0)
+        return 1;
+    errno = saved;
+    return errno == EEXIST ? 0 : -1;
+}
+
+int am_failure_read(const char *log_dir, const char *job_id, int *rank, int *status, char *host, size_t host_len,
+                    char *what, size_t what_len, double *time)
+{
+    char path[PATH_MAX + 128];
+    snprintf(path, sizeof(path), "%s/%s/first-failure.json", log_dir, job_id);
+    json_error_t je;
+    json_t *o = json_load_file(path, 0, &je);
+    json_t *r = json_object_get(o, "rank");
+    if (!json_is_integer(r)) {
+        json_decref(o);
+        return -1;
+    }
+    *rank = (int)json_integer_value(r);
+    *status = (int)json_integer_value(json_object_get(o, "status"));
+    const char *h = json_string_value(json_object_get(o, "host")), *w = json_string_value(json_object_get(o, "what"));
+    snprintf(host, host_len, "%s", h ? h : "");
+    snprintf(what, what_len, "%s", w ? w : "");
+    *time = json_number_value(json_object_get(o, "time"));
+    json_decref(o);
+    return 0;
+}
+
+int am_log_has_exit(const char *log_dir, const char *job_id, int rank)
+{
+    char path[PATH_MAX + 128], tail[4097];
+    snprintf(path, sizeof(path), "%s/%s/rank-%d.jsonl", log_dir, job_id, rank);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return 0;
+    struct stat st;
+    ssize_t n = -1;
+    if (fstat(fd, &st) == 0 && st.st_size > 0) {
+        off_t at = st.st_size > 4096 ? st.st_size - 4096 : 0;
+        n = pread(fd, tail, (size_t)(st.st_size - at), at);
+    }
+    close(fd);
+    if (n <= 1 || tail[n - 1] != '\n')
+        return 0;
+    tail[n - 1] = '\0';
+    const char *last = strrchr(tail, '\n');
+    last = last ? last + 1 : tail;
+    return strncmp(last, "{\"type\":\"exit\"", 15) == 0;
 }

@@ -67,4 +67,47 @@ int am_log_dir_prepare(const char *option, const char *job_id, char *out, size_t
  * message in err. */
 int am_exit_record(const char *log_dir, const char *job_id, const struct am_exit *e, char *err, size_t err_len);
 
+/* The stop record: a rank that had not failed is being stopped, and why. Written to the
+ * rank's log when the stop begins (before its exit record):
+ *
+ *   {"type":"stop","rank":0,"host":"n1","signal":"SIGTERM","by":"am-launch","because_rank":3,
+ *    "because_host":"n2","because":"rank 3 on n2 was killed by signal 11 (SIGSEGV, ...)",
+ *    "because_time":1767000000.1,"time":1767000000.2}
+ *
+ *   signal        the stop signal sent (standalone) or received from Slurm (under srun)
+ *   by            "am-launch" (the standalone launcher stops the others after a failure, or
+ *                 forwards the user's SIGINT/SIGTERM) or "slurm" (slurmstepd signalled the step:
+ *                 after another task's failure, scancel, the time limit, preemption)
+ *   because_*     the rank whose failure stopped the job, its host, what happened and when
+ *                 (wall clock); null when the stop did not come from a failure of the job
+ *                 (the user's signal; Slurm's, with no failure recorded)
+ * Under srun a task does not know why slurmstepd signals it: the failed task's supervisor
+ * leaves the first failure in <log dir>/<job id>/first-failure.json (am_failure_mark) before
+ * it stops the step, and the others read it (am_failure_read) when the signal comes. */
+struct am_stop {
+    int rank;
+    const char *host;
+    int signal;
+    const char *by;
+    int because_rank;           /* -1: none */
+    const char *because_host;   /* NULL: unknown */
+    const char *because;        /* NULL: none */
+    double because_time;        /* 0: unknown */
+};
+int am_stop_record(const char *log_dir, const char *job_id, const struct am_stop *s, char *err, size_t err_len);
+
+/* 1 when the last line of rank's log is its exit record (the rank has ended). */
+int am_log_has_exit(const char *log_dir, const char *job_id, int rank);
+
+/* first-failure.json: {"rank":3,"status":139,"host":"n2","what":"rank 3 on n2 was killed by ...",
+ * "time":T} (status: what that rank's am-launch exits with).
+ * am_failure_mark creates it unless it exists (written under a private name, then link()ed:
+ * the first supervisor wins, and no reader sees it half-written); returns 1
+ * when written, 0 when another supervisor was first, -1 on an error (errno set).
+ * am_failure_read: 0 and the fields, or -1 when there is none (or it cannot be read). */
+int am_failure_mark(const char *log_dir, const char *job_id, int rank, int status, const char *host,
+                    const char *what);
+int am_failure_read(const char *log_dir, const char *job_id, int *rank, int *status, char *host, size_t host_len,
+                    char *what, size_t what_len, double *time);
+
 #endif

@@ -12,11 +12,19 @@
  * the same deadline (plus a second) itself, in case the server ignores it.
  *
  * When the rank fails (non-zero exit, signal, abort request) and was not being stopped
- * (a forwarded SIGTERM/SIGINT), the supervisor records the exit, says why on stderr and
- * calls PMIx_Abort: Slurm's PMIx plugin then kills the whole step at once (verified with
- * Slurm 22.05: the other tasks end by SIGKILL within about a second, srun exits with the
- * abort status). A rank stopped by a forwarded signal ends the task without an abort: the
- * job is already being stopped by whoever sent it.
+ * (a stop signal), the supervisor records the exit, says why on stderr, leaves the failure in
+ * <log dir>/<job id>/first-failure.json and has Slurm send SIGINT to the step (stop_step), so
+ * that the other ranks record where they were (cause record, flight recorder) and their
+ * supervisors why they stop (a stop record naming this rank; they exit with this failure's
+ * status). When every other rank's exit record is in the log directory within STOP_GRACE_S,
+ * the task just exits with its status; otherwise it calls PMIx_Abort: Slurm's PMIx plugin
+ * then kills whatever is left of the step at once (verified with Slurm 22.05: the other
+ * tasks end by SIGKILL within about a second, srun exits with the abort status). Either way
+ * srun exits with the failed rank's status. A task whose rank fails after another rank's
+ * failure was recorded (a peer lost in a collective) ends with that first failure's status,
+ * without an abort. A rank stopped by a signal ends the task without an abort: the job is
+ * already being stopped by whoever sent it. Every task that did not abort calls
+ * PMIx_Finalize: a client that disconnects without it makes Slurm kill the whole step.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -60,6 +68,9 @@ struct inflight {
 
 struct task {
     const struct am_launch_opts *o;
+    int failed_first;   /* this task's rank failed and it is stopping the step */
+    int because_status; /* stopped because another rank failed: that failure's status */
+    int aborted;        /* PMIx_Abort was called: no PMIx_Finalize */
     pmix_proc_t me;
     struct am_boot_info info;
     char log_dir[4096];
@@ -353,17 +364,111 @@ static void serve(struct task *t)
 
 /* Stop signals that arrived with the rank's end (Slurm signals the rank and its supervisor
  * at the same time): they tell a stopped rank from a failed one. */
+/* The first stop signal of a rank that has not failed: a stop record in its log saying
+ * why, as far as this task knows (exit_record.h): the failure another task's supervisor left
+ * in first-failure.json, or Slurm's stop (scancel, the time limit, preemption). */
+static void stop_record(struct task *t, int sig, int forwarded)
+{
+    char host[256], what[1024], err[512];
+    int rank, status;
+    double when;
+    struct am_stop st = {.rank = t->info.rank, .host = t->info.host, .signal = sig,
+                         .by = forwarded ? "am-launch" : "slurm", .because_rank = -1};
+    if (am_failure_read(t->log_dir, t->info.job_id, &rank, &status, host, sizeof(host), what, sizeof(what), &when) == 0 &&
+        rank != t->info.rank) {
+        st.because_rank = rank;
+        st.because_host = host;
+        st.because = what;
+        st.because_time = when;
+        t->because_status = status;
+    } else if (!forwarded) {
+        st.because = "a stop signal from Slurm (scancel, srun, the time limit or preemption)";
+    }
+    if (am_stop_record(t->log_dir, t->info.job_id, &st, err, sizeof(err)) < 0)
+        fprintf(stderr, "am-launch: %s\n", err);
+}
+
 static void take_signals(struct task *t)
 {
     for (int sig, fwd; (sig = am_sigrelay_take(&fwd)) != 0;) {
         if (fwd && t->pid > 0)
             kill(t->pid, sig);
         if (sig == SIGTERM || sig == SIGINT) {
+            if (!t->stop_signal && !t->failed_first)
+                stop_record(t, sig, fwd);
             t->stop_signal = sig;
             if (fwd && t->kill_at == 0) /* Slurm's own stops end with its SIGKILL (KillWait) */
                 t->kill_at = now() + t->o->grace_s;
         }
     }
+}
+
+/* Before PMIx_Abort (whose SIGKILL leaves the other ranks no time to write a word), the
+ * task whose rank failed first (it created first-failure.json) has Slurm send SIGINT to the
+ * step (`scancel --signal=INT JOB.STEP`; not SIGTERM, which Slurm 22.05 treats as the step's
+ * cancellation and follows with its own kill), so that every other rank writes its cause
+ * record (the signal, with its flight recorder: the collective it waited in) and its
+ * supervisor a stop record naming this rank, and exits with this failure's status. Then it
+ * waits, up to STOP_GRACE_S, for every other rank's exit record to appear in the log
+ * directory (when it is shared): returns 1 when all did (the step ends by itself, and srun
+ * reports this failure's status), 0 when the abort must end what is left. The signal is
+ * sent again after 0.3 and 0.6 s while some rank has not ended (a lost RPC in Slurm's
+ * fan-out once left a node unsignalled here). */
+#define STOP_GRACE_S 1.5
+
+/* `scancel --signal=INT JOB.STEP`; 0, or -1 when it cannot be run. */
+static int signal_step(const char *job, const char *step)
+{
+    extern char **environ;
+    char target[96];
+    char *argv[] = {"scancel", "--signal=INT", target, NULL};
+    pid_t pid;
+    snprintf(target, sizeof(target), "%s.%s", job, step);
+    if ((pid = fork()) == 0) { /* exec at once: PMIx's threads are not in the child */
+        am_sigrelay_child();
+        execvpe(argv[0], argv, environ);
+        _exit(127);
+    }
+    if (pid < 0) {
+        fprintf(stderr, "am-launch: cannot run scancel to stop the step gently: %s\n", strerror(errno));
+        return -1;
+    }
+    int status = 0;
+    for (double end = now() + 10; waitpid(pid, &status, WNOHANG) == 0 && now() < end;) {
+        struct timespec ts = {0, 10 * 1000 * 1000};
+        nanosleep(&ts, NULL);
+    }
+    return WIFEXITED(status) && WEXITSTATUS(status) == 127 ? -1 : 0;
+}
+
+static int stop_step(struct task *t)
+{
+    const char *job = getenv("SLURM_JOB_ID"), *step = getenv("SLURM_STEP_ID");
+    if (!step)
+        step = getenv("SLURM_STEPID");
+    if (!job || !*job || !step || !*step)
+        return 0;
+    char *ended = calloc((size_t)t->info.size, 1);
+    int left = t->info.size - 1, sent = 0;
+    double start = now();
+    /* the signal again after 0.3 and 0.6 s for ranks whose log has no exit record yet: one
+     * Slurm RPC in a fan-out can be lost */
+    for (double end = start + STOP_GRACE_S; ended && left > 0 && now() < end;) {
+        if (sent < 3 && now() >= start + 0.3 * sent) {
+            if (signal_step(job, step) < 0)
+                break;
+            sent++;
+        }
+        struct timespec ts = {0, 50 * 1000 * 1000};
+        nanosleep(&ts, NULL);
+        for (int r = 0; r < t->info.size; r++)
+            if (r != t->info.rank && !ended[r] && am_log_has_exit(t->log_dir, t->info.job_id, r)) {
+                ended[r] = 1;
+                left--;
+            }
+    }
+    free(ended);
+    return left == 0;
 }
 
 static int rank_ended(struct task *t, int status)
@@ -372,6 +477,25 @@ static int rank_ended(struct task *t, int status)
     pid_t pid = t->pid;
     t->pid = 0; /* reaped: it gets no more signals */
     take_signals(t);
+    int sig = WIFSIGNALED(status) ? WTERMSIG(status) : 0;
+    if (!t->stop_signal && !t->abort_requested && (sig == SIGTERM || sig == SIGINT)) {
+        /* slurmstepd signals the step's processes one after the other: the rank may die of
+         * Slurm's SIGTERM before its supervisor gets its own; give that a moment, then
+         * believe first-failure.json (another task's failure is stopping the step) */
+        for (double end = now() + 0.5; !t->stop_signal && now() < end;) {
+            struct pollfd pfd = {.fd = t->sig_fd, .events = POLLIN};
+            poll(&pfd, 1, 20);
+            take_signals(t);
+        }
+        char host[256], what[1024];
+        int rank, st;
+        double when;
+        if (!t->stop_signal && am_failure_read(t->log_dir, t->info.job_id, &rank, &st, host, sizeof(host), what,
+                                               sizeof(what), &when) == 0 && rank != t->info.rank) {
+            stop_record(t, sig, 0);
+            t->stop_signal = sig;
+        }
+    }
     struct am_exit e = {.rank = t->info.rank, .host = t->info.host, .pid = pid, .status = status,
                         .oom_killed = am_oom_watch_killed(&t->oom, status), .stop_signal = t->stop_signal};
     if (e.oom_killed == 1 && t->stop_signal == SIGKILL)
@@ -388,12 +512,32 @@ static int rank_ended(struct task *t, int status)
     } else {
         am_exit_describe(&e, msg, sizeof(msg));
     }
-    if (t->stop_signal && !t->abort_requested)
-        return code; /* stopped by a forwarded signal: the job is ending anyway */
+    if (t->stop_signal && !t->abort_requested) {
+        /* stopped: the job is ending anyway. When another rank's failure stopped it, the task
+         * exits with that failure's status, so that srun reports the first failure's status
+         * whichever task it hears from last (the exit record keeps this rank's own). */
+        return t->because_status > 0 ? t->because_status : code;
+    }
+    t->failed_first = 1; /* no stop record for the signals that come next */
+    int first = am_failure_mark(t->log_dir, t->info.job_id, t->info.rank, code, t->info.host, msg);
+    char host[256], what[1024];
+    int other, other_status;
+    double when;
+    if (first == 0 && am_failure_read(t->log_dir, t->info.job_id, &other, &other_status, host, sizeof(host), what,
+                                      sizeof(what), &when) == 0 && other != t->info.rank) {
+        /* another rank failed first (this one, say, lost it as a peer): that rank's task is
+         * stopping the step; this one ends with that failure's status, without an abort */
+        fprintf(stderr, "am-launch: %s, after rank %d on %s failed first, which stops the job (log: %s/%s/rank-%d.jsonl)\n",
+                msg, other, host, t->log_dir, t->info.job_id, t->info.rank);
+        return other_status > 0 ? other_status : code;
+    }
     fprintf(stderr, "am-launch: %s; aborting the job (log: %s/%s/rank-%d.jsonl)\n", msg, t->log_dir,
             t->info.job_id, t->info.rank);
+    if (first == 1 && stop_step(t))
+        return code; /* every other rank has ended: no abort needed */
     char abort_msg[1100];
     snprintf(abort_msg, sizeof(abort_msg), "am-launch: %s", msg);
+    t->aborted = 1;
     pmix_status_t rc = PMIx_Abort(code, abort_msg, NULL, 0);
     if (rc != PMIX_SUCCESS)
         fprintf(stderr, "am-launch: PMIx_Abort failed (%s): the other ranks may wait until their timeout\n",
@@ -484,6 +628,7 @@ int am_launch_pmix(const struct am_launch_opts *o)
         char msg[1100];
         snprintf(msg, sizeof(msg), "am-launch: %s", err);
         fprintf(stderr, "%s; aborting the job\n", msg);
+        t->aborted = 1;
         PMIx_Abort(1, msg, NULL, 0);
         goto out;
     }
@@ -492,6 +637,7 @@ int am_launch_pmix(const struct am_launch_opts *o)
     t->sig_fd = am_sigrelay_install(getenv("SLURM_JOB_ID") ? getppid() : 0);
     if (t->sig_fd < 0 || pipe2(t->wake, O_CLOEXEC | O_NONBLOCK) < 0) {
         fprintf(stderr, "am-launch: cannot set up the supervisor: %s; aborting the job\n", strerror(errno));
+        t->aborted = 1;
         PMIx_Abort(1, "am-launch: cannot set up the supervisor", NULL, 0);
         goto out;
     }
@@ -504,6 +650,7 @@ int am_launch_pmix(const struct am_launch_opts *o)
         fprintf(stderr, "am-launch: rank %d on %s: %s; aborting the job\n", t->info.rank, t->info.host, err);
         char msg[1536];
         snprintf(msg, sizeof(msg), "am-launch: rank %d on %s: %s", t->info.rank, t->info.host, err);
+        t->aborted = 1;
         PMIx_Abort(127, msg, NULL, 0);
         rc = 127;
         goto out;
@@ -514,10 +661,14 @@ out:
         close(t->fd);
     if (t->sig_fd >= 0)
         am_sigrelay_uninstall();
-    if (initialized && rc == 0)
+    /* A task that ends without PMIx_Abort finalizes, failed or not, even with a fence in
+     * flight (verified: Slurm 22.05's server answers the finalize): Slurm's PMIx server kills
+     * the whole step when a client's connection drops without it (its error handler), which
+     * would cut short the other ranks' records of a failure and make srun report SIGKILL. */
+    if (initialized && !t->aborted)
         PMIx_Finalize(NULL, 0);
     /* With an operation in flight (the rank died in a fence), a PMIx callback may still
-     * come: PMIx is left as is and `t` stays allocated; the process exits next. */
+     * come: `t` stays allocated; the process exits next. */
     if (t->op.seq == 0) {
         if (t->wake[0] >= 0) {
             close(t->wake[0]);

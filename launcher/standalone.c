@@ -88,8 +88,27 @@ static void signal_all(struct job *j, int sig, int except)
     }
 }
 
-/* The first failure decides the job's status; then every other rank is stopped. */
-static void fail_job(struct job *j, int rank, int rc)
+/* Before stopping the running ranks: a stop record in each one's log saying why
+ * (exit_record.h): the failed rank (or none: the user's signal) and what happened. */
+static void stop_records(struct job *j, int sig, int except, int because, const char *why)
+{
+    char err[512];
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    for (int r = 0; r < j->n; r++) {
+        if (j->slot[r].pid <= 0 || r == except || exited(j->slot[r].pid) || j->slot[r].stop_signal)
+            continue;
+        struct am_stop st = {.rank = r, .host = j->host, .signal = sig, .by = "am-launch", .because_rank = because,
+                             .because_host = because >= 0 ? j->host : NULL, .because = why,
+                             .because_time = because >= 0 ? (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec : 0};
+        if (am_stop_record(j->log_dir, j->job_id, &st, err, sizeof(err)) < 0)
+            fprintf(stderr, "am-launch: %s\n", err);
+    }
+}
+
+/* The first failure decides the job's status; then every other rank is stopped. `why`
+ * says what happened to `rank` (-1: not a rank's failure), for the others' stop records. */
+static void fail_job(struct job *j, int rank, int rc, const char *why)
 {
     if (j->stopping)
         return;
@@ -97,6 +116,7 @@ static void fail_job(struct job *j, int rank, int rc)
     j->rc = rc;
     j->first_failed = rank;
     j->kill_at = now() + j->o->grace_s;
+    stop_records(j, SIGTERM, rank, rank, why);
     signal_all(j, SIGTERM, rank);
 }
 
@@ -127,7 +147,7 @@ static void rank_ended(struct job *j, int r, int status)
         return;
     am_exit_describe(&e, msg, sizeof(msg));
     fprintf(stderr, "am-launch: %s; stopping the other ranks\n", msg);
-    fail_job(j, r, am_exit_code(status));
+    fail_job(j, r, am_exit_code(status), msg);
 }
 
 static void serve(struct job *j, int r)
@@ -137,12 +157,15 @@ static void serve(struct job *j, int r)
     enum am_boot_event ev = am_boot_server_serve(j->srv, r, j->slot[r].fd, &status, msg, sizeof(msg));
     if (ev == AM_BOOT_OK)
         return;
+    char why[1100];
     if (ev == AM_BOOT_ABORTED) {
         fprintf(stderr, "am-launch: rank %d aborted the job (status %d): %s\n", r, status, msg);
-        fail_job(j, r, status ? status : 1);
+        snprintf(why, sizeof(why), "rank %d on %s aborted the job (status %d): %s", r, j->host, status, msg);
+        fail_job(j, r, status ? status : 1, why);
     } else if (ev == AM_BOOT_BAD) {
         fprintf(stderr, "am-launch: rank %d misbehaved: %s; stopping the job\n", r, msg);
-        fail_job(j, r, 1);
+        snprintf(why, sizeof(why), "rank %d on %s misbehaved: %s", r, j->host, msg);
+        fail_job(j, r, 1, why);
         signal_all(j, SIGTERM, -1);
     } else if (ev == AM_BOOT_CLOSED && j->slot[r].pid > 0) {
         /* probably exiting: let its exit be seen first (see DROP_DELAY_S) */
@@ -158,7 +181,10 @@ static void forward(struct job *j, int sig)
 {
     char name[32];
     if (sig == SIGTERM || sig == SIGINT) {
+        char why[64];
         fprintf(stderr, "am-launch: got %s, stopping every rank\n", am_signal_name(sig, name, sizeof(name)));
+        snprintf(why, sizeof(why), "am-launch got %s", name);
+        stop_records(j, sig, -1, -1, why);
         signal_all(j, sig, -1);
         if (!j->stopping) {
             j->stopping = 1;
@@ -207,7 +233,7 @@ static void loop(struct job *j)
             j->pfd[r + 1] = (struct pollfd){.fd = j->slot[r].fd, .events = POLLIN};
         if (poll(j->pfd, (nfds_t)j->n + 1, timeout) < 0 && errno != EINTR) {
             fprintf(stderr, "am-launch: poll: %s\n", strerror(errno));
-            fail_job(j, -1, 1);
+            fail_job(j, -1, 1, "am-launch failed (poll)");
             signal_all(j, SIGKILL, -1);
         }
         for (int sig, fwd; (sig = am_sigrelay_take(&fwd)) != 0;)
@@ -272,7 +298,7 @@ int am_launch_standalone(const struct am_launch_opts *o)
         goto out;
     }
     if (start(&j) < 0)
-        fail_job(&j, -1, 127);
+        fail_job(&j, -1, 127, "am-launch could not start every rank");
     loop(&j);
     if (j.first_failed >= 0)
         fprintf(stderr, "am-launch: job %s failed: rank %d failed first (exit status %d); logs in %s/%s/\n", j.job_id,

@@ -51,7 +51,7 @@ int am_log_record(struct am_log *l, const char *type, json_t *obj)
         json_object_set_new(rec, "type", json_string(type));
     json_object_update(rec, obj);
     json_decref(obj);
-    char *s = json_dumps(rec, JSON_COMPACT | JSON_REAL_PRECISION(9));
+    char *s = json_dumps(rec, JSON_COMPACT | JSON_REAL_PRECISION(16));
     json_decref(rec);
     if (!s || l->fd < 0)
         goto out;

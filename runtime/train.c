@@ -45,7 +45,7 @@ struct trainer {
     struct am_watchdog wd;
     struct am_fault fault;
     const char **hosts;                 /* host of each global rank */
-    double comm_s;                      /* seconds in collectives this step */
+    double comm_s;                      /* seconds in communication calls this step */
 };
 
 static int fail(struct am_errors *err, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
@@ -263,21 +263,24 @@ static void report(struct trainer *t, json_t *cause)
     am_crash_report_end();
 }
 
-/* A communication call on group c failed: "timeout" (the backend's wait expired) or
- * "comm" (an error, naming the peer and its host). */
-static void report_comm(struct trainer *t, struct am_comm *c)
+/* The rank fails with `message`. When its last communication call failed (any group: the
+ * data-parallel all-reduce, or a tensor-parallel collective inside the model), the cause is
+ * that call: "timeout" (the backend's wait expired) or "comm" (an error, naming the peer and
+ * its host); otherwise "error" with the message. */
+static void report_error(struct trainer *t, const char *message)
 {
     struct am_flight_view v;
     uint64_t newest = atomic_load(&t->flight.newest);
-    if (!am_flight_get(&t->flight, newest, &v)) {
-        report(t, json_pack("{s:s,s:s}", "cause", "comm", "message", am_comm_error(c)));
+    if (!am_flight_get(&t->flight, newest, &v) || v.state == AM_FLIGHT_COMPLETED || v.state == AM_FLIGHT_STARTED ||
+        v.state == AM_FLIGHT_ISSUED) {
+        report(t, json_pack("{s:s,s:s}", "cause", "error", "message", message));
         return;
     }
     int timed_out = v.state == AM_FLIGHT_TIMED_OUT;
     double waited = (v.ended > 0 ? v.ended : am_flight_now()) - (v.started > 0 ? v.started : v.enqueued);
     report(t, am_watchdog_comm_cause(&t->flight, &v, timed_out ? "timeout" : "comm", "backend", waited,
                                      timed_out ? t->s->timeout_s : 0, t->s->info.rank, t->hosts, t->s->info.size,
-                                     am_comm_error(c)));
+                                     message));
 }
 
 /* AM_FAULT at the start of a step: writes the "fault" record, then misbehaves (fault.h). */
@@ -351,6 +354,27 @@ static int save_checkpoint(struct trainer *t, long step, struct am_errors *err)
     return 0;
 }
 
+/* One data-parallel collective of the step. */
+static int allreduce(struct trainer *t, void *buf, size_t n, long step, struct am_errors *err)
+{
+    if (am_allreduce(t->dp, buf, buf, n, AM_F32, AM_SUM) < 0)
+        return fail(err, "step %ld: %s", step, am_comm_error(t->dp));
+    return 0;
+}
+
+/* A non-finite loss or gradient norm: origin "local" (this rank's own, before any reduction:
+ * this rank is where it came from) or "reduced" (after the data-parallel all-reduce). */
+static int nonfinite(struct trainer *t, long step, double loss, double norm, const char *origin, struct am_errors *err)
+{
+    const char *bad = first_nonfinite(&t->model);
+    json_t *o = json_pack("{s:s,s:i,s:s,s:s}", "cause", "nonfinite", "step", (int)step, "tensor", bad, "origin", origin);
+    json_object_set_new(o, "loss", number(loss));
+    json_object_set_new(o, "grad_norm", number(norm));
+    report(t, o);
+    return fail(err, "step %ld: the %s loss or gradient norm is not finite (loss %g, grad norm %g; first non-finite "
+                "gradient: %s)", step, origin, loss, norm, bad);
+}
+
 static int run(struct trainer *t, struct am_errors *err)
 {
     const struct am_recipe *r = t->r;
@@ -359,9 +383,13 @@ static int run(struct trainer *t, struct am_errors *err)
     double total_tokens = (double)p->global_batch * (double)p->seq_length;
     float dloss_scale = (float)(1.0 / total_tokens);
     double t0 = am_mono_time();
+    int rank = t->s->info.rank;
     for (long step = 0; step < r->steps.max_steps; step++) {
         double ts = am_mono_time(), loss_sum = 0;
         char msg[1024];
+        am_crash_set_step(step + 1);
+        double busy0 = am_comm_ctx_busy_s(t->ctx);
+        fault_at_step_start(t, step + 1);
         am_model_zero_grad(m);
         for (int64_t a = 0; a < p->grad_accum; a++) {
             double mb_loss;
@@ -374,26 +402,30 @@ static int run(struct trainer *t, struct am_errors *err)
         }
         if (am_model_finish_grads(m, msg, sizeof(msg)) < 0)
             return fail(err, "step %ld: %s", step + 1, msg);
+        fault_nan(t, step + 1);
+        struct am_tensor g = am_tensor_view(m->grad_mem, t->K->device, AM_T_F32, (int64_t)m->n_elems, 0, 0, 0);
         float loss_f = (float)loss_sum;
         if (p->dp > 1) {
-            if (am_allreduce(t->dp, m->grad_mem, m->grad_mem, m->n_elems, AM_F32, AM_SUM) < 0 ||
-                am_allreduce(t->dp, &loss_f, &loss_f, 1, AM_F32, AM_SUM) < 0)
-                return fail(err, "step %ld: %s", step + 1, am_comm_error(t->dp));
+            /* this rank's own gradient first: a NaN is reported by the rank it came from, not
+             * by every rank after the all-reduce has spread it (one read of the gradients) */
+            double local = t->K->sum_squares(&g);
+            if (!isfinite(loss_sum) || !isfinite(local))
+                return nonfinite(t, step + 1, loss_sum / total_tokens, sqrt(local), "local", err);
+            if (am_fault_due(&t->fault, rank, step + 1, AM_FAULT_HANG_IN_COLLECTIVE)) {
+                fault_record(t, step + 1, NULL);
+                am_comm_inject_stall(t->dp, am_comm_seq(t->dp) + 1);
+            }
+            if (allreduce(t, m->grad_mem, m->n_elems, step + 1, err) < 0 || allreduce(t, &loss_f, 1, step + 1, err) < 0)
+                return -1;
             loss_sum = loss_f;
         }
         double loss = loss_sum / total_tokens;
-        struct am_tensor g = am_tensor_view(m->grad_mem, t->K->device, AM_T_F32, (int64_t)m->n_elems, 0, 0, 0);
         double sumsq;
         if (am_model_grad_sumsq(m, &sumsq, msg, sizeof(msg)) < 0)
             return fail(err, "step %ld: %s", step + 1, msg);
         double norm = sqrt(sumsq);
-        if (!isfinite(loss) || !isfinite(norm)) {
-            const char *bad = first_nonfinite(m);
-            am_log_record(&t->log, "cause", json_pack("{s:s,s:i,s:f,s:f,s:s}", "cause", "nonfinite", "step",
-                                                      (int)step + 1, "loss", loss, "grad_norm", norm, "tensor", bad));
-            return fail(err, "step %ld: the loss or gradient norm is not finite (loss %g, grad norm %g; first "
-                        "non-finite gradient: %s)", step + 1, loss, norm, bad);
-        }
+        if (!isfinite(loss) || !isfinite(norm))
+            return nonfinite(t, step + 1, loss, norm, p->dp > 1 ? "reduced" : "local", err);
         if (r->optim.max_grad_norm > 0) {
             double coef = r->optim.max_grad_norm / (norm + 1e-6);
             if (coef < 1.0)
@@ -402,11 +434,12 @@ static int run(struct trainer *t, struct am_errors *err)
         double lr = am_lr_at(r, step);
         am_optim_step(&t->optim, m->param_mem, m->grad_mem, (float)lr);
         double dt = am_mono_time() - ts;
-        am_log_record(&t->log, "step", json_pack("{s:i,s:f,s:f,s:f,s:I,s:f,s:f}", "step", (int)step + 1, "loss",
+        t->comm_s = am_comm_ctx_busy_s(t->ctx) - busy0;
+        am_log_record(&t->log, "step", json_pack("{s:i,s:f,s:f,s:f,s:I,s:f,s:f,s:f}", "step", (int)step + 1, "loss",
                                                  loss, "lr", lr, "grad_norm", norm, "tokens",
                                                  (json_int_t)p->tokens_per_step, "step_s", dt, "time",
-                                                 am_wall_time()));
-        if (t->s->info.rank == 0)
+                                                 am_wall_time(), "comm_s", t->comm_s));
+        if (rank == 0)
             print_step(t, step, loss, lr, norm, dt, am_mono_time() - t0);
         if (r->ckpt.enabled && r->steps.ckpt_every > 0 && (step + 1) % r->steps.ckpt_every == 0 &&
             save_checkpoint(t, step + 1, err) < 0)
@@ -417,19 +450,57 @@ static int run(struct trainer *t, struct am_errors *err)
     return 0;
 }
 
+/* Diagnostics that need nothing but the environment and the rank: AM_FAULT, the flight
+ * recorder's size, the watchdog's timeout, every rank's host (for messages). */
+static int setup_diagnostics(struct trainer *t, struct am_errors *err)
+{
+    char msg[512];
+    size_t size;
+    if (am_fault_parse(getenv("AM_FAULT"), &t->fault, msg, sizeof(msg)) < 0 ||
+        am_fault_check(&t->fault, t->s->info.size, t->p->dp, msg, sizeof(msg)) < 0 ||
+        am_flight_size_from_env(&size, msg, sizeof(msg)) < 0 ||
+        am_watchdog_timeout(t->s->timeout_s, &t->wd.timeout_s, &t->wd.timeout_from, msg, sizeof(msg)) < 0 ||
+        am_flight_init(&t->flight, size, msg, sizeof(msg)) < 0)
+        return fail(err, "%s", msg);
+    t->hosts = calloc((size_t)t->s->info.size, sizeof(*t->hosts));
+    if (!t->hosts)
+        return fail(err, "out of memory for %d host names", t->s->info.size);
+    for (int r = 0; r < t->s->info.size; r++)
+        t->hosts[r] = t->s->ranks ? t->s->ranks[r].host : "";
+    return 0;
+}
+
 int am_train(struct am_rank_setup *s, struct am_errors *err)
 {
     struct trainer t = {.s = s, .r = s->recipe, .p = &s->plan, .K = am_kernels_for(AM_DEV_CPU)};
     char msg[512];
-    int rc = -1;
-    if (check_supported(t.p, err) < 0)
+    int rc = -1, crash = 0;
+    t.log.fd = -1;
+    if (check_supported(t.p, err) < 0 || setup_diagnostics(&t, err) < 0)
         goto out;
     if (am_log_open(&t.log, NULL, s->info.job_id, s->info.rank, msg, sizeof(msg)) < 0) {
         fail(err, "%s", msg);
         goto out;
     }
+    if (am_crash_install(t.log.fd, s->info.rank, &t.flight, msg, sizeof(msg)) < 0) {
+        fail(err, "%s", msg);
+        goto out;
+    }
+    crash = 1;
     log_start(&t);
-    if (build_comms(&t, err) < 0 || build_model(&t, err) < 0 || build_data(&t, err) < 0)
+    if (build_comms(&t, err) < 0)
+        goto out;
+    t.wd.flight = &t.flight;
+    t.wd.ctx = t.ctx;
+    t.wd.log = &t.log;
+    t.wd.hosts = t.hosts;
+    t.wd.n_hosts = s->info.size;
+    t.wd.rank = s->info.rank;
+    if (am_watchdog_start(&t.wd, msg, sizeof(msg)) < 0) {
+        fail(err, "%s", msg);
+        goto out;
+    }
+    if (build_model(&t, err) < 0 || build_data(&t, err) < 0)
         goto out;
     if (am_optim_init(&t.optim, t.K, t.model.n_elems, t.r) < 0) {
         fail(err, "out of memory for the optimizer state of %zu parameters", t.model.n_elems);
@@ -437,8 +508,11 @@ int am_train(struct am_rank_setup *s, struct am_errors *err)
     }
     rc = run(&t, err);
 out:
+    am_watchdog_stop(&t.wd);
     if (rc < 0 && t.log.fd >= 0 && err->n)
-        am_log_record(&t.log, "cause", json_pack("{s:s,s:s}", "cause", "error", "message", err->msg[0]));
+        report_error(&t, err->msg[0]);
+    if (crash)
+        am_crash_uninstall();
     am_optim_free(&t.optim);
     am_model_free(&t.model);
     am_gpt_close(t.data);
@@ -450,6 +524,8 @@ out:
     free(t.comms);
     am_group_set_free(&t.groups);
     am_comm_ctx_fini(t.ctx);
+    am_flight_free(&t.flight);
+    free(t.hosts);
     am_log_close(&t.log);
     return rc;
 }

@@ -1,0 +1,85 @@
+/* am-diag - after a job: which rank failed first, and why; what happened to the others.
+ *
+ *   am-diag LOGDIR [--json]
+ *
+ * LOGDIR is the job's log directory (<log dir>/<job id>, holding rank-<R>.jsonl), or a log
+ * directory holding exactly one job. Prints a short summary, then per-rank details; --json
+ * prints one JSON object instead (docs/diagnostics.md). Exit status: 0 the job was clean,
+ * 1 a failure was found, 2 the input is unusable (with a message).
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "diag.h"
+
+static void usage(FILE *f)
+{
+    fprintf(f, "usage: am-diag LOGDIR [--json]\n"
+               "  LOGDIR   a job's log directory (<log dir>/<job id>, with rank-<R>.jsonl files),\n"
+               "           or a log directory that holds one job\n"
+               "  --json   one JSON object: first_failure, ranks (verdicts), missing_ranks, mismatches\n"
+               "exit status: 0 clean, 1 failure found, 2 unusable input\n");
+}
+
+int main(int argc, char **argv)
+{
+    const char *dir = NULL;
+    int json = 0;
+    for (int i = 1; i < argc; i++) {
+        if (strcmp(argv[i], "--json") == 0) {
+            json = 1;
+        } else if (strcmp(argv[i], "-h") == 0 || strcmp(argv[i], "--help") == 0) {
+            usage(stdout);
+            return 0;
+        } else if (argv[i][0] == '-' && argv[i][1]) {
+            fprintf(stderr, "am-diag: unknown option %s\n", argv[i]);
+            usage(stderr);
+            return 2;
+        } else if (dir) {
+            fprintf(stderr, "am-diag: one LOGDIR only (got %s and %s)\n", dir, argv[i]);
+            return 2;
+        } else {
+            dir = argv[i];
+        }
+    }
+    if (!dir) {
+        usage(stderr);
+        return 2;
+    }
+    struct am_diag d;
+    char err[1024];
+    am_diag_init(&d);
+    if (am_diag_load_dir(&d, dir, err, sizeof(err)) < 0) {
+        fprintf(stderr, "am-diag: %s\n", err);
+        am_diag_free(&d);
+        return 2;
+    }
+    int records = 0;
+    for (int q = 0; q < d.n_ranks; q++)
+        records += d.ranks[q].lines - d.ranks[q].bad_lines - d.ranks[q].truncated;
+    if (records == 0) {
+        fprintf(stderr, "am-diag: %s: the rank logs hold no record (every line is empty or not JSON): nothing to "
+                "analyse\n", d.dir);
+        am_diag_free(&d);
+        return 2;
+    }
+    am_diag_analyze(&d);
+    if (json) {
+        json_t *o = am_diag_json(&d);
+        char *text = json_dumps(o, JSON_COMPACT | JSON_REAL_PRECISION(16));
+        json_decref(o);
+        if (!text) {
+            fprintf(stderr, "am-diag: out of memory\n");
+            am_diag_free(&d);
+            return 2;
+        }
+        printf("%s\n", text);
+        free(text);
+    } else {
+        am_diag_print(&d, stdout);
+    }
+    int rc = d.failed ? 1 : 0;
+    am_diag_free(&d);
+    return rc;
+}

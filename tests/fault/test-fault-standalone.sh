@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# test-fault-standalone.sh - the fault matrix on one machine: `am-launch --nproc 4` with
+# AM_FAULT, every kind at two (rank, step) places; checks in tests/fault/lib.sh. The oom
+# kind runs in a fresh memory cgroup with a 1 GiB limit (skipped, with a message, where
+# none can be made: every other kind still runs).
+set -uo pipefail
+source "$(dirname "$0")/lib.sh"
+
+T=$(mktemp -d /tmp/am-fault-standalone.XXXXXX)
+CG=""
+cleanup() {
+  [[ -n $CG && -d $CG ]] && rmdir "$CG" 2>/dev/null
+  rm -rf "$T"
+}
+trap cleanup EXIT
+HOST=$(hostname)
+host_of() { echo "$HOST"; }
+make_recipe "$T" || { echo "FAIL: cannot build the corpus"; exit 1; }
+
+NPROC=4
+# run NAME KIND RANK STEP [CGROUP]: one job; sets RC, WALL, DIR
+run() {
+  local name=$1 kind=$2 rank=$3 step=$4 cg=${5:-}
+  local logs=$T/$name/logs start
+  mkdir -p "$T/$name"
+  start=$(date +%s.%N)
+  (
+    [[ -n $cg ]] && echo $BASHPID >"$cg/cgroup.procs"
+    cd "$T" && AM_FAULT="rank=$rank,step=$step,kind=$kind" AM_WATCHDOG_S=$WATCHDOG_S \
+      exec timeout 60 "$LAUNCH" --nproc $NPROC --log-dir "$logs" "$T/tiny.yaml"
+  ) >"$T/$name/out" 2>"$T/$name/err"
+  RC=$?
+  WALL=$(awk -v a="$start" -v b="$(date +%s.%N)" 'BEGIN { printf "%.2f", b - a }')
+  DIR=$(find "$logs" -mindepth 1 -maxdepth 1 -type d | head -n 1)
+  check_case "standalone $kind at rank $rank, step $step" "$kind" "$rank" "$step" $NPROC "$DIR" "$RC" "$WALL" host_of
+  [[ $FAILED == 0 ]] || sed 's/^/    stderr: /' "$T/$name/err" | head -n 20
+}
+
+for place in "1 2" "3 4"; do
+  set -- $place
+  for kind in segv abort exit:3 nan kill hang hang-in-collective slow:2.5; do
+    run "${kind%%:*}-$1-$2" "$kind" "$1" "$2"
+  done
+done
+
+# am-diag's input: a log root holding one job is read like the job's directory; unusable
+# input exits 2 with a message
+"$DIAG" "$T/segv-1-2/logs" >/dev/null 2>&1
+rc=$?
+[[ $rc == 1 ]] && pass "am-diag reads a log root holding one job" || fail "am-diag on a log root with one job exited $rc, want 1"
+"$DIAG" "$T/nonexistent" >/dev/null 2>"$T/diag-err"
+rc=$?
+if [[ $rc == 2 ]] && grep -qxF "am-diag: $T/nonexistent: No such file or directory (give the job's log directory: <log dir>/<job id>, holding rank-<R>.jsonl)" "$T/diag-err"; then
+  pass "am-diag: no such directory: exit 2 with a message"
+else
+  fail "am-diag: no such directory: exit $rc, $(cat "$T/diag-err")"
+fi
+mkdir -p "$T/two" && cp -r "$T/segv-1-2/logs/"* "$T/abort-1-2/logs/"* "$T/two/"
+"$DIAG" "$T/two" --json >/dev/null 2>"$T/diag-err"
+rc=$?
+if [[ $rc == 2 ]] && grep -q "^am-diag: $T/two holds the logs of 2 jobs (" "$T/diag-err"; then
+  pass "am-diag: two jobs in one directory: exit 2 with a message"
+else
+  fail "am-diag: two jobs: exit $rc, $(cat "$T/diag-err")"
+fi
+
+if out=$(memory_cgroup am-fault-oom-$$ $((1 << 30))); then
+  CG=${out% *}
+  for place in "1 2" "3 4"; do
+    set -- $place
+    run "oom-$1-$2" oom "$1" "$2" "$CG"
+  done
+else
+  echo "SKIP: oom: cannot create a memory cgroup with a limit here (not root, or no writable memory controller); every other kind ran"
+fi
+finish

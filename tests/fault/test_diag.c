@@ -1,0 +1,547 @@
+/* test_diag.c - am-diag's analysis (diag.h) on hand-written rank logs: the culprit and its
+ * victims, hangs outside and inside a collective, missing ranks, a cut last line, mismatches,
+ * stragglers, a job stopped from outside, exits without a cause, and the JSON fields. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "diag.h"
+
+/* ---- writing logs --------------------------------------------------------------------------- */
+
+struct log {
+    char text[65536];
+    size_t len;
+};
+
+static void line(struct log *l, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void line(struct log *l, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    l->len += (size_t)vsnprintf(l->text + l->len, sizeof(l->text) - l->len, fmt, ap);
+    va_end(ap);
+    l->len += (size_t)snprintf(l->text + l->len, sizeof(l->text) - l->len, "\n");
+}
+
+#define T0 1767000000.0
+
+static void start(struct log *l, int rank, int world, const char *host)
+{
+    l->len = 0;
+    line(l, "{\"type\":\"start\",\"host\":\"%s\",\"pid\":%d,\"rank\":%d,\"world\":%d,\"job\":\"42.0\",\"local_rank\":%d,"
+            "\"coords\":{\"pp\":0,\"dp_replicate\":0,\"dp_shard\":%d,\"cp\":0,\"tp\":0,\"ep\":0},\"device\":\"cpu\","
+            "\"time\":%.6f,\"max_steps\":6}", host, 100 + rank, rank, world, rank % 2, rank, T0);
+    char ranks[256] = "";
+    for (int r = 0; r < world; r++)
+        snprintf(ranks + strlen(ranks), sizeof(ranks) - strlen(ranks), "%s%d", r ? "," : "", r);
+    line(l, "{\"type\":\"groups\",\"rank\":%d,\"groups\":[{\"name\":\"dp\",\"gid\":0,\"ranks\":[%s]}]}", rank, ranks);
+}
+
+/* steps 1..n, each 1 s, comm_s as given */
+static void steps(struct log *l, int n, double comm_s)
+{
+    for (int s = 1; s <= n; s++)
+        line(l, "{\"type\":\"step\",\"step\":%d,\"loss\":5.0,\"step_s\":1.0,\"comm_s\":%.3f,\"time\":%.6f}", s, comm_s,
+             T0 + s);
+}
+
+/* flight entries: collectives #1..#done completed (allreduce of 100 fp32), then #done+1 in
+ * state `state` (NULL: none) waiting for `waiting` (-1: null) */
+static void flight(struct log *l, int done, const char *state, int waiting, uint64_t count)
+{
+    for (int s = 1; s <= done; s++)
+        line(l, "{\"type\":\"flight\",\"id\":%d,\"group\":\"dp\",\"gid\":0,\"seq\":%d,\"op\":\"allreduce\","
+                "\"dtype\":\"fp32\",\"count\":100,\"bytes\":400,\"redop\":\"sum\",\"peer\":null,\"state\":\"completed\","
+                "\"enqueued\":%.6f,\"started\":%.6f,\"ended\":%.6f,\"waiting_for\":null}", s, s, T0 + s, T0 + s,
+             T0 + s + 0.01);
+    if (!state)
+        return;
+    char w[16];
+    snprintf(w, sizeof(w), waiting < 0 ? "null" : "%d", waiting);
+    line(l, "{\"type\":\"flight\",\"id\":%d,\"group\":\"dp\",\"gid\":0,\"seq\":%d,\"op\":\"allreduce\",\"dtype\":\"fp32\","
+            "\"count\":%llu,\"bytes\":400,\"redop\":\"sum\",\"peer\":null,\"state\":\"%s\",\"enqueued\":%.6f,"
+            "\"started\":%.6f,\"ended\":null,\"waiting_for\":%s}", done + 1, done + 1, (unsigned long long)count, state,
+         T0 + done + 1, T0 + done + 1, w);
+}
+
+static void sigterm(struct log *l, int rank, int step, double t, const char *from)
+{
+    line(l, "{\"type\":\"cause\",\"cause\":\"signal\",\"signal\":15,\"signal_name\":\"SIGTERM\",\"code\":0,"
+            "\"code_name\":\"SI_USER\",\"addr\":null,\"sender_pid\":99,\"from\":\"%s\",\"rank\":%d,\"step\":%d,"
+            "\"time\":%.6f,\"backtrace\":[]}", from, rank, step, t);
+}
+
+static void exit_rec(struct log *l, int rank, int status, int sig, const char *signame, const char *stop, double t)
+{
+    char sn[32], st[32];
+    snprintf(sn, sizeof(sn), signame ? "\"%s\"" : "null", signame);
+    snprintf(st, sizeof(st), stop ? "\"%s\"" : "null", stop);
+    line(l, "{\"type\":\"exit\",\"rank\":%d,\"host\":\"h\",\"pid\":1,\"status\":%d,\"signal\":%d,\"signal_name\":%s,"
+            "\"core_dumped\":false,\"oom_killed\":false,\"stop_signal\":%s,\"time\":%.6f}", rank, status, sig, sn, st, t);
+}
+
+static void timeout(struct log *l, int rank, int seq, int waiting, double t)
+{
+    char w[16];
+    snprintf(w, sizeof(w), waiting < 0 ? "null" : "%d", waiting);
+    line(l, "{\"type\":\"cause\",\"cause\":\"timeout\",\"by\":\"watchdog\",\"op\":\"allreduce\",\"group\":\"dp\","
+            "\"gid\":0,\"seq\":%d,\"count\":100,\"bytes\":400,\"waited_s\":5.0,\"rank\":%d,\"time\":%.6f,"
+            "\"timeout_s\":5.0,\"peer\":null,\"waiting_for\":%s,\"waiting_for_host\":null,\"step\":3,"
+            "\"message\":\"x\"}", seq, rank, t, w);
+}
+
+static void add(struct am_diag *d, int rank, const struct log *l)
+{
+    assert_int_equal(am_diag_add_log(d, rank, l->text, l->len), 0);
+}
+
+static char *json_text(const struct am_diag *d)
+{
+    json_t *o = am_diag_json(d);
+    char *s = json_dumps(o, JSON_COMPACT);
+    json_decref(o);
+    return s;
+}
+
+static void expect_in_json(const struct am_diag *d, const char *part)
+{
+    char *s = json_text(d);
+    if (!strstr(s, part))
+        fail_msg("no %s in %s", part, s);
+    free(s);
+}
+
+/* ---- the cases ---------------------------------------------------------------------------------- */
+
+/* rank 2 segfaults at step 3; the others wait in allreduce #5 and are stopped by am-launch */
+static void test_crash_and_victims(void **state)
+{
+    (void)state;
+    struct am_diag d;
+    struct log l;
+    am_diag_init(&d);
+    for (int r = 0; r < 4; r++) {
+        start(&l, r, 4, r < 2 ? "n1" : "n2");
+        steps(&l, 2, 0.01);
+        if (r == 2) {
+            flight(&l, 4, NULL, -1, 100);
+            line(&l, "{\"type\":\"cause\",\"cause\":\"signal\",\"signal\":11,\"signal_name\":\"SIGSEGV\",\"code\":1,"
+                     "\"code_name\":\"SEGV_MAPERR\",\"addr\":\"0x10\",\"sender_pid\":null,\"from\":\"kernel\",\"rank\":2,"
+                     "\"step\":3,\"time\":%.6f,\"backtrace\":[\"am-train(am_fault_segv+0x12) [0x1]\",\"am-train(main+0x5) "
+                     "[0x2]\"]}", T0 + 5.5);
+            exit_rec(&l, 2, 139, 11, "SIGSEGV", NULL, T0 + 5.51);
+        } else {
+            flight(&l, 4, "started", (r + 3) % 4, 100);
+            line(&l, "{\"type\":\"stop\",\"rank\":%d,\"host\":\"h\",\"signal\":\"SIGTERM\",\"by\":\"am-launch\","
+                     "\"because_rank\":2,\"because_host\":\"n2\",\"because\":\"x\",\"because_time\":%.6f,\"time\":%.6f}", r,
+                 T0 + 5.51, T0 + 5.52);
+            sigterm(&l, r, 3, T0 + 5.53, "supervisor");
+            exit_rec(&l, r, 143, 15, "SIGTERM", "SIGTERM", T0 + 5.54);
+        }
+        add(&d, r, &l);
+    }
+    am_diag_analyze(&d);
+    assert_int_equal(d.failed, 1);
+    assert_int_equal(d.culprit, 2);
+    assert_string_equal(d.ff_cause, "signal");
+    assert_string_equal(d.ff_signal, "SIGSEGV");
+    assert_int_equal(d.ff_step, 3);
+    assert_int_equal(d.ranks[2].verdict, AM_VERDICT_FIRST);
+    for (int r = 0; r < 4; r++)
+        if (r != 2) {
+            assert_int_equal(d.ranks[r].verdict, AM_VERDICT_VICTIM);
+            assert_non_null(strstr(d.ranks[r].detail, "waited in allreduce #5 of group dp"));
+            assert_non_null(strstr(d.ranks[r].detail, "whose missing member is rank 2"));
+            assert_non_null(strstr(d.ranks[r].detail, "because rank 2 failed"));
+        }
+    assert_int_equal(d.n_mismatches, 0);
+    expect_in_json(&d, "\"first_failure\":{\"rank\":2,\"host\":\"n2\",\"cause\":\"signal\",\"signal\":\"SIGSEGV\","
+                       "\"step\":3,\"status\":139,\"local_rank\":0,");
+    expect_in_json(&d, "\"backtrace\":[\"am-train(am_fault_segv+0x12) [0x1]\",\"am-train(main+0x5) [0x2]\"]");
+    expect_in_json(&d, "{\"rank\":0,\"host\":\"n1\",\"verdict\":\"victim\",\"end\":\"stopped\",\"signal\":\"SIGTERM\","
+                       "\"status\":143,\"step\":3,\"group\":\"dp\",\"seq\":5,\"op\":\"allreduce\",\"waiting_for\":3,"
+                       "\"stopped_because\":2,");
+    expect_in_json(&d, "\"missing_ranks\":[],\"mismatches\":[]");
+    am_diag_free(&d);
+}
+
+/* rank 1 stops making progress after allreduce #4; ranks 0, 2, 3 time out in #5 */
+static void test_hang_outside(void **state)
+{
+    (void)state;
+    struct am_diag d;
+    struct log l;
+    am_diag_init(&d);
+    for (int r = 0; r < 4; r++) {
+        start(&l, r, 4, "n1");
+        steps(&l, 2, 0.01);
+        if (r == 1) {
+            sigterm(&l, 1, 3, T0 + 11, "supervisor");
+            flight(&l, 4, NULL, -1, 100);
+            exit_rec(&l, 1, 143, 15, "SIGTERM", "SIGTERM", T0 + 11.01);
+        } else {
+            timeout(&l, r, 5, r == 2 ? 1 : (r + 3) % 4, T0 + 10 + 0.01 * r);
+            flight(&l, 4, "timed_out", r == 2 ? 1 : (r + 3) % 4, 100);
+            exit_rec(&l, r, 1, 0, NULL, NULL, T0 + 10.5);
+        }
+        add(&d, r, &l);
+    }
+    am_diag_analyze(&d);
+    assert_int_equal(d.culprit, 1);
+    assert_string_equal(d.ff_cause, "hang");
+    assert_int_equal(d.ff_step, 3);
+    assert_non_null(strstr(d.ff_detail, "never issued allreduce #5 of group dp"));
+    for (int r = 0; r < 4; r++)
+        assert_int_equal(d.ranks[r].verdict, r == 1 ? AM_VERDICT_FIRST : AM_VERDICT_VICTIM);
+    expect_in_json(&d, "\"first_failure\":{\"rank\":1,\"host\":\"n1\",\"cause\":\"hang\",\"signal\":null,\"step\":3,");
+    expect_in_json(&d, "\"group\":\"dp\",\"seq\":5,\"op\":\"allreduce\"");
+    am_diag_free(&d);
+}
+
+/* rank 3 is stuck inside allreduce #5 waiting for no one; every rank times out */
+static void test_hang_inside(void **state)
+{
+    (void)state;
+    struct am_diag d;
+    struct log l;
+    am_diag_init(&d);
+    for (int r = 0; r < 4; r++) {
+        int waiting = r == 3 ? -1 : r == 0 ? 3 : r - 1; /* a ring: 0 waits for 3, 1 for 0, 2 for 1 */
+        start(&l, r, 4, "n1");
+        steps(&l, 2, 0.01);
+        timeout(&l, r, 5, waiting, T0 + 10 + 0.001 * r);
+        flight(&l, 4, "timed_out", waiting, 100);
+        exit_rec(&l, r, 1, 0, NULL, NULL, T0 + 10.5);
+        add(&d, r, &l);
+    }
+    am_diag_analyze(&d);
+    assert_int_equal(d.culprit, 3);
+    assert_string_equal(d.ff_cause, "hang");
+    assert_non_null(strstr(d.ff_detail, "stuck inside allreduce #5 of group dp"));
+    for (int r = 0; r < 3; r++)
+        assert_int_equal(d.ranks[r].verdict, AM_VERDICT_VICTIM);
+    am_diag_free(&d);
+}
+
+/* tp 2 x dp 2: tp groups {0,1} {2,3} (gids 2, 3), dp groups {0,2} {1,3} (gids 0, 1). Rank 3
+ * hangs at step 3; its tp partner 2 waits in tp allreduce #7 for it; ranks 0 and 1 wait in
+ * their dp all-reduces #5, rank 0 for rank 2; rank 0's watchdog fires first. The blame
+ * follows rank 2 into the tp group: rank 3. */
+static void tp_rank(struct log *l, int r, int tp_gid, const char *tp_ranks, int dp_gid, const char *dp_ranks)
+{
+    l->len = 0;
+    line(l, "{\"type\":\"start\",\"host\":\"n%d\",\"rank\":%d,\"world\":4,\"job\":\"7.0\",\"local_rank\":%d,"
+            "\"time\":%.6f,\"max_steps\":6}", r / 2 + 1, r, r % 2, T0);
+    line(l, "{\"type\":\"groups\",\"rank\":%d,\"groups\":[{\"name\":\"dp\",\"gid\":%d,\"ranks\":[%s]},"
+            "{\"name\":\"tp\",\"gid\":%d,\"ranks\":[%s]}]}", r, dp_gid, dp_ranks, tp_gid, tp_ranks);
+    steps(l, 2, 0.01);
+}
+
+static void tp_call(struct log *l, int id, const char *group, int gid, int seq, const char *state, int waiting,
+                    double started)
+{
+    char w[16];
+    snprintf(w, sizeof(w), waiting < 0 ? "null" : "%d", waiting);
+    line(l, "{\"type\":\"flight\",\"id\":%d,\"group\":\"%s\",\"gid\":%d,\"seq\":%d,\"op\":\"allreduce\","
+            "\"dtype\":\"fp32\",\"count\":10,\"bytes\":40,\"redop\":\"sum\",\"peer\":null,\"state\":\"%s\","
+            "\"enqueued\":%.6f,\"started\":%.6f,\"ended\":%s,\"waiting_for\":%s}", id, group, gid, seq, state,
+         started, started, strcmp(state, "completed") == 0 ? "1767000004.5" : "null", w);
+}
+
+static void test_hang_chain_through_tp(void **state)
+{
+    (void)state;
+    struct am_diag d;
+    struct log l;
+    am_diag_init(&d);
+    static const char *tp[] = {"0,1", "0,1", "2,3", "2,3"}, *dp[] = {"0,2", "1,3", "0,2", "1,3"};
+    for (int r = 0; r < 4; r++) {
+        tp_rank(&l, r, 2 + r / 2, tp[r], r % 2, dp[r]);
+        for (int s = 1; s <= 6; s++) /* tp calls #1-#6 completed, dp #1-#4 completed */
+            tp_call(&l, s, "tp", 2 + r / 2, s, "completed", -1, T0 + 4);
+        for (int s = 1; s <= 4; s++)
+            tp_call(&l, 6 + s, "dp", r % 2, s, "completed", -1, T0 + 4);
+        if (r == 3) {
+            sigterm(&l, 3, 3, T0 + 9.6, "supervisor");
+        } else if (r == 2) {
+            tp_call(&l, 11, "tp", 3, 7, "started", 3, T0 + 5.0);
+            sigterm(&l, 2, 3, T0 + 9.6, "supervisor");
+        } else {
+            tp_call(&l, 11, "dp", r % 2, 5, "timed_out", r == 0 ? 2 : 3, T0 + 5.1);
+            line(&l, "{\"type\":\"cause\",\"cause\":\"timeout\",\"by\":\"watchdog\",\"op\":\"allreduce\","
+                     "\"group\":\"dp\",\"gid\":%d,\"seq\":5,\"waited_s\":4.4,\"rank\":%d,\"time\":%.6f,"
+                     "\"waiting_for\":%d,\"step\":3}", r % 2, r, T0 + 9.5 + 0.01 * r, r == 0 ? 2 : 3);
+        }
+        add(&d, r, &l);
+    }
+    am_diag_analyze(&d);
+    assert_int_equal(d.culprit, 3);
+    assert_string_equal(d.ff_cause, "hang");
+    assert_non_null(d.ff_in);
+    assert_string_equal(d.ff_in->group, "tp");
+    assert_int_equal(d.ff_in->seq, 7);
+    assert_non_null(strstr(d.ff_detail, "never issued allreduce #7 of group tp"));
+    for (int r = 0; r < 3; r++)
+        assert_int_equal(d.ranks[r].verdict, AM_VERDICT_VICTIM);
+    assert_non_null(strstr(d.ranks[2].detail, "waited in allreduce #7 of group tp"));
+    assert_non_null(strstr(d.ranks[2].detail, "whose missing member is rank 3"));
+    assert_int_equal(d.n_mismatches, 0);
+    am_diag_free(&d);
+}
+
+/* a node's logs are missing: ranks 2 and 3; the others waited for rank 2 */
+static void test_missing_ranks(void **state)
+{
+    (void)state;
+    struct am_diag d;
+    struct log l;
+    am_diag_init(&d);
+    for (int r = 0; r < 2; r++) {
+        start(&l, r, 4, "n1");
+        steps(&l, 2, 0.01);
+        timeout(&l, r, 5, 2, T0 + 10);
+        flight(&l, 4, "timed_out", 2, 100);
+        add(&d, r, &l);
+    }
+    am_diag_analyze(&d);
+    assert_int_equal(d.world, 4);
+    assert_int_equal(d.culprit, 2);
+    assert_string_equal(d.ff_cause, "hang");
+    assert_non_null(strstr(d.ff_detail, "left no log"));
+    assert_int_equal(d.ranks[3].verdict, AM_VERDICT_MISSING);
+    assert_int_equal(d.ranks[2].verdict, AM_VERDICT_FIRST);
+    expect_in_json(&d, "\"missing_ranks\":[2,3]");
+    expect_in_json(&d, "{\"rank\":3,\"host\":null,\"verdict\":\"missing\"");
+    am_diag_free(&d);
+}
+
+/* the culprit's log ends in the middle of a line; a line in the middle is garbage */
+static void test_truncated_log(void **state)
+{
+    (void)state;
+    struct am_diag d;
+    struct log l;
+    am_diag_init(&d);
+    start(&l, 0, 2, "n1");
+    steps(&l, 2, 0.01);
+    flight(&l, 4, "started", 1, 100);
+    sigterm(&l, 0, 3, T0 + 6, "supervisor");
+    exit_rec(&l, 0, 143, 15, "SIGTERM", "SIGTERM", T0 + 6.01);
+    add(&d, 0, &l);
+    start(&l, 1, 2, "n1");
+    line(&l, "this is not json");
+    steps(&l, 2, 0.01);
+    exit_rec(&l, 1, 134, 6, "SIGABRT", NULL, T0 + 5.9);
+    line(&l, "{\"type\":\"cause\",\"cause\":\"signal\",\"signal\":6,\"signal_name\":\"SIGABRT\",\"code\":-6,\"code_na");
+    l.len--; /* no newline at the end */
+    add(&d, 1, &l);
+    am_diag_analyze(&d);
+    assert_int_equal(d.ranks[1].truncated, 1);
+    assert_int_equal(d.ranks[1].bad_lines, 1);
+    assert_int_equal(d.culprit, 1);
+    assert_string_equal(d.ff_cause, "signal"); /* from the exit record */
+    assert_string_equal(d.ff_signal, "SIGABRT");
+    assert_int_equal(d.ranks[0].verdict, AM_VERDICT_VICTIM);
+    int cut = 0, bad = 0;
+    for (int i = 0; i < d.n_notes; i++) {
+        cut |= strstr(d.notes[i], "rank 1: the last line is cut short") != NULL;
+        bad |= strstr(d.notes[i], "rank 1: line 3 is not a JSON object") != NULL;
+    }
+    assert_true(cut);
+    assert_true(bad);
+    am_diag_free(&d);
+}
+
+/* ranks disagree: allreduce #3 with different counts, #4 with different ops, stuck in #5 and #7
+ * (one apart, #5 and #6, would be the ordinary race: no mismatch) */
+static void test_mismatches(void **state)
+{
+    (void)state;
+    struct am_diag d;
+    struct log l;
+    am_diag_init(&d);
+    start(&l, 0, 2, "n1");
+    flight(&l, 4, "timed_out", 1, 100);
+    timeout(&l, 0, 5, 1, T0 + 10);
+    add(&d, 0, &l);
+    start(&l, 1, 2, "n2");
+    flight(&l, 2, NULL, -1, 100);
+    line(&l, "{\"type\":\"flight\",\"id\":3,\"group\":\"dp\",\"gid\":0,\"seq\":3,\"op\":\"allreduce\",\"dtype\":\"fp32\","
+             "\"count\":200,\"bytes\":800,\"redop\":\"sum\",\"peer\":null,\"state\":\"completed\",\"enqueued\":1,"
+             "\"started\":1,\"ended\":1,\"waiting_for\":null}");
+    line(&l, "{\"type\":\"flight\",\"id\":4,\"group\":\"dp\",\"gid\":0,\"seq\":4,\"op\":\"allgather\",\"dtype\":\"fp32\","
+             "\"count\":100,\"bytes\":800,\"redop\":null,\"peer\":null,\"state\":\"completed\",\"enqueued\":1,"
+             "\"started\":1,\"ended\":1,\"waiting_for\":null}");
+    line(&l, "{\"type\":\"flight\",\"id\":5,\"group\":\"dp\",\"gid\":0,\"seq\":5,\"op\":\"allreduce\",\"dtype\":\"fp32\","
+             "\"count\":100,\"bytes\":400,\"redop\":\"sum\",\"peer\":null,\"state\":\"completed\",\"enqueued\":1,"
+             "\"started\":1,\"ended\":1,\"waiting_for\":null}");
+    line(&l, "{\"type\":\"flight\",\"id\":6,\"group\":\"dp\",\"gid\":0,\"seq\":6,\"op\":\"allreduce\",\"dtype\":\"fp32\","
+             "\"count\":100,\"bytes\":400,\"redop\":\"sum\",\"peer\":null,\"state\":\"completed\",\"enqueued\":1,"
+             "\"started\":1,\"ended\":1,\"waiting_for\":null}");
+    line(&l, "{\"type\":\"flight\",\"id\":7,\"group\":\"dp\",\"gid\":0,\"seq\":7,\"op\":\"allreduce\",\"dtype\":\"fp32\","
+             "\"count\":100,\"bytes\":400,\"redop\":\"sum\",\"peer\":null,\"state\":\"timed_out\",\"enqueued\":1,"
+             "\"started\":1,\"ended\":null,\"waiting_for\":0}");
+    timeout(&l, 1, 7, 0, T0 + 10.2);
+    add(&d, 1, &l);
+    am_diag_analyze(&d);
+    int size = 0, op = 0, seq = 0;
+    for (int i = 0; i < d.n_mismatches; i++) {
+        const struct am_diag_mismatch *m = &d.mismatches[i];
+        if (strcmp(m->what, "size") == 0 && m->seq == 3) {
+            size = 1;
+            assert_string_equal(m->text, "allreduce #3 of group dp: rank 0 passed 100 fp32, rank 1 passed 200 fp32");
+        }
+        if (strcmp(m->what, "op") == 0 && m->seq == 4) {
+            op = 1;
+            assert_string_equal(m->text, "allreduce #4 of group dp: rank 0 called allreduce, rank 1 called allgather");
+        }
+        if (strcmp(m->what, "sequence") == 0) {
+            seq = 1;
+            assert_string_equal(m->text, "group dp: rank 0 is stuck in allreduce #5, rank 1 in allreduce #7");
+        }
+    }
+    assert_true(size && op && seq);
+    assert_int_equal(d.failed, 1);
+    expect_in_json(&d, "{\"group\":\"dp\",\"gid\":0,\"seq\":3,\"what\":\"size\",");
+    am_diag_free(&d);
+}
+
+/* a clean job where rank 1 was 2 s late at step 3 */
+static void test_straggler(void **state)
+{
+    (void)state;
+    struct am_diag d;
+    struct log l;
+    am_diag_init(&d);
+    for (int r = 0; r < 3; r++) {
+        start(&l, r, 3, "n1");
+        for (int s = 1; s <= 6; s++)
+            line(&l, "{\"type\":\"step\",\"step\":%d,\"step_s\":%s,\"comm_s\":%s,\"time\":%.6f}", s,
+                 s == 3 ? "2.1" : "0.1", s == 3 && r != 1 ? "2.05" : "0.05", T0 + s);
+        exit_rec(&l, r, 0, 0, NULL, NULL, T0 + 7);
+        add(&d, r, &l);
+    }
+    am_diag_analyze(&d);
+    assert_int_equal(d.failed, 0);
+    assert_null(d.ff_cause);
+    assert_int_equal(d.culprit, -1);
+    assert_int_equal(d.ranks[0].verdict, AM_VERDICT_CLEAN);
+    assert_int_equal(d.ranks[1].verdict, AM_VERDICT_STRAGGLER);
+    assert_int_equal(d.ranks[2].verdict, AM_VERDICT_CLEAN);
+    assert_non_null(strstr(d.ranks[1].detail, "at step 3"));
+    expect_in_json(&d, "\"status\":\"clean\",\"first_failure\":null");
+    am_diag_free(&d);
+}
+
+/* scancel: every rank got SIGTERM from Slurm; no rank failed */
+static void test_stopped_from_outside(void **state)
+{
+    (void)state;
+    struct am_diag d;
+    struct log l;
+    am_diag_init(&d);
+    for (int r = 0; r < 2; r++) {
+        start(&l, r, 2, "n1");
+        steps(&l, 2, 0.01);
+        sigterm(&l, r, 3, T0 + 3 + 0.01 * r, "other");
+        flight(&l, 4, NULL, -1, 100);
+        exit_rec(&l, r, 143, 15, "SIGTERM", "SIGTERM", T0 + 3.1);
+        add(&d, r, &l);
+    }
+    am_diag_analyze(&d);
+    assert_int_equal(d.failed, 1);
+    assert_int_equal(d.culprit, -1);
+    assert_string_equal(d.ff_cause, "stopped");
+    assert_string_equal(d.ff_signal, "SIGTERM");
+    assert_int_equal(d.ranks[0].verdict, AM_VERDICT_STOPPED);
+    expect_in_json(&d, "\"first_failure\":{\"rank\":null,\"host\":null,\"cause\":\"stopped\",\"signal\":\"SIGTERM\",");
+    am_diag_free(&d);
+}
+
+/* exits without a cause record: a status, the OOM killer, an early exit 0 */
+static void test_exits_without_cause(void **state)
+{
+    (void)state;
+    struct am_diag d;
+    struct log l;
+    am_diag_init(&d);
+    start(&l, 0, 2, "n1");
+    steps(&l, 2, 0.01);
+    line(&l, "{\"type\":\"exit\",\"rank\":0,\"host\":\"n1\",\"pid\":1,\"status\":137,\"signal\":9,\"signal_name\":"
+             "\"SIGKILL\",\"core_dumped\":false,\"oom_killed\":true,\"stop_signal\":null,\"time\":%.6f}", T0 + 3);
+    add(&d, 0, &l);
+    start(&l, 1, 2, "n1");
+    steps(&l, 2, 0.01);
+    exit_rec(&l, 1, 7, 0, NULL, NULL, T0 + 4);
+    add(&d, 1, &l);
+    am_diag_analyze(&d);
+    assert_int_equal(d.culprit, 0);
+    assert_string_equal(d.ff_cause, "oom");
+    assert_string_equal(d.ff_signal, "SIGKILL");
+    assert_int_equal(d.ff_step, 3);
+    assert_int_equal(d.ranks[1].verdict, AM_VERDICT_FAILED);
+    assert_non_null(strstr(d.ranks[1].detail, "exited with status 7"));
+    am_diag_free(&d);
+
+    am_diag_init(&d);
+    start(&l, 0, 1, "n1");
+    steps(&l, 2, 0.01);
+    exit_rec(&l, 0, 0, 0, NULL, NULL, T0 + 3);
+    add(&d, 0, &l);
+    am_diag_analyze(&d);
+    assert_int_equal(d.culprit, 0);
+    assert_string_equal(d.ff_cause, "exit");
+    assert_int_equal(d.ff_status, 0);
+    assert_non_null(strstr(d.ff_detail, "exited with status 0 after step 2 of 6"));
+    am_diag_free(&d);
+}
+
+static void test_clean(void **state)
+{
+    (void)state;
+    struct am_diag d;
+    struct log l;
+    am_diag_init(&d);
+    for (int r = 0; r < 2; r++) {
+        start(&l, r, 2, "n1");
+        steps(&l, 6, 0.01);
+        exit_rec(&l, r, 0, 0, NULL, NULL, T0 + 7);
+        add(&d, r, &l);
+    }
+    am_diag_analyze(&d);
+    assert_int_equal(d.failed, 0);
+    assert_int_equal(d.ranks[0].verdict, AM_VERDICT_CLEAN);
+    assert_int_equal(d.ranks[1].verdict, AM_VERDICT_CLEAN);
+    char buf[8192];
+    FILE *f = fmemopen(buf, sizeof(buf), "w");
+    am_diag_print(&d, f);
+    fclose(f);
+    assert_non_null(strstr(buf, "no failure: every rank with a log finished cleanly\n"));
+    assert_non_null(strstr(buf, "others: 2 clean (ranks 0-1)\n"));
+    am_diag_free(&d);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_crash_and_victims),
+        cmocka_unit_test(test_hang_outside),
+        cmocka_unit_test(test_hang_inside),
+        cmocka_unit_test(test_hang_chain_through_tp),
+        cmocka_unit_test(test_missing_ranks),
+        cmocka_unit_test(test_truncated_log),
+        cmocka_unit_test(test_mismatches),
+        cmocka_unit_test(test_straggler),
+        cmocka_unit_test(test_stopped_from_outside),
+        cmocka_unit_test(test_exits_without_cause),
+        cmocka_unit_test(test_clean),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
