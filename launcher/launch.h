@@ -15,8 +15,10 @@
  *     (exit_record.h) and say on stderr how a failed rank ended;
  *   - make the job all-or-nothing: the first rank to fail (non-zero exit, signal, or an
  *     abort request) ends the whole job within seconds (standalone: SIGTERM to the other
- *     ranks, SIGKILL after grace_s; under Slurm: PMIx_Abort, which makes srun kill the
- *     step) and am-launch exits with that rank's status (its exit code, or 128 + signal).
+ *     ranks, SIGKILL after grace_s; under Slurm: SIGINT to the step, and PMIx_Abort when
+ *     some rank has not ended 1.5 s later), other ranks' logs get a stop record naming the
+ *     failed rank, and am-launch exits with that rank's status (its exit code, or 128 +
+ *     signal).
  * Messages go to stderr prefixed "am-launch: ".
  */
 #ifndef AM_LAUNCH_H
