@@ -121,6 +121,16 @@ check_case() {
 # memory_cgroup NAME LIMIT_BYTES: creates a child of this shell's memory cgroup with a limit
 # and prints its path with the name of its limit file ("PATH FILE"); fails where none can be
 # made (not root, no memory controller, read-only cgroupfs).
+# finish_case MODE NAME KIND RANK STEP WORLD START LOGS: after a job, with RC its status: sets
+# WALL and DIR (the job's log directory) and checks the case; shows stderr on failure.
+finish_case() {
+  local mode=$1 name=$2 kind=$3 rank=$4 step=$5 world=$6 start=$7 logs=$8
+  WALL=$(awk -v a="$start" -v b="$(date +%s.%N)" 'BEGIN { printf "%.2f", b - a }')
+  DIR=$(find "$logs" -mindepth 1 -maxdepth 1 -type d | head -n 1)
+  check_case "$mode $kind at rank $rank, step $step" "$kind" "$rank" "$step" "$world" "$DIR" "$RC" "$WALL" host_of
+  [[ $FAILED == 0 ]] || sed 's/^/    stderr: /' "$T/$name/err" | head -n 20
+}
+
 memory_cgroup() {
   local cg limit v1 v2
   v1=$(awk -F: '$2 ~ /(^|,)memory(,|$)/ {print $3}' /proc/self/cgroup)

@@ -44,10 +44,7 @@ run() {
     exec timeout 90 srun -N 4 --ntasks-per-node=2 --mpi=pmix --am-recipe="$T/tiny.yaml" --am-tp=2 --am-log-dir="$logs" \
     "${task[@]}") >"$T/$name/out" 2>"$T/$name/err"
   RC=$?
-  WALL=$(awk -v a="$start" -v b="$(date +%s.%N)" 'BEGIN { printf "%.2f", b - a }')
-  DIR=$(find "$logs" -mindepth 1 -maxdepth 1 -type d | head -n 1)
-  check_case "slurm $kind at rank $rank, step $step" "$kind" "$rank" "$step" $WORLD "$DIR" "$RC" "$WALL" host_of
-  [[ $FAILED == 0 ]] || sed 's/^/    stderr: /' "$T/$name/err" | head -n 20
+  finish_case slurm "$name" "$kind" "$rank" "$step" $WORLD "$start" "$logs"
 }
 
 for place in "5 3" "2 2"; do

@@ -30,10 +30,7 @@ run() {
       exec timeout 60 "$LAUNCH" --nproc $NPROC --log-dir "$logs" "$T/tiny.yaml"
   ) >"$T/$name/out" 2>"$T/$name/err"
   RC=$?
-  WALL=$(awk -v a="$start" -v b="$(date +%s.%N)" 'BEGIN { printf "%.2f", b - a }')
-  DIR=$(find "$logs" -mindepth 1 -maxdepth 1 -type d | head -n 1)
-  check_case "standalone $kind at rank $rank, step $step" "$kind" "$rank" "$step" $NPROC "$DIR" "$RC" "$WALL" host_of
-  [[ $FAILED == 0 ]] || sed 's/^/    stderr: /' "$T/$name/err" | head -n 20
+  finish_case standalone "$name" "$kind" "$rank" "$step" $NPROC "$start" "$logs"
 }
 
 for place in "1 2" "3 4"; do
