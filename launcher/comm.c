@@ -216,6 +216,8 @@ const char *am_comm_call_name(enum am_comm_kind k)
     case AM_CALL_SEND: return "send";
     case AM_CALL_RECV: return "recv";
     case AM_CALL_BARRIER: return "barrier";
+    case AM_CALL_ISEND: return "isend";
+    case AM_CALL_SEND_WAIT: return "send_wait";
     }
     return "operation";
 }
@@ -228,10 +230,13 @@ int am_comm_fail(struct am_comm *c, const char *fmt, ...)
     vsnprintf(what, sizeof(what), fmt, ap);
     va_end(ap);
     const struct am_comm_call *call = c->call;
-    if (call && (call->kind == AM_CALL_SEND || call->kind == AM_CALL_RECV))
+    if (call && (call->kind == AM_CALL_SEND || call->kind == AM_CALL_ISEND || call->kind == AM_CALL_RECV))
         snprintf(c->err, sizeof(c->err), "%s #%llu %s rank %d on group %s (%d rank%s) %s", am_comm_call_name(call->kind),
-                 (unsigned long long)call->seq, call->kind == AM_CALL_SEND ? "to" : "from", call->peer, c->name,
+                 (unsigned long long)call->seq, call->kind == AM_CALL_RECV ? "from" : "to", call->peer, c->name,
                  c->size, c->size == 1 ? "" : "s", what);
+    else if (call && call->kind == AM_CALL_SEND_WAIT) /* nothing pending: no send to name */
+        snprintf(c->err, sizeof(c->err), "send_wait on group %s (%d rank%s) %s", c->name, c->size,
+                 c->size == 1 ? "" : "s", what);
     else if (call)
         snprintf(c->err, sizeof(c->err), "%s #%llu on group %s (%d rank%s) %s", am_comm_call_name(call->kind),
                  (unsigned long long)call->seq, c->name, c->size, c->size == 1 ? "" : "s", what);
@@ -418,6 +423,7 @@ static void group_free(struct am_comm *c)
 {
     if (!c)
         return;
+    free(c->pending);
     free(c->ranks);
     free(c->sent);
     free(c->received);
@@ -509,6 +515,10 @@ void am_comm_destroy(struct am_comm *c)
 {
     if (!c)
         return;
+    /* sends that am_send_wait never completed are given up: the backend drops them */
+    for (size_t i = 0; c->ctx->flight && i < c->n_pending; i++)
+        if (c->pending[i].flight_id)
+            am_flight_end(c->ctx->flight, c->pending[i].flight_id, AM_FLIGHT_FAILED);
     if (c->be)
         c->ctx->ops->destroy(c);
     group_free(c);
@@ -529,7 +539,7 @@ void am_comm_set_stream(struct am_comm *c, void *stream)
 /* ---- the calls -------------------------------------------------------------------------- */
 
 /* The call as the flight recorder keeps it: count in elements (alltoallv: sent), the peer
- * as a global rank (send/recv: the peer; broadcast: the root). */
+ * as a global rank (send/isend/recv: the peer; broadcast: the root). */
 static uint64_t flight_begin(struct am_comm *c, const struct am_comm_call *call)
 {
     struct am_flight_op op = {.op = am_comm_call_name(call->kind), .dtype = am_comm_dtype_name(call->dtype),
@@ -547,6 +557,7 @@ static uint64_t flight_begin(struct am_comm *c, const struct am_comm_call *call)
         break;
     case AM_CALL_BROADCAST:
     case AM_CALL_SEND:
+    case AM_CALL_ISEND:
     case AM_CALL_RECV:
         op.peer = c->ranks[call->peer];
         break;
@@ -554,6 +565,7 @@ static uint64_t flight_begin(struct am_comm *c, const struct am_comm_call *call)
         op.dtype = NULL;
         break;
     case AM_CALL_ALLGATHER:
+    case AM_CALL_SEND_WAIT: /* not recorded: it ends its isends' entries */
         break;
     }
     uint64_t id = am_flight_begin(c->ctx->flight, &op);
@@ -571,12 +583,56 @@ static int stall(struct am_comm *c)
     return am_comm_fail_aborted(c);
 }
 
-/* The one place every checked call passes: numbering, the flight recorder (before run()
- * and after, with its outcome), the broken-group and aborted-context rules, the backend. */
-static int am_comm_dispatch(struct am_comm *c, struct am_comm_call *call)
+/* The broken-group and aborted-context rules: 0, or -1 with the call refused. A refusal
+ * does not break the group again (its first error stays the one repeated). */
+static int refused(struct am_comm *c)
 {
-    int collective = call->kind != AM_CALL_SEND && call->kind != AM_CALL_RECV;
-    if (call->kind == AM_CALL_SEND)
+    if (c->broken)
+        return am_comm_fail(c, "refused: the group failed earlier (%s)", c->first_err);
+    if (am_comm_ctx_aborted(c->ctx))
+        return am_comm_fail_aborted(c);
+    return 0;
+}
+
+/* The backend failed the call in progress: the group is broken, its message repeated. */
+static void break_group(struct am_comm *c)
+{
+    c->broken = 1;
+    snprintf(c->first_err, sizeof(c->first_err), "%s", c->err);
+}
+
+/* Ends flight entry id (0: none) with the outcome of a call that returned rc. */
+static void flight_end(struct am_comm *c, uint64_t id, int rc)
+{
+    if (!id)
+        return;
+    enum am_flight_state st = AM_FLIGHT_COMPLETED;
+    if (rc < 0)
+        st = c->timed_out ? AM_FLIGHT_TIMED_OUT : am_comm_ctx_aborted(c->ctx) ? AM_FLIGHT_ABORTED : AM_FLIGHT_FAILED;
+    am_flight_end(c->ctx->flight, id, st);
+}
+
+/* Room for one more pending send, before the isend is posted (so that a posted send is
+ * never lost for want of memory). */
+static int reserve_pending(struct am_comm *c)
+{
+    if (c->n_pending < c->cap_pending)
+        return 0;
+    size_t cap = c->cap_pending ? 2 * c->cap_pending : 16;
+    struct am_comm_pending *p = realloc(c->pending, cap * sizeof(*p));
+    if (!p)
+        return am_comm_fail(c, "failed: out of memory for %zu pending sends", cap);
+    c->pending = p;
+    c->cap_pending = cap;
+    return 0;
+}
+
+/* One call: numbered, recorded, refused or run. A posted isend joins c->pending with its
+ * flight entry still open; every other call ends its entry here. */
+static int run_call(struct am_comm *c, struct am_comm_call *call)
+{
+    int collective = call->kind != AM_CALL_SEND && call->kind != AM_CALL_ISEND && call->kind != AM_CALL_RECV;
+    if (call->kind == AM_CALL_SEND || call->kind == AM_CALL_ISEND)
         call->seq = ++c->sent[call->peer];
     else if (call->kind == AM_CALL_RECV)
         call->seq = ++c->received[call->peer];
@@ -585,26 +641,60 @@ static int am_comm_dispatch(struct am_comm *c, struct am_comm_call *call)
     c->call = call;
     c->timed_out = 0;
     c->flight_id = c->ctx->flight ? flight_begin(c, call) : 0;
-    double t0 = am_comm_now();
-    int rc;
-    if (c->broken) {
-        rc = am_comm_fail(c, "refused: the group failed earlier (%s)", c->first_err);
-    } else if (am_comm_ctx_aborted(c->ctx)) {
-        rc = am_comm_fail_aborted(c);
-    } else {
-        rc = collective && c->stall_seq == call->seq ? stall(c) : c->ctx->ops->run(c, call);
-        if (rc < 0) {
-            c->broken = 1;
-            snprintf(c->first_err, sizeof(c->first_err), "%s", c->err);
+    int rc = refused(c);
+    if (rc == 0) {
+        if (call->kind == AM_CALL_ISEND && reserve_pending(c) < 0)
+            rc = -1;
+        else
+            rc = collective && c->stall_seq == call->seq ? stall(c) : c->ctx->ops->run(c, call);
+        if (rc < 0)
+            break_group(c);
+    }
+    if (rc == 0 && call->kind == AM_CALL_ISEND)
+        c->pending[c->n_pending++] = (struct am_comm_pending){.call = *call, .flight_id = c->flight_id};
+    else
+        flight_end(c, c->flight_id, rc);
+    return rc;
+}
+
+/* am_send_wait: each pending send in turn, oldest first, is waited for (c->call names it in
+ * messages, c->flight_id is its entry) and its flight entry ended; after the first failure
+ * the others are given up (entries failed, or aborted), and the message stays the first
+ * failure's. Then the backend forgets them all. With nothing pending: only the refusal rules. */
+static int wait_pending(struct am_comm *c, const struct am_comm_call *call)
+{
+    c->call = call;
+    c->timed_out = 0;
+    if (c->n_pending == 0)
+        return refused(c);
+    int rc = 0;
+    for (size_t i = 0; i < c->n_pending; i++) {
+        const struct am_comm_pending *p = &c->pending[i];
+        if (rc == 0) {
+            c->call = &p->call;
+            c->flight_id = p->flight_id;
+            rc = refused(c);
+            if (rc == 0 && (rc = c->ctx->ops->send_wait(c, i)) < 0)
+                break_group(c);
+            flight_end(c, p->flight_id, rc);
+            c->timed_out = 0; /* the sends given up after it did not time out themselves */
+        } else {
+            flight_end(c, p->flight_id, -1);
         }
     }
+    c->ctx->ops->send_drop(c);
+    c->n_pending = 0;
+    return rc;
+}
+
+/* The one place every checked call passes: numbering, the flight recorder (before run()
+ * and after, with its outcome; an isend's entry stays open until am_send_wait ends it), the
+ * broken-group and aborted-context rules, the backend, and the time spent (busy_s). */
+static int am_comm_dispatch(struct am_comm *c, struct am_comm_call *call)
+{
+    double t0 = am_comm_now();
+    int rc = call->kind == AM_CALL_SEND_WAIT ? wait_pending(c, call) : run_call(c, call);
     c->ctx->busy_s += am_comm_now() - t0;
-    if (c->flight_id) {
-        enum am_flight_state st = AM_FLIGHT_COMPLETED;
-        if (rc < 0)
-            st = c->timed_out ? AM_FLIGHT_TIMED_OUT : am_comm_ctx_aborted(c->ctx) ? AM_FLIGHT_ABORTED : AM_FLIGHT_FAILED;
-        am_flight_end(c->ctx->flight, c->flight_id, st);
-    }
     c->flight_id = 0;
     c->call = NULL;
     return rc;
@@ -761,6 +851,9 @@ static int p2p(struct am_comm *c, enum am_comm_kind k, const void *sbuf, void *r
         return -1;
     if (peer < 0 || peer >= c->size)
         return arg_fail(c, k, "peer %d is outside the group's ranks 0..%d", peer, c->size - 1);
+    if (peer == c->rank && k == AM_CALL_ISEND)
+        return arg_fail(c, k, "peer %d is this rank itself (nothing would receive it: a recv from itself is refused)",
+                        peer);
     if (peer == c->rank)
         return arg_fail(c, k, "peer %d is this rank itself (a blocking %s to itself never completes)", peer,
                         am_comm_call_name(k));
@@ -781,6 +874,19 @@ int am_send(struct am_comm *c, const void *buf, size_t count, enum am_comm_dtype
 int am_recv(struct am_comm *c, void *buf, size_t count, enum am_comm_dtype t, int peer)
 {
     return p2p(c, AM_CALL_RECV, NULL, buf, count, t, peer);
+}
+
+int am_isend(struct am_comm *c, const void *buf, size_t count, enum am_comm_dtype t, int peer)
+{
+    return p2p(c, AM_CALL_ISEND, buf, NULL, count, t, peer);
+}
+
+int am_send_wait(struct am_comm *c)
+{
+    if (!c)
+        return -1;
+    struct am_comm_call call = {.kind = AM_CALL_SEND_WAIT};
+    return am_comm_dispatch(c, &call);
 }
 
 int am_barrier(struct am_comm *c)

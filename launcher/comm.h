@@ -18,6 +18,25 @@
  * failed call the group is broken: every later call on it fails at once, repeating the error.
  * Calls on one context come from one thread at a time.
  *
+ * Point to point. am_send blocks until the peer takes the data (large messages go by
+ * rendezvous), am_recv until the data is in. am_isend starts a send and returns; the sends it
+ * starts are numbered with the blocking ones (one count per pair and direction: the peer's
+ * am_recv calls take them in that order, whichever call sent them), progress inside every
+ * later call on the context (a blocked am_recv, on any group, included) and complete in
+ * am_send_wait, which waits for all of them: a pipeline stage can send its activations
+ * onward and then block receiving from another peer without a deadlock. An isend appears in
+ * the flight recorder as "isend", started when posted and ended when am_send_wait completes
+ * it. If a pending send fails, am_send_wait names it ("isend #4 to rank 2 on group pp ...
+ * timed out ... waiting for rank 2 ...") and the group is broken. am_comm_destroy gives up
+ * sends never waited for (UCX may still read their buffers until am_comm_ctx_fini).
+ * NCCL differs where NCCL must: kernels of one communicator run in order and a send's
+ * kernel waits for its receiver, so sends and receives that must progress together have to
+ * be enqueued together. A pending send is enqueued at the next call on the context: in one
+ * NCCL group with it when that call is a send or recv on the same group (whose wait then
+ * covers the send too), before it otherwise (a collective on the group then runs after it;
+ * a later receive on the group waits behind it on the device), and by am_send_wait.
+ * comm_nccl.c says which patterns that serves.
+ *
  * Counts are in elements. `count` may be 0. For reduce_scatter and allgather, `count` is
  * the per-rank block: the full buffer holds count * group size elements. In-place
  * operation is allowed where send == recv (allreduce), or send == recv + rank * count
@@ -99,6 +118,15 @@ int am_alltoallv(struct am_comm *c, const void *send, const size_t *send_counts,
 int am_broadcast(struct am_comm *c, void *buf, size_t count, enum am_comm_dtype t, int root);
 int am_send(struct am_comm *c, const void *buf, size_t count, enum am_comm_dtype t, int peer);
 int am_recv(struct am_comm *c, void *buf, size_t count, enum am_comm_dtype t, int peer);
+/* Starts sending count elements of buf to group rank peer and returns without waiting for the
+ * peer to take them; buf must not change until am_send_wait(c) returns. Numbered with the
+ * blocking sends (the same sequence per pair and direction, matched by the peer's am_recv in
+ * order). Pending sends progress inside every later call on the context (a blocked am_recv
+ * included), so ranks that only block in receives cannot deadlock on sends. */
+int am_isend(struct am_comm *c, const void *buf, size_t count, enum am_comm_dtype t, int peer);
+/* Waits for every send started with am_isend on c (bounded by the timeout like every wait);
+ * 0, or -1 naming the first send that failed (its sequence number and peer). */
+int am_send_wait(struct am_comm *c);
 int am_barrier(struct am_comm *c);
 
 #endif

@@ -5,6 +5,9 @@
  * numbered (the group's sequence number) and handed to am_comm_dispatch(), the one place
  * every call passes: it records the call in the context's flight recorder (flight.h) before
  * and after the backend's run(), times it (busy_s), and refuses calls on an aborted context.
+ * Non-blocking sends (am_isend) pass it twice: run() posts the send and its flight entry stays
+ * open; am_send_wait waits for each pending send in turn (send_wait()), ends its entry and
+ * hands the list back to the backend (send_drop()).
  * While a backend waits it names the peer it waits for (am_comm_waiting), and its waits give
  * up at once when another thread aborts the context (am_comm_ctx_aborted).
  * A backend reports a failure with am_comm_fail(), which prefixes the message with the
@@ -33,6 +36,8 @@ enum am_comm_kind {
     AM_CALL_SEND,
     AM_CALL_RECV,
     AM_CALL_BARRIER,
+    AM_CALL_ISEND,              /* run() posts the send and returns; see send_wait */
+    AM_CALL_SEND_WAIT,          /* the front's own: never handed to run() */
 };
 
 /* One operation, as the caller asked for it. */
@@ -43,12 +48,20 @@ struct am_comm_call {
     size_t count;               /* elements (per rank for reduce_scatter and allgather) */
     enum am_comm_dtype dtype;
     enum am_comm_op op;         /* reductions only */
-    int peer;                   /* broadcast: root; send/recv: the peer (group ranks) */
+    int peer;                   /* broadcast: root; send/isend/recv: the peer (group ranks) */
     const size_t *send_counts, *send_displs, *recv_counts, *recv_displs; /* alltoallv */
     uint64_t seq;               /* collectives: the group's sequence number of this call (1, 2,
-                                 * ...), the same on every rank; send/recv: the number of this
-                                 * message between this rank and the peer, in that direction */
+                                 * ...), the same on every rank; send/isend/recv: the number of
+                                 * this message between this rank and the peer, in that
+                                 * direction (sends and isends share one count); send_wait: 0 */
     size_t bytes;               /* payload size for logs: what this rank sends or holds */
+};
+
+/* A send started by am_isend: the call as posted (the message names it) and its flight
+ * entry, open until am_send_wait ends it. */
+struct am_comm_pending {
+    struct am_comm_call call;
+    uint64_t flight_id;         /* 0: no recorder */
 };
 
 struct am_comm_ops {
@@ -60,8 +73,19 @@ struct am_comm_ops {
      * a member; sets groups[g]->be. Collective over all ranks, like am_comm_create_groups. */
     int (*create_groups)(struct am_comm_ctx *ctx, int n_groups, struct am_comm **groups);
     void (*destroy)(struct am_comm *c);
-    /* Runs one checked call; count > 0 and group size > 1 are NOT guaranteed. */
+    /* Runs one checked call; count > 0 and group size > 1 are NOT guaranteed. AM_CALL_ISEND:
+     * starts the send and returns without waiting for the peer; the backend keeps it (a copy
+     * of what it needs: call is valid during run() only), after the ones before it, until
+     * send_drop. */
     int (*run)(struct am_comm *c, const struct am_comm_call *call);
+    /* Waits for pending send i (0: the oldest still kept; c->call is that send's call). The
+     * front asks for i = 0, 1, ... in turn and stops at the first failure; the wait follows
+     * the rules of every wait (timeout, abort, the peer named). */
+    int (*send_wait)(struct am_comm *c, size_t i);
+    /* Forgets every pending send: after am_send_wait (they completed, or the group failed and
+     * the rest are given up). Nothing of them may be written or waited for later. destroy()
+     * drops the ones still kept itself. */
+    void (*send_drop)(struct am_comm *c);
 };
 
 struct am_comm_ctx {
@@ -89,6 +113,8 @@ struct am_comm {
     int *ranks;                 /* global rank of each group rank */
     uint64_t seq;               /* collectives issued */
     uint64_t *sent, *received;  /* per group rank: messages sent to it, received from it */
+    struct am_comm_pending *pending; /* am_isend's sends not yet completed by am_send_wait, */
+    size_t n_pending, cap_pending;   /* oldest first (the backend keeps them in that order) */
     void *stream;               /* NCCL: cudaStream_t */
     const struct am_comm_call *call; /* the call in progress, for messages */
     int broken;

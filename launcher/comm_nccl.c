@@ -11,6 +11,27 @@
  * default stream) and the call then waits, polling cudaStreamQuery and the communicator's
  * async error, so the interface stays blocking like the UCX backend's. On a timeout or an
  * error the communicator is aborted (ncclCommAbort) and the group is broken.
+ *
+ * am_isend. NCCL runs the kernels of one communicator in the order they were enqueued, and a
+ * send's kernel ends only when the peer has taken the data (beyond what NCCL buffers), so
+ * two calls that must progress together (a ring: send to the right, receive from the left)
+ * have to be in one NCCL group. An isend is therefore only kept (with the group's stream of
+ * the moment) and enqueued at the next call on the context:
+ *   - a send or recv on the same group takes the kept sends into its own NCCL group (calls
+ *     to one peer run in order within a group), so its wait covers them too;
+ *   - a collective on the group enqueues them first, in a group of their own, and runs
+ *     after them;
+ *   - a call on another group enqueues them first too, in a group of their own on their own
+ *     communicator, so that a rank blocked on that group does not hold them back: a
+ *     pipeline with one group per direction (activations forward, gradients backward)
+ *     blocks receiving gradients while its activations still have to reach the next stage.
+ *     They then run beside that call's kernels when the groups have different streams, and
+ *     the group's own next receive waits behind them on the device: a group whose messages
+ *     go around a ring should not be left for another group between its sends and receives;
+ *   - am_send_wait enqueues what is left and waits for the streams of the sends.
+ * Every enqueue is waited for until NCCL has issued it (NCCL takes no new group on any
+ * communicator meanwhile). The first transfer between two ranks on a communicator also sets
+ * up their connection, which needs the peer to enqueue its side.
  */
 #include <sched.h>
 #include <stdio.h>
@@ -23,13 +44,29 @@
 
 #include "comm_impl.h"
 
+struct nccl_comm;
+
 struct nccl_ctx {
     int device;
+    struct nccl_comm *groups;   /* every group of the context: a call enqueues the others' sends */
+};
+
+/* A send started by am_isend, as it will be enqueued. */
+struct nccl_send {
+    const void *buf;
+    size_t count;
+    ncclDataType_t dt;
+    int peer;
+    cudaStream_t stream;        /* the group's stream when it was started */
 };
 
 struct nccl_comm {
     ncclComm_t comm;            /* NULL once aborted */
     int *barrier_buf;           /* one int on the device */
+    struct nccl_comm *next;     /* in the context's list */
+    struct nccl_send *sends;    /* am_isend's, oldest first, until send_drop; */
+    size_t nsend, cap, nqueued; /* sends[0, nqueued) are enqueued */
+    char queue_err[AM_COMM_ERR_LEN]; /* enqueuing them failed during another group's call */
 };
 
 static ncclDataType_t nccl_dtype(enum am_comm_dtype t)
@@ -44,12 +81,15 @@ static ncclDataType_t nccl_dtype(enum am_comm_dtype t)
     return ncclFloat32;
 }
 
-static ncclRedOp_t nccl_op(enum am_comm_op op)
+/* The NCCL reduction for op on a group of `size` ranks. On one rank the average is the value
+ * itself, and it is asked for as a sum: NCCL 2.28.9's ncclAvg on a one-rank communicator left
+ * garbage past the first 3 MiB of the buffer on an H200 (tests/comm/test-comm-nccl.sh 1). */
+static ncclRedOp_t nccl_op(enum am_comm_op op, int size)
 {
     switch (op) {
     case AM_SUM: return ncclSum;
     case AM_MAX: return ncclMax;
-    case AM_AVG: return ncclAvg;
+    case AM_AVG: return size == 1 ? ncclSum : ncclAvg;
     }
     return ncclSum;
 }
@@ -174,29 +214,180 @@ static int wait_stream(struct am_comm *c, cudaStream_t s)
     }
 }
 
-static int nccl_run(struct am_comm *c, const struct am_comm_call *call)
+static int nccl_ok(ncclResult_t r) { return r == ncclSuccess || r == ncclInProgress; }
+
+/* ncclGroupEnd after calls that returned r: r's error if they failed, else the group's result. */
+static ncclResult_t group_end(ncclResult_t r)
+{
+    ncclResult_t e = ncclGroupEnd();
+    return nccl_ok(r) ? e : r;
+}
+
+/* After enqueuing `what` returned r: 0 once NCCL has issued it, or -1 (communicator aborted). */
+static int issued(struct am_comm *c, const char *what, ncclResult_t r)
+{
+    if (!nccl_ok(r))
+        return nccl_fail(c, what, r);
+    return r == ncclInProgress ? wait_issued(c, "NCCL to issue the operation") : 0;
+}
+
+/* Enqueues the group's kept sends, oldest first, inside the caller's NCCL group. */
+static ncclResult_t enqueue_sends(struct nccl_comm *n)
+{
+    ncclResult_t r = ncclSuccess;
+    for (; n->nqueued < n->nsend && nccl_ok(r); n->nqueued++) {
+        const struct nccl_send *s = &n->sends[n->nqueued];
+        if (s->count)
+            r = ncclSend(s->buf, s->count, s->dt, s->peer, n->comm, s->stream);
+    }
+    return r;
+}
+
+/* The group's kept sends in an NCCL group of their own, issued (before a collective on the
+ * group, and in am_send_wait). */
+static int enqueue_own(struct am_comm *c)
 {
     struct nccl_comm *n = c->be;
-    struct nccl_ctx *x = c->ctx->be;
-    cudaStream_t s = (cudaStream_t)c->stream;
-    ncclDataType_t dt = nccl_dtype(call->dtype);
-    size_t es = am_comm_dtype_size(call->dtype);
-    ncclResult_t r = ncclSuccess;
+    if (n->nqueued == n->nsend)
+        return 0;
+    ncclResult_t r = ncclGroupStart();
+    if (r != ncclSuccess)
+        return nccl_fail(c, "ncclGroupStart", r);
+    return issued(c, "ncclSend (pending sends)", group_end(enqueue_sends(n)));
+}
+
+/* Polls a communicator whose enqueue returned ncclInProgress: its state once NCCL is done
+ * issuing, or ncclInProgress after the timeout or an abort of the context. */
+static ncclResult_t settle(const struct am_comm_ctx *ctx, ncclComm_t comm)
+{
+    struct backoff b = {.start = am_comm_now(), .timeout = ctx->timeout_s};
+    for (;;) {
+        ncclResult_t st;
+        ncclResult_t r = ncclCommGetAsyncError(comm, &st);
+        if (r != ncclSuccess)
+            return r;
+        if (st != ncclInProgress)
+            return st;
+        if (am_comm_ctx_aborted(ctx) || backoff_wait(&b) < 0)
+            return ncclInProgress;
+    }
+}
+
+/* Enqueuing group o's sends during a call on group c failed (r; ncclInProgress: not issued
+ * in time): o keeps the message for its next call (am_send_wait names the send), and its
+ * communicator is aborted. */
+static void other_failed(const struct am_comm *c, struct nccl_comm *o, ncclResult_t r)
+{
+    const struct am_comm_ctx *ctx = c->ctx;
+    const char *last = r == ncclInProgress ? NULL : ncclGetLastError(o->comm);
+    char why[320];
+    if (r != ncclInProgress)
+        snprintf(why, sizeof(why), "%s", ncclGetErrorString(r));
+    else if (am_comm_ctx_aborted(ctx))
+        snprintf(why, sizeof(why), "aborted: %s", ctx->abort_reason);
+    else
+        snprintf(why, sizeof(why), "NCCL had not issued them after %g s (did the peer enqueue its side?)",
+                 ctx->timeout_s);
+    snprintf(o->queue_err, sizeof(o->queue_err), "enqueuing the group's pending sends during a call on group %s: %s%s%s",
+             c->name, why, last && *last ? ": " : "", last ? last : "");
+    ncclCommAbort(o->comm);
+    o->comm = NULL;
+}
+
+/* The kept sends of the context's other groups, each group's in an NCCL group of its own,
+ * issued (see the top of the file). A failure is the other group's, not this call's. */
+static void enqueue_others(struct am_comm *c)
+{
+    const struct nccl_ctx *x = c->ctx->be;
+    for (struct nccl_comm *o = x->groups; o; o = o->next) {
+        if (o == c->be || !o->comm || o->nqueued == o->nsend)
+            continue;
+        ncclResult_t r = ncclGroupStart();
+        if (r == ncclSuccess)
+            r = group_end(enqueue_sends(o));
+        if (r == ncclInProgress)
+            r = settle(c->ctx, o->comm);
+        if (r != ncclSuccess)
+            other_failed(c, o, r);
+    }
+}
+
+/* Before every call on the group: refused when its communicator is gone (with the reason
+ * when another group's call failed to enqueue its sends); the device; the other groups'
+ * kept sends enqueued. */
+static int begin(struct am_comm *c)
+{
+    struct nccl_comm *n = c->be;
+    const struct nccl_ctx *x = c->ctx->be;
+    if (n->queue_err[0])
+        return am_comm_fail(c, "failed: %s", n->queue_err);
     if (!n->comm)
         return am_comm_fail(c, "refused: the NCCL communicator was aborted");
     cudaError_t ce = cudaSetDevice(x->device);
     if (ce != cudaSuccess)
         return am_comm_fail(c, "failed: cudaSetDevice(%d): %s", x->device, cudaGetErrorString(ce));
+    enqueue_others(c);
+    return 0;
+}
+
+/* am_isend: kept, to be enqueued at the group's next call (see the top of the file). */
+static int keep_send(struct am_comm *c, const struct am_comm_call *call)
+{
+    struct nccl_comm *n = c->be;
+    if (n->nsend == n->cap) {
+        size_t cap = n->cap ? 2 * n->cap : 16;
+        struct nccl_send *v = realloc(n->sends, cap * sizeof(*v));
+        if (!v)
+            return am_comm_fail(c, "failed: out of memory for %zu pending sends", cap);
+        n->sends = v;
+        n->cap = cap;
+    }
+    n->sends[n->nsend++] = (struct nccl_send){.buf = call->send, .count = call->count, .dt = nccl_dtype(call->dtype),
+                                              .peer = call->peer, .stream = (cudaStream_t)c->stream};
+    return 0;
+}
+
+/* send and recv: one NCCL group with the group's kept sends, then the wait for the stream. */
+static int run_p2p(struct am_comm *c, const struct am_comm_call *call)
+{
+    struct nccl_comm *n = c->be;
+    cudaStream_t s = (cudaStream_t)c->stream;
+    ncclDataType_t dt = nccl_dtype(call->dtype);
+    if (!call->count && n->nqueued == n->nsend)
+        return 0;
+    ncclResult_t r = ncclGroupStart();
+    if (r != ncclSuccess)
+        return nccl_fail(c, "ncclGroupStart", r);
+    r = enqueue_sends(n);
+    if (nccl_ok(r) && call->count)
+        r = call->kind == AM_CALL_SEND ? ncclSend(call->send, call->count, dt, call->peer, n->comm, s)
+                                       : ncclRecv(call->recv, call->count, dt, call->peer, n->comm, s);
+    if (issued(c, am_comm_call_name(call->kind), group_end(r)) < 0)
+        return -1;
+    return wait_stream(c, s);
+}
+
+/* The collectives (and barrier), after the group's kept sends. */
+static int run_collective(struct am_comm *c, const struct am_comm_call *call)
+{
+    struct nccl_comm *n = c->be;
+    cudaStream_t s = (cudaStream_t)c->stream;
+    ncclDataType_t dt = nccl_dtype(call->dtype);
+    size_t es = am_comm_dtype_size(call->dtype);
+    ncclResult_t r = ncclSuccess;
+    cudaError_t ce;
+    if (enqueue_own(c) < 0)
+        return -1;
     switch (call->kind) {
     case AM_CALL_ALLREDUCE:
         if (!call->count)
             return 0;
-        r = ncclAllReduce(call->send, call->recv, call->count, dt, nccl_op(call->op), n->comm, s);
+        r = ncclAllReduce(call->send, call->recv, call->count, dt, nccl_op(call->op, c->size), n->comm, s);
         break;
     case AM_CALL_REDUCE_SCATTER:
         if (!call->count)
             return 0;
-        r = ncclReduceScatter(call->send, call->recv, call->count, dt, nccl_op(call->op), n->comm, s);
+        r = ncclReduceScatter(call->send, call->recv, call->count, dt, nccl_op(call->op, c->size), n->comm, s);
         break;
     case AM_CALL_ALLGATHER:
         if (!call->count)
@@ -208,16 +399,11 @@ static int nccl_run(struct am_comm *c, const struct am_comm_call *call)
             return 0;
         r = ncclBroadcast(call->recv, call->recv, call->count, dt, call->peer, n->comm, s);
         break;
-    case AM_CALL_SEND:
-        if (!call->count)
-            return 0;
-        r = ncclSend(call->send, call->count, dt, call->peer, n->comm, s);
-        break;
+    case AM_CALL_SEND:      /* run_p2p */
     case AM_CALL_RECV:
-        if (!call->count)
-            return 0;
-        r = ncclRecv(call->recv, call->count, dt, call->peer, n->comm, s);
-        break;
+    case AM_CALL_ISEND:     /* keep_send */
+    case AM_CALL_SEND_WAIT: /* the front's own */
+        return 0;
     case AM_CALL_BARRIER:
         r = ncclAllReduce(n->barrier_buf, n->barrier_buf, 1, ncclInt32, ncclSum, n->comm, s);
         break;
@@ -250,11 +436,42 @@ static int nccl_run(struct am_comm *c, const struct am_comm_call *call)
         break;
     }
     }
-    if (r != ncclSuccess && r != ncclInProgress)
-        return nccl_fail(c, am_comm_call_name(call->kind), r);
-    if (r == ncclInProgress && wait_issued(c, "NCCL to issue the operation") < 0)
+    if (issued(c, am_comm_call_name(call->kind), r) < 0)
         return -1;
     return wait_stream(c, s);
+}
+
+static int nccl_run(struct am_comm *c, const struct am_comm_call *call)
+{
+    if (call->kind == AM_CALL_ISEND)
+        return keep_send(c, call);
+    if (begin(c) < 0)
+        return -1;
+    if (call->kind == AM_CALL_SEND || call->kind == AM_CALL_RECV)
+        return run_p2p(c, call);
+    return run_collective(c, call);
+}
+
+/* Kept send i: what is left enqueued, then its stream drained (NCCL does not tell one send's
+ * end from another's: the first wait covers the sends on that stream). */
+static int nccl_send_wait(struct am_comm *c, size_t i)
+{
+    struct nccl_comm *n = c->be;
+    if (begin(c) < 0 || enqueue_own(c) < 0)
+        return -1;
+    am_comm_waiting(c, n->sends[i].peer);
+    if (wait_stream(c, n->sends[i].stream) < 0)
+        return -1;
+    am_comm_waiting(c, -1);
+    return 0;
+}
+
+/* Sends never enqueued are simply forgotten (the group failed); enqueued ones are the
+ * stream's, finished or aborted with the communicator. */
+static void nccl_send_drop(struct am_comm *c)
+{
+    struct nccl_comm *n = c->be;
+    n->nsend = n->nqueued = 0;
 }
 
 static int nccl_ctx_init(struct am_comm_ctx *ctx, int device)
@@ -286,8 +503,14 @@ static void nccl_ctx_fini(struct am_comm_ctx *ctx)
 static void nccl_destroy(struct am_comm *c)
 {
     struct nccl_comm *n = c->be;
+    struct nccl_ctx *x = c->ctx->be;
     if (!n)
         return;
+    for (struct nccl_comm **p = &x->groups; *p; p = &(*p)->next)
+        if (*p == n) {
+            *p = n->next;
+            break;
+        }
     if (n->comm) {
         if (c->broken) {
             ncclCommAbort(n->comm);
@@ -306,6 +529,7 @@ static void nccl_destroy(struct am_comm *c)
     }
     if (n->barrier_buf)
         cudaFree(n->barrier_buf);
+    free(n->sends);
     free(n);
     c->be = NULL;
 }
@@ -355,6 +579,8 @@ static int nccl_create_groups(struct am_comm_ctx *ctx, int n_groups, struct am_c
         if (!n)
             return am_comm_ctx_fail(ctx, "create groups: out of memory");
         c->be = n;
+        n->next = x->groups;
+        x->groups = n;
         if ((ce = cudaMalloc((void **)&n->barrier_buf, sizeof(int))) != cudaSuccess ||
             (ce = cudaMemset(n->barrier_buf, 0, sizeof(int))) != cudaSuccess)
             return am_comm_ctx_fail(ctx, "create groups: group %s: cudaMalloc: %s", c->name, cudaGetErrorString(ce));
@@ -398,4 +624,6 @@ const struct am_comm_ops am_comm_nccl_backend = {
     .create_groups = nccl_create_groups,
     .destroy = nccl_destroy,
     .run = nccl_run,
+    .send_wait = nccl_send_wait,
+    .send_drop = nccl_send_drop,
 };

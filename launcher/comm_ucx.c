@@ -8,8 +8,9 @@
  *   63      p2p flag (send/recv are numbered per pair of ranks and direction, collectives by
  *           the group's sequence number: see am_comm_call.seq)
  *   52..62  group id (11 bits: 2048 groups per process)
- *   36..51  that number (16 bits, wraps; calls are blocking, so two calls in flight on one
- *           group are never 2^16 apart)
+ *   36..51  that number (16 bits, wraps; collectives are blocking, so two in flight on one
+ *           group are never 2^16 apart; isends can be, but messages with equal tags from one
+ *           sender are matched in the order sent, which is the order of their numbers)
  *   20..35  source: the sender's rank in the group (groups up to 65536 ranks)
  *    0..19  sub-message index within the call (step * segments per chunk + segment; wraps, and
  *           UCX matches messages with equal tags from one sender in the order they were sent,
@@ -30,6 +31,10 @@
  *   alltoallv        every receive posted, then every send (one message per pair, empty ones
  *                    included, so mismatched counts are reported rather than waited for).
  *   barrier          dissemination, ceil(log2 p) rounds of empty messages.
+ *   isend            the send posted as am_send posts it, its request kept in the group's
+ *                    list of pending sends (apart from the call's requests, which every call
+ *                    resets and waits for) until am_send_wait waits for it like any request;
+ *                    every wait of every call polls the one worker, which moves it meanwhile.
  *
  * Waiting: every wait polls the worker, AM_COMM_UCX_POLLS times (default 8) between looks at
  * the clock; after AM_COMM_UCX_SPIN_US of no progress (default 0) it yields the CPU between
@@ -100,6 +105,8 @@ struct ucx_comm {
     ucp_ep_h *eps;              /* by group rank */
     struct xreq *reqs;          /* the current call's requests */
     size_t nreq, cap;
+    struct xreq *sends;         /* am_isend's requests, oldest first, until send_drop */
+    size_t nsend, send_cap;
     void *scratch;
     size_t scratch_len;
     char sink[8];               /* buffer for empty messages */
@@ -153,30 +160,33 @@ static void *scratch(struct am_comm *c, size_t len)
 
 /* ---- requests -------------------------------------------------------------------------- */
 
+/* Appends a cleared request to the list *v (n used, cap allocated); its index, or -1. */
+static long push_req(struct am_comm *c, struct xreq **v, size_t *n, size_t *cap)
+{
+    if (*n == *cap) {
+        size_t want = *cap ? 2 * *cap : 64;
+        struct xreq *r = realloc(*v, want * sizeof(*r));
+        if (!r) {
+            am_comm_fail(c, "failed: out of memory for %zu requests", want);
+            return -1;
+        }
+        *v = r;
+        *cap = want;
+    }
+    (*v)[*n] = (struct xreq){0};
+    return (long)(*n)++;
+}
+
 static long new_req(struct am_comm *c)
 {
     struct ucx_comm *u = c->be;
-    if (u->nreq == u->cap) {
-        size_t cap = u->cap ? 2 * u->cap : 64;
-        struct xreq *r = realloc(u->reqs, cap * sizeof(*r));
-        if (!r) {
-            am_comm_fail(c, "failed: out of memory for %zu requests", cap);
-            return -1;
-        }
-        u->reqs = r;
-        u->cap = cap;
-    }
-    u->reqs[u->nreq] = (struct xreq){0};
-    return (long)u->nreq++;
+    return push_req(c, &u->reqs, &u->nreq, &u->cap);
 }
 
-static long post_send(struct am_comm *c, int peer, const void *buf, size_t len, ucp_tag_t tag)
+/* Starts sending into request r (complete at once, or UCX's request to wait for). 0 or -1. */
+static int start_send(struct am_comm *c, struct xreq *r, int peer, const void *buf, size_t len, ucp_tag_t tag)
 {
     struct ucx_comm *u = c->be;
-    long i = new_req(c);
-    if (i < 0)
-        return -1;
-    struct xreq *r = &u->reqs[i];
     r->peer = peer;
     ucp_request_param_t param = {.op_attr_mask = 0};
     ucs_status_ptr_t p = ucp_tag_send_nbx(u->eps[peer], len ? buf : u->sink, len, tag, &param);
@@ -192,6 +202,15 @@ static long post_send(struct am_comm *c, int peer, const void *buf, size_t len, 
     } else {
         r->req = p;
     }
+    return 0;
+}
+
+static long post_send(struct am_comm *c, int peer, const void *buf, size_t len, ucp_tag_t tag)
+{
+    struct ucx_comm *u = c->be;
+    long i = new_req(c);
+    if (i < 0 || start_send(c, &u->reqs[i], peer, buf, len, tag) < 0)
+        return -1;
     return i;
 }
 
@@ -278,18 +297,18 @@ static int req_result(struct am_comm *c, const struct xreq *r)
     return 0;
 }
 
-/* The slow path of wait_req: progress, then yield, then sleep. */
-static int wait_slow(struct am_comm *c, long i)
+/* The slow path of wait_xreq: progress, then yield, then sleep. r stays valid meanwhile (no
+ * request is posted during a wait). */
+static int wait_slow(struct am_comm *c, struct xreq *r)
 {
-    struct ucx_comm *u = c->be;
     struct ucx_ctx *x = c->ctx->be;
     double start = am_comm_now(), last = start, timeout = c->ctx->timeout_s;
     unsigned polls = 0, busy = 0;
     long sleep_ns = 50000;
     for (;;) {
         busy |= ucp_worker_progress(x->worker);
-        if (test_req(&u->reqs[i]))
-            return req_result(c, &u->reqs[i]);
+        if (test_req(r))
+            return req_result(c, r);
         if (++polls < x->polls)
             continue;
         polls = 0;
@@ -299,12 +318,11 @@ static int wait_slow(struct am_comm *c, long i)
             busy = 0;
             sleep_ns = 50000;
         }
-        if (peer_gone(c, &u->reqs[i]) < 0)
+        if (peer_gone(c, r) < 0)
             return -1;
         if (am_comm_ctx_aborted(c->ctx))
             return am_comm_fail_aborted(c);
         if (now - start > timeout) {
-            const struct xreq *r = &u->reqs[i];
             char who[320];
             c->timed_out = 1;
             return am_comm_fail(c, "timed out after %g s waiting for %s%s", timeout,
@@ -326,18 +344,24 @@ static int wait_slow(struct am_comm *c, long i)
     }
 }
 
-/* Waits for request i: progress, then yield, then sleep; fails after the timeout, or at
+/* Waits for request r: progress, then yield, then sleep; fails after the timeout, or at
  * once when the context is aborted (a watchdog, from another thread). */
-static int wait_req(struct am_comm *c, long i)
+static int wait_xreq(struct am_comm *c, struct xreq *r)
 {
-    struct ucx_comm *u = c->be;
-    if (test_req(&u->reqs[i]))
-        return req_result(c, &u->reqs[i]);
-    am_comm_waiting(c, u->reqs[i].peer);
-    int rc = wait_slow(c, i);
+    if (test_req(r))
+        return req_result(c, r);
+    am_comm_waiting(c, r->peer);
+    int rc = wait_slow(c, r);
     if (rc == 0)
         am_comm_waiting(c, -1); /* after a failure the recorder keeps whom it waited for */
     return rc;
+}
+
+/* Waits for request i of the call in progress. */
+static int wait_req(struct am_comm *c, long i)
+{
+    struct ucx_comm *u = c->be;
+    return wait_xreq(c, &u->reqs[i]);
 }
 
 static int wait_all(struct am_comm *c)
@@ -349,13 +373,14 @@ static int wait_all(struct am_comm *c)
     return 0;
 }
 
-/* After a failure: cancel what is still posted so that UCX writes into no buffer later. */
-static void drop_all(struct am_comm *c)
+/* Lets go of the n requests of v that are still posted: receives are cancelled so that UCX
+ * writes into no buffer later; sends cannot be (UCX 1.13 cancels receives only), so UCX
+ * finishes or fails them on its own, reading their buffers until then. */
+static void drop_reqs(struct am_comm *c, struct xreq *v, size_t n)
 {
-    struct ucx_comm *u = c->be;
     struct ucx_ctx *x = c->ctx->be;
-    for (size_t i = 0; i < u->nreq; i++) {
-        struct xreq *r = &u->reqs[i];
+    for (size_t i = 0; i < n; i++) {
+        struct xreq *r = &v[i];
         if (r->done || !r->req)
             continue;
         if (r->is_recv)
@@ -364,6 +389,13 @@ static void drop_all(struct am_comm *c)
         r->req = NULL;
         r->done = 1;
     }
+}
+
+/* After a failure: the call's requests. */
+static void drop_all(struct am_comm *c)
+{
+    struct ucx_comm *u = c->be;
+    drop_reqs(c, u->reqs, u->nreq);
     u->nreq = 0;
 }
 
@@ -824,6 +856,21 @@ static int do_p2p(struct am_comm *c, const struct am_comm_call *call)
     return i < 0 ? -1 : wait_req(c, i);
 }
 
+/* am_isend: posted like a send, kept in u->sends (the numbering and the tag are the same). */
+static int do_isend(struct am_comm *c, const struct am_comm_call *call)
+{
+    struct ucx_comm *u = c->be;
+    long i = push_req(c, &u->sends, &u->nsend, &u->send_cap);
+    if (i < 0)
+        return -1;
+    if (start_send(c, &u->sends[i], call->peer, call->send, call->count * am_comm_dtype_size(call->dtype),
+                   p2p_tag(c, c->rank)) < 0) {
+        u->nsend--; /* the front keeps only posted sends: the lists stay in step */
+        return -1;
+    }
+    return 0;
+}
+
 /* ---- the backend ------------------------------------------------------------------------------ */
 
 static int ucx_run(struct am_comm *c, const struct am_comm_call *call)
@@ -854,6 +901,11 @@ static int ucx_run(struct am_comm *c, const struct am_comm_call *call)
     case AM_CALL_BARRIER:
         rc = do_barrier(c);
         break;
+    case AM_CALL_ISEND:
+        rc = do_isend(c, call);
+        break;
+    case AM_CALL_SEND_WAIT: /* the front's own */
+        break;
     }
     if (rc < 0) {
         drop_all(c);
@@ -861,6 +913,23 @@ static int ucx_run(struct am_comm *c, const struct am_comm_call *call)
     }
     u->nreq = 0;
     return rc;
+}
+
+/* Pending send i: waited for as any request is (timeout, abort, a peer that is gone). */
+static int ucx_send_wait(struct am_comm *c, size_t i)
+{
+    struct ucx_comm *u = c->be;
+    if (wait_xreq(c, &u->sends[i]) == 0)
+        return 0;
+    ((struct ucx_ctx *)c->ctx->be)->failed = 1;
+    return -1;
+}
+
+static void ucx_send_drop(struct am_comm *c)
+{
+    struct ucx_comm *u = c->be;
+    drop_reqs(c, u->sends, u->nsend);
+    u->nsend = 0;
 }
 
 static void ucx_ctx_fini(struct am_comm_ctx *ctx);
@@ -1018,8 +1087,10 @@ static void ucx_destroy(struct am_comm *c)
         return;
     if (u->nreq)
         drop_all(c);
+    ucx_send_drop(c);
     free(u->eps);
     free(u->reqs);
+    free(u->sends);
     free(u->scratch);
     free(u);
     c->be = NULL;
@@ -1088,4 +1159,6 @@ const struct am_comm_ops am_comm_ucx_backend = {
     .create_groups = ucx_create_groups,
     .destroy = ucx_destroy,
     .run = ucx_run,
+    .send_wait = ucx_send_wait,
+    .send_drop = ucx_send_drop,
 };

@@ -45,13 +45,13 @@ static struct am_param *add_param(struct am_model *m, const char *name, int64_t 
     return p;
 }
 
-static void layer_params(struct am_model *m, int l)
+static void layer_params(struct am_model *m, int l, int local)
 {
     const struct am_model_config *c = &m->cfg;
     int64_t C = c->hidden_size, D = m->head_dim, r = m->sh.tp_rank;
     int64_t Hq = c->num_attention_heads * D, Hkv = c->num_key_value_heads * D;
     char n[96];
-    struct am_layer *L = &m->layers[l - m->sh.first_layer];
+    struct am_layer *L = &m->layers[local];
 #define NAME(s) (snprintf(n, sizeof(n), "model.layers.%d.%s", l, s), n)
     L->attn_norm = add_param(m, NAME("input_layernorm.weight"), C, 0, AM_SPLIT_NONE, C, 0, 0, 0);
     L->wq = add_param(m, NAME("self_attn.q_proj.weight"), m->heads * D, C, AM_SPLIT_ROWS, Hq, C, r * m->heads * D, 0);
@@ -84,42 +84,70 @@ static struct am_tensor carve(struct slab *s, enum am_tdtype dt, int64_t d0, int
     return t;
 }
 
-/* Lays out (cursor at base NULL: only measures) the activation buffers. */
+/* Rows of the residual stream on this rank for n tokens: all, or 1/tp with sequence parallelism. */
+static int64_t stream_rows(const struct am_model *m, int64_t n) { return m->sh.sequence_parallel ? n / m->sh.tp : n; }
+
+/* A layer's saved tensors but x_in (own per slot, or the shared work set with recompute). */
+static void carve_layer(struct am_model *m, struct slab *c, struct am_layer_acts *a)
+{
+    int64_t N = m->max_tokens, R = stream_rows(m, N), C = m->cfg.hidden_size, D = m->head_dim;
+    int64_t Q = m->heads * D, KV = m->kv_heads * D, I = m->inter, B = N / m->seq_len, T = m->seq_len;
+    a->h1 = carve(c, AM_T_F32, R, C, 0, 0);
+    a->rstd1 = carve(c, AM_T_F32, R, 0, 0, 0);
+    a->q = carve(c, AM_T_F32, N, Q, 0, 0);
+    a->k = carve(c, AM_T_F32, N, KV, 0, 0);
+    a->v = carve(c, AM_T_F32, N, KV, 0, 0);
+    a->att = carve(c, AM_T_F32, N, Q, 0, 0);
+    a->lse = carve(c, AM_T_F32, B, m->heads, T, 0);
+    a->x_mid = carve(c, AM_T_F32, R, C, 0, 0);
+    a->h2 = carve(c, AM_T_F32, R, C, 0, 0);
+    a->rstd2 = carve(c, AM_T_F32, R, 0, 0, 0);
+    a->gate = carve(c, AM_T_F32, N, I, 0, 0);
+    a->up = carve(c, AM_T_F32, N, I, 0, 0);
+    a->act = carve(c, AM_T_F32, N, I, 0, 0);
+}
+
+/* Lays out (base NULL: only measures) the activation buffers: each slot's saved tensors,
+ * then the scratch every micro-batch shares. */
 static size_t layout_acts(struct am_model *m, char *base)
 {
-    enum am_device dev = m->K->device;
-    int64_t N = m->max_tokens, C = m->cfg.hidden_size, D = m->head_dim;
-    int64_t Q = m->heads * D, KV = m->kv_heads * D, I = m->inter, B = N / m->seq_len, T = m->seq_len;
-    struct slab c = {.base = base, .dev = dev};
-    for (int l = 0; l < m->sh.n_layers; l++) {
-        struct am_layer_acts *a = &m->acts[l];
-        a->x_in = carve(&c, AM_T_F32, N, C, 0, 0);
-        a->h1 = carve(&c, AM_T_F32, N, C, 0, 0);
-        a->rstd1 = carve(&c, AM_T_F32, N, 0, 0, 0);
-        a->q = carve(&c, AM_T_F32, N, Q, 0, 0);
-        a->k = carve(&c, AM_T_F32, N, KV, 0, 0);
-        a->v = carve(&c, AM_T_F32, N, KV, 0, 0);
-        a->att = carve(&c, AM_T_F32, N, Q, 0, 0);
-        a->lse = carve(&c, AM_T_F32, B, m->heads, T, 0);
-        a->x_mid = carve(&c, AM_T_F32, N, C, 0, 0);
-        a->h2 = carve(&c, AM_T_F32, N, C, 0, 0);
-        a->rstd2 = carve(&c, AM_T_F32, N, 0, 0, 0);
-        a->gate = carve(&c, AM_T_F32, N, I, 0, 0);
-        a->up = carve(&c, AM_T_F32, N, I, 0, 0);
-        a->act = carve(&c, AM_T_F32, N, I, 0, 0);
+    int64_t N = m->max_tokens, R = stream_rows(m, N), C = m->cfg.hidden_size, D = m->head_dim;
+    int64_t Q = m->heads * D, KV = m->kv_heads * D, I = m->inter, T = m->seq_len;
+    struct slab c = {.base = base, .dev = m->K->device};
+    for (int s = 0; s < m->n_slots; s++) {
+        struct am_slot *S = &m->slots[s];
+        for (int l = 0; l < m->n_layers; l++) {
+            S->acts[l].x_in = carve(&c, AM_T_F32, R, C, 0, 0);
+            if (!m->sh.recompute)
+                carve_layer(m, &c, &S->acts[l]);
+        }
+        if (m->sh.first_stage)
+            S->tokens = carve(&c, AM_T_I32, N, 0, 0, 0);
+        if (m->sh.last_stage) {
+            S->targets = carve(&c, AM_T_I32, N, 0, 0, 0);
+            S->xf = carve(&c, AM_T_F32, R, C, 0, 0);
+            S->hf = carve(&c, AM_T_F32, N, C, 0, 0);
+            S->rstdf = carve(&c, AM_T_F32, R, 0, 0, 0);
+            S->ce_m = carve(&c, AM_T_F32, N, 0, 0, 0);
+            S->ce_s = carve(&c, AM_T_F32, N, 0, 0, 0);
+        }
     }
-    m->x = carve(&c, AM_T_F32, N, C, 0, 0);
-    m->dx = carve(&c, AM_T_F32, N, C, 0, 0);
-    m->hf = carve(&c, AM_T_F32, N, C, 0, 0);
-    m->rstdf = carve(&c, AM_T_F32, N, 0, 0, 0);
+    if (m->sh.recompute && m->n_layers > 0) {
+        struct am_layer_acts work;
+        carve_layer(m, &c, &work);
+        for (int s = 0; s < m->n_slots; s++)
+            for (int l = 0; l < m->n_layers; l++) {
+                struct am_tensor x_in = m->slots[s].acts[l].x_in;
+                m->slots[s].acts[l] = work;
+                m->slots[s].acts[l].x_in = x_in;
+            }
+    }
+    m->x = carve(&c, AM_T_F32, R, C, 0, 0);
+    m->dx = carve(&c, AM_T_F32, R, C, 0, 0);
     m->dhf = carve(&c, AM_T_F32, N, C, 0, 0);
     m->cos = carve(&c, AM_T_F32, T, D / 2, 0, 0);
     m->sin = carve(&c, AM_T_F32, T, D / 2, 0, 0);
-    m->ce_m = carve(&c, AM_T_F32, N, 0, 0, 0);
-    m->ce_s = carve(&c, AM_T_F32, N, 0, 0, 0);
     m->ce_t = carve(&c, AM_T_F32, N, 0, 0, 0);
-    m->tokens = carve(&c, AM_T_I32, N, 0, 0, 0);
-    m->targets = carve(&c, AM_T_I32, N, 0, 0, 0);
     m->scratch_c = carve(&c, AM_T_F32, N, C, 0, 0);
     m->scratch_q = carve(&c, AM_T_F32, N, Q, 0, 0);
     m->scratch_att = carve(&c, AM_T_F32, N, Q, 0, 0);
@@ -128,21 +156,42 @@ static size_t layout_acts(struct am_model *m, char *base)
     m->scratch_mlp = carve(&c, AM_T_F32, N, 3 * I, 0, 0); /* dact, dgate, dup */
     if (m->sh.sequence_parallel) {
         m->gathered = carve(&c, AM_T_F32, N, C, 0, 0);
-        m->scratch_rows = carve(&c, AM_T_F32, N / m->sh.tp, C, 0, 0);
+        m->scratch_rows = carve(&c, AM_T_F32, R, C, 0, 0);
     }
     return c.off;
 }
 
+/* The chunks must be non-empty runs of layers in model order. */
+static int check_shard(const struct am_model_shard *sh, const struct am_model_config *cfg, char *err, size_t err_len)
+{
+    if (sh->n_chunks < 1 || sh->n_chunks > AM_MAX_CHUNKS)
+        return fail(err, err_len, "model: %d pipeline chunks on one rank (1 to %d are supported)", sh->n_chunks,
+                    AM_MAX_CHUNKS);
+    int next = 0;
+    for (int c = 0; c < sh->n_chunks; c++) {
+        const struct am_chunk *k = &sh->chunks[c];
+        if (k->n_layers < 1 || k->first_layer < next || k->first_layer + k->n_layers > cfg->num_hidden_layers)
+            return fail(err, err_len, "model: chunk %d (layers %d..%d) is not a run of layers after the previous "
+                        "chunk within the model's %ld", c, k->first_layer, k->first_layer + k->n_layers - 1,
+                        (long)cfg->num_hidden_layers);
+        next = k->first_layer + k->n_layers;
+    }
+    return 0;
+}
+
 int am_model_init(struct am_model *m, const struct am_model_config *cfg, const struct am_model_shard *sh,
-                  const struct am_kernels *K, struct am_comm *tp_comm, int64_t batch, int64_t seq_len, char *err,
-                  size_t err_len)
+                  const struct am_kernels *K, struct am_comm *tp_comm, struct am_comm *pp_comm, int64_t batch,
+                  int64_t seq_len, char *err, size_t err_len)
 {
     memset(m, 0, sizeof(*m));
     m->cfg = *cfg;
     m->sh = *sh;
     m->K = K;
     m->tp_comm = sh->tp > 1 ? tp_comm : NULL;
+    m->pp_comm = pp_comm;
     m->sh.sequence_parallel = sh->sequence_parallel && sh->tp > 1;
+    if (check_shard(sh, cfg, err, err_len) < 0)
+        return -1;
     if (m->sh.sequence_parallel && (batch * seq_len) % sh->tp)
         return fail(err, err_len, "model: sequence parallelism splits the %lld tokens of a micro-batch over tp = %d "
                     "ranks: they must divide evenly", (long long)(batch * seq_len), sh->tp);
@@ -165,18 +214,27 @@ int am_model_init(struct am_model *m, const struct am_model_config *cfg, const s
     m->vocab_start = sh->tp_rank * m->vocab_shard;
     m->max_tokens = batch * seq_len;
     m->seq_len = seq_len;
+    m->n_slots = sh->slots > 0 ? sh->slots : 1;
+    for (int c = 0; c < sh->n_chunks; c++) {
+        m->chunk_base[c] = m->n_layers;
+        m->n_layers += sh->chunks[c].n_layers;
+    }
 
-    m->params = calloc((size_t)(9 * sh->n_layers + 4), sizeof(*m->params));
-    m->layers = calloc((size_t)sh->n_layers, sizeof(*m->layers));
-    m->acts = calloc((size_t)sh->n_layers, sizeof(*m->acts));
-    if (!m->params || !m->layers || !m->acts)
+    m->params = calloc((size_t)(9 * m->n_layers + 4), sizeof(*m->params));
+    m->layers = calloc((size_t)m->n_layers, sizeof(*m->layers));
+    m->slots = calloc((size_t)m->n_slots, sizeof(*m->slots));
+    m->acts_mem = calloc((size_t)m->n_slots * (size_t)m->n_layers + 1, sizeof(*m->acts_mem));
+    if (!m->params || !m->layers || !m->slots || !m->acts_mem)
         goto oom;
+    for (int s = 0; s < m->n_slots; s++)
+        m->slots[s].acts = m->acts_mem + (size_t)s * (size_t)m->n_layers;
     int64_t C = cfg->hidden_size, V = cfg->vocab_size, r = sh->tp_rank;
     if (sh->first_stage)
         m->embed = add_param(m, "model.embed_tokens.weight", m->vocab_shard, C, AM_SPLIT_ROWS, V, C,
                              r * m->vocab_shard, 0);
-    for (int l = sh->first_layer; l < sh->first_layer + sh->n_layers; l++)
-        layer_params(m, l);
+    for (int c = 0; c < sh->n_chunks; c++)
+        for (int i = 0; i < sh->chunks[c].n_layers; i++)
+            layer_params(m, sh->chunks[c].first_layer + i, m->chunk_base[c] + i);
     if (sh->last_stage) {
         m->final_norm = add_param(m, "model.norm.weight", C, 0, AM_SPLIT_NONE, C, 0, 0, 0);
         if (cfg->tie_word_embeddings && sh->first_stage)
@@ -197,8 +255,8 @@ int am_model_init(struct am_model *m, const struct am_model_config *cfg, const s
         p->g.data = (float *)m->grad_mem + off;
         off += (size_t)am_tensor_numel(&p->w);
     }
-    size_t act_bytes = layout_acts(m, NULL);
-    m->act_mem = K->alloc(act_bytes);
+    m->act_bytes = layout_acts(m, NULL);
+    m->act_mem = K->alloc(m->act_bytes);
     if (!m->act_mem)
         goto oom;
     layout_acts(m, m->act_mem);
@@ -207,10 +265,12 @@ int am_model_init(struct am_model *m, const struct am_model_config *cfg, const s
                                  cfg->rope_scaling.original_max_position_embeddings};
     K->rope_tables(&m->cos, &m->sin, cfg->rope_theta, &rs);
     return 0;
-oom:
+oom:;
+    size_t n_elems = m->n_elems;
+    int n_slots = m->n_slots;
     am_model_free(m);
-    return fail(err, err_len, "model: out of memory for %zu parameters and activations of %lld tokens", m->n_elems,
-                (long long)(batch * seq_len));
+    return fail(err, err_len, "model: out of memory for %zu parameters and activations of %d x %lld tokens",
+                n_elems, n_slots, (long long)(batch * seq_len));
 }
 
 void am_model_free(struct am_model *m)
@@ -225,7 +285,8 @@ void am_model_free(struct am_model *m)
     }
     free(m->params);
     free(m->layers);
-    free(m->acts);
+    free(m->slots);
+    free(m->acts_mem);
     memset(m, 0, sizeof(*m));
 }
 
@@ -360,16 +421,16 @@ static int norm_backward(struct am_model *m, struct am_tensor *dx, struct am_par
 
 /* Combines the vocabulary shards' softmax statistics (kernels.h, ce_stats) into M and S,
  * uploads them for the backward, and returns the sum of token losses. */
-static int combine_ce(struct am_model *m, int64_t N, const int32_t *targets, double *loss_sum, char *err,
-                      size_t err_len)
+static int combine_ce(struct am_model *m, struct am_slot *S, int64_t N, const int32_t *targets, double *loss_sum,
+                      char *err, size_t err_len)
 {
     float *h = malloc((size_t)N * 4 * sizeof(float));
     if (!h)
         return fail(err, err_len, "model: out of memory");
     float *mx = h, *s = h + N, *t = h + 2 * N, *M = h + 3 * N;
     int rc = 0;
-    m->K->download(mx, m->ce_m.data, (size_t)N * sizeof(float));
-    m->K->download(s, m->ce_s.data, (size_t)N * sizeof(float));
+    m->K->download(mx, S->ce_m.data, (size_t)N * sizeof(float));
+    m->K->download(s, S->ce_s.data, (size_t)N * sizeof(float));
     m->K->download(t, m->ce_t.data, (size_t)N * sizeof(float));
     memcpy(M, mx, (size_t)N * sizeof(float));
     if (m->tp_comm && am_allreduce(m->tp_comm, M, M, (size_t)N, AM_F32, AM_MAX) < 0) {
@@ -388,8 +449,8 @@ static int combine_ce(struct am_model *m, int64_t N, const int32_t *targets, dou
         if (targets[i] >= 0)
             sum += (double)logf(s[i]) + (double)M[i] - (double)t[i];
     *loss_sum = sum;
-    m->K->upload(m->ce_m.data, M, (size_t)N * sizeof(float));
-    m->K->upload(m->ce_s.data, s, (size_t)N * sizeof(float));
+    m->K->upload(S->ce_m.data, M, (size_t)N * sizeof(float));
+    m->K->upload(S->ce_s.data, s, (size_t)N * sizeof(float));
 out:
     free(h);
     return rc;
@@ -397,91 +458,149 @@ out:
 
 /* ---- forward ------------------------------------------------------------------------- */
 
-/* With fused non-NULL (training without tensor parallelism), the head's gradients are
- * computed here too, in one pass over the logits (kernels.h, ce_fused); *fused says whether
- * that happened, so that backward does not do it again. */
-static int forward(struct am_model *m, const int32_t *tokens, const int32_t *targets, int64_t B, float dloss_scale,
-                   bool *fused, double *loss_sum, char *err, size_t err_len)
+/* One decoder layer on the residual stream x (R rows), saving what backward needs in a. */
+static int layer_forward(struct am_model *m, const struct am_layer *L, struct am_layer_acts *a, struct am_tensor *x,
+                         int64_t B, char *err, size_t err_len)
 {
     const struct am_kernels *K = m->K;
-    int64_t T = m->seq_len, N = B * T, D = m->head_dim;
-    int64_t R = m->sh.sequence_parallel ? N / m->sh.tp : N; /* rows of the residual stream here */
-    if (N > m->max_tokens)
-        return fail(err, err_len, "model: micro-batch of %lld tokens exceeds the %lld it was built for",
-                    (long long)N, (long long)m->max_tokens);
-    struct am_tensor tok = rows_of(&m->tokens, N), tgt = rows_of(&m->targets, N);
-    K->upload(tok.data, tokens, (size_t)N * sizeof(int32_t));
-    K->upload(tgt.data, targets, (size_t)N * sizeof(int32_t));
+    int64_t T = m->seq_len, N = B * T, D = m->head_dim, R = stream_rows(m, N);
     float eps = (float)m->cfg.rms_norm_eps;
+    struct am_tensor x_in = rows_of(&a->x_in, R), h1 = rows_of(&a->h1, R), rstd1 = rows_of(&a->rstd1, R);
+    struct am_tensor q = rows_of(&a->q, N), k = rows_of(&a->k, N), v = rows_of(&a->v, N);
+    struct am_tensor att = rows_of(&a->att, N), lse = a->lse;
+    struct am_tensor x_mid = rows_of(&a->x_mid, R), h2 = rows_of(&a->h2, R), rstd2 = rows_of(&a->rstd2, R);
+    struct am_tensor gate = rows_of(&a->gate, N), up = rows_of(&a->up, N), act = rows_of(&a->act, N);
+    struct am_tensor o = rows_of(&m->scratch_c, N), in;
+    lse.shape[0] = B;
 
-    /* the embedding: each rank looks up the ids of its vocabulary shard; summed over tp */
-    struct am_tensor x = rows_of(&m->x, R), e = rows_of(&m->scratch_c, N);
-    K->embedding_forward(&e, &tok, &m->embed->w, m->vocab_start);
-    K->zero(&x);
-    if (add_row_parallel(m, &x, &e, err, err_len) < 0)
+    /* attention block: x += o_proj(attention(rope(q), rope(k), v)) of rmsnorm(x) */
+    K->copy(&x_in, x);
+    K->rmsnorm_forward(&h1, &rstd1, x, &L->attn_norm->w, eps);
+    if (column_input(m, &h1, N, &in, err, err_len) < 0)
+        return -1;
+    K->matmul_forward(&q, &in, &L->wq->w);
+    K->matmul_forward(&k, &in, &L->wk->w);
+    K->matmul_forward(&v, &in, &L->wv->w);
+    struct am_tensor q4 = heads_of(&q, B, T, m->heads, D), k4 = heads_of(&k, B, T, m->kv_heads, D);
+    struct am_tensor v4 = heads_of(&v, B, T, m->kv_heads, D), att4 = heads_of(&att, B, T, m->heads, D);
+    K->rope_forward(&q4, &m->cos, &m->sin);
+    K->rope_forward(&k4, &m->cos, &m->sin);
+    K->attention_forward(&att4, &lse, &q4, &k4, &v4);
+    K->matmul_forward(&o, &att, &L->wo->w);
+    if (add_row_parallel(m, x, &o, err, err_len) < 0)
         return -1;
 
-    for (int l = 0; l < m->sh.n_layers; l++) {
-        struct am_layer *L = &m->layers[l];
-        struct am_layer_acts *a = &m->acts[l];
-        struct am_tensor x_in = rows_of(&a->x_in, R), h1 = rows_of(&a->h1, R), rstd1 = rows_of(&a->rstd1, R);
-        struct am_tensor q = rows_of(&a->q, N), k = rows_of(&a->k, N), v = rows_of(&a->v, N);
-        struct am_tensor att = rows_of(&a->att, N), lse = a->lse;
-        struct am_tensor x_mid = rows_of(&a->x_mid, R), h2 = rows_of(&a->h2, R), rstd2 = rows_of(&a->rstd2, R);
-        struct am_tensor gate = rows_of(&a->gate, N), up = rows_of(&a->up, N), act = rows_of(&a->act, N);
-        struct am_tensor o = rows_of(&m->scratch_c, N), in;
-        lse.shape[0] = B;
+    /* MLP block: x += down(silu(gate(h)) * up(h)) of h = rmsnorm(x) */
+    K->copy(&x_mid, x);
+    K->rmsnorm_forward(&h2, &rstd2, x, &L->mlp_norm->w, eps);
+    if (column_input(m, &h2, N, &in, err, err_len) < 0)
+        return -1;
+    K->matmul_forward(&gate, &in, &L->w_gate->w);
+    K->matmul_forward(&up, &in, &L->w_up->w);
+    K->swiglu_forward(&act, &gate, &up);
+    K->matmul_forward(&o, &act, &L->w_down->w);
+    return add_row_parallel(m, x, &o, err, err_len);
+}
 
-        /* attention block: x += o_proj(attention(rope(q), rope(k), v)) of rmsnorm(x) */
-        K->copy(&x_in, &x);
-        K->rmsnorm_forward(&h1, &rstd1, &x, &L->attn_norm->w, eps);
-        if (column_input(m, &h1, N, &in, err, err_len) < 0)
-            return -1;
-        K->matmul_forward(&q, &in, &L->wq->w);
-        K->matmul_forward(&k, &in, &L->wk->w);
-        K->matmul_forward(&v, &in, &L->wv->w);
-        struct am_tensor q4 = heads_of(&q, B, T, m->heads, D), k4 = heads_of(&k, B, T, m->kv_heads, D);
-        struct am_tensor v4 = heads_of(&v, B, T, m->kv_heads, D), att4 = heads_of(&att, B, T, m->heads, D);
-        K->rope_forward(&q4, &m->cos, &m->sin);
-        K->rope_forward(&k4, &m->cos, &m->sin);
-        K->attention_forward(&att4, &lse, &q4, &k4, &v4);
-        K->matmul_forward(&o, &att, &L->wo->w);
-        if (add_row_parallel(m, &x, &o, err, err_len) < 0)
-            return -1;
-
-        /* MLP block: x += down(silu(gate(h)) * up(h)) of h = rmsnorm(x) */
-        K->copy(&x_mid, &x);
-        K->rmsnorm_forward(&h2, &rstd2, &x, &L->mlp_norm->w, eps);
-        if (column_input(m, &h2, N, &in, err, err_len) < 0)
-            return -1;
-        K->matmul_forward(&gate, &in, &L->w_gate->w);
-        K->matmul_forward(&up, &in, &L->w_up->w);
-        K->swiglu_forward(&act, &gate, &up);
-        K->matmul_forward(&o, &act, &L->w_down->w);
-        if (add_row_parallel(m, &x, &o, err, err_len) < 0)
-            return -1;
-    }
-
-    /* final norm, output head and cross-entropy, fused and vocabulary-parallel */
-    struct am_tensor hf = rows_of(&m->hf, N), rstdf = rows_of(&m->rstdf, R);
-    struct am_tensor cm = rows_of(&m->ce_m, N), cs = rows_of(&m->ce_s, N), ct = rows_of(&m->ce_t, N);
+/* The final norm, the output head and the cross-entropy, vocabulary-parallel. With
+ * want_grad and the conditions of ce_fused (no tensor parallelism, and this slot's backward
+ * certain to come before the next forward: one slot, one chunk), the head's gradients are
+ * computed here too, in one pass over the logits, and dhf kept for the backward. */
+static int head_forward(struct am_model *m, struct am_slot *S, const struct am_tensor *x, const int32_t *targets,
+                        float dloss_scale, bool want_grad, double *loss_sum, char *err, size_t err_len)
+{
+    const struct am_kernels *K = m->K;
+    int64_t N = S->batch * m->seq_len, R = stream_rows(m, N);
+    float eps = (float)m->cfg.rms_norm_eps;
+    struct am_tensor tgt = rows_of(&S->targets, N), xf = rows_of(&S->xf, R);
+    struct am_tensor hf = rows_of(&S->hf, N), rstdf = rows_of(&S->rstdf, R);
+    struct am_tensor cm = rows_of(&S->ce_m, N), cs = rows_of(&S->ce_s, N), ct = rows_of(&m->ce_t, N);
+    K->upload(tgt.data, targets, (size_t)N * sizeof(int32_t));
+    K->copy(&xf, x);
     if (m->sh.sequence_parallel) {
         struct am_tensor rows = rows_of(&m->scratch_rows, R);
-        K->rmsnorm_forward(&rows, &rstdf, &x, &m->final_norm->w, eps);
+        K->rmsnorm_forward(&rows, &rstdf, &xf, &m->final_norm->w, eps);
         if (sp_gather(m, &rows, &hf, err, err_len) < 0)
             return -1;
     } else {
-        K->rmsnorm_forward(&hf, &rstdf, &x, &m->final_norm->w, eps);
+        K->rmsnorm_forward(&hf, &rstdf, &xf, &m->final_norm->w, eps);
     }
-    if (fused) {
+    S->fused = false;
+    if (want_grad && !m->tp_comm && K->ce_fused && m->n_slots == 1 && m->sh.n_chunks == 1) {
         struct am_tensor dhf = rows_of(&m->dhf, N);
         K->zero(&dhf);
-        *fused = !m->tp_comm && K->ce_fused &&
-                 K->ce_fused(&cm, &cs, &ct, &dhf, &m->head->g, &hf, &m->head->w, &tgt, dloss_scale);
+        S->fused = K->ce_fused(&cm, &cs, &ct, &dhf, &m->head->g, &hf, &m->head->w, &tgt, dloss_scale);
     }
-    if (!fused || !*fused)
+    if (!S->fused)
         K->ce_stats(&cm, &cs, &ct, &hf, &m->head->w, &tgt, m->vocab_start);
-    return combine_ce(m, N, targets, loss_sum, err, err_len);
+    return combine_ce(m, S, N, targets, loss_sum, err, err_len);
+}
+
+static bool is_first(const struct am_model *m, int chunk) { return chunk == 0 && m->sh.first_stage; }
+static bool is_last(const struct am_model *m, int chunk) { return chunk == m->sh.n_chunks - 1 && m->sh.last_stage; }
+
+/* A hidden state handed between stages, as a tensor of R rows. */
+static struct am_tensor hidden(const struct am_model *m, const float *p, int64_t B)
+{
+    return am_tensor_view((void *)p, m->K->device, AM_T_F32, stream_rows(m, B * m->seq_len), m->cfg.hidden_size, 0, 0);
+}
+
+size_t am_model_hidden_elems(const struct am_model *m, int64_t batch)
+{
+    return (size_t)(stream_rows(m, batch * m->seq_len) * m->cfg.hidden_size);
+}
+
+static int check_slot(const struct am_model *m, int chunk, int slot, char *err, size_t err_len)
+{
+    if (chunk < 0 || chunk >= m->sh.n_chunks || slot < 0 || slot >= m->n_slots)
+        return fail(err, err_len, "model: chunk %d / slot %d out of range (%d chunks, %d slots)", chunk, slot,
+                    m->sh.n_chunks, m->n_slots);
+    return 0;
+}
+
+static int forward_chunk(struct am_model *m, int chunk, int slot, int64_t B, const int32_t *tokens,
+                         const int32_t *targets, const float *x_in, float *x_out, float dloss_scale, bool want_grad,
+                         double *loss_sum, char *err, size_t err_len)
+{
+    if (check_slot(m, chunk, slot, err, err_len) < 0)
+        return -1;
+    if (B < 1 || B * m->seq_len > m->max_tokens)
+        return fail(err, err_len, "model: a micro-batch of %lld tokens; this model was built for up to %lld",
+                    (long long)(B * m->seq_len), (long long)m->max_tokens);
+    const struct am_kernels *K = m->K;
+    struct am_slot *S = &m->slots[slot];
+    int64_t N = B * m->seq_len, R = stream_rows(m, N);
+    struct am_tensor x = rows_of(&m->x, R);
+    S->batch = B;
+    if (is_first(m, chunk)) {
+        /* the embedding: each rank looks up the ids of its vocabulary shard; summed over tp */
+        struct am_tensor tok = rows_of(&S->tokens, N), e = rows_of(&m->scratch_c, N);
+        K->upload(tok.data, tokens, (size_t)N * sizeof(int32_t));
+        K->embedding_forward(&e, &tok, &m->embed->w, m->vocab_start);
+        K->zero(&x);
+        if (add_row_parallel(m, &x, &e, err, err_len) < 0)
+            return -1;
+    } else {
+        struct am_tensor in = hidden(m, x_in, B);
+        K->copy(&x, &in);
+    }
+    int base = m->chunk_base[chunk];
+    for (int l = base; l < base + m->sh.chunks[chunk].n_layers; l++)
+        if (layer_forward(m, &m->layers[l], &S->acts[l], &x, B, err, err_len) < 0)
+            return -1;
+    if (is_last(m, chunk))
+        return head_forward(m, S, &x, targets, dloss_scale, want_grad, loss_sum, err, err_len);
+    struct am_tensor out = hidden(m, x_out, B);
+    K->copy(&out, &x);
+    return 0;
+}
+
+int am_model_forward(struct am_model *m, int chunk, int slot, int64_t batch, const int32_t *tokens,
+                     const int32_t *targets, const float *x_in, float *x_out, float dloss_scale, double *loss_sum,
+                     char *err, size_t err_len)
+{
+    return forward_chunk(m, chunk, slot, batch, tokens, targets, x_in, x_out, dloss_scale, true, loss_sum, err,
+                         err_len);
 }
 
 /* ---- backward ------------------------------------------------------------------------ */
@@ -498,104 +617,174 @@ static int row_parallel_grad(struct am_model *m, struct am_tensor *dx, int64_t N
     return sp_gather(m, dx, dy, err, err_len);
 }
 
-static int backward(struct am_model *m, int64_t B, float dloss_scale, bool head_done, char *err, size_t err_len)
+/* One layer in reverse: dx holds the gradient of the layer's output and becomes that of its
+ * input. */
+static int layer_backward(struct am_model *m, const struct am_layer *L, const struct am_layer_acts *a,
+                          struct am_tensor *dx, int64_t B, char *err, size_t err_len)
 {
     const struct am_kernels *K = m->K;
-    int64_t T = m->seq_len, N = B * T, D = m->head_dim, I = m->inter;
-    int64_t R = m->sh.sequence_parallel ? N / m->sh.tp : N;
-    struct am_tensor tok = rows_of(&m->tokens, N), tgt = rows_of(&m->targets, N);
-    struct am_tensor x = rows_of(&m->x, R), dx = rows_of(&m->dx, R);
-    struct am_tensor hf = rows_of(&m->hf, N), rstdf = rows_of(&m->rstdf, R), dhf = rows_of(&m->dhf, N);
-    struct am_tensor cm = rows_of(&m->ce_m, N), cs = rows_of(&m->ce_s, N), dy, in;
+    int64_t T = m->seq_len, N = B * T, D = m->head_dim, I = m->inter, R = stream_rows(m, N);
+    struct am_tensor x_in = rows_of(&a->x_in, R), h1 = rows_of(&a->h1, R), rstd1 = rows_of(&a->rstd1, R);
+    struct am_tensor q = rows_of(&a->q, N), k = rows_of(&a->k, N), v = rows_of(&a->v, N);
+    struct am_tensor att = rows_of(&a->att, N), lse = a->lse;
+    struct am_tensor x_mid = rows_of(&a->x_mid, R), h2 = rows_of(&a->h2, R), rstd2 = rows_of(&a->rstd2, R);
+    struct am_tensor gate = rows_of(&a->gate, N), up = rows_of(&a->up, N), act = rows_of(&a->act, N);
+    struct am_tensor dh = rows_of(&m->scratch_c, N), dy, in;
+    struct am_tensor dact = am_tensor_view(m->scratch_mlp.data, K->device, AM_T_F32, N, I, 0, 0);
+    struct am_tensor dgate = am_tensor_view((float *)m->scratch_mlp.data + N * I, K->device, AM_T_F32, N, I, 0, 0);
+    struct am_tensor dup = am_tensor_view((float *)m->scratch_mlp.data + 2 * N * I, K->device, AM_T_F32, N, I, 0, 0);
+    lse.shape[0] = B;
 
-    /* head and loss: dhf is summed over the vocabulary shards */
-    if (!head_done) {
-        K->zero(&dhf);
-        K->ce_backward(&dhf, &m->head->g, &hf, &m->head->w, &tgt, m->vocab_start, &cm, &cs, dloss_scale);
-    }
-    K->zero(&dx);
-    if (norm_backward(m, &dx, m->final_norm, &dhf, &x, &rstdf, err, err_len) < 0)
+    /* MLP block, in reverse; dx already holds the residual's gradient */
+    if (row_parallel_grad(m, dx, N, &dy, err, err_len) < 0)
+        return -1;
+    K->zero(&dact);
+    K->matmul_backward(&dact, &L->w_down->g, &dy, &act, &L->w_down->w);
+    K->zero(&dgate);
+    K->zero(&dup);
+    K->swiglu_backward(&dgate, &dup, &dact, &gate, &up);
+    if (column_input(m, &h2, N, &in, err, err_len) < 0)
+        return -1;
+    K->zero(&dh);
+    K->matmul_backward(&dh, &L->w_gate->g, &dgate, &in, &L->w_gate->w);
+    K->matmul_backward(&dh, &L->w_up->g, &dup, &in, &L->w_up->w);
+    if (norm_backward(m, dx, L->mlp_norm, &dh, &x_mid, &rstd2, err, err_len) < 0)
         return -1;
 
-    for (int l = m->sh.n_layers - 1; l >= 0; l--) {
-        struct am_layer *L = &m->layers[l];
-        struct am_layer_acts *a = &m->acts[l];
-        struct am_tensor x_in = rows_of(&a->x_in, R), h1 = rows_of(&a->h1, R), rstd1 = rows_of(&a->rstd1, R);
-        struct am_tensor q = rows_of(&a->q, N), k = rows_of(&a->k, N), v = rows_of(&a->v, N);
-        struct am_tensor att = rows_of(&a->att, N), lse = a->lse;
-        struct am_tensor x_mid = rows_of(&a->x_mid, R), h2 = rows_of(&a->h2, R), rstd2 = rows_of(&a->rstd2, R);
-        struct am_tensor gate = rows_of(&a->gate, N), up = rows_of(&a->up, N), act = rows_of(&a->act, N);
-        struct am_tensor dh = rows_of(&m->scratch_c, N);
-        struct am_tensor dact = am_tensor_view(m->scratch_mlp.data, K->device, AM_T_F32, N, I, 0, 0);
-        struct am_tensor dgate = am_tensor_view((float *)m->scratch_mlp.data + N * I, K->device, AM_T_F32, N, I, 0, 0);
-        struct am_tensor dup = am_tensor_view((float *)m->scratch_mlp.data + 2 * N * I, K->device, AM_T_F32, N, I, 0, 0);
-        lse.shape[0] = B;
+    /* attention block, in reverse */
+    struct am_tensor datt = rows_of(&m->scratch_att, N), dq = rows_of(&m->scratch_q, N);
+    struct am_tensor dk = rows_of(&m->scratch_kv_k, N), dv = rows_of(&m->scratch_kv_v, N);
+    if (row_parallel_grad(m, dx, N, &dy, err, err_len) < 0)
+        return -1;
+    K->zero(&datt);
+    K->matmul_backward(&datt, &L->wo->g, &dy, &att, &L->wo->w);
+    K->zero(&dq);
+    K->zero(&dk);
+    K->zero(&dv);
+    struct am_tensor q4 = heads_of(&q, B, T, m->heads, D), k4 = heads_of(&k, B, T, m->kv_heads, D);
+    struct am_tensor v4 = heads_of(&v, B, T, m->kv_heads, D), att4 = heads_of(&att, B, T, m->heads, D);
+    struct am_tensor dq4 = heads_of(&dq, B, T, m->heads, D), dk4 = heads_of(&dk, B, T, m->kv_heads, D);
+    struct am_tensor dv4 = heads_of(&dv, B, T, m->kv_heads, D), datt4 = heads_of(&datt, B, T, m->heads, D);
+    K->attention_backward(&dq4, &dk4, &dv4, &datt4, &att4, &lse, &q4, &k4, &v4);
+    K->rope_backward(&dq4, &m->cos, &m->sin);
+    K->rope_backward(&dk4, &m->cos, &m->sin);
+    if (column_input(m, &h1, N, &in, err, err_len) < 0)
+        return -1;
+    K->zero(&dh);
+    K->matmul_backward(&dh, &L->wq->g, &dq, &in, &L->wq->w);
+    K->matmul_backward(&dh, &L->wk->g, &dk, &in, &L->wk->w);
+    K->matmul_backward(&dh, &L->wv->g, &dv, &in, &L->wv->w);
+    return norm_backward(m, dx, L->attn_norm, &dh, &x_in, &rstd1, err, err_len);
+}
 
-        /* MLP block, in reverse; dx already holds the residual's gradient */
-        if (row_parallel_grad(m, &dx, N, &dy, err, err_len) < 0)
-            return -1;
-        K->zero(&dact);
-        K->matmul_backward(&dact, &L->w_down->g, &dy, &act, &L->w_down->w);
-        K->zero(&dgate);
-        K->zero(&dup);
-        K->swiglu_backward(&dgate, &dup, &dact, &gate, &up);
-        if (column_input(m, &h2, N, &in, err, err_len) < 0)
-            return -1;
-        K->zero(&dh);
-        K->matmul_backward(&dh, &L->w_gate->g, &dgate, &in, &L->w_gate->w);
-        K->matmul_backward(&dh, &L->w_up->g, &dup, &in, &L->w_up->w);
-        if (norm_backward(m, &dx, L->mlp_norm, &dh, &x_mid, &rstd2, err, err_len) < 0)
-            return -1;
+/* The head and the loss in reverse: dx receives the gradient of the final norm's input. */
+static int head_backward(struct am_model *m, const struct am_slot *S, struct am_tensor *dx, float dloss_scale,
+                         char *err, size_t err_len)
+{
+    int64_t N = S->batch * m->seq_len, R = stream_rows(m, N);
+    struct am_tensor tgt = rows_of(&S->targets, N), hf = rows_of(&S->hf, N), dhf = rows_of(&m->dhf, N);
+    struct am_tensor xf = rows_of(&S->xf, R), rstdf = rows_of(&S->rstdf, R);
+    struct am_tensor cm = rows_of(&S->ce_m, N), cs = rows_of(&S->ce_s, N);
+    if (!S->fused) { /* dhf is summed over the vocabulary shards in norm_backward */
+        m->K->zero(&dhf);
+        m->K->ce_backward(&dhf, &m->head->g, &hf, &m->head->w, &tgt, m->vocab_start, &cm, &cs, dloss_scale);
+    }
+    m->K->zero(dx);
+    return norm_backward(m, dx, m->final_norm, &dhf, &xf, &rstdf, err, err_len);
+}
 
-        /* attention block, in reverse */
-        struct am_tensor datt = rows_of(&m->scratch_att, N), dq = rows_of(&m->scratch_q, N);
-        struct am_tensor dk = rows_of(&m->scratch_kv_k, N), dv = rows_of(&m->scratch_kv_v, N);
-        if (row_parallel_grad(m, &dx, N, &dy, err, err_len) < 0)
+int am_model_backward(struct am_model *m, int chunk, int slot, const float *dy, float *dx_out, float dloss_scale,
+                      char *err, size_t err_len)
+{
+    if (check_slot(m, chunk, slot, err, err_len) < 0)
+        return -1;
+    if (m->slots[slot].batch < 1)
+        return fail(err, err_len, "model: backward of slot %d, which holds no forward", slot);
+    const struct am_kernels *K = m->K;
+    struct am_slot *S = &m->slots[slot];
+    int64_t B = S->batch, N = B * m->seq_len, R = stream_rows(m, N);
+    struct am_tensor dx = rows_of(&m->dx, R);
+    if (is_last(m, chunk)) {
+        if (head_backward(m, S, &dx, dloss_scale, err, err_len) < 0)
             return -1;
-        K->zero(&datt);
-        K->matmul_backward(&datt, &L->wo->g, &dy, &att, &L->wo->w);
-        K->zero(&dq);
-        K->zero(&dk);
-        K->zero(&dv);
-        struct am_tensor q4 = heads_of(&q, B, T, m->heads, D), k4 = heads_of(&k, B, T, m->kv_heads, D);
-        struct am_tensor v4 = heads_of(&v, B, T, m->kv_heads, D), att4 = heads_of(&att, B, T, m->heads, D);
-        struct am_tensor dq4 = heads_of(&dq, B, T, m->heads, D), dk4 = heads_of(&dk, B, T, m->kv_heads, D);
-        struct am_tensor dv4 = heads_of(&dv, B, T, m->kv_heads, D), datt4 = heads_of(&datt, B, T, m->heads, D);
-        K->attention_backward(&dq4, &dk4, &dv4, &datt4, &att4, &lse, &q4, &k4, &v4);
-        K->rope_backward(&dq4, &m->cos, &m->sin);
-        K->rope_backward(&dk4, &m->cos, &m->sin);
-        if (column_input(m, &h1, N, &in, err, err_len) < 0)
-            return -1;
-        K->zero(&dh);
-        K->matmul_backward(&dh, &L->wq->g, &dq, &in, &L->wq->w);
-        K->matmul_backward(&dh, &L->wk->g, &dk, &in, &L->wk->w);
-        K->matmul_backward(&dh, &L->wv->g, &dv, &in, &L->wv->w);
-        if (norm_backward(m, &dx, L->attn_norm, &dh, &x_in, &rstd1, err, err_len) < 0)
+    } else {
+        struct am_tensor g = hidden(m, dy, B);
+        K->copy(&dx, &g);
+    }
+    int base = m->chunk_base[chunk];
+    for (int l = base + m->sh.chunks[chunk].n_layers - 1; l >= base; l--) {
+        struct am_layer_acts *a = &S->acts[l];
+        if (m->sh.recompute) { /* the layer's forward again, from its saved input */
+            struct am_tensor x = rows_of(&m->x, R), x_in = rows_of(&a->x_in, R);
+            K->copy(&x, &x_in);
+            if (layer_forward(m, &m->layers[l], a, &x, B, err, err_len) < 0)
+                return -1;
+        }
+        if (layer_backward(m, &m->layers[l], a, &dx, B, err, err_len) < 0)
             return -1;
     }
-    if (row_parallel_grad(m, &dx, N, &dy, err, err_len) < 0)
-        return -1;
-    K->embedding_backward(&m->embed->g, &dy, &tok, m->vocab_start);
+    if (is_first(m, chunk)) {
+        struct am_tensor tok = rows_of(&S->tokens, N), g;
+        if (row_parallel_grad(m, &dx, N, &g, err, err_len) < 0)
+            return -1;
+        K->embedding_backward(&m->embed->g, &g, &tok, m->vocab_start);
+        return 0;
+    }
+    struct am_tensor out = hidden(m, dx_out, B);
+    K->copy(&out, &dx);
     return 0;
 }
 
 int am_model_step(struct am_model *m, const int32_t *tokens, const int32_t *targets, int64_t batch, float dloss_scale,
                   double *loss_sum, char *err, size_t err_len)
 {
-    if (!m->sh.first_stage || !m->sh.last_stage)
-        return fail(err, err_len, "model: am_model_step runs a whole model; this rank holds one pipeline stage");
-    bool fused = false;
-    if (forward(m, tokens, targets, batch, dloss_scale, &fused, loss_sum, err, err_len) < 0)
+    if (!m->sh.first_stage || !m->sh.last_stage || m->sh.n_chunks != 1)
+        return fail(err, err_len, "model: am_model_step runs a whole model; this rank holds part of a pipeline");
+    if (am_model_forward(m, 0, 0, batch, tokens, targets, NULL, NULL, dloss_scale, loss_sum, err, err_len) < 0)
         return -1;
-    return backward(m, batch, dloss_scale, fused, err, err_len);
+    return am_model_backward(m, 0, 0, NULL, NULL, dloss_scale, err, err_len);
 }
 
 int am_model_loss(struct am_model *m, const int32_t *tokens, const int32_t *targets, int64_t batch, double *loss_sum,
                   char *err, size_t err_len)
 {
-    if (!m->sh.first_stage || !m->sh.last_stage)
-        return fail(err, err_len, "model: am_model_loss runs a whole model; this rank holds one pipeline stage");
-    return forward(m, tokens, targets, batch, 0.0f, NULL, loss_sum, err, err_len);
+    if (!m->sh.first_stage || !m->sh.last_stage || m->sh.n_chunks != 1)
+        return fail(err, err_len, "model: am_model_loss runs a whole model; this rank holds part of a pipeline");
+    return forward_chunk(m, 0, 0, batch, tokens, targets, NULL, NULL, 0.0f, false, loss_sum, err, err_len);
+}
+
+/* A tied embedding split over the first and the last pipeline stage: each copy got the
+ * gradient of its own use (lookup, head). Both become first + last, added in that order on
+ * both ranks so that the two copies stay equal bit for bit. */
+static int sum_tied_copies(struct am_model *m, char *err, size_t err_len)
+{
+    struct am_param *p = m->sh.first_stage ? m->embed : m->head;
+    size_t n = (size_t)am_tensor_numel(&p->g);
+    float *buf = malloc(2 * n * sizeof(float));
+    if (!buf)
+        return fail(err, err_len, "model: out of memory for the tied embedding's gradient");
+    float *mine = buf, *theirs = buf + n;
+    int last = am_comm_size(m->pp_comm) - 1, rc = 0;
+    m->K->download(mine, p->g.data, n * sizeof(float));
+    if (m->sh.first_stage)
+        rc = am_send(m->pp_comm, mine, n, AM_F32, last) < 0 || am_recv(m->pp_comm, theirs, n, AM_F32, last) < 0;
+    else
+        rc = am_recv(m->pp_comm, theirs, n, AM_F32, 0) < 0 || am_send(m->pp_comm, mine, n, AM_F32, 0) < 0;
+    if (rc) {
+        free(buf);
+        return fail(err, err_len, "%s", am_comm_error(m->pp_comm));
+    }
+    const float *first = m->sh.first_stage ? mine : theirs, *lastg = m->sh.first_stage ? theirs : mine;
+    for (size_t i = 0; i < n; i++)
+        mine[i] = first[i] + lastg[i];
+    m->K->upload(p->g.data, mine, n * sizeof(float));
+    free(buf);
+    return 0;
+}
+
+static bool tied_across_stages(const struct am_model *m)
+{
+    return m->pp_comm && m->cfg.tie_word_embeddings && m->sh.first_stage != m->sh.last_stage;
 }
 
 /* With fewer kv heads than tp ranks, the ranks that share a kv head each computed its
@@ -604,6 +793,8 @@ int am_model_loss(struct am_model *m, const int32_t *tokens, const int32_t *targ
  * and each rank takes its head's slot back. */
 int am_model_finish_grads(struct am_model *m, char *err, size_t err_len)
 {
+    if (tied_across_stages(m) && sum_tied_copies(m, err, err_len) < 0)
+        return -1;
     /* with sequence parallelism each rank saw its own token rows: the norms' gradients are
      * partial sums */
     for (int i = 0; m->sh.sequence_parallel && i < m->n_params; i++) {
@@ -620,7 +811,7 @@ int am_model_finish_grads(struct am_model *m, char *err, size_t err_len)
     if (!buf)
         return fail(err, err_len, "model: out of memory for the kv gradients");
     int rc = 0;
-    for (int l = 0; l < m->sh.n_layers && rc == 0; l++) {
+    for (int l = 0; l < m->n_layers && rc == 0; l++) {
         struct am_param *kv[2] = {m->layers[l].wk, m->layers[l].wv};
         memset(buf, 0, 2 * n * sizeof(float));
         for (int i = 0; i < 2; i++)
@@ -639,17 +830,20 @@ int am_model_grad_sumsq(struct am_model *m, double *sumsq, char *err, size_t err
     double local = 0;
     for (int i = 0; i < m->n_params; i++) {
         const struct am_param *p = &m->params[i];
-        if (i > 0 && p == m->head && m->head == m->embed)
-            continue;
+        if (p == m->head && p != m->embed && tied_across_stages(m))
+            continue; /* the first stage counts the tied embedding */
         local += m->K->sum_squares(&p->g) / (double)p->copies_in_tp;
     }
-    if (m->tp_comm) {
-        float v = (float)local; /* comm reduces fp32: a relative 6e-8, far below any clipping threshold's use */
-        if (am_allreduce(m->tp_comm, &v, &v, 1, AM_F32, AM_SUM) < 0)
-            return fail(err, err_len, "%s", am_comm_error(m->tp_comm));
+    /* comms reduce fp32: a relative 6e-8, far below any clipping threshold's use */
+    struct am_comm *groups[2] = {m->tp_comm, m->pp_comm};
+    for (int i = 0; i < 2; i++) {
+        float v = (float)local;
+        if (!groups[i])
+            continue;
+        if (am_allreduce(groups[i], &v, &v, 1, AM_F32, AM_SUM) < 0)
+            return fail(err, err_len, "%s", am_comm_error(groups[i]));
         local = v;
     }
     *sumsq = local;
     return 0;
 }
-

@@ -2,8 +2,9 @@
  *
  * The model is written once over the kernel table (kernels/kernels.h) and tensors that carry
  * their device and dtype. A rank holds:
- *   - the layers of its pipeline stage (first_layer .. first_layer + n_layers - 1), plus the
- *     embedding on the first stage and the final norm and output head on the last;
+ *   - the layers of its pipeline stages (one chunk of consecutive layers, or several with an
+ *     interleaved schedule), plus the embedding on the first stage and the final norm and
+ *     output head on the last;
  *   - its tensor-parallel slice of each matrix (Megatron's split): q, k, v, gate and up by
  *     output rows (column-parallel), o and down by input columns (row-parallel), the
  *     embedding and head by vocabulary rows; norms whole. With fewer kv heads than tp ranks
@@ -15,6 +16,11 @@
  * and the all-reduces become an all-gather before each column-parallel block and a
  * reduce-scatter after each row-parallel one (their conjugates in backward); the norms'
  * weight gradients are then summed over tp in am_model_finish_grads.
+ *
+ * With pipeline parallelism the schedule (pipeline.h) runs each chunk's forward and backward
+ * for micro-batches kept in slots, and moves the hidden states between stages itself. With
+ * activation checkpointing a slot keeps only each layer's input; backward recomputes the
+ * layer's forward (collectives included) just before its backward, bit for bit the same.
  *
  * Parameters and their gradients live in two slabs (one allocation each) so that data
  * parallelism reduces gradients with one collective and the optimizer walks one array.
@@ -45,16 +51,47 @@ struct am_param {
                                tp / kv heads for a kv projection shared by several ranks */
 };
 
+/* A pipeline stage on this rank: layers first_layer .. first_layer + n_layers - 1. */
+struct am_chunk {
+    int first_layer, n_layers;
+};
+
+#define AM_MAX_CHUNKS 64
+
 struct am_model_shard {
     int tp, tp_rank;
     bool sequence_parallel; /* the residual stream split over tp by token rows (Megatron's SP) */
-    int first_layer, n_layers;
-    bool first_stage, last_stage;
+    bool recompute;         /* activation checkpointing: keep each layer's input only and
+                               recompute the layer's forward in its backward */
+    int n_chunks;           /* pipeline stages held by this rank, in model order: 1, or the
+                               virtual stages of an interleaved schedule */
+    struct am_chunk chunks[AM_MAX_CHUNKS];
+    bool first_stage, last_stage; /* chunk 0 starts with the embedding; the last chunk ends
+                                     with the final norm, the head and the loss */
+    int slots;              /* micro-batches whose activations are kept at once (0 means 1) */
 };
 
-/* Saved activations of one layer for one micro-batch. */
+/* The shard of a rank that holds all n_layers layers as one stage. */
+static inline struct am_model_shard am_model_shard_whole(int tp, int tp_rank, int n_layers)
+{
+    return (struct am_model_shard){.tp = tp, .tp_rank = tp_rank, .n_chunks = 1, .chunks = {{0, n_layers}},
+                                   .first_stage = true, .last_stage = true, .slots = 1};
+}
+
+/* Saved activations of one layer for one micro-batch. With recompute only x_in is the
+ * micro-batch's own; the other tensors are one work set shared by every layer. */
 struct am_layer_acts {
     struct am_tensor x_in, h1, rstd1, q, k, v, att, lse, x_mid, h2, rstd2, gate, up, act;
+};
+
+/* One micro-batch in flight: its layers' activations and, on the stages that have them, its
+ * tokens (the embedding's backward), the final norm's input and output, and the softmax
+ * statistics of the loss. */
+struct am_slot {
+    struct am_layer_acts *acts; /* by local layer (chunks concatenated) */
+    struct am_tensor tokens, targets, xf, hf, rstdf, ce_m, ce_s;
+    int64_t batch;
+    bool fused; /* the head's gradients were computed in forward (ce_fused) */
 };
 
 struct am_layer {
@@ -66,10 +103,13 @@ struct am_model {
     struct am_model_shard sh;
     const struct am_kernels *K;
     struct am_comm *tp_comm; /* NULL when tp = 1 */
+    struct am_comm *pp_comm; /* NULL without pipeline parallelism: the tied embedding's two copies */
 
     int64_t heads, kv_heads, head_dim, inter; /* this rank's shard */
     int64_t vocab_start, vocab_shard;
     int64_t kv_head0;                          /* first kv head this rank holds */
+    int n_layers;                              /* on this rank, all chunks */
+    int chunk_base[AM_MAX_CHUNKS];             /* local index of each chunk's first layer */
 
     struct am_param *params;
     int n_params;
@@ -79,21 +119,25 @@ struct am_model {
     struct am_param *embed, *final_norm, *head; /* head == embed when tied and on the same rank */
     struct am_layer *layers;
 
-    /* activations for one micro-batch of up to max_tokens tokens */
+    /* activations: n_slots micro-batches of up to max_tokens tokens */
     int64_t max_tokens, seq_len;
+    int n_slots;
+    struct am_slot *slots;
     void *act_mem;
-    struct am_layer_acts *acts;
-    struct am_tensor x, dx, hf, rstdf, dhf, cos, sin, ce_m, ce_s, ce_t;
-    struct am_tensor tokens, targets; /* int32 on the device */
+    size_t act_bytes; /* the activation memory allocated (saved tensors and scratch) */
+    struct am_layer_acts *acts_mem;
+    struct am_tensor x, dx, dhf, cos, sin, ce_t;
     struct am_tensor scratch_q, scratch_kv_k, scratch_kv_v, scratch_c, scratch_mlp, scratch_att;
     struct am_tensor gathered, scratch_rows; /* sequence parallelism: [N, C] all-gathered, [N/tp, C] */
 };
 
-/* Builds the shard's parameters (zeroed) and activation buffers for micro-batches of up to
- * batch x seq_len tokens. Returns 0, or -1 with a message. */
+/* Builds the shard's parameters (zeroed) and activation buffers for sh->slots micro-batches
+ * of up to batch x seq_len tokens. tp_comm: the tensor-parallel group (tp > 1); pp_comm: the
+ * pipeline group (NULL without pipeline parallelism), over which the two copies of a tied
+ * embedding on the first and the last stage are kept equal. Returns 0, or -1 with a message. */
 int am_model_init(struct am_model *m, const struct am_model_config *cfg, const struct am_model_shard *sh,
-                  const struct am_kernels *K, struct am_comm *tp_comm, int64_t batch, int64_t seq_len, char *err,
-                  size_t err_len);
+                  const struct am_kernels *K, struct am_comm *tp_comm, struct am_comm *pp_comm, int64_t batch,
+                  int64_t seq_len, char *err, size_t err_len);
 void am_model_free(struct am_model *m);
 
 /* Random initialisation as transformers does it: linear and embedding weights from
@@ -101,28 +145,49 @@ void am_model_free(struct am_model *m);
  * index in the full tensor), so every layout of tp and pp initialises the same model. */
 void am_model_init_weights(struct am_model *m, uint64_t seed);
 
-/* One micro-batch: tokens and targets are host int32 arrays of batch x seq_len (a target
- * < 0 is ignored). Runs forward and backward, accumulating gradients scaled so that the
- * loss is the sum of token losses times dloss_scale (1 / tokens in the global batch gives
- * the global mean). Returns the sum of this micro-batch's token losses in *loss_sum.
- * (Single pipeline stage; stages exchange activations in the pipeline schedule.) */
+/* Elements of the hidden state one pipeline stage hands the next for a micro-batch of
+ * `batch` sequences: its rows of the residual stream (all tokens, or its 1/tp with sequence
+ * parallelism) times hidden_size. */
+size_t am_model_hidden_elems(const struct am_model *m, int64_t batch);
+
+/* Pipeline pieces: the forward of one chunk for the micro-batch kept in `slot` (0 <= slot <
+ * n_slots; the slot's activations stay until its backward). tokens and targets are host int32
+ * arrays of batch x seq_len (a target < 0 is ignored): tokens are read by the chunk with the
+ * embedding, targets by the chunk with the head. x_in (device memory, am_model_hidden_elems)
+ * is the previous stage's output, on every chunk but the first stage's; x_out receives this
+ * chunk's output on every chunk but the last stage's. The last stage returns the sum of the
+ * micro-batch's token losses in *loss_sum; dloss_scale is the gradient of the total loss with
+ * respect to that sum (1 / tokens of the global batch gives the global mean). */
+int am_model_forward(struct am_model *m, int chunk, int slot, int64_t batch, const int32_t *tokens,
+                     const int32_t *targets, const float *x_in, float *x_out, float dloss_scale, double *loss_sum,
+                     char *err, size_t err_len);
+/* Its backward: dy is the gradient of the chunk's output (from the next stage; ignored on the
+ * last stage, where it starts from the loss), dx receives the gradient of x_in (not on the
+ * first stage). Parameter gradients accumulate. */
+int am_model_backward(struct am_model *m, int chunk, int slot, const float *dy, float *dx, float dloss_scale,
+                      char *err, size_t err_len);
+
+/* The whole model on one rank (one chunk with embedding and head): forward and backward of
+ * one micro-batch in slot 0. Returns the sum of its token losses in *loss_sum. */
 int am_model_step(struct am_model *m, const int32_t *tokens, const int32_t *targets, int64_t batch,
                   float dloss_scale, double *loss_sum, char *err, size_t err_len);
 
-/* Forward only: logits are not produced; returns the summed token loss. */
+/* Forward only, the whole model on one rank: returns the summed token loss. */
 int am_model_loss(struct am_model *m, const int32_t *tokens, const int32_t *targets, int64_t batch,
                   double *loss_sum, char *err, size_t err_len);
 
 void am_model_zero_grad(struct am_model *m);
 
-/* Completes the gradients of one optimizer step, after its last micro-batch (once: it sums
- * across tp ranks what they computed separately, the kv heads they share). Collective
- * over the tp group; nothing to do without tensor parallelism. */
+/* Completes the gradients of one optimizer step, after its last micro-batch (once): sums
+ * across tp ranks what they computed separately (the kv heads they share; the norms, with
+ * sequence parallelism), and the two copies of a tied embedding on the first and the last
+ * pipeline stage. Collective over the tp group, and between the first and last pp ranks. */
 int am_model_finish_grads(struct am_model *m, char *err, size_t err_len);
 
-/* The squared L2 norm of all of the model's gradients on this tensor-parallel group:
- * sharded parameters summed over tp, replicated ones (norms; kv heads shared by several
- * ranks) counted once. Collective over the tp group. -1 with a message on a comm error. */
+/* The squared L2 norm of all of the model's gradients (one replica of it): sharded
+ * parameters summed over tp and pp, replicated ones (norms; kv heads shared by several tp
+ * ranks; the tied embedding's copy on the last stage) counted once. Collective over the tp
+ * group, then the pp group. -1 with a message on a comm error. */
 int am_model_grad_sumsq(struct am_model *m, double *sumsq, char *err, size_t err_len);
 
 /* The index of a parameter by Hugging Face name, or -1. */

@@ -1,6 +1,8 @@
 /* model_io.c - Hugging Face checkpoints of a model shard (model_io.h). */
 #include "model_io.h"
 
+#include <limits.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -50,49 +52,429 @@ int am_model_load_hf(struct am_model *m, const char *dir, struct am_errors *err)
     return err->n > before ? -1 : 0;
 }
 
-/* fill callback: downloads parameter `index` from the device as it is written */
-struct save_ctx {
-    const struct am_model *m;
-    const int *which;
+/* ---- saving: every pp rank's tensors, gathered over tp, streamed to one writer ---------------- */
+
+/* Written to the checkpoint: every parameter but the tied embedding's copy on the last stage
+ * (the first stage writes the embedding). */
+static bool written(const struct am_model *m, const struct am_param *p)
+{
+    return !(m->cfg.tie_word_embeddings && p == m->head && p != m->embed);
+}
+
+/* One tensor of a pp rank's list as it travels to the writer (sent as int64 elements). */
+struct wire_tensor {
+    char name[96];
+    int64_t ndim, rows, cols; /* the full shape; cols 0 for a vector */
+};
+_Static_assert(sizeof(struct wire_tensor) % sizeof(int64_t) == 0, "a wire_tensor is sent as int64 elements");
+#define WIRE_I64 (sizeof(struct wire_tensor) / sizeof(int64_t))
+
+/* A tensor of the whole model, on the writer: which pp rank holds it, at which index of its list. */
+struct save_tensor {
+    struct wire_tensor t;
+    int owner;
+    int64_t index;
 };
 
+/* One rank's part of a save. */
+struct saver {
+    const struct am_model *m;
+    struct am_comm *tp, *pp; /* NULL for size 1 */
+    const char *dir;
+    int tp_size, tp_rank, pp_size, pp_rank;
+    int *which;      /* the parameters written, in model order: the rank's list */
+    int64_t n;       /* entries in it */
+    int64_t *origin; /* (row0, col0) of list entry i on tp rank r at [2 * (r * n + i)] */
+    int64_t *count;  /* writer: each pp rank's list length, -1 for a rank that could not take part */
+    float *slices;   /* tp > 1: every tp rank's slice of one tensor (the all-gather's output) */
+    float *full;     /* tp rank 0: one whole tensor */
+    struct save_tensor *all; /* writer: every tensor of the model, in the order written */
+    int64_t n_all, current;  /* writer: the tensor now in full (-1: none) */
+};
+
+static int comm_failed(const struct saver *s, const struct am_comm *c, struct am_errors *err)
+{
+    am_errorf(err, NULL, "%s: saving: %s", s->dir, am_comm_error(c));
+    return -1;
+}
+
+static int64_t full_numel(const struct wire_tensor *t) { return t->rows * (t->cols > 0 ? t->cols : 1); }
+
+static struct wire_tensor wire_of(const struct am_param *p)
+{
+    struct wire_tensor t = {.ndim = p->w.ndim, .rows = p->full_rows, .cols = p->full_cols};
+    snprintf(t.name, sizeof(t.name), "%s", p->name);
+    return t;
+}
+
+/* Checks the arguments and builds the rank's list and the small tables (no communication).
+ * -1 with a message on the ranks where the arguments are wrong or memory runs out. */
+static int saver_init(struct saver *s, const struct am_model *m, struct am_comm *tp, struct am_comm *pp,
+                      const char *dir, struct am_errors *err)
+{
+    *s = (struct saver){.m = m, .tp = tp, .pp = pp, .dir = dir, .tp_size = 1, .pp_size = 1, .current = -1};
+    if (tp) {
+        s->tp_size = am_comm_size(tp);
+        s->tp_rank = am_comm_rank(tp);
+    }
+    if (pp) {
+        s->pp_size = am_comm_size(pp);
+        s->pp_rank = am_comm_rank(pp);
+    }
+    if (s->tp_size != m->sh.tp || s->tp_rank != m->sh.tp_rank) {
+        am_errorf(err, NULL, "%s: saving: the model is tp rank %d of %d, the tp communicator says %d of %d", dir,
+                  m->sh.tp_rank, m->sh.tp, s->tp_rank, s->tp_size);
+        return -1;
+    }
+    if (m->sh.first_stage != (s->pp_rank == 0)) {
+        am_errorf(err, NULL, "%s: saving: pp rank %d of %d %s the first pipeline stage (pp rank 0 must hold it)",
+                  dir, s->pp_rank, s->pp_size, m->sh.first_stage ? "holds" : "lacks");
+        return -1;
+    }
+    if (!pp && !m->sh.last_stage) {
+        am_errorf(err, NULL, "%s: saving: without a pp group the rank must hold every pipeline stage", dir);
+        return -1;
+    }
+    s->which = malloc((size_t)m->n_params * sizeof(int));
+    s->count = calloc((size_t)s->pp_size, sizeof(int64_t));
+    if (!s->which || !s->count)
+        goto oom;
+    for (int i = 0; i < m->n_params; i++)
+        if (written(m, &m->params[i]))
+            s->which[s->n++] = i;
+    if (!(s->origin = malloc((size_t)s->tp_size * (size_t)(2 * s->n + 1) * sizeof(int64_t))))
+        goto oom;
+    return 0;
+oom:
+    am_errorf(err, NULL, "%s: saving: out of memory", dir);
+    return -1;
+}
+
+static void saver_free(struct saver *s)
+{
+    free(s->which);
+    free(s->origin);
+    free(s->count);
+    free(s->slices);
+    free(s->full);
+    free(s->all);
+}
+
+/* Allocates the all-gather's buffer and, for max_full > 0, full for tensors of up to max_full
+ * elements (tp rank 0, when anything is gathered or received). */
+static int alloc_buffers(struct saver *s, int64_t max_full, struct am_errors *err)
+{
+    int64_t max_local = 0;
+    for (int64_t i = 0; i < s->n; i++) {
+        int64_t k = am_tensor_numel(&s->m->params[s->which[i]].w);
+        max_local = k > max_local ? k : max_local;
+    }
+    if (s->tp_size > 1 && !(s->slices = malloc((size_t)(s->tp_size * max_local) * sizeof(float))))
+        goto oom;
+    if (max_full > 0 && s->tp_rank == 0 && (s->tp_size > 1 || s->pp_size > 1) &&
+        !(s->full = malloc((size_t)max_full * sizeof(float))))
+        goto oom;
+    return 0;
+oom:
+    am_errorf(err, NULL, "%s: saving: out of memory for the buffers of one tensor", s->dir);
+    return -1;
+}
+
+/* Whether the tp ranks' slices of list entry i lie inside the tensor and together make it up
+ * once (a kv head held by several ranks counted once). */
+static bool slices_fit(const struct saver *s, int64_t i)
+{
+    const struct am_param *p = &s->m->params[s->which[i]];
+    int64_t rows = p->w.shape[0], cols = p->w.ndim > 1 ? p->w.shape[1] : 1, covered = 0;
+    int64_t frows = p->full_rows, fcols = p->full_cols > 0 ? p->full_cols : 1;
+    for (int r = 0; r < s->tp_size; r++) {
+        const int64_t *o = &s->origin[2 * (r * s->n + i)];
+        if (o[0] < 0 || o[1] < 0 || o[0] + rows > frows || o[1] + cols > fcols)
+            return false;
+        covered += rows * cols;
+    }
+    return covered == frows * fcols * p->copies_in_tp;
+}
+
+/* Every list entry's slices fit (slices_fit); -1 with a message naming the first that does not. */
+static int check_slices(const struct saver *s, struct am_errors *err)
+{
+    for (int64_t i = 0; i < s->n; i++)
+        if (!slices_fit(s, i)) {
+            const struct am_param *p = &s->m->params[s->which[i]];
+            am_errorf(err, NULL, "%s: saving: the tp ranks' slices of %s do not make up its %lld x %lld elements",
+                      s->dir, p->name, (long long)p->full_rows, (long long)(p->full_cols > 0 ? p->full_cols : 1));
+            return -1;
+        }
+    return 0;
+}
+
+/* Collective over tp: allocates the buffers, agrees that every tp rank could, shares where
+ * each rank's slices start and checks them. The result is the same on every tp rank. */
+static int prepare(struct saver *s, int64_t max_full, struct am_errors *err)
+{
+    int32_t bad = alloc_buffers(s, max_full, err) < 0;
+    if (s->tp_size > 1) {
+        int32_t any = bad;
+        if (am_allreduce(s->tp, &any, &any, 1, AM_I32, AM_MAX) < 0)
+            return comm_failed(s, s->tp, err);
+        if (any && !bad)
+            am_errorf(err, NULL, "%s: saving: another tp rank could not take part (its errors say why)", s->dir);
+        bad = any;
+    }
+    if (bad)
+        return -1;
+    int64_t *mine = s->origin + 2 * s->tp_rank * s->n;
+    for (int64_t i = 0; i < s->n; i++) {
+        mine[2 * i] = s->m->params[s->which[i]].row0;
+        mine[2 * i + 1] = s->m->params[s->which[i]].col0;
+    }
+    if (s->tp_size > 1 && am_allgather(s->tp, mine, s->origin, (size_t)(2 * s->n), AM_I64) < 0)
+        return comm_failed(s, s->tp, err);
+    return check_slices(s, err);
+}
+
+/* Collective over tp: every rank contributes its slice of list entry i; tp rank 0 puts
+ * each slice in its place in full (tp 1: its own tensor, whole). */
+static int gather(struct saver *s, int64_t i, struct am_errors *err)
+{
+    const struct am_param *p = &s->m->params[s->which[i]];
+    size_t n = (size_t)am_tensor_numel(&p->w);
+    float *mine = s->tp_size > 1 ? s->slices + (size_t)s->tp_rank * n : s->full;
+    s->m->K->download(mine, p->w.data, n * sizeof(float));
+    if (s->tp_size == 1)
+        return 0;
+    if (am_allgather(s->tp, mine, s->slices, n, AM_F32) < 0)
+        return comm_failed(s, s->tp, err);
+    if (s->tp_rank != 0)
+        return 0;
+    int64_t rows = p->w.shape[0], cols = p->w.ndim > 1 ? p->w.shape[1] : 1;
+    int64_t fcols = p->full_cols > 0 ? p->full_cols : 1;
+    for (int r = 0; r < s->tp_size; r++) {
+        const int64_t *o = &s->origin[2 * (r * s->n + i)];
+        for (int64_t k = 0; k < rows; k++)
+            memcpy(s->full + (o[0] + k) * fcols + o[1], s->slices + (size_t)r * n + (size_t)(k * cols),
+                   (size_t)cols * sizeof(float));
+    }
+    return 0;
+}
+
+/* Every rank but the writer: serves the writer's requests (list indices) until it sends -1.
+ * tp rank 0 of a pp rank > 0 receives each over pp; every tp rank learns it over tp, takes
+ * part in the gather, and tp rank 0 sends the whole tensor back. */
+static int serve(struct saver *s, struct am_errors *err)
+{
+    for (;;) {
+        int64_t req = -1;
+        if (s->tp_rank == 0 && am_recv(s->pp, &req, 1, AM_I64, 0) < 0)
+            return comm_failed(s, s->pp, err);
+        if (s->tp_size > 1 && am_broadcast(s->tp, &req, 1, AM_I64, 0) < 0)
+            return comm_failed(s, s->tp, err);
+        if (req < 0)
+            return 0;
+        if (req >= s->n) {
+            am_errorf(err, NULL, "%s: saving: the writer asked for tensor %lld of %lld", s->dir, (long long)req,
+                      (long long)s->n);
+            return -1;
+        }
+        if (gather(s, req, err) < 0)
+            return -1;
+        struct wire_tensor t = wire_of(&s->m->params[s->which[req]]);
+        if (s->tp_rank == 0 && am_send(s->pp, s->full, (size_t)full_numel(&t), AM_F32, 0) < 0)
+            return comm_failed(s, s->pp, err);
+    }
+}
+
+/* tp rank 0 of a pp rank > 0: its list length (-1: it cannot take part), then each entry. */
+static int send_list(struct saver *s, bool ok, struct am_errors *err)
+{
+    int64_t n = ok ? s->n : -1;
+    if (am_send(s->pp, &n, 1, AM_I64, 0) < 0)
+        return comm_failed(s, s->pp, err);
+    for (int64_t i = 0; i < n; i++) {
+        struct wire_tensor t = wire_of(&s->m->params[s->which[i]]);
+        if (am_send(s->pp, &t, WIRE_I64, AM_I64, 0) < 0)
+            return comm_failed(s, s->pp, err);
+    }
+    return 0;
+}
+
+/* Where a tensor comes in model order: the embedding, the layers, then the final norm and
+ * the head. */
+static long model_place(const char *name)
+{
+    int layer;
+    if (strcmp(name, "model.embed_tokens.weight") == 0)
+        return -1;
+    if (sscanf(name, "model.layers.%d.", &layer) == 1)
+        return layer;
+    return LONG_MAX;
+}
+
+/* Model order; within a layer (or the end) the owner's list order. */
+static int cmp_save_tensor(const void *a, const void *b)
+{
+    const struct save_tensor *x = a, *y = b;
+    long px = model_place(x->t.name), py = model_place(y->t.name);
+    if (px != py)
+        return px < py ? -1 : 1;
+    if (x->owner != y->owner)
+        return x->owner < y->owner ? -1 : 1;
+    return x->index < y->index ? -1 : x->index > y->index;
+}
+
+/* The writer: every pp rank's list (its own, then each other's over pp), in model order.
+ * Receives every list even after a failure, so that no rank stays blocked sending it;
+ * count[p] says which ranks are serving. */
+static int collect_lists(struct saver *s, bool ok, struct am_errors *err)
+{
+    s->count[0] = ok ? s->n : -1;
+    int64_t total = s->count[0] > 0 ? s->count[0] : 0;
+    for (int p = 1; p < s->pp_size; p++) {
+        if (am_recv(s->pp, &s->count[p], 1, AM_I64, p) < 0)
+            return comm_failed(s, s->pp, err);
+        if (s->count[p] < 0) {
+            am_errorf(err, NULL, "%s: saving: pp rank %d could not take part (its errors say why)", s->dir, p);
+            ok = false;
+        }
+        total += s->count[p] > 0 ? s->count[p] : 0;
+    }
+    if (!(s->all = calloc((size_t)total + 1, sizeof(*s->all)))) {
+        am_errorf(err, NULL, "%s: saving: out of memory for the list of %lld tensors", s->dir, (long long)total);
+        ok = false;
+    }
+    for (int64_t i = 0; i < s->n && s->all; i++)
+        s->all[s->n_all++] = (struct save_tensor){wire_of(&s->m->params[s->which[i]]), 0, i};
+    for (int p = 1; p < s->pp_size; p++)
+        for (int64_t i = 0; i < s->count[p]; i++) {
+            struct save_tensor t = {.owner = p, .index = i};
+            if (am_recv(s->pp, &t.t, WIRE_I64, AM_I64, p) < 0)
+                return comm_failed(s, s->pp, err);
+            t.t.name[sizeof(t.t.name) - 1] = '\0';
+            if (t.t.ndim < 1 || t.t.ndim > 2 || t.t.rows < 1 || t.t.cols < 0 || (t.t.ndim == 2) != (t.t.cols > 0)) {
+                am_errorf(err, NULL, "%s: saving: pp rank %d sent tensor '%s' with a bad shape", s->dir, p, t.t.name);
+                ok = false;
+            }
+            if (s->all)
+                s->all[s->n_all++] = t;
+        }
+    if (s->all)
+        qsort(s->all, (size_t)s->n_all, sizeof(*s->all), cmp_save_tensor);
+    return ok ? 0 : -1;
+}
+
+/* The writer: makes tensor i of all the one in full, gathered over tp or received from its pp rank. */
+static int fetch(struct saver *s, int64_t i, struct am_errors *err)
+{
+    const struct save_tensor *t = &s->all[i];
+    int64_t req = t->index;
+    s->current = -1;
+    if (t->owner == 0) {
+        if (s->tp_size > 1 && am_broadcast(s->tp, &req, 1, AM_I64, 0) < 0)
+            return comm_failed(s, s->tp, err);
+        if (gather(s, req, err) < 0)
+            return -1;
+    } else if (am_send(s->pp, &req, 1, AM_I64, t->owner) < 0 ||
+               am_recv(s->pp, s->full, (size_t)full_numel(&t->t), AM_F32, t->owner) < 0) {
+        return comm_failed(s, s->pp, err);
+    }
+    s->current = i;
+    return 0;
+}
+
+/* fill callback of the writer: bytes of tensor `index` of all. The writer's own tensors with
+ * tp 1 come straight from the device; the others through full, fetched at their first bytes
+ * (am_st_write asks for each tensor's bytes in order, in pieces). */
 static int fill(void *ctx, size_t index, uint64_t offset, void *dst, size_t n, struct am_errors *err)
 {
-    (void)err;
-    const struct save_ctx *s = ctx;
-    const struct am_param *p = &s->m->params[s->which[index]];
-    s->m->K->download(dst, (const char *)p->w.data + offset, n);
+    struct saver *s = ctx;
+    const struct save_tensor *t = &s->all[index];
+    if (t->owner == 0 && s->tp_size == 1) {
+        const struct am_param *p = &s->m->params[s->which[t->index]];
+        s->m->K->download(dst, (const char *)p->w.data + offset, n);
+        return 0;
+    }
+    if ((int64_t)index != s->current && fetch(s, (int64_t)index, err) < 0)
+        return -1;
+    memcpy(dst, (const char *)s->full + offset, n);
     return 0;
+}
+
+/* The writer: saves all (their bytes fetched as am_ckpt_save asks for them). */
+static int write_all(struct saver *s, const char *base_config, struct am_errors *err)
+{
+    int64_t max_full = 0;
+    for (int64_t i = 0; i < s->n_all; i++)
+        max_full = full_numel(&s->all[i].t) > max_full ? full_numel(&s->all[i].t) : max_full;
+    struct am_st_wtensor *t = calloc((size_t)s->n_all + 1, sizeof(*t));
+    if (!t || ((s->tp_size > 1 || s->pp_size > 1) && !(s->full = malloc((size_t)max_full * sizeof(float))))) {
+        free(t);
+        am_errorf(err, NULL, "%s: saving: out of memory for the buffer of one tensor", s->dir);
+        return -1;
+    }
+    for (int64_t i = 0; i < s->n_all; i++) {
+        const struct wire_tensor *w = &s->all[i].t;
+        t[i] = (struct am_st_wtensor){.name = w->name, .dtype = AM_ST_F32, .ndim = (int)w->ndim,
+                                      .shape = {w->rows, w->cols}, .fill = fill, .ctx = s};
+    }
+    struct am_ckpt_save_opts opts = {.base_config = base_config};
+    int rc = am_ckpt_save(s->dir, &s->m->cfg, t, (size_t)s->n_all, &opts, err);
+    free(t);
+    return rc;
+}
+
+/* The writer: tells every rank still serving to stop (its own tp group when it prepared).
+ * -1 with a message when one could not be told. */
+static int stop_all(struct saver *s, bool tp_serving, struct am_errors *err)
+{
+    int64_t stop = -1;
+    int rc = 0;
+    if (tp_serving && s->tp_size > 1 && am_broadcast(s->tp, &stop, 1, AM_I64, 0) < 0)
+        rc = comm_failed(s, s->tp, err);
+    for (int p = 1; p < s->pp_size; p++)
+        if (s->count[p] >= 0 && am_send(s->pp, &stop, 1, AM_I64, p) < 0)
+            return comm_failed(s, s->pp, err);
+    return rc;
+}
+
+int am_model_save_hf_dist(const struct am_model *m, struct am_comm *tp, struct am_comm *pp, const char *dir,
+                          const char *base_config, struct am_errors *err)
+{
+    struct saver s;
+    if (saver_init(&s, m, tp, pp, dir, err) < 0) {
+        saver_free(&s);
+        return -1;
+    }
+    int64_t max_full = 0; /* the writer sizes full once it has every rank's list */
+    bool writer = s.tp_rank == 0 && s.pp_rank == 0;
+    for (int64_t i = 0; i < s.n && !writer; i++) {
+        struct wire_tensor t = wire_of(&m->params[s.which[i]]);
+        max_full = full_numel(&t) > max_full ? full_numel(&t) : max_full;
+    }
+    int rc = prepare(&s, max_full, err);
+    if (writer) {
+        bool prepared = rc == 0;
+        rc = collect_lists(&s, prepared, err);
+        if (rc == 0)
+            rc = write_all(&s, base_config, err);
+        if (stop_all(&s, prepared, err) < 0)
+            rc = -1;
+    } else {
+        if (s.tp_rank == 0 && s.pp_rank > 0 && send_list(&s, rc == 0, err) < 0)
+            rc = -1;
+        if (rc == 0)
+            rc = serve(&s, err);
+    }
+    saver_free(&s);
+    return rc;
 }
 
 int am_model_save_hf(const struct am_model *m, const char *dir, const char *base_config, struct am_errors *err)
 {
     if (m->sh.tp > 1 || !m->sh.first_stage || !m->sh.last_stage) {
-        am_errorf(err, NULL, "%s: saving needs the whole model on one rank (tp 1, one pipeline stage)", dir);
+        am_errorf(err, NULL, "%s: saving needs the whole model on one rank (tp 1, one pipeline stage); "
+                  "am_model_save_hf_dist saves from a sharded one", dir);
         return -1;
     }
-    struct am_st_wtensor *t = calloc((size_t)m->n_params, sizeof(*t));
-    int *which = calloc((size_t)m->n_params, sizeof(int));
-    int n = 0, rc = -1;
-    if (!t || !which) {
-        am_errorf(err, NULL, "%s: out of memory", dir);
-        goto out;
-    }
-    struct save_ctx ctx = {m, which};
-    for (int i = 0; i < m->n_params; i++) {
-        const struct am_param *p = &m->params[i];
-        if (i > 0 && p == m->head && m->head == m->embed)
-            continue;
-        t[n] = (struct am_st_wtensor){.name = p->name, .dtype = AM_ST_F32, .ndim = p->w.ndim, .fill = fill,
-                                      .ctx = &ctx};
-        for (int d = 0; d < p->w.ndim; d++)
-            t[n].shape[d] = p->w.shape[d];
-        which[n++] = i;
-    }
-    struct am_ckpt_save_opts opts = {.base_config = base_config};
-    rc = am_ckpt_save(dir, &m->cfg, t, (size_t)n, &opts, err);
-out:
-    free(t);
-    free(which);
-    return rc;
+    return am_model_save_hf_dist(m, NULL, NULL, dir, base_config, err);
 }

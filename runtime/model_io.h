@@ -2,8 +2,9 @@
  *
  * Loading reads only this rank's slice of each tensor (rows or columns of the full
  * matrix, as the tensor-parallel split says), so no rank ever holds the whole model.
- * Saving writes the model in Hugging Face's layout (config.json + safetensors) atomically;
- * it needs every parameter whole on the saving rank (tp = 1 and one pipeline stage).
+ * Saving writes the model in Hugging Face's layout (config.json + safetensors) atomically,
+ * from one rank holding it whole (am_model_save_hf) or from any tp x pp layout
+ * (am_model_save_hf_dist): the same files either way.
  */
 #ifndef AM_MODEL_IO_H
 #define AM_MODEL_IO_H
@@ -22,5 +23,31 @@ int am_model_dir_has_weights(const char *dir);
  * base_config, when not NULL, is the config.json the model came from: its other keys
  * (token ids, ...) are kept. */
 int am_model_save_hf(const struct am_model *m, const char *dir, const char *base_config, struct am_errors *err);
+
+/* Saves the model held by one replica's ranks (every tp and pp rank of data-parallel rank 0;
+ * collective over them: call it on each) to dir, as am_model_save_hf does from one rank: the
+ * same tensors, in model order, the same bytes. pp rank 0 / tp rank 0 writes (one call of
+ * am_ckpt_save); each pp rank's tp rank 0 first sends it the names and full shapes of its
+ * tensors over pp, then, as the writer asks for each tensor, the tp ranks of its holder gather
+ * it (all-gather of the slices, re-assembled by rows or columns; a kv head shared by several
+ * tp ranks is written once) and tp rank 0 sends it whole to the writer over pp: one tensor at
+ * a time, so no rank holds more than about two tensors beyond its shard. A tied embedding's
+ * copy on the last stage is not written twice. tp or pp may be NULL (size 1); with both NULL
+ * this is am_model_save_hf. The communicators carry host memory (UCX, as the trainer's).
+ *
+ * Returns: on the writer, am_ckpt_save's result (-1 also when another rank could not take
+ * part, which its own errors explain, or could not be told that the save is over); elsewhere 0 once the writer has finished (whether or
+ * not it succeeded: only the writer knows), -1 on a local or communication error. Wrong
+ * arguments (tp not the model's tp group, pp rank 0 without the first stage) fail at once
+ * where they are wrong. A rank that cannot allocate its one-tensor buffers says so to the
+ * others, and the save fails everywhere without blocking; the writer always tells the others
+ * when it is done, failure included. But a rank that returns early (wrong arguments, no
+ * memory for its tensor list), fails in communication or dies, or a writer failing part-way
+ * in a communication, leaves the others blocked in a send or receive until the
+ * communicators' timeout. Every wait of a serving rank lasts as long as the writer takes
+ * between two of its tensors (writing the other ranks' tensors meanwhile), which the timeout
+ * must allow. */
+int am_model_save_hf_dist(const struct am_model *m, struct am_comm *tp, struct am_comm *pp, const char *dir,
+                          const char *base_config, struct am_errors *err);
 
 #endif

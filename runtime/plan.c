@@ -5,6 +5,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "pp_schedule.h"
+
 /* ---- mesh ---------------------------------------------------------------------------- */
 
 void am_plan_coords(const struct am_plan *p, int rank, struct am_coords *c)
@@ -123,32 +125,36 @@ static double act_elems_per_token(const struct am_recipe *r, const struct am_pla
     return replicated + 2 * q / tp + 2 * kv_rank + mlp;
 }
 
-/* Micro-batches whose activations a pp rank holds at its peak (in units of its layers). */
+/* Micro-batches whose activations pp rank k holds at its peak, in units of its layers: as the
+ * executor allocates them, the slots of the rank's schedule (pp_schedule.h: the most
+ * micro-batches one chunk holds), each with all of the rank's layers. For gpipe and 1f1b that
+ * is the schedule's peak; for interleaved1f1b it can be more. The schedule exists (validate.c: n_micro >= pp, a multiple of pp
+ * for interleaved1f1b) and has at most 2 * AM_PLAN_MAX_PIPE_PASSES actions (am_plan_build).
+ * Returns -1 when out of memory. */
 static double in_flight_layers(const struct am_recipe *r, const struct am_plan *p, int k, int layers_on_rank)
 {
-    double m = (double)p->n_microbatches;
-    if (p->pp == 1)
-        return layers_on_rank;
-    switch (r->dist.pipeline.schedule) {
-    case AM_PP_GPIPE:
-        return m * layers_on_rank;
-    case AM_PP_1F1B: {
-        double f = p->pp - k < m ? p->pp - k : m;
-        return f * layers_on_rank;
-    }
-    case AM_PP_INTERLEAVED_1F1B: {
-        /* Narayanan et al. 2021: warm-up of (pp - k - 1) * 2 + (v - 1) * pp chunks, plus one */
-        double v = p->virtual_stages;
-        double chunks = (p->pp - k - 1) * 2.0 + (v - 1) * p->pp + 1;
-        if (chunks > m * v)
-            chunks = m * v;
-        return chunks * layers_on_rank / v;
-    }
-    }
-    return layers_on_rank;
+    int v = p->virtual_stages, n_micro = (int)p->n_microbatches;
+    struct am_pipe_action *actions = malloc(2 * (size_t)n_micro * (size_t)v * sizeof(*actions));
+    if (!actions)
+        return -1;
+    int n = am_pipe_schedule(r->dist.pipeline.schedule, p->pp, v, n_micro, k, actions);
+    int slots = am_pipe_slots(actions, n, v);
+    free(actions);
+    return (double)slots * layers_on_rank;
 }
 
-static void memory_of_rank(const struct am_recipe *r, const struct am_plan *p, int k, struct am_memory *out)
+/* The ZeRO stage am-train runs for a recipe (am_plan.zero_stage): 0 for every strategy. Its
+ * data parallelism keeps a full replica on each rank and all-reduces the gradients (ddp);
+ * fsdp2 (ZeRO-3 over dp_shard * cp) and megatron_fsdp (zero_dp_strategy over dp * cp) will
+ * shard when fully sharded data parallel lands, and then return their stage here. */
+static int trainer_zero_stage(const struct am_recipe *r)
+{
+    (void)r;
+    return 0;
+}
+
+/* Fills out for pp rank k. Returns 0, or -1 when out of memory. */
+static int memory_of_rank(const struct am_recipe *r, const struct am_plan *p, int k, struct am_memory *out)
 {
     const struct am_model_config *m = &r->model;
     const struct am_param_count *pc = &p->params;
@@ -177,16 +183,15 @@ static void memory_of_rank(const struct am_recipe *r, const struct am_plan *p, i
     /* bytes per parameter: weights and gradients in the storage dtype, Adam's two moments
      * too (ZeRO's accounting: fp32 storage = 4 + 4 + 8 = 16 B) */
     double ws = am_dtype_bytes(r->param_dtype), cs = am_dtype_bytes(r->compute_dtype);
+    /* the ranks each strategy's sharding spans; what it shards is p->zero_stage (nothing today) */
     double shard = 1, expert_shard = 1;
-    int zero = 0;
+    int zero = p->zero_stage;
     if (r->dist.strategy == AM_FSDP2) {
-        zero = 3;
         shard = (double)p->dp_shard * p->cp;
         expert_shard = (double)p->ep_shard / p->dp_replicate;
         if (expert_shard < 1)
             expert_shard = 1;
     } else if (r->dist.strategy == AM_MEGATRON_FSDP) {
-        zero = r->dist.zero_dp_strategy;
         shard = expert_shard = (double)p->dp * p->cp;
     }
     double wshard = zero >= 3 ? shard : 1, gshard = zero >= 2 ? shard : 1, oshard = zero >= 1 ? shard : 1;
@@ -203,6 +208,8 @@ static void memory_of_rank(const struct am_recipe *r, const struct am_plan *p, i
     double tokens = (double)(p->pp > 1 ? p->microbatch_size : p->local_batch) * (double)p->seq_length / p->cp;
     double full_layer = tokens * act_elems_per_token(r, p) * cs;
     double flight = in_flight_layers(r, p, k, layers);
+    if (flight < 0)
+        return -1;
     if (r->dist.activation_checkpointing) {
         double saved = tokens * h * cs / (r->dist.sequence_parallel ? tp : 1);
         out->activations = flight * saved + (layers ? full_layer : 0);
@@ -210,6 +217,7 @@ static void memory_of_rank(const struct am_recipe *r, const struct am_plan *p, i
         out->activations = flight * full_layer;
     }
     out->total = out->weights + out->grads + out->optimizer + out->gathered + out->activations;
+    return 0;
 }
 
 /* ---- the plan ------------------------------------------------------------------------ */
@@ -218,6 +226,12 @@ void am_plan_free(struct am_plan *p)
 {
     free(p->stages);
     p->stages = NULL;
+}
+
+static int out_of_memory(const struct am_recipe *r, struct am_errors *err)
+{
+    am_errorf(err, NULL, "%s: out of memory while planning", r->file);
+    return -1;
 }
 
 int am_plan_build(const struct am_recipe *r, const struct am_world *w, struct am_plan *p, struct am_errors *err)
@@ -234,10 +248,8 @@ int am_plan_build(const struct am_recipe *r, const struct am_world *w, struct am
     p->dp_replicate = r->dist.dp_replicate > 1 ? r->dist.dp_replicate : 1;
     p->dp_shard = p->dp / p->dp_replicate;
     p->ep_shard = p->dp * p->cp / p->ep;
-    if (build_stages(r, p) < 0) {
-        am_errorf(err, NULL, "%s: out of memory while planning", r->file);
-        return -1;
-    }
+    if (build_stages(r, p) < 0)
+        return out_of_memory(r, err);
     p->global_batch = r->steps.global_batch;
     p->local_batch = r->steps.local_batch;
     p->grad_accum = p->global_batch / (p->local_batch * p->dp);
@@ -245,10 +257,21 @@ int am_plan_build(const struct am_recipe *r, const struct am_world *w, struct am
     p->n_microbatches = p->local_batch / p->microbatch_size;
     p->seq_length = am_recipe_seq_length(r, &p->seq_length_assumed);
     am_model_params(&r->model, &p->params);
+    p->zero_stage = trainer_zero_stage(r);
 
+    if ((double)p->n_microbatches * p->virtual_stages > AM_PLAN_MAX_PIPE_PASSES) {
+        struct am_pos pos = {.file = r->file};
+        am_errorf(err, &pos, "the pipeline schedule runs %.0f forward passes per rank and step (micro-batches %ld x "
+                  "virtual stages %d), more than the %d am can plan (use a larger "
+                  "distributed.pipeline.pp_microbatch_size or a smaller step_scheduler.local_batch_size)",
+                  (double)p->n_microbatches * p->virtual_stages, p->n_microbatches, p->virtual_stages,
+                  AM_PLAN_MAX_PIPE_PASSES);
+        return -1;
+    }
     for (int k = 0; k < p->pp; k++) {
         struct am_memory m;
-        memory_of_rank(r, p, k, &m);
+        if (memory_of_rank(r, p, k, &m) < 0)
+            return out_of_memory(r, err);
         if (k == 0 || m.total > p->mem.total)
             p->mem = m;
     }
@@ -302,15 +325,11 @@ int am_plan_check_memory(const struct am_recipe *r, const struct am_world *w, co
     int n = 0;
     char text[96];
     struct am_recipe v;
+    /* no strategy: each costs the same while am-train keeps full replicas (zero_stage 0) */
     if (!r->dist.activation_checkpointing) {
         v = *r;
         v.dist.activation_checkpointing = true;
         try_knob(&v, w, "distributed.activation_checkpointing=true", fits, &n);
-    }
-    if (r->dist.strategy != AM_FSDP2) {
-        v = *r;
-        v.dist.strategy = AM_FSDP2;
-        try_knob(&v, w, "distributed.strategy=fsdp2", fits, &n);
     }
     if (r->dist.tp > 1 && !r->dist.sequence_parallel) {
         v = *r;
@@ -344,7 +363,7 @@ int am_plan_check_memory(const struct am_recipe *r, const struct am_world *w, co
     am_errorf(err, &pos, "estimated memory per GPU %s exceeds the GPU's %s by %s; %s%s",
               am_format_bytes(p->mem.total, b, sizeof(b)), am_format_bytes(w->gpu_mem, c, sizeof(c)),
               am_format_bytes(p->mem.total - w->gpu_mem, d, sizeof(d)),
-              n ? "it fits with " : "no single change of activation_checkpointing, strategy, sequence_parallel, "
+              n ? "it fits with " : "no single change of activation_checkpointing, sequence_parallel, "
               "pp_size or tp_size makes it fit (use more GPUs or a smaller local_batch_size)", list);
     return -1;
 }

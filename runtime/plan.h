@@ -25,6 +25,9 @@
 #include "errors.h"
 #include "recipe.h"
 
+/* The most micro-batches x virtual stages per rank and step the planner simulates. */
+#define AM_PLAN_MAX_PIPE_PASSES (1 << 16)
+
 struct am_world {
     int size;          /* ranks in the job */
     int nodes;         /* 0: unknown */
@@ -60,8 +63,8 @@ struct am_stage {
 /* Bytes per GPU on the most loaded pipeline rank. */
 struct am_memory {
     double params;          /* parameters held by the rank before data-parallel sharding */
-    double weights, grads, optimizer; /* after sharding per strategy */
-    double gathered;        /* fsdp: unsharded parameters of the layers in flight */
+    double weights, grads, optimizer; /* after data-parallel sharding (am_plan.zero_stage) */
+    double gathered;        /* ZeRO-3: unsharded parameters of the layers in flight */
     double activations;     /* saved for backward, at the schedule's peak */
     double total;
     int pp_rank;            /* which pipeline rank this is */
@@ -76,12 +79,18 @@ struct am_plan {
     long seq_length;
     bool seq_length_assumed;
     struct am_param_count params;
+    /* what am-train shards over data parallelism (ZeRO stage): 1 the optimizer state, 2 also
+     * the gradients, 3 also the weights; 0, a full replica on each data-parallel rank, for
+     * every strategy until fully sharded data parallel lands */
+    int zero_stage;
     struct am_memory mem;
     double tokens_per_step, flops_per_step;
 };
 
 /* Checks all rules for this world and fills the plan. Returns 0, or -1 with every
- * violation in err. The plan is freed with am_plan_free in either case. */
+ * violation in err (or why it could not be planned: a pipeline schedule of more than
+ * AM_PLAN_MAX_PIPE_PASSES forward passes per rank, or no memory). The plan is freed with
+ * am_plan_free in either case. */
 int am_plan_build(const struct am_recipe *r, const struct am_world *w, struct am_plan *p, struct am_errors *err);
 void am_plan_free(struct am_plan *p);
 

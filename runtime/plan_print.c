@@ -56,5 +56,8 @@ void am_plan_print(FILE *f, const struct am_recipe *r, const struct am_world *w,
             am_format_bytes(m->activations, e, sizeof(e)));
     fprintf(f, "             %s parameters, %s compute%s\n", am_dtype_name(r->param_dtype),
             am_dtype_name(r->compute_dtype), r->dist.activation_checkpointing ? ", activation checkpointing" : "");
+    if (r->dist.strategy != AM_DDP && p->zero_stage == 0)
+        fprintf(f, "note         %s does not shard yet: each data-parallel rank keeps full weights, gradients and "
+                "optimizer state, as ddp does, and the memory above counts them\n", am_strategy_name(r->dist.strategy));
     fprintf(f, "compute      %s FLOP per step\n", am_format_count(p->flops_per_step, a, sizeof(a)));
 }

@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include "comm.h"
@@ -19,6 +20,7 @@
 #include "model.h"
 #include "model_io.h"
 #include "optim.h"
+#include "pipeline.h"
 #include "util.h"
 #include "watchdog.h"
 
@@ -32,13 +34,15 @@ struct trainer {
     struct am_comm_ctx *ctx;
     struct am_group_set groups;
     struct am_comm **comms;
-    struct am_comm *dp, *tp;
+    const char **group_names;
+    struct am_comm *dp, *tp, *pp, *pp_grad; /* pp: activations forward; pp_grad: gradients back */
     int dp_rank;
     struct am_model model;
+    struct am_pipe pipe;
     struct am_optim optim;
     struct am_gpt *data;
     struct am_log log;
-    int32_t *sample, *tokens, *targets; /* host buffers for one micro-batch */
+    int32_t *sample, *tokens, *targets; /* host buffers for one pipeline run's micro-batches */
     char base_config[4096];
     /* diagnostics (docs/diagnostics.md) */
     struct am_flight flight;
@@ -60,13 +64,13 @@ static int fail(struct am_errors *err, const char *fmt, ...)
     return -1;
 }
 
-/* The layouts this trainer runs so far: data and tensor (+ sequence) parallelism; pipeline,
+/* The layouts this trainer runs so far: data, tensor (+ sequence) and pipeline parallelism;
  * context and expert parallelism not yet. */
 static int check_supported(const struct am_plan *p, struct am_errors *err)
 {
-    if (p->pp > 1 || p->cp > 1 || p->ep > 1)
-        return fail(err, "am-train does not run this layout yet: pp_size %d, cp_size %d, ep_size %d (it runs data "
-                    "and tensor parallelism: use 1 for each)", p->pp, p->cp, p->ep);
+    if (p->cp > 1 || p->ep > 1)
+        return fail(err, "am-train does not run this layout yet: cp_size %d, ep_size %d (it runs data, tensor and "
+                    "pipeline parallelism: use 1 for both)", p->cp, p->ep);
     return 0;
 }
 
@@ -80,7 +84,7 @@ static void log_groups(struct trainer *t)
         json_t *ranks = json_array();
         for (int i = 0; i < t->groups.sizes[g]; i++)
             json_array_append_new(ranks, json_integer(t->groups.groups[g][i]));
-        json_array_append_new(a, json_pack("{s:s,s:i,s:o}", "name", t->groups.names[g], "gid", g, "ranks", ranks));
+        json_array_append_new(a, json_pack("{s:s,s:i,s:o}", "name", t->group_names[g], "gid", g, "ranks", ranks));
     }
     am_log_record(&t->log, "groups", json_pack("{s:i,s:o}", "rank", t->s->info.rank, "groups", a));
 }
@@ -88,27 +92,39 @@ static void log_groups(struct trainer *t)
 static int build_comms(struct trainer *t, struct am_errors *err)
 {
     char msg[512];
-    static const enum am_group kinds[] = {AM_GROUP_DP, AM_GROUP_TP};
+    /* the pp ranks twice: activations go forward on one group, gradients back on the other */
+    static const enum am_group kinds[] = {AM_GROUP_DP, AM_GROUP_TP, AM_GROUP_PP, AM_GROUP_PP};
     t->ctx = am_comm_ctx_init(AM_COMM_UCX, t->s->boot, &t->s->info, -1, t->s->timeout_s, msg, sizeof(msg));
     if (!t->ctx)
         return fail(err, "%s", msg);
     am_comm_ctx_set_flight(t->ctx, &t->flight);
     if (am_comm_ctx_set_hosts(t->ctx, t->hosts, t->s->info.size) < 0)
         return fail(err, "%s", am_comm_ctx_error(t->ctx));
-    if (am_place_groups(t->p, &t->s->place, kinds, 2, &t->groups, err) < 0)
+    if (am_place_groups(t->p, &t->s->place, kinds, 4, &t->groups, err) < 0)
         return -1;
-    t->comms = calloc((size_t)t->groups.n, sizeof(*t->comms));
-    if (!t->comms)
-        return fail(err, "out of memory for %d communicators", t->groups.n);
-    if (am_comm_create_groups(t->ctx, t->groups.n, t->groups.groups, t->groups.sizes, t->groups.names, t->comms) < 0)
+    int n = t->groups.n, pp_seen = 0;
+    t->comms = calloc((size_t)n, sizeof(*t->comms));
+    t->group_names = calloc((size_t)n, sizeof(*t->group_names));
+    if (!t->comms || !t->group_names)
+        return fail(err, "out of memory for %d communicators", n);
+    /* the second set of pp groups (world / pp of each) is named pp_grad */
+    for (int g = 0; g < n; g++) {
+        bool second = t->groups.kinds[g] == AM_GROUP_PP && pp_seen++ >= t->p->world / t->p->pp;
+        t->group_names[g] = second ? "pp_grad" : t->groups.names[g];
+    }
+    if (am_comm_create_groups(t->ctx, n, t->groups.groups, t->groups.sizes, t->group_names, t->comms) < 0)
         return fail(err, "%s", am_comm_ctx_error(t->ctx));
-    for (int g = 0; g < t->groups.n; g++) {
+    for (int g = 0; g < n; g++) {
         if (!t->comms[g])
             continue;
         if (t->groups.kinds[g] == AM_GROUP_DP)
             t->dp = t->comms[g];
-        if (t->groups.kinds[g] == AM_GROUP_TP)
+        else if (t->groups.kinds[g] == AM_GROUP_TP)
             t->tp = t->comms[g];
+        else if (t->groups.kinds[g] == AM_GROUP_PP && !t->pp)
+            t->pp = t->comms[g];
+        else if (t->groups.kinds[g] == AM_GROUP_PP)
+            t->pp_grad = t->comms[g];
     }
     t->dp_rank = am_comm_rank(t->dp);
     log_groups(t);
@@ -119,13 +135,25 @@ static int build_comms(struct trainer *t, struct am_errors *err)
 static int build_model(struct trainer *t, struct am_errors *err)
 {
     const struct am_recipe *r = t->r;
+    const struct am_plan *p = t->p;
     char msg[512];
-    struct am_model_shard sh = {.tp = t->p->tp, .tp_rank = t->s->coords.tp,
-                                .sequence_parallel = r->dist.sequence_parallel, .first_layer = 0,
-                                .n_layers = (int)r->model.num_hidden_layers, .first_stage = true, .last_stage = true};
-    if (am_model_init(&t->model, &r->model, &sh, t->K, t->tp, t->p->microbatch_size, t->p->seq_length, msg,
-                      sizeof(msg)) < 0)
+    struct am_model_shard sh;
+    if (am_pipe_init(&t->pipe, r->dist.pipeline.schedule, p->pp, p->virtual_stages, (int)p->n_microbatches,
+                     t->s->coords.pp, msg, sizeof(msg)) < 0)
         return fail(err, "%s", msg);
+    if (am_pipe_shard(p, &t->s->coords, r, t->pipe.slots, &sh, msg, sizeof(msg)) < 0)
+        return fail(err, "%s", msg);
+    struct am_comm *pp = p->pp > 1 ? t->pp : NULL;
+    if (am_model_init(&t->model, &r->model, &sh, t->K, t->tp, pp, p->microbatch_size, p->seq_length, msg,
+                      sizeof(msg)) < 0 ||
+        am_pipe_bind(&t->pipe, &t->model, p->microbatch_size, pp, p->pp > 1 ? t->pp_grad : NULL, msg,
+                     sizeof(msg)) < 0)
+        return fail(err, "%s", msg);
+    am_log_record(&t->log, "memory",
+                  json_pack("{s:I,s:I,s:I,s:i,s:i,s:b}", "param_bytes", (json_int_t)(t->model.n_elems * sizeof(float)),
+                            "act_bytes", (json_int_t)t->model.act_bytes, "pipe_bytes",
+                            (json_int_t)am_pipe_bytes(&t->pipe), "slots", t->model.n_slots, "peak_micro",
+                            am_pipe_peak(t->pipe.actions, t->pipe.n_actions), "recompute", sh.recompute));
     t->base_config[0] = '\0';
     if (strcmp(r->model_source, "inline") != 0) {
         snprintf(t->base_config, sizeof(t->base_config), "%s", r->model_source);
@@ -154,7 +182,7 @@ static int build_data(struct trainer *t, struct am_errors *err)
     cfg.seq_length = t->p->seq_length;
     if (am_gpt_open(&cfg, &t->data, err) < 0)
         return -1;
-    size_t n = (size_t)(t->p->microbatch_size * t->p->seq_length);
+    size_t n = (size_t)(t->p->n_microbatches * t->p->microbatch_size * t->p->seq_length);
     t->sample = malloc((size_t)(t->p->seq_length + 1) * sizeof(int32_t));
     t->tokens = malloc(n * sizeof(int32_t));
     t->targets = malloc(n * sizeof(int32_t));
@@ -163,12 +191,13 @@ static int build_data(struct trainer *t, struct am_errors *err)
     return 0;
 }
 
-/* Fills tokens/targets with the micro-batch's samples: input = sample[0..T), target = sample[1..T]. */
-static int read_microbatch(struct trainer *t, long step, int64_t micro, struct am_errors *err)
+/* Fills tokens/targets with the samples of accumulation step `accum` (its n_microbatches
+ * micro-batches, one after the other): input = sample[0..T), target = sample[1..T]. */
+static int read_microbatches(struct trainer *t, long step, int64_t accum, struct am_errors *err)
 {
-    int64_t T = t->p->seq_length, b = t->p->microbatch_size;
+    int64_t T = t->p->seq_length, b = t->p->microbatch_size * t->p->n_microbatches;
     for (int64_t j = 0; j < b; j++) {
-        int64_t k = micro * b + j;
+        int64_t k = accum * b + j;
         int64_t idx = am_gpt_global_index(step, t->p->global_batch, t->dp_rank, t->p->dp, k);
         if (am_gpt_sample(t->data, idx, t->sample, err) < 0)
             return -1;
@@ -341,14 +370,15 @@ static void print_step(const struct trainer *t, long step, double loss, double l
 
 static int save_checkpoint(struct trainer *t, long step, struct am_errors *err)
 {
-    if (!t->r->ckpt.enabled || t->dp_rank != 0 || t->s->coords.tp != 0)
-        return 0;
+    if (!t->r->ckpt.enabled || t->dp_rank != 0)
+        return 0; /* one replica saves: its tp and pp ranks together, pp 0 / tp 0 writes */
     char dir[4096];
     const char *root = t->r->ckpt.dir ? t->r->ckpt.dir : "checkpoints";
     snprintf(dir, sizeof(dir), "%s/step_%ld", root, step);
     if (am_mkdir_p(root) < 0)
         return fail(err, "checkpoint.checkpoint_dir: cannot create %s: %s", root, strerror(errno));
-    if (am_model_save_hf(&t->model, dir, t->base_config[0] ? t->base_config : NULL, err) < 0)
+    if (am_model_save_hf_dist(&t->model, t->p->tp > 1 ? t->tp : NULL, t->p->pp > 1 ? t->pp : NULL, dir,
+                              t->base_config[0] ? t->base_config : NULL, err) < 0)
         return -1;
     am_log_record(&t->log, "checkpoint", json_pack("{s:i,s:s}", "step", (int)step, "dir", dir));
     return 0;
@@ -392,13 +422,13 @@ static int run(struct trainer *t, struct am_errors *err)
         fault_at_step_start(t, step + 1);
         am_model_zero_grad(m);
         for (int64_t a = 0; a < p->grad_accum; a++) {
-            double mb_loss;
-            if (read_microbatch(t, step, a, err) < 0)
+            double run_loss;
+            if (read_microbatches(t, step, a, err) < 0)
                 return -1;
-            if (am_model_step(m, t->tokens, t->targets, p->microbatch_size, dloss_scale, &mb_loss, msg,
-                              sizeof(msg)) < 0)
+            if (am_pipe_run(&t->pipe, m, t->tokens, t->targets, p->microbatch_size, dloss_scale, &run_loss, msg,
+                            sizeof(msg)) < 0)
                 return fail(err, "step %ld: %s", step + 1, msg);
-            loss_sum += mb_loss;
+            loss_sum += run_loss;
         }
         if (am_model_finish_grads(m, msg, sizeof(msg)) < 0)
             return fail(err, "step %ld: %s", step + 1, msg);
@@ -419,6 +449,11 @@ static int run(struct trainer *t, struct am_errors *err)
                 return -1;
             loss_sum = loss_f;
         }
+        if (p->pp > 1) { /* the loss is the last stage's */
+            if (am_allreduce(t->pp, &loss_f, &loss_f, 1, AM_F32, AM_SUM) < 0)
+                return fail(err, "step %ld: %s", step + 1, am_comm_error(t->pp));
+            loss_sum = loss_f;
+        }
         double loss = loss_sum / total_tokens;
         double sumsq;
         if (am_model_grad_sumsq(m, &sumsq, msg, sizeof(msg)) < 0)
@@ -435,10 +470,13 @@ static int run(struct trainer *t, struct am_errors *err)
         am_optim_step(&t->optim, m->param_mem, m->grad_mem, (float)lr);
         double dt = am_mono_time() - ts;
         t->comm_s = am_comm_ctx_busy_s(t->ctx) - busy0;
-        am_log_record(&t->log, "step", json_pack("{s:i,s:f,s:f,s:f,s:I,s:f,s:f,s:f}", "step", (int)step + 1, "loss",
+        struct rusage ru;
+        getrusage(RUSAGE_SELF, &ru);
+        am_log_record(&t->log, "step", json_pack("{s:i,s:f,s:f,s:f,s:I,s:f,s:f,s:f,s:I}", "step", (int)step + 1, "loss",
                                                  loss, "lr", lr, "grad_norm", norm, "tokens",
                                                  (json_int_t)p->tokens_per_step, "step_s", dt, "time",
-                                                 am_wall_time(), "comm_s", t->comm_s));
+                                                 am_wall_time(), "comm_s", t->comm_s, "max_rss_kib",
+                                                 (json_int_t)ru.ru_maxrss));
         if (rank == 0)
             print_step(t, step, loss, lr, norm, dt, am_mono_time() - t0);
         if (r->ckpt.enabled && r->steps.ckpt_every > 0 && (step + 1) % r->steps.ckpt_every == 0 &&
@@ -515,6 +553,7 @@ out:
         am_crash_uninstall();
     am_optim_free(&t.optim);
     am_model_free(&t.model);
+    am_pipe_free(&t.pipe);
     am_gpt_close(t.data);
     free(t.sample);
     free(t.tokens);
@@ -522,6 +561,7 @@ out:
     for (int g = 0; t.comms && g < t.groups.n; g++)
         am_comm_destroy(t.comms[g]);
     free(t.comms);
+    free(t.group_names);
     am_group_set_free(&t.groups);
     am_comm_ctx_fini(t.ctx);
     am_flight_free(&t.flight);

@@ -19,13 +19,28 @@
  * Allreduce results must also be bitwise identical on every rank of the group (checked by
  * allgathering a hash of each rank's result).
  *
+ * Non-blocking sends (am_isend), on every group: a ring in which every rank sends a few MiB
+ * (rendezvous) to the right and then blocks receiving from the left (a deadlock with blocking
+ * sends), its flight entry checked while pending and after am_send_wait; a chain in which
+ * every rank starts a dozen messages of mixed sizes and dtypes to the next rank before
+ * receiving any; isends and blocking sends to one peer interleaved (one numbering, taken in
+ * order); and the pipeline's pattern over two groups (activations forward on one, gradients
+ * back on the other), a send pending on one while the rank blocks receiving on the other.
+ * Every value is compared exactly. At the end
+ * rank 0 leaves a send pending on the world group, which am_comm_destroy gives up.
+ *
  * Environment:
  *   AM_COMM_BACKEND        ucx (default) or nccl (the comm_check_nccl build: device buffers)
  *   AM_COMM_TIMEOUT        seconds for every wait (default 60)
  *   COMM_CHECK_BIG_BYTES   the "few MiB" size, run on the world group (default 3 MiB)
- *   COMM_CHECK_DIE=R:MODE  rank R stops in the middle of a long run of allreduces on the world
- *                          group: MODE exit (exits 0, unnoticed by the launcher), hang (stops
- *                          answering) or kill (SIGKILL); the others must fail with a timeout.
+ *   COMM_CHECK_ISEND_BYTES the isend ring's message (default 4 MiB)
+ *   COMM_CHECK_DEVICE      the CUDA device (nccl build; default: the local rank)
+ *   COMM_CHECK_DIE=R:MODE[:isend]  rank R stops in the middle of a long run of allreduces on
+ *                          the world group: MODE exit (exits 0, unnoticed by the launcher),
+ *                          hang (stops answering) or kill (SIGKILL); the others must fail with
+ *                          a timeout. With :isend, a run of rounds in which every other rank
+ *                          sends rank R a few MiB with am_isend and waits with am_send_wait
+ *                          (rank R receives them): the pending send must fail, naming rank R.
  */
 #include <errno.h>
 #include <math.h>
@@ -41,6 +56,7 @@
 
 #include "comm.h"
 #include "comm_impl.h"
+#include "flight.h"
 
 #ifdef COMM_CHECK_CUDA
 #include <cuda_runtime_api.h>
@@ -53,8 +69,9 @@ struct check {
     struct am_comm_ctx *ctx;
     void *stream;
     long checks, failures;
-    size_t big_bytes;
+    size_t big_bytes, isend_bytes;
     const char *gname;          /* group being tested, for messages */
+    struct am_flight flight;    /* every call of the run is recorded */
 };
 
 /* ---- inputs ------------------------------------------------------------------------------ */
@@ -556,6 +573,283 @@ static void test_bad_arguments(struct check *k, struct am_comm *c)
         failf(k, "rejected calls changed the sequence number");
 }
 
+/* ---- non-blocking sends ---------------------------------------------------------------------- */
+
+/* A host message of n elements of t, rank grank's input for salt, on the device. */
+static void *dev_message(enum am_comm_dtype t, int grank, uint64_t salt, size_t n)
+{
+    size_t bytes = n * am_comm_dtype_size(t);
+    char *h = xmalloc(bytes);
+    void *d = dev_alloc(bytes);
+    if (!d) {
+        fprintf(stderr, "comm_check: out of device memory for %zu bytes\n", bytes);
+        exit(1);
+    }
+    fill(h, t, grank, salt, 0, n);
+    to_dev(d, h, bytes);
+    free(h);
+    return d;
+}
+
+/* A device buffer of n elements of t, filled with 0x5a bytes. */
+static void *dev_blank(enum am_comm_dtype t, size_t n)
+{
+    size_t bytes = n * am_comm_dtype_size(t);
+    char *h = xmalloc(bytes);
+    void *d = dev_alloc(bytes);
+    if (!d) {
+        fprintf(stderr, "comm_check: out of device memory for %zu bytes\n", bytes);
+        exit(1);
+    }
+    memset(h, 0x5a, bytes);
+    to_dev(d, h, bytes);
+    free(h);
+    return d;
+}
+
+/* Device buffer d (n elements of t) must hold group rank `from`'s input for salt. Frees d. */
+static void check_message(struct check *k, const struct am_comm *c, const char *what, enum am_comm_dtype t, size_t n,
+                          int from, uint64_t salt, void *d)
+{
+    size_t bytes = n * am_comm_dtype_size(t);
+    char *h = xmalloc(bytes);
+    to_host(h, d, bytes);
+    k->checks++;
+    check_inputs(k, what, t, c->ranks[from], salt, h, 0, n, "message");
+    free(h);
+    dev_free(d);
+}
+
+/* Receives n elements of t from group rank `from` and compares them with that rank's input. */
+static void recv_checked(struct check *k, struct am_comm *c, const char *what, enum am_comm_dtype t, size_t n,
+                         int from, uint64_t salt)
+{
+    void *d = dev_blank(t, n);
+    if (am_recv(c, d, n, t, from) < 0)
+        die_call(k, c, what);
+    check_message(k, c, what, t, n, from, salt, d);
+}
+
+/* Flight entry id must be an isend #seq to group rank peer in state st. */
+static void check_flight(struct check *k, const struct am_comm *c, const char *what, uint64_t id, int peer,
+                         uint64_t seq, enum am_flight_state st)
+{
+    struct am_flight_view v;
+    k->checks++;
+    if (!am_flight_get(&k->flight, id, &v)) {
+        failf(k, "%s: flight entry %llu is no longer in the recorder", what, (unsigned long long)id);
+        return;
+    }
+    if (strcmp(v.op, "isend") != 0 || v.peer != c->ranks[peer] || v.seq != seq || v.state != (int)st)
+        failf(k, "%s: the flight recorder has %s #%llu to global %d, %s; expected isend #%llu to global %d, %s", what,
+              v.op, (unsigned long long)v.seq, v.peer, am_flight_state_name(v.state), (unsigned long long)seq,
+              c->ranks[peer], am_flight_state_name(st));
+}
+
+/* Every rank sends a few MiB to the right, then blocks receiving from the left: with blocking
+ * (rendezvous) sends every rank would wait for its right neighbour to receive. Buffers are
+ * made before and checked after (nccl build: no synchronous CUDA call while a send may be
+ * in flight, as it would wait for that send's kernel). */
+static void test_isend_ring(struct check *k, struct am_comm *c, uint64_t salt)
+{
+    int p = am_comm_size(c), r = am_comm_rank(c), right = (r + 1) % p, left = (r + p - 1) % p;
+    const enum am_comm_dtype t = AM_F32;
+    size_t n = k->isend_bytes / am_comm_dtype_size(t);
+    char what[96];
+    snprintf(what, sizeof(what), "isend ring n=%zu", n);
+    void *d = dev_message(t, k->info.rank, salt, n), *in = dev_blank(t, n);
+    double busy = am_comm_ctx_busy_s(k->ctx);
+    if (am_isend(c, d, n, t, right) < 0)
+        die_call(k, c, what);
+    uint64_t id = atomic_load(&k->flight.newest), seq = c->sent[right];
+    check_flight(k, c, what, id, right, seq, AM_FLIGHT_STARTED);
+    if (am_recv(c, in, n, t, left) < 0)
+        die_call(k, c, what);
+    check_flight(k, c, what, id, right, seq, AM_FLIGHT_STARTED); /* pending until am_send_wait */
+    if (am_send_wait(c) < 0)
+        die_call(k, c, what);
+    check_flight(k, c, what, id, right, seq, AM_FLIGHT_COMPLETED);
+    check_message(k, c, what, t, n, left, salt, in);
+    k->checks++;
+    if (!(am_comm_ctx_busy_s(k->ctx) > busy))
+        failf(k, "%s: busy time did not grow (%g s before, %g s after)", what, busy, am_comm_ctx_busy_s(k->ctx));
+    dev_free(d);
+}
+
+/* The chain's messages: empty, eager and rendezvous sizes, every dtype, and equal ones back
+ * to back (taken in the wrong order they would still fit, and their values would differ). */
+static const struct {
+    size_t n;
+    enum am_comm_dtype t;
+} pipe_msgs[] = {
+    {1, AM_F32},     {0, AM_BF16},   {300000, AM_F16}, {300000, AM_F16}, {7, AM_I64},    {70000, AM_F32},
+    {1 << 19, AM_BF16}, {5, AM_I32}, {300000, AM_I32}, {0, AM_I64},      {20000, AM_F32}, {3, AM_BF16},
+};
+#define N_PIPE ((int)(sizeof(pipe_msgs) / sizeof(pipe_msgs[0])))
+
+/* Ranks 0..p-2 each start every message to the next rank before receiving anything; ranks
+ * 1..p-1 receive them in order and check every value. */
+static void test_isend_chain(struct check *k, struct am_comm *c, uint64_t salt)
+{
+    int p = am_comm_size(c), r = am_comm_rank(c);
+    void *bufs[N_PIPE] = {0};
+    char what[96];
+    uint64_t sent0 = r < p - 1 ? c->sent[r + 1] : 0;
+    for (int i = 0; r < p - 1 && i < N_PIPE; i++) {
+        snprintf(what, sizeof(what), "isend chain message %d (n=%zu)", i, pipe_msgs[i].n);
+        bufs[i] = dev_message(pipe_msgs[i].t, k->info.rank, salt + (uint64_t)i, pipe_msgs[i].n);
+        if (am_isend(c, bufs[i], pipe_msgs[i].n, pipe_msgs[i].t, r + 1) < 0)
+            die_call(k, c, what);
+    }
+    for (int i = 0; r > 0 && i < N_PIPE; i++) {
+        snprintf(what, sizeof(what), "isend chain message %d (n=%zu)", i, pipe_msgs[i].n);
+        recv_checked(k, c, what, pipe_msgs[i].t, pipe_msgs[i].n, r - 1, salt + (uint64_t)i);
+    }
+    if (r < p - 1) {
+        if (am_send_wait(c) < 0)
+            die_call(k, c, "isend chain: send_wait");
+        k->checks++;
+        if (c->sent[r + 1] != sent0 + N_PIPE)
+            failf(k, "isend chain: %d isends numbered %llu messages", N_PIPE,
+                  (unsigned long long)(c->sent[r + 1] - sent0));
+    }
+    for (int i = 0; i < N_PIPE; i++)
+        dev_free(bufs[i]);
+}
+
+/* isend A, blocking send B, isend C to the next rank share one numbering: it receives A, B, C
+ * in that order (A and B by rendezvous, C eager). */
+static void test_isend_mixed(struct check *k, struct am_comm *c, uint64_t salt)
+{
+    int p = am_comm_size(c), r = am_comm_rank(c);
+    const size_t n[3] = {(size_t)300000, (size_t)200000, (size_t)9};
+    const enum am_comm_dtype t[3] = {AM_I32, AM_I32, AM_I64};
+    void *d[3] = {0};
+    if (r < p - 1) {
+        uint64_t sent0 = c->sent[r + 1];
+        for (int i = 0; i < 3; i++) {
+            d[i] = dev_message(t[i], k->info.rank, salt + (uint64_t)i, n[i]);
+            if ((i == 1 ? am_send(c, d[i], n[i], t[i], r + 1) : am_isend(c, d[i], n[i], t[i], r + 1)) < 0)
+                die_call(k, c, i == 1 ? "isend/send mixed: send B" : "isend/send mixed: isend");
+        }
+        k->checks++;
+        if (c->sent[r + 1] != sent0 + 3)
+            failf(k, "isend/send mixed: 3 sends numbered %llu", (unsigned long long)(c->sent[r + 1] - sent0));
+    }
+    for (int i = 0; r > 0 && i < 3; i++)
+        recv_checked(k, c, i == 1 ? "isend/send mixed: B" : i ? "isend/send mixed: C" : "isend/send mixed: A", t[i],
+                     n[i], r - 1, salt + (uint64_t)i);
+    if (r < p - 1 && am_send_wait(c) < 0)
+        die_call(k, c, "isend/send mixed: send_wait");
+    for (int i = 0; i < 3; i++)
+        dev_free(d[i]);
+}
+
+/* Refused isends are not numbered; am_send_wait with nothing pending returns 0. */
+static void test_isend_arguments(struct check *k, struct am_comm *c)
+{
+    int x = 0, p = am_comm_size(c), r = am_comm_rank(c), other = (r + 1) % p;
+    uint64_t sent = c->sent[other];
+    k->checks++;
+    if (am_isend(c, &x, 1, AM_I32, r) == 0 || !strstr(am_comm_error(c), "itself"))
+        failf(k, "an isend to itself was accepted (or said: %s)", am_comm_error(c));
+    if (am_isend(c, &x, 1, AM_I32, p) == 0 || !strstr(am_comm_error(c), "outside"))
+        failf(k, "an isend to group rank %d was accepted (or said: %s)", p, am_comm_error(c));
+    if (other != r && (am_isend(c, NULL, 1, AM_I32, other) == 0 || !strstr(am_comm_error(c), "NULL")))
+        failf(k, "an isend of a NULL buffer was accepted (or said: %s)", am_comm_error(c));
+    if (c->sent[other] != sent)
+        failf(k, "refused isends were numbered");
+    if (am_send_wait(c) < 0)
+        failf(k, "send_wait with nothing pending failed: %s", am_comm_error(c));
+}
+
+static void test_isend(struct check *k, struct am_comm *c)
+{
+    test_isend_arguments(k, c);
+    if (am_comm_size(c) == 1)
+        return;
+    test_isend_ring(k, c, salt_of(10, 0, 0, 0, 0));
+    test_isend_chain(k, c, salt_of(11, 0, 0, 0, 0));
+    test_isend_mixed(k, c, salt_of(12, 0, 0, 0, 0));
+}
+
+/* c's group rank of global rank g (-1: not a member). */
+static int group_rank_of(const struct am_comm *c, int g)
+{
+    for (int i = 0; i < am_comm_size(c); i++)
+        if (c->ranks[i] == g)
+            return i;
+    return -1;
+}
+
+/* The pipeline's pattern (runtime/pipeline.c): activations go forward on one group ("world"),
+ * gradients back on another ("rev": the same ranks). Rank r receives its activation from
+ * r - 1, starts sending its own to r + 1 with am_isend and, with that send pending, blocks
+ * receiving the gradient from r + 1 on the other group, which r + 1 sends only once it has
+ * the activation; then it sends its gradient to r - 1. UCX moves the pending send meanwhile;
+ * NCCL enqueues it at the receive on the other group. Buffers are made before and checked
+ * after, as in the ring. */
+static void test_isend_cross(struct check *k, struct am_comm *fwd, struct am_comm *bwd)
+{
+    int p = am_comm_size(fwd), r = k->info.rank;
+    const enum am_comm_dtype t = AM_I64;
+    size_t n = k->isend_bytes / am_comm_dtype_size(t);
+    uint64_t salt = salt_of(13, 0, 0, 0, 0);
+    k->gname = "world+rev";
+    if (p == 1)
+        return;
+    void *act = dev_message(t, r, salt, n), *grad = dev_message(t, r, salt + 1, n);
+    void *in_act = r > 0 ? dev_blank(t, n) : NULL, *in_grad = r < p - 1 ? dev_blank(t, n) : NULL;
+    int next = group_rank_of(bwd, r + 1), prev = group_rank_of(bwd, r - 1);
+    if (r > 0 && am_recv(fwd, in_act, n, t, r - 1) < 0)
+        die_call(k, fwd, "isend across groups: activation");
+    if (r < p - 1 && am_isend(fwd, act, n, t, r + 1) < 0)
+        die_call(k, fwd, "isend across groups: activation");
+    if (r < p - 1 && am_recv(bwd, in_grad, n, t, next) < 0)
+        die_call(k, bwd, "isend across groups: gradient (an activation pending on the other group)");
+    if (r > 0 && am_isend(bwd, grad, n, t, prev) < 0)
+        die_call(k, bwd, "isend across groups: gradient");
+    if (am_send_wait(fwd) < 0)
+        die_call(k, fwd, "isend across groups: send_wait");
+    if (am_send_wait(bwd) < 0)
+        die_call(k, bwd, "isend across groups: send_wait");
+    if (r > 0)
+        check_message(k, fwd, "isend across groups: activation", t, n, r - 1, salt, in_act);
+    if (r < p - 1)
+        check_message(k, bwd, "isend across groups: gradient", t, n, next, salt + 1, in_grad);
+    dev_free(act);
+    dev_free(grad);
+}
+
+/* Rank 0 sends rank 1 a few MiB with am_isend on the world group and never waits: destroying
+ * the group gives the send up (its flight entry ends as failed). UCX: the data still goes and
+ * rank 1 receives it (the caller then destroys the group and meets rank 1 in a barrier on
+ * another group, so rank 0's worker is still there to serve it; the buffer lives until the
+ * end); NCCL: never enqueued, nothing to receive. Returns the buffer to free after
+ * am_comm_ctx_fini, and the entry's id in *id (0: none). */
+static void *isend_left_pending(struct check *k, struct am_comm *world, uint64_t *id)
+{
+    const enum am_comm_dtype t = AM_I32;
+    size_t n = k->isend_bytes / am_comm_dtype_size(t);
+    uint64_t salt = salt_of(14, 0, 0, 0, 0);
+    void *d = NULL;
+    *id = 0;
+    k->gname = "world";
+    if (am_comm_size(world) == 1)
+        return NULL;
+    if (am_comm_rank(world) == 0) {
+        d = dev_message(t, k->info.rank, salt, n);
+        if (am_isend(world, d, n, t, 1) < 0)
+            die_call(k, world, "isend left pending");
+        *id = atomic_load(&k->flight.newest);
+    }
+#ifndef COMM_CHECK_CUDA
+    if (am_comm_rank(world) == 1)
+        recv_checked(k, world, "isend left pending", t, n, 0, salt);
+#endif
+    return d;
+}
+
 static void run_group(struct check *k, struct am_comm *c, int is_world)
 {
     int p = am_comm_size(c);
@@ -596,6 +890,7 @@ static void run_group(struct check *k, struct am_comm *c, int is_world)
         }
         test_p2p(k, c, t, sizes, ns, salt_of(8, di, 0, 0, 0));
     }
+    test_isend(k, c);
     for (int i = 0; i < 3; i++)
         if (am_barrier(c) < 0)
             die_call(k, c, "barrier");
@@ -616,6 +911,26 @@ static void on_alarm(int sig)
         pause();
 }
 
+/* COMM_CHECK_DIE=R:MODE:isend: every rank but R sends R 8 MiB with am_isend and waits for it
+ * with am_send_wait, round after round; R receives them all. */
+static int run_die_isend(struct check *k, struct am_comm *world, int who, void *buf, size_t n)
+{
+    int p = am_comm_size(world);
+    for (int i = 0; i < 1000000; i++) {
+        int rc = 0;
+        if (k->info.rank != who)
+            rc = am_isend(world, buf, n, AM_F32, who) < 0 || am_send_wait(world) < 0;
+        for (int j = 0; j < p && k->info.rank == who && !rc; j++)
+            rc = j != who && am_recv(world, buf, n, AM_F32, j) < 0;
+        if (rc) {
+            fprintf(stderr, "comm_check: rank %d: %s\n", k->info.rank, am_comm_error(world));
+            return 1;
+        }
+    }
+    fprintf(stderr, "comm_check: rank %d: the dying rank never died\n", k->info.rank);
+    return 1;
+}
+
 static int run_die(struct check *k, struct am_comm *world, const char *spec)
 {
     int who = atoi(spec);
@@ -626,11 +941,13 @@ static int run_die(struct check *k, struct am_comm *world, const char *spec)
     if (!a || !b || !da || !db)
         return 1;
     if (k->info.rank == who) {
-        die_mode = !m ? 1 : !strcmp(m + 1, "hang") ? 2 : !strcmp(m + 1, "kill") ? 3 : 1;
+        die_mode = !m ? 1 : !strncmp(m + 1, "hang", 4) ? 2 : !strncmp(m + 1, "kill", 4) ? 3 : 1;
         signal(SIGALRM, on_alarm);
         struct itimerval it = {.it_value = {0, 300000}};
         setitimer(ITIMER_REAL, &it, NULL);
     }
+    if (m && strstr(m + 1, ":isend"))
+        return run_die_isend(k, world, who, da, n);
     for (int i = 0; i < 1000000; i++)
         if (am_allreduce(world, da, db, n, AM_F32, AM_SUM) < 0) {
             fprintf(stderr, "comm_check: rank %d: %s\n", k->info.rank, am_comm_error(world));
@@ -657,14 +974,21 @@ int main(void)
     backend = AM_COMM_NCCL;
 #endif
     const char *to = getenv("AM_COMM_TIMEOUT"), *big = getenv("COMM_CHECK_BIG_BYTES");
+    const char *ib = getenv("COMM_CHECK_ISEND_BYTES"), *dev = getenv("COMM_CHECK_DEVICE");
     double timeout = to ? atof(to) : 60;
     k.big_bytes = big ? (size_t)atoll(big) : (size_t)3 << 20;
+    k.isend_bytes = ib ? (size_t)atoll(ib) : (size_t)4 << 20;
     double t0 = am_comm_now();
-    k.ctx = am_comm_ctx_init(backend, boot, &k.info, k.info.local_rank, timeout, err, sizeof(err));
+    k.ctx = am_comm_ctx_init(backend, boot, &k.info, dev ? atoi(dev) : k.info.local_rank, timeout, err, sizeof(err));
     if (!k.ctx) {
         fprintf(stderr, "comm_check: rank %d: %s\n", k.info.rank, err);
         return 3;
     }
+    if (am_flight_init(&k.flight, 4096, err, sizeof(err)) < 0) {
+        fprintf(stderr, "comm_check: rank %d: %s\n", k.info.rank, err);
+        return 3;
+    }
+    am_comm_ctx_set_flight(k.ctx, &k.flight);
     int P = k.info.size, ng = 0;
     int *members[16], sizes[16];
     const char *names[16];
@@ -711,12 +1035,25 @@ int main(void)
             run_group(&k, groups[g], g == 0);
             n_mine++;
         }
+    test_isend_cross(&k, groups[0], groups[1]); /* world and rev: the same ranks */
+    uint64_t left_id;
+    void *left_buf = isend_left_pending(&k, groups[0], &left_id);
     double t2 = am_comm_now();
+    am_comm_destroy(groups[0]); /* with rank 0's send pending */
+    groups[0] = NULL;
+    if (am_barrier(groups[1]) < 0)
+        die_call(&k, groups[1], "barrier after destroying a group with a send pending");
     for (int g = 0; g < ng; g++) {
         am_comm_destroy(groups[g]);
         free(members[g]);
     }
+    struct am_flight_view v;
+    k.checks++;
+    if (left_id && (!am_flight_get(&k.flight, left_id, &v) || v.state != AM_FLIGHT_FAILED))
+        failf(&k, "the isend left pending at am_comm_destroy is not recorded as failed");
     am_comm_ctx_fini(k.ctx);
+    dev_free(left_buf);
+    am_flight_free(&k.flight);
     am_boot_fini(boot);
     if (k.failures) {
         fprintf(stderr, "comm_check: rank %d: %ld of %ld checks FAILED\n", k.info.rank, k.failures, k.checks);

@@ -8,6 +8,9 @@
 #   hang  the rank stops answering: the survivors' waits time out
 #   kill  the rank is killed by SIGKILL: the launcher stops the job (or a survivor that was
 #         copying from it reports it first)
+# and the same (exit, hang) in a run of rounds in which the other ranks send the dying rank
+# 8 MiB each with am_isend and wait with am_send_wait (COMM_CHECK_DIE=2:MODE:isend): the
+# pending send must fail within the timeout with a message naming it and the dead peer.
 set -u
 B=${AM_BUILDDIR:-$(pwd)}
 S=${AM_SRCDIR:-$(dirname "$0")/../..}
@@ -42,4 +45,6 @@ peer='rank 2 \(global 2\)'
 check exit "allreduce #[0-9]+ on group world \(4 ranks\) (failed.* $peer|timed out after 3 s waiting for $peer)"
 check hang "allreduce #[0-9]+ on group world \(4 ranks\) timed out after 3 s waiting for $peer"
 check kill "(rank 2 .*killed by signal 9|allreduce #[0-9]+ on group world \(4 ranks\) failed.* $peer)"
+check exit:isend "isend #[0-9]+ to rank 2 on group world \(4 ranks\) (failed.* $peer|timed out after 3 s waiting for $peer)"
+check hang:isend "isend #[0-9]+ to rank 2 on group world \(4 ranks\) timed out after 3 s waiting for $peer to take its data"
 exit $failed

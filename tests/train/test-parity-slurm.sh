@@ -1,9 +1,11 @@
 #!/bin/bash
-# Data-parallel parity under Slurm: `sbatch --am-recipe=...` through the SPANK plugin, with
-# `srun --mpi=pmix am-launch` over 2 and 4 nodes of the local cluster, trains the same loss
-# trajectory as one rank standalone with the whole global batch (tolerance as in
-# test-parity.sh: 1e-5 on losses, 1e-5 relative on gradient norms). Fails, never skips, when
-# the cluster cannot start.
+# Layout parity under Slurm: `sbatch --am-recipe=... [--am-tp=2 --am-pp=2]` through the SPANK
+# plugin, with `srun --mpi=pmix am-launch` over 2 and 4 nodes of the local cluster, trains the
+# same loss trajectory as one rank standalone with the whole global batch, and saves the same
+# checkpoint (tolerances as in test-parity.sh: 1e-5 on losses, 1e-5 relative on gradient
+# norms, 2e-6 on weights). The subset: data parallel over 2 and 4 nodes; tp 2 x pp 2 over 2
+# nodes (1f1b); tp 2 x pp 2 x dp 2 over 4 nodes (interleaved1f1b, sequence parallel). Fails,
+# never skips, when the cluster cannot start.
 set -u
 : "${AM_SRCDIR:=$(cd "$(dirname "$0")/../.." && pwd)}"
 : "${AM_BUILDDIR:=$PWD}"
@@ -17,8 +19,10 @@ trap 'cluster down --purge >/dev/null 2>&1; rm -rf "$work"' EXIT
 fails=0 passes=0
 
 "$AM_BUILDDIR/am-data" build --bytes --out "$work/corpus" "$AM_SRCDIR"/runtime/*.c >/dev/null || exit 1
-sed -e "s|paths: .*|paths: $work/corpus|" -e 's/max_steps: .*/max_steps: 8/' \
-    "$AM_SRCDIR/sbatch-templates/recipes/tiny.yaml" >"$work/tiny.yaml"
+sed -e "s|paths: .*|paths: $work/corpus|" -e 's/max_steps: .*/max_steps: 8/' -e 's/enabled: false/enabled: true/' \
+    -e "s|checkpoint_dir: .*|checkpoint_dir: ckpt|" "$AM_SRCDIR/sbatch-templates/recipes/tiny.yaml" >"$work/tiny.yaml"
+sed -e 's/sequence_parallel: false/sequence_parallel: true/' -e 's/pp_schedule: .*/pp_schedule: interleaved1f1b/' \
+    "$work/tiny.yaml" >"$work/tiny-sp-il.yaml"
 
 losses() { grep -h '"type":"step"' "$1"/*/rank-0.jsonl | sed -E 's/.*"loss":([^,]*),.*"grad_norm":([^,]*),.*/\1 \2/'; }
 compare() { # NAME FILE
@@ -34,7 +38,8 @@ compare() { # NAME FILE
     fi
 }
 
-(cd "$work" && AM_LOG_DIR="$work/logs-1" "$AM_BUILDDIR/am-launch" --nproc 1 "$work/tiny.yaml" >"$work/out-1" 2>&1) ||
+mkdir -p "$work/run-1"
+(cd "$work/run-1" && AM_LOG_DIR="$work/logs-1" "$AM_BUILDDIR/am-launch" --nproc 1 "$work/tiny.yaml" >"$work/out-1" 2>&1) ||
     { echo "FAIL: 1 rank did not train"; cat "$work/out-1"; exit 1; }
 losses "$work/logs-1" >"$work/ref"
 
@@ -47,15 +52,28 @@ cat >"$work/job.sh" <<JOB
 #!/bin/bash
 srun --mpi=pmix "$AM_BUILDDIR/am-launch"
 JOB
-for n in 2 4; do
-    (cd "$work" && timeout 120 sbatch --wait -N "$n" --ntasks-per-node=1 -o "$work/job-$n.out" \
-        --am-recipe="$work/tiny.yaml" --am-log-dir="$work/logs-slurm-$n" "$work/job.sh" >/dev/null)
+# NAME NODES TASKS-PER-NODE RECIPE [PLUGIN OPTIONS]
+for job in "dp2 2 1 tiny.yaml" "dp4 4 1 tiny.yaml" "tp2-pp2 2 2 tiny.yaml --am-tp=2 --am-pp=2" \
+    "tp2-pp2-dp2-sp-il 4 2 tiny-sp-il.yaml --am-tp=2 --am-pp=2"; do
+    set -- $job
+    name=$1 nodes=$2 per=$3 recipe=$4
+    shift 4
+    mkdir -p "$work/run-$name"
+    chmod 777 "$work/run-$name"
+    (cd "$work/run-$name" && timeout 120 sbatch --wait -N "$nodes" --ntasks-per-node="$per" -o "$work/job-$name.out" \
+        --am-recipe="$work/$recipe" "$@" --am-log-dir="$work/logs-$name" "$work/job.sh" >/dev/null)
     rc=$?
     if [ "$rc" != 0 ]; then
-        echo "FAIL: sbatch over $n nodes exited $rc"; sed 's/^/    /' "$work/job-$n.out"; fails=$((fails + 1)); continue
+        echo "FAIL: sbatch $name exited $rc"; sed 's/^/    /' "$work/job-$name.out"; fails=$((fails + 1)); continue
     fi
-    losses "$work/logs-slurm-$n" >"$work/got-$n"
-    compare "sbatch over $n nodes" "$work/got-$n"
+    losses "$work/logs-$name" >"$work/got-$name"
+    compare "sbatch $name ($nodes nodes x $per tasks $*)" "$work/got-$name"
+    if "$AM_BUILDDIR/tests/train/ckpt_diff" "$work/run-1/ckpt/step_8" "$work/run-$name/ckpt/step_8" 2e-6 \
+        >"$work/wdiff" 2>&1; then
+        echo "ok: sbatch $name saved the checkpoint of 1 rank: $(cat "$work/wdiff")"; passes=$((passes + 1))
+    else
+        echo "FAIL: sbatch $name's checkpoint differs from 1 rank's: $(cat "$work/wdiff")"; fails=$((fails + 1))
+    fi
 done
 echo "parity under Slurm: $passes passed, $fails failed"
 [ "$fails" = 0 ]

@@ -88,10 +88,9 @@ static void open_golden(struct golden *G, const char *name)
     G->n_targets = (int)(G->B * (G->T - 1));
 
     G->K = am_kernels_for(AM_DEV_CPU);
-    struct am_model_shard sh = {.tp = 1, .n_layers = (int)G->recipe->model.num_hidden_layers, .first_stage = true,
-                                .last_stage = true};
+    struct am_model_shard sh = am_model_shard_whole(1, 0, (int)G->recipe->model.num_hidden_layers);
     char msg[512];
-    assert_int_equal(am_model_init(&G->m, &G->recipe->model, &sh, G->K, NULL, G->B, G->T, msg, sizeof(msg)), 0);
+    assert_int_equal(am_model_init(&G->m, &G->recipe->model, &sh, G->K, NULL, NULL, G->B, G->T, msg, sizeof(msg)), 0);
     int rc = am_model_load_hf(&G->m, G->dir, &err);
     for (size_t i = 0; i < err.n; i++)
         print_error("%s\n", err.msg[i]);
@@ -134,7 +133,7 @@ static void check_forward_backward(const char *name)
     assert_int_equal(n, N * V);
     float *logits = G.K->alloc((size_t)(N * V) * sizeof(float));
     struct am_tensor y = am_tensor_view(logits, AM_DEV_CPU, AM_T_F32, N, V, 0, 0);
-    struct am_tensor hf = G.m.hf;
+    struct am_tensor hf = G.m.slots[0].hf;
     hf.shape[0] = N;
     G.K->matmul_forward(&y, &hf, &G.m.head->w);
     double worst = 0;
@@ -272,7 +271,7 @@ static void check_save(const char *name)
     struct am_model back;
     char msg[512];
     struct am_model_shard sh = G.m.sh;
-    assert_int_equal(am_model_init(&back, &G.recipe->model, &sh, G.K, NULL, G.B, G.T, msg, sizeof(msg)), 0);
+    assert_int_equal(am_model_init(&back, &G.recipe->model, &sh, G.K, NULL, NULL, G.B, G.T, msg, sizeof(msg)), 0);
     assert_int_equal(am_model_load_hf(&back, dir, &err), 0);
     assert_int_equal(back.n_elems, G.m.n_elems);
     assert_memory_equal(back.param_mem, G.m.param_mem, G.m.n_elems * sizeof(float));

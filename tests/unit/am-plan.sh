@@ -22,6 +22,22 @@ check() { # NAME EXPECTED_RC EXPECTED_TEXT(fixed string, in stdout+stderr) -- CO
     fi
 }
 
+check_lacks() { # NAME UNWANTED_TEXT -- COMMAND... (exits 0, prints no UNWANTED_TEXT)
+    local name=$1 unwanted=$2
+    shift 3
+    local out rc
+    out=$("$@" 2>&1)
+    rc=$?
+    if [ "$rc" != 0 ] || grep -qF -- "$unwanted" <<<"$out"; then
+        echo "FAIL: $name (exit $rc, want 0; unwanted text: $unwanted)"
+        echo "$out" | sed 's/^/    /'
+        fails=$((fails + 1))
+    else
+        echo "ok: $name"
+        passes=$((passes + 1))
+    fi
+}
+
 check "llama70b on 8 nodes x 8 fits 80G" 0 \
     "layout       tp 8 x pp 4 x cp 1 x dp 2 (replicate 1 x shard 2); ep 1 (ep_shard 2); fsdp2, sequence parallel" \
     -- "$bin" "$recipes/llama70b.yaml" --nodes 8 --gpus-per-node 8 --gpu-mem 80G
@@ -44,7 +60,7 @@ check "json carries errors" 1 \
     '{"errors":["--set distributed.ep_size=2: distributed.ep_size: 2 needs a mixture-of-experts model; llama has no experts (use ep_size: 1)"]' \
     -- "$bin" "$recipes/llama70b.yaml" --nodes 8 --gpus-per-node 8 --set distributed.ep_size=2 --json
 check "too little GPU memory names the fix" 1 \
-    "error: $recipes/llama70b.yaml: estimated memory per GPU 120.7 GiB exceeds the GPU's 80.0 GiB by 40.7 GiB; it fits with distributed.activation_checkpointing=true (30.3 GiB), distributed.sequence_parallel=true (50.7 GiB)" \
+    "error: $recipes/llama70b.yaml: estimated memory per GPU 128.8 GiB exceeds the GPU's 80.0 GiB by 48.8 GiB; it fits with distributed.activation_checkpointing=true (38.3 GiB), distributed.sequence_parallel=true (58.8 GiB)" \
     -- "$bin" "$recipes/llama70b.yaml" --nodes 8 --gpus-per-node 8 --gpu-mem 80G \
     --set distributed.activation_checkpointing=false --set distributed.sequence_parallel=false \
     --set step_scheduler.local_batch_size=16 --set distributed.pipeline.pp_microbatch_size=2
@@ -56,8 +72,22 @@ check "missing recipe" 1 "error: /nonexistent.yaml: cannot open: No such file or
 check "tiny on 2 ranks" 0 "layout       tp 1 x pp 1 x cp 1 x dp 2 (replicate 1 x shard 2); ep 1 (ep_shard 2); fsdp2" \
     -- "$bin" "$recipes/tiny.yaml" --gpus-per-node 2
 check "tiny_moe with experts" 0 "ep 2 (ep_shard 2)" -- "$bin" "$recipes/tiny_moe.yaml" --gpus-per-node 4
-check "llama3_8b fits 80G" 0 "memory/GPU   21.9 GiB on pp rank 0 of 80.0 GiB" \
+# fsdp2 keeps a full replica on each data-parallel rank until its sharding lands: 16 B x 8.03B
+# parameters = 119.7 GiB of state + 6.1 GiB of activations, more than 80G
+check "llama3_8b on 8 GPUs fits 141G" 0 "memory/GPU   125.8 GiB on pp rank 0 of 141.0 GiB" \
+    -- "$bin" "$recipes/llama3_8b.yaml" --gpu-mem 141G
+check "llama3_8b on 8 GPUs exceeds 80G" 1 \
+    "error: $recipes/llama3_8b.yaml: estimated memory per GPU 125.8 GiB exceeds the GPU's 80.0 GiB by 45.8 GiB; it fits with distributed.pp_size=2 (62.9 GiB), distributed.tp_size=2 (65.1 GiB)" \
     -- "$bin" "$recipes/llama3_8b.yaml" --gpu-mem 80G
+check "fsdp2 says it keeps full replicas" 0 \
+    "note         fsdp2 does not shard yet: each data-parallel rank keeps full weights, gradients and optimizer state, as ddp does, and the memory above counts them" \
+    -- "$bin" "$recipes/tiny.yaml" --gpus-per-node 2
+check "megatron_fsdp says it keeps full replicas" 0 "note         megatron_fsdp does not shard yet:" \
+    -- "$bin" "$recipes/tiny.yaml" --gpus-per-node 2 --set distributed.strategy=megatron_fsdp
+check_lacks "ddp has no sharding note" "does not shard yet" \
+    -- "$bin" "$recipes/tiny.yaml" --gpus-per-node 2 --set distributed.strategy=ddp
+check "json says fsdp2 keeps full replicas" 0 '"dp_shard_size":2,"dp_replicas":"full",' \
+    -- "$bin" "$recipes/tiny.yaml" --gpus-per-node 2 --json
 check "bad size" 2 "am-plan: --gpu-mem: '80X' is not a size (use e.g. 80G or 141GiB)" \
     -- "$bin" "$recipes/tiny.yaml" --gpu-mem 80X
 check "size that is not a number" 2 "am-plan: --gpu-mem: 'nan' is not a size (use e.g. 80G or 141GiB)" \

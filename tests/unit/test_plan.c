@@ -186,31 +186,36 @@ static void test_memory_ddp_16_bytes_per_parameter(void **state)
     am_recipe_free(r);
 }
 
-/* fsdp2 shards all 16 bytes over dp_shard * cp (ZeRO-3) and gathers two layers (current and
- * prefetched) in the compute dtype; bfloat16 storage halves everything. */
-static void test_memory_fsdp2_and_bf16(void **state)
+/* am-train does not shard yet: fsdp2 and megatron_fsdp keep a full replica on each of the
+ * dp 4 ranks, as ddp does (ZeRO stage 0), so all 16 bytes per parameter stay and nothing is
+ * gathered; bfloat16 storage halves them. */
+static void test_memory_fsdp_keeps_full_replicas(void **state)
 {
     (void)state;
     struct am_plan p;
     struct am_recipe *r = plan_of(model8, NULL, 4, &p);
     double params = 5247232;
-    assert_float_equal(p.mem.weights + p.mem.grads + p.mem.optimizer, 16 * params / 4, 1e-6);
-    assert_float_equal(p.mem.gathered, 2 * 2 * 590336.0, 0); /* bf16 compute (fsdp2 default) */
+    assert_int_equal(p.dp_shard, 4);
+    assert_int_equal(p.zero_stage, 0);
+    assert_float_equal(p.mem.weights + p.mem.grads + p.mem.optimizer, 16 * params, 1e-6);
+    assert_float_equal(p.mem.gathered, 0, 0);
     am_plan_free(&p);
     am_recipe_free(r);
 
     const char *bf16[] = {"model.torch_dtype=bfloat16", NULL};
     r = plan_of(model8, bf16, 4, &p);
-    assert_float_equal(p.mem.weights + p.mem.grads + p.mem.optimizer, 8 * params / 4, 1e-6);
+    assert_float_equal(p.mem.weights + p.mem.grads + p.mem.optimizer, 8 * params, 1e-6);
     am_plan_free(&p);
     am_recipe_free(r);
 
-    /* megatron_fsdp with ZeRO-1: only the optimizer state is sharded */
-    const char *zero1[] = {"distributed.strategy=megatron_fsdp", "distributed.zero_dp_strategy=1", NULL};
-    r = plan_of(model8, zero1, 4, &p);
+    /* megatron_fsdp, even with ZeRO-3 asked for: weights 4 B, gradients 4 B, moments 8 B each */
+    const char *zero3[] = {"distributed.strategy=megatron_fsdp", "distributed.zero_dp_strategy=3", NULL};
+    r = plan_of(model8, zero3, 4, &p);
+    assert_int_equal(p.zero_stage, 0);
     assert_float_equal(p.mem.weights, 4 * params, 1e-6);
     assert_float_equal(p.mem.grads, 4 * params, 1e-6);
-    assert_float_equal(p.mem.optimizer, 8 * params / 4, 1e-6);
+    assert_float_equal(p.mem.optimizer, 8 * params, 1e-6);
+    assert_float_equal(p.mem.gathered, 0, 0);
     am_plan_free(&p);
     am_recipe_free(r);
 }
@@ -245,8 +250,8 @@ static void test_memory_activations(void **state)
     am_recipe_free(r);
 }
 
-/* 1F1B: pp rank k holds min(pp - k, m) micro-batches; the first rank is the peak.
- * GPipe holds all m. */
+/* Activations in flight are the peak of each rank's schedule (pp_schedule.h). 1F1B: pp rank k
+ * holds min(pp - k, m) micro-batches; the first rank is the peak. GPipe holds all m. */
 static void test_memory_pipeline_schedules(void **state)
 {
     (void)state;
@@ -268,16 +273,56 @@ static void test_memory_pipeline_schedules(void **state)
     am_plan_free(&p);
     am_recipe_free(r);
 
-    /* interleaved, v = 2 (default), pp 2: rank 0 warm-up (2-0-1)*2 + (2-1)*2 + 1 = 5 chunks of
-     * 2 layers = 10 layer-micro-batches (capped at m*v = 8*2) */
+    /* interleaved, v = 2 (default), pp 2, m = 8: rank 0 warms up with (2-0-1)*2 + (2-1)*2 = 4
+     * forwards, then alternates a forward and a backward: a chunk holds at most 4
+     * micro-batches, and the executor keeps that many slots, each with all 4 layers of the
+     * rank: 16 layer-micro-batches (the schedule's own peak is 5 chunks of 2 layers) */
     const char *il[] = {"distributed.pp_size=2", "step_scheduler.local_batch_size=8",
                         "distributed.mp_policy.param_dtype=float32", "distributed.pipeline.pp_schedule=interleaved1f1b",
                         NULL};
     r = plan_of(model8, il, 2, &p);
     assert_int_equal(p.virtual_stages, 2);
-    assert_float_equal(p.mem.activations, 5 * 2 * layer_mb, 0);
+    assert_int_equal(p.mem.pp_rank, 0);
+    assert_float_equal(p.mem.activations, 4 * 4 * layer_mb, 0);
     am_plan_free(&p);
     am_recipe_free(r);
+
+    /* interleaved with m = pp = 2: every forward is warm-up, so each rank holds all m * v = 4
+     * chunks (8 layer-micro-batches) before its first backward. The activations tie, and the last
+     * rank holds 256 more parameters (the final norm; the head and the embedding are both
+     * 1024 x 256), so it is the peak. */
+    const char *il_m2[] = {"distributed.pp_size=2", "step_scheduler.local_batch_size=2",
+                           "distributed.mp_policy.param_dtype=float32",
+                           "distributed.pipeline.pp_schedule=interleaved1f1b", NULL};
+    r = plan_of(model8, il_m2, 2, &p);
+    assert_int_equal(p.n_microbatches, 2);
+    assert_int_equal(p.mem.pp_rank, 1);
+    assert_float_equal(p.mem.activations, 4 * 2 * layer_mb, 0);
+    am_plan_free(&p);
+    am_recipe_free(r);
+}
+
+/* The planner simulates at most AM_PLAN_MAX_PIPE_PASSES forwards per rank: 131072
+ * micro-batches of one sequence are too many. */
+static void test_pipeline_schedule_too_long(void **state)
+{
+    (void)state;
+    struct am_errors err;
+    am_errors_init(&err);
+    const char *sets[] = {"distributed.pp_size=2", "step_scheduler.local_batch_size=131072",
+                          "step_scheduler.global_batch_size=131072", NULL};
+    struct am_recipe *r = parse_with("plan.yaml", model8, sets, &err);
+    assert_non_null(r);
+    struct am_world w = {.size = 2, .nodes = 1, .gpus_per_node = 2, .nvlink_domain = 2};
+    struct am_plan p;
+    assert_int_equal(am_plan_build(r, &w, &p, &err), -1);
+    assert_messages(&err, (const char *const[]){
+        "plan.yaml: the pipeline schedule runs 131072 forward passes per rank and step (micro-batches 131072 x "
+        "virtual stages 1), more than the 65536 am can plan (use a larger distributed.pipeline.pp_microbatch_size "
+        "or a smaller step_scheduler.local_batch_size)", NULL});
+    am_plan_free(&p);
+    am_recipe_free(r);
+    am_errors_free(&err);
 }
 
 static void test_memory_over_budget_names_the_fix(void **state)
@@ -287,15 +332,16 @@ static void test_memory_over_budget_names_the_fix(void **state)
     const char *sets[] = {"distributed.strategy=ddp", NULL};
     struct am_recipe *r = plan_of(model8, sets, 4, &p);
     /* 16 B * 5247232 = 80.1 MiB of state + 52.0 MiB of activations (3328 * 512 * 4 B * 8 layers)
-     * = 132.1 MiB; in 100 MiB it fits with checkpointing (80.1 + 4.0 saved + 6.5 recomputed) or
-     * with fsdp2 (80.1 / 4 + 4.5 gathered + 52.0) */
+     * = 132.1 MiB; in 100 MiB it fits with checkpointing (80.1 + 4.0 saved + 6.5 recomputed).
+     * Not with strategy=fsdp2: it keeps full replicas too, so it is not offered; neither are
+     * tp and pp, which ddp does not run. */
     struct am_world w = {.size = 4, .nodes = 1, .gpus_per_node = 4, .nvlink_domain = 4, .gpu_mem = 100 << 20};
     struct am_errors err;
     am_errors_init(&err);
     assert_int_equal(am_plan_check_memory(r, &w, &p, &err), -1);
     assert_messages(&err, (const char *const[]){
         "plan.yaml: estimated memory per GPU 132.1 MiB exceeds the GPU's 100.0 MiB by 32.1 MiB; it fits with "
-        "distributed.activation_checkpointing=true (90.6 MiB), distributed.strategy=fsdp2 (76.5 MiB)", NULL});
+        "distributed.activation_checkpointing=true (90.6 MiB)", NULL});
     am_errors_free(&err);
     am_plan_free(&p);
     am_recipe_free(r);
@@ -310,9 +356,10 @@ int main(void)
         cmocka_unit_test(test_interleaved_stages),
         cmocka_unit_test(test_param_count),
         cmocka_unit_test(test_memory_ddp_16_bytes_per_parameter),
-        cmocka_unit_test(test_memory_fsdp2_and_bf16),
+        cmocka_unit_test(test_memory_fsdp_keeps_full_replicas),
         cmocka_unit_test(test_memory_activations),
         cmocka_unit_test(test_memory_pipeline_schedules),
+        cmocka_unit_test(test_pipeline_schedule_too_long),
         cmocka_unit_test(test_memory_over_budget_names_the_fix),
     };
     return cmocka_run_group_tests_name("plan", tests, NULL, NULL);

@@ -1,0 +1,169 @@
+/* pipeline.c - pipeline schedules and their executor (pipeline.h). */
+#include "pipeline.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static int fail(char *err, size_t len, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static int fail(char *err, size_t len, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err, len, fmt, ap);
+    va_end(ap);
+    return -1;
+}
+
+int am_pipe_shard(const struct am_plan *p, const struct am_coords *c, const struct am_recipe *r, int slots,
+                  struct am_model_shard *sh, char *err, size_t err_len)
+{
+    *sh = (struct am_model_shard){.tp = p->tp, .tp_rank = c->tp, .sequence_parallel = r->dist.sequence_parallel,
+                                  .recompute = r->dist.activation_checkpointing, .slots = slots};
+    for (int s = 0; s < p->n_stages; s++) {
+        const struct am_stage *st = &p->stages[s];
+        if (st->pp_rank != c->pp)
+            continue;
+        if (sh->n_chunks == AM_MAX_CHUNKS)
+            return fail(err, err_len, "pipeline: %d virtual stages per rank; the model holds at most %d",
+                        p->virtual_stages, AM_MAX_CHUNKS);
+        sh->chunks[sh->n_chunks++] = (struct am_chunk){st->first_layer, st->n_layers};
+        sh->first_stage |= st->embedding;
+        sh->last_stage |= st->head;
+    }
+    return 0;
+}
+
+int am_pipe_init(struct am_pipe *P, enum am_pp_schedule kind, int pp, int v, int n_micro, int rank, char *err,
+                 size_t err_len)
+{
+    memset(P, 0, sizeof(*P));
+    P->pp = pp;
+    P->rank = rank;
+    P->v = v;
+    P->n_micro = n_micro;
+    P->n_stages = pp * v;
+    P->actions = calloc((size_t)(2 * n_micro * v), sizeof(*P->actions));
+    if (!P->actions)
+        return fail(err, err_len, "pipeline: out of memory for a schedule of %d micro-batches", n_micro);
+    P->n_actions = am_pipe_schedule(pp == 1 ? AM_PP_1F1B : kind, pp, v, n_micro, rank, P->actions);
+    if (P->n_actions < 0) {
+        am_pipe_free(P);
+        return fail(err, err_len, "pipeline: no %s schedule for pp %d, %d virtual stages, %d micro-batches",
+                    am_pp_schedule_name(kind), pp, v, n_micro);
+    }
+    P->slots = am_pipe_slots(P->actions, P->n_actions, v);
+    return 0;
+}
+
+int am_pipe_bind(struct am_pipe *P, const struct am_model *m, int64_t batch, struct am_comm *fwd,
+                 struct am_comm *bwd, char *err, size_t err_len)
+{
+    P->fwd = fwd;
+    P->bwd = bwd;
+    P->hidden = am_model_hidden_elems(m, batch);
+    if (P->pp == 1)
+        return 0;
+    size_t n = (size_t)P->v * (size_t)P->n_micro * P->hidden;
+    P->recv_buf = m->K->alloc(P->hidden * sizeof(float));
+    P->out_bufs = m->K->alloc(n * sizeof(float));
+    P->grad_bufs = m->K->alloc(n * sizeof(float));
+    if (!P->recv_buf || !P->out_bufs || !P->grad_bufs)
+        return fail(err, err_len, "pipeline: out of memory for %zu hidden states of %zu elements", 2 * n / P->hidden,
+                    P->hidden);
+    P->free_fn = m->K->free;
+    return 0;
+}
+
+void am_pipe_free(struct am_pipe *P)
+{
+    if (P->free_fn) {
+        P->free_fn(P->recv_buf);
+        P->free_fn(P->out_bufs);
+        P->free_fn(P->grad_bufs);
+    }
+    free(P->actions);
+    memset(P, 0, sizeof(*P));
+}
+
+size_t am_pipe_bytes(const struct am_pipe *P)
+{
+    if (P->pp == 1)
+        return 0;
+    return (1 + 2 * (size_t)P->v * (size_t)P->n_micro) * P->hidden * sizeof(float);
+}
+
+static float *buf_of(const struct am_pipe *P, float *base, int chunk, int micro)
+{
+    return base + ((size_t)chunk * (size_t)P->n_micro + (size_t)micro) * P->hidden;
+}
+
+/* The pp rank of the stage before / after stage s (stage s is on rank s % pp). */
+static int prev_rank(const struct am_pipe *P, int s) { return (s - 1) % P->pp; }
+static int next_rank(const struct am_pipe *P, int s) { return (s + 1) % P->pp; }
+
+static int comm_fail(struct am_comm *c, char *err, size_t err_len)
+{
+    return fail(err, err_len, "%s", am_comm_error(c));
+}
+
+static int run_forward(struct am_pipe *P, struct am_model *m, const struct am_pipe_action *a, const int32_t *tokens,
+                       const int32_t *targets, int64_t batch, float dloss_scale, double *loss_sum, char *err,
+                       size_t err_len)
+{
+    int s = a->chunk * P->pp + P->rank;
+    size_t N = (size_t)(batch * m->seq_len);
+    const float *x_in = NULL;
+    float *x_out = s < P->n_stages - 1 ? buf_of(P, P->out_bufs, a->chunk, a->micro) : NULL;
+    if (s > 0) {
+        if (am_recv(P->fwd, P->recv_buf, P->hidden, AM_F32, prev_rank(P, s)) < 0)
+            return comm_fail(P->fwd, err, err_len);
+        x_in = P->recv_buf;
+    }
+    double loss = 0;
+    if (am_model_forward(m, a->chunk, a->micro % P->slots, batch, tokens + a->micro * N, targets + a->micro * N,
+                         x_in, x_out, dloss_scale, &loss, err, err_len) < 0)
+        return -1;
+    *loss_sum += loss;
+    if (x_out && am_isend(P->fwd, x_out, P->hidden, AM_F32, next_rank(P, s)) < 0)
+        return comm_fail(P->fwd, err, err_len);
+    return 0;
+}
+
+static int run_backward(struct am_pipe *P, struct am_model *m, const struct am_pipe_action *a, float dloss_scale,
+                        char *err, size_t err_len)
+{
+    int s = a->chunk * P->pp + P->rank;
+    const float *dy = NULL;
+    float *dx = s > 0 ? buf_of(P, P->grad_bufs, a->chunk, a->micro) : NULL;
+    if (s < P->n_stages - 1) {
+        if (am_recv(P->bwd, P->recv_buf, P->hidden, AM_F32, next_rank(P, s)) < 0)
+            return comm_fail(P->bwd, err, err_len);
+        dy = P->recv_buf;
+    }
+    if (am_model_backward(m, a->chunk, a->micro % P->slots, dy, dx, dloss_scale, err, err_len) < 0)
+        return -1;
+    if (dx && am_isend(P->bwd, dx, P->hidden, AM_F32, prev_rank(P, s)) < 0)
+        return comm_fail(P->bwd, err, err_len);
+    return 0;
+}
+
+int am_pipe_run(struct am_pipe *P, struct am_model *m, const int32_t *tokens, const int32_t *targets, int64_t batch,
+                float dloss_scale, double *loss_sum, char *err, size_t err_len)
+{
+    *loss_sum = 0;
+    for (int i = 0; i < P->n_actions; i++) {
+        const struct am_pipe_action *a = &P->actions[i];
+        int rc = a->kind == AM_PIPE_FORWARD
+                     ? run_forward(P, m, a, tokens, targets, batch, dloss_scale, loss_sum, err, err_len)
+                     : run_backward(P, m, a, dloss_scale, err, err_len);
+        if (rc < 0)
+            return -1;
+    }
+    if (P->pp > 1 && am_send_wait(P->fwd) < 0)
+        return comm_fail(P->fwd, err, err_len);
+    if (P->pp > 1 && am_send_wait(P->bwd) < 0)
+        return comm_fail(P->bwd, err, err_len);
+    return 0;
+}

@@ -1,0 +1,58 @@
+/* pipeline.h - the executor of a pipeline schedule (pp_schedule.h) on one rank.
+ *
+ * The executor moves hidden states between neighbours over two groups of the pp ranks: one
+ * for activations (forward), one for gradients (backward), so that each group carries one
+ * kind of message in one order on both ends. Receives block; sends do not (am_isend), so no
+ * two ranks can wait on each other: every schedule here is a valid order of the dependency
+ * graph on every rank (tests/train/test_pp_schedule.c simulates them all). Each micro-batch's
+ * output and input gradient go out of their own buffer, released when the step's sends are
+ * waited for at its end.
+ */
+#ifndef AM_PIPELINE_H
+#define AM_PIPELINE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "comm.h"
+#include "model.h"
+#include "plan.h"
+#include "pp_schedule.h"
+
+struct am_pipe {
+    int pp, rank, v, n_micro, n_stages;
+    struct am_pipe_action *actions;
+    int n_actions;
+    int slots;
+    size_t hidden;                   /* elements of one hidden state (am_model_hidden_elems) */
+    float *recv_buf;                 /* one hidden state, consumed by the model at once */
+    float *out_bufs, *grad_bufs;     /* [v][n_micro] hidden states sent forward / backward */
+    struct am_comm *fwd, *bwd;       /* the pp group twice: activations, gradients (NULL: pp 1) */
+    void (*free_fn)(void *);         /* the kernels' free, for the buffers */
+};
+
+/* The part of the model a rank holds (plan.h): its tp slice of the stages on its pp rank, in
+ * model order, with the recipe's sequence parallelism and activation checkpointing, and
+ * `slots` activation slots (am_pipe.slots). Returns 0, or -1 with a message. */
+int am_pipe_shard(const struct am_plan *p, const struct am_coords *c, const struct am_recipe *r, int slots,
+                  struct am_model_shard *sh, char *err, size_t err_len);
+
+/* Builds this rank's schedule. Returns 0, or -1 with a message. */
+int am_pipe_init(struct am_pipe *P, enum am_pp_schedule kind, int pp, int v, int n_micro, int rank, char *err,
+                 size_t err_len);
+/* Allocates the hidden-state buffers for m (built with P->slots slots) and micro-batches of
+ * `batch` sequences; fwd/bwd may be NULL when pp = 1. */
+int am_pipe_bind(struct am_pipe *P, const struct am_model *m, int64_t batch, struct am_comm *fwd,
+                 struct am_comm *bwd, char *err, size_t err_len);
+void am_pipe_free(struct am_pipe *P);
+
+/* Bytes of the hidden-state buffers (for the memory report). */
+size_t am_pipe_bytes(const struct am_pipe *P);
+
+/* Runs one schedule: forward and backward of every micro-batch i, whose tokens and targets
+ * are tokens + i * batch * seq_len (host int32). Gradients accumulate in m; on the last stage
+ * *loss_sum is the sum of all token losses (0 elsewhere). */
+int am_pipe_run(struct am_pipe *P, struct am_model *m, const int32_t *tokens, const int32_t *targets, int64_t batch,
+                float dloss_scale, double *loss_sum, char *err, size_t err_len);
+
+#endif

@@ -1,0 +1,371 @@
+/* golden_dist - a rank program: a Hugging Face golden model (tests/golden/) trained sharded
+ * over tp x pp by the library, exactly as am-train trains, against transformers' losses.
+ *
+ *   AM_TP=2 AM_PP=2 am-launch --nproc 4 RECIPE -- tests/train/golden_dist CASE
+ *
+ * The recipe (tests/train/test-golden-dist.sh writes it) names the case's model directory
+ * (model.pretrained_model_name_or_path), the golden's AdamW (optimizer, constant lr, no
+ * warm-up, clip_grad_norm.max_norm 1.0) and a batch shaped like the golden one: one
+ * data-parallel replica, step_scheduler.local_batch_size = global_batch_size = B = 2,
+ * pp_microbatch_size 1 (so each golden row is one micro-batch) and dataset.seq_length = T. The
+ * program refuses any other shape. (With AM_TP=1 AM_PP=1 on one rank it gives the one-rank
+ * baseline of the same sequence.)
+ *
+ * Every rank sets up as am-train does (rank_setup.h), builds its communicators as
+ * runtime/train.c's build_comms does (groups of kinds DP, TP, PP, PP: the second pp set
+ * carries gradients back), and its shard as build_model does (am_pipe_init, am_pipe_shard,
+ * am_model_init, am_pipe_bind, am_model_load_hf of the case). Then 5 steps on the golden batch
+ * as train.c's run() does them: zero the gradients, am_pipe_run, am_model_finish_grads, the
+ * loss all-reduced over the pp group (only the last stage has it), am_model_grad_sumsq,
+ * clipping by max_norm / (norm + 1e-6), am_optim_step at am_lr_at. Twice, each from a fresh
+ * load: without clipping, against losses_adamw / grad_norms_adamw; with the recipe's
+ * max_norm, against losses_adamw_clip / grad_norms_adamw_clip.
+ *
+ * The golden convention (tests/golden/README.md): token t's target is input t + 1, the last
+ * position has none (target -1), and the loss is the mean over the B * (T - 1) targets, so the
+ * gradient scale is 1 / (B * (T - 1)) rather than am-train's 1 / (B * T). A sequence of T
+ * tokens (not T - 1) keeps T divisible by tp for sequence parallelism.
+ *
+ * Tolerances: each loss within 1e-5 absolute, each grad norm within 1e-5 relative (the
+ * README's: transformers' own fp32-vs-fp64 distance on these losses is at most 6.4e-7).
+ * Rank 0 prints one line per step (got, want, difference) and, when every check passed,
+ * "golden tpT ppP CASE: N checks passed (...)", else "... M of N checks FAILED". Every rank
+ * checks its own copy of the values (the others say only how many failed) and exits 1 on any
+ * mismatch, all together after rank 0 has printed (am_rank_setup_exit); a failure to set up
+ * or to communicate aborts the job.
+ */
+#include <libgen.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "comm.h"
+#include "kernels.h"
+#include "model.h"
+#include "model_io.h"
+#include "optim.h"
+#include "pipeline.h"
+#include "rank_setup.h"
+#include "safetensors.h"
+
+#define STEPS 5
+#define LOSS_TOL 1e-5 /* absolute */
+#define NORM_TOL 1e-5 /* relative */
+
+/* The golden batch and the two AdamW series of one case. */
+struct golden {
+    const char *name;
+    char dir[4096];             /* the model directory (the recipe's config.json's) */
+    int64_t B, T;
+    int32_t *tokens, *targets;  /* [B, T], row b = micro-batch b */
+    int n_targets;              /* B * (T - 1) */
+    float losses[2][STEPS], norms[2][STEPS]; /* [clip] */
+};
+
+/* This rank's communicators, as train.c's build_comms makes them. */
+struct dist {
+    struct am_rank_setup *s;
+    const struct am_kernels *K;
+    struct am_comm_ctx *ctx;
+    struct am_group_set groups;
+    struct am_comm **comms;
+    const char **names;
+    struct am_comm *tp, *pp, *pp_grad; /* pp: activations forward; pp_grad: gradients back */
+};
+
+/* The running tally of checks; rank 0 prints, every rank keeps its verdict. */
+struct tally {
+    int rank, checks, failures;
+    double loss_worst, norm_worst;
+};
+
+static int fail(struct am_errors *err, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static int fail(struct am_errors *err, const char *fmt, ...)
+{
+    char text[1024];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(text, sizeof(text), fmt, ap);
+    va_end(ap);
+    am_errorf(err, NULL, "%s", text);
+    return -1;
+}
+
+/* Copies `n` floats of the golden tensor `key` into out; -1 with a message when the tensor is
+ * missing or has another size. */
+static int read_series(struct am_st_file *f, const char *key, float *out, int64_t n, struct am_errors *err)
+{
+    const struct am_st_info *t = am_st_find(f, key);
+    if (!t)
+        return fail(err, "%s: no tensor %s", am_st_path(f), key);
+    if (t->numel != n)
+        return fail(err, "%s: %s has %lld elements, want %lld", am_st_path(f), key, (long long)t->numel, (long long)n);
+    return am_st_read_f32(f, t, 0, n, out, err);
+}
+
+/* Reads the case's golden.safetensors next to the recipe's config.json: the batch (tokens
+ * and the shifted targets) and the four series. */
+static int open_golden(struct golden *G, const char *name, const struct am_recipe *r, struct am_errors *err)
+{
+    memset(G, 0, sizeof(*G));
+    G->name = name;
+    if (strcmp(r->model_source, "inline") == 0)
+        return fail(err, "the recipe must name the golden model: model.pretrained_model_name_or_path");
+    snprintf(G->dir, sizeof(G->dir), "%s", r->model_source);
+    dirname(G->dir);
+    char path[4200];
+    snprintf(path, sizeof(path), "%s/golden.safetensors", G->dir);
+    struct am_st_file *f;
+    if (am_st_open(path, &f, err) < 0)
+        return -1;
+    int rc = -1;
+    const struct am_st_info *ids = am_st_find(f, "input_ids");
+    if (!ids || ids->dtype != AM_ST_I32 || ids->ndim != 2 || ids->shape[1] < 2) {
+        fail(err, "%s: input_ids must be I32 [B, T >= 2]", path);
+        goto out;
+    }
+    G->B = ids->shape[0];
+    G->T = ids->shape[1];
+    size_t N = (size_t)(G->B * G->T);
+    G->tokens = malloc(N * sizeof(int32_t));
+    G->targets = malloc(N * sizeof(int32_t));
+    if (!G->tokens || !G->targets) {
+        fail(err, "out of memory for the golden batch");
+        goto out;
+    }
+    memcpy(G->tokens, ids->data, N * sizeof(int32_t));
+    for (int64_t b = 0; b < G->B; b++)
+        for (int64_t t = 0; t < G->T; t++)
+            G->targets[b * G->T + t] = t + 1 < G->T ? G->tokens[b * G->T + t + 1] : -1;
+    G->n_targets = (int)(G->B * (G->T - 1));
+    static const char *const keys[2][2] = {{"losses_adamw", "grad_norms_adamw"},
+                                           {"losses_adamw_clip", "grad_norms_adamw_clip"}};
+    for (int c = 0; c < 2; c++)
+        if (read_series(f, keys[c][0], G->losses[c], STEPS, err) < 0 ||
+            read_series(f, keys[c][1], G->norms[c], STEPS, err) < 0)
+            goto out;
+    rc = 0;
+out:
+    am_st_close(f);
+    return rc;
+}
+
+static void close_golden(struct golden *G)
+{
+    free(G->tokens);
+    free(G->targets);
+}
+
+/* The plan must run the golden batch as it is: one replica, one pipeline run per step whose
+ * micro-batches are the B rows (1 row each with pp > 1, where pp_microbatch_size is 1; all B
+ * at once with pp 1), T tokens each. */
+static int check_shape(const struct am_plan *p, const struct golden *G, struct am_errors *err)
+{
+    if (p->dp != 1 || p->cp != 1 || p->ep != 1 || p->grad_accum != 1 ||
+        p->microbatch_size * p->n_microbatches != G->B || p->seq_length != G->T)
+        return fail(err, "the plan must hold the golden batch of %lld x %lld tokens as it is: dp 1, cp 1, ep 1, one "
+                    "accumulation step of %lld sequences (got dp %d, cp %d, ep %d, %ld accumulation step(s) of %ld "
+                    "micro-batch(es) of %ld x %ld tokens): set step_scheduler.global_batch_size and local_batch_size "
+                    "to %lld, distributed.pipeline.pp_microbatch_size 1 and dataset.seq_length %lld",
+                    (long long)G->B, (long long)G->T, (long long)G->B, p->dp, p->cp, p->ep, p->grad_accum,
+                    p->n_microbatches, p->microbatch_size, p->seq_length, (long long)G->B, (long long)G->T);
+    return 0;
+}
+
+/* train.c's build_comms, less the diagnostics: every group of kinds DP, TP, PP, PP in one
+ * collective call; the second set of pp groups carries gradients. */
+static int build_comms(struct dist *d, struct am_errors *err)
+{
+    static const enum am_group kinds[] = {AM_GROUP_DP, AM_GROUP_TP, AM_GROUP_PP, AM_GROUP_PP};
+    const struct am_plan *p = &d->s->plan;
+    char msg[512];
+    d->ctx = am_comm_ctx_init(AM_COMM_UCX, d->s->boot, &d->s->info, -1, d->s->timeout_s, msg, sizeof(msg));
+    if (!d->ctx)
+        return fail(err, "%s", msg);
+    if (am_place_groups(p, &d->s->place, kinds, 4, &d->groups, err) < 0)
+        return -1;
+    int n = d->groups.n, pp_seen = 0;
+    d->comms = calloc((size_t)n, sizeof(*d->comms));
+    d->names = calloc((size_t)n, sizeof(*d->names));
+    if (!d->comms || !d->names)
+        return fail(err, "out of memory for %d communicators", n);
+    for (int g = 0; g < n; g++) {
+        bool second = d->groups.kinds[g] == AM_GROUP_PP && pp_seen++ >= p->world / p->pp;
+        d->names[g] = second ? "pp_grad" : d->groups.names[g];
+    }
+    if (am_comm_create_groups(d->ctx, n, d->groups.groups, d->groups.sizes, d->names, d->comms) < 0)
+        return fail(err, "%s", am_comm_ctx_error(d->ctx));
+    for (int g = 0; g < n; g++) {
+        if (!d->comms[g])
+            continue;
+        if (d->groups.kinds[g] == AM_GROUP_TP)
+            d->tp = d->comms[g];
+        else if (d->groups.kinds[g] == AM_GROUP_PP && !d->pp)
+            d->pp = d->comms[g];
+        else if (d->groups.kinds[g] == AM_GROUP_PP)
+            d->pp_grad = d->comms[g];
+    }
+    return 0;
+}
+
+static void free_comms(struct dist *d)
+{
+    for (int g = 0; d->comms && g < d->groups.n; g++)
+        am_comm_destroy(d->comms[g]);
+    free(d->comms);
+    free(d->names);
+    am_group_set_free(&d->groups);
+    am_comm_ctx_fini(d->ctx);
+}
+
+/* Counts one comparison of step `step`'s `what`; rank 0 prints it. */
+static void compare(struct tally *t, const char *series, int step, const char *what, double got, double want,
+                    bool relative)
+{
+    double diff = fabs(got - want) / (relative ? fabs(want) : 1.0);
+    bool ok = diff <= (relative ? NORM_TOL : LOSS_TOL) && isfinite(got);
+    double *worst = relative ? &t->norm_worst : &t->loss_worst;
+    *worst = fmax(*worst, diff);
+    t->checks++;
+    t->failures += !ok;
+    if (t->rank == 0)
+        printf("%s step %d: %-9s got %.7f want %.7f %s %.2e%s\n", series, step + 1, what, got, want,
+               relative ? "rel" : "diff", diff, ok ? "" : "  MISMATCH");
+}
+
+/* One series: a fresh shard loaded from the case, 5 steps as train.c's run() takes them,
+ * clipping at the recipe's max_norm when `clip`. Returns 0 (mismatches are counted in t), or
+ * -1 with a message when the library or a communicator failed. */
+static int run_series(struct dist *d, const struct golden *G, bool clip, struct tally *t, struct am_errors *err)
+{
+    const struct am_recipe *r = d->s->recipe;
+    const struct am_plan *p = &d->s->plan;
+    const char *series = clip ? "adamw_clip" : "adamw";
+    struct am_model m = {0};
+    struct am_pipe pipe = {0};
+    struct am_optim optim = {0};
+    struct am_model_shard sh;
+    struct am_comm *pp = p->pp > 1 ? d->pp : NULL;
+    char msg[1024];
+    int rc = -1;
+    /* build_model */
+    if (am_pipe_init(&pipe, r->dist.pipeline.schedule, p->pp, p->virtual_stages, (int)p->n_microbatches,
+                     d->s->coords.pp, msg, sizeof(msg)) < 0 ||
+        am_pipe_shard(p, &d->s->coords, r, pipe.slots, &sh, msg, sizeof(msg)) < 0 ||
+        am_model_init(&m, &r->model, &sh, d->K, d->tp, pp, p->microbatch_size, p->seq_length, msg, sizeof(msg)) < 0 ||
+        am_pipe_bind(&pipe, &m, p->microbatch_size, pp, p->pp > 1 ? d->pp_grad : NULL, msg, sizeof(msg)) < 0) {
+        fail(err, "%s", msg);
+        goto out;
+    }
+    if (am_model_load_hf(&m, G->dir, err) < 0)
+        goto out;
+    if (am_optim_init(&optim, d->K, m.n_elems, r) < 0) {
+        fail(err, "out of memory for the optimizer state of %zu parameters", m.n_elems);
+        goto out;
+    }
+    /* run() */
+    float dloss_scale = (float)(1.0 / G->n_targets);
+    struct am_tensor g = am_tensor_view(m.grad_mem, d->K->device, AM_T_F32, (int64_t)m.n_elems, 0, 0, 0);
+    for (int step = 0; step < STEPS; step++) {
+        double loss_sum;
+        am_model_zero_grad(&m);
+        if (am_pipe_run(&pipe, &m, G->tokens, G->targets, p->microbatch_size, dloss_scale, &loss_sum, msg,
+                        sizeof(msg)) < 0 ||
+            am_model_finish_grads(&m, msg, sizeof(msg)) < 0) {
+            fail(err, "%s step %d: %s", series, step + 1, msg);
+            goto out;
+        }
+        float loss_f = (float)loss_sum;
+        if (p->pp > 1) { /* the loss is the last stage's */
+            if (am_allreduce(d->pp, &loss_f, &loss_f, 1, AM_F32, AM_SUM) < 0) {
+                fail(err, "%s step %d: %s", series, step + 1, am_comm_error(d->pp));
+                goto out;
+            }
+            loss_sum = loss_f;
+        }
+        double sumsq;
+        if (am_model_grad_sumsq(&m, &sumsq, msg, sizeof(msg)) < 0) {
+            fail(err, "%s step %d: %s", series, step + 1, msg);
+            goto out;
+        }
+        double norm = sqrt(sumsq);
+        compare(t, series, step, "loss", loss_sum / G->n_targets, G->losses[clip][step], false);
+        compare(t, series, step, "grad norm", norm, G->norms[clip][step], true);
+        if (clip && r->optim.max_grad_norm > 0) {
+            double coef = r->optim.max_grad_norm / (norm + 1e-6);
+            if (coef < 1.0)
+                d->K->scale(&g, (float)coef);
+        }
+        am_optim_step(&optim, m.param_mem, m.grad_mem, (float)am_lr_at(r, step));
+    }
+    rc = 0;
+out:
+    am_optim_free(&optim);
+    am_model_free(&m);
+    am_pipe_free(&pipe);
+    return rc;
+}
+
+/* Both series on this rank; 0, or -1 with the reason in err. */
+static int run(struct dist *d, const char *name, struct tally *t, struct am_errors *err)
+{
+    const struct am_recipe *r = d->s->recipe;
+    const struct am_plan *p = &d->s->plan;
+    struct golden G;
+    int rc = open_golden(&G, name, r, err);
+    if (rc == 0)
+        rc = check_shape(p, &G, err);
+    if (rc == 0 && r->optim.max_grad_norm <= 0)
+        rc = fail(err, "the recipe must clip (clip_grad_norm.max_norm 1.0) for the golden's clipped series");
+    if (rc == 0)
+        rc = build_comms(d, err);
+    if (rc == 0 && t->rank == 0)
+        printf("golden tp%d pp%d %s: %s, %d virtual stage(s) per pp rank, sequence parallel %s, %lld x %lld tokens\n",
+               p->tp, p->pp, name, am_pp_schedule_name(r->dist.pipeline.schedule), p->virtual_stages,
+               r->dist.sequence_parallel ? "on" : "off", (long long)G.B, (long long)G.T);
+    for (int clip = 0; rc == 0 && clip < 2; clip++)
+        rc = run_series(d, &G, clip, t, err);
+    close_golden(&G);
+    return rc;
+}
+
+int main(int argc, char **argv)
+{
+    struct am_rank_setup s;
+    struct am_errors err;
+    am_errors_init(&err);
+    int rc = am_rank_setup(&s, &err);
+    if (rc < 0 || argc != 2) {
+        if (s.info.rank == 0 || !s.boot) {
+            if (argc != 2)
+                fprintf(stderr, "usage: AM_TP=2 AM_PP=2 am-launch --nproc 4 RECIPE -- golden_dist CASE\n");
+            for (size_t i = 0; i < err.n; i++)
+                fprintf(stderr, "golden_dist: error: %s\n", err.msg[i]);
+        }
+        fflush(stderr);
+        am_rank_setup_exit(&s, 1);
+    }
+    struct dist d = {.s = &s, .K = am_kernels_for(AM_DEV_CPU)};
+    struct tally t = {.rank = s.info.rank};
+    rc = run(&d, argv[1], &t, &err);
+    for (size_t i = 0; i < err.n; i++)
+        fprintf(stderr, "golden_dist: rank %d: error: %s\n", s.info.rank, err.msg[i]);
+    fflush(stdout);
+    if (rc < 0 && s.boot)
+        am_boot_abort(s.boot, 1, err.n ? err.msg[0] : "golden_dist failed");
+    if (t.rank == 0 && t.failures)
+        printf("golden tp%d pp%d %s: %d of %d checks FAILED\n", s.plan.tp, s.plan.pp, argv[1], t.failures, t.checks);
+    else if (t.rank == 0)
+        printf("golden tp%d pp%d %s: %d checks passed (largest loss difference %.2e, grad norm %.2e relative)\n",
+               s.plan.tp, s.plan.pp, argv[1], t.checks, t.loss_worst, t.norm_worst);
+    else if (t.failures) /* rank 0 printed its own copy of the values; these are this rank's */
+        fprintf(stderr, "golden_dist: rank %d: %d of %d checks FAILED\n", t.rank, t.failures, t.checks);
+    fflush(stdout);
+    free_comms(&d);
+    am_errors_free(&err);
+    am_rank_setup_exit(&s, t.failures != 0); /* collective: rank 0's lines are out before any rank exits */
+}
