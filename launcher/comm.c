@@ -650,9 +650,11 @@ static int run_call(struct am_comm *c, struct am_comm_call *call)
         if (rc < 0)
             break_group(c);
     }
-    if (rc == 0 && call->kind == AM_CALL_ISEND)
+    if (rc == 0 && call->kind == AM_CALL_ISEND) {
         c->pending[c->n_pending++] = (struct am_comm_pending){.call = *call, .flight_id = c->flight_id};
-    else
+        if (c->flight_id)
+            am_flight_post(c->ctx->flight, c->flight_id);
+    } else
         flight_end(c, c->flight_id, rc);
     return rc;
 }
@@ -673,6 +675,8 @@ static int wait_pending(struct am_comm *c, const struct am_comm_call *call)
         if (rc == 0) {
             c->call = &p->call;
             c->flight_id = p->flight_id;
+            if (p->flight_id) /* the rank waits for it from now: the watchdog times it */
+                am_flight_start(c->ctx->flight, p->flight_id);
             rc = refused(c);
             if (rc == 0 && (rc = c->ctx->ops->send_wait(c, i)) < 0)
                 break_group(c);

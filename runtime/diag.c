@@ -67,15 +67,18 @@ static int in_group(const struct am_diag_group *g, int rank)
 
 static int is_collective(const struct am_diag_flight *f)
 {
-    return strcmp(f->op, "send") != 0 && strcmp(f->op, "recv") != 0;
+    return strcmp(f->op, "send") != 0 && strcmp(f->op, "recv") != 0 && strcmp(f->op, "isend") != 0;
 }
 
 /* The call in flight when the rank's log ended: the oldest of the calls at the end of its
- * flight recorder that did not complete; NULL when its last call completed. */
+ * flight recorder that did not complete (isends still posted in the background passed over);
+ * NULL when its last call completed. */
 static const struct am_diag_flight *in_flight(const struct am_diag_rank *r)
 {
     const struct am_diag_flight *in = NULL;
     for (size_t i = r->n_flight; i > 0; i--) {
+        if (strcmp(r->flight[i - 1].state, "posted") == 0)
+            continue;
         if (strcmp(r->flight[i - 1].state, "completed") == 0)
             break;
         in = &r->flight[i - 1];
@@ -569,8 +572,8 @@ static void verdicts(struct am_diag *d)
             r->verdict = AM_VERDICT_CLEAN;
             snprintf(r->detail, sizeof(r->detail), "finished all %ld steps and exited with status %d", last_step(r),
                      r->status < 0 ? 0 : r->status);
-            if (d->ff_in && in_group(hang_group, q) && !find_call(r, d->ff_in->gid, d->ff_in->seq) &&
-                streq(d->ff_cause, "hang")) {
+            if (d->ff_in && is_collective(d->ff_in) && in_group(hang_group, q) &&
+                !find_call(r, d->ff_in->gid, d->ff_in->seq) && streq(d->ff_cause, "hang")) {
                 r->verdict = AM_VERDICT_STRAGGLER;
                 snprintf(r->detail, sizeof(r->detail), "exited (status %d) without joining %s #%llu of group %s either",
                          r->status, d->ff_in->op, (unsigned long long)d->ff_in->seq, d->ff_in->group);
@@ -586,8 +589,8 @@ static void verdicts(struct am_diag *d)
             break;
         }
         default: /* waiting, stopped, unknown */
-            if (d->ff_in && streq(d->ff_cause, "hang") && in_group(hang_group, q) && r->n_flight > 0 &&
-                last_seq(r, d->ff_in->gid) < d->ff_in->seq && d->culprit >= 0) {
+            if (d->ff_in && is_collective(d->ff_in) && streq(d->ff_cause, "hang") && in_group(hang_group, q) &&
+                r->n_flight > 0 && last_seq(r, d->ff_in->gid) < d->ff_in->seq && d->culprit >= 0) {
                 r->verdict = AM_VERDICT_STRAGGLER;
                 snprintf(r->detail, sizeof(r->detail), "never issued %s #%llu of group %s either (stopped at step %ld)",
                          d->ff_in->op, (unsigned long long)d->ff_in->seq, d->ff_in->group, r->step);

@@ -126,6 +126,16 @@ void am_flight_start(struct am_flight *f, uint64_t id)
     write_end(e);
 }
 
+void am_flight_post(struct am_flight *f, uint64_t id)
+{
+    struct am_flight_entry *e = slot(f, id);
+    if (e->id != id)
+        return;
+    write_begin(e);
+    e->state = AM_FLIGHT_POSTED;
+    write_end(e);
+}
+
 void am_flight_waiting(struct am_flight *f, uint64_t id, int global_rank)
 {
     struct am_flight_entry *e = slot(f, id);
@@ -208,6 +218,8 @@ int am_flight_oldest_inflight(const struct am_flight *f, struct am_flight_view *
     for (uint64_t id = newest; id >= first && id > 0; id--) {
         if (!am_flight_get(f, id, &v))
             continue;
+        if (v.state == AM_FLIGHT_POSTED)
+            continue;
         if (v.state == AM_FLIGHT_ISSUED || v.state == AM_FLIGHT_STARTED) {
             *out = v;
             found = 1;
@@ -227,6 +239,7 @@ const char *am_flight_state_name(int state)
     case AM_FLIGHT_FAILED: return "failed";
     case AM_FLIGHT_TIMED_OUT: return "timed_out";
     case AM_FLIGHT_ABORTED: return "aborted";
+    case AM_FLIGHT_POSTED: return "posted";
     }
     return "free";
 }

@@ -47,6 +47,9 @@ enum am_flight_state {
     AM_FLIGHT_FAILED,       /* the backend reported an error */
     AM_FLIGHT_TIMED_OUT,    /* a wait expired, or the watchdog gave up on it */
     AM_FLIGHT_ABORTED,      /* failed because the context was aborted (am_comm_ctx_abort) */
+    AM_FLIGHT_POSTED,       /* an isend under way while the rank goes on: nothing waits for it
+                               until am_send_wait, which starts it again (started = when the
+                               rank began to wait for it) */
 };
 
 /* What the front knows of a call. op, dtype and redop must be static strings (the
@@ -106,12 +109,14 @@ void am_flight_free(struct am_flight *f);
 uint64_t am_flight_begin(struct am_flight *f, const struct am_flight_op *op);
 void am_flight_start(struct am_flight *f, uint64_t id);
 void am_flight_waiting(struct am_flight *f, uint64_t id, int global_rank); /* -1: not waiting */
+void am_flight_post(struct am_flight *f, uint64_t id); /* started -> posted (an isend returned) */
 void am_flight_end(struct am_flight *f, uint64_t id, enum am_flight_state state);
 
 /* Reading (any thread). Copies entry `id`; 0 when it is no longer in the ring (or is
  * being rewritten), 1 when copied. */
 int am_flight_get(const struct am_flight *f, uint64_t id, struct am_flight_view *out);
-/* The oldest entry still issued or started (the one a watchdog times): 1 and a copy, or 0. */
+/* The oldest entry still issued or started (the one a watchdog times; posted isends do not
+ * block the rank and are passed over): 1 and a copy, or 0. */
 int am_flight_oldest_inflight(const struct am_flight *f, struct am_flight_view *out);
 /* The watchdog gave up on entry id: dumps show it as timed_out while it is still running. */
 void am_flight_mark_timed_out(struct am_flight *f, uint64_t id);

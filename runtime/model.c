@@ -6,22 +6,12 @@
 #include "model.h"
 
 #include <math.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "rng.h"
-
-static int fail(char *err, size_t len, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
-static int fail(char *err, size_t len, const char *fmt, ...)
-{
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, len, fmt, ap);
-    va_end(ap);
-    return -1;
-}
+#include "util.h"
 
 /* ---- parameters ---------------------------------------------------------------------- */
 
@@ -165,13 +155,13 @@ static size_t layout_acts(struct am_model *m, char *base)
 static int check_shard(const struct am_model_shard *sh, const struct am_model_config *cfg, char *err, size_t err_len)
 {
     if (sh->n_chunks < 1 || sh->n_chunks > AM_MAX_CHUNKS)
-        return fail(err, err_len, "model: %d pipeline chunks on one rank (1 to %d are supported)", sh->n_chunks,
+        return am_fail(err, err_len, "model: %d pipeline chunks on one rank (1 to %d are supported)", sh->n_chunks,
                     AM_MAX_CHUNKS);
     int next = 0;
     for (int c = 0; c < sh->n_chunks; c++) {
         const struct am_chunk *k = &sh->chunks[c];
         if (k->n_layers < 1 || k->first_layer < next || k->first_layer + k->n_layers > cfg->num_hidden_layers)
-            return fail(err, err_len, "model: chunk %d (layers %d..%d) is not a run of layers after the previous "
+            return am_fail(err, err_len, "model: chunk %d (layers %d..%d) is not a run of layers after the previous "
                         "chunk within the model's %ld", c, k->first_layer, k->first_layer + k->n_layers - 1,
                         (long)cfg->num_hidden_layers);
         next = k->first_layer + k->n_layers;
@@ -193,10 +183,10 @@ int am_model_init(struct am_model *m, const struct am_model_config *cfg, const s
     if (check_shard(sh, cfg, err, err_len) < 0)
         return -1;
     if (m->sh.sequence_parallel && (batch * seq_len) % sh->tp)
-        return fail(err, err_len, "model: sequence parallelism splits the %lld tokens of a micro-batch over tp = %d "
+        return am_fail(err, err_len, "model: sequence parallelism splits the %lld tokens of a micro-batch over tp = %d "
                     "ranks: they must divide evenly", (long long)(batch * seq_len), sh->tp);
     if (cfg->num_experts > 0)
-        return fail(err, err_len, "model: %s (mixture of experts) is not implemented by the trainer yet",
+        return am_fail(err, err_len, "model: %s (mixture of experts) is not implemented by the trainer yet",
                     cfg->model_type);
     int tp = sh->tp;
     int64_t H = cfg->num_attention_heads, KVH = cfg->num_key_value_heads;
@@ -269,7 +259,7 @@ oom:;
     size_t n_elems = m->n_elems;
     int n_slots = m->n_slots;
     am_model_free(m);
-    return fail(err, err_len, "model: out of memory for %zu parameters and activations of %d x %lld tokens",
+    return am_fail(err, err_len, "model: out of memory for %zu parameters and activations of %d x %lld tokens",
                 n_elems, n_slots, (long long)(batch * seq_len));
 }
 
@@ -351,7 +341,7 @@ static int tp_sum(struct am_model *m, struct am_tensor *t, char *err, size_t err
     if (!m->tp_comm)
         return 0;
     if (am_allreduce(m->tp_comm, t->data, t->data, (size_t)am_tensor_numel(t), AM_F32, AM_SUM) < 0)
-        return fail(err, err_len, "%s", am_comm_error(m->tp_comm));
+        return am_fail(err, err_len, "%s", am_comm_error(m->tp_comm));
     return 0;
 }
 
@@ -360,7 +350,7 @@ static int sp_gather(struct am_model *m, const struct am_tensor *rows, struct am
                      size_t err_len)
 {
     if (am_allgather(m->tp_comm, rows->data, full->data, (size_t)am_tensor_numel(rows), AM_F32) < 0)
-        return fail(err, err_len, "%s", am_comm_error(m->tp_comm));
+        return am_fail(err, err_len, "%s", am_comm_error(m->tp_comm));
     return 0;
 }
 
@@ -368,7 +358,7 @@ static int sp_scatter(struct am_model *m, const struct am_tensor *full, struct a
                       size_t err_len)
 {
     if (am_reduce_scatter(m->tp_comm, full->data, rows->data, (size_t)am_tensor_numel(rows), AM_F32, AM_SUM) < 0)
-        return fail(err, err_len, "%s", am_comm_error(m->tp_comm));
+        return am_fail(err, err_len, "%s", am_comm_error(m->tp_comm));
     return 0;
 }
 
@@ -426,7 +416,7 @@ static int combine_ce(struct am_model *m, struct am_slot *S, int64_t N, const in
 {
     float *h = malloc((size_t)N * 4 * sizeof(float));
     if (!h)
-        return fail(err, err_len, "model: out of memory");
+        return am_fail(err, err_len, "model: out of memory");
     float *mx = h, *s = h + N, *t = h + 2 * N, *M = h + 3 * N;
     int rc = 0;
     m->K->download(mx, S->ce_m.data, (size_t)N * sizeof(float));
@@ -434,14 +424,14 @@ static int combine_ce(struct am_model *m, struct am_slot *S, int64_t N, const in
     m->K->download(t, m->ce_t.data, (size_t)N * sizeof(float));
     memcpy(M, mx, (size_t)N * sizeof(float));
     if (m->tp_comm && am_allreduce(m->tp_comm, M, M, (size_t)N, AM_F32, AM_MAX) < 0) {
-        rc = fail(err, err_len, "%s", am_comm_error(m->tp_comm));
+        rc = am_fail(err, err_len, "%s", am_comm_error(m->tp_comm));
         goto out;
     }
     for (int64_t i = 0; i < N; i++)
         s[i] = s[i] * expf(mx[i] - M[i]);
     if (m->tp_comm && (am_allreduce(m->tp_comm, s, s, (size_t)N, AM_F32, AM_SUM) < 0 ||
                        am_allreduce(m->tp_comm, t, t, (size_t)N, AM_F32, AM_SUM) < 0)) {
-        rc = fail(err, err_len, "%s", am_comm_error(m->tp_comm));
+        rc = am_fail(err, err_len, "%s", am_comm_error(m->tp_comm));
         goto out;
     }
     double sum = 0;
@@ -553,7 +543,7 @@ size_t am_model_hidden_elems(const struct am_model *m, int64_t batch)
 static int check_slot(const struct am_model *m, int chunk, int slot, char *err, size_t err_len)
 {
     if (chunk < 0 || chunk >= m->sh.n_chunks || slot < 0 || slot >= m->n_slots)
-        return fail(err, err_len, "model: chunk %d / slot %d out of range (%d chunks, %d slots)", chunk, slot,
+        return am_fail(err, err_len, "model: chunk %d / slot %d out of range (%d chunks, %d slots)", chunk, slot,
                     m->sh.n_chunks, m->n_slots);
     return 0;
 }
@@ -565,7 +555,7 @@ static int forward_chunk(struct am_model *m, int chunk, int slot, int64_t B, con
     if (check_slot(m, chunk, slot, err, err_len) < 0)
         return -1;
     if (B < 1 || B * m->seq_len > m->max_tokens)
-        return fail(err, err_len, "model: a micro-batch of %lld tokens; this model was built for up to %lld",
+        return am_fail(err, err_len, "model: a micro-batch of %lld tokens; this model was built for up to %lld",
                     (long long)(B * m->seq_len), (long long)m->max_tokens);
     const struct am_kernels *K = m->K;
     struct am_slot *S = &m->slots[slot];
@@ -699,7 +689,7 @@ int am_model_backward(struct am_model *m, int chunk, int slot, const float *dy, 
     if (check_slot(m, chunk, slot, err, err_len) < 0)
         return -1;
     if (m->slots[slot].batch < 1)
-        return fail(err, err_len, "model: backward of slot %d, which holds no forward", slot);
+        return am_fail(err, err_len, "model: backward of slot %d, which holds no forward", slot);
     const struct am_kernels *K = m->K;
     struct am_slot *S = &m->slots[slot];
     int64_t B = S->batch, N = B * m->seq_len, R = stream_rows(m, N);
@@ -739,7 +729,7 @@ int am_model_step(struct am_model *m, const int32_t *tokens, const int32_t *targ
                   double *loss_sum, char *err, size_t err_len)
 {
     if (!m->sh.first_stage || !m->sh.last_stage || m->sh.n_chunks != 1)
-        return fail(err, err_len, "model: am_model_step runs a whole model; this rank holds part of a pipeline");
+        return am_fail(err, err_len, "model: am_model_step runs a whole model; this rank holds part of a pipeline");
     if (am_model_forward(m, 0, 0, batch, tokens, targets, NULL, NULL, dloss_scale, loss_sum, err, err_len) < 0)
         return -1;
     return am_model_backward(m, 0, 0, NULL, NULL, dloss_scale, err, err_len);
@@ -749,7 +739,7 @@ int am_model_loss(struct am_model *m, const int32_t *tokens, const int32_t *targ
                   char *err, size_t err_len)
 {
     if (!m->sh.first_stage || !m->sh.last_stage || m->sh.n_chunks != 1)
-        return fail(err, err_len, "model: am_model_loss runs a whole model; this rank holds part of a pipeline");
+        return am_fail(err, err_len, "model: am_model_loss runs a whole model; this rank holds part of a pipeline");
     return forward_chunk(m, 0, 0, batch, tokens, targets, NULL, NULL, 0.0f, false, loss_sum, err, err_len);
 }
 
@@ -762,7 +752,7 @@ static int sum_tied_copies(struct am_model *m, char *err, size_t err_len)
     size_t n = (size_t)am_tensor_numel(&p->g);
     float *buf = malloc(2 * n * sizeof(float));
     if (!buf)
-        return fail(err, err_len, "model: out of memory for the tied embedding's gradient");
+        return am_fail(err, err_len, "model: out of memory for the tied embedding's gradient");
     float *mine = buf, *theirs = buf + n;
     int last = am_comm_size(m->pp_comm) - 1, rc = 0;
     m->K->download(mine, p->g.data, n * sizeof(float));
@@ -772,7 +762,7 @@ static int sum_tied_copies(struct am_model *m, char *err, size_t err_len)
         rc = am_recv(m->pp_comm, theirs, n, AM_F32, 0) < 0 || am_send(m->pp_comm, mine, n, AM_F32, 0) < 0;
     if (rc) {
         free(buf);
-        return fail(err, err_len, "%s", am_comm_error(m->pp_comm));
+        return am_fail(err, err_len, "%s", am_comm_error(m->pp_comm));
     }
     const float *first = m->sh.first_stage ? mine : theirs, *lastg = m->sh.first_stage ? theirs : mine;
     for (size_t i = 0; i < n; i++)
@@ -801,7 +791,7 @@ int am_model_finish_grads(struct am_model *m, char *err, size_t err_len)
         struct am_param *p = &m->params[i];
         if (p->split == AM_SPLIT_NONE &&
             am_allreduce(m->tp_comm, p->g.data, p->g.data, (size_t)am_tensor_numel(&p->g), AM_F32, AM_SUM) < 0)
-            return fail(err, err_len, "%s", am_comm_error(m->tp_comm));
+            return am_fail(err, err_len, "%s", am_comm_error(m->tp_comm));
     }
     int64_t KVH = m->cfg.num_key_value_heads, D = m->head_dim, C = m->cfg.hidden_size;
     if (!m->tp_comm || KVH >= m->sh.tp)
@@ -809,7 +799,7 @@ int am_model_finish_grads(struct am_model *m, char *err, size_t err_len)
     size_t slot = (size_t)(D * C), n = (size_t)KVH * slot;
     float *buf = malloc(2 * n * sizeof(float));
     if (!buf)
-        return fail(err, err_len, "model: out of memory for the kv gradients");
+        return am_fail(err, err_len, "model: out of memory for the kv gradients");
     int rc = 0;
     for (int l = 0; l < m->n_layers && rc == 0; l++) {
         struct am_param *kv[2] = {m->layers[l].wk, m->layers[l].wv};
@@ -817,7 +807,7 @@ int am_model_finish_grads(struct am_model *m, char *err, size_t err_len)
         for (int i = 0; i < 2; i++)
             m->K->download(buf + (size_t)i * n + (size_t)m->kv_head0 * slot, kv[i]->g.data, slot * sizeof(float));
         if (am_allreduce(m->tp_comm, buf, buf, 2 * n, AM_F32, AM_SUM) < 0)
-            rc = fail(err, err_len, "%s", am_comm_error(m->tp_comm));
+            rc = am_fail(err, err_len, "%s", am_comm_error(m->tp_comm));
         for (int i = 0; i < 2 && rc == 0; i++)
             m->K->upload(kv[i]->g.data, buf + (size_t)i * n + (size_t)m->kv_head0 * slot, slot * sizeof(float));
     }
@@ -841,7 +831,7 @@ int am_model_grad_sumsq(struct am_model *m, double *sumsq, char *err, size_t err
         if (!groups[i])
             continue;
         if (am_allreduce(groups[i], &v, &v, 1, AM_F32, AM_SUM) < 0)
-            return fail(err, err_len, "%s", am_comm_error(groups[i]));
+            return am_fail(err, err_len, "%s", am_comm_error(groups[i]));
         local = v;
     }
     *sumsq = local;

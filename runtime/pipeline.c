@@ -1,20 +1,10 @@
-/* pipeline.c - pipeline schedules and their executor (pipeline.h). */
+/* pipeline.c - the executor of a pipeline schedule (pipeline.h). */
 #include "pipeline.h"
 
-#include <stdarg.h>
-#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-static int fail(char *err, size_t len, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
-static int fail(char *err, size_t len, const char *fmt, ...)
-{
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, len, fmt, ap);
-    va_end(ap);
-    return -1;
-}
+#include "util.h"
 
 int am_pipe_shard(const struct am_plan *p, const struct am_coords *c, const struct am_recipe *r, int slots,
                   struct am_model_shard *sh, char *err, size_t err_len)
@@ -26,7 +16,7 @@ int am_pipe_shard(const struct am_plan *p, const struct am_coords *c, const stru
         if (st->pp_rank != c->pp)
             continue;
         if (sh->n_chunks == AM_MAX_CHUNKS)
-            return fail(err, err_len, "pipeline: %d virtual stages per rank; the model holds at most %d",
+            return am_fail(err, err_len, "pipeline: %d virtual stages per rank; the model holds at most %d",
                         p->virtual_stages, AM_MAX_CHUNKS);
         sh->chunks[sh->n_chunks++] = (struct am_chunk){st->first_layer, st->n_layers};
         sh->first_stage |= st->embedding;
@@ -46,11 +36,11 @@ int am_pipe_init(struct am_pipe *P, enum am_pp_schedule kind, int pp, int v, int
     P->n_stages = pp * v;
     P->actions = calloc((size_t)(2 * n_micro * v), sizeof(*P->actions));
     if (!P->actions)
-        return fail(err, err_len, "pipeline: out of memory for a schedule of %d micro-batches", n_micro);
+        return am_fail(err, err_len, "pipeline: out of memory for a schedule of %d micro-batches", n_micro);
     P->n_actions = am_pipe_schedule(pp == 1 ? AM_PP_1F1B : kind, pp, v, n_micro, rank, P->actions);
     if (P->n_actions < 0) {
         am_pipe_free(P);
-        return fail(err, err_len, "pipeline: no %s schedule for pp %d, %d virtual stages, %d micro-batches",
+        return am_fail(err, err_len, "pipeline: no %s schedule for pp %d, %d virtual stages, %d micro-batches",
                     am_pp_schedule_name(kind), pp, v, n_micro);
     }
     P->slots = am_pipe_slots(P->actions, P->n_actions, v);
@@ -70,7 +60,7 @@ int am_pipe_bind(struct am_pipe *P, const struct am_model *m, int64_t batch, str
     P->out_bufs = m->K->alloc(n * sizeof(float));
     P->grad_bufs = m->K->alloc(n * sizeof(float));
     if (!P->recv_buf || !P->out_bufs || !P->grad_bufs)
-        return fail(err, err_len, "pipeline: out of memory for %zu hidden states of %zu elements", 2 * n / P->hidden,
+        return am_fail(err, err_len, "pipeline: out of memory for %zu hidden states of %zu elements", 2 * n / P->hidden,
                     P->hidden);
     P->free_fn = m->K->free;
     return 0;
@@ -105,7 +95,7 @@ static int next_rank(const struct am_pipe *P, int s) { return (s + 1) % P->pp; }
 
 static int comm_fail(struct am_comm *c, char *err, size_t err_len)
 {
-    return fail(err, err_len, "%s", am_comm_error(c));
+    return am_fail(err, err_len, "%s", am_comm_error(c));
 }
 
 static int run_forward(struct am_pipe *P, struct am_model *m, const struct am_pipe_action *a, const int32_t *tokens,

@@ -15,6 +15,7 @@
 #include "crash.h"
 #include "dataset.h"
 #include "fault.h"
+#include "groups.h"
 #include "flight.h"
 #include "log.h"
 #include "model.h"
@@ -31,11 +32,7 @@ struct trainer {
     const struct am_recipe *r;
     const struct am_plan *p;
     const struct am_kernels *K;
-    struct am_comm_ctx *ctx;
-    struct am_group_set groups;
-    struct am_comm **comms;
-    const char **group_names;
-    struct am_comm *dp, *tp, *pp, *pp_grad; /* pp: activations forward; pp_grad: gradients back */
+    struct am_groups g;
     int dp_rank;
     struct am_model model;
     struct am_pipe pipe;
@@ -78,55 +75,22 @@ static int check_supported(const struct am_plan *p, struct am_errors *err)
 static void log_groups(struct trainer *t)
 {
     json_t *a = json_array();
-    for (int g = 0; g < t->groups.n; g++) {
-        if (!t->comms[g])
+    for (int g = 0; g < t->g.set.n; g++) {
+        if (!t->g.comms[g])
             continue;
         json_t *ranks = json_array();
-        for (int i = 0; i < t->groups.sizes[g]; i++)
-            json_array_append_new(ranks, json_integer(t->groups.groups[g][i]));
-        json_array_append_new(a, json_pack("{s:s,s:i,s:o}", "name", t->group_names[g], "gid", g, "ranks", ranks));
+        for (int i = 0; i < t->g.set.sizes[g]; i++)
+            json_array_append_new(ranks, json_integer(t->g.set.groups[g][i]));
+        json_array_append_new(a, json_pack("{s:s,s:i,s:o}", "name", t->g.names[g], "gid", g, "ranks", ranks));
     }
     am_log_record(&t->log, "groups", json_pack("{s:i,s:o}", "rank", t->s->info.rank, "groups", a));
 }
 
 static int build_comms(struct trainer *t, struct am_errors *err)
 {
-    char msg[512];
-    /* the pp ranks twice: activations go forward on one group, gradients back on the other */
-    static const enum am_group kinds[] = {AM_GROUP_DP, AM_GROUP_TP, AM_GROUP_PP, AM_GROUP_PP};
-    t->ctx = am_comm_ctx_init(AM_COMM_UCX, t->s->boot, &t->s->info, -1, t->s->timeout_s, msg, sizeof(msg));
-    if (!t->ctx)
-        return fail(err, "%s", msg);
-    am_comm_ctx_set_flight(t->ctx, &t->flight);
-    if (am_comm_ctx_set_hosts(t->ctx, t->hosts, t->s->info.size) < 0)
-        return fail(err, "%s", am_comm_ctx_error(t->ctx));
-    if (am_place_groups(t->p, &t->s->place, kinds, 4, &t->groups, err) < 0)
+    if (am_groups_build(&t->g, t->s, &t->flight, t->hosts, err) < 0)
         return -1;
-    int n = t->groups.n, pp_seen = 0;
-    t->comms = calloc((size_t)n, sizeof(*t->comms));
-    t->group_names = calloc((size_t)n, sizeof(*t->group_names));
-    if (!t->comms || !t->group_names)
-        return fail(err, "out of memory for %d communicators", n);
-    /* the second set of pp groups (world / pp of each) is named pp_grad */
-    for (int g = 0; g < n; g++) {
-        bool second = t->groups.kinds[g] == AM_GROUP_PP && pp_seen++ >= t->p->world / t->p->pp;
-        t->group_names[g] = second ? "pp_grad" : t->groups.names[g];
-    }
-    if (am_comm_create_groups(t->ctx, n, t->groups.groups, t->groups.sizes, t->group_names, t->comms) < 0)
-        return fail(err, "%s", am_comm_ctx_error(t->ctx));
-    for (int g = 0; g < n; g++) {
-        if (!t->comms[g])
-            continue;
-        if (t->groups.kinds[g] == AM_GROUP_DP)
-            t->dp = t->comms[g];
-        else if (t->groups.kinds[g] == AM_GROUP_TP)
-            t->tp = t->comms[g];
-        else if (t->groups.kinds[g] == AM_GROUP_PP && !t->pp)
-            t->pp = t->comms[g];
-        else if (t->groups.kinds[g] == AM_GROUP_PP)
-            t->pp_grad = t->comms[g];
-    }
-    t->dp_rank = am_comm_rank(t->dp);
+    t->dp_rank = am_comm_rank(t->g.dp);
     log_groups(t);
     return 0;
 }
@@ -143,10 +107,10 @@ static int build_model(struct trainer *t, struct am_errors *err)
         return fail(err, "%s", msg);
     if (am_pipe_shard(p, &t->s->coords, r, t->pipe.slots, &sh, msg, sizeof(msg)) < 0)
         return fail(err, "%s", msg);
-    struct am_comm *pp = p->pp > 1 ? t->pp : NULL;
-    if (am_model_init(&t->model, &r->model, &sh, t->K, t->tp, pp, p->microbatch_size, p->seq_length, msg,
+    struct am_comm *pp = p->pp > 1 ? t->g.pp : NULL;
+    if (am_model_init(&t->model, &r->model, &sh, t->K, t->g.tp, pp, p->microbatch_size, p->seq_length, msg,
                       sizeof(msg)) < 0 ||
-        am_pipe_bind(&t->pipe, &t->model, p->microbatch_size, pp, p->pp > 1 ? t->pp_grad : NULL, msg,
+        am_pipe_bind(&t->pipe, &t->model, p->microbatch_size, pp, p->pp > 1 ? t->g.pp_grad : NULL, msg,
                      sizeof(msg)) < 0)
         return fail(err, "%s", msg);
     am_log_record(&t->log, "memory",
@@ -300,8 +264,8 @@ static void report_error(struct trainer *t, const char *message)
 {
     struct am_flight_view v;
     uint64_t newest = atomic_load(&t->flight.newest);
-    if (!am_flight_get(&t->flight, newest, &v) || v.state == AM_FLIGHT_COMPLETED || v.state == AM_FLIGHT_STARTED ||
-        v.state == AM_FLIGHT_ISSUED) {
+    if (!am_flight_get(&t->flight, newest, &v) ||
+        (v.state != AM_FLIGHT_FAILED && v.state != AM_FLIGHT_TIMED_OUT && v.state != AM_FLIGHT_ABORTED)) {
         report(t, json_pack("{s:s,s:s}", "cause", "error", "message", message));
         return;
     }
@@ -377,7 +341,7 @@ static int save_checkpoint(struct trainer *t, long step, struct am_errors *err)
     snprintf(dir, sizeof(dir), "%s/step_%ld", root, step);
     if (am_mkdir_p(root) < 0)
         return fail(err, "checkpoint.checkpoint_dir: cannot create %s: %s", root, strerror(errno));
-    if (am_model_save_hf_dist(&t->model, t->p->tp > 1 ? t->tp : NULL, t->p->pp > 1 ? t->pp : NULL, dir,
+    if (am_model_save_hf_dist(&t->model, t->p->tp > 1 ? t->g.tp : NULL, t->p->pp > 1 ? t->g.pp : NULL, dir,
                               t->base_config[0] ? t->base_config : NULL, err) < 0)
         return -1;
     am_log_record(&t->log, "checkpoint", json_pack("{s:i,s:s}", "step", (int)step, "dir", dir));
@@ -387,8 +351,8 @@ static int save_checkpoint(struct trainer *t, long step, struct am_errors *err)
 /* One data-parallel collective of the step. */
 static int allreduce(struct trainer *t, void *buf, size_t n, long step, struct am_errors *err)
 {
-    if (am_allreduce(t->dp, buf, buf, n, AM_F32, AM_SUM) < 0)
-        return fail(err, "step %ld: %s", step, am_comm_error(t->dp));
+    if (am_allreduce(t->g.dp, buf, buf, n, AM_F32, AM_SUM) < 0)
+        return fail(err, "step %ld: %s", step, am_comm_error(t->g.dp));
     return 0;
 }
 
@@ -418,7 +382,7 @@ static int run(struct trainer *t, struct am_errors *err)
         double ts = am_mono_time(), loss_sum = 0;
         char msg[1024];
         am_crash_set_step(step + 1);
-        double busy0 = am_comm_ctx_busy_s(t->ctx);
+        double busy0 = am_comm_ctx_busy_s(t->g.ctx);
         fault_at_step_start(t, step + 1);
         am_model_zero_grad(m);
         for (int64_t a = 0; a < p->grad_accum; a++) {
@@ -443,15 +407,15 @@ static int run(struct trainer *t, struct am_errors *err)
                 return nonfinite(t, step + 1, loss_sum / total_tokens, sqrt(local), "local", err);
             if (am_fault_due(&t->fault, rank, step + 1, AM_FAULT_HANG_IN_COLLECTIVE)) {
                 fault_record(t, step + 1, NULL);
-                am_comm_inject_stall(t->dp, am_comm_seq(t->dp) + 1);
+                am_comm_inject_stall(t->g.dp, am_comm_seq(t->g.dp) + 1);
             }
             if (allreduce(t, m->grad_mem, m->n_elems, step + 1, err) < 0 || allreduce(t, &loss_f, 1, step + 1, err) < 0)
                 return -1;
             loss_sum = loss_f;
         }
         if (p->pp > 1) { /* the loss is the last stage's */
-            if (am_allreduce(t->pp, &loss_f, &loss_f, 1, AM_F32, AM_SUM) < 0)
-                return fail(err, "step %ld: %s", step + 1, am_comm_error(t->pp));
+            if (am_allreduce(t->g.pp, &loss_f, &loss_f, 1, AM_F32, AM_SUM) < 0)
+                return fail(err, "step %ld: %s", step + 1, am_comm_error(t->g.pp));
             loss_sum = loss_f;
         }
         double loss = loss_sum / total_tokens;
@@ -469,7 +433,7 @@ static int run(struct trainer *t, struct am_errors *err)
         double lr = am_lr_at(r, step);
         am_optim_step(&t->optim, m->param_mem, m->grad_mem, (float)lr);
         double dt = am_mono_time() - ts;
-        t->comm_s = am_comm_ctx_busy_s(t->ctx) - busy0;
+        t->comm_s = am_comm_ctx_busy_s(t->g.ctx) - busy0;
         struct rusage ru;
         getrusage(RUSAGE_SELF, &ru);
         am_log_record(&t->log, "step", json_pack("{s:i,s:f,s:f,s:f,s:I,s:f,s:f,s:f,s:I}", "step", (int)step + 1, "loss",
@@ -529,7 +493,7 @@ int am_train(struct am_rank_setup *s, struct am_errors *err)
     if (build_comms(&t, err) < 0)
         goto out;
     t.wd.flight = &t.flight;
-    t.wd.ctx = t.ctx;
+    t.wd.ctx = t.g.ctx;
     t.wd.log = &t.log;
     t.wd.hosts = t.hosts;
     t.wd.n_hosts = s->info.size;
@@ -558,12 +522,7 @@ out:
     free(t.sample);
     free(t.tokens);
     free(t.targets);
-    for (int g = 0; t.comms && g < t.groups.n; g++)
-        am_comm_destroy(t.comms[g]);
-    free(t.comms);
-    free(t.group_names);
-    am_group_set_free(&t.groups);
-    am_comm_ctx_fini(t.ctx);
+    am_groups_free(&t.g);
     am_flight_free(&t.flight);
     free(t.hosts);
     am_log_close(&t.log);

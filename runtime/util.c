@@ -1,6 +1,7 @@
 /* util.c - helpers behind util.h. */
 #include "util.h"
 
+#include <stdarg.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <stdio.h>
@@ -137,4 +138,13 @@ void am_error_unknown_key(struct am_errors *err, const struct am_pos *pos, const
     else
         am_errorf(err, pos, "%s%s%s: unknown key (docs/recipes.md lists the keys of %s)", section,
                   *section ? "." : "", shown, *section ? section : "a recipe");
+}
+
+int am_fail(char *err, size_t err_len, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err, err_len, fmt, ap);
+    va_end(ap);
+    return -1;
 }

@@ -29,4 +29,8 @@ void am_error_unknown_key(struct am_errors *err, const struct am_pos *pos, const
 /* Levenshtein distance, capped: returns cap+1 when larger (keys are short). */
 int am_edit_distance(const char *a, const char *b, int cap);
 
+/* Formats a message into err (err_len bytes) and returns -1: for functions that report their
+ * failure in a caller's buffer. */
+int am_fail(char *err, size_t err_len, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+
 #endif

@@ -205,6 +205,46 @@ static void test_hang_outside(void **state)
     am_diag_free(&d);
 }
 
+/* Pipeline: rank 1 (the last stage) hangs at step 3; rank 0 times out in recv #33 of group
+ * pp_grad waiting for its gradient, with its own isend of activations still posted. Rank 0 is
+ * a victim (a p2p wait is no collective it could have skipped), not a straggler. */
+static void test_hang_in_recv(void **state)
+{
+    (void)state;
+    struct am_diag d;
+    struct log l;
+    am_diag_init(&d);
+    for (int r = 0; r < 2; r++) {
+        start(&l, r, 2, "n1");
+        line(&l, "{\"type\":\"groups\",\"rank\":%d,\"groups\":[{\"name\":\"pp_grad\",\"gid\":3,\"ranks\":[0,1]}]}", r);
+        steps(&l, 2, 0.01);
+        if (r == 1) {
+            sigterm(&l, 1, 3, T0 + 11, "supervisor");
+            exit_rec(&l, 1, 143, 15, "SIGTERM", "SIGTERM", T0 + 11.01);
+        } else {
+            line(&l, "{\"type\":\"cause\",\"cause\":\"timeout\",\"by\":\"backend\",\"op\":\"recv\",\"group\":"
+                     "\"pp_grad\",\"gid\":3,\"seq\":33,\"count\":100,\"bytes\":400,\"waited_s\":5.0,\"rank\":0,"
+                     "\"time\":%.6f,\"timeout_s\":5.0,\"peer\":1,\"waiting_for\":1,\"waiting_for_host\":\"n1\","
+                     "\"step\":3,\"message\":\"x\"}", T0 + 10);
+            line(&l, "{\"type\":\"flight\",\"id\":1,\"group\":\"pp_grad\",\"gid\":3,\"seq\":33,\"op\":\"recv\","
+                     "\"dtype\":\"fp32\",\"count\":100,\"bytes\":400,\"redop\":null,\"peer\":1,\"state\":\"timed_out\","
+                     "\"enqueued\":%.6f,\"started\":%.6f,\"ended\":%.6f,\"waiting_for\":1}", T0 + 5, T0 + 5, T0 + 10);
+            line(&l, "{\"type\":\"flight\",\"id\":2,\"group\":\"pp\",\"gid\":2,\"seq\":34,\"op\":\"isend\","
+                     "\"dtype\":\"fp32\",\"count\":100,\"bytes\":400,\"redop\":null,\"peer\":1,\"state\":\"posted\","
+                     "\"enqueued\":%.6f,\"started\":%.6f,\"ended\":null,\"waiting_for\":null}", T0 + 4, T0 + 4);
+            exit_rec(&l, 0, 1, 0, NULL, NULL, T0 + 10.5);
+        }
+        add(&d, r, &l);
+    }
+    am_diag_analyze(&d);
+    assert_int_equal(d.culprit, 1);
+    assert_string_equal(d.ff_cause, "hang");
+    assert_non_null(strstr(d.ff_detail, "never completed the send matching rank 0's recv #33 on group pp_grad"));
+    assert_int_equal(d.ranks[0].verdict, AM_VERDICT_VICTIM);
+    assert_non_null(strstr(d.ranks[0].detail, "waited in recv #33 of group pp_grad"));
+    am_diag_free(&d);
+}
+
 /* rank 3 is stuck inside allreduce #5 waiting for no one; every rank times out */
 static void test_hang_inside(void **state)
 {
@@ -535,6 +575,7 @@ int main(void)
         cmocka_unit_test(test_hang_outside),
         cmocka_unit_test(test_hang_inside),
         cmocka_unit_test(test_hang_chain_through_tp),
+        cmocka_unit_test(test_hang_in_recv),
         cmocka_unit_test(test_missing_ranks),
         cmocka_unit_test(test_truncated_log),
         cmocka_unit_test(test_mismatches),

@@ -11,9 +11,8 @@
  * program refuses any other shape. (With AM_TP=1 AM_PP=1 on one rank it gives the one-rank
  * baseline of the same sequence.)
  *
- * Every rank sets up as am-train does (rank_setup.h), builds its communicators as
- * runtime/train.c's build_comms does (groups of kinds DP, TP, PP, PP: the second pp set
- * carries gradients back), and its shard as build_model does (am_pipe_init, am_pipe_shard,
+ * Every rank sets up as am-train does (rank_setup.h), builds its communicators as am-train
+ * does (groups.h), and its shard as build_model does (am_pipe_init, am_pipe_shard,
  * am_model_init, am_pipe_bind, am_model_load_hf of the case). Then 5 steps on the golden batch
  * as train.c's run() does them: zero the gradients, am_pipe_run, am_model_finish_grads, the
  * loss all-reduced over the pp group (only the last stage has it), am_model_grad_sumsq,
@@ -44,6 +43,7 @@
 #include <string.h>
 
 #include "comm.h"
+#include "groups.h"
 #include "kernels.h"
 #include "model.h"
 #include "model_io.h"
@@ -66,15 +66,11 @@ struct golden {
     float losses[2][STEPS], norms[2][STEPS]; /* [clip] */
 };
 
-/* This rank's communicators, as train.c's build_comms makes them. */
+/* This rank's setup and communicators (groups.h, as am-train builds them). */
 struct dist {
     struct am_rank_setup *s;
     const struct am_kernels *K;
-    struct am_comm_ctx *ctx;
-    struct am_group_set groups;
-    struct am_comm **comms;
-    const char **names;
-    struct am_comm *tp, *pp, *pp_grad; /* pp: activations forward; pp_grad: gradients back */
+    struct am_groups g;
 };
 
 /* The running tally of checks; rank 0 prints, every rank keeps its verdict. */
@@ -176,52 +172,6 @@ static int check_shape(const struct am_plan *p, const struct golden *G, struct a
     return 0;
 }
 
-/* train.c's build_comms, less the diagnostics: every group of kinds DP, TP, PP, PP in one
- * collective call; the second set of pp groups carries gradients. */
-static int build_comms(struct dist *d, struct am_errors *err)
-{
-    static const enum am_group kinds[] = {AM_GROUP_DP, AM_GROUP_TP, AM_GROUP_PP, AM_GROUP_PP};
-    const struct am_plan *p = &d->s->plan;
-    char msg[512];
-    d->ctx = am_comm_ctx_init(AM_COMM_UCX, d->s->boot, &d->s->info, -1, d->s->timeout_s, msg, sizeof(msg));
-    if (!d->ctx)
-        return fail(err, "%s", msg);
-    if (am_place_groups(p, &d->s->place, kinds, 4, &d->groups, err) < 0)
-        return -1;
-    int n = d->groups.n, pp_seen = 0;
-    d->comms = calloc((size_t)n, sizeof(*d->comms));
-    d->names = calloc((size_t)n, sizeof(*d->names));
-    if (!d->comms || !d->names)
-        return fail(err, "out of memory for %d communicators", n);
-    for (int g = 0; g < n; g++) {
-        bool second = d->groups.kinds[g] == AM_GROUP_PP && pp_seen++ >= p->world / p->pp;
-        d->names[g] = second ? "pp_grad" : d->groups.names[g];
-    }
-    if (am_comm_create_groups(d->ctx, n, d->groups.groups, d->groups.sizes, d->names, d->comms) < 0)
-        return fail(err, "%s", am_comm_ctx_error(d->ctx));
-    for (int g = 0; g < n; g++) {
-        if (!d->comms[g])
-            continue;
-        if (d->groups.kinds[g] == AM_GROUP_TP)
-            d->tp = d->comms[g];
-        else if (d->groups.kinds[g] == AM_GROUP_PP && !d->pp)
-            d->pp = d->comms[g];
-        else if (d->groups.kinds[g] == AM_GROUP_PP)
-            d->pp_grad = d->comms[g];
-    }
-    return 0;
-}
-
-static void free_comms(struct dist *d)
-{
-    for (int g = 0; d->comms && g < d->groups.n; g++)
-        am_comm_destroy(d->comms[g]);
-    free(d->comms);
-    free(d->names);
-    am_group_set_free(&d->groups);
-    am_comm_ctx_fini(d->ctx);
-}
-
 /* Counts one comparison of step `step`'s `what`; rank 0 prints it. */
 static void compare(struct tally *t, const char *series, int step, const char *what, double got, double want,
                     bool relative)
@@ -249,15 +199,15 @@ static int run_series(struct dist *d, const struct golden *G, bool clip, struct 
     struct am_pipe pipe = {0};
     struct am_optim optim = {0};
     struct am_model_shard sh;
-    struct am_comm *pp = p->pp > 1 ? d->pp : NULL;
+    struct am_comm *pp = p->pp > 1 ? d->g.pp : NULL;
     char msg[1024];
     int rc = -1;
     /* build_model */
     if (am_pipe_init(&pipe, r->dist.pipeline.schedule, p->pp, p->virtual_stages, (int)p->n_microbatches,
                      d->s->coords.pp, msg, sizeof(msg)) < 0 ||
         am_pipe_shard(p, &d->s->coords, r, pipe.slots, &sh, msg, sizeof(msg)) < 0 ||
-        am_model_init(&m, &r->model, &sh, d->K, d->tp, pp, p->microbatch_size, p->seq_length, msg, sizeof(msg)) < 0 ||
-        am_pipe_bind(&pipe, &m, p->microbatch_size, pp, p->pp > 1 ? d->pp_grad : NULL, msg, sizeof(msg)) < 0) {
+        am_model_init(&m, &r->model, &sh, d->K, d->g.tp, pp, p->microbatch_size, p->seq_length, msg, sizeof(msg)) < 0 ||
+        am_pipe_bind(&pipe, &m, p->microbatch_size, pp, p->pp > 1 ? d->g.pp_grad : NULL, msg, sizeof(msg)) < 0) {
         fail(err, "%s", msg);
         goto out;
     }
@@ -281,8 +231,8 @@ static int run_series(struct dist *d, const struct golden *G, bool clip, struct 
         }
         float loss_f = (float)loss_sum;
         if (p->pp > 1) { /* the loss is the last stage's */
-            if (am_allreduce(d->pp, &loss_f, &loss_f, 1, AM_F32, AM_SUM) < 0) {
-                fail(err, "%s step %d: %s", series, step + 1, am_comm_error(d->pp));
+            if (am_allreduce(d->g.pp, &loss_f, &loss_f, 1, AM_F32, AM_SUM) < 0) {
+                fail(err, "%s step %d: %s", series, step + 1, am_comm_error(d->g.pp));
                 goto out;
             }
             loss_sum = loss_f;
@@ -322,7 +272,7 @@ static int run(struct dist *d, const char *name, struct tally *t, struct am_erro
     if (rc == 0 && r->optim.max_grad_norm <= 0)
         rc = fail(err, "the recipe must clip (clip_grad_norm.max_norm 1.0) for the golden's clipped series");
     if (rc == 0)
-        rc = build_comms(d, err);
+        rc = am_groups_build(&d->g, d->s, NULL, NULL, err);
     if (rc == 0 && t->rank == 0)
         printf("golden tp%d pp%d %s: %s, %d virtual stage(s) per pp rank, sequence parallel %s, %lld x %lld tokens\n",
                p->tp, p->pp, name, am_pp_schedule_name(r->dist.pipeline.schedule), p->virtual_stages,
@@ -365,7 +315,7 @@ int main(int argc, char **argv)
     else if (t.failures) /* rank 0 printed its own copy of the values; these are this rank's */
         fprintf(stderr, "golden_dist: rank %d: %d of %d checks FAILED\n", t.rank, t.failures, t.checks);
     fflush(stdout);
-    free_comms(&d);
+    am_groups_free(&d.g);
     am_errors_free(&err);
     am_rank_setup_exit(&s, t.failures != 0); /* collective: rank 0's lines are out before any rank exits */
 }

@@ -1,0 +1,66 @@
+/* groups.c - the communicators of a training rank (groups.h). */
+#include "groups.h"
+
+#include <stdbool.h>
+#include <stdlib.h>
+#include <string.h>
+
+int am_groups_build(struct am_groups *g, const struct am_rank_setup *s, struct am_flight *flight,
+                    const char *const *hosts, struct am_errors *err)
+{
+    static const enum am_group kinds[] = {AM_GROUP_DP, AM_GROUP_TP, AM_GROUP_PP, AM_GROUP_PP};
+    const struct am_plan *p = &s->plan;
+    char msg[512];
+    memset(g, 0, sizeof(*g));
+    g->ctx = am_comm_ctx_init(AM_COMM_UCX, s->boot, &s->info, -1, s->timeout_s, msg, sizeof(msg));
+    if (!g->ctx) {
+        am_errorf(err, NULL, "%s", msg);
+        return -1;
+    }
+    am_comm_ctx_set_flight(g->ctx, flight);
+    if (hosts && am_comm_ctx_set_hosts(g->ctx, hosts, s->info.size) < 0) {
+        am_errorf(err, NULL, "%s", am_comm_ctx_error(g->ctx));
+        return -1;
+    }
+    if (am_place_groups(p, &s->place, kinds, 4, &g->set, err) < 0)
+        return -1;
+    int n = g->set.n, pp_seen = 0;
+    g->comms = calloc((size_t)n, sizeof(*g->comms));
+    g->names = calloc((size_t)n, sizeof(*g->names));
+    if (!g->comms || !g->names) {
+        am_errorf(err, NULL, "out of memory for %d communicators", n);
+        return -1;
+    }
+    for (int i = 0; i < n; i++) { /* the second set of pp groups (world / pp of each) is pp_grad */
+        bool second = g->set.kinds[i] == AM_GROUP_PP && pp_seen++ >= p->world / p->pp;
+        g->names[i] = second ? "pp_grad" : g->set.names[i];
+    }
+    if (am_comm_create_groups(g->ctx, n, g->set.groups, g->set.sizes, g->names, g->comms) < 0) {
+        am_errorf(err, NULL, "%s", am_comm_ctx_error(g->ctx));
+        return -1;
+    }
+    for (int i = 0; i < n; i++) {
+        if (!g->comms[i])
+            continue;
+        if (g->set.kinds[i] == AM_GROUP_DP)
+            g->dp = g->comms[i];
+        else if (g->set.kinds[i] == AM_GROUP_TP)
+            g->tp = g->comms[i];
+        else if (g->set.kinds[i] == AM_GROUP_PP && !g->pp)
+            g->pp = g->comms[i];
+        else if (g->set.kinds[i] == AM_GROUP_PP)
+            g->pp_grad = g->comms[i];
+    }
+    return 0;
+}
+
+void am_groups_free(struct am_groups *g)
+{
+    for (int i = 0; g->comms && i < g->set.n; i++)
+        am_comm_destroy(g->comms[i]);
+    free(g->comms);
+    free(g->names);
+    am_group_set_free(&g->set);
+    am_comm_ctx_fini(g->ctx);
+    memset(g, 0, sizeof(*g));
+}

@@ -1,0 +1,32 @@
+/* groups.h - the communicators of a training rank: every group of the layout, built at once.
+ *
+ * All ranks of the job create the same groups in the same order (comm.h): the data-parallel
+ * groups, the tensor-parallel groups, and the pipeline groups twice, the first set carrying
+ * activations forward ("pp") and the second gradients back ("pp_grad"), so that each carries
+ * one kind of message in one order at both ends (pipeline.h). A rank's own group of each
+ * kind is dp, tp, pp and pp_grad (groups of one rank where that dimension is 1).
+ */
+#ifndef AM_GROUPS_H
+#define AM_GROUPS_H
+
+#include "comm.h"
+#include "errors.h"
+#include "placement.h"
+#include "rank_setup.h"
+
+struct am_groups {
+    struct am_comm_ctx *ctx;
+    struct am_group_set set;  /* every group of the job, in creation order */
+    struct am_comm **comms;   /* comms[g]: this rank's handle of group g, or NULL */
+    const char **names;       /* names[g]: "dp", "tp", "pp", "pp_grad" */
+    struct am_comm *dp, *tp, *pp, *pp_grad;
+};
+
+/* Creates the context (UCX, the setup's timeout; flight and hosts as in comm.h, either may be
+ * NULL) and every group. Collective over the job. Returns 0, or -1 with a message; free with
+ * am_groups_free in either case. */
+int am_groups_build(struct am_groups *g, const struct am_rank_setup *s, struct am_flight *flight,
+                    const char *const *hosts, struct am_errors *err);
+void am_groups_free(struct am_groups *g);
+
+#endif
