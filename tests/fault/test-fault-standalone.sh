@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # test-fault-standalone.sh - the fault matrix on one machine: `am-launch --nproc 4` with
-# AM_FAULT, every kind at two (rank, step) places; checks in tests/fault/lib.sh. The oom
+# AM_FAULT, every kind at two (rank, step) places (dp 4), and three kinds in a pipeline (pp 2
+# x dp 2); checks in tests/fault/lib.sh. The oom
 # kind runs in a fresh memory cgroup with a 1 GiB limit (skipped, with a message, where
 # none can be made: every other kind still runs).
 set -uo pipefail
@@ -18,7 +19,9 @@ host_of() { echo "$HOST"; }
 make_recipe "$T" || { echo "FAIL: cannot build the corpus"; exit 1; }
 
 NPROC=4
-# run NAME KIND RANK STEP [CGROUP]: one job; sets RC, WALL, DIR
+# run NAME KIND RANK STEP [CGROUP]: one job (with the overrides in $LAYOUT, e.g. AM_PP=2);
+# sets RC, WALL, DIR
+LAYOUT=""
 run() {
   local name=$1 kind=$2 rank=$3 step=$4 cg=${5:-}
   local logs=$T/$name/logs start
@@ -26,11 +29,11 @@ run() {
   start=$(date +%s.%N)
   (
     [[ -n $cg ]] && echo $BASHPID >"$cg/cgroup.procs"
-    cd "$T" && AM_FAULT="rank=$rank,step=$step,kind=$kind" AM_WATCHDOG_S=$WATCHDOG_S \
-      exec timeout 60 "$LAUNCH" --nproc $NPROC --log-dir "$logs" "$T/tiny.yaml"
+    cd "$T" && exec env $LAYOUT AM_FAULT="rank=$rank,step=$step,kind=$kind" AM_WATCHDOG_S=$WATCHDOG_S \
+      timeout 60 "$LAUNCH" --nproc $NPROC --log-dir "$logs" "$T/tiny.yaml"
   ) >"$T/$name/out" 2>"$T/$name/err"
   RC=$?
-  finish_case standalone "$name" "$kind" "$rank" "$step" $NPROC "$start" "$logs"
+  finish_case "standalone${LAYOUT:+ $LAYOUT}" "$name" "$kind" "$rank" "$step" $NPROC "$start" "$logs"
 }
 
 for place in "1 2" "3 4"; do
@@ -39,6 +42,14 @@ for place in "1 2" "3 4"; do
     run "${kind%%:*}-$1-$2" "$kind" "$1" "$2"
   done
 done
+
+# a pipeline (pp 2 x dp 2): the last stage's rank 3 fails; rank 1 (first stage) waits for
+# its gradients in a recv on pp_grad, ranks 0 and 2 in the data-parallel all-reduce
+LAYOUT=AM_PP=2
+for kind in segv hang kill; do
+  run "pp-$kind-3-2" "$kind" 3 2
+done
+LAYOUT=""
 
 # am-diag's input: a log root holding one job is read like the job's directory; unusable
 # input exits 2 with a message
