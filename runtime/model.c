@@ -106,14 +106,17 @@ static size_t layout_acts(struct am_model *m, char *base)
     struct slab c = {.base = base, .dev = m->K->device};
     for (int s = 0; s < m->n_slots; s++) {
         struct am_slot *S = &m->slots[s];
-        for (int l = 0; l < m->n_layers; l++) {
+        int chunk = 0;
+        while (chunk + 1 < m->sh.n_chunks && m->slot_base[chunk + 1] <= s)
+            chunk++;
+        for (int l = 0; l < m->sh.chunks[chunk].n_layers; l++) {
             S->acts[l].x_in = carve(&c, AM_T_F32, R, C, 0, 0);
             if (!m->sh.recompute)
                 carve_layer(m, &c, &S->acts[l]);
         }
-        if (m->sh.first_stage)
+        if (m->sh.first_stage && chunk == 0)
             S->tokens = carve(&c, AM_T_I32, N, 0, 0, 0);
-        if (m->sh.last_stage) {
+        if (m->sh.last_stage && chunk == m->sh.n_chunks - 1) {
             S->targets = carve(&c, AM_T_I32, N, 0, 0, 0);
             S->xf = carve(&c, AM_T_F32, R, C, 0, 0);
             S->hf = carve(&c, AM_T_F32, N, C, 0, 0);
@@ -122,15 +125,14 @@ static size_t layout_acts(struct am_model *m, char *base)
             S->ce_s = carve(&c, AM_T_F32, N, 0, 0, 0);
         }
     }
-    if (m->sh.recompute && m->n_layers > 0) {
+    if (m->sh.recompute) {
         struct am_layer_acts work;
         carve_layer(m, &c, &work);
-        for (int s = 0; s < m->n_slots; s++)
-            for (int l = 0; l < m->n_layers; l++) {
-                struct am_tensor x_in = m->slots[s].acts[l].x_in;
-                m->slots[s].acts[l] = work;
-                m->slots[s].acts[l].x_in = x_in;
-            }
+        for (size_t i = 0; i < m->n_acts; i++) {
+            struct am_tensor x_in = m->acts_mem[i].x_in;
+            m->acts_mem[i] = work;
+            m->acts_mem[i].x_in = x_in;
+        }
     }
     m->x = carve(&c, AM_T_F32, R, C, 0, 0);
     m->dx = carve(&c, AM_T_F32, R, C, 0, 0);
@@ -204,20 +206,26 @@ int am_model_init(struct am_model *m, const struct am_model_config *cfg, const s
     m->vocab_start = sh->tp_rank * m->vocab_shard;
     m->max_tokens = batch * seq_len;
     m->seq_len = seq_len;
-    m->n_slots = sh->slots > 0 ? sh->slots : 1;
     for (int c = 0; c < sh->n_chunks; c++) {
+        if (m->sh.chunks[c].slots < 1)
+            m->sh.chunks[c].slots = 1;
         m->chunk_base[c] = m->n_layers;
+        m->slot_base[c] = m->n_slots;
         m->n_layers += sh->chunks[c].n_layers;
+        m->n_slots += m->sh.chunks[c].slots;
+        m->n_acts += (size_t)m->sh.chunks[c].slots * (size_t)sh->chunks[c].n_layers;
     }
 
     m->params = calloc((size_t)(9 * m->n_layers + 4), sizeof(*m->params));
     m->layers = calloc((size_t)m->n_layers, sizeof(*m->layers));
     m->slots = calloc((size_t)m->n_slots, sizeof(*m->slots));
-    m->acts_mem = calloc((size_t)m->n_slots * (size_t)m->n_layers + 1, sizeof(*m->acts_mem));
+    m->acts_mem = calloc(m->n_acts + 1, sizeof(*m->acts_mem));
     if (!m->params || !m->layers || !m->slots || !m->acts_mem)
         goto oom;
-    for (int s = 0; s < m->n_slots; s++)
-        m->slots[s].acts = m->acts_mem + (size_t)s * (size_t)m->n_layers;
+    struct am_layer_acts *next = m->acts_mem;
+    for (int c = 0; c < sh->n_chunks; c++)
+        for (int s = 0; s < m->sh.chunks[c].slots; s++, next += sh->chunks[c].n_layers)
+            m->slots[m->slot_base[c] + s].acts = next;
     int64_t C = cfg->hidden_size, V = cfg->vocab_size, r = sh->tp_rank;
     if (sh->first_stage)
         m->embed = add_param(m, "model.embed_tokens.weight", m->vocab_shard, C, AM_SPLIT_ROWS, V, C,
@@ -516,7 +524,7 @@ static int head_forward(struct am_model *m, struct am_slot *S, const struct am_t
         K->rmsnorm_forward(&hf, &rstdf, &xf, &m->final_norm->w, eps);
     }
     S->fused = false;
-    if (want_grad && !m->tp_comm && K->ce_fused && m->n_slots == 1 && m->sh.n_chunks == 1) {
+    if (want_grad && !m->tp_comm && K->ce_fused && m->n_slots == 1) {
         struct am_tensor dhf = rows_of(&m->dhf, N);
         K->zero(&dhf);
         S->fused = K->ce_fused(&cm, &cs, &ct, &dhf, &m->head->g, &hf, &m->head->w, &tgt, dloss_scale);
@@ -542,9 +550,11 @@ size_t am_model_hidden_elems(const struct am_model *m, int64_t batch)
 
 static int check_slot(const struct am_model *m, int chunk, int slot, char *err, size_t err_len)
 {
-    if (chunk < 0 || chunk >= m->sh.n_chunks || slot < 0 || slot >= m->n_slots)
-        return am_fail(err, err_len, "model: chunk %d / slot %d out of range (%d chunks, %d slots)", chunk, slot,
-                    m->sh.n_chunks, m->n_slots);
+    if (chunk < 0 || chunk >= m->sh.n_chunks)
+        return am_fail(err, err_len, "model: chunk %d out of range (%d chunks)", chunk, m->sh.n_chunks);
+    if (slot < 0 || slot >= m->sh.chunks[chunk].slots)
+        return am_fail(err, err_len, "model: slot %d of chunk %d out of range (%d slots)", slot, chunk,
+                       m->sh.chunks[chunk].slots);
     return 0;
 }
 
@@ -558,7 +568,7 @@ static int forward_chunk(struct am_model *m, int chunk, int slot, int64_t B, con
         return am_fail(err, err_len, "model: a micro-batch of %lld tokens; this model was built for up to %lld",
                     (long long)(B * m->seq_len), (long long)m->max_tokens);
     const struct am_kernels *K = m->K;
-    struct am_slot *S = &m->slots[slot];
+    struct am_slot *S = &m->slots[m->slot_base[chunk] + slot];
     int64_t N = B * m->seq_len, R = stream_rows(m, N);
     struct am_tensor x = rows_of(&m->x, R);
     S->batch = B;
@@ -574,9 +584,9 @@ static int forward_chunk(struct am_model *m, int chunk, int slot, int64_t B, con
         struct am_tensor in = hidden(m, x_in, B);
         K->copy(&x, &in);
     }
-    int base = m->chunk_base[chunk];
-    for (int l = base; l < base + m->sh.chunks[chunk].n_layers; l++)
-        if (layer_forward(m, &m->layers[l], &S->acts[l], &x, B, err, err_len) < 0)
+    const struct am_layer *layers = &m->layers[m->chunk_base[chunk]];
+    for (int l = 0; l < m->sh.chunks[chunk].n_layers; l++)
+        if (layer_forward(m, &layers[l], &S->acts[l], &x, B, err, err_len) < 0)
             return -1;
     if (is_last(m, chunk))
         return head_forward(m, S, &x, targets, dloss_scale, want_grad, loss_sum, err, err_len);
@@ -688,10 +698,10 @@ int am_model_backward(struct am_model *m, int chunk, int slot, const float *dy, 
 {
     if (check_slot(m, chunk, slot, err, err_len) < 0)
         return -1;
-    if (m->slots[slot].batch < 1)
-        return am_fail(err, err_len, "model: backward of slot %d, which holds no forward", slot);
     const struct am_kernels *K = m->K;
-    struct am_slot *S = &m->slots[slot];
+    struct am_slot *S = &m->slots[m->slot_base[chunk] + slot];
+    if (S->batch < 1)
+        return am_fail(err, err_len, "model: backward of slot %d of chunk %d, which holds no forward", slot, chunk);
     int64_t B = S->batch, N = B * m->seq_len, R = stream_rows(m, N);
     struct am_tensor dx = rows_of(&m->dx, R);
     if (is_last(m, chunk)) {
@@ -701,16 +711,16 @@ int am_model_backward(struct am_model *m, int chunk, int slot, const float *dy, 
         struct am_tensor g = hidden(m, dy, B);
         K->copy(&dx, &g);
     }
-    int base = m->chunk_base[chunk];
-    for (int l = base + m->sh.chunks[chunk].n_layers - 1; l >= base; l--) {
+    const struct am_layer *layers = &m->layers[m->chunk_base[chunk]];
+    for (int l = m->sh.chunks[chunk].n_layers - 1; l >= 0; l--) {
         struct am_layer_acts *a = &S->acts[l];
         if (m->sh.recompute) { /* the layer's forward again, from its saved input */
             struct am_tensor x = rows_of(&m->x, R), x_in = rows_of(&a->x_in, R);
             K->copy(&x, &x_in);
-            if (layer_forward(m, &m->layers[l], a, &x, B, err, err_len) < 0)
+            if (layer_forward(m, &layers[l], a, &x, B, err, err_len) < 0)
                 return -1;
         }
-        if (layer_backward(m, &m->layers[l], a, &dx, B, err, err_len) < 0)
+        if (layer_backward(m, &layers[l], a, &dx, B, err, err_len) < 0)
             return -1;
     }
     if (is_first(m, chunk)) {

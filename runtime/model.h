@@ -51,9 +51,11 @@ struct am_param {
                                tp / kv heads for a kv projection shared by several ranks */
 };
 
-/* A pipeline stage on this rank: layers first_layer .. first_layer + n_layers - 1. */
+/* A pipeline stage on this rank: layers first_layer .. first_layer + n_layers - 1, with
+ * activation slots for `slots` micro-batches at once (0 means 1). */
 struct am_chunk {
     int first_layer, n_layers;
+    int slots;
 };
 
 #define AM_MAX_CHUNKS 64
@@ -68,14 +70,13 @@ struct am_model_shard {
     struct am_chunk chunks[AM_MAX_CHUNKS];
     bool first_stage, last_stage; /* chunk 0 starts with the embedding; the last chunk ends
                                      with the final norm, the head and the loss */
-    int slots;              /* micro-batches whose activations are kept at once (0 means 1) */
 };
 
 /* The shard of a rank that holds all n_layers layers as one stage. */
 static inline struct am_model_shard am_model_shard_whole(int tp, int tp_rank, int n_layers)
 {
-    return (struct am_model_shard){.tp = tp, .tp_rank = tp_rank, .n_chunks = 1, .chunks = {{0, n_layers}},
-                                   .first_stage = true, .last_stage = true, .slots = 1};
+    return (struct am_model_shard){.tp = tp, .tp_rank = tp_rank, .n_chunks = 1, .chunks = {{0, n_layers, 1}},
+                                   .first_stage = true, .last_stage = true};
 }
 
 /* Saved activations of one layer for one micro-batch. With recompute only x_in is the
@@ -84,11 +85,11 @@ struct am_layer_acts {
     struct am_tensor x_in, h1, rstd1, q, k, v, att, lse, x_mid, h2, rstd2, gate, up, act;
 };
 
-/* One micro-batch in flight: its layers' activations and, on the stages that have them, its
- * tokens (the embedding's backward), the final norm's input and output, and the softmax
- * statistics of the loss. */
+/* One micro-batch in flight on one chunk: the activations of the chunk's layers and, on the
+ * chunks that have them, its tokens (the embedding's backward), the final norm's input and
+ * output, and the softmax statistics of the loss. */
 struct am_slot {
-    struct am_layer_acts *acts; /* by local layer (chunks concatenated) */
+    struct am_layer_acts *acts; /* by layer of the chunk */
     struct am_tensor tokens, targets, xf, hf, rstdf, ce_m, ce_s;
     int64_t batch;
     bool fused; /* the head's gradients were computed in forward (ce_fused) */
@@ -110,6 +111,7 @@ struct am_model {
     int64_t kv_head0;                          /* first kv head this rank holds */
     int n_layers;                              /* on this rank, all chunks */
     int chunk_base[AM_MAX_CHUNKS];             /* local index of each chunk's first layer */
+    int slot_base[AM_MAX_CHUNKS];              /* index in slots of each chunk's first slot */
 
     struct am_param *params;
     int n_params;
@@ -119,20 +121,21 @@ struct am_model {
     struct am_param *embed, *final_norm, *head; /* head == embed when tied and on the same rank */
     struct am_layer *layers;
 
-    /* activations: n_slots micro-batches of up to max_tokens tokens */
+    /* activations: n_slots (all chunks') micro-batches of up to max_tokens tokens */
     int64_t max_tokens, seq_len;
     int n_slots;
-    struct am_slot *slots;
+    struct am_slot *slots;           /* chunk c's slot s is slots[slot_base[c] + s] */
+    struct am_layer_acts *acts_mem;  /* every slot's layers, n_acts of them */
+    size_t n_acts;
     void *act_mem;
     size_t act_bytes; /* the activation memory allocated (saved tensors and scratch) */
-    struct am_layer_acts *acts_mem;
     struct am_tensor x, dx, dhf, cos, sin, ce_t;
     struct am_tensor scratch_q, scratch_kv_k, scratch_kv_v, scratch_c, scratch_mlp, scratch_att;
     struct am_tensor gathered, scratch_rows; /* sequence parallelism: [N, C] all-gathered, [N/tp, C] */
 };
 
-/* Builds the shard's parameters (zeroed) and activation buffers for sh->slots micro-batches
- * of up to batch x seq_len tokens. tp_comm: the tensor-parallel group (tp > 1); pp_comm: the
+/* Builds the shard's parameters (zeroed) and activation buffers for each chunk's slots of
+ * micro-batches of up to batch x seq_len tokens. tp_comm: the tensor-parallel group (tp > 1); pp_comm: the
  * pipeline group (NULL without pipeline parallelism), over which the two copies of a tied
  * embedding on the first and the last stage are kept equal. Returns 0, or -1 with a message. */
 int am_model_init(struct am_model *m, const struct am_model_config *cfg, const struct am_model_shard *sh,
@@ -150,8 +153,8 @@ void am_model_init_weights(struct am_model *m, uint64_t seed);
  * parallelism) times hidden_size. */
 size_t am_model_hidden_elems(const struct am_model *m, int64_t batch);
 
-/* Pipeline pieces: the forward of one chunk for the micro-batch kept in `slot` (0 <= slot <
- * n_slots; the slot's activations stay until its backward). tokens and targets are host int32
+/* Pipeline pieces: the forward of one chunk for the micro-batch kept in the chunk's `slot`
+ * (0 <= slot < the chunk's slots; the slot's activations stay until its backward). tokens and targets are host int32
  * arrays of batch x seq_len (a target < 0 is ignored): tokens are read by the chunk with the
  * embedding, targets by the chunk with the head. x_in (device memory, am_model_hidden_elems)
  * is the previous stage's output, on every chunk but the first stage's; x_out receives this

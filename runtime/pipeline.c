@@ -6,44 +6,50 @@
 
 #include "util.h"
 
-int am_pipe_shard(const struct am_plan *p, const struct am_coords *c, const struct am_recipe *r, int slots,
-                  struct am_model_shard *sh, char *err, size_t err_len)
+/* The part of the model this rank holds: its tp slice of the stages on its pp rank, in model
+ * order, each with the slots the schedule needs for it. */
+static void shard_of(const struct am_pipe *P, const struct am_plan *p, const struct am_recipe *r,
+                     const struct am_coords *c, struct am_model_shard *sh)
 {
     *sh = (struct am_model_shard){.tp = p->tp, .tp_rank = c->tp, .sequence_parallel = r->dist.sequence_parallel,
-                                  .recompute = r->dist.activation_checkpointing, .slots = slots};
+                                  .recompute = r->dist.activation_checkpointing};
     for (int s = 0; s < p->n_stages; s++) {
         const struct am_stage *st = &p->stages[s];
         if (st->pp_rank != c->pp)
             continue;
-        if (sh->n_chunks == AM_MAX_CHUNKS)
-            return am_fail(err, err_len, "pipeline: %d virtual stages per rank; the model holds at most %d",
-                        p->virtual_stages, AM_MAX_CHUNKS);
-        sh->chunks[sh->n_chunks++] = (struct am_chunk){st->first_layer, st->n_layers};
+        sh->chunks[sh->n_chunks] = (struct am_chunk){st->first_layer, st->n_layers, P->slots[sh->n_chunks]};
+        sh->n_chunks++;
         sh->first_stage |= st->embedding;
         sh->last_stage |= st->head;
     }
-    return 0;
 }
 
-int am_pipe_init(struct am_pipe *P, enum am_pp_schedule kind, int pp, int v, int n_micro, int rank, char *err,
-                 size_t err_len)
+int am_pipe_init(struct am_pipe *P, const struct am_plan *p, const struct am_recipe *r, const struct am_coords *c,
+                 struct am_model_shard *sh, char *err, size_t err_len)
 {
+    enum am_pp_schedule kind = p->pp == 1 ? AM_PP_1F1B : r->dist.pipeline.schedule;
+    int v = p->virtual_stages, n_micro = (int)p->n_microbatches;
     memset(P, 0, sizeof(*P));
-    P->pp = pp;
-    P->rank = rank;
+    P->pp = p->pp;
+    P->rank = c->pp;
     P->v = v;
     P->n_micro = n_micro;
-    P->n_stages = pp * v;
+    P->n_stages = p->n_stages;
+    if (v > AM_MAX_CHUNKS)
+        return am_fail(err, err_len, "pipeline: %d virtual stages per rank; the model holds at most %d", v,
+                       AM_MAX_CHUNKS);
     P->actions = calloc((size_t)(2 * n_micro * v), sizeof(*P->actions));
     if (!P->actions)
         return am_fail(err, err_len, "pipeline: out of memory for a schedule of %d micro-batches", n_micro);
-    P->n_actions = am_pipe_schedule(pp == 1 ? AM_PP_1F1B : kind, pp, v, n_micro, rank, P->actions);
+    P->n_actions = am_pipe_schedule(kind, P->pp, v, n_micro, P->rank, P->actions);
     if (P->n_actions < 0) {
         am_pipe_free(P);
         return am_fail(err, err_len, "pipeline: no %s schedule for pp %d, %d virtual stages, %d micro-batches",
-                    am_pp_schedule_name(kind), pp, v, n_micro);
+                       am_pp_schedule_name(kind), P->pp, v, n_micro);
     }
-    P->slots = am_pipe_slots(P->actions, P->n_actions, v);
+    for (int k = 0; k < v; k++)
+        P->slots[k] = am_pipe_slots(P->actions, P->n_actions, k);
+    shard_of(P, p, r, c, sh);
     return 0;
 }
 
@@ -112,7 +118,7 @@ static int run_forward(struct am_pipe *P, struct am_model *m, const struct am_pi
         x_in = P->recv_buf;
     }
     double loss = 0;
-    if (am_model_forward(m, a->chunk, a->micro % P->slots, batch, tokens + a->micro * N, targets + a->micro * N,
+    if (am_model_forward(m, a->chunk, a->micro % P->slots[a->chunk], batch, tokens + a->micro * N, targets + a->micro * N,
                          x_in, x_out, dloss_scale, &loss, err, err_len) < 0)
         return -1;
     *loss_sum += loss;
@@ -132,7 +138,7 @@ static int run_backward(struct am_pipe *P, struct am_model *m, const struct am_p
             return comm_fail(P->bwd, err, err_len);
         dy = P->recv_buf;
     }
-    if (am_model_backward(m, a->chunk, a->micro % P->slots, dy, dx, dloss_scale, err, err_len) < 0)
+    if (am_model_backward(m, a->chunk, a->micro % P->slots[a->chunk], dy, dx, dloss_scale, err, err_len) < 0)
         return -1;
     if (dx && am_isend(P->bwd, dx, P->hidden, AM_F32, prev_rank(P, s)) < 0)
         return comm_fail(P->bwd, err, err_len);

@@ -23,7 +23,7 @@ struct am_pipe {
     int pp, rank, v, n_micro, n_stages;
     struct am_pipe_action *actions;
     int n_actions;
-    int slots;
+    int slots[AM_MAX_CHUNKS];        /* per chunk: am_pipe_slots */
     size_t hidden;                   /* elements of one hidden state (am_model_hidden_elems) */
     float *recv_buf;                 /* one hidden state, consumed by the model at once */
     float *out_bufs, *grad_bufs;     /* [v][n_micro] hidden states sent forward / backward */
@@ -31,16 +31,14 @@ struct am_pipe {
     void (*free_fn)(void *);         /* the kernels' free, for the buffers */
 };
 
-/* The part of the model a rank holds (plan.h): its tp slice of the stages on its pp rank, in
- * model order, with the recipe's sequence parallelism and activation checkpointing, and
- * `slots` activation slots (am_pipe.slots). Returns 0, or -1 with a message. */
-int am_pipe_shard(const struct am_plan *p, const struct am_coords *c, const struct am_recipe *r, int slots,
-                  struct am_model_shard *sh, char *err, size_t err_len);
-
-/* Builds this rank's schedule. Returns 0, or -1 with a message. */
-int am_pipe_init(struct am_pipe *P, enum am_pp_schedule kind, int pp, int v, int n_micro, int rank, char *err,
-                 size_t err_len);
-/* Allocates the hidden-state buffers for m (built with P->slots slots) and micro-batches of
+/* Builds this rank's schedule from the plan (its schedule, pp, virtual stages and
+ * micro-batches; the rank's pp coordinate), and the part of the model the rank holds: its tp
+ * slice of the stages on its pp rank, in model order, with the recipe's sequence parallelism
+ * and activation checkpointing, and the activation slots the schedule needs per chunk.
+ * Returns 0, or -1 with a message. */
+int am_pipe_init(struct am_pipe *P, const struct am_plan *p, const struct am_recipe *r, const struct am_coords *c,
+                 struct am_model_shard *sh, char *err, size_t err_len);
+/* Allocates the hidden-state buffers for m (built with P's slots) and micro-batches of
  * `batch` sequences; fwd/bwd may be NULL when pp = 1. */
 int am_pipe_bind(struct am_pipe *P, const struct am_model *m, int64_t batch, struct am_comm *fwd,
                  struct am_comm *bwd, char *err, size_t err_len);

@@ -126,9 +126,10 @@ static double act_elems_per_token(const struct am_recipe *r, const struct am_pla
 }
 
 /* Micro-batches whose activations pp rank k holds at its peak, in units of its layers: as the
- * executor allocates them, the slots of the rank's schedule (pp_schedule.h: the most
- * micro-batches one chunk holds), each with all of the rank's layers. For gpipe and 1f1b that
- * is the schedule's peak; for interleaved1f1b it can be more. The schedule exists (validate.c: n_micro >= pp, a multiple of pp
+ * executor allocates them, each chunk's slots (pp_schedule.h: the most micro-batches the
+ * chunk holds at once) of the chunk's layers_on_rank / v layers. For gpipe and 1f1b that is
+ * the schedule's peak; for interleaved1f1b it can be more (the chunks peak at different
+ * times). The schedule exists (validate.c: n_micro >= pp, a multiple of pp
  * for interleaved1f1b) and has at most 2 * AM_PLAN_MAX_PIPE_PASSES actions (am_plan_build).
  * Returns -1 when out of memory. */
 static double in_flight_layers(const struct am_recipe *r, const struct am_plan *p, int k, int layers_on_rank)
@@ -138,9 +139,11 @@ static double in_flight_layers(const struct am_recipe *r, const struct am_plan *
     if (!actions)
         return -1;
     int n = am_pipe_schedule(r->dist.pipeline.schedule, p->pp, v, n_micro, k, actions);
-    int slots = am_pipe_slots(actions, n, v);
+    int slots = 0;
+    for (int c = 0; c < v; c++)
+        slots += am_pipe_slots(actions, n, c);
     free(actions);
-    return (double)slots * layers_on_rank;
+    return (double)slots * layers_on_rank / v;
 }
 
 /* The ZeRO stage am-train runs for a recipe (am_plan.zero_stage): 0 for every strategy. Its

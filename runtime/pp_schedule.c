@@ -51,18 +51,15 @@ int am_pipe_schedule(enum am_pp_schedule kind, int pp, int v, int n_micro, int r
     return n;
 }
 
-int am_pipe_slots(const struct am_pipe_action *a, int n, int v)
+int am_pipe_slots(const struct am_pipe_action *a, int n, int chunk)
 {
-    int most = 0;
-    for (int c = 0; c < v; c++) {
-        int held = 0;
-        for (int i = 0; i < n; i++) {
-            if (a[i].chunk != c)
-                continue;
-            held += a[i].kind == AM_PIPE_FORWARD ? 1 : -1;
-            if (held > most)
-                most = held;
-        }
+    int held = 0, most = 0;
+    for (int i = 0; i < n; i++) {
+        if (a[i].chunk != chunk)
+            continue;
+        held += a[i].kind == AM_PIPE_FORWARD ? 1 : -1;
+        if (held > most)
+            most = held;
     }
     return most;
 }

@@ -13,7 +13,7 @@
  *                    (pp - rank - 1) * 2 + (v - 1) * pp forwards (all of them when
  *                    n_micro == pp).
  * Backwards of one chunk come in the order of its forwards, so the micro-batches in flight on
- * a chunk are consecutive and micro-batch i can live in slot i % slots.
+ * a chunk are consecutive and micro-batch i can live in the chunk's slot i % slots.
  *
  * Pure functions: the planner uses them for its memory estimate (the activation peak of each
  * rank), the executor (pipeline.h) runs them.
@@ -36,9 +36,9 @@ struct am_pipe_action {
  * arguments outside those rules. */
 int am_pipe_schedule(enum am_pp_schedule kind, int pp, int v, int n_micro, int rank, struct am_pipe_action *out);
 
-/* The most micro-batches one chunk holds at once (its forward done, its backward not yet):
- * the slots the model needs. */
-int am_pipe_slots(const struct am_pipe_action *a, int n, int v);
+/* The most micro-batches chunk `chunk` holds at once (its forward done, its backward not
+ * yet): the activation slots the model needs for it. */
+int am_pipe_slots(const struct am_pipe_action *a, int n, int chunk);
 
 /* The most micro-batches held at once over all chunks of the rank (its activation peak). */
 int am_pipe_peak(const struct am_pipe_action *a, int n);

@@ -102,10 +102,7 @@ static int build_model(struct trainer *t, struct am_errors *err)
     const struct am_plan *p = t->p;
     char msg[512];
     struct am_model_shard sh;
-    if (am_pipe_init(&t->pipe, r->dist.pipeline.schedule, p->pp, p->virtual_stages, (int)p->n_microbatches,
-                     t->s->coords.pp, msg, sizeof(msg)) < 0)
-        return fail(err, "%s", msg);
-    if (am_pipe_shard(p, &t->s->coords, r, t->pipe.slots, &sh, msg, sizeof(msg)) < 0)
+    if (am_pipe_init(&t->pipe, p, r, &t->s->coords, &sh, msg, sizeof(msg)) < 0)
         return fail(err, "%s", msg);
     struct am_comm *pp = p->pp > 1 ? t->g.pp : NULL;
     if (am_model_init(&t->model, &r->model, &sh, t->K, t->g.tp, pp, p->microbatch_size, p->seq_length, msg,

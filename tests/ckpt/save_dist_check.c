@@ -90,9 +90,9 @@ static struct am_model_config tiny_llama(bool tie)
 static struct am_model_shard my_shard(const struct run *r)
 {
     int stages = r->pp * r->virt, per = LAYERS / stages;
-    struct am_model_shard sh = {.tp = r->tp, .tp_rank = r->tp_rank, .slots = 1};
+    struct am_model_shard sh = {.tp = r->tp, .tp_rank = r->tp_rank};
     for (int s = r->pp_rank; s < stages; s += r->pp)
-        sh.chunks[sh.n_chunks++] = (struct am_chunk){s * per, per};
+        sh.chunks[sh.n_chunks++] = (struct am_chunk){s * per, per, 1};
     sh.first_stage = r->pp_rank == 0;
     sh.last_stage = (stages - 1) % r->pp == r->pp_rank;
     return sh;

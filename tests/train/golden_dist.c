@@ -12,8 +12,7 @@
  * baseline of the same sequence.)
  *
  * Every rank sets up as am-train does (rank_setup.h), builds its communicators as am-train
- * does (groups.h), and its shard as build_model does (am_pipe_init, am_pipe_shard,
- * am_model_init, am_pipe_bind, am_model_load_hf of the case). Then 5 steps on the golden batch
+ * does (groups.h), and its shard as build_model does (am_pipe_init, am_model_init, am_pipe_bind, am_model_load_hf of the case). Then 5 steps on the golden batch
  * as train.c's run() does them: zero the gradients, am_pipe_run, am_model_finish_grads, the
  * loss all-reduced over the pp group (only the last stage has it), am_model_grad_sumsq,
  * clipping by max_norm / (norm + 1e-6), am_optim_step at am_lr_at. Twice, each from a fresh
@@ -203,9 +202,7 @@ static int run_series(struct dist *d, const struct golden *G, bool clip, struct 
     char msg[1024];
     int rc = -1;
     /* build_model */
-    if (am_pipe_init(&pipe, r->dist.pipeline.schedule, p->pp, p->virtual_stages, (int)p->n_microbatches,
-                     d->s->coords.pp, msg, sizeof(msg)) < 0 ||
-        am_pipe_shard(p, &d->s->coords, r, pipe.slots, &sh, msg, sizeof(msg)) < 0 ||
+    if (am_pipe_init(&pipe, p, r, &d->s->coords, &sh, msg, sizeof(msg)) < 0 ||
         am_model_init(&m, &r->model, &sh, d->K, d->g.tp, pp, p->microbatch_size, p->seq_length, msg, sizeof(msg)) < 0 ||
         am_pipe_bind(&pipe, &m, p->microbatch_size, pp, p->pp > 1 ? d->g.pp_grad : NULL, msg, sizeof(msg)) < 0) {
         fail(err, "%s", msg);

@@ -274,16 +274,17 @@ static void test_memory_pipeline_schedules(void **state)
     am_recipe_free(r);
 
     /* interleaved, v = 2 (default), pp 2, m = 8: rank 0 warms up with (2-0-1)*2 + (2-1)*2 = 4
-     * forwards, then alternates a forward and a backward: a chunk holds at most 4
-     * micro-batches, and the executor keeps that many slots, each with all 4 layers of the
-     * rank: 16 layer-micro-batches (the schedule's own peak is 5 chunks of 2 layers) */
+     * forwards (micro-batches 0,1 on chunk 0, then on chunk 1), then alternates a forward and a
+     * backward: chunk 0 holds at most 4 micro-batches (0-3 before the backward of 0 reaches
+     * it), chunk 1 at most 2, and the executor keeps that many slots of each chunk's 2 layers:
+     * 12 layer-micro-batches (the schedule's own peak, 5 chunks at once, would be 10) */
     const char *il[] = {"distributed.pp_size=2", "step_scheduler.local_batch_size=8",
                         "distributed.mp_policy.param_dtype=float32", "distributed.pipeline.pp_schedule=interleaved1f1b",
                         NULL};
     r = plan_of(model8, il, 2, &p);
     assert_int_equal(p.virtual_stages, 2);
     assert_int_equal(p.mem.pp_rank, 0);
-    assert_float_equal(p.mem.activations, 4 * 4 * layer_mb, 0);
+    assert_float_equal(p.mem.activations, (4 + 2) * 2 * layer_mb, 0);
     am_plan_free(&p);
     am_recipe_free(r);
 

@@ -127,7 +127,7 @@ static void test_gpipe(void **state)
             simulate(&S);
             for (int r = 0; r < pp; r++) {
                 assert_int_equal(am_pipe_peak(S.a[r], S.n[r]), m);
-                assert_int_equal(am_pipe_slots(S.a[r], S.n[r], 1), m);
+                assert_int_equal(am_pipe_slots(S.a[r], S.n[r], 0), m);
             }
         }
 }
