@@ -28,7 +28,7 @@ void am_pos_format(const struct am_pos *pos, char *buf, size_t len)
         snprintf(buf, len, "%s: ", pos->file);
 }
 
-void am_errorf(struct am_errors *e, const struct am_pos *pos, const char *fmt, ...)
+static void verrorf(struct am_errors *e, const struct am_pos *pos, const char *fmt, va_list ap)
 {
     if (e->n >= AM_ERRORS_MAX) {
         e->truncated++;
@@ -46,10 +46,7 @@ void am_errorf(struct am_errors *e, const struct am_pos *pos, const char *fmt, .
     }
     char prefix[512], text[1024];
     am_pos_format(pos, prefix, sizeof(prefix));
-    va_list ap;
-    va_start(ap, fmt);
     vsnprintf(text, sizeof(text), fmt, ap);
-    va_end(ap);
     size_t len = strlen(prefix) + strlen(text) + 1;
     char *s = malloc(len);
     if (!s) {
@@ -58,4 +55,21 @@ void am_errorf(struct am_errors *e, const struct am_pos *pos, const char *fmt, .
     }
     snprintf(s, len, "%s%s", prefix, text);
     e->msg[e->n++] = s;
+}
+
+void am_errorf(struct am_errors *e, const struct am_pos *pos, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    verrorf(e, pos, fmt, ap);
+    va_end(ap);
+}
+
+int am_errors_fail(struct am_errors *e, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    verrorf(e, NULL, fmt, ap);
+    va_end(ap);
+    return -1;
 }

@@ -38,6 +38,9 @@ void am_errors_free(struct am_errors *e);
 void am_errorf(struct am_errors *e, const struct am_pos *pos, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 
+/* Appends the formatted text (no position) and returns -1: for functions that fail with it. */
+int am_errors_fail(struct am_errors *e, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
 /* Writes "POS: " into buf (empty for a NULL pos). */
 void am_pos_format(const struct am_pos *pos, char *buf, size_t len);
 

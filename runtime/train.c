@@ -3,7 +3,6 @@
 
 #include <errno.h>
 #include <libgen.h>
-#include <stdarg.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -49,24 +48,12 @@ struct trainer {
     double comm_s;                      /* seconds in communication calls this step */
 };
 
-static int fail(struct am_errors *err, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-static int fail(struct am_errors *err, const char *fmt, ...)
-{
-    char text[1024];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(text, sizeof(text), fmt, ap);
-    va_end(ap);
-    am_errorf(err, NULL, "%s", text);
-    return -1;
-}
-
 /* The layouts this trainer runs so far: data, tensor (+ sequence) and pipeline parallelism;
  * context and expert parallelism not yet. */
 static int check_supported(const struct am_plan *p, struct am_errors *err)
 {
     if (p->cp > 1 || p->ep > 1)
-        return fail(err, "am-train does not run this layout yet: cp_size %d, ep_size %d (it runs data, tensor and "
+        return am_errors_fail(err, "am-train does not run this layout yet: cp_size %d, ep_size %d (it runs data, tensor and "
                     "pipeline parallelism: use 1 for both)", p->cp, p->ep);
     return 0;
 }
@@ -103,13 +90,13 @@ static int build_model(struct trainer *t, struct am_errors *err)
     char msg[512];
     struct am_model_shard sh;
     if (am_pipe_init(&t->pipe, p, r, &t->s->coords, &sh, msg, sizeof(msg)) < 0)
-        return fail(err, "%s", msg);
+        return am_errors_fail(err, "%s", msg);
     struct am_comm *pp = p->pp > 1 ? t->g.pp : NULL;
     if (am_model_init(&t->model, &r->model, &sh, t->K, t->g.tp, pp, p->microbatch_size, p->seq_length, msg,
                       sizeof(msg)) < 0 ||
         am_pipe_bind(&t->pipe, &t->model, p->microbatch_size, pp, p->pp > 1 ? t->g.pp_grad : NULL, msg,
                      sizeof(msg)) < 0)
-        return fail(err, "%s", msg);
+        return am_errors_fail(err, "%s", msg);
     am_log_record(&t->log, "memory",
                   json_pack("{s:I,s:I,s:I,s:i,s:i,s:b}", "param_bytes", (json_int_t)(t->model.n_elems * sizeof(float)),
                             "act_bytes", (json_int_t)t->model.act_bytes, "pipe_bytes",
@@ -148,7 +135,7 @@ static int build_data(struct trainer *t, struct am_errors *err)
     t->tokens = malloc(n * sizeof(int32_t));
     t->targets = malloc(n * sizeof(int32_t));
     if (!t->sample || !t->tokens || !t->targets)
-        return fail(err, "out of memory for the batch");
+        return am_errors_fail(err, "out of memory for the batch");
     return 0;
 }
 
@@ -337,7 +324,7 @@ static int save_checkpoint(struct trainer *t, long step, struct am_errors *err)
     const char *root = t->r->ckpt.dir ? t->r->ckpt.dir : "checkpoints";
     snprintf(dir, sizeof(dir), "%s/step_%ld", root, step);
     if (am_mkdir_p(root) < 0)
-        return fail(err, "checkpoint.checkpoint_dir: cannot create %s: %s", root, strerror(errno));
+        return am_errors_fail(err, "checkpoint.checkpoint_dir: cannot create %s: %s", root, strerror(errno));
     if (am_model_save_hf_dist(&t->model, t->p->tp > 1 ? t->g.tp : NULL, t->p->pp > 1 ? t->g.pp : NULL, dir,
                               t->base_config[0] ? t->base_config : NULL, err) < 0)
         return -1;
@@ -349,7 +336,7 @@ static int save_checkpoint(struct trainer *t, long step, struct am_errors *err)
 static int allreduce(struct trainer *t, void *buf, size_t n, long step, struct am_errors *err)
 {
     if (am_allreduce(t->g.dp, buf, buf, n, AM_F32, AM_SUM) < 0)
-        return fail(err, "step %ld: %s", step, am_comm_error(t->g.dp));
+        return am_errors_fail(err, "step %ld: %s", step, am_comm_error(t->g.dp));
     return 0;
 }
 
@@ -362,7 +349,7 @@ static int nonfinite(struct trainer *t, long step, double loss, double norm, con
     json_object_set_new(o, "loss", number(loss));
     json_object_set_new(o, "grad_norm", number(norm));
     report(t, o);
-    return fail(err, "step %ld: the %s loss or gradient norm is not finite (loss %g, grad norm %g; first non-finite "
+    return am_errors_fail(err, "step %ld: the %s loss or gradient norm is not finite (loss %g, grad norm %g; first non-finite "
                 "gradient: %s)", step, origin, loss, norm, bad);
 }
 
@@ -388,11 +375,11 @@ static int run(struct trainer *t, struct am_errors *err)
                 return -1;
             if (am_pipe_run(&t->pipe, m, t->tokens, t->targets, p->microbatch_size, dloss_scale, &run_loss, msg,
                             sizeof(msg)) < 0)
-                return fail(err, "step %ld: %s", step + 1, msg);
+                return am_errors_fail(err, "step %ld: %s", step + 1, msg);
             loss_sum += run_loss;
         }
         if (am_model_finish_grads(m, msg, sizeof(msg)) < 0)
-            return fail(err, "step %ld: %s", step + 1, msg);
+            return am_errors_fail(err, "step %ld: %s", step + 1, msg);
         fault_nan(t, step + 1);
         struct am_tensor g = am_tensor_view(m->grad_mem, t->K->device, AM_T_F32, (int64_t)m->n_elems, 0, 0, 0);
         float loss_f = (float)loss_sum;
@@ -412,13 +399,13 @@ static int run(struct trainer *t, struct am_errors *err)
         }
         if (p->pp > 1) { /* the loss is the last stage's */
             if (am_allreduce(t->g.pp, &loss_f, &loss_f, 1, AM_F32, AM_SUM) < 0)
-                return fail(err, "step %ld: %s", step + 1, am_comm_error(t->g.pp));
+                return am_errors_fail(err, "step %ld: %s", step + 1, am_comm_error(t->g.pp));
             loss_sum = loss_f;
         }
         double loss = loss_sum / total_tokens;
         double sumsq;
         if (am_model_grad_sumsq(m, &sumsq, msg, sizeof(msg)) < 0)
-            return fail(err, "step %ld: %s", step + 1, msg);
+            return am_errors_fail(err, "step %ld: %s", step + 1, msg);
         double norm = sqrt(sumsq);
         if (!isfinite(loss) || !isfinite(norm))
             return nonfinite(t, step + 1, loss, norm, p->dp > 1 ? "reduced" : "local", err);
@@ -460,10 +447,10 @@ static int setup_diagnostics(struct trainer *t, struct am_errors *err)
         am_flight_size_from_env(&size, msg, sizeof(msg)) < 0 ||
         am_watchdog_timeout(t->s->timeout_s, &t->wd.timeout_s, &t->wd.timeout_from, msg, sizeof(msg)) < 0 ||
         am_flight_init(&t->flight, size, msg, sizeof(msg)) < 0)
-        return fail(err, "%s", msg);
+        return am_errors_fail(err, "%s", msg);
     t->hosts = calloc((size_t)t->s->info.size, sizeof(*t->hosts));
     if (!t->hosts)
-        return fail(err, "out of memory for %d host names", t->s->info.size);
+        return am_errors_fail(err, "out of memory for %d host names", t->s->info.size);
     for (int r = 0; r < t->s->info.size; r++)
         t->hosts[r] = t->s->ranks ? t->s->ranks[r].host : "";
     return 0;
@@ -478,11 +465,11 @@ int am_train(struct am_rank_setup *s, struct am_errors *err)
     if (check_supported(t.p, err) < 0 || setup_diagnostics(&t, err) < 0)
         goto out;
     if (am_log_open(&t.log, NULL, s->info.job_id, s->info.rank, msg, sizeof(msg)) < 0) {
-        fail(err, "%s", msg);
+        am_errors_fail(err, "%s", msg);
         goto out;
     }
     if (am_crash_install(t.log.fd, s->info.rank, &t.flight, msg, sizeof(msg)) < 0) {
-        fail(err, "%s", msg);
+        am_errors_fail(err, "%s", msg);
         goto out;
     }
     crash = 1;
@@ -496,13 +483,13 @@ int am_train(struct am_rank_setup *s, struct am_errors *err)
     t.wd.n_hosts = s->info.size;
     t.wd.rank = s->info.rank;
     if (am_watchdog_start(&t.wd, msg, sizeof(msg)) < 0) {
-        fail(err, "%s", msg);
+        am_errors_fail(err, "%s", msg);
         goto out;
     }
     if (build_model(&t, err) < 0 || build_data(&t, err) < 0)
         goto out;
     if (am_optim_init(&t.optim, t.K, t.model.n_elems, t.r) < 0) {
-        fail(err, "out of memory for the optimizer state of %zu parameters", t.model.n_elems);
+        am_errors_fail(err, "out of memory for the optimizer state of %zu parameters", t.model.n_elems);
         goto out;
     }
     rc = run(&t, err);

@@ -575,20 +575,26 @@ static void test_bad_arguments(struct check *k, struct am_comm *c)
 
 /* ---- non-blocking sends ---------------------------------------------------------------------- */
 
-/* A host message of n elements of t, rank grank's input for salt, on the device. */
-static void *dev_message(enum am_comm_dtype t, int grank, uint64_t salt, size_t n)
+/* A device copy of the host buffer h (freed), or exit when the device has no room. */
+static void *dev_copy_of(char *h, size_t bytes)
 {
-    size_t bytes = n * am_comm_dtype_size(t);
-    char *h = xmalloc(bytes);
     void *d = dev_alloc(bytes);
     if (!d) {
         fprintf(stderr, "comm_check: out of device memory for %zu bytes\n", bytes);
         exit(1);
     }
-    fill(h, t, grank, salt, 0, n);
     to_dev(d, h, bytes);
     free(h);
     return d;
+}
+
+/* A host message of n elements of t, rank grank's input for salt, on the device. */
+static void *dev_message(enum am_comm_dtype t, int grank, uint64_t salt, size_t n)
+{
+    size_t bytes = n * am_comm_dtype_size(t);
+    char *h = xmalloc(bytes);
+    fill(h, t, grank, salt, 0, n);
+    return dev_copy_of(h, bytes);
 }
 
 /* A device buffer of n elements of t, filled with 0x5a bytes. */
@@ -596,15 +602,8 @@ static void *dev_blank(enum am_comm_dtype t, size_t n)
 {
     size_t bytes = n * am_comm_dtype_size(t);
     char *h = xmalloc(bytes);
-    void *d = dev_alloc(bytes);
-    if (!d) {
-        fprintf(stderr, "comm_check: out of device memory for %zu bytes\n", bytes);
-        exit(1);
-    }
     memset(h, 0x5a, bytes);
-    to_dev(d, h, bytes);
-    free(h);
-    return d;
+    return dev_copy_of(h, bytes);
 }
 
 /* Device buffer d (n elements of t) must hold group rank `from`'s input for salt. Frees d. */

@@ -34,7 +34,6 @@
  */
 #include <libgen.h>
 #include <math.h>
-#include <stdarg.h>
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -78,27 +77,15 @@ struct tally {
     double loss_worst, norm_worst;
 };
 
-static int fail(struct am_errors *err, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-static int fail(struct am_errors *err, const char *fmt, ...)
-{
-    char text[1024];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(text, sizeof(text), fmt, ap);
-    va_end(ap);
-    am_errorf(err, NULL, "%s", text);
-    return -1;
-}
-
 /* Copies `n` floats of the golden tensor `key` into out; -1 with a message when the tensor is
  * missing or has another size. */
 static int read_series(struct am_st_file *f, const char *key, float *out, int64_t n, struct am_errors *err)
 {
     const struct am_st_info *t = am_st_find(f, key);
     if (!t)
-        return fail(err, "%s: no tensor %s", am_st_path(f), key);
+        return am_errors_fail(err, "%s: no tensor %s", am_st_path(f), key);
     if (t->numel != n)
-        return fail(err, "%s: %s has %lld elements, want %lld", am_st_path(f), key, (long long)t->numel, (long long)n);
+        return am_errors_fail(err, "%s: %s has %lld elements, want %lld", am_st_path(f), key, (long long)t->numel, (long long)n);
     return am_st_read_f32(f, t, 0, n, out, err);
 }
 
@@ -109,7 +96,7 @@ static int open_golden(struct golden *G, const char *name, const struct am_recip
     memset(G, 0, sizeof(*G));
     G->name = name;
     if (strcmp(r->model_source, "inline") == 0)
-        return fail(err, "the recipe must name the golden model: model.pretrained_model_name_or_path");
+        return am_errors_fail(err, "the recipe must name the golden model: model.pretrained_model_name_or_path");
     snprintf(G->dir, sizeof(G->dir), "%s", r->model_source);
     dirname(G->dir);
     char path[4200];
@@ -120,7 +107,7 @@ static int open_golden(struct golden *G, const char *name, const struct am_recip
     int rc = -1;
     const struct am_st_info *ids = am_st_find(f, "input_ids");
     if (!ids || ids->dtype != AM_ST_I32 || ids->ndim != 2 || ids->shape[1] < 2) {
-        fail(err, "%s: input_ids must be I32 [B, T >= 2]", path);
+        am_errors_fail(err, "%s: input_ids must be I32 [B, T >= 2]", path);
         goto out;
     }
     G->B = ids->shape[0];
@@ -129,7 +116,7 @@ static int open_golden(struct golden *G, const char *name, const struct am_recip
     G->tokens = malloc(N * sizeof(int32_t));
     G->targets = malloc(N * sizeof(int32_t));
     if (!G->tokens || !G->targets) {
-        fail(err, "out of memory for the golden batch");
+        am_errors_fail(err, "out of memory for the golden batch");
         goto out;
     }
     memcpy(G->tokens, ids->data, N * sizeof(int32_t));
@@ -162,7 +149,7 @@ static int check_shape(const struct am_plan *p, const struct golden *G, struct a
 {
     if (p->dp != 1 || p->cp != 1 || p->ep != 1 || p->grad_accum != 1 ||
         p->microbatch_size * p->n_microbatches != G->B || p->seq_length != G->T)
-        return fail(err, "the plan must hold the golden batch of %lld x %lld tokens as it is: dp 1, cp 1, ep 1, one "
+        return am_errors_fail(err, "the plan must hold the golden batch of %lld x %lld tokens as it is: dp 1, cp 1, ep 1, one "
                     "accumulation step of %lld sequences (got dp %d, cp %d, ep %d, %ld accumulation step(s) of %ld "
                     "micro-batch(es) of %ld x %ld tokens): set step_scheduler.global_batch_size and local_batch_size "
                     "to %lld, distributed.pipeline.pp_microbatch_size 1 and dataset.seq_length %lld",
@@ -205,13 +192,13 @@ static int run_series(struct dist *d, const struct golden *G, bool clip, struct 
     if (am_pipe_init(&pipe, p, r, &d->s->coords, &sh, msg, sizeof(msg)) < 0 ||
         am_model_init(&m, &r->model, &sh, d->K, d->g.tp, pp, p->microbatch_size, p->seq_length, msg, sizeof(msg)) < 0 ||
         am_pipe_bind(&pipe, &m, p->microbatch_size, pp, p->pp > 1 ? d->g.pp_grad : NULL, msg, sizeof(msg)) < 0) {
-        fail(err, "%s", msg);
+        am_errors_fail(err, "%s", msg);
         goto out;
     }
     if (am_model_load_hf(&m, G->dir, err) < 0)
         goto out;
     if (am_optim_init(&optim, d->K, m.n_elems, r) < 0) {
-        fail(err, "out of memory for the optimizer state of %zu parameters", m.n_elems);
+        am_errors_fail(err, "out of memory for the optimizer state of %zu parameters", m.n_elems);
         goto out;
     }
     /* run() */
@@ -223,20 +210,20 @@ static int run_series(struct dist *d, const struct golden *G, bool clip, struct 
         if (am_pipe_run(&pipe, &m, G->tokens, G->targets, p->microbatch_size, dloss_scale, &loss_sum, msg,
                         sizeof(msg)) < 0 ||
             am_model_finish_grads(&m, msg, sizeof(msg)) < 0) {
-            fail(err, "%s step %d: %s", series, step + 1, msg);
+            am_errors_fail(err, "%s step %d: %s", series, step + 1, msg);
             goto out;
         }
         float loss_f = (float)loss_sum;
         if (p->pp > 1) { /* the loss is the last stage's */
             if (am_allreduce(d->g.pp, &loss_f, &loss_f, 1, AM_F32, AM_SUM) < 0) {
-                fail(err, "%s step %d: %s", series, step + 1, am_comm_error(d->g.pp));
+                am_errors_fail(err, "%s step %d: %s", series, step + 1, am_comm_error(d->g.pp));
                 goto out;
             }
             loss_sum = loss_f;
         }
         double sumsq;
         if (am_model_grad_sumsq(&m, &sumsq, msg, sizeof(msg)) < 0) {
-            fail(err, "%s step %d: %s", series, step + 1, msg);
+            am_errors_fail(err, "%s step %d: %s", series, step + 1, msg);
             goto out;
         }
         double norm = sqrt(sumsq);
@@ -267,7 +254,7 @@ static int run(struct dist *d, const char *name, struct tally *t, struct am_erro
     if (rc == 0)
         rc = check_shape(p, &G, err);
     if (rc == 0 && r->optim.max_grad_norm <= 0)
-        rc = fail(err, "the recipe must clip (clip_grad_norm.max_norm 1.0) for the golden's clipped series");
+        rc = am_errors_fail(err, "the recipe must clip (clip_grad_norm.max_norm 1.0) for the golden's clipped series");
     if (rc == 0)
         rc = am_groups_build(&d->g, d->s, NULL, NULL, err);
     if (rc == 0 && t->rank == 0)

@@ -3,7 +3,7 @@
 # plugin, with `srun --mpi=pmix am-launch` over 2 and 4 nodes of the local cluster, trains the
 # same loss trajectory as one rank standalone with the whole global batch, and saves the same
 # checkpoint (tolerances as in test-parity.sh: 1e-5 on losses, 1e-5 relative on gradient
-# norms, 2e-6 on weights). The subset: data parallel over 2 and 4 nodes; tp 2 x pp 2 over 2
+# norms, 5e-5 on weights). The subset: data parallel over 2 and 4 nodes; tp 2 x pp 2 over 2
 # nodes (1f1b); tp 2 x pp 2 x dp 2 over 4 nodes (interleaved1f1b, sequence parallel). Fails,
 # never skips, when the cluster cannot start.
 set -u
@@ -18,7 +18,8 @@ cluster() { "$AM_SRCDIR/tests/slurm/cluster" "$@"; }
 trap 'cluster down --purge >/dev/null 2>&1; rm -rf "$work"' EXIT
 fails=0 passes=0
 
-"$AM_BUILDDIR/am-data" build --bytes --out "$work/corpus" "$AM_SRCDIR"/runtime/*.c >/dev/null || exit 1
+# a corpus that does not change with the sources (Debian's license texts, as README's demo)
+"$AM_BUILDDIR/am-data" build --bytes --out "$work/corpus" /usr/share/common-licenses/* >/dev/null || exit 1
 sed -e "s|paths: .*|paths: $work/corpus|" -e 's/max_steps: .*/max_steps: 8/' -e 's/enabled: false/enabled: true/' \
     -e "s|checkpoint_dir: .*|checkpoint_dir: ckpt|" "$AM_SRCDIR/sbatch-templates/recipes/tiny.yaml" >"$work/tiny.yaml"
 sed -e 's/sequence_parallel: false/sequence_parallel: true/' -e 's/pp_schedule: .*/pp_schedule: interleaved1f1b/' \
@@ -68,7 +69,7 @@ for job in "dp2 2 1 tiny.yaml" "dp4 4 1 tiny.yaml" "tp2-pp2 2 2 tiny.yaml --am-t
     fi
     losses "$work/logs-$name" >"$work/got-$name"
     compare "sbatch $name ($nodes nodes x $per tasks $*)" "$work/got-$name"
-    if "$AM_BUILDDIR/tests/train/ckpt_diff" "$work/run-1/ckpt/step_8" "$work/run-$name/ckpt/step_8" 2e-6 \
+    if "$AM_BUILDDIR/tests/train/ckpt_diff" "$work/run-1/ckpt/step_8" "$work/run-$name/ckpt/step_8" 5e-5 \
         >"$work/wdiff" 2>&1; then
         echo "ok: sbatch $name saved the checkpoint of 1 rank: $(cat "$work/wdiff")"; passes=$((passes + 1))
     else

@@ -11,9 +11,12 @@
 #     lives on the first and the last stage and its two gradients are summed;
 #   activation checkpointing recomputes each layer in backward: bit-identical in principle.
 # Tolerances: 1e-5 absolute on losses near 5 and 1e-5 relative on gradient norms over 8
-# steps; every weight of the final checkpoint within 2e-6 (AdamW after 8 steps of lr 3e-3).
-# Measured over the 98 layouts: losses 3.8e-7, gradient norms 1.8e-7, weights 2.6e-7 at
-# most; each layout's worst case is printed. AM_PARITY_ONLY="NAME RANKS CHANGES REF
+# steps; every weight of the final checkpoint within 5e-5, as test_golden's final weights
+# (AdamW divides each gradient by its own running magnitude, so an element whose gradient
+# nearly cancels moves by up to the learning rate, 3e-3, on rounding alone). Measured over
+# the 98 layouts on this corpus: losses 4.2e-7, gradient norms 7.9e-8, weights 6.1e-7 at
+# most (a corpus of am's own sources gave 8.3e-6 in an embedding row); each layout's worst
+# case is printed. AM_PARITY_ONLY="NAME RANKS CHANGES REF
 # [VAR=VALUE...]" runs one layout.
 set -u
 : "${AM_SRCDIR:=$(cd "$(dirname "$0")/../.." && pwd)}"
@@ -23,9 +26,10 @@ unset AM_RECIPE AM_TP AM_PP AM_EP AM_CP AM_LOG_DIR AM_DRY_RUN PMIX_NAMESPACE PMI
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 fails=0 passes=0
-steps=8 loss_tol=1e-5 norm_tol=1e-5 weight_tol=2e-6
+steps=8 loss_tol=1e-5 norm_tol=1e-5 weight_tol=5e-5
 
-"$AM_BUILDDIR/am-data" build --bytes --out "$work/corpus" "$AM_SRCDIR"/runtime/*.c >/dev/null || exit 1
+# a corpus that does not change with the sources (Debian's license texts, as README's demo)
+"$AM_BUILDDIR/am-data" build --bytes --out "$work/corpus" /usr/share/common-licenses/* >/dev/null || exit 1
 # the tiny recipe, made short: 8 steps of a global batch of 16 sequences of 64 tokens
 sed -e "s|paths: .*|paths: $work/corpus|" -e "s/max_steps: .*/max_steps: $steps/" \
     -e 's/enabled: false/enabled: true/' "$AM_SRCDIR/sbatch-templates/recipes/tiny.yaml" >"$work/base.yaml"
