@@ -659,18 +659,23 @@ static int run_call(struct am_comm *c, struct am_comm_call *call)
     return rc;
 }
 
-/* am_send_wait: each pending send in turn, oldest first, is waited for (c->call names it in
- * messages, c->flight_id is its entry) and its flight entry ended; after the first failure
- * the others are given up (entries failed, or aborted), and the message stays the first
- * failure's. Then the backend forgets them all. With nothing pending: only the refusal rules. */
+/* am_send_wait(_keep): each pending send in turn, oldest first, but the newest call->count,
+ * is waited for (c->call names it in messages, c->flight_id is its entry) and its flight
+ * entry ended; after the first failure all others are given up (entries failed, or aborted),
+ * and the message stays the first failure's. Then the backend forgets the ones done. With
+ * nothing to wait for: only the refusal rules. */
 static int wait_pending(struct am_comm *c, const struct am_comm_call *call)
 {
     c->call = call;
     c->timed_out = 0;
-    if (c->n_pending == 0)
+    size_t keep = call->count;
+    if (c->n_pending <= keep)
         return refused(c);
+    size_t n = c->n_pending - keep;
     int rc = 0;
     for (size_t i = 0; i < c->n_pending; i++) {
+        if (i >= n && rc == 0)
+            break;
         const struct am_comm_pending *p = &c->pending[i];
         if (rc == 0) {
             c->call = &p->call;
@@ -686,8 +691,11 @@ static int wait_pending(struct am_comm *c, const struct am_comm_call *call)
             flight_end(c, p->flight_id, -1);
         }
     }
-    c->ctx->ops->send_drop(c);
-    c->n_pending = 0;
+    if (rc < 0)
+        n = c->n_pending;
+    c->ctx->ops->send_drop(c, n);
+    memmove(c->pending, c->pending + n, (c->n_pending - n) * sizeof(*c->pending));
+    c->n_pending -= n;
     return rc;
 }
 
@@ -885,13 +893,15 @@ int am_isend(struct am_comm *c, const void *buf, size_t count, enum am_comm_dtyp
     return p2p(c, AM_CALL_ISEND, buf, NULL, count, t, peer);
 }
 
-int am_send_wait(struct am_comm *c)
+int am_send_wait_keep(struct am_comm *c, size_t keep)
 {
     if (!c)
         return -1;
-    struct am_comm_call call = {.kind = AM_CALL_SEND_WAIT};
+    struct am_comm_call call = {.kind = AM_CALL_SEND_WAIT, .count = keep};
     return am_comm_dispatch(c, &call);
 }
+
+int am_send_wait(struct am_comm *c) { return am_send_wait_keep(c, 0); }
 
 int am_barrier(struct am_comm *c)
 {

@@ -23,10 +23,11 @@
  * starts are numbered with the blocking ones (one count per pair and direction: the peer's
  * am_recv calls take them in that order, whichever call sent them), progress inside every
  * later call on the context (a blocked am_recv, on any group, included) and complete in
- * am_send_wait, which waits for all of them: a pipeline stage can send its activations
- * onward and then block receiving from another peer without a deadlock. An isend appears in
- * the flight recorder as "isend", started when posted and ended when am_send_wait completes
- * it. If a pending send fails, am_send_wait names it ("isend #4 to rank 2 on group pp ...
+ * am_send_wait, which waits for all of them (am_send_wait_keep: all but the newest few): a
+ * pipeline stage can send its activations onward and then block receiving from another peer
+ * without a deadlock. An isend appears in the flight recorder as "isend", "posted" while
+ * nothing waits for it, started again when am_send_wait begins to wait for it and ended when
+ * it completes. If a pending send fails, am_send_wait names it ("isend #4 to rank 2 on group pp ...
  * timed out ... waiting for rank 2 ...") and the group is broken. am_comm_destroy gives up
  * sends never waited for (UCX may still read their buffers until am_comm_ctx_fini).
  * NCCL differs where NCCL must: kernels of one communicator run in order and a send's
@@ -34,7 +35,9 @@
  * be enqueued together. A pending send is enqueued at the next call on the context: in one
  * NCCL group with it when that call is a send or recv on the same group (whose wait then
  * covers the send too), before it otherwise (a collective on the group then runs after it;
- * a later receive on the group waits behind it on the device), and by am_send_wait.
+ * a later receive on the group waits behind it on the device), and by am_send_wait (which,
+ * NCCL telling no send's end from another's on one stream, waits for every enqueued one
+ * even where am_send_wait_keep asks for the oldest only).
  * comm_nccl.c says which patterns that serves.
  *
  * Counts are in elements. `count` may be 0. For reduce_scatter and allgather, `count` is
@@ -119,7 +122,8 @@ int am_broadcast(struct am_comm *c, void *buf, size_t count, enum am_comm_dtype 
 int am_send(struct am_comm *c, const void *buf, size_t count, enum am_comm_dtype t, int peer);
 int am_recv(struct am_comm *c, void *buf, size_t count, enum am_comm_dtype t, int peer);
 /* Starts sending count elements of buf to group rank peer and returns without waiting for the
- * peer to take them; buf must not change until am_send_wait(c) returns. Numbered with the
+ * peer to take them; buf must not change until am_send_wait(c) (or am_send_wait_keep with
+ * this send among the oldest) returns. Numbered with the
  * blocking sends (the same sequence per pair and direction, matched by the peer's am_recv in
  * order). Pending sends progress inside every later call on the context (a blocked am_recv
  * included), so ranks that only block in receives cannot deadlock on sends. */
@@ -127,6 +131,9 @@ int am_isend(struct am_comm *c, const void *buf, size_t count, enum am_comm_dtyp
 /* Waits for every send started with am_isend on c (bounded by the timeout like every wait);
  * 0, or -1 naming the first send that failed (its sequence number and peer). */
 int am_send_wait(struct am_comm *c);
+/* The same for the oldest pending sends only, until at most `keep` are left: a rank that
+ * sends from a ring of buffers waits for the send of the one it is about to reuse. */
+int am_send_wait_keep(struct am_comm *c, size_t keep);
 int am_barrier(struct am_comm *c);
 
 #endif

@@ -82,10 +82,10 @@ struct am_comm_ops {
      * front asks for i = 0, 1, ... in turn and stops at the first failure; the wait follows
      * the rules of every wait (timeout, abort, the peer named). */
     int (*send_wait)(struct am_comm *c, size_t i);
-    /* Forgets every pending send: after am_send_wait (they completed, or the group failed and
-     * the rest are given up). Nothing of them may be written or waited for later. destroy()
-     * drops the ones still kept itself. */
-    void (*send_drop)(struct am_comm *c);
+    /* Forgets the oldest n pending sends (the others stay, oldest first): after am_send_wait
+     * (they completed, or the group failed and the rest are given up). Nothing of them may be
+     * written or waited for later. destroy() drops the ones still kept itself. */
+    void (*send_drop)(struct am_comm *c, size_t n);
 };
 
 struct am_comm_ctx {

@@ -468,10 +468,12 @@ static int nccl_send_wait(struct am_comm *c, size_t i)
 
 /* Sends never enqueued are simply forgotten (the group failed); enqueued ones are the
  * stream's, finished or aborted with the communicator. */
-static void nccl_send_drop(struct am_comm *c)
+static void nccl_send_drop(struct am_comm *c, size_t k)
 {
     struct nccl_comm *n = c->be;
-    n->nsend = n->nqueued = 0;
+    memmove(n->sends, n->sends + k, (n->nsend - k) * sizeof(*n->sends));
+    n->nsend -= k;
+    n->nqueued = n->nqueued > k ? n->nqueued - k : 0;
 }
 
 static int nccl_ctx_init(struct am_comm_ctx *ctx, int device)

@@ -925,11 +925,12 @@ static int ucx_send_wait(struct am_comm *c, size_t i)
     return -1;
 }
 
-static void ucx_send_drop(struct am_comm *c)
+static void ucx_send_drop(struct am_comm *c, size_t n)
 {
     struct ucx_comm *u = c->be;
-    drop_reqs(c, u->sends, u->nsend);
-    u->nsend = 0;
+    drop_reqs(c, u->sends, n);
+    memmove(u->sends, u->sends + n, (u->nsend - n) * sizeof(*u->sends));
+    u->nsend -= n;
 }
 
 static void ucx_ctx_fini(struct am_comm_ctx *ctx);
@@ -1087,7 +1088,7 @@ static void ucx_destroy(struct am_comm *c)
         return;
     if (u->nreq)
         drop_all(c);
-    ucx_send_drop(c);
+    ucx_send_drop(c, u->nsend);
     free(u->eps);
     free(u->reqs);
     free(u->sends);

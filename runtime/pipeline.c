@@ -61,7 +61,8 @@ int am_pipe_bind(struct am_pipe *P, const struct am_model *m, int64_t batch, str
     P->hidden = am_model_hidden_elems(m, batch);
     if (P->pp == 1)
         return 0;
-    size_t n = (size_t)P->v * (size_t)P->n_micro * P->hidden;
+    P->n_bufs = P->v == 1 ? P->slots[0] : P->v * P->n_micro;
+    size_t n = (size_t)P->n_bufs * P->hidden;
     P->recv_buf = m->K->alloc(P->hidden * sizeof(float));
     P->out_bufs = m->K->alloc(n * sizeof(float));
     P->grad_bufs = m->K->alloc(n * sizeof(float));
@@ -87,12 +88,22 @@ size_t am_pipe_bytes(const struct am_pipe *P)
 {
     if (P->pp == 1)
         return 0;
-    return (1 + 2 * (size_t)P->v * (size_t)P->n_micro) * P->hidden * sizeof(float);
+    return (1 + 2 * (size_t)P->n_bufs) * P->hidden * sizeof(float);
 }
 
-static float *buf_of(const struct am_pipe *P, float *base, int chunk, int micro)
+/* The buffer a micro-batch's hidden state goes out of (see am_pipe). With one chunk the
+ * buffers are a ring of n_bufs: before one is reused, the send from it (n_bufs sends ago on
+ * that group) is waited for. No rank can wait on another that way: a stage's sends forward
+ * are taken by the next stage's forwards, which need nothing from this stage but the sends
+ * before them, and its sends backward by the previous stage's backwards, which need nothing
+ * but earlier sends either (with interleaving the chunks wrap around: there every micro-batch
+ * and chunk has its own buffer). */
+static float *buf_of(const struct am_pipe *P, struct am_comm *c, float *base, int chunk, int micro)
 {
-    return base + ((size_t)chunk * (size_t)P->n_micro + (size_t)micro) * P->hidden;
+    size_t i = P->v == 1 ? (size_t)(micro % P->n_bufs) : (size_t)chunk * (size_t)P->n_micro + (size_t)micro;
+    if (P->v == 1 && micro >= P->n_bufs && am_send_wait_keep(c, (size_t)P->n_bufs - 1) < 0)
+        return NULL;
+    return base + i * P->hidden;
 }
 
 /* The pp rank of the stage before / after stage s (stage s is on rank s % pp). */
@@ -111,7 +122,9 @@ static int run_forward(struct am_pipe *P, struct am_model *m, const struct am_pi
     int s = a->chunk * P->pp + P->rank;
     size_t N = (size_t)(batch * m->seq_len);
     const float *x_in = NULL;
-    float *x_out = s < P->n_stages - 1 ? buf_of(P, P->out_bufs, a->chunk, a->micro) : NULL;
+    float *x_out = NULL;
+    if (s < P->n_stages - 1 && !(x_out = buf_of(P, P->fwd, P->out_bufs, a->chunk, a->micro)))
+        return comm_fail(P->fwd, err, err_len);
     if (s > 0) {
         if (am_recv(P->fwd, P->recv_buf, P->hidden, AM_F32, prev_rank(P, s)) < 0)
             return comm_fail(P->fwd, err, err_len);
@@ -132,7 +145,9 @@ static int run_backward(struct am_pipe *P, struct am_model *m, const struct am_p
 {
     int s = a->chunk * P->pp + P->rank;
     const float *dy = NULL;
-    float *dx = s > 0 ? buf_of(P, P->grad_bufs, a->chunk, a->micro) : NULL;
+    float *dx = NULL;
+    if (s > 0 && !(dx = buf_of(P, P->bwd, P->grad_bufs, a->chunk, a->micro)))
+        return comm_fail(P->bwd, err, err_len);
     if (s < P->n_stages - 1) {
         if (am_recv(P->bwd, P->recv_buf, P->hidden, AM_F32, next_rank(P, s)) < 0)
             return comm_fail(P->bwd, err, err_len);

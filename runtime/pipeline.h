@@ -4,9 +4,10 @@
  * for activations (forward), one for gradients (backward), so that each group carries one
  * kind of message in one order on both ends. Receives block; sends do not (am_isend), so no
  * two ranks can wait on each other: every schedule here is a valid order of the dependency
- * graph on every rank (tests/train/test_pp_schedule.c simulates them all). Each micro-batch's
- * output and input gradient go out of their own buffer, released when the step's sends are
- * waited for at its end.
+ * graph on every rank (tests/unit/test_pp_schedule.c simulates them all). Sends go out of a
+ * ring of as many buffers as the rank holds micro-batches, each reused once the send from it
+ * is done; with interleaving, every micro-batch and chunk has its own buffer until the end of
+ * the step.
  */
 #ifndef AM_PIPELINE_H
 #define AM_PIPELINE_H
@@ -26,7 +27,9 @@ struct am_pipe {
     int slots[AM_MAX_CHUNKS];        /* per chunk: am_pipe_slots */
     size_t hidden;                   /* elements of one hidden state (am_model_hidden_elems) */
     float *recv_buf;                 /* one hidden state, consumed by the model at once */
-    float *out_bufs, *grad_bufs;     /* [v][n_micro] hidden states sent forward / backward */
+    int n_bufs;                      /* hidden states sent each way: slots (one chunk), or
+                                        v * n_micro (interleaved), see buf_of in pipeline.c */
+    float *out_bufs, *grad_bufs;     /* [n_bufs] hidden states sent forward / backward */
     struct am_comm *fwd, *bwd;       /* the pp group twice: activations, gradients (NULL: pp 1) */
     void (*free_fn)(void *);         /* the kernels' free, for the buffers */
 };

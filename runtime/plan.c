@@ -219,7 +219,11 @@ static int memory_of_rank(const struct am_recipe *r, const struct am_plan *p, in
     } else {
         out->activations = flight * full_layer;
     }
-    out->total = out->weights + out->grads + out->optimizer + out->gathered + out->activations;
+    /* the executor's send buffers each way (a ring of one per slot; with interleaving one per
+     * micro-batch and chunk) and one receive buffer (pipeline.h) */
+    double sends = p->virtual_stages == 1 ? flight / layers : (double)p->virtual_stages * (double)p->n_microbatches;
+    out->p2p = p->pp == 1 ? 0 : (1 + 2 * sends) * tokens * h * cs / (r->dist.sequence_parallel ? tp : 1);
+    out->total = out->weights + out->grads + out->optimizer + out->gathered + out->activations + out->p2p;
     return 0;
 }
 

@@ -66,6 +66,8 @@ struct am_memory {
     double weights, grads, optimizer; /* after data-parallel sharding (am_plan.zero_stage) */
     double gathered;        /* ZeRO-3: unsharded parameters of the layers in flight */
     double activations;     /* saved for backward, at the schedule's peak */
+    double p2p;             /* pipeline: buffers of the hidden states sent to the neighbours
+                               and one received (pipeline.h) */
     double total;
     int pp_rank;            /* which pipeline rank this is */
 };

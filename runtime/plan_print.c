@@ -50,10 +50,13 @@ void am_plan_print(FILE *f, const struct am_recipe *r, const struct am_world *w,
     fprintf(f, "memory/GPU   %s on pp rank %d", am_format_bytes(m->total, a, sizeof(a)), m->pp_rank);
     if (w->gpu_mem > 0)
         fprintf(f, " of %s", am_format_bytes(w->gpu_mem, b, sizeof(b)));
-    fprintf(f, "\n             weights %s, gradients %s, optimizer %s, gathered %s, activations %s\n",
+    fprintf(f, "\n             weights %s, gradients %s, optimizer %s, gathered %s, activations %s",
             am_format_bytes(m->weights, a, sizeof(a)), am_format_bytes(m->grads, b, sizeof(b)),
             am_format_bytes(m->optimizer, c, sizeof(c)), am_format_bytes(m->gathered, d, sizeof(d)),
             am_format_bytes(m->activations, e, sizeof(e)));
+    if (p->pp > 1)
+        fprintf(f, ", pipeline buffers %s", am_format_bytes(m->p2p, a, sizeof(a)));
+    fputc('\n', f);
     fprintf(f, "             %s parameters, %s compute%s\n", am_dtype_name(r->param_dtype),
             am_dtype_name(r->compute_dtype), r->dist.activation_checkpointing ? ", activation checkpointing" : "");
     if (r->dist.strategy != AM_DDP && p->zero_stage == 0)

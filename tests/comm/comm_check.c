@@ -689,12 +689,15 @@ static const struct {
 };
 #define N_PIPE ((int)(sizeof(pipe_msgs) / sizeof(pipe_msgs[0])))
 
-/* Ranks 0..p-2 each start every message to the next rank before receiving anything; ranks
- * 1..p-1 receive them in order and check every value. */
+/* Ranks 0..p-2 each start every message to the next rank, then wait for all but the newest
+ * KEPT of them (am_send_wait_keep: they end, the others stay posted), before receiving
+ * anything; ranks 1..p-1 receive them in order and check every value. */
+#define KEPT 3
 static void test_isend_chain(struct check *k, struct am_comm *c, uint64_t salt)
 {
     int p = am_comm_size(c), r = am_comm_rank(c);
     void *bufs[N_PIPE] = {0};
+    uint64_t ids[N_PIPE] = {0};
     char what[96];
     uint64_t sent0 = r < p - 1 ? c->sent[r + 1] : 0;
     for (int i = 0; r < p - 1 && i < N_PIPE; i++) {
@@ -702,6 +705,19 @@ static void test_isend_chain(struct check *k, struct am_comm *c, uint64_t salt)
         bufs[i] = dev_message(pipe_msgs[i].t, k->info.rank, salt + (uint64_t)i, pipe_msgs[i].n);
         if (am_isend(c, bufs[i], pipe_msgs[i].n, pipe_msgs[i].t, r + 1) < 0)
             die_call(k, c, what);
+        ids[i] = atomic_load(&k->flight.newest);
+    }
+    if (r < p - 1) {
+        if (am_send_wait_keep(c, KEPT) < 0)
+            die_call(k, c, "isend chain: send_wait_keep");
+        k->checks++;
+        if (c->n_pending != KEPT)
+            failf(k, "isend chain: %zu sends pending after am_send_wait_keep(%d)", c->n_pending, KEPT);
+        for (int i = 0; i < N_PIPE; i++) {
+            snprintf(what, sizeof(what), "isend chain message %d after send_wait_keep", i);
+            check_flight(k, c, what, ids[i], r + 1, sent0 + (uint64_t)i + 1,
+                         i < N_PIPE - KEPT ? AM_FLIGHT_COMPLETED : AM_FLIGHT_POSTED);
+        }
     }
     for (int i = 0; r > 0 && i < N_PIPE; i++) {
         snprintf(what, sizeof(what), "isend chain message %d (n=%zu)", i, pipe_msgs[i].n);

@@ -60,7 +60,7 @@ check "json carries errors" 1 \
     '{"errors":["--set distributed.ep_size=2: distributed.ep_size: 2 needs a mixture-of-experts model; llama has no experts (use ep_size: 1)"]' \
     -- "$bin" "$recipes/llama70b.yaml" --nodes 8 --gpus-per-node 8 --set distributed.ep_size=2 --json
 check "too little GPU memory names the fix" 1 \
-    "error: $recipes/llama70b.yaml: estimated memory per GPU 128.8 GiB exceeds the GPU's 80.0 GiB by 48.8 GiB; it fits with distributed.activation_checkpointing=true (38.3 GiB), distributed.sequence_parallel=true (58.8 GiB)" \
+    "error: $recipes/llama70b.yaml: estimated memory per GPU 131.0 GiB exceeds the GPU's 80.0 GiB by 51.0 GiB; it fits with distributed.activation_checkpointing=true (40.6 GiB), distributed.sequence_parallel=true (59.1 GiB)" \
     -- "$bin" "$recipes/llama70b.yaml" --nodes 8 --gpus-per-node 8 --gpu-mem 80G \
     --set distributed.activation_checkpointing=false --set distributed.sequence_parallel=false \
     --set step_scheduler.local_batch_size=16 --set distributed.pipeline.pp_microbatch_size=2
@@ -77,7 +77,7 @@ check "tiny_moe with experts" 0 "ep 2 (ep_shard 2)" -- "$bin" "$recipes/tiny_moe
 check "llama3_8b on 8 GPUs fits 141G" 0 "memory/GPU   125.8 GiB on pp rank 0 of 141.0 GiB" \
     -- "$bin" "$recipes/llama3_8b.yaml" --gpu-mem 141G
 check "llama3_8b on 8 GPUs exceeds 80G" 1 \
-    "error: $recipes/llama3_8b.yaml: estimated memory per GPU 125.8 GiB exceeds the GPU's 80.0 GiB by 45.8 GiB; it fits with distributed.pp_size=2 (62.9 GiB), distributed.tp_size=2 (65.1 GiB)" \
+    "error: $recipes/llama3_8b.yaml: estimated memory per GPU 125.8 GiB exceeds the GPU's 80.0 GiB by 45.8 GiB; it fits with distributed.pp_size=2 (63.2 GiB), distributed.tp_size=2 (65.1 GiB)" \
     -- "$bin" "$recipes/llama3_8b.yaml" --gpu-mem 80G
 check "fsdp2 says it keeps full replicas" 0 \
     "note         fsdp2 does not shard yet: each data-parallel rank keeps full weights, gradients and optimizer state, as ddp does, and the memory above counts them" \

@@ -4,6 +4,7 @@
  * papers say (1F1B: at most pp - rank micro-batches). */
 #include <setjmp.h>
 #include <stdarg.h>
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -63,10 +64,13 @@ struct msg {
 };
 
 /* Runs every rank's list: a forward of stage s > 0 waits for the forward of s - 1, a backward
- * of stage s < last for the backward of s + 1 (blocking receives); sends never wait. Fails
- * on a deadlock. Records, per directed pair of ranks and direction, the order of sends and of
- * receives, which must agree (the p2p sequence numbers match them up). */
-static void simulate(const struct sched *S)
+ * of stage s < last for the backward of s + 1 (blocking receives); sends never wait, but with
+ * `ring` (the executor's ring of send buffers, one chunk per rank: pipeline.c) a rank that is
+ * about to reuse the buffer of micro-batch i - slots waits until that one was received (the
+ * next stage ran its forward of it, or the previous stage its backward). Fails on a deadlock.
+ * Records, per directed pair of ranks and direction, the order of sends and of receives,
+ * which must agree (the p2p sequence numbers match them up). */
+static void simulate(const struct sched *S, bool ring)
 {
     int pos[8] = {0}, done_f[16][64] = {{0}}, done_b[16][64] = {{0}};
     static struct msg sent[2][8][8][MAXA], recvd[2][8][8][MAXA];
@@ -85,6 +89,10 @@ static void simulate(const struct sched *S)
                 int has_input = fwd ? s > 0 : s < last;
                 if (has_input && !(fwd ? done_f[from][i] : done_b[from][i]))
                     break; /* blocked in the receive */
+                int slots = am_pipe_slots(S->a[r], S->n[r], 0), to = fwd ? s + 1 : s - 1;
+                if (ring && (fwd ? s < last : s > 0) && i >= slots &&
+                    !(fwd ? done_f[to][i - slots] : done_b[to][i - slots]))
+                    break; /* waiting for the send from the buffer it reuses */
                 int d = fwd ? 0 : 1;
                 if (has_input) {
                     int src = from % S->pp;
@@ -124,7 +132,8 @@ static void test_gpipe(void **state)
         for (int m = 1; m <= 12; m++) {
             build(&S, AM_PP_GPIPE, pp, 1, m);
             check_complete(&S);
-            simulate(&S);
+            simulate(&S, false);
+            simulate(&S, true);
             for (int r = 0; r < pp; r++) {
                 assert_int_equal(am_pipe_peak(S.a[r], S.n[r]), m);
                 assert_int_equal(am_pipe_slots(S.a[r], S.n[r], 0), m);
@@ -140,7 +149,8 @@ static void test_1f1b(void **state)
         for (int m = 1; m <= 12; m++) {
             build(&S, AM_PP_1F1B, pp, 1, m);
             check_complete(&S);
-            simulate(&S);
+            simulate(&S, false);
+            simulate(&S, true);
             for (int r = 0; r < pp; r++)
                 assert_int_equal(am_pipe_peak(S.a[r], S.n[r]), min(m, pp - r));
         }
@@ -165,7 +175,7 @@ static void test_interleaved(void **state)
             for (int m = pp; m <= 4 * pp; m += pp) {
                 build(&S, AM_PP_INTERLEAVED_1F1B, pp, v, m);
                 check_complete(&S);
-                simulate(&S);
+                simulate(&S, false);
                 for (int r = 0; r < pp; r++) {
                     int warm = m == pp ? m * v : min((pp - r - 1) * 2 + (v - 1) * pp, m * v);
                     assert_int_equal(am_pipe_peak(S.a[r], S.n[r]), min(warm + 1, m * v));
