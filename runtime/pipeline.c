@@ -67,8 +67,8 @@ int am_pipe_bind(struct am_pipe *P, const struct am_model *m, int64_t batch, str
     P->out_bufs = m->K->alloc(n * sizeof(float));
     P->grad_bufs = m->K->alloc(n * sizeof(float));
     if (!P->recv_buf || !P->out_bufs || !P->grad_bufs)
-        return am_fail(err, err_len, "pipeline: out of memory for %zu hidden states of %zu elements", 2 * n / P->hidden,
-                    P->hidden);
+        return am_fail(err, err_len, "pipeline: out of memory for %d hidden states of %zu elements", 1 + 2 * P->n_bufs,
+                       P->hidden);
     P->free_fn = m->K->free;
     return 0;
 }
@@ -131,8 +131,9 @@ static int run_forward(struct am_pipe *P, struct am_model *m, const struct am_pi
         x_in = P->recv_buf;
     }
     double loss = 0;
-    if (am_model_forward(m, a->chunk, a->micro % P->slots[a->chunk], batch, tokens + a->micro * N, targets + a->micro * N,
-                         x_in, x_out, dloss_scale, &loss, err, err_len) < 0)
+    const int32_t *tok = tokens + a->micro * N, *tgt = targets + a->micro * N;
+    if (am_model_forward(m, a->chunk, a->micro % P->slots[a->chunk], batch, tok, tgt, x_in, x_out, dloss_scale, &loss,
+                         err, err_len) < 0)
         return -1;
     *loss_sum += loss;
     if (x_out && am_isend(P->fwd, x_out, P->hidden, AM_F32, next_rank(P, s)) < 0)

@@ -53,8 +53,8 @@ struct trainer {
 static int check_supported(const struct am_plan *p, struct am_errors *err)
 {
     if (p->cp > 1 || p->ep > 1)
-        return am_errors_fail(err, "am-train does not run this layout yet: cp_size %d, ep_size %d (it runs data, tensor and "
-                    "pipeline parallelism: use 1 for both)", p->cp, p->ep);
+        return am_errors_fail(err, "am-train does not run this layout yet: cp_size %d, ep_size %d (it runs data, "
+                              "tensor and pipeline parallelism: use 1 for both)", p->cp, p->ep);
     return 0;
 }
 

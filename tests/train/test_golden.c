@@ -285,6 +285,31 @@ static void check_save(const char *name)
     close_golden(&G);
 }
 
+/* The model refuses misuse with exact messages: chunks that are not runs of layers in model
+ * order, a slot outside a chunk's slots, a backward with no forward before it. */
+static void test_model_refuses(void **state)
+{
+    (void)state;
+    struct golden G;
+    open_golden(&G, "llama_tp"); /* 4 layers */
+    char msg[512];
+    struct am_model m;
+    struct am_model_shard sh = {.tp = 1, .n_chunks = 2, .chunks = {{2, 2, 1}, {0, 1, 1}}};
+    assert_int_equal(am_model_init(&m, &G.recipe->model, &sh, G.K, NULL, NULL, G.B, G.T, msg, sizeof(msg)), -1);
+    assert_string_equal(msg, "model: chunk 1 (layers 0..0) is not a run of layers after the previous chunk within the "
+                             "model's 4");
+    double loss;
+    assert_int_equal(am_model_forward(&G.m, 0, 1, G.B, G.tokens, G.targets, NULL, NULL, 1.0f, &loss, msg,
+                                      sizeof(msg)), -1);
+    assert_string_equal(msg, "model: slot 1 of chunk 0 out of range (1 slots)");
+    assert_int_equal(am_model_forward(&G.m, 0, 0, G.B + 1, G.tokens, G.targets, NULL, NULL, 1.0f, &loss, msg,
+                                      sizeof(msg)), -1);
+    assert_string_equal(msg, "model: a micro-batch of 48 tokens; this model was built for up to 32");
+    assert_int_equal(am_model_backward(&G.m, 0, 0, NULL, NULL, 1.0f, msg, sizeof(msg)), -1);
+    assert_string_equal(msg, "model: backward of slot 0 of chunk 0, which holds no forward");
+    close_golden(&G);
+}
+
 #define CASE(name)                                                                                                 \
     static void test_##name##_forward_backward(void **s) { (void)s; check_forward_backward(#name); }            \
     static void test_##name##_adamw(void **s) { (void)s; check_adamw(#name, false); }                            \
@@ -302,6 +327,7 @@ CASE(llama_tp)
 
 int main(void)
 {
-    const struct CMUnitTest tests[] = {TESTS(llama_gqa), TESTS(llama_tied), TESTS(llama3_scaling), TESTS(llama_tp)};
+    const struct CMUnitTest tests[] = {TESTS(llama_gqa), TESTS(llama_tied), TESTS(llama3_scaling), TESTS(llama_tp),
+                                       cmocka_unit_test(test_model_refuses)};
     return cmocka_run_group_tests_name("golden", tests, NULL, NULL);
 }
