@@ -104,25 +104,24 @@ static size_t layout_acts(struct am_model *m, char *base)
     int64_t N = m->max_tokens, R = stream_rows(m, N), C = m->cfg.hidden_size, D = m->head_dim;
     int64_t Q = m->heads * D, KV = m->kv_heads * D, I = m->inter, T = m->seq_len;
     struct slab c = {.base = base, .dev = m->K->device};
-    for (int s = 0; s < m->n_slots; s++) {
-        struct am_slot *S = &m->slots[s];
-        int chunk = 0;
-        while (chunk + 1 < m->sh.n_chunks && m->slot_base[chunk + 1] <= s)
-            chunk++;
-        for (int l = 0; l < m->sh.chunks[chunk].n_layers; l++) {
-            S->acts[l].x_in = carve(&c, AM_T_F32, R, C, 0, 0);
-            if (!m->sh.recompute)
-                carve_layer(m, &c, &S->acts[l]);
-        }
-        if (m->sh.first_stage && chunk == 0)
-            S->tokens = carve(&c, AM_T_I32, N, 0, 0, 0);
-        if (m->sh.last_stage && chunk == m->sh.n_chunks - 1) {
-            S->targets = carve(&c, AM_T_I32, N, 0, 0, 0);
-            S->xf = carve(&c, AM_T_F32, R, C, 0, 0);
-            S->hf = carve(&c, AM_T_F32, N, C, 0, 0);
-            S->rstdf = carve(&c, AM_T_F32, R, 0, 0, 0);
-            S->ce_m = carve(&c, AM_T_F32, N, 0, 0, 0);
-            S->ce_s = carve(&c, AM_T_F32, N, 0, 0, 0);
+    for (int k = 0; k < m->sh.n_chunks; k++) {
+        for (int s = 0; s < m->sh.chunks[k].slots; s++) {
+            struct am_slot *S = &m->slots[m->slot_base[k] + s];
+            for (int l = 0; l < m->sh.chunks[k].n_layers; l++) {
+                S->acts[l].x_in = carve(&c, AM_T_F32, R, C, 0, 0);
+                if (!m->sh.recompute)
+                    carve_layer(m, &c, &S->acts[l]);
+            }
+            if (m->sh.first_stage && k == 0)
+                S->tokens = carve(&c, AM_T_I32, N, 0, 0, 0);
+            if (m->sh.last_stage && k == m->sh.n_chunks - 1) {
+                S->targets = carve(&c, AM_T_I32, N, 0, 0, 0);
+                S->xf = carve(&c, AM_T_F32, R, C, 0, 0);
+                S->hf = carve(&c, AM_T_F32, N, C, 0, 0);
+                S->rstdf = carve(&c, AM_T_F32, R, 0, 0, 0);
+                S->ce_m = carve(&c, AM_T_F32, N, 0, 0, 0);
+                S->ce_s = carve(&c, AM_T_F32, N, 0, 0, 0);
+            }
         }
     }
     if (m->sh.recompute) {
