@@ -781,6 +781,11 @@ static int sum_tied_copies(struct am_model *m, char *err, size_t err_len)
     return 0;
 }
 
+bool am_model_is_tied_copy(const struct am_model *m, const struct am_param *p)
+{
+    return m->cfg.tie_word_embeddings && p == m->head && p != m->embed;
+}
+
 static bool tied_across_stages(const struct am_model *m)
 {
     return m->pp_comm && m->cfg.tie_word_embeddings && m->sh.first_stage != m->sh.last_stage;
@@ -829,7 +834,7 @@ int am_model_grad_sumsq(struct am_model *m, double *sumsq, char *err, size_t err
     double local = 0;
     for (int i = 0; i < m->n_params; i++) {
         const struct am_param *p = &m->params[i];
-        if (p == m->head && p != m->embed && tied_across_stages(m))
+        if (am_model_is_tied_copy(m, p))
             continue; /* the first stage counts the tied embedding */
         local += m->K->sum_squares(&p->g) / (double)p->copies_in_tp;
     }

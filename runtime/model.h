@@ -193,6 +193,10 @@ int am_model_finish_grads(struct am_model *m, char *err, size_t err_len);
  * group, then the pp group. -1 with a message on a comm error. */
 int am_model_grad_sumsq(struct am_model *m, double *sumsq, char *err, size_t err_len);
 
+/* True for the last stage's copy of a tied embedding held by another rank (the first stage
+ * holds the tensor itself): it is saved, and counted in norms, once, by the first stage. */
+bool am_model_is_tied_copy(const struct am_model *m, const struct am_param *p);
+
 /* The index of a parameter by Hugging Face name, or -1. */
 int am_model_find(const struct am_model *m, const char *name);
 

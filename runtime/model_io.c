@@ -30,8 +30,6 @@ int am_model_load_hf(struct am_model *m, const char *dir, struct am_errors *err)
     size_t before = err->n;
     for (int i = 0; i < m->n_params; i++) {
         struct am_param *p = &m->params[i];
-        if (i > 0 && p == m->head && m->head == m->embed)
-            continue;
         int64_t n = am_tensor_numel(&p->w);
         float *host = malloc((size_t)n * sizeof(float));
         if (!host) {
@@ -53,13 +51,6 @@ int am_model_load_hf(struct am_model *m, const char *dir, struct am_errors *err)
 }
 
 /* ---- saving: every pp rank's tensors, gathered over tp, streamed to one writer ---------------- */
-
-/* Written to the checkpoint: every parameter but the tied embedding's copy on the last stage
- * (the first stage writes the embedding). */
-static bool written(const struct am_model *m, const struct am_param *p)
-{
-    return !(m->cfg.tie_word_embeddings && p == m->head && p != m->embed);
-}
 
 /* One tensor of a pp rank's list as it travels to the writer (sent as int64 elements). */
 struct wire_tensor {
@@ -140,7 +131,7 @@ static int saver_init(struct saver *s, const struct am_model *m, struct am_comm 
     if (!s->which || !s->count)
         goto oom;
     for (int i = 0; i < m->n_params; i++)
-        if (written(m, &m->params[i]))
+        if (!am_model_is_tied_copy(m, &m->params[i]))
             s->which[s->n++] = i;
     if (!(s->origin = malloc((size_t)s->tp_size * (size_t)(2 * s->n + 1) * sizeof(int64_t))))
         goto oom;
