@@ -23,7 +23,17 @@
 
 char *openblas_get_corename(void);
 
-static const struct am_kernels *K;
+static struct am_dev kdev; /* the CPU's device context */
+static const struct am_kernels *K; /* kdev.k */
+
+/* The device-scalar reductions, read back at once. */
+static double sum_squares(const struct am_tensor *t)
+{
+    double acc = 0;
+    struct am_tensor a = am_tensor_view(&acc, AM_DEV_CPU, AM_T_F64, 1, 0, 0, 0);
+    K->sum_squares(&kdev, &a, t, 1.0);
+    return acc;
+}
 
 enum { NB = 4, NT = 256, NC = 512, NH = 8, NKV = 4, ND = 64, NI = 1408, NV = 8192, NL = 4, NN = NB * NT };
 
@@ -41,7 +51,7 @@ static double now(void)
 
 static float *buf(int64_t n, unsigned seed)
 {
-    float *p = K->alloc((size_t)n * sizeof(float));
+    float *p = K->alloc(&kdev, (size_t)n * sizeof(float));
     if (!p) {
         fprintf(stderr, "bench/kernels: out of memory for %lld floats\n", (long long)n);
         exit(1);
@@ -104,7 +114,12 @@ int main(int argc, char **argv)
     if (getenv("AM_BENCH_CPUTIME") && strcmp(getenv("AM_BENCH_CPUTIME"), "1") == 0)
         bench_clock = CLOCK_PROCESS_CPUTIME_ID;
     int nth = omp_get_max_threads();
-    K = am_kernels_for(AM_DEV_CPU); /* (sets OpenBLAS to one thread; the peer below resets it) */
+    char msg[256];
+    if (am_dev_open(&kdev, AM_DEV_CPU, -1, msg, sizeof(msg)) < 0) {
+        fprintf(stderr, "bench/kernels: %s\n", msg);
+        return 1;
+    }
+    K = kdev.k; /* (the CPU backend sets OpenBLAS to one thread; the peer below resets it) */
 
     float *x = buf(NN * NI, 1), *w = buf(NI * NC, 2), *y = buf(NN * NI, 3);
     /* the peer: OpenBLAS's own threads */
@@ -147,10 +162,10 @@ int main(int argc, char **argv)
         struct am_tensor tdx = f32(dx, NN, lin[l].in, 0, 0), tdw = f32(dw, lin[l].out, lin[l].in, 0, 0);
         int count = (l == 3 ? 1 : 2) * NL;
         double fl = 2.0 * NN * lin[l].in * lin[l].out;
-        ADD(lin[l].fwd, K->matmul_forward(&ty, &tx, &tw), fl, count);
-        ADD(lin[l].bwd, K->matmul_backward(&tdx, &tdw, &ty, &tx, &tw), 2 * fl, count);
-        K->free(dx);
-        K->free(dw);
+        ADD(lin[l].fwd, K->matmul_forward(&kdev, &ty, &tx, &tw), fl, count);
+        ADD(lin[l].bwd, K->matmul_backward(&kdev, &tdx, &tdw, &ty, &tx, &tw), 2 * fl, count);
+        K->free(&kdev, dx);
+        K->free(&kdev, dw);
     }
 
     /* attention */
@@ -160,30 +175,30 @@ int main(int argc, char **argv)
     struct am_tensor to = f32(o, NB, NT, NH, ND), tl = f32(lse, NB, NH, NT, 0), tdq = f32(dq, NB, NT, NH, ND);
     struct am_tensor tdk = f32(dk, NB, NT, NKV, ND), tdv = f32(dv, NB, NT, NKV, ND);
     double pairs = (double)NB * NH * NT * (NT + 1) / 2 * ND; /* (query, key, d) triples under the mask */
-    ADD("attention fwd (causal, GQA 2)", K->attention_forward(&to, &tl, &tq, &tk, &tv), 4 * pairs, NL);
-    ADD("attention bwd", K->attention_backward(&tdq, &tdk, &tdv, &to, &to, &tl, &tq, &tk, &tv), 10 * pairs, NL);
+    ADD("attention fwd (causal, GQA 2)", K->attention_forward(&kdev, &to, &tl, &tq, &tk, &tv), 4 * pairs, NL);
+    ADD("attention bwd", K->attention_backward(&kdev, &tdq, &tdk, &tdv, &to, &to, &tl, &tq, &tk, &tv), 10 * pairs, NL);
 
     /* rope */
     float *cs = buf(NT * ND / 2, 14), *sn = buf(NT * ND / 2, 15);
     struct am_tensor tcs = f32(cs, NT, ND / 2, 0, 0), tsn = f32(sn, NT, ND / 2, 0, 0);
-    K->rope_tables(&tcs, &tsn, 10000.0, NULL);
+    K->rope_tables(&kdev, &tcs, &tsn, 10000.0, NULL);
     /* per layer: forward on q and k (k half of q's size), backward on dq and dk */
     double rope_q;
-    TIME(rope_q, K->rope_forward(&tq, &tcs, &tsn));
+    TIME(rope_q, K->rope_forward(&kdev, &tq, &tcs, &tsn));
     rows[nr++] = make_row("rope fwd+bwd on q, k (3x rope(q))", 3 * rope_q, 0, NL);
 
     /* rmsnorm, swiglu, residual add */
     float *r = buf(NN, 16), *nw = buf(NC, 17), *dnw = buf(NC, 18);
     struct am_tensor tx512 = f32(x, NN, NC, 0, 0), ty512 = f32(y, NN, NC, 0, 0), tr = f32(r, NN, 0, 0, 0);
     struct am_tensor tnw = f32(nw, NC, 0, 0, 0), tdnw = f32(dnw, NC, 0, 0, 0), tdq512 = f32(dq, NN, NC, 0, 0);
-    ADD("rmsnorm fwd", K->rmsnorm_forward(&ty512, &tr, &tx512, &tnw, 1e-5f), 0, 2 * NL + 1);
-    ADD("rmsnorm bwd", K->rmsnorm_backward(&tdq512, &tdnw, &ty512, &tx512, &tnw, &tr), 0, 2 * NL + 1);
-    ADD("residual add [1024, 512]", K->add(&ty512, &tx512), 0, 4 * NL);
+    ADD("rmsnorm fwd", K->rmsnorm_forward(&kdev, &ty512, &tr, &tx512, &tnw, 1e-5f), 0, 2 * NL + 1);
+    ADD("rmsnorm bwd", K->rmsnorm_backward(&kdev, &tdq512, &tdnw, &ty512, &tx512, &tnw, &tr), 0, 2 * NL + 1);
+    ADD("residual add [1024, 512]", K->add(&kdev, &ty512, &tx512), 0, 4 * NL);
     float *g = buf(NN * NI, 19), *u = buf(NN * NI, 20), *dg = buf(NN * NI, 21), *du = buf(NN * NI, 22);
     struct am_tensor tg = f32(g, NN, NI, 0, 0), tu = f32(u, NN, NI, 0, 0), tdg = f32(dg, NN, NI, 0, 0);
     struct am_tensor tdu = f32(du, NN, NI, 0, 0), tyI = f32(y, NN, NI, 0, 0);
-    ADD("swiglu fwd", K->swiglu_forward(&tyI, &tg, &tu), 0, NL);
-    ADD("swiglu bwd", K->swiglu_backward(&tdg, &tdu, &tyI, &tg, &tu), 0, NL);
+    ADD("swiglu fwd", K->swiglu_forward(&kdev, &tyI, &tg, &tu), 0, NL);
+    ADD("swiglu bwd", K->swiglu_backward(&kdev, &tdg, &tdu, &tyI, &tg, &tu), 0, NL);
 
     /* embedding, cross-entropy */
     int32_t *ids = malloc(NN * sizeof(int32_t));
@@ -192,13 +207,13 @@ int main(int argc, char **argv)
     struct am_tensor tids = am_tensor_view(ids, AM_DEV_CPU, AM_T_I32, NN, 0, 0, 0);
     float *wte = buf(NV * NC, 23), *dwte = buf(NV * NC, 24);
     struct am_tensor twte = f32(wte, NV, NC, 0, 0), tdwte = f32(dwte, NV, NC, 0, 0);
-    ADD("embedding fwd", K->embedding_forward(&ty512, &tids, &twte, 0), 0, 1);
-    ADD("embedding bwd", K->embedding_backward(&tdwte, &ty512, &tids, 0), 0, 1);
+    ADD("embedding fwd", K->embedding_forward(&kdev, &ty512, &tids, &twte, 0), 0, 1);
+    ADD("embedding bwd", K->embedding_backward(&kdev, &tdwte, &ty512, &tids, 0), 0, 1);
     float *m = buf(NN, 25), *s = buf(NN, 26), *t = buf(NN, 27);
     struct am_tensor tm = f32(m, NN, 0, 0, 0), ts = f32(s, NN, 0, 0, 0), tt = f32(t, NN, 0, 0, 0);
-    ADD("ce_stats (fused head 512->8192)", K->ce_stats(&tm, &ts, &tt, &tx512, &twte, &tids, 0), 2.0 * NN * NV * NC, 1);
+    ADD("ce_stats (fused head 512->8192)", K->ce_stats(&kdev, &tm, &ts, &tt, &tx512, &twte, &tids, 0), 2.0 * NN * NV * NC, 1);
     ADD("ce_backward (recompute, dx, dw)",
-        K->ce_backward(&tdq512, &tdwte, &tx512, &twte, &tids, 0, &tm, &ts, 1.0f / NN), 6.0 * NN * NV * NC, 1);
+        K->ce_backward(&kdev, &tdq512, &tdwte, &tx512, &twte, &tids, 0, &tm, &ts, 1.0f / NN), 6.0 * NN * NV * NC, 1);
 
     /* optimizer over every parameter (untied head) */
     int64_t params = 2LL * NV * NC + NL * (2LL * NC * NC + 2LL * NC * NKV * ND + 3LL * NC * NI + 2 * NC) + NC;
@@ -207,9 +222,9 @@ int main(int argc, char **argv)
     struct am_tensor tpv = f32(pv, params, 0, 0, 0);
     for (int64_t i = 0; i < params; i++)
         pm[i] = pv[i] = 0.0f;
-    ADD("adamw (all parameters)", K->adamw(&tp, &tpg, &tpm, &tpv, 1e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, 10), 0, 1);
-    ADD("sum_squares (grad norm)", (void)K->sum_squares(&tpg), 0, 1);
-    ADD("zero (gradients)", K->zero(&tpg), 0, 1);
+    ADD("adamw (all parameters)", K->adamw(&kdev, &tp, &tpg, &tpm, &tpv, 1e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, 10), 0, 1);
+    ADD("sum_squares (grad norm)", sum_squares(&tpg), 0, 1);
+    ADD("zero (gradients)", K->zero(&kdev, &tpg), 0, 1);
 
     double step = 0.0, matmul_s = 0.0, flops_matmul = 0.0;
     for (int i = 0; i < nr; i++) {

@@ -1,6 +1,14 @@
 /* kernels.h - the math of a Llama-style transformer, forward beside backward, behind one
- * table of functions per device. The model never calls a backend directly: it asks
- * am_kernels_for(device) for the table and calls through it.
+ * table of functions per device. The model never calls a backend directly: it holds a device
+ * context (struct am_dev, opened with am_dev_open) and calls through the context's table,
+ * passing the context to every kernel.
+ *
+ * Device contexts. A context is where kernels run and what they may use there: the device,
+ * a stream (CUDA: every kernel is enqueued on it, in call order), a BLAS handle and a
+ * workspace. The CPU backend needs none of them and runs each kernel to completion in the
+ * call. Kernels do not synchronise with the host: results that the host needs (the loss, the
+ * gradient norm, the finiteness of the gradients) are reductions into device scalars that the
+ * caller reads once per step (download, which waits for the stream).
  *
  * Conventions (the same for every backend):
  *   - Shapes are given by the tensors; 2-d [rows, cols] row-major unless said otherwise.
@@ -12,7 +20,8 @@
  *   - Tensor parallelism is expressed by the caller (the sharded shapes and the collectives
  *     around the calls); the vocabulary-parallel pieces take the shard's first vocabulary id.
  *   - Parameters, gradients and activations are AM_T_F32 on the CPU backend; token ids
- *     and targets are AM_T_I32. A target < 0 is ignored (no loss, no gradient).
+ *     and targets are AM_T_I32. A target < 0 is ignored (no loss, no gradient). Device
+ *     scalars are one-element tensors: AM_T_F64 accumulators, AM_T_I32 flags.
  * A tensor of the wrong device, dtype or shape is a bug in the caller: the backend names the
  * kernel, the tensor and the rule on stderr and aborts (the functions return no status).
  */
@@ -31,43 +40,76 @@ struct am_rope_scaling {
     long original_max_position_embeddings;
 };
 
+struct am_kernels;
+
+/* A device context (see above). One per rank for now; a later stream for communication
+ * gets a context of its own on the same device. */
+struct am_dev {
+    const struct am_kernels *k; /* the backend's table */
+    enum am_device device;
+    int ordinal;                /* the CUDA device; -1 on the CPU */
+    void *stream;               /* cudaStream_t; NULL on the CPU */
+    void *blas;                 /* cublasLtHandle_t; NULL on the CPU */
+    void *workspace;            /* scratch for the backend (GEMM workspace); NULL on the CPU */
+    size_t workspace_bytes;
+};
+
+/* Opens a context on a device (ordinal: the CUDA device, ignored on the CPU). Returns 0, or
+ * -1 with a message naming the device and why (no such backend in this build, no device). */
+int am_dev_open(struct am_dev *d, enum am_device device, int ordinal, char *err, size_t err_len);
+void am_dev_close(struct am_dev *d);
+const char *am_device_name(enum am_device device);
+
 struct am_kernels {
     const char *name;
     enum am_device device;
+    /* the backend's part of am_dev_open / am_dev_close (NULL: nothing to do) */
+    int (*open)(struct am_dev *d, char *err, size_t err_len);
+    void (*close)(struct am_dev *d);
+    /* waits until every kernel enqueued on d has finished (the CPU: returns at once) */
+    void (*sync)(const struct am_dev *d);
 
     /* ---- memory ---- */
-    void *(*alloc)(size_t bytes); /* zeroed; NULL when out of memory */
-    void (*free)(void *p);
-    void (*upload)(void *dst, const void *host_src, size_t bytes);
-    void (*download)(void *host_dst, const void *src, size_t bytes);
-    void (*zero)(struct am_tensor *t);
-    void (*copy)(struct am_tensor *dst, const struct am_tensor *src);
+    void *(*alloc)(const struct am_dev *d, size_t bytes); /* zeroed; NULL when out of memory */
+    void (*free)(const struct am_dev *d, void *p);
+    /* host -> device and device -> host copies, in stream order; download returns when the
+     * bytes are on the host (it waits for the kernels before it) */
+    void (*upload)(const struct am_dev *d, void *dst, const void *host_src, size_t bytes);
+    void (*download)(const struct am_dev *d, void *host_dst, const void *src, size_t bytes);
+    void (*zero)(const struct am_dev *d, struct am_tensor *t);
+    void (*copy)(const struct am_dev *d, struct am_tensor *dst, const struct am_tensor *src);
 
     /* ---- element-wise and reductions ---- */
-    void (*add)(struct am_tensor *dst, const struct am_tensor *src);      /* dst += src */
-    void (*scale)(struct am_tensor *t, float s);                          /* t *= s */
-    double (*sum_squares)(const struct am_tensor *t);                     /* in double */
-    bool (*all_finite)(const struct am_tensor *t);
+    void (*add)(const struct am_dev *d, struct am_tensor *dst, const struct am_tensor *src); /* dst += src */
+    void (*scale)(const struct am_dev *d, struct am_tensor *t, float s);                     /* t *= s */
+    /* dst = src converted to dst's dtype (same number of elements): f64 <-> f32, f32 <-> bf16
+     * (round to nearest even), or a plain copy when the dtypes match */
+    void (*convert)(const struct am_dev *d, struct am_tensor *dst, const struct am_tensor *src);
+    /* acc (one f64) += (Σ t², squares and sum in double, in an order that does not depend on
+     * the threads) / div */
+    void (*sum_squares)(const struct am_dev *d, struct am_tensor *acc, const struct am_tensor *t, double div);
+    /* flag (one i32) = 0 when t holds an Inf or a NaN; left as it is otherwise */
+    void (*all_finite)(const struct am_dev *d, struct am_tensor *flag, const struct am_tensor *t);
 
     /* ---- linear layers: y = x · wᵀ (torch.nn.Linear without bias) ----
      * x [M, K], w [N, K], y [M, N].  backward: dx += dy · w,  dw += dyᵀ · x (either NULL). */
-    void (*matmul_forward)(struct am_tensor *y, const struct am_tensor *x, const struct am_tensor *w);
-    void (*matmul_backward)(struct am_tensor *dx, struct am_tensor *dw, const struct am_tensor *dy,
+    void (*matmul_forward)(const struct am_dev *d, struct am_tensor *y, const struct am_tensor *x, const struct am_tensor *w);
+    void (*matmul_backward)(const struct am_dev *d, struct am_tensor *dx, struct am_tensor *dw, const struct am_tensor *dy,
                             const struct am_tensor *x, const struct am_tensor *w);
 
     /* ---- embedding (vocabulary-parallel) ----
      * ids [N] int32; wte [V_shard, C] holds ids vocab_start .. vocab_start + V_shard - 1;
      * out [N, C]: the row for ids in the shard, zero for the others (the caller sums over tp). */
-    void (*embedding_forward)(struct am_tensor *out, const struct am_tensor *ids, const struct am_tensor *wte,
+    void (*embedding_forward)(const struct am_dev *d, struct am_tensor *out, const struct am_tensor *ids, const struct am_tensor *wte,
                               int64_t vocab_start);
-    void (*embedding_backward)(struct am_tensor *dwte, const struct am_tensor *dout, const struct am_tensor *ids,
+    void (*embedding_backward)(const struct am_dev *d, struct am_tensor *dwte, const struct am_tensor *dout, const struct am_tensor *ids,
                                int64_t vocab_start);
 
     /* ---- RMSNorm: out = x / sqrt(mean(x²) + eps) * w ----
      * x, out [N, C], w [C], rstd [N] (saved for backward, fp32). */
-    void (*rmsnorm_forward)(struct am_tensor *out, struct am_tensor *rstd, const struct am_tensor *x,
+    void (*rmsnorm_forward)(const struct am_dev *d, struct am_tensor *out, struct am_tensor *rstd, const struct am_tensor *x,
                             const struct am_tensor *w, float eps);
-    void (*rmsnorm_backward)(struct am_tensor *dx, struct am_tensor *dw, const struct am_tensor *dout,
+    void (*rmsnorm_backward)(const struct am_dev *d, struct am_tensor *dx, struct am_tensor *dw, const struct am_tensor *dout,
                              const struct am_tensor *x, const struct am_tensor *w, const struct am_tensor *rstd);
 
     /* ---- rotary position embedding, Hugging Face's rotate-half layout ----
@@ -75,25 +117,25 @@ struct am_kernels {
      * head of size D, with
      * rope_theta and optional Llama 3 / linear scaling, exactly as transformers computes them.
      * x [B, T, H, D] is rotated in place; backward rotates the gradient by the opposite angle. */
-    void (*rope_tables)(struct am_tensor *cos, struct am_tensor *sin, double theta,
+    void (*rope_tables)(const struct am_dev *d, struct am_tensor *cos, struct am_tensor *sin, double theta,
                         const struct am_rope_scaling *scaling);
-    void (*rope_forward)(struct am_tensor *x, const struct am_tensor *cos, const struct am_tensor *sin);
-    void (*rope_backward)(struct am_tensor *dx, const struct am_tensor *cos, const struct am_tensor *sin);
+    void (*rope_forward)(const struct am_dev *d, struct am_tensor *x, const struct am_tensor *cos, const struct am_tensor *sin);
+    void (*rope_backward)(const struct am_dev *d, struct am_tensor *dx, const struct am_tensor *cos, const struct am_tensor *sin);
 
     /* ---- causal grouped-query attention, softmax(q kᵀ / sqrt(D)) v ----
      * q, out [B, T, H, D]; k, v [B, T, KVH, D] with H a multiple of KVH (query head h reads
      * kv head h / (H / KVH)); lse [B, H, T] fp32 (log-sum-exp of each row, saved for
      * backward). Never materialises more than a few rows of scores per thread (never T x T). */
-    void (*attention_forward)(struct am_tensor *out, struct am_tensor *lse, const struct am_tensor *q,
+    void (*attention_forward)(const struct am_dev *d, struct am_tensor *out, struct am_tensor *lse, const struct am_tensor *q,
                               const struct am_tensor *k, const struct am_tensor *v);
-    void (*attention_backward)(struct am_tensor *dq, struct am_tensor *dk, struct am_tensor *dv,
+    void (*attention_backward)(const struct am_dev *d, struct am_tensor *dq, struct am_tensor *dk, struct am_tensor *dv,
                                const struct am_tensor *dout, const struct am_tensor *out,
                                const struct am_tensor *lse, const struct am_tensor *q, const struct am_tensor *k,
                                const struct am_tensor *v);
 
     /* ---- SwiGLU: out = silu(gate) * up, all [N, I] ---- */
-    void (*swiglu_forward)(struct am_tensor *out, const struct am_tensor *gate, const struct am_tensor *up);
-    void (*swiglu_backward)(struct am_tensor *dgate, struct am_tensor *dup, const struct am_tensor *dout,
+    void (*swiglu_forward)(const struct am_dev *d, struct am_tensor *out, const struct am_tensor *gate, const struct am_tensor *up);
+    void (*swiglu_backward)(const struct am_dev *d, struct am_tensor *dgate, struct am_tensor *dup, const struct am_tensor *dout,
                             const struct am_tensor *gate, const struct am_tensor *up);
 
     /* ---- cross-entropy fused with the output projection, vocabulary-parallel, in chunks ----
@@ -101,32 +143,38 @@ struct am_kernels {
      * targets [N] int32. Logits are computed chunk by chunk and never stored whole.
      *   ce_stats: for each token, over this shard: max logit m [N], sum of exp(logit - m)
      *     s [N], and the target's logit t [N] (0 when the target is not in the shard).
-     *   The caller combines shards: M = max over tp of m; S = sum over tp of s * exp(m - M);
-     *     T = sum over tp of t; loss_i = log S + M - T.
+     *   The caller combines shards: M = max over tp of m; S = sum over tp of s * exp(m - M)
+     *     (ce_rescale before the sum); T = sum over tp of t; loss_i = log S + M - T (ce_loss).
      *   ce_backward: with the combined M and S, dlogits = (softmax - onehot) * dloss_scale for
      *     tokens whose target >= 0; dx += dlogits · w (the caller sums dx over tp),
      *     dw += dlogitsᵀ · x. */
-    void (*ce_stats)(struct am_tensor *m, struct am_tensor *s, struct am_tensor *t, const struct am_tensor *x,
+    void (*ce_stats)(const struct am_dev *d, struct am_tensor *m, struct am_tensor *s, struct am_tensor *t, const struct am_tensor *x,
                      const struct am_tensor *w, const struct am_tensor *targets, int64_t vocab_start);
-    void (*ce_backward)(struct am_tensor *dx, struct am_tensor *dw, const struct am_tensor *x,
+    void (*ce_backward)(const struct am_dev *d, struct am_tensor *dx, struct am_tensor *dw, const struct am_tensor *x,
                         const struct am_tensor *w, const struct am_tensor *targets, int64_t vocab_start,
                         const struct am_tensor *M, const struct am_tensor *S, float dloss_scale);
+    /* s *= exp(m - M), element-wise over [N] (the shard's share of the combined S) */
+    void (*ce_rescale)(const struct am_dev *d, struct am_tensor *s, const struct am_tensor *m, const struct am_tensor *M);
+    /* acc (one f64) += Σ over tokens with targets >= 0 of log S + M - T, each term and the sum
+     * in double, tokens in order */
+    void (*ce_loss)(const struct am_dev *d, struct am_tensor *acc, const struct am_tensor *M, const struct am_tensor *S,
+                    const struct am_tensor *T, const struct am_tensor *targets);
     /* ce_stats and ce_backward in one pass over the logits, for a head holding the whole
      * vocabulary (no tensor parallelism: M = m, S = s): each tile of logits is computed once
      * instead of twice. Writes m, s, t as ce_stats and accumulates dx, dw as ce_backward.
      * Returns false, having done nothing, when the vocabulary is too large for one tile of
      * the kernel's row chunk: then call ce_stats and ce_backward. */
-    bool (*ce_fused)(struct am_tensor *m, struct am_tensor *s, struct am_tensor *t, struct am_tensor *dx,
+    bool (*ce_fused)(const struct am_dev *d, struct am_tensor *m, struct am_tensor *s, struct am_tensor *t, struct am_tensor *dx,
                      struct am_tensor *dw, const struct am_tensor *x, const struct am_tensor *w,
                      const struct am_tensor *targets, float dloss_scale);
 
     /* ---- AdamW, PyTorch's torch.optim.AdamW semantics (decoupled weight decay, bias
      * correction with step >= 1); weight_decay 0 gives Adam. m, v are fp32 state. ---- */
-    void (*adamw)(struct am_tensor *param, const struct am_tensor *grad, struct am_tensor *m, struct am_tensor *v,
+    void (*adamw)(const struct am_dev *d, struct am_tensor *param, const struct am_tensor *grad, struct am_tensor *m, struct am_tensor *v,
                   float lr, float beta1, float beta2, float eps, float weight_decay, int64_t step);
 };
 
-/* The table for a device, or NULL when this build has no such backend. */
+/* The table for a device, or NULL when this build has no such backend (am_dev_open says so). */
 const struct am_kernels *am_kernels_for(enum am_device device);
 
 /* The CPU backend's table (kernels/cpu/). */

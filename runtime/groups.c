@@ -5,14 +5,14 @@
 #include <stdlib.h>
 #include <string.h>
 
-int am_groups_build(struct am_groups *g, const struct am_rank_setup *s, struct am_flight *flight,
-                    const char *const *hosts, struct am_errors *err)
+int am_groups_build(struct am_groups *g, const struct am_rank_setup *s, enum am_comm_backend backend, int device,
+                    struct am_flight *flight, const char *const *hosts, struct am_errors *err)
 {
     static const enum am_group kinds[] = {AM_GROUP_DP, AM_GROUP_TP, AM_GROUP_PP, AM_GROUP_PP};
     const struct am_plan *p = &s->plan;
     char msg[512];
     memset(g, 0, sizeof(*g));
-    g->ctx = am_comm_ctx_init(AM_COMM_UCX, s->boot, &s->info, -1, s->timeout_s, msg, sizeof(msg));
+    g->ctx = am_comm_ctx_init(backend, s->boot, &s->info, device, s->timeout_s, msg, sizeof(msg));
     if (!g->ctx) {
         am_errorf(err, NULL, "%s", msg);
         return -1;

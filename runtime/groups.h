@@ -22,11 +22,11 @@ struct am_groups {
     struct am_comm *dp, *tp, *pp, *pp_grad;
 };
 
-/* Creates the context (UCX, the setup's timeout; flight and hosts as in comm.h, either may be
- * NULL) and every group. Collective over the job. Returns 0, or -1 with a message; free with
+/* Creates the context (backend UCX or NCCL on CUDA device `device`, the setup's timeout; flight
+ * and hosts as in comm.h, either may be NULL) and every group. Collective over the job. Returns 0, or -1 with a message; free with
  * am_groups_free in either case. */
-int am_groups_build(struct am_groups *g, const struct am_rank_setup *s, struct am_flight *flight,
-                    const char *const *hosts, struct am_errors *err);
+int am_groups_build(struct am_groups *g, const struct am_rank_setup *s, enum am_comm_backend backend, int device,
+                    struct am_flight *flight, const char *const *hosts, struct am_errors *err);
 void am_groups_free(struct am_groups *g);
 
 #endif

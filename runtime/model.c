@@ -6,6 +6,7 @@
 #include "model.h"
 
 #include <math.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -58,6 +59,37 @@ static void layer_params(struct am_model *m, int l, int local)
     L->w_down = add_param(m, NAME("mlp.down_proj.weight"), C, m->inter, AM_SPLIT_COLS, C, c->intermediate_size, 0,
                           r * m->inter);
 #undef NAME
+}
+
+/* The device scalars, in one allocation read at once (am_model_read_scalars). */
+struct scalar_block {
+    double loss, sumsq, local_sumsq;
+    float loss_f, sumsq_f;
+    int32_t flag;
+};
+
+/* Starts parameter group `kind` with the next parameter registered (model.h). */
+static void begin_group(struct am_model *m, enum am_pgroup_kind kind, int layer, const char *name)
+{
+    struct am_pgroup *g = &m->groups[m->n_groups++];
+    *g = (struct am_pgroup){.kind = kind, .layer = layer, .first = m->n_params, .shard = AM_SHARD_REPLICATED};
+    snprintf(g->name, sizeof(g->name), "%s", name);
+}
+
+/* Each group's span of the slabs, and whether it holds a tied copy split over stages. */
+static void end_groups(struct am_model *m)
+{
+    for (int i = 0; i < m->n_groups; i++) {
+        struct am_pgroup *g = &m->groups[i];
+        g->n = (i + 1 < m->n_groups ? m->groups[i + 1].first : m->n_params) - g->first;
+        g->offset = (size_t)((float *)m->params[g->first].g.data - (float *)m->grad_mem);
+        g->n_elems = 0;
+        for (int k = g->first; k < g->first + g->n; k++) {
+            g->n_elems += (size_t)am_tensor_numel(&m->params[k].g);
+            g->tied |= m->pp_comm && m->cfg.tie_word_embeddings && m->sh.first_stage != m->sh.last_stage &&
+                       (&m->params[k] == m->embed || &m->params[k] == m->head);
+        }
+    }
 }
 
 /* The next tensor of a slab: at byte offset *off of base (base NULL: only measures). */
@@ -139,6 +171,10 @@ static size_t layout_acts(struct am_model *m, char *base)
     m->cos = carve(&c, AM_T_F32, T, D / 2, 0, 0);
     m->sin = carve(&c, AM_T_F32, T, D / 2, 0, 0);
     m->ce_t = carve(&c, AM_T_F32, N, 0, 0, 0);
+    if (m->sh.tp > 1)
+        m->ce_M = carve(&c, AM_T_F32, N, 0, 0, 0);
+    if (m->sh.tp > m->cfg.num_key_value_heads)
+        m->kv_sum = carve(&c, AM_T_F32, 2 * m->cfg.num_key_value_heads * D * C, 0, 0, 0);
     m->scratch_c = carve(&c, AM_T_F32, N, C, 0, 0);
     m->scratch_q = carve(&c, AM_T_F32, N, Q, 0, 0);
     m->scratch_att = carve(&c, AM_T_F32, N, Q, 0, 0);
@@ -171,13 +207,15 @@ static int check_shard(const struct am_model_shard *sh, const struct am_model_co
 }
 
 int am_model_init(struct am_model *m, const struct am_model_config *cfg, const struct am_model_shard *sh,
-                  const struct am_kernels *K, struct am_comm *tp_comm, struct am_comm *pp_comm, int64_t batch,
+                  const struct am_dev *dev, struct am_comm *tp_comm, struct am_comm *pp_comm, int64_t batch,
                   int64_t seq_len, char *err, size_t err_len)
 {
     memset(m, 0, sizeof(*m));
     m->cfg = *cfg;
     m->sh = *sh;
-    m->K = K;
+    m->dev = dev;
+    m->K = dev->k;
+    const struct am_kernels *K = m->K;
     m->tp_comm = sh->tp > 1 ? tp_comm : NULL;
     m->pp_comm = pp_comm;
     m->sh.sequence_parallel = sh->sequence_parallel && sh->tp > 1;
@@ -216,23 +254,32 @@ int am_model_init(struct am_model *m, const struct am_model_config *cfg, const s
     }
 
     m->params = calloc((size_t)(9 * m->n_layers + 4), sizeof(*m->params));
+    m->groups = calloc((size_t)(m->n_layers + 2), sizeof(*m->groups));
     m->layers = calloc((size_t)m->n_layers, sizeof(*m->layers));
     m->slots = calloc((size_t)m->n_slots, sizeof(*m->slots));
     m->acts_mem = calloc(m->n_acts + 1, sizeof(*m->acts_mem));
-    if (!m->params || !m->layers || !m->slots || !m->acts_mem)
+    if (!m->params || !m->groups || !m->layers || !m->slots || !m->acts_mem)
         goto oom;
     struct am_layer_acts *next = m->acts_mem;
     for (int c = 0; c < sh->n_chunks; c++)
         for (int s = 0; s < m->sh.chunks[c].slots; s++, next += sh->chunks[c].n_layers)
             m->slots[m->slot_base[c] + s].acts = next;
     int64_t C = cfg->hidden_size, V = cfg->vocab_size, r = sh->tp_rank;
-    if (sh->first_stage)
+    if (sh->first_stage) {
+        begin_group(m, AM_PG_EMBED, -1, "embed");
         m->embed = add_param(m, "model.embed_tokens.weight", m->vocab_shard, C, AM_SPLIT_ROWS, V, C,
                              r * m->vocab_shard, 0);
+    }
     for (int c = 0; c < sh->n_chunks; c++)
-        for (int i = 0; i < sh->chunks[c].n_layers; i++)
+        for (int i = 0; i < sh->chunks[c].n_layers; i++) {
+            char name[32];
+            snprintf(name, sizeof(name), "layers.%d", sh->chunks[c].first_layer + i);
+            m->layers[m->chunk_base[c] + i].group = m->n_groups;
+            begin_group(m, AM_PG_LAYER, m->chunk_base[c] + i, name);
             layer_params(m, sh->chunks[c].first_layer + i, m->chunk_base[c] + i);
+        }
     if (sh->last_stage) {
+        begin_group(m, AM_PG_HEAD, -1, "head");
         m->final_norm = add_param(m, "model.norm.weight", C, 0, AM_SPLIT_NONE, C, 0, 0, 0);
         if (cfg->tie_word_embeddings && sh->first_stage)
             m->head = m->embed;
@@ -241,8 +288,8 @@ int am_model_init(struct am_model *m, const struct am_model_config *cfg, const s
                                 m->vocab_shard, C, AM_SPLIT_ROWS, V, C, r * m->vocab_shard, 0);
     }
     /* one slab for the values, one for the gradients */
-    m->param_mem = K->alloc(m->n_elems * sizeof(float));
-    m->grad_mem = K->alloc(m->n_elems * sizeof(float));
+    m->param_mem = K->alloc(m->dev, m->n_elems * sizeof(float));
+    m->grad_mem = K->alloc(m->dev, m->n_elems * sizeof(float));
     if (!m->param_mem || !m->grad_mem)
         goto oom;
     size_t off = 0;
@@ -252,15 +299,30 @@ int am_model_init(struct am_model *m, const struct am_model_config *cfg, const s
         p->g.data = (float *)m->grad_mem + off;
         off += (size_t)am_tensor_numel(&p->w);
     }
+    end_groups(m);
+    m->scalar_mem = K->alloc(m->dev, sizeof(struct scalar_block));
+    if (!m->scalar_mem)
+        goto oom;
+    m->scalars.loss = am_tensor_view(m->scalar_mem, dev->device, AM_T_F64, 1, 0, 0, 0);
+    m->scalars.sumsq = am_tensor_view((char *)m->scalar_mem + offsetof(struct scalar_block, sumsq), dev->device,
+                                      AM_T_F64, 1, 0, 0, 0);
+    m->scalars.local_sumsq = am_tensor_view((char *)m->scalar_mem + offsetof(struct scalar_block, local_sumsq),
+                                            dev->device, AM_T_F64, 1, 0, 0, 0);
+    m->scalars.loss_f = am_tensor_view((char *)m->scalar_mem + offsetof(struct scalar_block, loss_f), dev->device,
+                                       AM_T_F32, 1, 0, 0, 0);
+    m->scalars.sumsq_f = am_tensor_view((char *)m->scalar_mem + offsetof(struct scalar_block, sumsq_f), dev->device,
+                                        AM_T_F32, 1, 0, 0, 0);
+    m->scalars.flag = am_tensor_view((char *)m->scalar_mem + offsetof(struct scalar_block, flag), dev->device,
+                                     AM_T_I32, 1, 0, 0, 0);
     m->act_bytes = layout_acts(m, NULL);
-    m->act_mem = K->alloc(m->act_bytes);
+    m->act_mem = K->alloc(m->dev, m->act_bytes);
     if (!m->act_mem)
         goto oom;
     layout_acts(m, m->act_mem);
     struct am_rope_scaling rs = {cfg->rope_scaling.type, cfg->rope_scaling.factor, cfg->rope_scaling.low_freq_factor,
                                  cfg->rope_scaling.high_freq_factor,
                                  cfg->rope_scaling.original_max_position_embeddings};
-    K->rope_tables(&m->cos, &m->sin, cfg->rope_theta, &rs);
+    K->rope_tables(dev, &m->cos, &m->sin, cfg->rope_theta, &rs);
     return 0;
 oom:;
     size_t n_elems = m->n_elems;
@@ -274,13 +336,16 @@ void am_model_free(struct am_model *m)
 {
     if (m->K) {
         if (m->param_mem)
-            m->K->free(m->param_mem);
+            m->K->free(m->dev, m->param_mem);
         if (m->grad_mem)
-            m->K->free(m->grad_mem);
+            m->K->free(m->dev, m->grad_mem);
         if (m->act_mem)
-            m->K->free(m->act_mem);
+            m->K->free(m->dev, m->act_mem);
+        if (m->scalar_mem)
+            m->K->free(m->dev, m->scalar_mem);
     }
     free(m->params);
+    free(m->groups);
     free(m->layers);
     free(m->slots);
     free(m->acts_mem);
@@ -306,7 +371,7 @@ void am_model_init_weights(struct am_model *m, uint64_t seed)
                 uint64_t idx = (uint64_t)((p->row0 + r) * p->full_cols + p->col0 + c);
                 host[r * cols + c] = (float)(std * am_rng_normal(seed, stream, idx));
             }
-        m->K->upload(p->w.data, host, (size_t)(rows * cols) * sizeof(float));
+        m->K->upload(m->dev, p->w.data, host, (size_t)(rows * cols) * sizeof(float));
         free(host);
     }
 }
@@ -314,7 +379,9 @@ void am_model_init_weights(struct am_model *m, uint64_t seed)
 void am_model_zero_grad(struct am_model *m)
 {
     struct am_tensor g = am_tensor_view(m->grad_mem, m->K->device, AM_T_F32, (int64_t)m->n_elems, 0, 0, 0);
-    m->K->zero(&g);
+    m->K->zero(m->dev, &g);
+    m->K->zero(m->dev, &m->scalars.loss);
+    m->K->zero(m->dev, &m->scalars.local_sumsq);
 }
 
 int am_model_find(const struct am_model *m, const char *name)
@@ -343,13 +410,19 @@ static struct am_tensor heads_of(const struct am_tensor *t, int64_t B, int64_t T
     return am_tensor_view(t->data, t->device, t->dtype, B, T, H, D);
 }
 
-static int tp_sum(struct am_model *m, struct am_tensor *t, char *err, size_t err_len)
+/* t reduced in place over the tp group (none: t as it is). */
+static int tp_reduce(struct am_model *m, struct am_tensor *t, enum am_comm_op op, char *err, size_t err_len)
 {
     if (!m->tp_comm)
         return 0;
-    if (am_allreduce(m->tp_comm, t->data, t->data, (size_t)am_tensor_numel(t), AM_F32, AM_SUM) < 0)
+    if (am_allreduce(m->tp_comm, t->data, t->data, (size_t)am_tensor_numel(t), AM_F32, op) < 0)
         return am_fail(err, err_len, "%s", am_comm_error(m->tp_comm));
     return 0;
+}
+
+static int tp_sum(struct am_model *m, struct am_tensor *t, char *err, size_t err_len)
+{
+    return tp_reduce(m, t, AM_SUM, err, err_len);
 }
 
 /* Sequence parallelism: rank r of the tp group holds token rows [r N/tp, (r+1) N/tp). */
@@ -377,12 +450,12 @@ static int add_row_parallel(struct am_model *m, struct am_tensor *x, struct am_t
         struct am_tensor rows = rows_of(&m->scratch_rows, am_rows_of(x));
         if (sp_scatter(m, out, &rows, err, err_len) < 0)
             return -1;
-        m->K->add(x, &rows);
+        m->K->add(m->dev, x, &rows);
         return 0;
     }
     if (tp_sum(m, out, err, err_len) < 0)
         return -1;
-    m->K->add(x, out);
+    m->K->add(m->dev, x, out);
     return 0;
 }
 
@@ -412,45 +485,29 @@ static int norm_backward(struct am_model *m, struct am_tensor *dx, struct am_par
     } else if (tp_sum(m, dh, err, err_len) < 0) {
         return -1;
     }
-    m->K->rmsnorm_backward(dx, &norm->g, &d, x, &norm->w, rstd);
+    m->K->rmsnorm_backward(m->dev, dx, &norm->g, &d, x, &norm->w, rstd);
     return 0;
 }
 
-/* Combines the vocabulary shards' softmax statistics (kernels.h, ce_stats) into M and S,
- * uploads them for the backward, and returns the sum of token losses. */
-static int combine_ce(struct am_model *m, struct am_slot *S, int64_t N, const int32_t *targets, double *loss_sum,
-                      char *err, size_t err_len)
+/* Combines the vocabulary shards' softmax statistics (kernels.h, ce_stats) into M and S in
+ * the slot, for the backward, and adds the micro-batch's token losses to the loss scalar. */
+static int combine_ce(struct am_model *m, struct am_slot *S, int64_t N, char *err, size_t err_len)
 {
-    float *h = malloc((size_t)N * 4 * sizeof(float));
-    if (!h)
-        return am_fail(err, err_len, "model: out of memory");
-    float *mx = h, *s = h + N, *t = h + 2 * N, *M = h + 3 * N;
-    int rc = 0;
-    m->K->download(mx, S->ce_m.data, (size_t)N * sizeof(float));
-    m->K->download(s, S->ce_s.data, (size_t)N * sizeof(float));
-    m->K->download(t, m->ce_t.data, (size_t)N * sizeof(float));
-    memcpy(M, mx, (size_t)N * sizeof(float));
-    if (m->tp_comm && am_allreduce(m->tp_comm, M, M, (size_t)N, AM_F32, AM_MAX) < 0) {
-        rc = am_fail(err, err_len, "%s", am_comm_error(m->tp_comm));
-        goto out;
+    const struct am_kernels *K = m->K;
+    struct am_tensor cm = rows_of(&S->ce_m, N), cs = rows_of(&S->ce_s, N), ct = rows_of(&m->ce_t, N);
+    struct am_tensor tgt = rows_of(&S->targets, N);
+    if (m->tp_comm) {
+        struct am_tensor M = rows_of(&m->ce_M, N);
+        K->copy(m->dev, &M, &cm);
+        if (tp_reduce(m, &M, AM_MAX, err, err_len) < 0)
+            return -1;
+        K->ce_rescale(m->dev, &cs, &cm, &M);
+        if (tp_reduce(m, &cs, AM_SUM, err, err_len) < 0 || tp_reduce(m, &ct, AM_SUM, err, err_len) < 0)
+            return -1;
+        K->copy(m->dev, &cm, &M);
     }
-    for (int64_t i = 0; i < N; i++)
-        s[i] = s[i] * expf(mx[i] - M[i]);
-    if (m->tp_comm && (am_allreduce(m->tp_comm, s, s, (size_t)N, AM_F32, AM_SUM) < 0 ||
-                       am_allreduce(m->tp_comm, t, t, (size_t)N, AM_F32, AM_SUM) < 0)) {
-        rc = am_fail(err, err_len, "%s", am_comm_error(m->tp_comm));
-        goto out;
-    }
-    double sum = 0;
-    for (int64_t i = 0; i < N; i++)
-        if (targets[i] >= 0)
-            sum += (double)logf(s[i]) + (double)M[i] - (double)t[i];
-    *loss_sum = sum;
-    m->K->upload(S->ce_m.data, M, (size_t)N * sizeof(float));
-    m->K->upload(S->ce_s.data, s, (size_t)N * sizeof(float));
-out:
-    free(h);
-    return rc;
+    K->ce_loss(m->dev, &m->scalars.loss, &cm, &cs, &ct, &tgt);
+    return 0;
 }
 
 /* ---- forward ------------------------------------------------------------------------- */
@@ -471,31 +528,31 @@ static int layer_forward(struct am_model *m, const struct am_layer *L, struct am
     lse.shape[0] = B;
 
     /* attention block: x += o_proj(attention(rope(q), rope(k), v)) of rmsnorm(x) */
-    K->copy(&x_in, x);
-    K->rmsnorm_forward(&h1, &rstd1, x, &L->attn_norm->w, eps);
+    K->copy(m->dev, &x_in, x);
+    K->rmsnorm_forward(m->dev, &h1, &rstd1, x, &L->attn_norm->w, eps);
     if (column_input(m, &h1, N, &in, err, err_len) < 0)
         return -1;
-    K->matmul_forward(&q, &in, &L->wq->w);
-    K->matmul_forward(&k, &in, &L->wk->w);
-    K->matmul_forward(&v, &in, &L->wv->w);
+    K->matmul_forward(m->dev, &q, &in, &L->wq->w);
+    K->matmul_forward(m->dev, &k, &in, &L->wk->w);
+    K->matmul_forward(m->dev, &v, &in, &L->wv->w);
     struct am_tensor q4 = heads_of(&q, B, T, m->heads, D), k4 = heads_of(&k, B, T, m->kv_heads, D);
     struct am_tensor v4 = heads_of(&v, B, T, m->kv_heads, D), att4 = heads_of(&att, B, T, m->heads, D);
-    K->rope_forward(&q4, &m->cos, &m->sin);
-    K->rope_forward(&k4, &m->cos, &m->sin);
-    K->attention_forward(&att4, &lse, &q4, &k4, &v4);
-    K->matmul_forward(&o, &att, &L->wo->w);
+    K->rope_forward(m->dev, &q4, &m->cos, &m->sin);
+    K->rope_forward(m->dev, &k4, &m->cos, &m->sin);
+    K->attention_forward(m->dev, &att4, &lse, &q4, &k4, &v4);
+    K->matmul_forward(m->dev, &o, &att, &L->wo->w);
     if (add_row_parallel(m, x, &o, err, err_len) < 0)
         return -1;
 
     /* MLP block: x += down(silu(gate(h)) * up(h)) of h = rmsnorm(x) */
-    K->copy(&x_mid, x);
-    K->rmsnorm_forward(&h2, &rstd2, x, &L->mlp_norm->w, eps);
+    K->copy(m->dev, &x_mid, x);
+    K->rmsnorm_forward(m->dev, &h2, &rstd2, x, &L->mlp_norm->w, eps);
     if (column_input(m, &h2, N, &in, err, err_len) < 0)
         return -1;
-    K->matmul_forward(&gate, &in, &L->w_gate->w);
-    K->matmul_forward(&up, &in, &L->w_up->w);
-    K->swiglu_forward(&act, &gate, &up);
-    K->matmul_forward(&o, &act, &L->w_down->w);
+    K->matmul_forward(m->dev, &gate, &in, &L->w_gate->w);
+    K->matmul_forward(m->dev, &up, &in, &L->w_up->w);
+    K->swiglu_forward(m->dev, &act, &gate, &up);
+    K->matmul_forward(m->dev, &o, &act, &L->w_down->w);
     return add_row_parallel(m, x, &o, err, err_len);
 }
 
@@ -504,7 +561,7 @@ static int layer_forward(struct am_model *m, const struct am_layer *L, struct am
  * certain to come before the next forward: one slot, one chunk), the head's gradients are
  * computed here too, in one pass over the logits, and dhf kept for the backward. */
 static int head_forward(struct am_model *m, struct am_slot *S, const struct am_tensor *x, const int32_t *targets,
-                        float dloss_scale, bool want_grad, double *loss_sum, char *err, size_t err_len)
+                        float dloss_scale, bool want_grad, char *err, size_t err_len)
 {
     const struct am_kernels *K = m->K;
     int64_t N = S->batch * m->seq_len, R = stream_rows(m, N);
@@ -512,25 +569,25 @@ static int head_forward(struct am_model *m, struct am_slot *S, const struct am_t
     struct am_tensor tgt = rows_of(&S->targets, N), xf = rows_of(&S->xf, R);
     struct am_tensor hf = rows_of(&S->hf, N), rstdf = rows_of(&S->rstdf, R);
     struct am_tensor cm = rows_of(&S->ce_m, N), cs = rows_of(&S->ce_s, N), ct = rows_of(&m->ce_t, N);
-    K->upload(tgt.data, targets, (size_t)N * sizeof(int32_t));
-    K->copy(&xf, x);
+    K->upload(m->dev, tgt.data, targets, (size_t)N * sizeof(int32_t));
+    K->copy(m->dev, &xf, x);
     if (m->sh.sequence_parallel) {
         struct am_tensor rows = rows_of(&m->scratch_rows, R);
-        K->rmsnorm_forward(&rows, &rstdf, &xf, &m->final_norm->w, eps);
+        K->rmsnorm_forward(m->dev, &rows, &rstdf, &xf, &m->final_norm->w, eps);
         if (sp_gather(m, &rows, &hf, err, err_len) < 0)
             return -1;
     } else {
-        K->rmsnorm_forward(&hf, &rstdf, &xf, &m->final_norm->w, eps);
+        K->rmsnorm_forward(m->dev, &hf, &rstdf, &xf, &m->final_norm->w, eps);
     }
     S->fused = false;
     if (want_grad && !m->tp_comm && K->ce_fused && m->n_slots == 1) {
         struct am_tensor dhf = rows_of(&m->dhf, N);
-        K->zero(&dhf);
-        S->fused = K->ce_fused(&cm, &cs, &ct, &dhf, &m->head->g, &hf, &m->head->w, &tgt, dloss_scale);
+        K->zero(m->dev, &dhf);
+        S->fused = K->ce_fused(m->dev, &cm, &cs, &ct, &dhf, &m->head->g, &hf, &m->head->w, &tgt, dloss_scale);
     }
     if (!S->fused)
-        K->ce_stats(&cm, &cs, &ct, &hf, &m->head->w, &tgt, m->vocab_start);
-    return combine_ce(m, S, N, targets, loss_sum, err, err_len);
+        K->ce_stats(m->dev, &cm, &cs, &ct, &hf, &m->head->w, &tgt, m->vocab_start);
+    return combine_ce(m, S, N, err, err_len);
 }
 
 static bool is_first(const struct am_model *m, int chunk) { return chunk == 0 && m->sh.first_stage; }
@@ -559,7 +616,7 @@ static int check_slot(const struct am_model *m, int chunk, int slot, char *err, 
 
 static int forward_chunk(struct am_model *m, int chunk, int slot, int64_t B, const int32_t *tokens,
                          const int32_t *targets, const float *x_in, float *x_out, float dloss_scale, bool want_grad,
-                         double *loss_sum, char *err, size_t err_len)
+                         char *err, size_t err_len)
 {
     if (check_slot(m, chunk, slot, err, err_len) < 0)
         return -1;
@@ -574,32 +631,31 @@ static int forward_chunk(struct am_model *m, int chunk, int slot, int64_t B, con
     if (is_first(m, chunk)) {
         /* the embedding: each rank looks up the ids of its vocabulary shard; summed over tp */
         struct am_tensor tok = rows_of(&S->tokens, N), e = rows_of(&m->scratch_c, N);
-        K->upload(tok.data, tokens, (size_t)N * sizeof(int32_t));
-        K->embedding_forward(&e, &tok, &m->embed->w, m->vocab_start);
-        K->zero(&x);
+        K->upload(m->dev, tok.data, tokens, (size_t)N * sizeof(int32_t));
+        K->embedding_forward(m->dev, &e, &tok, &m->embed->w, m->vocab_start);
+        K->zero(m->dev, &x);
         if (add_row_parallel(m, &x, &e, err, err_len) < 0)
             return -1;
     } else {
         struct am_tensor in = hidden(m, x_in, B);
-        K->copy(&x, &in);
+        K->copy(m->dev, &x, &in);
     }
     const struct am_layer *layers = &m->layers[m->chunk_base[chunk]];
     for (int l = 0; l < m->sh.chunks[chunk].n_layers; l++)
         if (layer_forward(m, &layers[l], &S->acts[l], &x, B, err, err_len) < 0)
             return -1;
     if (is_last(m, chunk))
-        return head_forward(m, S, &x, targets, dloss_scale, want_grad, loss_sum, err, err_len);
+        return head_forward(m, S, &x, targets, dloss_scale, want_grad, err, err_len);
     struct am_tensor out = hidden(m, x_out, B);
-    K->copy(&out, &x);
+    K->copy(m->dev, &out, &x);
     return 0;
 }
 
 int am_model_forward(struct am_model *m, int chunk, int slot, int64_t batch, const int32_t *tokens,
-                     const int32_t *targets, const float *x_in, float *x_out, float dloss_scale, double *loss_sum,
-                     char *err, size_t err_len)
+                     const int32_t *targets, const float *x_in, float *x_out, float dloss_scale, char *err,
+                     size_t err_len)
 {
-    return forward_chunk(m, chunk, slot, batch, tokens, targets, x_in, x_out, dloss_scale, true, loss_sum, err,
-                         err_len);
+    return forward_chunk(m, chunk, slot, batch, tokens, targets, x_in, x_out, dloss_scale, true, err, err_len);
 }
 
 /* ---- backward ------------------------------------------------------------------------ */
@@ -637,16 +693,16 @@ static int layer_backward(struct am_model *m, const struct am_layer *L, const st
     /* MLP block, in reverse; dx already holds the residual's gradient */
     if (row_parallel_grad(m, dx, N, &dy, err, err_len) < 0)
         return -1;
-    K->zero(&dact);
-    K->matmul_backward(&dact, &L->w_down->g, &dy, &act, &L->w_down->w);
-    K->zero(&dgate);
-    K->zero(&dup);
-    K->swiglu_backward(&dgate, &dup, &dact, &gate, &up);
+    K->zero(m->dev, &dact);
+    K->matmul_backward(m->dev, &dact, &L->w_down->g, &dy, &act, &L->w_down->w);
+    K->zero(m->dev, &dgate);
+    K->zero(m->dev, &dup);
+    K->swiglu_backward(m->dev, &dgate, &dup, &dact, &gate, &up);
     if (column_input(m, &h2, N, &in, err, err_len) < 0)
         return -1;
-    K->zero(&dh);
-    K->matmul_backward(&dh, &L->w_gate->g, &dgate, &in, &L->w_gate->w);
-    K->matmul_backward(&dh, &L->w_up->g, &dup, &in, &L->w_up->w);
+    K->zero(m->dev, &dh);
+    K->matmul_backward(m->dev, &dh, &L->w_gate->g, &dgate, &in, &L->w_gate->w);
+    K->matmul_backward(m->dev, &dh, &L->w_up->g, &dup, &in, &L->w_up->w);
     if (norm_backward(m, dx, L->mlp_norm, &dh, &x_mid, &rstd2, err, err_len) < 0)
         return -1;
 
@@ -655,24 +711,24 @@ static int layer_backward(struct am_model *m, const struct am_layer *L, const st
     struct am_tensor dk = rows_of(&m->scratch_kv_k, N), dv = rows_of(&m->scratch_kv_v, N);
     if (row_parallel_grad(m, dx, N, &dy, err, err_len) < 0)
         return -1;
-    K->zero(&datt);
-    K->matmul_backward(&datt, &L->wo->g, &dy, &att, &L->wo->w);
-    K->zero(&dq);
-    K->zero(&dk);
-    K->zero(&dv);
+    K->zero(m->dev, &datt);
+    K->matmul_backward(m->dev, &datt, &L->wo->g, &dy, &att, &L->wo->w);
+    K->zero(m->dev, &dq);
+    K->zero(m->dev, &dk);
+    K->zero(m->dev, &dv);
     struct am_tensor q4 = heads_of(&q, B, T, m->heads, D), k4 = heads_of(&k, B, T, m->kv_heads, D);
     struct am_tensor v4 = heads_of(&v, B, T, m->kv_heads, D), att4 = heads_of(&att, B, T, m->heads, D);
     struct am_tensor dq4 = heads_of(&dq, B, T, m->heads, D), dk4 = heads_of(&dk, B, T, m->kv_heads, D);
     struct am_tensor dv4 = heads_of(&dv, B, T, m->kv_heads, D), datt4 = heads_of(&datt, B, T, m->heads, D);
-    K->attention_backward(&dq4, &dk4, &dv4, &datt4, &att4, &lse, &q4, &k4, &v4);
-    K->rope_backward(&dq4, &m->cos, &m->sin);
-    K->rope_backward(&dk4, &m->cos, &m->sin);
+    K->attention_backward(m->dev, &dq4, &dk4, &dv4, &datt4, &att4, &lse, &q4, &k4, &v4);
+    K->rope_backward(m->dev, &dq4, &m->cos, &m->sin);
+    K->rope_backward(m->dev, &dk4, &m->cos, &m->sin);
     if (column_input(m, &h1, N, &in, err, err_len) < 0)
         return -1;
-    K->zero(&dh);
-    K->matmul_backward(&dh, &L->wq->g, &dq, &in, &L->wq->w);
-    K->matmul_backward(&dh, &L->wk->g, &dk, &in, &L->wk->w);
-    K->matmul_backward(&dh, &L->wv->g, &dv, &in, &L->wv->w);
+    K->zero(m->dev, &dh);
+    K->matmul_backward(m->dev, &dh, &L->wq->g, &dq, &in, &L->wq->w);
+    K->matmul_backward(m->dev, &dh, &L->wk->g, &dk, &in, &L->wk->w);
+    K->matmul_backward(m->dev, &dh, &L->wv->g, &dv, &in, &L->wv->w);
     return norm_backward(m, dx, L->attn_norm, &dh, &x_in, &rstd1, err, err_len);
 }
 
@@ -685,11 +741,19 @@ static int head_backward(struct am_model *m, const struct am_slot *S, struct am_
     struct am_tensor xf = rows_of(&S->xf, R), rstdf = rows_of(&S->rstdf, R);
     struct am_tensor cm = rows_of(&S->ce_m, N), cs = rows_of(&S->ce_s, N);
     if (!S->fused) { /* dhf is summed over the vocabulary shards in norm_backward */
-        m->K->zero(&dhf);
-        m->K->ce_backward(&dhf, &m->head->g, &hf, &m->head->w, &tgt, m->vocab_start, &cm, &cs, dloss_scale);
+        m->K->zero(m->dev, &dhf);
+        m->K->ce_backward(m->dev, &dhf, &m->head->g, &hf, &m->head->w, &tgt, m->vocab_start, &cm, &cs, dloss_scale);
     }
-    m->K->zero(dx);
+    m->K->zero(m->dev, dx);
     return norm_backward(m, dx, m->final_norm, &dhf, &xf, &rstdf, err, err_len);
+}
+
+/* Tells the trainer that a group's gradients are final (model.h, grad_ready). */
+static int group_done(struct am_model *m, int group, char *err, size_t err_len)
+{
+    if (!m->grads_final || !m->grad_ready || m->groups[group].tied)
+        return 0;
+    return m->grad_ready(m->grad_ready_arg, group, err, err_len);
 }
 
 int am_model_backward(struct am_model *m, int chunk, int slot, const float *dy, float *dx_out, float dloss_scale,
@@ -704,44 +768,59 @@ int am_model_backward(struct am_model *m, int chunk, int slot, const float *dy, 
     int64_t B = S->batch, N = B * m->seq_len, R = stream_rows(m, N);
     struct am_tensor dx = rows_of(&m->dx, R);
     if (is_last(m, chunk)) {
-        if (head_backward(m, S, &dx, dloss_scale, err, err_len) < 0)
+        if (head_backward(m, S, &dx, dloss_scale, err, err_len) < 0 ||
+            group_done(m, m->n_groups - 1, err, err_len) < 0)
             return -1;
     } else {
         struct am_tensor g = hidden(m, dy, B);
-        K->copy(&dx, &g);
+        K->copy(m->dev, &dx, &g);
     }
     const struct am_layer *layers = &m->layers[m->chunk_base[chunk]];
     for (int l = m->sh.chunks[chunk].n_layers - 1; l >= 0; l--) {
         struct am_layer_acts *a = &S->acts[l];
         if (m->sh.recompute) { /* the layer's forward again, from its saved input */
             struct am_tensor x = rows_of(&m->x, R), x_in = rows_of(&a->x_in, R);
-            K->copy(&x, &x_in);
+            K->copy(m->dev, &x, &x_in);
             if (layer_forward(m, &layers[l], a, &x, B, err, err_len) < 0)
                 return -1;
         }
-        if (layer_backward(m, &layers[l], a, &dx, B, err, err_len) < 0)
+        if (layer_backward(m, &layers[l], a, &dx, B, err, err_len) < 0 ||
+            group_done(m, layers[l].group, err, err_len) < 0)
             return -1;
     }
     if (is_first(m, chunk)) {
         struct am_tensor tok = rows_of(&S->tokens, N), g;
         if (row_parallel_grad(m, &dx, N, &g, err, err_len) < 0)
             return -1;
-        K->embedding_backward(&m->embed->g, &g, &tok, m->vocab_start);
-        return 0;
+        K->embedding_backward(m->dev, &m->embed->g, &g, &tok, m->vocab_start);
+        return group_done(m, 0, err, err_len);
     }
     struct am_tensor out = hidden(m, dx_out, B);
-    K->copy(&out, &dx);
+    K->copy(m->dev, &out, &dx);
     return 0;
 }
+
+/* The loss scalar alone, zeroed before and read after one whole-model pass. */
+static double read_loss(struct am_model *m)
+{
+    double loss;
+    m->K->download(m->dev, &loss, m->scalars.loss.data, sizeof(loss));
+    return loss;
+}
+
+static void zero_loss(struct am_model *m) { m->K->zero(m->dev, &m->scalars.loss); }
 
 int am_model_step(struct am_model *m, const int32_t *tokens, const int32_t *targets, int64_t batch, float dloss_scale,
                   double *loss_sum, char *err, size_t err_len)
 {
     if (!m->sh.first_stage || !m->sh.last_stage || m->sh.n_chunks != 1)
         return am_fail(err, err_len, "model: am_model_step runs a whole model; this rank holds part of a pipeline");
-    if (am_model_forward(m, 0, 0, batch, tokens, targets, NULL, NULL, dloss_scale, loss_sum, err, err_len) < 0)
+    zero_loss(m);
+    if (am_model_forward(m, 0, 0, batch, tokens, targets, NULL, NULL, dloss_scale, err, err_len) < 0 ||
+        am_model_backward(m, 0, 0, NULL, NULL, dloss_scale, err, err_len) < 0)
         return -1;
-    return am_model_backward(m, 0, 0, NULL, NULL, dloss_scale, err, err_len);
+    *loss_sum = read_loss(m);
+    return 0;
 }
 
 int am_model_loss(struct am_model *m, const int32_t *tokens, const int32_t *targets, int64_t batch, double *loss_sum,
@@ -749,35 +828,34 @@ int am_model_loss(struct am_model *m, const int32_t *tokens, const int32_t *targ
 {
     if (!m->sh.first_stage || !m->sh.last_stage || m->sh.n_chunks != 1)
         return am_fail(err, err_len, "model: am_model_loss runs a whole model; this rank holds part of a pipeline");
-    return forward_chunk(m, 0, 0, batch, tokens, targets, NULL, NULL, 0.0f, false, loss_sum, err, err_len);
+    zero_loss(m);
+    if (forward_chunk(m, 0, 0, batch, tokens, targets, NULL, NULL, 0.0f, false, err, err_len) < 0)
+        return -1;
+    *loss_sum = read_loss(m);
+    return 0;
 }
 
 /* A tied embedding split over the first and the last pipeline stage: each copy got the
- * gradient of its own use (lookup, head). Both become first + last, added in that order on
- * both ranks so that the two copies stay equal bit for bit. */
+ * gradient of its own use (lookup, head). Both become first + last, on both ranks, so that
+ * the two copies stay equal bit for bit; exchanged piece by piece through a scratch buffer. */
 static int sum_tied_copies(struct am_model *m, char *err, size_t err_len)
 {
     struct am_param *p = m->sh.first_stage ? m->embed : m->head;
-    size_t n = (size_t)am_tensor_numel(&p->g);
-    float *buf = malloc(2 * n * sizeof(float));
-    if (!buf)
-        return am_fail(err, err_len, "model: out of memory for the tied embedding's gradient");
-    float *mine = buf, *theirs = buf + n;
-    int last = am_comm_size(m->pp_comm) - 1, rc = 0;
-    m->K->download(mine, p->g.data, n * sizeof(float));
-    if (m->sh.first_stage)
-        rc = am_send(m->pp_comm, mine, n, AM_F32, last) < 0 || am_recv(m->pp_comm, theirs, n, AM_F32, last) < 0;
-    else
-        rc = am_recv(m->pp_comm, theirs, n, AM_F32, 0) < 0 || am_send(m->pp_comm, mine, n, AM_F32, 0) < 0;
-    if (rc) {
-        free(buf);
-        return am_fail(err, err_len, "%s", am_comm_error(m->pp_comm));
+    int64_t n = am_tensor_numel(&p->g), piece = am_tensor_numel(&m->scratch_c);
+    int last = am_comm_size(m->pp_comm) - 1, peer = m->sh.first_stage ? last : 0;
+    for (int64_t off = 0; off < n; off += piece) {
+        int64_t len = n - off < piece ? n - off : piece;
+        struct am_tensor mine = am_tensor_view((float *)p->g.data + off, m->dev->device, AM_T_F32, len, 0, 0, 0);
+        struct am_tensor theirs = am_tensor_view(m->scratch_c.data, m->dev->device, AM_T_F32, len, 0, 0, 0);
+        int rc = m->sh.first_stage
+                     ? am_send(m->pp_comm, mine.data, (size_t)len, AM_F32, peer) < 0 ||
+                           am_recv(m->pp_comm, theirs.data, (size_t)len, AM_F32, peer) < 0
+                     : am_recv(m->pp_comm, theirs.data, (size_t)len, AM_F32, peer) < 0 ||
+                           am_send(m->pp_comm, mine.data, (size_t)len, AM_F32, peer) < 0;
+        if (rc)
+            return am_fail(err, err_len, "%s", am_comm_error(m->pp_comm));
+        m->K->add(m->dev, &mine, &theirs); /* first + last on both ranks: IEEE addition commutes */
     }
-    const float *first = m->sh.first_stage ? mine : theirs, *lastg = m->sh.first_stage ? theirs : mine;
-    for (size_t i = 0; i < n; i++)
-        mine[i] = first[i] + lastg[i];
-    m->K->upload(p->g.data, mine, n * sizeof(float));
-    free(buf);
     return 0;
 }
 
@@ -793,61 +871,100 @@ static bool tied_across_stages(const struct am_model *m)
 
 /* With fewer kv heads than tp ranks, the ranks that share a kv head each computed its
  * gradient from their own query heads only: the true gradient is their sum. Each rank puts
- * its share in its head's slot of a buffer of all kv heads, the tp group sums the buffer,
- * and each rank takes its head's slot back. */
-int am_model_finish_grads(struct am_model *m, char *err, size_t err_len)
+ * its share in its head's slot of a device buffer of all kv heads, the tp group sums the
+ * buffer, and each rank takes its head's slot back. */
+static int sum_shared_kv(struct am_model *m, const struct am_layer *L, char *err, size_t err_len)
 {
-    if (tied_across_stages(m) && sum_tied_copies(m, err, err_len) < 0)
+    int64_t slot = m->head_dim * m->cfg.hidden_size, n = m->cfg.num_key_value_heads * slot;
+    struct am_tensor all = am_tensor_view(m->kv_sum.data, m->dev->device, AM_T_F32, 2 * n, 0, 0, 0);
+    struct am_param *kv[2] = {L->wk, L->wv};
+    m->K->zero(m->dev, &all);
+    for (int i = 0; i < 2; i++) {
+        struct am_tensor mine = am_tensor_view((float *)all.data + i * n + m->kv_head0 * slot, m->dev->device,
+                                               AM_T_F32, slot, 0, 0, 0);
+        struct am_tensor g = am_tensor_view(kv[i]->g.data, m->dev->device, AM_T_F32, slot, 0, 0, 0);
+        m->K->copy(m->dev, &mine, &g);
+    }
+    if (tp_sum(m, &all, err, err_len) < 0)
         return -1;
-    /* with sequence parallelism each rank saw its own token rows: the norms' gradients are
-     * partial sums */
-    for (int i = 0; m->sh.sequence_parallel && i < m->n_params; i++) {
-        struct am_param *p = &m->params[i];
-        if (p->split == AM_SPLIT_NONE &&
-            am_allreduce(m->tp_comm, p->g.data, p->g.data, (size_t)am_tensor_numel(&p->g), AM_F32, AM_SUM) < 0)
-            return am_fail(err, err_len, "%s", am_comm_error(m->tp_comm));
+    for (int i = 0; i < 2; i++) {
+        struct am_tensor mine = am_tensor_view((float *)all.data + i * n + m->kv_head0 * slot, m->dev->device,
+                                               AM_T_F32, slot, 0, 0, 0);
+        struct am_tensor g = am_tensor_view(kv[i]->g.data, m->dev->device, AM_T_F32, slot, 0, 0, 0);
+        m->K->copy(m->dev, &g, &mine);
     }
-    int64_t KVH = m->cfg.num_key_value_heads, D = m->head_dim, C = m->cfg.hidden_size;
-    if (!m->tp_comm || KVH >= m->sh.tp)
-        return 0;
-    size_t slot = (size_t)(D * C), n = (size_t)KVH * slot;
-    float *buf = malloc(2 * n * sizeof(float));
-    if (!buf)
-        return am_fail(err, err_len, "model: out of memory for the kv gradients");
-    int rc = 0;
-    for (int l = 0; l < m->n_layers && rc == 0; l++) {
-        struct am_param *kv[2] = {m->layers[l].wk, m->layers[l].wv};
-        memset(buf, 0, 2 * n * sizeof(float));
-        for (int i = 0; i < 2; i++)
-            m->K->download(buf + (size_t)i * n + (size_t)m->kv_head0 * slot, kv[i]->g.data, slot * sizeof(float));
-        if (am_allreduce(m->tp_comm, buf, buf, 2 * n, AM_F32, AM_SUM) < 0)
-            rc = am_fail(err, err_len, "%s", am_comm_error(m->tp_comm));
-        for (int i = 0; i < 2 && rc == 0; i++)
-            m->K->upload(kv[i]->g.data, buf + (size_t)i * n + (size_t)m->kv_head0 * slot, slot * sizeof(float));
-    }
-    free(buf);
-    return rc;
+    return 0;
 }
 
-int am_model_grad_sumsq(struct am_model *m, double *sumsq, char *err, size_t err_len)
+int am_model_group_finish(struct am_model *m, int group, char *err, size_t err_len)
 {
-    double local = 0;
+    const struct am_pgroup *G = &m->groups[group];
+    /* with sequence parallelism each rank saw its own token rows: the norms' gradients are
+     * partial sums */
+    for (int i = G->first; m->sh.sequence_parallel && i < G->first + G->n; i++)
+        if (m->params[i].split == AM_SPLIT_NONE && tp_sum(m, &m->params[i].g, err, err_len) < 0)
+            return -1;
+    if (G->kind == AM_PG_LAYER && m->kv_sum.data)
+        return sum_shared_kv(m, &m->layers[G->layer], err, err_len);
+    return 0;
+}
+
+int am_model_finish_tied(struct am_model *m, char *err, size_t err_len)
+{
+    return tied_across_stages(m) ? sum_tied_copies(m, err, err_len) : 0;
+}
+
+int am_model_finish_grads(struct am_model *m, char *err, size_t err_len)
+{
+    if (am_model_finish_tied(m, err, err_len) < 0)
+        return -1;
+    for (int g = 0; g < m->n_groups; g++)
+        if (am_model_group_finish(m, g, err, err_len) < 0)
+            return -1;
+    return 0;
+}
+
+/* x (one f64 on the device) as f32 in y, summed over each of the groups there are. */
+static int sum_scalar(struct am_model *m, struct am_tensor *x, struct am_tensor *y, struct am_comm *const *groups,
+                      int n, bool *reduced, char *err, size_t err_len)
+{
+    *reduced = false;
+    m->K->convert(m->dev, y, x);
+    for (int i = 0; i < n; i++) {
+        if (!groups[i])
+            continue;
+        if (am_allreduce(groups[i], y->data, y->data, 1, AM_F32, AM_SUM) < 0)
+            return am_fail(err, err_len, "%s", am_comm_error(groups[i]));
+        *reduced = true;
+    }
+    return 0;
+}
+
+int am_model_grad_sumsq(struct am_model *m, char *err, size_t err_len)
+{
+    m->K->zero(m->dev, &m->scalars.sumsq);
     for (int i = 0; i < m->n_params; i++) {
         const struct am_param *p = &m->params[i];
         if (am_model_is_tied_copy(m, p))
             continue; /* the first stage counts the tied embedding */
-        local += m->K->sum_squares(&p->g) / (double)p->copies_in_tp;
+        m->K->sum_squares(m->dev, &m->scalars.sumsq, &p->g, (double)p->copies_in_tp);
     }
     /* comms reduce fp32: a relative 6e-8, far below any clipping threshold's use */
     struct am_comm *groups[2] = {m->tp_comm, m->pp_comm};
-    for (int i = 0; i < 2; i++) {
-        float v = (float)local;
-        if (!groups[i])
-            continue;
-        if (am_allreduce(groups[i], &v, &v, 1, AM_F32, AM_SUM) < 0)
-            return am_fail(err, err_len, "%s", am_comm_error(groups[i]));
-        local = v;
-    }
-    *sumsq = local;
-    return 0;
+    return sum_scalar(m, &m->scalars.sumsq, &m->scalars.sumsq_f, groups, 2, &m->sumsq_reduced, err, err_len);
+}
+
+int am_model_reduce_loss(struct am_model *m, struct am_comm *dp, char *err, size_t err_len)
+{
+    struct am_comm *groups[2] = {dp, m->pp_comm}; /* the loss is the last stage's */
+    return sum_scalar(m, &m->scalars.loss, &m->scalars.loss_f, groups, 2, &m->loss_reduced, err, err_len);
+}
+
+void am_model_read_scalars(struct am_model *m, struct am_model_values *v)
+{
+    struct scalar_block h;
+    m->K->download(m->dev, &h, m->scalar_mem, sizeof(h));
+    v->loss_sum = m->loss_reduced ? h.loss_f : h.loss;
+    v->sumsq = m->sumsq_reduced ? h.sumsq_f : h.sumsq;
+    v->local_sumsq = h.local_sumsq;
 }

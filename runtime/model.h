@@ -22,9 +22,17 @@
  * activation checkpointing a slot keeps only each layer's input; backward recomputes the
  * layer's forward (collectives included) just before its backward, bit for bit the same.
  *
- * Parameters and their gradients live in two slabs (one allocation each) so that data
- * parallelism reduces gradients with one collective and the optimizer walks one array.
- * Parameter i is params[i] (value, gradient, Hugging Face name, how it is split).
+ * Parameters and their gradients live in two slabs (one allocation each) so that the
+ * optimizer walks one array. Parameter i is params[i] (value, gradient, Hugging Face name,
+ * how it is split). The parameters form groups, consecutive in params[] and in the slabs:
+ * the embedding, each decoder layer, the final norm with the head. A group is the unit of
+ * gradient synchronisation (and, next, of sharding): the backward tells the trainer when a
+ * group's gradients are final (grad_ready), so that their reduction over the data-parallel
+ * ranks overlaps the backward of the layers before it.
+ *
+ * The model does no arithmetic on the host: every operation on activations and gradients is
+ * a kernel or a collective on device memory. What the host needs once per step (the loss,
+ * the gradient norm) accumulates in device scalars, read together by am_model_read_scalars.
  */
 #ifndef AM_MODEL_H
 #define AM_MODEL_H
@@ -97,12 +105,40 @@ struct am_slot {
 
 struct am_layer {
     struct am_param *attn_norm, *wq, *wk, *wv, *wo, *mlp_norm, *w_gate, *w_up, *w_down;
+    int group; /* its parameter group */
+};
+
+/* How a parameter group is kept across the data-parallel ranks: replicated (every rank holds
+ * all of it and all-reduces its gradients: ddp, and fsdp2 until sharding lands); sharded
+ * (fully sharded data parallelism) and expert (reduced over the expert-data group) next. */
+enum am_shard { AM_SHARD_REPLICATED, AM_SHARD_SHARDED, AM_SHARD_EXPERT };
+
+enum am_pgroup_kind { AM_PG_EMBED, AM_PG_LAYER, AM_PG_HEAD };
+
+struct am_pgroup {
+    char name[32];           /* "embed", "layers.3", "head" (final norm and output head) */
+    enum am_pgroup_kind kind;
+    int layer;               /* AM_PG_LAYER: the layer's local index */
+    int first, n;            /* params[first .. first + n) */
+    size_t offset, n_elems;  /* its span of the slabs, in elements */
+    bool tied;               /* holds a copy of a tied embedding split over two pipeline stages:
+                                final only after am_model_finish_tied, never signalled */
+    enum am_shard shard;     /* set by the trainer (AM_SHARD_REPLICATED by default) */
+    struct am_comm *comm;    /* the group it is reduced over; set by the trainer */
+};
+
+/* The step's values the host reads (am_model_read_scalars). */
+struct am_model_values {
+    double loss_sum;    /* Σ token losses: this rank's, or over dp and pp after am_model_reduce_loss */
+    double sumsq;       /* the squared gradient norm (am_model_grad_sumsq) */
+    double local_sumsq; /* Σ g² this rank added to scalars.local_sumsq before any data-parallel sum */
 };
 
 struct am_model {
     struct am_model_config cfg;
     struct am_model_shard sh;
-    const struct am_kernels *K;
+    const struct am_dev *dev; /* where the model lives and its kernels run */
+    const struct am_kernels *K; /* dev->k */
     struct am_comm *tp_comm; /* NULL when tp = 1 */
     struct am_comm *pp_comm; /* NULL without pipeline parallelism: the tied embedding's two copies */
 
@@ -115,6 +151,22 @@ struct am_model {
 
     struct am_param *params;
     int n_params;
+    struct am_pgroup *groups;
+    int n_groups;
+    /* The backward calls grad_ready(arg, group) when a group's gradients are final: while
+     * grads_final is set (the pipeline sets it for each chunk's last backward of the step),
+     * after the group's last backward kernel. A tied group is never signalled. Non-zero
+     * from grad_ready fails the backward with its message. */
+    int (*grad_ready)(void *arg, int group, char *err, size_t err_len);
+    void *grad_ready_arg;
+    bool grads_final;
+    /* device scalars: loss and sumsq (f64 accumulators), local_sumsq (the trainer's), the
+     * fp32 sums over ranks of loss and sumsq, and an i32 flag (all_finite) */
+    struct {
+        struct am_tensor loss, sumsq, local_sumsq, loss_f, sumsq_f, flag;
+    } scalars;
+    void *scalar_mem;
+    bool loss_reduced, sumsq_reduced; /* the f32 sums are the values to read */
     void *param_mem, *grad_mem;
     size_t n_elems; /* parameters on this rank (all of them, in elements) */
 
@@ -132,6 +184,9 @@ struct am_model {
     struct am_tensor x, dx, dhf, cos, sin, ce_t;
     struct am_tensor scratch_q, scratch_kv_k, scratch_kv_v, scratch_c, scratch_mlp, scratch_att;
     struct am_tensor gathered, scratch_rows; /* sequence parallelism: [N, C] all-gathered, [N/tp, C] */
+    struct am_tensor ce_M;                   /* tp > 1: the combined max logit of each token */
+    struct am_tensor kv_sum;                 /* kv heads shared by tp ranks: every kv head's k and v
+                                                gradients (no data otherwise) */
 };
 
 /* Builds the shard's parameters (zeroed) and activation buffers for each chunk's slots of
@@ -139,7 +194,7 @@ struct am_model {
  * pipeline group (NULL without pipeline parallelism), over which the two copies of a tied
  * embedding on the first and the last stage are kept equal. Returns 0, or -1 with a message. */
 int am_model_init(struct am_model *m, const struct am_model_config *cfg, const struct am_model_shard *sh,
-                  const struct am_kernels *K, struct am_comm *tp_comm, struct am_comm *pp_comm, int64_t batch,
+                  const struct am_dev *dev, struct am_comm *tp_comm, struct am_comm *pp_comm, int64_t batch,
                   int64_t seq_len, char *err, size_t err_len);
 void am_model_free(struct am_model *m);
 
@@ -158,12 +213,12 @@ size_t am_model_hidden_elems(const struct am_model *m, int64_t batch);
  * arrays of batch x seq_len (a target < 0 is ignored): tokens are read by the chunk with the
  * embedding, targets by the chunk with the head. x_in (device memory, am_model_hidden_elems)
  * is the previous stage's output, on every chunk but the first stage's; x_out receives this
- * chunk's output on every chunk but the last stage's. The last stage returns the sum of the
- * micro-batch's token losses in *loss_sum; dloss_scale is the gradient of the total loss with
- * respect to that sum (1 / tokens of the global batch gives the global mean). */
+ * chunk's output on every chunk but the last stage's. The last stage adds the micro-batch's
+ * token losses to the loss scalar; dloss_scale is the gradient of the total loss with respect
+ * to that sum (1 / tokens of the global batch gives the global mean). */
 int am_model_forward(struct am_model *m, int chunk, int slot, int64_t batch, const int32_t *tokens,
-                     const int32_t *targets, const float *x_in, float *x_out, float dloss_scale, double *loss_sum,
-                     char *err, size_t err_len);
+                     const int32_t *targets, const float *x_in, float *x_out, float dloss_scale, char *err,
+                     size_t err_len);
 /* Its backward: dy is the gradient of the chunk's output (from the next stage; ignored on the
  * last stage, where it starts from the loss), dx receives the gradient of x_in (not on the
  * first stage). Parameter gradients accumulate. */
@@ -171,27 +226,39 @@ int am_model_backward(struct am_model *m, int chunk, int slot, const float *dy, 
                       char *err, size_t err_len);
 
 /* The whole model on one rank (one chunk with embedding and head): forward and backward of
- * one micro-batch in slot 0. Returns the sum of its token losses in *loss_sum. */
+ * one micro-batch in slot 0. Returns the sum of its token losses in *loss_sum (reading the
+ * loss scalar, which it zeroes first: a host sync, for tests and tools). */
 int am_model_step(struct am_model *m, const int32_t *tokens, const int32_t *targets, int64_t batch,
                   float dloss_scale, double *loss_sum, char *err, size_t err_len);
 
-/* Forward only, the whole model on one rank: returns the summed token loss. */
+/* Forward only, the whole model on one rank: returns the summed token loss (as am_model_step). */
 int am_model_loss(struct am_model *m, const int32_t *tokens, const int32_t *targets, int64_t batch,
                   double *loss_sum, char *err, size_t err_len);
 
+/* Zeroes the gradients and the loss scalar: the start of a step. */
 void am_model_zero_grad(struct am_model *m);
 
-/* Completes the gradients of one optimizer step, after its last micro-batch (once): sums
- * across tp ranks what they computed separately (the kv heads they share; the norms, with
- * sequence parallelism), and the two copies of a tied embedding on the first and the last
- * pipeline stage. Collective over the tp group, and between the first and last pp ranks. */
+/* Completing the gradients of one optimizer step, after its last micro-batch, once:
+ * am_model_group_finish sums across the tp ranks what they computed separately in group g
+ * (the kv heads they share; the norms, with sequence parallelism): collective over tp.
+ * am_model_finish_tied adds up the two copies of a tied embedding on the first and the last
+ * pipeline stage: collective between those ranks. am_model_finish_grads does both for every
+ * group (tied first). */
+int am_model_group_finish(struct am_model *m, int group, char *err, size_t err_len);
+int am_model_finish_tied(struct am_model *m, char *err, size_t err_len);
 int am_model_finish_grads(struct am_model *m, char *err, size_t err_len);
 
-/* The squared L2 norm of all of the model's gradients (one replica of it): sharded
- * parameters summed over tp and pp, replicated ones (norms; kv heads shared by several tp
- * ranks; the tied embedding's copy on the last stage) counted once. Collective over the tp
- * group, then the pp group. -1 with a message on a comm error. */
-int am_model_grad_sumsq(struct am_model *m, double *sumsq, char *err, size_t err_len);
+/* The squared L2 norm of all of the model's gradients (one replica of it), into the sumsq
+ * scalar: sharded parameters summed over tp and pp, replicated ones (norms; kv heads shared by
+ * several tp ranks; the tied embedding's copy on the last stage) counted once. Collective over
+ * the tp group, then the pp group. -1 with a message on a comm error. */
+int am_model_grad_sumsq(struct am_model *m, char *err, size_t err_len);
+
+/* The loss scalar summed over the data-parallel group dp (NULL: none) and the pp group. */
+int am_model_reduce_loss(struct am_model *m, struct am_comm *dp, char *err, size_t err_len);
+
+/* One read of the device scalars (waits for the device). */
+void am_model_read_scalars(struct am_model *m, struct am_model_values *v);
 
 /* True for the last stage's copy of a tied embedding held by another rank (the first stage
  * holds the tensor itself): it is saved, and counted in norms, once, by the first stage. */

@@ -43,7 +43,7 @@ int am_model_load_hf(struct am_model *m, const char *dir, struct am_errors *err)
                                      : p->split == AM_SPLIT_COLS ? am_ckpt_cols(p->col0, p->col0 + p->w.shape[1])
                                                                  : (struct am_ckpt_slice){0, 0, 0};
         if (am_ckpt_read(c, p->name, p->split == AM_SPLIT_NONE ? NULL : &slice, &dst, err) == 0)
-            m->K->upload(p->w.data, host, (size_t)n * sizeof(float));
+            m->K->upload(m->dev, p->w.data, host, (size_t)n * sizeof(float));
         free(host);
     }
     am_ckpt_close(c);
@@ -232,7 +232,7 @@ static int gather(struct saver *s, int64_t i, struct am_errors *err)
     const struct am_param *p = &s->m->params[s->which[i]];
     size_t n = (size_t)am_tensor_numel(&p->w);
     float *mine = s->tp_size > 1 ? s->slices + (size_t)s->tp_rank * n : s->full;
-    s->m->K->download(mine, p->w.data, n * sizeof(float));
+    s->m->K->download(s->m->dev, mine, p->w.data, n * sizeof(float));
     if (s->tp_size == 1)
         return 0;
     if (am_allgather(s->tp, mine, s->slices, n, AM_F32) < 0)
@@ -382,7 +382,7 @@ static int fill(void *ctx, size_t index, uint64_t offset, void *dst, size_t n, s
     const struct save_tensor *t = &s->all[index];
     if (t->owner == 0 && s->tp_size == 1) {
         const struct am_param *p = &s->m->params[s->which[t->index]];
-        s->m->K->download(dst, (const char *)p->w.data + offset, n);
+        s->m->K->download(s->m->dev, dst, (const char *)p->w.data + offset, n);
         return 0;
     }
     if ((int64_t)index != s->current && fetch(s, (int64_t)index, err) < 0)

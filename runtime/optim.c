@@ -3,12 +3,12 @@
 
 #include <math.h>
 
-int am_optim_init(struct am_optim *o, const struct am_kernels *K, size_t n_elems, const struct am_recipe *r)
+int am_optim_init(struct am_optim *o, const struct am_dev *d, size_t n_elems, const struct am_recipe *r)
 {
-    *o = (struct am_optim){.K = K, .n = n_elems, .beta1 = (float)r->optim.beta1, .beta2 = (float)r->optim.beta2,
+    *o = (struct am_optim){.dev = d, .n = n_elems, .beta1 = (float)r->optim.beta1, .beta2 = (float)r->optim.beta2,
                            .eps = (float)r->optim.eps, .weight_decay = (float)r->optim.weight_decay};
-    o->m_mem = K->alloc(n_elems * sizeof(float));
-    o->v_mem = K->alloc(n_elems * sizeof(float));
+    o->m_mem = d->k->alloc(d, n_elems * sizeof(float));
+    o->v_mem = d->k->alloc(d, n_elems * sizeof(float));
     if (!o->m_mem || !o->v_mem) {
         am_optim_free(o);
         return -1;
@@ -18,23 +18,23 @@ int am_optim_init(struct am_optim *o, const struct am_kernels *K, size_t n_elems
 
 void am_optim_free(struct am_optim *o)
 {
-    if (o->K && o->m_mem)
-        o->K->free(o->m_mem);
-    if (o->K && o->v_mem)
-        o->K->free(o->v_mem);
+    if (o->dev && o->m_mem)
+        o->dev->k->free(o->dev, o->m_mem);
+    if (o->dev && o->v_mem)
+        o->dev->k->free(o->dev, o->v_mem);
     o->m_mem = o->v_mem = NULL;
 }
 
 void am_optim_step(struct am_optim *o, void *params, const void *grads, float lr)
 {
-    enum am_device dev = o->K->device;
+    enum am_device dev = o->dev->device;
     int64_t n = (int64_t)o->n;
     struct am_tensor p = am_tensor_view(params, dev, AM_T_F32, n, 0, 0, 0);
     struct am_tensor g = am_tensor_view((void *)grads, dev, AM_T_F32, n, 0, 0, 0);
     struct am_tensor m = am_tensor_view(o->m_mem, dev, AM_T_F32, n, 0, 0, 0);
     struct am_tensor v = am_tensor_view(o->v_mem, dev, AM_T_F32, n, 0, 0, 0);
     o->step++;
-    o->K->adamw(&p, &g, &m, &v, lr, o->beta1, o->beta2, o->eps, o->weight_decay, o->step);
+    o->dev->k->adamw(o->dev, &p, &g, &m, &v, lr, o->beta1, o->beta2, o->eps, o->weight_decay, o->step);
 }
 
 double am_lr_at(const struct am_recipe *r, long step)

@@ -18,14 +18,14 @@
 #include "recipe.h"
 
 struct am_optim {
-    const struct am_kernels *K;
+    const struct am_dev *dev;
     void *m_mem, *v_mem;
     size_t n;
     int64_t step; /* optimizer steps taken */
     float beta1, beta2, eps, weight_decay;
 };
 
-int am_optim_init(struct am_optim *o, const struct am_kernels *K, size_t n_elems, const struct am_recipe *r);
+int am_optim_init(struct am_optim *o, const struct am_dev *d, size_t n_elems, const struct am_recipe *r);
 void am_optim_free(struct am_optim *o);
 /* One AdamW step over params given grads (both slabs of o->n fp32 on the device). */
 void am_optim_step(struct am_optim *o, void *params, const void *grads, float lr);

@@ -1,6 +1,7 @@
 /* pipeline.c - the executor of a pipeline schedule (pipeline.h). */
 #include "pipeline.h"
 
+#include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -63,22 +64,22 @@ int am_pipe_bind(struct am_pipe *P, const struct am_model *m, int64_t batch, str
         return 0;
     P->n_bufs = P->v == 1 ? P->slots[0] : P->v * P->n_micro;
     size_t n = (size_t)P->n_bufs * P->hidden;
-    P->recv_buf = m->K->alloc(P->hidden * sizeof(float));
-    P->out_bufs = m->K->alloc(n * sizeof(float));
-    P->grad_bufs = m->K->alloc(n * sizeof(float));
+    P->recv_buf = m->K->alloc(m->dev, P->hidden * sizeof(float));
+    P->out_bufs = m->K->alloc(m->dev, n * sizeof(float));
+    P->grad_bufs = m->K->alloc(m->dev, n * sizeof(float));
     if (!P->recv_buf || !P->out_bufs || !P->grad_bufs)
         return am_fail(err, err_len, "pipeline: out of memory for %d hidden states of %zu elements", 1 + 2 * P->n_bufs,
                        P->hidden);
-    P->free_fn = m->K->free;
+    P->dev = m->dev;
     return 0;
 }
 
 void am_pipe_free(struct am_pipe *P)
 {
-    if (P->free_fn) {
-        P->free_fn(P->recv_buf);
-        P->free_fn(P->out_bufs);
-        P->free_fn(P->grad_bufs);
+    if (P->dev) {
+        P->dev->k->free(P->dev, P->recv_buf);
+        P->dev->k->free(P->dev, P->out_bufs);
+        P->dev->k->free(P->dev, P->grad_bufs);
     }
     free(P->actions);
     memset(P, 0, sizeof(*P));
@@ -116,8 +117,7 @@ static int comm_fail(struct am_comm *c, char *err, size_t err_len)
 }
 
 static int run_forward(struct am_pipe *P, struct am_model *m, const struct am_pipe_action *a, const int32_t *tokens,
-                       const int32_t *targets, int64_t batch, float dloss_scale, double *loss_sum, char *err,
-                       size_t err_len)
+                       const int32_t *targets, int64_t batch, float dloss_scale, char *err, size_t err_len)
 {
     int s = a->chunk * P->pp + P->rank;
     size_t N = (size_t)(batch * m->seq_len);
@@ -130,19 +130,17 @@ static int run_forward(struct am_pipe *P, struct am_model *m, const struct am_pi
             return comm_fail(P->fwd, err, err_len);
         x_in = P->recv_buf;
     }
-    double loss = 0;
     const int32_t *tok = tokens + a->micro * N, *tgt = targets + a->micro * N;
-    if (am_model_forward(m, a->chunk, a->micro % P->slots[a->chunk], batch, tok, tgt, x_in, x_out, dloss_scale, &loss,
-                         err, err_len) < 0)
+    if (am_model_forward(m, a->chunk, a->micro % P->slots[a->chunk], batch, tok, tgt, x_in, x_out, dloss_scale, err,
+                         err_len) < 0)
         return -1;
-    *loss_sum += loss;
     if (x_out && am_isend(P->fwd, x_out, P->hidden, AM_F32, next_rank(P, s)) < 0)
         return comm_fail(P->fwd, err, err_len);
     return 0;
 }
 
 static int run_backward(struct am_pipe *P, struct am_model *m, const struct am_pipe_action *a, float dloss_scale,
-                        char *err, size_t err_len)
+                        bool final, char *err, size_t err_len)
 {
     int s = a->chunk * P->pp + P->rank;
     const float *dy = NULL;
@@ -154,22 +152,33 @@ static int run_backward(struct am_pipe *P, struct am_model *m, const struct am_p
             return comm_fail(P->bwd, err, err_len);
         dy = P->recv_buf;
     }
-    if (am_model_backward(m, a->chunk, a->micro % P->slots[a->chunk], dy, dx, dloss_scale, err, err_len) < 0)
+    m->grads_final = final;
+    int rc = am_model_backward(m, a->chunk, a->micro % P->slots[a->chunk], dy, dx, dloss_scale, err, err_len);
+    m->grads_final = false;
+    if (rc < 0)
         return -1;
     if (dx && am_isend(P->bwd, dx, P->hidden, AM_F32, prev_rank(P, s)) < 0)
         return comm_fail(P->bwd, err, err_len);
     return 0;
 }
 
-int am_pipe_run(struct am_pipe *P, struct am_model *m, const int32_t *tokens, const int32_t *targets, int64_t batch,
-                float dloss_scale, double *loss_sum, char *err, size_t err_len)
+/* Whether action i is the last backward of its chunk in the schedule. */
+static bool last_backward(const struct am_pipe *P, int i)
 {
-    *loss_sum = 0;
+    for (int k = i + 1; k < P->n_actions; k++)
+        if (P->actions[k].kind == AM_PIPE_BACKWARD && P->actions[k].chunk == P->actions[i].chunk)
+            return false;
+    return true;
+}
+
+int am_pipe_run(struct am_pipe *P, struct am_model *m, const int32_t *tokens, const int32_t *targets, int64_t batch,
+                float dloss_scale, bool last_run, char *err, size_t err_len)
+{
     for (int i = 0; i < P->n_actions; i++) {
         const struct am_pipe_action *a = &P->actions[i];
         int rc = a->kind == AM_PIPE_FORWARD
-                     ? run_forward(P, m, a, tokens, targets, batch, dloss_scale, loss_sum, err, err_len)
-                     : run_backward(P, m, a, dloss_scale, err, err_len);
+                     ? run_forward(P, m, a, tokens, targets, batch, dloss_scale, err, err_len)
+                     : run_backward(P, m, a, dloss_scale, last_run && last_backward(P, i), err, err_len);
         if (rc < 0)
             return -1;
     }

@@ -12,6 +12,7 @@
 #ifndef AM_PIPELINE_H
 #define AM_PIPELINE_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -31,7 +32,7 @@ struct am_pipe {
                                         v * n_micro (interleaved), see buf_of in pipeline.c */
     float *out_bufs, *grad_bufs;     /* [n_bufs] hidden states sent forward / backward */
     struct am_comm *fwd, *bwd;       /* the pp group twice: activations, gradients (NULL: pp 1) */
-    void (*free_fn)(void *);         /* the kernels' free, for the buffers */
+    const struct am_dev *dev;        /* where the buffers live */
 };
 
 /* Builds this rank's schedule from the plan (its schedule, pp, virtual stages and
@@ -51,9 +52,10 @@ void am_pipe_free(struct am_pipe *P);
 size_t am_pipe_bytes(const struct am_pipe *P);
 
 /* Runs one schedule: forward and backward of every micro-batch i, whose tokens and targets
- * are tokens + i * batch * seq_len (host int32). Gradients accumulate in m; on the last stage
- * *loss_sum is the sum of all token losses (0 elsewhere). */
+ * are tokens + i * batch * seq_len (host int32). Gradients accumulate in m, token losses in
+ * its loss scalar (last stage). last_run: the last run of the step (gradient accumulation),
+ * whose last backward of each chunk sets m->grads_final (model.h, grad_ready). */
 int am_pipe_run(struct am_pipe *P, struct am_model *m, const int32_t *tokens, const int32_t *targets, int64_t batch,
-                float dloss_scale, double *loss_sum, char *err, size_t err_len);
+                float dloss_scale, bool last_run, char *err, size_t err_len);
 
 #endif

@@ -14,7 +14,7 @@
 
 enum am_device { AM_DEV_CPU, AM_DEV_CUDA };
 
-enum am_tdtype { AM_T_F32, AM_T_BF16, AM_T_F16, AM_T_I32 };
+enum am_tdtype { AM_T_F32, AM_T_BF16, AM_T_F16, AM_T_I32, AM_T_F64 };
 
 #define AM_TENSOR_MAX_DIMS 4
 
@@ -35,7 +35,10 @@ static inline int64_t am_tensor_numel(const struct am_tensor *t)
     return n;
 }
 
-static inline size_t am_tdtype_size(enum am_tdtype d) { return d == AM_T_F32 || d == AM_T_I32 ? 4 : 2; }
+static inline size_t am_tdtype_size(enum am_tdtype d)
+{
+    return d == AM_T_F64 ? 8 : d == AM_T_F32 || d == AM_T_I32 ? 4 : 2;
+}
 
 static inline size_t am_tensor_bytes(const struct am_tensor *t)
 {

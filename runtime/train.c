@@ -14,6 +14,7 @@
 #include "crash.h"
 #include "dataset.h"
 #include "fault.h"
+#include "grad_sync.h"
 #include "groups.h"
 #include "flight.h"
 #include "log.h"
@@ -30,12 +31,14 @@ struct trainer {
     struct am_rank_setup *s;
     const struct am_recipe *r;
     const struct am_plan *p;
-    const struct am_kernels *K;
+    struct am_dev dev;                  /* the rank's device: its kernels run there */
+    const struct am_kernels *K;         /* dev.k */
     struct am_groups g;
     int dp_rank;
     struct am_model model;
     struct am_pipe pipe;
     struct am_optim optim;
+    struct am_gsync sync;
     struct am_gpt *data;
     struct am_log log;
     int32_t *sample, *tokens, *targets; /* host buffers for one pipeline run's micro-batches */
@@ -46,6 +49,7 @@ struct trainer {
     struct am_fault fault;
     const char **hosts;                 /* host of each global rank */
     double comm_s;                      /* seconds in communication calls this step */
+    long step;                          /* the step being run (1-based) */
 };
 
 /* The layouts this trainer runs so far: data, tensor (+ sequence) and pipeline parallelism;
@@ -75,7 +79,8 @@ static void log_groups(struct trainer *t)
 
 static int build_comms(struct trainer *t, struct am_errors *err)
 {
-    if (am_groups_build(&t->g, t->s, &t->flight, t->hosts, err) < 0)
+    enum am_comm_backend be = t->dev.device == AM_DEV_CUDA ? AM_COMM_NCCL : AM_COMM_UCX;
+    if (am_groups_build(&t->g, t->s, be, t->dev.ordinal, &t->flight, t->hosts, err) < 0)
         return -1;
     t->dp_rank = am_comm_rank(t->g.dp);
     log_groups(t);
@@ -92,7 +97,7 @@ static int build_model(struct trainer *t, struct am_errors *err)
     if (am_pipe_init(&t->pipe, p, r, &t->s->coords, &sh, msg, sizeof(msg)) < 0)
         return am_errors_fail(err, "%s", msg);
     struct am_comm *pp = p->pp > 1 ? t->g.pp : NULL;
-    if (am_model_init(&t->model, &r->model, &sh, t->K, t->g.tp, pp, p->microbatch_size, p->seq_length, msg,
+    if (am_model_init(&t->model, &r->model, &sh, &t->dev, t->g.tp, pp, p->microbatch_size, p->seq_length, msg,
                       sizeof(msg)) < 0 ||
         am_pipe_bind(&t->pipe, &t->model, p->microbatch_size, pp, p->pp > 1 ? t->g.pp_grad : NULL, msg,
                      sizeof(msg)) < 0)
@@ -155,12 +160,18 @@ static int read_microbatches(struct trainer *t, long step, int64_t accum, struct
     return 0;
 }
 
-/* The first parameter whose gradient is not finite, for the log. */
-static const char *first_nonfinite(const struct am_model *m)
+/* The first parameter whose gradient is not finite, for the log (after a failure: a read of
+ * the device per parameter). */
+static const char *first_nonfinite(struct am_model *m)
 {
-    for (int i = 0; i < m->n_params; i++)
-        if (!m->K->all_finite(&m->params[i].g))
+    for (int i = 0; i < m->n_params; i++) {
+        int32_t ok = 1;
+        m->K->upload(m->dev, m->scalars.flag.data, &ok, sizeof(ok));
+        m->K->all_finite(m->dev, &m->scalars.flag, &m->params[i].g);
+        m->K->download(m->dev, &ok, m->scalars.flag.data, sizeof(ok));
+        if (!ok)
             return m->params[i].name;
+    }
     return "(none)";
 }
 
@@ -293,7 +304,8 @@ static void fault_at_step_start(struct trainer *t, long step)
     }
 }
 
-/* AM_FAULT kind=nan: a NaN in the middle parameter's gradient, after the backward pass. */
+/* AM_FAULT kind=nan: a NaN in the middle parameter's gradient, once the backward has made
+ * it final (before its group is synchronised). */
 static void fault_nan(struct trainer *t, long step)
 {
     struct am_model *m = &t->model;
@@ -302,7 +314,7 @@ static void fault_nan(struct trainer *t, long step)
     struct am_param *p = &m->params[m->n_params / 2];
     fault_record(t, step, p->name);
     float nan = NAN;
-    memcpy(p->g.data, &nan, sizeof(nan));
+    m->K->upload(m->dev, p->g.data, &nan, sizeof(nan));
 }
 
 static void print_step(const struct trainer *t, long step, double loss, double lr, double norm, double dt,
@@ -332,14 +344,6 @@ static int save_checkpoint(struct trainer *t, long step, struct am_errors *err)
     return 0;
 }
 
-/* One data-parallel collective of the step. */
-static int allreduce(struct trainer *t, void *buf, size_t n, long step, struct am_errors *err)
-{
-    if (am_allreduce(t->g.dp, buf, buf, n, AM_F32, AM_SUM) < 0)
-        return am_errors_fail(err, "step %ld: %s", step, am_comm_error(t->g.dp));
-    return 0;
-}
-
 /* A non-finite loss or gradient norm: origin "local" (this rank's own, before any reduction:
  * this rank is where it came from) or "reduced" (after the data-parallel all-reduce). */
 static int nonfinite(struct trainer *t, long step, double loss, double norm, const char *origin, struct am_errors *err)
@@ -353,66 +357,87 @@ static int nonfinite(struct trainer *t, long step, double loss, double norm, con
                 "gradient: %s)", step, origin, loss, norm, bad);
 }
 
+/* The model's grad_ready hook: AM_FAULT kind=nan first, then the group's synchronisation. */
+static int grad_ready(void *arg, int group, char *err, size_t err_len)
+{
+    struct trainer *t = arg;
+    const struct am_pgroup *G = &t->model.groups[group];
+    int mid = t->model.n_params / 2;
+    if (mid >= G->first && mid < G->first + G->n)
+        fault_nan(t, t->step);
+    return am_gsync_group(&t->sync, group, err, err_len);
+}
+
+/* Forward and backward of every micro-batch of the step, gradients synchronised over dp. */
+static int forward_backward(struct trainer *t, long step, float dloss_scale, struct am_errors *err)
+{
+    const struct am_plan *p = t->p;
+    char msg[1024];
+    am_model_zero_grad(&t->model);
+    if (p->dp > 1 && am_fault_due(&t->fault, t->s->info.rank, step, AM_FAULT_HANG_IN_COLLECTIVE)) {
+        fault_record(t, step, NULL);
+        am_comm_inject_stall(t->g.dp, am_comm_seq(t->g.dp) + 1);
+    }
+    for (int64_t a = 0; a < p->grad_accum; a++) {
+        if (read_microbatches(t, step - 1, a, err) < 0)
+            return -1;
+        if (am_pipe_run(&t->pipe, &t->model, t->tokens, t->targets, p->microbatch_size, dloss_scale,
+                        a == p->grad_accum - 1, msg, sizeof(msg)) < 0)
+            return am_errors_fail(err, "step %ld: %s", step, msg);
+    }
+    if (am_gsync_finish(&t->sync, msg, sizeof(msg)) < 0)
+        return am_errors_fail(err, "step %ld: %s", step, msg);
+    return 0;
+}
+
+/* The step's loss and gradient norm: reduced on the device, read once. A non-finite one
+ * fails the step: on the rank it came from as "local"; a rank that only received it through
+ * the data-parallel all-reduce waits to be stopped by the job's end (the source's supervisor
+ * stops every rank within seconds), as a rank blocked in that all-reduce would, and reports
+ * "reduced" only when nothing stops it. */
+static int step_values(struct trainer *t, long step, double *loss, double *norm, struct am_errors *err)
+{
+    const struct am_plan *p = t->p;
+    struct am_model *m = &t->model;
+    double total_tokens = (double)p->global_batch * (double)p->seq_length;
+    char msg[1024];
+    struct am_model_values v;
+    if (am_model_reduce_loss(m, p->dp > 1 ? t->g.dp : NULL, msg, sizeof(msg)) < 0 ||
+        am_model_grad_sumsq(m, msg, sizeof(msg)) < 0)
+        return am_errors_fail(err, "step %ld: %s", step, msg);
+    am_model_read_scalars(m, &v);
+    *loss = v.loss_sum / total_tokens;
+    *norm = sqrt(v.sumsq);
+    if (p->dp > 1 && !isfinite(v.local_sumsq))
+        return nonfinite(t, step, *loss, sqrt(v.local_sumsq), "local", err);
+    if (isfinite(*loss) && isfinite(*norm))
+        return 0;
+    if (p->dp > 1)
+        am_fault_sleep(t->wd.timeout_s);
+    return nonfinite(t, step, *loss, *norm, p->dp > 1 ? "reduced" : "local", err);
+}
+
 static int run(struct trainer *t, struct am_errors *err)
 {
     const struct am_recipe *r = t->r;
     const struct am_plan *p = t->p;
     struct am_model *m = &t->model;
-    double total_tokens = (double)p->global_batch * (double)p->seq_length;
-    float dloss_scale = (float)(1.0 / total_tokens);
+    float dloss_scale = (float)(1.0 / ((double)p->global_batch * (double)p->seq_length));
     double t0 = am_mono_time();
     int rank = t->s->info.rank;
     for (long step = 0; step < r->steps.max_steps; step++) {
-        double ts = am_mono_time(), loss_sum = 0;
-        char msg[1024];
+        double ts = am_mono_time(), loss = 0, norm = 0;
+        t->step = step + 1;
         am_crash_set_step(step + 1);
         double busy0 = am_comm_ctx_busy_s(t->g.ctx);
         fault_at_step_start(t, step + 1);
-        am_model_zero_grad(m);
-        for (int64_t a = 0; a < p->grad_accum; a++) {
-            double run_loss;
-            if (read_microbatches(t, step, a, err) < 0)
-                return -1;
-            if (am_pipe_run(&t->pipe, m, t->tokens, t->targets, p->microbatch_size, dloss_scale, &run_loss, msg,
-                            sizeof(msg)) < 0)
-                return am_errors_fail(err, "step %ld: %s", step + 1, msg);
-            loss_sum += run_loss;
-        }
-        if (am_model_finish_grads(m, msg, sizeof(msg)) < 0)
-            return am_errors_fail(err, "step %ld: %s", step + 1, msg);
-        fault_nan(t, step + 1);
-        struct am_tensor g = am_tensor_view(m->grad_mem, t->K->device, AM_T_F32, (int64_t)m->n_elems, 0, 0, 0);
-        float loss_f = (float)loss_sum;
-        if (p->dp > 1) {
-            /* this rank's own gradient first: a NaN is reported by the rank it came from, not
-             * by every rank after the all-reduce has spread it (one read of the gradients) */
-            double local = t->K->sum_squares(&g);
-            if (!isfinite(loss_sum) || !isfinite(local))
-                return nonfinite(t, step + 1, loss_sum / total_tokens, sqrt(local), "local", err);
-            if (am_fault_due(&t->fault, rank, step + 1, AM_FAULT_HANG_IN_COLLECTIVE)) {
-                fault_record(t, step + 1, NULL);
-                am_comm_inject_stall(t->g.dp, am_comm_seq(t->g.dp) + 1);
-            }
-            if (allreduce(t, m->grad_mem, m->n_elems, step + 1, err) < 0 || allreduce(t, &loss_f, 1, step + 1, err) < 0)
-                return -1;
-            loss_sum = loss_f;
-        }
-        if (p->pp > 1) { /* the loss is the last stage's */
-            if (am_allreduce(t->g.pp, &loss_f, &loss_f, 1, AM_F32, AM_SUM) < 0)
-                return am_errors_fail(err, "step %ld: %s", step + 1, am_comm_error(t->g.pp));
-            loss_sum = loss_f;
-        }
-        double loss = loss_sum / total_tokens;
-        double sumsq;
-        if (am_model_grad_sumsq(m, &sumsq, msg, sizeof(msg)) < 0)
-            return am_errors_fail(err, "step %ld: %s", step + 1, msg);
-        double norm = sqrt(sumsq);
-        if (!isfinite(loss) || !isfinite(norm))
-            return nonfinite(t, step + 1, loss, norm, p->dp > 1 ? "reduced" : "local", err);
+        if (forward_backward(t, step + 1, dloss_scale, err) < 0 || step_values(t, step + 1, &loss, &norm, err) < 0)
+            return -1;
         if (r->optim.max_grad_norm > 0) {
             double coef = r->optim.max_grad_norm / (norm + 1e-6);
+            struct am_tensor g = am_tensor_view(m->grad_mem, t->dev.device, AM_T_F32, (int64_t)m->n_elems, 0, 0, 0);
             if (coef < 1.0)
-                t->K->scale(&g, (float)coef);
+                t->K->scale(&t->dev, &g, (float)coef);
         }
         double lr = am_lr_at(r, step);
         am_optim_step(&t->optim, m->param_mem, m->grad_mem, (float)lr);
@@ -420,11 +445,11 @@ static int run(struct trainer *t, struct am_errors *err)
         t->comm_s = am_comm_ctx_busy_s(t->g.ctx) - busy0;
         struct rusage ru;
         getrusage(RUSAGE_SELF, &ru);
-        am_log_record(&t->log, "step", json_pack("{s:i,s:f,s:f,s:f,s:I,s:f,s:f,s:f,s:I}", "step", (int)step + 1, "loss",
-                                                 loss, "lr", lr, "grad_norm", norm, "tokens",
-                                                 (json_int_t)p->tokens_per_step, "step_s", dt, "time",
-                                                 am_wall_time(), "comm_s", t->comm_s, "max_rss_kib",
-                                                 (json_int_t)ru.ru_maxrss));
+        json_t *rec = json_pack("{s:i,s:f,s:f,s:f,s:I,s:f,s:f,s:f,s:I}", "step", (int)step + 1, "loss", loss, "lr", lr,
+                                "grad_norm", norm, "tokens", (json_int_t)p->tokens_per_step, "step_s", dt, "time",
+                                am_wall_time(), "comm_s", t->comm_s, "max_rss_kib", (json_int_t)ru.ru_maxrss);
+        json_object_set_new(rec, "grad_wait_s", json_real(t->sync.wait_s));
+        am_log_record(&t->log, "step", rec);
         if (rank == 0)
             print_step(t, step, loss, lr, norm, dt, am_mono_time() - t0);
         if (r->ckpt.enabled && r->steps.ckpt_every > 0 && (step + 1) % r->steps.ckpt_every == 0 &&
@@ -456,13 +481,39 @@ static int setup_diagnostics(struct trainer *t, struct am_errors *err)
     return 0;
 }
 
+/* The rank's device: AM_DEVICE (cpu, cuda) when set, else CUDA where this build has CUDA
+ * kernels and the rank was given a GPU, else the CPU. Its communicators follow: UCX for host
+ * memory, NCCL for device memory. */
+static int open_device(struct trainer *t, struct am_errors *err)
+{
+    const char *want = getenv("AM_DEVICE");
+    enum am_device d = am_kernels_for(AM_DEV_CUDA) && t->s->topo.gpu.device >= 0 ? AM_DEV_CUDA : AM_DEV_CPU;
+    char msg[512];
+    if (want && *want) {
+        if (strcmp(want, "cpu") != 0 && strcmp(want, "cuda") != 0)
+            return am_errors_fail(err, "AM_DEVICE=%s: not a device (cpu or cuda)", want);
+        d = strcmp(want, "cuda") == 0 ? AM_DEV_CUDA : AM_DEV_CPU;
+    }
+    if (am_dev_open(&t->dev, d, t->s->topo.gpu.device, msg, sizeof(msg)) < 0)
+        return am_errors_fail(err, "%s", msg);
+    t->K = t->dev.k;
+    return 0;
+}
+
+/* AM_GRAD_OVERLAP=0 reduces the gradients after the backward instead of during it. */
+static bool grad_overlap(void)
+{
+    const char *v = getenv("AM_GRAD_OVERLAP");
+    return !(v && strcmp(v, "0") == 0);
+}
+
 int am_train(struct am_rank_setup *s, struct am_errors *err)
 {
-    struct trainer t = {.s = s, .r = s->recipe, .p = &s->plan, .K = am_kernels_for(AM_DEV_CPU)};
+    struct trainer t = {.s = s, .r = s->recipe, .p = &s->plan};
     char msg[512];
     int rc = -1, crash = 0;
     t.log.fd = -1;
-    if (check_supported(t.p, err) < 0 || setup_diagnostics(&t, err) < 0)
+    if (check_supported(t.p, err) < 0 || setup_diagnostics(&t, err) < 0 || open_device(&t, err) < 0)
         goto out;
     if (am_log_open(&t.log, NULL, s->info.job_id, s->info.rank, msg, sizeof(msg)) < 0) {
         am_errors_fail(err, "%s", msg);
@@ -488,10 +539,16 @@ int am_train(struct am_rank_setup *s, struct am_errors *err)
     }
     if (build_model(&t, err) < 0 || build_data(&t, err) < 0)
         goto out;
-    if (am_optim_init(&t.optim, t.K, t.model.n_elems, t.r) < 0) {
+    if (am_optim_init(&t.optim, &t.dev, t.model.n_elems, t.r) < 0) {
         am_errors_fail(err, "out of memory for the optimizer state of %zu parameters", t.model.n_elems);
         goto out;
     }
+    if (am_gsync_init(&t.sync, &t.model, t.p->dp > 1 ? t.g.dp : NULL, grad_overlap(), msg, sizeof(msg)) < 0) {
+        am_errors_fail(err, "%s", msg);
+        goto out;
+    }
+    t.model.grad_ready = grad_ready;
+    t.model.grad_ready_arg = &t;
     rc = run(&t, err);
 out:
     am_watchdog_stop(&t.wd);
@@ -499,6 +556,7 @@ out:
         report_error(&t, err->msg[0]);
     if (crash)
         am_crash_uninstall();
+    am_gsync_free(&t.sync);
     am_optim_free(&t.optim);
     am_model_free(&t.model);
     am_pipe_free(&t.pipe);
@@ -510,5 +568,6 @@ out:
     am_flight_free(&t.flight);
     free(t.hosts);
     am_log_close(&t.log);
+    am_dev_close(&t.dev);
     return rc;
 }

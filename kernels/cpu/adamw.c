@@ -63,7 +63,7 @@ AM_HOT static void adamw_block_lowbeta(float *restrict p, const float *restrict 
 
 #define ADAMW_BLOCK 16384
 
-void am_cpu_adamw(struct am_tensor *param, const struct am_tensor *grad, struct am_tensor *m, struct am_tensor *v,
+void am_cpu_adamw(const struct am_dev *dev, struct am_tensor *param, const struct am_tensor *grad, struct am_tensor *m, struct am_tensor *v,
                   float lr, float beta1, float beta2, float eps, float weight_decay, int64_t step)
 {
     float *p = F32(param), *md = F32(m), *vd = F32(v);

@@ -273,7 +273,7 @@ static struct attn_shape check_attention(const char *kernel, const struct am_ten
     return s;
 }
 
-void am_cpu_attention_forward(struct am_tensor *out, struct am_tensor *lse, const struct am_tensor *q,
+void am_cpu_attention_forward(const struct am_dev *dev, struct am_tensor *out, struct am_tensor *lse, const struct am_tensor *q,
                               const struct am_tensor *k, const struct am_tensor *v)
 {
     float *o = F32(out), *l = F32(lse);
@@ -306,7 +306,7 @@ void am_cpu_attention_forward(struct am_tensor *out, struct am_tensor *lse, cons
     AM_CHECK(!fail, "out of memory for %d rows of %lld scores", QB, (long long)T);
 }
 
-void am_cpu_attention_backward(struct am_tensor *dq, struct am_tensor *dk, struct am_tensor *dv,
+void am_cpu_attention_backward(const struct am_dev *dev, struct am_tensor *dq, struct am_tensor *dk, struct am_tensor *dv,
                                const struct am_tensor *dout, const struct am_tensor *out, const struct am_tensor *lse,
                                const struct am_tensor *q, const struct am_tensor *k, const struct am_tensor *v)
 {

@@ -24,6 +24,7 @@ static const char *dtype_name(enum am_tdtype d)
     case AM_T_BF16: return "bf16";
     case AM_T_F16: return "f16";
     case AM_T_I32: return "i32";
+    case AM_T_F64: return "f64";
     }
     return "?";
 }
@@ -56,9 +57,27 @@ const int32_t *am_cpu_i32(const char *kernel, const char *what, const struct am_
     return t->data;
 }
 
+void *am_cpu_data(const char *kernel, const char *what, const struct am_tensor *t, enum am_tdtype dtype)
+{
+    check_tensor(kernel, what, t, dtype);
+    return t->data;
+}
+
+double *am_cpu_scalar_f64(const char *kernel, const char *what, const struct am_tensor *t)
+{
+    check_tensor(kernel, what, t, AM_T_F64);
+    if (am_tensor_numel(t) != 1)
+        am_cpu_fatal(kernel, "%s (%s) has %lld elements; a device scalar has one", what, am_tname(t),
+                     (long long)am_tensor_numel(t));
+    return t->data;
+}
+
+static void cpu_sync(const struct am_dev *d) { (void)d; }
+
 static const struct am_kernels cpu_kernels = {
     .name = "cpu",
     .device = AM_DEV_CPU,
+    .sync = cpu_sync,
     .alloc = am_cpu_alloc,
     .free = am_cpu_free,
     .upload = am_cpu_upload,
@@ -67,6 +86,7 @@ static const struct am_kernels cpu_kernels = {
     .copy = am_cpu_copy,
     .add = am_cpu_add,
     .scale = am_cpu_scale,
+    .convert = am_cpu_convert,
     .sum_squares = am_cpu_sum_squares,
     .all_finite = am_cpu_all_finite,
     .matmul_forward = am_cpu_matmul_forward,
@@ -84,6 +104,8 @@ static const struct am_kernels cpu_kernels = {
     .swiglu_backward = am_cpu_swiglu_backward,
     .ce_stats = am_cpu_ce_stats,
     .ce_backward = am_cpu_ce_backward,
+    .ce_rescale = am_cpu_ce_rescale,
+    .ce_loss = am_cpu_ce_loss,
     .ce_fused = am_cpu_ce_fused,
     .adamw = am_cpu_adamw,
 };

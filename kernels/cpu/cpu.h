@@ -51,8 +51,12 @@ _Noreturn void am_cpu_fatal(const char *kernel, const char *fmt, ...) __attribut
  * dtype; `what` names the argument in the message ("x", "dw", ...). */
 float *am_cpu_f32(const char *kernel, const char *what, const struct am_tensor *t);
 const int32_t *am_cpu_i32(const char *kernel, const char *what, const struct am_tensor *t);
+/* Any dtype, checked; and a one-element f64 (a device scalar). */
+void *am_cpu_data(const char *kernel, const char *what, const struct am_tensor *t, enum am_tdtype dtype);
+double *am_cpu_scalar_f64(const char *kernel, const char *what, const struct am_tensor *t);
 #define F32(t) am_cpu_f32(__func__, #t, (t))
 #define I32(t) am_cpu_i32(__func__, #t, (t))
+#define F64_SCALAR(t) am_cpu_scalar_f64(__func__, #t, (t))
 
 /* A tensor seen as a matrix: the last dimension is the row, the others are rows. */
 static inline int64_t am_cols(const struct am_tensor *t) { return t->ndim ? t->shape[t->ndim - 1] : 1; }
@@ -117,20 +121,21 @@ AM_INLINE float am_expf(float x)
 
 /* ---- the kernels, one file per family (forward beside backward) ---- */
 /* memory.c */
-void *am_cpu_alloc(size_t bytes);
-void am_cpu_free(void *p);
-void am_cpu_upload(void *dst, const void *host_src, size_t bytes);
-void am_cpu_download(void *host_dst, const void *src, size_t bytes);
-void am_cpu_zero(struct am_tensor *t);
-void am_cpu_copy(struct am_tensor *dst, const struct am_tensor *src);
+void *am_cpu_alloc(const struct am_dev *dev, size_t bytes);
+void am_cpu_free(const struct am_dev *dev, void *p);
+void am_cpu_upload(const struct am_dev *dev, void *dst, const void *host_src, size_t bytes);
+void am_cpu_download(const struct am_dev *dev, void *host_dst, const void *src, size_t bytes);
+void am_cpu_zero(const struct am_dev *dev, struct am_tensor *t);
+void am_cpu_copy(const struct am_dev *dev, struct am_tensor *dst, const struct am_tensor *src);
 /* elementwise.c */
-void am_cpu_add(struct am_tensor *dst, const struct am_tensor *src);
-void am_cpu_scale(struct am_tensor *t, float s);
-double am_cpu_sum_squares(const struct am_tensor *t);
-bool am_cpu_all_finite(const struct am_tensor *t);
+void am_cpu_add(const struct am_dev *dev, struct am_tensor *dst, const struct am_tensor *src);
+void am_cpu_scale(const struct am_dev *dev, struct am_tensor *t, float s);
+void am_cpu_convert(const struct am_dev *dev, struct am_tensor *dst, const struct am_tensor *src);
+void am_cpu_sum_squares(const struct am_dev *dev, struct am_tensor *acc, const struct am_tensor *t, double div);
+void am_cpu_all_finite(const struct am_dev *dev, struct am_tensor *flag, const struct am_tensor *t);
 /* matmul.c */
-void am_cpu_matmul_forward(struct am_tensor *y, const struct am_tensor *x, const struct am_tensor *w);
-void am_cpu_matmul_backward(struct am_tensor *dx, struct am_tensor *dw, const struct am_tensor *dy,
+void am_cpu_matmul_forward(const struct am_dev *dev, struct am_tensor *y, const struct am_tensor *x, const struct am_tensor *w);
+void am_cpu_matmul_backward(const struct am_dev *dev, struct am_tensor *dx, struct am_tensor *dw, const struct am_tensor *dy,
                             const struct am_tensor *x, const struct am_tensor *w);
 /* The shared sgemm driver: C[M,N] = alpha * op(A) op(B) + beta * C, row-major, split over
  * the OpenMP threads on the larger of M and N when the product is big enough. Called from
@@ -141,41 +146,44 @@ void am_cpu_sgemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, f
 void am_cpu_sgemm1(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float *A,
                    int64_t lda, const float *B, int64_t ldb, float beta, float *C, int64_t ldc);
 /* embedding.c */
-void am_cpu_embedding_forward(struct am_tensor *out, const struct am_tensor *ids, const struct am_tensor *wte,
+void am_cpu_embedding_forward(const struct am_dev *dev, struct am_tensor *out, const struct am_tensor *ids, const struct am_tensor *wte,
                               int64_t vocab_start);
-void am_cpu_embedding_backward(struct am_tensor *dwte, const struct am_tensor *dout, const struct am_tensor *ids,
+void am_cpu_embedding_backward(const struct am_dev *dev, struct am_tensor *dwte, const struct am_tensor *dout, const struct am_tensor *ids,
                                int64_t vocab_start);
 /* rmsnorm.c */
-void am_cpu_rmsnorm_forward(struct am_tensor *out, struct am_tensor *rstd, const struct am_tensor *x,
+void am_cpu_rmsnorm_forward(const struct am_dev *dev, struct am_tensor *out, struct am_tensor *rstd, const struct am_tensor *x,
                             const struct am_tensor *w, float eps);
-void am_cpu_rmsnorm_backward(struct am_tensor *dx, struct am_tensor *dw, const struct am_tensor *dout,
+void am_cpu_rmsnorm_backward(const struct am_dev *dev, struct am_tensor *dx, struct am_tensor *dw, const struct am_tensor *dout,
                              const struct am_tensor *x, const struct am_tensor *w, const struct am_tensor *rstd);
 /* rope.c */
-void am_cpu_rope_tables(struct am_tensor *tcos, struct am_tensor *tsin, double theta,
+void am_cpu_rope_tables(const struct am_dev *dev, struct am_tensor *tcos, struct am_tensor *tsin, double theta,
                         const struct am_rope_scaling *scaling);
-void am_cpu_rope_forward(struct am_tensor *x, const struct am_tensor *tcos, const struct am_tensor *tsin);
-void am_cpu_rope_backward(struct am_tensor *dx, const struct am_tensor *tcos, const struct am_tensor *tsin);
+void am_cpu_rope_forward(const struct am_dev *dev, struct am_tensor *x, const struct am_tensor *tcos, const struct am_tensor *tsin);
+void am_cpu_rope_backward(const struct am_dev *dev, struct am_tensor *dx, const struct am_tensor *tcos, const struct am_tensor *tsin);
 /* attention.c */
-void am_cpu_attention_forward(struct am_tensor *out, struct am_tensor *lse, const struct am_tensor *q,
+void am_cpu_attention_forward(const struct am_dev *dev, struct am_tensor *out, struct am_tensor *lse, const struct am_tensor *q,
                               const struct am_tensor *k, const struct am_tensor *v);
-void am_cpu_attention_backward(struct am_tensor *dq, struct am_tensor *dk, struct am_tensor *dv,
+void am_cpu_attention_backward(const struct am_dev *dev, struct am_tensor *dq, struct am_tensor *dk, struct am_tensor *dv,
                                const struct am_tensor *dout, const struct am_tensor *out, const struct am_tensor *lse,
                                const struct am_tensor *q, const struct am_tensor *k, const struct am_tensor *v);
 /* swiglu.c */
-void am_cpu_swiglu_forward(struct am_tensor *out, const struct am_tensor *gate, const struct am_tensor *up);
-void am_cpu_swiglu_backward(struct am_tensor *dgate, struct am_tensor *dup, const struct am_tensor *dout,
+void am_cpu_swiglu_forward(const struct am_dev *dev, struct am_tensor *out, const struct am_tensor *gate, const struct am_tensor *up);
+void am_cpu_swiglu_backward(const struct am_dev *dev, struct am_tensor *dgate, struct am_tensor *dup, const struct am_tensor *dout,
                             const struct am_tensor *gate, const struct am_tensor *up);
 /* crossentropy.c */
-void am_cpu_ce_stats(struct am_tensor *m, struct am_tensor *s, struct am_tensor *t, const struct am_tensor *x,
+void am_cpu_ce_stats(const struct am_dev *dev, struct am_tensor *m, struct am_tensor *s, struct am_tensor *t, const struct am_tensor *x,
                      const struct am_tensor *w, const struct am_tensor *targets, int64_t vocab_start);
-void am_cpu_ce_backward(struct am_tensor *dx, struct am_tensor *dw, const struct am_tensor *x,
+void am_cpu_ce_backward(const struct am_dev *dev, struct am_tensor *dx, struct am_tensor *dw, const struct am_tensor *x,
                         const struct am_tensor *w, const struct am_tensor *targets, int64_t vocab_start,
                         const struct am_tensor *M, const struct am_tensor *S, float dloss_scale);
-bool am_cpu_ce_fused(struct am_tensor *m, struct am_tensor *s, struct am_tensor *t, struct am_tensor *dx,
+void am_cpu_ce_rescale(const struct am_dev *dev, struct am_tensor *s, const struct am_tensor *m, const struct am_tensor *M);
+void am_cpu_ce_loss(const struct am_dev *dev, struct am_tensor *acc, const struct am_tensor *M, const struct am_tensor *S,
+                    const struct am_tensor *T, const struct am_tensor *targets);
+bool am_cpu_ce_fused(const struct am_dev *dev, struct am_tensor *m, struct am_tensor *s, struct am_tensor *t, struct am_tensor *dx,
                      struct am_tensor *dw, const struct am_tensor *x, const struct am_tensor *w,
                      const struct am_tensor *targets, float dloss_scale);
 /* adamw.c */
-void am_cpu_adamw(struct am_tensor *param, const struct am_tensor *grad, struct am_tensor *m, struct am_tensor *v,
+void am_cpu_adamw(const struct am_dev *dev, struct am_tensor *param, const struct am_tensor *grad, struct am_tensor *m, struct am_tensor *v,
                   float lr, float beta1, float beta2, float eps, float weight_decay, int64_t step);
 
 #endif

@@ -72,7 +72,7 @@ AM_HOT static void tile_stats(const float *restrict l, int64_t n, float *m, floa
     *s += sum;
 }
 
-void am_cpu_ce_stats(struct am_tensor *m, struct am_tensor *s, struct am_tensor *t, const struct am_tensor *x,
+void am_cpu_ce_stats(const struct am_dev *dev, struct am_tensor *m, struct am_tensor *s, struct am_tensor *t, const struct am_tensor *x,
                      const struct am_tensor *w, const struct am_tensor *targets, int64_t vocab_start)
 {
     float *md = F32(m), *sd = F32(s), *td = F32(t);
@@ -145,7 +145,7 @@ AM_HOT static void dlogits_slice(float *restrict L, int64_t ld, int64_t nr, int6
     }
 }
 
-void am_cpu_ce_backward(struct am_tensor *dx, struct am_tensor *dw, const struct am_tensor *x,
+void am_cpu_ce_backward(const struct am_dev *dev, struct am_tensor *dx, struct am_tensor *dw, const struct am_tensor *x,
                         const struct am_tensor *w, const struct am_tensor *targets, int64_t vocab_start,
                         const struct am_tensor *M, const struct am_tensor *S, float dloss_scale)
 {
@@ -192,10 +192,38 @@ void am_cpu_ce_backward(struct am_tensor *dx, struct am_tensor *dw, const struct
     free(L);
 }
 
+/* The combination of the shards' statistics (kernels.h): libm's expf and logf, tokens in
+ * order, so that the loss does not depend on the threads. */
+void am_cpu_ce_rescale(const struct am_dev *dev, struct am_tensor *s, const struct am_tensor *m, const struct am_tensor *M)
+{
+    float *sv = F32(s);
+    const float *mv = F32(m), *Mv = F32(M);
+    int64_t n = am_tensor_numel(s);
+    AM_CHECK(am_tensor_numel(m) == n && am_tensor_numel(M) == n, "s, m and M must have one value per token");
+    for (int64_t i = 0; i < n; i++)
+        sv[i] = sv[i] * expf(mv[i] - Mv[i]);
+}
+
+void am_cpu_ce_loss(const struct am_dev *dev, struct am_tensor *acc, const struct am_tensor *M, const struct am_tensor *S,
+                    const struct am_tensor *T, const struct am_tensor *targets)
+{
+    double *out = F64_SCALAR(acc);
+    const float *Mv = F32(M), *Sv = F32(S), *Tv = F32(T);
+    const int32_t *tg = I32(targets);
+    int64_t n = am_tensor_numel(M);
+    AM_CHECK(am_tensor_numel(S) == n && am_tensor_numel(T) == n && am_tensor_numel(targets) == n,
+             "M, S, T and targets must have one value per token");
+    double sum = 0;
+    for (int64_t i = 0; i < n; i++)
+        if (tg[i] >= 0)
+            sum += (double)logf(Sv[i]) + (double)Mv[i] - (double)Tv[i];
+    *out += sum;
+}
+
 /* ce_stats + ce_backward over one tile per row chunk (the whole vocabulary: tp = 1). The
  * threads share each chunk as ce_backward does: columns for the logits, rows for the
  * statistics, columns again for dlogits and dw, rows for dx; barriers between. */
-bool am_cpu_ce_fused(struct am_tensor *m, struct am_tensor *s, struct am_tensor *t, struct am_tensor *dx,
+bool am_cpu_ce_fused(const struct am_dev *dev, struct am_tensor *m, struct am_tensor *s, struct am_tensor *t, struct am_tensor *dx,
                      struct am_tensor *dw, const struct am_tensor *x, const struct am_tensor *w,
                      const struct am_tensor *targets, float dloss_scale)
 {

@@ -1,6 +1,8 @@
-/* elementwise.c - dst += src, t *= s, the sum of squares (for the gradient norm) and the
- * finiteness check (for NaN/Inf detection), parallel over the cores for large tensors. */
+/* elementwise.c - dst += src, t *= s, dtype conversion, the sum of squares (for the
+ * gradient norm) and the finiteness check (for NaN/Inf detection), parallel over the cores
+ * for large tensors. */
 #include "cpu.h"
+#include "half.h"
 
 static void same_size(const char *kernel, const struct am_tensor *a, const struct am_tensor *b)
 {
@@ -9,7 +11,7 @@ static void same_size(const char *kernel, const struct am_tensor *a, const struc
                      (long long)am_tensor_numel(a), am_tname(b), (long long)am_tensor_numel(b));
 }
 
-void am_cpu_add(struct am_tensor *dst, const struct am_tensor *src)
+void am_cpu_add(const struct am_dev *dev, struct am_tensor *dst, const struct am_tensor *src)
 {
     float *restrict d = F32(dst);
     const float *restrict s = F32(src);
@@ -20,7 +22,7 @@ void am_cpu_add(struct am_tensor *dst, const struct am_tensor *src)
         d[i] += s[i];
 }
 
-void am_cpu_scale(struct am_tensor *t, float s)
+void am_cpu_scale(const struct am_dev *dev, struct am_tensor *t, float s)
 {
     float *restrict d = F32(t);
     int64_t n = am_tensor_numel(t);
@@ -43,8 +45,48 @@ AM_HOT static double sum_squares_block(const float *restrict x, int64_t n)
     return acc;
 }
 
-double am_cpu_sum_squares(const struct am_tensor *t)
+void am_cpu_convert(const struct am_dev *dev, struct am_tensor *dst, const struct am_tensor *src)
 {
+    same_size(__func__, dst, src);
+    int64_t n = am_tensor_numel(dst);
+    enum am_tdtype to = dst->dtype, from = src->dtype;
+    if (to == from) {
+        am_cpu_copy(dev, dst, src);
+        return;
+    }
+    void *o = am_cpu_data(__func__, "dst", dst, to);
+    const void *i = am_cpu_data(__func__, "src", src, from);
+    if (from == AM_T_F32 && to == AM_T_BF16) {
+        const float *restrict a = i;
+        uint16_t *restrict b = o;
+#pragma omp parallel for simd schedule(static) if (n >= AM_PAR_MIN)
+        for (int64_t k = 0; k < n; k++)
+            b[k] = am_f32_to_bf16(a[k]);
+    } else if (from == AM_T_BF16 && to == AM_T_F32) {
+        const uint16_t *restrict a = i;
+        float *restrict b = o;
+#pragma omp parallel for simd schedule(static) if (n >= AM_PAR_MIN)
+        for (int64_t k = 0; k < n; k++)
+            b[k] = am_bf16_to_f32(a[k]);
+    } else if (from == AM_T_F64 && to == AM_T_F32) {
+        const double *a = i;
+        float *b = o;
+        for (int64_t k = 0; k < n; k++)
+            b[k] = (float)a[k];
+    } else if (from == AM_T_F32 && to == AM_T_F64) {
+        const float *a = i;
+        double *b = o;
+        for (int64_t k = 0; k < n; k++)
+            b[k] = a[k];
+    } else {
+        am_cpu_fatal(__func__, "no conversion from %s's dtype to %s's (f32 <-> bf16, f32 <-> f64)", am_tname(src),
+                     am_tname(dst));
+    }
+}
+
+void am_cpu_sum_squares(const struct am_dev *dev, struct am_tensor *acc, const struct am_tensor *t, double div)
+{
+    double *out = F64_SCALAR(acc);
     const float *x = F32(t);
     int64_t n = am_tensor_numel(t);
     int64_t block = 65536;
@@ -60,7 +102,7 @@ double am_cpu_sum_squares(const struct am_tensor *t)
     double total = 0.0;
     for (int64_t b = 0; b < nb; b++)
         total += part[b];
-    return total;
+    *out += total / div;
 }
 
 /* A float is finite unless its exponent bits are all ones (Inf and NaN). */
@@ -76,8 +118,9 @@ AM_HOT static bool all_finite_block(const float *restrict x, int64_t n)
     return bad == 0;
 }
 
-bool am_cpu_all_finite(const struct am_tensor *t)
+void am_cpu_all_finite(const struct am_dev *dev, struct am_tensor *flag, const struct am_tensor *t)
 {
+    int32_t *ok = am_cpu_data(__func__, "flag", flag, AM_T_I32);
     const float *x = F32(t);
     int64_t n = am_tensor_numel(t);
     int64_t block = 1 << 18;
@@ -88,5 +131,6 @@ bool am_cpu_all_finite(const struct am_tensor *t)
         int64_t lo = b * block, hi = lo + block < n ? lo + block : n;
         bad |= !all_finite_block(x + lo, hi - lo);
     }
-    return !bad;
+    if (bad)
+        *ok = 0;
 }

@@ -23,7 +23,7 @@ static void check(const char *kernel, const struct am_tensor *act, const char *a
                      (long long)am_tensor_numel(ids));
 }
 
-void am_cpu_embedding_forward(struct am_tensor *out, const struct am_tensor *ids, const struct am_tensor *wte,
+void am_cpu_embedding_forward(const struct am_dev *dev, struct am_tensor *out, const struct am_tensor *ids, const struct am_tensor *wte,
                               int64_t vocab_start)
 {
     float *o = F32(out);
@@ -41,7 +41,7 @@ void am_cpu_embedding_forward(struct am_tensor *out, const struct am_tensor *ids
     }
 }
 
-void am_cpu_embedding_backward(struct am_tensor *dwte, const struct am_tensor *dout, const struct am_tensor *ids,
+void am_cpu_embedding_backward(const struct am_dev *dev, struct am_tensor *dwte, const struct am_tensor *dout, const struct am_tensor *ids,
                                int64_t vocab_start)
 {
     float *dw = F32(dwte);

@@ -67,7 +67,7 @@ static void check_shapes(const char *kernel, const struct am_tensor *x, const st
                      (long long)ycols, (long long)M, (long long)N);
 }
 
-void am_cpu_matmul_forward(struct am_tensor *y, const struct am_tensor *x, const struct am_tensor *w)
+void am_cpu_matmul_forward(const struct am_dev *dev, struct am_tensor *y, const struct am_tensor *x, const struct am_tensor *w)
 {
     float *yd = F32(y);
     const float *xd = F32(x), *wd = F32(w);
@@ -76,7 +76,7 @@ void am_cpu_matmul_forward(struct am_tensor *y, const struct am_tensor *x, const
     am_cpu_sgemm(false, true, M, N, K, 1.0f, xd, K, wd, K, 0.0f, yd, N);
 }
 
-void am_cpu_matmul_backward(struct am_tensor *dx, struct am_tensor *dw, const struct am_tensor *dy,
+void am_cpu_matmul_backward(const struct am_dev *dev, struct am_tensor *dx, struct am_tensor *dw, const struct am_tensor *dy,
                             const struct am_tensor *x, const struct am_tensor *w)
 {
     const float *dyd = F32(dy), *xd = F32(x), *wd = F32(w);

@@ -7,7 +7,7 @@
 
 #define AM_ALIGN 64
 
-void *am_cpu_alloc(size_t bytes)
+void *am_cpu_alloc(const struct am_dev *dev, size_t bytes)
 {
     if (bytes > SIZE_MAX - AM_ALIGN)
         return NULL;
@@ -20,21 +20,21 @@ void *am_cpu_alloc(size_t bytes)
     return p;
 }
 
-void am_cpu_free(void *p) { free(p); }
+void am_cpu_free(const struct am_dev *dev, void *p) { free(p); }
 
-void am_cpu_upload(void *dst, const void *host_src, size_t bytes)
+void am_cpu_upload(const struct am_dev *dev, void *dst, const void *host_src, size_t bytes)
 {
     if (bytes)
         memcpy(dst, host_src, bytes);
 }
 
-void am_cpu_download(void *host_dst, const void *src, size_t bytes)
+void am_cpu_download(const struct am_dev *dev, void *host_dst, const void *src, size_t bytes)
 {
     if (bytes)
         memcpy(host_dst, src, bytes);
 }
 
-void am_cpu_zero(struct am_tensor *t)
+void am_cpu_zero(const struct am_dev *dev, struct am_tensor *t)
 {
     AM_CHECK(t && t->device == AM_DEV_CPU, "t is not a CPU tensor");
     size_t n = am_tensor_bytes(t);
@@ -42,7 +42,7 @@ void am_cpu_zero(struct am_tensor *t)
         memset(t->data, 0, n);
 }
 
-void am_cpu_copy(struct am_tensor *dst, const struct am_tensor *src)
+void am_cpu_copy(const struct am_dev *dev, struct am_tensor *dst, const struct am_tensor *src)
 {
     AM_CHECK(dst && src && dst->device == AM_DEV_CPU && src->device == AM_DEV_CPU, "dst and src must be CPU tensors");
     AM_CHECK(dst->dtype == src->dtype && am_tensor_numel(dst) == am_tensor_numel(src),

@@ -30,7 +30,7 @@ AM_HOT static void rmsnorm_row(float *restrict out, float *restrict rstd, const 
         out[j] = w[j] * (x[j] * r);
 }
 
-void am_cpu_rmsnorm_forward(struct am_tensor *out, struct am_tensor *rstd, const struct am_tensor *x,
+void am_cpu_rmsnorm_forward(const struct am_dev *dev, struct am_tensor *out, struct am_tensor *rstd, const struct am_tensor *x,
                             const struct am_tensor *w, float eps)
 {
     float *o = F32(out), *r = F32(rstd);
@@ -72,7 +72,7 @@ AM_HOT static void rmsnorm_dw_rows(float *restrict dw, const float *restrict dou
     }
 }
 
-void am_cpu_rmsnorm_backward(struct am_tensor *dx, struct am_tensor *dw, const struct am_tensor *dout,
+void am_cpu_rmsnorm_backward(const struct am_dev *dev, struct am_tensor *dx, struct am_tensor *dw, const struct am_tensor *dout,
                              const struct am_tensor *x, const struct am_tensor *w, const struct am_tensor *rstd)
 {
     const float *d = F32(dout), *xd = F32(x), *wd = F32(w), *r = F32(rstd);

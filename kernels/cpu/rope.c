@@ -61,7 +61,7 @@ static float scaled_inv_freq(float inv, const struct am_rope_scaling *sc)
     return llama;
 }
 
-void am_cpu_rope_tables(struct am_tensor *tcos, struct am_tensor *tsin, double theta,
+void am_cpu_rope_tables(const struct am_dev *dev, struct am_tensor *tcos, struct am_tensor *tsin, double theta,
                         const struct am_rope_scaling *scaling)
 {
     float *c = F32(tcos), *s = F32(tsin);
@@ -135,12 +135,12 @@ static void rope_apply(const char *kernel, struct am_tensor *x, const struct am_
             rope_rows(xd + (b * T + t) * H * 2 * half, c + t * half, s + t * half, H, half, sign);
 }
 
-void am_cpu_rope_forward(struct am_tensor *x, const struct am_tensor *tcos, const struct am_tensor *tsin)
+void am_cpu_rope_forward(const struct am_dev *dev, struct am_tensor *x, const struct am_tensor *tcos, const struct am_tensor *tsin)
 {
     rope_apply(__func__, x, tcos, tsin, 1.0f);
 }
 
-void am_cpu_rope_backward(struct am_tensor *dx, const struct am_tensor *tcos, const struct am_tensor *tsin)
+void am_cpu_rope_backward(const struct am_dev *dev, struct am_tensor *dx, const struct am_tensor *tcos, const struct am_tensor *tsin)
 {
     rope_apply(__func__, dx, tcos, tsin, -1.0f);
 }

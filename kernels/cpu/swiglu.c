@@ -54,7 +54,7 @@ AM_HOT static void swiglu_bwd(float *restrict dgate, float *restrict dup, const 
 /* Big tensors go in blocks of this many elements, one block per task. */
 #define SWIGLU_BLOCK 16384
 
-void am_cpu_swiglu_forward(struct am_tensor *out, const struct am_tensor *gate, const struct am_tensor *up)
+void am_cpu_swiglu_forward(const struct am_dev *dev, struct am_tensor *out, const struct am_tensor *gate, const struct am_tensor *up)
 {
     float *o = F32(out);
     const float *g = F32(gate), *u = F32(up);
@@ -67,7 +67,7 @@ void am_cpu_swiglu_forward(struct am_tensor *out, const struct am_tensor *gate, 
     }
 }
 
-void am_cpu_swiglu_backward(struct am_tensor *dgate, struct am_tensor *dup, const struct am_tensor *dout,
+void am_cpu_swiglu_backward(const struct am_dev *dev, struct am_tensor *dgate, struct am_tensor *dup, const struct am_tensor *dout,
                             const struct am_tensor *gate, const struct am_tensor *up)
 {
     const float *d = F32(dout), *g = F32(gate), *u = F32(up);

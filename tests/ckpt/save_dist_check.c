@@ -45,7 +45,7 @@ struct run {
     int rank, size, tp, pp, virt, tp_rank, pp_rank;
     const char *dir;
     struct am_comm *world, *tpc, *ppc; /* tpc, ppc NULL for size 1 */
-    const struct am_kernels *K;
+    struct am_dev dev;
     long checks, failures;
 };
 
@@ -103,7 +103,7 @@ static float *download(const struct am_model *m, const struct am_param *p)
     size_t n = (size_t)am_tensor_numel(&p->w);
     float *h = malloc(n * sizeof(float));
     if (h)
-        m->K->download(h, p->w.data, n * sizeof(float));
+        m->K->download(m->dev, h, p->w.data, n * sizeof(float));
     return h;
 }
 
@@ -151,7 +151,7 @@ static void check_against_whole(struct run *r, bool tie, const char *dist, const
     struct am_errors err;
     char msg[512];
     am_errors_init(&err);
-    if (!check(r, am_model_init(&m, &cfg, &sh, r->K, NULL, NULL, 1, 4, msg, sizeof(msg)) == 0, "%s", msg))
+    if (!check(r, am_model_init(&m, &cfg, &sh, &r->dev, NULL, NULL, 1, 4, msg, sizeof(msg)) == 0, "%s", msg))
         return;
     am_model_init_weights(&m, SEED);
     am_model_save_hf(&m, ref, base, &err);
@@ -201,7 +201,7 @@ static void check_load_back(struct run *r, const struct am_model *m, const char 
     struct am_errors err;
     char msg[512];
     am_errors_init(&err);
-    if (!check(r, am_model_init(&m2, &m->cfg, &m->sh, r->K, r->tpc, r->ppc, 1, 4, msg, sizeof(msg)) == 0, "%s", msg))
+    if (!check(r, am_model_init(&m2, &m->cfg, &m->sh, &r->dev, r->tpc, r->ppc, 1, 4, msg, sizeof(msg)) == 0, "%s", msg))
         return;
     am_model_load_hf(&m2, dist, &err);
     if (no_errors(r, &err, "am_model_load_hf") && check(r, m2.n_params == m->n_params, "parameter counts differ"))
@@ -231,13 +231,13 @@ static void run_case(struct run *r, bool tie, bool perturb)
     struct am_errors err;
     char msg[512];
     am_errors_init(&err);
-    if (!check(r, am_model_init(&m, &cfg, &sh, r->K, r->tpc, r->ppc, 1, 4, msg, sizeof(msg)) == 0, "%s", msg))
+    if (!check(r, am_model_init(&m, &cfg, &sh, &r->dev, r->tpc, r->ppc, 1, 4, msg, sizeof(msg)) == 0, "%s", msg))
         return;
     am_model_init_weights(&m, SEED);
     if (perturb && r->rank == r->size - 1) { /* the test of the test */
         float *h = download(&m, &m.params[1]);
         h[0] += 1.0f;
-        m.K->upload(m.params[1].w.data, h, sizeof(float));
+        m.K->upload(m.dev, m.params[1].w.data, h, sizeof(float));
         free(h);
     }
     if (r->rank == 0) {
@@ -325,7 +325,10 @@ int main(int argc, char **argv)
         fprintf(stderr, "save_dist_check: rank %d: %s\n", r.rank, am_comm_ctx_error(ctx));
         return 3;
     }
-    r.K = am_kernels_for(AM_DEV_CPU);
+    if (am_dev_open(&r.dev, AM_DEV_CPU, -1, err, sizeof(err)) < 0) {
+        fprintf(stderr, "save_dist_check: rank %d: %s\n", r.rank, err);
+        return 3;
+    }
     for (int tie = 0; tie < 2; tie++)
         run_case(&r, tie, perturb && *perturb == '1');
     am_comm_destroy(r.tpc);

@@ -38,7 +38,25 @@
 
 #define U 5.9604644775390625e-08 /* 2^-24 */
 
-static const struct am_kernels *K;
+static struct am_dev kdev; /* the CPU's device context */
+static const struct am_kernels *K; /* kdev.k */
+
+/* The device-scalar reductions, read back at once. */
+static double sum_squares(const struct am_tensor *t)
+{
+    double acc = 0;
+    struct am_tensor a = am_tensor_view(&acc, AM_DEV_CPU, AM_T_F64, 1, 0, 0, 0);
+    K->sum_squares(&kdev, &a, t, 1.0);
+    return acc;
+}
+
+static bool all_finite(const struct am_tensor *t)
+{
+    int32_t ok = 1;
+    struct am_tensor f = am_tensor_view(&ok, AM_DEV_CPU, AM_T_I32, 1, 0, 0, 0);
+    K->all_finite(&kdev, &f, t);
+    return ok == 1;
+}
 
 /* ---- helpers: random numbers, paired fp32/double arrays, comparisons, finite differences ---- */
 
@@ -64,7 +82,7 @@ struct arr {
 
 static struct arr arr_new(int64_t n)
 {
-    struct arr a = {K->alloc((size_t)n * sizeof(float)), calloc((size_t)(n ? n : 1), sizeof(double)), n};
+    struct arr a = {K->alloc(&kdev, (size_t)n * sizeof(float)), calloc((size_t)(n ? n : 1), sizeof(double)), n};
     assert_non_null(a.f);
     assert_non_null(a.d);
     return a;
@@ -90,7 +108,7 @@ static struct arr arr_copy(const struct arr *src)
 
 static void arr_free(struct arr *a)
 {
-    K->free(a->f);
+    K->free(&kdev, a->f);
     free(a->d);
     a->f = NULL;
     a->d = NULL;
@@ -233,29 +251,29 @@ static void test_memory(void **state)
     assert_string_equal(K->name, "cpu");
     size_t sizes[] = {1, 3, 64, 1000, 1 << 20};
     for (size_t s = 0; s < sizeof sizes / sizeof *sizes; s++) {
-        unsigned char *p = K->alloc(sizes[s]);
+        unsigned char *p = K->alloc(&kdev, sizes[s]);
         assert_non_null(p);
         assert_int_equal((uintptr_t)p % 64, 0);
         for (size_t i = 0; i < sizes[s]; i++)
             assert_int_equal(p[i], 0);
-        K->free(p);
+        K->free(&kdev, p);
     }
     float host[37], back[37];
     for (int i = 0; i < 37; i++)
         host[i] = (float)i * 0.5f - 3.0f;
-    float *dev = K->alloc(sizeof host), *dev2 = K->alloc(sizeof host);
-    K->upload(dev, host, sizeof host);
-    K->download(back, dev, sizeof host);
+    float *dev = K->alloc(&kdev, sizeof host), *dev2 = K->alloc(&kdev, sizeof host);
+    K->upload(&kdev, dev, host, sizeof host);
+    K->download(&kdev, back, dev, sizeof host);
     assert_memory_equal(host, back, sizeof host);
     struct am_tensor a = am_tensor_view(dev, AM_DEV_CPU, AM_T_F32, 37, 0, 0, 0);
     struct am_tensor b = am_tensor_view(dev2, AM_DEV_CPU, AM_T_F32, 37, 0, 0, 0);
-    K->copy(&b, &a);
+    K->copy(&kdev, &b, &a);
     assert_memory_equal(dev2, host, sizeof host);
-    K->zero(&a);
+    K->zero(&kdev, &a);
     for (int i = 0; i < 37; i++)
         assert_true(dev[i] == 0.0f);
-    K->free(dev);
-    K->free(dev2);
+    K->free(&kdev, dev);
+    K->free(&kdev, dev2);
 }
 
 static void test_elementwise(void **state)
@@ -268,10 +286,10 @@ static void test_elementwise(void **state)
         struct arr a = arr_rand(&r, n, -2, 2), b = arr_rand(&r, n, -2, 2), a0 = arr_copy(&a);
         struct am_tensor ta = tview(&a, n, 0, 0, 0), tb = tview(&b, n, 0, 0, 0);
         /* add and scale do one fp32 operation per element: bitwise what C computes */
-        K->add(&ta, &tb);
+        K->add(&kdev, &ta, &tb);
         for (int64_t i = 0; i < n; i++)
             assert_true(a.f[i] == a0.f[i] + b.f[i]);
-        K->scale(&ta, 0.37f);
+        K->scale(&kdev, &ta, 0.37f);
         for (int64_t i = 0; i < n; i++)
             assert_true(a.f[i] == (a0.f[i] + b.f[i]) * 0.37f);
         /* sum of squares: each square is exact in double and n double additions err by at
@@ -279,36 +297,88 @@ static void test_elementwise(void **state)
         double want = 0.0;
         for (int64_t i = 0; i < n; i++)
             want += b.d[i] * b.d[i];
-        double got = K->sum_squares(&tb);
+        double got = sum_squares(&tb);
         assert_true(fabs(got - want) <= (double)n * 0x1p-53 * want);
         /* and it does not depend on the number of threads (fixed blocks, summed in order) */
         omp_set_num_threads(1);
-        double one = K->sum_squares(&tb);
+        double one = sum_squares(&tb);
         omp_set_num_threads(3);
-        double three = K->sum_squares(&tb);
+        double three = sum_squares(&tb);
         omp_set_num_threads(omp_get_num_procs());
         assert_memory_equal(&one, &three, sizeof one);
         assert_memory_equal(&one, &got, sizeof one);
         /* all_finite: NaN and both infinities anywhere, and the largest finite values */
-        assert_true(K->all_finite(&tb));
+        assert_true(all_finite(&tb));
         float keep0 = b.f[0], keepl = b.f[n - 1], keepm = b.f[n / 2];
         b.f[n - 1] = NAN;
-        assert_false(K->all_finite(&tb));
+        assert_false(all_finite(&tb));
         b.f[n - 1] = keepl;
         b.f[0] = INFINITY;
-        assert_false(K->all_finite(&tb));
+        assert_false(all_finite(&tb));
         b.f[0] = keep0;
         b.f[n / 2] = -INFINITY;
-        assert_false(K->all_finite(&tb));
+        assert_false(all_finite(&tb));
         b.f[n / 2] = -FLT_MAX;
         b.f[0] = FLT_MIN / 4; /* a denormal */
-        assert_true(K->all_finite(&tb));
+        assert_true(all_finite(&tb));
         b.f[n / 2] = keepm;
         b.f[0] = keep0;
         arr_free(&a);
         arr_free(&b);
         arr_free(&a0);
     }
+}
+
+/* The device scalars' contracts: sum_squares adds (Σ x²) / div to what acc holds; all_finite
+ * only ever clears its flag; convert rounds f32 to bf16 to nearest even and widens exactly. */
+static void test_scalars_and_convert(void **state)
+{
+    (void)state;
+    float x[3] = {1.0f, -2.0f, 0.5f};
+    struct am_tensor t = am_tensor_view(x, AM_DEV_CPU, AM_T_F32, 3, 0, 0, 0);
+    double acc = 1.5;
+    struct am_tensor a = am_tensor_view(&acc, AM_DEV_CPU, AM_T_F64, 1, 0, 0, 0);
+    K->sum_squares(&kdev, &a, &t, 2.0);
+    assert_true(acc == 1.5 + 5.25 / 2.0);
+    int32_t flag = 7;
+    struct am_tensor f = am_tensor_view(&flag, AM_DEV_CPU, AM_T_I32, 1, 0, 0, 0);
+    K->all_finite(&kdev, &f, &t);
+    assert_int_equal(flag, 7);
+    x[1] = NAN;
+    K->all_finite(&kdev, &f, &t);
+    assert_int_equal(flag, 0);
+    x[1] = 1.0f;
+    K->all_finite(&kdev, &f, &t);
+    assert_int_equal(flag, 0);
+
+    /* f32 -> bf16: 1 + 2^-8 is a tie between 1 and 1 + 2^-7 (rounds to even: 1); just above
+     * it rounds up; -0, Inf and the largest bf16 stay; bf16 -> f32 is exact */
+    float in[6] = {1.0f + 0x1p-8f, 1.0f + 0x1p-8f + 0x1p-20f, -0.0f, INFINITY, 0x1.fep127f, 3.0f + 0x1p-7f};
+    uint16_t want[6] = {0x3f80, 0x3f81, 0x8000, 0x7f80, 0x7f7f, 0x4040};
+    uint16_t bf[6];
+    float back[6];
+    struct am_tensor ti = am_tensor_view(in, AM_DEV_CPU, AM_T_F32, 6, 0, 0, 0);
+    struct am_tensor tb = am_tensor_view(bf, AM_DEV_CPU, AM_T_BF16, 6, 0, 0, 0);
+    struct am_tensor tf = am_tensor_view(back, AM_DEV_CPU, AM_T_F32, 6, 0, 0, 0);
+    K->convert(&kdev, &tb, &ti);
+    assert_memory_equal(bf, want, sizeof(want));
+    K->convert(&kdev, &tf, &tb);
+    for (int i = 0; i < 6; i++) {
+        uint32_t u = (uint32_t)want[i] << 16;
+        float w;
+        memcpy(&w, &u, sizeof(w));
+        assert_memory_equal(&back[i], &w, sizeof(w));
+    }
+    /* f64 <-> f32 */
+    double dd = 0.1, d2;
+    float ff;
+    struct am_tensor td = am_tensor_view(&dd, AM_DEV_CPU, AM_T_F64, 1, 0, 0, 0);
+    struct am_tensor tff = am_tensor_view(&ff, AM_DEV_CPU, AM_T_F32, 1, 0, 0, 0);
+    struct am_tensor td2 = am_tensor_view(&d2, AM_DEV_CPU, AM_T_F64, 1, 0, 0, 0);
+    K->convert(&kdev, &tff, &td);
+    assert_true(ff == (float)0.1);
+    K->convert(&kdev, &td2, &tff);
+    assert_true(d2 == (double)(float)0.1);
 }
 
 /* ---- matmul: y = x · wᵀ ---- */
@@ -357,7 +427,7 @@ static void test_matmul(void **state)
             y.f[i] = NAN; /* the forward overwrites */
         struct am_tensor tx = tview(&x, M, Kd, 0, 0), tw = tview(&w, N, Kd, 0, 0), ty = tview(&y, M, N, 0, 0);
         struct am_tensor tdy = tview(&dy, M, N, 0, 0), tdx = tview(&dx, M, Kd, 0, 0), tdw = tview(&dw, N, Kd, 0, 0);
-        K->matmul_forward(&ty, &tx, &tw);
+        K->matmul_forward(&kdev, &ty, &tx, &tw);
         double *want = dalloc(M * N), *absr = dalloc(M * N), *tol = dalloc(M * N);
         ref_matmul(x.d, w.d, M, Kd, N, want, absr);
         /* sgemm's dot of K terms: |err| <= (K + 2) u Σ|x w| */
@@ -365,7 +435,7 @@ static void test_matmul(void **state)
             tol[i] = (double)(Kd + 2) * U * absr[i];
         expect_close("matmul forward y", y.f, want, tol, M * N);
 
-        K->matmul_backward(&tdx, &tdw, &tdy, &tx, &tw);
+        K->matmul_backward(&kdev, &tdx, &tdw, &tdy, &tx, &tw);
         /* dx = dx0 + dy · w (N terms), dw = dw0 + dyᵀ · x (M terms); +1 term for dx0 */
         double *wdx = dalloc(M * Kd), *tdxl = dalloc(M * Kd), *wdw = dalloc(N * Kd), *tdwl = dalloc(N * Kd);
         for (int64_t i = 0; i < M; i++)
@@ -402,7 +472,7 @@ static void test_matmul(void **state)
             free(ctx.y);
         }
         /* either gradient may be NULL: dw alone again adds the same dyᵀ·x once more */
-        K->matmul_backward(NULL, &tdw, &tdy, &tx, &tw);
+        K->matmul_backward(&kdev, NULL, &tdw, &tdy, &tx, &tw);
         for (int64_t i = 0; i < N * Kd; i++) {
             wdw[i] += wdw[i] - dw0.d[i];
             tdwl[i] *= 2;
@@ -440,7 +510,7 @@ static void test_embedding(void **state)
         struct am_tensor tids = ids_view(ids, N), twte = tview(&wte, V, C, 0, 0), tout = tview(&out, N, C, 0, 0);
         for (int64_t i = 0; i < N * C; i++)
             out.f[i] = NAN;
-        K->embedding_forward(&tout, &tids, &twte, 0);
+        K->embedding_forward(&kdev, &tout, &tids, &twte, 0);
         for (int64_t i = 0; i < N; i++)
             for (int64_t j = 0; j < C; j++) {
                 float want = ids[i] >= 0 && ids[i] < V ? wte.f[ids[i] * C + j] : 0.0f;
@@ -451,8 +521,8 @@ static void test_embedding(void **state)
         struct am_tensor to1 = tview(&o1, N, C, 0, 0), to2 = tview(&o2, N, C, 0, 0);
         struct am_tensor w1 = am_tensor_view(wte.f, AM_DEV_CPU, AM_T_F32, V0, C, 0, 0);
         struct am_tensor w2 = am_tensor_view(wte.f + V0 * C, AM_DEV_CPU, AM_T_F32, V - V0, C, 0, 0);
-        K->embedding_forward(&to1, &tids, &w1, 0);
-        K->embedding_forward(&to2, &tids, &w2, V0);
+        K->embedding_forward(&kdev, &to1, &tids, &w1, 0);
+        K->embedding_forward(&kdev, &to2, &tids, &w2, V0);
         for (int64_t i = 0; i < N * C; i++)
             o1.f[i] += o2.f[i];
         expect_bitwise("embedding: shards summed == unsharded", o1.f, out.f, N * C);
@@ -460,7 +530,7 @@ static void test_embedding(void **state)
         /* backward: dwte = dwte0 + scatter-add of dout; at most N + 1 terms per element */
         struct arr dw = arr_rand(&r, V * C, -1, 1), dw0 = arr_copy(&dw);
         struct am_tensor tdw = tview(&dw, V, C, 0, 0), tdout = tview(&dout, N, C, 0, 0);
-        K->embedding_backward(&tdw, &tdout, &tids, 0);
+        K->embedding_backward(&kdev, &tdw, &tdout, &tids, 0);
         double *want = dalloc(V * C), *tol = dalloc(V * C);
         for (int64_t i = 0; i < V * C; i++) {
             want[i] = dw0.d[i];
@@ -486,16 +556,16 @@ static void test_embedding(void **state)
         struct arr dws = arr_copy(&dw0);
         struct am_tensor d1 = am_tensor_view(dws.f, AM_DEV_CPU, AM_T_F32, V0, C, 0, 0);
         struct am_tensor d2 = am_tensor_view(dws.f + V0 * C, AM_DEV_CPU, AM_T_F32, V - V0, C, 0, 0);
-        K->embedding_backward(&d1, &tdout, &tids, 0);
-        K->embedding_backward(&d2, &tdout, &tids, V0);
+        K->embedding_backward(&kdev, &d1, &tdout, &tids, 0);
+        K->embedding_backward(&kdev, &d2, &tdout, &tids, V0);
         expect_bitwise("embedding backward: shards == unsharded", dws.f, dw.f, V * C);
         /* deterministic: one thread and three threads give the same bits */
         struct arr a1 = arr_copy(&dw0), a3 = arr_copy(&dw0);
         struct am_tensor ta1 = tview(&a1, V, C, 0, 0), ta3 = tview(&a3, V, C, 0, 0);
         omp_set_num_threads(1);
-        K->embedding_backward(&ta1, &tdout, &tids, 0);
+        K->embedding_backward(&kdev, &ta1, &tdout, &tids, 0);
         omp_set_num_threads(3);
-        K->embedding_backward(&ta3, &tdout, &tids, 0);
+        K->embedding_backward(&kdev, &ta3, &tdout, &tids, 0);
         omp_set_num_threads(omp_get_num_procs());
         expect_bitwise("embedding backward: 1 thread == 3 threads", a1.f, a3.f, V * C);
         expect_bitwise("embedding backward: 1 thread == default", a1.f, dw.f, V * C);
@@ -560,7 +630,7 @@ static void test_rmsnorm(void **state)
         }
         struct am_tensor tx = tview(&x, N, C, 0, 0), tw = tview(&w, C, 0, 0, 0), to = tview(&out, N, C, 0, 0);
         struct am_tensor tr = tview(&rstd, N, 0, 0, 0);
-        K->rmsnorm_forward(&to, &tr, &tx, &tw, cases[c].eps);
+        K->rmsnorm_forward(&kdev, &to, &tr, &tx, &tw, cases[c].eps);
         double *want = dalloc(N * C), *wr = dalloc(N), *tol = dalloc(N * C), *trs = dalloc(N);
         ref_rmsnorm(x.d, w.d, N, C, eps, want, wr);
         /* rstd: mean (double, rounded once), + eps, sqrt, reciprocal: 4 roundings; out: two
@@ -576,7 +646,7 @@ static void test_rmsnorm(void **state)
         struct arr dout = arr_rand(&r, N * C, -1, 1), dx = arr_rand(&r, N * C, -1, 1), dw = arr_rand(&r, C, -1, 1);
         struct arr dx0 = arr_copy(&dx), dw0 = arr_copy(&dw);
         struct am_tensor tdo = tview(&dout, N, C, 0, 0), tdx = tview(&dx, N, C, 0, 0), tdw = tview(&dw, C, 0, 0, 0);
-        K->rmsnorm_backward(&tdx, &tdw, &tdo, &tx, &tw, &tr);
+        K->rmsnorm_backward(&kdev, &tdx, &tdw, &tdo, &tx, &tw, &tr);
         double *wdx = dalloc(N * C), *tdxl = dalloc(N * C), *wdw = dalloc(C), *tdwl = dalloc(C);
         for (int64_t j = 0; j < C; j++) {
             wdw[j] = dw0.d[j];
@@ -617,9 +687,9 @@ static void test_rmsnorm(void **state)
         struct am_tensor ta1 = tview(&a1, N, C, 0, 0), tb1 = tview(&b1, C, 0, 0, 0);
         struct am_tensor ta3 = tview(&a3, N, C, 0, 0), tb3 = tview(&b3, C, 0, 0, 0);
         omp_set_num_threads(1);
-        K->rmsnorm_backward(&ta1, &tb1, &tdo, &tx, &tw, &tr);
+        K->rmsnorm_backward(&kdev, &ta1, &tb1, &tdo, &tx, &tw, &tr);
         omp_set_num_threads(3);
-        K->rmsnorm_backward(&ta3, &tb3, &tdo, &tx, &tw, &tr);
+        K->rmsnorm_backward(&kdev, &ta3, &tb3, &tdo, &tx, &tw, &tr);
         omp_set_num_threads(omp_get_num_procs());
         expect_bitwise("rmsnorm backward dx: 1 thread == 3 threads", a1.f, a3.f, N * C);
         expect_bitwise("rmsnorm backward dw: 1 thread == 3 threads", b1.f, b3.f, C);
@@ -700,7 +770,7 @@ static void test_rope_tables(void **state)
         int64_t D = cases[c].D, half = D / 2;
         struct arr co = arr_new(T * half), si = arr_new(T * half);
         struct am_tensor tc = tview(&co, T, half, 0, 0), ts = tview(&si, T, half, 0, 0);
-        K->rope_tables(&tc, &ts, cases[c].theta, cases[c].sc);
+        K->rope_tables(&kdev, &tc, &ts, cases[c].theta, cases[c].sc);
         /* (A) position 1 holds sin(inv_freq) and cos(inv_freq); for small angles sin keeps
          * inv_freq's relative precision. The kernel's fp32 inv_freq comes out of at most
          * ten fp32 operations (llama3's smoothing), each rounding once: 16u relative, plus
@@ -744,11 +814,11 @@ static void test_rope_tables(void **state)
     struct arr co = arr_new(2 * 64), si = arr_new(2 * 64), co8 = arr_new(2 * 64), si8 = arr_new(2 * 64);
     struct am_tensor tc = tview(&co, 2, 64, 0, 0), ts = tview(&si, 2, 64, 0, 0);
     struct am_tensor tc8 = tview(&co8, 2, 64, 0, 0), ts8 = tview(&si8, 2, 64, 0, 0);
-    K->rope_tables(&tc, &ts, 500000, NULL);
+    K->rope_tables(&kdev, &tc, &ts, 500000, NULL);
     struct am_rope_scaling deflt = {"default", 0, 0, 0, 0}; /* rope_type "default": no scaling */
-    K->rope_tables(&tc8, &ts8, 500000, &deflt);
+    K->rope_tables(&kdev, &tc8, &ts8, 500000, &deflt);
     expect_bitwise("rope: rope_type default == no scaling", si8.f, si.f, 2 * 64);
-    K->rope_tables(&tc8, &ts8, 500000, &llama31);
+    K->rope_tables(&kdev, &tc8, &ts8, 500000, &llama31);
     assert_true(si8.f[64 + 0] == si.f[64 + 0]);                       /* wavelen 2π < 2048 */
     assert_true(fabs(si8.f[64 + 63] - si.f[64 + 63] / 8) < 1e-6 * si.f[64 + 63]); /* wavelen > 8192 */
     arr_free(&co);
@@ -805,14 +875,14 @@ static void test_rope(void **state)
         int64_t TT = T + 9; /* tables longer than the sequence */
         struct arr co = arr_new(TT * D / 2), si = arr_new(TT * D / 2);
         struct am_tensor tc = tview(&co, TT, D / 2, 0, 0), ts = tview(&si, TT, D / 2, 0, 0);
-        K->rope_tables(&tc, &ts, 10000, NULL);
+        K->rope_tables(&kdev, &tc, &ts, 10000, NULL);
         for (int64_t i = 0; i < TT * D / 2; i++) {
             co.d[i] = co.f[i];
             si.d[i] = si.f[i];
         }
         struct arr x = arr_rand(&r, n, -1, 1), x0 = arr_copy(&x);
         struct am_tensor tx = tview(&x, B, T, H, D);
-        K->rope_forward(&tx, &tc, &ts);
+        K->rope_forward(&kdev, &tx, &tc, &ts);
         double *want = dalloc(n), *absr = dalloc(n), *tol = dalloc(n);
         ref_rope(x0.d, co.d, si.d, B, T, H, D, 1.0, want, absr);
         for (int64_t i = 0; i < n; i++) /* two products and a sum: 3 roundings */
@@ -821,7 +891,7 @@ static void test_rope(void **state)
         /* backward rotates dy in place by the opposite angle */
         struct arr g = arr_rand(&r, n, -1, 1), g0 = arr_copy(&g);
         struct am_tensor tg = tview(&g, B, T, H, D);
-        K->rope_backward(&tg, &tc, &ts);
+        K->rope_backward(&kdev, &tg, &tc, &ts);
         ref_rope(g0.d, co.d, si.d, B, T, H, D, -1.0, want, absr);
         for (int64_t i = 0; i < n; i++)
             tol[i] = 3 * U * absr[i];
@@ -836,7 +906,7 @@ static void test_rope(void **state)
         }
         /* the backward undoes the forward (a rotation, cos² + sin² = 1 to 2u): 3 roundings
          * each way plus the tables' 2u, relative to the head's largest value */
-        K->rope_backward(&tx, &tc, &ts);
+        K->rope_backward(&kdev, &tx, &tc, &ts);
         double mx = max_abs(x0.d, n);
         for (int64_t i = 0; i < n; i++)
             tol[i] = 10 * U * mx;
@@ -968,7 +1038,7 @@ static void test_attention(void **state)
         struct am_tensor tq = tview(&q, s.B, s.T, s.H, s.D), tk = tview(&k, s.B, s.T, s.KVH, s.D);
         struct am_tensor tv = tview(&v, s.B, s.T, s.KVH, s.D), to = tview(&out, s.B, s.T, s.H, s.D);
         struct am_tensor tl = tview(&lse, s.B, s.H, s.T, 0);
-        K->attention_forward(&to, &tl, &tq, &tk, &tv);
+        K->attention_forward(&kdev, &to, &tl, &tq, &tk, &tv);
         double *wo = dalloc(nq), *wl = dalloc(nl);
         ref_attention(&s, q.d, k.d, v.d, wo, wl);
         /* Normwise, 4 (D + T) u: a score is a D-term fp32 dot (<= D u relative to Σ|q k|,
@@ -990,7 +1060,7 @@ static void test_attention(void **state)
         struct arr dq0 = arr_copy(&dq), dk0 = arr_copy(&dk), dv0 = arr_copy(&dv);
         struct am_tensor tdo = tview(&dout, s.B, s.T, s.H, s.D), tdq = tview(&dq, s.B, s.T, s.H, s.D);
         struct am_tensor tdk = tview(&dk, s.B, s.T, s.KVH, s.D), tdv = tview(&dv, s.B, s.T, s.KVH, s.D);
-        K->attention_backward(&tdq, &tdk, &tdv, &tdo, &to, &tl, &tq, &tk, &tv);
+        K->attention_backward(&kdev, &tdq, &tdk, &tdv, &tdo, &to, &tl, &tq, &tk, &tv);
         double *gq = dalloc(nq), *gk = dalloc(nk), *gv = dalloc(nk);
         ref_attention_backward(&s, q.d, k.d, v.d, dout.d, gq, gk, gv);
         /* Normwise on the gradient itself (the accumulated start adds u of itself):
@@ -1042,9 +1112,9 @@ static void test_attention(void **state)
         struct am_tensor t3q = tview(&a3[0], s.B, s.T, s.H, s.D), t3k = tview(&a3[1], s.B, s.T, s.KVH, s.D),
                          t3v = tview(&a3[2], s.B, s.T, s.KVH, s.D);
         omp_set_num_threads(1);
-        K->attention_backward(&t1q, &t1k, &t1v, &tdo, &to, &tl, &tq, &tk, &tv);
+        K->attention_backward(&kdev, &t1q, &t1k, &t1v, &tdo, &to, &tl, &tq, &tk, &tv);
         omp_set_num_threads(3);
-        K->attention_backward(&t3q, &t3k, &t3v, &tdo, &to, &tl, &tq, &tk, &tv);
+        K->attention_backward(&kdev, &t3q, &t3k, &t3v, &tdo, &to, &tl, &tq, &tk, &tv);
         omp_set_num_threads(omp_get_num_procs());
         expect_bitwise("attention backward dq: 1 thread == 3 threads", a1[0].f, a3[0].f, nq);
         expect_bitwise("attention backward dk: 1 thread == 3 threads", a1[1].f, a3[1].f, nk);
@@ -1093,7 +1163,7 @@ static void test_swiglu(void **state)
         g.d[0] = g.f[0];
         g.d[1] = g.f[1];
         struct am_tensor tg = tview(&g, n, 0, 0, 0), tu = tview(&u, n, 0, 0, 0), to = tview(&out, n, 0, 0, 0);
-        K->swiglu_forward(&to, &tg, &tu);
+        K->swiglu_forward(&kdev, &to, &tg, &tu);
         double *want = dalloc(n), *tol = dalloc(n);
         /* exp (2 ulp), 1 + e, the division and the product: 6 roundings; 8u relative, and
          * 1e-37 absolute where silu(g) underflows (g = -100: exp(100) is +Inf, silu -0) */
@@ -1106,7 +1176,7 @@ static void test_swiglu(void **state)
         struct arr dout = arr_rand(&r, n, -1, 1), dg = arr_rand(&r, n, -1, 1), du = arr_rand(&r, n, -1, 1);
         struct arr dg0 = arr_copy(&dg), du0 = arr_copy(&du);
         struct am_tensor tdo = tview(&dout, n, 0, 0, 0), tdg = tview(&dg, n, 0, 0, 0), tdu = tview(&du, n, 0, 0, 0);
-        K->swiglu_backward(&tdg, &tdu, &tdo, &tg, &tu);
+        K->swiglu_backward(&kdev, &tdg, &tdu, &tdo, &tg, &tu);
         double *wg = dalloc(n), *wu = dalloc(n), *tg_ = dalloc(n), *tu_ = dalloc(n);
         for (int64_t i = 0; i < n; i++) {
             double sig = 1.0 / (1.0 + exp(-g.d[i])), ds = sig * (1.0 + g.d[i] * (1.0 - sig));
@@ -1130,7 +1200,7 @@ static void test_swiglu(void **state)
             free(fd);
         }
         /* one of the two gradients may be NULL */
-        K->swiglu_backward(NULL, &tdu, &tdo, &tg, &tu);
+        K->swiglu_backward(&kdev, NULL, &tdu, &tdo, &tg, &tu);
         for (int64_t i = 0; i < n; i++) {
             wu[i] += wu[i] - du0.d[i];
             tu_[i] *= 2;
@@ -1204,7 +1274,7 @@ static void test_cross_entropy(void **state)
         struct arr m = arr_new(N), s = arr_new(N), t = arr_new(N);
         struct am_tensor tx = tview(&x, N, C, 0, 0), tw = tview(&w, V, C, 0, 0), ttg = ids_view(tg, N);
         struct am_tensor tm = tview(&m, N, 0, 0, 0), ts = tview(&s, N, 0, 0, 0), tt = tview(&t, N, 0, 0, 0);
-        K->ce_stats(&tm, &ts, &tt, &tx, &tw, &ttg, 0);
+        K->ce_stats(&kdev, &tm, &ts, &tt, &tx, &tw, &ttg, 0);
         double *z = dalloc(N * V), *za = dalloc(N * V);
         ref_logits(x.d, w.d, N, C, V, z, za);
         double *wm = dalloc(N), *wsum = dalloc(N), *wt = dalloc(N), *tm_ = dalloc(N), *ts_ = dalloc(N),
@@ -1242,8 +1312,8 @@ static void test_cross_entropy(void **state)
         struct am_tensor tm2 = tview(&m2, N, 0, 0, 0), ts2 = tview(&s2, N, 0, 0, 0), tt2 = tview(&t2, N, 0, 0, 0);
         struct am_tensor w1 = am_tensor_view(w.f, AM_DEV_CPU, AM_T_F32, V0, C, 0, 0);
         struct am_tensor w2 = am_tensor_view(w.f + V0 * C, AM_DEV_CPU, AM_T_F32, V - V0, C, 0, 0);
-        K->ce_stats(&tm1, &ts1, &tt1, &tx, &w1, &ttg, 0);
-        K->ce_stats(&tm2, &ts2, &tt2, &tx, &w2, &ttg, V0);
+        K->ce_stats(&kdev, &tm1, &ts1, &tt1, &tx, &w1, &ttg, 0);
+        K->ce_stats(&kdev, &tm2, &ts2, &tt2, &tx, &w2, &ttg, V0);
         struct arr Mc = arr_new(N), Sc = arr_new(N), lsh = arr_new(N), lun = arr_new(N);
         double *tl = dalloc(N);
         for (int64_t i = 0; i < N; i++) {
@@ -1261,6 +1331,27 @@ static void test_cross_entropy(void **state)
         }
         expect_close("ce loss, unsharded", lun.f, wloss, tl, N);
         expect_close("ce loss, 2 vocabulary shards combined", lsh.f, wloss, tl, N);
+        /* the same combination by the kernels, as the model runs it (the max and the sums are
+         * the tp group's all-reduces, here by hand): ce_rescale each shard's s, sum them, and
+         * ce_loss adds the loss of every token with a target to the scalar, bit for bit */
+        {
+            struct arr T = arr_new(N);
+            for (int64_t i = 0; i < N; i++)
+                T.f[i] = t1.f[i] + t2.f[i];
+            struct am_tensor tMc = tview(&Mc, N, 0, 0, 0), tT = tview(&T, N, 0, 0, 0);
+            K->ce_rescale(&kdev, &ts1, &tm1, &tMc);
+            K->ce_rescale(&kdev, &ts2, &tm2, &tMc);
+            K->add(&kdev, &ts1, &ts2);
+            assert_memory_equal(s1.f, Sc.f, (size_t)N * sizeof(float));
+            double acc = 0.25, want = 0.0;
+            struct am_tensor ta = am_tensor_view(&acc, AM_DEV_CPU, AM_T_F64, 1, 0, 0, 0);
+            K->ce_loss(&kdev, &ta, &tMc, &ts1, &tT, &ttg);
+            for (int64_t i = 0; i < N; i++)
+                if (tg[i] >= 0)
+                    want += (double)logf(Sc.f[i]) + (double)Mc.f[i] - (double)T.f[i];
+            assert_true(acc == 0.25 + want);
+            arr_free(&T);
+        }
 
         /* backward: dlogits = (softmax - onehot) * scale, dx += dlogits · w, dw += dlogitsᵀ · x */
         float scale = 1.0f / (float)nvalid;
@@ -1268,7 +1359,7 @@ static void test_cross_entropy(void **state)
         struct arr dx0 = arr_copy(&dx), dw0 = arr_copy(&dw);
         struct am_tensor tdx = tview(&dx, N, C, 0, 0), tdw = tview(&dw, V, C, 0, 0);
         struct am_tensor tM = tview(&m, N, 0, 0, 0), tS = tview(&s, N, 0, 0, 0);
-        K->ce_backward(&tdx, &tdw, &tx, &tw, &ttg, 0, &tM, &tS, scale);
+        K->ce_backward(&kdev, &tdx, &tdw, &tx, &tw, &ttg, 0, &tM, &tS, scale);
         double *g = dalloc(N * V), *pa = dalloc(N * V);
         for (int64_t i = 0; i < N; i++)
             for (int64_t v = 0; v < V; v++) {
@@ -1321,7 +1412,7 @@ static void test_cross_entropy(void **state)
             struct arr fm = arr_new(N), fs = arr_new(N), ft = arr_new(N), fdx = arr_copy(&dx0), fdw = arr_copy(&dw0);
             struct am_tensor tfm = tview(&fm, N, 0, 0, 0), tfs = tview(&fs, N, 0, 0, 0), tft = tview(&ft, N, 0, 0, 0);
             struct am_tensor tfdx = tview(&fdx, N, C, 0, 0), tfdw = tview(&fdw, V, C, 0, 0);
-            bool done = K->ce_fused(&tfm, &tfs, &tft, &tfdx, &tfdw, &tx, &tw, &ttg, scale);
+            bool done = K->ce_fused(&kdev, &tfm, &tfs, &tft, &tfdx, &tfdw, &tx, &tw, &ttg, scale);
             assert_int_equal(done, (N < 256 ? N : 256) * V <= (1L << 21));
             if (done) {
                 expect_close("ce_fused m", fm.f, wm, tm_, N);
@@ -1344,8 +1435,8 @@ static void test_cross_entropy(void **state)
         struct am_tensor dws1 = am_tensor_view(dws.f, AM_DEV_CPU, AM_T_F32, V0, C, 0, 0);
         struct am_tensor dws2 = am_tensor_view(dws.f + V0 * C, AM_DEV_CPU, AM_T_F32, V - V0, C, 0, 0);
         struct am_tensor tMc = tview(&Mc, N, 0, 0, 0), tSc = tview(&Sc, N, 0, 0, 0);
-        K->ce_backward(&tdxa, &dws1, &tx, &w1, &ttg, 0, &tMc, &tSc, scale);
-        K->ce_backward(&tdxb, &dws2, &tx, &w2, &ttg, V0, &tMc, &tSc, scale);
+        K->ce_backward(&kdev, &tdxa, &dws1, &tx, &w1, &ttg, 0, &tMc, &tSc, scale);
+        K->ce_backward(&kdev, &tdxb, &dws2, &tx, &w2, &ttg, V0, &tMc, &tSc, scale);
         for (int64_t i = 0; i < N * C; i++) {
             dxa.f[i] += dxb.f[i];
             tdxl[i] *= 2;
@@ -1420,7 +1511,7 @@ static void test_adamw(void **state)
                         g.d[i] = g.f[i];
                     }
                 struct am_tensor tg = tview(&g, n, 0, 0, 0);
-                K->adamw(&tp, &tg, &tm, &tv, h.lr, h.b1, h.b2, h.eps, h.wd, step);
+                K->adamw(&kdev, &tp, &tg, &tm, &tv, h.lr, h.b1, h.b2, h.eps, h.wd, step);
                 for (int64_t i = 0; i < n; i++) {
                     torch_adamw_elem(&rp[i], g.f[i], &rm[i], &rv[i], h, step);
                     /* the textbook AdamW in double */
@@ -1483,7 +1574,7 @@ static void test_bad_shape_aborts(void **state)
         struct am_tensor w = am_tensor_view(b, AM_DEV_CPU, AM_T_F32, 3, 2, 0, 0); /* K mismatch */
         struct am_tensor y = am_tensor_view(c, AM_DEV_CPU, AM_T_F32, 2, 2, 0, 0);
         w.name = "model.layers.0.mlp.up_proj.weight";
-        K->matmul_forward(&y, &x, &w);
+        K->matmul_forward(&kdev, &y, &x, &w);
         _exit(0);
     }
     close(pipefd[1]);
@@ -1502,14 +1593,19 @@ static void test_bad_shape_aborts(void **state)
 static int setup(void **state)
 {
     (void)state;
-    K = am_kernels_for(AM_DEV_CPU);
+    char msg[256];
+    if (am_dev_open(&kdev, AM_DEV_CPU, -1, msg, sizeof(msg)) < 0) {
+        fprintf(stderr, "%s\n", msg);
+        return 1;
+    }
+    K = kdev.k;
     return K ? 0 : -1;
 }
 
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_expf), cmocka_unit_test(test_memory),        cmocka_unit_test(test_elementwise), cmocka_unit_test(test_matmul),
+        cmocka_unit_test(test_expf), cmocka_unit_test(test_memory),        cmocka_unit_test(test_elementwise), cmocka_unit_test(test_scalars_and_convert), cmocka_unit_test(test_matmul),
         cmocka_unit_test(test_embedding),     cmocka_unit_test(test_rmsnorm),     cmocka_unit_test(test_rope_tables),
         cmocka_unit_test(test_rope),          cmocka_unit_test(test_attention),   cmocka_unit_test(test_swiglu),
         cmocka_unit_test(test_cross_entropy), cmocka_unit_test(test_adamw),       cmocka_unit_test(test_bad_shape_aborts),

@@ -5,7 +5,8 @@
 # distributions (every TP group inside one domain; exact lines for the small cases), a
 # failing rank ending the whole step within seconds with its status and exit record, an
 # abort request, a fence timeout, and signals reaching the ranks once.
-# Fails (does not skip) when the cluster cannot start.
+# Fails (does not skip) when the cluster cannot start. Slurm picks any free nodes for -N2 or
+# -N3, so the runs whose output names hosts ask for theirs with -w.
 set -uo pipefail
 source "$(dirname "$0")/lib.sh"
 
@@ -59,7 +60,7 @@ tp_in_domains() {
 }
 
 # ---- the PMIx bootstrap -------------------------------------------------------------------
-srun_launch boot -N2 -n4 --ntasks-per-node=2 -- "$RECIPE" -- "$BOOT_CHECK"
+srun_launch boot -N2 -w n1,n2 -n4 --ntasks-per-node=2 -- "$RECIPE" -- "$BOOT_CHECK"
 expect_rc "bootstrap over PMIx" 0 "$RC" "$OUT" "$ERR"
 expect_match "rank 3's view" "$OUT" '^rank 3/4 on n2 \(node 1/2, local 1/2\) job [0-9]+\.0: allgather ok$'
 for r in 0 1 2 3; do
@@ -88,7 +89,7 @@ diff "$T/cyclic.want" "$OUT" >"$T/cyclic.diff" && pass "dry run, cyclic: exact l
 tp_in_domains "cyclic" "$OUT"
 
 # 4 ranks per node fill both pairs; cyclic puts ranks r and r+2 on one GPU pair
-AM_TP=2 srun_launch cyclic4 -N2 -n8 --ntasks-per-node=4 --distribution=cyclic -- --dry-run --topology "$T/topo.yaml" "$RECIPE"
+AM_TP=2 srun_launch cyclic4 -N2 -w n1,n2 -n8 --ntasks-per-node=4 --distribution=cyclic -- --dry-run --topology "$T/topo.yaml" "$RECIPE"
 expect_rc "dry run, cyclic, 4 per node" 0 "$RC" "$OUT" "$ERR"
 tp_in_domains "cyclic, 4 per node" "$OUT"
 expect_match "cyclic, 4 per node: rank 2 in rank 0's group" "$OUT" '^\{"rank":2,"host":"n1","domain":"n1:0","local_rank":1,"gpu":1,"mesh_rank":1,.*"tp":\[0,2\]'
@@ -110,7 +111,7 @@ expect_count "one supervisor reports it" "$ERR" "am-launch: rank 0 on n1 exited 
 
 # errors of some ranks only are gathered and printed once, by rank 0
 printf 'nodes:\n  n1: {gpus: 4}\n' >"$T/n1only.yaml"
-srun_launch partial -N3 -n6 --ntasks-per-node=2 -- --dry-run --topology "$T/n1only.yaml" "$RECIPE"
+srun_launch partial -N3 -w n1,n2,n3 -n6 --ntasks-per-node=2 -- --dry-run --topology "$T/n1only.yaml" "$RECIPE"
 expect_rc "dry run, topology file without n2 and n3" 1 "$RC" "$ERR"
 for n in 2 3; do
   expect_count "n$n's error printed once" "$ERR" "am-place: error: rank $((2 * n - 2)) on n$n (and 1 other rank): topology file $T/n1only.yaml: node n$n (this rank's host) is not listed: add it under nodes: (with its gpus)" 1
@@ -118,7 +119,7 @@ done
 
 # ---- failures end the step within seconds ----------------------------------------------
 ln -s "$BOOT_CHECK" "$T/rank-prog"   # a name to find leftover ranks by
-srun_launch segv -N2 -n4 --ntasks-per-node=2 -- "$RECIPE" -- env BOOT_CHECK_SEGV=2 BOOT_CHECK_HANG=all "$T/rank-prog"
+srun_launch segv -N2 -w n1,n2 -n4 --ntasks-per-node=2 -- "$RECIPE" -- env BOOT_CHECK_SEGV=2 BOOT_CHECK_HANG=all "$T/rank-prog"
 expect_rc "rank 2 segfaults, the others hang" 139 "$RC" "$ERR"
 awk -v s="$SECS" 'BEGIN { exit !(s < 10) }' && pass "step ended in ${SECS}s" || fail "step took ${SECS}s"
 expect_line "segfault reported" "$ERR" "am-launch: rank 2 on n2 was killed by signal 11 (SIGSEGV, Segmentation fault); aborting the job (log: $(job_dir "$LOGS")/rank-2.jsonl)"
@@ -126,23 +127,23 @@ expect_match "segfault exit record" "$(job_dir "$LOGS")/rank-2.jsonl" "$(exit_re
 sleep 1
 pgrep -f "$T/rank-prog" >/dev/null && fail "ranks left running: $(pgrep -af "$T/rank-prog")" || pass "no rank left running"
 
-srun_launch exit7 -N2 -n4 --ntasks-per-node=2 -- "$RECIPE" -- env BOOT_CHECK_FAIL=1:7 "$T/rank-prog"
+srun_launch exit7 -N2 -w n1,n2 -n4 --ntasks-per-node=2 -- "$RECIPE" -- env BOOT_CHECK_FAIL=1:7 "$T/rank-prog"
 expect_rc "rank 1 exits 7 before the fence" 7 "$RC" "$ERR"
 awk -v s="$SECS" 'BEGIN { exit !(s < 10) }' && pass "step ended in ${SECS}s" || fail "step took ${SECS}s"
 expect_match "exit 7 record" "$(job_dir "$LOGS")/rank-1.jsonl" "$(exit_record_re 1 n1 7 0 null false '(false|null)' null)"
 
-srun_launch abort -N2 -n4 --ntasks-per-node=2 -- "$RECIPE" -- env BOOT_CHECK_ABORT=3:6 BOOT_CHECK_HANG=all "$T/rank-prog"
+srun_launch abort -N2 -w n1,n2 -n4 --ntasks-per-node=2 -- "$RECIPE" -- env BOOT_CHECK_ABORT=3:6 BOOT_CHECK_HANG=all "$T/rank-prog"
 expect_rc "rank 3 aborts the job" 6 "$RC" "$ERR"
 expect_line "abort reported" "$ERR" "am-launch: rank 3 on n2 aborted the job (status 6): boot_check asked to abort; aborting the job (log: $(job_dir "$LOGS")/rank-3.jsonl)"
 
-srun_launch fence -N2 -n4 --ntasks-per-node=2 -- "$RECIPE" -- env BOOT_CHECK_HANG=1:before BOOT_CHECK_TIMEOUT=2 "$T/rank-prog"
+srun_launch fence -N2 -w n1,n2 -n4 --ntasks-per-node=2 -- "$RECIPE" -- env BOOT_CHECK_HANG=1:before BOOT_CHECK_TIMEOUT=2 "$T/rank-prog"
 expect_rc "rank 1 never reaches the fence" 4 "$RC" "$ERR"
 expect_match "fence timeout reported" "$ERR" '^boot_check: rank [023]: bootstrap fence: timed out after 2 s: not every rank reached this fence \(one is stuck or slow: see the logs\)$'
 awk -v s="$SECS" 'BEGIN { exit !(s < 12) }' && pass "fence timeout ended the step in ${SECS}s" || fail "step took ${SECS}s"
 
 # ---- signals reach each rank once; a stop is not a failure ---------------------------------
 mkdir -p "$T/sig"
-BOOT_CHECK_WAIT=1 timeout 60 srun -N2 -n2 --mpi=pmix "$LAUNCH" --log-dir "$T/sig/logs" "$RECIPE" -- "$BOOT_CHECK" \
+BOOT_CHECK_WAIT=1 timeout 60 srun -N2 -n2 -w n1,n2 --mpi=pmix "$LAUNCH" --log-dir "$T/sig/logs" "$RECIPE" -- "$BOOT_CHECK" \
   >"$T/sig/out" 2>"$T/sig/err" &
 pid=$!
 for _ in $(seq 100); do [[ $(grep -c ready "$T/sig/out" 2>/dev/null) == 2 ]] && break; sleep 0.1; done

@@ -13,8 +13,9 @@
  *
  * Every rank sets up as am-train does (rank_setup.h), builds its communicators as am-train
  * does (groups.h), and its shard as build_model does (am_pipe_init, am_model_init, am_pipe_bind, am_model_load_hf of the case). Then 5 steps on the golden batch
- * as train.c's run() does them: zero the gradients, am_pipe_run, am_model_finish_grads, the
- * loss all-reduced over the pp group (only the last stage has it), am_model_grad_sumsq,
+ * as train.c's run() does them (with one data-parallel rank, nothing to reduce over dp): zero
+ * the gradients, am_pipe_run, am_model_finish_grads, the loss summed over the pp group (only
+ * the last stage has it, am_model_reduce_loss), am_model_grad_sumsq, one read of both,
  * clipping by max_norm / (norm + 1e-6), am_optim_step at am_lr_at. Twice, each from a fresh
  * load: without clipping, against losses_adamw / grad_norms_adamw; with the recipe's
  * max_norm, against losses_adamw_clip / grad_norms_adamw_clip.
@@ -67,7 +68,7 @@ struct golden {
 /* This rank's setup and communicators (groups.h, as am-train builds them). */
 struct dist {
     struct am_rank_setup *s;
-    const struct am_kernels *K;
+    struct am_dev dev;
     struct am_groups g;
 };
 
@@ -190,49 +191,37 @@ static int run_series(struct dist *d, const struct golden *G, bool clip, struct 
     int rc = -1;
     /* build_model */
     if (am_pipe_init(&pipe, p, r, &d->s->coords, &sh, msg, sizeof(msg)) < 0 ||
-        am_model_init(&m, &r->model, &sh, d->K, d->g.tp, pp, p->microbatch_size, p->seq_length, msg, sizeof(msg)) < 0 ||
+        am_model_init(&m, &r->model, &sh, &d->dev, d->g.tp, pp, p->microbatch_size, p->seq_length, msg, sizeof(msg)) < 0 ||
         am_pipe_bind(&pipe, &m, p->microbatch_size, pp, p->pp > 1 ? d->g.pp_grad : NULL, msg, sizeof(msg)) < 0) {
         am_errors_fail(err, "%s", msg);
         goto out;
     }
     if (am_model_load_hf(&m, G->dir, err) < 0)
         goto out;
-    if (am_optim_init(&optim, d->K, m.n_elems, r) < 0) {
+    if (am_optim_init(&optim, &d->dev, m.n_elems, r) < 0) {
         am_errors_fail(err, "out of memory for the optimizer state of %zu parameters", m.n_elems);
         goto out;
     }
     /* run() */
     float dloss_scale = (float)(1.0 / G->n_targets);
-    struct am_tensor g = am_tensor_view(m.grad_mem, d->K->device, AM_T_F32, (int64_t)m.n_elems, 0, 0, 0);
+    struct am_tensor g = am_tensor_view(m.grad_mem, d->dev.device, AM_T_F32, (int64_t)m.n_elems, 0, 0, 0);
     for (int step = 0; step < STEPS; step++) {
-        double loss_sum;
+        struct am_model_values v;
         am_model_zero_grad(&m);
-        if (am_pipe_run(&pipe, &m, G->tokens, G->targets, p->microbatch_size, dloss_scale, &loss_sum, msg,
-                        sizeof(msg)) < 0 ||
-            am_model_finish_grads(&m, msg, sizeof(msg)) < 0) {
+        if (am_pipe_run(&pipe, &m, G->tokens, G->targets, p->microbatch_size, dloss_scale, true, msg, sizeof(msg)) < 0 ||
+            am_model_finish_grads(&m, msg, sizeof(msg)) < 0 || am_model_reduce_loss(&m, NULL, msg, sizeof(msg)) < 0 ||
+            am_model_grad_sumsq(&m, msg, sizeof(msg)) < 0) {
             am_errors_fail(err, "%s step %d: %s", series, step + 1, msg);
             goto out;
         }
-        float loss_f = (float)loss_sum;
-        if (p->pp > 1) { /* the loss is the last stage's */
-            if (am_allreduce(d->g.pp, &loss_f, &loss_f, 1, AM_F32, AM_SUM) < 0) {
-                am_errors_fail(err, "%s step %d: %s", series, step + 1, am_comm_error(d->g.pp));
-                goto out;
-            }
-            loss_sum = loss_f;
-        }
-        double sumsq;
-        if (am_model_grad_sumsq(&m, &sumsq, msg, sizeof(msg)) < 0) {
-            am_errors_fail(err, "%s step %d: %s", series, step + 1, msg);
-            goto out;
-        }
-        double norm = sqrt(sumsq);
-        compare(t, series, step, "loss", loss_sum / G->n_targets, G->losses[clip][step], false);
+        am_model_read_scalars(&m, &v);
+        double norm = sqrt(v.sumsq);
+        compare(t, series, step, "loss", v.loss_sum / G->n_targets, G->losses[clip][step], false);
         compare(t, series, step, "grad norm", norm, G->norms[clip][step], true);
         if (clip && r->optim.max_grad_norm > 0) {
             double coef = r->optim.max_grad_norm / (norm + 1e-6);
             if (coef < 1.0)
-                d->K->scale(&g, (float)coef);
+                d->dev.k->scale(&d->dev, &g, (float)coef);
         }
         am_optim_step(&optim, m.param_mem, m.grad_mem, (float)am_lr_at(r, step));
     }
@@ -256,7 +245,7 @@ static int run(struct dist *d, const char *name, struct tally *t, struct am_erro
     if (rc == 0 && r->optim.max_grad_norm <= 0)
         rc = am_errors_fail(err, "the recipe must clip (clip_grad_norm.max_norm 1.0) for the golden's clipped series");
     if (rc == 0)
-        rc = am_groups_build(&d->g, d->s, NULL, NULL, err);
+        rc = am_groups_build(&d->g, d->s, AM_COMM_UCX, -1, NULL, NULL, err);
     if (rc == 0 && t->rank == 0)
         printf("golden tp%d pp%d %s: %s, %d virtual stage(s) per pp rank, sequence parallel %s, %lld x %lld tokens\n",
                p->tp, p->pp, name, am_pp_schedule_name(r->dist.pipeline.schedule), p->virtual_stages,
@@ -283,7 +272,12 @@ int main(int argc, char **argv)
         fflush(stderr);
         am_rank_setup_exit(&s, 1);
     }
-    struct dist d = {.s = &s, .K = am_kernels_for(AM_DEV_CPU)};
+    struct dist d = {.s = &s};
+    char msg[256];
+    if (am_dev_open(&d.dev, AM_DEV_CPU, -1, msg, sizeof(msg)) < 0) {
+        fprintf(stderr, "golden_dist: %s\n", msg);
+        return 1;
+    }
     struct tally t = {.rank = s.info.rank};
     rc = run(&d, argv[1], &t, &err);
     for (size_t i = 0; i < err.n; i++)

@@ -31,7 +31,8 @@ struct golden {
     struct am_recipe *recipe;
     struct am_st_file *g;
     struct am_model m;
-    const struct am_kernels *K;
+    struct am_dev dev;
+    const struct am_kernels *K; /* dev.k */
     int64_t B, T;
     int32_t *tokens, *targets;
     int n_targets;
@@ -87,10 +88,11 @@ static void open_golden(struct golden *G, const char *name)
             G->targets[b * G->T + t] = t + 1 < G->T ? G->tokens[b * G->T + t + 1] : -1;
     G->n_targets = (int)(G->B * (G->T - 1));
 
-    G->K = am_kernels_for(AM_DEV_CPU);
-    struct am_model_shard sh = am_model_shard_whole(1, 0, (int)G->recipe->model.num_hidden_layers);
     char msg[512];
-    assert_int_equal(am_model_init(&G->m, &G->recipe->model, &sh, G->K, NULL, NULL, G->B, G->T, msg, sizeof(msg)), 0);
+    assert_int_equal(am_dev_open(&G->dev, AM_DEV_CPU, -1, msg, sizeof(msg)), 0);
+    G->K = G->dev.k;
+    struct am_model_shard sh = am_model_shard_whole(1, 0, (int)G->recipe->model.num_hidden_layers);
+    assert_int_equal(am_model_init(&G->m, &G->recipe->model, &sh, &G->dev, NULL, NULL, G->B, G->T, msg, sizeof(msg)), 0);
     int rc = am_model_load_hf(&G->m, G->dir, &err);
     for (size_t i = 0; i < err.n; i++)
         print_error("%s\n", err.msg[i]);
@@ -101,6 +103,7 @@ static void open_golden(struct golden *G, const char *name)
 static void close_golden(struct golden *G)
 {
     am_model_free(&G->m);
+    am_dev_close(&G->dev);
     am_st_close(G->g);
     am_recipe_free(G->recipe);
     free(G->tokens);
@@ -131,11 +134,11 @@ static void check_forward_backward(const char *name)
     int64_t N = G.B * G.T, V = G.m.cfg.vocab_size;
     float *want = read_all(&G, "logits", &n);
     assert_int_equal(n, N * V);
-    float *logits = G.K->alloc((size_t)(N * V) * sizeof(float));
+    float *logits = G.K->alloc(&G.dev, (size_t)(N * V) * sizeof(float));
     struct am_tensor y = am_tensor_view(logits, AM_DEV_CPU, AM_T_F32, N, V, 0, 0);
     struct am_tensor hf = G.m.slots[0].hf;
     hf.shape[0] = N;
-    G.K->matmul_forward(&y, &hf, &G.m.head->w);
+    G.K->matmul_forward(&G.dev, &y, &hf, &G.m.head->w);
     double worst = 0;
     for (int64_t i = 0; i < N * V; i++)
         worst = fmax(worst, fabs((double)logits[i] - want[i]));
@@ -164,7 +167,7 @@ static void check_forward_backward(const char *name)
         assert_true(diff <= 1e-5 * big);
         free(g);
     }
-    G.K->free(logits);
+    G.K->free(&G.dev, logits);
     free(want);
     free(want_loss);
     close_golden(&G);
@@ -183,7 +186,7 @@ static void check_adamw(const char *name, bool clip)
         float lr, b1, b2, eps, wd;
     } o = {1e-2f, 0.9f, 0.95f, 1e-8f, 0.1f};
     size_t E = G.m.n_elems;
-    float *mom = G.K->alloc(E * sizeof(float)), *var = G.K->alloc(E * sizeof(float));
+    float *mom = G.K->alloc(&G.dev, E * sizeof(float)), *var = G.K->alloc(&G.dev, E * sizeof(float));
     struct am_tensor p = am_tensor_view(G.m.param_mem, AM_DEV_CPU, AM_T_F32, (int64_t)E, 0, 0, 0);
     struct am_tensor g = am_tensor_view(G.m.grad_mem, AM_DEV_CPU, AM_T_F32, (int64_t)E, 0, 0, 0);
     struct am_tensor m = am_tensor_view(mom, AM_DEV_CPU, AM_T_F32, (int64_t)E, 0, 0, 0);
@@ -193,11 +196,14 @@ static void check_adamw(const char *name, bool clip)
         if (fabs(loss - want[s]) >= 1e-5)
             print_error("%s: step %d loss %.7f, transformers %.7f\n", name, s + 1, loss, want[s]);
         assert_true(fabs(loss - want[s]) < 1e-5);
-        double norm = sqrt(G.K->sum_squares(&g));
+        double sumsq = 0;
+        struct am_tensor acc = am_tensor_view(&sumsq, AM_DEV_CPU, AM_T_F64, 1, 0, 0, 0);
+        G.K->sum_squares(&G.dev, &acc, &g, 1.0);
+        double norm = sqrt(sumsq);
         assert_true(fabs(norm - norms[s]) < 1e-5 * fmax(1.0, norms[s]));
         if (clip && 1.0 / (norm + 1e-6) < 1.0)
-            G.K->scale(&g, (float)(1.0 / (norm + 1e-6)));
-        G.K->adamw(&p, &g, &m, &v, o.lr, o.b1, o.b2, o.eps, o.wd, s + 1);
+            G.K->scale(&G.dev, &g, (float)(1.0 / (norm + 1e-6)));
+        G.K->adamw(&G.dev, &p, &g, &m, &v, o.lr, o.b1, o.b2, o.eps, o.wd, s + 1);
     }
     if (clip) { /* the weights themselves after the clipped steps */
         static const char *const finals[] = {"model.norm.weight", "lm_head.weight", "model.embed_tokens.weight"};
@@ -221,8 +227,8 @@ static void check_adamw(const char *name, bool clip)
             free(w);
         }
     }
-    G.K->free(mom);
-    G.K->free(var);
+    G.K->free(&G.dev, mom);
+    G.K->free(&G.dev, var);
     free(want);
     free(norms);
     close_golden(&G);
@@ -271,7 +277,7 @@ static void check_save(const char *name)
     struct am_model back;
     char msg[512];
     struct am_model_shard sh = G.m.sh;
-    assert_int_equal(am_model_init(&back, &G.recipe->model, &sh, G.K, NULL, NULL, G.B, G.T, msg, sizeof(msg)), 0);
+    assert_int_equal(am_model_init(&back, &G.recipe->model, &sh, &G.dev, NULL, NULL, G.B, G.T, msg, sizeof(msg)), 0);
     assert_int_equal(am_model_load_hf(&back, dir, &err), 0);
     assert_int_equal(back.n_elems, G.m.n_elems);
     assert_memory_equal(back.param_mem, G.m.param_mem, G.m.n_elems * sizeof(float));
@@ -295,15 +301,13 @@ static void test_model_refuses(void **state)
     char msg[512];
     struct am_model m;
     struct am_model_shard sh = {.tp = 1, .n_chunks = 2, .chunks = {{2, 2, 1}, {0, 1, 1}}};
-    assert_int_equal(am_model_init(&m, &G.recipe->model, &sh, G.K, NULL, NULL, G.B, G.T, msg, sizeof(msg)), -1);
+    assert_int_equal(am_model_init(&m, &G.recipe->model, &sh, &G.dev, NULL, NULL, G.B, G.T, msg, sizeof(msg)), -1);
     assert_string_equal(msg, "model: chunk 1 (layers 0..0) is not a run of layers after the previous chunk within the "
                              "model's 4");
-    double loss;
-    assert_int_equal(am_model_forward(&G.m, 0, 1, G.B, G.tokens, G.targets, NULL, NULL, 1.0f, &loss, msg,
-                                      sizeof(msg)), -1);
+    assert_int_equal(am_model_forward(&G.m, 0, 1, G.B, G.tokens, G.targets, NULL, NULL, 1.0f, msg, sizeof(msg)), -1);
     assert_string_equal(msg, "model: slot 1 of chunk 0 out of range (1 slots)");
-    assert_int_equal(am_model_forward(&G.m, 0, 0, G.B + 1, G.tokens, G.targets, NULL, NULL, 1.0f, &loss, msg,
-                                      sizeof(msg)), -1);
+    assert_int_equal(am_model_forward(&G.m, 0, 0, G.B + 1, G.tokens, G.targets, NULL, NULL, 1.0f, msg, sizeof(msg)),
+                     -1);
     assert_string_equal(msg, "model: a micro-batch of 48 tokens; this model was built for up to 32");
     assert_int_equal(am_model_backward(&G.m, 0, 0, NULL, NULL, 1.0f, msg, sizeof(msg)), -1);
     assert_string_equal(msg, "model: backward of slot 0 of chunk 0, which holds no forward");

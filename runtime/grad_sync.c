@@ -1,0 +1,75 @@
+/* grad_sync.c - data-parallel gradient synchronisation per parameter group (grad_sync.h). */
+#include "grad_sync.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "log.h"
+#include "util.h"
+
+int am_gsync_init(struct am_gsync *s, struct am_model *m, struct am_comm *dp, bool overlap, char *err,
+                  size_t err_len)
+{
+    memset(s, 0, sizeof(*s));
+    s->m = m;
+    s->dp = dp;
+    s->overlap = overlap;
+    s->state = calloc((size_t)m->n_groups + 1, sizeof(*s->state));
+    if (!s->state)
+        return am_fail(err, err_len, "out of memory for %d parameter groups", m->n_groups);
+    for (int g = 0; g < m->n_groups; g++)
+        m->groups[g].comm = dp;
+    m->grad_ready = am_gsync_group;
+    m->grad_ready_arg = s;
+    return 0;
+}
+
+void am_gsync_free(struct am_gsync *s)
+{
+    free(s->state);
+    memset(s, 0, sizeof(*s));
+}
+
+/* A group's progress through the step: its tp sums done, then its reduction. */
+enum { PENDING, FINISHED, REDUCED };
+
+/* The group's gradients into local_sumsq, then reduced over dp. */
+static int reduce(struct am_gsync *s, int group, char *err, size_t err_len)
+{
+    struct am_model *m = s->m;
+    const struct am_pgroup *G = &m->groups[group];
+    struct am_tensor g = am_tensor_view((float *)m->grad_mem + G->offset, m->dev->device, AM_T_F32,
+                                        (int64_t)G->n_elems, 0, 0, 0);
+    s->state[group] = REDUCED;
+    if (!s->dp)
+        return 0;
+    m->K->sum_squares(m->dev, &m->scalars.local_sumsq, &g, 1.0);
+    if (am_allreduce(s->dp, g.data, g.data, G->n_elems, AM_F32, AM_SUM) < 0)
+        return am_fail(err, err_len, "%s", am_comm_error(s->dp));
+    return 0;
+}
+
+int am_gsync_group(void *arg, int group, char *err, size_t err_len)
+{
+    struct am_gsync *s = arg;
+    if (am_model_group_finish(s->m, group, err, err_len) < 0)
+        return -1;
+    s->state[group] = FINISHED;
+    return s->overlap ? reduce(s, group, err, err_len) : 0;
+}
+
+int am_gsync_finish(struct am_gsync *s, char *err, size_t err_len)
+{
+    struct am_model *m = s->m;
+    double t0 = am_mono_time();
+    int rc = am_model_finish_tied(m, err, err_len);
+    for (int g = 0; g < m->n_groups && rc == 0; g++) {
+        if (s->state[g] == PENDING && am_model_group_finish(m, g, err, err_len) < 0)
+            rc = -1;
+        else if (s->state[g] != REDUCED)
+            rc = reduce(s, g, err, err_len);
+    }
+    memset(s->state, 0, (size_t)m->n_groups * sizeof(*s->state));
+    s->wait_s = am_mono_time() - t0;
+    return rc;
+}
