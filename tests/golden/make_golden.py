@@ -91,7 +91,9 @@ LLAMA_BASE = dict(
 # (model_seed 1004 -> 1044), llama3_scaling (data_seed 2003 -> 2023) and mixtral_tiny
 # (model_seed 1005 -> 1023) were re-seeded because lr 1e-2 makes some AdamW trajectories
 # ill-conditioned (float32 vs float64 losses 1e-5..2e-4 apart; see CONDITIONING) and, for
-# Mixtral, some tokens sat within 2e-5 of a top-2 routing tie (see MIN_ROUTER_MARGIN).
+# Mixtral, some tokens sat within 2e-5 of a top-2 routing tie (see MIN_ROUTER_MARGIN). qwen3_tiny
+# (model_seed 1006 -> 1026): 1006 had sdpa vs eager gradients 1.13e-6 apart (> SDPA_TOL), 1016 and 1036
+# were ill-conditioned.
 #
 # config_format: "v5" keeps config.json as transformers 5 writes it (rope in "rope_parameters");
 # "legacy" rewrites it the way most checkpoints on the hub are written (top-level "rope_theta"
