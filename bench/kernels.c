@@ -175,8 +175,8 @@ int main(int argc, char **argv)
     struct am_tensor to = f32(o, NB, NT, NH, ND), tl = f32(lse, NB, NH, NT, 0), tdq = f32(dq, NB, NT, NH, ND);
     struct am_tensor tdk = f32(dk, NB, NT, NKV, ND), tdv = f32(dv, NB, NT, NKV, ND);
     double pairs = (double)NB * NH * NT * (NT + 1) / 2 * ND; /* (query, key, d) triples under the mask */
-    ADD("attention fwd (causal, GQA 2)", K->attention_forward(&kdev, &to, &tl, &tq, &tk, &tv), 4 * pairs, NL);
-    ADD("attention bwd", K->attention_backward(&kdev, &tdq, &tdk, &tdv, &to, &to, &tl, &tq, &tk, &tv), 10 * pairs, NL);
+    ADD("attention fwd (causal, GQA 2)", K->attention_forward(&kdev, &to, &tl, &tq, &tk, &tv, 0), 4 * pairs, NL);
+    ADD("attention bwd", K->attention_backward(&kdev, &tdq, &tdk, &tdv, &to, &to, &tl, &tq, &tk, &tv, 0), 10 * pairs, NL);
 
     /* rope */
     float *cs = buf(NT * ND / 2, 14), *sn = buf(NT * ND / 2, 15);

@@ -125,13 +125,16 @@ struct am_kernels {
     /* ---- causal grouped-query attention, softmax(q kᵀ / sqrt(D)) v ----
      * q, out [B, T, H, D]; k, v [B, T, KVH, D] with H a multiple of KVH (query head h reads
      * kv head h / (H / KVH)); lse [B, H, T] fp32 (log-sum-exp of each row, saved for
-     * backward). Never materialises more than a few rows of scores per thread (never T x T). */
+     * backward). Never materialises more than a few rows of scores per thread (never T x T).
+     * window > 0: a sliding window (Mistral's sliding_window): the query at position t sees
+     * the keys t - window < j <= t, itself and the window - 1 before it (transformers masks
+     * kv_idx <= q_idx - window); window <= 0, or >= T: plain causal, j <= t. */
     void (*attention_forward)(const struct am_dev *d, struct am_tensor *out, struct am_tensor *lse, const struct am_tensor *q,
-                              const struct am_tensor *k, const struct am_tensor *v);
+                              const struct am_tensor *k, const struct am_tensor *v, int64_t window);
     void (*attention_backward)(const struct am_dev *d, struct am_tensor *dq, struct am_tensor *dk, struct am_tensor *dv,
                                const struct am_tensor *dout, const struct am_tensor *out,
                                const struct am_tensor *lse, const struct am_tensor *q, const struct am_tensor *k,
-                               const struct am_tensor *v);
+                               const struct am_tensor *v, int64_t window);
 
     /* ---- SwiGLU: out = silu(gate) * up, all [N, I] ---- */
     void (*swiglu_forward)(const struct am_dev *d, struct am_tensor *out, const struct am_tensor *gate, const struct am_tensor *up);

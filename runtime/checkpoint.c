@@ -355,13 +355,24 @@ char *am_ckpt_config_json(const struct am_model_config *m, const char *base_conf
         set(cfg, "attention_bias", json_false());
         set(cfg, "mlp_bias", json_false());
         set(cfg, "pretraining_tp", json_integer(1));
-    } else {
-        set(cfg, "sliding_window", json_null());
+    } else { /* the window am trained with (model_config.h), as transformers reads it back */
+        set(cfg, "sliding_window", m->sliding_window > 0 ? json_integer(m->sliding_window) : json_null());
     }
     if (strncmp(type, "qwen3", 5) == 0) {
+        long first = m->num_hidden_layers; /* the first layer with the window */
+        for (long l = m->num_hidden_layers - 1; l >= 0; l--)
+            if (am_model_layer_window(m, l) > 0)
+                first = l;
         set(cfg, "attention_bias", json_false());
-        set(cfg, "use_sliding_window", json_false());
-        set(cfg, "max_window_layers", json_integer(m->num_hidden_layers));
+        set(cfg, "use_sliding_window", json_boolean(m->sliding_window > 0));
+        set(cfg, "max_window_layers", json_integer(first));
+    }
+    if (strcmp(type, "qwen3") == 0) {
+        json_t *lt = json_array();
+        for (long l = 0; l < m->num_hidden_layers; l++)
+            json_array_append_new(lt, json_string(am_model_layer_window(m, l) > 0 ? "sliding_attention"
+                                                                                  : "full_attention"));
+        set(cfg, "layer_types", lt);
     }
     if (moe) {
         set(cfg, strcmp(type, "mixtral") == 0 ? "num_local_experts" : "num_experts", json_integer(m->num_experts));

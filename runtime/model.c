@@ -32,6 +32,7 @@ static struct am_param *add_param(struct am_model *m, const char *name, int64_t 
     p->row0 = row0;
     p->col0 = col0;
     p->copies_in_tp = split == AM_SPLIT_NONE ? m->sh.tp : 1;
+    p->partial_in_tp = split == AM_SPLIT_NONE && m->sh.sequence_parallel; /* the norms of the stream's rows */
     m->n_elems += (size_t)am_tensor_numel(&p->w);
     return p;
 }
@@ -50,6 +51,12 @@ static void layer_params(struct am_model *m, int l, int local)
     L->wv = add_param(m, NAME("self_attn.v_proj.weight"), m->kv_heads * D, C, AM_SPLIT_ROWS, Hkv, C, m->kv_head0 * D, 0);
     if (c->num_key_value_heads < m->sh.tp) /* each kv head is held by tp / kv heads ranks */
         L->wk->copies_in_tp = L->wv->copies_in_tp = (int)(m->sh.tp / c->num_key_value_heads);
+    if (c->qk_norm) { /* transformers' order: q_proj, k_proj, v_proj, o_proj, q_norm, k_norm */
+        L->q_norm = add_param(m, NAME("self_attn.q_norm.weight"), D, 0, AM_SPLIT_NONE, D, 0, 0, 0);
+        L->k_norm = add_param(m, NAME("self_attn.k_norm.weight"), D, 0, AM_SPLIT_NONE, D, 0, 0, 0);
+        L->q_norm->partial_in_tp = L->k_norm->partial_in_tp = m->sh.tp > 1; /* each rank saw its own heads */
+    }
+    L->window = am_model_layer_window(c, l);
     L->wo = add_param(m, NAME("self_attn.o_proj.weight"), C, m->heads * D, AM_SPLIT_COLS, C, Hq, 0, r * m->heads * D);
     L->mlp_norm = add_param(m, NAME("post_attention_layernorm.weight"), C, 0, AM_SPLIT_NONE, C, 0, 0, 0);
     L->w_gate = add_param(m, NAME("mlp.gate_proj.weight"), m->inter, C, AM_SPLIT_ROWS, c->intermediate_size, C,
@@ -118,6 +125,12 @@ static void carve_layer(struct am_model *m, struct slab *c, struct am_layer_acts
     a->rstd1 = carve(c, AM_T_F32, R, 0, 0, 0);
     a->q = carve(c, AM_T_F32, N, Q, 0, 0);
     a->k = carve(c, AM_T_F32, N, KV, 0, 0);
+    if (m->cfg.qk_norm) {
+        a->q_raw = carve(c, AM_T_F32, N, Q, 0, 0);
+        a->k_raw = carve(c, AM_T_F32, N, KV, 0, 0);
+        a->rstd_q = carve(c, AM_T_F32, N * m->heads, 0, 0, 0);
+        a->rstd_k = carve(c, AM_T_F32, N * m->kv_heads, 0, 0, 0);
+    }
     a->v = carve(c, AM_T_F32, N, KV, 0, 0);
     a->att = carve(c, AM_T_F32, N, Q, 0, 0);
     a->lse = carve(c, AM_T_F32, B, m->heads, T, 0);
@@ -181,6 +194,8 @@ static size_t layout_acts(struct am_model *m, char *base)
     m->scratch_kv_k = carve(&c, AM_T_F32, N, KV, 0, 0);
     m->scratch_kv_v = carve(&c, AM_T_F32, N, KV, 0, 0);
     m->scratch_mlp = carve(&c, AM_T_F32, N, 3 * I, 0, 0); /* dact, dgate, dup */
+    if (m->cfg.qk_norm)
+        m->scratch_kn = carve(&c, AM_T_F32, N, KV, 0, 0);
     if (m->sh.sequence_parallel) {
         m->gathered = carve(&c, AM_T_F32, N, C, 0, 0);
         m->scratch_rows = carve(&c, AM_T_F32, R, C, 0, 0);
@@ -253,7 +268,7 @@ int am_model_init(struct am_model *m, const struct am_model_config *cfg, const s
         m->n_acts += (size_t)m->sh.chunks[c].slots * (size_t)sh->chunks[c].n_layers;
     }
 
-    m->params = calloc((size_t)(9 * m->n_layers + 4), sizeof(*m->params));
+    m->params = calloc((size_t)(11 * m->n_layers + 4), sizeof(*m->params));
     m->groups = calloc((size_t)(m->n_layers + 2), sizeof(*m->groups));
     m->layers = calloc((size_t)m->n_layers, sizeof(*m->layers));
     m->slots = calloc((size_t)m->n_slots, sizeof(*m->slots));
@@ -404,6 +419,12 @@ static struct am_tensor rows_of(const struct am_tensor *t, int64_t rows)
 
 static int64_t am_rows_of(const struct am_tensor *t) { return t->shape[0]; }
 
+/* [N, H*D] as [N*H, D]: one row per head of each token */
+static struct am_tensor head_rows(const struct am_tensor *t, int64_t rows, int64_t D)
+{
+    return am_tensor_view(t->data, t->device, t->dtype, rows, D, 0, 0);
+}
+
 /* [N, H*D] as [B, T, H, D] */
 static struct am_tensor heads_of(const struct am_tensor *t, int64_t B, int64_t T, int64_t H, int64_t D)
 {
@@ -532,14 +553,25 @@ static int layer_forward(struct am_model *m, const struct am_layer *L, struct am
     K->rmsnorm_forward(m->dev, &h1, &rstd1, x, &L->attn_norm->w, eps);
     if (column_input(m, &h1, N, &in, err, err_len) < 0)
         return -1;
-    K->matmul_forward(m->dev, &q, &in, &L->wq->w);
-    K->matmul_forward(m->dev, &k, &in, &L->wk->w);
+    if (L->q_norm) { /* Qwen3: q = q_norm(q_proj(h)), k = k_norm(k_proj(h)), RMSNorm over each head, before rope */
+        struct am_tensor q_raw = rows_of(&a->q_raw, N), k_raw = rows_of(&a->k_raw, N);
+        K->matmul_forward(m->dev, &q_raw, &in, &L->wq->w);
+        K->matmul_forward(m->dev, &k_raw, &in, &L->wk->w);
+        struct am_tensor qr = head_rows(&q_raw, N * m->heads, D), kr = head_rows(&k_raw, N * m->kv_heads, D);
+        struct am_tensor qn = head_rows(&q, N * m->heads, D), kn = head_rows(&k, N * m->kv_heads, D);
+        struct am_tensor rq = rows_of(&a->rstd_q, N * m->heads), rk = rows_of(&a->rstd_k, N * m->kv_heads);
+        K->rmsnorm_forward(m->dev, &qn, &rq, &qr, &L->q_norm->w, eps);
+        K->rmsnorm_forward(m->dev, &kn, &rk, &kr, &L->k_norm->w, eps);
+    } else {
+        K->matmul_forward(m->dev, &q, &in, &L->wq->w);
+        K->matmul_forward(m->dev, &k, &in, &L->wk->w);
+    }
     K->matmul_forward(m->dev, &v, &in, &L->wv->w);
     struct am_tensor q4 = heads_of(&q, B, T, m->heads, D), k4 = heads_of(&k, B, T, m->kv_heads, D);
     struct am_tensor v4 = heads_of(&v, B, T, m->kv_heads, D), att4 = heads_of(&att, B, T, m->heads, D);
     K->rope_forward(m->dev, &q4, &m->cos, &m->sin);
     K->rope_forward(m->dev, &k4, &m->cos, &m->sin);
-    K->attention_forward(m->dev, &att4, &lse, &q4, &k4, &v4);
+    K->attention_forward(m->dev, &att4, &lse, &q4, &k4, &v4, L->window);
     K->matmul_forward(m->dev, &o, &att, &L->wo->w);
     if (add_row_parallel(m, x, &o, err, err_len) < 0)
         return -1;
@@ -720,9 +752,23 @@ static int layer_backward(struct am_model *m, const struct am_layer *L, const st
     struct am_tensor v4 = heads_of(&v, B, T, m->kv_heads, D), att4 = heads_of(&att, B, T, m->heads, D);
     struct am_tensor dq4 = heads_of(&dq, B, T, m->heads, D), dk4 = heads_of(&dk, B, T, m->kv_heads, D);
     struct am_tensor dv4 = heads_of(&dv, B, T, m->kv_heads, D), datt4 = heads_of(&datt, B, T, m->heads, D);
-    K->attention_backward(m->dev, &dq4, &dk4, &dv4, &datt4, &att4, &lse, &q4, &k4, &v4);
+    K->attention_backward(m->dev, &dq4, &dk4, &dv4, &datt4, &att4, &lse, &q4, &k4, &v4, L->window);
     K->rope_backward(m->dev, &dq4, &m->cos, &m->sin);
     K->rope_backward(m->dev, &dk4, &m->cos, &m->sin);
+    if (L->q_norm) { /* through the per-head norms: dq, dk become the gradients of q_proj's and k_proj's outputs */
+        struct am_tensor dq_raw = datt, dk_raw = rows_of(&m->scratch_kn, N); /* datt is spent */
+        struct am_tensor q_raw = rows_of(&a->q_raw, N), k_raw = rows_of(&a->k_raw, N);
+        struct am_tensor dqr = head_rows(&dq_raw, N * m->heads, D), dkr = head_rows(&dk_raw, N * m->kv_heads, D);
+        struct am_tensor dqn = head_rows(&dq, N * m->heads, D), dkn = head_rows(&dk, N * m->kv_heads, D);
+        struct am_tensor qr = head_rows(&q_raw, N * m->heads, D), kr = head_rows(&k_raw, N * m->kv_heads, D);
+        struct am_tensor rq = rows_of(&a->rstd_q, N * m->heads), rk = rows_of(&a->rstd_k, N * m->kv_heads);
+        K->zero(m->dev, &dq_raw);
+        K->zero(m->dev, &dk_raw);
+        K->rmsnorm_backward(m->dev, &dqr, &L->q_norm->g, &dqn, &qr, &L->q_norm->w, &rq);
+        K->rmsnorm_backward(m->dev, &dkr, &L->k_norm->g, &dkn, &kr, &L->k_norm->w, &rk);
+        dq = dq_raw;
+        dk = dk_raw;
+    }
     if (column_input(m, &h1, N, &in, err, err_len) < 0)
         return -1;
     K->zero(m->dev, &dh);
@@ -899,10 +945,10 @@ static int sum_shared_kv(struct am_model *m, const struct am_layer *L, char *err
 int am_model_group_finish(struct am_model *m, int group, char *err, size_t err_len)
 {
     const struct am_pgroup *G = &m->groups[group];
-    /* with sequence parallelism each rank saw its own token rows: the norms' gradients are
-     * partial sums */
-    for (int i = G->first; m->sh.sequence_parallel && i < G->first + G->n; i++)
-        if (m->params[i].split == AM_SPLIT_NONE && tp_sum(m, &m->params[i].g, err, err_len) < 0)
+    /* with sequence parallelism each rank saw its own token rows, and the q/k norms each rank's
+     * own heads: those gradients are partial sums */
+    for (int i = G->first; m->tp_comm && i < G->first + G->n; i++)
+        if (m->params[i].partial_in_tp && tp_sum(m, &m->params[i].g, err, err_len) < 0)
             return -1;
     if (G->kind == AM_PG_LAYER && m->kv_sum.data)
         return sum_shared_kv(m, &m->layers[G->layer], err, err_len);

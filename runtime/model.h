@@ -1,4 +1,5 @@
-/* model.h - a Llama-style decoder (llama, mistral; MoE later) on one rank's shard.
+/* model.h - a Llama-style decoder (llama; mistral with its sliding window; qwen3 with its
+ * per-head q/k norms; MoE later) on one rank's shard.
  *
  * The model is written once over the kernel table (kernels/kernels.h) and tensors that carry
  * their device and dtype. A rank holds:
@@ -15,7 +16,9 @@
  * residual stream, the norms and their inputs are split by token rows over the tp ranks,
  * and the all-reduces become an all-gather before each column-parallel block and a
  * reduce-scatter after each row-parallel one (their conjugates in backward); the norms'
- * weight gradients are then summed over tp in am_model_finish_grads.
+ * weight gradients are then summed over tp in am_model_finish_grads. Qwen3's q and k norms
+ * (one weight of head_dim shared by all heads) are held whole by every tp rank, which
+ * normalises its own heads: their gradients are summed over tp there too.
  *
  * With pipeline parallelism the schedule (pipeline.h) runs each chunk's forward and backward
  * for micro-batches kept in slots, and moves the hidden states between stages itself. With
@@ -57,6 +60,9 @@ struct am_param {
     int64_t row0, col0;     /* where this rank's slice starts in the full tensor */
     int copies_in_tp;       /* tp ranks holding this same tensor: 1 when split, tp for norms,
                                tp / kv heads for a kv projection shared by several ranks */
+    bool partial_in_tp;     /* each tp rank computes part of its gradient (a norm with sequence
+                               parallelism, the q/k norms over the rank's own heads): summed
+                               over tp in am_model_finish_grads */
 };
 
 /* A pipeline stage on this rank: layers first_layer .. first_layer + n_layers - 1, with
@@ -91,6 +97,8 @@ static inline struct am_model_shard am_model_shard_whole(int tp, int tp_rank, in
  * micro-batch's own; the other tensors are one work set shared by every layer. */
 struct am_layer_acts {
     struct am_tensor x_in, h1, rstd1, q, k, v, att, lse, x_mid, h2, rstd2, gate, up, act;
+    struct am_tensor q_raw, k_raw, rstd_q, rstd_k; /* qk_norm: q, k before their norms, and the norms' rstd
+                                                      per head row */
 };
 
 /* One micro-batch in flight on one chunk: the activations of the chunk's layers and, on the
@@ -105,6 +113,8 @@ struct am_slot {
 
 struct am_layer {
     struct am_param *attn_norm, *wq, *wk, *wv, *wo, *mlp_norm, *w_gate, *w_up, *w_down;
+    struct am_param *q_norm, *k_norm; /* qk_norm (Qwen3): RMSNorm over each head of q and k; else NULL */
+    int64_t window;                   /* sliding window of its attention (0: none) */
     int group; /* its parameter group */
 };
 
@@ -183,6 +193,7 @@ struct am_model {
     size_t act_bytes; /* the activation memory allocated (saved tensors and scratch) */
     struct am_tensor x, dx, dhf, cos, sin, ce_t;
     struct am_tensor scratch_q, scratch_kv_k, scratch_kv_v, scratch_c, scratch_mlp, scratch_att;
+    struct am_tensor scratch_kn; /* qk_norm: the gradient of k before its norm */
     struct am_tensor gathered, scratch_rows; /* sequence parallelism: [N, C] all-gathered, [N/tp, C] */
     struct am_tensor ce_M;                   /* tp > 1: the combined max logit of each token */
     struct am_tensor kv_sum;                 /* kv heads shared by tp ranks: every kv head's k and v

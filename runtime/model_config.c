@@ -211,7 +211,18 @@ struct am_node *am_json_file_to_node(struct am_arena *a, const char *path, struc
 
 /* ---- reading the architecture -------------------------------------------------------- */
 
-enum kind { K_LONG, K_DOUBLE, K_BOOL, K_STR, K_ACT, K_ROPE_SCALING, K_ROPE_PARAMETERS, K_CHECK_FALSE, K_IGNORE };
+enum kind {
+    K_LONG, K_DOUBLE, K_BOOL, K_STR, K_ACT, K_ROPE_SCALING, K_ROPE_PARAMETERS, K_CHECK_FALSE, K_CHECK_ZERO,
+    K_WINDOW, K_USE_WINDOW, K_MAX_WINDOW_LAYERS, K_LAYER_TYPES, K_IGNORE
+};
+
+/* The sliding-window keys as written, resolved per model type once all keys are read. */
+struct window_keys {
+    long sliding_window; /* 0 for null */
+    bool sliding_window_given, use_sliding_window;
+    long max_window_layers; /* -1: not given */
+    struct am_node *sliding_window_node, *layer_types;
+};
 
 struct hf_key {
     const char *name;
@@ -247,6 +258,11 @@ static const struct hf_key hf_keys[] = {
     {"hidden_act", K_ACT, 0},
     {"attention_bias", K_CHECK_FALSE, 0},
     {"mlp_bias", K_CHECK_FALSE, 0},
+    {"attention_dropout", K_CHECK_ZERO, 0},
+    {"sliding_window", K_WINDOW, 0},
+    {"use_sliding_window", K_USE_WINDOW, 0},
+    {"max_window_layers", K_MAX_WINDOW_LAYERS, 0},
+    {"layer_types", K_LAYER_TYPES, 0},
     /* config.json keys that do not change the architecture am builds */
     {"architectures", K_IGNORE, 0},
     {"bos_token_id", K_IGNORE, 0},
@@ -255,10 +271,6 @@ static const struct hf_key hf_keys[] = {
     {"transformers_version", K_IGNORE, 0},
     {"use_cache", K_IGNORE, 0},
     {"pretraining_tp", K_IGNORE, 0},
-    {"attention_dropout", K_IGNORE, 0},
-    {"sliding_window", K_IGNORE, 0},
-    {"use_sliding_window", K_IGNORE, 0},
-    {"max_window_layers", K_IGNORE, 0},
     {"output_router_logits", K_IGNORE, 0},
     {"router_jitter_noise", K_IGNORE, 0},
     {"decoder_sparse_step", K_IGNORE, 0},
@@ -345,7 +357,7 @@ static int read_rope_scaling(struct am_node *n, const char *section, struct am_m
 }
 
 static int read_key(const struct hf_key *k, struct am_node *v, const char *section,
-                    struct am_model_config *m, struct am_errors *err)
+                    struct am_model_config *m, struct window_keys *w, struct am_errors *err)
 {
     char key[128];
     snprintf(key, sizeof(key), "%s.%s", section, k->name);
@@ -387,14 +399,116 @@ static int read_key(const struct hf_key *k, struct am_node *v, const char *secti
         if (am_node_bool(v, key, &b, err) < 0)
             return -1;
         if (b) {
-            am_errorf(err, &v->pos, "%s: true is not supported by am (Llama-style layers have no bias)", key);
+            am_errorf(err, &v->pos, "%s: true is not supported by am (its layers have no bias terms: train a model "
+                      "without them, %s false)", key, k->name);
             return -1;
         }
+        return 0;
+    case K_CHECK_ZERO: {
+        double d;
+        if (am_node_double(v, key, &d, err) < 0)
+            return -1;
+        if (d != 0.0) {
+            am_errorf(err, &v->pos, "%s: %g is not supported by am (it trains without dropout: set it to 0.0)", key,
+                      d);
+            return -1;
+        }
+        return 0;
+    }
+    case K_WINDOW:
+        w->sliding_window_given = true;
+        w->sliding_window_node = v;
+        if (am_node_is_null(v))
+            return w->sliding_window = 0, 0;
+        return am_node_long(v, key, 1, 1L << 40, &w->sliding_window, err);
+    case K_USE_WINDOW:
+        return am_node_bool(v, key, &w->use_sliding_window, err);
+    case K_MAX_WINDOW_LAYERS:
+        return am_node_long(v, key, 0, 1L << 40, &w->max_window_layers, err);
+    case K_LAYER_TYPES:
+        if (!am_node_is_null(v))
+            w->layer_types = v;
         return 0;
     case K_IGNORE:
         return 0;
     }
     return 0;
+}
+
+static void set_window_layer(struct am_model_config *m, long l) { m->window_layers[l / 64] |= (uint64_t)1 << (l % 64); }
+
+/* The sliding window as transformers 5 builds each model type's attention:
+ *   mistral, mixtral: sliding_window on every layer (MistralConfig's default 4096 when the key
+ *     is absent, MixtralConfig's null); layer_types is not read (MistralModel ignores it);
+ *   qwen3: sliding_window (default 4096) only when use_sliding_window, on the layers that
+ *     layer_types marks "sliding_attention", by default layers max_window_layers (default 28)
+ *     and up (Qwen3Config); a layer marked sliding without a window fails in transformers;
+ *   qwen3_moe: sliding_window on every layer when use_sliding_window;
+ *   llama: no sliding window in LlamaAttention: a window given is refused, not ignored.
+ * The mask is kv_idx > q_idx - sliding_window with the causal kv_idx <= q_idx. */
+static void resolve_windows(const struct window_keys *w, const struct am_pos *where, const char *section,
+                            struct am_model_config *m, struct am_errors *err)
+{
+    const char *t = m->model_type;
+    const struct am_pos *wpos = w->sliding_window_node ? &w->sliding_window_node->pos : where;
+    bool qwen3 = strcmp(t, "qwen3") == 0, qwen3_moe = strcmp(t, "qwen3_moe") == 0;
+    long window = 0;
+    memset(m->window_layers, 0, sizeof(m->window_layers));
+    if (strcmp(t, "mistral") == 0 || strcmp(t, "mixtral") == 0)
+        window = w->sliding_window_given ? w->sliding_window : strcmp(t, "mistral") == 0 ? 4096 : 0;
+    else if (qwen3 || qwen3_moe)
+        window = !w->use_sliding_window ? 0 : w->sliding_window_given ? w->sliding_window : 4096;
+    else if (w->sliding_window_given && w->sliding_window > 0) {
+        am_errorf(err, wpos, "%s.sliding_window: %ld, but a %s model has no sliding window (transformers would "
+                  "attend to every earlier token): remove it, or use model_type mistral for sliding-window attention",
+                  section, w->sliding_window, t);
+        return;
+    }
+    m->sliding_window = 0;
+    struct am_node *lt = qwen3 ? w->layer_types : NULL;
+    if (lt) {
+        if (lt->kind != AM_NODE_SEQ || (long)lt->n != m->num_hidden_layers) {
+            am_errorf(err, &lt->pos, "%s.layer_types: expected a list of %ld entries (one per layer: "
+                      "full_attention or sliding_attention)", section, m->num_hidden_layers);
+            return;
+        }
+        for (size_t l = 0; l < lt->n; l++) {
+            struct am_node *e = lt->entries[l].value;
+            const char *s = e->kind == AM_NODE_SCALAR ? e->str : "";
+            if (strcmp(s, "full_attention") == 0 || strcmp(s, "attention") == 0)
+                continue;
+            if (strcmp(s, "sliding_attention") != 0) {
+                am_errorf(err, &e->pos, "%s.layer_types[%zu]: '%s' is not an attention am runs (use full_attention "
+                          "or sliding_attention)", section, l, s);
+                return;
+            }
+            if (window <= 0) {
+                am_errorf(err, &e->pos, "%s.layer_types[%zu]: sliding_attention, but no sliding window is set "
+                          "(transformers refuses it too): set use_sliding_window true and sliding_window, or make the "
+                          "layer full_attention", section, l);
+                return;
+            }
+            if (l >= AM_MAX_WINDOW_LAYERS) {
+                am_errorf(err, &e->pos, "%s.layer_types[%zu]: am supports sliding windows on the first %d layers",
+                          section, l, AM_MAX_WINDOW_LAYERS);
+                return;
+            }
+            set_window_layer(m, (long)l);
+        }
+    } else if (window > 0) {
+        long from = qwen3 ? (w->max_window_layers >= 0 ? w->max_window_layers : 28) : 0;
+        for (long l = from; l < m->num_hidden_layers; l++) {
+            if (l >= AM_MAX_WINDOW_LAYERS) {
+                am_errorf(err, wpos, "%s.sliding_window: am supports sliding windows on the first %d layers (the model "
+                          "has %ld)", section, AM_MAX_WINDOW_LAYERS, m->num_hidden_layers);
+                return;
+            }
+            set_window_layer(m, l);
+        }
+    }
+    for (long l = 0; l < m->num_hidden_layers && l < AM_MAX_WINDOW_LAYERS; l++)
+        if ((m->window_layers[l / 64] >> (l % 64)) & 1)
+            m->sliding_window = window;
 }
 
 /* The model-level keys AutoModel passes to from_pretrained that do not describe the
@@ -410,6 +524,7 @@ int am_model_config_read(struct am_arena *a, struct am_node *cfg, const char *se
     size_t before = err->n;
     *m = (struct am_model_config){.rope_theta = 10000.0, .rms_norm_eps = 1e-6, .initializer_range = 0.02,
                                   .max_position_embeddings = 2048, .router_aux_loss_coef = 0.001};
+    struct window_keys wk = {.max_window_layers = -1};
     for (size_t i = 0; i < cfg->n; i++) {
         struct am_entry *e = &cfg->entries[i];
         if (e->used) /* read by the caller (pretrained_model_name_or_path, config, ...) */
@@ -438,7 +553,7 @@ int am_model_config_read(struct am_arena *a, struct am_node *cfg, const char *se
             snprintf(full, sizeof(full), "%s.%s", section, e->key);
             am_list_add(a, ignored, am_arena_strdup(a, full));
         }
-        read_key(k, e->value, section, m, err);
+        read_key(k, e->value, section, m, &wk, err);
     }
     if (err->n > before)
         return -1;
@@ -494,7 +609,16 @@ int am_model_config_read(struct am_arena *a, struct am_node *cfg, const char *se
     } else if (m->intermediate_size <= 0) {
         am_errorf(err, &where, "%s.intermediate_size: missing (the MLP width)", section);
     }
+    if (err->n == before)
+        resolve_windows(&wk, &where, section, m, err);
     return err->n > before ? -1 : 0;
+}
+
+long am_model_layer_window(const struct am_model_config *m, long l)
+{
+    if (m->sliding_window <= 0 || l < 0 || l >= AM_MAX_WINDOW_LAYERS)
+        return 0;
+    return (m->window_layers[l / 64] >> (l % 64)) & 1 ? m->sliding_window : 0;
 }
 
 void am_model_params(const struct am_model_config *m, struct am_param_count *p)

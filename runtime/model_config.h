@@ -15,10 +15,14 @@
 
 #include <stdbool.h>
 #include <stddef.h>
+#include <stdint.h>
 
 #include "arena.h"
 #include "errors.h"
 #include "node.h"
+
+/* Layers whose attention type is tracked (a model with a sliding window has at most these). */
+#define AM_MAX_WINDOW_LAYERS 1024
 
 struct am_model_config {
     const char *model_type; /* llama, mistral, mixtral, qwen2, qwen3, qwen3_moe */
@@ -26,7 +30,14 @@ struct am_model_config {
     long intermediate_size, vocab_size, max_position_embeddings;
     double rope_theta, rms_norm_eps, initializer_range;
     bool tie_word_embeddings;
-    bool qk_norm; /* qwen3: RMSNorm on each query and key head */
+    bool qk_norm; /* qwen3: RMSNorm on each query and key head (before rope) */
+    /* Sliding-window attention, as transformers resolves the config (Mistral's and Mixtral's
+     * sliding_window on every layer; Qwen3's when use_sliding_window, on the layers
+     * layer_types marks sliding_attention, by default those from max_window_layers on): on
+     * such a layer the query at position t sees the keys t - sliding_window < j <= t. 0: no
+     * window on any layer. am_model_layer_window() gives a layer's. */
+    long sliding_window;
+    uint64_t window_layers[AM_MAX_WINDOW_LAYERS / 64]; /* bit l: layer l has the window */
     /* mixture of experts: num_experts 0 for a dense model */
     long num_experts, num_experts_per_tok, moe_intermediate_size;
     bool norm_topk_prob;
@@ -65,6 +76,10 @@ struct am_param_count {
     double active_per_token; /* parameters touched per token (matmuls only, incl. lm_head) */
 };
 void am_model_params(const struct am_model_config *m, struct am_param_count *p);
+
+/* The sliding window of layer l (0 <= l < num_hidden_layers): its size in keys, or 0 when the
+ * layer attends to every earlier position. */
+long am_model_layer_window(const struct am_model_config *m, long l);
 
 /* True when the model name is one am can train. */
 bool am_model_type_supported(const char *model_type);

@@ -122,7 +122,8 @@ static double act_elems_per_token(const struct am_recipe *r, const struct am_pla
     double replicated = 4 * h; /* norm inputs and outputs */
     if (r->dist.sequence_parallel)
         replicated /= tp;
-    return replicated + 2 * q / tp + 2 * kv_rank + mlp;
+    double qk_norm = m->qk_norm ? q / tp + kv_rank : 0; /* q and k before their per-head norms */
+    return replicated + 2 * q / tp + 2 * kv_rank + qk_norm + mlp;
 }
 
 /* Micro-batches whose activations pp rank k holds at its peak, in units of its layers: as the

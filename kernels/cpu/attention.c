@@ -1,8 +1,10 @@
 /* attention.c - causal grouped-query attention, flash-style: a few query rows at a time.
  *
  * q, out [B, T, H, D]; k, v [B, T, KVH, D]; query head h reads kv head h / (H / KVH).
- * For query row t of head h (scale = 1/sqrt(D)):
- *   s_j   = scale * q_t · k_j             for j <= t (causal)
+ * For query row t of head h (scale = 1/sqrt(D)), over the keys it sees,
+ * lo_t <= j <= t with lo_t = 0 (causal) or max(0, t - W + 1) with a sliding window of W
+ * keys (Mistral's: transformers masks kv_idx <= q_idx - W):
+ *   s_j   = scale * q_t · k_j             for lo_t <= j <= t
  *   m     = max_j s_j,  l = Σ_j exp(s_j - m)
  *   out_t = Σ_j exp(s_j - m) v_j / l,     lse_t = m + log l   (saved for backward)
  * backward, with p_j = exp(s_j - lse_t) recomputed from the saved lse:
@@ -17,7 +19,10 @@
  * (and v) [D, T]. The four rows share every load of k and v and every update of a dk, dv
  * row, and scores come from register tiles (4 rows x 16 keys) summed over d, so the inner
  * loops are contiguous and vectorised, without horizontal sums; a block's rows run to the
- * same padded length and the keys beyond each row's own t are masked (weight 0).
+ * same padded length and the keys beyond each row's own t are masked (weight 0). With a
+ * window a block starts at the first tile holding a key of its first row's window, and the
+ * keys before each row's own lo_t are masked too; a window of T or more (or none) gives the
+ * same bits as causal attention.
  * The forward runs one (batch, head) per task; the backward one (batch, kv head) per task,
  * which walks every query head of its group, so dk and dv of a shared kv head have a
  * single writer: no races, no atomics, sums in a fixed order (deterministic).
@@ -42,6 +47,12 @@ static inline int64_t padded(int64_t n, int64_t T)
     int64_t np = (n + KB - 1) / KB * KB;
     return np < T ? np : T;
 }
+
+/* The first key row t sees: 0, or with a window of W > 0 keys, t - W + 1. */
+static inline int64_t first_key(int64_t t, int64_t W) { return W > 0 && t - W + 1 > 0 ? t - W + 1 : 0; }
+
+/* The first key a block from row t0 computes: its first row's, down to a whole tile. */
+static inline int64_t block_start(int64_t t0, int64_t W) { return first_key(t0, W) / KB * KB; }
 
 /* At[d, j] = A[j, d] for the T rows of one head (rows ld floats apart), in tiles of 16 x 16
  * so that both the reads and the writes stay within a few cache lines. */
@@ -150,36 +161,36 @@ AM_INLINE void pv_block(float *const o[QB], const float *restrict A, int64_t lda
  * floats where the block's missing rows write. */
 AM_HOT static void attn_forward_block(float *restrict out, float *restrict lse, const float *restrict q,
                                       const float *restrict kt, const float *restrict v, int64_t t0, int64_t nr,
-                                      int64_t T, int64_t D, int64_t qs, int64_t ks, float scale, float *restrict S,
-                                      float *restrict spare)
+                                      int64_t T, int64_t D, int64_t qs, int64_t ks, int64_t W, float scale,
+                                      float *restrict S, float *restrict spare)
 {
-    int64_t nmax = t0 + nr, np = padded(nmax, T);
+    int64_t nmax = t0 + nr, np = padded(nmax, T), j0 = block_start(t0, W);
     const float *x[QB];
     float *o[QB];
     for (int r = 0; r < QB; r++) {
         x[r] = q + (t0 + (r < nr ? r : nr - 1)) * qs; /* missing rows repeat the last one */
         o[r] = r < nr ? out + (t0 + r) * qs : spare;
     }
-    scores_block(S, T, kt, T, x, D, np);
+    scores_block(S + j0, T, kt + j0, T, x, D, np - j0);
     float inv[QB];
     for (int r = 0; r < QB; r++) {
         float *restrict row = S + r * T;
-        int64_t n = r < nr ? t0 + r + 1 : 0; /* keys this row sees */
+        int64_t n = r < nr ? t0 + r + 1 : 0, lo = first_key(t0 + r, W); /* keys lo..n-1 this row sees */
         float m = -INFINITY;
 #pragma omp simd reduction(max : m)
-        for (int64_t j = 0; j < np; j++) {
-            row[j] = j < n ? row[j] * scale : -INFINITY;
+        for (int64_t j = j0; j < np; j++) {
+            row[j] = j >= lo && j < n ? row[j] * scale : -INFINITY;
             m = row[j] > m ? row[j] : m;
         }
         if (n == 0) { /* a missing row: no weights */
-            for (int64_t j = 0; j < np; j++)
+            for (int64_t j = j0; j < np; j++)
                 row[j] = 0.0f;
             inv[r] = 0.0f;
             continue;
         }
         float l = 0.0f;
 #pragma omp simd reduction(+ : l)
-        for (int64_t j = 0; j < np; j++) {
+        for (int64_t j = j0; j < np; j++) {
             float p = am_expf(row[j] - m);
             row[j] = p;
             l += p;
@@ -190,7 +201,7 @@ AM_HOT static void attn_forward_block(float *restrict out, float *restrict lse, 
     for (int r = 0; r < QB; r++)
         for (int64_t d = 0; d < D; d++)
             o[r][d] = 0.0f;
-    pv_block(o, v, ks, S, T, nmax, D);
+    pv_block(o, v + j0 * ks, ks, S + j0, T, nmax - j0, D);
     for (int r = 0; r < nr; r++)
         for (int64_t d = 0; d < D; d++)
             o[r][d] *= inv[r];
@@ -203,10 +214,10 @@ AM_HOT static void attn_backward_block(float *restrict dq, float *restrict dk, f
                                        const float *restrict dout, const float *restrict out,
                                        const float *restrict lse, const float *restrict q, const float *restrict k,
                                        const float *restrict kt, const float *restrict vt, int64_t t0, int64_t nr,
-                                       int64_t T, int64_t D, int64_t qs, int64_t ks, float scale, float *restrict S,
-                                       float *restrict DS, float *restrict spare)
+                                       int64_t T, int64_t D, int64_t qs, int64_t ks, int64_t W, float scale,
+                                       float *restrict S, float *restrict DS, float *restrict spare)
 {
-    int64_t nmax = t0 + nr, np = padded(nmax, T);
+    int64_t nmax = t0 + nr, np = padded(nmax, T), j0 = block_start(t0, W);
     const float *xq[QB], *xd[QB];
     float *g[QB];
     float Dt[QB];
@@ -222,23 +233,23 @@ AM_HOT static void attn_backward_block(float *restrict dq, float *restrict dk, f
             acc += dor[d] * oor[d];
         Dt[r] = acc;
     }
-    scores_block(S, T, kt, T, xq, D, np);  /* s_j  = q_t · k_j */
-    scores_block(DS, T, vt, T, xd, D, np); /* dp_j = dout_t · v_j */
+    scores_block(S + j0, T, kt + j0, T, xq, D, np - j0);  /* s_j  = q_t · k_j */
+    scores_block(DS + j0, T, vt + j0, T, xd, D, np - j0); /* dp_j = dout_t · v_j */
     for (int r = 0; r < QB; r++) {
         float *restrict srow = S + r * T, *restrict dsrow = DS + r * T;
-        int64_t n = r < nr ? t0 + r + 1 : 0;
+        int64_t n = r < nr ? t0 + r + 1 : 0, lo = first_key(t0 + r, W);
         float L = r < nr ? lse[t0 + r] : 0.0f, Dr = Dt[r];
 #pragma omp simd
-        for (int64_t j = 0; j < np; j++) {
-            float p = j < n ? am_expf(srow[j] * scale - L) : 0.0f;
+        for (int64_t j = j0; j < np; j++) {
+            float p = j >= lo && j < n ? am_expf(srow[j] * scale - L) : 0.0f;
             srow[j] = p;
             dsrow[j] = p * (dsrow[j] - Dr) * scale; /* scale * ds_j */
         }
     }
-    pv_block(g, k, ks, DS, T, nmax, D); /* dq_t += scale Σ_j ds_j k_j */
+    pv_block(g, k + j0 * ks, ks, DS + j0, T, nmax - j0, D); /* dq_t += scale Σ_j ds_j k_j */
     const float *restrict q0 = xq[0], *restrict q1 = xq[1], *restrict q2 = xq[2], *restrict q3 = xq[3];
     const float *restrict d0 = xd[0], *restrict d1 = xd[1], *restrict d2 = xd[2], *restrict d3 = xd[3];
-    for (int64_t j = 0; j < nmax; j++) { /* dk_j += scale Σ_t ds_j q_t,  dv_j += Σ_t p_j dout_t */
+    for (int64_t j = j0; j < nmax; j++) { /* dk_j += scale Σ_t ds_j q_t,  dv_j += Σ_t p_j dout_t */
         float *restrict dkj = dk + j * ks, *restrict dvj = dv + j * ks;
         float s0 = DS[j], s1 = DS[T + j], s2 = DS[2 * T + j], s3 = DS[3 * T + j];
         float p0 = S[j], p1 = S[T + j], p2 = S[2 * T + j], p3 = S[3 * T + j];
@@ -274,7 +285,7 @@ static struct attn_shape check_attention(const char *kernel, const struct am_ten
 }
 
 void am_cpu_attention_forward(const struct am_dev *dev, struct am_tensor *out, struct am_tensor *lse, const struct am_tensor *q,
-                              const struct am_tensor *k, const struct am_tensor *v)
+                              const struct am_tensor *k, const struct am_tensor *v, int64_t window)
 {
     float *o = F32(out), *l = F32(lse);
     const float *qd = F32(q), *kd = F32(k), *vd = F32(v);
@@ -299,7 +310,7 @@ void am_cpu_attention_forward(const struct am_dev *dev, struct am_tensor *out, s
                 for (int64_t t0 = 0; t0 < T; t0 += QB)
                     attn_forward_block(o + b * T * qs + h * D, l + (b * H + h) * T, qd + b * T * qs + h * D, kt,
                                        vd + b * T * ks + kvh * D, t0, T - t0 < QB ? T - t0 : QB, T, D, qs, ks,
-                                       s.scale, S, spare);
+                                       window, s.scale, S, spare);
             }
         free(S);
     }
@@ -308,7 +319,8 @@ void am_cpu_attention_forward(const struct am_dev *dev, struct am_tensor *out, s
 
 void am_cpu_attention_backward(const struct am_dev *dev, struct am_tensor *dq, struct am_tensor *dk, struct am_tensor *dv,
                                const struct am_tensor *dout, const struct am_tensor *out, const struct am_tensor *lse,
-                               const struct am_tensor *q, const struct am_tensor *k, const struct am_tensor *v)
+                               const struct am_tensor *q, const struct am_tensor *k, const struct am_tensor *v,
+                               int64_t window)
 {
     float *dqd = F32(dq), *dkd = F32(dk), *dvd = F32(dv);
     const float *dod = F32(dout), *od = F32(out), *ld = F32(lse), *qd = F32(q), *kd = F32(k), *vd = F32(v);
@@ -340,7 +352,7 @@ void am_cpu_attention_backward(const struct am_dev *dev, struct am_tensor *dq, s
                     for (int64_t t0 = 0; t0 < T; t0 += QB)
                         attn_backward_block(dqd + qo, dkd + ko, dvd + ko, dod + qo, od + qo, ld + (b * H + h) * T,
                                             qd + qo, kd + ko, kt, vt, t0, T - t0 < QB ? T - t0 : QB, T, D, qs, ks,
-                                            s.scale, S, DS, spare);
+                                            window, s.scale, S, DS, spare);
                 }
             }
         free(S);

@@ -258,7 +258,39 @@ static void test_save_single_and_config(void **state)
     assert_string_equal(json_string_value(json_object_get(rs, "rope_type")), "llama3");
     assert_int_equal(json_integer_value(json_object_get(rs, "original_max_position_embeddings")), 8192);
     assert_null(json_object_get(cfg, "pretraining_tp"));
+    assert_true(json_is_null(json_object_get(cfg, "sliding_window")));
     json_decref(cfg);
+
+    /* the sliding window trained with, as transformers reads it back: Mistral's on every layer;
+     * Qwen3's with use_sliding_window and the layers' types */
+    m.model_type = "mistral";
+    m.num_experts = 0;
+    m.rope_scaling.type = NULL;
+    m.sliding_window = 7;
+    for (long l = 0; l < m.num_hidden_layers; l++)
+        m.window_layers[0] |= (uint64_t)1 << l;
+    text = am_ckpt_config_json(&m, NULL, &err);
+    assert_non_null(text);
+    cfg = json_loads(text, 0, &je);
+    free(text);
+    assert_int_equal(json_integer_value(json_object_get(cfg, "sliding_window")), 7);
+    json_decref(cfg);
+    m.model_type = "qwen3";
+    m.window_layers[0] = (uint64_t)1 << (m.num_hidden_layers - 1); /* the last layer only */
+    text = am_ckpt_config_json(&m, NULL, &err);
+    assert_non_null(text);
+    cfg = json_loads(text, 0, &je);
+    free(text);
+    assert_int_equal(json_integer_value(json_object_get(cfg, "sliding_window")), 7);
+    assert_true(json_is_true(json_object_get(cfg, "use_sliding_window")));
+    assert_int_equal(json_integer_value(json_object_get(cfg, "max_window_layers")), m.num_hidden_layers - 1);
+    json_t *lt = json_object_get(cfg, "layer_types");
+    assert_int_equal(json_array_size(lt), (size_t)m.num_hidden_layers);
+    assert_string_equal(json_string_value(json_array_get(lt, 0)), "full_attention");
+    assert_string_equal(json_string_value(json_array_get(lt, (size_t)m.num_hidden_layers - 1)), "sliding_attention");
+    json_decref(cfg);
+    m.sliding_window = 0;
+    m.window_layers[0] = 0;
     m.model_type = "gpt2";
     assert_null(am_ckpt_config_json(&m, NULL, &err));
     expect_error(&err, "config.json: model_type 'gpt2' has no transformers class am knows (llama, mistral, mixtral, "

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Golden reference generator for am (the ONLY Python in the project).
 
-Builds tiny random Hugging Face models (LlamaForCausalLM, MixtralForCausalLM) with fixed
+Builds tiny random Hugging Face models (LlamaForCausalLM, MixtralForCausalLM,
+Qwen3ForCausalLM with its per-head q/k norms, MistralForCausalLM with a sliding window) with fixed
 seeds, saves each as a Hugging Face directory under tests/golden/models/<case>/ and records
 what transformers computes on a fixed batch into tests/golden/models/<case>/golden.safetensors:
 logits, loss, the gradient of every parameter, the losses of 5 AdamW steps (without and with
@@ -46,7 +47,7 @@ import safetensors
 import transformers
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, MixtralConfig
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, MistralConfig, MixtralConfig, Qwen3Config
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODELS = os.path.join(HERE, "models")
@@ -90,7 +91,9 @@ LLAMA_BASE = dict(
 # (model_seed 1004 -> 1044), llama3_scaling (data_seed 2003 -> 2023) and mixtral_tiny
 # (model_seed 1005 -> 1023) were re-seeded because lr 1e-2 makes some AdamW trajectories
 # ill-conditioned (float32 vs float64 losses 1e-5..2e-4 apart; see CONDITIONING) and, for
-# Mixtral, some tokens sat within 2e-5 of a top-2 routing tie (see MIN_ROUTER_MARGIN).
+# Mixtral, some tokens sat within 2e-5 of a top-2 routing tie (see MIN_ROUTER_MARGIN). qwen3_tiny
+# (model_seed 1006 -> 1026): 1006 had sdpa vs eager gradients 1.13e-6 apart (> SDPA_TOL), 1016 and 1036
+# were ill-conditioned.
 #
 # config_format: "v5" keeps config.json as transformers 5 writes it (rope in "rope_parameters");
 # "legacy" rewrites it the way most checkpoints on the hub are written (top-level "rope_theta"
@@ -151,6 +154,55 @@ CASES = {
             pad_token_id=None,
         ),
     ),
+    # Qwen3: RMSNorm over each head of q and k (q_norm, k_norm [head_dim]) after the projections
+    # and before rope; head_dim 32 with 4 heads, so q is 128 wide against hidden 64 (as real
+    # Qwen3 models, where heads * head_dim != hidden_size); tied embedding; no sliding window.
+    "qwen3_tiny": dict(
+        arch="qwen3", seq=16, model_seed=1026, data_seed=2006, config_format="v5",
+        config=dict(
+            vocab_size=128,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            tie_word_embeddings=True,
+            rope_theta=1000000.0,
+            rms_norm_eps=1e-5,
+            max_position_embeddings=64,
+            initializer_range=0.02,
+            hidden_act="silu",
+            attention_bias=False,
+            use_sliding_window=False,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=None,
+        ),
+    ),
+    # Mistral with a sliding window of 7 keys on a sequence of 32: the query at position t sees
+    # the keys t - 7 < j <= t (transformers' sliding_window_overlay: kv_idx > q_idx - window).
+    "mistral_window": dict(
+        arch="mistral", seq=32, model_seed=1007, data_seed=2007, config_format="v5",
+        config=dict(
+            vocab_size=128,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+            rope_theta=10000.0,
+            rms_norm_eps=1e-5,
+            max_position_embeddings=64,
+            initializer_range=0.02,
+            hidden_act="silu",
+            sliding_window=7,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=None,
+        ),
+    ),
 }
 
 # A second llama3 inverse-frequency table whose parameters put head-dim pairs in all three
@@ -191,9 +243,7 @@ def setup_torch():
 def make_config(case):
     spec = CASES[case]
     cfg = dict(spec["config"])
-    if spec["arch"] == "llama":
-        return LlamaConfig(**cfg)
-    return MixtralConfig(**cfg)
+    return dict(llama=LlamaConfig, mixtral=MixtralConfig, qwen3=Qwen3Config, mistral=MistralConfig)[spec["arch"]](**cfg)
 
 
 def impl_kwargs(config_or_case, fast=False):
@@ -226,7 +276,7 @@ def make_model(case):
     g = torch.Generator().manual_seed(spec["model_seed"] + 500)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("layernorm.weight") or name == "model.norm.weight":
+            if name.endswith(("layernorm.weight", "q_norm.weight", "k_norm.weight")) or name == "model.norm.weight":
                 p.copy_(1.0 + NORM_PERTURB * torch.randn(p.shape, generator=g))
     model.eval()  # no dropout anywhere (all dropouts are 0 anyway); training flag irrelevant
     return model
@@ -384,7 +434,7 @@ def llama3_all_branches_inv_freq(config):
 
 def ref_inv_freq(cfg):
     rp = cfg.rope_parameters
-    hd = cfg.hidden_size // cfg.num_attention_heads
+    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     inv = 1.0 / (rp["rope_theta"] ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))  # float32, as HF
     if rp.get("rope_type", "default") == "llama3":
         factor, lo_f, hi_f = rp["factor"], rp["low_freq_factor"], rp["high_freq_factor"]
@@ -403,10 +453,19 @@ def ref_inv_freq(cfg):
     return inv
 
 
+def ref_window(cfg, layer):
+    """The sliding window of a layer as README states it (None: plain causal)."""
+    if isinstance(cfg, (MistralConfig, MixtralConfig)):
+        return cfg.sliding_window
+    if isinstance(cfg, Qwen3Config) and cfg.layer_types[layer] == "sliding_attention":
+        return cfg.sliding_window
+    return None
+
+
 def ref_forward(W, cfg, ids):
     B, T = ids.shape
     H, nh, nkv = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
-    hd, eps = H // nh, cfg.rms_norm_eps
+    hd, eps = getattr(cfg, "head_dim", None) or H // nh, cfg.rms_norm_eps
 
     def rms(x, w):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
@@ -427,12 +486,21 @@ def ref_forward(W, cfg, ids):
         q = (h @ W[p + "self_attn.q_proj.weight"].T).view(B, T, nh, hd)
         k = (h @ W[p + "self_attn.k_proj.weight"].T).view(B, T, nkv, hd)
         v = (h @ W[p + "self_attn.v_proj.weight"].T).view(B, T, nkv, hd)
+        if p + "self_attn.q_norm.weight" in W:  # Qwen3: RMSNorm over each head of q and k, before rope
+            q, k = rms(q, W[p + "self_attn.q_norm.weight"]), rms(k, W[p + "self_attn.k_norm.weight"])
         q, k = rot(q, cos[:, None], sin[:, None]), rot(k, cos[:, None], sin[:, None])
+        # sliding window: query t sees keys t - window < j <= t (Mistral: every layer; Qwen3: the
+        # layers layer_types marks sliding_attention)
+        window = ref_window(cfg, layer)
+        mask = causal
+        if window:
+            pos = torch.arange(T)
+            mask = causal & (pos[None, :] > pos[:, None] - window)
         heads = []
         for j in range(nh):
             g = j // (nh // nkv)  # query head j uses kv head j // (nh / nkv)
             sc = (q[:, :, j] @ k[:, :, g].transpose(1, 2)) / math.sqrt(hd)
-            sc = sc.masked_fill(~causal, float("-inf")).softmax(-1)
+            sc = sc.masked_fill(~mask, float("-inf")).softmax(-1)
             heads.append(sc @ v[:, :, g])
         x = x + torch.cat(heads, -1) @ W[p + "self_attn.o_proj.weight"].T
         h = rms(x, W[p + "post_attention_layernorm.weight"])
@@ -581,6 +649,24 @@ def generate(case):
         d_norope = max_abs(m_norope(input_ids=ids).logits, res["logits"])
         del m_norope
     sens = dict(logits_change_without_rope=d_norope)
+    if getattr(cfg, "sliding_window", None):  # the window must matter: the same model without it differs
+        with torch.no_grad():
+            m_nowin = copy.deepcopy(model)
+            m_nowin.config.sliding_window = None
+            for layer in m_nowin.model.layers:
+                layer.self_attn.sliding_window = None
+            sens["logits_change_without_sliding_window"] = max_abs(m_nowin(input_ids=ids).logits, res["logits"])
+            del m_nowin
+        assert sens["logits_change_without_sliding_window"] > 1e-3, sens
+    if spec["arch"] == "qwen3":  # so must the q/k norms: the same model with identity norms differs
+        with torch.no_grad():
+            m_nonorm = copy.deepcopy(model)
+            for layer in m_nonorm.model.layers:
+                layer.self_attn.q_norm = torch.nn.Identity()
+                layer.self_attn.k_norm = torch.nn.Identity()
+            sens["logits_change_without_qk_norm"] = max_abs(m_nonorm(input_ids=ids).logits, res["logits"])
+            del m_nonorm
+        assert sens["logits_change_without_qk_norm"] > 1e-3, sens
     if case == "llama3_scaling":
         with torch.no_grad():
             m_plain = copy.deepcopy(model)

@@ -924,7 +924,11 @@ static void test_rope(void **state)
 
 struct attn_dims {
     int64_t B, T, H, KVH, D;
+    int64_t W; /* sliding window (0: none): query t sees keys t - W < j <= t */
 };
+
+/* The first key query t sees. */
+static int64_t ref_first_key(const struct attn_dims *s, int64_t t) { return s->W > 0 && t - s->W + 1 > 0 ? t - s->W + 1 : 0; }
 
 static void ref_attention(const struct attn_dims *s, const double *q, const double *k, const double *v, double *out,
                           double *lse)
@@ -936,7 +940,8 @@ static void ref_attention(const struct attn_dims *s, const double *q, const doub
             for (int64_t t = 0; t < T; t++) {
                 const double *qt = q + ((b * T + t) * H + h) * D;
                 double m = -INFINITY;
-                for (int64_t j = 0; j <= t; j++) {
+                int64_t lo = ref_first_key(s, t);
+                for (int64_t j = lo; j <= t; j++) {
                     const double *kj = k + ((b * T + j) * KVH + h / G) * D;
                     double dot = 0.0;
                     for (int64_t d = 0; d < D; d++)
@@ -945,12 +950,12 @@ static void ref_attention(const struct attn_dims *s, const double *q, const doub
                     m = fmax(m, sc[j]);
                 }
                 double l = 0.0;
-                for (int64_t j = 0; j <= t; j++)
+                for (int64_t j = lo; j <= t; j++)
                     l += exp(sc[j] - m);
                 double *ot = out + ((b * T + t) * H + h) * D;
                 for (int64_t d = 0; d < D; d++) {
                     double acc = 0.0;
-                    for (int64_t j = 0; j <= t; j++)
+                    for (int64_t j = lo; j <= t; j++)
                         acc += exp(sc[j] - m) / l * v[((b * T + j) * KVH + h / G) * D + d];
                     ot[d] = acc;
                 }
@@ -971,17 +976,18 @@ static void ref_attention_backward(const struct attn_dims *s, const double *q, c
             for (int64_t t = 0; t < T; t++) {
                 int64_t qo = ((b * T + t) * H + h) * D;
                 double m = -INFINITY, l = 0.0;
-                for (int64_t j = 0; j <= t; j++) {
+                int64_t lo = ref_first_key(s, t);
+                for (int64_t j = lo; j <= t; j++) {
                     double dot = 0.0;
                     for (int64_t d = 0; d < D; d++)
                         dot += q[qo + d] * k[((b * T + j) * KVH + h / G) * D + d];
                     p[j] = dot * scale;
                     m = fmax(m, p[j]);
                 }
-                for (int64_t j = 0; j <= t; j++)
+                for (int64_t j = lo; j <= t; j++)
                     l += exp(p[j] - m);
                 double sum_pdp = 0.0;
-                for (int64_t j = 0; j <= t; j++) {
+                for (int64_t j = lo; j <= t; j++) {
                     int64_t ko = ((b * T + j) * KVH + h / G) * D;
                     p[j] = exp(p[j] - m) / l;
                     dp[j] = 0.0;
@@ -989,7 +995,7 @@ static void ref_attention_backward(const struct attn_dims *s, const double *q, c
                         dp[j] += dout[qo + d] * v[ko + d];
                     sum_pdp += p[j] * dp[j];
                 }
-                for (int64_t j = 0; j <= t; j++) {
+                for (int64_t j = lo; j <= t; j++) {
                     int64_t ko = ((b * T + j) * KVH + h / G) * D;
                     double ds = p[j] * (dp[j] - sum_pdp) * scale;
                     for (int64_t d = 0; d < D; d++) {
@@ -1023,12 +1029,20 @@ static void test_attention(void **state)
     (void)state;
     struct rng r = {19};
     struct attn_dims cases[] = {
-        {2, 7, 4, 4, 8},   /* H/KVH = 1 */
-        {2, 7, 4, 2, 8},   /* 2 */
-        {1, 7, 4, 1, 8},   /* 4 */
-        {1, 1, 2, 1, 4},   /* a single token */
-        {2, 33, 8, 4, 16}, /* several threads */
-        {1, 64, 4, 2, 64}, /* Llama's head size */
+        {2, 7, 4, 4, 8, 0}, /* H/KVH = 1 */
+        {2, 7, 4, 2, 8, 0}, /* 2 */
+        {1, 7, 4, 1, 8, 0}, /* 4 */
+        {1, 1, 2, 1, 4, 0}, /* a single token */
+        {2, 33, 8, 4, 16, 0}, /* several threads */
+        {1, 64, 4, 2, 64, 0}, /* Llama's head size */
+        /* sliding windows (Mistral's): shorter than T, across tiles of 16 keys, W = 1 (itself
+         * only), W = T - 1, and W = T (the causal result, bit for bit: checked below) */
+        {2, 7, 4, 2, 8, 3},
+        {1, 7, 4, 1, 8, 1},
+        {2, 33, 8, 4, 16, 5},
+        {1, 50, 4, 2, 24, 20},
+        {1, 40, 2, 1, 16, 39},
+        {2, 33, 8, 4, 16, 33},
     };
     for (size_t c = 0; c < sizeof cases / sizeof *cases; c++) {
         struct attn_dims s = cases[c];
@@ -1038,7 +1052,7 @@ static void test_attention(void **state)
         struct am_tensor tq = tview(&q, s.B, s.T, s.H, s.D), tk = tview(&k, s.B, s.T, s.KVH, s.D);
         struct am_tensor tv = tview(&v, s.B, s.T, s.KVH, s.D), to = tview(&out, s.B, s.T, s.H, s.D);
         struct am_tensor tl = tview(&lse, s.B, s.H, s.T, 0);
-        K->attention_forward(&kdev, &to, &tl, &tq, &tk, &tv);
+        K->attention_forward(&kdev, &to, &tl, &tq, &tk, &tv, s.W);
         double *wo = dalloc(nq), *wl = dalloc(nl);
         ref_attention(&s, q.d, k.d, v.d, wo, wl);
         /* Normwise, 4 (D + T) u: a score is a D-term fp32 dot (<= D u relative to Σ|q k|,
@@ -1047,9 +1061,9 @@ static void test_attention(void **state)
          * sum; the output adds a T-term weighted sum. The factor 4 covers the few products
          * between. For D = T = 64 this is 3e-5 of the largest value. */
         double rel = 4.0 * (double)(s.D + s.T) * U;
-        char what[128];
-        snprintf(what, sizeof what, "attention out B%lld T%lld H%lld KVH%lld D%lld", (long long)s.B, (long long)s.T,
-                 (long long)s.H, (long long)s.KVH, (long long)s.D);
+        char what[160];
+        snprintf(what, sizeof what, "attention out B%lld T%lld H%lld KVH%lld D%lld W%lld", (long long)s.B,
+                 (long long)s.T, (long long)s.H, (long long)s.KVH, (long long)s.D, (long long)s.W);
         expect_close_norm(what, out.f, wo, nq, rel, 0);
         snprintf(what, sizeof what, "attention lse T%lld H%lld KVH%lld", (long long)s.T, (long long)s.H,
                  (long long)s.KVH);
@@ -1060,7 +1074,7 @@ static void test_attention(void **state)
         struct arr dq0 = arr_copy(&dq), dk0 = arr_copy(&dk), dv0 = arr_copy(&dv);
         struct am_tensor tdo = tview(&dout, s.B, s.T, s.H, s.D), tdq = tview(&dq, s.B, s.T, s.H, s.D);
         struct am_tensor tdk = tview(&dk, s.B, s.T, s.KVH, s.D), tdv = tview(&dv, s.B, s.T, s.KVH, s.D);
-        K->attention_backward(&kdev, &tdq, &tdk, &tdv, &tdo, &to, &tl, &tq, &tk, &tv);
+        K->attention_backward(&kdev, &tdq, &tdk, &tdv, &tdo, &to, &tl, &tq, &tk, &tv, s.W);
         double *gq = dalloc(nq), *gk = dalloc(nk), *gv = dalloc(nk);
         ref_attention_backward(&s, q.d, k.d, v.d, dout.d, gq, gk, gv);
         /* Normwise on the gradient itself (the accumulated start adds u of itself):
@@ -1112,13 +1126,31 @@ static void test_attention(void **state)
         struct am_tensor t3q = tview(&a3[0], s.B, s.T, s.H, s.D), t3k = tview(&a3[1], s.B, s.T, s.KVH, s.D),
                          t3v = tview(&a3[2], s.B, s.T, s.KVH, s.D);
         omp_set_num_threads(1);
-        K->attention_backward(&kdev, &t1q, &t1k, &t1v, &tdo, &to, &tl, &tq, &tk, &tv);
+        K->attention_backward(&kdev, &t1q, &t1k, &t1v, &tdo, &to, &tl, &tq, &tk, &tv, s.W);
         omp_set_num_threads(3);
-        K->attention_backward(&kdev, &t3q, &t3k, &t3v, &tdo, &to, &tl, &tq, &tk, &tv);
+        K->attention_backward(&kdev, &t3q, &t3k, &t3v, &tdo, &to, &tl, &tq, &tk, &tv, s.W);
         omp_set_num_threads(omp_get_num_procs());
         expect_bitwise("attention backward dq: 1 thread == 3 threads", a1[0].f, a3[0].f, nq);
         expect_bitwise("attention backward dk: 1 thread == 3 threads", a1[1].f, a3[1].f, nk);
         expect_bitwise("attention backward dv: 1 thread == 3 threads", a1[2].f, a3[2].f, nk);
+        if (s.W >= s.T) { /* a window of T or more is no window: the same bits as without one */
+            struct arr o0 = arr_new(nq), l0 = arr_new(nl), c1[3] = {arr_copy(&dq0), arr_copy(&dk0), arr_copy(&dv0)};
+            struct am_tensor t0o = tview(&o0, s.B, s.T, s.H, s.D), t0l = tview(&l0, s.B, s.H, s.T, 0);
+            struct am_tensor c1q = tview(&c1[0], s.B, s.T, s.H, s.D), c1k = tview(&c1[1], s.B, s.T, s.KVH, s.D),
+                             c1v = tview(&c1[2], s.B, s.T, s.KVH, s.D);
+            K->attention_forward(&kdev, &t0o, &t0l, &tq, &tk, &tv, 0);
+            expect_bitwise("attention out: window >= T == no window", o0.f, out.f, nq);
+            expect_bitwise("attention lse: window >= T == no window", l0.f, lse.f, nl);
+            omp_set_num_threads(1);
+            K->attention_backward(&kdev, &c1q, &c1k, &c1v, &tdo, &to, &tl, &tq, &tk, &tv, 0);
+            omp_set_num_threads(omp_get_num_procs());
+            for (int i = 0; i < 3; i++) {
+                expect_bitwise("attention backward: window >= T == no window", c1[i].f, a1[i].f, i ? nk : nq);
+                arr_free(&c1[i]);
+            }
+            arr_free(&o0);
+            arr_free(&l0);
+        }
         for (int i = 0; i < 3; i++) {
             arr_free(&a1[i]);
             arr_free(&a3[i]);

@@ -9,6 +9,10 @@
 #              per pp rank (4 stages of one layer); 1f1b with sequence parallelism;
 #   llama_tied (2 layers, MHA, the tied embedding on the first stage and the head's copy on the
 #              last): 1f1b; 1f1b with sequence parallelism. Interleaving needs 4 layers: none.
+#   qwen3_tiny (2 layers, 4 heads / 2 kv heads of 32, per-head q/k norms replicated on both tp
+#              ranks, tied): 1f1b; 1f1b with sequence parallelism;
+#   mistral_window (2 layers, 4 heads / 2 kv heads, sliding window 7 on 32 tokens): 1f1b; 1f1b
+#              with sequence parallelism.
 # Then the test of the test: the same run with lr 1.1e-2 in the recipe must fail.
 # The measured worst differences are printed per run.
 set -u
@@ -20,7 +24,8 @@ trap 'rm -rf "$work"' EXIT
 export AM_LOG_DIR="$work/logs" OMP_NUM_THREADS=1
 fails=0 passes=0
 
-T=16 # tokens per golden row of both cases (golden_dist refuses a recipe that does not match)
+# tokens per golden row (golden_dist refuses a recipe that does not match)
+seq_of() { case $1 in mistral_window) echo 32 ;; *) echo 16 ;; esac; }
 
 recipe() { # CASE SCHEDULE SP LR: the recipe of a golden run, to stdout
     cat <<EOF
@@ -41,7 +46,7 @@ step_scheduler:
   local_batch_size: 2
   max_steps: 5
 dataset:
-  seq_length: $T             # the golden rows; golden_dist ignores the last position's target
+  seq_length: $(seq_of "$1")             # the golden rows; golden_dist ignores the last position's target
 optimizer:
   _target_: torch.optim.AdamW
   lr: $4
@@ -65,7 +70,8 @@ launch() { # NAME CASE SCHEDULE SP LR: golden_dist on 4 ranks, its output in out
 }
 
 for run in "llama_tp 1f1b false" "llama_tp interleaved1f1b false" "llama_tp 1f1b true" \
-    "llama_tied 1f1b false" "llama_tied 1f1b true"; do
+    "llama_tied 1f1b false" "llama_tied 1f1b true" "qwen3_tiny 1f1b false" "qwen3_tiny 1f1b true" \
+    "mistral_window 1f1b false" "mistral_window 1f1b true"; do
     set -- $run
     name="$1-$2-sp$3"
     start=$(date +%s)

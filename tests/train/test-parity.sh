@@ -9,7 +9,11 @@
 #   pipeline parallel (pp 2 and 4; gpipe, 1f1b, interleaved1f1b with 2 virtual stages per
 #     rank): micro-batches of 1 sequence, gradients summed in another order; a tied embedding
 #     lives on the first and the last stage and its two gradients are summed;
-#   activation checkpointing recomputes each layer in backward: bit-identical in principle.
+#   activation checkpointing recomputes each layer in backward: bit-identical in principle;
+#   the other architectures at tp 2 x pp 2 (with and without sequence parallelism) against
+#   their own one rank: Qwen3 (per-head q/k norms, whose weights every tp rank holds and whose
+#   gradients are summed over tp; head_dim 32, so heads * head_dim is twice hidden_size) and
+#   Mistral (a sliding window of 24 on sequences of 64).
 # Tolerances: 1e-5 absolute on losses near 5 and 1e-5 relative on gradient norms over 8
 # steps; every weight of the final checkpoint within 5e-5, as test_golden's final weights
 # (AdamW divides each gradient by its own running magnitude, so an element whose gradient
@@ -44,6 +48,8 @@ recipe() { # NAME MODS: base.yaml with comma-separated changes, its checkpoints 
         gpipe) args+=(-e 's/pp_schedule: .*/pp_schedule: gpipe/') ;;
         il) args+=(-e 's/pp_schedule: .*/pp_schedule: interleaved1f1b/') ;;
         tied) args+=(-e 's/tie_word_embeddings: false/tie_word_embeddings: true/') ;;
+        qwen3) args+=(-e 's/model_type: llama/model_type: qwen3\n  head_dim: 32/') ;;
+        mistral) args+=(-e 's/model_type: llama/model_type: mistral\n  sliding_window: 24/') ;;
         - | 1f1b) ;;
         *) echo "test-parity.sh: unknown change $m" >&2; exit 2 ;;
         esac
@@ -63,7 +69,7 @@ run() { # NAME N MODS [VAR=VALUE...]: N ranks, with the plugin's AM_TP-style ove
         >"$work/out-$name" 2>&1)
 }
 
-for ref in "ref -" "ref-tied tied"; do
+for ref in "ref -" "ref-tied tied" "ref-qwen3 qwen3" "ref-mistral mistral"; do
     set -- $ref
     run "$1" 1 "$2" || { echo "FAIL: $1 (1 rank) did not train"; cat "$work/out-$1"; exit 1; }
     losses "$work/logs-$1" >"$work/$1"
@@ -101,7 +107,9 @@ for tp in 1 2 4; do
     done
 done
 layouts+=("ac 1 ac ref" "pp2-tied 2 tied ref-tied AM_PP=2" "pp4-tied-gpipe 4 tied,gpipe ref-tied AM_PP=4"
-    "tp2-pp2-tied-il 4 tied,il ref-tied AM_TP=2 AM_PP=2")
+    "tp2-pp2-tied-il 4 tied,il ref-tied AM_TP=2 AM_PP=2"
+    "tp2-pp2-qwen3 4 qwen3 ref-qwen3 AM_TP=2 AM_PP=2" "tp2-pp2-qwen3-sp 4 qwen3,sp ref-qwen3 AM_TP=2 AM_PP=2"
+    "tp2-pp2-mistral 4 mistral ref-mistral AM_TP=2 AM_PP=2" "tp2-pp2-mistral-sp 4 mistral,sp ref-mistral AM_TP=2 AM_PP=2")
 [ -n "${AM_PARITY_ONLY:-}" ] && layouts=("${AM_PARITY_ONLY}") # one layout, to debug it
 for layout in "${layouts[@]}"; do
     set -- $layout

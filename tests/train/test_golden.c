@@ -110,6 +110,18 @@ static void close_golden(struct golden *G)
     free(G->targets);
 }
 
+/* AM_TEST_VERBOSE=1 prints each case's measured worst differences (what the tolerances above
+ * are set against). */
+static void report(const char *fmt, ...)
+{
+    if (!getenv("AM_TEST_VERBOSE"))
+        return;
+    va_list ap;
+    va_start(ap, fmt);
+    vfprintf(stderr, fmt, ap);
+    va_end(ap);
+}
+
 static double step(struct golden *G)
 {
     double loss_sum;
@@ -129,6 +141,7 @@ static void check_forward_backward(const char *name)
     float *want_loss = read_all(&G, "loss", &n);
     double loss = step(&G);
     assert_true(fabs(loss - want_loss[0]) < 1e-5);
+    double grad_worst = 0; /* relative to each tensor's largest */
 
     /* logits: the final hidden states (kept by the model) times the head */
     int64_t N = G.B * G.T, V = G.m.cfg.vocab_size;
@@ -165,8 +178,11 @@ static void check_forward_backward(const char *name)
         if (diff > 1e-5 * big)
             print_error("%s: gradient of %s differs by %g (largest %g)\n", name, p->name, diff, big);
         assert_true(diff <= 1e-5 * big);
+        grad_worst = fmax(grad_worst, diff / big);
         free(g);
     }
+    report("%s: loss %.2e, logits %.2e, gradients %.2e of the largest (tolerances 1e-5, 1e-5, 1e-5)\n", name,
+           fabs(loss - want_loss[0]), worst, grad_worst);
     G.K->free(&G.dev, logits);
     free(want);
     free(want_loss);
@@ -191,8 +207,10 @@ static void check_adamw(const char *name, bool clip)
     struct am_tensor g = am_tensor_view(G.m.grad_mem, AM_DEV_CPU, AM_T_F32, (int64_t)E, 0, 0, 0);
     struct am_tensor m = am_tensor_view(mom, AM_DEV_CPU, AM_T_F32, (int64_t)E, 0, 0, 0);
     struct am_tensor v = am_tensor_view(var, AM_DEV_CPU, AM_T_F32, (int64_t)E, 0, 0, 0);
+    double loss_worst = 0, norm_worst = 0, final_worst = 0;
     for (int s = 0; s < 5; s++) {
         double loss = step(&G);
+        loss_worst = fmax(loss_worst, fabs(loss - want[s]));
         if (fabs(loss - want[s]) >= 1e-5)
             print_error("%s: step %d loss %.7f, transformers %.7f\n", name, s + 1, loss, want[s]);
         assert_true(fabs(loss - want[s]) < 1e-5);
@@ -201,6 +219,7 @@ static void check_adamw(const char *name, bool clip)
         G.K->sum_squares(&G.dev, &acc, &g, 1.0);
         double norm = sqrt(sumsq);
         assert_true(fabs(norm - norms[s]) < 1e-5 * fmax(1.0, norms[s]));
+        norm_worst = fmax(norm_worst, fabs(norm - norms[s]) / fmax(1.0, norms[s]));
         if (clip && 1.0 / (norm + 1e-6) < 1.0)
             G.K->scale(&G.dev, &g, (float)(1.0 / (norm + 1e-6)));
         G.K->adamw(&G.dev, &p, &g, &m, &v, o.lr, o.b1, o.b2, o.eps, o.wd, s + 1);
@@ -224,9 +243,13 @@ static void check_adamw(const char *name, bool clip)
             if (diff >= 5e-5)
                 print_error("%s: %s after 5 steps differs by %g\n", name, finals[f], diff);
             assert_true(diff < 5e-5);
+            final_worst = fmax(final_worst, diff);
             free(w);
         }
     }
+    report("%s: adamw%s: losses %.2e, grad norms %.2e relative (tolerances 1e-5, 1e-5)", name, clip ? " clipped" : "",
+           loss_worst, norm_worst);
+    report(clip ? "; final weights %.2e (tolerance 5e-5)\n" : "\n", final_worst);
     G.K->free(&G.dev, mom);
     G.K->free(&G.dev, var);
     free(want);
@@ -324,6 +347,8 @@ CASE(llama_gqa)
 CASE(llama_tied)
 CASE(llama3_scaling)
 CASE(llama_tp)
+CASE(qwen3_tiny)
+CASE(mistral_window)
 #define TESTS(name)                                                                                                \
     cmocka_unit_test(test_##name##_rope), cmocka_unit_test(test_##name##_forward_backward),                       \
         cmocka_unit_test(test_##name##_adamw), cmocka_unit_test(test_##name##_adamw_clip),                         \
@@ -332,6 +357,7 @@ CASE(llama_tp)
 int main(void)
 {
     const struct CMUnitTest tests[] = {TESTS(llama_gqa), TESTS(llama_tied), TESTS(llama3_scaling), TESTS(llama_tp),
+                                       TESTS(qwen3_tiny),     TESTS(mistral_window),
                                        cmocka_unit_test(test_model_refuses)};
     return cmocka_run_group_tests_name("golden", tests, NULL, NULL);
 }

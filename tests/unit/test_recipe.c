@@ -305,7 +305,8 @@ static void test_model_rules(void **state)
                 "qwen3_moe)"));
     expect("model:\n  hidden_act: gelu\n  attention_bias: true\n", NULL,
            MSGS("r.yaml:2:15: model.hidden_act: 'gelu' is not supported by am (Llama-style models use silu)",
-                "r.yaml:3:19: model.attention_bias: true is not supported by am (Llama-style layers have no bias)"));
+                "r.yaml:3:19: model.attention_bias: true is not supported by am (its layers have no bias terms: train "
+                "a model without them, attention_bias false)"));
     expect("model:\n  hidden_size: 64\n", NULL,
            MSGS("r.yaml: model.num_hidden_layers: missing (write it under model:, or set "
                 "pretrained_model_name_or_path to a model directory or hub id)",
@@ -324,9 +325,75 @@ static void test_model_rules(void **state)
     expect("model:\n  model_type: mixtral\n  hidden_size: 64\n  num_hidden_layers: 2\n  num_attention_heads: 8\n"
            "  vocab_size: 10\n  intermediate_size: 8\n", NULL,
            MSGS("r.yaml: model.num_local_experts: missing (a mixtral model has experts)"));
+    /* what would change the computation and am does not implement: refused, with the reason */
+#define DENSE "  hidden_size: 64\n  num_hidden_layers: 2\n  num_attention_heads: 4\n  vocab_size: 10\n  intermediate_size: 8\n"
+    expect("model:\n  model_type: qwen3\n" DENSE "  attention_bias: true\n", NULL,
+           MSGS("r.yaml:8:19: model.attention_bias: true is not supported by am (its layers have no bias terms: train "
+                "a model without them, attention_bias false)"));
+    expect("model:\n" DENSE "  attention_dropout: 0.1\n", NULL,
+           MSGS("r.yaml:7:22: model.attention_dropout: 0.1 is not supported by am (it trains without dropout: set it "
+                "to 0.0)"));
+    expect("model:\n  model_type: llama\n" DENSE "  sliding_window: 512\n", NULL,
+           MSGS("r.yaml:8:19: model.sliding_window: 512, but a llama model has no sliding window (transformers would "
+                "attend to every earlier token): remove it, or use model_type mistral for sliding-window attention"));
+    expect("model:\n  model_type: mistral\n" DENSE "  sliding_window: 0\n", NULL,
+           MSGS("r.yaml:8:19: model.sliding_window: 0 is out of range (must be 1 to 1099511627776)"));
+    expect("model:\n  model_type: qwen3\n" DENSE "  layer_types: [full_attention, sliding_attention]\n", NULL,
+           MSGS("r.yaml:8:33: model.layer_types[1]: sliding_attention, but no sliding window is set (transformers "
+                "refuses it too): set use_sliding_window true and sliding_window, or make the layer full_attention"));
+    expect("model:\n  model_type: qwen3\n" DENSE "  layer_types: [full_attention]\n", NULL,
+           MSGS("r.yaml:8:16: model.layer_types: expected a list of 2 entries (one per layer: full_attention or "
+                "sliding_attention)"));
+    expect("model:\n  model_type: qwen3\n" DENSE "  use_sliding_window: true\n  layer_types: [full_attention, "
+           "chunked_attention]\n", NULL,
+           MSGS("r.yaml:9:33: model.layer_types[1]: 'chunked_attention' is not an attention am runs (use "
+                "full_attention or sliding_attention)"));
+#undef DENSE
     expect("step_scheduler:\n  global_batch_size: 8\n", NULL,
            MSGS("r.yaml: model: missing (give pretrained_model_name_or_path, or the architecture with config.json "
                 "keys such as hidden_size)"));
+}
+
+/* Sliding windows as transformers 5 resolves each model type's config: the window of each of
+ * 3 layers, "W0 W1 W2", for the keys written after the architecture. */
+static void expect_windows(const char *type, const char *keys, const char *want)
+{
+    char y[1024], got[64];
+    snprintf(y, sizeof(y), "model:\n  model_type: %s\n  hidden_size: 64\n  num_hidden_layers: 3\n"
+             "  num_attention_heads: 4\n  vocab_size: 10\n  intermediate_size: 8\n  num_experts: 4\n"
+             "  num_experts_per_tok: 2\n  moe_intermediate_size: 8\n%s", type, keys);
+    struct am_errors err;
+    am_errors_init(&err);
+    struct am_recipe *r = parse_with("r.yaml", y, NULL, &err);
+    for (size_t i = 0; i < err.n; i++)
+        print_error("%s\n", err.msg[i]);
+    assert_int_equal(err.n, 0);
+    snprintf(got, sizeof(got), "%ld %ld %ld", am_model_layer_window(&r->model, 0), am_model_layer_window(&r->model, 1),
+             am_model_layer_window(&r->model, 2));
+    if (strcmp(got, want) != 0)
+        print_error("%s with '%s': windows %s, want %s\n", type, keys, got, want);
+    assert_string_equal(got, want);
+    am_recipe_free(r);
+    am_errors_free(&err);
+}
+
+static void test_model_windows(void **state)
+{
+    (void)state;
+    expect_windows("mistral", "", "4096 4096 4096"); /* MistralConfig's default */
+    expect_windows("mistral", "  sliding_window: 7\n", "7 7 7");
+    expect_windows("mistral", "  sliding_window: null\n", "0 0 0");
+    expect_windows("mistral", "  sliding_window: 7\n  layer_types: [full_attention, full_attention, full_attention]\n",
+                   "7 7 7"); /* MistralModel does not read layer_types */
+    expect_windows("mixtral", "", "0 0 0"); /* MixtralConfig's default: null */
+    expect_windows("qwen3", "  sliding_window: 7\n", "0 0 0"); /* only with use_sliding_window */
+    expect_windows("qwen3", "  use_sliding_window: true\n  sliding_window: 7\n", "0 0 0"); /* max_window_layers 28 */
+    expect_windows("qwen3", "  use_sliding_window: true\n  sliding_window: 7\n  max_window_layers: 1\n", "0 7 7");
+    expect_windows("qwen3", "  use_sliding_window: true\n  max_window_layers: 2\n", "0 0 4096");
+    expect_windows("qwen3", "  use_sliding_window: true\n  sliding_window: 7\n  max_window_layers: 0\n"
+                   "  layer_types: [sliding_attention, full_attention, sliding_attention]\n", "7 0 7");
+    expect_windows("qwen3_moe", "  use_sliding_window: true\n  sliding_window: 5\n", "5 5 5");
+    expect_windows("llama", "  sliding_window: null\n", "0 0 0");
 }
 
 static const char config_json[] =
@@ -489,6 +556,7 @@ int main(void)
         cmocka_unit_test(test_overrides),
         cmocka_unit_test(test_strategy_from_target),
         cmocka_unit_test(test_model_rules),
+        cmocka_unit_test(test_model_windows),
         cmocka_unit_test(test_model_from_hf_cache),
         cmocka_unit_test(test_model_shipped_configs),
         cmocka_unit_test(test_recipe_files),
