@@ -1,8 +1,24 @@
 /* comm_ucx.c - the UCX backend (comm.h, comm_impl.h): host memory over UCP tagged messages.
  *
- * One UCP context and worker per process; every rank publishes its worker address through
- * the bootstrap at context creation, and am_comm_create_groups creates endpoints to every
- * peer that shares a group with this rank, up front.
+ * One UCP context per process with two workers: the calling thread's, for every blocking call
+ * and isend, and the communication thread's, for the non-blocking collectives (am_iallreduce,
+ * ...). Every rank publishes both addresses through the bootstrap at context creation;
+ * am_comm_create_groups creates endpoints from the calling thread's worker to every peer that
+ * shares a group with this rank, up front, and fetches the peers' other address, from which
+ * the communication thread connects its worker on a group's first request (its worker is
+ * touched by no other thread in between). UCX's threading rules: workers used from different
+ * threads need a thread-safe context (ucp_params_t.mt_workers_shared = 1); a worker in
+ * UCS_THREAD_MODE_SERIALIZED may be used by several threads one at a time (the thread's is
+ * made and destroyed by the calling thread, while the communication thread is not running).
+ *
+ * The communication thread (started at the first request) takes requests from a queue, one at
+ * a time, in issue order over all groups, and runs each with the blocking algorithms below on
+ * its own copy of the group (its endpoints, requests, scratch space, message and broken state),
+ * so the results are the blocking call's bits. It sleeps on a condition variable when the queue
+ * is empty; while it runs a request it polls, yields and sleeps like every wait (below). Tags do
+ * not collide with blocking calls: the two workers match messages apart. am_comm_wait sleeps
+ * until the thread reports the request done, copying into the flight entry the peer the thread
+ * waits for (only the calling thread writes the flight recorder).
  *
  * Tags keep groups and calls apart (64 bits):
  *   63      p2p flag (send/recv are numbered per pair of ranks and direction, collectives by
