@@ -222,6 +222,19 @@ const char *am_comm_call_name(enum am_comm_kind k)
     return "operation";
 }
 
+const char *am_comm_name_of(const struct am_comm_call *call)
+{
+    if (call->nonblocking) {
+        switch (call->kind) {
+        case AM_CALL_ALLREDUCE: return "iallreduce";
+        case AM_CALL_REDUCE_SCATTER: return "ireduce_scatter";
+        case AM_CALL_ALLGATHER: return "iallgather";
+        default: break;
+        }
+    }
+    return am_comm_call_name(call->kind);
+}
+
 int am_comm_fail(struct am_comm *c, const char *fmt, ...)
 {
     char what[AM_COMM_ERR_LEN - 160];
@@ -238,7 +251,7 @@ int am_comm_fail(struct am_comm *c, const char *fmt, ...)
         snprintf(c->err, sizeof(c->err), "send_wait on group %s (%d rank%s) %s", c->name, c->size,
                  c->size == 1 ? "" : "s", what);
     else if (call)
-        snprintf(c->err, sizeof(c->err), "%s #%llu on group %s (%d rank%s) %s", am_comm_call_name(call->kind),
+        snprintf(c->err, sizeof(c->err), "%s #%llu on group %s (%d rank%s) %s", am_comm_name_of(call),
                  (unsigned long long)call->seq, c->name, c->size, c->size == 1 ? "" : "s", what);
     else
         snprintf(c->err, sizeof(c->err), "group %s (%d rank%s): %s", c->name, c->size, c->size == 1 ? "" : "s",
@@ -259,6 +272,10 @@ const char *am_comm_peer_text(const struct am_comm *c, int peer, char *buf, size
 
 void am_comm_waiting(struct am_comm *c, int peer)
 {
+    if (c->waiting_out) {
+        atomic_store_explicit(c->waiting_out, peer, memory_order_relaxed);
+        return;
+    }
     if (c->ctx->flight && c->flight_id)
         am_flight_waiting(c->ctx->flight, c->flight_id, peer >= 0 && peer < c->size ? c->ranks[peer] : -1);
 }
@@ -278,15 +295,15 @@ int am_comm_ctx_fail(struct am_comm_ctx *ctx, const char *fmt, ...)
 }
 
 /* An argument error: the call is not numbered and the group stays usable. */
-static int arg_fail(struct am_comm *c, enum am_comm_kind k, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
-static int arg_fail(struct am_comm *c, enum am_comm_kind k, const char *fmt, ...)
+static int arg_fail(struct am_comm *c, const char *name, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static int arg_fail(struct am_comm *c, const char *name, const char *fmt, ...)
 {
     char what[AM_COMM_ERR_LEN - 160];
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(what, sizeof(what), fmt, ap);
     va_end(ap);
-    snprintf(c->err, sizeof(c->err), "%s on group %s (%d rank%s): %s", am_comm_call_name(k), c->name, c->size,
+    snprintf(c->err, sizeof(c->err), "%s on group %s (%d rank%s): %s", name, c->name, c->size,
              c->size == 1 ? "" : "s", what);
     return -1;
 }
@@ -424,6 +441,7 @@ static void group_free(struct am_comm *c)
     if (!c)
         return;
     free(c->pending);
+    free(c->reqs);
     free(c->ranks);
     free(c->sent);
     free(c->received);
@@ -519,6 +537,16 @@ void am_comm_destroy(struct am_comm *c)
     for (size_t i = 0; c->ctx->flight && i < c->n_pending; i++)
         if (c->pending[i].flight_id)
             am_flight_end(c->ctx->flight, c->pending[i].flight_id, AM_FLIGHT_FAILED);
+    /* so are requests never waited for (their handles die with the group) */
+    for (size_t i = 0; i < c->n_reqs; i++) {
+        struct am_comm_req *q = c->reqs[i];
+        if (c->ctx->flight && q->flight_id)
+            am_flight_end(c->ctx->flight, q->flight_id, AM_FLIGHT_FAILED);
+        if (c->be)
+            c->ctx->ops->req_drop(c, q);
+        free(q);
+    }
+    c->n_reqs = 0;
     if (c->be)
         c->ctx->ops->destroy(c);
     group_free(c);
@@ -542,7 +570,7 @@ void am_comm_set_stream(struct am_comm *c, void *stream)
  * as a global rank (send/isend/recv: the peer; broadcast: the root). */
 static uint64_t flight_begin(struct am_comm *c, const struct am_comm_call *call)
 {
-    struct am_flight_op op = {.op = am_comm_call_name(call->kind), .dtype = am_comm_dtype_name(call->dtype),
+    struct am_flight_op op = {.op = am_comm_name_of(call), .dtype = am_comm_dtype_name(call->dtype),
                               .group = c->name, .gid = c->id, .seq = call->seq, .count = call->count,
                               .bytes = call->bytes, .peer = -1};
     switch (call->kind) {
@@ -574,7 +602,7 @@ static uint64_t flight_begin(struct am_comm *c, const struct am_comm_call *call)
 }
 
 /* am_comm_inject_stall: blocks, as a hung kernel would, until the context is aborted. */
-static int stall(struct am_comm *c)
+int am_comm_stall(struct am_comm *c)
 {
     while (!am_comm_ctx_aborted(c->ctx)) {
         struct timespec ts = {0, 10 * 1000 * 1000};
@@ -646,7 +674,7 @@ static int run_call(struct am_comm *c, struct am_comm_call *call)
         if (call->kind == AM_CALL_ISEND && reserve_pending(c) < 0)
             rc = -1;
         else
-            rc = collective && c->stall_seq == call->seq ? stall(c) : c->ctx->ops->run(c, call);
+            rc = collective && c->stall_seq == call->seq ? am_comm_stall(c) : c->ctx->ops->run(c, call);
         if (rc < 0)
             break_group(c);
     }
@@ -712,14 +740,14 @@ static int am_comm_dispatch(struct am_comm *c, struct am_comm_call *call)
     return rc;
 }
 
-static int check_common(struct am_comm *c, enum am_comm_kind k, enum am_comm_dtype t)
+static int check_common(struct am_comm *c, const char *k, enum am_comm_dtype t)
 {
     if ((unsigned)t > AM_I64)
         return arg_fail(c, k, "dtype %d is not one of fp32, bf16, fp16, int32, int64", (int)t);
     return 0;
 }
 
-static int check_op(struct am_comm *c, enum am_comm_kind k, enum am_comm_dtype t, enum am_comm_op op)
+static int check_op(struct am_comm *c, const char *k, enum am_comm_dtype t, enum am_comm_op op)
 {
     if (check_common(c, k, t) < 0)
         return -1;
@@ -746,13 +774,12 @@ static int overlaps(const void *a, size_t alen, const void *b, size_t blen)
     return alen && blen && x < y + blen && y < x + alen;
 }
 
-int am_allreduce(struct am_comm *c, const void *send, void *recv, size_t count, enum am_comm_dtype t,
-                 enum am_comm_op op)
+/* The checks of allreduce, reduce_scatter and allgather, blocking or not; fills *call. */
+static int prep_allreduce(struct am_comm *c, struct am_comm_call *call, const void *send, void *recv, size_t count,
+                          enum am_comm_dtype t, enum am_comm_op op)
 {
-    const enum am_comm_kind k = AM_CALL_ALLREDUCE;
+    const char *k = am_comm_name_of(call);
     size_t bytes;
-    if (!c)
-        return -1;
     if (check_op(c, k, t, op) < 0)
         return -1;
     if (bytes_of(count, 1, am_comm_dtype_size(t), &bytes) < 0)
@@ -761,18 +788,16 @@ int am_allreduce(struct am_comm *c, const void *send, void *recv, size_t count, 
         return arg_fail(c, k, "%s buffer is NULL for %zu elements", !send ? "send" : "recv", count);
     if (send != recv && overlaps(send, bytes, recv, bytes))
         return arg_fail(c, k, "send and recv buffers overlap without being the same (in place: send == recv)");
-    struct am_comm_call call = {.kind = k, .send = send, .recv = recv, .count = count, .dtype = t, .op = op,
-                                .bytes = bytes};
-    return am_comm_dispatch(c, &call);
+    *call = (struct am_comm_call){.kind = call->kind, .nonblocking = call->nonblocking, .send = send, .recv = recv,
+                                  .count = count, .dtype = t, .op = op, .bytes = bytes};
+    return 0;
 }
 
-int am_reduce_scatter(struct am_comm *c, const void *send, void *recv, size_t count, enum am_comm_dtype t,
-                      enum am_comm_op op)
+static int prep_reduce_scatter(struct am_comm *c, struct am_comm_call *call, const void *send, void *recv,
+                               size_t count, enum am_comm_dtype t, enum am_comm_op op)
 {
-    const enum am_comm_kind k = AM_CALL_REDUCE_SCATTER;
+    const char *k = am_comm_name_of(call);
     size_t bytes, full;
-    if (!c)
-        return -1;
     if (check_op(c, k, t, op) < 0)
         return -1;
     size_t es = am_comm_dtype_size(t);
@@ -782,17 +807,16 @@ int am_reduce_scatter(struct am_comm *c, const void *send, void *recv, size_t co
         return arg_fail(c, k, "%s buffer is NULL for %zu elements", !send ? "send" : "recv", count);
     if ((const char *)recv != (const char *)send + (size_t)c->rank * bytes && overlaps(send, full, recv, bytes))
         return arg_fail(c, k, "recv overlaps send without being its own block (in place: recv == send + rank * count)");
-    struct am_comm_call call = {.kind = k, .send = send, .recv = recv, .count = count, .dtype = t, .op = op,
-                                .bytes = full};
-    return am_comm_dispatch(c, &call);
+    *call = (struct am_comm_call){.kind = call->kind, .nonblocking = call->nonblocking, .send = send, .recv = recv,
+                                  .count = count, .dtype = t, .op = op, .bytes = full};
+    return 0;
 }
 
-int am_allgather(struct am_comm *c, const void *send, void *recv, size_t count, enum am_comm_dtype t)
+static int prep_allgather(struct am_comm *c, struct am_comm_call *call, const void *send, void *recv, size_t count,
+                          enum am_comm_dtype t)
 {
-    const enum am_comm_kind k = AM_CALL_ALLGATHER;
+    const char *k = am_comm_name_of(call);
     size_t bytes, full;
-    if (!c)
-        return -1;
     if (check_common(c, k, t) < 0)
         return -1;
     size_t es = am_comm_dtype_size(t);
@@ -802,7 +826,34 @@ int am_allgather(struct am_comm *c, const void *send, void *recv, size_t count, 
         return arg_fail(c, k, "%s buffer is NULL for %zu elements", !send ? "send" : "recv", count);
     if ((const char *)send != (const char *)recv + (size_t)c->rank * bytes && overlaps(send, bytes, recv, full))
         return arg_fail(c, k, "send overlaps recv without being this rank's block (in place: send == recv + rank * count)");
-    struct am_comm_call call = {.kind = k, .send = send, .recv = recv, .count = count, .dtype = t, .bytes = full};
+    *call = (struct am_comm_call){.kind = call->kind, .nonblocking = call->nonblocking, .send = send, .recv = recv,
+                                  .count = count, .dtype = t, .bytes = full};
+    return 0;
+}
+
+int am_allreduce(struct am_comm *c, const void *send, void *recv, size_t count, enum am_comm_dtype t,
+                 enum am_comm_op op)
+{
+    struct am_comm_call call = {.kind = AM_CALL_ALLREDUCE};
+    if (!c || prep_allreduce(c, &call, send, recv, count, t, op) < 0)
+        return -1;
+    return am_comm_dispatch(c, &call);
+}
+
+int am_reduce_scatter(struct am_comm *c, const void *send, void *recv, size_t count, enum am_comm_dtype t,
+                      enum am_comm_op op)
+{
+    struct am_comm_call call = {.kind = AM_CALL_REDUCE_SCATTER};
+    if (!c || prep_reduce_scatter(c, &call, send, recv, count, t, op) < 0)
+        return -1;
+    return am_comm_dispatch(c, &call);
+}
+
+int am_allgather(struct am_comm *c, const void *send, void *recv, size_t count, enum am_comm_dtype t)
+{
+    struct am_comm_call call = {.kind = AM_CALL_ALLGATHER};
+    if (!c || prep_allgather(c, &call, send, recv, count, t) < 0)
+        return -1;
     return am_comm_dispatch(c, &call);
 }
 
@@ -810,25 +861,26 @@ int am_alltoallv(struct am_comm *c, const void *send, const size_t *send_counts,
                  void *recv, const size_t *recv_counts, const size_t *recv_displs, enum am_comm_dtype t)
 {
     const enum am_comm_kind k = AM_CALL_ALLTOALLV;
+    const char *nm = am_comm_call_name(k);
     if (!c)
         return -1;
-    if (check_common(c, k, t) < 0)
+    if (check_common(c, nm, t) < 0)
         return -1;
     if (!send_counts || !send_displs || !recv_counts || !recv_displs)
-        return arg_fail(c, k, "a count or displacement array is NULL");
+        return arg_fail(c, nm, "a count or displacement array is NULL");
     size_t es = am_comm_dtype_size(t), total = 0;
     for (int j = 0; j < c->size; j++) {
         size_t end;
         if (send_displs[j] > SIZE_MAX - send_counts[j] || bytes_of(send_displs[j] + send_counts[j], 1, es, &end) < 0 ||
             recv_displs[j] > SIZE_MAX - recv_counts[j] || bytes_of(recv_displs[j] + recv_counts[j], 1, es, &end) < 0)
-            return arg_fail(c, k, "counts and displacements for group rank %d overflow", j);
+            return arg_fail(c, nm, "counts and displacements for group rank %d overflow", j);
         if ((send_counts[j] && !send) || (recv_counts[j] && !recv))
-            return arg_fail(c, k, "%s buffer is NULL but group rank %d has %zu elements", send_counts[j] && !send ? "send" : "recv",
+            return arg_fail(c, nm, "%s buffer is NULL but group rank %d has %zu elements", send_counts[j] && !send ? "send" : "recv",
                             j, send_counts[j] && !send ? send_counts[j] : recv_counts[j]);
         total += send_counts[j];
     }
     if (send && recv && send == recv)
-        return arg_fail(c, k, "in-place alltoallv (send == recv) is not supported");
+        return arg_fail(c, nm, "in-place alltoallv (send == recv) is not supported");
     struct am_comm_call call = {.kind = k, .send = send, .recv = recv, .dtype = t, .send_counts = send_counts,
                                 .send_displs = send_displs, .recv_counts = recv_counts, .recv_displs = recv_displs,
                                 .bytes = total * es};
@@ -838,17 +890,18 @@ int am_alltoallv(struct am_comm *c, const void *send, const size_t *send_counts,
 int am_broadcast(struct am_comm *c, void *buf, size_t count, enum am_comm_dtype t, int root)
 {
     const enum am_comm_kind k = AM_CALL_BROADCAST;
+    const char *nm = am_comm_call_name(k);
     size_t bytes;
     if (!c)
         return -1;
-    if (check_common(c, k, t) < 0)
+    if (check_common(c, nm, t) < 0)
         return -1;
     if (root < 0 || root >= c->size)
-        return arg_fail(c, k, "root %d is outside the group's ranks 0..%d", root, c->size - 1);
+        return arg_fail(c, nm, "root %d is outside the group's ranks 0..%d", root, c->size - 1);
     if (bytes_of(count, 1, am_comm_dtype_size(t), &bytes) < 0)
-        return arg_fail(c, k, "%zu %s elements overflow", count, am_comm_dtype_name(t));
+        return arg_fail(c, nm, "%zu %s elements overflow", count, am_comm_dtype_name(t));
     if (count && !buf)
-        return arg_fail(c, k, "buffer is NULL for %zu elements", count);
+        return arg_fail(c, nm, "buffer is NULL for %zu elements", count);
     struct am_comm_call call = {.kind = k, .recv = buf, .count = count, .dtype = t, .peer = root, .bytes = bytes};
     return am_comm_dispatch(c, &call);
 }
@@ -856,23 +909,24 @@ int am_broadcast(struct am_comm *c, void *buf, size_t count, enum am_comm_dtype 
 static int p2p(struct am_comm *c, enum am_comm_kind k, const void *sbuf, void *rbuf, size_t count,
                enum am_comm_dtype t, int peer)
 {
+    const char *nm = am_comm_call_name(k);
     size_t bytes;
     if (!c)
         return -1;
-    if (check_common(c, k, t) < 0)
+    if (check_common(c, nm, t) < 0)
         return -1;
     if (peer < 0 || peer >= c->size)
-        return arg_fail(c, k, "peer %d is outside the group's ranks 0..%d", peer, c->size - 1);
+        return arg_fail(c, nm, "peer %d is outside the group's ranks 0..%d", peer, c->size - 1);
     if (peer == c->rank && k == AM_CALL_ISEND)
-        return arg_fail(c, k, "peer %d is this rank itself (nothing would receive it: a recv from itself is refused)",
+        return arg_fail(c, nm, "peer %d is this rank itself (nothing would receive it: a recv from itself is refused)",
                         peer);
     if (peer == c->rank)
-        return arg_fail(c, k, "peer %d is this rank itself (a blocking %s to itself never completes)", peer,
+        return arg_fail(c, nm, "peer %d is this rank itself (a blocking %s to itself never completes)", peer,
                         am_comm_call_name(k));
     if (bytes_of(count, 1, am_comm_dtype_size(t), &bytes) < 0)
-        return arg_fail(c, k, "%zu %s elements overflow", count, am_comm_dtype_name(t));
+        return arg_fail(c, nm, "%zu %s elements overflow", count, am_comm_dtype_name(t));
     if (count && !sbuf && !rbuf)
-        return arg_fail(c, k, "buffer is NULL for %zu elements", count);
+        return arg_fail(c, nm, "buffer is NULL for %zu elements", count);
     struct am_comm_call call = {.kind = k, .send = sbuf, .recv = rbuf, .count = count, .dtype = t, .peer = peer,
                                 .bytes = bytes};
     return am_comm_dispatch(c, &call);
@@ -909,4 +963,178 @@ int am_barrier(struct am_comm *c)
         return -1;
     struct am_comm_call call = {.kind = AM_CALL_BARRIER};
     return am_comm_dispatch(c, &call);
+}
+
+/* ---- non-blocking collectives ----------------------------------------------------------- */
+
+/* Room for one more request of the group, before anything is numbered or started. */
+static int reserve_req(struct am_comm *c)
+{
+    if (c->n_reqs < c->cap_reqs)
+        return 0;
+    size_t cap = c->cap_reqs ? 2 * c->cap_reqs : 16;
+    struct am_comm_req **v = realloc(c->reqs, cap * sizeof(*v));
+    if (!v)
+        return -1;
+    c->reqs = v;
+    c->cap_reqs = cap;
+    return 0;
+}
+
+/* A checked non-blocking collective: numbered like a blocking one, recorded (posted once the
+ * backend started it), started; the request joins the group's list. */
+static int issue_call(struct am_comm *c, struct am_comm_call *call, struct am_comm_req **out)
+{
+    struct am_comm_req *q = calloc(1, sizeof(*q));
+    if (!q || reserve_req(c) < 0) {
+        free(q);
+        return arg_fail(c, am_comm_name_of(call), "out of memory for a request");
+    }
+    call->seq = ++c->seq;
+    c->call = call;
+    c->timed_out = 0;
+    c->flight_id = c->ctx->flight ? flight_begin(c, call) : 0;
+    q->c = c;
+    q->call = *call;
+    q->flight_id = c->flight_id;
+    q->stall = c->stall_seq == call->seq;
+    atomic_init(&q->waiting_for, -1);
+    int rc = refused(c);
+    if (rc == 0 && (rc = c->ctx->ops->start(c, q)) < 0)
+        break_group(c);
+    if (rc < 0) {
+        flight_end(c, q->flight_id, rc);
+        free(q);
+        return -1;
+    }
+    if (q->flight_id)
+        am_flight_post(c->ctx->flight, q->flight_id);
+    c->reqs[c->n_reqs++] = q;
+    *out = q;
+    return 0;
+}
+
+static int issue(struct am_comm *c, struct am_comm_call *call, struct am_comm_req **out)
+{
+    double t0 = am_comm_now();
+    int rc = issue_call(c, call, out);
+    c->ctx->busy_s += am_comm_now() - t0;
+    c->flight_id = 0;
+    c->call = NULL;
+    return rc;
+}
+
+/* The request's outcome, once the backend reports it complete: the group broken on a failure
+ * (its message in c->err), the flight entry ended; then the request is released. */
+static int finish_req(struct am_comm *c, struct am_comm_req *q)
+{
+    int rc = q->rc;
+    if (rc < 0) {
+        c->timed_out = q->timed_out;
+        if (!c->broken)
+            break_group(c);
+    }
+    flight_end(c, q->flight_id, rc);
+    c->ctx->ops->req_drop(c, q);
+    for (size_t i = 0; i < c->n_reqs; i++)
+        if (c->reqs[i] == q) {
+            memmove(c->reqs + i, c->reqs + i + 1, (c->n_reqs - i - 1) * sizeof(*c->reqs));
+            c->n_reqs--;
+            break;
+        }
+    free(q);
+    return rc;
+}
+
+/* Waits for (block) or tests q: 1 and its result in *rc when complete (q released), else 0. */
+static int complete_req(struct am_comm_req *q, int block, int *rc)
+{
+    struct am_comm *c = q->c;
+    double t0 = am_comm_now();
+    c->call = &q->call;
+    c->flight_id = q->flight_id;
+    c->timed_out = 0;
+    if (block && q->flight_id) /* the rank waits for it from now: the watchdog times it */
+        am_flight_start(c->ctx->flight, q->flight_id);
+    int done = block ? (c->ctx->ops->req_wait(c, q), 1) : c->ctx->ops->req_test(c, q);
+    if (done)
+        *rc = finish_req(c, q);
+    c->ctx->busy_s += am_comm_now() - t0;
+    c->flight_id = 0;
+    c->call = NULL;
+    return done;
+}
+
+int am_iallreduce(struct am_comm *c, const void *send, void *recv, size_t count, enum am_comm_dtype t,
+                  enum am_comm_op op, struct am_comm_req **req)
+{
+    struct am_comm_call call = {.kind = AM_CALL_ALLREDUCE, .nonblocking = 1};
+    if (req)
+        *req = NULL;
+    if (!c)
+        return -1;
+    if (!req)
+        return arg_fail(c, "iallreduce", "the request pointer is NULL");
+    if (prep_allreduce(c, &call, send, recv, count, t, op) < 0)
+        return -1;
+    return issue(c, &call, req);
+}
+
+int am_ireduce_scatter(struct am_comm *c, const void *send, void *recv, size_t count, enum am_comm_dtype t,
+                       enum am_comm_op op, struct am_comm_req **req)
+{
+    struct am_comm_call call = {.kind = AM_CALL_REDUCE_SCATTER, .nonblocking = 1};
+    if (req)
+        *req = NULL;
+    if (!c)
+        return -1;
+    if (!req)
+        return arg_fail(c, "ireduce_scatter", "the request pointer is NULL");
+    if (prep_reduce_scatter(c, &call, send, recv, count, t, op) < 0)
+        return -1;
+    return issue(c, &call, req);
+}
+
+int am_iallgather(struct am_comm *c, const void *send, void *recv, size_t count, enum am_comm_dtype t,
+                  struct am_comm_req **req)
+{
+    struct am_comm_call call = {.kind = AM_CALL_ALLGATHER, .nonblocking = 1};
+    if (req)
+        *req = NULL;
+    if (!c)
+        return -1;
+    if (!req)
+        return arg_fail(c, "iallgather", "the request pointer is NULL");
+    if (prep_allgather(c, &call, send, recv, count, t) < 0)
+        return -1;
+    return issue(c, &call, req);
+}
+
+int am_comm_wait(struct am_comm_req *req)
+{
+    int rc = 0;
+    if (req)
+        complete_req(req, 1, &rc);
+    return rc;
+}
+
+int am_comm_test(struct am_comm_req *req, int *done)
+{
+    int rc = 0, d = 1;
+    if (req)
+        d = complete_req(req, 0, &rc);
+    if (done)
+        *done = d;
+    return rc;
+}
+
+int am_comm_wait_all(struct am_comm_req **reqs, size_t n)
+{
+    int rc = 0;
+    for (size_t i = 0; reqs && i < n; i++) {
+        if (am_comm_wait(reqs[i]) < 0)
+            rc = -1;
+        reqs[i] = NULL;
+    }
+    return rc;
 }

@@ -40,6 +40,29 @@
  * even where am_send_wait_keep asks for the oldest only).
  * comm_nccl.c says which patterns that serves.
  *
+ * Non-blocking collectives. am_iallreduce, am_ireduce_scatter and am_iallgather start the
+ * collective and return a request (struct am_comm_req *); the buffers belong to it until
+ * am_comm_wait returns (or am_comm_test reports it done). They compute exactly what the
+ * blocking call computes (same algorithm, same order of reductions: the bits are identical)
+ * and are numbered with the group's collective sequence number like blocking calls
+ * ("iallreduce #17 on group dp ..."). Ranks must issue them in the same order on every rank
+ * of every group, interleaved the same way across groups (as for blocking calls: one rank
+ * runs them one after another), and requests of one group complete in issue order, whatever
+ * order they are waited in. A blocking call made meanwhile, on their group or another, does
+ * not wait for them: it runs beside them (UCX) or after them on the device (NCCL).
+ *   UCX:  a communication thread per context runs the requests one at a time, in issue order
+ *         over all groups, on a worker of its own (UCX's rule for workers on different threads
+ *         of one context: mt_workers_shared), so they progress while the calling thread
+ *         computes without calling in; blocking calls stay on the calling thread's worker.
+ *   NCCL: enqueued on the group's communication stream after an event on the group's stream
+ *         (the data is ready when that stream reaches the call), each ending with an event;
+ *         am_comm_wait makes the group's stream (am_comm_set_stream) wait for that event and
+ *         returns, or, without a stream, waits on the host.
+ * In the flight recorder a request is "posted" while nothing waits for it, started again when
+ * am_comm_wait begins to wait for it (the watchdog times it from there) and ended when the wait
+ * or a test finds it complete. A failed request breaks its group like a failed call; its wait
+ * says why (am_comm_error: the call, the group, the sequence number, the peer).
+ *
  * Counts are in elements. `count` may be 0. For reduce_scatter and allgather, `count` is
  * the per-rank block: the full buffer holds count * group size elements. In-place
  * operation is allowed where send == recv (allreduce), or send == recv + rank * count
@@ -90,7 +113,10 @@ void am_comm_ctx_abort(struct am_comm_ctx *ctx, const char *reason);
 int am_comm_ctx_aborted(const struct am_comm_ctx *ctx);
 void am_comm_inject_stall(struct am_comm *c, uint64_t seq);
 /* Seconds spent inside calls on the context so far (every group, every call, from its
- * start to its return): the trainer's per-step time in communication. */
+ * start to its return): the trainer's per-step time in communication. For non-blocking
+ * collectives only the calling thread's time counts: starting them, am_comm_test and the
+ * time blocked in am_comm_wait; what runs in the background while the rank computes does
+ * not (so busy_s is the time the rank was held up by communication). */
 double am_comm_ctx_busy_s(const struct am_comm_ctx *ctx);
 
 /* Creates n_groups groups at once; collective over ALL ranks of the job, which must pass
@@ -135,5 +161,25 @@ int am_send_wait(struct am_comm *c);
  * sends from a ring of buffers waits for the send of the one it is about to reuse. */
 int am_send_wait_keep(struct am_comm *c, size_t keep);
 int am_barrier(struct am_comm *c);
+
+/* Non-blocking collectives: the arguments, rules and results of the blocking calls; *req is
+ * the request (NULL when the call fails: nothing started, am_comm_error says why). */
+struct am_comm_req;
+int am_iallreduce(struct am_comm *c, const void *send, void *recv, size_t count, enum am_comm_dtype t,
+                  enum am_comm_op op, struct am_comm_req **req);
+int am_ireduce_scatter(struct am_comm *c, const void *send, void *recv, size_t count, enum am_comm_dtype t,
+                       enum am_comm_op op, struct am_comm_req **req);
+int am_iallgather(struct am_comm *c, const void *send, void *recv, size_t count, enum am_comm_dtype t,
+                  struct am_comm_req **req);
+/* Waits for the request (bounded by the timeout like every wait; at once on an abort) and
+ * releases it: 0, or -1 with am_comm_error(its group) naming the call and the peer. NULL: 0. */
+int am_comm_wait(struct am_comm_req *req);
+/* Never blocks: *done = 0 while the request runs (0 returned); *done = 1 when it is complete,
+ * then it is released like am_comm_wait and the result returned (0 or -1). */
+int am_comm_test(struct am_comm_req *req, int *done);
+/* am_comm_wait on reqs[0..n) in that order (NULL entries skipped), each set to NULL; all are
+ * waited for even after a failure; 0, or -1 (am_comm_error of the failed request's group
+ * says why: the first failure's, unless a later one on the same group overwrote it). */
+int am_comm_wait_all(struct am_comm_req **reqs, size_t n);
 
 #endif

@@ -8,6 +8,11 @@
  * Non-blocking sends (am_isend) pass it twice: run() posts the send and its flight entry stays
  * open; am_send_wait waits for each pending send in turn (send_wait()), ends its entry and
  * hands the list back to the backend (send_drop()).
+ * Non-blocking collectives (am_iallreduce, ...) are numbered like blocking ones, recorded
+ * "posted" and handed to the backend's start(), which returns at once with the operation under
+ * way (UCX: queued to the context's communication thread, which runs them one at a time, in
+ * issue order, with the blocking algorithms on a second worker; NCCL: enqueued on the group's
+ * communication stream). am_comm_wait/test end them (req_wait, req_test) and release them.
  * While a backend waits it names the peer it waits for (am_comm_waiting), and its waits give
  * up at once when another thread aborts the context (am_comm_ctx_aborted).
  * A backend reports a failure with am_comm_fail(), which prefixes the message with the
@@ -55,6 +60,23 @@ struct am_comm_call {
                                  * this message between this rank and the peer, in that
                                  * direction (sends and isends share one count); send_wait: 0 */
     size_t bytes;               /* payload size for logs: what this rank sends or holds */
+    int nonblocking;            /* am_iallreduce & co: named "iallreduce", ... */
+};
+
+/* A non-blocking collective (comm.h's struct am_comm_req): the call as issued, its flight
+ * entry (posted until a wait starts it again), and, once the front knows it, its result. */
+struct am_comm_req {
+    struct am_comm *c;
+    struct am_comm_call call;
+    uint64_t flight_id;         /* 0: no recorder */
+    int stall;                  /* am_comm_inject_stall chose this call */
+    /* written by the backend before it reports completion (UCX: the communication thread,
+     * under its lock), read by the front after */
+    int rc;                     /* 0, or -1 with err */
+    int timed_out;
+    char err[AM_COMM_ERR_LEN];
+    _Atomic int waiting_for;    /* the group rank the backend waits for, -1: none */
+    void *be;                   /* the backend's per-request state */
 };
 
 /* A send started by am_isend: the call as posted (the message names it) and its flight
@@ -86,6 +108,17 @@ struct am_comm_ops {
      * (they completed, or the group failed and the rest are given up). Nothing of them may be
      * written or waited for later. destroy() drops the ones still kept itself. */
     void (*send_drop)(struct am_comm *c, size_t n);
+    /* Non-blocking collectives. start: q->call is checked and numbered; starts it and returns
+     * without waiting for any peer (0), or fails (-1, c->err) with nothing started. req_test:
+     * 1 when q is complete (q->rc says how; on failure c->err says why), else 0; never blocks.
+     * req_wait: waits until q is complete (the rules of every wait: timeout, abort, the peer
+     * named in the flight entry, c->flight_id), then as req_test. req_drop: forgets q, complete
+     * or not (am_comm_destroy gives up requests never waited for; UCX waits for the one the
+     * thread is running). Requests of one group complete in the order they were started. */
+    int (*start)(struct am_comm *c, struct am_comm_req *q);
+    int (*req_test)(struct am_comm *c, struct am_comm_req *q);
+    int (*req_wait)(struct am_comm *c, struct am_comm_req *q);
+    void (*req_drop)(struct am_comm *c, struct am_comm_req *q);
 };
 
 struct am_comm_ctx {
@@ -100,7 +133,7 @@ struct am_comm_ctx {
     struct am_flight *flight;   /* the flight recorder, or NULL */
     char **hosts;               /* host of each global rank (n_hosts of them), or NULL */
     int n_hosts;
-    double busy_s;              /* seconds inside calls so far */
+    double busy_s;              /* seconds inside calls so far (the calling thread's) */
     _Atomic int aborted;        /* am_comm_ctx_abort was called (any thread) */
     char abort_reason[256];     /* written before `aborted` is set */
 };
@@ -115,6 +148,11 @@ struct am_comm {
     uint64_t *sent, *received;  /* per group rank: messages sent to it, received from it */
     struct am_comm_pending *pending; /* am_isend's sends not yet completed by am_send_wait, */
     size_t n_pending, cap_pending;   /* oldest first (the backend keeps them in that order) */
+    struct am_comm_req **reqs;  /* non-blocking collectives not yet waited for, oldest first */
+    size_t n_reqs, cap_reqs;
+    _Atomic int *waiting_out;   /* UCX's communication thread: its copy of the group publishes
+                                 * the peer it waits for here (the request's), not in the
+                                 * flight recorder, which only the calling thread writes */
     void *stream;               /* NCCL: cudaStream_t */
     const struct am_comm_call *call; /* the call in progress, for messages */
     int broken;
@@ -131,6 +169,10 @@ int am_comm_fail(struct am_comm *c, const char *fmt, ...) __attribute__((format(
 /* Records a context-level message in ctx->err; returns -1. */
 int am_comm_ctx_fail(struct am_comm_ctx *ctx, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 const char *am_comm_call_name(enum am_comm_kind k);
+/* The name of a call as messages and the flight recorder show it ("iallreduce", "send"). */
+const char *am_comm_name_of(const struct am_comm_call *call);
+/* am_comm_inject_stall's hang: blocks until the context is aborted, then fails the call. */
+int am_comm_stall(struct am_comm *c);
 const char *am_comm_op_name(enum am_comm_op op);
 
 /* The backend waits for group rank `peer` of the call in progress (-1: no longer waits):

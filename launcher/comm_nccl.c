@@ -67,6 +67,9 @@ struct nccl_comm {
     struct nccl_send *sends;    /* am_isend's, oldest first, until send_drop; */
     size_t nsend, cap, nqueued; /* sends[0, nqueued) are enqueued */
     char queue_err[AM_COMM_ERR_LEN]; /* enqueuing them failed during another group's call */
+    cudaStream_t comm_stream;   /* non-blocking collectives (made on the first), or NULL */
+    cudaEvent_t ready;          /* recorded on the group's stream before each of them */
+    cudaEvent_t tail;           /* recorded on comm_stream after each of them */
 };
 
 static ncclDataType_t nccl_dtype(enum am_comm_dtype t)
@@ -187,13 +190,16 @@ static int wait_issued(struct am_comm *c, const char *what)
     }
 }
 
-/* Waits for the stream to drain, watching the communicator for asynchronous errors. */
-static int wait_stream(struct am_comm *c, cudaStream_t s)
+/* Waits for the stream to drain (ev NULL) or for event ev, watching the communicator for
+ * asynchronous errors. */
+static int wait_done(struct am_comm *c, cudaStream_t s, cudaEvent_t ev)
 {
     struct nccl_comm *n = c->be;
     struct backoff b = {.start = am_comm_now(), .timeout = c->ctx->timeout_s};
+    if (!n->comm)
+        return am_comm_fail(c, "failed: the group's NCCL communicator was aborted while the call was under way");
     for (;;) {
-        cudaError_t q = cudaStreamQuery(s);
+        cudaError_t q = ev ? cudaEventQuery(ev) : cudaStreamQuery(s);
         ncclResult_t st;
         ncclResult_t r = ncclCommGetAsyncError(n->comm, &st);
         if (r != ncclSuccess)
@@ -212,6 +218,19 @@ static int wait_stream(struct am_comm *c, cudaStream_t s)
         if (backoff_wait(&b) < 0)
             return timed_out(c, "the other ranks to complete it");
     }
+}
+
+static int wait_stream(struct am_comm *c, cudaStream_t s) { return wait_done(c, s, NULL); }
+
+/* A blocking call on the group runs after its non-blocking collectives on the device. */
+static int after_async(struct am_comm *c, cudaStream_t s)
+{
+    struct nccl_comm *n = c->be;
+    cudaError_t ce = n->comm_stream ? cudaStreamWaitEvent(s, n->tail, 0) : cudaSuccess;
+    if (ce != cudaSuccess)
+        return am_comm_fail(c, "failed: ordering the call after the group's non-blocking collectives: %s",
+                            cudaGetErrorString(ce));
+    return 0;
 }
 
 static int nccl_ok(ncclResult_t r) { return r == ncclSuccess || r == ncclInProgress; }
@@ -355,6 +374,8 @@ static int run_p2p(struct am_comm *c, const struct am_comm_call *call)
     ncclDataType_t dt = nccl_dtype(call->dtype);
     if (!call->count && n->nqueued == n->nsend)
         return 0;
+    if (after_async(c, s) < 0)
+        return -1;
     ncclResult_t r = ncclGroupStart();
     if (r != ncclSuccess)
         return nccl_fail(c, "ncclGroupStart", r);
@@ -376,7 +397,7 @@ static int run_collective(struct am_comm *c, const struct am_comm_call *call)
     size_t es = am_comm_dtype_size(call->dtype);
     ncclResult_t r = ncclSuccess;
     cudaError_t ce;
-    if (enqueue_own(c) < 0)
+    if (enqueue_own(c) < 0 || after_async(c, s) < 0)
         return -1;
     switch (call->kind) {
     case AM_CALL_ALLREDUCE:
@@ -476,6 +497,115 @@ static void nccl_send_drop(struct am_comm *c, size_t k)
     n->nqueued = n->nqueued > k ? n->nqueued - k : 0;
 }
 
+/* ---- non-blocking collectives --------------------------------------------------------------- */
+
+/* The group's communication stream and its two events, made on the first request. */
+static int comm_stream(struct am_comm *c)
+{
+    struct nccl_comm *n = c->be;
+    cudaError_t ce = cudaSuccess;
+    if (n->comm_stream)
+        return 0;
+    if ((ce = cudaEventCreateWithFlags(&n->ready, cudaEventDisableTiming)) != cudaSuccess ||
+        (ce = cudaEventCreateWithFlags(&n->tail, cudaEventDisableTiming)) != cudaSuccess ||
+        (ce = cudaStreamCreateWithFlags(&n->comm_stream, cudaStreamNonBlocking)) != cudaSuccess) {
+        n->comm_stream = NULL;
+        return am_comm_fail(c, "failed: making the group's communication stream: %s", cudaGetErrorString(ce));
+    }
+    return 0;
+}
+
+/* Enqueues the collective on the communication stream once the group's stream has reached
+ * this point (after the group's kept sends); q->be is the event recorded after it. */
+static int nccl_start(struct am_comm *c, struct am_comm_req *q)
+{
+    struct nccl_comm *n = c->be;
+    const struct am_comm_call *call = &q->call;
+    ncclDataType_t dt = nccl_dtype(call->dtype);
+    ncclResult_t r = ncclSuccess;
+    cudaEvent_t done = NULL;
+    cudaError_t ce;
+    if (begin(c) < 0 || enqueue_own(c) < 0 || comm_stream(c) < 0)
+        return -1;
+    cudaStream_t cs = n->comm_stream;
+    if ((ce = cudaEventRecord(n->ready, (cudaStream_t)c->stream)) != cudaSuccess ||
+        (ce = cudaStreamWaitEvent(cs, n->ready, 0)) != cudaSuccess ||
+        (ce = cudaEventCreateWithFlags(&done, cudaEventDisableTiming)) != cudaSuccess)
+        return am_comm_fail(c, "failed: ordering the communication stream after the group's stream: %s",
+                            cudaGetErrorString(ce));
+    if (call->count && call->kind == AM_CALL_ALLREDUCE)
+        r = ncclAllReduce(call->send, call->recv, call->count, dt, nccl_op(call->op, c->size), n->comm, cs);
+    else if (call->count && call->kind == AM_CALL_REDUCE_SCATTER)
+        r = ncclReduceScatter(call->send, call->recv, call->count, dt, nccl_op(call->op, c->size), n->comm, cs);
+    else if (call->count && call->kind == AM_CALL_ALLGATHER)
+        r = ncclAllGather(call->send, call->recv, call->count, dt, n->comm, cs);
+    if (issued(c, am_comm_name_of(call), r) < 0) {
+        cudaEventDestroy(done);
+        return -1;
+    }
+    if ((ce = cudaEventRecord(done, cs)) != cudaSuccess || (ce = cudaEventRecord(n->tail, cs)) != cudaSuccess) {
+        cudaEventDestroy(done);
+        return am_comm_fail(c, "failed: recording the end of the call: %s", cudaGetErrorString(ce));
+    }
+    q->be = (void *)done;
+    return 0;
+}
+
+/* Complete: the event passed; failed: the communicator reported an error, or the context was
+ * aborted (the communicator is then aborted too). */
+static int nccl_req_test(struct am_comm *c, struct am_comm_req *q)
+{
+    struct nccl_comm *n = c->be;
+    if (!n->comm) {
+        q->rc = am_comm_fail(c, "failed: the group's NCCL communicator was aborted while the call was under way");
+        return 1;
+    }
+    cudaError_t ce = cudaEventQuery((cudaEvent_t)q->be);
+    if (ce == cudaSuccess) {
+        q->rc = 0;
+        return 1;
+    }
+    ncclResult_t st, r = ncclCommGetAsyncError(n->comm, &st);
+    if (r != ncclSuccess)
+        q->rc = nccl_fail(c, "ncclCommGetAsyncError", r);
+    else if (st != ncclSuccess && st != ncclInProgress)
+        q->rc = nccl_fail(c, "asynchronous NCCL error", st);
+    else if (ce != cudaErrorNotReady)
+        q->rc = am_comm_fail(c, "failed: CUDA error on the communication stream: %s", cudaGetErrorString(ce));
+    else if (am_comm_ctx_aborted(c->ctx))
+        q->rc = aborted(c);
+    else
+        return 0;
+    return 1;
+}
+
+/* With a stream set on the group: that stream waits for the call on the device and the host
+ * goes on (its end is seen by the group's next host wait); without one: the host waits. */
+static int nccl_req_wait(struct am_comm *c, struct am_comm_req *q)
+{
+    cudaEvent_t done = (cudaEvent_t)q->be;
+    if (nccl_req_test(c, q))
+        return 1;
+    if (c->stream) {
+        cudaError_t ce = cudaStreamWaitEvent((cudaStream_t)c->stream, done, 0);
+        q->rc = ce == cudaSuccess ? 0 : am_comm_fail(c, "failed: making the group's stream wait for the call: %s",
+                                                     cudaGetErrorString(ce));
+        return 1;
+    }
+    q->rc = wait_done(c, NULL, done);
+    if (q->rc < 0)
+        q->timed_out = c->timed_out;
+    return 1;
+}
+
+static void nccl_req_drop(struct am_comm *c, struct am_comm_req *q)
+{
+    (void)c;
+    if (q->be)
+        cudaEventDestroy((cudaEvent_t)q->be);
+    q->be = NULL;
+}
+
 static int nccl_ctx_init(struct am_comm_ctx *ctx, int device)
 {
     int ndev = 0;
@@ -531,6 +661,11 @@ static void nccl_destroy(struct am_comm *c)
     }
     if (n->barrier_buf)
         cudaFree(n->barrier_buf);
+    if (n->comm_stream) {
+        cudaStreamDestroy(n->comm_stream);
+        cudaEventDestroy(n->ready);
+        cudaEventDestroy(n->tail);
+    }
     free(n->sends);
     free(n);
     c->be = NULL;
@@ -628,4 +763,8 @@ const struct am_comm_ops am_comm_nccl_backend = {
     .run = nccl_run,
     .send_wait = nccl_send_wait,
     .send_drop = nccl_send_drop,
+    .start = nccl_start,
+    .req_test = nccl_req_test,
+    .req_wait = nccl_req_wait,
+    .req_drop = nccl_req_drop,
 };

@@ -1,8 +1,24 @@
 /* comm_ucx.c - the UCX backend (comm.h, comm_impl.h): host memory over UCP tagged messages.
  *
- * One UCP context and worker per process; every rank publishes its worker address through
- * the bootstrap at context creation, and am_comm_create_groups creates endpoints to every
- * peer that shares a group with this rank, up front.
+ * One UCP context per process with two workers: the calling thread's, for every blocking call
+ * and isend, and the communication thread's, for the non-blocking collectives (am_iallreduce,
+ * ...). Every rank publishes both addresses through the bootstrap at context creation;
+ * am_comm_create_groups creates endpoints from the calling thread's worker to every peer that
+ * shares a group with this rank, up front, and fetches the peers' other address, from which
+ * the communication thread connects its worker on a group's first request (its worker is
+ * touched by no other thread in between). UCX's threading rules: workers used from different
+ * threads need a thread-safe context (ucp_params_t.mt_workers_shared = 1); a worker in
+ * UCS_THREAD_MODE_SERIALIZED may be used by several threads one at a time (the thread's is
+ * made and destroyed by the calling thread, while the communication thread is not running).
+ *
+ * The communication thread (started at the first request) takes requests from a queue, one at
+ * a time, in issue order over all groups, and runs each with the blocking algorithms below on
+ * its own copy of the group (its endpoints, requests, scratch space, message and broken state),
+ * so the results are the blocking call's bits. It sleeps on a condition variable when the queue
+ * is empty; while it runs a request it polls, yields and sleeps like every wait (below). Tags do
+ * not collide with blocking calls: the two workers match messages apart. am_comm_wait sleeps
+ * until the thread reports the request done, copying into the flight entry the peer the thread
+ * waits for (only the calling thread writes the flight recorder).
  *
  * Tags keep groups and calls apart (64 bits):
  *   63      p2p flag (send/recv are numbered per pair of ranks and direction, collectives by
@@ -55,6 +71,7 @@
  * apply as usual.
  */
 #include <errno.h>
+#include <pthread.h>
 #include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -74,17 +91,41 @@
 #define MAX_GROUPS 2048
 #define MAX_GROUP_SIZE 65536
 #define ADDR_KEY "am.comm.ucx.addr"
+#define ASYNC_ADDR_KEY "am.comm.ucx.async"
 
-struct ucx_ctx {
-    ucp_context_h context;
+/* A worker and its endpoints: the calling thread's (main), or the communication thread's
+ * (async), which runs the non-blocking collectives. Each is used by one thread at a time. */
+struct ucx_lane {
     ucp_worker_h worker;
     ucp_address_t *addr;
     size_t addr_len;
-    ucp_ep_h *eps;              /* by global rank; NULL where no group is shared */
+    ucp_ep_h *eps;              /* by global rank; NULL where no group is shared (async: not yet
+                                 * connected: the thread connects on a group's first request) */
     ucs_status_t *ep_status;    /* by global rank: UCS_OK, or why UCX gave up on the endpoint */
+    int failed;                 /* a call failed: do not wait for peers at the end */
+};
+
+/* A request on the communication thread's queue. */
+struct ucx_req {
+    struct am_comm_req *q;
+    struct ucx_req *next;
+    int state;                  /* REQ_QUEUED, REQ_RUNNING, REQ_DONE (under the lock) */
+};
+enum { REQ_QUEUED, REQ_RUNNING, REQ_DONE };
+
+struct ucx_ctx {
+    ucp_context_h context;
+    struct ucx_lane main, async;
+    void **async_addr;          /* by global rank: the peer's async worker address (malloc) */
+    size_t *async_addr_len;
     int peer_errors;            /* endpoints report peer failures (UCP_ERR_HANDLING_MODE_PEER) */
     int log_handler;            /* on_ucx_log is pushed */
-    int failed;                 /* a call failed: do not wait for peers at the end */
+    /* the communication thread (started at the first non-blocking collective) */
+    pthread_mutex_t lock;
+    pthread_cond_t work, done;  /* a request was queued (or stop); one completed */
+    struct ucx_req *head, *tail;
+    pthread_t thread;
+    int thread_up, stop;
     size_t seg_bytes;           /* pipeline segment */
     size_t small_bytes;         /* latency algorithms up to this size */
     size_t window;              /* reduce-scatter staging slots, in segments */
@@ -102,6 +143,10 @@ struct xreq {
 };
 
 struct ucx_comm {
+    struct ucx_lane *lane;      /* the worker this copy of the group runs on */
+    struct am_comm *shadow;     /* the group as the communication thread runs it: its own
+                                 * ucx_comm on the async lane, message and broken state */
+    int connected;              /* async lane: the endpoints are made */
     ucp_ep_h *eps;              /* by group rank */
     struct xreq *reqs;          /* the current call's requests */
     size_t nreq, cap;
@@ -217,7 +262,6 @@ static long post_send(struct am_comm *c, int peer, const void *buf, size_t len, 
 static long post_recv(struct am_comm *c, int peer, void *buf, size_t len, ucp_tag_t tag)
 {
     struct ucx_comm *u = c->be;
-    struct ucx_ctx *x = c->ctx->be;
     long i = new_req(c);
     if (i < 0)
         return -1;
@@ -228,7 +272,7 @@ static long post_recv(struct am_comm *c, int peer, void *buf, size_t len, ucp_ta
     /* Always a request: UCX 1.13 leaves recv_info.tag_info unset on immediate completion,
      * and the received length is how mismatched counts are caught. */
     ucp_request_param_t param = {.op_attr_mask = UCP_OP_ATTR_FLAG_NO_IMM_CMPL};
-    ucs_status_ptr_t p = ucp_tag_recv_nbx(x->worker, len ? buf : u->sink, len, tag, (ucp_tag_t)-1, &param);
+    ucs_status_ptr_t p = ucp_tag_recv_nbx(u->lane->worker, len ? buf : u->sink, len, tag, (ucp_tag_t)-1, &param);
     if (UCS_PTR_IS_ERR(p) || p == NULL) {
         char who[320];
         r->done = 1;
@@ -273,8 +317,8 @@ static void on_ep_error(void *arg, ucp_ep_h ep, ucs_status_t status)
 
 static int peer_gone(struct am_comm *c, const struct xreq *r)
 {
-    const struct ucx_ctx *x = c->ctx->be;
-    ucs_status_t st = x->ep_status[c->ranks[r->peer]];
+    const struct ucx_comm *u = c->be;
+    ucs_status_t st = u->lane->ep_status[c->ranks[r->peer]];
     if (st == UCS_OK)
         return 0;
     char who[320];
@@ -301,12 +345,13 @@ static int req_result(struct am_comm *c, const struct xreq *r)
  * request is posted during a wait). */
 static int wait_slow(struct am_comm *c, struct xreq *r)
 {
-    struct ucx_ctx *x = c->ctx->be;
+    const struct ucx_ctx *x = c->ctx->be;
+    ucp_worker_h worker = ((struct ucx_comm *)c->be)->lane->worker;
     double start = am_comm_now(), last = start, timeout = c->ctx->timeout_s;
     unsigned polls = 0, busy = 0;
     long sleep_ns = 50000;
     for (;;) {
-        busy |= ucp_worker_progress(x->worker);
+        busy |= ucp_worker_progress(worker);
         if (test_req(r))
             return req_result(c, r);
         if (++polls < x->polls)
@@ -378,13 +423,13 @@ static int wait_all(struct am_comm *c)
  * finishes or fails them on its own, reading their buffers until then. */
 static void drop_reqs(struct am_comm *c, struct xreq *v, size_t n)
 {
-    struct ucx_ctx *x = c->ctx->be;
+    ucp_worker_h worker = ((struct ucx_comm *)c->be)->lane->worker;
     for (size_t i = 0; i < n; i++) {
         struct xreq *r = &v[i];
         if (r->done || !r->req)
             continue;
         if (r->is_recv)
-            ucp_request_cancel(x->worker, r->req);
+            ucp_request_cancel(worker, r->req);
         ucp_request_free(r->req);
         r->req = NULL;
         r->done = 1;
@@ -909,7 +954,7 @@ static int ucx_run(struct am_comm *c, const struct am_comm_call *call)
     }
     if (rc < 0) {
         drop_all(c);
-        ((struct ucx_ctx *)c->ctx->be)->failed = 1;
+        u->lane->failed = 1;
     }
     u->nreq = 0;
     return rc;
@@ -921,7 +966,7 @@ static int ucx_send_wait(struct am_comm *c, size_t i)
     struct ucx_comm *u = c->be;
     if (wait_xreq(c, &u->sends[i]) == 0)
         return 0;
-    ((struct ucx_ctx *)c->ctx->be)->failed = 1;
+    u->lane->failed = 1;
     return -1;
 }
 
@@ -959,6 +1004,32 @@ static ucs_log_func_rc_t on_ucx_log(const char *file, unsigned line, const char 
     return UCS_LOG_FUNC_RC_STOP;
 }
 
+/* A lane's worker (the calling thread's: SINGLE; the communication thread's: SERIALIZED, as it
+ * is made and destroyed here and used by that thread in between) and its address; -1 with
+ * ctx->err. */
+static int lane_init(struct am_comm_ctx *ctx, struct ucx_lane *l, ucs_thread_mode_t mode, const char *which)
+{
+    struct ucx_ctx *x = ctx->be;
+    ucs_status_t st;
+    if (!(l->eps = calloc((size_t)ctx->info.size, sizeof(ucp_ep_h))) ||
+        !(l->ep_status = calloc((size_t)ctx->info.size, sizeof(ucs_status_t))))
+        return am_comm_ctx_fail(ctx, "UCX context: out of memory");
+    ucp_worker_params_t wp = {.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE, .thread_mode = mode};
+    if ((st = ucp_worker_create(x->context, &wp, &l->worker)) != UCS_OK) {
+        l->worker = NULL;
+        return am_comm_ctx_fail(ctx, "UCX context: ucp_worker_create (%s) failed: %s", which, ucs_status_string(st));
+    }
+    if ((st = ucp_worker_get_address(l->worker, &l->addr, &l->addr_len)) != UCS_OK) {
+        l->addr = NULL;
+        return am_comm_ctx_fail(ctx, "UCX context: ucp_worker_get_address (%s) failed: %s", which,
+                                ucs_status_string(st));
+    }
+    if (l->addr_len > AM_BOOT_MAX_VALUE)
+        return am_comm_ctx_fail(ctx, "UCX context: the %s worker address has %zu bytes, more than the bootstrap "
+                                "carries (%d)", which, l->addr_len, AM_BOOT_MAX_VALUE);
+    return 0;
+}
+
 static int ucx_ctx_init(struct am_comm_ctx *ctx, int device)
 {
     (void)device;
@@ -966,14 +1037,17 @@ static int ucx_ctx_init(struct am_comm_ctx *ctx, int device)
     ucp_config_t *config = NULL;
     ucs_status_t st;
     int rc = -1;
-    if (!x || !(x->eps = calloc((size_t)ctx->info.size, sizeof(ucp_ep_h))) ||
-        !(x->ep_status = calloc((size_t)ctx->info.size, sizeof(ucs_status_t)))) {
-        if (x)
-            free(x->eps);
-        free(x);
+    if (!x)
         return am_comm_ctx_fail(ctx, "UCX context: out of memory");
-    }
     ctx->be = x;
+    pthread_mutex_init(&x->lock, NULL);
+    pthread_cond_init(&x->work, NULL);
+    pthread_cond_init(&x->done, NULL);
+    if (!(x->async_addr = calloc((size_t)ctx->info.size, sizeof(void *))) ||
+        !(x->async_addr_len = calloc((size_t)ctx->info.size, sizeof(size_t)))) {
+        am_comm_ctx_fail(ctx, "UCX context: out of memory");
+        goto out;
+    }
     x->seg_bytes = (size_t)env_num("AM_COMM_UCX_SEGMENT", 256 << 10, 64, 1 << 30);
     x->window = (size_t)env_num("AM_COMM_UCX_WINDOW", 4, 1, 1 << 20);
     x->peer_errors = env_num("AM_COMM_UCX_PEER_ERRORS", 0, 0, 1) != 0;
@@ -998,32 +1072,27 @@ static int ucx_ctx_init(struct am_comm_ctx *ctx, int device)
         snprintf(thresh, sizeof(thresh), "%zu", (x->small_bytes > 4096 ? x->small_bytes : 4096) + 1);
         ucp_config_modify(config, "RNDV_THRESH", thresh);
     }
+    /* Two workers used from two threads: the context must be thread safe (UCX's rule,
+     * ucp_params_t.mt_workers_shared); each worker is used by one thread at a time. */
     ucp_params_t params = {.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_ESTIMATED_NUM_EPS |
-                                         UCP_PARAM_FIELD_ESTIMATED_NUM_PPN,
+                                         UCP_PARAM_FIELD_ESTIMATED_NUM_PPN | UCP_PARAM_FIELD_MT_WORKERS_SHARED,
                            .features = UCP_FEATURE_TAG,
+                           .mt_workers_shared = 1,
                            .estimated_num_eps = (size_t)ctx->info.size,
                            .estimated_num_ppn = (size_t)(ctx->info.local_size > 0 ? ctx->info.local_size : 1)};
     if ((st = ucp_init(&params, config, &x->context)) != UCS_OK) {
         am_comm_ctx_fail(ctx, "UCX context: ucp_init failed: %s", ucs_status_string(st));
+        x->context = NULL;
         goto out;
     }
-    ucp_worker_params_t wp = {.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE, .thread_mode = UCS_THREAD_MODE_SINGLE};
-    if ((st = ucp_worker_create(x->context, &wp, &x->worker)) != UCS_OK) {
-        am_comm_ctx_fail(ctx, "UCX context: ucp_worker_create failed: %s", ucs_status_string(st));
+    if (lane_init(ctx, &x->main, UCS_THREAD_MODE_SINGLE, "calling thread") < 0 ||
+        lane_init(ctx, &x->async, UCS_THREAD_MODE_SERIALIZED, "communication thread") < 0)
         goto out;
-    }
-    if ((st = ucp_worker_get_address(x->worker, &x->addr, &x->addr_len)) != UCS_OK) {
-        am_comm_ctx_fail(ctx, "UCX context: ucp_worker_get_address failed: %s", ucs_status_string(st));
-        goto out;
-    }
-    if (x->addr_len > AM_BOOT_MAX_VALUE) {
-        am_comm_ctx_fail(ctx, "UCX context: the worker address has %zu bytes, more than the bootstrap carries (%d)",
-                         x->addr_len, AM_BOOT_MAX_VALUE);
-        goto out;
-    }
-    /* the peers that share a group with this rank fetch it in am_comm_create_groups */
-    if (am_boot_put(ctx->boot, ADDR_KEY, x->addr, x->addr_len) < 0 || am_boot_fence(ctx->boot, ctx->timeout_s) < 0) {
-        am_comm_ctx_fail(ctx, "UCX context: publishing this rank's worker address: %s", am_boot_error(ctx->boot));
+    /* the peers that share a group with this rank fetch them in am_comm_create_groups */
+    if (am_boot_put(ctx->boot, ADDR_KEY, x->main.addr, x->main.addr_len) < 0 ||
+        am_boot_put(ctx->boot, ASYNC_ADDR_KEY, x->async.addr, x->async.addr_len) < 0 ||
+        am_boot_fence(ctx->boot, ctx->timeout_s) < 0) {
+        am_comm_ctx_fail(ctx, "UCX context: publishing this rank's worker addresses: %s", am_boot_error(ctx->boot));
         goto out;
     }
     rc = 0;
@@ -1049,36 +1118,68 @@ static void finish_request(ucp_worker_h w, ucs_status_ptr_t p, double limit_s)
     ucp_request_free(p);
 }
 
+/* Delivers what is still in flight (unless a peer already failed the lane), then closes the
+ * endpoints without waiting for the peers, and the worker. */
+static void lane_fini(struct am_comm_ctx *ctx, struct ucx_lane *l)
+{
+    double limit = ctx->timeout_s < 5 ? ctx->timeout_s : 5;
+    if (l->worker) {
+        ucp_request_param_t fp = {.op_attr_mask = 0};
+        if (!l->failed)
+            finish_request(l->worker, ucp_worker_flush_nbx(l->worker, &fp), limit);
+        for (int r = 0; l->eps && r < ctx->info.size; r++) {
+            if (!l->eps[r])
+                continue;
+            ucp_request_param_t cp = {.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS, .flags = UCP_EP_CLOSE_FLAG_FORCE};
+            finish_request(l->worker, ucp_ep_close_nbx(l->eps[r], &cp), limit);
+        }
+        if (l->addr)
+            ucp_worker_release_address(l->worker, l->addr);
+        ucp_worker_destroy(l->worker);
+    }
+    free(l->eps);
+    free(l->ep_status);
+}
+
 static void ucx_ctx_fini(struct am_comm_ctx *ctx)
 {
     struct ucx_ctx *x = ctx->be;
     if (!x)
         return;
-    double limit = ctx->timeout_s < 5 ? ctx->timeout_s : 5;
-    if (x->worker) {
-        /* deliver what is still in flight (unless a peer already failed us), then close
-         * without waiting for the peers */
-        ucp_request_param_t fp = {.op_attr_mask = 0};
-        if (!x->failed)
-            finish_request(x->worker, ucp_worker_flush_nbx(x->worker, &fp), limit);
-        for (int r = 0; r < ctx->info.size; r++) {
-            if (!x->eps[r])
-                continue;
-            ucp_request_param_t cp = {.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS, .flags = UCP_EP_CLOSE_FLAG_FORCE};
-            finish_request(x->worker, ucp_ep_close_nbx(x->eps[r], &cp), limit);
-        }
-        if (x->addr)
-            ucp_worker_release_address(x->worker, x->addr);
-        ucp_worker_destroy(x->worker);
+    if (x->thread_up) { /* it ends after the request it runs; queued ones are given up */
+        pthread_mutex_lock(&x->lock);
+        x->stop = 1;
+        pthread_cond_broadcast(&x->work);
+        pthread_mutex_unlock(&x->lock);
+        pthread_join(x->thread, NULL);
     }
+    lane_fini(ctx, &x->async);
+    lane_fini(ctx, &x->main);
     if (x->context)
         ucp_cleanup(x->context);
     if (x->log_handler)
         ucs_log_pop_handler();
-    free(x->eps);
-    free(x->ep_status);
+    for (int r = 0; x->async_addr && r < ctx->info.size; r++)
+        free(x->async_addr[r]);
+    free(x->async_addr);
+    free(x->async_addr_len);
+    pthread_cond_destroy(&x->work);
+    pthread_cond_destroy(&x->done);
+    pthread_mutex_destroy(&x->lock);
     free(x);
     ctx->be = NULL;
+}
+
+/* The memory of one copy of a group (its UCX requests already let go of). */
+static void comm_free(struct ucx_comm *u)
+{
+    if (!u)
+        return;
+    free(u->eps);
+    free(u->reqs);
+    free(u->sends);
+    free(u->scratch);
+    free(u);
 }
 
 static void ucx_destroy(struct am_comm *c)
@@ -1089,12 +1190,64 @@ static void ucx_destroy(struct am_comm *c)
     if (u->nreq)
         drop_all(c);
     ucx_send_drop(c, u->nsend);
-    free(u->eps);
-    free(u->reqs);
-    free(u->sends);
-    free(u->scratch);
-    free(u);
+    if (u->shadow) { /* the front dropped its requests: the thread no longer runs the group */
+        comm_free(u->shadow->be);
+        free(u->shadow);
+    }
+    comm_free(u);
     c->be = NULL;
+}
+
+static struct ucx_comm *comm_new(struct ucx_lane *lane, int size)
+{
+    struct ucx_comm *u = calloc(1, sizeof(*u));
+    if (u && !(u->eps = calloc((size_t)size, sizeof(ucp_ep_h)))) {
+        free(u);
+        return NULL;
+    }
+    if (u)
+        u->lane = lane;
+    return u;
+}
+
+/* An endpoint to peer (global rank) at addr on the lane's worker; UCS_OK or why not. */
+static ucs_status_t ep_create(struct ucx_ctx *x, struct ucx_lane *l, int peer, const void *addr)
+{
+    /* With peer error handling a dead peer fails the requests on its endpoint (and the wait
+     * names it) instead of UCX aborting this process. */
+    ucp_ep_params_t ep = {.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS, .address = addr};
+    if (x->peer_errors) {
+        ep.field_mask |= UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
+        ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+        ep.err_handler.cb = on_ep_error;
+        ep.err_handler.arg = &l->ep_status[peer];
+    }
+    ucs_status_t st = ucp_ep_create(l->worker, &ep, &l->eps[peer]);
+    if (st != UCS_OK)
+        l->eps[peer] = NULL;
+    return st;
+}
+
+/* The group's copy for the communication thread: the same group, its own state; its
+ * endpoints are made by the thread itself (connect_shadow). */
+static int make_shadow(struct am_comm_ctx *ctx, struct am_comm *c)
+{
+    struct ucx_ctx *x = ctx->be;
+    struct am_comm *s = calloc(1, sizeof(*s));
+    struct ucx_comm *su = s ? comm_new(&x->async, c->size) : NULL;
+    if (!su) {
+        free(s);
+        return am_comm_ctx_fail(ctx, "create groups: out of memory for group %s", c->name);
+    }
+    s->ctx = ctx;
+    s->id = c->id;
+    memcpy(s->name, c->name, sizeof(s->name));
+    s->rank = c->rank;
+    s->size = c->size;
+    s->ranks = c->ranks;
+    s->be = su;
+    ((struct ucx_comm *)c->be)->shadow = s;
+    return 0;
 }
 
 static int ucx_create_groups(struct am_comm_ctx *ctx, int n_groups, struct am_comm **groups)
@@ -1111,46 +1264,213 @@ static int ucx_create_groups(struct am_comm_ctx *ctx, int n_groups, struct am_co
         if (c->size > MAX_GROUP_SIZE)
             return am_comm_ctx_fail(ctx, "create groups: group %s has %d ranks, more than the UCX backend's %d",
                                     c->name, c->size, MAX_GROUP_SIZE);
-        struct ucx_comm *u = calloc(1, sizeof(*u));
-        if (!u || !(u->eps = calloc((size_t)c->size, sizeof(ucp_ep_h)))) {
-            if (u) {
-                c->be = u;
-                ucx_destroy(c);
-            }
+        struct ucx_comm *u = comm_new(&x->main, c->size);
+        if (!u)
             return am_comm_ctx_fail(ctx, "create groups: out of memory for group %s", c->name);
-        }
         c->be = u;
+        if (make_shadow(ctx, c) < 0)
+            return -1;
         for (int i = 0; i < c->size; i++) {
             int peer = c->ranks[i];
             if (peer == me)
                 continue;
-            if (!x->eps[peer]) {
+            if (!x->async_addr[peer] && am_boot_get(ctx->boot, peer, ASYNC_ADDR_KEY, &x->async_addr[peer],
+                                                    &x->async_addr_len[peer], ctx->timeout_s) < 0)
+                return am_comm_ctx_fail(ctx, "create groups: group %s: the UCX address of rank %d's communication "
+                                        "thread: %s", c->name, peer, am_boot_error(ctx->boot));
+            if (!x->main.eps[peer]) {
                 void *addr = NULL;
                 size_t len = 0;
                 if (am_boot_get(ctx->boot, peer, ADDR_KEY, &addr, &len, ctx->timeout_s) < 0)
                     return am_comm_ctx_fail(ctx, "create groups: group %s: the UCX address of rank %d: %s", c->name,
                                             peer, am_boot_error(ctx->boot));
-                /* With peer error handling a dead peer fails the requests on its endpoint
-                 * (and the wait names it) instead of UCX aborting this process. */
-                ucp_ep_params_t ep = {.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS, .address = addr};
-                if (x->peer_errors) {
-                    ep.field_mask |= UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
-                    ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
-                    ep.err_handler.cb = on_ep_error;
-                    ep.err_handler.arg = &x->ep_status[peer];
-                }
-                ucs_status_t st = ucp_ep_create(x->worker, &ep, &x->eps[peer]);
+                ucs_status_t st = ep_create(x, &x->main, peer, addr);
                 free(addr);
-                if (st != UCS_OK) {
-                    x->eps[peer] = NULL;
+                if (st != UCS_OK)
                     return am_comm_ctx_fail(ctx, "create groups: group %s: UCX endpoint to rank %d: %s", c->name, peer,
                                             ucs_status_string(st));
-                }
             }
-            u->eps[i] = x->eps[peer];
+            u->eps[i] = x->main.eps[peer];
         }
     }
     return 0;
+}
+
+/* ---- the communication thread: non-blocking collectives ---------------------------------- */
+
+/* The thread's endpoints for the group, made on its first request (the worker is the
+ * thread's alone). */
+static int connect_shadow(struct am_comm *s)
+{
+    struct ucx_ctx *x = s->ctx->be;
+    struct ucx_comm *su = s->be;
+    for (int i = 0; i < s->size && !su->connected; i++) {
+        int peer = s->ranks[i];
+        if (i == s->rank)
+            continue;
+        if (!x->async.eps[peer]) {
+            ucs_status_t st = ep_create(x, &x->async, peer, x->async_addr[peer]);
+            if (st != UCS_OK) {
+                char who[320];
+                return am_comm_fail(s, "failed: UCX endpoint to the communication thread of %s: %s",
+                                    am_comm_peer_text(s, i, who, sizeof(who)), ucs_status_string(st));
+            }
+        }
+        su->eps[i] = x->async.eps[peer];
+    }
+    su->connected = 1;
+    return 0;
+}
+
+/* Runs request q on the group's copy s, as a blocking call runs on the group: refused when
+ * an earlier request of the group failed or the context was aborted; 0 or -1 (s->err). */
+static int lane_run(struct am_comm *s, struct am_comm_req *q)
+{
+    s->call = &q->call;
+    s->timed_out = 0;
+    s->waiting_out = &q->waiting_for;
+    int rc;
+    if (s->broken)
+        rc = am_comm_fail(s, "refused: the group failed earlier (%s)", s->first_err);
+    else if (am_comm_ctx_aborted(s->ctx))
+        rc = am_comm_fail_aborted(s);
+    else if (connect_shadow(s) < 0)
+        rc = -1;
+    else
+        rc = q->stall ? am_comm_stall(s) : ucx_run(s, &q->call);
+    if (rc < 0 && !s->broken) {
+        s->broken = 1;
+        snprintf(s->first_err, sizeof(s->first_err), "%s", s->err);
+    }
+    q->rc = rc;
+    q->timed_out = s->timed_out;
+    if (rc < 0)
+        snprintf(q->err, sizeof(q->err), "%s", s->err);
+    s->call = NULL;
+    s->waiting_out = NULL;
+    return rc;
+}
+
+/* Takes queued requests one at a time, in issue order, and runs them; sleeps when there are
+ * none. */
+static void *lane_main(void *arg)
+{
+    struct am_comm_ctx *ctx = arg;
+    struct ucx_ctx *x = ctx->be;
+    pthread_mutex_lock(&x->lock);
+    for (;;) {
+        while (!x->head && !x->stop)
+            pthread_cond_wait(&x->work, &x->lock);
+        if (x->stop)
+            break;
+        struct ucx_req *r = x->head;
+        x->head = r->next;
+        if (!x->head)
+            x->tail = NULL;
+        r->state = REQ_RUNNING;
+        pthread_mutex_unlock(&x->lock);
+        struct am_comm *s = ((struct ucx_comm *)r->q->c->be)->shadow;
+        lane_run(s, r->q);
+        pthread_mutex_lock(&x->lock);
+        r->state = REQ_DONE;
+        pthread_cond_broadcast(&x->done);
+    }
+    pthread_mutex_unlock(&x->lock);
+    return NULL;
+}
+
+/* Queues q for the communication thread (started on the first request). */
+static int ucx_start(struct am_comm *c, struct am_comm_req *q)
+{
+    struct ucx_ctx *x = c->ctx->be;
+    struct ucx_req *r = calloc(1, sizeof(*r));
+    if (!r)
+        return am_comm_fail(c, "failed: out of memory for a request");
+    if (!x->thread_up) {
+        int e = pthread_create(&x->thread, NULL, lane_main, c->ctx);
+        if (e != 0) {
+            free(r);
+            return am_comm_fail(c, "failed: cannot start the communication thread: %s", strerror(e));
+        }
+        x->thread_up = 1;
+    }
+    r->q = q;
+    q->be = r;
+    pthread_mutex_lock(&x->lock);
+    if (x->tail)
+        x->tail->next = r;
+    else
+        x->head = r;
+    x->tail = r;
+    pthread_cond_signal(&x->work);
+    pthread_mutex_unlock(&x->lock);
+    return 0;
+}
+
+/* After completion: a failure's message becomes the group's. */
+static int req_done(struct am_comm *c, struct am_comm_req *q)
+{
+    if (q->rc < 0)
+        snprintf(c->err, sizeof(c->err), "%s", q->err);
+    return 1;
+}
+
+static int ucx_req_test(struct am_comm *c, struct am_comm_req *q)
+{
+    struct ucx_ctx *x = c->ctx->be;
+    struct ucx_req *r = q->be;
+    pthread_mutex_lock(&x->lock);
+    int done = r->state == REQ_DONE;
+    pthread_mutex_unlock(&x->lock);
+    return done ? req_done(c, q) : 0;
+}
+
+/* Sleeps until the thread completes q (its waits have the timeout and see an abort), showing
+ * in the flight entry (the calling thread's to write) the peer the thread waits for. */
+static int ucx_req_wait(struct am_comm *c, struct am_comm_req *q)
+{
+    struct ucx_ctx *x = c->ctx->be;
+    struct ucx_req *r = q->be;
+    pthread_mutex_lock(&x->lock);
+    while (r->state != REQ_DONE) {
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        ts.tv_nsec += 20 * 1000 * 1000;
+        if (ts.tv_nsec >= 1000000000L) {
+            ts.tv_sec++;
+            ts.tv_nsec -= 1000000000L;
+        }
+        pthread_cond_timedwait(&x->done, &x->lock, &ts);
+        if (r->state != REQ_DONE)
+            am_comm_waiting(c, atomic_load_explicit(&q->waiting_for, memory_order_relaxed));
+    }
+    pthread_mutex_unlock(&x->lock);
+    return req_done(c, q);
+}
+
+/* Forgets q: taken off the queue when it has not started, waited for when it runs. */
+static void ucx_req_drop(struct am_comm *c, struct am_comm_req *q)
+{
+    struct ucx_ctx *x = c->ctx->be;
+    struct ucx_req *r = q->be;
+    if (!r)
+        return;
+    pthread_mutex_lock(&x->lock);
+    if (r->state == REQ_QUEUED) {
+        struct ucx_req **p = &x->head, *prev = NULL;
+        for (; *p && *p != r; prev = *p, p = &(*p)->next)
+            ;
+        if (*p) {
+            *p = r->next;
+            if (x->tail == r)
+                x->tail = prev;
+        }
+    }
+    while (r->state == REQ_RUNNING)
+        pthread_cond_wait(&x->done, &x->lock);
+    pthread_mutex_unlock(&x->lock);
+    free(r);
+    q->be = NULL;
 }
 
 const struct am_comm_ops am_comm_ucx_backend = {
@@ -1162,4 +1482,8 @@ const struct am_comm_ops am_comm_ucx_backend = {
     .run = ucx_run,
     .send_wait = ucx_send_wait,
     .send_drop = ucx_send_drop,
+    .start = ucx_start,
+    .req_test = ucx_req_test,
+    .req_wait = ucx_req_wait,
+    .req_drop = ucx_req_drop,
 };

@@ -47,9 +47,10 @@ enum am_flight_state {
     AM_FLIGHT_FAILED,       /* the backend reported an error */
     AM_FLIGHT_TIMED_OUT,    /* a wait expired, or the watchdog gave up on it */
     AM_FLIGHT_ABORTED,      /* failed because the context was aborted (am_comm_ctx_abort) */
-    AM_FLIGHT_POSTED,       /* an isend under way while the rank goes on: nothing waits for it
-                               until am_send_wait, which starts it again (started = when the
-                               rank began to wait for it) */
+    AM_FLIGHT_POSTED,       /* an isend or a non-blocking collective under way while the rank
+                               goes on: nothing waits for it until am_send_wait (am_comm_wait),
+                               which starts it again (started = when the rank began to wait
+                               for it) */
 };
 
 /* What the front knows of a call. op, dtype and redop must be static strings (the

@@ -41,9 +41,22 @@
  *                          a timeout. With :isend, a run of rounds in which every other rank
  *                          sends rank R a few MiB with am_isend and waits with am_send_wait
  *                          (rank R receives them): the pending send must fail, naming rank R.
+ *                          With :iallreduce, rounds of two iallreduces in flight, waited for in
+ *                          reverse: the wait must fail, naming the call and rank R.
+ *   COMM_CHECK_STALL       the first iallreduce on world stalls (am_comm_inject_stall) on every
+ *                          rank; a watchdog thread like the trainer's must abort the wait.
+ *
+ * Non-blocking collectives (am_iallreduce, am_ireduce_scatter, am_iallgather), on every group:
+ * every op x dtype x edge size x in place or not alone, bit for bit against the blocking call
+ * on the same inputs, the flight entry "posted" until the wait and completed after; seven of
+ * mixed kinds, dtypes and sizes in flight at once, waited in order, in reverse, polled with
+ * am_comm_test and with am_comm_wait_all; then four on two groups at once (world and rev)
+ * with blocking calls meanwhile on a third group and on world itself; then overlap: a 16 MiB
+ * iallreduce must complete while every rank sleeps without calling in.
  */
 #include <errno.h>
 #include <math.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdarg.h>
 #include <stdint.h>
@@ -868,6 +881,377 @@ static void *isend_left_pending(struct check *k, struct am_comm *world, uint64_t
     return d;
 }
 
+/* ---- non-blocking collectives ---------------------------------------------------------------- */
+
+enum { NB_ALLREDUCE, NB_REDUCE_SCATTER, NB_ALLGATHER };
+static const char *const nb_names[] = {"iallreduce", "ireduce_scatter", "iallgather"};
+
+/* One non-blocking call and the bits the blocking call gave for the same inputs. */
+struct nb_op {
+    int kind;
+    enum am_comm_dtype t;
+    enum am_comm_op op;
+    size_t n;                   /* allreduce: elements; the others: per rank */
+    int in_place;
+    uint64_t salt;
+    void *dbuf, *dsend, *drecv; /* dbuf: what is freed; send and recv inside it, or apart */
+    void *dsend_own;
+    char *ref;                  /* the blocking call's result */
+    size_t in_bytes, out_bytes;
+    struct am_comm_req *req;
+};
+
+static int nb_blocking(struct am_comm *c, const struct nb_op *o, const void *s, void *r)
+{
+    switch (o->kind) {
+    case NB_ALLREDUCE: return am_allreduce(c, s, r, o->n, o->t, o->op);
+    case NB_REDUCE_SCATTER: return am_reduce_scatter(c, s, r, o->n, o->t, o->op);
+    default: return am_allgather(c, s, r, o->n, o->t);
+    }
+}
+
+static int nb_start(struct am_comm *c, struct nb_op *o)
+{
+    switch (o->kind) {
+    case NB_ALLREDUCE: return am_iallreduce(c, o->dsend, o->drecv, o->n, o->t, o->op, &o->req);
+    case NB_REDUCE_SCATTER: return am_ireduce_scatter(c, o->dsend, o->drecv, o->n, o->t, o->op, &o->req);
+    default: return am_iallgather(c, o->dsend, o->drecv, o->n, o->t, &o->req);
+    }
+}
+
+/* Runs the blocking call (its result in o->ref) and lays out fresh buffers with the same
+ * inputs for the non-blocking one. */
+static void nb_prepare(struct check *k, struct am_comm *c, struct nb_op *o)
+{
+    size_t p = (size_t)am_comm_size(c), r = (size_t)am_comm_rank(c), es = am_comm_dtype_size(o->t);
+    size_t in = o->kind == NB_REDUCE_SCATTER ? o->n * p : o->n, out = o->kind == NB_ALLGATHER ? o->n * p : o->n;
+    o->in_bytes = in * es;
+    o->out_bytes = out * es;
+    char *h = xmalloc(o->in_bytes);
+    fill(h, o->t, k->info.rank, o->salt, 0, in);
+    void *bs = dev_alloc(o->in_bytes), *br = dev_alloc(o->out_bytes);
+    to_dev(bs, h, o->in_bytes);
+    if (nb_blocking(c, o, bs, br) < 0)
+        die_call(k, c, "the blocking reference of a non-blocking call");
+    o->ref = xmalloc(o->out_bytes);
+    to_host(o->ref, br, o->out_bytes);
+    dev_free(bs);
+    dev_free(br);
+    o->dsend_own = NULL;
+    if (!o->in_place) {
+        o->dsend = o->dsend_own = dev_alloc(o->in_bytes);
+        o->dbuf = o->drecv = dev_alloc(o->out_bytes);
+        to_dev(o->dsend, h, o->in_bytes);
+    } else if (o->kind == NB_ALLREDUCE) {
+        o->dbuf = o->dsend = o->drecv = dev_alloc(o->in_bytes);
+        to_dev(o->dsend, h, o->in_bytes);
+    } else if (o->kind == NB_REDUCE_SCATTER) {
+        o->dbuf = o->dsend = dev_alloc(o->in_bytes);
+        o->drecv = (char *)o->dsend + r * o->n * es;
+        to_dev(o->dsend, h, o->in_bytes);
+    } else {
+        o->dbuf = o->drecv = dev_alloc(o->out_bytes);
+        o->dsend = (char *)o->drecv + r * o->n * es;
+        to_dev(o->dsend, h, o->in_bytes);
+    }
+    free(h);
+}
+
+/* The non-blocking result must be the blocking one, bit for bit. */
+static void nb_check(struct check *k, struct nb_op *o, const char *how)
+{
+    char *got = xmalloc(o->out_bytes);
+    to_host(got, o->drecv, o->out_bytes);
+    k->checks++;
+    if (memcmp(got, o->ref, o->out_bytes) != 0)
+        failf(k, "%s%s n=%zu %s %s (%s): the result differs from the blocking call's bits", nb_names[o->kind],
+              o->in_place ? " (in place)" : "", o->n, am_comm_dtype_name(o->t), op_str(o->op), how);
+    free(got);
+    free(o->ref);
+    dev_free(o->dbuf);
+    dev_free(o->dsend_own);
+    o->ref = NULL;
+}
+
+static void nb_issue(struct check *k, struct am_comm *c, struct nb_op *o)
+{
+    uint64_t seq = am_comm_seq(c);
+    if (nb_start(c, o) < 0 || !o->req)
+        die_call(k, c, nb_names[o->kind]);
+    k->checks++;
+    if (am_comm_seq(c) != seq + 1)
+        failf(k, "%s: sequence number went from %llu to %llu", nb_names[o->kind], (unsigned long long)seq,
+              (unsigned long long)am_comm_seq(c));
+}
+
+/* Every op x dtype x edge size on its own: started, then waited for, against the blocking
+ * bits; the flight entry is "posted" until the wait and completed after. */
+static void test_nb_single(struct check *k, struct am_comm *c, enum am_comm_dtype t, const size_t *sizes, int ns,
+                           int di)
+{
+    static const enum am_comm_op ops[] = {AM_SUM, AM_MAX, AM_AVG};
+    int p = am_comm_size(c);
+    for (int si = 0; si < ns; si++)
+        for (int kind = 0; kind < 3; kind++)
+            for (int oi = 0; oi < (kind == NB_ALLGATHER ? 1 : 3); oi++)
+                for (int ip = 0; ip < 2; ip++) {
+                    size_t n = kind == NB_ALLREDUCE ? sizes[si] : sizes[si] / (size_t)p + (sizes[si] % 2);
+                    struct nb_op o = {.kind = kind, .t = t, .op = ops[oi], .n = n, .in_place = ip,
+                                      .salt = salt_of(20, di, si, kind * 3 + oi, ip)};
+                    nb_prepare(k, c, &o);
+                    nb_issue(k, c, &o);
+                    uint64_t id = atomic_load(&k->flight.newest);
+                    struct am_flight_view v;
+                    k->checks++;
+                    if (!am_flight_get(&k->flight, id, &v) || strcmp(v.op, nb_names[kind]) != 0 ||
+                        v.seq != am_comm_seq(c) || (v.state != AM_FLIGHT_POSTED))
+                        failf(k, "%s n=%zu: its flight entry is not a posted %s #%llu (state %s)", nb_names[kind], n,
+                              nb_names[kind], (unsigned long long)am_comm_seq(c), am_flight_state_name(v.state));
+                    if (am_comm_wait(o.req) < 0)
+                        die_call(k, c, nb_names[kind]);
+                    if (!am_flight_get(&k->flight, id, &v) || v.state != AM_FLIGHT_COMPLETED)
+                        failf(k, "%s n=%zu: its flight entry did not end completed", nb_names[kind], n);
+                    nb_check(k, &o, "alone");
+                }
+}
+
+/* Argument errors: refused at once, not numbered, the group still usable. */
+static void test_nb_arguments(struct check *k, struct am_comm *c)
+{
+    int x = 0;
+    struct am_comm_req *q = (struct am_comm_req *)&x;
+    uint64_t seq = am_comm_seq(c);
+    k->checks++;
+    if (am_iallreduce(c, &x, &x, 1, (enum am_comm_dtype)42, AM_SUM, &q) == 0 || q ||
+        !strstr(am_comm_error(c), "iallreduce on group") || !strstr(am_comm_error(c), "dtype 42"))
+        failf(k, "a bad dtype was accepted by iallreduce (or said: %s)", am_comm_error(c));
+    if (am_iallgather(c, NULL, &x, 1, AM_I32, &q) == 0 || !strstr(am_comm_error(c), "NULL"))
+        failf(k, "a NULL buffer was accepted by iallgather (or said: %s)", am_comm_error(c));
+    if (am_ireduce_scatter(c, &x, &x, 1, AM_I32, AM_SUM, NULL) == 0 || !strstr(am_comm_error(c), "request"))
+        failf(k, "a NULL request pointer was accepted (or said: %s)", am_comm_error(c));
+    if (am_comm_seq(c) != seq)
+        failf(k, "refused non-blocking calls changed the sequence number");
+    if (am_comm_wait(NULL) != 0)
+        failf(k, "am_comm_wait(NULL) failed");
+}
+
+/* A mix of N_NB calls (every kind, dtype and a few MiB among them) in flight at once on the
+ * group, finished in the order `how` says: in order, in reverse, by polling am_comm_test (in
+ * reverse: a later one done means the earlier ones are too), or am_comm_wait_all. */
+#define N_NB 7
+static void test_nb_many(struct check *k, struct am_comm *c, int how, uint64_t salt)
+{
+    static const char *const hows[] = {"waited in order", "waited in reverse", "polled with test", "wait_all"};
+    static const enum am_comm_dtype ts[N_NB] = {AM_F32, AM_BF16, AM_I64, AM_F32, AM_F16, AM_I32, AM_F32};
+    int p = am_comm_size(c);
+    size_t big = k->big_bytes / 4 / (size_t)p + 5;
+    const size_t ns[N_NB] = {big * (size_t)p, 7, 1000, big, 0, (size_t)(33 << 10), 3};
+    struct nb_op o[N_NB];
+    for (int i = 0; i < N_NB; i++) {
+        o[i] = (struct nb_op){.kind = i % 3, .t = ts[i], .op = (enum am_comm_op)(i % 3), .n = ns[i],
+                              .in_place = i % 2, .salt = salt + (uint64_t)i};
+        nb_prepare(k, c, &o[i]); /* the blocking references first: all of them before any starts */
+    }
+    for (int i = 0; i < N_NB; i++)
+        nb_issue(k, c, &o[i]);
+    if (how == 0 || how == 1) {
+        for (int j = 0; j < N_NB; j++)
+            if (am_comm_wait(o[how ? N_NB - 1 - j : j].req) < 0)
+                die_call(k, c, hows[how]);
+    } else if (how == 2) {
+        int left = N_NB;
+        double t0 = am_comm_now();
+        while (left && am_comm_now() - t0 < 120) {
+            for (int i = N_NB - 1; i >= 0; i--) {
+                int done = 0;
+                if (!o[i].req)
+                    continue;
+                if (am_comm_test(o[i].req, &done) < 0)
+                    die_call(k, c, hows[how]);
+                if (done) {
+                    o[i].req = NULL;
+                    left--;
+                }
+            }
+            struct timespec ts1 = {0, 200000};
+            nanosleep(&ts1, NULL);
+        }
+        k->checks++;
+        if (left)
+            failf(k, "%d non-blocking calls never tested done", left);
+    } else {
+        struct am_comm_req *reqs[N_NB + 1];
+        for (int i = 0; i < N_NB; i++)
+            reqs[i] = o[i].req;
+        reqs[N_NB] = NULL;
+        if (am_comm_wait_all(reqs, N_NB + 1) < 0)
+            die_call(k, c, hows[how]);
+    }
+    for (int i = 0; i < N_NB; i++)
+        nb_check(k, &o[i], hows[how]);
+}
+
+static void test_nonblocking(struct check *k, struct am_comm *c)
+{
+    test_nb_arguments(k, c);
+    for (int how = 0; how < 4; how++)
+        test_nb_many(k, c, how, salt_of(21, how, 0, 0, 0));
+}
+
+/* Requests in flight on two groups at once (world and rev: the same ranks), with blocking
+ * calls meanwhile on a third group and on world itself; each against the blocking bits. */
+static void test_nb_groups(struct check *k, struct am_comm *a, struct am_comm *b, struct am_comm *other)
+{
+    k->gname = "world+rev";
+    size_t n = k->big_bytes / 4 + 11;
+    struct nb_op o[4] = {
+        {.kind = NB_ALLREDUCE, .t = AM_F32, .op = AM_SUM, .n = n, .salt = salt_of(22, 0, 0, 0, 0)},
+        {.kind = NB_ALLREDUCE, .t = AM_BF16, .op = AM_AVG, .n = n, .salt = salt_of(22, 1, 0, 0, 0)},
+        {.kind = NB_REDUCE_SCATTER, .t = AM_F32, .op = AM_SUM, .n = n / 8, .salt = salt_of(22, 2, 0, 0, 0)},
+        {.kind = NB_ALLGATHER, .t = AM_I32, .n = n / 8, .in_place = 1, .salt = salt_of(22, 3, 0, 0, 0)},
+    };
+    struct am_comm *on[4] = {a, b, a, b};
+    for (int i = 0; i < 4; i++)
+        nb_prepare(k, on[i], &o[i]);
+    for (int i = 0; i < 4; i++) {
+        nb_issue(k, on[i], &o[i]);
+        if (i == 1 && other) /* blocking, on a third group, while two are in flight */
+            test_allreduce(k, other, AM_F32, AM_SUM, 100000, 0, salt_of(22, 9, 0, 0, 0));
+    }
+    test_allreduce(k, a, AM_I64, AM_SUM, 70000, 1, salt_of(22, 10, 0, 0, 0)); /* blocking on world */
+    for (int i = 3; i >= 0; i--)
+        if (am_comm_wait(o[i].req) < 0)
+            die_call(k, on[i], "non-blocking calls on two groups");
+    for (int i = 0; i < 4; i++)
+        nb_check(k, &o[i], "two groups, blocking calls between");
+}
+
+/* One int64 reduced over the group through device memory (the nccl build needs it there). */
+static int64_t reduce_i64(struct check *k, struct am_comm *c, int64_t v, enum am_comm_op op)
+{
+    void *d = dev_alloc(sizeof(v));
+    to_dev(d, &v, sizeof(v));
+    if (am_allreduce(c, d, d, 1, AM_I64, op) < 0)
+        die_call(k, c, "a reduction of one number");
+    to_host(&v, d, sizeof(v));
+    dev_free(d);
+    return v;
+}
+
+/* Overlap: a large iallreduce progresses while the rank sleeps without calling in. The rank
+ * sleeps 5 times the blocking call's time (the slowest rank's), plus 0.2 s; then
+ * am_comm_test must find it complete. All ranks retry together (longer sleeps, up to 3
+ * tries) when any did not, so a loaded machine does not fail it; without a thread that moves
+ * the request, no sleep would do. */
+static void test_nb_overlap(struct check *k, struct am_comm *c)
+{
+    k->gname = am_comm_name(c);
+    if (am_comm_size(c) == 1)
+        return;
+    size_t n = (16u << 20) / 4;
+    float *h = xmalloc(n * 4);
+    fill(h, AM_F32, k->info.rank, salt_of(23, 0, 0, 0, 0), 0, n);
+    void *ds = dev_copy_of((char *)h, n * 4), *dr = dev_alloc(n * 4);
+    double t0 = am_comm_now();
+    if (am_allreduce(c, ds, dr, n, AM_F32, AM_SUM) < 0)
+        die_call(k, c, "overlap: blocking allreduce");
+    int64_t slowest = reduce_i64(k, c, (int64_t)((am_comm_now() - t0) * 1e9), AM_MAX);
+    double sleep_s = 5 * (double)slowest * 1e-9 + 0.2;
+    int ok = 0, tries = 0;
+    for (; tries < 3 && !ok; tries++, sleep_s *= 4) {
+        struct am_comm_req *q;
+        if (am_iallreduce(c, ds, dr, n, AM_F32, AM_SUM, &q) < 0)
+            die_call(k, c, "overlap: iallreduce");
+        struct timespec ts = {(time_t)sleep_s, (long)((sleep_s - (double)(time_t)sleep_s) * 1e9)};
+        nanosleep(&ts, NULL);
+        int done = 0;
+        if (am_comm_test(q, &done) < 0 || (!done && am_comm_wait(q) < 0))
+            die_call(k, c, "overlap: iallreduce");
+        ok = reduce_i64(k, c, done, AM_SUM) == am_comm_size(c);
+    }
+    k->checks++;
+    if (!ok)
+        failf(k, "overlap: a 16 MiB iallreduce was not complete after the rank slept 5, 20 and 80 times the "
+              "blocking call's time (%.3f s) without calling in", (double)slowest * 1e-9);
+    else if (k->info.rank == 0)
+        printf("comm_check: overlap: a 16 MiB iallreduce completed while the rank slept (%d tr%s; blocking %.3f s)\n",
+               tries, tries == 1 ? "y" : "ies", (double)slowest * 1e-9);
+    dev_free(ds);
+    dev_free(dr);
+}
+
+/* COMM_CHECK_STALL: iallreduce #N on world stalls (am_comm_inject_stall) on every rank. It is
+ * posted (the watchdog does not time it) until the wait; then it is the oldest call in
+ * flight, and a watchdog like the trainer's (a thread that aborts the context when that call
+ * has run longer than its timeout, 0.5 s) ends the wait with "aborted". */
+struct mini_watchdog {
+    struct check *k;
+    struct am_flight_view seen;
+    int fired;
+};
+
+static void *mini_watchdog(void *arg)
+{
+    struct mini_watchdog *w = arg;
+    for (int i = 0; i < 600; i++) {
+        struct timespec ts = {0, 50 * 1000 * 1000};
+        nanosleep(&ts, NULL);
+        struct am_flight_view v;
+        if (!am_flight_oldest_inflight(&w->k->flight, &v) || am_flight_now() - v.started < 0.5)
+            continue;
+        w->seen = v;
+        w->fired = 1;
+        am_comm_ctx_abort(w->k->ctx, "the test's watchdog gave up");
+        return NULL;
+    }
+    return NULL;
+}
+
+static int run_stall(struct check *k, struct am_comm *world)
+{
+    k->gname = "world";
+    size_t n = 1 << 20;
+    void *d = dev_alloc(n * 4);
+    uint64_t seq = am_comm_seq(world) + 1;
+    am_comm_inject_stall(world, seq);
+    struct am_comm_req *q;
+    if (am_iallreduce(world, d, d, n, AM_F32, AM_SUM, &q) < 0)
+        die_call(k, world, "stall: iallreduce");
+    struct am_flight_view v;
+    k->checks++;
+    struct timespec ts = {0, 300 * 1000 * 1000};
+    nanosleep(&ts, NULL); /* posted: nothing to time yet */
+    if (am_flight_oldest_inflight(&k->flight, &v))
+        failf(k, "stall: %s #%llu is timed by the watchdog before anything waits for it", v.op,
+              (unsigned long long)v.seq);
+    struct mini_watchdog w = {.k = k};
+    pthread_t th;
+    pthread_create(&th, NULL, mini_watchdog, &w);
+    double t0 = am_comm_now();
+    int rc = am_comm_wait(q);
+    double took = am_comm_now() - t0;
+    pthread_join(th, NULL);
+    char want[96];
+    snprintf(want, sizeof(want), "iallreduce #%llu on group world", (unsigned long long)seq);
+    k->checks++;
+    if (rc == 0 || !w.fired || !strstr(am_comm_error(world), want) || !strstr(am_comm_error(world), "aborted"))
+        failf(k, "stall: the wait returned %d after %.2f s (watchdog %s): %s", rc, took, w.fired ? "fired" : "idle",
+              am_comm_error(world));
+    else if (strcmp(w.seen.op, "iallreduce") != 0 || w.seen.seq != seq)
+        failf(k, "stall: the watchdog timed %s #%llu, not iallreduce #%llu", w.seen.op,
+              (unsigned long long)w.seen.seq, (unsigned long long)seq);
+    uint64_t id = atomic_load(&k->flight.newest);
+    if (!am_flight_get(&k->flight, id, &v) || v.state != AM_FLIGHT_ABORTED)
+        failf(k, "stall: the flight entry did not end aborted");
+    dev_free(d);
+    if (k->failures) {
+        fprintf(stderr, "comm_check: rank %d: %ld of %ld checks FAILED\n", k->info.rank, k->failures, k->checks);
+        return 1;
+    }
+    fprintf(stderr, "comm_check: rank %d: stall: %s (after %.2f s)\n", k->info.rank, am_comm_error(world), took);
+    return 0;
+}
+
 static void run_group(struct check *k, struct am_comm *c, int is_world)
 {
     int p = am_comm_size(c);
@@ -907,8 +1291,10 @@ static void run_group(struct check *k, struct am_comm *c, int is_world)
             test_alltoallv(k, c, t, n / (size_t)p + 1, salt_of(7, di, si, 0, 0));
         }
         test_p2p(k, c, t, sizes, ns, salt_of(8, di, 0, 0, 0));
+        test_nb_single(k, c, t, sizes, ns, di);
     }
     test_isend(k, c);
+    test_nonblocking(k, c);
     for (int i = 0; i < 3; i++)
         if (am_barrier(c) < 0)
             die_call(k, c, "barrier");
@@ -949,6 +1335,27 @@ static int run_die_isend(struct check *k, struct am_comm *world, int who, void *
     return 1;
 }
 
+/* COMM_CHECK_DIE=R:MODE:iallreduce: rounds of two 8 MiB iallreduces in flight, waited for in
+ * reverse order (the failure surfaces in whichever wait meets it). */
+static int run_die_iallreduce(struct check *k, struct am_comm *world, void *a, void *b, size_t n)
+{
+    for (int i = 0; i < 1000000; i++) {
+        struct am_comm_req *q[2];
+        if (am_iallreduce(world, a, a, n, AM_F32, AM_SUM, &q[0]) < 0 ||
+            am_iallreduce(world, b, b, n, AM_F32, AM_MAX, &q[1]) < 0) {
+            fprintf(stderr, "comm_check: rank %d: %s\n", k->info.rank, am_comm_error(world));
+            return 1;
+        }
+        int rc1 = am_comm_wait(q[1]), rc0 = am_comm_wait(q[0]);
+        if (rc0 < 0 || rc1 < 0) {
+            fprintf(stderr, "comm_check: rank %d: %s\n", k->info.rank, am_comm_error(world));
+            return 1;
+        }
+    }
+    fprintf(stderr, "comm_check: rank %d: the dying rank never died\n", k->info.rank);
+    return 1;
+}
+
 static int run_die(struct check *k, struct am_comm *world, const char *spec)
 {
     int who = atoi(spec);
@@ -966,6 +1373,8 @@ static int run_die(struct check *k, struct am_comm *world, const char *spec)
     }
     if (m && strstr(m + 1, ":isend"))
         return run_die_isend(k, world, who, da, n);
+    if (m && strstr(m + 1, ":iallreduce"))
+        return run_die_iallreduce(k, world, da, db, n);
     for (int i = 0; i < 1000000; i++)
         if (am_allreduce(world, da, db, n, AM_F32, AM_SUM) < 0) {
             fprintf(stderr, "comm_check: rank %d: %s\n", k->info.rank, am_comm_error(world));
@@ -1047,6 +1456,8 @@ int main(void)
     const char *die = getenv("COMM_CHECK_DIE");
     if (die)
         return run_die(&k, groups[0], die);
+    if (getenv("COMM_CHECK_STALL"))
+        return run_stall(&k, groups[0]);
     int n_mine = 0;
     for (int g = 0; g < ng; g++)
         if (groups[g]) {
@@ -1054,6 +1465,8 @@ int main(void)
             n_mine++;
         }
     test_isend_cross(&k, groups[0], groups[1]); /* world and rev: the same ranks */
+    test_nb_groups(&k, groups[0], groups[1], ng > 2 ? groups[2] : NULL);
+    test_nb_overlap(&k, groups[0]);
     uint64_t left_id;
     void *left_buf = isend_left_pending(&k, groups[0], &left_id);
     double t2 = am_comm_now();

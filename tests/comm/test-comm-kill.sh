@@ -10,7 +10,11 @@
 #         copying from it reports it first)
 # and the same (exit, hang) in a run of rounds in which the other ranks send the dying rank
 # 8 MiB each with am_isend and wait with am_send_wait (COMM_CHECK_DIE=2:MODE:isend): the
-# pending send must fail within the timeout with a message naming it and the dead peer.
+# pending send must fail within the timeout with a message naming it and the dead peer; the
+# same (exit, hang) in rounds of two non-blocking allreduces in flight (COMM_CHECK_DIE=2:MODE:
+# iallreduce), waited for in reverse: the wait must fail naming the call and the dead peer.
+# Last, a stalled non-blocking allreduce (COMM_CHECK_STALL, am_comm_inject_stall) on 2 ranks
+# must be ended by a watchdog's abort: the wait fails with "aborted" naming the call.
 set -u
 B=${AM_BUILDDIR:-$(pwd)}
 S=${AM_SRCDIR:-$(dirname "$0")/../..}
@@ -47,4 +51,17 @@ check hang "allreduce #[0-9]+ on group world \(4 ranks\) timed out after 3 s wai
 check kill "(rank 2 .*killed by signal 9|allreduce #[0-9]+ on group world \(4 ranks\) failed.* $peer)"
 check exit:isend "isend #[0-9]+ to rank 2 on group world \(4 ranks\) (failed.* $peer|timed out after 3 s waiting for $peer)"
 check hang:isend "isend #[0-9]+ to rank 2 on group world \(4 ranks\) timed out after 3 s waiting for $peer to take its data"
+check exit:iallreduce "iallreduce #[0-9]+ on group world \(4 ranks\) (failed.* $peer|timed out after 3 s waiting for $peer)"
+check hang:iallreduce "iallreduce #[0-9]+ on group world \(4 ranks\) timed out after 3 s waiting for $peer"
+
+start=$(date +%s)
+COMM_CHECK_STALL=1 timeout 60 "$B/am-launch" --nproc 2 "$recipe" -- "$B/tests/comm/comm_check" >"$logs/out" 2>&1
+rc=$? took=$(( $(date +%s) - start ))
+if [ $rc -eq 0 ] && [ "$(grep -Ec 'stall: iallreduce #1 on group world \(2 ranks\) aborted: the test.s watchdog' "$logs/out")" -eq 2 ]; then
+  echo "ok - stall: the watchdog's abort ended the waits in $took s: $(grep -m1 'stall:' "$logs/out")"
+else
+  echo "not ok - stall: exit status $rc after $took s"
+  sed 's/^/#   /' "$logs/out" | tail -n 20
+  failed=1
+fi
 exit $failed
