@@ -15,7 +15,8 @@ int am_gsync_init(struct am_gsync *s, struct am_model *m, struct am_comm *dp, bo
     s->dp = dp;
     s->overlap = overlap;
     s->state = calloc((size_t)m->n_groups + 1, sizeof(*s->state));
-    if (!s->state)
+    s->reqs = calloc((size_t)m->n_groups + 1, sizeof(*s->reqs));
+    if (!s->state || !s->reqs)
         return am_fail(err, err_len, "out of memory for %d parameter groups", m->n_groups);
     for (int g = 0; g < m->n_groups; g++)
         m->groups[g].comm = dp;
@@ -27,14 +28,16 @@ int am_gsync_init(struct am_gsync *s, struct am_model *m, struct am_comm *dp, bo
 void am_gsync_free(struct am_gsync *s)
 {
     free(s->state);
+    free(s->reqs);
     memset(s, 0, sizeof(*s));
 }
 
 /* A group's progress through the step: its tp sums done, then its reduction. */
 enum { PENDING, FINISHED, REDUCED };
 
-/* The group's gradients into local_sumsq, then reduced over dp. */
-static int reduce(struct am_gsync *s, int group, char *err, size_t err_len)
+/* The group's gradients into local_sumsq, then reduced over dp: started (overlapped, waited
+ * for in am_gsync_finish) or done (blocking). */
+static int reduce(struct am_gsync *s, int group, bool start, char *err, size_t err_len)
 {
     struct am_model *m = s->m;
     const struct am_pgroup *G = &m->groups[group];
@@ -44,7 +47,9 @@ static int reduce(struct am_gsync *s, int group, char *err, size_t err_len)
     if (!s->dp)
         return 0;
     m->K->sum_squares(m->dev, &m->scalars.local_sumsq, &g, 1.0);
-    if (am_allreduce(s->dp, g.data, g.data, G->n_elems, AM_F32, AM_SUM) < 0)
+    int rc = start ? am_iallreduce(s->dp, g.data, g.data, G->n_elems, AM_F32, AM_SUM, &s->reqs[s->n_reqs++])
+                   : am_allreduce(s->dp, g.data, g.data, G->n_elems, AM_F32, AM_SUM);
+    if (rc < 0)
         return am_fail(err, err_len, "%s", am_comm_error(s->dp));
     return 0;
 }
@@ -55,7 +60,7 @@ int am_gsync_group(void *arg, int group, char *err, size_t err_len)
     if (am_model_group_finish(s->m, group, err, err_len) < 0)
         return -1;
     s->state[group] = FINISHED;
-    return s->overlap ? reduce(s, group, err, err_len) : 0;
+    return s->overlap ? reduce(s, group, true, err, err_len) : 0;
 }
 
 int am_gsync_finish(struct am_gsync *s, char *err, size_t err_len)
@@ -67,8 +72,12 @@ int am_gsync_finish(struct am_gsync *s, char *err, size_t err_len)
         if (s->state[g] == PENDING && am_model_group_finish(m, g, err, err_len) < 0)
             rc = -1;
         else if (s->state[g] != REDUCED)
-            rc = reduce(s, g, err, err_len);
+            rc = reduce(s, g, false, err, err_len);
     }
+    /* the requests started in the backward, oldest first (a failed one names itself) */
+    if (am_comm_wait_all(s->reqs, s->n_reqs) < 0 && rc == 0)
+        rc = am_fail(err, err_len, "%s", am_comm_error(s->dp));
+    s->n_reqs = 0;
     memset(s->state, 0, (size_t)m->n_groups * sizeof(*s->state));
     s->wait_s = am_mono_time() - t0;
     return rc;

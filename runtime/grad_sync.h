@@ -29,6 +29,8 @@ struct am_gsync {
     struct am_comm *dp;   /* NULL: one data-parallel rank, nothing to reduce */
     bool overlap;
     unsigned char *state; /* [n_groups]: how far each group got this step (grad_sync.c) */
+    struct am_comm_req **reqs; /* the reductions in flight, in the order they were started */
+    size_t n_reqs;
     double wait_s;        /* this step: seconds in am_gsync_finish */
 };
 

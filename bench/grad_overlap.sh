@@ -1,0 +1,38 @@
+#!/bin/bash
+# The data-parallel gradient reduction overlapped with the backward, against reducing after
+# it: bench-small on 2 data-parallel ranks, each with THREADS OpenMP threads (default 1),
+# once with AM_GRAD_OVERLAP=1 (each parameter group's all-reduce started as its backward ends,
+# waited for before the optimizer) and once with AM_GRAD_OVERLAP=0 (the same all-reduces, one
+# after another, after the backward). Prints the median step time, the median time waiting
+# for gradient communication after the backward (grad_wait_s in the rank logs) and its share
+# of the step, alternating the two modes REPEAT times (default 3).
+#   bench/grad_overlap.sh [BUILDDIR] [THREADS]
+set -eu
+src=$(cd "$(dirname "$0")/.." && pwd)
+build=$(cd "${1:-.}" && pwd)
+threads=${2:-1}
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+awk 'BEGIN { srand(1); for (d = 0; d < 64; d++) { for (i = 0; i < 2048; i++) printf "%d ", int(rand() * 8192); print "" } }' \
+    >"$work/ids.txt"
+mkdir -p "$work/bench-data"
+"$build/am-data" build --out "$work/bench-data/random_tokens" "$work/ids.txt" >/dev/null
+sed -e "s/global_batch_size: .*/global_batch_size: 8/" "$src/bench/bench_small.yaml" >"$work/dp2.yaml"
+median() { sort -g | awk '{ v[NR] = $1 } END { printf "%.4f", (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2 }'; }
+field() { # LOGDIR KEY: KEY of every step after the first two (warm-up), both ranks
+    grep -h '"type":"step"' "$1"/*/rank-*.jsonl | grep -v '"step":[12],' | sed -E "s/.*\"$2\":([^,}]*).*/\\1/"
+}
+for ((i = 0; i < ${REPEAT:-3}; i++)); do
+    for ov in 1 0; do
+        (cd "$work" && OMP_NUM_THREADS=$threads AM_GRAD_OVERLAP=$ov AM_LOG_DIR="logs-$ov-$i" \
+            "$build/am-launch" --nproc 2 dp2.yaml >/dev/null 2>&1) || { echo "bench: run failed"; exit 1; }
+    done
+done
+echo "bench-small, dp 2 (2 ranks x $threads thread(s)), $(nproc) cores: gradient reduction overlapped vs after the backward"
+printf '%-22s %10s %14s %8s\n' mode "step ms" "grad wait ms" share
+for ov in 1 0; do
+    step=$(for d in "$work"/logs-$ov-*; do field "$d" step_s; done | median)
+    wait=$(for d in "$work"/logs-$ov-*; do field "$d" grad_wait_s; done | median)
+    printf '%-22s %10.1f %14.1f %7.1f%%\n' "$([ $ov = 1 ] && echo overlapped || echo 'after the backward')" \
+        "$(echo "$step * 1000" | bc -l)" "$(echo "$wait * 1000" | bc -l)" "$(echo "100 * $wait / $step" | bc -l)"
+done
