@@ -14,7 +14,7 @@
 
 : "${AM_SRCDIR:=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)}"
 : "${AM_BUILDDIR:=$PWD}"
-export AM_MODELS_DIR=${AM_MODELS_DIR:-$AM_SRCDIR/runtime/models}
+export AM_MODELS_DIR=${AM_MODELS_DIR:-$AM_SRCDIR/runtime/recipe/models}
 unset AM_RECIPE AM_TP AM_PP AM_EP AM_CP AM_LOG_DIR AM_DRY_RUN AM_FAULT AM_WATCHDOG_S AM_FLIGHT_RECORDER_SIZE \
   AM_TOPOLOGY_FILE PMIX_NAMESPACE PMIX_RANK SLURM_STEP_ID SLURM_PROCID 2>/dev/null || true
 ulimit -c 0
@@ -31,7 +31,7 @@ fail() { printf 'FAIL: %s\n' "$*"; FAILED=1; }
 # make_recipe DIR: a corpus and the tiny recipe cut to 6 steps of 2-sample local batches
 # (global batch 16: dp 2, 4 and 8 divide it)
 make_recipe() {
-  "$AM_BUILDDIR/am-data" build --bytes --out "$1/corpus" "$AM_SRCDIR"/runtime/*.c >/dev/null || return 1
+  "$AM_BUILDDIR/am-data" build --bytes --out "$1/corpus" "$AM_SRCDIR"/runtime/*/*.c >/dev/null || return 1
   sed -e "s|paths: .*|paths: $1/corpus|" -e 's/max_steps: .*/max_steps: 6/' -e 's/local_batch_size: .*/local_batch_size: 2/' \
     "$AM_SRCDIR/sbatch-templates/recipes/tiny.yaml" >"$1/tiny.yaml"
 }

@@ -5,7 +5,7 @@
 
 : "${AM_SRCDIR:=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)}"
 : "${AM_BUILDDIR:=$PWD}"
-export AM_MODELS_DIR=${AM_MODELS_DIR:-$AM_SRCDIR/runtime/models}
+export AM_MODELS_DIR=${AM_MODELS_DIR:-$AM_SRCDIR/runtime/recipe/models}
 LAUNCH=$AM_BUILDDIR/am-launch
 BOOT_CHECK=$AM_BUILDDIR/tests/launcher/boot_check
 RECIPE=$AM_SRCDIR/sbatch-templates/recipes/tiny.yaml

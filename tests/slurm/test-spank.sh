@@ -6,7 +6,7 @@
 # sbatch, srun and salloc through every case of issue 3, asserts the exact lines users
 # see, and stops the cluster on exit. It fails (never skips) when the cluster cannot
 # start, for example when not run as root. `make check` runs it; alone:
-#   AM_BUILDDIR=$PWD AM_SRCDIR=$PWD AM_MODELS_DIR=$PWD/runtime/models tests/slurm/test-spank.sh
+#   AM_BUILDDIR=$PWD AM_SRCDIR=$PWD AM_MODELS_DIR=$PWD/runtime/recipe/models tests/slurm/test-spank.sh
 # Set AM_TEST_KEEP=1 to keep the work directory and the cluster's logs after a run.
 set -uo pipefail
 
@@ -15,7 +15,7 @@ BUILDDIR=${AM_BUILDDIR:-$SRCDIR}
 PLUGIN=${AM_SPANK_PLUGIN_SO:-$BUILDDIR/.libs/spank_am.so}
 CLUSTER=$SRCDIR/tests/slurm/cluster
 AM_PLAN=$BUILDDIR/am-plan
-export AM_MODELS_DIR=${AM_MODELS_DIR:-$SRCDIR/runtime/models}
+export AM_MODELS_DIR=${AM_MODELS_DIR:-$SRCDIR/runtime/recipe/models}
 AM_CLUSTER_DIR=/tmp/am-spank-test.$$
 KEEP=${AM_TEST_KEEP:-0}
 export -n AM_BUILDDIR AM_SRCDIR AM_CLUSTER_DIR AM_TEST_KEEP 2>/dev/null # the jobs must not see the harness's variables

@@ -25,7 +25,7 @@
 set -u
 : "${AM_SRCDIR:=$(cd "$(dirname "$0")/../.." && pwd)}"
 : "${AM_BUILDDIR:=$PWD}"
-export AM_MODELS_DIR=${AM_MODELS_DIR:-$AM_SRCDIR/runtime/models}
+export AM_MODELS_DIR=${AM_MODELS_DIR:-$AM_SRCDIR/runtime/recipe/models}
 unset AM_RECIPE AM_TP AM_PP AM_EP AM_CP AM_LOG_DIR AM_DRY_RUN PMIX_NAMESPACE PMIX_RANK 2>/dev/null || true
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT

@@ -17,7 +17,7 @@ static void default_env(void)
 {
     char dir[512];
     const char *src = getenv("AM_SRCDIR");
-    snprintf(dir, sizeof(dir), "%s/runtime/models", src ? src : ".");
+    snprintf(dir, sizeof(dir), "%s/runtime/recipe/models", src ? src : ".");
     setenv("AM_MODELS_DIR", dir, 1);
     setenv("HF_HUB_CACHE", "/nonexistent/hub", 1);
 }
