@@ -70,9 +70,18 @@ static int is_collective(const struct am_diag_flight *f)
     return strcmp(f->op, "send") != 0 && strcmp(f->op, "recv") != 0 && strcmp(f->op, "isend") != 0;
 }
 
+/* A non-blocking collective (iallreduce, ...): its entry is written when it is posted and may
+ * be waited for after later calls completed. */
+static int is_nonblocking(const struct am_diag_flight *f)
+{
+    return f->op[0] == 'i' && strcmp(f->op, "isend") != 0;
+}
+
 /* The call in flight when the rank's log ended: the oldest of the calls at the end of its
- * flight recorder that did not complete (isends still posted in the background passed over);
- * NULL when its last call completed. */
+ * flight recorder that did not complete (isends and non-blocking collectives still posted in
+ * the background passed over); else the oldest non-blocking collective that the rank was
+ * waiting for (started, not completed: a gradient reduction waited for after the calls of
+ * the backward that completed meanwhile); NULL when nothing was in flight. */
 static const struct am_diag_flight *in_flight(const struct am_diag_rank *r)
 {
     const struct am_diag_flight *in = NULL;
@@ -82,6 +91,16 @@ static const struct am_diag_flight *in_flight(const struct am_diag_rank *r)
         if (strcmp(r->flight[i - 1].state, "completed") == 0)
             break;
         in = &r->flight[i - 1];
+    }
+    for (size_t i = r->n_flight; !in && i > 0; i--) {
+        const struct am_diag_flight *f = &r->flight[i - 1];
+        if (is_nonblocking(f) && strcmp(f->state, "posted") != 0 && strcmp(f->state, "completed") != 0)
+            in = f;
+    }
+    for (size_t i = r->n_flight; in && is_nonblocking(in) && i > 0; i--) {
+        const struct am_diag_flight *f = &r->flight[i - 1];
+        if (is_nonblocking(f) && strcmp(f->state, "posted") != 0 && strcmp(f->state, "completed") != 0)
+            in = f; /* the oldest one waited for */
     }
     return in;
 }

@@ -26,6 +26,7 @@ static struct am_param *add_param(struct am_model *m, const char *name, int64_t 
     snprintf(p->name, sizeof(p->name), "%s", name);
     p->w = am_tensor_view(NULL, m->K->device, AM_T_F32, rows, cols, 0, 0);
     p->g = p->w;
+    p->wc = am_tensor_view(NULL, m->K->device, m->act_dt, rows, cols, 0, 0);
     p->split = split;
     p->full_rows = full_rows;
     p->full_cols = full_cols;
@@ -121,25 +122,25 @@ static void carve_layer(struct am_model *m, struct slab *c, struct am_layer_acts
 {
     int64_t N = m->max_tokens, R = stream_rows(m, N), C = m->cfg.hidden_size, D = m->head_dim;
     int64_t Q = m->heads * D, KV = m->kv_heads * D, I = m->inter, B = N / m->seq_len, T = m->seq_len;
-    a->h1 = carve(c, AM_T_F32, R, C, 0, 0);
+    a->h1 = carve(c, m->act_dt, R, C, 0, 0);
     a->rstd1 = carve(c, AM_T_F32, R, 0, 0, 0);
-    a->q = carve(c, AM_T_F32, N, Q, 0, 0);
-    a->k = carve(c, AM_T_F32, N, KV, 0, 0);
+    a->q = carve(c, m->act_dt, N, Q, 0, 0);
+    a->k = carve(c, m->act_dt, N, KV, 0, 0);
     if (m->cfg.qk_norm) {
-        a->q_raw = carve(c, AM_T_F32, N, Q, 0, 0);
-        a->k_raw = carve(c, AM_T_F32, N, KV, 0, 0);
+        a->q_raw = carve(c, m->act_dt, N, Q, 0, 0);
+        a->k_raw = carve(c, m->act_dt, N, KV, 0, 0);
         a->rstd_q = carve(c, AM_T_F32, N * m->heads, 0, 0, 0);
         a->rstd_k = carve(c, AM_T_F32, N * m->kv_heads, 0, 0, 0);
     }
-    a->v = carve(c, AM_T_F32, N, KV, 0, 0);
-    a->att = carve(c, AM_T_F32, N, Q, 0, 0);
+    a->v = carve(c, m->act_dt, N, KV, 0, 0);
+    a->att = carve(c, m->act_dt, N, Q, 0, 0);
     a->lse = carve(c, AM_T_F32, B, m->heads, T, 0);
-    a->x_mid = carve(c, AM_T_F32, R, C, 0, 0);
-    a->h2 = carve(c, AM_T_F32, R, C, 0, 0);
+    a->x_mid = carve(c, m->act_dt, R, C, 0, 0);
+    a->h2 = carve(c, m->act_dt, R, C, 0, 0);
     a->rstd2 = carve(c, AM_T_F32, R, 0, 0, 0);
-    a->gate = carve(c, AM_T_F32, N, I, 0, 0);
-    a->up = carve(c, AM_T_F32, N, I, 0, 0);
-    a->act = carve(c, AM_T_F32, N, I, 0, 0);
+    a->gate = carve(c, m->act_dt, N, I, 0, 0);
+    a->up = carve(c, m->act_dt, N, I, 0, 0);
+    a->act = carve(c, m->act_dt, N, I, 0, 0);
 }
 
 /* Lays out (base NULL: only measures) the activation buffers: each slot's saved tensors,
@@ -153,7 +154,7 @@ static size_t layout_acts(struct am_model *m, char *base)
         for (int s = 0; s < m->sh.chunks[k].slots; s++) {
             struct am_slot *S = &m->slots[m->slot_base[k] + s];
             for (int l = 0; l < m->sh.chunks[k].n_layers; l++) {
-                S->acts[l].x_in = carve(&c, AM_T_F32, R, C, 0, 0);
+                S->acts[l].x_in = carve(&c, m->act_dt, R, C, 0, 0);
                 if (!m->sh.recompute)
                     carve_layer(m, &c, &S->acts[l]);
             }
@@ -161,8 +162,8 @@ static size_t layout_acts(struct am_model *m, char *base)
                 S->tokens = carve(&c, AM_T_I32, N, 0, 0, 0);
             if (m->sh.last_stage && k == m->sh.n_chunks - 1) {
                 S->targets = carve(&c, AM_T_I32, N, 0, 0, 0);
-                S->xf = carve(&c, AM_T_F32, R, C, 0, 0);
-                S->hf = carve(&c, AM_T_F32, N, C, 0, 0);
+                S->xf = carve(&c, m->act_dt, R, C, 0, 0);
+                S->hf = carve(&c, m->act_dt, N, C, 0, 0);
                 S->rstdf = carve(&c, AM_T_F32, R, 0, 0, 0);
                 S->ce_m = carve(&c, AM_T_F32, N, 0, 0, 0);
                 S->ce_s = carve(&c, AM_T_F32, N, 0, 0, 0);
@@ -178,9 +179,9 @@ static size_t layout_acts(struct am_model *m, char *base)
             m->acts_mem[i].x_in = x_in;
         }
     }
-    m->x = carve(&c, AM_T_F32, R, C, 0, 0);
-    m->dx = carve(&c, AM_T_F32, R, C, 0, 0);
-    m->dhf = carve(&c, AM_T_F32, N, C, 0, 0);
+    m->x = carve(&c, m->act_dt, R, C, 0, 0);
+    m->dx = carve(&c, m->act_dt, R, C, 0, 0);
+    m->dhf = carve(&c, m->act_dt, N, C, 0, 0);
     m->cos = carve(&c, AM_T_F32, T, D / 2, 0, 0);
     m->sin = carve(&c, AM_T_F32, T, D / 2, 0, 0);
     m->ce_t = carve(&c, AM_T_F32, N, 0, 0, 0);
@@ -188,17 +189,17 @@ static size_t layout_acts(struct am_model *m, char *base)
         m->ce_M = carve(&c, AM_T_F32, N, 0, 0, 0);
     if (m->sh.tp > m->cfg.num_key_value_heads)
         m->kv_sum = carve(&c, AM_T_F32, 2 * m->cfg.num_key_value_heads * D * C, 0, 0, 0);
-    m->scratch_c = carve(&c, AM_T_F32, N, C, 0, 0);
-    m->scratch_q = carve(&c, AM_T_F32, N, Q, 0, 0);
-    m->scratch_att = carve(&c, AM_T_F32, N, Q, 0, 0);
-    m->scratch_kv_k = carve(&c, AM_T_F32, N, KV, 0, 0);
-    m->scratch_kv_v = carve(&c, AM_T_F32, N, KV, 0, 0);
-    m->scratch_mlp = carve(&c, AM_T_F32, N, 3 * I, 0, 0); /* dact, dgate, dup */
+    m->scratch_c = carve(&c, m->act_dt, N, C, 0, 0);
+    m->scratch_q = carve(&c, m->act_dt, N, Q, 0, 0);
+    m->scratch_att = carve(&c, m->act_dt, N, Q, 0, 0);
+    m->scratch_kv_k = carve(&c, m->act_dt, N, KV, 0, 0);
+    m->scratch_kv_v = carve(&c, m->act_dt, N, KV, 0, 0);
+    m->scratch_mlp = carve(&c, m->act_dt, N, 3 * I, 0, 0); /* dact, dgate, dup */
     if (m->cfg.qk_norm)
-        m->scratch_kn = carve(&c, AM_T_F32, N, KV, 0, 0);
+        m->scratch_kn = carve(&c, m->act_dt, N, KV, 0, 0);
     if (m->sh.sequence_parallel) {
-        m->gathered = carve(&c, AM_T_F32, N, C, 0, 0);
-        m->scratch_rows = carve(&c, AM_T_F32, R, C, 0, 0);
+        m->gathered = carve(&c, m->act_dt, N, C, 0, 0);
+        m->scratch_rows = carve(&c, m->act_dt, R, C, 0, 0);
     }
     return c.off;
 }
@@ -234,6 +235,10 @@ int am_model_init(struct am_model *m, const struct am_model_config *cfg, const s
     m->tp_comm = sh->tp > 1 ? tp_comm : NULL;
     m->pp_comm = pp_comm;
     m->sh.sequence_parallel = sh->sequence_parallel && sh->tp > 1;
+    m->act_dt = sh->compute;
+    if (m->act_dt != AM_T_F32 && m->act_dt != AM_T_BF16)
+        return am_fail(err, err_len, "model: compute dtype %s: the model computes in fp32 or bf16 (mixed precision)",
+                       m->act_dt == AM_T_F16 ? "fp16" : "other");
     if (check_shard(sh, cfg, err, err_len) < 0)
         return -1;
     if (m->sh.sequence_parallel && (batch * seq_len) % sh->tp)
@@ -305,6 +310,8 @@ int am_model_init(struct am_model *m, const struct am_model_config *cfg, const s
     /* one slab for the values, one for the gradients */
     m->param_mem = K->alloc(m->dev, m->n_elems * sizeof(float));
     m->grad_mem = K->alloc(m->dev, m->n_elems * sizeof(float));
+    if (m->act_dt != AM_T_F32 && !(m->param_lp_mem = K->alloc(m->dev, m->n_elems * am_tdtype_size(m->act_dt))))
+        goto oom;
     if (!m->param_mem || !m->grad_mem)
         goto oom;
     size_t off = 0;
@@ -312,6 +319,7 @@ int am_model_init(struct am_model *m, const struct am_model_config *cfg, const s
         struct am_param *p = &m->params[i];
         p->w.data = (float *)m->param_mem + off;
         p->g.data = (float *)m->grad_mem + off;
+        p->wc.data = m->param_lp_mem ? (char *)m->param_lp_mem + off * am_tdtype_size(m->act_dt) : p->w.data;
         off += (size_t)am_tensor_numel(&p->w);
     }
     end_groups(m);
@@ -354,6 +362,8 @@ void am_model_free(struct am_model *m)
             m->K->free(m->dev, m->param_mem);
         if (m->grad_mem)
             m->K->free(m->dev, m->grad_mem);
+        if (m->param_lp_mem)
+            m->K->free(m->dev, m->param_lp_mem);
         if (m->act_mem)
             m->K->free(m->dev, m->act_mem);
         if (m->scalar_mem)
@@ -389,10 +399,21 @@ void am_model_init_weights(struct am_model *m, uint64_t seed)
         m->K->upload(m->dev, p->w.data, host, (size_t)(rows * cols) * sizeof(float));
         free(host);
     }
+    am_model_cast_weights(m);
 }
 
-void am_model_zero_grad(struct am_model *m)
+void am_model_cast_weights(struct am_model *m)
 {
+    if (!m->param_lp_mem)
+        return;
+    struct am_tensor w = am_tensor_view(m->param_mem, m->K->device, AM_T_F32, (int64_t)m->n_elems, 0, 0, 0);
+    struct am_tensor c = am_tensor_view(m->param_lp_mem, m->K->device, m->act_dt, (int64_t)m->n_elems, 0, 0, 0);
+    m->K->convert(m->dev, &c, &w);
+}
+
+void am_model_begin_step(struct am_model *m)
+{
+    am_model_cast_weights(m);
     struct am_tensor g = am_tensor_view(m->grad_mem, m->K->device, AM_T_F32, (int64_t)m->n_elems, 0, 0, 0);
     m->K->zero(m->dev, &g);
     m->K->zero(m->dev, &m->scalars.loss);
@@ -431,12 +452,15 @@ static struct am_tensor heads_of(const struct am_tensor *t, int64_t B, int64_t T
     return am_tensor_view(t->data, t->device, t->dtype, B, T, H, D);
 }
 
+/* The communicators' name for a tensor's dtype (f32 or bf16 here). */
+static enum am_comm_dtype comm_dtype(const struct am_tensor *t) { return t->dtype == AM_T_BF16 ? AM_BF16 : AM_F32; }
+
 /* t reduced in place over the tp group (none: t as it is). */
 static int tp_reduce(struct am_model *m, struct am_tensor *t, enum am_comm_op op, char *err, size_t err_len)
 {
     if (!m->tp_comm)
         return 0;
-    if (am_allreduce(m->tp_comm, t->data, t->data, (size_t)am_tensor_numel(t), AM_F32, op) < 0)
+    if (am_allreduce(m->tp_comm, t->data, t->data, (size_t)am_tensor_numel(t), comm_dtype(t), op) < 0)
         return am_fail(err, err_len, "%s", am_comm_error(m->tp_comm));
     return 0;
 }
@@ -450,7 +474,7 @@ static int tp_sum(struct am_model *m, struct am_tensor *t, char *err, size_t err
 static int sp_gather(struct am_model *m, const struct am_tensor *rows, struct am_tensor *full, char *err,
                      size_t err_len)
 {
-    if (am_allgather(m->tp_comm, rows->data, full->data, (size_t)am_tensor_numel(rows), AM_F32) < 0)
+    if (am_allgather(m->tp_comm, rows->data, full->data, (size_t)am_tensor_numel(rows), comm_dtype(rows)) < 0)
         return am_fail(err, err_len, "%s", am_comm_error(m->tp_comm));
     return 0;
 }
@@ -458,7 +482,7 @@ static int sp_gather(struct am_model *m, const struct am_tensor *rows, struct am
 static int sp_scatter(struct am_model *m, const struct am_tensor *full, struct am_tensor *rows, char *err,
                       size_t err_len)
 {
-    if (am_reduce_scatter(m->tp_comm, full->data, rows->data, (size_t)am_tensor_numel(rows), AM_F32, AM_SUM) < 0)
+    if (am_reduce_scatter(m->tp_comm, full->data, rows->data, (size_t)am_tensor_numel(rows), comm_dtype(rows), AM_SUM) < 0)
         return am_fail(err, err_len, "%s", am_comm_error(m->tp_comm));
     return 0;
 }
@@ -506,7 +530,7 @@ static int norm_backward(struct am_model *m, struct am_tensor *dx, struct am_par
     } else if (tp_sum(m, dh, err, err_len) < 0) {
         return -1;
     }
-    m->K->rmsnorm_backward(m->dev, dx, &norm->g, &d, x, &norm->w, rstd);
+    m->K->rmsnorm_backward(m->dev, dx, &norm->g, &d, x, &norm->wc, rstd);
     return 0;
 }
 
@@ -550,41 +574,41 @@ static int layer_forward(struct am_model *m, const struct am_layer *L, struct am
 
     /* attention block: x += o_proj(attention(rope(q), rope(k), v)) of rmsnorm(x) */
     K->copy(m->dev, &x_in, x);
-    K->rmsnorm_forward(m->dev, &h1, &rstd1, x, &L->attn_norm->w, eps);
+    K->rmsnorm_forward(m->dev, &h1, &rstd1, x, &L->attn_norm->wc, eps);
     if (column_input(m, &h1, N, &in, err, err_len) < 0)
         return -1;
     if (L->q_norm) { /* Qwen3: q = q_norm(q_proj(h)), k = k_norm(k_proj(h)), RMSNorm over each head, before rope */
         struct am_tensor q_raw = rows_of(&a->q_raw, N), k_raw = rows_of(&a->k_raw, N);
-        K->matmul_forward(m->dev, &q_raw, &in, &L->wq->w);
-        K->matmul_forward(m->dev, &k_raw, &in, &L->wk->w);
+        K->matmul_forward(m->dev, &q_raw, &in, &L->wq->wc);
+        K->matmul_forward(m->dev, &k_raw, &in, &L->wk->wc);
         struct am_tensor qr = head_rows(&q_raw, N * m->heads, D), kr = head_rows(&k_raw, N * m->kv_heads, D);
         struct am_tensor qn = head_rows(&q, N * m->heads, D), kn = head_rows(&k, N * m->kv_heads, D);
         struct am_tensor rq = rows_of(&a->rstd_q, N * m->heads), rk = rows_of(&a->rstd_k, N * m->kv_heads);
-        K->rmsnorm_forward(m->dev, &qn, &rq, &qr, &L->q_norm->w, eps);
-        K->rmsnorm_forward(m->dev, &kn, &rk, &kr, &L->k_norm->w, eps);
+        K->rmsnorm_forward(m->dev, &qn, &rq, &qr, &L->q_norm->wc, eps);
+        K->rmsnorm_forward(m->dev, &kn, &rk, &kr, &L->k_norm->wc, eps);
     } else {
-        K->matmul_forward(m->dev, &q, &in, &L->wq->w);
-        K->matmul_forward(m->dev, &k, &in, &L->wk->w);
+        K->matmul_forward(m->dev, &q, &in, &L->wq->wc);
+        K->matmul_forward(m->dev, &k, &in, &L->wk->wc);
     }
-    K->matmul_forward(m->dev, &v, &in, &L->wv->w);
+    K->matmul_forward(m->dev, &v, &in, &L->wv->wc);
     struct am_tensor q4 = heads_of(&q, B, T, m->heads, D), k4 = heads_of(&k, B, T, m->kv_heads, D);
     struct am_tensor v4 = heads_of(&v, B, T, m->kv_heads, D), att4 = heads_of(&att, B, T, m->heads, D);
     K->rope_forward(m->dev, &q4, &m->cos, &m->sin);
     K->rope_forward(m->dev, &k4, &m->cos, &m->sin);
     K->attention_forward(m->dev, &att4, &lse, &q4, &k4, &v4, L->window);
-    K->matmul_forward(m->dev, &o, &att, &L->wo->w);
+    K->matmul_forward(m->dev, &o, &att, &L->wo->wc);
     if (add_row_parallel(m, x, &o, err, err_len) < 0)
         return -1;
 
     /* MLP block: x += down(silu(gate(h)) * up(h)) of h = rmsnorm(x) */
     K->copy(m->dev, &x_mid, x);
-    K->rmsnorm_forward(m->dev, &h2, &rstd2, x, &L->mlp_norm->w, eps);
+    K->rmsnorm_forward(m->dev, &h2, &rstd2, x, &L->mlp_norm->wc, eps);
     if (column_input(m, &h2, N, &in, err, err_len) < 0)
         return -1;
-    K->matmul_forward(m->dev, &gate, &in, &L->w_gate->w);
-    K->matmul_forward(m->dev, &up, &in, &L->w_up->w);
+    K->matmul_forward(m->dev, &gate, &in, &L->w_gate->wc);
+    K->matmul_forward(m->dev, &up, &in, &L->w_up->wc);
     K->swiglu_forward(m->dev, &act, &gate, &up);
-    K->matmul_forward(m->dev, &o, &act, &L->w_down->w);
+    K->matmul_forward(m->dev, &o, &act, &L->w_down->wc);
     return add_row_parallel(m, x, &o, err, err_len);
 }
 
@@ -605,20 +629,20 @@ static int head_forward(struct am_model *m, struct am_slot *S, const struct am_t
     K->copy(m->dev, &xf, x);
     if (m->sh.sequence_parallel) {
         struct am_tensor rows = rows_of(&m->scratch_rows, R);
-        K->rmsnorm_forward(m->dev, &rows, &rstdf, &xf, &m->final_norm->w, eps);
+        K->rmsnorm_forward(m->dev, &rows, &rstdf, &xf, &m->final_norm->wc, eps);
         if (sp_gather(m, &rows, &hf, err, err_len) < 0)
             return -1;
     } else {
-        K->rmsnorm_forward(m->dev, &hf, &rstdf, &xf, &m->final_norm->w, eps);
+        K->rmsnorm_forward(m->dev, &hf, &rstdf, &xf, &m->final_norm->wc, eps);
     }
     S->fused = false;
     if (want_grad && !m->tp_comm && K->ce_fused && m->n_slots == 1) {
         struct am_tensor dhf = rows_of(&m->dhf, N);
         K->zero(m->dev, &dhf);
-        S->fused = K->ce_fused(m->dev, &cm, &cs, &ct, &dhf, &m->head->g, &hf, &m->head->w, &tgt, dloss_scale);
+        S->fused = K->ce_fused(m->dev, &cm, &cs, &ct, &dhf, &m->head->g, &hf, &m->head->wc, &tgt, dloss_scale);
     }
     if (!S->fused)
-        K->ce_stats(m->dev, &cm, &cs, &ct, &hf, &m->head->w, &tgt, m->vocab_start);
+        K->ce_stats(m->dev, &cm, &cs, &ct, &hf, &m->head->wc, &tgt, m->vocab_start);
     return combine_ce(m, S, N, err, err_len);
 }
 
@@ -626,9 +650,9 @@ static bool is_first(const struct am_model *m, int chunk) { return chunk == 0 &&
 static bool is_last(const struct am_model *m, int chunk) { return chunk == m->sh.n_chunks - 1 && m->sh.last_stage; }
 
 /* A hidden state handed between stages, as a tensor of R rows. */
-static struct am_tensor hidden(const struct am_model *m, const float *p, int64_t B)
+static struct am_tensor hidden(const struct am_model *m, const void *p, int64_t B)
 {
-    return am_tensor_view((void *)p, m->K->device, AM_T_F32, stream_rows(m, B * m->seq_len), m->cfg.hidden_size, 0, 0);
+    return am_tensor_view((void *)p, m->K->device, m->act_dt, stream_rows(m, B * m->seq_len), m->cfg.hidden_size, 0, 0);
 }
 
 size_t am_model_hidden_elems(const struct am_model *m, int64_t batch)
@@ -647,7 +671,7 @@ static int check_slot(const struct am_model *m, int chunk, int slot, char *err, 
 }
 
 static int forward_chunk(struct am_model *m, int chunk, int slot, int64_t B, const int32_t *tokens,
-                         const int32_t *targets, const float *x_in, float *x_out, float dloss_scale, bool want_grad,
+                         const int32_t *targets, const void *x_in, void *x_out, float dloss_scale, bool want_grad,
                          char *err, size_t err_len)
 {
     if (check_slot(m, chunk, slot, err, err_len) < 0)
@@ -664,7 +688,7 @@ static int forward_chunk(struct am_model *m, int chunk, int slot, int64_t B, con
         /* the embedding: each rank looks up the ids of its vocabulary shard; summed over tp */
         struct am_tensor tok = rows_of(&S->tokens, N), e = rows_of(&m->scratch_c, N);
         K->upload(m->dev, tok.data, tokens, (size_t)N * sizeof(int32_t));
-        K->embedding_forward(m->dev, &e, &tok, &m->embed->w, m->vocab_start);
+        K->embedding_forward(m->dev, &e, &tok, &m->embed->wc, m->vocab_start);
         K->zero(m->dev, &x);
         if (add_row_parallel(m, &x, &e, err, err_len) < 0)
             return -1;
@@ -684,7 +708,7 @@ static int forward_chunk(struct am_model *m, int chunk, int slot, int64_t B, con
 }
 
 int am_model_forward(struct am_model *m, int chunk, int slot, int64_t batch, const int32_t *tokens,
-                     const int32_t *targets, const float *x_in, float *x_out, float dloss_scale, char *err,
+                     const int32_t *targets, const void *x_in, void *x_out, float dloss_scale, char *err,
                      size_t err_len)
 {
     return forward_chunk(m, chunk, slot, batch, tokens, targets, x_in, x_out, dloss_scale, true, err, err_len);
@@ -717,24 +741,25 @@ static int layer_backward(struct am_model *m, const struct am_layer *L, const st
     struct am_tensor x_mid = rows_of(&a->x_mid, R), h2 = rows_of(&a->h2, R), rstd2 = rows_of(&a->rstd2, R);
     struct am_tensor gate = rows_of(&a->gate, N), up = rows_of(&a->up, N), act = rows_of(&a->act, N);
     struct am_tensor dh = rows_of(&m->scratch_c, N), dy, in;
-    struct am_tensor dact = am_tensor_view(m->scratch_mlp.data, K->device, AM_T_F32, N, I, 0, 0);
-    struct am_tensor dgate = am_tensor_view((float *)m->scratch_mlp.data + N * I, K->device, AM_T_F32, N, I, 0, 0);
-    struct am_tensor dup = am_tensor_view((float *)m->scratch_mlp.data + 2 * N * I, K->device, AM_T_F32, N, I, 0, 0);
+    size_t part = (size_t)(N * I) * am_tdtype_size(m->act_dt);
+    struct am_tensor dact = am_tensor_view(m->scratch_mlp.data, K->device, m->act_dt, N, I, 0, 0);
+    struct am_tensor dgate = am_tensor_view((char *)m->scratch_mlp.data + part, K->device, m->act_dt, N, I, 0, 0);
+    struct am_tensor dup = am_tensor_view((char *)m->scratch_mlp.data + 2 * part, K->device, m->act_dt, N, I, 0, 0);
     lse.shape[0] = B;
 
     /* MLP block, in reverse; dx already holds the residual's gradient */
     if (row_parallel_grad(m, dx, N, &dy, err, err_len) < 0)
         return -1;
     K->zero(m->dev, &dact);
-    K->matmul_backward(m->dev, &dact, &L->w_down->g, &dy, &act, &L->w_down->w);
+    K->matmul_backward(m->dev, &dact, &L->w_down->g, &dy, &act, &L->w_down->wc);
     K->zero(m->dev, &dgate);
     K->zero(m->dev, &dup);
     K->swiglu_backward(m->dev, &dgate, &dup, &dact, &gate, &up);
     if (column_input(m, &h2, N, &in, err, err_len) < 0)
         return -1;
     K->zero(m->dev, &dh);
-    K->matmul_backward(m->dev, &dh, &L->w_gate->g, &dgate, &in, &L->w_gate->w);
-    K->matmul_backward(m->dev, &dh, &L->w_up->g, &dup, &in, &L->w_up->w);
+    K->matmul_backward(m->dev, &dh, &L->w_gate->g, &dgate, &in, &L->w_gate->wc);
+    K->matmul_backward(m->dev, &dh, &L->w_up->g, &dup, &in, &L->w_up->wc);
     if (norm_backward(m, dx, L->mlp_norm, &dh, &x_mid, &rstd2, err, err_len) < 0)
         return -1;
 
@@ -744,7 +769,7 @@ static int layer_backward(struct am_model *m, const struct am_layer *L, const st
     if (row_parallel_grad(m, dx, N, &dy, err, err_len) < 0)
         return -1;
     K->zero(m->dev, &datt);
-    K->matmul_backward(m->dev, &datt, &L->wo->g, &dy, &att, &L->wo->w);
+    K->matmul_backward(m->dev, &datt, &L->wo->g, &dy, &att, &L->wo->wc);
     K->zero(m->dev, &dq);
     K->zero(m->dev, &dk);
     K->zero(m->dev, &dv);
@@ -764,17 +789,17 @@ static int layer_backward(struct am_model *m, const struct am_layer *L, const st
         struct am_tensor rq = rows_of(&a->rstd_q, N * m->heads), rk = rows_of(&a->rstd_k, N * m->kv_heads);
         K->zero(m->dev, &dq_raw);
         K->zero(m->dev, &dk_raw);
-        K->rmsnorm_backward(m->dev, &dqr, &L->q_norm->g, &dqn, &qr, &L->q_norm->w, &rq);
-        K->rmsnorm_backward(m->dev, &dkr, &L->k_norm->g, &dkn, &kr, &L->k_norm->w, &rk);
+        K->rmsnorm_backward(m->dev, &dqr, &L->q_norm->g, &dqn, &qr, &L->q_norm->wc, &rq);
+        K->rmsnorm_backward(m->dev, &dkr, &L->k_norm->g, &dkn, &kr, &L->k_norm->wc, &rk);
         dq = dq_raw;
         dk = dk_raw;
     }
     if (column_input(m, &h1, N, &in, err, err_len) < 0)
         return -1;
     K->zero(m->dev, &dh);
-    K->matmul_backward(m->dev, &dh, &L->wq->g, &dq, &in, &L->wq->w);
-    K->matmul_backward(m->dev, &dh, &L->wk->g, &dk, &in, &L->wk->w);
-    K->matmul_backward(m->dev, &dh, &L->wv->g, &dv, &in, &L->wv->w);
+    K->matmul_backward(m->dev, &dh, &L->wq->g, &dq, &in, &L->wq->wc);
+    K->matmul_backward(m->dev, &dh, &L->wk->g, &dk, &in, &L->wk->wc);
+    K->matmul_backward(m->dev, &dh, &L->wv->g, &dv, &in, &L->wv->wc);
     return norm_backward(m, dx, L->attn_norm, &dh, &x_in, &rstd1, err, err_len);
 }
 
@@ -788,7 +813,7 @@ static int head_backward(struct am_model *m, const struct am_slot *S, struct am_
     struct am_tensor cm = rows_of(&S->ce_m, N), cs = rows_of(&S->ce_s, N);
     if (!S->fused) { /* dhf is summed over the vocabulary shards in norm_backward */
         m->K->zero(m->dev, &dhf);
-        m->K->ce_backward(m->dev, &dhf, &m->head->g, &hf, &m->head->w, &tgt, m->vocab_start, &cm, &cs, dloss_scale);
+        m->K->ce_backward(m->dev, &dhf, &m->head->g, &hf, &m->head->wc, &tgt, m->vocab_start, &cm, &cs, dloss_scale);
     }
     m->K->zero(m->dev, dx);
     return norm_backward(m, dx, m->final_norm, &dhf, &xf, &rstdf, err, err_len);
@@ -802,7 +827,7 @@ static int group_done(struct am_model *m, int group, char *err, size_t err_len)
     return m->grad_ready(m->grad_ready_arg, group, err, err_len);
 }
 
-int am_model_backward(struct am_model *m, int chunk, int slot, const float *dy, float *dx_out, float dloss_scale,
+int am_model_backward(struct am_model *m, int chunk, int slot, const void *dy, void *dx_out, float dloss_scale,
                       char *err, size_t err_len)
 {
     if (check_slot(m, chunk, slot, err, err_len) < 0)
@@ -887,7 +912,7 @@ int am_model_loss(struct am_model *m, const int32_t *tokens, const int32_t *targ
 static int sum_tied_copies(struct am_model *m, char *err, size_t err_len)
 {
     struct am_param *p = m->sh.first_stage ? m->embed : m->head;
-    int64_t n = am_tensor_numel(&p->g), piece = am_tensor_numel(&m->scratch_c);
+    int64_t n = am_tensor_numel(&p->g), piece = (int64_t)(am_tensor_bytes(&m->scratch_c) / sizeof(float));
     int last = am_comm_size(m->pp_comm) - 1, peer = m->sh.first_stage ? last : 0;
     for (int64_t off = 0; off < n; off += piece) {
         int64_t len = n - off < piece ? n - off : piece;

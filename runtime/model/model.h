@@ -53,7 +53,9 @@
 enum am_split { AM_SPLIT_NONE, AM_SPLIT_ROWS, AM_SPLIT_COLS };
 
 struct am_param {
-    struct am_tensor w, g;
+    struct am_tensor w, g;  /* the fp32 master value and its fp32 gradient */
+    struct am_tensor wc;    /* the value the kernels compute with: w itself, or its copy in the
+                               compute dtype (mixed precision), refreshed by am_model_begin_step */
     char name[96];          /* Hugging Face name */
     enum am_split split;
     int64_t full_rows, full_cols; /* the unsplit shape (cols 0 for vectors) */
@@ -84,6 +86,9 @@ struct am_model_shard {
     struct am_chunk chunks[AM_MAX_CHUNKS];
     bool first_stage, last_stage; /* chunk 0 starts with the embedding; the last chunk ends
                                      with the final norm, the head and the loss */
+    enum am_tdtype compute;       /* weights and activations in forward and backward: AM_T_F32
+                                     (the default), or AM_T_BF16 (mixed precision: fp32 master
+                                     weights and gradients, a bf16 copy of the weights) */
 };
 
 /* The shard of a rank that holds all n_layers layers as one stage. */
@@ -177,7 +182,9 @@ struct am_model {
     } scalars;
     void *scalar_mem;
     bool loss_reduced, sumsq_reduced; /* the f32 sums are the values to read */
-    void *param_mem, *grad_mem;
+    void *param_mem, *grad_mem; /* fp32 masters and gradients */
+    void *param_lp_mem;         /* the compute copy of the weights (mixed precision), or NULL */
+    enum am_tdtype act_dt;      /* compute dtype: the weights' copy and the activations */
     size_t n_elems; /* parameters on this rank (all of them, in elements) */
 
     struct am_param *embed, *final_norm, *head; /* head == embed when tied and on the same rank */
@@ -228,12 +235,12 @@ size_t am_model_hidden_elems(const struct am_model *m, int64_t batch);
  * token losses to the loss scalar; dloss_scale is the gradient of the total loss with respect
  * to that sum (1 / tokens of the global batch gives the global mean). */
 int am_model_forward(struct am_model *m, int chunk, int slot, int64_t batch, const int32_t *tokens,
-                     const int32_t *targets, const float *x_in, float *x_out, float dloss_scale, char *err,
+                     const int32_t *targets, const void *x_in, void *x_out, float dloss_scale, char *err,
                      size_t err_len);
 /* Its backward: dy is the gradient of the chunk's output (from the next stage; ignored on the
  * last stage, where it starts from the loss), dx receives the gradient of x_in (not on the
  * first stage). Parameter gradients accumulate. */
-int am_model_backward(struct am_model *m, int chunk, int slot, const float *dy, float *dx, float dloss_scale,
+int am_model_backward(struct am_model *m, int chunk, int slot, const void *dy, void *dx, float dloss_scale,
                       char *err, size_t err_len);
 
 /* The whole model on one rank (one chunk with embedding and head): forward and backward of
@@ -246,8 +253,12 @@ int am_model_step(struct am_model *m, const int32_t *tokens, const int32_t *targ
 int am_model_loss(struct am_model *m, const int32_t *tokens, const int32_t *targets, int64_t batch,
                   double *loss_sum, char *err, size_t err_len);
 
-/* Zeroes the gradients and the loss scalar: the start of a step. */
-void am_model_zero_grad(struct am_model *m);
+/* The start of a step: zeroes the gradients and the loss scalar, and refreshes the compute
+ * copy of the weights from the masters (mixed precision). */
+void am_model_begin_step(struct am_model *m);
+/* The compute copy of the weights from the masters (am_model_begin_step does it; after
+ * writing masters outside a step, a load for instance, call it before a forward). */
+void am_model_cast_weights(struct am_model *m);
 
 /* Completing the gradients of one optimizer step, after its last micro-batch, once:
  * am_model_group_finish sums across the tp ranks what they computed separately in group g

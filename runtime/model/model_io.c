@@ -47,6 +47,7 @@ int am_model_load_hf(struct am_model *m, const char *dir, struct am_errors *err)
         free(host);
     }
     am_ckpt_close(c);
+    am_model_cast_weights(m);
     return err->n > before ? -1 : 0;
 }
 

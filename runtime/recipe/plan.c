@@ -184,9 +184,14 @@ static int memory_of_rank(const struct am_recipe *r, const struct am_plan *p, in
     if (head)
         dense_params += pc->final_norm + (m->tie_word_embeddings && emb ? 0 : pc->embedding / tp);
 
-    /* bytes per parameter: weights and gradients in the storage dtype, Adam's two moments
-     * too (ZeRO's accounting: fp32 storage = 4 + 4 + 8 = 16 B) */
-    double ws = am_dtype_bytes(r->param_dtype), cs = am_dtype_bytes(r->compute_dtype);
+    /* bytes per parameter, as am-train allocates them: fp32 master weights, gradients and
+     * Adam's two moments (ZeRO's accounting: 4 + 4 + 8 = 16 B) whatever model.torch_dtype says;
+     * with a compute dtype narrower than fp32 (mixed precision) a copy of the weights in it
+     * (+2 B for bf16), and with a bf16 reduce_dtype the gradients' copy that the data-parallel
+     * all-reduce sums (+2 B, only when there is more than one data-parallel rank) */
+    double cs = am_dtype_bytes(r->compute_dtype);
+    double wb = 4 + (cs < 4 ? cs : 0);
+    double gb = 4 + (p->dp > 1 && am_dtype_bytes(r->reduce_dtype) < 4 ? am_dtype_bytes(r->reduce_dtype) : 0);
     /* the ranks each strategy's sharding spans; what it shards is p->zero_stage (nothing today) */
     double shard = 1, expert_shard = 1;
     int zero = p->zero_stage;
@@ -203,9 +208,9 @@ static int memory_of_rank(const struct am_recipe *r, const struct am_plan *p, in
            eoshard = zero >= 1 ? expert_shard : 1;
     out->pp_rank = k;
     out->params = dense_params + expert_params;
-    out->weights = ws * (dense_params / wshard + expert_params / ewshard);
-    out->grads = ws * (dense_params / gshard + expert_params / egshard);
-    out->optimizer = 2 * ws * (dense_params / oshard + expert_params / eoshard);
+    out->weights = wb * (dense_params / wshard + expert_params / ewshard);
+    out->grads = gb * (dense_params / gshard + expert_params / egshard);
+    out->optimizer = 8 * (dense_params / oshard + expert_params / eoshard);
     /* ZeRO-3 gathers each layer before use; the next one is prefetched */
     out->gathered = zero >= 3 && layers ? 2 * cs * (dense + experts) : 0;
 

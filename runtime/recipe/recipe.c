@@ -171,9 +171,18 @@ static int read_compute_dtype(struct reader *rd, struct am_node *v, const char *
     return rc < 0 ? -1 : 0;
 }
 
+static int read_reduce_dtype(struct reader *rd, struct am_node *v, const char *key)
+{
+    int rc = read_dtype(rd, v, key, &rd->r->reduce_dtype);
+    return rc < 0 ? -1 : 0;
+}
+
+/* FSDP2's MixedPrecisionPolicy. output_dtype changes nothing am computes: its loss reads the
+ * logits in fp32 whatever the model's output dtype, as transformers' loss upcasts them. */
 static const struct key_spec mp_policy_keys[] = {
     {"param_dtype", K_FN, 0, 0, read_compute_dtype},
-    IGNORE("_target_"), IGNORE("reduce_dtype"), IGNORE("output_dtype"), IGNORE("cast_forward_inputs"),
+    {"reduce_dtype", K_FN, 0, 0, read_reduce_dtype},
+    IGNORE("_target_"), IGNORE("output_dtype"), IGNORE("cast_forward_inputs"),
     {NULL, 0, 0, 0, NULL}};
 
 static int read_mp_policy(struct reader *rd, struct am_node *v, const char *key)
@@ -654,8 +663,15 @@ static void read_recipe(struct reader *rd)
     for (size_t i = 0; i < sizeof(sizes) / sizeof(sizes[0]); i++)
         if (*sizes[i] == 0)
             *sizes[i] = 1;
+    /* mixed precision: AutoModel's default policy (bf16 compute, fp32 reduction) without an
+     * mp_policy; a policy given keeps a dtype it leaves out as torch's None does (the compute
+     * dtype stays the model's; the reduction follows the compute dtype) */
+    bool policy = am_node_path(root, "distributed.mp_policy") &&
+                  !am_node_is_null(am_node_path(root, "distributed.mp_policy"));
     if (!am_node_path(root, "distributed.mp_policy.param_dtype"))
-        r->compute_dtype = r->dist.strategy == AM_DDP ? r->param_dtype : AM_DTYPE_BF16;
+        r->compute_dtype = r->dist.strategy == AM_DDP || policy ? r->param_dtype : AM_DTYPE_BF16;
+    if (!am_node_path(root, "distributed.mp_policy.reduce_dtype"))
+        r->reduce_dtype = policy ? r->compute_dtype : AM_DTYPE_FP32;
     if (!am_node_path(root, "rng.seed") && am_node_path(root, "dataset.seed"))
         r->seed = r->data.seed;
     if (!am_node_path(root, "dataset.seed"))

@@ -54,6 +54,7 @@ struct am_recipe {
     const char *model_source; /* the resolved config.json, "inline", or a shipped config */
     enum am_dtype param_dtype;   /* model.torch_dtype: storage of parameters */
     enum am_dtype compute_dtype; /* distributed.mp_policy.param_dtype, else per strategy */
+    enum am_dtype reduce_dtype;  /* distributed.mp_policy.reduce_dtype: gradients' all-reduce */
 
     struct {
         enum am_strategy strategy;

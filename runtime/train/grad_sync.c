@@ -7,13 +7,16 @@
 #include "log.h"
 #include "util.h"
 
-int am_gsync_init(struct am_gsync *s, struct am_model *m, struct am_comm *dp, bool overlap, char *err,
-                  size_t err_len)
+int am_gsync_init(struct am_gsync *s, struct am_model *m, struct am_comm *dp, bool overlap, enum am_tdtype reduce,
+                  char *err, size_t err_len)
 {
     memset(s, 0, sizeof(*s));
     s->m = m;
     s->dp = dp;
     s->overlap = overlap;
+    s->reduce = reduce;
+    if (dp && reduce != AM_T_F32 && !(s->lp_mem = m->K->alloc(m->dev, m->n_elems * am_tdtype_size(reduce))))
+        return am_fail(err, err_len, "out of memory for the %zu gradients in the reduction's dtype", m->n_elems);
     s->state = calloc((size_t)m->n_groups + 1, sizeof(*s->state));
     s->reqs = calloc((size_t)m->n_groups + 1, sizeof(*s->reqs));
     if (!s->state || !s->reqs)
@@ -27,6 +30,8 @@ int am_gsync_init(struct am_gsync *s, struct am_model *m, struct am_comm *dp, bo
 
 void am_gsync_free(struct am_gsync *s)
 {
+    if (s->lp_mem)
+        s->m->K->free(s->m->dev, s->lp_mem);
     free(s->state);
     free(s->reqs);
     memset(s, 0, sizeof(*s));
@@ -47,8 +52,15 @@ static int reduce(struct am_gsync *s, int group, bool start, char *err, size_t e
     if (!s->dp)
         return 0;
     m->K->sum_squares(m->dev, &m->scalars.local_sumsq, &g, 1.0);
-    int rc = start ? am_iallreduce(s->dp, g.data, g.data, G->n_elems, AM_F32, AM_SUM, &s->reqs[s->n_reqs++])
-                   : am_allreduce(s->dp, g.data, g.data, G->n_elems, AM_F32, AM_SUM);
+    struct am_tensor r = g; /* what is reduced: the gradients, or their copy in reduce_dtype */
+    if (s->lp_mem) {
+        r = am_tensor_view((char *)s->lp_mem + G->offset * am_tdtype_size(s->reduce), m->dev->device, s->reduce,
+                           (int64_t)G->n_elems, 0, 0, 0);
+        m->K->convert(m->dev, &r, &g);
+    }
+    enum am_comm_dtype t = s->reduce == AM_T_BF16 ? AM_BF16 : AM_F32;
+    int rc = start ? am_iallreduce(s->dp, r.data, r.data, G->n_elems, t, AM_SUM, &s->reqs[s->n_reqs++])
+                   : am_allreduce(s->dp, r.data, r.data, G->n_elems, t, AM_SUM);
     if (rc < 0)
         return am_fail(err, err_len, "%s", am_comm_error(s->dp));
     return 0;
@@ -78,6 +90,11 @@ int am_gsync_finish(struct am_gsync *s, char *err, size_t err_len)
     if (am_comm_wait_all(s->reqs, s->n_reqs) < 0 && rc == 0)
         rc = am_fail(err, err_len, "%s", am_comm_error(s->dp));
     s->n_reqs = 0;
+    if (s->lp_mem && rc == 0) { /* the sums back into the fp32 gradients */
+        struct am_tensor g = am_tensor_view(m->grad_mem, m->dev->device, AM_T_F32, (int64_t)m->n_elems, 0, 0, 0);
+        struct am_tensor r = am_tensor_view(s->lp_mem, m->dev->device, s->reduce, (int64_t)m->n_elems, 0, 0, 0);
+        m->K->convert(m->dev, &g, &r);
+    }
     memset(s->state, 0, (size_t)m->n_groups * sizeof(*s->state));
     s->wait_s = am_mono_time() - t0;
     return rc;

@@ -13,7 +13,8 @@ static void shard_of(const struct am_pipe *P, const struct am_plan *p, const str
                      const struct am_coords *c, struct am_model_shard *sh)
 {
     *sh = (struct am_model_shard){.tp = p->tp, .tp_rank = c->tp, .sequence_parallel = r->dist.sequence_parallel,
-                                  .recompute = r->dist.activation_checkpointing};
+                                  .recompute = r->dist.activation_checkpointing,
+                                  .compute = r->compute_dtype == AM_DTYPE_BF16 ? AM_T_BF16 : AM_T_F32};
     for (int s = 0; s < p->n_stages; s++) {
         const struct am_stage *st = &p->stages[s];
         if (st->pp_rank != c->pp)
@@ -60,13 +61,15 @@ int am_pipe_bind(struct am_pipe *P, const struct am_model *m, int64_t batch, str
     P->fwd = fwd;
     P->bwd = bwd;
     P->hidden = am_model_hidden_elems(m, batch);
+    P->elem = am_tdtype_size(m->act_dt);
+    P->dtype = m->act_dt == AM_T_BF16 ? AM_BF16 : AM_F32;
     if (P->pp == 1)
         return 0;
     P->n_bufs = P->v == 1 ? P->slots[0] : P->v * P->n_micro;
     size_t n = (size_t)P->n_bufs * P->hidden;
-    P->recv_buf = m->K->alloc(m->dev, P->hidden * sizeof(float));
-    P->out_bufs = m->K->alloc(m->dev, n * sizeof(float));
-    P->grad_bufs = m->K->alloc(m->dev, n * sizeof(float));
+    P->recv_buf = m->K->alloc(m->dev, P->hidden * P->elem);
+    P->out_bufs = m->K->alloc(m->dev, n * P->elem);
+    P->grad_bufs = m->K->alloc(m->dev, n * P->elem);
     if (!P->recv_buf || !P->out_bufs || !P->grad_bufs)
         return am_fail(err, err_len, "pipeline: out of memory for %d hidden states of %zu elements", 1 + 2 * P->n_bufs,
                        P->hidden);
@@ -89,7 +92,7 @@ size_t am_pipe_bytes(const struct am_pipe *P)
 {
     if (P->pp == 1)
         return 0;
-    return (1 + 2 * (size_t)P->n_bufs) * P->hidden * sizeof(float);
+    return (1 + 2 * (size_t)P->n_bufs) * P->hidden * P->elem;
 }
 
 /* The buffer a micro-batch's hidden state goes out of (see am_pipe). With one chunk the
@@ -99,12 +102,12 @@ size_t am_pipe_bytes(const struct am_pipe *P)
  * before them, and its sends backward by the previous stage's backwards, which need nothing
  * but earlier sends either (with interleaving the chunks wrap around: there every micro-batch
  * and chunk has its own buffer). */
-static float *buf_of(const struct am_pipe *P, struct am_comm *c, float *base, int chunk, int micro)
+static char *buf_of(const struct am_pipe *P, struct am_comm *c, char *base, int chunk, int micro)
 {
     size_t i = P->v == 1 ? (size_t)(micro % P->n_bufs) : (size_t)chunk * (size_t)P->n_micro + (size_t)micro;
     if (P->v == 1 && micro >= P->n_bufs && am_send_wait_keep(c, (size_t)P->n_bufs - 1) < 0)
         return NULL;
-    return base + i * P->hidden;
+    return base + i * P->hidden * P->elem;
 }
 
 /* The pp rank of the stage before / after stage s (stage s is on rank s % pp). */
@@ -121,12 +124,12 @@ static int run_forward(struct am_pipe *P, struct am_model *m, const struct am_pi
 {
     int s = a->chunk * P->pp + P->rank;
     size_t N = (size_t)(batch * m->seq_len);
-    const float *x_in = NULL;
-    float *x_out = NULL;
+    const void *x_in = NULL;
+    void *x_out = NULL;
     if (s < P->n_stages - 1 && !(x_out = buf_of(P, P->fwd, P->out_bufs, a->chunk, a->micro)))
         return comm_fail(P->fwd, err, err_len);
     if (s > 0) {
-        if (am_recv(P->fwd, P->recv_buf, P->hidden, AM_F32, prev_rank(P, s)) < 0)
+        if (am_recv(P->fwd, P->recv_buf, P->hidden, P->dtype, prev_rank(P, s)) < 0)
             return comm_fail(P->fwd, err, err_len);
         x_in = P->recv_buf;
     }
@@ -134,7 +137,7 @@ static int run_forward(struct am_pipe *P, struct am_model *m, const struct am_pi
     if (am_model_forward(m, a->chunk, a->micro % P->slots[a->chunk], batch, tok, tgt, x_in, x_out, dloss_scale, err,
                          err_len) < 0)
         return -1;
-    if (x_out && am_isend(P->fwd, x_out, P->hidden, AM_F32, next_rank(P, s)) < 0)
+    if (x_out && am_isend(P->fwd, x_out, P->hidden, P->dtype, next_rank(P, s)) < 0)
         return comm_fail(P->fwd, err, err_len);
     return 0;
 }
@@ -143,12 +146,12 @@ static int run_backward(struct am_pipe *P, struct am_model *m, const struct am_p
                         bool final, char *err, size_t err_len)
 {
     int s = a->chunk * P->pp + P->rank;
-    const float *dy = NULL;
-    float *dx = NULL;
+    const void *dy = NULL;
+    void *dx = NULL;
     if (s > 0 && !(dx = buf_of(P, P->bwd, P->grad_bufs, a->chunk, a->micro)))
         return comm_fail(P->bwd, err, err_len);
     if (s < P->n_stages - 1) {
-        if (am_recv(P->bwd, P->recv_buf, P->hidden, AM_F32, next_rank(P, s)) < 0)
+        if (am_recv(P->bwd, P->recv_buf, P->hidden, P->dtype, next_rank(P, s)) < 0)
             return comm_fail(P->bwd, err, err_len);
         dy = P->recv_buf;
     }
@@ -157,7 +160,7 @@ static int run_backward(struct am_pipe *P, struct am_model *m, const struct am_p
     m->grads_final = false;
     if (rc < 0)
         return -1;
-    if (dx && am_isend(P->bwd, dx, P->hidden, AM_F32, prev_rank(P, s)) < 0)
+    if (dx && am_isend(P->bwd, dx, P->hidden, P->dtype, prev_rank(P, s)) < 0)
         return comm_fail(P->bwd, err, err_len);
     return 0;
 }

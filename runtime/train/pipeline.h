@@ -27,10 +27,12 @@ struct am_pipe {
     int n_actions;
     int slots[AM_MAX_CHUNKS];        /* per chunk: am_pipe_slots */
     size_t hidden;                   /* elements of one hidden state (am_model_hidden_elems) */
-    float *recv_buf;                 /* one hidden state, consumed by the model at once */
+    size_t elem;                     /* bytes of one element (the model's compute dtype) */
+    enum am_comm_dtype dtype;        /* the same, as the communicators name it */
+    char *recv_buf;                  /* one hidden state, consumed by the model at once */
     int n_bufs;                      /* hidden states sent each way: slots (one chunk), or
                                         v * n_micro (interleaved), see buf_of in pipeline.c */
-    float *out_bufs, *grad_bufs;     /* [n_bufs] hidden states sent forward / backward */
+    char *out_bufs, *grad_bufs;     /* [n_bufs] hidden states sent forward / backward */
     struct am_comm *fwd, *bwd;       /* the pp group twice: activations, gradients (NULL: pp 1) */
     const struct am_dev *dev;        /* where the buffers live */
 };

@@ -54,11 +54,14 @@ struct trainer {
 
 /* The layouts this trainer runs so far: data, tensor (+ sequence) and pipeline parallelism;
  * context and expert parallelism not yet. */
-static int check_supported(const struct am_plan *p, struct am_errors *err)
+static int check_supported(const struct am_plan *p, const struct am_recipe *r, struct am_errors *err)
 {
     if (p->cp > 1 || p->ep > 1)
         return am_errors_fail(err, "am-train does not run this layout yet: cp_size %d, ep_size %d (it runs data, "
                               "tensor and pipeline parallelism: use 1 for both)", p->cp, p->ep);
+    if (r->compute_dtype == AM_DTYPE_FP16 || r->reduce_dtype == AM_DTYPE_FP16)
+        return am_errors_fail(err, "distributed.mp_policy: float16 compute or reduction needs loss scaling, which "
+                              "am-train does not do: use bfloat16 (fp32's range in half the bytes) or float32");
     return 0;
 }
 
@@ -87,6 +90,24 @@ static int build_comms(struct trainer *t, struct am_errors *err)
     return 0;
 }
 
+/* What the rank allocated, as am-plan counts it: weights (fp32 masters and their copy in the
+ * compute dtype), gradients (fp32, and their copy in a narrower reduce_dtype), Adam's moments,
+ * activations and the pipeline's buffers. */
+static void log_memory(struct trainer *t)
+{
+    const struct am_model *m = &t->model;
+    size_t n = m->n_elems, lp = m->param_lp_mem ? am_tdtype_size(m->act_dt) : 0;
+    size_t glp = t->sync.lp_mem ? am_tdtype_size(t->sync.reduce) : 0;
+    json_t *o = json_pack("{s:I,s:I,s:I,s:I,s:I,s:I,s:i,s:i,s:b}", "param_bytes", (json_int_t)(n * sizeof(float)),
+                          "weights_bytes", (json_int_t)(n * (sizeof(float) + lp)), "grads_bytes",
+                          (json_int_t)(n * (sizeof(float) + glp)), "optimizer_bytes", (json_int_t)(n * 2 * sizeof(float)),
+                          "act_bytes", (json_int_t)m->act_bytes, "pipe_bytes", (json_int_t)am_pipe_bytes(&t->pipe),
+                          "slots", m->n_slots, "peak_micro", am_pipe_peak(t->pipe.actions, t->pipe.n_actions),
+                          "recompute", m->sh.recompute);
+    json_object_set_new(o, "compute_dtype", json_string(m->act_dt == AM_T_BF16 ? "bfloat16" : "float32"));
+    am_log_record(&t->log, "memory", o);
+}
+
 /* Weights: the checkpoint named by the recipe when it has any, else a random init. */
 static int build_model(struct trainer *t, struct am_errors *err)
 {
@@ -102,11 +123,6 @@ static int build_model(struct trainer *t, struct am_errors *err)
         am_pipe_bind(&t->pipe, &t->model, p->microbatch_size, pp, p->pp > 1 ? t->g.pp_grad : NULL, msg,
                      sizeof(msg)) < 0)
         return am_errors_fail(err, "%s", msg);
-    am_log_record(&t->log, "memory",
-                  json_pack("{s:I,s:I,s:I,s:i,s:i,s:b}", "param_bytes", (json_int_t)(t->model.n_elems * sizeof(float)),
-                            "act_bytes", (json_int_t)t->model.act_bytes, "pipe_bytes",
-                            (json_int_t)am_pipe_bytes(&t->pipe), "slots", t->model.n_slots, "peak_micro",
-                            am_pipe_peak(t->pipe.actions, t->pipe.n_actions), "recompute", sh.recompute));
     t->base_config[0] = '\0';
     if (strcmp(r->model_source, "inline") != 0) {
         snprintf(t->base_config, sizeof(t->base_config), "%s", r->model_source);
@@ -373,7 +389,7 @@ static int forward_backward(struct trainer *t, long step, float dloss_scale, str
 {
     const struct am_plan *p = t->p;
     char msg[1024];
-    am_model_zero_grad(&t->model);
+    am_model_begin_step(&t->model);
     if (p->dp > 1 && am_fault_due(&t->fault, t->s->info.rank, step, AM_FAULT_HANG_IN_COLLECTIVE)) {
         fault_record(t, step, NULL);
         am_comm_inject_stall(t->g.dp, am_comm_seq(t->g.dp) + 1);
@@ -513,7 +529,7 @@ int am_train(struct am_rank_setup *s, struct am_errors *err)
     char msg[512];
     int rc = -1, crash = 0;
     t.log.fd = -1;
-    if (check_supported(t.p, err) < 0 || setup_diagnostics(&t, err) < 0 || open_device(&t, err) < 0)
+    if (check_supported(t.p, t.r, err) < 0 || setup_diagnostics(&t, err) < 0 || open_device(&t, err) < 0)
         goto out;
     if (am_log_open(&t.log, NULL, s->info.job_id, s->info.rank, msg, sizeof(msg)) < 0) {
         am_errors_fail(err, "%s", msg);
@@ -543,12 +559,14 @@ int am_train(struct am_rank_setup *s, struct am_errors *err)
         am_errors_fail(err, "out of memory for the optimizer state of %zu parameters", t.model.n_elems);
         goto out;
     }
-    if (am_gsync_init(&t.sync, &t.model, t.p->dp > 1 ? t.g.dp : NULL, grad_overlap(), msg, sizeof(msg)) < 0) {
+    if (am_gsync_init(&t.sync, &t.model, t.p->dp > 1 ? t.g.dp : NULL, grad_overlap(),
+                      t.r->reduce_dtype == AM_DTYPE_BF16 ? AM_T_BF16 : AM_T_F32, msg, sizeof(msg)) < 0) {
         am_errors_fail(err, "%s", msg);
         goto out;
     }
     t.model.grad_ready = grad_ready;
     t.model.grad_ready_arg = &t;
+    log_memory(&t);
     rc = run(&t, err);
 out:
     am_watchdog_stop(&t.wd);

@@ -336,6 +336,62 @@ static void test_hang_chain_through_tp(void **state)
     am_diag_free(&d);
 }
 
+/* Overlapped gradient reduction, tp 2 x dp 2 as above: rank 3's dp iallreduce #5 hangs inside
+ * (a stalled transfer) while its backward goes on (tp #7 completes after it); its dp partner,
+ * rank 1, waits for #5 after the backward; ranks 0 and 2 wait in tp #8 for their partners, who
+ * are stuck in the dp wait. The non-blocking call waited for lies before completed calls in the
+ * flight recorder; the blame follows it to rank 3. */
+static void iallreduce(struct log *l, int id, int gid, int seq, const char *state, int waiting, double started)
+{
+    char w[16];
+    snprintf(w, sizeof(w), waiting < 0 ? "null" : "%d", waiting);
+    line(l, "{\"type\":\"flight\",\"id\":%d,\"group\":\"dp\",\"gid\":%d,\"seq\":%d,\"op\":\"iallreduce\","
+            "\"dtype\":\"fp32\",\"count\":10,\"bytes\":40,\"redop\":\"sum\",\"peer\":null,\"state\":\"%s\","
+            "\"enqueued\":%.6f,\"started\":%.6f,\"ended\":null,\"waiting_for\":%s}", id, gid, seq, state, started,
+         started, w);
+}
+
+static void test_hang_in_nonblocking(void **state)
+{
+    (void)state;
+    struct am_diag d;
+    struct log l;
+    am_diag_init(&d);
+    static const char *tp[] = {"0,1", "0,1", "2,3", "2,3"}, *dp[] = {"0,2", "1,3", "0,2", "1,3"};
+    for (int r = 0; r < 4; r++) {
+        tp_rank(&l, r, 2 + r / 2, tp[r], r % 2, dp[r]);
+        for (int s = 1; s <= 6; s++)
+            tp_call(&l, s, "tp", 2 + r / 2, s, "completed", -1, T0 + 4);
+        for (int s = 1; s <= 4; s++)
+            tp_call(&l, 6 + s, "dp", r % 2, s, "completed", -1, T0 + 4);
+        if (r % 2 == 1) { /* dp group {1,3}: #5 started in the backward, waited for after it */
+            iallreduce(&l, 11, 1, 5, r == 3 ? "timed_out" : "started", r == 3 ? -1 : 3, T0 + 5.2);
+            tp_call(&l, 12, "tp", 2 + r / 2, 7, "completed", -1, T0 + 5.1);
+            line(&l, "{\"type\":\"cause\",\"cause\":\"timeout\",\"by\":\"watchdog\",\"op\":\"iallreduce\","
+                     "\"group\":\"dp\",\"gid\":1,\"seq\":5,\"waited_s\":4.0,\"rank\":%d,\"time\":%.6f,"
+                     "\"waiting_for\":%s,\"step\":3}", r, T0 + 9.2 + 0.01 * r, r == 3 ? "null" : "3");
+        } else { /* dp group {0,2} finished; tp #8 (the gradient norm) waits for the partner */
+            iallreduce(&l, 11, 0, 5, "completed", -1, T0 + 5.0);
+            tp_call(&l, 12, "tp", 2 + r / 2, 7, "completed", -1, T0 + 5.1);
+            tp_call(&l, 13, "tp", 2 + r / 2, 8, "started", r + 1, T0 + 5.3);
+            sigterm(&l, r, 3, T0 + 9.6, "supervisor");
+        }
+        add(&d, r, &l);
+    }
+    am_diag_analyze(&d);
+    assert_int_equal(d.culprit, 3);
+    assert_string_equal(d.ff_cause, "hang");
+    assert_non_null(d.ff_in);
+    assert_string_equal(d.ff_in->group, "dp");
+    assert_string_equal(d.ff_in->op, "iallreduce");
+    assert_int_equal(d.ff_in->seq, 5);
+    assert_non_null(strstr(d.ff_detail, "stuck inside iallreduce #5 of group dp"));
+    for (int r = 0; r < 3; r++)
+        assert_int_equal(d.ranks[r].verdict, AM_VERDICT_VICTIM);
+    assert_non_null(strstr(d.ranks[1].detail, "waited in iallreduce #5 of group dp"));
+    am_diag_free(&d);
+}
+
 /* a node's logs are missing: ranks 2 and 3; the others waited for rank 2 */
 static void test_missing_ranks(void **state)
 {
@@ -575,6 +631,7 @@ int main(void)
         cmocka_unit_test(test_hang_outside),
         cmocka_unit_test(test_hang_inside),
         cmocka_unit_test(test_hang_chain_through_tp),
+        cmocka_unit_test(test_hang_in_nonblocking),
         cmocka_unit_test(test_hang_in_recv),
         cmocka_unit_test(test_missing_ranks),
         cmocka_unit_test(test_truncated_log),

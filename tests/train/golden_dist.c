@@ -207,7 +207,7 @@ static int run_series(struct dist *d, const struct golden *G, bool clip, struct 
     struct am_tensor g = am_tensor_view(m.grad_mem, d->dev.device, AM_T_F32, (int64_t)m.n_elems, 0, 0, 0);
     for (int step = 0; step < STEPS; step++) {
         struct am_model_values v;
-        am_model_zero_grad(&m);
+        am_model_begin_step(&m);
         if (am_pipe_run(&pipe, &m, G->tokens, G->targets, p->microbatch_size, dloss_scale, true, msg, sizeof(msg)) < 0 ||
             am_model_finish_grads(&m, msg, sizeof(msg)) < 0 || am_model_reduce_loss(&m, NULL, msg, sizeof(msg)) < 0 ||
             am_model_grad_sumsq(&m, msg, sizeof(msg)) < 0) {

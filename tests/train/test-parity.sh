@@ -48,6 +48,7 @@ recipe() { # NAME MODS: base.yaml with comma-separated changes, its checkpoints 
         gpipe) args+=(-e 's/pp_schedule: .*/pp_schedule: gpipe/') ;;
         il) args+=(-e 's/pp_schedule: .*/pp_schedule: interleaved1f1b/') ;;
         tied) args+=(-e 's/tie_word_embeddings: false/tie_word_embeddings: true/') ;;
+        bf16) args+=(-e 's/param_dtype: float32.*/param_dtype: bfloat16/') ;;
         qwen3) args+=(-e 's/model_type: llama/model_type: qwen3\n  head_dim: 32/') ;;
         mistral) args+=(-e 's/model_type: llama/model_type: mistral\n  sliding_window: 24/') ;;
         - | 1f1b) ;;
@@ -61,6 +62,13 @@ losses() { # LOGDIR: "loss grad_norm" per step of rank 0
     grep -h '"type":"step"' "$1"/*/rank-0.jsonl | sed -E 's/.*"loss":([^,]*),.*"grad_norm":([^,]*),.*/\1 \2/'
 }
 
+memory() { # LOGDIR RANK KEY: the value of KEY in the rank's memory record
+    grep -h '"type":"memory"' "$1"/*/rank-"$2".jsonl | sed -E "s/.*\"$3\":([0-9a-z]*).*/\1/"
+}
+check_memory() { # WHAT CONDITION
+    if [ "$2" = 1 ]; then echo "ok: $1"; passes=$((passes + 1)); else echo "FAIL: $1"; fails=$((fails + 1)); fi
+}
+
 run() { # NAME N MODS [VAR=VALUE...]: N ranks, with the plugin's AM_TP-style overrides
     local name=$1 n=$2 mods=$3
     shift 3
@@ -69,7 +77,7 @@ run() { # NAME N MODS [VAR=VALUE...]: N ranks, with the plugin's AM_TP-style ove
         >"$work/out-$name" 2>&1)
 }
 
-for ref in "ref -" "ref-tied tied" "ref-qwen3 qwen3" "ref-mistral mistral"; do
+for ref in "ref -" "ref-tied tied" "ref-qwen3 qwen3" "ref-mistral mistral" "ref-bf16 bf16"; do
     set -- $ref
     run "$1" 1 "$2" || { echo "FAIL: $1 (1 rank) did not train"; cat "$work/out-$1"; exit 1; }
     losses "$work/logs-$1" >"$work/$1"
@@ -136,14 +144,66 @@ for layout in "${layouts[@]}"; do
     echo "ok: $name matches 1 rank: $(cat "$work/cmp-$name"); checkpoint: $(cat "$work/wdiff-$name")"
     passes=$((passes + 1))
 done
+# bf16 mixed precision (docs/training.md): data, tensor (with sequence parallelism) and
+# pipeline parallelism against one rank, all in bf16. Their activations are rounded to bf16
+# after partial sums that each layout splits differently, so a layout may differ from one
+# rank by about as much as bf16 differs from fp32: the tolerances are twice one rank's
+# bf16-vs-fp32 differences (largest over the steps: loss, grad norm relative, weights).
+bf16_tol=$(paste "$work/ref" "$work/ref-bf16" | awk '
+    { d = $1 - $3; if (d < 0) d = -d; if (d > l) l = d; g = ($2 - $4) / $2; if (g < 0) g = -g; if (g > n) n = g }
+    END { printf "%.3g %.3g", 2 * l, 2 * n }')
+"$AM_BUILDDIR/tests/train/ckpt_diff" "$work/ckpt-ref/step_$steps" "$work/ckpt-ref-bf16/step_$steps" 1e9 \
+    >"$work/wdiff-bf16-fp32" 2>&1
+bf16_wtol=$(sed -nE 's/.*largest difference ([^ ]*) .*/\1/p' "$work/wdiff-bf16-fp32" | awk '{ printf "%.3g", 2 * $1 }')
+if awk -v t="${bf16_tol%% *}" 'BEGIN { exit !(t > 1e-4) }'; then
+    echo "ok: bf16 differs from fp32 on one rank (loss by up to $(echo "$bf16_tol" | awk '{ print $1 / 2 }')): bf16 layouts get $bf16_tol (loss, grad norm), weights $bf16_wtol"
+    passes=$((passes + 1))
+else
+    echo "FAIL: one rank's bf16 run is not different from fp32 (loss tolerance $bf16_tol): is bf16 used?"
+    fails=$((fails + 1))
+fi
+for layout in "dp2-bf16 2 bf16" "tp2-sp-bf16 2 bf16,sp AM_TP=2" "pp2-bf16 2 bf16 AM_PP=2" \
+    "tp2-pp2-dp2-bf16 8 bf16,sp AM_TP=2 AM_PP=2"; do
+    [ -n "${AM_PARITY_ONLY:-}" ] && break
+    set -- $layout
+    name=$1 n=$2 mods=$3
+    shift 3
+    if ! run "$name" "$n" "$mods" "$@"; then
+        echo "FAIL: $name did not train"; sed 's/^/    /' "$work/out-$name"; fails=$((fails + 1)); continue
+    fi
+    losses "$work/logs-$name" >"$work/got-$name"
+    if ! paste "$work/ref-bf16" "$work/got-$name" | awk -v steps="$steps" -v lt="${bf16_tol%% *}" -v nt="${bf16_tol##* }" '
+        { d = $1 - $3; if (d < 0) d = -d; if (d > worst) worst = d
+          g = ($2 - $4) / $2; if (g < 0) g = -g; if (g > gworst) gworst = g; n++ }
+        END { printf "%d steps, largest loss difference %.2g (tolerance %.2g), grad norm %.2g relative (%.2g)", n, worst,
+                     lt, gworst, nt
+              exit !(n == steps && worst <= lt && gworst <= nt) }' >"$work/cmp-$name" ||
+        ! "$AM_BUILDDIR/tests/train/ckpt_diff" "$work/ckpt-ref-bf16/step_$steps" "$work/ckpt-$name/step_$steps" \
+            "$bf16_wtol" >"$work/wdiff-$name" 2>&1; then
+        echo "FAIL: $name differs from 1 rank in bf16: $(cat "$work/cmp-$name"); checkpoint: $(cat "$work/wdiff-$name" 2>/dev/null)"
+        paste "$work/ref-bf16" "$work/got-$name" | sed 's/^/    /'
+        fails=$((fails + 1)); continue
+    fi
+    echo "ok: $name matches 1 rank in bf16: $(cat "$work/cmp-$name"); checkpoint: $(cat "$work/wdiff-$name") (tolerance $bf16_wtol)"
+    passes=$((passes + 1))
+done
+# what the trainer allocated for weights, gradients and AdamW state is what am-plan counts
+# (bf16: the fp32 masters and their bf16 copy; the gradients and their bf16 copy for the
+# reduction over dp 2)
+if [ -z "${AM_PARITY_ONLY:-}" ]; then
+    for name in ref ref-bf16 dp2-bf16; do
+        n=1
+        [ "$name" = dp2-bf16 ] && n=2
+        want=$("$AM_BUILDDIR/am-plan" "$work/$name.yaml" --gpus-per-node "$n" --json |
+            sed -nE 's/.*"weights":([0-9.]+),"grads":([0-9.]+),"optimizer":([0-9.]+).*/\1 \2 \3/p' |
+            awk '{ printf "%d %d %d", $1, $2, $3 }')
+        got="$(memory "$work/logs-$name" 0 weights_bytes) $(memory "$work/logs-$name" 0 grads_bytes) $(memory "$work/logs-$name" 0 optimizer_bytes)"
+        check_memory "$name: weights, gradients, optimizer bytes allocated ($got) are am-plan's ($want)" \
+            "$([ "$got" = "$want" ] && echo 1)"
+    done
+fi
 # activations follow the schedule: rank r of 1F1B keeps pp - r micro-batches, gpipe all 4;
 # activation checkpointing keeps less than half (each layer's input and one layer's work)
-memory() { # LOGDIR RANK KEY: the value of KEY in the rank's memory record
-    grep -h '"type":"memory"' "$1"/*/rank-"$2".jsonl | sed -E "s/.*\"$3\":([0-9a-z]*).*/\1/"
-}
-check_memory() { # WHAT CONDITION
-    if [ "$2" = 1 ]; then echo "ok: $1"; passes=$((passes + 1)); else echo "FAIL: $1"; fails=$((fails + 1)); fi
-}
 pp4=tp1-pp4-dp1-1f1b pp4g=tp1-pp4-dp1-gpipe
 if [ -z "${AM_PARITY_ONLY:-}" ]; then
     got=$(for r in 0 1 2 3; do echo -n "$(memory "$work/logs-$pp4" $r slots)/$(memory "$work/logs-$pp4" $r peak_micro) "; done)

@@ -7,6 +7,7 @@
  *   gradients     1e-5 of each tensor's largest |gradient| (fp32 vs fp64: 8.8e-7)
  *   5 AdamW steps 1e-5 absolute per loss, with and without clipping to norm 1
  *   final weights 5e-5 absolute after the clipped steps (Adam amplifies rounding: 5.2e-6 seen)
+ * and, with bf16 mixed precision, against PyTorch running the same policy (check_bf16).
  * tests/golden/README.md gives the conventions: HF shifts labels inside the model, so token
  * t's target is input t+1 and the last position has none; the loss is the mean over targets.
  */
@@ -59,7 +60,9 @@ static float *read_all(struct golden *G, const char *name, int64_t *n)
     return v;
 }
 
-static void open_golden(struct golden *G, const char *name)
+/* The golden model `name` loaded into a whole-model shard computing in `compute` (fp32, or
+ * bf16 mixed precision). */
+static void open_golden_as(struct golden *G, const char *name, enum am_tdtype compute)
 {
     memset(G, 0, sizeof(*G));
     const char *src = getenv("AM_SRCDIR");
@@ -92,6 +95,7 @@ static void open_golden(struct golden *G, const char *name)
     assert_int_equal(am_dev_open(&G->dev, AM_DEV_CPU, -1, msg, sizeof(msg)), 0);
     G->K = G->dev.k;
     struct am_model_shard sh = am_model_shard_whole(1, 0, (int)G->recipe->model.num_hidden_layers);
+    sh.compute = compute;
     assert_int_equal(am_model_init(&G->m, &G->recipe->model, &sh, &G->dev, NULL, NULL, G->B, G->T, msg, sizeof(msg)), 0);
     int rc = am_model_load_hf(&G->m, G->dir, &err);
     for (size_t i = 0; i < err.n; i++)
@@ -99,6 +103,8 @@ static void open_golden(struct golden *G, const char *name)
     assert_int_equal(rc, 0);
     am_errors_free(&err);
 }
+
+static void open_golden(struct golden *G, const char *name) { open_golden_as(G, name, AM_T_F32); }
 
 static void close_golden(struct golden *G)
 {
@@ -126,7 +132,7 @@ static double step(struct golden *G)
 {
     double loss_sum;
     char msg[512];
-    am_model_zero_grad(&G->m);
+    am_model_begin_step(&G->m);
     assert_int_equal(am_model_step(&G->m, G->tokens, G->targets, G->B, 1.0f / (float)G->n_targets, &loss_sum, msg,
                                    sizeof(msg)),
                      0);
@@ -337,12 +343,118 @@ static void test_model_refuses(void **state)
     close_golden(&G);
 }
 
+/* The golden AdamW with clipping (check_adamw's loop): losses and pre-clip norms of 5 steps. */
+static void clipped_steps(struct golden *G, double *losses, double *norms)
+{
+    size_t E = G->m.n_elems;
+    float *mom = G->K->alloc(&G->dev, E * sizeof(float)), *var = G->K->alloc(&G->dev, E * sizeof(float));
+    struct am_tensor p = am_tensor_view(G->m.param_mem, AM_DEV_CPU, AM_T_F32, (int64_t)E, 0, 0, 0);
+    struct am_tensor g = am_tensor_view(G->m.grad_mem, AM_DEV_CPU, AM_T_F32, (int64_t)E, 0, 0, 0);
+    struct am_tensor m = am_tensor_view(mom, AM_DEV_CPU, AM_T_F32, (int64_t)E, 0, 0, 0);
+    struct am_tensor v = am_tensor_view(var, AM_DEV_CPU, AM_T_F32, (int64_t)E, 0, 0, 0);
+    for (int s = 0; s < 5; s++) {
+        losses[s] = step(G);
+        double sumsq = 0;
+        struct am_tensor acc = am_tensor_view(&sumsq, AM_DEV_CPU, AM_T_F64, 1, 0, 0, 0);
+        G->K->sum_squares(&G->dev, &acc, &g, 1.0);
+        norms[s] = sqrt(sumsq);
+        if (1.0 / (norms[s] + 1e-6) < 1.0)
+            G->K->scale(&G->dev, &g, (float)(1.0 / (norms[s] + 1e-6)));
+        G->K->adamw(&G->dev, &p, &g, &m, &v, 1e-2f, 0.9f, 0.95f, 1e-8f, 0.1f, s + 1);
+    }
+    G->K->free(&G->dev, mom);
+    G->K->free(&G->dev, var);
+}
+
+/* bf16 mixed precision (tests/golden/make_bf16_golden.py): the clipped steps with a bf16 copy of
+ * the weights and bf16 activations (fp32 masters, gradients and AdamW state), against PyTorch
+ * running the same policy. Two implementations of one bf16 policy round in different places (a
+ * fused kernel rounds once where PyTorch's separate operations round each time), so they may
+ * differ by about as much as bf16 differs from fp32: the tolerance of each step's loss is twice
+ * PyTorch's |bf16 - fp32| at that step plus 1e-4 (the first step's loss moves by ~1e-4), the
+ * same for each grad norm (relative), and the final weights' L2 distance to PyTorch's bf16
+ * ones is at most twice PyTorch's bf16-to-fp32 distance. And am's bf16 run must differ from its
+ * fp32 run (bf16 is really used). */
+static void check_bf16(const char *name)
+{
+    double l32[5], n32[5], l16[5], n16[5];
+    struct golden G;
+    open_golden_as(&G, name, AM_T_F32);
+    clipped_steps(&G, l32, n32);
+    close_golden(&G);
+    open_golden_as(&G, name, AM_T_BF16);
+    clipped_steps(&G, l16, n16);
+
+    char path[1100];
+    struct am_errors err;
+    am_errors_init(&err);
+    struct am_st_file *ref;
+    snprintf(path, sizeof(path), "%s/bf16.safetensors", G.dir);
+    assert_int_equal(am_st_open(path, &ref, &err), 0);
+    struct am_st_file *keep = G.g;
+    G.g = ref; /* read_all reads from G.g */
+    int64_t n;
+    float *tl16 = read_all(&G, "losses_bf16", &n), *tl32 = read_all(&G, "losses_fp32", &n);
+    float *tn16 = read_all(&G, "grad_norms_bf16", &n), *tn32 = read_all(&G, "grad_norms_fp32", &n);
+    double own = 0, loss_worst = 0, norm_worst = 0;
+    for (int s = 0; s < 5; s++) {
+        double tol = 2 * fabs(tl16[s] - tl32[s]) + 1e-4, d = fabs(l16[s] - tl16[s]);
+        double ntol = 2 * fabs(tn16[s] - tn32[s]) / tn32[s] + 1e-4, nd = fabs(n16[s] - tn16[s]) / tn16[s];
+        report("%s bf16 step %d: loss %.6f, torch bf16 %.6f (fp32 %.6f): diff %.2e, tolerance %.2e; grad norm "
+               "diff %.2e relative, tolerance %.2e\n", name, s + 1, l16[s], tl16[s], tl32[s], d, tol, nd, ntol);
+        if (d > tol || nd > ntol)
+            print_error("%s bf16 step %d: loss %.6f vs torch %.6f (tolerance %.2e); grad norm %.6f vs %.6f "
+                        "(tolerance %.2e relative)\n", name, s + 1, l16[s], tl16[s], tol, n16[s], tn16[s], ntol);
+        assert_true(d <= tol);
+        assert_true(nd <= ntol);
+        loss_worst = fmax(loss_worst, d / tol);
+        norm_worst = fmax(norm_worst, nd / ntol);
+        own = fmax(own, fabs(l16[s] - l32[s]));
+    }
+    double d_am = 0, d_torch = 0;
+    for (int i = 0; i < G.m.n_params; i++) {
+        const struct am_param *p = &G.m.params[i];
+        char key[160];
+        snprintf(key, sizeof(key), "final_bf16.%s", p->name);
+        float *w16 = read_all(&G, key, &n);
+        snprintf(key, sizeof(key), "final_fp32.%s", p->name);
+        float *w32 = read_all(&G, key, &n);
+        assert_non_null(w16);
+        assert_non_null(w32);
+        assert_int_equal(n, am_tensor_numel(&p->w));
+        const float *mine = p->w.data;
+        for (int64_t k = 0; k < n; k++) {
+            d_am += ((double)mine[k] - w16[k]) * ((double)mine[k] - w16[k]);
+            d_torch += ((double)w32[k] - w16[k]) * ((double)w32[k] - w16[k]);
+        }
+        free(w16);
+        free(w32);
+    }
+    report("%s bf16: worst loss and norm at %.2f and %.2f of their tolerances; final weights %.3e from torch's "
+           "bf16 (tolerance %.3e); am bf16 vs am fp32 losses differ by up to %.2e\n", name, loss_worst, norm_worst,
+           sqrt(d_am), 2 * sqrt(d_torch), own);
+    if (sqrt(d_am) > 2 * sqrt(d_torch))
+        print_error("%s bf16: final weights %.3e from torch's bf16 run, tolerance %.3e\n", name, sqrt(d_am),
+                    2 * sqrt(d_torch));
+    assert_true(sqrt(d_am) <= 2 * sqrt(d_torch));
+    assert_true(own > 1e-5); /* bf16 changed the computation */
+    free(tl16);
+    free(tl32);
+    free(tn16);
+    free(tn32);
+    am_st_close(ref);
+    G.g = keep;
+    am_errors_free(&err);
+    close_golden(&G);
+}
+
 #define CASE(name)                                                                                                 \
     static void test_##name##_forward_backward(void **s) { (void)s; check_forward_backward(#name); }            \
     static void test_##name##_adamw(void **s) { (void)s; check_adamw(#name, false); }                            \
     static void test_##name##_adamw_clip(void **s) { (void)s; check_adamw(#name, true); }                        \
     static void test_##name##_rope(void **s) { (void)s; check_rope(#name); }                                     \
-    static void test_##name##_save(void **s) { (void)s; check_save(#name); }
+    static void test_##name##_save(void **s) { (void)s; check_save(#name); }                                     \
+    static void test_##name##_bf16(void **s) { (void)s; check_bf16(#name); }
 CASE(llama_gqa)
 CASE(llama_tied)
 CASE(llama3_scaling)
@@ -352,7 +464,7 @@ CASE(mistral_window)
 #define TESTS(name)                                                                                                \
     cmocka_unit_test(test_##name##_rope), cmocka_unit_test(test_##name##_forward_backward),                       \
         cmocka_unit_test(test_##name##_adamw), cmocka_unit_test(test_##name##_adamw_clip),                         \
-        cmocka_unit_test(test_##name##_save)
+        cmocka_unit_test(test_##name##_save), cmocka_unit_test(test_##name##_bf16)
 
 int main(void)
 {

@@ -60,7 +60,7 @@ check "json carries errors" 1 \
     '{"errors":["--set distributed.ep_size=2: distributed.ep_size: 2 needs a mixture-of-experts model; llama has no experts (use ep_size: 1)"]' \
     -- "$bin" "$recipes/llama70b.yaml" --nodes 8 --gpus-per-node 8 --set distributed.ep_size=2 --json
 check "too little GPU memory names the fix" 1 \
-    "error: $recipes/llama70b.yaml: estimated memory per GPU 131.0 GiB exceeds the GPU's 80.0 GiB by 51.0 GiB; it fits with distributed.activation_checkpointing=true (40.6 GiB), distributed.sequence_parallel=true (59.1 GiB)" \
+    "error: $recipes/llama70b.yaml: estimated memory per GPU 152.2 GiB exceeds the GPU's 80.0 GiB by 72.2 GiB; it fits with distributed.activation_checkpointing=true (61.7 GiB)" \
     -- "$bin" "$recipes/llama70b.yaml" --nodes 8 --gpus-per-node 8 --gpu-mem 80G \
     --set distributed.activation_checkpointing=false --set distributed.sequence_parallel=false \
     --set step_scheduler.local_batch_size=16 --set distributed.pipeline.pp_microbatch_size=2
@@ -72,12 +72,13 @@ check "missing recipe" 1 "error: /nonexistent.yaml: cannot open: No such file or
 check "tiny on 2 ranks" 0 "layout       tp 1 x pp 1 x cp 1 x dp 2 (replicate 1 x shard 2); ep 1 (ep_shard 2); fsdp2" \
     -- "$bin" "$recipes/tiny.yaml" --gpus-per-node 2
 check "tiny_moe with experts" 0 "ep 2 (ep_shard 2)" -- "$bin" "$recipes/tiny_moe.yaml" --gpus-per-node 4
-# fsdp2 keeps a full replica on each data-parallel rank until its sharding lands: 16 B x 8.03B
-# parameters = 119.7 GiB of state + 6.1 GiB of activations, more than 80G
-check "llama3_8b on 8 GPUs fits 141G" 0 "memory/GPU   125.8 GiB on pp rank 0 of 141.0 GiB" \
+# fsdp2 keeps a full replica on each data-parallel rank until its sharding lands: 18 B x 8.03B
+# parameters (fp32 weights 4 + their bf16 copy 2 + fp32 gradients 4 + Adam 8) = 134.6 GiB of
+# state + 6.1 GiB of activations, more than 80G
+check "llama3_8b on 8 GPUs fits 141G" 0 "memory/GPU   140.7 GiB on pp rank 0 of 141.0 GiB" \
     -- "$bin" "$recipes/llama3_8b.yaml" --gpu-mem 141G
 check "llama3_8b on 8 GPUs exceeds 80G" 1 \
-    "error: $recipes/llama3_8b.yaml: estimated memory per GPU 125.8 GiB exceeds the GPU's 80.0 GiB by 45.8 GiB; it fits with distributed.pp_size=2 (63.2 GiB), distributed.tp_size=2 (65.1 GiB)" \
+    "error: $recipes/llama3_8b.yaml: estimated memory per GPU 140.7 GiB exceeds the GPU's 80.0 GiB by 60.7 GiB; it fits with distributed.pp_size=2 (70.7 GiB), distributed.tp_size=2 (72.6 GiB)" \
     -- "$bin" "$recipes/llama3_8b.yaml" --gpu-mem 80G
 check "fsdp2 says it keeps full replicas" 0 \
     "note         fsdp2 does not shard yet: each data-parallel rank keeps full weights, gradients and optimizer state, as ddp does, and the memory above counts them" \

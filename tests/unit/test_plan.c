@@ -170,8 +170,8 @@ static void test_param_count(void **state)
     am_recipe_free(r);
 }
 
-/* Mixed-precision Adam under ddp: 16 bytes per parameter (ZeRO's accounting: fp32
- * weights 4 + gradients 4 + two moments 8), nothing sharded. */
+/* Adam under ddp (fp32 compute: ddp computes in the model's dtype, model8's float32): 16 bytes
+ * per parameter (ZeRO's accounting: fp32 weights 4 + gradients 4 + two moments 8). */
 static void test_memory_ddp_16_bytes_per_parameter(void **state)
 {
     (void)state;
@@ -187,8 +187,10 @@ static void test_memory_ddp_16_bytes_per_parameter(void **state)
 }
 
 /* am-train does not shard yet: fsdp2 and megatron_fsdp keep a full replica on each of the
- * dp 4 ranks, as ddp does (ZeRO stage 0), so all 16 bytes per parameter stay and nothing is
- * gathered; bfloat16 storage halves them. */
+ * dp 4 ranks, as ddp does (ZeRO stage 0), so nothing is gathered. Their default mixed
+ * precision (bf16 compute, fp32 reduction) adds the weights' bf16 copy to the 16 bytes: 18 B
+ * per parameter; model.torch_dtype changes nothing (masters are fp32); a bf16 reduce_dtype
+ * adds the gradients' bf16 copy (20 B); fp32 compute leaves 16 B. */
 static void test_memory_fsdp_keeps_full_replicas(void **state)
 {
     (void)state;
@@ -197,22 +199,41 @@ static void test_memory_fsdp_keeps_full_replicas(void **state)
     double params = 5247232;
     assert_int_equal(p.dp_shard, 4);
     assert_int_equal(p.zero_stage, 0);
-    assert_float_equal(p.mem.weights + p.mem.grads + p.mem.optimizer, 16 * params, 1e-6);
+    assert_float_equal(p.mem.weights, 6 * params, 1e-6);
+    assert_float_equal(p.mem.grads, 4 * params, 1e-6);
+    assert_float_equal(p.mem.optimizer, 8 * params, 1e-6);
     assert_float_equal(p.mem.gathered, 0, 0);
     am_plan_free(&p);
     am_recipe_free(r);
 
     const char *bf16[] = {"model.torch_dtype=bfloat16", NULL};
     r = plan_of(model8, bf16, 4, &p);
-    assert_float_equal(p.mem.weights + p.mem.grads + p.mem.optimizer, 8 * params, 1e-6);
+    assert_float_equal(p.mem.weights + p.mem.grads + p.mem.optimizer, 18 * params, 1e-6);
     am_plan_free(&p);
     am_recipe_free(r);
 
-    /* megatron_fsdp, even with ZeRO-3 asked for: weights 4 B, gradients 4 B, moments 8 B each */
+    const char *reduce_bf16[] = {"distributed.mp_policy.param_dtype=bfloat16",
+                                 "distributed.mp_policy.reduce_dtype=bfloat16", NULL};
+    r = plan_of(model8, reduce_bf16, 4, &p);
+    assert_float_equal(p.mem.grads, 6 * params, 1e-6);
+    am_plan_free(&p);
+    am_recipe_free(r);
+    r = plan_of(model8, reduce_bf16, 1, &p); /* one data-parallel rank: nothing reduced, no copy */
+    assert_float_equal(p.mem.grads, 4 * params, 1e-6);
+    am_plan_free(&p);
+    am_recipe_free(r);
+
+    const char *fp32[] = {"distributed.mp_policy.param_dtype=float32", NULL};
+    r = plan_of(model8, fp32, 4, &p);
+    assert_float_equal(p.mem.weights + p.mem.grads + p.mem.optimizer, 16 * params, 1e-6);
+    am_plan_free(&p);
+    am_recipe_free(r);
+
+    /* megatron_fsdp, even with ZeRO-3 asked for: nothing sharded */
     const char *zero3[] = {"distributed.strategy=megatron_fsdp", "distributed.zero_dp_strategy=3", NULL};
     r = plan_of(model8, zero3, 4, &p);
     assert_int_equal(p.zero_stage, 0);
-    assert_float_equal(p.mem.weights, 4 * params, 1e-6);
+    assert_float_equal(p.mem.weights, 6 * params, 1e-6);
     assert_float_equal(p.mem.grads, 4 * params, 1e-6);
     assert_float_equal(p.mem.optimizer, 8 * params, 1e-6);
     assert_float_equal(p.mem.gathered, 0, 0);

@@ -182,6 +182,43 @@ static const char automodel[] =
     "wandb:\n  project: p\n  name: n\n"
     "ci:\n  time: \"00:30:00\"\n";
 
+/* mp_policy: AutoModel's default policy (bf16 compute, fp32 reduction) when there is none; a
+ * policy given leaves out a dtype as torch's None does (the compute dtype stays the model's
+ * torch_dtype, the reduction follows the compute dtype). */
+static void test_mixed_precision_policy(void **state)
+{
+    (void)state;
+    static const struct {
+        const char *dist;
+        enum am_dtype compute, reduce;
+    } cases[] = {
+        {"", AM_DTYPE_BF16, AM_DTYPE_FP32},
+        {"distributed:\n  strategy: ddp\n", AM_DTYPE_FP32, AM_DTYPE_FP32},
+        {"distributed:\n  mp_policy:\n    param_dtype: bfloat16\n", AM_DTYPE_BF16, AM_DTYPE_BF16},
+        {"distributed:\n  mp_policy:\n    param_dtype: float32\n", AM_DTYPE_FP32, AM_DTYPE_FP32},
+        {"distributed:\n  mp_policy:\n    reduce_dtype: bfloat16\n", AM_DTYPE_FP32, AM_DTYPE_BF16},
+        {"distributed:\n  mp_policy:\n    param_dtype: bf16\n    reduce_dtype: fp32\n", AM_DTYPE_BF16,
+         AM_DTYPE_FP32},
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        char yaml[512];
+        snprintf(yaml, sizeof(yaml),
+                 "model:\n  model_type: llama\n  vocab_size: 256\n  hidden_size: 64\n  intermediate_size: 128\n"
+                 "  num_hidden_layers: 2\n  num_attention_heads: 4\n  torch_dtype: float32\n%s",
+                 cases[i].dist);
+        struct am_errors err;
+        am_errors_init(&err);
+        struct am_recipe *r = parse_with("mp.yaml", yaml, NULL, &err);
+        assert_messages(&err, NONE);
+        if (r->compute_dtype != cases[i].compute || r->reduce_dtype != cases[i].reduce)
+            print_error("case %zu: compute %d reduce %d\n", i, r->compute_dtype, r->reduce_dtype);
+        assert_int_equal(r->compute_dtype, cases[i].compute);
+        assert_int_equal(r->reduce_dtype, cases[i].reduce);
+        am_recipe_free(r);
+        am_errors_free(&err);
+    }
+}
+
 static void test_automodel_recipe_loads(void **state)
 {
     (void)state;
@@ -211,6 +248,8 @@ static void test_automodel_recipe_loads(void **state)
     assert_int_equal(r->seed, 4242);
     assert_float_equal(r->optim.max_grad_norm, 0.5, 0);
     assert_float_equal(r->dist_env.timeout_minutes, 5, 0);
+    assert_int_equal(r->compute_dtype, AM_DTYPE_BF16);
+    assert_int_equal(r->reduce_dtype, AM_DTYPE_FP32);
     static const char *const ignored[] = {
         "recipe", "loss_fn", "dataloader", "validation_dataset", "wandb", "ci", "model._target_",
         "model.trust_remote_code", "model.attn_implementation", "distributed.dp_replicate_size" /* never */, NULL};
@@ -218,7 +257,7 @@ static void test_automodel_recipe_loads(void **state)
     static const char *const want[] = {
         "recipe", "loss_fn", "dataloader", "validation_dataset", "wandb", "ci", "model._target_",
         "model.trust_remote_code", "model.attn_implementation", "distributed.defer_fsdp_grad_sync",
-        "distributed.mp_policy._target_", "distributed.mp_policy.reduce_dtype", "distributed.mp_policy.output_dtype",
+        "distributed.mp_policy._target_", "distributed.mp_policy.output_dtype",
         "distributed.mp_policy.cast_forward_inputs", "distributed.pipeline.scale_grads_in_schedule",
         "dataset._target_", "dataset.index_mapping_dir", "dataset.tokenizer", "dataset.split",
         "packed_sequence.split_across_pack", "optimizer.foreach", "checkpoint.save_consolidated", "rng._target_", NULL};
@@ -553,6 +592,7 @@ int main(void)
         cmocka_unit_test(test_aliases_resolve),
         cmocka_unit_test(test_unknown_keys),
         cmocka_unit_test(test_automodel_recipe_loads),
+        cmocka_unit_test(test_mixed_precision_policy),
         cmocka_unit_test(test_overrides),
         cmocka_unit_test(test_strategy_from_target),
         cmocka_unit_test(test_model_rules),

@@ -1,0 +1,116 @@
+#!/usr/bin/env python3
+"""bf16 mixed-precision goldens: the dense golden models trained as FSDP2's
+MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32) trains them, on one rank.
+
+For each case (a model directory written by make_golden.py), from the saved initial weights:
+  * fp32 master weights and fp32 AdamW state (the golden's AdamW: lr 1e-2, betas (0.9, 0.95),
+    eps 1e-8, weight decay 0.1, foreach=False), clipping at 1.0 (the "clip" series);
+  * every step, the masters are cast to a bf16 copy of the model (parameters only: buffers
+    such as the rotary inv_freq stay fp32, as FSDP2 casts parameters only); forward and
+    backward run in bf16 with transformers' eager attention (its loss upcasts the logits to
+    fp32); the bf16 gradients are cast to fp32 (the reduce dtype) onto the masters, clipped,
+    and AdamW steps the masters.
+The same 5 steps in fp32 (the golden's own "clip" series, re-run here) give the reference that
+the C test's tolerances are derived from: an implementation of the same bf16 policy must be
+as close to this one as this one is to fp32 (tests/golden/README.md, "bf16").
+
+Writes models/<case>/bf16.safetensors:
+  losses_bf16 [5], grad_norms_bf16 [5]   the bf16 run (norms before clipping, of fp32 grads)
+  losses_fp32 [5], grad_norms_fp32 [5]   the fp32 run (equal to golden.safetensors' clip series)
+  final_bf16.<name>, final_fp32.<name>   every parameter after 5 steps (checkpoint names)
+Deterministic (byte-identical from run to run); run with the venv of tests/golden/README.md:
+  /tmp/goldenv/bin/python tests/golden/make_bf16_golden.py [--case NAME ...]
+"""
+
+import argparse
+import copy
+import json
+import os
+import sys
+
+import torch
+from safetensors.torch import save_file
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import make_golden as G  # noqa: E402
+
+DENSE = [c for c, spec in G.CASES.items() if spec["arch"] != "mixtral"]
+
+
+def train(master, ids, bf16):
+    """5 clipped AdamW steps of `master` (fp32); bf16: forward/backward in a bf16 copy."""
+    opt = torch.optim.AdamW(master.parameters(), foreach=False, **G.ADAMW)
+    work = copy.deepcopy(master) if bf16 else master
+    if bf16:
+        with torch.no_grad():
+            for p in work.parameters():
+                p.data = p.data.to(torch.bfloat16)
+    losses, norms = [], []
+    for _ in range(G.ADAMW_STEPS):
+        opt.zero_grad(set_to_none=True)
+        work.zero_grad(set_to_none=True)
+        if bf16:
+            with torch.no_grad():
+                for pw, pm in zip(work.parameters(), master.parameters()):
+                    pw.copy_(pm)  # round to nearest even
+        out = work(input_ids=ids, labels=ids)
+        out.loss.backward()
+        if bf16:
+            for pw, pm in zip(work.parameters(), master.parameters()):
+                pm.grad = pw.grad.float()
+        params = [p for p in master.parameters() if p.grad is not None]
+        norms.append(float(torch.nn.utils.clip_grad_norm_(params, G.CLIP_MAX_NORM)))
+        losses.append(float(out.loss.detach().float()))
+        opt.step()
+    return losses, norms
+
+
+def generate(case):
+    outdir = os.path.join(G.MODELS, case)
+    ids = G.make_batch(case)
+    runs = {}
+    for name, bf16 in (("fp32", False), ("bf16", True)):
+        model = G.load(outdir, case)
+        model.train(False)
+        losses, norms = train(model, ids, bf16)
+        finals = G.to_checkpoint_names(model, {n: p.detach().clone() for n, p in model.named_parameters()})
+        runs[name] = (losses, norms, finals)
+    tensors = {}
+    for name, (losses, norms, finals) in runs.items():
+        tensors[f"losses_{name}"] = torch.tensor(losses, dtype=torch.float32)
+        tensors[f"grad_norms_{name}"] = torch.tensor(norms, dtype=torch.float32)
+        for k, v in finals.items():
+            tensors[f"final_{name}.{k}"] = v.float().contiguous()
+    path = os.path.join(outdir, "bf16.safetensors")
+    save_file(tensors, path, metadata={"policy": "param_dtype=bfloat16 reduce_dtype=float32, clip 1.0, 5 AdamW "
+                                                 "steps; see tests/golden/make_bf16_golden.py"})
+    l32, lbf = runs["fp32"][0], runs["bf16"][0]
+    G.log(f"  [{case}] losses fp32 {['%.5f' % x for x in l32]}  bf16 {['%.5f' % x for x in lbf]}  "
+          f"max |bf16 - fp32| {max(abs(a - b) for a, b in zip(l32, lbf)):.2e}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--case", action="append", choices=DENSE, help="case(s) to generate (default: all dense)")
+    args = ap.parse_args()
+    G.setup_torch()
+    for case in args.case or DENSE:
+        G.log(f"bf16 golden {case}")
+        generate(case)
+    # summary.json lists every committed file with its hash
+    summary_path = os.path.join(G.HERE, "summary.json")
+    with open(summary_path) as f:
+        summary = json.load(f)
+    for case in DENSE:
+        p = os.path.join(G.MODELS, case, "bf16.safetensors")
+        if os.path.exists(p):
+            os.chmod(p, 0o644)
+            summary["files"][f"models/{case}/bf16.safetensors"] = dict(bytes=os.path.getsize(p), sha256=G.sha256(p))
+    summary["files"] = {k: summary["files"][k] for k in sorted(summary["files"])}
+    with open(summary_path, "w") as f:
+        json.dump(summary, f, indent=1, sort_keys=True)
+        f.write("\n")
+
+
+if __name__ == "__main__":
+    main()
