@@ -21,6 +21,13 @@
  * theta^e is computed in double and rounded to fp32, i.e. the correctly rounded fp32 pow
  * that torch's (Sleef, 1-ulp) pow returns for these arguments. The attention scaling
  * factor is 1 for default, linear and llama3, so it is not applied.
+ *
+ * bf16: x (dx) bf16 is rotated in fp32 and rounded once per element, where torch rounds
+ * q * cos, rotate_half(q) * sin and their sum (three roundings). The tables stay fp32 from
+ * rope_tables; transformers casts cos and sin to the activations' dtype before use, so a
+ * caller that wants its angles exactly converts the tables to bf16 (convert): rope takes
+ * f32 or bf16 tables with bf16 x. Chunks of positions are widened, rotated by the fp32 code
+ * and narrowed.
  */
 #include <math.h>
 #include <omp.h>
@@ -135,12 +142,49 @@ static void rope_apply(const char *kernel, struct am_tensor *x, const struct am_
             rope_rows(xd + (b * T + t) * H * 2 * half, c + t * half, s + t * half, H, half, sign);
 }
 
+/* bf16 x and/or tables: each batch's positions in chunks, widened (x and the tables' rows
+ * for those positions), rotated by rope_apply, x narrowed back. */
+static void rope_apply_bf16(const char *kernel, const struct am_dev *dev, struct am_tensor *x,
+                            const struct am_tensor *tcos, const struct am_tensor *tsin, float sign)
+{
+    am_cpu_act(kernel, "x", x);
+    am_cpu_act(kernel, "cos", tcos);
+    am_cpu_act(kernel, "sin", tsin);
+    AM_CHECK(x->dtype == AM_T_BF16, "x (%s) is f32 with %s tables: bf16 tables go with bf16 activations",
+             am_tname(x), am_cpu_dtype_name(tcos->dtype == AM_T_F32 ? tsin->dtype : tcos->dtype));
+    check_rope(kernel, x, tcos, tsin);
+    int64_t B = x->shape[0], T = x->shape[1], H = x->shape[2], D = x->shape[3], half = D / 2, HD = H * D;
+    int64_t P = AM_BF16_CHUNK / (HD > 0 ? HD : 1);
+    P = P < 1 ? 1 : P > T ? T : P;
+    float *ws = am_cpu_scratch(kernel, dev, P * HD + 2 * P * half + 64);
+    float *xb = am_cpu_carve(&ws, P * HD), *cb = am_cpu_carve(&ws, P * half), *sb = am_cpu_carve(&ws, P * half);
+    for (int64_t t0 = 0; t0 < T; t0 += P) {
+        int64_t nt = T - t0 < P ? T - t0 : P;
+        struct am_tensor c = am_f32_view(am_cpu_load(tcos, t0 * half, nt * half, cb), nt, half, 0, 0);
+        struct am_tensor s = am_f32_view(am_cpu_load(tsin, t0 * half, nt * half, sb), nt, half, 0, 0);
+        for (int64_t b = 0; b < B; b++) {
+            int64_t off = (b * T + t0) * HD;
+            struct am_tensor xf = am_f32_view(am_cpu_load(x, off, nt * HD, xb), 1, nt, H, D);
+            rope_apply(kernel, &xf, &c, &s, sign);
+            am_cpu_store(x, off, nt * HD, xf.data);
+        }
+    }
+}
+
 void am_cpu_rope_forward(const struct am_dev *dev, struct am_tensor *x, const struct am_tensor *tcos, const struct am_tensor *tsin)
 {
+    if (am_not_f32(x) || am_not_f32(tcos) || am_not_f32(tsin)) {
+        rope_apply_bf16(__func__, dev, x, tcos, tsin, 1.0f);
+        return;
+    }
     rope_apply(__func__, x, tcos, tsin, 1.0f);
 }
 
 void am_cpu_rope_backward(const struct am_dev *dev, struct am_tensor *dx, const struct am_tensor *tcos, const struct am_tensor *tsin)
 {
+    if (am_not_f32(dx) || am_not_f32(tcos) || am_not_f32(tsin)) {
+        rope_apply_bf16(__func__, dev, dx, tcos, tsin, -1.0f);
+        return;
+    }
     rope_apply(__func__, dx, tcos, tsin, -1.0f);
 }

@@ -3,6 +3,10 @@
  *   silu(g) = g * sigmoid(g) = g / (1 + exp(-g))          (torch's F.silu, in fp32)
  *   backward: dup   += dout * silu(g)
  *             dgate += dout * up * sigmoid(g) * (1 + g * (1 - sigmoid(g)))
+ *
+ * bf16 (every tensor bf16): chunks widened, the fp32 code, each output rounded once: out =
+ * bf16(silu(g) * up) where torch in bf16 rounds silu(g) and then the product (two
+ * roundings); the backward's dgate and dup are rounded once each after their fp32 +=.
  */
 #include "cpu.h"
 
@@ -54,8 +58,68 @@ AM_HOT static void swiglu_bwd(float *restrict dgate, float *restrict dup, const 
 /* Big tensors go in blocks of this many elements, one block per task. */
 #define SWIGLU_BLOCK 16384
 
+/* The fp32 kernels on chunks of elements widened into scratch, outputs narrowed back. */
+static void swiglu_forward_bf16(const struct am_dev *dev, struct am_tensor *out, const struct am_tensor *gate,
+                                const struct am_tensor *up)
+{
+    const char *kernel = "am_cpu_swiglu_forward";
+    am_cpu_act(kernel, "gate", gate);
+    am_cpu_same(kernel, "up", up, "gate", gate);
+    am_cpu_same(kernel, "out", out, "gate", gate);
+    check(kernel, out, gate, up);
+    int64_t n = am_tensor_numel(out), P = n < AM_BF16_CHUNK ? n : AM_BF16_CHUNK;
+    float *ws = am_cpu_scratch(kernel, dev, 3 * P + 48);
+    float *gb = am_cpu_carve(&ws, P), *ub = am_cpu_carve(&ws, P), *ob = am_cpu_carve(&ws, P);
+    for (int64_t i0 = 0; i0 < n; i0 += P) {
+        int64_t k = n - i0 < P ? n - i0 : P;
+        struct am_tensor tg = am_f32_view(am_cpu_load(gate, i0, k, gb), k, 0, 0, 0);
+        struct am_tensor tu = am_f32_view(am_cpu_load(up, i0, k, ub), k, 0, 0, 0);
+        struct am_tensor to = am_f32_view(ob, k, 0, 0, 0);
+        am_cpu_swiglu_forward(dev, &to, &tg, &tu);
+        am_cpu_store(out, i0, k, ob);
+    }
+}
+
+static void swiglu_backward_bf16(const struct am_dev *dev, struct am_tensor *dgate, struct am_tensor *dup,
+                                 const struct am_tensor *dout, const struct am_tensor *gate, const struct am_tensor *up)
+{
+    const char *kernel = "am_cpu_swiglu_backward";
+    am_cpu_act(kernel, "gate", gate);
+    am_cpu_same(kernel, "up", up, "gate", gate);
+    am_cpu_same(kernel, "dout", dout, "gate", gate);
+    if (dgate)
+        am_cpu_same(kernel, "dgate", dgate, "gate", gate);
+    if (dup)
+        am_cpu_same(kernel, "dup", dup, "gate", gate);
+    check(kernel, dout, gate, up);
+    AM_CHECK(!dgate || am_tensor_numel(dgate) == am_tensor_numel(gate), "dgate (%s) must have gate's shape",
+             am_tname(dgate));
+    AM_CHECK(!dup || am_tensor_numel(dup) == am_tensor_numel(up), "dup (%s) must have up's shape", am_tname(dup));
+    int64_t n = am_tensor_numel(dout), P = n < AM_BF16_CHUNK ? n : AM_BF16_CHUNK;
+    float *ws = am_cpu_scratch(kernel, dev, 5 * P + 80);
+    float *db = am_cpu_carve(&ws, P), *gb = am_cpu_carve(&ws, P), *ub = am_cpu_carve(&ws, P);
+    float *dgb = am_cpu_carve(&ws, P), *dub = am_cpu_carve(&ws, P);
+    for (int64_t i0 = 0; i0 < n; i0 += P) {
+        int64_t k = n - i0 < P ? n - i0 : P;
+        struct am_tensor td = am_f32_view(am_cpu_load(dout, i0, k, db), k, 0, 0, 0);
+        struct am_tensor tg = am_f32_view(am_cpu_load(gate, i0, k, gb), k, 0, 0, 0);
+        struct am_tensor tu = am_f32_view(am_cpu_load(up, i0, k, ub), k, 0, 0, 0);
+        struct am_tensor tdg = am_f32_view(dgate ? am_cpu_load(dgate, i0, k, dgb) : NULL, k, 0, 0, 0);
+        struct am_tensor tdu = am_f32_view(dup ? am_cpu_load(dup, i0, k, dub) : NULL, k, 0, 0, 0);
+        am_cpu_swiglu_backward(dev, dgate ? &tdg : NULL, dup ? &tdu : NULL, &td, &tg, &tu);
+        if (dgate)
+            am_cpu_store(dgate, i0, k, tdg.data);
+        if (dup)
+            am_cpu_store(dup, i0, k, tdu.data);
+    }
+}
+
 void am_cpu_swiglu_forward(const struct am_dev *dev, struct am_tensor *out, const struct am_tensor *gate, const struct am_tensor *up)
 {
+    if (am_not_f32(out) || am_not_f32(gate) || am_not_f32(up)) {
+        swiglu_forward_bf16(dev, out, gate, up);
+        return;
+    }
     float *o = F32(out);
     const float *g = F32(gate), *u = F32(up);
     check(__func__, out, gate, up);
@@ -70,6 +134,10 @@ void am_cpu_swiglu_forward(const struct am_dev *dev, struct am_tensor *out, cons
 void am_cpu_swiglu_backward(const struct am_dev *dev, struct am_tensor *dgate, struct am_tensor *dup, const struct am_tensor *dout,
                             const struct am_tensor *gate, const struct am_tensor *up)
 {
+    if (am_not_f32(dgate) || am_not_f32(dup) || am_not_f32(dout) || am_not_f32(gate) || am_not_f32(up)) {
+        swiglu_backward_bf16(dev, dgate, dup, dout, gate, up);
+        return;
+    }
     const float *d = F32(dout), *g = F32(gate), *u = F32(up);
     float *dg = dgate ? F32(dgate) : NULL, *du = dup ? F32(dup) : NULL;
     check(__func__, dout, gate, up);
