@@ -285,10 +285,10 @@ static struct attn_shape check_attention(const char *kernel, const struct am_ten
 
 /* kv heads per chunk: the scratch (per kv head: floats of q-shaped and k-shaped rows) within
  * a few chunks' worth, but enough query heads for every thread. */
-static int64_t kv_per_chunk(const struct attn_shape *s, int64_t qarrays, int64_t karrays)
+static int64_t kv_per_chunk(const struct am_dev *dev, const struct attn_shape *s, int64_t qarrays, int64_t karrays)
 {
     int64_t G = s->H / s->KVH, per = s->T * s->D * (qarrays * G + karrays);
-    int64_t kc = 4 * AM_BF16_CHUNK / (per > 0 ? per : 1), need = (omp_get_max_threads() + G - 1) / G;
+    int64_t kc = 4 * am_cpu_chunk(dev) / (per > 0 ? per : 1), need = (omp_get_max_threads() + G - 1) / G;
     kc = kc < need ? need : kc;
     return kc < 1 ? 1 : kc > s->KVH ? s->KVH : kc;
 }
@@ -318,7 +318,7 @@ static void attention_forward_bf16(const struct am_dev *dev, struct am_tensor *o
     am_cpu_same(kernel, "out", out, "q", q);
     am_cpu_stat(kernel, "lse", lse);
     struct attn_shape s = check_attention(kernel, out, lse, q, k, v);
-    int64_t G = s.H / s.KVH, KC = kv_per_chunk(&s, 2, 2), qn = s.T * KC * G * s.D, kn = s.T * KC * s.D;
+    int64_t G = s.H / s.KVH, KC = kv_per_chunk(dev, &s, 2, 2), qn = s.T * KC * G * s.D, kn = s.T * KC * s.D;
     float *ws = am_cpu_scratch(kernel, dev, 2 * qn + 2 * kn + 64);
     float *qb = am_cpu_carve(&ws, qn), *ob = am_cpu_carve(&ws, qn), *kb = am_cpu_carve(&ws, kn);
     float *vb = am_cpu_carve(&ws, kn);
@@ -350,7 +350,7 @@ static void attention_backward_bf16(const struct am_dev *dev, struct am_tensor *
                  am_tensor_numel(dk) == am_tensor_numel(k) && am_tensor_numel(dv) == am_tensor_numel(v) &&
                  dq->ndim == 4 && dout->ndim == 4 && dk->ndim == 4 && dv->ndim == 4,
              "dq (%s) and dout must have q's shape, dk (%s) and dv k's", am_tname(dq), am_tname(dk));
-    int64_t G = s.H / s.KVH, KC = kv_per_chunk(&s, 4, 4), qn = s.T * KC * G * s.D, kn = s.T * KC * s.D;
+    int64_t G = s.H / s.KVH, KC = kv_per_chunk(dev, &s, 4, 4), qn = s.T * KC * G * s.D, kn = s.T * KC * s.D;
     float *ws = am_cpu_scratch(kernel, dev, 4 * qn + 4 * kn + 128);
     float *qb = am_cpu_carve(&ws, qn), *ob = am_cpu_carve(&ws, qn), *dob = am_cpu_carve(&ws, qn);
     float *dqb = am_cpu_carve(&ws, qn), *kb = am_cpu_carve(&ws, kn), *vb = am_cpu_carve(&ws, kn);

@@ -23,7 +23,21 @@
 struct am_cpu_ws {
     float *p;
     size_t bytes;
+    int64_t chunk; /* floats per operand per chunk */
 };
+
+int64_t am_cpu_chunk(const struct am_dev *dev)
+{
+    const struct am_cpu_ws *ws = dev ? dev->workspace : NULL;
+    return ws ? ws->chunk : AM_BF16_CHUNK;
+}
+
+void am_cpu_set_chunk(const struct am_dev *dev, int64_t n)
+{
+    struct am_cpu_ws *ws = dev ? dev->workspace : NULL;
+    if (ws)
+        ws->chunk = n > 0 ? n : AM_BF16_CHUNK;
+}
 
 int am_cpu_open(struct am_dev *dev, char *err, size_t err_len)
 {
@@ -32,6 +46,7 @@ int am_cpu_open(struct am_dev *dev, char *err, size_t err_len)
         snprintf(err, err_len, "kernels (cpu): out of memory for the device context");
         return -1;
     }
+    ws->chunk = AM_BF16_CHUNK;
     dev->workspace = ws;
     dev->workspace_bytes = 0;
     return 0;

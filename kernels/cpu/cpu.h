@@ -148,6 +148,10 @@ AM_INLINE float am_expf(float x)
  * accumulated in fp32 over the whole call and rounded once). One context runs one kernel at
  * a time (as a CUDA stream does). */
 #define AM_BF16_CHUNK ((int64_t)1 << 22)
+/* The chunk size of dev (AM_BF16_CHUNK unless a test set a smaller one, n <= 0: the default,
+ * to run the chunked paths on small tensors). */
+int64_t am_cpu_chunk(const struct am_dev *dev);
+void am_cpu_set_chunk(const struct am_dev *dev, int64_t n);
 int am_cpu_open(struct am_dev *dev, char *err, size_t err_len);
 void am_cpu_close(struct am_dev *dev);
 /* nfloats of 64-byte aligned scratch (contents undefined), valid until the next call. */

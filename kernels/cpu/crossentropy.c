@@ -74,11 +74,11 @@ AM_HOT static void tile_stats(const float *restrict l, int64_t n, float *m, floa
 
 /* ---- bf16: the fp32 kernels on widened chunks ---- */
 
-/* Rows and vocabulary entries per chunk: AM_BF16_CHUNK floats of x or w each, at least 256
+/* Rows and vocabulary entries per chunk: am_cpu_chunk floats of x or w each, at least 256
  * (CE_ROWS: ce_fused's decision for a chunk is then its decision for the whole). */
-static int64_t chunk_rows(int64_t C, int64_t n)
+static int64_t chunk_rows(const struct am_dev *dev, int64_t C, int64_t n)
 {
-    int64_t r = AM_BF16_CHUNK / (C > 0 ? C : 1);
+    int64_t r = am_cpu_chunk(dev) / (C > 0 ? C : 1);
     r = r < CE_ROWS ? CE_ROWS : r;
     return r < n ? r : n > 0 ? n : 1;
 }
@@ -104,7 +104,7 @@ static void ce_stats_bf16(const struct am_dev *dev, struct am_tensor *m, struct 
     int64_t N = am_rows(x), C = am_cols(x), V = am_rows(w);
     AM_CHECK(am_tensor_numel(m) == N && am_tensor_numel(s) == N && am_tensor_numel(t) == N,
              "m (%s), s and t must have one entry per row of x (%lld)", am_tname(m), (long long)N);
-    int64_t R = chunk_rows(C, N), VC = chunk_rows(C, V), wv = -1;
+    int64_t R = chunk_rows(dev, C, N), VC = chunk_rows(dev, C, V), wv = -1;
     float *ws = am_cpu_scratch(kernel, dev, R * C + VC * C + 3 * R + 64);
     float *xb = am_cpu_carve(&ws, R * C), *wb = am_cpu_carve(&ws, VC * C), *m2 = am_cpu_carve(&ws, R);
     float *s2 = am_cpu_carve(&ws, R), *t2 = am_cpu_carve(&ws, R), *wf = NULL;
@@ -152,7 +152,7 @@ static void ce_backward_bf16(const struct am_dev *dev, struct am_tensor *dx, str
     AM_CHECK(!dw || (am_rows(dw) == V && am_cols(dw) == C), "dw (%s) must have w's shape", am_tname(dw));
     if ((!dx && !dw) || N == 0 || V == 0)
         return;
-    int64_t R = chunk_rows(C, N), VC = chunk_rows(C, V), wv = -1;
+    int64_t R = chunk_rows(dev, C, N), VC = chunk_rows(dev, C, V), wv = -1;
     bool dw_bf16 = dw && dw->dtype == AM_T_BF16;
     float *ws = am_cpu_scratch(kernel, dev, 2 * R * C + VC * C + (dw_bf16 ? V * C : 0) + 64);
     float *xb = am_cpu_carve(&ws, R * C), *dxb = am_cpu_carve(&ws, R * C), *wb = am_cpu_carve(&ws, VC * C), *wf = NULL;
@@ -200,7 +200,7 @@ static bool ce_fused_bf16(const struct am_dev *dev, struct am_tensor *m, struct 
              "m (%s), s and t must have one entry per row of x (%lld)", am_tname(m), (long long)N);
     AM_CHECK(am_rows(dx) == N && am_cols(dx) == C, "dx (%s) must have x's shape", am_tname(dx));
     AM_CHECK(am_rows(dw) == V && am_cols(dw) == C, "dw (%s) must have w's shape", am_tname(dw));
-    int64_t R = chunk_rows(C, N);
+    int64_t R = chunk_rows(dev, C, N);
     float *ws = am_cpu_scratch(kernel, dev, 2 * R * C + (dw->dtype == AM_T_BF16 ? 2 : 1) * V * C + 64);
     float *xb = am_cpu_carve(&ws, R * C), *dxb = am_cpu_carve(&ws, R * C);
     struct am_tensor tw = am_f32_view(am_cpu_load(w, 0, V * C, am_cpu_carve(&ws, V * C)), V, C, 0, 0);

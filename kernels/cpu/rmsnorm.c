@@ -153,7 +153,7 @@ static void rmsnorm_backward_bf16(const struct am_dev *dev, struct am_tensor *dx
              "w (%s) must be [%lld], rstd [%lld] and dout x's shape", am_tname(w), (long long)C, (long long)N);
     AM_CHECK(!dx || am_tensor_numel(dx) == N * C, "dx (%s) must have x's shape", am_tname(dx));
     AM_CHECK(!dw || am_tensor_numel(dw) == C, "dw (%s) must have w's shape", am_tname(dw));
-    int64_t R = AM_BF16_CHUNK / (C > 0 ? C : 1);
+    int64_t R = am_cpu_chunk(dev) / (C > 0 ? C : 1);
     R = R < 1 ? 1 : R > N ? N : R;
     float *ws = am_cpu_scratch(kernel, dev, 3 * R * C + 2 * C + 64);
     float *xb = am_cpu_carve(&ws, R * C), *db = am_cpu_carve(&ws, R * C), *dxb = am_cpu_carve(&ws, R * C);

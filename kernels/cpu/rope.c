@@ -154,7 +154,7 @@ static void rope_apply_bf16(const char *kernel, const struct am_dev *dev, struct
              am_tname(x), am_cpu_dtype_name(tcos->dtype == AM_T_F32 ? tsin->dtype : tcos->dtype));
     check_rope(kernel, x, tcos, tsin);
     int64_t B = x->shape[0], T = x->shape[1], H = x->shape[2], D = x->shape[3], half = D / 2, HD = H * D;
-    int64_t P = AM_BF16_CHUNK / (HD > 0 ? HD : 1);
+    int64_t P = am_cpu_chunk(dev) / (HD > 0 ? HD : 1);
     P = P < 1 ? 1 : P > T ? T : P;
     float *ws = am_cpu_scratch(kernel, dev, P * HD + 2 * P * half + 64);
     float *xb = am_cpu_carve(&ws, P * HD), *cb = am_cpu_carve(&ws, P * half), *sb = am_cpu_carve(&ws, P * half);

@@ -67,7 +67,7 @@ static void swiglu_forward_bf16(const struct am_dev *dev, struct am_tensor *out,
     am_cpu_same(kernel, "up", up, "gate", gate);
     am_cpu_same(kernel, "out", out, "gate", gate);
     check(kernel, out, gate, up);
-    int64_t n = am_tensor_numel(out), P = n < AM_BF16_CHUNK ? n : AM_BF16_CHUNK;
+    int64_t n = am_tensor_numel(out), P = n < am_cpu_chunk(dev) ? n : am_cpu_chunk(dev);
     float *ws = am_cpu_scratch(kernel, dev, 3 * P + 48);
     float *gb = am_cpu_carve(&ws, P), *ub = am_cpu_carve(&ws, P), *ob = am_cpu_carve(&ws, P);
     for (int64_t i0 = 0; i0 < n; i0 += P) {
@@ -95,7 +95,7 @@ static void swiglu_backward_bf16(const struct am_dev *dev, struct am_tensor *dga
     AM_CHECK(!dgate || am_tensor_numel(dgate) == am_tensor_numel(gate), "dgate (%s) must have gate's shape",
              am_tname(dgate));
     AM_CHECK(!dup || am_tensor_numel(dup) == am_tensor_numel(up), "dup (%s) must have up's shape", am_tname(dup));
-    int64_t n = am_tensor_numel(dout), P = n < AM_BF16_CHUNK ? n : AM_BF16_CHUNK;
+    int64_t n = am_tensor_numel(dout), P = n < am_cpu_chunk(dev) ? n : am_cpu_chunk(dev);
     float *ws = am_cpu_scratch(kernel, dev, 5 * P + 80);
     float *db = am_cpu_carve(&ws, P), *gb = am_cpu_carve(&ws, P), *ub = am_cpu_carve(&ws, P);
     float *dgb = am_cpu_carve(&ws, P), *dub = am_cpu_carve(&ws, P);
