@@ -142,6 +142,9 @@ AM_HOT static void narrow_row(uint16_t *restrict d, const float *restrict s, int
         d[i] = am_f32_to_bf16(s[i]);
 }
 
+void am_bf16_widen1(float *dst, const uint16_t *src, int64_t n) { widen_row(dst, src, n); }
+void am_bf16_narrow1(uint16_t *dst, const float *src, int64_t n) { narrow_row(dst, src, n); }
+
 void am_bf16_widen(float *dst, int64_t ldd, const uint16_t *src, int64_t lds, int64_t rows, int64_t cols)
 {
     if (ldd == cols && lds == cols) { /* contiguous: one long row, cut evenly over the threads */
@@ -190,12 +193,19 @@ void am_cpu_store(struct am_tensor *t, int64_t off, int64_t n, const float *buf)
         am_bf16_narrow((uint16_t *)t->data + off, n, buf, n, 1, n);
 }
 
-/* ---- the mixed-precision matrix product ---- */
+/* ---- the mixed-precision matrix product ----
+ * One parallel region per product: C is cut into tiles (up to TM x 512, TM halved until
+ * every thread has a tile), each tile belongs to one thread, which widens the blocks of A
+ * and B it needs into its own slice of the scratch, runs single-threaded sgemm over L in
+ * blocks of 512 accumulating the tile in fp32, and rounds a bf16 tile once. No thread waits
+ * for another inside the product (on a busy machine every barrier costs a time slice), and
+ * the widening is spread over the threads with the multiplies. A block of B is widened once
+ * per tile row that needs it: about 1/(2 TM) of the multiply-adds, a few percent. */
 
 #define TILE 512
 
 /* rows x cols of m from (r0, c0) as fp32: m's own memory when it is f32 (*ld its leading
- * dimension), else widened into buf (*ld = cols). */
+ * dimension), else widened into buf (*ld = cols), on the calling thread. */
 static const float *block(const struct am_mat *m, int64_t r0, int64_t c0, int64_t rows, int64_t cols, float *buf,
                           int64_t *ld)
 {
@@ -203,81 +213,75 @@ static const float *block(const struct am_mat *m, int64_t r0, int64_t c0, int64_
         *ld = m->ld;
         return (const float *)m->p + r0 * m->ld + c0;
     }
-    am_bf16_widen(buf, cols, (const uint16_t *)m->p + r0 * m->ld + c0, m->ld, rows, cols);
+    const uint16_t *src = (const uint16_t *)m->p + r0 * m->ld + c0;
+    for (int64_t r = 0; r < rows; r++)
+        widen_row(buf + r * cols, src + r * m->ld, cols);
     *ld = cols;
     return buf;
 }
 
-#ifdef AM_HAVE_SBGEMM
-/* OpenBLAS's bf16 product, split over the threads as am_cpu_sgemm splits sgemm. */
-static void sbgemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const uint16_t *A, int64_t lda,
-                   const uint16_t *B, int64_t ldb, float beta, float *C, int64_t ldc)
+/* One tile of C, [mb, nb] at (m0, n0), on the calling thread; buf: 3 x TILE x TILE floats. */
+static void gemm_tile(bool ta, bool tb, int64_t m0, int64_t n0, int64_t mb, int64_t nb, int64_t L,
+                      const struct am_mat *A, const struct am_mat *B, float beta, const struct am_mat *C, float *buf)
 {
-    bool by_rows = M >= N;
-#pragma omp parallel if (M * N * K >= (1 << 18))
-    {
-        int64_t lo, hi;
-        am_split(by_rows ? M : N, omp_get_thread_num(), omp_get_num_threads(), 16, &lo, &hi);
-        const uint16_t *a = A, *b = B;
-        float *c = C;
-        int64_t m = M, n = N;
-        if (by_rows) {
-            a = ta ? A + lo : A + lo * lda;
-            c = C + lo * ldc;
-            m = hi - lo;
-        } else {
-            b = tb ? B + lo * ldb : B + lo;
-            c = C + lo;
-            n = hi - lo;
+    float *cbuf = buf, *abuf = buf + TILE * TILE, *bbuf = buf + 2 * TILE * TILE, *c;
+    int64_t ldc;
+    if (C->dt == AM_T_F32) {
+        c = (float *)C->p + m0 * C->ld + n0;
+        ldc = C->ld;
+    } else {
+        c = cbuf;
+        ldc = nb;
+        if (beta != 0.0f)
+            block(C, m0, n0, mb, nb, cbuf, &ldc);
+    }
+    if (L <= 0)
+        am_cpu_sgemm1(ta, tb, mb, nb, 0, 1.0f, NULL, 1, NULL, 1, beta, c, ldc);
+    for (int64_t l0 = 0; l0 < L; l0 += TILE) {
+        int64_t lb = L - l0 < TILE ? L - l0 : TILE, lda, ldb;
+        float b_ = l0 == 0 ? beta : 1.0f;
+#ifdef AM_HAVE_SBGEMM
+        if (A->dt == AM_T_BF16 && B->dt == AM_T_BF16) {
+            const uint16_t *a = (const uint16_t *)A->p + (ta ? l0 * A->ld + m0 : m0 * A->ld + l0);
+            const uint16_t *b = (const uint16_t *)B->p + (tb ? n0 * B->ld + l0 : l0 * B->ld + n0);
+            cblas_sbgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, (blasint)mb,
+                         (blasint)nb, (blasint)lb, 1.0f, a, (blasint)A->ld, b, (blasint)B->ld, b_, c, (blasint)ldc);
+            continue;
         }
-        if (m > 0 && n > 0)
-            cblas_sbgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, (blasint)m,
-                         (blasint)n, (blasint)K, 1.0f, a, (blasint)lda, b, (blasint)ldb, beta, c, (blasint)ldc);
+#endif
+        /* op(A)'s rows m0.. and columns l0.. are A's rows l0.., columns m0.. when
+         * transposed; likewise op(B)'s rows l0.., columns n0.. */
+        const float *a = ta ? block(A, l0, m0, lb, mb, abuf, &lda) : block(A, m0, l0, mb, lb, abuf, &lda);
+        const float *b = tb ? block(B, n0, l0, nb, lb, bbuf, &ldb) : block(B, l0, n0, lb, nb, bbuf, &ldb);
+        am_cpu_sgemm1(ta, tb, mb, nb, lb, 1.0f, a, lda, b, ldb, b_, c, ldc);
+    }
+    if (C->dt != AM_T_F32) {
+        uint16_t *dst = (uint16_t *)C->p + m0 * C->ld + n0;
+        for (int64_t r = 0; r < mb; r++)
+            narrow_row(dst + r * C->ld, c + r * nb, nb);
     }
 }
-#endif
 
 void am_cpu_gemm_mixed(const char *kernel, const struct am_dev *dev, bool ta, bool tb, int64_t M, int64_t N, int64_t L,
                        struct am_mat A, struct am_mat B, float beta, struct am_mat C)
 {
     if (M <= 0 || N <= 0)
         return;
-    float *ws = am_cpu_scratch(kernel, dev, 3 * (int64_t)TILE * TILE + 48);
-    float *cbuf = am_cpu_carve(&ws, TILE * TILE), *abuf = am_cpu_carve(&ws, TILE * TILE);
-    float *bbuf = am_cpu_carve(&ws, TILE * TILE);
-    for (int64_t m0 = 0; m0 < M; m0 += TILE)
-        for (int64_t n0 = 0; n0 < N; n0 += TILE) {
-            int64_t mb = M - m0 < TILE ? M - m0 : TILE, nb = N - n0 < TILE ? N - n0 : TILE, ldc;
-            float *c;
-            if (C.dt == AM_T_F32) {
-                c = (float *)C.p + m0 * C.ld + n0;
-                ldc = C.ld;
-            } else {
-                c = cbuf;
-                ldc = nb;
-                if (beta != 0.0f)
-                    am_bf16_widen(c, nb, (const uint16_t *)C.p + m0 * C.ld + n0, C.ld, mb, nb);
-            }
-            if (L <= 0)
-                am_cpu_sgemm(ta, tb, mb, nb, 0, 1.0f, NULL, 1, NULL, 1, beta, c, ldc);
-            for (int64_t l0 = 0; l0 < L; l0 += TILE) {
-                int64_t lb = L - l0 < TILE ? L - l0 : TILE, lda, ldb;
-                float b_ = l0 == 0 ? beta : 1.0f;
-#ifdef AM_HAVE_SBGEMM
-                if (A.dt == AM_T_BF16 && B.dt == AM_T_BF16) {
-                    const uint16_t *a = (const uint16_t *)A.p + (ta ? l0 * A.ld + m0 : m0 * A.ld + l0);
-                    const uint16_t *b = (const uint16_t *)B.p + (tb ? n0 * B.ld + l0 : l0 * B.ld + n0);
-                    sbgemm(ta, tb, mb, nb, lb, a, A.ld, b, B.ld, b_, c, ldc);
-                    continue;
-                }
-#endif
-                /* op(A)'s rows m0.. and columns l0.. are A's rows l0.., columns m0.. when
-                 * transposed; likewise op(B)'s rows l0.., columns n0.. */
-                const float *a = ta ? block(&A, l0, m0, lb, mb, abuf, &lda) : block(&A, m0, l0, mb, lb, abuf, &lda);
-                const float *b = tb ? block(&B, n0, l0, nb, lb, bbuf, &ldb) : block(&B, l0, n0, lb, nb, bbuf, &ldb);
-                am_cpu_sgemm(ta, tb, mb, nb, lb, 1.0f, a, lda, b, ldb, b_, c, ldc);
-            }
-            if (C.dt != AM_T_F32)
-                am_bf16_narrow((uint16_t *)C.p + m0 * C.ld + n0, C.ld, c, ldc, mb, nb);
-        }
+    int nth = omp_get_max_threads();
+    if (M * N * (L > 0 ? L : 1) < (1 << 18) || omp_in_parallel())
+        nth = 1;
+    int64_t tn = N < TILE ? N : TILE, tm = TILE, tiles_n = (N + tn - 1) / tn;
+    while (tm > 64 && (M + tm - 1) / tm * tiles_n < nth)
+        tm /= 2;
+    int64_t tiles_m = (M + tm - 1) / tm, tiles = tiles_m * tiles_n;
+    if (nth > tiles)
+        nth = (int)tiles;
+    float *ws = am_cpu_scratch(kernel, dev, (int64_t)nth * 3 * TILE * TILE);
+#pragma omp parallel for num_threads(nth) schedule(static) if (nth > 1)
+    for (int64_t t = 0; t < tiles; t++) {
+        int64_t m0 = t / tiles_n * tm, n0 = t % tiles_n * tn;
+        int64_t mb = M - m0 < tm ? M - m0 : tm, nb = N - n0 < tn ? N - n0 : tn;
+        gemm_tile(ta, tb, m0, n0, mb, nb, L, &A, &B, beta, &C,
+                  ws + (size_t)omp_get_thread_num() * 3 * TILE * TILE);
+    }
 }

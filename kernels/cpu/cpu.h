@@ -173,6 +173,9 @@ void am_cpu_stat(const char *kernel, const char *what, const struct am_tensor *t
  * parallel over rows when large. */
 void am_bf16_widen(float *dst, int64_t ldd, const uint16_t *src, int64_t lds, int64_t rows, int64_t cols);
 void am_bf16_narrow(uint16_t *dst, int64_t ldd, const float *src, int64_t lds, int64_t rows, int64_t cols);
+/* The same on the calling thread only (inside a parallel region): one row of n. */
+void am_bf16_widen1(float *dst, const uint16_t *src, int64_t n);
+void am_bf16_narrow1(uint16_t *dst, const float *src, int64_t n);
 /* Elements [off, off + n) of t as fp32: t's own memory when t is f32, else widened into buf. */
 float *am_cpu_load(const struct am_tensor *t, int64_t off, int64_t n, float *buf);
 /* Writes back what am_cpu_load gave (a no-op when t is f32): buf rounded once into t. */

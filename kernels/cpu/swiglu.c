@@ -4,10 +4,12 @@
  *   backward: dup   += dout * silu(g)
  *             dgate += dout * up * sigmoid(g) * (1 + g * (1 - sigmoid(g)))
  *
- * bf16 (every tensor bf16): chunks widened, the fp32 code, each output rounded once: out =
+ * bf16 (every tensor bf16): blocks widened, the fp32 loops, each output rounded once: out =
  * bf16(silu(g) * up) where torch in bf16 rounds silu(g) and then the product (two
  * roundings); the backward's dgate and dup are rounded once each after their fp32 +=.
  */
+#include <omp.h>
+
 #include "cpu.h"
 
 static void check(const char *kernel, const struct am_tensor *a, const struct am_tensor *gate,
@@ -58,7 +60,14 @@ AM_HOT static void swiglu_bwd(float *restrict dgate, float *restrict dup, const 
 /* Big tensors go in blocks of this many elements, one block per task. */
 #define SWIGLU_BLOCK 16384
 
-/* The fp32 kernels on chunks of elements widened into scratch, outputs narrowed back. */
+/* bf16: the fp32 loops above on blocks of SWIGLU_BLOCK, one block per task as in fp32, each
+ * block's operands widened into the thread's slice of the scratch and its outputs narrowed. */
+static inline const float *blk(const struct am_tensor *t, int64_t lo, int64_t len, float *buf)
+{
+    am_bf16_widen1(buf, (const uint16_t *)t->data + lo, len);
+    return buf;
+}
+
 static void swiglu_forward_bf16(const struct am_dev *dev, struct am_tensor *out, const struct am_tensor *gate,
                                 const struct am_tensor *up)
 {
@@ -67,16 +76,14 @@ static void swiglu_forward_bf16(const struct am_dev *dev, struct am_tensor *out,
     am_cpu_same(kernel, "up", up, "gate", gate);
     am_cpu_same(kernel, "out", out, "gate", gate);
     check(kernel, out, gate, up);
-    int64_t n = am_tensor_numel(out), P = n < am_cpu_chunk(dev) ? n : am_cpu_chunk(dev);
-    float *ws = am_cpu_scratch(kernel, dev, 3 * P + 48);
-    float *gb = am_cpu_carve(&ws, P), *ub = am_cpu_carve(&ws, P), *ob = am_cpu_carve(&ws, P);
-    for (int64_t i0 = 0; i0 < n; i0 += P) {
-        int64_t k = n - i0 < P ? n - i0 : P;
-        struct am_tensor tg = am_f32_view(am_cpu_load(gate, i0, k, gb), k, 0, 0, 0);
-        struct am_tensor tu = am_f32_view(am_cpu_load(up, i0, k, ub), k, 0, 0, 0);
-        struct am_tensor to = am_f32_view(ob, k, 0, 0, 0);
-        am_cpu_swiglu_forward(dev, &to, &tg, &tu);
-        am_cpu_store(out, i0, k, ob);
+    int64_t n = am_tensor_numel(out), nb = (n + SWIGLU_BLOCK - 1) / SWIGLU_BLOCK;
+    float *ws = am_cpu_scratch(kernel, dev, (int64_t)omp_get_max_threads() * 3 * SWIGLU_BLOCK);
+#pragma omp parallel for schedule(static) if (n >= AM_PAR_MIN)
+    for (int64_t b = 0; b < nb; b++) {
+        int64_t lo = b * SWIGLU_BLOCK, len = n - lo < SWIGLU_BLOCK ? n - lo : SWIGLU_BLOCK;
+        float *buf = ws + (size_t)omp_get_thread_num() * 3 * SWIGLU_BLOCK, *o = buf + 2 * SWIGLU_BLOCK;
+        swiglu_fwd(o, blk(gate, lo, len, buf), blk(up, lo, len, buf + SWIGLU_BLOCK), len);
+        am_bf16_narrow1((uint16_t *)out->data + lo, o, len);
     }
 }
 
@@ -95,22 +102,20 @@ static void swiglu_backward_bf16(const struct am_dev *dev, struct am_tensor *dga
     AM_CHECK(!dgate || am_tensor_numel(dgate) == am_tensor_numel(gate), "dgate (%s) must have gate's shape",
              am_tname(dgate));
     AM_CHECK(!dup || am_tensor_numel(dup) == am_tensor_numel(up), "dup (%s) must have up's shape", am_tname(dup));
-    int64_t n = am_tensor_numel(dout), P = n < am_cpu_chunk(dev) ? n : am_cpu_chunk(dev);
-    float *ws = am_cpu_scratch(kernel, dev, 5 * P + 80);
-    float *db = am_cpu_carve(&ws, P), *gb = am_cpu_carve(&ws, P), *ub = am_cpu_carve(&ws, P);
-    float *dgb = am_cpu_carve(&ws, P), *dub = am_cpu_carve(&ws, P);
-    for (int64_t i0 = 0; i0 < n; i0 += P) {
-        int64_t k = n - i0 < P ? n - i0 : P;
-        struct am_tensor td = am_f32_view(am_cpu_load(dout, i0, k, db), k, 0, 0, 0);
-        struct am_tensor tg = am_f32_view(am_cpu_load(gate, i0, k, gb), k, 0, 0, 0);
-        struct am_tensor tu = am_f32_view(am_cpu_load(up, i0, k, ub), k, 0, 0, 0);
-        struct am_tensor tdg = am_f32_view(dgate ? am_cpu_load(dgate, i0, k, dgb) : NULL, k, 0, 0, 0);
-        struct am_tensor tdu = am_f32_view(dup ? am_cpu_load(dup, i0, k, dub) : NULL, k, 0, 0, 0);
-        am_cpu_swiglu_backward(dev, dgate ? &tdg : NULL, dup ? &tdu : NULL, &td, &tg, &tu);
-        if (dgate)
-            am_cpu_store(dgate, i0, k, tdg.data);
-        if (dup)
-            am_cpu_store(dup, i0, k, tdu.data);
+    int64_t n = am_tensor_numel(dout), nb = (n + SWIGLU_BLOCK - 1) / SWIGLU_BLOCK;
+    float *ws = am_cpu_scratch(kernel, dev, (int64_t)omp_get_max_threads() * 5 * SWIGLU_BLOCK);
+#pragma omp parallel for schedule(static) if (n >= AM_PAR_MIN)
+    for (int64_t b = 0; b < nb; b++) {
+        int64_t lo = b * SWIGLU_BLOCK, len = n - lo < SWIGLU_BLOCK ? n - lo : SWIGLU_BLOCK;
+        float *buf = ws + (size_t)omp_get_thread_num() * 5 * SWIGLU_BLOCK;
+        float *dg = dgate ? (float *)blk(dgate, lo, len, buf + 3 * SWIGLU_BLOCK) : NULL;
+        float *du = dup ? (float *)blk(dup, lo, len, buf + 4 * SWIGLU_BLOCK) : NULL;
+        swiglu_bwd(dg, du, blk(dout, lo, len, buf), blk(gate, lo, len, buf + SWIGLU_BLOCK),
+                   blk(up, lo, len, buf + 2 * SWIGLU_BLOCK), len);
+        if (dg)
+            am_bf16_narrow1((uint16_t *)dgate->data + lo, dg, len);
+        if (du)
+            am_bf16_narrow1((uint16_t *)dup->data + lo, du, len);
     }
 }
 

@@ -1864,19 +1864,20 @@ static void test_bf16_rope(void **state)
 {
     (void)state;
     struct rng r = {113};
-    int64_t B = 2, T = 19, H = 3, D = 16, half = D / 2, n = B * T * H * D;
-    float *c = malloc((size_t)(T * half) * 4), *s = malloc((size_t)(T * half) * 4);
-    struct am_tensor tc = f32v(c, T, half, 0, 0), ts = f32v(s, T, half, 0, 0);
-    K->rope_tables(&kdev, &tc, &ts, 10000.0, NULL);
-    struct bt cb = bt_new(T * half), sb = bt_new(T * half); /* the tables in bf16, as transformers uses them */
-    struct am_tensor tcb = hv(&cb, T, half, 0, 0), tsb = hv(&sb, T, half, 0, 0);
-    K->convert(&kdev, &tcb, &tc);
-    K->convert(&kdev, &tsb, &ts);
-    K->convert(&kdev, &(struct am_tensor){.data = cb.f, .dtype = AM_T_F32, .ndim = 1, .shape = {T * half}}, &tcb);
-    K->convert(&kdev, &(struct am_tensor){.data = sb.f, .dtype = AM_T_F32, .ndim = 1, .shape = {T * half}}, &tsb);
-    struct am_tensor tcbf = fv(&cb, T, half, 0, 0), tsbf = fv(&sb, T, half, 0, 0);
-    for (int chunked = 0; chunked < 2; chunked++) {
-        am_cpu_set_chunk(&kdev, chunked ? 4 * H * D : 0); /* 4 positions a chunk */
+    int64_t shapes[][4] = {{2, 19, 3, 16}, {2, 64, 4, 64}}; /* B, T, H, D; the second in parallel */
+    for (int sc = 0; sc < 2; sc++) {
+        int64_t B = shapes[sc][0], T = shapes[sc][1], H = shapes[sc][2], D = shapes[sc][3], half = D / 2;
+        int64_t n = B * T * H * D;
+        float *c = malloc((size_t)(T * half) * 4), *s = malloc((size_t)(T * half) * 4);
+        struct am_tensor tc = f32v(c, T, half, 0, 0), ts = f32v(s, T, half, 0, 0);
+        K->rope_tables(&kdev, &tc, &ts, 10000.0, NULL);
+        struct bt cb = bt_new(T * half), sb = bt_new(T * half); /* the tables in bf16, as transformers uses them */
+        struct am_tensor tcb = hv(&cb, T, half, 0, 0), tsb = hv(&sb, T, half, 0, 0);
+        K->convert(&kdev, &tcb, &tc);
+        K->convert(&kdev, &tsb, &ts);
+        K->convert(&kdev, &(struct am_tensor){.data = cb.f, .dtype = AM_T_F32, .ndim = 1, .shape = {T * half}}, &tcb);
+        K->convert(&kdev, &(struct am_tensor){.data = sb.f, .dtype = AM_T_F32, .ndim = 1, .shape = {T * half}}, &tsb);
+        struct am_tensor tcbf = fv(&cb, T, half, 0, 0), tsbf = fv(&sb, T, half, 0, 0);
         for (int bt16 = 0; bt16 < 2; bt16++) {
             struct bt x = bt_rand(&r, n, -1, 1);
             struct am_tensor tx = hv(&x, B, T, H, D), txf = fv(&x, B, T, H, D);
@@ -1885,22 +1886,23 @@ static void test_bf16_rope(void **state)
             K->rope_forward(&kdev, &tx, C16, S16);
             K->rope_forward(&kdev, &txf, C32, S32);
             char what[96];
-            snprintf(what, sizeof what, "bf16 rope fwd, %s tables%s", bt16 ? "bf16" : "f32", chunked ? ", chunks" : "");
+            snprintf(what, sizeof what, "bf16 rope fwd, %s tables, B%lld T%lld H%lld D%lld", bt16 ? "bf16" : "f32",
+                     (long long)B, (long long)T, (long long)H, (long long)D);
             expect_bf16(what, x.h, x.f, n);
             for (int64_t i = 0; i < n; i++) /* the backward from the same (bf16) start */
                 x.f[i] = am_bf16_to_f32(x.h[i]);
             K->rope_backward(&kdev, &tx, C16, S16);
             K->rope_backward(&kdev, &txf, C32, S32);
-            snprintf(what, sizeof what, "bf16 rope bwd, %s tables%s", bt16 ? "bf16" : "f32", chunked ? ", chunks" : "");
+            snprintf(what, sizeof what, "bf16 rope bwd, %s tables, B%lld T%lld H%lld D%lld", bt16 ? "bf16" : "f32",
+                     (long long)B, (long long)T, (long long)H, (long long)D);
             expect_bf16(what, x.h, x.f, n);
             bt_free(&x);
         }
+        free(c);
+        free(s);
+        bt_free(&cb);
+        bt_free(&sb);
     }
-    am_cpu_set_chunk(&kdev, 0);
-    free(c);
-    free(s);
-    bt_free(&cb);
-    bt_free(&sb);
 }
 
 static void test_bf16_attention(void **state)
@@ -1955,34 +1957,31 @@ static void test_bf16_swiglu(void **state)
 {
     (void)state;
     struct rng r = {131};
-    int64_t sizes[] = {1000, 40000};
-    for (size_t c = 0; c < 2; c++)
-        for (int chunked = 0; chunked < 2; chunked++) {
-            int64_t n = sizes[c];
-            am_cpu_set_chunk(&kdev, chunked ? 333 : 0);
-            struct bt g = bt_rand(&r, n, -6, 6), u = bt_rand(&r, n, -2, 2), o = bt_new(n);
-            struct am_tensor tg = hv(&g, n, 0, 0, 0), tu = hv(&u, n, 0, 0, 0), to = hv(&o, n, 0, 0, 0);
-            struct am_tensor tgf = fv(&g, n, 0, 0, 0), tuf = fv(&u, n, 0, 0, 0), tof = fv(&o, n, 0, 0, 0);
-            K->swiglu_forward(&kdev, &to, &tg, &tu);
-            K->swiglu_forward(&kdev, &tof, &tgf, &tuf);
-            expect_bf16(chunked ? "bf16 swiglu out (chunks of 333)" : "bf16 swiglu out", o.h, o.f, n);
-            struct bt d = bt_rand(&r, n, -1, 1), dg = bt_rand(&r, n, -1, 1), du = bt_rand(&r, n, -1, 1);
-            struct bt dg0 = bt_copy(&dg);
-            struct am_tensor td = hv(&d, n, 0, 0, 0), tdg = hv(&dg, n, 0, 0, 0), tdu = hv(&du, n, 0, 0, 0);
-            struct am_tensor tdf = fv(&d, n, 0, 0, 0), tdgf = fv(&dg, n, 0, 0, 0), tduf = fv(&du, n, 0, 0, 0);
-            K->swiglu_backward(&kdev, &tdg, &tdu, &td, &tg, &tu);
-            K->swiglu_backward(&kdev, &tdgf, &tduf, &tdf, &tgf, &tuf);
-            expect_bf16("bf16 swiglu dgate", dg.h, dg.f, n);
-            expect_bf16("bf16 swiglu dup", du.h, du.f, n);
-            struct am_tensor tdg0 = hv(&dg0, n, 0, 0, 0), tdg0f = fv(&dg0, n, 0, 0, 0);
-            K->swiglu_backward(&kdev, &tdg0, NULL, &td, &tg, &tu); /* a frozen up branch */
-            K->swiglu_backward(&kdev, &tdg0f, NULL, &tdf, &tgf, &tuf);
-            expect_bf16("bf16 swiglu dgate alone", dg0.h, dg0.f, n);
-            struct bt *all[] = {&g, &u, &o, &d, &dg, &du, &dg0};
-            for (size_t i = 0; i < sizeof all / sizeof *all; i++)
-                bt_free(all[i]);
-        }
-    am_cpu_set_chunk(&kdev, 0);
+    int64_t sizes[] = {1000, 40000}; /* one block; three blocks (of 16384) in parallel */
+    for (size_t c = 0; c < 2; c++) {
+        int64_t n = sizes[c];
+        struct bt g = bt_rand(&r, n, -6, 6), u = bt_rand(&r, n, -2, 2), o = bt_new(n);
+        struct am_tensor tg = hv(&g, n, 0, 0, 0), tu = hv(&u, n, 0, 0, 0), to = hv(&o, n, 0, 0, 0);
+        struct am_tensor tgf = fv(&g, n, 0, 0, 0), tuf = fv(&u, n, 0, 0, 0), tof = fv(&o, n, 0, 0, 0);
+        K->swiglu_forward(&kdev, &to, &tg, &tu);
+        K->swiglu_forward(&kdev, &tof, &tgf, &tuf);
+        expect_bf16("bf16 swiglu out", o.h, o.f, n);
+        struct bt d = bt_rand(&r, n, -1, 1), dg = bt_rand(&r, n, -1, 1), du = bt_rand(&r, n, -1, 1);
+        struct bt dg0 = bt_copy(&dg);
+        struct am_tensor td = hv(&d, n, 0, 0, 0), tdg = hv(&dg, n, 0, 0, 0), tdu = hv(&du, n, 0, 0, 0);
+        struct am_tensor tdf = fv(&d, n, 0, 0, 0), tdgf = fv(&dg, n, 0, 0, 0), tduf = fv(&du, n, 0, 0, 0);
+        K->swiglu_backward(&kdev, &tdg, &tdu, &td, &tg, &tu);
+        K->swiglu_backward(&kdev, &tdgf, &tduf, &tdf, &tgf, &tuf);
+        expect_bf16("bf16 swiglu dgate", dg.h, dg.f, n);
+        expect_bf16("bf16 swiglu dup", du.h, du.f, n);
+        struct am_tensor tdg0 = hv(&dg0, n, 0, 0, 0), tdg0f = fv(&dg0, n, 0, 0, 0);
+        K->swiglu_backward(&kdev, &tdg0, NULL, &td, &tg, &tu); /* a frozen up branch */
+        K->swiglu_backward(&kdev, &tdg0f, NULL, &tdf, &tgf, &tuf);
+        expect_bf16("bf16 swiglu dgate alone", dg0.h, dg0.f, n);
+        struct bt *all[] = {&g, &u, &o, &d, &dg, &du, &dg0};
+        for (size_t i = 0; i < sizeof all / sizeof *all; i++)
+            bt_free(all[i]);
+    }
 }
 
 static void test_bf16_cross_entropy(void **state)
