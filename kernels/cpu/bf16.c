@@ -194,8 +194,8 @@ void am_cpu_store(struct am_tensor *t, int64_t off, int64_t n, const float *buf)
 }
 
 /* ---- the mixed-precision matrix product ----
- * One parallel region per product: C is cut into tiles (up to TM x 512, TM halved until
- * every thread has a tile), each tile belongs to one thread, which widens the blocks of A
+ * One parallel region per product: C is cut into tiles (up to TM x 512, TM halved down to 64
+ * until there are two tiles per thread), each tile belongs to one thread, which widens the blocks of A
  * and B it needs into its own slice of the scratch, runs single-threaded sgemm over L in
  * blocks of 512 accumulating the tile in fp32, and rounds a bf16 tile once. No thread waits
  * for another inside the product (on a busy machine every barrier costs a time slice), and
@@ -271,8 +271,8 @@ void am_cpu_gemm_mixed(const char *kernel, const struct am_dev *dev, bool ta, bo
     if (M * N * (L > 0 ? L : 1) < (1 << 18) || omp_in_parallel())
         nth = 1;
     int64_t tn = N < TILE ? N : TILE, tm = TILE, tiles_n = (N + tn - 1) / tn;
-    while (tm > 64 && (M + tm - 1) / tm * tiles_n < nth)
-        tm /= 2;
+    while (tm > 64 && (M + tm - 1) / tm * tiles_n < 2 * nth) /* two tiles a thread: a third tile */
+        tm /= 2;                                                   /* on one of two threads idles the other */
     int64_t tiles_m = (M + tm - 1) / tm, tiles = tiles_m * tiles_n;
     if (nth > tiles)
         nth = (int)tiles;
