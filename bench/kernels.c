@@ -68,6 +68,25 @@ static struct am_tensor f32(float *p, int64_t a, int64_t b, int64_t c, int64_t d
     return am_tensor_view(p, AM_DEV_CPU, AM_T_F32, a, b, c, d);
 }
 
+/* A bf16 copy of n floats of p (the bench's bf16 tensors hold the same values rounded). */
+static uint16_t *bbuf(const float *p, int64_t n)
+{
+    uint16_t *h = K->alloc(&kdev, (size_t)n * 2);
+    if (!h) {
+        fprintf(stderr, "bench/kernels: out of memory for %lld bf16 values\n", (long long)n);
+        exit(1);
+    }
+    struct am_tensor src = am_tensor_view((void *)p, AM_DEV_CPU, AM_T_F32, n, 0, 0, 0);
+    struct am_tensor dst = am_tensor_view(h, AM_DEV_CPU, AM_T_BF16, n, 0, 0, 0);
+    K->convert(&kdev, &dst, &src);
+    return h;
+}
+
+static struct am_tensor b16(uint16_t *p, int64_t a, int64_t b, int64_t c, int64_t d)
+{
+    return am_tensor_view(p, AM_DEV_CPU, AM_T_BF16, a, b, c, d);
+}
+
 static double seconds_per_call = 0.5;
 
 /* Sets var to the seconds one evaluation of expr takes: the fastest of as many runs as fit
@@ -241,5 +260,84 @@ int main(int argc, char **argv)
            (double)params / 1e6, achieved, 100.0 * achieved / peer);
     printf("  of which GEMM-shaped work (matmuls, fused head): %.1f ms at %.1f GFLOP/s\n", matmul_s * 1e3,
            flops_matmul / matmul_s / 1e9);
+
+    /* ---- the same kernels with bf16 activations and weights (mixed precision: parameter
+     * gradients f32, statistics f32), against their fp32 rows ---- */
+    struct row brows[32];
+    int nb = 0;
+#define ADDB(label, expr, fl, count)                                                                                 \
+    do {                                                                                                             \
+        double s_;                                                                                                   \
+        TIME(s_, expr);                                                                                              \
+        brows[nb++] = make_row(label, s_, (double)(fl), count);                                                  \
+    } while (0)
+    uint16_t *hx = bbuf(x, NN * NI), *hw = bbuf(w, NI * NC), *hy = bbuf(y, NN * NI);
+    for (int l = 0; l < 4; l++) {
+        struct am_tensor tx = b16(hx, NN, lin[l].in, 0, 0), tw = b16(hw, lin[l].out, lin[l].in, 0, 0);
+        struct am_tensor ty = b16(hy, NN, lin[l].out, 0, 0);
+        float *dwf = buf(lin[l].out * lin[l].in, 5);
+        uint16_t *hdx = bbuf(x, NN * lin[l].in);
+        struct am_tensor tdx = b16(hdx, NN, lin[l].in, 0, 0), tdw = f32(dwf, lin[l].out, lin[l].in, 0, 0);
+        int count = (l == 3 ? 1 : 2) * NL;
+        double fl = 2.0 * NN * lin[l].in * lin[l].out;
+        ADDB(lin[l].fwd, K->matmul_forward(&kdev, &ty, &tx, &tw), fl, count);
+        ADDB(lin[l].bwd, K->matmul_backward(&kdev, &tdx, &tdw, &ty, &tx, &tw), 2 * fl, count);
+        K->free(&kdev, dwf);
+        K->free(&kdev, hdx);
+    }
+    uint16_t *hq = bbuf(q, NN * NH * ND), *hk = bbuf(k, NN * NKV * ND), *hv = bbuf(v, NN * NKV * ND);
+    uint16_t *ho = bbuf(o, NN * NH * ND), *hdq = bbuf(dq, NN * NH * ND), *hdk = bbuf(dk, NN * NKV * ND);
+    uint16_t *hdv = bbuf(dv, NN * NKV * ND);
+    struct am_tensor bq = b16(hq, NB, NT, NH, ND), bk = b16(hk, NB, NT, NKV, ND), bv = b16(hv, NB, NT, NKV, ND);
+    struct am_tensor bo = b16(ho, NB, NT, NH, ND), bdq = b16(hdq, NB, NT, NH, ND), bdk = b16(hdk, NB, NT, NKV, ND);
+    struct am_tensor bdv = b16(hdv, NB, NT, NKV, ND);
+    ADDB("attention fwd (causal, GQA 2)", K->attention_forward(&kdev, &bo, &tl, &bq, &bk, &bv, 0), 4 * pairs, NL);
+    ADDB("attention bwd", K->attention_backward(&kdev, &bdq, &bdk, &bdv, &bo, &bo, &tl, &bq, &bk, &bv, 0), 10 * pairs, NL);
+    uint16_t *hcs = bbuf(cs, NT * ND / 2), *hsn = bbuf(sn, NT * ND / 2);
+    struct am_tensor bcs = b16(hcs, NT, ND / 2, 0, 0), bsn = b16(hsn, NT, ND / 2, 0, 0);
+    TIME(rope_q, K->rope_forward(&kdev, &bq, &bcs, &bsn));
+    brows[nb++] = make_row("rope fwd+bwd on q, k (3x rope(q))", 3 * rope_q, 0, NL);
+    uint16_t *hnw = bbuf(nw, NC), *hx512 = bbuf(x, NN * NC), *hy512 = bbuf(y, NN * NC), *hdq512 = bbuf(dq, NN * NC);
+    struct am_tensor bx512 = b16(hx512, NN, NC, 0, 0), by512 = b16(hy512, NN, NC, 0, 0), bnw = b16(hnw, NC, 0, 0, 0);
+    struct am_tensor bdq512 = b16(hdq512, NN, NC, 0, 0);
+    ADDB("rmsnorm fwd", K->rmsnorm_forward(&kdev, &by512, &tr, &bx512, &bnw, 1e-5f), 0, 2 * NL + 1);
+    ADDB("rmsnorm bwd", K->rmsnorm_backward(&kdev, &bdq512, &tdnw, &by512, &bx512, &bnw, &tr), 0, 2 * NL + 1);
+    ADDB("residual add [1024, 512]", K->add(&kdev, &by512, &bx512), 0, 4 * NL);
+    uint16_t *hg = bbuf(g, NN * NI), *hu = bbuf(u, NN * NI), *hdg = bbuf(dg, NN * NI), *hdu = bbuf(du, NN * NI);
+    struct am_tensor bg = b16(hg, NN, NI, 0, 0), bu = b16(hu, NN, NI, 0, 0), bdg = b16(hdg, NN, NI, 0, 0);
+    struct am_tensor bdu = b16(hdu, NN, NI, 0, 0), byI = b16(hy, NN, NI, 0, 0);
+    ADDB("swiglu fwd", K->swiglu_forward(&kdev, &byI, &bg, &bu), 0, NL);
+    ADDB("swiglu bwd", K->swiglu_backward(&kdev, &bdg, &bdu, &byI, &bg, &bu), 0, NL);
+    uint16_t *hwte = bbuf(wte, NV * NC);
+    struct am_tensor bwte = b16(hwte, NV, NC, 0, 0);
+    ADDB("embedding fwd", K->embedding_forward(&kdev, &by512, &tids, &bwte, 0), 0, 1);
+    ADDB("embedding bwd (f32 dwte)", K->embedding_backward(&kdev, &tdwte, &by512, &tids, 0), 0, 1);
+    ADDB("ce_stats (fused head 512->8192)", K->ce_stats(&kdev, &tm, &ts, &tt, &bx512, &bwte, &tids, 0), 2.0 * NN * NV * NC, 1);
+    ADDB("ce_backward (recompute, dx, dw)",
+         K->ce_backward(&kdev, &bdq512, &tdwte, &bx512, &bwte, &tids, 0, &tm, &ts, 1.0f / NN), 6.0 * NN * NV * NC, 1);
+    for (int i = nr - 3; i < nr; i++) /* adamw, the gradient norm and zeroing stay on fp32 tensors */
+        brows[nb++] = rows[i];
+
+    printf("\nbf16 activations and weights, f32 parameter gradients (mixed precision), vs the fp32 rows:\n");
+    double bstep = 0.0, bmm_s = 0.0, bflops = 0.0;
+    for (int i = 0; i < nb; i++) {
+        const struct row *fr = NULL;
+        for (int j = 0; j < nr && !fr; j++)
+            if (strncmp(rows[j].name, brows[i].name, 13) == 0)
+                fr = &rows[j];
+        if (brows[i].flops > 0)
+            printf("  %-34s %9.3f ms %8.1f GFLOP/s  fp32 %6.1f  (%4.2fx its time)\n", brows[i].name, brows[i].s * 1e3,
+                   brows[i].flops / brows[i].s / 1e9, fr ? fr->flops / fr->s / 1e9 : 0.0, fr ? brows[i].s / fr->s : 0.0);
+        else
+            printf("  %-34s %9.3f ms                   fp32 %7.3f ms (%4.2fx)\n", brows[i].name, brows[i].s * 1e3,
+                   fr ? fr->s * 1e3 : 0.0, fr ? brows[i].s / fr->s : 0.0);
+        bstep += brows[i].s * brows[i].per_step;
+        if (strncmp(brows[i].name, "matmul", 6) == 0 || strncmp(brows[i].name, "ce_", 3) == 0) {
+            bmm_s += brows[i].s * brows[i].per_step;
+            bflops += brows[i].flops * brows[i].per_step;
+        }
+    }
+    printf("\n  bf16 step estimate: %.1f ms, %.0f tokens/s (fp32 %.0f); GEMM-shaped work %.1f ms at %.1f GFLOP/s\n",
+           bstep * 1e3, (double)NN / bstep, tok, bmm_s * 1e3, bflops / bmm_s / 1e9);
     return 0;
 }

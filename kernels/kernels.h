@@ -19,9 +19,16 @@
  *     convention), which also makes residual connections and tied weights free.
  *   - Tensor parallelism is expressed by the caller (the sharded shapes and the collectives
  *     around the calls); the vocabulary-parallel pieces take the shard's first vocabulary id.
- *   - Parameters, gradients and activations are AM_T_F32 on the CPU backend; token ids
- *     and targets are AM_T_I32. A target < 0 is ignored (no loss, no gradient). Device
- *     scalars are one-element tensors: AM_T_F64 accumulators, AM_T_I32 flags.
+ *   - Parameters, gradients and activations are AM_T_F32, or for mixed precision (PyTorch
+ *     FSDP2's MixedPrecisionPolicy(param_dtype=bf16)) AM_T_BF16: a kernel's activations,
+ *     activation gradients and weight (the bf16 working copy) share one dtype; a parameter
+ *     gradient (dw, dwte, the norm's dw) is F32, or BF16 with BF16 activations; statistics
+ *     saved for backward (rstd, lse, m, s, t, M, S) stay F32; adamw is F32 only. bf16
+ *     tensors are computed on in fp32 and each output is rounded once to bf16 (nearest
+ *     even); a += into a bf16 gradient adds in fp32 and rounds once (kernels/cpu/cpu.h has
+ *     the rules, each kernel's file where it rounds differently from PyTorch's bf16 ops).
+ *     Token ids and targets are AM_T_I32. A target < 0 is ignored (no loss, no gradient).
+ *     Device scalars are one-element tensors: AM_T_F64 accumulators, AM_T_I32 flags.
  * A tensor of the wrong device, dtype or shape is a bug in the caller: the backend names the
  * kernel, the tensor and the rule on stderr and aborts (the functions return no status).
  */
@@ -50,7 +57,8 @@ struct am_dev {
     int ordinal;                /* the CUDA device; -1 on the CPU */
     void *stream;               /* cudaStream_t; NULL on the CPU */
     void *blas;                 /* cublasLtHandle_t; NULL on the CPU */
-    void *workspace;            /* scratch for the backend (GEMM workspace); NULL on the CPU */
+    void *workspace;            /* scratch for the backend (GEMM workspace; the CPU: its own struct
+                                 * owning a buffer grown on demand, for widened bf16 operands) */
     size_t workspace_bytes;
 };
 
@@ -80,13 +88,14 @@ struct am_kernels {
     void (*copy)(const struct am_dev *d, struct am_tensor *dst, const struct am_tensor *src);
 
     /* ---- element-wise and reductions ---- */
-    void (*add)(const struct am_dev *d, struct am_tensor *dst, const struct am_tensor *src); /* dst += src */
-    void (*scale)(const struct am_dev *d, struct am_tensor *t, float s);                     /* t *= s */
+    /* dst += src (f32 or bf16 each; rounded once into a bf16 dst) */
+    void (*add)(const struct am_dev *d, struct am_tensor *dst, const struct am_tensor *src);
+    void (*scale)(const struct am_dev *d, struct am_tensor *t, float s); /* t *= s */
     /* dst = src converted to dst's dtype (same number of elements): f64 <-> f32, f32 <-> bf16
      * (round to nearest even), or a plain copy when the dtypes match */
     void (*convert)(const struct am_dev *d, struct am_tensor *dst, const struct am_tensor *src);
     /* acc (one f64) += (Σ t², squares and sum in double, in an order that does not depend on
-     * the threads) / div */
+     * the threads) / div; t f32 or bf16 */
     void (*sum_squares)(const struct am_dev *d, struct am_tensor *acc, const struct am_tensor *t, double div);
     /* flag (one i32) = 0 when t holds an Inf or a NaN; left as it is otherwise */
     void (*all_finite)(const struct am_dev *d, struct am_tensor *flag, const struct am_tensor *t);

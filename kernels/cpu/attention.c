@@ -26,6 +26,14 @@
  * The forward runs one (batch, head) per task; the backward one (batch, kv head) per task,
  * which walks every query head of its group, so dk and dv of a shared kv head have a
  * single writer: no races, no atomics, sums in a fixed order (deterministic).
+ *
+ * bf16 (q, k, v, out, dout, dq, dk, dv bf16; lse f32): a wrapper around the fp32 kernels
+ * (so that changes to their arguments carry over): for each chunk of sequences and group of
+ * kv heads, the chunk's q, k, v (and dout, out, dq, dk, dv) are widened into scratch, the fp32 kernel
+ * runs on them, and out (dq, dk, dv) are rounded once. That is FlashAttention's semantics
+ * (scores, softmax and sums in fp32, one rounding of the output); torch's math path in
+ * bf16 rounds the scores and the probabilities too. Still never T x T: the scratch holds
+ * a group's rows, T x (heads x D).
  */
 #include <math.h>
 #include <omp.h>
@@ -284,9 +292,118 @@ static struct attn_shape check_attention(const char *kernel, const struct am_ten
     return s;
 }
 
+/* ---- bf16: the fp32 kernels on widened groups of heads ---- */
+
+/* A chunk: sequences b0 .. b0 + nb - 1 and kv heads kv0 .. kv0 + kc - 1 (with their G query
+ * heads each). kv heads per chunk: the scratch (per kv head: floats of q-shaped and k-shaped
+ * rows) within a few chunks' worth, but enough query heads for every thread; sequences per
+ * chunk: as many as fit beside, when a chunk holds every head (lse [B, H, T] is then one
+ * contiguous piece). */
+struct attn_chunk {
+    int64_t KC, BC;
+};
+
+static struct attn_chunk chunking(const struct am_dev *dev, const struct attn_shape *s, int64_t qarrays,
+                                  int64_t karrays)
+{
+    int64_t G = s->H / s->KVH, per = s->T * s->D * (qarrays * G + karrays), budget = 4 * am_cpu_chunk(dev);
+    int64_t kc = budget / (per > 0 ? per : 1), need = (omp_get_max_threads() + G - 1) / G;
+    kc = kc < need ? need : kc;
+    kc = kc < 1 ? 1 : kc > s->KVH ? s->KVH : kc;
+    int64_t bc = kc == s->KVH ? budget / (per * kc > 0 ? per * kc : 1) : 1;
+    bc = bc < 1 ? 1 : bc > s->B ? s->B : bc;
+    return (struct attn_chunk){kc, bc};
+}
+
+/* Heads h0 .. h0 + hc - 1 of sequences b0 .. b0 + nb - 1 of a bf16 [B, T, heads, D] tensor,
+ * as fp32 [nb, T, hc, D] in buf; and back, rounded. */
+static struct am_tensor gather(const struct am_tensor *t, int64_t b0, int64_t nb, int64_t h0, int64_t hc, float *buf)
+{
+    int64_t T = t->shape[1], Ht = t->shape[2], D = t->shape[3];
+    am_bf16_widen(buf, hc * D, (const uint16_t *)t->data + (b0 * T * Ht + h0) * D, Ht * D, nb * T, hc * D);
+    return am_f32_view(buf, nb, T, hc, D);
+}
+
+static void scatter(struct am_tensor *t, int64_t b0, int64_t h0, const struct am_tensor *f)
+{
+    int64_t T = t->shape[1], Ht = t->shape[2], D = t->shape[3], nb = f->shape[0], hc = f->shape[2];
+    am_bf16_narrow((uint16_t *)t->data + (b0 * T * Ht + h0) * D, Ht * D, f->data, hc * D, nb * T, hc * D);
+}
+
+static void attention_forward_bf16(const struct am_dev *dev, struct am_tensor *out, struct am_tensor *lse,
+                                   const struct am_tensor *q, const struct am_tensor *k, const struct am_tensor *v,
+                                   int64_t window)
+{
+    const char *kernel = "am_cpu_attention_forward";
+    am_cpu_act(kernel, "q", q);
+    am_cpu_same(kernel, "k", k, "q", q);
+    am_cpu_same(kernel, "v", v, "q", q);
+    am_cpu_same(kernel, "out", out, "q", q);
+    am_cpu_stat(kernel, "lse", lse);
+    struct attn_shape s = check_attention(kernel, out, lse, q, k, v);
+    struct attn_chunk ch = chunking(dev, &s, 2, 2);
+    int64_t G = s.H / s.KVH, qn = ch.BC * s.T * ch.KC * G * s.D, kn = ch.BC * s.T * ch.KC * s.D;
+    float *ws = am_cpu_scratch(kernel, dev, 2 * qn + 2 * kn + 64);
+    float *qb = am_cpu_carve(&ws, qn), *ob = am_cpu_carve(&ws, qn), *kb = am_cpu_carve(&ws, kn);
+    float *vb = am_cpu_carve(&ws, kn);
+    for (int64_t b0 = 0; b0 < s.B; b0 += ch.BC)
+        for (int64_t kv0 = 0; kv0 < s.KVH; kv0 += ch.KC) {
+            int64_t nb = s.B - b0 < ch.BC ? s.B - b0 : ch.BC, kc = s.KVH - kv0 < ch.KC ? s.KVH - kv0 : ch.KC;
+            int64_t h0 = kv0 * G, hc = kc * G;
+            struct am_tensor tq = gather(q, b0, nb, h0, hc, qb), tk = gather(k, b0, nb, kv0, kc, kb);
+            struct am_tensor tv = gather(v, b0, nb, kv0, kc, vb), to = am_f32_view(ob, nb, s.T, hc, s.D);
+            struct am_tensor tl = am_f32_view((float *)lse->data + (b0 * s.H + h0) * s.T, nb, hc, s.T, 0);
+            am_cpu_attention_forward(dev, &to, &tl, &tq, &tk, &tv, window);
+            scatter(out, b0, h0, &to);
+        }
+}
+
+static void attention_backward_bf16(const struct am_dev *dev, struct am_tensor *dq, struct am_tensor *dk,
+                                    struct am_tensor *dv, const struct am_tensor *dout, const struct am_tensor *out,
+                                    const struct am_tensor *lse, const struct am_tensor *q, const struct am_tensor *k,
+                                    const struct am_tensor *v, int64_t window)
+{
+    const char *kernel = "am_cpu_attention_backward";
+    am_cpu_act(kernel, "q", q);
+    const struct am_tensor *same[] = {k, v, out, dout, dq, dk, dv};
+    const char *names[] = {"k", "v", "out", "dout", "dq", "dk", "dv"};
+    for (int i = 0; i < 7; i++)
+        am_cpu_same(kernel, names[i], same[i], "q", q);
+    am_cpu_stat(kernel, "lse", lse);
+    struct attn_shape s = check_attention(kernel, out, lse, q, k, v);
+    AM_CHECK(am_tensor_numel(dq) == am_tensor_numel(q) && am_tensor_numel(dout) == am_tensor_numel(q) &&
+                 am_tensor_numel(dk) == am_tensor_numel(k) && am_tensor_numel(dv) == am_tensor_numel(v) &&
+                 dq->ndim == 4 && dout->ndim == 4 && dk->ndim == 4 && dv->ndim == 4,
+             "dq (%s) and dout must have q's shape, dk (%s) and dv k's", am_tname(dq), am_tname(dk));
+    struct attn_chunk ch = chunking(dev, &s, 4, 4);
+    int64_t G = s.H / s.KVH, qn = ch.BC * s.T * ch.KC * G * s.D, kn = ch.BC * s.T * ch.KC * s.D;
+    float *ws = am_cpu_scratch(kernel, dev, 4 * qn + 4 * kn + 128);
+    float *qb = am_cpu_carve(&ws, qn), *ob = am_cpu_carve(&ws, qn), *dob = am_cpu_carve(&ws, qn);
+    float *dqb = am_cpu_carve(&ws, qn), *kb = am_cpu_carve(&ws, kn), *vb = am_cpu_carve(&ws, kn);
+    float *dkb = am_cpu_carve(&ws, kn), *dvb = am_cpu_carve(&ws, kn);
+    for (int64_t b0 = 0; b0 < s.B; b0 += ch.BC)
+        for (int64_t kv0 = 0; kv0 < s.KVH; kv0 += ch.KC) {
+            int64_t nb = s.B - b0 < ch.BC ? s.B - b0 : ch.BC, kc = s.KVH - kv0 < ch.KC ? s.KVH - kv0 : ch.KC;
+            int64_t h0 = kv0 * G, hc = kc * G;
+            struct am_tensor tq = gather(q, b0, nb, h0, hc, qb), to = gather(out, b0, nb, h0, hc, ob);
+            struct am_tensor tdo = gather(dout, b0, nb, h0, hc, dob), tdq = gather(dq, b0, nb, h0, hc, dqb);
+            struct am_tensor tk = gather(k, b0, nb, kv0, kc, kb), tv = gather(v, b0, nb, kv0, kc, vb);
+            struct am_tensor tdk = gather(dk, b0, nb, kv0, kc, dkb), tdv = gather(dv, b0, nb, kv0, kc, dvb);
+            struct am_tensor tl = am_f32_view((float *)lse->data + (b0 * s.H + h0) * s.T, nb, hc, s.T, 0);
+            am_cpu_attention_backward(dev, &tdq, &tdk, &tdv, &tdo, &to, &tl, &tq, &tk, &tv, window);
+            scatter(dq, b0, h0, &tdq);
+            scatter(dk, b0, kv0, &tdk);
+            scatter(dv, b0, kv0, &tdv);
+        }
+}
+
 void am_cpu_attention_forward(const struct am_dev *dev, struct am_tensor *out, struct am_tensor *lse, const struct am_tensor *q,
                               const struct am_tensor *k, const struct am_tensor *v, int64_t window)
 {
+    if (am_not_f32(out) || am_not_f32(q) || am_not_f32(k) || am_not_f32(v)) {
+        attention_forward_bf16(dev, out, lse, q, k, v, window);
+        return;
+    }
     float *o = F32(out), *l = F32(lse);
     const float *qd = F32(q), *kd = F32(k), *vd = F32(v);
     struct attn_shape s = check_attention(__func__, out, lse, q, k, v);
@@ -322,6 +439,11 @@ void am_cpu_attention_backward(const struct am_dev *dev, struct am_tensor *dq, s
                                const struct am_tensor *q, const struct am_tensor *k, const struct am_tensor *v,
                                int64_t window)
 {
+    if (am_not_f32(dq) || am_not_f32(dk) || am_not_f32(dv) || am_not_f32(dout) || am_not_f32(out) || am_not_f32(q) ||
+        am_not_f32(k) || am_not_f32(v)) {
+        attention_backward_bf16(dev, dq, dk, dv, dout, out, lse, q, k, v, window);
+        return;
+    }
     float *dqd = F32(dq), *dkd = F32(dk), *dvd = F32(dv);
     const float *dod = F32(dout), *od = F32(out), *ld = F32(lse), *qd = F32(q), *kd = F32(k), *vd = F32(v);
     struct attn_shape s = check_attention(__func__, out, lse, q, k, v);

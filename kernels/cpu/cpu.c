@@ -17,7 +17,7 @@ _Noreturn void am_cpu_fatal(const char *kernel, const char *fmt, ...)
     abort();
 }
 
-static const char *dtype_name(enum am_tdtype d)
+const char *am_cpu_dtype_name(enum am_tdtype d)
 {
     switch (d) {
     case AM_T_F32: return "f32";
@@ -29,6 +29,19 @@ static const char *dtype_name(enum am_tdtype d)
     return "?";
 }
 
+void am_cpu_check(const char *kernel, const char *what, const struct am_tensor *t)
+{
+    if (!t)
+        am_cpu_fatal(kernel, "%s is NULL", what);
+    if (t->device != AM_DEV_CPU)
+        am_cpu_fatal(kernel, "%s (%s) is not in host memory: the CPU backend takes CPU tensors only", what,
+                     am_tname(t));
+    if (t->ndim < 1 || t->ndim > AM_TENSOR_MAX_DIMS)
+        am_cpu_fatal(kernel, "%s (%s) has %d dimensions (1 to %d)", what, am_tname(t), t->ndim, AM_TENSOR_MAX_DIMS);
+    if (!t->data && am_tensor_numel(t) > 0)
+        am_cpu_fatal(kernel, "%s (%s) has no data", what, am_tname(t));
+}
+
 static void check_tensor(const char *kernel, const char *what, const struct am_tensor *t, enum am_tdtype want)
 {
     if (!t)
@@ -37,8 +50,8 @@ static void check_tensor(const char *kernel, const char *what, const struct am_t
         am_cpu_fatal(kernel, "%s (%s) is not in host memory: the CPU backend takes CPU tensors only", what,
                      am_tname(t));
     if (t->dtype != want)
-        am_cpu_fatal(kernel, "%s (%s) is %s; the CPU backend takes %s here", what, am_tname(t), dtype_name(t->dtype),
-                     dtype_name(want));
+        am_cpu_fatal(kernel, "%s (%s) is %s; the CPU backend takes %s here", what, am_tname(t), am_cpu_dtype_name(t->dtype),
+                     am_cpu_dtype_name(want));
     if (t->ndim < 1 || t->ndim > AM_TENSOR_MAX_DIMS)
         am_cpu_fatal(kernel, "%s (%s) has %d dimensions (1 to %d)", what, am_tname(t), t->ndim, AM_TENSOR_MAX_DIMS);
     if (!t->data && am_tensor_numel(t) > 0)
@@ -77,6 +90,8 @@ static void cpu_sync(const struct am_dev *d) { (void)d; }
 static const struct am_kernels cpu_kernels = {
     .name = "cpu",
     .device = AM_DEV_CPU,
+    .open = am_cpu_open,
+    .close = am_cpu_close,
     .sync = cpu_sync,
     .alloc = am_cpu_alloc,
     .free = am_cpu_free,

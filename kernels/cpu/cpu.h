@@ -54,6 +54,9 @@ const int32_t *am_cpu_i32(const char *kernel, const char *what, const struct am_
 /* Any dtype, checked; and a one-element f64 (a device scalar). */
 void *am_cpu_data(const char *kernel, const char *what, const struct am_tensor *t, enum am_tdtype dtype);
 double *am_cpu_scalar_f64(const char *kernel, const char *what, const struct am_tensor *t);
+/* Device, dimensions and data of any dtype; and a dtype's name ("bf16"). */
+void am_cpu_check(const char *kernel, const char *what, const struct am_tensor *t);
+const char *am_cpu_dtype_name(enum am_tdtype d);
 #define F32(t) am_cpu_f32(__func__, #t, (t))
 #define I32(t) am_cpu_i32(__func__, #t, (t))
 #define F64_SCALAR(t) am_cpu_scalar_f64(__func__, #t, (t))
@@ -118,6 +121,82 @@ AM_INLINE float am_expf(float x)
     y = x > 88.72283f ? INFINITY : y;
     return y;
 }
+
+/* ---- bf16 storage, fp32 arithmetic (bf16.c) ----
+ * Mixed precision as PyTorch's FSDP2 MixedPrecisionPolicy(param_dtype=bf16) runs it:
+ * activations, their gradients and the weights' working copy may be bf16; master weights,
+ * optimizer state and (optionally) parameter gradients stay fp32. Every kernel that takes
+ * bf16 tensors widens them exactly to fp32, computes in fp32 as its fp32 path does, and
+ * rounds each output once to bf16 (nearest even); a += into a bf16 gradient widens it,
+ * adds in fp32 and rounds once. Each kernel's fp32 entry point checks first whether any
+ * tensor is not f32 and only then hands over to its bf16 path (am_cpu_*_bf16 beside it in
+ * the kernel's file), so the fp32 path is the code it always was.
+ *
+ * The dtype rules (a break is a caller's bug: the kernel names the tensor and the rule):
+ *   - one "activation dtype" per call, f32 or bf16: the kernel's inputs, outputs and
+ *     activation gradients, and a weight given as w / wte / the norm's w, all share it;
+ *   - a parameter gradient (dw, dwte, the norm's dw) is f32, or bf16 when the activations
+ *     are bf16 (f32 with bf16 activations: the products are accumulated into fp32 as they
+ *     are, never rounded to bf16);
+ *   - statistics (rstd, lse, m, s, t, M, S) are f32, token ids i32; rope's tables f32 or bf16.
+ *
+ * Scratch. The widened operands live in the context's scratch (dev->workspace: a buffer
+ * grown on demand, kept until am_dev_close), taken once per call on the calling thread,
+ * before any parallel region; the threads of the call use disjoint slices of it. Work is
+ * cut into chunks of at most AM_BF16_CHUNK floats per operand, so the scratch stays bounded
+ * by the chunk size (and, for a bf16 parameter gradient, by that parameter's size: it is
+ * accumulated in fp32 over the whole call and rounded once). One context runs one kernel at
+ * a time (as a CUDA stream does). */
+#define AM_BF16_CHUNK ((int64_t)1 << 22)
+/* The chunk size of dev (AM_BF16_CHUNK unless a test set a smaller one, n <= 0: the default,
+ * to run the chunked paths on small tensors). */
+int64_t am_cpu_chunk(const struct am_dev *dev);
+void am_cpu_set_chunk(const struct am_dev *dev, int64_t n);
+int am_cpu_open(struct am_dev *dev, char *err, size_t err_len);
+void am_cpu_close(struct am_dev *dev);
+/* nfloats of 64-byte aligned scratch (contents undefined), valid until the next call. */
+float *am_cpu_scratch(const char *kernel, const struct am_dev *dev, int64_t nfloats);
+/* The next n floats of a scratch area, 64-byte aligned (advances *p). */
+float *am_cpu_carve(float **p, int64_t n);
+/* Whether t is given and not f32: a kernel's cue to take its bf16 path. */
+static inline bool am_not_f32(const struct am_tensor *t) { return t && t->dtype != AM_T_F32; }
+/* The rules above: am_cpu_act checks t (any CPU tensor) and returns its dtype, which must be
+ * f32 or bf16; am_cpu_same wants t to have ref's dtype; am_cpu_grad wants a parameter
+ * gradient that is f32, or bf16 when the activations (ref) are bf16; am_cpu_stat wants f32. */
+enum am_tdtype am_cpu_act(const char *kernel, const char *what, const struct am_tensor *t);
+void am_cpu_same(const char *kernel, const char *what, const struct am_tensor *t, const char *refname,
+                 const struct am_tensor *ref);
+void am_cpu_grad(const char *kernel, const char *what, const struct am_tensor *t, const char *refname,
+                 const struct am_tensor *ref);
+void am_cpu_stat(const char *kernel, const char *what, const struct am_tensor *t);
+/* Exact widening and round-to-nearest-even narrowing of rows x cols blocks (rows ld apart),
+ * parallel over rows when large. */
+void am_bf16_widen(float *dst, int64_t ldd, const uint16_t *src, int64_t lds, int64_t rows, int64_t cols);
+void am_bf16_narrow(uint16_t *dst, int64_t ldd, const float *src, int64_t lds, int64_t rows, int64_t cols);
+/* The same on the calling thread only (inside a parallel region): one row of n. */
+void am_bf16_widen1(float *dst, const uint16_t *src, int64_t n);
+void am_bf16_narrow1(uint16_t *dst, const float *src, int64_t n);
+/* Elements [off, off + n) of t as fp32: t's own memory when t is f32, else widened into buf. */
+float *am_cpu_load(const struct am_tensor *t, int64_t off, int64_t n, float *buf);
+/* Writes back what am_cpu_load gave (a no-op when t is f32): buf rounded once into t. */
+void am_cpu_store(struct am_tensor *t, int64_t off, int64_t n, const float *buf);
+/* An f32 view of scratch memory. */
+static inline struct am_tensor am_f32_view(float *p, int64_t d0, int64_t d1, int64_t d2, int64_t d3)
+{
+    return am_tensor_view(p, AM_DEV_CPU, AM_T_F32, d0, d1, d2, d3);
+}
+/* C[M,N] = beta C + op(A) op(B) for A, B, C each f32 or bf16, row-major with leading
+ * dimensions lda, ldb, ldc, op(A) [M,L], op(B) [L,N]: tiles of C (up to 512 x 512) are
+ * accumulated in fp32 over blocks of L, the bf16 blocks widened into scratch, the sgemm
+ * driver on the fp32 blocks (or OpenBLAS's sbgemm on the bf16 ones, where configure found
+ * it), each tile of a bf16 C rounded once. */
+struct am_mat {
+    void *p;
+    enum am_tdtype dt;
+    int64_t ld;
+};
+void am_cpu_gemm_mixed(const char *kernel, const struct am_dev *dev, bool ta, bool tb, int64_t M, int64_t N, int64_t L,
+                       struct am_mat A, struct am_mat B, float beta, struct am_mat C);
 
 /* ---- the kernels, one file per family (forward beside backward) ---- */
 /* memory.c */

@@ -72,9 +72,163 @@ AM_HOT static void tile_stats(const float *restrict l, int64_t n, float *m, floa
     *s += sum;
 }
 
+/* ---- bf16: the fp32 kernels on widened chunks ---- */
+
+/* Rows and vocabulary entries per chunk: am_cpu_chunk floats of x or w each, at least 256
+ * (CE_ROWS: ce_fused's decision for a chunk is then its decision for the whole). */
+static int64_t chunk_rows(const struct am_dev *dev, int64_t C, int64_t n)
+{
+    int64_t r = am_cpu_chunk(dev) / (C > 0 ? C : 1);
+    r = r < CE_ROWS ? CE_ROWS : r;
+    return r < n ? r : n > 0 ? n : 1;
+}
+
+static void check_ce_bf16(const char *kernel, const struct am_tensor *x, const struct am_tensor *w,
+                          const struct am_tensor *targets)
+{
+    am_cpu_act(kernel, "x", x);
+    am_cpu_same(kernel, "w", w, "x", x);
+    am_cpu_i32(kernel, "targets", targets);
+    check_ce(kernel, x, w, targets);
+}
+
+static void ce_stats_bf16(const struct am_dev *dev, struct am_tensor *m, struct am_tensor *s, struct am_tensor *t,
+                          const struct am_tensor *x, const struct am_tensor *w, const struct am_tensor *targets,
+                          int64_t vocab_start)
+{
+    const char *kernel = "am_cpu_ce_stats";
+    check_ce_bf16(kernel, x, w, targets);
+    am_cpu_stat(kernel, "m", m);
+    am_cpu_stat(kernel, "s", s);
+    am_cpu_stat(kernel, "t", t);
+    int64_t N = am_rows(x), C = am_cols(x), V = am_rows(w);
+    AM_CHECK(am_tensor_numel(m) == N && am_tensor_numel(s) == N && am_tensor_numel(t) == N,
+             "m (%s), s and t must have one entry per row of x (%lld)", am_tname(m), (long long)N);
+    int64_t R = chunk_rows(dev, C, N), VC = chunk_rows(dev, C, V), wv = -1;
+    float *ws = am_cpu_scratch(kernel, dev, R * C + VC * C + 3 * R + 64);
+    float *xb = am_cpu_carve(&ws, R * C), *wb = am_cpu_carve(&ws, VC * C), *m2 = am_cpu_carve(&ws, R);
+    float *s2 = am_cpu_carve(&ws, R), *t2 = am_cpu_carve(&ws, R), *wf = NULL;
+    for (int64_t r0 = 0; r0 < N; r0 += R) {
+        int64_t nr = N - r0 < R ? N - r0 : R;
+        struct am_tensor tx = am_f32_view(am_cpu_load(x, r0 * C, nr * C, xb), nr, C, 0, 0);
+        struct am_tensor tg = am_tensor_view((int32_t *)targets->data + r0, AM_DEV_CPU, AM_T_I32, nr, 0, 0, 0);
+        float *md = (float *)m->data + r0, *sd = (float *)s->data + r0, *td = (float *)t->data + r0;
+        for (int64_t v0 = 0; v0 < V; v0 += VC) {
+            int64_t vc = V - v0 < VC ? V - v0 : VC;
+            if (wv != v0) /* (one chunk of vocabulary: widened once for every row chunk) */
+                wf = am_cpu_load(w, v0 * C, vc * C, wb);
+            wv = v0;
+            struct am_tensor tw = am_f32_view(wf, vc, C, 0, 0);
+            bool first = v0 == 0;
+            struct am_tensor tm = am_f32_view(first ? md : m2, nr, 0, 0, 0), ts = am_f32_view(first ? sd : s2, nr, 0, 0, 0);
+            struct am_tensor tt = am_f32_view(first ? td : t2, nr, 0, 0, 0);
+            am_cpu_ce_stats(dev, &tm, &ts, &tt, &tx, &tw, &tg, vocab_start + v0);
+            for (int64_t r = 0; !first && r < nr; r++) { /* combine, as the shards of a tp group */
+                float mx = md[r] > m2[r] ? md[r] : m2[r];
+                sd[r] = sd[r] * expf(md[r] - mx) + s2[r] * expf(m2[r] - mx);
+                md[r] = mx;
+                td[r] += t2[r];
+            }
+        }
+    }
+}
+
+static void ce_backward_bf16(const struct am_dev *dev, struct am_tensor *dx, struct am_tensor *dw,
+                             const struct am_tensor *x, const struct am_tensor *w, const struct am_tensor *targets,
+                             int64_t vocab_start, const struct am_tensor *M, const struct am_tensor *S, float dloss_scale)
+{
+    const char *kernel = "am_cpu_ce_backward";
+    check_ce_bf16(kernel, x, w, targets);
+    am_cpu_stat(kernel, "M", M);
+    am_cpu_stat(kernel, "S", S);
+    if (dx)
+        am_cpu_same(kernel, "dx", dx, "x", x);
+    if (dw)
+        am_cpu_grad(kernel, "dw", dw, "x", x);
+    int64_t N = am_rows(x), C = am_cols(x), V = am_rows(w);
+    AM_CHECK(am_tensor_numel(M) == N && am_tensor_numel(S) == N, "M (%s) and S (%s) need one entry per row (%lld)",
+             am_tname(M), am_tname(S), (long long)N);
+    AM_CHECK(!dx || (am_rows(dx) == N && am_cols(dx) == C), "dx (%s) must have x's shape", am_tname(dx));
+    AM_CHECK(!dw || (am_rows(dw) == V && am_cols(dw) == C), "dw (%s) must have w's shape", am_tname(dw));
+    if ((!dx && !dw) || N == 0 || V == 0)
+        return;
+    int64_t R = chunk_rows(dev, C, N), VC = chunk_rows(dev, C, V), wv = -1;
+    bool dw_bf16 = dw && dw->dtype == AM_T_BF16;
+    float *ws = am_cpu_scratch(kernel, dev, 2 * R * C + VC * C + (dw_bf16 ? V * C : 0) + 64);
+    float *xb = am_cpu_carve(&ws, R * C), *dxb = am_cpu_carve(&ws, R * C), *wb = am_cpu_carve(&ws, VC * C), *wf = NULL;
+    float *dwf = dw ? am_cpu_load(dw, 0, V * C, ws) : NULL; /* f32: dw itself; bf16: widened, whole */
+    for (int64_t r0 = 0; r0 < N; r0 += R) {
+        int64_t nr = N - r0 < R ? N - r0 : R;
+        struct am_tensor tx = am_f32_view(am_cpu_load(x, r0 * C, nr * C, xb), nr, C, 0, 0);
+        struct am_tensor tdx = am_f32_view(dx ? am_cpu_load(dx, r0 * C, nr * C, dxb) : NULL, nr, C, 0, 0);
+        struct am_tensor tg = am_tensor_view((int32_t *)targets->data + r0, AM_DEV_CPU, AM_T_I32, nr, 0, 0, 0);
+        struct am_tensor tM = am_f32_view((float *)M->data + r0, nr, 0, 0, 0);
+        struct am_tensor tS = am_f32_view((float *)S->data + r0, nr, 0, 0, 0);
+        for (int64_t v0 = 0; v0 < V; v0 += VC) {
+            int64_t vc = V - v0 < VC ? V - v0 : VC;
+            if (wv != v0)
+                wf = am_cpu_load(w, v0 * C, vc * C, wb);
+            wv = v0;
+            struct am_tensor tw = am_f32_view(wf, vc, C, 0, 0);
+            struct am_tensor tdw = am_f32_view(dwf ? dwf + v0 * C : NULL, vc, C, 0, 0);
+            am_cpu_ce_backward(dev, dx ? &tdx : NULL, dw ? &tdw : NULL, &tx, &tw, &tg, vocab_start + v0, &tM, &tS,
+                               dloss_scale);
+        }
+        if (dx)
+            am_cpu_store(dx, r0 * C, nr * C, tdx.data);
+    }
+    if (dw)
+        am_cpu_store(dw, 0, V * C, dwf);
+}
+
+static bool ce_fused_bf16(const struct am_dev *dev, struct am_tensor *m, struct am_tensor *s, struct am_tensor *t,
+                          struct am_tensor *dx, struct am_tensor *dw, const struct am_tensor *x, const struct am_tensor *w,
+                          const struct am_tensor *targets, float dloss_scale)
+{
+    const char *kernel = "am_cpu_ce_fused";
+    check_ce_bf16(kernel, x, w, targets);
+    am_cpu_stat(kernel, "m", m);
+    am_cpu_stat(kernel, "s", s);
+    am_cpu_stat(kernel, "t", t);
+    am_cpu_same(kernel, "dx", dx, "x", x);
+    am_cpu_grad(kernel, "dw", dw, "x", x);
+    int64_t N = am_rows(x), C = am_cols(x), V = am_rows(w);
+    int64_t R0 = N < CE_ROWS ? N : CE_ROWS;
+    if (R0 < 1 || vocab_tile(R0, V) < V || V * C > 4 * AM_BF16_CHUNK)
+        return false;
+    AM_CHECK(am_tensor_numel(m) == N && am_tensor_numel(s) == N && am_tensor_numel(t) == N,
+             "m (%s), s and t must have one entry per row of x (%lld)", am_tname(m), (long long)N);
+    AM_CHECK(am_rows(dx) == N && am_cols(dx) == C, "dx (%s) must have x's shape", am_tname(dx));
+    AM_CHECK(am_rows(dw) == V && am_cols(dw) == C, "dw (%s) must have w's shape", am_tname(dw));
+    int64_t R = chunk_rows(dev, C, N);
+    float *ws = am_cpu_scratch(kernel, dev, 2 * R * C + (dw->dtype == AM_T_BF16 ? 2 : 1) * V * C + 64);
+    float *xb = am_cpu_carve(&ws, R * C), *dxb = am_cpu_carve(&ws, R * C);
+    struct am_tensor tw = am_f32_view(am_cpu_load(w, 0, V * C, am_cpu_carve(&ws, V * C)), V, C, 0, 0);
+    float *dwf = am_cpu_load(dw, 0, V * C, ws);
+    struct am_tensor tdw = am_f32_view(dwf, V, C, 0, 0);
+    for (int64_t r0 = 0; r0 < N; r0 += R) {
+        int64_t nr = N - r0 < R ? N - r0 : R;
+        struct am_tensor tx = am_f32_view(am_cpu_load(x, r0 * C, nr * C, xb), nr, C, 0, 0);
+        struct am_tensor tdx = am_f32_view(am_cpu_load(dx, r0 * C, nr * C, dxb), nr, C, 0, 0);
+        struct am_tensor tg = am_tensor_view((int32_t *)targets->data + r0, AM_DEV_CPU, AM_T_I32, nr, 0, 0, 0);
+        struct am_tensor tm = am_f32_view((float *)m->data + r0, nr, 0, 0, 0);
+        struct am_tensor ts = am_f32_view((float *)s->data + r0, nr, 0, 0, 0);
+        struct am_tensor tt = am_f32_view((float *)t->data + r0, nr, 0, 0, 0);
+        bool done = am_cpu_ce_fused(dev, &tm, &ts, &tt, &tdx, &tdw, &tx, &tw, &tg, dloss_scale);
+        AM_CHECK(done, "a chunk of %lld rows was refused where the whole was not (a bug)", (long long)nr);
+        am_cpu_store(dx, r0 * C, nr * C, tdx.data);
+    }
+    am_cpu_store(dw, 0, V * C, dwf);
+    return true;
+}
+
 void am_cpu_ce_stats(const struct am_dev *dev, struct am_tensor *m, struct am_tensor *s, struct am_tensor *t, const struct am_tensor *x,
                      const struct am_tensor *w, const struct am_tensor *targets, int64_t vocab_start)
 {
+    if (am_not_f32(x) || am_not_f32(w)) {
+        ce_stats_bf16(dev, m, s, t, x, w, targets, vocab_start);
+        return;
+    }
     float *md = F32(m), *sd = F32(s), *td = F32(t);
     const float *xd = F32(x), *wd = F32(w);
     const int32_t *tg = I32(targets);
@@ -149,6 +303,10 @@ void am_cpu_ce_backward(const struct am_dev *dev, struct am_tensor *dx, struct a
                         const struct am_tensor *w, const struct am_tensor *targets, int64_t vocab_start,
                         const struct am_tensor *M, const struct am_tensor *S, float dloss_scale)
 {
+    if (am_not_f32(dx) || am_not_f32(dw) || am_not_f32(x) || am_not_f32(w)) {
+        ce_backward_bf16(dev, dx, dw, x, w, targets, vocab_start, M, S, dloss_scale);
+        return;
+    }
     const float *xd = F32(x), *wd = F32(w), *Md = F32(M), *Sd = F32(S);
     const int32_t *tg = I32(targets);
     check_ce(__func__, x, w, targets);
@@ -227,6 +385,8 @@ bool am_cpu_ce_fused(const struct am_dev *dev, struct am_tensor *m, struct am_te
                      struct am_tensor *dw, const struct am_tensor *x, const struct am_tensor *w,
                      const struct am_tensor *targets, float dloss_scale)
 {
+    if (am_not_f32(dx) || am_not_f32(dw) || am_not_f32(x) || am_not_f32(w))
+        return ce_fused_bf16(dev, m, s, t, dx, dw, x, w, targets, dloss_scale);
     check_ce(__func__, x, w, targets);
     int64_t N = am_rows(x), C = am_cols(x), V = am_rows(w);
     int64_t R = N < CE_ROWS ? N : CE_ROWS;

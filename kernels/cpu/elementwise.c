@@ -1,8 +1,58 @@
 /* elementwise.c - dst += src, t *= s, dtype conversion, the sum of squares (for the
  * gradient norm) and the finiteness check (for NaN/Inf detection), parallel over the cores
- * for large tensors. */
+ * for large tensors.
+ *
+ * bf16: add takes any mix of f32 and bf16 (dst += src in fp32, rounded once when dst is
+ * bf16), scale a bf16 tensor (one rounding), sum_squares and all_finite read bf16 tensors
+ * (widened exactly; a bf16 is finite unless its exponent bits are all ones). */
+#include <omp.h>
+
 #include "cpu.h"
 #include "half.h"
+
+AM_HOT static void add_bf16_block(void *restrict dst, enum am_tdtype dt, const void *restrict src, enum am_tdtype st,
+                                  int64_t n)
+{
+    if (dt == AM_T_BF16 && st == AM_T_BF16) {
+        uint16_t *restrict d = dst;
+        const uint16_t *restrict s = src;
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++)
+            d[i] = am_f32_to_bf16(am_bf16_to_f32(d[i]) + am_bf16_to_f32(s[i]));
+    } else if (dt == AM_T_BF16) {
+        uint16_t *restrict d = dst;
+        const float *restrict s = src;
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++)
+            d[i] = am_f32_to_bf16(am_bf16_to_f32(d[i]) + s[i]);
+    } else {
+        float *restrict d = dst;
+        const uint16_t *restrict s = src;
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++)
+            d[i] += am_bf16_to_f32(s[i]);
+    }
+}
+
+static void add_bf16(struct am_tensor *dst, const struct am_tensor *src, int64_t n)
+{
+    const char *kernel = "am_cpu_add";
+    enum am_tdtype dt = am_cpu_act(kernel, "dst", dst), st = am_cpu_act(kernel, "src", src);
+    size_t ds = am_tdtype_size(dt), ss = am_tdtype_size(st);
+#pragma omp parallel if (n >= AM_PAR_MIN)
+    {
+        int64_t lo, hi;
+        am_split(n, omp_get_thread_num(), omp_get_num_threads(), 16, &lo, &hi);
+        add_bf16_block((char *)dst->data + (size_t)lo * ds, dt, (const char *)src->data + (size_t)lo * ss, st, hi - lo);
+    }
+}
+
+AM_HOT static void scale_bf16(uint16_t *restrict d, float s, int64_t n)
+{
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++)
+        d[i] = am_f32_to_bf16(am_bf16_to_f32(d[i]) * s);
+}
 
 static void same_size(const char *kernel, const struct am_tensor *a, const struct am_tensor *b)
 {
@@ -13,6 +63,11 @@ static void same_size(const char *kernel, const struct am_tensor *a, const struc
 
 void am_cpu_add(const struct am_dev *dev, struct am_tensor *dst, const struct am_tensor *src)
 {
+    if (am_not_f32(dst) || am_not_f32(src)) {
+        same_size(__func__, dst, src);
+        add_bf16(dst, src, am_tensor_numel(dst));
+        return;
+    }
     float *restrict d = F32(dst);
     const float *restrict s = F32(src);
     same_size(__func__, dst, src);
@@ -24,6 +79,17 @@ void am_cpu_add(const struct am_dev *dev, struct am_tensor *dst, const struct am
 
 void am_cpu_scale(const struct am_dev *dev, struct am_tensor *t, float s)
 {
+    if (am_not_f32(t)) {
+        uint16_t *d = am_cpu_data(__func__, "t", t, AM_T_BF16);
+        int64_t n = am_tensor_numel(t);
+#pragma omp parallel if (n >= AM_PAR_MIN)
+        {
+            int64_t lo, hi;
+            am_split(n, omp_get_thread_num(), omp_get_num_threads(), 16, &lo, &hi);
+            scale_bf16(d + lo, s, hi - lo);
+        }
+        return;
+    }
     float *restrict d = F32(t);
     int64_t n = am_tensor_numel(t);
 #pragma omp parallel for simd schedule(static) if (n >= AM_PAR_MIN)
@@ -42,6 +108,17 @@ AM_HOT static double sum_squares_block(const float *restrict x, int64_t n)
 #pragma omp simd reduction(+ : acc)
     for (int64_t i = 0; i < n; i++)
         acc += (double)x[i] * (double)x[i];
+    return acc;
+}
+
+AM_HOT static double sum_squares_block_bf16(const uint16_t *restrict x, int64_t n)
+{
+    double acc = 0.0;
+#pragma omp simd reduction(+ : acc)
+    for (int64_t i = 0; i < n; i++) {
+        double v = am_bf16_to_f32(x[i]);
+        acc += v * v;
+    }
     return acc;
 }
 
@@ -87,7 +164,8 @@ void am_cpu_convert(const struct am_dev *dev, struct am_tensor *dst, const struc
 void am_cpu_sum_squares(const struct am_dev *dev, struct am_tensor *acc, const struct am_tensor *t, double div)
 {
     double *out = F64_SCALAR(acc);
-    const float *x = F32(t);
+    bool bf = am_not_f32(t);
+    const void *x = bf ? am_cpu_data(__func__, "t", t, AM_T_BF16) : F32(t);
     int64_t n = am_tensor_numel(t);
     int64_t block = 65536;
     if (n > block * SS_MAX_BLOCKS)
@@ -97,7 +175,8 @@ void am_cpu_sum_squares(const struct am_dev *dev, struct am_tensor *acc, const s
 #pragma omp parallel for schedule(static) if (nb > 1)
     for (int64_t b = 0; b < nb; b++) {
         int64_t lo = b * block, hi = lo + block < n ? lo + block : n;
-        part[b] = sum_squares_block(x + lo, hi - lo);
+        part[b] = bf ? sum_squares_block_bf16((const uint16_t *)x + lo, hi - lo)
+                     : sum_squares_block((const float *)x + lo, hi - lo);
     }
     double total = 0.0;
     for (int64_t b = 0; b < nb; b++)
@@ -118,10 +197,20 @@ AM_HOT static bool all_finite_block(const float *restrict x, int64_t n)
     return bad == 0;
 }
 
+AM_HOT static bool all_finite_block_bf16(const uint16_t *restrict x, int64_t n)
+{
+    uint32_t bad = 0;
+#pragma omp simd reduction(| : bad)
+    for (int64_t i = 0; i < n; i++)
+        bad |= (uint32_t)((x[i] & 0x7F80u) == 0x7F80u);
+    return bad == 0;
+}
+
 void am_cpu_all_finite(const struct am_dev *dev, struct am_tensor *flag, const struct am_tensor *t)
 {
     int32_t *ok = am_cpu_data(__func__, "flag", flag, AM_T_I32);
-    const float *x = F32(t);
+    bool bf = am_not_f32(t);
+    const void *x = bf ? am_cpu_data(__func__, "t", t, AM_T_BF16) : F32(t);
     int64_t n = am_tensor_numel(t);
     int64_t block = 1 << 18;
     int64_t nb = (n + block - 1) / block;
@@ -129,7 +218,8 @@ void am_cpu_all_finite(const struct am_dev *dev, struct am_tensor *flag, const s
 #pragma omp parallel for schedule(static) reduction(| : bad) if (nb > 1)
     for (int64_t b = 0; b < nb; b++) {
         int64_t lo = b * block, hi = lo + block < n ? lo + block : n;
-        bad |= !all_finite_block(x + lo, hi - lo);
+        bad |= bf ? !all_finite_block_bf16((const uint16_t *)x + lo, hi - lo)
+                  : !all_finite_block((const float *)x + lo, hi - lo);
     }
     if (bad)
         *ok = 0;

@@ -4,6 +4,12 @@
  *   backward: dx[M,K] += dy[M,N] · w[N,K]
  *             dw[N,K] += dy[M,N]ᵀ · x[M,K]
  * Backward accumulates (beta = 1), so residual branches and tied weights add up for free.
+ *
+ * bf16 (cpu.h's rules: x, w, y, dy, dx share one dtype; dw f32 or bf16): the same three
+ * products through am_cpu_gemm_mixed (bf16.c), which widens blocks of the bf16 operands,
+ * accumulates in fp32 and rounds each output element once; dx and a bf16 dw are widened,
+ * accumulated into and rounded once, an f32 dw is accumulated into directly. As
+ * torch.matmul in bf16 on CPU and cuBLAS (fp32 accumulation, one rounding of the output).
  */
 #include <cblas.h>
 #include <omp.h>
@@ -67,8 +73,49 @@ static void check_shapes(const char *kernel, const struct am_tensor *x, const st
                      (long long)ycols, (long long)M, (long long)N);
 }
 
+static struct am_mat mat(const struct am_tensor *t) { return (struct am_mat){t->data, t->dtype, am_cols(t)}; }
+
+static void matmul_forward_bf16(const struct am_dev *dev, struct am_tensor *y, const struct am_tensor *x,
+                                const struct am_tensor *w)
+{
+    const char *kernel = "am_cpu_matmul_forward";
+    am_cpu_act(kernel, "x", x);
+    am_cpu_same(kernel, "w", w, "x", x);
+    am_cpu_same(kernel, "y", y, "x", x);
+    int64_t M = am_rows(x), K = am_cols(x), N = am_rows(w);
+    check_shapes(kernel, x, w, M, N, am_rows(y), am_cols(y), "y");
+    am_cpu_gemm_mixed(kernel, dev, false, true, M, N, K, mat(x), mat(w), 0.0f, mat(y));
+}
+
+static void matmul_backward_bf16(const struct am_dev *dev, struct am_tensor *dx, struct am_tensor *dw,
+                                 const struct am_tensor *dy, const struct am_tensor *x, const struct am_tensor *w)
+{
+    const char *kernel = "am_cpu_matmul_backward";
+    am_cpu_act(kernel, "x", x);
+    am_cpu_same(kernel, "w", w, "x", x);
+    am_cpu_same(kernel, "dy", dy, "x", x);
+    int64_t M = am_rows(x), K = am_cols(x), N = am_rows(w);
+    check_shapes(kernel, x, w, M, N, am_rows(dy), am_cols(dy), "dy");
+    if (dx) {
+        am_cpu_same(kernel, "dx", dx, "x", x);
+        AM_CHECK(am_rows(dx) == M && am_cols(dx) == K, "dx (%s) must have x's shape [%lld, %lld]", am_tname(dx),
+                 (long long)M, (long long)K);
+        am_cpu_gemm_mixed(kernel, dev, false, false, M, K, N, mat(dy), mat(w), 1.0f, mat(dx)); /* dx += dy · w */
+    }
+    if (dw) {
+        am_cpu_grad(kernel, "dw", dw, "x", x);
+        AM_CHECK(am_rows(dw) == N && am_cols(dw) == K, "dw (%s) must have w's shape [%lld, %lld]", am_tname(dw),
+                 (long long)N, (long long)K);
+        am_cpu_gemm_mixed(kernel, dev, true, false, N, K, M, mat(dy), mat(x), 1.0f, mat(dw)); /* dw += dyᵀ · x */
+    }
+}
+
 void am_cpu_matmul_forward(const struct am_dev *dev, struct am_tensor *y, const struct am_tensor *x, const struct am_tensor *w)
 {
+    if (am_not_f32(y) || am_not_f32(x) || am_not_f32(w)) {
+        matmul_forward_bf16(dev, y, x, w);
+        return;
+    }
     float *yd = F32(y);
     const float *xd = F32(x), *wd = F32(w);
     int64_t M = am_rows(x), K = am_cols(x), N = am_rows(w);
@@ -79,6 +126,10 @@ void am_cpu_matmul_forward(const struct am_dev *dev, struct am_tensor *y, const 
 void am_cpu_matmul_backward(const struct am_dev *dev, struct am_tensor *dx, struct am_tensor *dw, const struct am_tensor *dy,
                             const struct am_tensor *x, const struct am_tensor *w)
 {
+    if (am_not_f32(dx) || am_not_f32(dw) || am_not_f32(dy) || am_not_f32(x) || am_not_f32(w)) {
+        matmul_backward_bf16(dev, dx, dw, dy, x, w);
+        return;
+    }
     const float *dyd = F32(dy), *xd = F32(x), *wd = F32(w);
     int64_t M = am_rows(x), K = am_cols(x), N = am_rows(w);
     check_shapes(__func__, x, w, M, N, am_rows(dy), am_cols(dy), "dy");

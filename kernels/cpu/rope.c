@@ -21,6 +21,13 @@
  * theta^e is computed in double and rounded to fp32, i.e. the correctly rounded fp32 pow
  * that torch's (Sleef, 1-ulp) pow returns for these arguments. The attention scaling
  * factor is 1 for default, linear and llama3, so it is not applied.
+ *
+ * bf16: x (dx) bf16 is rotated in fp32 and rounded once per element, where torch rounds
+ * q * cos, rotate_half(q) * sin and their sum (three roundings). The tables stay fp32 from
+ * rope_tables; transformers casts cos and sin to the activations' dtype before use, so a
+ * caller that wants its angles exactly converts the tables to bf16 (convert): rope takes
+ * f32 or bf16 tables with bf16 x. Each position's heads are widened, rotated by the fp32
+ * code and narrowed, one position per task.
  */
 #include <math.h>
 #include <omp.h>
@@ -135,12 +142,56 @@ static void rope_apply(const char *kernel, struct am_tensor *x, const struct am_
             rope_rows(xd + (b * T + t) * H * 2 * half, c + t * half, s + t * half, H, half, sign);
 }
 
+/* bf16 x and/or tables: the fp32 rotation (rope_rows) on each position's heads widened
+ * into the thread's slice of the scratch (with that position's table rows, when bf16), x
+ * narrowed back. */
+static void rope_apply_bf16(const char *kernel, const struct am_dev *dev, struct am_tensor *x,
+                            const struct am_tensor *tcos, const struct am_tensor *tsin, float sign)
+{
+    am_cpu_act(kernel, "x", x);
+    am_cpu_act(kernel, "cos", tcos);
+    am_cpu_act(kernel, "sin", tsin);
+    AM_CHECK(x->dtype == AM_T_BF16, "x (%s) is f32 with %s tables: bf16 tables go with bf16 activations",
+             am_tname(x), am_cpu_dtype_name(tcos->dtype == AM_T_F32 ? tsin->dtype : tcos->dtype));
+    check_rope(kernel, x, tcos, tsin);
+    int64_t B = x->shape[0], T = x->shape[1], H = x->shape[2], half = x->shape[3] / 2, HD = H * 2 * half;
+    int64_t per = HD + 2 * half + 32; /* floats of scratch per thread */
+    float *ws = am_cpu_scratch(kernel, dev, (int64_t)omp_get_max_threads() * per);
+    uint16_t *xd = x->data;
+#pragma omp parallel for collapse(2) schedule(static) if (am_tensor_numel(x) >= AM_PAR_MIN)
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t t = 0; t < T; t++) {
+            float *buf = ws + (size_t)omp_get_thread_num() * (size_t)per, *cb = buf + HD, *sb = cb + half;
+            const float *c = (const float *)tcos->data + t * half, *sn = (const float *)tsin->data + t * half;
+            if (tcos->dtype == AM_T_BF16) {
+                am_bf16_widen1(cb, (const uint16_t *)tcos->data + t * half, half);
+                c = cb;
+            }
+            if (tsin->dtype == AM_T_BF16) {
+                am_bf16_widen1(sb, (const uint16_t *)tsin->data + t * half, half);
+                sn = sb;
+            }
+            uint16_t *row = xd + (b * T + t) * HD;
+            am_bf16_widen1(buf, row, HD);
+            rope_rows(buf, c, sn, H, half, sign);
+            am_bf16_narrow1(row, buf, HD);
+        }
+}
+
 void am_cpu_rope_forward(const struct am_dev *dev, struct am_tensor *x, const struct am_tensor *tcos, const struct am_tensor *tsin)
 {
+    if (am_not_f32(x) || am_not_f32(tcos) || am_not_f32(tsin)) {
+        rope_apply_bf16(__func__, dev, x, tcos, tsin, 1.0f);
+        return;
+    }
     rope_apply(__func__, x, tcos, tsin, 1.0f);
 }
 
 void am_cpu_rope_backward(const struct am_dev *dev, struct am_tensor *dx, const struct am_tensor *tcos, const struct am_tensor *tsin)
 {
+    if (am_not_f32(dx) || am_not_f32(tcos) || am_not_f32(tsin)) {
+        rope_apply_bf16(__func__, dev, dx, tcos, tsin, -1.0f);
+        return;
+    }
     rope_apply(__func__, dx, tcos, tsin, -1.0f);
 }

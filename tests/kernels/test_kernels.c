@@ -1588,6 +1588,561 @@ static void test_adamw(void **state)
         }
 }
 
+/* ---- bf16 storage, fp32 arithmetic ----
+ *
+ * Every kernel with a bf16 path runs on random inputs rounded to bf16, and the fp32 kernel
+ * (tested above against double) on the same values widened to fp32, which is exact. A bf16
+ * output must be the fp32 output rounded once:
+ *     |got - ref| <= 2^-8 |ref| + 2^-12 max|ref|                     (expect_bf16)
+ * bf16 keeps 8 significant bits, so rounding to nearest errs by at most its unit roundoff
+ * 2^-8 of |ref| (the worst case, at the bottom of a binade; 2^-9 at its top). The absolute
+ * term covers a result that differs from ref in its last fp32 bits because the bf16 path
+ * sums in another order (tiles of 512 in the matrix products, chunks of vocabulary in the
+ * cross-entropy, rows grouped in the embedding's backward): 2^-12 max|ref| is 16 times below
+ * one bf16 rounding of the largest element and far above those fp32 differences (about
+ * K 2^-24 of the sum of |terms|, K <= 700 here). The fraction of outputs bitwise equal to
+ * bf16(ref) is printed too (AM_TEST_VERBOSE=1: 100% wherever the kernel runs the same fp32
+ * code on the same values), and where the semantics round twice (RMSNorm's forward: bf16(w * bf16(x * rstd)),
+ * transformers' order) the test reproduces both roundings and compares bitwise.
+ * An f32 parameter gradient with bf16 inputs (mixed precision) sees only the fp32
+ * differences: |got - ref| <= 2^-16 max|ref| (expect_mixed); f32 statistics the same.
+ * The worst error of each comparison, relative to max|ref|, is printed with AM_TEST_VERBOSE.
+ */
+#include "half.h"
+
+#define B16_REL 0x1p-8
+#define B16_ABS 0x1p-12
+#define MIXED_ABS 0x1p-16
+
+/* A bf16 array (what the kernel sees) and its exact fp32 widening (what the fp32 kernel sees). */
+struct bt {
+    uint16_t *h;
+    float *f;
+    int64_t n;
+};
+
+static struct bt bt_new(int64_t n)
+{
+    struct bt a = {K->alloc(&kdev, (size_t)n * 2), K->alloc(&kdev, (size_t)n * 4), n};
+    assert_non_null(a.h);
+    assert_non_null(a.f);
+    return a;
+}
+
+static struct bt bt_rand(struct rng *r, int64_t n, double lo, double hi)
+{
+    struct bt a = bt_new(n);
+    for (int64_t i = 0; i < n; i++) {
+        a.h[i] = am_f32_to_bf16((float)rng_uniform(r, lo, hi));
+        a.f[i] = am_bf16_to_f32(a.h[i]);
+    }
+    return a;
+}
+
+static struct bt bt_copy(const struct bt *s)
+{
+    struct bt a = bt_new(s->n);
+    memcpy(a.h, s->h, (size_t)s->n * 2);
+    memcpy(a.f, s->f, (size_t)s->n * 4);
+    return a;
+}
+
+static void bt_free(struct bt *a)
+{
+    K->free(&kdev, a->h);
+    K->free(&kdev, a->f);
+}
+
+static struct am_tensor hv(struct bt *a, int64_t d0, int64_t d1, int64_t d2, int64_t d3)
+{
+    return am_tensor_view(a->h, AM_DEV_CPU, AM_T_BF16, d0, d1, d2, d3);
+}
+
+static struct am_tensor fv(struct bt *a, int64_t d0, int64_t d1, int64_t d2, int64_t d3)
+{
+    return am_tensor_view(a->f, AM_DEV_CPU, AM_T_F32, d0, d1, d2, d3);
+}
+
+static void report(const char *what, int64_t n, double worst_rel, int64_t bitwise, int64_t bad, int64_t at,
+                   double got, double want, double tol)
+{
+    if (getenv("AM_TEST_VERBOSE"))
+        printf("    %-50s n=%-7lld max|err|/max|ref| %.2e, bitwise %.1f%%\n", what, (long long)n, worst_rel,
+               n ? 100.0 * (double)bitwise / (double)n : 100.0);
+    if (bad) {
+        print_error("%s: %lld of %lld elements out of tolerance; worst [%lld]: got %.9g want %.9g (tol %.3g)\n", what,
+                    (long long)bad, (long long)n, (long long)at, got, want, tol);
+        fail();
+    }
+}
+
+static void expect_bf16(const char *what, const uint16_t *got, const float *ref, int64_t n)
+{
+    double mx = 0.0, worst = 0.0, wr = 0.0;
+    for (int64_t i = 0; i < n; i++)
+        mx = fmax(mx, fabs((double)ref[i]));
+    int64_t bad = 0, at = 0, same = 0;
+    for (int64_t i = 0; i < n; i++) {
+        double g = am_bf16_to_f32(got[i]), e = fabs(g - ref[i]), tol = B16_REL * fabs((double)ref[i]) + B16_ABS * mx;
+        same += got[i] == am_f32_to_bf16(ref[i]);
+        if (!(e <= tol)) {
+            bad++;
+            at = i;
+        }
+        if (!(e / tol <= worst)) {
+            worst = e / tol;
+            if (!bad)
+                at = i;
+        }
+        wr = fmax(wr, mx > 0 ? e / mx : e);
+    }
+    report(what, n, wr, same, bad, at, n ? am_bf16_to_f32(got[at]) : 0, n ? ref[at] : 0,
+           n ? B16_REL * fabs((double)ref[at]) + B16_ABS * mx : 0);
+}
+
+static void expect_mixed(const char *what, const float *got, const float *ref, int64_t n)
+{
+    double mx = 0.0, wr = 0.0;
+    for (int64_t i = 0; i < n; i++)
+        mx = fmax(mx, fabs((double)ref[i]));
+    int64_t bad = 0, at = 0, same = 0;
+    for (int64_t i = 0; i < n; i++) {
+        double e = fabs((double)got[i] - ref[i]);
+        same += memcmp(&got[i], &ref[i], 4) == 0;
+        if (!(e <= MIXED_ABS * mx)) {
+            bad++;
+            at = i;
+        }
+        wr = fmax(wr, mx > 0 ? e / mx : e);
+    }
+    report(what, n, wr, same, bad, at, n ? got[at] : 0, n ? ref[at] : 0, MIXED_ABS * mx);
+}
+
+static struct am_tensor f32v(float *p, int64_t d0, int64_t d1, int64_t d2, int64_t d3)
+{
+    return am_tensor_view(p, AM_DEV_CPU, AM_T_F32, d0, d1, d2, d3);
+}
+
+static void test_bf16_elementwise(void **state)
+{
+    (void)state;
+    struct rng r = {101};
+    int64_t sizes[] = {7, 5 * 65536 + 7};
+    for (size_t c = 0; c < 2; c++) {
+        int64_t n = sizes[c];
+        struct bt a = bt_rand(&r, n, -2, 2), b = bt_rand(&r, n, -2, 2), a0 = bt_copy(&a);
+        struct am_tensor ta = hv(&a, n, 0, 0, 0), tb = hv(&b, n, 0, 0, 0), tbf = fv(&b, n, 0, 0, 0);
+        struct am_tensor taf = fv(&a, n, 0, 0, 0);
+        /* one fp32 addition, one rounding: bitwise */
+        K->add(&kdev, &ta, &tb);
+        for (int64_t i = 0; i < n; i++)
+            assert_int_equal(a.h[i], am_f32_to_bf16(a0.f[i] + b.f[i]));
+        memcpy(a.h, a0.h, (size_t)n * 2);
+        K->add(&kdev, &ta, &tbf); /* bf16 += f32 */
+        for (int64_t i = 0; i < n; i++)
+            assert_int_equal(a.h[i], am_f32_to_bf16(a0.f[i] + b.f[i]));
+        K->add(&kdev, &taf, &tb); /* f32 += bf16: exact widening, one fp32 addition */
+        for (int64_t i = 0; i < n; i++)
+            assert_true(a.f[i] == a0.f[i] + b.f[i]);
+        memcpy(a.h, a0.h, (size_t)n * 2);
+        K->scale(&kdev, &ta, 0.37f);
+        for (int64_t i = 0; i < n; i++)
+            assert_int_equal(a.h[i], am_f32_to_bf16(a0.f[i] * 0.37f));
+        K->copy(&kdev, &ta, &tb);
+        assert_memory_equal(a.h, b.h, (size_t)n * 2);
+        K->zero(&kdev, &ta);
+        for (int64_t i = 0; i < n; i++)
+            assert_int_equal(a.h[i], 0);
+        /* the sum of squares of a bf16 tensor is that of its widening, bit for bit (the same
+         * exact squares in double, the same blocks) */
+        double sb = sum_squares(&tb), sf = sum_squares(&tbf);
+        assert_memory_equal(&sb, &sf, sizeof sb);
+        assert_true(all_finite(&tb));
+        uint16_t keep = b.h[n - 1], bad[] = {0x7fc0, 0x7f80, 0xff80, 0x7f81};
+        for (int i = 0; i < 4; i++) {
+            b.h[n - 1] = bad[i];
+            assert_false(all_finite(&tb));
+        }
+        b.h[n - 1] = 0x7f7f; /* the largest finite bf16 */
+        assert_true(all_finite(&tb));
+        b.h[n - 1] = keep;
+        bt_free(&a);
+        bt_free(&b);
+        bt_free(&a0);
+    }
+}
+
+static void test_bf16_matmul(void **state)
+{
+    (void)state;
+    struct rng r = {103};
+    int64_t cases[][3] = {{1, 1, 1}, {7, 13, 9}, {600, 530, 700}}; /* M, K, N: the last crosses 512-tiles in each */
+    for (size_t c = 0; c < sizeof cases / sizeof *cases; c++) {
+        int64_t M = cases[c][0], Kd = cases[c][1], N = cases[c][2];
+        struct bt x = bt_rand(&r, M * Kd, -1, 1), w = bt_rand(&r, N * Kd, -1, 1), y = bt_new(M * N);
+        struct bt dy = bt_rand(&r, M * N, -1, 1), dx = bt_rand(&r, M * Kd, -1, 1), dw = bt_rand(&r, N * Kd, -1, 1);
+        struct bt dx0 = bt_copy(&dx), dw0 = bt_copy(&dw);
+        float *dwm = malloc((size_t)(N * Kd) * 4);
+        memcpy(dwm, dw0.f, (size_t)(N * Kd) * 4);
+        struct am_tensor tx = hv(&x, M, Kd, 0, 0), tw = hv(&w, N, Kd, 0, 0), ty = hv(&y, M, N, 0, 0);
+        struct am_tensor txf = fv(&x, M, Kd, 0, 0), twf = fv(&w, N, Kd, 0, 0), tyf = fv(&y, M, N, 0, 0);
+        K->matmul_forward(&kdev, &ty, &tx, &tw);
+        K->matmul_forward(&kdev, &tyf, &txf, &twf);
+        char what[96];
+        snprintf(what, sizeof what, "bf16 matmul y %lldx%lldx%lld", (long long)M, (long long)Kd, (long long)N);
+        expect_bf16(what, y.h, y.f, M * N);
+        struct am_tensor tdy = hv(&dy, M, N, 0, 0), tdx = hv(&dx, M, Kd, 0, 0), tdw = hv(&dw, N, Kd, 0, 0);
+        struct am_tensor tdyf = fv(&dy, M, N, 0, 0), tdxf = fv(&dx, M, Kd, 0, 0), tdwf = fv(&dw, N, Kd, 0, 0);
+        struct am_tensor tdwm = f32v(dwm, N, Kd, 0, 0);
+        K->matmul_backward(&kdev, &tdx, &tdw, &tdy, &tx, &tw);
+        K->matmul_backward(&kdev, &tdxf, &tdwf, &tdyf, &txf, &twf);
+        K->matmul_backward(&kdev, NULL, &tdwm, &tdy, &tx, &tw); /* mixed: f32 dw, bf16 inputs */
+        snprintf(what, sizeof what, "bf16 matmul dx %lldx%lldx%lld", (long long)M, (long long)Kd, (long long)N);
+        expect_bf16(what, dx.h, dx.f, M * Kd);
+        snprintf(what, sizeof what, "bf16 matmul dw (bf16) %lldx%lldx%lld", (long long)M, (long long)Kd, (long long)N);
+        expect_bf16(what, dw.h, dw.f, N * Kd);
+        snprintf(what, sizeof what, "bf16 matmul dw (f32, mixed) %lldx%lldx%lld", (long long)M, (long long)Kd,
+                 (long long)N);
+        expect_mixed(what, dwm, dw.f, N * Kd);
+        free(dwm);
+        struct bt *all[] = {&x, &w, &y, &dy, &dx, &dw, &dx0, &dw0};
+        for (size_t i = 0; i < sizeof all / sizeof *all; i++)
+            bt_free(all[i]);
+    }
+}
+
+static void test_bf16_embedding(void **state)
+{
+    (void)state;
+    struct rng r = {107};
+    int64_t V = 50, C = 40, N = 300, start = 10;
+    int32_t *ids = malloc((size_t)N * sizeof(int32_t));
+    for (int64_t i = 0; i < N; i++)
+        ids[i] = (int32_t)(rng_uniform(&r, 0, 70)); /* repeats, and ids outside the shard 10..59 */
+    struct am_tensor tids = ids_view(ids, N);
+    struct bt wte = bt_rand(&r, V * C, -1, 1), out = bt_rand(&r, N * C, -1, 1);
+    struct am_tensor twte = hv(&wte, V, C, 0, 0), tout = hv(&out, N, C, 0, 0);
+    K->embedding_forward(&kdev, &tout, &tids, &twte, start);
+    for (int64_t i = 0; i < N; i++)
+        for (int64_t c = 0; c < C; c++) {
+            int64_t row = ids[i] - start;
+            assert_int_equal(out.h[i * C + c], row >= 0 && row < V ? wte.h[row * C + c] : 0);
+        }
+    struct bt dout = bt_rand(&r, N * C, -1, 1), dw = bt_rand(&r, V * C, -1, 1);
+    float *dwm = malloc((size_t)(V * C) * 4);
+    memcpy(dwm, dw.f, (size_t)(V * C) * 4);
+    struct am_tensor tdout = hv(&dout, N, C, 0, 0), tdw = hv(&dw, V, C, 0, 0), tdoutf = fv(&dout, N, C, 0, 0);
+    struct am_tensor tdwf = fv(&dw, V, C, 0, 0), tdwm = f32v(dwm, V, C, 0, 0);
+    K->embedding_backward(&kdev, &tdw, &tdout, &tids, start);
+    K->embedding_backward(&kdev, &tdwf, &tdoutf, &tids, start);
+    K->embedding_backward(&kdev, &tdwm, &tdout, &tids, start);
+    expect_bf16("bf16 embedding dwte (bf16, rounded once per row)", dw.h, dw.f, V * C);
+    expect_mixed("bf16 embedding dwte (f32, mixed)", dwm, dw.f, V * C);
+    free(dwm);
+    free(ids);
+    bt_free(&wte);
+    bt_free(&out);
+    bt_free(&dout);
+    bt_free(&dw);
+}
+
+static void test_bf16_rmsnorm(void **state)
+{
+    (void)state;
+    struct rng r = {109};
+    int64_t N = 37, C = 300;
+    for (int chunked = 0; chunked < 2; chunked++) {
+        am_cpu_set_chunk(&kdev, chunked ? 5 * C : 0); /* 5 rows a chunk: the backward in 8 pieces */
+        struct bt x = bt_rand(&r, N * C, -2, 2), w = bt_rand(&r, C, 0.5, 1.5), out = bt_new(N * C);
+        float *rs = malloc((size_t)N * 4), *rsf = malloc((size_t)N * 4);
+        struct am_tensor tx = hv(&x, N, C, 0, 0), tw = hv(&w, C, 0, 0, 0), to = hv(&out, N, C, 0, 0);
+        struct am_tensor txf = fv(&x, N, C, 0, 0), twf = fv(&w, C, 0, 0, 0), tof = fv(&out, N, C, 0, 0);
+        struct am_tensor tr = f32v(rs, N, 0, 0, 0), trf = f32v(rsf, N, 0, 0, 0);
+        K->rmsnorm_forward(&kdev, &to, &tr, &tx, &tw, 1e-5f);
+        K->rmsnorm_forward(&kdev, &tof, &trf, &txf, &twf, 1e-5f);
+        /* rstd: the same fp32 computation on the same values; out: transformers' order,
+         * weight * (x * rstd).to(bf16) in bf16, bitwise; and within two roundings of fp32 */
+        assert_memory_equal(rs, rsf, (size_t)N * 4);
+        for (int64_t i = 0; i < N; i++)
+            for (int64_t j = 0; j < C; j++) {
+                float h = am_bf16_to_f32(am_f32_to_bf16(x.f[i * C + j] * rs[i]));
+                assert_int_equal(out.h[i * C + j], am_f32_to_bf16(w.f[j] * h));
+                double e = fabs((double)am_bf16_to_f32(out.h[i * C + j]) - out.f[i * C + j]);
+                assert_true(e <= 2 * B16_REL * fabs((double)out.f[i * C + j]));
+            }
+        struct bt dout = bt_rand(&r, N * C, -1, 1), dx = bt_rand(&r, N * C, -1, 1), dw = bt_rand(&r, C, -1, 1);
+        float *dwm = malloc((size_t)C * 4);
+        memcpy(dwm, dw.f, (size_t)C * 4);
+        struct am_tensor td = hv(&dout, N, C, 0, 0), tdx = hv(&dx, N, C, 0, 0), tdw = hv(&dw, C, 0, 0, 0);
+        struct am_tensor tdf = fv(&dout, N, C, 0, 0), tdxf = fv(&dx, N, C, 0, 0), tdwf = fv(&dw, C, 0, 0, 0);
+        struct am_tensor tdwm = f32v(dwm, C, 0, 0, 0);
+        K->rmsnorm_backward(&kdev, &tdx, &tdw, &td, &tx, &tw, &tr);
+        K->rmsnorm_backward(&kdev, &tdxf, &tdwf, &tdf, &txf, &twf, &trf);
+        K->rmsnorm_backward(&kdev, NULL, &tdwm, &td, &tx, &tw, &tr);
+        expect_bf16(chunked ? "bf16 rmsnorm dx (chunks of 5 rows)" : "bf16 rmsnorm dx", dx.h, dx.f, N * C);
+        expect_bf16(chunked ? "bf16 rmsnorm dw (bf16, chunks)" : "bf16 rmsnorm dw (bf16)", dw.h, dw.f, C);
+        expect_mixed(chunked ? "bf16 rmsnorm dw (f32, mixed, chunks)" : "bf16 rmsnorm dw (f32, mixed)", dwm, dw.f, C);
+        free(dwm);
+        free(rs);
+        free(rsf);
+        struct bt *all[] = {&x, &w, &out, &dout, &dx, &dw};
+        for (size_t i = 0; i < sizeof all / sizeof *all; i++)
+            bt_free(all[i]);
+    }
+    am_cpu_set_chunk(&kdev, 0);
+}
+
+static void test_bf16_rope(void **state)
+{
+    (void)state;
+    struct rng r = {113};
+    int64_t shapes[][4] = {{2, 19, 3, 16}, {2, 64, 4, 64}}; /* B, T, H, D; the second in parallel */
+    for (int sc = 0; sc < 2; sc++) {
+        int64_t B = shapes[sc][0], T = shapes[sc][1], H = shapes[sc][2], D = shapes[sc][3], half = D / 2;
+        int64_t n = B * T * H * D;
+        float *c = malloc((size_t)(T * half) * 4), *s = malloc((size_t)(T * half) * 4);
+        struct am_tensor tc = f32v(c, T, half, 0, 0), ts = f32v(s, T, half, 0, 0);
+        K->rope_tables(&kdev, &tc, &ts, 10000.0, NULL);
+        struct bt cb = bt_new(T * half), sb = bt_new(T * half); /* the tables in bf16, as transformers uses them */
+        struct am_tensor tcb = hv(&cb, T, half, 0, 0), tsb = hv(&sb, T, half, 0, 0);
+        K->convert(&kdev, &tcb, &tc);
+        K->convert(&kdev, &tsb, &ts);
+        K->convert(&kdev, &(struct am_tensor){.data = cb.f, .dtype = AM_T_F32, .ndim = 1, .shape = {T * half}}, &tcb);
+        K->convert(&kdev, &(struct am_tensor){.data = sb.f, .dtype = AM_T_F32, .ndim = 1, .shape = {T * half}}, &tsb);
+        struct am_tensor tcbf = fv(&cb, T, half, 0, 0), tsbf = fv(&sb, T, half, 0, 0);
+        for (int bt16 = 0; bt16 < 2; bt16++) {
+            struct bt x = bt_rand(&r, n, -1, 1);
+            struct am_tensor tx = hv(&x, B, T, H, D), txf = fv(&x, B, T, H, D);
+            const struct am_tensor *C16 = bt16 ? &tcb : &tc, *S16 = bt16 ? &tsb : &ts;
+            const struct am_tensor *C32 = bt16 ? &tcbf : &tc, *S32 = bt16 ? &tsbf : &ts;
+            K->rope_forward(&kdev, &tx, C16, S16);
+            K->rope_forward(&kdev, &txf, C32, S32);
+            char what[96];
+            snprintf(what, sizeof what, "bf16 rope fwd, %s tables, B%lld T%lld H%lld D%lld", bt16 ? "bf16" : "f32",
+                     (long long)B, (long long)T, (long long)H, (long long)D);
+            expect_bf16(what, x.h, x.f, n);
+            for (int64_t i = 0; i < n; i++) /* the backward from the same (bf16) start */
+                x.f[i] = am_bf16_to_f32(x.h[i]);
+            K->rope_backward(&kdev, &tx, C16, S16);
+            K->rope_backward(&kdev, &txf, C32, S32);
+            snprintf(what, sizeof what, "bf16 rope bwd, %s tables, B%lld T%lld H%lld D%lld", bt16 ? "bf16" : "f32",
+                     (long long)B, (long long)T, (long long)H, (long long)D);
+            expect_bf16(what, x.h, x.f, n);
+            bt_free(&x);
+        }
+        free(c);
+        free(s);
+        bt_free(&cb);
+        bt_free(&sb);
+    }
+}
+
+static void test_bf16_attention(void **state)
+{
+    (void)state;
+    struct rng r = {127};
+    struct attn_dims cases[] = {{2, 37, 4, 2, 16, 0}, {1, 64, 4, 1, 64, 0}, {2, 9, 6, 3, 8, 4}}; /* the last windowed */
+    for (size_t ci = 0; ci < sizeof cases / sizeof *cases; ci++)
+        for (int chunked = 0; chunked < 2; chunked++) {
+            struct attn_dims s = cases[ci];
+            am_cpu_set_chunk(&kdev, chunked ? 1 : 0); /* one group of kv heads at a time */
+            int64_t nq = s.B * s.T * s.H * s.D, nk = s.B * s.T * s.KVH * s.D, nl = s.B * s.H * s.T;
+            struct bt q = bt_rand(&r, nq, -2, 2), k = bt_rand(&r, nk, -2, 2), v = bt_rand(&r, nk, -1, 1);
+            struct bt out = bt_new(nq);
+            float *l = malloc((size_t)nl * 4), *lf = malloc((size_t)nl * 4);
+            struct am_tensor tq = hv(&q, s.B, s.T, s.H, s.D), tk = hv(&k, s.B, s.T, s.KVH, s.D);
+            struct am_tensor tv = hv(&v, s.B, s.T, s.KVH, s.D), to = hv(&out, s.B, s.T, s.H, s.D);
+            struct am_tensor tqf = fv(&q, s.B, s.T, s.H, s.D), tkf = fv(&k, s.B, s.T, s.KVH, s.D);
+            struct am_tensor tvf = fv(&v, s.B, s.T, s.KVH, s.D), tof = fv(&out, s.B, s.T, s.H, s.D);
+            struct am_tensor tl = f32v(l, s.B, s.H, s.T, 0), tlf = f32v(lf, s.B, s.H, s.T, 0);
+            K->attention_forward(&kdev, &to, &tl, &tq, &tk, &tv, s.W);
+            K->attention_forward(&kdev, &tof, &tlf, &tqf, &tkf, &tvf, s.W);
+            char what[128];
+            snprintf(what, sizeof what, "bf16 attention out B%lld T%lld H%lld KVH%lld D%lld%s", (long long)s.B,
+                     (long long)s.T, (long long)s.H, (long long)s.KVH, (long long)s.D, chunked ? " (per kv head)" : "");
+            expect_bf16(what, out.h, out.f, nq);
+            expect_mixed("bf16 attention lse (f32)", l, lf, nl);
+            /* backward from the same bf16 out (widened for the fp32 kernel) and lse */
+            for (int64_t i = 0; i < nq; i++)
+                out.f[i] = am_bf16_to_f32(out.h[i]);
+            struct bt dout = bt_rand(&r, nq, -1, 1), dq = bt_rand(&r, nq, -1, 1), dk = bt_rand(&r, nk, -1, 1);
+            struct bt dv = bt_rand(&r, nk, -1, 1);
+            struct am_tensor tdo = hv(&dout, s.B, s.T, s.H, s.D), tdq = hv(&dq, s.B, s.T, s.H, s.D);
+            struct am_tensor tdk = hv(&dk, s.B, s.T, s.KVH, s.D), tdv = hv(&dv, s.B, s.T, s.KVH, s.D);
+            struct am_tensor tdof = fv(&dout, s.B, s.T, s.H, s.D), tdqf = fv(&dq, s.B, s.T, s.H, s.D);
+            struct am_tensor tdkf = fv(&dk, s.B, s.T, s.KVH, s.D), tdvf = fv(&dv, s.B, s.T, s.KVH, s.D);
+            K->attention_backward(&kdev, &tdq, &tdk, &tdv, &tdo, &to, &tl, &tq, &tk, &tv, s.W);
+            K->attention_backward(&kdev, &tdqf, &tdkf, &tdvf, &tdof, &tof, &tl, &tqf, &tkf, &tvf, s.W);
+            expect_bf16("bf16 attention dq", dq.h, dq.f, nq);
+            expect_bf16("bf16 attention dk", dk.h, dk.f, nk);
+            expect_bf16("bf16 attention dv", dv.h, dv.f, nk);
+            free(l);
+            free(lf);
+            struct bt *all[] = {&q, &k, &v, &out, &dout, &dq, &dk, &dv};
+            for (size_t i = 0; i < sizeof all / sizeof *all; i++)
+                bt_free(all[i]);
+        }
+    am_cpu_set_chunk(&kdev, 0);
+}
+
+static void test_bf16_swiglu(void **state)
+{
+    (void)state;
+    struct rng r = {131};
+    int64_t sizes[] = {1000, 40000}; /* one block; three blocks (of 16384) in parallel */
+    for (size_t c = 0; c < 2; c++) {
+        int64_t n = sizes[c];
+        struct bt g = bt_rand(&r, n, -6, 6), u = bt_rand(&r, n, -2, 2), o = bt_new(n);
+        struct am_tensor tg = hv(&g, n, 0, 0, 0), tu = hv(&u, n, 0, 0, 0), to = hv(&o, n, 0, 0, 0);
+        struct am_tensor tgf = fv(&g, n, 0, 0, 0), tuf = fv(&u, n, 0, 0, 0), tof = fv(&o, n, 0, 0, 0);
+        K->swiglu_forward(&kdev, &to, &tg, &tu);
+        K->swiglu_forward(&kdev, &tof, &tgf, &tuf);
+        expect_bf16("bf16 swiglu out", o.h, o.f, n);
+        struct bt d = bt_rand(&r, n, -1, 1), dg = bt_rand(&r, n, -1, 1), du = bt_rand(&r, n, -1, 1);
+        struct bt dg0 = bt_copy(&dg);
+        struct am_tensor td = hv(&d, n, 0, 0, 0), tdg = hv(&dg, n, 0, 0, 0), tdu = hv(&du, n, 0, 0, 0);
+        struct am_tensor tdf = fv(&d, n, 0, 0, 0), tdgf = fv(&dg, n, 0, 0, 0), tduf = fv(&du, n, 0, 0, 0);
+        K->swiglu_backward(&kdev, &tdg, &tdu, &td, &tg, &tu);
+        K->swiglu_backward(&kdev, &tdgf, &tduf, &tdf, &tgf, &tuf);
+        expect_bf16("bf16 swiglu dgate", dg.h, dg.f, n);
+        expect_bf16("bf16 swiglu dup", du.h, du.f, n);
+        struct am_tensor tdg0 = hv(&dg0, n, 0, 0, 0), tdg0f = fv(&dg0, n, 0, 0, 0);
+        K->swiglu_backward(&kdev, &tdg0, NULL, &td, &tg, &tu); /* a frozen up branch */
+        K->swiglu_backward(&kdev, &tdg0f, NULL, &tdf, &tgf, &tuf);
+        expect_bf16("bf16 swiglu dgate alone", dg0.h, dg0.f, n);
+        struct bt *all[] = {&g, &u, &o, &d, &dg, &du, &dg0};
+        for (size_t i = 0; i < sizeof all / sizeof *all; i++)
+            bt_free(all[i]);
+    }
+}
+
+static void test_bf16_cross_entropy(void **state)
+{
+    (void)state;
+    struct rng r = {137};
+    int64_t N = 40, C = 24, V = 700;
+    int32_t *tg = malloc((size_t)N * sizeof(int32_t));
+    for (int64_t i = 0; i < N; i++)
+        tg[i] = i % 7 == 3 ? -1 : (int32_t)rng_uniform(&r, 0, (double)V);
+    struct am_tensor ttg = ids_view(tg, N);
+    float scale = 1.0f / (float)N;
+    for (int chunked = 0; chunked < 2; chunked++) {
+        am_cpu_set_chunk(&kdev, chunked ? 256 * C : 0); /* vocabulary in 3 chunks, combined as shards */
+        struct bt x = bt_rand(&r, N * C, -2, 2), w = bt_rand(&r, V * C, -1, 1);
+        struct am_tensor tx = hv(&x, N, C, 0, 0), tw = hv(&w, V, C, 0, 0);
+        struct am_tensor txf = fv(&x, N, C, 0, 0), twf = fv(&w, V, C, 0, 0);
+        float *st = calloc((size_t)(6 * N), 4);
+        struct am_tensor tm = f32v(st, N, 0, 0, 0), ts = f32v(st + N, N, 0, 0, 0), tt = f32v(st + 2 * N, N, 0, 0, 0);
+        struct am_tensor tmf = f32v(st + 3 * N, N, 0, 0, 0), tsf = f32v(st + 4 * N, N, 0, 0, 0);
+        struct am_tensor ttf = f32v(st + 5 * N, N, 0, 0, 0);
+        K->ce_stats(&kdev, &tm, &ts, &tt, &tx, &tw, &ttg, 0);
+        K->ce_stats(&kdev, &tmf, &tsf, &ttf, &txf, &twf, &ttg, 0);
+        expect_mixed(chunked ? "bf16 ce_stats m (3 vocabulary chunks)" : "bf16 ce_stats m", st, st + 3 * N, N);
+        expect_mixed(chunked ? "bf16 ce_stats s (3 vocabulary chunks)" : "bf16 ce_stats s", st + N, st + 4 * N, N);
+        expect_mixed(chunked ? "bf16 ce_stats t (3 vocabulary chunks)" : "bf16 ce_stats t", st + 2 * N, st + 5 * N, N);
+        struct bt dx = bt_rand(&r, N * C, -1, 1), dw = bt_rand(&r, V * C, -1, 1), dx0 = bt_copy(&dx), dw0 = bt_copy(&dw);
+        float *dwm = malloc((size_t)(V * C) * 4);
+        memcpy(dwm, dw.f, (size_t)(V * C) * 4);
+        struct am_tensor tdx = hv(&dx, N, C, 0, 0), tdw = hv(&dw, V, C, 0, 0), tdxf = fv(&dx, N, C, 0, 0);
+        struct am_tensor tdwf = fv(&dw, V, C, 0, 0), tdwm = f32v(dwm, V, C, 0, 0);
+        K->ce_backward(&kdev, &tdx, &tdw, &tx, &tw, &ttg, 0, &tmf, &tsf, scale);
+        K->ce_backward(&kdev, &tdxf, &tdwf, &txf, &twf, &ttg, 0, &tmf, &tsf, scale);
+        K->ce_backward(&kdev, NULL, &tdwm, &tx, &tw, &ttg, 0, &tmf, &tsf, scale);
+        expect_bf16("bf16 ce_backward dx", dx.h, dx.f, N * C);
+        expect_bf16("bf16 ce_backward dw (bf16)", dw.h, dw.f, V * C);
+        expect_mixed("bf16 ce_backward dw (f32, mixed)", dwm, dw.f, V * C);
+        /* ce_fused: the same statistics and gradients in one pass, or refused as fp32 is */
+        memcpy(dx.h, dx0.h, (size_t)(N * C) * 2);
+        memcpy(dx.f, dx0.f, (size_t)(N * C) * 4);
+        memcpy(dw.f, dw0.f, (size_t)(V * C) * 4);
+        memcpy(dwm, dw0.f, (size_t)(V * C) * 4);
+        memset(st, 0, (size_t)(3 * N) * 4);
+        bool done = K->ce_fused(&kdev, &tm, &ts, &tt, &tdx, &tdwm, &tx, &tw, &ttg, scale);
+        bool donef = K->ce_fused(&kdev, &tmf, &tsf, &ttf, &tdxf, &tdwf, &txf, &twf, &ttg, scale);
+        assert_int_equal(done, donef);
+        if (done) {
+            expect_mixed("bf16 ce_fused m", st, st + 3 * N, N);
+            expect_mixed("bf16 ce_fused s", st + N, st + 4 * N, N);
+            expect_bf16("bf16 ce_fused dx", dx.h, dx.f, N * C);
+            expect_mixed("bf16 ce_fused dw (f32, mixed)", dwm, dw.f, V * C);
+        }
+        free(dwm);
+        free(st);
+        struct bt *all[] = {&x, &w, &dx, &dw, &dx0, &dw0};
+        for (size_t i = 0; i < sizeof all / sizeof *all; i++)
+            bt_free(all[i]);
+    }
+    am_cpu_set_chunk(&kdev, 0);
+    free(tg);
+}
+
+/* A wrong dtype is a caller's bug: the kernel names itself, the tensor and the rule. */
+static void bad_dtype_call(int which)
+{
+    uint16_t h[64] = {0};
+    float f[64] = {0};
+    struct am_tensor x16 = am_tensor_view(h, AM_DEV_CPU, AM_T_BF16, 4, 4, 0, 0);
+    struct am_tensor xh = am_tensor_view(h, AM_DEV_CPU, AM_T_F16, 4, 4, 0, 0);
+    struct am_tensor x32 = am_tensor_view(f, AM_DEV_CPU, AM_T_F32, 4, 4, 0, 0);
+    struct am_tensor w16 = am_tensor_view(h + 16, AM_DEV_CPU, AM_T_BF16, 4, 4, 0, 0);
+    struct am_tensor w32 = am_tensor_view(f + 16, AM_DEV_CPU, AM_T_F32, 4, 4, 0, 0);
+    struct am_tensor y16 = am_tensor_view(h + 32, AM_DEV_CPU, AM_T_BF16, 4, 4, 0, 0);
+    struct am_tensor dw16 = am_tensor_view(h + 48, AM_DEV_CPU, AM_T_BF16, 4, 4, 0, 0);
+    struct am_tensor n16 = am_tensor_view(h + 16, AM_DEV_CPU, AM_T_BF16, 4, 0, 0, 0);
+    struct am_tensor n32 = am_tensor_view(f + 16, AM_DEV_CPU, AM_T_F32, 4, 0, 0, 0);
+    struct am_tensor r16 = am_tensor_view(h + 48, AM_DEV_CPU, AM_T_BF16, 4, 0, 0, 0);
+    xh.name = "model.layers.0.mlp.act";
+    dw16.name = "model.layers.0.mlp.up_proj.weight.grad";
+    n32.name = "model.norm.weight";
+    r16.name = "model.norm.rstd";
+    switch (which) {
+    case 0: K->matmul_forward(&kdev, &y16, &xh, &w16); break;                 /* f16 */
+    case 1: K->matmul_backward(&kdev, NULL, &dw16, &x32, &x32, &w32); break;  /* bf16 dw, f32 x */
+    case 2: K->rmsnorm_forward(&kdev, &y16, &n32, &x16, &n32, 1e-5f); break; /* f32 w, bf16 x */
+    case 3: K->rmsnorm_forward(&kdev, &y16, &r16, &x16, &n16, 1e-5f); break; /* bf16 rstd */
+    }
+}
+
+static void test_bf16_bad_dtype_aborts(void **state)
+{
+    (void)state;
+    const char *want[][4] = {
+        {"am_cpu_matmul_forward", "model.layers.0.mlp.act", "f16", "f32 or bf16"},
+        {"am_cpu_matmul_backward", "model.layers.0.mlp.up_proj.weight.grad", "bf16 when the activations are bf16", ""},
+        {"am_cpu_rmsnorm_forward", "model.norm.weight", "share one dtype", "f32"},
+        {"am_cpu_rmsnorm_forward", "model.norm.rstd", "statistics", "stay f32"},
+    };
+    for (int c = 0; c < 4; c++) {
+        int pipefd[2];
+        assert_int_equal(pipe(pipefd), 0);
+        fflush(stdout);
+        fflush(stderr);
+        pid_t pid = fork();
+        assert_true(pid >= 0);
+        if (pid == 0) {
+            dup2(pipefd[1], 2);
+            bad_dtype_call(c);
+            _exit(0);
+        }
+        close(pipefd[1]);
+        char msg[1024] = {0};
+        ssize_t got = 0, rd;
+        while ((rd = read(pipefd[0], msg + got, sizeof msg - 1 - (size_t)got)) > 0)
+            got += rd;
+        close(pipefd[0]);
+        int status = 0;
+        assert_int_equal(waitpid(pid, &status, 0), pid);
+        if (getenv("AM_TEST_VERBOSE"))
+            printf("    %s", msg);
+        assert_true(WIFSIGNALED(status) && WTERMSIG(status) == SIGABRT);
+        for (int i = 0; i < 4; i++)
+            if (!strstr(msg, want[c][i])) {
+                print_error("case %d: \"%s\" not in: %s\n", c, want[c][i], msg);
+                fail();
+            }
+    }
+}
+
 /* ---- a wrong shape is a caller's bug: the kernel names it and aborts ---- */
 
 static void test_bad_shape_aborts(void **state)
@@ -1641,6 +2196,10 @@ int main(void)
         cmocka_unit_test(test_embedding),     cmocka_unit_test(test_rmsnorm),     cmocka_unit_test(test_rope_tables),
         cmocka_unit_test(test_rope),          cmocka_unit_test(test_attention),   cmocka_unit_test(test_swiglu),
         cmocka_unit_test(test_cross_entropy), cmocka_unit_test(test_adamw),       cmocka_unit_test(test_bad_shape_aborts),
+        cmocka_unit_test(test_bf16_elementwise), cmocka_unit_test(test_bf16_matmul), cmocka_unit_test(test_bf16_embedding),
+        cmocka_unit_test(test_bf16_rmsnorm), cmocka_unit_test(test_bf16_rope), cmocka_unit_test(test_bf16_attention),
+        cmocka_unit_test(test_bf16_swiglu), cmocka_unit_test(test_bf16_cross_entropy),
+        cmocka_unit_test(test_bf16_bad_dtype_aborts),
     };
     return cmocka_run_group_tests_name("kernels (cpu)", tests, setup, NULL);
 }

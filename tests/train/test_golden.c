@@ -370,11 +370,16 @@ static void clipped_steps(struct golden *G, double *losses, double *norms)
  * the weights and bf16 activations (fp32 masters, gradients and AdamW state), against PyTorch
  * running the same policy. Two implementations of one bf16 policy round in different places (a
  * fused kernel rounds once where PyTorch's separate operations round each time), so they may
- * differ by about as much as bf16 differs from fp32: the tolerance of each step's loss is twice
- * PyTorch's |bf16 - fp32| at that step plus 1e-4 (the first step's loss moves by ~1e-4), the
- * same for each grad norm (relative), and the final weights' L2 distance to PyTorch's bf16
- * ones is at most twice PyTorch's bf16-to-fp32 distance. And am's bf16 run must differ from its
- * fp32 run (bf16 is really used). */
+ * differ by about as much as bf16 differs from fp32. The first step is one forward and
+ * backward from the same weights: its loss must be within twice PyTorch's |bf16 - fp32| plus
+ * 1e-4 of PyTorch's bf16 loss, its grad norm likewise (relative). AdamW's first update moves
+ * every weight by about the learning rate in the direction of its gradient's sign, so a
+ * gradient element near zero whose sign differs between two bf16 implementations (or between
+ * bf16 and fp32) moves by twice that: from the second step on the runs drift apart as bf16
+ * and fp32 do, and each step's tolerance is twice the largest |bf16 - fp32| of PyTorch's
+ * trajectory plus 1e-4 (loss; grad norm relative). The final weights' L2 distance to
+ * PyTorch's bf16 ones is at most twice PyTorch's bf16-to-fp32 distance. And am's bf16 run must
+ * differ from its fp32 run (bf16 is really used). */
 static void check_bf16(const char *name)
 {
     double l32[5], n32[5], l16[5], n16[5];
@@ -396,10 +401,15 @@ static void check_bf16(const char *name)
     int64_t n;
     float *tl16 = read_all(&G, "losses_bf16", &n), *tl32 = read_all(&G, "losses_fp32", &n);
     float *tn16 = read_all(&G, "grad_norms_bf16", &n), *tn32 = read_all(&G, "grad_norms_fp32", &n);
-    double own = 0, loss_worst = 0, norm_worst = 0;
+    double own = 0, loss_worst = 0, norm_worst = 0, drift = 0, ndrift = 0;
     for (int s = 0; s < 5; s++) {
-        double tol = 2 * fabs(tl16[s] - tl32[s]) + 1e-4, d = fabs(l16[s] - tl16[s]);
-        double ntol = 2 * fabs(tn16[s] - tn32[s]) / tn32[s] + 1e-4, nd = fabs(n16[s] - tn16[s]) / tn16[s];
+        drift = fmax(drift, fabs(tl16[s] - tl32[s]));
+        ndrift = fmax(ndrift, fabs(tn16[s] - tn32[s]) / tn32[s]);
+    }
+    for (int s = 0; s < 5; s++) {
+        double tol = 2 * (s == 0 ? fabs(tl16[0] - tl32[0]) : drift) + 1e-4, d = fabs(l16[s] - tl16[s]);
+        double ntol = 2 * (s == 0 ? fabs(tn16[0] - tn32[0]) / tn32[0] : ndrift) + 1e-4;
+        double nd = fabs(n16[s] - tn16[s]) / tn16[s];
         report("%s bf16 step %d: loss %.6f, torch bf16 %.6f (fp32 %.6f): diff %.2e, tolerance %.2e; grad norm "
                "diff %.2e relative, tolerance %.2e\n", name, s + 1, l16[s], tl16[s], tl32[s], d, tol, nd, ntol);
         if (d > tol || nd > ntol)
