@@ -343,8 +343,9 @@ static void test_model_refuses(void **state)
     close_golden(&G);
 }
 
-/* The golden AdamW with clipping (check_adamw's loop): losses and pre-clip norms of 5 steps. */
-static void clipped_steps(struct golden *G, double *losses, double *norms)
+/* The golden AdamW with clipping (check_adamw's loop) at learning rate lr: losses and
+ * pre-clip norms of 5 steps. */
+static void clipped_steps(struct golden *G, float lr, double *losses, double *norms)
 {
     size_t E = G->m.n_elems;
     float *mom = G->K->alloc(&G->dev, E * sizeof(float)), *var = G->K->alloc(&G->dev, E * sizeof(float));
@@ -360,35 +361,37 @@ static void clipped_steps(struct golden *G, double *losses, double *norms)
         norms[s] = sqrt(sumsq);
         if (1.0 / (norms[s] + 1e-6) < 1.0)
             G->K->scale(&G->dev, &g, (float)(1.0 / (norms[s] + 1e-6)));
-        G->K->adamw(&G->dev, &p, &g, &m, &v, 1e-2f, 0.9f, 0.95f, 1e-8f, 0.1f, s + 1);
+        G->K->adamw(&G->dev, &p, &g, &m, &v, lr, 0.9f, 0.95f, 1e-8f, 0.1f, s + 1);
     }
     G->K->free(&G->dev, mom);
     G->K->free(&G->dev, var);
 }
 
-/* bf16 mixed precision (tests/golden/make_bf16_golden.py): the clipped steps with a bf16 copy of
+/* bf16 mixed precision (tests/golden/make_bf16_golden.py): the clipped steps (at lr 1e-3, where
+ * the tiny models' trajectories are not chaotic: make_bf16_golden.py says why) with a bf16 copy of
  * the weights and bf16 activations (fp32 masters, gradients and AdamW state), against PyTorch
  * running the same policy. Two implementations of one bf16 policy round in different places (a
  * fused kernel rounds once where PyTorch's separate operations round each time), so they may
- * differ by about as much as bf16 differs from fp32. The first step is one forward and
- * backward from the same weights: its loss must be within twice PyTorch's |bf16 - fp32| plus
- * 1e-4 of PyTorch's bf16 loss, its grad norm likewise (relative). AdamW's first update moves
- * every weight by about the learning rate in the direction of its gradient's sign, so a
- * gradient element near zero whose sign differs between two bf16 implementations (or between
- * bf16 and fp32) moves by twice that: from the second step on the runs drift apart as bf16
- * and fp32 do, and each step's tolerance is twice the largest |bf16 - fp32| of PyTorch's
- * trajectory plus 1e-4 (loss; grad norm relative). The final weights' L2 distance to
- * PyTorch's bf16 ones is at most twice PyTorch's bf16-to-fp32 distance. And am's bf16 run must
- * differ from its fp32 run (bf16 is really used). */
+ * differ by about as much as bf16 differs from fp32 (two independent roundings of one
+ * computation are about sqrt 2 times further apart than either is from the exact value). The
+ * first step is one forward and backward from the same weights: its loss must be within twice
+ * PyTorch's |bf16 - fp32| plus 1e-4 of PyTorch's bf16 loss, its grad norm likewise
+ * (relative). AdamW's first update moves every weight by about the learning rate in the
+ * direction of its gradient's sign, so a gradient element near zero whose sign differs between
+ * two bf16 implementations (or between bf16 and fp32) moves by twice that: from the second
+ * step on the runs drift apart as bf16 and fp32 do, and each step's tolerance is three times
+ * the largest |bf16 - fp32| of PyTorch's trajectory plus 1e-4 (loss; grad norm relative). The
+ * final weights' L2 distance to PyTorch's bf16 ones is at most twice PyTorch's bf16-to-fp32
+ * distance. And am's bf16 run must differ from its fp32 run (bf16 is really used). */
 static void check_bf16(const char *name)
 {
     double l32[5], n32[5], l16[5], n16[5];
     struct golden G;
     open_golden_as(&G, name, AM_T_F32);
-    clipped_steps(&G, l32, n32);
+    clipped_steps(&G, 1e-3f, l32, n32);
     close_golden(&G);
     open_golden_as(&G, name, AM_T_BF16);
-    clipped_steps(&G, l16, n16);
+    clipped_steps(&G, 1e-3f, l16, n16);
 
     char path[1100];
     struct am_errors err;
@@ -407,8 +410,8 @@ static void check_bf16(const char *name)
         ndrift = fmax(ndrift, fabs(tn16[s] - tn32[s]) / tn32[s]);
     }
     for (int s = 0; s < 5; s++) {
-        double tol = 2 * (s == 0 ? fabs(tl16[0] - tl32[0]) : drift) + 1e-4, d = fabs(l16[s] - tl16[s]);
-        double ntol = 2 * (s == 0 ? fabs(tn16[0] - tn32[0]) / tn32[0] : ndrift) + 1e-4;
+        double tol = (s == 0 ? 2 * fabs(tl16[0] - tl32[0]) : 3 * drift) + 1e-4, d = fabs(l16[s] - tl16[s]);
+        double ntol = (s == 0 ? 2 * fabs(tn16[0] - tn32[0]) / tn32[0] : 3 * ndrift) + 1e-4;
         double nd = fabs(n16[s] - tn16[s]) / tn16[s];
         report("%s bf16 step %d: loss %.6f, torch bf16 %.6f (fp32 %.6f): diff %.2e, tolerance %.2e; grad norm "
                "diff %.2e relative, tolerance %.2e\n", name, s + 1, l16[s], tl16[s], tl32[s], d, tol, nd, ntol);
