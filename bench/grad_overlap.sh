@@ -13,12 +13,9 @@ build=$(cd "${1:-.}" && pwd)
 threads=${2:-1}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-awk 'BEGIN { srand(1); for (d = 0; d < 64; d++) { for (i = 0; i < 2048; i++) printf "%d ", int(rand() * 8192); print "" } }' \
-    >"$work/ids.txt"
-mkdir -p "$work/bench-data"
-"$build/am-data" build --out "$work/bench-data/random_tokens" "$work/ids.txt" >/dev/null
+source "$src/bench/lib.sh"
+bench_data "$work" "$build"
 sed -e "s/global_batch_size: .*/global_batch_size: 8/" "$src/bench/bench_small.yaml" >"$work/dp2.yaml"
-median() { sort -g | awk '{ v[NR] = $1 } END { printf "%.4f", (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2 }'; }
 field() { # LOGDIR KEY: KEY of every step after the first two (warm-up), both ranks
     grep -h '"type":"step"' "$1"/*/rank-*.jsonl | grep -v '"step":[12],' | sed -E "s/.*\"$2\":([^,}]*).*/\\1/"
 }

@@ -69,6 +69,30 @@ check_memory() { # WHAT CONDITION
     if [ "$2" = 1 ]; then echo "ok: $1"; passes=$((passes + 1)); else echo "FAIL: $1"; fails=$((fails + 1)); fi
 }
 
+# compare NAME REF LOSS_TOL NORM_TOL WEIGHT_TOL: layout NAME's losses and grad norms against
+# REF's (absolute; relative), and its final checkpoint (absolute); counts and prints the verdict
+compare() {
+    local name=$1 ref=$2 lt=$3 nt=$4 wt=$5
+    losses "$work/logs-$name" >"$work/got-$name"
+    if ! paste "$work/$ref" "$work/got-$name" | awk -v steps="$steps" -v lt="$lt" -v nt="$nt" '
+        { d = $1 - $3; if (d < 0) d = -d; if (d > worst) worst = d
+          g = ($2 - $4) / $2; if (g < 0) g = -g; if (g > gworst) gworst = g; n++ }
+        END { printf "%d steps, largest loss difference %.2g (tolerance %.2g), grad norm %.2g relative (%.2g)", n,
+                     worst, lt, gworst, nt
+              exit !(n == steps && worst <= lt && gworst <= nt) }' >"$work/cmp-$name"; then
+        echo "FAIL: $name differs from $ref: $(cat "$work/cmp-$name")"
+        paste "$work/$ref" "$work/got-$name" | sed 's/^/    /'
+        fails=$((fails + 1)); return
+    fi
+    if ! "$AM_BUILDDIR/tests/train/ckpt_diff" "$work/ckpt-$ref/step_$steps" "$work/ckpt-$name/step_$steps" "$wt" \
+        >"$work/wdiff-$name" 2>&1; then
+        echo "FAIL: $name's checkpoint differs from $ref's: $(cat "$work/wdiff-$name") (tolerance $wt)"
+        fails=$((fails + 1)); return
+    fi
+    echo "ok: $name matches $ref: $(cat "$work/cmp-$name"); checkpoint: $(cat "$work/wdiff-$name") (tolerance $wt)"
+    passes=$((passes + 1))
+}
+
 run() { # NAME N MODS [VAR=VALUE...]: N ranks, with the plugin's AM_TP-style overrides
     local name=$1 n=$2 mods=$3
     shift 3
@@ -126,23 +150,7 @@ for layout in "${layouts[@]}"; do
     if ! run "$name" "$n" "$mods" "$@"; then
         echo "FAIL: $name did not train"; sed 's/^/    /' "$work/out-$name"; fails=$((fails + 1)); continue
     fi
-    losses "$work/logs-$name" >"$work/got-$name"
-    if ! paste "$work/$ref" "$work/got-$name" | awk -v steps="$steps" -v lt="$loss_tol" -v nt="$norm_tol" '
-        { d = $1 - $3; if (d < 0) d = -d; if (d > worst) worst = d
-          g = ($2 - $4) / $2; if (g < 0) g = -g; if (g > gworst) gworst = g; n++ }
-        END { printf "%d steps, largest loss difference %.2g, grad norm %.2g relative", n, worst, gworst
-              exit !(n == steps && worst <= lt && gworst <= nt) }' >"$work/cmp-$name"; then
-        echo "FAIL: $name differs from 1 rank: $(cat "$work/cmp-$name")"
-        paste "$work/$ref" "$work/got-$name" | sed 's/^/    /'
-        fails=$((fails + 1)); continue
-    fi
-    if ! "$AM_BUILDDIR/tests/train/ckpt_diff" "$work/ckpt-$ref/step_$steps" "$work/ckpt-$name/step_$steps" \
-        "$weight_tol" >"$work/wdiff-$name" 2>&1; then
-        echo "FAIL: $name's checkpoint differs from 1 rank's: $(cat "$work/wdiff-$name")"
-        fails=$((fails + 1)); continue
-    fi
-    echo "ok: $name matches 1 rank: $(cat "$work/cmp-$name"); checkpoint: $(cat "$work/wdiff-$name")"
-    passes=$((passes + 1))
+    compare "$name" "$ref" "$loss_tol" "$norm_tol" "$weight_tol"
 done
 # bf16 mixed precision (docs/training.md): data, tensor (with sequence parallelism) and
 # pipeline parallelism against one rank, all in bf16. Their activations are rounded to bf16
@@ -171,21 +179,7 @@ for layout in "dp2-bf16 2 bf16" "tp2-sp-bf16 2 bf16,sp AM_TP=2" "pp2-bf16 2 bf16
     if ! run "$name" "$n" "$mods" "$@"; then
         echo "FAIL: $name did not train"; sed 's/^/    /' "$work/out-$name"; fails=$((fails + 1)); continue
     fi
-    losses "$work/logs-$name" >"$work/got-$name"
-    if ! paste "$work/ref-bf16" "$work/got-$name" | awk -v steps="$steps" -v lt="${bf16_tol%% *}" -v nt="${bf16_tol##* }" '
-        { d = $1 - $3; if (d < 0) d = -d; if (d > worst) worst = d
-          g = ($2 - $4) / $2; if (g < 0) g = -g; if (g > gworst) gworst = g; n++ }
-        END { printf "%d steps, largest loss difference %.2g (tolerance %.2g), grad norm %.2g relative (%.2g)", n, worst,
-                     lt, gworst, nt
-              exit !(n == steps && worst <= lt && gworst <= nt) }' >"$work/cmp-$name" ||
-        ! "$AM_BUILDDIR/tests/train/ckpt_diff" "$work/ckpt-ref-bf16/step_$steps" "$work/ckpt-$name/step_$steps" \
-            "$bf16_wtol" >"$work/wdiff-$name" 2>&1; then
-        echo "FAIL: $name differs from 1 rank in bf16: $(cat "$work/cmp-$name"); checkpoint: $(cat "$work/wdiff-$name" 2>/dev/null)"
-        paste "$work/ref-bf16" "$work/got-$name" | sed 's/^/    /'
-        fails=$((fails + 1)); continue
-    fi
-    echo "ok: $name matches 1 rank in bf16: $(cat "$work/cmp-$name"); checkpoint: $(cat "$work/wdiff-$name") (tolerance $bf16_wtol)"
-    passes=$((passes + 1))
+    compare "$name" ref-bf16 "${bf16_tol%% *}" "${bf16_tol##* }" "$bf16_wtol"
 done
 # what the trainer allocated for weights, gradients and AdamW state is what am-plan counts
 # (bf16: the fp32 masters and their bf16 copy; the gradients and their bf16 copy for the
