@@ -30,7 +30,7 @@ static const struct am_kernels *K; /* kdev.k */
 static double sum_squares(const struct am_tensor *t)
 {
     double acc = 0;
-    struct am_tensor a = am_tensor_view(&acc, AM_DEV_CPU, AM_T_F64, 1, 0, 0, 0);
+    struct am_tensor a = am_tensor_view(&acc, AM_DEV_CPU, AM_F64, 1, 0, 0, 0);
     K->sum_squares(&kdev, &a, t, 1.0);
     return acc;
 }
@@ -65,7 +65,7 @@ static float *buf(int64_t n, unsigned seed)
 
 static struct am_tensor f32(float *p, int64_t a, int64_t b, int64_t c, int64_t d)
 {
-    return am_tensor_view(p, AM_DEV_CPU, AM_T_F32, a, b, c, d);
+    return am_tensor_view(p, AM_DEV_CPU, AM_F32, a, b, c, d);
 }
 
 /* A bf16 copy of n floats of p (the bench's bf16 tensors hold the same values rounded). */
@@ -76,15 +76,15 @@ static uint16_t *bbuf(const float *p, int64_t n)
         fprintf(stderr, "bench/kernels: out of memory for %lld bf16 values\n", (long long)n);
         exit(1);
     }
-    struct am_tensor src = am_tensor_view((void *)p, AM_DEV_CPU, AM_T_F32, n, 0, 0, 0);
-    struct am_tensor dst = am_tensor_view(h, AM_DEV_CPU, AM_T_BF16, n, 0, 0, 0);
+    struct am_tensor src = am_tensor_view((void *)p, AM_DEV_CPU, AM_F32, n, 0, 0, 0);
+    struct am_tensor dst = am_tensor_view(h, AM_DEV_CPU, AM_BF16, n, 0, 0, 0);
     K->convert(&kdev, &dst, &src);
     return h;
 }
 
 static struct am_tensor b16(uint16_t *p, int64_t a, int64_t b, int64_t c, int64_t d)
 {
-    return am_tensor_view(p, AM_DEV_CPU, AM_T_BF16, a, b, c, d);
+    return am_tensor_view(p, AM_DEV_CPU, AM_BF16, a, b, c, d);
 }
 
 static double seconds_per_call = 0.5;
@@ -223,7 +223,7 @@ int main(int argc, char **argv)
     int32_t *ids = malloc(NN * sizeof(int32_t));
     for (int i = 0; i < NN; i++)
         ids[i] = (int32_t)((i * 2654435761u) % NV);
-    struct am_tensor tids = am_tensor_view(ids, AM_DEV_CPU, AM_T_I32, NN, 0, 0, 0);
+    struct am_tensor tids = am_tensor_view(ids, AM_DEV_CPU, AM_I32, NN, 0, 0, 0);
     float *wte = buf(NV * NC, 23), *dwte = buf(NV * NC, 24);
     struct am_tensor twte = f32(wte, NV, NC, 0, 0), tdwte = f32(dwte, NV, NC, 0, 0);
     ADD("embedding fwd", K->embedding_forward(&kdev, &ty512, &tids, &twte, 0), 0, 1);

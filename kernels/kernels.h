@@ -19,16 +19,16 @@
  *     convention), which also makes residual connections and tied weights free.
  *   - Tensor parallelism is expressed by the caller (the sharded shapes and the collectives
  *     around the calls); the vocabulary-parallel pieces take the shard's first vocabulary id.
- *   - Parameters, gradients and activations are AM_T_F32, or for mixed precision (PyTorch
- *     FSDP2's MixedPrecisionPolicy(param_dtype=bf16)) AM_T_BF16: a kernel's activations,
+ *   - Parameters, gradients and activations are AM_F32, or for mixed precision (PyTorch
+ *     FSDP2's MixedPrecisionPolicy(param_dtype=bf16)) AM_BF16: a kernel's activations,
  *     activation gradients and weight (the bf16 working copy) share one dtype; a parameter
  *     gradient (dw, dwte, the norm's dw) is F32, or BF16 with BF16 activations; statistics
  *     saved for backward (rstd, lse, m, s, t, M, S) stay F32; adamw is F32 only. bf16
  *     tensors are computed on in fp32 and each output is rounded once to bf16 (nearest
  *     even); a += into a bf16 gradient adds in fp32 and rounds once (kernels/cpu/cpu.h has
  *     the rules, each kernel's file where it rounds differently from PyTorch's bf16 ops).
- *     Token ids and targets are AM_T_I32. A target < 0 is ignored (no loss, no gradient).
- *     Device scalars are one-element tensors: AM_T_F64 accumulators, AM_T_I32 flags.
+ *     Token ids and targets are AM_I32. A target < 0 is ignored (no loss, no gradient).
+ *     Device scalars are one-element tensors: AM_F64 accumulators, AM_I32 flags.
  * A tensor of the wrong device, dtype or shape is a bug in the caller: the backend names the
  * kernel, the tensor and the rule on stderr and aborts (the functions return no status).
  */

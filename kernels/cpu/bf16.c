@@ -88,12 +88,12 @@ float *am_cpu_carve(float **p, int64_t n)
 
 /* ---- the dtype rules ---- */
 
-enum am_tdtype am_cpu_act(const char *kernel, const char *what, const struct am_tensor *t)
+enum am_dtype am_cpu_act(const char *kernel, const char *what, const struct am_tensor *t)
 {
     am_cpu_check(kernel, what, t);
-    if (t->dtype != AM_T_F32 && t->dtype != AM_T_BF16)
-        am_cpu_fatal(kernel, "%s (%s) is %s; the CPU backend takes f32 or bf16 here (bf16 storage, fp32 arithmetic)",
-                     what, am_tname(t), am_cpu_dtype_name(t->dtype));
+    if (t->dtype != AM_F32 && t->dtype != AM_BF16)
+        am_cpu_fatal(kernel, "%s (%s) is %s; the CPU backend takes fp32 or bf16 here (bf16 storage, fp32 arithmetic)",
+                     what, am_tname(t), am_dtype_name(t->dtype));
     return t->dtype;
 }
 
@@ -103,27 +103,27 @@ void am_cpu_same(const char *kernel, const char *what, const struct am_tensor *t
     am_cpu_check(kernel, what, t);
     if (t->dtype != ref->dtype)
         am_cpu_fatal(kernel, "%s (%s) is %s but %s (%s) is %s: a kernel's activations and weights share one dtype "
-                     "(f32, or bf16 for mixed precision)", what, am_tname(t), am_cpu_dtype_name(t->dtype), refname,
-                     am_tname(ref), am_cpu_dtype_name(ref->dtype));
+                     "(fp32, or bf16 for mixed precision)", what, am_tname(t), am_dtype_name(t->dtype), refname,
+                     am_tname(ref), am_dtype_name(ref->dtype));
 }
 
 void am_cpu_grad(const char *kernel, const char *what, const struct am_tensor *t, const char *refname,
                  const struct am_tensor *ref)
 {
     am_cpu_check(kernel, what, t);
-    if (t->dtype == AM_T_F32 || (t->dtype == AM_T_BF16 && ref->dtype == AM_T_BF16))
+    if (t->dtype == AM_F32 || (t->dtype == AM_BF16 && ref->dtype == AM_BF16))
         return;
-    am_cpu_fatal(kernel, "%s (%s) is %s with %s (%s) %s: a parameter gradient is f32, or bf16 when the activations "
-                 "are bf16", what, am_tname(t), am_cpu_dtype_name(t->dtype), refname, am_tname(ref),
-                 am_cpu_dtype_name(ref->dtype));
+    am_cpu_fatal(kernel, "%s (%s) is %s with %s (%s) %s: a parameter gradient is fp32, or bf16 when the activations "
+                 "are bf16", what, am_tname(t), am_dtype_name(t->dtype), refname, am_tname(ref),
+                 am_dtype_name(ref->dtype));
 }
 
 void am_cpu_stat(const char *kernel, const char *what, const struct am_tensor *t)
 {
     am_cpu_check(kernel, what, t);
-    if (t->dtype != AM_T_F32)
-        am_cpu_fatal(kernel, "%s (%s) is %s; statistics saved for backward stay f32, also with bf16 activations", what,
-                     am_tname(t), am_cpu_dtype_name(t->dtype));
+    if (t->dtype != AM_F32)
+        am_cpu_fatal(kernel, "%s (%s) is %s; statistics saved for backward stay fp32, also with bf16 activations", what,
+                     am_tname(t), am_dtype_name(t->dtype));
 }
 
 /* ---- widening and narrowing ---- */
@@ -181,7 +181,7 @@ void am_bf16_narrow(uint16_t *dst, int64_t ldd, const float *src, int64_t lds, i
 
 float *am_cpu_load(const struct am_tensor *t, int64_t off, int64_t n, float *buf)
 {
-    if (t->dtype == AM_T_F32)
+    if (t->dtype == AM_F32)
         return (float *)t->data + off;
     am_bf16_widen(buf, n, (const uint16_t *)t->data + off, n, 1, n);
     return buf;
@@ -189,7 +189,7 @@ float *am_cpu_load(const struct am_tensor *t, int64_t off, int64_t n, float *buf
 
 void am_cpu_store(struct am_tensor *t, int64_t off, int64_t n, const float *buf)
 {
-    if (t->dtype == AM_T_BF16)
+    if (t->dtype == AM_BF16)
         am_bf16_narrow((uint16_t *)t->data + off, n, buf, n, 1, n);
 }
 
@@ -209,7 +209,7 @@ void am_cpu_store(struct am_tensor *t, int64_t off, int64_t n, const float *buf)
 static const float *block(const struct am_mat *m, int64_t r0, int64_t c0, int64_t rows, int64_t cols, float *buf,
                           int64_t *ld)
 {
-    if (m->dt == AM_T_F32) {
+    if (m->dt == AM_F32) {
         *ld = m->ld;
         return (const float *)m->p + r0 * m->ld + c0;
     }
@@ -226,7 +226,7 @@ static void gemm_tile(bool ta, bool tb, int64_t m0, int64_t n0, int64_t mb, int6
 {
     float *cbuf = buf, *abuf = buf + TILE * TILE, *bbuf = buf + 2 * TILE * TILE, *c;
     int64_t ldc;
-    if (C->dt == AM_T_F32) {
+    if (C->dt == AM_F32) {
         c = (float *)C->p + m0 * C->ld + n0;
         ldc = C->ld;
     } else {
@@ -241,7 +241,7 @@ static void gemm_tile(bool ta, bool tb, int64_t m0, int64_t n0, int64_t mb, int6
         int64_t lb = L - l0 < TILE ? L - l0 : TILE, lda, ldb;
         float b_ = l0 == 0 ? beta : 1.0f;
 #ifdef AM_HAVE_SBGEMM
-        if (A->dt == AM_T_BF16 && B->dt == AM_T_BF16) {
+        if (A->dt == AM_BF16 && B->dt == AM_BF16) {
             const uint16_t *a = (const uint16_t *)A->p + (ta ? l0 * A->ld + m0 : m0 * A->ld + l0);
             const uint16_t *b = (const uint16_t *)B->p + (tb ? n0 * B->ld + l0 : l0 * B->ld + n0);
             cblas_sbgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, (blasint)mb,
@@ -255,7 +255,7 @@ static void gemm_tile(bool ta, bool tb, int64_t m0, int64_t n0, int64_t mb, int6
         const float *b = tb ? block(B, n0, l0, nb, lb, bbuf, &ldb) : block(B, l0, n0, lb, nb, bbuf, &ldb);
         am_cpu_sgemm1(ta, tb, mb, nb, lb, 1.0f, a, lda, b, ldb, b_, c, ldc);
     }
-    if (C->dt != AM_T_F32) {
+    if (C->dt != AM_F32) {
         uint16_t *dst = (uint16_t *)C->p + m0 * C->ld + n0;
         for (int64_t r = 0; r < mb; r++)
             narrow_row(dst + r * C->ld, c + r * nb, nb);

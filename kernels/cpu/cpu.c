@@ -17,18 +17,6 @@ _Noreturn void am_cpu_fatal(const char *kernel, const char *fmt, ...)
     abort();
 }
 
-const char *am_cpu_dtype_name(enum am_tdtype d)
-{
-    switch (d) {
-    case AM_T_F32: return "f32";
-    case AM_T_BF16: return "bf16";
-    case AM_T_F16: return "f16";
-    case AM_T_I32: return "i32";
-    case AM_T_F64: return "f64";
-    }
-    return "?";
-}
-
 void am_cpu_check(const char *kernel, const char *what, const struct am_tensor *t)
 {
     if (!t)
@@ -42,7 +30,7 @@ void am_cpu_check(const char *kernel, const char *what, const struct am_tensor *
         am_cpu_fatal(kernel, "%s (%s) has no data", what, am_tname(t));
 }
 
-static void check_tensor(const char *kernel, const char *what, const struct am_tensor *t, enum am_tdtype want)
+static void check_tensor(const char *kernel, const char *what, const struct am_tensor *t, enum am_dtype want)
 {
     if (!t)
         am_cpu_fatal(kernel, "%s is NULL", what);
@@ -50,8 +38,8 @@ static void check_tensor(const char *kernel, const char *what, const struct am_t
         am_cpu_fatal(kernel, "%s (%s) is not in host memory: the CPU backend takes CPU tensors only", what,
                      am_tname(t));
     if (t->dtype != want)
-        am_cpu_fatal(kernel, "%s (%s) is %s; the CPU backend takes %s here", what, am_tname(t), am_cpu_dtype_name(t->dtype),
-                     am_cpu_dtype_name(want));
+        am_cpu_fatal(kernel, "%s (%s) is %s; the CPU backend takes %s here", what, am_tname(t), am_dtype_name(t->dtype),
+                     am_dtype_name(want));
     if (t->ndim < 1 || t->ndim > AM_TENSOR_MAX_DIMS)
         am_cpu_fatal(kernel, "%s (%s) has %d dimensions (1 to %d)", what, am_tname(t), t->ndim, AM_TENSOR_MAX_DIMS);
     if (!t->data && am_tensor_numel(t) > 0)
@@ -60,17 +48,17 @@ static void check_tensor(const char *kernel, const char *what, const struct am_t
 
 float *am_cpu_f32(const char *kernel, const char *what, const struct am_tensor *t)
 {
-    check_tensor(kernel, what, t, AM_T_F32);
+    check_tensor(kernel, what, t, AM_F32);
     return t->data;
 }
 
 const int32_t *am_cpu_i32(const char *kernel, const char *what, const struct am_tensor *t)
 {
-    check_tensor(kernel, what, t, AM_T_I32);
+    check_tensor(kernel, what, t, AM_I32);
     return t->data;
 }
 
-void *am_cpu_data(const char *kernel, const char *what, const struct am_tensor *t, enum am_tdtype dtype)
+void *am_cpu_data(const char *kernel, const char *what, const struct am_tensor *t, enum am_dtype dtype)
 {
     check_tensor(kernel, what, t, dtype);
     return t->data;
@@ -78,7 +66,7 @@ void *am_cpu_data(const char *kernel, const char *what, const struct am_tensor *
 
 double *am_cpu_scalar_f64(const char *kernel, const char *what, const struct am_tensor *t)
 {
-    check_tensor(kernel, what, t, AM_T_F64);
+    check_tensor(kernel, what, t, AM_F64);
     if (am_tensor_numel(t) != 1)
         am_cpu_fatal(kernel, "%s (%s) has %lld elements; a device scalar has one", what, am_tname(t),
                      (long long)am_tensor_numel(t));

@@ -52,11 +52,10 @@ _Noreturn void am_cpu_fatal(const char *kernel, const char *fmt, ...) __attribut
 float *am_cpu_f32(const char *kernel, const char *what, const struct am_tensor *t);
 const int32_t *am_cpu_i32(const char *kernel, const char *what, const struct am_tensor *t);
 /* Any dtype, checked; and a one-element f64 (a device scalar). */
-void *am_cpu_data(const char *kernel, const char *what, const struct am_tensor *t, enum am_tdtype dtype);
+void *am_cpu_data(const char *kernel, const char *what, const struct am_tensor *t, enum am_dtype dtype);
 double *am_cpu_scalar_f64(const char *kernel, const char *what, const struct am_tensor *t);
-/* Device, dimensions and data of any dtype; and a dtype's name ("bf16"). */
+/* Device, dimensions and data of any dtype (a dtype's name: am_dtype_name, dtype.h). */
 void am_cpu_check(const char *kernel, const char *what, const struct am_tensor *t);
-const char *am_cpu_dtype_name(enum am_tdtype d);
 #define F32(t) am_cpu_f32(__func__, #t, (t))
 #define I32(t) am_cpu_i32(__func__, #t, (t))
 #define F64_SCALAR(t) am_cpu_scalar_f64(__func__, #t, (t))
@@ -159,11 +158,11 @@ float *am_cpu_scratch(const char *kernel, const struct am_dev *dev, int64_t nflo
 /* The next n floats of a scratch area, 64-byte aligned (advances *p). */
 float *am_cpu_carve(float **p, int64_t n);
 /* Whether t is given and not f32: a kernel's cue to take its bf16 path. */
-static inline bool am_not_f32(const struct am_tensor *t) { return t && t->dtype != AM_T_F32; }
+static inline bool am_not_f32(const struct am_tensor *t) { return t && t->dtype != AM_F32; }
 /* The rules above: am_cpu_act checks t (any CPU tensor) and returns its dtype, which must be
  * f32 or bf16; am_cpu_same wants t to have ref's dtype; am_cpu_grad wants a parameter
  * gradient that is f32, or bf16 when the activations (ref) are bf16; am_cpu_stat wants f32. */
-enum am_tdtype am_cpu_act(const char *kernel, const char *what, const struct am_tensor *t);
+enum am_dtype am_cpu_act(const char *kernel, const char *what, const struct am_tensor *t);
 void am_cpu_same(const char *kernel, const char *what, const struct am_tensor *t, const char *refname,
                  const struct am_tensor *ref);
 void am_cpu_grad(const char *kernel, const char *what, const struct am_tensor *t, const char *refname,
@@ -183,7 +182,7 @@ void am_cpu_store(struct am_tensor *t, int64_t off, int64_t n, const float *buf)
 /* An f32 view of scratch memory. */
 static inline struct am_tensor am_f32_view(float *p, int64_t d0, int64_t d1, int64_t d2, int64_t d3)
 {
-    return am_tensor_view(p, AM_DEV_CPU, AM_T_F32, d0, d1, d2, d3);
+    return am_tensor_view(p, AM_DEV_CPU, AM_F32, d0, d1, d2, d3);
 }
 /* C[M,N] = beta C + op(A) op(B) for A, B, C each f32 or bf16, row-major with leading
  * dimensions lda, ldb, ldc, op(A) [M,L], op(B) [L,N]: tiles of C (up to 512 x 512) are
@@ -192,7 +191,7 @@ static inline struct am_tensor am_f32_view(float *p, int64_t d0, int64_t d1, int
  * it), each tile of a bf16 C rounded once. */
 struct am_mat {
     void *p;
-    enum am_tdtype dt;
+    enum am_dtype dt;
     int64_t ld;
 };
 void am_cpu_gemm_mixed(const char *kernel, const struct am_dev *dev, bool ta, bool tb, int64_t M, int64_t N, int64_t L,

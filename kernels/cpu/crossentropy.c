@@ -111,7 +111,7 @@ static void ce_stats_bf16(const struct am_dev *dev, struct am_tensor *m, struct 
     for (int64_t r0 = 0; r0 < N; r0 += R) {
         int64_t nr = N - r0 < R ? N - r0 : R;
         struct am_tensor tx = am_f32_view(am_cpu_load(x, r0 * C, nr * C, xb), nr, C, 0, 0);
-        struct am_tensor tg = am_tensor_view((int32_t *)targets->data + r0, AM_DEV_CPU, AM_T_I32, nr, 0, 0, 0);
+        struct am_tensor tg = am_tensor_view((int32_t *)targets->data + r0, AM_DEV_CPU, AM_I32, nr, 0, 0, 0);
         float *md = (float *)m->data + r0, *sd = (float *)s->data + r0, *td = (float *)t->data + r0;
         for (int64_t v0 = 0; v0 < V; v0 += VC) {
             int64_t vc = V - v0 < VC ? V - v0 : VC;
@@ -153,7 +153,7 @@ static void ce_backward_bf16(const struct am_dev *dev, struct am_tensor *dx, str
     if ((!dx && !dw) || N == 0 || V == 0)
         return;
     int64_t R = chunk_rows(dev, C, N), VC = chunk_rows(dev, C, V), wv = -1;
-    bool dw_bf16 = dw && dw->dtype == AM_T_BF16;
+    bool dw_bf16 = dw && dw->dtype == AM_BF16;
     float *ws = am_cpu_scratch(kernel, dev, 2 * R * C + VC * C + (dw_bf16 ? V * C : 0) + 64);
     float *xb = am_cpu_carve(&ws, R * C), *dxb = am_cpu_carve(&ws, R * C), *wb = am_cpu_carve(&ws, VC * C), *wf = NULL;
     float *dwf = dw ? am_cpu_load(dw, 0, V * C, ws) : NULL; /* f32: dw itself; bf16: widened, whole */
@@ -161,7 +161,7 @@ static void ce_backward_bf16(const struct am_dev *dev, struct am_tensor *dx, str
         int64_t nr = N - r0 < R ? N - r0 : R;
         struct am_tensor tx = am_f32_view(am_cpu_load(x, r0 * C, nr * C, xb), nr, C, 0, 0);
         struct am_tensor tdx = am_f32_view(dx ? am_cpu_load(dx, r0 * C, nr * C, dxb) : NULL, nr, C, 0, 0);
-        struct am_tensor tg = am_tensor_view((int32_t *)targets->data + r0, AM_DEV_CPU, AM_T_I32, nr, 0, 0, 0);
+        struct am_tensor tg = am_tensor_view((int32_t *)targets->data + r0, AM_DEV_CPU, AM_I32, nr, 0, 0, 0);
         struct am_tensor tM = am_f32_view((float *)M->data + r0, nr, 0, 0, 0);
         struct am_tensor tS = am_f32_view((float *)S->data + r0, nr, 0, 0, 0);
         for (int64_t v0 = 0; v0 < V; v0 += VC) {
@@ -201,7 +201,7 @@ static bool ce_fused_bf16(const struct am_dev *dev, struct am_tensor *m, struct 
     AM_CHECK(am_rows(dx) == N && am_cols(dx) == C, "dx (%s) must have x's shape", am_tname(dx));
     AM_CHECK(am_rows(dw) == V && am_cols(dw) == C, "dw (%s) must have w's shape", am_tname(dw));
     int64_t R = chunk_rows(dev, C, N);
-    float *ws = am_cpu_scratch(kernel, dev, 2 * R * C + (dw->dtype == AM_T_BF16 ? 2 : 1) * V * C + 64);
+    float *ws = am_cpu_scratch(kernel, dev, 2 * R * C + (dw->dtype == AM_BF16 ? 2 : 1) * V * C + 64);
     float *xb = am_cpu_carve(&ws, R * C), *dxb = am_cpu_carve(&ws, R * C);
     struct am_tensor tw = am_f32_view(am_cpu_load(w, 0, V * C, am_cpu_carve(&ws, V * C)), V, C, 0, 0);
     float *dwf = am_cpu_load(dw, 0, V * C, ws);
@@ -210,7 +210,7 @@ static bool ce_fused_bf16(const struct am_dev *dev, struct am_tensor *m, struct 
         int64_t nr = N - r0 < R ? N - r0 : R;
         struct am_tensor tx = am_f32_view(am_cpu_load(x, r0 * C, nr * C, xb), nr, C, 0, 0);
         struct am_tensor tdx = am_f32_view(am_cpu_load(dx, r0 * C, nr * C, dxb), nr, C, 0, 0);
-        struct am_tensor tg = am_tensor_view((int32_t *)targets->data + r0, AM_DEV_CPU, AM_T_I32, nr, 0, 0, 0);
+        struct am_tensor tg = am_tensor_view((int32_t *)targets->data + r0, AM_DEV_CPU, AM_I32, nr, 0, 0, 0);
         struct am_tensor tm = am_f32_view((float *)m->data + r0, nr, 0, 0, 0);
         struct am_tensor ts = am_f32_view((float *)s->data + r0, nr, 0, 0, 0);
         struct am_tensor tt = am_f32_view((float *)t->data + r0, nr, 0, 0, 0);

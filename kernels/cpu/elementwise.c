@@ -10,16 +10,16 @@
 #include "cpu.h"
 #include "half.h"
 
-AM_HOT static void add_bf16_block(void *restrict dst, enum am_tdtype dt, const void *restrict src, enum am_tdtype st,
+AM_HOT static void add_bf16_block(void *restrict dst, enum am_dtype dt, const void *restrict src, enum am_dtype st,
                                   int64_t n)
 {
-    if (dt == AM_T_BF16 && st == AM_T_BF16) {
+    if (dt == AM_BF16 && st == AM_BF16) {
         uint16_t *restrict d = dst;
         const uint16_t *restrict s = src;
 #pragma omp simd
         for (int64_t i = 0; i < n; i++)
             d[i] = am_f32_to_bf16(am_bf16_to_f32(d[i]) + am_bf16_to_f32(s[i]));
-    } else if (dt == AM_T_BF16) {
+    } else if (dt == AM_BF16) {
         uint16_t *restrict d = dst;
         const float *restrict s = src;
 #pragma omp simd
@@ -37,8 +37,8 @@ AM_HOT static void add_bf16_block(void *restrict dst, enum am_tdtype dt, const v
 static void add_bf16(struct am_tensor *dst, const struct am_tensor *src, int64_t n)
 {
     const char *kernel = "am_cpu_add";
-    enum am_tdtype dt = am_cpu_act(kernel, "dst", dst), st = am_cpu_act(kernel, "src", src);
-    size_t ds = am_tdtype_size(dt), ss = am_tdtype_size(st);
+    enum am_dtype dt = am_cpu_act(kernel, "dst", dst), st = am_cpu_act(kernel, "src", src);
+    size_t ds = am_dtype_size(dt), ss = am_dtype_size(st);
 #pragma omp parallel if (n >= AM_PAR_MIN)
     {
         int64_t lo, hi;
@@ -80,7 +80,7 @@ void am_cpu_add(const struct am_dev *dev, struct am_tensor *dst, const struct am
 void am_cpu_scale(const struct am_dev *dev, struct am_tensor *t, float s)
 {
     if (am_not_f32(t)) {
-        uint16_t *d = am_cpu_data(__func__, "t", t, AM_T_BF16);
+        uint16_t *d = am_cpu_data(__func__, "t", t, AM_BF16);
         int64_t n = am_tensor_numel(t);
 #pragma omp parallel if (n >= AM_PAR_MIN)
         {
@@ -126,37 +126,37 @@ void am_cpu_convert(const struct am_dev *dev, struct am_tensor *dst, const struc
 {
     same_size(__func__, dst, src);
     int64_t n = am_tensor_numel(dst);
-    enum am_tdtype to = dst->dtype, from = src->dtype;
+    enum am_dtype to = dst->dtype, from = src->dtype;
     if (to == from) {
         am_cpu_copy(dev, dst, src);
         return;
     }
     void *o = am_cpu_data(__func__, "dst", dst, to);
     const void *i = am_cpu_data(__func__, "src", src, from);
-    if (from == AM_T_F32 && to == AM_T_BF16) {
+    if (from == AM_F32 && to == AM_BF16) {
         const float *restrict a = i;
         uint16_t *restrict b = o;
 #pragma omp parallel for simd schedule(static) if (n >= AM_PAR_MIN)
         for (int64_t k = 0; k < n; k++)
             b[k] = am_f32_to_bf16(a[k]);
-    } else if (from == AM_T_BF16 && to == AM_T_F32) {
+    } else if (from == AM_BF16 && to == AM_F32) {
         const uint16_t *restrict a = i;
         float *restrict b = o;
 #pragma omp parallel for simd schedule(static) if (n >= AM_PAR_MIN)
         for (int64_t k = 0; k < n; k++)
             b[k] = am_bf16_to_f32(a[k]);
-    } else if (from == AM_T_F64 && to == AM_T_F32) {
+    } else if (from == AM_F64 && to == AM_F32) {
         const double *a = i;
         float *b = o;
         for (int64_t k = 0; k < n; k++)
             b[k] = (float)a[k];
-    } else if (from == AM_T_F32 && to == AM_T_F64) {
+    } else if (from == AM_F32 && to == AM_F64) {
         const float *a = i;
         double *b = o;
         for (int64_t k = 0; k < n; k++)
             b[k] = a[k];
     } else {
-        am_cpu_fatal(__func__, "no conversion from %s's dtype to %s's (f32 <-> bf16, f32 <-> f64)", am_tname(src),
+        am_cpu_fatal(__func__, "no conversion from %s's dtype to %s's (fp32 <-> bf16, fp32 <-> fp64)", am_tname(src),
                      am_tname(dst));
     }
 }
@@ -165,7 +165,7 @@ void am_cpu_sum_squares(const struct am_dev *dev, struct am_tensor *acc, const s
 {
     double *out = F64_SCALAR(acc);
     bool bf = am_not_f32(t);
-    const void *x = bf ? am_cpu_data(__func__, "t", t, AM_T_BF16) : F32(t);
+    const void *x = bf ? am_cpu_data(__func__, "t", t, AM_BF16) : F32(t);
     int64_t n = am_tensor_numel(t);
     int64_t block = 65536;
     if (n > block * SS_MAX_BLOCKS)
@@ -208,9 +208,9 @@ AM_HOT static bool all_finite_block_bf16(const uint16_t *restrict x, int64_t n)
 
 void am_cpu_all_finite(const struct am_dev *dev, struct am_tensor *flag, const struct am_tensor *t)
 {
-    int32_t *ok = am_cpu_data(__func__, "flag", flag, AM_T_I32);
+    int32_t *ok = am_cpu_data(__func__, "flag", flag, AM_I32);
     bool bf = am_not_f32(t);
-    const void *x = bf ? am_cpu_data(__func__, "t", t, AM_T_BF16) : F32(t);
+    const void *x = bf ? am_cpu_data(__func__, "t", t, AM_BF16) : F32(t);
     int64_t n = am_tensor_numel(t);
     int64_t block = 1 << 18;
     int64_t nb = (n + block - 1) / block;

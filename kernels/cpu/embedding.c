@@ -40,7 +40,7 @@ static void embedding_forward_bf16(struct am_tensor *out, const struct am_tensor
     const int32_t *id = am_cpu_i32(kernel, "ids", ids);
     check(kernel, out, "out", ids, wte, "wte");
     int64_t N = am_rows(out), C = am_cols(out), V = am_rows(wte);
-    size_t row = (size_t)C * am_tdtype_size(wte->dtype);
+    size_t row = (size_t)C * am_dtype_size(wte->dtype);
     char *o = out->data;
     const char *w = wte->data;
 #pragma omp parallel for schedule(static) if (N * C >= AM_PAR_MIN)
@@ -69,7 +69,7 @@ static void embedding_backward_bf16(const struct am_dev *dev, struct am_tensor *
     check(kernel, dout, "dout", ids, dwte, "dwte");
     int64_t N = am_rows(dout), C = am_cols(dout), V = am_rows(dwte);
     const uint16_t *d = dout->data;
-    if (dwte->dtype == AM_T_F32) { /* the fp32 loop, each value widened */
+    if (dwte->dtype == AM_F32) { /* the fp32 loop, each value widened */
         float *dw = dwte->data;
 #pragma omp parallel if (N * C >= AM_PAR_MIN)
         {

@@ -151,8 +151,8 @@ static void rope_apply_bf16(const char *kernel, const struct am_dev *dev, struct
     am_cpu_act(kernel, "x", x);
     am_cpu_act(kernel, "cos", tcos);
     am_cpu_act(kernel, "sin", tsin);
-    AM_CHECK(x->dtype == AM_T_BF16, "x (%s) is f32 with %s tables: bf16 tables go with bf16 activations",
-             am_tname(x), am_cpu_dtype_name(tcos->dtype == AM_T_F32 ? tsin->dtype : tcos->dtype));
+    AM_CHECK(x->dtype == AM_BF16, "x (%s) is fp32 with %s tables: bf16 tables go with bf16 activations",
+             am_tname(x), am_dtype_name(tcos->dtype == AM_F32 ? tsin->dtype : tcos->dtype));
     check_rope(kernel, x, tcos, tsin);
     int64_t B = x->shape[0], T = x->shape[1], H = x->shape[2], half = x->shape[3] / 2, HD = H * 2 * half;
     int64_t per = HD + 2 * half + 32; /* floats of scratch per thread */
@@ -163,11 +163,11 @@ static void rope_apply_bf16(const char *kernel, const struct am_dev *dev, struct
         for (int64_t t = 0; t < T; t++) {
             float *buf = ws + (size_t)omp_get_thread_num() * (size_t)per, *cb = buf + HD, *sb = cb + half;
             const float *c = (const float *)tcos->data + t * half, *sn = (const float *)tsin->data + t * half;
-            if (tcos->dtype == AM_T_BF16) {
+            if (tcos->dtype == AM_BF16) {
                 am_bf16_widen1(cb, (const uint16_t *)tcos->data + t * half, half);
                 c = cb;
             }
-            if (tsin->dtype == AM_T_BF16) {
+            if (tsin->dtype == AM_BF16) {
                 am_bf16_widen1(sb, (const uint16_t *)tsin->data + t * half, half);
                 sn = sb;
             }

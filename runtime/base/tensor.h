@@ -1,7 +1,7 @@
 /* tensor.h - a typed view of memory on a device.
  *
  * The model and the training loop only ever hold tensors: where the bytes live (host or a
- * CUDA device) and what they are (fp32, bf16, fp16, int32) travel with the pointer, so the
+ * CUDA device) and what they are (enum am_dtype, dtype.h) travel with the pointer, so the
  * CPU and CUDA backends slot in behind the same kernel table (kernels/kernels.h) without
  * the model changing. A tensor does not own its memory: the model allocates large slabs
  * through the kernel table and hands out views.
@@ -12,16 +12,16 @@
 #include <stddef.h>
 #include <stdint.h>
 
-enum am_device { AM_DEV_CPU, AM_DEV_CUDA };
+#include "dtype.h"
 
-enum am_tdtype { AM_T_F32, AM_T_BF16, AM_T_F16, AM_T_I32, AM_T_F64 };
+enum am_device { AM_DEV_CPU, AM_DEV_CUDA };
 
 #define AM_TENSOR_MAX_DIMS 4
 
 struct am_tensor {
     void *data;
     enum am_device device;
-    enum am_tdtype dtype;
+    enum am_dtype dtype;
     int ndim;
     int64_t shape[AM_TENSOR_MAX_DIMS];
     const char *name; /* Hugging Face name for parameters ("model.layers.0.mlp.up_proj.weight"), or NULL */
@@ -35,18 +35,13 @@ static inline int64_t am_tensor_numel(const struct am_tensor *t)
     return n;
 }
 
-static inline size_t am_tdtype_size(enum am_tdtype d)
-{
-    return d == AM_T_F64 ? 8 : d == AM_T_F32 || d == AM_T_I32 ? 4 : 2;
-}
-
 static inline size_t am_tensor_bytes(const struct am_tensor *t)
 {
-    return (size_t)am_tensor_numel(t) * am_tdtype_size(t->dtype);
+    return (size_t)am_tensor_numel(t) * am_dtype_size(t->dtype);
 }
 
 /* A 1-, 2-, 3- or 4-d view of data (unused trailing sizes 0). */
-static inline struct am_tensor am_tensor_view(void *data, enum am_device dev, enum am_tdtype dt, int64_t d0,
+static inline struct am_tensor am_tensor_view(void *data, enum am_device dev, enum am_dtype dt, int64_t d0,
                                               int64_t d1, int64_t d2, int64_t d3)
 {
     struct am_tensor t = {.data = data, .device = dev, .dtype = dt};

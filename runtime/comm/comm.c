@@ -1,5 +1,5 @@
 /* comm.c - the generic front of the communicators (comm.h): argument checks, sequence
- * numbers, messages, dtype helpers and host reductions; the backends do the communication
+ * numbers, messages and host reductions; the backends do the communication
  * (comm_impl.h). */
 #include <stdarg.h>
 #include <stdio.h>
@@ -9,31 +9,7 @@
 
 #include "comm_impl.h"
 
-/* ---- dtypes ------------------------------------------------------------------------ */
-
-size_t am_comm_dtype_size(enum am_comm_dtype t)
-{
-    switch (t) {
-    case AM_F32: return 4;
-    case AM_BF16: return 2;
-    case AM_F16: return 2;
-    case AM_I32: return 4;
-    case AM_I64: return 8;
-    }
-    return 0;
-}
-
-const char *am_comm_dtype_name(enum am_comm_dtype t)
-{
-    switch (t) {
-    case AM_F32: return "fp32";
-    case AM_BF16: return "bf16";
-    case AM_F16: return "fp16";
-    case AM_I32: return "int32";
-    case AM_I64: return "int64";
-    }
-    return "unknown dtype";
-}
+/* ---- names ------------------------------------------------------------------------ */
 
 const char *am_comm_op_name(enum am_comm_op op)
 {
@@ -49,6 +25,17 @@ const char *am_comm_op_name(enum am_comm_op op)
 
 /* max that is commutative bit for bit: NaN wins, and max(+0, -0) = +0 either way. */
 static inline float fmax_sym(float a, float b)
+{
+    if (a > b)
+        return a;
+    if (b > a)
+        return b;
+    if (a == b)
+        return a == 0 ? a + b : a;
+    return a != a ? a : b;
+}
+
+static inline double fmax_sym_f64(double a, double b)
 {
     if (a > b)
         return a;
@@ -123,7 +110,7 @@ HOT static void sum_bf16(uint16_t *out, const uint16_t *a, const uint16_t *b, si
         out[i] = am_f32_to_bf16(am_bf16_to_f32(a[i]) + am_bf16_to_f32(b[i]));
 }
 
-void am_comm_reduce(void *out, const void *a, const void *b, size_t n, enum am_comm_dtype t, enum am_comm_op op)
+void am_comm_reduce(void *out, const void *a, const void *b, size_t n, enum am_dtype t, enum am_comm_op op)
 {
     int max = op == AM_MAX;
     switch (t) {
@@ -157,10 +144,16 @@ void am_comm_reduce(void *out, const void *a, const void *b, size_t n, enum am_c
         else
             REDUCE_LOOP(int64_t, (int64_t)((uint64_t)x + (uint64_t)y));
         break;
+    case AM_F64:
+        if (max)
+            REDUCE_LOOP(double, fmax_sym_f64(x, y));
+        else
+            REDUCE_LOOP(double, x + y);
+        break;
     }
 }
 
-void am_comm_scale(void *buf, size_t n, enum am_comm_dtype t, int divisor)
+void am_comm_scale(void *buf, size_t n, enum am_dtype t, int divisor)
 {
     switch (t) {
     case AM_F32: {
@@ -189,6 +182,12 @@ void am_comm_scale(void *buf, size_t n, enum am_comm_dtype t, int divisor)
     }
     case AM_I64: {
         int64_t *p = buf;
+        for (size_t i = 0; i < n; i++)
+            p[i] /= divisor;
+        break;
+    }
+    case AM_F64: {
+        double *p = buf;
         for (size_t i = 0; i < n; i++)
             p[i] /= divisor;
         break;
@@ -570,7 +569,7 @@ void am_comm_set_stream(struct am_comm *c, void *stream)
  * as a global rank (send/isend/recv: the peer; broadcast: the root). */
 static uint64_t flight_begin(struct am_comm *c, const struct am_comm_call *call)
 {
-    struct am_flight_op op = {.op = am_comm_name_of(call), .dtype = am_comm_dtype_name(call->dtype),
+    struct am_flight_op op = {.op = am_comm_name_of(call), .dtype = am_dtype_name(call->dtype),
                               .group = c->name, .gid = c->id, .seq = call->seq, .count = call->count,
                               .bytes = call->bytes, .peer = -1};
     switch (call->kind) {
@@ -740,14 +739,14 @@ static int am_comm_dispatch(struct am_comm *c, struct am_comm_call *call)
     return rc;
 }
 
-static int check_common(struct am_comm *c, const char *k, enum am_comm_dtype t)
+static int check_common(struct am_comm *c, const char *k, enum am_dtype t)
 {
-    if ((unsigned)t > AM_I64)
-        return arg_fail(c, k, "dtype %d is not one of fp32, bf16, fp16, int32, int64", (int)t);
+    if ((unsigned)t > AM_F64)
+        return arg_fail(c, k, "dtype %d is not one of fp32, bf16, fp16, int32, int64, fp64", (int)t);
     return 0;
 }
 
-static int check_op(struct am_comm *c, const char *k, enum am_comm_dtype t, enum am_comm_op op)
+static int check_op(struct am_comm *c, const char *k, enum am_dtype t, enum am_comm_op op)
 {
     if (check_common(c, k, t) < 0)
         return -1;
@@ -776,14 +775,14 @@ static int overlaps(const void *a, size_t alen, const void *b, size_t blen)
 
 /* The checks of allreduce, reduce_scatter and allgather, blocking or not; fills *call. */
 static int prep_allreduce(struct am_comm *c, struct am_comm_call *call, const void *send, void *recv, size_t count,
-                          enum am_comm_dtype t, enum am_comm_op op)
+                          enum am_dtype t, enum am_comm_op op)
 {
     const char *k = am_comm_name_of(call);
     size_t bytes;
     if (check_op(c, k, t, op) < 0)
         return -1;
-    if (bytes_of(count, 1, am_comm_dtype_size(t), &bytes) < 0)
-        return arg_fail(c, k, "%zu %s elements overflow", count, am_comm_dtype_name(t));
+    if (bytes_of(count, 1, am_dtype_size(t), &bytes) < 0)
+        return arg_fail(c, k, "%zu %s elements overflow", count, am_dtype_name(t));
     if (count && (!send || !recv))
         return arg_fail(c, k, "%s buffer is NULL for %zu elements", !send ? "send" : "recv", count);
     if (send != recv && overlaps(send, bytes, recv, bytes))
@@ -794,15 +793,15 @@ static int prep_allreduce(struct am_comm *c, struct am_comm_call *call, const vo
 }
 
 static int prep_reduce_scatter(struct am_comm *c, struct am_comm_call *call, const void *send, void *recv,
-                               size_t count, enum am_comm_dtype t, enum am_comm_op op)
+                               size_t count, enum am_dtype t, enum am_comm_op op)
 {
     const char *k = am_comm_name_of(call);
     size_t bytes, full;
     if (check_op(c, k, t, op) < 0)
         return -1;
-    size_t es = am_comm_dtype_size(t);
+    size_t es = am_dtype_size(t);
     if (bytes_of(count, 1, es, &bytes) < 0 || bytes_of(count, (size_t)c->size, es, &full) < 0)
-        return arg_fail(c, k, "%zu %s elements per rank times %d ranks overflow", count, am_comm_dtype_name(t), c->size);
+        return arg_fail(c, k, "%zu %s elements per rank times %d ranks overflow", count, am_dtype_name(t), c->size);
     if (count && (!send || !recv))
         return arg_fail(c, k, "%s buffer is NULL for %zu elements", !send ? "send" : "recv", count);
     if ((const char *)recv != (const char *)send + (size_t)c->rank * bytes && overlaps(send, full, recv, bytes))
@@ -813,15 +812,15 @@ static int prep_reduce_scatter(struct am_comm *c, struct am_comm_call *call, con
 }
 
 static int prep_allgather(struct am_comm *c, struct am_comm_call *call, const void *send, void *recv, size_t count,
-                          enum am_comm_dtype t)
+                          enum am_dtype t)
 {
     const char *k = am_comm_name_of(call);
     size_t bytes, full;
     if (check_common(c, k, t) < 0)
         return -1;
-    size_t es = am_comm_dtype_size(t);
+    size_t es = am_dtype_size(t);
     if (bytes_of(count, 1, es, &bytes) < 0 || bytes_of(count, (size_t)c->size, es, &full) < 0)
-        return arg_fail(c, k, "%zu %s elements per rank times %d ranks overflow", count, am_comm_dtype_name(t), c->size);
+        return arg_fail(c, k, "%zu %s elements per rank times %d ranks overflow", count, am_dtype_name(t), c->size);
     if (count && (!send || !recv))
         return arg_fail(c, k, "%s buffer is NULL for %zu elements", !send ? "send" : "recv", count);
     if ((const char *)send != (const char *)recv + (size_t)c->rank * bytes && overlaps(send, bytes, recv, full))
@@ -831,7 +830,7 @@ static int prep_allgather(struct am_comm *c, struct am_comm_call *call, const vo
     return 0;
 }
 
-int am_allreduce(struct am_comm *c, const void *send, void *recv, size_t count, enum am_comm_dtype t,
+int am_allreduce(struct am_comm *c, const void *send, void *recv, size_t count, enum am_dtype t,
                  enum am_comm_op op)
 {
     struct am_comm_call call = {.kind = AM_CALL_ALLREDUCE};
@@ -840,7 +839,7 @@ int am_allreduce(struct am_comm *c, const void *send, void *recv, size_t count, 
     return am_comm_dispatch(c, &call);
 }
 
-int am_reduce_scatter(struct am_comm *c, const void *send, void *recv, size_t count, enum am_comm_dtype t,
+int am_reduce_scatter(struct am_comm *c, const void *send, void *recv, size_t count, enum am_dtype t,
                       enum am_comm_op op)
 {
     struct am_comm_call call = {.kind = AM_CALL_REDUCE_SCATTER};
@@ -849,7 +848,7 @@ int am_reduce_scatter(struct am_comm *c, const void *send, void *recv, size_t co
     return am_comm_dispatch(c, &call);
 }
 
-int am_allgather(struct am_comm *c, const void *send, void *recv, size_t count, enum am_comm_dtype t)
+int am_allgather(struct am_comm *c, const void *send, void *recv, size_t count, enum am_dtype t)
 {
     struct am_comm_call call = {.kind = AM_CALL_ALLGATHER};
     if (!c || prep_allgather(c, &call, send, recv, count, t) < 0)
@@ -858,7 +857,7 @@ int am_allgather(struct am_comm *c, const void *send, void *recv, size_t count, 
 }
 
 int am_alltoallv(struct am_comm *c, const void *send, const size_t *send_counts, const size_t *send_displs,
-                 void *recv, const size_t *recv_counts, const size_t *recv_displs, enum am_comm_dtype t)
+                 void *recv, const size_t *recv_counts, const size_t *recv_displs, enum am_dtype t)
 {
     const enum am_comm_kind k = AM_CALL_ALLTOALLV;
     const char *nm = am_comm_call_name(k);
@@ -868,7 +867,7 @@ int am_alltoallv(struct am_comm *c, const void *send, const size_t *send_counts,
         return -1;
     if (!send_counts || !send_displs || !recv_counts || !recv_displs)
         return arg_fail(c, nm, "a count or displacement array is NULL");
-    size_t es = am_comm_dtype_size(t), total = 0;
+    size_t es = am_dtype_size(t), total = 0;
     for (int j = 0; j < c->size; j++) {
         size_t end;
         if (send_displs[j] > SIZE_MAX - send_counts[j] || bytes_of(send_displs[j] + send_counts[j], 1, es, &end) < 0 ||
@@ -887,7 +886,7 @@ int am_alltoallv(struct am_comm *c, const void *send, const size_t *send_counts,
     return am_comm_dispatch(c, &call);
 }
 
-int am_broadcast(struct am_comm *c, void *buf, size_t count, enum am_comm_dtype t, int root)
+int am_broadcast(struct am_comm *c, void *buf, size_t count, enum am_dtype t, int root)
 {
     const enum am_comm_kind k = AM_CALL_BROADCAST;
     const char *nm = am_comm_call_name(k);
@@ -898,8 +897,8 @@ int am_broadcast(struct am_comm *c, void *buf, size_t count, enum am_comm_dtype 
         return -1;
     if (root < 0 || root >= c->size)
         return arg_fail(c, nm, "root %d is outside the group's ranks 0..%d", root, c->size - 1);
-    if (bytes_of(count, 1, am_comm_dtype_size(t), &bytes) < 0)
-        return arg_fail(c, nm, "%zu %s elements overflow", count, am_comm_dtype_name(t));
+    if (bytes_of(count, 1, am_dtype_size(t), &bytes) < 0)
+        return arg_fail(c, nm, "%zu %s elements overflow", count, am_dtype_name(t));
     if (count && !buf)
         return arg_fail(c, nm, "buffer is NULL for %zu elements", count);
     struct am_comm_call call = {.kind = k, .recv = buf, .count = count, .dtype = t, .peer = root, .bytes = bytes};
@@ -907,7 +906,7 @@ int am_broadcast(struct am_comm *c, void *buf, size_t count, enum am_comm_dtype 
 }
 
 static int p2p(struct am_comm *c, enum am_comm_kind k, const void *sbuf, void *rbuf, size_t count,
-               enum am_comm_dtype t, int peer)
+               enum am_dtype t, int peer)
 {
     const char *nm = am_comm_call_name(k);
     size_t bytes;
@@ -923,8 +922,8 @@ static int p2p(struct am_comm *c, enum am_comm_kind k, const void *sbuf, void *r
     if (peer == c->rank)
         return arg_fail(c, nm, "peer %d is this rank itself (a blocking %s to itself never completes)", peer,
                         am_comm_call_name(k));
-    if (bytes_of(count, 1, am_comm_dtype_size(t), &bytes) < 0)
-        return arg_fail(c, nm, "%zu %s elements overflow", count, am_comm_dtype_name(t));
+    if (bytes_of(count, 1, am_dtype_size(t), &bytes) < 0)
+        return arg_fail(c, nm, "%zu %s elements overflow", count, am_dtype_name(t));
     if (count && !sbuf && !rbuf)
         return arg_fail(c, nm, "buffer is NULL for %zu elements", count);
     struct am_comm_call call = {.kind = k, .send = sbuf, .recv = rbuf, .count = count, .dtype = t, .peer = peer,
@@ -932,17 +931,17 @@ static int p2p(struct am_comm *c, enum am_comm_kind k, const void *sbuf, void *r
     return am_comm_dispatch(c, &call);
 }
 
-int am_send(struct am_comm *c, const void *buf, size_t count, enum am_comm_dtype t, int peer)
+int am_send(struct am_comm *c, const void *buf, size_t count, enum am_dtype t, int peer)
 {
     return p2p(c, AM_CALL_SEND, buf, NULL, count, t, peer);
 }
 
-int am_recv(struct am_comm *c, void *buf, size_t count, enum am_comm_dtype t, int peer)
+int am_recv(struct am_comm *c, void *buf, size_t count, enum am_dtype t, int peer)
 {
     return p2p(c, AM_CALL_RECV, NULL, buf, count, t, peer);
 }
 
-int am_isend(struct am_comm *c, const void *buf, size_t count, enum am_comm_dtype t, int peer)
+int am_isend(struct am_comm *c, const void *buf, size_t count, enum am_dtype t, int peer)
 {
     return p2p(c, AM_CALL_ISEND, buf, NULL, count, t, peer);
 }
@@ -1065,7 +1064,7 @@ static int complete_req(struct am_comm_req *q, int block, int *rc)
     return done;
 }
 
-int am_iallreduce(struct am_comm *c, const void *send, void *recv, size_t count, enum am_comm_dtype t,
+int am_iallreduce(struct am_comm *c, const void *send, void *recv, size_t count, enum am_dtype t,
                   enum am_comm_op op, struct am_comm_req **req)
 {
     struct am_comm_call call = {.kind = AM_CALL_ALLREDUCE, .nonblocking = 1};
@@ -1080,7 +1079,7 @@ int am_iallreduce(struct am_comm *c, const void *send, void *recv, size_t count,
     return issue(c, &call, req);
 }
 
-int am_ireduce_scatter(struct am_comm *c, const void *send, void *recv, size_t count, enum am_comm_dtype t,
+int am_ireduce_scatter(struct am_comm *c, const void *send, void *recv, size_t count, enum am_dtype t,
                        enum am_comm_op op, struct am_comm_req **req)
 {
     struct am_comm_call call = {.kind = AM_CALL_REDUCE_SCATTER, .nonblocking = 1};
@@ -1095,7 +1094,7 @@ int am_ireduce_scatter(struct am_comm *c, const void *send, void *recv, size_t c
     return issue(c, &call, req);
 }
 
-int am_iallgather(struct am_comm *c, const void *send, void *recv, size_t count, enum am_comm_dtype t,
+int am_iallgather(struct am_comm *c, const void *send, void *recv, size_t count, enum am_dtype t,
                   struct am_comm_req **req)
 {
     struct am_comm_call call = {.kind = AM_CALL_ALLGATHER, .nonblocking = 1};

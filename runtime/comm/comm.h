@@ -76,13 +76,10 @@
 #include <stdint.h>
 
 #include "bootstrap.h"
+#include "dtype.h"
 
 enum am_comm_backend { AM_COMM_UCX, AM_COMM_NCCL };
-enum am_comm_dtype { AM_F32, AM_BF16, AM_F16, AM_I32, AM_I64 };
-enum am_comm_op { AM_SUM, AM_MAX, AM_AVG };
-
-size_t am_comm_dtype_size(enum am_comm_dtype t);
-const char *am_comm_dtype_name(enum am_comm_dtype t);
+enum am_comm_op { AM_SUM, AM_MAX, AM_AVG }; /* the dtypes: enum am_dtype (dtype.h) */
 
 struct am_comm_ctx; /* one per process: the backend's worker or device, the bootstrap */
 struct am_comm;     /* one group */
@@ -136,24 +133,24 @@ const char *am_comm_error(const struct am_comm *c);
 /* NCCL: the CUDA stream the operations are enqueued on (cudaStream_t); UCX ignores it. */
 void am_comm_set_stream(struct am_comm *c, void *stream);
 
-int am_allreduce(struct am_comm *c, const void *send, void *recv, size_t count, enum am_comm_dtype t,
+int am_allreduce(struct am_comm *c, const void *send, void *recv, size_t count, enum am_dtype t,
                  enum am_comm_op op);
-int am_reduce_scatter(struct am_comm *c, const void *send, void *recv, size_t count, enum am_comm_dtype t,
+int am_reduce_scatter(struct am_comm *c, const void *send, void *recv, size_t count, enum am_dtype t,
                       enum am_comm_op op);
-int am_allgather(struct am_comm *c, const void *send, void *recv, size_t count, enum am_comm_dtype t);
+int am_allgather(struct am_comm *c, const void *send, void *recv, size_t count, enum am_dtype t);
 /* counts and displacements in elements, one per group rank */
 int am_alltoallv(struct am_comm *c, const void *send, const size_t *send_counts, const size_t *send_displs,
-                 void *recv, const size_t *recv_counts, const size_t *recv_displs, enum am_comm_dtype t);
-int am_broadcast(struct am_comm *c, void *buf, size_t count, enum am_comm_dtype t, int root);
-int am_send(struct am_comm *c, const void *buf, size_t count, enum am_comm_dtype t, int peer);
-int am_recv(struct am_comm *c, void *buf, size_t count, enum am_comm_dtype t, int peer);
+                 void *recv, const size_t *recv_counts, const size_t *recv_displs, enum am_dtype t);
+int am_broadcast(struct am_comm *c, void *buf, size_t count, enum am_dtype t, int root);
+int am_send(struct am_comm *c, const void *buf, size_t count, enum am_dtype t, int peer);
+int am_recv(struct am_comm *c, void *buf, size_t count, enum am_dtype t, int peer);
 /* Starts sending count elements of buf to group rank peer and returns without waiting for the
  * peer to take them; buf must not change until am_send_wait(c) (or am_send_wait_keep with
  * this send among the oldest) returns. Numbered with the
  * blocking sends (the same sequence per pair and direction, matched by the peer's am_recv in
  * order). Pending sends progress inside every later call on the context (a blocked am_recv
  * included), so ranks that only block in receives cannot deadlock on sends. */
-int am_isend(struct am_comm *c, const void *buf, size_t count, enum am_comm_dtype t, int peer);
+int am_isend(struct am_comm *c, const void *buf, size_t count, enum am_dtype t, int peer);
 /* Waits for every send started with am_isend on c (bounded by the timeout like every wait);
  * 0, or -1 naming the first send that failed (its sequence number and peer). */
 int am_send_wait(struct am_comm *c);
@@ -165,11 +162,11 @@ int am_barrier(struct am_comm *c);
 /* Non-blocking collectives: the arguments, rules and results of the blocking calls; *req is
  * the request (NULL when the call fails: nothing started, am_comm_error says why). */
 struct am_comm_req;
-int am_iallreduce(struct am_comm *c, const void *send, void *recv, size_t count, enum am_comm_dtype t,
+int am_iallreduce(struct am_comm *c, const void *send, void *recv, size_t count, enum am_dtype t,
                   enum am_comm_op op, struct am_comm_req **req);
-int am_ireduce_scatter(struct am_comm *c, const void *send, void *recv, size_t count, enum am_comm_dtype t,
+int am_ireduce_scatter(struct am_comm *c, const void *send, void *recv, size_t count, enum am_dtype t,
                        enum am_comm_op op, struct am_comm_req **req);
-int am_iallgather(struct am_comm *c, const void *send, void *recv, size_t count, enum am_comm_dtype t,
+int am_iallgather(struct am_comm *c, const void *send, void *recv, size_t count, enum am_dtype t,
                   struct am_comm_req **req);
 /* Waits for the request (bounded by the timeout like every wait; at once on an abort) and
  * releases it: 0, or -1 with am_comm_error(its group) naming the call and the peer. NULL: 0. */

@@ -51,7 +51,7 @@ struct am_comm_call {
     const void *send;
     void *recv;                 /* broadcast: the buffer; send: NULL */
     size_t count;               /* elements (per rank for reduce_scatter and allgather) */
-    enum am_comm_dtype dtype;
+    enum am_dtype dtype;
     enum am_comm_op op;         /* reductions only */
     int peer;                   /* broadcast: root; send/isend/recv: the peer (group ranks) */
     const size_t *send_counts, *send_displs, *recv_counts, *recv_displs; /* alltoallv */
@@ -187,9 +187,9 @@ int am_comm_fail_aborted(struct am_comm *c);
  * bf16 and fp16 are widened to fp32, combined, and rounded back to nearest even. The
  * combination is commutative bit for bit (max included), so two ranks that combine the same
  * pair in either order get the same bits. */
-void am_comm_reduce(void *out, const void *a, const void *b, size_t n, enum am_comm_dtype t, enum am_comm_op op);
+void am_comm_reduce(void *out, const void *a, const void *b, size_t n, enum am_dtype t, enum am_comm_op op);
 /* AVG's last step: buf[i] /= divisor (integers truncate toward zero). */
-void am_comm_scale(void *buf, size_t n, enum am_comm_dtype t, int divisor);
+void am_comm_scale(void *buf, size_t n, enum am_dtype t, int divisor);
 
 /* Monotonic seconds. */
 double am_comm_now(void);

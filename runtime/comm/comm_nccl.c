@@ -72,7 +72,7 @@ struct nccl_comm {
     cudaEvent_t tail;           /* recorded on comm_stream after each of them */
 };
 
-static ncclDataType_t nccl_dtype(enum am_comm_dtype t)
+static ncclDataType_t nccl_dtype(enum am_dtype t)
 {
     switch (t) {
     case AM_F32: return ncclFloat32;
@@ -80,6 +80,7 @@ static ncclDataType_t nccl_dtype(enum am_comm_dtype t)
     case AM_F16: return ncclFloat16;
     case AM_I32: return ncclInt32;
     case AM_I64: return ncclInt64;
+    case AM_F64: return ncclFloat64;
     }
     return ncclFloat32;
 }
@@ -394,7 +395,7 @@ static int run_collective(struct am_comm *c, const struct am_comm_call *call)
     struct nccl_comm *n = c->be;
     cudaStream_t s = (cudaStream_t)c->stream;
     ncclDataType_t dt = nccl_dtype(call->dtype);
-    size_t es = am_comm_dtype_size(call->dtype);
+    size_t es = am_dtype_size(call->dtype);
     ncclResult_t r = ncclSuccess;
     cudaError_t ce;
     if (enqueue_own(c) < 0 || after_async(c, s) < 0)

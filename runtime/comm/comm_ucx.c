@@ -473,11 +473,11 @@ static size_t seg_elems(const struct am_comm *c, size_t es)
 /* ---- allreduce ------------------------------------------------------------------------------ */
 
 /* Recursive doubling; p not a power of two: the first 2*rem ranks fold pairwise first. */
-static int allreduce_rd(struct am_comm *c, const char *send, char *dst, size_t n, enum am_comm_dtype t,
+static int allreduce_rd(struct am_comm *c, const char *send, char *dst, size_t n, enum am_dtype t,
                         enum am_comm_op op)
 {
     int p = c->size, r = c->rank;
-    size_t bytes = n * am_comm_dtype_size(t);
+    size_t bytes = n * am_dtype_size(t);
     char *tmp = scratch(c, bytes);
     if (!tmp)
         return -1;
@@ -543,7 +543,7 @@ struct ring_ar {
     long *sidx, *ridx;          /* [t * K + k]: request of that send / receive, -1 if none */
     int next_t;                 /* the next reduce-scatter receive to post: (next_t, next_k) */
     size_t next_k, posted, consumed;
-    enum am_comm_dtype t;
+    enum am_dtype t;
     enum am_comm_op op;
 };
 
@@ -589,12 +589,12 @@ static int ar_post_ag(struct ring_ar *g, int u, size_t k)
     return g->ridx[sub] < 0 ? -1 : 0;
 }
 
-static int allreduce_ring(struct am_comm *c, const char *send, char *dst, size_t n, enum am_comm_dtype t,
+static int allreduce_ring(struct am_comm *c, const char *send, char *dst, size_t n, enum am_dtype t,
                           enum am_comm_op op)
 {
     const struct ucx_ctx *x = c->ctx->be;
     struct ring_ar g = {.c = c, .p = c->size, .r = c->rank, .send = send, .dst = dst, .t = t, .op = op};
-    size_t es = am_comm_dtype_size(t);
+    size_t es = am_dtype_size(t);
     g.left = mod(g.r - 1, g.p);
     g.right = mod(g.r + 1, g.p);
     g.T = 2 * (g.p - 1);
@@ -652,7 +652,7 @@ static int allreduce_ring(struct am_comm *c, const char *send, char *dst, size_t
 static int do_allreduce(struct am_comm *c, const struct am_comm_call *call)
 {
     const struct ucx_ctx *x = c->ctx->be;
-    size_t bytes = call->count * am_comm_dtype_size(call->dtype);
+    size_t bytes = call->count * am_dtype_size(call->dtype);
     if (c->size == 1) {
         if (call->send != call->recv)
             memcpy(call->recv, call->send, bytes);
@@ -673,8 +673,8 @@ static int do_reduce_scatter(struct am_comm *c, const struct am_comm_call *call)
 {
     const struct ucx_ctx *x = c->ctx->be;
     int p = c->size, r = c->rank, left = mod(r - 1, p), right = mod(r + 1, p), T = p - 1;
-    enum am_comm_dtype t = call->dtype;
-    size_t n = call->count, es = am_comm_dtype_size(t);
+    enum am_dtype t = call->dtype;
+    size_t n = call->count, es = am_dtype_size(t);
     const char *send = call->send;
     char *recv = call->recv;
     if (p == 1) {
@@ -762,7 +762,7 @@ static int allgather_bruck(struct am_comm *c, const char *send, char *recv, size
 static int do_allgather(struct am_comm *c, const struct am_comm_call *call)
 {
     int p = c->size, r = c->rank, left = mod(r - 1, p), right = mod(r + 1, p), T = p - 1;
-    size_t n = call->count, es = am_comm_dtype_size(call->dtype);
+    size_t n = call->count, es = am_dtype_size(call->dtype);
     const char *send = call->send;
     char *recv = call->recv, *mine = recv + (size_t)r * n * es;
     if (p == 1) {
@@ -806,7 +806,7 @@ static int do_broadcast(struct am_comm *c, const struct am_comm_call *call)
 {
     const struct ucx_ctx *x = c->ctx->be;
     int p = c->size, r = c->rank, root = call->peer, v = mod(r - root, p);
-    size_t es = am_comm_dtype_size(call->dtype), bytes = call->count * es;
+    size_t es = am_dtype_size(call->dtype), bytes = call->count * es;
     char *buf = call->recv;
     if (p == 1)
         return 0;
@@ -854,7 +854,7 @@ static int do_broadcast(struct am_comm *c, const struct am_comm_call *call)
 static int do_alltoallv(struct am_comm *c, const struct am_comm_call *call)
 {
     int p = c->size, r = c->rank;
-    size_t es = am_comm_dtype_size(call->dtype);
+    size_t es = am_dtype_size(call->dtype);
     const char *send = call->send;
     char *recv = call->recv;
     if (call->send_counts[r] != call->recv_counts[r])
@@ -891,7 +891,7 @@ static int do_barrier(struct am_comm *c)
 
 static int do_p2p(struct am_comm *c, const struct am_comm_call *call)
 {
-    size_t bytes = call->count * am_comm_dtype_size(call->dtype);
+    size_t bytes = call->count * am_dtype_size(call->dtype);
     int peer = call->peer;
     long i;
     if (call->kind == AM_CALL_SEND)
@@ -908,7 +908,7 @@ static int do_isend(struct am_comm *c, const struct am_comm_call *call)
     long i = push_req(c, &u->sends, &u->nsend, &u->send_cap);
     if (i < 0)
         return -1;
-    if (start_send(c, &u->sends[i], call->peer, call->send, call->count * am_comm_dtype_size(call->dtype),
+    if (start_send(c, &u->sends[i], call->peer, call->send, call->count * am_dtype_size(call->dtype),
                    p2p_tag(c, c->rank)) < 0) {
         u->nsend--; /* the front keeps only posted sends: the lists stay in step */
         return -1;

@@ -203,9 +203,9 @@ const struct am_st_info *am_ckpt_find(const struct am_ckpt *c, const char *name,
 /* Converts `count` elements starting at element `first` of t into dst (dtype dt) at element
  * dst_first, in chunks through a small fp32 buffer when dt is not fp32. */
 static int copy_run(const struct am_st_file *f, const struct am_st_info *t, int64_t first, int64_t count,
-                    enum am_tdtype dt, void *dst, int64_t dst_first, struct am_errors *err)
+                    enum am_dtype dt, void *dst, int64_t dst_first, struct am_errors *err)
 {
-    if (dt == AM_T_F32)
+    if (dt == AM_F32)
         return am_st_read_f32(f, t, first, count, (float *)dst + dst_first, err);
     float buf[2048];
     uint16_t *d = (uint16_t *)dst + dst_first;
@@ -214,7 +214,7 @@ static int copy_run(const struct am_st_file *f, const struct am_st_info *t, int6
         if (am_st_read_f32(f, t, first + done, k, buf, err) < 0)
             return -1;
         for (int64_t i = 0; i < k; i++)
-            d[done + i] = dt == AM_T_BF16 ? am_f32_to_bf16(buf[i]) : am_f32_to_f16(buf[i]);
+            d[done + i] = dt == AM_BF16 ? am_f32_to_bf16(buf[i]) : am_f32_to_f16(buf[i]);
         done += k;
     }
     return 0;
@@ -231,7 +231,7 @@ int am_ckpt_read(const struct am_ckpt *c, const char *name, const struct am_ckpt
                   "tie_word_embeddings and the model type decide which tensors exist)", c->dir, name);
         return -1;
     }
-    if (dst->device != AM_DEV_CPU || (dst->dtype != AM_T_F32 && dst->dtype != AM_T_BF16 && dst->dtype != AM_T_F16)) {
+    if (dst->device != AM_DEV_CPU || (dst->dtype != AM_F32 && dst->dtype != AM_BF16 && dst->dtype != AM_F16)) {
         am_errorf(err, NULL, "%s: tensor '%s': am reads checkpoints into host fp32, bf16 or fp16 tensors (read into "
                   "a host staging buffer, then copy to the device)", am_st_path(f), name);
         return -1;

@@ -46,6 +46,10 @@ struct am_recipe;
 
 /* ---- indexed datasets ------------------------------------------------------------------------ */
 
+/* Megatron's token dtype codes: the numbers on disk (byte 17 above), which is why they are an
+ * enum of their own rather than am's dtypes (enum am_dtype, dtype.h): most of them (uint8,
+ * int16, uint16, ...) are storage for token ids that am never computes in. am_indexed_read is
+ * the one place they are converted: every code to int32 token ids (the model's AM_I32). */
 enum am_idx_dtype {
     AM_IDX_U8 = 1, AM_IDX_I8 = 2, AM_IDX_I16 = 3, AM_IDX_I32 = 4, AM_IDX_I64 = 5,
     AM_IDX_F64 = 6, AM_IDX_F32 = 7, AM_IDX_U16 = 8

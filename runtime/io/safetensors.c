@@ -54,9 +54,16 @@ int am_st_dtype_parse(const char *s, enum am_st_dtype *out)
     return -1;
 }
 
-bool am_st_dtype_readable(enum am_st_dtype d)
+bool am_st_dtype_to_am(enum am_st_dtype d, enum am_dtype *out)
 {
-    return d == AM_ST_F32 || d == AM_ST_BF16 || d == AM_ST_F16 || d == AM_ST_I32 || d == AM_ST_I64;
+    switch (d) {
+    case AM_ST_F32: *out = AM_F32; return true;
+    case AM_ST_BF16: *out = AM_BF16; return true;
+    case AM_ST_F16: *out = AM_F16; return true;
+    case AM_ST_I32: *out = AM_I32; return true;
+    case AM_ST_I64: *out = AM_I64; return true;
+    default: return false;
+    }
 }
 
 /* ---- small helpers ---------------------------------------------------------------------------- */

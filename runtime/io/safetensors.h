@@ -28,11 +28,15 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "dtype.h"
 #include "errors.h"
 #include "half.h"
 
 /* The safetensors dtypes, in the reference's order (increasing alignment): the writer sorts
- * tensors by this order, descending, as the reference does. */
+ * tensors by this order, descending, as the reference does. This is the file format's
+ * vocabulary, not am's dtypes (enum am_dtype, dtype.h): much wider (F8_*, U8, BOOL, C64, ...),
+ * ordered by the format, named as the header spells them. It maps to am_dtype in one place,
+ * am_st_dtype_to_am. */
 enum am_st_dtype {
     AM_ST_BOOL, AM_ST_F4, AM_ST_F6_E2M3, AM_ST_F6_E3M2, AM_ST_U8, AM_ST_I8, AM_ST_F8_E5M2,
     AM_ST_F8_E4M3, AM_ST_F8_E8M0, AM_ST_I16, AM_ST_U16, AM_ST_F16, AM_ST_BF16, AM_ST_I32,
@@ -49,8 +53,9 @@ const char *am_st_dtype_name(enum am_st_dtype d);
 int am_st_dtype_bits(enum am_st_dtype d);
 /* Parses a dtype name; -1 when unknown. */
 int am_st_dtype_parse(const char *s, enum am_st_dtype *out);
-/* True for the dtypes am converts: F32, BF16, F16, I32, I64. */
-bool am_st_dtype_readable(enum am_st_dtype d);
+/* The am dtype of a file dtype that am reads (F32, BF16, F16, I32, I64: what am_st_read_f32
+ * converts): true with *out set; false for the others. */
+bool am_st_dtype_to_am(enum am_st_dtype d, enum am_dtype *out);
 
 /* One tensor of an open file. `data` points into the read-only mapping. */
 struct am_st_info {

@@ -24,7 +24,7 @@ static struct am_param *add_param(struct am_model *m, const char *name, int64_t 
     struct am_param *p = &m->params[m->n_params++];
     memset(p, 0, sizeof(*p));
     snprintf(p->name, sizeof(p->name), "%s", name);
-    p->w = am_tensor_view(NULL, m->K->device, AM_T_F32, rows, cols, 0, 0);
+    p->w = am_tensor_view(NULL, m->K->device, AM_F32, rows, cols, 0, 0);
     p->g = p->w;
     p->wc = am_tensor_view(NULL, m->K->device, m->act_dt, rows, cols, 0, 0);
     p->split = split;
@@ -107,7 +107,7 @@ struct slab {
     enum am_device dev;
 };
 
-static struct am_tensor carve(struct slab *s, enum am_tdtype dt, int64_t d0, int64_t d1, int64_t d2, int64_t d3)
+static struct am_tensor carve(struct slab *s, enum am_dtype dt, int64_t d0, int64_t d1, int64_t d2, int64_t d3)
 {
     struct am_tensor t = am_tensor_view(s->base ? s->base + s->off : NULL, s->dev, dt, d0, d1, d2, d3);
     s->off += (am_tensor_bytes(&t) + 63) & ~(size_t)63;
@@ -123,21 +123,21 @@ static void carve_layer(struct am_model *m, struct slab *c, struct am_layer_acts
     int64_t N = m->max_tokens, R = stream_rows(m, N), C = m->cfg.hidden_size, D = m->head_dim;
     int64_t Q = m->heads * D, KV = m->kv_heads * D, I = m->inter, B = N / m->seq_len, T = m->seq_len;
     a->h1 = carve(c, m->act_dt, R, C, 0, 0);
-    a->rstd1 = carve(c, AM_T_F32, R, 0, 0, 0);
+    a->rstd1 = carve(c, AM_F32, R, 0, 0, 0);
     a->q = carve(c, m->act_dt, N, Q, 0, 0);
     a->k = carve(c, m->act_dt, N, KV, 0, 0);
     if (m->cfg.qk_norm) {
         a->q_raw = carve(c, m->act_dt, N, Q, 0, 0);
         a->k_raw = carve(c, m->act_dt, N, KV, 0, 0);
-        a->rstd_q = carve(c, AM_T_F32, N * m->heads, 0, 0, 0);
-        a->rstd_k = carve(c, AM_T_F32, N * m->kv_heads, 0, 0, 0);
+        a->rstd_q = carve(c, AM_F32, N * m->heads, 0, 0, 0);
+        a->rstd_k = carve(c, AM_F32, N * m->kv_heads, 0, 0, 0);
     }
     a->v = carve(c, m->act_dt, N, KV, 0, 0);
     a->att = carve(c, m->act_dt, N, Q, 0, 0);
-    a->lse = carve(c, AM_T_F32, B, m->heads, T, 0);
+    a->lse = carve(c, AM_F32, B, m->heads, T, 0);
     a->x_mid = carve(c, m->act_dt, R, C, 0, 0);
     a->h2 = carve(c, m->act_dt, R, C, 0, 0);
-    a->rstd2 = carve(c, AM_T_F32, R, 0, 0, 0);
+    a->rstd2 = carve(c, AM_F32, R, 0, 0, 0);
     a->gate = carve(c, m->act_dt, N, I, 0, 0);
     a->up = carve(c, m->act_dt, N, I, 0, 0);
     a->act = carve(c, m->act_dt, N, I, 0, 0);
@@ -159,14 +159,14 @@ static size_t layout_acts(struct am_model *m, char *base)
                     carve_layer(m, &c, &S->acts[l]);
             }
             if (m->sh.first_stage && k == 0)
-                S->tokens = carve(&c, AM_T_I32, N, 0, 0, 0);
+                S->tokens = carve(&c, AM_I32, N, 0, 0, 0);
             if (m->sh.last_stage && k == m->sh.n_chunks - 1) {
-                S->targets = carve(&c, AM_T_I32, N, 0, 0, 0);
+                S->targets = carve(&c, AM_I32, N, 0, 0, 0);
                 S->xf = carve(&c, m->act_dt, R, C, 0, 0);
                 S->hf = carve(&c, m->act_dt, N, C, 0, 0);
-                S->rstdf = carve(&c, AM_T_F32, R, 0, 0, 0);
-                S->ce_m = carve(&c, AM_T_F32, N, 0, 0, 0);
-                S->ce_s = carve(&c, AM_T_F32, N, 0, 0, 0);
+                S->rstdf = carve(&c, AM_F32, R, 0, 0, 0);
+                S->ce_m = carve(&c, AM_F32, N, 0, 0, 0);
+                S->ce_s = carve(&c, AM_F32, N, 0, 0, 0);
             }
         }
     }
@@ -182,13 +182,13 @@ static size_t layout_acts(struct am_model *m, char *base)
     m->x = carve(&c, m->act_dt, R, C, 0, 0);
     m->dx = carve(&c, m->act_dt, R, C, 0, 0);
     m->dhf = carve(&c, m->act_dt, N, C, 0, 0);
-    m->cos = carve(&c, AM_T_F32, T, D / 2, 0, 0);
-    m->sin = carve(&c, AM_T_F32, T, D / 2, 0, 0);
-    m->ce_t = carve(&c, AM_T_F32, N, 0, 0, 0);
+    m->cos = carve(&c, AM_F32, T, D / 2, 0, 0);
+    m->sin = carve(&c, AM_F32, T, D / 2, 0, 0);
+    m->ce_t = carve(&c, AM_F32, N, 0, 0, 0);
     if (m->sh.tp > 1)
-        m->ce_M = carve(&c, AM_T_F32, N, 0, 0, 0);
+        m->ce_M = carve(&c, AM_F32, N, 0, 0, 0);
     if (m->sh.tp > m->cfg.num_key_value_heads)
-        m->kv_sum = carve(&c, AM_T_F32, 2 * m->cfg.num_key_value_heads * D * C, 0, 0, 0);
+        m->kv_sum = carve(&c, AM_F32, 2 * m->cfg.num_key_value_heads * D * C, 0, 0, 0);
     m->scratch_c = carve(&c, m->act_dt, N, C, 0, 0);
     m->scratch_q = carve(&c, m->act_dt, N, Q, 0, 0);
     m->scratch_att = carve(&c, m->act_dt, N, Q, 0, 0);
@@ -236,9 +236,9 @@ int am_model_init(struct am_model *m, const struct am_model_config *cfg, const s
     m->pp_comm = pp_comm;
     m->sh.sequence_parallel = sh->sequence_parallel && sh->tp > 1;
     m->act_dt = sh->compute;
-    if (m->act_dt != AM_T_F32 && m->act_dt != AM_T_BF16)
+    if (m->act_dt != AM_F32 && m->act_dt != AM_BF16)
         return am_fail(err, err_len, "model: compute dtype %s: the model computes in fp32 or bf16 (mixed precision)",
-                       m->act_dt == AM_T_F16 ? "fp16" : "other");
+                       am_dtype_name(m->act_dt));
     if (check_shard(sh, cfg, err, err_len) < 0)
         return -1;
     if (m->sh.sequence_parallel && (batch * seq_len) % sh->tp)
@@ -310,7 +310,7 @@ int am_model_init(struct am_model *m, const struct am_model_config *cfg, const s
     /* one slab for the values, one for the gradients */
     m->param_mem = K->alloc(m->dev, m->n_elems * sizeof(float));
     m->grad_mem = K->alloc(m->dev, m->n_elems * sizeof(float));
-    if (m->act_dt != AM_T_F32 && !(m->param_lp_mem = K->alloc(m->dev, m->n_elems * am_tdtype_size(m->act_dt))))
+    if (m->act_dt != AM_F32 && !(m->param_lp_mem = K->alloc(m->dev, m->n_elems * am_dtype_size(m->act_dt))))
         goto oom;
     if (!m->param_mem || !m->grad_mem)
         goto oom;
@@ -319,24 +319,24 @@ int am_model_init(struct am_model *m, const struct am_model_config *cfg, const s
         struct am_param *p = &m->params[i];
         p->w.data = (float *)m->param_mem + off;
         p->g.data = (float *)m->grad_mem + off;
-        p->wc.data = m->param_lp_mem ? (char *)m->param_lp_mem + off * am_tdtype_size(m->act_dt) : p->w.data;
+        p->wc.data = m->param_lp_mem ? (char *)m->param_lp_mem + off * am_dtype_size(m->act_dt) : p->w.data;
         off += (size_t)am_tensor_numel(&p->w);
     }
     end_groups(m);
     m->scalar_mem = K->alloc(m->dev, sizeof(struct scalar_block));
     if (!m->scalar_mem)
         goto oom;
-    m->scalars.loss = am_tensor_view(m->scalar_mem, dev->device, AM_T_F64, 1, 0, 0, 0);
+    m->scalars.loss = am_tensor_view(m->scalar_mem, dev->device, AM_F64, 1, 0, 0, 0);
     m->scalars.sumsq = am_tensor_view((char *)m->scalar_mem + offsetof(struct scalar_block, sumsq), dev->device,
-                                      AM_T_F64, 1, 0, 0, 0);
+                                      AM_F64, 1, 0, 0, 0);
     m->scalars.local_sumsq = am_tensor_view((char *)m->scalar_mem + offsetof(struct scalar_block, local_sumsq),
-                                            dev->device, AM_T_F64, 1, 0, 0, 0);
+                                            dev->device, AM_F64, 1, 0, 0, 0);
     m->scalars.loss_f = am_tensor_view((char *)m->scalar_mem + offsetof(struct scalar_block, loss_f), dev->device,
-                                       AM_T_F32, 1, 0, 0, 0);
+                                       AM_F32, 1, 0, 0, 0);
     m->scalars.sumsq_f = am_tensor_view((char *)m->scalar_mem + offsetof(struct scalar_block, sumsq_f), dev->device,
-                                        AM_T_F32, 1, 0, 0, 0);
+                                        AM_F32, 1, 0, 0, 0);
     m->scalars.flag = am_tensor_view((char *)m->scalar_mem + offsetof(struct scalar_block, flag), dev->device,
-                                     AM_T_I32, 1, 0, 0, 0);
+                                     AM_I32, 1, 0, 0, 0);
     m->act_bytes = layout_acts(m, NULL);
     m->act_mem = K->alloc(m->dev, m->act_bytes);
     if (!m->act_mem)
@@ -406,7 +406,7 @@ void am_model_cast_weights(struct am_model *m)
 {
     if (!m->param_lp_mem)
         return;
-    struct am_tensor w = am_tensor_view(m->param_mem, m->K->device, AM_T_F32, (int64_t)m->n_elems, 0, 0, 0);
+    struct am_tensor w = am_tensor_view(m->param_mem, m->K->device, AM_F32, (int64_t)m->n_elems, 0, 0, 0);
     struct am_tensor c = am_tensor_view(m->param_lp_mem, m->K->device, m->act_dt, (int64_t)m->n_elems, 0, 0, 0);
     m->K->convert(m->dev, &c, &w);
 }
@@ -414,7 +414,7 @@ void am_model_cast_weights(struct am_model *m)
 void am_model_begin_step(struct am_model *m)
 {
     am_model_cast_weights(m);
-    struct am_tensor g = am_tensor_view(m->grad_mem, m->K->device, AM_T_F32, (int64_t)m->n_elems, 0, 0, 0);
+    struct am_tensor g = am_tensor_view(m->grad_mem, m->K->device, AM_F32, (int64_t)m->n_elems, 0, 0, 0);
     m->K->zero(m->dev, &g);
     m->K->zero(m->dev, &m->scalars.loss);
     m->K->zero(m->dev, &m->scalars.local_sumsq);
@@ -453,14 +453,13 @@ static struct am_tensor heads_of(const struct am_tensor *t, int64_t B, int64_t T
 }
 
 /* The communicators' name for a tensor's dtype (f32 or bf16 here). */
-static enum am_comm_dtype comm_dtype(const struct am_tensor *t) { return t->dtype == AM_T_BF16 ? AM_BF16 : AM_F32; }
 
 /* t reduced in place over the tp group (none: t as it is). */
 static int tp_reduce(struct am_model *m, struct am_tensor *t, enum am_comm_op op, char *err, size_t err_len)
 {
     if (!m->tp_comm)
         return 0;
-    if (am_allreduce(m->tp_comm, t->data, t->data, (size_t)am_tensor_numel(t), comm_dtype(t), op) < 0)
+    if (am_allreduce(m->tp_comm, t->data, t->data, (size_t)am_tensor_numel(t), t->dtype, op) < 0)
         return am_fail(err, err_len, "%s", am_comm_error(m->tp_comm));
     return 0;
 }
@@ -474,7 +473,7 @@ static int tp_sum(struct am_model *m, struct am_tensor *t, char *err, size_t err
 static int sp_gather(struct am_model *m, const struct am_tensor *rows, struct am_tensor *full, char *err,
                      size_t err_len)
 {
-    if (am_allgather(m->tp_comm, rows->data, full->data, (size_t)am_tensor_numel(rows), comm_dtype(rows)) < 0)
+    if (am_allgather(m->tp_comm, rows->data, full->data, (size_t)am_tensor_numel(rows), rows->dtype) < 0)
         return am_fail(err, err_len, "%s", am_comm_error(m->tp_comm));
     return 0;
 }
@@ -482,7 +481,7 @@ static int sp_gather(struct am_model *m, const struct am_tensor *rows, struct am
 static int sp_scatter(struct am_model *m, const struct am_tensor *full, struct am_tensor *rows, char *err,
                       size_t err_len)
 {
-    if (am_reduce_scatter(m->tp_comm, full->data, rows->data, (size_t)am_tensor_numel(rows), comm_dtype(rows), AM_SUM) < 0)
+    if (am_reduce_scatter(m->tp_comm, full->data, rows->data, (size_t)am_tensor_numel(rows), rows->dtype, AM_SUM) < 0)
         return am_fail(err, err_len, "%s", am_comm_error(m->tp_comm));
     return 0;
 }
@@ -741,7 +740,7 @@ static int layer_backward(struct am_model *m, const struct am_layer *L, const st
     struct am_tensor x_mid = rows_of(&a->x_mid, R), h2 = rows_of(&a->h2, R), rstd2 = rows_of(&a->rstd2, R);
     struct am_tensor gate = rows_of(&a->gate, N), up = rows_of(&a->up, N), act = rows_of(&a->act, N);
     struct am_tensor dh = rows_of(&m->scratch_c, N), dy, in;
-    size_t part = (size_t)(N * I) * am_tdtype_size(m->act_dt);
+    size_t part = (size_t)(N * I) * am_dtype_size(m->act_dt);
     struct am_tensor dact = am_tensor_view(m->scratch_mlp.data, K->device, m->act_dt, N, I, 0, 0);
     struct am_tensor dgate = am_tensor_view((char *)m->scratch_mlp.data + part, K->device, m->act_dt, N, I, 0, 0);
     struct am_tensor dup = am_tensor_view((char *)m->scratch_mlp.data + 2 * part, K->device, m->act_dt, N, I, 0, 0);
@@ -916,8 +915,8 @@ static int sum_tied_copies(struct am_model *m, char *err, size_t err_len)
     int last = am_comm_size(m->pp_comm) - 1, peer = m->sh.first_stage ? last : 0;
     for (int64_t off = 0; off < n; off += piece) {
         int64_t len = n - off < piece ? n - off : piece;
-        struct am_tensor mine = am_tensor_view((float *)p->g.data + off, m->dev->device, AM_T_F32, len, 0, 0, 0);
-        struct am_tensor theirs = am_tensor_view(m->scratch_c.data, m->dev->device, AM_T_F32, len, 0, 0, 0);
+        struct am_tensor mine = am_tensor_view((float *)p->g.data + off, m->dev->device, AM_F32, len, 0, 0, 0);
+        struct am_tensor theirs = am_tensor_view(m->scratch_c.data, m->dev->device, AM_F32, len, 0, 0, 0);
         int rc = m->sh.first_stage
                      ? am_send(m->pp_comm, mine.data, (size_t)len, AM_F32, peer) < 0 ||
                            am_recv(m->pp_comm, theirs.data, (size_t)len, AM_F32, peer) < 0
@@ -947,21 +946,21 @@ static bool tied_across_stages(const struct am_model *m)
 static int sum_shared_kv(struct am_model *m, const struct am_layer *L, char *err, size_t err_len)
 {
     int64_t slot = m->head_dim * m->cfg.hidden_size, n = m->cfg.num_key_value_heads * slot;
-    struct am_tensor all = am_tensor_view(m->kv_sum.data, m->dev->device, AM_T_F32, 2 * n, 0, 0, 0);
+    struct am_tensor all = am_tensor_view(m->kv_sum.data, m->dev->device, AM_F32, 2 * n, 0, 0, 0);
     struct am_param *kv[2] = {L->wk, L->wv};
     m->K->zero(m->dev, &all);
     for (int i = 0; i < 2; i++) {
         struct am_tensor mine = am_tensor_view((float *)all.data + i * n + m->kv_head0 * slot, m->dev->device,
-                                               AM_T_F32, slot, 0, 0, 0);
-        struct am_tensor g = am_tensor_view(kv[i]->g.data, m->dev->device, AM_T_F32, slot, 0, 0, 0);
+                                               AM_F32, slot, 0, 0, 0);
+        struct am_tensor g = am_tensor_view(kv[i]->g.data, m->dev->device, AM_F32, slot, 0, 0, 0);
         m->K->copy(m->dev, &mine, &g);
     }
     if (tp_sum(m, &all, err, err_len) < 0)
         return -1;
     for (int i = 0; i < 2; i++) {
         struct am_tensor mine = am_tensor_view((float *)all.data + i * n + m->kv_head0 * slot, m->dev->device,
-                                               AM_T_F32, slot, 0, 0, 0);
-        struct am_tensor g = am_tensor_view(kv[i]->g.data, m->dev->device, AM_T_F32, slot, 0, 0, 0);
+                                               AM_F32, slot, 0, 0, 0);
+        struct am_tensor g = am_tensor_view(kv[i]->g.data, m->dev->device, AM_F32, slot, 0, 0, 0);
         m->K->copy(m->dev, &g, &mine);
     }
     return 0;

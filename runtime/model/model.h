@@ -86,8 +86,8 @@ struct am_model_shard {
     struct am_chunk chunks[AM_MAX_CHUNKS];
     bool first_stage, last_stage; /* chunk 0 starts with the embedding; the last chunk ends
                                      with the final norm, the head and the loss */
-    enum am_tdtype compute;       /* weights and activations in forward and backward: AM_T_F32
-                                     (the default), or AM_T_BF16 (mixed precision: fp32 master
+    enum am_dtype compute;        /* weights and activations in forward and backward: AM_F32
+                                     (the default), or AM_BF16 (mixed precision: fp32 master
                                      weights and gradients, a bf16 copy of the weights) */
 };
 
@@ -184,7 +184,7 @@ struct am_model {
     bool loss_reduced, sumsq_reduced; /* the f32 sums are the values to read */
     void *param_mem, *grad_mem; /* fp32 masters and gradients */
     void *param_lp_mem;         /* the compute copy of the weights (mixed precision), or NULL */
-    enum am_tdtype act_dt;      /* compute dtype: the weights' copy and the activations */
+    enum am_dtype act_dt;       /* compute dtype: the weights' copy and the activations */
     size_t n_elems; /* parameters on this rank (all of them, in elements) */
 
     struct am_param *embed, *final_norm, *head; /* head == embed when tied and on the same rank */

@@ -189,9 +189,9 @@ static int memory_of_rank(const struct am_recipe *r, const struct am_plan *p, in
      * with a compute dtype narrower than fp32 (mixed precision) a copy of the weights in it
      * (+2 B for bf16), and with a bf16 reduce_dtype the gradients' copy that the data-parallel
      * all-reduce sums (+2 B, only when there is more than one data-parallel rank) */
-    double cs = am_dtype_bytes(r->compute_dtype);
+    double cs = am_dtype_size(r->compute_dtype);
     double wb = 4 + (cs < 4 ? cs : 0);
-    double gb = 4 + (p->dp > 1 && am_dtype_bytes(r->reduce_dtype) < 4 ? am_dtype_bytes(r->reduce_dtype) : 0);
+    double gb = 4 + (p->dp > 1 && am_dtype_size(r->reduce_dtype) < 4 ? am_dtype_size(r->reduce_dtype) : 0);
     /* the ranks each strategy's sharding spans; what it shards is p->zero_stage (nothing today) */
     double shard = 1, expert_shard = 1;
     int zero = p->zero_stage;

@@ -57,8 +57,9 @@ void am_plan_print(FILE *f, const struct am_recipe *r, const struct am_world *w,
     if (p->pp > 1)
         fprintf(f, ", pipeline buffers %s", am_format_bytes(m->p2p, a, sizeof(a)));
     fputc('\n', f);
-    fprintf(f, "             %s parameters, %s compute%s\n", am_dtype_name(r->param_dtype),
-            am_dtype_name(r->compute_dtype), r->dist.activation_checkpointing ? ", activation checkpointing" : "");
+    fprintf(f, "             %s parameters, %s compute%s\n", am_dtype_torch_name(r->param_dtype),
+            am_dtype_torch_name(r->compute_dtype),
+            r->dist.activation_checkpointing ? ", activation checkpointing" : "");
     if (r->dist.strategy != AM_DDP && p->zero_stage == 0)
         fprintf(f, "note         %s does not shard yet: each data-parallel rank keeps full weights, gradients and "
                 "optimizer state, as ddp does, and the memory above counts them\n", am_strategy_name(r->dist.strategy));

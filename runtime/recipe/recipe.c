@@ -153,9 +153,8 @@ static int read_dtype(struct reader *rd, struct am_node *v, const char *key, enu
 {
     static const char *const names[] = {"bfloat16", "bf16", "torch.bfloat16", "float16", "fp16", "half",
                                         "torch.float16", "float32", "fp32", "float", "torch.float32", NULL};
-    static const enum am_dtype types[] = {AM_DTYPE_BF16, AM_DTYPE_BF16, AM_DTYPE_BF16, AM_DTYPE_FP16,
-                                          AM_DTYPE_FP16, AM_DTYPE_FP16, AM_DTYPE_FP16, AM_DTYPE_FP32,
-                                          AM_DTYPE_FP32, AM_DTYPE_FP32, AM_DTYPE_FP32};
+    static const enum am_dtype types[] = {AM_BF16, AM_BF16, AM_BF16, AM_F16, AM_F16, AM_F16,
+                                          AM_F16,  AM_F32,  AM_F32,  AM_F32, AM_F32};
     int i;
     if (v->kind == AM_NODE_SCALAR && strcmp(v->str, "auto") == 0)
         return 1; /* caller decides */
@@ -605,7 +604,7 @@ static void read_recipe(struct reader *rd)
     }
 
     /* defaults (AutoModel's) */
-    r->param_dtype = AM_DTYPE_BF16;
+    r->param_dtype = AM_BF16;
     r->dist.strategy = AM_FSDP2;
     r->dist.zero_dp_strategy = 3;
     r->dist.pipeline.schedule = AM_PP_1F1B;
@@ -669,9 +668,9 @@ static void read_recipe(struct reader *rd)
     bool policy = am_node_path(root, "distributed.mp_policy") &&
                   !am_node_is_null(am_node_path(root, "distributed.mp_policy"));
     if (!am_node_path(root, "distributed.mp_policy.param_dtype"))
-        r->compute_dtype = r->dist.strategy == AM_DDP || policy ? r->param_dtype : AM_DTYPE_BF16;
+        r->compute_dtype = r->dist.strategy == AM_DDP || policy ? r->param_dtype : AM_BF16;
     if (!am_node_path(root, "distributed.mp_policy.reduce_dtype"))
-        r->reduce_dtype = policy ? r->compute_dtype : AM_DTYPE_FP32;
+        r->reduce_dtype = policy ? r->compute_dtype : AM_F32;
     if (!am_node_path(root, "rng.seed") && am_node_path(root, "dataset.seed"))
         r->seed = r->data.seed;
     if (!am_node_path(root, "dataset.seed"))
@@ -766,10 +765,3 @@ const char *am_pp_schedule_name(enum am_pp_schedule s)
     return names[s];
 }
 
-const char *am_dtype_name(enum am_dtype d)
-{
-    static const char *const names[] = {"bfloat16", "float16", "float32"};
-    return names[d];
-}
-
-int am_dtype_bytes(enum am_dtype d) { return d == AM_DTYPE_FP32 ? 4 : 2; }

@@ -22,6 +22,7 @@
 #include <stdint.h>
 
 #include "arena.h"
+#include "dtype.h"
 #include "errors.h"
 #include "model_config.h"
 #include "node.h"
@@ -29,7 +30,6 @@
 enum am_strategy { AM_FSDP2, AM_MEGATRON_FSDP, AM_DDP };
 enum am_pp_schedule { AM_PP_1F1B, AM_PP_GPIPE, AM_PP_INTERLEAVED_1F1B };
 enum am_lr_style { AM_LR_CONSTANT, AM_LR_LINEAR, AM_LR_COSINE };
-enum am_dtype { AM_DTYPE_BF16, AM_DTYPE_FP16, AM_DTYPE_FP32 };
 enum am_round { AM_ROUND_NONE, AM_ROUND_UP, AM_ROUND_DOWN };
 
 #define AM_MAX_DATA_PATHS 64
@@ -136,8 +136,6 @@ struct am_pos am_recipe_pos(const struct am_recipe *r, const char *path);
 
 const char *am_strategy_name(enum am_strategy s);
 const char *am_pp_schedule_name(enum am_pp_schedule s);
-const char *am_dtype_name(enum am_dtype d);
-int am_dtype_bytes(enum am_dtype d);
 
 /* Largest recipe file accepted (a real one is a few KiB). */
 #define AM_RECIPE_MAX_BYTES (1024 * 1024)

@@ -7,7 +7,7 @@
 #include "log.h"
 #include "util.h"
 
-int am_gsync_init(struct am_gsync *s, struct am_model *m, struct am_comm *dp, bool overlap, enum am_tdtype reduce,
+int am_gsync_init(struct am_gsync *s, struct am_model *m, struct am_comm *dp, bool overlap, enum am_dtype reduce,
                   char *err, size_t err_len)
 {
     memset(s, 0, sizeof(*s));
@@ -15,7 +15,7 @@ int am_gsync_init(struct am_gsync *s, struct am_model *m, struct am_comm *dp, bo
     s->dp = dp;
     s->overlap = overlap;
     s->reduce = reduce;
-    if (dp && reduce != AM_T_F32 && !(s->lp_mem = m->K->alloc(m->dev, m->n_elems * am_tdtype_size(reduce))))
+    if (dp && reduce != AM_F32 && !(s->lp_mem = m->K->alloc(m->dev, m->n_elems * am_dtype_size(reduce))))
         return am_fail(err, err_len, "out of memory for the %zu gradients in the reduction's dtype", m->n_elems);
     s->state = calloc((size_t)m->n_groups + 1, sizeof(*s->state));
     s->reqs = calloc((size_t)m->n_groups + 1, sizeof(*s->reqs));
@@ -46,7 +46,7 @@ static int reduce(struct am_gsync *s, int group, bool start, char *err, size_t e
 {
     struct am_model *m = s->m;
     const struct am_pgroup *G = &m->groups[group];
-    struct am_tensor g = am_tensor_view((float *)m->grad_mem + G->offset, m->dev->device, AM_T_F32,
+    struct am_tensor g = am_tensor_view((float *)m->grad_mem + G->offset, m->dev->device, AM_F32,
                                         (int64_t)G->n_elems, 0, 0, 0);
     s->state[group] = REDUCED;
     if (!s->dp)
@@ -54,13 +54,12 @@ static int reduce(struct am_gsync *s, int group, bool start, char *err, size_t e
     m->K->sum_squares(m->dev, &m->scalars.local_sumsq, &g, 1.0);
     struct am_tensor r = g; /* what is reduced: the gradients, or their copy in reduce_dtype */
     if (s->lp_mem) {
-        r = am_tensor_view((char *)s->lp_mem + G->offset * am_tdtype_size(s->reduce), m->dev->device, s->reduce,
+        r = am_tensor_view((char *)s->lp_mem + G->offset * am_dtype_size(s->reduce), m->dev->device, s->reduce,
                            (int64_t)G->n_elems, 0, 0, 0);
         m->K->convert(m->dev, &r, &g);
     }
-    enum am_comm_dtype t = s->reduce == AM_T_BF16 ? AM_BF16 : AM_F32;
-    int rc = start ? am_iallreduce(s->dp, r.data, r.data, G->n_elems, t, AM_SUM, &s->reqs[s->n_reqs++])
-                   : am_allreduce(s->dp, r.data, r.data, G->n_elems, t, AM_SUM);
+    int rc = start ? am_iallreduce(s->dp, r.data, r.data, G->n_elems, s->reduce, AM_SUM, &s->reqs[s->n_reqs++])
+                   : am_allreduce(s->dp, r.data, r.data, G->n_elems, s->reduce, AM_SUM);
     if (rc < 0)
         return am_fail(err, err_len, "%s", am_comm_error(s->dp));
     return 0;
@@ -91,7 +90,7 @@ int am_gsync_finish(struct am_gsync *s, char *err, size_t err_len)
         rc = am_fail(err, err_len, "%s", am_comm_error(s->dp));
     s->n_reqs = 0;
     if (s->lp_mem && rc == 0) { /* the sums back into the fp32 gradients */
-        struct am_tensor g = am_tensor_view(m->grad_mem, m->dev->device, AM_T_F32, (int64_t)m->n_elems, 0, 0, 0);
+        struct am_tensor g = am_tensor_view(m->grad_mem, m->dev->device, AM_F32, (int64_t)m->n_elems, 0, 0, 0);
         struct am_tensor r = am_tensor_view(s->lp_mem, m->dev->device, s->reduce, (int64_t)m->n_elems, 0, 0, 0);
         m->K->convert(m->dev, &g, &r);
     }

@@ -31,7 +31,7 @@ struct am_gsync {
     struct am_model *m;
     struct am_comm *dp;   /* NULL: one data-parallel rank, nothing to reduce */
     bool overlap;
-    enum am_tdtype reduce; /* the all-reduce's dtype (mp_policy.reduce_dtype): f32, or bf16 */
+    enum am_dtype reduce; /* the all-reduce's dtype (mp_policy.reduce_dtype): f32, or bf16 */
     void *lp_mem;          /* bf16: the gradients' copy that is reduced (mirrors the grad slab) */
     unsigned char *state; /* [n_groups]: how far each group got this step (grad_sync.c) */
     struct am_comm_req **reqs; /* the reductions in flight, in the order they were started */
@@ -41,7 +41,7 @@ struct am_gsync {
 
 /* overlap: start reductions in the backward. Installs am_gsync_group as m's grad_ready hook
  * (a caller with a hook of its own calls am_gsync_group from it) and sets each group's comm. */
-int am_gsync_init(struct am_gsync *s, struct am_model *m, struct am_comm *dp, bool overlap, enum am_tdtype reduce,
+int am_gsync_init(struct am_gsync *s, struct am_model *m, struct am_comm *dp, bool overlap, enum am_dtype reduce,
                   char *err, size_t err_len);
 void am_gsync_free(struct am_gsync *s);
 

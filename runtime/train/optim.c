@@ -29,10 +29,10 @@ void am_optim_step(struct am_optim *o, void *params, const void *grads, float lr
 {
     enum am_device dev = o->dev->device;
     int64_t n = (int64_t)o->n;
-    struct am_tensor p = am_tensor_view(params, dev, AM_T_F32, n, 0, 0, 0);
-    struct am_tensor g = am_tensor_view((void *)grads, dev, AM_T_F32, n, 0, 0, 0);
-    struct am_tensor m = am_tensor_view(o->m_mem, dev, AM_T_F32, n, 0, 0, 0);
-    struct am_tensor v = am_tensor_view(o->v_mem, dev, AM_T_F32, n, 0, 0, 0);
+    struct am_tensor p = am_tensor_view(params, dev, AM_F32, n, 0, 0, 0);
+    struct am_tensor g = am_tensor_view((void *)grads, dev, AM_F32, n, 0, 0, 0);
+    struct am_tensor m = am_tensor_view(o->m_mem, dev, AM_F32, n, 0, 0, 0);
+    struct am_tensor v = am_tensor_view(o->v_mem, dev, AM_F32, n, 0, 0, 0);
     o->step++;
     o->dev->k->adamw(o->dev, &p, &g, &m, &v, lr, o->beta1, o->beta2, o->eps, o->weight_decay, o->step);
 }

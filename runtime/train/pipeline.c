@@ -14,7 +14,7 @@ static void shard_of(const struct am_pipe *P, const struct am_plan *p, const str
 {
     *sh = (struct am_model_shard){.tp = p->tp, .tp_rank = c->tp, .sequence_parallel = r->dist.sequence_parallel,
                                   .recompute = r->dist.activation_checkpointing,
-                                  .compute = r->compute_dtype == AM_DTYPE_BF16 ? AM_T_BF16 : AM_T_F32};
+                                  .compute = r->compute_dtype};
     for (int s = 0; s < p->n_stages; s++) {
         const struct am_stage *st = &p->stages[s];
         if (st->pp_rank != c->pp)
@@ -61,8 +61,8 @@ int am_pipe_bind(struct am_pipe *P, const struct am_model *m, int64_t batch, str
     P->fwd = fwd;
     P->bwd = bwd;
     P->hidden = am_model_hidden_elems(m, batch);
-    P->elem = am_tdtype_size(m->act_dt);
-    P->dtype = m->act_dt == AM_T_BF16 ? AM_BF16 : AM_F32;
+    P->elem = am_dtype_size(m->act_dt);
+    P->dtype = m->act_dt;
     if (P->pp == 1)
         return 0;
     P->n_bufs = P->v == 1 ? P->slots[0] : P->v * P->n_micro;

@@ -28,7 +28,7 @@ struct am_pipe {
     int slots[AM_MAX_CHUNKS];        /* per chunk: am_pipe_slots */
     size_t hidden;                   /* elements of one hidden state (am_model_hidden_elems) */
     size_t elem;                     /* bytes of one element (the model's compute dtype) */
-    enum am_comm_dtype dtype;        /* the same, as the communicators name it */
+    enum am_dtype dtype;             /* the model's compute dtype, which elem is the size of */
     char *recv_buf;                  /* one hidden state, consumed by the model at once */
     int n_bufs;                      /* hidden states sent each way: slots (one chunk), or
                                         v * n_micro (interleaved), see buf_of in pipeline.c */

@@ -59,7 +59,7 @@ static int check_supported(const struct am_plan *p, const struct am_recipe *r, s
     if (p->cp > 1 || p->ep > 1)
         return am_errors_fail(err, "am-train does not run this layout yet: cp_size %d, ep_size %d (it runs data, "
                               "tensor and pipeline parallelism: use 1 for both)", p->cp, p->ep);
-    if (r->compute_dtype == AM_DTYPE_FP16 || r->reduce_dtype == AM_DTYPE_FP16)
+    if (r->compute_dtype == AM_F16 || r->reduce_dtype == AM_F16)
         return am_errors_fail(err, "distributed.mp_policy: float16 compute or reduction needs loss scaling, which "
                               "am-train does not do: use bfloat16 (fp32's range in half the bytes) or float32");
     return 0;
@@ -96,15 +96,15 @@ static int build_comms(struct trainer *t, struct am_errors *err)
 static void log_memory(struct trainer *t)
 {
     const struct am_model *m = &t->model;
-    size_t n = m->n_elems, lp = m->param_lp_mem ? am_tdtype_size(m->act_dt) : 0;
-    size_t glp = t->sync.lp_mem ? am_tdtype_size(t->sync.reduce) : 0;
+    size_t n = m->n_elems, lp = m->param_lp_mem ? am_dtype_size(m->act_dt) : 0;
+    size_t glp = t->sync.lp_mem ? am_dtype_size(t->sync.reduce) : 0;
     json_t *o = json_pack("{s:I,s:I,s:I,s:I,s:I,s:I,s:i,s:i,s:b}", "param_bytes", (json_int_t)(n * sizeof(float)),
                           "weights_bytes", (json_int_t)(n * (sizeof(float) + lp)), "grads_bytes",
                           (json_int_t)(n * (sizeof(float) + glp)), "optimizer_bytes", (json_int_t)(n * 2 * sizeof(float)),
                           "act_bytes", (json_int_t)m->act_bytes, "pipe_bytes", (json_int_t)am_pipe_bytes(&t->pipe),
                           "slots", m->n_slots, "peak_micro", am_pipe_peak(t->pipe.actions, t->pipe.n_actions),
                           "recompute", m->sh.recompute);
-    json_object_set_new(o, "compute_dtype", json_string(m->act_dt == AM_T_BF16 ? "bfloat16" : "float32"));
+    json_object_set_new(o, "compute_dtype", json_string(am_dtype_torch_name(m->act_dt)));
     am_log_record(&t->log, "memory", o);
 }
 
@@ -451,7 +451,7 @@ static int run(struct trainer *t, struct am_errors *err)
             return -1;
         if (r->optim.max_grad_norm > 0) {
             double coef = r->optim.max_grad_norm / (norm + 1e-6);
-            struct am_tensor g = am_tensor_view(m->grad_mem, t->dev.device, AM_T_F32, (int64_t)m->n_elems, 0, 0, 0);
+            struct am_tensor g = am_tensor_view(m->grad_mem, t->dev.device, AM_F32, (int64_t)m->n_elems, 0, 0, 0);
             if (coef < 1.0)
                 t->K->scale(&t->dev, &g, (float)coef);
         }
@@ -560,7 +560,7 @@ int am_train(struct am_rank_setup *s, struct am_errors *err)
         goto out;
     }
     if (am_gsync_init(&t.sync, &t.model, t.p->dp > 1 ? t.g.dp : NULL, grad_overlap(),
-                      t.r->reduce_dtype == AM_DTYPE_BF16 ? AM_T_BF16 : AM_T_F32, msg, sizeof(msg)) < 0) {
+                      t.r->reduce_dtype, msg, sizeof(msg)) < 0) {
         am_errors_fail(err, "%s", msg);
         goto out;
     }

@@ -113,7 +113,7 @@ static float *read_whole(struct run *r, const struct am_ckpt *c, const char *nam
     const struct am_st_info *info = am_ckpt_find(c, name, NULL);
     if (!check(r, info != NULL, "%s: no tensor %s", am_ckpt_dir(c), name))
         return NULL;
-    struct am_tensor t = {.device = AM_DEV_CPU, .dtype = AM_T_F32, .ndim = info->ndim};
+    struct am_tensor t = {.device = AM_DEV_CPU, .dtype = AM_F32, .ndim = info->ndim};
     memcpy(t.shape, info->shape, (size_t)info->ndim * sizeof(int64_t));
     *numel = info->numel;
     t.data = malloc((size_t)info->numel * sizeof(float) + 1);

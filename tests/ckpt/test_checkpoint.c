@@ -52,7 +52,7 @@ static void check_weights(const char *dir, const struct weights *w, int64_t rows
     assert_int_equal(am_ckpt_count(c), w->n);
     float *buf = malloc((size_t)(rows * cols) * sizeof(float));
     for (size_t k = 0; k < w->n; k++) {
-        struct am_tensor dst = am_tensor_view(buf, AM_DEV_CPU, AM_T_F32, rows, cols, 0, 0);
+        struct am_tensor dst = am_tensor_view(buf, AM_DEV_CPU, AM_F32, rows, cols, 0, 0);
         assert_int_equal(am_ckpt_read(c, w->names[k], NULL, &dst, &err), 0);
         assert_memory_equal(buf, w->data[k], (size_t)(rows * cols) * sizeof(float));
     }
@@ -83,40 +83,40 @@ static void test_read_reference_and_slices(void **state)
     assert_string_equal(am_st_path(file), pathf("%s/model.safetensors", dir));
 
     float all[12], rows[6], cols[8], one[4];
-    struct am_tensor t = am_tensor_view(all, AM_DEV_CPU, AM_T_F32, 4, 3, 0, 0);
+    struct am_tensor t = am_tensor_view(all, AM_DEV_CPU, AM_F32, 4, 3, 0, 0);
     assert_int_equal(am_ckpt_read(c, name, NULL, &t, &err), 0);
     for (int i = 0; i < 12; i++)
         assert_true(all[i] == 10.0f * (float)(i / 3) + (float)(i % 3));
     /* rows [1, 3): a tensor-parallel shard of a column-parallel weight */
     struct am_ckpt_slice s = am_ckpt_rows(1, 3);
-    t = am_tensor_view(rows, AM_DEV_CPU, AM_T_F32, 2, 3, 0, 0);
+    t = am_tensor_view(rows, AM_DEV_CPU, AM_F32, 2, 3, 0, 0);
     assert_int_equal(am_ckpt_read(c, name, &s, &t, &err), 0);
     const float want_rows[6] = {10, 11, 12, 20, 21, 22};
     assert_memory_equal(rows, want_rows, sizeof(want_rows));
     /* columns [1, 3): a row-parallel weight */
     s = am_ckpt_cols(1, 3);
-    t = am_tensor_view(cols, AM_DEV_CPU, AM_T_F32, 4, 2, 0, 0);
+    t = am_tensor_view(cols, AM_DEV_CPU, AM_F32, 4, 2, 0, 0);
     assert_int_equal(am_ckpt_read(c, name, &s, &t, &err), 0);
     const float want_cols[8] = {1, 2, 11, 12, 21, 22, 31, 32};
     assert_memory_equal(cols, want_cols, sizeof(want_cols));
     /* a 1-d slice of a bf16 tensor into fp32, and an fp32 tensor into bf16 */
     s = am_ckpt_rows(0, 1);
-    t = am_tensor_view(one, AM_DEV_CPU, AM_T_F32, 1, 3, 0, 0);
+    t = am_tensor_view(one, AM_DEV_CPU, AM_F32, 1, 3, 0, 0);
     assert_int_equal(am_ckpt_read(c, "bf16", &s, &t, &err), 0);
     assert_true(one[0] == 1.0f && one[1] == -3.140625f && one[2] == 0x1p-133f);
     uint16_t half[12];
-    t = am_tensor_view(half, AM_DEV_CPU, AM_T_BF16, 4, 3, 0, 0);
+    t = am_tensor_view(half, AM_DEV_CPU, AM_BF16, 4, 3, 0, 0);
     assert_int_equal(am_ckpt_read(c, name, NULL, &t, &err), 0);
     assert_int_equal(half[4], am_f32_to_bf16(11.0f));
     expect_no_error(&err);
 
     /* errors name the file, the tensor and both shapes */
-    t = am_tensor_view(all, AM_DEV_CPU, AM_T_F32, 3, 4, 0, 0);
+    t = am_tensor_view(all, AM_DEV_CPU, AM_F32, 3, 4, 0, 0);
     assert_int_equal(am_ckpt_read(c, name, NULL, &t, &err), -1);
     expect_error(&err, "%s/model.safetensors: tensor '%s': the checkpoint holds [4, 3], but the model expects [3, 4] "
                  "(does config.json match the weights?)", dir, name);
     s = am_ckpt_rows(2, 4);
-    t = am_tensor_view(all, AM_DEV_CPU, AM_T_F32, 2, 4, 0, 0);
+    t = am_tensor_view(all, AM_DEV_CPU, AM_F32, 2, 4, 0, 0);
     assert_int_equal(am_ckpt_read(c, name, &s, &t, &err), -1);
     expect_error(&err, "%s/model.safetensors: tensor '%s': the checkpoint holds [4, 3], rows [2, 4) of it are [2, 3], "
                  "but the model expects [2, 4] (does config.json match the weights?)", dir, name);
@@ -127,10 +127,10 @@ static void test_read_reference_and_slices(void **state)
     assert_int_equal(am_ckpt_read(c, "lm_head.weight", NULL, &t, &err), -1);
     expect_error(&err, "%s: no tensor 'lm_head.weight' in the checkpoint (does config.json match the weights? "
                  "tie_word_embeddings and the model type decide which tensors exist)", dir);
-    t = am_tensor_view(all, AM_DEV_CPU, AM_T_F32, 6, 0, 0, 0);
+    t = am_tensor_view(all, AM_DEV_CPU, AM_F32, 6, 0, 0, 0);
     assert_int_equal(am_ckpt_read(c, "f16", NULL, &t, &err), 0);
     assert_true(all[3] == 65504.0f);
-    t = am_tensor_view(all, AM_DEV_CPU, AM_T_I32, 6, 0, 0, 0);
+    t = am_tensor_view(all, AM_DEV_CPU, AM_I32, 6, 0, 0, 0);
     assert_int_equal(am_ckpt_read(c, "f16", NULL, &t, &err), -1);
     expect_error(&err, "%s/model.safetensors: tensor 'f16': am reads checkpoints into host fp32, bf16 or fp16 tensors "
                  "(read into a host staging buffer, then copy to the device)", dir);
@@ -331,7 +331,7 @@ static void test_save_sharded(void **state)
     assert_int_equal(am_ckpt_open(d, &c, &err), 0);
     float part[4];
     struct am_ckpt_slice s = am_ckpt_rows(5, 6);
-    struct am_tensor t = am_tensor_view(part, AM_DEV_CPU, AM_T_F32, 1, 4, 0, 0);
+    struct am_tensor t = am_tensor_view(part, AM_DEV_CPU, AM_F32, 1, 4, 0, 0);
     assert_int_equal(am_ckpt_read(c, "w.3", &s, &t, &err), 0);
     assert_true(part[0] == 3050.0f && part[3] == 3053.0f);
     am_ckpt_close(c);

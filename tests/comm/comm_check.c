@@ -104,7 +104,7 @@ static uint64_t salt_of(int a, int b, int c, int d, int e)
 
 /* The value global rank `grank` contributes at index i of test `salt`, exactly representable
  * in t. */
-static double input(enum am_comm_dtype t, int grank, uint64_t salt, size_t i)
+static double input(enum am_dtype t, int grank, uint64_t salt, size_t i)
 {
     uint64_t h = mix(salt ^ mix(((uint64_t)grank << 40) ^ (uint64_t)i));
     double u = (double)(h >> 11) * 0x1.0p-53 * 2.0 - 1.0; /* [-1, 1) */
@@ -114,11 +114,12 @@ static double input(enum am_comm_dtype t, int grank, uint64_t salt, size_t i)
     case AM_F16: return (double)am_f16_to_f32(am_f32_to_f16((float)u));
     case AM_I32: return (double)((int64_t)(h % 2000001) - 1000000);
     case AM_I64: return (double)((int64_t)(h % (1ull << 41)) - (int64_t)(1ull << 40));
+    case AM_F64: return u;
     }
     return 0;
 }
 
-static void put_val(void *buf, enum am_comm_dtype t, size_t i, double v)
+static void put_val(void *buf, enum am_dtype t, size_t i, double v)
 {
     switch (t) {
     case AM_F32: ((float *)buf)[i] = (float)v; break;
@@ -126,10 +127,11 @@ static void put_val(void *buf, enum am_comm_dtype t, size_t i, double v)
     case AM_F16: ((uint16_t *)buf)[i] = am_f32_to_f16((float)v); break;
     case AM_I32: ((int32_t *)buf)[i] = (int32_t)v; break;
     case AM_I64: ((int64_t *)buf)[i] = (int64_t)v; break;
+    case AM_F64: ((double *)buf)[i] = v; break;
     }
 }
 
-static double get_val(const void *buf, enum am_comm_dtype t, size_t i)
+static double get_val(const void *buf, enum am_dtype t, size_t i)
 {
     switch (t) {
     case AM_F32: return ((const float *)buf)[i];
@@ -137,30 +139,32 @@ static double get_val(const void *buf, enum am_comm_dtype t, size_t i)
     case AM_F16: return am_f16_to_f32(((const uint16_t *)buf)[i]);
     case AM_I32: return ((const int32_t *)buf)[i];
     case AM_I64: return (double)((const int64_t *)buf)[i];
+    case AM_F64: return ((const double *)buf)[i];
     }
     return 0;
 }
 
-static void fill(void *buf, enum am_comm_dtype t, int grank, uint64_t salt, size_t from, size_t n)
+static void fill(void *buf, enum am_dtype t, int grank, uint64_t salt, size_t from, size_t n)
 {
     for (size_t i = 0; i < n; i++)
         put_val(buf, t, i, input(t, grank, salt, from + i));
 }
 
-static double unit_roundoff(enum am_comm_dtype t)
+static double unit_roundoff(enum am_dtype t)
 {
     switch (t) {
     case AM_F32: return 0x1.0p-24;
     case AM_BF16: return 0x1.0p-8;
     case AM_F16: return 0x1.0p-11;
+    case AM_F64: return 0x1.0p-52; /* twice fp64's: the reference's sum (in double) rounds too */
     default: return 0;
     }
 }
 
-static int is_float(enum am_comm_dtype t) { return t == AM_F32 || t == AM_BF16 || t == AM_F16; }
+static int is_float(enum am_dtype t) { return t == AM_F32 || t == AM_BF16 || t == AM_F16 || t == AM_F64; }
 
 /* The reduction over every group rank's input at index i; *tol receives the tolerance. */
-static double reference(const struct am_comm *c, enum am_comm_dtype t, enum am_comm_op op, uint64_t salt, size_t i,
+static double reference(const struct am_comm *c, enum am_dtype t, enum am_comm_op op, uint64_t salt, size_t i,
                         double *tol)
 {
     int p = am_comm_size(c);
@@ -264,7 +268,7 @@ static int checked(size_t i, size_t n)
 }
 
 /* Compares n elements of got against the reduction reference starting at index from. */
-static void check_reduced(struct check *k, const struct am_comm *c, const char *what, enum am_comm_dtype t,
+static void check_reduced(struct check *k, const struct am_comm *c, const char *what, enum am_dtype t,
                           enum am_comm_op op, uint64_t salt, const void *got, size_t from, size_t n)
 {
     k->checks++;
@@ -274,19 +278,19 @@ static void check_reduced(struct check *k, const struct am_comm *c, const char *
         double tol, ref = reference(c, t, op, salt, from + i, &tol), v = get_val(got, t, i);
         if (!(fabs(v - ref) <= tol)) {
             failf(k, "%s %s %s: element %zu: got %.9g, expected %.9g (tolerance %.3g)", what, op_str(op),
-                  am_comm_dtype_name(t), from + i, v, ref, tol);
+                  am_dtype_name(t), from + i, v, ref, tol);
             return;
         }
     }
 }
 
-static void check_inputs(struct check *k, const char *what, enum am_comm_dtype t, int grank, uint64_t salt,
+static void check_inputs(struct check *k, const char *what, enum am_dtype t, int grank, uint64_t salt,
                          const void *got, size_t from, size_t n, const char *where)
 {
     for (size_t i = 0; i < n; i++) {
         double ref = input(t, grank, salt, from + i), v = get_val(got, t, i);
         if (v != ref) {
-            failf(k, "%s %s: %s element %zu: got %.9g, expected %.9g (rank %d's input)", what, am_comm_dtype_name(t),
+            failf(k, "%s %s: %s element %zu: got %.9g, expected %.9g (rank %d's input)", what, am_dtype_name(t),
                   where, i, v, ref, grank);
             return;
         }
@@ -340,10 +344,10 @@ static void *xmalloc(size_t n)
     return p;
 }
 
-static void test_allreduce(struct check *k, struct am_comm *c, enum am_comm_dtype t, enum am_comm_op op, size_t n,
+static void test_allreduce(struct check *k, struct am_comm *c, enum am_dtype t, enum am_comm_op op, size_t n,
                            int in_place, uint64_t salt)
 {
-    size_t es = am_comm_dtype_size(t), bytes = n * es;
+    size_t es = am_dtype_size(t), bytes = n * es;
     char what[96];
     snprintf(what, sizeof(what), "allreduce%s n=%zu", in_place ? " (in place)" : "", n);
     char *h = xmalloc(bytes), *out = xmalloc(bytes);
@@ -366,7 +370,7 @@ static void test_allreduce(struct check *k, struct am_comm *c, enum am_comm_dtyp
         to_host(out, ds, bytes);
         k->checks++;
         if (memcmp(out, h, bytes) != 0)
-            failf(k, "%s %s: the send buffer changed", what, am_comm_dtype_name(t));
+            failf(k, "%s %s: the send buffer changed", what, am_dtype_name(t));
     }
     if (n) {
         to_host(out, dr, bytes);
@@ -379,11 +383,11 @@ static void test_allreduce(struct check *k, struct am_comm *c, enum am_comm_dtyp
         dev_free(dr);
 }
 
-static void test_reduce_scatter(struct check *k, struct am_comm *c, enum am_comm_dtype t, enum am_comm_op op,
+static void test_reduce_scatter(struct check *k, struct am_comm *c, enum am_dtype t, enum am_comm_op op,
                                 size_t n, int in_place, uint64_t salt)
 {
     int p = am_comm_size(c), r = am_comm_rank(c);
-    size_t es = am_comm_dtype_size(t), full = n * (size_t)p * es;
+    size_t es = am_dtype_size(t), full = n * (size_t)p * es;
     char what[96];
     snprintf(what, sizeof(what), "reduce_scatter%s n=%zu", in_place ? " (in place)" : "", n);
     char *h = xmalloc(full), *out = xmalloc(full);
@@ -398,7 +402,7 @@ static void test_reduce_scatter(struct check *k, struct am_comm *c, enum am_comm
         to_host(out, ds, full);
         k->checks++;
         if (memcmp(out, h, full) != 0)
-            failf(k, "%s %s: the send buffer changed", what, am_comm_dtype_name(t));
+            failf(k, "%s %s: the send buffer changed", what, am_dtype_name(t));
         dev_free(dr);
     }
     free(h);
@@ -406,11 +410,11 @@ static void test_reduce_scatter(struct check *k, struct am_comm *c, enum am_comm
     dev_free(ds);
 }
 
-static void test_allgather(struct check *k, struct am_comm *c, enum am_comm_dtype t, size_t n, int in_place,
+static void test_allgather(struct check *k, struct am_comm *c, enum am_dtype t, size_t n, int in_place,
                            uint64_t salt)
 {
     int p = am_comm_size(c), r = am_comm_rank(c);
-    size_t es = am_comm_dtype_size(t), full = n * (size_t)p * es;
+    size_t es = am_dtype_size(t), full = n * (size_t)p * es;
     char what[96];
     snprintf(what, sizeof(what), "allgather%s n=%zu", in_place ? " (in place)" : "", n);
     char *h = xmalloc(n * es), *out = xmalloc(full);
@@ -432,9 +436,9 @@ static void test_allgather(struct check *k, struct am_comm *c, enum am_comm_dtyp
     dev_free(dr);
 }
 
-static void test_broadcast(struct check *k, struct am_comm *c, enum am_comm_dtype t, size_t n, int root, uint64_t salt)
+static void test_broadcast(struct check *k, struct am_comm *c, enum am_dtype t, size_t n, int root, uint64_t salt)
 {
-    size_t es = am_comm_dtype_size(t), bytes = n * es;
+    size_t es = am_dtype_size(t), bytes = n * es;
     char what[96];
     snprintf(what, sizeof(what), "broadcast n=%zu root=%d", n, root);
     char *h = xmalloc(bytes);
@@ -459,10 +463,10 @@ static size_t a2a_count(int i, int j, size_t n, uint64_t salt)
     return (size_t)((mix(salt + (uint64_t)i * 131 + (uint64_t)j) % 4) * n / 2);
 }
 
-static void test_alltoallv(struct check *k, struct am_comm *c, enum am_comm_dtype t, size_t n, uint64_t salt)
+static void test_alltoallv(struct check *k, struct am_comm *c, enum am_dtype t, size_t n, uint64_t salt)
 {
     int p = am_comm_size(c), r = am_comm_rank(c);
-    size_t es = am_comm_dtype_size(t);
+    size_t es = am_dtype_size(t);
     char what[96];
     snprintf(what, sizeof(what), "alltoallv n=%zu", n);
     size_t *sc = xmalloc((size_t)p * sizeof(size_t)), *sd = xmalloc((size_t)p * sizeof(size_t));
@@ -511,7 +515,7 @@ static void test_alltoallv(struct check *k, struct am_comm *c, enum am_comm_dtyp
 
 /* send/recv: a ring shift (even ranks send first) and a chain 0 -> 1 -> ... -> p-1 of several
  * messages, in which ranks make different numbers of calls on the group. */
-static void test_p2p(struct check *k, struct am_comm *c, enum am_comm_dtype t, const size_t *sizes, int n_sizes,
+static void test_p2p(struct check *k, struct am_comm *c, enum am_dtype t, const size_t *sizes, int n_sizes,
                      uint64_t salt)
 {
     int p = am_comm_size(c), r = am_comm_rank(c);
@@ -521,7 +525,7 @@ static void test_p2p(struct check *k, struct am_comm *c, enum am_comm_dtype t, c
             failf(k, "send to itself was accepted (or said: %s)", am_comm_error(c));
         return;
     }
-    size_t es = am_comm_dtype_size(t);
+    size_t es = am_dtype_size(t);
     int right = (r + 1) % p, left = (r + p - 1) % p;
     for (int s = 0; s < n_sizes; s++) {
         size_t n = sizes[s], bytes = n * es;
@@ -576,7 +580,7 @@ static void test_bad_arguments(struct check *k, struct am_comm *c)
     int x = 0;
     uint64_t seq = am_comm_seq(c);
     k->checks++;
-    if (am_allreduce(c, &x, &x, 1, (enum am_comm_dtype)42, AM_SUM) == 0 || !strstr(am_comm_error(c), "dtype 42"))
+    if (am_allreduce(c, &x, &x, 1, (enum am_dtype)42, AM_SUM) == 0 || !strstr(am_comm_error(c), "dtype 42"))
         failf(k, "a bad dtype was accepted (or said: %s)", am_comm_error(c));
     if (am_broadcast(c, &x, 1, AM_I32, am_comm_size(c)) == 0 || !strstr(am_comm_error(c), "root"))
         failf(k, "a bad root was accepted (or said: %s)", am_comm_error(c));
@@ -602,28 +606,28 @@ static void *dev_copy_of(char *h, size_t bytes)
 }
 
 /* A host message of n elements of t, rank grank's input for salt, on the device. */
-static void *dev_message(enum am_comm_dtype t, int grank, uint64_t salt, size_t n)
+static void *dev_message(enum am_dtype t, int grank, uint64_t salt, size_t n)
 {
-    size_t bytes = n * am_comm_dtype_size(t);
+    size_t bytes = n * am_dtype_size(t);
     char *h = xmalloc(bytes);
     fill(h, t, grank, salt, 0, n);
     return dev_copy_of(h, bytes);
 }
 
 /* A device buffer of n elements of t, filled with 0x5a bytes. */
-static void *dev_blank(enum am_comm_dtype t, size_t n)
+static void *dev_blank(enum am_dtype t, size_t n)
 {
-    size_t bytes = n * am_comm_dtype_size(t);
+    size_t bytes = n * am_dtype_size(t);
     char *h = xmalloc(bytes);
     memset(h, 0x5a, bytes);
     return dev_copy_of(h, bytes);
 }
 
 /* Device buffer d (n elements of t) must hold group rank `from`'s input for salt. Frees d. */
-static void check_message(struct check *k, const struct am_comm *c, const char *what, enum am_comm_dtype t, size_t n,
+static void check_message(struct check *k, const struct am_comm *c, const char *what, enum am_dtype t, size_t n,
                           int from, uint64_t salt, void *d)
 {
-    size_t bytes = n * am_comm_dtype_size(t);
+    size_t bytes = n * am_dtype_size(t);
     char *h = xmalloc(bytes);
     to_host(h, d, bytes);
     k->checks++;
@@ -633,7 +637,7 @@ static void check_message(struct check *k, const struct am_comm *c, const char *
 }
 
 /* Receives n elements of t from group rank `from` and compares them with that rank's input. */
-static void recv_checked(struct check *k, struct am_comm *c, const char *what, enum am_comm_dtype t, size_t n,
+static void recv_checked(struct check *k, struct am_comm *c, const char *what, enum am_dtype t, size_t n,
                          int from, uint64_t salt)
 {
     void *d = dev_blank(t, n);
@@ -665,8 +669,8 @@ static void check_flight(struct check *k, const struct am_comm *c, const char *w
 static void test_isend_ring(struct check *k, struct am_comm *c, uint64_t salt)
 {
     int p = am_comm_size(c), r = am_comm_rank(c), right = (r + 1) % p, left = (r + p - 1) % p;
-    const enum am_comm_dtype t = AM_F32;
-    size_t n = k->isend_bytes / am_comm_dtype_size(t);
+    const enum am_dtype t = AM_F32;
+    size_t n = k->isend_bytes / am_dtype_size(t);
     char what[96];
     snprintf(what, sizeof(what), "isend ring n=%zu", n);
     void *d = dev_message(t, k->info.rank, salt, n), *in = dev_blank(t, n);
@@ -695,7 +699,7 @@ static void test_isend_ring(struct check *k, struct am_comm *c, uint64_t salt)
  * to back (taken in the wrong order they would still fit, and their values would differ). */
 static const struct {
     size_t n;
-    enum am_comm_dtype t;
+    enum am_dtype t;
 } pipe_msgs[] = {
     {1, AM_F32},     {0, AM_BF16},   {300000, AM_F16}, {300000, AM_F16}, {7, AM_I64},    {70000, AM_F32},
     {1 << 19, AM_BF16}, {5, AM_I32}, {300000, AM_I32}, {0, AM_I64},      {20000, AM_F32}, {3, AM_BF16},
@@ -754,7 +758,7 @@ static void test_isend_mixed(struct check *k, struct am_comm *c, uint64_t salt)
 {
     int p = am_comm_size(c), r = am_comm_rank(c);
     const size_t n[3] = {(size_t)300000, (size_t)200000, (size_t)9};
-    const enum am_comm_dtype t[3] = {AM_I32, AM_I32, AM_I64};
+    const enum am_dtype t[3] = {AM_I32, AM_I32, AM_I64};
     void *d[3] = {0};
     if (r < p - 1) {
         uint64_t sent0 = c->sent[r + 1];
@@ -823,8 +827,8 @@ static int group_rank_of(const struct am_comm *c, int g)
 static void test_isend_cross(struct check *k, struct am_comm *fwd, struct am_comm *bwd)
 {
     int p = am_comm_size(fwd), r = k->info.rank;
-    const enum am_comm_dtype t = AM_I64;
-    size_t n = k->isend_bytes / am_comm_dtype_size(t);
+    const enum am_dtype t = AM_I64;
+    size_t n = k->isend_bytes / am_dtype_size(t);
     uint64_t salt = salt_of(13, 0, 0, 0, 0);
     k->gname = "world+rev";
     if (p == 1)
@@ -860,8 +864,8 @@ static void test_isend_cross(struct check *k, struct am_comm *fwd, struct am_com
  * am_comm_ctx_fini, and the entry's id in *id (0: none). */
 static void *isend_left_pending(struct check *k, struct am_comm *world, uint64_t *id)
 {
-    const enum am_comm_dtype t = AM_I32;
-    size_t n = k->isend_bytes / am_comm_dtype_size(t);
+    const enum am_dtype t = AM_I32;
+    size_t n = k->isend_bytes / am_dtype_size(t);
     uint64_t salt = salt_of(14, 0, 0, 0, 0);
     void *d = NULL;
     *id = 0;
@@ -889,7 +893,7 @@ static const char *const nb_names[] = {"iallreduce", "ireduce_scatter", "iallgat
 /* One non-blocking call and the bits the blocking call gave for the same inputs. */
 struct nb_op {
     int kind;
-    enum am_comm_dtype t;
+    enum am_dtype t;
     enum am_comm_op op;
     size_t n;                   /* allreduce: elements; the others: per rank */
     int in_place;
@@ -923,7 +927,7 @@ static int nb_start(struct am_comm *c, struct nb_op *o)
  * inputs for the non-blocking one. */
 static void nb_prepare(struct check *k, struct am_comm *c, struct nb_op *o)
 {
-    size_t p = (size_t)am_comm_size(c), r = (size_t)am_comm_rank(c), es = am_comm_dtype_size(o->t);
+    size_t p = (size_t)am_comm_size(c), r = (size_t)am_comm_rank(c), es = am_dtype_size(o->t);
     size_t in = o->kind == NB_REDUCE_SCATTER ? o->n * p : o->n, out = o->kind == NB_ALLGATHER ? o->n * p : o->n;
     o->in_bytes = in * es;
     o->out_bytes = out * es;
@@ -965,7 +969,7 @@ static void nb_check(struct check *k, struct nb_op *o, const char *how)
     k->checks++;
     if (memcmp(got, o->ref, o->out_bytes) != 0)
         failf(k, "%s%s n=%zu %s %s (%s): the result differs from the blocking call's bits", nb_names[o->kind],
-              o->in_place ? " (in place)" : "", o->n, am_comm_dtype_name(o->t), op_str(o->op), how);
+              o->in_place ? " (in place)" : "", o->n, am_dtype_name(o->t), op_str(o->op), how);
     free(got);
     free(o->ref);
     dev_free(o->dbuf);
@@ -986,7 +990,7 @@ static void nb_issue(struct check *k, struct am_comm *c, struct nb_op *o)
 
 /* Every op x dtype x edge size on its own: started, then waited for, against the blocking
  * bits; the flight entry is "posted" until the wait and completed after. */
-static void test_nb_single(struct check *k, struct am_comm *c, enum am_comm_dtype t, const size_t *sizes, int ns,
+static void test_nb_single(struct check *k, struct am_comm *c, enum am_dtype t, const size_t *sizes, int ns,
                            int di)
 {
     static const enum am_comm_op ops[] = {AM_SUM, AM_MAX, AM_AVG};
@@ -1022,7 +1026,7 @@ static void test_nb_arguments(struct check *k, struct am_comm *c)
     struct am_comm_req *q = (struct am_comm_req *)&x;
     uint64_t seq = am_comm_seq(c);
     k->checks++;
-    if (am_iallreduce(c, &x, &x, 1, (enum am_comm_dtype)42, AM_SUM, &q) == 0 || q ||
+    if (am_iallreduce(c, &x, &x, 1, (enum am_dtype)42, AM_SUM, &q) == 0 || q ||
         !strstr(am_comm_error(c), "iallreduce on group") || !strstr(am_comm_error(c), "dtype 42"))
         failf(k, "a bad dtype was accepted by iallreduce (or said: %s)", am_comm_error(c));
     if (am_iallgather(c, NULL, &x, 1, AM_I32, &q) == 0 || !strstr(am_comm_error(c), "NULL"))
@@ -1042,7 +1046,7 @@ static void test_nb_arguments(struct check *k, struct am_comm *c)
 static void test_nb_many(struct check *k, struct am_comm *c, int how, uint64_t salt)
 {
     static const char *const hows[] = {"waited in order", "waited in reverse", "polled with test", "wait_all"};
-    static const enum am_comm_dtype ts[N_NB] = {AM_F32, AM_BF16, AM_I64, AM_F32, AM_F16, AM_I32, AM_F32};
+    static const enum am_dtype ts[N_NB] = {AM_F32, AM_BF16, AM_I64, AM_F32, AM_F16, AM_I32, AM_F32};
     int p = am_comm_size(c);
     size_t big = k->big_bytes / 4 / (size_t)p + 5;
     const size_t ns[N_NB] = {big * (size_t)p, 7, 1000, big, 0, (size_t)(33 << 10), 3};
@@ -1257,11 +1261,11 @@ static void run_group(struct check *k, struct am_comm *c, int is_world)
     int p = am_comm_size(c);
     k->gname = am_comm_name(c);
     test_bad_arguments(k, c);
-    static const enum am_comm_dtype dtypes[] = {AM_F32, AM_BF16, AM_F16, AM_I32, AM_I64};
+    static const enum am_dtype dtypes[] = {AM_F32, AM_BF16, AM_F16, AM_I32, AM_I64, AM_F64};
     static const enum am_comm_op ops[] = {AM_SUM, AM_MAX, AM_AVG};
-    for (int di = 0; di < 5; di++) {
-        enum am_comm_dtype t = dtypes[di];
-        size_t es = am_comm_dtype_size(t);
+    for (int di = 0; di < 6; di++) {
+        enum am_dtype t = dtypes[di];
+        size_t es = am_dtype_size(t);
         size_t sizes[10];
         int ns = 0;
         sizes[ns++] = 0;

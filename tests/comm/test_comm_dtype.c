@@ -156,14 +156,18 @@ static void test_f16_rounding(void **state)
     assert_int_equal(am_f32_to_f16(0x1.8p-24f), 0x0002);  /* 1.5 steps: tie to even (2) */
 }
 
-static int nan_at(const unsigned char *p, enum am_comm_dtype t, size_t i)
+static int nan_at(const unsigned char *p, enum am_dtype t, size_t i)
 {
     uint16_t h;
     float f;
+    double d;
     switch (t) {
     case AM_F32:
         memcpy(&f, p + 4 * i, 4);
         return isnan(f);
+    case AM_F64:
+        memcpy(&d, p + 8 * i, 8);
+        return isnan(d);
     case AM_BF16:
         memcpy(&h, p + 2 * i, 2);
         return isnan(am_bf16_to_f32(h));
@@ -179,7 +183,7 @@ static int nan_at(const unsigned char *p, enum am_comm_dtype t, size_t i)
 static void test_reduce_commutative(void **state)
 {
     (void)state;
-    static const enum am_comm_dtype ts[] = {AM_F32, AM_BF16, AM_F16, AM_I32, AM_I64};
+    static const enum am_dtype ts[] = {AM_F32, AM_BF16, AM_F16, AM_I32, AM_I64, AM_F64};
     enum { N = 4096 };
     static unsigned char a[N * 8], b[N * 8], x[N * 8], y[N * 8];
     for (int i = 0; i < N * 8; i++) {
@@ -192,11 +196,11 @@ static void test_reduce_commutative(void **state)
             memcpy(a + 4 * (i * 7 + j), &special[i], 4);
             memcpy(b + 4 * (i * 7 + j), &special[j], 4);
         }
-    for (int ti = 0; ti < 5; ti++)
+    for (int ti = 0; ti < 6; ti++)
         for (int op = AM_SUM; op <= AM_MAX; op++) {
             am_comm_reduce(x, a, b, N, ts[ti], (enum am_comm_op)op);
             am_comm_reduce(y, b, a, N, ts[ti], (enum am_comm_op)op);
-            size_t es = am_comm_dtype_size(ts[ti]);
+            size_t es = am_dtype_size(ts[ti]);
             for (size_t i = 0; i < N; i++) {
                 if (nan_at(x, ts[ti], i) && nan_at(y, ts[ti], i)) /* NaN payloads may differ */
                     continue;
@@ -236,6 +240,13 @@ static void test_reduce_values(void **state)
     /* in place: out == a */
     am_comm_reduce(la, la, lb, 2, AM_I64, AM_SUM);
     assert_true(la[1] == 2);
+    double da[] = {0.1, -0.0, NAN}, db[] = {0.2, 0.0, 1.0}, dout[3];
+    am_comm_reduce(dout, da, db, 3, AM_F64, AM_SUM);
+    assert_true(dout[0] == 0.1 + 0.2);
+    am_comm_reduce(dout, da, db, 3, AM_F64, AM_MAX);
+    assert_true(dout[0] == 0.2);
+    assert_false(signbit(dout[1]));
+    assert_true(isnan(dout[2]));
 }
 
 static void test_scale(void **state)
@@ -252,8 +263,14 @@ static void test_scale(void **state)
     uint16_t h = am_f32_to_f16(3.0f);
     am_comm_scale(&h, 1, AM_F16, 4);
     assert_true(am_f16_to_f32(h) == 0.75f);
-    assert_int_equal(am_comm_dtype_size(AM_BF16), 2);
-    assert_string_equal(am_comm_dtype_name(AM_I64), "int64");
+    double d[] = {1.0};
+    am_comm_scale(d, 1, AM_F64, 3);
+    assert_true(d[0] == 1.0 / 3.0);
+    assert_int_equal(am_dtype_size(AM_BF16), 2);
+    assert_int_equal(am_dtype_size(AM_F64), 8);
+    assert_string_equal(am_dtype_name(AM_I64), "int64");
+    assert_string_equal(am_dtype_name(AM_F32), "fp32");
+    assert_string_equal(am_dtype_torch_name(AM_BF16), "bfloat16");
 }
 
 int main(void)

@@ -45,7 +45,7 @@ static const struct am_kernels *K; /* kdev.k */
 static double sum_squares(const struct am_tensor *t)
 {
     double acc = 0;
-    struct am_tensor a = am_tensor_view(&acc, AM_DEV_CPU, AM_T_F64, 1, 0, 0, 0);
+    struct am_tensor a = am_tensor_view(&acc, AM_DEV_CPU, AM_F64, 1, 0, 0, 0);
     K->sum_squares(&kdev, &a, t, 1.0);
     return acc;
 }
@@ -53,7 +53,7 @@ static double sum_squares(const struct am_tensor *t)
 static bool all_finite(const struct am_tensor *t)
 {
     int32_t ok = 1;
-    struct am_tensor f = am_tensor_view(&ok, AM_DEV_CPU, AM_T_I32, 1, 0, 0, 0);
+    struct am_tensor f = am_tensor_view(&ok, AM_DEV_CPU, AM_I32, 1, 0, 0, 0);
     K->all_finite(&kdev, &f, t);
     return ok == 1;
 }
@@ -123,12 +123,12 @@ static double *dalloc(int64_t n)
 
 static struct am_tensor tview(struct arr *a, int64_t d0, int64_t d1, int64_t d2, int64_t d3)
 {
-    return am_tensor_view(a->f, AM_DEV_CPU, AM_T_F32, d0, d1, d2, d3);
+    return am_tensor_view(a->f, AM_DEV_CPU, AM_F32, d0, d1, d2, d3);
 }
 
 static struct am_tensor ids_view(int32_t *p, int64_t n)
 {
-    return am_tensor_view(p, AM_DEV_CPU, AM_T_I32, n, 0, 0, 0);
+    return am_tensor_view(p, AM_DEV_CPU, AM_I32, n, 0, 0, 0);
 }
 
 static double max_abs(const double *x, int64_t n)
@@ -265,8 +265,8 @@ static void test_memory(void **state)
     K->upload(&kdev, dev, host, sizeof host);
     K->download(&kdev, back, dev, sizeof host);
     assert_memory_equal(host, back, sizeof host);
-    struct am_tensor a = am_tensor_view(dev, AM_DEV_CPU, AM_T_F32, 37, 0, 0, 0);
-    struct am_tensor b = am_tensor_view(dev2, AM_DEV_CPU, AM_T_F32, 37, 0, 0, 0);
+    struct am_tensor a = am_tensor_view(dev, AM_DEV_CPU, AM_F32, 37, 0, 0, 0);
+    struct am_tensor b = am_tensor_view(dev2, AM_DEV_CPU, AM_F32, 37, 0, 0, 0);
     K->copy(&kdev, &b, &a);
     assert_memory_equal(dev2, host, sizeof host);
     K->zero(&kdev, &a);
@@ -335,13 +335,13 @@ static void test_scalars_and_convert(void **state)
 {
     (void)state;
     float x[3] = {1.0f, -2.0f, 0.5f};
-    struct am_tensor t = am_tensor_view(x, AM_DEV_CPU, AM_T_F32, 3, 0, 0, 0);
+    struct am_tensor t = am_tensor_view(x, AM_DEV_CPU, AM_F32, 3, 0, 0, 0);
     double acc = 1.5;
-    struct am_tensor a = am_tensor_view(&acc, AM_DEV_CPU, AM_T_F64, 1, 0, 0, 0);
+    struct am_tensor a = am_tensor_view(&acc, AM_DEV_CPU, AM_F64, 1, 0, 0, 0);
     K->sum_squares(&kdev, &a, &t, 2.0);
     assert_true(acc == 1.5 + 5.25 / 2.0);
     int32_t flag = 7;
-    struct am_tensor f = am_tensor_view(&flag, AM_DEV_CPU, AM_T_I32, 1, 0, 0, 0);
+    struct am_tensor f = am_tensor_view(&flag, AM_DEV_CPU, AM_I32, 1, 0, 0, 0);
     K->all_finite(&kdev, &f, &t);
     assert_int_equal(flag, 7);
     x[1] = NAN;
@@ -357,9 +357,9 @@ static void test_scalars_and_convert(void **state)
     uint16_t want[6] = {0x3f80, 0x3f81, 0x8000, 0x7f80, 0x7f7f, 0x4040};
     uint16_t bf[6];
     float back[6];
-    struct am_tensor ti = am_tensor_view(in, AM_DEV_CPU, AM_T_F32, 6, 0, 0, 0);
-    struct am_tensor tb = am_tensor_view(bf, AM_DEV_CPU, AM_T_BF16, 6, 0, 0, 0);
-    struct am_tensor tf = am_tensor_view(back, AM_DEV_CPU, AM_T_F32, 6, 0, 0, 0);
+    struct am_tensor ti = am_tensor_view(in, AM_DEV_CPU, AM_F32, 6, 0, 0, 0);
+    struct am_tensor tb = am_tensor_view(bf, AM_DEV_CPU, AM_BF16, 6, 0, 0, 0);
+    struct am_tensor tf = am_tensor_view(back, AM_DEV_CPU, AM_F32, 6, 0, 0, 0);
     K->convert(&kdev, &tb, &ti);
     assert_memory_equal(bf, want, sizeof(want));
     K->convert(&kdev, &tf, &tb);
@@ -372,9 +372,9 @@ static void test_scalars_and_convert(void **state)
     /* f64 <-> f32 */
     double dd = 0.1, d2;
     float ff;
-    struct am_tensor td = am_tensor_view(&dd, AM_DEV_CPU, AM_T_F64, 1, 0, 0, 0);
-    struct am_tensor tff = am_tensor_view(&ff, AM_DEV_CPU, AM_T_F32, 1, 0, 0, 0);
-    struct am_tensor td2 = am_tensor_view(&d2, AM_DEV_CPU, AM_T_F64, 1, 0, 0, 0);
+    struct am_tensor td = am_tensor_view(&dd, AM_DEV_CPU, AM_F64, 1, 0, 0, 0);
+    struct am_tensor tff = am_tensor_view(&ff, AM_DEV_CPU, AM_F32, 1, 0, 0, 0);
+    struct am_tensor td2 = am_tensor_view(&d2, AM_DEV_CPU, AM_F64, 1, 0, 0, 0);
     K->convert(&kdev, &tff, &td);
     assert_true(ff == (float)0.1);
     K->convert(&kdev, &td2, &tff);
@@ -519,8 +519,8 @@ static void test_embedding(void **state)
         /* two shards [0, V0) and [V0, V): the sum of their outputs is the whole table's, exactly */
         struct arr o1 = arr_new(N * C), o2 = arr_new(N * C);
         struct am_tensor to1 = tview(&o1, N, C, 0, 0), to2 = tview(&o2, N, C, 0, 0);
-        struct am_tensor w1 = am_tensor_view(wte.f, AM_DEV_CPU, AM_T_F32, V0, C, 0, 0);
-        struct am_tensor w2 = am_tensor_view(wte.f + V0 * C, AM_DEV_CPU, AM_T_F32, V - V0, C, 0, 0);
+        struct am_tensor w1 = am_tensor_view(wte.f, AM_DEV_CPU, AM_F32, V0, C, 0, 0);
+        struct am_tensor w2 = am_tensor_view(wte.f + V0 * C, AM_DEV_CPU, AM_F32, V - V0, C, 0, 0);
         K->embedding_forward(&kdev, &to1, &tids, &w1, 0);
         K->embedding_forward(&kdev, &to2, &tids, &w2, V0);
         for (int64_t i = 0; i < N * C; i++)
@@ -554,8 +554,8 @@ static void test_embedding(void **state)
         expect_fd("embedding dwte vs derivative of Σ out·R", dw.f, dw0.d, fd, tol, V * C);
         /* sharded backward: each shard's rows equal the unsharded rows, bitwise (same order) */
         struct arr dws = arr_copy(&dw0);
-        struct am_tensor d1 = am_tensor_view(dws.f, AM_DEV_CPU, AM_T_F32, V0, C, 0, 0);
-        struct am_tensor d2 = am_tensor_view(dws.f + V0 * C, AM_DEV_CPU, AM_T_F32, V - V0, C, 0, 0);
+        struct am_tensor d1 = am_tensor_view(dws.f, AM_DEV_CPU, AM_F32, V0, C, 0, 0);
+        struct am_tensor d2 = am_tensor_view(dws.f + V0 * C, AM_DEV_CPU, AM_F32, V - V0, C, 0, 0);
         K->embedding_backward(&kdev, &d1, &tdout, &tids, 0);
         K->embedding_backward(&kdev, &d2, &tdout, &tids, V0);
         expect_bitwise("embedding backward: shards == unsharded", dws.f, dw.f, V * C);
@@ -1342,8 +1342,8 @@ static void test_cross_entropy(void **state)
                    t2 = arr_new(N);
         struct am_tensor tm1 = tview(&m1, N, 0, 0, 0), ts1 = tview(&s1, N, 0, 0, 0), tt1 = tview(&t1, N, 0, 0, 0);
         struct am_tensor tm2 = tview(&m2, N, 0, 0, 0), ts2 = tview(&s2, N, 0, 0, 0), tt2 = tview(&t2, N, 0, 0, 0);
-        struct am_tensor w1 = am_tensor_view(w.f, AM_DEV_CPU, AM_T_F32, V0, C, 0, 0);
-        struct am_tensor w2 = am_tensor_view(w.f + V0 * C, AM_DEV_CPU, AM_T_F32, V - V0, C, 0, 0);
+        struct am_tensor w1 = am_tensor_view(w.f, AM_DEV_CPU, AM_F32, V0, C, 0, 0);
+        struct am_tensor w2 = am_tensor_view(w.f + V0 * C, AM_DEV_CPU, AM_F32, V - V0, C, 0, 0);
         K->ce_stats(&kdev, &tm1, &ts1, &tt1, &tx, &w1, &ttg, 0);
         K->ce_stats(&kdev, &tm2, &ts2, &tt2, &tx, &w2, &ttg, V0);
         struct arr Mc = arr_new(N), Sc = arr_new(N), lsh = arr_new(N), lun = arr_new(N);
@@ -1376,7 +1376,7 @@ static void test_cross_entropy(void **state)
             K->add(&kdev, &ts1, &ts2);
             assert_memory_equal(s1.f, Sc.f, (size_t)N * sizeof(float));
             double acc = 0.25, want = 0.0;
-            struct am_tensor ta = am_tensor_view(&acc, AM_DEV_CPU, AM_T_F64, 1, 0, 0, 0);
+            struct am_tensor ta = am_tensor_view(&acc, AM_DEV_CPU, AM_F64, 1, 0, 0, 0);
             K->ce_loss(&kdev, &ta, &tMc, &ts1, &tT, &ttg);
             for (int64_t i = 0; i < N; i++)
                 if (tg[i] >= 0)
@@ -1464,8 +1464,8 @@ static void test_cross_entropy(void **state)
          * concatenated, equal the unsharded gradients (within both tolerances) */
         struct arr dxa = arr_copy(&dx0), dxb = arr_new(N * C), dws = arr_copy(&dw0);
         struct am_tensor tdxa = tview(&dxa, N, C, 0, 0), tdxb = tview(&dxb, N, C, 0, 0);
-        struct am_tensor dws1 = am_tensor_view(dws.f, AM_DEV_CPU, AM_T_F32, V0, C, 0, 0);
-        struct am_tensor dws2 = am_tensor_view(dws.f + V0 * C, AM_DEV_CPU, AM_T_F32, V - V0, C, 0, 0);
+        struct am_tensor dws1 = am_tensor_view(dws.f, AM_DEV_CPU, AM_F32, V0, C, 0, 0);
+        struct am_tensor dws2 = am_tensor_view(dws.f + V0 * C, AM_DEV_CPU, AM_F32, V - V0, C, 0, 0);
         struct am_tensor tMc = tview(&Mc, N, 0, 0, 0), tSc = tview(&Sc, N, 0, 0, 0);
         K->ce_backward(&kdev, &tdxa, &dws1, &tx, &w1, &ttg, 0, &tMc, &tSc, scale);
         K->ce_backward(&kdev, &tdxb, &dws2, &tx, &w2, &ttg, V0, &tMc, &tSc, scale);
@@ -1655,12 +1655,12 @@ static void bt_free(struct bt *a)
 
 static struct am_tensor hv(struct bt *a, int64_t d0, int64_t d1, int64_t d2, int64_t d3)
 {
-    return am_tensor_view(a->h, AM_DEV_CPU, AM_T_BF16, d0, d1, d2, d3);
+    return am_tensor_view(a->h, AM_DEV_CPU, AM_BF16, d0, d1, d2, d3);
 }
 
 static struct am_tensor fv(struct bt *a, int64_t d0, int64_t d1, int64_t d2, int64_t d3)
 {
-    return am_tensor_view(a->f, AM_DEV_CPU, AM_T_F32, d0, d1, d2, d3);
+    return am_tensor_view(a->f, AM_DEV_CPU, AM_F32, d0, d1, d2, d3);
 }
 
 static void report(const char *what, int64_t n, double worst_rel, int64_t bitwise, int64_t bad, int64_t at,
@@ -1720,7 +1720,7 @@ static void expect_mixed(const char *what, const float *got, const float *ref, i
 
 static struct am_tensor f32v(float *p, int64_t d0, int64_t d1, int64_t d2, int64_t d3)
 {
-    return am_tensor_view(p, AM_DEV_CPU, AM_T_F32, d0, d1, d2, d3);
+    return am_tensor_view(p, AM_DEV_CPU, AM_F32, d0, d1, d2, d3);
 }
 
 static void test_bf16_elementwise(void **state)
@@ -1907,8 +1907,8 @@ static void test_bf16_rope(void **state)
         struct am_tensor tcb = hv(&cb, T, half, 0, 0), tsb = hv(&sb, T, half, 0, 0);
         K->convert(&kdev, &tcb, &tc);
         K->convert(&kdev, &tsb, &ts);
-        K->convert(&kdev, &(struct am_tensor){.data = cb.f, .dtype = AM_T_F32, .ndim = 1, .shape = {T * half}}, &tcb);
-        K->convert(&kdev, &(struct am_tensor){.data = sb.f, .dtype = AM_T_F32, .ndim = 1, .shape = {T * half}}, &tsb);
+        K->convert(&kdev, &(struct am_tensor){.data = cb.f, .dtype = AM_F32, .ndim = 1, .shape = {T * half}}, &tcb);
+        K->convert(&kdev, &(struct am_tensor){.data = sb.f, .dtype = AM_F32, .ndim = 1, .shape = {T * half}}, &tsb);
         struct am_tensor tcbf = fv(&cb, T, half, 0, 0), tsbf = fv(&sb, T, half, 0, 0);
         for (int bt16 = 0; bt16 < 2; bt16++) {
             struct bt x = bt_rand(&r, n, -1, 1);
@@ -2081,16 +2081,16 @@ static void bad_dtype_call(int which)
 {
     uint16_t h[64] = {0};
     float f[64] = {0};
-    struct am_tensor x16 = am_tensor_view(h, AM_DEV_CPU, AM_T_BF16, 4, 4, 0, 0);
-    struct am_tensor xh = am_tensor_view(h, AM_DEV_CPU, AM_T_F16, 4, 4, 0, 0);
-    struct am_tensor x32 = am_tensor_view(f, AM_DEV_CPU, AM_T_F32, 4, 4, 0, 0);
-    struct am_tensor w16 = am_tensor_view(h + 16, AM_DEV_CPU, AM_T_BF16, 4, 4, 0, 0);
-    struct am_tensor w32 = am_tensor_view(f + 16, AM_DEV_CPU, AM_T_F32, 4, 4, 0, 0);
-    struct am_tensor y16 = am_tensor_view(h + 32, AM_DEV_CPU, AM_T_BF16, 4, 4, 0, 0);
-    struct am_tensor dw16 = am_tensor_view(h + 48, AM_DEV_CPU, AM_T_BF16, 4, 4, 0, 0);
-    struct am_tensor n16 = am_tensor_view(h + 16, AM_DEV_CPU, AM_T_BF16, 4, 0, 0, 0);
-    struct am_tensor n32 = am_tensor_view(f + 16, AM_DEV_CPU, AM_T_F32, 4, 0, 0, 0);
-    struct am_tensor r16 = am_tensor_view(h + 48, AM_DEV_CPU, AM_T_BF16, 4, 0, 0, 0);
+    struct am_tensor x16 = am_tensor_view(h, AM_DEV_CPU, AM_BF16, 4, 4, 0, 0);
+    struct am_tensor xh = am_tensor_view(h, AM_DEV_CPU, AM_F16, 4, 4, 0, 0);
+    struct am_tensor x32 = am_tensor_view(f, AM_DEV_CPU, AM_F32, 4, 4, 0, 0);
+    struct am_tensor w16 = am_tensor_view(h + 16, AM_DEV_CPU, AM_BF16, 4, 4, 0, 0);
+    struct am_tensor w32 = am_tensor_view(f + 16, AM_DEV_CPU, AM_F32, 4, 4, 0, 0);
+    struct am_tensor y16 = am_tensor_view(h + 32, AM_DEV_CPU, AM_BF16, 4, 4, 0, 0);
+    struct am_tensor dw16 = am_tensor_view(h + 48, AM_DEV_CPU, AM_BF16, 4, 4, 0, 0);
+    struct am_tensor n16 = am_tensor_view(h + 16, AM_DEV_CPU, AM_BF16, 4, 0, 0, 0);
+    struct am_tensor n32 = am_tensor_view(f + 16, AM_DEV_CPU, AM_F32, 4, 0, 0, 0);
+    struct am_tensor r16 = am_tensor_view(h + 48, AM_DEV_CPU, AM_BF16, 4, 0, 0, 0);
     xh.name = "model.layers.0.mlp.act";
     dw16.name = "model.layers.0.mlp.up_proj.weight.grad";
     n32.name = "model.norm.weight";
@@ -2107,10 +2107,10 @@ static void test_bf16_bad_dtype_aborts(void **state)
 {
     (void)state;
     const char *want[][4] = {
-        {"am_cpu_matmul_forward", "model.layers.0.mlp.act", "f16", "f32 or bf16"},
+        {"am_cpu_matmul_forward", "model.layers.0.mlp.act", "fp16", "fp32 or bf16"},
         {"am_cpu_matmul_backward", "model.layers.0.mlp.up_proj.weight.grad", "bf16 when the activations are bf16", ""},
-        {"am_cpu_rmsnorm_forward", "model.norm.weight", "share one dtype", "f32"},
-        {"am_cpu_rmsnorm_forward", "model.norm.rstd", "statistics", "stay f32"},
+        {"am_cpu_rmsnorm_forward", "model.norm.weight", "share one dtype", "fp32"},
+        {"am_cpu_rmsnorm_forward", "model.norm.rstd", "statistics", "stay fp32"},
     };
     for (int c = 0; c < 4; c++) {
         int pipefd[2];
@@ -2157,9 +2157,9 @@ static void test_bad_shape_aborts(void **state)
     if (pid == 0) {
         dup2(pipefd[1], 2);
         float a[6] = {0}, b[6] = {0}, c[4] = {0};
-        struct am_tensor x = am_tensor_view(a, AM_DEV_CPU, AM_T_F32, 2, 3, 0, 0);
-        struct am_tensor w = am_tensor_view(b, AM_DEV_CPU, AM_T_F32, 3, 2, 0, 0); /* K mismatch */
-        struct am_tensor y = am_tensor_view(c, AM_DEV_CPU, AM_T_F32, 2, 2, 0, 0);
+        struct am_tensor x = am_tensor_view(a, AM_DEV_CPU, AM_F32, 2, 3, 0, 0);
+        struct am_tensor w = am_tensor_view(b, AM_DEV_CPU, AM_F32, 3, 2, 0, 0); /* K mismatch */
+        struct am_tensor y = am_tensor_view(c, AM_DEV_CPU, AM_F32, 2, 2, 0, 0);
         w.name = "model.layers.0.mlp.up_proj.weight";
         K->matmul_forward(&kdev, &y, &x, &w);
         _exit(0);

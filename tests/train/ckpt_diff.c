@@ -18,7 +18,7 @@ static int read_tensor(const struct am_ckpt *c, const struct am_st_info *info, f
     *out = malloc((size_t)info->numel * sizeof(float));
     if (!*out)
         return -1;
-    struct am_tensor dst = {.data = *out, .device = AM_DEV_CPU, .dtype = AM_T_F32, .ndim = info->ndim};
+    struct am_tensor dst = {.data = *out, .device = AM_DEV_CPU, .dtype = AM_F32, .ndim = info->ndim};
     for (int d = 0; d < info->ndim; d++)
         dst.shape[d] = info->shape[d];
     return am_ckpt_read(c, info->name, NULL, &dst, err);

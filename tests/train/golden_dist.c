@@ -204,7 +204,7 @@ static int run_series(struct dist *d, const struct golden *G, bool clip, struct 
     }
     /* run() */
     float dloss_scale = (float)(1.0 / G->n_targets);
-    struct am_tensor g = am_tensor_view(m.grad_mem, d->dev.device, AM_T_F32, (int64_t)m.n_elems, 0, 0, 0);
+    struct am_tensor g = am_tensor_view(m.grad_mem, d->dev.device, AM_F32, (int64_t)m.n_elems, 0, 0, 0);
     for (int step = 0; step < STEPS; step++) {
         struct am_model_values v;
         am_model_begin_step(&m);

@@ -62,7 +62,7 @@ static float *read_all(struct golden *G, const char *name, int64_t *n)
 
 /* The golden model `name` loaded into a whole-model shard computing in `compute` (fp32, or
  * bf16 mixed precision). */
-static void open_golden_as(struct golden *G, const char *name, enum am_tdtype compute)
+static void open_golden_as(struct golden *G, const char *name, enum am_dtype compute)
 {
     memset(G, 0, sizeof(*G));
     const char *src = getenv("AM_SRCDIR");
@@ -104,7 +104,7 @@ static void open_golden_as(struct golden *G, const char *name, enum am_tdtype co
     am_errors_free(&err);
 }
 
-static void open_golden(struct golden *G, const char *name) { open_golden_as(G, name, AM_T_F32); }
+static void open_golden(struct golden *G, const char *name) { open_golden_as(G, name, AM_F32); }
 
 static void close_golden(struct golden *G)
 {
@@ -154,7 +154,7 @@ static void check_forward_backward(const char *name)
     float *want = read_all(&G, "logits", &n);
     assert_int_equal(n, N * V);
     float *logits = G.K->alloc(&G.dev, (size_t)(N * V) * sizeof(float));
-    struct am_tensor y = am_tensor_view(logits, AM_DEV_CPU, AM_T_F32, N, V, 0, 0);
+    struct am_tensor y = am_tensor_view(logits, AM_DEV_CPU, AM_F32, N, V, 0, 0);
     struct am_tensor hf = G.m.slots[0].hf;
     hf.shape[0] = N;
     G.K->matmul_forward(&G.dev, &y, &hf, &G.m.head->w);
@@ -209,10 +209,10 @@ static void check_adamw(const char *name, bool clip)
     } o = {1e-2f, 0.9f, 0.95f, 1e-8f, 0.1f};
     size_t E = G.m.n_elems;
     float *mom = G.K->alloc(&G.dev, E * sizeof(float)), *var = G.K->alloc(&G.dev, E * sizeof(float));
-    struct am_tensor p = am_tensor_view(G.m.param_mem, AM_DEV_CPU, AM_T_F32, (int64_t)E, 0, 0, 0);
-    struct am_tensor g = am_tensor_view(G.m.grad_mem, AM_DEV_CPU, AM_T_F32, (int64_t)E, 0, 0, 0);
-    struct am_tensor m = am_tensor_view(mom, AM_DEV_CPU, AM_T_F32, (int64_t)E, 0, 0, 0);
-    struct am_tensor v = am_tensor_view(var, AM_DEV_CPU, AM_T_F32, (int64_t)E, 0, 0, 0);
+    struct am_tensor p = am_tensor_view(G.m.param_mem, AM_DEV_CPU, AM_F32, (int64_t)E, 0, 0, 0);
+    struct am_tensor g = am_tensor_view(G.m.grad_mem, AM_DEV_CPU, AM_F32, (int64_t)E, 0, 0, 0);
+    struct am_tensor m = am_tensor_view(mom, AM_DEV_CPU, AM_F32, (int64_t)E, 0, 0, 0);
+    struct am_tensor v = am_tensor_view(var, AM_DEV_CPU, AM_F32, (int64_t)E, 0, 0, 0);
     double loss_worst = 0, norm_worst = 0, final_worst = 0;
     for (int s = 0; s < 5; s++) {
         double loss = step(&G);
@@ -221,7 +221,7 @@ static void check_adamw(const char *name, bool clip)
             print_error("%s: step %d loss %.7f, transformers %.7f\n", name, s + 1, loss, want[s]);
         assert_true(fabs(loss - want[s]) < 1e-5);
         double sumsq = 0;
-        struct am_tensor acc = am_tensor_view(&sumsq, AM_DEV_CPU, AM_T_F64, 1, 0, 0, 0);
+        struct am_tensor acc = am_tensor_view(&sumsq, AM_DEV_CPU, AM_F64, 1, 0, 0, 0);
         G.K->sum_squares(&G.dev, &acc, &g, 1.0);
         double norm = sqrt(sumsq);
         assert_true(fabs(norm - norms[s]) < 1e-5 * fmax(1.0, norms[s]));
@@ -349,14 +349,14 @@ static void clipped_steps(struct golden *G, float lr, double *losses, double *no
 {
     size_t E = G->m.n_elems;
     float *mom = G->K->alloc(&G->dev, E * sizeof(float)), *var = G->K->alloc(&G->dev, E * sizeof(float));
-    struct am_tensor p = am_tensor_view(G->m.param_mem, AM_DEV_CPU, AM_T_F32, (int64_t)E, 0, 0, 0);
-    struct am_tensor g = am_tensor_view(G->m.grad_mem, AM_DEV_CPU, AM_T_F32, (int64_t)E, 0, 0, 0);
-    struct am_tensor m = am_tensor_view(mom, AM_DEV_CPU, AM_T_F32, (int64_t)E, 0, 0, 0);
-    struct am_tensor v = am_tensor_view(var, AM_DEV_CPU, AM_T_F32, (int64_t)E, 0, 0, 0);
+    struct am_tensor p = am_tensor_view(G->m.param_mem, AM_DEV_CPU, AM_F32, (int64_t)E, 0, 0, 0);
+    struct am_tensor g = am_tensor_view(G->m.grad_mem, AM_DEV_CPU, AM_F32, (int64_t)E, 0, 0, 0);
+    struct am_tensor m = am_tensor_view(mom, AM_DEV_CPU, AM_F32, (int64_t)E, 0, 0, 0);
+    struct am_tensor v = am_tensor_view(var, AM_DEV_CPU, AM_F32, (int64_t)E, 0, 0, 0);
     for (int s = 0; s < 5; s++) {
         losses[s] = step(G);
         double sumsq = 0;
-        struct am_tensor acc = am_tensor_view(&sumsq, AM_DEV_CPU, AM_T_F64, 1, 0, 0, 0);
+        struct am_tensor acc = am_tensor_view(&sumsq, AM_DEV_CPU, AM_F64, 1, 0, 0, 0);
         G->K->sum_squares(&G->dev, &acc, &g, 1.0);
         norms[s] = sqrt(sumsq);
         if (1.0 / (norms[s] + 1e-6) < 1.0)
@@ -387,10 +387,10 @@ static void check_bf16(const char *name)
 {
     double l32[5], n32[5], l16[5], n16[5];
     struct golden G;
-    open_golden_as(&G, name, AM_T_F32);
+    open_golden_as(&G, name, AM_F32);
     clipped_steps(&G, 1e-3f, l32, n32);
     close_golden(&G);
-    open_golden_as(&G, name, AM_T_BF16);
+    open_golden_as(&G, name, AM_BF16);
     clipped_steps(&G, 1e-3f, l16, n16);
 
     char path[1100];

@@ -192,13 +192,13 @@ static void test_mixed_precision_policy(void **state)
         const char *dist;
         enum am_dtype compute, reduce;
     } cases[] = {
-        {"", AM_DTYPE_BF16, AM_DTYPE_FP32},
-        {"distributed:\n  strategy: ddp\n", AM_DTYPE_FP32, AM_DTYPE_FP32},
-        {"distributed:\n  mp_policy:\n    param_dtype: bfloat16\n", AM_DTYPE_BF16, AM_DTYPE_BF16},
-        {"distributed:\n  mp_policy:\n    param_dtype: float32\n", AM_DTYPE_FP32, AM_DTYPE_FP32},
-        {"distributed:\n  mp_policy:\n    reduce_dtype: bfloat16\n", AM_DTYPE_FP32, AM_DTYPE_BF16},
-        {"distributed:\n  mp_policy:\n    param_dtype: bf16\n    reduce_dtype: fp32\n", AM_DTYPE_BF16,
-         AM_DTYPE_FP32},
+        {"", AM_BF16, AM_F32},
+        {"distributed:\n  strategy: ddp\n", AM_F32, AM_F32},
+        {"distributed:\n  mp_policy:\n    param_dtype: bfloat16\n", AM_BF16, AM_BF16},
+        {"distributed:\n  mp_policy:\n    param_dtype: float32\n", AM_F32, AM_F32},
+        {"distributed:\n  mp_policy:\n    reduce_dtype: bfloat16\n", AM_F32, AM_BF16},
+        {"distributed:\n  mp_policy:\n    param_dtype: bf16\n    reduce_dtype: fp32\n", AM_BF16,
+         AM_F32},
     };
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
         char yaml[512];
@@ -248,8 +248,8 @@ static void test_automodel_recipe_loads(void **state)
     assert_int_equal(r->seed, 4242);
     assert_float_equal(r->optim.max_grad_norm, 0.5, 0);
     assert_float_equal(r->dist_env.timeout_minutes, 5, 0);
-    assert_int_equal(r->compute_dtype, AM_DTYPE_BF16);
-    assert_int_equal(r->reduce_dtype, AM_DTYPE_FP32);
+    assert_int_equal(r->compute_dtype, AM_BF16);
+    assert_int_equal(r->reduce_dtype, AM_F32);
     static const char *const ignored[] = {
         "recipe", "loss_fn", "dataloader", "validation_dataset", "wandb", "ci", "model._target_",
         "model.trust_remote_code", "model.attn_implementation", "distributed.dp_replicate_size" /* never */, NULL};
@@ -467,7 +467,7 @@ static void test_model_from_hf_cache(void **state)
     assert_int_equal(r->model.num_key_value_heads, 2);
     assert_true(r->model.tie_word_embeddings);
     assert_float_equal(r->model.rope_theta, 500000.0, 0);
-    assert_int_equal(r->param_dtype, AM_DTYPE_FP16); /* torch_dtype absent: the checkpoint's */
+    assert_int_equal(r->param_dtype, AM_F16); /* torch_dtype absent: the checkpoint's */
     snprintf(path, sizeof(path), "%s/hub/models--acme--tiny/snapshots/abc123/config.json", tmp);
     assert_string_equal(r->model_source, path);
     am_recipe_free(r);
