@@ -84,6 +84,12 @@ static void begin_group(struct am_model *m, enum am_pgroup_kind kind, int layer,
     snprintf(g->name, sizeof(g->name), "%s", name);
 }
 
+/* A tied embedding split over the first and the last pipeline stage: each holds a copy. */
+static bool tied_across_stages(const struct am_model *m)
+{
+    return m->pp_comm && m->cfg.tie_word_embeddings && m->sh.first_stage != m->sh.last_stage;
+}
+
 /* Each group's span of the slabs, and whether it holds a tied copy split over stages. */
 static void end_groups(struct am_model *m)
 {
@@ -94,8 +100,7 @@ static void end_groups(struct am_model *m)
         g->n_elems = 0;
         for (int k = g->first; k < g->first + g->n; k++) {
             g->n_elems += (size_t)am_tensor_numel(&m->params[k].g);
-            g->tied |= m->pp_comm && m->cfg.tie_word_embeddings && m->sh.first_stage != m->sh.last_stage &&
-                       (&m->params[k] == m->embed || &m->params[k] == m->head);
+            g->tied |= tied_across_stages(m) && (&m->params[k] == m->embed || &m->params[k] == m->head);
         }
     }
 }
@@ -932,11 +937,6 @@ static int sum_tied_copies(struct am_model *m, char *err, size_t err_len)
 bool am_model_is_tied_copy(const struct am_model *m, const struct am_param *p)
 {
     return m->cfg.tie_word_embeddings && p == m->head && p != m->embed;
-}
-
-static bool tied_across_stages(const struct am_model *m)
-{
-    return m->pp_comm && m->cfg.tie_word_embeddings && m->sh.first_stage != m->sh.last_stage;
 }
 
 /* With fewer kv heads than tp ranks, the ranks that share a kv head each computed its
