@@ -42,7 +42,8 @@ int am_edit_distance(const char *a, const char *b, int cap);
  * context where the message lacks it (a message of its own, built around the callee's from
  * a buffer of its own) and returns -1 in turn; the top (the rank program) prints it or puts
  * it in the rank log. Nothing is printed deep inside a library, and no message is kept in a
- * handle for the caller to fetch after the call (the communicators included: comm.h).
+ * handle for the caller to fetch after the call (the communicators and the bootstrap
+ * included: comm.h, bootstrap.h).
  *
  * User input (recipes, --am-* options and overrides, config.json, the checkpoints and
  * datasets a user names, and rank_setup, which gathers those from every rank) uses
