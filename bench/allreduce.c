@@ -87,11 +87,14 @@ static float compute(float *work, size_t n, int64_t reps, double sleep_per_rep)
     return acc;
 }
 
+/* The message of the communicator call that failed (one thread). */
+static char cerr[AM_COMM_ERR_LEN];
+
 /* The slowest rank's seconds. */
 static int slowest(struct am_comm *c, double t, double *out)
 {
     int64_t ns = (int64_t)(t * 1e9), max;
-    if (am_allreduce(c, &ns, &max, 1, AM_I64, AM_MAX) < 0)
+    if (am_allreduce(c, &ns, &max, 1, AM_I64, AM_MAX, cerr, sizeof(cerr)) < 0)
         return -1;
     *out = (double)max * 1e-9;
     return 0;
@@ -106,10 +109,11 @@ static int overlap_size(struct am_comm *c, const float *send, float *recv, size_
     volatile float sink = 0;
     /* the blocking allreduce's time, then enough compute passes to match it */
     for (int i = 0; i < it; i++) {
-        if (am_barrier(c) < 0)
+        if (am_barrier(c, cerr, sizeof(cerr)) < 0)
             return -1;
         double t0 = now();
-        if (am_allreduce(c, send, recv, n, AM_F32, AM_SUM) < 0 || slowest(c, now() - t0, &t_comm[i]) < 0)
+        if (am_allreduce(c, send, recv, n, AM_F32, AM_SUM, cerr, sizeof(cerr)) < 0 ||
+            slowest(c, now() - t0, &t_comm[i]) < 0)
             return -1;
     }
     double comm = median(t_comm, it);
@@ -117,27 +121,28 @@ static int overlap_size(struct am_comm *c, const float *send, float *recv, size_
     sink += compute(work, nw, 20, 0);
     double per_rep = (now() - t0) / 20;
     int64_t mine = (int64_t)(comm / per_rep) + 1, reps;
-    if (am_allreduce(c, &mine, &reps, 1, AM_I64, AM_MAX) < 0) /* every rank computes the same amount */
+    /* every rank computes the same amount */
+    if (am_allreduce(c, &mine, &reps, 1, AM_I64, AM_MAX, cerr, sizeof(cerr)) < 0)
         return -1;
     for (int i = 0; i < it; i++) {
         struct am_comm_req *q;
-        if (am_barrier(c) < 0)
+        if (am_barrier(c, cerr, sizeof(cerr)) < 0)
             return -1;
         t0 = now();
         sink += compute(work, nw, reps, sleep ? per_rep : 0);
-        if (slowest(c, now() - t0, &t_comp[i]) < 0 || am_barrier(c) < 0)
+        if (slowest(c, now() - t0, &t_comp[i]) < 0 || am_barrier(c, cerr, sizeof(cerr)) < 0)
             return -1;
         t0 = now();
         sink += compute(work, nw, reps, sleep ? per_rep : 0);
-        if (am_allreduce(c, send, recv, n, AM_F32, AM_SUM) < 0 || slowest(c, now() - t0, &t_ser[i]) < 0 ||
-            am_barrier(c) < 0)
+        if (am_allreduce(c, send, recv, n, AM_F32, AM_SUM, cerr, sizeof(cerr)) < 0 ||
+            slowest(c, now() - t0, &t_ser[i]) < 0 || am_barrier(c, cerr, sizeof(cerr)) < 0)
             return -1;
         t0 = now();
-        if (am_iallreduce(c, send, recv, n, AM_F32, AM_SUM, &q) < 0)
+        if (am_iallreduce(c, send, recv, n, AM_F32, AM_SUM, &q, cerr, sizeof(cerr)) < 0)
             return -1;
         sink += compute(work, nw, reps, sleep ? per_rep : 0);
         double tw = now();
-        if (am_comm_wait(q) < 0)
+        if (am_comm_wait(q, cerr, sizeof(cerr)) < 0)
             return -1;
         double end = now();
         if (slowest(c, end - t0, &t_ovl[i]) < 0 || slowest(c, end - tw, &t_wait[i]) < 0)
@@ -199,8 +204,8 @@ int main(int argc, char **argv)
     int sizes[] = {info.size};
     const char *names[] = {"world"};
     struct am_comm *c = NULL;
-    if (am_comm_create_groups(ctx, 1, groups, sizes, names, &c) < 0) {
-        fprintf(stderr, "bench/allreduce: %s\n", am_comm_ctx_error(ctx));
+    if (am_comm_create_groups(ctx, 1, groups, sizes, names, &c, err, sizeof(err)) < 0) {
+        fprintf(stderr, "bench/allreduce: %s\n", err);
         return 3;
     }
     size_t n_max = max / 4 ? max / 4 : 1;
@@ -225,7 +230,7 @@ int main(int argc, char **argv)
         if (it > 1000)
             it = 1000;
         for (int w = 0; w < warmup; w++)
-            if (am_allreduce(c, send, recv, n, AM_F32, AM_SUM) < 0)
+            if (am_allreduce(c, send, recv, n, AM_F32, AM_SUM, cerr, sizeof(cerr)) < 0)
                 goto fail;
         if (overlap) {
             if (overlap_size(c, send, recv, n, it < 5 ? 5 : it > 20 ? 20 : it, info.rank, overlap == 2) < 0)
@@ -233,13 +238,13 @@ int main(int argc, char **argv)
             continue;
         }
         for (int i = 0; i < it; i++) {
-            if (am_barrier(c) < 0)
+            if (am_barrier(c, cerr, sizeof(cerr)) < 0)
                 goto fail;
             double t0 = now();
-            if (am_allreduce(c, send, recv, n, AM_F32, AM_SUM) < 0)
+            if (am_allreduce(c, send, recv, n, AM_F32, AM_SUM, cerr, sizeof(cerr)) < 0)
                 goto fail;
             int64_t ns = (int64_t)((now() - t0) * 1e9), slowest;
-            if (am_allreduce(c, &ns, &slowest, 1, AM_I64, AM_MAX) < 0)
+            if (am_allreduce(c, &ns, &slowest, 1, AM_I64, AM_MAX, cerr, sizeof(cerr)) < 0)
                 goto fail;
             times[i] = (double)slowest * 1e-9;
         }
@@ -253,7 +258,7 @@ int main(int argc, char **argv)
     }
     goto out;
 fail:
-    fprintf(stderr, "bench/allreduce: rank %d: %s\n", info.rank, am_comm_error(c));
+    fprintf(stderr, "bench/allreduce: rank %d: %s\n", info.rank, cerr);
     rc = 1;
 out:
     am_comm_destroy(c);

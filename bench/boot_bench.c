@@ -28,15 +28,19 @@ static int cmp(const void *a, const void *b)
 }
 
 /* put + fence + get of every rank's blob, then a fence: one round */
-static int round_trip(struct am_boot *b, const char *key, int rank, int size, char *all)
+static int round_trip(struct am_boot *b, const char *key, int rank, int size, char *all, char *err,
+                      size_t err_len)
 {
     char mine[BLOB];
     memset(mine, 'a' + rank % 26, sizeof(mine));
-    if (am_boot_allgather(b, key, mine, sizeof(mine), all, 60) < 0 || am_boot_fence(b, 60) < 0)
+    if (am_boot_allgather(b, key, mine, sizeof(mine), all, 60, err, err_len) < 0 ||
+        am_boot_fence(b, 60, err, err_len) < 0)
         return -1;
     for (int r = 0; r < size; r++)
-        if (all[(size_t)r * BLOB] != 'a' + r % 26)
+        if (all[(size_t)r * BLOB] != 'a' + r % 26) {
+            snprintf(err, err_len, "%s: rank %d's blob came back wrong", key, r);
             return -1;
+        }
     return 0;
 }
 
@@ -51,15 +55,16 @@ int main(void)
         return 3;
     }
     double t_init = now_ms() - t0;
+    snprintf(err, sizeof(err), "out of memory");
     char *all = malloc((size_t)info.size * BLOB);
     double rounds[ROUNDS], times[3];
-    if (!all || round_trip(b, "bench0", info.rank, info.size, all) < 0)
+    if (!all || round_trip(b, "bench0", info.rank, info.size, all, err, sizeof(err)) < 0)
         goto fail;
     double t_first = now_ms() - t0;
     for (int i = 0; i < ROUNDS; i++) {
         double s = now_ms();
         snprintf(key, sizeof(key), "bench%d", i + 1);
-        if (round_trip(b, key, info.rank, info.size, all) < 0)
+        if (round_trip(b, key, info.rank, info.size, all, err, sizeof(err)) < 0)
             goto fail;
         rounds[i] = now_ms() - s;
     }
@@ -68,7 +73,8 @@ int main(void)
     times[1] = t_first;
     times[2] = rounds[ROUNDS / 2];
     double *every = malloc((size_t)info.size * sizeof(times));
-    if (!every || am_boot_allgather(b, "times", times, sizeof(times), every, 60) < 0)
+    snprintf(err, sizeof(err), "out of memory");
+    if (!every || am_boot_allgather(b, "times", times, sizeof(times), every, 60, err, sizeof(err)) < 0)
         goto fail;
     if (info.rank == 0) {
         double worst[3] = {0, 0, 0};
@@ -83,6 +89,6 @@ int main(void)
     am_boot_fini(b);
     return 0;
 fail:
-    fprintf(stderr, "boot_bench: rank %d: %s\n", info.rank, am_boot_error(b));
+    fprintf(stderr, "boot_bench: rank %d: %s\n", info.rank, err);
     return 4;
 }

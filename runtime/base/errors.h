@@ -8,6 +8,7 @@
  *   llama.yaml:12:12: distributed.ep_size: 6 does not divide dp_size*cp_size = 4 (use 1, 2 or 4)
  *
  * The list never fails: when memory runs out it keeps what it has and sets `truncated`.
+ * It is for user input only; runtime failures use one message in a caller's buffer (util.h).
  */
 #ifndef AM_ERRORS_H
 #define AM_ERRORS_H

@@ -1,5 +1,5 @@
-/* util.h - small helpers shared by the recipe library: bounded file reads and the
- * "unknown key, did you mean ..." message. */
+/* util.h - small helpers shared by the recipe library and the runtime: bounded file reads, the
+ * "unknown key, did you mean ..." message, and the runtime's error convention (am_fail). */
 #ifndef AM_UTIL_H
 #define AM_UTIL_H
 
@@ -29,8 +29,30 @@ void am_error_unknown_key(struct am_errors *err, const struct am_pos *pos, const
 /* Levenshtein distance, capped: returns cap+1 when larger (keys are short). */
 int am_edit_distance(const char *a, const char *b, int cap);
 
+/* Errors: two conventions, each for its kind of failure.
+ *
+ * Runtime failures (a collective that timed out, a kernel's device, a file the trainer cannot
+ * write, memory): a function that can fail takes `char *err, size_t err_len` as its last two
+ * parameters and returns 0, or -1 after writing ONE message into err that names the
+ * operation, the input and the rule broken or the cause:
+ *
+ *   allreduce #17 on group dp (4 ranks) timed out after 600 s waiting for rank 3 (global 7 on n2)
+ *
+ * am_fail below writes it and returns the -1. A caller passes its own err down, adds its
+ * context where the message lacks it (a message of its own, built around the callee's from
+ * a buffer of its own) and returns -1 in turn; the top (the rank program) prints it or puts
+ * it in the rank log. Nothing is printed deep inside a library, and no message is kept in a
+ * handle for the caller to fetch after the call (the communicators and the bootstrap
+ * included: comm.h, bootstrap.h).
+ *
+ * User input (recipes, --am-* options and overrides, config.json, the checkpoints and
+ * datasets a user names, and rank_setup, which gathers those from every rank) uses
+ * `struct am_errors` (errors.h) instead: a check appends every problem it finds, each with
+ * FILE:LINE:COL (or the option it came from), and goes on, so that the user fixes them all
+ * in one round rather than one per submission. */
+
 /* Formats a message into err (err_len bytes) and returns -1: for functions that report their
- * failure in a caller's buffer. */
+ * failure in a caller's buffer (above). */
 int am_fail(char *err, size_t err_len, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 
 #endif

@@ -8,6 +8,7 @@
 #include <time.h>
 
 #include "comm_impl.h"
+#include "util.h"
 
 /* ---- names ------------------------------------------------------------------------ */
 
@@ -307,6 +308,16 @@ static int arg_fail(struct am_comm *c, const char *name, const char *fmt, ...)
     return -1;
 }
 
+/* The end of every public call on a group: on -1, the call's message (the group's, c->err)
+ * goes to the caller's buffer (comm.h: nothing is left for the caller to fetch). err may be
+ * NULL (err_len 0): the message is dropped. */
+static int result(const struct am_comm *c, int rc, char *err, size_t err_len)
+{
+    if (rc < 0 && err && err_len)
+        am_fail(err, err_len, "%s", c ? c->err : "communicators: no group (NULL handle)");
+    return rc;
+}
+
 /* ---- context and groups ------------------------------------------------------------- */
 
 static const struct am_comm_ops *backend_ops(enum am_comm_backend b)
@@ -383,19 +394,21 @@ void am_comm_ctx_set_flight(struct am_comm_ctx *ctx, struct am_flight *f)
         ctx->flight = f;
 }
 
-int am_comm_ctx_set_hosts(struct am_comm_ctx *ctx, const char *const *hosts, int n)
+int am_comm_ctx_set_hosts(struct am_comm_ctx *ctx, const char *const *hosts, int n, char *err, size_t err_len)
 {
-    if (!ctx || n < 0)
-        return -1;
+    if (!ctx)
+        return am_fail(err, err_len, "communicators: no context (NULL)");
+    if (n < 0)
+        return am_fail(err, err_len, "host names: %d hosts", n);
     char **h = calloc((size_t)n + 1, sizeof(*h));
     if (!h)
-        return am_comm_ctx_fail(ctx, "host names: out of memory");
+        return am_fail(err, err_len, "host names: out of memory");
     for (int r = 0; r < n; r++) {
         if (!(h[r] = strdup(hosts[r] ? hosts[r] : ""))) {
             for (int q = 0; q < r; q++)
                 free(h[q]);
             free(h);
-            return am_comm_ctx_fail(ctx, "host names: out of memory");
+            return am_fail(err, err_len, "host names: out of memory");
         }
     }
     for (int r = 0; ctx->hosts && r < ctx->n_hosts; r++)
@@ -430,11 +443,6 @@ double am_comm_ctx_busy_s(const struct am_comm_ctx *ctx)
     return ctx ? ctx->busy_s : 0;
 }
 
-const char *am_comm_ctx_error(const struct am_comm_ctx *ctx)
-{
-    return ctx ? ctx->err : "communicators: no context (NULL)";
-}
-
 static void group_free(struct am_comm *c)
 {
     if (!c)
@@ -448,10 +456,11 @@ static void group_free(struct am_comm *c)
 }
 
 int am_comm_create_groups(struct am_comm_ctx *ctx, int n_groups, const int *const *groups,
-                          const int *group_sizes, const char *const *names, struct am_comm **out)
+                          const int *group_sizes, const char *const *names, struct am_comm **out, char *err,
+                          size_t err_len)
 {
     if (!ctx)
-        return -1;
+        return am_fail(err, err_len, "communicators: no context (NULL)");
     int world = ctx->info.size, me = ctx->info.rank, rc = -1;
     char *seen = NULL;
     struct am_comm **mine = NULL;
@@ -525,6 +534,8 @@ out:
         am_comm_destroy(mine[g]);
     free(mine);
     free(seen);
+    if (rc < 0)
+        am_fail(err, err_len, "%s", ctx->err);
     return rc;
 }
 
@@ -555,7 +566,6 @@ int am_comm_rank(const struct am_comm *c) { return c ? c->rank : -1; }
 int am_comm_size(const struct am_comm *c) { return c ? c->size : 0; }
 const char *am_comm_name(const struct am_comm *c) { return c ? c->name : "(none)"; }
 uint64_t am_comm_seq(const struct am_comm *c) { return c ? c->seq : 0; }
-const char *am_comm_error(const struct am_comm *c) { return c ? c->err : "communicators: no group (NULL handle)"; }
 
 void am_comm_set_stream(struct am_comm *c, void *stream)
 {
@@ -831,33 +841,31 @@ static int prep_allgather(struct am_comm *c, struct am_comm_call *call, const vo
 }
 
 int am_allreduce(struct am_comm *c, const void *send, void *recv, size_t count, enum am_dtype t,
-                 enum am_comm_op op)
+                 enum am_comm_op op, char *err, size_t err_len)
 {
     struct am_comm_call call = {.kind = AM_CALL_ALLREDUCE};
-    if (!c || prep_allreduce(c, &call, send, recv, count, t, op) < 0)
-        return -1;
-    return am_comm_dispatch(c, &call);
+    int rc = !c || prep_allreduce(c, &call, send, recv, count, t, op) < 0 ? -1 : am_comm_dispatch(c, &call);
+    return result(c, rc, err, err_len);
 }
 
 int am_reduce_scatter(struct am_comm *c, const void *send, void *recv, size_t count, enum am_dtype t,
-                      enum am_comm_op op)
+                      enum am_comm_op op, char *err, size_t err_len)
 {
     struct am_comm_call call = {.kind = AM_CALL_REDUCE_SCATTER};
-    if (!c || prep_reduce_scatter(c, &call, send, recv, count, t, op) < 0)
-        return -1;
-    return am_comm_dispatch(c, &call);
+    int rc = !c || prep_reduce_scatter(c, &call, send, recv, count, t, op) < 0 ? -1 : am_comm_dispatch(c, &call);
+    return result(c, rc, err, err_len);
 }
 
-int am_allgather(struct am_comm *c, const void *send, void *recv, size_t count, enum am_dtype t)
+int am_allgather(struct am_comm *c, const void *send, void *recv, size_t count, enum am_dtype t, char *err,
+                 size_t err_len)
 {
     struct am_comm_call call = {.kind = AM_CALL_ALLGATHER};
-    if (!c || prep_allgather(c, &call, send, recv, count, t) < 0)
-        return -1;
-    return am_comm_dispatch(c, &call);
+    int rc = !c || prep_allgather(c, &call, send, recv, count, t) < 0 ? -1 : am_comm_dispatch(c, &call);
+    return result(c, rc, err, err_len);
 }
 
-int am_alltoallv(struct am_comm *c, const void *send, const size_t *send_counts, const size_t *send_displs,
-                 void *recv, const size_t *recv_counts, const size_t *recv_displs, enum am_dtype t)
+static int alltoallv(struct am_comm *c, const void *send, const size_t *send_counts, const size_t *send_displs,
+                     void *recv, const size_t *recv_counts, const size_t *recv_displs, enum am_dtype t)
 {
     const enum am_comm_kind k = AM_CALL_ALLTOALLV;
     const char *nm = am_comm_call_name(k);
@@ -886,7 +894,14 @@ int am_alltoallv(struct am_comm *c, const void *send, const size_t *send_counts,
     return am_comm_dispatch(c, &call);
 }
 
-int am_broadcast(struct am_comm *c, void *buf, size_t count, enum am_dtype t, int root)
+int am_alltoallv(struct am_comm *c, const void *send, const size_t *send_counts, const size_t *send_displs,
+                 void *recv, const size_t *recv_counts, const size_t *recv_displs, enum am_dtype t, char *err,
+                 size_t err_len)
+{
+    return result(c, alltoallv(c, send, send_counts, send_displs, recv, recv_counts, recv_displs, t), err, err_len);
+}
+
+static int broadcast(struct am_comm *c, void *buf, size_t count, enum am_dtype t, int root)
 {
     const enum am_comm_kind k = AM_CALL_BROADCAST;
     const char *nm = am_comm_call_name(k);
@@ -903,6 +918,11 @@ int am_broadcast(struct am_comm *c, void *buf, size_t count, enum am_dtype t, in
         return arg_fail(c, nm, "buffer is NULL for %zu elements", count);
     struct am_comm_call call = {.kind = k, .recv = buf, .count = count, .dtype = t, .peer = root, .bytes = bytes};
     return am_comm_dispatch(c, &call);
+}
+
+int am_broadcast(struct am_comm *c, void *buf, size_t count, enum am_dtype t, int root, char *err, size_t err_len)
+{
+    return result(c, broadcast(c, buf, count, t, root), err, err_len);
 }
 
 static int p2p(struct am_comm *c, enum am_comm_kind k, const void *sbuf, void *rbuf, size_t count,
@@ -931,37 +951,33 @@ static int p2p(struct am_comm *c, enum am_comm_kind k, const void *sbuf, void *r
     return am_comm_dispatch(c, &call);
 }
 
-int am_send(struct am_comm *c, const void *buf, size_t count, enum am_dtype t, int peer)
+int am_send(struct am_comm *c, const void *buf, size_t count, enum am_dtype t, int peer, char *err, size_t err_len)
 {
-    return p2p(c, AM_CALL_SEND, buf, NULL, count, t, peer);
+    return result(c, p2p(c, AM_CALL_SEND, buf, NULL, count, t, peer), err, err_len);
 }
 
-int am_recv(struct am_comm *c, void *buf, size_t count, enum am_dtype t, int peer)
+int am_recv(struct am_comm *c, void *buf, size_t count, enum am_dtype t, int peer, char *err, size_t err_len)
 {
-    return p2p(c, AM_CALL_RECV, NULL, buf, count, t, peer);
+    return result(c, p2p(c, AM_CALL_RECV, NULL, buf, count, t, peer), err, err_len);
 }
 
-int am_isend(struct am_comm *c, const void *buf, size_t count, enum am_dtype t, int peer)
+int am_isend(struct am_comm *c, const void *buf, size_t count, enum am_dtype t, int peer, char *err, size_t err_len)
 {
-    return p2p(c, AM_CALL_ISEND, buf, NULL, count, t, peer);
+    return result(c, p2p(c, AM_CALL_ISEND, buf, NULL, count, t, peer), err, err_len);
 }
 
-int am_send_wait_keep(struct am_comm *c, size_t keep)
+int am_send_wait_keep(struct am_comm *c, size_t keep, char *err, size_t err_len)
 {
-    if (!c)
-        return -1;
     struct am_comm_call call = {.kind = AM_CALL_SEND_WAIT, .count = keep};
-    return am_comm_dispatch(c, &call);
+    return result(c, c ? am_comm_dispatch(c, &call) : -1, err, err_len);
 }
 
-int am_send_wait(struct am_comm *c) { return am_send_wait_keep(c, 0); }
+int am_send_wait(struct am_comm *c, char *err, size_t err_len) { return am_send_wait_keep(c, 0, err, err_len); }
 
-int am_barrier(struct am_comm *c)
+int am_barrier(struct am_comm *c, char *err, size_t err_len)
 {
-    if (!c)
-        return -1;
     struct am_comm_call call = {.kind = AM_CALL_BARRIER};
-    return am_comm_dispatch(c, &call);
+    return result(c, c ? am_comm_dispatch(c, &call) : -1, err, err_len);
 }
 
 /* ---- non-blocking collectives ----------------------------------------------------------- */
@@ -1064,8 +1080,8 @@ static int complete_req(struct am_comm_req *q, int block, int *rc)
     return done;
 }
 
-int am_iallreduce(struct am_comm *c, const void *send, void *recv, size_t count, enum am_dtype t,
-                  enum am_comm_op op, struct am_comm_req **req)
+static int iallreduce(struct am_comm *c, const void *send, void *recv, size_t count, enum am_dtype t,
+                      enum am_comm_op op, struct am_comm_req **req)
 {
     struct am_comm_call call = {.kind = AM_CALL_ALLREDUCE, .nonblocking = 1};
     if (req)
@@ -1079,8 +1095,14 @@ int am_iallreduce(struct am_comm *c, const void *send, void *recv, size_t count,
     return issue(c, &call, req);
 }
 
-int am_ireduce_scatter(struct am_comm *c, const void *send, void *recv, size_t count, enum am_dtype t,
-                       enum am_comm_op op, struct am_comm_req **req)
+int am_iallreduce(struct am_comm *c, const void *send, void *recv, size_t count, enum am_dtype t,
+                  enum am_comm_op op, struct am_comm_req **req, char *err, size_t err_len)
+{
+    return result(c, iallreduce(c, send, recv, count, t, op, req), err, err_len);
+}
+
+static int ireduce_scatter(struct am_comm *c, const void *send, void *recv, size_t count, enum am_dtype t,
+                           enum am_comm_op op, struct am_comm_req **req)
 {
     struct am_comm_call call = {.kind = AM_CALL_REDUCE_SCATTER, .nonblocking = 1};
     if (req)
@@ -1094,8 +1116,14 @@ int am_ireduce_scatter(struct am_comm *c, const void *send, void *recv, size_t c
     return issue(c, &call, req);
 }
 
-int am_iallgather(struct am_comm *c, const void *send, void *recv, size_t count, enum am_dtype t,
-                  struct am_comm_req **req)
+int am_ireduce_scatter(struct am_comm *c, const void *send, void *recv, size_t count, enum am_dtype t,
+                       enum am_comm_op op, struct am_comm_req **req, char *err, size_t err_len)
+{
+    return result(c, ireduce_scatter(c, send, recv, count, t, op, req), err, err_len);
+}
+
+static int iallgather(struct am_comm *c, const void *send, void *recv, size_t count, enum am_dtype t,
+                      struct am_comm_req **req)
 {
     struct am_comm_call call = {.kind = AM_CALL_ALLGATHER, .nonblocking = 1};
     if (req)
@@ -1109,29 +1137,37 @@ int am_iallgather(struct am_comm *c, const void *send, void *recv, size_t count,
     return issue(c, &call, req);
 }
 
-int am_comm_wait(struct am_comm_req *req)
+int am_iallgather(struct am_comm *c, const void *send, void *recv, size_t count, enum am_dtype t,
+                  struct am_comm_req **req, char *err, size_t err_len)
 {
-    int rc = 0;
-    if (req)
-        complete_req(req, 1, &rc);
-    return rc;
+    return result(c, iallgather(c, send, recv, count, t, req), err, err_len);
 }
 
-int am_comm_test(struct am_comm_req *req, int *done)
+int am_comm_wait(struct am_comm_req *req, char *err, size_t err_len)
+{
+    int rc = 0;
+    struct am_comm *c = req ? req->c : NULL; /* outlives the request */
+    if (req)
+        complete_req(req, 1, &rc);
+    return result(c, rc, err, err_len);
+}
+
+int am_comm_test(struct am_comm_req *req, int *done, char *err, size_t err_len)
 {
     int rc = 0, d = 1;
+    struct am_comm *c = req ? req->c : NULL;
     if (req)
         d = complete_req(req, 0, &rc);
     if (done)
         *done = d;
-    return rc;
+    return result(c, rc, err, err_len);
 }
 
-int am_comm_wait_all(struct am_comm_req **reqs, size_t n)
+int am_comm_wait_all(struct am_comm_req **reqs, size_t n, char *err, size_t err_len)
 {
     int rc = 0;
     for (size_t i = 0; reqs && i < n; i++) {
-        if (am_comm_wait(reqs[i]) < 0)
+        if (am_comm_wait(reqs[i], err, err_len) < 0)
             rc = -1;
         reqs[i] = NULL;
     }

@@ -61,13 +61,17 @@
  * In the flight recorder a request is "posted" while nothing waits for it, started again when
  * am_comm_wait begins to wait for it (the watchdog times it from there) and ended when the wait
  * or a test finds it complete. A failed request breaks its group like a failed call; its wait
- * says why (am_comm_error: the call, the group, the sequence number, the peer).
+ * says why (the call, the group, the sequence number, the peer).
  *
  * Counts are in elements. `count` may be 0. For reduce_scatter and allgather, `count` is
  * the per-rank block: the full buffer holds count * group size elements. In-place
  * operation is allowed where send == recv (allreduce), or send == recv + rank * count
  * (allgather), or recv == send + rank * count (reduce_scatter).
- * Functions return 0 or -1; am_comm_error() says why.
+ * Errors: the runtime's convention (util.h). Every call that can fail takes `char *err, size_t
+ * err_len` last and returns 0, or -1 with one message written there that names the call, the
+ * group and the rule or the peer: "allreduce #17 on group dp (4 ranks) timed out after 600 s
+ * waiting for rank 3 (global 7 on n2)". A call on a broken group writes the refusal, which
+ * repeats the group's first error. Nothing is kept for the caller to fetch later.
  */
 #ifndef AM_COMM_H
 #define AM_COMM_H
@@ -77,6 +81,9 @@
 
 #include "bootstrap.h"
 #include "dtype.h"
+
+/* Room for the longest message a call writes into err (with its NUL). */
+#define AM_COMM_ERR_LEN 640
 
 enum am_comm_backend { AM_COMM_UCX, AM_COMM_NCCL };
 enum am_comm_op { AM_SUM, AM_MAX, AM_AVG }; /* the dtypes: enum am_dtype (dtype.h) */
@@ -90,7 +97,6 @@ struct am_comm_ctx *am_comm_ctx_init(enum am_comm_backend backend, struct am_boo
                                      const struct am_boot_info *info, int device, double timeout_s,
                                      char *err, size_t err_len);
 void am_comm_ctx_fini(struct am_comm_ctx *ctx);
-const char *am_comm_ctx_error(const struct am_comm_ctx *ctx);
 
 /* Diagnostics (docs/diagnostics.md).
  * set_flight: every later call on the context is recorded in the flight recorder f
@@ -105,7 +111,7 @@ const char *am_comm_ctx_error(const struct am_comm_ctx *ctx);
  * data moves, as a hung kernel or a dead link would, until the context is aborted. */
 struct am_flight;
 void am_comm_ctx_set_flight(struct am_comm_ctx *ctx, struct am_flight *f);
-int am_comm_ctx_set_hosts(struct am_comm_ctx *ctx, const char *const *hosts, int n);
+int am_comm_ctx_set_hosts(struct am_comm_ctx *ctx, const char *const *hosts, int n, char *err, size_t err_len);
 void am_comm_ctx_abort(struct am_comm_ctx *ctx, const char *reason);
 int am_comm_ctx_aborted(const struct am_comm_ctx *ctx);
 void am_comm_inject_stall(struct am_comm *c, uint64_t seq);
@@ -121,62 +127,66 @@ double am_comm_ctx_busy_s(const struct am_comm_ctx *ctx);
  * order (a rank's index in it is its group rank); a rank not in group g gets out[g] = NULL.
  * names[g] ("tp", "dp", ...) appears in messages and logs. */
 int am_comm_create_groups(struct am_comm_ctx *ctx, int n_groups, const int *const *groups,
-                          const int *group_sizes, const char *const *names, struct am_comm **out);
+                          const int *group_sizes, const char *const *names, struct am_comm **out, char *err,
+                          size_t err_len);
 void am_comm_destroy(struct am_comm *c);
 
 int am_comm_rank(const struct am_comm *c); /* rank in the group */
 int am_comm_size(const struct am_comm *c);
 const char *am_comm_name(const struct am_comm *c);
 uint64_t am_comm_seq(const struct am_comm *c); /* collectives issued on this group so far */
-const char *am_comm_error(const struct am_comm *c);
 
 /* NCCL: the CUDA stream the operations are enqueued on (cudaStream_t); UCX ignores it. */
 void am_comm_set_stream(struct am_comm *c, void *stream);
 
 int am_allreduce(struct am_comm *c, const void *send, void *recv, size_t count, enum am_dtype t,
-                 enum am_comm_op op);
+                 enum am_comm_op op, char *err, size_t err_len);
 int am_reduce_scatter(struct am_comm *c, const void *send, void *recv, size_t count, enum am_dtype t,
-                      enum am_comm_op op);
-int am_allgather(struct am_comm *c, const void *send, void *recv, size_t count, enum am_dtype t);
+                      enum am_comm_op op, char *err, size_t err_len);
+int am_allgather(struct am_comm *c, const void *send, void *recv, size_t count, enum am_dtype t, char *err,
+                 size_t err_len);
 /* counts and displacements in elements, one per group rank */
 int am_alltoallv(struct am_comm *c, const void *send, const size_t *send_counts, const size_t *send_displs,
-                 void *recv, const size_t *recv_counts, const size_t *recv_displs, enum am_dtype t);
-int am_broadcast(struct am_comm *c, void *buf, size_t count, enum am_dtype t, int root);
-int am_send(struct am_comm *c, const void *buf, size_t count, enum am_dtype t, int peer);
-int am_recv(struct am_comm *c, void *buf, size_t count, enum am_dtype t, int peer);
+                 void *recv, const size_t *recv_counts, const size_t *recv_displs, enum am_dtype t, char *err,
+                 size_t err_len);
+int am_broadcast(struct am_comm *c, void *buf, size_t count, enum am_dtype t, int root, char *err, size_t err_len);
+int am_send(struct am_comm *c, const void *buf, size_t count, enum am_dtype t, int peer, char *err, size_t err_len);
+int am_recv(struct am_comm *c, void *buf, size_t count, enum am_dtype t, int peer, char *err, size_t err_len);
 /* Starts sending count elements of buf to group rank peer and returns without waiting for the
  * peer to take them; buf must not change until am_send_wait(c) (or am_send_wait_keep with
  * this send among the oldest) returns. Numbered with the
  * blocking sends (the same sequence per pair and direction, matched by the peer's am_recv in
  * order). Pending sends progress inside every later call on the context (a blocked am_recv
  * included), so ranks that only block in receives cannot deadlock on sends. */
-int am_isend(struct am_comm *c, const void *buf, size_t count, enum am_dtype t, int peer);
+int am_isend(struct am_comm *c, const void *buf, size_t count, enum am_dtype t, int peer, char *err, size_t err_len);
 /* Waits for every send started with am_isend on c (bounded by the timeout like every wait);
  * 0, or -1 naming the first send that failed (its sequence number and peer). */
-int am_send_wait(struct am_comm *c);
+int am_send_wait(struct am_comm *c, char *err, size_t err_len);
 /* The same for the oldest pending sends only, until at most `keep` are left: a rank that
  * sends from a ring of buffers waits for the send of the one it is about to reuse. */
-int am_send_wait_keep(struct am_comm *c, size_t keep);
-int am_barrier(struct am_comm *c);
+int am_send_wait_keep(struct am_comm *c, size_t keep, char *err, size_t err_len);
+int am_barrier(struct am_comm *c, char *err, size_t err_len);
 
 /* Non-blocking collectives: the arguments, rules and results of the blocking calls; *req is
- * the request (NULL when the call fails: nothing started, am_comm_error says why). */
+ * the request (NULL when the call fails: nothing started, err says why). */
 struct am_comm_req;
 int am_iallreduce(struct am_comm *c, const void *send, void *recv, size_t count, enum am_dtype t,
-                  enum am_comm_op op, struct am_comm_req **req);
+                  enum am_comm_op op, struct am_comm_req **req, char *err, size_t err_len);
 int am_ireduce_scatter(struct am_comm *c, const void *send, void *recv, size_t count, enum am_dtype t,
-                       enum am_comm_op op, struct am_comm_req **req);
+                       enum am_comm_op op, struct am_comm_req **req, char *err, size_t err_len);
 int am_iallgather(struct am_comm *c, const void *send, void *recv, size_t count, enum am_dtype t,
-                  struct am_comm_req **req);
+                  struct am_comm_req **req, char *err, size_t err_len);
 /* Waits for the request (bounded by the timeout like every wait; at once on an abort) and
- * releases it: 0, or -1 with am_comm_error(its group) naming the call and the peer. NULL: 0. */
-int am_comm_wait(struct am_comm_req *req);
+ * releases it: 0, or -1 with err naming the call and the peer. NULL: 0. */
+int am_comm_wait(struct am_comm_req *req, char *err, size_t err_len);
 /* Never blocks: *done = 0 while the request runs (0 returned); *done = 1 when it is complete,
- * then it is released like am_comm_wait and the result returned (0 or -1). */
-int am_comm_test(struct am_comm_req *req, int *done);
+ * then it is released like am_comm_wait and the result returned (0 or -1, err). */
+int am_comm_test(struct am_comm_req *req, int *done, char *err, size_t err_len);
 /* am_comm_wait on reqs[0..n) in that order (NULL entries skipped), each set to NULL; all are
- * waited for even after a failure; 0, or -1 (am_comm_error of the failed request's group
- * says why: the first failure's, unless a later one on the same group overwrote it). */
-int am_comm_wait_all(struct am_comm_req **reqs, size_t n);
+ * waited for even after a failure; 0, or -1 with err holding the message of the last request
+ * that failed (a later request of a group that failed refuses, repeating the first error).
+ * err may be NULL (err_len 0): the requests are released and the message dropped, for a
+ * caller that already failed and only cleans up. */
+int am_comm_wait_all(struct am_comm_req **reqs, size_t n, char *err, size_t err_len);
 
 #endif

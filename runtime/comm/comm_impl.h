@@ -17,7 +17,9 @@
  * up at once when another thread aborts the context (am_comm_ctx_aborted).
  * A backend reports a failure with am_comm_fail(), which prefixes the message with the
  * call ("allreduce #17 on group dp (4 ranks) ..."); after a failure the group is broken
- * and every later call on it fails at once, repeating the first error.
+ * and every later call on it fails at once, repeating the first error. c->err (ctx->err for
+ * the context's own calls: ctx_init, create_groups) is only how a backend hands its message
+ * to the front: the public call copies it into the caller's err as it returns (comm.h).
  */
 #ifndef AM_COMM_IMPL_H
 #define AM_COMM_IMPL_H
@@ -29,7 +31,6 @@
 #include "flight.h"
 #include "half.h"
 
-#define AM_COMM_ERR_LEN 640
 #define AM_COMM_NAME_LEN 32
 
 enum am_comm_kind {

@@ -675,7 +675,7 @@ static void nccl_destroy(struct am_comm *c)
 static int nccl_create_groups(struct am_comm_ctx *ctx, int n_groups, struct am_comm **groups)
 {
     struct nccl_ctx *x = ctx->be;
-    char key[AM_BOOT_MAX_KEY];
+    char key[AM_BOOT_MAX_KEY], why[512];
     cudaError_t ce = cudaSetDevice(x->device);
     if (ce != cudaSuccess)
         return am_comm_ctx_fail(ctx, "create groups: cudaSetDevice(%d): %s", x->device, cudaGetErrorString(ce));
@@ -689,12 +689,11 @@ static int nccl_create_groups(struct am_comm_ctx *ctx, int n_groups, struct am_c
         if (r != ncclSuccess)
             return am_comm_ctx_fail(ctx, "create groups: group %s: ncclGetUniqueId: %s", c->name, ncclGetErrorString(r));
         snprintf(key, sizeof(key), "am.comm.nccl.%d", c->id);
-        if (am_boot_put(ctx->boot, key, &id, sizeof(id)) < 0)
-            return am_comm_ctx_fail(ctx, "create groups: group %s: publishing its NCCL id: %s", c->name,
-                                    am_boot_error(ctx->boot));
+        if (am_boot_put(ctx->boot, key, &id, sizeof(id), why, sizeof(why)) < 0)
+            return am_comm_ctx_fail(ctx, "create groups: group %s: publishing its NCCL id: %s", c->name, why);
     }
-    if (am_boot_fence(ctx->boot, ctx->timeout_s) < 0)
-        return am_comm_ctx_fail(ctx, "create groups: exchanging NCCL ids: %s", am_boot_error(ctx->boot));
+    if (am_boot_fence(ctx->boot, ctx->timeout_s, why, sizeof(why)) < 0)
+        return am_comm_ctx_fail(ctx, "create groups: exchanging NCCL ids: %s", why);
     for (int g = 0; g < n_groups; g++) {
         struct am_comm *c = groups[g];
         if (!c)
@@ -702,9 +701,9 @@ static int nccl_create_groups(struct am_comm_ctx *ctx, int n_groups, struct am_c
         void *val = NULL;
         size_t len = 0;
         snprintf(key, sizeof(key), "am.comm.nccl.%d", c->id);
-        if (am_boot_get(ctx->boot, c->ranks[0], key, &val, &len, ctx->timeout_s) < 0)
+        if (am_boot_get(ctx->boot, c->ranks[0], key, &val, &len, ctx->timeout_s, why, sizeof(why)) < 0)
             return am_comm_ctx_fail(ctx, "create groups: group %s: the NCCL id from rank %d: %s", c->name, c->ranks[0],
-                                    am_boot_error(ctx->boot));
+                                    why);
         ncclUniqueId id;
         int ok = len == sizeof(id);
         if (ok)

@@ -1089,10 +1089,11 @@ static int ucx_ctx_init(struct am_comm_ctx *ctx, int device)
         lane_init(ctx, &x->async, UCS_THREAD_MODE_SERIALIZED, "communication thread") < 0)
         goto out;
     /* the peers that share a group with this rank fetch them in am_comm_create_groups */
-    if (am_boot_put(ctx->boot, ADDR_KEY, x->main.addr, x->main.addr_len) < 0 ||
-        am_boot_put(ctx->boot, ASYNC_ADDR_KEY, x->async.addr, x->async.addr_len) < 0 ||
-        am_boot_fence(ctx->boot, ctx->timeout_s) < 0) {
-        am_comm_ctx_fail(ctx, "UCX context: publishing this rank's worker addresses: %s", am_boot_error(ctx->boot));
+    char why[512];
+    if (am_boot_put(ctx->boot, ADDR_KEY, x->main.addr, x->main.addr_len, why, sizeof(why)) < 0 ||
+        am_boot_put(ctx->boot, ASYNC_ADDR_KEY, x->async.addr, x->async.addr_len, why, sizeof(why)) < 0 ||
+        am_boot_fence(ctx->boot, ctx->timeout_s, why, sizeof(why)) < 0) {
+        am_comm_ctx_fail(ctx, "UCX context: publishing this rank's worker addresses: %s", why);
         goto out;
     }
     rc = 0;
@@ -1254,6 +1255,7 @@ static int ucx_create_groups(struct am_comm_ctx *ctx, int n_groups, struct am_co
 {
     struct ucx_ctx *x = ctx->be;
     int me = ctx->info.rank;
+    char why[512];
     if (ctx->n_groups + n_groups > MAX_GROUPS)
         return am_comm_ctx_fail(ctx, "create groups: %d groups in all is more than the UCX backend's %d",
                                 ctx->n_groups + n_groups, MAX_GROUPS);
@@ -1275,15 +1277,15 @@ static int ucx_create_groups(struct am_comm_ctx *ctx, int n_groups, struct am_co
             if (peer == me)
                 continue;
             if (!x->async_addr[peer] && am_boot_get(ctx->boot, peer, ASYNC_ADDR_KEY, &x->async_addr[peer],
-                                                    &x->async_addr_len[peer], ctx->timeout_s) < 0)
+                                                    &x->async_addr_len[peer], ctx->timeout_s, why, sizeof(why)) < 0)
                 return am_comm_ctx_fail(ctx, "create groups: group %s: the UCX address of rank %d's communication "
-                                        "thread: %s", c->name, peer, am_boot_error(ctx->boot));
+                                        "thread: %s", c->name, peer, why);
             if (!x->main.eps[peer]) {
                 void *addr = NULL;
                 size_t len = 0;
-                if (am_boot_get(ctx->boot, peer, ADDR_KEY, &addr, &len, ctx->timeout_s) < 0)
+                if (am_boot_get(ctx->boot, peer, ADDR_KEY, &addr, &len, ctx->timeout_s, why, sizeof(why)) < 0)
                     return am_comm_ctx_fail(ctx, "create groups: group %s: the UCX address of rank %d: %s", c->name,
-                                            peer, am_boot_error(ctx->boot));
+                                            peer, why);
                 ucs_status_t st = ep_create(x, &x->main, peer, addr);
                 free(addr);
                 if (st != UCS_OK)

@@ -464,9 +464,7 @@ static int tp_reduce(struct am_model *m, struct am_tensor *t, enum am_comm_op op
 {
     if (!m->tp_comm)
         return 0;
-    if (am_allreduce(m->tp_comm, t->data, t->data, (size_t)am_tensor_numel(t), t->dtype, op) < 0)
-        return am_fail(err, err_len, "%s", am_comm_error(m->tp_comm));
-    return 0;
+    return am_allreduce(m->tp_comm, t->data, t->data, (size_t)am_tensor_numel(t), t->dtype, op, err, err_len);
 }
 
 static int tp_sum(struct am_model *m, struct am_tensor *t, char *err, size_t err_len)
@@ -478,17 +476,14 @@ static int tp_sum(struct am_model *m, struct am_tensor *t, char *err, size_t err
 static int sp_gather(struct am_model *m, const struct am_tensor *rows, struct am_tensor *full, char *err,
                      size_t err_len)
 {
-    if (am_allgather(m->tp_comm, rows->data, full->data, (size_t)am_tensor_numel(rows), rows->dtype) < 0)
-        return am_fail(err, err_len, "%s", am_comm_error(m->tp_comm));
-    return 0;
+    return am_allgather(m->tp_comm, rows->data, full->data, (size_t)am_tensor_numel(rows), rows->dtype, err, err_len);
 }
 
 static int sp_scatter(struct am_model *m, const struct am_tensor *full, struct am_tensor *rows, char *err,
                       size_t err_len)
 {
-    if (am_reduce_scatter(m->tp_comm, full->data, rows->data, (size_t)am_tensor_numel(rows), rows->dtype, AM_SUM) < 0)
-        return am_fail(err, err_len, "%s", am_comm_error(m->tp_comm));
-    return 0;
+    return am_reduce_scatter(m->tp_comm, full->data, rows->data, (size_t)am_tensor_numel(rows), rows->dtype, AM_SUM,
+                             err, err_len);
 }
 
 /* The output of a row-parallel product (full rows, partial sums over tp) added to the
@@ -923,12 +918,12 @@ static int sum_tied_copies(struct am_model *m, char *err, size_t err_len)
         struct am_tensor mine = am_tensor_view((float *)p->g.data + off, m->dev->device, AM_F32, len, 0, 0, 0);
         struct am_tensor theirs = am_tensor_view(m->scratch_c.data, m->dev->device, AM_F32, len, 0, 0, 0);
         int rc = m->sh.first_stage
-                     ? am_send(m->pp_comm, mine.data, (size_t)len, AM_F32, peer) < 0 ||
-                           am_recv(m->pp_comm, theirs.data, (size_t)len, AM_F32, peer) < 0
-                     : am_recv(m->pp_comm, theirs.data, (size_t)len, AM_F32, peer) < 0 ||
-                           am_send(m->pp_comm, mine.data, (size_t)len, AM_F32, peer) < 0;
+                     ? am_send(m->pp_comm, mine.data, (size_t)len, AM_F32, peer, err, err_len) < 0 ||
+                           am_recv(m->pp_comm, theirs.data, (size_t)len, AM_F32, peer, err, err_len) < 0
+                     : am_recv(m->pp_comm, theirs.data, (size_t)len, AM_F32, peer, err, err_len) < 0 ||
+                           am_send(m->pp_comm, mine.data, (size_t)len, AM_F32, peer, err, err_len) < 0;
         if (rc)
-            return am_fail(err, err_len, "%s", am_comm_error(m->pp_comm));
+            return -1;
         m->K->add(m->dev, &mine, &theirs); /* first + last on both ranks: IEEE addition commutes */
     }
     return 0;
@@ -1003,8 +998,8 @@ static int sum_scalar(struct am_model *m, struct am_tensor *x, struct am_tensor 
     for (int i = 0; i < n; i++) {
         if (!groups[i])
             continue;
-        if (am_allreduce(groups[i], y->data, y->data, 1, AM_F32, AM_SUM) < 0)
-            return am_fail(err, err_len, "%s", am_comm_error(groups[i]));
+        if (am_allreduce(groups[i], y->data, y->data, 1, AM_F32, AM_SUM, err, err_len) < 0)
+            return -1;
         *reduced = true;
     }
     return 0;

@@ -72,6 +72,7 @@ struct save_tensor {
 struct saver {
     const struct am_model *m;
     struct am_comm *tp, *pp; /* NULL for size 1 */
+    char comm_err[AM_COMM_ERR_LEN]; /* the message of the communicator call that failed */
     const char *dir;
     int tp_size, tp_rank, pp_size, pp_rank;
     int *which;      /* the parameters written, in model order: the rank's list */
@@ -84,9 +85,9 @@ struct saver {
     int64_t n_all, current;  /* writer: the tensor now in full (-1: none) */
 };
 
-static int comm_failed(const struct saver *s, const struct am_comm *c, struct am_errors *err)
+static int comm_failed(const struct saver *s, struct am_errors *err)
 {
-    am_errorf(err, NULL, "%s: saving: %s", s->dir, am_comm_error(c));
+    am_errorf(err, NULL, "%s: saving: %s", s->dir, s->comm_err);
     return -1;
 }
 
@@ -208,8 +209,8 @@ static int prepare(struct saver *s, int64_t max_full, struct am_errors *err)
     int32_t bad = alloc_buffers(s, max_full, err) < 0;
     if (s->tp_size > 1) {
         int32_t any = bad;
-        if (am_allreduce(s->tp, &any, &any, 1, AM_I32, AM_MAX) < 0)
-            return comm_failed(s, s->tp, err);
+        if (am_allreduce(s->tp, &any, &any, 1, AM_I32, AM_MAX, s->comm_err, sizeof(s->comm_err)) < 0)
+            return comm_failed(s, err);
         if (any && !bad)
             am_errorf(err, NULL, "%s: saving: another tp rank could not take part (its errors say why)", s->dir);
         bad = any;
@@ -221,8 +222,9 @@ static int prepare(struct saver *s, int64_t max_full, struct am_errors *err)
         mine[2 * i] = s->m->params[s->which[i]].row0;
         mine[2 * i + 1] = s->m->params[s->which[i]].col0;
     }
-    if (s->tp_size > 1 && am_allgather(s->tp, mine, s->origin, (size_t)(2 * s->n), AM_I64) < 0)
-        return comm_failed(s, s->tp, err);
+    if (s->tp_size > 1 &&
+        am_allgather(s->tp, mine, s->origin, (size_t)(2 * s->n), AM_I64, s->comm_err, sizeof(s->comm_err)) < 0)
+        return comm_failed(s, err);
     return check_slices(s, err);
 }
 
@@ -236,8 +238,8 @@ static int gather(struct saver *s, int64_t i, struct am_errors *err)
     s->m->K->download(s->m->dev, mine, p->w.data, n * sizeof(float));
     if (s->tp_size == 1)
         return 0;
-    if (am_allgather(s->tp, mine, s->slices, n, AM_F32) < 0)
-        return comm_failed(s, s->tp, err);
+    if (am_allgather(s->tp, mine, s->slices, n, AM_F32, s->comm_err, sizeof(s->comm_err)) < 0)
+        return comm_failed(s, err);
     if (s->tp_rank != 0)
         return 0;
     int64_t rows = p->w.shape[0], cols = p->w.ndim > 1 ? p->w.shape[1] : 1;
@@ -258,10 +260,10 @@ static int serve(struct saver *s, struct am_errors *err)
 {
     for (;;) {
         int64_t req = -1;
-        if (s->tp_rank == 0 && am_recv(s->pp, &req, 1, AM_I64, 0) < 0)
-            return comm_failed(s, s->pp, err);
-        if (s->tp_size > 1 && am_broadcast(s->tp, &req, 1, AM_I64, 0) < 0)
-            return comm_failed(s, s->tp, err);
+        if (s->tp_rank == 0 && am_recv(s->pp, &req, 1, AM_I64, 0, s->comm_err, sizeof(s->comm_err)) < 0)
+            return comm_failed(s, err);
+        if (s->tp_size > 1 && am_broadcast(s->tp, &req, 1, AM_I64, 0, s->comm_err, sizeof(s->comm_err)) < 0)
+            return comm_failed(s, err);
         if (req < 0)
             return 0;
         if (req >= s->n) {
@@ -272,8 +274,9 @@ static int serve(struct saver *s, struct am_errors *err)
         if (gather(s, req, err) < 0)
             return -1;
         struct wire_tensor t = wire_of(&s->m->params[s->which[req]]);
-        if (s->tp_rank == 0 && am_send(s->pp, s->full, (size_t)full_numel(&t), AM_F32, 0) < 0)
-            return comm_failed(s, s->pp, err);
+        if (s->tp_rank == 0 &&
+            am_send(s->pp, s->full, (size_t)full_numel(&t), AM_F32, 0, s->comm_err, sizeof(s->comm_err)) < 0)
+            return comm_failed(s, err);
     }
 }
 
@@ -281,12 +284,12 @@ static int serve(struct saver *s, struct am_errors *err)
 static int send_list(struct saver *s, bool ok, struct am_errors *err)
 {
     int64_t n = ok ? s->n : -1;
-    if (am_send(s->pp, &n, 1, AM_I64, 0) < 0)
-        return comm_failed(s, s->pp, err);
+    if (am_send(s->pp, &n, 1, AM_I64, 0, s->comm_err, sizeof(s->comm_err)) < 0)
+        return comm_failed(s, err);
     for (int64_t i = 0; i < n; i++) {
         struct wire_tensor t = wire_of(&s->m->params[s->which[i]]);
-        if (am_send(s->pp, &t, WIRE_I64, AM_I64, 0) < 0)
-            return comm_failed(s, s->pp, err);
+        if (am_send(s->pp, &t, WIRE_I64, AM_I64, 0, s->comm_err, sizeof(s->comm_err)) < 0)
+            return comm_failed(s, err);
     }
     return 0;
 }
@@ -323,8 +326,8 @@ static int collect_lists(struct saver *s, bool ok, struct am_errors *err)
     s->count[0] = ok ? s->n : -1;
     int64_t total = s->count[0] > 0 ? s->count[0] : 0;
     for (int p = 1; p < s->pp_size; p++) {
-        if (am_recv(s->pp, &s->count[p], 1, AM_I64, p) < 0)
-            return comm_failed(s, s->pp, err);
+        if (am_recv(s->pp, &s->count[p], 1, AM_I64, p, s->comm_err, sizeof(s->comm_err)) < 0)
+            return comm_failed(s, err);
         if (s->count[p] < 0) {
             am_errorf(err, NULL, "%s: saving: pp rank %d could not take part (its errors say why)", s->dir, p);
             ok = false;
@@ -340,8 +343,8 @@ static int collect_lists(struct saver *s, bool ok, struct am_errors *err)
     for (int p = 1; p < s->pp_size; p++)
         for (int64_t i = 0; i < s->count[p]; i++) {
             struct save_tensor t = {.owner = p, .index = i};
-            if (am_recv(s->pp, &t.t, WIRE_I64, AM_I64, p) < 0)
-                return comm_failed(s, s->pp, err);
+            if (am_recv(s->pp, &t.t, WIRE_I64, AM_I64, p, s->comm_err, sizeof(s->comm_err)) < 0)
+                return comm_failed(s, err);
             t.t.name[sizeof(t.t.name) - 1] = '\0';
             if (t.t.ndim < 1 || t.t.ndim > 2 || t.t.rows < 1 || t.t.cols < 0 || (t.t.ndim == 2) != (t.t.cols > 0)) {
                 am_errorf(err, NULL, "%s: saving: pp rank %d sent tensor '%s' with a bad shape", s->dir, p, t.t.name);
@@ -362,13 +365,14 @@ static int fetch(struct saver *s, int64_t i, struct am_errors *err)
     int64_t req = t->index;
     s->current = -1;
     if (t->owner == 0) {
-        if (s->tp_size > 1 && am_broadcast(s->tp, &req, 1, AM_I64, 0) < 0)
-            return comm_failed(s, s->tp, err);
+        if (s->tp_size > 1 && am_broadcast(s->tp, &req, 1, AM_I64, 0, s->comm_err, sizeof(s->comm_err)) < 0)
+            return comm_failed(s, err);
         if (gather(s, req, err) < 0)
             return -1;
-    } else if (am_send(s->pp, &req, 1, AM_I64, t->owner) < 0 ||
-               am_recv(s->pp, s->full, (size_t)full_numel(&t->t), AM_F32, t->owner) < 0) {
-        return comm_failed(s, s->pp, err);
+    } else if (am_send(s->pp, &req, 1, AM_I64, t->owner, s->comm_err, sizeof(s->comm_err)) < 0 ||
+               am_recv(s->pp, s->full, (size_t)full_numel(&t->t), AM_F32, t->owner, s->comm_err,
+                       sizeof(s->comm_err)) < 0) {
+        return comm_failed(s, err);
     }
     s->current = i;
     return 0;
@@ -421,11 +425,11 @@ static int stop_all(struct saver *s, bool tp_serving, struct am_errors *err)
 {
     int64_t stop = -1;
     int rc = 0;
-    if (tp_serving && s->tp_size > 1 && am_broadcast(s->tp, &stop, 1, AM_I64, 0) < 0)
-        rc = comm_failed(s, s->tp, err);
+    if (tp_serving && s->tp_size > 1 && am_broadcast(s->tp, &stop, 1, AM_I64, 0, s->comm_err, sizeof(s->comm_err)) < 0)
+        rc = comm_failed(s, err);
     for (int p = 1; p < s->pp_size; p++)
-        if (s->count[p] >= 0 && am_send(s->pp, &stop, 1, AM_I64, p) < 0)
-            return comm_failed(s, s->pp, err);
+        if (s->count[p] >= 0 && am_send(s->pp, &stop, 1, AM_I64, p, s->comm_err, sizeof(s->comm_err)) < 0)
+            return comm_failed(s, err);
     return rc;
 }
 

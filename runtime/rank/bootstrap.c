@@ -108,31 +108,37 @@ void am_boot_fini(struct am_boot *b)
     free(b);
 }
 
-const char *am_boot_error(const struct am_boot *b) { return b->err; }
+/* The end of every public call: on -1, its message (b->err) goes to the caller's err. */
+static int result(const struct am_boot *b, int rc, char *err, size_t err_len)
+{
+    if (rc < 0 && err && err_len)
+        snprintf(err, err_len, "%s", b->err);
+    return rc;
+}
 
-int am_boot_put(struct am_boot *b, const char *key, const void *value, size_t len)
+static int put(struct am_boot *b, const char *key, const void *value, size_t len)
 {
     return call(b, "put", AM_BOOT_PUT, key, value, len, 0, 0, NULL, NULL);
 }
 
-int am_boot_fence(struct am_boot *b, double timeout_s)
+static int fence(struct am_boot *b, double timeout_s)
 {
     return call(b, "fence", AM_BOOT_FENCE, NULL, NULL, 0, 0, timeout_s, NULL, NULL);
 }
 
-int am_boot_get(struct am_boot *b, int rank, const char *key, void **value, size_t *len, double timeout_s)
+static int get(struct am_boot *b, int rank, const char *key, void **value, size_t *len, double timeout_s)
 {
     return call(b, "get", AM_BOOT_GET, key, NULL, 0, rank, timeout_s, value, len);
 }
 
-int am_boot_allgather(struct am_boot *b, const char *key, const void *mine, size_t len, void *all, double timeout_s)
+static int allgather(struct am_boot *b, const char *key, const void *mine, size_t len, void *all, double timeout_s)
 {
-    if (am_boot_put(b, key, mine, len) < 0 || am_boot_fence(b, timeout_s) < 0)
+    if (put(b, key, mine, len) < 0 || fence(b, timeout_s) < 0)
         return -1;
     for (int r = 0; r < b->info.size; r++) {
         void *v;
         size_t n;
-        if (am_boot_get(b, r, key, &v, &n, timeout_s) < 0)
+        if (get(b, r, key, &v, &n, timeout_s) < 0)
             return -1;
         if (n != len) {
             free(v);
@@ -142,6 +148,28 @@ int am_boot_allgather(struct am_boot *b, const char *key, const void *mine, size
         free(v);
     }
     return 0;
+}
+
+int am_boot_put(struct am_boot *b, const char *key, const void *value, size_t len, char *err, size_t err_len)
+{
+    return result(b, put(b, key, value, len), err, err_len);
+}
+
+int am_boot_fence(struct am_boot *b, double timeout_s, char *err, size_t err_len)
+{
+    return result(b, fence(b, timeout_s), err, err_len);
+}
+
+int am_boot_get(struct am_boot *b, int rank, const char *key, void **value, size_t *len, double timeout_s,
+                char *err, size_t err_len)
+{
+    return result(b, get(b, rank, key, value, len, timeout_s), err, err_len);
+}
+
+int am_boot_allgather(struct am_boot *b, const char *key, const void *mine, size_t len, void *all, double timeout_s,
+                      char *err, size_t err_len)
+{
+    return result(b, allgather(b, key, mine, len, all, timeout_s), err, err_len);
 }
 
 void am_boot_abort(struct am_boot *b, int status, const char *msg)

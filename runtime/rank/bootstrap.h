@@ -11,7 +11,8 @@
  *
  * Keys are short strings; values are blobs of at most AM_BOOT_MAX_VALUE bytes. Every call
  * that waits takes a timeout and fails with a message naming the operation rather than hang.
- * Functions return 0 or -1; am_boot_error() then says what went wrong.
+ * Errors: the runtime's convention (util.h): a call that can fail takes `char *err, size_t
+ * err_len` last and returns 0, or -1 with the message written there.
  */
 #ifndef AM_BOOTSTRAP_H
 #define AM_BOOTSTRAP_H
@@ -35,17 +36,17 @@ struct am_boot;
  * message (which says how to launch a rank program) to err. */
 struct am_boot *am_boot_init(struct am_boot_info *info, char *err, size_t err_len);
 void am_boot_fini(struct am_boot *b);
-const char *am_boot_error(const struct am_boot *b);
 
 /* Publishes key=value for the other ranks; visible to them after the next fence. */
-int am_boot_put(struct am_boot *b, const char *key, const void *value, size_t len);
+int am_boot_put(struct am_boot *b, const char *key, const void *value, size_t len, char *err, size_t err_len);
 /* Collective over all ranks: returns when every rank has fenced; puts before it are visible. */
-int am_boot_fence(struct am_boot *b, double timeout_s);
+int am_boot_fence(struct am_boot *b, double timeout_s, char *err, size_t err_len);
 /* Reads rank's value of key (after a fence). *value is malloc'd; the caller frees it. */
-int am_boot_get(struct am_boot *b, int rank, const char *key, void **value, size_t *len, double timeout_s);
+int am_boot_get(struct am_boot *b, int rank, const char *key, void **value, size_t *len, double timeout_s,
+                char *err, size_t err_len);
 /* put + fence + get from everyone: all holds size * len bytes, rank r's at r * len. */
 int am_boot_allgather(struct am_boot *b, const char *key, const void *mine, size_t len, void *all,
-                      double timeout_s);
+                      double timeout_s, char *err, size_t err_len);
 /* Ends the whole job (every rank), with status and a message for the logs. Does not return. */
 void am_boot_abort(struct am_boot *b, int status, const char *msg) __attribute__((noreturn));
 

@@ -105,8 +105,9 @@ int am_rank_setup(struct am_rank_setup *s, struct am_errors *err)
         am_errorf(err, NULL, "rank %d: out of memory for %d ranks", s->info.rank, s->info.size);
         goto out;
     }
-    if (am_boot_allgather(s->boot, "place", &mine, sizeof(mine), all, s->timeout_s) < 0) {
-        am_errorf(err, NULL, "rank %d on %s: %s", s->info.rank, s->info.host, am_boot_error(s->boot));
+    char why[512];
+    if (am_boot_allgather(s->boot, "place", &mine, sizeof(mine), all, s->timeout_s, why, sizeof(why)) < 0) {
+        am_errorf(err, NULL, "rank %d on %s: %s", s->info.rank, s->info.host, why);
         goto out;
     }
     int failed = 0;
@@ -185,7 +186,7 @@ void am_rank_setup_exit(struct am_rank_setup *s, int status)
     fflush(stdout);
     fflush(stderr);
     if (booted)
-        am_boot_fence(s->boot, s->timeout_s);
+        am_boot_fence(s->boot, s->timeout_s, NULL, 0); /* best effort: the job ends either way */
     am_rank_setup_end(s);
     if (status != 0 && booted && rank != 0)
         sleep(AM_SETUP_STOP_GRACE_S); /* rank 0's supervisor stops the job meanwhile */

@@ -58,11 +58,9 @@ static int reduce(struct am_gsync *s, int group, bool start, char *err, size_t e
                            (int64_t)G->n_elems, 0, 0, 0);
         m->K->convert(m->dev, &r, &g);
     }
-    int rc = start ? am_iallreduce(s->dp, r.data, r.data, G->n_elems, s->reduce, AM_SUM, &s->reqs[s->n_reqs++])
-                   : am_allreduce(s->dp, r.data, r.data, G->n_elems, s->reduce, AM_SUM);
-    if (rc < 0)
-        return am_fail(err, err_len, "%s", am_comm_error(s->dp));
-    return 0;
+    return start ? am_iallreduce(s->dp, r.data, r.data, G->n_elems, s->reduce, AM_SUM, &s->reqs[s->n_reqs++], err,
+                                 err_len)
+                 : am_allreduce(s->dp, r.data, r.data, G->n_elems, s->reduce, AM_SUM, err, err_len);
 }
 
 int am_gsync_group(void *arg, int group, char *err, size_t err_len)
@@ -85,9 +83,10 @@ int am_gsync_finish(struct am_gsync *s, char *err, size_t err_len)
         else if (s->state[g] != REDUCED)
             rc = reduce(s, g, false, err, err_len);
     }
-    /* the requests started in the backward, oldest first (a failed one names itself) */
-    if (am_comm_wait_all(s->reqs, s->n_reqs) < 0 && rc == 0)
-        rc = am_fail(err, err_len, "%s", am_comm_error(s->dp));
+    /* the requests started in the backward, oldest first (a failed one names itself); after
+     * an earlier failure they are only released, its message kept */
+    if (am_comm_wait_all(s->reqs, s->n_reqs, rc == 0 ? err : NULL, rc == 0 ? err_len : 0) < 0)
+        rc = -1;
     s->n_reqs = 0;
     if (s->lp_mem && rc == 0) { /* the sums back into the fp32 gradients */
         struct am_tensor g = am_tensor_view(m->grad_mem, m->dev->device, AM_F32, (int64_t)m->n_elems, 0, 0, 0);

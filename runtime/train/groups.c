@@ -10,7 +10,7 @@ int am_groups_build(struct am_groups *g, const struct am_rank_setup *s, enum am_
 {
     static const enum am_group kinds[] = {AM_GROUP_DP, AM_GROUP_TP, AM_GROUP_PP, AM_GROUP_PP};
     const struct am_plan *p = &s->plan;
-    char msg[512];
+    char msg[AM_COMM_ERR_LEN];
     memset(g, 0, sizeof(*g));
     g->ctx = am_comm_ctx_init(backend, s->boot, &s->info, device, s->timeout_s, msg, sizeof(msg));
     if (!g->ctx) {
@@ -18,8 +18,8 @@ int am_groups_build(struct am_groups *g, const struct am_rank_setup *s, enum am_
         return -1;
     }
     am_comm_ctx_set_flight(g->ctx, flight);
-    if (hosts && am_comm_ctx_set_hosts(g->ctx, hosts, s->info.size) < 0) {
-        am_errorf(err, NULL, "%s", am_comm_ctx_error(g->ctx));
+    if (hosts && am_comm_ctx_set_hosts(g->ctx, hosts, s->info.size, msg, sizeof(msg)) < 0) {
+        am_errorf(err, NULL, "%s", msg);
         return -1;
     }
     if (am_place_groups(p, &s->place, kinds, 4, &g->set, err) < 0)
@@ -35,8 +35,8 @@ int am_groups_build(struct am_groups *g, const struct am_rank_setup *s, enum am_
         bool second = g->set.kinds[i] == AM_GROUP_PP && pp_seen++ >= p->world / p->pp;
         g->names[i] = second ? "pp_grad" : g->set.names[i];
     }
-    if (am_comm_create_groups(g->ctx, n, g->set.groups, g->set.sizes, g->names, g->comms) < 0) {
-        am_errorf(err, NULL, "%s", am_comm_ctx_error(g->ctx));
+    if (am_comm_create_groups(g->ctx, n, g->set.groups, g->set.sizes, g->names, g->comms, msg, sizeof(msg)) < 0) {
+        am_errorf(err, NULL, "%s", msg);
         return -1;
     }
     for (int i = 0; i < n; i++) {

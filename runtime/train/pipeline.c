@@ -102,10 +102,11 @@ size_t am_pipe_bytes(const struct am_pipe *P)
  * before them, and its sends backward by the previous stage's backwards, which need nothing
  * but earlier sends either (with interleaving the chunks wrap around: there every micro-batch
  * and chunk has its own buffer). */
-static char *buf_of(const struct am_pipe *P, struct am_comm *c, char *base, int chunk, int micro)
+static char *buf_of(const struct am_pipe *P, struct am_comm *c, char *base, int chunk, int micro, char *err,
+                    size_t err_len)
 {
     size_t i = P->v == 1 ? (size_t)(micro % P->n_bufs) : (size_t)chunk * (size_t)P->n_micro + (size_t)micro;
-    if (P->v == 1 && micro >= P->n_bufs && am_send_wait_keep(c, (size_t)P->n_bufs - 1) < 0)
+    if (P->v == 1 && micro >= P->n_bufs && am_send_wait_keep(c, (size_t)P->n_bufs - 1, err, err_len) < 0)
         return NULL;
     return base + i * P->hidden * P->elem;
 }
@@ -114,11 +115,6 @@ static char *buf_of(const struct am_pipe *P, struct am_comm *c, char *base, int 
 static int prev_rank(const struct am_pipe *P, int s) { return (s - 1) % P->pp; }
 static int next_rank(const struct am_pipe *P, int s) { return (s + 1) % P->pp; }
 
-static int comm_fail(struct am_comm *c, char *err, size_t err_len)
-{
-    return am_fail(err, err_len, "%s", am_comm_error(c));
-}
-
 static int run_forward(struct am_pipe *P, struct am_model *m, const struct am_pipe_action *a, const int32_t *tokens,
                        const int32_t *targets, int64_t batch, float dloss_scale, char *err, size_t err_len)
 {
@@ -126,19 +122,19 @@ static int run_forward(struct am_pipe *P, struct am_model *m, const struct am_pi
     size_t N = (size_t)(batch * m->seq_len);
     const void *x_in = NULL;
     void *x_out = NULL;
-    if (s < P->n_stages - 1 && !(x_out = buf_of(P, P->fwd, P->out_bufs, a->chunk, a->micro)))
-        return comm_fail(P->fwd, err, err_len);
+    if (s < P->n_stages - 1 && !(x_out = buf_of(P, P->fwd, P->out_bufs, a->chunk, a->micro, err, err_len)))
+        return -1;
     if (s > 0) {
-        if (am_recv(P->fwd, P->recv_buf, P->hidden, P->dtype, prev_rank(P, s)) < 0)
-            return comm_fail(P->fwd, err, err_len);
+        if (am_recv(P->fwd, P->recv_buf, P->hidden, P->dtype, prev_rank(P, s), err, err_len) < 0)
+            return -1;
         x_in = P->recv_buf;
     }
     const int32_t *tok = tokens + a->micro * N, *tgt = targets + a->micro * N;
     if (am_model_forward(m, a->chunk, a->micro % P->slots[a->chunk], batch, tok, tgt, x_in, x_out, dloss_scale, err,
                          err_len) < 0)
         return -1;
-    if (x_out && am_isend(P->fwd, x_out, P->hidden, P->dtype, next_rank(P, s)) < 0)
-        return comm_fail(P->fwd, err, err_len);
+    if (x_out && am_isend(P->fwd, x_out, P->hidden, P->dtype, next_rank(P, s), err, err_len) < 0)
+        return -1;
     return 0;
 }
 
@@ -148,11 +144,11 @@ static int run_backward(struct am_pipe *P, struct am_model *m, const struct am_p
     int s = a->chunk * P->pp + P->rank;
     const void *dy = NULL;
     void *dx = NULL;
-    if (s > 0 && !(dx = buf_of(P, P->bwd, P->grad_bufs, a->chunk, a->micro)))
-        return comm_fail(P->bwd, err, err_len);
+    if (s > 0 && !(dx = buf_of(P, P->bwd, P->grad_bufs, a->chunk, a->micro, err, err_len)))
+        return -1;
     if (s < P->n_stages - 1) {
-        if (am_recv(P->bwd, P->recv_buf, P->hidden, P->dtype, next_rank(P, s)) < 0)
-            return comm_fail(P->bwd, err, err_len);
+        if (am_recv(P->bwd, P->recv_buf, P->hidden, P->dtype, next_rank(P, s), err, err_len) < 0)
+            return -1;
         dy = P->recv_buf;
     }
     m->grads_final = final;
@@ -160,8 +156,8 @@ static int run_backward(struct am_pipe *P, struct am_model *m, const struct am_p
     m->grads_final = false;
     if (rc < 0)
         return -1;
-    if (dx && am_isend(P->bwd, dx, P->hidden, P->dtype, prev_rank(P, s)) < 0)
-        return comm_fail(P->bwd, err, err_len);
+    if (dx && am_isend(P->bwd, dx, P->hidden, P->dtype, prev_rank(P, s), err, err_len) < 0)
+        return -1;
     return 0;
 }
 
@@ -185,9 +181,9 @@ int am_pipe_run(struct am_pipe *P, struct am_model *m, const int32_t *tokens, co
         if (rc < 0)
             return -1;
     }
-    if (P->pp > 1 && am_send_wait(P->fwd) < 0)
-        return comm_fail(P->fwd, err, err_len);
-    if (P->pp > 1 && am_send_wait(P->bwd) < 0)
-        return comm_fail(P->bwd, err, err_len);
+    if (P->pp > 1 && am_send_wait(P->fwd, err, err_len) < 0)
+        return -1;
+    if (P->pp > 1 && am_send_wait(P->bwd, err, err_len) < 0)
+        return -1;
     return 0;
 }

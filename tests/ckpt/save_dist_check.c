@@ -229,7 +229,7 @@ static void run_case(struct run *r, bool tie, bool perturb)
     struct am_model_shard sh = my_shard(r);
     struct am_model m;
     struct am_errors err;
-    char msg[512];
+    char msg[AM_COMM_ERR_LEN];
     am_errors_init(&err);
     if (!check(r, am_model_init(&m, &cfg, &sh, &r->dev, r->tpc, r->ppc, 1, 4, msg, sizeof(msg)) == 0, "%s", msg))
         return;
@@ -253,11 +253,11 @@ static void run_case(struct run *r, bool tie, bool perturb)
     if (saved)
         check_load_back(r, &m, dist);
     am_model_free(&m);
-    check(r, am_barrier(r->world) == 0, "barrier: %s", am_comm_error(r->world));
+    check(r, am_barrier(r->world, msg, sizeof(msg)) == 0, "barrier: %s", msg);
 }
 
 /* The world, one tp group per pp rank and one pp group per tp rank (those of size > 1). */
-static int make_groups(struct run *r, struct am_comm_ctx *ctx)
+static int make_groups(struct run *r, struct am_comm_ctx *ctx, char *err, size_t err_len)
 {
     int n = 0, sizes[16], *members[16];
     const char *names[16];
@@ -272,7 +272,7 @@ static int make_groups(struct run *r, struct am_comm_ctx *ctx)
                 members[n][sizes[n]++] = q;
         names[n++] = g == 0 ? "world" : tpg ? "tp" : "pp";
     }
-    int rc = am_comm_create_groups(ctx, n, (const int *const *)members, sizes, names, out);
+    int rc = am_comm_create_groups(ctx, n, (const int *const *)members, sizes, names, out, err, err_len);
     for (int g = 0; g < n; g++) {
         free(members[g]);
         if (rc < 0 || !out[g])
@@ -321,8 +321,8 @@ int main(int argc, char **argv)
         fprintf(stderr, "save_dist_check: rank %d: %s\n", r.rank, err);
         return 3;
     }
-    if (make_groups(&r, ctx) < 0) {
-        fprintf(stderr, "save_dist_check: rank %d: %s\n", r.rank, am_comm_ctx_error(ctx));
+    if (make_groups(&r, ctx, err, sizeof(err)) < 0) {
+        fprintf(stderr, "save_dist_check: rank %d: %s\n", r.rank, err);
         return 3;
     }
     if (am_dev_open(&r.dev, AM_DEV_CPU, -1, err, sizeof(err)) < 0) {

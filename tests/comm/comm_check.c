@@ -85,7 +85,10 @@ struct check {
     size_t big_bytes, isend_bytes;
     const char *gname;          /* group being tested, for messages */
     struct am_flight flight;    /* every call of the run is recorded */
+    char err[AM_COMM_ERR_LEN];  /* the message of the last call that failed */
 };
+/* The last two arguments of every communicator call: its message goes to k->err. */
+#define KERR k->err, sizeof(k->err)
 
 /* ---- inputs ------------------------------------------------------------------------------ */
 
@@ -249,9 +252,9 @@ static void failf(struct check *k, const char *fmt, ...)
 }
 
 /* A communicator call failed: that ends the run (the job is all-or-nothing). */
-static void die_call(struct check *k, const struct am_comm *c, const char *what)
+static void die_call(struct check *k, const char *what)
 {
-    fprintf(stderr, "comm_check: rank %d: %s: %s\n", k->info.rank, what, am_comm_error(c));
+    fprintf(stderr, "comm_check: rank %d: %s: %s\n", k->info.rank, what, k->err);
     exit(1);
 }
 
@@ -318,8 +321,8 @@ static void check_same_everywhere(struct check *k, struct am_comm *c, const char
         exit(1);
     }
     to_dev(dmine, &mine, sizeof(mine));
-    if (am_allgather(c, dmine, dall, 1, AM_I64) < 0)
-        die_call(k, c, "allgather of result hashes");
+    if (am_allgather(c, dmine, dall, 1, AM_I64, KERR) < 0)
+        die_call(k, "allgather of result hashes");
     to_host(all, dall, (size_t)p * sizeof(*all));
     k->checks++;
     for (int j = 0; j < p; j++)
@@ -359,8 +362,8 @@ static void test_allreduce(struct check *k, struct am_comm *c, enum am_dtype t, 
         to_dev(dr, out, bytes);
     }
     uint64_t seq = am_comm_seq(c);
-    if (am_allreduce(c, ds, dr, n, t, op) < 0)
-        die_call(k, c, what);
+    if (am_allreduce(c, ds, dr, n, t, op, KERR) < 0)
+        die_call(k, what);
     if (am_comm_seq(c) != seq + 1)
         failf(k, "%s: sequence number went from %llu to %llu", what, (unsigned long long)seq,
               (unsigned long long)am_comm_seq(c));
@@ -394,8 +397,8 @@ static void test_reduce_scatter(struct check *k, struct am_comm *c, enum am_dtyp
     void *ds = dev_alloc(full), *dr = in_place ? (char *)ds + (size_t)r * n * es : dev_alloc(n * es);
     fill(h, t, k->info.rank, salt, 0, n * (size_t)p);
     to_dev(ds, h, full);
-    if (am_reduce_scatter(c, ds, dr, n, t, op) < 0)
-        die_call(k, c, what);
+    if (am_reduce_scatter(c, ds, dr, n, t, op, KERR) < 0)
+        die_call(k, what);
     to_host(out, dr, n * es);
     check_reduced(k, c, what, t, op, salt, out, (size_t)r * n, n);
     if (!in_place) {
@@ -423,8 +426,8 @@ static void test_allgather(struct check *k, struct am_comm *c, enum am_dtype t, 
     memset(out, 0x5a, full);
     to_dev(dr, out, full);
     to_dev(ds, h, n * es);
-    if (am_allgather(c, ds, dr, n, t) < 0)
-        die_call(k, c, what);
+    if (am_allgather(c, ds, dr, n, t, KERR) < 0)
+        die_call(k, what);
     to_host(out, dr, full);
     k->checks++;
     for (int j = 0; j < p; j++)
@@ -448,8 +451,8 @@ static void test_broadcast(struct check *k, struct am_comm *c, enum am_dtype t, 
     else
         memset(h, 0x5a, bytes);
     to_dev(d, h, bytes);
-    if (am_broadcast(c, d, n, t, root) < 0)
-        die_call(k, c, what);
+    if (am_broadcast(c, d, n, t, root, KERR) < 0)
+        die_call(k, what);
     to_host(h, d, bytes);
     k->checks++;
     check_inputs(k, what, t, c->ranks[root], salt, h, 0, n, "buffer");
@@ -489,8 +492,8 @@ static void test_alltoallv(struct check *k, struct am_comm *c, enum am_dtype t, 
     void *ds = dev_alloc(stot * es), *dr = dev_alloc(rtot * es);
     to_dev(ds, hs, stot * es);
     to_dev(dr, hr, rtot * es);
-    if (am_alltoallv(c, ds, sc, sd, dr, rc, rd, t) < 0)
-        die_call(k, c, what);
+    if (am_alltoallv(c, ds, sc, sd, dr, rc, rd, t, KERR) < 0)
+        die_call(k, what);
     to_host(hr, dr, rtot * es);
     k->checks++;
     for (int j = 0; j < p; j++)
@@ -521,8 +524,8 @@ static void test_p2p(struct check *k, struct am_comm *c, enum am_dtype t, const 
     int p = am_comm_size(c), r = am_comm_rank(c);
     if (p == 1) {
         k->checks++;
-        if (am_send(c, "x", 1, AM_I32, 0) == 0 || !strstr(am_comm_error(c), "itself"))
-            failf(k, "send to itself was accepted (or said: %s)", am_comm_error(c));
+        if (am_send(c, "x", 1, AM_I32, 0, KERR) == 0 || !strstr(k->err, "itself"))
+            failf(k, "send to itself was accepted (or said: %s)", k->err);
         return;
     }
     size_t es = am_dtype_size(t);
@@ -539,11 +542,11 @@ static void test_p2p(struct check *k, struct am_comm *c, enum am_dtype t, const 
         to_dev(dr, hr, bytes);
         int rc;
         if (r % 2 == 0)
-            rc = am_send(c, ds, n, t, right) < 0 || am_recv(c, dr, n, t, left) < 0;
+            rc = am_send(c, ds, n, t, right, KERR) < 0 || am_recv(c, dr, n, t, left, KERR) < 0;
         else
-            rc = am_recv(c, dr, n, t, left) < 0 || am_send(c, ds, n, t, right) < 0;
+            rc = am_recv(c, dr, n, t, left, KERR) < 0 || am_send(c, ds, n, t, right, KERR) < 0;
         if (rc)
-            die_call(k, c, what);
+            die_call(k, what);
         to_host(hr, dr, bytes);
         k->checks++;
         check_inputs(k, what, t, c->ranks[left], salt + (uint64_t)s, hr, 0, n, "message");
@@ -564,8 +567,8 @@ static void test_p2p(struct check *k, struct am_comm *c, enum am_dtype t, const 
         else
             memset(h, 0x5a, bytes);
         to_dev(d, h, bytes);
-        if ((r > 0 && am_recv(c, d, n, t, r - 1) < 0) || (r < p - 1 && am_send(c, d, n, t, r + 1) < 0))
-            die_call(k, c, what);
+        if ((r > 0 && am_recv(c, d, n, t, r - 1, KERR) < 0) || (r < p - 1 && am_send(c, d, n, t, r + 1, KERR) < 0))
+            die_call(k, what);
         to_host(h, d, bytes);
         k->checks++;
         check_inputs(k, what, t, c->ranks[0], salt + 100 + (uint64_t)s, h, 0, n, "message");
@@ -580,12 +583,12 @@ static void test_bad_arguments(struct check *k, struct am_comm *c)
     int x = 0;
     uint64_t seq = am_comm_seq(c);
     k->checks++;
-    if (am_allreduce(c, &x, &x, 1, (enum am_dtype)42, AM_SUM) == 0 || !strstr(am_comm_error(c), "dtype 42"))
-        failf(k, "a bad dtype was accepted (or said: %s)", am_comm_error(c));
-    if (am_broadcast(c, &x, 1, AM_I32, am_comm_size(c)) == 0 || !strstr(am_comm_error(c), "root"))
-        failf(k, "a bad root was accepted (or said: %s)", am_comm_error(c));
-    if (am_allreduce(c, NULL, &x, 1, AM_I32, AM_SUM) == 0 || !strstr(am_comm_error(c), "NULL"))
-        failf(k, "a NULL buffer was accepted (or said: %s)", am_comm_error(c));
+    if (am_allreduce(c, &x, &x, 1, (enum am_dtype)42, AM_SUM, KERR) == 0 || !strstr(k->err, "dtype 42"))
+        failf(k, "a bad dtype was accepted (or said: %s)", k->err);
+    if (am_broadcast(c, &x, 1, AM_I32, am_comm_size(c), KERR) == 0 || !strstr(k->err, "root"))
+        failf(k, "a bad root was accepted (or said: %s)", k->err);
+    if (am_allreduce(c, NULL, &x, 1, AM_I32, AM_SUM, KERR) == 0 || !strstr(k->err, "NULL"))
+        failf(k, "a NULL buffer was accepted (or said: %s)", k->err);
     if (am_comm_seq(c) != seq)
         failf(k, "rejected calls changed the sequence number");
 }
@@ -641,8 +644,8 @@ static void recv_checked(struct check *k, struct am_comm *c, const char *what, e
                          int from, uint64_t salt)
 {
     void *d = dev_blank(t, n);
-    if (am_recv(c, d, n, t, from) < 0)
-        die_call(k, c, what);
+    if (am_recv(c, d, n, t, from, KERR) < 0)
+        die_call(k, what);
     check_message(k, c, what, t, n, from, salt, d);
 }
 
@@ -675,18 +678,18 @@ static void test_isend_ring(struct check *k, struct am_comm *c, uint64_t salt)
     snprintf(what, sizeof(what), "isend ring n=%zu", n);
     void *d = dev_message(t, k->info.rank, salt, n), *in = dev_blank(t, n);
     double busy = am_comm_ctx_busy_s(k->ctx);
-    if (am_isend(c, d, n, t, right) < 0)
-        die_call(k, c, what);
+    if (am_isend(c, d, n, t, right, KERR) < 0)
+        die_call(k, what);
     uint64_t id = atomic_load(&k->flight.newest), seq = c->sent[right];
     check_flight(k, c, what, id, right, seq, AM_FLIGHT_POSTED);
     struct am_flight_view v;
     if (am_flight_oldest_inflight(&k->flight, &v)) /* a posted isend does not block the rank */
         failf(k, "%s: the watchdog would time %s #%llu, but nothing blocks", what, v.op, (unsigned long long)v.seq);
-    if (am_recv(c, in, n, t, left) < 0)
-        die_call(k, c, what);
+    if (am_recv(c, in, n, t, left, KERR) < 0)
+        die_call(k, what);
     check_flight(k, c, what, id, right, seq, AM_FLIGHT_POSTED); /* pending until am_send_wait */
-    if (am_send_wait(c) < 0)
-        die_call(k, c, what);
+    if (am_send_wait(c, KERR) < 0)
+        die_call(k, what);
     check_flight(k, c, what, id, right, seq, AM_FLIGHT_COMPLETED);
     check_message(k, c, what, t, n, left, salt, in);
     k->checks++;
@@ -720,13 +723,13 @@ static void test_isend_chain(struct check *k, struct am_comm *c, uint64_t salt)
     for (int i = 0; r < p - 1 && i < N_PIPE; i++) {
         snprintf(what, sizeof(what), "isend chain message %d (n=%zu)", i, pipe_msgs[i].n);
         bufs[i] = dev_message(pipe_msgs[i].t, k->info.rank, salt + (uint64_t)i, pipe_msgs[i].n);
-        if (am_isend(c, bufs[i], pipe_msgs[i].n, pipe_msgs[i].t, r + 1) < 0)
-            die_call(k, c, what);
+        if (am_isend(c, bufs[i], pipe_msgs[i].n, pipe_msgs[i].t, r + 1, KERR) < 0)
+            die_call(k, what);
         ids[i] = atomic_load(&k->flight.newest);
     }
     if (r < p - 1) {
-        if (am_send_wait_keep(c, KEPT) < 0)
-            die_call(k, c, "isend chain: send_wait_keep");
+        if (am_send_wait_keep(c, KEPT, KERR) < 0)
+            die_call(k, "isend chain: send_wait_keep");
         k->checks++;
         if (c->n_pending != KEPT)
             failf(k, "isend chain: %zu sends pending after am_send_wait_keep(%d)", c->n_pending, KEPT);
@@ -741,8 +744,8 @@ static void test_isend_chain(struct check *k, struct am_comm *c, uint64_t salt)
         recv_checked(k, c, what, pipe_msgs[i].t, pipe_msgs[i].n, r - 1, salt + (uint64_t)i);
     }
     if (r < p - 1) {
-        if (am_send_wait(c) < 0)
-            die_call(k, c, "isend chain: send_wait");
+        if (am_send_wait(c, KERR) < 0)
+            die_call(k, "isend chain: send_wait");
         k->checks++;
         if (c->sent[r + 1] != sent0 + N_PIPE)
             failf(k, "isend chain: %d isends numbered %llu messages", N_PIPE,
@@ -764,8 +767,8 @@ static void test_isend_mixed(struct check *k, struct am_comm *c, uint64_t salt)
         uint64_t sent0 = c->sent[r + 1];
         for (int i = 0; i < 3; i++) {
             d[i] = dev_message(t[i], k->info.rank, salt + (uint64_t)i, n[i]);
-            if ((i == 1 ? am_send(c, d[i], n[i], t[i], r + 1) : am_isend(c, d[i], n[i], t[i], r + 1)) < 0)
-                die_call(k, c, i == 1 ? "isend/send mixed: send B" : "isend/send mixed: isend");
+            if ((i == 1 ? am_send(c, d[i], n[i], t[i], r + 1, KERR) : am_isend(c, d[i], n[i], t[i], r + 1, KERR)) < 0)
+                die_call(k, i == 1 ? "isend/send mixed: send B" : "isend/send mixed: isend");
         }
         k->checks++;
         if (c->sent[r + 1] != sent0 + 3)
@@ -774,8 +777,8 @@ static void test_isend_mixed(struct check *k, struct am_comm *c, uint64_t salt)
     for (int i = 0; r > 0 && i < 3; i++)
         recv_checked(k, c, i == 1 ? "isend/send mixed: B" : i ? "isend/send mixed: C" : "isend/send mixed: A", t[i],
                      n[i], r - 1, salt + (uint64_t)i);
-    if (r < p - 1 && am_send_wait(c) < 0)
-        die_call(k, c, "isend/send mixed: send_wait");
+    if (r < p - 1 && am_send_wait(c, KERR) < 0)
+        die_call(k, "isend/send mixed: send_wait");
     for (int i = 0; i < 3; i++)
         dev_free(d[i]);
 }
@@ -786,16 +789,16 @@ static void test_isend_arguments(struct check *k, struct am_comm *c)
     int x = 0, p = am_comm_size(c), r = am_comm_rank(c), other = (r + 1) % p;
     uint64_t sent = c->sent[other];
     k->checks++;
-    if (am_isend(c, &x, 1, AM_I32, r) == 0 || !strstr(am_comm_error(c), "itself"))
-        failf(k, "an isend to itself was accepted (or said: %s)", am_comm_error(c));
-    if (am_isend(c, &x, 1, AM_I32, p) == 0 || !strstr(am_comm_error(c), "outside"))
-        failf(k, "an isend to group rank %d was accepted (or said: %s)", p, am_comm_error(c));
-    if (other != r && (am_isend(c, NULL, 1, AM_I32, other) == 0 || !strstr(am_comm_error(c), "NULL")))
-        failf(k, "an isend of a NULL buffer was accepted (or said: %s)", am_comm_error(c));
+    if (am_isend(c, &x, 1, AM_I32, r, KERR) == 0 || !strstr(k->err, "itself"))
+        failf(k, "an isend to itself was accepted (or said: %s)", k->err);
+    if (am_isend(c, &x, 1, AM_I32, p, KERR) == 0 || !strstr(k->err, "outside"))
+        failf(k, "an isend to group rank %d was accepted (or said: %s)", p, k->err);
+    if (other != r && (am_isend(c, NULL, 1, AM_I32, other, KERR) == 0 || !strstr(k->err, "NULL")))
+        failf(k, "an isend of a NULL buffer was accepted (or said: %s)", k->err);
     if (c->sent[other] != sent)
         failf(k, "refused isends were numbered");
-    if (am_send_wait(c) < 0)
-        failf(k, "send_wait with nothing pending failed: %s", am_comm_error(c));
+    if (am_send_wait(c, KERR) < 0)
+        failf(k, "send_wait with nothing pending failed: %s", k->err);
 }
 
 static void test_isend(struct check *k, struct am_comm *c)
@@ -836,18 +839,18 @@ static void test_isend_cross(struct check *k, struct am_comm *fwd, struct am_com
     void *act = dev_message(t, r, salt, n), *grad = dev_message(t, r, salt + 1, n);
     void *in_act = r > 0 ? dev_blank(t, n) : NULL, *in_grad = r < p - 1 ? dev_blank(t, n) : NULL;
     int next = group_rank_of(bwd, r + 1), prev = group_rank_of(bwd, r - 1);
-    if (r > 0 && am_recv(fwd, in_act, n, t, r - 1) < 0)
-        die_call(k, fwd, "isend across groups: activation");
-    if (r < p - 1 && am_isend(fwd, act, n, t, r + 1) < 0)
-        die_call(k, fwd, "isend across groups: activation");
-    if (r < p - 1 && am_recv(bwd, in_grad, n, t, next) < 0)
-        die_call(k, bwd, "isend across groups: gradient (an activation pending on the other group)");
-    if (r > 0 && am_isend(bwd, grad, n, t, prev) < 0)
-        die_call(k, bwd, "isend across groups: gradient");
-    if (am_send_wait(fwd) < 0)
-        die_call(k, fwd, "isend across groups: send_wait");
-    if (am_send_wait(bwd) < 0)
-        die_call(k, bwd, "isend across groups: send_wait");
+    if (r > 0 && am_recv(fwd, in_act, n, t, r - 1, KERR) < 0)
+        die_call(k, "isend across groups: activation");
+    if (r < p - 1 && am_isend(fwd, act, n, t, r + 1, KERR) < 0)
+        die_call(k, "isend across groups: activation");
+    if (r < p - 1 && am_recv(bwd, in_grad, n, t, next, KERR) < 0)
+        die_call(k, "isend across groups: gradient (an activation pending on the other group)");
+    if (r > 0 && am_isend(bwd, grad, n, t, prev, KERR) < 0)
+        die_call(k, "isend across groups: gradient");
+    if (am_send_wait(fwd, KERR) < 0)
+        die_call(k, "isend across groups: send_wait");
+    if (am_send_wait(bwd, KERR) < 0)
+        die_call(k, "isend across groups: send_wait");
     if (r > 0)
         check_message(k, fwd, "isend across groups: activation", t, n, r - 1, salt, in_act);
     if (r < p - 1)
@@ -874,8 +877,8 @@ static void *isend_left_pending(struct check *k, struct am_comm *world, uint64_t
         return NULL;
     if (am_comm_rank(world) == 0) {
         d = dev_message(t, k->info.rank, salt, n);
-        if (am_isend(world, d, n, t, 1) < 0)
-            die_call(k, world, "isend left pending");
+        if (am_isend(world, d, n, t, 1, KERR) < 0)
+            die_call(k, "isend left pending");
         *id = atomic_load(&k->flight.newest);
     }
 #ifndef COMM_CHECK_CUDA
@@ -905,21 +908,23 @@ struct nb_op {
     struct am_comm_req *req;
 };
 
-static int nb_blocking(struct am_comm *c, const struct nb_op *o, const void *s, void *r)
+static int nb_blocking(struct check *k, struct am_comm *c, const struct nb_op *o, const void *s, void *r)
 {
     switch (o->kind) {
-    case NB_ALLREDUCE: return am_allreduce(c, s, r, o->n, o->t, o->op);
-    case NB_REDUCE_SCATTER: return am_reduce_scatter(c, s, r, o->n, o->t, o->op);
-    default: return am_allgather(c, s, r, o->n, o->t);
+    case NB_ALLREDUCE: return am_allreduce(c, s, r, o->n, o->t, o->op, KERR);
+    case NB_REDUCE_SCATTER: return am_reduce_scatter(c, s, r, o->n, o->t, o->op, KERR);
+    default: return am_allgather(c, s, r, o->n, o->t, KERR);
     }
 }
 
-static int nb_start(struct am_comm *c, struct nb_op *o)
+static int nb_start(struct check *k, struct am_comm *c, struct nb_op *o)
 {
     switch (o->kind) {
-    case NB_ALLREDUCE: return am_iallreduce(c, o->dsend, o->drecv, o->n, o->t, o->op, &o->req);
-    case NB_REDUCE_SCATTER: return am_ireduce_scatter(c, o->dsend, o->drecv, o->n, o->t, o->op, &o->req);
-    default: return am_iallgather(c, o->dsend, o->drecv, o->n, o->t, &o->req);
+    case NB_ALLREDUCE:
+        return am_iallreduce(c, o->dsend, o->drecv, o->n, o->t, o->op, &o->req, KERR);
+    case NB_REDUCE_SCATTER:
+        return am_ireduce_scatter(c, o->dsend, o->drecv, o->n, o->t, o->op, &o->req, KERR);
+    default: return am_iallgather(c, o->dsend, o->drecv, o->n, o->t, &o->req, KERR);
     }
 }
 
@@ -935,8 +940,8 @@ static void nb_prepare(struct check *k, struct am_comm *c, struct nb_op *o)
     fill(h, o->t, k->info.rank, o->salt, 0, in);
     void *bs = dev_alloc(o->in_bytes), *br = dev_alloc(o->out_bytes);
     to_dev(bs, h, o->in_bytes);
-    if (nb_blocking(c, o, bs, br) < 0)
-        die_call(k, c, "the blocking reference of a non-blocking call");
+    if (nb_blocking(k, c, o, bs, br) < 0)
+        die_call(k, "the blocking reference of a non-blocking call");
     o->ref = xmalloc(o->out_bytes);
     to_host(o->ref, br, o->out_bytes);
     dev_free(bs);
@@ -980,8 +985,8 @@ static void nb_check(struct check *k, struct nb_op *o, const char *how)
 static void nb_issue(struct check *k, struct am_comm *c, struct nb_op *o)
 {
     uint64_t seq = am_comm_seq(c);
-    if (nb_start(c, o) < 0 || !o->req)
-        die_call(k, c, nb_names[o->kind]);
+    if (nb_start(k, c, o) < 0 || !o->req)
+        die_call(k, nb_names[o->kind]);
     k->checks++;
     if (am_comm_seq(c) != seq + 1)
         failf(k, "%s: sequence number went from %llu to %llu", nb_names[o->kind], (unsigned long long)seq,
@@ -1011,8 +1016,8 @@ static void test_nb_single(struct check *k, struct am_comm *c, enum am_dtype t, 
                         v.seq != am_comm_seq(c) || (v.state != AM_FLIGHT_POSTED))
                         failf(k, "%s n=%zu: its flight entry is not a posted %s #%llu (state %s)", nb_names[kind], n,
                               nb_names[kind], (unsigned long long)am_comm_seq(c), am_flight_state_name(v.state));
-                    if (am_comm_wait(o.req) < 0)
-                        die_call(k, c, nb_names[kind]);
+                    if (am_comm_wait(o.req, KERR) < 0)
+                        die_call(k, nb_names[kind]);
                     if (!am_flight_get(&k->flight, id, &v) || v.state != AM_FLIGHT_COMPLETED)
                         failf(k, "%s n=%zu: its flight entry did not end completed", nb_names[kind], n);
                     nb_check(k, &o, "alone");
@@ -1026,16 +1031,16 @@ static void test_nb_arguments(struct check *k, struct am_comm *c)
     struct am_comm_req *q = (struct am_comm_req *)&x;
     uint64_t seq = am_comm_seq(c);
     k->checks++;
-    if (am_iallreduce(c, &x, &x, 1, (enum am_dtype)42, AM_SUM, &q) == 0 || q ||
-        !strstr(am_comm_error(c), "iallreduce on group") || !strstr(am_comm_error(c), "dtype 42"))
-        failf(k, "a bad dtype was accepted by iallreduce (or said: %s)", am_comm_error(c));
-    if (am_iallgather(c, NULL, &x, 1, AM_I32, &q) == 0 || !strstr(am_comm_error(c), "NULL"))
-        failf(k, "a NULL buffer was accepted by iallgather (or said: %s)", am_comm_error(c));
-    if (am_ireduce_scatter(c, &x, &x, 1, AM_I32, AM_SUM, NULL) == 0 || !strstr(am_comm_error(c), "request"))
-        failf(k, "a NULL request pointer was accepted (or said: %s)", am_comm_error(c));
+    if (am_iallreduce(c, &x, &x, 1, (enum am_dtype)42, AM_SUM, &q, KERR) == 0 || q ||
+        !strstr(k->err, "iallreduce on group") || !strstr(k->err, "dtype 42"))
+        failf(k, "a bad dtype was accepted by iallreduce (or said: %s)", k->err);
+    if (am_iallgather(c, NULL, &x, 1, AM_I32, &q, KERR) == 0 || !strstr(k->err, "NULL"))
+        failf(k, "a NULL buffer was accepted by iallgather (or said: %s)", k->err);
+    if (am_ireduce_scatter(c, &x, &x, 1, AM_I32, AM_SUM, NULL, KERR) == 0 || !strstr(k->err, "request"))
+        failf(k, "a NULL request pointer was accepted (or said: %s)", k->err);
     if (am_comm_seq(c) != seq)
         failf(k, "refused non-blocking calls changed the sequence number");
-    if (am_comm_wait(NULL) != 0)
+    if (am_comm_wait(NULL, KERR) != 0)
         failf(k, "am_comm_wait(NULL) failed");
 }
 
@@ -1060,8 +1065,8 @@ static void test_nb_many(struct check *k, struct am_comm *c, int how, uint64_t s
         nb_issue(k, c, &o[i]);
     if (how == 0 || how == 1) {
         for (int j = 0; j < N_NB; j++)
-            if (am_comm_wait(o[how ? N_NB - 1 - j : j].req) < 0)
-                die_call(k, c, hows[how]);
+            if (am_comm_wait(o[how ? N_NB - 1 - j : j].req, KERR) < 0)
+                die_call(k, hows[how]);
     } else if (how == 2) {
         int left = N_NB;
         double t0 = am_comm_now();
@@ -1070,8 +1075,8 @@ static void test_nb_many(struct check *k, struct am_comm *c, int how, uint64_t s
                 int done = 0;
                 if (!o[i].req)
                     continue;
-                if (am_comm_test(o[i].req, &done) < 0)
-                    die_call(k, c, hows[how]);
+                if (am_comm_test(o[i].req, &done, KERR) < 0)
+                    die_call(k, hows[how]);
                 if (done) {
                     o[i].req = NULL;
                     left--;
@@ -1088,8 +1093,8 @@ static void test_nb_many(struct check *k, struct am_comm *c, int how, uint64_t s
         for (int i = 0; i < N_NB; i++)
             reqs[i] = o[i].req;
         reqs[N_NB] = NULL;
-        if (am_comm_wait_all(reqs, N_NB + 1) < 0)
-            die_call(k, c, hows[how]);
+        if (am_comm_wait_all(reqs, N_NB + 1, KERR) < 0)
+            die_call(k, hows[how]);
     }
     for (int i = 0; i < N_NB; i++)
         nb_check(k, &o[i], hows[how]);
@@ -1124,8 +1129,8 @@ static void test_nb_groups(struct check *k, struct am_comm *a, struct am_comm *b
     }
     test_allreduce(k, a, AM_I64, AM_SUM, 70000, 1, salt_of(22, 10, 0, 0, 0)); /* blocking on world */
     for (int i = 3; i >= 0; i--)
-        if (am_comm_wait(o[i].req) < 0)
-            die_call(k, on[i], "non-blocking calls on two groups");
+        if (am_comm_wait(o[i].req, KERR) < 0)
+            die_call(k, "non-blocking calls on two groups");
     for (int i = 0; i < 4; i++)
         nb_check(k, &o[i], "two groups, blocking calls between");
 }
@@ -1135,8 +1140,8 @@ static int64_t reduce_i64(struct check *k, struct am_comm *c, int64_t v, enum am
 {
     void *d = dev_alloc(sizeof(v));
     to_dev(d, &v, sizeof(v));
-    if (am_allreduce(c, d, d, 1, AM_I64, op) < 0)
-        die_call(k, c, "a reduction of one number");
+    if (am_allreduce(c, d, d, 1, AM_I64, op, KERR) < 0)
+        die_call(k, "a reduction of one number");
     to_host(&v, d, sizeof(v));
     dev_free(d);
     return v;
@@ -1157,20 +1162,20 @@ static void test_nb_overlap(struct check *k, struct am_comm *c)
     fill(h, AM_F32, k->info.rank, salt_of(23, 0, 0, 0, 0), 0, n);
     void *ds = dev_copy_of((char *)h, n * 4), *dr = dev_alloc(n * 4);
     double t0 = am_comm_now();
-    if (am_allreduce(c, ds, dr, n, AM_F32, AM_SUM) < 0)
-        die_call(k, c, "overlap: blocking allreduce");
+    if (am_allreduce(c, ds, dr, n, AM_F32, AM_SUM, KERR) < 0)
+        die_call(k, "overlap: blocking allreduce");
     int64_t slowest = reduce_i64(k, c, (int64_t)((am_comm_now() - t0) * 1e9), AM_MAX);
     double sleep_s = 5 * (double)slowest * 1e-9 + 0.2;
     int ok = 0, tries = 0;
     for (; tries < 3 && !ok; tries++, sleep_s *= 4) {
         struct am_comm_req *q;
-        if (am_iallreduce(c, ds, dr, n, AM_F32, AM_SUM, &q) < 0)
-            die_call(k, c, "overlap: iallreduce");
+        if (am_iallreduce(c, ds, dr, n, AM_F32, AM_SUM, &q, KERR) < 0)
+            die_call(k, "overlap: iallreduce");
         struct timespec ts = {(time_t)sleep_s, (long)((sleep_s - (double)(time_t)sleep_s) * 1e9)};
         nanosleep(&ts, NULL);
         int done = 0;
-        if (am_comm_test(q, &done) < 0 || (!done && am_comm_wait(q) < 0))
-            die_call(k, c, "overlap: iallreduce");
+        if (am_comm_test(q, &done, KERR) < 0 || (!done && am_comm_wait(q, KERR) < 0))
+            die_call(k, "overlap: iallreduce");
         ok = reduce_i64(k, c, done, AM_SUM) == am_comm_size(c);
     }
     k->checks++;
@@ -1219,8 +1224,8 @@ static int run_stall(struct check *k, struct am_comm *world)
     uint64_t seq = am_comm_seq(world) + 1;
     am_comm_inject_stall(world, seq);
     struct am_comm_req *q;
-    if (am_iallreduce(world, d, d, n, AM_F32, AM_SUM, &q) < 0)
-        die_call(k, world, "stall: iallreduce");
+    if (am_iallreduce(world, d, d, n, AM_F32, AM_SUM, &q, KERR) < 0)
+        die_call(k, "stall: iallreduce");
     struct am_flight_view v;
     k->checks++;
     struct timespec ts = {0, 300 * 1000 * 1000};
@@ -1232,15 +1237,15 @@ static int run_stall(struct check *k, struct am_comm *world)
     pthread_t th;
     pthread_create(&th, NULL, mini_watchdog, &w);
     double t0 = am_comm_now();
-    int rc = am_comm_wait(q);
+    int rc = am_comm_wait(q, KERR);
     double took = am_comm_now() - t0;
     pthread_join(th, NULL);
     char want[96];
     snprintf(want, sizeof(want), "iallreduce #%llu on group world", (unsigned long long)seq);
     k->checks++;
-    if (rc == 0 || !w.fired || !strstr(am_comm_error(world), want) || !strstr(am_comm_error(world), "aborted"))
+    if (rc == 0 || !w.fired || !strstr(k->err, want) || !strstr(k->err, "aborted"))
         failf(k, "stall: the wait returned %d after %.2f s (watchdog %s): %s", rc, took, w.fired ? "fired" : "idle",
-              am_comm_error(world));
+              k->err);
     else if (strcmp(w.seen.op, "iallreduce") != 0 || w.seen.seq != seq)
         failf(k, "stall: the watchdog timed %s #%llu, not iallreduce #%llu", w.seen.op,
               (unsigned long long)w.seen.seq, (unsigned long long)seq);
@@ -1252,7 +1257,7 @@ static int run_stall(struct check *k, struct am_comm *world)
         fprintf(stderr, "comm_check: rank %d: %ld of %ld checks FAILED\n", k->info.rank, k->failures, k->checks);
         return 1;
     }
-    fprintf(stderr, "comm_check: rank %d: stall: %s (after %.2f s)\n", k->info.rank, am_comm_error(world), took);
+    fprintf(stderr, "comm_check: rank %d: stall: %s (after %.2f s)\n", k->info.rank, k->err, took);
     return 0;
 }
 
@@ -1300,8 +1305,8 @@ static void run_group(struct check *k, struct am_comm *c, int is_world)
     test_isend(k, c);
     test_nonblocking(k, c);
     for (int i = 0; i < 3; i++)
-        if (am_barrier(c) < 0)
-            die_call(k, c, "barrier");
+        if (am_barrier(c, KERR) < 0)
+            die_call(k, "barrier");
 }
 
 /* ---- a rank that stops mid-collective ------------------------------------------------------ */
@@ -1327,11 +1332,11 @@ static int run_die_isend(struct check *k, struct am_comm *world, int who, void *
     for (int i = 0; i < 1000000; i++) {
         int rc = 0;
         if (k->info.rank != who)
-            rc = am_isend(world, buf, n, AM_F32, who) < 0 || am_send_wait(world) < 0;
+            rc = am_isend(world, buf, n, AM_F32, who, KERR) < 0 || am_send_wait(world, KERR) < 0;
         for (int j = 0; j < p && k->info.rank == who && !rc; j++)
-            rc = j != who && am_recv(world, buf, n, AM_F32, j) < 0;
+            rc = j != who && am_recv(world, buf, n, AM_F32, j, KERR) < 0;
         if (rc) {
-            fprintf(stderr, "comm_check: rank %d: %s\n", k->info.rank, am_comm_error(world));
+            fprintf(stderr, "comm_check: rank %d: %s\n", k->info.rank, k->err);
             return 1;
         }
     }
@@ -1345,14 +1350,14 @@ static int run_die_iallreduce(struct check *k, struct am_comm *world, void *a, v
 {
     for (int i = 0; i < 1000000; i++) {
         struct am_comm_req *q[2];
-        if (am_iallreduce(world, a, a, n, AM_F32, AM_SUM, &q[0]) < 0 ||
-            am_iallreduce(world, b, b, n, AM_F32, AM_MAX, &q[1]) < 0) {
-            fprintf(stderr, "comm_check: rank %d: %s\n", k->info.rank, am_comm_error(world));
+        if (am_iallreduce(world, a, a, n, AM_F32, AM_SUM, &q[0], KERR) < 0 ||
+            am_iallreduce(world, b, b, n, AM_F32, AM_MAX, &q[1], KERR) < 0) {
+            fprintf(stderr, "comm_check: rank %d: %s\n", k->info.rank, k->err);
             return 1;
         }
-        int rc1 = am_comm_wait(q[1]), rc0 = am_comm_wait(q[0]);
+        int rc1 = am_comm_wait(q[1], KERR), rc0 = am_comm_wait(q[0], KERR);
         if (rc0 < 0 || rc1 < 0) {
-            fprintf(stderr, "comm_check: rank %d: %s\n", k->info.rank, am_comm_error(world));
+            fprintf(stderr, "comm_check: rank %d: %s\n", k->info.rank, k->err);
             return 1;
         }
     }
@@ -1380,8 +1385,8 @@ static int run_die(struct check *k, struct am_comm *world, const char *spec)
     if (m && strstr(m + 1, ":iallreduce"))
         return run_die_iallreduce(k, world, da, db, n);
     for (int i = 0; i < 1000000; i++)
-        if (am_allreduce(world, da, db, n, AM_F32, AM_SUM) < 0) {
-            fprintf(stderr, "comm_check: rank %d: %s\n", k->info.rank, am_comm_error(world));
+        if (am_allreduce(world, da, db, n, AM_F32, AM_SUM, KERR) < 0) {
+            fprintf(stderr, "comm_check: rank %d: %s\n", k->info.rank, k->err);
             return 1;
         }
     fprintf(stderr, "comm_check: rank %d: the dying rank never died\n", k->info.rank);
@@ -1446,8 +1451,8 @@ int main(void)
         ng++;
     }
     struct am_comm *groups[16];
-    if (am_comm_create_groups(k.ctx, ng, (const int *const *)members, sizes, names, groups) < 0) {
-        fprintf(stderr, "comm_check: rank %d: %s\n", k.info.rank, am_comm_ctx_error(k.ctx));
+    if (am_comm_create_groups(k.ctx, ng, (const int *const *)members, sizes, names, groups, k.err, sizeof(k.err)) < 0) {
+        fprintf(stderr, "comm_check: rank %d: %s\n", k.info.rank, k.err);
         return 3;
     }
 #ifdef COMM_CHECK_CUDA
@@ -1476,8 +1481,8 @@ int main(void)
     double t2 = am_comm_now();
     am_comm_destroy(groups[0]); /* with rank 0's send pending */
     groups[0] = NULL;
-    if (am_barrier(groups[1]) < 0)
-        die_call(&k, groups[1], "barrier after destroying a group with a send pending");
+    if (am_barrier(groups[1], k.err, sizeof(k.err)) < 0)
+        die_call(&k, "barrier after destroying a group with a send pending");
     for (int g = 0; g < ng; g++) {
         am_comm_destroy(groups[g]);
         free(members[g]);

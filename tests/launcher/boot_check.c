@@ -93,8 +93,9 @@ int main(void)
         hang(arg);
     int *all = calloc((size_t)info.size, sizeof(int));
     int mine = 1000 + info.rank;
-    if (!all || am_boot_allgather(b, "x", &mine, sizeof(mine), all, timeout) < 0) {
-        fprintf(stderr, "boot_check: rank %d: %s\n", info.rank, am_boot_error(b));
+    snprintf(err, sizeof(err), "out of memory");
+    if (!all || am_boot_allgather(b, "x", &mine, sizeof(mine), all, timeout, err, sizeof(err)) < 0) {
+        fprintf(stderr, "boot_check: rank %d: %s\n", info.rank, err);
         return 4;
     }
     for (int r = 0; r < info.size; r++)
