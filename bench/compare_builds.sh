@@ -12,19 +12,12 @@ b=$(cd "$2" && pwd)
 shift 2
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-awk 'BEGIN { srand(1); for (d = 0; d < 64; d++) { for (i = 0; i < 2048; i++) printf "%d ", int(rand() * 8192); print "" } }' \
-    >"$work/ids.txt"
-mkdir -p "$work/bench-data"
-"$a/am-data" build --out "$work/bench-data/random_tokens" "$work/ids.txt" >/dev/null
+source "$src/bench/lib.sh"
+bench_data "$work" "$a"
 sed_args=()
 for e in "$@"; do sed_args+=(-e "$e"); done
-sed "${sed_args[@]:-}" "$src/bench/bench_small.yaml" >"$work/bench_small.yaml"
-median() { sort -g | awk '{ v[NR] = $1 } END { printf "%.1f", (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2 }'; }
-tokens_s() { # BUILD THREADS
-    (cd "$work" && rm -rf logs && OMP_NUM_THREADS=$2 AM_LOG_DIR=logs "$1/am-launch" --nproc 1 bench_small.yaml >/dev/null)
-    grep -h '"type":"step"' "$work"/logs/*/rank-0.jsonl | sed -E 's/.*"step_s":([^,}]*).*/\1/' | tail -n +3 |
-        median | awk '{ printf "%.1f\n", 1024 / $1 }'
-}
+if [ $# -gt 0 ]; then sed "${sed_args[@]}" "$src/bench/bench_small.yaml"; else cat "$src/bench/bench_small.yaml"; fi \
+    >"$work/bench_small.yaml"
 echo "bench-small ($*): $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //'), $(nproc) cores"
 echo "A = $a"
 echo "B = $b"
@@ -32,9 +25,9 @@ printf '%-8s %12s %12s %8s\n' threads "A tok/s" "B tok/s" "B / A"
 for th in 1 2; do
     : >"$work/a" && : >"$work/b"
     for ((i = 0; i < ${REPEAT:-3}; i++)); do
-        tokens_s "$a" "$th" >>"$work/a"
-        tokens_s "$b" "$th" >>"$work/b"
+        am_tokens_s "$work" "$a" bench_small.yaml "$th" >>"$work/a"
+        am_tokens_s "$work" "$b" bench_small.yaml "$th" >>"$work/b"
     done
     ta=$(median <"$work/a") tb=$(median <"$work/b")
-    printf '%-8s %12s %12s %8.3f\n' "$th" "$ta" "$tb" "$(echo "$tb / $ta" | bc -l)"
+    printf '%-8s %12.1f %12.1f %8.3f\n' "$th" "$ta" "$tb" "$(echo "$tb / $ta" | bc -l)"
 done

@@ -3,7 +3,9 @@
 # mp_policy.param_dtype float32 and bfloat16, and transformers' LlamaForCausalLM under the same
 # policy (bench/torch_mixed.py), at 1 and 2 threads, one after the other REPEAT times (default
 # 3), median tokens/s. PYTHON names an interpreter with torch and transformers (the venv of
-# tests/golden/README.md; default /tmp/goldenv/bin/python).
+# tests/golden/README.md; default /tmp/goldenv/bin/python). PyTorch's bf16 on a CPU without
+# bf16 instructions takes about a minute a step here, so its bf16 runs time 2 steps after one
+# of warm-up (TORCH_BF16_STEPS, default 3) where every other run times 10 after 2.
 #   bench/mixed_small.sh [BUILDDIR]
 set -eu
 src=$(cd "$(dirname "$0")/.." && pwd)
@@ -24,7 +26,10 @@ for th in 1 2; do
         : >"$work/am" && : >"$work/torch"
         for ((i = 0; i < ${REPEAT:-3}; i++)); do
             am_tokens_s "$work" "$build" "$pol.yaml" "$th" >>"$work/am"
-            "$py" "$src/bench/torch_mixed.py" --threads "$th" --policy "$pol" --steps "${TORCH_STEPS:-12}" >>"$work/torch"
+            steps=12 warmup=2
+            [ "$pol" = bf16 ] && steps=${TORCH_BF16_STEPS:-3} warmup=1
+            "$py" "$src/bench/torch_mixed.py" --threads "$th" --policy "$pol" --steps "$steps" --warmup "$warmup" \
+                >>"$work/torch"
         done
         am=$(median <"$work/am") torch=$(median <"$work/torch")
         printf '%-8s %-7s %12.1f %12.1f %10.2f\n' "$th" "$pol" "$am" "$torch" "$(echo "$am / $torch" | bc -l)"
