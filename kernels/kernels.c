@@ -8,7 +8,12 @@ const struct am_kernels *am_kernels_for(enum am_device device)
 {
     switch (device) {
     case AM_DEV_CPU: return am_kernels_cpu();
-    case AM_DEV_CUDA: return NULL; /* the CUDA backend is a later issue */
+    case AM_DEV_CUDA:
+#ifdef AM_HAVE_CUDA
+        return am_kernels_cuda();
+#else
+        return NULL;
+#endif
     }
     return NULL;
 }
@@ -16,6 +21,57 @@ const struct am_kernels *am_kernels_for(enum am_device device)
 const char *am_device_name(enum am_device device)
 {
     return device == AM_DEV_CUDA ? "cuda" : "cpu";
+}
+
+int am_kernels_missing(const struct am_kernels *k, char *buf, size_t len)
+{
+    int n = 0;
+    size_t used = 0;
+    if (len)
+        buf[0] = 0;
+#define AM_NEED(f)                                                                                                   \
+    do {                                                                                                             \
+        if (!k->f) {                                                                                                 \
+            if (used < len) {                                                                                        \
+                int w = snprintf(buf + used, len - used, "%s%s", n ? ", " : "", #f);                                 \
+                used += w > 0 ? (size_t)w : 0;                                                                       \
+            }                                                                                                        \
+            n++;                                                                                                     \
+        }                                                                                                            \
+    } while (0)
+    AM_NEED(sync);
+    AM_NEED(alloc);
+    AM_NEED(free);
+    AM_NEED(upload);
+    AM_NEED(download);
+    AM_NEED(zero);
+    AM_NEED(copy);
+    AM_NEED(add);
+    AM_NEED(scale);
+    AM_NEED(convert);
+    AM_NEED(sum_squares);
+    AM_NEED(all_finite);
+    AM_NEED(matmul_forward);
+    AM_NEED(matmul_backward);
+    AM_NEED(embedding_forward);
+    AM_NEED(embedding_backward);
+    AM_NEED(rmsnorm_forward);
+    AM_NEED(rmsnorm_backward);
+    AM_NEED(rope_tables);
+    AM_NEED(rope_forward);
+    AM_NEED(rope_backward);
+    AM_NEED(attention_forward);
+    AM_NEED(attention_backward);
+    AM_NEED(swiglu_forward);
+    AM_NEED(swiglu_backward);
+    AM_NEED(ce_stats);
+    AM_NEED(ce_backward);
+    AM_NEED(ce_rescale);
+    AM_NEED(ce_loss);
+    AM_NEED(ce_fused);
+    AM_NEED(adamw);
+#undef AM_NEED
+    return n;
 }
 
 int am_dev_open(struct am_dev *d, enum am_device device, int ordinal, char *err, size_t err_len)
@@ -31,6 +87,13 @@ int am_dev_open(struct am_dev *d, enum am_device device, int ordinal, char *err,
     d->ordinal = device == AM_DEV_CPU ? -1 : ordinal;
     if (d->k->open && d->k->open(d, err, err_len) < 0) {
         memset(d, 0, sizeof(*d));
+        return -1;
+    }
+    /* after the backend's open, so that a machine without the device says so first */
+    char missing[512];
+    if (am_kernels_missing(d->k, missing, sizeof missing) > 0) {
+        snprintf(err, err_len, "kernels: the %s backend lacks: %s (run on the CPU: AM_DEVICE=cpu)", d->k->name, missing);
+        am_dev_close(d);
         return -1;
     }
     return 0;

@@ -41,6 +41,10 @@
 
 #include "tensor.h"
 
+#ifdef __cplusplus
+extern "C" { /* the CUDA backend's .cu files are C++ */
+#endif
+
 struct am_rope_scaling {
     const char *type; /* NULL or "default" (none), "llama3", "linear" */
     double factor, low_freq_factor, high_freq_factor;
@@ -57,8 +61,9 @@ struct am_dev {
     int ordinal;                /* the CUDA device; -1 on the CPU */
     void *stream;               /* cudaStream_t; NULL on the CPU */
     void *blas;                 /* cublasLtHandle_t; NULL on the CPU */
-    void *workspace;            /* scratch for the backend (GEMM workspace; the CPU: its own struct
-                                 * owning a buffer grown on demand, for widened bf16 operands) */
+    void *workspace;            /* the backend's own struct: the CPU's owns a buffer grown on demand
+                                 * (widened bf16 operands); CUDA's the GEMM workspace, a device
+                                 * scratch and the GEMM algorithm cache (kernels/cuda/cuda_impl.h) */
     size_t workspace_bytes;
 };
 
@@ -191,5 +196,19 @@ const struct am_kernels *am_kernels_for(enum am_device device);
 
 /* The CPU backend's table (kernels/cpu/). */
 const struct am_kernels *am_kernels_cpu(void);
+
+/* The CUDA backend's table (kernels/cuda/), defined only in a build with CUDA (configure
+ * defines AM_HAVE_CUDA). Its open fails with "no CUDA device" where cudaGetDeviceCount finds
+ * none. */
+const struct am_kernels *am_kernels_cuda(void);
+
+/* The kernels a table lacks (NULL entries; open and close may be NULL): their names, comma
+ * separated, into buf (empty when none), and how many. am_dev_open refuses a context on an
+ * incomplete table with "the <name> backend lacks: ..." */
+int am_kernels_missing(const struct am_kernels *k, char *buf, size_t len);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

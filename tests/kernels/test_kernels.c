@@ -33,6 +33,10 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#ifdef AM_HAVE_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
 #include "kernels.h"
 #include "cpu/cpu.h" /* the backend's private am_expf, tested directly below */
 
@@ -247,7 +251,9 @@ static void test_memory(void **state)
 {
     (void)state;
     assert_ptr_equal(am_kernels_for(AM_DEV_CPU), K);
+#ifndef AM_HAVE_CUDA
     assert_null(am_kernels_for(AM_DEV_CUDA));
+#endif
     assert_string_equal(K->name, "cpu");
     size_t sizes[] = {1, 3, 64, 1000, 1 << 20};
     for (size_t s = 0; s < sizeof sizes / sizeof *sizes; s++) {
@@ -2177,6 +2183,66 @@ static void test_bad_shape_aborts(void **state)
     assert_non_null(strstr(msg, "model.layers.0.mlp.up_proj.weight"));
 }
 
+/* The CUDA device context where there is no GPU (this test runs in CI, on CPUs): a build
+ * without CUDA says so; a build with CUDA fails cleanly with "no CUDA device" and the
+ * CUDA runtime's reason, leaving the context zeroed. The tables: the CPU's is complete, the
+ * CUDA backend's names what it lacks (am_dev_open refuses it on a GPU for that). */
+static void test_cuda_context(void **state)
+{
+    (void)state;
+    char msg[512] = "", missing[512];
+    struct am_dev d;
+    memset(&d, 0x5a, sizeof d);
+    assert_int_equal(am_kernels_missing(am_kernels_cpu(), missing, sizeof missing), 0);
+    assert_string_equal(missing, "");
+#ifdef AM_HAVE_CUDA
+    const struct am_kernels *ck = am_kernels_for(AM_DEV_CUDA);
+    assert_non_null(ck);
+    assert_ptr_equal(ck, am_kernels_cuda());
+    assert_string_equal(ck->name, "cuda");
+    assert_int_equal(ck->device, AM_DEV_CUDA);
+    int n = am_kernels_missing(ck, missing, sizeof missing);
+    assert_int_equal(n, 7);
+    assert_string_equal(missing, "attention_forward, attention_backward, ce_stats, ce_backward, ce_rescale, ce_loss, ce_fused");
+    int ndev = 0;
+    cudaError_t e = cudaGetDeviceCount(&ndev);
+    int rc = am_dev_open(&d, AM_DEV_CUDA, 0, msg, sizeof msg);
+    if (getenv("AM_TEST_VERBOSE"))
+        fprintf(stderr, "am_dev_open(cuda): %d %s\n", rc, rc ? msg : "opened");
+    if (e == cudaSuccess && ndev > 0) { /* a GPU machine: opened, or refused for what the table lacks */
+        if (rc == 0) {
+            am_dev_close(&d);
+            return;
+        }
+        char want[600];
+        snprintf(want, sizeof want, "kernels: the cuda backend lacks: %s", missing);
+        assert_non_null(strstr(msg, want));
+    } else {
+        char want[300];
+        snprintf(want, sizeof want, "kernels (cuda): no CUDA device (cudaGetDeviceCount: %s)",
+                 e != cudaSuccess ? cudaGetErrorString(e) : "0 devices");
+        assert_int_equal(rc, -1);
+        assert_string_equal(msg, want);
+    }
+#else
+    assert_int_equal(am_dev_open(&d, AM_DEV_CUDA, 0, msg, sizeof msg), -1);
+    assert_non_null(strstr(msg, "this build of am has no cuda backend"));
+#endif
+    assert_null(d.k);
+    assert_null(d.stream);
+    assert_null(d.workspace);
+    /* a table with holes is refused by name, whatever the device */
+    struct am_kernels holes = *am_kernels_cpu();
+    holes.name = "holey";
+    holes.rope_forward = NULL;
+    holes.adamw = NULL;
+    assert_int_equal(am_kernels_missing(&holes, missing, sizeof missing), 2);
+    assert_string_equal(missing, "rope_forward, adamw");
+    char tiny[8];
+    assert_int_equal(am_kernels_missing(&holes, tiny, sizeof tiny), 2); /* truncated, terminated */
+    assert_true(strlen(tiny) < sizeof tiny);
+}
+
 static int setup(void **state)
 {
     (void)state;
@@ -2199,7 +2265,7 @@ int main(void)
         cmocka_unit_test(test_bf16_elementwise), cmocka_unit_test(test_bf16_matmul), cmocka_unit_test(test_bf16_embedding),
         cmocka_unit_test(test_bf16_rmsnorm), cmocka_unit_test(test_bf16_rope), cmocka_unit_test(test_bf16_attention),
         cmocka_unit_test(test_bf16_swiglu), cmocka_unit_test(test_bf16_cross_entropy),
-        cmocka_unit_test(test_bf16_bad_dtype_aborts),
+        cmocka_unit_test(test_bf16_bad_dtype_aborts), cmocka_unit_test(test_cuda_context),
     };
     return cmocka_run_group_tests_name("kernels (cpu)", tests, setup, NULL);
 }

@@ -1,0 +1,106 @@
+/* common.cuh - what the CUDA backend's .cu files share: the context's state, the checks
+ * (cuda.cu defines them), bf16 loads and stores, launch sizes. */
+#ifndef AM_KERNELS_CUDA_COMMON_CUH
+#define AM_KERNELS_CUDA_COMMON_CUH
+
+#include <cublasLt.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "cuda_impl.h"
+
+/* ---- the context's state (d->workspace) ---- */
+#define AM_CUDA_GEMM_WS_BYTES ((size_t)32 << 20)
+#define AM_CUDA_GEMM_CACHE 64
+
+struct am_cuda_gemm_key {
+    int ta, tb;                  /* op(A), op(B) transposed */
+    int64_t m, n, k, lda, ldb, ldc;
+    int atype, ctype;            /* cudaDataType_t of A (= B) and of C (= D) */
+    int beta_one;                /* beta 1 (accumulate) or 0 */
+    int align;                   /* the pointers' common alignment, bytes (up to 16) */
+};
+
+struct am_cuda_gemm_entry {
+    struct am_cuda_gemm_key key;
+    cublasLtMatmulAlgo_t algo;
+    bool used;
+};
+
+struct am_cuda_ctx {
+    void *gemm_ws;        /* cuBLASLt's workspace (d->workspace_bytes) */
+    void *scratch;        /* device scratch, grown in stream order (am_cuda_scratch) */
+    size_t scratch_bytes;
+    struct am_cuda_gemm_entry gemm[AM_CUDA_GEMM_CACHE]; /* algorithm per shape, filled round robin */
+    int gemm_next;
+};
+
+/* ---- checks (cuda.cu) ---- */
+[[noreturn]] void am_cuda_fatal(const char *kernel, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* aborts naming the kernel, what failed and cudaGetErrorString(e) unless e is cudaSuccess */
+void am_cuda_check(const char *kernel, cudaError_t e, const char *what);
+/* after a launch: the launch's error, if any */
+#define AM_LAUNCHED(kernel) am_cuda_check((kernel), cudaGetLastError(), "kernel launch")
+/* the context's state and stream, after checking that d is an open CUDA context */
+struct am_cuda_ctx *am_cuda_ctx(const char *kernel, const struct am_dev *d);
+static inline cudaStream_t am_cuda_stream(const struct am_dev *d) { return (cudaStream_t)d->stream; }
+/* bytes of device scratch, valid in stream order until the next call that takes scratch */
+void *am_cuda_scratch(const char *kernel, const struct am_dev *d, size_t bytes);
+
+static inline const char *am_tname(const struct am_tensor *t) { return t && t->name ? t->name : "(unnamed)"; }
+static inline int64_t am_cols(const struct am_tensor *t) { return t->ndim ? t->shape[t->ndim - 1] : 1; }
+static inline int64_t am_rows(const struct am_tensor *t)
+{
+    int64_t c = am_cols(t);
+    return c ? am_tensor_numel(t) / c : 0;
+}
+/* A CUDA tensor with data (any dtype). */
+void am_cuda_tensor(const char *kernel, const char *what, const struct am_tensor *t);
+/* ... of this dtype; its data */
+void *am_cuda_data(const char *kernel, const char *what, const struct am_tensor *t, enum am_dtype dtype);
+/* ... one element of this dtype (a device scalar) */
+void *am_cuda_scalar(const char *kernel, const char *what, const struct am_tensor *t, enum am_dtype dtype);
+/* the dtype rules of kernels/cpu/cpu.h: an activation is f32 or bf16 (returned); same: t has
+ * ref's dtype; grad: f32, or bf16 with bf16 activations; stat: f32 */
+enum am_dtype am_cuda_act(const char *kernel, const char *what, const struct am_tensor *t);
+void am_cuda_same(const char *kernel, const char *what, const struct am_tensor *t, const char *refname,
+                  const struct am_tensor *ref);
+void am_cuda_grad(const char *kernel, const char *what, const struct am_tensor *t, const char *refname,
+                  const struct am_tensor *ref);
+void am_cuda_stat(const char *kernel, const char *what, const struct am_tensor *t);
+#define AM_CUDA_REQUIRE(kernel, cond, ...)                                                                           \
+    do {                                                                                                             \
+        if (!(cond))                                                                                                 \
+            am_cuda_fatal((kernel), __VA_ARGS__);                                                                    \
+    } while (0)
+
+/* ---- bf16 storage, fp32 arithmetic ---- */
+typedef uint16_t am_bf16_t;
+
+__device__ __forceinline__ float am_ld(const float *p, int64_t i) { return p[i]; }
+__device__ __forceinline__ float am_ld(const am_bf16_t *p, int64_t i) { return __uint_as_float((uint32_t)p[i] << 16); }
+/* round to nearest even, NaN kept a quiet NaN: the CPU's am_f32_to_bf16 (half.h) bit for bit */
+__device__ __forceinline__ am_bf16_t am_to_bf16(float f)
+{
+    uint32_t x = __float_as_uint(f);
+    if ((x & 0x7fffffffu) > 0x7f800000u)
+        return (am_bf16_t)((x >> 16) | 0x40);
+    x += 0x7fffu + ((x >> 16) & 1u);
+    return (am_bf16_t)(x >> 16);
+}
+/* f rounded to bf16 and widened back */
+__device__ __forceinline__ float am_round_bf16(float f) { return __uint_as_float((uint32_t)am_to_bf16(f) << 16); }
+__device__ __forceinline__ void am_st(float *p, int64_t i, float v) { p[i] = v; }
+__device__ __forceinline__ void am_st(am_bf16_t *p, int64_t i, float v) { p[i] = am_to_bf16(v); }
+
+/* ---- launches: grid-stride loops over n items ---- */
+#define AM_THREADS 256
+static inline unsigned am_blocks(int64_t n)
+{
+    int64_t b = (n + AM_THREADS - 1) / AM_THREADS;
+    return (unsigned)(b < 1 ? 1 : b > 65536 ? 65536 : b);
+}
+#define AM_GRID_STRIDE(i, n)                                                                                         \
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (int64_t)gridDim.x * blockDim.x)
+
+#endif

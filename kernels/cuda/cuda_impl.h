@@ -1,0 +1,89 @@
+/* cuda_impl.h - private to the CUDA backend (kernels/cuda/): every kernel's prototype (C
+ * linkage: the table is built in C, table.c; the kernels are CUDA C++ in the .cu files),
+ * the context's state and the checks the kernels share.
+ *
+ * The context. am_dev_open (cuda.cu) makes the ordinal the calling thread's current device,
+ * creates a non-blocking stream (d->stream), a cuBLASLt handle (d->blas) and a GEMM
+ * workspace; d->workspace is the backend's own host struct (struct am_cuda_ctx), which owns
+ * that workspace (also d->workspace_bytes), a device scratch grown on demand in stream order
+ * (the partial sums of the reductions, the sort of the embedding backward) and the GEMM
+ * algorithm cache. Kernels are enqueued on d->stream in call order and never wait for it;
+ * the thread that calls them must have the context's device current (the opening thread
+ * does).
+ *
+ * Numerics. bf16 storage, fp32 arithmetic, each output rounded once to bf16 (nearest even;
+ * the same rounding as the CPU's am_f32_to_bf16, NaN payloads included), as kernels/cpu/
+ * does (cpu.h has the dtype rules; this backend checks the same ones). The .cu files are
+ * compiled with --fmad=false: a*b+c is not contracted, each operation rounds as in the CPU
+ * backend (and torch's separate tensor operations); explicit fmaf stays fused (AdamW).
+ * Reductions (sum_squares, the RMSNorm weight gradient, the embedding backward) take a
+ * fixed order that does not depend on the GPU or the launch: run to run bitwise equal.
+ *
+ * Errors. A tensor of the wrong device, dtype or shape aborts with the kernel's name, the
+ * tensor and the rule (am_cuda_fatal); every CUDA call and launch is checked, and a failure
+ * aborts naming the kernel and cudaGetErrorString's message (am_cuda_check).
+ */
+#ifndef AM_KERNELS_CUDA_IMPL_H
+#define AM_KERNELS_CUDA_IMPL_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kernels.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---- context (cuda.cu) ---- */
+int am_cuda_open(struct am_dev *d, char *err, size_t err_len);
+void am_cuda_close(struct am_dev *d);
+void am_cuda_sync(const struct am_dev *d);
+
+/* ---- memory (memory.cu) ---- */
+void *am_cuda_alloc(const struct am_dev *d, size_t bytes);
+void am_cuda_free(const struct am_dev *d, void *p);
+void am_cuda_upload(const struct am_dev *d, void *dst, const void *host_src, size_t bytes);
+void am_cuda_download(const struct am_dev *d, void *host_dst, const void *src, size_t bytes);
+void am_cuda_zero(const struct am_dev *d, struct am_tensor *t);
+void am_cuda_copy(const struct am_dev *d, struct am_tensor *dst, const struct am_tensor *src);
+
+/* ---- element-wise and reductions (elementwise.cu) ---- */
+void am_cuda_add(const struct am_dev *d, struct am_tensor *dst, const struct am_tensor *src);
+void am_cuda_scale(const struct am_dev *d, struct am_tensor *t, float s);
+void am_cuda_convert(const struct am_dev *d, struct am_tensor *dst, const struct am_tensor *src);
+void am_cuda_sum_squares(const struct am_dev *d, struct am_tensor *acc, const struct am_tensor *t, double div);
+void am_cuda_all_finite(const struct am_dev *d, struct am_tensor *flag, const struct am_tensor *t);
+
+/* ---- matmul.cu (cuBLASLt) ---- */
+void am_cuda_matmul_forward(const struct am_dev *d, struct am_tensor *y, const struct am_tensor *x, const struct am_tensor *w);
+void am_cuda_matmul_backward(const struct am_dev *d, struct am_tensor *dx, struct am_tensor *dw, const struct am_tensor *dy,
+                             const struct am_tensor *x, const struct am_tensor *w);
+
+/* ---- layers.cu: embedding, RMSNorm, RoPE, SwiGLU ---- */
+void am_cuda_embedding_forward(const struct am_dev *d, struct am_tensor *out, const struct am_tensor *ids,
+                               const struct am_tensor *wte, int64_t vocab_start);
+void am_cuda_embedding_backward(const struct am_dev *d, struct am_tensor *dwte, const struct am_tensor *dout,
+                                const struct am_tensor *ids, int64_t vocab_start);
+void am_cuda_rmsnorm_forward(const struct am_dev *d, struct am_tensor *out, struct am_tensor *rstd, const struct am_tensor *x,
+                             const struct am_tensor *w, float eps);
+void am_cuda_rmsnorm_backward(const struct am_dev *d, struct am_tensor *dx, struct am_tensor *dw, const struct am_tensor *dout,
+                              const struct am_tensor *x, const struct am_tensor *w, const struct am_tensor *rstd);
+void am_cuda_rope_tables(const struct am_dev *d, struct am_tensor *tcos, struct am_tensor *tsin, double theta,
+                         const struct am_rope_scaling *scaling);
+void am_cuda_rope_forward(const struct am_dev *d, struct am_tensor *x, const struct am_tensor *tcos, const struct am_tensor *tsin);
+void am_cuda_rope_backward(const struct am_dev *d, struct am_tensor *dx, const struct am_tensor *tcos, const struct am_tensor *tsin);
+void am_cuda_swiglu_forward(const struct am_dev *d, struct am_tensor *out, const struct am_tensor *gate, const struct am_tensor *up);
+void am_cuda_swiglu_backward(const struct am_dev *d, struct am_tensor *dgate, struct am_tensor *dup, const struct am_tensor *dout,
+                             const struct am_tensor *gate, const struct am_tensor *up);
+
+/* ---- adamw.cu ---- */
+void am_cuda_adamw(const struct am_dev *d, struct am_tensor *param, const struct am_tensor *grad, struct am_tensor *m,
+                   struct am_tensor *v, float lr, float beta1, float beta2, float eps, float weight_decay, int64_t step);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

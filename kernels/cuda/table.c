@@ -1,0 +1,48 @@
+/* table.c - the CUDA backend's table of kernels (the functions: the .cu files beside it).
+ *
+ * A NULL entry is a kernel this backend does not have yet: am_dev_open refuses a context
+ * on a table with holes and names them (am_kernels_missing, kernels.c), so that nothing
+ * half-works. Not yet here: attention (cuDNN's fused attention and a fallback of our own)
+ * and the vocabulary-parallel cross-entropy (ce_stats, ce_backward, ce_rescale, ce_loss,
+ * ce_fused). */
+#include "cuda_impl.h"
+
+static const struct am_kernels cuda_kernels = {
+    .name = "cuda",
+    .device = AM_DEV_CUDA,
+    .open = am_cuda_open,
+    .close = am_cuda_close,
+    .sync = am_cuda_sync,
+    .alloc = am_cuda_alloc,
+    .free = am_cuda_free,
+    .upload = am_cuda_upload,
+    .download = am_cuda_download,
+    .zero = am_cuda_zero,
+    .copy = am_cuda_copy,
+    .add = am_cuda_add,
+    .scale = am_cuda_scale,
+    .convert = am_cuda_convert,
+    .sum_squares = am_cuda_sum_squares,
+    .all_finite = am_cuda_all_finite,
+    .matmul_forward = am_cuda_matmul_forward,
+    .matmul_backward = am_cuda_matmul_backward,
+    .embedding_forward = am_cuda_embedding_forward,
+    .embedding_backward = am_cuda_embedding_backward,
+    .rmsnorm_forward = am_cuda_rmsnorm_forward,
+    .rmsnorm_backward = am_cuda_rmsnorm_backward,
+    .rope_tables = am_cuda_rope_tables,
+    .rope_forward = am_cuda_rope_forward,
+    .rope_backward = am_cuda_rope_backward,
+    .attention_forward = NULL,
+    .attention_backward = NULL,
+    .swiglu_forward = am_cuda_swiglu_forward,
+    .swiglu_backward = am_cuda_swiglu_backward,
+    .ce_stats = NULL,
+    .ce_backward = NULL,
+    .ce_rescale = NULL,
+    .ce_loss = NULL,
+    .ce_fused = NULL,
+    .adamw = am_cuda_adamw,
+};
+
+const struct am_kernels *am_kernels_cuda(void) { return &cuda_kernels; }

@@ -1,0 +1,443 @@
+/* gpu_check.c - every CUDA kernel against the CPU kernel (the reference, tested on its own by
+ * tests/kernels/test_kernels) on fresh random inputs, forward and backward, fp32 and bf16.
+ *
+ * Each case fills its inputs at random (xorshift, seed AM_GPU_SEED or the clock), gives the
+ * same bytes to both backends (gradients start random too: backward kernels accumulate),
+ * runs the kernel on each and compares every output by its relative L2 norm,
+ * ||gpu - cpu|| / ||cpu||: at most 1e-5 for the fp32 paths, 1e-2 for the bf16 paths (a bf16
+ * output differs by at most an ulp, 2^-8 relative, where the two sum in a different order).
+ * A summary table is printed last; exit 0 when every row passes, 1 otherwise, 77 (SKIP) when
+ * there is no CUDA device. Run by tests/gpu/run; small shapes, a second or two.
+ *
+ * The CUDA context is opened through the backend's own open (not am_dev_open), so that the
+ * kernels it has are checked while the table still lacks some (am_dev_open refuses those). */
+#include <cuda_runtime_api.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "half.h"
+#include "kernels.h"
+
+static struct am_dev cpu, gpu;
+static const struct am_kernels *KC, *KG;
+static uint64_t rng_state;
+
+static double urand(double lo, double hi)
+{
+    rng_state ^= rng_state >> 12;
+    rng_state ^= rng_state << 25;
+    rng_state ^= rng_state >> 27;
+    uint64_t v = rng_state * 2685821657736338717ull;
+    return lo + (hi - lo) * (double)(v >> 11) * (1.0 / 9007199254740992.0);
+}
+
+/* ---- a tensor on both devices ---- */
+struct pair {
+    struct am_tensor c, g;
+};
+
+static struct pair pair_new(enum am_dtype dt, int64_t d0, int64_t d1, int64_t d2, int64_t d3)
+{
+    struct pair p;
+    p.c = am_tensor_view(NULL, AM_DEV_CPU, dt, d0, d1, d2, d3);
+    p.g = am_tensor_view(NULL, AM_DEV_CUDA, dt, d0, d1, d2, d3);
+    size_t b = am_tensor_bytes(&p.c);
+    p.c.data = KC->alloc(&cpu, b);
+    p.g.data = KG->alloc(&gpu, b);
+    if (!p.c.data || !p.g.data) {
+        fprintf(stderr, "gpu_check: out of memory for %zu bytes\n", b);
+        exit(1);
+    }
+    return p;
+}
+
+static void pair_free(struct pair *p)
+{
+    KC->free(&cpu, p->c.data);
+    KG->free(&gpu, p->g.data);
+}
+
+static void pair_upload(struct pair *p) { KG->upload(&gpu, p->g.data, p->c.data, am_tensor_bytes(&p->c)); }
+
+/* uniform in [lo, hi), rounded to the dtype; the same bytes on the GPU */
+static void pair_fill(struct pair *p, double lo, double hi)
+{
+    int64_t n = am_tensor_numel(&p->c);
+    for (int64_t i = 0; i < n; i++) {
+        double v = urand(lo, hi);
+        switch (p->c.dtype) {
+        case AM_F32: ((float *)p->c.data)[i] = (float)v; break;
+        case AM_BF16: ((uint16_t *)p->c.data)[i] = am_f32_to_bf16((float)v); break;
+        case AM_F64: ((double *)p->c.data)[i] = v; break;
+        case AM_I32: ((int32_t *)p->c.data)[i] = (int32_t)floor(v); break;
+        default: fprintf(stderr, "gpu_check: no fill for %s\n", am_dtype_name(p->c.dtype)); exit(1);
+        }
+    }
+    pair_upload(p);
+}
+
+static struct pair rnd(enum am_dtype dt, int64_t d0, int64_t d1, int64_t d2, int64_t d3)
+{
+    struct pair p = pair_new(dt, d0, d1, d2, d3);
+    pair_fill(&p, -1.0, 1.0);
+    return p;
+}
+
+static double elem(const struct am_tensor *t, const void *data, int64_t i)
+{
+    switch (t->dtype) {
+    case AM_F32: return ((const float *)data)[i];
+    case AM_BF16: return am_bf16_to_f32(((const uint16_t *)data)[i]);
+    case AM_F64: return ((const double *)data)[i];
+    case AM_I32: return ((const int32_t *)data)[i];
+    default: return NAN;
+    }
+}
+
+/* ---- comparisons and the summary ---- */
+#define MAX_ROWS 128
+static struct row {
+    char what[64], dtype[16];
+    double err, tol;
+    bool ok;
+} rows[MAX_ROWS];
+static int nrows, nfail;
+
+static void record(const char *what, const char *dtype, double err, double tol)
+{
+    bool ok = err <= tol; /* NaN fails */
+    if (!ok)
+        nfail++;
+    if (nrows < MAX_ROWS) {
+        struct row *r = &rows[nrows++];
+        snprintf(r->what, sizeof r->what, "%s", what);
+        snprintf(r->dtype, sizeof r->dtype, "%s", dtype);
+        r->err = err;
+        r->tol = tol;
+        r->ok = ok;
+    }
+    printf("%-4s %-44s %-10s rel err %.3e (tol %.0e)\n", ok ? "ok" : "FAIL", what, dtype, err, tol);
+}
+
+/* ||gpu - cpu|| / ||cpu|| over p's elements (||cpu|| 0: the absolute norm) */
+static double rel_err(const struct pair *p)
+{
+    size_t b = am_tensor_bytes(&p->c);
+    void *h = malloc(b ? b : 1);
+    KG->download(&gpu, h, p->g.data, b);
+    double num = 0, den = 0;
+    int64_t n = am_tensor_numel(&p->c);
+    for (int64_t i = 0; i < n; i++) {
+        double c = elem(&p->c, p->c.data, i), g = elem(&p->c, h, i);
+        num += (g - c) * (g - c);
+        den += c * c;
+    }
+    free(h);
+    return den > 0 ? sqrt(num / den) : sqrt(num);
+}
+
+static void check(const char *what, const struct pair *p, bool bf16)
+{
+    char name[64];
+    snprintf(name, sizeof name, "%s", what);
+    record(name, bf16 ? "bf16" : "fp32", rel_err(p), bf16 ? 1e-2 : 1e-5);
+}
+
+static const char *dname(enum am_dtype dt) { return am_dtype_name(dt); }
+
+/* ---- the cases ---- */
+
+static void case_elementwise(enum am_dtype dt)
+{
+    bool bf = dt == AM_BF16;
+    struct pair a = rnd(dt, 1000, 37, 0, 0), b = rnd(AM_F32, 1000, 37, 0, 0), c = rnd(dt, 1000, 37, 0, 0);
+    KC->add(&cpu, &a.c, &b.c);
+    KG->add(&gpu, &a.g, &b.g);
+    check(bf ? "add (bf16 += f32)" : "add", &a, bf);
+    KC->add(&cpu, &b.c, &c.c);
+    KG->add(&gpu, &b.g, &c.g);
+    check(bf ? "add (f32 += bf16)" : "add (again)", &b, false);
+    KC->scale(&cpu, &c.c, 0.37f);
+    KG->scale(&gpu, &c.g, 0.37f);
+    check("scale", &c, bf);
+    /* sum of squares into an f64 scalar, starting from a value */
+    struct pair acc = pair_new(AM_F64, 1, 0, 0, 0);
+    ((double *)acc.c.data)[0] = 2.5;
+    pair_upload(&acc);
+    KC->sum_squares(&cpu, &acc.c, &a.c, 3.0);
+    KG->sum_squares(&gpu, &acc.g, &a.g, 3.0);
+    KC->sum_squares(&cpu, &acc.c, &c.c, 1.0);
+    KG->sum_squares(&gpu, &acc.g, &c.g, 1.0);
+    record("sum_squares", dname(dt), rel_err(&acc), 1e-12);
+    /* all_finite: 1 stays 1, then an Inf far in the tensor sets 0 */
+    struct pair flag = pair_new(AM_I32, 1, 0, 0, 0);
+    ((int32_t *)flag.c.data)[0] = 1;
+    pair_upload(&flag);
+    KC->all_finite(&cpu, &flag.c, &a.c);
+    KG->all_finite(&gpu, &flag.g, &a.g);
+    int32_t got = 0;
+    KG->download(&gpu, &got, flag.g.data, 4);
+    record("all_finite (finite: flag stays 1)", dname(dt), got == 1 && ((int32_t *)flag.c.data)[0] == 1 ? 0 : 1, 0);
+    if (bf)
+        ((uint16_t *)a.c.data)[29999] = 0x7f80; /* +Inf */
+    else
+        ((float *)a.c.data)[29999] = NAN;
+    pair_upload(&a);
+    KC->all_finite(&cpu, &flag.c, &a.c);
+    KG->all_finite(&gpu, &flag.g, &a.g);
+    KG->download(&gpu, &got, flag.g.data, 4);
+    record(bf ? "all_finite (an Inf: flag 0)" : "all_finite (a NaN: flag 0)", dname(dt),
+           got == 0 && ((int32_t *)flag.c.data)[0] == 0 ? 0 : 1, 0);
+    pair_free(&a);
+    pair_free(&b);
+    pair_free(&c);
+    pair_free(&acc);
+    pair_free(&flag);
+}
+
+static void case_convert(void)
+{
+    struct pair f = rnd(AM_F32, 777, 0, 0, 0), h = pair_new(AM_BF16, 777, 0, 0, 0), f2 = pair_new(AM_F32, 777, 0, 0, 0);
+    struct pair dd = pair_new(AM_F64, 777, 0, 0, 0);
+    KC->convert(&cpu, &h.c, &f.c);
+    KG->convert(&gpu, &h.g, &f.g);
+    record("convert f32 -> bf16 (bitwise)", "bf16", rel_err(&h), 0);
+    KC->convert(&cpu, &f2.c, &h.c);
+    KG->convert(&gpu, &f2.g, &h.g);
+    record("convert bf16 -> f32 (bitwise)", "bf16", rel_err(&f2), 0);
+    KC->convert(&cpu, &dd.c, &f.c);
+    KG->convert(&gpu, &dd.g, &f.g);
+    record("convert f32 -> f64 (bitwise)", "fp32", rel_err(&dd), 0);
+    pair_fill(&dd, -3, 3);
+    KC->convert(&cpu, &f.c, &dd.c);
+    KG->convert(&gpu, &f.g, &dd.g);
+    record("convert f64 -> f32 (bitwise)", "fp32", rel_err(&f), 0);
+    pair_free(&f);
+    pair_free(&h);
+    pair_free(&f2);
+    pair_free(&dd);
+}
+
+static void case_matmul(enum am_dtype dt, enum am_dtype gdt)
+{
+    bool bf = dt == AM_BF16;
+    int64_t M = 96, K = 160, N = 200;
+    struct pair x = rnd(dt, M, K, 0, 0), w = rnd(dt, N, K, 0, 0), y = pair_new(dt, M, N, 0, 0);
+    struct pair dy = rnd(dt, M, N, 0, 0), dx = rnd(dt, M, K, 0, 0), dw = rnd(gdt, N, K, 0, 0);
+    char what[64];
+    KC->matmul_forward(&cpu, &y.c, &x.c, &w.c);
+    KG->matmul_forward(&gpu, &y.g, &x.g, &w.g);
+    check("matmul_forward y", &y, bf);
+    KC->matmul_backward(&cpu, &dx.c, &dw.c, &dy.c, &x.c, &w.c);
+    KG->matmul_backward(&gpu, &dx.g, &dw.g, &dy.g, &x.g, &w.g);
+    check("matmul_backward dx", &dx, bf);
+    snprintf(what, sizeof what, "matmul_backward dw (%s)", dname(gdt));
+    check(what, &dw, bf);
+    pair_free(&x);
+    pair_free(&w);
+    pair_free(&y);
+    pair_free(&dy);
+    pair_free(&dx);
+    pair_free(&dw);
+}
+
+static void case_embedding(enum am_dtype dt, enum am_dtype gdt)
+{
+    bool bf = dt == AM_BF16;
+    int64_t N = 300, C = 96, V = 50, start = 40; /* ids 0..119: some in the shard [40, 90), repeated */
+    struct pair ids = pair_new(AM_I32, N, 0, 0, 0), wte = rnd(dt, V, C, 0, 0), out = rnd(dt, N, C, 0, 0);
+    struct pair dout = rnd(dt, N, C, 0, 0), dwte = rnd(gdt, V, C, 0, 0);
+    pair_fill(&ids, 0, 120);
+    char what[64];
+    KC->embedding_forward(&cpu, &out.c, &ids.c, &wte.c, start);
+    KG->embedding_forward(&gpu, &out.g, &ids.g, &wte.g, start);
+    record("embedding_forward (bitwise)", dname(dt), rel_err(&out), 0);
+    KC->embedding_backward(&cpu, &dwte.c, &dout.c, &ids.c, start);
+    KG->embedding_backward(&gpu, &dwte.g, &dout.g, &ids.g, start);
+    snprintf(what, sizeof what, "embedding_backward dwte (%s)", dname(gdt));
+    check(what, &dwte, bf);
+    pair_free(&ids);
+    pair_free(&wte);
+    pair_free(&out);
+    pair_free(&dout);
+    pair_free(&dwte);
+}
+
+static void case_rmsnorm(enum am_dtype dt, enum am_dtype gdt)
+{
+    bool bf = dt == AM_BF16;
+    int64_t N = 130, C = 520;
+    struct pair x = rnd(dt, N, C, 0, 0), w = rnd(dt, C, 0, 0, 0), out = pair_new(dt, N, C, 0, 0);
+    struct pair rstd = pair_new(AM_F32, N, 0, 0, 0), dout = rnd(dt, N, C, 0, 0), dx = rnd(dt, N, C, 0, 0);
+    struct pair dw = rnd(gdt, C, 0, 0, 0);
+    char what[64];
+    KC->rmsnorm_forward(&cpu, &out.c, &rstd.c, &x.c, &w.c, 1e-5f);
+    KG->rmsnorm_forward(&gpu, &out.g, &rstd.g, &x.g, &w.g, 1e-5f);
+    check("rmsnorm_forward out", &out, bf);
+    record("rmsnorm_forward rstd", dname(dt), rel_err(&rstd), 1e-5);
+    KC->rmsnorm_backward(&cpu, &dx.c, &dw.c, &dout.c, &x.c, &w.c, &rstd.c);
+    KG->rmsnorm_backward(&gpu, &dx.g, &dw.g, &dout.g, &x.g, &w.g, &rstd.g);
+    check("rmsnorm_backward dx", &dx, bf);
+    snprintf(what, sizeof what, "rmsnorm_backward dw (%s)", dname(gdt));
+    check(what, &dw, bf);
+    pair_free(&x);
+    pair_free(&w);
+    pair_free(&out);
+    pair_free(&rstd);
+    pair_free(&dout);
+    pair_free(&dx);
+    pair_free(&dw);
+}
+
+static void case_rope(enum am_dtype dt, enum am_dtype tdt)
+{
+    bool bf = dt == AM_BF16;
+    int64_t B = 2, T = 48, H = 3, D = 64;
+    struct pair tc = pair_new(AM_F32, T, D / 2, 0, 0), ts = pair_new(AM_F32, T, D / 2, 0, 0);
+    struct am_rope_scaling sc = {"llama3", 8.0, 1.0, 4.0, 32};
+    KC->rope_tables(&cpu, &tc.c, &ts.c, 500000.0, &sc);
+    KG->rope_tables(&gpu, &tc.g, &ts.g, 500000.0, &sc);
+    if (dt == AM_F32) {
+        record("rope_tables cos (bitwise)", "fp32", rel_err(&tc), 0);
+        record("rope_tables sin (bitwise)", "fp32", rel_err(&ts), 0);
+    }
+    struct pair c2 = tc, s2 = ts;
+    if (tdt == AM_BF16) {
+        c2 = pair_new(AM_BF16, T, D / 2, 0, 0);
+        s2 = pair_new(AM_BF16, T, D / 2, 0, 0);
+        KC->convert(&cpu, &c2.c, &tc.c);
+        KG->convert(&gpu, &c2.g, &tc.g);
+        KC->convert(&cpu, &s2.c, &ts.c);
+        KG->convert(&gpu, &s2.g, &ts.g);
+    }
+    struct pair x = rnd(dt, B, T, H, D);
+    char what[64];
+    KC->rope_forward(&cpu, &x.c, &c2.c, &s2.c);
+    KG->rope_forward(&gpu, &x.g, &c2.g, &s2.g);
+    snprintf(what, sizeof what, "rope_forward (%s tables)", dname(tdt));
+    check(what, &x, bf);
+    KC->rope_backward(&cpu, &x.c, &c2.c, &s2.c);
+    KG->rope_backward(&gpu, &x.g, &c2.g, &s2.g);
+    snprintf(what, sizeof what, "rope_backward (%s tables)", dname(tdt));
+    check(what, &x, bf);
+    if (tdt == AM_BF16) {
+        pair_free(&c2);
+        pair_free(&s2);
+    }
+    pair_free(&tc);
+    pair_free(&ts);
+    pair_free(&x);
+}
+
+static void case_swiglu(enum am_dtype dt)
+{
+    bool bf = dt == AM_BF16;
+    int64_t N = 200, I = 300;
+    struct pair g = pair_new(dt, N, I, 0, 0), u = rnd(dt, N, I, 0, 0), out = pair_new(dt, N, I, 0, 0);
+    struct pair dout = rnd(dt, N, I, 0, 0), dg = rnd(dt, N, I, 0, 0), du = rnd(dt, N, I, 0, 0);
+    pair_fill(&g, -6, 6);
+    KC->swiglu_forward(&cpu, &out.c, &g.c, &u.c);
+    KG->swiglu_forward(&gpu, &out.g, &g.g, &u.g);
+    check("swiglu_forward", &out, bf);
+    KC->swiglu_backward(&cpu, &dg.c, &du.c, &dout.c, &g.c, &u.c);
+    KG->swiglu_backward(&gpu, &dg.g, &du.g, &dout.g, &g.g, &u.g);
+    check("swiglu_backward dgate", &dg, bf);
+    check("swiglu_backward dup", &du, bf);
+    KC->swiglu_backward(&cpu, NULL, &du.c, &dout.c, &g.c, &u.c);
+    KG->swiglu_backward(&gpu, NULL, &du.g, &dout.g, &g.g, &u.g);
+    check("swiglu_backward dup alone", &du, bf);
+    pair_free(&g);
+    pair_free(&u);
+    pair_free(&out);
+    pair_free(&dout);
+    pair_free(&dg);
+    pair_free(&du);
+}
+
+static void case_adamw(float beta1)
+{
+    int64_t n = 10007;
+    struct pair p = rnd(AM_F32, n, 0, 0, 0), m = pair_new(AM_F32, n, 0, 0, 0), v = pair_new(AM_F32, n, 0, 0, 0);
+    struct pair g = pair_new(AM_F32, n, 0, 0, 0);
+    for (int64_t step = 1; step <= 3; step++) {
+        pair_fill(&g, -1, 1);
+        KC->adamw(&cpu, &p.c, &g.c, &m.c, &v.c, 1e-3f, beta1, 0.95f, 1e-8f, 0.1f, step);
+        KG->adamw(&gpu, &p.g, &g.g, &m.g, &v.g, 1e-3f, beta1, 0.95f, 1e-8f, 0.1f, step);
+    }
+    char what[64];
+    snprintf(what, sizeof what, "adamw param, 3 steps (beta1 %.1f)", beta1);
+    check(what, &p, false);
+    check("adamw m", &m, false);
+    check("adamw v", &v, false);
+    pair_free(&p);
+    pair_free(&m);
+    pair_free(&v);
+    pair_free(&g);
+}
+
+int main(void)
+{
+    int ndev = 0;
+    cudaError_t e = cudaGetDeviceCount(&ndev);
+    if (e != cudaSuccess || ndev == 0) {
+        printf("skipped: no CUDA device (cudaGetDeviceCount: %s)\n", e != cudaSuccess ? cudaGetErrorString(e) : "0 devices");
+        return 77;
+    }
+    char err[512];
+    if (am_dev_open(&cpu, AM_DEV_CPU, -1, err, sizeof err) < 0) {
+        fprintf(stderr, "gpu_check: %s\n", err);
+        return 1;
+    }
+    KC = cpu.k;
+    KG = am_kernels_cuda();
+    memset(&gpu, 0, sizeof gpu);
+    gpu.k = KG;
+    gpu.device = AM_DEV_CUDA;
+    gpu.ordinal = 0;
+    if (KG->open(&gpu, err, sizeof err) < 0) {
+        fprintf(stderr, "gpu_check: %s\n", err);
+        return 1;
+    }
+    char missing[512];
+    if (am_kernels_missing(KG, missing, sizeof missing) > 0)
+        printf("note: the CUDA backend lacks %s (not checked here; am_dev_open refuses the backend until it has them)\n",
+               missing);
+    const char *seed = getenv("AM_GPU_SEED");
+    rng_state = seed && *seed ? strtoull(seed, NULL, 10) : (uint64_t)time(NULL);
+    printf("seed %llu (AM_GPU_SEED=%llu repeats this run)\n", (unsigned long long)rng_state,
+           (unsigned long long)rng_state);
+    rng_state = rng_state * 0x9E3779B97F4A7C15ull + 1; /* never 0 */
+
+    case_elementwise(AM_F32);
+    case_elementwise(AM_BF16);
+    case_convert();
+    case_matmul(AM_F32, AM_F32);
+    case_matmul(AM_BF16, AM_BF16);
+    case_matmul(AM_BF16, AM_F32);
+    case_embedding(AM_F32, AM_F32);
+    case_embedding(AM_BF16, AM_BF16);
+    case_embedding(AM_BF16, AM_F32);
+    case_rmsnorm(AM_F32, AM_F32);
+    case_rmsnorm(AM_BF16, AM_BF16);
+    case_rmsnorm(AM_BF16, AM_F32);
+    case_rope(AM_F32, AM_F32);
+    case_rope(AM_BF16, AM_F32);
+    case_rope(AM_BF16, AM_BF16);
+    case_swiglu(AM_F32);
+    case_swiglu(AM_BF16);
+    case_adamw(0.9f);
+    case_adamw(0.3f);
+    KG->sync(&gpu);
+
+    printf("\n%-44s %-6s %-11s %-7s %s\n", "kernel (CUDA vs CPU)", "dtype", "rel err", "tol", "");
+    for (int i = 0; i < nrows; i++)
+        printf("%-44s %-6s %-11.3e %-7.0e %s\n", rows[i].what, rows[i].dtype, rows[i].err, rows[i].tol,
+               rows[i].ok ? "ok" : "FAIL");
+    printf("%d comparisons, %d failed\n", nrows, nfail);
+    KG->close(&gpu);
+    am_dev_close(&cpu);
+    return nfail ? 1 : 0;
+}
