@@ -3,10 +3,10 @@
 #
 #   tests/unit/test-layers.sh [ROOT]
 #
-# Reads every `#include "..."` in runtime/*/, kernels/, launcher/ and spank/ under ROOT
-# (default: $AM_SRCDIR, else the tree this script is in), maps the header to the folder that
-# holds it (header names are unique across these folders: two headers with one name fail too),
-# and fails on an include of a header from a folder that is not the includer's own nor one
+# Reads every `#include "..."` (C sources and headers, CUDA's .cu and .cuh) in runtime/*/,
+# kernels/, launcher/ and spank/ under ROOT (default: $AM_SRCDIR, else the tree this script
+# is in), maps the header to the folder that holds it (header names are unique across these
+# folders: two headers with one name fail too), and fails on an include of a header from a folder that is not the includer's own nor one
 # below it in the table:
 #
 #   FILE:LINE: includes HEADER (FOLDER), which is above FOLDER in the layering (allowed: ...)
@@ -48,7 +48,7 @@ check() {
     (
         cd "$root" || exit 2
         # every source file of the checked folders, one path a line
-        find runtime kernels launcher spank -type f \( -name '*.c' -o -name '*.h' \) 2>/dev/null | sort
+        find runtime kernels launcher spank -type f \( -name '*.c' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' \) 2>/dev/null | sort
     ) | awk -v root="$root" -v layers="$LAYERS" '
     function folder_of(path,   n, p) {
         n = split(path, p, "/")
@@ -105,7 +105,7 @@ check() {
         # where each header lives
         for (i = 1; i <= nf; i++) {
             f = files[i]
-            if (f !~ /\.h$/) continue
+            if (f !~ /\.(h|cuh)$/) continue
             n = split(f, p, "/"); h = p[n]
             if (h in home) {
                 printf "%s: a second header named %s (the first: %s); header names must be unique\n", f, h, home[h]
