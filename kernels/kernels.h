@@ -203,8 +203,8 @@ const struct am_kernels *am_kernels_cpu(void);
 const struct am_kernels *am_kernels_cuda(void);
 
 /* The kernels a table lacks (NULL entries; open and close may be NULL): their names, comma
- * separated, into buf (empty when none), and how many. am_dev_open refuses a context on an
- * incomplete table with "the <name> backend lacks: ..." */
+ * separated, into buf (empty when none; buf may be NULL when len is 0), and how many.
+ * am_dev_open refuses a context on an incomplete table with "the <name> backend lacks: ..." */
 int am_kernels_missing(const struct am_kernels *k, char *buf, size_t len);
 
 #ifdef __cplusplus

@@ -497,13 +497,15 @@ static int setup_diagnostics(struct trainer *t, struct am_errors *err)
     return 0;
 }
 
-/* The rank's device: AM_DEVICE (cpu, cuda) when set, else CUDA where this build has CUDA
- * kernels and the rank was given a GPU, else the CPU. Its communicators follow: UCX for host
- * memory, NCCL for device memory. */
+/* The rank's device: AM_DEVICE (cpu, cuda) when set, else CUDA where this build has complete
+ * CUDA kernels (every kernel of the table) and the rank was given a GPU, else the CPU. Its
+ * communicators follow: UCX for host memory, NCCL for device memory. */
 static int open_device(struct trainer *t, struct am_errors *err)
 {
     const char *want = getenv("AM_DEVICE");
-    enum am_device d = am_kernels_for(AM_DEV_CUDA) && t->s->topo.gpu.device >= 0 ? AM_DEV_CUDA : AM_DEV_CPU;
+    const struct am_kernels *cuda = am_kernels_for(AM_DEV_CUDA);
+    enum am_device d = cuda && am_kernels_missing(cuda, NULL, 0) == 0 && t->s->topo.gpu.device >= 0 ? AM_DEV_CUDA
+                                                                                                   : AM_DEV_CPU;
     char msg[512];
     if (want && *want) {
         if (strcmp(want, "cpu") != 0 && strcmp(want, "cuda") != 0)
