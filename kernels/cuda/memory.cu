@@ -1,5 +1,5 @@
 /* memory.cu - device memory: cudaMalloc (zeroed before alloc returns; allocations are rare:
- * the model's slabs at start), copies in stream order on the context's stream. download
+ * the model's slabs at start; free is cudaFree, which waits for the device), copies in stream order on the context's stream. download
  * waits for the stream (the host reads the bytes next); upload returns when host_src may be
  * reused (pageable memory is staged during the call; page-locked memory is waited for). */
 #include "common.cuh"
@@ -15,7 +15,10 @@ void *am_cuda_alloc(const struct am_dev *d, size_t bytes)
         return NULL;
     }
     am_cuda_check(k, e, "cudaMalloc");
-    am_cuda_check(k, cudaMemset(p, 0, bytes ? bytes : 1), "cudaMemset");
+    /* zeroed on the context's stream (cudaMemset would run on the legacy default stream,
+     * which a non-blocking stream does not wait for), and waited for: zero for every stream */
+    am_cuda_check(k, cudaMemsetAsync(p, 0, bytes ? bytes : 1, am_cuda_stream(d)), "cudaMemsetAsync");
+    am_cuda_check(k, cudaStreamSynchronize(am_cuda_stream(d)), "cudaStreamSynchronize");
     return p;
 }
 
