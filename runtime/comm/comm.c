@@ -1080,67 +1080,44 @@ static int complete_req(struct am_comm_req *q, int block, int *rc)
     return done;
 }
 
-static int iallreduce(struct am_comm *c, const void *send, void *recv, size_t count, enum am_dtype t,
-                      enum am_comm_op op, struct am_comm_req **req)
+/* The checks every non-blocking call starts with: *req cleared, the group and the request
+ * pointer present (op names the call in the message). */
+static int req_ok(struct am_comm *c, struct am_comm_req **req, const char *op)
 {
-    struct am_comm_call call = {.kind = AM_CALL_ALLREDUCE, .nonblocking = 1};
     if (req)
         *req = NULL;
     if (!c)
         return -1;
     if (!req)
-        return arg_fail(c, "iallreduce", "the request pointer is NULL");
-    if (prep_allreduce(c, &call, send, recv, count, t, op) < 0)
-        return -1;
-    return issue(c, &call, req);
+        return arg_fail(c, op, "the request pointer is NULL");
+    return 0;
 }
 
 int am_iallreduce(struct am_comm *c, const void *send, void *recv, size_t count, enum am_dtype t,
                   enum am_comm_op op, struct am_comm_req **req, char *err, size_t err_len)
 {
-    return result(c, iallreduce(c, send, recv, count, t, op, req), err, err_len);
-}
-
-static int ireduce_scatter(struct am_comm *c, const void *send, void *recv, size_t count, enum am_dtype t,
-                           enum am_comm_op op, struct am_comm_req **req)
-{
-    struct am_comm_call call = {.kind = AM_CALL_REDUCE_SCATTER, .nonblocking = 1};
-    if (req)
-        *req = NULL;
-    if (!c)
-        return -1;
-    if (!req)
-        return arg_fail(c, "ireduce_scatter", "the request pointer is NULL");
-    if (prep_reduce_scatter(c, &call, send, recv, count, t, op) < 0)
-        return -1;
-    return issue(c, &call, req);
+    struct am_comm_call call = {.kind = AM_CALL_ALLREDUCE, .nonblocking = 1};
+    int rc = req_ok(c, req, "iallreduce") < 0 || prep_allreduce(c, &call, send, recv, count, t, op) < 0
+                 ? -1 : issue(c, &call, req);
+    return result(c, rc, err, err_len);
 }
 
 int am_ireduce_scatter(struct am_comm *c, const void *send, void *recv, size_t count, enum am_dtype t,
                        enum am_comm_op op, struct am_comm_req **req, char *err, size_t err_len)
 {
-    return result(c, ireduce_scatter(c, send, recv, count, t, op, req), err, err_len);
-}
-
-static int iallgather(struct am_comm *c, const void *send, void *recv, size_t count, enum am_dtype t,
-                      struct am_comm_req **req)
-{
-    struct am_comm_call call = {.kind = AM_CALL_ALLGATHER, .nonblocking = 1};
-    if (req)
-        *req = NULL;
-    if (!c)
-        return -1;
-    if (!req)
-        return arg_fail(c, "iallgather", "the request pointer is NULL");
-    if (prep_allgather(c, &call, send, recv, count, t) < 0)
-        return -1;
-    return issue(c, &call, req);
+    struct am_comm_call call = {.kind = AM_CALL_REDUCE_SCATTER, .nonblocking = 1};
+    int rc = req_ok(c, req, "ireduce_scatter") < 0 || prep_reduce_scatter(c, &call, send, recv, count, t, op) < 0
+                 ? -1 : issue(c, &call, req);
+    return result(c, rc, err, err_len);
 }
 
 int am_iallgather(struct am_comm *c, const void *send, void *recv, size_t count, enum am_dtype t,
                   struct am_comm_req **req, char *err, size_t err_len)
 {
-    return result(c, iallgather(c, send, recv, count, t, req), err, err_len);
+    struct am_comm_call call = {.kind = AM_CALL_ALLGATHER, .nonblocking = 1};
+    int rc = req_ok(c, req, "iallgather") < 0 || prep_allgather(c, &call, send, recv, count, t) < 0
+                 ? -1 : issue(c, &call, req);
+    return result(c, rc, err, err_len);
 }
 
 int am_comm_wait(struct am_comm_req *req, char *err, size_t err_len)

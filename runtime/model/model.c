@@ -942,22 +942,19 @@ static int sum_shared_kv(struct am_model *m, const struct am_layer *L, char *err
 {
     int64_t slot = m->head_dim * m->cfg.hidden_size, n = m->cfg.num_key_value_heads * slot;
     struct am_tensor all = am_tensor_view(m->kv_sum.data, m->dev->device, AM_F32, 2 * n, 0, 0, 0);
-    struct am_param *kv[2] = {L->wk, L->wv};
-    m->K->zero(m->dev, &all);
+    struct am_tensor mine[2], g[2]; /* this rank's head's slot of k and of v, and the gradients */
+    const struct am_param *kv[2] = {L->wk, L->wv};
     for (int i = 0; i < 2; i++) {
-        struct am_tensor mine = am_tensor_view((float *)all.data + i * n + m->kv_head0 * slot, m->dev->device,
-                                               AM_F32, slot, 0, 0, 0);
-        struct am_tensor g = am_tensor_view(kv[i]->g.data, m->dev->device, AM_F32, slot, 0, 0, 0);
-        m->K->copy(m->dev, &mine, &g);
+        mine[i] = am_tensor_view((float *)all.data + i * n + m->kv_head0 * slot, m->dev->device, AM_F32, slot, 0, 0, 0);
+        g[i] = am_tensor_view(kv[i]->g.data, m->dev->device, AM_F32, slot, 0, 0, 0);
     }
+    m->K->zero(m->dev, &all);
+    for (int i = 0; i < 2; i++)
+        m->K->copy(m->dev, &mine[i], &g[i]);
     if (tp_sum(m, &all, err, err_len) < 0)
         return -1;
-    for (int i = 0; i < 2; i++) {
-        struct am_tensor mine = am_tensor_view((float *)all.data + i * n + m->kv_head0 * slot, m->dev->device,
-                                               AM_F32, slot, 0, 0, 0);
-        struct am_tensor g = am_tensor_view(kv[i]->g.data, m->dev->device, AM_F32, slot, 0, 0, 0);
-        m->K->copy(m->dev, &g, &mine);
-    }
+    for (int i = 0; i < 2; i++)
+        m->K->copy(m->dev, &g[i], &mine[i]);
     return 0;
 }
 

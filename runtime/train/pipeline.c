@@ -51,6 +51,9 @@ int am_pipe_init(struct am_pipe *P, const struct am_plan *p, const struct am_rec
     }
     for (int k = 0; k < v; k++)
         P->slots[k] = am_pipe_slots(P->actions, P->n_actions, k);
+    for (int i = 0; i < P->n_actions; i++)
+        if (P->actions[i].kind == AM_PIPE_BACKWARD)
+            P->last_bwd[P->actions[i].chunk] = i;
     shard_of(P, p, r, c, sh);
     return 0;
 }
@@ -161,15 +164,6 @@ static int run_backward(struct am_pipe *P, struct am_model *m, const struct am_p
     return 0;
 }
 
-/* Whether action i is the last backward of its chunk in the schedule. */
-static bool last_backward(const struct am_pipe *P, int i)
-{
-    for (int k = i + 1; k < P->n_actions; k++)
-        if (P->actions[k].kind == AM_PIPE_BACKWARD && P->actions[k].chunk == P->actions[i].chunk)
-            return false;
-    return true;
-}
-
 int am_pipe_run(struct am_pipe *P, struct am_model *m, const int32_t *tokens, const int32_t *targets, int64_t batch,
                 float dloss_scale, bool last_run, char *err, size_t err_len)
 {
@@ -177,7 +171,7 @@ int am_pipe_run(struct am_pipe *P, struct am_model *m, const int32_t *tokens, co
         const struct am_pipe_action *a = &P->actions[i];
         int rc = a->kind == AM_PIPE_FORWARD
                      ? run_forward(P, m, a, tokens, targets, batch, dloss_scale, err, err_len)
-                     : run_backward(P, m, a, dloss_scale, last_run && last_backward(P, i), err, err_len);
+                     : run_backward(P, m, a, dloss_scale, last_run && i == P->last_bwd[a->chunk], err, err_len);
         if (rc < 0)
             return -1;
     }

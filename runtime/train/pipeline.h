@@ -26,6 +26,7 @@ struct am_pipe {
     struct am_pipe_action *actions;
     int n_actions;
     int slots[AM_MAX_CHUNKS];        /* per chunk: am_pipe_slots */
+    int last_bwd[AM_MAX_CHUNKS];     /* per chunk: the index of its last backward action */
     size_t hidden;                   /* elements of one hidden state (am_model_hidden_elems) */
     size_t elem;                     /* bytes of one element (the model's compute dtype) */
     enum am_dtype dtype;             /* the model's compute dtype, which elem is the size of */

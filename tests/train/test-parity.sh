@@ -221,6 +221,22 @@ if [ "$rc" = 1 ] && grep -qxF "$want" "$work/out-cp2"; then
 else
     echo "FAIL: cp 2 ended with $rc, want 1 and: $want"; sed 's/^/    /' "$work/out-cp2"; fails=$((fails + 1))
 fi
+# what am-train cannot run is refused by every rank before training, with the reason
+sed 's/param_dtype: float32.*/param_dtype: float16/' "$work/base.yaml" >"$work/fp16.yaml"
+refuse() { # NAME RECIPE WANT [VAR=VALUE...]
+    local name=$1 recipe=$2 want=$3
+    shift 3
+    (cd "$work" && env "$@" AM_LOG_DIR="$work/logs-$name" "$AM_BUILDDIR/am-launch" --nproc 1 "$recipe" \
+        >"$work/out-$name" 2>&1)
+    local rc=$?
+    if [ "$rc" = 1 ] && grep -qxF "$want" "$work/out-$name"; then
+        echo "ok: $name is refused: $want"; passes=$((passes + 1))
+    else
+        echo "FAIL: $name ended with $rc, want 1 and: $want"; sed 's/^/    /' "$work/out-$name"; fails=$((fails + 1))
+    fi
+}
+refuse fp16 "$work/fp16.yaml" "am-train: rank 0: error: distributed.mp_policy: float16 compute or reduction needs loss scaling, which am-train does not do: use bfloat16 (fp32's range in half the bytes) or float32"
+refuse device "$work/base.yaml" "am-train: rank 0: error: AM_DEVICE=gpu: not a device (cpu or cuda)" AM_DEVICE=gpu
 # the loss falls: the last step's loss is below the first's
 first=$(head -n1 "$work/ref" | cut -d' ' -f1) last=$(tail -n1 "$work/ref" | cut -d' ' -f1)
 if awk -v a="$first" -v b="$last" 'BEGIN { exit !(b < a - 0.5) }'; then

@@ -195,6 +195,31 @@ static void check_forward_backward(const char *name)
     close_golden(&G);
 }
 
+/* The golden AdamW (betas (0.9, 0.95), eps 1e-8, weight decay 0.1) at learning rate lr, 5 steps
+ * on the golden batch, clipping to norm 1 when `clip`: the loss before each step and the
+ * gradient norm before clipping. */
+static void adamw_steps(struct golden *G, float lr, bool clip, double *losses, double *norms)
+{
+    size_t E = G->m.n_elems;
+    float *mom = G->K->alloc(&G->dev, E * sizeof(float)), *var = G->K->alloc(&G->dev, E * sizeof(float));
+    struct am_tensor p = am_tensor_view(G->m.param_mem, AM_DEV_CPU, AM_F32, (int64_t)E, 0, 0, 0);
+    struct am_tensor g = am_tensor_view(G->m.grad_mem, AM_DEV_CPU, AM_F32, (int64_t)E, 0, 0, 0);
+    struct am_tensor m = am_tensor_view(mom, AM_DEV_CPU, AM_F32, (int64_t)E, 0, 0, 0);
+    struct am_tensor v = am_tensor_view(var, AM_DEV_CPU, AM_F32, (int64_t)E, 0, 0, 0);
+    for (int s = 0; s < 5; s++) {
+        losses[s] = step(G);
+        double sumsq = 0;
+        struct am_tensor acc = am_tensor_view(&sumsq, AM_DEV_CPU, AM_F64, 1, 0, 0, 0);
+        G->K->sum_squares(&G->dev, &acc, &g, 1.0);
+        norms[s] = sqrt(sumsq);
+        if (clip && 1.0 / (norms[s] + 1e-6) < 1.0)
+            G->K->scale(&G->dev, &g, (float)(1.0 / (norms[s] + 1e-6)));
+        G->K->adamw(&G->dev, &p, &g, &m, &v, lr, 0.9f, 0.95f, 1e-8f, 0.1f, s + 1);
+    }
+    G->K->free(&G->dev, mom);
+    G->K->free(&G->dev, var);
+}
+
 /* The golden AdamW: lr 1e-2, betas (0.9, 0.95), eps 1e-8, weight decay 0.1, 5 steps on the
  * same batch; the losses are those before each step. */
 static void check_adamw(const char *name, bool clip)
@@ -204,31 +229,15 @@ static void check_adamw(const char *name, bool clip)
     int64_t n;
     float *want = read_all(&G, clip ? "losses_adamw_clip" : "losses_adamw", &n);
     float *norms = read_all(&G, clip ? "grad_norms_adamw_clip" : "grad_norms_adamw", &n);
-    struct am_optim_cfg {
-        float lr, b1, b2, eps, wd;
-    } o = {1e-2f, 0.9f, 0.95f, 1e-8f, 0.1f};
-    size_t E = G.m.n_elems;
-    float *mom = G.K->alloc(&G.dev, E * sizeof(float)), *var = G.K->alloc(&G.dev, E * sizeof(float));
-    struct am_tensor p = am_tensor_view(G.m.param_mem, AM_DEV_CPU, AM_F32, (int64_t)E, 0, 0, 0);
-    struct am_tensor g = am_tensor_view(G.m.grad_mem, AM_DEV_CPU, AM_F32, (int64_t)E, 0, 0, 0);
-    struct am_tensor m = am_tensor_view(mom, AM_DEV_CPU, AM_F32, (int64_t)E, 0, 0, 0);
-    struct am_tensor v = am_tensor_view(var, AM_DEV_CPU, AM_F32, (int64_t)E, 0, 0, 0);
-    double loss_worst = 0, norm_worst = 0, final_worst = 0;
+    double loss_worst = 0, norm_worst = 0, final_worst = 0, loss[5], norm[5];
+    adamw_steps(&G, 1e-2f, clip, loss, norm);
     for (int s = 0; s < 5; s++) {
-        double loss = step(&G);
-        loss_worst = fmax(loss_worst, fabs(loss - want[s]));
-        if (fabs(loss - want[s]) >= 1e-5)
-            print_error("%s: step %d loss %.7f, transformers %.7f\n", name, s + 1, loss, want[s]);
-        assert_true(fabs(loss - want[s]) < 1e-5);
-        double sumsq = 0;
-        struct am_tensor acc = am_tensor_view(&sumsq, AM_DEV_CPU, AM_F64, 1, 0, 0, 0);
-        G.K->sum_squares(&G.dev, &acc, &g, 1.0);
-        double norm = sqrt(sumsq);
-        assert_true(fabs(norm - norms[s]) < 1e-5 * fmax(1.0, norms[s]));
-        norm_worst = fmax(norm_worst, fabs(norm - norms[s]) / fmax(1.0, norms[s]));
-        if (clip && 1.0 / (norm + 1e-6) < 1.0)
-            G.K->scale(&G.dev, &g, (float)(1.0 / (norm + 1e-6)));
-        G.K->adamw(&G.dev, &p, &g, &m, &v, o.lr, o.b1, o.b2, o.eps, o.wd, s + 1);
+        loss_worst = fmax(loss_worst, fabs(loss[s] - want[s]));
+        if (fabs(loss[s] - want[s]) >= 1e-5)
+            print_error("%s: step %d loss %.7f, transformers %.7f\n", name, s + 1, loss[s], want[s]);
+        assert_true(fabs(loss[s] - want[s]) < 1e-5);
+        assert_true(fabs(norm[s] - norms[s]) < 1e-5 * fmax(1.0, norms[s]));
+        norm_worst = fmax(norm_worst, fabs(norm[s] - norms[s]) / fmax(1.0, norms[s]));
     }
     if (clip) { /* the weights themselves after the clipped steps */
         static const char *const finals[] = {"model.norm.weight", "lm_head.weight", "model.embed_tokens.weight"};
@@ -256,8 +265,6 @@ static void check_adamw(const char *name, bool clip)
     report("%s: adamw%s: losses %.2e, grad norms %.2e relative (tolerances 1e-5, 1e-5)", name, clip ? " clipped" : "",
            loss_worst, norm_worst);
     report(clip ? "; final weights %.2e (tolerance 5e-5)\n" : "\n", final_worst);
-    G.K->free(&G.dev, mom);
-    G.K->free(&G.dev, var);
     free(want);
     free(norms);
     close_golden(&G);
@@ -343,30 +350,6 @@ static void test_model_refuses(void **state)
     close_golden(&G);
 }
 
-/* The golden AdamW with clipping (check_adamw's loop) at learning rate lr: losses and
- * pre-clip norms of 5 steps. */
-static void clipped_steps(struct golden *G, float lr, double *losses, double *norms)
-{
-    size_t E = G->m.n_elems;
-    float *mom = G->K->alloc(&G->dev, E * sizeof(float)), *var = G->K->alloc(&G->dev, E * sizeof(float));
-    struct am_tensor p = am_tensor_view(G->m.param_mem, AM_DEV_CPU, AM_F32, (int64_t)E, 0, 0, 0);
-    struct am_tensor g = am_tensor_view(G->m.grad_mem, AM_DEV_CPU, AM_F32, (int64_t)E, 0, 0, 0);
-    struct am_tensor m = am_tensor_view(mom, AM_DEV_CPU, AM_F32, (int64_t)E, 0, 0, 0);
-    struct am_tensor v = am_tensor_view(var, AM_DEV_CPU, AM_F32, (int64_t)E, 0, 0, 0);
-    for (int s = 0; s < 5; s++) {
-        losses[s] = step(G);
-        double sumsq = 0;
-        struct am_tensor acc = am_tensor_view(&sumsq, AM_DEV_CPU, AM_F64, 1, 0, 0, 0);
-        G->K->sum_squares(&G->dev, &acc, &g, 1.0);
-        norms[s] = sqrt(sumsq);
-        if (1.0 / (norms[s] + 1e-6) < 1.0)
-            G->K->scale(&G->dev, &g, (float)(1.0 / (norms[s] + 1e-6)));
-        G->K->adamw(&G->dev, &p, &g, &m, &v, lr, 0.9f, 0.95f, 1e-8f, 0.1f, s + 1);
-    }
-    G->K->free(&G->dev, mom);
-    G->K->free(&G->dev, var);
-}
-
 /* bf16 mixed precision (tests/golden/make_bf16_golden.py): the clipped steps (at lr 1e-3, where
  * the tiny models' trajectories are not chaotic: make_bf16_golden.py says why) with a bf16 copy of
  * the weights and bf16 activations (fp32 masters, gradients and AdamW state), against PyTorch
@@ -388,10 +371,10 @@ static void check_bf16(const char *name)
     double l32[5], n32[5], l16[5], n16[5];
     struct golden G;
     open_golden_as(&G, name, AM_F32);
-    clipped_steps(&G, 1e-3f, l32, n32);
+    adamw_steps(&G, 1e-3f, true, l32, n32);
     close_golden(&G);
     open_golden_as(&G, name, AM_BF16);
-    clipped_steps(&G, 1e-3f, l16, n16);
+    adamw_steps(&G, 1e-3f, true, l16, n16);
 
     char path[1100];
     struct am_errors err;
