@@ -4,6 +4,8 @@
  *   srun --mpi=pmix am-launch [options] RECIPE [-- PROGRAM ...]   one rank per Slurm task
  *
  * RECIPE may be left out when AM_RECIPE is set (the SPANK plugin's --am-recipe sets it).
+ * With --doctor the rank program is am-doctor (runtime/doctor/doctor.h), and what follows `--`
+ * are its options: `am-launch --doctor RECIPE -- --json`.
  * The rank program defaults to am-train (with --dry-run: am-place), looked up next to
  * am-launch, then in the installed helper directory. It finds its launcher through
  * AM_BOOTSTRAP_FD (bootstrap.h) and the recipe through AM_RECIPE.
@@ -30,6 +32,8 @@ static void usage(FILE *f)
                "       srun --mpi=pmix am-launch [options] [RECIPE] [-- PROGRAM ARGS...]\n"
                "  --nproc N          run N ranks on this machine (no Slurm needed)\n"
                "  --dry-run          stop after placement: rank 0 prints one JSON line per rank\n"
+               "  --doctor           check the node set instead of training: rank 0 prints a report;\n"
+               "                     what follows `--` are am-doctor's options (-- --help lists them)\n"
                "  --topology FILE    NVLink domains from FILE instead of NVML (also AM_TOPOLOGY_FILE)\n"
                "  --log-dir DIR      where rank logs and exit records go (also AM_LOG_DIR; default ./am-logs)\n"
                "  RECIPE             the recipe (default: $AM_RECIPE, set by sbatch/srun --am-recipe)\n"
@@ -63,6 +67,7 @@ int main(int argc, char **argv)
 {
     static const struct option opts[] = {{"nproc", required_argument, 0, 'n'},
                                          {"dry-run", no_argument, 0, 'd'},
+                                         {"doctor", no_argument, 0, 'D'},
                                          {"topology", required_argument, 0, 't'},
                                          {"log-dir", required_argument, 0, 'l'},
                                          {"help", no_argument, 0, 'h'},
@@ -70,7 +75,7 @@ int main(int argc, char **argv)
     struct am_launch_opts o = {.grace_s = 5};
     char recipe[PATH_MAX], topology[PATH_MAX], program[PATH_MAX + 16];
     const char *topology_arg = NULL;
-    int dry_run = 0, c;
+    int dry_run = 0, doctor = 0, c;
     while ((c = getopt_long(argc, argv, "+h", opts, NULL)) != -1) {
         char *end;
         switch (c) {
@@ -86,6 +91,9 @@ int main(int argc, char **argv)
         }
         case 'd':
             dry_run = 1;
+            break;
+        case 'D':
+            doctor = 1;
             break;
         case 't':
             topology_arg = optarg;
@@ -134,7 +142,23 @@ int main(int argc, char **argv)
     if (dry_run)
         setenv("AM_DRY_RUN", "1", 1);
     char *default_argv[] = {program, NULL};
-    if (optind < argc) {
+    char **doctor_argv = NULL;
+    if (doctor) { /* am-doctor, with what follows `--` as its options */
+        if (dry_run) {
+            fprintf(stderr, "am-launch: --doctor and --dry-run: give one of them\n");
+            return 2;
+        }
+        helper("am-doctor", program, sizeof(program));
+        doctor_argv = calloc((size_t)(argc - optind + 2), sizeof(char *));
+        if (!doctor_argv) {
+            fprintf(stderr, "am-launch: out of memory\n");
+            return 1;
+        }
+        doctor_argv[0] = program;
+        for (int i = optind; i < argc; i++)
+            doctor_argv[i - optind + 1] = argv[i];
+        o.argv = doctor_argv;
+    } else if (optind < argc) {
         o.argv = &argv[optind];
     } else {
         helper(dry_run ? "am-place" : "am-train", program, sizeof(program));

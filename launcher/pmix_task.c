@@ -621,6 +621,8 @@ int am_launch_pmix(const struct am_launch_opts *o)
         goto out;
     }
     initialized = 1;
+    /* the rank program cannot ask: it does not link PMIx (am-doctor reports it) */
+    setenv("AM_PMIX_VERSION", PMIx_Get_version(), 1);
     /* From here on a failure of this task alone must end the step (PMIx_Abort), or the
      * other ranks would wait for it in their first fence until the timeout. */
     if (read_layout(t, err, sizeof(err)) < 0 ||

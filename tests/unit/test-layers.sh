@@ -35,6 +35,7 @@ io:       recipe
 model:    comm kernels io
 train:    model
 diag:     base
+doctor:   comm
 launcher: rank
 spank:    recipe
 '
