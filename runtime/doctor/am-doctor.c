@@ -12,6 +12,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #ifdef AM_DOC_CUDA
 #include <cuda_runtime_api.h>
@@ -19,31 +20,41 @@
 
 #include "doctor.h"
 
-/* Rank 0: the setup's errors, as the report's first lines. */
-static void print_setup_errors(const struct am_errors *err, const struct am_doc_opts *o, const char *recipe)
+/* s as a JSON string (control characters escaped; other bytes as they are) */
+static void json_text(FILE *f, const char *s)
+{
+    fputc('"', f);
+    for (const char *p = s; *p; p++)
+        if (*p == '"' || *p == '\\')
+            fprintf(f, "\\%c", *p);
+        else if ((unsigned char)*p < 0x20)
+            fprintf(f, "\\u%04x", *p);
+        else
+            fputc(*p, f);
+    fputc('"', f);
+}
+
+/* Rank 0: the setup's errors, as the report. */
+static void print_setup_errors(FILE *f, const struct am_errors *err, const struct am_doc_opts *o, const char *recipe)
 {
     const char *name = strrchr(recipe, '/');
     name = name ? name + 1 : recipe;
     if (o->json) {
-        printf("{\"ok\":false,\"recipe\":\"%s\",\"setup\":[", recipe);
+        fputs("{\"ok\":false,\"recipe\":", f);
+        json_text(f, recipe);
+        fputs(",\"setup\":[", f);
         for (size_t i = 0; i < err->n; i++) {
-            fputs(i ? ",\"" : "\"", stdout);
-            for (const char *p = err->msg[i]; *p; p++)
-                if (*p == '"' || *p == '\\')
-                    printf("\\%c", *p);
-                else if ((unsigned char)*p < 0x20)
-                    printf("\\u%04x", *p);
-                else
-                    putchar(*p);
-            putchar('"');
+            if (i)
+                fputc(',', f);
+            json_text(f, err->msg[i]);
         }
-        printf("]}\n");
+        fputs("]}\n", f);
         return;
     }
-    printf("am-doctor: %s: the job cannot start: the recipe, the topology or the placement failed\n", name);
+    fprintf(f, "am-doctor: %s: the job cannot start: the recipe, the topology or the placement failed\n", name);
     for (size_t i = 0; i < err->n; i++)
-        printf("  %-10s %-8s %s\n", "setup", "PROBLEM", err->msg[i]);
-    printf("  %-10s %-8s fix: %s\n", "", "", "correct what each line names (am-launch --dry-run shows the placement)");
+        fprintf(f, "  %-10s %-8s %s\n", "setup", "PROBLEM", err->msg[i]);
+    fprintf(f, "  %-10s %-8s fix: %s\n", "", "", "correct what each line names (am-launch --dry-run shows the placement)");
 }
 
 int main(int argc, char **argv)
@@ -65,6 +76,15 @@ int main(int argc, char **argv)
         fprintf(stderr, "am-doctor: %s\n", e);
         return 2;
     }
+    /* stdout holds the report alone (scripts read --json from it): what libraries print on
+     * stdout (UCX logs there) goes to stderr, the report to the saved stdout */
+    fflush(stdout);
+    int report_fd = dup(STDOUT_FILENO);
+    FILE *out = report_fd >= 0 ? fdopen(report_fd, "w") : NULL;
+    if (!out || dup2(STDERR_FILENO, STDOUT_FILENO) < 0) {
+        fprintf(stderr, "am-doctor: cannot set up stdout for the report\n");
+        return 1;
+    }
     am_errors_init(&err);
     int rc = am_rank_setup(&s, &err);
     if (!s.boot) {
@@ -76,7 +96,8 @@ int main(int argc, char **argv)
     const char *recipe = getenv("AM_RECIPE") ? getenv("AM_RECIPE") : "?";
     if (rc < 0) {
         if (s.info.rank == 0)
-            print_setup_errors(&err, &o, recipe);
+            print_setup_errors(out, &err, &o, recipe);
+        fclose(out);
         am_errors_free(&err);
         am_rank_setup_exit(&s, 1);
     }
@@ -94,15 +115,8 @@ int main(int argc, char **argv)
         fprintf(stderr, "am-doctor: rank %d on %s: the bootstrap failed: %s\n", me, s.info.host, e);
         am_boot_abort(s.boot, 1, "am-doctor: the bootstrap failed");
     }
-    char bw_err[AM_COMM_ERR_LEN] = "";
-    if (am_doc_bandwidth(&s, all, d, &o, &fault, bw_err, sizeof(bw_err)) < 0)
-        for (int k = 0; k < 2; k++)
-            if (!d->bw[k].failed) {
-                d->bw[k].kind = d->bw[k].kind ? d->bw[k].kind : k + 1;
-                d->bw[k].group = d->bw[k].kind == k + 1 ? d->bw[k].group : -1;
-                d->bw[k].failed = 1;
-                snprintf(d->bw[k].err, sizeof(d->bw[k].err), "%s", bw_err);
-            }
+    if (am_doc_bandwidth(&s, all, d, &o, &fault, d->comm_err, sizeof(d->comm_err)) < 0 && !d->comm_err[0])
+        snprintf(d->comm_err, sizeof(d->comm_err), "failed without a message");
     if (am_boot_allgather(s.boot, "doctor-result", d, sizeof(*d), all, s.timeout_s, e, sizeof(e)) < 0) {
         fprintf(stderr, "am-doctor: rank %d on %s: the bootstrap failed: %s\n", me, s.info.host, e);
         am_boot_abort(s.boot, 1, "am-doctor: the bootstrap failed");
@@ -120,8 +134,9 @@ int main(int argc, char **argv)
 #ifdef AM_DOC_CUDA
         need.cuda_built = CUDART_VERSION;
 #endif
-        status = am_doc_report(stdout, all, n, &need, &o) > 0;
+        status = am_doc_report(out, all, n, &need, &o) > 0;
     }
+    fclose(out);
     free(d);
     free(all);
     /* rank 0 alone carries the verdict: the others have nothing to report */

@@ -26,6 +26,8 @@
  * Fault injection (the doctor's own tests): AM_DOCTOR_FAULT=rank=R,kind=K, K one of
  *   slow-allreduce:SECONDS   rank R waits SECONDS before each timed all-reduce (a slow node)
  *   clock:SECONDS            rank R's clock readings are SECONDS ahead (a skewed clock)
+ *   skip-allreduce           rank R takes no part in the timed all-reduces, as behind a dead
+ *                            link: the others' calls time out waiting for it
  * Errors: the runtime's convention (util.h).
  */
 #ifndef AM_DOCTOR_H
@@ -65,6 +67,7 @@ struct am_doc_fault {
     int rank;           /* -1: none */
     double slow_s;      /* slow-allreduce:SECONDS */
     double clock_s;     /* clock:SECONDS */
+    int skip;           /* skip-allreduce */
 };
 
 /* One all-reduce test as one rank saw it. */
@@ -73,6 +76,7 @@ struct am_doc_bw {
     int32_t group;      /* index of the group among those of its kind */
     int32_t size;       /* ranks in the group */
     int32_t failed;     /* the call failed: err says why */
+    int32_t absent;     /* the rank did not take part (fault injection) */
     double call_s[AM_DOC_ITERS]; /* this rank's time inside each timed all-reduce */
     double bytes;       /* per rank */
     char err[AM_COMM_ERR_LEN];
@@ -102,6 +106,7 @@ struct am_doc_rank {
     struct am_doc_gpu gpu;
     /* communicators */
     char transport[8];           /* "ucx", "nccl" */
+    char comm_err[AM_COMM_ERR_LEN]; /* the communicators could not be set up ("" fine) */
     struct am_doc_bw bw[2];      /* [0] the domain test, [1] the nodes test */
 };
 
@@ -113,6 +118,7 @@ struct am_doc_opts {
     double max_skew_s;
     double bw_domain, bw_nodes; /* expected bus bandwidth, bytes/s; 0: the transport's default */
     size_t bytes;               /* all-reduce size per rank */
+    double timeout_s;           /* bound on each all-reduce; 0: the recipe's, at most 60 s */
 };
 void am_doc_opts_default(struct am_doc_opts *o);
 /* Parses am-doctor's arguments. 0, 1 for --help (usage printed to out), or -1 with the

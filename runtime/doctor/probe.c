@@ -27,7 +27,7 @@ void am_doc_opts_default(struct am_doc_opts *o)
 
 static const char usage[] =
     "usage: am-doctor [--json] [--min-mem-gb G] [--min-disk-gb G] [--max-skew S]\n"
-    "                 [--expect-domain-gbs B] [--expect-nodes-gbs B] [--bytes N]\n"
+    "                 [--expect-domain-gbs B] [--expect-nodes-gbs B] [--bytes N] [--timeout S]\n"
     "  started by am-launch --doctor (srun --mpi=pmix am-launch --doctor RECIPE [-- OPTIONS])\n"
     "  --json                 one JSON object instead of the tables\n"
     "  --min-mem-gb G         free memory each node needs (default: the plan's estimate on CPUs)\n"
@@ -36,7 +36,9 @@ static const char usage[] =
     "  --expect-domain-gbs B  all-reduce bus bandwidth expected in an NVLink domain, GB/s\n"
     "                         (default: NCCL 100, UCX 0.02)\n"
     "  --expect-nodes-gbs B   the same across nodes (default: NCCL 10, UCX 0.02)\n"
-    "  --bytes N              all-reduce size per rank (default 4194304)\n";
+    "  --bytes N              all-reduce size per rank (default 4194304)\n"
+    "  --timeout S            bound on each all-reduce, seconds (default: the recipe's\n"
+    "                         dist_env.timeout_minutes, at most 60 s)\n";
 
 static int number(const char *opt, const char *v, double lo, double *out, char *err, size_t err_len)
 {
@@ -63,16 +65,16 @@ int am_doc_opts_parse(struct am_doc_opts *o, int argc, char **argv, FILE *out, c
             return 1;
         }
         static const char *const valued[] = {"--min-mem-gb", "--min-disk-gb", "--max-skew",
-                                             "--expect-domain-gbs", "--expect-nodes-gbs", "--bytes"};
+                                             "--expect-domain-gbs", "--expect-nodes-gbs", "--bytes", "--timeout"};
         int k = -1;
-        for (int j = 0; j < 6; j++)
+        for (int j = 0; j < 7; j++)
             if (strcmp(a, valued[j]) == 0)
                 k = j;
         if (k < 0)
             return am_fail(err, err_len, "unknown option '%s' (am-doctor --help lists them)", a);
         if (i + 1 >= argc)
             return am_fail(err, err_len, "%s needs a value", a);
-        if (number(a, argv[++i], k == 5 ? 8 : 0, &x, err, err_len) < 0)
+        if (number(a, argv[++i], k == 5 ? 8 : k == 6 ? 0.1 : 0, &x, err, err_len) < 0)
             return -1;
         switch (k) {
         case 0: o->min_mem = x * GIB; break;
@@ -80,7 +82,8 @@ int am_doc_opts_parse(struct am_doc_opts *o, int argc, char **argv, FILE *out, c
         case 2: o->max_skew_s = x; break;
         case 3: o->bw_domain = x * 1e9; break;
         case 4: o->bw_nodes = x * 1e9; break;
-        default: o->bytes = (size_t)x / 4 * 4; break;
+        case 5: o->bytes = (size_t)x / 4 * 4; break;
+        default: o->timeout_s = x; break;
         }
     }
     return 0;
@@ -94,29 +97,32 @@ int am_doc_fault_parse(const char *spec, struct am_doc_fault *f, char *err, size
     f->rank = -1;
     if (!spec || !*spec)
         return 0;
-    int rank = -1;
-    double slow = 0, clk = 0;
-    int n = 0;
+    int rank = -1, n = 0;
     char kind[32] = "";
-    if (sscanf(spec, "rank=%d,kind=%31[^:]:%n", &rank, kind, &n) != 2 || n == 0 || rank < 0)
+    if (sscanf(spec, "rank=%d,kind=%31[^:]%n", &rank, kind, &n) != 2 || rank < 0)
+        goto bad;
+    if (strcmp(kind, "skip-allreduce") == 0 && spec[n] == '\0') {
+        f->rank = rank;
+        f->skip = 1;
+        return 0;
+    }
+    if (spec[n] != ':')
         goto bad;
     char *end;
-    double v = strtod(spec + n, &end);
-    if (*end || end == spec + n)
+    double v = strtod(spec + n + 1, &end);
+    if (*end || end == spec + n + 1)
         goto bad;
     if (strcmp(kind, "slow-allreduce") == 0 && v > 0)
-        slow = v;
+        f->slow_s = v;
     else if (strcmp(kind, "clock") == 0)
-        clk = v;
+        f->clock_s = v;
     else
         goto bad;
     f->rank = rank;
-    f->slow_s = slow;
-    f->clock_s = clk;
     return 0;
 bad:
-    return am_fail(err, err_len, "AM_DOCTOR_FAULT='%s': expected rank=R,kind=slow-allreduce:SECONDS (SECONDS > 0) or "
-                   "rank=R,kind=clock:SECONDS, e.g. rank=1,kind=slow-allreduce:2", spec);
+    return am_fail(err, err_len, "AM_DOCTOR_FAULT='%s': expected rank=R,kind=K with K slow-allreduce:SECONDS (SECONDS > 0), "
+                   "clock:SECONDS or skip-allreduce, e.g. rank=1,kind=slow-allreduce:2", spec);
 }
 
 /* ---- the node ------------------------------------------------------------------------------ */

@@ -401,6 +401,22 @@ static void check_topology(struct rep *R)
     }
 }
 
+/* The communicators could not be set up on some rank (context, groups, memory). */
+static void check_comm_setup(struct rep *R)
+{
+    for (int i = 0; i < R->n_nodes; i++)
+        for (int k = 0; k < R->nodes[i].n_ranks; k++) {
+            const struct am_doc_rank *d = &R->all[R->nodes[i].idx[k]];
+            if (!d->comm_err[0])
+                continue;
+            struct row *w = add(R, i, PROBLEM, "allreduce", "rank %d: the communicators (%s) failed: %s", d->rank,
+                                d->transport, d->comm_err);
+            fix(w, "the message names the step that failed; am-train needs the same communicators (UCX on CPUs, "
+                "NCCL on GPUs): check the transport's libraries and network on %s", R->nodes[i].host);
+            break;
+        }
+}
+
 static int cmp_int(const void *a, const void *b)
 {
     return *(const int *)a - *(const int *)b;
@@ -457,14 +473,39 @@ static void check_allreduce(struct rep *R)
             if (failed >= 0) {
                 json_object_set_new(jg, "ok", json_false());
                 json_object_set_new(jg, "error", json_string(R->all[failed].bw[slot].err));
+                /* the members whose own calls did not fail are the ones the others waited
+                 * for; when every call failed, every node of the group is suspect */
+                int blamed = 0;
+                for (int k = 0; k < m; k++)
+                    blamed += !R->all[members[k]].bw[slot].failed;
                 int done[4096] = {0};
                 for (int k = 0; k < m; k++) {
+                    int q = members[k], nd = node_of(R, q);
+                    int suspect = !blamed || !R->all[q].bw[slot].failed;
+                    if (blamed && !suspect)
+                        continue;
+                    if (nd < 4096 && done[nd]++)
+                        continue;
+                    struct row *w;
+                    if (blamed) {
+                        json_object_set_new(jg, "failing_rank", json_integer(q));
+                        json_object_set_new(jg, "failing_host", json_string(R->all[q].host));
+                        w = add(R, nd, PROBLEM, "allreduce", "%s failed: the others' calls timed out waiting for "
+                                "rank %d on %s (%s)", what, q, R->all[q].host, R->all[failed].bw[slot].err);
+                        fix(w, "rank %d on %s (or its link) did not answer: check its network (ib_write_bw, "
+                            "nvidia-smi nvlink -s) and drain %s if it stays", q, R->all[q].host, R->all[q].host);
+                    } else {
+                        w = add(R, nd, PROBLEM, "allreduce", "%s failed: %s", what, R->all[failed].bw[slot].err);
+                        fix(w, "the rank named in the message (or its link) did not answer: check it is alive and "
+                            "its network (ib_write_bw, nvidia-smi nvlink -s); drain its node if it stays");
+                    }
+                }
+                for (int k = 0; blamed && k < m; k++) {
                     int nd = node_of(R, members[k]);
                     if (nd < 4096 && done[nd]++)
                         continue;
-                    struct row *w = add(R, nd, PROBLEM, "allreduce", "%s failed: %s", what, R->all[failed].bw[slot].err);
-                    fix(w, "the rank named in the message (or its link) did not answer: check it is alive and its "
-                        "network (ib_write_bw, nvidia-smi nvlink -s); drain its node if it stays");
+                    struct row *w = add(R, nd, WARN, "allreduce", "%s: failed on a peer", what);
+                    fix(w, "see the node with the problem");
                 }
                 continue;
             }
@@ -683,6 +724,7 @@ int am_doc_report(FILE *f, const struct am_doc_rank *all, int n, const struct am
     check_disk(&R);
     check_gpus(&R);
     check_topology(&R);
+    check_comm_setup(&R);
     check_allreduce(&R);
     int problems = 0, warnings = 0;
     for (int i = 0; i < R.n_nodes; i++) {

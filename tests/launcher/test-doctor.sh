@@ -136,19 +136,38 @@ doctor slow AM_DOCTOR_FAULT=rank=1,kind=slow-allreduce:1 -- --nproc 2 --doctor "
 expect_rc "standalone: slowed all-reduce" 1 "$RC" "$OUT" "$ERR"
 expect_match "slowed all-reduce: rank 1 named" "$OUT" "^  allreduce  PROBLEM  all-reduce in domain $HOST \\(ranks 0-1, ucx\\): [0-9.]+ GB/s bus bandwidth, expected >= 0\\.020: the others waited [0-9.]+ s per call for rank 1 on $HOST$"
 
+# a rank that takes no part (as behind a dead link): the others time out waiting, it is named
+doctor skip AM_DOCTOR_FAULT=rank=1,kind=skip-allreduce -- --nproc 2 --doctor "$RECIPE" -- --timeout 2
+expect_rc "standalone: a rank that does not answer" 1 "$RC" "$OUT" "$ERR"
+expect_match "no answer: rank 1 named" "$OUT" "^  allreduce  PROBLEM  all-reduce in domain $HOST \\(ranks 0-1, ucx\\) failed: the others' calls timed out waiting for rank 1 on $HOST \\(allreduce #2 on group domain \\(2 ranks\\) timed out after 2 s waiting for rank 1 \\(global 1 on $HOST\\)\\)$"
+expect_line "no answer: the fix" "$OUT" "                      fix: rank 1 on $HOST (or its link) did not answer: check its network (ib_write_bw, nvidia-smi nvlink -s) and drain $HOST if it stays"
+
+# a layout the recipe refuses: the report is the setup's errors (3 ranks: dp 3 does not divide
+# the global batch)
+doctor setup -- --nproc 3 --doctor "$RECIPE"
+expect_rc "standalone: the recipe refuses the layout" 1 "$RC" "$OUT" "$ERR"
+expect_text "recipe refuses the layout: the report" "$OUT" <<EOF
+am-doctor: tiny.yaml: the job cannot start: the recipe, the topology or the placement failed
+  setup      PROBLEM  $RECIPE:34:22: step_scheduler.global_batch_size: 16 is not a multiple of local_batch_size*dp_size = 4*3 = 12 (use a multiple of 12)
+                      fix: correct what each line names (am-launch --dry-run shows the placement)
+EOF
+doctor setupjson -- --nproc 3 --doctor "$RECIPE" -- --json
+got=$(jq -c '[.ok, (.setup | length)]' "$OUT" 2>&1)
+[[ $got == '[false,1]' ]] && pass "recipe refuses the layout: --json" || { fail "recipe refuses the layout: --json: $got"; show "$OUT"; }
+
 # bad options and a bad fault spec
 doctor badopt -- --nproc 2 --doctor "$RECIPE" -- --bogus
 expect_rc "standalone: unknown option" 2 "$RC" "$ERR"
-expect_count "unknown option: said once per rank" "$ERR" "am-doctor: unknown option '--bogus' (am-doctor --help lists them)" 2
+expect_line "unknown option: the message" "$ERR" "am-doctor: unknown option '--bogus' (am-doctor --help lists them)"
 doctor badfault AM_DOCTOR_FAULT=rank=1,kind=slow -- --nproc 2 --doctor "$RECIPE"
-expect_line "bad AM_DOCTOR_FAULT" "$ERR" "am-doctor: AM_DOCTOR_FAULT='rank=1,kind=slow': expected rank=R,kind=slow-allreduce:SECONDS (SECONDS > 0) or rank=R,kind=clock:SECONDS, e.g. rank=1,kind=slow-allreduce:2"
+expect_line "bad AM_DOCTOR_FAULT" "$ERR" "am-doctor: AM_DOCTOR_FAULT='rank=1,kind=slow': expected rank=R,kind=K with K slow-allreduce:SECONDS (SECONDS > 0), clock:SECONDS or skip-allreduce, e.g. rank=1,kind=slow-allreduce:2"
 "$LAUNCH" --nproc 2 --doctor --dry-run "$RECIPE" >/dev/null 2>"$T/both.err"
 expect_rc "--doctor with --dry-run" 2 "$?" "$T/both.err"
 expect_line "--doctor with --dry-run: message" "$T/both.err" "am-launch: --doctor and --dry-run: give one of them"
 
 # ---- on the local Slurm cluster -----------------------------------------------------------
-if [[ ${AM_DOCTOR_SLURM:-yes} == no ]] || ! command -v srun >/dev/null; then
-  printf 'SKIP: Slurm part (no srun)\n'
+if [[ ${AM_DOCTOR_SLURM:-yes} == no ]] || ! command -v srun >/dev/null || [[ $(ldd "$LAUNCH" 2>/dev/null) != *libpmix* ]]; then
+  printf 'SKIP: Slurm part (no srun, or am-launch built without PMIx)\n'
   finish
 fi
 if ! "$CLUSTER" up >"$T/cluster.log" 2>&1; then
@@ -215,6 +234,13 @@ h=$(host_of 2 "$OUT")
 expect_match "slow rank: rank 2 and its node named" "$OUT" "^  allreduce  PROBLEM  all-reduce across nodes \\(ranks 0-3, ucx\\): [0-9.]+ GB/s bus bandwidth, expected >= 0\\.020: the others waited [0-9.]+ s per call for rank 2 on ${h:-none}$"
 [[ $(sed -n 3p "$OUT") == "node ${h:-none} (rank 2): 1 problem" ]] && pass "slow rank: its node's table first" || { fail "slow rank: its table is not first"; show "$OUT"; }
 expect_count "slow rank: the others are told who slowed them" "$OUT" "  allreduce  warning  all-reduce across nodes (ranks 0-3, ucx): slowed by rank 2 on ${h:-none}" 3
+
+# a rank that does not answer across nodes: the others time out waiting for it
+on4 sskip AM_DOCTOR_FAULT=rank=2,kind=skip-allreduce -- -- "$RECIPE" -- --timeout 2
+expect_rc "srun: a rank that does not answer" 1 "$RC" "$OUT" "$ERR"
+h=$(host_of 2 "$OUT")
+expect_match "no answer: rank 2 and its node named" "$OUT" "^  allreduce  PROBLEM  all-reduce across nodes \\(ranks 0-3, ucx\\) failed: the others' calls timed out waiting for rank 2 on ${h:-none} \\(allreduce #2 on group nodes \\(4 ranks\\) timed out after 2 s waiting for rank [0-9] \\(global [0-9] on n[1-4]\\)\\)$"
+[[ $(sed -n 3p "$OUT") == "node ${h:-none} (rank 2): 1 problem" ]] && pass "no answer: its node's table first" || { fail "no answer: its table is not first"; show "$OUT"; }
 
 # a skewed clock: rank 3's readings are 5 s ahead
 on4 sclock AM_DOCTOR_FAULT=rank=3,kind=clock:5 -- -- "$RECIPE"
