@@ -425,9 +425,12 @@ static int cmp_int(const void *a, const void *b)
 /* The all-reduce tests: for each group (kind, index) found in the ranks' records. */
 static void check_allreduce(struct rep *R)
 {
-    int *members = malloc(sizeof(int) * R->n);
-    if (!members)
+    int *members = malloc(sizeof(int) * R->n), *done = malloc(sizeof(int) * R->n_nodes); /* rows per node */
+    if (!members || !done) {
+        free(members);
+        free(done);
         return;
+    }
     for (int slot = 0; slot < 2; slot++) {
         for (int r = 0; r < R->n; r++) {
             const struct am_doc_bw *b = &R->all[r].bw[slot];
@@ -478,13 +481,13 @@ static void check_allreduce(struct rep *R)
                 int blamed = 0;
                 for (int k = 0; k < m; k++)
                     blamed += !R->all[members[k]].bw[slot].failed;
-                int done[4096] = {0};
+                memset(done, 0, sizeof(int) * R->n_nodes);
                 for (int k = 0; k < m; k++) {
                     int q = members[k], nd = node_of(R, q);
                     int suspect = !blamed || !R->all[q].bw[slot].failed;
                     if (blamed && !suspect)
                         continue;
-                    if (nd < 4096 && done[nd]++)
+                    if (done[nd]++)
                         continue;
                     struct row *w;
                     if (blamed) {
@@ -502,7 +505,7 @@ static void check_allreduce(struct rep *R)
                 }
                 for (int k = 0; blamed && k < m; k++) {
                     int nd = node_of(R, members[k]);
-                    if (nd < 4096 && done[nd]++)
+                    if (done[nd]++)
                         continue;
                     struct row *w = add(R, nd, WARN, "allreduce", "%s: failed on a peer", what);
                     fix(w, "see the node with the problem");
@@ -535,10 +538,10 @@ static void check_allreduce(struct rep *R)
             json_object_set_new(jg, "busbw_gbs", json_real(isfinite(busbw) ? busbw / 1e9 : 0));
             json_object_set_new(jg, "ok", json_boolean(busbw >= expect));
             if (busbw >= expect) {
-                int done[4096] = {0};
+                memset(done, 0, sizeof(int) * R->n_nodes);
                 for (int k = 0; k < m; k++) {
                     int nd = node_of(R, members[k]);
-                    if (nd < 4096 && done[nd]++)
+                    if (done[nd]++)
                         continue;
                     add(R, nd, OK, "allreduce", "%s: %.3f GB/s bus bandwidth, expected >= %.3f", what, busbw / 1e9,
                         expect / 1e9);
@@ -556,11 +559,11 @@ static void check_allreduce(struct rep *R)
                 fix(w, "rank %d on %s is slow to reach each call: look for other load on %s (top), a throttled CPU "
                     "or GPU (nvidia-smi -q -d PERFORMANCE), or drain %s", late, R->all[late].host,
                     R->all[late].host, R->all[late].host);
-                int done[4096] = {0};
+                memset(done, 0, sizeof(int) * R->n_nodes);
                 done[nd] = 1;
                 for (int k = 0; k < m; k++) {
                     int q = node_of(R, members[k]);
-                    if (q < 4096 && done[q]++)
+                    if (done[q]++)
                         continue;
                     struct row *o = add(R, q, WARN, "allreduce", "%s: slowed by rank %d on %s", what, late,
                                         R->all[late].host);
@@ -569,10 +572,10 @@ static void check_allreduce(struct rep *R)
                 continue;
             }
             /* everyone was slow: the link */
-            int done[4096] = {0};
+            memset(done, 0, sizeof(int) * R->n_nodes);
             for (int k = 0; k < m; k++) {
                 int nd = node_of(R, members[k]);
-                if (nd < 4096 && done[nd]++)
+                if (done[nd]++)
                     continue;
                 struct row *w = add(R, nd, PROBLEM, "allreduce", "%s: %.3f GB/s bus bandwidth, expected >= %.3f",
                                     what, busbw / 1e9, expect / 1e9);
@@ -583,6 +586,7 @@ static void check_allreduce(struct rep *R)
         }
     }
     free(members);
+    free(done);
 }
 
 /* ---- output ------------------------------------------------------------------------------- */
