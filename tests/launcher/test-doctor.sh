@@ -249,12 +249,14 @@ h=$(host_of 3 "$OUT")
 expect_match "skewed clock: the problem" "$OUT" '^  clock      PROBLEM  \+5\.00[0-9] s from most nodes \(\+-0\.[0-9]+ s; largest skew 5\.[0-9]+ s, allowed 0\.500 s\)$'
 expect_line "skewed clock: the fix names the node" "$OUT" "                      fix: synchronise ${h:-none}'s clock (chronyc tracking / chronyc makestep, or its ntpd): am-diag orders the ranks' logs by time"
 
-# a memory threshold no node meets: every node named
-on4 smem -- -- "$RECIPE" -- --min-mem-gb 1000000
-expect_rc "srun: memory threshold" 1 "$RC" "$OUT" "$ERR"
-expect_line "memory threshold: the summary" "$OUT" "am-doctor: tiny.yaml on 4 nodes, 4 ranks (ucx): 4 problems on 4 nodes: the job cannot run"
+# memory and disk thresholds no node meets: every node named, twice
+on4 smem -- -- "$RECIPE" -- --min-mem-gb 1000000 --min-disk-gb 1000000
+expect_rc "srun: memory and disk thresholds" 1 "$RC" "$OUT" "$ERR"
+expect_line "thresholds: the summary" "$OUT" "am-doctor: tiny.yaml on 4 nodes, 4 ranks (ucx): 8 problems on 4 nodes: the job cannot run"
 for n in n1 n2 n3 n4; do
   expect_line "memory threshold: $n's fix" "$OUT" "                      fix: free memory on $n (other jobs or processes: ps aux --sort=-rss), run fewer ranks per node, or lower the requirement (--min-mem-gb)"
+  expect_line "disk threshold: $n's fix" "$OUT" "                      fix: free space under $T on $n, or set checkpoint.checkpoint_dir to a larger filesystem"
 done
+expect_count "disk threshold: one problem per node" "$OUT" "  disk       PROBLEM  " 4
 
 finish
