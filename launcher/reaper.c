@@ -35,14 +35,15 @@ static void guard(int fd, int32_t *groups, int cap)
     sigemptyset(&none);
     sigprocmask(SIG_SETMASK, &none, NULL);
     prctl(PR_SET_NAME, "am-launch-guard");
+    int high = fcntl(fd, F_DUPFD, 3); /* out of 0-2 (a supervisor started with stdin closed) */
+    if (high >= 0)
+        fd = high;
     int null = open("/dev/null", O_RDWR);
     for (int i = 0; null >= 0 && i < 3; i++)
         dup2(null, i);
     if (fd != 3 && dup2(fd, 3) == 3)
         fd = 3;
     close_range(4, ~0U, 0); /* nothing of the supervisor's stays open here */
-    if (null > 3)
-        close(null);
     int n = 0;
     for (;;) {
         struct msg m;
