@@ -393,11 +393,11 @@ static void stop_record(struct task *t, int sig, int forwarded)
 static void take_signals(struct task *t)
 {
     for (int sig, fwd; (sig = am_sigrelay_take(&fwd)) != 0;) {
-        if (sig == SIGHUP) /* a hang-up stops the rank as a SIGTERM does */
+        if (fwd && sig == SIGHUP) /* a hang-up stops the rank as a SIGTERM does */
             sig = SIGTERM;
         if (fwd && t->pid > 0)
             am_reaper_signal(t->pid, sig); /* the rank's whole process group */
-        if (sig == SIGTERM || sig == SIGINT) {
+        if (sig == SIGTERM || sig == SIGINT || sig == SIGHUP) { /* what the rank got */
             if (!t->stop_signal && !t->failed_first)
                 stop_record(t, sig, fwd);
             t->stop_signal = sig;
