@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# test-early-failure.sh - a rank that fails before training (the recipe, the placement, the
-# dataset) leaves its error in its log: the start record (host, job, rank) is the log's
-# first line, the message the rank printed is its cause record, and am-diag names the rank,
-# its host and that message as the first failure (am-launch --nproc; the same on Slurm is in
-# tests/slurm/test-jobs.sh).
+# test-early-failure.sh - a rank that fails before training (the bootstrap, the recipe, the
+# placement, the dataset) leaves its error in its log: the start record (host, job, rank) is
+# the log's first line, the message the rank printed is its cause record, and am-diag names
+# the rank, its host and that message as the first failure (am-launch --nproc; the same on
+# Slurm is in tests/slurm/test-jobs.sh).
 set -uo pipefail
 source "$(dirname "$0")/lib.sh"
 
@@ -21,7 +21,7 @@ case_() {
   local name=$1 nproc=$2 recipe=$3 ranks=$4 status=$5 msg=$6 json dir want r
   shift 6
   CASES=$((CASES + 1))
-  (cd "$T" && exec env "$@" timeout 60 "$LAUNCH" --nproc "$nproc" --log-dir "$T/$name" "$recipe") \
+  (cd "$T" && exec env "$@" timeout 60 "$LAUNCH" --nproc "$nproc" --log-dir "$T/$name" "$recipe" ${PROG:+-- sh -c "$PROG"}) \
     >"$T/$name.out" 2>"$T/$name.err"
   local rc=$?
   [[ $rc == 1 ]] && pass "$name: exit status 1" || fail "$name: exit status $rc, want 1"
@@ -56,6 +56,8 @@ case_() {
 
 case_ placement 3 "$T/tiny.yaml" 0 1 "placement: tp_size 2 cannot be placed: NVLink domain $HOST has 3 ranks (0, 1, 2). A tensor-parallel group must lie inside one domain, so every domain needs a multiple of 2 ranks: use tp_size 1 or 3 (dividing every domain's rank count), or start a multiple of 2 ranks in every domain (for example one rank per GPU: srun --ntasks-per-node=<GPUs per node>)" AM_TP=2
 case_ recipe 2 "$T/badkey.yaml" 0 1 "$T/badkey.yaml:23:3: distributed.tp_sise: unknown key (did you mean tp_size?)"
+# a bootstrap that fails (the rank program handed a descriptor that is not open)
+PROG="AM_BOOTSTRAP_FD=99 exec $AM_BUILDDIR/am-train" case_ bootstrap 1 "$T/tiny.yaml" 0 1 "no launcher: AM_BOOTSTRAP_FD is not an open descriptor; start rank programs with am-launch (\`am-launch --nproc N RECIPE\` on one machine, \`srun --mpi=pmix am-launch RECIPE\` under Slurm)"
 case_ dataset 2 "$T/nodata.yaml" "0|1" "1|143" "$T/nonexistent/corpus.idx: cannot open: No such file or directory (build the dataset with am-data build --out PREFIX)"
 
 if [[ $FAILED == 0 ]]; then echo "$TEST_NAME: all $CASES cases passed"; exit 0; fi
