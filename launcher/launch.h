@@ -10,7 +10,12 @@
  *
  * Both modes:
  *   - hand the rank program its bootstrap socket in AM_BOOTSTRAP_FD (spawn.h);
- *   - forward SIGTERM, SIGINT, SIGUSR1 and SIGUSR2 to the rank(s);
+ *   - forward SIGTERM, SIGINT, SIGUSR1 and SIGUSR2 to the rank(s), and a SIGHUP as SIGTERM,
+ *     each to the rank's whole process group;
+ *   - leave nothing behind (reaper.h): each rank runs in its own process group, which gets
+ *     SIGKILL when the rank ends; processes that left the group are collected by am-launch
+ *     as a subreaper and killed at the end; when am-launch itself is killed (SIGKILL), its
+ *     guard process kills the ranks' groups;
  *   - append an exit record for every rank to <log dir>/<job id>/rank-<R>.jsonl
  *     (exit_record.h) and say on stderr how a failed rank ended;
  *   - make the job all-or-nothing: the first rank to fail (non-zero exit, signal, or an
@@ -18,7 +23,11 @@
  *     ranks, SIGKILL after grace_s; under Slurm: SIGINT to the step, and PMIx_Abort when
  *     some rank has not ended 1.5 s later), other ranks' logs get a stop record naming the
  *     failed rank, and am-launch exits with that rank's status (its exit code, or 128 +
- *     signal).
+ *     signal). Stopped by a signal (standalone), it exits with 128 + that signal: 143 for
+ *     SIGTERM, 130 for SIGINT, 129 for SIGHUP.
+ * Standalone, the launcher needs one open file per rank (and a few more): it raises its
+ * soft open-file limit up to the hard one when that is needed, and refuses to start with a
+ * message naming both limits when even the hard one is too low.
  * Messages go to stderr prefixed "am-launch: ".
  */
 #ifndef AM_LAUNCH_H

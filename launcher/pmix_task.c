@@ -45,6 +45,7 @@
 #include "boot_proto.h"
 #include "exit_record.h"
 #include "launch.h"
+#include "reaper.h"
 #include "sigrelay.h"
 #include "spawn.h"
 
@@ -83,6 +84,7 @@ struct task {
     double kill_at;
     uint64_t next_seq;
     struct inflight op;
+    struct am_reaper reaper; /* the rank's process group (reaper.h) */
 };
 
 struct cb_arg {
@@ -391,9 +393,11 @@ static void stop_record(struct task *t, int sig, int forwarded)
 static void take_signals(struct task *t)
 {
     for (int sig, fwd; (sig = am_sigrelay_take(&fwd)) != 0;) {
+        if (fwd && sig == SIGHUP) /* a hang-up stops the rank as a SIGTERM does */
+            sig = SIGTERM;
         if (fwd && t->pid > 0)
-            kill(t->pid, sig);
-        if (sig == SIGTERM || sig == SIGINT) {
+            am_reaper_signal(t->pid, sig); /* the rank's whole process group */
+        if (sig == SIGTERM || sig == SIGINT || sig == SIGHUP) { /* what the rank got */
             if (!t->stop_signal && !t->failed_first)
                 stop_record(t, sig, fwd);
             t->stop_signal = sig;
@@ -547,6 +551,31 @@ static int rank_ended(struct task *t, int status)
 
 /* ---- the loop -------------------------------------------------------------------------- */
 
+/* Reaps every child that has exited: 1 when the rank did (its wait status in *status; its
+ * process group got SIGKILL before it was reaped, while its pid could not be reused), 0 when
+ * only others (the guard, processes handed over to the subreaper: reaper.h). */
+static int reap(struct task *t, int *status)
+{
+    for (;;) {
+        siginfo_t si;
+        memset(&si, 0, sizeof(si));
+        if (waitid(P_ALL, 0, &si, WEXITED | WNOHANG | WNOWAIT) < 0 || si.si_pid <= 0)
+            return 0;
+        pid_t done = si.si_pid;
+        if (done == t->pid)
+            am_reaper_rank_ended(&t->reaper, done);
+        int st = 0;
+        while (waitpid(done, &st, 0) < 0)
+            if (errno != EINTR)
+                return 0;
+        if (done == t->pid) {
+            *status = st;
+            return 1;
+        }
+        am_reaper_is_guard(&t->reaper, done);
+    }
+}
+
 static int supervise(struct task *t)
 {
     int rc = 0;
@@ -565,7 +594,7 @@ static int supervise(struct task *t)
                                 {.fd = in_flight ? -1 : t->fd, .events = POLLIN}};
         if (poll(pfd, 3, timeout) < 0 && errno != EINTR) {
             fprintf(stderr, "am-launch: poll: %s\n", strerror(errno));
-            kill(t->pid, SIGKILL);
+            am_reaper_signal(t->pid, SIGKILL);
         }
         take_signals(t);
         if (pfd[1].revents & POLLIN) {
@@ -578,11 +607,10 @@ static int supervise(struct task *t)
         else if (t->fd >= 0 && (pfd[2].revents & (POLLIN | POLLHUP | POLLERR)))
             serve(t);
         int status;
-        pid_t done = waitpid(t->pid, &status, WNOHANG);
-        if (done == t->pid) {
+        if (reap(t, &status)) {
             rc = rank_ended(t, status);
         } else if (t->kill_at > 0 && now() >= t->kill_at) {
-            kill(t->pid, SIGKILL);
+            am_reaper_signal(t->pid, SIGKILL);
             t->stop_signal = SIGKILL;
             t->kill_at = now() + 3600;
         }
@@ -607,7 +635,10 @@ int am_launch_pmix(const struct am_launch_opts *o)
         return 1;
     }
     t->o = o;
-    t->fd = t->sig_fd = t->wake[0] = t->wake[1] = -1;
+    t->fd = t->sig_fd = t->wake[0] = t->wake[1] = t->reaper.fd = -1;
+    /* before PMIx_Init: the guard is forked while this process has one thread */
+    if (am_reaper_start(&t->reaper, 1, err, sizeof(err)) < 0)
+        fprintf(stderr, "am-launch: %s: processes the rank starts may outlive a killed am-launch\n", err);
     pthread_mutex_init(&t->op.lock, NULL);
     job_id(t->info.job_id, sizeof(t->info.job_id));
     /* PMIx's thread starts with the relayed signals blocked, so they reach this thread. */
@@ -644,7 +675,8 @@ int am_launch_pmix(const struct am_launch_opts *o)
         goto out;
     }
     struct am_spawn sp = {.argv = o->argv, .rank = t->info.rank, .size = t->info.size,
-                          .local_rank = t->info.local_rank, .job_id = t->info.job_id, .log_dir = t->log_dir};
+                          .local_rank = t->info.local_rank, .job_id = t->info.job_id, .log_dir = t->log_dir,
+                          .own_group = 1};
     am_oom_watch_start(&t->oom);
     t->pid = am_spawn_rank(&sp, &t->fd, err, sizeof(err));
     if (t->pid < 0) {
@@ -657,8 +689,11 @@ int am_launch_pmix(const struct am_launch_opts *o)
         rc = 127;
         goto out;
     }
+    am_reaper_add(&t->reaper, t->pid);
     rc = supervise(t);
 out:
+    am_reaper_sweep(&t->reaper);
+    am_reaper_stop(&t->reaper);
     if (t->fd >= 0)
         close(t->fd);
     if (t->sig_fd >= 0)

@@ -8,7 +8,7 @@
 #include <string.h>
 #include <unistd.h>
 
-static const int forwarded[] = {SIGTERM, SIGINT, SIGUSR1, SIGUSR2};
+static const int forwarded[] = {SIGTERM, SIGINT, SIGHUP, SIGUSR1, SIGUSR2};
 #define N_FORWARDED (int)(sizeof(forwarded) / sizeof(forwarded[0]))
 
 /* The one piece of state the handler touches. */

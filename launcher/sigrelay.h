@@ -4,7 +4,9 @@
  * handler installed here only counts the signal and writes one byte to a self-pipe, so
  * the loop wakes up and, outside the handler, forwards the signal to its ranks or reaps
  * a child:
- *   SIGTERM, SIGINT, SIGUSR1, SIGUSR2  forwarded to the rank(s);
+ *   SIGTERM, SIGINT, SIGHUP, SIGUSR1, SIGUSR2
+ *                                      forwarded to the rank(s) (a SIGHUP as SIGTERM: the
+ *                                      job stops the way every stop does);
  *   SIGCHLD                            a rank ended (reap with waitpid(WNOHANG));
  *   SIGPIPE                            ignored (a rank's socket closed under a write).
  * A signal sent by `group_sender` is not forwarded, only reported: under srun that is
@@ -23,7 +25,8 @@ int am_sigrelay_install(pid_t group_sender);
 /* Closes the pipe. The relayed signals stay ignored: the job has ended, and a late stop
  * signal (Slurm repeats them) must not change the supervisor's exit status. */
 void am_sigrelay_uninstall(void);
-/* Drains the pipe; returns the next signal received (SIGTERM, SIGINT, SIGUSR1, SIGUSR2),
+/* Drains the pipe; returns the next signal received (SIGTERM, SIGINT, SIGHUP, SIGUSR1,
+ * SIGUSR2),
  * once per delivery, or 0 when none is pending. *forward is 1 when the supervisor must pass
  * it on, 0 when the rank got it from the same sender. */
 int am_sigrelay_take(int *forward);

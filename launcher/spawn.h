@@ -6,10 +6,11 @@
  *   AM_RANK, AM_WORLD_SIZE, AM_LOCAL_RANK, AM_JOB_ID, AM_LOG_DIR.
  * The environment is built before fork (no setenv: a PMIx client runs a thread).
  * The child dies with its supervisor (PR_SET_PDEATHSIG = SIGKILL): a rank never outlives
- * the process that records its exit and relays its bootstrap. With own_group it starts its
- * own process group, so that signals for the whole terminal's job (Ctrl-C) reach only the
- * supervisor, which forwards them once. A program that cannot be executed is reported here
- * (not as a rank that exits 127).
+ * the process that records its exit and relays its bootstrap. With own_group (both
+ * supervisors set it) it starts its own process group: signals for the whole terminal's job
+ * (Ctrl-C) reach only the supervisor, which forwards them once, to the whole group, and
+ * whatever the rank started goes with it (reaper.h). A program that cannot be executed is
+ * reported here (not as a rank that exits 127).
  */
 #ifndef AM_SPAWN_H
 #define AM_SPAWN_H

@@ -5,6 +5,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -12,6 +13,7 @@
 #include "boot_server.h"
 #include "exit_record.h"
 #include "launch.h"
+#include "reaper.h"
 #include "sigrelay.h"
 #include "spawn.h"
 
@@ -41,7 +43,13 @@ struct job {
     int sig_fd;
     int rc, first_failed, stopping;
     double kill_at;
+    struct am_reaper reaper; /* the ranks' process groups (reaper.h) */
 };
+
+/* Open files the launcher needs besides one per rank: its standard streams, the signal
+ * pipe, the guard's pipe, a rank's socket pair and exec-report pipe while it is started,
+ * the log files it appends to, /proc while it sweeps; with room to spare. */
+#define OWN_FILES 16
 
 static double now(void)
 {
@@ -82,7 +90,7 @@ static void signal_all(struct job *j, int sig, int except)
     for (int r = 0; r < j->n; r++) {
         if (j->slot[r].pid <= 0 || r == except || exited(j->slot[r].pid))
             continue;
-        kill(j->slot[r].pid, sig);
+        am_reaper_signal(j->slot[r].pid, sig); /* the rank's whole process group */
         if (sig == SIGTERM || sig == SIGINT || sig == SIGKILL)
             j->slot[r].stop_signal = sig;
     }
@@ -180,12 +188,13 @@ static void serve(struct job *j, int r)
 static void forward(struct job *j, int sig)
 {
     char name[32];
-    if (sig == SIGTERM || sig == SIGINT) {
+    if (sig == SIGTERM || sig == SIGINT || sig == SIGHUP) {
         char why[64];
+        int to_ranks = sig == SIGHUP ? SIGTERM : sig; /* a hang-up stops the job as a SIGTERM does */
         fprintf(stderr, "am-launch: got %s, stopping every rank\n", am_signal_name(sig, name, sizeof(name)));
         snprintf(why, sizeof(why), "am-launch got %s", name);
-        stop_records(j, sig, -1, -1, why);
-        signal_all(j, sig, -1);
+        stop_records(j, to_ranks, -1, -1, why);
+        signal_all(j, to_ranks, -1);
         if (!j->stopping) {
             j->stopping = 1;
             j->rc = 128 + sig;
@@ -210,8 +219,36 @@ static int start(struct job *j)
         }
         j->slot[r].pid = pid;
         j->alive++;
+        am_reaper_add(&j->reaper, pid);
     }
     return 0;
+}
+
+/* Every child that has exited: a rank (its group gets SIGKILL first, while the rank is not
+ * reaped and its pid cannot be reused), the guard, or a process handed to am-launch as the
+ * subreaper (reaper.h). */
+static void reap(struct job *j)
+{
+    for (;;) {
+        siginfo_t si;
+        memset(&si, 0, sizeof(si));
+        if (waitid(P_ALL, 0, &si, WEXITED | WNOHANG | WNOWAIT) < 0 || si.si_pid <= 0)
+            return;
+        pid_t done = si.si_pid;
+        int rank = -1, status = 0;
+        for (int r = 0; r < j->n && rank < 0; r++)
+            if (j->slot[r].pid == done)
+                rank = r;
+        if (rank >= 0)
+            am_reaper_rank_ended(&j->reaper, done);
+        while (waitpid(done, &status, 0) < 0)
+            if (errno != EINTR)
+                return;
+        if (rank >= 0)
+            rank_ended(j, rank, status);
+        else
+            am_reaper_is_guard(&j->reaper, done);
+    }
 }
 
 static void loop(struct job *j)
@@ -242,12 +279,7 @@ static void loop(struct job *j)
             if (j->slot[r].fd >= 0 && (j->pfd[r + 1].revents & (POLLIN | POLLHUP | POLLERR)))
                 serve(j, r);
         am_boot_server_expire(j->srv);
-        int status;
-        pid_t done;
-        while ((done = waitpid(-1, &status, WNOHANG)) > 0)
-            for (int r = 0; r < j->n; r++)
-                if (j->slot[r].pid == done)
-                    rank_ended(j, r, status);
+        reap(j);
         for (int r = 0; r < j->n; r++) {
             if (j->slot[r].drop_at == 0 || now() < j->slot[r].drop_at)
                 continue;
@@ -263,10 +295,39 @@ static void loop(struct job *j)
     }
 }
 
+/* The launcher holds one socket per rank and polls them all at once: both need the open-file
+ * limit to cover the ranks. The soft limit is raised when the hard one allows it. */
+static int check_open_files(int nproc)
+{
+    struct rlimit rl;
+    rlim_t need = (rlim_t)nproc + OWN_FILES;
+    if (getrlimit(RLIMIT_NOFILE, &rl) < 0 || rl.rlim_cur == RLIM_INFINITY || rl.rlim_cur >= need)
+        return 0;
+    if (rl.rlim_max == RLIM_INFINITY || rl.rlim_max >= need) {
+        struct rlimit raised = {.rlim_cur = need, .rlim_max = rl.rlim_max};
+        if (setrlimit(RLIMIT_NOFILE, &raised) == 0)
+            return 0;
+    }
+    long fits = (long)rl.rlim_max - OWN_FILES;
+    char fewer[96] = "";
+    if (fits >= 1)
+        snprintf(fewer, sizeof(fewer), ", or start at most %ld ranks", fits);
+    fprintf(stderr, "am-launch: --nproc %d needs %llu open files (one per rank and %d for itself), more than the "
+            "open-file limit allows (ulimit -n: %llu, hard limit %llu): raise it with `ulimit -n %llu` (above the "
+            "hard limit only as root, or with nofile in /etc/security/limits.conf)%s\n", nproc,
+            (unsigned long long)need, OWN_FILES, (unsigned long long)rl.rlim_cur, (unsigned long long)rl.rlim_max,
+            (unsigned long long)need, fewer);
+    return -1;
+}
+
 int am_launch_standalone(const struct am_launch_opts *o)
 {
-    struct job j = {.o = o, .n = o->nproc, .sig_fd = -1, .first_failed = -1};
+    struct job j = {.o = o, .n = o->nproc, .sig_fd = -1, .first_failed = -1, .reaper = {.fd = -1}};
     char err[512];
+    if (check_open_files(o->nproc) < 0)
+        return 2;
+    if (am_reaper_start(&j.reaper, j.n, err, sizeof(err)) < 0) /* before anything is started */
+        fprintf(stderr, "am-launch: %s: processes the ranks start may outlive a killed am-launch\n", err);
     j.slot = calloc((size_t)j.n, sizeof(*j.slot));
     j.info = calloc((size_t)j.n, sizeof(*j.info));
     j.pfd = calloc((size_t)j.n + 1, sizeof(*j.pfd));
@@ -300,6 +361,7 @@ int am_launch_standalone(const struct am_launch_opts *o)
     if (start(&j) < 0)
         fail_job(&j, -1, 127, "am-launch could not start every rank");
     loop(&j);
+    am_reaper_sweep(&j.reaper);
     if (j.first_failed >= 0)
         fprintf(stderr, "am-launch: job %s failed: rank %d failed first (exit status %d); logs in %s/%s/\n", j.job_id,
                 j.first_failed, j.rc, j.log_dir, j.job_id);
@@ -309,6 +371,7 @@ out:
             close(j.slot[r].fd);
     if (j.sig_fd >= 0)
         am_sigrelay_uninstall();
+    am_reaper_stop(&j.reaper);
     am_boot_server_free(j.srv);
     free(j.slot);
     free(j.info);

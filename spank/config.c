@@ -14,9 +14,15 @@ static const char *const key_names[K_N] = {"gpus_per_node", "nvlink_domain", "gp
 
 #define PATH_LIMIT 4000 /* leaves room for "/JOBID" and a file name under PATH_MAX */
 
+#ifndef AM_RECIPES_DIR
+#error "AM_RECIPES_DIR (the installed recipes directory) must be defined by the build"
+#endif
+const char am_config_recipes[] = AM_RECIPES_DIR;
+
 void am_config_init(struct am_config *c)
 {
     memset(c, 0, sizeof(*c));
+    c->recipe_path = am_config_recipes;
     c->sbatch = true;
 }
 

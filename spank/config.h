@@ -23,14 +23,19 @@ struct am_config {
     int nvlink_domain;        /* GPUs per NVLink domain; 0: not set (gpus_per_node) */
     double gpu_mem;           /* bytes per GPU; 0: memory is not checked */
     const char *gpu_mem_text; /* as the admin wrote it ("80G"), for messages */
-    const char *recipe_path;  /* "DIR1:DIR2", absolute directories; NULL: none */
+    const char *recipe_path;  /* "DIR1:DIR2", absolute directories; default: am_config_recipes */
     const char *log_root;     /* absolute; logs go to LOG_ROOT/JOBID; NULL: none */
     const char *env[AM_CONFIG_MAX_ENV]; /* "NAME=VALUE" set in the tasks of am steps */
     size_t n_env;
     bool sbatch;              /* check recipes in sbatch/salloc (default true) */
 };
 
-/* The defaults: nothing set, sbatch checks on. */
+/* The installed recipes, PREFIX/share/am/recipes (`make install` puts the shipped ones
+ * there; configure's prefix, substituted at build): recipe_path when the admin gives none,
+ * so that `--am-recipe=tiny.yaml` and the shipped templates work on a default install. */
+extern const char am_config_recipes[];
+
+/* The defaults: recipe_path the installed recipes, nothing else set, sbatch checks on. */
 void am_config_init(struct am_config *c);
 
 /* Parses plugstack.conf arguments into c (which keeps pointers into av). Returns 0, or -1

@@ -68,9 +68,19 @@ static void set_task_env(spank_t sp, const char *name, const char *value, int ov
               spank_strerror(rc));
 }
 
-/* A handed-over path: absolute, no control characters (the step's environment is the
- * user's, so it is checked here again, but never opened). */
-static bool path_ok(const char *p) { return p[0] == '/' && !am_has_control(p); }
+/* A handed-over path must be absolute and printable (the step's environment is the user's,
+ * so it is checked here again, but never opened): NULL, or what is wrong (am_path_problem),
+ * carried with the variable's name and value. */
+static const char *path_problem(const char *name, const char *p)
+{
+    char buf[64], shown[AM_SHOWN_LEN];
+    const char *why = am_path_problem(p, buf, sizeof(buf));
+    if (why)
+        carry("the step's " AM_HANDOVER_PREFIX "%s='%s' %s: the am plugin hands over only absolute paths of "
+              "printable characters (rename the file or directory that has it; the variable is set by the am plugin "
+              "in sbatch and srun, do not set it yourself)", name, am_shown(p, shown, sizeof(shown)), why);
+    return why;
+}
 
 /* "tp=8,pp=4,cp=1,ep=1[,dp=2]": the tp, or 0 when malformed. */
 static long layout_tp(const char *s)
@@ -152,10 +162,7 @@ int am_env_user_init(spank_t sp, const struct am_config *cfg, const char *cfg_er
     if (cfg_error)
         carry("this node's plugstack.conf is invalid: %s (ask the cluster's admin; docs/admin.md lists the keys)",
               cfg_error);
-    if (got > 0 && !path_ok(recipe))
-        carry("the step's " AM_HANDOVER_PREFIX "AM_RECIPE='%s' is not an absolute path; it is set by the am plugin in "
-              "sbatch and srun, do not set it yourself", am_shown(recipe, shown, sizeof(shown)));
-    else if (got > 0)
+    if (got > 0 && !path_problem("AM_RECIPE", recipe))
         set_task_env(sp, "AM_RECIPE", recipe, 1);
 
     for (int i = 1; i <= 4; i++) { /* AM_TP, AM_PP, AM_EP, AM_CP */
@@ -170,10 +177,7 @@ int am_env_user_init(spank_t sp, const struct am_config *cfg, const char *cfg_er
     }
 
     got = handed(sp, "AM_LOG_DIR", val, sizeof(val));
-    if (got > 0 && !path_ok(val))
-        carry("the step's " AM_HANDOVER_PREFIX "AM_LOG_DIR='%s' is not an absolute path; it is set by the am plugin "
-              "in sbatch and srun, do not set it yourself", am_shown(val, shown, sizeof(shown)));
-    else if (got > 0)
+    if (got > 0 && !path_problem("AM_LOG_DIR", val))
         set_task_env(sp, "AM_LOG_DIR", val, 1);
     else if (got == 0 && cfg->log_root) {
         uint32_t job = 0;

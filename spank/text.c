@@ -123,6 +123,23 @@ bool am_has_control(const char *s)
     return false;
 }
 
+const char *am_path_problem(const char *p, char *buf, size_t len)
+{
+    for (const unsigned char *c = (const unsigned char *)p; *c; c++) {
+        if (*c == '\n')
+            return "contains a newline";
+        if (*c == '\t')
+            return "contains a tab";
+        if (*c == '\r')
+            return "contains a carriage return";
+        if (*c < 0x20 || *c == 0x7f) {
+            snprintf(buf, len, "contains a control character (\\x%02x)", *c);
+            return buf;
+        }
+    }
+    return p[0] == '/' ? NULL : "is not an absolute path";
+}
+
 int am_gcd(int a, int b)
 {
     if (a <= 0 || b <= 0)

@@ -31,6 +31,13 @@ int am_parse_size(const char *s, double *out);
 /* True when s holds an ASCII control character (tab and newline included). */
 bool am_has_control(const char *s);
 
+/* What is wrong with a path the plugin hands over to the tasks, as the end of a sentence
+ * that names it: "contains a newline", "contains a tab", "contains a carriage return",
+ * "contains a control character (\xNN)" (the first one found), or "is not an absolute
+ * path"; NULL when the path is absolute and made of printable characters. buf (at least 64
+ * bytes) holds the text when it names the character. */
+const char *am_path_problem(const char *p, char *buf, size_t len);
+
 /* Greatest common divisor of two positive numbers (0 when either is not positive). */
 int am_gcd(int a, int b);
 

@@ -104,6 +104,15 @@ static int absolute(const char *rel, char *out, size_t len, char *why, size_t wh
                  strerror(errno));
         return -1;
     }
+    char buf[64], shown[PATH_MAX];
+    const char *problem = am_path_problem(cwd, buf, sizeof(buf));
+    if (problem) { /* the tasks get the absolute path: it must be one printable line */
+        int n = snprintf(why, why_len, "the current directory, %.300s", plain_path(cwd, shown, sizeof(shown)));
+        if (n > 0 && (size_t)n < why_len)
+            snprintf(why + n, why_len - (size_t)n, ", %s, which no path handed to the tasks may have (rename it, or "
+                     "give the path from a directory without one)", problem);
+        return -1;
+    }
     while (rel[0] == '.' && rel[1] == '/')
         for (rel += 2; *rel == '/'; rel++)
             ;
@@ -163,7 +172,11 @@ static int find_recipe(const struct am_setting *s, const struct am_config *cfg, 
     char cwd[PATH_MAX];
     if (!getcwd(cwd, sizeof(cwd)))
         snprintf(cwd, sizeof(cwd), "?");
-    if (cfg->recipe_path)
+    if (cfg->recipe_path == am_config_recipes)
+        am_errorf(err, NULL, "%s: no such file in the current directory (%s) nor in am's installed recipes (%s); "
+                  "give the path of an existing recipe file", s->shown, plain_path(cwd, shown, sizeof(shown)),
+                  cfg->recipe_path);
+    else if (cfg->recipe_path)
         am_errorf(err, NULL, "%s: no such file in the current directory (%s) nor in the site's recipe "
                   "directories (%s); give the path of an existing recipe file", s->shown,
                   plain_path(cwd, shown, sizeof(shown)), cfg->recipe_path);

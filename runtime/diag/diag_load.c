@@ -99,19 +99,24 @@ static void text(const json_t *o, const char *key, char *out, size_t len)
     snprintf(out, len, "%s", s ? s : "");
 }
 
+/* am-train writes two start records: one before anything that can fail (host, job, rank,
+ * world) and one once the rank is placed (coordinates, node, mesh rank, steps, and the time
+ * anchor of its flight recorder). Each key a record carries replaces what an earlier one
+ * said; a key it lacks keeps the earlier value. */
 static void on_start(struct am_diag *d, struct am_diag_rank *r, json_t *o)
 {
-    if (r->have_start)
-        return;
     r->have_start = 1;
-    text(o, "host", r->host, sizeof(r->host));
-    text(o, "job", r->job, sizeof(r->job));
-    r->local_rank = (int)integer(o, "local_rank", -1);
-    r->node_id = (int)integer(o, "node_id", -1);
-    r->mesh_rank = (int)integer(o, "mesh_rank", -1);
-    r->world = (int)integer(o, "world", -1);
-    r->max_steps = integer(o, "max_steps", 0);
-    r->start_time = num(o, "time");
+    if (json_is_string(json_object_get(o, "host")))
+        text(o, "host", r->host, sizeof(r->host));
+    if (json_is_string(json_object_get(o, "job")))
+        text(o, "job", r->job, sizeof(r->job));
+    r->local_rank = (int)integer(o, "local_rank", r->local_rank);
+    r->node_id = (int)integer(o, "node_id", r->node_id);
+    r->mesh_rank = (int)integer(o, "mesh_rank", r->mesh_rank);
+    r->world = (int)integer(o, "world", r->world);
+    r->max_steps = integer(o, "max_steps", r->max_steps);
+    if (json_is_number(json_object_get(o, "time")))
+        r->start_time = num(o, "time");
     const json_t *c = json_object_get(o, "coords");
     static const char *const keys[] = {"pp", "dp_replicate", "dp_shard", "cp", "tp", "ep"};
     if (json_is_object(c)) {

@@ -310,6 +310,8 @@ int am_crash_install(int log_fd, int rank, const struct am_flight *f, char *err,
     return 0;
 }
 
+void am_crash_set_flight(const struct am_flight *f) { crash.flight = f; }
+
 void am_crash_uninstall(void)
 {
     if (crash.fd < 0)

@@ -51,6 +51,8 @@ struct am_flight;
 /* Installs the handlers. log_fd is duplicated (the handler writes to its own copy; the
  * file must be open with O_APPEND); f may be NULL. 0, or -1 with a message. */
 int am_crash_install(int log_fd, int rank, const struct am_flight *f, char *err, size_t err_len);
+/* The flight recorder to dump after a cause record (NULL: none), once it exists. */
+void am_crash_set_flight(const struct am_flight *f);
 /* Default actions back, the fd closed (a normal end). */
 void am_crash_uninstall(void);
 /* The 1-based training step in progress (0: none yet), for the cause records. */

@@ -40,7 +40,7 @@ struct trainer {
     struct am_optim optim;
     struct am_gsync sync;
     struct am_gpt *data;
-    struct am_log log;
+    struct am_log *log;                 /* opened by am_train_log_begin */
     int32_t *sample, *tokens, *targets; /* host buffers for one pipeline run's micro-batches */
     char base_config[4096];
     /* diagnostics (docs/diagnostics.md) */
@@ -77,7 +77,7 @@ static void log_groups(struct trainer *t)
             json_array_append_new(ranks, json_integer(t->g.set.groups[g][i]));
         json_array_append_new(a, json_pack("{s:s,s:i,s:o}", "name", t->g.names[g], "gid", g, "ranks", ranks));
     }
-    am_log_record(&t->log, "groups", json_pack("{s:i,s:o}", "rank", t->s->info.rank, "groups", a));
+    am_log_record(t->log, "groups", json_pack("{s:i,s:o}", "rank", t->s->info.rank, "groups", a));
 }
 
 static int build_comms(struct trainer *t, struct am_errors *err)
@@ -105,7 +105,7 @@ static void log_memory(struct trainer *t)
                           "slots", m->n_slots, "peak_micro", am_pipe_peak(t->pipe.actions, t->pipe.n_actions),
                           "recompute", m->sh.recompute);
     json_object_set_new(o, "compute_dtype", json_string(am_dtype_torch_name(m->act_dt)));
-    am_log_record(&t->log, "memory", o);
+    am_log_record(t->log, "memory", o);
 }
 
 /* Weights: the checkpoint named by the recipe when it has any, else a random init. */
@@ -250,20 +250,20 @@ static void log_start(struct trainer *t)
     json_object_set_new(o, "timeout_from", json_string(t->wd.timeout_from));
     json_object_set_new(o, "flight_size", json_integer((json_int_t)t->flight.cap));
     json_object_set_new(o, "settings", am_settings());
-    am_log_record(&t->log, "start", o);
+    am_log_record(t->log, "start", o);
 }
 
 /* The one cause record of this rank (crash.h: the first one wins), then the flight recorder. */
 static void report(struct trainer *t, json_t *cause)
 {
-    if (!am_crash_report_begin() || t->log.fd < 0) {
+    if (!am_crash_report_begin() || t->log->fd < 0) {
         json_decref(cause);
         return;
     }
     json_object_set_new(cause, "rank", json_integer(t->s->info.rank));
     if (!json_object_get(cause, "time"))
         json_object_set_new(cause, "time", json_real(am_wall_time()));
-    am_log_record(&t->log, "cause", cause);
+    am_log_record(t->log, "cause", cause);
     am_crash_report_end();
 }
 
@@ -294,7 +294,7 @@ static void fault_record(struct trainer *t, long step, const char *tensor)
                           "rank", t->fault.rank, "step", (int)step, "time", am_wall_time());
     if (tensor)
         json_object_set_new(o, "tensor", json_string(tensor));
-    am_log_record(&t->log, "fault", o);
+    am_log_record(t->log, "fault", o);
 }
 
 static void fault_at_step_start(struct trainer *t, long step)
@@ -356,7 +356,7 @@ static int save_checkpoint(struct trainer *t, long step, struct am_errors *err)
     if (am_model_save_hf_dist(&t->model, t->p->tp > 1 ? t->g.tp : NULL, t->p->pp > 1 ? t->g.pp : NULL, dir,
                               t->base_config[0] ? t->base_config : NULL, err) < 0)
         return -1;
-    am_log_record(&t->log, "checkpoint", json_pack("{s:i,s:s}", "step", (int)step, "dir", dir));
+    am_log_record(t->log, "checkpoint", json_pack("{s:i,s:s}", "step", (int)step, "dir", dir));
     return 0;
 }
 
@@ -465,7 +465,7 @@ static int run(struct trainer *t, struct am_errors *err)
                                 "grad_norm", norm, "tokens", (json_int_t)p->tokens_per_step, "step_s", dt, "time",
                                 am_wall_time(), "comm_s", t->comm_s, "max_rss_kib", (json_int_t)ru.ru_maxrss);
         json_object_set_new(rec, "grad_wait_s", json_real(t->sync.wait_s));
-        am_log_record(&t->log, "step", rec);
+        am_log_record(t->log, "step", rec);
         if (rank == 0)
             print_step(t, step, loss, lr, norm, dt, am_mono_time() - t0);
         if (r->ckpt.enabled && r->steps.ckpt_every > 0 && (step + 1) % r->steps.ckpt_every == 0 &&
@@ -525,29 +525,94 @@ static bool grad_overlap(void)
     return !(v && strcmp(v, "0") == 0);
 }
 
-int am_train(struct am_rank_setup *s, struct am_errors *err)
+/* ---- the rank program's start: the log before anything that can fail ------------------- */
+
+/* The host as the launcher names it: Slurm's node name under srun, else the host name. */
+static void host_name(char *out, size_t len)
 {
-    struct trainer t = {.s = s, .r = s->recipe, .p = &s->plan};
+    const char *node = getenv("SLURMD_NODENAME");
+    if (node && *node)
+        snprintf(out, len, "%s", node);
+    else if (gethostname(out, len - 1) < 0)
+        snprintf(out, len, "localhost");
+    out[len - 1] = '\0';
+}
+
+/* A whole number from the environment, or -1. */
+static long env_number(const char *name)
+{
+    const char *v = getenv(name);
+    char *end;
+    if (!v || !*v)
+        return -1;
+    errno = 0;
+    long n = strtol(v, &end, 10);
+    return *end || errno || n < 0 || n > (1L << 30) ? -1 : n;
+}
+
+int am_train_log_begin(struct am_log *log, int *rank, char *err, size_t err_len)
+{
+    const char *job = getenv("AM_JOB_ID"), *recipe = getenv("AM_RECIPE");
+    long r = env_number("AM_RANK"), world = env_number("AM_WORLD_SIZE"), local = env_number("AM_LOCAL_RANK");
+    char host[256];
+    log->fd = -1;
+    *rank = (int)r;
+    if (!job || !*job || r < 0) {
+        snprintf(err, err_len, "no log: AM_JOB_ID and AM_RANK are not set (am-launch sets them: start rank programs "
+                 "with am-launch)");
+        return -1;
+    }
+    if (am_log_open(log, NULL, job, (int)r, err, err_len) < 0)
+        return -1;
+    host_name(host, sizeof(host));
+    json_t *o = json_pack("{s:s,s:i,s:i,s:s,s:s,s:f}", "host", host, "pid", (int)getpid(), "rank", (int)r, "job", job,
+                          "version", PACKAGE_VERSION, "time", am_wall_time());
+    if (world > 0)
+        json_object_set_new(o, "world", json_integer(world));
+    if (local >= 0)
+        json_object_set_new(o, "local_rank", json_integer(local));
+    if (recipe && *recipe)
+        json_object_set_new(o, "recipe", json_string(recipe));
+    am_log_record(log, "start", o);
+    return am_crash_install(log->fd, (int)r, NULL, err, err_len);
+}
+
+void am_train_log_failure(struct am_log *log, int rank, const char *stage, const struct am_errors *err)
+{
+    if (log->fd < 0 || err->n == 0 || !am_crash_report_begin())
+        return;
+    json_t *o = json_pack("{s:s,s:s,s:s,s:i,s:f}", "cause", "error", "stage", stage, "message", err->msg[0], "rank",
+                          rank, "time", am_wall_time());
+    if (err->n > 1) {
+        json_t *all = json_array();
+        for (size_t i = 0; i < err->n; i++)
+            json_array_append_new(all, json_string(err->msg[i]));
+        json_object_set_new(o, "messages", all);
+    }
+    am_log_record(log, "cause", o);
+    am_crash_report_end();
+}
+
+void am_train_log_end(struct am_log *log)
+{
+    am_crash_uninstall();
+    am_log_close(log);
+}
+
+int am_train(struct am_rank_setup *s, struct am_log *log, struct am_errors *err)
+{
+    struct trainer t = {.s = s, .r = s->recipe, .p = &s->plan, .log = log};
     char msg[512];
-    int rc = -1, crash = 0;
-    t.log.fd = -1;
+    int rc = -1;
     if (check_supported(t.p, t.r, err) < 0 || setup_diagnostics(&t, err) < 0 || open_device(&t, err) < 0)
         goto out;
-    if (am_log_open(&t.log, NULL, s->info.job_id, s->info.rank, msg, sizeof(msg)) < 0) {
-        am_errors_fail(err, "%s", msg);
-        goto out;
-    }
-    if (am_crash_install(t.log.fd, s->info.rank, &t.flight, msg, sizeof(msg)) < 0) {
-        am_errors_fail(err, "%s", msg);
-        goto out;
-    }
-    crash = 1;
+    am_crash_set_flight(&t.flight);
     log_start(&t);
     if (build_comms(&t, err) < 0)
         goto out;
     t.wd.flight = &t.flight;
     t.wd.ctx = t.g.ctx;
-    t.wd.log = &t.log;
+    t.wd.log = t.log;
     t.wd.hosts = t.hosts;
     t.wd.n_hosts = s->info.size;
     t.wd.rank = s->info.rank;
@@ -572,10 +637,9 @@ int am_train(struct am_rank_setup *s, struct am_errors *err)
     rc = run(&t, err);
 out:
     am_watchdog_stop(&t.wd);
-    if (rc < 0 && t.log.fd >= 0 && err->n)
+    if (rc < 0 && t.log->fd >= 0 && err->n)
         report_error(&t, err->msg[0]);
-    if (crash)
-        am_crash_uninstall();
+    am_crash_set_flight(NULL); /* freed below */
     am_gsync_free(&t.sync);
     am_optim_free(&t.optim);
     am_model_free(&t.model);
@@ -587,7 +651,6 @@ out:
     am_groups_free(&t.g);
     am_flight_free(&t.flight);
     free(t.hosts);
-    am_log_close(&t.log);
     am_dev_close(&t.dev);
     return rc;
 }

@@ -19,9 +19,31 @@
 #define AM_TRAIN_H
 
 #include "errors.h"
+#include "log.h"
 #include "rank_setup.h"
 
-/* Returns 0 when every step ran, -1 with the reason in err. */
-int am_train(struct am_rank_setup *s, struct am_errors *err);
+/* The rank program's first step, before anything that can fail (even the bootstrap): opens
+ * the rank's log from what am-launch exported (AM_LOG_DIR, AM_JOB_ID, AM_RANK; *rank gets
+ * AM_RANK, -1 when unset), writes a first start record
+ *   {"type":"start","host":H,"pid":P,"rank":R,"job":J,"version":V,"time":T,"world":W,
+ *    "local_rank":L,"recipe":AM_RECIPE}
+ * (host: SLURMD_NODENAME under srun, else the host name, as am-launch names it) and installs
+ * the crash handler (crash.h) without a flight recorder yet. am_train adds a second start
+ * record once the rank is placed (coordinates, device, ...; am-diag merges the two).
+ * Returns 0, or -1 with a message: then the rank has no log and prints its errors only. */
+int am_train_log_begin(struct am_log *log, int *rank, char *err, size_t err_len);
+/* A failure that ends the rank before training (stage "setup": am_rank_setup's bootstrap,
+ * recipe, topology, placement or plan), printed on stderr by the rank: its cause record,
+ *   {"type":"cause","cause":"error","stage":"setup","message":FIRST,"rank":R,"time":T
+ *    [,"messages":[EVERY MESSAGE]]}
+ * (the first report wins, crash.h). Nothing when err is empty or there is no log. */
+void am_train_log_failure(struct am_log *log, int rank, const char *stage, const struct am_errors *err);
+/* The crash handler off, the log closed. */
+void am_train_log_end(struct am_log *log);
+
+/* Writes to log (opened by am_train_log_begin; every error of its own setup, from the
+ * device to the dataset, and of training becomes the rank's cause record). Returns 0 when
+ * every step ran, -1 with the reason in err. */
+int am_train(struct am_rank_setup *s, struct am_log *log, struct am_errors *err);
 
 #endif

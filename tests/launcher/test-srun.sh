@@ -4,7 +4,8 @@
 # topology file of two NVLink pairs per node under block, cyclic and arbitrary task
 # distributions (every TP group inside one domain; exact lines for the small cases), a
 # failing rank ending the whole step within seconds with its status and exit record, an
-# abort request, a fence timeout, and signals reaching the ranks once.
+# abort request, a fence timeout, signals reaching the ranks once, and nothing a rank started
+# left running (a rank's orphaned child, a task whose am-launch is killed).
 # Fails (does not skip) when the cluster cannot start. Slurm picks any free nodes for -N2 or
 # -N3, so the runs whose output names hosts ask for theirs with -w.
 set -uo pipefail
@@ -158,5 +159,34 @@ for r in 0 1; do
     "$(exit_record_re $r n$((r + 1)) 0 0 null false '(false|null)' '("SIGTERM"|null)')"
 done
 grep -q "aborting the job" "$T/sig/err" && { fail "a stopped rank was reported as a failure"; show "$T/sig/err"; } || pass "no abort for a stopped job"
+
+# ---- nothing left behind under srun (launcher/reaper.h) -------------------------------------
+# a rank's shell ends and leaves a child running: the child goes with the rank
+s1="sleep 8${$}1"
+srun_launch orphan -N2 -w n1,n2 -n2 -- "$RECIPE" -- sh -c "$s1 & exit 0"
+expect_rc "ranks that leave a child running" 0 "$RC" "$ERR"
+n=$(pgrep -cxf "$s1")
+[[ $n == 0 ]] && pass "no child of a rank left after the step" || { fail "$n '$s1' left after the step"; pkill -KILL -xf "$s1"; }
+
+# one task's am-launch killed with SIGKILL: its guard kills the rank's group (the rank dies
+# with am-launch, and its child would be an orphan that Slurm's process tracking has lost);
+# --kill-on-bad-exit ends the rest of the step (the templates use it)
+s2="sleep 8${$}2"
+mkdir -p "$T/killed"
+timeout 60 srun --kill-on-bad-exit=1 -N2 -n2 -w n1,n2 --mpi=pmix "$LAUNCH" --log-dir "$T/killed/logs" "$RECIPE" -- sh -c "$s2; echo done" \
+  >"$T/killed/out" 2>"$T/killed/err" &
+pid=$!
+for _ in $(seq 100); do [[ $(pgrep -cxf "$s2") == 2 ]] && break; sleep 0.1; done
+victim=""
+for p in $(pgrep -f -- "^$LAUNCH --log-dir $T/killed/logs"); do # am-launch itself: not srun, not its guard
+  [[ $(cat "/proc/$p/comm" 2>/dev/null) == am-launch ]] && { victim=$p; break; }
+done
+[[ -n $victim ]] && kill -KILL "$victim" || fail "no am-launch of the step found to kill"
+wait $pid
+rc=$?
+[[ $rc != 0 && $rc != 124 ]] && pass "SIGKILL to one task's am-launch ends the step ($rc)" || fail "the step exited $rc after a task's am-launch was killed"
+for _ in $(seq 50); do [[ $(pgrep -cxf "$s2") == 0 ]] && break; sleep 0.1; done
+n=$(pgrep -cxf "$s2")
+[[ $n == 0 ]] && pass "no rank's child left after SIGKILL to am-launch" || { fail "$n '$s2' left after SIGKILL to am-launch"; pkill -KILL -xf "$s2"; }
 
 finish

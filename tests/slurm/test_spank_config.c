@@ -57,7 +57,12 @@ static void config_defaults(void **state)
     assert_int_equal(c.gpus_per_node, 0);
     assert_int_equal(c.nvlink_domain, 0);
     assert_true(c.gpu_mem == 0);
-    assert_null(c.recipe_path);
+    /* the installed recipes: PREFIX/share/am/recipes, configure's prefix */
+    assert_string_equal(c.recipe_path, AM_RECIPES_DIR);
+    assert_true(c.recipe_path == am_config_recipes);
+    size_t n = strlen(c.recipe_path), tail = strlen("/share/am/recipes");
+    assert_true(c.recipe_path[0] == '/' && n > tail);
+    assert_string_equal(c.recipe_path + n - tail, "/share/am/recipes");
     assert_null(c.log_root);
     assert_int_equal(c.n_env, 0);
     assert_true(c.sbatch);
@@ -298,6 +303,23 @@ static void shown(void **state)
     assert_true(strlen(small) < sizeof(small));
 }
 
+/* A path handed over to slurmstepd: what is wrong with it, said exactly. */
+static void path_problems(void **state)
+{
+    (void)state;
+    char buf[64];
+    assert_null(am_path_problem("/shared/am/recipes/tiny.yaml", buf, sizeof(buf)));
+    assert_string_equal(am_path_problem("/tmp/a\nb.yaml", buf, sizeof(buf)), "contains a newline");
+    assert_string_equal(am_path_problem("tiny\n.yaml", buf, sizeof(buf)), "contains a newline");
+    assert_string_equal(am_path_problem("/tmp/a\tb.yaml", buf, sizeof(buf)), "contains a tab");
+    assert_string_equal(am_path_problem("/tmp/a\rb.yaml", buf, sizeof(buf)), "contains a carriage return");
+    assert_string_equal(am_path_problem("/tmp/\x1b[2Jb.yaml", buf, sizeof(buf)), "contains a control character (\\x1b)");
+    assert_string_equal(am_path_problem("/tmp/a\x7f", buf, sizeof(buf)), "contains a control character (\\x7f)");
+    assert_string_equal(am_path_problem("tiny.yaml", buf, sizeof(buf)), "is not an absolute path");
+    assert_string_equal(am_path_problem("", buf, sizeof(buf)), "is not an absolute path");
+    assert_null(am_path_problem("/tmp/caf\xc3\xa9/tiny.yaml", buf, sizeof(buf))); /* UTF-8 is printable */
+}
+
 static void sizes_and_counts(void **state)
 {
     (void)state;
@@ -330,7 +352,7 @@ int main(void)
         cmocka_unit_test(config_defaults),  cmocka_unit_test(config_every_key), cmocka_unit_test(config_unknown_key),
         cmocka_unit_test(config_bad_values), cmocka_unit_test(config_repeats),  cmocka_unit_test(config_hostile),
         cmocka_unit_test(option_counts),    cmocka_unit_test(option_paths),     cmocka_unit_test(forward_names),
-        cmocka_unit_test(shown),            cmocka_unit_test(sizes_and_counts),
+        cmocka_unit_test(shown),            cmocka_unit_test(sizes_and_counts), cmocka_unit_test(path_problems),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
