@@ -78,6 +78,33 @@ void am_cuda_swiglu_forward(const struct am_dev *d, struct am_tensor *out, const
 void am_cuda_swiglu_backward(const struct am_dev *d, struct am_tensor *dgate, struct am_tensor *dup, const struct am_tensor *dout,
                              const struct am_tensor *gate, const struct am_tensor *up);
 
+/* ---- attention.cu: causal grouped-query attention; cuDNN's fused attention where the
+ * build has cuDNN and it has the case (AM_ATTN=cudnn, the default), the backend's own
+ * kernels otherwise and with AM_ATTN=own ---- */
+void am_cuda_attention_forward(const struct am_dev *d, struct am_tensor *out, struct am_tensor *lse, const struct am_tensor *q,
+                               const struct am_tensor *k, const struct am_tensor *v, int64_t window);
+void am_cuda_attention_backward(const struct am_dev *d, struct am_tensor *dq, struct am_tensor *dk, struct am_tensor *dv,
+                                const struct am_tensor *dout, const struct am_tensor *out, const struct am_tensor *lse,
+                                const struct am_tensor *q, const struct am_tensor *k, const struct am_tensor *v, int64_t window);
+/* how many attention calls (forward and backward, this process) each path ran: tests and
+ * benchmarks read it to know which path they measured */
+void am_cuda_attention_calls(unsigned long long *own, unsigned long long *cudnn);
+/* true in a build with cuDNN (attention_cudnn.cu) */
+bool am_cuda_attention_has_cudnn(void);
+/* attention_cudnn.cu (a build with cuDNN, AM_HAVE_CUDNN): runs the call on cuDNN and returns
+ * 0, or returns -1 having enqueued nothing when cuDNN lacks the case (the caller runs the
+ * backend's kernels); the context's cuDNN state is freed by am_cuda_attention_cudnn_close. */
+int am_cuda_attention_cudnn_forward(const struct am_dev *d, struct am_tensor *out, struct am_tensor *lse,
+                                    const struct am_tensor *q, const struct am_tensor *k, const struct am_tensor *v,
+                                    int64_t window);
+int am_cuda_attention_cudnn_backward(const struct am_dev *d, struct am_tensor *dq, struct am_tensor *dk, struct am_tensor *dv,
+                                     const struct am_tensor *dout, const struct am_tensor *out, const struct am_tensor *lse,
+                                     const struct am_tensor *q, const struct am_tensor *k, const struct am_tensor *v,
+                                     int64_t window);
+/* the last reason cuDNN could not run a case on this context, or NULL */
+const char *am_cuda_attention_cudnn_why(const struct am_dev *d);
+void am_cuda_attention_cudnn_close(struct am_dev *d);
+
 /* ---- adamw.cu ---- */
 void am_cuda_adamw(const struct am_dev *d, struct am_tensor *param, const struct am_tensor *grad, struct am_tensor *m,
                    struct am_tensor *v, float lr, float beta1, float beta2, float eps, float weight_decay, int64_t step);
