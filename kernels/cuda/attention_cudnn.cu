@@ -2,8 +2,9 @@
  * through cuDNN 9's backend graph API, for the cases it has; attention.cu runs the others
  * (and every case with AM_ATTN=own). Built only where configure found cuDNN (AM_HAVE_CUDNN).
  *
- * Cases: bf16 q, k, v (and out, dout, dq, dk, dv), head size 64 or 128, 16-byte aligned
- * tensors, causal, with or without a sliding window. Anything else returns -1 at once and
+ * Cases: bf16 q, k, v (and out, dout, dq, dk, dv), head size 64 or 128, T >= 2 (cuDNN has
+ * no backward for T = 1), 16-byte aligned tensors, causal, with or without a sliding window
+ * (cuDNN's left bound, top-left aligned: keys j > t - W). Anything else returns -1 at once and
  * the caller runs the backend's own kernels. A graph cuDNN cannot build or finalise a plan
  * for also returns -1, remembered per shape (never retried), and the reason is printed once
  * per process on stderr (am_cuda_attention_cudnn_why returns it): no silent wrong results,
@@ -18,9 +19,11 @@
  *             Stats = M + log L; P = E / L (bf16); O = P V.
  *   backward: Dsum = Σ_d dO O (fp32 in the workspace); S = Q Kᵀ scale - Stats, masked as
  *             above; E = exp S (= p); dV = Eᵀ dO (summed over a kv head's query heads with
- *             GQA); dS = (dO Vᵀ - Dsum) E scale; dK = dSᵀ Q (summed likewise); dQ = dS K.
- *             dQ straight from the matmul (no fp32 atomics accumulator in the workspace):
- *             cuDNN's deterministic backward on Hopper.
+ *             GQA); dS = (dO Vᵀ - Dsum) E scale; dK = dSᵀ Q (summed likewise); dQ = dS K,
+ *             summed in an fp32 accumulator in the workspace (dQacc) and written as bf16:
+ *             cuDNN's memory-lean backward (no T x T workspace), the graph cudnn-frontend
+ *             builds by default. Its dQ sums arrive in an order that may vary run to run
+ *             (fp32 atomics): the cuDNN backward is not bitwise reproducible; AM_ATTN=own is.
  * Stats is the natural-log log-sum-exp of the scaled scores, the graph says so: M + log Σ
  * exp(S - M) with LOG and EXP the natural ones, S = q·k/sqrt(D): am's lse exactly, so a
  * forward on one path and a backward on the other agree.
@@ -38,7 +41,7 @@
 #include "common.cuh"
 
 #define ATT_PLANS 32
-#define ATT_MAX_DESC 96
+#define ATT_MAX_DESC 160
 
 struct att_key {
     int bwd;
@@ -62,7 +65,7 @@ struct att_state {
 };
 
 /* uids of the tensors the caller binds (the rest are virtual, or scalars by value) */
-enum { U_Q = 1, U_K, U_V, U_O, U_STATS, U_DO, U_DQ, U_DK, U_DV, U_DSUM, U_SCALE, U_NEGINF, U_ONE, U_WINDOW };
+enum { U_Q = 1, U_K, U_V, U_O, U_STATS, U_DO, U_DQ, U_DK, U_DV, U_DSUM, U_DQACC, U_SCALE, U_NEGINF, U_ONE, U_WINDOW };
 
 static bool att_printed;
 
@@ -314,10 +317,12 @@ static bool build(struct att_state *s, struct att_plan *p, struct builder *b)
             matmul(b, dSt, Q, dKf, ops, &n);
             reduction(b, CUDNN_REDUCE_TENSOR_ADD, dKf, dK, ops, &n);
         }
-        /* dQ = dS K */
+        /* dQ = dS K, summed in fp32 in the workspace (dQacc), then written as bf16 */
         cudnnBackendDescriptor_t Kr = tensor(b, bf, kdim, kstr, 0, false);
+        cudnnBackendDescriptor_t dQacc = tensor(b, f32, fdim, fstr, U_DQACC, false);
         reshape(b, Kt, Kr, ops, &n);
-        matmul(b, dS, Kr, dQ, ops, &n);
+        matmul(b, dS, Kr, dQacc, ops, &n);
+        pointwise(b, CUDNN_POINTWISE_IDENTITY, f32, dQacc, NULL, NULL, dQ, 0, ops, &n);
     }
     if (b->st != CUDNN_STATUS_SUCCESS)
         return false;
@@ -389,13 +394,19 @@ static struct att_state *state(const char *kn, const struct am_dev *d)
     struct att_state *s = (struct att_state *)calloc(1, sizeof *s);
     if (!s)
         am_cuda_fatal(kn, "out of host memory for cuDNN's state");
-    cudnnStatus_t st = cudnnCreate(&s->handle);
-    if (st != CUDNN_STATUS_SUCCESS)
-        am_cuda_fatal(kn, "cudnnCreate: %s (AM_ATTN=own runs attention without cuDNN)", cudnnGetErrorString(st));
-    st = cudnnSetStream(s->handle, am_cuda_stream(d));
-    if (st != CUDNN_STATUS_SUCCESS)
-        am_cuda_fatal(kn, "cudnnSetStream: %s", cudnnGetErrorString(st));
     c->attn = s;
+    cudnnStatus_t st = cudnnCreate(&s->handle);
+    if (st == CUDNN_STATUS_SUCCESS && (st = cudnnSetStream(s->handle, am_cuda_stream(d))) != CUDNN_STATUS_SUCCESS) {
+        cudnnDestroy(s->handle);
+        s->handle = NULL;
+    }
+    if (st != CUDNN_STATUS_SUCCESS) { /* no cuDNN on this context: every call runs the backend's kernels */
+        s->handle = NULL;
+        snprintf(s->why, sizeof s->why, "cudnnCreate or cudnnSetStream: %s", cudnnGetErrorString(st));
+        if (!__atomic_exchange_n(&att_printed, true, __ATOMIC_RELAXED))
+            fprintf(stderr, "%s: cuDNN cannot run attention (%s); the CUDA backend's own attention kernels run it "
+                            "(this note is printed once)\n", kn, s->why);
+    }
     return s;
 }
 
@@ -445,6 +456,8 @@ static bool key_for(struct att_key *key, int bwd, const struct am_tensor *q, con
         return false;
     int64_t D = q->shape[3];
     if (D != 64 && D != 128)
+        return false;
+    if (q->shape[1] < 2) /* cuDNN has no backward for one query and one key; both directions stay on one path */
         return false;
     for (int i = 0; i < nall; i++)
         if (!aligned16(all[i]))
@@ -501,6 +514,8 @@ int am_cuda_attention_cudnn_forward(const struct am_dev *d, struct am_tensor *ou
     if (!key_for(&key, 0, q, k, window, all, 5))
         return -1;
     struct att_state *s = state(kn, d);
+    if (!s->handle)
+        return -1;
     struct att_plan *p = plan_for(kn, s, &key);
     if (!p)
         return -1;
@@ -522,18 +537,26 @@ int am_cuda_attention_cudnn_backward(const struct am_dev *d, struct am_tensor *d
     if (!key_for(&key, 1, q, k, window, all, 9))
         return -1;
     struct att_state *s = state(kn, d);
+    if (!s->handle)
+        return -1;
     struct att_plan *p = plan_for(kn, s, &key);
     if (!p)
         return -1;
-    /* scratch: cuDNN's workspace, Dsum [B, H, T] fp32, then dq, dk, dv as cuDNN writes them */
+    /* scratch: cuDNN's workspace, Dsum [B, H, T] and dQacc [B, H, T, D] fp32, then dq, dk,
+     * dv as cuDNN writes them */
     size_t wsb = up256((size_t)p->workspace), dsb = up256((size_t)(key.B * key.H * key.T) * sizeof(float));
+    size_t ab = up256((size_t)am_tensor_numel(dq) * sizeof(float));
     size_t qb = up256((size_t)am_tensor_numel(dq) * 2), kb = up256((size_t)am_tensor_numel(dk) * 2);
-    char *ws = (char *)am_cuda_scratch(kn, d, wsb + dsb + qb + 2 * kb);
-    char *dsum = ws + wsb, *tq = dsum + dsb, *tk = tq + qb, *tv = tk + kb;
+    char *ws = (char *)am_cuda_scratch(kn, d, wsb + dsb + ab + qb + 2 * kb);
+    char *dsum = ws + wsb, *acc = dsum + dsb, *tq = acc + ab, *tk = tq + qb, *tv = tk + kb;
+    /* cuDNN >= 9.6 initialises the accumulator itself; zeroing it costs little and does not
+     * depend on that */
+    am_cuda_check(kn, cudaMemsetAsync(acc, 0, ab, am_cuda_stream(d)), "cudaMemsetAsync (dQ accumulator)");
     float scale = (float)(1.0 / sqrt((double)key.D)), neginf = -INFINITY, one = 1.0f, w = (float)key.W;
-    int64_t uids[] = {U_Q, U_K, U_V, U_O, U_STATS, U_DO, U_DQ, U_DK, U_DV, U_DSUM, U_SCALE, U_NEGINF, U_ONE, U_WINDOW};
-    void *ptrs[] = {q->data, k->data, v->data, out->data, lse->data, dout->data, tq, tk, tv, dsum, &scale, &neginf, &one, &w};
-    execute(kn, d, s, p, uids, ptrs, key.W > 0 ? 14 : 13, ws);
+    int64_t uids[] = {U_Q, U_K, U_V, U_O, U_STATS, U_DO, U_DQ, U_DK, U_DV, U_DSUM, U_DQACC, U_SCALE, U_NEGINF, U_ONE, U_WINDOW};
+    void *ptrs[] = {q->data, k->data, v->data, out->data, lse->data, dout->data, tq, tk,
+                    tv,      dsum,    acc,     &scale,    &neginf,   &one,       &w};
+    execute(kn, d, s, p, uids, ptrs, key.W > 0 ? 15 : 14, ws);
     /* kernels.h's backward accumulates: dq += cuDNN's dq, and so on */
     struct am_tensor g[3] = {*dq, *dk, *dv};
     g[0].data = tq;
@@ -568,7 +591,8 @@ void am_cuda_attention_cudnn_close(struct am_dev *d)
         for (int j = 0; j < p->nkeep; j++)
             cudnnBackendDestroyDescriptor(p->keep[j]);
     }
-    cudnnDestroy(s->handle);
+    if (s->handle)
+        cudnnDestroy(s->handle);
     free(s);
     c->attn = NULL;
 }

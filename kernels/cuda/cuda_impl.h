@@ -6,8 +6,10 @@
  * creates a non-blocking stream (d->stream), a cuBLASLt handle (d->blas) and a GEMM
  * workspace; d->workspace is the backend's own host struct (struct am_cuda_ctx), which owns
  * that workspace (also d->workspace_bytes), a device scratch grown on demand in stream order
- * (the partial sums of the reductions, the sort of the embedding backward) and the GEMM
- * algorithm cache. Kernels are enqueued on d->stream in call order and never wait for it;
+ * (the partial sums of the reductions, the sort of the embedding backward, the attention's
+ * row sums and cuDNN's workspace), the GEMM algorithm cache and, once attention runs on
+ * cuDNN, a cuDNN handle on the context's stream and its attention plans per shape
+ * (attention_cudnn.cu). Kernels are enqueued on d->stream in call order and never wait for it;
  * the thread that calls them must have the context's device current (the opening thread
  * does).
  *
@@ -16,8 +18,10 @@
  * does (cpu.h has the dtype rules; this backend checks the same ones). The .cu files are
  * compiled with --fmad=false: a*b+c is not contracted, each operation rounds as in the CPU
  * backend (and torch's separate tensor operations); explicit fmaf stays fused (AdamW).
- * Reductions (sum_squares, the RMSNorm weight gradient, the embedding backward) take a
- * fixed order that does not depend on the GPU or the launch: run to run bitwise equal.
+ * Reductions (sum_squares, the RMSNorm weight gradient, the embedding backward, the own
+ * attention's backward) take a fixed order that does not depend on the GPU or the launch:
+ * run to run bitwise equal. cuDNN's attention backward is not (attention_cudnn.cu says why;
+ * AM_ATTN=own is).
  *
  * Errors. A tensor of the wrong device, dtype or shape aborts with the kernel's name, the
  * tensor and the rule (am_cuda_fatal); every CUDA call and launch is checked, and a failure

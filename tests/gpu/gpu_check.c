@@ -9,6 +9,9 @@
  * A summary table is printed last; exit 0 when every row passes, 1 otherwise, 77 (SKIP) when
  * there is no CUDA device. Run by tests/gpu/run; small shapes, a second or two.
  *
+ * Attention runs on each of its paths (AM_ATTN=own, and AM_ATTN=cudnn in a build with
+ * cuDNN), and a row per case checks which path ran (cuda_impl.h counts the calls).
+ *
  * The CUDA context is opened through the backend's own open (not am_dev_open), so that the
  * kernels it has are checked while the table still lacks some (am_dev_open refuses those). */
 #include <cuda_runtime_api.h>
@@ -359,7 +362,8 @@ static void case_swiglu(enum am_dtype dt)
 }
 
 /* Attention, forward and backward, on one path: AM_ATTN=own (the backend's kernels) or
- * cudnn (cuDNN's fused attention, which must then have run the case: a row says so). The
+ * cudnn (cuDNN's fused attention, which must then have run the case, or with T = 1, which
+ * cuDNN lacks, must have left it to the backend's kernels: a row says which ran). The
  * backward gets the CPU's out and lse (the same bytes on both devices), so that its rows
  * measure the backward alone. q is drawn from [-2, 2) for a softmax with some peaks. lse
  * is an fp32 statistic: 1e-5 on the backend's kernels, 1e-4 on cuDNN's (its exponentials
@@ -405,12 +409,15 @@ static void case_attention(const char *path, enum am_dtype dt, int64_t B, int64_
     snprintf(what, sizeof what, "attn %s dv", shape);
     check(what, &dv, bf);
     am_cuda_attention_calls(&own1, &cudnn1);
-    if (cudnn) {
+    if (cudnn && T >= 2) {
         const char *why = am_cuda_attention_cudnn_why(&gpu);
         if (cudnn1 - cudnn0 != 2)
             printf("     cuDNN did not run it: %s\n", why ? why : "(no reason recorded)");
         snprintf(what, sizeof what, "attn %s ran on cuDNN", shape);
         record(what, dname(dt), cudnn1 - cudnn0 == 2 ? 0 : 1, 0);
+    } else if (cudnn) { /* cuDNN has no backward for T = 1: both directions fall back */
+        snprintf(what, sizeof what, "attn %s fell back to own", shape);
+        record(what, dname(dt), own1 - own0 == 2 && cudnn1 == cudnn0 ? 0 : 1, 0);
     } else {
         /* the same backward again from the same gradients: the same bits */
         KG->download(&gpu, h1, dq.g.data, gq);
