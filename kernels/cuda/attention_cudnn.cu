@@ -2,13 +2,15 @@
  * through cuDNN 9's backend graph API, for the cases it has; attention.cu runs the others
  * (and every case with AM_ATTN=own). Built only where configure found cuDNN (AM_HAVE_CUDNN).
  *
- * Cases: bf16 q, k, v (and out, dout, dq, dk, dv), head size 64 or 128, T >= 2 (cuDNN has
- * no backward for T = 1), 16-byte aligned tensors, causal, with or without a sliding window
- * (cuDNN's left bound, top-left aligned: keys j > t - W). Anything else returns -1 at once and
- * the caller runs the backend's own kernels. A graph cuDNN cannot build or finalise a plan
- * for also returns -1, remembered per shape (never retried), and the reason is printed once
- * per process on stderr (am_cuda_attention_cudnn_why returns it): no silent wrong results,
- * no silent slow path.
+ * Cases: bf16 q, k, v (and out, dout, dq, dk, dv), head size 64 or 128, T >= 2 (cuDNN's
+ * backward is not offered for one query and one key), 16-byte aligned tensors, causal, with
+ * or without a sliding window (cuDNN's left bound, top-left aligned: keys j > t - W).
+ * Anything else returns -1 at once and the caller runs the backend's own kernels. A graph
+ * cuDNN cannot build or finalise a plan for also returns -1, remembered per shape (never
+ * retried), and the reason is printed once per process on stderr
+ * (am_cuda_attention_cudnn_why returns it): no silent wrong results, no silent slow path.
+ * The plans' engines are compiled at run time by cuDNN (NVRTC and the driver must be there,
+ * as they are wherever the toolkit and a GPU are).
  *
  * The graphs are cuDNN's documented fused-attention patterns (what cudnn-frontend's sdpa
  * and sdpa_backward nodes lower to), on am's layout: q [B, T, H, D] is cuDNN's
@@ -457,7 +459,7 @@ static bool key_for(struct att_key *key, int bwd, const struct am_tensor *q, con
     int64_t D = q->shape[3];
     if (D != 64 && D != 128)
         return false;
-    if (q->shape[1] < 2) /* cuDNN has no backward for one query and one key; both directions stay on one path */
+    if (q->shape[1] < 2) /* no cuDNN backward for T = 1; the forward stays with it on one path */
         return false;
     for (int i = 0; i < nall; i++)
         if (!aligned16(all[i]))
