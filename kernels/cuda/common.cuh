@@ -33,6 +33,7 @@ struct am_cuda_ctx {
     size_t scratch_bytes;
     struct am_cuda_gemm_entry gemm[AM_CUDA_GEMM_CACHE]; /* algorithm per shape, filled round robin */
     int gemm_next;
+    void *attn;           /* attention_cudnn.cu's state (cuDNN handle, plans); NULL until used */
 };
 
 /* ---- checks (cuda.cu) ---- */

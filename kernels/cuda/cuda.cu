@@ -187,6 +187,9 @@ void am_cuda_close(struct am_dev *d)
     struct am_cuda_ctx *c = (struct am_cuda_ctx *)d->workspace;
     if (d->stream)
         cudaStreamSynchronize((cudaStream_t)d->stream);
+#ifdef AM_HAVE_CUDNN
+    am_cuda_attention_cudnn_close(d);
+#endif
     if (c) {
         if (c->scratch)
             cudaFree(c->scratch);

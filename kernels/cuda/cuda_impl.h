@@ -6,8 +6,10 @@
  * creates a non-blocking stream (d->stream), a cuBLASLt handle (d->blas) and a GEMM
  * workspace; d->workspace is the backend's own host struct (struct am_cuda_ctx), which owns
  * that workspace (also d->workspace_bytes), a device scratch grown on demand in stream order
- * (the partial sums of the reductions, the sort of the embedding backward) and the GEMM
- * algorithm cache. Kernels are enqueued on d->stream in call order and never wait for it;
+ * (the partial sums of the reductions, the sort of the embedding backward, the attention's
+ * row sums and cuDNN's workspace), the GEMM algorithm cache and, once attention runs on
+ * cuDNN, a cuDNN handle on the context's stream and its attention plans per shape
+ * (attention_cudnn.cu). Kernels are enqueued on d->stream in call order and never wait for it;
  * the thread that calls them must have the context's device current (the opening thread
  * does).
  *
@@ -16,8 +18,10 @@
  * does (cpu.h has the dtype rules; this backend checks the same ones). The .cu files are
  * compiled with --fmad=false: a*b+c is not contracted, each operation rounds as in the CPU
  * backend (and torch's separate tensor operations); explicit fmaf stays fused (AdamW).
- * Reductions (sum_squares, the RMSNorm weight gradient, the embedding backward) take a
- * fixed order that does not depend on the GPU or the launch: run to run bitwise equal.
+ * Reductions (sum_squares, the RMSNorm weight gradient, the embedding backward, the own
+ * attention's backward) take a fixed order that does not depend on the GPU or the launch:
+ * run to run bitwise equal. cuDNN's attention backward is not (attention_cudnn.cu says why;
+ * AM_ATTN=own is).
  *
  * Errors. A tensor of the wrong device, dtype or shape aborts with the kernel's name, the
  * tensor and the rule (am_cuda_fatal); every CUDA call and launch is checked, and a failure
@@ -77,6 +81,33 @@ void am_cuda_rope_backward(const struct am_dev *d, struct am_tensor *dx, const s
 void am_cuda_swiglu_forward(const struct am_dev *d, struct am_tensor *out, const struct am_tensor *gate, const struct am_tensor *up);
 void am_cuda_swiglu_backward(const struct am_dev *d, struct am_tensor *dgate, struct am_tensor *dup, const struct am_tensor *dout,
                              const struct am_tensor *gate, const struct am_tensor *up);
+
+/* ---- attention.cu: causal grouped-query attention; cuDNN's fused attention where the
+ * build has cuDNN and it has the case (AM_ATTN=cudnn, the default), the backend's own
+ * kernels otherwise and with AM_ATTN=own ---- */
+void am_cuda_attention_forward(const struct am_dev *d, struct am_tensor *out, struct am_tensor *lse, const struct am_tensor *q,
+                               const struct am_tensor *k, const struct am_tensor *v, int64_t window);
+void am_cuda_attention_backward(const struct am_dev *d, struct am_tensor *dq, struct am_tensor *dk, struct am_tensor *dv,
+                                const struct am_tensor *dout, const struct am_tensor *out, const struct am_tensor *lse,
+                                const struct am_tensor *q, const struct am_tensor *k, const struct am_tensor *v, int64_t window);
+/* how many attention calls (forward and backward, this process) each path ran: tests and
+ * benchmarks read it to know which path they measured */
+void am_cuda_attention_calls(unsigned long long *own, unsigned long long *cudnn);
+/* true in a build with cuDNN (attention_cudnn.cu) */
+bool am_cuda_attention_has_cudnn(void);
+/* attention_cudnn.cu (a build with cuDNN, AM_HAVE_CUDNN): runs the call on cuDNN and returns
+ * 0, or returns -1 having enqueued nothing when cuDNN lacks the case (the caller runs the
+ * backend's kernels); the context's cuDNN state is freed by am_cuda_attention_cudnn_close. */
+int am_cuda_attention_cudnn_forward(const struct am_dev *d, struct am_tensor *out, struct am_tensor *lse,
+                                    const struct am_tensor *q, const struct am_tensor *k, const struct am_tensor *v,
+                                    int64_t window);
+int am_cuda_attention_cudnn_backward(const struct am_dev *d, struct am_tensor *dq, struct am_tensor *dk, struct am_tensor *dv,
+                                     const struct am_tensor *dout, const struct am_tensor *out, const struct am_tensor *lse,
+                                     const struct am_tensor *q, const struct am_tensor *k, const struct am_tensor *v,
+                                     int64_t window);
+/* the last reason cuDNN could not run a case on this context, or NULL */
+const char *am_cuda_attention_cudnn_why(const struct am_dev *d);
+void am_cuda_attention_cudnn_close(struct am_dev *d);
 
 /* ---- adamw.cu ---- */
 void am_cuda_adamw(const struct am_dev *d, struct am_tensor *param, const struct am_tensor *grad, struct am_tensor *m,

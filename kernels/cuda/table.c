@@ -2,9 +2,10 @@
  *
  * A NULL entry is a kernel this backend does not have yet: am_dev_open refuses a context
  * on a table with holes and names them (am_kernels_missing, kernels.c), so that nothing
- * half-works. Not yet here: attention (cuDNN's fused attention and a fallback of our own)
- * and the vocabulary-parallel cross-entropy (ce_stats, ce_backward, ce_rescale, ce_loss,
- * ce_fused). */
+ * half-works. Not yet here: the vocabulary-parallel cross-entropy (ce_stats, ce_backward,
+ * ce_rescale, ce_loss, ce_fused). Attention is attention.cu's: cuDNN's fused attention
+ * (attention_cudnn.cu) where the build has cuDNN and cuDNN has the case, the backend's own
+ * kernels otherwise. */
 #include "cuda_impl.h"
 
 static const struct am_kernels cuda_kernels = {
@@ -33,8 +34,8 @@ static const struct am_kernels cuda_kernels = {
     .rope_tables = am_cuda_rope_tables,
     .rope_forward = am_cuda_rope_forward,
     .rope_backward = am_cuda_rope_backward,
-    .attention_forward = NULL,
-    .attention_backward = NULL,
+    .attention_forward = am_cuda_attention_forward,
+    .attention_backward = am_cuda_attention_backward,
     .swiglu_forward = am_cuda_swiglu_forward,
     .swiglu_backward = am_cuda_swiglu_backward,
     .ce_stats = NULL,

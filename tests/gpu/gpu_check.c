@@ -9,6 +9,9 @@
  * A summary table is printed last; exit 0 when every row passes, 1 otherwise, 77 (SKIP) when
  * there is no CUDA device. Run by tests/gpu/run; small shapes, a second or two.
  *
+ * Attention runs on each of its paths (AM_ATTN=own, and AM_ATTN=cudnn in a build with
+ * cuDNN), and a row per case checks which path ran (cuda_impl.h counts the calls).
+ *
  * The CUDA context is opened through the backend's own open (not am_dev_open), so that the
  * kernels it has are checked while the table still lacks some (am_dev_open refuses those). */
 #include <cuda_runtime_api.h>
@@ -18,6 +21,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "cuda/cuda_impl.h" /* which attention path ran */
 #include "half.h"
 #include "kernels.h"
 
@@ -98,9 +102,9 @@ static double elem(const struct am_tensor *t, const void *data, int64_t i)
 }
 
 /* ---- comparisons and the summary ---- */
-#define MAX_ROWS 128
+#define MAX_ROWS 256
 static struct row {
-    char what[64], dtype[16];
+    char what[96], dtype[16];
     double err, tol;
     bool ok;
 } rows[MAX_ROWS];
@@ -141,7 +145,7 @@ static double rel_err(const struct pair *p)
 
 static void check(const char *what, const struct pair *p, bool bf16)
 {
-    char name[64];
+    char name[96];
     snprintf(name, sizeof name, "%s", what);
     record(name, bf16 ? "bf16" : "fp32", rel_err(p), bf16 ? 1e-2 : 1e-5);
 }
@@ -357,6 +361,95 @@ static void case_swiglu(enum am_dtype dt)
     pair_free(&du);
 }
 
+/* Attention, forward and backward, on one path: AM_ATTN=own (the backend's kernels) or
+ * cudnn (cuDNN's fused attention, which must then have run the case, or with T = 1, which
+ * cuDNN lacks, must have left it to the backend's kernels: a row says which ran). The
+ * backward gets the CPU's out and lse (the same bytes on both devices), so that its rows
+ * measure the backward alone. q is drawn from [-2, 2) for a softmax with some peaks. lse
+ * is an fp32 statistic: 1e-5 on the backend's kernels, 1e-4 on cuDNN's (its exponentials
+ * are the hardware's approximate exp2). The own path's backward runs twice from the same
+ * gradients: the two results must be the same bits (no atomics). */
+static void case_attention(const char *path, enum am_dtype dt, int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t D,
+                           int64_t W)
+{
+    bool bf = dt == AM_BF16, cudnn = strcmp(path, "cudnn") == 0;
+    setenv("AM_ATTN", path, 1);
+    struct pair q = pair_new(dt, B, T, H, D), k = rnd(dt, B, T, KVH, D), v = rnd(dt, B, T, KVH, D);
+    struct pair out = pair_new(dt, B, T, H, D), lse = pair_new(AM_F32, B, H, T, 0), dout = rnd(dt, B, T, H, D);
+    struct pair dq = rnd(dt, B, T, H, D), dk = rnd(dt, B, T, KVH, D), dv = rnd(dt, B, T, KVH, D);
+    pair_fill(&q, -2, 2);
+    char what[96], shape[48];
+    snprintf(shape, sizeof shape, "%s B%lld T%lld H%lld/%lld D%lld W%lld", path, (long long)B, (long long)T, (long long)H,
+             (long long)KVH, (long long)D, (long long)W);
+    unsigned long long own0, cudnn0, own1, cudnn1;
+    am_cuda_attention_calls(&own0, &cudnn0);
+    KC->attention_forward(&cpu, &out.c, &lse.c, &q.c, &k.c, &v.c, W);
+    KG->attention_forward(&gpu, &out.g, &lse.g, &q.g, &k.g, &v.g, W);
+    snprintf(what, sizeof what, "attn %s out", shape);
+    check(what, &out, bf);
+    snprintf(what, sizeof what, "attn %s lse", shape);
+    record(what, dname(dt), rel_err(&lse), cudnn ? 1e-4 : 1e-5);
+    pair_upload(&out);
+    pair_upload(&lse);
+    size_t gq = am_tensor_bytes(&dq.c), gk = am_tensor_bytes(&dk.c);
+    void *h0 = malloc(gq + 2 * gk), *h1 = malloc(gq + 2 * gk);
+    if (!h0 || !h1) {
+        fprintf(stderr, "gpu_check: out of host memory\n");
+        exit(1);
+    }
+    memcpy(h0, dq.c.data, gq);
+    memcpy((char *)h0 + gq, dk.c.data, gk);
+    memcpy((char *)h0 + gq + gk, dv.c.data, gk);
+    KC->attention_backward(&cpu, &dq.c, &dk.c, &dv.c, &dout.c, &out.c, &lse.c, &q.c, &k.c, &v.c, W);
+    KG->attention_backward(&gpu, &dq.g, &dk.g, &dv.g, &dout.g, &out.g, &lse.g, &q.g, &k.g, &v.g, W);
+    snprintf(what, sizeof what, "attn %s dq", shape);
+    check(what, &dq, bf);
+    snprintf(what, sizeof what, "attn %s dk", shape);
+    check(what, &dk, bf);
+    snprintf(what, sizeof what, "attn %s dv", shape);
+    check(what, &dv, bf);
+    am_cuda_attention_calls(&own1, &cudnn1);
+    if (cudnn && T >= 2) {
+        const char *why = am_cuda_attention_cudnn_why(&gpu);
+        if (cudnn1 - cudnn0 != 2)
+            printf("     cuDNN did not run it: %s\n", why ? why : "(no reason recorded)");
+        snprintf(what, sizeof what, "attn %s ran on cuDNN", shape);
+        record(what, dname(dt), cudnn1 - cudnn0 == 2 ? 0 : 1, 0);
+    } else if (cudnn) { /* cuDNN has no backward for T = 1: both directions fall back */
+        snprintf(what, sizeof what, "attn %s fell back to own", shape);
+        record(what, dname(dt), own1 - own0 == 2 && cudnn1 == cudnn0 ? 0 : 1, 0);
+    } else {
+        /* the same backward again from the same gradients: the same bits */
+        KG->download(&gpu, h1, dq.g.data, gq);
+        KG->download(&gpu, (char *)h1 + gq, dk.g.data, gk);
+        KG->download(&gpu, (char *)h1 + gq + gk, dv.g.data, gk);
+        KG->upload(&gpu, dq.g.data, h0, gq);
+        KG->upload(&gpu, dk.g.data, (char *)h0 + gq, gk);
+        KG->upload(&gpu, dv.g.data, (char *)h0 + gq + gk, gk);
+        KG->attention_backward(&gpu, &dq.g, &dk.g, &dv.g, &dout.g, &out.g, &lse.g, &q.g, &k.g, &v.g, W);
+        KG->download(&gpu, h0, dq.g.data, gq);
+        KG->download(&gpu, (char *)h0 + gq, dk.g.data, gk);
+        KG->download(&gpu, (char *)h0 + gq + gk, dv.g.data, gk);
+        snprintf(what, sizeof what, "attn %s bwd twice: same bits", shape);
+        record(what, dname(dt), memcmp(h0, h1, gq + 2 * gk) == 0 ? 0 : 1, 0);
+        am_cuda_attention_calls(&own1, &cudnn1);
+        snprintf(what, sizeof what, "attn %s ran on own kernels", shape);
+        record(what, dname(dt), own1 - own0 == 3 && cudnn1 == cudnn0 ? 0 : 1, 0);
+    }
+    free(h0);
+    free(h1);
+    unsetenv("AM_ATTN");
+    pair_free(&q);
+    pair_free(&k);
+    pair_free(&v);
+    pair_free(&out);
+    pair_free(&lse);
+    pair_free(&dout);
+    pair_free(&dq);
+    pair_free(&dk);
+    pair_free(&dv);
+}
+
 static void case_adamw(float beta1)
 {
     int64_t n = 10007;
@@ -428,6 +521,31 @@ int main(void)
     case_rope(AM_BF16, AM_BF16);
     case_swiglu(AM_F32);
     case_swiglu(AM_BF16);
+    /* attention: GQA and MHA, head sizes 64 and 128 (and, on the own kernels, 20, 96 and
+     * 256), T not a multiple of the 32-row tiles, T = 1, a window shorter than T, B = 2 */
+    static const int64_t shapes[][6] = {
+        /* B, T, H, KVH, D, window */
+        {2, 77, 8, 2, 64, 0}, {1, 77, 4, 4, 128, 0}, {2, 77, 8, 2, 128, 7},
+        {2, 1, 8, 2, 64, 0},  {1, 64, 4, 4, 64, 7},  {2, 77, 8, 2, 64, 100},
+    };
+    static const int64_t own_shapes[][6] = {{1, 50, 2, 1, 256, 0}, {1, 40, 3, 3, 96, 5}, {2, 33, 2, 2, 20, 0}};
+    for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++) {
+        const int64_t *c = shapes[i];
+        case_attention("own", AM_F32, c[0], c[1], c[2], c[3], c[4], c[5]);
+        case_attention("own", AM_BF16, c[0], c[1], c[2], c[3], c[4], c[5]);
+    }
+    for (size_t i = 0; i < sizeof own_shapes / sizeof own_shapes[0]; i++) {
+        const int64_t *c = own_shapes[i];
+        case_attention("own", AM_F32, c[0], c[1], c[2], c[3], c[4], c[5]);
+        case_attention("own", AM_BF16, c[0], c[1], c[2], c[3], c[4], c[5]);
+    }
+    if (am_cuda_attention_has_cudnn())
+        for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++) {
+            const int64_t *c = shapes[i];
+            case_attention("cudnn", AM_BF16, c[0], c[1], c[2], c[3], c[4], c[5]);
+        }
+    else
+        printf("note: this build has no cuDNN: the attention's cuDNN path is not checked\n");
     case_adamw(0.9f);
     case_adamw(0.3f);
     KG->sync(&gpu);
