@@ -4,6 +4,7 @@
 #include <string.h>
 
 #include "plan.h"
+#include "pp_schedule.h"
 
 struct check {
     const struct am_recipe *r;
@@ -180,12 +181,17 @@ static void batch_rules(struct check *c, long dp)
         if (lb % mbs)
             FAIL(c, "distributed.pipeline.pp_microbatch_size", "%d does not divide step_scheduler.local_batch_size "
                  "= %ld (use %s)", mbs, lb, divisors(lb, 1024, d, sizeof(d)));
-        else if (lb / mbs < pp)
+        else if (r->dist.pipeline.schedule != AM_PP_INTERLEAVED_1F1B && lb / mbs < pp)
             FAIL(c, "step_scheduler.local_batch_size", "%ld gives %ld micro-batches, fewer than pp_size = %d "
-                 "stages (use local_batch_size >= %d * pp_microbatch_size)", lb, lb / mbs, pp, pp);
-        else if (r->dist.pipeline.schedule == AM_PP_INTERLEAVED_1F1B && (lb / mbs) % pp)
-            FAIL(c, "step_scheduler.local_batch_size", "interleaved1f1b needs the number of micro-batches "
-                 "(local_batch_size / pp_microbatch_size = %ld) to be a multiple of pp_size = %d", lb / mbs, pp);
+                 "stages (%s needs at least one micro-batch per stage: use local_batch_size >= %d * "
+                 "pp_microbatch_size, or interleaved1f1b)", lb, lb / mbs, pp,
+                 am_pp_schedule_name(r->dist.pipeline.schedule), pp);
+        else if (r->dist.pipeline.schedule == AM_PP_INTERLEAVED_1F1B && am_pipe_round(pp, (int)(lb / mbs)) < 0) {
+            long m = lb / mbs, rounds = m / pp;
+            FAIL(c, "step_scheduler.local_batch_size", "interleaved1f1b runs the %ld micro-batches (local_batch_size "
+                 "/ pp_microbatch_size) in max(1, %ld / pp_size) = %ld rounds, which must divide them (use %ld or "
+                 "%ld micro-batches)", m, m, rounds, m / rounds * rounds, (m / rounds + 1) * rounds);
+        }
     }
 }
 
