@@ -69,6 +69,7 @@ struct am_recipe {
             int microbatch_size;
             int layers_per_stage; /* 0: split evenly */
             enum am_round round_virtual;
+            long seq_len; /* pp_seq_len: 0, not given */
         } pipeline;
     } dist;
 
@@ -81,10 +82,12 @@ struct am_recipe {
         double weights[AM_MAX_DATA_PATHS];
         int n_paths;
         long seq_length; /* 0: not given */
+        const char *seq_key; /* the key it was read from: "seq_length" or "seq_len" */
         bool shuffle;
         long seed;
     } data;
     long packed_sequence_size;
+    const char *packing_strategy; /* "thd" (AutoModel's default) or "neat" */
 
     struct {
         const char *name; /* "adam" or "adamw" */

@@ -38,10 +38,12 @@ static const char *divisors(long n, long max, char *buf, size_t len)
 long am_recipe_seq_length(const struct am_recipe *r, bool *assumed)
 {
     *assumed = false;
+    if (r->packed_sequence_size > 0) /* samples are packed into sequences of this many tokens */
+        return r->packed_sequence_size;
     if (r->data.seq_length > 0)
         return r->data.seq_length;
-    if (r->packed_sequence_size > 0)
-        return r->packed_sequence_size;
+    if (r->dist.pp > 1 && r->dist.pipeline.seq_len > 0)
+        return r->dist.pipeline.seq_len;
     *assumed = true;
     return 2048;
 }
@@ -122,11 +124,8 @@ static void pipeline_rules(struct check *c)
     char d[128];
     if (L <= 0 || pp < 1)
         return;
-    if (pp == 1) {
-        if (s == AM_PP_INTERLEAVED_1F1B && lps)
-            FAIL(c, "distributed.pipeline.pp_schedule", "interleaved1f1b needs pp_size > 1");
-        return;
-    }
+    if (pp == 1)
+        return; /* the pipeline section was dropped (recipe.c) */
     if (s != AM_PP_INTERLEAVED_1F1B) {
         if (lps && lps * pp != L)
             FAIL(c, "distributed.pipeline.layers_per_stage", "%d makes %ld stages for pp_size = %d, but %s runs "
