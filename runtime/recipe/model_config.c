@@ -734,7 +734,7 @@ int am_model_config_read(struct am_arena *a, struct am_node *cfg, const char *se
     if (!m->model_type)
         m->model_type = m->num_experts ? "mixtral" : "llama";
     if (!am_model_type_supported(m->model_type)) {
-        am_errorf(err, &where, "%s.model_type: '%s' is not supported by am (supported: llama, mistral, "
+        am_errorf(err, &where, "%s.model_type: '%s' is not supported (supported: llama, mistral, "
                   "mixtral, qwen3, qwen3_moe)", section, m->model_type);
         return -1;
     }
