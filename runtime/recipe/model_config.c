@@ -639,17 +639,20 @@ static void resolve_windows(const struct window_keys *w, const struct am_pos *wh
  * architecture: accepted in a recipe, listed as ignored. */
 static const char *const automodel_model_keys[] = {
     "_target_", "trust_remote_code", "attn_implementation", "use_liger_kernel", "use_sdpa_patching",
-    "sdpa_method", "output_hidden_states", "is_meta_device", "force_hf", "backend",
-    "cache_dir", "revision", "local_files_only", "low_cpu_mem_usage", "text_config", NULL};
+    "sdpa_method", "output_hidden_states", "is_meta_device", "force_hf", "backend", "name_or_path",
+    "_attn_implementation", "cache_dir", "revision", "local_files_only", "low_cpu_mem_usage", "text_config", NULL};
 
 /* Without a model_type, the class that names the architecture: config.json's architectures
  * (LlamaForCausalLM) or AutoModel's config class (model.config._target_: ...DeepseekV4Config).
- * Reports one it does not know as unsupported and returns true. */
-static bool unsupported_class(struct am_node *cfg, const char *section, struct am_errors *err)
+ * Sets *type for a class am builds; reports one it does not know as unsupported and returns
+ * true. */
+static bool unsupported_class(struct am_node *cfg, const char *section, const char **type, struct am_errors *err)
 {
     static const char *const known[] = {"Llama", "Mistral", "Mixtral", "Qwen3", "Qwen3Moe", NULL};
+    static const char *const types[] = {"llama", "mistral", "mixtral", "qwen3", "qwen3_moe"};
     struct am_node *arch = am_node_path(cfg, "architectures"), *target = am_node_path(cfg, "_target_"), *v = NULL;
     const char *cls = NULL, *key = NULL;
+    char name[128];
     size_t stem;
     if (arch && arch->kind == AM_NODE_SEQ && arch->n > 0 && arch->entries[0].value->kind == AM_NODE_SCALAR) {
         v = arch->entries[0].value;
@@ -658,8 +661,19 @@ static bool unsupported_class(struct am_node *cfg, const char *section, struct a
         const char *end = strstr(cls, "For");
         stem = end ? (size_t)(end - cls) : strlen(cls);
     } else if (target && target->kind == AM_NODE_SCALAR && !strstr(target->str, "AutoConfig")) {
+        /* ...DeepseekV4Config, or ...DeepseekV4Config.from_pretrained */
+        const char *t = target->str, *end = t + strlen(t), *dot = strrchr(t, '.');
+        if (dot && strncmp(dot + 1, "from_", 5) == 0) {
+            end = dot;
+            dot = NULL;
+            for (const char *c = t; c < end; c++)
+                if (*c == '.')
+                    dot = c;
+        }
+        const char *start = dot ? dot + 1 : t;
+        snprintf(name, sizeof(name), "%.*s", (int)(end - start), start);
         v = target;
-        cls = strrchr(target->str, '.') ? strrchr(target->str, '.') + 1 : target->str;
+        cls = name;
         key = "_target_";
         size_t l = strlen(cls);
         if (l <= 6 || strcmp(cls + l - 6, "Config") != 0)
@@ -669,8 +683,10 @@ static bool unsupported_class(struct am_node *cfg, const char *section, struct a
         return false;
     }
     for (int i = 0; known[i]; i++)
-        if (strlen(known[i]) == stem && strncmp(cls, known[i], stem) == 0)
+        if (strlen(known[i]) == stem && strncmp(cls, known[i], stem) == 0) {
+            *type = types[i];
             return false;
+        }
     am_errorf(err, &v->pos, "%s.%s: '%.60s' is not an architecture am builds (supported: llama, mistral, "
               "mixtral, qwen3, qwen3_moe)", section, key, cls);
     return true;
@@ -693,7 +709,8 @@ int am_model_config_read(struct am_arena *a, struct am_node *cfg, const char *se
                   "qwen3_moe)", section, type->value->str);
         return -1;
     }
-    if (!type && unsupported_class(cfg, section, err))
+    const char *class_type = NULL;
+    if (!type && unsupported_class(cfg, section, &class_type, err))
         return -1;
     for (size_t i = 0; i < cfg->n; i++) {
         struct am_entry *e = &cfg->entries[i];
@@ -732,7 +749,7 @@ int am_model_config_read(struct am_arena *a, struct am_node *cfg, const char *se
     struct am_pos where = cfg->pos;
     where.line = 0;
     if (!m->model_type)
-        m->model_type = m->num_experts ? "mixtral" : "llama";
+        m->model_type = class_type ? class_type : m->num_experts ? "mixtral" : "llama";
     if (!am_model_type_supported(m->model_type)) {
         am_errorf(err, &where, "%s.model_type: '%s' is not supported (supported: llama, mistral, "
                   "mixtral, qwen3, qwen3_moe)", section, m->model_type);

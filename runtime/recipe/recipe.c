@@ -669,6 +669,14 @@ static void read_model(struct reader *rd, struct am_node *model)
     if (dtype_rc < 0)
         return;
 
+    /* model.config's own source when model names one too: the same checkpoint */
+    if (inline_cfg != model && src && am_node_entry(model, "pretrained_model_name_or_path")) {
+        struct am_entry *dup = am_node_entry(inline_cfg, "pretrained_model_name_or_path");
+        if (dup && !dup->used) {
+            dup->used = true;
+            add_ignored(rd, "model.config", "pretrained_model_name_or_path");
+        }
+    }
     struct am_node *merged = inline_cfg;
     r->model_source = "inline";
     if (src) {
@@ -814,6 +822,14 @@ static void read_recipe(struct reader *rd)
         if (strcmp(e->key, "fp8") == 0 && e->value->kind == AM_NODE_MAP) {
             e->used = true;
             read_fp8(rd, e->value);
+            continue;
+        }
+        if (strcmp(e->key, "recipe") == 0 && e->value->kind == AM_NODE_SCALAR &&
+            (strstr(e->value->str, "VLM") || strstr(e->value->str, "SequenceClassification"))) {
+            e->used = true;
+            am_errorf(rd->err, &e->value->pos, "recipe: %.60s trains %s; am trains text-only causal language "
+                      "models on next-token prediction", e->value->str,
+                      strstr(e->value->str, "VLM") ? "a vision-language model" : "a sequence classifier");
             continue;
         }
         if (strcmp(e->key, "compile") == 0) {

@@ -358,6 +358,12 @@ static void test_model_rules(void **state)
            "    num_nextn_predict_layers: 0\n", NULL,
            MSGS("r.yaml:3:15: model.config._target_: 'DeepseekV4Config' is not an architecture am builds (supported: "
                 "llama, mistral, mixtral, qwen3, qwen3_moe)"));
+    expect("model:\n  config:\n    _target_: pkg.models.glm4_moe.Glm4MoeConfig.from_pretrained\n", NULL,
+           MSGS("r.yaml:3:15: model.config._target_: 'Glm4MoeConfig' is not an architecture am builds (supported: "
+                "llama, mistral, mixtral, qwen3, qwen3_moe)"));
+    expect("model:\n  config:\n    _target_: transformers.Qwen3MoeConfig\n    hidden_size: 64\n"
+           "    num_hidden_layers: 2\n    num_attention_heads: 2\n    intermediate_size: 128\n    vocab_size: 64\n",
+           NULL, MSGS("r.yaml: model.config.num_experts: missing (a qwen3_moe model has experts)"));
     expect("model:\n  hidden_size: 64\n  num_hidden_layers: 2\n  num_attention_heads: 2\n  intermediate_size: 128\n"
            "  vocab_size: 64\n  quantization_config:\n    quant_method: bitsandbytes\n    load_in_4bit: true\n", NULL,
            MSGS("r.yaml:8:5: model.quantization_config: a quantized checkpoint (quant_method bitsandbytes) is not "
