@@ -126,6 +126,8 @@ static void print_json(const struct am_recipe *r, const struct am_plan *p, bool 
         long seq = am_recipe_seq_length(r, &seq_assumed);
         if (seq_assumed)
             json_object_set_new(assumed, "seq_length", json_integer(seq));
+        if (r->param_dtype_assumed)
+            json_object_set_new(assumed, "torch_dtype", json_string(am_dtype_torch_name(r->param_dtype)));
     }
     json_object_set_new(o, "assumed", assumed);
     json_object_set_new(o, "errors", errors);

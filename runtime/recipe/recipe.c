@@ -734,6 +734,8 @@ static void read_model(struct reader *rd, struct am_node *model)
     if (dtype_rc == 1 && r->model.torch_dtype) { /* absent or "auto": the checkpoint's dtype */
         struct am_node v = {.kind = AM_NODE_SCALAR, .str = r->model.torch_dtype, .plain = true};
         read_dtype(rd, &v, "config.json torch_dtype", &r->param_dtype);
+    } else if (dtype_rc == 1) {
+        r->param_dtype_assumed = true; /* neither the recipe nor config.json: bfloat16 */
     }
 }
 

@@ -53,6 +53,7 @@ struct am_recipe {
     struct am_model_config model;
     const char *model_source; /* the resolved config.json, "inline", or a shipped config */
     enum am_dtype param_dtype;   /* model.torch_dtype: storage of parameters */
+    bool param_dtype_assumed;    /* neither the recipe nor config.json gives it: bfloat16 */
     enum am_dtype compute_dtype; /* distributed.mp_policy.param_dtype, else per strategy */
     enum am_dtype reduce_dtype;  /* distributed.mp_policy.reduce_dtype: gradients' all-reduce */
 
