@@ -7,8 +7,9 @@
 # examples/{llm_finetune,llm_pretrain,llm_benchmark,llm_kd,llm_seq_cls,convergence,
 # long_context_validation} and N in 1, 2, 4, 8, and counts the outcomes by the first error's
 # kind: planned, or refused because of a missing config.json, an architecture am does not
-# build, a feature am does not run (LoRA, distillation, fp8, ...), the layout or batch rules,
-# memory over 80 GiB, or anything else ("other": to be read). OUT_DIR (default a temporary
+# build, a model or recipe that is not a causal LM, an optimizer am does not run, a feature am
+# does not run (LoRA, distillation, fp8, quantization, ...), the layout or batch rules, memory
+# over 80 GiB, or anything else ("other": to be read). OUT_DIR (default a temporary
 # directory) keeps one line per run: "RECIPE N KIND first error".
 set -u
 src=${1:?usage: automodel-examples.sh AUTOMODEL_CHECKOUT [AM_PLAN] [OUT_DIR]}
@@ -23,8 +24,9 @@ kind() { # RC FIRST_ERROR -> a kind
     [ "$1" = 0 ] && { echo plan; return; }
     case $2 in
     *"not found; looked in"*) echo no-config ;;
-    *"model_type: '"*"is not supported"*) echo architecture ;;
-    *"is not a causal language model"*) echo not-causal-lm ;;
+    *"model_type: '"*"is not supported"*|*"is not an architecture am builds"*) echo architecture ;;
+    *"is not a causal language model"*|*"recipe: "*" trains a"*) echo not-causal-lm ;;
+    *"is not an optimizer am runs"*) echo optimizer ;;
     *"peft: "*) echo lora ;;
     *"knowledge distillation"*) echo distillation ;;
     *"fp8.enabled"*|*"quantiz"*|*"freezing"*|*"NEFTune"*) echo feature ;;
