@@ -432,8 +432,14 @@ static int read_optimizer_target(struct reader *rd, struct am_node *v, const cha
         rd->r->optim.name = "adamw";
     else if (strcmp(s, "torch.optim.Adam") == 0)
         rd->r->optim.name = "adam";
-    else {
-        am_errorf(rd->err, &v->pos, "%s: '%s' is not an optimizer am runs (use torch.optim.AdamW or "
+    else if (strstr(s, "FusedAdam") || strstr(s, "FlashAdamW")) {
+        /* the same update rule, with their own precisions for the master weights and moments */
+        am_errorf(rd->err, &v->pos, "%s: '%.60s' is not an optimizer am runs: its update is AdamW's, with its own "
+                  "precisions for master weights and moments (use torch.optim.AdamW; model.torch_dtype: float32 "
+                  "keeps fp32 weights and moments)", key, s);
+        return -1;
+    } else {
+        am_errorf(rd->err, &v->pos, "%s: '%.60s' is not an optimizer am runs (use torch.optim.AdamW or "
                   "torch.optim.Adam)", key, s);
         return -1;
     }
