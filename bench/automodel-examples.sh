@@ -41,8 +41,14 @@ for dir in llm_finetune llm_pretrain llm_benchmark llm_kd llm_seq_cls convergenc
     while IFS= read -r f; do
         n=$((n + 1))
         for nodes in 1 2 4 8; do
-            line=$("$plan" "$f" --nodes "$nodes" --gpus-per-node 8 --gpu-mem 80G --json 2>&1 | tail -1)
+            line=$("$plan" "$f" --nodes "$nodes" --gpus-per-node 8 --gpu-mem 80G --json 2>&1)
+            status=$?
+            line=$(tail -1 <<<"$line")
             [[ $line == *'"errors":[]'* ]] && rc=0 || rc=1
+            if [ "$status" -gt 1 ]; then # a crash, or a command line am-plan refused
+                echo "${f#"$src"/} $nodes crash exit status $status" >>"$out/runs"
+                continue
+            fi
             first=$(sed -E 's/.*"errors":\["(([^"\\]|\\.)*)".*/\1/; t; s/.*//' <<<"$line")
             echo "${f#"$src"/} $nodes $(kind "$rc" "$first") $first" >>"$out/runs"
         done

@@ -515,6 +515,12 @@ static void test_model_from_hf_cache(void **state)
              "the Hugging Face cache (%s/hub/models--acme--huge), the configs shipped with am (/nonexistent/models). "
              "am needs only its config.json to plan: huggingface-cli download acme/huge config.json", tmp);
     expect("model:\n  pretrained_model_name_or_path: acme/huge\n", NULL, MSGS(want));
+    /* close matches in the cache: the same name ignoring case, or one name containing the other */
+    snprintf(want, sizeof(want), "r.yaml:2:34: model.pretrained_model_name_or_path: 'acme/Tiny-Instruct' not found; "
+             "looked in the Hugging Face cache (%s/hub/models--acme--Tiny-Instruct), the configs shipped with am "
+             "(/nonexistent/models). am needs only its config.json to plan: huggingface-cli download "
+             "acme/Tiny-Instruct config.json (close matches: acme/tiny)", tmp);
+    expect("model:\n  pretrained_model_name_or_path: acme/Tiny-Instruct\n", NULL, MSGS(want));
     snprintf(want, sizeof(want), "r.yaml:2:34: model.pretrained_model_name_or_path: './no/such/dir' not found; looked "
              "in a local directory (none exists at that path) (give a directory with config.json, a hub id ORG/NAME, "
              "or write the architecture under model:)");
