@@ -881,6 +881,7 @@ static void read_recipe(struct reader *rd)
     struct am_node *ds = am_node_child(root, "dataset");
     struct am_node *target = am_node_path(ds, "_target_");
     if (target && target->kind == AM_NODE_SCALAR && !strstr(target->str, "egatron")) {
+        r->data.foreign = true;
         for (size_t i = 0; i < ds->n; i++)
             if (!am_key_in(ds->entries[i].key, seq_length_names)) {
                 ds->entries[i].used = true;

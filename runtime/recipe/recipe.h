@@ -84,6 +84,7 @@ struct am_recipe {
         int n_paths;
         long seq_length; /* 0: not given */
         const char *seq_key; /* the key it was read from: "seq_length" or "seq_len" */
+        bool foreign;        /* dataset._target_ is not Megatron's: am plans with it but does not read it */
         bool shuffle;
         long seed;
     } data;

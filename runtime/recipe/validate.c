@@ -38,6 +38,8 @@ static const char *divisors(long n, long max, char *buf, size_t len)
 long am_recipe_seq_length(const struct am_recipe *r, bool *assumed)
 {
     *assumed = false;
+    if (!r->data.foreign && r->data.seq_length > 0) /* a Megatron dataset's samples: what am trains on */
+        return r->data.seq_length;
     if (r->packed_sequence_size > 0) /* samples are packed into sequences of this many tokens */
         return r->packed_sequence_size;
     if (r->data.seq_length > 0)
