@@ -204,12 +204,20 @@ static void sequence_rules(struct check *c)
     if (cp > 1 && r->packed_sequence_size % cp)
         FAIL(c, "packed_sequence.packed_sequence_size", "%ld is not divisible by cp_size = %d (use a multiple of "
              "%d)", r->packed_sequence_size, cp, cp);
-    if (cp > 1 && seq && seq % (2L * cp))
-        FAIL(c, "dataset.seq_length", "%ld is not divisible by 2*cp_size = %d (context parallelism splits each "
-             "sequence into 2*cp_size chunks for load balance)", seq, 2 * cp);
-    if (r->dist.sequence_parallel && tp > 1 && seq && seq % tp)
-        FAIL(c, "dataset.seq_length", "%ld is not divisible by tp_size = %d (sequence_parallel splits the "
-             "sequence across tp ranks)", seq, tp);
+    /* the key the recipe gives it under: seq_length, or seq_len (AutoModel's other datasets) */
+    char key[64];
+    snprintf(key, sizeof(key), "dataset.%s", r->data.seq_key ? r->data.seq_key : "seq_length");
+    struct am_pos pos = am_recipe_pos(r, key);
+    if (cp > 1 && seq && seq % (2L * cp)) {
+        am_errorf(c->err, &pos, "%s: %ld is not divisible by 2*cp_size = %d (context parallelism splits each "
+                  "sequence into 2*cp_size chunks for load balance)", key, seq, 2 * cp);
+        c->added++;
+    }
+    if (r->dist.sequence_parallel && tp > 1 && seq && seq % tp) {
+        am_errorf(c->err, &pos, "%s: %ld is not divisible by tp_size = %d (sequence_parallel splits the sequence "
+                  "across tp ranks)", key, seq, tp);
+        c->added++;
+    }
     if (r->dist_env.timeout_minutes <= 0)
         FAIL(c, "dist_env.timeout_minutes", "%g must be positive", r->dist_env.timeout_minutes);
 }
