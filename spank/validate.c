@@ -251,8 +251,8 @@ static int check_without_world(const struct am_config *cfg, bool read_files, str
         chk.r = NULL;
     }
     chk.unreadable = !chk.r;
-    if (chk.r && err->n == 0)
-        am_validate(chk.r, NULL, err);
+    if (chk.r)
+        am_validate(chk.r, NULL, err); /* the layout's errors too, with the recipe's: all in one run */
     return err->n ? -1 : 0;
 }
 

@@ -119,6 +119,17 @@ static void print_json(const struct am_recipe *r, const struct am_plan *p, bool 
         json_object_set_new(o, "tokens_per_step", json_real(p->tokens_per_step));
         json_object_set_new(o, "flops_per_step", json_real(p->flops_per_step));
     }
+    /* values the plan assumed because the recipe does not give them */
+    json_t *assumed = json_object();
+    if (r) {
+        bool seq_assumed;
+        long seq = am_recipe_seq_length(r, &seq_assumed);
+        if (seq_assumed)
+            json_object_set_new(assumed, "seq_length", json_integer(seq));
+        if (r->param_dtype_assumed)
+            json_object_set_new(assumed, "torch_dtype", json_string(am_dtype_torch_name(r->param_dtype)));
+    }
+    json_object_set_new(o, "assumed", assumed);
     json_object_set_new(o, "errors", errors);
     json_object_set_new(o, "ignored_keys", r ? str_array(&r->ignored) : json_array());
     json_object_set_new(o, "notes", r ? str_array(&r->notes) : json_array());
@@ -213,9 +224,13 @@ int main(int argc, char **argv)
     struct am_plan plan = {0};
     struct am_recipe *r = am_recipe_load(argv[optind], ov, n_ov, &err);
     bool planned = false;
-    if (r && err.n == 0 && am_plan_build(r, &w, &plan, &err) == 0) {
-        planned = true;
-        am_plan_check_memory(r, &w, &plan, &err);
+    if (r && err.n == 0) {
+        if (am_plan_build(r, &w, &plan, &err) == 0) {
+            planned = true;
+            am_plan_check_memory(r, &w, &plan, &err);
+        }
+    } else if (r) {
+        am_validate(r, &w, &err); /* the layout's errors too, all in one run */
     }
     if (json) {
         print_json(r, &plan, planned, &err);

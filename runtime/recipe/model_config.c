@@ -8,6 +8,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <dirent.h>
+#include <ctype.h>
 #include <sys/stat.h>
 
 #include "util.h"
@@ -122,6 +124,114 @@ int am_model_resolve(const char *name_or_path, char *out, size_t out_len, char *
     return from_shipped(name_or_path, out, out_len, looked, looked_len);
 }
 
+/* ---- close matches of a hub id -------------------------------------------------------- */
+
+struct match {
+    char id[256];
+    int dist;
+};
+
+static void lower(const char *s, char *out, size_t len)
+{
+    size_t i = 0;
+    for (; s[i] && i + 1 < len; i++)
+        out[i] = (char)tolower((unsigned char)s[i]);
+    out[i] = '\0';
+}
+
+/* How close candidate ORG/NAME is to the id asked for: by NAME, ignoring case; -1 when not
+ * close (neither name contains the other, and more than 2 letters differ). */
+static int closeness(const char *want, const char *cand)
+{
+    const char *w = strrchr(want, '/'), *c = strrchr(cand, '/');
+    char a[256], b[256];
+    lower(w ? w + 1 : want, a, sizeof(a));
+    lower(c ? c + 1 : cand, b, sizeof(b));
+    if (!a[0] || !b[0] || strcmp(want, cand) == 0)
+        return -1;
+    int cap = (int)(strlen(a) > strlen(b) ? strlen(a) : strlen(b));
+    int d = am_edit_distance(a, b, cap);
+    if (strstr(a, b) || strstr(b, a) || d <= 2)
+        return d;
+    return -1;
+}
+
+/* ORG--NAME (after prefix, before suffix) -> ORG/NAME */
+static bool id_of(const char *entry, const char *prefix, const char *suffix, char *out, size_t len)
+{
+    size_t el = strlen(entry), pl = strlen(prefix), sl = strlen(suffix);
+    if (el <= pl + sl || strncmp(entry, prefix, pl) || strcmp(entry + el - sl, suffix))
+        return false;
+    const char *sep = strstr(entry + pl, "--");
+    size_t n = el - pl - sl;
+    if (n + 1 > len)
+        return false;
+    if (!sep || sep >= entry + el - sl) {
+        memcpy(out, entry + pl, n);
+        out[n] = '\0';
+        return true;
+    }
+    size_t org = (size_t)(sep - (entry + pl));
+    snprintf(out, len, "%.*s/%.*s", (int)org, entry + pl, (int)(n - org - 2), sep + 2);
+    return true;
+}
+
+static void scan(const char *dir, const char *prefix, const char *suffix, const char *want, struct match *m, int *n,
+                 int max)
+{
+    DIR *d = opendir(dir);
+    if (!d)
+        return;
+    struct dirent *e;
+    while ((e = readdir(d))) {
+        char id[256];
+        if (!id_of(e->d_name, prefix, suffix, id, sizeof(id)))
+            continue;
+        int dist = closeness(want, id);
+        if (dist < 0)
+            continue;
+        bool dup = false;
+        for (int i = 0; i < *n; i++)
+            dup = dup || strcmp(m[i].id, id) == 0;
+        if (dup)
+            continue;
+        if (*n == max)
+            break;
+        snprintf(m[*n].id, sizeof(m[*n].id), "%s", id);
+        m[(*n)++].dist = dist;
+    }
+    closedir(d);
+}
+
+int am_model_similar(const char *id, char *out, size_t len)
+{
+    static const int max = 64;
+    struct match m[64];
+    int n = 0;
+    char cache[1024], def[1024];
+    hub_cache_dir(cache, sizeof(cache));
+    scan(cache, "models--", "", id, m, &n, max);
+    const char *dir = getenv("AM_MODELS_DIR");
+    if (!dir || !*dir) {
+        snprintf(def, sizeof(def), "%s/models", AM_PKGDATADIR);
+        dir = def;
+    }
+    scan(dir, "", ".json", id, m, &n, max);
+    for (int i = 1; i < n; i++) /* closest first; ties by name */
+        for (int j = i; j > 0 && (m[j].dist < m[j - 1].dist ||
+                                  (m[j].dist == m[j - 1].dist && strcmp(m[j].id, m[j - 1].id) < 0)); j--) {
+            struct match t = m[j];
+            m[j] = m[j - 1];
+            m[j - 1] = t;
+        }
+    out[0] = '\0';
+    for (int i = 0; i < n && i < 3; i++) {
+        size_t l = strlen(out);
+        snprintf(out + l, len - l, "%s%s", i ? ", " : "", m[i].id);
+    }
+    return n < 3 ? n : 3;
+}
+
 /* ---- JSON -> node tree --------------------------------------------------------------- */
 
 static struct am_node *json_to_node(struct am_arena *a, json_t *j, const struct am_pos *pos, int depth)
@@ -213,7 +323,7 @@ struct am_node *am_json_file_to_node(struct am_arena *a, const char *path, struc
 
 enum kind {
     K_LONG, K_DOUBLE, K_BOOL, K_STR, K_ACT, K_ROPE_SCALING, K_ROPE_PARAMETERS, K_CHECK_FALSE, K_CHECK_ZERO,
-    K_WINDOW, K_USE_WINDOW, K_MAX_WINDOW_LAYERS, K_LAYER_TYPES, K_IGNORE
+    K_WINDOW, K_USE_WINDOW, K_MAX_WINDOW_LAYERS, K_LAYER_TYPES, K_QUANT, K_IGNORE
 };
 
 /* The sliding-window keys as written, resolved per model type once all keys are read. */
@@ -263,6 +373,7 @@ static const struct hf_key hf_keys[] = {
     {"use_sliding_window", K_USE_WINDOW, 0},
     {"max_window_layers", K_MAX_WINDOW_LAYERS, 0},
     {"layer_types", K_LAYER_TYPES, 0},
+    {"quantization_config", K_QUANT, 0},
     /* config.json keys that do not change the architecture am builds */
     {"architectures", K_IGNORE, 0},
     {"bos_token_id", K_IGNORE, 0},
@@ -363,6 +474,8 @@ static int read_key(const struct hf_key *k, struct am_node *v, const char *secti
     snprintf(key, sizeof(key), "%s.%s", section, k->name);
     char *base = (char *)m;
     bool b;
+    if (v->failed)
+        return -1;
     switch (k->kind) {
     case K_LONG:
         if (am_node_is_null(v))
@@ -429,6 +542,17 @@ static int read_key(const struct hf_key *k, struct am_node *v, const char *secti
         if (!am_node_is_null(v))
             w->layer_types = v;
         return 0;
+    case K_QUANT: {
+        if (am_node_is_null(v))
+            return 0;
+        struct am_node *method = v->kind == AM_NODE_MAP ? am_node_path(v, "quant_method") : NULL;
+        am_errorf(err, &v->pos, "%s: a quantized checkpoint%s%.40s%s is not supported: am trains bf16 or fp32 "
+                  "weights and does not dequantize them (use the unquantized model)", key,
+                  method && method->kind == AM_NODE_SCALAR ? " (quant_method " : "",
+                  method && method->kind == AM_NODE_SCALAR ? method->str : "",
+                  method && method->kind == AM_NODE_SCALAR ? ")" : "");
+        return -1;
+    }
     case K_IGNORE:
         return 0;
     }
@@ -515,8 +639,58 @@ static void resolve_windows(const struct window_keys *w, const struct am_pos *wh
  * architecture: accepted in a recipe, listed as ignored. */
 static const char *const automodel_model_keys[] = {
     "_target_", "trust_remote_code", "attn_implementation", "use_liger_kernel", "use_sdpa_patching",
-    "sdpa_method", "output_hidden_states", "is_meta_device", "force_hf", "backend", "quantization_config",
-    "cache_dir", "revision", "local_files_only", "low_cpu_mem_usage", "text_config", NULL};
+    "sdpa_method", "output_hidden_states", "is_meta_device", "force_hf", "backend", "name_or_path",
+    "_attn_implementation", "cache_dir", "revision", "local_files_only", "low_cpu_mem_usage", "text_config", NULL};
+
+/* Without a model_type, the class that names the architecture: config.json's architectures
+ * (LlamaForCausalLM) or AutoModel's config class (model.config._target_: ...DeepseekV4Config).
+ * Sets *type for a class am builds; reports one it does not know as unsupported and returns
+ * true. */
+static bool unsupported_class(struct am_node *cfg, const char *section, const char **type, struct am_errors *err)
+{
+    static const char *const known[] = {"Llama", "Mistral", "Mixtral", "Qwen3", "Qwen3Moe", NULL};
+    static const char *const types[] = {"llama", "mistral", "mixtral", "qwen3", "qwen3_moe"};
+    struct am_node *arch = am_node_path(cfg, "architectures"), *target = am_node_path(cfg, "_target_"), *v = NULL;
+    const char *cls = NULL, *key = NULL;
+    char name[128];
+    size_t stem;
+    if (arch && arch->kind == AM_NODE_SEQ && arch->n > 0 && arch->entries[0].value->kind == AM_NODE_SCALAR) {
+        v = arch->entries[0].value;
+        cls = v->str;
+        key = "architectures";
+        const char *end = strstr(cls, "For");
+        stem = end ? (size_t)(end - cls) : strlen(cls);
+    } else if (target && target->kind == AM_NODE_SCALAR && !strstr(target->str, "AutoConfig")) {
+        /* ...DeepseekV4Config, or ...DeepseekV4Config.from_pretrained */
+        const char *t = target->str, *end = t + strlen(t), *dot = strrchr(t, '.');
+        if (dot && strncmp(dot + 1, "from_", 5) == 0) {
+            end = dot;
+            dot = NULL;
+            for (const char *c = t; c < end; c++)
+                if (*c == '.')
+                    dot = c;
+        }
+        const char *start = dot ? dot + 1 : t;
+        snprintf(name, sizeof(name), "%.*s", (int)(end - start), start);
+        v = target;
+        cls = name;
+        key = "_target_";
+        size_t l = strlen(cls);
+        if (l <= 6 || strcmp(cls + l - 6, "Config") != 0)
+            return false;
+        stem = l - 6;
+    } else {
+        return false;
+    }
+    for (int i = 0; known[i]; i++)
+        if (strlen(known[i]) == stem && strncmp(cls, known[i], stem) == 0) {
+            *type = types[i];
+            return false;
+        }
+    am_errorf(err, &v->pos, "%s.%s: '%.60s' is not an architecture am builds (supported: llama, mistral, "
+              "mixtral, qwen3, qwen3_moe)", section, key, cls);
+    return true;
+}
 
 int am_model_config_read(struct am_arena *a, struct am_node *cfg, const char *section,
                          struct am_model_config *m, struct am_list *ignored, struct am_errors *err)
@@ -525,6 +699,19 @@ int am_model_config_read(struct am_arena *a, struct am_node *cfg, const char *se
     *m = (struct am_model_config){.rope_theta = 10000.0, .rms_norm_eps = 1e-6, .initializer_range = 0.02,
                                   .max_position_embeddings = 2048, .router_aux_loss_coef = 0.001};
     struct window_keys wk = {.max_window_layers = -1};
+    /* an architecture am does not build is reported first and alone: its other keys would
+     * only hide it behind errors about them */
+    struct am_entry *type = am_node_entry(cfg, "model_type");
+    if (type && !type->used && type->value->kind == AM_NODE_SCALAR && !am_node_is_null(type->value) &&
+        !am_model_type_supported(type->value->str)) {
+        struct am_pos where = type->value->pos;
+        am_errorf(err, &where, "%s.model_type: '%.40s' is not supported (supported: llama, mistral, mixtral, qwen3, "
+                  "qwen3_moe)", section, type->value->str);
+        return -1;
+    }
+    const char *class_type = NULL;
+    if (!type && unsupported_class(cfg, section, &class_type, err))
+        return -1;
     for (size_t i = 0; i < cfg->n; i++) {
         struct am_entry *e = &cfg->entries[i];
         if (e->used) /* read by the caller (pretrained_model_name_or_path, config, ...) */
@@ -562,9 +749,9 @@ int am_model_config_read(struct am_arena *a, struct am_node *cfg, const char *se
     struct am_pos where = cfg->pos;
     where.line = 0;
     if (!m->model_type)
-        m->model_type = m->num_experts ? "mixtral" : "llama";
+        m->model_type = class_type ? class_type : m->num_experts ? "mixtral" : "llama";
     if (!am_model_type_supported(m->model_type)) {
-        am_errorf(err, &where, "%s.model_type: '%s' is not supported by am (supported: llama, mistral, "
+        am_errorf(err, &where, "%s.model_type: '%s' is not supported (supported: llama, mistral, "
                   "mixtral, qwen3, qwen3_moe)", section, m->model_type);
         return -1;
     }

@@ -54,6 +54,11 @@ struct am_model_config {
  * out, or -1 with `looked` describing every place tried. */
 int am_model_resolve(const char *name_or_path, char *out, size_t out_len, char *looked, size_t looked_len);
 
+/* Hub ids close to `id` (ignoring case, by the name after ORG/: one contains the other, or
+ * they differ in at most 2 letters) among the Hugging Face cache and the configs
+ * shipped with am, closest first, at most 3, as "ORG/NAME, ORG/NAME" in out. Returns how many. */
+int am_model_similar(const char *id, char *out, size_t len);
+
 /* Reads a JSON file into a node tree (positions name the file). NULL with an error when it
  * cannot be read or is not a JSON object. */
 struct am_node *am_json_file_to_node(struct am_arena *a, const char *path, struct am_errors *err);

@@ -35,6 +35,7 @@ struct am_node {
     struct am_pos pos;
     const char *str; /* scalar text */
     bool plain;      /* scalar written without quotes */
+    bool failed;     /* its error is reported already (an unset ${VAR}): readers pass over it */
     struct am_entry *entries;
     size_t n, cap;
 };
@@ -65,6 +66,13 @@ int am_node_set(struct am_arena *a, struct am_node *root, const char *path, stru
 /* Appends an entry to a map or sequence; -1 when the arena is exhausted. */
 int am_node_append(struct am_arena *a, struct am_node *n, const char *key, struct am_pos key_pos,
                    struct am_node *value);
+
+/* Replaces ${VAR}, ${VAR,default} and $VAR in the values of the top-level sections named in
+ * `sections` (NULL-terminated; NULL: all) with the environment's, as AutoModel's loader does
+ * (env.c gives the exact rules); an unset variable without a default is an error naming it, the
+ * value's position and key. */
+void am_node_resolve_env(struct am_arena *a, struct am_node *root, const char *const *sections,
+                         struct am_errors *err);
 
 /* True for a plain null scalar: ~, null, Null, NULL, or empty; also AutoModel's `none`. */
 bool am_node_is_null(const struct am_node *n);

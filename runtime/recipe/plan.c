@@ -130,8 +130,8 @@ static double act_elems_per_token(const struct am_recipe *r, const struct am_pla
  * executor allocates them, each chunk's slots (pp_schedule.h: the most micro-batches the
  * chunk holds at once) of the chunk's layers_on_rank / v layers. For gpipe and 1f1b that is
  * the schedule's peak; for interleaved1f1b it can be more (the chunks peak at different
- * times). The schedule exists (validate.c: n_micro >= pp, a multiple of pp
- * for interleaved1f1b) and has at most 2 * AM_PLAN_MAX_PIPE_PASSES actions (am_plan_build).
+ * times). The schedule exists (validate.c: n_micro >= pp for gpipe and 1f1b; whole rounds for
+ * interleaved1f1b, am_pipe_round) and has at most 2 * AM_PLAN_MAX_PIPE_PASSES actions (am_plan_build).
  * Returns -1 when out of memory. */
 static double in_flight_layers(const struct am_recipe *r, const struct am_plan *p, int k, int layers_on_rank)
 {

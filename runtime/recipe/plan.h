@@ -121,8 +121,10 @@ const char *am_format_bytes(double bytes, char *buf, size_t len);
  * (what sbatch can check before an allocation exists). Returns the number of errors added. */
 int am_validate(const struct am_recipe *r, const struct am_world *w, struct am_errors *err);
 
-/* Sequence length for planning: dataset.seq_length, else packed_sequence_size, else 2048
- * (*assumed set). */
+/* Sequence length for planning (and am-train's samples): a Megatron dataset's seq_length; else
+ * packed_sequence_size (AutoModel packs the samples of its other datasets into sequences of that
+ * many tokens), else dataset.seq_length or seq_len, else distributed.pipeline.pp_seq_len (with
+ * pp > 1), else 2048 (*assumed set). */
 long am_recipe_seq_length(const struct am_recipe *r, bool *assumed);
 
 #endif

@@ -45,7 +45,7 @@ void am_plan_print(FILE *f, const struct am_recipe *r, const struct am_world *w,
                 p->n_microbatches, p->microbatch_size);
     fprintf(f, "batch        global %ld = local %ld x dp %d x %ld accumulation steps; sequence %ld%s; %s tokens/step\n",
             p->global_batch, p->local_batch, p->dp, p->grad_accum, p->seq_length,
-            p->seq_length_assumed ? " (assumed: set dataset.seq_length)" : "",
+            p->seq_length_assumed ? " (assumed: set dataset.seq_len or seq_length)" : "",
             am_format_count(p->tokens_per_step, b, sizeof(b)));
     fprintf(f, "memory/GPU   %s on pp rank %d", am_format_bytes(m->total, a, sizeof(a)), m->pp_rank);
     if (w->gpu_mem > 0)
@@ -57,8 +57,8 @@ void am_plan_print(FILE *f, const struct am_recipe *r, const struct am_world *w,
     if (p->pp > 1)
         fprintf(f, ", pipeline buffers %s", am_format_bytes(m->p2p, a, sizeof(a)));
     fputc('\n', f);
-    fprintf(f, "             %s parameters, %s compute%s\n", am_dtype_torch_name(r->param_dtype),
-            am_dtype_torch_name(r->compute_dtype),
+    fprintf(f, "             %s parameters%s, %s compute%s\n", am_dtype_torch_name(r->param_dtype),
+            r->param_dtype_assumed ? " (assumed: set model.torch_dtype)" : "", am_dtype_torch_name(r->compute_dtype),
             r->dist.activation_checkpointing ? ", activation checkpointing" : "");
     if (r->dist.strategy != AM_DDP && p->zero_stage == 0)
         fprintf(f, "note         %s does not shard yet: each data-parallel rank keeps full weights, gradients and "

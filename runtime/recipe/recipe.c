@@ -22,6 +22,7 @@ struct reader {
 enum kind {
     K_INT,    /* int, >= min */
     K_LONG,   /* long, >= min */
+    K_OPT_LONG, /* long, >= min; null/none/~/empty stores 0 ("not set") */
     K_SIZE,   /* int >= 1; null/none stores 0 ("not set": inferred or default) */
     K_DOUBLE, /* double */
     K_BOOL,
@@ -199,22 +200,76 @@ static const struct key_spec pipeline_keys[] = {
     {"round_virtual_stages_to_pp_multiple", K_FN, 0, 0, read_round},
     IGNORE("pp_batch_size"), IGNORE("pp_schedule_csv"), IGNORE("module_fqns_per_model_part"),
     IGNORE("patch_inner_model"), IGNORE("patch_causal_lm_model"), IGNORE("patch_stage_backward_maybe_with_nosync"),
-    IGNORE("dtype"), IGNORE("scale_grads_in_schedule"), IGNORE("loss_fn"), IGNORE("pp_seq_len"),
+    IGNORE("dtype"), IGNORE("scale_grads_in_schedule"), IGNORE("loss_fn"),
     IGNORE("pp_recv_buffer_pool"), IGNORE("pp_recv_buffer_pool_slack"), IGNORE("_target_"),
+    {"pp_seq_len", K_OPT_LONG, R(dist.pipeline.seq_len), 1, NULL},
     {NULL, 0, 0, 0, NULL}};
 
+/* pp_size as the recipe (and its overrides) give it, before the section is read; 1 when absent,
+ * null, or not a number (that error is reported where pp_size is read). */
+static long pp_size_given(struct reader *rd)
+{
+    struct am_node *n = am_node_path(rd->r->root, "distributed.pp_size");
+    long pp = 1;
+    struct am_errors quiet;
+    if (!n || am_node_is_null(n))
+        return 1;
+    am_errors_init(&quiet);
+    if (am_node_long(n, "pp_size", 1, 1 << 20, &pp, &quiet) < 0)
+        pp = 1;
+    am_errors_free(&quiet);
+    return pp;
+}
+
+/* distributed.pipeline: with pp_size 1 AutoModel drops the section with a warning (a recipe
+ * may keep it for runs that override pp_size); am does the same, with a note. */
 static int read_pipeline(struct reader *rd, struct am_node *v, const char *key)
 {
     if (am_node_is_null(v))
         return 0;
+    if (pp_size_given(rd) <= 1) {
+        add_note(rd, "%s: pp_size is 1, so pipeline parallelism is off and this section is ignored (as AutoModel "
+                 "does)%s", key, "");
+        return 0;
+    }
     read_section(rd, v, key, pipeline_keys);
     return 0;
 }
 
-static int ignore_whole(struct reader *rd, struct am_node *v, const char *key)
+/* distributed.moe: MoEParallelizerConfig, used only with ep_size > 1 (AutoModel drops it
+ * otherwise). Of its keys, lm_head_precision and mp_policy change the dtypes of what is
+ * computed; the others change where weights live and what is recomputed. */
+static int refuse_moe_dtype(struct reader *rd, struct am_node *v, const char *key)
 {
-    (void)v;
-    add_ignored(rd, "", key);
+    if (am_node_is_null(v))
+        return 0;
+    am_errorf(rd->err, &v->pos, "%s: am computes the experts and the output head in the compute dtype of "
+              "distributed.mp_policy; a separate precision for them is not supported (remove it)", key);
+    return -1;
+}
+
+static const struct key_spec moe_keys[] = {
+    {"lm_head_precision", K_FN, 0, 0, refuse_moe_dtype},
+    {"mp_policy", K_FN, 0, 0, refuse_moe_dtype},
+    IGNORE("ignore_router_for_ac"), IGNORE("reshard_after_forward"), IGNORE("wrap_outer_model"), IGNORE("_target_"),
+    {NULL, 0, 0, 0, NULL}};
+
+static int read_moe(struct reader *rd, struct am_node *v, const char *key)
+{
+    if (am_node_is_null(v))
+        return 0;
+    struct am_node *ep = am_node_path(rd->r->root, "distributed.ep_size");
+    long n = 1;
+    struct am_errors quiet;
+    am_errors_init(&quiet);
+    if (ep && !am_node_is_null(ep) && am_node_long(ep, "ep_size", 1, 1 << 20, &n, &quiet) < 0)
+        n = 1;
+    am_errors_free(&quiet);
+    if (n <= 1) {
+        add_note(rd, "%s: ep_size is 1, so this section is ignored (as AutoModel does)%s", key, "");
+        return 0;
+    }
+    read_section(rd, v, key, moe_keys);
     return 0;
 }
 
@@ -232,7 +287,12 @@ static const struct key_spec distributed_keys[] = {
     {"zero_dp_strategy", K_INT, R(dist.zero_dp_strategy), 1, NULL},
     {"pipeline", K_FN, 0, 0, read_pipeline},
     {"mp_policy", K_FN, 0, 0, read_mp_policy},
-    {"moe", K_FN, 0, 0, ignore_whole},
+    {"moe", K_FN, 0, 0, read_moe},
+    /* FSDP2's policies for vision and audio towers: a language model has none */
+    IGNORE("multimodal"),
+    /* DDP's bucketing and buffer options */
+    IGNORE("broadcast_buffers"), IGNORE("static_graph"), IGNORE("bucket_cap_mb"), IGNORE("gradient_as_bucket_view"),
+    IGNORE("_recursive_"), IGNORE("_convert_"),
     IGNORE("tp_plan"), IGNORE("patch_is_packed_sequence"), IGNORE("offload_policy"), IGNORE("autocast_dtype"),
     IGNORE("activation_checkpointing_scope"), IGNORE("defer_fsdp_grad_sync"), IGNORE("reshard_after_forward"),
     IGNORE("enable_async_tensor_parallel"), IGNORE("enable_compile"), IGNORE("enable_fsdp2_prefetch"),
@@ -245,14 +305,36 @@ static const struct key_spec distributed_keys[] = {
     IGNORE("use_hf_tp_plan"), IGNORE("cpu_offload"),
     {NULL, 0, 0, 0, NULL}};
 
+/* step_scheduler.start_step / start_epoch: where a resumed run's counters start (AutoModel sets
+ * them from a checkpoint); a recipe that starts elsewhere shifts the learning-rate schedule. */
+static int read_start(struct reader *rd, struct am_node *v, const char *key)
+{
+    long l;
+    if (am_node_is_null(v))
+        return 0;
+    if (am_node_long(v, key, 0, LONG_MAX, &l, rd->err) < 0)
+        return -1;
+    if (l != 0) {
+        am_errorf(rd->err, &v->pos, "%s: %ld: am starts a run at step 0, or where checkpoint.restore_from left off "
+                  "(remove it, or restore from a checkpoint)", key, l);
+        return -1;
+    }
+    return 0;
+}
+
 static const struct key_spec step_keys[] = {
     {"global_batch_size", K_LONG, R(steps.global_batch), 1, NULL},
     {"local_batch_size", K_LONG, R(steps.local_batch), 1, NULL},
-    {"max_steps", K_LONG, R(steps.max_steps), 1, NULL},
-    {"ckpt_every_steps", K_LONG, R(steps.ckpt_every), 1, NULL},
-    {"val_every_steps", K_LONG, R(steps.val_every), 1, NULL},
-    {"num_epochs", K_LONG, R(steps.num_epochs), 1, NULL},
-    IGNORE("_target_"), IGNORE("val_batches"),
+    {"max_steps", K_OPT_LONG, R(steps.max_steps), 1, NULL},
+    {"ckpt_every_steps", K_OPT_LONG, R(steps.ckpt_every), 1, NULL},
+    {"val_every_steps", K_OPT_LONG, R(steps.val_every), 1, NULL},
+    {"num_epochs", K_OPT_LONG, R(steps.num_epochs), 1, NULL},
+    /* StepScheduler's bookkeeping: when Python collects garbage, saves at epoch ends, logs to
+     * a remote tracker, the window of its averaged loss, the preemption signal */
+    IGNORE("_target_"), IGNORE("val_batches"), IGNORE("gc_every_steps"), IGNORE("save_checkpoint_every_epoch"),
+    IGNORE("log_remote_every_steps"), IGNORE("loss_average_window_steps"), IGNORE("preemption_signal"),
+    {"start_step", K_FN, 0, 0, read_start},
+    {"start_epoch", K_FN, 0, 0, read_start},
     {NULL, 0, 0, 0, NULL}};
 
 /* dataset.paths: a prefix, a list of prefixes, or Megatron's blend [w1, p1, w2, p2, ...]. */
@@ -296,21 +378,49 @@ static int read_paths(struct reader *rd, struct am_node *v, const char *key)
 
 static const struct key_spec dataset_keys[] = {
     {"paths", K_FN, 0, 0, read_paths},
-    {"seq_length", K_LONG, R(data.seq_length), 1, NULL},
+    {"seq_length", K_OPT_LONG, R(data.seq_length), 1, NULL},
     {"shuffle", K_BOOL, R(data.shuffle), 0, NULL},
     {"seed", K_LONG, R(data.seed), 0, NULL},
     IGNORE("_target_"), IGNORE("split"), IGNORE("splits_to_build"), IGNORE("index_mapping_dir"),
     IGNORE("tokenizer"), IGNORE("num_val_samples"), IGNORE("num_train_samples"),
     {NULL, 0, 0, 0, NULL}};
 
-/* A dataset class am does not implement: only seq_length is read (for planning). */
+/* A dataset class am does not implement: only the sequence length is read (for planning), under
+ * the names AutoModel's datasets give it. */
+static const char *const seq_length_names[] = {"seq_length", "seq_len", NULL};
 static const struct key_spec foreign_dataset_keys[] = {
-    {"seq_length", K_LONG, R(data.seq_length), 1, NULL},
+    {"seq_length", K_OPT_LONG, R(data.seq_length), 1, NULL},
+    {"seq_len", K_OPT_LONG, R(data.seq_length), 1, NULL},
     {NULL, 0, 0, 0, NULL}};
 
+/* packed_sequence.packing_strategy: how AutoModel fills each pack of packed_sequence_size
+ * tokens: `thd` (first fit, in order) or `neat` (greedy knapsack). Both keep each sample's
+ * attention within its own document with reset positions; they choose which samples share a
+ * pack, which matters only for the datasets AutoModel packs (not Megatron's), and plan alike. */
+static int read_packing_strategy(struct reader *rd, struct am_node *v, const char *key)
+{
+    static const char *const names[] = {"thd", "neat", NULL};
+    int i;
+    if (am_node_is_null(v))
+        return 0;
+    if (v->kind == AM_NODE_SCALAR && strchr(v->str, '.')) {
+        am_errorf(rd->err, &v->pos, "%s: '%.40s' is a packing class am does not know (use thd or neat)", key, v->str);
+        return -1;
+    }
+    if (am_node_choice(v, key, names, &i, rd->err) < 0)
+        return -1;
+    rd->r->packing_strategy = names[i];
+    return 0;
+}
+
 static const struct key_spec packed_keys[] = {
-    {"packed_sequence_size", K_LONG, R(packed_sequence_size), 0, NULL},
-    IGNORE("split_across_pack"), IGNORE("max_packs"),
+    {"packed_sequence_size", K_OPT_LONG, R(packed_sequence_size), 0, NULL},
+    {"packing_strategy", K_FN, 0, 0, read_packing_strategy},
+    /* how packs are built (not what a pack holds): a cap on their number, already-packed
+     * data, tokenizer processes, dropping over-long samples (neat); split_across_pack has no
+     * effect in AutoModel any more */
+    IGNORE("split_across_pack"), IGNORE("max_packs"), IGNORE("prepacked"), IGNORE("num_proc"),
+    IGNORE("drop_long_samples"),
     {NULL, 0, 0, 0, NULL}};
 
 static int read_optimizer_target(struct reader *rd, struct am_node *v, const char *key)
@@ -322,8 +432,14 @@ static int read_optimizer_target(struct reader *rd, struct am_node *v, const cha
         rd->r->optim.name = "adamw";
     else if (strcmp(s, "torch.optim.Adam") == 0)
         rd->r->optim.name = "adam";
-    else {
-        am_errorf(rd->err, &v->pos, "%s: '%s' is not an optimizer am runs (use torch.optim.AdamW or "
+    else if (strstr(s, "FusedAdam") || strstr(s, "FlashAdamW")) {
+        /* the same update rule, with their own precisions for the master weights and moments */
+        am_errorf(rd->err, &v->pos, "%s: '%.60s' is not an optimizer am runs: its update is AdamW's, with its own "
+                  "precisions for master weights and moments (use torch.optim.AdamW; model.torch_dtype: float32 "
+                  "keeps fp32 weights and moments)", key, s);
+        return -1;
+    } else {
+        am_errorf(rd->err, &v->pos, "%s: '%.60s' is not an optimizer am runs (use torch.optim.AdamW or "
                   "torch.optim.Adam)", key, s);
         return -1;
     }
@@ -388,13 +504,32 @@ static int read_save_format(struct reader *rd, struct am_node *v, const char *ke
     return 0;
 }
 
+static int read_is_peft(struct reader *rd, struct am_node *v, const char *key)
+{
+    bool b = false;
+    if (am_node_is_null(v) || am_node_bool(v, key, &b, rd->err) < 0 || !b)
+        return 0;
+    am_errorf(rd->err, &v->pos, "%s: true: the checkpoint holds LoRA adapters, and am does not run LoRA yet (it "
+              "would train every weight instead: remove peft and is_peft for a full fine-tune)", key);
+    return -1;
+}
+
 static const struct key_spec checkpoint_keys[] = {
     {"enabled", K_BOOL, R(ckpt.enabled), 0, NULL},
     {"checkpoint_dir", K_STR, R(ckpt.dir), 0, NULL},
     {"restore_from", K_STR, R(ckpt.restore_from), 0, NULL},
     {"model_save_format", K_FN, 0, 0, read_save_format},
-    IGNORE("save_consolidated"), IGNORE("dequantize_base_checkpoint"), IGNORE("is_peft"),
-    IGNORE("model_cache_dir"), IGNORE("model_repo_id"), IGNORE("_target_"),
+    {"is_peft", K_FN, 0, 0, read_is_peft},
+    /* where and how AutoModel writes and stages its files; dequantize_base_checkpoint is a no-op
+     * for the unquantized checkpoints am loads (a quantized one is refused by its config.json's
+     * quantization_config); v4_compatible writes transformers-4 config files;
+     * skip_task_head_prefixes_for_base_model names heads of other tasks */
+    IGNORE("save_consolidated"), IGNORE("dequantize_base_checkpoint"), IGNORE("model_cache_dir"),
+    IGNORE("model_repo_id"), IGNORE("_target_"), IGNORE("v4_compatible"), IGNORE("skip_task_head_prefixes_for_base_model"),
+    IGNORE("model_state_dict_keys"), IGNORE("is_async"), IGNORE("wait_for_staging"), IGNORE("cpu_offload"),
+    IGNORE("allow_legacy_pickle_restore"), IGNORE("original_model_root_dir"), IGNORE("single_rank_consolidation"),
+    IGNORE("staging_dir"), IGNORE("diffusers_compatible"), IGNORE("best_metric_key"),
+    IGNORE("consolidation_timeout_minutes"), IGNORE("max_recent_checkpoints"),
     {NULL, 0, 0, 0, NULL}};
 
 static const struct key_spec dist_env_keys[] = {
@@ -432,6 +567,8 @@ static void read_key(struct reader *rd, const struct key_spec *k, struct am_node
 {
     char *base = (char *)rd->r;
     long l;
+    if (v->failed)
+        return;
     switch (k->kind) {
     case K_INT:
         if (am_node_long(v, key, k->min, INT_MAX, &l, rd->err) == 0)
@@ -445,6 +582,12 @@ static void read_key(struct reader *rd, const struct key_spec *k, struct am_node
         break;
     case K_LONG:
         if (am_node_long(v, key, k->min, LONG_MAX, &l, rd->err) == 0)
+            *(long *)(base + k->off) = l;
+        break;
+    case K_OPT_LONG:
+        if (am_node_is_null(v))
+            *(long *)(base + k->off) = 0;
+        else if (am_node_long(v, key, k->min, LONG_MAX, &l, rd->err) == 0)
             *(long *)(base + k->off) = l;
         break;
     case K_DOUBLE:
@@ -511,6 +654,15 @@ static void read_model(struct reader *rd, struct am_node *model)
                   "with config.json keys such as hidden_size)");
         return;
     }
+    struct am_node *target = am_node_path(model, "_target_");
+    if (target && target->kind == AM_NODE_SCALAR && !strstr(target->str, "ForCausalLM")) {
+        am_errorf(rd->err, &target->pos, "model._target_: '%.80s' is not a causal language model; am trains "
+                  "decoder-only models on next-token prediction (NeMoAutoModelForCausalLM.from_pretrained or "
+                  ".from_config)", target->str);
+        for (size_t i = 0; i < model->n; i++)
+            model->entries[i].used = true;
+        return;
+    }
     struct am_node *inline_cfg = model;
     struct am_node *sub = am_node_child(model, "config"); /* from_config recipes */
     if (sub && sub->kind == AM_NODE_MAP)
@@ -523,6 +675,14 @@ static void read_model(struct reader *rd, struct am_node *model)
     if (dtype_rc < 0)
         return;
 
+    /* model.config's own source when model names one too: the same checkpoint */
+    if (inline_cfg != model && src && am_node_entry(model, "pretrained_model_name_or_path")) {
+        struct am_entry *dup = am_node_entry(inline_cfg, "pretrained_model_name_or_path");
+        if (dup && !dup->used) {
+            dup->used = true;
+            add_ignored(rd, "model.config", "pretrained_model_name_or_path");
+        }
+    }
     struct am_node *merged = inline_cfg;
     r->model_source = "inline";
     if (src) {
@@ -531,8 +691,20 @@ static void read_model(struct reader *rd, struct am_node *model)
         if (am_node_str(src, "model.pretrained_model_name_or_path", &name, rd->err) < 0)
             return;
         if (am_model_resolve(name, path, sizeof(path), looked, sizeof(looked)) < 0) {
-            am_errorf(rd->err, &src->pos, "model.pretrained_model_name_or_path: '%s' not found; looked in %s "
-                      "(download it with huggingface-cli, or write the architecture under model:)", name, looked);
+            char similar[1024];
+            int slashes = 0;
+            for (const char *c = name; *c; c++)
+                slashes += *c == '/';
+            if (slashes != 1 || name[0] == '/' || name[0] == '.' || name[0] == '~') {
+                am_errorf(rd->err, &src->pos, "model.pretrained_model_name_or_path: '%s' not found; looked in %s "
+                          "(give a directory with config.json, a hub id ORG/NAME, or write the architecture under "
+                          "model:)", name, looked);
+                return;
+            }
+            int n = am_model_similar(name, similar, sizeof(similar));
+            am_errorf(rd->err, &src->pos, "model.pretrained_model_name_or_path: '%s' not found; looked in %s. am "
+                      "needs only its config.json to plan: huggingface-cli download %s config.json%s%s%s", name,
+                      looked, name, n ? " (close matches: " : "", n ? similar : "", n ? ")" : "");
             return;
         }
         struct am_node *cfg = am_json_file_to_node(&r->arena, path, rd->err);
@@ -568,6 +740,8 @@ static void read_model(struct reader *rd, struct am_node *model)
     if (dtype_rc == 1 && r->model.torch_dtype) { /* absent or "auto": the checkpoint's dtype */
         struct am_node v = {.kind = AM_NODE_SCALAR, .str = r->model.torch_dtype, .plain = true};
         read_dtype(rd, &v, "config.json torch_dtype", &r->param_dtype);
+    } else if (dtype_rc == 1) {
+        r->param_dtype_assumed = true; /* neither the recipe nor config.json: bfloat16 */
     }
 }
 
@@ -576,6 +750,54 @@ static void read_model(struct reader *rd, struct am_node *model)
 static const char *const owned_sections[] = {"model", "distributed", "step_scheduler", "dataset",
                                              "packed_sequence", "optimizer", "lr_scheduler", "checkpoint",
                                              "dist_env", "rng", "clip_grad_norm", NULL};
+
+/* Top-level sections of features that change what is trained and that am does not have: a
+ * recipe with one is refused, never trained without it. */
+static const struct {
+    const char *section, *why;
+} refused_sections[] = {
+    {"peft", "a LoRA fine-tune (AutoModel trains low-rank adapters on a frozen model); am does not run LoRA yet "
+             "and will not train every weight in its place (remove the section for a full fine-tune)"},
+    {"teacher_model", "knowledge distillation from a teacher model is not supported by am (remove teacher_model, "
+                      "kd_loss_fn and kd_ratio to train on next-token prediction alone)"},
+    {"kd_loss_fn", "knowledge distillation from a teacher model is not supported by am (remove teacher_model, "
+                   "kd_loss_fn and kd_ratio to train on next-token prediction alone)"},
+    {"quantization", "quantized training is not supported by am: it trains bf16 or fp32 weights (remove the section)"},
+    {"qat", "quantization-aware training is not supported by am: it trains bf16 or fp32 weights (remove the section)"},
+    {"neftune", "NEFTune adds noise to the embeddings in training, which am does not do (remove the section)"},
+    {"freeze_config", "freezing parts of the model is not supported by am: it trains every weight (remove the "
+                      "section)"},
+};
+
+/* fp8: torchao's Float8 training. enabled: false (or no section) changes nothing. */
+static void read_fp8(struct reader *rd, struct am_node *fp8)
+{
+    struct am_node *en = am_node_child(fp8, "enabled");
+    bool on = false;
+    for (size_t i = 0; i < fp8->n; i++)
+        fp8->entries[i].used = true;
+    if (en && !am_node_is_null(en) && am_node_bool(en, "fp8.enabled", &on, rd->err) < 0)
+        return;
+    if (!on) {
+        add_ignored(rd, "", "fp8");
+        return;
+    }
+    am_errorf(rd->err, &en->pos, "fp8.enabled: true: FP8 matrix multiplications are not supported by am: it "
+              "computes in bf16 or fp32 (set fp8.enabled: false)");
+}
+
+/* compile: torch.compile changes how the model is computed, not what: am runs its own kernels. */
+static void read_compile(struct reader *rd, struct am_node *c)
+{
+    if (c->kind == AM_NODE_MAP)
+        for (size_t i = 0; i < c->n; i++)
+            c->entries[i].used = true;
+    add_ignored(rd, "", "compile");
+    struct am_node *en = c->kind == AM_NODE_MAP ? am_node_child(c, "enabled") : NULL;
+    if (en && en->kind == AM_NODE_SCALAR && (strcmp(en->str, "true") == 0 || strcmp(en->str, "True") == 0))
+        add_note(rd, "compile: enabled: am runs its own kernels; torch.compile would change how the model is "
+                 "computed, not what%s%s", "", "");
+}
 
 static void read_recipe(struct reader *rd)
 {
@@ -587,11 +809,42 @@ static void read_recipe(struct reader *rd)
                   "file is not");
         return;
     }
+    am_node_resolve_env(&r->arena, root, owned_sections, rd->err);
     /* top-level keys am does not own are another component's: ignored, unless a typo */
+    bool refused_kd = false;
     for (size_t i = 0; i < root->n; i++) {
         struct am_entry *e = &root->entries[i];
         if (am_key_in(e->key, owned_sections))
             continue;
+        size_t k = 0, n_refused = sizeof(refused_sections) / sizeof(refused_sections[0]);
+        while (k < n_refused && strcmp(e->key, refused_sections[k].section) != 0)
+            k++;
+        if (k < n_refused && !am_node_is_null(e->value)) {
+            e->used = true;
+            bool kd = strcmp(e->key, "teacher_model") == 0 || strcmp(e->key, "kd_loss_fn") == 0;
+            if (!(kd && refused_kd))
+                am_errorf(rd->err, &e->key_pos, "%s: %s", e->key, refused_sections[k].why);
+            refused_kd = refused_kd || kd;
+            continue;
+        }
+        if (strcmp(e->key, "fp8") == 0 && e->value->kind == AM_NODE_MAP) {
+            e->used = true;
+            read_fp8(rd, e->value);
+            continue;
+        }
+        if (strcmp(e->key, "recipe") == 0 && e->value->kind == AM_NODE_SCALAR &&
+            (strstr(e->value->str, "VLM") || strstr(e->value->str, "SequenceClassification"))) {
+            e->used = true;
+            am_errorf(rd->err, &e->value->pos, "recipe: %.60s trains %s; am trains text-only causal language "
+                      "models on next-token prediction", e->value->str,
+                      strstr(e->value->str, "VLM") ? "a vision-language model" : "a sequence classifier");
+            continue;
+        }
+        if (strcmp(e->key, "compile") == 0) {
+            e->used = true;
+            read_compile(rd, e->value);
+            continue;
+        }
         for (int j = 0; owned_sections[j]; j++) {
             if (am_edit_distance(e->key, owned_sections[j], 2) <= 2) {
                 am_error_unknown_key(rd->err, &e->key_pos, "", e->key, owned_sections, NULL);
@@ -628,25 +881,44 @@ static void read_recipe(struct reader *rd)
     struct am_node *ds = am_node_child(root, "dataset");
     struct am_node *target = am_node_path(ds, "_target_");
     if (target && target->kind == AM_NODE_SCALAR && !strstr(target->str, "egatron")) {
+        r->data.foreign = true;
         for (size_t i = 0; i < ds->n; i++)
-            if (strcmp(ds->entries[i].key, "seq_length") != 0) {
+            if (!am_key_in(ds->entries[i].key, seq_length_names)) {
                 ds->entries[i].used = true;
                 add_ignored(rd, "dataset", ds->entries[i].key);
             }
-        struct am_node only = *ds;
-        only.n = 0;
-        only.entries = NULL;
-        struct am_entry *seq = am_node_entry(ds, "seq_length");
-        if (seq)
-            only.entries = seq, only.n = 1;
-        read_section(rd, &only, "dataset", foreign_dataset_keys);
+        for (int k = 0; seq_length_names[k]; k++) {
+            struct am_entry *seq = am_node_entry(ds, seq_length_names[k]);
+            if (!seq)
+                continue;
+            struct am_node only = *ds;
+            only.entries = seq;
+            only.n = 1;
+            read_section(rd, &only, "dataset", foreign_dataset_keys);
+            if (r->data.seq_length > 0) {
+                r->data.seq_key = seq_length_names[k];
+                break;
+            }
+        }
         add_note(rd, "dataset: %s is not a dataset am reads: am plans with this recipe but trains only on "
                  "Megatron indexed datasets (dataset.paths)%s", target->str, "");
     } else {
         read_section(rd, ds, "dataset", dataset_keys);
     }
     read_section(rd, am_node_child(root, "packed_sequence"), "packed_sequence", packed_keys);
-    read_section(rd, am_node_child(root, "optimizer"), "optimizer", optimizer_keys);
+    /* an optimizer am does not run: that alone (its own keys would only add noise) */
+    struct am_node *opt = am_node_child(root, "optimizer"), *opt_target = am_node_path(opt, "_target_");
+    struct am_errors quiet;
+    am_errors_init(&quiet);
+    struct reader probe = {.r = r, .err = &quiet};
+    if (opt && opt->kind == AM_NODE_MAP && opt_target && read_optimizer_target(&probe, opt_target, "") < 0) {
+        read_optimizer_target(rd, opt_target, "optimizer._target_");
+        for (size_t i = 0; i < opt->n; i++)
+            opt->entries[i].used = true;
+    } else {
+        read_section(rd, opt, "optimizer", optimizer_keys);
+    }
+    am_errors_free(&quiet);
     read_section(rd, am_node_child(root, "lr_scheduler"), "lr_scheduler", lr_keys);
     read_section(rd, am_node_child(root, "checkpoint"), "checkpoint", checkpoint_keys);
     read_section(rd, am_node_child(root, "dist_env"), "dist_env", dist_env_keys);

@@ -53,6 +53,7 @@ struct am_recipe {
     struct am_model_config model;
     const char *model_source; /* the resolved config.json, "inline", or a shipped config */
     enum am_dtype param_dtype;   /* model.torch_dtype: storage of parameters */
+    bool param_dtype_assumed;    /* neither the recipe nor config.json gives it: bfloat16 */
     enum am_dtype compute_dtype; /* distributed.mp_policy.param_dtype, else per strategy */
     enum am_dtype reduce_dtype;  /* distributed.mp_policy.reduce_dtype: gradients' all-reduce */
 
@@ -69,6 +70,7 @@ struct am_recipe {
             int microbatch_size;
             int layers_per_stage; /* 0: split evenly */
             enum am_round round_virtual;
+            long seq_len; /* pp_seq_len: 0, not given */
         } pipeline;
     } dist;
 
@@ -81,10 +83,13 @@ struct am_recipe {
         double weights[AM_MAX_DATA_PATHS];
         int n_paths;
         long seq_length; /* 0: not given */
+        const char *seq_key; /* the key it was read from: "seq_length" or "seq_len" */
+        bool foreign;        /* dataset._target_ is not Megatron's: am plans with it but does not read it */
         bool shuffle;
         long seed;
     } data;
     long packed_sequence_size;
+    const char *packing_strategy; /* "thd" (AutoModel's default) or "neat" */
 
     struct {
         const char *name; /* "adam" or "adamw" */

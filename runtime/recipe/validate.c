@@ -4,6 +4,7 @@
 #include <string.h>
 
 #include "plan.h"
+#include "pp_schedule.h"
 
 struct check {
     const struct am_recipe *r;
@@ -37,10 +38,14 @@ static const char *divisors(long n, long max, char *buf, size_t len)
 long am_recipe_seq_length(const struct am_recipe *r, bool *assumed)
 {
     *assumed = false;
+    if (!r->data.foreign && r->data.seq_length > 0) /* a Megatron dataset's samples: what am trains on */
+        return r->data.seq_length;
+    if (r->packed_sequence_size > 0) /* samples are packed into sequences of this many tokens */
+        return r->packed_sequence_size;
     if (r->data.seq_length > 0)
         return r->data.seq_length;
-    if (r->packed_sequence_size > 0)
-        return r->packed_sequence_size;
+    if (r->dist.pp > 1 && r->dist.pipeline.seq_len > 0)
+        return r->dist.pipeline.seq_len;
     *assumed = true;
     return 2048;
 }
@@ -121,11 +126,8 @@ static void pipeline_rules(struct check *c)
     char d[128];
     if (L <= 0 || pp < 1)
         return;
-    if (pp == 1) {
-        if (s == AM_PP_INTERLEAVED_1F1B && lps)
-            FAIL(c, "distributed.pipeline.pp_schedule", "interleaved1f1b needs pp_size > 1");
-        return;
-    }
+    if (pp == 1)
+        return; /* the pipeline section was dropped (recipe.c) */
     if (s != AM_PP_INTERLEAVED_1F1B) {
         if (lps && lps * pp != L)
             FAIL(c, "distributed.pipeline.layers_per_stage", "%d makes %ld stages for pp_size = %d, but %s runs "
@@ -180,12 +182,17 @@ static void batch_rules(struct check *c, long dp)
         if (lb % mbs)
             FAIL(c, "distributed.pipeline.pp_microbatch_size", "%d does not divide step_scheduler.local_batch_size "
                  "= %ld (use %s)", mbs, lb, divisors(lb, 1024, d, sizeof(d)));
-        else if (lb / mbs < pp)
+        else if (r->dist.pipeline.schedule != AM_PP_INTERLEAVED_1F1B && lb / mbs < pp)
             FAIL(c, "step_scheduler.local_batch_size", "%ld gives %ld micro-batches, fewer than pp_size = %d "
-                 "stages (use local_batch_size >= %d * pp_microbatch_size)", lb, lb / mbs, pp, pp);
-        else if (r->dist.pipeline.schedule == AM_PP_INTERLEAVED_1F1B && (lb / mbs) % pp)
-            FAIL(c, "step_scheduler.local_batch_size", "interleaved1f1b needs the number of micro-batches "
-                 "(local_batch_size / pp_microbatch_size = %ld) to be a multiple of pp_size = %d", lb / mbs, pp);
+                 "stages (%s needs at least one micro-batch per stage: use local_batch_size >= %d * "
+                 "pp_microbatch_size, or interleaved1f1b)", lb, lb / mbs, pp,
+                 am_pp_schedule_name(r->dist.pipeline.schedule), pp);
+        else if (r->dist.pipeline.schedule == AM_PP_INTERLEAVED_1F1B && am_pipe_round(pp, (int)(lb / mbs)) < 0) {
+            long m = lb / mbs, rounds = m / pp;
+            FAIL(c, "step_scheduler.local_batch_size", "interleaved1f1b runs the %ld micro-batches (local_batch_size "
+                 "/ pp_microbatch_size) in max(1, %ld / pp_size) = %ld rounds, which must divide them (use %ld or "
+                 "%ld micro-batches)", m, m, rounds, m / rounds * rounds, (m / rounds + 1) * rounds);
+        }
     }
 }
 
@@ -197,12 +204,20 @@ static void sequence_rules(struct check *c)
     if (cp > 1 && r->packed_sequence_size % cp)
         FAIL(c, "packed_sequence.packed_sequence_size", "%ld is not divisible by cp_size = %d (use a multiple of "
              "%d)", r->packed_sequence_size, cp, cp);
-    if (cp > 1 && seq && seq % (2L * cp))
-        FAIL(c, "dataset.seq_length", "%ld is not divisible by 2*cp_size = %d (context parallelism splits each "
-             "sequence into 2*cp_size chunks for load balance)", seq, 2 * cp);
-    if (r->dist.sequence_parallel && tp > 1 && seq && seq % tp)
-        FAIL(c, "dataset.seq_length", "%ld is not divisible by tp_size = %d (sequence_parallel splits the "
-             "sequence across tp ranks)", seq, tp);
+    /* the key the recipe gives it under: seq_length, or seq_len (AutoModel's other datasets) */
+    char key[64];
+    snprintf(key, sizeof(key), "dataset.%s", r->data.seq_key ? r->data.seq_key : "seq_length");
+    struct am_pos pos = am_recipe_pos(r, key);
+    if (cp > 1 && seq && seq % (2L * cp)) {
+        am_errorf(c->err, &pos, "%s: %ld is not divisible by 2*cp_size = %d (context parallelism splits each "
+                  "sequence into 2*cp_size chunks for load balance)", key, seq, 2 * cp);
+        c->added++;
+    }
+    if (r->dist.sequence_parallel && tp > 1 && seq && seq % tp) {
+        am_errorf(c->err, &pos, "%s: %ld is not divisible by tp_size = %d (sequence_parallel splits the sequence "
+                  "across tp ranks)", key, seq, tp);
+        c->added++;
+    }
     if (r->dist_env.timeout_minutes <= 0)
         FAIL(c, "dist_env.timeout_minutes", "%g must be positive", r->dist_env.timeout_minutes);
 }

@@ -8,7 +8,9 @@
 #     and without sequence parallelism: matrix products are split and summed across ranks;
 #   pipeline parallel (pp 2 and 4; gpipe, 1f1b, interleaved1f1b with 2 virtual stages per
 #     rank): micro-batches of 1 sequence, gradients summed in another order; a tied embedding
-#     lives on the first and the last stage and its two gradients are summed;
+#     lives on the first and the last stage and its two gradients are summed; interleaved1f1b
+#     also with one micro-batch of 4 sequences for 2 ranks (fewer micro-batches than ranks:
+#     one round of all of them, as torch's ScheduleInterleaved1F1B);
 #   activation checkpointing recomputes each layer in backward: bit-identical in principle;
 #   the other architectures at tp 2 x pp 2 (with and without sequence parallelism) against
 #   their own one rank: Qwen3 (per-head q/k norms, whose weights every tp rank holds and whose
@@ -18,7 +20,7 @@
 # steps; every weight of the final checkpoint within 5e-5, as test_golden's final weights
 # (AdamW divides each gradient by its own running magnitude, so an element whose gradient
 # nearly cancels moves by up to the learning rate, 3e-3, on rounding alone). Measured over
-# the 98 layouts on this corpus: losses 4.2e-7, gradient norms 7.9e-8, weights 6.1e-7 at
+# the 101 layouts on this corpus: losses 4.2e-7, gradient norms 7.9e-8, weights 6.1e-7 at
 # most (a corpus of am's own sources gave 8.3e-6 in an embedding row); each layout's worst
 # case is printed. AM_PARITY_ONLY="NAME RANKS CHANGES REF
 # [VAR=VALUE...]" runs one layout.
@@ -47,6 +49,7 @@ recipe() { # NAME MODS: base.yaml with comma-separated changes, its checkpoints 
         ac) args+=(-e 's/activation_checkpointing: false/activation_checkpointing: true/') ;;
         gpipe) args+=(-e 's/pp_schedule: .*/pp_schedule: gpipe/') ;;
         il) args+=(-e 's/pp_schedule: .*/pp_schedule: interleaved1f1b/') ;;
+        mb4) args+=(-e 's/pp_microbatch_size: .*/pp_microbatch_size: 4/') ;;
         tied) args+=(-e 's/tie_word_embeddings: false/tie_word_embeddings: true/') ;;
         bf16) args+=(-e 's/param_dtype: float32.*/param_dtype: bfloat16/') ;;
         qwen3) args+=(-e 's/model_type: llama/model_type: qwen3\n  head_dim: 32/') ;;
@@ -140,6 +143,8 @@ for tp in 1 2 4; do
 done
 layouts+=("ac 1 ac ref" "pp2-tied 2 tied ref-tied AM_PP=2" "pp4-tied-gpipe 4 tied,gpipe ref-tied AM_PP=4"
     "tp2-pp2-tied-il 4 tied,il ref-tied AM_TP=2 AM_PP=2"
+    "pp2-il-m1 2 il,mb4 ref AM_PP=2" "dp2-pp2-il-m1-ac 4 il,mb4,ac ref AM_PP=2"
+    "tp2-pp2-tied-il-m1 4 tied,il,mb4 ref-tied AM_TP=2 AM_PP=2"
     "tp2-pp2-qwen3 4 qwen3 ref-qwen3 AM_TP=2 AM_PP=2" "tp2-pp2-qwen3-sp 4 qwen3,sp ref-qwen3 AM_TP=2 AM_PP=2"
     "tp2-pp2-mistral 4 mistral ref-mistral AM_TP=2 AM_PP=2" "tp2-pp2-mistral-sp 4 mistral,sp ref-mistral AM_TP=2 AM_PP=2")
 [ -n "${AM_PARITY_ONLY:-}" ] && layouts=("${AM_PARITY_ONLY}") # one layout, to debug it

@@ -57,7 +57,7 @@ check "override makes it invalid" 1 \
     "error: --set distributed.tp_size=3: distributed.tp_size: 3 does not divide num_attention_heads = 64 (use 1, 2, 4, 8, 16, 32 or 64)" \
     -- "$bin" "$recipes/llama70b.yaml" --nodes 8 --gpus-per-node 8 --set distributed.tp_size=3
 check "json carries errors" 1 \
-    '{"errors":["--set distributed.ep_size=2: distributed.ep_size: 2 needs a mixture-of-experts model; llama has no experts (use ep_size: 1)"]' \
+    '{"assumed":{},"errors":["--set distributed.ep_size=2: distributed.ep_size: 2 needs a mixture-of-experts model; llama has no experts (use ep_size: 1)"]' \
     -- "$bin" "$recipes/llama70b.yaml" --nodes 8 --gpus-per-node 8 --set distributed.ep_size=2 --json
 check "too little GPU memory names the fix" 1 \
     "error: $recipes/llama70b.yaml: estimated memory per GPU 152.2 GiB exceeds the GPU's 80.0 GiB by 72.2 GiB; it fits with distributed.activation_checkpointing=true (61.7 GiB)" \

@@ -166,40 +166,85 @@ static void test_1f1b(void **state)
     assert_string_equal(got, want);
 }
 
+static void order_of(const struct sched *S, int rank, char *got, size_t len)
+{
+    got[0] = '\0';
+    for (int i = 0; i < S->n[rank]; i++) {
+        char one[16];
+        snprintf(one, sizeof(one), "%c%d.%d ", S->a[rank][i].kind == AM_PIPE_FORWARD ? 'F' : 'B', S->a[rank][i].chunk,
+                 S->a[rank][i].micro);
+        strncat(got, one, len - strlen(got) - 1);
+    }
+}
+
 static void test_interleaved(void **state)
 {
     (void)state;
     static struct sched S;
     for (int pp = 2; pp <= 4; pp++)
         for (int v = 2; v <= 4; v++)
-            for (int m = pp; m <= 4 * pp; m += pp) {
+            for (int m = 1; m <= 4 * pp; m++) {
+                int per = am_pipe_round(pp, m);
+                if (per < 0) { /* e.g. pp 4, 9 micro-batches: 2 rounds of 4.5 */
+                    struct am_pipe_action a[MAXA];
+                    assert_int_equal(am_pipe_schedule(AM_PP_INTERLEAVED_1F1B, pp, v, m, 0, a), -1);
+                    continue;
+                }
                 build(&S, AM_PP_INTERLEAVED_1F1B, pp, v, m);
                 check_complete(&S);
                 simulate(&S, false);
                 for (int r = 0; r < pp; r++) {
-                    int warm = m == pp ? m * v : min((pp - r - 1) * 2 + (v - 1) * pp, m * v);
+                    int warm = m == pp ? m * v : min((pp - r - 1) * 2 + (v - 1) * per, m * v);
                     assert_int_equal(am_pipe_peak(S.a[r], S.n[r]), min(warm + 1, m * v));
                 }
             }
     /* the order itself, pp 2, v 2, 4 micro-batches, rank 0: chunk 0 takes micro-batches
      * 0,1, then chunk 1 takes them, then micro-batches 2,3 */
+    char got[512];
     build(&S, AM_PP_INTERLEAVED_1F1B, 2, 2, 4);
-    const char *want = "F0.0 F0.1 F1.0 F1.1 F0.2 B1.0 F0.3 B1.1 F1.2 B0.0 F1.3 B0.1 B1.2 B1.3 B0.2 B0.3 ";
-    char got[256] = "";
-    for (int i = 0; i < S.n[0]; i++) {
-        char one[16];
-        snprintf(one, sizeof(one), "%c%d.%d ", S.a[0][i].kind == AM_PIPE_FORWARD ? 'F' : 'B', S.a[0][i].chunk,
-                 S.a[0][i].micro);
-        strcat(got, one);
+    order_of(&S, 0, got, sizeof(got));
+    assert_string_equal(got, "F0.0 F0.1 F1.0 F1.1 F0.2 B1.0 F0.3 B1.1 F1.2 B0.0 F1.3 B0.1 B1.2 B1.3 B0.2 B0.3 ");
+}
+
+/* Fewer micro-batches than ranks, or not a multiple of pp: the orders
+ * torch.distributed.pipelining's ScheduleInterleaved1F1B gives each rank (torch 2.15,
+ * _get_1f1b_rank_ops with its idle slots dropped). */
+static void test_interleaved_rounds_as_torch(void **state)
+{
+    (void)state;
+    static struct sched S;
+    static const struct {
+        int pp, v, m, rank;
+        const char *want;
+    } cases[] = {
+        {4, 2, 2, 0, "F0.0 F0.1 F1.0 F1.1 B1.0 B1.1 B0.0 B0.1 "},
+        {4, 2, 2, 3, "F0.0 F0.1 F1.0 B1.0 F1.1 B1.1 B0.0 B0.1 "},
+        {4, 2, 3, 0, "F0.0 F0.1 F0.2 F1.0 F1.1 F1.2 B1.0 B1.1 B1.2 B0.0 B0.1 B0.2 "},
+        {4, 2, 3, 3, "F0.0 F0.1 F0.2 F1.0 B1.0 F1.1 B1.1 F1.2 B1.2 B0.0 B0.1 B0.2 "},
+        {4, 2, 6, 1, "F0.0 F0.1 F0.2 F0.3 F0.4 F0.5 F1.0 F1.1 F1.2 F1.3 F1.4 B1.0 F1.5 B1.1 B1.2 B1.3 B1.4 B1.5 "
+                     "B0.0 B0.1 B0.2 B0.3 B0.4 B0.5 "},
+        {4, 2, 6, 3, "F0.0 F0.1 F0.2 F0.3 F0.4 F0.5 F1.0 B1.0 F1.1 B1.1 F1.2 B1.2 F1.3 B1.3 F1.4 B1.4 F1.5 B1.5 "
+                     "B0.0 B0.1 B0.2 B0.3 B0.4 B0.5 "},
+        {2, 2, 1, 1, "F0.0 F1.0 B1.0 B0.0 "},
+        {4, 3, 1, 3, "F0.0 F1.0 F2.0 B2.0 B1.0 B0.0 "},
+    };
+    char got[512];
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        build(&S, AM_PP_INTERLEAVED_1F1B, cases[i].pp, cases[i].v, cases[i].m);
+        order_of(&S, cases[i].rank, got, sizeof(got));
+        assert_string_equal(got, cases[i].want);
     }
-    assert_string_equal(got, want);
+    assert_int_equal(am_pipe_round(4, 3), 3);
+    assert_int_equal(am_pipe_round(4, 10), 5);
+    assert_int_equal(am_pipe_round(4, 9), -1);
+    assert_int_equal(am_pipe_round(4, 8), 4);
 }
 
 static void test_refused(void **state)
 {
     (void)state;
     struct am_pipe_action a[64];
-    assert_int_equal(am_pipe_schedule(AM_PP_INTERLEAVED_1F1B, 2, 2, 3, 0, a), -1); /* 3 not a multiple of 2 */
+    assert_int_equal(am_pipe_schedule(AM_PP_INTERLEAVED_1F1B, 4, 2, 9, 0, a), -1); /* 2 rounds of 4.5 */
     assert_int_equal(am_pipe_schedule(AM_PP_1F1B, 2, 2, 4, 0, a), -1);             /* v > 1 without interleaving */
     assert_int_equal(am_pipe_schedule(AM_PP_GPIPE, 2, 1, 4, 2, a), -1);            /* rank outside pp */
 }
@@ -210,6 +255,7 @@ int main(void)
         cmocka_unit_test(test_gpipe),
         cmocka_unit_test(test_1f1b),
         cmocka_unit_test(test_interleaved),
+        cmocka_unit_test(test_interleaved_rounds_as_torch),
         cmocka_unit_test(test_refused),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

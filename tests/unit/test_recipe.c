@@ -301,8 +301,9 @@ static void test_overrides(void **state)
     expect(arch, (const char *[]){"distributed..tp_size=1", NULL},
            MSGS("--set distributed..tp_size=1: 'distributed..tp_size' is not a valid key path (use section.key, e.g. "
                 "distributed.tp_size)"));
-    expect(arch, (const char *[]){"step_scheduler.max_steps=", NULL},
-           MSGS("--set step_scheduler.max_steps=: step_scheduler.max_steps: expected a whole number, got ''"));
+    expect(arch, (const char *[]){"step_scheduler.max_steps=", NULL}, MSGS(NULL)); /* empty: not set */
+    expect(arch, (const char *[]){"step_scheduler.max_steps=many", NULL},
+           MSGS("--set step_scheduler.max_steps=many: step_scheduler.max_steps: expected a whole number, got 'many'"));
     expect(arch, (const char *[]){"distributed.tp_size=[1", NULL},
            MSGS("--set distributed.tp_size=[1: YAML syntax error: did not find expected ',' or ']' while parsing a "
                 "flow sequence"));
@@ -325,9 +326,12 @@ static void test_strategy_from_target(void **state)
                          "says fsdp2 (keep one)"));
     snprintf(y, sizeof(y), "%sdistributed:\n  strategy: fsdp3\n", arch);
     expect(y, NULL, MSGS("r.yaml:11:13: distributed.strategy: 'fsdp3' is not one of: fsdp2, megatron_fsdp, ddp"));
-    snprintf(y, sizeof(y), "%sdistributed:\n  pipeline:\n    pp_schedule: zero_bubble\n", arch);
-    expect(y, NULL, MSGS("r.yaml:12:18: distributed.pipeline.pp_schedule: 'zero_bubble' is not a schedule am runs "
+    snprintf(y, sizeof(y), "%sdistributed:\n  pp_size: 2\n  pipeline:\n    pp_schedule: zero_bubble\n", arch);
+    expect(y, NULL, MSGS("r.yaml:13:18: distributed.pipeline.pp_schedule: 'zero_bubble' is not a schedule am runs "
                          "(use 1f1b, gpipe or interleaved1f1b)"));
+    /* with pp_size 1 the pipeline section is dropped, as AutoModel drops it */
+    snprintf(y, sizeof(y), "%sdistributed:\n  pipeline:\n    pp_schedule: zero_bubble\n", arch);
+    expect(y, NULL, MSGS(NULL));
     snprintf(y, sizeof(y), "%sclip_grad_norm:\n  max_norm: 0.5\n  norm_type: 1\n", arch);
     expect(y, NULL, MSGS("r.yaml:12:14: clip_grad_norm.norm_type: 1 is not supported by am (it clips by the L2 "
                          "norm: use 2)"));
@@ -340,8 +344,30 @@ static void test_model_rules(void **state)
 {
     (void)state;
     expect("model:\n  model_type: gpt2\n  hidden_size: 64\n", NULL,
-           MSGS("r.yaml: model.model_type: 'gpt2' is not supported by am (supported: llama, mistral, mixtral, qwen3, "
+           MSGS("r.yaml:2:15: model.model_type: 'gpt2' is not supported (supported: llama, mistral, mixtral, qwen3, "
                 "qwen3_moe)"));
+    /* the architecture first and alone, not the keys of a config am does not build */
+    expect("model:\n  model_type: qwen2\n  hidden_act: gelu\n  attention_bias: true\n  rope_scaling:\n"
+           "    rope_type: yarn\n    factor: 4\n", NULL,
+           MSGS("r.yaml:2:15: model.model_type: 'qwen2' is not supported (supported: llama, mistral, mixtral, qwen3, "
+                "qwen3_moe)"));
+    expect("model:\n  architectures: [Glm4MoeForCausalLM]\n  first_k_dense_replace: 1\n", NULL,
+           MSGS("r.yaml:2:19: model.architectures: 'Glm4MoeForCausalLM' is not an architecture am builds (supported: "
+                "llama, mistral, mixtral, qwen3, qwen3_moe)"));
+    expect("model:\n  config:\n    _target_: nemo_automodel.components.models.deepseek_v4.config.DeepseekV4Config\n"
+           "    num_nextn_predict_layers: 0\n", NULL,
+           MSGS("r.yaml:3:15: model.config._target_: 'DeepseekV4Config' is not an architecture am builds (supported: "
+                "llama, mistral, mixtral, qwen3, qwen3_moe)"));
+    expect("model:\n  config:\n    _target_: pkg.models.glm4_moe.Glm4MoeConfig.from_pretrained\n", NULL,
+           MSGS("r.yaml:3:15: model.config._target_: 'Glm4MoeConfig' is not an architecture am builds (supported: "
+                "llama, mistral, mixtral, qwen3, qwen3_moe)"));
+    expect("model:\n  config:\n    _target_: transformers.Qwen3MoeConfig\n    hidden_size: 64\n"
+           "    num_hidden_layers: 2\n    num_attention_heads: 2\n    intermediate_size: 128\n    vocab_size: 64\n",
+           NULL, MSGS("r.yaml: model.config.num_experts: missing (a qwen3_moe model has experts)"));
+    expect("model:\n  hidden_size: 64\n  num_hidden_layers: 2\n  num_attention_heads: 2\n  intermediate_size: 128\n"
+           "  vocab_size: 64\n  quantization_config:\n    quant_method: bitsandbytes\n    load_in_4bit: true\n", NULL,
+           MSGS("r.yaml:8:5: model.quantization_config: a quantized checkpoint (quant_method bitsandbytes) is not "
+                "supported: am trains bf16 or fp32 weights and does not dequantize them (use the unquantized model)"));
     expect("model:\n  hidden_act: gelu\n  attention_bias: true\n", NULL,
            MSGS("r.yaml:2:15: model.hidden_act: 'gelu' is not supported by am (Llama-style models use silu)",
                 "r.yaml:3:19: model.attention_bias: true is not supported by am (its layers have no bias terms: train "
@@ -486,12 +512,18 @@ static void test_model_from_hf_cache(void **state)
     setenv("AM_MODELS_DIR", "/nonexistent/models", 1);
     char want[1024];
     snprintf(want, sizeof(want), "r.yaml:2:34: model.pretrained_model_name_or_path: 'acme/huge' not found; looked in "
-             "the Hugging Face cache (%s/hub/models--acme--huge), the configs shipped with am (/nonexistent/models) "
-             "(download it with huggingface-cli, or write the architecture under model:)", tmp);
+             "the Hugging Face cache (%s/hub/models--acme--huge), the configs shipped with am (/nonexistent/models). "
+             "am needs only its config.json to plan: huggingface-cli download acme/huge config.json", tmp);
     expect("model:\n  pretrained_model_name_or_path: acme/huge\n", NULL, MSGS(want));
+    /* close matches in the cache: the same name ignoring case, or one name containing the other */
+    snprintf(want, sizeof(want), "r.yaml:2:34: model.pretrained_model_name_or_path: 'acme/Tiny-Instruct' not found; "
+             "looked in the Hugging Face cache (%s/hub/models--acme--Tiny-Instruct), the configs shipped with am "
+             "(/nonexistent/models). am needs only its config.json to plan: huggingface-cli download "
+             "acme/Tiny-Instruct config.json (close matches: acme/tiny)", tmp);
+    expect("model:\n  pretrained_model_name_or_path: acme/Tiny-Instruct\n", NULL, MSGS(want));
     snprintf(want, sizeof(want), "r.yaml:2:34: model.pretrained_model_name_or_path: './no/such/dir' not found; looked "
-             "in a local directory (none exists at that path) (download it with huggingface-cli, or write the "
-             "architecture under model:)");
+             "in a local directory (none exists at that path) (give a directory with config.json, a hub id ORG/NAME, "
+             "or write the architecture under model:)");
     expect("model:\n  pretrained_model_name_or_path: ./no/such/dir\n", NULL, MSGS(want));
 
     /* a broken config.json */
@@ -540,6 +572,60 @@ static void test_model_shipped_configs(void **state)
     am_recipe_free(r);
     am_errors_free(&err);
     default_env();
+}
+
+/* ${VAR}, ${VAR,default} and $VAR from the environment, as AutoModel's resolve_yaml_env_vars:
+ * braced first (stripped, oc.env: accepted, default after the first comma, a set empty variable
+ * wins over the default), then $NAME and $NAME.dotted in the result; _target_ and *_fn values,
+ * and sections am does not read, are left alone. */
+static void test_env_interpolation(void **state)
+{
+    (void)state;
+    static const char model4[] = "model:\n  hidden_size: 64\n  num_hidden_layers: 4\n  num_attention_heads: 4\n"
+                               "  intermediate_size: 128\n  vocab_size: 64\n";
+    char y[2048];
+    struct am_errors err;
+    setenv("AM_T_TP", "2", 1);
+    setenv("AM_T_EMPTY", "", 1);
+    setenv("AM_T_DIR", "/scratch/ckpt", 1);
+    setenv("AM_T_A.B", "8", 1);
+    unsetenv("AM_T_UNSET");
+    snprintf(y, sizeof(y), "%sdistributed:\n  tp_size: ${AM_T_TP}\n  pp_size: ${ oc.env:AM_T_UNSET , 2 }\n"
+             "  dp_size: ${AM_T_UNSET,none}\n"
+             "step_scheduler:\n  global_batch_size: $AM_T_A.B\n  local_batch_size: ${AM_T_UNSET,1}\n"
+             "  max_steps: \"${AM_T_EMPTY,5}\"\n"
+             "checkpoint:\n  checkpoint_dir: ${AM_T_DIR}/$AM_T_TP/run\n"
+             "optimizer:\n  _target_: ${AM_T_UNSET}\n"
+             "wandb:\n  name: ${AM_T_UNSET}\n", model4);
+    am_errors_init(&err);
+    struct am_recipe *r = parse_with("r.yaml", y, NULL, &err);
+    assert_non_null(r);
+    /* the optimizer's _target_ is left as written (and refused as an optimizer) */
+    assert_messages(&err, MSGS("r.yaml:18:13: optimizer._target_: '${AM_T_UNSET}' is not an optimizer am runs (use "
+                               "torch.optim.AdamW or torch.optim.Adam)"));
+    assert_int_equal(r->dist.tp, 2);
+    assert_int_equal(r->dist.pp, 2);
+    assert_int_equal(r->dist.dp, 0);
+    assert_int_equal(r->steps.global_batch, 8);
+    assert_int_equal(r->steps.max_steps, 0); /* "": set and empty, so not 5; empty is "not set" */
+    assert_string_equal(r->ckpt.dir, "/scratch/ckpt/2/run");
+    am_recipe_free(r);
+    am_errors_free(&err);
+    /* "1,2": the default is everything after the first comma */
+    snprintf(y, sizeof(y), "%sstep_scheduler:\n  local_batch_size: ${AM_T_UNSET,1,2}\n", model4);
+    expect(y, NULL, MSGS("r.yaml:8:21: step_scheduler.local_batch_size: expected a whole number, got '1,2'"));
+    /* unset without a default: named, with where it was needed; each one reported */
+    snprintf(y, sizeof(y), "%sdistributed:\n  tp_size: ${AM_T_UNSET}\ncheckpoint:\n  checkpoint_dir: $AM_T_UNSET/x\n",
+             model4);
+    expect(y, NULL,
+           MSGS("r.yaml:8:12: distributed.tp_size: environment variable 'AM_T_UNSET' is not set (required by "
+                "'${AM_T_UNSET}'; set it, or give a default: ${AM_T_UNSET,VALUE})",
+                "r.yaml:10:19: checkpoint.checkpoint_dir: environment variable 'AM_T_UNSET' is not set (required by "
+                "'$AM_T_UNSET'; set it, or give a default: ${AM_T_UNSET,VALUE})"));
+    unsetenv("AM_T_TP");
+    unsetenv("AM_T_EMPTY");
+    unsetenv("AM_T_DIR");
+    unsetenv("AM_T_A.B");
 }
 
 static void test_recipe_files(void **state)
@@ -599,6 +685,7 @@ int main(void)
         cmocka_unit_test(test_model_windows),
         cmocka_unit_test(test_model_from_hf_cache),
         cmocka_unit_test(test_model_shipped_configs),
+        cmocka_unit_test(test_env_interpolation),
         cmocka_unit_test(test_recipe_files),
     };
     return cmocka_run_group_tests_name("recipe", tests, setup_tmp, teardown_tmp);

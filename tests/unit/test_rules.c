@@ -158,12 +158,20 @@ static const struct rule_case cases[] = {
       "step_scheduler.local_batch_size = 4 (use 1, 2 or 4)", NULL}},
     {"fewer micro-batches than stages", dense, {"distributed.pp_size=8", NULL}, W(8, 1, 8, 8),
      {"base.yaml:17:21: step_scheduler.local_batch_size: 4 gives 4 micro-batches, fewer than pp_size = 8 stages "
-      "(use local_batch_size >= 8 * pp_microbatch_size)", NULL}},
-    {"interleaved micro-batches", dense,
+      "(1f1b needs at least one micro-batch per stage: use local_batch_size >= 8 * pp_microbatch_size, or "
+      "interleaved1f1b)", NULL}},
+    {"interleaved with fewer micro-batches than stages", dense,
+     {"distributed.pp_size=4", "distributed.pipeline.pp_schedule=interleaved1f1b", "step_scheduler.local_batch_size=2",
+      "step_scheduler.global_batch_size=2", NULL}, W(4, 1, 4, 4), {NULL}},
+    {"interleaved with 6 micro-batches on 4 stages: one round", dense,
      {"distributed.pp_size=4", "distributed.pipeline.pp_schedule=interleaved1f1b", "step_scheduler.local_batch_size=6",
-      "step_scheduler.global_batch_size=24", NULL}, W(4, 1, 4, 4),
-     {"--set step_scheduler.local_batch_size=6: step_scheduler.local_batch_size: interleaved1f1b needs the number of "
-      "micro-batches (local_batch_size / pp_microbatch_size = 6) to be a multiple of pp_size = 4", NULL}},
+      "step_scheduler.global_batch_size=6", NULL}, W(4, 1, 4, 4), {NULL}},
+    {"interleaved micro-batches", dense,
+     {"distributed.pp_size=4", "distributed.pipeline.pp_schedule=interleaved1f1b", "step_scheduler.local_batch_size=9",
+      "step_scheduler.global_batch_size=36", NULL}, W(4, 1, 4, 4),
+     {"--set step_scheduler.local_batch_size=9: step_scheduler.local_batch_size: interleaved1f1b runs the 9 "
+      "micro-batches (local_batch_size / pp_microbatch_size) in max(1, 9 / pp_size) = 2 rounds, which must divide "
+      "them (use 8 or 10 micro-batches)", NULL}},
     {"missing batch sizes", "model:\n  hidden_size: 64\n  num_hidden_layers: 2\n  num_attention_heads: 2\n"
                             "  intermediate_size: 128\n  vocab_size: 64\n", {NULL}, W(2, 1, 2, 2),
      {"base.yaml: step_scheduler.global_batch_size: missing (the number of sequences per optimizer step)",
