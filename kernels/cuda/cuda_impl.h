@@ -6,8 +6,8 @@
  * creates a non-blocking stream (d->stream), a cuBLASLt handle (d->blas) and a GEMM
  * workspace; d->workspace is the backend's own host struct (struct am_cuda_ctx), which owns
  * that workspace (also d->workspace_bytes), a device scratch grown on demand in stream order
- * (the partial sums of the reductions, the sort of the embedding backward) and the GEMM
- * algorithm cache. Kernels are enqueued on d->stream in call order and never wait for it;
+ * (the partial sums of the reductions, the sort of the embedding backward, the
+ * cross-entropy's tiles of logits: 64 MiB at most, ce.cu) and the GEMM algorithm cache. Kernels are enqueued on d->stream in call order and never wait for it;
  * the thread that calls them must have the context's device current (the opening thread
  * does).
  *
@@ -16,8 +16,9 @@
  * does (cpu.h has the dtype rules; this backend checks the same ones). The .cu files are
  * compiled with --fmad=false: a*b+c is not contracted, each operation rounds as in the CPU
  * backend (and torch's separate tensor operations); explicit fmaf stays fused (AdamW).
- * Reductions (sum_squares, the RMSNorm weight gradient, the embedding backward) take a
- * fixed order that does not depend on the GPU or the launch: run to run bitwise equal.
+ * Reductions (sum_squares, the RMSNorm weight gradient, the embedding backward, the
+ * cross-entropy's statistics and loss) take a fixed order that does not depend on the GPU
+ * or the launch: run to run bitwise equal.
  *
  * Errors. A tensor of the wrong device, dtype or shape aborts with the kernel's name, the
  * tensor and the rule (am_cuda_fatal); every CUDA call and launch is checked, and a failure
@@ -78,9 +79,26 @@ void am_cuda_swiglu_forward(const struct am_dev *d, struct am_tensor *out, const
 void am_cuda_swiglu_backward(const struct am_dev *d, struct am_tensor *dgate, struct am_tensor *dup, const struct am_tensor *dout,
                              const struct am_tensor *gate, const struct am_tensor *up);
 
+/* ---- ce.cu: the head's cross-entropy, vocabulary-parallel, in tiles (cuBLASLt + own) ---- */
+void am_cuda_ce_stats(const struct am_dev *d, struct am_tensor *m, struct am_tensor *s, struct am_tensor *t,
+                      const struct am_tensor *x, const struct am_tensor *w, const struct am_tensor *targets,
+                      int64_t vocab_start);
+void am_cuda_ce_backward(const struct am_dev *d, struct am_tensor *dx, struct am_tensor *dw, const struct am_tensor *x,
+                         const struct am_tensor *w, const struct am_tensor *targets, int64_t vocab_start,
+                         const struct am_tensor *M, const struct am_tensor *S, float dloss_scale);
+void am_cuda_ce_rescale(const struct am_dev *d, struct am_tensor *s, const struct am_tensor *m, const struct am_tensor *M);
+void am_cuda_ce_loss(const struct am_dev *d, struct am_tensor *acc, const struct am_tensor *M, const struct am_tensor *S,
+                     const struct am_tensor *T, const struct am_tensor *targets);
+bool am_cuda_ce_fused(const struct am_dev *d, struct am_tensor *m, struct am_tensor *s, struct am_tensor *t,
+                      struct am_tensor *dx, struct am_tensor *dw, const struct am_tensor *x, const struct am_tensor *w,
+                      const struct am_tensor *targets, float dloss_scale);
+
 /* ---- adamw.cu ---- */
 void am_cuda_adamw(const struct am_dev *d, struct am_tensor *param, const struct am_tensor *grad, struct am_tensor *m,
                    struct am_tensor *v, float lr, float beta1, float beta2, float eps, float weight_decay, int64_t step);
+void am_cuda_adamw_multi(const struct am_dev *d, const struct am_adamw_tensor *list, int n, const struct am_tensor *sumsq,
+                         double max_norm, const struct am_tensor *finite, float lr, float beta1, float beta2, float eps,
+                         float weight_decay, int64_t step);
 
 #ifdef __cplusplus
 }

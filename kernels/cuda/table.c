@@ -2,9 +2,7 @@
  *
  * A NULL entry is a kernel this backend does not have yet: am_dev_open refuses a context
  * on a table with holes and names them (am_kernels_missing, kernels.c), so that nothing
- * half-works. Not yet here: attention (cuDNN's fused attention and a fallback of our own)
- * and the vocabulary-parallel cross-entropy (ce_stats, ce_backward, ce_rescale, ce_loss,
- * ce_fused). */
+ * half-works. Not yet here: attention (cuDNN's fused attention and a fallback of our own). */
 #include "cuda_impl.h"
 
 static const struct am_kernels cuda_kernels = {
@@ -37,12 +35,13 @@ static const struct am_kernels cuda_kernels = {
     .attention_backward = NULL,
     .swiglu_forward = am_cuda_swiglu_forward,
     .swiglu_backward = am_cuda_swiglu_backward,
-    .ce_stats = NULL,
-    .ce_backward = NULL,
-    .ce_rescale = NULL,
-    .ce_loss = NULL,
-    .ce_fused = NULL,
+    .ce_stats = am_cuda_ce_stats,
+    .ce_backward = am_cuda_ce_backward,
+    .ce_rescale = am_cuda_ce_rescale,
+    .ce_loss = am_cuda_ce_loss,
+    .ce_fused = am_cuda_ce_fused,
     .adamw = am_cuda_adamw,
+    .adamw_multi = am_cuda_adamw_multi,
 };
 
 const struct am_kernels *am_kernels_cuda(void) { return &cuda_kernels; }
