@@ -17,7 +17,9 @@
  * Sizes: R = min(N, 4096, 2^24 / C) rows and VC = 2^24 / R vocabulary entries (a multiple
  * of 64, at most V): the logits tile is 64 MiB of fp32 at most, whatever N and V; so is the
  * fp32 dx tile of the bf16 path ([R, C]). ce_fused needs V <= 2^24 / R: a 128k vocabulary
- * with more than 128 rows takes the two passes.
+ * (Llama 3's 128256) with more than 130 rows takes the two passes. (Smaller row chunks would
+ * make it fit, but each row chunk reads and writes the whole of dw: computing the logits
+ * twice costs less.)
  *
  * bf16 (x and w bf16): the GEMMs take bf16 operands with fp32 accumulation and write fp32
  * (the logits tile, the dx tile, an fp32 dw); dlogits are rounded to bf16 once to be the
