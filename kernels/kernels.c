@@ -70,6 +70,7 @@ int am_kernels_missing(const struct am_kernels *k, char *buf, size_t len)
     AM_NEED(ce_loss);
     AM_NEED(ce_fused);
     AM_NEED(adamw);
+    AM_NEED(adamw_multi);
 #undef AM_NEED
     return n;
 }

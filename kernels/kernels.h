@@ -53,6 +53,13 @@ struct am_rope_scaling {
 
 struct am_kernels;
 
+/* One tensor of adamw_multi's list: a parameter, its gradient and Adam's two moments (all
+ * fp32, the same number of elements). */
+struct am_adamw_tensor {
+    struct am_tensor *param, *m, *v;
+    const struct am_tensor *grad;
+};
+
 /* A device context (see above). One per rank for now; a later stream for communication
  * gets a context of its own on the same device. */
 struct am_dev {
@@ -189,6 +196,22 @@ struct am_kernels {
      * correction with step >= 1); weight_decay 0 gives Adam. m, v are fp32 state. ---- */
     void (*adamw)(const struct am_dev *d, struct am_tensor *param, const struct am_tensor *grad, struct am_tensor *m, struct am_tensor *v,
                   float lr, float beta1, float beta2, float eps, float weight_decay, int64_t step);
+    /* The optimizer step of a whole model in one call, with nothing read by the host: adamw on
+     * each of the n tensors of list, after the global-norm clipping and the finiteness check,
+     * both decided on the device from device scalars:
+     *   sumsq: NULL, or a device scalar (AM_F64, or AM_F32) holding the squared norm of all
+     *     the gradients, Σ g²;
+     *   max_norm > 0 (sumsq required): clipping, in double as the host would compute it:
+     *     coef = max_norm / (sqrt(sumsq) + 1e-6), and when coef < 1 each gradient element is
+     *     used multiplied by (float)coef, rounded to fp32 (scale's result); the gradients
+     *     themselves are left as they are. max_norm <= 0: no clipping;
+     *   finite: NULL, or an AM_I32 device scalar (all_finite's flag).
+     * When finite holds 0, or sumsq is an Inf or a NaN (which any Inf or NaN among the
+     * gradients makes it), the step is skipped: no tensor is written. Otherwise each tensor
+     * ends bit for bit as adamw leaves it (after scale, when clipped). */
+    void (*adamw_multi)(const struct am_dev *d, const struct am_adamw_tensor *list, int n, const struct am_tensor *sumsq,
+                        double max_norm, const struct am_tensor *finite, float lr, float beta1, float beta2, float eps,
+                        float weight_decay, int64_t step);
 };
 
 /* The table for a device, or NULL when this build has no such backend (am_dev_open says so). */

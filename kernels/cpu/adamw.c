@@ -19,6 +19,11 @@
  * With those, the result is torch's to the bit (checked against torch 2.15: 99.996% of the
  * parameters bitwise equal after a step, the rest within an ulp). fmaf is one instruction
  * in the AVX2 and AVX-512 clones; the baseline clone calls libm's (exact, slower).
+ *
+ * adamw_multi: the same update over a list of tensors, each gradient element first
+ * multiplied by the clipping factor gs (1 when not clipping: x * 1 is x, bit for bit, so
+ * adamw is adamw_multi's loop with gs = 1), the factor and the skip of a non-finite step
+ * decided from the device scalars as kernels.h says (here they are host memory).
  */
 #include <math.h>
 
@@ -26,6 +31,7 @@
 
 struct adamw_scalars {
     float decay, w1, b2, c2, bc2_sqrt, eps, neg_step;
+    float gs; /* the gradients' factor (clipping), 1 otherwise */
 };
 
 AM_HOT static void adamw_block(float *restrict p, const float *restrict g, float *restrict m, float *restrict v,
@@ -33,7 +39,7 @@ AM_HOT static void adamw_block(float *restrict p, const float *restrict g, float
 {
 #pragma omp simd
     for (int64_t i = 0; i < n; i++) {
-        float gi = g[i];
+        float gi = g[i] * k.gs;
         float pi = p[i] * k.decay;
         float mi = fmaf(k.w1, gi - m[i], m[i]);
         float vi = fmaf(k.c2 * gi, gi, v[i] * k.b2);
@@ -50,7 +56,7 @@ AM_HOT static void adamw_block_lowbeta(float *restrict p, const float *restrict 
 {
 #pragma omp simd
     for (int64_t i = 0; i < n; i++) {
-        float gi = g[i];
+        float gi = g[i] * k.gs;
         float pi = p[i] * k.decay;
         float mi = fmaf(w1_minus_1, gi - m[i], gi);
         float vi = fmaf(k.c2 * gi, gi, v[i] * k.b2);
@@ -63,15 +69,12 @@ AM_HOT static void adamw_block_lowbeta(float *restrict p, const float *restrict 
 
 #define ADAMW_BLOCK 16384
 
-void am_cpu_adamw(const struct am_dev *dev, struct am_tensor *param, const struct am_tensor *grad, struct am_tensor *m, struct am_tensor *v,
-                  float lr, float beta1, float beta2, float eps, float weight_decay, int64_t step)
+/* torch's scalars, from Python floats (double) rounded where they meet fp32 tensors */
+static struct adamw_scalars adamw_scalars(const char *kernel, float lr, float beta1, float beta2, float eps,
+                                          float weight_decay, int64_t step)
 {
-    float *p = F32(param), *md = F32(m), *vd = F32(v);
-    const float *g = F32(grad);
-    int64_t n = am_tensor_numel(param);
-    AM_CHECK(am_tensor_numel(grad) == n && am_tensor_numel(m) == n && am_tensor_numel(v) == n,
-             "param (%s), grad, m and v must have the same number of elements", am_tname(param));
-    AM_CHECK(step >= 1, "step %lld: AdamW's bias correction counts steps from 1", (long long)step);
+    if (step < 1)
+        am_cpu_fatal(kernel, "step %lld: AdamW's bias correction counts steps from 1", (long long)step);
     double lr_d = lr, b1 = beta1, b2 = beta2;
     double bc1 = 1.0 - pow(b1, (double)step), bc2 = 1.0 - pow(b2, (double)step);
     double w1 = 1.0 - b1;
@@ -83,7 +86,25 @@ void am_cpu_adamw(const struct am_dev *dev, struct am_tensor *param, const struc
         .bc2_sqrt = (float)sqrt(bc2),
         .eps = eps,
         .neg_step = (float)-(lr_d / bc1),
+        .gs = 1.0f,
     };
+    return k;
+}
+
+static void adamw_check(const char *kernel, const struct am_tensor *param, const struct am_tensor *grad,
+                        const struct am_tensor *m, const struct am_tensor *v)
+{
+    am_cpu_f32(kernel, "param", param);
+    am_cpu_f32(kernel, "m", m);
+    am_cpu_f32(kernel, "v", v);
+    am_cpu_f32(kernel, "grad", grad);
+    int64_t n = am_tensor_numel(param);
+    if (am_tensor_numel(grad) != n || am_tensor_numel(m) != n || am_tensor_numel(v) != n)
+        am_cpu_fatal(kernel, "param (%s), grad, m and v must have the same number of elements", am_tname(param));
+}
+
+static void adamw_run(float *p, const float *g, float *md, float *vd, struct adamw_scalars k, int64_t n)
+{
     float w1_minus_1 = k.w1 - 1.0f;
     int64_t nb = (n + ADAMW_BLOCK - 1) / ADAMW_BLOCK;
 #pragma omp parallel for schedule(static) if (n >= AM_PAR_MIN)
@@ -94,4 +115,44 @@ void am_cpu_adamw(const struct am_dev *dev, struct am_tensor *param, const struc
         else
             adamw_block_lowbeta(p + lo, g + lo, md + lo, vd + lo, k, w1_minus_1, len);
     }
+}
+
+void am_cpu_adamw(const struct am_dev *dev, struct am_tensor *param, const struct am_tensor *grad, struct am_tensor *m, struct am_tensor *v,
+                  float lr, float beta1, float beta2, float eps, float weight_decay, int64_t step)
+{
+    adamw_check(__func__, param, grad, m, v);
+    struct adamw_scalars k = adamw_scalars(__func__, lr, beta1, beta2, eps, weight_decay, step);
+    adamw_run(F32(param), F32(grad), F32(m), F32(v), k, am_tensor_numel(param));
+}
+
+void am_cpu_adamw_multi(const struct am_dev *dev, const struct am_adamw_tensor *list, int n, const struct am_tensor *sumsq,
+                        double max_norm, const struct am_tensor *finite, float lr, float beta1, float beta2, float eps,
+                        float weight_decay, int64_t step)
+{
+    const char *kernel = __func__;
+    AM_CHECK(n >= 0 && (n == 0 || list), "a list of %d tensors", n);
+    for (int i = 0; i < n; i++)
+        adamw_check(kernel, list[i].param, list[i].grad, list[i].m, list[i].v);
+    AM_CHECK(max_norm <= 0 || sumsq, "clipping to max_norm %g needs the squared gradient norm (sumsq)", max_norm);
+    struct adamw_scalars k = adamw_scalars(kernel, lr, beta1, beta2, eps, weight_decay, step);
+    bool ok = !finite || *(const int32_t *)am_cpu_data(kernel, "finite", finite, AM_I32) != 0;
+    AM_CHECK(!finite || am_tensor_numel(finite) == 1, "finite (%s) has %lld elements; a device scalar has one",
+             am_tname(finite), (long long)am_tensor_numel(finite));
+    if (sumsq) {
+        AM_CHECK(am_tensor_numel(sumsq) == 1, "sumsq (%s) has %lld elements; a device scalar has one", am_tname(sumsq),
+                 (long long)am_tensor_numel(sumsq));
+        double ss = sumsq->dtype == AM_F32 ? (double)*(const float *)am_cpu_data(kernel, "sumsq", sumsq, AM_F32)
+                                           : *am_cpu_scalar_f64(kernel, "sumsq", sumsq);
+        ok = ok && isfinite(ss);
+        if (max_norm > 0) { /* kernels.h: the coefficient as the host computes it, in double */
+            double coef = max_norm / (sqrt(ss) + 1e-6);
+            if (coef < 1.0)
+                k.gs = (float)coef;
+        }
+    }
+    if (!ok)
+        return; /* a non-finite step: nothing written */
+    for (int i = 0; i < n; i++)
+        adamw_run(F32(list[i].param), F32(list[i].grad), F32(list[i].m), F32(list[i].v), k,
+                  am_tensor_numel(list[i].param));
 }

@@ -111,6 +111,7 @@ static const struct am_kernels cpu_kernels = {
     .ce_loss = am_cpu_ce_loss,
     .ce_fused = am_cpu_ce_fused,
     .adamw = am_cpu_adamw,
+    .adamw_multi = am_cpu_adamw_multi,
 };
 
 /* One pool of threads (see cpu.h): OpenBLAS runs single-threaded inside our OpenMP

@@ -264,5 +264,8 @@ bool am_cpu_ce_fused(const struct am_dev *dev, struct am_tensor *m, struct am_te
 /* adamw.c */
 void am_cpu_adamw(const struct am_dev *dev, struct am_tensor *param, const struct am_tensor *grad, struct am_tensor *m, struct am_tensor *v,
                   float lr, float beta1, float beta2, float eps, float weight_decay, int64_t step);
+void am_cpu_adamw_multi(const struct am_dev *dev, const struct am_adamw_tensor *list, int n, const struct am_tensor *sumsq,
+                        double max_norm, const struct am_tensor *finite, float lr, float beta1, float beta2, float eps,
+                        float weight_decay, int64_t step);
 
 #endif

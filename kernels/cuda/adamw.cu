@@ -4,9 +4,15 @@
  * IEEE division and square root (nvcc's default) and no other contraction (--fmad=false)
  * the result is the CPU backend's bit for bit.
  *
- * Multi-tensor: one call updates one tensor (the table's signature); a caller with many
- * small tensors in one slab calls it once on the slab. */
+ * adamw_multi: the update of a list of tensors in as few launches as the kernel's arguments
+ * allow (MT_MAX tensors each, every block taking MT_CHUNK elements of one tensor), each
+ * block first deciding from the device scalars (the squared gradient norm, the finiteness
+ * flag) whether the step is skipped and by what factor the gradients are clipped, in double
+ * as the host would (IEEE sqrt and division, no contraction): nothing is read by the host.
+ * The gradient is multiplied by that factor (1 when not clipping, which changes no bit)
+ * before adamw's arithmetic, so that a tensor ends as scale then adamw leave it. */
 #include <math.h>
+#include <string.h>
 
 #include "common.cuh"
 
@@ -14,32 +20,29 @@ struct adamw_scalars {
     float decay, w1, w1_minus_1, b2, c2, bc2_sqrt, eps, neg_step;
 };
 
-__global__ void adamw_k(float *p, const float *g, float *m, float *v, struct adamw_scalars k, int64_t n)
+/* element i of one tensor, its gradient multiplied by gs first */
+__device__ __forceinline__ void adamw_elem(float *p, const float *g, float *m, float *v, const struct adamw_scalars &k,
+                                           float gs, int64_t i)
 {
-    AM_GRID_STRIDE(i, n)
-    {
-        float gi = g[i];
-        float pi = p[i] * k.decay;
-        float mi = k.w1 < 0.5f ? fmaf(k.w1, gi - m[i], m[i]) : fmaf(k.w1_minus_1, gi - m[i], gi);
-        float vi = fmaf(k.c2 * gi, gi, v[i] * k.b2);
-        float denom = sqrtf(vi) / k.bc2_sqrt + k.eps;
-        p[i] = pi + (k.neg_step * mi) / denom;
-        m[i] = mi;
-        v[i] = vi;
-    }
+    float gi = g[i] * gs;
+    float pi = p[i] * k.decay;
+    float mi = k.w1 < 0.5f ? fmaf(k.w1, gi - m[i], m[i]) : fmaf(k.w1_minus_1, gi - m[i], gi);
+    float vi = fmaf(k.c2 * gi, gi, v[i] * k.b2);
+    float denom = sqrtf(vi) / k.bc2_sqrt + k.eps;
+    p[i] = pi + (k.neg_step * mi) / denom;
+    m[i] = mi;
+    v[i] = vi;
 }
 
-void am_cuda_adamw(const struct am_dev *d, struct am_tensor *param, const struct am_tensor *grad, struct am_tensor *m,
-                   struct am_tensor *v, float lr, float beta1, float beta2, float eps, float weight_decay, int64_t step)
+__global__ void adamw_k(float *p, const float *g, float *m, float *v, struct adamw_scalars k, int64_t n)
 {
-    const char *kn = "am_cuda_adamw";
-    am_cuda_ctx(kn, d);
-    float *p = (float *)am_cuda_data(kn, "param", param, AM_F32), *md = (float *)am_cuda_data(kn, "m", m, AM_F32);
-    float *vd = (float *)am_cuda_data(kn, "v", v, AM_F32);
-    const float *g = (const float *)am_cuda_data(kn, "grad", grad, AM_F32);
-    int64_t n = am_tensor_numel(param);
-    AM_CUDA_REQUIRE(kn, am_tensor_numel(grad) == n && am_tensor_numel(m) == n && am_tensor_numel(v) == n,
-                    "param (%s), grad, m and v must have the same number of elements", am_tname(param));
+    AM_GRID_STRIDE(i, n) adamw_elem(p, g, m, v, k, 1.0f, i);
+}
+
+/* torch's scalars, from Python floats (double) rounded where they meet fp32 tensors */
+static struct adamw_scalars adamw_scalars_for(const char *kn, float lr, float beta1, float beta2, float eps,
+                                              float weight_decay, int64_t step)
+{
     AM_CUDA_REQUIRE(kn, step >= 1, "step %lld: AdamW's bias correction counts steps from 1", (long long)step);
     double lr_d = lr, b1 = beta1, b2 = beta2;
     double bc1 = 1.0 - pow(b1, (double)step), bc2 = 1.0 - pow(b2, (double)step);
@@ -52,8 +55,130 @@ void am_cuda_adamw(const struct am_dev *d, struct am_tensor *param, const struct
     k.bc2_sqrt = (float)sqrt(bc2);
     k.eps = eps;
     k.neg_step = (float)-(lr_d / bc1);
+    return k;
+}
+
+static int64_t adamw_check(const char *kn, const struct am_tensor *param, const struct am_tensor *grad,
+                           const struct am_tensor *m, const struct am_tensor *v)
+{
+    am_cuda_data(kn, "param", param, AM_F32);
+    am_cuda_data(kn, "m", m, AM_F32);
+    am_cuda_data(kn, "v", v, AM_F32);
+    am_cuda_data(kn, "grad", grad, AM_F32);
+    int64_t n = am_tensor_numel(param);
+    AM_CUDA_REQUIRE(kn, am_tensor_numel(grad) == n && am_tensor_numel(m) == n && am_tensor_numel(v) == n,
+                    "param (%s), grad, m and v must have the same number of elements", am_tname(param));
+    return n;
+}
+
+void am_cuda_adamw(const struct am_dev *d, struct am_tensor *param, const struct am_tensor *grad, struct am_tensor *m,
+                   struct am_tensor *v, float lr, float beta1, float beta2, float eps, float weight_decay, int64_t step)
+{
+    const char *kn = "am_cuda_adamw";
+    am_cuda_ctx(kn, d);
+    int64_t n = adamw_check(kn, param, grad, m, v);
+    struct adamw_scalars k = adamw_scalars_for(kn, lr, beta1, beta2, eps, weight_decay, step);
     if (!n)
         return;
-    adamw_k<<<am_blocks(n), AM_THREADS, 0, am_cuda_stream(d)>>>(p, g, md, vd, k, n);
+    adamw_k<<<am_blocks(n), AM_THREADS, 0, am_cuda_stream(d)>>>((float *)param->data, (const float *)grad->data,
+                                                               (float *)m->data, (float *)v->data, k, n);
     AM_LAUNCHED(kn);
+}
+
+/* ---- adamw_multi ---- */
+#define MT_MAX 32         /* tensors per launch: 1.6 KB of kernel arguments */
+#define MT_CHUNK 16384    /* elements per block */
+
+struct adamw_list {
+    float *p[MT_MAX], *m[MT_MAX], *v[MT_MAX];
+    const float *g[MT_MAX];
+    int64_t n[MT_MAX];
+    int64_t first_block[MT_MAX + 1]; /* tensor i's blocks are first_block[i] .. first_block[i + 1] - 1 */
+    int count;
+};
+
+/* whether the step is taken, and the gradients' factor: kernels.h's rule, in double */
+__device__ static bool step_factor(const double *ss64, const float *ss32, double max_norm, const int32_t *finite, float *gs)
+{
+    bool ok = !finite || *finite != 0;
+    *gs = 1.0f;
+    if (ss64 || ss32) {
+        double ss = ss64 ? *ss64 : (double)*ss32;
+        ok = ok && isfinite(ss);
+        if (max_norm > 0) {
+            double coef = max_norm / (sqrt(ss) + 1e-6);
+            if (coef < 1.0)
+                *gs = (float)coef;
+        }
+    }
+    return ok;
+}
+
+__global__ void adamw_multi_k(struct adamw_list l, struct adamw_scalars k, const double *ss64, const float *ss32,
+                              double max_norm, const int32_t *finite)
+{
+    __shared__ float gs_sh;
+    __shared__ bool ok_sh;
+    if (threadIdx.x == 0)
+        ok_sh = step_factor(ss64, ss32, max_norm, finite, &gs_sh);
+    __syncthreads();
+    if (!ok_sh)
+        return;
+    float gs = gs_sh;
+    int64_t b = blockIdx.x;
+    int t = 0;
+    while (t + 1 < l.count && b >= l.first_block[t + 1])
+        t++;
+    int64_t lo = (b - l.first_block[t]) * MT_CHUNK, hi = lo + MT_CHUNK < l.n[t] ? lo + MT_CHUNK : l.n[t];
+    for (int64_t i = lo + threadIdx.x; i < hi; i += blockDim.x)
+        adamw_elem(l.p[t], l.g[t], l.m[t], l.v[t], k, gs, i);
+}
+
+void am_cuda_adamw_multi(const struct am_dev *d, const struct am_adamw_tensor *list, int n, const struct am_tensor *sumsq,
+                         double max_norm, const struct am_tensor *finite, float lr, float beta1, float beta2, float eps,
+                         float weight_decay, int64_t step)
+{
+    const char *kn = "am_cuda_adamw_multi";
+    am_cuda_ctx(kn, d);
+    AM_CUDA_REQUIRE(kn, n >= 0 && (n == 0 || list), "a list of %d tensors", n);
+    for (int i = 0; i < n; i++)
+        adamw_check(kn, list[i].param, list[i].grad, list[i].m, list[i].v);
+    AM_CUDA_REQUIRE(kn, max_norm <= 0 || sumsq, "clipping to max_norm %g needs the squared gradient norm (sumsq)",
+                    max_norm);
+    struct adamw_scalars k = adamw_scalars_for(kn, lr, beta1, beta2, eps, weight_decay, step);
+    const double *ss64 = NULL;
+    const float *ss32 = NULL;
+    if (sumsq) {
+        if (sumsq->dtype == AM_F32)
+            ss32 = (const float *)am_cuda_scalar(kn, "sumsq", sumsq, AM_F32);
+        else
+            ss64 = (const double *)am_cuda_scalar(kn, "sumsq", sumsq, AM_F64);
+    }
+    const int32_t *fl = finite ? (const int32_t *)am_cuda_scalar(kn, "finite", finite, AM_I32) : NULL;
+    struct adamw_list l;
+    memset(&l, 0, sizeof l);
+    int64_t blocks = 0;
+    for (int i = 0; i <= n; i++) {
+        int64_t ni = i < n ? am_tensor_numel(list[i].param) : 0;
+        int64_t bi = (ni + MT_CHUNK - 1) / MT_CHUNK;
+        AM_CUDA_REQUIRE(kn, bi <= INT32_MAX, "param (%s) has %lld elements: at most %lld in one tensor",
+                        am_tname(list[i].param), (long long)ni, (long long)INT32_MAX * MT_CHUNK);
+        if (l.count > 0 && (i == n || l.count == MT_MAX || blocks + bi > INT32_MAX)) { /* launch what is listed */
+            l.first_block[l.count] = blocks;
+            adamw_multi_k<<<(unsigned)blocks, AM_THREADS, 0, am_cuda_stream(d)>>>(l, k, ss64, ss32, max_norm, fl);
+            AM_LAUNCHED(kn);
+            memset(&l, 0, sizeof l);
+            blocks = 0;
+        }
+        if (i == n || ni == 0)
+            continue;
+        l.p[l.count] = (float *)list[i].param->data;
+        l.g[l.count] = (const float *)list[i].grad->data;
+        l.m[l.count] = (float *)list[i].m->data;
+        l.v[l.count] = (float *)list[i].v->data;
+        l.n[l.count] = ni;
+        l.first_block[l.count] = blocks;
+        l.count++;
+        blocks += bi;
+    }
 }

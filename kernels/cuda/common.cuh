@@ -48,6 +48,15 @@ static inline cudaStream_t am_cuda_stream(const struct am_dev *d) { return (cuda
 /* bytes of device scratch, valid in stream order until the next call that takes scratch */
 void *am_cuda_scratch(const char *kernel, const struct am_dev *d, size_t bytes);
 
+/* ---- GEMM on cuBLASLt (matmul.cu) ----
+ * C[m,n] = op(A) op(B) + beta C, column-major (a row-major [r, c] matrix is a column-major
+ * [c, r] one: matmul.cu shows the transposition), A and B of atype (f32 or bf16), C (= D,
+ * in place) of ctype, compute fp32 (never TF32), beta 0 or 1; the algorithm is chosen once
+ * per shape and cached in the context. Enqueued on d's stream. */
+void am_cuda_gemm(const char *kernel, const struct am_dev *d, bool ta, bool tb, int64_t m, int64_t n, int64_t kk,
+                  const void *A, int64_t lda, const void *B, int64_t ldb, enum am_dtype atype, void *C, int64_t ldc,
+                  enum am_dtype ctype, float beta);
+
 static inline const char *am_tname(const struct am_tensor *t) { return t && t->name ? t->name : "(unnamed)"; }
 static inline int64_t am_cols(const struct am_tensor *t) { return t->ndim ? t->shape[t->ndim - 1] : 1; }
 static inline int64_t am_rows(const struct am_tensor *t)

@@ -7,9 +7,10 @@
  * workspace; d->workspace is the backend's own host struct (struct am_cuda_ctx), which owns
  * that workspace (also d->workspace_bytes), a device scratch grown on demand in stream order
  * (the partial sums of the reductions, the sort of the embedding backward, the attention's
- * row sums and cuDNN's workspace), the GEMM algorithm cache and, once attention runs on
- * cuDNN, a cuDNN handle on the context's stream and its attention plans per shape
- * (attention_cudnn.cu). Kernels are enqueued on d->stream in call order and never wait for it;
+ * row sums and cuDNN's workspace, the cross-entropy's tiles of logits: 64 MiB at most, ce.cu),
+ * the GEMM algorithm cache and, once attention runs on cuDNN, a cuDNN handle on the context's
+ * stream and its attention plans per shape (attention_cudnn.cu). Kernels are enqueued on
+ * d->stream in call order and never wait for it;
  * the thread that calls them must have the context's device current (the opening thread
  * does).
  *
@@ -19,9 +20,9 @@
  * compiled with --fmad=false: a*b+c is not contracted, each operation rounds as in the CPU
  * backend (and torch's separate tensor operations); explicit fmaf stays fused (AdamW).
  * Reductions (sum_squares, the RMSNorm weight gradient, the embedding backward, the own
- * attention's backward) take a fixed order that does not depend on the GPU or the launch:
- * run to run bitwise equal. cuDNN's attention backward is not (attention_cudnn.cu says why;
- * AM_ATTN=own is).
+ * attention's backward, the cross-entropy's statistics and loss) take a fixed order that does
+ * not depend on the GPU or the launch: run to run bitwise equal. cuDNN's attention backward
+ * is not (attention_cudnn.cu says why; AM_ATTN=own is).
  *
  * Errors. A tensor of the wrong device, dtype or shape aborts with the kernel's name, the
  * tensor and the rule (am_cuda_fatal); every CUDA call and launch is checked, and a failure
@@ -109,9 +110,26 @@ int am_cuda_attention_cudnn_backward(const struct am_dev *d, struct am_tensor *d
 const char *am_cuda_attention_cudnn_why(const struct am_dev *d);
 void am_cuda_attention_cudnn_close(struct am_dev *d);
 
+/* ---- ce.cu: the head's cross-entropy, vocabulary-parallel, in tiles (cuBLASLt + own) ---- */
+void am_cuda_ce_stats(const struct am_dev *d, struct am_tensor *m, struct am_tensor *s, struct am_tensor *t,
+                      const struct am_tensor *x, const struct am_tensor *w, const struct am_tensor *targets,
+                      int64_t vocab_start);
+void am_cuda_ce_backward(const struct am_dev *d, struct am_tensor *dx, struct am_tensor *dw, const struct am_tensor *x,
+                         const struct am_tensor *w, const struct am_tensor *targets, int64_t vocab_start,
+                         const struct am_tensor *M, const struct am_tensor *S, float dloss_scale);
+void am_cuda_ce_rescale(const struct am_dev *d, struct am_tensor *s, const struct am_tensor *m, const struct am_tensor *M);
+void am_cuda_ce_loss(const struct am_dev *d, struct am_tensor *acc, const struct am_tensor *M, const struct am_tensor *S,
+                     const struct am_tensor *T, const struct am_tensor *targets);
+bool am_cuda_ce_fused(const struct am_dev *d, struct am_tensor *m, struct am_tensor *s, struct am_tensor *t,
+                      struct am_tensor *dx, struct am_tensor *dw, const struct am_tensor *x, const struct am_tensor *w,
+                      const struct am_tensor *targets, float dloss_scale);
+
 /* ---- adamw.cu ---- */
 void am_cuda_adamw(const struct am_dev *d, struct am_tensor *param, const struct am_tensor *grad, struct am_tensor *m,
                    struct am_tensor *v, float lr, float beta1, float beta2, float eps, float weight_decay, int64_t step);
+void am_cuda_adamw_multi(const struct am_dev *d, const struct am_adamw_tensor *list, int n, const struct am_tensor *sumsq,
+                         double max_norm, const struct am_tensor *finite, float lr, float beta1, float beta2, float eps,
+                         float weight_decay, int64_t step);
 
 #ifdef __cplusplus
 }

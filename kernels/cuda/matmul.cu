@@ -36,8 +36,8 @@ static int align_of(const void *p)
 
 static cudaDataType_t cuda_type(enum am_dtype dt) { return dt == AM_BF16 ? CUDA_R_16BF : CUDA_R_32F; }
 
-/* C[m,n] = alpha op(A) op(B) + beta C, column-major, A/B of atype, C of ctype */
-static void gemm(const char *k, const struct am_dev *d, bool ta, bool tb, int64_t m, int64_t n, int64_t kk,
+/* C[m,n] = op(A) op(B) + beta C, column-major, A/B of atype, C of ctype (common.cuh) */
+void am_cuda_gemm(const char *k, const struct am_dev *d, bool ta, bool tb, int64_t m, int64_t n, int64_t kk,
                  const void *A, int64_t lda, const void *B, int64_t ldb, enum am_dtype atype, void *C, int64_t ldc,
                  enum am_dtype ctype, float beta)
 {
@@ -147,7 +147,7 @@ void am_cuda_matmul_forward(const struct am_dev *d, struct am_tensor *y, const s
     am_cuda_same(k, "y", y, "x", x);
     int64_t M = am_rows(x), K = am_cols(x), N = am_rows(w);
     check_shapes(k, x, w, am_rows(y), am_cols(y), "y");
-    gemm(k, d, true, false, N, M, K, w->data, K, x->data, K, dt, y->data, N, dt, 0.0f);
+    am_cuda_gemm(k, d, true, false, N, M, K, w->data, K, x->data, K, dt, y->data, N, dt, 0.0f);
 }
 
 void am_cuda_matmul_backward(const struct am_dev *d, struct am_tensor *dx, struct am_tensor *dw, const struct am_tensor *dy,
@@ -164,12 +164,12 @@ void am_cuda_matmul_backward(const struct am_dev *d, struct am_tensor *dx, struc
         am_cuda_same(k, "dx", dx, "x", x);
         AM_CUDA_REQUIRE(k, am_rows(dx) == M && am_cols(dx) == K, "dx (%s) must have x's shape [%lld, %lld]", am_tname(dx),
                         (long long)M, (long long)K);
-        gemm(k, d, false, false, K, M, N, w->data, K, dy->data, N, dt, dx->data, K, dt, 1.0f); /* dx += dy · w */
+        am_cuda_gemm(k, d, false, false, K, M, N, w->data, K, dy->data, N, dt, dx->data, K, dt, 1.0f); /* dx += dy · w */
     }
     if (dw) {
         am_cuda_grad(k, "dw", dw, "x", x);
         AM_CUDA_REQUIRE(k, am_rows(dw) == N && am_cols(dw) == K, "dw (%s) must have w's shape [%lld, %lld]", am_tname(dw),
                         (long long)N, (long long)K);
-        gemm(k, d, false, true, K, N, M, x->data, K, dy->data, N, dt, dw->data, K, dw->dtype, 1.0f); /* dw += dyᵀ · x */
+        am_cuda_gemm(k, d, false, true, K, N, M, x->data, K, dy->data, N, dt, dw->data, K, dw->dtype, 1.0f); /* dw += dyᵀ · x */
     }
 }

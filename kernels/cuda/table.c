@@ -2,8 +2,7 @@
  *
  * A NULL entry is a kernel this backend does not have yet: am_dev_open refuses a context
  * on a table with holes and names them (am_kernels_missing, kernels.c), so that nothing
- * half-works. Not yet here: the vocabulary-parallel cross-entropy (ce_stats, ce_backward,
- * ce_rescale, ce_loss, ce_fused). Attention is attention.cu's: cuDNN's fused attention
+ * half-works; this one is complete. Attention is attention.cu's: cuDNN's fused attention
  * (attention_cudnn.cu) where the build has cuDNN and cuDNN has the case, the backend's own
  * kernels otherwise. */
 #include "cuda_impl.h"
@@ -38,12 +37,13 @@ static const struct am_kernels cuda_kernels = {
     .attention_backward = am_cuda_attention_backward,
     .swiglu_forward = am_cuda_swiglu_forward,
     .swiglu_backward = am_cuda_swiglu_backward,
-    .ce_stats = NULL,
-    .ce_backward = NULL,
-    .ce_rescale = NULL,
-    .ce_loss = NULL,
-    .ce_fused = NULL,
+    .ce_stats = am_cuda_ce_stats,
+    .ce_backward = am_cuda_ce_backward,
+    .ce_rescale = am_cuda_ce_rescale,
+    .ce_loss = am_cuda_ce_loss,
+    .ce_fused = am_cuda_ce_fused,
     .adamw = am_cuda_adamw,
+    .adamw_multi = am_cuda_adamw_multi,
 };
 
 const struct am_kernels *am_kernels_cuda(void) { return &cuda_kernels; }

@@ -1022,6 +1022,11 @@ int am_model_reduce_loss(struct am_model *m, struct am_comm *dp, char *err, size
     return sum_scalar(m, &m->scalars.loss, &m->scalars.loss_f, groups, 2, &m->loss_reduced, err, err_len);
 }
 
+const struct am_tensor *am_model_sumsq(const struct am_model *m)
+{
+    return m->sumsq_reduced ? &m->scalars.sumsq_f : &m->scalars.sumsq;
+}
+
 void am_model_read_scalars(struct am_model *m, struct am_model_values *v)
 {
     struct scalar_block h;

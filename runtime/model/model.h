@@ -282,6 +282,11 @@ int am_model_reduce_loss(struct am_model *m, struct am_comm *dp, char *err, size
 /* One read of the device scalars (waits for the device). */
 void am_model_read_scalars(struct am_model *m, struct am_model_values *v);
 
+/* The device scalar that am_model_read_scalars reads as the squared gradient norm (sumsq:
+ * AM_F64, or the AM_F32 sum over tp and pp ranks once reduced), for kernels that use the
+ * norm on the device (the optimizer's clipping). */
+const struct am_tensor *am_model_sumsq(const struct am_model *m);
+
 /* True for the last stage's copy of a tied embedding held by another rank (the first stage
  * holds the tensor itself): it is saved, and counted in norms, once, by the first stage. */
 bool am_model_is_tied_copy(const struct am_model *m, const struct am_param *p);

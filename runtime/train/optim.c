@@ -25,7 +25,8 @@ void am_optim_free(struct am_optim *o)
     o->m_mem = o->v_mem = NULL;
 }
 
-void am_optim_step(struct am_optim *o, void *params, const void *grads, float lr)
+void am_optim_step(struct am_optim *o, void *params, const void *grads, const struct am_tensor *sumsq, double max_norm,
+                   float lr)
 {
     enum am_device dev = o->dev->device;
     int64_t n = (int64_t)o->n;
@@ -33,8 +34,10 @@ void am_optim_step(struct am_optim *o, void *params, const void *grads, float lr
     struct am_tensor g = am_tensor_view((void *)grads, dev, AM_F32, n, 0, 0, 0);
     struct am_tensor m = am_tensor_view(o->m_mem, dev, AM_F32, n, 0, 0, 0);
     struct am_tensor v = am_tensor_view(o->v_mem, dev, AM_F32, n, 0, 0, 0);
+    struct am_adamw_tensor slab = {.param = &p, .m = &m, .v = &v, .grad = &g};
     o->step++;
-    o->dev->k->adamw(o->dev, &p, &g, &m, &v, lr, o->beta1, o->beta2, o->eps, o->weight_decay, o->step);
+    o->dev->k->adamw_multi(o->dev, &slab, 1, sumsq, max_norm, NULL, lr, o->beta1, o->beta2, o->eps, o->weight_decay,
+                           o->step);
 }
 
 double am_lr_at(const struct am_recipe *r, long step)

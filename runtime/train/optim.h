@@ -2,7 +2,8 @@
  *
  * The optimizer keeps Adam's two moments in two slabs parallel to the parameters, so one
  * kernel call updates every parameter (torch.optim.AdamW semantics, weight decay applied
- * to every parameter as AutoModel's default optimizer does).
+ * to every parameter as AutoModel's default optimizer does), the gradient clipping and the
+ * skip of a non-finite step decided on the device in that same call.
  *
  * The schedule is AutoModel's (Megatron's OptimizerParamScheduler): linear warm-up from 0
  * over lr_warmup_steps, then constant, linear or cosine decay to min_lr at lr_decay_steps
@@ -27,8 +28,15 @@ struct am_optim {
 
 int am_optim_init(struct am_optim *o, const struct am_dev *d, size_t n_elems, const struct am_recipe *r);
 void am_optim_free(struct am_optim *o);
-/* One AdamW step over params given grads (both slabs of o->n fp32 on the device). */
-void am_optim_step(struct am_optim *o, void *params, const void *grads, float lr);
+/* One AdamW step over params given grads (both slabs of o->n fp32 on the device), in one
+ * kernel call that reads nothing back (adamw_multi, kernels.h): with max_norm > 0 the
+ * gradients are clipped to the global norm max_norm (coefficient max_norm / (norm + 1e-6),
+ * applied when below 1), norm = sqrt of the device scalar sumsq (AM_F64 or AM_F32: the one
+ * am_model_read_scalars reads, am_model_sumsq); and when sumsq is an Inf or a NaN (a
+ * gradient is not finite) the step is skipped on the device, nothing written (the trainer
+ * then fails the step, having read the same value). sumsq may be NULL without clipping. */
+void am_optim_step(struct am_optim *o, void *params, const void *grads, const struct am_tensor *sumsq, double max_norm,
+                   float lr);
 
 double am_lr_at(const struct am_recipe *r, long step);
 

@@ -406,21 +406,30 @@ static int forward_backward(struct trainer *t, long step, float dloss_scale, str
     return 0;
 }
 
-/* The step's loss and gradient norm: reduced on the device, read once. A non-finite one
- * fails the step: on the rank it came from as "local"; a rank that only received it through
- * the data-parallel all-reduce waits to be stopped by the job's end (the source's supervisor
- * stops every rank within seconds), as a rank blocked in that all-reduce would, and reports
- * "reduced" only when nothing stops it. */
+/* The step's loss and gradient norm, reduced on the device (their collectives): the
+ * optimizer's update is enqueued after this and before step_values reads them. */
+static int reduce_values(struct trainer *t, long step, struct am_errors *err)
+{
+    const struct am_plan *p = t->p;
+    struct am_model *m = &t->model;
+    char msg[1024];
+    if (am_model_reduce_loss(m, p->dp > 1 ? t->g.dp : NULL, msg, sizeof(msg)) < 0 ||
+        am_model_grad_sumsq(m, msg, sizeof(msg)) < 0)
+        return am_errors_fail(err, "step %ld: %s", step, msg);
+    return 0;
+}
+
+/* The step's loss and gradient norm, read once. A non-finite one fails the step (the
+ * optimizer has skipped it on the device, reading the same norm): on the rank it came from
+ * as "local"; a rank that only received it through the data-parallel all-reduce waits to be
+ * stopped by the job's end (the source's supervisor stops every rank within seconds), as a
+ * rank blocked in that all-reduce would, and reports "reduced" only when nothing stops it. */
 static int step_values(struct trainer *t, long step, double *loss, double *norm, struct am_errors *err)
 {
     const struct am_plan *p = t->p;
     struct am_model *m = &t->model;
     double total_tokens = (double)p->global_batch * (double)p->seq_length;
-    char msg[1024];
     struct am_model_values v;
-    if (am_model_reduce_loss(m, p->dp > 1 ? t->g.dp : NULL, msg, sizeof(msg)) < 0 ||
-        am_model_grad_sumsq(m, msg, sizeof(msg)) < 0)
-        return am_errors_fail(err, "step %ld: %s", step, msg);
     am_model_read_scalars(m, &v);
     *loss = v.loss_sum / total_tokens;
     *norm = sqrt(v.sumsq);
@@ -447,16 +456,14 @@ static int run(struct trainer *t, struct am_errors *err)
         am_crash_set_step(step + 1);
         double busy0 = am_comm_ctx_busy_s(t->g.ctx);
         fault_at_step_start(t, step + 1);
-        if (forward_backward(t, step + 1, dloss_scale, err) < 0 || step_values(t, step + 1, &loss, &norm, err) < 0)
-            return -1;
-        if (r->optim.max_grad_norm > 0) {
-            double coef = r->optim.max_grad_norm / (norm + 1e-6);
-            struct am_tensor g = am_tensor_view(m->grad_mem, t->dev.device, AM_F32, (int64_t)m->n_elems, 0, 0, 0);
-            if (coef < 1.0)
-                t->K->scale(&t->dev, &g, (float)coef);
-        }
         double lr = am_lr_at(r, step);
-        am_optim_step(&t->optim, m->param_mem, m->grad_mem, (float)lr);
+        if (forward_backward(t, step + 1, dloss_scale, err) < 0 || reduce_values(t, step + 1, err) < 0)
+            return -1;
+        /* clipped to max_norm / (norm + 1e-6) when below 1, or skipped when the norm is not
+         * finite, on the device: enqueued before the one read of the step's values */
+        am_optim_step(&t->optim, m->param_mem, m->grad_mem, am_model_sumsq(m), r->optim.max_grad_norm, (float)lr);
+        if (step_values(t, step + 1, &loss, &norm, err) < 0)
+            return -1;
         double dt = am_mono_time() - ts;
         t->comm_s = am_comm_ctx_busy_s(t->g.ctx) - busy0;
         struct rusage ru;

@@ -7,7 +7,8 @@
  * ||gpu - cpu|| / ||cpu||: at most 1e-5 for the fp32 paths, 1e-2 for the bf16 paths (a bf16
  * output differs by at most an ulp, 2^-8 relative, where the two sum in a different order).
  * A summary table is printed last; exit 0 when every row passes, 1 otherwise, 77 (SKIP) when
- * there is no CUDA device. Run by tests/gpu/run; small shapes, a second or two.
+ * there is no CUDA device. Run by tests/gpu/run; small shapes but for the cross-entropy's, which
+ * cross its row and vocabulary chunks (some seconds of CPU reference).
  *
  * Attention runs on each of its paths (AM_ATTN=own, and AM_ATTN=cudnn in a build with
  * cuDNN), and a row per case checks which path ran (cuda_impl.h counts the calls).
@@ -102,7 +103,7 @@ static double elem(const struct am_tensor *t, const void *data, int64_t i)
 }
 
 /* ---- comparisons and the summary ---- */
-#define MAX_ROWS 256
+#define MAX_ROWS 768
 static struct row {
     char what[96], dtype[16];
     double err, tol;
@@ -471,6 +472,232 @@ static void case_adamw(float beta1)
     pair_free(&g);
 }
 
+/* ---- the head's cross-entropy (ce_*) ----
+ * x [N, C], the shard w [V, C] holding ids start .. start + V - 1, targets around the shard
+ * (some below, some above it) and every 7th ignored (-100). Each kernel is compared on the
+ * same inputs: the loss, the rescale and the backward take the CPU's statistics on both
+ * devices. Gradients start small (|.| < 0.01) so that what the kernel adds dominates their
+ * norm. Shapes: N = 4100 rows are a row chunk of 4096 and 4 more on the GPU; V = 5000 is a
+ * tile of 4096 and one of 904 there (and too much vocabulary for one tile: ce_fused false);
+ * V = 3000 fits one tile of the 4096 rows (ce_fused true over two row chunks). */
+static void fill_targets(struct pair *tg, int64_t lo, int64_t hi)
+{
+    pair_fill(tg, (double)lo, (double)hi);
+    int64_t n = am_tensor_numel(&tg->c);
+    for (int64_t i = 0; i < n; i += 7)
+        ((int32_t *)tg->c.data)[i] = -100;
+    pair_upload(tg);
+}
+
+/* 0 when the GPU copy of p still holds `before` (bytes), 1 otherwise */
+static double changed(const struct pair *p, const void *before)
+{
+    size_t b = am_tensor_bytes(&p->g);
+    void *h = malloc(b ? b : 1);
+    KG->download(&gpu, h, p->g.data, b);
+    int diff = memcmp(h, before, b) != 0;
+    free(h);
+    return diff;
+}
+
+static void *gpu_bytes(const struct pair *p)
+{
+    size_t b = am_tensor_bytes(&p->g);
+    void *h = malloc(b ? b : 1);
+    KG->download(&gpu, h, p->g.data, b);
+    return h;
+}
+
+static void case_ce(enum am_dtype dt, enum am_dtype gdt, int64_t N, int64_t C, int64_t V, int64_t start, bool fused_fits)
+{
+    bool bf = dt == AM_BF16;
+    const char *dn = dname(dt);
+    char what[128], shape[40];
+    snprintf(shape, sizeof shape, "N%lld V%lld", (long long)N, (long long)V);
+    struct pair x = rnd(dt, N, C, 0, 0), w = rnd(dt, V, C, 0, 0), tg = pair_new(AM_I32, N, 0, 0, 0);
+    struct pair m = pair_new(AM_F32, N, 0, 0, 0), s = pair_new(AM_F32, N, 0, 0, 0), t = pair_new(AM_F32, N, 0, 0, 0);
+    struct pair Mr = pair_new(AM_F32, N, 0, 0, 0), acc = pair_new(AM_F64, 1, 0, 0, 0);
+    struct pair dx = pair_new(dt, N, C, 0, 0), dw = pair_new(gdt, V, C, 0, 0);
+    fill_targets(&tg, start - V / 4, start + V + V / 4);
+
+    /* ce_stats */
+    KC->ce_stats(&cpu, &m.c, &s.c, &t.c, &x.c, &w.c, &tg.c, start);
+    KG->ce_stats(&gpu, &m.g, &s.g, &t.g, &x.g, &w.g, &tg.g, start);
+    snprintf(what, sizeof what, "ce_stats m (%s, start %lld)", shape, (long long)start);
+    check(what, &m, bf);
+    snprintf(what, sizeof what, "ce_stats s (%s)", shape);
+    check(what, &s, bf);
+    snprintf(what, sizeof what, "ce_stats t (%s)", shape);
+    check(what, &t, bf);
+    pair_upload(&m); /* the CPU's statistics on both devices from here on */
+    pair_upload(&s);
+    pair_upload(&t);
+
+    /* ce_loss on the CPU's statistics, from a non-zero accumulator */
+    ((double *)acc.c.data)[0] = 1.5;
+    pair_upload(&acc);
+    KC->ce_loss(&cpu, &acc.c, &m.c, &s.c, &t.c, &tg.c);
+    KG->ce_loss(&gpu, &acc.g, &m.g, &s.g, &t.g, &tg.g);
+    snprintf(what, sizeof what, "ce_loss (%s)", shape);
+    record(what, "fp32", rel_err(&acc), 1e-5);
+
+    /* ce_backward with M = m, S = s (one shard): dx and dw, then dx alone */
+    pair_fill(&dx, -0.01, 0.01);
+    pair_fill(&dw, -0.01, 0.01);
+    float scale = 1.0f / 64.0f;
+    KC->ce_backward(&cpu, &dx.c, &dw.c, &x.c, &w.c, &tg.c, start, &m.c, &s.c, scale);
+    KG->ce_backward(&gpu, &dx.g, &dw.g, &x.g, &w.g, &tg.g, start, &m.g, &s.g, scale);
+    snprintf(what, sizeof what, "ce_backward dx (%s)", shape);
+    check(what, &dx, bf);
+    snprintf(what, sizeof what, "ce_backward dw (%s, %s)", shape, dname(gdt));
+    check(what, &dw, bf);
+    pair_fill(&dx, -0.01, 0.01);
+    KC->ce_backward(&cpu, &dx.c, NULL, &x.c, &w.c, &tg.c, start, &m.c, &s.c, scale);
+    KG->ce_backward(&gpu, &dx.g, NULL, &x.g, &w.g, &tg.g, start, &m.g, &s.g, scale);
+    snprintf(what, sizeof what, "ce_backward dx alone (%s)", shape);
+    check(what, &dx, bf);
+
+    /* ce_rescale: s exp(m - M) with M above m by up to 2 */
+    for (int64_t i = 0; i < N; i++)
+        ((float *)Mr.c.data)[i] = ((float *)m.c.data)[i] + (float)urand(0.0, 2.0);
+    pair_upload(&Mr);
+    KC->ce_rescale(&cpu, &s.c, &m.c, &Mr.c);
+    KG->ce_rescale(&gpu, &s.g, &m.g, &Mr.g);
+    snprintf(what, sizeof what, "ce_rescale (%s)", shape);
+    record(what, "fp32", rel_err(&s), 1e-5);
+
+    /* ce_fused: the whole vocabulary (targets 0 .. V - 1, some beyond, every 7th ignored) */
+    fill_targets(&tg, 0, V + V / 8);
+    pair_fill(&dx, -0.01, 0.01);
+    pair_fill(&dw, -0.01, 0.01);
+    pair_fill(&m, -1, 1);
+    pair_fill(&s, -1, 1);
+    pair_fill(&t, -1, 1);
+    if (fused_fits) {
+        bool c_ok = KC->ce_fused(&cpu, &m.c, &s.c, &t.c, &dx.c, &dw.c, &x.c, &w.c, &tg.c, scale);
+        bool g_ok = KG->ce_fused(&gpu, &m.g, &s.g, &t.g, &dx.g, &dw.g, &x.g, &w.g, &tg.g, scale);
+        snprintf(what, sizeof what, "ce_fused returns true (%s)", shape);
+        record(what, dn, c_ok && g_ok ? 0 : 1, 0);
+        if (c_ok && g_ok) {
+            snprintf(what, sizeof what, "ce_fused m (%s)", shape);
+            check(what, &m, bf);
+            snprintf(what, sizeof what, "ce_fused s (%s)", shape);
+            check(what, &s, bf);
+            snprintf(what, sizeof what, "ce_fused t (%s)", shape);
+            check(what, &t, bf);
+            snprintf(what, sizeof what, "ce_fused dx (%s)", shape);
+            check(what, &dx, bf);
+            snprintf(what, sizeof what, "ce_fused dw (%s, %s)", shape, dname(gdt));
+            check(what, &dw, bf);
+        }
+    } else { /* too much vocabulary for one tile of the GPU's row chunk: false, nothing written */
+        void *bm = gpu_bytes(&m), *bs = gpu_bytes(&s), *bt = gpu_bytes(&t), *bdx = gpu_bytes(&dx), *bdw = gpu_bytes(&dw);
+        bool g_ok = KG->ce_fused(&gpu, &m.g, &s.g, &t.g, &dx.g, &dw.g, &x.g, &w.g, &tg.g, scale);
+        double touched = changed(&m, bm) + changed(&s, bs) + changed(&t, bt) + changed(&dx, bdx) + changed(&dw, bdw);
+        snprintf(what, sizeof what, "ce_fused false, nothing written (%s)", shape);
+        record(what, dn, !g_ok && touched == 0 ? 0 : 1, 0);
+        free(bm);
+        free(bs);
+        free(bt);
+        free(bdx);
+        free(bdw);
+    }
+    struct pair *all[] = {&x, &w, &tg, &m, &s, &t, &Mr, &acc, &dx, &dw};
+    for (size_t i = 0; i < sizeof all / sizeof *all; i++)
+        pair_free(all[i]);
+}
+
+/* ---- adamw_multi: 37 tensors (two launches of at most 32), one over a block of 16384
+ * elements, the clipping decided on the device from an f64 or f32 squared norm; a step with
+ * a zero flag or a NaN norm leaves every tensor as it was. The CPU's adamw_multi is
+ * adamw's arithmetic to the bit (tests/kernels), and so is this kernel's. */
+static void case_adamw_multi(enum am_dtype ss_dtype, float beta1)
+{
+    enum { NT = 37 };
+    struct pair p[NT], g[NT], m[NT], v[NT];
+    struct am_adamw_tensor lc[NT], lg[NT];
+    double ss = 0;
+    for (int i = 0; i < NT; i++) {
+        int64_t n = i == 5 ? 50001 : 1 + (int64_t)urand(0, 3000);
+        p[i] = rnd(AM_F32, n, 0, 0, 0);
+        g[i] = rnd(AM_F32, n, 0, 0, 0);
+        m[i] = pair_new(AM_F32, n, 0, 0, 0);
+        v[i] = pair_new(AM_F32, n, 0, 0, 0);
+        pair_fill(&m[i], -0.1, 0.1);
+        pair_fill(&v[i], 0, 0.01);
+        for (int64_t e = 0; e < n; e++)
+            ss += (double)((float *)g[i].c.data)[e] * ((float *)g[i].c.data)[e];
+        lc[i] = (struct am_adamw_tensor){.param = &p[i].c, .m = &m[i].c, .v = &v[i].c, .grad = &g[i].c};
+        lg[i] = (struct am_adamw_tensor){.param = &p[i].g, .m = &m[i].g, .v = &v[i].g, .grad = &g[i].g};
+    }
+    struct pair sq = pair_new(ss_dtype, 1, 0, 0, 0), fl = pair_new(AM_I32, 1, 0, 0, 0);
+    if (ss_dtype == AM_F32)
+        ((float *)sq.c.data)[0] = (float)ss;
+    else
+        ((double *)sq.c.data)[0] = ss;
+    ((int32_t *)fl.c.data)[0] = 1;
+    pair_upload(&sq);
+    pair_upload(&fl);
+    for (int64_t step = 1; step <= 2; step++) { /* clipped to 1 (the norm is ~100), then not clipped */
+        double max_norm = step == 1 ? 1.0 : 1e9;
+        KC->adamw_multi(&cpu, lc, NT, &sq.c, max_norm, &fl.c, 1e-3f, beta1, 0.95f, 1e-8f, 0.1f, step);
+        KG->adamw_multi(&gpu, lg, NT, &sq.g, max_norm, &fl.g, 1e-3f, beta1, 0.95f, 1e-8f, 0.1f, step);
+    }
+    char what[64];
+    double ep = 0, em = 0, ev = 0, eg = 0;
+    for (int i = 0; i < NT; i++) {
+        ep = fmax(ep, rel_err(&p[i]));
+        em = fmax(em, rel_err(&m[i]));
+        ev = fmax(ev, rel_err(&v[i]));
+        eg = fmax(eg, rel_err(&g[i]));
+    }
+    snprintf(what, sizeof what, "adamw_multi param (%s norm, beta1 %.1f)", dname(ss_dtype), beta1);
+    record(what, "fp32", ep, 1e-5);
+    record("adamw_multi m", "fp32", em, 1e-5);
+    record("adamw_multi v", "fp32", ev, 1e-5);
+    record("adamw_multi leaves the gradients (bitwise)", "fp32", eg, 0);
+    /* skipped steps: the flag 0, then a NaN norm */
+    for (int k = 0; k < 2; k++) {
+        int32_t f = k == 0 ? 0 : 1;
+        KG->upload(&gpu, fl.g.data, &f, sizeof f);
+        if (k == 1) {
+            double nan64 = NAN;
+            float nan32 = NAN;
+            KG->upload(&gpu, sq.g.data, ss_dtype == AM_F32 ? (void *)&nan32 : (void *)&nan64, am_dtype_size(ss_dtype));
+        }
+        void *before[3];
+        before[0] = gpu_bytes(&p[5]);
+        before[1] = gpu_bytes(&m[5]);
+        before[2] = gpu_bytes(&v[5]);
+        KG->adamw_multi(&gpu, lg, NT, &sq.g, 1.0, &fl.g, 1e-3f, beta1, 0.95f, 1e-8f, 0.1f, 3);
+        double touched = changed(&p[5], before[0]) + changed(&m[5], before[1]) + changed(&v[5], before[2]);
+        record(k == 0 ? "adamw_multi skips (flag 0)" : "adamw_multi skips (NaN norm)", "fp32", touched, 0);
+        for (int j = 0; j < 3; j++)
+            free(before[j]);
+    }
+    for (int i = 0; i < NT; i++) {
+        pair_free(&p[i]);
+        pair_free(&g[i]);
+        pair_free(&m[i]);
+        pair_free(&v[i]);
+    }
+    pair_free(&sq);
+    pair_free(&fl);
+}
+
+static void cases_ce_adamw_multi(void)
+{
+    case_ce(AM_F32, AM_F32, 300, 96, 1000, 500, true);
+    case_ce(AM_BF16, AM_BF16, 300, 96, 1000, 500, true);
+    case_ce(AM_BF16, AM_F32, 300, 96, 1000, 500, true);
+    case_ce(AM_F32, AM_F32, 4100, 64, 5000, 123, false);
+    case_ce(AM_BF16, AM_F32, 4100, 64, 5000, 123, false);
+    case_ce(AM_F32, AM_F32, 4100, 64, 3000, 0, true);
+    case_ce(AM_BF16, AM_BF16, 4100, 64, 3000, 0, true);
+    case_adamw_multi(AM_F64, 0.9f);
+    case_adamw_multi(AM_F32, 0.3f);
+}
+
 int main(void)
 {
     int ndev = 0;
@@ -548,6 +775,7 @@ int main(void)
         printf("note: this build has no cuDNN: the attention's cuDNN path is not checked\n");
     case_adamw(0.9f);
     case_adamw(0.3f);
+    cases_ce_adamw_multi();
     KG->sync(&gpu);
 
     printf("\n%-44s %-6s %-11s %-7s %s\n", "kernel (CUDA vs CPU)", "dtype", "rel err", "tol", "");

@@ -15,8 +15,8 @@
  * does (groups.h), and its shard as build_model does (am_pipe_init, am_model_init, am_pipe_bind, am_model_load_hf of the case). Then 5 steps on the golden batch
  * as train.c's run() does them (with one data-parallel rank, nothing to reduce over dp): zero
  * the gradients, am_pipe_run, am_model_finish_grads, the loss summed over the pp group (only
- * the last stage has it, am_model_reduce_loss), am_model_grad_sumsq, one read of both,
- * clipping by max_norm / (norm + 1e-6), am_optim_step at am_lr_at. Twice, each from a fresh
+ * the last stage has it, am_model_reduce_loss), am_model_grad_sumsq, am_optim_step at
+ * am_lr_at (clipping by max_norm / (norm + 1e-6) on the device), one read of both. Twice, each from a fresh
  * load: without clipping, against losses_adamw / grad_norms_adamw; with the recipe's
  * max_norm, against losses_adamw_clip / grad_norms_adamw_clip.
  *
@@ -204,7 +204,6 @@ static int run_series(struct dist *d, const struct golden *G, bool clip, struct 
     }
     /* run() */
     float dloss_scale = (float)(1.0 / G->n_targets);
-    struct am_tensor g = am_tensor_view(m.grad_mem, d->dev.device, AM_F32, (int64_t)m.n_elems, 0, 0, 0);
     for (int step = 0; step < STEPS; step++) {
         struct am_model_values v;
         am_model_begin_step(&m);
@@ -214,16 +213,12 @@ static int run_series(struct dist *d, const struct golden *G, bool clip, struct 
             am_errors_fail(err, "%s step %d: %s", series, step + 1, msg);
             goto out;
         }
+        am_optim_step(&optim, m.param_mem, m.grad_mem, am_model_sumsq(&m), clip ? r->optim.max_grad_norm : 0,
+                      (float)am_lr_at(r, step));
         am_model_read_scalars(&m, &v);
         double norm = sqrt(v.sumsq);
         compare(t, series, step, "loss", v.loss_sum / G->n_targets, G->losses[clip][step], false);
         compare(t, series, step, "grad norm", norm, G->norms[clip][step], true);
-        if (clip && r->optim.max_grad_norm > 0) {
-            double coef = r->optim.max_grad_norm / (norm + 1e-6);
-            if (coef < 1.0)
-                d->dev.k->scale(&d->dev, &g, (float)coef);
-        }
-        am_optim_step(&optim, m.param_mem, m.grad_mem, (float)am_lr_at(r, step));
     }
     rc = 0;
 out:

@@ -212,9 +212,9 @@ static void adamw_steps(struct golden *G, float lr, bool clip, double *losses, d
         struct am_tensor acc = am_tensor_view(&sumsq, AM_DEV_CPU, AM_F64, 1, 0, 0, 0);
         G->K->sum_squares(&G->dev, &acc, &g, 1.0);
         norms[s] = sqrt(sumsq);
-        if (clip && 1.0 / (norms[s] + 1e-6) < 1.0)
-            G->K->scale(&G->dev, &g, (float)(1.0 / (norms[s] + 1e-6)));
-        G->K->adamw(&G->dev, &p, &g, &m, &v, lr, 0.9f, 0.95f, 1e-8f, 0.1f, s + 1);
+        /* the trainer's step (am_optim_step): clipping to norm 1 decided from the scalar */
+        struct am_adamw_tensor slab = {.param = &p, .m = &m, .v = &v, .grad = &g};
+        G->K->adamw_multi(&G->dev, &slab, 1, &acc, clip ? 1.0 : 0.0, NULL, lr, 0.9f, 0.95f, 1e-8f, 0.1f, s + 1);
     }
     G->K->free(&G->dev, mom);
     G->K->free(&G->dev, var);
