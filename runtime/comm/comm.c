@@ -567,6 +567,8 @@ int am_comm_size(const struct am_comm *c) { return c ? c->size : 0; }
 const char *am_comm_name(const struct am_comm *c) { return c ? c->name : "(none)"; }
 uint64_t am_comm_seq(const struct am_comm *c) { return c ? c->seq : 0; }
 
+enum am_comm_backend am_comm_ctx_backend(const struct am_comm_ctx *ctx) { return ctx->backend; }
+
 void am_comm_set_stream(struct am_comm *c, void *stream)
 {
     if (c)

@@ -97,6 +97,7 @@ struct am_comm_ctx *am_comm_ctx_init(enum am_comm_backend backend, struct am_boo
                                      const struct am_boot_info *info, int device, double timeout_s,
                                      char *err, size_t err_len);
 void am_comm_ctx_fini(struct am_comm_ctx *ctx);
+enum am_comm_backend am_comm_ctx_backend(const struct am_comm_ctx *ctx);
 
 /* Diagnostics (docs/diagnostics.md).
  * set_flight: every later call on the context is recorded in the flight recorder f
@@ -136,7 +137,15 @@ int am_comm_size(const struct am_comm *c);
 const char *am_comm_name(const struct am_comm *c);
 uint64_t am_comm_seq(const struct am_comm *c); /* collectives issued on this group so far */
 
-/* NCCL: the CUDA stream the operations are enqueued on (cudaStream_t); UCX ignores it. */
+/* NCCL: the CUDA stream the operations are enqueued on (cudaStream_t); UCX ignores it. The
+ * trainer gives every group the device context's compute stream (kernels.h, am_dev.stream):
+ * a blocking call is then enqueued behind the kernels that wrote its buffers and the kernels
+ * enqueued after it run after it (stream order, no event needed), and the call returns once it
+ * completed (the host waits, watching NCCL's asynchronous errors, the timeout and aborts); a
+ * non-blocking collective runs on the group's communication stream after an event recorded on
+ * the compute stream, and am_comm_wait makes the compute stream wait for its end (no host
+ * wait). Without a stream: the legacy default stream, which a non-blocking compute stream does
+ * not order against. */
 void am_comm_set_stream(struct am_comm *c, void *stream);
 
 int am_allreduce(struct am_comm *c, const void *send, void *recv, size_t count, enum am_dtype t,

@@ -232,6 +232,7 @@ int am_model_init(struct am_model *m, const struct am_model_config *cfg, const s
                   int64_t seq_len, char *err, size_t err_len)
 {
     memset(m, 0, sizeof(*m));
+    m->where = (struct am_model_where){AM_PHASE_SETUP, AM_WHERE_NONE};
     m->cfg = *cfg;
     m->sh = *sh;
     m->dev = dev;
@@ -423,6 +424,18 @@ void am_model_begin_step(struct am_model *m)
     m->K->zero(m->dev, &g);
     m->K->zero(m->dev, &m->scalars.loss);
     m->K->zero(m->dev, &m->scalars.local_sumsq);
+}
+
+const char *am_model_phase_name(enum am_model_phase p)
+{
+    switch (p) {
+    case AM_PHASE_SETUP: return "setup";
+    case AM_PHASE_FORWARD: return "forward";
+    case AM_PHASE_BACKWARD: return "backward";
+    case AM_PHASE_GRAD_SYNC: return "grad_sync";
+    case AM_PHASE_OPTIMIZER: return "optimizer";
+    }
+    return "setup";
 }
 
 int am_model_find(const struct am_model *m, const char *name)
@@ -683,6 +696,7 @@ static int forward_chunk(struct am_model *m, int chunk, int slot, int64_t B, con
     int64_t N = B * m->seq_len, R = stream_rows(m, N);
     struct am_tensor x = rows_of(&m->x, R);
     S->batch = B;
+    m->where = (struct am_model_where){AM_PHASE_FORWARD, AM_WHERE_EMBEDDING};
     if (is_first(m, chunk)) {
         /* the embedding: each rank looks up the ids of its vocabulary shard; summed over tp */
         struct am_tensor tok = rows_of(&S->tokens, N), e = rows_of(&m->scratch_c, N);
@@ -696,9 +710,12 @@ static int forward_chunk(struct am_model *m, int chunk, int slot, int64_t B, con
         K->copy(m->dev, &x, &in);
     }
     const struct am_layer *layers = &m->layers[m->chunk_base[chunk]];
-    for (int l = 0; l < m->sh.chunks[chunk].n_layers; l++)
+    for (int l = 0; l < m->sh.chunks[chunk].n_layers; l++) {
+        m->where.layer = m->sh.chunks[chunk].first_layer + l;
         if (layer_forward(m, &layers[l], &S->acts[l], &x, B, err, err_len) < 0)
             return -1;
+    }
+    m->where.layer = AM_WHERE_HEAD;
     if (is_last(m, chunk))
         return head_forward(m, S, &x, targets, dloss_scale, want_grad, err, err_len);
     struct am_tensor out = hidden(m, x_out, B);
@@ -837,6 +854,7 @@ int am_model_backward(struct am_model *m, int chunk, int slot, const void *dy, v
         return am_fail(err, err_len, "model: backward of slot %d of chunk %d, which holds no forward", slot, chunk);
     int64_t B = S->batch, N = B * m->seq_len, R = stream_rows(m, N);
     struct am_tensor dx = rows_of(&m->dx, R);
+    m->where = (struct am_model_where){AM_PHASE_BACKWARD, AM_WHERE_HEAD};
     if (is_last(m, chunk)) {
         if (head_backward(m, S, &dx, dloss_scale, err, err_len) < 0 ||
             group_done(m, m->n_groups - 1, err, err_len) < 0)
@@ -848,6 +866,7 @@ int am_model_backward(struct am_model *m, int chunk, int slot, const void *dy, v
     const struct am_layer *layers = &m->layers[m->chunk_base[chunk]];
     for (int l = m->sh.chunks[chunk].n_layers - 1; l >= 0; l--) {
         struct am_layer_acts *a = &S->acts[l];
+        m->where.layer = m->sh.chunks[chunk].first_layer + l;
         if (m->sh.recompute) { /* the layer's forward again, from its saved input */
             struct am_tensor x = rows_of(&m->x, R), x_in = rows_of(&a->x_in, R);
             K->copy(m->dev, &x, &x_in);
@@ -858,6 +877,7 @@ int am_model_backward(struct am_model *m, int chunk, int slot, const void *dy, v
             group_done(m, layers[l].group, err, err_len) < 0)
             return -1;
     }
+    m->where.layer = AM_WHERE_EMBEDDING;
     if (is_first(m, chunk)) {
         struct am_tensor tok = rows_of(&S->tokens, N), g;
         if (row_parallel_grad(m, &dx, N, &g, err, err_len) < 0)
