@@ -67,7 +67,8 @@ static int in_group(const struct am_diag_group *g, int rank)
 
 static int is_collective(const struct am_diag_flight *f)
 {
-    return strcmp(f->op, "send") != 0 && strcmp(f->op, "recv") != 0 && strcmp(f->op, "isend") != 0;
+    return strcmp(f->op, "send") != 0 && strcmp(f->op, "recv") != 0 && strcmp(f->op, "isend") != 0 &&
+           strcmp(f->op, "stream_wait") != 0;
 }
 
 /* A non-blocking collective (iallreduce, ...): its entry is written when it is posted and may
@@ -431,6 +432,16 @@ static int hang(struct am_diag *d)
         return 0;
     const struct am_diag_flight *k = first->in;
     d->ff_cause = "hang";
+    if (strcmp(k->op, "stream_wait") == 0) { /* a GPU rank waiting for its own stream (NCCL) */
+        d->ff_in = k;
+        d->culprit = -1;
+        snprintf(d->ff_detail, sizeof(d->ff_detail), "rank %d waited %.2f s for its GPU to finish the work of group "
+                 "%s enqueued after collective #%llu (stream_wait): a collective of the group did not complete on "
+                 "the device (its cause record names it); NCCL does not tell which peer it waits for, so the logs "
+                 "cannot name the rank that held it up", first->rank, first->waited_s, k->group,
+                 (unsigned long long)k->seq);
+        return 1;
+    }
     if (!is_collective(k)) { /* point-to-point: the peer it waited for */
         d->ff_in = k;
         d->culprit = first->waiting_for >= 0 ? first->waiting_for : k->peer;

@@ -472,12 +472,27 @@ static struct am_tensor heads_of(const struct am_tensor *t, int64_t B, int64_t T
 
 /* The communicators' name for a tensor's dtype (f32 or bf16 here). */
 
+/* Tensor-parallel collectives are on the critical path. On a GPU they go through the
+ * non-blocking calls: the collective is enqueued after the kernels that wrote its buffer (an
+ * event on the compute stream), and am_comm_wait makes the compute stream wait for its end on
+ * the device, so the host goes on enqueuing kernels (no host wait per collective; the trainer's
+ * am_comm_stream_wait once a step catches one that never completes). The CPU's blocking calls
+ * stay as they are: the same bits either way (comm.h). */
+static int tp_on_device(const struct am_model *m) { return m->dev->device == AM_DEV_CUDA; }
+
 /* t reduced in place over the tp group (none: t as it is). */
 static int tp_reduce(struct am_model *m, struct am_tensor *t, enum am_comm_op op, char *err, size_t err_len)
 {
     if (!m->tp_comm)
         return 0;
-    return am_allreduce(m->tp_comm, t->data, t->data, (size_t)am_tensor_numel(t), t->dtype, op, err, err_len);
+    size_t n = (size_t)am_tensor_numel(t);
+    if (tp_on_device(m)) {
+        struct am_comm_req *q = NULL;
+        return am_iallreduce(m->tp_comm, t->data, t->data, n, t->dtype, op, &q, err, err_len) < 0
+                   ? -1
+                   : am_comm_wait(q, err, err_len);
+    }
+    return am_allreduce(m->tp_comm, t->data, t->data, n, t->dtype, op, err, err_len);
 }
 
 static int tp_sum(struct am_model *m, struct am_tensor *t, char *err, size_t err_len)
@@ -489,14 +504,27 @@ static int tp_sum(struct am_model *m, struct am_tensor *t, char *err, size_t err
 static int sp_gather(struct am_model *m, const struct am_tensor *rows, struct am_tensor *full, char *err,
                      size_t err_len)
 {
-    return am_allgather(m->tp_comm, rows->data, full->data, (size_t)am_tensor_numel(rows), rows->dtype, err, err_len);
+    size_t n = (size_t)am_tensor_numel(rows);
+    if (tp_on_device(m)) {
+        struct am_comm_req *q = NULL;
+        return am_iallgather(m->tp_comm, rows->data, full->data, n, rows->dtype, &q, err, err_len) < 0
+                   ? -1
+                   : am_comm_wait(q, err, err_len);
+    }
+    return am_allgather(m->tp_comm, rows->data, full->data, n, rows->dtype, err, err_len);
 }
 
 static int sp_scatter(struct am_model *m, const struct am_tensor *full, struct am_tensor *rows, char *err,
                       size_t err_len)
 {
-    return am_reduce_scatter(m->tp_comm, full->data, rows->data, (size_t)am_tensor_numel(rows), rows->dtype, AM_SUM,
-                             err, err_len);
+    size_t n = (size_t)am_tensor_numel(rows);
+    if (tp_on_device(m)) {
+        struct am_comm_req *q = NULL;
+        return am_ireduce_scatter(m->tp_comm, full->data, rows->data, n, rows->dtype, AM_SUM, &q, err, err_len) < 0
+                   ? -1
+                   : am_comm_wait(q, err, err_len);
+    }
+    return am_reduce_scatter(m->tp_comm, full->data, rows->data, n, rows->dtype, AM_SUM, err, err_len);
 }
 
 /* The output of a row-parallel product (full rows, partial sums over tp) added to the

@@ -88,10 +88,22 @@ static int build_comms(struct trainer *t, struct am_errors *err)
     enum am_comm_backend be = t->dev.device == AM_DEV_CUDA ? AM_COMM_NCCL : AM_COMM_UCX;
     if (am_groups_build(&t->g, t->s, be, t->dev.ordinal, &t->flight, t->hosts, err) < 0)
         return -1;
-    /* NCCL: every group on the compute stream (comm.h, am_comm_set_stream): collectives after
-     * the kernels that wrote their buffers, kernels after the collectives they read */
-    for (int g = 0; be == AM_COMM_NCCL && g < t->g.set.n; g++)
-        am_comm_set_stream(t->g.comms[g], t->dev.stream);
+    /* NCCL, ordered against the compute stream (comm.h): the tensor- and data-parallel groups
+     * on the compute stream itself (collectives after the kernels that wrote their buffers,
+     * kernels after the collectives they read; non-blocking ones on the group's communication
+     * stream, joined by events); the pipeline's groups on streams of their own that wait for
+     * the compute stream before each call (a send's kernel waits for the peer's receive and
+     * must not hold the compute stream) */
+    for (int g = 0; be == AM_COMM_NCCL && g < t->g.set.n; g++) {
+        struct am_comm *c = t->g.comms[g];
+        char msg[AM_COMM_ERR_LEN];
+        if (!c)
+            continue;
+        if (c != t->g.pp && c != t->g.pp_grad)
+            am_comm_set_stream(c, t->dev.stream);
+        else if (am_comm_set_stream_after(c, t->dev.stream, msg, sizeof(msg)) < 0)
+            return am_errors_fail(err, "%s", msg);
+    }
     t->dp_rank = am_comm_rank(t->g.dp);
     log_groups(t);
     return 0;
@@ -521,6 +533,10 @@ static int forward_backward(struct trainer *t, long step, float dloss_scale, str
     }
     t->model.where = (struct am_model_where){AM_PHASE_GRAD_SYNC, AM_WHERE_NONE};
     if (am_gsync_finish(&t->sync, msg, sizeof(msg)) < 0)
+        return am_errors_fail(err, "step %ld: %s", step, msg);
+    /* NCCL: the collectives left to the device this step, each seen complete (a timeout names
+     * the one that is not) before the host reads results; nothing on UCX */
+    if (am_comm_stream_wait(t->g.tp, msg, sizeof(msg)) < 0 || am_comm_stream_wait(t->g.dp, msg, sizeof(msg)) < 0)
         return am_errors_fail(err, "step %ld: %s", step, msg);
     return 0;
 }

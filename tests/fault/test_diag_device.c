@@ -311,6 +311,37 @@ static void test_nccl_hang_one_missing(void **state)
     am_diag_free(&d);
 }
 
+/* both GPU ranks stuck in stream_wait after collective #4: a collective left to the device
+ * never completed; nobody to blame, the report says so and names the wait */
+static void test_stream_wait_hang(void **state)
+{
+    (void)state;
+    struct am_diag d;
+    struct log l;
+    am_diag_init(&d);
+    for (int r = 0; r < 2; r++) {
+        gpu_rank(&l, r, 2, 4);
+        line(&l, "{\"type\":\"flight\",\"id\":5,\"group\":\"dp\",\"gid\":0,\"seq\":4,\"op\":\"stream_wait\","
+                 "\"dtype\":null,\"count\":0,\"bytes\":0,\"redop\":null,\"peer\":null,\"state\":\"timed_out\","
+                 "\"enqueued\":%.6f,\"started\":%.6f,\"ended\":null,\"waiting_for\":null}", T0 + 4, T0 + 4);
+        line(&l, "{\"type\":\"cause\",\"cause\":\"timeout\",\"by\":\"watchdog\",\"op\":\"stream_wait\","
+                 "\"group\":\"dp\",\"gid\":0,\"seq\":4,\"count\":0,\"bytes\":0,\"waited_s\":5.0,\"rank\":%d,"
+                 "\"time\":%.6f,\"timeout_s\":5.0,\"peer\":null,\"waiting_for\":null,\"waiting_for_host\":null,"
+                 "\"step\":3,\"message\":\"x\"}", r, T0 + 9 + 0.1 * r);
+        exit_with(&l, r, 1, NULL, T0 + 9.2 + 0.1 * r);
+        add(&d, r, &l);
+    }
+    am_diag_analyze(&d);
+    assert_int_equal(d.failed, 1);
+    assert_int_equal(d.culprit, -1);
+    assert_string_equal(d.ff_cause, "hang");
+    assert_string_equal(d.ff_detail, "rank 0 waited 5.00 s for its GPU to finish the work of group dp enqueued after "
+                        "collective #4 (stream_wait): a collective of the group did not complete on the device (its "
+                        "cause record names it); NCCL does not tell which peer it waits for, so the logs cannot name "
+                        "the rank that held it up");
+    am_diag_free(&d);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -320,6 +351,7 @@ int main(void)
         cmocka_unit_test(test_nccl_error),
         cmocka_unit_test(test_nccl_hang_all_inside),
         cmocka_unit_test(test_nccl_hang_one_missing),
+        cmocka_unit_test(test_stream_wait_hang),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
