@@ -34,7 +34,7 @@ struct am_cuda_gemm_entry {
  * request, whichever less). Blocks are used on the context's stream (and the communication
  * streams that wait for it): a block freed on the host is reused by work enqueued after the
  * free on that stream, so in stream order; alloc (zeroed memory for any stream) waits for the
- * device before it hands a reused block out. When cudaMalloc fails the pool gives back its
+ * context's stream before it hands a block out. When cudaMalloc fails the pool gives back its
  * free blocks of their own (cudaFree) and tries once more; then the request fails: the fault
  * hook hears AM_DEV_FAULT_OOM with what was asked and what the pool holds. */
 struct am_cuda_block {

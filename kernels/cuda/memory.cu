@@ -51,9 +51,9 @@ static struct am_cuda_block *find_free(struct am_cuda_pool *P, size_t cls)
     return best;
 }
 
-/* The pool's free blocks of their own back to the device (after the device is idle: stream
- * order does not cover cudaFree's caller). */
-static void trim(struct am_cuda_pool *P)
+/* The pool's free blocks of their own back to the device (cudaFree waits for the device
+ * itself; the context's stream first, where the blocks were last used). */
+static void trim(const struct am_dev *d, struct am_cuda_pool *P)
 {
     size_t k = 0;
     bool synced = false;
@@ -61,7 +61,7 @@ static void trim(struct am_cuda_pool *P)
         struct am_cuda_block *b = &P->blocks[i];
         if (b->free && b->own) {
             if (!synced) {
-                cudaDeviceSynchronize();
+                cudaStreamSynchronize(am_cuda_stream(d));
                 synced = true;
             }
             cudaFree(b->p);
@@ -112,7 +112,7 @@ void *am_cuda_pool_get(const char *kernel, const struct am_dev *d, size_t bytes)
         cudaError_t e = cudaMalloc(&p, cls);
         if (e == cudaErrorMemoryAllocation) {
             cudaGetLastError();
-            trim(P);
+            trim(d, P);
             e = cudaMalloc(&p, cls);
         }
         if (e == cudaErrorMemoryAllocation) {
@@ -196,10 +196,12 @@ void *am_cuda_alloc(const struct am_dev *d, size_t bytes)
     if (!p)
         return NULL;
     /* zeroed on the context's stream (cudaMemset would run on the legacy default stream,
-     * which a non-blocking stream does not wait for), and waited for with the whole device
-     * (a reused block may still be read by a communication stream): zero for every stream */
+     * which a non-blocking stream does not wait for), and waited for: zero for every stream.
+     * Not the whole device: a communication stream may hold a collective that waits for a
+     * peer; a block freed while another stream still used it would have to be freed after the
+     * context's stream waited for that work (the communicators make it wait, comm.h) */
     am_cuda_check(k, cudaMemsetAsync(p, 0, bytes ? bytes : 1, am_cuda_stream(d)), "cudaMemsetAsync");
-    am_cuda_check(k, cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+    am_cuda_check(k, cudaStreamSynchronize(am_cuda_stream(d)), "cudaStreamSynchronize");
     return p;
 }
 
