@@ -312,8 +312,11 @@ static void describe_failure(const struct am_diag_rank *r, char *buf, size_t len
         add(buf, len, "rank %d's GPU failed%s: %s", r->rank, where, str(c, "message") ? str(c, "message") : "?");
     } else if (streq(r->kind, "nccl")) {
         const char *op = str(c, "op"), *group = str(c, "group");
-        add(buf, len, "NCCL failed in %s #%lld of group %s: %s", op ? op : "?", (long long)integer(c, "seq", 0),
-            group ? group : "?", str(c, "message") ? str(c, "message") : "?");
+        if (op && group)
+            add(buf, len, "NCCL failed in %s #%lld of group %s: %s", op, (long long)integer(c, "seq", 0), group,
+                str(c, "message") ? str(c, "message") : "?");
+        else /* before any call: making the communicators */
+            add(buf, len, "NCCL failed: %s", str(c, "message") ? str(c, "message") : "?");
     } else if (streq(r->kind, "error")) {
         add(buf, len, "error: %s", str(c, "message") ? str(c, "message") : "(no message)");
     } else if (streq(r->kind, "exit") && r->status == 0) {

@@ -51,6 +51,7 @@ struct trainer {
     const char **hosts;                 /* host of each global rank */
     double comm_s;                      /* seconds in communication calls this step */
     long step;                          /* the step being run (1-based) */
+    bool comm_init_failed;              /* the communicators could not be made (NCCL: a "nccl" cause) */
     double peak_flops;                  /* the device's dense peak, FLOP/s (0: unknown: no MFU) */
     const char *peak_from;              /* where peak_flops came from, for the start record */
 };
@@ -86,8 +87,10 @@ static void log_groups(struct trainer *t)
 static int build_comms(struct trainer *t, struct am_errors *err)
 {
     enum am_comm_backend be = t->dev.device == AM_DEV_CUDA ? AM_COMM_NCCL : AM_COMM_UCX;
-    if (am_groups_build(&t->g, t->s, be, t->dev.ordinal, &t->flight, t->hosts, err) < 0)
+    if (am_groups_build(&t->g, t->s, be, t->dev.ordinal, &t->flight, t->hosts, err) < 0) {
+        t->comm_init_failed = true;
         return -1;
+    }
     /* NCCL, ordered against the compute stream (comm.h): the tensor- and data-parallel groups
      * on the compute stream itself (collectives after the kernels that wrote their buffers,
      * kernels after the collectives they read; non-blocking ones on the group's communication
@@ -342,7 +345,9 @@ static void report_error(struct trainer *t, const char *message)
     uint64_t newest = atomic_load(&t->flight.newest);
     if (!am_flight_get(&t->flight, newest, &v) ||
         (v.state != AM_FLIGHT_FAILED && v.state != AM_FLIGHT_TIMED_OUT && v.state != AM_FLIGHT_ABORTED)) {
-        report(t, json_pack("{s:s,s:s}", "cause", "error", "message", message));
+        /* NCCL's communicators could not be made (ncclCommInitRankConfig's error in the message) */
+        int nccl = t->comm_init_failed && t->dev.device == AM_DEV_CUDA;
+        report(t, json_pack("{s:s,s:s}", "cause", nccl ? "nccl" : "error", "message", message));
         return;
     }
     int timed_out = v.state == AM_FLIGHT_TIMED_OUT;

@@ -246,6 +246,29 @@ static void test_nccl_error(void **state)
     am_diag_free(&d);
 }
 
+/* NCCL could not make the communicators: no call, the message as it is */
+static void test_nccl_init(void **state)
+{
+    (void)state;
+    struct am_diag d;
+    struct log l;
+    am_diag_init(&d);
+    gpu_rank(&l, 0, 0, 0);
+    line(&l, "{\"type\":\"cause\",\"cause\":\"nccl\",\"message\":\"create groups: group dp (2 ranks: global 0, 1): "
+             "NCCL initialisation timed out\",\"rank\":0,\"time\":%.6f}", T0 + 1);
+    exit_with(&l, 0, 1, NULL, T0 + 1.1);
+    add(&d, 0, &l);
+    gpu_rank(&l, 1, 0, 0);
+    exit_with(&l, 1, 143, "SIGTERM", T0 + 1.2);
+    add(&d, 1, &l);
+    am_diag_analyze(&d);
+    assert_int_equal(d.culprit, 0);
+    assert_string_equal(d.ff_cause, "nccl");
+    assert_string_equal(d.ff_detail, "NCCL failed: create groups: group dp (2 ranks: global 0, 1): NCCL initialisation "
+                        "timed out");
+    am_diag_free(&d);
+}
+
 static void watchdog_timeout(struct log *l, int rank, int seq, double t)
 {
     line(l, "{\"type\":\"flight\",\"id\":%d,\"group\":\"dp\",\"gid\":0,\"seq\":%d,\"op\":\"allreduce\",\"dtype\":\"bf16\","
@@ -349,6 +372,7 @@ int main(void)
         cmocka_unit_test(test_oom_places),
         cmocka_unit_test(test_cuda_error),
         cmocka_unit_test(test_nccl_error),
+        cmocka_unit_test(test_nccl_init),
         cmocka_unit_test(test_nccl_hang_all_inside),
         cmocka_unit_test(test_nccl_hang_one_missing),
         cmocka_unit_test(test_stream_wait_hang),
