@@ -4,6 +4,7 @@
  * free returns the block to the pool (no device call). download waits for the stream (the host
  * reads the bytes next); upload returns when host_src may be reused (pageable memory is staged
  * during the call; page-locked memory is waited for). */
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 
@@ -99,6 +100,8 @@ static void *oom(const char *kernel, const struct am_dev *d, struct am_cuda_pool
 void *am_cuda_pool_get(const char *kernel, const struct am_dev *d, size_t bytes)
 {
     struct am_cuda_pool *P = &am_cuda_ctx(kernel, d)->pool;
+    if (bytes > (SIZE_MAX >> 1)) /* no device has it (and its class would not fit in a size_t) */
+        return oom(kernel, d, P, bytes, cudaErrorMemoryAllocation);
     size_t cls = size_class(bytes);
     struct am_cuda_block *b = find_free(P, cls);
     if (!b && P->arena && P->arena_bytes - P->arena_used >= cls) {
