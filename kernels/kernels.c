@@ -4,6 +4,33 @@
 
 #include "kernels.h"
 
+/* The process's device-fault hook (kernels.h): the one mutable global of the kernels, because
+ * the backends' checks that call it have no context to reach it through. */
+static struct {
+    am_dev_fault_fn fn;
+    void *arg;
+    int fatal_told; /* an ERROR or BUG was told: the abort that follows is not told again */
+} fault_hook;
+
+void am_kernels_set_fault_hook(am_dev_fault_fn fn, void *arg)
+{
+    fault_hook.fn = fn;
+    fault_hook.arg = arg;
+    fault_hook.fatal_told = 0;
+}
+
+void am_kernels_fault(const struct am_dev_fault *f)
+{
+    if (!fault_hook.fn || !f)
+        return;
+    if (f->kind != AM_DEV_FAULT_OOM) {
+        if (fault_hook.fatal_told)
+            return;
+        fault_hook.fatal_told = 1;
+    }
+    fault_hook.fn(fault_hook.arg, f);
+}
+
 const struct am_kernels *am_kernels_for(enum am_device device)
 {
     switch (device) {
@@ -86,6 +113,7 @@ int am_dev_open(struct am_dev *d, enum am_device device, int ordinal, char *err,
     }
     d->device = device;
     d->ordinal = device == AM_DEV_CPU ? -1 : ordinal;
+    snprintf(d->name, sizeof d->name, "%s", am_device_name(device));
     if (d->k->open && d->k->open(d, err, err_len) < 0) {
         memset(d, 0, sizeof(*d));
         return -1;

@@ -72,6 +72,8 @@ struct am_dev {
                                  * (widened bf16 operands); CUDA's the GEMM workspace, a device
                                  * scratch and the GEMM algorithm cache (kernels/cuda/cuda_impl.h) */
     size_t workspace_bytes;
+    char name[96];              /* the device's name ("NVIDIA H200"; "cpu") */
+    int cc_major, cc_minor;     /* CUDA compute capability; 0 on the CPU */
 };
 
 /* Opens a context on a device (ordinal: the CUDA device, ignored on the CPU). Returns 0, or
@@ -79,6 +81,44 @@ struct am_dev {
 int am_dev_open(struct am_dev *d, enum am_device device, int ordinal, char *err, size_t err_len);
 void am_dev_close(struct am_dev *d);
 const char *am_device_name(enum am_device device);
+
+/* ---- failures of the device, told to whoever runs it ----
+ * The kernels print no log of their own. A program that wants to record why its device failed
+ * (the trainer writes a cause record, runtime/train/crash.h) installs a hook; the backends call
+ * it when an allocation fails (AM_DEV_FAULT_OOM, before alloc returns NULL or a kernel's
+ * scratch aborts) and before they abort on a device error (AM_DEV_FAULT_ERROR: a CUDA call or
+ * launch that failed, with cudaGetErrorString's text) or on a caller's bug
+ * (AM_DEV_FAULT_BUG: a tensor of the wrong device, dtype or shape). The hook runs on the
+ * failing thread, may write a file, and returns; after an ERROR or a BUG the backend then
+ * prints its message on stderr and aborts (SIGABRT). One hook per process (the device's
+ * checks have no context to carry one: am_cuda_check is called from deep inside kernels), set
+ * before the device is opened and left alone while it runs; NULL removes it. */
+enum am_dev_fault_kind { AM_DEV_FAULT_OOM, AM_DEV_FAULT_ERROR, AM_DEV_FAULT_BUG };
+
+struct am_dev_fault {
+    enum am_dev_fault_kind kind;
+    const char *backend;        /* "cpu", "cuda" */
+    int ordinal;                /* the device (-1: the CPU, or not known) */
+    const char *where;          /* the kernel or call that failed ("am_cuda_alloc", "cudaMallocAsync") */
+    const char *error;          /* the device's text for the error (cudaGetErrorString), or "" */
+    const char *message;        /* the whole message, as stderr gets it */
+    /* OOM: what was asked for, what the allocator holds from the device (reserved) and how much
+     * of that is handed out (in use), and the device's total memory (0: not known) */
+    size_t bytes_asked, bytes_held, bytes_in_use, bytes_total;
+};
+typedef void (*am_dev_fault_fn)(void *arg, const struct am_dev_fault *f);
+void am_kernels_set_fault_hook(am_dev_fault_fn fn, void *arg);
+/* The backends' call: runs the hook, if any (at most once per process for ERROR and BUG: an
+ * abort in the hook's wake does not report twice). */
+void am_kernels_fault(const struct am_dev_fault *f);
+
+/* A device's memory, as its allocator sees it. */
+struct am_dev_mem {
+    size_t held;     /* reserved from the device (CUDA: the caching allocator's pool; CPU: = in_use) */
+    size_t in_use;   /* handed out by alloc and not freed */
+    size_t peak;     /* the most in_use so far */
+    size_t total;    /* the device's memory (0: not known, the CPU) */
+};
 
 struct am_kernels {
     const char *name;
@@ -98,6 +138,12 @@ struct am_kernels {
     void (*download)(const struct am_dev *d, void *host_dst, const void *src, size_t bytes);
     void (*zero)(const struct am_dev *d, struct am_tensor *t);
     void (*copy)(const struct am_dev *d, struct am_tensor *dst, const struct am_tensor *src);
+    /* the allocator's counts (may be NULL: unknown) */
+    void (*mem_stats)(const struct am_dev *d, struct am_dev_mem *out);
+    /* reserves bytes up front (CUDA: the caching allocator's pool, from the plan's estimate)
+     * so that later allocations take no device call; 0, or -1 when the device has not that
+     * much (nothing reserved then). May be NULL (nothing to do). */
+    int (*reserve)(const struct am_dev *d, size_t bytes);
 
     /* ---- element-wise and reductions ---- */
     /* dst += src (f32 or bf16 each; rounded once into a bf16 dst) */

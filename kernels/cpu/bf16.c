@@ -24,7 +24,28 @@ struct am_cpu_ws {
     float *p;
     size_t bytes;
     int64_t chunk; /* floats per operand per chunk */
+    size_t in_use, peak; /* bytes handed out by alloc (memory.c), not freed */
 };
+
+void am_cpu_account(const struct am_dev *dev, size_t bytes, bool freed)
+{
+    struct am_cpu_ws *ws = dev ? dev->workspace : NULL;
+    if (!ws)
+        return;
+    ws->in_use = freed ? (ws->in_use >= bytes ? ws->in_use - bytes : 0) : ws->in_use + bytes;
+    if (ws->in_use > ws->peak)
+        ws->peak = ws->in_use;
+}
+
+void am_cpu_mem_stats(const struct am_dev *dev, struct am_dev_mem *out)
+{
+    const struct am_cpu_ws *ws = dev ? dev->workspace : NULL;
+    *out = (struct am_dev_mem){0};
+    if (ws) {
+        out->in_use = out->held = ws->in_use;
+        out->peak = ws->peak;
+    }
+}
 
 int64_t am_cpu_chunk(const struct am_dev *dev)
 {

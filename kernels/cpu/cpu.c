@@ -8,12 +8,15 @@
 
 _Noreturn void am_cpu_fatal(const char *kernel, const char *fmt, ...)
 {
+    char msg[1024];
     va_list ap;
     va_start(ap, fmt);
-    fprintf(stderr, "am kernels (cpu): %s: ", kernel);
-    vfprintf(stderr, fmt, ap);
-    fputc('\n', stderr);
+    vsnprintf(msg, sizeof msg, fmt, ap);
     va_end(ap);
+    struct am_dev_fault f = {.kind = AM_DEV_FAULT_BUG, .backend = "cpu", .ordinal = -1, .where = kernel, .error = "",
+                             .message = msg};
+    am_kernels_fault(&f);
+    fprintf(stderr, "am kernels (cpu): %s: %s\n", kernel, msg);
     abort();
 }
 
@@ -87,6 +90,7 @@ static const struct am_kernels cpu_kernels = {
     .download = am_cpu_download,
     .zero = am_cpu_zero,
     .copy = am_cpu_copy,
+    .mem_stats = am_cpu_mem_stats,
     .add = am_cpu_add,
     .scale = am_cpu_scale,
     .convert = am_cpu_convert,

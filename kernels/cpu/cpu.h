@@ -152,6 +152,9 @@ AM_INLINE float am_expf(float x)
 int64_t am_cpu_chunk(const struct am_dev *dev);
 void am_cpu_set_chunk(const struct am_dev *dev, int64_t n);
 int am_cpu_open(struct am_dev *dev, char *err, size_t err_len);
+/* The context's count of bytes handed out by am_cpu_alloc (memory.c): + bytes, or - when freed. */
+void am_cpu_account(const struct am_dev *dev, size_t bytes, bool freed);
+void am_cpu_mem_stats(const struct am_dev *dev, struct am_dev_mem *out);
 void am_cpu_close(struct am_dev *dev);
 /* nfloats of 64-byte aligned scratch (contents undefined), valid until the next call. */
 float *am_cpu_scratch(const char *kernel, const struct am_dev *dev, int64_t nfloats);

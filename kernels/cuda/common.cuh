@@ -27,9 +27,37 @@ struct am_cuda_gemm_entry {
     bool used;
 };
 
+/* The caching allocator (memory.cu). Device memory comes from one arena reserved up front
+ * (reserve: the plan's estimate for the rank) and, past it, from cudaMalloc one block at a
+ * time; a freed block stays with the pool and serves the next request of its size class
+ * (256 B steps below 1 MiB, 2 MiB steps above: a class wastes at most 2 MiB or 25 % of the
+ * request, whichever less). Blocks are used on the context's stream (and the communication
+ * streams that wait for it): a block freed on the host is reused by work enqueued after the
+ * free on that stream, so in stream order; alloc (zeroed memory for any stream) waits for the
+ * context's stream before it hands a block out. When cudaMalloc fails the pool gives back its
+ * free blocks of their own (cudaFree) and tries once more; then the request fails: the fault
+ * hook hears AM_DEV_FAULT_OOM with what was asked and what the pool holds. */
+struct am_cuda_block {
+    char *p;
+    size_t size;           /* its size class */
+    bool free;
+    bool own;              /* cudaMalloc'ed alone (else carved from the arena) */
+};
+
+struct am_cuda_pool {
+    char *arena;           /* reserved up front (NULL: none) */
+    size_t arena_bytes, arena_used;
+    struct am_cuda_block *blocks; /* every block made so far */
+    size_t n, cap;
+    size_t held;           /* arena + own blocks */
+    size_t in_use, peak;   /* handed out, not freed */
+    size_t total;          /* the device's memory (cudaMemGetInfo at open) */
+};
+
 struct am_cuda_ctx {
     void *gemm_ws;        /* cuBLASLt's workspace (d->workspace_bytes) */
-    void *scratch;        /* device scratch, grown in stream order (am_cuda_scratch) */
+    struct am_cuda_pool pool; /* device memory (alloc, free, scratch) */
+    void *scratch;        /* device scratch from the pool, grown in stream order (am_cuda_scratch) */
     size_t scratch_bytes;
     struct am_cuda_gemm_entry gemm[AM_CUDA_GEMM_CACHE]; /* algorithm per shape, filled round robin */
     int gemm_next;
@@ -45,6 +73,12 @@ void am_cuda_check(const char *kernel, cudaError_t e, const char *what);
 /* the context's state and stream, after checking that d is an open CUDA context */
 struct am_cuda_ctx *am_cuda_ctx(const char *kernel, const struct am_dev *d);
 static inline cudaStream_t am_cuda_stream(const struct am_dev *d) { return (cudaStream_t)d->stream; }
+/* The pool (memory.cu): get a block of at least bytes in stream order (not zeroed; NULL when
+ * the device has no more, after telling the fault hook), put one back, give everything back
+ * to the device (close). */
+void *am_cuda_pool_get(const char *kernel, const struct am_dev *d, size_t bytes);
+void am_cuda_pool_put(const struct am_dev *d, void *p);
+void am_cuda_pool_release(struct am_cuda_ctx *c);
 /* bytes of device scratch, valid in stream order until the next call that takes scratch */
 void *am_cuda_scratch(const char *kernel, const struct am_dev *d, size_t bytes);
 

@@ -7,22 +7,49 @@
 
 #include "common.cuh"
 
+/* Tells the fault hook (kernels.h), prints the message on stderr and aborts. */
+[[noreturn]] static void fault_abort(enum am_dev_fault_kind kind, const char *kernel, const char *error,
+                                     const char *fmt, va_list ap)
+{
+    char msg[1024];
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    int dev = -1;
+    if (cudaGetDevice(&dev) != cudaSuccess)
+        dev = -1;
+    struct am_dev_fault f = {};
+    f.kind = kind;
+    f.backend = "cuda";
+    f.ordinal = dev;
+    f.where = kernel;
+    f.error = error ? error : "";
+    f.message = msg;
+    am_kernels_fault(&f);
+    fprintf(stderr, "%s: %s\n", kernel, msg);
+    fflush(stderr);
+    abort();
+}
+
 void am_cuda_fatal(const char *kernel, const char *fmt, ...)
 {
     va_list ap;
     va_start(ap, fmt);
-    fprintf(stderr, "%s: ", kernel);
-    vfprintf(stderr, fmt, ap);
-    fputc('\n', stderr);
-    va_end(ap);
-    fflush(stderr);
-    abort();
+    fault_abort(AM_DEV_FAULT_BUG, kernel, "", fmt, ap);
+}
+
+[[noreturn]] static void cuda_error(const char *kernel, const char *error, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+[[noreturn]] static void cuda_error(const char *kernel, const char *error, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    fault_abort(AM_DEV_FAULT_ERROR, kernel, error, fmt, ap);
 }
 
 void am_cuda_check(const char *kernel, cudaError_t e, const char *what)
 {
     if (e != cudaSuccess)
-        am_cuda_fatal(kernel, "CUDA error in %s: %s (%s)", what, cudaGetErrorString(e), cudaGetErrorName(e));
+        cuda_error(kernel, cudaGetErrorString(e), "CUDA error in %s: %s (%s)", what, cudaGetErrorString(e),
+                   cudaGetErrorName(e));
 }
 
 struct am_cuda_ctx *am_cuda_ctx(const char *kernel, const struct am_dev *d)
@@ -39,12 +66,15 @@ void *am_cuda_scratch(const char *kernel, const struct am_dev *d, size_t bytes)
     if (bytes == 0)
         bytes = 256;
     if (bytes > c->scratch_bytes) {
-        cudaStream_t s = am_cuda_stream(d);
+        /* in stream order: the old scratch goes back to the pool after the kernels that use
+         * it, which run on this stream before any later user of its block */
         if (c->scratch)
-            am_cuda_check(kernel, cudaFreeAsync(c->scratch, s), "cudaFreeAsync (scratch)");
+            am_cuda_pool_put(d, c->scratch);
         c->scratch = NULL;
         c->scratch_bytes = 0;
-        am_cuda_check(kernel, cudaMallocAsync(&c->scratch, bytes, s), "cudaMallocAsync (scratch)");
+        c->scratch = am_cuda_pool_get(kernel, d, bytes);
+        if (!c->scratch)
+            am_cuda_fatal(kernel, "out of GPU memory for %zu bytes of scratch", bytes);
         c->scratch_bytes = bytes;
     }
     return c->scratch;
@@ -166,6 +196,21 @@ int am_cuda_open(struct am_dev *d, char *err, size_t err_len)
             return -1;
         }
     }
+    {
+        cudaDeviceProp prop;
+        if (cudaGetDeviceProperties(&prop, d->ordinal) == cudaSuccess) {
+            snprintf(d->name, sizeof d->name, "%.95s", prop.name);
+            d->cc_major = prop.major;
+            d->cc_minor = prop.minor;
+        }
+        cudaGetLastError();
+    }
+    {
+        size_t free_b = 0, total_b = 0;
+        if (cudaMemGetInfo(&free_b, &total_b) == cudaSuccess)
+            c->pool.total = total_b;
+        cudaGetLastError();
+    }
     d->stream = s;
     d->blas = h;
     d->workspace = c;
@@ -191,8 +236,7 @@ void am_cuda_close(struct am_dev *d)
     am_cuda_attention_cudnn_close(d);
 #endif
     if (c) {
-        if (c->scratch)
-            cudaFree(c->scratch);
+        am_cuda_pool_release(c);
         if (c->gemm_ws)
             cudaFree(c->gemm_ws);
         free(c);

@@ -24,9 +24,15 @@
  * not depend on the GPU or the launch: run to run bitwise equal. cuDNN's attention backward
  * is not (attention_cudnn.cu says why; AM_ATTN=own is).
  *
+ * Memory. A caching allocator (common.cuh: struct am_cuda_pool) serves alloc, free and the
+ * scratch: one arena reserved up front (reserve), blocks reused by size class in stream order.
+ *
  * Errors. A tensor of the wrong device, dtype or shape aborts with the kernel's name, the
  * tensor and the rule (am_cuda_fatal); every CUDA call and launch is checked, and a failure
- * aborts naming the kernel and cudaGetErrorString's message (am_cuda_check).
+ * aborts naming the kernel and cudaGetErrorString's message (am_cuda_check). Both tell the
+ * fault hook first (kernels.h: AM_DEV_FAULT_BUG, AM_DEV_FAULT_ERROR), and so does an
+ * allocation that fails (AM_DEV_FAULT_OOM), so that the program running the kernels can
+ * record why before the process ends.
  */
 #ifndef AM_KERNELS_CUDA_IMPL_H
 #define AM_KERNELS_CUDA_IMPL_H
@@ -49,6 +55,8 @@ void am_cuda_sync(const struct am_dev *d);
 /* ---- memory (memory.cu) ---- */
 void *am_cuda_alloc(const struct am_dev *d, size_t bytes);
 void am_cuda_free(const struct am_dev *d, void *p);
+void am_cuda_mem_stats(const struct am_dev *d, struct am_dev_mem *out);
+int am_cuda_reserve(const struct am_dev *d, size_t bytes);
 void am_cuda_upload(const struct am_dev *d, void *dst, const void *host_src, size_t bytes);
 void am_cuda_download(const struct am_dev *d, void *host_dst, const void *src, size_t bytes);
 void am_cuda_zero(const struct am_dev *d, struct am_tensor *t);

@@ -1,22 +1,208 @@
-/* memory.cu - device memory: cudaMalloc (zeroed before alloc returns; allocations are rare:
- * the model's slabs at start; free is cudaFree, which waits for the device), copies in stream order on the context's stream. download
- * waits for the stream (the host reads the bytes next); upload returns when host_src may be
- * reused (pageable memory is staged during the call; page-locked memory is waited for). */
+/* memory.cu - device memory: the caching allocator (common.cuh, struct am_cuda_pool) behind
+ * alloc, free and the scratch; copies in stream order on the context's stream. alloc hands out
+ * zeroed memory that every stream may use (zeroed on the context's stream and waited for);
+ * free returns the block to the pool (no device call). download waits for the stream (the host
+ * reads the bytes next); upload returns when host_src may be reused (pageable memory is staged
+ * during the call; page-locked memory is waited for). */
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+
 #include "common.cuh"
+
+#define SMALL_STEP ((size_t)256)
+#define LARGE_STEP ((size_t)2 << 20)
+#define LARGE ((size_t)1 << 20)
+
+static size_t size_class(size_t bytes)
+{
+    if (bytes == 0)
+        bytes = 1;
+    size_t step = bytes < LARGE ? SMALL_STEP : LARGE_STEP;
+    return (bytes + step - 1) / step * step;
+}
+
+static int add_block(struct am_cuda_pool *P, char *p, size_t size, bool own)
+{
+    if (P->n == P->cap) {
+        size_t cap = P->cap ? 2 * P->cap : 64;
+        struct am_cuda_block *v = (struct am_cuda_block *)realloc(P->blocks, cap * sizeof(*v));
+        if (!v)
+            return -1;
+        P->blocks = v;
+        P->cap = cap;
+    }
+    P->blocks[P->n++] = am_cuda_block{p, size, false, own};
+    return 0;
+}
+
+/* A free block of the class: the exact class, else the smallest that wastes at most a quarter. */
+static struct am_cuda_block *find_free(struct am_cuda_pool *P, size_t cls)
+{
+    struct am_cuda_block *best = NULL;
+    for (size_t i = 0; i < P->n; i++) {
+        struct am_cuda_block *b = &P->blocks[i];
+        if (!b->free || b->size < cls || b->size > cls + cls / 4)
+            continue;
+        if (!best || b->size < best->size)
+            best = b;
+        if (b->size == cls)
+            break;
+    }
+    return best;
+}
+
+/* The pool's free blocks of their own back to the device (cudaFree waits for the device
+ * itself; the context's stream first, where the blocks were last used). */
+static void trim(const struct am_dev *d, struct am_cuda_pool *P)
+{
+    size_t k = 0;
+    bool synced = false;
+    for (size_t i = 0; i < P->n; i++) {
+        struct am_cuda_block *b = &P->blocks[i];
+        if (b->free && b->own) {
+            if (!synced) {
+                cudaStreamSynchronize(am_cuda_stream(d));
+                synced = true;
+            }
+            cudaFree(b->p);
+            P->held -= b->size;
+            continue;
+        }
+        P->blocks[k++] = *b;
+    }
+    P->n = k;
+    cudaGetLastError();
+}
+
+static void *oom(const char *kernel, const struct am_dev *d, struct am_cuda_pool *P, size_t bytes, cudaError_t e)
+{
+    char msg[512];
+    double gib = 1024.0 * 1024.0 * 1024.0;
+    snprintf(msg, sizeof msg, "out of GPU memory on device %d: %zu bytes asked for (%.2f GiB); the allocator holds "
+             "%.2f GiB, %.2f GiB of it in use; the device has %.2f GiB (%s)", d->ordinal, bytes, (double)bytes / gib,
+             (double)P->held / gib, (double)P->in_use / gib, (double)P->total / gib, cudaGetErrorString(e));
+    struct am_dev_fault f = {};
+    f.kind = AM_DEV_FAULT_OOM;
+    f.backend = "cuda";
+    f.ordinal = d->ordinal;
+    f.where = kernel;
+    f.error = cudaGetErrorString(e);
+    f.message = msg;
+    f.bytes_asked = bytes;
+    f.bytes_held = P->held;
+    f.bytes_in_use = P->in_use;
+    f.bytes_total = P->total;
+    am_kernels_fault(&f);
+    return NULL;
+}
+
+void *am_cuda_pool_get(const char *kernel, const struct am_dev *d, size_t bytes)
+{
+    struct am_cuda_pool *P = &am_cuda_ctx(kernel, d)->pool;
+    if (bytes > (SIZE_MAX >> 1)) /* no device has it (and its class would not fit in a size_t) */
+        return oom(kernel, d, P, bytes, cudaErrorMemoryAllocation);
+    size_t cls = size_class(bytes);
+    struct am_cuda_block *b = find_free(P, cls);
+    if (!b && P->arena && P->arena_bytes - P->arena_used >= cls) {
+        if (add_block(P, P->arena + P->arena_used, cls, false) < 0)
+            am_cuda_fatal(kernel, "out of host memory for the allocator's list of blocks");
+        P->arena_used += cls;
+        b = &P->blocks[P->n - 1];
+    }
+    if (!b) {
+        void *p = NULL;
+        cudaError_t e = cudaMalloc(&p, cls);
+        if (e == cudaErrorMemoryAllocation) {
+            cudaGetLastError();
+            trim(d, P);
+            e = cudaMalloc(&p, cls);
+        }
+        if (e == cudaErrorMemoryAllocation) {
+            cudaGetLastError();
+            return oom(kernel, d, P, bytes, e);
+        }
+        am_cuda_check(kernel, e, "cudaMalloc");
+        if (add_block(P, (char *)p, cls, true) < 0)
+            am_cuda_fatal(kernel, "out of host memory for the allocator's list of blocks");
+        P->held += cls;
+        b = &P->blocks[P->n - 1];
+    }
+    b->free = false;
+    P->in_use += b->size;
+    if (P->in_use > P->peak)
+        P->peak = P->in_use;
+    return b->p;
+}
+
+void am_cuda_pool_put(const struct am_dev *d, void *p)
+{
+    struct am_cuda_pool *P = &am_cuda_ctx("am_cuda_free", d)->pool;
+    for (size_t i = 0; i < P->n; i++)
+        if (P->blocks[i].p == (char *)p && !P->blocks[i].free) {
+            P->blocks[i].free = true;
+            P->in_use -= P->blocks[i].size;
+            return;
+        }
+    am_cuda_fatal("am_cuda_free", "%p was not allocated by this context (or was freed twice)", p);
+}
+
+void am_cuda_pool_release(struct am_cuda_ctx *c)
+{
+    struct am_cuda_pool *P = &c->pool;
+    for (size_t i = 0; i < P->n; i++)
+        if (P->blocks[i].own)
+            cudaFree(P->blocks[i].p);
+    if (P->arena)
+        cudaFree(P->arena);
+    free(P->blocks);
+    size_t total = P->total;
+    *P = am_cuda_pool{};
+    P->total = total;
+    c->scratch = NULL;
+    c->scratch_bytes = 0;
+}
+
+int am_cuda_reserve(const struct am_dev *d, size_t bytes)
+{
+    struct am_cuda_pool *P = &am_cuda_ctx("am_cuda_reserve", d)->pool;
+    if (P->arena || bytes == 0)
+        return 0; /* once, before the first allocations */
+    bytes = size_class(bytes);
+    void *p = NULL;
+    cudaError_t e = cudaMalloc(&p, bytes);
+    if (e != cudaSuccess) {
+        cudaGetLastError();
+        return -1;
+    }
+    P->arena = (char *)p;
+    P->arena_bytes = bytes;
+    P->arena_used = 0;
+    P->held += bytes;
+    return 0;
+}
+
+void am_cuda_mem_stats(const struct am_dev *d, struct am_dev_mem *out)
+{
+    const struct am_cuda_pool *P = &am_cuda_ctx("am_cuda_mem_stats", d)->pool;
+    out->held = P->held;
+    out->in_use = P->in_use;
+    out->peak = P->peak;
+    out->total = P->total;
+}
 
 void *am_cuda_alloc(const struct am_dev *d, size_t bytes)
 {
     const char *k = "am_cuda_alloc";
     am_cuda_ctx(k, d);
-    void *p = NULL;
-    cudaError_t e = cudaMalloc(&p, bytes ? bytes : 1);
-    if (e == cudaErrorMemoryAllocation) {
-        cudaGetLastError();
+    void *p = am_cuda_pool_get(k, d, bytes);
+    if (!p)
         return NULL;
-    }
-    am_cuda_check(k, e, "cudaMalloc");
     /* zeroed on the context's stream (cudaMemset would run on the legacy default stream,
-     * which a non-blocking stream does not wait for), and waited for: zero for every stream */
+     * which a non-blocking stream does not wait for), and waited for: zero for every stream.
+     * Not the whole device: a communication stream may hold a collective that waits for a
+     * peer; a block freed while another stream still used it would have to be freed after the
+     * context's stream waited for that work (the communicators make it wait, comm.h) */
     am_cuda_check(k, cudaMemsetAsync(p, 0, bytes ? bytes : 1, am_cuda_stream(d)), "cudaMemsetAsync");
     am_cuda_check(k, cudaStreamSynchronize(am_cuda_stream(d)), "cudaStreamSynchronize");
     return p;
@@ -24,10 +210,9 @@ void *am_cuda_alloc(const struct am_dev *d, size_t bytes)
 
 void am_cuda_free(const struct am_dev *d, void *p)
 {
-    const char *k = "am_cuda_free";
-    am_cuda_ctx(k, d);
+    am_cuda_ctx("am_cuda_free", d);
     if (p)
-        am_cuda_check(k, cudaFree(p), "cudaFree");
+        am_cuda_pool_put(d, p);
 }
 
 void am_cuda_upload(const struct am_dev *d, void *dst, const void *host_src, size_t bytes)

@@ -218,6 +218,7 @@ const char *am_comm_call_name(enum am_comm_kind k)
     case AM_CALL_BARRIER: return "barrier";
     case AM_CALL_ISEND: return "isend";
     case AM_CALL_SEND_WAIT: return "send_wait";
+    case AM_CALL_STREAM_WAIT: return "stream_wait";
     }
     return "operation";
 }
@@ -567,6 +568,8 @@ int am_comm_size(const struct am_comm *c) { return c ? c->size : 0; }
 const char *am_comm_name(const struct am_comm *c) { return c ? c->name : "(none)"; }
 uint64_t am_comm_seq(const struct am_comm *c) { return c ? c->seq : 0; }
 
+enum am_comm_backend am_comm_ctx_backend(const struct am_comm_ctx *ctx) { return ctx->backend; }
+
 void am_comm_set_stream(struct am_comm *c, void *stream)
 {
     if (c)
@@ -599,6 +602,7 @@ static uint64_t flight_begin(struct am_comm *c, const struct am_comm_call *call)
         op.peer = c->ranks[call->peer];
         break;
     case AM_CALL_BARRIER:
+    case AM_CALL_STREAM_WAIT:
         op.dtype = NULL;
         break;
     case AM_CALL_ALLGATHER:
@@ -668,11 +672,14 @@ static int reserve_pending(struct am_comm *c)
  * flight entry still open; every other call ends its entry here. */
 static int run_call(struct am_comm *c, struct am_comm_call *call)
 {
-    int collective = call->kind != AM_CALL_SEND && call->kind != AM_CALL_ISEND && call->kind != AM_CALL_RECV;
+    int collective = call->kind != AM_CALL_SEND && call->kind != AM_CALL_ISEND && call->kind != AM_CALL_RECV &&
+                     call->kind != AM_CALL_STREAM_WAIT;
     if (call->kind == AM_CALL_SEND || call->kind == AM_CALL_ISEND)
         call->seq = ++c->sent[call->peer];
     else if (call->kind == AM_CALL_RECV)
         call->seq = ++c->received[call->peer];
+    else if (call->kind == AM_CALL_STREAM_WAIT)
+        call->seq = c->seq; /* the group's last collective: what the wait is after */
     else
         call->seq = ++c->seq;
     c->call = call;
@@ -683,7 +690,9 @@ static int run_call(struct am_comm *c, struct am_comm_call *call)
         if (call->kind == AM_CALL_ISEND && reserve_pending(c) < 0)
             rc = -1;
         else
-            rc = collective && c->stall_seq == call->seq ? am_comm_stall(c) : c->ctx->ops->run(c, call);
+            rc = collective && c->stall_seq == call->seq     ? am_comm_stall(c)
+                 : call->kind == AM_CALL_STREAM_WAIT             ? c->ctx->ops->stream_wait(c)
+                                                                 : c->ctx->ops->run(c, call);
         if (rc < 0)
             break_group(c);
     }
@@ -973,6 +982,24 @@ int am_send_wait_keep(struct am_comm *c, size_t keep, char *err, size_t err_len)
 }
 
 int am_send_wait(struct am_comm *c, char *err, size_t err_len) { return am_send_wait_keep(c, 0, err, err_len); }
+
+int am_comm_set_stream_after(struct am_comm *c, void *after, char *err, size_t err_len)
+{
+    if (!c || !c->ctx->ops->stream_after)
+        return 0;
+    c->call = NULL;
+    if (c->ctx->ops->stream_after(c, after) < 0)
+        return result(c, -1, err, err_len);
+    return 0;
+}
+
+int am_comm_stream_wait(struct am_comm *c, char *err, size_t err_len)
+{
+    if (!c || !c->ctx->ops->stream_wait || !c->stream)
+        return 0; /* UCX, or nothing enqueued on a stream of the caller's: nothing to wait for */
+    struct am_comm_call call = {.kind = AM_CALL_STREAM_WAIT};
+    return result(c, am_comm_dispatch(c, &call), err, err_len);
+}
 
 int am_barrier(struct am_comm *c, char *err, size_t err_len)
 {

@@ -97,6 +97,7 @@ struct am_comm_ctx *am_comm_ctx_init(enum am_comm_backend backend, struct am_boo
                                      const struct am_boot_info *info, int device, double timeout_s,
                                      char *err, size_t err_len);
 void am_comm_ctx_fini(struct am_comm_ctx *ctx);
+enum am_comm_backend am_comm_ctx_backend(const struct am_comm_ctx *ctx);
 
 /* Diagnostics (docs/diagnostics.md).
  * set_flight: every later call on the context is recorded in the flight recorder f
@@ -136,8 +137,33 @@ int am_comm_size(const struct am_comm *c);
 const char *am_comm_name(const struct am_comm *c);
 uint64_t am_comm_seq(const struct am_comm *c); /* collectives issued on this group so far */
 
-/* NCCL: the CUDA stream the operations are enqueued on (cudaStream_t); UCX ignores it. */
+/* NCCL: the CUDA stream the operations are enqueued on (cudaStream_t); UCX ignores it. The
+ * trainer gives every group the device context's compute stream (kernels.h, am_dev.stream):
+ * a blocking call is then enqueued behind the kernels that wrote its buffers and the kernels
+ * enqueued after it run after it (stream order, no event needed), and the call returns once it
+ * completed (the host waits, watching NCCL's asynchronous errors, the timeout and aborts); a
+ * non-blocking collective runs on the group's communication stream after an event recorded on
+ * the compute stream, and am_comm_wait makes the compute stream wait for its end (no host
+ * wait). Without a stream: the legacy default stream, which a non-blocking compute stream does
+ * not order against. */
 void am_comm_set_stream(struct am_comm *c, void *stream);
+
+/* NCCL: the group enqueues on a stream of its own (made here), which waits before each call
+ * for everything enqueued on `after` (the compute stream) so far; a blocking call's host wait
+ * then orders what the host enqueues next on `after`. For the groups whose calls must not hold
+ * the compute stream: pipeline send and recv (a send's kernel ends only when the peer receives,
+ * and a compute stream stopped there could wait, through the peer, for itself). UCX: 0,
+ * nothing. 0, or -1 with the message. */
+int am_comm_set_stream_after(struct am_comm *c, void *after, char *err, size_t err_len);
+/* NCCL, a group with a stream (am_comm_set_stream): waits on the host until that stream has
+ * run everything enqueued so far, the non-blocking collectives whose end am_comm_wait left to
+ * the device included, with the rules of every wait (timeout, NCCL's asynchronous errors,
+ * aborts); recorded in the flight recorder as "stream_wait", numbered with the group's last
+ * collective ("stream_wait #17 on group tp ... timed out ... waiting for iallreduce #15 to
+ * complete on the device"). The trainer calls it once a step before the host reads results,
+ * so that a collective that never completes on the device is a timeout with a name, not a
+ * host stuck in a CUDA wait. UCX, or no stream: 0 at once, nothing recorded. */
+int am_comm_stream_wait(struct am_comm *c, char *err, size_t err_len);
 
 int am_allreduce(struct am_comm *c, const void *send, void *recv, size_t count, enum am_dtype t,
                  enum am_comm_op op, char *err, size_t err_len);

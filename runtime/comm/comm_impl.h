@@ -44,6 +44,7 @@ enum am_comm_kind {
     AM_CALL_BARRIER,
     AM_CALL_ISEND,              /* run() posts the send and returns; see send_wait */
     AM_CALL_SEND_WAIT,          /* the front's own: never handed to run() */
+    AM_CALL_STREAM_WAIT,        /* am_comm_stream_wait: the backend's stream_wait, not run() */
 };
 
 /* One operation, as the caller asked for it. */
@@ -120,6 +121,12 @@ struct am_comm_ops {
     int (*req_test)(struct am_comm *c, struct am_comm_req *q);
     int (*req_wait)(struct am_comm *c, struct am_comm_req *q);
     void (*req_drop)(struct am_comm *c, struct am_comm_req *q);
+    /* NCCL only (NULL in UCX). stream_after: the group takes a stream of its own that waits
+     * for `after` before each call (am_comm_set_stream_after; 0, or -1 with c->err).
+     * stream_wait: waits on the host for everything enqueued on the group's stream (c->call is
+     * the AM_CALL_STREAM_WAIT; the rules of every wait). */
+    int (*stream_after)(struct am_comm *c, void *after);
+    int (*stream_wait)(struct am_comm *c);
 };
 
 struct am_comm_ctx {

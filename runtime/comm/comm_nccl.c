@@ -70,6 +70,17 @@ struct nccl_comm {
     cudaStream_t comm_stream;   /* non-blocking collectives (made on the first), or NULL */
     cudaEvent_t ready;          /* recorded on the group's stream before each of them */
     cudaEvent_t tail;           /* recorded on comm_stream after each of them */
+    /* am_comm_set_stream_after: the group's own stream (c->stream) waits for `after` */
+    cudaStream_t own, after;
+    cudaEvent_t after_ev;       /* recorded on `after`, waited for by own, before each call */
+    /* non-blocking collectives whose end am_comm_wait left to the device (the group's stream
+     * waits for them): their events, until nccl_stream_wait sees them complete */
+    struct dev_wait {
+        cudaEvent_t ev;
+        uint64_t seq;
+        const char *name;
+    } *dev;
+    size_t ndev, capdev;
 };
 
 static ncclDataType_t nccl_dtype(enum am_dtype t)
@@ -193,7 +204,14 @@ static int wait_issued(struct am_comm *c, const char *what)
 
 /* Waits for the stream to drain (ev NULL) or for event ev, watching the communicator for
  * asynchronous errors. */
+static int wait_done_for(struct am_comm *c, cudaStream_t s, cudaEvent_t ev, const char *what);
 static int wait_done(struct am_comm *c, cudaStream_t s, cudaEvent_t ev)
+{
+    return wait_done_for(c, s, ev, "the other ranks to complete it");
+}
+
+/* ... naming what it waits for when it times out */
+static int wait_done_for(struct am_comm *c, cudaStream_t s, cudaEvent_t ev, const char *what)
 {
     struct nccl_comm *n = c->be;
     struct backoff b = {.start = am_comm_now(), .timeout = c->ctx->timeout_s};
@@ -217,7 +235,7 @@ static int wait_done(struct am_comm *c, cudaStream_t s, cudaEvent_t ev)
         if (am_comm_ctx_aborted(c->ctx))
             return aborted(c);
         if (backoff_wait(&b) < 0)
-            return timed_out(c, "the other ranks to complete it");
+            return timed_out(c, what);
     }
 }
 
@@ -293,6 +311,16 @@ static ncclResult_t settle(const struct am_comm_ctx *ctx, ncclComm_t comm)
     }
 }
 
+/* A group with a stream of its own (am_comm_set_stream_after): that stream waits for what
+ * was enqueued on `after` so far (the kernels that wrote the buffers of the calls to come). */
+static cudaError_t order_after(struct nccl_comm *n)
+{
+    cudaError_t ce = cudaSuccess;
+    if (n->after && (ce = cudaEventRecord(n->after_ev, n->after)) == cudaSuccess)
+        ce = cudaStreamWaitEvent(n->own, n->after_ev, 0);
+    return ce;
+}
+
 /* Enqueuing group o's sends during a call on group c failed (r; ncclInProgress: not issued
  * in time): o keeps the message for its next call (am_send_wait names the send), and its
  * communicator is aborted. */
@@ -322,6 +350,14 @@ static void enqueue_others(struct am_comm *c)
     for (struct nccl_comm *o = x->groups; o; o = o->next) {
         if (o == c->be || !o->comm || o->nqueued == o->nsend)
             continue;
+        cudaError_t ce = order_after(o);
+        if (ce != cudaSuccess) {
+            snprintf(o->queue_err, sizeof(o->queue_err), "ordering the group's pending sends after the compute stream "
+                     "during a call on group %s: %s", c->name, cudaGetErrorString(ce));
+            ncclCommAbort(o->comm);
+            o->comm = NULL;
+            continue;
+        }
         ncclResult_t r = ncclGroupStart();
         if (r == ncclSuccess)
             r = group_end(enqueue_sends(o));
@@ -346,6 +382,9 @@ static int begin(struct am_comm *c)
     cudaError_t ce = cudaSetDevice(x->device);
     if (ce != cudaSuccess)
         return am_comm_fail(c, "failed: cudaSetDevice(%d): %s", x->device, cudaGetErrorString(ce));
+    if ((ce = order_after(n)) != cudaSuccess)
+        return am_comm_fail(c, "failed: ordering the group's stream after the compute stream: %s",
+                            cudaGetErrorString(ce));
     enqueue_others(c);
     return 0;
 }
@@ -425,6 +464,7 @@ static int run_collective(struct am_comm *c, const struct am_comm_call *call)
     case AM_CALL_RECV:
     case AM_CALL_ISEND:     /* keep_send */
     case AM_CALL_SEND_WAIT: /* the front's own */
+    case AM_CALL_STREAM_WAIT: /* nccl_stream_wait */
         return 0;
     case AM_CALL_BARRIER:
         r = ncclAllReduce(n->barrier_buf, n->barrier_buf, 1, ncclInt32, ncclSum, n->comm, s);
@@ -580,6 +620,80 @@ static int nccl_req_test(struct am_comm *c, struct am_comm_req *q)
     return 1;
 }
 
+/* The event of request q, whose end the group's stream waits for on the device, kept for
+ * nccl_stream_wait (which names the call if it never completes). Events already passed are
+ * dropped when the list grows long (a group nobody calls am_comm_stream_wait on). 0, or -1
+ * (no memory: the event stays the request's, and only the stream's wait covers it). */
+static int keep_dev_wait(struct am_comm *c, const struct am_comm_req *q)
+{
+    struct nccl_comm *n = c->be;
+    if (n->ndev >= 1024) {
+        size_t k = 0;
+        for (size_t i = 0; i < n->ndev; i++) {
+            if (k == 0 && cudaEventQuery(n->dev[i].ev) == cudaSuccess) {
+                cudaEventDestroy(n->dev[i].ev);
+                continue;
+            }
+            n->dev[k++] = n->dev[i];
+        }
+        n->ndev = k;
+        cudaGetLastError();
+    }
+    if (n->ndev == n->capdev) {
+        size_t cap = n->capdev ? 2 * n->capdev : 64;
+        struct dev_wait *v = realloc(n->dev, cap * sizeof(*v));
+        if (!v)
+            return -1;
+        n->dev = v;
+        n->capdev = cap;
+    }
+    n->dev[n->ndev++] = (struct dev_wait){.ev = (cudaEvent_t)q->be, .seq = q->call.seq,
+                                          .name = am_comm_name_of(&q->call)};
+    return 0;
+}
+
+static void drop_dev_waits(struct nccl_comm *n)
+{
+    for (size_t i = 0; i < n->ndev; i++)
+        cudaEventDestroy(n->dev[i].ev);
+    n->ndev = 0;
+}
+
+/* am_comm_stream_wait: the collectives left to the device, oldest first (a timeout names the
+ * first that has not completed), then everything else on the group's stream. */
+static int nccl_stream_wait(struct am_comm *c)
+{
+    struct nccl_comm *n = c->be;
+    if (begin(c) < 0 || enqueue_own(c) < 0)
+        return -1;
+    for (size_t i = 0; i < n->ndev; i++) {
+        char what[160];
+        snprintf(what, sizeof(what), "%s #%llu to complete on the device", n->dev[i].name,
+                 (unsigned long long)n->dev[i].seq);
+        if (wait_done_for(c, NULL, n->dev[i].ev, what) < 0)
+            return -1;
+    }
+    drop_dev_waits(n);
+    return wait_done_for(c, (cudaStream_t)c->stream, NULL, "the group's stream to run what was enqueued on it");
+}
+
+/* am_comm_set_stream_after: a stream of the group's own, ordered after `after`. */
+static int nccl_stream_after(struct am_comm *c, void *after)
+{
+    struct nccl_comm *n = c->be;
+    struct nccl_ctx *x = c->ctx->be;
+    cudaError_t ce = cudaSetDevice(x->device);
+    if (ce == cudaSuccess && !n->own)
+        ce = cudaStreamCreateWithFlags(&n->own, cudaStreamNonBlocking);
+    if (ce == cudaSuccess && !n->after_ev)
+        ce = cudaEventCreateWithFlags(&n->after_ev, cudaEventDisableTiming);
+    if (ce != cudaSuccess)
+        return am_comm_fail(c, "failed: making the group's own stream: %s", cudaGetErrorString(ce));
+    n->after = (cudaStream_t)after;
+    c->stream = n->own;
+    return 0;
+}
+
 /* With a stream set on the group: that stream waits for the call on the device and the host
  * goes on (its end is seen by the group's next host wait); without one: the host waits. */
 static int nccl_req_wait(struct am_comm *c, struct am_comm_req *q)
@@ -591,6 +705,8 @@ static int nccl_req_wait(struct am_comm *c, struct am_comm_req *q)
         cudaError_t ce = cudaStreamWaitEvent((cudaStream_t)c->stream, done, 0);
         q->rc = ce == cudaSuccess ? 0 : am_comm_fail(c, "failed: making the group's stream wait for the call: %s",
                                                      cudaGetErrorString(ce));
+        if (q->rc == 0 && keep_dev_wait(c, q) == 0)
+            q->be = NULL; /* its event is nccl_stream_wait's now */
         return 1;
     }
     q->rc = wait_done(c, NULL, done);
@@ -667,6 +783,14 @@ static void nccl_destroy(struct am_comm *c)
         cudaEventDestroy(n->ready);
         cudaEventDestroy(n->tail);
     }
+    drop_dev_waits(n);
+    free(n->dev);
+    if (n->own)
+        cudaStreamDestroy(n->own);
+    if (n->after_ev)
+        cudaEventDestroy(n->after_ev);
+    if (c->stream == n->own)
+        c->stream = NULL;
     free(n->sends);
     free(n);
     c->be = NULL;
@@ -767,4 +891,6 @@ const struct am_comm_ops am_comm_nccl_backend = {
     .req_test = nccl_req_test,
     .req_wait = nccl_req_wait,
     .req_drop = nccl_req_drop,
+    .stream_after = nccl_stream_after,
+    .stream_wait = nccl_stream_wait,
 };

@@ -950,6 +950,7 @@ static int ucx_run(struct am_comm *c, const struct am_comm_call *call)
         rc = do_isend(c, call);
         break;
     case AM_CALL_SEND_WAIT: /* the front's own */
+    case AM_CALL_STREAM_WAIT: /* NCCL's only: the front never hands it to UCX */
         break;
     }
     if (rc < 0) {

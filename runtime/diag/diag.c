@@ -67,7 +67,8 @@ static int in_group(const struct am_diag_group *g, int rank)
 
 static int is_collective(const struct am_diag_flight *f)
 {
-    return strcmp(f->op, "send") != 0 && strcmp(f->op, "recv") != 0 && strcmp(f->op, "isend") != 0;
+    return strcmp(f->op, "send") != 0 && strcmp(f->op, "recv") != 0 && strcmp(f->op, "isend") != 0 &&
+           strcmp(f->op, "stream_wait") != 0;
 }
 
 /* A non-blocking collective (iallreduce, ...): its entry is written when it is posted and may
@@ -175,6 +176,9 @@ static void classify(struct am_diag_rank *r)
         } else if (streq(kind, "nonfinite")) {
             r->end = AM_END_FAILED;
             r->kind = "nonfinite";
+        } else if (streq(kind, "oom") || streq(kind, "cuda") || streq(kind, "nccl")) {
+            r->end = AM_END_FAILED; /* the rank's device or its NCCL communicator failed */
+            r->kind = streq(kind, "oom") ? "oom" : streq(kind, "cuda") ? "cuda" : "nccl";
         } else {
             r->end = AM_END_FAILED;
             r->kind = "error";
@@ -221,6 +225,44 @@ static void classify(struct am_diag_rank *r)
 
 /* ---- 2. the first failure ------------------------------------------------------------------------ */
 
+/* "41.0 GiB" (binary units, one decimal; bytes below 1 KiB as they are). */
+static const char *bytes_text(double n, char *buf, size_t len)
+{
+    static const char *const units[] = {"KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
+    if (n < 1024) {
+        snprintf(buf, len, "%.0f B", n);
+        return buf;
+    }
+    int u = -1;
+    while (n >= 1024 && u < 5) {
+        n /= 1024;
+        u++;
+    }
+    snprintf(buf, len, "%.1f %s", n, units[u]);
+    return buf;
+}
+
+/* Where a device failure happened, from its cause record: " in the backward of layer 31",
+ * " in the forward of the head", " in the optimizer step", ... ("" when not said). */
+static void where_text(const json_t *c, char *buf, size_t len)
+{
+    const char *phase = str(c, "phase"), *part = str(c, "part");
+    const json_t *layer = json_object_get(c, "layer");
+    buf[0] = '\0';
+    if (streq(phase, "forward") || streq(phase, "backward")) {
+        if (json_is_integer(layer))
+            snprintf(buf, len, " in the %s of layer %lld", phase, (long long)json_integer_value(layer));
+        else
+            snprintf(buf, len, " in the %s of the %s", phase, part ? part : "model");
+    } else if (streq(phase, "optimizer")) {
+        snprintf(buf, len, " in the optimizer step");
+    } else if (streq(phase, "grad_sync")) {
+        snprintf(buf, len, " in the gradient synchronisation");
+    } else if (streq(phase, "setup")) {
+        snprintf(buf, len, " while setting up (before the first step)");
+    }
+}
+
 static void describe_failure(const struct am_diag_rank *r, char *buf, size_t len)
 {
     const json_t *c = r->cause;
@@ -248,6 +290,33 @@ static void describe_failure(const struct am_diag_rank *r, char *buf, size_t len
             snprintf(gs, sizeof(gs), "%g", json_number_value(g));
         add(buf, len, "non-finite %s loss or gradient norm (loss %s, grad norm %s); first non-finite gradient: %s",
             str(c, "origin") ? str(c, "origin") : "", ls, gs, str(c, "tensor") ? str(c, "tensor") : "?");
+    } else if (streq(r->kind, "oom") && c) {
+        /* "rank 12 ran out of GPU memory in the backward of layer 31: 41.0 GiB in use, plan
+         * 38.2 GiB (asked for 2.0 GiB; the allocator holds 41.5 GiB of the device's 141.0 GiB)" */
+        char where[96], used[32], plan[32], asked[32], held[32], total[32];
+        const char *dev = str(c, "device");
+        where_text(c, where, sizeof(where));
+        add(buf, len, "rank %d ran out of %s memory%s: %s in use", r->rank,
+            streq(dev, "cuda") ? "GPU" : streq(dev, "cpu") ? "host (CPU device)" : "device", where,
+            bytes_text(num(c, "bytes_in_use"), used, sizeof(used)));
+        if (num(c, "plan_bytes") > 0)
+            add(buf, len, ", plan %s", bytes_text(num(c, "plan_bytes"), plan, sizeof(plan)));
+        add(buf, len, " (asked for %s; the allocator holds %s", bytes_text(num(c, "bytes_asked"), asked, sizeof(asked)),
+            bytes_text(num(c, "bytes_held"), held, sizeof(held)));
+        if (num(c, "bytes_total") > 0)
+            add(buf, len, " of the device's %s", bytes_text(num(c, "bytes_total"), total, sizeof(total)));
+        add(buf, len, ")");
+    } else if (streq(r->kind, "cuda")) {
+        char where[96];
+        where_text(c, where, sizeof(where));
+        add(buf, len, "rank %d's GPU failed%s: %s", r->rank, where, str(c, "message") ? str(c, "message") : "?");
+    } else if (streq(r->kind, "nccl")) {
+        const char *op = str(c, "op"), *group = str(c, "group");
+        if (op && group)
+            add(buf, len, "NCCL failed in %s #%lld of group %s: %s", op, (long long)integer(c, "seq", 0), group,
+                str(c, "message") ? str(c, "message") : "?");
+        else /* before any call: making the communicators */
+            add(buf, len, "NCCL failed: %s", str(c, "message") ? str(c, "message") : "?");
     } else if (streq(r->kind, "error")) {
         add(buf, len, "error: %s", str(c, "message") ? str(c, "message") : "(no message)");
     } else if (streq(r->kind, "exit") && r->status == 0) {
@@ -274,6 +343,17 @@ static int waited_for_count(const struct am_diag *d, int rank, int gid, uint64_t
     return n;
 }
 
+/* Every member of the group (every rank without one) ran NCCL. */
+static int nccl_group(struct am_diag *d, const struct am_diag_group *g, int n_members)
+{
+    for (int i = 0; i < n_members; i++) {
+        const struct am_diag_rank *r = am_diag_rank_get(d, g ? g->ranks[i] : i);
+        if (!r || !r->nccl)
+            return 0;
+    }
+    return n_members > 0;
+}
+
 /* In collective k: the member to blame (class 0: it never came: no log, it exited, or its
  * flight recorder ends before #k; 1: it is stuck inside #k waiting for no peer; 2: no flight
  * recorder to tell; 3: everyone came, the member most waited for); -1 when none. */
@@ -296,8 +376,8 @@ static int blame(struct am_diag *d, const struct am_diag_flight *k, int *klass_o
             klass = 0;
         else if (!mine && r->n_flight > 0 && last_seq(r, k->gid) < k->seq)
             klass = 0;
-        else if (mine && r->in == mine && r->waiting_for < 0)
-            klass = 1;
+        else if (mine && r->in == mine && r->waiting_for < 0 && !r->nccl)
+            klass = 1; /* (NCCL never names the peer: a rank inside a NCCL call tells nothing) */
         else if (!mine && r->n_flight == 0)
             klass = 2;
         else
@@ -310,6 +390,12 @@ static int blame(struct am_diag *d, const struct am_diag_flight *k, int *klass_o
             best_votes = votes;
             best_t = t;
         }
+    }
+    if (best < 0 && nccl_group(d, g, n_members)) {
+        /* everyone came, and NCCL names no peer: nobody to blame from the logs */
+        *klass_out = 4;
+        *votes_out = 0;
+        return -1;
     }
     if (best < 0) { /* everyone came: the member most waited for */
         for (int i = 0; i < n_members; i++) {
@@ -349,6 +435,16 @@ static int hang(struct am_diag *d)
         return 0;
     const struct am_diag_flight *k = first->in;
     d->ff_cause = "hang";
+    if (strcmp(k->op, "stream_wait") == 0) { /* a GPU rank waiting for its own stream (NCCL) */
+        d->ff_in = k;
+        d->culprit = -1;
+        snprintf(d->ff_detail, sizeof(d->ff_detail), "rank %d waited %.2f s for its GPU to finish the work of group "
+                 "%s enqueued after collective #%llu (stream_wait): a collective of the group did not complete on "
+                 "the device (its cause record names it); NCCL does not tell which peer it waits for, so the logs "
+                 "cannot name the rank that held it up", first->rank, first->waited_s, k->group,
+                 (unsigned long long)k->seq);
+        return 1;
+    }
     if (!is_collective(k)) { /* point-to-point: the peer it waited for */
         d->ff_in = k;
         d->culprit = first->waiting_for >= 0 ? first->waiting_for : k->peer;
@@ -374,6 +470,13 @@ static int hang(struct am_diag *d)
     }
     d->ff_in = k;
     d->culprit = best;
+    if (best < 0 && klass == 4) {
+        snprintf(d->ff_detail, sizeof(d->ff_detail), "every member of group %s was inside %s #%llu when the ranks "
+                 "timed out: NCCL does not tell which peer a rank waits for, so the logs cannot name the one that held "
+                 "it up (a hung kernel, a GPU fault or a dead link on one of its ranks; the flight recorders show "
+                 "each rank's last calls)", k->group, k->op, (unsigned long long)k->seq);
+        return 1;
+    }
     if (best < 0) {
         snprintf(d->ff_detail, sizeof(d->ff_detail), "ranks timed out in %s #%llu of group %s, but no member is to "
                  "blame from the logs", k->op, (unsigned long long)k->seq, k->group);
@@ -420,7 +523,7 @@ static void first_failure(struct am_diag *d)
         d->culprit = best->rank;
         d->ff_cause = best->kind;
         snprintf(d->ff_signal, sizeof(d->ff_signal), "%s", best->signal);
-        if (streq(best->kind, "oom") || streq(best->kind, "killed"))
+        if ((streq(best->kind, "oom") && !best->cause) || streq(best->kind, "killed"))
             snprintf(d->ff_signal, sizeof(d->ff_signal), "SIGKILL");
         d->ff_status = best->status;
         d->ff_step = best->step;

@@ -85,6 +85,8 @@ struct am_diag_rank {
     char host[128], job[64];
     int local_rank, node_id, mesh_rank, world;
     int coords[6], have_coords; /* pp, dp_replicate, dp_shard, cp, tp, ep */
+    int nccl;                   /* its device is a GPU (start record "device":"cuda"): its
+                                 * communicators are NCCL's, which never name the peer waited for */
     long max_steps;
     double start_time;
     /* the records */
@@ -99,7 +101,8 @@ struct am_diag_rank {
     int lines, bad_lines, truncated;
     /* analysis */
     enum am_diag_end end;
-    const char *kind;       /* the cause's name: signal, nonfinite, error, exit, killed, oom, timeout, comm, ... */
+    const char *kind;       /* the cause's name: signal, nonfinite, error, exit, killed, oom (the OOM killer,
+                             * or a device allocation's cause record), cuda, nccl, timeout, comm, ... */
     char signal[16];        /* "SIGSEGV", or "" */
     int status;             /* exit status, -1 unknown */
     long step;              /* the step it was in (1-based), 0 unknown */

@@ -117,6 +117,11 @@ static void on_start(struct am_diag *d, struct am_diag_rank *r, json_t *o)
     r->max_steps = integer(o, "max_steps", r->max_steps);
     if (json_is_number(json_object_get(o, "time")))
         r->start_time = num(o, "time");
+    if (json_is_string(json_object_get(o, "device"))) {
+        char device[32] = "";
+        text(o, "device", device, sizeof(device));
+        r->nccl = strcmp(device, "cuda") == 0;
+    }
     const json_t *c = json_object_get(o, "coords");
     static const char *const keys[] = {"pp", "dp_replicate", "dp_shard", "cp", "tp", "ep"};
     if (json_is_object(c)) {

@@ -232,6 +232,7 @@ int am_model_init(struct am_model *m, const struct am_model_config *cfg, const s
                   int64_t seq_len, char *err, size_t err_len)
 {
     memset(m, 0, sizeof(*m));
+    m->where = (struct am_model_where){AM_PHASE_SETUP, AM_WHERE_NONE};
     m->cfg = *cfg;
     m->sh = *sh;
     m->dev = dev;
@@ -425,6 +426,18 @@ void am_model_begin_step(struct am_model *m)
     m->K->zero(m->dev, &m->scalars.local_sumsq);
 }
 
+const char *am_model_phase_name(enum am_model_phase p)
+{
+    switch (p) {
+    case AM_PHASE_SETUP: return "setup";
+    case AM_PHASE_FORWARD: return "forward";
+    case AM_PHASE_BACKWARD: return "backward";
+    case AM_PHASE_GRAD_SYNC: return "grad_sync";
+    case AM_PHASE_OPTIMIZER: return "optimizer";
+    }
+    return "setup";
+}
+
 int am_model_find(const struct am_model *m, const char *name)
 {
     for (int i = 0; i < m->n_params; i++)
@@ -459,12 +472,27 @@ static struct am_tensor heads_of(const struct am_tensor *t, int64_t B, int64_t T
 
 /* The communicators' name for a tensor's dtype (f32 or bf16 here). */
 
+/* Tensor-parallel collectives are on the critical path. On a GPU they go through the
+ * non-blocking calls: the collective is enqueued after the kernels that wrote its buffer (an
+ * event on the compute stream), and am_comm_wait makes the compute stream wait for its end on
+ * the device, so the host goes on enqueuing kernels (no host wait per collective; the trainer's
+ * am_comm_stream_wait once a step catches one that never completes). The CPU's blocking calls
+ * stay as they are: the same bits either way (comm.h). */
+static int tp_on_device(const struct am_model *m) { return m->dev->device == AM_DEV_CUDA; }
+
 /* t reduced in place over the tp group (none: t as it is). */
 static int tp_reduce(struct am_model *m, struct am_tensor *t, enum am_comm_op op, char *err, size_t err_len)
 {
     if (!m->tp_comm)
         return 0;
-    return am_allreduce(m->tp_comm, t->data, t->data, (size_t)am_tensor_numel(t), t->dtype, op, err, err_len);
+    size_t n = (size_t)am_tensor_numel(t);
+    if (tp_on_device(m)) {
+        struct am_comm_req *q = NULL;
+        return am_iallreduce(m->tp_comm, t->data, t->data, n, t->dtype, op, &q, err, err_len) < 0
+                   ? -1
+                   : am_comm_wait(q, err, err_len);
+    }
+    return am_allreduce(m->tp_comm, t->data, t->data, n, t->dtype, op, err, err_len);
 }
 
 static int tp_sum(struct am_model *m, struct am_tensor *t, char *err, size_t err_len)
@@ -476,14 +504,27 @@ static int tp_sum(struct am_model *m, struct am_tensor *t, char *err, size_t err
 static int sp_gather(struct am_model *m, const struct am_tensor *rows, struct am_tensor *full, char *err,
                      size_t err_len)
 {
-    return am_allgather(m->tp_comm, rows->data, full->data, (size_t)am_tensor_numel(rows), rows->dtype, err, err_len);
+    size_t n = (size_t)am_tensor_numel(rows);
+    if (tp_on_device(m)) {
+        struct am_comm_req *q = NULL;
+        return am_iallgather(m->tp_comm, rows->data, full->data, n, rows->dtype, &q, err, err_len) < 0
+                   ? -1
+                   : am_comm_wait(q, err, err_len);
+    }
+    return am_allgather(m->tp_comm, rows->data, full->data, n, rows->dtype, err, err_len);
 }
 
 static int sp_scatter(struct am_model *m, const struct am_tensor *full, struct am_tensor *rows, char *err,
                       size_t err_len)
 {
-    return am_reduce_scatter(m->tp_comm, full->data, rows->data, (size_t)am_tensor_numel(rows), rows->dtype, AM_SUM,
-                             err, err_len);
+    size_t n = (size_t)am_tensor_numel(rows);
+    if (tp_on_device(m)) {
+        struct am_comm_req *q = NULL;
+        return am_ireduce_scatter(m->tp_comm, full->data, rows->data, n, rows->dtype, AM_SUM, &q, err, err_len) < 0
+                   ? -1
+                   : am_comm_wait(q, err, err_len);
+    }
+    return am_reduce_scatter(m->tp_comm, full->data, rows->data, n, rows->dtype, AM_SUM, err, err_len);
 }
 
 /* The output of a row-parallel product (full rows, partial sums over tp) added to the
@@ -683,6 +724,7 @@ static int forward_chunk(struct am_model *m, int chunk, int slot, int64_t B, con
     int64_t N = B * m->seq_len, R = stream_rows(m, N);
     struct am_tensor x = rows_of(&m->x, R);
     S->batch = B;
+    m->where = (struct am_model_where){AM_PHASE_FORWARD, AM_WHERE_EMBEDDING};
     if (is_first(m, chunk)) {
         /* the embedding: each rank looks up the ids of its vocabulary shard; summed over tp */
         struct am_tensor tok = rows_of(&S->tokens, N), e = rows_of(&m->scratch_c, N);
@@ -696,9 +738,12 @@ static int forward_chunk(struct am_model *m, int chunk, int slot, int64_t B, con
         K->copy(m->dev, &x, &in);
     }
     const struct am_layer *layers = &m->layers[m->chunk_base[chunk]];
-    for (int l = 0; l < m->sh.chunks[chunk].n_layers; l++)
+    for (int l = 0; l < m->sh.chunks[chunk].n_layers; l++) {
+        m->where.layer = m->sh.chunks[chunk].first_layer + l;
         if (layer_forward(m, &layers[l], &S->acts[l], &x, B, err, err_len) < 0)
             return -1;
+    }
+    m->where.layer = AM_WHERE_HEAD;
     if (is_last(m, chunk))
         return head_forward(m, S, &x, targets, dloss_scale, want_grad, err, err_len);
     struct am_tensor out = hidden(m, x_out, B);
@@ -837,6 +882,7 @@ int am_model_backward(struct am_model *m, int chunk, int slot, const void *dy, v
         return am_fail(err, err_len, "model: backward of slot %d of chunk %d, which holds no forward", slot, chunk);
     int64_t B = S->batch, N = B * m->seq_len, R = stream_rows(m, N);
     struct am_tensor dx = rows_of(&m->dx, R);
+    m->where = (struct am_model_where){AM_PHASE_BACKWARD, AM_WHERE_HEAD};
     if (is_last(m, chunk)) {
         if (head_backward(m, S, &dx, dloss_scale, err, err_len) < 0 ||
             group_done(m, m->n_groups - 1, err, err_len) < 0)
@@ -848,6 +894,7 @@ int am_model_backward(struct am_model *m, int chunk, int slot, const void *dy, v
     const struct am_layer *layers = &m->layers[m->chunk_base[chunk]];
     for (int l = m->sh.chunks[chunk].n_layers - 1; l >= 0; l--) {
         struct am_layer_acts *a = &S->acts[l];
+        m->where.layer = m->sh.chunks[chunk].first_layer + l;
         if (m->sh.recompute) { /* the layer's forward again, from its saved input */
             struct am_tensor x = rows_of(&m->x, R), x_in = rows_of(&a->x_in, R);
             K->copy(m->dev, &x, &x_in);
@@ -858,6 +905,7 @@ int am_model_backward(struct am_model *m, int chunk, int slot, const void *dy, v
             group_done(m, layers[l].group, err, err_len) < 0)
             return -1;
     }
+    m->where.layer = AM_WHERE_EMBEDDING;
     if (is_first(m, chunk)) {
         struct am_tensor tok = rows_of(&S->tokens, N), g;
         if (row_parallel_grad(m, &dx, N, &g, err, err_len) < 0)

@@ -149,8 +149,22 @@ struct am_model_values {
     double local_sumsq; /* Σ g² this rank added to scalars.local_sumsq before any data-parallel sum */
 };
 
+/* Where the model is in its step, for a report of a device failure (an allocation that fails
+ * names the phase and the layer): set by the forward and the backward as they go, by the
+ * trainer for what it runs around them. */
+enum am_model_phase { AM_PHASE_SETUP, AM_PHASE_FORWARD, AM_PHASE_BACKWARD, AM_PHASE_GRAD_SYNC, AM_PHASE_OPTIMIZER };
+#define AM_WHERE_EMBEDDING (-1) /* layer: the embedding */
+#define AM_WHERE_HEAD (-2)      /* layer: the head (final norm, output projection, loss) */
+#define AM_WHERE_NONE (-3)
+struct am_model_where {
+    enum am_model_phase phase;
+    int layer;                  /* global layer index, or one of AM_WHERE_* */
+};
+const char *am_model_phase_name(enum am_model_phase p);
+
 struct am_model {
     struct am_model_config cfg;
+    struct am_model_where where;
     struct am_model_shard sh;
     const struct am_dev *dev; /* where the model lives and its kernels run */
     const struct am_kernels *K; /* dev->k */

@@ -12,7 +12,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#define KINDS "segv, abort, exit:CODE, nan, hang, hang-in-collective, slow:SECONDS, kill or oom"
+#define KINDS "segv, abort, exit:CODE, nan, hang, hang-in-collective, slow:SECONDS, kill, oom or device-oom"
 #define FORM "AM_FAULT=rank=R,step=S,kind=K"
 
 const char *am_fault_kind_name(enum am_fault_kind kind)
@@ -28,6 +28,7 @@ const char *am_fault_kind_name(enum am_fault_kind kind)
     case AM_FAULT_SLOW: return "slow";
     case AM_FAULT_KILL: return "kill";
     case AM_FAULT_OOM: return "oom";
+    case AM_FAULT_DEVICE_OOM: return "device-oom";
     }
     return "none";
 }
@@ -52,7 +53,8 @@ static int parse_kind(const char *v, struct am_fault *f, const char *spec, char 
         const char *name;
         enum am_fault_kind kind;
     } plain[] = {{"segv", AM_FAULT_SEGV}, {"abort", AM_FAULT_ABORT}, {"nan", AM_FAULT_NAN}, {"hang", AM_FAULT_HANG},
-                 {"hang-in-collective", AM_FAULT_HANG_IN_COLLECTIVE}, {"kill", AM_FAULT_KILL}, {"oom", AM_FAULT_OOM}};
+                 {"hang-in-collective", AM_FAULT_HANG_IN_COLLECTIVE}, {"kill", AM_FAULT_KILL}, {"oom", AM_FAULT_OOM},
+                 {"device-oom", AM_FAULT_DEVICE_OOM}};
     for (size_t i = 0; i < sizeof(plain) / sizeof(plain[0]); i++)
         if (strcmp(v, plain[i].name) == 0) {
             f->kind = plain[i].kind;

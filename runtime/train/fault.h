@@ -19,6 +19,11 @@
  *   kill                the rank sends itself SIGKILL at the start of step S
  *   oom                 the rank allocates and touches memory until the kernel's OOM killer
  *                       ends it (run it under a memory limit: a cgroup's memory.max)
+ *   device-oom          in the backward of step S, when the first parameter group's gradients
+ *                       are final, the rank asks its device for more memory than any device
+ *                       has (2^62 bytes), as a kernel's workspace outgrowing the GPU would:
+ *                       the allocation fails for real, the device's fault hook (kernels.h)
+ *                       writes the "oom" cause record (phase, layer, bytes), the step fails
  *
  * Before misbehaving the rank writes a "fault" record to its log (docs/diagnostics.md) so
  * that a reader of the log knows the failure was injected; am-diag never uses it to decide
@@ -41,6 +46,7 @@ enum am_fault_kind {
     AM_FAULT_SLOW,
     AM_FAULT_KILL,
     AM_FAULT_OOM,
+    AM_FAULT_DEVICE_OOM,
 };
 
 struct am_fault {

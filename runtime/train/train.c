@@ -15,6 +15,7 @@
 #include "dataset.h"
 #include "fault.h"
 #include "grad_sync.h"
+#include "kernels.h"
 #include "groups.h"
 #include "flight.h"
 #include "log.h"
@@ -50,6 +51,9 @@ struct trainer {
     const char **hosts;                 /* host of each global rank */
     double comm_s;                      /* seconds in communication calls this step */
     long step;                          /* the step being run (1-based) */
+    bool comm_init_failed;              /* the communicators could not be made (NCCL: a "nccl" cause) */
+    double peak_flops;                  /* the device's dense peak, FLOP/s (0: unknown: no MFU) */
+    const char *peak_from;              /* where peak_flops came from, for the start record */
 };
 
 /* The layouts this trainer runs so far: data, tensor (+ sequence) and pipeline parallelism;
@@ -83,8 +87,26 @@ static void log_groups(struct trainer *t)
 static int build_comms(struct trainer *t, struct am_errors *err)
 {
     enum am_comm_backend be = t->dev.device == AM_DEV_CUDA ? AM_COMM_NCCL : AM_COMM_UCX;
-    if (am_groups_build(&t->g, t->s, be, t->dev.ordinal, &t->flight, t->hosts, err) < 0)
+    if (am_groups_build(&t->g, t->s, be, t->dev.ordinal, &t->flight, t->hosts, err) < 0) {
+        t->comm_init_failed = true;
         return -1;
+    }
+    /* NCCL, ordered against the compute stream (comm.h): the tensor- and data-parallel groups
+     * on the compute stream itself (collectives after the kernels that wrote their buffers,
+     * kernels after the collectives they read; non-blocking ones on the group's communication
+     * stream, joined by events); the pipeline's groups on streams of their own that wait for
+     * the compute stream before each call (a send's kernel waits for the peer's receive and
+     * must not hold the compute stream) */
+    for (int g = 0; be == AM_COMM_NCCL && g < t->g.set.n; g++) {
+        struct am_comm *c = t->g.comms[g];
+        char msg[AM_COMM_ERR_LEN];
+        if (!c)
+            continue;
+        if (c != t->g.pp && c != t->g.pp_grad)
+            am_comm_set_stream(c, t->dev.stream);
+        else if (am_comm_set_stream_after(c, t->dev.stream, msg, sizeof(msg)) < 0)
+            return am_errors_fail(err, "%s", msg);
+    }
     t->dp_rank = am_comm_rank(t->g.dp);
     log_groups(t);
     return 0;
@@ -249,6 +271,12 @@ static void log_start(struct trainer *t)
     json_object_set_new(o, "timeout_s", json_real(t->wd.timeout_s));
     json_object_set_new(o, "timeout_from", json_string(t->wd.timeout_from));
     json_object_set_new(o, "flight_size", json_integer((json_int_t)t->flight.cap));
+    json_object_set_new(o, "device_name", json_string(t->dev.name));
+    json_object_set_new(o, "plan_bytes", json_integer((json_int_t)t->p->mem.total));
+    if (t->peak_flops > 0) {
+        json_object_set_new(o, "peak_flops", json_real(t->peak_flops));
+        json_object_set_new(o, "peak_from", json_string(t->peak_from));
+    }
     json_object_set_new(o, "settings", am_settings());
     am_log_record(t->log, "start", o);
 }
@@ -267,6 +295,46 @@ static void report(struct trainer *t, json_t *cause)
     am_crash_report_end();
 }
 
+/* The model's place in the step, into a cause record: "phase" and "layer" (a number, or null
+ * with "part": "embedding" / "head"). */
+static void add_where(json_t *o, const struct am_model_where *w)
+{
+    json_object_set_new(o, "phase", json_string(am_model_phase_name(w->phase)));
+    json_object_set_new(o, "layer", w->layer >= 0 ? json_integer(w->layer) : json_null());
+    const char *part = w->layer >= 0 ? "layer" : w->layer == AM_WHERE_EMBEDDING ? "embedding"
+                       : w->layer == AM_WHERE_HEAD ? "head" : NULL;
+    json_object_set_new(o, "part", part ? json_string(part) : json_null());
+}
+
+/* The device's fault hook (kernels.h): an allocation that failed is the rank's "oom" cause,
+ * with what was asked, what the allocator holds and uses, the plan's estimate for the rank
+ * (am-plan's: the most loaded pipeline rank) and where the step was; a CUDA error before the
+ * backend aborts is "cuda" with the runtime's text; a kernel called wrongly is an "error". */
+static void device_fault(void *arg, const struct am_dev_fault *f)
+{
+    struct trainer *t = arg;
+    json_t *o;
+    if (f->kind == AM_DEV_FAULT_OOM) {
+        o = json_pack("{s:s,s:s,s:i,s:s}", "cause", "oom", "device", f->backend, "ordinal", f->ordinal, "where",
+                      f->where ? f->where : "");
+        json_object_set_new(o, "bytes_asked", json_integer((json_int_t)f->bytes_asked));
+        json_object_set_new(o, "bytes_held", json_integer((json_int_t)f->bytes_held));
+        json_object_set_new(o, "bytes_in_use", json_integer((json_int_t)f->bytes_in_use));
+        json_object_set_new(o, "bytes_total", json_integer((json_int_t)f->bytes_total));
+        json_object_set_new(o, "plan_bytes", json_integer((json_int_t)t->p->mem.total));
+    } else {
+        o = json_pack("{s:s,s:s,s:i,s:s,s:s}", "cause", f->kind == AM_DEV_FAULT_ERROR ? "cuda" : "error", "device",
+                      f->backend, "ordinal", f->ordinal, "where", f->where ? f->where : "", "error",
+                      f->error ? f->error : "");
+    }
+    add_where(o, &t->model.where);
+    json_object_set_new(o, "step", json_integer(am_crash_step()));
+    char msg[1200];
+    snprintf(msg, sizeof msg, "%s: %s", f->where ? f->where : "device", f->message ? f->message : "");
+    json_object_set_new(o, "message", json_string(msg));
+    report(t, o);
+}
+
 /* The rank fails with `message`. When its last communication call failed (any group: the
  * data-parallel all-reduce, or a tensor-parallel collective inside the model), the cause is
  * that call: "timeout" (the backend's wait expired) or "comm" (an error, naming the peer and
@@ -277,12 +345,17 @@ static void report_error(struct trainer *t, const char *message)
     uint64_t newest = atomic_load(&t->flight.newest);
     if (!am_flight_get(&t->flight, newest, &v) ||
         (v.state != AM_FLIGHT_FAILED && v.state != AM_FLIGHT_TIMED_OUT && v.state != AM_FLIGHT_ABORTED)) {
-        report(t, json_pack("{s:s,s:s}", "cause", "error", "message", message));
+        /* NCCL's communicators could not be made (ncclCommInitRankConfig's error in the message) */
+        int nccl = t->comm_init_failed && t->dev.device == AM_DEV_CUDA;
+        report(t, json_pack("{s:s,s:s}", "cause", nccl ? "nccl" : "error", "message", message));
         return;
     }
     int timed_out = v.state == AM_FLIGHT_TIMED_OUT;
     double waited = (v.ended > 0 ? v.ended : am_flight_now()) - (v.started > 0 ? v.started : v.enqueued);
-    report(t, am_watchdog_comm_cause(&t->flight, &v, timed_out ? "timeout" : "comm", "backend", waited,
+    /* NCCL's own errors (ncclGetErrorString and ncclGetLastError's text in the message,
+     * asynchronous ones from ncclCommGetAsyncError included) are "nccl" */
+    int nccl = am_comm_ctx_backend(t->g.ctx) == AM_COMM_NCCL && v.state == AM_FLIGHT_FAILED;
+    report(t, am_watchdog_comm_cause(&t->flight, &v, timed_out ? "timeout" : nccl ? "nccl" : "comm", "backend", waited,
                                      timed_out ? t->s->timeout_s : 0, t->s->info.rank, t->hosts, t->s->info.size,
                                      message));
 }
@@ -333,13 +406,72 @@ static void fault_nan(struct trainer *t, long step)
     m->K->upload(m->dev, p->g.data, &nan, sizeof(nan));
 }
 
+/* AM_FAULT kind=device-oom: an allocation no device can serve, made for real through the
+ * device's table (its failure reaches device_fault: the "oom" cause record). */
+static int fault_device_oom(struct trainer *t, long step, char *err, size_t err_len)
+{
+    if (!am_fault_due(&t->fault, t->s->info.rank, step, AM_FAULT_DEVICE_OOM))
+        return 0;
+    fault_record(t, step, NULL);
+    size_t bytes = (size_t)1 << 62;
+    void *p = t->K->alloc(&t->dev, bytes);
+    if (p) { /* a device that has it: nothing failed */
+        t->K->free(&t->dev, p);
+        return 0;
+    }
+    return am_fail(err, err_len, "out of %s memory: %zu bytes asked for in the %s", t->K->name, bytes,
+                   am_model_phase_name(t->model.where.phase));
+}
+
+/* The device's dense bf16 peak, FLOP/s, for the step's MFU: AM_PEAK_TFLOPS when set, else
+ * the table below by the GPU's name; 0 (no MFU) for the CPU and unknown GPUs. Figures are
+ * NVIDIA's datasheets' dense BF16 Tensor Core numbers (the sparse figure halved): H100 SXM
+ * 989.4 TFLOP/s (H100 Tensor Core GPU datasheet), H200 the same (H200 datasheet, same
+ * Hopper SXM5 compute), H100 NVL 835, H100 PCIe 756, A100 312 (A100 datasheet). */
+static int device_peak(struct trainer *t, char *err, size_t err_len)
+{
+    static const struct {
+        const char *has, *also;
+        double tflops;
+    } table[] = {{"H100", "NVL", 835}, {"H100", "PCIe", 756}, {"H200", NULL, 989.4}, {"H100", NULL, 989.4},
+                 {"A100", NULL, 312}};
+    const char *env = getenv("AM_PEAK_TFLOPS");
+    t->peak_flops = 0;
+    t->peak_from = NULL;
+    if (env && *env) {
+        char *end;
+        double v = strtod(env, &end);
+        if (*end || !(v > 0) || !isfinite(v))
+            return am_fail(err, err_len, "AM_PEAK_TFLOPS=%s: not a number of TFLOP/s above 0 (the device's dense peak "
+                           "for the step line's MFU, e.g. AM_PEAK_TFLOPS=989)", env);
+        t->peak_flops = v * 1e12;
+        t->peak_from = "AM_PEAK_TFLOPS";
+        return 0;
+    }
+    if (t->dev.device != AM_DEV_CUDA)
+        return 0;
+    for (size_t i = 0; i < sizeof(table) / sizeof(table[0]); i++)
+        if (strstr(t->dev.name, table[i].has) && (!table[i].also || strstr(t->dev.name, table[i].also))) {
+            t->peak_flops = table[i].tflops * 1e12;
+            t->peak_from = "table";
+            return 0;
+        }
+    return 0;
+}
+
+/* This rank's share of the model FLOPs of a step (am-plan's count for the job / world). */
+static double rank_flops(const struct trainer *t) { return t->p->flops_per_step / (double)t->p->world; }
+
 static void print_step(const struct trainer *t, long step, double loss, double lr, double norm, double dt,
                        double elapsed)
 {
     double tok_s = t->p->tokens_per_step / dt;
     double eta = elapsed / (double)(step + 1) * (double)(t->r->steps.max_steps - step - 1);
-    printf("step %4ld/%ld | loss %.4f | lr %.2e | grad norm %.3f | %.0f tok/s | %.2f GFLOP/s | ETA %d:%02d\n",
-           step + 1, t->r->steps.max_steps, loss, lr, norm, tok_s, t->p->flops_per_step / dt / 1e9,
+    char mfu[32] = "";
+    if (t->peak_flops > 0)
+        snprintf(mfu, sizeof mfu, " | MFU %.1f%%", 100.0 * rank_flops(t) / dt / t->peak_flops);
+    printf("step %4ld/%ld | loss %.4f | lr %.2e | grad norm %.3f | %.0f tok/s | %.2f GFLOP/s%s | ETA %d:%02d\n",
+           step + 1, t->r->steps.max_steps, loss, lr, norm, tok_s, t->p->flops_per_step / dt / 1e9, mfu,
            (int)eta / 60, (int)eta % 60);
     fflush(stdout);
 }
@@ -379,8 +511,11 @@ static int grad_ready(void *arg, int group, char *err, size_t err_len)
     struct trainer *t = arg;
     const struct am_pgroup *G = &t->model.groups[group];
     int mid = t->model.n_params / 2;
-    if (mid >= G->first && mid < G->first + G->n)
+    if (mid >= G->first && mid < G->first + G->n) {
         fault_nan(t, t->step);
+        if (fault_device_oom(t, t->step, err, err_len) < 0)
+            return -1;
+    }
     return am_gsync_group(&t->sync, group, err, err_len);
 }
 
@@ -401,7 +536,12 @@ static int forward_backward(struct trainer *t, long step, float dloss_scale, str
                         a == p->grad_accum - 1, msg, sizeof(msg)) < 0)
             return am_errors_fail(err, "step %ld: %s", step, msg);
     }
+    t->model.where = (struct am_model_where){AM_PHASE_GRAD_SYNC, AM_WHERE_NONE};
     if (am_gsync_finish(&t->sync, msg, sizeof(msg)) < 0)
+        return am_errors_fail(err, "step %ld: %s", step, msg);
+    /* NCCL: the collectives left to the device this step, each seen complete (a timeout names
+     * the one that is not) before the host reads results; nothing on UCX */
+    if (am_comm_stream_wait(t->g.tp, msg, sizeof(msg)) < 0 || am_comm_stream_wait(t->g.dp, msg, sizeof(msg)) < 0)
         return am_errors_fail(err, "step %ld: %s", step, msg);
     return 0;
 }
@@ -459,6 +599,7 @@ static int run(struct trainer *t, struct am_errors *err)
         double lr = am_lr_at(r, step);
         if (forward_backward(t, step + 1, dloss_scale, err) < 0 || reduce_values(t, step + 1, err) < 0)
             return -1;
+        m->where = (struct am_model_where){AM_PHASE_OPTIMIZER, AM_WHERE_NONE};
         /* clipped to max_norm / (norm + 1e-6) when below 1, or skipped when the norm is not
          * finite, on the device: enqueued before the one read of the step's values */
         am_optim_step(&t->optim, m->param_mem, m->grad_mem, am_model_sumsq(m), r->optim.max_grad_norm, (float)lr);
@@ -472,6 +613,18 @@ static int run(struct trainer *t, struct am_errors *err)
                                 "grad_norm", norm, "tokens", (json_int_t)p->tokens_per_step, "step_s", dt, "time",
                                 am_wall_time(), "comm_s", t->comm_s, "max_rss_kib", (json_int_t)ru.ru_maxrss);
         json_object_set_new(rec, "grad_wait_s", json_real(t->sync.wait_s));
+        if (t->peak_flops > 0) { /* mfu = flops / step_s / peak_flops, all three here */
+            json_object_set_new(rec, "flops", json_real(rank_flops(t)));
+            json_object_set_new(rec, "peak_flops", json_real(t->peak_flops));
+            json_object_set_new(rec, "mfu", json_real(rank_flops(t) / dt / t->peak_flops));
+        }
+        if (t->K->mem_stats) {
+            struct am_dev_mem dm;
+            t->K->mem_stats(&t->dev, &dm);
+            json_object_set_new(rec, "dev_mem_in_use", json_integer((json_int_t)dm.in_use));
+            json_object_set_new(rec, "dev_mem_peak", json_integer((json_int_t)dm.peak));
+            json_object_set_new(rec, "dev_mem_held", json_integer((json_int_t)dm.held));
+        }
         am_log_record(t->log, "step", rec);
         if (rank == 0)
             print_step(t, step, loss, lr, norm, dt, am_mono_time() - t0);
@@ -614,6 +767,11 @@ int am_train(struct am_rank_setup *s, struct am_log *log, struct am_errors *err)
     if (check_supported(t.p, t.r, err) < 0 || setup_diagnostics(&t, err) < 0 || open_device(&t, err) < 0)
         goto out;
     am_crash_set_flight(&t.flight);
+    am_kernels_set_fault_hook(device_fault, &t);
+    if (device_peak(&t, msg, sizeof(msg)) < 0) {
+        am_errors_fail(err, "%s", msg);
+        goto out;
+    }
     log_start(&t);
     if (build_comms(&t, err) < 0)
         goto out;
@@ -627,6 +785,11 @@ int am_train(struct am_rank_setup *s, struct am_log *log, struct am_errors *err)
         am_errors_fail(err, "%s", msg);
         goto out;
     }
+    /* the device's memory for the run reserved at once, as the plan counts it (CUDA: the
+     * caching allocator's arena; it grows past that when the estimate falls short) */
+    if (t.K->reserve && t.p->mem.total > 0 && t.K->reserve(&t.dev, (size_t)t.p->mem.total) < 0)
+        fprintf(stderr, "am-train: rank %d: could not reserve the plan's %.0f bytes on %s up front; allocating as "
+                "the run goes\n", s->info.rank, t.p->mem.total, t.dev.name);
     if (build_model(&t, err) < 0 || build_data(&t, err) < 0)
         goto out;
     if (am_optim_init(&t.optim, &t.dev, t.model.n_elems, t.r) < 0) {
@@ -647,6 +810,11 @@ out:
     if (rc < 0 && t.log->fd >= 0 && err->n)
         report_error(&t, err->msg[0]);
     am_crash_set_flight(NULL); /* freed below */
+    am_kernels_set_fault_hook(NULL, NULL);
+    /* the communicators first: a request or a send still under way (a step that failed in
+     * its backward) writes into or reads from the gradients and the pipeline's buffers until
+     * its group is destroyed */
+    am_groups_free(&t.g);
     am_gsync_free(&t.sync);
     am_optim_free(&t.optim);
     am_model_free(&t.model);
@@ -655,7 +823,6 @@ out:
     free(t.sample);
     free(t.tokens);
     free(t.targets);
-    am_groups_free(&t.g);
     am_flight_free(&t.flight);
     free(t.hosts);
     am_dev_close(&t.dev);

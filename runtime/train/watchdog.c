@@ -87,8 +87,12 @@ static void fire(struct am_watchdog *w, const struct am_flight_view *v, double w
 {
     char msg[768], wait[320] = "not waiting for any peer (stuck inside the call)";
     const char *wh = host_of(w->hosts, w->n_hosts, v->waiting_for);
+    int nccl = w->ctx && am_comm_ctx_backend(w->ctx) == AM_COMM_NCCL;
     if (v->waiting_for >= 0)
         snprintf(wait, sizeof(wait), "waiting for rank %d%s%s", v->waiting_for, wh ? " on " : "", wh ? wh : "");
+    else if (nccl)
+        snprintf(wait, sizeof(wait), "inside NCCL, which does not tell which peer it waits for; aborting its "
+                 "communicator (ncclCommAbort)");
     snprintf(msg, sizeof(msg), "%s #%llu on group %s: no progress for %.2f s (timeout %g s, %s); %s", v->op,
              (unsigned long long)v->seq, v->group, waited, w->timeout_s, w->timeout_from, wait);
     am_flight_mark_timed_out(w->flight, v->id);

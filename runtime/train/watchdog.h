@@ -12,7 +12,10 @@
  *                    waiting for rank 3 on n2"}
  *      followed by the flight recorder;
  *   3. aborts the communicators' context (am_comm_ctx_abort): the blocked call fails at once
- *      and the trainer ends the rank with a non-zero status;
+ *      and the trainer ends the rank with a non-zero status (NCCL: the waiting call sees the
+ *      abort and calls ncclCommAbort on its communicator; NCCL never says which peer it waits
+ *      for, so the message says so instead of naming one, and am-diag finds the rank to blame
+ *      from the flight recorders of the group's ranks, or says that it cannot);
  *   4. if the call has not returned after grace_s, says so on stderr and ends the process
  *      (_exit(1)): a call stuck where no abort reaches (a hung kernel) must not keep the rank.
  * It fires once, then only waits to be stopped.

@@ -38,7 +38,7 @@ run() {
 
 for place in "1 2" "3 4"; do
   set -- $place
-  for kind in segv abort exit:3 nan kill hang hang-in-collective slow:2.5; do
+  for kind in segv abort exit:3 nan device-oom kill hang hang-in-collective slow:2.5; do
     run "${kind%%:*}-$1-$2" "$kind" "$1" "$2"
   done
 done

@@ -60,6 +60,14 @@ static float *read_all(struct golden *G, const char *name, int64_t *n)
     return v;
 }
 
+/* AM_GOLDEN_DEVICE=cuda runs the bf16 cases on the GPU (tests/gpu/run); the others need the
+ * model in host memory and run on the CPU only. */
+static enum am_device golden_device(void)
+{
+    const char *d = getenv("AM_GOLDEN_DEVICE");
+    return d && strcmp(d, "cuda") == 0 ? AM_DEV_CUDA : AM_DEV_CPU;
+}
+
 /* The golden model `name` loaded into a whole-model shard computing in `compute` (fp32, or
  * bf16 mixed precision). */
 static void open_golden_as(struct golden *G, const char *name, enum am_dtype compute)
@@ -92,7 +100,10 @@ static void open_golden_as(struct golden *G, const char *name, enum am_dtype com
     G->n_targets = (int)(G->B * (G->T - 1));
 
     char msg[512];
-    assert_int_equal(am_dev_open(&G->dev, AM_DEV_CPU, -1, msg, sizeof(msg)), 0);
+    int rc_dev = am_dev_open(&G->dev, golden_device(), 0, msg, sizeof(msg));
+    if (rc_dev < 0)
+        print_error("%s\n", msg);
+    assert_int_equal(rc_dev, 0);
     G->K = G->dev.k;
     struct am_model_shard sh = am_model_shard_whole(1, 0, (int)G->recipe->model.num_hidden_layers);
     sh.compute = compute;
@@ -201,16 +212,20 @@ static void check_forward_backward(const char *name)
 static void adamw_steps(struct golden *G, float lr, bool clip, double *losses, double *norms)
 {
     size_t E = G->m.n_elems;
+    enum am_device dv = G->dev.device;
     float *mom = G->K->alloc(&G->dev, E * sizeof(float)), *var = G->K->alloc(&G->dev, E * sizeof(float));
-    struct am_tensor p = am_tensor_view(G->m.param_mem, AM_DEV_CPU, AM_F32, (int64_t)E, 0, 0, 0);
-    struct am_tensor g = am_tensor_view(G->m.grad_mem, AM_DEV_CPU, AM_F32, (int64_t)E, 0, 0, 0);
-    struct am_tensor m = am_tensor_view(mom, AM_DEV_CPU, AM_F32, (int64_t)E, 0, 0, 0);
-    struct am_tensor v = am_tensor_view(var, AM_DEV_CPU, AM_F32, (int64_t)E, 0, 0, 0);
+    double *sumsq_dev = G->K->alloc(&G->dev, sizeof(double));
+    struct am_tensor p = am_tensor_view(G->m.param_mem, dv, AM_F32, (int64_t)E, 0, 0, 0);
+    struct am_tensor g = am_tensor_view(G->m.grad_mem, dv, AM_F32, (int64_t)E, 0, 0, 0);
+    struct am_tensor m = am_tensor_view(mom, dv, AM_F32, (int64_t)E, 0, 0, 0);
+    struct am_tensor v = am_tensor_view(var, dv, AM_F32, (int64_t)E, 0, 0, 0);
+    struct am_tensor acc = am_tensor_view(sumsq_dev, dv, AM_F64, 1, 0, 0, 0);
     for (int s = 0; s < 5; s++) {
         losses[s] = step(G);
         double sumsq = 0;
-        struct am_tensor acc = am_tensor_view(&sumsq, AM_DEV_CPU, AM_F64, 1, 0, 0, 0);
+        G->K->zero(&G->dev, &acc);
         G->K->sum_squares(&G->dev, &acc, &g, 1.0);
+        G->K->download(&G->dev, &sumsq, sumsq_dev, sizeof(sumsq));
         norms[s] = sqrt(sumsq);
         /* the trainer's step (am_optim_step): clipping to norm 1 decided from the scalar */
         struct am_adamw_tensor slab = {.param = &p, .m = &m, .v = &v, .grad = &g};
@@ -218,6 +233,7 @@ static void adamw_steps(struct golden *G, float lr, bool clip, double *losses, d
     }
     G->K->free(&G->dev, mom);
     G->K->free(&G->dev, var);
+    G->K->free(&G->dev, sumsq_dev);
 }
 
 /* The golden AdamW: lr 1e-2, betas (0.9, 0.95), eps 1e-8, weight decay 0.1, 5 steps on the
@@ -418,11 +434,14 @@ static void check_bf16(const char *name)
         assert_non_null(w16);
         assert_non_null(w32);
         assert_int_equal(n, am_tensor_numel(&p->w));
-        const float *mine = p->w.data;
+        float *mine = malloc((size_t)n * sizeof(float)); /* the fp32 master, wherever it lives */
+        assert_non_null(mine);
+        G.K->download(&G.dev, mine, p->w.data, (size_t)n * sizeof(float));
         for (int64_t k = 0; k < n; k++) {
             d_am += ((double)mine[k] - w16[k]) * ((double)mine[k] - w16[k]);
             d_torch += ((double)w32[k] - w16[k]) * ((double)w32[k] - w16[k]);
         }
+        free(mine);
         free(w16);
         free(w32);
     }
@@ -467,5 +486,11 @@ int main(void)
     const struct CMUnitTest tests[] = {TESTS(llama_gqa), TESTS(llama_tied), TESTS(llama3_scaling), TESTS(llama_tp),
                                        TESTS(qwen3_tiny),     TESTS(mistral_window),
                                        cmocka_unit_test(test_model_refuses)};
+    /* on a GPU (AM_GOLDEN_DEVICE=cuda): the bf16 cases, the models in device memory */
+    const struct CMUnitTest gpu[] = {cmocka_unit_test(test_llama_gqa_bf16),       cmocka_unit_test(test_llama_tied_bf16),
+                                     cmocka_unit_test(test_llama3_scaling_bf16),  cmocka_unit_test(test_llama_tp_bf16),
+                                     cmocka_unit_test(test_qwen3_tiny_bf16),      cmocka_unit_test(test_mistral_window_bf16)};
+    if (golden_device() == AM_DEV_CUDA)
+        return cmocka_run_group_tests_name("golden bf16 (cuda)", gpu, NULL, NULL);
     return cmocka_run_group_tests_name("golden", tests, NULL, NULL);
 }
