@@ -23,7 +23,7 @@ void am_kernels_fault(const struct am_dev_fault *f)
 {
     if (!fault_hook.fn || !f)
         return;
-    if (f->kind != AM_DEV_FAULT_OOM) {
+    if (f->kind == AM_DEV_FAULT_ERROR || f->kind == AM_DEV_FAULT_BUG) {
         if (fault_hook.fatal_told)
             return;
         fault_hook.fatal_told = 1;

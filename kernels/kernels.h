@@ -88,12 +88,14 @@ const char *am_device_name(enum am_device device);
  * it when an allocation fails (AM_DEV_FAULT_OOM, before alloc returns NULL or a kernel's
  * scratch aborts) and before they abort on a device error (AM_DEV_FAULT_ERROR: a CUDA call or
  * launch that failed, with cudaGetErrorString's text) or on a caller's bug
- * (AM_DEV_FAULT_BUG: a tensor of the wrong device, dtype or shape). The hook runs on the
- * failing thread, may write a file, and returns; after an ERROR or a BUG the backend then
+ * (AM_DEV_FAULT_BUG: a tensor of the wrong device, dtype or shape), and to tell of a path
+ * taken instead of the usual one, nothing having failed (AM_DEV_FAULT_NOTE: cuDNN declined an
+ * attention case, the backend's own kernels run it; told once per process). The hook runs on
+ * the calling thread, may write a file, and returns; after an ERROR or a BUG the backend then
  * prints its message on stderr and aborts (SIGABRT). One hook per process (the device's
  * checks have no context to carry one: am_cuda_check is called from deep inside kernels), set
  * before the device is opened and left alone while it runs; NULL removes it. */
-enum am_dev_fault_kind { AM_DEV_FAULT_OOM, AM_DEV_FAULT_ERROR, AM_DEV_FAULT_BUG };
+enum am_dev_fault_kind { AM_DEV_FAULT_OOM, AM_DEV_FAULT_ERROR, AM_DEV_FAULT_BUG, AM_DEV_FAULT_NOTE };
 
 struct am_dev_fault {
     enum am_dev_fault_kind kind;

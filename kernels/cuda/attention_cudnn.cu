@@ -69,7 +69,19 @@ struct att_state {
 /* uids of the tensors the caller binds (the rest are virtual, or scalars by value) */
 enum { U_Q = 1, U_K, U_V, U_O, U_STATS, U_DO, U_DQ, U_DK, U_DV, U_DSUM, U_DQACC, U_SCALE, U_NEGINF, U_ONE, U_WINDOW };
 
-static bool att_printed;
+static bool att_told;
+
+/* The first case cuDNN declines is told to the device's fault hook as a note (kernels.h:
+ * the trainer logs it and prints it once); the rest only update s->why. */
+static void note_once(const char *kernel, const char *fmt, const char *why)
+{
+    if (__atomic_exchange_n(&att_told, true, __ATOMIC_RELAXED))
+        return;
+    char msg[768];
+    snprintf(msg, sizeof msg, fmt, why);
+    struct am_dev_fault f = {AM_DEV_FAULT_NOTE, "cuda", -1, kernel, "", msg, 0, 0, 0, 0};
+    am_kernels_fault(&f);
+}
 
 /* ---- building a graph: descriptors are kept in the plan's list, errors end the build ---- */
 struct builder {
@@ -405,9 +417,7 @@ static struct att_state *state(const char *kn, const struct am_dev *d)
     if (st != CUDNN_STATUS_SUCCESS) { /* no cuDNN on this context: every call runs the backend's kernels */
         s->handle = NULL;
         snprintf(s->why, sizeof s->why, "cudnnCreate or cudnnSetStream: %s", cudnnGetErrorString(st));
-        if (!__atomic_exchange_n(&att_printed, true, __ATOMIC_RELAXED))
-            fprintf(stderr, "%s: cuDNN cannot run attention (%s); the CUDA backend's own attention kernels run it "
-                            "(this note is printed once)\n", kn, s->why);
+        note_once(kn, "cuDNN cannot run attention (%s); the CUDA backend's own attention kernels run it", s->why);
     }
     return s;
 }
@@ -437,9 +447,7 @@ static struct att_plan *plan_for(const char *kn, struct att_state *s, const stru
         snprintf(s->why, sizeof s->why, "%s B=%lld T=%lld H=%lld KVH=%lld D=%lld window=%lld: %s: %s%s%s", key->bwd ? "backward" : "forward",
                  (long long)key->B, (long long)key->T, (long long)key->H, (long long)key->KVH, (long long)key->D,
                  (long long)key->W, b.what ? b.what : "?", cudnnGetErrorString(b.st), msg[0] ? ": " : "", msg);
-        if (!__atomic_exchange_n(&att_printed, true, __ATOMIC_RELAXED))
-            fprintf(stderr, "%s: cuDNN cannot run the attention %s; the CUDA backend's own attention kernels run it "
-                            "(this note is printed once)\n", kn, s->why);
+        note_once(kn, "cuDNN cannot run the attention %s; the CUDA backend's own attention kernels run it", s->why);
         for (int i = 0; i < p->nkeep; i++)
             cudnnBackendDestroyDescriptor(p->keep[i]);
         p->nkeep = 0;

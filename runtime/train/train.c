@@ -309,11 +309,19 @@ static void add_where(json_t *o, const struct am_model_where *w)
 /* The device's fault hook (kernels.h): an allocation that failed is the rank's "oom" cause,
  * with what was asked, what the allocator holds and uses, the plan's estimate for the rank
  * (am-plan's: the most loaded pipeline rank) and where the step was; a CUDA error before the
- * backend aborts is "cuda" with the runtime's text; a kernel called wrongly is an "error". */
+ * backend aborts is "cuda" with the runtime's text; a kernel called wrongly is an "error"; a
+ * note (another path taken, nothing failed) is a "note" record and a line on stderr. */
 static void device_fault(void *arg, const struct am_dev_fault *f)
 {
     struct trainer *t = arg;
     json_t *o;
+    if (f->kind == AM_DEV_FAULT_NOTE) { /* nothing failed: a line in the log and on stderr */
+        am_log_record(t->log, "note", json_pack("{s:s,s:s,s:f}", "where", f->where ? f->where : "", "message",
+                                                f->message ? f->message : "", "time", am_wall_time()));
+        fprintf(stderr, "am-train: rank %d: note: %s: %s\n", t->s->info.rank, f->where ? f->where : "device",
+                f->message ? f->message : "");
+        return;
+    }
     if (f->kind == AM_DEV_FAULT_OOM) {
         o = json_pack("{s:s,s:s,s:i,s:s}", "cause", "oom", "device", f->backend, "ordinal", f->ordinal, "where",
                       f->where ? f->where : "");
