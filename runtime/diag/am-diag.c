@@ -57,10 +57,15 @@ int main(int argc, char **argv)
     }
     int records = 0;
     for (int q = 0; q < d.n_ranks; q++)
-        records += d.ranks[q].lines - d.ranks[q].bad_lines - d.ranks[q].truncated;
+        records += d.ranks[q].lines - d.ranks[q].bad_lines - d.ranks[q].long_lines - d.ranks[q].truncated;
     if (records == 0) {
         fprintf(stderr, "am-diag: %s: the rank logs hold no record (every line is empty or not JSON): nothing to "
                 "analyse\n", d.dir);
+        for (int i = 0; i < d.n_notes; i++) { /* why: unreadable files, bad lines */
+            char text[4200];
+            am_diag_escape(d.notes[i], text, sizeof(text));
+            fprintf(stderr, "  %s\n", text);
+        }
         am_diag_free(&d);
         return 2;
     }
