@@ -220,7 +220,8 @@ static void classify(const struct am_diag *d, struct am_diag_rank *r)
             r->kind = streq(kind, "timeout") ? "timeout" : "comm";
             const json_t *w = json_object_get(c, "waiting_for");
             r->waiting_for = json_is_integer(w) ? rank_in(d, json_integer_value(w)) : -1;
-            r->waited_s = seconds_of(c, "waited_s");
+            if (json_is_number(json_object_get(c, "waited_s")))
+                r->waited_s = seconds_of(c, "waited_s");
         } else if (streq(kind, "nonfinite")) {
             r->end = AM_END_FAILED;
             r->kind = "nonfinite";
@@ -441,6 +442,7 @@ static int hang(struct am_diag *d)
             d->ff_step = c->step;
         } else {
             d->culprit = -1;
+            d->ff_time = k->started > 0 ? k->started : k->enqueued;
             set(d->ff_detail, sizeof(d->ff_detail), "rank %d waited in %s #%llu on group %s for %.2f s, for a peer "
                 "that its log does not name (or names outside the job)", first->rank, k->op,
                 (unsigned long long)k->seq, k->group, first->waited_s);
@@ -989,9 +991,9 @@ static void resolve(struct am_diag *d)
         if (json_is_integer(w))
             check_rank(r, json_integer_value(w), bound, &named, &n_named, &cap);
         if (r->bad_ranks)
-            am_diag_note(d, "rank %d: %d rank number%s in its log %s not a rank of the job (the first: %ld; the job "
+            am_diag_note(d, "rank %d: %d rank number%s in its log %s not %s of the job (the first: %ld; the job "
                          "has %s%d rank%s); ignored", r->rank, r->bad_ranks, r->bad_ranks == 1 ? "" : "s",
-                         r->bad_ranks == 1 ? "is" : "are", r->first_bad_rank, known ? "" : "at most ",
+                         r->bad_ranks == 1 ? "is" : "are", r->bad_ranks == 1 ? "a rank" : "ranks", r->first_bad_rank, known ? "" : "at most ",
                          known ? d->world : INT_MAX, known && d->world == 1 ? "" : "s");
         if (known && r->have_log && r->rank >= d->world)
             am_diag_note(d, "rank %d: its log (rank-%d.jsonl) is of a rank outside the job, which has %d rank%s "

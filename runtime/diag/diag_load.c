@@ -618,9 +618,10 @@ static int read_log(struct am_diag *d, int rank, const char *path, const char *n
         return -1;
     }
     if (tail)
-        am_diag_note(d, "rank %d: %s holds %zu bytes, more than am-diag reads of one log (%zu MiB): read its first "
-                     "%zd and last %zd bytes of whole lines, skipped the %zu between", rank, name, size, cap >> 20,
-                     h, t, size - (size_t)h - (size_t)t);
+        am_diag_note(d, "rank %d: %s holds %zu bytes, more than am-diag reads of one log (%zu %s): read its first "
+                     "%zd and last %zd bytes of whole lines, skipped the %zu between", rank, name, size,
+                     cap >= ((size_t)1 << 20) ? cap >> 20 : cap, cap >= ((size_t)1 << 20) ? "MiB" : "bytes", h, t,
+                     size - (size_t)h - (size_t)t);
     *buf = b;
     *len = (size_t)(h + t);
     return 0;
