@@ -968,7 +968,7 @@ static int check_rank(struct am_diag_rank *r, long long v, long long bound, int 
 static void resolve(struct am_diag *d)
 {
     int known = d->world > 0;
-    long long bound = known ? d->world : (long long)INT_MAX + 1;
+    long long bound = known ? d->world : INT_MAX; /* world = the highest rank + 1 must be an int */
     int *named = NULL;
     size_t n_named = 0, cap = 0;
     int n0 = d->n_ranks; /* entries are added below: no pointer is kept across that */

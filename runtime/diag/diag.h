@@ -180,6 +180,9 @@ struct am_diag {
     char **notes;
     int n_notes, cap_notes;
     size_t max_file;         /* bytes read per log (AM_DIAG_MAX_FILE) */
+    long max_listed;         /* --json's missing_ranks lists at most this many (AM_DIAG_MAX_LISTED) */
+    int threads;             /* am_diag_load_dir's readers: 0 = one per CPU, at most 16 */
+    void *lock;              /* the readers' pthread mutex while they run, else NULL */
     /* results */
     struct am_diag_gref *gref;
     int n_gref;
@@ -205,8 +208,9 @@ void am_diag_init(struct am_diag *d);
 void am_diag_free(struct am_diag *d);
 /* Adds one rank's log, from its text (tests feed hand-written logs). 0, or -1 (no memory). */
 int am_diag_add_log(struct am_diag *d, int rank, const char *text, size_t len);
-/* dir holds rank-<R>.jsonl files, or exactly one job directory that does. 0, or -1 with a
- * message (no such directory, no rank logs, several jobs) in err. */
+/* dir holds rank-<R>.jsonl files, or exactly one job directory that does. The logs are read
+ * by d->threads threads (each parses whole logs; entries, strings and notes are shared under a
+ * lock). 0, or -1 with a message (no such directory, no rank logs, several jobs) in err. */
 int am_diag_load_dir(struct am_diag *d, const char *dir, char *err, size_t err_len);
 /* A note for the report ("rank 3: the last line is cut short ..."). */
 void am_diag_note(struct am_diag *d, const char *fmt, ...) __attribute__((format(printf, 2, 3)));

@@ -8,6 +8,7 @@
 #include <errno.h>
 #include <math.h>
 #include <stdlib.h>
+#include <stdint.h>
 #include <string.h>
 
 static const char *ws(const char *p, const char *end)
@@ -39,35 +40,57 @@ static const char *string(const char *p, const char *end, const char **body, siz
 static int digit(char c) { return c >= '0' && c <= '9'; }
 
 /* A JSON number (RFC 8259 grammar). Integers must fit jansson's json_int_t (long long), reals
- * must not overflow (jansson refuses both). */
+ * must not overflow (jansson refuses both). Values are exactly strtoll's and strtod's: the
+ * common case, at most 15 significant digits and no exponent, is converted by one division of
+ * two exactly representable doubles (correctly rounded, as strtod); the rest by the libc. */
 static const char *number(const char *p, const char *end, struct am_diag_field *f)
 {
+    static const double pow10[] = {1e0,  1e1,  1e2,  1e3,  1e4,  1e5,  1e6,  1e7,  1e8,  1e9,  1e10, 1e11,
+                                   1e12, 1e13, 1e14, 1e15, 1e16, 1e17, 1e18, 1e19, 1e20, 1e21, 1e22};
     const char *b = p;
-    int real = 0;
-    if (p < end && *p == '-')
+    int real = 0, neg = 0, digits = 0, frac = 0, exp = 0;
+    uint64_t mant = 0;
+    if (p < end && *p == '-') {
+        neg = 1;
         p++;
+    }
     if (p >= end || !digit(*p))
         return NULL;
-    if (*p == '0')
+    if (*p == '0') {
         p++;
-    else
-        while (p < end && digit(*p))
-            p++;
+    } else {
+        for (; p < end && digit(*p); p++, digits++)
+            if (digits < 19)
+                mant = mant * 10 + (uint64_t)(*p - '0');
+    }
     if (p < end && *p == '.') {
         real = 1;
         if (++p >= end || !digit(*p))
             return NULL;
-        while (p < end && digit(*p))
-            p++;
+        for (; p < end && digit(*p); p++, frac++)
+            if (digits + frac < 19)
+                mant = mant * 10 + (uint64_t)(*p - '0');
     }
     if (p < end && (*p == 'e' || *p == 'E')) {
-        real = 1;
+        real = exp = 1;
         if (++p < end && (*p == '+' || *p == '-'))
             p++;
         if (p >= end || !digit(*p))
             return NULL;
         while (p < end && digit(*p))
             p++;
+    }
+    if (!real && digits <= 18) {
+        f->kind = 'i';
+        f->i = neg ? -(long long)mant : (long long)mant;
+        return p;
+    }
+    if (real && !exp && digits + frac <= 19 && mant < ((uint64_t)1 << 53) && frac <= 22) {
+        f->kind = 'r';
+        f->r = (double)mant / pow10[frac];
+        if (neg)
+            f->r = -f->r;
+        return p;
     }
     char buf[64];
     size_t n = (size_t)(p - b);

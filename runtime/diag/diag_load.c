@@ -6,6 +6,7 @@
 #include <fcntl.h>
 #include <limits.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -20,6 +21,7 @@ void am_diag_init(struct am_diag *d)
     d->culprit = -1;
     d->ff_status = -1;
     d->max_file = AM_DIAG_MAX_FILE;
+    d->max_listed = AM_DIAG_MAX_LISTED;
 }
 
 static void rank_free(struct am_diag_rank *r)
@@ -80,16 +82,25 @@ void am_diag_note(struct am_diag *d, const char *fmt, ...)
     va_end(ap);
     if (n >= (int)sizeof(text))
         am_diag_utf8_trim(text);
+    char *copy = strdup(text);
+    if (!copy)
+        return;
+    if (d->lock)
+        pthread_mutex_lock(d->lock);
     if (d->n_notes == d->cap_notes) {
         int cap = d->cap_notes ? 2 * d->cap_notes : 16;
         char **m = realloc(d->notes, (size_t)cap * sizeof(*m));
-        if (!m)
-            return;
-        d->notes = m;
-        d->cap_notes = cap;
+        if (m) {
+            d->notes = m;
+            d->cap_notes = cap;
+        }
     }
-    if ((d->notes[d->n_notes] = strdup(text)) != NULL)
-        d->n_notes++;
+    if (d->n_notes < d->cap_notes)
+        d->notes[d->n_notes++] = copy;
+    else
+        free(copy);
+    if (d->lock)
+        pthread_mutex_unlock(d->lock);
 }
 
 /* ---- the rank entries: an array and an open-addressing index (rank -> position + 1) ------ */
@@ -123,9 +134,18 @@ struct am_diag_rank *am_diag_rank_find(const struct am_diag *d, int rank)
     return NULL;
 }
 
+static void rank_init(struct am_diag_rank *r, int rank)
+{
+    memset(r, 0, sizeof(*r));
+    r->rank = rank;
+    r->local_rank = r->node_id = r->mesh_rank = r->world = -1;
+    r->status = -1;
+    r->waiting_for = -1;
+}
+
 struct am_diag_rank *am_diag_rank_get(struct am_diag *d, int rank)
 {
-    if (rank < 0)
+    if (rank < 0 || rank == INT_MAX) /* the job's size, the highest rank + 1, is an int */
         return NULL;
     struct am_diag_rank *r = am_diag_rank_find(d, rank);
     if (r)
@@ -141,11 +161,7 @@ struct am_diag_rank *am_diag_rank_get(struct am_diag *d, int rank)
     if ((size_t)(d->n_ranks + 1) * 2 > d->index_cap && index_build(d, d->index_cap ? 2 * d->index_cap : 64) < 0)
         return NULL;
     r = &d->ranks[d->n_ranks];
-    memset(r, 0, sizeof(*r));
-    r->rank = rank;
-    r->local_rank = r->node_id = r->mesh_rank = r->world = -1;
-    r->status = -1;
-    r->waiting_for = -1;
+    rank_init(r, rank);
     size_t s = slot_of(rank, d->index_cap);
     while (d->index[s])
         s = (s + 1) & (d->index_cap - 1);
@@ -210,6 +226,36 @@ const char *am_diag_intern(struct am_diag *d, const char *s, size_t n)
 
 /* ---- one record, from jansson or from the fast reader ------------------------------------ */
 
+/* What reading one log needs: the job (shared with the other readers: its strings, notes,
+ * size and id are changed under d->lock when several threads read) and a cache of the
+ * strings this reader interned last (group, op, dtype and state names repeat). */
+struct loader {
+    struct am_diag *d;
+    struct {
+        const char *s; /* the interned copy */
+        size_t n;
+    } cache[16];
+    unsigned next;
+};
+
+static const char *intern_cached(struct loader *L, const char *s, size_t n)
+{
+    for (int i = 0; i < 16; i++)
+        if (L->cache[i].s && L->cache[i].n == n && memcmp(L->cache[i].s, s, n) == 0)
+            return L->cache[i].s;
+    if (L->d->lock)
+        pthread_mutex_lock(L->d->lock);
+    const char *c = am_diag_intern(L->d, s, n);
+    if (L->d->lock)
+        pthread_mutex_unlock(L->d->lock);
+    if (c) {
+        L->cache[L->next % 16].s = c;
+        L->cache[L->next % 16].n = n;
+        L->next++;
+    }
+    return c;
+}
+
 struct rec {
     json_t *o;                       /* jansson's object, or NULL */
     const struct am_diag_field *f;   /* the fast reader's fields */
@@ -220,7 +266,7 @@ static const struct am_diag_field *field(const struct rec *x, const char *key)
 {
     size_t n = strlen(key);
     for (int i = x->nf; i-- > 0;) /* the last wins, as in jansson */
-        if (x->f[i].key_len == n && memcmp(x->f[i].key, key, n) == 0)
+        if (x->f[i].key_len == n && x->f[i].key[0] == key[0] && memcmp(x->f[i].key, key, n) == 0)
             return &x->f[i];
     return NULL;
 }
@@ -305,16 +351,17 @@ static void copy_text(const struct rec *x, const char *key, char *out, size_t le
     am_diag_utf8_trim(out);
 }
 
-static const char *intern_of(struct am_diag *d, const struct rec *x, const char *key)
+static const char *intern_of(struct loader *L, const struct rec *x, const char *key)
 {
     size_t n = 0;
     const char *s = rec_str(x, key, &n);
-    const char *c = am_diag_intern(d, s ? s : "", s ? n : 0);
+    const char *c = intern_cached(L, s ? s : "", s ? n : 0);
     return c ? c : "";
 }
 
-static void on_start(struct am_diag *d, struct am_diag_rank *r, const struct rec *x)
+static void on_start(struct loader *L, struct am_diag_rank *r, const struct rec *x)
 {
+    struct am_diag *d = L->d;
     if (r->have_start)
         return;
     r->have_start = 1;
@@ -334,10 +381,14 @@ static void on_start(struct am_diag *d, struct am_diag_rank *r, const struct rec
         for (int i = 0; i < 6; i++)
             r->coords[i] = (int)rec_long(&cx, keys[i], INT_MIN, INT_MAX, 0);
     }
+    if (d->lock)
+        pthread_mutex_lock(d->lock);
     if (r->world > d->world)
         d->world = r->world;
     if (!d->job[0] && r->job[0])
         snprintf(d->job, sizeof(d->job), "%s", r->job);
+    if (d->lock)
+        pthread_mutex_unlock(d->lock);
 }
 
 static void on_step(struct am_diag_rank *r, const struct rec *x)
@@ -364,7 +415,7 @@ static void on_step(struct am_diag_rank *r, const struct rec *x)
     r->steps[r->n_steps++] = (struct am_diag_step){.step = (uint32_t)step, .compute = (float)compute};
 }
 
-static void on_flight(struct am_diag *d, struct am_diag_rank *r, const struct rec *x)
+static void on_flight(struct loader *L, struct am_diag_rank *r, const struct rec *x)
 {
     if (r->n_flight == r->cap_flight) {
         size_t cap = r->cap_flight ? 2 * r->cap_flight : 256;
@@ -376,10 +427,10 @@ static void on_flight(struct am_diag *d, struct am_diag_rank *r, const struct re
     }
     struct am_diag_flight *f = &r->flight[r->n_flight++];
     memset(f, 0, sizeof(*f));
-    f->group = intern_of(d, x, "group");
-    f->op = intern_of(d, x, "op");
-    f->dtype = intern_of(d, x, "dtype");
-    f->state = intern_of(d, x, "state");
+    f->group = intern_of(L, x, "group");
+    f->op = intern_of(L, x, "op");
+    f->dtype = intern_of(L, x, "dtype");
+    f->state = intern_of(L, x, "state");
     f->gid = (int)rec_long(x, "gid", INT_MIN, INT_MAX, -1);
     f->id = (uint64_t)rec_long(x, "id", LLONG_MIN, LLONG_MAX, 0);
     f->seq = (uint64_t)rec_long(x, "seq", LLONG_MIN, LLONG_MAX, 0);
@@ -395,7 +446,7 @@ static void on_flight(struct am_diag *d, struct am_diag_rank *r, const struct re
         r->last_time = ft;
 }
 
-static void on_groups(struct am_diag *d, struct am_diag_rank *r, json_t *o)
+static void on_groups(struct loader *L, struct am_diag_rank *r, json_t *o)
 {
     const json_t *a = json_object_get(o, "groups");
     if (!json_is_array(a) || r->groups)
@@ -409,7 +460,7 @@ static void on_groups(struct am_diag *d, struct am_diag_rank *r, json_t *o)
         const json_t *ranks = json_object_get(g, "ranks");
         struct rec gx = {.o = g};
         struct am_diag_group *dg = &r->groups[r->n_groups];
-        dg->name = intern_of(d, &gx, "name");
+        dg->name = intern_of(L, &gx, "name");
         dg->gid = (int)rec_long(&gx, "gid", INT_MIN, INT_MAX, -1);
         size_t m = json_array_size(ranks);
         dg->ranks = calloc(m ? m : 1, sizeof(int));
@@ -427,7 +478,7 @@ static void on_groups(struct am_diag *d, struct am_diag_rank *r, json_t *o)
     }
 }
 
-static void on_record(struct am_diag *d, struct am_diag_rank *r, const struct rec *x)
+static void on_record(struct loader *L, struct am_diag_rank *r, const struct rec *x)
 {
     size_t tl = 0;
     const char *type = rec_str(x, "type", &tl);
@@ -439,13 +490,13 @@ static void on_record(struct am_diag *d, struct am_diag_rank *r, const struct re
     if (tl == 4 && memcmp(type, "step", 4) == 0)
         on_step(r, x);
     else if (tl == 6 && memcmp(type, "flight", 6) == 0)
-        on_flight(d, r, x);
+        on_flight(L, r, x);
     else if (!x->o)
         return;
     else if (strcmp(type, "start") == 0)
-        on_start(d, r, x);
+        on_start(L, r, x);
     else if (strcmp(type, "groups") == 0)
-        on_groups(d, r, x->o);
+        on_groups(L, r, x->o);
     else if (strcmp(type, "cause") == 0 && !r->cause)
         r->cause = json_incref(x->o);
     else if (strcmp(type, "stop") == 0 && !r->stop)
@@ -457,7 +508,7 @@ static void on_record(struct am_diag *d, struct am_diag_rank *r, const struct re
 }
 
 /* A step or flight record for the fast reader: 1 handled, 0 not one (jansson decides). */
-static int fast_record(struct am_diag *d, struct am_diag_rank *r, const char *line, size_t n)
+static int fast_record(struct loader *L, struct am_diag_rank *r, const char *line, size_t n)
 {
     struct am_diag_field f[32];
     int nf = am_diag_flat_parse(line, n, f, 32);
@@ -468,15 +519,15 @@ static int fast_record(struct am_diag *d, struct am_diag_rank *r, const char *li
     const char *type = rec_str(&x, "type", &tl);
     if (!type || !((tl == 4 && memcmp(type, "step", 4) == 0) || (tl == 6 && memcmp(type, "flight", 6) == 0)))
         return 0;
-    on_record(d, r, &x);
+    on_record(L, r, &x);
     return 1;
 }
 
-int am_diag_add_log(struct am_diag *d, int rank, const char *textp, size_t len)
+/* Reads one log into r (an entry of no job yet: r->rank set). */
+static void parse_log(struct am_diag *d, struct am_diag_rank *r, const char *textp, size_t len)
 {
-    struct am_diag_rank *r = am_diag_rank_get(d, rank);
-    if (!r)
-        return -1;
+    struct loader L = {.d = d};
+    int rank = r->rank;
     r->have_log = 1;
     size_t at = 0;
     int lineno = 0;
@@ -491,12 +542,12 @@ int am_diag_add_log(struct am_diag *d, int rank, const char *textp, size_t len)
                 r->first_long_line = lineno;
         } else if (n > 0) {
             r->lines++;
-            if (!fast_record(d, r, textp + at, n)) {
+            if (!fast_record(&L, r, textp + at, n)) {
                 json_error_t je;
                 json_t *o = json_loadb(textp + at, n, 0, &je);
                 if (json_is_object(o)) {
                     struct rec x = {.o = o};
-                    on_record(d, r, &x);
+                    on_record(&L, r, &x);
                 } else if (!nl) {
                     r->truncated = 1;
                     am_diag_note(d, "rank %d: the last line is cut short (%zu bytes, no newline): the rank or its "
@@ -522,7 +573,38 @@ int am_diag_add_log(struct am_diag *d, int rank, const char *textp, size_t len)
     if (r->bad_steps)
         am_diag_note(d, "rank %d: %d step record%s without a step number from 1 to %d; skipped", rank, r->bad_steps,
                      r->bad_steps == 1 ? "" : "s", INT32_MAX);
-    return 0;
+}
+
+/* Makes r (read by parse_log, or only marked as a log) the job's entry of its rank; r is
+ * emptied. A second log of one rank replaces the first. 0, or -1 (no memory). */
+static int commit(struct am_diag *d, struct am_diag_rank *r)
+{
+    if (d->lock)
+        pthread_mutex_lock(d->lock);
+    struct am_diag_rank *e = am_diag_rank_get(d, r->rank);
+    int again = e && e->have_log;
+    if (e) {
+        rank_free(e);
+        *e = *r;
+    }
+    if (d->lock)
+        pthread_mutex_unlock(d->lock);
+    if (!e)
+        rank_free(r);
+    if (again)
+        am_diag_note(d, "rank %d: two logs; the last one read is used", r->rank);
+    rank_init(r, r->rank);
+    return e ? 0 : -1;
+}
+
+int am_diag_add_log(struct am_diag *d, int rank, const char *textp, size_t len)
+{
+    struct am_diag_rank r;
+    if (rank < 0 || rank == INT_MAX)
+        return -1;
+    rank_init(&r, rank);
+    parse_log(d, &r, textp, len);
+    return commit(d, &r);
 }
 
 /* ---- the directory ---------------------------------------------------------------------------- */
@@ -537,7 +619,7 @@ static int rank_of(const char *name)
     if (*p < '0' || *p > '9' || (*p == '0' && p[1] != '.'))
         return -1;
     for (; *p >= '0' && *p <= '9'; p++)
-        if ((r = r * 10 + (*p - '0')) > INT_MAX)
+        if ((r = r * 10 + (*p - '0')) >= INT_MAX)
             return -1;
     return strcmp(p, ".jsonl") == 0 ? (int)r : -1;
 }
@@ -627,6 +709,48 @@ static int read_log(struct am_diag *d, int rank, const char *path, const char *n
     return 0;
 }
 
+/* The logs to read and the next one to take. */
+struct job {
+    struct am_diag *d;
+    int *ranks;
+    size_t n, cap, next;
+    int failed_rank; /* out of memory there, or -1 */
+};
+
+static void *reader(void *arg)
+{
+    struct job *jb = arg;
+    struct am_diag *d = jb->d;
+    for (;;) {
+        if (d->lock)
+            pthread_mutex_lock(d->lock);
+        size_t i = jb->next < jb->n && jb->failed_rank < 0 ? jb->next++ : jb->n;
+        if (d->lock)
+            pthread_mutex_unlock(d->lock);
+        if (i >= jb->n)
+            return NULL;
+        int r = jb->ranks[i];
+        char path[4096 + 64], name[64], *buf = NULL;
+        size_t len = 0;
+        snprintf(name, sizeof(name), "rank-%d.jsonl", r);
+        snprintf(path, sizeof(path), "%.4000s/%s", d->dir, name);
+        struct am_diag_rank x;
+        rank_init(&x, r);
+        if (read_log(d, r, path, name, &buf, &len) < 0)
+            x.have_log = 1; /* there, but unreadable (noted) */
+        else
+            parse_log(d, &x, buf, len);
+        free(buf);
+        if (commit(d, &x) < 0) {
+            if (d->lock)
+                pthread_mutex_lock(d->lock);
+            jb->failed_rank = r;
+            if (d->lock)
+                pthread_mutex_unlock(d->lock);
+        }
+    }
+}
+
 int am_diag_load_dir(struct am_diag *d, const char *dir, char *err, size_t err_len)
 {
     struct stat st;
@@ -671,31 +795,50 @@ int am_diag_load_dir(struct am_diag *d, const char *dir, char *err, size_t err_l
         snprintf(err, err_len, "%s: cannot list it: %s", dir, strerror(errno));
         return -1;
     }
+    /* the logs, then read by a few threads (each reads, parses and hands over one log at a
+     * time; the shared parts of d change under d->lock) */
     DIR *dd = opendir(d->dir);
     if (!dd) {
         snprintf(err, err_len, "%s: cannot list it: %s", d->dir, strerror(errno));
         return -1;
     }
-    int rc = 0;
-    for (struct dirent *e; rc == 0 && (e = readdir(dd)) != NULL;) {
+    struct job jb = {.d = d, .failed_rank = -1};
+    for (struct dirent *e; (e = readdir(dd)) != NULL;) {
         int r = rank_of(e->d_name);
         if (r < 0)
             continue;
-        char path[4096 + 300], *buf = NULL;
-        size_t len = 0;
-        snprintf(path, sizeof(path), "%s/%s", d->dir, e->d_name);
-        if (read_log(d, r, path, e->d_name, &buf, &len) < 0) {
-            struct am_diag_rank *x = am_diag_rank_get(d, r);
-            if (x)
-                x->have_log = 1;
-            continue;
+        if (jb.n == jb.cap) {
+            size_t cap = jb.cap ? 2 * jb.cap : 64;
+            int *m = realloc(jb.ranks, cap * sizeof(int));
+            if (!m)
+                break;
+            jb.ranks = m;
+            jb.cap = cap;
         }
-        if (am_diag_add_log(d, r, buf, len) < 0) {
-            snprintf(err, err_len, "out of memory reading %s", path);
-            rc = -1;
-        }
-        free(buf);
+        jb.ranks[jb.n++] = r;
     }
     closedir(dd);
-    return rc;
+    pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+    long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+    int threads = d->threads > 0 ? d->threads : cpus > 16 ? 16 : cpus > 1 ? (int)cpus : 1;
+    if ((size_t)threads > jb.n)
+        threads = jb.n ? (int)jb.n : 1;
+    pthread_t tid[64];
+    int started = 0;
+    if (threads > 1) {
+        d->lock = &lock;
+        for (; started < threads - 1 && started < 64; started++)
+            if (pthread_create(&tid[started], NULL, reader, &jb) != 0)
+                break;
+    }
+    reader(&jb);
+    for (int i = 0; i < started; i++)
+        pthread_join(tid[i], NULL);
+    d->lock = NULL;
+    free(jb.ranks);
+    if (jb.failed_rank >= 0) {
+        snprintf(err, err_len, "out of memory reading %s/rank-%d.jsonl", d->dir, jb.failed_rank);
+        return -1;
+    }
+    return 0;
 }

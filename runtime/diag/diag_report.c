@@ -378,7 +378,7 @@ json_t *am_diag_json(const struct am_diag *d)
     }
     long listed = 0;
     for (int i = 0; i < d->n_missing_ranges; i++)
-        for (long q = d->missing[i].lo; q <= d->missing[i].hi && listed < AM_DIAG_MAX_LISTED; q++, listed++)
+        for (long q = d->missing[i].lo; q <= d->missing[i].hi && listed < d->max_listed; q++, listed++)
             json_array_append_new(missing, json_integer(q));
     json_object_set_new(o, "ranks", ranks);
     json_object_set_new(o, "missing_count", json_integer(d->n_missing));
