@@ -262,17 +262,19 @@ struct rec {
     int nf;
 };
 
-static const struct am_diag_field *field(const struct rec *x, const char *key)
+static inline const struct am_diag_field *field(const struct rec *x, const char *key)
 {
-    size_t n = strlen(key);
-    for (int i = x->nf; i-- > 0;) /* the last wins, as in jansson */
-        if (x->f[i].key_len == n && x->f[i].key[0] == key[0] && memcmp(x->f[i].key, key, n) == 0)
-            return &x->f[i];
+    size_t n = strlen(key); /* a literal: folded where this is inlined */
+    for (int i = x->nf; i-- > 0;) { /* the last wins, as in jansson */
+        const struct am_diag_field *f = &x->f[i];
+        if (f->key_len == n && f->key[0] == key[0] && f->key[n - 1] == key[n - 1] && memcmp(f->key, key, n) == 0)
+            return f;
+    }
     return NULL;
 }
 
 /* 1 with *v when the value is an integer */
-static int rec_int(const struct rec *x, const char *key, long long *v)
+static inline int rec_int(const struct rec *x, const char *key, long long *v)
 {
     if (x->o) {
         const json_t *j = json_object_get(x->o, key);
@@ -288,7 +290,7 @@ static int rec_int(const struct rec *x, const char *key, long long *v)
     return 1;
 }
 
-static double rec_num(const struct rec *x, const char *key)
+static inline double rec_num(const struct rec *x, const char *key)
 {
     if (x->o) {
         const json_t *j = json_object_get(x->o, key);
@@ -298,7 +300,7 @@ static double rec_num(const struct rec *x, const char *key)
     return !f ? 0 : f->kind == 'i' ? (double)f->i : f->kind == 'r' ? f->r : 0;
 }
 
-static const char *rec_str(const struct rec *x, const char *key, size_t *len)
+static inline const char *rec_str(const struct rec *x, const char *key, size_t *len)
 {
     if (x->o) {
         const json_t *j = json_object_get(x->o, key);
