@@ -11,7 +11,7 @@
 #include <stdint.h>
 #include <string.h>
 
-static const char *ws(const char *p, const char *end)
+static inline const char *ws(const char *p, const char *end)
 {
     while (p < end && (*p == ' ' || *p == '\t' || *p == '\r' || *p == '\n'))
         p++;
@@ -19,17 +19,14 @@ static const char *ws(const char *p, const char *end)
 }
 
 /* A string without escapes, ASCII, no control characters: its body, or NULL. */
-static const char *string(const char *p, const char *end, const char **body, size_t *len)
+static inline const char *string(const char *p, const char *end, const char **body, size_t *len)
 {
     if (p >= end || *p != '"')
         return NULL;
     const char *b = ++p;
-    while (p < end && *p != '"') {
-        unsigned char c = (unsigned char)*p;
+    for (unsigned char c; p < end && (c = (unsigned char)*p) != '"'; p++)
         if (c < 0x20 || c >= 0x80 || c == '\\')
             return NULL;
-        p++;
-    }
     if (p >= end)
         return NULL;
     *body = b;
@@ -131,7 +128,8 @@ int am_diag_flat_parse(const char *line, size_t n, struct am_diag_field *fields,
         if (k == max)
             return -1;
         struct am_diag_field *f = &fields[k];
-        memset(f, 0, sizeof(*f));
+        f->s = NULL;
+        f->s_len = 0;
         if (!(p = string(p, end, &f->key, &f->key_len)))
             return -1;
         p = ws(p, end);
