@@ -59,14 +59,14 @@ for n in $RANKS; do
   culprit=$("$GEN" "$logs" "$n" "$STEPS" "$RING")
   mb=$(du -sm "$logs" | cut -f1)
   "$DIAG" $THREADS "$logs" >/dev/null 2>&1 || true   # the page cache
-  read -r wall cpu rss < <(measure "$DIAG.out.$n" "$DIAG" $THREADS "$logs")
-  if grep -q "^first failure: rank $culprit on node" "$DIAG.out.$n" &&
-     grep -q "^others: $((n - 1)) victims" "$DIAG.out.$n"; then
+  read -r wall cpu rss < <(measure "$DIR/out.$n" "$DIAG" $THREADS "$logs")
+  if grep -q "^first failure: rank $culprit on node" "$DIR/out.$n" &&
+     grep -q "^others: $((n - 1)) victims" "$DIR/out.$n"; then
     named="rank $culprit named"
   else
-    named="WRONG: $(sed -n 2p "$DIAG.out.$n")"; status=1
+    named="WRONG: $(sed -n 2p "$DIR/out.$n")"; status=1
   fi
-  rm -f "$DIAG.out.$n"
+  rm -f "$DIR/out.$n"
   awk -v n="$n" -v mb="$mb" -v wall="$wall" -v cpu="$cpu" -v rss="$rss" -v named="$named" 'BEGIN {
     printf "%-6d %9d %8.2f %8.2f %9.0f %12.2f %9.0f  %s\n", n, mb, wall, cpu, rss / 1024, 1000 * cpu / n,
            (cpu > 0 ? mb / cpu : 0), named }'

@@ -685,9 +685,46 @@ static void straggler_check(struct am_diag *d)
             qsort(r->steps, r->n_steps, sizeof(*r->steps), cmp_step);
         heap[nh++] = (struct cursor){.step = r->steps[0].step, .q = q, .at = 0};
     }
-    for (int i = nh / 2 - 1; i >= 0; i--)
+    /* steps numbered densely (the usual case: every rank 1..S): walk the numbers and take the
+     * ranks at each, linear; else merge through the heap, n log n */
+    size_t total = 0;
+    uint32_t lo = UINT32_MAX, hi = 0;
+    for (int i = 0; i < nh; i++) {
+        const struct am_diag_rank *r = &d->ranks[heap[i].q];
+        total += r->n_steps;
+        lo = r->steps[0].step < lo ? r->steps[0].step : lo;
+        hi = r->steps[r->n_steps - 1].step > hi ? r->steps[r->n_steps - 1].step : hi;
+    }
+    int dense = nh > 0 && ((double)hi - lo + 1) * nh <= 4.0 * (double)total;
+    for (int i = nh / 2 - 1; i >= 0 && !dense; i--)
         sift_down(heap, nh, i);
-    while (nh > 0) {
+    for (uint32_t ds = lo; dense && nh > 0; ds++) {
+        int k = 0;
+        for (int i = 0; i < nh; i++) { /* heap[] as a plain list of cursors */
+            struct cursor *c = &heap[i];
+            const struct am_diag_rank *r = &d->ranks[c->q];
+            if (c->at >= r->n_steps || r->steps[c->at].step != ds)
+                continue;
+            now[k] = *c;
+            vals[k++] = r->steps[c->at].compute;
+            while (c->at < r->n_steps && r->steps[c->at].step == ds)
+                c->at++;
+        }
+        if (k >= 2) {
+            float med = kth(vals, k, k / 2);
+            for (int i = 0; i < k; i++) {
+                const struct am_diag_rank *r = &d->ranks[now[i].q];
+                double excess = (double)r->steps[now[i].at].compute - med;
+                if (excess >= AM_DIAG_STRAGGLER_S && excess >= 2 * (double)med && excess > worst[now[i].q]) {
+                    worst[now[i].q] = (float)excess;
+                    worst_step[now[i].q] = ds;
+                }
+            }
+        }
+        if (ds == hi)
+            break;
+    }
+    while (!dense && nh > 0) {
         uint32_t s = heap[0].step;
         int k = 0;
         while (nh > 0 && heap[0].step == s) { /* every rank at step s */

@@ -538,6 +538,28 @@ static void test_straggler(void **state)
     assert_non_null(strstr(d.ranks[1].detail, "at step 3"));
     expect_in_json(&d, "\"status\":\"clean\",\"first_failure\":null");
     am_diag_free(&d);
+
+    /* the same with steps numbered far apart (merged through the heap, not walked by number),
+     * rank 2's records out of order */
+    am_diag_init(&d);
+    for (int r = 0; r < 3; r++) {
+        l.len = 0;
+        line(&l, "{\"type\":\"start\",\"world\":3,\"time\":%.6f,\"max_steps\":6000000}", T0);
+        for (int i = 1; i <= 6; i++) {
+            int s = r == 2 ? 7 - i : i;
+            line(&l, "{\"type\":\"step\",\"step\":%d,\"step_s\":%s,\"comm_s\":%s,\"time\":%.6f}", s * 1000000,
+                 s == 3 ? "2.1" : "0.1", s == 3 && r != 1 ? "2.05" : "0.05", T0 + s);
+        }
+        exit_rec(&l, r, 0, 0, NULL, NULL, T0 + 7);
+        add(&d, r, &l);
+    }
+    am_diag_analyze(&d);
+    assert_int_equal(d.ranks[0].verdict, AM_VERDICT_CLEAN);
+    assert_int_equal(d.ranks[1].verdict, AM_VERDICT_STRAGGLER);
+    assert_int_equal(d.ranks[2].verdict, AM_VERDICT_CLEAN);
+    assert_string_equal(d.ranks[1].detail, "finished cleanly, but held the others back: at step 3000000 it spent 2.00 s "
+                                           "longer outside collectives than the median rank, while the others waited for it");
+    am_diag_free(&d);
 }
 
 /* scancel: every rank got SIGTERM from Slurm; no rank failed */
