@@ -1,6 +1,6 @@
 /* am-diag - after a job: which rank failed first, and why; what happened to the others.
  *
- *   am-diag LOGDIR [--json]
+ *   am-diag LOGDIR [--json] [--threads N]
  *
  * LOGDIR is the job's log directory (<log dir>/<job id>, holding rank-<R>.jsonl), or a log
  * directory holding exactly one job. Prints a short summary, then per-rank details; --json
@@ -15,20 +15,31 @@
 
 static void usage(FILE *f)
 {
-    fprintf(f, "usage: am-diag LOGDIR [--json]\n"
+    fprintf(f, "usage: am-diag LOGDIR [--json] [--threads N]\n"
                "  LOGDIR   a job's log directory (<log dir>/<job id>, with rank-<R>.jsonl files),\n"
                "           or a log directory that holds one job\n"
                "  --json   one JSON object: first_failure, ranks (verdicts), missing_ranks, mismatches\n"
+               "  --threads N  read the logs with N threads (default: one per CPU, at most 16)\n"
                "exit status: 0 clean, 1 failure found, 2 unusable input\n");
 }
 
 int main(int argc, char **argv)
 {
     const char *dir = NULL;
-    int json = 0;
+    int json = 0, threads = 0;
     for (int i = 1; i < argc; i++) {
         if (strcmp(argv[i], "--json") == 0) {
             json = 1;
+        } else if (strcmp(argv[i], "--threads") == 0) {
+            char *end = NULL;
+            long n = i + 1 < argc ? strtol(argv[i + 1], &end, 10) : 0;
+            if (!end || *end || n < 1 || n > 64) {
+                fprintf(stderr, "am-diag: --threads %s: give a whole number from 1 to 64 (the threads that read the "
+                        "logs, for example --threads 4)\n", i + 1 < argc ? argv[i + 1] : "(nothing)");
+                return 2;
+            }
+            threads = (int)n;
+            i++;
         } else if (strcmp(argv[i], "-h") == 0 || strcmp(argv[i], "--help") == 0) {
             usage(stdout);
             return 0;
@@ -50,6 +61,7 @@ int main(int argc, char **argv)
     struct am_diag d;
     char err[1024];
     am_diag_init(&d);
+    d.threads = threads;
     if (am_diag_load_dir(&d, dir, err, sizeof(err)) < 0) {
         fprintf(stderr, "am-diag: %s\n", err);
         am_diag_free(&d);
@@ -57,10 +69,15 @@ int main(int argc, char **argv)
     }
     int records = 0;
     for (int q = 0; q < d.n_ranks; q++)
-        records += d.ranks[q].lines - d.ranks[q].bad_lines - d.ranks[q].truncated;
+        records += d.ranks[q].lines - d.ranks[q].bad_lines - d.ranks[q].long_lines - d.ranks[q].truncated;
     if (records == 0) {
         fprintf(stderr, "am-diag: %s: the rank logs hold no record (every line is empty or not JSON): nothing to "
                 "analyse\n", d.dir);
+        for (int i = 0; i < d.n_notes; i++) { /* why: unreadable files, bad lines */
+            char text[4200];
+            am_diag_escape(d.notes[i], text, sizeof(text));
+            fprintf(stderr, "  %s\n", text);
+        }
         am_diag_free(&d);
         return 2;
     }

@@ -2,6 +2,8 @@
  * (diag.h). */
 #include "diag.h"
 
+#include <limits.h>
+#include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -23,8 +25,26 @@ static double num(const json_t *o, const char *key)
 static long integer(const json_t *o, const char *key, long def)
 {
     const json_t *v = json_object_get(o, key);
-    return json_is_integer(v) ? (long)json_integer_value(v) : def;
+    return json_is_integer(v) && json_integer_value(v) >= INT_MIN && json_integer_value(v) <= INT_MAX
+               ? (long)json_integer_value(v) : def;
 }
+
+/* A wall-clock time: finite, after 1970 and before the year 10000; else 0 (unknown). */
+static double time_of(const json_t *o, const char *key)
+{
+    double t = num(o, key);
+    return isfinite(t) && t > 0 && t < 253402300800.0 ? t : 0;
+}
+
+/* A duration in seconds: finite and below 10^9; else 0. */
+static double seconds_of(const json_t *o, const char *key)
+{
+    double s = num(o, key);
+    return isfinite(s) && fabs(s) < 1e9 ? s : 0;
+}
+
+/* A rank of the job named in a log (0 <= rank < world), else -1. */
+static int rank_in(const struct am_diag *d, long long v) { return v >= 0 && v < d->world ? (int)v : -1; }
 
 static int streq(const char *a, const char *b) { return a && b && strcmp(a, b) == 0; }
 
@@ -33,37 +53,73 @@ static int is_crash_signal(const char *s)
     return streq(s, "SIGSEGV") || streq(s, "SIGBUS") || streq(s, "SIGFPE") || streq(s, "SIGILL") || streq(s, "SIGABRT");
 }
 
-/* Appends to a fixed buffer. */
-static void add(char *buf, size_t len, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
-static void add(char *buf, size_t len, const char *fmt, ...)
+/* Appends to a fixed buffer; a cut never splits a UTF-8 character. */
+static void vadd(char *buf, size_t len, const char *fmt, va_list ap)
 {
     size_t at = strlen(buf);
     if (at + 1 >= len)
         return;
+    if (vsnprintf(buf + at, len - at, fmt, ap) >= (int)(len - at))
+        am_diag_utf8_trim(buf);
+}
+
+static void add(char *buf, size_t len, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static void add(char *buf, size_t len, const char *fmt, ...)
+{
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(buf + at, len - at, fmt, ap);
+    vadd(buf, len, fmt, ap);
     va_end(ap);
+}
+
+/* Writes a fixed buffer (as snprintf, cut on a character boundary). */
+static void set(char *buf, size_t len, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static void set(char *buf, size_t len, const char *fmt, ...)
+{
+    va_list ap;
+    buf[0] = '\0';
+    va_start(ap, fmt);
+    vadd(buf, len, fmt, ap);
+    va_end(ap);
+}
+
+static int cmp_int(const void *a, const void *b)
+{
+    int x = *(const int *)a, y = *(const int *)b;
+    return (x > y) - (x < y);
+}
+
+static const struct am_diag_gref *gref_of(const struct am_diag *d, int gid)
+{
+    int lo = 0, hi = d->n_gref - 1;
+    while (lo <= hi) {
+        int mid = lo + (hi - lo) / 2;
+        if (d->gref[mid].gid == gid)
+            return &d->gref[mid];
+        if (d->gref[mid].gid < gid)
+            lo = mid + 1;
+        else
+            hi = mid - 1;
+    }
+    return NULL;
 }
 
 static const struct am_diag_group *group_of(const struct am_diag *d, int gid)
 {
-    for (int r = 0; r < d->n_ranks; r++)
-        for (int g = 0; g < d->ranks[r].n_groups; g++)
-            if (d->ranks[r].groups[g].gid == gid)
-                return &d->ranks[r].groups[g];
-    return NULL;
+    const struct am_diag_gref *g = gref_of(d, gid);
+    return g ? g->g : NULL;
 }
 
-static int in_group(const struct am_diag_group *g, int rank)
+/* Membership of a group known by its id; unknown groups hold every rank. */
+static int in_group(const struct am_diag *d, int gid, int rank)
 {
+    const struct am_diag_gref *g = gref_of(d, gid);
     if (!g)
-        return 1; /* unknown membership: every rank */
-    for (int i = 0; i < g->n; i++)
-        if (g->ranks[i] == rank)
-            return 1;
-    return 0;
+        return 1;
+    return g->sorted && bsearch(&rank, g->sorted, (size_t)g->g->n, sizeof(int), cmp_int) != NULL;
 }
+
+static int is_state(const struct am_diag_flight *f, const char *state) { return strcmp(f->state, state) == 0; }
 
 static int is_collective(const struct am_diag_flight *f)
 {
@@ -125,54 +181,48 @@ static uint64_t last_seq(const struct am_diag_rank *r, int gid)
     return s;
 }
 
-static long last_step(const struct am_diag_rank *r)
-{
-    long s = 0;
-    for (size_t i = 0; i < r->n_steps; i++)
-        if (r->steps[i].step > s)
-            s = r->steps[i].step;
-    return s;
-}
+static long last_step(const struct am_diag_rank *r) { return r->last_step; }
 
 /* When the rank last made progress: the end of its last completed call, or its last step. */
 static double last_progress(const struct am_diag_rank *r)
 {
-    double t = r->start_time;
+    double t = r->start_time > r->last_step_time ? r->start_time : r->last_step_time;
     for (size_t i = 0; i < r->n_flight; i++)
-        if (strcmp(r->flight[i].state, "completed") == 0 && r->flight[i].ended > t)
+        if (is_state(&r->flight[i], "completed") && r->flight[i].ended > t)
             t = r->flight[i].ended;
-    for (size_t i = 0; i < r->n_steps; i++)
-        if (r->steps[i].time > t)
-            t = r->steps[i].time;
     return t;
 }
 
 
 /* ---- 1. how each rank ended --------------------------------------------------------------------- */
 
-static void classify(struct am_diag_rank *r)
+static void classify(const struct am_diag *d, struct am_diag_rank *r)
 {
     const json_t *c = r->cause, *e = r->exit;
     long done = last_step(r);
     int completed_all = r->max_steps > 0 && done >= r->max_steps;
     r->status = e ? (int)integer(e, "status", -1) : -1;
     r->in = in_flight(r);
+    r->progress = last_progress(r);
     r->waiting_for = r->in ? r->in->waiting_for : -1;
-    if (r->in)
-        r->waited_s = r->last_time - (r->in->started > 0 ? r->in->started : r->in->enqueued);
+    if (r->in) {
+        double since = r->in->started > 0 ? r->in->started : r->in->enqueued;
+        r->waited_s = since > 0 ? r->last_time - since : 0;
+    }
     if (c) {
         const char *kind = str(c, "cause");
-        r->fail_time = num(c, "time");
+        r->fail_time = time_of(c, "time");
         if (streq(kind, "signal")) {
-            snprintf(r->signal, sizeof(r->signal), "%s", str(c, "signal_name") ? str(c, "signal_name") : "");
+            set(r->signal, sizeof(r->signal), "%s", str(c, "signal_name") ? str(c, "signal_name") : "");
             r->end = is_crash_signal(r->signal) ? AM_END_FAILED : AM_END_STOPPED;
             r->kind = r->end == AM_END_FAILED ? "signal" : "stopped";
         } else if (streq(kind, "timeout") || streq(kind, "comm")) {
             r->end = AM_END_WAITING;
             r->kind = streq(kind, "timeout") ? "timeout" : "comm";
             const json_t *w = json_object_get(c, "waiting_for");
-            r->waiting_for = json_is_integer(w) ? (int)json_integer_value(w) : -1;
-            r->waited_s = num(c, "waited_s");
+            r->waiting_for = json_is_integer(w) ? rank_in(d, json_integer_value(w)) : -1;
+            if (json_is_number(json_object_get(c, "waited_s")))
+                r->waited_s = seconds_of(c, "waited_s");
         } else if (streq(kind, "nonfinite")) {
             r->end = AM_END_FAILED;
             r->kind = "nonfinite";
@@ -183,12 +233,12 @@ static void classify(struct am_diag_rank *r)
             r->end = AM_END_FAILED;
             r->kind = "error";
         }
-        r->step = integer(c, "step", 0);
+        r->step = integer(c, "step", 0) > 0 ? integer(c, "step", 0) : 0;
     } else if (e) {
         const char *sig = str(e, "signal_name");
         const json_t *stop = json_object_get(e, "stop_signal"), *oom = json_object_get(e, "oom_killed");
-        r->fail_time = num(e, "time");
-        snprintf(r->signal, sizeof(r->signal), "%s", sig ? sig : "");
+        r->fail_time = time_of(e, "time");
+        set(r->signal, sizeof(r->signal), "%s", sig ? sig : "");
         if (r->status == 0) {
             r->end = completed_all || r->max_steps <= 0 ? AM_END_CLEAN : AM_END_FAILED;
             r->kind = r->end == AM_END_CLEAN ? NULL : "exit";
@@ -196,7 +246,7 @@ static void classify(struct am_diag_rank *r)
             r->end = AM_END_STOPPED;
             r->kind = "stopped";
             if (!sig)
-                snprintf(r->signal, sizeof(r->signal), "%s", json_is_string(stop) ? json_string_value(stop) : "");
+                set(r->signal, sizeof(r->signal), "%s", json_is_string(stop) ? json_string_value(stop) : "");
         } else if (json_is_true(oom)) {
             r->end = AM_END_FAILED;
             r->kind = "oom";
@@ -217,7 +267,7 @@ static void classify(struct am_diag_rank *r)
         r->kind = r->stop ? "stopped" : "unknown";
         r->fail_time = r->last_time;
         if (r->stop)
-            snprintf(r->signal, sizeof(r->signal), "%s", str(r->stop, "signal") ? str(r->stop, "signal") : "");
+            set(r->signal, sizeof(r->signal), "%s", str(r->stop, "signal") ? str(r->stop, "signal") : "");
     }
     if (r->step == 0 && r->end != AM_END_CLEAN && (done > 0 || r->n_flight > 0))
         r->step = r->max_steps > 0 && done >= r->max_steps ? done : done + 1;
@@ -282,12 +332,12 @@ static void describe_failure(const struct am_diag_rank *r, char *buf, size_t len
     } else if (streq(r->kind, "nonfinite")) {
         const json_t *l = json_object_get(c, "loss"), *g = json_object_get(c, "grad_norm");
         char ls[32], gs[32];
-        snprintf(ls, sizeof(ls), "%s", json_is_string(l) ? json_string_value(l) : "");
+        set(ls, sizeof(ls), "%s", json_is_string(l) ? json_string_value(l) : "");
         if (json_is_number(l))
-            snprintf(ls, sizeof(ls), "%g", json_number_value(l));
-        snprintf(gs, sizeof(gs), "%s", json_is_string(g) ? json_string_value(g) : "");
+            set(ls, sizeof(ls), "%g", json_number_value(l));
+        set(gs, sizeof(gs), "%s", json_is_string(g) ? json_string_value(g) : "");
         if (json_is_number(g))
-            snprintf(gs, sizeof(gs), "%g", json_number_value(g));
+            set(gs, sizeof(gs), "%g", json_number_value(g));
         add(buf, len, "non-finite %s loss or gradient norm (loss %s, grad norm %s); first non-finite gradient: %s",
             str(c, "origin") ? str(c, "origin") : "", ls, gs, str(c, "tensor") ? str(c, "tensor") : "?");
     } else if (streq(r->kind, "oom") && c) {
@@ -332,22 +382,53 @@ static void describe_failure(const struct am_diag_rank *r, char *buf, size_t len
     }
 }
 
-static int waited_for_count(const struct am_diag *d, int rank, int gid, uint64_t seq)
+static int cmp_vote(const void *a, const void *b)
 {
+    const struct am_diag_vote *x = a, *y = b;
+    if (x->rank != y->rank)
+        return (x->rank > y->rank) - (x->rank < y->rank);
+    if (x->gid != y->gid)
+        return (x->gid > y->gid) - (x->gid < y->gid);
+    return (x->seq > y->seq) - (x->seq < y->seq);
+}
+
+/* The votes: for each (rank, collective) the number of ranks whose call in flight at their
+ * end was that collective, waiting for that rank. Sorted, so one lookup is a binary search. */
+static void count_votes(struct am_diag *d)
+{
+    d->votes = calloc((size_t)d->n_ranks + 1, sizeof(*d->votes));
+    if (!d->votes)
+        return;
     int n = 0;
     for (int q = 0; q < d->n_ranks; q++) {
         const struct am_diag_rank *r = &d->ranks[q];
-        if (r->waiting_for == rank && r->in && r->in->gid == gid && r->in->seq == seq)
-            n++;
+        if (r->in && r->waiting_for >= 0)
+            d->votes[n++] = (struct am_diag_vote){.rank = r->waiting_for, .gid = r->in->gid, .seq = r->in->seq, .n = 1};
     }
-    return n;
+    qsort(d->votes, (size_t)n, sizeof(*d->votes), cmp_vote);
+    int m = 0;
+    for (int i = 0; i < n; i++) {
+        if (m > 0 && cmp_vote(&d->votes[m - 1], &d->votes[i]) == 0)
+            d->votes[m - 1].n++;
+        else
+            d->votes[m++] = d->votes[i];
+    }
+    d->n_votes = m;
+}
+
+static int waited_for_count(const struct am_diag *d, int rank, int gid, uint64_t seq)
+{
+    struct am_diag_vote key = {.rank = rank, .gid = gid, .seq = seq};
+    const struct am_diag_vote *v = d->n_votes ? bsearch(&key, d->votes, (size_t)d->n_votes, sizeof(key), cmp_vote)
+                                              : NULL;
+    return v ? v->n : 0;
 }
 
 /* Every member of the group (every rank without one) ran NCCL. */
-static int nccl_group(struct am_diag *d, const struct am_diag_group *g, int n_members)
+static int nccl_group(const struct am_diag *d, const struct am_diag_group *g, int n_members)
 {
     for (int i = 0; i < n_members; i++) {
-        const struct am_diag_rank *r = am_diag_rank_get(d, g ? g->ranks[i] : i);
+        const struct am_diag_rank *r = g ? am_diag_rank_find(d, g->ranks[i]) : &d->ranks[i];
         if (!r || !r->nccl)
             return 0;
     }
@@ -356,18 +437,19 @@ static int nccl_group(struct am_diag *d, const struct am_diag_group *g, int n_me
 
 /* In collective k: the member to blame (class 0: it never came: no log, it exited, or its
  * flight recorder ends before #k; 1: it is stuck inside #k waiting for no peer; 2: no flight
- * recorder to tell; 3: everyone came, the member most waited for); -1 when none. */
-static int blame(struct am_diag *d, const struct am_diag_flight *k, int *klass_out, int *votes_out)
+ * recorder to tell; 3: everyone came, the member most waited for); -1 when none. Every
+ * member has an entry (am_diag_analyze made one for each rank named in a log). */
+static int blame(const struct am_diag *d, const struct am_diag_flight *k, int *klass_out, int *votes_out)
 {
     const struct am_diag_group *g = group_of(d, k->gid);
     int best = -1, best_class = 9, best_votes = -1;
     double best_t = 0;
     int n_members = g ? g->n : d->n_ranks;
     for (int i = 0; i < n_members; i++) {
-        int m = g ? g->ranks[i] : i;
-        struct am_diag_rank *r = am_diag_rank_get(d, m);
+        const struct am_diag_rank *r = g ? am_diag_rank_find(d, g->ranks[i]) : &d->ranks[i];
         if (!r)
             continue;
+        int m = r->rank;
         const struct am_diag_flight *mine = find_call(r, k->gid, k->seq);
         int klass;
         if (!r->have_log)
@@ -383,7 +465,7 @@ static int blame(struct am_diag *d, const struct am_diag_flight *k, int *klass_o
         else
             continue;
         int votes = waited_for_count(d, m, k->gid, k->seq);
-        double t = last_progress(r);
+        double t = r->progress;
         if (klass < best_class || (klass == best_class && (votes > best_votes || (votes == best_votes && t < best_t)))) {
             best = m;
             best_class = klass;
@@ -399,7 +481,7 @@ static int blame(struct am_diag *d, const struct am_diag_flight *k, int *klass_o
     }
     if (best < 0) { /* everyone came: the member most waited for */
         for (int i = 0; i < n_members; i++) {
-            int m = g ? g->ranks[i] : i, votes = waited_for_count(d, m, k->gid, k->seq);
+            int m = g ? g->ranks[i] : d->ranks[i].rank, votes = waited_for_count(d, m, k->gid, k->seq);
             if (votes > best_votes) {
                 best = m;
                 best_votes = votes;
@@ -416,7 +498,7 @@ static int blame(struct am_diag *d, const struct am_diag_flight *k, int *klass_o
  * It starts at the call that has been waiting longest (the earliest start among the calls
  * in flight when the ranks ended) and follows the chain: when the member to blame there is
  * itself waiting in another collective (a tensor-parallel rank held up by its partner), the
- * blame moves on to that one. */
+ * blame moves on to that one (at most AM_DIAG_MAX_HOPS times, never twice through a rank). */
 static int hang(struct am_diag *d)
 {
     const struct am_diag_rank *first = NULL;
@@ -448,24 +530,30 @@ static int hang(struct am_diag *d)
     if (!is_collective(k)) { /* point-to-point: the peer it waited for */
         d->ff_in = k;
         d->culprit = first->waiting_for >= 0 ? first->waiting_for : k->peer;
-        if (d->culprit >= 0) {
-            struct am_diag_rank *c = am_diag_rank_get(d, d->culprit);
-            snprintf(d->ff_detail, sizeof(d->ff_detail), "never completed the %s matching rank %d's %s #%llu on group "
+        const struct am_diag_rank *c = am_diag_rank_find(d, d->culprit);
+        if (c) {
+            set(d->ff_detail, sizeof(d->ff_detail), "never completed the %s matching rank %d's %s #%llu on group "
                      "%s, in which rank %d waited for %.2f s", strcmp(k->op, "send") == 0 ? "recv" : "send",
                      first->rank, k->op, (unsigned long long)k->seq, k->group, first->rank, first->waited_s);
-            if (c)
-                d->ff_step = c->step;
+            d->ff_step = c->step;
+        } else {
+            d->culprit = -1;
+            d->ff_time = k->started > 0 ? k->started : k->enqueued;
+            set(d->ff_detail, sizeof(d->ff_detail), "rank %d waited in %s #%llu on group %s for %.2f s, for a peer "
+                "that its log does not name (or names outside the job)", first->rank, k->op,
+                (unsigned long long)k->seq, k->group, first->waited_s);
         }
         return 1;
     }
     int best = -1, klass = 9, votes = 0;
-    for (int depth = 0; depth <= d->n_ranks; depth++) {
+    for (int hop = 0; hop <= AM_DIAG_MAX_HOPS; hop++) {
         best = blame(d, k, &klass, &votes);
         if (best < 0 || klass != 0)
             break;
-        const struct am_diag_rank *b = &d->ranks[best];
-        if (!b->in || !is_collective(b->in) || (b->in->gid == k->gid && b->in->seq == k->seq))
+        struct am_diag_rank *b = am_diag_rank_find(d, best);
+        if (!b || b->visited || !b->in || !is_collective(b->in) || (b->in->gid == k->gid && b->in->seq == k->seq))
             break;
+        b->visited = 1;
         k = b->in; /* it waited elsewhere: blame moves on */
     }
     d->ff_in = k;
@@ -478,35 +566,39 @@ static int hang(struct am_diag *d)
         return 1;
     }
     if (best < 0) {
-        snprintf(d->ff_detail, sizeof(d->ff_detail), "ranks timed out in %s #%llu of group %s, but no member is to "
+        set(d->ff_detail, sizeof(d->ff_detail), "ranks timed out in %s #%llu of group %s, but no member is to "
                  "blame from the logs", k->op, (unsigned long long)k->seq, k->group);
         return 1;
     }
-    struct am_diag_rank *c = am_diag_rank_get(d, best);
-    d->ff_time = klass == 0 || klass == 2 ? last_progress(c) : c->in ? c->in->started : c->fail_time;
+    const struct am_diag_rank *c = am_diag_rank_find(d, best);
+    if (!c) { /* cannot happen: every member has an entry */
+        d->culprit = -1;
+        return 1;
+    }
+    d->ff_time = klass == 0 || klass == 2 ? c->progress : c->in ? c->in->started : c->fail_time;
     d->ff_step = c->step;
     d->ff_status = c->status;
     char *why = d->ff_detail;
     size_t len = sizeof(d->ff_detail);
     unsigned long long seq = (unsigned long long)k->seq;
     if (!c->have_log)
-        snprintf(why, len, "left no log (rank-%d.jsonl is missing); the others waited in %s #%llu of group %s for it",
+        set(why, len, "left no log (rank-%d.jsonl is missing); the others waited in %s #%llu of group %s for it",
                  best, k->op, seq, k->group);
     else if (klass == 0 && c->end == AM_END_CLEAN)
-        snprintf(why, len, "exited (status %d) without joining %s #%llu of group %s, in which the others waited",
+        set(why, len, "exited (status %d) without joining %s #%llu of group %s, in which the others waited",
                  c->status, k->op, seq, k->group);
     else if (klass == 0 && streq(c->kind, "exit"))
-        snprintf(why, len, "exited (status %d) at step %ld without joining %s #%llu of group %s, in which the others "
+        set(why, len, "exited (status %d) at step %ld without joining %s #%llu of group %s, in which the others "
                  "waited", c->status, c->step, k->op, seq, k->group);
     else if (klass == 0)
-        snprintf(why, len, "stopped making progress at step %ld and never issued %s #%llu of group %s, in which the "
+        set(why, len, "stopped making progress at step %ld and never issued %s #%llu of group %s, in which the "
                  "others waited (its last call on the group: #%llu, completed)", c->step, k->op, seq, k->group,
                  (unsigned long long)last_seq(c, k->gid));
     else if (klass == 1)
-        snprintf(why, len, "stuck inside %s #%llu of group %s at step %ld for %.2f s, waiting for no peer, while %d "
+        set(why, len, "stuck inside %s #%llu of group %s at step %ld for %.2f s, waiting for no peer, while %d "
                  "rank%s waited for it", k->op, seq, k->group, c->step, c->waited_s, votes, votes == 1 ? "" : "s");
     else
-        snprintf(why, len, "the member of group %s that %d rank%s waited for in %s #%llu (its own log cannot tell "
+        set(why, len, "the member of group %s that %d rank%s waited for in %s #%llu (its own log cannot tell "
                  "why)", k->group, votes, votes == 1 ? "" : "s", k->op, seq);
     return 1;
 }
@@ -522,9 +614,9 @@ static void first_failure(struct am_diag *d)
     if (best) {
         d->culprit = best->rank;
         d->ff_cause = best->kind;
-        snprintf(d->ff_signal, sizeof(d->ff_signal), "%s", best->signal);
+        set(d->ff_signal, sizeof(d->ff_signal), "%s", best->signal);
         if ((streq(best->kind, "oom") && !best->cause) || streq(best->kind, "killed"))
-            snprintf(d->ff_signal, sizeof(d->ff_signal), "SIGKILL");
+            set(d->ff_signal, sizeof(d->ff_signal), "SIGKILL");
         d->ff_status = best->status;
         d->ff_step = best->step;
         d->ff_time = best->fail_time;
@@ -545,16 +637,16 @@ static void first_failure(struct am_diag *d)
         const char *from = stopped->cause ? str(stopped->cause, "from") : NULL;
         const char *by = stopped->stop ? str(stopped->stop, "by") : NULL;
         d->ff_cause = "stopped";
-        snprintf(d->ff_signal, sizeof(d->ff_signal), "%s", stopped->signal);
+        set(d->ff_signal, sizeof(d->ff_signal), "%s", stopped->signal);
         d->ff_time = stopped->fail_time;
         const char *sender = by ? by : from ? from : "an unknown sender";
-        snprintf(d->ff_detail, sizeof(d->ff_detail), "no rank failed: the job was stopped from outside by %s (first "
+        set(d->ff_detail, sizeof(d->ff_detail), "no rank failed: the job was stopped from outside by %s (first "
                  "seen by rank %d, from %s): the time limit, scancel, preemption or a user",
                  stopped->signal[0] ? stopped->signal : "a signal", stopped->rank,
                  streq(sender, "slurm") ? "Slurm" : streq(sender, "other") ? "another process" : sender);
     } else if (unknown) {
         d->ff_cause = "unknown";
-        snprintf(d->ff_detail, sizeof(d->ff_detail), "no rank recorded a failure, but %d rank log%s end%s without a "
+        set(d->ff_detail, sizeof(d->ff_detail), "no rank recorded a failure, but %d rank log%s end%s without a "
                  "record of the end (the job is still running, or was killed with its supervisors)", unknown,
                  unknown == 1 ? "" : "s", unknown == 1 ? "s" : "");
     }
@@ -571,7 +663,7 @@ static void victim_detail(const struct am_diag *d, const struct am_diag_rank *r,
             r->waited_s);
         if (r->waiting_for >= 0)
             add(buf, len, " (waiting for rank %d)", r->waiting_for);
-        if (d->culprit >= 0 && d->culprit != r->rank && in_group(group_of(d, in->gid), d->culprit))
+        if (d->culprit >= 0 && d->culprit != r->rank && in_group(d, in->gid, d->culprit))
             add(buf, len, ", whose missing member is rank %d", d->culprit);
     } else if (r->have_log && (r->cause || r->n_flight)) {
         add(buf, len, "was outside any collective");
@@ -600,7 +692,7 @@ static void victim_detail(const struct am_diag *d, const struct am_diag_rank *r,
             sender = "another process";
         if (sender)
             add(buf, len, " from %s", sender);
-        long because = stop ? integer(stop, "because_rank", -1) : -1;
+        long because = stop ? rank_in(d, integer(stop, "because_rank", -1)) : -1;
         if (because >= 0 && (because == d->culprit || d->culprit < 0))
             add(buf, len, " because rank %ld failed", because);
         else if (because >= 0) /* the launcher's view: the rank that ended first, a victim itself */
@@ -614,90 +706,203 @@ static void victim_detail(const struct am_diag *d, const struct am_diag_rank *r,
     }
 }
 
+static int cmp_step(const void *a, const void *b)
+{
+    uint32_t x = ((const struct am_diag_step *)a)->step, y = ((const struct am_diag_step *)b)->step;
+    return (x > y) - (x < y);
+}
+
+/* The k-th smallest of v[0..n) (quickselect; reorders v). */
+static float kth(float *v, int n, int k)
+{
+    int lo = 0, hi = n - 1;
+    while (lo < hi) {
+        float pivot = v[lo + (hi - lo) / 2];
+        int i = lo, j = hi;
+        while (i <= j) {
+            while (v[i] < pivot)
+                i++;
+            while (v[j] > pivot)
+                j--;
+            if (i <= j) {
+                float t = v[i];
+                v[i++] = v[j];
+                v[j--] = t;
+            }
+        }
+        if (k <= j)
+            hi = j;
+        else if (k >= i)
+            lo = i;
+        else
+            break;
+    }
+    return v[k];
+}
+
+/* A min-heap of ranks' cursors into their (sorted) steps, by the step each points at. */
+struct cursor {
+    uint32_t step;
+    int q;
+    size_t at;
+};
+
+static void sift_down(struct cursor *h, int n, int i)
+{
+    for (;;) {
+        int m = i, l = 2 * i + 1, r = l + 1;
+        if (l < n && h[l].step < h[m].step)
+            m = l;
+        if (r < n && h[r].step < h[m].step)
+            m = r;
+        if (m == i)
+            return;
+        struct cursor t = h[i];
+        h[i] = h[m];
+        h[m] = t;
+        i = m;
+    }
+}
+
 static void straggler_check(struct am_diag *d)
 {
     /* per step: compute = step_s - comm_s (the time outside collectives). A rank whose
      * compute exceeds the median rank's by AM_DIAG_STRAGGLER_S and by twice the median held
-     * the others back: they waited for it in their collectives. */
-    long max_step = 0;
-    for (int q = 0; q < d->n_ranks; q++)
-        max_step = last_step(&d->ranks[q]) > max_step ? last_step(&d->ranks[q]) : max_step;
-    double *vals = calloc((size_t)d->n_ranks + 1, sizeof(double)), *worst = calloc((size_t)d->n_ranks + 1, sizeof(double));
-    long *worst_step = calloc((size_t)d->n_ranks + 1, sizeof(long));
-    if (!vals || !worst || !worst_step || max_step > 1000000)
+     * the others back: they waited for it in their collectives. Each rank's steps are sorted
+     * (the first record of a step counts) and merged through a heap: n log n in the records. */
+    int n = d->n_ranks;
+    float *vals = calloc((size_t)n + 1, sizeof(float)), *worst = calloc((size_t)n + 1, sizeof(float));
+    long *worst_step = calloc((size_t)n + 1, sizeof(long));
+    struct cursor *heap = calloc((size_t)n + 1, sizeof(*heap)), *now = calloc((size_t)n + 1, sizeof(*now));
+    int nh = 0;
+    if (!vals || !worst || !worst_step || !heap || !now)
         goto out;
-    for (long s = 1; s <= max_step; s++) {
-        int n = 0;
-        for (int q = 0; q < d->n_ranks; q++)
-            for (size_t i = 0; i < d->ranks[q].n_steps; i++)
-                if (d->ranks[q].steps[i].step == s) {
-                    vals[n++] = d->ranks[q].steps[i].step_s - d->ranks[q].steps[i].comm_s;
-                    break;
-                }
-        if (n < 2)
+    for (int q = 0; q < n; q++) {
+        struct am_diag_rank *r = &d->ranks[q];
+        if (r->n_steps == 0)
             continue;
-        for (int i = 1; i < n; i++) /* the median, by insertion sort (few ranks) */
-            for (int j = i; j > 0 && vals[j - 1] > vals[j]; j--) {
-                double tmp = vals[j];
-                vals[j] = vals[j - 1];
-                vals[j - 1] = tmp;
-            }
-        double med = vals[n / 2];
-        for (int q = 0; q < d->n_ranks; q++)
-            for (size_t i = 0; i < d->ranks[q].n_steps; i++)
-                if (d->ranks[q].steps[i].step == s) {
-                    double excess = d->ranks[q].steps[i].step_s - d->ranks[q].steps[i].comm_s - med;
-                    if (excess >= AM_DIAG_STRAGGLER_S && excess >= 2 * med && excess > worst[q]) {
-                        worst[q] = excess;
-                        worst_step[q] = s;
-                    }
-                    break;
-                }
+        int sorted = 1;
+        for (size_t i = 1; i < r->n_steps && sorted; i++)
+            sorted = r->steps[i - 1].step <= r->steps[i].step;
+        if (!sorted) /* stable enough: equal steps keep one of theirs, as the loader wrote them */
+            qsort(r->steps, r->n_steps, sizeof(*r->steps), cmp_step);
+        heap[nh++] = (struct cursor){.step = r->steps[0].step, .q = q, .at = 0};
     }
-    for (int q = 0; q < d->n_ranks; q++) {
+    /* steps numbered densely (the usual case: every rank 1..S): walk the numbers and take the
+     * ranks at each, linear; else merge through the heap, n log n */
+    size_t total = 0;
+    uint32_t lo = UINT32_MAX, hi = 0;
+    for (int i = 0; i < nh; i++) {
+        const struct am_diag_rank *r = &d->ranks[heap[i].q];
+        total += r->n_steps;
+        lo = r->steps[0].step < lo ? r->steps[0].step : lo;
+        hi = r->steps[r->n_steps - 1].step > hi ? r->steps[r->n_steps - 1].step : hi;
+    }
+    int dense = nh > 0 && ((double)hi - lo + 1) * nh <= 4.0 * (double)total;
+    for (int i = nh / 2 - 1; i >= 0 && !dense; i--)
+        sift_down(heap, nh, i);
+    for (uint32_t ds = lo; dense && nh > 0; ds++) {
+        int k = 0;
+        for (int i = 0; i < nh; i++) { /* heap[] as a plain list of cursors */
+            struct cursor *c = &heap[i];
+            const struct am_diag_rank *r = &d->ranks[c->q];
+            if (c->at >= r->n_steps || r->steps[c->at].step != ds)
+                continue;
+            now[k] = *c;
+            vals[k++] = r->steps[c->at].compute;
+            while (c->at < r->n_steps && r->steps[c->at].step == ds)
+                c->at++;
+        }
+        if (k >= 2) {
+            float med = kth(vals, k, k / 2);
+            for (int i = 0; i < k; i++) {
+                const struct am_diag_rank *r = &d->ranks[now[i].q];
+                double excess = (double)r->steps[now[i].at].compute - med;
+                if (excess >= AM_DIAG_STRAGGLER_S && excess >= 2 * (double)med && excess > worst[now[i].q]) {
+                    worst[now[i].q] = (float)excess;
+                    worst_step[now[i].q] = ds;
+                }
+            }
+        }
+        if (ds == hi)
+            break;
+    }
+    while (!dense && nh > 0) {
+        uint32_t s = heap[0].step;
+        int k = 0;
+        while (nh > 0 && heap[0].step == s) { /* every rank at step s */
+            struct cursor c = heap[0];
+            const struct am_diag_rank *r = &d->ranks[c.q];
+            now[k] = c;
+            vals[k++] = r->steps[c.at].compute;
+            while (c.at < r->n_steps && r->steps[c.at].step == s) /* duplicates of the step */
+                c.at++;
+            if (c.at < r->n_steps) {
+                c.step = r->steps[c.at].step;
+                heap[0] = c;
+            } else {
+                heap[0] = heap[--nh];
+            }
+            sift_down(heap, nh, 0);
+        }
+        if (k < 2)
+            continue;
+        float med = kth(vals, k, k / 2); /* reorders vals: each rank's own value is read again */
+        for (int i = 0; i < k; i++) {
+            const struct am_diag_rank *r = &d->ranks[now[i].q];
+            double excess = (double)r->steps[now[i].at].compute - med;
+            if (excess >= AM_DIAG_STRAGGLER_S && excess >= 2 * (double)med && excess > worst[now[i].q]) {
+                worst[now[i].q] = (float)excess;
+                worst_step[now[i].q] = s;
+            }
+        }
+    }
+    for (int q = 0; q < n; q++) {
         struct am_diag_rank *r = &d->ranks[q];
         if (worst[q] <= 0 || r->verdict != AM_VERDICT_CLEAN)
             continue;
         r->verdict = AM_VERDICT_STRAGGLER;
-        snprintf(r->detail, sizeof(r->detail), "finished cleanly, but held the others back: at step %ld it spent "
-                 "%.2f s longer outside collectives than the median rank, while the others waited for it",
-                 worst_step[q], worst[q]);
+        set(r->detail, sizeof(r->detail), "finished cleanly, but held the others back: at step %ld it spent "
+            "%.2f s longer outside collectives than the median rank, while the others waited for it",
+            worst_step[q], (double)worst[q]);
     }
 out:
     free(vals);
     free(worst);
     free(worst_step);
+    free(heap);
+    free(now);
 }
 
 static void verdicts(struct am_diag *d)
 {
-    const struct am_diag_group *hang_group = d->ff_in ? group_of(d, d->ff_in->gid) : NULL;
     for (int q = 0; q < d->n_ranks; q++) {
         struct am_diag_rank *r = &d->ranks[q];
+        int me = r->rank;
         if (!r->have_log) {
             r->verdict = AM_VERDICT_MISSING;
-            snprintf(r->detail, sizeof(r->detail), "no log (rank-%d.jsonl): its node's logs are missing, or the rank "
-                     "never started", q);
-            if (q == d->culprit) {
+            set(r->detail, sizeof(r->detail), "no log (rank-%d.jsonl): its node's logs are missing, or the rank "
+                     "never started", me);
+            if (me == d->culprit) {
                 r->verdict = AM_VERDICT_FIRST;
-                snprintf(r->detail, sizeof(r->detail), "%s", d->ff_detail);
+                set(r->detail, sizeof(r->detail), "%s", d->ff_detail);
             }
             continue;
         }
-        if (q == d->culprit) {
+        if (me == d->culprit) {
             r->verdict = AM_VERDICT_FIRST;
-            snprintf(r->detail, sizeof(r->detail), "%s", d->ff_detail);
+            set(r->detail, sizeof(r->detail), "%s", d->ff_detail);
             continue;
         }
         switch (r->end) {
         case AM_END_CLEAN:
             r->verdict = AM_VERDICT_CLEAN;
-            snprintf(r->detail, sizeof(r->detail), "finished all %ld steps and exited with status %d", last_step(r),
+            set(r->detail, sizeof(r->detail), "finished all %ld steps and exited with status %d", last_step(r),
                      r->status < 0 ? 0 : r->status);
-            if (d->ff_in && is_collective(d->ff_in) && in_group(hang_group, q) &&
+            if (d->ff_in && is_collective(d->ff_in) && in_group(d, d->ff_in->gid, me) &&
                 !find_call(r, d->ff_in->gid, d->ff_in->seq) && streq(d->ff_cause, "hang")) {
                 r->verdict = AM_VERDICT_STRAGGLER;
-                snprintf(r->detail, sizeof(r->detail), "exited (status %d) without joining %s #%llu of group %s either",
+                set(r->detail, sizeof(r->detail), "exited (status %d) without joining %s #%llu of group %s either",
                          r->status, d->ff_in->op, (unsigned long long)d->ff_in->seq, d->ff_in->group);
             }
             break;
@@ -705,16 +910,16 @@ static void verdicts(struct am_diag *d)
             char what[512];
             describe_failure(r, what, sizeof(what));
             r->verdict = AM_VERDICT_FAILED;
-            snprintf(r->detail, sizeof(r->detail), "failed too: %s", what);
+            set(r->detail, sizeof(r->detail), "failed too: %s", what);
             if (d->ff_time > 0 && r->fail_time > 0)
                 add(r->detail, sizeof(r->detail), " (%.2f s after the first failure)", r->fail_time - d->ff_time);
             break;
         }
         default: /* waiting, stopped, unknown */
-            if (d->ff_in && is_collective(d->ff_in) && streq(d->ff_cause, "hang") && in_group(hang_group, q) &&
+            if (d->ff_in && is_collective(d->ff_in) && streq(d->ff_cause, "hang") && in_group(d, d->ff_in->gid, me) &&
                 r->n_flight > 0 && last_seq(r, d->ff_in->gid) < d->ff_in->seq && d->culprit >= 0) {
                 r->verdict = AM_VERDICT_STRAGGLER;
-                snprintf(r->detail, sizeof(r->detail), "never issued %s #%llu of group %s either (stopped at step %ld)",
+                set(r->detail, sizeof(r->detail), "never issued %s #%llu of group %s either (stopped at step %ld)",
                          d->ff_in->op, (unsigned long long)d->ff_in->seq, d->ff_in->group, r->step);
                 break;
             }
@@ -723,7 +928,7 @@ static void verdicts(struct am_diag *d)
                 victim_detail(d, r, r->detail, sizeof(r->detail));
             } else if (r->end == AM_END_UNKNOWN) {
                 r->verdict = AM_VERDICT_UNKNOWN;
-                snprintf(r->detail, sizeof(r->detail), "its log ends without a record of its end (last record at "
+                set(r->detail, sizeof(r->detail), "its log ends without a record of its end (last record at "
                          "step %ld)", last_step(r));
             } else {
                 r->verdict = AM_VERDICT_STOPPED;
@@ -741,85 +946,303 @@ static void mismatch(struct am_diag *d, const char *what, const struct am_diag_f
     __attribute__((format(printf, 4, 5)));
 static void mismatch(struct am_diag *d, const char *what, const struct am_diag_flight *f, const char *fmt, ...)
 {
-    for (int i = 0; i < d->n_mismatches; i++) /* one per group, sequence number and kind */
-        if (d->mismatches[i].gid == f->gid && d->mismatches[i].seq == f->seq && strcmp(d->mismatches[i].what, what) == 0)
-            return;
-    struct am_diag_mismatch *m = realloc(d->mismatches, (size_t)(d->n_mismatches + 1) * sizeof(*m));
-    if (!m)
+    if (d->n_mismatches >= AM_DIAG_MAX_MISMATCHES) {
+        d->more_mismatches++;
         return;
-    d->mismatches = m;
-    m = &d->mismatches[d->n_mismatches++];
+    }
+    if (d->n_mismatches % 64 == 0) {
+        struct am_diag_mismatch *m = realloc(d->mismatches, (size_t)(d->n_mismatches + 64) * sizeof(*m));
+        if (!m)
+            return;
+        d->mismatches = m;
+    }
+    struct am_diag_mismatch *m = &d->mismatches[d->n_mismatches++];
     memset(m, 0, sizeof(*m));
-    snprintf(m->group, sizeof(m->group), "%s", f->group);
-    snprintf(m->what, sizeof(m->what), "%s", what);
+    m->group = f->group;
+    set(m->what, sizeof(m->what), "%s", what);
     m->gid = f->gid;
     m->seq = f->seq;
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(m->text, sizeof(m->text), fmt, ap);
+    vadd(m->text, sizeof(m->text), fmt, ap);
     va_end(ap);
+}
+
+/* One collective call of one rank, for the search across ranks. */
+struct call {
+    int gid, rank;
+    uint64_t seq;
+    size_t at; /* its place in the rank's flight recorder: the first of duplicates wins */
+    const struct am_diag_flight *f;
+};
+
+static int cmp_call(const void *a, const void *b)
+{
+    const struct call *x = a, *y = b;
+    if (x->gid != y->gid)
+        return (x->gid > y->gid) - (x->gid < y->gid);
+    if (x->seq != y->seq)
+        return (x->seq > y->seq) - (x->seq < y->seq);
+    if (x->rank != y->rank)
+        return (x->rank > y->rank) - (x->rank < y->rank);
+    return (x->at > y->at) - (x->at < y->at);
 }
 
 static void mismatches(struct am_diag *d)
 {
-    for (int a = 0; a < d->n_ranks; a++) {
-        const struct am_diag_rank *ra = &d->ranks[a];
-        for (size_t i = 0; i < ra->n_flight; i++) {
-            const struct am_diag_flight *fa = &ra->flight[i];
-            if (!is_collective(fa))
-                continue;
-            for (int b = a + 1; b < d->n_ranks; b++) {
-                const struct am_diag_flight *fb = find_call(&d->ranks[b], fa->gid, fa->seq);
-                if (!fb)
-                    continue;
-                if (strcmp(fa->op, fb->op) != 0)
-                    mismatch(d, "op", fa, "%s #%llu of group %s: rank %d called %s, rank %d called %s", fa->op,
-                             (unsigned long long)fa->seq, fa->group, a, fa->op, b, fb->op);
-                else if (strcmp(fa->dtype, fb->dtype) != 0 || fa->count != fb->count)
-                    mismatch(d, "size", fa, "%s #%llu of group %s: rank %d passed %llu %s, rank %d passed %llu %s",
-                             fa->op, (unsigned long long)fa->seq, fa->group, a, (unsigned long long)fa->count,
-                             fa->dtype, b, (unsigned long long)fb->count, fb->dtype);
+    /* every collective call of every rank, sorted by (group, sequence number, rank): the calls
+     * of one collective lie together, and each is compared with its lowest rank's */
+    size_t n = 0, k = 0;
+    for (int a = 0; a < d->n_ranks; a++)
+        n += d->ranks[a].n_flight;
+    struct call *calls = malloc((n ? n : 1) * sizeof(*calls));
+    if (!calls)
+        return;
+    for (int a = 0; a < d->n_ranks; a++)
+        for (size_t i = 0; i < d->ranks[a].n_flight; i++) {
+            const struct am_diag_flight *f = &d->ranks[a].flight[i];
+            if (is_collective(f))
+                calls[k++] = (struct call){.gid = f->gid, .rank = d->ranks[a].rank, .seq = f->seq, .at = i, .f = f};
+        }
+    qsort(calls, k, sizeof(*calls), cmp_call);
+    for (size_t i = 0; i < k;) {
+        size_t j = i + 1;
+        int op = 0, size = 0;
+        const struct am_diag_flight *fa = calls[i].f;
+        for (; j < k && calls[j].gid == calls[i].gid && calls[j].seq == calls[i].seq; j++) {
+            const struct am_diag_flight *fb = calls[j].f;
+            if (calls[j].rank == calls[j - 1].rank)
+                continue; /* a rank's second entry with this number: its first counts */
+            if (!op && strcmp(fa->op, fb->op) != 0) {
+                op = 1;
+                mismatch(d, "op", fa, "%s #%llu of group %s: rank %d called %s, rank %d called %s", fa->op,
+                         (unsigned long long)fa->seq, fa->group, calls[i].rank, fa->op, calls[j].rank, fb->op);
+            } else if (!op && !size && (strcmp(fa->dtype, fb->dtype) != 0 || fa->count != fb->count)) {
+                size = 1;
+                mismatch(d, "size", fa, "%s #%llu of group %s: rank %d passed %llu %s, rank %d passed %llu %s",
+                         fa->op, (unsigned long long)fa->seq, fa->group, calls[i].rank, (unsigned long long)fa->count,
+                         fa->dtype, calls[j].rank, (unsigned long long)fb->count, fb->dtype);
             }
         }
+        i = j;
     }
     /* stuck in collectives of one group two or more apart: a rank cannot complete #k without
      * every member, so one of them counted its calls differently (one apart is the ordinary
-     * race of ranks that finished #k while a peer had not yet seen it finish) */
+     * race of ranks that finished #k while a peer had not yet seen it finish); per group, the
+     * lowest and the highest */
+    k = 0;
     for (int a = 0; a < d->n_ranks; a++) {
-        const struct am_diag_flight *ia = d->ranks[a].in;
-        if (!ia || !is_collective(ia))
+        const struct am_diag_flight *f = d->ranks[a].in;
+        if (f && is_collective(f))
+            calls[k++] = (struct call){.gid = f->gid, .rank = d->ranks[a].rank, .seq = f->seq, .f = f};
+    }
+    qsort(calls, k, sizeof(*calls), cmp_call);
+    for (size_t i = 0; i < k;) {
+        size_t j = i;
+        while (j + 1 < k && calls[j + 1].gid == calls[i].gid)
+            j++;
+        if (calls[j].seq >= calls[i].seq + 2)
+            mismatch(d, "sequence", calls[i].f, "group %s: rank %d is stuck in %s #%llu, rank %d in %s #%llu",
+                     calls[i].f->group, calls[i].rank, calls[i].f->op, (unsigned long long)calls[i].seq,
+                     calls[j].rank, calls[j].f->op, (unsigned long long)calls[j].seq);
+        i = j + 1;
+    }
+    free(calls);
+}
+
+/* ---- 0. the ranks of the job ----------------------------------------------------------------- */
+
+/* "0-2, 4, 6-7" of sorted ranks, cut with ", ..." when the buffer is full. */
+static void ranks_text(const int *ranks, int n, char *buf, size_t len)
+{
+    buf[0] = '\0';
+    for (int i = 0; i < n;) {
+        int j = i;
+        while (j + 1 < n && ranks[j + 1] == ranks[j] + 1)
+            j++;
+        if (strlen(buf) + 32 >= len) {
+            add(buf, len, ", ...");
+            return;
+        }
+        if (j > i)
+            add(buf, len, "%s%d-%d", i ? ", " : "", ranks[i], ranks[j]);
+        else
+            add(buf, len, "%s%d", i ? ", " : "", ranks[i]);
+        i = j + 1;
+    }
+}
+
+static void push(int **a, size_t *n, size_t *cap, int v)
+{
+    if (*n == *cap) {
+        size_t c = *cap ? 2 * *cap : 256;
+        int *m = realloc(*a, c * sizeof(int));
+        if (!m)
+            return;
+        *a = m;
+        *cap = c;
+    }
+    (*a)[(*n)++] = v;
+}
+
+/* A rank number read from rank r's log: kept (and remembered as named) when below bound. */
+static int check_rank(struct am_diag_rank *r, long long v, long long bound, int **named, size_t *n, size_t *cap)
+{
+    if (v < 0)
+        return -1;
+    if (v >= bound) {
+        if (r->bad_ranks++ == 0)
+            r->first_bad_rank = v > LONG_MAX ? LONG_MAX : (long)v;
+        return -1;
+    }
+    push(named, n, cap, (int)v);
+    return (int)v;
+}
+
+/* Checks every rank number that a log names against the job: a group member, a peer, a rank
+ * waited for must be below the start records' world (without one, any rank is taken and the
+ * world is the highest rank known + 1). Numbers outside are dropped, with one note per log.
+ * Each rank named gets an entry (so that it can be blamed or reported missing): the entries
+ * are those with a log and those named, however large "world" is. Then the entries are sorted
+ * and the ranks of 0..world-1 without a log gathered as runs. */
+static void resolve(struct am_diag *d)
+{
+    int known = d->world > 0;
+    long long bound = known ? d->world : INT_MAX; /* world = the highest rank + 1 must be an int */
+    int *named = NULL;
+    size_t n_named = 0, cap = 0;
+    int n0 = d->n_ranks; /* entries are added below: no pointer is kept across that */
+    for (int q = 0; q < n0; q++) {
+        struct am_diag_rank *r = &d->ranks[q];
+        for (size_t i = 0; i < r->n_flight; i++) {
+            struct am_diag_flight *f = &r->flight[i];
+            f->peer = check_rank(r, f->peer, bound, &named, &n_named, &cap);
+            f->waiting_for = check_rank(r, f->waiting_for, bound, &named, &n_named, &cap);
+        }
+        for (int g = 0; g < r->n_groups; g++) {
+            struct am_diag_group *dg = &r->groups[g];
+            int m = 0;
+            for (int i = 0; i < dg->n; i++)
+                if (check_rank(r, dg->ranks[i], bound, &named, &n_named, &cap) >= 0)
+                    dg->ranks[m++] = dg->ranks[i];
+            dg->n = m;
+        }
+        const json_t *w = r->cause ? json_object_get(r->cause, "waiting_for") : NULL;
+        if (json_is_integer(w))
+            check_rank(r, json_integer_value(w), bound, &named, &n_named, &cap);
+        if (r->bad_ranks)
+            am_diag_note(d, "rank %d: %d rank number%s in its log %s not %s of the job (the first: %ld; the job "
+                         "has %s%d rank%s); ignored", r->rank, r->bad_ranks, r->bad_ranks == 1 ? "" : "s",
+                         r->bad_ranks == 1 ? "is" : "are", r->bad_ranks == 1 ? "a rank" : "ranks", r->first_bad_rank, known ? "" : "at most ",
+                         known ? d->world : INT_MAX, known && d->world == 1 ? "" : "s");
+        if (known && r->have_log && r->rank >= d->world)
+            am_diag_note(d, "rank %d: its log (rank-%d.jsonl) is of a rank outside the job, which has %d rank%s "
+                         "(the start records' world)", r->rank, r->rank, d->world, d->world == 1 ? "" : "s");
+    }
+    if (n_named)
+        qsort(named, n_named, sizeof(int), cmp_int);
+    for (size_t i = 0; i < n_named; i++)
+        if (i == 0 || named[i] != named[i - 1])
+            am_diag_rank_get(d, named[i]);
+    free(named);
+    am_diag_sort_ranks(d);
+    if (!known) {
+        d->world = d->n_ranks ? d->ranks[d->n_ranks - 1].rank + 1 : 0;
+        am_diag_note(d, "no start record in any log: the job's size is unknown; assuming %d ranks (the highest rank "
+                     "known, plus one)", d->world);
+    }
+    /* logs without a start record: one note */
+    int *list = malloc(((size_t)d->n_ranks + 1) * sizeof(int)), n = 0;
+    for (int q = 0; list && q < d->n_ranks; q++)
+        if (d->ranks[q].have_log && !d->ranks[q].have_start)
+            list[n++] = d->ranks[q].rank;
+    if (n) {
+        char text[640];
+        ranks_text(list, n, text, sizeof(text));
+        if (n == 1)
+            am_diag_note(d, "rank %s: its log has no start record (it failed before training began?)", text);
+        else
+            am_diag_note(d, "ranks %s: their logs have no start record (they failed before training began?)", text);
+    }
+    free(list);
+    /* the ranks of the job without a log, as runs */
+    d->missing = calloc((size_t)d->n_ranks + 1, sizeof(*d->missing));
+    d->n_missing = 0;
+    int next = 0;
+    for (int q = 0; d->missing && q <= d->n_ranks; q++) {
+        int upto = q < d->n_ranks ? d->ranks[q].rank : d->world; /* ranks next..upto-1 have no log */
+        if (q < d->n_ranks && !d->ranks[q].have_log)
             continue;
-        for (int b = a + 1; b < d->n_ranks; b++) {
-            const struct am_diag_flight *ib = d->ranks[b].in;
-            if (ib && is_collective(ib) && ib->gid == ia->gid && (ib->seq >= ia->seq + 2 || ia->seq >= ib->seq + 2))
-                mismatch(d, "sequence", ia, "group %s: rank %d is stuck in %s #%llu, rank %d in %s #%llu", ia->group,
-                         a, ia->op, (unsigned long long)ia->seq, b, ib->op, (unsigned long long)ib->seq);
+        if (upto > d->world)
+            upto = d->world;
+        if (upto > next) {
+            d->missing[d->n_missing_ranges++] = (struct am_diag_range){next, upto - 1};
+            d->n_missing += upto - next;
+        }
+        if (q < d->n_ranks && d->ranks[q].rank + 1 > next)
+            next = d->ranks[q].rank + 1;
+    }
+}
+
+/* The groups by id (the first rank's record of each, members sorted) and the votes. */
+static int cmp_gref(const void *a, const void *b)
+{
+    int x = ((const struct am_diag_gref *)a)->gid, y = ((const struct am_diag_gref *)b)->gid;
+    return (x > y) - (x < y);
+}
+
+static void build_lookups(struct am_diag *d)
+{
+    size_t n = 0;
+    for (int q = 0; q < d->n_ranks; q++)
+        n += (size_t)d->ranks[q].n_groups;
+    d->gref = calloc(n + 1, sizeof(*d->gref));
+    if (d->gref) {
+        int k = 0;
+        for (int q = 0; q < d->n_ranks; q++) /* in rank order; the sort below is stable by hand */
+            for (int g = 0; g < d->ranks[q].n_groups; g++)
+                d->gref[k++] = (struct am_diag_gref){.gid = d->ranks[q].groups[g].gid, .g = &d->ranks[q].groups[g],
+                                                     .sorted = NULL};
+        /* stable: qsort by gid then keep, per gid, the entry of the lowest rank (smallest address
+         * in ranks[], which is sorted by rank) */
+        qsort(d->gref, (size_t)k, sizeof(*d->gref), cmp_gref);
+        int m = 0;
+        for (int i = 0; i < k; i++) {
+            if (m > 0 && d->gref[m - 1].gid == d->gref[i].gid) {
+                if (d->gref[i].g < d->gref[m - 1].g)
+                    d->gref[m - 1] = d->gref[i];
+                continue;
+            }
+            d->gref[m++] = d->gref[i];
+        }
+        d->n_gref = m;
+        for (int i = 0; i < m; i++) {
+            const struct am_diag_group *g = d->gref[i].g;
+            d->gref[i].sorted = malloc(((size_t)g->n + 1) * sizeof(int));
+            if (d->gref[i].sorted) {
+                memcpy(d->gref[i].sorted, g->ranks, (size_t)g->n * sizeof(int));
+                qsort(d->gref[i].sorted, (size_t)g->n, sizeof(int), cmp_int);
+            }
         }
     }
+    count_votes(d);
 }
 
 void am_diag_analyze(struct am_diag *d)
 {
-    if (d->world < 0) {
-        d->world = d->n_ranks;
-        am_diag_note(d, "no start record in any log: the job's size is unknown; assuming %d ranks (the highest rank "
-                     "with a log, plus one)", d->world);
-    }
-    if (d->world > d->n_ranks)
-        am_diag_rank_get(d, d->world - 1);
+    resolve(d);
     for (int q = 0; q < d->n_ranks; q++) {
         struct am_diag_rank *r = &d->ranks[q];
-        if (r->have_log && !r->have_start)
-            am_diag_note(d, "rank %d: its log has no start record (it failed before training began?)", q);
         if (r->have_log)
-            classify(r);
+            classify(d, r);
     }
+    build_lookups(d);
     first_failure(d);
     verdicts(d);
     mismatches(d);
     if (d->n_mismatches && !d->ff_cause) {
         d->ff_cause = "mismatch";
-        snprintf(d->ff_detail, sizeof(d->ff_detail), "%s", d->mismatches[0].text);
+        set(d->ff_detail, sizeof(d->ff_detail), "%s", d->mismatches[0].text);
     }
     d->failed = d->ff_cause != NULL;
 }

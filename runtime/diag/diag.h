@@ -32,7 +32,11 @@
  *   4. mismatches: ranks of one group whose flight recorders hold the same collective
  *      sequence number with a different op, dtype or count, or that are stuck (in flight at
  *      their end) in sequence numbers of one group two or more apart.
- * Output (diag_report.c): a human summary, then per-rank details; or one JSON object.
+ * Every rank number read from a log is checked before use: against the job's size (the start
+ * records' "world"; without one, the ranks known) and looked up in the entries, never used as
+ * an index. Every step of the analysis is linear or n log n in the logs' size.
+ * Output (diag_report.c): a human summary, then per-rank details, untrusted text escaped; or
+ * one JSON object (every string valid UTF-8: cut on a character boundary).
  */
 #ifndef AM_DIAG_H
 #define AM_DIAG_H
@@ -44,25 +48,40 @@
 
 #define AM_DIAG_STRAGGLER_S 1.0
 
-/* One flight recorder entry as dumped. Times are wall-clock seconds, 0 when null. */
+/* Limits: what one log may cost am-diag, whatever it holds. Ranks, groups, steps and flight
+ * entries are stored only as the logs hold them (a rank number written inside a log, "world"
+ * included, never sizes an allocation). Lines longer than AM_DIAG_MAX_LINE are skipped; a log
+ * longer than max_file (AM_DIAG_MAX_FILE by default) is read as its first AM_DIAG_HEAD bytes and
+ * its last max_file - AM_DIAG_HEAD (the start and groups records, and the end: cause, flight
+ * recorder, exit); each with a note. */
+#define AM_DIAG_MAX_LINE ((size_t)16 << 20)
+#define AM_DIAG_MAX_FILE ((size_t)1 << 30)
+#define AM_DIAG_HEAD ((size_t)16 << 20)
+#define AM_DIAG_MAX_MISMATCHES 1000  /* listed; more are counted */
+#define AM_DIAG_MAX_HOPS 64          /* a hang's blame follows at most this many waits */
+#define AM_DIAG_MAX_LISTED 65536     /* --json's missing_ranks lists at most this many */
+
+/* One flight recorder entry as dumped. Times are wall-clock seconds, 0 when null or not a
+ * sane time. The strings are interned: owned by struct am_diag, never NULL ("" when absent). */
 struct am_diag_flight {
-    char group[32], op[24], dtype[12], state[12];
+    const char *group, *op, *dtype, *state;
     int gid;
     uint64_t id, seq, count, bytes;
-    int peer, waiting_for; /* -1: null */
+    int peer, waiting_for; /* -1: null, or not a rank of the job */
     double enqueued, started, ended;
 };
 
 struct am_diag_group {
-    char name[32];
+    const char *name;
     int gid;
-    int *ranks;
+    int *ranks; /* members in group order (rank numbers outside the job removed) */
     int n;
 };
 
+/* A step record: its number and the rank's time outside communication (step_s - comm_s). */
 struct am_diag_step {
-    long step;
-    double step_s, comm_s, time;
+    uint32_t step;
+    float compute;
 };
 
 enum am_diag_end { AM_END_UNKNOWN, AM_END_CLEAN, AM_END_FAILED, AM_END_WAITING, AM_END_STOPPED };
@@ -92,6 +111,8 @@ struct am_diag_rank {
     /* the records */
     struct am_diag_step *steps;
     size_t n_steps, cap_steps;
+    long last_step;                      /* the highest step recorded */
+    double last_step_time;               /* the latest step record's time */
     struct am_diag_flight *flight;
     size_t n_flight, cap_flight;
     struct am_diag_group *groups;
@@ -99,6 +120,11 @@ struct am_diag_rank {
     json_t *cause, *stop, *exit, *fault; /* first of each, or NULL */
     double last_time;                    /* of the last record with a time */
     int lines, bad_lines, truncated;
+    /* per log, summarised in one note each: lines that are not JSON objects, lines over
+     * AM_DIAG_MAX_LINE, values that are no sane step number, rank numbers outside the job */
+    int first_bad_line, long_lines, first_long_line, bad_steps, bad_ranks;
+    long first_bad_rank;
+    char bad_text[160];                  /* the first bad line's parse error */
     /* analysis */
     enum am_diag_end end;
     const char *kind;       /* the cause's name: signal, nonfinite, error, exit, killed, oom (the OOM killer,
@@ -107,28 +133,67 @@ struct am_diag_rank {
     int status;             /* exit status, -1 unknown */
     long step;              /* the step it was in (1-based), 0 unknown */
     double fail_time;       /* wall clock of its end, 0 unknown */
+    double progress;        /* when it last made progress (a completed call, a step) */
     const struct am_diag_flight *in;    /* the call in flight at its end (not completed), or NULL */
     int waiting_for;        /* global rank it waited for, -1 */
     double waited_s;
+    int visited;            /* the hang analysis passed here */
     enum am_diag_verdict verdict;
     char detail[768];
 };
 
 struct am_diag_mismatch {
-    char group[32], what[16]; /* what: "op", "size", "sequence" */
+    const char *group;
+    char what[16]; /* what: "op", "size", "sequence" */
     int gid;
     uint64_t seq;
     char text[512];
 };
 
+/* The analysis' lookups (built by am_diag_analyze): a group by its id (the first rank's
+ * record of it, members sorted for membership tests), and how many ranks waited for a rank
+ * in a collective. */
+struct am_diag_gref {
+    int gid;
+    const struct am_diag_group *g;
+    int *sorted;
+};
+struct am_diag_vote {
+    int rank, gid, n;
+    uint64_t seq;
+};
+
+/* A run of ranks lo..hi (inclusive). */
+struct am_diag_range {
+    int lo, hi;
+};
+
 struct am_diag {
     char dir[4096], job[64];
-    int world;               /* from the start records; else the highest rank seen + 1 */
+    int world;               /* from the start records; else the highest rank known + 1 */
+    /* ranks: those with a log and those named in a log (group members, peers), once each;
+     * sorted by rank after am_diag_analyze (loading appends) */
     struct am_diag_rank *ranks;
-    int n_ranks;             /* entries of ranks[] (>= world) */
+    int n_ranks, cap_ranks;
+    int *index;              /* open addressing: rank -> position + 1 in ranks[] */
+    size_t index_cap;
+    /* interned strings */
+    char **strings;
+    size_t n_strings, strings_cap;
     char **notes;
-    int n_notes;
+    int n_notes, cap_notes;
+    size_t max_file;         /* bytes read per log (AM_DIAG_MAX_FILE) */
+    long max_listed;         /* --json's missing_ranks lists at most this many (AM_DIAG_MAX_LISTED) */
+    int threads;             /* am_diag_load_dir's readers: 0 = one per CPU, at most 16 */
+    void *lock;              /* the readers' pthread mutex while they run, else NULL */
     /* results */
+    struct am_diag_gref *gref;
+    int n_gref;
+    struct am_diag_vote *votes;
+    int n_votes;
+    struct am_diag_range *missing; /* ranks of 0..world-1 without a log */
+    int n_missing_ranges;
+    long n_missing;
     int failed;              /* 0: clean, 1: a failure (or an unclean end) was found */
     int culprit;             /* rank of the first failure, -1: none or no rank */
     const char *ff_cause;    /* the first failure's cause, NULL when clean */
@@ -139,20 +204,49 @@ struct am_diag {
     char ff_detail[768];
     const struct am_diag_flight *ff_in; /* hang: the collective the others waited in */
     struct am_diag_mismatch *mismatches;
-    int n_mismatches;
+    int n_mismatches, more_mismatches;
 };
 
 void am_diag_init(struct am_diag *d);
 void am_diag_free(struct am_diag *d);
 /* Adds one rank's log, from its text (tests feed hand-written logs). 0, or -1 (no memory). */
 int am_diag_add_log(struct am_diag *d, int rank, const char *text, size_t len);
-/* dir holds rank-<R>.jsonl files, or exactly one job directory that does. 0, or -1 with a
- * message (no such directory, no rank logs, several jobs) in err. */
+/* dir holds rank-<R>.jsonl files, or exactly one job directory that does. The logs are read
+ * by d->threads threads (each parses whole logs; entries, strings and notes are shared under a
+ * lock). 0, or -1 with a message (no such directory, no rank logs, several jobs) in err. */
 int am_diag_load_dir(struct am_diag *d, const char *dir, char *err, size_t err_len);
 /* A note for the report ("rank 3: the last line is cut short ..."). */
 void am_diag_note(struct am_diag *d, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-/* The rank's entry, created (empty) when new; NULL for a negative rank or no memory. */
+/* The rank's entry, created (empty) when new; NULL for a negative rank or no memory. Creating
+ * an entry may move every entry: no pointer into ranks[] is kept across a call. */
 struct am_diag_rank *am_diag_rank_get(struct am_diag *d, int rank);
+/* The rank's entry, or NULL: never creates one. */
+struct am_diag_rank *am_diag_rank_find(const struct am_diag *d, int rank);
+/* Sorts the entries by rank (done by am_diag_analyze). 0, or -1 (no memory). */
+int am_diag_sort_ranks(struct am_diag *d);
+/* The interned copy of s[0..n) (one per distinct string, freed with d); NULL: no memory. */
+const char *am_diag_intern(struct am_diag *d, const char *s, size_t n);
+
+/* The fast reader of flat records (diag_flat.c): a JSON object whose values are all scalars,
+ * ASCII without escapes. Returns the number of fields (at most max), or -1 when the line is
+ * not such an object (the caller hands it to jansson, which decides). Values are exactly what
+ * jansson would load: kind 's' (string, not NUL-terminated), 'i' (integer), 'r' (real),
+ * 't', 'f', 'n' (true, false, null). */
+struct am_diag_field {
+    const char *key, *s;
+    size_t key_len, s_len;
+    char kind;
+    long long i;
+    double r;
+};
+int am_diag_flat_parse(const char *line, size_t n, struct am_diag_field *fields, int max);
+
+/* Untrusted text for a terminal: printable ASCII and well-formed UTF-8 (not C1 controls) as
+ * they are; \n \r \t \\ and \xHH for every other byte. Returns the bytes it wrote (the
+ * output ends with NUL, cut on a whole escape). */
+size_t am_diag_escape(const char *s, char *out, size_t len);
+/* Cuts a trailing incomplete UTF-8 sequence off buf (after a truncating snprintf). */
+void am_diag_utf8_trim(char *buf);
 
 void am_diag_analyze(struct am_diag *d);
 

@@ -3,11 +3,16 @@
 
 #include <dirent.h>
 #include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <math.h>
+#include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 void am_diag_init(struct am_diag *d)
 {
@@ -15,6 +20,8 @@ void am_diag_init(struct am_diag *d)
     d->world = -1;
     d->culprit = -1;
     d->ff_status = -1;
+    d->max_file = AM_DIAG_MAX_FILE;
+    d->max_listed = AM_DIAG_MAX_LISTED;
 }
 
 static void rank_free(struct am_diag_rank *r)
@@ -35,11 +42,35 @@ void am_diag_free(struct am_diag *d)
     for (int r = 0; r < d->n_ranks; r++)
         rank_free(&d->ranks[r]);
     free(d->ranks);
+    free(d->index);
+    for (size_t i = 0; i < d->strings_cap; i++)
+        free(d->strings[i]);
+    free(d->strings);
     for (int i = 0; i < d->n_notes; i++)
         free(d->notes[i]);
     free(d->notes);
     free(d->mismatches);
+    free(d->missing);
+    for (int i = 0; i < d->n_gref; i++)
+        free(d->gref[i].sorted);
+    free(d->gref);
+    free(d->votes);
     am_diag_init(d);
+}
+
+void am_diag_utf8_trim(char *buf)
+{
+    size_t n = strlen(buf), i = n, k = 0;
+    while (i > 0 && k < 4 && ((unsigned char)buf[i - 1] & 0xC0) == 0x80) { /* continuation bytes */
+        i--;
+        k++;
+    }
+    if (i == 0 || ((unsigned char)buf[i - 1] & 0x80) == 0)
+        return; /* ends with ASCII (or only continuation bytes: left to the escaper) */
+    unsigned char lead = (unsigned char)buf[i - 1];
+    size_t want = lead >= 0xF0 ? 4 : lead >= 0xE0 ? 3 : lead >= 0xC0 ? 2 : 1;
+    if (k + 1 < want)
+        buf[i - 1] = '\0';
 }
 
 void am_diag_note(struct am_diag *d, const char *fmt, ...)
@@ -47,96 +78,343 @@ void am_diag_note(struct am_diag *d, const char *fmt, ...)
     char text[1024];
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(text, sizeof(text), fmt, ap);
+    int n = vsnprintf(text, sizeof(text), fmt, ap);
     va_end(ap);
-    char **n = realloc(d->notes, (size_t)(d->n_notes + 1) * sizeof(*n));
-    if (!n)
+    if (n >= (int)sizeof(text))
+        am_diag_utf8_trim(text);
+    char *copy = strdup(text);
+    if (!copy)
         return;
-    d->notes = n;
-    if ((d->notes[d->n_notes] = strdup(text)) != NULL)
-        d->n_notes++;
+    if (d->lock)
+        pthread_mutex_lock(d->lock);
+    if (d->n_notes == d->cap_notes) {
+        int cap = d->cap_notes ? 2 * d->cap_notes : 16;
+        char **m = realloc(d->notes, (size_t)cap * sizeof(*m));
+        if (m) {
+            d->notes = m;
+            d->cap_notes = cap;
+        }
+    }
+    if (d->n_notes < d->cap_notes)
+        d->notes[d->n_notes++] = copy;
+    else
+        free(copy);
+    if (d->lock)
+        pthread_mutex_unlock(d->lock);
+}
+
+/* ---- the rank entries: an array and an open-addressing index (rank -> position + 1) ------ */
+
+static size_t slot_of(int rank, size_t cap) { return ((size_t)(unsigned)rank * 2654435761u) & (cap - 1); }
+
+static int index_build(struct am_diag *d, size_t cap)
+{
+    int *ix = calloc(cap, sizeof(int));
+    if (!ix)
+        return -1;
+    for (int i = 0; i < d->n_ranks; i++) {
+        size_t s = slot_of(d->ranks[i].rank, cap);
+        while (ix[s])
+            s = (s + 1) & (cap - 1);
+        ix[s] = i + 1;
+    }
+    free(d->index);
+    d->index = ix;
+    d->index_cap = cap;
+    return 0;
+}
+
+struct am_diag_rank *am_diag_rank_find(const struct am_diag *d, int rank)
+{
+    if (rank < 0 || !d->index_cap)
+        return NULL;
+    for (size_t s = slot_of(rank, d->index_cap); d->index[s]; s = (s + 1) & (d->index_cap - 1))
+        if (d->ranks[d->index[s] - 1].rank == rank)
+            return &d->ranks[d->index[s] - 1];
+    return NULL;
+}
+
+static void rank_init(struct am_diag_rank *r, int rank)
+{
+    memset(r, 0, sizeof(*r));
+    r->rank = rank;
+    r->local_rank = r->node_id = r->mesh_rank = r->world = -1;
+    r->status = -1;
+    r->waiting_for = -1;
 }
 
 struct am_diag_rank *am_diag_rank_get(struct am_diag *d, int rank)
 {
-    if (rank < 0 || rank > (1 << 24))
+    if (rank < 0 || rank == INT_MAX) /* the job's size, the highest rank + 1, is an int */
         return NULL;
-    if (rank >= d->n_ranks) {
-        int n = rank + 1;
-        struct am_diag_rank *a = realloc(d->ranks, (size_t)n * sizeof(*a));
+    struct am_diag_rank *r = am_diag_rank_find(d, rank);
+    if (r)
+        return r;
+    if (d->n_ranks == d->cap_ranks) {
+        int cap = d->cap_ranks ? 2 * d->cap_ranks : 16;
+        struct am_diag_rank *a = realloc(d->ranks, (size_t)cap * sizeof(*a));
         if (!a)
             return NULL;
-        for (int r = d->n_ranks; r < n; r++) {
-            memset(&a[r], 0, sizeof(a[r]));
-            a[r].rank = r;
-            a[r].local_rank = a[r].node_id = a[r].mesh_rank = a[r].world = -1;
-            a[r].status = -1;
-            a[r].waiting_for = -1;
-        }
         d->ranks = a;
-        d->n_ranks = n;
+        d->cap_ranks = cap;
     }
-    return &d->ranks[rank];
+    if ((size_t)(d->n_ranks + 1) * 2 > d->index_cap && index_build(d, d->index_cap ? 2 * d->index_cap : 64) < 0)
+        return NULL;
+    r = &d->ranks[d->n_ranks];
+    rank_init(r, rank);
+    size_t s = slot_of(rank, d->index_cap);
+    while (d->index[s])
+        s = (s + 1) & (d->index_cap - 1);
+    d->index[s] = ++d->n_ranks;
+    return r;
 }
 
-/* ---- records ------------------------------------------------------------------------------ */
-
-static double num(const json_t *o, const char *key)
+static int by_rank(const void *a, const void *b)
 {
-    const json_t *v = json_object_get(o, key);
-    return json_is_number(v) ? json_number_value(v) : 0;
+    int x = ((const struct am_diag_rank *)a)->rank, y = ((const struct am_diag_rank *)b)->rank;
+    return (x > y) - (x < y);
 }
 
-static long integer(const json_t *o, const char *key, long def)
+int am_diag_sort_ranks(struct am_diag *d)
 {
-    const json_t *v = json_object_get(o, key);
-    return json_is_integer(v) ? (long)json_integer_value(v) : def;
+    if (d->n_ranks > 1)
+        qsort(d->ranks, (size_t)d->n_ranks, sizeof(*d->ranks), by_rank);
+    return index_build(d, d->index_cap ? d->index_cap : 64);
 }
 
-static void text(const json_t *o, const char *key, char *out, size_t len)
+/* ---- interned strings ------------------------------------------------------------------- */
+
+static size_t str_hash(const char *s, size_t n)
 {
-    const char *s = json_string_value(json_object_get(o, key));
-    snprintf(out, len, "%s", s ? s : "");
+    uint64_t h = 1469598103934665603ull;
+    for (size_t i = 0; i < n; i++)
+        h = (h ^ (unsigned char)s[i]) * 1099511628211ull;
+    return (size_t)h;
+}
+
+const char *am_diag_intern(struct am_diag *d, const char *s, size_t n)
+{
+    if ((d->n_strings + 1) * 2 > d->strings_cap) {
+        size_t cap = d->strings_cap ? 2 * d->strings_cap : 64;
+        char **t = calloc(cap, sizeof(*t));
+        if (!t)
+            return NULL;
+        for (size_t i = 0; i < d->strings_cap; i++)
+            if (d->strings[i]) {
+                size_t k = str_hash(d->strings[i], strlen(d->strings[i])) & (cap - 1);
+                while (t[k])
+                    k = (k + 1) & (cap - 1);
+                t[k] = d->strings[i];
+            }
+        free(d->strings);
+        d->strings = t;
+        d->strings_cap = cap;
+    }
+    size_t k = str_hash(s, n) & (d->strings_cap - 1);
+    for (; d->strings[k]; k = (k + 1) & (d->strings_cap - 1))
+        if (strncmp(d->strings[k], s, n) == 0 && d->strings[k][n] == '\0')
+            return d->strings[k];
+    char *c = malloc(n + 1);
+    if (!c)
+        return NULL;
+    memcpy(c, s, n);
+    c[n] = '\0';
+    d->strings[k] = c;
+    d->n_strings++;
+    return c;
+}
+
+/* ---- one record, from jansson or from the fast reader ------------------------------------ */
+
+/* What reading one log needs: the job (shared with the other readers: its strings, notes,
+ * size and id are changed under d->lock when several threads read) and a cache of the
+ * strings this reader interned last (group, op, dtype and state names repeat). */
+struct loader {
+    struct am_diag *d;
+    struct {
+        const char *s; /* the interned copy */
+        size_t n;
+    } cache[16];
+    unsigned next;
+};
+
+static const char *intern_cached(struct loader *L, const char *s, size_t n)
+{
+    for (int i = 0; i < 16; i++)
+        if (L->cache[i].s && L->cache[i].n == n && memcmp(L->cache[i].s, s, n) == 0)
+            return L->cache[i].s;
+    if (L->d->lock)
+        pthread_mutex_lock(L->d->lock);
+    const char *c = am_diag_intern(L->d, s, n);
+    if (L->d->lock)
+        pthread_mutex_unlock(L->d->lock);
+    if (c) {
+        L->cache[L->next % 16].s = c;
+        L->cache[L->next % 16].n = n;
+        L->next++;
+    }
+    return c;
+}
+
+struct rec {
+    json_t *o;                       /* jansson's object, or NULL */
+    const struct am_diag_field *f;   /* the fast reader's fields */
+    int nf;
+};
+
+static inline const struct am_diag_field *field(const struct rec *x, const char *key)
+{
+    size_t n = strlen(key); /* a literal: folded where this is inlined */
+    for (int i = x->nf; i-- > 0;) { /* the last wins, as in jansson */
+        const struct am_diag_field *f = &x->f[i];
+        if (f->key_len == n && f->key[0] == key[0] && f->key[n - 1] == key[n - 1] && memcmp(f->key, key, n) == 0)
+            return f;
+    }
+    return NULL;
+}
+
+/* 1 with *v when the value is an integer */
+static inline int rec_int(const struct rec *x, const char *key, long long *v)
+{
+    if (x->o) {
+        const json_t *j = json_object_get(x->o, key);
+        if (!json_is_integer(j))
+            return 0;
+        *v = json_integer_value(j);
+        return 1;
+    }
+    const struct am_diag_field *f = field(x, key);
+    if (!f || f->kind != 'i')
+        return 0;
+    *v = f->i;
+    return 1;
+}
+
+static inline double rec_num(const struct rec *x, const char *key)
+{
+    if (x->o) {
+        const json_t *j = json_object_get(x->o, key);
+        return json_is_number(j) ? json_number_value(j) : 0;
+    }
+    const struct am_diag_field *f = field(x, key);
+    return !f ? 0 : f->kind == 'i' ? (double)f->i : f->kind == 'r' ? f->r : 0;
+}
+
+static inline const char *rec_str(const struct rec *x, const char *key, size_t *len)
+{
+    if (x->o) {
+        const json_t *j = json_object_get(x->o, key);
+        if (!json_is_string(j))
+            return NULL;
+        *len = json_string_length(j);
+        return json_string_value(j);
+    }
+    const struct am_diag_field *f = field(x, key);
+    if (!f || f->kind != 's')
+        return NULL;
+    *len = f->s_len;
+    return f->s;
+}
+
+/* A wall-clock time: finite, after 1970 and before the year 10000; else 0 (unknown). */
+static double sane_time(double t) { return isfinite(t) && t > 0 && t < 253402300800.0 ? t : 0; }
+/* A duration in seconds: finite and below 10^9; else 0. */
+static double sane_s(double s) { return isfinite(s) && fabs(s) < 1e9 ? s : 0; }
+
+static long long rec_long(const struct rec *x, const char *key, long long lo, long long hi, long long def)
+{
+    long long v;
+    return rec_int(x, key, &v) && v >= lo && v <= hi ? v : def;
+}
+
+/* A rank number: a non-negative int, else -1 (counted when present but not one). */
+static int rec_rank(struct am_diag_rank *r, const struct rec *x, const char *key)
+{
+    long long v;
+    if (!rec_int(x, key, &v))
+        return -1;
+    if (v >= 0 && v <= INT_MAX)
+        return (int)v;
+    if (r->bad_ranks++ == 0)
+        r->first_bad_rank = v < LONG_MIN ? LONG_MIN : v > LONG_MAX ? LONG_MAX : (long)v;
+    return -1;
+}
+
+static void copy_text(const struct rec *x, const char *key, char *out, size_t len)
+{
+    size_t n = 0;
+    const char *s = rec_str(x, key, &n);
+    if (!s)
+        n = 0;
+    if (n >= len)
+        n = len - 1;
+    memcpy(out, s ? s : "", n);
+    out[n] = '\0';
+    am_diag_utf8_trim(out);
+}
+
+static const char *intern_of(struct loader *L, const struct rec *x, const char *key)
+{
+    size_t n = 0;
+    const char *s = rec_str(x, key, &n);
+    const char *c = intern_cached(L, s ? s : "", s ? n : 0);
+    return c ? c : "";
 }
 
 /* am-train writes two start records: one before anything that can fail (host, job, rank,
- * world) and one once the rank is placed (coordinates, node, mesh rank, steps, and the time
- * anchor of its flight recorder). Each key a record carries replaces what an earlier one
- * said; a key it lacks keeps the earlier value. */
-static void on_start(struct am_diag *d, struct am_diag_rank *r, json_t *o)
+ * world) and one once the rank is placed (coordinates, node, mesh rank, steps, the device and
+ * the time anchor of its flight recorder). Each key a record carries replaces what an earlier
+ * one said; a key it lacks keeps the earlier value. */
+static void on_start(struct loader *L, struct am_diag_rank *r, const struct rec *x)
 {
+    struct am_diag *d = L->d;
+    size_t n;
     r->have_start = 1;
-    if (json_is_string(json_object_get(o, "host")))
-        text(o, "host", r->host, sizeof(r->host));
-    if (json_is_string(json_object_get(o, "job")))
-        text(o, "job", r->job, sizeof(r->job));
-    r->local_rank = (int)integer(o, "local_rank", r->local_rank);
-    r->node_id = (int)integer(o, "node_id", r->node_id);
-    r->mesh_rank = (int)integer(o, "mesh_rank", r->mesh_rank);
-    r->world = (int)integer(o, "world", r->world);
-    r->max_steps = integer(o, "max_steps", r->max_steps);
-    if (json_is_number(json_object_get(o, "time")))
-        r->start_time = num(o, "time");
-    if (json_is_string(json_object_get(o, "device"))) {
-        char device[32] = "";
-        text(o, "device", device, sizeof(device));
-        r->nccl = strcmp(device, "cuda") == 0;
-    }
-    const json_t *c = json_object_get(o, "coords");
+    if (rec_str(x, "host", &n))
+        copy_text(x, "host", r->host, sizeof(r->host));
+    if (rec_str(x, "job", &n))
+        copy_text(x, "job", r->job, sizeof(r->job));
+    r->local_rank = (int)rec_long(x, "local_rank", 0, INT_MAX, r->local_rank);
+    r->node_id = (int)rec_long(x, "node_id", 0, INT_MAX, r->node_id);
+    r->mesh_rank = (int)rec_long(x, "mesh_rank", 0, INT_MAX, r->mesh_rank);
+    r->world = (int)rec_long(x, "world", 1, INT_MAX, r->world);
+    r->max_steps = (long)rec_long(x, "max_steps", 0, INT32_MAX, r->max_steps);
+    double t = sane_time(rec_num(x, "time"));
+    if (t > 0)
+        r->start_time = t;
+    const char *device = rec_str(x, "device", &n);
+    if (device)
+        r->nccl = n == 4 && memcmp(device, "cuda", 4) == 0;
+    const json_t *c = x->o ? json_object_get(x->o, "coords") : NULL;
     static const char *const keys[] = {"pp", "dp_replicate", "dp_shard", "cp", "tp", "ep"};
     if (json_is_object(c)) {
         r->have_coords = 1;
+        struct rec cx = {.o = (json_t *)c};
         for (int i = 0; i < 6; i++)
-            r->coords[i] = (int)integer(c, keys[i], 0);
+            r->coords[i] = (int)rec_long(&cx, keys[i], INT_MIN, INT_MAX, 0);
     }
+    if (d->lock)
+        pthread_mutex_lock(d->lock);
     if (r->world > d->world)
         d->world = r->world;
     if (!d->job[0] && r->job[0])
         snprintf(d->job, sizeof(d->job), "%s", r->job);
+    if (d->lock)
+        pthread_mutex_unlock(d->lock);
 }
 
-static void on_step(struct am_diag_rank *r, json_t *o)
+static void on_step(struct am_diag_rank *r, const struct rec *x)
 {
+    long long step = rec_long(x, "step", 1, INT32_MAX, 0);
+    if (step == 0) {
+        r->bad_steps++;
+        return;
+    }
+    double t = sane_time(rec_num(x, "time"));
+    if (t > r->last_step_time)
+        r->last_step_time = t;
+    if (step > r->last_step)
+        r->last_step = (long)step;
     if (r->n_steps == r->cap_steps) {
         size_t cap = r->cap_steps ? 2 * r->cap_steps : 64;
         struct am_diag_step *s = realloc(r->steps, cap * sizeof(*s));
@@ -145,11 +423,11 @@ static void on_step(struct am_diag_rank *r, json_t *o)
         r->steps = s;
         r->cap_steps = cap;
     }
-    r->steps[r->n_steps++] = (struct am_diag_step){.step = integer(o, "step", 0), .step_s = num(o, "step_s"),
-                                                   .comm_s = num(o, "comm_s"), .time = num(o, "time")};
+    double compute = sane_s(rec_num(x, "step_s")) - sane_s(rec_num(x, "comm_s"));
+    r->steps[r->n_steps++] = (struct am_diag_step){.step = (uint32_t)step, .compute = (float)compute};
 }
 
-static void on_flight(struct am_diag_rank *r, json_t *o)
+static void on_flight(struct loader *L, struct am_diag_rank *r, const struct rec *x)
 {
     if (r->n_flight == r->cap_flight) {
         size_t cap = r->cap_flight ? 2 * r->cap_flight : 256;
@@ -161,23 +439,26 @@ static void on_flight(struct am_diag_rank *r, json_t *o)
     }
     struct am_diag_flight *f = &r->flight[r->n_flight++];
     memset(f, 0, sizeof(*f));
-    text(o, "group", f->group, sizeof(f->group));
-    text(o, "op", f->op, sizeof(f->op));
-    text(o, "dtype", f->dtype, sizeof(f->dtype));
-    text(o, "state", f->state, sizeof(f->state));
-    f->gid = (int)integer(o, "gid", -1);
-    f->id = (uint64_t)integer(o, "id", 0);
-    f->seq = (uint64_t)integer(o, "seq", 0);
-    f->count = (uint64_t)integer(o, "count", 0);
-    f->bytes = (uint64_t)integer(o, "bytes", 0);
-    f->peer = (int)integer(o, "peer", -1);
-    f->waiting_for = (int)integer(o, "waiting_for", -1);
-    f->enqueued = num(o, "enqueued");
-    f->started = num(o, "started");
-    f->ended = num(o, "ended");
+    f->group = intern_of(L, x, "group");
+    f->op = intern_of(L, x, "op");
+    f->dtype = intern_of(L, x, "dtype");
+    f->state = intern_of(L, x, "state");
+    f->gid = (int)rec_long(x, "gid", INT_MIN, INT_MAX, -1);
+    f->id = (uint64_t)rec_long(x, "id", LLONG_MIN, LLONG_MAX, 0);
+    f->seq = (uint64_t)rec_long(x, "seq", LLONG_MIN, LLONG_MAX, 0);
+    f->count = (uint64_t)rec_long(x, "count", LLONG_MIN, LLONG_MAX, 0);
+    f->bytes = (uint64_t)rec_long(x, "bytes", LLONG_MIN, LLONG_MAX, 0);
+    f->peer = rec_rank(r, x, "peer");
+    f->waiting_for = rec_rank(r, x, "waiting_for");
+    f->enqueued = sane_time(rec_num(x, "enqueued"));
+    f->started = sane_time(rec_num(x, "started"));
+    f->ended = sane_time(rec_num(x, "ended"));
+    double ft = f->ended > 0 ? f->ended : f->started > 0 ? f->started : f->enqueued;
+    if (ft > r->last_time)
+        r->last_time = ft;
 }
 
-static void on_groups(struct am_diag_rank *r, json_t *o)
+static void on_groups(struct loader *L, struct am_diag_rank *r, json_t *o)
 {
     const json_t *a = json_object_get(o, "groups");
     if (!json_is_array(a) || r->groups)
@@ -187,83 +468,155 @@ static void on_groups(struct am_diag_rank *r, json_t *o)
     if (!r->groups)
         return;
     for (size_t i = 0; i < n; i++) {
-        const json_t *g = json_array_get(a, i), *ranks = json_object_get(g, "ranks");
+        json_t *g = json_array_get(a, i);
+        const json_t *ranks = json_object_get(g, "ranks");
+        struct rec gx = {.o = g};
         struct am_diag_group *dg = &r->groups[r->n_groups];
-        text(g, "name", dg->name, sizeof(dg->name));
-        dg->gid = (int)integer(g, "gid", -1);
+        dg->name = intern_of(L, &gx, "name");
+        dg->gid = (int)rec_long(&gx, "gid", INT_MIN, INT_MAX, -1);
         size_t m = json_array_size(ranks);
         dg->ranks = calloc(m ? m : 1, sizeof(int));
         if (!dg->ranks)
             continue;
-        for (size_t k = 0; k < m; k++)
-            dg->ranks[k] = (int)json_integer_value(json_array_get(ranks, k));
-        dg->n = (int)m;
+        for (size_t k = 0; k < m; k++) {
+            const json_t *v = json_array_get(ranks, k);
+            json_int_t q = json_integer_value(v);
+            if (json_is_integer(v) && q >= 0 && q <= INT_MAX)
+                dg->ranks[dg->n++] = (int)q;
+            else if (r->bad_ranks++ == 0)
+                r->first_bad_rank = json_is_integer(v) ? (long)q : -1;
+        }
         r->n_groups++;
     }
 }
 
-static void on_record(struct am_diag *d, struct am_diag_rank *r, json_t *o)
+static void on_record(struct loader *L, struct am_diag_rank *r, const struct rec *x)
 {
-    const char *type = json_string_value(json_object_get(o, "type"));
-    double t = num(o, "time");
+    size_t tl = 0;
+    const char *type = rec_str(x, "type", &tl);
+    double t = sane_time(rec_num(x, "time"));
     if (t > r->last_time)
         r->last_time = t;
-    if (!type)
+    if (!type || memchr(type, '\0', tl))
         return;
-    if (strcmp(type, "start") == 0)
-        on_start(d, r, o);
-    else if (strcmp(type, "step") == 0)
-        on_step(r, o);
-    else if (strcmp(type, "flight") == 0)
-        on_flight(r, o);
+    if (tl == 4 && memcmp(type, "step", 4) == 0)
+        on_step(r, x);
+    else if (tl == 6 && memcmp(type, "flight", 6) == 0)
+        on_flight(L, r, x);
+    else if (!x->o)
+        return;
+    else if (strcmp(type, "start") == 0)
+        on_start(L, r, x);
     else if (strcmp(type, "groups") == 0)
-        on_groups(r, o);
+        on_groups(L, r, x->o);
     else if (strcmp(type, "cause") == 0 && !r->cause)
-        r->cause = json_incref(o);
+        r->cause = json_incref(x->o);
     else if (strcmp(type, "stop") == 0 && !r->stop)
-        r->stop = json_incref(o);
+        r->stop = json_incref(x->o);
     else if (strcmp(type, "exit") == 0 && !r->exit)
-        r->exit = json_incref(o);
+        r->exit = json_incref(x->o);
     else if (strcmp(type, "fault") == 0 && !r->fault)
-        r->fault = json_incref(o);
-    if (r->n_flight && strcmp(type, "flight") == 0) {
-        const struct am_diag_flight *f = &r->flight[r->n_flight - 1];
-        double ft = f->ended > 0 ? f->ended : f->started > 0 ? f->started : f->enqueued;
-        if (ft > r->last_time)
-            r->last_time = ft;
-    }
+        r->fault = json_incref(x->o);
 }
 
-int am_diag_add_log(struct am_diag *d, int rank, const char *textp, size_t len)
+/* A step or flight record for the fast reader: 1 handled, 0 not one (jansson decides). */
+static int fast_record(struct loader *L, struct am_diag_rank *r, const char *line, size_t n)
 {
-    struct am_diag_rank *r = am_diag_rank_get(d, rank);
-    if (!r)
-        return -1;
+    struct am_diag_field f[32];
+    int nf = am_diag_flat_parse(line, n, f, 32);
+    if (nf < 0)
+        return 0;
+    struct rec x = {.f = f, .nf = nf};
+    size_t tl = 0;
+    const char *type = rec_str(&x, "type", &tl);
+    if (!type || !((tl == 4 && memcmp(type, "step", 4) == 0) || (tl == 6 && memcmp(type, "flight", 6) == 0)))
+        return 0;
+    on_record(L, r, &x);
+    return 1;
+}
+
+/* Reads one log into r (an entry of no job yet: r->rank set). */
+static void parse_log(struct am_diag *d, struct am_diag_rank *r, const char *textp, size_t len)
+{
+    struct loader L = {.d = d};
+    int rank = r->rank;
     r->have_log = 1;
     size_t at = 0;
+    int lineno = 0;
     while (at < len) {
         const char *nl = memchr(textp + at, '\n', len - at);
         size_t end = nl ? (size_t)(nl - textp) : len;
         size_t n = end - at;
-        if (n > 0) {
-            json_error_t je;
-            json_t *o = json_loadb(textp + at, n, 0, &je);
+        lineno++;
+        if (n > AM_DIAG_MAX_LINE) {
             r->lines++;
-            if (json_is_object(o)) {
-                on_record(d, r, o);
-            } else if (!nl) {
-                r->truncated = 1;
-                am_diag_note(d, "rank %d: the last line is cut short (%zu bytes, no newline): the rank or its "
-                             "supervisor died while writing it; skipped", rank, n);
-            } else {
-                r->bad_lines++;
-                am_diag_note(d, "rank %d: line %d is not a JSON object (%s); skipped", rank, r->lines, je.text);
+            if (r->long_lines++ == 0)
+                r->first_long_line = lineno;
+        } else if (n > 0) {
+            r->lines++;
+            if (!fast_record(&L, r, textp + at, n)) {
+                json_error_t je;
+                json_t *o = json_loadb(textp + at, n, 0, &je);
+                if (json_is_object(o)) {
+                    struct rec x = {.o = o};
+                    on_record(&L, r, &x);
+                } else if (!nl) {
+                    r->truncated = 1;
+                    am_diag_note(d, "rank %d: the last line is cut short (%zu bytes, no newline): the rank or its "
+                                 "supervisor died while writing it; skipped", rank, n);
+                } else if (r->bad_lines++ == 0) {
+                    r->first_bad_line = lineno;
+                    snprintf(r->bad_text, sizeof(r->bad_text), "%s", o ? "not an object" : je.text);
+                    am_diag_utf8_trim(r->bad_text);
+                }
+                json_decref(o);
             }
-            json_decref(o);
         }
         at = end + 1;
     }
-    return 0;
+    if (r->bad_lines == 1)
+        am_diag_note(d, "rank %d: line %d is not a JSON object (%s); skipped", rank, r->first_bad_line, r->bad_text);
+    else if (r->bad_lines > 1)
+        am_diag_note(d, "rank %d: %d lines are not JSON objects (the first: line %d, %s); skipped", rank, r->bad_lines,
+                     r->first_bad_line, r->bad_text);
+    if (r->long_lines)
+        am_diag_note(d, "rank %d: %d line%s longer than %zu MiB (the first: line %d); skipped", rank, r->long_lines,
+                     r->long_lines == 1 ? "" : "s", AM_DIAG_MAX_LINE >> 20, r->first_long_line);
+    if (r->bad_steps)
+        am_diag_note(d, "rank %d: %d step record%s without a step number from 1 to %d; skipped", rank, r->bad_steps,
+                     r->bad_steps == 1 ? "" : "s", INT32_MAX);
+}
+
+/* Makes r (read by parse_log, or only marked as a log) the job's entry of its rank; r is
+ * emptied. A second log of one rank replaces the first. 0, or -1 (no memory). */
+static int commit(struct am_diag *d, struct am_diag_rank *r)
+{
+    if (d->lock)
+        pthread_mutex_lock(d->lock);
+    struct am_diag_rank *e = am_diag_rank_get(d, r->rank);
+    int again = e && e->have_log;
+    if (e) {
+        rank_free(e);
+        *e = *r;
+    }
+    if (d->lock)
+        pthread_mutex_unlock(d->lock);
+    if (!e)
+        rank_free(r);
+    if (again)
+        am_diag_note(d, "rank %d: two logs; the last one read is used", r->rank);
+    rank_init(r, r->rank);
+    return e ? 0 : -1;
+}
+
+int am_diag_add_log(struct am_diag *d, int rank, const char *textp, size_t len)
+{
+    struct am_diag_rank r;
+    if (rank < 0 || rank == INT_MAX)
+        return -1;
+    rank_init(&r, rank);
+    parse_log(d, &r, textp, len);
+    return commit(d, &r);
 }
 
 /* ---- the directory ---------------------------------------------------------------------------- */
@@ -271,12 +624,16 @@ int am_diag_add_log(struct am_diag *d, int rank, const char *textp, size_t len)
 /* "rank-12.jsonl" -> 12, else -1. */
 static int rank_of(const char *name)
 {
-    int r, n = 0;
-    if (sscanf(name, "rank-%d.jsonl%n", &r, &n) != 1 || name[n] != '\0' || r < 0)
+    if (strncmp(name, "rank-", 5) != 0)
         return -1;
-    char back[64];
-    snprintf(back, sizeof(back), "rank-%d.jsonl", r);
-    return strcmp(back, name) == 0 ? r : -1;
+    const char *p = name + 5;
+    long r = 0;
+    if (*p < '0' || *p > '9' || (*p == '0' && p[1] != '.'))
+        return -1;
+    for (; *p >= '0' && *p <= '9'; p++)
+        if ((r = r * 10 + (*p - '0')) >= INT_MAX)
+            return -1;
+    return strcmp(p, ".jsonl") == 0 ? (int)r : -1;
 }
 
 static int count_logs(const char *dir)
@@ -291,35 +648,119 @@ static int count_logs(const char *dir)
     return n;
 }
 
-static int read_all(const char *path, char **buf, size_t *len)
+/* Reads up to want bytes at offset off into b; the bytes read, or -1. */
+static ssize_t read_at(int fd, char *b, size_t want, off_t off)
 {
-    FILE *f = fopen(path, "rb");
-    if (!f)
+    size_t got = 0;
+    while (got < want) {
+        ssize_t k = pread(fd, b + got, want - got, off + (off_t)got);
+        if (k < 0 && errno == EINTR)
+            continue;
+        if (k < 0)
+            return -1;
+        if (k == 0)
+            break;
+        got += (size_t)k;
+    }
+    return (ssize_t)got;
+}
+
+static const char *file_kind(mode_t m)
+{
+    return S_ISFIFO(m) ? "a FIFO" : S_ISCHR(m) ? "a character device" : S_ISBLK(m) ? "a block device"
+         : S_ISDIR(m) ? "a directory" : S_ISSOCK(m) ? "a socket" : "not a regular file";
+}
+
+/* The log's bytes: a regular file only (opened without blocking: a FIFO is refused, not
+ * waited on), at most d->max_file of them (the head and the tail of a bigger one). 0, or -1
+ * with a note. */
+static int read_log(struct am_diag *d, int rank, const char *path, const char *name, char **buf, size_t *len)
+{
+    int fd = open(path, O_RDONLY | O_NONBLOCK | O_NOCTTY | O_CLOEXEC);
+    struct stat st;
+    if (fd < 0) {
+        am_diag_note(d, "rank %d: cannot open %s: %s; skipped", rank, name, strerror(errno));
         return -1;
-    size_t cap = 1 << 16, n = 0;
-    char *b = malloc(cap);
-    for (size_t got; b && (got = fread(b + n, 1, cap - n, f)) > 0;) {
-        n += got;
-        if (n == cap) {
-            char *nb = realloc(b, cap * 2);
-            if (!nb) {
-                free(b);
-                b = NULL;
-                break;
-            }
-            b = nb;
-            cap *= 2;
+    }
+    if (fstat(fd, &st) < 0 || !S_ISREG(st.st_mode)) {
+        am_diag_note(d, "rank %d: %s is %s, not a regular file; skipped", rank, name,
+                     fstat(fd, &st) < 0 ? strerror(errno) : file_kind(st.st_mode));
+        close(fd);
+        return -1;
+    }
+    size_t size = (size_t)st.st_size, cap = d->max_file ? d->max_file : AM_DIAG_MAX_FILE;
+    size_t head = size <= cap ? size : cap / 4 < AM_DIAG_HEAD ? cap / 4 : AM_DIAG_HEAD;
+    size_t tail = size <= cap ? 0 : cap - head;
+    char *b = malloc(head + tail + 1);
+    ssize_t h = b ? read_at(fd, b, head, 0) : -1, t = 0;
+    if (h >= 0 && tail) {
+        while (h > 0 && b[h - 1] != '\n') /* whole lines from the head */
+            h--;
+        t = read_at(fd, b + h, tail, (off_t)(size - tail));
+        if (t > 0) { /* from the first whole line of the tail */
+            char *nl = memchr(b + h, '\n', (size_t)t);
+            size_t skip = nl ? (size_t)(nl - (b + h)) + 1 : (size_t)t;
+            memmove(b + h, b + h + skip, (size_t)t - skip);
+            t -= (ssize_t)skip;
         }
     }
-    int bad = ferror(f);
-    fclose(f);
-    if (!b || bad) {
+    int e = errno;
+    close(fd);
+    if (h < 0 || t < 0) {
+        am_diag_note(d, "rank %d: cannot read %s: %s; skipped", rank, name, b ? strerror(e) : "out of memory");
         free(b);
         return -1;
     }
+    if (tail)
+        am_diag_note(d, "rank %d: %s holds %zu bytes, more than am-diag reads of one log (%zu %s): read its first "
+                     "%zd and last %zd bytes of whole lines, skipped the %zu between", rank, name, size,
+                     cap >= ((size_t)1 << 20) ? cap >> 20 : cap, cap >= ((size_t)1 << 20) ? "MiB" : "bytes", h, t,
+                     size - (size_t)h - (size_t)t);
     *buf = b;
-    *len = n;
+    *len = (size_t)(h + t);
     return 0;
+}
+
+/* The logs to read and the next one to take. */
+struct job {
+    struct am_diag *d;
+    int *ranks;
+    size_t n, cap, next;
+    int failed_rank; /* out of memory there, or -1 */
+};
+
+static void *reader(void *arg)
+{
+    struct job *jb = arg;
+    struct am_diag *d = jb->d;
+    for (;;) {
+        if (d->lock)
+            pthread_mutex_lock(d->lock);
+        size_t i = jb->next < jb->n && jb->failed_rank < 0 ? jb->next++ : jb->n;
+        if (d->lock)
+            pthread_mutex_unlock(d->lock);
+        if (i >= jb->n)
+            return NULL;
+        int r = jb->ranks[i];
+        char path[4096 + 64], name[64], *buf = NULL;
+        size_t len = 0;
+        snprintf(name, sizeof(name), "rank-%d.jsonl", r);
+        snprintf(path, sizeof(path), "%.4000s/%s", d->dir, name);
+        struct am_diag_rank x;
+        rank_init(&x, r);
+        if (read_log(d, r, path, name, &buf, &len) < 0)
+            x.have_log = 1; /* there, but unreadable (noted) */
+        else
+            parse_log(d, &x, buf, len);
+        free(buf);
+        if (commit(d, &x) < 0) {
+            if (d->lock)
+                pthread_mutex_lock(d->lock);
+            jb->failed_rank = r;
+            if (d->lock)
+                pthread_mutex_unlock(d->lock);
+        }
+    }
 }
 
 int am_diag_load_dir(struct am_diag *d, const char *dir, char *err, size_t err_len)
@@ -366,32 +807,50 @@ int am_diag_load_dir(struct am_diag *d, const char *dir, char *err, size_t err_l
         snprintf(err, err_len, "%s: cannot list it: %s", dir, strerror(errno));
         return -1;
     }
+    /* the logs, then read by a few threads (each reads, parses and hands over one log at a
+     * time; the shared parts of d change under d->lock) */
     DIR *dd = opendir(d->dir);
     if (!dd) {
         snprintf(err, err_len, "%s: cannot list it: %s", d->dir, strerror(errno));
         return -1;
     }
-    int rc = 0;
-    for (struct dirent *e; rc == 0 && (e = readdir(dd)) != NULL;) {
+    struct job jb = {.d = d, .failed_rank = -1};
+    for (struct dirent *e; (e = readdir(dd)) != NULL;) {
         int r = rank_of(e->d_name);
         if (r < 0)
             continue;
-        char path[4096 + 300], *buf = NULL;
-        size_t len = 0;
-        snprintf(path, sizeof(path), "%s/%s", d->dir, e->d_name);
-        if (read_all(path, &buf, &len) < 0) {
-            am_diag_note(d, "rank %d: cannot read %s: %s", r, path, strerror(errno));
-            struct am_diag_rank *x = am_diag_rank_get(d, r);
-            if (x)
-                x->have_log = 1;
-            continue;
+        if (jb.n == jb.cap) {
+            size_t cap = jb.cap ? 2 * jb.cap : 64;
+            int *m = realloc(jb.ranks, cap * sizeof(int));
+            if (!m)
+                break;
+            jb.ranks = m;
+            jb.cap = cap;
         }
-        if (am_diag_add_log(d, r, buf, len) < 0) {
-            snprintf(err, err_len, "out of memory reading %s", path);
-            rc = -1;
-        }
-        free(buf);
+        jb.ranks[jb.n++] = r;
     }
     closedir(dd);
-    return rc;
+    pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+    long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+    int threads = d->threads > 0 ? d->threads : cpus > 16 ? 16 : cpus > 1 ? (int)cpus : 1;
+    if ((size_t)threads > jb.n)
+        threads = jb.n ? (int)jb.n : 1;
+    pthread_t tid[64];
+    int started = 0;
+    if (threads > 1) {
+        d->lock = &lock;
+        for (; started < threads - 1 && started < 64; started++)
+            if (pthread_create(&tid[started], NULL, reader, &jb) != 0)
+                break;
+    }
+    reader(&jb);
+    for (int i = 0; i < started; i++)
+        pthread_join(tid[i], NULL);
+    d->lock = NULL;
+    free(jb.ranks);
+    if (jb.failed_rank >= 0) {
+        snprintf(err, err_len, "out of memory reading %s/rank-%d.jsonl", d->dir, jb.failed_rank);
+        return -1;
+    }
+    return 0;
 }

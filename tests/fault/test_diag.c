@@ -1,6 +1,8 @@
 /* test_diag.c - am-diag's analysis (diag.h) on hand-written rank logs: the culprit and its
  * victims, hangs outside and inside a collective, missing ranks, a cut last line, mismatches,
- * stragglers, a job stopped from outside, exits without a cause, and the JSON fields. */
+ * stragglers, a job stopped from outside, exits without a cause, and the JSON fields; and
+ * hostile or broken logs (each once a crash or a wrong answer): ranks named outside the job,
+ * UTF-8 cut by truncation, absurd times, terminal escapes, unreadable files, oversized logs. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -8,6 +10,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <cmocka.h>
 
@@ -534,6 +538,28 @@ static void test_straggler(void **state)
     assert_non_null(strstr(d.ranks[1].detail, "at step 3"));
     expect_in_json(&d, "\"status\":\"clean\",\"first_failure\":null");
     am_diag_free(&d);
+
+    /* the same with steps numbered far apart (merged through the heap, not walked by number),
+     * rank 2's records out of order */
+    am_diag_init(&d);
+    for (int r = 0; r < 3; r++) {
+        l.len = 0;
+        line(&l, "{\"type\":\"start\",\"world\":3,\"time\":%.6f,\"max_steps\":6000000}", T0);
+        for (int i = 1; i <= 6; i++) {
+            int s = r == 2 ? 7 - i : i;
+            line(&l, "{\"type\":\"step\",\"step\":%d,\"step_s\":%s,\"comm_s\":%s,\"time\":%.6f}", s * 1000000,
+                 s == 3 ? "2.1" : "0.1", s == 3 && r != 1 ? "2.05" : "0.05", T0 + s);
+        }
+        exit_rec(&l, r, 0, 0, NULL, NULL, T0 + 7);
+        add(&d, r, &l);
+    }
+    am_diag_analyze(&d);
+    assert_int_equal(d.ranks[0].verdict, AM_VERDICT_CLEAN);
+    assert_int_equal(d.ranks[1].verdict, AM_VERDICT_STRAGGLER);
+    assert_int_equal(d.ranks[2].verdict, AM_VERDICT_CLEAN);
+    assert_string_equal(d.ranks[1].detail, "finished cleanly, but held the others back: at step 3000000 it spent 2.00 s "
+                                           "longer outside collectives than the median rank, while the others waited for it");
+    am_diag_free(&d);
 }
 
 /* scancel: every rank got SIGTERM from Slurm; no rank failed */
@@ -624,6 +650,314 @@ static void test_clean(void **state)
     am_diag_free(&d);
 }
 
+
+/* ---- hostile and broken logs ------------------------------------------------------------------ */
+
+static char *report(const struct am_diag *d)
+{
+    char *buf = NULL;
+    size_t len = 0;
+    FILE *f = open_memstream(&buf, &len);
+    am_diag_print(d, f);
+    fclose(f);
+    return buf;
+}
+
+static void expect_report(const struct am_diag *d, const char *want)
+{
+    char *got = report(d);
+    if (strcmp(got, want) != 0)
+        fail_msg("report:\n%s\n---- want:\n%s", got, want);
+    free(got);
+}
+
+static void expect_json(const struct am_diag *d, const char *want)
+{
+    char *got = json_text(d);
+    if (strcmp(got, want) != 0)
+        fail_msg("json:\n%s\n---- want:\n%s", got, want);
+    free(got);
+}
+
+static void add_text(struct am_diag *d, int rank, const char *text)
+{
+    assert_int_equal(am_diag_add_log(d, rank, text, strlen(text)), 0);
+}
+
+#define TIMEOUT_LOG(flight) \
+    "{\"type\":\"start\",\"world\":1,\"time\":1.0}\n" flight \
+    "{\"type\":\"cause\",\"cause\":\"timeout\",\"time\":2.0}\n"
+
+/* A recv from a peer the job does not have (world 1, peer 5): the peer was created after a
+ * pointer to the waiting rank was taken, which then pointed into freed memory; a release build
+ * reported "1 rank" and "first failure: rank 5". The peer is no rank of the job: no one to
+ * blame, a note, and the hang named with its call. */
+static void test_peer_outside_the_job(void **state)
+{
+    (void)state;
+    struct am_diag d;
+    am_diag_init(&d);
+    add_text(&d, 0, TIMEOUT_LOG("{\"type\":\"flight\",\"op\":\"recv\",\"group\":\"pp\",\"state\":\"started\",\"gid\":0,"
+                                "\"seq\":1,\"peer\":5,\"started\":1.5}\n"));
+    am_diag_analyze(&d);
+    assert_int_equal(d.n_ranks, 1);
+    assert_int_equal(d.culprit, -1);
+    expect_report(&d, "am-diag: job ? (): 1 rank, FAILED\n"
+                  "first failure: no rank (hang), 1970-01-01 00:00:01.500 UTC\n"
+                  "  rank 0 waited in recv #1 on group pp for 0.50 s, for a peer that its log does not name (or names outside the job)\n"
+                  "others: 1 victim (rank 0)\n"
+                  "missing logs: none\n"
+                  "mismatches: none\n"
+                  "\n"
+                  "details:\n"
+                  "  rank 0: victim: waited in recv #1 of group pp for 0.50 s; timed out (?) and ended\n"
+                  "\n"
+                  "notes:\n"
+                  "  rank 0: 1 rank number in its log is not a rank of the job (the first: 5; the job has 1 rank); ignored\n");
+    am_diag_free(&d);
+    /* the same with peer 20000000: the report indexed the rank array with it */
+    am_diag_init(&d);
+    add_text(&d, 0, TIMEOUT_LOG("{\"type\":\"flight\",\"op\":\"recv\",\"group\":\"pp\",\"state\":\"started\",\"gid\":0,"
+                                "\"seq\":1,\"peer\":20000000,\"started\":1.5}\n"));
+    am_diag_analyze(&d);
+    assert_int_equal(d.n_ranks, 1);
+    expect_report(&d, "am-diag: job ? (): 1 rank, FAILED\n"
+                  "first failure: no rank (hang), 1970-01-01 00:00:01.500 UTC\n"
+                  "  rank 0 waited in recv #1 on group pp for 0.50 s, for a peer that its log does not name (or names outside the job)\n"
+                  "others: 1 victim (rank 0)\n"
+                  "missing logs: none\n"
+                  "mismatches: none\n"
+                  "\n"
+                  "details:\n"
+                  "  rank 0: victim: waited in recv #1 of group pp for 0.50 s; timed out (?) and ended\n"
+                  "\n"
+                  "notes:\n"
+                  "  rank 0: 1 rank number in its log is not a rank of the job (the first: 20000000; the job has 1 rank); ignored\n");
+    expect_json(&d, "{\"job\":null,\"dir\":\"\",\"world\":1,\"status\":\"failed\",\"first_failure\":{\"rank\":null,\"host\":null,\"cause\":\"hang\",\"signal\":null,\"step\":null,\"status\":null,\"local_rank\":null,\"coords\":null,\"time\":1.5,\"detail\":\"rank 0 waited in recv #1 on group pp for 0.50 s, for a peer that its log does not name (or names outside the job)\",\"backtrace\":[],\"group\":\"pp\",\"seq\":1,\"op\":\"recv\"},\"ranks\":[{\"rank\":0,\"host\":null,\"verdict\":\"victim\",\"end\":\"timeout\",\"signal\":null,\"status\":null,\"step\":1,\"group\":\"pp\",\"seq\":1,\"op\":\"recv\",\"waiting_for\":null,\"stopped_because\":null,\"detail\":\"waited in recv #1 of group pp for 0.50 s; timed out (?) and ended\"}],\"missing_count\":0,\"missing_ranks\":[],\"mismatches\":[],\"notes\":[\"rank 0: 1 rank number in its log is not a rank of the job (the first: 20000000; the job has 1 rank); ignored\"]}");
+    am_diag_free(&d);
+}
+
+/* A group naming rank 20000000 and a collective on it: the blame fell on a rank the rank table
+ * refused (NULL dereference). Members outside the job are dropped (noted). */
+static void test_member_outside_the_job(void **state)
+{
+    (void)state;
+    struct am_diag d;
+    am_diag_init(&d);
+    add_text(&d, 0, TIMEOUT_LOG("{\"type\":\"groups\",\"groups\":[{\"name\":\"pp\",\"gid\":0,\"ranks\":[0,20000000]}]}\n"
+                                "{\"type\":\"flight\",\"op\":\"allreduce\",\"group\":\"pp\",\"state\":\"started\","
+                                "\"gid\":0,\"seq\":1,\"peer\":5,\"started\":1.5}\n"));
+    am_diag_analyze(&d);
+    assert_int_equal(d.n_ranks, 1);
+    assert_int_equal(d.culprit, 0);
+    expect_report(&d, "am-diag: job ? (): 1 rank, FAILED\n"
+                  "first failure: rank 0 on (unknown host) at step 1, 1970-01-01 00:00:01.500 UTC\n"
+                  "  cause: hang: stuck inside allreduce #1 of group pp at step 1 for 0.50 s, waiting for no peer, while 0 ranks waited for it\n"
+                  "others: none\n"
+                  "missing logs: none\n"
+                  "mismatches: none\n"
+                  "\n"
+                  "details:\n"
+                  "  rank 0: first_failure: stuck inside allreduce #1 of group pp at step 1 for 0.50 s, waiting for no peer, while 0 ranks waited for it\n"
+                  "\n"
+                  "notes:\n"
+                  "  rank 0: 2 rank numbers in its log are not ranks of the job (the first: 5; the job has 1 rank); ignored\n");
+    am_diag_free(&d);
+}
+
+/* Without a start record the ranks named in the logs are taken (sparsely: no entry for the
+ * ranks between), and the job's size is the highest known + 1, only compared. */
+static void test_huge_numbers_allocate_nothing(void **state)
+{
+    (void)state;
+    struct am_diag d;
+    am_diag_init(&d);
+    add_text(&d, 0, "{\"type\":\"groups\",\"groups\":[{\"name\":\"dp\",\"gid\":0,\"ranks\":[0,2000000]}]}\n"
+                    "{\"type\":\"exit\",\"status\":1,\"time\":5.0}\n");
+    am_diag_analyze(&d);
+    assert_int_equal(d.world, 2000001);
+    assert_int_equal(d.n_ranks, 2);
+    assert_int_equal(d.n_missing, 2000000);
+    expect_report(&d, "am-diag: job ? (): 2000001 ranks, FAILED\n"
+                  "first failure: rank 0 on (unknown host), 1970-01-01 00:00:05.000 UTC\n"
+                  "  cause: exit: exited with status 1 without a cause record\n"
+                  "others: 2000000 missing (ranks 1-2000000)\n"
+                  "missing logs: 1-2000000\n"
+                  "mismatches: none\n"
+                  "\n"
+                  "details:\n"
+                  "  rank 0: first_failure: exited with status 1 without a cause record\n"
+                  "  ranks 1-1999999: missing: no log, and no other log names them\n"
+                  "  rank 2000000: missing: no log (rank-2000000.jsonl): its node's logs are missing, or the rank never started\n"
+                  "\n"
+                  "notes:\n"
+                  "  no start record in any log: the job's size is unknown; assuming 2000001 ranks (the highest rank known, plus one)\n"
+                  "  rank 0: its log has no start record (it failed before training began?)\n");
+    char *j = json_text(&d);
+    assert_non_null(strstr(j, "\"missing_count\":2000000,\"missing_ranks\":[1,2,3,"));
+    free(j);
+    am_diag_free(&d);
+}
+
+/* Truncation into fixed buffers split a UTF-8 character, and --json then dropped the key:
+ * host is cut to 127 bytes, detail to 767, each on a character boundary. */
+static void test_utf8_truncation_keeps_keys(void **state)
+{
+    (void)state;
+    struct am_diag d;
+    char host[200], msg[1000], text[2048];
+    memset(host, 'a', 126);
+    strcpy(host + 126, "\u00e9\u00e9"); /* bytes 127-130: the first é straddles the 127-byte cut */
+    msg[0] = '\0';
+    for (int i = 0; i < 450; i++)
+        strcat(msg, "\u00e9");
+    am_diag_init(&d);
+    snprintf(text, sizeof(text), "{\"type\":\"start\",\"host\":\"%s\",\"world\":1,\"time\":10.0,\"max_steps\":1}\n"
+             "{\"type\":\"cause\",\"cause\":\"error\",\"message\":\"%s\",\"time\":11.0}\n", host, msg);
+    add_text(&d, 0, text);
+    am_diag_analyze(&d);
+    assert_int_equal(strlen(d.ranks[0].host), 126);
+    char want_detail[1000] = "error: ";
+    for (int i = 0; i < 380; i++) /* 7 + 760 bytes: the most that fit in 767 */
+        strcat(want_detail, "\u00e9");
+    assert_string_equal(d.ff_detail, want_detail);
+    char *j = json_text(&d);
+    char want[2200];
+    snprintf(want, sizeof(want), "\"first_failure\":{\"rank\":0,\"host\":\"%.126s\",\"cause\":\"error\"", host);
+    if (!strstr(j, want))
+        fail_msg("no %s in %s", want, j);
+    snprintf(want, sizeof(want), "\"detail\":\"%s\",\"backtrace\":[]}", want_detail);
+    if (!strstr(j, want))
+        fail_msg("no %s in %s", want, j);
+    free(j);
+    am_diag_free(&d);
+}
+
+/* Times out of range ("time":1e300 was undefined behaviour and printed a nonsense date) are
+ * unknown; so are durations out of range. */
+static void test_absurd_times(void **state)
+{
+    (void)state;
+    struct am_diag d;
+    am_diag_init(&d);
+    add_text(&d, 0, "{\"type\":\"start\",\"host\":\"n1\",\"world\":2,\"time\":-1e300,\"max_steps\":9}\n"
+                    "{\"type\":\"step\",\"step\":1,\"step_s\":1e300,\"comm_s\":-1e300,\"time\":1e300}\n"
+                    "{\"type\":\"cause\",\"cause\":\"signal\",\"signal_name\":\"SIGSEGV\",\"step\":2,\"time\":1e300}\n");
+    add_text(&d, 1, "{\"type\":\"start\",\"host\":\"n1\",\"world\":2,\"time\":10.0,\"max_steps\":9}\n"
+                    "{\"type\":\"step\",\"step\":1,\"step_s\":1.0,\"comm_s\":0.5,\"time\":11.0}\n"
+                    "{\"type\":\"exit\",\"status\":1,\"time\":1e19}\n");
+    am_diag_analyze(&d);
+    expect_report(&d, "am-diag: job ? (): 2 ranks, FAILED\n"
+                  "first failure: rank 0 on n1 at step 2, unknown time\n"
+                  "  cause: signal: SIGSEGV\n"
+                  "others: 1 failed (rank 1)\n"
+                  "missing logs: none\n"
+                  "mismatches: none\n"
+                  "\n"
+                  "details:\n"
+                  "  rank 0 on n1: first_failure: SIGSEGV\n"
+                  "  rank 1 on n1: failed: failed too: exited with status 1 without a cause record\n");
+    expect_in_json(&d, "\"step\":2,\"status\":null,\"local_rank\":null,\"coords\":null,\"time\":null,");
+    am_diag_free(&d);
+}
+
+/* Hosts and messages are the logs' text: escape sequences and newlines are shown escaped, so
+ * that a log cannot colour the terminal or forge a line of the report. */
+static void test_terminal_escapes(void **state)
+{
+    (void)state;
+    struct am_diag d;
+    am_diag_init(&d);
+    add_text(&d, 0, "{\"type\":\"start\",\"host\":\"n1\\u001b[2J\\u009b\",\"world\":1,\"time\":10.0,\"max_steps\":1}\n"
+                    "{\"type\":\"cause\",\"cause\":\"error\",\"message\":\"boom\\nrank 7 failed first\\\\n\\ttab \\u00e9\","
+                    "\"time\":11.0}\n");
+    am_diag_analyze(&d);
+    expect_report(&d, "am-diag: job ? (): 1 rank, FAILED\n"
+                  "first failure: rank 0 on n1\\x1b[2J\\xc2\\x9b, 1970-01-01 00:00:11.000 UTC\n"
+                  "  cause: error: error: boom\\nrank 7 failed first\\\\n\\ttab é\n"
+                  "others: none\n"
+                  "missing logs: none\n"
+                  "mismatches: none\n"
+                  "\n"
+                  "details:\n"
+                  "  rank 0 on n1\\x1b[2J\\xc2\\x9b: first_failure: error: boom\\nrank 7 failed first\\\\n\\ttab é\n");
+    char *r = report(&d);
+    assert_null(strchr(r, '\x1b'));
+    assert_null(strstr(r, "\nrank 7"));
+    free(r);
+    am_diag_free(&d);
+}
+
+/* Bad lines: one note per log, with the count and the first (10 MB of them printed one note
+ * each, 5 million lines). */
+static void test_one_note_per_log(void **state)
+{
+    (void)state;
+    struct am_diag d;
+    size_t n = 200000;
+    char *text = malloc(2 * n + 200);
+    int at = sprintf(text, "{\"type\":\"start\",\"world\":1,\"time\":1.0}\n");
+    for (size_t i = 0; i < n; i++) {
+        text[at++] = 'x';
+        text[at++] = '\n';
+    }
+    at += sprintf(text + at, "{\"type\":\"step\",\"step\":0}\n{\"type\":\"step\",\"step\":-3}\n{\"type\":\"exit\",\"status\":0,\"time\":2.0}\n");
+    am_diag_init(&d);
+    assert_int_equal(am_diag_add_log(&d, 0, text, (size_t)at), 0);
+    free(text);
+    am_diag_analyze(&d);
+    assert_int_equal(d.n_notes, 2);
+    assert_string_equal(d.notes[0], "rank 0: 200000 lines are not JSON objects (the first: line 2, '[' or '{' expected near "
+                                    "'x'); skipped");
+    assert_string_equal(d.notes[1], "rank 0: 2 step records without a step number from 1 to 2147483647; skipped");
+    am_diag_free(&d);
+}
+
+/* Only regular files are read: a FIFO (which blocked am-diag forever) and a link to /dev/zero
+ * (read until memory ran out) are refused with a note; a log over the size cap is read as its
+ * head and tail. */
+static void test_unreadable_files(void **state)
+{
+    (void)state;
+    char dir[] = "/tmp/test_diag_XXXXXX", path[256], err[512];
+    assert_non_null(mkdtemp(dir));
+    snprintf(path, sizeof(path), "%s/rank-0.jsonl", dir);
+    assert_int_equal(mkfifo(path, 0600), 0);
+    snprintf(path, sizeof(path), "%s/rank-1.jsonl", dir);
+    assert_int_equal(symlink("/dev/zero", path), 0);
+    snprintf(path, sizeof(path), "%s/rank-2.jsonl", dir);
+    FILE *f = fopen(path, "w");
+    fprintf(f, "{\"type\":\"start\",\"host\":\"n1\",\"world\":3,\"time\":10.0,\"max_steps\":2000}\n");
+    for (int s = 1; s <= 2000; s++) /* about 60 KB */
+        fprintf(f, "{\"type\":\"step\",\"step\":%d,\"time\":%d.5}\n", s, 10 + s);
+    fprintf(f, "{\"type\":\"exit\",\"status\":0,\"time\":2100.0}\n");
+    fclose(f);
+    struct am_diag d;
+    am_diag_init(&d);
+    d.max_file = 4096; /* head 1024 bytes, tail 3072 */
+    assert_int_equal(am_diag_load_dir(&d, dir, err, sizeof(err)), 0);
+    am_diag_analyze(&d);
+    struct am_diag_rank *r2 = am_diag_rank_find(&d, 2);
+    assert_non_null(r2);
+    assert_int_equal(r2->have_start, 1);
+    assert_int_equal(r2->last_step, 2000);
+    assert_int_equal(r2->verdict, AM_VERDICT_CLEAN);
+    int fifo = 0, zero = 0, big = 0;
+    for (int i = 0; i < d.n_notes; i++) {
+        fifo |= strcmp(d.notes[i], "rank 0: rank-0.jsonl is a FIFO, not a regular file; skipped") == 0;
+        zero |= strcmp(d.notes[i], "rank 1: rank-1.jsonl is a character device, not a regular file; skipped") == 0;
+        big |= strncmp(d.notes[i], "rank 2: rank-2.jsonl holds ", 27) == 0 &&
+               strstr(d.notes[i], " bytes, more than am-diag reads of one log (4096 bytes): read its first 1009 and "
+                      "last 3065 bytes of whole lines, skipped the ") != NULL;
+    }
+    if (!fifo || !zero || !big)
+        fail_msg("notes: %s | %s | %s", d.n_notes > 0 ? d.notes[0] : "", d.n_notes > 1 ? d.notes[1] : "",
+                 d.n_notes > 2 ? d.notes[2] : "");
+    am_diag_free(&d);
+    snprintf(path, sizeof(path), "rm -rf %s", dir);
+    assert_int_equal(system(path), 0);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -640,6 +974,14 @@ int main(void)
         cmocka_unit_test(test_stopped_from_outside),
         cmocka_unit_test(test_exits_without_cause),
         cmocka_unit_test(test_clean),
+        cmocka_unit_test(test_peer_outside_the_job),
+        cmocka_unit_test(test_member_outside_the_job),
+        cmocka_unit_test(test_huge_numbers_allocate_nothing),
+        cmocka_unit_test(test_utf8_truncation_keeps_keys),
+        cmocka_unit_test(test_absurd_times),
+        cmocka_unit_test(test_terminal_escapes),
+        cmocka_unit_test(test_one_note_per_log),
+        cmocka_unit_test(test_unreadable_files),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
