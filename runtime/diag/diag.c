@@ -368,7 +368,7 @@ static void describe_failure(const struct am_diag_rank *r, char *buf, size_t len
         else /* before any call: making the communicators */
             add(buf, len, "NCCL failed: %s", str(c, "message") ? str(c, "message") : "?");
     } else if (streq(r->kind, "error")) {
-        add(buf, len, "error: %s", str(c, "message") ? str(c, "message") : "(no message)");
+        add(buf, len, "%s", str(c, "message") ? str(c, "message") : "(no message)");
     } else if (streq(r->kind, "exit") && r->status == 0) {
         add(buf, len, "exited with status 0 after step %ld of %ld, without a cause record", last_step(r), r->max_steps);
     } else if (streq(r->kind, "exit")) {

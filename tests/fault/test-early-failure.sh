@@ -45,7 +45,7 @@ case_() {
   fi
   want="\"first_failure\":\\{\"rank\":$first,\"host\":\"$HOST\",\"cause\":\"error\",\"signal\":null,\"step\":null,\"status\":($status),\"local_rank\":$first,"
   [[ $json =~ $want ]] && pass "$name: am-diag names rank $first on $HOST, cause error" || { fail "$name: am-diag --json lacks $want"; echo "    $json" | cut -c1-600; }
-  [[ $(jq -r '.first_failure.detail' <<<"$json") == "error: $msg" ]] && pass "$name: am-diag gives the message" ||
+  [[ $(jq -r '.first_failure.detail' <<<"$json") == "$msg" ]] && pass "$name: am-diag gives the message" ||
     { fail "$name: am-diag's detail is not the message"; jq -r '.first_failure.detail' <<<"$json"; }
   "$DIAG" "$dir" >"$T/$name.diag"
   grep -qE "^first failure: rank $first on $HOST \(local rank $first" "$T/$name.diag" && pass "$name: am-diag's first-failure line" ||
