@@ -262,6 +262,9 @@ static void check_adamw(const char *name, bool clip)
     float *norms = read_all(&G, clip ? "grad_norms_adamw_clip" : "grad_norms_adamw", &n);
     double loss_worst = 0, norm_worst = 0, final_worst = 0, loss[5], norm[5];
     adamw_steps(&G, 1e-2f, clip, loss, norm);
+    for (int s = 0; s < 5; s++)
+        report("%s: step %d loss %.7f (transformers %.7f), grad norm %.7f (transformers %.7f)\n", name, s + 1, loss[s],
+               want[s], norm[s], norms[s]);
     for (int s = 0; s < 5; s++) {
         loss_worst = fmax(loss_worst, fabs(loss[s] - want[s]));
         if (fabs(loss[s] - want[s]) >= 1e-5)
@@ -496,6 +499,7 @@ CASE(llama_tp)
 CASE(qwen3_tiny)
 CASE(mistral_window)
 CASE_FP32(mixtral_tiny)
+CASE_FP32(qwen3_moe_tiny)
 #define TESTS_FP32(name)                                                                                           \
     cmocka_unit_test(test_##name##_rope), cmocka_unit_test(test_##name##_forward_backward),                       \
         cmocka_unit_test(test_##name##_adamw), cmocka_unit_test(test_##name##_adamw_clip),                         \
@@ -507,7 +511,7 @@ int main(void)
     const struct CMUnitTest tests[] = {TESTS(llama_gqa), TESTS(llama_tied), TESTS(llama3_scaling), TESTS(llama_tp),
                                        TESTS(qwen3_tiny),     TESTS(mistral_window),
                                        /* mixture of experts: fp32 goldens (no bf16 reference yet) */
-                                       TESTS_FP32(mixtral_tiny),
+                                       TESTS_FP32(mixtral_tiny), TESTS_FP32(qwen3_moe_tiny),
                                        cmocka_unit_test(test_model_refuses)};
     /* on a GPU (AM_GOLDEN_DEVICE=cuda): the bf16 cases, the models in device memory */
     const struct CMUnitTest gpu[] = {cmocka_unit_test(test_llama_gqa_bf16),       cmocka_unit_test(test_llama_tied_bf16),
