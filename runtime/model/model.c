@@ -657,10 +657,11 @@ static int layer_forward(struct am_model *m, const struct am_layer *L, struct am
     K->rmsnorm_forward(m->dev, &h2, &rstd2, x, &L->mlp_norm->wc, eps);
     if (column_input(m, &h2, N, &in, err, err_len) < 0)
         return -1;
-    if (L->moe) { /* the experts in place of the MLP (moe.h) */
+    if (L->moe) { /* the experts in place of the MLP (moe.h), replicated over tp: o is whole */
         if (am_moe_forward(m, L, a, &in, &o, err, err_len) < 0)
             return -1;
-        return add_row_parallel(m, x, &o, err, err_len);
+        K->add(m->dev, x, &o);
+        return 0;
     }
     K->matmul_forward(m->dev, &gate, &in, &L->w_gate->wc);
     K->matmul_forward(m->dev, &up, &in, &L->w_up->wc);
@@ -819,6 +820,8 @@ static int layer_backward(struct am_model *m, const struct am_layer *L, const st
         K->zero(m->dev, &dh);
         if (am_moe_backward(m, L, a, &dy, &in, &dh, err, err_len) < 0)
             return -1;
+        if (m->tp_comm) /* each tp rank holds all of dh, which norm_backward sums over tp */
+            K->scale(m->dev, &dh, 1.0f / (float)m->sh.tp);
         if (norm_backward(m, dx, L->mlp_norm, &dh, &x_mid, &rstd2, err, err_len) < 0)
             return -1;
         goto attention;

@@ -39,14 +39,16 @@ int am_moe_check(const struct am_model_config *cfg, const struct am_model_shard 
 {
     if (cfg->num_experts <= 0)
         return 0;
-    if (sh->tp > 1)
-        return am_fail(err, err_len, "model: %s with tp = %d: the experts are not split over tensor-parallel ranks "
-                       "yet (train mixture-of-experts models with tp 1)", cfg->model_type, sh->tp);
-    if (sh->n_chunks != 1 || !sh->first_stage || !sh->last_stage || sh->chunks[0].first_layer != 0 ||
-        sh->chunks[0].n_layers != cfg->num_hidden_layers)
-        return am_fail(err, err_len, "model: %s over pipeline stages: the load-balancing loss spans all the layers "
-                       "and is not exchanged between stages yet (train mixture-of-experts models with pp 1)",
-                       cfg->model_type);
+    if (sh->tp > 1 && sh->sequence_parallel)
+        return am_fail(err, err_len, "model: %s with sequence parallelism: the experts are replicated over the "
+                       "tensor-parallel ranks and take every token, not a rank's share (set "
+                       "distributed.sequence_parallel: false)", cfg->model_type);
+    bool whole = sh->n_chunks == 1 && sh->first_stage && sh->last_stage && sh->chunks[0].first_layer == 0 &&
+                 sh->chunks[0].n_layers == cfg->num_hidden_layers;
+    if (!whole && cfg->output_router_logits)
+        return am_fail(err, err_len, "model: %s over pipeline stages with output_router_logits: the load-balancing "
+                       "loss spans all the layers and is not exchanged between stages yet (train with pp 1, or "
+                       "without the loss: output_router_logits: false)", cfg->model_type);
     return 0;
 }
 
@@ -157,9 +159,10 @@ int am_moe_init(struct am_model *m, char *err, size_t err_len)
     M->host = calloc((m->n_acts + 1) * (size_t)M->E, sizeof(*M->host));
     if (!M->acts || !M->slots || !M->step_counts || !M->h32 || !M->host)
         return am_fail(err, err_len, "model: out of memory for the mixture-of-experts state");
-    for (int l = 0; l < m->n_layers; l++)
-        if (am_model_layer_is_moe(c, m->sh.chunks[0].first_layer + l) && !m->layers[l].moe)
-            return am_fail(err, err_len, "model: out of memory for the mixture-of-experts layers");
+    for (int ch = 0; ch < m->sh.n_chunks; ch++)
+        for (int l = 0; l < m->sh.chunks[ch].n_layers; l++)
+            if (am_model_layer_is_moe(c, m->sh.chunks[ch].first_layer + l) && !m->layers[m->chunk_base[ch] + l].moe)
+                return am_fail(err, err_len, "model: out of memory for the mixture-of-experts layers");
     /* which acts entries are MoE layers', and of which slot */
     for (int ch = 0; ch < m->sh.n_chunks; ch++)
         for (int s = 0; s < m->sh.chunks[ch].slots; s++) {

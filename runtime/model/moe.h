@@ -29,8 +29,15 @@
  * gate, up and down matrices are registered as E consecutive parameters, so that the E
  * experts' matrices of one kind are one [E, rows, cols] tensor for the grouped GEMMs.
  *
- * Not yet: experts split over tp, pipeline stages (the aux loss spans all the layers), sequence
- * parallelism and expert parallelism (ep > 1); am_moe_check refuses them.
+ * Tensor parallelism: the router and the experts are replicated over the tp ranks (each rank
+ * computes the whole block on all the tokens; the parameters are AM_SPLIT_NONE, counted once in
+ * the gradient norm); the block's output is added to the residual without a tp sum, and the
+ * gradient of its input is divided by tp before the sum over tp that the norm's backward takes.
+ * Pipeline stages: each stage runs its own MoE layers; the load-balancing loss, which spans all
+ * the layers of the model, is not exchanged between stages yet.
+ * Not yet: experts split over tp or over ep ranks (expert parallelism, ep > 1), sequence
+ * parallelism with experts, and the load-balancing loss over pipeline stages; am_moe_check
+ * refuses the last two, am-train refuses ep > 1.
  */
 #ifndef AM_MODEL_MOE_H
 #define AM_MODEL_MOE_H

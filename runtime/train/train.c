@@ -58,8 +58,8 @@ struct trainer {
 };
 
 /* The layouts this trainer runs so far: data, tensor (+ sequence) and pipeline parallelism;
- * context and expert parallelism not yet (mixture-of-experts models run at ep 1, with tp 1 and
- * pp 1: runtime/model/moe.h). */
+ * context and expert parallelism not yet (mixture-of-experts models run at ep 1, their experts
+ * replicated over tp: runtime/model/moe.h). */
 static int check_supported(const struct am_plan *p, const struct am_recipe *r, struct am_errors *err)
 {
     if (p->cp > 1)
