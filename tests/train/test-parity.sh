@@ -23,6 +23,7 @@
 #   transformers computes it per forward, so it depends on which sequences share a micro-batch:
 #   data-parallel ranks' and pipeline micro-batches hold other sequences than one rank's); its
 #   sequence-parallel, pipeline-with-aux-loss and ep layouts are refused with the reason.
+#   Qwen3-MoE (q/k norms, renormalised top 2, layer 1 a dense MLP split over tp) at tp 2 x pp 2.
 # Tolerances: 1e-5 absolute on losses near 5 and 1e-5 relative on gradient norms over 8
 # steps; every weight of the final checkpoint within 5e-5, as test_golden's final weights
 # (AdamW divides each gradient by its own running magnitude, so an element whose gradient
@@ -62,6 +63,7 @@ recipe() { # NAME MODS: base.yaml with comma-separated changes, its checkpoints 
         qwen3) args+=(-e 's/model_type: llama/model_type: qwen3\n  head_dim: 32/') ;;
         mistral) args+=(-e 's/model_type: llama/model_type: mistral\n  sliding_window: 24/') ;;
         moe) args+=(-e 's/model_type: llama/model_type: mixtral\n  num_local_experts: 4\n  num_experts_per_tok: 2/') ;;
+        qmoe) args+=(-e 's/model_type: llama/model_type: qwen3_moe\n  num_experts: 4\n  num_experts_per_tok: 2\n  moe_intermediate_size: 64\n  norm_topk_prob: true\n  mlp_only_layers: [1]/') ;;
         aux) args+=(-e 's/model_type: mixtral/model_type: mixtral\n  output_router_logits: true\n  router_aux_loss_coef: 0.02/') ;;
         - | 1f1b) ;;
         *) echo "test-parity.sh: unknown change $m" >&2; exit 2 ;;
@@ -113,7 +115,7 @@ run() { # NAME N MODS [VAR=VALUE...]: N ranks, with the plugin's AM_TP-style ove
         >"$work/out-$name" 2>&1)
 }
 
-for ref in "ref -" "ref-tied tied" "ref-qwen3 qwen3" "ref-mistral mistral" "ref-bf16 bf16" "ref-moe moe" "ref-moe-aux moe,aux"; do
+for ref in "ref -" "ref-tied tied" "ref-qwen3 qwen3" "ref-mistral mistral" "ref-bf16 bf16" "ref-moe moe" "ref-moe-aux moe,aux" "ref-qmoe qmoe"; do
     set -- $ref
     run "$1" 1 "$2" || { echo "FAIL: $1 (1 rank) did not train"; cat "$work/out-$1"; exit 1; }
     losses "$work/logs-$1" >"$work/$1"
@@ -158,7 +160,8 @@ layouts+=("ac 1 ac ref" "pp2-tied 2 tied ref-tied AM_PP=2" "pp4-tied-gpipe 4 tie
     "tp2-pp2-mistral 4 mistral ref-mistral AM_TP=2 AM_PP=2" "tp2-pp2-mistral-sp 4 mistral,sp ref-mistral AM_TP=2 AM_PP=2"
     "dp2-moe 2 moe ref-moe" "dp4-moe-ac 4 moe,ac ref-moe" "ac-moe-aux 1 moe,aux,ac ref-moe-aux"
     "tp2-moe-aux 2 moe,aux ref-moe-aux AM_TP=2" "tp2-dp2-moe 4 moe ref-moe AM_TP=2"
-    "pp2-moe 2 moe ref-moe AM_PP=2" "tp2-pp2-moe-il 4 moe,il ref-moe AM_TP=2 AM_PP=2")
+    "pp2-moe 2 moe ref-moe AM_PP=2" "tp2-pp2-moe-il 4 moe,il ref-moe AM_TP=2 AM_PP=2"
+    "tp2-pp2-qmoe 4 qmoe ref-qmoe AM_TP=2 AM_PP=2")
 [ -n "${AM_PARITY_ONLY:-}" ] && IFS=';' read -ra layouts <<<"$AM_PARITY_ONLY" # some layouts, to debug them
 for layout in "${layouts[@]}"; do
     set -- $layout
