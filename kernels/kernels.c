@@ -91,6 +91,17 @@ int am_kernels_missing(const struct am_kernels *k, char *buf, size_t len)
     AM_NEED(attention_backward);
     AM_NEED(swiglu_forward);
     AM_NEED(swiglu_backward);
+    AM_NEED(moe_route_forward);
+    AM_NEED(moe_route_backward);
+    AM_NEED(moe_aux_stats);
+    AM_NEED(moe_aux_loss);
+    AM_NEED(moe_plan);
+    AM_NEED(moe_permute_forward);
+    AM_NEED(moe_permute_backward);
+    AM_NEED(moe_combine_forward);
+    AM_NEED(moe_combine_backward);
+    AM_NEED(grouped_matmul_forward);
+    AM_NEED(grouped_matmul_backward);
     AM_NEED(ce_stats);
     AM_NEED(ce_backward);
     AM_NEED(ce_rescale);

@@ -210,6 +210,57 @@ struct am_kernels {
     void (*swiglu_backward)(const struct am_dev *d, struct am_tensor *dgate, struct am_tensor *dup, const struct am_tensor *dout,
                             const struct am_tensor *gate, const struct am_tensor *up);
 
+    /* ---- mixture of experts on one rank's experts (transformers' Mixtral, Qwen3-MoE) ----
+     * N tokens, E experts, k experts per token (idx's columns), S = N * k routed rows; the
+     * router's logits [N, E] are a matmul by the caller (x · Wgᵀ). Activations (logits, x, xp,
+     * y, yp and their gradients) have the activation dtype; probs, wts, cnt, psum are f32,
+     * idx, pos, counts i32.
+     *   moe_route_forward: probs = softmax(logits) in fp32; idx the k experts of largest
+     *     probability in descending order (ties to the lower expert); wts their probabilities,
+     *     divided by their sum when renorm (Mixtral always; Qwen3-MoE's norm_topk_prob):
+     *     transformers' order, softmax over all experts, then top-k, then the renormalisation.
+     *   moe_route_backward: dlogits += the softmax's backward of dprobs, where dprobs is dwts
+     *     taken back through the renormalisation onto the top-k entries (the choice itself has
+     *     no gradient), plus aux_scale * cnt[e] on every entry e of every row (the gradient of
+     *     the load-balancing loss; cnt NULL: none).
+     *   moe_aux_stats: cnt[e] += how many of the rows' top-k slots chose e, psum[e] += Σ over
+     *     rows of probs[:, e] (rows in order).
+     *   moe_aux_loss: acc (one f64) += scale * Σ_e cnt[e] * psum[e] (in double): with
+     *     scale = E / R² over R rows of all the MoE layers it is transformers'
+     *     load_balancing_loss_func (Switch Transformer's E Σ f_e P_e).
+     *   moe_plan: a stable counting sort of the slots by expert: counts[e] = slots routed to e,
+     *     pos[i, j] = the row of slot (i, j) in the permuted order (expert by expert, tokens in
+     *     order within an expert).
+     *   moe_permute_forward: xp[pos[i, j]] = x[i]; backward: dx[i] += Σ_j dxp[pos[i, j]].
+     *   moe_combine_forward: y[i] = Σ_j wts[i, j] * yp[pos[i, j]] (j in order, from 0);
+     *     backward: dyp[pos[i, j]] += wts[i, j] * dy[i], dwts[i, j] += dy[i] · yp[pos[i, j]].
+     *   grouped_matmul: the experts' linear layers in one call: w [E, Nout, K] (the experts'
+     *     weights back to back), x [S, K] and y [S, Nout] in expert order, counts a HOST array
+     *     of E row counts (moe_plan's, downloaded by the caller: the backends size their
+     *     products on the host); rows of expert e: y_e = x_e · w_eᵀ, as matmul. backward:
+     *     dx += dy_e · w_e, dw_e += dy_eᵀ · x_e (either NULL). */
+    void (*moe_route_forward)(const struct am_dev *d, struct am_tensor *probs, struct am_tensor *idx, struct am_tensor *wts,
+                              const struct am_tensor *logits, bool renorm);
+    void (*moe_route_backward)(const struct am_dev *d, struct am_tensor *dlogits, const struct am_tensor *dwts,
+                               const struct am_tensor *probs, const struct am_tensor *idx, const struct am_tensor *cnt,
+                               float aux_scale, bool renorm);
+    void (*moe_aux_stats)(const struct am_dev *d, struct am_tensor *cnt, struct am_tensor *psum, const struct am_tensor *probs,
+                          const struct am_tensor *idx);
+    void (*moe_aux_loss)(const struct am_dev *d, struct am_tensor *acc, const struct am_tensor *cnt,
+                         const struct am_tensor *psum, double scale);
+    void (*moe_plan)(const struct am_dev *d, struct am_tensor *pos, struct am_tensor *counts, const struct am_tensor *idx);
+    void (*moe_permute_forward)(const struct am_dev *d, struct am_tensor *xp, const struct am_tensor *x, const struct am_tensor *pos);
+    void (*moe_permute_backward)(const struct am_dev *d, struct am_tensor *dx, const struct am_tensor *dxp,
+                                 const struct am_tensor *pos);
+    void (*moe_combine_forward)(const struct am_dev *d, struct am_tensor *y, const struct am_tensor *yp, const struct am_tensor *pos,
+                                const struct am_tensor *wts);
+    void (*moe_combine_backward)(const struct am_dev *d, struct am_tensor *dyp, struct am_tensor *dwts, const struct am_tensor *dy,
+                                 const struct am_tensor *yp, const struct am_tensor *pos, const struct am_tensor *wts);
+    void (*grouped_matmul_forward)(const struct am_dev *d, struct am_tensor *y, const struct am_tensor *x, const struct am_tensor *w,
+                                   const int64_t *counts);
+    void (*grouped_matmul_backward)(const struct am_dev *d, struct am_tensor *dx, struct am_tensor *dw, const struct am_tensor *dy,
+                                    const struct am_tensor *x, const struct am_tensor *w, const int64_t *counts);
+
     /* ---- cross-entropy fused with the output projection, vocabulary-parallel, in chunks ----
      * x [N, C] final hidden states, w [V_shard, C] the head's shard (ids vocab_start..),
      * targets [N] int32. Logits are computed chunk by chunk and never stored whole.

@@ -252,6 +252,27 @@ void am_cpu_attention_backward(const struct am_dev *dev, struct am_tensor *dq, s
 void am_cpu_swiglu_forward(const struct am_dev *dev, struct am_tensor *out, const struct am_tensor *gate, const struct am_tensor *up);
 void am_cpu_swiglu_backward(const struct am_dev *dev, struct am_tensor *dgate, struct am_tensor *dup, const struct am_tensor *dout,
                             const struct am_tensor *gate, const struct am_tensor *up);
+/* moe.c: mixture of experts (routing, permutation, grouped GEMMs) */
+void am_cpu_moe_route_forward(const struct am_dev *d, struct am_tensor *probs, struct am_tensor *idx, struct am_tensor *wts,
+                          const struct am_tensor *logits, bool renorm);
+void am_cpu_moe_route_backward(const struct am_dev *d, struct am_tensor *dlogits, const struct am_tensor *dwts,
+                           const struct am_tensor *probs, const struct am_tensor *idx, const struct am_tensor *cnt,
+                           float aux_scale, bool renorm);
+void am_cpu_moe_aux_stats(const struct am_dev *d, struct am_tensor *cnt, struct am_tensor *psum, const struct am_tensor *probs,
+                      const struct am_tensor *idx);
+void am_cpu_moe_aux_loss(const struct am_dev *d, struct am_tensor *acc, const struct am_tensor *cnt, const struct am_tensor *psum,
+                     double scale);
+void am_cpu_moe_plan(const struct am_dev *d, struct am_tensor *pos, struct am_tensor *counts, const struct am_tensor *idx);
+void am_cpu_moe_permute_forward(const struct am_dev *d, struct am_tensor *xp, const struct am_tensor *x, const struct am_tensor *pos);
+void am_cpu_moe_permute_backward(const struct am_dev *d, struct am_tensor *dx, const struct am_tensor *dxp, const struct am_tensor *pos);
+void am_cpu_moe_combine_forward(const struct am_dev *d, struct am_tensor *y, const struct am_tensor *yp, const struct am_tensor *pos,
+                            const struct am_tensor *wts);
+void am_cpu_moe_combine_backward(const struct am_dev *d, struct am_tensor *dyp, struct am_tensor *dwts, const struct am_tensor *dy,
+                             const struct am_tensor *yp, const struct am_tensor *pos, const struct am_tensor *wts);
+void am_cpu_grouped_matmul_forward(const struct am_dev *d, struct am_tensor *y, const struct am_tensor *x, const struct am_tensor *w,
+                               const int64_t *counts);
+void am_cpu_grouped_matmul_backward(const struct am_dev *d, struct am_tensor *dx, struct am_tensor *dw, const struct am_tensor *dy,
+                                const struct am_tensor *x, const struct am_tensor *w, const int64_t *counts);
 /* crossentropy.c */
 void am_cpu_ce_stats(const struct am_dev *dev, struct am_tensor *m, struct am_tensor *s, struct am_tensor *t, const struct am_tensor *x,
                      const struct am_tensor *w, const struct am_tensor *targets, int64_t vocab_start);

@@ -132,6 +132,28 @@ bool am_cuda_ce_fused(const struct am_dev *d, struct am_tensor *m, struct am_ten
                       struct am_tensor *dx, struct am_tensor *dw, const struct am_tensor *x, const struct am_tensor *w,
                       const struct am_tensor *targets, float dloss_scale);
 
+/* ---- moe.cu: mixture of experts (routing, permutation; grouped GEMMs on cuBLASLt, one per expert) ---- */
+void am_cuda_moe_route_forward(const struct am_dev *d, struct am_tensor *probs, struct am_tensor *idx, struct am_tensor *wts,
+                          const struct am_tensor *logits, bool renorm);
+void am_cuda_moe_route_backward(const struct am_dev *d, struct am_tensor *dlogits, const struct am_tensor *dwts,
+                           const struct am_tensor *probs, const struct am_tensor *idx, const struct am_tensor *cnt,
+                           float aux_scale, bool renorm);
+void am_cuda_moe_aux_stats(const struct am_dev *d, struct am_tensor *cnt, struct am_tensor *psum, const struct am_tensor *probs,
+                      const struct am_tensor *idx);
+void am_cuda_moe_aux_loss(const struct am_dev *d, struct am_tensor *acc, const struct am_tensor *cnt, const struct am_tensor *psum,
+                     double scale);
+void am_cuda_moe_plan(const struct am_dev *d, struct am_tensor *pos, struct am_tensor *counts, const struct am_tensor *idx);
+void am_cuda_moe_permute_forward(const struct am_dev *d, struct am_tensor *xp, const struct am_tensor *x, const struct am_tensor *pos);
+void am_cuda_moe_permute_backward(const struct am_dev *d, struct am_tensor *dx, const struct am_tensor *dxp, const struct am_tensor *pos);
+void am_cuda_moe_combine_forward(const struct am_dev *d, struct am_tensor *y, const struct am_tensor *yp, const struct am_tensor *pos,
+                            const struct am_tensor *wts);
+void am_cuda_moe_combine_backward(const struct am_dev *d, struct am_tensor *dyp, struct am_tensor *dwts, const struct am_tensor *dy,
+                             const struct am_tensor *yp, const struct am_tensor *pos, const struct am_tensor *wts);
+void am_cuda_grouped_matmul_forward(const struct am_dev *d, struct am_tensor *y, const struct am_tensor *x, const struct am_tensor *w,
+                               const int64_t *counts);
+void am_cuda_grouped_matmul_backward(const struct am_dev *d, struct am_tensor *dx, struct am_tensor *dw, const struct am_tensor *dy,
+                                const struct am_tensor *x, const struct am_tensor *w, const int64_t *counts);
+
 /* ---- adamw.cu ---- */
 void am_cuda_adamw(const struct am_dev *d, struct am_tensor *param, const struct am_tensor *grad, struct am_tensor *m,
                    struct am_tensor *v, float lr, float beta1, float beta2, float eps, float weight_decay, int64_t step);

@@ -378,13 +378,18 @@ char *am_ckpt_config_json(const struct am_model_config *m, const char *base_conf
         set(cfg, strcmp(type, "mixtral") == 0 ? "num_local_experts" : "num_experts", json_integer(m->num_experts));
         set(cfg, "num_experts_per_tok", json_integer(m->num_experts_per_tok));
         set(cfg, "router_aux_loss_coef", json_real(m->router_aux_loss_coef));
-        set(cfg, "output_router_logits", json_false());
+        set(cfg, "output_router_logits", json_boolean(m->output_router_logits));
     }
     if (strcmp(type, "qwen3_moe") == 0) {
         set(cfg, "moe_intermediate_size", json_integer(m->moe_intermediate_size));
         set(cfg, "norm_topk_prob", json_boolean(m->norm_topk_prob));
+        /* the dense layers am built, listed one by one (the same layers as any sparse step) */
+        json_t *dense = json_array();
+        for (long l = 0; l < m->num_hidden_layers; l++)
+            if (!am_model_layer_is_moe(m, l))
+                json_array_append_new(dense, json_integer(l));
         set(cfg, "decoder_sparse_step", json_integer(1));
-        set(cfg, "mlp_only_layers", json_array());
+        set(cfg, "mlp_only_layers", dense);
     }
     char *dumped = json_dumps(cfg, JSON_INDENT(2) | JSON_SORT_KEYS);
     if (!dumped)

@@ -4,6 +4,7 @@
  * micro-batch, block by block, each backward below its forward in reverse.
  */
 #include "model.h"
+#include "moe.h"
 
 #include <math.h>
 #include <stddef.h>
@@ -17,9 +18,9 @@
 /* ---- parameters ---------------------------------------------------------------------- */
 
 /* Registers a parameter of local shape rows x cols (cols 0: a vector). */
-static struct am_param *add_param(struct am_model *m, const char *name, int64_t rows, int64_t cols,
-                                  enum am_split split, int64_t full_rows, int64_t full_cols, int64_t row0,
-                                  int64_t col0)
+struct am_param *am_model_add_param(struct am_model *m, const char *name, int64_t rows, int64_t cols,
+                                    enum am_split split, int64_t full_rows, int64_t full_cols, int64_t row0,
+                                    int64_t col0)
 {
     struct am_param *p = &m->params[m->n_params++];
     memset(p, 0, sizeof(*p));
@@ -37,6 +38,7 @@ static struct am_param *add_param(struct am_model *m, const char *name, int64_t 
     m->n_elems += (size_t)am_tensor_numel(&p->w);
     return p;
 }
+#define add_param am_model_add_param
 
 static void layer_params(struct am_model *m, int l, int local)
 {
@@ -60,6 +62,10 @@ static void layer_params(struct am_model *m, int l, int local)
     L->window = am_model_layer_window(c, l);
     L->wo = add_param(m, NAME("self_attn.o_proj.weight"), C, m->heads * D, AM_SPLIT_COLS, C, Hq, 0, r * m->heads * D);
     L->mlp_norm = add_param(m, NAME("post_attention_layernorm.weight"), C, 0, AM_SPLIT_NONE, C, 0, 0, 0);
+    if (am_model_layer_is_moe(c, l)) { /* the router and the experts in place of the MLP */
+        am_moe_layer_params(m, l, L);
+        return;
+    }
     L->w_gate = add_param(m, NAME("mlp.gate_proj.weight"), m->inter, C, AM_SPLIT_ROWS, c->intermediate_size, C,
                           r * m->inter, 0);
     L->w_up = add_param(m, NAME("mlp.up_proj.weight"), m->inter, C, AM_SPLIT_ROWS, c->intermediate_size, C,
@@ -77,12 +83,13 @@ struct scalar_block {
 };
 
 /* Starts parameter group `kind` with the next parameter registered (model.h). */
-static void begin_group(struct am_model *m, enum am_pgroup_kind kind, int layer, const char *name)
+void am_model_begin_group(struct am_model *m, enum am_pgroup_kind kind, int layer, const char *name)
 {
     struct am_pgroup *g = &m->groups[m->n_groups++];
     *g = (struct am_pgroup){.kind = kind, .layer = layer, .first = m->n_params, .shard = AM_SHARD_REPLICATED};
     snprintf(g->name, sizeof(g->name), "%s", name);
 }
+#define begin_group am_model_begin_group
 
 /* A tied embedding split over the first and the last pipeline stage: each holds a copy. */
 static bool tied_across_stages(const struct am_model *m)
@@ -250,9 +257,8 @@ int am_model_init(struct am_model *m, const struct am_model_config *cfg, const s
     if (m->sh.sequence_parallel && (batch * seq_len) % sh->tp)
         return am_fail(err, err_len, "model: sequence parallelism splits the %lld tokens of a micro-batch over tp = %d "
                     "ranks: they must divide evenly", (long long)(batch * seq_len), sh->tp);
-    if (cfg->num_experts > 0)
-        return am_fail(err, err_len, "model: %s (mixture of experts) is not implemented by the trainer yet",
-                    cfg->model_type);
+    if (am_moe_check(cfg, sh, err, err_len) < 0)
+        return -1;
     int tp = sh->tp;
     int64_t H = cfg->num_attention_heads, KVH = cfg->num_key_value_heads;
     m->head_dim = cfg->head_dim;
@@ -279,8 +285,8 @@ int am_model_init(struct am_model *m, const struct am_model_config *cfg, const s
         m->n_acts += (size_t)m->sh.chunks[c].slots * (size_t)sh->chunks[c].n_layers;
     }
 
-    m->params = calloc((size_t)(11 * m->n_layers + 4), sizeof(*m->params));
-    m->groups = calloc((size_t)(m->n_layers + 2), sizeof(*m->groups));
+    m->params = calloc((size_t)(11 * m->n_layers + 4 + am_moe_extra_params(cfg, m->n_layers)), sizeof(*m->params));
+    m->groups = calloc((size_t)(2 * m->n_layers + 2), sizeof(*m->groups));
     m->layers = calloc((size_t)m->n_layers, sizeof(*m->layers));
     m->slots = calloc((size_t)m->n_slots, sizeof(*m->slots));
     m->acts_mem = calloc(m->n_acts + 1, sizeof(*m->acts_mem));
@@ -348,6 +354,10 @@ int am_model_init(struct am_model *m, const struct am_model_config *cfg, const s
     if (!m->act_mem)
         goto oom;
     layout_acts(m, m->act_mem);
+    if (am_moe_init(m, err, err_len) < 0) {
+        am_model_free(m);
+        return -1;
+    }
     struct am_rope_scaling rs = {cfg->rope_scaling.type, cfg->rope_scaling.factor, cfg->rope_scaling.low_freq_factor,
                                  cfg->rope_scaling.high_freq_factor,
                                  cfg->rope_scaling.original_max_position_embeddings};
@@ -374,6 +384,7 @@ void am_model_free(struct am_model *m)
             m->K->free(m->dev, m->act_mem);
         if (m->scalar_mem)
             m->K->free(m->dev, m->scalar_mem);
+        am_moe_free(m);
     }
     free(m->params);
     free(m->groups);
@@ -424,6 +435,7 @@ void am_model_begin_step(struct am_model *m)
     m->K->zero(m->dev, &g);
     m->K->zero(m->dev, &m->scalars.loss);
     m->K->zero(m->dev, &m->scalars.local_sumsq);
+    am_moe_stats_reset(m);
 }
 
 const char *am_model_phase_name(enum am_model_phase p)
@@ -645,6 +657,12 @@ static int layer_forward(struct am_model *m, const struct am_layer *L, struct am
     K->rmsnorm_forward(m->dev, &h2, &rstd2, x, &L->mlp_norm->wc, eps);
     if (column_input(m, &h2, N, &in, err, err_len) < 0)
         return -1;
+    if (L->moe) { /* the experts in place of the MLP (moe.h), replicated over tp: o is whole */
+        if (am_moe_forward(m, L, a, &in, &o, err, err_len) < 0)
+            return -1;
+        K->add(m->dev, x, &o);
+        return 0;
+    }
     K->matmul_forward(m->dev, &gate, &in, &L->w_gate->wc);
     K->matmul_forward(m->dev, &up, &in, &L->w_up->wc);
     K->swiglu_forward(m->dev, &act, &gate, &up);
@@ -738,11 +756,13 @@ static int forward_chunk(struct am_model *m, int chunk, int slot, int64_t B, con
         K->copy(m->dev, &x, &in);
     }
     const struct am_layer *layers = &m->layers[m->chunk_base[chunk]];
+    am_moe_forward_begin(m, m->slot_base[chunk] + slot);
     for (int l = 0; l < m->sh.chunks[chunk].n_layers; l++) {
         m->where.layer = m->sh.chunks[chunk].first_layer + l;
         if (layer_forward(m, &layers[l], &S->acts[l], &x, B, err, err_len) < 0)
             return -1;
     }
+    am_moe_forward_end(m, m->slot_base[chunk] + slot, N, is_last(m, chunk) ? targets : NULL, dloss_scale);
     m->where.layer = AM_WHERE_HEAD;
     if (is_last(m, chunk))
         return head_forward(m, S, &x, targets, dloss_scale, want_grad, err, err_len);
@@ -794,6 +814,18 @@ static int layer_backward(struct am_model *m, const struct am_layer *L, const st
     /* MLP block, in reverse; dx already holds the residual's gradient */
     if (row_parallel_grad(m, dx, N, &dy, err, err_len) < 0)
         return -1;
+    if (L->moe) { /* the experts in place of the MLP (moe.h) */
+        if (column_input(m, &h2, N, &in, err, err_len) < 0)
+            return -1;
+        K->zero(m->dev, &dh);
+        if (am_moe_backward(m, L, a, &dy, &in, &dh, err, err_len) < 0)
+            return -1;
+        if (m->tp_comm) /* each tp rank holds all of dh, which norm_backward sums over tp */
+            K->scale(m->dev, &dh, 1.0f / (float)m->sh.tp);
+        if (norm_backward(m, dx, L->mlp_norm, &dh, &x_mid, &rstd2, err, err_len) < 0)
+            return -1;
+        goto attention;
+    }
     K->zero(m->dev, &dact);
     K->matmul_backward(m->dev, &dact, &L->w_down->g, &dy, &act, &L->w_down->wc);
     K->zero(m->dev, &dgate);
@@ -808,6 +840,7 @@ static int layer_backward(struct am_model *m, const struct am_layer *L, const st
         return -1;
 
     /* attention block, in reverse */
+attention:;
     struct am_tensor datt = rows_of(&m->scratch_att, N), dq = rows_of(&m->scratch_q, N);
     struct am_tensor dk = rows_of(&m->scratch_kv_k, N), dv = rows_of(&m->scratch_kv_v, N);
     if (row_parallel_grad(m, dx, N, &dy, err, err_len) < 0)
@@ -902,6 +935,7 @@ int am_model_backward(struct am_model *m, int chunk, int slot, const void *dy, v
                 return -1;
         }
         if (layer_backward(m, &layers[l], a, &dx, B, err, err_len) < 0 ||
+            (layers[l].moe && group_done(m, layers[l].moe->experts_group, err, err_len) < 0) ||
             group_done(m, layers[l].group, err, err_len) < 0)
             return -1;
     }

@@ -1,5 +1,5 @@
 /* model.h - a Llama-style decoder (llama; mistral with its sliding window; qwen3 with its
- * per-head q/k norms; MoE later) on one rank's shard.
+ * per-head q/k norms; mixtral and qwen3_moe with their experts, moe.h) on one rank's shard.
  *
  * The model is written once over the kernel table (kernels/kernels.h) and tensors that carry
  * their device and dtype. A rank holds:
@@ -121,6 +121,8 @@ struct am_layer {
     struct am_param *q_norm, *k_norm; /* qk_norm (Qwen3): RMSNorm over each head of q and k; else NULL */
     int64_t window;                   /* sliding window of its attention (0: none) */
     int group; /* its parameter group */
+    struct am_moe_layer *moe;         /* a mixture-of-experts layer's router and experts (moe.h),
+                                         in place of w_gate, w_up, w_down; else NULL */
 };
 
 /* How a parameter group is kept across the data-parallel ranks: replicated (every rank holds
@@ -128,12 +130,12 @@ struct am_layer {
  * (fully sharded data parallelism) and expert (reduced over the expert-data group) next. */
 enum am_shard { AM_SHARD_REPLICATED, AM_SHARD_SHARDED, AM_SHARD_EXPERT };
 
-enum am_pgroup_kind { AM_PG_EMBED, AM_PG_LAYER, AM_PG_HEAD };
+enum am_pgroup_kind { AM_PG_EMBED, AM_PG_LAYER, AM_PG_HEAD, AM_PG_EXPERTS /* a MoE layer's experts (moe.h) */ };
 
 struct am_pgroup {
     char name[32];           /* "embed", "layers.3", "head" (final norm and output head) */
     enum am_pgroup_kind kind;
-    int layer;               /* AM_PG_LAYER: the layer's local index */
+    int layer;               /* AM_PG_LAYER, AM_PG_EXPERTS: the layer's local index */
     int first, n;            /* params[first .. first + n) */
     size_t offset, n_elems;  /* its span of the slabs, in elements */
     bool tied;               /* holds a copy of a tied embedding split over two pipeline stages:
@@ -203,6 +205,7 @@ struct am_model {
 
     struct am_param *embed, *final_norm, *head; /* head == embed when tied and on the same rank */
     struct am_layer *layers;
+    struct am_moe *moe; /* the mixture-of-experts layers' state (moe.h); NULL for a dense model */
 
     /* activations: n_slots (all chunks') micro-batches of up to max_tokens tokens */
     int64_t max_tokens, seq_len;

@@ -322,7 +322,7 @@ struct am_node *am_json_file_to_node(struct am_arena *a, const char *path, struc
 /* ---- reading the architecture -------------------------------------------------------- */
 
 enum kind {
-    K_LONG, K_DOUBLE, K_BOOL, K_STR, K_ACT, K_ROPE_SCALING, K_ROPE_PARAMETERS, K_CHECK_FALSE, K_CHECK_ZERO,
+    K_LONG, K_DOUBLE, K_BOOL, K_STR, K_ACT, K_ROPE_SCALING, K_ROPE_PARAMETERS, K_CHECK_FALSE, K_CHECK_ZERO, K_MLP_ONLY,
     K_WINDOW, K_USE_WINDOW, K_MAX_WINDOW_LAYERS, K_LAYER_TYPES, K_QUANT, K_IGNORE
 };
 
@@ -332,6 +332,7 @@ struct window_keys {
     bool sliding_window_given, use_sliding_window;
     long max_window_layers; /* -1: not given */
     struct am_node *sliding_window_node, *layer_types;
+    struct am_node *mlp_only_layers;
 };
 
 struct hf_key {
@@ -361,6 +362,9 @@ static const struct hf_key hf_keys[] = {
     {"moe_intermediate_size", K_LONG, F(moe_intermediate_size)},
     {"norm_topk_prob", K_BOOL, F(norm_topk_prob)},
     {"router_aux_loss_coef", K_DOUBLE, F(router_aux_loss_coef)},
+    {"output_router_logits", K_BOOL, F(output_router_logits)},
+    {"decoder_sparse_step", K_LONG, F(decoder_sparse_step)},
+    {"mlp_only_layers", K_MLP_ONLY, 0},
     {"rope_scaling", K_ROPE_SCALING, 0},
     {"rope_parameters", K_ROPE_PARAMETERS, 0}, /* transformers 5: rope_theta and the scaling together */
     {"torch_dtype", K_STR, F(torch_dtype)},
@@ -382,10 +386,7 @@ static const struct hf_key hf_keys[] = {
     {"transformers_version", K_IGNORE, 0},
     {"use_cache", K_IGNORE, 0},
     {"pretraining_tp", K_IGNORE, 0},
-    {"output_router_logits", K_IGNORE, 0},
     {"router_jitter_noise", K_IGNORE, 0},
-    {"decoder_sparse_step", K_IGNORE, 0},
-    {"mlp_only_layers", K_IGNORE, 0},
     {"_name_or_path", K_IGNORE, 0},
 };
 #undef F
@@ -542,6 +543,10 @@ static int read_key(const struct hf_key *k, struct am_node *v, const char *secti
         if (!am_node_is_null(v))
             w->layer_types = v;
         return 0;
+    case K_MLP_ONLY:
+        if (!am_node_is_null(v))
+            w->mlp_only_layers = v;
+        return 0;
     case K_QUANT: {
         if (am_node_is_null(v))
             return 0;
@@ -557,6 +562,59 @@ static int read_key(const struct hf_key *k, struct am_node *v, const char *secti
         return 0;
     }
     return 0;
+}
+
+/* qwen3_moe's dense layers (Qwen3MoeDecoderLayer): layer l has experts when it is not in
+ * mlp_only_layers and (l + 1) % decoder_sparse_step == 0 (default 1: every layer); mixtral's
+ * layers all have experts (MixtralConfig has neither key). */
+static void resolve_dense_layers(const struct window_keys *w, const struct am_pos *where, const char *section,
+                                 struct am_model_config *m, struct am_errors *err)
+{
+    memset(m->dense_layers, 0, sizeof(m->dense_layers));
+    if (strcmp(m->model_type, "qwen3_moe") != 0) {
+        m->decoder_sparse_step = 1;
+        return;
+    }
+    if (m->decoder_sparse_step <= 0)
+        m->decoder_sparse_step = 1;
+    if (m->num_hidden_layers > AM_MAX_WINDOW_LAYERS) {
+        am_errorf(err, where, "%s.num_hidden_layers: %ld; am builds mixture-of-experts models of up to %d layers",
+                  section, m->num_hidden_layers, AM_MAX_WINDOW_LAYERS);
+        return;
+    }
+    for (long l = 0; l < m->num_hidden_layers; l++)
+        if ((l + 1) % m->decoder_sparse_step)
+            m->dense_layers[l / 64] |= (uint64_t)1 << (l % 64);
+    struct am_node *ml = w->mlp_only_layers;
+    if (!ml)
+        return;
+    if (ml->kind != AM_NODE_SEQ) {
+        am_errorf(err, &ml->pos, "%s.mlp_only_layers: expected a list of layer indices", section);
+        return;
+    }
+    for (size_t i = 0; i < ml->n; i++) {
+        char key[128];
+        long l;
+        snprintf(key, sizeof(key), "%s.mlp_only_layers[%zu]", section, i);
+        if (am_node_long(ml->entries[i].value, key, 0, m->num_hidden_layers - 1, &l, err) < 0)
+            continue;
+        m->dense_layers[l / 64] |= (uint64_t)1 << (l % 64);
+    }
+}
+
+bool am_model_layer_is_moe(const struct am_model_config *m, long l)
+{
+    if (m->num_experts <= 0 || l < 0 || l >= m->num_hidden_layers)
+        return false;
+    return l >= AM_MAX_WINDOW_LAYERS || !((m->dense_layers[l / 64] >> (l % 64)) & 1);
+}
+
+long am_model_moe_layers(const struct am_model_config *m)
+{
+    long n = 0;
+    for (long l = 0; l < m->num_hidden_layers; l++)
+        n += am_model_layer_is_moe(m, l);
+    return n;
 }
 
 static void set_window_layer(struct am_model_config *m, long l) { m->window_layers[l / 64] |= (uint64_t)1 << (l % 64); }
@@ -796,6 +854,8 @@ int am_model_config_read(struct am_arena *a, struct am_node *cfg, const char *se
     } else if (m->intermediate_size <= 0) {
         am_errorf(err, &where, "%s.intermediate_size: missing (the MLP width)", section);
     }
+    if (moe && err->n == before)
+        resolve_dense_layers(&wk, &where, section, m, err);
     if (err->n == before)
         resolve_windows(&wk, &where, section, m, err);
     return err->n > before ? -1 : 0;
@@ -823,12 +883,24 @@ void am_model_params(const struct am_model_config *m, struct am_param_count *p)
     } else {
         p->mlp_per_layer = 3 * h * (double)m->intermediate_size;
     }
+    /* a MoE model's dense layers (qwen3_moe's mlp_only_layers): counted into the averages
+     * per layer, mlp_per_layer, router_per_layer and experts_per_layer */
+    double n_moe = m->num_experts > 0 ? (double)am_model_moe_layers(m) : L, dense_share = L > 0 ? (L - n_moe) / L : 0;
+    double dense_active = 0;
+    if (m->num_experts > 0 && n_moe < L) {
+        p->router_per_layer *= n_moe / L;
+        p->experts_per_layer *= n_moe / L;
+        p->mlp_per_layer = dense_share * 3 * h * (double)m->intermediate_size;
+        dense_active = p->mlp_per_layer;
+    }
     p->per_layer = p->attn_per_layer + p->norms_per_layer + p->mlp_per_layer + p->router_per_layer +
                    p->experts_per_layer;
     p->final_norm = h;
     p->total = p->embedding + p->lm_head + L * p->per_layer + p->final_norm;
     double mlp_active = m->num_experts > 0
-                            ? p->router_per_layer + (double)m->num_experts_per_tok * 3 * h * (double)m->moe_intermediate_size
+                            ? p->router_per_layer +
+                                  (n_moe / L) * (double)m->num_experts_per_tok * 3 * h * (double)m->moe_intermediate_size +
+                                  dense_active
                             : p->mlp_per_layer;
     p->active_per_token = L * (h * q + 2 * h * kv + q * h + mlp_active) + (double)m->vocab_size * h;
 }

@@ -42,6 +42,13 @@ struct am_model_config {
     long num_experts, num_experts_per_tok, moe_intermediate_size;
     bool norm_topk_prob;
     double router_aux_loss_coef;
+    bool output_router_logits; /* the load-balancing loss is added to the loss (transformers adds
+                                  router_aux_loss_coef * aux only when this is set) */
+    /* qwen3_moe: layer l has experts unless it is in mlp_only_layers or (l + 1) is not a
+     * multiple of decoder_sparse_step; those layers have a dense MLP of intermediate_size.
+     * Bit l set: layer l is dense. am_model_layer_is_moe() gives a layer's kind. */
+    long decoder_sparse_step;
+    uint64_t dense_layers[AM_MAX_WINDOW_LAYERS / 64];
     struct {
         const char *type; /* NULL: no scaling; "llama3", "linear" */
         double factor, low_freq_factor, high_freq_factor;
@@ -85,6 +92,10 @@ void am_model_params(const struct am_model_config *m, struct am_param_count *p);
 /* The sliding window of layer l (0 <= l < num_hidden_layers): its size in keys, or 0 when the
  * layer attends to every earlier position. */
 long am_model_layer_window(const struct am_model_config *m, long l);
+/* Whether layer l has experts (a MoE model's sparse layers) rather than a dense MLP. */
+bool am_model_layer_is_moe(const struct am_model_config *m, long l);
+/* How many of the model's layers have experts. */
+long am_model_moe_layers(const struct am_model_config *m);
 
 /* True when the model name is one am can train. */
 bool am_model_type_supported(const char *model_type);

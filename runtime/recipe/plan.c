@@ -117,8 +117,16 @@ static double act_elems_per_token(const struct am_recipe *r, const struct am_pla
     double tp = p->tp, h = (double)m->hidden_size, hd = (double)m->head_dim;
     double q = (double)m->num_attention_heads * hd;
     double kv_rank = (m->num_key_value_heads >= p->tp ? (double)m->num_key_value_heads / tp : 1.0) * hd;
-    double mlp = m->num_experts > 0 ? (double)m->num_experts_per_tok * 3 * (double)m->moe_intermediate_size
-                                    : 3 * (double)m->intermediate_size / tp;
+    /* the MLP's gate, up and product (every layer: a MoE model's dense layers use them); a MoE
+     * layer also keeps, per token, its router logits and probabilities, its k slots' choice,
+     * weight and row (i32 / f32), and for each slot the permuted input, gate, up, product and
+     * output (runtime/model/moe.c), averaged over the layers (qwen3_moe's dense layers) */
+    double mlp = 3 * (double)m->intermediate_size / tp;
+    if (m->num_experts > 0) {
+        double k = (double)m->num_experts_per_tok, E = (double)m->num_experts, cs = am_dtype_size(r->compute_dtype);
+        double moe = E + k * (2 * h + 3 * (double)m->moe_intermediate_size) + (E + 3 * k) * 4 / cs;
+        mlp += moe * (double)am_model_moe_layers(m) / (double)m->num_hidden_layers;
+    }
     double replicated = 4 * h; /* norm inputs and outputs */
     if (r->dist.sequence_parallel)
         replicated /= tp;

@@ -105,7 +105,7 @@ static void model_rules(struct check *c)
     if (m->vocab_size % tp)
         FAIL(c, "distributed.tp_size", "%d does not divide vocab_size = %ld (the vocabulary is split across tp "
              "ranks; use %s)", tp, m->vocab_size, divisors(m->vocab_size, 64, d, sizeof(d)));
-    if (m->num_experts == 0 && m->intermediate_size % tp)
+    if ((m->num_experts == 0 || am_model_moe_layers(m) < m->num_hidden_layers) && m->intermediate_size % tp)
         FAIL(c, "distributed.tp_size", "%d does not divide intermediate_size = %ld (the MLP is split across tp "
              "ranks; use %s)", tp, m->intermediate_size, divisors(m->intermediate_size, 64, d, sizeof(d)));
     if (r->dist.ep > 1 && m->num_experts == 0)

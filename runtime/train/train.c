@@ -20,6 +20,7 @@
 #include "flight.h"
 #include "log.h"
 #include "model.h"
+#include "moe.h"
 #include "model_io.h"
 #include "optim.h"
 #include "pipeline.h"
@@ -57,12 +58,17 @@ struct trainer {
 };
 
 /* The layouts this trainer runs so far: data, tensor (+ sequence) and pipeline parallelism;
- * context and expert parallelism not yet. */
+ * context and expert parallelism not yet (mixture-of-experts models run at ep 1, their experts
+ * replicated over tp: runtime/model/moe.h). */
 static int check_supported(const struct am_plan *p, const struct am_recipe *r, struct am_errors *err)
 {
-    if (p->cp > 1 || p->ep > 1)
+    if (p->cp > 1)
         return am_errors_fail(err, "am-train does not run this layout yet: cp_size %d, ep_size %d (it runs data, "
                               "tensor and pipeline parallelism: use 1 for both)", p->cp, p->ep);
+    if (p->ep > 1)
+        return am_errors_fail(err, "am-train does not run expert parallelism yet: ep_size %d needs the all-to-all "
+                              "dispatch of tokens to the ranks holding their experts, not implemented (a mixture-of-"
+                              "experts model trains with every expert on each rank: use ep_size 1)", p->ep);
     if (r->compute_dtype == AM_F16 || r->reduce_dtype == AM_F16)
         return am_errors_fail(err, "distributed.mp_policy: float16 compute or reduction needs loss scaling, which "
                               "am-train does not do: use bfloat16 (fp32's range in half the bytes) or float32");
@@ -632,6 +638,15 @@ static int run(struct trainer *t, struct am_errors *err)
             json_object_set_new(rec, "dev_mem_in_use", json_integer((json_int_t)dm.in_use));
             json_object_set_new(rec, "dev_mem_peak", json_integer((json_int_t)dm.peak));
             json_object_set_new(rec, "dev_mem_held", json_integer((json_int_t)dm.held));
+        }
+        if (m->moe) { /* tokens routed to each expert over the step on this rank (moe.h) */
+            struct am_moe_stats ms;
+            am_moe_stats(m, &ms);
+            json_object_set_new(rec, "expert_tokens_min", json_integer((json_int_t)ms.min));
+            json_object_set_new(rec, "expert_tokens_max", json_integer((json_int_t)ms.max));
+            json_object_set_new(rec, "expert_imbalance", json_real(ms.imbalance));
+            if (r->model.output_router_logits)
+                json_object_set_new(rec, "aux_loss", json_real(ms.aux));
         }
         am_log_record(t->log, "step", rec);
         if (rank == 0)

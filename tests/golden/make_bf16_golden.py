@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""bf16 mixed-precision goldens: the dense golden models trained as FSDP2's
+"""bf16 mixed-precision goldens: the golden models trained as FSDP2's
 MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32) trains them, on one rank.
 
 For each case (a model directory written by make_golden.py), from the saved initial weights:
@@ -37,7 +37,11 @@ from safetensors.torch import save_file
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import make_golden as G  # noqa: E402
 
-DENSE = [c for c, spec in G.CASES.items() if spec["arch"] != "mixtral"]
+# every case but mixtral_tiny: am's bf16 loss there lands 1.53e-4 from PyTorch's at the first
+# step, 0.99 of test_golden's tolerance (twice PyTorch's own bf16-to-fp32 distance, 2.8e-5 by
+# chance on that batch, plus 1e-4), too close to tell a change from chance; its MoE arithmetic
+# is covered in bf16 by qwen3_moe_tiny
+DENSE = [c for c in G.CASES if c != "mixtral_tiny"]
 
 
 ADAMW = dict(G.ADAMW, lr=1e-3)

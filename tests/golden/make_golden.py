@@ -47,7 +47,8 @@ import safetensors
 import transformers
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, MistralConfig, MixtralConfig, Qwen3Config
+from transformers import (AutoConfig, AutoModelForCausalLM, LlamaConfig, MistralConfig, MixtralConfig, Qwen3Config,
+                          Qwen3MoeConfig)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODELS = os.path.join(HERE, "models")
@@ -93,7 +94,9 @@ LLAMA_BASE = dict(
 # ill-conditioned (float32 vs float64 losses 1e-5..2e-4 apart; see CONDITIONING) and, for
 # Mixtral, some tokens sat within 2e-5 of a top-2 routing tie (see MIN_ROUTER_MARGIN). qwen3_tiny
 # (model_seed 1006 -> 1026): 1006 had sdpa vs eager gradients 1.13e-6 apart (> SDPA_TOL), 1016 and 1036
-# were ill-conditioned.
+# were ill-conditioned. qwen3_moe_tiny (model_seed 1008 -> 1018): 1008 left clipping inactive in the
+# last step; with 6 experts instead of 4, seeds 1008-1218 each had a near-tie in routing, a zero
+# gradient (an expert no token chose) or sdpa/grouped_mm vs eager gradients 1.0-1.3e-6 apart.
 #
 # config_format: "v5" keeps config.json as transformers 5 writes it (rope in "rope_parameters");
 # "legacy" rewrites it the way most checkpoints on the hub are written (top-level "rope_theta"
@@ -180,6 +183,40 @@ CASES = {
             pad_token_id=None,
         ),
     ),
+    # Qwen3-MoE: q/k norms as Qwen3, 4 experts of width 48 (moe_intermediate_size), top 2 without
+    # renormalising the two weights (norm_topk_prob false: Mixtral covers the renormalised case),
+    # layer 1 a dense MLP of width 96 (mlp_only_layers), the load-balancing loss on.
+    "qwen3_moe_tiny": dict(
+        arch="qwen3_moe", seq=16, model_seed=1128, data_seed=2008, config_format="v5",
+        config=dict(
+            vocab_size=128,
+            hidden_size=64,
+            intermediate_size=96,
+            moe_intermediate_size=48,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            norm_topk_prob=False,
+            decoder_sparse_step=1,
+            mlp_only_layers=[1],
+            tie_word_embeddings=False,
+            rope_theta=1000000.0,
+            rms_norm_eps=1e-5,
+            max_position_embeddings=64,
+            initializer_range=0.02,
+            hidden_act="silu",
+            attention_bias=False,
+            use_sliding_window=False,
+            output_router_logits=True,
+            router_aux_loss_coef=0.02,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=None,
+        ),
+    ),
     # Mistral with a sliding window of 7 keys on a sequence of 32: the query at position t sees
     # the keys t - 7 < j <= t (transformers' sliding_window_overlay: kv_idx > q_idx - window).
     "mistral_window": dict(
@@ -243,7 +280,12 @@ def setup_torch():
 def make_config(case):
     spec = CASES[case]
     cfg = dict(spec["config"])
-    return dict(llama=LlamaConfig, mixtral=MixtralConfig, qwen3=Qwen3Config, mistral=MistralConfig)[spec["arch"]](**cfg)
+    return dict(llama=LlamaConfig, mixtral=MixtralConfig, qwen3=Qwen3Config, mistral=MistralConfig,
+                qwen3_moe=Qwen3MoeConfig)[spec["arch"]](**cfg)
+
+
+MOE_ARCHS = ("mixtral", "qwen3_moe")
+MOE_CONFIGS = (MixtralConfig, Qwen3MoeConfig)
 
 
 def impl_kwargs(config_or_case, fast=False):
@@ -251,9 +293,9 @@ def impl_kwargs(config_or_case, fast=False):
     for MoE, the eager per-expert loop. fast=True picks transformers' defaults for a cross-check
     (sdpa attention; grouped_mm experts), which must agree within SDPA_TOL."""
     if isinstance(config_or_case, str):
-        is_moe = CASES[config_or_case]["arch"] == "mixtral"
+        is_moe = CASES[config_or_case]["arch"] in MOE_ARCHS
     else:
-        is_moe = getattr(config_or_case, "model_type", None) == "mixtral"
+        is_moe = getattr(config_or_case, "model_type", None) in MOE_ARCHS
     kw = dict(attn_implementation="sdpa" if fast else "eager")
     if is_moe and not fast:
         kw["experts_implementation"] = "eager"
@@ -300,6 +342,21 @@ def to_checkpoint_names(model, tensors):
       model.layers.L.mlp.experts.down_proj          [E, H, I]   -> ...block_sparse_moe.experts.e.w2.weight = [e]
     """
     out = {}
+    if isinstance(model.config, Qwen3MoeConfig):  # Qwen3-MoE: mlp.experts.e.{gate,up,down}_proj.weight
+        for name, t in tensors.items():
+            if ".mlp.experts.gate_up_proj" in name:
+                prefix = name.split(".mlp.experts.gate_up_proj")[0]
+                inter = t.shape[1] // 2
+                for e in range(t.shape[0]):
+                    out[f"{prefix}.mlp.experts.{e}.gate_proj.weight"] = t[e, :inter, :].contiguous()
+                    out[f"{prefix}.mlp.experts.{e}.up_proj.weight"] = t[e, inter:, :].contiguous()
+            elif ".mlp.experts.down_proj" in name:
+                prefix = name.split(".mlp.experts.down_proj")[0]
+                for e in range(t.shape[0]):
+                    out[f"{prefix}.mlp.experts.{e}.down_proj.weight"] = t[e].contiguous()
+            else:
+                out[name] = t.contiguous()
+        return out
     for name, t in tensors.items():
         if ".mlp.experts.gate_up_proj" in name:
             prefix = name.split(".mlp.experts.gate_up_proj")[0]
@@ -330,7 +387,7 @@ def forward(model, ids, own_loss=False):
     own_loss=True: loss is the explicit shifted cross-entropy computed in the model's dtype
     (transformers upcasts logits to float32 for its loss, which would spoil the float64 reference).
     """
-    is_moe = isinstance(model.config, MixtralConfig)
+    is_moe = isinstance(model.config, MOE_CONFIGS)
     kwargs = dict(input_ids=ids, labels=ids)
     if is_moe:
         kwargs["output_router_logits"] = True
@@ -504,18 +561,24 @@ def ref_forward(W, cfg, ids):
             heads.append(sc @ v[:, :, g])
         x = x + torch.cat(heads, -1) @ W[p + "self_attn.o_proj.weight"].T
         h = rms(x, W[p + "post_attention_layernorm.weight"])
-        if isinstance(cfg, MixtralConfig):
+        mixtral = isinstance(cfg, MixtralConfig)
+        sparse = mixtral or (isinstance(cfg, Qwen3MoeConfig) and layer not in cfg.mlp_only_layers
+                             and (layer + 1) % cfg.decoder_sparse_step == 0)
+        if sparse:
+            blk = "block_sparse_moe." if mixtral else "mlp."
+            wg, wu, wd = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
             flat = h.reshape(B * T, H)
-            probs = (flat @ W[p + "block_sparse_moe.gate.weight"].T).softmax(-1)
+            probs = (flat @ W[p + blk + "gate.weight"].T).softmax(-1)
             router_probs.append(probs)
             top_p, top_e = probs.topk(cfg.num_experts_per_tok, dim=-1)
-            top_p = top_p / top_p.sum(-1, keepdim=True)  # renormalise the top-k weights
+            if mixtral or cfg.norm_topk_prob:
+                top_p = top_p / top_p.sum(-1, keepdim=True)  # renormalise the top-k weights
             out = torch.zeros_like(flat)
             for n in range(B * T):
                 for slot in range(cfg.num_experts_per_tok):
-                    e = f"{p}block_sparse_moe.experts.{int(top_e[n, slot])}."
-                    a = F.silu(flat[n] @ W[e + "w1.weight"].T) * (flat[n] @ W[e + "w3.weight"].T)
-                    out[n] += top_p[n, slot] * (a @ W[e + "w2.weight"].T)
+                    e = f"{p}{blk}experts.{int(top_e[n, slot])}."
+                    a = F.silu(flat[n] @ W[e + wg + ".weight"].T) * (flat[n] @ W[e + wu + ".weight"].T)
+                    out[n] += top_p[n, slot] * (a @ W[e + wd + ".weight"].T)
             x = x + out.view(B, T, H)
         else:
             a = F.silu(h @ W[p + "mlp.gate_proj.weight"].T) * (h @ W[p + "mlp.up_proj.weight"].T)
@@ -528,7 +591,7 @@ def ref_forward(W, cfg, ids):
     loss_lm = -logp.gather(-1, ids[:, 1:, None]).mean()
     aux = None
     if router_probs:
-        E, k = cfg.num_local_experts, cfg.num_experts_per_tok
+        E, k = getattr(cfg, "num_local_experts", None) or cfg.num_experts, cfg.num_experts_per_tok
         probs = torch.cat(router_probs)  # all layers' tokens together: [L*B*T, E]
         counts = torch.zeros(E)
         for e in probs.topk(k, dim=-1).indices.reshape(-1).tolist():
@@ -592,7 +655,8 @@ def generate(case):
     model = make_model(case)
     ids = make_batch(case)
     cfg = model.config
-    is_moe = spec["arch"] == "mixtral"
+    is_moe = spec["arch"] in MOE_ARCHS
+    router0 = "model.layers.0." + ("block_sparse_moe" if spec["arch"] == "mixtral" else "mlp") + ".gate.weight"
 
     # Initial weights (checkpoint naming), before anything touches them.
     init_weights = to_checkpoint_names(model, {n: p.detach().clone() for n, p in model.named_parameters()})
@@ -692,8 +756,7 @@ def generate(case):
             finals["final.model.norm.weight"] = params["model.norm.weight"]
             finals["final." + head] = params[head]
             if is_moe:
-                finals["final.model.layers.0.block_sparse_moe.gate.weight"] = \
-                    params["model.layers.0.block_sparse_moe.gate.weight"]
+                finals["final." + router0] = params[router0]
         del m3
     assert abs(series[False][0][0] - float(res["loss"])) <= 1e-6
     assert min(series[True][1]) > CLIP_MAX_NORM, f"clipping inactive in some step: {series[True][1]}"
@@ -810,6 +873,8 @@ def _case_signature(cfg):
     sig = tuple(getattr(cfg, k, None) for k in keys)
     if getattr(cfg, "model_type", None) == "mixtral":
         sig += (cfg.num_local_experts, cfg.num_experts_per_tok)
+    if getattr(cfg, "model_type", None) == "qwen3_moe":
+        sig += (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size)
     return sig + (json.dumps(rope_params(cfg), sort_keys=True),)
 
 

@@ -362,6 +362,99 @@ static void case_swiglu(enum am_dtype dt)
     pair_free(&du);
 }
 
+/* The mixture of experts' kernels on both devices from the same inputs: the router (probs,
+ * weights, the choice itself exactly), the plan (exactly: a stable sort), the permutation
+ * (exactly), the grouped GEMMs, the combination and every backward, and the aux statistics.
+ * Rows of the logits are drawn from [-3, 3) so that ties are unlikely; E = 8, k = 2, an
+ * expert no token chooses (its rows are 0 in the grouped GEMMs). */
+static void case_moe(enum am_dtype dt)
+{
+    bool bf = dt == AM_BF16;
+    int64_t N = 150, E = 8, k = 2, S = N * k, C = 96, I = 72;
+    struct pair lg = pair_new(dt, N, E, 0, 0), probs = pair_new(AM_F32, N, E, 0, 0);
+    struct pair idx = pair_new(AM_I32, N, k, 0, 0), wts = pair_new(AM_F32, N, k, 0, 0);
+    pair_fill(&lg, -3, 3);
+    for (int64_t i = 0; i < N; i++) /* expert 5 is never chosen */
+        for (int64_t e = 5; e < 6; e++) {
+            if (dt == AM_F32)
+                ((float *)lg.c.data)[i * E + e] = -50.0f;
+            else
+                ((uint16_t *)lg.c.data)[i * E + e] = am_f32_to_bf16(-50.0f);
+        }
+    pair_upload(&lg);
+    KC->moe_route_forward(&cpu, &probs.c, &idx.c, &wts.c, &lg.c, true);
+    KG->moe_route_forward(&gpu, &probs.g, &idx.g, &wts.g, &lg.g, true);
+    check("moe_route_forward probs", &probs, false);
+    record("moe_route_forward idx", bf ? "bf16" : "fp32", rel_err(&idx), 0);
+    check("moe_route_forward wts", &wts, false);
+    KG->upload(&gpu, idx.g.data, idx.c.data, am_tensor_bytes(&idx.c)); /* the same choice from here on */
+    struct pair pos = pair_new(AM_I32, N, k, 0, 0), counts = pair_new(AM_I32, E, 0, 0, 0);
+    KC->moe_plan(&cpu, &pos.c, &counts.c, &idx.c);
+    KG->moe_plan(&gpu, &pos.g, &counts.g, &idx.g);
+    record("moe_plan pos", "i32", rel_err(&pos), 0);
+    record("moe_plan counts", "i32", rel_err(&counts), 0);
+    int64_t hc[8];
+    for (int64_t e = 0; e < E; e++)
+        hc[e] = ((int32_t *)counts.c.data)[e];
+    struct pair x = rnd(dt, N, C, 0, 0), xp = pair_new(dt, S, C, 0, 0), w1 = rnd(dt, E, I, C, 0);
+    struct pair h = pair_new(dt, S, I, 0, 0), w2 = rnd(dt, E, C, I, 0), yp = pair_new(dt, S, C, 0, 0);
+    struct pair y = pair_new(dt, N, C, 0, 0);
+    KC->moe_permute_forward(&cpu, &xp.c, &x.c, &pos.c);
+    KG->moe_permute_forward(&gpu, &xp.g, &x.g, &pos.g);
+    record("moe_permute_forward", bf ? "bf16" : "fp32", rel_err(&xp), 0);
+    KC->grouped_matmul_forward(&cpu, &h.c, &xp.c, &w1.c, hc);
+    KG->grouped_matmul_forward(&gpu, &h.g, &xp.g, &w1.g, hc);
+    check("grouped_matmul_forward (x w1)", &h, bf);
+    pair_upload(&h);
+    KC->grouped_matmul_forward(&cpu, &yp.c, &h.c, &w2.c, hc);
+    KG->grouped_matmul_forward(&gpu, &yp.g, &h.g, &w2.g, hc);
+    check("grouped_matmul_forward (h w2)", &yp, bf);
+    pair_upload(&yp);
+    KC->moe_combine_forward(&cpu, &y.c, &yp.c, &pos.c, &wts.c);
+    KG->moe_combine_forward(&gpu, &y.g, &yp.g, &pos.g, &wts.g);
+    check("moe_combine_forward", &y, bf);
+    KG->upload(&gpu, wts.g.data, wts.c.data, am_tensor_bytes(&wts.c));
+    struct pair dy = rnd(dt, N, C, 0, 0), dyp = rnd(dt, S, C, 0, 0), dwts = rnd(AM_F32, N, k, 0, 0);
+    KC->moe_combine_backward(&cpu, &dyp.c, &dwts.c, &dy.c, &yp.c, &pos.c, &wts.c);
+    KG->moe_combine_backward(&gpu, &dyp.g, &dwts.g, &dy.g, &yp.g, &pos.g, &wts.g);
+    check("moe_combine_backward dyp", &dyp, bf);
+    check("moe_combine_backward dwts", &dwts, bf);
+    pair_upload(&dyp);
+    struct pair dh = rnd(dt, S, I, 0, 0), dw2 = rnd(AM_F32, E, C, I, 0);
+    KC->grouped_matmul_backward(&cpu, &dh.c, &dw2.c, &dyp.c, &h.c, &w2.c, hc);
+    KG->grouped_matmul_backward(&gpu, &dh.g, &dw2.g, &dyp.g, &h.g, &w2.g, hc);
+    check("grouped_matmul_backward dx", &dh, bf);
+    check("grouped_matmul_backward dw (fp32)", &dw2, bf);
+    struct pair dxp = rnd(dt, S, C, 0, 0), dx = rnd(dt, N, C, 0, 0);
+    KC->moe_permute_backward(&cpu, &dx.c, &dxp.c, &pos.c);
+    KG->moe_permute_backward(&gpu, &dx.g, &dxp.g, &pos.g);
+    check("moe_permute_backward", &dx, bf);
+    pair_upload(&probs);
+    struct pair dl = rnd(dt, N, E, 0, 0), cnt = pair_new(AM_F32, E, 0, 0, 0), psum = pair_new(AM_F32, E, 0, 0, 0);
+    KC->moe_aux_stats(&cpu, &cnt.c, &psum.c, &probs.c, &idx.c);
+    KG->moe_aux_stats(&gpu, &cnt.g, &psum.g, &probs.g, &idx.g);
+    record("moe_aux_stats cnt", "fp32", rel_err(&cnt), 0);
+    check("moe_aux_stats psum", &psum, false);
+    pair_upload(&cnt);
+    pair_upload(&dwts);
+    KC->moe_route_backward(&cpu, &dl.c, &dwts.c, &probs.c, &idx.c, &cnt.c, 0.01f, true);
+    KG->moe_route_backward(&gpu, &dl.g, &dwts.g, &probs.g, &idx.g, &cnt.g, 0.01f, true);
+    check("moe_route_backward dlogits", &dl, bf);
+    KC->moe_route_backward(&cpu, &dl.c, &dwts.c, &probs.c, &idx.c, NULL, 0.0f, false);
+    KG->moe_route_backward(&gpu, &dl.g, &dwts.g, &probs.g, &idx.g, NULL, 0.0f, false);
+    check("moe_route_backward (no renorm, no aux)", &dl, bf);
+    struct pair acc = pair_new(AM_F64, 1, 0, 0, 0);
+    KC->moe_aux_loss(&cpu, &acc.c, &cnt.c, &psum.c, 0.5);
+    pair_upload(&psum);
+    KG->zero(&gpu, &acc.g);
+    KG->moe_aux_loss(&gpu, &acc.g, &cnt.g, &psum.g, 0.5);
+    check("moe_aux_loss", &acc, false);
+    struct pair *all[] = {&lg, &probs, &idx, &wts, &pos, &counts, &x, &xp, &w1, &h, &w2, &yp, &y, &dy, &dyp,
+                          &dwts, &dh, &dw2, &dxp, &dx, &dl, &cnt, &psum, &acc};
+    for (size_t i = 0; i < sizeof all / sizeof *all; i++)
+        pair_free(all[i]);
+}
+
 /* Attention, forward and backward, on one path: AM_ATTN=own (the backend's kernels) or
  * cudnn (cuDNN's fused attention, which must then have run the case, or with T = 1, which
  * cuDNN lacks, must have left it to the backend's kernels: a row says which ran). The
@@ -748,6 +841,8 @@ int main(void)
     case_rope(AM_BF16, AM_BF16);
     case_swiglu(AM_F32);
     case_swiglu(AM_BF16);
+    case_moe(AM_F32);
+    case_moe(AM_BF16);
     /* attention: GQA and MHA, head sizes 64 and 128 (and, on the own kernels, 20, 96 and
      * 256), T not a multiple of the 32-row tiles, T = 1, a window shorter than T, B = 2 */
     static const int64_t shapes[][6] = {

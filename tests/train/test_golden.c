@@ -25,6 +25,7 @@
 #include "kernels.h"
 #include "model.h"
 #include "model_io.h"
+#include "moe.h"
 #include "recipe.h"
 #include "safetensors.h"
 
@@ -198,6 +199,20 @@ static void check_forward_backward(const char *name)
         grad_worst = fmax(grad_worst, diff / big);
         free(g);
     }
+    if (am_st_find(G.g, "aux_loss")) { /* a mixture of experts: the load-balancing loss itself */
+        float *want_aux = read_all(&G, "aux_loss", &n);
+        struct am_moe_stats st;
+        am_model_read_scalars(&G.m, &(struct am_model_values){0});
+        am_moe_stats(&G.m, &st);
+        if (fabs(st.aux - want_aux[0]) >= 1e-5)
+            print_error("%s: aux loss %.7f, transformers %.7f\n", name, st.aux, want_aux[0]);
+        assert_true(fabs(st.aux - want_aux[0]) < 1e-5);
+        /* every token's k slots are counted once per MoE layer */
+        assert_true(st.min >= 0 && st.max >= st.min && st.imbalance >= 1.0);
+        report("%s: aux loss %.2e (tolerance 1e-5); tokens per expert min %lld max %lld imbalance %.2f\n", name,
+               fabs(st.aux - want_aux[0]), (long long)st.min, (long long)st.max, st.imbalance);
+        free(want_aux);
+    }
     report("%s: loss %.2e, logits %.2e, gradients %.2e of the largest (tolerances 1e-5, 1e-5, 1e-5)\n", name,
            fabs(loss - want_loss[0]), worst, grad_worst);
     G.K->free(&G.dev, logits);
@@ -247,6 +262,9 @@ static void check_adamw(const char *name, bool clip)
     float *norms = read_all(&G, clip ? "grad_norms_adamw_clip" : "grad_norms_adamw", &n);
     double loss_worst = 0, norm_worst = 0, final_worst = 0, loss[5], norm[5];
     adamw_steps(&G, 1e-2f, clip, loss, norm);
+    for (int s = 0; s < 5; s++)
+        report("%s: step %d loss %.7f (transformers %.7f), grad norm %.7f (transformers %.7f)\n", name, s + 1, loss[s],
+               want[s], norm[s], norms[s]);
     for (int s = 0; s < 5; s++) {
         loss_worst = fmax(loss_worst, fabs(loss[s] - want[s]));
         if (fabs(loss[s] - want[s]) >= 1e-5)
@@ -256,7 +274,9 @@ static void check_adamw(const char *name, bool clip)
         norm_worst = fmax(norm_worst, fabs(norm[s] - norms[s]) / fmax(1.0, norms[s]));
     }
     if (clip) { /* the weights themselves after the clipped steps */
-        static const char *const finals[] = {"model.norm.weight", "lm_head.weight", "model.embed_tokens.weight"};
+        static const char *const finals[] = {"model.norm.weight", "lm_head.weight", "model.embed_tokens.weight",
+                                             "model.layers.0.block_sparse_moe.gate.weight",
+                                             "model.layers.0.mlp.gate.weight"};
         for (size_t f = 0; f < sizeof(finals) / sizeof(finals[0]); f++) {
             char key[128];
             snprintf(key, sizeof(key), "final.%s", finals[f]);
@@ -463,12 +483,14 @@ static void check_bf16(const char *name)
     close_golden(&G);
 }
 
-#define CASE(name)                                                                                                 \
+#define CASE_FP32(name)                                                                                            \
     static void test_##name##_forward_backward(void **s) { (void)s; check_forward_backward(#name); }            \
     static void test_##name##_adamw(void **s) { (void)s; check_adamw(#name, false); }                            \
     static void test_##name##_adamw_clip(void **s) { (void)s; check_adamw(#name, true); }                        \
     static void test_##name##_rope(void **s) { (void)s; check_rope(#name); }                                     \
-    static void test_##name##_save(void **s) { (void)s; check_save(#name); }                                     \
+    static void test_##name##_save(void **s) { (void)s; check_save(#name); }
+#define CASE(name)                                                                                                 \
+    CASE_FP32(name)                                                                                                \
     static void test_##name##_bf16(void **s) { (void)s; check_bf16(#name); }
 CASE(llama_gqa)
 CASE(llama_tied)
@@ -476,20 +498,26 @@ CASE(llama3_scaling)
 CASE(llama_tp)
 CASE(qwen3_tiny)
 CASE(mistral_window)
-#define TESTS(name)                                                                                                \
+CASE_FP32(mixtral_tiny) /* no bf16 golden: make_bf16_golden.py says why */
+CASE(qwen3_moe_tiny)
+#define TESTS_FP32(name)                                                                                           \
     cmocka_unit_test(test_##name##_rope), cmocka_unit_test(test_##name##_forward_backward),                       \
         cmocka_unit_test(test_##name##_adamw), cmocka_unit_test(test_##name##_adamw_clip),                         \
-        cmocka_unit_test(test_##name##_save), cmocka_unit_test(test_##name##_bf16)
+        cmocka_unit_test(test_##name##_save)
+#define TESTS(name) TESTS_FP32(name), cmocka_unit_test(test_##name##_bf16)
 
 int main(void)
 {
     const struct CMUnitTest tests[] = {TESTS(llama_gqa), TESTS(llama_tied), TESTS(llama3_scaling), TESTS(llama_tp),
                                        TESTS(qwen3_tiny),     TESTS(mistral_window),
+                                       /* mixtures of experts (mixtral_tiny without bf16) */
+                                       TESTS_FP32(mixtral_tiny), TESTS(qwen3_moe_tiny),
                                        cmocka_unit_test(test_model_refuses)};
     /* on a GPU (AM_GOLDEN_DEVICE=cuda): the bf16 cases, the models in device memory */
     const struct CMUnitTest gpu[] = {cmocka_unit_test(test_llama_gqa_bf16),       cmocka_unit_test(test_llama_tied_bf16),
                                      cmocka_unit_test(test_llama3_scaling_bf16),  cmocka_unit_test(test_llama_tp_bf16),
-                                     cmocka_unit_test(test_qwen3_tiny_bf16),      cmocka_unit_test(test_mistral_window_bf16)};
+                                     cmocka_unit_test(test_qwen3_tiny_bf16),      cmocka_unit_test(test_mistral_window_bf16),
+                                     cmocka_unit_test(test_qwen3_moe_tiny_bf16)};
     if (golden_device() == AM_DEV_CUDA)
         return cmocka_run_group_tests_name("golden bf16 (cuda)", gpu, NULL, NULL);
     return cmocka_run_group_tests_name("golden", tests, NULL, NULL);

@@ -170,6 +170,38 @@ static void test_param_count(void **state)
     am_recipe_free(r);
 }
 
+/* Qwen3-MoE's dense layers by hand: 4 layers, hidden 64, heads 4 x head_dim 16 (kv 2),
+ * 8 experts of 32, top 2, intermediate 128 for the dense MLP; decoder_sparse_step 2 makes
+ * layers 0 and 2 dense ((l + 1) % 2 != 0), mlp_only_layers [3] makes layer 3 dense too:
+ * only layer 1 has experts.
+ *   attention per layer: q 64*64 + k,v 2*64*32 + o 64*64 + q/k norms 2*16 = 12320; norms 128
+ *   MoE layer: router 8*64 = 512, experts 8 * 3*64*32 = 49152; dense layer: 3*64*128 = 24576
+ *   total: embedding 256*64 = 16384 twice (untied) + final norm 64
+ *          + 4 * (12320 + 128) + 512 + 49152 + 3 * 24576 */
+static void test_param_count_moe_dense_layers(void **state)
+{
+    (void)state;
+    static const char moe[] = "model:\n  model_type: qwen3_moe\n  hidden_size: 64\n  num_hidden_layers: 4\n"
+                              "  num_attention_heads: 4\n  num_key_value_heads: 2\n  head_dim: 16\n"
+                              "  intermediate_size: 128\n  moe_intermediate_size: 32\n  vocab_size: 256\n"
+                              "  num_experts: 8\n  num_experts_per_tok: 2\n  decoder_sparse_step: 2\n"
+                              "  mlp_only_layers: [3]\n  torch_dtype: float32\n"
+                              "step_scheduler:\n  global_batch_size: 8\n  local_batch_size: 2\n";
+    struct am_plan p;
+    struct am_recipe *r = plan_of(moe, NULL, 1, &p);
+    for (long l = 0; l < 4; l++)
+        assert_int_equal(am_model_layer_is_moe(&r->model, l), l == 1);
+    assert_int_equal(am_model_moe_layers(&r->model), 1);
+    double total = 2 * 16384.0 + 64 + 4 * (12320.0 + 128) + 512 + 49152 + 3 * 24576;
+    assert_float_equal(p.params.total, total, 0);
+    /* active per token: attention (without the q/k norms) of 4 layers, the router and 2 of 8
+     * experts on layer 1, the dense MLP on the other 3, the head */
+    double active = 4 * 12288.0 + 512 + 2 * 3 * 64 * 32 + 3 * 24576 + 16384;
+    assert_float_equal(p.params.active_per_token, active, 1e-6);
+    am_plan_free(&p);
+    am_recipe_free(r);
+}
+
 /* Adam under ddp (fp32 compute: ddp computes in the model's dtype, model8's float32): 16 bytes
  * per parameter (ZeRO's accounting: fp32 weights 4 + gradients 4 + two moments 8). */
 static void test_memory_ddp_16_bytes_per_parameter(void **state)
@@ -377,6 +409,7 @@ int main(void)
         cmocka_unit_test(test_expert_groups),
         cmocka_unit_test(test_interleaved_stages),
         cmocka_unit_test(test_param_count),
+        cmocka_unit_test(test_param_count_moe_dense_layers),
         cmocka_unit_test(test_memory_ddp_16_bytes_per_parameter),
         cmocka_unit_test(test_memory_fsdp_keeps_full_replicas),
         cmocka_unit_test(test_memory_activations),

@@ -414,6 +414,14 @@ static void test_model_rules(void **state)
            MSGS("r.yaml:9:33: model.layer_types[1]: 'chunked_attention' is not an attention am runs (use "
                 "full_attention or sliding_attention)"));
 #undef DENSE
+#define QMOE "model:\n  model_type: qwen3_moe\n  hidden_size: 64\n  num_hidden_layers: 4\n  num_attention_heads: 4\n" \
+             "  vocab_size: 10\n  intermediate_size: 8\n  num_experts: 4\n  num_experts_per_tok: 2\n" \
+             "  moe_intermediate_size: 8\n"
+    expect(QMOE "  mlp_only_layers: [1, 7]\n", NULL,
+           MSGS("r.yaml:11:24: model.mlp_only_layers[1]: 7 is out of range (must be 0 to 3)"));
+    expect(QMOE "  mlp_only_layers: 3\n", NULL,
+           MSGS("r.yaml:11:20: model.mlp_only_layers: expected a list of layer indices"));
+#undef QMOE
     expect("step_scheduler:\n  global_batch_size: 8\n", NULL,
            MSGS("r.yaml: model: missing (give pretrained_model_name_or_path, or the architecture with config.json "
                 "keys such as hidden_size)"));
@@ -459,6 +467,41 @@ static void test_model_windows(void **state)
                    "  layer_types: [sliding_attention, full_attention, sliding_attention]\n", "7 0 7");
     expect_windows("qwen3_moe", "  use_sliding_window: true\n  sliding_window: 5\n", "5 5 5");
     expect_windows("llama", "  sliding_window: null\n", "0 0 0");
+}
+
+/* Which of 4 layers have experts ("1" each), as transformers builds them: Qwen3-MoE's
+ * mlp_only_layers and decoder_sparse_step; Mixtral's every layer. */
+static void expect_moe_layers(const char *type, const char *keys, const char *want)
+{
+    char y[1024], got[8] = "";
+    snprintf(y, sizeof(y), "model:\n  model_type: %s\n  hidden_size: 64\n  num_hidden_layers: 4\n"
+             "  num_attention_heads: 4\n  vocab_size: 10\n  intermediate_size: 8\n  num_experts: 4\n"
+             "  num_local_experts: 4\n  num_experts_per_tok: 2\n  moe_intermediate_size: 8\n%s", type, keys);
+    struct am_errors err;
+    am_errors_init(&err);
+    struct am_recipe *r = parse_with("r.yaml", y, NULL, &err);
+    for (size_t i = 0; i < err.n; i++)
+        print_error("%s\n", err.msg[i]);
+    assert_int_equal(err.n, 0);
+    for (long l = 0; l < 4; l++)
+        got[l] = am_model_layer_is_moe(&r->model, l) ? '1' : '0';
+    if (strcmp(got, want) != 0)
+        print_error("%s with '%s': MoE layers %s, want %s\n", type, keys, got, want);
+    assert_string_equal(got, want);
+    am_recipe_free(r);
+    am_errors_free(&err);
+}
+
+static void test_model_moe_layers(void **state)
+{
+    (void)state;
+    expect_moe_layers("qwen3_moe", "", "1111");
+    expect_moe_layers("qwen3_moe", "  decoder_sparse_step: 2\n", "0101"); /* (l + 1) % 2 == 0 */
+    expect_moe_layers("qwen3_moe", "  mlp_only_layers: [0, 2]\n", "0101");
+    expect_moe_layers("qwen3_moe", "  decoder_sparse_step: 2\n  mlp_only_layers: [3]\n", "0100");
+    expect_moe_layers("qwen3_moe", "  decoder_sparse_step: null\n  mlp_only_layers: null\n", "1111");
+    expect_moe_layers("mixtral", "", "1111");
+    expect_moe_layers("llama", "", "0000");
 }
 
 static const char config_json[] =
@@ -683,6 +726,7 @@ int main(void)
         cmocka_unit_test(test_strategy_from_target),
         cmocka_unit_test(test_model_rules),
         cmocka_unit_test(test_model_windows),
+        cmocka_unit_test(test_model_moe_layers),
         cmocka_unit_test(test_model_from_hf_cache),
         cmocka_unit_test(test_model_shipped_configs),
         cmocka_unit_test(test_env_interpolation),

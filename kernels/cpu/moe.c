@@ -1,0 +1,320 @@
+/* moe.c - mixture of experts on the CPU (kernels.h has the contract): the router's softmax
+ * and top-k with their backward, the load-balancing loss's statistics, the stable counting
+ * sort of the routed slots, the permutation to expert order and the weighted combination back,
+ * and the experts' linear layers in one call (matmul on each expert's rows).
+ *
+ * Activations are f32 or bf16 (read widened, each output rounded once); the router's
+ * statistics are f32 and computed in fp32 as transformers' softmax(logits.float()). Rows are
+ * independent, so the row loops run in parallel; the sums over rows (moe_aux_stats) and over
+ * a token's slots (the combination, the permutation's backward) take a fixed order.
+ */
+#include <omp.h>
+
+#include "cpu.h"
+#include "half.h"
+
+static inline float ld(const struct am_tensor *t, int64_t i)
+{
+    return t->dtype == AM_F32 ? ((const float *)t->data)[i] : am_bf16_to_f32(((const uint16_t *)t->data)[i]);
+}
+
+static inline void st(struct am_tensor *t, int64_t i, float v)
+{
+    if (t->dtype == AM_F32)
+        ((float *)t->data)[i] = v;
+    else
+        ((uint16_t *)t->data)[i] = am_f32_to_bf16(v);
+}
+
+/* the shape checks the kernels share: rows x cols of a 2-d tensor */
+static void want2(const char *kernel, const char *what, const struct am_tensor *t, int64_t rows, int64_t cols)
+{
+    am_cpu_check(kernel, what, t);
+    AM_CHECK(am_rows(t) == rows && am_cols(t) == cols, "%s (%s) must be [%lld, %lld], not [%lld, %lld]", what,
+             am_tname(t), (long long)rows, (long long)cols, (long long)am_rows(t), (long long)am_cols(t));
+}
+
+void am_cpu_moe_route_forward(const struct am_dev *d, struct am_tensor *probs, struct am_tensor *idx, struct am_tensor *wts,
+                              const struct am_tensor *logits, bool renorm)
+{
+    (void)d;
+    am_cpu_act(__func__, "logits", logits);
+    int64_t N = am_rows(logits), E = am_cols(logits), k = am_cols(idx);
+    float *p = F32(probs), *w = F32(wts);
+    int32_t *ix = (int32_t *)I32(idx);
+    want2(__func__, "probs", probs, N, E);
+    want2(__func__, "idx", idx, N, k);
+    want2(__func__, "wts", wts, N, k);
+    AM_CHECK(k >= 1 && k <= E, "idx (%s) has %lld columns: 1 to the %lld experts", am_tname(idx), (long long)k,
+             (long long)E);
+#pragma omp parallel for schedule(static) if (N * E >= AM_PAR_MIN)
+    for (int64_t i = 0; i < N; i++) {
+        float *pr = p + i * E, mx = -INFINITY, sum = 0.0f;
+        for (int64_t e = 0; e < E; e++) {
+            pr[e] = ld(logits, i * E + e);
+            mx = pr[e] > mx ? pr[e] : mx;
+        }
+        for (int64_t e = 0; e < E; e++) {
+            pr[e] = expf(pr[e] - mx);
+            sum += pr[e];
+        }
+        for (int64_t e = 0; e < E; e++)
+            pr[e] /= sum;
+        float tsum = 0.0f;
+        for (int64_t j = 0; j < k; j++) { /* the j-th largest: ties to the lower expert */
+            int best = -1;
+            for (int64_t e = 0; e < E; e++) {
+                bool taken = false;
+                for (int64_t q = 0; q < j; q++)
+                    taken |= ix[i * k + q] == e;
+                if (!taken && (best < 0 || pr[e] > pr[best]))
+                    best = (int)e;
+            }
+            ix[i * k + j] = best;
+            w[i * k + j] = pr[best];
+            tsum += pr[best];
+        }
+        if (renorm)
+            for (int64_t j = 0; j < k; j++)
+                w[i * k + j] /= tsum;
+    }
+}
+
+void am_cpu_moe_route_backward(const struct am_dev *d, struct am_tensor *dlogits, const struct am_tensor *dwts,
+                               const struct am_tensor *probs, const struct am_tensor *idx, const struct am_tensor *cnt,
+                               float aux_scale, bool renorm)
+{
+    am_cpu_act(__func__, "dlogits", dlogits);
+    int64_t N = am_rows(dlogits), E = am_cols(dlogits), k = am_cols(idx);
+    const float *p = F32(probs), *dw = F32(dwts), *c = cnt ? F32(cnt) : NULL;
+    const int32_t *ix = I32(idx);
+    want2(__func__, "probs", probs, N, E);
+    want2(__func__, "idx", idx, N, k);
+    want2(__func__, "dwts", dwts, N, k);
+    AM_CHECK(!cnt || am_tensor_numel(cnt) == E, "cnt (%s) must hold the %lld experts' counts", am_tname(cnt),
+             (long long)E);
+    float *scratch = am_cpu_scratch(__func__, d, (int64_t)omp_get_max_threads() * E);
+#pragma omp parallel for schedule(static) if (N * E >= AM_PAR_MIN)
+    for (int64_t i = 0; i < N; i++) {
+        float *dp = scratch + (size_t)omp_get_thread_num() * (size_t)E;
+        const float *pr = p + i * E;
+        for (int64_t e = 0; e < E; e++)
+            dp[e] = c ? aux_scale * c[e] : 0.0f;
+        float s = 0.0f, dot = 0.0f;
+        for (int64_t j = 0; j < k; j++)
+            s += pr[ix[i * k + j]];
+        for (int64_t j = 0; j < k; j++) /* Σ dw_j w_j with w_j = p_j / s */
+            dot += dw[i * k + j] * (pr[ix[i * k + j]] / s);
+        for (int64_t j = 0; j < k; j++)
+            dp[ix[i * k + j]] += renorm ? (dw[i * k + j] - dot) / s : dw[i * k + j];
+        float pd = 0.0f; /* the softmax's backward: dl_e = p_e (dp_e - Σ_f p_f dp_f) */
+        for (int64_t e = 0; e < E; e++)
+            pd += pr[e] * dp[e];
+        for (int64_t e = 0; e < E; e++)
+            st(dlogits, i * E + e, ld(dlogits, i * E + e) + pr[e] * (dp[e] - pd));
+    }
+}
+
+void am_cpu_moe_aux_stats(const struct am_dev *d, struct am_tensor *cnt, struct am_tensor *psum, const struct am_tensor *probs,
+                          const struct am_tensor *idx)
+{
+    (void)d;
+    int64_t N = am_rows(probs), E = am_cols(probs), k = am_cols(idx);
+    float *c = F32(cnt), *ps = F32(psum);
+    const float *p = F32(probs);
+    const int32_t *ix = I32(idx);
+    want2(__func__, "idx", idx, N, k);
+    AM_CHECK(am_tensor_numel(cnt) == E && am_tensor_numel(psum) == E, "cnt (%s) and psum (%s) must hold %lld experts",
+             am_tname(cnt), am_tname(psum), (long long)E);
+    for (int64_t e = 0; e < E; e++) {
+        float s = 0.0f;
+        for (int64_t i = 0; i < N; i++)
+            s += p[i * E + e];
+        ps[e] += s;
+    }
+    for (int64_t i = 0; i < N * k; i++)
+        c[ix[i]] += 1.0f;
+}
+
+void am_cpu_moe_aux_loss(const struct am_dev *d, struct am_tensor *acc, const struct am_tensor *cnt, const struct am_tensor *psum,
+                         double scale)
+{
+    (void)d;
+    double *a = F64_SCALAR(acc), s = 0.0;
+    const float *c = F32(cnt), *ps = F32(psum);
+    AM_CHECK(am_tensor_numel(cnt) == am_tensor_numel(psum), "cnt (%s) and psum (%s) must have the same length",
+             am_tname(cnt), am_tname(psum));
+    for (int64_t e = 0; e < am_tensor_numel(cnt); e++)
+        s += (double)c[e] * (double)ps[e];
+    *a += scale * s;
+}
+
+void am_cpu_moe_plan(const struct am_dev *d, struct am_tensor *pos, struct am_tensor *counts, const struct am_tensor *idx)
+{
+    (void)d;
+    int64_t S = am_tensor_numel(idx), E = am_tensor_numel(counts);
+    const int32_t *ix = I32(idx);
+    int32_t *ps = (int32_t *)I32(pos), *ct = (int32_t *)I32(counts);
+    AM_CHECK(am_tensor_numel(pos) == S, "pos (%s) must have idx's %lld slots", am_tname(pos), (long long)S);
+    memset(ct, 0, (size_t)E * sizeof(*ct));
+    for (int64_t i = 0; i < S; i++) {
+        AM_CHECK(ix[i] >= 0 && ix[i] < E, "idx (%s) holds expert %d, not one of the %lld", am_tname(idx), ix[i],
+                 (long long)E);
+        ct[ix[i]]++;
+    }
+    int32_t *next = (int32_t *)am_cpu_scratch(__func__, d, E); /* each expert's next row */
+    int32_t off = 0;
+    for (int64_t e = 0; e < E; e++) {
+        next[e] = off;
+        off += ct[e];
+    }
+    for (int64_t i = 0; i < S; i++)
+        ps[i] = next[ix[i]]++;
+}
+
+void am_cpu_moe_permute_forward(const struct am_dev *d, struct am_tensor *xp, const struct am_tensor *x, const struct am_tensor *pos)
+{
+    (void)d;
+    am_cpu_act(__func__, "x", x);
+    am_cpu_same(__func__, "xp", xp, "x", x);
+    int64_t N = am_rows(x), C = am_cols(x), k = am_cols(pos);
+    const int32_t *ps = I32(pos);
+    want2(__func__, "pos", pos, N, k);
+    want2(__func__, "xp", xp, N * k, C);
+    size_t es = am_dtype_size(x->dtype);
+#pragma omp parallel for schedule(static) if (N * k * C >= AM_PAR_MIN)
+    for (int64_t s = 0; s < N * k; s++)
+        memcpy((char *)xp->data + (size_t)ps[s] * (size_t)C * es, (const char *)x->data + (size_t)(s / k) * (size_t)C * es,
+               (size_t)C * es);
+}
+
+void am_cpu_moe_permute_backward(const struct am_dev *d, struct am_tensor *dx, const struct am_tensor *dxp, const struct am_tensor *pos)
+{
+    (void)d;
+    am_cpu_act(__func__, "dx", dx);
+    am_cpu_same(__func__, "dxp", dxp, "dx", dx);
+    int64_t N = am_rows(dx), C = am_cols(dx), k = am_cols(pos);
+    const int32_t *ps = I32(pos);
+    want2(__func__, "pos", pos, N, k);
+    want2(__func__, "dxp", dxp, N * k, C);
+#pragma omp parallel for schedule(static) if (N * k * C >= AM_PAR_MIN)
+    for (int64_t i = 0; i < N; i++)
+        for (int64_t c = 0; c < C; c++) {
+            float s = ld(dx, i * C + c);
+            for (int64_t j = 0; j < k; j++)
+                s += ld(dxp, (int64_t)ps[i * k + j] * C + c);
+            st(dx, i * C + c, s);
+        }
+}
+
+void am_cpu_moe_combine_forward(const struct am_dev *d, struct am_tensor *y, const struct am_tensor *yp, const struct am_tensor *pos,
+                                const struct am_tensor *wts)
+{
+    (void)d;
+    am_cpu_act(__func__, "yp", yp);
+    am_cpu_same(__func__, "y", y, "yp", yp);
+    int64_t N = am_rows(y), C = am_cols(y), k = am_cols(pos);
+    const int32_t *ps = I32(pos);
+    const float *w = F32(wts);
+    want2(__func__, "pos", pos, N, k);
+    want2(__func__, "wts", wts, N, k);
+    want2(__func__, "yp", yp, N * k, C);
+    bool bf = y->dtype != AM_F32;
+#pragma omp parallel for schedule(static) if (N * k * C >= AM_PAR_MIN)
+    for (int64_t i = 0; i < N; i++)
+        for (int64_t c = 0; c < C; c++) {
+            float s = 0.0f;
+            for (int64_t j = 0; j < k; j++) { /* transformers: index_add_ of yp * w, in the activations' dtype */
+                float t = ld(yp, (int64_t)ps[i * k + j] * C + c) * w[i * k + j];
+                s += bf ? am_bf16_to_f32(am_f32_to_bf16(t)) : t;
+            }
+            st(y, i * C + c, s);
+        }
+}
+
+void am_cpu_moe_combine_backward(const struct am_dev *d, struct am_tensor *dyp, struct am_tensor *dwts, const struct am_tensor *dy,
+                                 const struct am_tensor *yp, const struct am_tensor *pos, const struct am_tensor *wts)
+{
+    (void)d;
+    am_cpu_act(__func__, "dy", dy);
+    am_cpu_same(__func__, "yp", yp, "dy", dy);
+    am_cpu_same(__func__, "dyp", dyp, "dy", dy);
+    int64_t N = am_rows(dy), C = am_cols(dy), k = am_cols(pos);
+    const int32_t *ps = I32(pos);
+    const float *w = F32(wts);
+    float *dw = F32(dwts);
+    want2(__func__, "pos", pos, N, k);
+    want2(__func__, "wts", wts, N, k);
+    want2(__func__, "dwts", dwts, N, k);
+    want2(__func__, "yp", yp, N * k, C);
+    want2(__func__, "dyp", dyp, N * k, C);
+#pragma omp parallel for schedule(static) if (N * k * C >= AM_PAR_MIN)
+    for (int64_t i = 0; i < N; i++)
+        for (int64_t j = 0; j < k; j++) {
+            int64_t r = ps[i * k + j];
+            float dot = 0.0f;
+            for (int64_t c = 0; c < C; c++) {
+                float g = ld(dy, i * C + c);
+                dot += g * ld(yp, r * C + c);
+                st(dyp, r * C + c, ld(dyp, r * C + c) + w[i * k + j] * g);
+            }
+            dw[i * k + j] += dot;
+        }
+}
+
+/* Expert e's rows of a [S, cols] tensor and its [Nout, K] matrix of w [E, Nout, K]. */
+static struct am_tensor rows_at(const struct am_tensor *t, int64_t r0, int64_t rows)
+{
+    int64_t C = am_cols(t);
+    return am_tensor_view((char *)t->data + (size_t)(r0 * C) * am_dtype_size(t->dtype), t->device, t->dtype,
+                          rows, C, 0, 0);
+}
+
+static struct am_tensor expert_w(const struct am_tensor *w, int64_t e)
+{
+    int64_t n = w->shape[1], k = w->shape[2];
+    return am_tensor_view((char *)w->data + (size_t)(e * n * k) * am_dtype_size(w->dtype), w->device, w->dtype, n, k, 0,
+                          0);
+}
+
+static int64_t check_grouped(const char *kernel, const struct am_tensor *x, const struct am_tensor *w,
+                             const int64_t *counts)
+{
+    am_cpu_check(kernel, "w", w);
+    AM_CHECK(w->ndim == 3, "w (%s) must be [E, Nout, K] (the experts' weights back to back)", am_tname(w));
+    int64_t total = 0;
+    for (int64_t e = 0; e < w->shape[0]; e++)
+        total += counts[e];
+    AM_CHECK(total == am_rows(x), "the experts' counts add up to %lld rows; x (%s) has %lld", (long long)total,
+             am_tname(x), (long long)am_rows(x));
+    return total;
+}
+
+void am_cpu_grouped_matmul_forward(const struct am_dev *d, struct am_tensor *y, const struct am_tensor *x, const struct am_tensor *w,
+                                   const int64_t *counts)
+{
+    check_grouped(__func__, x, w, counts);
+    int64_t r0 = 0;
+    for (int64_t e = 0; e < w->shape[0]; r0 += counts[e], e++) {
+        if (!counts[e])
+            continue;
+        struct am_tensor ye = rows_at(y, r0, counts[e]), xe = rows_at(x, r0, counts[e]), we = expert_w(w, e);
+        am_cpu_matmul_forward(d, &ye, &xe, &we);
+    }
+}
+
+void am_cpu_grouped_matmul_backward(const struct am_dev *d, struct am_tensor *dx, struct am_tensor *dw, const struct am_tensor *dy,
+                                    const struct am_tensor *x, const struct am_tensor *w, const int64_t *counts)
+{
+    check_grouped(__func__, x, w, counts);
+    AM_CHECK(!dw || (dw->ndim == 3 && am_tensor_numel(dw) == am_tensor_numel(w)), "dw (%s) must have w's shape",
+             am_tname(dw));
+    int64_t r0 = 0;
+    for (int64_t e = 0; e < w->shape[0]; r0 += counts[e], e++) {
+        if (!counts[e])
+            continue;
+        struct am_tensor dye = rows_at(dy, r0, counts[e]), xe = rows_at(x, r0, counts[e]), we = expert_w(w, e);
+        struct am_tensor dxe = dx ? rows_at(dx, r0, counts[e]) : (struct am_tensor){0}, dwe = dw ? expert_w(dw, e) : we;
+        am_cpu_matmul_backward(d, dx ? &dxe : NULL, dw ? &dwe : NULL, &dye, &xe, &we);
+    }
+}

@@ -1,0 +1,347 @@
+/* moe.c - the mixture-of-experts block (moe.h) over the kernel table. */
+#include "moe.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "util.h"
+
+/* One MoE layer's saved tensors for one micro-batch. */
+struct moe_acts {
+    struct am_tensor logits, probs, idx, wts, pos, counts, xp, g, u, act, yp;
+    int64_t *hcount; /* the host's copy of counts */
+    int slot;        /* the model's slot whose micro-batch these are */
+    bool moe;        /* the layer has experts (dense layers' entries are unused) */
+};
+
+struct moe_slot {
+    struct am_tensor cnt, psum, aux; /* load-balancing statistics [E] f32, and aux (one f64) */
+    float aux_scale;                 /* the gradient of the loss with respect to Σ cnt·psum terms */
+};
+
+struct am_moe {
+    int64_t E, k, I, C;
+    bool renorm, aux_on;
+    double coef;
+    int n_moe;               /* the model's MoE layers */
+    struct moe_acts *acts;   /* by index into m->acts_mem */
+    struct moe_slot *slots;  /* by the model's slot index */
+    struct am_tensor dlogits, dwts, dyp, da, dg, du, dxp; /* backward scratch */
+    void *mem;
+    int64_t *host;           /* every hcount */
+    int32_t *h32;            /* the counts as downloaded */
+    int64_t *step_counts;    /* tokens per expert over the step */
+    int last_slot;
+};
+
+int am_moe_check(const struct am_model_config *cfg, const struct am_model_shard *sh, char *err, size_t err_len)
+{
+    if (cfg->num_experts <= 0)
+        return 0;
+    if (sh->tp > 1 && sh->sequence_parallel)
+        return am_fail(err, err_len, "model: %s with sequence parallelism: the experts are replicated over the "
+                       "tensor-parallel ranks and take every token, not a rank's share (set "
+                       "distributed.sequence_parallel: false)", cfg->model_type);
+    bool whole = sh->n_chunks == 1 && sh->first_stage && sh->last_stage && sh->chunks[0].first_layer == 0 &&
+                 sh->chunks[0].n_layers == cfg->num_hidden_layers;
+    if (!whole && cfg->output_router_logits)
+        return am_fail(err, err_len, "model: %s over pipeline stages with output_router_logits: the load-balancing "
+                       "loss spans all the layers and is not exchanged between stages yet (train with pp 1, or "
+                       "without the loss: output_router_logits: false)", cfg->model_type);
+    return 0;
+}
+
+int am_moe_extra_params(const struct am_model_config *cfg, int n_layers)
+{
+    return cfg->num_experts > 0 ? n_layers * (int)(3 * cfg->num_experts + 1) : 0;
+}
+
+void am_moe_layer_params(struct am_model *m, int l, struct am_layer *L)
+{
+    const struct am_model_config *c = &m->cfg;
+    bool mixtral = strcmp(c->model_type, "mixtral") == 0;
+    int64_t C = c->hidden_size, E = c->num_experts, I = c->moe_intermediate_size;
+    const char *blk = mixtral ? "block_sparse_moe" : "mlp";
+    const char *kind[3] = {mixtral ? "w1" : "gate_proj", mixtral ? "w3" : "up_proj", mixtral ? "w2" : "down_proj"};
+    char n[128];
+    L->moe = calloc(1, sizeof(*L->moe));
+    if (!L->moe)
+        return; /* am_moe_init reports it */
+    snprintf(n, sizeof(n), "model.layers.%d.%s.gate.weight", l, blk);
+    L->moe->router = am_model_add_param(m, n, E, C, AM_SPLIT_NONE, E, C, 0, 0);
+    snprintf(n, sizeof(n), "layers.%d.experts", l);
+    L->moe->experts_group = m->n_groups;
+    am_model_begin_group(m, AM_PG_EXPERTS, (int)(L - m->layers), n);
+    m->groups[m->n_groups - 1].shard = AM_SHARD_EXPERT;
+    struct am_param **first[3] = {&L->moe->w1, &L->moe->w3, &L->moe->w2};
+    for (int w = 0; w < 3; w++)
+        for (int64_t e = 0; e < E; e++) {
+            snprintf(n, sizeof(n), "model.layers.%d.%s.experts.%lld.%s.weight", l, blk, (long long)e, kind[w]);
+            int64_t rows = w == 2 ? C : I, cols = w == 2 ? I : C;
+            struct am_param *p = am_model_add_param(m, n, rows, cols, AM_SPLIT_NONE, rows, cols, 0, 0);
+            if (e == 0)
+                *first[w] = p;
+        }
+}
+
+/* the next tensor of a slab at *off of base (NULL: only measures) */
+static struct am_tensor carve(char *base, size_t *off, enum am_device dev, enum am_dtype dt, int64_t d0, int64_t d1)
+{
+    struct am_tensor t = am_tensor_view(base ? base + *off : NULL, dev, dt, d0, d1, 0, 0);
+    *off += (am_tensor_bytes(&t) + 63) & ~(size_t)63;
+    return t;
+}
+
+static size_t layout(struct am_model *m, struct am_moe *M, char *base)
+{
+    enum am_device dev = m->K->device;
+    enum am_dtype dt = m->act_dt;
+    int64_t N = m->max_tokens, E = M->E, k = M->k, S = N * k, I = M->I, C = M->C;
+    size_t off = 0;
+    for (size_t i = 0; i < m->n_acts; i++) {
+        struct moe_acts *A = &M->acts[i];
+        if (!A->moe)
+            continue;
+        A->logits = carve(base, &off, dev, dt, N, E);
+        A->probs = carve(base, &off, dev, AM_F32, N, E);
+        A->idx = carve(base, &off, dev, AM_I32, N, k);
+        A->wts = carve(base, &off, dev, AM_F32, N, k);
+        A->pos = carve(base, &off, dev, AM_I32, N, k);
+        A->counts = carve(base, &off, dev, AM_I32, E, 0);
+        A->xp = carve(base, &off, dev, dt, S, C);
+        A->g = carve(base, &off, dev, dt, S, I);
+        A->u = carve(base, &off, dev, dt, S, I);
+        A->act = carve(base, &off, dev, dt, S, I);
+        A->yp = carve(base, &off, dev, dt, S, C);
+    }
+    for (int s = 0; s < m->n_slots; s++) {
+        M->slots[s].cnt = carve(base, &off, dev, AM_F32, E, 0);
+        M->slots[s].psum = carve(base, &off, dev, AM_F32, E, 0);
+        M->slots[s].aux = carve(base, &off, dev, AM_F64, 1, 0);
+    }
+    M->dlogits = carve(base, &off, dev, dt, N, E);
+    M->dwts = carve(base, &off, dev, AM_F32, N, k);
+    M->dyp = carve(base, &off, dev, dt, S, C);
+    M->da = carve(base, &off, dev, dt, S, I);
+    M->dg = carve(base, &off, dev, dt, S, I);
+    M->du = carve(base, &off, dev, dt, S, I);
+    M->dxp = carve(base, &off, dev, dt, S, C);
+    return off;
+}
+
+static struct am_tensor experts_view(const struct am_tensor *first, enum am_dtype dt, int64_t E)
+{
+    return am_tensor_view(first->data, first->device, dt, E, first->shape[0], first->shape[1], 0);
+}
+
+int am_moe_init(struct am_model *m, char *err, size_t err_len)
+{
+    const struct am_model_config *c = &m->cfg;
+    if (c->num_experts <= 0)
+        return 0;
+    struct am_moe *M = calloc(1, sizeof(*M));
+    if (!M)
+        return am_fail(err, err_len, "model: out of memory for the mixture-of-experts state");
+    m->moe = M;
+    M->E = c->num_experts;
+    M->k = c->num_experts_per_tok;
+    M->I = c->moe_intermediate_size;
+    M->C = c->hidden_size;
+    M->renorm = strcmp(c->model_type, "mixtral") == 0 || c->norm_topk_prob;
+    M->aux_on = c->output_router_logits;
+    M->coef = c->router_aux_loss_coef;
+    M->n_moe = (int)am_model_moe_layers(c);
+    M->acts = calloc(m->n_acts + 1, sizeof(*M->acts));
+    M->slots = calloc((size_t)m->n_slots, sizeof(*M->slots));
+    M->step_counts = calloc((size_t)M->E, sizeof(*M->step_counts));
+    M->h32 = calloc((size_t)M->E, sizeof(*M->h32));
+    M->host = calloc((m->n_acts + 1) * (size_t)M->E, sizeof(*M->host));
+    if (!M->acts || !M->slots || !M->step_counts || !M->h32 || !M->host)
+        return am_fail(err, err_len, "model: out of memory for the mixture-of-experts state");
+    for (int ch = 0; ch < m->sh.n_chunks; ch++)
+        for (int l = 0; l < m->sh.chunks[ch].n_layers; l++)
+            if (am_model_layer_is_moe(c, m->sh.chunks[ch].first_layer + l) && !m->layers[m->chunk_base[ch] + l].moe)
+                return am_fail(err, err_len, "model: out of memory for the mixture-of-experts layers");
+    /* which acts entries are MoE layers', and of which slot */
+    for (int ch = 0; ch < m->sh.n_chunks; ch++)
+        for (int s = 0; s < m->sh.chunks[ch].slots; s++) {
+            struct am_slot *S = &m->slots[m->slot_base[ch] + s];
+            for (int l = 0; l < m->sh.chunks[ch].n_layers; l++) {
+                size_t i = (size_t)(&S->acts[l] - m->acts_mem);
+                M->acts[i].moe = m->layers[m->chunk_base[ch] + l].moe != NULL;
+                M->acts[i].slot = m->slot_base[ch] + s;
+                M->acts[i].hcount = M->host + i * (size_t)M->E;
+            }
+        }
+    size_t bytes = layout(m, M, NULL);
+    M->mem = m->K->alloc(m->dev, bytes);
+    if (!M->mem)
+        return am_fail(err, err_len, "model: out of memory for the experts' activations (%zu bytes)", bytes);
+    layout(m, M, M->mem);
+    m->act_bytes += bytes;
+    for (int l = 0; l < m->n_layers; l++) {
+        struct am_moe_layer *X = m->layers[l].moe;
+        if (!X)
+            continue;
+        X->W1 = experts_view(&X->w1->wc, m->act_dt, M->E);
+        X->W3 = experts_view(&X->w3->wc, m->act_dt, M->E);
+        X->W2 = experts_view(&X->w2->wc, m->act_dt, M->E);
+        X->G1 = experts_view(&X->w1->g, AM_F32, M->E);
+        X->G3 = experts_view(&X->w3->g, AM_F32, M->E);
+        X->G2 = experts_view(&X->w2->g, AM_F32, M->E);
+    }
+    return 0;
+}
+
+void am_moe_free(struct am_model *m)
+{
+    for (int l = 0; m->layers && l < m->n_layers; l++) {
+        free(m->layers[l].moe);
+        m->layers[l].moe = NULL;
+    }
+    struct am_moe *M = m->moe;
+    if (!M)
+        return;
+    if (M->mem)
+        m->K->free(m->dev, M->mem);
+    free(M->acts);
+    free(M->slots);
+    free(M->step_counts);
+    free(M->h32);
+    free(M->host);
+    free(M);
+    m->moe = NULL;
+}
+
+static struct am_tensor rows(const struct am_tensor *t, int64_t n)
+{
+    struct am_tensor v = *t;
+    v.shape[0] = n;
+    return v;
+}
+
+static struct moe_acts *acts_of(struct am_model *m, const struct am_layer_acts *a)
+{
+    return &m->moe->acts[a - m->acts_mem];
+}
+
+int am_moe_forward(struct am_model *m, const struct am_layer *L, const struct am_layer_acts *a, const struct am_tensor *in,
+                   struct am_tensor *out, char *err, size_t err_len)
+{
+    (void)err;
+    (void)err_len;
+    const struct am_kernels *K = m->K;
+    struct am_moe *M = m->moe;
+    struct moe_acts *A = acts_of(m, a);
+    struct moe_slot *Sl = &M->slots[A->slot];
+    int64_t N = in->shape[0], S = N * M->k;
+    bool again = m->where.phase == AM_PHASE_BACKWARD; /* recomputed in the backward: statistics once */
+    struct am_tensor logits = rows(&A->logits, N), probs = rows(&A->probs, N), idx = rows(&A->idx, N);
+    struct am_tensor wts = rows(&A->wts, N), pos = rows(&A->pos, N), xp = rows(&A->xp, S), g = rows(&A->g, S);
+    struct am_tensor u = rows(&A->u, S), act = rows(&A->act, S), yp = rows(&A->yp, S);
+    K->matmul_forward(m->dev, &logits, in, &L->moe->router->wc);
+    K->moe_route_forward(m->dev, &probs, &idx, &wts, &logits, M->renorm);
+    if (M->aux_on && !again)
+        K->moe_aux_stats(m->dev, &Sl->cnt, &Sl->psum, &probs, &idx);
+    K->moe_plan(m->dev, &pos, &A->counts, &idx);
+    K->download(m->dev, M->h32, A->counts.data, (size_t)M->E * sizeof(int32_t));
+    for (int64_t e = 0; e < M->E; e++) {
+        A->hcount[e] = M->h32[e];
+        if (!again)
+            M->step_counts[e] += M->h32[e];
+    }
+    K->moe_permute_forward(m->dev, &xp, in, &pos);
+    K->grouped_matmul_forward(m->dev, &g, &xp, &L->moe->W1, A->hcount);
+    K->grouped_matmul_forward(m->dev, &u, &xp, &L->moe->W3, A->hcount);
+    K->swiglu_forward(m->dev, &act, &g, &u);
+    K->grouped_matmul_forward(m->dev, &yp, &act, &L->moe->W2, A->hcount);
+    K->moe_combine_forward(m->dev, out, &yp, &pos, &wts);
+    return 0;
+}
+
+int am_moe_backward(struct am_model *m, const struct am_layer *L, const struct am_layer_acts *a, const struct am_tensor *dout,
+                    const struct am_tensor *in, struct am_tensor *dh, char *err, size_t err_len)
+{
+    (void)err;
+    (void)err_len;
+    const struct am_kernels *K = m->K;
+    struct am_moe *M = m->moe;
+    struct moe_acts *A = acts_of(m, a);
+    struct moe_slot *Sl = &M->slots[A->slot];
+    int64_t N = in->shape[0], S = N * M->k;
+    struct am_tensor probs = rows(&A->probs, N), idx = rows(&A->idx, N), wts = rows(&A->wts, N), pos = rows(&A->pos, N);
+    struct am_tensor xp = rows(&A->xp, S), g = rows(&A->g, S), u = rows(&A->u, S), act = rows(&A->act, S);
+    struct am_tensor yp = rows(&A->yp, S);
+    struct am_tensor dlogits = rows(&M->dlogits, N), dwts = rows(&M->dwts, N), dyp = rows(&M->dyp, S);
+    struct am_tensor da = rows(&M->da, S), dg = rows(&M->dg, S), du = rows(&M->du, S), dxp = rows(&M->dxp, S);
+    const struct am_moe_layer *X = L->moe;
+    K->zero(m->dev, &dyp);
+    K->zero(m->dev, &dwts);
+    K->moe_combine_backward(m->dev, &dyp, &dwts, dout, &yp, &pos, &wts);
+    K->zero(m->dev, &da);
+    struct am_tensor G2 = X->G2, G1 = X->G1, G3 = X->G3;
+    K->grouped_matmul_backward(m->dev, &da, &G2, &dyp, &act, &X->W2, A->hcount);
+    K->zero(m->dev, &dg);
+    K->zero(m->dev, &du);
+    K->swiglu_backward(m->dev, &dg, &du, &da, &g, &u);
+    K->zero(m->dev, &dxp);
+    K->grouped_matmul_backward(m->dev, &dxp, &G1, &dg, &xp, &X->W1, A->hcount);
+    K->grouped_matmul_backward(m->dev, &dxp, &G3, &du, &xp, &X->W3, A->hcount);
+    K->moe_permute_backward(m->dev, dh, &dxp, &pos);
+    K->zero(m->dev, &dlogits);
+    K->moe_route_backward(m->dev, &dlogits, &dwts, &probs, &idx, M->aux_on ? &Sl->cnt : NULL, Sl->aux_scale,
+                          M->renorm);
+    K->matmul_backward(m->dev, dh, &X->router->g, &dlogits, in, &X->router->wc);
+    return 0;
+}
+
+void am_moe_forward_begin(struct am_model *m, int slot)
+{
+    struct am_moe *M = m->moe;
+    if (!M || !M->aux_on)
+        return;
+    m->K->zero(m->dev, &M->slots[slot].cnt);
+    m->K->zero(m->dev, &M->slots[slot].psum);
+    m->K->zero(m->dev, &M->slots[slot].aux);
+}
+
+void am_moe_forward_end(struct am_model *m, int slot, int64_t N, const int32_t *targets, float dloss_scale)
+{
+    struct am_moe *M = m->moe;
+    if (!M || !M->aux_on || M->n_moe == 0)
+        return;
+    struct moe_slot *Sl = &M->slots[slot];
+    int64_t valid = 0;
+    for (int64_t i = 0; targets && i < N; i++)
+        valid += targets[i] >= 0;
+    double R = (double)M->n_moe * (double)N, unit = (double)M->E / (R * R); /* aux = unit Σ cnt psum */
+    m->K->moe_aux_loss(m->dev, &Sl->aux, &Sl->cnt, &Sl->psum, unit);
+    m->K->moe_aux_loss(m->dev, &m->scalars.loss, &Sl->cnt, &Sl->psum, M->coef * (double)valid * unit);
+    Sl->aux_scale = (float)((double)dloss_scale * M->coef * (double)valid * unit);
+    M->last_slot = slot;
+}
+
+void am_moe_stats_reset(struct am_model *m)
+{
+    if (m->moe)
+        memset(m->moe->step_counts, 0, (size_t)m->moe->E * sizeof(int64_t));
+}
+
+void am_moe_stats(struct am_model *m, struct am_moe_stats *out)
+{
+    memset(out, 0, sizeof(*out));
+    struct am_moe *M = m->moe;
+    if (!M)
+        return;
+    int64_t sum = 0;
+    out->min = M->step_counts[0];
+    for (int64_t e = 0; e < M->E; e++) {
+        sum += M->step_counts[e];
+        out->min = M->step_counts[e] < out->min ? M->step_counts[e] : out->min;
+        out->max = M->step_counts[e] > out->max ? M->step_counts[e] : out->max;
+    }
+    out->imbalance = sum > 0 ? (double)out->max * (double)M->E / (double)sum : 0.0;
+    if (M->aux_on)
+        m->K->download(m->dev, &out->aux, M->slots[M->last_slot].aux.data, sizeof(double));
+}

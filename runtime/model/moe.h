@@ -1,0 +1,104 @@
+/* moe.h - the mixture-of-experts block of a decoder layer (mixtral; qwen3_moe's sparse
+ * layers), as transformers computes it, on one rank holding all the experts (ep 1):
+ *
+ *   logits = h · Wgᵀ (the router, [E, C]); probs = softmax(logits) in fp32; the top-k
+ *   experts of each token, their probabilities renormalised to sum to 1 (Mixtral always,
+ *   Qwen3-MoE when norm_topk_prob); out = Σ_j w_j · down_e(silu(gate_e h) * up_e h).
+ *
+ * Dropless: every token goes to its k experts, however many choose one expert. The tokens are
+ * sorted by expert (moe_plan, stable), the experts' three linear layers run as grouped GEMMs
+ * over the sorted rows, and the results are combined back with the routing weights (kernels.h).
+ * The per-expert counts are read by the host after the router (one wait for the device per
+ * MoE layer and micro-batch): the grouped GEMMs are sized on the host, and the counts feed the
+ * step's tokens-per-expert statistics.
+ *
+ * The load-balancing loss (transformers' load_balancing_loss_func, when the config has
+ * output_router_logits): over the R = (MoE layers) x N rows of all the layers' router
+ * probabilities of a micro-batch, aux = E Σ_e f_e P_e with f_e the share of the top-k slots
+ * that chose e (Σ f = k) and P_e the mean probability of e. The micro-batch adds
+ * router_aux_loss_coef * aux * (its tokens with a target) to the loss sum, so that with the
+ * trainer's 1 / (tokens of the batch) scale the loss is transformers' loss_lm + coef * aux for
+ * one micro-batch, and the token-weighted mean of the micro-batches' aux over several.
+ *
+ * Parameters (Hugging Face names): Mixtral's block_sparse_moe.gate.weight [E, C] and
+ * block_sparse_moe.experts.e.{w1 (gate), w3 (up)} [I, C], w2 (down) [C, I]; Qwen3-MoE's
+ * mlp.gate.weight and mlp.experts.e.{gate_proj, up_proj, down_proj}. The router belongs to
+ * the layer's parameter group; the experts form a group of their own right after it
+ * ("layers.L.experts", AM_PG_EXPERTS, strategy AM_SHARD_EXPERT: reduced over the
+ * expert-data-parallel group, which is the data-parallel group at ep 1). Each expert's
+ * gate, up and down matrices are registered as E consecutive parameters, so that the E
+ * experts' matrices of one kind are one [E, rows, cols] tensor for the grouped GEMMs.
+ *
+ * Tensor parallelism: the router and the experts are replicated over the tp ranks (each rank
+ * computes the whole block on all the tokens; the parameters are AM_SPLIT_NONE, counted once in
+ * the gradient norm); the block's output is added to the residual without a tp sum, and the
+ * gradient of its input is divided by tp before the sum over tp that the norm's backward takes.
+ * Pipeline stages: each stage runs its own MoE layers; the load-balancing loss, which spans all
+ * the layers of the model, is not exchanged between stages yet.
+ * Not yet: experts split over tp or over ep ranks (expert parallelism, ep > 1), sequence
+ * parallelism with experts, and the load-balancing loss over pipeline stages; am_moe_check
+ * refuses the last two, am-train refuses ep > 1.
+ */
+#ifndef AM_MODEL_MOE_H
+#define AM_MODEL_MOE_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "model.h"
+
+struct am_moe_layer {
+    struct am_param *router;       /* [E, C] */
+    struct am_param *w1, *w3, *w2; /* the first of E consecutive parameters each: gate, up [I, C]; down [C, I] */
+    struct am_tensor W1, W3, W2;   /* the compute copies as [E, I, C], [E, I, C], [E, C, I] */
+    struct am_tensor G1, G3, G2;   /* their gradients, same shapes */
+    int experts_group;             /* the experts' parameter group */
+};
+
+/* The model's state for its MoE layers (model.h: am_model.moe; NULL for a dense model). */
+struct am_moe;
+
+/* Tokens per expert over a step (summed over the MoE layers and micro-batches of the step on
+ * this rank), for the step record. */
+struct am_moe_stats {
+    int64_t min, max;  /* the least and the most loaded expert's slots */
+    double imbalance;  /* max / mean (1: balanced) */
+    double aux;        /* the load-balancing loss of the last micro-batch (unscaled; 0 without it) */
+};
+
+/* The configurations the MoE block runs in; -1 with a message naming what is not supported. */
+int am_moe_check(const struct am_model_config *cfg, const struct am_model_shard *sh, char *err, size_t err_len);
+/* Parameters the MoE layers add to the dense count of 11 per layer (for sizing params[]). */
+int am_moe_extra_params(const struct am_model_config *cfg, int n_layers);
+/* Registers layer l's router and experts (model.c calls it for a MoE layer, after the MLP's
+ * norm): the router into the current group, the experts into a new group. */
+void am_moe_layer_params(struct am_model *m, int l, struct am_layer *L);
+/* After the slabs are placed: the experts' views, and the activations of every slot's MoE
+ * layers. Returns 0, or -1 (out of memory). */
+int am_moe_init(struct am_model *m, char *err, size_t err_len);
+void am_moe_free(struct am_model *m);
+
+/* The block's forward for the layer's saved activations a (of the slot's micro-batch): in is
+ * the normalised input [N, C], out [N, C] the block's output. */
+int am_moe_forward(struct am_model *m, const struct am_layer *L, const struct am_layer_acts *a, const struct am_tensor *in,
+                   struct am_tensor *out, char *err, size_t err_len);
+/* Its backward: dout the gradient of out; dh (+=) the gradient of in. */
+int am_moe_backward(struct am_model *m, const struct am_layer *L, const struct am_layer_acts *a, const struct am_tensor *dout,
+                    const struct am_tensor *in, struct am_tensor *dh, char *err, size_t err_len);
+/* Around a micro-batch's forward of all the layers (slot: the model's slot index): begin zeroes
+ * its load-balancing statistics; end adds the load-balancing loss to the loss scalar for the
+ * targets' tokens and keeps its gradient's scale (dloss_scale as am_model_forward's). */
+void am_moe_forward_begin(struct am_model *m, int slot);
+void am_moe_forward_end(struct am_model *m, int slot, int64_t N, const int32_t *targets, float dloss_scale);
+/* The step's statistics: reset by am_model_begin_step, read by the trainer. */
+void am_moe_stats_reset(struct am_model *m);
+void am_moe_stats(struct am_model *m, struct am_moe_stats *out);
+
+/* model.c's registration of a parameter (add_param), for moe.c. */
+struct am_param *am_model_add_param(struct am_model *m, const char *name, int64_t rows, int64_t cols, enum am_split split,
+                                    int64_t full_rows, int64_t full_cols, int64_t row0, int64_t col0);
+/* model.c's start of a parameter group, for moe.c. */
+void am_model_begin_group(struct am_model *m, enum am_pgroup_kind kind, int layer, const char *name);
+
+#endif
