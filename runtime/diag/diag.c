@@ -801,32 +801,48 @@ static void straggler_check(struct am_diag *d)
     int dense = nh > 0 && ((double)hi - lo + 1) * nh <= 4.0 * (double)total;
     for (int i = nh / 2 - 1; i >= 0 && !dense; i--)
         sift_down(heap, nh, i);
-    for (uint32_t ds = lo; dense && nh > 0; ds++) {
-        int k = 0;
-        for (int i = 0; i < nh; i++) { /* heap[] as a plain list of cursors */
+    /* the dense walk by blocks of STEP_BLOCK step numbers: each rank's records of the block are
+     * read in one pass (sequential in its array), then each step of the block judged */
+    enum { STEP_BLOCK = 64 };
+    struct at_step {
+        int q;
+        float compute;
+    } *slot = dense && nh > 0 ? malloc((size_t)STEP_BLOCK * (size_t)nh * sizeof(*slot)) : NULL;
+    int cnt[STEP_BLOCK];
+    if (dense && nh > 0 && !slot)
+        goto out;
+    for (uint64_t base = lo; dense && nh > 0 && base <= hi; base += STEP_BLOCK) {
+        uint64_t top = base + STEP_BLOCK - 1 < hi ? base + STEP_BLOCK - 1 : hi;
+        memset(cnt, 0, sizeof(cnt));
+        for (int i = 0; i < nh; i++) {
             struct cursor *c = &heap[i];
             const struct am_diag_rank *r = &d->ranks[c->q];
-            if (c->at >= r->n_steps || r->steps[c->at].step != ds)
-                continue;
-            now[k] = *c;
-            vals[k++] = r->steps[c->at].compute;
-            while (c->at < r->n_steps && r->steps[c->at].step == ds)
-                c->at++;
+            while (c->at < r->n_steps && r->steps[c->at].step <= top) {
+                uint32_t s = r->steps[c->at].step;
+                int j = (int)(s - base);
+                slot[(size_t)j * (size_t)nh + (size_t)cnt[j]++] = (struct at_step){c->q, r->steps[c->at].compute};
+                while (c->at < r->n_steps && r->steps[c->at].step == s) /* its first record counts */
+                    c->at++;
+            }
         }
-        if (k >= 2) {
+        for (int j = 0; j <= (int)(top - base); j++) {
+            int k = cnt[j];
+            const struct at_step *at = &slot[(size_t)j * (size_t)nh];
+            if (k < 2)
+                continue;
+            for (int i = 0; i < k; i++)
+                vals[i] = at[i].compute;
             float med = kth(vals, k, k / 2);
             for (int i = 0; i < k; i++) {
-                const struct am_diag_rank *r = &d->ranks[now[i].q];
-                double excess = (double)r->steps[now[i].at].compute - med;
-                if (excess >= AM_DIAG_STRAGGLER_S && excess >= 2 * (double)med && excess > worst[now[i].q]) {
-                    worst[now[i].q] = (float)excess;
-                    worst_step[now[i].q] = ds;
+                double excess = (double)at[i].compute - med;
+                if (excess >= AM_DIAG_STRAGGLER_S && excess >= 2 * (double)med && excess > worst[at[i].q]) {
+                    worst[at[i].q] = (float)excess;
+                    worst_step[at[i].q] = (long)(base + (uint64_t)j);
                 }
             }
         }
-        if (ds == hi)
-            break;
     }
+    free(slot);
     while (!dense && nh > 0) {
         uint32_t s = heap[0].step;
         int k = 0;

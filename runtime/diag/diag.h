@@ -230,16 +230,33 @@ const char *am_diag_intern(struct am_diag *d, const char *s, size_t n);
 /* The fast reader of flat records (diag_flat.c): a JSON object whose values are all scalars,
  * ASCII without escapes. Returns the number of fields (at most max), or -1 when the line is
  * not such an object (the caller hands it to jansson, which decides). Values are exactly what
- * jansson would load: kind 's' (string, not NUL-terminated), 'i' (integer), 'r' (real),
- * 't', 'f', 'n' (true, false, null). */
+ * jansson would load: kind 's' (string, not NUL-terminated), 'i' (integer i), 'r' (real: read
+ * it with am_diag_flat_real), 't', 'f', 'n' (true, false, null). */
 struct am_diag_field {
     const char *key, *s;
     size_t key_len, s_len;
     char kind;
+    char ready, frac, neg; /* a real: r when ready, else -1^neg * mant / 10^frac (exact operands) */
     long long i;
     double r;
+    uint64_t mant;
 };
 int am_diag_flat_parse(const char *line, size_t n, struct am_diag_field *fields, int max);
+/* The same, with keys predicted: keys (zeroed before the first line) remembers each
+ * position's key of the lines read; a key whose bytes are exactly those of the same position
+ * in an earlier line ('"', the key, '":') is taken without scanning it. Lines of one kind
+ * repeat their keys in order: most keys are matched as two 8-byte words. */
+#define AM_DIAG_FLAT_KEYS 32
+struct am_diag_flat_keys {
+    uint64_t text[AM_DIAG_FLAT_KEYS][2]; /* '"', the key, '":', zero-filled */
+    unsigned char len[AM_DIAG_FLAT_KEYS]; /* 0: none */
+    unsigned char tag[AM_DIAG_FLAT_KEYS]; /* the caller's, of the key remembered (0 when it changes) */
+};
+int am_diag_flat_parse_keys(const char *line, size_t n, struct am_diag_field *fields, int max,
+                            struct am_diag_flat_keys *keys);
+/* A real field's value (kind 'r'): strtod's, as jansson's (divided when read: most reals
+ * of a record are never read). */
+double am_diag_flat_real(const struct am_diag_field *f);
 
 /* Untrusted text for a terminal: printable ASCII and well-formed UTF-8 (not C1 controls) as
  * they are; \n \r \t \\ and \xHH for every other byte. Returns the bytes it wrote (the

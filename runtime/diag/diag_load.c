@@ -236,6 +236,7 @@ struct loader {
         size_t n;
     } cache[16];
     unsigned next;
+    struct am_diag_flat_keys keys; /* the fast reader's keys of the lines before */
 };
 
 static const char *intern_cached(struct loader *L, const char *s, size_t n)
@@ -256,64 +257,34 @@ static const char *intern_cached(struct loader *L, const char *s, size_t n)
     return c;
 }
 
+/* A record jansson read (start, groups, cause, ...: the rare ones). */
 struct rec {
-    json_t *o;                       /* jansson's object, or NULL */
-    const struct am_diag_field *f;   /* the fast reader's fields */
-    int nf;
+    json_t *o;
 };
-
-static inline const struct am_diag_field *field(const struct rec *x, const char *key)
-{
-    size_t n = strlen(key); /* a literal: folded where this is inlined */
-    for (int i = x->nf; i-- > 0;) { /* the last wins, as in jansson */
-        const struct am_diag_field *f = &x->f[i];
-        if (f->key_len == n && f->key[0] == key[0] && f->key[n - 1] == key[n - 1] && memcmp(f->key, key, n) == 0)
-            return f;
-    }
-    return NULL;
-}
 
 /* 1 with *v when the value is an integer */
 static inline int rec_int(const struct rec *x, const char *key, long long *v)
 {
-    if (x->o) {
-        const json_t *j = json_object_get(x->o, key);
-        if (!json_is_integer(j))
-            return 0;
-        *v = json_integer_value(j);
-        return 1;
-    }
-    const struct am_diag_field *f = field(x, key);
-    if (!f || f->kind != 'i')
+    const json_t *j = json_object_get(x->o, key);
+    if (!json_is_integer(j))
         return 0;
-    *v = f->i;
+    *v = json_integer_value(j);
     return 1;
 }
 
 static inline double rec_num(const struct rec *x, const char *key)
 {
-    if (x->o) {
-        const json_t *j = json_object_get(x->o, key);
-        return json_is_number(j) ? json_number_value(j) : 0;
-    }
-    const struct am_diag_field *f = field(x, key);
-    return !f ? 0 : f->kind == 'i' ? (double)f->i : f->kind == 'r' ? f->r : 0;
+    const json_t *j = json_object_get(x->o, key);
+    return json_is_number(j) ? json_number_value(j) : 0;
 }
 
 static inline const char *rec_str(const struct rec *x, const char *key, size_t *len)
 {
-    if (x->o) {
-        const json_t *j = json_object_get(x->o, key);
-        if (!json_is_string(j))
-            return NULL;
-        *len = json_string_length(j);
-        return json_string_value(j);
-    }
-    const struct am_diag_field *f = field(x, key);
-    if (!f || f->kind != 's')
+    const json_t *j = json_object_get(x->o, key);
+    if (!json_is_string(j))
         return NULL;
-    *len = f->s_len;
-    return f->s;
+    *len = json_string_length(j);
+    return json_string_value(j);
 }
 
 /* A wall-clock time: finite, after 1970 and before the year 10000; else 0 (unknown). */
@@ -325,19 +296,6 @@ static long long rec_long(const struct rec *x, const char *key, long long lo, lo
 {
     long long v;
     return rec_int(x, key, &v) && v >= lo && v <= hi ? v : def;
-}
-
-/* A rank number: a non-negative int, else -1 (counted when present but not one). */
-static int rec_rank(struct am_diag_rank *r, const struct rec *x, const char *key)
-{
-    long long v;
-    if (!rec_int(x, key, &v))
-        return -1;
-    if (v >= 0 && v <= INT_MAX)
-        return (int)v;
-    if (r->bad_ranks++ == 0)
-        r->first_bad_rank = v < LONG_MIN ? LONG_MIN : v > LONG_MAX ? LONG_MAX : (long)v;
-    return -1;
 }
 
 static void copy_text(const struct rec *x, const char *key, char *out, size_t len)
@@ -403,14 +361,80 @@ static void on_start(struct loader *L, struct am_diag_rank *r, const struct rec 
         pthread_mutex_unlock(d->lock);
 }
 
-static void on_step(struct am_diag_rank *r, const struct rec *x)
+/* The keys of step and flight records the analysis reads, for the fast reader's records: each
+ * field's key is classified once, the last field of a key wins (as in jansson). */
+enum fkey {
+    FK_TYPE, FK_TIME, FK_STEP, FK_STEP_S, FK_COMM_S, FK_GROUP, FK_OP, FK_DTYPE, FK_STATE, FK_GID, FK_ID,
+    FK_SEQ, FK_COUNT, FK_BYTES, FK_PEER, FK_WAITING_FOR, FK_ENQUEUED, FK_STARTED, FK_ENDED, FK_N
+};
+
+#define KEY_IS(f, lit) (memcmp((f)->key, lit, sizeof(lit) - 1) == 0)
+
+static inline int fkey_of(const struct am_diag_field *f)
 {
-    long long step = rec_long(x, "step", 1, INT32_MAX, 0);
+    switch (f->key_len) {
+    case 2:
+        return KEY_IS(f, "id") ? FK_ID : KEY_IS(f, "op") ? FK_OP : -1;
+    case 3:
+        return KEY_IS(f, "gid") ? FK_GID : KEY_IS(f, "seq") ? FK_SEQ : -1;
+    case 4:
+        return KEY_IS(f, "type") ? FK_TYPE : KEY_IS(f, "time") ? FK_TIME : KEY_IS(f, "step") ? FK_STEP
+             : KEY_IS(f, "peer") ? FK_PEER : -1;
+    case 5:
+        return KEY_IS(f, "group") ? FK_GROUP : KEY_IS(f, "dtype") ? FK_DTYPE : KEY_IS(f, "state") ? FK_STATE
+             : KEY_IS(f, "count") ? FK_COUNT : KEY_IS(f, "bytes") ? FK_BYTES : KEY_IS(f, "ended") ? FK_ENDED : -1;
+    case 6:
+        return KEY_IS(f, "step_s") ? FK_STEP_S : KEY_IS(f, "comm_s") ? FK_COMM_S : -1;
+    case 7:
+        return KEY_IS(f, "started") ? FK_STARTED : -1;
+    case 8:
+        return KEY_IS(f, "enqueued") ? FK_ENQUEUED : -1;
+    case 11:
+        return KEY_IS(f, "waiting_for") ? FK_WAITING_FOR : -1;
+    default:
+        return -1;
+    }
+}
+
+/* A field's value as the rec_* accessors read it (NULL: absent; a kind other than those of
+ * the value wanted reads as absent). */
+static inline long long fk_long(const struct am_diag_field *f, long long lo, long long hi, long long def)
+{
+    return f && f->kind == 'i' && f->i >= lo && f->i <= hi ? f->i : def;
+}
+
+static inline double fk_num(const struct am_diag_field *f)
+{
+    return !f ? 0 : f->kind == 'r' ? am_diag_flat_real(f) : f->kind == 'i' ? (double)f->i : 0;
+}
+
+static inline const char *fk_intern(struct loader *L, const struct am_diag_field *f)
+{
+    const char *c = f && f->kind == 's' ? intern_cached(L, f->s, f->s_len) : intern_cached(L, "", 0);
+    return c ? c : "";
+}
+
+static inline int fk_rank(struct am_diag_rank *r, const struct am_diag_field *f)
+{
+    if (!f || f->kind != 'i')
+        return -1;
+    long long v = f->i;
+    if (v >= 0 && v <= INT_MAX)
+        return (int)v;
+    if (r->bad_ranks++ == 0)
+        r->first_bad_rank = v < LONG_MIN ? LONG_MIN : v > LONG_MAX ? LONG_MAX : (long)v;
+    return -1;
+}
+
+/* A step and a flight record, from their fields (k: the last field of each key). */
+static void on_step(struct am_diag_rank *r, const struct am_diag_field *const *k)
+{
+    long long step = fk_long(k[FK_STEP], 1, INT32_MAX, 0);
     if (step == 0) {
         r->bad_steps++;
         return;
     }
-    double t = sane_time(rec_num(x, "time"));
+    double t = sane_time(fk_num(k[FK_TIME]));
     if (t > r->last_step_time)
         r->last_step_time = t;
     if (step > r->last_step)
@@ -423,11 +447,11 @@ static void on_step(struct am_diag_rank *r, const struct rec *x)
         r->steps = s;
         r->cap_steps = cap;
     }
-    double compute = sane_s(rec_num(x, "step_s")) - sane_s(rec_num(x, "comm_s"));
+    double compute = sane_s(fk_num(k[FK_STEP_S])) - sane_s(fk_num(k[FK_COMM_S]));
     r->steps[r->n_steps++] = (struct am_diag_step){.step = (uint32_t)step, .compute = (float)compute};
 }
 
-static void on_flight(struct loader *L, struct am_diag_rank *r, const struct rec *x)
+static void on_flight(struct loader *L, struct am_diag_rank *r, const struct am_diag_field *const *k)
 {
     if (r->n_flight == r->cap_flight) {
         size_t cap = r->cap_flight ? 2 * r->cap_flight : 256;
@@ -439,23 +463,63 @@ static void on_flight(struct loader *L, struct am_diag_rank *r, const struct rec
     }
     struct am_diag_flight *f = &r->flight[r->n_flight++];
     memset(f, 0, sizeof(*f));
-    f->group = intern_of(L, x, "group");
-    f->op = intern_of(L, x, "op");
-    f->dtype = intern_of(L, x, "dtype");
-    f->state = intern_of(L, x, "state");
-    f->gid = (int)rec_long(x, "gid", INT_MIN, INT_MAX, -1);
-    f->id = (uint64_t)rec_long(x, "id", LLONG_MIN, LLONG_MAX, 0);
-    f->seq = (uint64_t)rec_long(x, "seq", LLONG_MIN, LLONG_MAX, 0);
-    f->count = (uint64_t)rec_long(x, "count", LLONG_MIN, LLONG_MAX, 0);
-    f->bytes = (uint64_t)rec_long(x, "bytes", LLONG_MIN, LLONG_MAX, 0);
-    f->peer = rec_rank(r, x, "peer");
-    f->waiting_for = rec_rank(r, x, "waiting_for");
-    f->enqueued = sane_time(rec_num(x, "enqueued"));
-    f->started = sane_time(rec_num(x, "started"));
-    f->ended = sane_time(rec_num(x, "ended"));
+    f->group = fk_intern(L, k[FK_GROUP]);
+    f->op = fk_intern(L, k[FK_OP]);
+    f->dtype = fk_intern(L, k[FK_DTYPE]);
+    f->state = fk_intern(L, k[FK_STATE]);
+    f->gid = (int)fk_long(k[FK_GID], INT_MIN, INT_MAX, -1);
+    f->id = (uint64_t)fk_long(k[FK_ID], LLONG_MIN, LLONG_MAX, 0);
+    f->seq = (uint64_t)fk_long(k[FK_SEQ], LLONG_MIN, LLONG_MAX, 0);
+    f->count = (uint64_t)fk_long(k[FK_COUNT], LLONG_MIN, LLONG_MAX, 0);
+    f->bytes = (uint64_t)fk_long(k[FK_BYTES], LLONG_MIN, LLONG_MAX, 0);
+    f->peer = fk_rank(r, k[FK_PEER]);
+    f->waiting_for = fk_rank(r, k[FK_WAITING_FOR]);
+    f->enqueued = sane_time(fk_num(k[FK_ENQUEUED]));
+    f->started = sane_time(fk_num(k[FK_STARTED]));
+    f->ended = sane_time(fk_num(k[FK_ENDED]));
     double ft = f->ended > 0 ? f->ended : f->started > 0 ? f->started : f->enqueued;
     if (ft > r->last_time)
         r->last_time = ft;
+}
+
+/* A step or flight record jansson read (one the fast reader refused: escapes, non-ASCII,
+ * nested values): its scalar values as fields, the rest as absent. */
+static void json_record(struct loader *L, struct am_diag_rank *r, json_t *o, int step)
+{
+    struct am_diag_field f[FK_N];
+    const struct am_diag_field *k[FK_N] = {0};
+    const char *key;
+    json_t *v;
+    int nf = 0;
+    json_object_foreach(o, key, v) {
+        struct am_diag_field *x = &f[nf];
+        memset(x, 0, sizeof(*x));
+        x->key = key;
+        x->key_len = strlen(key);
+        int id = fkey_of(x);
+        if (id < 0)
+            continue;
+        if (json_is_string(v)) {
+            x->kind = 's';
+            x->s = json_string_value(v);
+            x->s_len = json_string_length(v);
+        } else if (json_is_integer(v)) {
+            x->kind = 'i';
+            x->i = json_integer_value(v);
+        } else if (json_is_real(v)) {
+            x->kind = 'r';
+            x->ready = 1;
+            x->r = json_real_value(v);
+        } else {
+            continue; /* true, false, null, objects, arrays: read as absent */
+        }
+        k[id] = x;
+        nf++;
+    }
+    if (step)
+        on_step(r, k);
+    else
+        on_flight(L, r, k);
 }
 
 static void on_groups(struct loader *L, struct am_diag_rank *r, json_t *o)
@@ -499,12 +563,8 @@ static void on_record(struct loader *L, struct am_diag_rank *r, const struct rec
         r->last_time = t;
     if (!type || memchr(type, '\0', tl))
         return;
-    if (tl == 4 && memcmp(type, "step", 4) == 0)
-        on_step(r, x);
-    else if (tl == 6 && memcmp(type, "flight", 6) == 0)
-        on_flight(L, r, x);
-    else if (!x->o)
-        return;
+    if ((tl == 4 && memcmp(type, "step", 4) == 0) || (tl == 6 && memcmp(type, "flight", 6) == 0))
+        json_record(L, r, x->o, tl == 4);
     else if (strcmp(type, "start") == 0)
         on_start(L, r, x);
     else if (strcmp(type, "groups") == 0)
@@ -519,19 +579,34 @@ static void on_record(struct loader *L, struct am_diag_rank *r, const struct rec
         r->fault = json_incref(x->o);
 }
 
-/* A step or flight record for the fast reader: 1 handled, 0 not one (jansson decides). */
+/* A step or flight record for the fast reader: 1 handled, 0 not one (jansson decides). What
+ * it does is on_record's for these two types, read from the classified fields. */
 static int fast_record(struct loader *L, struct am_diag_rank *r, const char *line, size_t n)
 {
     struct am_diag_field f[32];
-    int nf = am_diag_flat_parse(line, n, f, 32);
+    int nf = am_diag_flat_parse_keys(line, n, f, 32, &L->keys);
     if (nf < 0)
         return 0;
-    struct rec x = {.f = f, .nf = nf};
-    size_t tl = 0;
-    const char *type = rec_str(&x, "type", &tl);
-    if (!type || !((tl == 4 && memcmp(type, "step", 4) == 0) || (tl == 6 && memcmp(type, "flight", 6) == 0)))
+    const struct am_diag_field *k[FK_N] = {0};
+    for (int i = 0; i < nf; i++) {
+        /* the tag of a remembered key: its enum fkey + 2 (1: a key the analysis never reads) */
+        int key = L->keys.tag[i] ? L->keys.tag[i] - 2 : (L->keys.tag[i] = (unsigned char)(fkey_of(&f[i]) + 2)) - 2;
+        if (key >= 0)
+            k[key] = &f[i];
+    }
+    const struct am_diag_field *type = k[FK_TYPE];
+    if (!type || type->kind != 's')
         return 0;
-    on_record(L, r, &x);
+    int step = type->s_len == 4 && memcmp(type->s, "step", 4) == 0;
+    if (!step && !(type->s_len == 6 && memcmp(type->s, "flight", 6) == 0))
+        return 0;
+    double t = sane_time(fk_num(k[FK_TIME]));
+    if (t > r->last_time)
+        r->last_time = t;
+    if (step)
+        on_step(r, k);
+    else
+        on_flight(L, r, k);
     return 1;
 }
 

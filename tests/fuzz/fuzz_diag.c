@@ -16,11 +16,12 @@
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
-/* The fast reader must agree with jansson on every line it accepts. */
-static void check_flat(const char *line, size_t n)
+/* The fast reader must agree with jansson on every line it accepts, reading each line alone
+ * and with the keys of the input's lines before it predicted (keys). */
+static void check_flat(const char *line, size_t n, struct am_diag_flat_keys *keys)
 {
     struct am_diag_field f[32];
-    int nf = am_diag_flat_parse(line, n, f, 32);
+    int nf = keys ? am_diag_flat_parse_keys(line, n, f, 32, keys) : am_diag_flat_parse(line, n, f, 32);
     if (nf < 0)
         return;
     json_error_t je;
@@ -44,8 +45,11 @@ static void check_flat(const char *line, size_t n)
         case 's': same = json_is_string(v) && json_string_length(v) == f[i].s_len &&
                          memcmp(json_string_value(v), f[i].s, f[i].s_len) == 0; break;
         case 'i': same = json_is_integer(v) && json_integer_value(v) == f[i].i; break;
-        case 'r': same = json_is_real(v) && (json_real_value(v) == f[i].r ||
-                                             (json_real_value(v) != json_real_value(v) && f[i].r != f[i].r)); break;
+        case 'r': {
+            double r = am_diag_flat_real(&f[i]);
+            same = json_is_real(v) && (json_real_value(v) == r || (json_real_value(v) != json_real_value(v) && r != r));
+            break;
+        }
         case 't': same = json_is_true(v); break;
         case 'f': same = json_is_false(v); break;
         case 'n': same = json_is_null(v); break;
@@ -64,10 +68,13 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     d.max_listed = 64; /* a world of millions: the JSON's list of missing ranks, cut short */
     int rank = 0;
     const char *log = text;
+    struct am_diag_flat_keys keys;
+    memset(&keys, 0, sizeof(keys));
     for (const char *p = text; p <= end;) {
         const char *nl = memchr(p, '\n', (size_t)(end - p));
         const char *le = nl ? nl : end;
-        check_flat(p, (size_t)(le - p));
+        check_flat(p, (size_t)(le - p), NULL);
+        check_flat(p, (size_t)(le - p), &keys);
         int at_mark = le - p >= 2 && p[0] == '@' && p[1] >= '0' && p[1] <= '9';
         if (at_mark || !nl) {
             const char *log_end = at_mark ? p : end;
