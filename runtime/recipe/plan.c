@@ -249,7 +249,9 @@ static int memory_of_rank(const struct am_recipe *r, const struct am_plan *p, in
         out->weights = zero >= 3 ? wb * (double)f.shard : wb * (double)f.slab + 4 * (double)f.shard;
         out->grads = (4 + glp) * (double)f.slab + (zero >= 2 ? 4 + glp : 4) * (double)f.shard;
         out->optimizer = 8 * (double)f.shard;
-        out->gathered = zero >= 3 ? (m->tie_word_embeddings && emb && head ? 3 : 2) * cs * (double)f.max_span : 0;
+        int slots = !r->dist.reshard_after_forward ? (emb ? 1 : 0) + layers + (head ? 1 : 0)
+                    : m->tie_word_embeddings && emb && head ? 3 : 2;
+        out->gathered = zero >= 3 ? slots * cs * (double)f.max_span : 0;
     }
 
     double tokens = (double)(p->pp > 1 ? p->microbatch_size : p->local_batch) * (double)p->seq_length / p->cp;

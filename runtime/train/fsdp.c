@@ -1,6 +1,7 @@
 /* fsdp.c - fully sharded data parallelism over the shard group (fsdp.h). */
 #include "fsdp.h"
 
+#include <stdlib.h>
 #include <string.h>
 
 #include "log.h"
@@ -23,7 +24,8 @@ static bool head_reads_embed(const struct am_model *m, int group)
     return m->embed && m->head == m->embed && m->groups[group].kind == AM_PG_HEAD;
 }
 
-int am_fsdp_init(struct am_fsdp *f, struct am_model *m, struct am_comm *comm, int stage, char *err, size_t err_len)
+int am_fsdp_init(struct am_fsdp *f, struct am_model *m, struct am_comm *comm, int stage, bool reshard_after_forward,
+                 char *err, size_t err_len)
 {
     const struct am_kernels *K = m->K;
     memset(f, 0, sizeof(*f));
@@ -47,7 +49,12 @@ int am_fsdp_init(struct am_fsdp *f, struct am_model *m, struct am_comm *comm, in
     }
     size_t cs = am_dtype_size(m->act_dt);
     f->slot_elems = max_span;
-    f->n_slots = stage < 3 ? 0 : m->embed && m->head == m->embed ? 3 : 2;
+    f->n_slots = stage < 3 ? 0 : !reshard_after_forward ? m->n_groups : m->embed && m->head == m->embed ? 3 : 2;
+    f->slot_group = calloc((size_t)f->n_slots + 1, sizeof(*f->slot_group));
+    f->slot_req = calloc((size_t)f->n_slots + 1, sizeof(*f->slot_req));
+    f->slot_used = calloc((size_t)f->n_slots + 1, sizeof(*f->slot_used));
+    if (!f->slot_group || !f->slot_req || !f->slot_used)
+        return am_fail(err, err_len, "fsdp: out of memory for %d gathered buffers", f->n_slots);
     f->master = K->alloc(m->dev, f->n_shard * sizeof(float));
     f->grads = K->alloc(m->dev, f->n_shard * sizeof(float));
     if (f->n_slots)
@@ -83,6 +90,9 @@ void am_fsdp_free(struct am_fsdp *f)
     for (size_t i = 0; i < sizeof(mem) / sizeof(mem[0]); i++)
         if (mem[i])
             m->K->free(m->dev, mem[i]);
+    free(f->slot_group);
+    free(f->slot_req);
+    free(f->slot_used);
     memset(f, 0, sizeof(*f));
 }
 

@@ -18,7 +18,10 @@
  * the embedding on this rank: the head needs both groups): the one in use and the one
  * prefetched, so that the gathered weights never exceed two groups; a group found gathered
  * (the recompute after its own backward began, the next micro-batch of 1F1B) is used as it
- * is. Collectives are issued in the order of the schedule, the same on every rank of the
+ * is. With reshard_after_forward false there is a buffer for every group of the rank: a group
+ * gathered for its forward stays until the step ends (FSDP2's reshard_after_forward=False:
+ * no gather for the backward, the whole model's weights in memory at the peak). Collectives
+ * are issued in the order of the schedule, the same on every rank of the
  * shard group.
  *
  * Gradients: the backward accumulates full-size fp32 gradients in the model's gradient slab
@@ -47,8 +50,6 @@
 #include "comm.h"
 #include "model.h"
 
-#define AM_FSDP_MAX_SLOTS 3
-
 struct am_fsdp {
     struct am_model *m;
     int stage;            /* ZeRO stage: 3 (fsdp2; megatron_fsdp 3), 2 or 1 (megatron_fsdp) */
@@ -61,9 +62,9 @@ struct am_fsdp {
     void *slot_mem;       /* n_slots gathered buffers of slot_elems in the compute dtype */
     size_t slot_elems;
     int n_slots;
-    int slot_group[AM_FSDP_MAX_SLOTS];             /* the group a buffer holds, or -1 */
-    struct am_comm_req *slot_req[AM_FSDP_MAX_SLOTS]; /* its all-gather while in flight */
-    long slot_used[AM_FSDP_MAX_SLOTS];             /* when it was last used (for the choice of a buffer) */
+    int *slot_group;                  /* [n_slots]: the group a buffer holds, or -1 */
+    struct am_comm_req **slot_req;    /* its all-gather while in flight */
+    long *slot_used;                  /* when it was last used (for the choice of a buffer) */
     long tick;
     double gather_wait_s;                          /* this step: seconds waiting for all-gathers */
 };
@@ -71,7 +72,8 @@ struct am_fsdp {
 /* Shards the model's groups over comm (the model was built with group_align = its size) and
  * takes each shard of the weights init or load put in the model's slabs; stage 3 then frees
  * them and installs the group_use hook. Returns 0, or -1 with a message. */
-int am_fsdp_init(struct am_fsdp *f, struct am_model *m, struct am_comm *comm, int stage, char *err, size_t err_len);
+int am_fsdp_init(struct am_fsdp *f, struct am_model *m, struct am_comm *comm, int stage, bool reshard_after_forward,
+                 char *err, size_t err_len);
 /* After the communicators are destroyed (requests still in flight go with them). */
 void am_fsdp_free(struct am_fsdp *f);
 

@@ -845,7 +845,8 @@ int am_train(struct am_rank_setup *s, struct am_log *log, struct am_errors *err)
                 "the run goes\n", s->info.rank, t.p->mem.total, t.dev.name);
     if (build_model(&t, err) < 0 || build_data(&t, err) < 0)
         goto out;
-    if (t.sharded && am_fsdp_init(&t.fsdp, &t.model, t.g.dp_shard, t.zero, msg, sizeof(msg)) < 0) {
+    if (t.sharded && am_fsdp_init(&t.fsdp, &t.model, t.g.dp_shard, t.zero, t.r->dist.reshard_after_forward, msg,
+                                  sizeof(msg)) < 0) {
         am_errors_fail(err, "%s", msg);
         goto out;
     }

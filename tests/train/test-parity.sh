@@ -19,7 +19,8 @@
 # The tiny recipe's strategy is fsdp2, so every layout with dp > 1 above shards weights,
 # gradients and AdamW state over its dp ranks (train/fsdp.h: flat shards per group, weights
 # all-gathered before use, gradients reduce-scattered once per step); dp 8 (local batches of
-# 2) and a bf16 reduction are added, HSDP (dp_replicate_size 2: sharded within each replica
+# 2), reshard_after_forward false (every group kept gathered from its forward to its backward)
+# and a bf16 reduction are added, HSDP (dp_replicate_size 2: sharded within each replica
 # group, the shards' gradients all-reduced over the replicas), and ddp (full replicas,
 # all-reduce) runs a few layouts too; megatron_fsdp with each zero_dp_strategy (1: AdamW state
 # sharded, 2: and the reduced gradients, 3: and the weights, as fsdp2).
@@ -63,6 +64,7 @@ recipe() { # NAME MODS: base.yaml with comma-separated changes, its checkpoints 
         ddp) args+=(-e 's/strategy: fsdp2/strategy: ddp/') ;;
         hsdp) args+=(-e 's/  dp_size: none.*/  dp_size: none\n  dp_replicate_size: 2/') ;;
         mz[123]) args+=(-e "s/strategy: fsdp2/strategy: megatron_fsdp\n  zero_dp_strategy: ${m#mz}/") ;;
+        keep) args+=(-e 's/strategy: fsdp2/strategy: fsdp2\n  reshard_after_forward: false/') ;;
         lb2) args+=(-e 's/local_batch_size: .*/local_batch_size: 2/') ;;
         qwen3) args+=(-e 's/model_type: llama/model_type: qwen3\n  head_dim: 32/') ;;
         mistral) args+=(-e 's/model_type: llama/model_type: mistral\n  sliding_window: 24/') ;;
@@ -159,7 +161,8 @@ layouts+=("ac 1 ac ref" "pp2-tied 2 tied ref-tied AM_PP=2" "pp4-tied-gpipe 4 tie
     "tp2-pp2-tied-il-m1 4 tied,il,mb4 ref-tied AM_TP=2 AM_PP=2"
     "tp2-pp2-qwen3 4 qwen3 ref-qwen3 AM_TP=2 AM_PP=2" "tp2-pp2-qwen3-sp 4 qwen3,sp ref-qwen3 AM_TP=2 AM_PP=2"
     "tp2-pp2-mistral 4 mistral ref-mistral AM_TP=2 AM_PP=2" "tp2-pp2-mistral-sp 4 mistral,sp ref-mistral AM_TP=2 AM_PP=2"
-    "dp8 8 lb2 ref" "dp8-ac 8 lb2,ac ref" "dp2-tied 2 tied ref-tied" "tp2-pp2-dp2-tied-ac 8 tied,ac ref-tied AM_TP=2 AM_PP=2"
+    "dp8 8 lb2 ref" "dp8-ac 8 lb2,ac ref" "dp2-keep 2 keep ref" "tp2-pp2-dp2-keep-ac 8 keep,ac ref AM_TP=2 AM_PP=2"
+    "dp2-tied 2 tied ref-tied" "tp2-pp2-dp2-tied-ac 8 tied,ac ref-tied AM_TP=2 AM_PP=2"
     "ddp-dp2 2 ddp ref" "ddp-dp4-ac 4 ddp,ac ref" "ddp-dp8 8 ddp,lb2 ref"
     "hsdp-dp4 4 hsdp ref" "hsdp-dp8-ac 8 hsdp,lb2,ac ref" "hsdp-tp2-dp4-sp 8 hsdp,sp ref AM_TP=2"
     "hsdp-pp2-dp4 8 hsdp ref AM_PP=2" "hsdp-rep2 2 hsdp ref"
@@ -233,7 +236,7 @@ plan_of() { # NAME RANKS [--set ...]: "weights grads optimizer gathered" from am
 }
 if [ -z "${AM_PARITY_ONLY:-}" ]; then
     for layout in "tp1-pp1-dp2-1f1b 2" "tp1-pp1-dp4-1f1b 4" "dp8 8" "dp8-ac 8" "dp2-bf16 2" "dp4-rbf16 4" \
-        "dp8-bf16-ac 8" "dp2-tied 2" "hsdp-dp4 4" "hsdp-dp4-rbf16 4" "mfsdp-z1-dp2-rbf16 2" "mfsdp-z2-dp2-rbf16 2" \
+        "dp8-bf16-ac 8" "dp2-tied 2" "dp2-keep 2" "hsdp-dp4 4" "hsdp-dp4-rbf16 4" "mfsdp-z1-dp2-rbf16 2" "mfsdp-z2-dp2-rbf16 2" \
         "mfsdp-z3-dp4 4" "mfsdp-z2-tp2-dp2 4 --set distributed.tp_size=2" "tp2-pp1-dp2-1f1b-sp 4 --set distributed.tp_size=2 --set distributed.sequence_parallel=true"; do
         set -- $layout
         name=$1 n=$2

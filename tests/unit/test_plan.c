@@ -216,6 +216,13 @@ static void test_memory_fsdp_shards(void **state)
     am_plan_free(&p);
     am_recipe_free(r);
 
+    /* reshard_after_forward false: a gathered buffer for each of the 10 groups */
+    const char *keep[] = {"distributed.reshard_after_forward=false", NULL};
+    r = plan_of(model8, keep, 4, &p);
+    assert_float_equal(p.mem.gathered, 10 * 2 * layer, 0);
+    am_plan_free(&p);
+    am_recipe_free(r);
+
     /* dp 3 does not divide the groups: each padded to a multiple of 3 */
     const char *dp3[] = {"step_scheduler.global_batch_size=36", NULL};
     r = plan_of(model8, dp3, 3, &p);
