@@ -97,6 +97,24 @@ static bool tied_across_stages(const struct am_model *m)
     return m->pp_comm && m->cfg.tie_word_embeddings && m->sh.first_stage != m->sh.last_stage;
 }
 
+static size_t align_up(size_t n, int align) { return align > 1 ? (n + (size_t)align - 1) / (size_t)align * (size_t)align : n; }
+
+/* The slab offset of each parameter: consecutive, each group's span padded to group_align. */
+static size_t param_offsets(struct am_model *m, size_t *offs)
+{
+    size_t off = 0;
+    for (int g = 0, i = 0; g < m->n_groups; g++) {
+        size_t start = off;
+        int end = g + 1 < m->n_groups ? m->groups[g + 1].first : m->n_params;
+        for (; i < end; i++) {
+            offs[i] = off;
+            off += (size_t)am_tensor_numel(&m->params[i].w);
+        }
+        off = start + align_up(off - start, m->sh.group_align);
+    }
+    return off;
+}
+
 /* Each group's span of the slabs, and whether it holds a tied copy split over stages. */
 static void end_groups(struct am_model *m)
 {
@@ -109,6 +127,7 @@ static void end_groups(struct am_model *m)
             g->n_elems += (size_t)am_tensor_numel(&m->params[k].g);
             g->tied |= tied_across_stages(m) && (&m->params[k] == m->embed || &m->params[k] == m->head);
         }
+        g->span = align_up(g->n_elems, m->sh.group_align);
     }
 }
 
@@ -319,21 +338,35 @@ int am_model_init(struct am_model *m, const struct am_model_config *cfg, const s
             m->head = add_param(m, cfg->tie_word_embeddings ? "model.embed_tokens.weight" : "lm_head.weight",
                                 m->vocab_shard, C, AM_SPLIT_ROWS, V, C, r * m->vocab_shard, 0);
     }
-    /* one slab for the values, one for the gradients */
-    m->param_mem = K->alloc(m->dev, m->n_elems * sizeof(float));
-    m->grad_mem = K->alloc(m->dev, m->n_elems * sizeof(float));
-    if (m->act_dt != AM_F32 && !(m->param_lp_mem = K->alloc(m->dev, m->n_elems * am_dtype_size(m->act_dt))))
+    /* one slab for the values, one for the gradients (each group padded to group_align: the
+     * padding stays zero) */
+    size_t *offs = malloc(((size_t)m->n_params + 1) * sizeof(*offs));
+    if (!offs)
         goto oom;
-    if (!m->param_mem || !m->grad_mem)
+    m->slab_elems = param_offsets(m, offs);
+    m->param_mem = K->alloc(m->dev, m->slab_elems * sizeof(float));
+    m->grad_mem = K->alloc(m->dev, m->slab_elems * sizeof(float));
+    if (m->act_dt != AM_F32 && m->param_mem &&
+        !(m->param_lp_mem = K->alloc(m->dev, m->slab_elems * am_dtype_size(m->act_dt)))) {
+        free(offs);
         goto oom;
-    size_t off = 0;
+    }
+    if (!m->param_mem || !m->grad_mem) {
+        free(offs);
+        goto oom;
+    }
+    if (m->slab_elems != m->n_elems) {
+        struct am_tensor all = am_tensor_view(m->param_mem, dev->device, AM_F32, (int64_t)m->slab_elems, 0, 0, 0);
+        K->zero(m->dev, &all);
+    }
     for (int i = 0; i < m->n_params; i++) {
         struct am_param *p = &m->params[i];
+        size_t off = offs[i];
         p->w.data = (float *)m->param_mem + off;
         p->g.data = (float *)m->grad_mem + off;
         p->wc.data = m->param_lp_mem ? (char *)m->param_lp_mem + off * am_dtype_size(m->act_dt) : p->w.data;
-        off += (size_t)am_tensor_numel(&p->w);
     }
+    free(offs);
     end_groups(m);
     m->scalar_mem = K->alloc(m->dev, sizeof(struct scalar_block));
     if (!m->scalar_mem)
@@ -421,17 +454,28 @@ void am_model_init_weights(struct am_model *m, uint64_t seed)
 
 void am_model_cast_weights(struct am_model *m)
 {
-    if (!m->param_lp_mem)
+    if (!m->param_lp_mem || !m->param_mem)
         return;
-    struct am_tensor w = am_tensor_view(m->param_mem, m->K->device, AM_F32, (int64_t)m->n_elems, 0, 0, 0);
-    struct am_tensor c = am_tensor_view(m->param_lp_mem, m->K->device, m->act_dt, (int64_t)m->n_elems, 0, 0, 0);
+    struct am_tensor w = am_tensor_view(m->param_mem, m->K->device, AM_F32, (int64_t)m->slab_elems, 0, 0, 0);
+    struct am_tensor c = am_tensor_view(m->param_lp_mem, m->K->device, m->act_dt, (int64_t)m->slab_elems, 0, 0, 0);
     m->K->convert(m->dev, &c, &w);
+}
+
+void am_model_drop_weights(struct am_model *m)
+{
+    if (m->param_mem)
+        m->K->free(m->dev, m->param_mem);
+    if (m->param_lp_mem)
+        m->K->free(m->dev, m->param_lp_mem);
+    m->param_mem = m->param_lp_mem = NULL;
+    for (int i = 0; i < m->n_params; i++)
+        m->params[i].w.data = m->params[i].wc.data = NULL;
 }
 
 void am_model_begin_step(struct am_model *m)
 {
     am_model_cast_weights(m);
-    struct am_tensor g = am_tensor_view(m->grad_mem, m->K->device, AM_F32, (int64_t)m->n_elems, 0, 0, 0);
+    struct am_tensor g = am_tensor_view(m->grad_mem, m->K->device, AM_F32, (int64_t)m->slab_elems, 0, 0, 0);
     m->K->zero(m->dev, &g);
     m->K->zero(m->dev, &m->scalars.loss);
     m->K->zero(m->dev, &m->scalars.local_sumsq);
@@ -718,6 +762,12 @@ size_t am_model_hidden_elems(const struct am_model *m, int64_t batch)
     return (size_t)(stream_rows(m, batch * m->seq_len) * m->cfg.hidden_size);
 }
 
+/* The group_use hook (model.h), when there is one. */
+static int use_group(struct am_model *m, int group, bool backward, char *err, size_t err_len)
+{
+    return m->group_use ? m->group_use(m->group_use_arg, group, backward, err, err_len) : 0;
+}
+
 static int check_slot(const struct am_model *m, int chunk, int slot, char *err, size_t err_len)
 {
     if (chunk < 0 || chunk >= m->sh.n_chunks)
@@ -746,6 +796,8 @@ static int forward_chunk(struct am_model *m, int chunk, int slot, int64_t B, con
     if (is_first(m, chunk)) {
         /* the embedding: each rank looks up the ids of its vocabulary shard; summed over tp */
         struct am_tensor tok = rows_of(&S->tokens, N), e = rows_of(&m->scratch_c, N);
+        if (use_group(m, 0, false, err, err_len) < 0)
+            return -1;
         K->upload(m->dev, tok.data, tokens, (size_t)N * sizeof(int32_t));
         K->embedding_forward(m->dev, &e, &tok, &m->embed->wc, m->vocab_start);
         K->zero(m->dev, &x);
@@ -759,11 +811,14 @@ static int forward_chunk(struct am_model *m, int chunk, int slot, int64_t B, con
     am_moe_forward_begin(m, m->slot_base[chunk] + slot);
     for (int l = 0; l < m->sh.chunks[chunk].n_layers; l++) {
         m->where.layer = m->sh.chunks[chunk].first_layer + l;
-        if (layer_forward(m, &layers[l], &S->acts[l], &x, B, err, err_len) < 0)
+        if (use_group(m, layers[l].group, false, err, err_len) < 0 ||
+            layer_forward(m, &layers[l], &S->acts[l], &x, B, err, err_len) < 0)
             return -1;
     }
     am_moe_forward_end(m, m->slot_base[chunk] + slot, N, is_last(m, chunk) ? targets : NULL, dloss_scale);
     m->where.layer = AM_WHERE_HEAD;
+    if (is_last(m, chunk) && use_group(m, m->n_groups - 1, false, err, err_len) < 0)
+        return -1;
     if (is_last(m, chunk))
         return head_forward(m, S, &x, targets, dloss_scale, want_grad, err, err_len);
     struct am_tensor out = hidden(m, x_out, B);
@@ -917,7 +972,8 @@ int am_model_backward(struct am_model *m, int chunk, int slot, const void *dy, v
     struct am_tensor dx = rows_of(&m->dx, R);
     m->where = (struct am_model_where){AM_PHASE_BACKWARD, AM_WHERE_HEAD};
     if (is_last(m, chunk)) {
-        if (head_backward(m, S, &dx, dloss_scale, err, err_len) < 0 ||
+        if (use_group(m, m->n_groups - 1, true, err, err_len) < 0 ||
+            head_backward(m, S, &dx, dloss_scale, err, err_len) < 0 ||
             group_done(m, m->n_groups - 1, err, err_len) < 0)
             return -1;
     } else {
@@ -928,6 +984,8 @@ int am_model_backward(struct am_model *m, int chunk, int slot, const void *dy, v
     for (int l = m->sh.chunks[chunk].n_layers - 1; l >= 0; l--) {
         struct am_layer_acts *a = &S->acts[l];
         m->where.layer = m->sh.chunks[chunk].first_layer + l;
+        if (use_group(m, layers[l].group, true, err, err_len) < 0)
+            return -1;
         if (m->sh.recompute) { /* the layer's forward again, from its saved input */
             struct am_tensor x = rows_of(&m->x, R), x_in = rows_of(&a->x_in, R);
             K->copy(m->dev, &x, &x_in);
@@ -1096,6 +1154,30 @@ int am_model_grad_sumsq(struct am_model *m, char *err, size_t err_len)
     /* comms reduce fp32: a relative 6e-8, far below any clipping threshold's use */
     struct am_comm *groups[2] = {m->tp_comm, m->pp_comm};
     return sum_scalar(m, &m->scalars.sumsq, &m->scalars.sumsq_f, groups, 2, &m->sumsq_reduced, err, err_len);
+}
+
+int am_model_grad_sumsq_shards(struct am_model *m, const float *shards, int rank, struct am_comm *dp, char *err,
+                               size_t err_len)
+{
+    m->K->zero(m->dev, &m->scalars.sumsq);
+    for (int g = 0; g < m->n_groups; g++) {
+        const struct am_pgroup *G = &m->groups[g];
+        size_t lo = G->offset + (size_t)rank * G->shard_elems, hi = lo + G->shard_elems;
+        for (int i = G->first; i < G->first + G->n; i++) {
+            const struct am_param *p = &m->params[i];
+            size_t a = (size_t)((const float *)p->g.data - (const float *)m->grad_mem);
+            size_t b = a + (size_t)am_tensor_numel(&p->g);
+            if (am_model_is_tied_copy(m, p) || b <= lo || a >= hi)
+                continue;
+            a = a > lo ? a : lo;
+            b = b < hi ? b : hi;
+            struct am_tensor piece = am_tensor_view((float *)shards + G->shard_offset + (a - lo), m->dev->device,
+                                                    AM_F32, (int64_t)(b - a), 0, 0, 0);
+            m->K->sum_squares(m->dev, &m->scalars.sumsq, &piece, (double)p->copies_in_tp);
+        }
+    }
+    struct am_comm *groups[3] = {m->tp_comm, m->pp_comm, dp};
+    return sum_scalar(m, &m->scalars.sumsq, &m->scalars.sumsq_f, groups, 3, &m->sumsq_reduced, err, err_len);
 }
 
 int am_model_reduce_loss(struct am_model *m, struct am_comm *dp, char *err, size_t err_len)

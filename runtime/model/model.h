@@ -89,6 +89,9 @@ struct am_model_shard {
     enum am_dtype compute;        /* weights and activations in forward and backward: AM_F32
                                      (the default), or AM_BF16 (mixed precision: fp32 master
                                      weights and gradients, a bf16 copy of the weights) */
+    int group_align;              /* fully sharded data parallelism over this many ranks: each
+                                     group's span of the slabs padded with zeros to a multiple of
+                                     it, so that it splits into equal flat shards (0 or 1: none) */
 };
 
 /* The shard of a rank that holds all n_layers layers as one stage. */
@@ -137,7 +140,10 @@ struct am_pgroup {
     enum am_pgroup_kind kind;
     int layer;               /* AM_PG_LAYER, AM_PG_EXPERTS: the layer's local index */
     int first, n;            /* params[first .. first + n) */
-    size_t offset, n_elems;  /* its span of the slabs, in elements */
+    size_t offset, n_elems;  /* where it starts in the slabs, and its parameters' elements */
+    size_t span;             /* its span of the slabs: n_elems padded to a multiple of group_align */
+    size_t shard_offset, shard_elems; /* sharded: its flat shard (span / ranks elements) in the
+                                         trainer's shard slabs; set by the trainer */
     bool tied;               /* holds a copy of a tied embedding split over two pipeline stages:
                                 final only after am_model_finish_tied, never signalled */
     enum am_shard shard;     /* set by the trainer (AM_SHARD_REPLICATED by default) */
@@ -190,6 +196,13 @@ struct am_model {
      * from grad_ready fails the backward with its message. */
     int (*grad_ready)(void *arg, int group, char *err, size_t err_len);
     void *grad_ready_arg;
+    /* Called before group's weights are read: before its forward, and before its backward
+     * (which starts with the recompute under activation checkpointing); backward says which.
+     * The head's group is used for the tied embedding too when head == embed. Fully sharded
+     * data parallelism gathers the group's weights there and points their wc at them. NULL:
+     * the weights are always where init put them. Non-zero fails the pass with its message. */
+    int (*group_use)(void *arg, int group, bool backward, char *err, size_t err_len);
+    void *group_use_arg;
     bool grads_final;
     /* device scalars: loss and sumsq (f64 accumulators), local_sumsq (the trainer's), the
      * fp32 sums over ranks of loss and sumsq, and an i32 flag (all_finite) */
@@ -202,6 +215,7 @@ struct am_model {
     void *param_lp_mem;         /* the compute copy of the weights (mixed precision), or NULL */
     enum am_dtype act_dt;       /* compute dtype: the weights' copy and the activations */
     size_t n_elems; /* parameters on this rank (all of them, in elements) */
+    size_t slab_elems; /* the slabs' length: n_elems plus each group's padding (group_align) */
 
     struct am_param *embed, *final_norm, *head; /* head == embed when tied and on the same rank */
     struct am_layer *layers;
@@ -292,6 +306,19 @@ int am_model_finish_grads(struct am_model *m, char *err, size_t err_len);
  * several tp ranks; the tied embedding's copy on the last stage) counted once. Collective over
  * the tp group, then the pp group. -1 with a message on a comm error. */
 int am_model_grad_sumsq(struct am_model *m, char *err, size_t err_len);
+
+/* The same norm from gradient shards (fully sharded data parallelism): the reduced gradients
+ * are rank `rank` of `ranks`'s flat shard of each group (shards + the group's shard_offset, its
+ * elements [offset + rank * shard_elems, + shard_elems) of the padded span). Each parameter's
+ * part of the shard counted as am_model_grad_sumsq counts it; summed over tp, pp and the
+ * shard group dp. */
+int am_model_grad_sumsq_shards(struct am_model *m, const float *shards, int rank, struct am_comm *dp, char *err,
+                               size_t err_len);
+
+/* Frees the full fp32 masters and their compute copy (fully sharded data parallelism keeps
+ * them in shards and gathers each group before use, group_use); p->w.data becomes NULL
+ * (point it at a gathered copy to save a checkpoint). */
+void am_model_drop_weights(struct am_model *m);
 
 /* The loss scalar summed over the data-parallel group dp (NULL: none) and the pp group. */
 int am_model_reduce_loss(struct am_model *m, struct am_comm *dp, char *err, size_t err_len);

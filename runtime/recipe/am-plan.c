@@ -91,6 +91,7 @@ static void print_json(const struct am_recipe *r, const struct am_plan *p, bool 
         json_object_set_new(o, "dp_replicate_size", json_integer(p->dp_replicate));
         json_object_set_new(o, "dp_shard_size", json_integer(p->dp_shard));
         json_object_set_new(o, "dp_replicas", json_string(p->zero_stage ? "sharded" : "full"));
+        json_object_set_new(o, "zero_stage", json_integer(p->zero_stage));
         json_object_set_new(o, "ep_shard_size", json_integer(p->ep_shard));
         json_object_set_new(o, "sequence_parallel", json_boolean(r->dist.sequence_parallel));
         json_object_set_new(o, "activation_checkpointing", json_boolean(r->dist.activation_checkpointing));

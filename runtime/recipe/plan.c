@@ -155,14 +155,31 @@ static double in_flight_layers(const struct am_recipe *r, const struct am_plan *
     return (double)slots * layers_on_rank / v;
 }
 
-/* The ZeRO stage am-train runs for a recipe (am_plan.zero_stage): 0 for every strategy. Its
- * data parallelism keeps a full replica on each rank and all-reduces the gradients (ddp);
- * fsdp2 (ZeRO-3 over dp_shard * cp) and megatron_fsdp (zero_dp_strategy over dp * cp) will
- * shard when fully sharded data parallel lands, and then return their stage here. */
-static int trainer_zero_stage(const struct am_recipe *r)
+/* The ZeRO stage am-train runs for a recipe (am_plan.zero_stage): fsdp2 shards weights,
+ * gradients and optimizer state over dp_shard (ZeRO-3, train/fsdp.h) when there is more than
+ * one shard (HSDP: within each replica group, the shards' gradients all-reduced over the
+ * replicas); every other case keeps a full replica on each rank and all-reduces the gradients
+ * (ddp; megatron_fsdp so far). */
+static int trainer_zero_stage(const struct am_recipe *r, const struct am_plan *p)
 {
-    (void)r;
-    return 0;
+    if (r->dist.strategy == AM_MEGATRON_FSDP && p->dp * p->cp > 1)
+        return r->dist.zero_dp_strategy; /* over dp * cp (validated: no HSDP) */
+    return r->dist.strategy == AM_FSDP2 && p->dp_shard * p->cp > 1 ? 3 : 0;
+}
+
+/* fsdp2 as am-train shards (train/fsdp.h): each group (the embedding, each layer, the final
+ * norm with the head) padded to a multiple of D elements, a flat shard of 1/D of it per rank. */
+struct flat_shards {
+    long long D, shard, slab, max_span;
+};
+
+static void add_group(struct flat_shards *f, double elems)
+{
+    long long n = (long long)elems, span = (n + f->D - 1) / f->D * f->D;
+    f->shard += span / f->D;
+    f->slab += span;
+    if (span > f->max_span)
+        f->max_span = span;
 }
 
 /* Fills out for pp rank k. Returns 0, or -1 when out of memory. */
@@ -221,6 +238,29 @@ static int memory_of_rank(const struct am_recipe *r, const struct am_plan *p, in
     out->optimizer = 8 * (dense_params / oshard + expert_params / eoshard);
     /* ZeRO-3 gathers each layer before use; the next one is prefetched */
     out->gathered = zero >= 3 && layers ? 2 * cs * (dense + experts) : 0;
+    if (zero >= 1 && r->dist.strategy != AM_DDP) {
+        /* exactly what am-train allocates: master shards (and their compute copy; below stage
+         * 3 the full masters and their compute copy instead, all-gathered after each step),
+         * the full-size gradients of the step's accumulation (and their reduce_dtype copy),
+         * the gradient shards (from stage 2 reduce-scattered, bf16 first with a bf16
+         * reduce_dtype; stage 1 copies them from the all-reduced gradients), Adam's moments
+         * of the shards, and from stage 3 two gathered groups (three when the head shares the
+         * embedding) */
+        struct flat_shards f = {.D = (long long)shard};
+        if (emb)
+            add_group(&f, pc->embedding / tp);
+        for (int l = 0; l < layers; l++)
+            add_group(&f, dense + experts);
+        if (head)
+            add_group(&f, pc->final_norm + (m->tie_word_embeddings && emb ? 0 : pc->embedding / tp));
+        double glp = am_dtype_size(r->reduce_dtype) < 4 ? am_dtype_size(r->reduce_dtype) : 0;
+        out->weights = zero >= 3 ? wb * (double)f.shard : wb * (double)f.slab + 4 * (double)f.shard;
+        out->grads = (4 + glp) * (double)f.slab + (zero >= 2 ? 4 + glp : 4) * (double)f.shard;
+        out->optimizer = 8 * (double)f.shard;
+        int slots = !r->dist.reshard_after_forward ? (emb ? 1 : 0) + layers + (head ? 1 : 0)
+                    : m->tie_word_embeddings && emb && head ? 3 : 2;
+        out->gathered = zero >= 3 ? slots * cs * (double)f.max_span : 0;
+    }
 
     double tokens = (double)(p->pp > 1 ? p->microbatch_size : p->local_batch) * (double)p->seq_length / p->cp;
     double full_layer = tokens * act_elems_per_token(r, p) * cs;
@@ -278,7 +318,7 @@ int am_plan_build(const struct am_recipe *r, const struct am_world *w, struct am
     p->n_microbatches = p->local_batch / p->microbatch_size;
     p->seq_length = am_recipe_seq_length(r, &p->seq_length_assumed);
     am_model_params(&r->model, &p->params);
-    p->zero_stage = trainer_zero_stage(r);
+    p->zero_stage = trainer_zero_stage(r, p);
 
     if ((double)p->n_microbatches * p->virtual_stages > AM_PLAN_MAX_PIPE_PASSES) {
         struct am_pos pos = {.file = r->file};
@@ -346,7 +386,15 @@ int am_plan_check_memory(const struct am_recipe *r, const struct am_world *w, co
     int n = 0;
     char text[96];
     struct am_recipe v;
-    /* no strategy: each costs the same while am-train keeps full replicas (zero_stage 0) */
+    /* fully sharded data parallelism over every data-parallel rank (fsdp2, dp_shard = dp)
+     * where the recipe keeps full replicas */
+    if (p->zero_stage == 0 && p->dp > 1) {
+        v = *r;
+        v.dist.strategy = AM_FSDP2;
+        v.dist.dp_replicate = 0;
+        try_knob(&v, w, r->dist.strategy == AM_FSDP2 ? "distributed.dp_replicate_size=1" : "distributed.strategy=fsdp2",
+                 fits, &n);
+    }
     if (!r->dist.activation_checkpointing) {
         v = *r;
         v.dist.activation_checkpointing = true;
@@ -384,7 +432,7 @@ int am_plan_check_memory(const struct am_recipe *r, const struct am_world *w, co
     am_errorf(err, &pos, "estimated memory per GPU %s exceeds the GPU's %s by %s; %s%s",
               am_format_bytes(p->mem.total, b, sizeof(b)), am_format_bytes(w->gpu_mem, c, sizeof(c)),
               am_format_bytes(p->mem.total - w->gpu_mem, d, sizeof(d)),
-              n ? "it fits with " : "no single change of activation_checkpointing, sequence_parallel, "
+              n ? "it fits with " : "no single change of strategy, activation_checkpointing, sequence_parallel, "
               "pp_size or tp_size makes it fit (use more GPUs or a smaller local_batch_size)", list);
     return -1;
 }

@@ -60,8 +60,9 @@ void am_plan_print(FILE *f, const struct am_recipe *r, const struct am_world *w,
     fprintf(f, "             %s parameters%s, %s compute%s\n", am_dtype_torch_name(r->param_dtype),
             r->param_dtype_assumed ? " (assumed: set model.torch_dtype)" : "", am_dtype_torch_name(r->compute_dtype),
             r->dist.activation_checkpointing ? ", activation checkpointing" : "");
-    if (r->dist.strategy != AM_DDP && p->zero_stage == 0)
+    if (p->zero_stage == 0 && p->dp > 1 && r->dist.strategy == AM_MEGATRON_FSDP)
         fprintf(f, "note         %s does not shard yet: each data-parallel rank keeps full weights, gradients and "
                 "optimizer state, as ddp does, and the memory above counts them\n", am_strategy_name(r->dist.strategy));
+
     fprintf(f, "compute      %s FLOP per step\n", am_format_count(p->flops_per_step, a, sizeof(a)));
 }

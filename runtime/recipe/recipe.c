@@ -294,7 +294,7 @@ static const struct key_spec distributed_keys[] = {
     IGNORE("broadcast_buffers"), IGNORE("static_graph"), IGNORE("bucket_cap_mb"), IGNORE("gradient_as_bucket_view"),
     IGNORE("_recursive_"), IGNORE("_convert_"),
     IGNORE("tp_plan"), IGNORE("patch_is_packed_sequence"), IGNORE("offload_policy"), IGNORE("autocast_dtype"),
-    IGNORE("activation_checkpointing_scope"), IGNORE("defer_fsdp_grad_sync"), IGNORE("reshard_after_forward"),
+    IGNORE("activation_checkpointing_scope"), IGNORE("defer_fsdp_grad_sync"), {"reshard_after_forward", K_BOOL, R(dist.reshard_after_forward), 0, NULL},
     IGNORE("enable_async_tensor_parallel"), IGNORE("enable_compile"), IGNORE("enable_fsdp2_prefetch"),
     IGNORE("fsdp2_backward_prefetch_depth"), IGNORE("fsdp2_forward_prefetch_depth"),
     IGNORE("megatron_fsdp_unit_modules"), IGNORE("init_fsdp_with_meta_device"), IGNORE("grad_reduce_in_fp32"),
@@ -860,6 +860,7 @@ static void read_recipe(struct reader *rd)
     r->param_dtype = AM_BF16;
     r->dist.strategy = AM_FSDP2;
     r->dist.zero_dp_strategy = 3;
+    r->dist.reshard_after_forward = true;
     r->dist.pipeline.schedule = AM_PP_1F1B;
     r->dist.pipeline.microbatch_size = 1;
     r->data.shuffle = true;

@@ -65,6 +65,8 @@ struct am_recipe {
         bool sequence_parallel;
         bool activation_checkpointing;
         int zero_dp_strategy; /* megatron_fsdp: 1, 2 or 3 */
+        bool reshard_after_forward; /* fsdp2 (default true): false keeps every group gathered from its
+                                       forward to its backward */
         struct {
             enum am_pp_schedule schedule;
             int microbatch_size;

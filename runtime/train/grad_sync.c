@@ -15,8 +15,8 @@ int am_gsync_init(struct am_gsync *s, struct am_model *m, struct am_comm *dp, bo
     s->dp = dp;
     s->overlap = overlap;
     s->reduce = reduce;
-    if (dp && reduce != AM_F32 && !(s->lp_mem = m->K->alloc(m->dev, m->n_elems * am_dtype_size(reduce))))
-        return am_fail(err, err_len, "out of memory for the %zu gradients in the reduction's dtype", m->n_elems);
+    if (dp && reduce != AM_F32 && !(s->lp_mem = m->K->alloc(m->dev, m->slab_elems * am_dtype_size(reduce))))
+        return am_fail(err, err_len, "out of memory for the %zu gradients in the reduction's dtype", m->slab_elems);
     s->state = calloc((size_t)m->n_groups + 1, sizeof(*s->state));
     s->reqs = calloc((size_t)m->n_groups + 1, sizeof(*s->reqs));
     if (!s->state || !s->reqs)
@@ -28,10 +28,25 @@ int am_gsync_init(struct am_gsync *s, struct am_model *m, struct am_comm *dp, bo
     return 0;
 }
 
+int am_gsync_set_shards(struct am_gsync *s, void *shard_grads, size_t n_shard, struct am_comm *shard,
+                        struct am_comm *replicate, char *err, size_t err_len)
+{
+    struct am_model *m = s->m;
+    s->shard_g = shard_grads;
+    s->n_shard = n_shard;
+    s->shard = shard;
+    s->replicate = replicate;
+    if (s->reduce != AM_F32 && !(s->shard_lp = m->K->alloc(m->dev, n_shard * am_dtype_size(s->reduce))))
+        return am_fail(err, err_len, "out of memory for the %zu gradient shards in the reduction's dtype", n_shard);
+    return 0;
+}
+
 void am_gsync_free(struct am_gsync *s)
 {
     if (s->lp_mem)
         s->m->K->free(s->m->dev, s->lp_mem);
+    if (s->shard_lp)
+        s->m->K->free(s->m->dev, s->shard_lp);
     free(s->state);
     free(s->reqs);
     memset(s, 0, sizeof(*s));
@@ -41,7 +56,8 @@ void am_gsync_free(struct am_gsync *s)
 enum { PENDING, FINISHED, REDUCED };
 
 /* The group's gradients into local_sumsq, then reduced over dp: started (overlapped, waited
- * for in am_gsync_finish) or done (blocking). */
+ * for in am_gsync_finish) or done (blocking). A sharded group is reduce-scattered (its padded
+ * span, the padding zeros) into its shard of the shard slab; a replicated one all-reduced. */
 static int reduce(struct am_gsync *s, int group, bool start, char *err, size_t err_len)
 {
     struct am_model *m = s->m;
@@ -52,11 +68,19 @@ static int reduce(struct am_gsync *s, int group, bool start, char *err, size_t e
     if (!s->dp)
         return 0;
     m->K->sum_squares(m->dev, &m->scalars.local_sumsq, &g, 1.0);
+    bool sharded = G->shard == AM_SHARD_SHARDED && s->shard_g;
+    size_t n = sharded ? G->span : G->n_elems, es = am_dtype_size(s->reduce);
     struct am_tensor r = g; /* what is reduced: the gradients, or their copy in reduce_dtype */
     if (s->lp_mem) {
-        r = am_tensor_view((char *)s->lp_mem + G->offset * am_dtype_size(s->reduce), m->dev->device, s->reduce,
-                           (int64_t)G->n_elems, 0, 0, 0);
-        m->K->convert(m->dev, &r, &g);
+        struct am_tensor gs = am_tensor_view(g.data, m->dev->device, AM_F32, (int64_t)n, 0, 0, 0);
+        r = am_tensor_view((char *)s->lp_mem + G->offset * es, m->dev->device, s->reduce, (int64_t)n, 0, 0, 0);
+        m->K->convert(m->dev, &r, &gs);
+    }
+    if (sharded) {
+        void *shard = (char *)(s->shard_lp ? s->shard_lp : s->shard_g) + G->shard_offset * es;
+        return start ? am_ireduce_scatter(s->shard, r.data, shard, G->shard_elems, s->reduce, AM_SUM,
+                                          &s->reqs[s->n_reqs++], err, err_len)
+                     : am_reduce_scatter(s->shard, r.data, shard, G->shard_elems, s->reduce, AM_SUM, err, err_len);
     }
     return start ? am_iallreduce(s->dp, r.data, r.data, G->n_elems, s->reduce, AM_SUM, &s->reqs[s->n_reqs++], err,
                                  err_len)
@@ -88,7 +112,15 @@ int am_gsync_finish(struct am_gsync *s, char *err, size_t err_len)
     if (am_comm_wait_all(s->reqs, s->n_reqs, rc == 0 ? err : NULL, rc == 0 ? err_len : 0) < 0)
         rc = -1;
     s->n_reqs = 0;
-    if (s->lp_mem && rc == 0) { /* the sums back into the fp32 gradients */
+    if (rc == 0 && s->shard_g && s->replicate) { /* HSDP: the shards summed over the replicas */
+        void *sh = s->shard_lp ? s->shard_lp : s->shard_g;
+        rc = am_allreduce(s->replicate, sh, sh, s->n_shard, s->reduce, AM_SUM, err, err_len);
+    }
+    if (s->lp_mem && rc == 0 && s->shard_g) { /* the sums back into the fp32 gradient shards */
+        struct am_tensor g = am_tensor_view(s->shard_g, m->dev->device, AM_F32, (int64_t)s->n_shard, 0, 0, 0);
+        struct am_tensor r = am_tensor_view(s->shard_lp, m->dev->device, s->reduce, (int64_t)s->n_shard, 0, 0, 0);
+        m->K->convert(m->dev, &g, &r);
+    } else if (s->lp_mem && rc == 0) { /* the sums back into the fp32 gradients */
         struct am_tensor g = am_tensor_view(m->grad_mem, m->dev->device, AM_F32, (int64_t)m->n_elems, 0, 0, 0);
         struct am_tensor r = am_tensor_view(s->lp_mem, m->dev->device, s->reduce, (int64_t)m->n_elems, 0, 0, 0);
         m->K->convert(m->dev, &g, &r);

@@ -9,6 +9,11 @@
  * the groups that hold them, and waits for every reduction: what it waits is the step's
  * "waiting for gradient communication after the backward" (wait_s).
  *
+ * Fully sharded data parallelism (fsdp.h, am_gsync_set_shards): a sharded group's gradients
+ * are reduce-scattered instead, its padded span of the gradient slab into the group's flat
+ * shard of the shard slab, once per step (the full-size gradients accumulate locally over the
+ * micro-batches: FSDP2's no-sync accumulation).
+ *
  * Gradients are fp32; with mp_policy.reduce_dtype bfloat16 each group is rounded to bf16,
  * all-reduced in bf16 (as FSDP2 reduces in its reduce_dtype) and widened back after the wait.
  *
@@ -33,6 +38,11 @@ struct am_gsync {
     bool overlap;
     enum am_dtype reduce; /* the all-reduce's dtype (mp_policy.reduce_dtype): f32, or bf16 */
     void *lp_mem;          /* bf16: the gradients' copy that is reduced (mirrors the grad slab) */
+    void *shard_g;         /* sharded groups: the fp32 gradient shards (fsdp.h), or NULL */
+    void *shard_lp;        /* bf16: the shards the reduce-scatter writes, widened into shard_g */
+    size_t n_shard;
+    struct am_comm *shard;     /* the group the shards are reduce-scattered over (dp_shard) */
+    struct am_comm *replicate; /* HSDP: the replicas' group the shards are then all-reduced over, or NULL */
     unsigned char *state; /* [n_groups]: how far each group got this step (grad_sync.c) */
     struct am_comm_req **reqs; /* the reductions in flight, in the order they were started */
     size_t n_reqs;
@@ -44,6 +54,12 @@ struct am_gsync {
 int am_gsync_init(struct am_gsync *s, struct am_model *m, struct am_comm *dp, bool overlap, enum am_dtype reduce,
                   char *err, size_t err_len);
 void am_gsync_free(struct am_gsync *s);
+/* The gradient shards of the sharded groups: n_shard fp32 on the device (each group's at its
+ * shard_offset), reduce-scattered over `shard`; with `replicate` (HSDP) the whole shard slab
+ * is then all-reduced over the replicas in am_gsync_finish, after the reduce-scatters (one
+ * call, not overlapped). With a bf16 reduce_dtype their bf16 copy is allocated here. */
+int am_gsync_set_shards(struct am_gsync *s, void *shard_grads, size_t n_shard, struct am_comm *shard,
+                        struct am_comm *replicate, char *err, size_t err_len);
 
 /* Group g's gradients are final: its tp sums, its share of local_sumsq, and (overlapped) its
  * all-reduce started. The model's grad_ready hook. */

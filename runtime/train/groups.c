@@ -8,8 +8,10 @@
 int am_groups_build(struct am_groups *g, const struct am_rank_setup *s, enum am_comm_backend backend, int device,
                     struct am_flight *flight, const char *const *hosts, struct am_errors *err)
 {
-    static const enum am_group kinds[] = {AM_GROUP_DP, AM_GROUP_TP, AM_GROUP_PP, AM_GROUP_PP};
+    static const enum am_group kinds[] = {AM_GROUP_DP, AM_GROUP_TP, AM_GROUP_PP, AM_GROUP_PP, AM_GROUP_DP_SHARD,
+                                          AM_GROUP_DP_REPLICATE};
     const struct am_plan *p = &s->plan;
+    int n_kinds = p->dp_replicate > 1 && p->dp_shard > 1 ? 6 : 4; /* HSDP: the shard and replica groups too */
     char msg[AM_COMM_ERR_LEN];
     memset(g, 0, sizeof(*g));
     g->ctx = am_comm_ctx_init(backend, s->boot, &s->info, device, s->timeout_s, msg, sizeof(msg));
@@ -22,7 +24,7 @@ int am_groups_build(struct am_groups *g, const struct am_rank_setup *s, enum am_
         am_errorf(err, NULL, "%s", msg);
         return -1;
     }
-    if (am_place_groups(p, &s->place, kinds, 4, &g->set, err) < 0)
+    if (am_place_groups(p, &s->place, kinds, n_kinds, &g->set, err) < 0)
         return -1;
     int n = g->set.n, pp_seen = 0;
     g->comms = calloc((size_t)n, sizeof(*g->comms));
@@ -50,7 +52,13 @@ int am_groups_build(struct am_groups *g, const struct am_rank_setup *s, enum am_
             g->pp = g->comms[i];
         else if (g->set.kinds[i] == AM_GROUP_PP)
             g->pp_grad = g->comms[i];
+        else if (g->set.kinds[i] == AM_GROUP_DP_SHARD)
+            g->dp_shard = g->comms[i];
+        else if (g->set.kinds[i] == AM_GROUP_DP_REPLICATE)
+            g->dp_replicate = g->comms[i];
     }
+    if (!g->dp_shard) /* no replica groups: the shard group is dp itself */
+        g->dp_shard = g->dp;
     return 0;
 }
 

@@ -14,6 +14,7 @@
 #include "crash.h"
 #include "dataset.h"
 #include "fault.h"
+#include "fsdp.h"
 #include "grad_sync.h"
 #include "kernels.h"
 #include "groups.h"
@@ -41,6 +42,9 @@ struct trainer {
     struct am_pipe pipe;
     struct am_optim optim;
     struct am_gsync sync;
+    struct am_fsdp fsdp;
+    bool sharded;                       /* sharded data parallelism (fsdp.h): ZeRO stage zero >= 1 */
+    int zero;
     struct am_gpt *data;
     struct am_log *log;                 /* opened by am_train_log_begin */
     int32_t *sample, *tokens, *targets; /* host buffers for one pipeline run's micro-batches */
@@ -69,6 +73,11 @@ static int check_supported(const struct am_plan *p, const struct am_recipe *r, s
         return am_errors_fail(err, "am-train does not run expert parallelism yet: ep_size %d needs the all-to-all "
                               "dispatch of tokens to the ranks holding their experts, not implemented (a mixture-of-"
                               "experts model trains with every expert on each rank: use ep_size 1)", p->ep);
+    if (r->model.num_experts > 0 && p->zero_stage >= 3 && p->dp_shard > 1)
+        return am_errors_fail(err, "am-train does not shard a mixture of experts' weights yet: %s with dp_shard %d "
+                              "would gather each layer's expert group before use, not implemented (use "
+                              "distributed.strategy: ddp, or megatron_fsdp with zero_dp_strategy 1 or 2)",
+                              r->dist.strategy == AM_FSDP2 ? "fsdp2" : "megatron_fsdp zero_dp_strategy 3", p->dp_shard);
     if (r->compute_dtype == AM_F16 || r->reduce_dtype == AM_F16)
         return am_errors_fail(err, "distributed.mp_policy: float16 compute or reduction needs loss scaling, which "
                               "am-train does not do: use bfloat16 (fp32's range in half the bytes) or float32");
@@ -126,13 +135,24 @@ static void log_memory(struct trainer *t)
     const struct am_model *m = &t->model;
     size_t n = m->n_elems, lp = m->param_lp_mem ? am_dtype_size(m->act_dt) : 0;
     size_t glp = t->sync.lp_mem ? am_dtype_size(t->sync.reduce) : 0;
+    size_t weights = n * (sizeof(float) + lp), grads = n * (sizeof(float) + glp), opt = n * 2 * sizeof(float);
+    size_t gathered = 0;
+    if (t->sharded) { /* fsdp.h: the shards; the full-size gradients (and their reduce_dtype copy) */
+        size_t S = t->fsdp.n_shard, slab = m->slab_elems;
+        weights = am_fsdp_weight_bytes(&t->fsdp);
+        grads = slab * (sizeof(float) + glp) + S * (sizeof(float) + (t->zero >= 2 ? glp : 0));
+        opt = S * 2 * sizeof(float);
+        gathered = am_fsdp_gathered_bytes(&t->fsdp);
+    }
     json_t *o = json_pack("{s:I,s:I,s:I,s:I,s:I,s:I,s:i,s:i,s:b}", "param_bytes", (json_int_t)(n * sizeof(float)),
-                          "weights_bytes", (json_int_t)(n * (sizeof(float) + lp)), "grads_bytes",
-                          (json_int_t)(n * (sizeof(float) + glp)), "optimizer_bytes", (json_int_t)(n * 2 * sizeof(float)),
+                          "weights_bytes", (json_int_t)weights, "grads_bytes",
+                          (json_int_t)grads, "optimizer_bytes", (json_int_t)opt,
                           "act_bytes", (json_int_t)m->act_bytes, "pipe_bytes", (json_int_t)am_pipe_bytes(&t->pipe),
                           "slots", m->n_slots, "peak_micro", am_pipe_peak(t->pipe.actions, t->pipe.n_actions),
                           "recompute", m->sh.recompute);
     json_object_set_new(o, "compute_dtype", json_string(am_dtype_torch_name(m->act_dt)));
+    json_object_set_new(o, "gathered_bytes", json_integer((json_int_t)gathered));
+    json_object_set_new(o, "sharded", json_boolean(t->sharded));
     am_log_record(t->log, "memory", o);
 }
 
@@ -146,6 +166,9 @@ static int build_model(struct trainer *t, struct am_errors *err)
     if (am_pipe_init(&t->pipe, p, r, &t->s->coords, &sh, msg, sizeof(msg)) < 0)
         return am_errors_fail(err, "%s", msg);
     struct am_comm *pp = p->pp > 1 ? t->g.pp : NULL;
+    t->zero = p->zero_stage;
+    t->sharded = p->zero_stage >= 1;
+    sh.group_align = t->sharded ? am_comm_size(t->g.dp_shard) : 0;
     if (am_model_init(&t->model, &r->model, &sh, &t->dev, t->g.tp, pp, p->microbatch_size, p->seq_length, msg,
                       sizeof(msg)) < 0 ||
         am_pipe_bind(&t->pipe, &t->model, p->microbatch_size, pp, p->pp > 1 ? t->g.pp_grad : NULL, msg,
@@ -490,9 +513,29 @@ static void print_step(const struct trainer *t, long step, double loss, double l
     fflush(stdout);
 }
 
+static int save_replica(struct trainer *t, long step, struct am_errors *err);
+
+/* Fully sharded: every rank of the shard group gathers the masters, replica 0 saves them. */
 static int save_checkpoint(struct trainer *t, long step, struct am_errors *err)
 {
-    if (!t->r->ckpt.enabled || t->dp_rank != 0)
+    if (!t->r->ckpt.enabled)
+        return 0;
+    if (t->zero < 3) /* the model holds every weight */
+        return save_replica(t, step, err);
+    void *slab = NULL;
+    char msg[1024];
+    if (am_fsdp_gather_masters(&t->fsdp, &slab, msg, sizeof(msg)) < 0) {
+        am_fsdp_release_masters(&t->fsdp, slab);
+        return am_errors_fail(err, "checkpoint at step %ld: %s", step, msg);
+    }
+    int rc = save_replica(t, step, err);
+    am_fsdp_release_masters(&t->fsdp, slab);
+    return rc;
+}
+
+static int save_replica(struct trainer *t, long step, struct am_errors *err)
+{
+    if (t->dp_rank != 0)
         return 0; /* one replica saves: its tp and pp ranks together, pp 0 / tp 0 writes */
     char dir[4096];
     const char *root = t->r->ckpt.dir ? t->r->ckpt.dir : "checkpoints";
@@ -539,6 +582,8 @@ static int forward_backward(struct trainer *t, long step, float dloss_scale, str
     const struct am_plan *p = t->p;
     char msg[1024];
     am_model_begin_step(&t->model);
+    if (t->sharded)
+        am_fsdp_begin_step(&t->fsdp);
     if (p->dp > 1 && am_fault_due(&t->fault, t->s->info.rank, step, AM_FAULT_HANG_IN_COLLECTIVE)) {
         fault_record(t, step, NULL);
         am_comm_inject_stall(t->g.dp, am_comm_seq(t->g.dp) + 1);
@@ -551,8 +596,10 @@ static int forward_backward(struct trainer *t, long step, float dloss_scale, str
             return am_errors_fail(err, "step %ld: %s", step, msg);
     }
     t->model.where = (struct am_model_where){AM_PHASE_GRAD_SYNC, AM_WHERE_NONE};
-    if (am_gsync_finish(&t->sync, msg, sizeof(msg)) < 0)
+    if (am_gsync_finish(&t->sync, msg, sizeof(msg)) < 0 || (t->sharded && am_fsdp_end_step(&t->fsdp, msg, sizeof(msg)) < 0))
         return am_errors_fail(err, "step %ld: %s", step, msg);
+    if (t->zero == 1)
+        am_fsdp_take_grads(&t->fsdp);
     /* NCCL: the collectives left to the device this step, each seen complete (a timeout names
      * the one that is not) before the host reads results; nothing on UCX */
     if (am_comm_stream_wait(t->g.tp, msg, sizeof(msg)) < 0 || am_comm_stream_wait(t->g.dp, msg, sizeof(msg)) < 0)
@@ -568,7 +615,8 @@ static int reduce_values(struct trainer *t, long step, struct am_errors *err)
     struct am_model *m = &t->model;
     char msg[1024];
     if (am_model_reduce_loss(m, p->dp > 1 ? t->g.dp : NULL, msg, sizeof(msg)) < 0 ||
-        am_model_grad_sumsq(m, msg, sizeof(msg)) < 0)
+        (t->sharded ? am_model_grad_sumsq_shards(m, t->fsdp.grads, t->fsdp.rank, t->g.dp_shard, msg, sizeof(msg))
+                    : am_model_grad_sumsq(m, msg, sizeof(msg))) < 0)
         return am_errors_fail(err, "step %ld: %s", step, msg);
     return 0;
 }
@@ -616,7 +664,15 @@ static int run(struct trainer *t, struct am_errors *err)
         m->where = (struct am_model_where){AM_PHASE_OPTIMIZER, AM_WHERE_NONE};
         /* clipped to max_norm / (norm + 1e-6) when below 1, or skipped when the norm is not
          * finite, on the device: enqueued before the one read of the step's values */
-        am_optim_step(&t->optim, m->param_mem, m->grad_mem, am_model_sumsq(m), r->optim.max_grad_norm, (float)lr);
+        if (t->sharded) { /* the shards alone (fsdp.h); below stage 3 then gathered into the model */
+            char msg[1024];
+            am_optim_step(&t->optim, t->fsdp.master, t->fsdp.grads, am_model_sumsq(m), r->optim.max_grad_norm,
+                          (float)lr);
+            if (t->zero < 3 && am_fsdp_publish(&t->fsdp, msg, sizeof(msg)) < 0)
+                return am_errors_fail(err, "step %ld: %s", step + 1, msg);
+        } else {
+            am_optim_step(&t->optim, m->param_mem, m->grad_mem, am_model_sumsq(m), r->optim.max_grad_norm, (float)lr);
+        }
         if (step_values(t, step + 1, &loss, &norm, err) < 0)
             return -1;
         double dt = am_mono_time() - ts;
@@ -627,6 +683,8 @@ static int run(struct trainer *t, struct am_errors *err)
                                 "grad_norm", norm, "tokens", (json_int_t)p->tokens_per_step, "step_s", dt, "time",
                                 am_wall_time(), "comm_s", t->comm_s, "max_rss_kib", (json_int_t)ru.ru_maxrss);
         json_object_set_new(rec, "grad_wait_s", json_real(t->sync.wait_s));
+        if (t->sharded)
+            json_object_set_new(rec, "gather_wait_s", json_real(t->fsdp.gather_wait_s));
         if (t->peak_flops > 0) { /* mfu = flops / step_s / peak_flops, all three here */
             json_object_set_new(rec, "flops", json_real(rank_flops(t)));
             json_object_set_new(rec, "peak_flops", json_real(t->peak_flops));
@@ -815,12 +873,20 @@ int am_train(struct am_rank_setup *s, struct am_log *log, struct am_errors *err)
                 "the run goes\n", s->info.rank, t.p->mem.total, t.dev.name);
     if (build_model(&t, err) < 0 || build_data(&t, err) < 0)
         goto out;
-    if (am_optim_init(&t.optim, &t.dev, t.model.n_elems, t.r) < 0) {
-        am_errors_fail(err, "out of memory for the optimizer state of %zu parameters", t.model.n_elems);
+    if (t.sharded && am_fsdp_init(&t.fsdp, &t.model, t.g.dp_shard, t.zero, t.r->dist.reshard_after_forward, msg,
+                                  sizeof(msg)) < 0) {
+        am_errors_fail(err, "%s", msg);
+        goto out;
+    }
+    size_t n_opt = t.sharded ? t.fsdp.n_shard : t.model.slab_elems;
+    if (am_optim_init(&t.optim, &t.dev, n_opt, t.r) < 0) {
+        am_errors_fail(err, "out of memory for the optimizer state of %zu parameters", n_opt);
         goto out;
     }
     if (am_gsync_init(&t.sync, &t.model, t.p->dp > 1 ? t.g.dp : NULL, grad_overlap(),
-                      t.r->reduce_dtype, msg, sizeof(msg)) < 0) {
+                      t.r->reduce_dtype, msg, sizeof(msg)) < 0 ||
+        (t.zero >= 2 && am_gsync_set_shards(&t.sync, t.fsdp.grads, t.fsdp.n_shard, t.g.dp_shard, t.g.dp_replicate, msg,
+                                         sizeof(msg)) < 0)) {
         am_errors_fail(err, "%s", msg);
         goto out;
     }
@@ -839,6 +905,7 @@ out:
      * its group is destroyed */
     am_groups_free(&t.g);
     am_gsync_free(&t.sync);
+    am_fsdp_free(&t.fsdp);
     am_optim_free(&t.optim);
     am_model_free(&t.model);
     am_pipe_free(&t.pipe);

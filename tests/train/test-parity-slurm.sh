@@ -4,7 +4,9 @@
 # same loss trajectory as one rank standalone with the whole global batch, and saves the same
 # checkpoint (tolerances as in test-parity.sh: 1e-5 on losses, 1e-5 relative on gradient
 # norms, 5e-5 on weights). The subset: data parallel over 2 and 4 nodes; tp 2 x pp 2 over 2
-# nodes (1f1b); tp 2 x pp 2 x dp 2 over 4 nodes (interleaved1f1b, sequence parallel). Fails,
+# nodes (1f1b); tp 2 x pp 2 x dp 2 over 4 nodes (interleaved1f1b, sequence parallel). The
+# tiny recipe's strategy is fsdp2, so data parallelism shards (each rank's memory record says
+# "sharded":true): over 4 nodes with dp_shard 4, and as HSDP (2 replicas of 2 shards). Fails,
 # never skips, when the cluster cannot start.
 set -u
 : "${AM_SRCDIR:=$(cd "$(dirname "$0")/../.." && pwd)}"
@@ -24,6 +26,7 @@ sed -e "s|paths: .*|paths: $work/corpus|" -e 's/max_steps: .*/max_steps: 8/' -e 
     -e "s|checkpoint_dir: .*|checkpoint_dir: ckpt|" "$AM_SRCDIR/sbatch-templates/recipes/tiny.yaml" >"$work/tiny.yaml"
 sed -e 's/sequence_parallel: false/sequence_parallel: true/' -e 's/pp_schedule: .*/pp_schedule: interleaved1f1b/' \
     "$work/tiny.yaml" >"$work/tiny-sp-il.yaml"
+sed -e 's/  dp_size: none.*/  dp_size: none\n  dp_replicate_size: 2/' "$work/tiny.yaml" >"$work/tiny-hsdp.yaml"
 
 losses() { grep -h '"type":"step"' "$1"/*/rank-0.jsonl | sed -E 's/.*"loss":([^,]*),.*"grad_norm":([^,]*),.*/\1 \2/'; }
 compare() { # NAME FILE
@@ -55,7 +58,7 @@ srun --mpi=pmix "$AM_BUILDDIR/am-launch"
 JOB
 # NAME NODES TASKS-PER-NODE RECIPE [PLUGIN OPTIONS]
 for job in "dp2 2 1 tiny.yaml" "dp4 4 1 tiny.yaml" "tp2-pp2 2 2 tiny.yaml --am-tp=2 --am-pp=2" \
-    "tp2-pp2-dp2-sp-il 4 2 tiny-sp-il.yaml --am-tp=2 --am-pp=2"; do
+    "tp2-pp2-dp2-sp-il 4 2 tiny-sp-il.yaml --am-tp=2 --am-pp=2" "hsdp-dp4 4 1 tiny-hsdp.yaml"; do
     set -- $job
     name=$1 nodes=$2 per=$3 recipe=$4
     shift 4
@@ -69,6 +72,14 @@ for job in "dp2 2 1 tiny.yaml" "dp4 4 1 tiny.yaml" "tp2-pp2 2 2 tiny.yaml --am-t
     fi
     losses "$work/logs-$name" >"$work/got-$name"
     compare "sbatch $name ($nodes nodes x $per tasks $*)" "$work/got-$name"
+    if [ "$name" = dp4 ] || [ "$name" = hsdp-dp4 ]; then
+        n=$(grep -h '"type":"memory"' "$work/logs-$name"/*/rank-*.jsonl | grep -c '"sharded":true')
+        if [ "$n" = 4 ]; then
+            echo "ok: sbatch $name: the 4 ranks shard (fsdp2)"; passes=$((passes + 1))
+        else
+            echo "FAIL: sbatch $name: $n of 4 ranks' memory records say sharded"; fails=$((fails + 1))
+        fi
+    fi
     if "$AM_BUILDDIR/tests/train/ckpt_diff" "$work/run-1/ckpt/step_8" "$work/run-$name/ckpt/step_8" 5e-5 \
         >"$work/wdiff" 2>&1; then
         echo "ok: sbatch $name saved the checkpoint of 1 rank: $(cat "$work/wdiff")"; passes=$((passes + 1))

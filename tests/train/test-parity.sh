@@ -17,13 +17,23 @@
 #   gradients are summed over tp; head_dim 32, so heads * head_dim is twice hidden_size) and
 #   Mistral (a sliding window of 24 on sequences of 64);
 #   a mixture of experts (Mixtral's layers: 4 experts, top 2; experts replicated over tp) at
-#   dp 2, dp 4 with activation checkpointing, tp 2 x dp 2, pp 2 and tp 2 x pp 2 interleaved
+#   dp 2 and dp 4 with activation checkpointing (ddp), megatron_fsdp's ZeRO 2 at dp 2 and
+#   ZeRO 1 at tp 2 x dp 2 (fsdp2's gathering of expert groups is refused), pp 2 and tp 2 x pp 2
+#   interleaved
 #   against its own one rank; with the load-balancing loss on, activation checkpointing and
 #   tp 2 against one rank (the loss is a product of means over each micro-batch's tokens, as
 #   transformers computes it per forward, so it depends on which sequences share a micro-batch:
 #   data-parallel ranks' and pipeline micro-batches hold other sequences than one rank's); its
-#   sequence-parallel, pipeline-with-aux-loss and ep layouts are refused with the reason.
+#   sequence-parallel, pipeline-with-aux-loss, fsdp2 and ep layouts are refused with the reason.
 #   Qwen3-MoE (q/k norms, renormalised top 2, layer 1 a dense MLP split over tp) at tp 2 x pp 2.
+# The tiny recipe's strategy is fsdp2, so every layout with dp > 1 above shards weights,
+# gradients and AdamW state over its dp ranks (train/fsdp.h: flat shards per group, weights
+# all-gathered before use, gradients reduce-scattered once per step); dp 8 (local batches of
+# 2), reshard_after_forward false (every group kept gathered from its forward to its backward)
+# and a bf16 reduction are added, HSDP (dp_replicate_size 2: sharded within each replica
+# group, the shards' gradients all-reduced over the replicas), and ddp (full replicas,
+# all-reduce) runs a few layouts too; megatron_fsdp with each zero_dp_strategy (1: AdamW state
+# sharded, 2: and the reduced gradients, 3: and the weights, as fsdp2).
 # Tolerances: 1e-5 absolute on losses near 5 and 1e-5 relative on gradient norms over 8
 # steps; every weight of the final checkpoint within 5e-5, as test_golden's final weights
 # (AdamW divides each gradient by its own running magnitude, so an element whose gradient
@@ -38,7 +48,7 @@ set -u
 export AM_MODELS_DIR=${AM_MODELS_DIR:-$AM_SRCDIR/runtime/recipe/models}
 unset AM_RECIPE AM_TP AM_PP AM_EP AM_CP AM_LOG_DIR AM_DRY_RUN PMIX_NAMESPACE PMIX_RANK 2>/dev/null || true
 work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
+trap '[ -n "${AM_PARITY_KEEP:-}" ] || rm -rf "$work"' EXIT
 fails=0 passes=0
 steps=8 loss_tol=1e-5 norm_tol=1e-5 weight_tol=5e-5
 
@@ -60,6 +70,12 @@ recipe() { # NAME MODS: base.yaml with comma-separated changes, its checkpoints 
         mb4) args+=(-e 's/pp_microbatch_size: .*/pp_microbatch_size: 4/') ;;
         tied) args+=(-e 's/tie_word_embeddings: false/tie_word_embeddings: true/') ;;
         bf16) args+=(-e 's/param_dtype: float32.*/param_dtype: bfloat16/') ;;
+        rbf16) args+=(-e 's/param_dtype: float32.*/param_dtype: bfloat16\n    reduce_dtype: bfloat16/') ;;
+        ddp) args+=(-e 's/strategy: fsdp2/strategy: ddp/') ;;
+        hsdp) args+=(-e 's/  dp_size: none.*/  dp_size: none\n  dp_replicate_size: 2/') ;;
+        mz[123]) args+=(-e "s/strategy: fsdp2/strategy: megatron_fsdp\n  zero_dp_strategy: ${m#mz}/") ;;
+        keep) args+=(-e 's/strategy: fsdp2/strategy: fsdp2\n  reshard_after_forward: false/') ;;
+        lb2) args+=(-e 's/local_batch_size: .*/local_batch_size: 2/') ;;
         qwen3) args+=(-e 's/model_type: llama/model_type: qwen3\n  head_dim: 32/') ;;
         mistral) args+=(-e 's/model_type: llama/model_type: mistral\n  sliding_window: 24/') ;;
         moe) args+=(-e 's/model_type: llama/model_type: mixtral\n  num_local_experts: 4\n  num_experts_per_tok: 2/') ;;
@@ -158,10 +174,18 @@ layouts+=("ac 1 ac ref" "pp2-tied 2 tied ref-tied AM_PP=2" "pp4-tied-gpipe 4 tie
     "tp2-pp2-tied-il-m1 4 tied,il,mb4 ref-tied AM_TP=2 AM_PP=2"
     "tp2-pp2-qwen3 4 qwen3 ref-qwen3 AM_TP=2 AM_PP=2" "tp2-pp2-qwen3-sp 4 qwen3,sp ref-qwen3 AM_TP=2 AM_PP=2"
     "tp2-pp2-mistral 4 mistral ref-mistral AM_TP=2 AM_PP=2" "tp2-pp2-mistral-sp 4 mistral,sp ref-mistral AM_TP=2 AM_PP=2"
-    "dp2-moe 2 moe ref-moe" "dp4-moe-ac 4 moe,ac ref-moe" "ac-moe-aux 1 moe,aux,ac ref-moe-aux"
-    "tp2-moe-aux 2 moe,aux ref-moe-aux AM_TP=2" "tp2-dp2-moe 4 moe ref-moe AM_TP=2"
+    "dp2-moe 2 moe,ddp ref-moe" "dp4-moe-ac 4 moe,ddp,ac ref-moe" "ac-moe-aux 1 moe,aux,ac ref-moe-aux"
+    "tp2-moe-aux 2 moe,aux ref-moe-aux AM_TP=2" "mfsdp-z2-dp2-moe 2 moe,mz2 ref-moe"
+    "mfsdp-z1-tp2-dp2-moe 4 moe,mz1 ref-moe AM_TP=2"
     "pp2-moe 2 moe ref-moe AM_PP=2" "tp2-pp2-moe-il 4 moe,il ref-moe AM_TP=2 AM_PP=2"
-    "tp2-pp2-qmoe 4 qmoe ref-qmoe AM_TP=2 AM_PP=2")
+    "tp2-pp2-qmoe 4 qmoe ref-qmoe AM_TP=2 AM_PP=2"
+    "dp8 8 lb2 ref" "dp8-ac 8 lb2,ac ref" "dp2-keep 2 keep ref" "tp2-pp2-dp2-keep-ac 8 keep,ac ref AM_TP=2 AM_PP=2"
+    "dp2-tied 2 tied ref-tied" "tp2-pp2-dp2-tied-ac 8 tied,ac ref-tied AM_TP=2 AM_PP=2"
+    "ddp-dp2 2 ddp ref" "ddp-dp4-ac 4 ddp,ac ref" "ddp-dp8 8 ddp,lb2 ref"
+    "hsdp-dp4 4 hsdp ref" "hsdp-dp8-ac 8 hsdp,lb2,ac ref" "hsdp-tp2-dp4-sp 8 hsdp,sp ref AM_TP=2"
+    "hsdp-pp2-dp4 8 hsdp ref AM_PP=2" "hsdp-rep2 2 hsdp ref"
+    "mfsdp-z1-dp2 2 mz1 ref" "mfsdp-z1-dp4-ac 4 mz1,ac ref" "mfsdp-z2-dp2 2 mz2 ref" "mfsdp-z2-tp2-dp2 4 mz2 ref AM_TP=2"
+    "mfsdp-z3-dp4 4 mz3 ref" "mfsdp-z3-dp8-ac 8 mz3,lb2,ac ref" "mfsdp-z3-tp2-dp2 4 mz3 ref AM_TP=2")
 [ -n "${AM_PARITY_ONLY:-}" ] && IFS=';' read -ra layouts <<<"$AM_PARITY_ONLY" # some layouts, to debug them
 for layout in "${layouts[@]}"; do
     set -- $layout
@@ -191,7 +215,8 @@ else
     fails=$((fails + 1))
 fi
 for layout in "dp2-bf16 2 bf16" "tp2-sp-bf16 2 bf16,sp AM_TP=2" "pp2-bf16 2 bf16 AM_PP=2" \
-    "tp2-pp2-dp2-bf16 8 bf16,sp AM_TP=2 AM_PP=2"; do
+    "tp2-pp2-dp2-bf16 8 bf16,sp AM_TP=2 AM_PP=2" "dp4-rbf16 4 rbf16" "dp8-bf16-ac 8 bf16,lb2,ac" "ddp-dp2-bf16 2 bf16,ddp" \
+    "hsdp-dp4-rbf16 4 hsdp,rbf16" "mfsdp-z1-dp2-rbf16 2 mz1,rbf16" "mfsdp-z2-dp2-rbf16 2 mz2,rbf16"; do
     [ -n "${AM_PARITY_ONLY:-}" ] && break
     set -- $layout
     name=$1 n=$2 mods=$3
@@ -215,6 +240,41 @@ if [ -z "${AM_PARITY_ONLY:-}" ]; then
         check_memory "$name: weights, gradients, optimizer bytes allocated ($got) are am-plan's ($want)" \
             "$([ "$got" = "$want" ] && echo 1)"
     done
+fi
+# fully sharded (fsdp2, dp > 1): what each rank allocated for weights (master shards and their
+# compute copy), gradients (the step's full-size accumulation and the reduced shards), AdamW
+# state of the shards and the gathered groups is what am-plan counts, byte for byte, on every
+# rank. Resident state (weights + optimizer state) shrinks as 1/dp.
+plan_of() { # NAME RANKS [--set ...]: "weights grads optimizer gathered" from am-plan
+    local name=$1 n=$2
+    shift 2
+    "$AM_BUILDDIR/am-plan" "$work/$name.yaml" --gpus-per-node "$n" --json "$@" |
+        sed -nE 's/.*"memory_breakdown":\{"weights":([0-9.]+),"grads":([0-9.]+),"optimizer":([0-9.]+),"gathered_params":([0-9.]+).*/\1 \2 \3 \4/p' |
+        awk '{ printf "%d %d %d %d", $1, $2, $3, $4 }'
+}
+if [ -z "${AM_PARITY_ONLY:-}" ]; then
+    for layout in "tp1-pp1-dp2-1f1b 2" "tp1-pp1-dp4-1f1b 4" "dp8 8" "dp8-ac 8" "dp2-bf16 2" "dp4-rbf16 4" \
+        "dp8-bf16-ac 8" "dp2-tied 2" "dp2-keep 2" "hsdp-dp4 4" "hsdp-dp4-rbf16 4" "mfsdp-z1-dp2-rbf16 2" "mfsdp-z2-dp2-rbf16 2" \
+        "mfsdp-z3-dp4 4" "mfsdp-z2-tp2-dp2 4 --set distributed.tp_size=2" "tp2-pp1-dp2-1f1b-sp 4 --set distributed.tp_size=2 --set distributed.sequence_parallel=true"; do
+        set -- $layout
+        name=$1 n=$2
+        shift 2
+        read -r ww wg wo wga <<<"$(plan_of "$name" "$n" "$@")"
+        for r in $(seq 0 $((n - 1))); do
+            got="$(memory "$work/logs-$name" $r weights_bytes) $(memory "$work/logs-$name" $r grads_bytes) $(memory "$work/logs-$name" $r optimizer_bytes) $(memory "$work/logs-$name" $r gathered_bytes)"
+            if [ "$got" != "$ww $wg $wo $wga" ]; then
+                check_memory "$name rank $r: weights, gradients, optimizer, gathered bytes ($got) are am-plan's ($ww $wg $wo $wga)" 0
+                continue 2
+            fi
+        done
+        check_memory "$name: every rank's weights, gradients, optimizer, gathered bytes are am-plan's ($ww $wg $wo $wga)" 1
+    done
+    resident() { echo $(( $(memory "$work/logs-$1" 0 weights_bytes) + $(memory "$work/logs-$1" 0 optimizer_bytes) )); }
+    r1=$(resident ref) r2=$(resident tp1-pp1-dp2-1f1b) r4=$(resident tp1-pp1-dp4-1f1b) r8=$(resident dp8)
+    check_memory "weights + optimizer state per rank shrink as 1/dp_shard: $r1 $r2 $r4 $r8 bytes for 1 2 4 8" \
+        "$(awk -v a="$r1" -v b="$r2" -v c="$r4" -v d="$r8" 'BEGIN { print (b <= a / 2 + 4096 && c <= a / 4 + 4096 && d <= a / 8 + 4096) }')"
+    got="$(memory "$work/logs-ddp-dp2" 0 sharded) $(memory "$work/logs-tp1-pp1-dp2-1f1b" 0 sharded)"
+    check_memory "ddp keeps replicas, fsdp2 shards (sharded: $got)" "$([ "$got" = "false true" ] && echo 1)"
 fi
 # activations follow the schedule: rank r of 1F1B keeps pp - r micro-batches, gpipe all 4;
 # activation checkpointing keeps less than half (each layer's input and one layer's work)
@@ -263,6 +323,7 @@ refuse device "$work/base.yaml" "am-train: rank 0: error: AM_DEVICE=gpu: not a d
 sed 's/sequence_parallel: false/sequence_parallel: true/' "$work/ref-moe.yaml" >"$work/moe-sp.yaml"
 for v in "sp moe-sp AM_TP=2 model: mixtral with sequence parallelism: the experts are replicated over the tensor-parallel ranks and take every token, not a rank's share (set distributed.sequence_parallel: false)" \
     "pp2-aux ref-moe-aux AM_PP=2 model: mixtral over pipeline stages with output_router_logits: the load-balancing loss spans all the layers and is not exchanged between stages yet (train with pp 1, or without the loss: output_router_logits: false)" \
+    "fsdp2 ref-moe AM_TP=1 am-train does not shard a mixture of experts' weights yet: fsdp2 with dp_shard 2 would gather each layer's expert group before use, not implemented (use distributed.strategy: ddp, or megatron_fsdp with zero_dp_strategy 1 or 2)" \
     "ep2 ref-moe AM_EP=2 am-train does not run expert parallelism yet: ep_size 2 needs the all-to-all dispatch of tokens to the ranks holding their experts, not implemented (a mixture-of-experts model trains with every expert on each rank: use ep_size 1)"; do
     set -- $v
     name=moe-$1 yaml=$2 var=$3

@@ -60,7 +60,7 @@ check "json carries errors" 1 \
     '{"assumed":{},"errors":["--set distributed.ep_size=2: distributed.ep_size: 2 needs a mixture-of-experts model; llama has no experts (use ep_size: 1)"]' \
     -- "$bin" "$recipes/llama70b.yaml" --nodes 8 --gpus-per-node 8 --set distributed.ep_size=2 --json
 check "too little GPU memory names the fix" 1 \
-    "error: $recipes/llama70b.yaml: estimated memory per GPU 152.2 GiB exceeds the GPU's 80.0 GiB by 72.2 GiB; it fits with distributed.activation_checkpointing=true (61.7 GiB)" \
+    "error: $recipes/llama70b.yaml: estimated memory per GPU 142.1 GiB exceeds the GPU's 80.0 GiB by 62.1 GiB; it fits with distributed.activation_checkpointing=true (51.6 GiB), distributed.sequence_parallel=true (70.1 GiB)" \
     -- "$bin" "$recipes/llama70b.yaml" --nodes 8 --gpus-per-node 8 --gpu-mem 80G \
     --set distributed.activation_checkpointing=false --set distributed.sequence_parallel=false \
     --set step_scheduler.local_batch_size=16 --set distributed.pipeline.pp_microbatch_size=2
@@ -72,22 +72,34 @@ check "missing recipe" 1 "error: /nonexistent.yaml: cannot open: No such file or
 check "tiny on 2 ranks" 0 "layout       tp 1 x pp 1 x cp 1 x dp 2 (replicate 1 x shard 2); ep 1 (ep_shard 2); fsdp2" \
     -- "$bin" "$recipes/tiny.yaml" --gpus-per-node 2
 check "tiny_moe with experts" 0 "ep 2 (ep_shard 2)" -- "$bin" "$recipes/tiny_moe.yaml" --gpus-per-node 4
-# fsdp2 keeps a full replica on each data-parallel rank until its sharding lands: 18 B x 8.03B
-# parameters (fp32 weights 4 + their bf16 copy 2 + fp32 gradients 4 + Adam 8) = 134.6 GiB of
-# state + 6.1 GiB of activations, more than 80G
-check "llama3_8b on 8 GPUs fits 141G" 0 "memory/GPU   140.7 GiB on pp rank 0 of 141.0 GiB" \
-    -- "$bin" "$recipes/llama3_8b.yaml" --gpu-mem 141G
-check "llama3_8b on 8 GPUs exceeds 80G" 1 \
-    "error: $recipes/llama3_8b.yaml: estimated memory per GPU 140.7 GiB exceeds the GPU's 80.0 GiB by 60.7 GiB; it fits with distributed.pp_size=2 (70.7 GiB), distributed.tp_size=2 (72.6 GiB)" \
+# fsdp2 shards over the 8 data-parallel ranks (ZeRO-3, train/fsdp.h): per 8.03B parameters a
+# 1/8 shard of fp32 masters + their bf16 copy (6 B), of Adam's moments (8 B) and of the reduced
+# gradients (4 B), the full-size fp32 gradients the step accumulates (4 B), two gathered
+# groups in bf16 (the embedding, the largest) and 6.1 GiB of activations: 54.8 GiB
+check "llama3_8b on 8 GPUs fits 80G with fsdp2" 0 "memory/GPU   54.8 GiB on pp rank 0 of 80.0 GiB" \
     -- "$bin" "$recipes/llama3_8b.yaml" --gpu-mem 80G
-check "fsdp2 says it keeps full replicas" 0 \
-    "note         fsdp2 does not shard yet: each data-parallel rank keeps full weights, gradients and optimizer state, as ddp does, and the memory above counts them" \
+check "llama3_8b's breakdown" 0 \
+    "             weights 5.6 GiB, gradients 33.7 GiB, optimizer 7.5 GiB, gathered 2.0 GiB, activations 6.1 GiB" \
+    -- "$bin" "$recipes/llama3_8b.yaml" --gpu-mem 80G
+# ddp keeps full replicas: 18 B x 8.03B = 134.6 GiB + activations; the advice is to shard
+check "llama3_8b with ddp exceeds 80G, fits with fsdp2" 1 \
+    "error: $recipes/llama3_8b.yaml: estimated memory per GPU 140.7 GiB exceeds the GPU's 80.0 GiB by 60.7 GiB; it fits with distributed.strategy=fsdp2 (54.8 GiB)" \
+    -- "$bin" "$recipes/llama3_8b.yaml" --gpu-mem 80G --set distributed.strategy=ddp
+# HSDP (2 replicas of 4 shards): each rank keeps a quarter: 71.7 GiB
+check "llama3_8b with HSDP shards over dp_shard 4" 0 "memory/GPU   71.7 GiB on pp rank 0 of 80.0 GiB" \
+    -- "$bin" "$recipes/llama3_8b.yaml" --gpu-mem 80G --set distributed.dp_replicate_size=2
+check_lacks "fsdp2 has no sharding note" "does not shard yet" \
     -- "$bin" "$recipes/tiny.yaml" --gpus-per-node 2
-check "megatron_fsdp says it keeps full replicas" 0 "note         megatron_fsdp does not shard yet:" \
+check_lacks "HSDP has no sharding note" "does not shard yet" \
+    -- "$bin" "$recipes/tiny.yaml" --gpus-per-node 4 --set distributed.dp_replicate_size=2
+check "megatron_fsdp shards per zero_dp_strategy" 0 '"dp_replicas":"sharded","zero_stage":2,' \
+    -- "$bin" "$recipes/tiny.yaml" --gpus-per-node 2 --json --set distributed.strategy=megatron_fsdp \
+    --set distributed.zero_dp_strategy=2
+check_lacks "megatron_fsdp has no sharding note" "does not shard yet" \
     -- "$bin" "$recipes/tiny.yaml" --gpus-per-node 2 --set distributed.strategy=megatron_fsdp
 check_lacks "ddp has no sharding note" "does not shard yet" \
     -- "$bin" "$recipes/tiny.yaml" --gpus-per-node 2 --set distributed.strategy=ddp
-check "json says fsdp2 keeps full replicas" 0 '"dp_shard_size":2,"dp_replicas":"full",' \
+check "json says fsdp2 shards" 0 '"dp_shard_size":2,"dp_replicas":"sharded","zero_stage":3,' \
     -- "$bin" "$recipes/tiny.yaml" --gpus-per-node 2 --json
 check "bad size" 2 "am-plan: --gpu-mem: '80X' is not a size (use e.g. 80G or 141GiB)" \
     -- "$bin" "$recipes/tiny.yaml" --gpu-mem 80X

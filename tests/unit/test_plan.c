@@ -218,16 +218,85 @@ static void test_memory_ddp_16_bytes_per_parameter(void **state)
     am_recipe_free(r);
 }
 
-/* am-train does not shard yet: fsdp2 and megatron_fsdp keep a full replica on each of the
- * dp 4 ranks, as ddp does (ZeRO stage 0), so nothing is gathered. Their default mixed
- * precision (bf16 compute, fp32 reduction) adds the weights' bf16 copy to the 16 bytes: 18 B
- * per parameter; model.torch_dtype changes nothing (masters are fp32); a bf16 reduce_dtype
- * adds the gradients' bf16 copy (20 B); fp32 compute leaves 16 B. */
-static void test_memory_fsdp_keeps_full_replicas(void **state)
+/* fsdp2 shards over the dp 4 ranks (ZeRO-3, train/fsdp.h): each group of model8 (the embedding
+ * 262144, each layer 590336, the final norm with the head 262400 elements) divides by 4, so
+ * each rank's shard is a quarter of the parameters, no padding. Its default mixed precision
+ * (bf16 compute, fp32 reduction): the master shard and its bf16 copy (6 B / 4), Adam's moments
+ * of the shard (8 B / 4), the full-size fp32 gradients accumulated over the step (4 B) and the
+ * reduced gradient shard (4 B / 4); two layers gathered in bf16. A bf16 reduce_dtype adds the
+ * gradients' bf16 copy and the shard's (2 B + 2 B / 4). */
+static void test_memory_fsdp_shards(void **state)
 {
     (void)state;
     struct am_plan p;
     struct am_recipe *r = plan_of(model8, NULL, 4, &p);
+    double params = 5247232, layer = 590336;
+    assert_int_equal(p.dp_shard, 4);
+    assert_int_equal(p.zero_stage, 3);
+    assert_float_equal(p.mem.params, params, 0);
+    assert_float_equal(p.mem.weights, 6 * params / 4, 0);
+    assert_float_equal(p.mem.grads, 4 * params + 4 * params / 4, 0);
+    assert_float_equal(p.mem.optimizer, 8 * params / 4, 0);
+    assert_float_equal(p.mem.gathered, 2 * 2 * layer, 0);
+    am_plan_free(&p);
+    am_recipe_free(r);
+
+    const char *reduce_bf16[] = {"distributed.mp_policy.param_dtype=bfloat16",
+                                 "distributed.mp_policy.reduce_dtype=bfloat16", NULL};
+    r = plan_of(model8, reduce_bf16, 4, &p);
+    assert_float_equal(p.mem.grads, 6 * params + 6 * params / 4, 0);
+    am_plan_free(&p);
+    am_recipe_free(r);
+
+    /* reshard_after_forward false: a gathered buffer for each of the 10 groups */
+    const char *keep[] = {"distributed.reshard_after_forward=false", NULL};
+    r = plan_of(model8, keep, 4, &p);
+    assert_float_equal(p.mem.gathered, 10 * 2 * layer, 0);
+    am_plan_free(&p);
+    am_recipe_free(r);
+
+    /* dp 3 does not divide the groups: each padded to a multiple of 3 */
+    const char *dp3[] = {"step_scheduler.global_batch_size=36", NULL};
+    r = plan_of(model8, dp3, 3, &p);
+    double shard = (262144.0 + 2) / 3 + 8 * (590336.0 + 1) / 3 + (262400.0 + 1) / 3;
+    assert_int_equal(p.zero_stage, 3);
+    assert_float_equal(p.mem.optimizer, 8 * shard, 0);
+    assert_float_equal(p.mem.grads, 4 * (3 * shard) + 4 * shard, 0);
+    am_plan_free(&p);
+    am_recipe_free(r);
+
+    /* one data-parallel rank: nothing to shard; HSDP (dp_replicate 2 x dp_shard 2) shards in halves */
+    r = plan_of(model8, NULL, 1, &p);
+    assert_int_equal(p.zero_stage, 0);
+    assert_float_equal(p.mem.weights + p.mem.grads + p.mem.optimizer, 18 * params, 1e-6);
+    am_plan_free(&p);
+    am_recipe_free(r);
+    const char *hsdp[] = {"distributed.dp_replicate_size=2", NULL};
+    r = plan_of(model8, hsdp, 4, &p);
+    assert_int_equal(p.zero_stage, 3);
+    assert_float_equal(p.mem.optimizer, 8 * params / 2, 0);
+    assert_float_equal(p.mem.gathered, 2 * 2 * layer, 0);
+    am_plan_free(&p);
+    am_recipe_free(r);
+    const char *replicas[] = {"distributed.dp_replicate_size=4", NULL}; /* dp_shard 1: replicas only */
+    r = plan_of(model8, replicas, 4, &p);
+    assert_int_equal(p.zero_stage, 0);
+    assert_float_equal(p.mem.gathered, 0, 0);
+    am_plan_free(&p);
+    am_recipe_free(r);
+}
+
+/* ddp keeps a full replica on each of the dp 4 ranks (ZeRO stage 0), so nothing is gathered. With fsdp2's default mixed precision (bf16 compute, fp32 reduction)
+ * the weights' bf16 copy adds to the 16 bytes: 18 B per parameter; model.torch_dtype changes
+ * nothing (masters are fp32); a bf16 reduce_dtype adds the gradients' bf16 copy (20 B); fp32
+ * compute leaves 16 B. */
+static void test_memory_full_replicas(void **state)
+{
+    (void)state;
+    struct am_plan p;
+    const char *ddp[] = {"distributed.strategy=ddp", "distributed.mp_policy.param_dtype=bfloat16",
+                         "distributed.mp_policy.reduce_dtype=float32", NULL};
+    struct am_recipe *r = plan_of(model8, ddp, 4, &p);
     double params = 5247232;
     assert_int_equal(p.dp_shard, 4);
     assert_int_equal(p.zero_stage, 0);
@@ -238,13 +307,14 @@ static void test_memory_fsdp_keeps_full_replicas(void **state)
     am_plan_free(&p);
     am_recipe_free(r);
 
-    const char *bf16[] = {"model.torch_dtype=bfloat16", NULL};
+    const char *bf16[] = {"distributed.strategy=ddp", "distributed.mp_policy.param_dtype=bfloat16",
+                          "distributed.mp_policy.reduce_dtype=float32", "model.torch_dtype=bfloat16", NULL};
     r = plan_of(model8, bf16, 4, &p);
     assert_float_equal(p.mem.weights + p.mem.grads + p.mem.optimizer, 18 * params, 1e-6);
     am_plan_free(&p);
     am_recipe_free(r);
 
-    const char *reduce_bf16[] = {"distributed.mp_policy.param_dtype=bfloat16",
+    const char *reduce_bf16[] = {"distributed.strategy=ddp", "distributed.mp_policy.param_dtype=bfloat16",
                                  "distributed.mp_policy.reduce_dtype=bfloat16", NULL};
     r = plan_of(model8, reduce_bf16, 4, &p);
     assert_float_equal(p.mem.grads, 6 * params, 1e-6);
@@ -255,22 +325,45 @@ static void test_memory_fsdp_keeps_full_replicas(void **state)
     am_plan_free(&p);
     am_recipe_free(r);
 
-    const char *fp32[] = {"distributed.mp_policy.param_dtype=float32", NULL};
+    const char *fp32[] = {"distributed.strategy=ddp", "distributed.mp_policy.param_dtype=float32", NULL};
     r = plan_of(model8, fp32, 4, &p);
     assert_float_equal(p.mem.weights + p.mem.grads + p.mem.optimizer, 16 * params, 1e-6);
     am_plan_free(&p);
     am_recipe_free(r);
 
-    /* megatron_fsdp, even with ZeRO-3 asked for: nothing sharded */
-    const char *zero3[] = {"distributed.strategy=megatron_fsdp", "distributed.zero_dp_strategy=3", NULL};
-    r = plan_of(model8, zero3, 4, &p);
+    /* one rank: megatron_fsdp has nothing to shard */
+    const char *one[] = {"distributed.strategy=megatron_fsdp", NULL};
+    r = plan_of(model8, one, 1, &p);
     assert_int_equal(p.zero_stage, 0);
-    assert_float_equal(p.mem.weights, 6 * params, 1e-6);
-    assert_float_equal(p.mem.grads, 4 * params, 1e-6);
-    assert_float_equal(p.mem.optimizer, 8 * params, 1e-6);
     assert_float_equal(p.mem.gathered, 0, 0);
     am_plan_free(&p);
     am_recipe_free(r);
+}
+
+/* megatron_fsdp's zero_dp_strategy over the dp 4 ranks (bf16 compute, bf16 reduction here):
+ * stage 3 as fsdp2; stages 2 and 1 keep the full masters and their bf16 copy (6 B) beside the
+ * master shard (4 B / 4) and Adam's moments of the shard (8 B / 4); the gradients' full-size
+ * accumulation and its bf16 copy (6 B), plus the shard: reduce-scattered in bf16 then widened
+ * (6 B / 4) from stage 2, copied from the all-reduced gradients (4 B / 4) at stage 1. */
+static void test_memory_megatron_zero_stages(void **state)
+{
+    (void)state;
+    struct am_plan p;
+    double params = 5247232, layer = 590336;
+    for (int stage = 1; stage <= 3; stage++) {
+        char z[64];
+        snprintf(z, sizeof(z), "distributed.zero_dp_strategy=%d", stage);
+        const char *sets[] = {"distributed.strategy=megatron_fsdp", "distributed.mp_policy.param_dtype=bfloat16",
+                              "distributed.mp_policy.reduce_dtype=bfloat16", z, NULL};
+        struct am_recipe *r = plan_of(model8, sets, 4, &p);
+        assert_int_equal(p.zero_stage, stage);
+        assert_float_equal(p.mem.optimizer, 8 * params / 4, 0);
+        assert_float_equal(p.mem.weights, stage == 3 ? 6 * params / 4 : 6 * params + 4 * params / 4, 0);
+        assert_float_equal(p.mem.grads, 6 * params + (stage >= 2 ? 6 : 4) * params / 4, 0);
+        assert_float_equal(p.mem.gathered, stage == 3 ? 2 * 2 * layer : 0, 0);
+        am_plan_free(&p);
+        am_recipe_free(r);
+    }
 }
 
 /* Activations of model8 per token and layer, in elements (docs/recipes.md):
@@ -386,16 +479,16 @@ static void test_memory_over_budget_names_the_fix(void **state)
     const char *sets[] = {"distributed.strategy=ddp", NULL};
     struct am_recipe *r = plan_of(model8, sets, 4, &p);
     /* 16 B * 5247232 = 80.1 MiB of state + 52.0 MiB of activations (3328 * 512 * 4 B * 8 layers)
-     * = 132.1 MiB; in 100 MiB it fits with checkpointing (80.1 + 4.0 saved + 6.5 recomputed).
-     * Not with strategy=fsdp2: it keeps full replicas too, so it is not offered; neither are
-     * tp and pp, which ddp does not run. */
+     * = 132.1 MiB; in 100 MiB it fits with fsdp2 (sharded over the 4 ranks: 4/4 + 4 + 4/4 + 8/4 B
+     * = 40.0 MiB of state, 4.5 MiB of two gathered layers, the same activations) and with
+     * checkpointing (80.1 + 4.0 saved + 6.5 recomputed). Not tp and pp, which ddp does not run. */
     struct am_world w = {.size = 4, .nodes = 1, .gpus_per_node = 4, .nvlink_domain = 4, .gpu_mem = 100 << 20};
     struct am_errors err;
     am_errors_init(&err);
     assert_int_equal(am_plan_check_memory(r, &w, &p, &err), -1);
     assert_messages(&err, (const char *const[]){
         "plan.yaml: estimated memory per GPU 132.1 MiB exceeds the GPU's 100.0 MiB by 32.1 MiB; it fits with "
-        "distributed.activation_checkpointing=true (90.6 MiB)", NULL});
+        "distributed.strategy=fsdp2 (96.5 MiB), distributed.activation_checkpointing=true (90.6 MiB)", NULL});
     am_errors_free(&err);
     am_plan_free(&p);
     am_recipe_free(r);
@@ -411,7 +504,9 @@ int main(void)
         cmocka_unit_test(test_param_count),
         cmocka_unit_test(test_param_count_moe_dense_layers),
         cmocka_unit_test(test_memory_ddp_16_bytes_per_parameter),
-        cmocka_unit_test(test_memory_fsdp_keeps_full_replicas),
+        cmocka_unit_test(test_memory_fsdp_shards),
+        cmocka_unit_test(test_memory_full_replicas),
+        cmocka_unit_test(test_memory_megatron_zero_stages),
         cmocka_unit_test(test_memory_activations),
         cmocka_unit_test(test_memory_pipeline_schedules),
         cmocka_unit_test(test_pipeline_schedule_too_long),

@@ -1,0 +1,106 @@
+/* fsdp.h - fully sharded data parallelism (FSDP2's flat shards, ZeRO-3) over the shard group.
+ *
+ * Each parameter group of the model (model.h: the embedding, each decoder layer, the final
+ * norm with the head) is one flat span of the model's slabs, padded with zeros to a multiple
+ * of the shard group's size D (am_model_shard.group_align). Rank r of the group keeps elements
+ * [r * span / D, (r + 1) * span / D) of each group's span, for every group one after the
+ * other in three slabs of its own: the fp32 master weights, the fp32 reduced gradients and
+ * (the optimizer's, over the same slab) Adam's two moments. The model's full fp32 masters and
+ * their compute copy are freed once the shards are taken from them.
+ *
+ * Weights: at the start of a step the master shards are cast to the compute dtype (mixed
+ * precision; fp32 gathers the masters themselves). Before a group's weights are read (the
+ * model's group_use hook: its forward, its backward, the recompute of activation
+ * checkpointing) the group is all-gathered in the compute dtype into one of a few gathered
+ * buffers and its parameters' wc point there; the next group in the pass's direction (the
+ * following one in forward, the previous decoder layer in backward) is prefetched, its
+ * all-gather started, into another buffer. There are two buffers (three when the head shares
+ * the embedding on this rank: the head needs both groups): the one in use and the one
+ * prefetched, so that the gathered weights never exceed two groups; a group found gathered
+ * (the recompute after its own backward began, the next micro-batch of 1F1B) is used as it
+ * is. With reshard_after_forward false there is a buffer for every group of the rank: a group
+ * gathered for its forward stays until the step ends (FSDP2's reshard_after_forward=False:
+ * no gather for the backward, the whole model's weights in memory at the peak). Collectives
+ * are issued in the order of the schedule, the same on every rank of the
+ * shard group.
+ *
+ * Gradients: the backward accumulates full-size fp32 gradients in the model's gradient slab
+ * over the micro-batches of the step (FSDP2 with set_requires_gradient_sync(False) on all but
+ * the last micro-batch: one reduction per step), and each group's gradients are
+ * reduce-scattered, in reduce_dtype, into its shard as soon as the last backward makes them
+ * final (grad_sync.h). The gradient norm is the shards' sum of squares summed over the shard
+ * group, tp and pp (am_model_grad_sumsq_shards); the optimizer steps the shards alone.
+ *
+ * A checkpoint gathers the masters of every group into a full fp32 slab for the save
+ * (am_fsdp_gather_masters), which the caller frees after it.
+ *
+ * ZeRO stages below 3 (megatron_fsdp's zero_dp_strategy) use the same shards with the
+ * weights replicated: the model keeps its full weights (no gathering before use), the
+ * optimizer steps the shards, and am_fsdp_publish all-gathers the updated master shards
+ * into the model's full masters after each step. Stage 2 reduce-scatters the gradients into
+ * the shards as above; stage 1 all-reduces them whole (as ddp) and am_fsdp_take_grads copies
+ * the rank's shard of them.
+ */
+#ifndef AM_FSDP_H
+#define AM_FSDP_H
+
+#include <stdbool.h>
+#include <stddef.h>
+
+#include "comm.h"
+#include "model.h"
+
+struct am_fsdp {
+    struct am_model *m;
+    int stage;            /* ZeRO stage: 3 (fsdp2; megatron_fsdp 3), 2 or 1 (megatron_fsdp) */
+    struct am_comm *comm; /* the shard group */
+    int rank, size;
+    size_t n_shard;       /* this rank's elements: the sum of the groups' shards */
+    void *master;         /* fp32 master shards [n_shard] */
+    void *master_lp;      /* their copy in the compute dtype (mixed precision), else NULL */
+    void *grads;          /* fp32 reduced gradient shards [n_shard] */
+    void *slot_mem;       /* n_slots gathered buffers of slot_elems in the compute dtype */
+    size_t slot_elems;
+    int n_slots;
+    int *slot_group;                  /* [n_slots]: the group a buffer holds, or -1 */
+    struct am_comm_req **slot_req;    /* its all-gather while in flight */
+    long *slot_used;                  /* when it was last used (for the choice of a buffer) */
+    long tick;
+    double gather_wait_s;                          /* this step: seconds waiting for all-gathers */
+};
+
+/* Shards the model's groups over comm (the model was built with group_align = its size) and
+ * takes each shard of the weights init or load put in the model's slabs; stage 3 then frees
+ * them and installs the group_use hook. Returns 0, or -1 with a message. */
+int am_fsdp_init(struct am_fsdp *f, struct am_model *m, struct am_comm *comm, int stage, bool reshard_after_forward,
+                 char *err, size_t err_len);
+/* After the communicators are destroyed (requests still in flight go with them). */
+void am_fsdp_free(struct am_fsdp *f);
+
+/* Stages 1 and 2, after the optimizer: the master shards all-gathered into the model's masters
+ * (collective over the shard group). */
+int am_fsdp_publish(struct am_fsdp *f, char *err, size_t err_len);
+/* Stage 1, after the all-reduce: the rank's shard of each group's gradients into f->grads. */
+void am_fsdp_take_grads(struct am_fsdp *f);
+
+/* The bytes it allocated, with the model's full weights that stages 1 and 2 keep: master
+ * shards (and their compute copy), gathered buffers. */
+size_t am_fsdp_weight_bytes(const struct am_fsdp *f);
+size_t am_fsdp_gathered_bytes(const struct am_fsdp *f);
+
+/* Before the step's first forward: the compute copy of the master shards; nothing gathered. */
+void am_fsdp_begin_step(struct am_fsdp *f);
+/* After the step's backward, before the optimizer writes the shards: waits for the
+ * all-gathers still in flight (a prefetch nobody used) and forgets what is gathered. */
+int am_fsdp_end_step(struct am_fsdp *f, char *err, size_t err_len);
+
+/* The model's group_use hook (model.h). */
+int am_fsdp_use(void *f, int group, bool backward, char *err, size_t err_len);
+
+/* Every group's master shards all-gathered into a new fp32 slab of the model's layout, the
+ * parameters' w pointed into it (*slab: free it with am_fsdp_release_masters). Collective
+ * over the shard group. */
+int am_fsdp_gather_masters(struct am_fsdp *f, void **slab, char *err, size_t err_len);
+void am_fsdp_release_masters(struct am_fsdp *f, void *slab);
+
+#endif
