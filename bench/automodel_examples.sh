@@ -1,7 +1,7 @@
 #!/bin/bash
-# automodel-examples.sh - am-plan over NeMo AutoModel's public LLM example recipes.
+# automodel_examples.sh - am-plan over NeMo AutoModel's public LLM example recipes.
 #
-#   bench/automodel-examples.sh AUTOMODEL_CHECKOUT [AM_PLAN] [OUT_DIR]
+#   bench/automodel_examples.sh AUTOMODEL_CHECKOUT [AM_PLAN] [OUT_DIR]
 #
 # Runs `am-plan RECIPE --nodes N --gpus-per-node 8 --gpu-mem 80G --json` for every recipe under
 # examples/{llm_finetune,llm_pretrain,llm_benchmark,llm_kd,llm_seq_cls,convergence,
@@ -12,7 +12,7 @@
 # over 80 GiB, or anything else ("other": to be read). OUT_DIR (default a temporary
 # directory) keeps one line per run: "RECIPE N KIND first error".
 set -u
-src=${1:?usage: automodel-examples.sh AUTOMODEL_CHECKOUT [AM_PLAN] [OUT_DIR]}
+src=${1:?usage: automodel_examples.sh AUTOMODEL_CHECKOUT [AM_PLAN] [OUT_DIR]}
 plan=${2:-$(dirname "$0")/../am-plan}
 out=${3:-$(mktemp -d)}
 mkdir -p "$out"
