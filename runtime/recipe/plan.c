@@ -110,6 +110,27 @@ static int build_stages(const struct am_recipe *r, struct am_plan *p)
 
 /* ---- memory -------------------------------------------------------------------------- */
 
+/* A MoE layer's tensors per token (in compute-dtype elements), kept per micro-batch slot and
+ * MoE layer whether or not the dense part is recomputed (runtime/model/moe.c). */
+static double moe_elems_per_token(const struct am_recipe *r)
+{
+    const struct am_model_config *m = &r->model;
+    if (m->num_experts <= 0)
+        return 0;
+    double h = (double)m->hidden_size;
+    double k = (double)m->num_experts_per_tok, E = (double)m->num_experts, cs = am_dtype_size(r->compute_dtype);
+    return E + k * (2 * h + 3 * (double)m->moe_intermediate_size) + (E + 3 * k) * 4 / cs;
+}
+
+/* The MoE layers of stage s. */
+static int stage_moe_layers(const struct am_recipe *r, const struct am_stage *st)
+{
+    int n = 0;
+    for (int l = st->first_layer; r->model.num_experts > 0 && l < st->first_layer + st->n_layers; l++)
+        n += am_model_layer_is_moe(&r->model, l);
+    return n;
+}
+
 /* Elements saved for backward per token of one layer on one tp rank (see docs/recipes.md). */
 static double act_elems_per_token(const struct am_recipe *r, const struct am_plan *p)
 {
@@ -121,17 +142,17 @@ static double act_elems_per_token(const struct am_recipe *r, const struct am_pla
      * layer also keeps, per token, its router logits and probabilities, its k slots' choice,
      * weight and row (i32 / f32), and for each slot the permuted input, gate, up, product and
      * output (runtime/model/moe.c), averaged over the layers (qwen3_moe's dense layers) */
-    double mlp = 3 * (double)m->intermediate_size / tp;
-    if (m->num_experts > 0) {
-        double k = (double)m->num_experts_per_tok, E = (double)m->num_experts, cs = am_dtype_size(r->compute_dtype);
-        double moe = E + k * (2 * h + 3 * (double)m->moe_intermediate_size) + (E + 3 * k) * 4 / cs;
-        mlp += moe * (double)am_model_moe_layers(m) / (double)m->num_hidden_layers;
-    }
-    double replicated = 4 * h; /* norm inputs and outputs */
+    double mlp = 3 * (double)m->intermediate_size / tp; /* the MoE part: moe_layer_slots */
+    /* norm inputs and outputs, and the two norms' inverse rms (fp32) */
+    double f32 = 4 / am_dtype_size(r->compute_dtype);
+    double replicated = 4 * h + 2 * f32;
     if (r->dist.sequence_parallel)
         replicated /= tp;
-    double qk_norm = m->qk_norm ? q / tp + kv_rank : 0; /* q and k before their per-head norms */
-    return replicated + 2 * q / tp + 2 * kv_rank + qk_norm + mlp;
+    double heads = (double)(m->num_attention_heads / p->tp), kv_heads = kv_rank / hd;
+    /* q and k before their per-head norms, and the norms' inverse rms (fp32) */
+    double qk_norm = m->qk_norm ? q / tp + kv_rank + (heads + kv_heads) * f32 : 0;
+    /* the attention's log-sum-exp per head (fp32) */
+    return replicated + 2 * q / tp + 2 * kv_rank + heads * f32 + qk_norm + mlp;
 }
 
 /* Micro-batches whose activations pp rank k holds at its peak, in units of its layers: as the
@@ -141,7 +162,13 @@ static double act_elems_per_token(const struct am_recipe *r, const struct am_pla
  * times). The schedule exists (validate.c: n_micro >= pp for gpipe and 1f1b; whole rounds for
  * interleaved1f1b, am_pipe_round) and has at most 2 * AM_PLAN_MAX_PIPE_PASSES actions (am_plan_build).
  * Returns -1 when out of memory. */
-static double in_flight_layers(const struct am_recipe *r, const struct am_plan *p, int k, int layers_on_rank)
+struct rank_slots {
+    int total, first, last; /* over the rank's chunks; of its first chunk; of its last */
+    int moe_layer_slots;    /* over the chunks, slots x the chunk's MoE layers */
+};
+
+static double in_flight_layers(const struct am_recipe *r, const struct am_plan *p, int k, int layers_on_rank,
+                               struct rank_slots *rs)
 {
     int v = p->virtual_stages, n_micro = (int)p->n_microbatches;
     struct am_pipe_action *actions = malloc(2 * (size_t)n_micro * (size_t)v * sizeof(*actions));
@@ -149,10 +176,70 @@ static double in_flight_layers(const struct am_recipe *r, const struct am_plan *
         return -1;
     int n = am_pipe_schedule(r->dist.pipeline.schedule, p->pp, v, n_micro, k, actions);
     int slots = 0;
-    for (int c = 0; c < v; c++)
-        slots += am_pipe_slots(actions, n, c);
+    for (int c = 0; c < v; c++) {
+        int sc = am_pipe_slots(actions, n, c);
+        if (sc < 1)
+            sc = 1; /* the model gives every chunk one slot at least */
+        slots += sc;
+        rs->moe_layer_slots += sc * stage_moe_layers(r, &p->stages[c * p->pp + k]);
+        if (c == 0)
+            rs->first = sc;
+        if (c == v - 1)
+            rs->last = sc;
+    }
+    rs->total = slots;
     free(actions);
     return (double)slots * layers_on_rank / v;
+}
+
+/* Bytes of one buffer of n elements of size es, as the model carves them (64-byte aligned). */
+static double carved(double n, double es) { return (double)(((long long)(n * es) + 63) / 64 * 64); }
+
+/* The buffers the model allocates beside the layers' saved tensors (runtime/model/model.c,
+ * layout_acts; moe.c, layout), exactly: per micro-batch slot the first stage's token ids and
+ * the last stage's targets, final norm input and output, its inverse rms and the cross
+ * entropy's running max and sum; shared by all the slots the residual stream and its
+ * gradient, the head's input gradient, the rotary tables, the cross entropy's target logits
+ * (and with tp > 1 the shards' max), the grouped-query key/value gradient sums when tp exceeds
+ * the key/value heads, the backward's work buffers (hidden, query, attention, key, value, the
+ * MLP's three, qk_norm's key), with sequence parallelism the gathered stream and a rows'
+ * buffer; and for a mixture of experts, per slot the router's counts, probability sums and
+ * auxiliary loss, shared the router's and the experts' gradient buffers. N: tokens of a
+ * micro-batch, R: its rows of the residual stream on this rank (N / tp with sequence
+ * parallelism). */
+static double scratch_bytes(const struct am_recipe *r, const struct am_plan *p, bool emb, bool head,
+                            const struct rank_slots *rs)
+{
+    const struct am_model_config *m = &r->model;
+    double tp = p->tp, cs = am_dtype_size(r->compute_dtype);
+    bool sp = r->dist.sequence_parallel && p->tp > 1;
+    double N = (double)p->microbatch_size * (double)p->seq_length / p->cp, R = sp ? N / tp : N;
+    double C = (double)m->hidden_size, D = (double)m->head_dim, T = (double)p->seq_length;
+    double Q = (double)(m->num_attention_heads / p->tp) * D;
+    double KV = (m->num_key_value_heads >= p->tp ? (double)(m->num_key_value_heads / p->tp) : 1.0) * D;
+    double I = (double)(m->intermediate_size / p->tp);
+    double b = 0;
+    if (emb)
+        b += rs->first * carved(N, 4);
+    if (head)
+        b += rs->last * (carved(N, 4) + carved(R * C, cs) + carved(N * C, cs) + carved(R, 4) + 2 * carved(N, 4));
+    b += 2 * carved(R * C, cs) + carved(N * C, cs) + 2 * carved(T * (D / 2), 4) + carved(N, 4);
+    if (p->tp > 1)
+        b += carved(N, 4);
+    if (p->tp > m->num_key_value_heads)
+        b += carved(2 * (double)m->num_key_value_heads * D * C, 4);
+    b += carved(N * C, cs) + 2 * carved(N * Q, cs) + 2 * carved(N * KV, cs) + carved(N * 3 * I, cs);
+    if (m->qk_norm)
+        b += carved(N * KV, cs);
+    if (sp)
+        b += carved(N * C, cs) + carved(R * C, cs);
+    if (m->num_experts > 0) {
+        double E = (double)m->num_experts, k = (double)m->num_experts_per_tok, S = N * k;
+        double Im = (double)m->moe_intermediate_size;
+        b += rs->total * (2 * carved(E, 4) + carved(1, 8));
+        b += carved(N * E, cs) + carved(N * k, 4) + 2 * carved(S * C, cs) + 3 * carved(S * Im, cs);
+    }
+    return b;
 }
 
 /* The ZeRO stage am-train runs for a recipe (am_plan.zero_stage): fsdp2 shards weights,
@@ -191,9 +278,15 @@ static int memory_of_rank(const struct am_recipe *r, const struct am_plan *p, in
     double q = (double)m->num_attention_heads * hd;
     double kv_rank = (m->num_key_value_heads >= p->tp ? (double)m->num_key_value_heads / tp : 1.0) * hd;
     double attn = 2 * h * q / tp + 2 * h * kv_rank + (m->qk_norm ? 2 * hd : 0);
-    double dense = attn + pc->norms_per_layer + pc->mlp_per_layer / tp + pc->router_per_layer;
-    double experts = pc->experts_per_layer / p->ep;
-
+    /* a layer's parameters but the experts (dense), and its experts: a MoE model's dense
+     * layers (qwen3_moe's mlp_only_layers) have the MLP instead of the router and experts,
+     * counted per layer of the rank (their share differs between stages) */
+    double mlp = 3 * h * (double)m->intermediate_size / tp, router = 0, experts = 0;
+    if (m->num_experts > 0) {
+        router = h * (double)m->num_experts;
+        experts = (double)m->num_experts * 3 * h * (double)m->moe_intermediate_size / p->ep;
+    }
+    double dense = 0, dense_params = 0, expert_params = 0; /* dense + experts: the largest layer */
     int layers = 0;
     bool emb = false, head = false;
     for (int s = 0; s < p->n_stages; s++) {
@@ -202,8 +295,17 @@ static int memory_of_rank(const struct am_recipe *r, const struct am_plan *p, in
         layers += p->stages[s].n_layers;
         emb |= p->stages[s].embedding;
         head |= p->stages[s].head;
+        for (int l = p->stages[s].first_layer; l < p->stages[s].first_layer + p->stages[s].n_layers; l++) {
+            bool moe = m->num_experts > 0 && am_model_layer_is_moe(m, l);
+            double d = attn + pc->norms_per_layer + (moe ? router : mlp), e = moe ? experts : 0;
+            dense_params += d;
+            expert_params += e;
+            if (d + e > dense)
+                dense = d + e;
+        }
     }
-    double dense_params = layers * dense, expert_params = layers * experts;
+    double experts_of_layer = experts;
+    experts = 0; /* dense holds the largest layer whole */
     if (emb)
         dense_params += pc->embedding / tp;
     if (head)
@@ -249,8 +351,11 @@ static int memory_of_rank(const struct am_recipe *r, const struct am_plan *p, in
         struct flat_shards f = {.D = (long long)shard};
         if (emb)
             add_group(&f, pc->embedding / tp);
-        for (int l = 0; l < layers; l++)
-            add_group(&f, dense + experts);
+        for (int s = 0; s < p->n_stages; s++)
+            for (int l = 0; p->stages[s].pp_rank == k && l < p->stages[s].n_layers; l++) {
+                bool moe = m->num_experts > 0 && am_model_layer_is_moe(m, p->stages[s].first_layer + l);
+                add_group(&f, attn + pc->norms_per_layer + (moe ? router + experts_of_layer : mlp));
+            }
         if (head)
             add_group(&f, pc->final_norm + (m->tie_word_embeddings && emb ? 0 : pc->embedding / tp));
         double glp = am_dtype_size(r->reduce_dtype) < 4 ? am_dtype_size(r->reduce_dtype) : 0;
@@ -264,20 +369,25 @@ static int memory_of_rank(const struct am_recipe *r, const struct am_plan *p, in
 
     double tokens = (double)(p->pp > 1 ? p->microbatch_size : p->local_batch) * (double)p->seq_length / p->cp;
     double full_layer = tokens * act_elems_per_token(r, p) * cs;
-    double flight = in_flight_layers(r, p, k, layers);
+    struct rank_slots rs = {0, 0, 0, 0};
+    double flight = in_flight_layers(r, p, k, layers, &rs);
     if (flight < 0)
         return -1;
     if (r->dist.activation_checkpointing) {
         double saved = tokens * h * cs / (r->dist.sequence_parallel ? tp : 1);
-        out->activations = flight * saved + (layers ? full_layer : 0);
+        /* each layer's input per slot, one layer's other tensors shared */
+        out->activations = flight * saved + (layers ? full_layer - saved : 0);
     } else {
         out->activations = flight * full_layer;
     }
+    out->activations += rs.moe_layer_slots * tokens * moe_elems_per_token(r) * cs;
     /* the executor's send buffers each way (a ring of one per slot; with interleaving one per
      * micro-batch and chunk) and one receive buffer (pipeline.h) */
     double sends = p->virtual_stages == 1 ? flight / layers : (double)p->virtual_stages * (double)p->n_microbatches;
     out->p2p = p->pp == 1 ? 0 : (1 + 2 * sends) * tokens * h * cs / (r->dist.sequence_parallel ? tp : 1);
-    out->total = out->weights + out->grads + out->optimizer + out->gathered + out->activations + out->p2p;
+    out->scratch = scratch_bytes(r, p, emb, head, &rs);
+    out->total = out->weights + out->grads + out->optimizer + out->gathered + out->activations + out->scratch +
+                 out->p2p;
     return 0;
 }
 

@@ -68,6 +68,8 @@ struct am_memory {
     double activations;     /* saved for backward, at the schedule's peak */
     double p2p;             /* pipeline: buffers of the hidden states sent to the neighbours
                                and one received (pipeline.h) */
+    double scratch;         /* the model's buffers beside the saved tensors (work buffers,
+                               the loss's, the rotary tables, the slots' token ids) */
     double total;
     int pp_rank;            /* which pipeline rank this is */
 };

@@ -54,6 +54,7 @@ void am_plan_print(FILE *f, const struct am_recipe *r, const struct am_world *w,
             am_format_bytes(m->weights, a, sizeof(a)), am_format_bytes(m->grads, b, sizeof(b)),
             am_format_bytes(m->optimizer, c, sizeof(c)), am_format_bytes(m->gathered, d, sizeof(d)),
             am_format_bytes(m->activations, e, sizeof(e)));
+    fprintf(f, ", scratch %s", am_format_bytes(m->scratch, a, sizeof(a)));
     if (p->pp > 1)
         fprintf(f, ", pipeline buffers %s", am_format_bytes(m->p2p, a, sizeof(a)));
     fputc('\n', f);

@@ -168,6 +168,7 @@ for tp in 1 2 4; do
         done
     done
 done
+trained=() # NAME RANKS [OVERRIDES] of each layout that trained (for the memory checks)
 layouts+=("ac 1 ac ref" "pp2-tied 2 tied ref-tied AM_PP=2" "pp4-tied-gpipe 4 tied,gpipe ref-tied AM_PP=4"
     "tp2-pp2-tied-il 4 tied,il ref-tied AM_TP=2 AM_PP=2"
     "pp2-il-m1 2 il,mb4 ref AM_PP=2" "dp2-pp2-il-m1-ac 4 il,mb4,ac ref AM_PP=2"
@@ -194,6 +195,7 @@ for layout in "${layouts[@]}"; do
     if ! run "$name" "$n" "$mods" "$@"; then
         echo "FAIL: $name did not train"; sed 's/^/    /' "$work/out-$name"; fails=$((fails + 1)); continue
     fi
+    trained+=("$name $n $*")
     compare "$name" "$ref" "$loss_tol" "$norm_tol" "$weight_tol"
 done
 # bf16 mixed precision (docs/training.md): data, tensor (with sequence parallelism) and
@@ -224,6 +226,7 @@ for layout in "dp2-bf16 2 bf16" "tp2-sp-bf16 2 bf16,sp AM_TP=2" "pp2-bf16 2 bf16
     if ! run "$name" "$n" "$mods" "$@"; then
         echo "FAIL: $name did not train"; sed 's/^/    /' "$work/out-$name"; fails=$((fails + 1)); continue
     fi
+    trained+=("$name $n $*")
     compare "$name" ref-bf16 "${bf16_tol%% *}" "${bf16_tol##* }" "$bf16_wtol"
 done
 # what the trainer allocated for weights, gradients and AdamW state is what am-plan counts
@@ -292,6 +295,36 @@ if [ -z "${AM_PARITY_ONLY:-}" ]; then
     check_memory "activation checkpointing: $b bytes of activations against $a" \
         "$([ $((2 * b)) -lt "$a" ] && echo 1)"
 fi
+# every rank's whole allocation (weights, gradients, optimizer state, gathered groups,
+# activations with the model's scratch, pipeline buffers) against am-plan's estimate: am-plan
+# reports its most-loaded pipeline rank, so the largest total over the layout's ranks is
+# compared with it (the other pp ranks hold fewer micro-batches or no embedding/head), within
+# 5%
+for layout in "${trained[@]}"; do
+    set -- $layout
+    name=$1 n=$2
+    shift 2
+    sets=()
+    for v in "$@"; do
+        case $v in
+        AM_TP=*) sets+=(--set "distributed.tp_size=${v#AM_TP=}") ;;
+        AM_PP=*) sets+=(--set "distributed.pp_size=${v#AM_PP=}") ;;
+        esac
+    done
+    want=$("$AM_BUILDDIR/am-plan" "$work/$name.yaml" --gpus-per-node "$n" --json "${sets[@]}" |
+        sed -nE 's/.*"memory_per_gpu_bytes":([0-9.e+]+).*/\1/p')
+    got=0 worst=
+    for r in $(seq 0 $((n - 1))); do
+        t=0
+        for key in weights_bytes grads_bytes optimizer_bytes gathered_bytes act_bytes pipe_bytes; do
+            t=$((t + $(memory "$work/logs-$name" "$r" $key)))
+        done
+        [ "$t" -gt "$got" ] && got=$t worst=$r
+    done
+    ratio=$(awk -v g="$got" -v w="$want" 'BEGIN { if (w > 0) printf "%.4f", g / w; else print "none" }')
+    check_memory "$name: the most-loaded rank ($worst) allocated $got bytes, am-plan estimates $want (record/plan $ratio, within 5%)" \
+        "$(awk -v r="$ratio" 'BEGIN { print (r != "none" && r >= 0.95 && r <= 1.05) }')"
+done
 # a layout am-train does not run yet is refused by every rank, with the reason
 (cd "$work" && AM_CP=2 AM_LOG_DIR="$work/logs-cp2" "$AM_BUILDDIR/am-launch" --nproc 2 "$work/base.yaml" \
     >"$work/out-cp2" 2>&1)

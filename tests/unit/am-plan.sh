@@ -60,7 +60,7 @@ check "json carries errors" 1 \
     '{"assumed":{},"errors":["--set distributed.ep_size=2: distributed.ep_size: 2 needs a mixture-of-experts model; llama has no experts (use ep_size: 1)"]' \
     -- "$bin" "$recipes/llama70b.yaml" --nodes 8 --gpus-per-node 8 --set distributed.ep_size=2 --json
 check "too little GPU memory names the fix" 1 \
-    "error: $recipes/llama70b.yaml: estimated memory per GPU 142.1 GiB exceeds the GPU's 80.0 GiB by 62.1 GiB; it fits with distributed.activation_checkpointing=true (51.6 GiB), distributed.sequence_parallel=true (70.1 GiB)" \
+    "error: $recipes/llama70b.yaml: estimated memory per GPU 143.6 GiB exceeds the GPU's 80.0 GiB by 63.6 GiB; it fits with distributed.activation_checkpointing=true (52.8 GiB), distributed.sequence_parallel=true (71.4 GiB)" \
     -- "$bin" "$recipes/llama70b.yaml" --nodes 8 --gpus-per-node 8 --gpu-mem 80G \
     --set distributed.activation_checkpointing=false --set distributed.sequence_parallel=false \
     --set step_scheduler.local_batch_size=16 --set distributed.pipeline.pp_microbatch_size=2
@@ -75,18 +75,19 @@ check "tiny_moe with experts" 0 "ep 2 (ep_shard 2)" -- "$bin" "$recipes/tiny_moe
 # fsdp2 shards over the 8 data-parallel ranks (ZeRO-3, train/fsdp.h): per 8.03B parameters a
 # 1/8 shard of fp32 masters + their bf16 copy (6 B), of Adam's moments (8 B) and of the reduced
 # gradients (4 B), the full-size fp32 gradients the step accumulates (4 B), two gathered
-# groups in bf16 (the embedding, the largest) and 6.1 GiB of activations: 54.8 GiB
-check "llama3_8b on 8 GPUs fits 80G with fsdp2" 0 "memory/GPU   54.8 GiB on pp rank 0 of 80.0 GiB" \
+# groups in bf16 (the embedding, the largest), 6.0 GiB of activations and 2.4 GiB of the model's
+# scratch buffers: 57.1 GiB
+check "llama3_8b on 8 GPUs fits 80G with fsdp2" 0 "memory/GPU   57.1 GiB on pp rank 0 of 80.0 GiB" \
     -- "$bin" "$recipes/llama3_8b.yaml" --gpu-mem 80G
 check "llama3_8b's breakdown" 0 \
-    "             weights 5.6 GiB, gradients 33.7 GiB, optimizer 7.5 GiB, gathered 2.0 GiB, activations 6.1 GiB" \
+    "             weights 5.6 GiB, gradients 33.7 GiB, optimizer 7.5 GiB, gathered 2.0 GiB, activations 6.0 GiB, scratch 2.4 GiB" \
     -- "$bin" "$recipes/llama3_8b.yaml" --gpu-mem 80G
 # ddp keeps full replicas: 18 B x 8.03B = 134.6 GiB + activations; the advice is to shard
 check "llama3_8b with ddp exceeds 80G, fits with fsdp2" 1 \
-    "error: $recipes/llama3_8b.yaml: estimated memory per GPU 140.7 GiB exceeds the GPU's 80.0 GiB by 60.7 GiB; it fits with distributed.strategy=fsdp2 (54.8 GiB)" \
+    "error: $recipes/llama3_8b.yaml: estimated memory per GPU 143.0 GiB exceeds the GPU's 80.0 GiB by 63.0 GiB; it fits with distributed.strategy=fsdp2 (57.1 GiB)" \
     -- "$bin" "$recipes/llama3_8b.yaml" --gpu-mem 80G --set distributed.strategy=ddp
-# HSDP (2 replicas of 4 shards): each rank keeps a quarter: 71.7 GiB
-check "llama3_8b with HSDP shards over dp_shard 4" 0 "memory/GPU   71.7 GiB on pp rank 0 of 80.0 GiB" \
+# HSDP (2 replicas of 4 shards): each rank keeps a quarter: 73.9 GiB
+check "llama3_8b with HSDP shards over dp_shard 4" 0 "memory/GPU   73.9 GiB on pp rank 0 of 80.0 GiB" \
     -- "$bin" "$recipes/llama3_8b.yaml" --gpu-mem 80G --set distributed.dp_replicate_size=2
 check_lacks "fsdp2 has no sharding note" "does not shard yet" \
     -- "$bin" "$recipes/tiny.yaml" --gpus-per-node 2

@@ -367,23 +367,34 @@ static void test_memory_megatron_zero_stages(void **state)
 }
 
 /* Activations of model8 per token and layer, in elements (docs/recipes.md):
- *   4h (norm inputs/outputs) + 2q (attention in/out) + 2kv + 3I = 1024 + 512 + 256 + 1536 = 3328
- * ddp with fp32 compute, local batch 4 x 128 tokens, 8 layers: 3328 * 512 * 4 B * 8 */
+ *   4h (norm inputs/outputs) + 2 (their inverse rms) + 2q (attention in/out) + 2kv + 8 (the
+ *   log-sum-exp of 8 heads) + 3I = 1024 + 2 + 512 + 256 + 8 + 1536 = 3338
+ * ddp with fp32 compute, local batch 4 x 128 tokens, 8 layers: 3338 * 512 * 4 B * 8 */
 static void test_memory_activations(void **state)
 {
     (void)state;
     const char *sets[] = {"distributed.strategy=ddp", NULL};
     struct am_plan p;
     struct am_recipe *r = plan_of(model8, sets, 1, &p);
-    double layer = 3328.0 * 512 * 4;
+    double layer = 3338.0 * 512 * 4;
     assert_float_equal(p.mem.activations, 8 * layer, 0);
+    /* the model's scratch (N = R = 512 tokens, h 256, head_dim 32, q 256, kv 128, I 512, fp32):
+     * the first stage's token ids 4N; the last stage's targets 4N, final norm input and output
+     * 2 * 4Nh, inverse rms 4N, loss max and sum 8N; the stream and its gradient 2 * 4Nh, the
+     * head's input gradient 4Nh, the rotary tables 2 * 128 * 16 * 4, the target logits 4N; the
+     * work buffers 4N(h + 2q + 2kv + 3I) */
+    double N = 512, h = 256;
+    double scratch = 4 * N + (4 * N + 2 * 4 * N * h + 4 * N + 8 * N) + (3 * 4 * N * h + 2 * 128 * 16 * 4 + 4 * N) +
+                     4 * N * (h + 2 * 256 + 2 * 128 + 3 * 512);
+    assert_float_equal(p.mem.scratch, scratch, 0);
+    assert_float_equal(p.mem.total, p.mem.weights + p.mem.grads + p.mem.optimizer + p.mem.activations + scratch, 0);
     am_plan_free(&p);
     am_recipe_free(r);
 
-    /* checkpointing: each layer keeps its input (h per token), plus one layer recomputed */
+    /* checkpointing: each layer keeps its input (h per token), plus one layer's others recomputed */
     const char *ckpt[] = {"distributed.strategy=ddp", "distributed.activation_checkpointing=true", NULL};
     r = plan_of(model8, ckpt, 1, &p);
-    assert_float_equal(p.mem.activations, 8 * 256.0 * 512 * 4 + layer, 0);
+    assert_float_equal(p.mem.activations, 7 * 256.0 * 512 * 4 + layer, 0);
     am_plan_free(&p);
     am_recipe_free(r);
 
@@ -391,7 +402,7 @@ static void test_memory_activations(void **state)
     const char *sp[] = {"distributed.tp_size=2", "distributed.sequence_parallel=true",
                         "distributed.mp_policy.param_dtype=float32", NULL};
     r = plan_of(model8, sp, 2, &p);
-    assert_float_equal(p.mem.activations, 8 * (3328.0 / 2) * 512 * 4, 0);
+    assert_float_equal(p.mem.activations, 8 * (3338.0 / 2) * 512 * 4, 0);
     am_plan_free(&p);
     am_recipe_free(r);
 }
@@ -406,7 +417,7 @@ static void test_memory_pipeline_schedules(void **state)
                          "distributed.mp_policy.param_dtype=float32", NULL};
     struct am_plan p;
     struct am_recipe *r = plan_of(model8, f1b, 4, &p);
-    double layer_mb = 3328.0 * 128 * 4;
+    double layer_mb = 3338.0 * 128 * 4;
     assert_int_equal(p.mem.pp_rank, 0);
     assert_float_equal(p.mem.activations, 4 * 2 * layer_mb, 0);
     am_plan_free(&p);
@@ -478,17 +489,18 @@ static void test_memory_over_budget_names_the_fix(void **state)
     struct am_plan p;
     const char *sets[] = {"distributed.strategy=ddp", NULL};
     struct am_recipe *r = plan_of(model8, sets, 4, &p);
-    /* 16 B * 5247232 = 80.1 MiB of state + 52.0 MiB of activations (3328 * 512 * 4 B * 8 layers)
-     * = 132.1 MiB; in 100 MiB it fits with fsdp2 (sharded over the 4 ranks: 4/4 + 4 + 4/4 + 8/4 B
-     * = 40.0 MiB of state, 4.5 MiB of two gathered layers, the same activations) and with
-     * checkpointing (80.1 + 4.0 saved + 6.5 recomputed). Not tp and pp, which ddp does not run. */
-    struct am_world w = {.size = 4, .nodes = 1, .gpus_per_node = 4, .nvlink_domain = 4, .gpu_mem = 100 << 20};
+    /* 16 B * 5247232 = 80.1 MiB of state + 52.2 MiB of activations (3338 * 512 * 4 B * 8 layers)
+     * + 7.5 MiB of scratch (test_memory_activations) = 139.8 MiB; in 110 MiB it fits with fsdp2
+     * (sharded over the 4 ranks: 4/4 + 4 + 4/4 + 8/4 B = 40.0 MiB of state, 4.5 MiB of two
+     * gathered layers, the same activations and scratch) and with checkpointing (80.1 + 3.5
+     * saved + 6.5 recomputed + 7.5). Not tp and pp, which ddp does not run. */
+    struct am_world w = {.size = 4, .nodes = 1, .gpus_per_node = 4, .nvlink_domain = 4, .gpu_mem = 110 << 20};
     struct am_errors err;
     am_errors_init(&err);
     assert_int_equal(am_plan_check_memory(r, &w, &p, &err), -1);
     assert_messages(&err, (const char *const[]){
-        "plan.yaml: estimated memory per GPU 132.1 MiB exceeds the GPU's 100.0 MiB by 32.1 MiB; it fits with "
-        "distributed.strategy=fsdp2 (96.5 MiB), distributed.activation_checkpointing=true (90.6 MiB)", NULL});
+        "plan.yaml: estimated memory per GPU 139.8 MiB exceeds the GPU's 110.0 MiB by 29.8 MiB; it fits with "
+        "distributed.strategy=fsdp2 (104.2 MiB), distributed.activation_checkpointing=true (97.6 MiB)", NULL});
     am_errors_free(&err);
     am_plan_free(&p);
     am_recipe_free(r);
