@@ -20,9 +20,6 @@ source "$src/bench/lib.sh"
 bench_data "$work" "$build"
 sed -e "s/global_batch_size: .*/global_batch_size: 8/" "$src/bench/bench_small.yaml" >"$work/fsdp2.yaml"
 sed -e "s/strategy: fsdp2/strategy: ddp/" "$work/fsdp2.yaml" >"$work/ddp.yaml"
-field() { # LOGDIR KEY: KEY of every step after the first two (warm-up), both ranks
-    grep -h '"type":"step"' "$1"/*/rank-*.jsonl | grep -v '"step":[12],' | sed -E "s/.*\"$2\":([^,}]*).*/\\1/"
-}
 for ((i = 0; i < ${REPEAT:-3}; i++)); do
     for s in fsdp2 ddp; do
         (cd "$work" && OMP_NUM_THREADS=$threads AM_LOG_DIR="logs-$s-$i" "$build/am-launch" --nproc 2 $s.yaml \
@@ -33,9 +30,9 @@ echo "bench-small, dp 2 (2 ranks x $threads thread(s)), $(nproc) cores: fsdp2 (s
 printf '%-8s %10s %16s %16s\n' strategy "step ms" "tokens/s/rank" "gather wait ms"
 declare -A tps
 for s in fsdp2 ddp; do
-    step=$(for d in "$work"/logs-$s-*; do field "$d" step_s; done | median)
+    step=$(for d in "$work"/logs-$s-*; do step_field "$d" step_s; done | median)
     wait=0
-    [ $s = fsdp2 ] && wait=$(for d in "$work"/logs-$s-*; do field "$d" gather_wait_s; done | median)
+    [ $s = fsdp2 ] && wait=$(for d in "$work"/logs-$s-*; do step_field "$d" gather_wait_s; done | median)
     tps[$s]=$(echo "4 * 256 / $step" | bc -l)
     printf '%-8s %10.1f %16.1f %16.1f\n' $s "$(echo "$step * 1000" | bc -l)" "${tps[$s]}" "$(echo "$wait * 1000" | bc -l)"
 done

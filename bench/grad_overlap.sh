@@ -16,9 +16,6 @@ trap 'rm -rf "$work"' EXIT
 source "$src/bench/lib.sh"
 bench_data "$work" "$build"
 sed -e "s/global_batch_size: .*/global_batch_size: 8/" "$src/bench/bench_small.yaml" >"$work/dp2.yaml"
-field() { # LOGDIR KEY: KEY of every step after the first two (warm-up), both ranks
-    grep -h '"type":"step"' "$1"/*/rank-*.jsonl | grep -v '"step":[12],' | sed -E "s/.*\"$2\":([^,}]*).*/\\1/"
-}
 for ((i = 0; i < ${REPEAT:-3}; i++)); do
     for ov in 1 0; do
         (cd "$work" && OMP_NUM_THREADS=$threads AM_GRAD_OVERLAP=$ov AM_LOG_DIR="logs-$ov-$i" \
@@ -28,8 +25,8 @@ done
 echo "bench-small, dp 2 (2 ranks x $threads thread(s)), $(nproc) cores: gradient reduction overlapped vs after the backward"
 printf '%-22s %10s %14s %8s\n' mode "step ms" "grad wait ms" share
 for ov in 1 0; do
-    step=$(for d in "$work"/logs-$ov-*; do field "$d" step_s; done | median)
-    wait=$(for d in "$work"/logs-$ov-*; do field "$d" grad_wait_s; done | median)
+    step=$(for d in "$work"/logs-$ov-*; do step_field "$d" step_s; done | median)
+    wait=$(for d in "$work"/logs-$ov-*; do step_field "$d" grad_wait_s; done | median)
     printf '%-22s %10.1f %14.1f %7.1f%%\n' "$([ $ov = 1 ] && echo overlapped || echo 'after the backward')" \
         "$(echo "$step * 1000" | bc -l)" "$(echo "$wait * 1000" | bc -l)" "$(echo "100 * $wait / $step" | bc -l)"
 done

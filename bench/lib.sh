@@ -12,6 +12,11 @@ bench_data() {
 # median: of the numbers on standard input, one a line
 median() { sort -g | awk '{ v[NR] = $1 } END { printf "%.4f", (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2 }'; }
 
+# step_field LOGDIR KEY: KEY of every step record after the first two (warm-up), all ranks
+step_field() {
+    grep -h '"type":"step"' "$1"/*/rank-*.jsonl | grep -v '"step":[12],' | sed -E "s/.*\"$2\":([^,}]*).*/\\1/"
+}
+
 # am_tokens_s WORK BUILD RECIPE THREADS: bench-small's tokens/s on one rank, the median over
 # steps 3.. (the first two warm up) of a run of RECIPE (in WORK)
 am_tokens_s() {
