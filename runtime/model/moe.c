@@ -226,6 +226,15 @@ static struct moe_acts *acts_of(struct am_model *m, const struct am_layer_acts *
     return &m->moe->acts[a - m->acts_mem];
 }
 
+/* An experts' compute copies as one [E, ...] tensor, where the first of them is now: fully
+ * sharded data parallelism gathers a layer's experts into a buffer before each use (fsdp.h). */
+static struct am_tensor weights_now(const struct am_tensor *view, const struct am_param *first)
+{
+    struct am_tensor t = *view;
+    t.data = first->wc.data;
+    return t;
+}
+
 int am_moe_forward(struct am_model *m, const struct am_layer *L, const struct am_layer_acts *a, const struct am_tensor *in,
                    struct am_tensor *out, char *err, size_t err_len)
 {
@@ -252,10 +261,12 @@ int am_moe_forward(struct am_model *m, const struct am_layer *L, const struct am
             M->step_counts[e] += M->h32[e];
     }
     K->moe_permute_forward(m->dev, &xp, in, &pos);
-    K->grouped_matmul_forward(m->dev, &g, &xp, &L->moe->W1, A->hcount);
-    K->grouped_matmul_forward(m->dev, &u, &xp, &L->moe->W3, A->hcount);
+    struct am_tensor W1 = weights_now(&L->moe->W1, L->moe->w1), W3 = weights_now(&L->moe->W3, L->moe->w3);
+    struct am_tensor W2 = weights_now(&L->moe->W2, L->moe->w2);
+    K->grouped_matmul_forward(m->dev, &g, &xp, &W1, A->hcount);
+    K->grouped_matmul_forward(m->dev, &u, &xp, &W3, A->hcount);
     K->swiglu_forward(m->dev, &act, &g, &u);
-    K->grouped_matmul_forward(m->dev, &yp, &act, &L->moe->W2, A->hcount);
+    K->grouped_matmul_forward(m->dev, &yp, &act, &W2, A->hcount);
     K->moe_combine_forward(m->dev, out, &yp, &pos, &wts);
     return 0;
 }
@@ -281,13 +292,14 @@ int am_moe_backward(struct am_model *m, const struct am_layer *L, const struct a
     K->moe_combine_backward(m->dev, &dyp, &dwts, dout, &yp, &pos, &wts);
     K->zero(m->dev, &da);
     struct am_tensor G2 = X->G2, G1 = X->G1, G3 = X->G3;
-    K->grouped_matmul_backward(m->dev, &da, &G2, &dyp, &act, &X->W2, A->hcount);
+    struct am_tensor W1 = weights_now(&X->W1, X->w1), W3 = weights_now(&X->W3, X->w3), W2 = weights_now(&X->W2, X->w2);
+    K->grouped_matmul_backward(m->dev, &da, &G2, &dyp, &act, &W2, A->hcount);
     K->zero(m->dev, &dg);
     K->zero(m->dev, &du);
     K->swiglu_backward(m->dev, &dg, &du, &da, &g, &u);
     K->zero(m->dev, &dxp);
-    K->grouped_matmul_backward(m->dev, &dxp, &G1, &dg, &xp, &X->W1, A->hcount);
-    K->grouped_matmul_backward(m->dev, &dxp, &G3, &du, &xp, &X->W3, A->hcount);
+    K->grouped_matmul_backward(m->dev, &dxp, &G1, &dg, &xp, &W1, A->hcount);
+    K->grouped_matmul_backward(m->dev, &dxp, &G3, &du, &xp, &W3, A->hcount);
     K->moe_permute_backward(m->dev, dh, &dxp, &pos);
     K->zero(m->dev, &dlogits);
     K->moe_route_backward(m->dev, &dlogits, &dwts, &probs, &idx, M->aux_on ? &Sl->cnt : NULL, Sl->aux_scale,

@@ -347,14 +347,19 @@ static int memory_of_rank(const struct am_recipe *r, const struct am_plan *p, in
          * the gradient shards (from stage 2 reduce-scattered, bf16 first with a bf16
          * reduce_dtype; stage 1 copies them from the all-reduced gradients), Adam's moments
          * of the shards, and from stage 3 two gathered groups (three when the head shares the
-         * embedding) */
+         * embedding; four with MoE layers: a layer and its experts, and the next two) */
         struct flat_shards f = {.D = (long long)shard};
+        int moe_layers = 0;
         if (emb)
             add_group(&f, pc->embedding / tp);
         for (int s = 0; s < p->n_stages; s++)
             for (int l = 0; p->stages[s].pp_rank == k && l < p->stages[s].n_layers; l++) {
                 bool moe = m->num_experts > 0 && am_model_layer_is_moe(m, p->stages[s].first_layer + l);
-                add_group(&f, attn + pc->norms_per_layer + (moe ? router + experts_of_layer : mlp));
+                add_group(&f, attn + pc->norms_per_layer + (moe ? router : mlp));
+                if (moe) { /* a MoE layer's experts: a group of their own, gathered with the layer */
+                    add_group(&f, experts_of_layer);
+                    moe_layers++;
+                }
             }
         if (head)
             add_group(&f, pc->final_norm + (m->tie_word_embeddings && emb ? 0 : pc->embedding / tp));
@@ -362,8 +367,8 @@ static int memory_of_rank(const struct am_recipe *r, const struct am_plan *p, in
         out->weights = zero >= 3 ? wb * (double)f.shard : wb * (double)f.slab + 4 * (double)f.shard;
         out->grads = (4 + glp) * (double)f.slab + (zero >= 2 ? 4 + glp : 4) * (double)f.shard;
         out->optimizer = 8 * (double)f.shard;
-        int slots = !r->dist.reshard_after_forward ? (emb ? 1 : 0) + layers + (head ? 1 : 0)
-                    : m->tie_word_embeddings && emb && head ? 3 : 2;
+        int slots = !r->dist.reshard_after_forward ? (emb ? 1 : 0) + layers + moe_layers + (head ? 1 : 0)
+                    : moe_layers ? 4 : m->tie_word_embeddings && emb && head ? 3 : 2;
         out->gathered = zero >= 3 ? slots * cs * (double)f.max_span : 0;
     }
 

@@ -24,6 +24,16 @@ static bool head_reads_embed(const struct am_model *m, int group)
     return m->embed && m->head == m->embed && m->groups[group].kind == AM_PG_HEAD;
 }
 
+/* The group of a mixture-of-experts layer's experts, which follows its layer's group (moe.h):
+ * the layer reads both; -1 for any other group. */
+static int experts_of(const struct am_model *m, int group)
+{
+    return group >= 0 && group + 1 < m->n_groups && m->groups[group].kind == AM_PG_LAYER &&
+                   m->groups[group + 1].kind == AM_PG_EXPERTS
+               ? group + 1
+               : -1;
+}
+
 int am_fsdp_init(struct am_fsdp *f, struct am_model *m, struct am_comm *comm, int stage, bool reshard_after_forward,
                  char *err, size_t err_len)
 {
@@ -47,9 +57,14 @@ int am_fsdp_init(struct am_fsdp *f, struct am_model *m, struct am_comm *comm, in
         if (G->span > max_span)
             max_span = G->span;
     }
+    bool moe = false;
+    for (int g = 0; g < m->n_groups; g++)
+        moe |= m->groups[g].kind == AM_PG_EXPERTS;
     size_t cs = am_dtype_size(m->act_dt);
     f->slot_elems = max_span;
-    f->n_slots = stage < 3 ? 0 : !reshard_after_forward ? m->n_groups : m->embed && m->head == m->embed ? 3 : 2;
+    /* the groups in use and the next ones prefetched: a layer, or a MoE layer and its experts
+     * (twice: 4); the head and the embedding it shares (3) */
+    f->n_slots = stage < 3 ? 0 : !reshard_after_forward ? m->n_groups : moe ? 4 : m->embed && m->head == m->embed ? 3 : 2;
     f->slot_group = calloc((size_t)f->n_slots + 1, sizeof(*f->slot_group));
     f->slot_req = calloc((size_t)f->n_slots + 1, sizeof(*f->slot_req));
     f->slot_used = calloc((size_t)f->n_slots + 1, sizeof(*f->slot_used));
@@ -166,15 +181,15 @@ static int slot_of(const struct am_fsdp *f, int group)
     return -1;
 }
 
-/* A buffer for another group: an empty one, else the least recently used that holds neither
- * pinned group; -1 when there is none. */
-static int free_slot(const struct am_fsdp *f, int pin0, int pin1)
+/* A buffer for another group: an empty one, else the least recently used that holds none of
+ * the pinned groups; -1 when there is none. */
+static int free_slot(const struct am_fsdp *f, int pin0, int pin1, int pin2)
 {
     int best = -1;
     for (int s = 0; s < f->n_slots; s++) {
         if (f->slot_group[s] < 0)
             return s;
-        if (f->slot_group[s] == pin0 || f->slot_group[s] == pin1)
+        if (f->slot_group[s] == pin0 || f->slot_group[s] == pin1 || f->slot_group[s] == pin2)
             continue;
         if (best < 0 || f->slot_used[s] < f->slot_used[best])
             best = s;
@@ -210,7 +225,7 @@ static int gather(struct am_fsdp *f, int g, int pin, char *err, size_t err_len)
     struct am_model *m = f->m;
     int s = slot_of(f, g);
     if (s < 0) {
-        s = free_slot(f, g, pin);
+        s = free_slot(f, g, pin, -1);
         if (start_gather(f, g, s, err, err_len) < 0)
             return -1;
     }
@@ -237,15 +252,24 @@ int am_fsdp_use(void *arg, int group, bool backward, char *err, size_t err_len)
 {
     struct am_fsdp *f = arg;
     const struct am_model *m = f->m;
-    int also = head_reads_embed(m, group) ? 0 : -1;
+    int also = head_reads_embed(m, group) ? 0 : experts_of(m, group);
     if (gather(f, group, also, err, err_len) < 0 || (also >= 0 && gather(f, also, group, err, err_len) < 0))
         return -1;
-    /* the prefetch: the next group this pass reads (the embedding's backward reads no weights) */
-    int next = backward ? group - 1 : group + 1;
-    if (next < 0 || next >= m->n_groups || (backward && m->groups[next].kind != AM_PG_LAYER) || slot_of(f, next) >= 0)
+    /* the prefetch: the next group this pass reads, with its experts (the embedding's backward
+     * reads no weights; an experts group comes with its layer) */
+    int step = backward ? -1 : 1, next = group + step;
+    while (next >= 0 && next < m->n_groups && m->groups[next].kind == AM_PG_EXPERTS)
+        next += step;
+    if (next < 0 || next >= m->n_groups || (backward && m->groups[next].kind != AM_PG_LAYER))
         return 0;
-    int s = free_slot(f, group, also);
-    return s < 0 ? 0 : start_gather(f, next, s, err, err_len);
+    int s;
+    if (slot_of(f, next) < 0 && (s = free_slot(f, group, also, -1)) >= 0 && start_gather(f, next, s, err, err_len) < 0)
+        return -1;
+    int nx = experts_of(m, next);
+    if (nx >= 0 && slot_of(f, nx) < 0 && (s = free_slot(f, group, also, next)) >= 0 &&
+        start_gather(f, nx, s, err, err_len) < 0)
+        return -1;
+    return 0;
 }
 
 int am_fsdp_gather_masters(struct am_fsdp *f, void **slab, char *err, size_t err_len)

@@ -14,9 +14,11 @@
  * checkpointing) the group is all-gathered in the compute dtype into one of a few gathered
  * buffers and its parameters' wc point there; the next group in the pass's direction (the
  * following one in forward, the previous decoder layer in backward) is prefetched, its
- * all-gather started, into another buffer. There are two buffers (three when the head shares
- * the embedding on this rank: the head needs both groups): the one in use and the one
- * prefetched, so that the gathered weights never exceed two groups; a group found gathered
+ * all-gather started, into another buffer. A mixture-of-experts layer's experts are a group of
+ * their own that follows the layer's (moe.h) and comes with it, gathered and prefetched
+ * together. There are two buffers (three when the head shares the embedding on this rank:
+ * the head needs both groups; four with MoE layers: a layer and its experts, twice): the ones
+ * in use and the ones prefetched, so that the gathered weights never exceed two layers; a group found gathered
  * (the recompute after its own backward began, the next micro-batch of 1F1B) is used as it
  * is. With reshard_after_forward false there is a buffer for every group of the rank: a group
  * gathered for its forward stays until the step ends (FSDP2's reshard_after_forward=False:

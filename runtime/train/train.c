@@ -73,11 +73,6 @@ static int check_supported(const struct am_plan *p, const struct am_recipe *r, s
         return am_errors_fail(err, "am-train does not run expert parallelism yet: ep_size %d needs the all-to-all "
                               "dispatch of tokens to the ranks holding their experts, not implemented (a mixture-of-"
                               "experts model trains with every expert on each rank: use ep_size 1)", p->ep);
-    if (r->model.num_experts > 0 && p->zero_stage >= 3 && p->dp_shard > 1)
-        return am_errors_fail(err, "am-train does not shard a mixture of experts' weights yet: %s with dp_shard %d "
-                              "would gather each layer's expert group before use, not implemented (use "
-                              "distributed.strategy: ddp, or megatron_fsdp with zero_dp_strategy 1 or 2)",
-                              r->dist.strategy == AM_FSDP2 ? "fsdp2" : "megatron_fsdp zero_dp_strategy 3", p->dp_shard);
     if (r->compute_dtype == AM_F16 || r->reduce_dtype == AM_F16)
         return am_errors_fail(err, "distributed.mp_policy: float16 compute or reduction needs loss scaling, which "
                               "am-train does not do: use bfloat16 (fp32's range in half the bytes) or float32");

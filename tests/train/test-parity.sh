@@ -17,14 +17,15 @@
 #   gradients are summed over tp; head_dim 32, so heads * head_dim is twice hidden_size) and
 #   Mistral (a sliding window of 24 on sequences of 64);
 #   a mixture of experts (Mixtral's layers: 4 experts, top 2; experts replicated over tp) at
-#   dp 2 and dp 4 with activation checkpointing (ddp), megatron_fsdp's ZeRO 2 at dp 2 and
-#   ZeRO 1 at tp 2 x dp 2 (fsdp2's gathering of expert groups is refused), pp 2 and tp 2 x pp 2
-#   interleaved
+#   dp 2 and dp 4 with activation checkpointing, with ddp and with fsdp2 (each layer's experts
+#   a group of their own, gathered with the layer), fsdp2 at tp 2 x dp 2 and with
+#   reshard_after_forward false, megatron_fsdp's ZeRO 2 at dp 2 and ZeRO 1 at tp 2 x dp 2, pp 2
+#   and tp 2 x pp 2 interleaved, Qwen3-MoE at pp 2 x dp 2 (fsdp2)
 #   against its own one rank; with the load-balancing loss on, activation checkpointing and
 #   tp 2 against one rank (the loss is a product of means over each micro-batch's tokens, as
 #   transformers computes it per forward, so it depends on which sequences share a micro-batch:
 #   data-parallel ranks' and pipeline micro-batches hold other sequences than one rank's); its
-#   sequence-parallel, pipeline-with-aux-loss, fsdp2 and ep layouts are refused with the reason.
+#   sequence-parallel, pipeline-with-aux-loss and ep layouts are refused with the reason.
 #   Qwen3-MoE (q/k norms, renormalised top 2, layer 1 a dense MLP split over tp) at tp 2 x pp 2.
 # The tiny recipe's strategy is fsdp2, so every layout with dp > 1 above shards weights,
 # gradients and AdamW state over its dp ranks (train/fsdp.h: flat shards per group, weights
@@ -177,7 +178,9 @@ layouts+=("ac 1 ac ref" "pp2-tied 2 tied ref-tied AM_PP=2" "pp4-tied-gpipe 4 tie
     "tp2-pp2-mistral 4 mistral ref-mistral AM_TP=2 AM_PP=2" "tp2-pp2-mistral-sp 4 mistral,sp ref-mistral AM_TP=2 AM_PP=2"
     "dp2-moe 2 moe,ddp ref-moe" "dp4-moe-ac 4 moe,ddp,ac ref-moe" "ac-moe-aux 1 moe,aux,ac ref-moe-aux"
     "tp2-moe-aux 2 moe,aux ref-moe-aux AM_TP=2" "mfsdp-z2-dp2-moe 2 moe,mz2 ref-moe"
-    "mfsdp-z1-tp2-dp2-moe 4 moe,mz1 ref-moe AM_TP=2"
+    "mfsdp-z1-tp2-dp2-moe 4 moe,mz1 ref-moe AM_TP=2" "fsdp2-dp2-moe 2 moe ref-moe"
+    "fsdp2-dp4-moe-ac 4 moe,ac ref-moe" "fsdp2-tp2-dp2-moe 4 moe ref-moe AM_TP=2" "fsdp2-dp2-moe-keep 2 moe,keep ref-moe"
+    "fsdp2-pp2-dp2-qmoe 4 qmoe ref-qmoe AM_PP=2"
     "pp2-moe 2 moe ref-moe AM_PP=2" "tp2-pp2-moe-il 4 moe,il ref-moe AM_TP=2 AM_PP=2"
     "tp2-pp2-qmoe 4 qmoe ref-qmoe AM_TP=2 AM_PP=2"
     "dp8 8 lb2 ref" "dp8-ac 8 lb2,ac ref" "dp2-keep 2 keep ref" "tp2-pp2-dp2-keep-ac 8 keep,ac ref AM_TP=2 AM_PP=2"
@@ -356,7 +359,6 @@ refuse device "$work/base.yaml" "am-train: rank 0: error: AM_DEVICE=gpu: not a d
 sed 's/sequence_parallel: false/sequence_parallel: true/' "$work/ref-moe.yaml" >"$work/moe-sp.yaml"
 for v in "sp moe-sp AM_TP=2 model: mixtral with sequence parallelism: the experts are replicated over the tensor-parallel ranks and take every token, not a rank's share (set distributed.sequence_parallel: false)" \
     "pp2-aux ref-moe-aux AM_PP=2 model: mixtral over pipeline stages with output_router_logits: the load-balancing loss spans all the layers and is not exchanged between stages yet (train with pp 1, or without the loss: output_router_logits: false)" \
-    "fsdp2 ref-moe AM_TP=1 am-train does not shard a mixture of experts' weights yet: fsdp2 with dp_shard 2 would gather each layer's expert group before use, not implemented (use distributed.strategy: ddp, or megatron_fsdp with zero_dp_strategy 1 or 2)" \
     "ep2 ref-moe AM_EP=2 am-train does not run expert parallelism yet: ep_size 2 needs the all-to-all dispatch of tokens to the ranks holding their experts, not implemented (a mixture-of-experts model trains with every expert on each rank: use ep_size 1)"; do
     set -- $v
     name=moe-$1 yaml=$2 var=$3
