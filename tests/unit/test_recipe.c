@@ -657,6 +657,24 @@ static void test_model_shipped_configs(void **state)
     am_model_params(&r->model, &pc);
     assert_float_equal(pc.total, 30532122624.0, 0); /* Qwen3-30B-A3B: 30.5B */
     am_recipe_free(r);
+
+    /* Qwen2.5 (qwen2): the q, k, v biases counted, as transformers counts its parameters */
+    static const struct {
+        const char *id;
+        double total;
+    } qwen25[] = {{"Qwen/Qwen2.5-0.5B", 494032768.0}, {"Qwen/Qwen2.5-3B", 3085938688.0}, {"Qwen/Qwen2.5-7B", 7615616512.0}};
+    for (size_t i = 0; i < sizeof(qwen25) / sizeof(qwen25[0]); i++) {
+        char y[128];
+        snprintf(y, sizeof(y), "model:\n  pretrained_model_name_or_path: %s\n", qwen25[i].id);
+        r = parse_with("r.yaml", y, NULL, &err);
+        assert_messages(&err, NONE);
+        assert_string_equal(r->model.model_type, "qwen2");
+        assert_true(r->model.qkv_bias);
+        assert_int_equal(r->model.sliding_window, 0); /* sliding_window given, use_sliding_window false */
+        am_model_params(&r->model, &pc);
+        assert_float_equal(pc.total, qwen25[i].total, 0);
+        am_recipe_free(r);
+    }
     am_errors_free(&err);
     default_env();
 }
