@@ -55,10 +55,12 @@ static void layer_params(struct am_model *m, int l, int local)
         L->bq = add_param(m, NAME("self_attn.q_proj.bias"), m->heads * D, 0, AM_SPLIT_ROWS, Hq, 0, r * m->heads * D, 0);
     L->wk = add_param(m, NAME("self_attn.k_proj.weight"), m->kv_heads * D, C, AM_SPLIT_ROWS, Hkv, C, m->kv_head0 * D, 0);
     if (c->qkv_bias)
-        L->bk = add_param(m, NAME("self_attn.k_proj.bias"), m->kv_heads * D, 0, AM_SPLIT_ROWS, Hkv, 0, m->kv_head0 * D, 0);
+        L->bk = add_param(m, NAME("self_attn.k_proj.bias"), m->kv_heads * D, 0, AM_SPLIT_ROWS, Hkv, 0,
+                            m->kv_head0 * D, 0);
     L->wv = add_param(m, NAME("self_attn.v_proj.weight"), m->kv_heads * D, C, AM_SPLIT_ROWS, Hkv, C, m->kv_head0 * D, 0);
     if (c->qkv_bias)
-        L->bv = add_param(m, NAME("self_attn.v_proj.bias"), m->kv_heads * D, 0, AM_SPLIT_ROWS, Hkv, 0, m->kv_head0 * D, 0);
+        L->bv = add_param(m, NAME("self_attn.v_proj.bias"), m->kv_heads * D, 0, AM_SPLIT_ROWS, Hkv, 0,
+                            m->kv_head0 * D, 0);
     if (c->num_key_value_heads < m->sh.tp) { /* each kv head is held by tp / kv heads ranks */
         int copies = (int)(m->sh.tp / c->num_key_value_heads);
         L->wk->copies_in_tp = L->wv->copies_in_tp = copies;

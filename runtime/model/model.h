@@ -9,8 +9,8 @@
  *     output head on the last;
  *   - its tensor-parallel slice of each matrix (Megatron's split): q, k, v, gate and up by
  *     output rows (column-parallel; Qwen2's q, k, v biases with those rows), o and down by
- *     input columns (row-parallel), the embedding and head by vocabulary rows; norms whole. With fewer kv heads than tp ranks
- *     each rank holds the one kv head its query heads use.
+ *     input columns (row-parallel), the embedding and head by vocabulary rows; norms whole.
+ *     With fewer kv heads than tp ranks each rank holds the one kv head its query heads use.
  * With tp > 1 the model calls the tp communicator where Megatron's f/g operators stand
  * (an all-reduce after the row-parallel matmuls and the embedding, one in backward before
  * the column-parallel inputs); with tp = 1 it calls nothing. With sequence parallelism the

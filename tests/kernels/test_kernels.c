@@ -2741,7 +2741,8 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_expf), cmocka_unit_test(test_memory),        cmocka_unit_test(test_elementwise), cmocka_unit_test(test_scalars_and_convert), cmocka_unit_test(test_matmul),
         cmocka_unit_test(test_embedding),     cmocka_unit_test(test_rmsnorm),     cmocka_unit_test(test_rope_tables),
-        cmocka_unit_test(test_rope),          cmocka_unit_test(test_attention),   cmocka_unit_test(test_swiglu), cmocka_unit_test(test_bias),
+        cmocka_unit_test(test_rope),          cmocka_unit_test(test_attention),   cmocka_unit_test(test_swiglu),
+        cmocka_unit_test(test_bias),
         cmocka_unit_test(test_moe_route), cmocka_unit_test(test_moe_dispatch),
         cmocka_unit_test(test_cross_entropy), cmocka_unit_test(test_adamw),       cmocka_unit_test(test_adamw_multi), cmocka_unit_test(test_bad_shape_aborts),
         cmocka_unit_test(test_bf16_elementwise), cmocka_unit_test(test_bf16_matmul), cmocka_unit_test(test_bf16_embedding),

@@ -662,7 +662,9 @@ static void test_model_shipped_configs(void **state)
     static const struct {
         const char *id;
         double total;
-    } qwen25[] = {{"Qwen/Qwen2.5-0.5B", 494032768.0}, {"Qwen/Qwen2.5-3B", 3085938688.0}, {"Qwen/Qwen2.5-7B", 7615616512.0}};
+    } qwen25[] = {{"Qwen/Qwen2.5-0.5B", 494032768.0},
+                  {"Qwen/Qwen2.5-3B", 3085938688.0},
+                  {"Qwen/Qwen2.5-7B", 7615616512.0}};
     for (size_t i = 0; i < sizeof(qwen25) / sizeof(qwen25[0]); i++) {
         char y[128];
         snprintf(y, sizeof(y), "model:\n  pretrained_model_name_or_path: %s\n", qwen25[i].id);
