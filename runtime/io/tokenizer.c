@@ -135,6 +135,7 @@ struct am_tokenizer {
     int digits_max;   /* PRE_LLAMA3: \p{N}{1,digits_max} */
     bool marks;       /* PRE_LLAMA3: letters are [\p{L}\p{M}] (Qwen 3.5) */
     bool prefix_space; /* ByteLevel add_prefix_space */
+    bool nfc;          /* normalizer NFC */
     struct added *added;
     size_t n_added;
     size_t *by_first[256]; /* added tokens by their first byte, longest first */
@@ -211,10 +212,16 @@ static int load_normalizer(struct am_tokenizer *t, const json_t *n, struct am_er
     const json_t *list = json_object_get(n, "normalizers");
     if (type && strcmp(type, "Sequence") == 0 && json_is_array(list) && json_array_size(list) == 0)
         return 0;
+    if (type && strcmp(type, "Sequence") == 0 && json_array_size(list) == 1)
+        return load_normalizer(t, json_array_get(list, 0), err);
+    if (type && strcmp(type, "NFC") == 0) {
+        t->nfc = true;
+        return 0;
+    }
     char what[160];
     snprintf(what, sizeof(what), "normalizer \"%s\"", type ? type : "?");
-    return refuse(err, t, what, "am implements no normalizer (the text is encoded as it is); a tokenizer whose "
-                  "normalizer changes the text would give other ids");
+    return refuse(err, t, what, "am implements NFC (Qwen 2/3) or none; another normalizer would change the "
+                  "text and give other ids");
 }
 
 static int load_split(struct am_tokenizer *t, const json_t *p, struct am_errors *err)
@@ -942,10 +949,21 @@ static int encode_plain(const struct am_tokenizer *t, struct am_tok_state *s, co
 }
 
 /* Splits text[0, len) on the added tokens with normalized == pass (0: the non-normalized
- * ones, first; 1: the normalized ones, inside what pass 0 left), leftmost-longest. */
+ * ones, first; 1: the normalized ones, inside what pass 0 left, after the normalizer; 2: as 1,
+ * normalized already), leftmost-longest. */
 static int encode_added(const struct am_tokenizer *t, struct am_tok_state *s, const unsigned char *text, size_t len,
                         int pass, struct am_tok_ids *out)
 {
+    if (pass == 1 && t->nfc && am_nfc_needed(text, len)) { /* the normalizer, between the special tokens */
+        size_t n;
+        unsigned char *norm = am_nfc(text, len, &n);
+        if (!norm)
+            return -1;
+        int rc = encode_added(t, s, norm, n, 2, out);
+        free(norm);
+        return rc;
+    }
+    pass = pass == 2 ? 1 : pass;
     size_t start = 0;
     for (size_t i = 0; i < len; i++) {
         size_t nb = t->n_first[text[i]];

@@ -7,7 +7,8 @@
  *   1. added tokens (added_tokens): split out first, leftmost-longest, those with
  *      "normalized": false before those with "normalized": true, as tokenizers does;
  *      lstrip, rstrip and single_word are refused;
- *   2. normalizer: none (null or an empty Sequence); others are refused;
+ *   2. normalizer: NFC (Qwen 2/3; with the characters of Unicode 9.0, as the library's) or
+ *      none (null or an empty Sequence); others are refused;
  *   3. pre_tokenizer: ByteLevel (with use_regex: GPT-2's split pattern; add_prefix_space),
  *      or a Sequence of a Split with a known pattern (Llama 3's, Qwen 2's, Qwen 3.5's,
  *      GPT-2's), behavior Isolated, not inverted, then ByteLevel without use_regex. The

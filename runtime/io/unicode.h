@@ -34,4 +34,12 @@ size_t am_utf8_encode(uint32_t cp, unsigned char *out);
 /* True when s[0, n) is valid UTF-8 (no surrogates, nothing past U+10FFFF, no overlongs). */
 int am_utf8_valid(const unsigned char *s, size_t n);
 
+/* NFC (Unicode normalisation form C) as the `tokenizers` library computes it: with the
+ * characters of Unicode 9.0 (unicode_nfc.c says why and how it is generated).
+ * am_nfc_needed: whether valid UTF-8 s[0, n) holds a character NFC may change (when not, its
+ * NFC is itself). am_nfc: the NFC of valid UTF-8 s[0, n), malloc'ed (NULL when memory runs
+ * out), its length in *len. */
+int am_nfc_needed(const unsigned char *s, size_t n);
+unsigned char *am_nfc(const unsigned char *s, size_t n, size_t *len);
+
 #endif

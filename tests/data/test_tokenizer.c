@@ -143,9 +143,9 @@ static void expect_refusal(const char *from, const char *to, const char *want)
 static void test_refusals(void **state)
 {
     (void)state;
-    expect_refusal("\"normalizer\": null", "\"normalizer\": {\"type\":\"NFC\"}",
-                   "normalizer \"NFC\": am implements no normalizer (the text is encoded as it is); a tokenizer whose "
-                   "normalizer changes the text would give other ids");
+    expect_refusal("\"normalizer\": null", "\"normalizer\": {\"type\":\"NFKC\"}",
+                   "normalizer \"NFKC\": am implements NFC (Qwen 2/3) or none; another normalizer would change the "
+                   "text and give other ids");
     expect_refusal("\"type\": \"BPE\"", "\"type\": \"WordPiece\"",
                    "model type \"WordPiece\": am implements BPE only (WordPiece, Unigram and WordLevel are not "
                    "implemented)");

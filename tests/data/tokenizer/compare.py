@@ -41,6 +41,38 @@ def fail(msg):
     sys.exit(1)
 
 
+def check_nfc(am_data, work):
+    """Qwen 2's NFC normalizer: every code point (in blocks of 500), every decomposable one
+    decomposed and followed by marks, random bases with up to 5 random combining marks
+    (Hangul jamo, marks new since Unicode 9.0 included)."""
+    import random
+    import unicodedata
+    tok = mk.build("qwen2")
+    path = os.path.join(work, "qwen2_nfc.json")
+    tok.save(path)
+    rng = random.Random(5)
+    cps = [c for c in range(1, 0x110000) if not 0xD800 <= c <= 0xDFFF]
+    marks = [c for c in cps if unicodedata.combining(chr(c))] + [0x1DF6, 0x1E4EC, 0x1161, 0x11A8, 0x0B3E, 0x0CD5]
+    texts = ["".join(chr(c) for c in cps[i:i + 500]) for i in range(0, len(cps), 500)]
+    bases = cps[:0x3000] + list(range(0xAC00, 0xD7A4, 97)) + list(range(0x1100, 0x1113))
+    for _ in range(3000):
+        texts.append(chr(rng.choice(bases)) + "".join(chr(rng.choice(marks)) for _ in range(rng.randint(0, 5))) + " x")
+    for c in cps:
+        d = unicodedata.normalize("NFD", chr(c))
+        if d != chr(c):
+            texts.append(d + "\u0301" + d + "\u0334")
+    nul = os.path.join(work, "nfc.bin")
+    with open(nul, "wb") as f:
+        f.write(b"\0".join(t.encode() for t in texts))
+    got = subprocess.run([am_data, "encode", "--tokenizer", path, "--nul", nul], check=True,
+                         capture_output=True).stdout.decode().split("\n")[:-1]
+    want = [e.ids for e in tok.encode_batch(texts)]
+    for i, w in enumerate(want):
+        if [int(x) for x in got[i].split()] != w:
+            fail(f"NFC: text {i} {[hex(ord(c)) for c in texts[i][:8]]}: am {got[i][:40]}, tokenizers {w[:8]}")
+    return sum(map(len, want))
+
+
 def main():
     am_data, work = sys.argv[1], sys.argv[2]
     os.makedirs(work, exist_ok=True)
@@ -48,7 +80,7 @@ def main():
     nul = os.path.join(work, "texts.bin")
     with open(nul, "wb") as f:
         f.write(b"\0".join(texts))
-    total = 0
+    total = check_nfc(am_data, work)
     for style in mk.STYLES:
         tok = mk.build(style)
         path = os.path.join(work, style + ".json")

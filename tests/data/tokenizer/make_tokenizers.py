@@ -15,7 +15,7 @@ import random
 import sys
 import unicodedata
 
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
@@ -57,6 +57,8 @@ def build(style):
         tok.pre_tokenizer = pre_tokenizers.Sequence([
             pre_tokenizers.Split(Regex(pat), behavior="isolated", invert=False),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    if style == "qwen2":
+        tok.normalizer = normalizers.NFC()  # as Qwen 2/3's tokenizer.json
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=1200, special_tokens=specials, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
@@ -104,6 +106,9 @@ def hostile_texts(seed=1, big=False):
         "a tokenizer tokenizers <|endoftext|>tokenizer", "' 'x '", "\u0085\u000b\u000c\u001c\u001f\u180e\u200b",
         # letters and digits new in Unicode 15 and 16 (Python 3.11 knows 14.0 only)
         "\U00031350\U0001e4d0\U00011f04 \U00010d50\U00016d43 x\U00011f50\U0001e4f0",
+        # NFC: decomposed letters, marks out of canonical order, Hangul jamo, singletons, exclusions
+        "e\u0301 A\u030a\u0301 a\u0323\u0302 a\u0302\u0323 \u1100\u1161\u11a8 \u1100\u1161 \u212b \u2126 \u0958 "
+        "\u0b47\u0b3e \u1e9b\u0323 q\u0307\u0323 \u05d0\u05b7\u05bc <|im_start|>\u0301x",
         "a" * 5000, "ab " * 3000, " " * 3000 + "x", "\n" * 100 + "y", "9" * 1000, "x" + "\u0301" * 500,
     ]
     out = [s.encode() for s in t]
