@@ -7,8 +7,9 @@
 #   - with mask M and its complement 1 - M: loss_M * n_M + loss_(1-M) * n_(1-M) = loss * N
 #     (N = every label of the batch), to 1e-5 relative: the masked labels contribute nothing
 #     to either sum, and each is normalised by its own count (label_tokens in the step record);
-#   - dp 2 (each rank half of the batch) gives one rank's losses over 3 steps to 1e-5: the
-#     count is the whole global batch's on every rank.
+#   - dp 2 (each rank half of the batch) and pp 2 give one rank's losses over 3 steps to 1e-5:
+#     the count is the whole global batch's on every rank, the masked targets reach the last
+#     stage.
 set -u
 : "${AM_SRCDIR:=$(cd "$(dirname "$0")/../.." && pwd)}"
 : "${AM_BUILDDIR:=$PWD}"
@@ -42,15 +43,18 @@ vocab=$(sed -nE 's/.*dtype ([a-z0-9]+).*token ids 0 to ([0-9]+).*/\2/p' < <("$AM
 [ "${vocab:-0}" -lt 1024 ] || fail "ids up to $vocab do not fit the recipe's vocabulary"
 sed -e "s|paths: .*|paths: ds|" -e "s/max_steps: .*/max_steps: 3/" -e "s/vocab_size: .*/vocab_size: 1024/" \
     -e "s/lr_warmup_steps: .*/lr_warmup_steps: 1/" "$AM_SRCDIR/sbatch-templates/recipes/tiny.yaml" >"$work/tiny.yaml"
-train() { # DIR NPROC
-    (cd "$work/$1" && AM_LOG_DIR="$work/logs-$1-$2" "$AM_BUILDDIR/am-launch" --nproc "$2" "$work/tiny.yaml" \
-        >"$work/out-$1-$2" 2>&1) || { cat "$work/out-$1-$2"; fail "training on $1 at nproc $2"; }
+train() { # DIR NPROC [VAR=VALUE...]
+    local dir=$1 n=$2
+    shift 2
+    (cd "$work/$dir" && env "$@" AM_LOG_DIR="$work/logs-$dir-$n$*" "$AM_BUILDDIR/am-launch" --nproc "$n" \
+        "$work/tiny.yaml" >"$work/out-$dir-$n" 2>&1) || { cat "$work/out-$dir-$n"; fail "training on $dir at nproc $n $*"; }
 }
 field() { # LOGDIR STEP KEY
     grep -h '"type":"step"' "$1"/*/rank-0.jsonl | grep "\"step\":$2," | sed -nE "s/.*\"$3\":([^,}]*).*/\1/p"
 }
 for d in M ones comp none; do train $d 1; done
 train M 2
+train M 2 AM_PP=2
 
 lo=$(field "$work/logs-ones-1" 1 loss) ln=$(field "$work/logs-none-1" 1 loss)
 [ -n "$ln" ] && [ "$lo" = "$ln" ] || fail "a mask of ones: loss $lo, without a mask $ln (must be equal)"
@@ -63,8 +67,9 @@ awk -v lm="$lm" -v nm="$nm" -v lc="$lc" -v nc="$nc" -v l="$ln" 'BEGIN { s = lm *
     if (r < 0) r = -r; printf "masked %.6f x %d + complement %.6f x %d = %.6f, unmasked %.6f x 1024 = %.6f: relative %.2g\n",
     lm, nm, lc, nc, s, l, l * 1024, r; exit !(r < 1e-5) }' || fail "the masked labels add to the loss"
 for s in 1 2 3; do
-    a=$(field "$work/logs-M-1" $s loss) b=$(field "$work/logs-M-2" $s loss)
-    awk -v a="$a" -v b="$b" 'BEGIN { d = a - b; if (d < 0) d = -d; exit !(a != "" && d < 1e-5 * a) }' ||
-        fail "step $s: dp 1 loss $a, dp 2 $b"
+    a=$(field "$work/logs-M-1" $s loss) b=$(field "$work/logs-M-2" $s loss) c=$(field "$work/logs-M-2AM_PP=2" $s loss)
+    awk -v a="$a" -v b="$b" -v c="$c" 'BEGIN { d = a - b; e = a - c; if (d < 0) d = -d; if (e < 0) e = -e
+        exit !(a != "" && b != "" && c != "" && d < 1e-5 * a && e < 1e-5 * a) }' ||
+        fail "step $s: one rank's loss $a, dp 2 $b, pp 2 $c"
 done
-echo "PASS: mask of ones = no mask; masked + complement = unmasked; dp 2 = dp 1 over 3 steps"
+echo "PASS: mask of ones = no mask; masked + complement = unmasked; dp 2 and pp 2 = one rank over 3 steps"
