@@ -7,7 +7,8 @@
  * as Python does it, every refusal of a tokenizer am does not implement, by message, and
  * `am-data build --tokenizer`: the documents' ids, the same files from 1 and 3 threads, a
  * build killed between syncs and resumed equal to one never interrupted, instruction data's
- * loss mask, and the messages for bad input lines. */
+ * loss mask (eos and the chat-template refusal from a tokenizer directory), and the messages
+ * for bad input lines. */
 #include <jansson.h>
 #include <sys/wait.h>
 
@@ -377,6 +378,29 @@ static void test_build_text_and_errors(void **state)
     }
     am_indexed_close(d);
     am_indexed_close(m);
+    /* a tokenizer directory: eos from tokenizer_config.json; its chat template refused unless
+     * --no-chat-template */
+    size_t nj;
+    unsigned char *js = slurp(tok, &nj);
+    assert_int_equal(mkdir(pathf("%s/tokdir", dir), 0700), 0);
+    spit(pathf("%s/tokdir/tokenizer.json", dir), js, nj);
+    free(js);
+    const char *cfg = "{\"eos_token\": {\"content\": \"<|endoftext|>\"}, \"chat_template\": \"{{ messages }}\"}";
+    spit(pathf("%s/tokdir/tokenizer_config.json", dir), cfg, strlen(cfg));
+    assert_int_equal(run(pathf("'%s' build --tokenizer '%s/tokdir' --out '%s/sft2' --instruction '%s/sft.jsonl' 2> "
+                               "'%s/err'", am_data(), dir, dir, dir, dir)), 1);
+    size_t ne;
+    char *e0 = (char *)slurp(pathf("%s/err", dir), &ne);
+    e0[ne] = '\0';
+    assert_string_equal(e0, pathf("am-data: %s/tokdir/tokenizer_config.json: the tokenizer has a chat template, which "
+                                  "AutoModel formats instruction data with; am does not render chat templates (Jinja): "
+                                  "pass --no-chat-template to format prompt + answer as AutoModel does without one\n",
+                                  dir));
+    free(e0);
+    assert_int_equal(run(pathf("'%s' build --tokenizer '%s/tokdir' --out '%s/sft2' --instruction --no-chat-template "
+                               "'%s/sft.jsonl' > /dev/null", am_data(), dir, dir, dir)), 0);
+    expect_same_files(pathf("%s/sft.bin", dir), pathf("%s/sft2.bin", dir));
+    expect_same_files(pathf("%s/sft.mask.bin", dir), pathf("%s/sft2.mask.bin", dir));
     /* bad lines: the first in input order is named, with its line */
     const char *bad = "{\"text\": \"ok\"}\n\n{\"txt\": \"no text\"}\n{bad\n";
     spit(pathf("%s/bad.jsonl", dir), bad, strlen(bad));
