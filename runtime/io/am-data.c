@@ -1,12 +1,18 @@
 /* am-data - builds and inspects Megatron-style indexed datasets (PREFIX.bin + PREFIX.idx).
  *
  *   am-data build --out PREFIX [--bytes] FILE...
+ *   am-data build --out PREFIX --tokenizer DIR_OR_FILE [options] FILE...
+ *       --tokenizer: JSONL or plain text through a Hugging Face tokenizer.json (textbuild.h,
+ *                docs/data.md); the dtype is uint16 when every id fits, else int32.
  *       --bytes: each file's bytes are the tokens (vocabulary 256, dtype uint8), one document
  *                per paragraph: a paragraph ends after a blank line, and the blank lines
  *                belong to it, so the documents put back together are the files exactly.
  *       otherwise: each file holds token ids, decimal, separated by spaces or tabs, one
  *                document per line (empty lines are skipped); the dtype is the smallest of
  *                uint8, uint16 and int32 that holds the largest id.
+ *   am-data encode --tokenizer DIR_OR_FILE [--no-special-tokens] [--nul] [FILE]
+ *       prints the ids of each line of FILE (or standard input; --nul: of each NUL-separated
+ *       text), one line of ids per text.
  *   am-data info PREFIX...
  *   am-data sample PREFIX... --seq-length L [--weights W1,W2,...] [--num-samples N]
  *                  [--seed S] [--no-shuffle] [--first I] [--count C] [--text]
@@ -22,13 +28,23 @@
 #include <string.h>
 #include <sys/stat.h>
 
+#include <jansson.h>
+#include <unistd.h>
+
 #include "dataset.h"
 #include "errors.h"
 #include "recipe.h" /* AM_MAX_DATA_PATHS */
+#include "textbuild.h"
+#include "tokenizer.h"
 #include "util.h"
 
 static const char usage[] =
     "usage: am-data build --out PREFIX [--bytes] FILE...\n"
+    "       am-data build --out PREFIX --tokenizer DIR_OR_FILE [--format jsonl|text] [--text-key KEY]\n"
+    "                     [--no-special-tokens] [--eod TOKEN] [--threads N] [--resume] [--progress|--no-progress]\n"
+    "                     [--instruction [--prompt-key K --response-key K | --context-key K --question-key K\n"
+    "                      --answer-key K] [--eos TOKEN] [--no-chat-template]] FILE...\n"
+    "       am-data encode --tokenizer DIR_OR_FILE [--no-special-tokens] [--nul] [FILE]\n"
     "       am-data info PREFIX...\n"
     "       am-data sample PREFIX... --seq-length L [--weights W1,W2,...] [--num-samples N] [--seed S]\n"
     "                      [--no-shuffle] [--first I] [--count C] [--text]\n"
@@ -36,6 +52,10 @@ static const char usage[] =
     "build   writes PREFIX.bin and PREFIX.idx (Megatron's MMIDIDX format) from text files:\n"
     "        --bytes  the files' bytes are the tokens (vocabulary 256), one document per paragraph\n"
     "        default  the files hold decimal token ids, one document per line\n"
+    "        --tokenizer  JSONL (.jsonl/.json: the string under --text-key, default text) or plain text (one\n"
+    "                 document per paragraph) through a Hugging Face tokenizer.json; --instruction: JSONL\n"
+    "                 prompt/response rows, tokens plus a loss mask in PREFIX.mask.bin/.idx (docs/data.md)\n"
+    "encode  prints the token ids of each line (--nul: NUL-separated text) of FILE or standard input\n"
     "info    prints the counts of a dataset\n"
     "sample  prints GPT samples (seq_length + 1 tokens) as the trainer builds them\n";
 
@@ -215,8 +235,13 @@ static int make_parent_dirs(const char *prefix, struct am_errors *err)
     return 0;
 }
 
+static int cmd_build_text(int argc, char **argv);
+
 static int cmd_build(int argc, char **argv)
 {
+    for (int i = 0; i < argc && strcmp(argv[i], "--") != 0; i++)
+        if (strcmp(argv[i], "--tokenizer") == 0 || strncmp(argv[i], "--tokenizer=", 12) == 0)
+            return cmd_build_text(argc, argv);
     const char *out = NULL;
     bool bytes = false, options = true;
     int n_files = 0;
@@ -272,6 +297,247 @@ done:
     am_indexed_builder_abort(b);
     if (rc)
         report(&err);
+    am_errors_free(&err);
+    return rc;
+}
+
+/* ---- build --tokenizer, encode ------------------------------------------------------------------ */
+
+/* tokenizer_config.json beside a tokenizer directory's tokenizer.json: its eos_token (a string
+ * or {"content": ...}) and whether it has a chat template. */
+static void tokenizer_config(const char *tok, char *eos, size_t eos_len, bool *chat_template)
+{
+    struct stat st;
+    *chat_template = false;
+    if (stat(tok, &st) < 0 || !S_ISDIR(st.st_mode))
+        return;
+    char path[4200];
+    snprintf(path, sizeof(path), "%s/tokenizer_config.json", tok);
+    json_t *j = json_load_file(path, 0, NULL);
+    const json_t *e = json_object_get(j, "eos_token");
+    const char *v = json_is_string(e) ? json_string_value(e) : json_string_value(json_object_get(e, "content"));
+    if (v)
+        snprintf(eos, eos_len, "%s", v);
+    const json_t *ct = json_object_get(j, "chat_template");
+    *chat_template = ct && !json_is_null(ct);
+    json_decref(j);
+}
+
+static int token_option(const struct am_tokenizer *t, const char *opt, const char *content, int32_t *id)
+{
+    if ((*id = am_tokenizer_token_id(t, content)) < 0) {
+        fprintf(stderr, "am-data: %s %s: no such token in %s (give a token as it is written in the file, e.g. "
+                "<|endoftext|>)\n", opt, content, am_tokenizer_path(t));
+        return -1;
+    }
+    return 0;
+}
+
+static int cmd_build_text(int argc, char **argv)
+{
+    struct am_text_build o = {.text_key = "text", .add_special = true, .eod = -1, .eos = -1};
+    const char *tok_path = NULL, *eod = NULL, *eos = NULL, *format = NULL, *prompt_key = NULL, *response_key = NULL;
+    bool no_chat_template = false, progress_set = false, options = true;
+    int n_files = 0;
+    for (int i = 0; i < argc; i++) {
+        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        const char **val = NULL;
+        if (options && strcmp(a, "--") == 0) {
+            options = false;
+            continue;
+        }
+        if (!options || a[0] != '-' || !a[1]) {
+            argv[n_files++] = argv[i];
+            continue;
+        }
+        if (strcmp(a, "--no-special-tokens") == 0) {
+            o.add_special = false;
+        } else if (strcmp(a, "--resume") == 0) {
+            o.resume = true;
+        } else if (strcmp(a, "--progress") == 0 || strcmp(a, "--no-progress") == 0) {
+            o.progress = a[2] == 'p';
+            progress_set = true;
+        } else if (strcmp(a, "--instruction") == 0) {
+            o.instruction = true;
+        } else if (strcmp(a, "--no-chat-template") == 0) {
+            no_chat_template = true;
+        } else if (strcmp(a, "--out") == 0) {
+            val = &o.out;
+        } else if (strcmp(a, "--tokenizer") == 0) {
+            val = &tok_path;
+        } else if (strcmp(a, "--format") == 0) {
+            val = &format;
+        } else if (strcmp(a, "--text-key") == 0) {
+            val = &o.text_key;
+        } else if (strcmp(a, "--eod") == 0) {
+            val = &eod;
+        } else if (strcmp(a, "--eos") == 0) {
+            val = &eos;
+        } else if (strcmp(a, "--prompt-key") == 0) {
+            val = &prompt_key;
+        } else if (strcmp(a, "--response-key") == 0) {
+            val = &response_key;
+        } else if (strcmp(a, "--context-key") == 0) {
+            val = &o.context_key;
+        } else if (strcmp(a, "--question-key") == 0) {
+            val = &o.question_key;
+        } else if (strcmp(a, "--answer-key") == 0) {
+            val = &o.answer_key;
+        } else if (strcmp(a, "--threads") == 0 && v) {
+            char *end;
+            long n = strtol(v, &end, 10);
+            if (*end || n < 1 || n > 256) {
+                fprintf(stderr, "am-data build: --threads %s: expected 1 to 256\n", v);
+                return 2;
+            }
+            o.threads = (int)n;
+            i++;
+        } else {
+            fprintf(stderr, "am-data build: unknown option %s\n%s", a, usage);
+            return 2;
+        }
+        if (val) {
+            if (!v) {
+                fprintf(stderr, "am-data build: %s needs a value\n", a);
+                return 2;
+            }
+            *val = v;
+            i++;
+        }
+    }
+    if (!o.out || n_files == 0) {
+        fprintf(stderr, "am-data build: %s\n%s", o.out ? "no input files" : "--out PREFIX is required", usage);
+        return 2;
+    }
+    if (format && strcmp(format, "jsonl") != 0 && strcmp(format, "text") != 0) {
+        fprintf(stderr, "am-data build: --format %s: expected jsonl or text\n", format);
+        return 2;
+    }
+    o.format = !format ? AM_TEXT_AUTO : format[0] == 'j' ? AM_TEXT_JSONL : AM_TEXT_PLAIN;
+    if (prompt_key)
+        o.question_key = prompt_key;
+    if (response_key)
+        o.answer_key = response_key;
+    if (o.instruction && !o.context_key && !o.question_key && !o.answer_key)
+        o.question_key = "prompt", o.answer_key = "response";
+    if (o.instruction && (!o.answer_key || (!o.context_key && !o.question_key))) {
+        fprintf(stderr, "am-data build: --instruction needs an answer column (--response-key or --answer-key) and a "
+                "prompt column (--prompt-key, --context-key or --question-key)\n");
+        return 2;
+    }
+    if (!o.instruction && (prompt_key || response_key || o.context_key || o.question_key || o.answer_key || eos)) {
+        fprintf(stderr, "am-data build: the column and --eos options are for --instruction data\n");
+        return 2;
+    }
+    o.inputs = (const char *const *)argv;
+    o.n_inputs = n_files;
+    if (!progress_set)
+        o.progress = isatty(2);
+    struct am_errors err;
+    am_errors_init(&err);
+    struct am_tokenizer *t = NULL;
+    int rc = 1;
+    char desc[4400], eos_cfg[256] = "";
+    bool chat = false;
+    struct stat st;
+    if (am_tokenizer_load(tok_path, &t, &err) < 0 || make_parent_dirs(o.out, &err) < 0)
+        goto done;
+    if (stat(am_tokenizer_path(t), &st) == 0)
+        snprintf(desc, sizeof(desc), "%s:%lld:%lld", am_tokenizer_path(t), (long long)st.st_size,
+                 (long long)st.st_mtime);
+    o.tok = t;
+    o.tok_desc = desc;
+    tokenizer_config(tok_path, eos_cfg, sizeof(eos_cfg), &chat);
+    if (eod && token_option(t, "--eod", eod, &o.eod) < 0)
+        goto done_quiet;
+    if (o.instruction) {
+        if (chat && !no_chat_template) {
+            am_errorf(&err, NULL, "%s/tokenizer_config.json: the tokenizer has a chat template, which AutoModel "
+                      "formats instruction data with; am does not render chat templates (Jinja): pass "
+                      "--no-chat-template to format prompt + answer as AutoModel does without one", tok_path);
+            goto done;
+        }
+        if (!eos && !eos_cfg[0]) {
+            am_errorf(&err, NULL, "%s: instruction data ends with the eos token: name it with --eos TOKEN (the "
+                      "tokenizer directory's tokenizer_config.json has no eos_token)", tok_path);
+            goto done;
+        }
+        if (token_option(t, "--eos", eos ? eos : eos_cfg, &o.eos) < 0)
+            goto done_quiet;
+    }
+    struct am_text_stats s;
+    if (am_text_build_run(&o, &s, &err) < 0)
+        goto done;
+    printf("%s.bin, %s.idx: %" PRId64 " documents, %" PRId64 " tokens, dtype %s%s%s%s; %.1f s, %.0f tokens/s%s\n",
+           o.out, o.out, s.documents, s.tokens, am_tokenizer_vocab_size(t) <= 65536 ? "uint16" : "int32",
+           o.instruction ? "; loss mask in " : "", o.instruction ? o.out : "", o.instruction ? ".mask.bin/.idx" : "",
+           s.seconds, s.seconds > 0 ? (double)s.tokens / s.seconds : 0.0, s.resumed ? " (resumed)" : "");
+    rc = 0;
+done:
+    if (rc)
+        report(&err);
+done_quiet:
+    am_tokenizer_free(t);
+    am_errors_free(&err);
+    return rc;
+}
+
+static int cmd_encode(int argc, char **argv)
+{
+    const char *tok_path = NULL, *file = NULL;
+    bool special = true, nul = false;
+    for (int i = 0; i < argc; i++) {
+        if (strcmp(argv[i], "--tokenizer") == 0 && i + 1 < argc)
+            tok_path = argv[++i];
+        else if (strcmp(argv[i], "--no-special-tokens") == 0)
+            special = false;
+        else if (strcmp(argv[i], "--nul") == 0)
+            nul = true;
+        else if (argv[i][0] == '-' && argv[i][1]) {
+            fprintf(stderr, "am-data encode: unknown option %s\n%s", argv[i], usage);
+            return 2;
+        } else
+            file = argv[i];
+    }
+    if (!tok_path) {
+        fprintf(stderr, "am-data encode: --tokenizer is required\n%s", usage);
+        return 2;
+    }
+    struct am_errors err;
+    am_errors_init(&err);
+    struct am_tokenizer *t = NULL;
+    struct am_tok_state *s = am_tok_state_new();
+    struct am_tok_ids ids = {0};
+    FILE *f = file ? fopen(file, "rb") : stdin;
+    char *line = NULL;
+    size_t cap = 0;
+    int rc = 1;
+    if (!f) {
+        am_errorf(&err, NULL, "%s: cannot open: %s", file, strerror(errno));
+        goto done;
+    }
+    if (am_tokenizer_load(tok_path, &t, &err) < 0)
+        goto done;
+    for (ssize_t n; (n = getdelim(&line, &cap, nul ? '\0' : '\n', f)) >= 0;) {
+        if (n > 0 && line[n - 1] == (nul ? '\0' : '\n'))
+            n--;
+        ids.n = 0;
+        if (am_tokenizer_encode(t, s, line, (size_t)n, special, &ids, &err) < 0)
+            goto done;
+        for (size_t i = 0; i < ids.n; i++)
+            printf(i ? " %" PRId32 : "%" PRId32, ids.ids[i]);
+        putchar('\n');
+    }
+    rc = 0;
+done:
+    if (rc)
+        report(&err);
+    if (f && f != stdin)
+        fclose(f);
+    free(line);
+    am_tok_ids_free(&ids);
+    am_tok_state_free(s);
+    am_tokenizer_free(t);
     am_errors_free(&err);
     return rc;
 }
@@ -440,6 +706,8 @@ int main(int argc, char **argv)
         return cmd_build(argc - 2, argv + 2);
     if (strcmp(argv[1], "info") == 0)
         return cmd_info(argc - 2, argv + 2);
+    if (strcmp(argv[1], "encode") == 0)
+        return cmd_encode(argc - 2, argv + 2);
     if (strcmp(argv[1], "sample") == 0)
         return cmd_sample(argc - 2, argv + 2);
     fprintf(stderr, "am-data: unknown command '%s'\n%s", argv[1], usage);

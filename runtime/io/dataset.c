@@ -305,6 +305,12 @@ struct am_indexed_builder {
     int32_t *lengths;
     size_t n, cap;
     int64_t cur;
+    /* resumable (am_indexed_builder_open_partial): bin_tmp is PREFIX.bin.partial, and
+     * PREFIX.len.partial holds the first len_synced lengths */
+    bool partial;
+    char len_path[4300];
+    FILE *len;
+    size_t len_synced;
 };
 
 int am_indexed_builder_open(const char *prefix, enum am_idx_dtype dtype, struct am_indexed_builder **out,
@@ -421,7 +427,9 @@ void am_indexed_builder_abort(struct am_indexed_builder *b)
         return;
     if (b->bin)
         fclose(b->bin);
-    if (b->bin_tmp[0])
+    if (b->len)
+        fclose(b->len);
+    if (b->bin_tmp[0] && !b->partial) /* a partial build is kept: a resume starts from it */
         unlink(b->bin_tmp);
     if (b->idx_tmp[0])
         unlink(b->idx_tmp);
@@ -487,6 +495,13 @@ int am_indexed_builder_finish(struct am_indexed_builder *b, struct am_errors *er
         goto done;
     }
     b->idx_tmp[0] = '\0';
+    if (b->partial) {
+        if (b->len)
+            fclose(b->len);
+        b->len = NULL;
+        unlink(b->len_path);
+        b->partial = false;
+    }
     if (am_fsync_dir_of(b->idx_path, false) < 0) {
         am_errorf(err, NULL, "%s: written, but syncing the directory failed: %s", b->prefix, strerror(errno));
         goto done;
@@ -919,5 +934,98 @@ int am_gpt_config_from_recipe(const struct am_recipe *r, int64_t num_samples, st
     cfg->shuffle = r->data.shuffle;
     cfg->seed = (uint32_t)r->data.seed;
     cfg->num_samples = num_samples;
+    return 0;
+}
+
+/* ---- resumable building ------------------------------------------------------------------------ */
+
+int am_indexed_builder_open_partial(const char *prefix, enum am_idx_dtype dtype, int64_t docs, int64_t tokens,
+                                    struct am_indexed_builder **out, struct am_errors *err)
+{
+    *out = NULL;
+    if (!am_idx_dtype_name((int)dtype) || dtype == AM_IDX_F64 || dtype == AM_IDX_F32) {
+        am_errorf(err, NULL, "%s: dtype code %d is not an integer token dtype", prefix, (int)dtype);
+        return -1;
+    }
+    struct am_indexed_builder *b = calloc(1, sizeof(*b));
+    if (!b || !(b->prefix = strdup(prefix))) {
+        free(b);
+        am_errorf(err, NULL, "%s: out of memory", prefix);
+        return -1;
+    }
+    b->dtype = (int)dtype;
+    b->isize = am_idx_dtype_size(b->dtype);
+    b->partial = true;
+    if (am_path_cat(b->bin_path, sizeof(b->bin_path), prefix, ".bin", "") < 0 ||
+        am_path_cat(b->idx_path, sizeof(b->idx_path), prefix, ".idx", "") < 0 ||
+        am_path_cat(b->bin_tmp, sizeof(b->bin_tmp), prefix, ".bin.partial", "") < 0 ||
+        am_path_cat(b->len_path, sizeof(b->len_path), prefix, ".len.partial", "") < 0) {
+        am_errorf(err, NULL, "%s: path too long", prefix);
+        goto fail;
+    }
+    bool fresh = docs == 0 && tokens == 0;
+    b->bin = fopen(b->bin_tmp, fresh ? "wb" : "r+b");
+    b->len = fopen(b->len_path, fresh ? "wb" : "r+b");
+    if (!b->bin || !b->len) {
+        am_errorf(err, NULL, "%s: cannot %s: %s", b->bin ? b->len_path : b->bin_tmp, fresh ? "create" : "open",
+                  strerror(errno));
+        goto fail;
+    }
+    if (!fresh) {
+        struct stat sb, sl;
+        if (fstat(fileno(b->bin), &sb) < 0 || fstat(fileno(b->len), &sl) < 0 || sb.st_size < tokens * b->isize ||
+            sl.st_size < docs * 4 || !(b->lengths = malloc((size_t)(docs ? docs : 1) * sizeof(int32_t))) ||
+            fread(b->lengths, 4, (size_t)docs, b->len) != (size_t)docs) {
+            am_errorf(err, NULL, "%s: shorter than its resume point (%" PRId64 " documents, %" PRId64 " tokens): remove "
+                      "the .partial files and the .resume file to start over", b->bin_tmp, docs, tokens);
+            goto fail;
+        }
+        int64_t sum = 0;
+        for (int64_t i = 0; i < docs; i++)
+            sum += b->lengths[i];
+        if (sum != tokens) {
+            am_errorf(err, NULL, "%s: its lengths add up to %" PRId64 " tokens, the resume point says %" PRId64 ": "
+                      "remove the .partial files and the .resume file to start over", b->len_path, sum, tokens);
+            goto fail;
+        }
+        b->n = b->cap = b->len_synced = (size_t)docs;
+        if (ftruncate(fileno(b->bin), (off_t)(tokens * b->isize)) < 0 || ftruncate(fileno(b->len), docs * 4) < 0 ||
+            fseeko(b->bin, 0, SEEK_END) < 0 || fseeko(b->len, 0, SEEK_END) < 0) {
+            am_errorf(err, NULL, "%s: cannot cut it back to its resume point: %s", b->bin_tmp, strerror(errno));
+            goto fail;
+        }
+    }
+    setvbuf(b->bin, NULL, _IOFBF, 1 << 20);
+    *out = b;
+    return 0;
+fail:
+    if (b->bin)
+        fclose(b->bin);
+    if (b->len)
+        fclose(b->len);
+    free(b->lengths);
+    free(b->prefix);
+    free(b);
+    return -1;
+}
+
+int am_indexed_builder_sync(struct am_indexed_builder *b, int64_t *docs, int64_t *tokens, struct am_errors *err)
+{
+    if (!b->partial || b->cur != 0) {
+        am_errorf(err, NULL, "%s: synced %s", b->prefix, b->partial ? "inside a document" : "without a partial build");
+        return -1;
+    }
+    size_t k = b->n - b->len_synced;
+    if ((k && fwrite(b->lengths + b->len_synced, 4, k, b->len) != k) || fflush(b->len) != 0 || fflush(b->bin) != 0 ||
+        fsync(fileno(b->len)) != 0 || fsync(fileno(b->bin)) != 0) {
+        am_errorf(err, NULL, "%s: write failed: %s (is the disk full?)", b->bin_tmp, strerror(errno));
+        return -1;
+    }
+    b->len_synced = b->n;
+    int64_t t = 0;
+    for (size_t i = 0; i < b->n; i++)
+        t += b->lengths[i];
+    *docs = (int64_t)b->n;
+    *tokens = t;
     return 0;
 }

@@ -96,8 +96,19 @@ int am_indexed_builder_end_document(struct am_indexed_builder *b, struct am_erro
 /* Ends an unfinished document, writes the index, syncs, renames both files into place;
  * frees b in every case. */
 int am_indexed_builder_finish(struct am_indexed_builder *b, struct am_errors *err);
-/* Abandons the dataset: removes the temporary files, frees b. */
+/* Abandons the dataset: removes the temporary files (not those of a partial build), frees b. */
 void am_indexed_builder_abort(struct am_indexed_builder *b);
+
+/* Resumable building. A partial build writes PREFIX.bin.partial (the tokens so far) and
+ * PREFIX.len.partial (the lengths of the documents synced so far, int32 each).
+ * am_indexed_builder_sync, between documents, makes both durable and tells how many
+ * documents and tokens they hold; am_indexed_builder_open_partial with such counts continues
+ * from there (cutting off what was written after it), with 0, 0 it starts afresh. finish
+ * renames the .bin into place, writes the .idx and removes the lengths file; abort keeps
+ * both. */
+int am_indexed_builder_open_partial(const char *prefix, enum am_idx_dtype dtype, int64_t docs, int64_t tokens,
+                                    struct am_indexed_builder **out, struct am_errors *err);
+int am_indexed_builder_sync(struct am_indexed_builder *b, int64_t *docs, int64_t *tokens, struct am_errors *err);
 
 /* ---- GPT samples ------------------------------------------------------------------------------ */
 

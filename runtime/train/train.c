@@ -46,6 +46,9 @@ struct trainer {
     bool sharded;                       /* sharded data parallelism (fsdp.h): ZeRO stage zero >= 1 */
     int zero;
     struct am_gpt *data;
+    struct am_gpt *mask;                /* the loss mask beside the data (PREFIX.mask, docs/data.md), or NULL */
+    char **mask_paths;
+    int32_t *mask_sample;
     struct am_log *log;                 /* opened by am_train_log_begin */
     int32_t *sample, *tokens, *targets; /* host buffers for one pipeline run's micro-batches */
     char base_config[4096];
@@ -182,6 +185,56 @@ static int build_model(struct trainer *t, struct am_errors *err)
     return 0;
 }
 
+/* The loss mask of instruction data: PREFIX.mask beside every dataset of the blend (or none).
+ * Its documents have the lengths of PREFIX's, so the same configuration gives the same
+ * samples: mask sample i lines up with data sample i token for token. */
+static int open_mask(struct trainer *t, const struct am_gpt_config *cfg, struct am_errors *err)
+{
+    int have = 0;
+    if (!(t->mask_paths = calloc((size_t)cfg->n_paths, sizeof(char *))))
+        return am_errors_fail(err, "out of memory");
+    for (int i = 0; i < cfg->n_paths; i++) {
+        size_t n = strlen(cfg->paths[i]) + 16;
+        if (!(t->mask_paths[i] = malloc(n)))
+            return am_errors_fail(err, "out of memory");
+        snprintf(t->mask_paths[i], n, "%s.mask.idx", cfg->paths[i]);
+        have += access(t->mask_paths[i], F_OK) == 0;
+        snprintf(t->mask_paths[i], n, "%s.mask", cfg->paths[i]);
+    }
+    if (have == 0)
+        return 0;
+    if (have != cfg->n_paths)
+        return am_errors_fail(err, "dataset.paths: %d of the %d datasets have a loss mask (PREFIX.mask.idx, from "
+                              "am-data build --instruction) and the others none: blend instruction data with "
+                              "instruction data only", have, cfg->n_paths);
+    struct am_gpt_config mc = *cfg;
+    mc.paths = (const char *const *)t->mask_paths;
+    if (am_gpt_open(&mc, &t->mask, err) < 0)
+        return -1;
+    if (am_gpt_size(t->mask) != am_gpt_size(t->data))
+        return am_errors_fail(err, "%s: its samples do not line up with %s's (was it built with them?)",
+                              t->mask_paths[0], cfg->paths[0]);
+    if (!(t->mask_sample = malloc((size_t)(cfg->seq_length + 1) * sizeof(int32_t))))
+        return am_errors_fail(err, "out of memory");
+    return 0;
+}
+
+/* The labels the loss counts in step `step` (0-based) over the whole global batch, every
+ * rank's samples: what AutoModel normalises a masked loss by (its num_label_tokens). Every
+ * rank computes it from the same files: nothing is exchanged. */
+static int count_labels(struct trainer *t, long step, int64_t *count, struct am_errors *err)
+{
+    int64_t G = t->p->global_batch, T = t->p->seq_length;
+    *count = 0;
+    for (int64_t i = step * G; i < (step + 1) * G; i++) {
+        if (am_gpt_sample(t->mask, i, t->mask_sample, err) < 0)
+            return -1;
+        for (int64_t k = 1; k <= T; k++)
+            *count += t->mask_sample[k] != 0;
+    }
+    return 0;
+}
+
 static int build_data(struct trainer *t, struct am_errors *err)
 {
     const struct am_recipe *r = t->r;
@@ -195,7 +248,7 @@ static int build_data(struct trainer *t, struct am_errors *err)
     if (am_gpt_config_from_recipe(r, t->p->global_batch * r->steps.max_steps, &cfg, err) < 0)
         return -1;
     cfg.seq_length = t->p->seq_length;
-    if (am_gpt_open(&cfg, &t->data, err) < 0)
+    if (am_gpt_open(&cfg, &t->data, err) < 0 || open_mask(t, &cfg, err) < 0)
         return -1;
     size_t n = (size_t)(t->p->n_microbatches * t->p->microbatch_size * t->p->seq_length);
     t->sample = malloc((size_t)(t->p->seq_length + 1) * sizeof(int32_t));
@@ -218,6 +271,13 @@ static int read_microbatches(struct trainer *t, long step, int64_t accum, struct
             return -1;
         memcpy(t->tokens + j * T, t->sample, (size_t)T * sizeof(int32_t));
         memcpy(t->targets + j * T, t->sample + 1, (size_t)T * sizeof(int32_t));
+        if (t->mask) { /* a masked label: target -1, no loss and no gradient (kernels.h) */
+            if (am_gpt_sample(t->mask, idx, t->mask_sample, err) < 0)
+                return -1;
+            for (int64_t i = 0; i < T; i++)
+                if (!t->mask_sample[i + 1])
+                    t->targets[j * T + i] = -1;
+        }
     }
     return 0;
 }
@@ -621,11 +681,11 @@ static int reduce_values(struct trainer *t, long step, struct am_errors *err)
  * as "local"; a rank that only received it through the data-parallel all-reduce waits to be
  * stopped by the job's end (the source's supervisor stops every rank within seconds), as a
  * rank blocked in that all-reduce would, and reports "reduced" only when nothing stops it. */
-static int step_values(struct trainer *t, long step, double *loss, double *norm, struct am_errors *err)
+static int step_values(struct trainer *t, long step, double total_tokens, double *loss, double *norm,
+                       struct am_errors *err)
 {
     const struct am_plan *p = t->p;
     struct am_model *m = &t->model;
-    double total_tokens = (double)p->global_batch * (double)p->seq_length;
     struct am_model_values v;
     am_model_read_scalars(m, &v);
     *loss = v.loss_sum / total_tokens;
@@ -654,6 +714,13 @@ static int run(struct trainer *t, struct am_errors *err)
         double busy0 = am_comm_ctx_busy_s(t->g.ctx);
         fault_at_step_start(t, step + 1);
         double lr = am_lr_at(r, step);
+        /* the loss is the mean over the labels it counts: every token's, or with a loss mask
+         * the unmasked ones of the global batch (AutoModel's normalisation) */
+        int64_t labels = p->global_batch * p->seq_length;
+        if (t->mask && count_labels(t, step, &labels, err) < 0)
+            return -1;
+        if (t->mask)
+            dloss_scale = labels ? (float)(1.0 / (double)labels) : 0.0f;
         if (forward_backward(t, step + 1, dloss_scale, err) < 0 || reduce_values(t, step + 1, err) < 0)
             return -1;
         m->where = (struct am_model_where){AM_PHASE_OPTIMIZER, AM_WHERE_NONE};
@@ -668,7 +735,7 @@ static int run(struct trainer *t, struct am_errors *err)
         } else {
             am_optim_step(&t->optim, m->param_mem, m->grad_mem, am_model_sumsq(m), r->optim.max_grad_norm, (float)lr);
         }
-        if (step_values(t, step + 1, &loss, &norm, err) < 0)
+        if (step_values(t, step + 1, labels ? (double)labels : 1.0, &loss, &norm, err) < 0)
             return -1;
         double dt = am_mono_time() - ts;
         t->comm_s = am_comm_ctx_busy_s(t->g.ctx) - busy0;
@@ -678,6 +745,8 @@ static int run(struct trainer *t, struct am_errors *err)
                                 "grad_norm", norm, "tokens", (json_int_t)p->tokens_per_step, "step_s", dt, "time",
                                 am_wall_time(), "comm_s", t->comm_s, "max_rss_kib", (json_int_t)ru.ru_maxrss);
         json_object_set_new(rec, "grad_wait_s", json_real(t->sync.wait_s));
+        if (t->mask)
+            json_object_set_new(rec, "label_tokens", json_integer((json_int_t)labels));
         if (t->sharded)
             json_object_set_new(rec, "gather_wait_s", json_real(t->fsdp.gather_wait_s));
         if (t->peak_flops > 0) { /* mfu = flops / step_s / peak_flops, all three here */
@@ -905,6 +974,11 @@ out:
     am_model_free(&t.model);
     am_pipe_free(&t.pipe);
     am_gpt_close(t.data);
+    am_gpt_close(t.mask);
+    for (int i = 0; t.mask_paths && i < t.r->data.n_paths; i++)
+        free(t.mask_paths[i]);
+    free(t.mask_paths);
+    free(t.mask_sample);
     free(t.sample);
     free(t.tokens);
     free(t.targets);
