@@ -40,7 +40,8 @@ void am_gsync_free(struct am_gsync *s)
 /* A group's progress through the step: its tp sums done, then its reduction. */
 enum { PENDING, FINISHED, REDUCED };
 
-/* The group's gradients into local_sumsq, then reduced over dp: started (overlapped, waited
+/* The group's gradients into local_sumsq, then reduced over its group (G->comm: dp, or for
+ * experts the expert-data-parallel group): started (overlapped, waited
  * for in am_gsync_finish) or done (blocking). */
 static int reduce(struct am_gsync *s, int group, bool start, char *err, size_t err_len)
 {
@@ -52,15 +53,17 @@ static int reduce(struct am_gsync *s, int group, bool start, char *err, size_t e
     if (!s->dp)
         return 0;
     m->K->sum_squares(m->dev, &m->scalars.local_sumsq, &g, 1.0);
+    if (!G->comm)
+        return 0; /* experts whose expert-data-parallel group is this rank alone */
     struct am_tensor r = g; /* what is reduced: the gradients, or their copy in reduce_dtype */
     if (s->lp_mem) {
         r = am_tensor_view((char *)s->lp_mem + G->offset * am_dtype_size(s->reduce), m->dev->device, s->reduce,
                            (int64_t)G->n_elems, 0, 0, 0);
         m->K->convert(m->dev, &r, &g);
     }
-    return start ? am_iallreduce(s->dp, r.data, r.data, G->n_elems, s->reduce, AM_SUM, &s->reqs[s->n_reqs++], err,
+    return start ? am_iallreduce(G->comm, r.data, r.data, G->n_elems, s->reduce, AM_SUM, &s->reqs[s->n_reqs++], err,
                                  err_len)
-                 : am_allreduce(s->dp, r.data, r.data, G->n_elems, s->reduce, AM_SUM, err, err_len);
+                 : am_allreduce(G->comm, r.data, r.data, G->n_elems, s->reduce, AM_SUM, err, err_len);
 }
 
 int am_gsync_group(void *arg, int group, char *err, size_t err_len)

@@ -8,7 +8,9 @@
 int am_groups_build(struct am_groups *g, const struct am_rank_setup *s, enum am_comm_backend backend, int device,
                     struct am_flight *flight, const char *const *hosts, struct am_errors *err)
 {
-    static const enum am_group kinds[] = {AM_GROUP_DP, AM_GROUP_TP, AM_GROUP_PP, AM_GROUP_PP};
+    /* expert parallelism adds the ep groups and their replicas' (expert-data-parallel) groups */
+    static const enum am_group kinds[] = {AM_GROUP_DP, AM_GROUP_TP, AM_GROUP_PP, AM_GROUP_PP, AM_GROUP_EP,
+                                          AM_GROUP_EP_SHARD};
     const struct am_plan *p = &s->plan;
     char msg[AM_COMM_ERR_LEN];
     memset(g, 0, sizeof(*g));
@@ -22,7 +24,7 @@ int am_groups_build(struct am_groups *g, const struct am_rank_setup *s, enum am_
         am_errorf(err, NULL, "%s", msg);
         return -1;
     }
-    if (am_place_groups(p, &s->place, kinds, 4, &g->set, err) < 0)
+    if (am_place_groups(p, &s->place, kinds, p->ep > 1 ? 6 : 4, &g->set, err) < 0)
         return -1;
     int n = g->set.n, pp_seen = 0;
     g->comms = calloc((size_t)n, sizeof(*g->comms));
@@ -50,6 +52,10 @@ int am_groups_build(struct am_groups *g, const struct am_rank_setup *s, enum am_
             g->pp = g->comms[i];
         else if (g->set.kinds[i] == AM_GROUP_PP)
             g->pp_grad = g->comms[i];
+        else if (g->set.kinds[i] == AM_GROUP_EP)
+            g->ep = g->comms[i];
+        else if (g->set.kinds[i] == AM_GROUP_EP_SHARD)
+            g->edp = g->comms[i];
     }
     return 0;
 }

@@ -4,7 +4,10 @@
  * groups, the tensor-parallel groups, and the pipeline groups twice, the first set carrying
  * activations forward ("pp") and the second gradients back ("pp_grad"), so that each carries
  * one kind of message in one order at both ends (pipeline.h). A rank's own group of each
- * kind is dp, tp, pp and pp_grad (groups of one rank where that dimension is 1).
+ * kind is dp, tp, pp and pp_grad (groups of one rank where that dimension is 1). With expert
+ * parallelism (ep > 1) come after them the ep groups (the ranks that split the experts between
+ * them) and the expert-data-parallel groups (the ranks holding the same experts: dp x cp / ep),
+ * ep and edp; both NULL at ep 1.
  */
 #ifndef AM_GROUPS_H
 #define AM_GROUPS_H
@@ -18,8 +21,8 @@ struct am_groups {
     struct am_comm_ctx *ctx;
     struct am_group_set set;  /* every group of the job, in creation order */
     struct am_comm **comms;   /* comms[g]: this rank's handle of group g, or NULL */
-    const char **names;       /* names[g]: "dp", "tp", "pp", "pp_grad" */
-    struct am_comm *dp, *tp, *pp, *pp_grad;
+    const char **names;       /* names[g]: "dp", "tp", "pp", "pp_grad", "ep", "ep_shard" */
+    struct am_comm *dp, *tp, *pp, *pp_grad, *ep, *edp;
 };
 
 /* Creates the context (backend UCX or NCCL on CUDA device `device`, the setup's timeout; flight

@@ -57,18 +57,13 @@ struct trainer {
     const char *peak_from;              /* where peak_flops came from, for the start record */
 };
 
-/* The layouts this trainer runs so far: data, tensor (+ sequence) and pipeline parallelism;
- * context and expert parallelism not yet (mixture-of-experts models run at ep 1, their experts
- * replicated over tp: runtime/model/moe.h). */
+/* The layouts this trainer runs so far: data, tensor (+ sequence), pipeline and expert
+ * parallelism (runtime/model/moe.h); context parallelism not yet. */
 static int check_supported(const struct am_plan *p, const struct am_recipe *r, struct am_errors *err)
 {
     if (p->cp > 1)
         return am_errors_fail(err, "am-train does not run this layout yet: cp_size %d, ep_size %d (it runs data, "
                               "tensor and pipeline parallelism: use 1 for both)", p->cp, p->ep);
-    if (p->ep > 1)
-        return am_errors_fail(err, "am-train does not run expert parallelism yet: ep_size %d needs the all-to-all "
-                              "dispatch of tokens to the ranks holding their experts, not implemented (a mixture-of-"
-                              "experts model trains with every expert on each rank: use ep_size 1)", p->ep);
     if (r->compute_dtype == AM_F16 || r->reduce_dtype == AM_F16)
         return am_errors_fail(err, "distributed.mp_policy: float16 compute or reduction needs loss scaling, which "
                               "am-train does not do: use bfloat16 (fp32's range in half the bytes) or float32");
@@ -145,12 +140,15 @@ static int build_model(struct trainer *t, struct am_errors *err)
     struct am_model_shard sh;
     if (am_pipe_init(&t->pipe, p, r, &t->s->coords, &sh, msg, sizeof(msg)) < 0)
         return am_errors_fail(err, "%s", msg);
+    sh.ep = p->ep; /* expert parallelism: this rank's share of the experts (moe.h) */
+    sh.ep_rank = p->ep > 1 ? am_comm_rank(t->g.ep) : 0;
     struct am_comm *pp = p->pp > 1 ? t->g.pp : NULL;
     if (am_model_init(&t->model, &r->model, &sh, &t->dev, t->g.tp, pp, p->microbatch_size, p->seq_length, msg,
                       sizeof(msg)) < 0 ||
         am_pipe_bind(&t->pipe, &t->model, p->microbatch_size, pp, p->pp > 1 ? t->g.pp_grad : NULL, msg,
                      sizeof(msg)) < 0)
         return am_errors_fail(err, "%s", msg);
+    t->model.ep_comm = p->ep > 1 ? t->g.ep : NULL;
     t->base_config[0] = '\0';
     if (strcmp(r->model_source, "inline") != 0) {
         snprintf(t->base_config, sizeof(t->base_config), "%s", r->model_source);
@@ -824,6 +822,9 @@ int am_train(struct am_rank_setup *s, struct am_log *log, struct am_errors *err)
         am_errors_fail(err, "%s", msg);
         goto out;
     }
+    for (int g = 0; t.p->ep > 1 && g < t.model.n_groups; g++) /* experts: over expert-data-parallel ranks */
+        if (t.model.groups[g].shard == AM_SHARD_EXPERT)
+            t.model.groups[g].comm = am_comm_size(t.g.edp) > 1 ? t.g.edp : NULL;
     t.model.grad_ready = grad_ready;
     t.model.grad_ready_arg = &t;
     log_memory(&t);

@@ -161,7 +161,9 @@ layouts+=("ac 1 ac ref" "pp2-tied 2 tied ref-tied AM_PP=2" "pp4-tied-gpipe 4 tie
     "dp2-moe 2 moe ref-moe" "dp4-moe-ac 4 moe,ac ref-moe" "ac-moe-aux 1 moe,aux,ac ref-moe-aux"
     "tp2-moe-aux 2 moe,aux ref-moe-aux AM_TP=2" "tp2-dp2-moe 4 moe ref-moe AM_TP=2"
     "pp2-moe 2 moe ref-moe AM_PP=2" "tp2-pp2-moe-il 4 moe,il ref-moe AM_TP=2 AM_PP=2"
-    "tp2-pp2-qmoe 4 qmoe ref-qmoe AM_TP=2 AM_PP=2")
+    "tp2-pp2-qmoe 4 qmoe ref-qmoe AM_TP=2 AM_PP=2"
+    "ep2-moe 2 moe ref-moe AM_EP=2" "ep4-moe 4 moe ref-moe AM_EP=4" "ep2-dp4-moe 4 moe ref-moe AM_EP=2"
+    "tp2-ep2-moe 4 moe ref-moe AM_TP=2 AM_EP=2" "pp2-ep2-moe 4 moe ref-moe AM_PP=2 AM_EP=2")
 [ -n "${AM_PARITY_ONLY:-}" ] && IFS=';' read -ra layouts <<<"$AM_PARITY_ONLY" # some layouts, to debug them
 for layout in "${layouts[@]}"; do
     set -- $layout
@@ -258,12 +260,11 @@ refuse() { # NAME RECIPE WANT [VAR=VALUE...]
 }
 refuse fp16 "$work/fp16.yaml" "am-train: rank 0: error: distributed.mp_policy: float16 compute or reduction needs loss scaling, which am-train does not do: use bfloat16 (fp32's range in half the bytes) or float32"
 refuse device "$work/base.yaml" "am-train: rank 0: error: AM_DEVICE=gpu: not a device (cpu or cuda)" AM_DEVICE=gpu
-# a mixture of experts runs at ep 1 (runtime/model/moe.h): what it does not run on 2 ranks is
+# what a mixture of experts does not run on 2 ranks (runtime/model/moe.h) is
 # refused by every rank (whichever refuses first ends the job)
 sed 's/sequence_parallel: false/sequence_parallel: true/' "$work/ref-moe.yaml" >"$work/moe-sp.yaml"
 for v in "sp moe-sp AM_TP=2 model: mixtral with sequence parallelism: the experts are replicated over the tensor-parallel ranks and take every token, not a rank's share (set distributed.sequence_parallel: false)" \
-    "pp2-aux ref-moe-aux AM_PP=2 model: mixtral over pipeline stages with output_router_logits: the load-balancing loss spans all the layers and is not exchanged between stages yet (train with pp 1, or without the loss: output_router_logits: false)" \
-    "ep2 ref-moe AM_EP=2 am-train does not run expert parallelism yet: ep_size 2 needs the all-to-all dispatch of tokens to the ranks holding their experts, not implemented (a mixture-of-experts model trains with every expert on each rank: use ep_size 1)"; do
+    "pp2-aux ref-moe-aux AM_PP=2 model: mixtral over pipeline stages with output_router_logits: the load-balancing loss spans all the layers and is not exchanged between stages yet (train with pp 1, or without the loss: output_router_logits: false)"; do
     set -- $v
     name=moe-$1 yaml=$2 var=$3
     shift 3
