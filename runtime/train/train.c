@@ -490,16 +490,20 @@ static void print_step(const struct trainer *t, long step, double loss, double l
 
 static int save_checkpoint(struct trainer *t, long step, struct am_errors *err)
 {
-    if (!t->r->ckpt.enabled || t->dp_rank != 0)
-        return 0; /* one replica saves: its tp and pp ranks together, pp 0 / tp 0 writes */
+    bool saves = t->dp_rank == 0; /* one replica saves: its tp and pp ranks together, pp 0 / tp 0 writes */
+    if (!t->r->ckpt.enabled || (!saves && t->p->ep == 1))
+        return 0; /* with ep > 1 every rank first gathers its ep group's experts */
     char dir[4096];
     const char *root = t->r->ckpt.dir ? t->r->ckpt.dir : "checkpoints";
     snprintf(dir, sizeof(dir), "%s/step_%ld", root, step);
-    if (am_mkdir_p(root) < 0)
+    if (saves && am_mkdir_p(root) < 0)
         return am_errors_fail(err, "checkpoint.checkpoint_dir: cannot create %s: %s", root, strerror(errno));
-    if (am_model_save_hf_dist(&t->model, t->p->tp > 1 ? t->g.tp : NULL, t->p->pp > 1 ? t->g.pp : NULL, dir,
-                              t->base_config[0] ? t->base_config : NULL, err) < 0)
+    if (am_model_save_hf_ep(&t->model, t->p->tp > 1 ? t->g.tp : NULL, t->p->pp > 1 ? t->g.pp : NULL,
+                            t->p->ep > 1 ? t->g.ep : NULL, saves, dir, t->base_config[0] ? t->base_config : NULL,
+                            err) < 0)
         return -1;
+    if (!saves)
+        return 0;
     am_log_record(t->log, "checkpoint", json_pack("{s:i,s:s}", "step", (int)step, "dir", dir));
     return 0;
 }
