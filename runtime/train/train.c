@@ -62,8 +62,8 @@ struct trainer {
 static int check_supported(const struct am_plan *p, const struct am_recipe *r, struct am_errors *err)
 {
     if (p->cp > 1)
-        return am_errors_fail(err, "am-train does not run this layout yet: cp_size %d, ep_size %d (it runs data, "
-                              "tensor and pipeline parallelism: use 1 for both)", p->cp, p->ep);
+        return am_errors_fail(err, "am-train does not run this layout yet: cp_size %d (it runs data, tensor, "
+                              "pipeline and expert parallelism: use cp_size 1)", p->cp);
     if (r->compute_dtype == AM_F16 || r->reduce_dtype == AM_F16)
         return am_errors_fail(err, "distributed.mp_policy: float16 compute or reduction needs loss scaling, which "
                               "am-train does not do: use bfloat16 (fp32's range in half the bytes) or float32");

@@ -238,7 +238,7 @@ fi
 (cd "$work" && AM_CP=2 AM_LOG_DIR="$work/logs-cp2" "$AM_BUILDDIR/am-launch" --nproc 2 "$work/base.yaml" \
     >"$work/out-cp2" 2>&1)
 # (whichever rank refuses first ends the job: its line is the one printed for sure)
-rc=$? want="am-train: rank [01]: error: am-train does not run this layout yet: cp_size 2, ep_size 1 (it runs data, tensor and pipeline parallelism: use 1 for both)"
+rc=$? want="am-train: rank [01]: error: am-train does not run this layout yet: cp_size 2 (it runs data, tensor, pipeline and expert parallelism: use cp_size 1)"
 if [ "$rc" = 1 ] && grep -qx "$want" "$work/out-cp2"; then
     echo "ok: cp 2 is refused: $want"; passes=$((passes + 1))
 else
