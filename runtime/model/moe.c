@@ -474,6 +474,17 @@ void am_moe_forward_end(struct am_model *m, int slot, int64_t N, const int32_t *
     M->last_slot = slot;
 }
 
+size_t am_moe_alltoall_bytes(const struct am_model *m)
+{
+    const struct am_moe *M = m->moe;
+    if (!M || M->ep < 2)
+        return 0;
+    size_t b[3] = {am_tensor_bytes(&M->t1), am_tensor_bytes(&M->t2), am_tensor_bytes(&M->ts)}, sum = 0;
+    for (int i = 0; i < 3; i++)
+        sum += (b[i] + 63) & ~(size_t)63;
+    return sum;
+}
+
 bool am_moe_is_expert_param(const struct am_model *m, const struct am_param *p)
 {
     if (!m->moe)

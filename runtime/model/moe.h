@@ -91,6 +91,9 @@ int am_moe_backward(struct am_model *m, const struct am_layer *L, const struct a
  * targets' tokens and keeps its gradient's scale (dloss_scale as am_model_forward's). */
 void am_moe_forward_begin(struct am_model *m, int slot);
 void am_moe_forward_end(struct am_model *m, int slot, int64_t N, const int32_t *targets, float dloss_scale);
+/* Expert parallelism: the bytes of the all-to-all's buffers (within the activations' bytes,
+ * m->act_bytes): [ep x S, C] twice and [S, C] for S = the micro-batch's tokens x top_k; 0 at ep 1. */
+size_t am_moe_alltoall_bytes(const struct am_model *m);
 /* Whether p is one of the experts' matrices (not the router). */
 bool am_moe_is_expert_param(const struct am_model *m, const struct am_param *p);
 /* The step's statistics: reset by am_model_begin_step, read by the trainer. */

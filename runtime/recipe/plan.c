@@ -110,6 +110,12 @@ static int build_stages(const struct am_recipe *r, struct am_plan *p)
 
 /* ---- memory -------------------------------------------------------------------------- */
 
+static double round64(double bytes)
+{
+    unsigned long long b = (unsigned long long)bytes;
+    return (double)((b + 63) / 64 * 64);
+}
+
 /* Elements saved for backward per token of one layer on one tp rank (see docs/recipes.md). */
 static double act_elems_per_token(const struct am_recipe *r, const struct am_plan *p)
 {
@@ -124,7 +130,12 @@ static double act_elems_per_token(const struct am_recipe *r, const struct am_pla
     double mlp = 3 * (double)m->intermediate_size / tp;
     if (m->num_experts > 0) {
         double k = (double)m->num_experts_per_tok, E = (double)m->num_experts, cs = am_dtype_size(r->compute_dtype);
-        double moe = E + k * (2 * h + 3 * (double)m->moe_intermediate_size) + (E + 3 * k) * 4 / cs;
+        /* with expert parallelism the rows a rank's experts receive (and their gate, up and
+         * product) are sized for the worst case: every slot of the ep group's ranks, ep times
+         * the rank's own, with where each goes (an i32 per row) */
+        double ep = (double)p->ep;
+        double moe = E + k * (h + ep * (h + 3 * (double)m->moe_intermediate_size)) + (E + 3 * k) * 4 / cs +
+                     (p->ep > 1 ? (ep * k * 4 + E) / cs : 0);
         mlp += moe * (double)am_model_moe_layers(m) / (double)m->num_hidden_layers;
     }
     double replicated = 4 * h; /* norm inputs and outputs */
@@ -237,7 +248,15 @@ static int memory_of_rank(const struct am_recipe *r, const struct am_plan *p, in
      * micro-batch and chunk) and one receive buffer (pipeline.h) */
     double sends = p->virtual_stages == 1 ? flight / layers : (double)p->virtual_stages * (double)p->n_microbatches;
     out->p2p = p->pp == 1 ? 0 : (1 + 2 * sends) * tokens * h * cs / (r->dist.sequence_parallel ? tp : 1);
-    out->total = out->weights + out->grads + out->optimizer + out->gathered + out->activations + out->p2p;
+    /* the all-to-all's buffers (moe.c): the slots received, twice, and the rank's own, each
+     * rounded up to 64 bytes as allocated */
+    out->alltoall = 0;
+    if (p->ep > 1 && m->num_experts > 0) {
+        double s = (double)p->microbatch_size * (double)p->seq_length * (double)m->num_experts_per_tok;
+        out->alltoall = 2 * round64(p->ep * s * h * cs) + round64(s * h * cs);
+    }
+    out->total = out->weights + out->grads + out->optimizer + out->gathered + out->activations + out->p2p +
+                 out->alltoall;
     return 0;
 }
 

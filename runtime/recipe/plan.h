@@ -68,6 +68,10 @@ struct am_memory {
     double activations;     /* saved for backward, at the schedule's peak */
     double p2p;             /* pipeline: buffers of the hidden states sent to the neighbours
                                and one received (pipeline.h) */
+    double alltoall;        /* expert parallelism: the experts' all-to-all buffers, sized for the
+                               worst case (runtime/model/moe.c): every slot of every ep rank's
+                               micro-batch routed to this rank's experts, twice, and the rank's
+                               own slots once */
     double total;
     int pp_rank;            /* which pipeline rank this is */
 };

@@ -128,6 +128,7 @@ static void log_memory(struct trainer *t)
                           "slots", m->n_slots, "peak_micro", am_pipe_peak(t->pipe.actions, t->pipe.n_actions),
                           "recompute", m->sh.recompute);
     json_object_set_new(o, "compute_dtype", json_string(am_dtype_torch_name(m->act_dt)));
+    json_object_set_new(o, "alltoall_bytes", json_integer((json_int_t)am_moe_alltoall_bytes(m)));
     am_log_record(t->log, "memory", o);
 }
 
@@ -545,6 +546,10 @@ static int forward_backward(struct trainer *t, long step, float dloss_scale, str
         fault_record(t, step, NULL);
         am_comm_inject_stall(t->g.dp, am_comm_seq(t->g.dp) + 1);
     }
+    if (p->ep > 1 && am_fault_due(&t->fault, t->s->info.rank, step, AM_FAULT_KILL_IN_ALLTOALL)) {
+        fault_record(t, step, NULL); /* the ep group's next call exchanges counts, the one after dispatches */
+        am_comm_inject_kill(t->g.ep, am_comm_seq(t->g.ep) + 2);
+    }
     for (int64_t a = 0; a < p->grad_accum; a++) {
         if (read_microbatches(t, step - 1, a, err) < 0)
             return -1;
@@ -670,6 +675,7 @@ static int setup_diagnostics(struct trainer *t, struct am_errors *err)
     size_t size;
     if (am_fault_parse(getenv("AM_FAULT"), &t->fault, msg, sizeof(msg)) < 0 ||
         am_fault_check(&t->fault, t->s->info.size, t->p->dp, msg, sizeof(msg)) < 0 ||
+        am_fault_check_ep(&t->fault, t->p->ep, msg, sizeof(msg)) < 0 ||
         am_flight_size_from_env(&size, msg, sizeof(msg)) < 0 ||
         am_watchdog_timeout(t->s->timeout_s, &t->wd.timeout_s, &t->wd.timeout_from, msg, sizeof(msg)) < 0 ||
         am_flight_init(&t->flight, size, msg, sizeof(msg)) < 0)

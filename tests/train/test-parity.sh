@@ -260,6 +260,15 @@ refuse() { # NAME RECIPE WANT [VAR=VALUE...]
 }
 refuse fp16 "$work/fp16.yaml" "am-train: rank 0: error: distributed.mp_policy: float16 compute or reduction needs loss scaling, which am-train does not do: use bfloat16 (fp32's range in half the bytes) or float32"
 refuse device "$work/base.yaml" "am-train: rank 0: error: AM_DEVICE=gpu: not a device (cpu or cuda)" AM_DEVICE=gpu
+# expert parallelism: the all-to-all's buffers am-train allocated (sized for every slot of the
+# ep group routed to one rank) are what am-plan counts
+if [ -d "$work/logs-ep2-moe" ]; then
+    want=$("$AM_BUILDDIR/am-plan" "$work/ep2-moe.yaml" --gpus-per-node 2 --set distributed.ep_size=2 --json |
+        sed -nE 's/.*"alltoall_buffers":([0-9.]+).*/\1/p' | awk '{ printf "%d", $1 }')
+    got=$(memory "$work/logs-ep2-moe" 0 alltoall_bytes)
+    check_memory "ep2-moe: all-to-all buffers allocated ($got bytes) are am-plan's ($want)" \
+        "$([ -n "$got" ] && [ "$got" -gt 0 ] && [ "$got" = "$want" ] && echo 1)"
+fi
 # what a mixture of experts does not run on 2 ranks (runtime/model/moe.h) is
 # refused by every rank (whichever refuses first ends the job)
 sed 's/sequence_parallel: false/sequence_parallel: true/' "$work/ref-moe.yaml" >"$work/moe-sp.yaml"
