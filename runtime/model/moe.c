@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "comm.h"
+#include "log.h"
 #include "util.h"
 
 /* One MoE layer's saved tensors for one micro-batch. */
@@ -45,6 +46,7 @@ struct am_moe {
     int64_t *step_counts;    /* tokens per expert over the step */
     int64_t *ep_host;        /* ep > 1: every acts entry's send_rows, recv_rows, lcount, rc */
     int last_slot;
+    double a2a_s;            /* seconds in the all-to-alls over the step */
 };
 
 int am_moe_check(const struct am_model_config *cfg, const struct am_model_shard *sh, char *err, size_t err_len)
@@ -285,7 +287,10 @@ static int a2a_rows(struct am_model *m, const struct am_tensor *send, const int6
         sc[r] = (size_t)(out[r] * M->C), sd[r] = so, so += sc[r];
         rcn[r] = (size_t)(in[r] * M->C), rd[r] = ro, ro += rcn[r];
     }
-    return am_alltoallv(m->ep_comm, send->data, sc, sd, recv->data, rcn, rd, send->dtype, err, err_len);
+    double t0 = am_mono_time();
+    int rc = am_alltoallv(m->ep_comm, send->data, sc, sd, recv->data, rcn, rd, send->dtype, err, err_len);
+    M->a2a_s += am_mono_time() - t0;
+    return rc;
 }
 
 /* The counts: each rank's per-expert counts for the experts of every other rank, then the rows
@@ -298,8 +303,10 @@ static int exchange_counts(struct am_model *m, struct moe_acts *A, char *err, si
     size_t *sc = M->cnt_sz, *sd = sc + ep, *rcn = sd + ep, *rd = rcn + ep;
     for (int r = 0; r < ep; r++)
         sc[r] = rcn[r] = (size_t)El, sd[r] = rd[r] = (size_t)(r * El);
+    double t0 = am_mono_time();
     if (am_alltoallv(m->ep_comm, A->counts.data, sc, sd, A->rcounts.data, rcn, rd, AM_I32, err, err_len) < 0)
         return -1;
+    M->a2a_s += am_mono_time() - t0;
     m->K->download(m->dev, M->h32, A->rcounts.data, (size_t)(ep * El) * sizeof(int32_t));
     A->recv_total = 0;
     for (int64_t e = 0; e < El; e++)
@@ -499,8 +506,10 @@ bool am_moe_is_expert_param(const struct am_model *m, const struct am_param *p)
 
 void am_moe_stats_reset(struct am_model *m)
 {
-    if (m->moe)
+    if (m->moe) {
         memset(m->moe->step_counts, 0, (size_t)m->moe->E * sizeof(int64_t));
+        m->moe->a2a_s = 0;
+    }
 }
 
 void am_moe_stats(struct am_model *m, struct am_moe_stats *out)
@@ -516,6 +525,7 @@ void am_moe_stats(struct am_model *m, struct am_moe_stats *out)
         out->min = M->step_counts[e] < out->min ? M->step_counts[e] : out->min;
         out->max = M->step_counts[e] > out->max ? M->step_counts[e] : out->max;
     }
+    out->alltoall_s = M->a2a_s;
     out->imbalance = sum > 0 ? (double)out->max * (double)M->E / (double)sum : 0.0;
     if (M->aux_on)
         m->K->download(m->dev, &out->aux, M->slots[M->last_slot].aux.data, sizeof(double));

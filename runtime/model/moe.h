@@ -75,6 +75,8 @@ struct am_moe_stats {
     int64_t min, max;  /* the least and the most loaded expert's slots */
     double imbalance;  /* max / mean (1: balanced) */
     double aux;        /* the load-balancing loss of the last micro-batch (unscaled; 0 without it) */
+    double alltoall_s; /* expert parallelism: seconds in the experts' all-to-alls (counts, tokens,
+                          gradients; the host's time in the calls) */
 };
 
 /* The configurations the MoE block runs in; -1 with a message naming what is not supported. */
