@@ -189,7 +189,9 @@ layouts+=("ac 1 ac ref" "pp2-tied 2 tied ref-tied AM_PP=2" "pp4-tied-gpipe 4 tie
     "hsdp-dp4 4 hsdp ref" "hsdp-dp8-ac 8 hsdp,lb2,ac ref" "hsdp-tp2-dp4-sp 8 hsdp,sp ref AM_TP=2"
     "hsdp-pp2-dp4 8 hsdp ref AM_PP=2" "hsdp-rep2 2 hsdp ref"
     "mfsdp-z1-dp2 2 mz1 ref" "mfsdp-z1-dp4-ac 4 mz1,ac ref" "mfsdp-z2-dp2 2 mz2 ref" "mfsdp-z2-tp2-dp2 4 mz2 ref AM_TP=2"
-    "mfsdp-z3-dp4 4 mz3 ref" "mfsdp-z3-dp8-ac 8 mz3,lb2,ac ref" "mfsdp-z3-tp2-dp2 4 mz3 ref AM_TP=2")
+    "mfsdp-z3-dp4 4 mz3 ref" "mfsdp-z3-dp8-ac 8 mz3,lb2,ac ref" "mfsdp-z3-tp2-dp2 4 mz3 ref AM_TP=2"
+    "ep2-moe 2 moe ref-moe AM_EP=2" "ep4-moe 4 moe ref-moe AM_EP=4" "ep2-dp4-moe 4 moe ref-moe AM_EP=2"
+    "tp2-ep2-moe 4 moe ref-moe AM_TP=2 AM_EP=2" "pp2-ep2-moe 4 moe ref-moe AM_PP=2 AM_EP=2")
 [ -n "${AM_PARITY_ONLY:-}" ] && IFS=';' read -ra layouts <<<"$AM_PARITY_ONLY" # some layouts, to debug them
 for layout in "${layouts[@]}"; do
     set -- $layout
@@ -312,6 +314,7 @@ for layout in "${trained[@]}"; do
         case $v in
         AM_TP=*) sets+=(--set "distributed.tp_size=${v#AM_TP=}") ;;
         AM_PP=*) sets+=(--set "distributed.pp_size=${v#AM_PP=}") ;;
+        AM_EP=*) sets+=(--set "distributed.ep_size=${v#AM_EP=}") ;;
         esac
     done
     want=$("$AM_BUILDDIR/am-plan" "$work/$name.yaml" --gpus-per-node "$n" --json "${sets[@]}" |
@@ -332,7 +335,7 @@ done
 (cd "$work" && AM_CP=2 AM_LOG_DIR="$work/logs-cp2" "$AM_BUILDDIR/am-launch" --nproc 2 "$work/base.yaml" \
     >"$work/out-cp2" 2>&1)
 # (whichever rank refuses first ends the job: its line is the one printed for sure)
-rc=$? want="am-train: rank [01]: error: am-train does not run this layout yet: cp_size 2, ep_size 1 (it runs data, tensor and pipeline parallelism: use 1 for both)"
+rc=$? want="am-train: rank [01]: error: am-train does not run this layout yet: cp_size 2 (it runs data, tensor, pipeline and expert parallelism: use cp_size 1)"
 if [ "$rc" = 1 ] && grep -qx "$want" "$work/out-cp2"; then
     echo "ok: cp 2 is refused: $want"; passes=$((passes + 1))
 else
@@ -354,12 +357,20 @@ refuse() { # NAME RECIPE WANT [VAR=VALUE...]
 }
 refuse fp16 "$work/fp16.yaml" "am-train: rank 0: error: distributed.mp_policy: float16 compute or reduction needs loss scaling, which am-train does not do: use bfloat16 (fp32's range in half the bytes) or float32"
 refuse device "$work/base.yaml" "am-train: rank 0: error: AM_DEVICE=gpu: not a device (cpu or cuda)" AM_DEVICE=gpu
-# a mixture of experts runs at ep 1 (runtime/model/moe.h): what it does not run on 2 ranks is
+# expert parallelism: the all-to-all's buffers am-train allocated (sized for every slot of the
+# ep group routed to one rank) are what am-plan counts
+if [ -d "$work/logs-ep2-moe" ]; then
+    want=$("$AM_BUILDDIR/am-plan" "$work/ep2-moe.yaml" --gpus-per-node 2 --set distributed.ep_size=2 --json |
+        sed -nE 's/.*"alltoall_buffers":([0-9.]+).*/\1/p' | awk '{ printf "%d", $1 }')
+    got=$(memory "$work/logs-ep2-moe" 0 alltoall_bytes)
+    check_memory "ep2-moe: all-to-all buffers allocated ($got bytes) are am-plan's ($want)" \
+        "$([ -n "$got" ] && [ "$got" -gt 0 ] && [ "$got" = "$want" ] && echo 1)"
+fi
+# what a mixture of experts does not run on 2 ranks (runtime/model/moe.h) is
 # refused by every rank (whichever refuses first ends the job)
 sed 's/sequence_parallel: false/sequence_parallel: true/' "$work/ref-moe.yaml" >"$work/moe-sp.yaml"
 for v in "sp moe-sp AM_TP=2 model: mixtral with sequence parallelism: the experts are replicated over the tensor-parallel ranks and take every token, not a rank's share (set distributed.sequence_parallel: false)" \
-    "pp2-aux ref-moe-aux AM_PP=2 model: mixtral over pipeline stages with output_router_logits: the load-balancing loss spans all the layers and is not exchanged between stages yet (train with pp 1, or without the loss: output_router_logits: false)" \
-    "ep2 ref-moe AM_EP=2 am-train does not run expert parallelism yet: ep_size 2 needs the all-to-all dispatch of tokens to the ranks holding their experts, not implemented (a mixture-of-experts model trains with every expert on each rank: use ep_size 1)"; do
+    "pp2-aux ref-moe-aux AM_PP=2 model: mixtral over pipeline stages with output_router_logits: the load-balancing loss spans all the layers and is not exchanged between stages yet (train with pp 1, or without the loss: output_router_logits: false)"; do
     set -- $v
     name=moe-$1 yaml=$2 var=$3
     shift 3
