@@ -45,7 +45,8 @@
  * local expert (pos2, the permute kernels with k = 1), the grouped GEMMs, the inverse
  * regrouping and an alltoallv back; the backward runs the two row all-to-alls in reverse.
  * The received rows are sized for the worst case (ep x N x k). The experts' groups are reduced
- * over the expert-data-parallel group (the trainer sets their comm).
+ * over the expert-data-parallel group (the trainer sets their comm; under fully sharded data
+ * parallelism they are sharded, gathered and reduce-scattered over it: fsdp.h).
  * Not yet: experts split over tp, sequence parallelism with experts, and the load-balancing
  * loss over pipeline stages; am_moe_check refuses the last two.
  */
