@@ -12,9 +12,10 @@ bench_data() {
 # median: of the numbers on standard input, one a line
 median() { sort -g | awk '{ v[NR] = $1 } END { printf "%.4f", (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2 }'; }
 
-# step_field LOGDIR KEY: KEY of every step record after the first two (warm-up), all ranks
+# step_field LOGDIR KEY [RANK]: KEY of every step record after the first two (warm-up), of
+# every rank or of RANK only
 step_field() {
-    grep -h '"type":"step"' "$1"/*/rank-*.jsonl | grep -v '"step":[12],' | sed -E "s/.*\"$2\":([^,}]*).*/\\1/"
+    grep -h '"type":"step"' "$1"/*/rank-${3:-*}.jsonl | grep -v '"step":[12],' | sed -E "s/.*\"$2\":([^,}]*).*/\\1/"
 }
 
 # am_tokens_s WORK BUILD RECIPE THREADS: bench-small's tokens/s on one rank, the median over

@@ -15,11 +15,8 @@ src=$(cd "$(dirname "$0")/.." && pwd)
 build=$(cd "${1:-.}" && pwd)
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-awk 'BEGIN { srand(1); for (d = 0; d < 64; d++) { for (i = 0; i < 2048; i++) printf "%d ", int(rand() * 8192); print "" } }' \
-    >"$work/ids.txt"
-mkdir -p "$work/bench-data"
-"$build/am-data" build --out "$work/bench-data/random_tokens" "$work/ids.txt" >/dev/null
-median() { sort -g | awk '{ v[NR] = $1 } END { printf "%.4f", (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2 }'; }
+source "$src/bench/lib.sh"
+bench_data "$work" "$build"
 
 vocab=8192
 run() { # NAME RANKS BATCH SCHEDULE [VAR=VALUE...]: bench_small with global = local batch BATCH
@@ -32,10 +29,7 @@ run() { # NAME RANKS BATCH SCHEDULE [VAR=VALUE...]: bench_small with global = lo
     (cd "$work" && env OMP_NUM_THREADS=1 "$@" AM_LOG_DIR="logs-$name" "$build/am-launch" --nproc "$n" "$name.yaml" \
         >"out-$name" 2>&1) || { echo "bench: $name failed"; cat "$work/out-$name"; exit 1; }
 }
-field() { # NAME RANK KEY: the median of KEY over steps 3.. (the first two warm up)
-    grep -h '"type":"step"' "$work"/logs-"$1"/*/rank-"$2".jsonl | sed -E "s/.*\"$3\":([^,}]*).*/\\1/" | tail -n +3 |
-        median
-}
+field() { step_field "$work/logs-$1" "$3" "$2" | median; } # NAME RANK KEY: median over steps 3..
 tok_s() { echo "$(grep -h '"type":"step"' "$work"/logs-"$1"/*/rank-0.jsonl | head -1 |
     sed -E 's/.*"tokens":([0-9]+).*/\1/') / $(field "$1" 0 step_s)" | bc -l; }
 bubble() { # NAME RANK: comm_s / step_s of that rank, median over steps 3..

@@ -80,6 +80,8 @@ int am_kernels_missing(const struct am_kernels *k, char *buf, size_t len)
     AM_NEED(all_finite);
     AM_NEED(matmul_forward);
     AM_NEED(matmul_backward);
+    AM_NEED(bias_forward);
+    AM_NEED(bias_backward);
     AM_NEED(embedding_forward);
     AM_NEED(embedding_backward);
     AM_NEED(rmsnorm_forward);

@@ -165,6 +165,14 @@ struct am_kernels {
     void (*matmul_forward)(const struct am_dev *d, struct am_tensor *y, const struct am_tensor *x, const struct am_tensor *w);
     void (*matmul_backward)(const struct am_dev *d, struct am_tensor *dx, struct am_tensor *dw, const struct am_tensor *dy,
                             const struct am_tensor *x, const struct am_tensor *w);
+    /* ---- the bias of a linear layer (torch.nn.Linear's + b; Qwen2's q, k, v projections) ----
+     * y [M, N], b [N] (the activation dtype): bias_forward y[i, :] += b (bf16: rounded once,
+     * after the product's own rounding: PyTorch's addmm rounds the two together).
+     * bias_backward: db [N] += Σ over rows of dy, each column summed in fp32 over the rows in
+     * order (the same bits whatever the threads) and added to db once (db f32, or bf16 with a
+     * bf16 dy). */
+    void (*bias_forward)(const struct am_dev *d, struct am_tensor *y, const struct am_tensor *b);
+    void (*bias_backward)(const struct am_dev *d, struct am_tensor *db, const struct am_tensor *dy);
 
     /* ---- embedding (vocabulary-parallel) ----
      * ids [N] int32; wte [V_shard, C] holds ids vocab_start .. vocab_start + V_shard - 1;

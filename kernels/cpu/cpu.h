@@ -218,6 +218,8 @@ void am_cpu_all_finite(const struct am_dev *dev, struct am_tensor *flag, const s
 void am_cpu_matmul_forward(const struct am_dev *dev, struct am_tensor *y, const struct am_tensor *x, const struct am_tensor *w);
 void am_cpu_matmul_backward(const struct am_dev *dev, struct am_tensor *dx, struct am_tensor *dw, const struct am_tensor *dy,
                             const struct am_tensor *x, const struct am_tensor *w);
+void am_cpu_bias_forward(const struct am_dev *dev, struct am_tensor *y, const struct am_tensor *b);
+void am_cpu_bias_backward(const struct am_dev *dev, struct am_tensor *db, const struct am_tensor *dy);
 /* The shared sgemm driver: C[M,N] = alpha * op(A) op(B) + beta * C, row-major, split over
  * the OpenMP threads on the larger of M and N when the product is big enough. Called from
  * outside any parallel region. */

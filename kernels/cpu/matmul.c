@@ -1,4 +1,5 @@
-/* matmul.c - linear layers, y = x · wᵀ (torch.nn.Linear without bias), on OpenBLAS sgemm.
+/* matmul.c - linear layers, y = x · wᵀ (torch.nn.Linear without bias), on OpenBLAS sgemm,
+ * and the bias added apart (bias_forward, bias_backward, at the end).
  *
  *   forward:  y[M,N]   = x[M,K] · w[N,K]ᵀ
  *   backward: dx[M,K] += dy[M,N] · w[N,K]
@@ -15,6 +16,7 @@
 #include <omp.h>
 
 #include "cpu.h"
+#include "half.h"
 
 /* Below this many multiply-adds a product runs on the calling thread. */
 #define SGEMM_PAR_MIN (1 << 18)
@@ -144,5 +146,63 @@ void am_cpu_matmul_backward(const struct am_dev *dev, struct am_tensor *dx, stru
         AM_CHECK(am_rows(dw) == N && am_cols(dw) == K, "dw (%s) must have w's shape [%lld, %lld]", am_tname(dw),
                  (long long)N, (long long)K);
         am_cpu_sgemm(true, false, N, K, M, 1.0f, dyd, N, xd, K, 1.0f, dwd, K); /* dw += dyᵀ · x */
+    }
+}
+
+/* ---- the bias: y[i, :] += b; db += Σ_i dy[i, :] ----
+ * Forward over rows (threads take whole rows); backward over columns (each thread sums its
+ * columns over every row in order, in fp32, then adds the sums to db once), so the result
+ * does not depend on the number of threads. bf16 (y, b, dy bf16; db f32 or bf16): widened
+ * exactly, added in fp32, each output rounded once. */
+static float ld(const void *p, enum am_dtype dt, int64_t i)
+{
+    return dt == AM_BF16 ? am_bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+static void st(void *p, enum am_dtype dt, int64_t i, float v)
+{
+    if (dt == AM_BF16)
+        ((uint16_t *)p)[i] = am_f32_to_bf16(v);
+    else
+        ((float *)p)[i] = v;
+}
+
+void am_cpu_bias_forward(const struct am_dev *dev, struct am_tensor *y, const struct am_tensor *b)
+{
+    enum am_dtype dt = am_cpu_act(__func__, "y", y);
+    am_cpu_same(__func__, "b", b, "y", y);
+    int64_t M = am_rows(y), N = am_cols(y);
+    AM_CHECK(am_tensor_numel(b) == N, "b (%s) has %lld elements; y (%s) has rows of %lld", am_tname(b),
+             (long long)am_tensor_numel(b), am_tname(y), (long long)N);
+    void *yd = y->data;
+    const void *bd = b->data;
+#pragma omp parallel for schedule(static) if (M * N >= AM_PAR_MIN)
+    for (int64_t i = 0; i < M; i++)
+        for (int64_t j = 0; j < N; j++)
+            st(yd, dt, i * N + j, ld(yd, dt, i * N + j) + ld(bd, dt, j));
+}
+
+void am_cpu_bias_backward(const struct am_dev *dev, struct am_tensor *db, const struct am_tensor *dy)
+{
+    enum am_dtype dt = am_cpu_act(__func__, "dy", dy);
+    am_cpu_grad(__func__, "db", db, "dy", dy);
+    int64_t M = am_rows(dy), N = am_cols(dy);
+    AM_CHECK(am_tensor_numel(db) == N, "db (%s) has %lld elements; dy (%s) has rows of %lld", am_tname(db),
+             (long long)am_tensor_numel(db), am_tname(dy), (long long)N);
+    float *acc = am_cpu_scratch(__func__, dev, N);
+    const void *dyd = dy->data;
+    void *dbd = db->data;
+    enum am_dtype gt = db->dtype;
+#pragma omp parallel if (M * N >= AM_PAR_MIN)
+    {
+        int64_t lo, hi;
+        am_split(N, omp_get_thread_num(), omp_get_num_threads(), 16, &lo, &hi);
+        for (int64_t j = lo; j < hi; j++)
+            acc[j] = 0.0f;
+        for (int64_t i = 0; i < M; i++)
+            for (int64_t j = lo; j < hi; j++)
+                acc[j] += ld(dyd, dt, i * N + j);
+        for (int64_t j = lo; j < hi; j++)
+            st(dbd, gt, j, ld(dbd, gt, j) + acc[j]);
     }
 }

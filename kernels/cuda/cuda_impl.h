@@ -73,6 +73,8 @@ void am_cuda_all_finite(const struct am_dev *d, struct am_tensor *flag, const st
 void am_cuda_matmul_forward(const struct am_dev *d, struct am_tensor *y, const struct am_tensor *x, const struct am_tensor *w);
 void am_cuda_matmul_backward(const struct am_dev *d, struct am_tensor *dx, struct am_tensor *dw, const struct am_tensor *dy,
                              const struct am_tensor *x, const struct am_tensor *w);
+void am_cuda_bias_forward(const struct am_dev *d, struct am_tensor *y, const struct am_tensor *b);
+void am_cuda_bias_backward(const struct am_dev *d, struct am_tensor *db, const struct am_tensor *dy);
 
 /* ---- layers.cu: embedding, RMSNorm, RoPE, SwiGLU ---- */
 void am_cuda_embedding_forward(const struct am_dev *d, struct am_tensor *out, const struct am_tensor *ids,

@@ -1,4 +1,4 @@
-/* matmul.cu - linear layers, y = x · wᵀ, on cuBLASLt (kernels/cpu/matmul.c's conventions).
+/* matmul.cu - linear layers, y = x · wᵀ, on cuBLASLt (kernels/cpu/matmul.c's conventions), and their bias.
  *
  *   forward:  y[M,N]   = x[M,K] · w[N,K]ᵀ
  *   backward: dx[M,K] += dy[M,N] · w[N,K]        (beta = 1)
@@ -172,4 +172,62 @@ void am_cuda_matmul_backward(const struct am_dev *d, struct am_tensor *dx, struc
                         (long long)N, (long long)K);
         am_cuda_gemm(k, d, false, true, K, N, M, x->data, K, dy->data, N, dt, dw->data, K, dw->dtype, 1.0f); /* dw += dyᵀ · x */
     }
+}
+
+/* ---- the bias (kernels/cpu/matmul.c computes the same): y[i, :] += b; db += Σ_i dy[i, :],
+ * one thread per column summing its rows in order in fp32 (deterministic), added to db once ---- */
+template <typename T> __global__ void bias_fwd_k(T *y, const T *b, int64_t M, int64_t N)
+{
+    AM_GRID_STRIDE(i, M * N) am_st(y, i, am_ld(y, i) + am_ld(b, i % N));
+}
+
+template <typename T, typename G> __global__ void bias_bwd_k(G *db, const T *dy, int64_t M, int64_t N)
+{
+    AM_GRID_STRIDE(j, N)
+    {
+        float acc = 0.0f;
+        for (int64_t i = 0; i < M; i++)
+            acc += am_ld(dy, i * N + j);
+        am_st(db, j, am_ld(db, j) + acc);
+    }
+}
+
+void am_cuda_bias_forward(const struct am_dev *d, struct am_tensor *y, const struct am_tensor *b)
+{
+    const char *k = "am_cuda_bias_forward";
+    am_cuda_ctx(k, d);
+    enum am_dtype dt = am_cuda_act(k, "y", y);
+    am_cuda_same(k, "b", b, "y", y);
+    int64_t M = am_rows(y), N = am_cols(y);
+    AM_CUDA_REQUIRE(k, am_tensor_numel(b) == N, "b (%s) has %lld elements; y (%s) has rows of %lld", am_tname(b),
+                    (long long)am_tensor_numel(b), am_tname(y), (long long)N);
+    if (!M || !N)
+        return;
+    cudaStream_t s = am_cuda_stream(d);
+    if (dt == AM_F32)
+        bias_fwd_k<<<am_blocks(M * N), AM_THREADS, 0, s>>>((float *)y->data, (const float *)b->data, M, N);
+    else
+        bias_fwd_k<<<am_blocks(M * N), AM_THREADS, 0, s>>>((am_bf16_t *)y->data, (const am_bf16_t *)b->data, M, N);
+    AM_LAUNCHED(k);
+}
+
+void am_cuda_bias_backward(const struct am_dev *d, struct am_tensor *db, const struct am_tensor *dy)
+{
+    const char *k = "am_cuda_bias_backward";
+    am_cuda_ctx(k, d);
+    enum am_dtype dt = am_cuda_act(k, "dy", dy);
+    am_cuda_grad(k, "db", db, "dy", dy);
+    int64_t M = am_rows(dy), N = am_cols(dy);
+    AM_CUDA_REQUIRE(k, am_tensor_numel(db) == N, "db (%s) has %lld elements; dy (%s) has rows of %lld", am_tname(db),
+                    (long long)am_tensor_numel(db), am_tname(dy), (long long)N);
+    if (!N)
+        return;
+    cudaStream_t s = am_cuda_stream(d);
+    if (dt == AM_F32)
+        bias_bwd_k<<<am_blocks(N), AM_THREADS, 0, s>>>((float *)db->data, (const float *)dy->data, M, N);
+    else if (db->dtype == AM_F32)
+        bias_bwd_k<<<am_blocks(N), AM_THREADS, 0, s>>>((float *)db->data, (const am_bf16_t *)dy->data, M, N);
+    else
+        bias_bwd_k<<<am_blocks(N), AM_THREADS, 0, s>>>((am_bf16_t *)db->data, (const am_bf16_t *)dy->data, M, N);
+    AM_LAUNCHED(k);
 }

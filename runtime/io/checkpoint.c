@@ -281,8 +281,8 @@ int am_ckpt_read(const struct am_ckpt *c, const char *name, const struct am_ckpt
 static const char *architecture(const char *model_type)
 {
     static const char *const map[][2] = {{"llama", "LlamaForCausalLM"},     {"mistral", "MistralForCausalLM"},
-                                         {"mixtral", "MixtralForCausalLM"}, {"qwen3", "Qwen3ForCausalLM"},
-                                         {"qwen3_moe", "Qwen3MoeForCausalLM"}};
+                                         {"mixtral", "MixtralForCausalLM"}, {"qwen2", "Qwen2ForCausalLM"},
+                                         {"qwen3", "Qwen3ForCausalLM"},     {"qwen3_moe", "Qwen3MoeForCausalLM"}};
     for (size_t i = 0; i < sizeof(map) / sizeof(map[0]); i++)
         if (strcmp(model_type, map[i][0]) == 0)
             return map[i][1];
@@ -299,7 +299,7 @@ char *am_ckpt_config_json(const struct am_model_config *m, const char *base_conf
     const char *type = m->model_type ? m->model_type : "llama", *arch = architecture(type);
     if (!arch) {
         am_errorf(err, NULL, "config.json: model_type '%s' has no transformers class am knows (llama, mistral, "
-                  "mixtral, qwen3, qwen3_moe)", type);
+                  "mixtral, qwen2, qwen3, qwen3_moe)", type);
         goto done;
     }
     if (base_config) {
@@ -358,16 +358,18 @@ char *am_ckpt_config_json(const struct am_model_config *m, const char *base_conf
     } else { /* the window am trained with (model_config.h), as transformers reads it back */
         set(cfg, "sliding_window", m->sliding_window > 0 ? json_integer(m->sliding_window) : json_null());
     }
-    if (strncmp(type, "qwen3", 5) == 0) {
+    bool qwen2 = strcmp(type, "qwen2") == 0; /* Qwen2Config: no attention_bias (the biases are fixed) */
+    if (strncmp(type, "qwen3", 5) == 0 || qwen2) {
         long first = m->num_hidden_layers; /* the first layer with the window */
         for (long l = m->num_hidden_layers - 1; l >= 0; l--)
             if (am_model_layer_window(m, l) > 0)
                 first = l;
-        set(cfg, "attention_bias", json_false());
+        if (!qwen2)
+            set(cfg, "attention_bias", json_false());
         set(cfg, "use_sliding_window", json_boolean(m->sliding_window > 0));
         set(cfg, "max_window_layers", json_integer(first));
     }
-    if (strcmp(type, "qwen3") == 0) {
+    if (strcmp(type, "qwen3") == 0 || qwen2) {
         json_t *lt = json_array();
         for (long l = 0; l < m->num_hidden_layers; l++)
             json_array_append_new(lt, json_string(am_model_layer_window(m, l) > 0 ? "sliding_attention"

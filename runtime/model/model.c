@@ -49,11 +49,24 @@ static void layer_params(struct am_model *m, int l, int local)
     struct am_layer *L = &m->layers[local];
 #define NAME(s) (snprintf(n, sizeof(n), "model.layers.%d.%s", l, s), n)
     L->attn_norm = add_param(m, NAME("input_layernorm.weight"), C, 0, AM_SPLIT_NONE, C, 0, 0, 0);
+    /* transformers' order: each projection's weight, then its bias (Qwen2: q, k, v) */
     L->wq = add_param(m, NAME("self_attn.q_proj.weight"), m->heads * D, C, AM_SPLIT_ROWS, Hq, C, r * m->heads * D, 0);
+    if (c->qkv_bias)
+        L->bq = add_param(m, NAME("self_attn.q_proj.bias"), m->heads * D, 0, AM_SPLIT_ROWS, Hq, 0, r * m->heads * D, 0);
     L->wk = add_param(m, NAME("self_attn.k_proj.weight"), m->kv_heads * D, C, AM_SPLIT_ROWS, Hkv, C, m->kv_head0 * D, 0);
+    if (c->qkv_bias)
+        L->bk = add_param(m, NAME("self_attn.k_proj.bias"), m->kv_heads * D, 0, AM_SPLIT_ROWS, Hkv, 0,
+                            m->kv_head0 * D, 0);
     L->wv = add_param(m, NAME("self_attn.v_proj.weight"), m->kv_heads * D, C, AM_SPLIT_ROWS, Hkv, C, m->kv_head0 * D, 0);
-    if (c->num_key_value_heads < m->sh.tp) /* each kv head is held by tp / kv heads ranks */
-        L->wk->copies_in_tp = L->wv->copies_in_tp = (int)(m->sh.tp / c->num_key_value_heads);
+    if (c->qkv_bias)
+        L->bv = add_param(m, NAME("self_attn.v_proj.bias"), m->kv_heads * D, 0, AM_SPLIT_ROWS, Hkv, 0,
+                            m->kv_head0 * D, 0);
+    if (c->num_key_value_heads < m->sh.tp) { /* each kv head is held by tp / kv heads ranks */
+        int copies = (int)(m->sh.tp / c->num_key_value_heads);
+        L->wk->copies_in_tp = L->wv->copies_in_tp = copies;
+        if (L->bk)
+            L->bk->copies_in_tp = L->bv->copies_in_tp = copies;
+    }
     if (c->qk_norm) { /* transformers' order: q_proj, k_proj, v_proj, o_proj, q_norm, k_norm */
         L->q_norm = add_param(m, NAME("self_attn.q_norm.weight"), D, 0, AM_SPLIT_NONE, D, 0, 0, 0);
         L->k_norm = add_param(m, NAME("self_attn.k_norm.weight"), D, 0, AM_SPLIT_NONE, D, 0, 0, 0);
@@ -218,8 +231,8 @@ static size_t layout_acts(struct am_model *m, char *base)
     m->ce_t = carve(&c, AM_F32, N, 0, 0, 0);
     if (m->sh.tp > 1)
         m->ce_M = carve(&c, AM_F32, N, 0, 0, 0);
-    if (m->sh.tp > m->cfg.num_key_value_heads)
-        m->kv_sum = carve(&c, AM_F32, 2 * m->cfg.num_key_value_heads * D * C, 0, 0, 0);
+    if (m->sh.tp > m->cfg.num_key_value_heads) /* k's and v's weights (and biases) of every kv head */
+        m->kv_sum = carve(&c, AM_F32, 2 * m->cfg.num_key_value_heads * D * (C + (m->cfg.qkv_bias ? 1 : 0)), 0, 0, 0);
     m->scratch_c = carve(&c, m->act_dt, N, C, 0, 0);
     m->scratch_q = carve(&c, m->act_dt, N, Q, 0, 0);
     m->scratch_att = carve(&c, m->act_dt, N, Q, 0, 0);
@@ -304,7 +317,7 @@ int am_model_init(struct am_model *m, const struct am_model_config *cfg, const s
         m->n_acts += (size_t)m->sh.chunks[c].slots * (size_t)sh->chunks[c].n_layers;
     }
 
-    m->params = calloc((size_t)(11 * m->n_layers + 4 + am_moe_extra_params(cfg, m->n_layers)), sizeof(*m->params));
+    m->params = calloc((size_t)(14 * m->n_layers + 4 + am_moe_extra_params(cfg, m->n_layers)), sizeof(*m->params));
     m->groups = calloc((size_t)(2 * m->n_layers + 2), sizeof(*m->groups));
     m->layers = calloc((size_t)m->n_layers, sizeof(*m->layers));
     m->slots = calloc((size_t)m->n_slots, sizeof(*m->slots));
@@ -427,6 +440,12 @@ void am_model_free(struct am_model *m)
     memset(m, 0, sizeof(*m));
 }
 
+static bool is_bias(const struct am_param *p)
+{
+    size_t n = strlen(p->name);
+    return n > 5 && strcmp(p->name + n - 5, ".bias") == 0;
+}
+
 void am_model_init_weights(struct am_model *m, uint64_t seed)
 {
     double std = m->cfg.initializer_range;
@@ -439,8 +458,8 @@ void am_model_init_weights(struct am_model *m, uint64_t seed)
         uint64_t stream = am_hash_str(p->name);
         for (int64_t r = 0; r < rows; r++)
             for (int64_t c = 0; c < cols; c++) {
-                if (p->w.ndim == 1) {
-                    host[r] = 1.0f; /* RMSNorm weights */
+                if (p->w.ndim == 1) { /* RMSNorm weights 1, biases 0 (transformers' _init_weights) */
+                    host[r] = is_bias(p) ? 0.0f : 1.0f;
                     continue;
                 }
                 uint64_t idx = (uint64_t)((p->row0 + r) * p->full_cols + p->col0 + c);
@@ -677,6 +696,10 @@ static int layer_forward(struct am_model *m, const struct am_layer *L, struct am
         struct am_tensor q_raw = rows_of(&a->q_raw, N), k_raw = rows_of(&a->k_raw, N);
         K->matmul_forward(m->dev, &q_raw, &in, &L->wq->wc);
         K->matmul_forward(m->dev, &k_raw, &in, &L->wk->wc);
+        if (L->bq) { /* a projection's bias comes before the norm */
+            K->bias_forward(m->dev, &q_raw, &L->bq->wc);
+            K->bias_forward(m->dev, &k_raw, &L->bk->wc);
+        }
         struct am_tensor qr = head_rows(&q_raw, N * m->heads, D), kr = head_rows(&k_raw, N * m->kv_heads, D);
         struct am_tensor qn = head_rows(&q, N * m->heads, D), kn = head_rows(&k, N * m->kv_heads, D);
         struct am_tensor rq = rows_of(&a->rstd_q, N * m->heads), rk = rows_of(&a->rstd_k, N * m->kv_heads);
@@ -685,8 +708,14 @@ static int layer_forward(struct am_model *m, const struct am_layer *L, struct am
     } else {
         K->matmul_forward(m->dev, &q, &in, &L->wq->wc);
         K->matmul_forward(m->dev, &k, &in, &L->wk->wc);
+        if (L->bq) { /* Qwen2: q, k = x · wᵀ + b, before rope (Qwen2Attention's nn.Linear(bias=True)) */
+            K->bias_forward(m->dev, &q, &L->bq->wc);
+            K->bias_forward(m->dev, &k, &L->bk->wc);
+        }
     }
     K->matmul_forward(m->dev, &v, &in, &L->wv->wc);
+    if (L->bv)
+        K->bias_forward(m->dev, &v, &L->bv->wc);
     struct am_tensor q4 = heads_of(&q, B, T, m->heads, D), k4 = heads_of(&k, B, T, m->kv_heads, D);
     struct am_tensor v4 = heads_of(&v, B, T, m->kv_heads, D), att4 = heads_of(&att, B, T, m->heads, D);
     K->rope_forward(m->dev, &q4, &m->cos, &m->sin);
@@ -926,6 +955,11 @@ attention:;
         dq = dq_raw;
         dk = dk_raw;
     }
+    if (L->bq) { /* the biases' gradients: the projections' output gradients summed over the tokens */
+        K->bias_backward(m->dev, &L->bq->g, &dq);
+        K->bias_backward(m->dev, &L->bk->g, &dk);
+        K->bias_backward(m->dev, &L->bv->g, &dv);
+    }
     if (column_input(m, &h1, N, &in, err, err_len) < 0)
         return -1;
     K->zero(m->dev, &dh);
@@ -1080,20 +1114,25 @@ bool am_model_is_tied_copy(const struct am_model *m, const struct am_param *p)
  * buffer, and each rank takes its head's slot back. */
 static int sum_shared_kv(struct am_model *m, const struct am_layer *L, char *err, size_t err_len)
 {
-    int64_t slot = m->head_dim * m->cfg.hidden_size, n = m->cfg.num_key_value_heads * slot;
-    struct am_tensor all = am_tensor_view(m->kv_sum.data, m->dev->device, AM_F32, 2 * n, 0, 0, 0);
-    struct am_tensor mine[2], g[2]; /* this rank's head's slot of k and of v, and the gradients */
-    const struct am_param *kv[2] = {L->wk, L->wv};
-    for (int i = 0; i < 2; i++) {
-        mine[i] = am_tensor_view((float *)all.data + i * n + m->kv_head0 * slot, m->dev->device, AM_F32, slot, 0, 0, 0);
+    /* k's weight, v's weight, then (Qwen2) k's bias and v's bias: for each, every kv head's slot */
+    const struct am_param *kv[4] = {L->wk, L->wv, L->bk, L->bv};
+    int n = L->bk ? 4 : 2;
+    int64_t heads = m->cfg.num_key_value_heads, total = 0;
+    struct am_tensor mine[4], g[4]; /* this rank's head's slot of each, and the gradients */
+    for (int i = 0; i < n; i++) {
+        int64_t slot = i < 2 ? m->head_dim * m->cfg.hidden_size : m->head_dim;
+        mine[i] = am_tensor_view((float *)m->kv_sum.data + total + m->kv_head0 * slot, m->dev->device, AM_F32, slot,
+                                 0, 0, 0);
         g[i] = am_tensor_view(kv[i]->g.data, m->dev->device, AM_F32, slot, 0, 0, 0);
+        total += heads * slot;
     }
+    struct am_tensor all = am_tensor_view(m->kv_sum.data, m->dev->device, AM_F32, total, 0, 0, 0);
     m->K->zero(m->dev, &all);
-    for (int i = 0; i < 2; i++)
+    for (int i = 0; i < n; i++)
         m->K->copy(m->dev, &mine[i], &g[i]);
     if (tp_sum(m, &all, err, err_len) < 0)
         return -1;
-    for (int i = 0; i < 2; i++)
+    for (int i = 0; i < n; i++)
         m->K->copy(m->dev, &g[i], &mine[i]);
     return 0;
 }

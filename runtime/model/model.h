@@ -1,5 +1,6 @@
-/* model.h - a Llama-style decoder (llama; mistral with its sliding window; qwen3 with its
- * per-head q/k norms; mixtral and qwen3_moe with their experts, moe.h) on one rank's shard.
+/* model.h - a Llama-style decoder (llama; mistral with its sliding window; qwen2 with the
+ * biases of its q, k, v projections; qwen3 with its per-head q/k norms; mixtral and qwen3_moe
+ * with their experts, moe.h) on one rank's shard.
  *
  * The model is written once over the kernel table (kernels/kernels.h) and tensors that carry
  * their device and dtype. A rank holds:
@@ -7,9 +8,9 @@
  *     interleaved schedule), plus the embedding on the first stage and the final norm and
  *     output head on the last;
  *   - its tensor-parallel slice of each matrix (Megatron's split): q, k, v, gate and up by
- *     output rows (column-parallel), o and down by input columns (row-parallel), the
- *     embedding and head by vocabulary rows; norms whole. With fewer kv heads than tp ranks
- *     each rank holds the one kv head its query heads use.
+ *     output rows (column-parallel; Qwen2's q, k, v biases with those rows), o and down by
+ *     input columns (row-parallel), the embedding and head by vocabulary rows; norms whole.
+ *     With fewer kv heads than tp ranks each rank holds the one kv head its query heads use.
  * With tp > 1 the model calls the tp communicator where Megatron's f/g operators stand
  * (an all-reduce after the row-parallel matmuls and the embedding, one in backward before
  * the column-parallel inputs); with tp = 1 it calls nothing. With sequence parallelism the
@@ -124,6 +125,8 @@ struct am_slot {
 struct am_layer {
     struct am_param *attn_norm, *wq, *wk, *wv, *wo, *mlp_norm, *w_gate, *w_up, *w_down;
     struct am_param *q_norm, *k_norm; /* qk_norm (Qwen3): RMSNorm over each head of q and k; else NULL */
+    struct am_param *bq, *bk, *bv;    /* qkv_bias (Qwen2): the q, k, v projections' biases, split over tp
+                                         with their rows (a kv head's held whole); else NULL */
     int64_t window;                   /* sliding window of its attention (0: none) */
     int group; /* its parameter group */
     struct am_moe_layer *moe;         /* a mixture-of-experts layer's router and experts (moe.h),

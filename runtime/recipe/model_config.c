@@ -333,6 +333,8 @@ struct window_keys {
     long max_window_layers; /* -1: not given */
     struct am_node *sliding_window_node, *layer_types;
     struct am_node *mlp_only_layers;
+    bool qwen2; /* the model is a qwen2 (known before the keys are read): Qwen2Config reads neither
+                   attention_bias nor mlp_bias (its q, k, v always have biases, o and the MLP never) */
 };
 
 struct hf_key {
@@ -391,7 +393,7 @@ static const struct hf_key hf_keys[] = {
 };
 #undef F
 
-static const char *const supported_types[] = {"llama", "mistral", "mixtral", "qwen3", "qwen3_moe", NULL};
+static const char *const supported_types[] = {"llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", NULL};
 
 bool am_model_type_supported(const char *t)
 {
@@ -510,6 +512,8 @@ static int read_key(const struct hf_key *k, struct am_node *v, const char *secti
         return read_rope_scaling(v, section, m, err);
     }
     case K_CHECK_FALSE:
+        if (w->qwen2 && (strcmp(k->name, "attention_bias") == 0 || strcmp(k->name, "mlp_bias") == 0))
+            return 0; /* not read by transformers for qwen2 */
         if (am_node_bool(v, key, &b, err) < 0)
             return -1;
         if (b) {
@@ -622,7 +626,7 @@ static void set_window_layer(struct am_model_config *m, long l) { m->window_laye
 /* The sliding window as transformers 5 builds each model type's attention:
  *   mistral, mixtral: sliding_window on every layer (MistralConfig's default 4096 when the key
  *     is absent, MixtralConfig's null); layer_types is not read (MistralModel ignores it);
- *   qwen3: sliding_window (default 4096) only when use_sliding_window, on the layers that
+ *   qwen2, qwen3: sliding_window (default 4096) only when use_sliding_window, on the layers that
  *     layer_types marks "sliding_attention", by default layers max_window_layers (default 28)
  *     and up (Qwen3Config); a layer marked sliding without a window fails in transformers;
  *   qwen3_moe: sliding_window on every layer when use_sliding_window;
@@ -633,7 +637,8 @@ static void resolve_windows(const struct window_keys *w, const struct am_pos *wh
 {
     const char *t = m->model_type;
     const struct am_pos *wpos = w->sliding_window_node ? &w->sliding_window_node->pos : where;
-    bool qwen3 = strcmp(t, "qwen3") == 0, qwen3_moe = strcmp(t, "qwen3_moe") == 0;
+    /* qwen2 resolves its windows as qwen3 does (Qwen2Config's keys and defaults are Qwen3Config's) */
+    bool qwen3 = strcmp(t, "qwen3") == 0 || strcmp(t, "qwen2") == 0, qwen3_moe = strcmp(t, "qwen3_moe") == 0;
     long window = 0;
     memset(m->window_layers, 0, sizeof(m->window_layers));
     if (strcmp(t, "mistral") == 0 || strcmp(t, "mixtral") == 0)
@@ -706,8 +711,8 @@ static const char *const automodel_model_keys[] = {
  * true. */
 static bool unsupported_class(struct am_node *cfg, const char *section, const char **type, struct am_errors *err)
 {
-    static const char *const known[] = {"Llama", "Mistral", "Mixtral", "Qwen3", "Qwen3Moe", NULL};
-    static const char *const types[] = {"llama", "mistral", "mixtral", "qwen3", "qwen3_moe"};
+    static const char *const known[] = {"Llama", "Mistral", "Mixtral", "Qwen2", "Qwen3", "Qwen3Moe", NULL};
+    static const char *const types[] = {"llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe"};
     struct am_node *arch = am_node_path(cfg, "architectures"), *target = am_node_path(cfg, "_target_"), *v = NULL;
     const char *cls = NULL, *key = NULL;
     char name[128];
@@ -746,7 +751,7 @@ static bool unsupported_class(struct am_node *cfg, const char *section, const ch
             return false;
         }
     am_errorf(err, &v->pos, "%s.%s: '%.60s' is not an architecture am builds (supported: llama, mistral, "
-              "mixtral, qwen3, qwen3_moe)", section, key, cls);
+              "mixtral, qwen2, qwen3, qwen3_moe)", section, key, cls);
     return true;
 }
 
@@ -763,13 +768,15 @@ int am_model_config_read(struct am_arena *a, struct am_node *cfg, const char *se
     if (type && !type->used && type->value->kind == AM_NODE_SCALAR && !am_node_is_null(type->value) &&
         !am_model_type_supported(type->value->str)) {
         struct am_pos where = type->value->pos;
-        am_errorf(err, &where, "%s.model_type: '%.40s' is not supported (supported: llama, mistral, mixtral, qwen3, "
-                  "qwen3_moe)", section, type->value->str);
+        am_errorf(err, &where, "%s.model_type: '%.40s' is not supported (supported: llama, mistral, mixtral, qwen2, "
+                  "qwen3, qwen3_moe)", section, type->value->str);
         return -1;
     }
     const char *class_type = NULL;
     if (!type && unsupported_class(cfg, section, &class_type, err))
         return -1;
+    const char *pre_type = type && type->value->kind == AM_NODE_SCALAR ? type->value->str : class_type;
+    wk.qwen2 = pre_type && strcmp(pre_type, "qwen2") == 0;
     for (size_t i = 0; i < cfg->n; i++) {
         struct am_entry *e = &cfg->entries[i];
         if (e->used) /* read by the caller (pretrained_model_name_or_path, config, ...) */
@@ -793,7 +800,8 @@ int am_model_config_read(struct am_arena *a, struct am_node *cfg, const char *se
             am_error_unknown_key(err, &e->key_pos, section, e->key, names, automodel_model_keys);
             continue;
         }
-        if (k->kind == K_IGNORE && from_recipe) {
+        bool unread = wk.qwen2 && (strcmp(e->key, "attention_bias") == 0 || strcmp(e->key, "mlp_bias") == 0);
+        if ((k->kind == K_IGNORE || unread) && from_recipe) {
             char full[256];
             snprintf(full, sizeof(full), "%s.%s", section, e->key);
             am_list_add(a, ignored, am_arena_strdup(a, full));
@@ -810,7 +818,7 @@ int am_model_config_read(struct am_arena *a, struct am_node *cfg, const char *se
         m->model_type = class_type ? class_type : m->num_experts ? "mixtral" : "llama";
     if (!am_model_type_supported(m->model_type)) {
         am_errorf(err, &where, "%s.model_type: '%s' is not supported (supported: llama, mistral, "
-                  "mixtral, qwen3, qwen3_moe)", section, m->model_type);
+                  "mixtral, qwen2, qwen3, qwen3_moe)", section, m->model_type);
         return -1;
     }
     static const char *const required[] = {"hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -837,6 +845,7 @@ int am_model_config_read(struct am_arena *a, struct am_node *cfg, const char *se
                   "(grouped-query attention shares each kv head among whole groups of query heads)",
                   section, m->num_key_value_heads, m->num_attention_heads);
     m->qk_norm = strncmp(m->model_type, "qwen3", 5) == 0;
+    m->qkv_bias = strcmp(m->model_type, "qwen2") == 0;
     bool moe = strcmp(m->model_type, "mixtral") == 0 || strcmp(m->model_type, "qwen3_moe") == 0;
     if (moe && m->num_experts <= 0)
         am_errorf(err, &where, "%s.%s: missing (a %s model has experts)", section,
@@ -875,7 +884,8 @@ void am_model_params(const struct am_model_config *m, struct am_param_count *p)
     memset(p, 0, sizeof(*p));
     p->embedding = (double)m->vocab_size * h;
     p->lm_head = m->tie_word_embeddings ? 0 : p->embedding;
-    p->attn_per_layer = h * q + 2 * h * kv + q * h + (m->qk_norm ? 2 * hd : 0);
+    p->attn_per_layer =
+        h * q + 2 * h * kv + q * h + (m->qk_norm ? 2 * hd : 0) + (m->qkv_bias ? q + 2 * kv : 0); /* qwen2's biases */
     p->norms_per_layer = 2 * h;
     if (m->num_experts > 0) {
         p->router_per_layer = h * (double)m->num_experts;

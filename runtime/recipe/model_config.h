@@ -31,8 +31,9 @@ struct am_model_config {
     double rope_theta, rms_norm_eps, initializer_range;
     bool tie_word_embeddings;
     bool qk_norm; /* qwen3: RMSNorm on each query and key head (before rope) */
+    bool qkv_bias; /* qwen2: a bias on the q, k and v projections (Qwen2Attention's, always; none on o) */
     /* Sliding-window attention, as transformers resolves the config (Mistral's and Mixtral's
-     * sliding_window on every layer; Qwen3's when use_sliding_window, on the layers
+     * sliding_window on every layer; Qwen2's and Qwen3's when use_sliding_window, on the layers
      * layer_types marks sliding_attention, by default those from max_window_layers on): on
      * such a layer the query at position t sees the keys t - sliding_window < j <= t. 0: no
      * window on any layer. am_model_layer_window() gives a layer's. */

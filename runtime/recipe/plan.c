@@ -232,7 +232,7 @@ static double scratch_bytes(const struct am_recipe *r, const struct am_plan *p, 
     if (p->tp > 1)
         b += carved(N, 4);
     if (p->tp > m->num_key_value_heads)
-        b += carved(2 * (double)m->num_key_value_heads * D * C, 4);
+        b += carved(2 * (double)m->num_key_value_heads * D * (C + (m->qkv_bias ? 1 : 0)), 4);
     b += carved(N * C, cs) + 2 * carved(N * Q, cs) + 2 * carved(N * KV, cs) + carved(N * 3 * I, cs);
     if (m->qk_norm)
         b += carved(N * KV, cs);
@@ -287,7 +287,8 @@ static int memory_of_rank(const struct am_recipe *r, const struct am_plan *p, in
     double tp = p->tp, h = (double)m->hidden_size, hd = (double)m->head_dim;
     double q = (double)m->num_attention_heads * hd;
     double kv_rank = (m->num_key_value_heads >= p->tp ? (double)m->num_key_value_heads / tp : 1.0) * hd;
-    double attn = 2 * h * q / tp + 2 * h * kv_rank + (m->qk_norm ? 2 * hd : 0);
+    double attn = 2 * h * q / tp + 2 * h * kv_rank + (m->qk_norm ? 2 * hd : 0) +
+                  (m->qkv_bias ? q / tp + 2 * kv_rank : 0); /* qwen2's q, k, v biases: split as their rows */
     /* a layer's parameters but the experts (dense), and its experts: a MoE model's dense
      * layers (qwen3_moe's mlp_only_layers) have the MLP instead of the router and experts,
      * counted per layer of the rank (their share differs between stages) */

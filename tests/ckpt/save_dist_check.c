@@ -7,8 +7,11 @@
  * (4 layers, 4 heads, 2 kv heads: with TP 4 each kv head is held by two ranks; a vocabulary
  * large enough that the embedding is written in several pieces) is split as the planner
  * splits it: PP * VIRTUAL stages of equal runs of layers, stage s on pp rank s % PP, the
- * embedding on the first stage and the head on the last. Once with tie_word_embeddings false,
- * once true (the tied embedding's copy on the last stage must not be written twice), every
+ * embedding on the first stage and the head on the last. Once a Llama with tie_word_embeddings
+ * false, once a Qwen2 with it true (the tied embedding's copy on the last stage must not be
+ * written twice; the q, k, v biases split with their rows, at TP 4 a kv head's held by two
+ * ranks, and filled with values of their place in the whole tensor after the init, which
+ * leaves them 0), every
  * rank initialises its shard with one seed (am_model_init_weights: the same model in every
  * layout) and all save to DIR/tieN/dist. Then
  *   - rank 0 saves the same model whole (am_model_shard_whole, same seed) to DIR/tieN/ref with
@@ -79,7 +82,8 @@ static bool no_errors(struct run *r, struct am_errors *err, const char *what)
 
 static struct am_model_config tiny_llama(bool tie)
 {
-    return (struct am_model_config){.model_type = "llama", .hidden_size = 32, .num_hidden_layers = LAYERS,
+    return (struct am_model_config){.model_type = tie ? "qwen2" : "llama", .qkv_bias = tie,
+                                    .hidden_size = 32, .num_hidden_layers = LAYERS,
                                     .num_attention_heads = 4, .num_key_value_heads = 2, .head_dim = 8,
                                     .intermediate_size = 48, .vocab_size = 8448, /* 270,336 floats: 2 pieces */
                                     .max_position_embeddings = 64, .rope_theta = 10000.0, .rms_norm_eps = 1e-5,
@@ -96,6 +100,27 @@ static struct am_model_shard my_shard(const struct run *r)
     sh.first_stage = r->pp_rank == 0;
     sh.last_stage = (stages - 1) % r->pp == r->pp_rank;
     return sh;
+}
+
+/* Qwen2's biases (0 after am_model_init_weights): element i of the whole tensor becomes
+ * (i + 1) / 1024 plus a step per tensor (its layer digit and projection letter), the same in every
+ * layout. */
+static void fill_biases(struct am_model *m)
+{
+    for (int k = 0; k < m->n_params; k++) {
+        struct am_param *p = &m->params[k];
+        size_t len = strlen(p->name);
+        if (len < 5 || strcmp(p->name + len - 5, ".bias") != 0)
+            continue;
+        int64_t n = am_tensor_numel(&p->w);
+        float *h = malloc((size_t)n * sizeof(float));
+        if (!h)
+            continue;
+        for (int64_t i = 0; i < n; i++)
+            h[i] = (float)(p->row0 + i + 1) / 1024.0f + (float)(p->name[13] + p->name[len - 11]) / 64.0f;
+        m->K->upload(m->dev, p->w.data, h, (size_t)n * sizeof(float));
+        free(h);
+    }
 }
 
 static float *download(const struct am_model *m, const struct am_param *p)
@@ -154,11 +179,12 @@ static void check_against_whole(struct run *r, bool tie, const char *dist, const
     if (!check(r, am_model_init(&m, &cfg, &sh, &r->dev, NULL, NULL, 1, 4, msg, sizeof(msg)) == 0, "%s", msg))
         return;
     am_model_init_weights(&m, SEED);
+    fill_biases(&m);
     am_model_save_hf(&m, ref, base, &err);
     struct am_ckpt *d = NULL, *w = NULL;
     if (no_errors(r, &err, "am_model_save_hf") && am_ckpt_open(dist, &d, &err) == 0 &&
         am_ckpt_open(ref, &w, &err) == 0) {
-        size_t want = 9 * LAYERS + 2 + !tie;
+        size_t want = (tie ? 12 : 9) * LAYERS + 2 + !tie; /* Qwen2: 3 biases per layer */
         check(r, am_ckpt_count(d) == want && am_ckpt_count(w) == want, "%zu tensors saved, %zu by one rank, want %zu",
               am_ckpt_count(d), am_ckpt_count(w), want);
         for (size_t i = 0; i < am_ckpt_count(w); i++) { /* the same names, shapes and bits */
@@ -234,6 +260,7 @@ static void run_case(struct run *r, bool tie, bool perturb)
     if (!check(r, am_model_init(&m, &cfg, &sh, &r->dev, r->tpc, r->ppc, 1, 4, msg, sizeof(msg)) == 0, "%s", msg))
         return;
     am_model_init_weights(&m, SEED);
+    fill_biases(&m);
     if (perturb && r->rank == r->size - 1) { /* the test of the test */
         float *h = download(&m, &m.params[1]);
         h[0] += 1.0f;

@@ -3,7 +3,7 @@
 # and pp (am_model_save_hf_dist, run by tests/ckpt/save_dist_check under the standalone
 # launcher) equals one rank's save of the same model bit for bit and loads back into the
 # shards, for tp x pp in 2x1, 1x2, 2x2, 4x1, 1x4, 4x2 and an interleaved 2x2 with two stages
-# per pp rank, tied and untied. Then the test of the test: one rank changes an element of its
+# per pp rank, an untied Llama and a tied Qwen2 (q, k, v biases split with their rows). Then the test of the test: one rank changes an element of its
 # shard before saving, and the check must fail. Fails, never skips.
 set -u
 B=${AM_BUILDDIR:-$(pwd)}

@@ -289,12 +289,27 @@ static void test_save_single_and_config(void **state)
     assert_string_equal(json_string_value(json_array_get(lt, 0)), "full_attention");
     assert_string_equal(json_string_value(json_array_get(lt, (size_t)m.num_hidden_layers - 1)), "sliding_attention");
     json_decref(cfg);
+    /* qwen2: the same window keys; no attention_bias (Qwen2Config has none: the biases are fixed) */
+    m.model_type = "qwen2";
+    text = am_ckpt_config_json(&m, NULL, &err);
+    assert_non_null(text);
+    cfg = json_loads(text, 0, &je);
+    free(text);
+    assert_string_equal(json_string_value(json_array_get(json_object_get(cfg, "architectures"), 0)),
+                        "Qwen2ForCausalLM");
+    assert_null(json_object_get(cfg, "attention_bias"));
+    assert_true(json_is_true(json_object_get(cfg, "use_sliding_window")));
+    assert_int_equal(json_integer_value(json_object_get(cfg, "max_window_layers")), m.num_hidden_layers - 1);
+    lt = json_object_get(cfg, "layer_types");
+    assert_int_equal(json_array_size(lt), (size_t)m.num_hidden_layers);
+    assert_string_equal(json_string_value(json_array_get(lt, (size_t)m.num_hidden_layers - 1)), "sliding_attention");
+    json_decref(cfg);
     m.sliding_window = 0;
     m.window_layers[0] = 0;
     m.model_type = "gpt2";
     assert_null(am_ckpt_config_json(&m, NULL, &err));
     expect_error(&err, "config.json: model_type 'gpt2' has no transformers class am knows (llama, mistral, mixtral, "
-                 "qwen3, qwen3_moe)");
+                 "qwen2, qwen3, qwen3_moe)");
     free_weights(&w);
     rm_tree(parent);
 }

@@ -2,7 +2,8 @@
 """Golden reference generator for am (the ONLY Python in the project).
 
 Builds tiny random Hugging Face models (LlamaForCausalLM, MixtralForCausalLM,
-Qwen3ForCausalLM with its per-head q/k norms, MistralForCausalLM with a sliding window) with fixed
+Qwen2ForCausalLM with its q, k, v biases, Qwen3ForCausalLM with its per-head q/k norms,
+MistralForCausalLM with a sliding window) with fixed
 seeds, saves each as a Hugging Face directory under tests/golden/models/<case>/ and records
 what transformers computes on a fixed batch into tests/golden/models/<case>/golden.safetensors:
 logits, loss, the gradient of every parameter, the losses of 5 AdamW steps (without and with
@@ -47,8 +48,8 @@ import safetensors
 import transformers
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from transformers import (AutoConfig, AutoModelForCausalLM, LlamaConfig, MistralConfig, MixtralConfig, Qwen3Config,
-                          Qwen3MoeConfig)
+from transformers import (AutoConfig, AutoModelForCausalLM, LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config,
+                          Qwen3Config, Qwen3MoeConfig)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODELS = os.path.join(HERE, "models")
@@ -60,12 +61,14 @@ CLIP_MAX_NORM = 1.0
 LOGITS_TOL = 1e-5  # --check-am-export tolerance (max abs diff of logits)
 SDPA_TOL = 1e-6    # eager vs sdpa (must agree to be sure the golden does not depend on it)
 NORM_PERTURB = 0.1  # RMSNorm weights: 1 + NORM_PERTURB * N(0,1) (see README: sensitivity)
+BIAS_PERTURB = 0.1  # Qwen2's q, k, v biases (transformers initialises them to 0): BIAS_PERTURB * N(0,1)
 MIN_ROUTER_MARGIN = 1e-4  # Mixtral: 2nd vs 3rd router probability must differ by at least this
 # The float32 golden must be this close to the same computation in float64 (the generator
 # refuses a case otherwise), so that the tolerances recommended in README.md keep >= 5x headroom
 # for a float32 implementation that rounds differently.
 CONDITIONING = dict(logits_max_abs=1e-6, loss_abs=1e-6, grad_max_rel=2e-6,
-                    losses_adamw_max_abs=2e-6, losses_adamw_clip_max_abs=2e-6, final_max_abs=1e-5)
+                    losses_adamw_max_abs=2e-6, losses_adamw_clip_max_abs=2e-6, final_max_abs=1e-5,
+                    grad_norms_adamw_max_rel=2e-6, grad_norms_adamw_clip_max_rel=2e-6)
 
 LLAMA_BASE = dict(
     vocab_size=128,
@@ -97,6 +100,10 @@ LLAMA_BASE = dict(
 # were ill-conditioned. qwen3_moe_tiny (model_seed 1008 -> 1018): 1008 left clipping inactive in the
 # last step; with 6 experts instead of 4, seeds 1008-1218 each had a near-tie in routing, a zero
 # gradient (an expert no token chose) or sdpa/grouped_mm vs eager gradients 1.0-1.3e-6 apart.
+# qwen2_tiny (model_seed 1009 -> 1059): 1009 and 1029 were ill-conditioned, 1019 and 1039 had sdpa vs
+# eager gradients 1.1-1.8e-6 apart, 1049's unclipped grad norms were 2.0e-5 from float64's (the check
+# on grad norms was added then: every earlier case passes it). qwen2_window (1010 -> 1080): 1020, 1040, 1060 left clipping
+# inactive in a step, 1030 and 1050 were ill-conditioned, 1070 had sdpa vs eager gradients 1.08e-6 apart.
 #
 # config_format: "v5" keeps config.json as transformers 5 writes it (rope in "rope_parameters");
 # "legacy" rewrites it the way most checkpoints on the hub are written (top-level "rope_theta"
@@ -217,6 +224,55 @@ CASES = {
             pad_token_id=None,
         ),
     ),
+    # Qwen2: a bias on the q, k and v projections (none on o), GQA, untied; the biases drawn
+    # from BIAS_PERTURB * N(0,1) (transformers zeroes them), so a C side that ignored one fails.
+    "qwen2_tiny": dict(
+        arch="qwen2", seq=16, model_seed=1059, data_seed=2009, config_format="v5",
+        config=dict(
+            vocab_size=128,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+            rope_theta=1000000.0,
+            rms_norm_eps=1e-5,
+            max_position_embeddings=64,
+            initializer_range=0.02,
+            hidden_act="silu",
+            use_sliding_window=False,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=None,
+        ),
+    ),
+    # Qwen2 tied, multi-head (4 kv heads), with use_sliding_window: sliding_window 7 from layer
+    # max_window_layers 1 on (layer 0 full, layer 1 windowed: transformers writes layer_types),
+    # in the legacy config format (rope_theta at the top).
+    "qwen2_window": dict(
+        arch="qwen2", seq=32, model_seed=1080, data_seed=2010, config_format="legacy",
+        config=dict(
+            vocab_size=128,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            tie_word_embeddings=True,
+            rope_theta=1000000.0,
+            rms_norm_eps=1e-5,
+            max_position_embeddings=64,
+            initializer_range=0.02,
+            hidden_act="silu",
+            use_sliding_window=True,
+            sliding_window=7,
+            max_window_layers=1,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=None,
+        ),
+    ),
     # Mistral with a sliding window of 7 keys on a sequence of 32: the query at position t sees
     # the keys t - 7 < j <= t (transformers' sliding_window_overlay: kv_idx > q_idx - window).
     "mistral_window": dict(
@@ -280,7 +336,7 @@ def setup_torch():
 def make_config(case):
     spec = CASES[case]
     cfg = dict(spec["config"])
-    return dict(llama=LlamaConfig, mixtral=MixtralConfig, qwen3=Qwen3Config, mistral=MistralConfig,
+    return dict(llama=LlamaConfig, mixtral=MixtralConfig, qwen2=Qwen2Config, qwen3=Qwen3Config, mistral=MistralConfig,
                 qwen3_moe=Qwen3MoeConfig)[spec["arch"]](**cfg)
 
 
@@ -320,6 +376,8 @@ def make_model(case):
         for name, p in model.named_parameters():
             if name.endswith(("layernorm.weight", "q_norm.weight", "k_norm.weight")) or name == "model.norm.weight":
                 p.copy_(1.0 + NORM_PERTURB * torch.randn(p.shape, generator=g))
+            elif name.endswith(".bias"):  # Qwen2's q, k, v biases
+                p.copy_(BIAS_PERTURB * torch.randn(p.shape, generator=g))
     model.eval()  # no dropout anywhere (all dropouts are 0 anyway); training flag irrelevant
     return model
 
@@ -514,7 +572,7 @@ def ref_window(cfg, layer):
     """The sliding window of a layer as README states it (None: plain causal)."""
     if isinstance(cfg, (MistralConfig, MixtralConfig)):
         return cfg.sliding_window
-    if isinstance(cfg, Qwen3Config) and cfg.layer_types[layer] == "sliding_attention":
+    if isinstance(cfg, (Qwen2Config, Qwen3Config)) and cfg.layer_types[layer] == "sliding_attention":
         return cfg.sliding_window
     return None
 
@@ -540,9 +598,13 @@ def ref_forward(W, cfg, ids):
     for layer in range(cfg.num_hidden_layers):
         p = f"model.layers.{layer}."
         h = rms(x, W[p + "input_layernorm.weight"])
-        q = (h @ W[p + "self_attn.q_proj.weight"].T).view(B, T, nh, hd)
-        k = (h @ W[p + "self_attn.k_proj.weight"].T).view(B, T, nkv, hd)
-        v = (h @ W[p + "self_attn.v_proj.weight"].T).view(B, T, nkv, hd)
+        def proj(name, heads):  # x · wᵀ (+ b: Qwen2's q, k, v)
+            y = h @ W[p + f"self_attn.{name}.weight"].T
+            if p + f"self_attn.{name}.bias" in W:
+                y = y + W[p + f"self_attn.{name}.bias"]
+            return y.view(B, T, heads, hd)
+
+        q, k, v = proj("q_proj", nh), proj("k_proj", nkv), proj("v_proj", nkv)
         if p + "self_attn.q_norm.weight" in W:  # Qwen3: RMSNorm over each head of q and k, before rope
             q, k = rms(q, W[p + "self_attn.q_norm.weight"]), rms(k, W[p + "self_attn.k_norm.weight"])
         q, k = rot(q, cos[:, None], sin[:, None]), rot(k, cos[:, None], sin[:, None])
@@ -716,7 +778,9 @@ def generate(case):
     if getattr(cfg, "sliding_window", None):  # the window must matter: the same model without it differs
         with torch.no_grad():
             m_nowin = copy.deepcopy(model)
-            m_nowin.config.sliding_window = None
+            # (qwen2, qwen3: layer_types still names the windowed layers, whose mask needs a
+            # window: one longer than the sequence is none)
+            m_nowin.config.sliding_window = 1 << 20 if spec["arch"] in ("qwen2", "qwen3") else None
             for layer in m_nowin.model.layers:
                 layer.self_attn.sliding_window = None
             sens["logits_change_without_sliding_window"] = max_abs(m_nowin(input_ids=ids).logits, res["logits"])
@@ -731,6 +795,15 @@ def generate(case):
             sens["logits_change_without_qk_norm"] = max_abs(m_nonorm(input_ids=ids).logits, res["logits"])
             del m_nonorm
         assert sens["logits_change_without_qk_norm"] > 1e-3, sens
+    if spec["arch"] == "qwen2":  # and the q, k, v biases: the same model with zero biases differs
+        with torch.no_grad():
+            m_nobias = copy.deepcopy(model)
+            for name, prm in m_nobias.named_parameters():
+                if name.endswith(".bias"):
+                    prm.zero_()
+            sens["logits_change_without_bias"] = max_abs(m_nobias(input_ids=ids).logits, res["logits"])
+            del m_nobias
+        assert sens["logits_change_without_bias"] > 1e-3, sens
     if case == "llama3_scaling":
         with torch.no_grad():
             m_plain = copy.deepcopy(model)
@@ -780,6 +853,8 @@ def generate(case):
         l64, n64, _ = train(m64, ids, clip, own_loss=True)
         key = "losses_adamw_clip_max_abs" if clip else "losses_adamw_max_abs"
         fp64[key] = max(abs(a - b) for a, b in zip(series[clip][0], l64))
+        fp64[key.replace("losses", "grad_norms").replace("_abs", "_rel")] = max(
+            abs(a - b) / b for a, b in zip(series[clip][1], n64))
         if clip:
             p64 = to_checkpoint_names(m64, {n: p.detach().clone() for n, p in m64.named_parameters()})
             fp64["final_max_abs"] = max(max_abs(v, p64[k[len("final."):]]) for k, v in finals.items())

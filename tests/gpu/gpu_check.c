@@ -362,6 +362,25 @@ static void case_swiglu(enum am_dtype dt)
     pair_free(&du);
 }
 
+/* The bias of a linear layer: y += b, and db += Σ over rows of dy (a column summed in order on
+ * both devices). */
+static void case_bias(enum am_dtype dt)
+{
+    bool bf = dt == AM_BF16;
+    int64_t M = 500, N = 300;
+    struct pair y = rnd(dt, M, N, 0, 0), b = rnd(dt, N, 0, 0, 0), dy = rnd(dt, M, N, 0, 0), db = rnd(dt, N, 0, 0, 0);
+    KC->bias_forward(&cpu, &y.c, &b.c);
+    KG->bias_forward(&gpu, &y.g, &b.g);
+    check("bias_forward", &y, bf);
+    KC->bias_backward(&cpu, &db.c, &dy.c);
+    KG->bias_backward(&gpu, &db.g, &dy.g);
+    check("bias_backward", &db, bf);
+    pair_free(&y);
+    pair_free(&b);
+    pair_free(&dy);
+    pair_free(&db);
+}
+
 /* The mixture of experts' kernels on both devices from the same inputs: the router (probs,
  * weights, the choice itself exactly), the plan (exactly: a stable sort), the permutation
  * (exactly), the grouped GEMMs, the combination and every backward, and the aux statistics.
@@ -841,6 +860,8 @@ int main(void)
     case_rope(AM_BF16, AM_BF16);
     case_swiglu(AM_F32);
     case_swiglu(AM_BF16);
+    case_bias(AM_F32);
+    case_bias(AM_BF16);
     case_moe(AM_F32);
     case_moe(AM_BF16);
     /* attention: GQA and MHA, head sizes 64 and 128 (and, on the own kernels, 20, 96 and

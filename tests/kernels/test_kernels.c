@@ -1172,6 +1172,54 @@ static void test_attention(void **state)
 
 /* ---- SwiGLU ---- */
 
+/* The bias: y += b exactly (one fp32 addition per element, bit for bit), db += Σ_i dy[i, :]
+ * within the fp32 summation's bound (M u Σ|dy| per column) of the double sum, and the same
+ * bits with one thread as with all of them (each column summed over the rows in order). */
+static void test_bias(void **state)
+{
+    (void)state;
+    struct rng r = {71};
+    int64_t cases[][2] = {{1, 1}, {7, 13}, {300, 600}}; /* M, N: the last runs in parallel */
+    for (size_t c = 0; c < sizeof cases / sizeof *cases; c++) {
+        int64_t M = cases[c][0], N = cases[c][1];
+        struct arr y = arr_rand(&r, M * N, -1, 1), b = arr_rand(&r, N, -1, 1);
+        struct am_tensor ty = tview(&y, M, N, 0, 0), tb = tview(&b, N, 0, 0, 0);
+        K->bias_forward(&kdev, &ty, &tb);
+        for (int64_t i = 0; i < M * N; i++) {
+            float want = (float)y.d[i] + (float)b.d[i % N];
+            if (memcmp(&y.f[i], &want, 4) != 0) {
+                print_error("bias forward [%lld]: got %.9g want %.9g\n", (long long)i, (double)y.f[i], (double)want);
+                fail();
+            }
+        }
+        struct arr dy = arr_rand(&r, M * N, -1, 1), db = arr_rand(&r, N, -1, 1);
+        struct arr db1 = arr_copy(&db);
+        double *want = dalloc(N), *tol = dalloc(N);
+        for (int64_t j = 0; j < N; j++) {
+            double sum = 0, mag = 0;
+            for (int64_t i = 0; i < M; i++) {
+                sum += dy.d[i * N + j];
+                mag += fabs(dy.d[i * N + j]);
+            }
+            want[j] = db.d[j] + sum;
+            tol[j] = (double)(M + 1) * U * (mag + fabs(db.d[j])) + U * fabs(want[j]);
+        }
+        struct am_tensor tdy = tview(&dy, M, N, 0, 0), tdb = tview(&db, N, 0, 0, 0), tdb1 = tview(&db1, N, 0, 0, 0);
+        K->bias_backward(&kdev, &tdb, &tdy);
+        expect_close("bias backward", db.f, want, tol, N);
+        int threads = omp_get_max_threads();
+        omp_set_num_threads(1);
+        K->bias_backward(&kdev, &tdb1, &tdy);
+        omp_set_num_threads(threads);
+        expect_bitwise("bias backward, 1 thread against all", db1.f, db.f, N);
+        free(want);
+        free(tol);
+        struct arr *all[] = {&y, &b, &dy, &db, &db1};
+        for (size_t i = 0; i < sizeof all / sizeof *all; i++)
+            arr_free(all[i]);
+    }
+}
+
 struct swiglu_ctx {
     double *g, *u, *R;
     int64_t n;
@@ -2427,6 +2475,33 @@ static void test_bf16_swiglu(void **state)
     }
 }
 
+static void test_bf16_bias(void **state)
+{
+    (void)state;
+    struct rng r = {137};
+    int64_t M = 300, N = 600;
+    struct bt y = bt_rand(&r, M * N, -1, 1), b = bt_rand(&r, N, -1, 1);
+    struct am_tensor ty = hv(&y, M, N, 0, 0), tb = hv(&b, N, 0, 0, 0);
+    struct am_tensor tyf = fv(&y, M, N, 0, 0), tbf = fv(&b, N, 0, 0, 0);
+    K->bias_forward(&kdev, &ty, &tb);
+    K->bias_forward(&kdev, &tyf, &tbf);
+    expect_bf16("bf16 bias y", y.h, y.f, M * N);
+    struct bt dy = bt_rand(&r, M * N, -1, 1), db = bt_rand(&r, N, -1, 1);
+    float *dbm = malloc((size_t)N * 4);
+    memcpy(dbm, db.f, (size_t)N * 4);
+    struct am_tensor tdy = hv(&dy, M, N, 0, 0), tdb = hv(&db, N, 0, 0, 0), tdbm = f32v(dbm, N, 0, 0, 0);
+    struct am_tensor tdyf = fv(&dy, M, N, 0, 0), tdbf = fv(&db, N, 0, 0, 0);
+    K->bias_backward(&kdev, &tdb, &tdy);
+    K->bias_backward(&kdev, &tdbm, &tdy); /* mixed: f32 db, bf16 dy */
+    K->bias_backward(&kdev, &tdbf, &tdyf);
+    expect_bf16("bf16 bias db (bf16)", db.h, db.f, N);
+    expect_mixed("bf16 bias db (f32, mixed)", dbm, db.f, N);
+    free(dbm);
+    struct bt *all[] = {&y, &b, &dy, &db};
+    for (size_t i = 0; i < sizeof all / sizeof *all; i++)
+        bt_free(all[i]);
+}
+
 static void test_bf16_cross_entropy(void **state)
 {
     (void)state;
@@ -2667,11 +2742,12 @@ int main(void)
         cmocka_unit_test(test_expf), cmocka_unit_test(test_memory),        cmocka_unit_test(test_elementwise), cmocka_unit_test(test_scalars_and_convert), cmocka_unit_test(test_matmul),
         cmocka_unit_test(test_embedding),     cmocka_unit_test(test_rmsnorm),     cmocka_unit_test(test_rope_tables),
         cmocka_unit_test(test_rope),          cmocka_unit_test(test_attention),   cmocka_unit_test(test_swiglu),
+        cmocka_unit_test(test_bias),
         cmocka_unit_test(test_moe_route), cmocka_unit_test(test_moe_dispatch),
         cmocka_unit_test(test_cross_entropy), cmocka_unit_test(test_adamw),       cmocka_unit_test(test_adamw_multi), cmocka_unit_test(test_bad_shape_aborts),
         cmocka_unit_test(test_bf16_elementwise), cmocka_unit_test(test_bf16_matmul), cmocka_unit_test(test_bf16_embedding),
         cmocka_unit_test(test_bf16_rmsnorm), cmocka_unit_test(test_bf16_rope), cmocka_unit_test(test_bf16_attention),
-        cmocka_unit_test(test_bf16_swiglu), cmocka_unit_test(test_bf16_cross_entropy),
+        cmocka_unit_test(test_bf16_swiglu), cmocka_unit_test(test_bf16_bias), cmocka_unit_test(test_bf16_cross_entropy),
         cmocka_unit_test(test_bf16_bad_dtype_aborts), cmocka_unit_test(test_cuda_context),
     };
     return cmocka_run_group_tests_name("kernels (cpu)", tests, setup, NULL);

@@ -15,7 +15,10 @@
 #   the other architectures at tp 2 x pp 2 (with and without sequence parallelism) against
 #   their own one rank: Qwen3 (per-head q/k norms, whose weights every tp rank holds and whose
 #   gradients are summed over tp; head_dim 32, so heads * head_dim is twice hidden_size) and
-#   Mistral (a sliding window of 24 on sequences of 64);
+#   Mistral (a sliding window of 24 on sequences of 64); Qwen2 (q, k, v biases split over tp with
+#   their rows; at tp 4 each of the 2 kv heads' biases is held by 2 ranks and its gradient summed)
+#   at tp 2 x pp 2 (and with sequence parallelism and activation checkpointing), tp 4, dp 2
+#   (fsdp2: the biases in their layer's flat shards) and tp 2 x pp 2 x dp 2 interleaved;
 #   a mixture of experts (Mixtral's layers: 4 experts, top 2; experts replicated over tp) at
 #   dp 2 and dp 4 with activation checkpointing, with ddp and with fsdp2 (each layer's experts
 #   a group of their own, gathered with the layer), fsdp2 at tp 2 x dp 2 and with
@@ -83,6 +86,7 @@ recipe() { # NAME MODS: base.yaml with comma-separated changes, its checkpoints 
         keep) args+=(-e 's/strategy: fsdp2/strategy: fsdp2\n  reshard_after_forward: false/') ;;
         lb2) args+=(-e 's/local_batch_size: .*/local_batch_size: 2/') ;;
         qwen3) args+=(-e 's/model_type: llama/model_type: qwen3\n  head_dim: 32/') ;;
+        qwen2) args+=(-e 's/model_type: llama/model_type: qwen2/') ;;
         mistral) args+=(-e 's/model_type: llama/model_type: mistral\n  sliding_window: 24/') ;;
         moe) args+=(-e 's/model_type: llama/model_type: mixtral\n  num_local_experts: 4\n  num_experts_per_tok: 2/') ;;
         qmoe) args+=(-e 's/model_type: llama/model_type: qwen3_moe\n  num_experts: 4\n  num_experts_per_tok: 2\n  moe_intermediate_size: 64\n  norm_topk_prob: true\n  mlp_only_layers: [1]/') ;;
@@ -137,7 +141,7 @@ run() { # NAME N MODS [VAR=VALUE...]: N ranks, with the plugin's AM_TP-style ove
         >"$work/out-$name" 2>&1)
 }
 
-for ref in "ref -" "ref-tied tied" "ref-qwen3 qwen3" "ref-mistral mistral" "ref-bf16 bf16" "ref-moe moe" "ref-moe-aux moe,aux" "ref-qmoe qmoe"; do
+for ref in "ref -" "ref-tied tied" "ref-qwen3 qwen3" "ref-qwen2 qwen2" "ref-mistral mistral" "ref-bf16 bf16" "ref-moe moe" "ref-moe-aux moe,aux" "ref-qmoe qmoe"; do
     set -- $ref
     run "$1" 1 "$2" || { echo "FAIL: $1 (1 rank) did not train"; cat "$work/out-$1"; exit 1; }
     losses "$work/logs-$1" >"$work/$1"
@@ -180,6 +184,8 @@ layouts+=("ac 1 ac ref" "pp2-tied 2 tied ref-tied AM_PP=2" "pp4-tied-gpipe 4 tie
     "pp2-il-m1 2 il,mb4 ref AM_PP=2" "dp2-pp2-il-m1-ac 4 il,mb4,ac ref AM_PP=2"
     "tp2-pp2-tied-il-m1 4 tied,il,mb4 ref-tied AM_TP=2 AM_PP=2"
     "tp2-pp2-qwen3 4 qwen3 ref-qwen3 AM_TP=2 AM_PP=2" "tp2-pp2-qwen3-sp 4 qwen3,sp ref-qwen3 AM_TP=2 AM_PP=2"
+    "tp2-pp2-qwen2 4 qwen2 ref-qwen2 AM_TP=2 AM_PP=2" "tp2-pp2-qwen2-sp-ac 4 qwen2,sp,ac ref-qwen2 AM_TP=2 AM_PP=2"
+    "tp4-qwen2 4 qwen2 ref-qwen2 AM_TP=4" "dp2-qwen2 2 qwen2 ref-qwen2" "tp2-pp2-dp2-qwen2-il 8 qwen2,il ref-qwen2 AM_TP=2 AM_PP=2"
     "tp2-pp2-mistral 4 mistral ref-mistral AM_TP=2 AM_PP=2" "tp2-pp2-mistral-sp 4 mistral,sp ref-mistral AM_TP=2 AM_PP=2"
     "dp2-moe 2 moe,ddp ref-moe" "dp4-moe-ac 4 moe,ddp,ac ref-moe" "ac-moe-aux 1 moe,aux,ac ref-moe-aux"
     "tp2-moe-aux 2 moe,aux ref-moe-aux AM_TP=2" "mfsdp-z2-dp2-moe 2 moe,mz2 ref-moe"
@@ -247,7 +253,7 @@ done
 # (bf16: the fp32 masters and their bf16 copy; the gradients and their bf16 copy for the
 # reduction over dp 2)
 if [ -z "${AM_PARITY_ONLY:-}" ]; then
-    for name in ref ref-bf16 dp2-bf16 ref-moe; do
+    for name in ref ref-bf16 dp2-bf16 ref-moe ref-qwen2; do
         n=1
         [ "$name" = dp2-bf16 ] && n=2
         want=$("$AM_BUILDDIR/am-plan" "$work/$name.yaml" --gpus-per-node "$n" --json |
@@ -273,7 +279,7 @@ plan_of() { # NAME RANKS [--set ...]: "weights grads optimizer gathered" from am
 if [ -z "${AM_PARITY_ONLY:-}" ]; then
     for layout in "tp1-pp1-dp2-1f1b 2" "tp1-pp1-dp4-1f1b 4" "dp8 8" "dp8-ac 8" "dp2-bf16 2" "dp4-rbf16 4" \
         "dp8-bf16-ac 8" "dp2-tied 2" "dp2-keep 2" "hsdp-dp4 4" "hsdp-dp4-rbf16 4" "mfsdp-z1-dp2-rbf16 2" "mfsdp-z2-dp2-rbf16 2" \
-        "mfsdp-z3-dp4 4" "mfsdp-z2-tp2-dp2 4 --set distributed.tp_size=2" "tp2-pp1-dp2-1f1b-sp 4 --set distributed.tp_size=2 --set distributed.sequence_parallel=true" \
+        "mfsdp-z3-dp4 4" "dp2-qwen2 2" "mfsdp-z2-tp2-dp2 4 --set distributed.tp_size=2" "tp2-pp1-dp2-1f1b-sp 4 --set distributed.tp_size=2 --set distributed.sequence_parallel=true" \
         "ep2-dp4-moe 4 --set distributed.ep_size=2" "ep4-dp8-moe 8 --set distributed.ep_size=4" \
         "tp2-dp4-ep2-moe 8 --set distributed.tp_size=2 --set distributed.ep_size=2"; do
         set -- $layout

@@ -496,6 +496,8 @@ CASE(llama_gqa)
 CASE(llama_tied)
 CASE(llama3_scaling)
 CASE(llama_tp)
+CASE(qwen2_tiny)
+CASE(qwen2_window)
 CASE(qwen3_tiny)
 CASE(mistral_window)
 CASE_FP32(mixtral_tiny) /* no bf16 golden: make_bf16_golden.py says why */
@@ -509,6 +511,7 @@ CASE(qwen3_moe_tiny)
 int main(void)
 {
     const struct CMUnitTest tests[] = {TESTS(llama_gqa), TESTS(llama_tied), TESTS(llama3_scaling), TESTS(llama_tp),
+                                       TESTS(qwen2_tiny),     TESTS(qwen2_window),
                                        TESTS(qwen3_tiny),     TESTS(mistral_window),
                                        /* mixtures of experts (mixtral_tiny without bf16) */
                                        TESTS_FP32(mixtral_tiny), TESTS(qwen3_moe_tiny),
@@ -516,6 +519,7 @@ int main(void)
     /* on a GPU (AM_GOLDEN_DEVICE=cuda): the bf16 cases, the models in device memory */
     const struct CMUnitTest gpu[] = {cmocka_unit_test(test_llama_gqa_bf16),       cmocka_unit_test(test_llama_tied_bf16),
                                      cmocka_unit_test(test_llama3_scaling_bf16),  cmocka_unit_test(test_llama_tp_bf16),
+                                     cmocka_unit_test(test_qwen2_tiny_bf16),      cmocka_unit_test(test_qwen2_window_bf16),
                                      cmocka_unit_test(test_qwen3_tiny_bf16),      cmocka_unit_test(test_mistral_window_bf16),
                                      cmocka_unit_test(test_qwen3_moe_tiny_bf16)};
     if (golden_device() == AM_DEV_CUDA)

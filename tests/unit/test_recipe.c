@@ -344,23 +344,23 @@ static void test_model_rules(void **state)
 {
     (void)state;
     expect("model:\n  model_type: gpt2\n  hidden_size: 64\n", NULL,
-           MSGS("r.yaml:2:15: model.model_type: 'gpt2' is not supported (supported: llama, mistral, mixtral, qwen3, "
-                "qwen3_moe)"));
+           MSGS("r.yaml:2:15: model.model_type: 'gpt2' is not supported (supported: llama, mistral, mixtral, qwen2, "
+                "qwen3, qwen3_moe)"));
     /* the architecture first and alone, not the keys of a config am does not build */
-    expect("model:\n  model_type: qwen2\n  hidden_act: gelu\n  attention_bias: true\n  rope_scaling:\n"
+    expect("model:\n  model_type: phi3\n  hidden_act: gelu\n  attention_bias: true\n  rope_scaling:\n"
            "    rope_type: yarn\n    factor: 4\n", NULL,
-           MSGS("r.yaml:2:15: model.model_type: 'qwen2' is not supported (supported: llama, mistral, mixtral, qwen3, "
-                "qwen3_moe)"));
+           MSGS("r.yaml:2:15: model.model_type: 'phi3' is not supported (supported: llama, mistral, mixtral, qwen2, "
+                "qwen3, qwen3_moe)"));
     expect("model:\n  architectures: [Glm4MoeForCausalLM]\n  first_k_dense_replace: 1\n", NULL,
            MSGS("r.yaml:2:19: model.architectures: 'Glm4MoeForCausalLM' is not an architecture am builds (supported: "
-                "llama, mistral, mixtral, qwen3, qwen3_moe)"));
+                "llama, mistral, mixtral, qwen2, qwen3, qwen3_moe)"));
     expect("model:\n  config:\n    _target_: nemo_automodel.components.models.deepseek_v4.config.DeepseekV4Config\n"
            "    num_nextn_predict_layers: 0\n", NULL,
            MSGS("r.yaml:3:15: model.config._target_: 'DeepseekV4Config' is not an architecture am builds (supported: "
-                "llama, mistral, mixtral, qwen3, qwen3_moe)"));
+                "llama, mistral, mixtral, qwen2, qwen3, qwen3_moe)"));
     expect("model:\n  config:\n    _target_: pkg.models.glm4_moe.Glm4MoeConfig.from_pretrained\n", NULL,
            MSGS("r.yaml:3:15: model.config._target_: 'Glm4MoeConfig' is not an architecture am builds (supported: "
-                "llama, mistral, mixtral, qwen3, qwen3_moe)"));
+                "llama, mistral, mixtral, qwen2, qwen3, qwen3_moe)"));
     expect("model:\n  config:\n    _target_: transformers.Qwen3MoeConfig\n    hidden_size: 64\n"
            "    num_hidden_layers: 2\n    num_attention_heads: 2\n    intermediate_size: 128\n    vocab_size: 64\n",
            NULL, MSGS("r.yaml: model.config.num_experts: missing (a qwen3_moe model has experts)"));
@@ -395,6 +395,10 @@ static void test_model_rules(void **state)
     expect("model:\n  model_type: qwen3\n" DENSE "  attention_bias: true\n", NULL,
            MSGS("r.yaml:8:19: model.attention_bias: true is not supported by am (its layers have no bias terms: train "
                 "a model without them, attention_bias false)"));
+    /* qwen2: Qwen2Config reads neither attention_bias nor mlp_bias (q, k, v always have biases) */
+    expect("model:\n  model_type: qwen2\n" DENSE "  attention_bias: false\n  mlp_bias: true\n", NULL, NONE);
+    expect("model:\n  architectures: [Qwen2ForCausalLM]\n" DENSE "  attention_bias: true\n  hidden_act: gelu\n", NULL,
+           MSGS("r.yaml:9:15: model.hidden_act: 'gelu' is not supported by am (Llama-style models use silu)"));
     expect("model:\n" DENSE "  attention_dropout: 0.1\n", NULL,
            MSGS("r.yaml:7:22: model.attention_dropout: 0.1 is not supported by am (it trains without dropout: set it "
                 "to 0.0)"));
@@ -466,7 +470,47 @@ static void test_model_windows(void **state)
     expect_windows("qwen3", "  use_sliding_window: true\n  sliding_window: 7\n  max_window_layers: 0\n"
                    "  layer_types: [sliding_attention, full_attention, sliding_attention]\n", "7 0 7");
     expect_windows("qwen3_moe", "  use_sliding_window: true\n  sliding_window: 5\n", "5 5 5");
+    /* qwen2 as qwen3 (Qwen2Config's keys and defaults) */
+    expect_windows("qwen2", "  sliding_window: 7\n", "0 0 0");
+    expect_windows("qwen2", "  use_sliding_window: true\n  sliding_window: 7\n", "0 0 0"); /* max_window_layers 28 */
+    expect_windows("qwen2", "  use_sliding_window: true\n  sliding_window: 7\n  max_window_layers: 1\n", "0 7 7");
+    expect_windows("qwen2", "  use_sliding_window: true\n  sliding_window: 7\n  max_window_layers: 0\n"
+                   "  layer_types: [sliding_attention, full_attention, sliding_attention]\n", "7 0 7");
     expect_windows("llama", "  sliding_window: null\n", "0 0 0");
+}
+
+/* qwen2 (from model_type or config.json's architectures): q, k, v biases counted, its
+ * attention_bias (which Qwen2Config does not read) listed as ignored. */
+static void test_model_qwen2(void **state)
+{
+    (void)state;
+    static const char *const yamls[] = {
+        "model:\n  model_type: qwen2\n  hidden_size: 64\n  num_hidden_layers: 2\n  num_attention_heads: 4\n"
+        "  num_key_value_heads: 2\n  vocab_size: 10\n  intermediate_size: 8\n  attention_bias: true\n",
+        "model:\n  architectures: [Qwen2ForCausalLM]\n  hidden_size: 64\n  num_hidden_layers: 2\n"
+        "  num_attention_heads: 4\n  num_key_value_heads: 2\n  vocab_size: 10\n  intermediate_size: 8\n"
+        "  attention_bias: true\n"};
+    for (int i = 0; i < 2; i++) {
+        struct am_errors err;
+        am_errors_init(&err);
+        struct am_recipe *r = parse_with("r.yaml", yamls[i], NULL, &err);
+        for (size_t k = 0; k < err.n; k++)
+            print_error("%s\n", err.msg[k]);
+        assert_int_equal(err.n, 0);
+        assert_string_equal(r->model.model_type, "qwen2");
+        assert_true(r->model.qkv_bias);
+        assert_false(r->model.qk_norm);
+        struct am_param_count pc;
+        am_model_params(&r->model, &pc);
+        /* q 64x64 + 64, k and v 32x64 + 32 each, o 64x64 */
+        assert_int_equal((long)pc.attn_per_layer, 64 * 64 + 64 + 2 * (32 * 64 + 32) + 64 * 64);
+        bool listed = false;
+        for (size_t k = 0; k < r->ignored.n; k++)
+            listed |= strcmp(r->ignored.v[k], "model.attention_bias") == 0;
+        assert_true(listed);
+        am_recipe_free(r);
+        am_errors_free(&err);
+    }
 }
 
 /* Which of 4 layers have experts ("1" each), as transformers builds them: Qwen3-MoE's
@@ -613,6 +657,26 @@ static void test_model_shipped_configs(void **state)
     am_model_params(&r->model, &pc);
     assert_float_equal(pc.total, 30532122624.0, 0); /* Qwen3-30B-A3B: 30.5B */
     am_recipe_free(r);
+
+    /* Qwen2.5 (qwen2): the q, k, v biases counted, as transformers counts its parameters */
+    static const struct {
+        const char *id;
+        double total;
+    } qwen25[] = {{"Qwen/Qwen2.5-0.5B", 494032768.0},
+                  {"Qwen/Qwen2.5-3B", 3085938688.0},
+                  {"Qwen/Qwen2.5-7B", 7615616512.0}};
+    for (size_t i = 0; i < sizeof(qwen25) / sizeof(qwen25[0]); i++) {
+        char y[128];
+        snprintf(y, sizeof(y), "model:\n  pretrained_model_name_or_path: %s\n", qwen25[i].id);
+        r = parse_with("r.yaml", y, NULL, &err);
+        assert_messages(&err, NONE);
+        assert_string_equal(r->model.model_type, "qwen2");
+        assert_true(r->model.qkv_bias);
+        assert_int_equal(r->model.sliding_window, 0); /* sliding_window given, use_sliding_window false */
+        am_model_params(&r->model, &pc);
+        assert_float_equal(pc.total, qwen25[i].total, 0);
+        am_recipe_free(r);
+    }
     am_errors_free(&err);
     default_env();
 }
@@ -725,7 +789,7 @@ int main(void)
         cmocka_unit_test(test_overrides),
         cmocka_unit_test(test_strategy_from_target),
         cmocka_unit_test(test_model_rules),
-        cmocka_unit_test(test_model_windows),
+        cmocka_unit_test(test_model_windows), cmocka_unit_test(test_model_qwen2),
         cmocka_unit_test(test_model_moe_layers),
         cmocka_unit_test(test_model_from_hf_cache),
         cmocka_unit_test(test_model_shipped_configs),
