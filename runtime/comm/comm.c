@@ -1,11 +1,13 @@
 /* comm.c - the generic front of the communicators (comm.h): argument checks, sequence
  * numbers, messages and host reductions; the backends do the communication
  * (comm_impl.h). */
+#include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "comm_impl.h"
 #include "util.h"
@@ -439,6 +441,24 @@ void am_comm_inject_stall(struct am_comm *c, uint64_t seq)
         c->stall_seq = seq;
 }
 
+void am_comm_inject_kill(struct am_comm *c, uint64_t seq)
+{
+    if (c)
+        c->kill_seq = seq;
+}
+
+/* am_comm_inject_kill: the process dies inside the call, a second after it began (so that the
+ * group's other ranks, which may be a little behind, are in the call too, waiting for it). */
+static int am_comm_die(void)
+{
+    struct timespec ts = {1, 0};
+    nanosleep(&ts, NULL);
+    raise(SIGKILL);
+    for (;;)
+        pause();
+    return -1;
+}
+
 double am_comm_ctx_busy_s(const struct am_comm_ctx *ctx)
 {
     return ctx ? ctx->busy_s : 0;
@@ -690,7 +710,8 @@ static int run_call(struct am_comm *c, struct am_comm_call *call)
         if (call->kind == AM_CALL_ISEND && reserve_pending(c) < 0)
             rc = -1;
         else
-            rc = collective && c->stall_seq == call->seq     ? am_comm_stall(c)
+            rc = collective && c->kill_seq == call->seq      ? am_comm_die()
+                 : collective && c->stall_seq == call->seq     ? am_comm_stall(c)
                  : call->kind == AM_CALL_STREAM_WAIT             ? c->ctx->ops->stream_wait(c)
                                                                  : c->ctx->ops->run(c, call);
         if (rc < 0)

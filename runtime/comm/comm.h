@@ -116,6 +116,11 @@ int am_comm_ctx_set_hosts(struct am_comm_ctx *ctx, const char *const *hosts, int
 void am_comm_ctx_abort(struct am_comm_ctx *ctx, const char *reason);
 int am_comm_ctx_aborted(const struct am_comm_ctx *ctx);
 void am_comm_inject_stall(struct am_comm *c, uint64_t seq);
+/* inject_kill: fault injection (AM_FAULT kind=kill-in-alltoall): the process sends itself
+ * SIGKILL inside the collective with sequence number seq on group c, a second after the call
+ * started (its flight entry open; the group's other ranks by then in the call too) and before
+ * any data moves, as a rank dying mid-exchange would. */
+void am_comm_inject_kill(struct am_comm *c, uint64_t seq);
 /* Seconds spent inside calls on the context so far (every group, every call, from its
  * start to its return): the trainer's per-step time in communication. For non-blocking
  * collectives only the calling thread's time counts: starting them, am_comm_test and the

@@ -167,6 +167,7 @@ struct am_comm {
     int timed_out;              /* the backend's last failure was a timeout */
     uint64_t flight_id;         /* the call in progress in the flight recorder, 0: none */
     uint64_t stall_seq;         /* am_comm_inject_stall: the collective that blocks, 0: none */
+    uint64_t kill_seq;          /* am_comm_inject_kill: the collective inside which the process dies, 0: none */
     void *be;                   /* the backend's per-group state */
     char err[AM_COMM_ERR_LEN];
     char first_err[AM_COMM_ERR_LEN];

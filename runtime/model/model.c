@@ -1188,11 +1188,13 @@ int am_model_grad_sumsq(struct am_model *m, char *err, size_t err_len)
         const struct am_param *p = &m->params[i];
         if (am_model_is_tied_copy(m, p))
             continue; /* the first stage counts the tied embedding */
-        m->K->sum_squares(m->dev, &m->scalars.sumsq, &p->g, (double)p->copies_in_tp);
+        /* summed over ep too: the experts' once each, the rest ep times, so counted 1 / ep each */
+        double ep = m->ep_comm && !am_moe_is_expert_param(m, p) ? (double)am_comm_size(m->ep_comm) : 1.0;
+        m->K->sum_squares(m->dev, &m->scalars.sumsq, &p->g, (double)p->copies_in_tp * ep);
     }
     /* comms reduce fp32: a relative 6e-8, far below any clipping threshold's use */
-    struct am_comm *groups[2] = {m->tp_comm, m->pp_comm};
-    return sum_scalar(m, &m->scalars.sumsq, &m->scalars.sumsq_f, groups, 2, &m->sumsq_reduced, err, err_len);
+    struct am_comm *groups[3] = {m->tp_comm, m->pp_comm, m->ep_comm};
+    return sum_scalar(m, &m->scalars.sumsq, &m->scalars.sumsq_f, groups, 3, &m->sumsq_reduced, err, err_len);
 }
 
 int am_model_grad_sumsq_shards(struct am_model *m, const float *shards, int rank, struct am_comm *dp, char *err,
@@ -1201,7 +1203,8 @@ int am_model_grad_sumsq_shards(struct am_model *m, const float *shards, int rank
     m->K->zero(m->dev, &m->scalars.sumsq);
     for (int g = 0; g < m->n_groups; g++) {
         const struct am_pgroup *G = &m->groups[g];
-        size_t lo = G->offset + (size_t)rank * G->shard_elems, hi = lo + G->shard_elems;
+        int r = G->shard_comm ? G->shard_rank : rank; /* experts: their own shard group's place */
+        size_t lo = G->offset + (size_t)r * G->shard_elems, hi = lo + G->shard_elems;
         for (int i = G->first; i < G->first + G->n; i++) {
             const struct am_param *p = &m->params[i];
             size_t a = (size_t)((const float *)p->g.data - (const float *)m->grad_mem);

@@ -87,6 +87,8 @@ struct am_model_shard {
     struct am_chunk chunks[AM_MAX_CHUNKS];
     bool first_stage, last_stage; /* chunk 0 starts with the embedding; the last chunk ends
                                      with the final norm, the head and the loss */
+    int ep, ep_rank;              /* expert parallelism: the MoE layers' experts split over ep
+                                     ranks (moe.h); 0 or 1: every expert here */
     enum am_dtype compute;        /* weights and activations in forward and backward: AM_F32
                                      (the default), or AM_BF16 (mixed precision: fp32 master
                                      weights and gradients, a bf16 copy of the weights) */
@@ -151,6 +153,10 @@ struct am_pgroup {
                                 final only after am_model_finish_tied, never signalled */
     enum am_shard shard;     /* set by the trainer (AM_SHARD_REPLICATED by default) */
     struct am_comm *comm;    /* the group it is reduced over; set by the trainer */
+    struct am_comm *shard_comm; /* sharded: the group its shard is one of (fsdp.h: dp_shard, or
+                                   the expert-data-parallel group for experts); set by the trainer */
+    int shard_rank;          /* this rank's place in shard_comm: its shard starts at
+                                shard_rank * shard_elems of the span */
 };
 
 /* The step's values the host reads (am_model_read_scalars). */
@@ -181,6 +187,7 @@ struct am_model {
     const struct am_kernels *K; /* dev->k */
     struct am_comm *tp_comm; /* NULL when tp = 1 */
     struct am_comm *pp_comm; /* NULL without pipeline parallelism: the tied embedding's two copies */
+    struct am_comm *ep_comm; /* the expert-parallel group (moe.h), set by the trainer; NULL at ep 1 */
 
     int64_t heads, kv_heads, head_dim, inter; /* this rank's shard */
     int64_t vocab_start, vocab_shard;

@@ -9,6 +9,7 @@
 #include <sys/stat.h>
 
 #include "checkpoint.h"
+#include "moe.h"
 #include "safetensors.h"
 
 int am_model_dir_has_weights(const char *dir)
@@ -61,6 +62,13 @@ struct wire_tensor {
 _Static_assert(sizeof(struct wire_tensor) % sizeof(int64_t) == 0, "a wire_tensor is sent as int64 elements");
 #define WIRE_I64 (sizeof(struct wire_tensor) / sizeof(int64_t))
 
+/* Expert parallelism: every expert of the model, gathered over ep into the host before the
+ * save (each ep rank holds E / ep of them); list entries -1 - j are these. */
+struct ep_tensor {
+    struct wire_tensor t;
+    const float *data;
+};
+
 /* A tensor of the whole model, on the writer: which pp rank holds it, at which index of its list. */
 struct save_tensor {
     struct wire_tensor t;
@@ -75,7 +83,10 @@ struct saver {
     char comm_err[AM_COMM_ERR_LEN]; /* the message of the communicator call that failed */
     const char *dir;
     int tp_size, tp_rank, pp_size, pp_rank;
-    int *which;      /* the parameters written, in model order: the rank's list */
+    int *which;      /* the parameters written, in model order: the rank's list (-1 - j: ep[j]) */
+    struct ep_tensor *ep; /* ep > 1: every expert's matrices, gathered */
+    int64_t n_ep;
+    float *ep_mem;
     int64_t n;       /* entries in it */
     int64_t *origin; /* (row0, col0) of list entry i on tp rank r at [2 * (r * n + i)] */
     int64_t *count;  /* writer: each pp rank's list length, -1 for a rank that could not take part */
@@ -100,12 +111,76 @@ static struct wire_tensor wire_of(const struct am_param *p)
     return t;
 }
 
+/* list entry i's tensor */
+static struct wire_tensor entry_wire(const struct saver *s, int64_t i)
+{
+    return s->which[i] >= 0 ? wire_of(&s->m->params[s->which[i]]) : s->ep[-1 - s->which[i]].t;
+}
+
+/* The experts of every MoE layer gathered over ep (collective over ep: all its ranks): for
+ * each layer and kind, the ep ranks' El consecutive matrices, back to back in rank order, are
+ * the E experts in global order. */
+static int gather_experts(struct saver *s, struct am_comm *ep, struct am_errors *err)
+{
+    const struct am_model *m = s->m;
+    int n = am_comm_size(ep);
+    int64_t E = m->cfg.num_experts, El = E / n, total = 0, per = 0;
+    for (int l = 0; l < m->n_layers; l++)
+        if (m->layers[l].moe) {
+            const struct am_moe_layer *X = m->layers[l].moe;
+            per = am_tensor_numel(&X->w1->w) + am_tensor_numel(&X->w3->w) + am_tensor_numel(&X->w2->w);
+            total += per * E;
+            s->n_ep += 3 * E;
+        }
+    s->ep_mem = malloc((size_t)(total + 1) * sizeof(float));
+    s->ep = calloc((size_t)s->n_ep + 1, sizeof(*s->ep));
+    float *mine = malloc((size_t)(per * El + 1) * sizeof(float));
+    if (!s->ep_mem || !s->ep || !mine) {
+        free(mine);
+        am_errorf(err, NULL, "%s: saving: out of memory for the %lld experts' weights", s->dir, (long long)total);
+        return -1;
+    }
+    float *at = s->ep_mem;
+    int64_t j = 0;
+    for (int l = 0; l < m->n_layers; l++) {
+        const struct am_moe_layer *X = m->layers[l].moe;
+        const struct am_param *first[3] = {X ? X->w1 : NULL, X ? X->w3 : NULL, X ? X->w2 : NULL};
+        for (int w = 0; X && w < 3; w++) {
+            size_t one = (size_t)am_tensor_numel(&first[w]->w);
+            m->K->download(m->dev, mine, first[w]->w.data, one * (size_t)El * sizeof(float));
+            if (am_allgather(ep, mine, at, one * (size_t)El, AM_F32, s->comm_err, sizeof(s->comm_err)) < 0) {
+                free(mine);
+                return comm_failed(s, err);
+            }
+            for (int64_t e = 0; e < E; e++) { /* the names: this rank's first expert's, renumbered */
+                struct ep_tensor *t = &s->ep[j++];
+                t->t = wire_of(first[w]);
+                char pre[64];
+                const char *dot = strstr(first[w]->name, ".experts.");
+                const char *kind = dot ? strchr(dot + strlen(".experts."), '.') : NULL;
+                snprintf(pre, sizeof(pre), "%.*s", dot ? (int)(dot - first[w]->name) : 0, first[w]->name);
+                char name[256];
+                snprintf(name, sizeof(name), "%s.experts.%lld%s", pre, (long long)e, kind ? kind : "");
+                snprintf(t->t.name, sizeof(t->t.name), "%.95s", name);
+                t->data = at + (size_t)e * one;
+            }
+            at += one * (size_t)E;
+        }
+    }
+    free(mine);
+    return 0;
+}
+
 /* Checks the arguments and builds the rank's list and the small tables (no communication).
  * -1 with a message on the ranks where the arguments are wrong or memory runs out. */
 static int saver_init(struct saver *s, const struct am_model *m, struct am_comm *tp, struct am_comm *pp,
-                      const char *dir, struct am_errors *err)
+                      struct am_comm *ep, bool saves, const char *dir, struct am_errors *err)
 {
     *s = (struct saver){.m = m, .tp = tp, .pp = pp, .dir = dir, .tp_size = 1, .pp_size = 1, .current = -1};
+    if (ep && am_comm_size(ep) > 1 && gather_experts(s, ep, err) < 0)
+        return -1;
+    if (!saves)
+        return 0;
     if (tp) {
         s->tp_size = am_comm_size(tp);
         s->tp_rank = am_comm_rank(tp);
@@ -133,8 +208,13 @@ static int saver_init(struct saver *s, const struct am_model *m, struct am_comm 
     if (!s->which || !s->count)
         goto oom;
     for (int i = 0; i < m->n_params; i++)
-        if (!am_model_is_tied_copy(m, &m->params[i]))
+        if (!am_model_is_tied_copy(m, &m->params[i]) && !(s->n_ep && am_moe_is_expert_param(m, &m->params[i])))
             s->which[s->n++] = i;
+    /* the gathered experts after their layer's other tensors (the writer sorts by layer) */
+    if (s->n_ep && !(s->which = realloc(s->which, ((size_t)m->n_params + (size_t)s->n_ep) * sizeof(int))))
+        goto oom;
+    for (int64_t j = 0; j < s->n_ep; j++)
+        s->which[s->n++] = (int)(-1 - j);
     if (!(s->origin = malloc((size_t)s->tp_size * (size_t)(2 * s->n + 1) * sizeof(int64_t))))
         goto oom;
     return 0;
@@ -146,6 +226,8 @@ oom:
 static void saver_free(struct saver *s)
 {
     free(s->which);
+    free(s->ep);
+    free(s->ep_mem);
     free(s->origin);
     free(s->count);
     free(s->slices);
@@ -159,7 +241,8 @@ static int alloc_buffers(struct saver *s, int64_t max_full, struct am_errors *er
 {
     int64_t max_local = 0;
     for (int64_t i = 0; i < s->n; i++) {
-        int64_t k = am_tensor_numel(&s->m->params[s->which[i]].w);
+        struct wire_tensor t = entry_wire(s, i); /* the gathered experts are whole */
+        int64_t k = s->which[i] >= 0 ? am_tensor_numel(&s->m->params[s->which[i]].w) : full_numel(&t);
         max_local = k > max_local ? k : max_local;
     }
     if (s->tp_size > 1 && !(s->slices = malloc((size_t)(s->tp_size * max_local) * sizeof(float))))
@@ -177,6 +260,8 @@ oom:
  * once (a kv head held by several ranks counted once). */
 static bool slices_fit(const struct saver *s, int64_t i)
 {
+    if (s->which[i] < 0)
+        return true; /* a gathered expert: whole on every tp rank */
     const struct am_param *p = &s->m->params[s->which[i]];
     int64_t rows = p->w.shape[0], cols = p->w.ndim > 1 ? p->w.shape[1] : 1, covered = 0;
     int64_t frows = p->full_rows, fcols = p->full_cols > 0 ? p->full_cols : 1;
@@ -219,8 +304,8 @@ static int prepare(struct saver *s, int64_t max_full, struct am_errors *err)
         return -1;
     int64_t *mine = s->origin + 2 * s->tp_rank * s->n;
     for (int64_t i = 0; i < s->n; i++) {
-        mine[2 * i] = s->m->params[s->which[i]].row0;
-        mine[2 * i + 1] = s->m->params[s->which[i]].col0;
+        mine[2 * i] = s->which[i] >= 0 ? s->m->params[s->which[i]].row0 : 0;
+        mine[2 * i + 1] = s->which[i] >= 0 ? s->m->params[s->which[i]].col0 : 0;
     }
     if (s->tp_size > 1 &&
         am_allgather(s->tp, mine, s->origin, (size_t)(2 * s->n), AM_I64, s->comm_err, sizeof(s->comm_err)) < 0)
@@ -232,6 +317,12 @@ static int prepare(struct saver *s, int64_t max_full, struct am_errors *err)
  * each slice in its place in full (tp 1: its own tensor, whole). */
 static int gather(struct saver *s, int64_t i, struct am_errors *err)
 {
+    if (s->which[i] < 0) { /* a gathered expert, the same on every tp rank */
+        const struct ep_tensor *t = &s->ep[-1 - s->which[i]];
+        if (s->tp_rank == 0)
+            memcpy(s->full, t->data, (size_t)full_numel(&t->t) * sizeof(float));
+        return 0;
+    }
     const struct am_param *p = &s->m->params[s->which[i]];
     size_t n = (size_t)am_tensor_numel(&p->w);
     float *mine = s->tp_size > 1 ? s->slices + (size_t)s->tp_rank * n : s->full;
@@ -273,7 +364,7 @@ static int serve(struct saver *s, struct am_errors *err)
         }
         if (gather(s, req, err) < 0)
             return -1;
-        struct wire_tensor t = wire_of(&s->m->params[s->which[req]]);
+        struct wire_tensor t = entry_wire(s, req);
         if (s->tp_rank == 0 &&
             am_send(s->pp, s->full, (size_t)full_numel(&t), AM_F32, 0, s->comm_err, sizeof(s->comm_err)) < 0)
             return comm_failed(s, err);
@@ -287,7 +378,7 @@ static int send_list(struct saver *s, bool ok, struct am_errors *err)
     if (am_send(s->pp, &n, 1, AM_I64, 0, s->comm_err, sizeof(s->comm_err)) < 0)
         return comm_failed(s, err);
     for (int64_t i = 0; i < n; i++) {
-        struct wire_tensor t = wire_of(&s->m->params[s->which[i]]);
+        struct wire_tensor t = entry_wire(s, i);
         if (am_send(s->pp, &t, WIRE_I64, AM_I64, 0, s->comm_err, sizeof(s->comm_err)) < 0)
             return comm_failed(s, err);
     }
@@ -339,7 +430,7 @@ static int collect_lists(struct saver *s, bool ok, struct am_errors *err)
         ok = false;
     }
     for (int64_t i = 0; i < s->n && s->all; i++)
-        s->all[s->n_all++] = (struct save_tensor){wire_of(&s->m->params[s->which[i]]), 0, i};
+        s->all[s->n_all++] = (struct save_tensor){entry_wire(s, i), 0, i};
     for (int p = 1; p < s->pp_size; p++)
         for (int64_t i = 0; i < s->count[p]; i++) {
             struct save_tensor t = {.owner = p, .index = i};
@@ -385,6 +476,10 @@ static int fill(void *ctx, size_t index, uint64_t offset, void *dst, size_t n, s
 {
     struct saver *s = ctx;
     const struct save_tensor *t = &s->all[index];
+    if (t->owner == 0 && s->tp_size == 1 && s->which[t->index] < 0) {
+        memcpy(dst, (const char *)s->ep[-1 - s->which[t->index]].data + offset, n);
+        return 0;
+    }
     if (t->owner == 0 && s->tp_size == 1) {
         const struct am_param *p = &s->m->params[s->which[t->index]];
         s->m->K->download(s->m->dev, dst, (const char *)p->w.data + offset, n);
@@ -436,15 +531,22 @@ static int stop_all(struct saver *s, bool tp_serving, struct am_errors *err)
 int am_model_save_hf_dist(const struct am_model *m, struct am_comm *tp, struct am_comm *pp, const char *dir,
                           const char *base_config, struct am_errors *err)
 {
+    return am_model_save_hf_ep(m, tp, pp, NULL, true, dir, base_config, err);
+}
+
+int am_model_save_hf_ep(const struct am_model *m, struct am_comm *tp, struct am_comm *pp, struct am_comm *ep,
+                        bool saves, const char *dir, const char *base_config, struct am_errors *err)
+{
     struct saver s;
-    if (saver_init(&s, m, tp, pp, dir, err) < 0) {
+    int rc0 = saver_init(&s, m, tp, pp, ep, saves, dir, err);
+    if (rc0 < 0 || !saves) {
         saver_free(&s);
-        return -1;
+        return rc0;
     }
     int64_t max_full = 0; /* the writer sizes full once it has every rank's list */
     bool writer = s.tp_rank == 0 && s.pp_rank == 0;
     for (int64_t i = 0; i < s.n && !writer; i++) {
-        struct wire_tensor t = wire_of(&m->params[s.which[i]]);
+        struct wire_tensor t = entry_wire(&s, i);
         max_full = full_numel(&t) > max_full ? full_numel(&t) : max_full;
     }
     int rc = prepare(&s, max_full, err);

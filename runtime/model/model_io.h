@@ -9,6 +9,8 @@
 #ifndef AM_MODEL_IO_H
 #define AM_MODEL_IO_H
 
+#include <stdbool.h>
+
 #include "errors.h"
 #include "model.h"
 
@@ -49,5 +51,12 @@ int am_model_save_hf(const struct am_model *m, const char *dir, const char *base
  * must allow. */
 int am_model_save_hf_dist(const struct am_model *m, struct am_comm *tp, struct am_comm *pp, const char *dir,
                           const char *base_config, struct am_errors *err);
+/* The same with expert parallelism: collective over ep first (every rank of each ep group,
+ * saves or not), which gathers every expert of the MoE layers into the host of each of them;
+ * then the ranks with saves (one replica: its tp and pp ranks) save as am_model_save_hf_dist,
+ * the gathered experts written in place of their own. ep NULL or of one rank: am_model_save_hf_dist.
+ * A rank without saves returns 0 after the gather (-1 if it failed). */
+int am_model_save_hf_ep(const struct am_model *m, struct am_comm *tp, struct am_comm *pp, struct am_comm *ep,
+                        bool saves, const char *dir, const char *base_config, struct am_errors *err);
 
 #endif

@@ -5,12 +5,20 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "comm.h"
+#include "log.h"
 #include "util.h"
 
 /* One MoE layer's saved tensors for one micro-batch. */
 struct moe_acts {
     struct am_tensor logits, probs, idx, wts, pos, counts, xp, g, u, act, yp;
     int64_t *hcount; /* the host's copy of counts */
+    /* expert parallelism (ep > 1): the all-to-all's rows to and from each ep rank, the rows of
+     * each local expert, the received rows' places in local-expert order (pos2, [R] i32) and
+     * the per-(source rank, local expert) counts as received (rcounts, [ep, El] i32) */
+    int64_t *send_rows, *recv_rows, *lcount, *rc;
+    int64_t recv_total;
+    struct am_tensor pos2, rcounts;
     int slot;        /* the model's slot whose micro-batch these are */
     bool moe;        /* the layer has experts (dense layers' entries are unused) */
 };
@@ -22,6 +30,10 @@ struct moe_slot {
 
 struct am_moe {
     int64_t E, k, I, C;
+    int ep, ep_rank;         /* the expert-parallel group's size and this rank's place in it */
+    int64_t El, e0;          /* the experts held here: El of them from global index e0 */
+    struct am_tensor t1, t2, ts; /* ep > 1: the all-to-all's scratch, [ep S, C] twice and [S, C] */
+    size_t *cnt_sz;          /* ep > 1: counts and displacements for am_alltoallv, 4 x ep */
     bool renorm, aux_on;
     double coef;
     int n_moe;               /* the model's MoE layers */
@@ -32,7 +44,9 @@ struct am_moe {
     int64_t *host;           /* every hcount */
     int32_t *h32;            /* the counts as downloaded */
     int64_t *step_counts;    /* tokens per expert over the step */
+    int64_t *ep_host;        /* ep > 1: every acts entry's send_rows, recv_rows, lcount, rc */
     int last_slot;
+    double a2a_s;            /* seconds in the all-to-alls over the step */
 };
 
 int am_moe_check(const struct am_model_config *cfg, const struct am_model_shard *sh, char *err, size_t err_len)
@@ -43,6 +57,10 @@ int am_moe_check(const struct am_model_config *cfg, const struct am_model_shard 
         return am_fail(err, err_len, "model: %s with sequence parallelism: the experts are replicated over the "
                        "tensor-parallel ranks and take every token, not a rank's share (set "
                        "distributed.sequence_parallel: false)", cfg->model_type);
+    if (sh->ep > 1 && cfg->num_experts % sh->ep)
+        return am_fail(err, err_len, "model: ep_size %d does not divide %s's %d experts: each ep rank holds "
+                       "num_experts / ep_size of them (use an ep_size that divides %d)", sh->ep, cfg->model_type,
+                       (int)cfg->num_experts, (int)cfg->num_experts);
     bool whole = sh->n_chunks == 1 && sh->first_stage && sh->last_stage && sh->chunks[0].first_layer == 0 &&
                  sh->chunks[0].n_layers == cfg->num_hidden_layers;
     if (!whole && cfg->output_router_logits)
@@ -62,6 +80,8 @@ void am_moe_layer_params(struct am_model *m, int l, struct am_layer *L)
     const struct am_model_config *c = &m->cfg;
     bool mixtral = strcmp(c->model_type, "mixtral") == 0;
     int64_t C = c->hidden_size, E = c->num_experts, I = c->moe_intermediate_size;
+    int ep = m->sh.ep > 1 ? m->sh.ep : 1;
+    int64_t El = E / ep, e0 = (int64_t)m->sh.ep_rank * El;
     const char *blk = mixtral ? "block_sparse_moe" : "mlp";
     const char *kind[3] = {mixtral ? "w1" : "gate_proj", mixtral ? "w3" : "up_proj", mixtral ? "w2" : "down_proj"};
     char n[128];
@@ -76,8 +96,8 @@ void am_moe_layer_params(struct am_model *m, int l, struct am_layer *L)
     m->groups[m->n_groups - 1].shard = AM_SHARD_EXPERT;
     struct am_param **first[3] = {&L->moe->w1, &L->moe->w3, &L->moe->w2};
     for (int w = 0; w < 3; w++)
-        for (int64_t e = 0; e < E; e++) {
-            snprintf(n, sizeof(n), "model.layers.%d.%s.experts.%lld.%s.weight", l, blk, (long long)e, kind[w]);
+        for (int64_t e = 0; e < El; e++) {
+            snprintf(n, sizeof(n), "model.layers.%d.%s.experts.%lld.%s.weight", l, blk, (long long)(e0 + e), kind[w]);
             int64_t rows = w == 2 ? C : I, cols = w == 2 ? I : C;
             struct am_param *p = am_model_add_param(m, n, rows, cols, AM_SPLIT_NONE, rows, cols, 0, 0);
             if (e == 0)
@@ -98,6 +118,7 @@ static size_t layout(struct am_model *m, struct am_moe *M, char *base)
     enum am_device dev = m->K->device;
     enum am_dtype dt = m->act_dt;
     int64_t N = m->max_tokens, E = M->E, k = M->k, S = N * k, I = M->I, C = M->C;
+    int64_t R = S * M->ep; /* the rows an ep rank's experts can receive: every rank's all (worst case) */
     size_t off = 0;
     for (size_t i = 0; i < m->n_acts; i++) {
         struct moe_acts *A = &M->acts[i];
@@ -109,11 +130,15 @@ static size_t layout(struct am_model *m, struct am_moe *M, char *base)
         A->wts = carve(base, &off, dev, AM_F32, N, k);
         A->pos = carve(base, &off, dev, AM_I32, N, k);
         A->counts = carve(base, &off, dev, AM_I32, E, 0);
-        A->xp = carve(base, &off, dev, dt, S, C);
-        A->g = carve(base, &off, dev, dt, S, I);
-        A->u = carve(base, &off, dev, dt, S, I);
-        A->act = carve(base, &off, dev, dt, S, I);
+        A->xp = carve(base, &off, dev, dt, R, C);
+        A->g = carve(base, &off, dev, dt, R, I);
+        A->u = carve(base, &off, dev, dt, R, I);
+        A->act = carve(base, &off, dev, dt, R, I);
         A->yp = carve(base, &off, dev, dt, S, C);
+        if (M->ep > 1) {
+            A->pos2 = carve(base, &off, dev, AM_I32, R, 0);
+            A->rcounts = carve(base, &off, dev, AM_I32, (int64_t)M->ep * M->El, 0);
+        }
     }
     for (int s = 0; s < m->n_slots; s++) {
         M->slots[s].cnt = carve(base, &off, dev, AM_F32, E, 0);
@@ -123,10 +148,15 @@ static size_t layout(struct am_model *m, struct am_moe *M, char *base)
     M->dlogits = carve(base, &off, dev, dt, N, E);
     M->dwts = carve(base, &off, dev, AM_F32, N, k);
     M->dyp = carve(base, &off, dev, dt, S, C);
-    M->da = carve(base, &off, dev, dt, S, I);
-    M->dg = carve(base, &off, dev, dt, S, I);
-    M->du = carve(base, &off, dev, dt, S, I);
-    M->dxp = carve(base, &off, dev, dt, S, C);
+    M->da = carve(base, &off, dev, dt, R, I);
+    M->dg = carve(base, &off, dev, dt, R, I);
+    M->du = carve(base, &off, dev, dt, R, I);
+    M->dxp = carve(base, &off, dev, dt, R, C);
+    if (M->ep > 1) {
+        M->t1 = carve(base, &off, dev, dt, R, C);
+        M->t2 = carve(base, &off, dev, dt, R, C);
+        M->ts = carve(base, &off, dev, dt, S, C);
+    }
     return off;
 }
 
@@ -148,6 +178,10 @@ int am_moe_init(struct am_model *m, char *err, size_t err_len)
     M->k = c->num_experts_per_tok;
     M->I = c->moe_intermediate_size;
     M->C = c->hidden_size;
+    M->ep = m->sh.ep > 1 ? m->sh.ep : 1;
+    M->ep_rank = M->ep > 1 ? m->sh.ep_rank : 0;
+    M->El = M->E / M->ep;
+    M->e0 = (int64_t)M->ep_rank * M->El;
     M->renorm = strcmp(c->model_type, "mixtral") == 0 || c->norm_topk_prob;
     M->aux_on = c->output_router_logits;
     M->coef = c->router_aux_loss_coef;
@@ -155,9 +189,12 @@ int am_moe_init(struct am_model *m, char *err, size_t err_len)
     M->acts = calloc(m->n_acts + 1, sizeof(*M->acts));
     M->slots = calloc((size_t)m->n_slots, sizeof(*M->slots));
     M->step_counts = calloc((size_t)M->E, sizeof(*M->step_counts));
-    M->h32 = calloc((size_t)M->E, sizeof(*M->h32));
+    M->h32 = calloc((size_t)M->E + (M->ep > 1 ? (size_t)(m->max_tokens * M->k * M->ep) : 0), sizeof(*M->h32));
     M->host = calloc((m->n_acts + 1) * (size_t)M->E, sizeof(*M->host));
-    if (!M->acts || !M->slots || !M->step_counts || !M->h32 || !M->host)
+    size_t per_ep = M->ep > 1 ? (size_t)(2 * M->ep + M->El + M->ep * M->El) : 0;
+    M->ep_host = per_ep ? calloc((m->n_acts + 1) * per_ep, sizeof(int64_t)) : NULL;
+    M->cnt_sz = M->ep > 1 ? calloc(4 * (size_t)M->ep, sizeof(size_t)) : NULL;
+    if (!M->acts || !M->slots || !M->step_counts || !M->h32 || !M->host || (per_ep && (!M->ep_host || !M->cnt_sz)))
         return am_fail(err, err_len, "model: out of memory for the mixture-of-experts state");
     for (int ch = 0; ch < m->sh.n_chunks; ch++)
         for (int l = 0; l < m->sh.chunks[ch].n_layers; l++)
@@ -172,6 +209,13 @@ int am_moe_init(struct am_model *m, char *err, size_t err_len)
                 M->acts[i].moe = m->layers[m->chunk_base[ch] + l].moe != NULL;
                 M->acts[i].slot = m->slot_base[ch] + s;
                 M->acts[i].hcount = M->host + i * (size_t)M->E;
+                if (per_ep) {
+                    int64_t *b = M->ep_host + i * per_ep;
+                    M->acts[i].send_rows = b;
+                    M->acts[i].recv_rows = b + M->ep;
+                    M->acts[i].lcount = b + 2 * M->ep;
+                    M->acts[i].rc = b + 2 * M->ep + M->El;
+                }
             }
         }
     size_t bytes = layout(m, M, NULL);
@@ -184,12 +228,12 @@ int am_moe_init(struct am_model *m, char *err, size_t err_len)
         struct am_moe_layer *X = m->layers[l].moe;
         if (!X)
             continue;
-        X->W1 = experts_view(&X->w1->wc, m->act_dt, M->E);
-        X->W3 = experts_view(&X->w3->wc, m->act_dt, M->E);
-        X->W2 = experts_view(&X->w2->wc, m->act_dt, M->E);
-        X->G1 = experts_view(&X->w1->g, AM_F32, M->E);
-        X->G3 = experts_view(&X->w3->g, AM_F32, M->E);
-        X->G2 = experts_view(&X->w2->g, AM_F32, M->E);
+        X->W1 = experts_view(&X->w1->wc, m->act_dt, M->El);
+        X->W3 = experts_view(&X->w3->wc, m->act_dt, M->El);
+        X->W2 = experts_view(&X->w2->wc, m->act_dt, M->El);
+        X->G1 = experts_view(&X->w1->g, AM_F32, M->El);
+        X->G3 = experts_view(&X->w3->g, AM_F32, M->El);
+        X->G2 = experts_view(&X->w2->g, AM_F32, M->El);
     }
     return 0;
 }
@@ -210,6 +254,8 @@ void am_moe_free(struct am_model *m)
     free(M->step_counts);
     free(M->h32);
     free(M->host);
+    free(M->ep_host);
+    free(M->cnt_sz);
     free(M);
     m->moe = NULL;
 }
@@ -235,11 +281,108 @@ static struct am_tensor weights_now(const struct am_tensor *view, const struct a
     return t;
 }
 
+/* Expert parallelism: the rows of each ep rank's experts go to that rank (the slots sorted by
+ * global expert are grouped by destination rank, then by its local expert: Megatron's
+ * all-to-all token dispatcher's order), the receiver regroups what it got from each source by
+ * local expert, runs its experts, and the results go back the same way. */
+
+/* rows of C elements from send (grouped by destination) to recv (grouped by source) */
+static int a2a_rows(struct am_model *m, const struct am_tensor *send, const int64_t *out, struct am_tensor *recv,
+                    const int64_t *in, char *err, size_t err_len)
+{
+    struct am_moe *M = m->moe;
+    size_t *sc = M->cnt_sz, *sd = sc + M->ep, *rcn = sd + M->ep, *rd = rcn + M->ep, so = 0, ro = 0;
+    for (int r = 0; r < M->ep; r++) {
+        sc[r] = (size_t)(out[r] * M->C), sd[r] = so, so += sc[r];
+        rcn[r] = (size_t)(in[r] * M->C), rd[r] = ro, ro += rcn[r];
+    }
+    double t0 = am_mono_time();
+    int rc = am_alltoallv(m->ep_comm, send->data, sc, sd, recv->data, rcn, rd, send->dtype, err, err_len);
+    M->a2a_s += am_mono_time() - t0;
+    return rc;
+}
+
+/* The counts: each rank's per-expert counts for the experts of every other rank, then the rows
+ * to send and receive, the local experts' rows and where each received row goes (pos2). */
+static int exchange_counts(struct am_model *m, struct moe_acts *A, char *err, size_t err_len)
+{
+    struct am_moe *M = m->moe;
+    int ep = M->ep;
+    int64_t El = M->El;
+    size_t *sc = M->cnt_sz, *sd = sc + ep, *rcn = sd + ep, *rd = rcn + ep;
+    for (int r = 0; r < ep; r++)
+        sc[r] = rcn[r] = (size_t)El, sd[r] = rd[r] = (size_t)(r * El);
+    double t0 = am_mono_time();
+    if (am_alltoallv(m->ep_comm, A->counts.data, sc, sd, A->rcounts.data, rcn, rd, AM_I32, err, err_len) < 0)
+        return -1;
+    M->a2a_s += am_mono_time() - t0;
+    m->K->download(m->dev, M->h32, A->rcounts.data, (size_t)(ep * El) * sizeof(int32_t));
+    A->recv_total = 0;
+    for (int64_t e = 0; e < El; e++)
+        A->lcount[e] = 0;
+    for (int r = 0; r < ep; r++) {
+        A->send_rows[r] = A->recv_rows[r] = 0;
+        for (int64_t e = 0; e < El; e++) {
+            A->send_rows[r] += A->hcount[r * El + e];
+            A->rc[r * El + e] = M->h32[r * El + e];
+            A->recv_rows[r] += A->rc[r * El + e];
+            A->lcount[e] += A->rc[r * El + e];
+        }
+        A->recv_total += A->recv_rows[r];
+    }
+    int32_t *hp = M->h32 + M->E;
+    int64_t cur[El > 0 ? El : 1], o = 0, row = 0;
+    for (int64_t e = 0; e < El; e++)
+        cur[e] = o, o += A->lcount[e];
+    for (int r = 0; r < ep; r++)
+        for (int64_t e = 0; e < El; e++)
+            for (int64_t i = 0; i < A->rc[r * El + e]; i++)
+                hp[row++] = (int32_t)cur[e]++;
+    m->K->upload(m->dev, A->pos2.data, hp, (size_t)A->recv_total * sizeof(int32_t));
+    return 0;
+}
+
+/* pos2 as the [R, 1] map of the permute kernels */
+static struct am_tensor pos2_of(const struct moe_acts *A)
+{
+    struct am_tensor t = am_tensor_view(A->pos2.data, A->pos2.device, AM_I32, 1, 1, 0, 0);
+    return rows(&t, A->recv_total); /* 2-D even with no rows */
+}
+
+static int forward_ep(struct am_model *m, const struct am_layer *L, struct moe_acts *A, const struct am_tensor *in,
+                      struct am_tensor *out, const struct am_tensor *pos, const struct am_tensor *wts, char *err,
+                      size_t err_len)
+{
+    const struct am_kernels *K = m->K;
+    struct am_moe *M = m->moe;
+    int64_t S = in->shape[0] * M->k;
+    if (exchange_counts(m, A, err, err_len) < 0)
+        return -1;
+    int64_t R = A->recv_total;
+    struct am_tensor ts = rows(&M->ts, S), t1 = rows(&M->t1, R), t2 = rows(&M->t2, R), p2 = pos2_of(A);
+    struct am_tensor xp = rows(&A->xp, R), g = rows(&A->g, R), u = rows(&A->u, R), act = rows(&A->act, R);
+    struct am_tensor yp = rows(&A->yp, S);
+    K->moe_permute_forward(m->dev, &ts, in, pos);
+    if (a2a_rows(m, &ts, A->send_rows, &t1, A->recv_rows, err, err_len) < 0)
+        return -1;
+    K->moe_permute_forward(m->dev, &xp, &t1, &p2);
+    struct am_tensor W1 = weights_now(&L->moe->W1, L->moe->w1), W3 = weights_now(&L->moe->W3, L->moe->w3);
+    struct am_tensor W2 = weights_now(&L->moe->W2, L->moe->w2);
+    K->grouped_matmul_forward(m->dev, &g, &xp, &W1, A->lcount);
+    K->grouped_matmul_forward(m->dev, &u, &xp, &W3, A->lcount);
+    K->swiglu_forward(m->dev, &act, &g, &u);
+    K->grouped_matmul_forward(m->dev, &t1, &act, &W2, A->lcount);
+    K->zero(m->dev, &t2);
+    K->moe_permute_backward(m->dev, &t2, &t1, &p2); /* back to source order */
+    if (a2a_rows(m, &t2, A->recv_rows, &yp, A->send_rows, err, err_len) < 0)
+        return -1;
+    K->moe_combine_forward(m->dev, out, &yp, pos, wts);
+    return 0;
+}
+
 int am_moe_forward(struct am_model *m, const struct am_layer *L, const struct am_layer_acts *a, const struct am_tensor *in,
                    struct am_tensor *out, char *err, size_t err_len)
 {
-    (void)err;
-    (void)err_len;
     const struct am_kernels *K = m->K;
     struct am_moe *M = m->moe;
     struct moe_acts *A = acts_of(m, a);
@@ -260,6 +403,8 @@ int am_moe_forward(struct am_model *m, const struct am_layer *L, const struct am
         if (!again)
             M->step_counts[e] += M->h32[e];
     }
+    if (M->ep > 1)
+        return forward_ep(m, L, A, in, out, &pos, &wts, err, err_len);
     K->moe_permute_forward(m->dev, &xp, in, &pos);
     struct am_tensor W1 = weights_now(&L->moe->W1, L->moe->w1), W3 = weights_now(&L->moe->W3, L->moe->w3);
     struct am_tensor W2 = weights_now(&L->moe->W2, L->moe->w2);
@@ -274,33 +419,49 @@ int am_moe_forward(struct am_model *m, const struct am_layer *L, const struct am
 int am_moe_backward(struct am_model *m, const struct am_layer *L, const struct am_layer_acts *a, const struct am_tensor *dout,
                     const struct am_tensor *in, struct am_tensor *dh, char *err, size_t err_len)
 {
-    (void)err;
-    (void)err_len;
     const struct am_kernels *K = m->K;
     struct am_moe *M = m->moe;
     struct moe_acts *A = acts_of(m, a);
     struct moe_slot *Sl = &M->slots[A->slot];
-    int64_t N = in->shape[0], S = N * M->k;
+    int64_t N = in->shape[0], S = N * M->k, R = M->ep > 1 ? A->recv_total : S;
+    const int64_t *cnt = M->ep > 1 ? A->lcount : A->hcount;
     struct am_tensor probs = rows(&A->probs, N), idx = rows(&A->idx, N), wts = rows(&A->wts, N), pos = rows(&A->pos, N);
-    struct am_tensor xp = rows(&A->xp, S), g = rows(&A->g, S), u = rows(&A->u, S), act = rows(&A->act, S);
+    struct am_tensor xp = rows(&A->xp, R), g = rows(&A->g, R), u = rows(&A->u, R), act = rows(&A->act, R);
     struct am_tensor yp = rows(&A->yp, S);
     struct am_tensor dlogits = rows(&M->dlogits, N), dwts = rows(&M->dwts, N), dyp = rows(&M->dyp, S);
-    struct am_tensor da = rows(&M->da, S), dg = rows(&M->dg, S), du = rows(&M->du, S), dxp = rows(&M->dxp, S);
+    struct am_tensor da = rows(&M->da, R), dg = rows(&M->dg, R), du = rows(&M->du, R), dxp = rows(&M->dxp, R);
+    struct am_tensor dyl = dyp, p2 = {0};
     const struct am_moe_layer *X = L->moe;
     K->zero(m->dev, &dyp);
     K->zero(m->dev, &dwts);
     K->moe_combine_backward(m->dev, &dyp, &dwts, dout, &yp, &pos, &wts);
+    if (M->ep > 1) { /* the gradients of the expert outputs to the ranks that computed them */
+        struct am_tensor t1 = rows(&M->t1, R);
+        dyl = rows(&M->t2, R);
+        p2 = pos2_of(A);
+        if (a2a_rows(m, &dyp, A->send_rows, &t1, A->recv_rows, err, err_len) < 0)
+            return -1;
+        K->moe_permute_forward(m->dev, &dyl, &t1, &p2);
+    }
     K->zero(m->dev, &da);
     struct am_tensor G2 = X->G2, G1 = X->G1, G3 = X->G3;
     struct am_tensor W1 = weights_now(&X->W1, X->w1), W3 = weights_now(&X->W3, X->w3), W2 = weights_now(&X->W2, X->w2);
-    K->grouped_matmul_backward(m->dev, &da, &G2, &dyp, &act, &W2, A->hcount);
+    K->grouped_matmul_backward(m->dev, &da, &G2, &dyl, &act, &W2, cnt);
     K->zero(m->dev, &dg);
     K->zero(m->dev, &du);
     K->swiglu_backward(m->dev, &dg, &du, &da, &g, &u);
     K->zero(m->dev, &dxp);
-    K->grouped_matmul_backward(m->dev, &dxp, &G1, &dg, &xp, &W1, A->hcount);
-    K->grouped_matmul_backward(m->dev, &dxp, &G3, &du, &xp, &W3, A->hcount);
-    K->moe_permute_backward(m->dev, dh, &dxp, &pos);
+    K->grouped_matmul_backward(m->dev, &dxp, &G1, &dg, &xp, &W1, cnt);
+    K->grouped_matmul_backward(m->dev, &dxp, &G3, &du, &xp, &W3, cnt);
+    if (M->ep > 1) { /* the inputs' gradients back to the tokens' ranks */
+        struct am_tensor t1 = rows(&M->t1, R), ts = rows(&M->ts, S);
+        K->zero(m->dev, &t1);
+        K->moe_permute_backward(m->dev, &t1, &dxp, &p2);
+        if (a2a_rows(m, &t1, A->recv_rows, &ts, A->send_rows, err, err_len) < 0)
+            return -1;
+        K->moe_permute_backward(m->dev, dh, &ts, &pos);
+    } else
+        K->moe_permute_backward(m->dev, dh, &dxp, &pos);
     K->zero(m->dev, &dlogits);
     K->moe_route_backward(m->dev, &dlogits, &dwts, &probs, &idx, M->aux_on ? &Sl->cnt : NULL, Sl->aux_scale,
                           M->renorm);
@@ -334,10 +495,35 @@ void am_moe_forward_end(struct am_model *m, int slot, int64_t N, const int32_t *
     M->last_slot = slot;
 }
 
+size_t am_moe_alltoall_bytes(const struct am_model *m)
+{
+    const struct am_moe *M = m->moe;
+    if (!M || M->ep < 2)
+        return 0;
+    size_t b[3] = {am_tensor_bytes(&M->t1), am_tensor_bytes(&M->t2), am_tensor_bytes(&M->ts)}, sum = 0;
+    for (int i = 0; i < 3; i++)
+        sum += (b[i] + 63) & ~(size_t)63;
+    return sum;
+}
+
+bool am_moe_is_expert_param(const struct am_model *m, const struct am_param *p)
+{
+    if (!m->moe)
+        return false;
+    for (int l = 0; l < m->n_layers; l++) {
+        const struct am_moe_layer *X = m->layers[l].moe;
+        if (X && p >= X->w1 && p < X->w1 + 3 * m->moe->El)
+            return true;
+    }
+    return false;
+}
+
 void am_moe_stats_reset(struct am_model *m)
 {
-    if (m->moe)
+    if (m->moe) {
         memset(m->moe->step_counts, 0, (size_t)m->moe->E * sizeof(int64_t));
+        m->moe->a2a_s = 0;
+    }
 }
 
 void am_moe_stats(struct am_model *m, struct am_moe_stats *out)
@@ -353,6 +539,7 @@ void am_moe_stats(struct am_model *m, struct am_moe_stats *out)
         out->min = M->step_counts[e] < out->min ? M->step_counts[e] : out->min;
         out->max = M->step_counts[e] > out->max ? M->step_counts[e] : out->max;
     }
+    out->alltoall_s = M->a2a_s;
     out->imbalance = sum > 0 ? (double)out->max * (double)M->E / (double)sum : 0.0;
     if (M->aux_on)
         m->K->download(m->dev, &out->aux, M->slots[M->last_slot].aux.data, sizeof(double));

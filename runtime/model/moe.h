@@ -1,5 +1,6 @@
 /* moe.h - the mixture-of-experts block of a decoder layer (mixtral; qwen3_moe's sparse
- * layers), as transformers computes it, on one rank holding all the experts (ep 1):
+ * layers), as transformers computes it, on one rank holding all the experts (ep 1) or with
+ * the experts split over an expert-parallel group (below):
  *
  *   logits = h · Wgᵀ (the router, [E, C]); probs = softmax(logits) in fp32; the top-k
  *   experts of each token, their probabilities renormalised to sum to 1 (Mixtral always,
@@ -35,9 +36,19 @@
  * gradient of its input is divided by tp before the sum over tp that the norm's backward takes.
  * Pipeline stages: each stage runs its own MoE layers; the load-balancing loss, which spans all
  * the layers of the model, is not exchanged between stages yet.
- * Not yet: experts split over tp or over ep ranks (expert parallelism, ep > 1), sequence
- * parallelism with experts, and the load-balancing loss over pipeline stages; am_moe_check
- * refuses the last two, am-train refuses ep > 1.
+ * Expert parallelism (sh.ep > 1, the trainer's m->ep_comm): this rank holds experts
+ * e0 = ep_rank * E/ep .. e0 + E/ep - 1 (their parameters named by global index; E % ep is
+ * refused). The router and the load-balancing statistics see all E experts on the rank's own
+ * tokens. moe_plan's order (by global expert) is grouped by destination rank, then local
+ * expert (Megatron's all-to-all dispatcher); per layer and micro-batch an alltoallv of the
+ * counts (i32 [ep, E/ep]), one of the permuted rows, a regrouping of the received rows by
+ * local expert (pos2, the permute kernels with k = 1), the grouped GEMMs, the inverse
+ * regrouping and an alltoallv back; the backward runs the two row all-to-alls in reverse.
+ * The received rows are sized for the worst case (ep x N x k). The experts' groups are reduced
+ * over the expert-data-parallel group (the trainer sets their comm; under fully sharded data
+ * parallelism they are sharded, gathered and reduce-scattered over it: fsdp.h).
+ * Not yet: experts split over tp, sequence parallelism with experts, and the load-balancing
+ * loss over pipeline stages; am_moe_check refuses the last two.
  */
 #ifndef AM_MODEL_MOE_H
 #define AM_MODEL_MOE_H
@@ -65,6 +76,8 @@ struct am_moe_stats {
     int64_t min, max;  /* the least and the most loaded expert's slots */
     double imbalance;  /* max / mean (1: balanced) */
     double aux;        /* the load-balancing loss of the last micro-batch (unscaled; 0 without it) */
+    double alltoall_s; /* expert parallelism: seconds in the experts' all-to-alls (counts, tokens,
+                          gradients; the host's time in the calls) */
 };
 
 /* The configurations the MoE block runs in; -1 with a message naming what is not supported. */
@@ -91,6 +104,11 @@ int am_moe_backward(struct am_model *m, const struct am_layer *L, const struct a
  * targets' tokens and keeps its gradient's scale (dloss_scale as am_model_forward's). */
 void am_moe_forward_begin(struct am_model *m, int slot);
 void am_moe_forward_end(struct am_model *m, int slot, int64_t N, const int32_t *targets, float dloss_scale);
+/* Expert parallelism: the bytes of the all-to-all's buffers (within the activations' bytes,
+ * m->act_bytes): [ep x S, C] twice and [S, C] for S = the micro-batch's tokens x top_k; 0 at ep 1. */
+size_t am_moe_alltoall_bytes(const struct am_model *m);
+/* Whether p is one of the experts' matrices (not the router). */
+bool am_moe_is_expert_param(const struct am_model *m, const struct am_param *p);
 /* The step's statistics: reset by am_model_begin_step, read by the trainer. */
 void am_moe_stats_reset(struct am_model *m);
 void am_moe_stats(struct am_model *m, struct am_moe_stats *out);

@@ -113,10 +113,11 @@ static void print_json(const struct am_recipe *r, const struct am_plan *p, bool 
         json_object_set_new(o, "params_total", json_real(p->params.total));
         json_object_set_new(o, "memory_per_gpu_bytes", json_real(p->mem.total));
         json_object_set_new(o, "memory_breakdown",
-                            json_pack("{s:f,s:f,s:f,s:f,s:f,s:f,s:f,s:i}", "weights", p->mem.weights, "grads",
+                            json_pack("{s:f,s:f,s:f,s:f,s:f,s:f,s:f,s:f,s:i}", "weights", p->mem.weights, "grads",
                                       p->mem.grads, "optimizer", p->mem.optimizer, "gathered_params", p->mem.gathered,
                                       "activations", p->mem.activations, "scratch", p->mem.scratch,
-                                      "pipeline_buffers", p->mem.p2p, "pp_rank", p->mem.pp_rank));
+                                      "pipeline_buffers", p->mem.p2p, "alltoall_buffers", p->mem.alltoall,
+                                      "pp_rank", p->mem.pp_rank));
         json_object_set_new(o, "tokens_per_step", json_real(p->tokens_per_step));
         json_object_set_new(o, "flops_per_step", json_real(p->flops_per_step));
     }

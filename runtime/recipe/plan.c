@@ -111,15 +111,20 @@ static int build_stages(const struct am_recipe *r, struct am_plan *p)
 /* ---- memory -------------------------------------------------------------------------- */
 
 /* A MoE layer's tensors per token (in compute-dtype elements), kept per micro-batch slot and
- * MoE layer whether or not the dense part is recomputed (runtime/model/moe.c). */
-static double moe_elems_per_token(const struct am_recipe *r)
+ * MoE layer whether or not the dense part is recomputed (runtime/model/moe.c). With expert
+ * parallelism the rows a rank's experts receive (the permuted input, gate, up and product) are
+ * sized for the worst case: every slot of the ep group's ranks, ep times the rank's own, with
+ * where each goes (an i32 per row); the counts received (an i32 per expert) are apart. */
+static double moe_elems_per_token(const struct am_recipe *r, const struct am_plan *p)
 {
     const struct am_model_config *m = &r->model;
     if (m->num_experts <= 0)
         return 0;
     double h = (double)m->hidden_size;
     double k = (double)m->num_experts_per_tok, E = (double)m->num_experts, cs = am_dtype_size(r->compute_dtype);
-    return E + k * (2 * h + 3 * (double)m->moe_intermediate_size) + (E + 3 * k) * 4 / cs;
+    double ep = (double)p->ep;
+    return E + k * (h + ep * (h + 3 * (double)m->moe_intermediate_size)) + (E + 3 * k) * 4 / cs +
+           (p->ep > 1 ? ep * k * 4 / cs : 0);
 }
 
 /* The MoE layers of stage s. */
@@ -237,7 +242,8 @@ static double scratch_bytes(const struct am_recipe *r, const struct am_plan *p, 
         double E = (double)m->num_experts, k = (double)m->num_experts_per_tok, S = N * k;
         double Im = (double)m->moe_intermediate_size;
         b += rs->total * (2 * carved(E, 4) + carved(1, 8));
-        b += carved(N * E, cs) + carved(N * k, 4) + 2 * carved(S * C, cs) + 3 * carved(S * Im, cs);
+        double Re = S * p->ep; /* the rows this rank's experts can receive (moe_elems_per_token) */
+        b += carved(N * E, cs) + carved(N * k, 4) + carved(S * C, cs) + carved(Re * C, cs) + 3 * carved(Re * Im, cs);
     }
     return b;
 }
@@ -260,14 +266,18 @@ struct flat_shards {
     long long D, shard, slab, max_span;
 };
 
-static void add_group(struct flat_shards *f, double elems)
+/* A group of elems parameters, padded to a multiple of D and sharded over d ranks (D for the
+ * dense groups; for the experts with expert parallelism the ranks holding the same experts) */
+static void add_group_over(struct flat_shards *f, double elems, long long d)
 {
     long long n = (long long)elems, span = (n + f->D - 1) / f->D * f->D;
-    f->shard += span / f->D;
+    f->shard += span / d;
     f->slab += span;
     if (span > f->max_span)
         f->max_span = span;
 }
+
+static void add_group(struct flat_shards *f, double elems) { add_group_over(f, elems, f->D); }
 
 /* Fills out for pp rank k. Returns 0, or -1 when out of memory. */
 static int memory_of_rank(const struct am_recipe *r, const struct am_plan *p, int k, struct am_memory *out)
@@ -358,7 +368,7 @@ static int memory_of_rank(const struct am_recipe *r, const struct am_plan *p, in
                 bool moe = m->num_experts > 0 && am_model_layer_is_moe(m, p->stages[s].first_layer + l);
                 add_group(&f, attn + pc->norms_per_layer + (moe ? router : mlp));
                 if (moe) { /* a MoE layer's experts: a group of their own, gathered with the layer */
-                    add_group(&f, experts_of_layer);
+                    add_group_over(&f, experts_of_layer, (long long)expert_shard);
                     moe_layers++;
                 }
             }
@@ -386,14 +396,23 @@ static int memory_of_rank(const struct am_recipe *r, const struct am_plan *p, in
     } else {
         out->activations = flight * full_layer;
     }
-    out->activations += rs.moe_layer_slots * tokens * moe_elems_per_token(r) * cs;
+    out->activations += rs.moe_layer_slots * tokens * moe_elems_per_token(r, p) * cs;
+    if (p->ep > 1 && m->num_experts > 0) /* each slot's counts received from the ep ranks */
+        out->activations += rs.moe_layer_slots * (double)m->num_experts * 4;
     /* the executor's send buffers each way (a ring of one per slot; with interleaving one per
      * micro-batch and chunk) and one receive buffer (pipeline.h) */
     double sends = p->virtual_stages == 1 ? flight / layers : (double)p->virtual_stages * (double)p->n_microbatches;
     out->p2p = p->pp == 1 ? 0 : (1 + 2 * sends) * tokens * h * cs / (r->dist.sequence_parallel ? tp : 1);
     out->scratch = scratch_bytes(r, p, emb, head, &rs);
+    /* the all-to-all's buffers (moe.c): the slots received, twice, and the rank's own, each
+     * 64-byte aligned as allocated */
+    out->alltoall = 0;
+    if (p->ep > 1 && m->num_experts > 0) {
+        double S = (double)p->microbatch_size * (double)p->seq_length / p->cp * (double)m->num_experts_per_tok;
+        out->alltoall = 2 * carved(p->ep * S * h, cs) + carved(S * h, cs);
+    }
     out->total = out->weights + out->grads + out->optimizer + out->gathered + out->activations + out->scratch +
-                 out->p2p;
+                 out->p2p + out->alltoall;
     return 0;
 }
 

@@ -70,6 +70,10 @@ struct am_memory {
                                and one received (pipeline.h) */
     double scratch;         /* the model's buffers beside the saved tensors (work buffers,
                                the loss's, the rotary tables, the slots' token ids) */
+    double alltoall;        /* expert parallelism: the experts' all-to-all buffers, sized for the
+                               worst case (runtime/model/moe.c): every slot of every ep rank's
+                               micro-batch routed to this rank's experts, twice, and the rank's
+                               own slots once */
     double total;
     int pp_rank;            /* which pipeline rank this is */
 };

@@ -57,6 +57,8 @@ void am_plan_print(FILE *f, const struct am_recipe *r, const struct am_world *w,
     fprintf(f, ", scratch %s", am_format_bytes(m->scratch, a, sizeof(a)));
     if (p->pp > 1)
         fprintf(f, ", pipeline buffers %s", am_format_bytes(m->p2p, a, sizeof(a)));
+    if (m->alltoall > 0)
+        fprintf(f, ", all-to-all buffers %s", am_format_bytes(m->alltoall, a, sizeof(a)));
     fputc('\n', f);
     fprintf(f, "             %s parameters%s, %s compute%s\n", am_dtype_torch_name(r->param_dtype),
             r->param_dtype_assumed ? " (assumed: set model.torch_dtype)" : "", am_dtype_torch_name(r->compute_dtype),

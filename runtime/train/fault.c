@@ -12,7 +12,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#define KINDS "segv, abort, exit:CODE, nan, hang, hang-in-collective, slow:SECONDS, kill, oom or device-oom"
+#define KINDS "segv, abort, exit:CODE, nan, hang, hang-in-collective, slow:SECONDS, kill, oom, device-oom or kill-in-alltoall"
 #define FORM "AM_FAULT=rank=R,step=S,kind=K"
 
 const char *am_fault_kind_name(enum am_fault_kind kind)
@@ -29,6 +29,7 @@ const char *am_fault_kind_name(enum am_fault_kind kind)
     case AM_FAULT_KILL: return "kill";
     case AM_FAULT_OOM: return "oom";
     case AM_FAULT_DEVICE_OOM: return "device-oom";
+    case AM_FAULT_KILL_IN_ALLTOALL: return "kill-in-alltoall";
     }
     return "none";
 }
@@ -54,7 +55,7 @@ static int parse_kind(const char *v, struct am_fault *f, const char *spec, char 
         enum am_fault_kind kind;
     } plain[] = {{"segv", AM_FAULT_SEGV}, {"abort", AM_FAULT_ABORT}, {"nan", AM_FAULT_NAN}, {"hang", AM_FAULT_HANG},
                  {"hang-in-collective", AM_FAULT_HANG_IN_COLLECTIVE}, {"kill", AM_FAULT_KILL}, {"oom", AM_FAULT_OOM},
-                 {"device-oom", AM_FAULT_DEVICE_OOM}};
+                 {"device-oom", AM_FAULT_DEVICE_OOM}, {"kill-in-alltoall", AM_FAULT_KILL_IN_ALLTOALL}};
     for (size_t i = 0; i < sizeof(plain) / sizeof(plain[0]); i++)
         if (strcmp(v, plain[i].name) == 0) {
             f->kind = plain[i].kind;
@@ -174,6 +175,16 @@ int am_fault_check(const struct am_fault *f, int world, int dp, char *err, size_
     if (f->kind == AM_FAULT_HANG_IN_COLLECTIVE && dp < 2) {
         snprintf(err, err_len, "AM_FAULT=%s: kind=hang-in-collective blocks the gradient all-reduce, and this job "
                  "has none (dp 1): run 2 or more data-parallel ranks, or use kind=hang", f->spec);
+        return -1;
+    }
+    return 0;
+}
+
+int am_fault_check_ep(const struct am_fault *f, int ep, char *err, size_t err_len)
+{
+    if (f->kind == AM_FAULT_KILL_IN_ALLTOALL && ep < 2) {
+        snprintf(err, err_len, "AM_FAULT=%s: kind=kill-in-alltoall dies in the experts' all-to-all, and this job "
+                 "has none (ep 1): run a mixture-of-experts model with ep_size 2 or more, or use kind=kill", f->spec);
         return -1;
     }
     return 0;

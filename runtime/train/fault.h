@@ -24,6 +24,10 @@
  *                       has (2^62 bytes), as a kernel's workspace outgrowing the GPU would:
  *                       the allocation fails for real, the device's fault hook (kernels.h)
  *                       writes the "oom" cause record (phase, layer, bytes), the step fails
+ *   kill-in-alltoall    the rank sends itself SIGKILL inside the all-to-all that dispatches
+ *                       the first MoE layer's tokens in step S, a second after the call began
+ *                       (its flight entry open; its ep peers wait for it in that all-to-all);
+ *                       needs expert parallelism (ep > 1)
  *
  * Before misbehaving the rank writes a "fault" record to its log (docs/diagnostics.md) so
  * that a reader of the log knows the failure was injected; am-diag never uses it to decide
@@ -47,6 +51,7 @@ enum am_fault_kind {
     AM_FAULT_KILL,
     AM_FAULT_OOM,
     AM_FAULT_DEVICE_OOM,
+    AM_FAULT_KILL_IN_ALLTOALL,
 };
 
 struct am_fault {
@@ -63,6 +68,8 @@ struct am_fault {
 int am_fault_parse(const char *spec, struct am_fault *f, char *err, size_t err_len);
 /* The job's facts: rank < world, and hang-in-collective needs dp > 1. 0, or -1. */
 int am_fault_check(const struct am_fault *f, int world, int dp, char *err, size_t err_len);
+/* The kinds that need expert parallelism: -1 with a message when ep is 1. */
+int am_fault_check_ep(const struct am_fault *f, int ep, char *err, size_t err_len);
 /* True when f is due at this rank and 1-based step, for one of the kinds. */
 int am_fault_due(const struct am_fault *f, int rank, long step, enum am_fault_kind kind);
 const char *am_fault_kind_name(enum am_fault_kind kind);

@@ -34,8 +34,8 @@ static int experts_of(const struct am_model *m, int group)
                : -1;
 }
 
-int am_fsdp_init(struct am_fsdp *f, struct am_model *m, struct am_comm *comm, int stage, bool reshard_after_forward,
-                 char *err, size_t err_len)
+int am_fsdp_init(struct am_fsdp *f, struct am_model *m, struct am_comm *comm, struct am_comm *expert_comm, int stage,
+                 bool reshard_after_forward, char *err, size_t err_len)
 {
     const struct am_kernels *K = m->K;
     memset(f, 0, sizeof(*f));
@@ -44,15 +44,18 @@ int am_fsdp_init(struct am_fsdp *f, struct am_model *m, struct am_comm *comm, in
     f->comm = comm;
     f->rank = am_comm_rank(comm);
     f->size = am_comm_size(comm);
-    if (m->sh.group_align != f->size)
-        return am_fail(err, err_len, "fsdp: the model's groups are padded to multiples of %d, the shard group has %d "
-                       "ranks", m->sh.group_align, f->size);
     size_t max_span = 0;
     for (int g = 0; g < m->n_groups; g++) {
         struct am_pgroup *G = &m->groups[g];
+        G->shard_comm = G->kind == AM_PG_EXPERTS && expert_comm ? expert_comm : comm;
+        G->shard_rank = am_comm_rank(G->shard_comm);
+        int size = am_comm_size(G->shard_comm);
+        if (m->sh.group_align % size)
+            return am_fail(err, err_len, "fsdp: the model's groups are padded to multiples of %d, %s's shard group "
+                           "has %d ranks", m->sh.group_align, G->name, size);
         G->shard = stage >= 2 ? AM_SHARD_SHARDED : AM_SHARD_REPLICATED;
         G->shard_offset = f->n_shard;
-        G->shard_elems = G->span / (size_t)f->size;
+        G->shard_elems = G->span / (size_t)size;
         f->n_shard += G->shard_elems;
         if (G->span > max_span)
             max_span = G->span;
@@ -82,8 +85,8 @@ int am_fsdp_init(struct am_fsdp *f, struct am_model *m, struct am_comm *comm, in
     for (int g = 0; g < m->n_groups; g++) { /* this rank's shard of what init or load wrote */
         const struct am_pgroup *G = &m->groups[g];
         struct am_tensor dst = flat((float *)f->master + G->shard_offset, m, AM_F32, G->shard_elems);
-        struct am_tensor src = flat((float *)m->param_mem + G->offset + (size_t)f->rank * G->shard_elems, m, AM_F32,
-                                    G->shard_elems);
+        struct am_tensor src = flat((float *)m->param_mem + G->offset + (size_t)G->shard_rank * G->shard_elems, m,
+                                    AM_F32, G->shard_elems);
         K->copy(m->dev, &dst, &src);
     }
     if (stage < 3)
@@ -125,7 +128,7 @@ int am_fsdp_publish(struct am_fsdp *f, char *err, size_t err_len)
     struct am_model *m = f->m;
     for (int g = 0; g < m->n_groups; g++) {
         const struct am_pgroup *G = &m->groups[g];
-        if (am_allgather(f->comm, (float *)f->master + G->shard_offset, (float *)m->param_mem + G->offset,
+        if (am_allgather(G->shard_comm, (float *)f->master + G->shard_offset, (float *)m->param_mem + G->offset,
                          G->shard_elems, AM_F32, err, err_len) < 0)
             return -1;
     }
@@ -138,8 +141,8 @@ void am_fsdp_take_grads(struct am_fsdp *f)
     for (int g = 0; g < m->n_groups; g++) {
         const struct am_pgroup *G = &m->groups[g];
         struct am_tensor dst = flat((float *)f->grads + G->shard_offset, m, AM_F32, G->shard_elems);
-        struct am_tensor src = flat((float *)m->grad_mem + G->offset + (size_t)f->rank * G->shard_elems, m, AM_F32,
-                                    G->shard_elems);
+        struct am_tensor src = flat((float *)m->grad_mem + G->offset + (size_t)G->shard_rank * G->shard_elems, m,
+                                    AM_F32, G->shard_elems);
         m->K->copy(m->dev, &dst, &src);
     }
 }
@@ -212,7 +215,7 @@ static int start_gather(struct am_fsdp *f, int g, int s, char *err, size_t err_l
     f->slot_used[s] = ++f->tick;
     const char *src = (const char *)(f->master_lp ? f->master_lp : f->master) + G->shard_offset * cs;
     void *dst = (char *)f->slot_mem + (size_t)s * f->slot_elems * cs;
-    if (am_iallgather(f->comm, src, dst, G->shard_elems, m->act_dt, &f->slot_req[s], err, err_len) < 0) {
+    if (am_iallgather(G->shard_comm, src, dst, G->shard_elems, m->act_dt, &f->slot_req[s], err, err_len) < 0) {
         f->slot_group[s] = -1;
         return -1;
     }
@@ -280,7 +283,7 @@ int am_fsdp_gather_masters(struct am_fsdp *f, void **slab, char *err, size_t err
         return am_fail(err, err_len, "fsdp: out of memory for the %zu gathered weights of a checkpoint", m->slab_elems);
     for (int g = 0; g < m->n_groups; g++) {
         const struct am_pgroup *G = &m->groups[g];
-        if (am_allgather(f->comm, (float *)f->master + G->shard_offset, (float *)*slab + G->offset, G->shard_elems,
+        if (am_allgather(G->shard_comm, (float *)f->master + G->shard_offset, (float *)*slab + G->offset, G->shard_elems,
                          AM_F32, err, err_len) < 0)
             return -1;
     }

@@ -33,6 +33,13 @@
  * final (grad_sync.h). The gradient norm is the shards' sum of squares summed over the shard
  * group, tp and pp (am_model_grad_sumsq_shards); the optimizer steps the shards alone.
  *
+ * Expert parallelism (ep > 1): the ranks of a shard group hold different experts, so a MoE
+ * layer's experts group is sharded over the expert-data-parallel group instead (the ranks
+ * that hold the same experts: dp_shard x cp / ep of them), its all-gathers and its gradients'
+ * reduce-scatter go over that group (the group's shard_comm), and the gradient norm's sum over
+ * the shard group still counts every expert once (each ep rank's experts, over its own
+ * expert-data-parallel ranks).
+ *
  * A checkpoint gathers the masters of every group into a full fp32 slab for the save
  * (am_fsdp_gather_masters), which the caller frees after it.
  *
@@ -55,7 +62,7 @@
 struct am_fsdp {
     struct am_model *m;
     int stage;            /* ZeRO stage: 3 (fsdp2; megatron_fsdp 3), 2 or 1 (megatron_fsdp) */
-    struct am_comm *comm; /* the shard group */
+    struct am_comm *comm; /* the shard group (the experts': each group's shard_comm, model.h) */
     int rank, size;
     size_t n_shard;       /* this rank's elements: the sum of the groups' shards */
     void *master;         /* fp32 master shards [n_shard] */
@@ -71,11 +78,13 @@ struct am_fsdp {
     double gather_wait_s;                          /* this step: seconds waiting for all-gathers */
 };
 
-/* Shards the model's groups over comm (the model was built with group_align = its size) and
- * takes each shard of the weights init or load put in the model's slabs; stage 3 then frees
- * them and installs the group_use hook. Returns 0, or -1 with a message. */
-int am_fsdp_init(struct am_fsdp *f, struct am_model *m, struct am_comm *comm, int stage, bool reshard_after_forward,
-                 char *err, size_t err_len);
+/* Shards the model's groups over comm, the experts' groups (AM_PG_EXPERTS) over expert_comm
+ * when it is not NULL (the model was built with group_align a multiple of both sizes), sets
+ * each group's shard_comm and shard_rank, and takes each shard of the weights init or load
+ * put in the model's slabs; stage 3 then frees them and installs the group_use hook. Returns
+ * 0, or -1 with a message. */
+int am_fsdp_init(struct am_fsdp *f, struct am_model *m, struct am_comm *comm, struct am_comm *expert_comm, int stage,
+                 bool reshard_after_forward, char *err, size_t err_len);
 /* After the communicators are destroyed (requests still in flight go with them). */
 void am_fsdp_free(struct am_fsdp *f);
 

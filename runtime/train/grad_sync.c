@@ -55,9 +55,12 @@ void am_gsync_free(struct am_gsync *s)
 /* A group's progress through the step: its tp sums done, then its reduction. */
 enum { PENDING, FINISHED, REDUCED };
 
-/* The group's gradients into local_sumsq, then reduced over dp: started (overlapped, waited
- * for in am_gsync_finish) or done (blocking). A sharded group is reduce-scattered (its padded
- * span, the padding zeros) into its shard of the shard slab; a replicated one all-reduced. */
+/* The group's gradients into local_sumsq, then reduced: started (overlapped, waited for in
+ * am_gsync_finish) or done (blocking). A sharded group is reduce-scattered (its padded span,
+ * the padding zeros) into its shard of the shard slab over its shard group (G->shard_comm:
+ * dp_shard, or for experts the expert-data-parallel group); a replicated one all-reduced over
+ * G->comm (dp, or for experts the expert-data-parallel group, NULL when that is this rank
+ * alone). */
 static int reduce(struct am_gsync *s, int group, bool start, char *err, size_t err_len)
 {
     struct am_model *m = s->m;
@@ -69,6 +72,8 @@ static int reduce(struct am_gsync *s, int group, bool start, char *err, size_t e
         return 0;
     m->K->sum_squares(m->dev, &m->scalars.local_sumsq, &g, 1.0);
     bool sharded = G->shard == AM_SHARD_SHARDED && s->shard_g;
+    if (!sharded && !G->comm)
+        return 0; /* experts whose expert-data-parallel group is this rank alone */
     size_t n = sharded ? G->span : G->n_elems, es = am_dtype_size(s->reduce);
     struct am_tensor r = g; /* what is reduced: the gradients, or their copy in reduce_dtype */
     if (s->lp_mem) {
@@ -78,13 +83,14 @@ static int reduce(struct am_gsync *s, int group, bool start, char *err, size_t e
     }
     if (sharded) {
         void *shard = (char *)(s->shard_lp ? s->shard_lp : s->shard_g) + G->shard_offset * es;
-        return start ? am_ireduce_scatter(s->shard, r.data, shard, G->shard_elems, s->reduce, AM_SUM,
+        struct am_comm *over = G->shard_comm ? G->shard_comm : s->shard;
+        return start ? am_ireduce_scatter(over, r.data, shard, G->shard_elems, s->reduce, AM_SUM,
                                           &s->reqs[s->n_reqs++], err, err_len)
-                     : am_reduce_scatter(s->shard, r.data, shard, G->shard_elems, s->reduce, AM_SUM, err, err_len);
+                     : am_reduce_scatter(over, r.data, shard, G->shard_elems, s->reduce, AM_SUM, err, err_len);
     }
-    return start ? am_iallreduce(s->dp, r.data, r.data, G->n_elems, s->reduce, AM_SUM, &s->reqs[s->n_reqs++], err,
+    return start ? am_iallreduce(G->comm, r.data, r.data, G->n_elems, s->reduce, AM_SUM, &s->reqs[s->n_reqs++], err,
                                  err_len)
-                 : am_allreduce(s->dp, r.data, r.data, G->n_elems, s->reduce, AM_SUM, err, err_len);
+                 : am_allreduce(G->comm, r.data, r.data, G->n_elems, s->reduce, AM_SUM, err, err_len);
 }
 
 int am_gsync_group(void *arg, int group, char *err, size_t err_len)

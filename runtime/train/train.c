@@ -64,18 +64,18 @@ struct trainer {
     const char *peak_from;              /* where peak_flops came from, for the start record */
 };
 
-/* The layouts this trainer runs so far: data, tensor (+ sequence) and pipeline parallelism;
- * context and expert parallelism not yet (mixture-of-experts models run at ep 1, their experts
- * replicated over tp: runtime/model/moe.h). */
+/* The layouts this trainer runs so far: data, tensor (+ sequence), pipeline and expert
+ * parallelism (runtime/model/moe.h); context parallelism not yet. */
 static int check_supported(const struct am_plan *p, const struct am_recipe *r, struct am_errors *err)
 {
     if (p->cp > 1)
-        return am_errors_fail(err, "am-train does not run this layout yet: cp_size %d, ep_size %d (it runs data, "
-                              "tensor and pipeline parallelism: use 1 for both)", p->cp, p->ep);
-    if (p->ep > 1)
-        return am_errors_fail(err, "am-train does not run expert parallelism yet: ep_size %d needs the all-to-all "
-                              "dispatch of tokens to the ranks holding their experts, not implemented (a mixture-of-"
-                              "experts model trains with every expert on each rank: use ep_size 1)", p->ep);
+        return am_errors_fail(err, "am-train does not run this layout yet: cp_size %d (it runs data, tensor, "
+                              "pipeline and expert parallelism: use cp_size 1)", p->cp);
+    if (p->ep > 1 && p->dp_replicate > 1)
+        return am_errors_fail(err, "am-train does not run this layout yet: ep_size %d with dp_replicate_size %d "
+                              "(HSDP): the experts are sharded over the ranks holding the same experts, which would "
+                              "span the replica groups (use dp_replicate_size 1 with expert parallelism)", p->ep,
+                              p->dp_replicate);
     if (r->compute_dtype == AM_F16 || r->reduce_dtype == AM_F16)
         return am_errors_fail(err, "distributed.mp_policy: float16 compute or reduction needs loss scaling, which "
                               "am-train does not do: use bfloat16 (fp32's range in half the bytes) or float32");
@@ -151,6 +151,7 @@ static void log_memory(struct trainer *t)
     json_object_set_new(o, "compute_dtype", json_string(am_dtype_torch_name(m->act_dt)));
     json_object_set_new(o, "gathered_bytes", json_integer((json_int_t)gathered));
     json_object_set_new(o, "sharded", json_boolean(t->sharded));
+    json_object_set_new(o, "alltoall_bytes", json_integer((json_int_t)am_moe_alltoall_bytes(m)));
     am_log_record(t->log, "memory", o);
 }
 
@@ -163,6 +164,8 @@ static int build_model(struct trainer *t, struct am_errors *err)
     struct am_model_shard sh;
     if (am_pipe_init(&t->pipe, p, r, &t->s->coords, &sh, msg, sizeof(msg)) < 0)
         return am_errors_fail(err, "%s", msg);
+    sh.ep = p->ep; /* expert parallelism: this rank's share of the experts (moe.h) */
+    sh.ep_rank = p->ep > 1 ? am_comm_rank(t->g.ep) : 0;
     struct am_comm *pp = p->pp > 1 ? t->g.pp : NULL;
     t->zero = p->zero_stage;
     t->sharded = p->zero_stage >= 1;
@@ -172,6 +175,7 @@ static int build_model(struct trainer *t, struct am_errors *err)
         am_pipe_bind(&t->pipe, &t->model, p->microbatch_size, pp, p->pp > 1 ? t->g.pp_grad : NULL, msg,
                      sizeof(msg)) < 0)
         return am_errors_fail(err, "%s", msg);
+    t->model.ep_comm = p->ep > 1 ? t->g.ep : NULL;
     t->base_config[0] = '\0';
     if (strcmp(r->model_source, "inline") != 0) {
         snprintf(t->base_config, sizeof(t->base_config), "%s", r->model_source);
@@ -590,16 +594,20 @@ static int save_checkpoint(struct trainer *t, long step, struct am_errors *err)
 
 static int save_replica(struct trainer *t, long step, struct am_errors *err)
 {
-    if (t->dp_rank != 0)
-        return 0; /* one replica saves: its tp and pp ranks together, pp 0 / tp 0 writes */
+    bool saves = t->dp_rank == 0; /* one replica saves: its tp and pp ranks together, pp 0 / tp 0 writes */
+    if (!saves && t->p->ep == 1)
+        return 0; /* with ep > 1 every rank first gathers its ep group's experts */
     char dir[4096];
     const char *root = t->r->ckpt.dir ? t->r->ckpt.dir : "checkpoints";
     snprintf(dir, sizeof(dir), "%s/step_%ld", root, step);
-    if (am_mkdir_p(root) < 0)
+    if (saves && am_mkdir_p(root) < 0)
         return am_errors_fail(err, "checkpoint.checkpoint_dir: cannot create %s: %s", root, strerror(errno));
-    if (am_model_save_hf_dist(&t->model, t->p->tp > 1 ? t->g.tp : NULL, t->p->pp > 1 ? t->g.pp : NULL, dir,
-                              t->base_config[0] ? t->base_config : NULL, err) < 0)
+    if (am_model_save_hf_ep(&t->model, t->p->tp > 1 ? t->g.tp : NULL, t->p->pp > 1 ? t->g.pp : NULL,
+                            t->p->ep > 1 ? t->g.ep : NULL, saves, dir, t->base_config[0] ? t->base_config : NULL,
+                            err) < 0)
         return -1;
+    if (!saves)
+        return 0;
     am_log_record(t->log, "checkpoint", json_pack("{s:i,s:s}", "step", (int)step, "dir", dir));
     return 0;
 }
@@ -642,6 +650,10 @@ static int forward_backward(struct trainer *t, long step, float dloss_scale, str
     if (p->dp > 1 && am_fault_due(&t->fault, t->s->info.rank, step, AM_FAULT_HANG_IN_COLLECTIVE)) {
         fault_record(t, step, NULL);
         am_comm_inject_stall(t->g.dp, am_comm_seq(t->g.dp) + 1);
+    }
+    if (p->ep > 1 && am_fault_due(&t->fault, t->s->info.rank, step, AM_FAULT_KILL_IN_ALLTOALL)) {
+        fault_record(t, step, NULL); /* the ep group's next call exchanges counts, the one after dispatches */
+        am_comm_inject_kill(t->g.ep, am_comm_seq(t->g.ep) + 2);
     }
     for (int64_t a = 0; a < p->grad_accum; a++) {
         if (read_microbatches(t, step - 1, a, err) < 0)
@@ -769,6 +781,8 @@ static int run(struct trainer *t, struct am_errors *err)
             json_object_set_new(rec, "expert_imbalance", json_real(ms.imbalance));
             if (r->model.output_router_logits)
                 json_object_set_new(rec, "aux_loss", json_real(ms.aux));
+            if (p->ep > 1)
+                json_object_set_new(rec, "alltoall_s", json_real(ms.alltoall_s));
         }
         am_log_record(t->log, "step", rec);
         if (rank == 0)
@@ -790,6 +804,7 @@ static int setup_diagnostics(struct trainer *t, struct am_errors *err)
     size_t size;
     if (am_fault_parse(getenv("AM_FAULT"), &t->fault, msg, sizeof(msg)) < 0 ||
         am_fault_check(&t->fault, t->s->info.size, t->p->dp, msg, sizeof(msg)) < 0 ||
+        am_fault_check_ep(&t->fault, t->p->ep, msg, sizeof(msg)) < 0 ||
         am_flight_size_from_env(&size, msg, sizeof(msg)) < 0 ||
         am_watchdog_timeout(t->s->timeout_s, &t->wd.timeout_s, &t->wd.timeout_from, msg, sizeof(msg)) < 0 ||
         am_flight_init(&t->flight, size, msg, sizeof(msg)) < 0)
@@ -937,8 +952,9 @@ int am_train(struct am_rank_setup *s, struct am_log *log, struct am_errors *err)
                 "the run goes\n", s->info.rank, t.p->mem.total, t.dev.name);
     if (build_model(&t, err) < 0 || build_data(&t, err) < 0)
         goto out;
-    if (t.sharded && am_fsdp_init(&t.fsdp, &t.model, t.g.dp_shard, t.zero, t.r->dist.reshard_after_forward, msg,
-                                  sizeof(msg)) < 0) {
+    /* with expert parallelism the experts are sharded over the ranks holding the same ones (fsdp.h) */
+    if (t.sharded && am_fsdp_init(&t.fsdp, &t.model, t.g.dp_shard, t.p->ep > 1 ? t.g.edp : NULL, t.zero,
+                                  t.r->dist.reshard_after_forward, msg, sizeof(msg)) < 0) {
         am_errors_fail(err, "%s", msg);
         goto out;
     }
@@ -954,6 +970,9 @@ int am_train(struct am_rank_setup *s, struct am_log *log, struct am_errors *err)
         am_errors_fail(err, "%s", msg);
         goto out;
     }
+    for (int g = 0; t.p->ep > 1 && g < t.model.n_groups; g++) /* experts: over expert-data-parallel ranks */
+        if (t.model.groups[g].kind == AM_PG_EXPERTS)
+            t.model.groups[g].comm = am_comm_size(t.g.edp) > 1 ? t.g.edp : NULL;
     t.model.grad_ready = grad_ready;
     t.model.grad_ready_arg = &t;
     log_memory(&t);

@@ -21,7 +21,7 @@ make_recipe "$T" || { echo "FAIL: cannot build the corpus"; exit 1; }
 NPROC=4
 # run NAME KIND RANK STEP [CGROUP]: one job (with the overrides in $LAYOUT, e.g. AM_PP=2);
 # sets RC, WALL, DIR
-LAYOUT=""
+LAYOUT="" RECIPE=tiny.yaml
 run() {
   local name=$1 kind=$2 rank=$3 step=$4 cg=${5:-}
   local logs=$T/$name/logs start
@@ -30,7 +30,7 @@ run() {
   (
     [[ -n $cg ]] && echo $BASHPID >"$cg/cgroup.procs"
     cd "$T" && exec env $LAYOUT AM_FAULT="rank=$rank,step=$step,kind=$kind" AM_WATCHDOG_S=$WATCHDOG_S \
-      timeout 60 "$LAUNCH" --nproc $NPROC --log-dir "$logs" "$T/tiny.yaml"
+      timeout 60 "$LAUNCH" --nproc $NPROC --log-dir "$logs" "$T/$RECIPE"
   ) >"$T/$name/out" 2>"$T/$name/err"
   RC=$?
   finish_case "standalone${LAYOUT:+ $LAYOUT}" "$name" "$kind" "$rank" "$step" $NPROC "$start" "$logs"
@@ -50,6 +50,20 @@ for kind in segv hang kill; do
   run "pp-$kind-3-2" "$kind" 3 2
 done
 LAYOUT=""
+
+# expert parallelism (ep 2 x dp 4, a mixture of experts): rank 1 dies inside the all-to-all
+# that dispatches its tokens to rank 0; rank 0, its ep peer, is a victim waiting for it there
+sed 's/model_type: llama/model_type: mixtral\n  num_local_experts: 4\n  num_experts_per_tok: 2/' "$T/tiny.yaml" >"$T/moe.yaml"
+LAYOUT=AM_EP=2 RECIPE=moe.yaml
+run "ep-kill-in-alltoall-1-2" kill-in-alltoall 1 2
+diag_text=$("$DIAG" "$DIR") # exits 1: a failure found
+if grep -qE "^  rank 0 on .*: victim: waited in alltoallv #[0-9]+ of group ep for .* \(waiting for rank 1\)" <<<"$diag_text"; then
+  pass "ep kill-in-alltoall: am-diag has rank 0 waiting for rank 1 in an alltoallv of group ep"
+else
+  fail "ep kill-in-alltoall: rank 0 is not waiting for rank 1 in an alltoallv of group ep:"
+  grep "^  rank" <<<"$diag_text" | sed "s/^/    /"
+fi
+LAYOUT="" RECIPE=tiny.yaml
 
 # am-diag's input: a log root holding one job is read like the job's directory; unusable
 # input exits 2 with a message

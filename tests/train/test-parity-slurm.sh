@@ -6,8 +6,11 @@
 # norms, 5e-5 on weights). The subset: data parallel over 2 and 4 nodes; tp 2 x pp 2 over 2
 # nodes (1f1b); tp 2 x pp 2 x dp 2 over 4 nodes (interleaved1f1b, sequence parallel). The
 # tiny recipe's strategy is fsdp2, so data parallelism shards (each rank's memory record says
-# "sharded":true): over 4 nodes with dp_shard 4, and as HSDP (2 replicas of 2 shards). Fails,
-# never skips, when the cluster cannot start.
+# "sharded":true): over 4 nodes with dp_shard 4, and as HSDP (2 replicas of 2 shards). A
+# mixture of experts (Mixtral's layers: 4 experts, top 2) with `--am-ep=2` over 4 nodes (dp 4:
+# two ep groups of 2 ranks, tokens dispatched between nodes with all-to-all-v, the experts
+# sharded over the 2 ranks holding the same ones) against its own one rank. Fails, never
+# skips, when the cluster cannot start.
 set -u
 : "${AM_SRCDIR:=$(cd "$(dirname "$0")/../.." && pwd)}"
 : "${AM_BUILDDIR:=$PWD}"
@@ -27,17 +30,19 @@ sed -e "s|paths: .*|paths: $work/corpus|" -e 's/max_steps: .*/max_steps: 8/' -e 
 sed -e 's/sequence_parallel: false/sequence_parallel: true/' -e 's/pp_schedule: .*/pp_schedule: interleaved1f1b/' \
     "$work/tiny.yaml" >"$work/tiny-sp-il.yaml"
 sed -e 's/  dp_size: none.*/  dp_size: none\n  dp_replicate_size: 2/' "$work/tiny.yaml" >"$work/tiny-hsdp.yaml"
+sed -e 's/model_type: llama/model_type: mixtral\n  num_local_experts: 4\n  num_experts_per_tok: 2/' "$work/tiny.yaml" \
+    >"$work/tiny-moe.yaml"
 
 losses() { grep -h '"type":"step"' "$1"/*/rank-0.jsonl | sed -E 's/.*"loss":([^,]*),.*"grad_norm":([^,]*),.*/\1 \2/'; }
-compare() { # NAME FILE
-    if paste "$work/ref" "$2" | awk '
+compare() { # NAME FILE REF
+    if paste "$3" "$2" | awk '
         { d = $1 - $3; if (d < 0) d = -d; if (d > worst) worst = d
           g = ($2 - $4) / $2; if (g < 0) g = -g; if (g > gworst) gworst = g; n++ }
         END { printf "%d steps, largest loss difference %.2g, grad norm %.2g relative\n", n, worst, gworst
               exit !(n == 8 && worst <= 1e-5 && gworst <= 1e-5) }' >"$work/cmp"; then
         echo "ok: $1 matches 1 rank: $(cat "$work/cmp")"; passes=$((passes + 1))
     else
-        echo "FAIL: $1 differs from 1 rank: $(cat "$work/cmp")"; paste "$work/ref" "$2" | sed 's/^/    /'
+        echo "FAIL: $1 differs from 1 rank: $(cat "$work/cmp")"; paste "$3" "$2" | sed 's/^/    /'
         fails=$((fails + 1))
     fi
 }
@@ -46,6 +51,10 @@ mkdir -p "$work/run-1"
 (cd "$work/run-1" && AM_LOG_DIR="$work/logs-1" "$AM_BUILDDIR/am-launch" --nproc 1 "$work/tiny.yaml" >"$work/out-1" 2>&1) ||
     { echo "FAIL: 1 rank did not train"; cat "$work/out-1"; exit 1; }
 losses "$work/logs-1" >"$work/ref"
+mkdir -p "$work/run-1-moe"
+(cd "$work/run-1-moe" && AM_LOG_DIR="$work/logs-1-moe" "$AM_BUILDDIR/am-launch" --nproc 1 "$work/tiny-moe.yaml" \
+    >"$work/out-1-moe" 2>&1) || { echo "FAIL: 1 rank (MoE) did not train"; cat "$work/out-1-moe"; exit 1; }
+losses "$work/logs-1-moe" >"$work/ref-moe"
 
 if ! AM_SPANK_PLUGIN=$AM_BUILDDIR/.libs/spank_am.so cluster up; then
     echo "FAIL: the local Slurm cluster did not start (see above); nothing was tested"
@@ -58,10 +67,13 @@ srun --mpi=pmix "$AM_BUILDDIR/am-launch"
 JOB
 # NAME NODES TASKS-PER-NODE RECIPE [PLUGIN OPTIONS]
 for job in "dp2 2 1 tiny.yaml" "dp4 4 1 tiny.yaml" "tp2-pp2 2 2 tiny.yaml --am-tp=2 --am-pp=2" \
-    "tp2-pp2-dp2-sp-il 4 2 tiny-sp-il.yaml --am-tp=2 --am-pp=2" "hsdp-dp4 4 1 tiny-hsdp.yaml"; do
+    "tp2-pp2-dp2-sp-il 4 2 tiny-sp-il.yaml --am-tp=2 --am-pp=2" "hsdp-dp4 4 1 tiny-hsdp.yaml" \
+    "moe-ep2-dp4 4 1 tiny-moe.yaml --am-ep=2"; do
     set -- $job
     name=$1 nodes=$2 per=$3 recipe=$4
     shift 4
+    ref=1
+    [ "$recipe" = tiny-moe.yaml ] && ref=1-moe
     mkdir -p "$work/run-$name"
     chmod 777 "$work/run-$name"
     (cd "$work/run-$name" && timeout 120 sbatch --wait -N "$nodes" --ntasks-per-node="$per" -o "$work/job-$name.out" \
@@ -71,7 +83,7 @@ for job in "dp2 2 1 tiny.yaml" "dp4 4 1 tiny.yaml" "tp2-pp2 2 2 tiny.yaml --am-t
         echo "FAIL: sbatch $name exited $rc"; sed 's/^/    /' "$work/job-$name.out"; fails=$((fails + 1)); continue
     fi
     losses "$work/logs-$name" >"$work/got-$name"
-    compare "sbatch $name ($nodes nodes x $per tasks $*)" "$work/got-$name"
+    compare "sbatch $name ($nodes nodes x $per tasks $*)" "$work/got-$name" "$work/ref${ref#1}"
     if [ "$name" = dp4 ] || [ "$name" = hsdp-dp4 ]; then
         n=$(grep -h '"type":"memory"' "$work/logs-$name"/*/rank-*.jsonl | grep -c '"sharded":true')
         if [ "$n" = 4 ]; then
@@ -80,7 +92,15 @@ for job in "dp2 2 1 tiny.yaml" "dp4 4 1 tiny.yaml" "tp2-pp2 2 2 tiny.yaml --am-t
             echo "FAIL: sbatch $name: $n of 4 ranks' memory records say sharded"; fails=$((fails + 1))
         fi
     fi
-    if "$AM_BUILDDIR/tests/train/ckpt_diff" "$work/run-1/ckpt/step_8" "$work/run-$name/ckpt/step_8" 5e-5 \
+    if [ "$name" = moe-ep2-dp4 ]; then # the ep and expert-data-parallel groups each rank logged
+        got=$(grep -h '"type":"groups"' "$work/logs-$name"/*/rank-0.jsonl | grep -o '"name":"ep[a-z_]*","gid":[0-9]*,"ranks":\[[0-9,]*\]' | sed -E 's/"name":"([a-z_]*)","gid":[0-9]*,"ranks":/\1 /' | tr '\n' ' ')
+        if [ "$got" = "ep [0,1] ep_shard [0,2] " ]; then
+            echo "ok: sbatch $name: rank 0's groups: $got"; passes=$((passes + 1))
+        else
+            echo "FAIL: sbatch $name: rank 0's ep groups are '$got', want 'ep [0,1] ep_shard [0,2] '"; fails=$((fails + 1))
+        fi
+    fi
+    if "$AM_BUILDDIR/tests/train/ckpt_diff" "$work/run-$ref/ckpt/step_8" "$work/run-$name/ckpt/step_8" 5e-5 \
         >"$work/wdiff" 2>&1; then
         echo "ok: sbatch $name saved the checkpoint of 1 rank: $(cat "$work/wdiff")"; passes=$((passes + 1))
     else

@@ -28,7 +28,12 @@
 #   tp 2 against one rank (the loss is a product of means over each micro-batch's tokens, as
 #   transformers computes it per forward, so it depends on which sequences share a micro-batch:
 #   data-parallel ranks' and pipeline micro-batches hold other sequences than one rank's); its
-#   sequence-parallel, pipeline-with-aux-loss and ep layouts are refused with the reason.
+#   sequence-parallel and pipeline-with-aux-loss layouts are refused with the reason.
+#   Expert parallelism (fsdp2; each ep rank holds E / ep experts, tokens dispatched with
+#   all-to-all-v; the experts' groups sharded over the expert-data-parallel group, dp / ep
+#   ranks): ep 2, ep 4, ep 2 x dp 4 (also reshard false, and Qwen3-MoE), ep 4 x dp 8, tp 2 and
+#   pp 2 with ep 2 and ep 4, tp 2 x dp 4 x ep 2, pp 2 x dp 4 x ep 2 with ac, tp 2 x pp 2 x ep 2;
+#   with HSDP it is refused with the reason.
 #   Qwen3-MoE (q/k norms, renormalised top 2, layer 1 a dense MLP split over tp) at tp 2 x pp 2.
 # The tiny recipe's strategy is fsdp2, so every layout with dp > 1 above shards weights,
 # gradients and AdamW state over its dp ranks (train/fsdp.h: flat shards per group, weights
@@ -195,7 +200,13 @@ layouts+=("ac 1 ac ref" "pp2-tied 2 tied ref-tied AM_PP=2" "pp4-tied-gpipe 4 tie
     "hsdp-dp4 4 hsdp ref" "hsdp-dp8-ac 8 hsdp,lb2,ac ref" "hsdp-tp2-dp4-sp 8 hsdp,sp ref AM_TP=2"
     "hsdp-pp2-dp4 8 hsdp ref AM_PP=2" "hsdp-rep2 2 hsdp ref"
     "mfsdp-z1-dp2 2 mz1 ref" "mfsdp-z1-dp4-ac 4 mz1,ac ref" "mfsdp-z2-dp2 2 mz2 ref" "mfsdp-z2-tp2-dp2 4 mz2 ref AM_TP=2"
-    "mfsdp-z3-dp4 4 mz3 ref" "mfsdp-z3-dp8-ac 8 mz3,lb2,ac ref" "mfsdp-z3-tp2-dp2 4 mz3 ref AM_TP=2")
+    "mfsdp-z3-dp4 4 mz3 ref" "mfsdp-z3-dp8-ac 8 mz3,lb2,ac ref" "mfsdp-z3-tp2-dp2 4 mz3 ref AM_TP=2"
+    "ep2-moe 2 moe ref-moe AM_EP=2" "ep4-moe 4 moe ref-moe AM_EP=4" "ep2-dp4-moe 4 moe ref-moe AM_EP=2"
+    "tp2-ep2-moe 4 moe ref-moe AM_TP=2 AM_EP=2" "pp2-ep2-moe 4 moe ref-moe AM_PP=2 AM_EP=2"
+    "ep4-dp8-moe 8 moe,lb2 ref-moe AM_EP=4" "ep2-dp4-moe-keep 4 moe,keep ref-moe AM_EP=2"
+    "tp2-dp4-ep2-moe 8 moe ref-moe AM_TP=2 AM_EP=2" "pp2-dp4-ep2-moe-ac 8 moe,ac ref-moe AM_PP=2 AM_EP=2"
+    "tp2-ep4-moe 8 moe ref-moe AM_TP=2 AM_EP=4" "pp2-ep4-moe 8 moe ref-moe AM_PP=2 AM_EP=4"
+    "tp2-pp2-ep2-moe 8 moe ref-moe AM_TP=2 AM_PP=2 AM_EP=2" "ep2-dp4-qmoe 4 qmoe ref-qmoe AM_EP=2")
 [ -n "${AM_PARITY_ONLY:-}" ] && IFS=';' read -ra layouts <<<"$AM_PARITY_ONLY" # some layouts, to debug them
 for layout in "${layouts[@]}"; do
     set -- $layout
@@ -256,7 +267,8 @@ fi
 # fully sharded (fsdp2, dp > 1): what each rank allocated for weights (master shards and their
 # compute copy), gradients (the step's full-size accumulation and the reduced shards), AdamW
 # state of the shards and the gathered groups is what am-plan counts, byte for byte, on every
-# rank. Resident state (weights + optimizer state) shrinks as 1/dp.
+# rank (with expert parallelism the experts' shards are 1 / (dp / ep) of the rank's experts).
+# Resident state (weights + optimizer state) shrinks as 1/dp.
 plan_of() { # NAME RANKS [--set ...]: "weights grads optimizer gathered" from am-plan
     local name=$1 n=$2
     shift 2
@@ -267,7 +279,9 @@ plan_of() { # NAME RANKS [--set ...]: "weights grads optimizer gathered" from am
 if [ -z "${AM_PARITY_ONLY:-}" ]; then
     for layout in "tp1-pp1-dp2-1f1b 2" "tp1-pp1-dp4-1f1b 4" "dp8 8" "dp8-ac 8" "dp2-bf16 2" "dp4-rbf16 4" \
         "dp8-bf16-ac 8" "dp2-tied 2" "dp2-keep 2" "hsdp-dp4 4" "hsdp-dp4-rbf16 4" "mfsdp-z1-dp2-rbf16 2" "mfsdp-z2-dp2-rbf16 2" \
-        "mfsdp-z3-dp4 4" "dp2-qwen2 2" "mfsdp-z2-tp2-dp2 4 --set distributed.tp_size=2" "tp2-pp1-dp2-1f1b-sp 4 --set distributed.tp_size=2 --set distributed.sequence_parallel=true"; do
+        "mfsdp-z3-dp4 4" "dp2-qwen2 2" "mfsdp-z2-tp2-dp2 4 --set distributed.tp_size=2" "tp2-pp1-dp2-1f1b-sp 4 --set distributed.tp_size=2 --set distributed.sequence_parallel=true" \
+        "ep2-dp4-moe 4 --set distributed.ep_size=2" "ep4-dp8-moe 8 --set distributed.ep_size=4" \
+        "tp2-dp4-ep2-moe 8 --set distributed.tp_size=2 --set distributed.ep_size=2"; do
         set -- $layout
         name=$1 n=$2
         shift 2
@@ -318,6 +332,7 @@ for layout in "${trained[@]}"; do
         case $v in
         AM_TP=*) sets+=(--set "distributed.tp_size=${v#AM_TP=}") ;;
         AM_PP=*) sets+=(--set "distributed.pp_size=${v#AM_PP=}") ;;
+        AM_EP=*) sets+=(--set "distributed.ep_size=${v#AM_EP=}") ;;
         esac
     done
     want=$("$AM_BUILDDIR/am-plan" "$work/$name.yaml" --gpus-per-node "$n" --json "${sets[@]}" |
@@ -338,7 +353,7 @@ done
 (cd "$work" && AM_CP=2 AM_LOG_DIR="$work/logs-cp2" "$AM_BUILDDIR/am-launch" --nproc 2 "$work/base.yaml" \
     >"$work/out-cp2" 2>&1)
 # (whichever rank refuses first ends the job: its line is the one printed for sure)
-rc=$? want="am-train: rank [01]: error: am-train does not run this layout yet: cp_size 2, ep_size 1 (it runs data, tensor and pipeline parallelism: use 1 for both)"
+rc=$? want="am-train: rank [01]: error: am-train does not run this layout yet: cp_size 2 (it runs data, tensor, pipeline and expert parallelism: use cp_size 1)"
 if [ "$rc" = 1 ] && grep -qx "$want" "$work/out-cp2"; then
     echo "ok: cp 2 is refused: $want"; passes=$((passes + 1))
 else
@@ -360,12 +375,22 @@ refuse() { # NAME RECIPE WANT [VAR=VALUE...]
 }
 refuse fp16 "$work/fp16.yaml" "am-train: rank 0: error: distributed.mp_policy: float16 compute or reduction needs loss scaling, which am-train does not do: use bfloat16 (fp32's range in half the bytes) or float32"
 refuse device "$work/base.yaml" "am-train: rank 0: error: AM_DEVICE=gpu: not a device (cpu or cuda)" AM_DEVICE=gpu
-# a mixture of experts runs at ep 1 (runtime/model/moe.h): what it does not run on 2 ranks is
+# expert parallelism: the all-to-all's buffers am-train allocated (sized for every slot of the
+# ep group routed to one rank) are what am-plan counts
+if [ -d "$work/logs-ep2-moe" ]; then
+    want=$("$AM_BUILDDIR/am-plan" "$work/ep2-moe.yaml" --gpus-per-node 2 --set distributed.ep_size=2 --json |
+        sed -nE 's/.*"alltoall_buffers":([0-9.]+).*/\1/p' | awk '{ printf "%d", $1 }')
+    got=$(memory "$work/logs-ep2-moe" 0 alltoall_bytes)
+    check_memory "ep2-moe: all-to-all buffers allocated ($got bytes) are am-plan's ($want)" \
+        "$([ -n "$got" ] && [ "$got" -gt 0 ] && [ "$got" = "$want" ] && echo 1)"
+fi
+# what a mixture of experts does not run on 2 ranks (runtime/model/moe.h) is
 # refused by every rank (whichever refuses first ends the job)
 sed 's/sequence_parallel: false/sequence_parallel: true/' "$work/ref-moe.yaml" >"$work/moe-sp.yaml"
+sed 's/  dp_size: none.*/  dp_size: none\n  dp_replicate_size: 2/' "$work/ref-moe.yaml" >"$work/moe-hsdp.yaml"
 for v in "sp moe-sp AM_TP=2 model: mixtral with sequence parallelism: the experts are replicated over the tensor-parallel ranks and take every token, not a rank's share (set distributed.sequence_parallel: false)" \
     "pp2-aux ref-moe-aux AM_PP=2 model: mixtral over pipeline stages with output_router_logits: the load-balancing loss spans all the layers and is not exchanged between stages yet (train with pp 1, or without the loss: output_router_logits: false)" \
-    "ep2 ref-moe AM_EP=2 am-train does not run expert parallelism yet: ep_size 2 needs the all-to-all dispatch of tokens to the ranks holding their experts, not implemented (a mixture-of-experts model trains with every expert on each rank: use ep_size 1)"; do
+    "ep2-hsdp moe-hsdp AM_EP=2 am-train does not run this layout yet: ep_size 2 with dp_replicate_size 2 (HSDP): the experts are sharded over the ranks holding the same experts, which would span the replica groups (use dp_replicate_size 1 with expert parallelism)"; do
     set -- $v
     name=moe-$1 yaml=$2 var=$3
     shift 3
