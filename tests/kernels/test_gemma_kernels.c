@@ -473,6 +473,92 @@ static void test_ce_softcap(void **state)
     arr_free(&w);
 }
 
+/* ---- bf16: each kernel widens its bf16 operands, runs the fp32 path and rounds each output
+ * once, so on bf16 inputs it gives the fp32 path's result rounded, bit for bit ---- */
+
+static void to_bf16(const float *src, uint16_t *b, float *widened, int64_t n)
+{
+    for (int64_t i = 0; i < n; i++) {
+        b[i] = am_f32_to_bf16(src[i]);
+        widened[i] = am_bf16_to_f32(b[i]);
+    }
+}
+
+static void expect_rounded(const char *what, const uint16_t *got, const float *f32, int64_t n)
+{
+    for (int64_t i = 0; i < n; i++)
+        if (got[i] != am_f32_to_bf16(f32[i])) {
+            print_error("%s: element %lld: bf16 %#x, the fp32 path rounded %#x\n", what, (long long)i, got[i],
+                        am_f32_to_bf16(f32[i]));
+            fail();
+        }
+}
+
+static void test_bf16(void **state)
+{
+    (void)state;
+    struct rng r = {47};
+    enum { N = 96 };
+    struct arr g = arr_rand(&r, N, -4, 4), u = arr_rand(&r, N, -2, 2), d = arr_rand(&r, N, -1, 1);
+    uint16_t gb[N], ub[N], db[N], ob[N], dgb[N], dub[N];
+    float gf[N], uf[N], df[N], of[N], dgf[N] = {0}, duf[N] = {0};
+    to_bf16(g.f, gb, gf, N);
+    to_bf16(u.f, ub, uf, N);
+    to_bf16(d.f, db, df, N);
+    struct am_tensor bg = am_tensor_view(gb, AM_DEV_CPU, AM_BF16, N, 0, 0, 0), bu = am_tensor_view(ub, AM_DEV_CPU, AM_BF16, N, 0, 0, 0);
+    struct am_tensor bd = am_tensor_view(db, AM_DEV_CPU, AM_BF16, N, 0, 0, 0), bo = am_tensor_view(ob, AM_DEV_CPU, AM_BF16, N, 0, 0, 0);
+    struct am_tensor tg = tv(gf, N, 0, 0, 0), tu = tv(uf, N, 0, 0, 0), td = tv(df, N, 0, 0, 0), to = tv(of, N, 0, 0, 0);
+    K->geglu_forward(&kdev, &bo, &bg, &bu);
+    K->geglu_forward(&kdev, &to, &tg, &tu);
+    expect_rounded("geglu forward bf16", ob, of, N);
+    memset(dgb, 0, sizeof dgb);
+    memset(dub, 0, sizeof dub);
+    struct am_tensor bdg = am_tensor_view(dgb, AM_DEV_CPU, AM_BF16, N, 0, 0, 0), bdu = am_tensor_view(dub, AM_DEV_CPU, AM_BF16, N, 0, 0, 0);
+    struct am_tensor tdg = tv(dgf, N, 0, 0, 0), tdu = tv(duf, N, 0, 0, 0);
+    K->geglu_backward(&kdev, &bdg, &bdu, &bd, &bg, &bu);
+    K->geglu_backward(&kdev, &tdg, &tdu, &td, &tg, &tu);
+    expect_rounded("geglu backward dgate bf16", dgb, dgf, N);
+    expect_rounded("geglu backward dup bf16", dub, duf, N);
+
+    /* attention_softcap: [1, 12, 2, 8] q, [1, 12, 1, 8] k, v */
+    enum { T = 12, H = 2, D = 8, NQ = T * H * D, NK = T * D };
+    struct arr q = arr_rand(&r, NQ, -2, 2), k = arr_rand(&r, NK, -2, 2), v = arr_rand(&r, NK, -1, 1);
+    uint16_t qb[NQ], kb[NK], vb[NK], aob[NQ];
+    float qf[NQ], kf[NK], vf[NK], aof[NQ], lse[H * T], lse2[H * T];
+    to_bf16(q.f, qb, qf, NQ);
+    to_bf16(k.f, kb, kf, NK);
+    to_bf16(v.f, vb, vf, NK);
+    struct am_tensor bq = am_tensor_view(qb, AM_DEV_CPU, AM_BF16, 1, T, H, D), bk = am_tensor_view(kb, AM_DEV_CPU, AM_BF16, 1, T, 1, D);
+    struct am_tensor bv = am_tensor_view(vb, AM_DEV_CPU, AM_BF16, 1, T, 1, D), bao = am_tensor_view(aob, AM_DEV_CPU, AM_BF16, 1, T, H, D);
+    struct am_tensor fq = tv(qf, 1, T, H, D), fk = tv(kf, 1, T, 1, D), fv = tv(vf, 1, T, 1, D), fao = tv(aof, 1, T, H, D);
+    struct am_tensor tl = tv(lse, 1, H, T, 0), tl2 = tv(lse2, 1, H, T, 0);
+    K->attention_softcap_forward(&kdev, &bao, &tl, &bq, &bk, &bv, 5, 0.3f, 1.5f);
+    K->attention_softcap_forward(&kdev, &fao, &tl2, &fq, &fk, &fv, 5, 0.3f, 1.5f);
+    expect_rounded("attention_softcap forward bf16", aob, aof, NQ);
+    assert_memory_equal(lse, lse2, sizeof lse);
+
+    /* the softcap cross-entropy's statistics from bf16 x and w */
+    enum { CN = 5, CC = 8, CV = 20 };
+    struct arr x = arr_rand(&r, CN * CC, -1, 1), w = arr_rand(&r, CV * CC, -1, 1);
+    uint16_t xb[CN * CC], wb[CV * CC];
+    float xf[CN * CC], wf[CV * CC], m1[CN], s1[CN], t1[CN], m2[CN], s2[CN], t2[CN];
+    int32_t tgt[CN] = {1, 19, -1, 7, 0};
+    to_bf16(x.f, xb, xf, CN * CC);
+    to_bf16(w.f, wb, wf, CV * CC);
+    struct am_tensor bx = am_tensor_view(xb, AM_DEV_CPU, AM_BF16, CN, CC, 0, 0), bw = am_tensor_view(wb, AM_DEV_CPU, AM_BF16, CV, CC, 0, 0);
+    struct am_tensor fx = tv(xf, CN, CC, 0, 0), fw = tv(wf, CV, CC, 0, 0), tt = am_tensor_view(tgt, AM_DEV_CPU, AM_I32, CN, 0, 0, 0);
+    struct am_tensor a1 = tv(m1, CN, 0, 0, 0), b1 = tv(s1, CN, 0, 0, 0), c1 = tv(t1, CN, 0, 0, 0);
+    struct am_tensor a2 = tv(m2, CN, 0, 0, 0), b2 = tv(s2, CN, 0, 0, 0), c2 = tv(t2, CN, 0, 0, 0);
+    K->ce_stats_softcap(&kdev, &a1, &b1, &c1, &bx, &bw, &tt, 0, 2.0f);
+    K->ce_stats_softcap(&kdev, &a2, &b2, &c2, &fx, &fw, &tt, 0, 2.0f);
+    assert_memory_equal(m1, m2, sizeof m1);
+    assert_memory_equal(s1, s2, sizeof s1);
+    assert_memory_equal(t1, t2, sizeof t1);
+    struct arr *all[] = {&g, &u, &d, &q, &k, &v, &x, &w};
+    for (size_t i = 0; i < sizeof all / sizeof *all; i++)
+        arr_free(all[i]);
+}
+
 int main(void)
 {
     char err[256];
@@ -482,7 +568,8 @@ int main(void)
     }
     K = kdev.k;
     const struct CMUnitTest tests[] = {cmocka_unit_test(test_rmsnorm_offset), cmocka_unit_test(test_geglu),
-                                       cmocka_unit_test(test_attention_softcap), cmocka_unit_test(test_ce_softcap)};
+                                       cmocka_unit_test(test_attention_softcap), cmocka_unit_test(test_ce_softcap),
+                                       cmocka_unit_test(test_bf16)};
     int rc = cmocka_run_group_tests_name("gemma kernels", tests, NULL, NULL);
     am_dev_close(&kdev);
     return rc;
