@@ -12,7 +12,9 @@
 #   qwen3_tiny (2 layers, 4 heads / 2 kv heads of 32, per-head q/k norms replicated on both tp
 #              ranks, tied): 1f1b; 1f1b with sequence parallelism;
 #   mistral_window (2 layers, 4 heads / 2 kv heads, sliding window 7 on 32 tokens): 1f1b; 1f1b
-#              with sequence parallelism.
+#              with sequence parallelism;
+#   gemma2_tiny (2 layers, 4 heads / 2 kv heads, soft-capped attention and logits, post norms of
+#              the reduced row-parallel outputs, tied): 1f1b; 1f1b with sequence parallelism.
 # Then the test of the test: the same run with lr 1.1e-2 in the recipe must fail.
 # The measured worst differences are printed per run.
 set -u
@@ -71,7 +73,7 @@ launch() { # NAME CASE SCHEDULE SP LR: golden_dist on 4 ranks, its output in out
 
 for run in "llama_tp 1f1b false" "llama_tp interleaved1f1b false" "llama_tp 1f1b true" \
     "llama_tied 1f1b false" "llama_tied 1f1b true" "qwen3_tiny 1f1b false" "qwen3_tiny 1f1b true" \
-    "mistral_window 1f1b false" "mistral_window 1f1b true"; do
+    "mistral_window 1f1b false" "mistral_window 1f1b true" "gemma2_tiny 1f1b false" "gemma2_tiny 1f1b true"; do
     set -- $run
     name="$1-$2-sp$3"
     start=$(date +%s)
