@@ -93,6 +93,14 @@ int am_kernels_missing(const struct am_kernels *k, char *buf, size_t len)
     AM_NEED(attention_backward);
     AM_NEED(swiglu_forward);
     AM_NEED(swiglu_backward);
+    AM_NEED(rmsnorm_offset_forward);
+    AM_NEED(rmsnorm_offset_backward);
+    AM_NEED(geglu_forward);
+    AM_NEED(geglu_backward);
+    AM_NEED(attention_softcap_forward);
+    AM_NEED(attention_softcap_backward);
+    AM_NEED(ce_stats_softcap);
+    AM_NEED(ce_backward_softcap);
     AM_NEED(moe_route_forward);
     AM_NEED(moe_route_backward);
     AM_NEED(moe_aux_stats);

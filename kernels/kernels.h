@@ -218,6 +218,43 @@ struct am_kernels {
     void (*swiglu_backward)(const struct am_dev *d, struct am_tensor *dgate, struct am_tensor *dup, const struct am_tensor *dout,
                             const struct am_tensor *gate, const struct am_tensor *up);
 
+    /* ---- Gemma 2 / Gemma 3 (transformers' Gemma2ForCausalLM, Gemma3ForCausalLM) ----
+     * rmsnorm_offset: Gemma's RMSNorm, out = x * rstd * (1 + w), computed in fp32 with (1 + w)
+     *   in fp32 and the output rounded once (Gemma2RMSNorm: (x.float() * rsqrt(...)) *
+     *   (1.0 + w.float()), then type_as(x)); shapes and rstd as rmsnorm; backward: rmsnorm's
+     *   with the weight 1 + w (dw += Σ_i dout_ij * x̂_ij, as rmsnorm's).
+     * geglu: out = gelu_tanh(gate) * up (gelu_pytorch_tanh: 0.5 g (1 + tanh(sqrt(2/pi) (g +
+     *   0.044715 g³)))), all [N, I]; backward as swiglu's (dgate or dup may be NULL).
+     * attention_softcap: attention_forward / attention_backward with the scores
+     *   s_j = scale * q_t · k_j (scale > 0: Gemma's query_pre_attn_scalar ** -0.5; scale <= 0:
+     *   1 / sqrt(D)) and, with softcap > 0, capped before the softmax: s_j <- softcap *
+     *   tanh(s_j / softcap) (attn_logit_softcapping); softcap <= 0: no cap. With scale <= 0
+     *   and softcap <= 0 it is attention_forward / attention_backward, bit for bit.
+     * ce_stats_softcap, ce_backward_softcap: ce_stats and ce_backward on the capped logits
+     *   softcap * tanh(logit / softcap) (final_logit_softcapping), the backward through the
+     *   cap (d/dlogit = 1 - (capped / softcap)²); softcap <= 0: ce_stats / ce_backward. */
+    void (*rmsnorm_offset_forward)(const struct am_dev *d, struct am_tensor *out, struct am_tensor *rstd,
+                                   const struct am_tensor *x, const struct am_tensor *w, float eps);
+    void (*rmsnorm_offset_backward)(const struct am_dev *d, struct am_tensor *dx, struct am_tensor *dw,
+                                    const struct am_tensor *dout, const struct am_tensor *x, const struct am_tensor *w,
+                                    const struct am_tensor *rstd);
+    void (*geglu_forward)(const struct am_dev *d, struct am_tensor *out, const struct am_tensor *gate, const struct am_tensor *up);
+    void (*geglu_backward)(const struct am_dev *d, struct am_tensor *dgate, struct am_tensor *dup, const struct am_tensor *dout,
+                           const struct am_tensor *gate, const struct am_tensor *up);
+    void (*attention_softcap_forward)(const struct am_dev *d, struct am_tensor *out, struct am_tensor *lse,
+                                      const struct am_tensor *q, const struct am_tensor *k, const struct am_tensor *v,
+                                      int64_t window, float scale, float softcap);
+    void (*attention_softcap_backward)(const struct am_dev *d, struct am_tensor *dq, struct am_tensor *dk,
+                                       struct am_tensor *dv, const struct am_tensor *dout, const struct am_tensor *out,
+                                       const struct am_tensor *lse, const struct am_tensor *q, const struct am_tensor *k,
+                                       const struct am_tensor *v, int64_t window, float scale, float softcap);
+    void (*ce_stats_softcap)(const struct am_dev *d, struct am_tensor *m, struct am_tensor *s, struct am_tensor *t,
+                             const struct am_tensor *x, const struct am_tensor *w, const struct am_tensor *targets,
+                             int64_t vocab_start, float softcap);
+    void (*ce_backward_softcap)(const struct am_dev *d, struct am_tensor *dx, struct am_tensor *dw, const struct am_tensor *x,
+                                const struct am_tensor *w, const struct am_tensor *targets, int64_t vocab_start,
+                                const struct am_tensor *M, const struct am_tensor *S, float dloss_scale, float softcap);
+
     /* ---- mixture of experts on one rank's experts (transformers' Mixtral, Qwen3-MoE) ----
      * N tokens, E experts, k experts per token (idx's columns), S = N * k routed rows; the
      * router's logits [N, E] are a matmul by the caller (x · Wgᵀ). Activations (logits, x, xp,

@@ -27,6 +27,11 @@
  * which walks every query head of its group, so dk and dv of a shared kv head have a
  * single writer: no races, no atomics, sums in a fixed order (deterministic).
  *
+ * Gemma (attention_softcap): the scale is given (query_pre_attn_scalar ** -0.5) and, with a cap
+ * c > 0, each score is capped before the softmax, as transformers' eager_attention_forward:
+ *   u_j = c * tanh((scale * q_t · k_j) / c)     in place of s_j above
+ *   backward: ds_j as above from u_j, times (1 - tanh²) = 1 - (u_j / c)², before the scale.
+ *
  * bf16 (q, k, v, out, dout, dq, dk, dv bf16; lse f32): a wrapper around the fp32 kernels
  * (so that changes to their arguments carry over): for each chunk of sequences and group of
  * kv heads, the chunk's q, k, v (and dout, out, dq, dk, dv) are widened into scratch, the fp32 kernel
@@ -170,7 +175,7 @@ AM_INLINE void pv_block(float *const o[QB], const float *restrict A, int64_t lda
 AM_HOT static void attn_forward_block(float *restrict out, float *restrict lse, const float *restrict q,
                                       const float *restrict kt, const float *restrict v, int64_t t0, int64_t nr,
                                       int64_t T, int64_t D, int64_t qs, int64_t ks, int64_t W, float scale,
-                                      float *restrict S, float *restrict spare)
+                                      float cap, float *restrict S, float *restrict spare)
 {
     int64_t nmax = t0 + nr, np = padded(nmax, T), j0 = block_start(t0, W);
     const float *x[QB];
@@ -185,10 +190,17 @@ AM_HOT static void attn_forward_block(float *restrict out, float *restrict lse, 
         float *restrict row = S + r * T;
         int64_t n = r < nr ? t0 + r + 1 : 0, lo = first_key(t0 + r, W); /* keys lo..n-1 this row sees */
         float m = -INFINITY;
+        if (cap > 0.0f) { /* Gemma 2: scores / cap, tanh, * cap (transformers' order) */
+            for (int64_t j = j0; j < np; j++) {
+                row[j] = j >= lo && j < n ? tanhf(row[j] * scale / cap) * cap : -INFINITY;
+                m = row[j] > m ? row[j] : m;
+            }
+        } else {
 #pragma omp simd reduction(max : m)
-        for (int64_t j = j0; j < np; j++) {
-            row[j] = j >= lo && j < n ? row[j] * scale : -INFINITY;
-            m = row[j] > m ? row[j] : m;
+            for (int64_t j = j0; j < np; j++) {
+                row[j] = j >= lo && j < n ? row[j] * scale : -INFINITY;
+                m = row[j] > m ? row[j] : m;
+            }
         }
         if (n == 0) { /* a missing row: no weights */
             for (int64_t j = j0; j < np; j++)
@@ -223,7 +235,7 @@ AM_HOT static void attn_backward_block(float *restrict dq, float *restrict dk, f
                                        const float *restrict lse, const float *restrict q, const float *restrict k,
                                        const float *restrict kt, const float *restrict vt, int64_t t0, int64_t nr,
                                        int64_t T, int64_t D, int64_t qs, int64_t ks, int64_t W, float scale,
-                                       float *restrict S, float *restrict DS, float *restrict spare)
+                                       float cap, float *restrict S, float *restrict DS, float *restrict spare)
 {
     int64_t nmax = t0 + nr, np = padded(nmax, T), j0 = block_start(t0, W);
     const float *xq[QB], *xd[QB];
@@ -247,6 +259,15 @@ AM_HOT static void attn_backward_block(float *restrict dq, float *restrict dk, f
         float *restrict srow = S + r * T, *restrict dsrow = DS + r * T;
         int64_t n = r < nr ? t0 + r + 1 : 0, lo = first_key(t0 + r, W);
         float L = r < nr ? lse[t0 + r] : 0.0f, Dr = Dt[r];
+        if (cap > 0.0f) { /* through the cap: d tanh = 1 - tanh² */
+            for (int64_t j = j0; j < np; j++) {
+                float th = tanhf(srow[j] * scale / cap), u = th * cap;
+                float p = j >= lo && j < n ? am_expf(u - L) : 0.0f;
+                srow[j] = p;
+                dsrow[j] = p * (dsrow[j] - Dr) * (1.0f - th * th) * scale;
+            }
+            continue;
+        }
 #pragma omp simd
         for (int64_t j = j0; j < np; j++) {
             float p = j >= lo && j < n ? am_expf(srow[j] * scale - L) : 0.0f;
@@ -332,7 +353,7 @@ static void scatter(struct am_tensor *t, int64_t b0, int64_t h0, const struct am
 
 static void attention_forward_bf16(const struct am_dev *dev, struct am_tensor *out, struct am_tensor *lse,
                                    const struct am_tensor *q, const struct am_tensor *k, const struct am_tensor *v,
-                                   int64_t window)
+                                   int64_t window, float scale, float cap)
 {
     const char *kernel = "am_cpu_attention_forward";
     am_cpu_act(kernel, "q", q);
@@ -353,7 +374,7 @@ static void attention_forward_bf16(const struct am_dev *dev, struct am_tensor *o
             struct am_tensor tq = gather(q, b0, nb, h0, hc, qb), tk = gather(k, b0, nb, kv0, kc, kb);
             struct am_tensor tv = gather(v, b0, nb, kv0, kc, vb), to = am_f32_view(ob, nb, s.T, hc, s.D);
             struct am_tensor tl = am_f32_view((float *)lse->data + (b0 * s.H + h0) * s.T, nb, hc, s.T, 0);
-            am_cpu_attention_forward(dev, &to, &tl, &tq, &tk, &tv, window);
+            am_cpu_attention_softcap_forward(dev, &to, &tl, &tq, &tk, &tv, window, scale, cap);
             scatter(out, b0, h0, &to);
         }
 }
@@ -361,7 +382,7 @@ static void attention_forward_bf16(const struct am_dev *dev, struct am_tensor *o
 static void attention_backward_bf16(const struct am_dev *dev, struct am_tensor *dq, struct am_tensor *dk,
                                     struct am_tensor *dv, const struct am_tensor *dout, const struct am_tensor *out,
                                     const struct am_tensor *lse, const struct am_tensor *q, const struct am_tensor *k,
-                                    const struct am_tensor *v, int64_t window)
+                                    const struct am_tensor *v, int64_t window, float scale, float cap)
 {
     const char *kernel = "am_cpu_attention_backward";
     am_cpu_act(kernel, "q", q);
@@ -390,7 +411,7 @@ static void attention_backward_bf16(const struct am_dev *dev, struct am_tensor *
             struct am_tensor tk = gather(k, b0, nb, kv0, kc, kb), tv = gather(v, b0, nb, kv0, kc, vb);
             struct am_tensor tdk = gather(dk, b0, nb, kv0, kc, dkb), tdv = gather(dv, b0, nb, kv0, kc, dvb);
             struct am_tensor tl = am_f32_view((float *)lse->data + (b0 * s.H + h0) * s.T, nb, hc, s.T, 0);
-            am_cpu_attention_backward(dev, &tdq, &tdk, &tdv, &tdo, &to, &tl, &tq, &tk, &tv, window);
+            am_cpu_attention_softcap_backward(dev, &tdq, &tdk, &tdv, &tdo, &to, &tl, &tq, &tk, &tv, window, scale, cap);
             scatter(dq, b0, h0, &tdq);
             scatter(dk, b0, kv0, &tdk);
             scatter(dv, b0, kv0, &tdv);
@@ -400,13 +421,22 @@ static void attention_backward_bf16(const struct am_dev *dev, struct am_tensor *
 void am_cpu_attention_forward(const struct am_dev *dev, struct am_tensor *out, struct am_tensor *lse, const struct am_tensor *q,
                               const struct am_tensor *k, const struct am_tensor *v, int64_t window)
 {
+    am_cpu_attention_softcap_forward(dev, out, lse, q, k, v, window, 0.0f, 0.0f);
+}
+
+void am_cpu_attention_softcap_forward(const struct am_dev *dev, struct am_tensor *out, struct am_tensor *lse,
+                                      const struct am_tensor *q, const struct am_tensor *k, const struct am_tensor *v,
+                                      int64_t window, float scale, float cap)
+{
     if (am_not_f32(out) || am_not_f32(q) || am_not_f32(k) || am_not_f32(v)) {
-        attention_forward_bf16(dev, out, lse, q, k, v, window);
+        attention_forward_bf16(dev, out, lse, q, k, v, window, scale, cap);
         return;
     }
     float *o = F32(out), *l = F32(lse);
     const float *qd = F32(q), *kd = F32(k), *vd = F32(v);
     struct attn_shape s = check_attention(__func__, out, lse, q, k, v);
+    if (scale > 0.0f)
+        s.scale = scale;
     int64_t B = s.B, T = s.T, H = s.H, KVH = s.KVH, D = s.D, G = H / KVH;
     int64_t qs = H * D, ks = KVH * D;
     bool fail = false;
@@ -427,7 +457,7 @@ void am_cpu_attention_forward(const struct am_dev *dev, struct am_tensor *out, s
                 for (int64_t t0 = 0; t0 < T; t0 += QB)
                     attn_forward_block(o + b * T * qs + h * D, l + (b * H + h) * T, qd + b * T * qs + h * D, kt,
                                        vd + b * T * ks + kvh * D, t0, T - t0 < QB ? T - t0 : QB, T, D, qs, ks,
-                                       window, s.scale, S, spare);
+                                       window, s.scale, cap, S, spare);
             }
         free(S);
     }
@@ -439,9 +469,17 @@ void am_cpu_attention_backward(const struct am_dev *dev, struct am_tensor *dq, s
                                const struct am_tensor *q, const struct am_tensor *k, const struct am_tensor *v,
                                int64_t window)
 {
+    am_cpu_attention_softcap_backward(dev, dq, dk, dv, dout, out, lse, q, k, v, window, 0.0f, 0.0f);
+}
+
+void am_cpu_attention_softcap_backward(const struct am_dev *dev, struct am_tensor *dq, struct am_tensor *dk,
+                                       struct am_tensor *dv, const struct am_tensor *dout, const struct am_tensor *out,
+                                       const struct am_tensor *lse, const struct am_tensor *q, const struct am_tensor *k,
+                                       const struct am_tensor *v, int64_t window, float scale, float cap)
+{
     if (am_not_f32(dq) || am_not_f32(dk) || am_not_f32(dv) || am_not_f32(dout) || am_not_f32(out) || am_not_f32(q) ||
         am_not_f32(k) || am_not_f32(v)) {
-        attention_backward_bf16(dev, dq, dk, dv, dout, out, lse, q, k, v, window);
+        attention_backward_bf16(dev, dq, dk, dv, dout, out, lse, q, k, v, window, scale, cap);
         return;
     }
     float *dqd = F32(dq), *dkd = F32(dk), *dvd = F32(dv);
@@ -451,6 +489,8 @@ void am_cpu_attention_backward(const struct am_dev *dev, struct am_tensor *dq, s
              "dq (%s) and dout (%s) must have q's shape", am_tname(dq), am_tname(dout));
     AM_CHECK(am_tensor_numel(dk) == am_tensor_numel(k) && am_tensor_numel(dv) == am_tensor_numel(k),
              "dk (%s) and dv (%s) must have k's shape", am_tname(dk), am_tname(dv));
+    if (scale > 0.0f)
+        s.scale = scale;
     int64_t B = s.B, T = s.T, H = s.H, KVH = s.KVH, D = s.D, G = H / KVH;
     int64_t qs = H * D, ks = KVH * D;
     bool fail = false;
@@ -474,7 +514,7 @@ void am_cpu_attention_backward(const struct am_dev *dev, struct am_tensor *dq, s
                     for (int64_t t0 = 0; t0 < T; t0 += QB)
                         attn_backward_block(dqd + qo, dkd + ko, dvd + ko, dod + qo, od + qo, ld + (b * H + h) * T,
                                             qd + qo, kd + ko, kt, vt, t0, T - t0 < QB ? T - t0 : QB, T, D, qs, ks,
-                                            window, s.scale, S, DS, spare);
+                                            window, s.scale, cap, S, DS, spare);
                 }
             }
         free(S);

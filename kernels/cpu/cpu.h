@@ -250,6 +250,23 @@ void am_cpu_attention_backward(const struct am_dev *dev, struct am_tensor *dq, s
                                const struct am_tensor *dout, const struct am_tensor *out, const struct am_tensor *lse,
                                const struct am_tensor *q, const struct am_tensor *k, const struct am_tensor *v,
                                int64_t window);
+void am_cpu_attention_softcap_forward(const struct am_dev *dev, struct am_tensor *out, struct am_tensor *lse,
+                                      const struct am_tensor *q, const struct am_tensor *k, const struct am_tensor *v,
+                                      int64_t window, float scale, float cap);
+void am_cpu_attention_softcap_backward(const struct am_dev *dev, struct am_tensor *dq, struct am_tensor *dk,
+                                       struct am_tensor *dv, const struct am_tensor *dout, const struct am_tensor *out,
+                                       const struct am_tensor *lse, const struct am_tensor *q, const struct am_tensor *k,
+                                       const struct am_tensor *v, int64_t window, float scale, float cap);
+/* gemma.c: Gemma's RMSNorm with weight 1 + w, GeGLU */
+void am_cpu_rmsnorm_offset_forward(const struct am_dev *dev, struct am_tensor *out, struct am_tensor *rstd,
+                                   const struct am_tensor *x, const struct am_tensor *w, float eps);
+void am_cpu_rmsnorm_offset_backward(const struct am_dev *dev, struct am_tensor *dx, struct am_tensor *dw,
+                                    const struct am_tensor *dout, const struct am_tensor *x, const struct am_tensor *w,
+                                    const struct am_tensor *rstd);
+void am_cpu_geglu_forward(const struct am_dev *dev, struct am_tensor *out, const struct am_tensor *gate,
+                          const struct am_tensor *up);
+void am_cpu_geglu_backward(const struct am_dev *dev, struct am_tensor *dgate, struct am_tensor *dup,
+                           const struct am_tensor *dout, const struct am_tensor *gate, const struct am_tensor *up);
 /* swiglu.c */
 void am_cpu_swiglu_forward(const struct am_dev *dev, struct am_tensor *out, const struct am_tensor *gate, const struct am_tensor *up);
 void am_cpu_swiglu_backward(const struct am_dev *dev, struct am_tensor *dgate, struct am_tensor *dup, const struct am_tensor *dout,
@@ -284,6 +301,13 @@ void am_cpu_ce_backward(const struct am_dev *dev, struct am_tensor *dx, struct a
 void am_cpu_ce_rescale(const struct am_dev *dev, struct am_tensor *s, const struct am_tensor *m, const struct am_tensor *M);
 void am_cpu_ce_loss(const struct am_dev *dev, struct am_tensor *acc, const struct am_tensor *M, const struct am_tensor *S,
                     const struct am_tensor *T, const struct am_tensor *targets);
+void am_cpu_ce_stats_softcap(const struct am_dev *dev, struct am_tensor *m, struct am_tensor *s, struct am_tensor *t,
+                             const struct am_tensor *x, const struct am_tensor *w, const struct am_tensor *targets,
+                             int64_t vocab_start, float cap);
+void am_cpu_ce_backward_softcap(const struct am_dev *dev, struct am_tensor *dx, struct am_tensor *dw,
+                                const struct am_tensor *x, const struct am_tensor *w, const struct am_tensor *targets,
+                                int64_t vocab_start, const struct am_tensor *M, const struct am_tensor *S,
+                                float dloss_scale, float cap);
 bool am_cpu_ce_fused(const struct am_dev *dev, struct am_tensor *m, struct am_tensor *s, struct am_tensor *t, struct am_tensor *dx,
                      struct am_tensor *dw, const struct am_tensor *x, const struct am_tensor *w,
                      const struct am_tensor *targets, float dloss_scale);

@@ -17,6 +17,10 @@
  * The backward recomputes the logits (one more sgemm) instead of storing them; ce_fused,
  * for a head holding the whole vocabulary, does both in one pass over the logits.
  *
+ * Gemma's final_logit_softcapping (ce_stats_softcap, ce_backward_softcap): each tile of
+ * logits is capped where it is computed, logit <- c * tanh(logit / c) (transformers' order:
+ * / c, tanh, * c), and the backward's dlogits are multiplied by 1 - (capped / c)².
+ *
  * Threads: ce_stats gives each thread whole chunks of rows (its own scratch, its own
  * sgemms). The backward works on one tile at a time with all threads: first each thread
  * takes a slice of the tile's vocabulary (its columns of the logits, its rows of dw: one
@@ -72,6 +76,14 @@ AM_HOT static void tile_stats(const float *restrict l, int64_t n, float *m, floa
     *s += sum;
 }
 
+/* Caps rows [0, nr) x columns [a, b) of a tile of logits in place (cap > 0). */
+static void cap_tile(float *restrict L, int64_t ld, int64_t nr, int64_t a, int64_t b, float cap)
+{
+    for (int64_t r = 0; r < nr; r++)
+        for (int64_t v = a; v < b; v++)
+            L[r * ld + v] = tanhf(L[r * ld + v] / cap) * cap;
+}
+
 /* ---- bf16: the fp32 kernels on widened chunks ---- */
 
 /* Rows and vocabulary entries per chunk: am_cpu_chunk floats of x or w each, at least 256
@@ -94,7 +106,7 @@ static void check_ce_bf16(const char *kernel, const struct am_tensor *x, const s
 
 static void ce_stats_bf16(const struct am_dev *dev, struct am_tensor *m, struct am_tensor *s, struct am_tensor *t,
                           const struct am_tensor *x, const struct am_tensor *w, const struct am_tensor *targets,
-                          int64_t vocab_start)
+                          int64_t vocab_start, float cap)
 {
     const char *kernel = "am_cpu_ce_stats";
     check_ce_bf16(kernel, x, w, targets);
@@ -122,7 +134,7 @@ static void ce_stats_bf16(const struct am_dev *dev, struct am_tensor *m, struct 
             bool first = v0 == 0;
             struct am_tensor tm = am_f32_view(first ? md : m2, nr, 0, 0, 0), ts = am_f32_view(first ? sd : s2, nr, 0, 0, 0);
             struct am_tensor tt = am_f32_view(first ? td : t2, nr, 0, 0, 0);
-            am_cpu_ce_stats(dev, &tm, &ts, &tt, &tx, &tw, &tg, vocab_start + v0);
+            am_cpu_ce_stats_softcap(dev, &tm, &ts, &tt, &tx, &tw, &tg, vocab_start + v0, cap);
             for (int64_t r = 0; !first && r < nr; r++) { /* combine, as the shards of a tp group */
                 float mx = md[r] > m2[r] ? md[r] : m2[r];
                 sd[r] = sd[r] * expf(md[r] - mx) + s2[r] * expf(m2[r] - mx);
@@ -135,7 +147,8 @@ static void ce_stats_bf16(const struct am_dev *dev, struct am_tensor *m, struct 
 
 static void ce_backward_bf16(const struct am_dev *dev, struct am_tensor *dx, struct am_tensor *dw,
                              const struct am_tensor *x, const struct am_tensor *w, const struct am_tensor *targets,
-                             int64_t vocab_start, const struct am_tensor *M, const struct am_tensor *S, float dloss_scale)
+                             int64_t vocab_start, const struct am_tensor *M, const struct am_tensor *S, float dloss_scale,
+                             float cap)
 {
     const char *kernel = "am_cpu_ce_backward";
     check_ce_bf16(kernel, x, w, targets);
@@ -171,8 +184,8 @@ static void ce_backward_bf16(const struct am_dev *dev, struct am_tensor *dx, str
             wv = v0;
             struct am_tensor tw = am_f32_view(wf, vc, C, 0, 0);
             struct am_tensor tdw = am_f32_view(dwf ? dwf + v0 * C : NULL, vc, C, 0, 0);
-            am_cpu_ce_backward(dev, dx ? &tdx : NULL, dw ? &tdw : NULL, &tx, &tw, &tg, vocab_start + v0, &tM, &tS,
-                               dloss_scale);
+            am_cpu_ce_backward_softcap(dev, dx ? &tdx : NULL, dw ? &tdw : NULL, &tx, &tw, &tg, vocab_start + v0, &tM,
+                                       &tS, dloss_scale, cap);
         }
         if (dx)
             am_cpu_store(dx, r0 * C, nr * C, tdx.data);
@@ -225,8 +238,15 @@ static bool ce_fused_bf16(const struct am_dev *dev, struct am_tensor *m, struct 
 void am_cpu_ce_stats(const struct am_dev *dev, struct am_tensor *m, struct am_tensor *s, struct am_tensor *t, const struct am_tensor *x,
                      const struct am_tensor *w, const struct am_tensor *targets, int64_t vocab_start)
 {
+    am_cpu_ce_stats_softcap(dev, m, s, t, x, w, targets, vocab_start, 0.0f);
+}
+
+void am_cpu_ce_stats_softcap(const struct am_dev *dev, struct am_tensor *m, struct am_tensor *s, struct am_tensor *t,
+                             const struct am_tensor *x, const struct am_tensor *w, const struct am_tensor *targets,
+                             int64_t vocab_start, float cap)
+{
     if (am_not_f32(x) || am_not_f32(w)) {
-        ce_stats_bf16(dev, m, s, t, x, w, targets, vocab_start);
+        ce_stats_bf16(dev, m, s, t, x, w, targets, vocab_start, cap);
         return;
     }
     float *md = F32(m), *sd = F32(s), *td = F32(t);
@@ -262,6 +282,8 @@ void am_cpu_ce_stats(const struct am_dev *dev, struct am_tensor *m, struct am_te
             for (int64_t v0 = 0; v0 < V; v0 += VT) {
                 int64_t vt = V - v0 < VT ? V - v0 : VT;
                 am_cpu_sgemm1(false, true, nr, vt, C, 1.0f, xd + r0 * C, C, wd + v0 * C, C, 0.0f, L, VT);
+                if (cap > 0.0f)
+                    cap_tile(L, VT, nr, 0, vt, cap);
                 for (int64_t r = 0; r < nr; r++) {
                     tile_stats(L + r * VT, vt, md + r0 + r, sd + r0 + r);
                     int64_t tl = tg[r0 + r] < 0 ? -1 : (int64_t)tg[r0 + r] - vocab_start - v0;
@@ -279,7 +301,7 @@ void am_cpu_ce_stats(const struct am_dev *dev, struct am_tensor *m, struct am_te
  * into dlogits, in place. */
 AM_HOT static void dlogits_slice(float *restrict L, int64_t ld, int64_t nr, int64_t a, int64_t b, int64_t v0,
                                  const int32_t *restrict tg, int64_t vocab_start, const float *restrict M,
-                                 const float *restrict S, float scale)
+                                 const float *restrict S, float scale, float cap)
 {
     for (int64_t r = 0; r < nr; r++) {
         float *restrict l = L + r * ld;
@@ -291,6 +313,13 @@ AM_HOT static void dlogits_slice(float *restrict L, int64_t ld, int64_t nr, int6
         int64_t tl = (int64_t)tg[r] - vocab_start - v0; /* the target's column in this tile */
         float lse = M[r] + logf(S[r]);
         float at_target = tl >= a && tl < b ? l[tl] : 0.0f;
+        if (cap > 0.0f) { /* l holds the capped logits u: through the cap, 1 - (u / c)² */
+            for (int64_t v = a; v < b; v++) {
+                float u = l[v], g = (am_expf(u - lse) - (v == tl ? 1.0f : 0.0f)) * scale;
+                l[v] = g * (1.0f - (u / cap) * (u / cap));
+            }
+            continue;
+        }
 #pragma omp simd
         for (int64_t v = a; v < b; v++)
             l[v] = am_expf(l[v] - lse) * scale;
@@ -303,8 +332,16 @@ void am_cpu_ce_backward(const struct am_dev *dev, struct am_tensor *dx, struct a
                         const struct am_tensor *w, const struct am_tensor *targets, int64_t vocab_start,
                         const struct am_tensor *M, const struct am_tensor *S, float dloss_scale)
 {
+    am_cpu_ce_backward_softcap(dev, dx, dw, x, w, targets, vocab_start, M, S, dloss_scale, 0.0f);
+}
+
+void am_cpu_ce_backward_softcap(const struct am_dev *dev, struct am_tensor *dx, struct am_tensor *dw,
+                                const struct am_tensor *x, const struct am_tensor *w, const struct am_tensor *targets,
+                                int64_t vocab_start, const struct am_tensor *M, const struct am_tensor *S,
+                                float dloss_scale, float cap)
+{
     if (am_not_f32(dx) || am_not_f32(dw) || am_not_f32(x) || am_not_f32(w)) {
-        ce_backward_bf16(dev, dx, dw, x, w, targets, vocab_start, M, S, dloss_scale);
+        ce_backward_bf16(dev, dx, dw, x, w, targets, vocab_start, M, S, dloss_scale, cap);
         return;
     }
     const float *xd = F32(x), *wd = F32(w), *Md = F32(M), *Sd = F32(S);
@@ -332,7 +369,9 @@ void am_cpu_ce_backward(const struct am_dev *dev, struct am_tensor *dx, struct a
                 /* this thread's columns of the tile: logits, dlogits, its rows of dw */
                 am_split(vt, id, nth, 16, &a, &b);
                 am_cpu_sgemm1(false, true, nr, b - a, C, 1.0f, xc, C, wd + (v0 + a) * C, C, 0.0f, L + a, VT);
-                dlogits_slice(L, VT, nr, a, b, v0, tg + r0, vocab_start, Md + r0, Sd + r0, dloss_scale);
+                if (cap > 0.0f)
+                    cap_tile(L, VT, nr, a, b, cap);
+                dlogits_slice(L, VT, nr, a, b, v0, tg + r0, vocab_start, Md + r0, Sd + r0, dloss_scale, cap);
                 if (dwd)
                     am_cpu_sgemm1(true, false, b - a, C, nr, 1.0f, L + a, VT, xc, C, 1.0f, dwd + (v0 + a) * C, C);
 #pragma omp barrier
@@ -418,7 +457,7 @@ bool am_cpu_ce_fused(const struct am_dev *dev, struct am_tensor *m, struct am_te
                 td[r0 + r] = tg[r0 + r] >= 0 && tg[r0 + r] < V ? L[r * V + tg[r0 + r]] : 0.0f;
             }
 #pragma omp barrier
-            dlogits_slice(L, V, nr, a, b, 0, tg + r0, 0, md + r0, sd + r0, dloss_scale);
+            dlogits_slice(L, V, nr, a, b, 0, tg + r0, 0, md + r0, sd + r0, dloss_scale, 0.0f);
             am_cpu_sgemm1(true, false, b - a, C, nr, 1.0f, L + a, V, xc, C, 1.0f, dwd + a * C, C);
 #pragma omp barrier
             am_cpu_sgemm1(false, false, rb - ra, C, V, 1.0f, L + ra * V, V, wd, C, 1.0f, dxd + (r0 + ra) * C, C);

@@ -3,7 +3,9 @@
  * attention (attention_cudnn.cu, in builds with cuDNN).
  *
  * Semantics: kernels/cpu/attention.c's (kernels.h has the contract). q, out [B, T, H, D];
- * k, v [B, T, KVH, D]; query head h reads kv head h / (H / KVH); scale = 1/sqrt(D); the
+ * k, v [B, T, KVH, D]; query head h reads kv head h / (H / KVH); scale = 1/sqrt(D) (Gemma's
+ * attention_softcap: the scale given, and each scaled score capped to cap * tanh(s / cap)
+ * before the softmax, its backward times 1 - tanh²; cuDNN is not asked for those); the
  * query at t sees the keys lo_t <= j <= t, lo_t = 0, or t - W + 1 with a window of W keys;
  * lse [B, H, T] = m + log Σ_j exp(s_j - m) over the scaled scores s_j, natural log.
  * bf16 tensors are computed on in fp32 and each output is rounded once (FlashAttention's
@@ -51,7 +53,20 @@
 struct att_shape {
     int64_t B, T, H, KVH, D;
     float scale;
+    float cap; /* Gemma 2's attn_logit_softcapping (0: none) */
 };
+
+/* A scaled score through Gemma's cap: cap * tanh(a / cap) (transformers' order), a itself
+ * without one. */
+__device__ __forceinline__ float att_capped(float a, float cap) { return cap > 0.0f ? tanhf(a / cap) * cap : a; }
+/* The cap's derivative at a: 1 - tanh²(a / cap), 1 without one. */
+__device__ __forceinline__ float att_cap_grad(float a, float cap)
+{
+    if (cap <= 0.0f)
+        return 1.0f;
+    float th = tanhf(a / cap);
+    return 1.0f - th * th;
+}
 
 __device__ __forceinline__ bool att_visible(int64_t t, int64_t j, int64_t W) { return j <= t && (W <= 0 || j > t - W); }
 __host__ __device__ __forceinline__ int64_t att_first_key(int64_t t, int64_t W) { return W > 0 && t - W + 1 > 0 ? t - W + 1 : 0; }
@@ -86,7 +101,7 @@ __device__ __forceinline__ void load_tile(float *dst, int ld, const T *src, int6
 
 template <typename T, int NT>
 __global__ void __launch_bounds__(ATT_THREADS) attn_fwd_k(T *out, float *lse, const T *q, const T *k, const T *v, int64_t Tn,
-                                                          int64_t H, int64_t KVH, int D, int64_t W, float scale)
+                                                          int64_t H, int64_t KVH, int D, int64_t W, float scale, float cap)
 {
     extern __shared__ float sm[];
     const int ld = D | 1, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -129,7 +144,7 @@ __global__ void __launch_bounds__(ATT_THREADS) attn_fwd_k(T *out, float *lse, co
         for (int r = 0; r < ATT_RPW; r++) {
             const int64_t t = t0 + warp * ATT_RPW + r;
             bool ok = lane < nk && t <= tlast && att_visible(t, j, W);
-            float sc = ok ? s[r] * scale : -INFINITY;
+            float sc = ok ? att_capped(s[r] * scale, cap) : -INFINITY;
             float mn = fmaxf(m[r], warp_max(sc));
             float p = mn == -INFINITY ? 0.0f : expf(sc - mn);
             float corr = mn == -INFINITY ? 1.0f : expf(m[r] - mn);
@@ -196,7 +211,7 @@ __global__ void attn_bwd_dot_k(float *Dt, const T *dout, const T *out, int64_t T
 template <typename T, int NT>
 __global__ void __launch_bounds__(ATT_THREADS) attn_bwd_dkdv_k(T *dk, T *dv, const T *dout, const float *lse, const float *Dt,
                                                                const T *q, const T *k, const T *v, int64_t Tn, int64_t H,
-                                                               int64_t KVH, int D, int64_t W, float scale)
+                                                               int64_t KVH, int D, int64_t W, float scale, float cap)
 {
     extern __shared__ float sm[];
     const int ld = D | 1, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -249,9 +264,11 @@ __global__ void __launch_bounds__(ATT_THREADS) attn_bwd_dkdv_k(T *dk, T *dv, con
             for (int r = 0; r < ATT_RPW; r++) {
                 const int64_t j = j0 + warp * ATT_RPW + r;
                 bool ok = lane < nq && warp * ATT_RPW + r < nk && att_visible(t, j, W);
-                float p = ok ? expf(s[r] * scale - Ls[lane]) : 0.0f;
+                float a = s[r] * scale;
+                float p = ok ? expf(att_capped(a, cap) - Ls[lane]) : 0.0f;
                 s[r] = p;
-                dp[r] = p * (dp[r] - Ds[lane]) * scale; /* scale * ds */
+                dp[r] = cap > 0.0f ? p * (dp[r] - Ds[lane]) * att_cap_grad(a, cap) * scale
+                                   : p * (dp[r] - Ds[lane]) * scale; /* scale * ds */
             }
             for (int tt = 0; tt < nq; tt++) {
                 const float *qt = Qs + tt * ld, *ot = Os + tt * ld;
@@ -291,7 +308,7 @@ __global__ void __launch_bounds__(ATT_THREADS) attn_bwd_dkdv_k(T *dk, T *dv, con
 template <typename T, int NT>
 __global__ void __launch_bounds__(ATT_THREADS) attn_bwd_dq_k(T *dq, const T *dout, const float *lse, const float *Dt, const T *q,
                                                              const T *k, const T *v, int64_t Tn, int64_t H, int64_t KVH, int D,
-                                                             int64_t W, float scale)
+                                                             int64_t W, float scale, float cap)
 {
     extern __shared__ float sm[];
     const int ld = D | 1, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -340,8 +357,10 @@ __global__ void __launch_bounds__(ATT_THREADS) attn_bwd_dq_k(T *dq, const T *dou
         for (int r = 0; r < ATT_RPW; r++) {
             const int64_t t = t0 + warp * ATT_RPW + r;
             bool ok = lane < nk && t <= tlast && att_visible(t, j, W);
-            float p = ok ? expf(s[r] * scale - L[r]) : 0.0f;
-            s[r] = p * (dp[r] - Dr[r]) * scale; /* scale * ds */
+            float a = s[r] * scale;
+            float p = ok ? expf(att_capped(a, cap) - L[r]) : 0.0f;
+            s[r] = cap > 0.0f ? p * (dp[r] - Dr[r]) * att_cap_grad(a, cap) * scale
+                              : p * (dp[r] - Dr[r]) * scale; /* scale * ds */
         }
         for (int jj = 0; jj < nk; jj++) {
             const float *kj = Ks + jj * ld;
@@ -390,7 +409,7 @@ static void launch_fwd(const char *kn, cudaStream_t st, const struct att_shape *
     att_smem(kn, attn_fwd_k<T, NT>, smem);
     dim3 grid((unsigned)((s->T + ATT_BQ - 1) / ATT_BQ), (unsigned)(s->B * s->H));
     attn_fwd_k<T, NT><<<grid, ATT_THREADS, smem, st>>>((T *)out, lse, (const T *)q, (const T *)k, (const T *)v, s->T, s->H,
-                                                       s->KVH, (int)s->D, W, s->scale);
+                                                       s->KVH, (int)s->D, W, s->scale, s->cap);
     AM_LAUNCHED(kn);
 }
 
@@ -407,11 +426,11 @@ static void launch_bwd(const char *kn, cudaStream_t st, const struct att_shape *
     unsigned tiles = (unsigned)((s->T + ATT_BQ - 1) / ATT_BQ);
     attn_bwd_dkdv_k<T, NT><<<dim3(tiles, (unsigned)(s->B * s->KVH)), ATT_THREADS, smem_kv, st>>>(
         (T *)dk, (T *)dv, (const T *)dout, lse, Dt, (const T *)q, (const T *)k, (const T *)v, s->T, s->H, s->KVH, (int)s->D,
-        W, s->scale);
+        W, s->scale, s->cap);
     AM_LAUNCHED(kn);
     attn_bwd_dq_k<T, NT><<<dim3(tiles, (unsigned)(s->B * s->H)), ATT_THREADS, smem_q, st>>>(
         (T *)dq, (const T *)dout, lse, Dt, (const T *)q, (const T *)k, (const T *)v, s->T, s->H, s->KVH, (int)s->D, W,
-        s->scale);
+        s->scale, s->cap);
     AM_LAUNCHED(kn);
 }
 
@@ -435,7 +454,7 @@ static struct att_shape check_attention(const char *kn, const struct am_tensor *
 {
     AM_CUDA_REQUIRE(kn, q->ndim == 4 && k->ndim == 4 && v->ndim == 4 && o->ndim == 4,
                     "q (%s), k, v and out must be 4-d [B, T, heads, D]", am_tname(q));
-    struct att_shape s = {q->shape[0], q->shape[1], q->shape[2], k->shape[2], q->shape[3], 0.0f};
+    struct att_shape s = {q->shape[0], q->shape[1], q->shape[2], k->shape[2], q->shape[3], 0.0f, 0.0f};
     for (int i = 0; i < 4; i++)
         AM_CUDA_REQUIRE(kn, o->shape[i] == q->shape[i], "out (%s) must have q's shape", am_tname(o));
     AM_CUDA_REQUIRE(kn, k->shape[0] == s.B && k->shape[1] == s.T && k->shape[3] == s.D,
@@ -489,10 +508,10 @@ void am_cuda_attention_calls(unsigned long long *own, unsigned long long *cudnn)
     *cudnn = __atomic_load_n(&att_calls_cudnn, __ATOMIC_RELAXED);
 }
 
-void am_cuda_attention_forward(const struct am_dev *d, struct am_tensor *out, struct am_tensor *lse, const struct am_tensor *q,
-                               const struct am_tensor *k, const struct am_tensor *v, int64_t window)
+static void attention_forward(const char *kn, const struct am_dev *d, struct am_tensor *out, struct am_tensor *lse,
+                              const struct am_tensor *q, const struct am_tensor *k, const struct am_tensor *v, int64_t window,
+                              float scale, float cap)
 {
-    const char *kn = "am_cuda_attention_forward";
     am_cuda_ctx(kn, d);
     enum am_dtype dt = am_cuda_act(kn, "q", q);
     am_cuda_same(kn, "k", k, "q", q);
@@ -502,13 +521,18 @@ void am_cuda_attention_forward(const struct am_dev *d, struct am_tensor *out, st
     struct att_shape s = check_attention(kn, out, lse, q, k, v);
     if (!s.B || !s.T || !s.H)
         return;
+    bool plain = scale <= 0.0f && cap <= 0.0f; /* what cuDNN's case covers */
+    if (scale > 0.0f)
+        s.scale = scale;
+    s.cap = cap > 0.0f ? cap : 0.0f;
 #ifdef AM_HAVE_CUDNN
-    if (want_cudnn(kn) && am_cuda_attention_cudnn_forward(d, out, lse, q, k, v, window) == 0) {
+    if (want_cudnn(kn) && plain && am_cuda_attention_cudnn_forward(d, out, lse, q, k, v, window) == 0) {
         __atomic_fetch_add(&att_calls_cudnn, 1, __ATOMIC_RELAXED);
         return;
     }
 #else
     want_cudnn(kn);
+    (void)plain;
 #endif
     __atomic_fetch_add(&att_calls_own, 1, __ATOMIC_RELAXED);
     cudaStream_t st = am_cuda_stream(d);
@@ -525,11 +549,24 @@ void am_cuda_attention_forward(const struct am_dev *d, struct am_tensor *out, st
     }
 }
 
-void am_cuda_attention_backward(const struct am_dev *d, struct am_tensor *dq, struct am_tensor *dk, struct am_tensor *dv,
-                                const struct am_tensor *dout, const struct am_tensor *out, const struct am_tensor *lse,
-                                const struct am_tensor *q, const struct am_tensor *k, const struct am_tensor *v, int64_t window)
+void am_cuda_attention_forward(const struct am_dev *d, struct am_tensor *out, struct am_tensor *lse, const struct am_tensor *q,
+                               const struct am_tensor *k, const struct am_tensor *v, int64_t window)
 {
-    const char *kn = "am_cuda_attention_backward";
+    attention_forward("am_cuda_attention_forward", d, out, lse, q, k, v, window, 0.0f, 0.0f);
+}
+
+void am_cuda_attention_softcap_forward(const struct am_dev *d, struct am_tensor *out, struct am_tensor *lse,
+                                       const struct am_tensor *q, const struct am_tensor *k, const struct am_tensor *v,
+                                       int64_t window, float scale, float softcap)
+{
+    attention_forward("am_cuda_attention_softcap_forward", d, out, lse, q, k, v, window, scale, softcap);
+}
+
+static void attention_backward(const char *kn, const struct am_dev *d, struct am_tensor *dq, struct am_tensor *dk,
+                               struct am_tensor *dv, const struct am_tensor *dout, const struct am_tensor *out,
+                               const struct am_tensor *lse, const struct am_tensor *q, const struct am_tensor *k,
+                               const struct am_tensor *v, int64_t window, float scale, float cap)
+{
     am_cuda_ctx(kn, d);
     enum am_dtype dt = am_cuda_act(kn, "q", q);
     const struct am_tensor *same[] = {k, v, out, dout, dq, dk, dv};
@@ -546,13 +583,18 @@ void am_cuda_attention_backward(const struct am_dev *d, struct am_tensor *dq, st
     }
     if (!s.B || !s.T || !s.H)
         return;
+    bool plain = scale <= 0.0f && cap <= 0.0f;
+    if (scale > 0.0f)
+        s.scale = scale;
+    s.cap = cap > 0.0f ? cap : 0.0f;
 #ifdef AM_HAVE_CUDNN
-    if (want_cudnn(kn) && am_cuda_attention_cudnn_backward(d, dq, dk, dv, dout, out, lse, q, k, v, window) == 0) {
+    if (want_cudnn(kn) && plain && am_cuda_attention_cudnn_backward(d, dq, dk, dv, dout, out, lse, q, k, v, window) == 0) {
         __atomic_fetch_add(&att_calls_cudnn, 1, __ATOMIC_RELAXED);
         return;
     }
 #else
     want_cudnn(kn);
+    (void)plain;
 #endif
     __atomic_fetch_add(&att_calls_own, 1, __ATOMIC_RELAXED);
     cudaStream_t st = am_cuda_stream(d);
@@ -581,4 +623,20 @@ void am_cuda_attention_backward(const struct am_dev *d, struct am_tensor *dq, st
         ATT_DISPATCH(nt, CALL)
 #undef CALL
     }
+}
+
+void am_cuda_attention_backward(const struct am_dev *d, struct am_tensor *dq, struct am_tensor *dk, struct am_tensor *dv,
+                                const struct am_tensor *dout, const struct am_tensor *out, const struct am_tensor *lse,
+                                const struct am_tensor *q, const struct am_tensor *k, const struct am_tensor *v, int64_t window)
+{
+    attention_backward("am_cuda_attention_backward", d, dq, dk, dv, dout, out, lse, q, k, v, window, 0.0f, 0.0f);
+}
+
+void am_cuda_attention_softcap_backward(const struct am_dev *d, struct am_tensor *dq, struct am_tensor *dk,
+                                        struct am_tensor *dv, const struct am_tensor *dout, const struct am_tensor *out,
+                                        const struct am_tensor *lse, const struct am_tensor *q, const struct am_tensor *k,
+                                        const struct am_tensor *v, int64_t window, float scale, float softcap)
+{
+    attention_backward("am_cuda_attention_softcap_backward", d, dq, dk, dv, dout, out, lse, q, k, v, window, scale,
+                       softcap);
 }

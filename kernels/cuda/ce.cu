@@ -147,6 +147,15 @@ __global__ void ce_stats_k(const float *L, int64_t ld, int64_t vc, int64_t v0, b
     }
 }
 
+/* Gemma's final_logit_softcapping: rows [0, blockIdx.y) of a tile capped in place,
+ * l <- cap * tanh(l / cap) (transformers' order: / cap, tanh, * cap). */
+__global__ void ce_cap_k(float *L, int64_t ld, int64_t vc, float cap)
+{
+    float *l = L + (int64_t)blockIdx.y * ld;
+    for (int64_t v = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; v < vc; v += (int64_t)gridDim.x * blockDim.x)
+        l[v] = tanhf(l[v] / cap) * cap;
+}
+
 /* m = -inf, s = 0, t = 0: the statistics of an empty shard */
 __global__ void ce_stats_empty_k(float *m, float *s, float *t, int64_t n)
 {
@@ -163,7 +172,7 @@ __global__ void ce_stats_empty_k(float *m, float *s, float *t, int64_t n)
  * rows whose target is < 0. kernels/cpu/crossentropy.c's dlogits_slice. */
 template <typename D>
 __global__ void ce_dlogits_k(const float *L, int64_t ld, int64_t vc, int64_t v0, D *out, int64_t ldo, const int32_t *tg,
-                             int64_t vocab_start, const float *M, const float *S, float scale)
+                             int64_t vocab_start, const float *M, const float *S, float scale, float cap)
 {
     int64_t r = blockIdx.y;
     const float *l = L + r * ld;
@@ -176,6 +185,8 @@ __global__ void ce_dlogits_k(const float *L, int64_t ld, int64_t vc, int64_t v0,
         if (g >= 0) {
             float e = expf(l[v] - lse);
             dv = (v == tl ? e - 1.0f : e) * scale;
+            if (cap > 0.0f) /* l holds the capped logit u: through the cap, 1 - (u / cap)² */
+                dv *= 1.0f - (l[v] / cap) * (l[v] / cap);
         }
         am_st(o, v, dv);
     }
@@ -271,6 +282,18 @@ static void logits(const char *k, const struct am_dev *d, const struct ce_plan *
     am_cuda_gemm(k, d, true, false, vc, nr, p->C, wc, p->C, xc, p->C, x->dtype, L, p->ld, AM_F32, 0.0f);
 }
 
+/* The tile's logits capped (cap > 0; nothing otherwise). */
+static void cap_tile(const char *k, const struct am_dev *d, const struct ce_plan *p, float *L, int64_t nr, int64_t vc,
+                     float cap)
+{
+    if (cap <= 0.0f)
+        return;
+    unsigned gx = (unsigned)((vc + CE_THREADS - 1) / CE_THREADS);
+    gx = gx > 64 ? 64 : gx < 1 ? 1 : gx;
+    ce_cap_k<<<dim3(gx, (unsigned)nr), CE_THREADS, 0, am_cuda_stream(d)>>>(L, p->ld, vc, cap);
+    AM_LAUNCHED(k);
+}
+
 static void stats_tile(const char *k, const struct am_dev *d, const struct ce_plan *p, const float *L, int64_t nr,
                        int64_t v0, int64_t vc, float *m, float *s, float *t, const int32_t *tg, int64_t vocab_start)
 {
@@ -308,7 +331,7 @@ static struct ce_grads ce_scratch(const char *k, const struct am_dev *d, const s
 static void backward_tile(const char *k, const struct am_dev *d, const struct ce_plan *p, const struct ce_grads *g,
                           struct am_tensor *dx, struct am_tensor *dw, const struct am_tensor *x, const struct am_tensor *w,
                           const int32_t *tg, int64_t vocab_start, const float *M, const float *S, float scale,
-                          int64_t r0, int64_t nr, int64_t v0, int64_t vc)
+                          int64_t r0, int64_t nr, int64_t v0, int64_t vc, float cap)
 {
     cudaStream_t st = am_cuda_stream(d);
     enum am_dtype dt = x->dtype;
@@ -319,11 +342,11 @@ static void backward_tile(const char *k, const struct am_dev *d, const struct ce
     const void *D;
     if (dt == AM_BF16) {
         ce_dlogits_k<<<grid, CE_THREADS, 0, st>>>(g->L, p->ld, vc, v0, g->Lb, p->ld, tg + r0, vocab_start, M + r0, S + r0,
-                                                  scale);
+                                                  scale, cap);
         D = g->Lb;
     } else {
         ce_dlogits_k<<<grid, CE_THREADS, 0, st>>>(g->L, p->ld, vc, v0, g->L, p->ld, tg + r0, vocab_start, M + r0, S + r0,
-                                                  scale);
+                                                  scale, cap);
         D = g->L;
     }
     AM_LAUNCHED(k);
@@ -382,11 +405,10 @@ static void grads_end(const char *k, const struct am_dev *d, const struct ce_pla
 
 /* ---- the table's functions ---- */
 
-void am_cuda_ce_stats(const struct am_dev *d, struct am_tensor *m, struct am_tensor *s, struct am_tensor *t,
-                      const struct am_tensor *x, const struct am_tensor *w, const struct am_tensor *targets,
-                      int64_t vocab_start)
+static void ce_stats(const char *k, const struct am_dev *d, struct am_tensor *m, struct am_tensor *s, struct am_tensor *t,
+                     const struct am_tensor *x, const struct am_tensor *w, const struct am_tensor *targets,
+                     int64_t vocab_start, float cap)
 {
-    const char *k = "am_cuda_ce_stats";
     am_cuda_ctx(k, d);
     check_ce(k, x, w, targets);
     int64_t N = am_rows(x), C = am_cols(x), V = am_rows(w);
@@ -406,16 +428,31 @@ void am_cuda_ce_stats(const struct am_dev *d, struct am_tensor *m, struct am_ten
         for (int64_t v0 = 0; v0 < V; v0 += p.VC) {
             int64_t vc = V - v0 < p.VC ? V - v0 : p.VC;
             logits(k, d, &p, x, w, r0, nr, v0, vc, L);
+            cap_tile(k, d, &p, L, nr, vc, cap);
             stats_tile(k, d, &p, L, nr, v0, vc, md + r0, sd + r0, td + r0, tg + r0, vocab_start);
         }
     }
 }
 
-void am_cuda_ce_backward(const struct am_dev *d, struct am_tensor *dx, struct am_tensor *dw, const struct am_tensor *x,
-                         const struct am_tensor *w, const struct am_tensor *targets, int64_t vocab_start,
-                         const struct am_tensor *M, const struct am_tensor *S, float dloss_scale)
+void am_cuda_ce_stats(const struct am_dev *d, struct am_tensor *m, struct am_tensor *s, struct am_tensor *t,
+                      const struct am_tensor *x, const struct am_tensor *w, const struct am_tensor *targets,
+                      int64_t vocab_start)
 {
-    const char *k = "am_cuda_ce_backward";
+    ce_stats("am_cuda_ce_stats", d, m, s, t, x, w, targets, vocab_start, 0.0f);
+}
+
+void am_cuda_ce_stats_softcap(const struct am_dev *d, struct am_tensor *m, struct am_tensor *s, struct am_tensor *t,
+                              const struct am_tensor *x, const struct am_tensor *w, const struct am_tensor *targets,
+                              int64_t vocab_start, float softcap)
+{
+    ce_stats("am_cuda_ce_stats_softcap", d, m, s, t, x, w, targets, vocab_start, softcap);
+}
+
+static void ce_backward(const char *k, const struct am_dev *d, struct am_tensor *dx, struct am_tensor *dw,
+                        const struct am_tensor *x, const struct am_tensor *w, const struct am_tensor *targets,
+                        int64_t vocab_start, const struct am_tensor *M, const struct am_tensor *S, float dloss_scale,
+                        float cap)
+{
     am_cuda_ctx(k, d);
     enum am_dtype dt = check_ce(k, x, w, targets);
     int64_t N = am_rows(x), C = am_cols(x), V = am_rows(w);
@@ -434,11 +471,27 @@ void am_cuda_ce_backward(const struct am_dev *d, struct am_tensor *dx, struct am
         for (int64_t v0 = 0; v0 < V; v0 += p.VC) {
             int64_t vc = V - v0 < p.VC ? V - v0 : p.VC;
             logits(k, d, &p, x, w, r0, nr, v0, vc, g.L);
-            backward_tile(k, d, &p, &g, dx, dw, x, w, tg, vocab_start, Md, Sd, dloss_scale, r0, nr, v0, vc);
+            cap_tile(k, d, &p, g.L, nr, vc, cap);
+            backward_tile(k, d, &p, &g, dx, dw, x, w, tg, vocab_start, Md, Sd, dloss_scale, r0, nr, v0, vc, cap);
         }
         rows_end(k, d, &p, &g, dx, r0, nr);
     }
     grads_end(k, d, &p, &g, dw);
+}
+
+void am_cuda_ce_backward(const struct am_dev *d, struct am_tensor *dx, struct am_tensor *dw, const struct am_tensor *x,
+                         const struct am_tensor *w, const struct am_tensor *targets, int64_t vocab_start,
+                         const struct am_tensor *M, const struct am_tensor *S, float dloss_scale)
+{
+    ce_backward("am_cuda_ce_backward", d, dx, dw, x, w, targets, vocab_start, M, S, dloss_scale, 0.0f);
+}
+
+void am_cuda_ce_backward_softcap(const struct am_dev *d, struct am_tensor *dx, struct am_tensor *dw,
+                                 const struct am_tensor *x, const struct am_tensor *w, const struct am_tensor *targets,
+                                 int64_t vocab_start, const struct am_tensor *M, const struct am_tensor *S,
+                                 float dloss_scale, float softcap)
+{
+    ce_backward("am_cuda_ce_backward_softcap", d, dx, dw, x, w, targets, vocab_start, M, S, dloss_scale, softcap);
 }
 
 void am_cuda_ce_rescale(const struct am_dev *d, struct am_tensor *s, const struct am_tensor *m, const struct am_tensor *M)
@@ -495,7 +548,7 @@ bool am_cuda_ce_fused(const struct am_dev *d, struct am_tensor *m, struct am_ten
         logits(k, d, &p, x, w, r0, nr, 0, V, g.L);
         stats_tile(k, d, &p, g.L, nr, 0, V, md + r0, sd + r0, td + r0, tg + r0, 0);
         /* the row chunk's statistics are final: M = m, S = s */
-        backward_tile(k, d, &p, &g, dx, dw, x, w, tg, 0, md, sd, dloss_scale, r0, nr, 0, V);
+        backward_tile(k, d, &p, &g, dx, dw, x, w, tg, 0, md, sd, dloss_scale, r0, nr, 0, V, 0.0f);
         rows_end(k, d, &p, &g, dx, r0, nr);
     }
     grads_end(k, d, &p, &g, dw);

@@ -101,6 +101,22 @@ void am_cuda_attention_forward(const struct am_dev *d, struct am_tensor *out, st
 void am_cuda_attention_backward(const struct am_dev *d, struct am_tensor *dq, struct am_tensor *dk, struct am_tensor *dv,
                                 const struct am_tensor *dout, const struct am_tensor *out, const struct am_tensor *lse,
                                 const struct am_tensor *q, const struct am_tensor *k, const struct am_tensor *v, int64_t window);
+void am_cuda_attention_softcap_forward(const struct am_dev *d, struct am_tensor *out, struct am_tensor *lse,
+                                       const struct am_tensor *q, const struct am_tensor *k, const struct am_tensor *v,
+                                       int64_t window, float scale, float softcap);
+void am_cuda_attention_softcap_backward(const struct am_dev *d, struct am_tensor *dq, struct am_tensor *dk,
+                                        struct am_tensor *dv, const struct am_tensor *dout, const struct am_tensor *out,
+                                        const struct am_tensor *lse, const struct am_tensor *q, const struct am_tensor *k,
+                                        const struct am_tensor *v, int64_t window, float scale, float softcap);
+/* ---- gemma.cu: Gemma's RMSNorm with weight 1 + w, GeGLU ---- */
+void am_cuda_rmsnorm_offset_forward(const struct am_dev *d, struct am_tensor *out, struct am_tensor *rstd,
+                                    const struct am_tensor *x, const struct am_tensor *w, float eps);
+void am_cuda_rmsnorm_offset_backward(const struct am_dev *d, struct am_tensor *dx, struct am_tensor *dw,
+                                     const struct am_tensor *dout, const struct am_tensor *x, const struct am_tensor *w,
+                                     const struct am_tensor *rstd);
+void am_cuda_geglu_forward(const struct am_dev *d, struct am_tensor *out, const struct am_tensor *gate, const struct am_tensor *up);
+void am_cuda_geglu_backward(const struct am_dev *d, struct am_tensor *dgate, struct am_tensor *dup, const struct am_tensor *dout,
+                            const struct am_tensor *gate, const struct am_tensor *up);
 /* how many attention calls (forward and backward, this process) each path ran: tests and
  * benchmarks read it to know which path they measured */
 void am_cuda_attention_calls(unsigned long long *own, unsigned long long *cudnn);
@@ -130,6 +146,13 @@ void am_cuda_ce_backward(const struct am_dev *d, struct am_tensor *dx, struct am
 void am_cuda_ce_rescale(const struct am_dev *d, struct am_tensor *s, const struct am_tensor *m, const struct am_tensor *M);
 void am_cuda_ce_loss(const struct am_dev *d, struct am_tensor *acc, const struct am_tensor *M, const struct am_tensor *S,
                      const struct am_tensor *T, const struct am_tensor *targets);
+void am_cuda_ce_stats_softcap(const struct am_dev *d, struct am_tensor *m, struct am_tensor *s, struct am_tensor *t,
+                              const struct am_tensor *x, const struct am_tensor *w, const struct am_tensor *targets,
+                              int64_t vocab_start, float softcap);
+void am_cuda_ce_backward_softcap(const struct am_dev *d, struct am_tensor *dx, struct am_tensor *dw,
+                                 const struct am_tensor *x, const struct am_tensor *w, const struct am_tensor *targets,
+                                 int64_t vocab_start, const struct am_tensor *M, const struct am_tensor *S,
+                                 float dloss_scale, float softcap);
 bool am_cuda_ce_fused(const struct am_dev *d, struct am_tensor *m, struct am_tensor *s, struct am_tensor *t,
                       struct am_tensor *dx, struct am_tensor *dw, const struct am_tensor *x, const struct am_tensor *w,
                       const struct am_tensor *targets, float dloss_scale);

@@ -282,7 +282,8 @@ static const char *architecture(const char *model_type)
 {
     static const char *const map[][2] = {{"llama", "LlamaForCausalLM"},     {"mistral", "MistralForCausalLM"},
                                          {"mixtral", "MixtralForCausalLM"}, {"qwen2", "Qwen2ForCausalLM"},
-                                         {"qwen3", "Qwen3ForCausalLM"},     {"qwen3_moe", "Qwen3MoeForCausalLM"}};
+                                         {"qwen3", "Qwen3ForCausalLM"},     {"qwen3_moe", "Qwen3MoeForCausalLM"},
+                                         {"gemma2", "Gemma2ForCausalLM"},   {"gemma3_text", "Gemma3ForCausalLM"}};
     for (size_t i = 0; i < sizeof(map) / sizeof(map[0]); i++)
         if (strcmp(model_type, map[i][0]) == 0)
             return map[i][1];
@@ -299,7 +300,7 @@ char *am_ckpt_config_json(const struct am_model_config *m, const char *base_conf
     const char *type = m->model_type ? m->model_type : "llama", *arch = architecture(type);
     if (!arch) {
         am_errorf(err, NULL, "config.json: model_type '%s' has no transformers class am knows (llama, mistral, "
-                  "mixtral, qwen2, qwen3, qwen3_moe)", type);
+                  "mixtral, qwen2, qwen3, qwen3_moe, gemma2, gemma3_text)", type);
         goto done;
     }
     if (base_config) {
@@ -330,7 +331,7 @@ char *am_ckpt_config_json(const struct am_model_config *m, const char *base_conf
     set(cfg, "rms_norm_eps", json_real(m->rms_norm_eps));
     set(cfg, "initializer_range", json_real(m->initializer_range));
     set(cfg, "tie_word_embeddings", json_boolean(m->tie_word_embeddings));
-    set(cfg, "hidden_act", json_string("silu"));
+    set(cfg, "hidden_act", json_string(m->gemma ? "gelu_pytorch_tanh" : "silu"));
     set(cfg, "attention_dropout", json_real(0.0));
     set(cfg, "use_cache", json_true());
     set(cfg, "torch_dtype", json_string("float32"));
@@ -351,11 +352,35 @@ char *am_ckpt_config_json(const struct am_model_config *m, const char *base_conf
         set(cfg, "rope_scaling", json_null());
     }
     bool moe = strcmp(type, "mixtral") == 0 || strcmp(type, "qwen3_moe") == 0;
+    if (m->gemma) { /* Gemma2Config / Gemma3TextConfig: what am trained, as transformers reads it back */
+        bool g3 = strcmp(type, "gemma3_text") == 0;
+        set(cfg, "hidden_activation", json_string("gelu_pytorch_tanh"));
+        double qs = m->query_pre_attn_scalar; /* Gemma2Config types it int: written as one when whole */
+        set(cfg, "query_pre_attn_scalar", qs == (double)(json_int_t)qs ? json_integer((json_int_t)qs) : json_real(qs));
+        set(cfg, "attn_logit_softcapping", m->attn_logit_softcapping > 0 ? json_real(m->attn_logit_softcapping) : json_null());
+        set(cfg, "final_logit_softcapping",
+            m->final_logit_softcapping > 0 ? json_real(m->final_logit_softcapping) : json_null());
+        set(cfg, "attention_bias", json_false());
+        set(cfg, "use_bidirectional_attention", json_false());
+        json_t *lt = json_array();
+        long window = 0;
+        for (long l = 0; l < m->num_hidden_layers; l++) {
+            long w = am_model_layer_window(m, l);
+            window = w > 0 ? w : window;
+            json_array_append_new(lt, json_string(w > 0 ? "sliding_attention" : "full_attention"));
+        }
+        set(cfg, "layer_types", lt);
+        set(cfg, "sliding_window", window > 0 ? json_integer(window) : json_null());
+        json_object_del(cfg, "sliding_window_pattern");
+        json_object_del(cfg, "rope_parameters"); /* rope_theta, rope_scaling (and rope_local_base_freq) above */
+        if (g3)
+            set(cfg, "rope_local_base_freq", json_real(m->rope_local_base_freq));
+    }
     if (strcmp(type, "llama") == 0) {
         set(cfg, "attention_bias", json_false());
         set(cfg, "mlp_bias", json_false());
         set(cfg, "pretraining_tp", json_integer(1));
-    } else { /* the window am trained with (model_config.h), as transformers reads it back */
+    } else if (!m->gemma) { /* the window am trained with (model_config.h), as transformers reads it back */
         set(cfg, "sliding_window", m->sliding_window > 0 ? json_integer(m->sliding_window) : json_null());
     }
     bool qwen2 = strcmp(type, "qwen2") == 0; /* Qwen2Config: no attention_bias (the biases are fixed) */

@@ -12,6 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "half.h"
 #include "rng.h"
 #include "util.h"
 
@@ -49,6 +50,10 @@ static void layer_params(struct am_model *m, int l, int local)
     struct am_layer *L = &m->layers[local];
 #define NAME(s) (snprintf(n, sizeof(n), "model.layers.%d.%s", l, s), n)
     L->attn_norm = add_param(m, NAME("input_layernorm.weight"), C, 0, AM_SPLIT_NONE, C, 0, 0, 0);
+    if (c->gemma) { /* Gemma: the norm of the attention's output, then the MLP's pre- and post-norms */
+        L->post_attn_norm = add_param(m, NAME("post_attention_layernorm.weight"), C, 0, AM_SPLIT_NONE, C, 0, 0, 0);
+        L->post_mlp_norm = add_param(m, NAME("post_feedforward_layernorm.weight"), C, 0, AM_SPLIT_NONE, C, 0, 0, 0);
+    }
     /* transformers' order: each projection's weight, then its bias (Qwen2: q, k, v) */
     L->wq = add_param(m, NAME("self_attn.q_proj.weight"), m->heads * D, C, AM_SPLIT_ROWS, Hq, C, r * m->heads * D, 0);
     if (c->qkv_bias)
@@ -73,8 +78,10 @@ static void layer_params(struct am_model *m, int l, int local)
         L->q_norm->partial_in_tp = L->k_norm->partial_in_tp = m->sh.tp > 1; /* each rank saw its own heads */
     }
     L->window = am_model_layer_window(c, l);
+    L->local_rope = c->rope_local_base_freq > 0 && L->window > 0;
     L->wo = add_param(m, NAME("self_attn.o_proj.weight"), C, m->heads * D, AM_SPLIT_COLS, C, Hq, 0, r * m->heads * D);
-    L->mlp_norm = add_param(m, NAME("post_attention_layernorm.weight"), C, 0, AM_SPLIT_NONE, C, 0, 0, 0);
+    L->mlp_norm = add_param(m, NAME(c->gemma ? "pre_feedforward_layernorm.weight" : "post_attention_layernorm.weight"), C,
+                            0, AM_SPLIT_NONE, C, 0, 0, 0);
     if (am_model_layer_is_moe(c, l)) { /* the router and the experts in place of the MLP */
         am_moe_layer_params(m, l, L);
         return;
@@ -185,6 +192,12 @@ static void carve_layer(struct am_model *m, struct slab *c, struct am_layer_acts
     a->gate = carve(c, m->act_dt, N, I, 0, 0);
     a->up = carve(c, m->act_dt, N, I, 0, 0);
     a->act = carve(c, m->act_dt, N, I, 0, 0);
+    if (m->cfg.gemma) {
+        a->o_att = carve(c, m->act_dt, R, C, 0, 0);
+        a->rstd_oa = carve(c, AM_F32, R, 0, 0, 0);
+        a->o_mlp = carve(c, m->act_dt, R, C, 0, 0);
+        a->rstd_om = carve(c, AM_F32, R, 0, 0, 0);
+    }
 }
 
 /* Lays out (base NULL: only measures) the activation buffers: each slot's saved tensors,
@@ -241,6 +254,12 @@ static size_t layout_acts(struct am_model *m, char *base)
     m->scratch_mlp = carve(&c, m->act_dt, N, 3 * I, 0, 0); /* dact, dgate, dup */
     if (m->cfg.qk_norm)
         m->scratch_kn = carve(&c, m->act_dt, N, KV, 0, 0);
+    if (m->cfg.gemma)
+        m->scratch_post = carve(&c, m->act_dt, R, C, 0, 0);
+    if (m->cfg.rope_local_base_freq > 0) {
+        m->cos_local = carve(&c, AM_F32, T, D / 2, 0, 0);
+        m->sin_local = carve(&c, AM_F32, T, D / 2, 0, 0);
+    }
     if (m->sh.sequence_parallel) {
         m->gathered = carve(&c, m->act_dt, N, C, 0, 0);
         m->scratch_rows = carve(&c, m->act_dt, R, C, 0, 0);
@@ -317,7 +336,7 @@ int am_model_init(struct am_model *m, const struct am_model_config *cfg, const s
         m->n_acts += (size_t)m->sh.chunks[c].slots * (size_t)sh->chunks[c].n_layers;
     }
 
-    m->params = calloc((size_t)(14 * m->n_layers + 4 + am_moe_extra_params(cfg, m->n_layers)), sizeof(*m->params));
+    m->params = calloc((size_t)(16 * m->n_layers + 4 + am_moe_extra_params(cfg, m->n_layers)), sizeof(*m->params));
     m->groups = calloc((size_t)(2 * m->n_layers + 2), sizeof(*m->groups));
     m->layers = calloc((size_t)m->n_layers, sizeof(*m->layers));
     m->slots = calloc((size_t)m->n_slots, sizeof(*m->slots));
@@ -408,6 +427,8 @@ int am_model_init(struct am_model *m, const struct am_model_config *cfg, const s
                                  cfg->rope_scaling.high_freq_factor,
                                  cfg->rope_scaling.original_max_position_embeddings};
     K->rope_tables(dev, &m->cos, &m->sin, cfg->rope_theta, &rs);
+    if (cfg->rope_local_base_freq > 0) /* Gemma 3's sliding layers: their own theta, unscaled */
+        K->rope_tables(dev, &m->cos_local, &m->sin_local, cfg->rope_local_base_freq, NULL);
     return 0;
 oom:;
     size_t n_elems = m->n_elems;
@@ -458,8 +479,8 @@ void am_model_init_weights(struct am_model *m, uint64_t seed)
         uint64_t stream = am_hash_str(p->name);
         for (int64_t r = 0; r < rows; r++)
             for (int64_t c = 0; c < cols; c++) {
-                if (p->w.ndim == 1) { /* RMSNorm weights 1, biases 0 (transformers' _init_weights) */
-                    host[r] = is_bias(p) ? 0.0f : 1.0f;
+                if (p->w.ndim == 1) { /* RMSNorm weights 1 (Gemma's, 1 + w: 0), biases 0 (transformers' _init_weights) */
+                    host[r] = is_bias(p) || m->cfg.gemma ? 0.0f : 1.0f;
                     continue;
                 }
                 uint64_t idx = (uint64_t)((p->row0 + r) * p->full_cols + p->col0 + c);
@@ -645,8 +666,67 @@ static int norm_backward(struct am_model *m, struct am_tensor *dx, struct am_par
     } else if (tp_sum(m, dh, err, err_len) < 0) {
         return -1;
     }
-    m->K->rmsnorm_backward(m->dev, dx, &norm->g, &d, x, &norm->wc, rstd);
+    if (m->cfg.gemma)
+        m->K->rmsnorm_offset_backward(m->dev, dx, &norm->g, &d, x, &norm->wc, rstd);
+    else
+        m->K->rmsnorm_backward(m->dev, dx, &norm->g, &d, x, &norm->wc, rstd);
     return 0;
+}
+
+static int row_parallel_grad(struct am_model *m, struct am_tensor *dx, int64_t N, struct am_tensor *dy, char *err,
+                             size_t err_len);
+
+/* RMSNorm as the model's family has it: w (Llama), or 1 + w (Gemma). */
+static void norm_forward(struct am_model *m, struct am_tensor *out, struct am_tensor *rstd, const struct am_tensor *x,
+                         const struct am_param *norm)
+{
+    float eps = (float)m->cfg.rms_norm_eps;
+    if (m->cfg.gemma)
+        m->K->rmsnorm_offset_forward(m->dev, out, rstd, x, &norm->wc, eps);
+    else
+        m->K->rmsnorm_forward(m->dev, out, rstd, x, &norm->wc, eps);
+}
+
+static void norm_backward_local(struct am_model *m, struct am_tensor *dx, const struct am_param *norm,
+                                const struct am_tensor *dout, const struct am_tensor *x, const struct am_tensor *rstd)
+{
+    struct am_tensor *dw = (struct am_tensor *)&norm->g;
+    if (m->cfg.gemma)
+        m->K->rmsnorm_offset_backward(m->dev, dx, dw, dout, x, &norm->wc, rstd);
+    else
+        m->K->rmsnorm_backward(m->dev, dx, dw, dout, x, &norm->wc, rstd);
+}
+
+/* Gemma: the row-parallel output out (full rows, partial sums over tp) reduced (all-reduce,
+ * or reduce-scatter to this rank's rows) into saved, normalised by the post norm and added
+ * to the residual x. */
+static int add_post_norm(struct am_model *m, struct am_tensor *x, struct am_tensor *out, struct am_tensor *saved,
+                         struct am_tensor *rstd, const struct am_param *norm, char *err, size_t err_len)
+{
+    if (m->sh.sequence_parallel) {
+        if (sp_scatter(m, out, saved, err, err_len) < 0)
+            return -1;
+    } else {
+        if (tp_sum(m, out, err, err_len) < 0)
+            return -1;
+        m->K->copy(m->dev, saved, out);
+    }
+    struct am_tensor y = rows_of(&m->scratch_post, am_rows_of(x));
+    norm_forward(m, &y, rstd, saved, norm);
+    m->K->add(m->dev, x, &y);
+    return 0;
+}
+
+/* Its backward: from dx (the residual's gradient, also the post norm's output's), the
+ * gradient of the row-parallel output in *dy (all rows: gathered with sequence parallelism). */
+static int post_norm_backward(struct am_model *m, struct am_tensor *dx, const struct am_tensor *saved,
+                              const struct am_tensor *rstd, const struct am_param *norm, int64_t N, struct am_tensor *dy,
+                              char *err, size_t err_len)
+{
+    struct am_tensor d = rows_of(&m->scratch_post, am_rows_of(dx));
+    m->K->zero(m->dev, &d);
+    norm_backward_local(m, &d, norm, dx, saved, rstd);
+    return row_parallel_grad(m, &d, N, dy, err, err_len);
 }
 
 /* Combines the vocabulary shards' softmax statistics (kernels.h, ce_stats) into M and S in
@@ -672,13 +752,15 @@ static int combine_ce(struct am_model *m, struct am_slot *S, int64_t N, char *er
 
 /* ---- forward ------------------------------------------------------------------------- */
 
+/* Gemma's attention scale, query_pre_attn_scalar ** -0.5 (a Python float, applied as fp32). */
+static float attn_scale(const struct am_model *m) { return (float)(1.0 / sqrt(m->cfg.query_pre_attn_scalar)); }
+
 /* One decoder layer on the residual stream x (R rows), saving what backward needs in a. */
 static int layer_forward(struct am_model *m, const struct am_layer *L, struct am_layer_acts *a, struct am_tensor *x,
                          int64_t B, char *err, size_t err_len)
 {
     const struct am_kernels *K = m->K;
     int64_t T = m->seq_len, N = B * T, D = m->head_dim, R = stream_rows(m, N);
-    float eps = (float)m->cfg.rms_norm_eps;
     struct am_tensor x_in = rows_of(&a->x_in, R), h1 = rows_of(&a->h1, R), rstd1 = rows_of(&a->rstd1, R);
     struct am_tensor q = rows_of(&a->q, N), k = rows_of(&a->k, N), v = rows_of(&a->v, N);
     struct am_tensor att = rows_of(&a->att, N), lse = a->lse;
@@ -689,7 +771,7 @@ static int layer_forward(struct am_model *m, const struct am_layer *L, struct am
 
     /* attention block: x += o_proj(attention(rope(q), rope(k), v)) of rmsnorm(x) */
     K->copy(m->dev, &x_in, x);
-    K->rmsnorm_forward(m->dev, &h1, &rstd1, x, &L->attn_norm->wc, eps);
+    norm_forward(m, &h1, &rstd1, x, L->attn_norm);
     if (column_input(m, &h1, N, &in, err, err_len) < 0)
         return -1;
     if (L->q_norm) { /* Qwen3: q = q_norm(q_proj(h)), k = k_norm(k_proj(h)), RMSNorm over each head, before rope */
@@ -703,8 +785,8 @@ static int layer_forward(struct am_model *m, const struct am_layer *L, struct am
         struct am_tensor qr = head_rows(&q_raw, N * m->heads, D), kr = head_rows(&k_raw, N * m->kv_heads, D);
         struct am_tensor qn = head_rows(&q, N * m->heads, D), kn = head_rows(&k, N * m->kv_heads, D);
         struct am_tensor rq = rows_of(&a->rstd_q, N * m->heads), rk = rows_of(&a->rstd_k, N * m->kv_heads);
-        K->rmsnorm_forward(m->dev, &qn, &rq, &qr, &L->q_norm->wc, eps);
-        K->rmsnorm_forward(m->dev, &kn, &rk, &kr, &L->k_norm->wc, eps);
+        norm_forward(m, &qn, &rq, &qr, L->q_norm);
+        norm_forward(m, &kn, &rk, &kr, L->k_norm);
     } else {
         K->matmul_forward(m->dev, &q, &in, &L->wq->wc);
         K->matmul_forward(m->dev, &k, &in, &L->wk->wc);
@@ -718,16 +800,26 @@ static int layer_forward(struct am_model *m, const struct am_layer *L, struct am
         K->bias_forward(m->dev, &v, &L->bv->wc);
     struct am_tensor q4 = heads_of(&q, B, T, m->heads, D), k4 = heads_of(&k, B, T, m->kv_heads, D);
     struct am_tensor v4 = heads_of(&v, B, T, m->kv_heads, D), att4 = heads_of(&att, B, T, m->heads, D);
-    K->rope_forward(m->dev, &q4, &m->cos, &m->sin);
-    K->rope_forward(m->dev, &k4, &m->cos, &m->sin);
-    K->attention_forward(m->dev, &att4, &lse, &q4, &k4, &v4, L->window);
+    const struct am_tensor *cs = L->local_rope ? &m->cos_local : &m->cos, *sn = L->local_rope ? &m->sin_local : &m->sin;
+    K->rope_forward(m->dev, &q4, cs, sn);
+    K->rope_forward(m->dev, &k4, cs, sn);
+    if (m->cfg.gemma)
+        K->attention_softcap_forward(m->dev, &att4, &lse, &q4, &k4, &v4, L->window, attn_scale(m),
+                                     (float)m->cfg.attn_logit_softcapping);
+    else
+        K->attention_forward(m->dev, &att4, &lse, &q4, &k4, &v4, L->window);
     K->matmul_forward(m->dev, &o, &att, &L->wo->wc);
-    if (add_row_parallel(m, x, &o, err, err_len) < 0)
+    if (L->post_attn_norm) {
+        struct am_tensor oa = rows_of(&a->o_att, R), ra = rows_of(&a->rstd_oa, R);
+        if (add_post_norm(m, x, &o, &oa, &ra, L->post_attn_norm, err, err_len) < 0)
+            return -1;
+    } else if (add_row_parallel(m, x, &o, err, err_len) < 0) {
         return -1;
+    }
 
     /* MLP block: x += down(silu(gate(h)) * up(h)) of h = rmsnorm(x) */
     K->copy(m->dev, &x_mid, x);
-    K->rmsnorm_forward(m->dev, &h2, &rstd2, x, &L->mlp_norm->wc, eps);
+    norm_forward(m, &h2, &rstd2, x, L->mlp_norm);
     if (column_input(m, &h2, N, &in, err, err_len) < 0)
         return -1;
     if (L->moe) { /* the experts in place of the MLP (moe.h), replicated over tp: o is whole */
@@ -738,8 +830,15 @@ static int layer_forward(struct am_model *m, const struct am_layer *L, struct am
     }
     K->matmul_forward(m->dev, &gate, &in, &L->w_gate->wc);
     K->matmul_forward(m->dev, &up, &in, &L->w_up->wc);
-    K->swiglu_forward(m->dev, &act, &gate, &up);
+    if (m->cfg.gemma)
+        K->geglu_forward(m->dev, &act, &gate, &up);
+    else
+        K->swiglu_forward(m->dev, &act, &gate, &up);
     K->matmul_forward(m->dev, &o, &act, &L->w_down->wc);
+    if (L->post_mlp_norm) {
+        struct am_tensor om = rows_of(&a->o_mlp, R), rm = rows_of(&a->rstd_om, R);
+        return add_post_norm(m, x, &o, &om, &rm, L->post_mlp_norm, err, err_len);
+    }
     return add_row_parallel(m, x, &o, err, err_len);
 }
 
@@ -752,7 +851,6 @@ static int head_forward(struct am_model *m, struct am_slot *S, const struct am_t
 {
     const struct am_kernels *K = m->K;
     int64_t N = S->batch * m->seq_len, R = stream_rows(m, N);
-    float eps = (float)m->cfg.rms_norm_eps;
     struct am_tensor tgt = rows_of(&S->targets, N), xf = rows_of(&S->xf, R);
     struct am_tensor hf = rows_of(&S->hf, N), rstdf = rows_of(&S->rstdf, R);
     struct am_tensor cm = rows_of(&S->ce_m, N), cs = rows_of(&S->ce_s, N), ct = rows_of(&m->ce_t, N);
@@ -760,21 +858,34 @@ static int head_forward(struct am_model *m, struct am_slot *S, const struct am_t
     K->copy(m->dev, &xf, x);
     if (m->sh.sequence_parallel) {
         struct am_tensor rows = rows_of(&m->scratch_rows, R);
-        K->rmsnorm_forward(m->dev, &rows, &rstdf, &xf, &m->final_norm->wc, eps);
+        norm_forward(m, &rows, &rstdf, &xf, m->final_norm);
         if (sp_gather(m, &rows, &hf, err, err_len) < 0)
             return -1;
     } else {
-        K->rmsnorm_forward(m->dev, &hf, &rstdf, &xf, &m->final_norm->wc, eps);
+        norm_forward(m, &hf, &rstdf, &xf, m->final_norm);
     }
     S->fused = false;
-    if (want_grad && !m->tp_comm && K->ce_fused && m->n_slots == 1) {
+    float cap = (float)m->cfg.final_logit_softcapping;
+    if (want_grad && !m->tp_comm && K->ce_fused && m->n_slots == 1 && cap <= 0.0f) {
         struct am_tensor dhf = rows_of(&m->dhf, N);
         K->zero(m->dev, &dhf);
         S->fused = K->ce_fused(m->dev, &cm, &cs, &ct, &dhf, &m->head->g, &hf, &m->head->wc, &tgt, dloss_scale);
     }
-    if (!S->fused)
+    if (!S->fused && cap > 0.0f) /* Gemma: the logits capped, cap * tanh(logit / cap) */
+        K->ce_stats_softcap(m->dev, &cm, &cs, &ct, &hf, &m->head->wc, &tgt, m->vocab_start, cap);
+    else if (!S->fused)
         K->ce_stats(m->dev, &cm, &cs, &ct, &hf, &m->head->wc, &tgt, m->vocab_start);
     return combine_ce(m, S, N, err, err_len);
+}
+
+/* Gemma's embedding scale: sqrt(hidden_size) as a tensor of the compute dtype (transformers:
+ * torch.tensor(hidden_size ** 0.5).to(weight.dtype): rounded to bf16 in bf16). */
+static float embed_scale(const struct am_model *m)
+{
+    float s = (float)sqrt((double)m->cfg.hidden_size);
+    if (m->act_dt == AM_BF16)
+        s = am_bf16_to_f32(am_f32_to_bf16(s));
+    return s;
 }
 
 static bool is_first(const struct am_model *m, int chunk) { return chunk == 0 && m->sh.first_stage; }
@@ -832,6 +943,8 @@ static int forward_chunk(struct am_model *m, int chunk, int slot, int64_t B, con
         K->zero(m->dev, &x);
         if (add_row_parallel(m, &x, &e, err, err_len) < 0)
             return -1;
+        if (m->cfg.gemma) /* Gemma: the embedding times sqrt(hidden_size), in the compute dtype */
+            K->scale(m->dev, &x, embed_scale(m));
     } else {
         struct am_tensor in = hidden(m, x_in, B);
         K->copy(m->dev, &x, &in);
@@ -896,8 +1009,13 @@ static int layer_backward(struct am_model *m, const struct am_layer *L, const st
     lse.shape[0] = B;
 
     /* MLP block, in reverse; dx already holds the residual's gradient */
-    if (row_parallel_grad(m, dx, N, &dy, err, err_len) < 0)
+    if (L->post_mlp_norm) {
+        struct am_tensor om = rows_of(&a->o_mlp, R), rm = rows_of(&a->rstd_om, R);
+        if (post_norm_backward(m, dx, &om, &rm, L->post_mlp_norm, N, &dy, err, err_len) < 0)
+            return -1;
+    } else if (row_parallel_grad(m, dx, N, &dy, err, err_len) < 0) {
         return -1;
+    }
     if (L->moe) { /* the experts in place of the MLP (moe.h) */
         if (column_input(m, &h2, N, &in, err, err_len) < 0)
             return -1;
@@ -914,7 +1032,10 @@ static int layer_backward(struct am_model *m, const struct am_layer *L, const st
     K->matmul_backward(m->dev, &dact, &L->w_down->g, &dy, &act, &L->w_down->wc);
     K->zero(m->dev, &dgate);
     K->zero(m->dev, &dup);
-    K->swiglu_backward(m->dev, &dgate, &dup, &dact, &gate, &up);
+    if (m->cfg.gemma)
+        K->geglu_backward(m->dev, &dgate, &dup, &dact, &gate, &up);
+    else
+        K->swiglu_backward(m->dev, &dgate, &dup, &dact, &gate, &up);
     if (column_input(m, &h2, N, &in, err, err_len) < 0)
         return -1;
     K->zero(m->dev, &dh);
@@ -927,8 +1048,13 @@ static int layer_backward(struct am_model *m, const struct am_layer *L, const st
 attention:;
     struct am_tensor datt = rows_of(&m->scratch_att, N), dq = rows_of(&m->scratch_q, N);
     struct am_tensor dk = rows_of(&m->scratch_kv_k, N), dv = rows_of(&m->scratch_kv_v, N);
-    if (row_parallel_grad(m, dx, N, &dy, err, err_len) < 0)
+    if (L->post_attn_norm) {
+        struct am_tensor oa = rows_of(&a->o_att, R), ra = rows_of(&a->rstd_oa, R);
+        if (post_norm_backward(m, dx, &oa, &ra, L->post_attn_norm, N, &dy, err, err_len) < 0)
+            return -1;
+    } else if (row_parallel_grad(m, dx, N, &dy, err, err_len) < 0) {
         return -1;
+    }
     K->zero(m->dev, &datt);
     K->matmul_backward(m->dev, &datt, &L->wo->g, &dy, &att, &L->wo->wc);
     K->zero(m->dev, &dq);
@@ -938,9 +1064,14 @@ attention:;
     struct am_tensor v4 = heads_of(&v, B, T, m->kv_heads, D), att4 = heads_of(&att, B, T, m->heads, D);
     struct am_tensor dq4 = heads_of(&dq, B, T, m->heads, D), dk4 = heads_of(&dk, B, T, m->kv_heads, D);
     struct am_tensor dv4 = heads_of(&dv, B, T, m->kv_heads, D), datt4 = heads_of(&datt, B, T, m->heads, D);
-    K->attention_backward(m->dev, &dq4, &dk4, &dv4, &datt4, &att4, &lse, &q4, &k4, &v4, L->window);
-    K->rope_backward(m->dev, &dq4, &m->cos, &m->sin);
-    K->rope_backward(m->dev, &dk4, &m->cos, &m->sin);
+    if (m->cfg.gemma)
+        K->attention_softcap_backward(m->dev, &dq4, &dk4, &dv4, &datt4, &att4, &lse, &q4, &k4, &v4, L->window,
+                                      attn_scale(m), (float)m->cfg.attn_logit_softcapping);
+    else
+        K->attention_backward(m->dev, &dq4, &dk4, &dv4, &datt4, &att4, &lse, &q4, &k4, &v4, L->window);
+    const struct am_tensor *cs = L->local_rope ? &m->cos_local : &m->cos, *sn = L->local_rope ? &m->sin_local : &m->sin;
+    K->rope_backward(m->dev, &dq4, cs, sn);
+    K->rope_backward(m->dev, &dk4, cs, sn);
     if (L->q_norm) { /* through the per-head norms: dq, dk become the gradients of q_proj's and k_proj's outputs */
         struct am_tensor dq_raw = datt, dk_raw = rows_of(&m->scratch_kn, N); /* datt is spent */
         struct am_tensor q_raw = rows_of(&a->q_raw, N), k_raw = rows_of(&a->k_raw, N);
@@ -950,8 +1081,8 @@ attention:;
         struct am_tensor rq = rows_of(&a->rstd_q, N * m->heads), rk = rows_of(&a->rstd_k, N * m->kv_heads);
         K->zero(m->dev, &dq_raw);
         K->zero(m->dev, &dk_raw);
-        K->rmsnorm_backward(m->dev, &dqr, &L->q_norm->g, &dqn, &qr, &L->q_norm->wc, &rq);
-        K->rmsnorm_backward(m->dev, &dkr, &L->k_norm->g, &dkn, &kr, &L->k_norm->wc, &rk);
+        norm_backward_local(m, &dqr, L->q_norm, &dqn, &qr, &rq);
+        norm_backward_local(m, &dkr, L->k_norm, &dkn, &kr, &rk);
         dq = dq_raw;
         dk = dk_raw;
     }
@@ -979,7 +1110,12 @@ static int head_backward(struct am_model *m, const struct am_slot *S, struct am_
     struct am_tensor cm = rows_of(&S->ce_m, N), cs = rows_of(&S->ce_s, N);
     if (!S->fused) { /* dhf is summed over the vocabulary shards in norm_backward */
         m->K->zero(m->dev, &dhf);
-        m->K->ce_backward(m->dev, &dhf, &m->head->g, &hf, &m->head->wc, &tgt, m->vocab_start, &cm, &cs, dloss_scale);
+        if (m->cfg.final_logit_softcapping > 0)
+            m->K->ce_backward_softcap(m->dev, &dhf, &m->head->g, &hf, &m->head->wc, &tgt, m->vocab_start, &cm, &cs,
+                                      dloss_scale, (float)m->cfg.final_logit_softcapping);
+        else
+            m->K->ce_backward(m->dev, &dhf, &m->head->g, &hf, &m->head->wc, &tgt, m->vocab_start, &cm, &cs,
+                              dloss_scale);
     }
     m->K->zero(m->dev, dx);
     return norm_backward(m, dx, m->final_norm, &dhf, &xf, &rstdf, err, err_len);
@@ -1036,6 +1172,8 @@ int am_model_backward(struct am_model *m, int chunk, int slot, const void *dy, v
         struct am_tensor tok = rows_of(&S->tokens, N), g;
         if (row_parallel_grad(m, &dx, N, &g, err, err_len) < 0)
             return -1;
+        if (m->cfg.gemma) /* through the embedding's scale */
+            K->scale(m->dev, &g, embed_scale(m));
         K->embedding_backward(m->dev, &m->embed->g, &g, &tok, m->vocab_start);
         return group_done(m, 0, err, err_len);
     }

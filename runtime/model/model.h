@@ -21,6 +21,12 @@
  * (one weight of head_dim shared by all heads) are held whole by every tp rank, which
  * normalises its own heads: their gradients are summed over tp there too.
  *
+ * Gemma 2 and Gemma 3 (cfg.gemma) run the same stream with their own layer: the embedding
+ * times sqrt(hidden_size), RMSNorm with the weight 1 + w everywhere, the row-parallel outputs
+ * of attention and MLP reduced over tp (or reduce-scattered to the rank's rows) and normalised
+ * (post_attn_norm, post_mlp_norm) before they are added to the stream, GeGLU, the attention
+ * scaled by query_pre_attn_scalar ** -0.5 and soft-capped, the final logits soft-capped.
+ *
  * With pipeline parallelism the schedule (pipeline.h) runs each chunk's forward and backward
  * for micro-batches kept in slots, and moves the hidden states between stages itself. With
  * activation checkpointing a slot keeps only each layer's input; backward recomputes the
@@ -110,6 +116,9 @@ struct am_layer_acts {
     struct am_tensor x_in, h1, rstd1, q, k, v, att, lse, x_mid, h2, rstd2, gate, up, act;
     struct am_tensor q_raw, k_raw, rstd_q, rstd_k; /* qk_norm: q, k before their norms, and the norms' rstd
                                                       per head row */
+    struct am_tensor o_att, rstd_oa, o_mlp, rstd_om; /* Gemma: the inputs of the norms after attention and
+                                                        after the MLP (the row-parallel outputs, reduced over
+                                                        tp: this rank's rows of the stream), and their rstd */
 };
 
 /* One micro-batch in flight on one chunk: the activations of the chunk's layers and, on the
@@ -131,6 +140,10 @@ struct am_layer {
     int group; /* its parameter group */
     struct am_moe_layer *moe;         /* a mixture-of-experts layer's router and experts (moe.h),
                                          in place of w_gate, w_up, w_down; else NULL */
+    struct am_param *post_attn_norm, *post_mlp_norm; /* Gemma: the norms of the attention's and the MLP's
+                                                        outputs (mlp_norm is then pre_feedforward_layernorm);
+                                                        else NULL */
+    bool local_rope;                  /* Gemma 3's sliding layers: the rope tables of rope_local_base_freq */
 };
 
 /* How a parameter group is kept across the data-parallel ranks: replicated (every rank holds
@@ -246,6 +259,8 @@ struct am_model {
     struct am_tensor ce_M;                   /* tp > 1: the combined max logit of each token */
     struct am_tensor kv_sum;                 /* kv heads shared by tp ranks: every kv head's k and v
                                                 gradients (no data otherwise) */
+    struct am_tensor cos_local, sin_local;   /* Gemma 3: the sliding layers' rope tables */
+    struct am_tensor scratch_post;           /* Gemma: [R, C], a post norm's output, and its input's gradient */
 };
 
 /* Builds the shard's parameters (zeroed) and activation buffers for each chunk's slots of

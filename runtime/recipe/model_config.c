@@ -323,7 +323,8 @@ struct am_node *am_json_file_to_node(struct am_arena *a, const char *path, struc
 
 enum kind {
     K_LONG, K_DOUBLE, K_BOOL, K_STR, K_ACT, K_ROPE_SCALING, K_ROPE_PARAMETERS, K_CHECK_FALSE, K_CHECK_ZERO, K_MLP_ONLY,
-    K_WINDOW, K_USE_WINDOW, K_MAX_WINDOW_LAYERS, K_LAYER_TYPES, K_QUANT, K_IGNORE
+    K_WINDOW, K_USE_WINDOW, K_MAX_WINDOW_LAYERS, K_LAYER_TYPES, K_QUANT, K_IGNORE, K_DOUBLE_NULL, K_HIDDEN_ACTIVATION,
+    K_BIDIRECTIONAL, K_WINDOW_PATTERN
 };
 
 /* The sliding-window keys as written, resolved per model type once all keys are read. */
@@ -335,6 +336,8 @@ struct window_keys {
     struct am_node *mlp_only_layers;
     bool qwen2; /* the model is a qwen2 (known before the keys are read): Qwen2Config reads neither
                    attention_bias nor mlp_bias (its q, k, v always have biases, o and the MLP never) */
+    bool gemma;                                      /* the model type, known before the keys: gemma2 or gemma3_text */
+    long window_pattern;                             /* gemma3_text's sliding_window_pattern; 0: not given */
 };
 
 struct hf_key {
@@ -372,6 +375,13 @@ static const struct hf_key hf_keys[] = {
     {"torch_dtype", K_STR, F(torch_dtype)},
     {"dtype", K_STR, F(torch_dtype)}, /* transformers 5's name for torch_dtype */
     {"hidden_act", K_ACT, 0},
+    {"hidden_activation", K_HIDDEN_ACTIVATION, 0}, /* gemma2, gemma3_text: the MLP's activation */
+    {"query_pre_attn_scalar", K_DOUBLE, F(query_pre_attn_scalar)},
+    {"attn_logit_softcapping", K_DOUBLE_NULL, F(attn_logit_softcapping)},
+    {"final_logit_softcapping", K_DOUBLE_NULL, F(final_logit_softcapping)},
+    {"rope_local_base_freq", K_DOUBLE, F(rope_local_base_freq)},
+    {"use_bidirectional_attention", K_BIDIRECTIONAL, 0},
+    {"sliding_window_pattern", K_WINDOW_PATTERN, 0},
     {"attention_bias", K_CHECK_FALSE, 0},
     {"mlp_bias", K_CHECK_FALSE, 0},
     {"attention_dropout", K_CHECK_ZERO, 0},
@@ -390,10 +400,13 @@ static const struct hf_key hf_keys[] = {
     {"pretraining_tp", K_IGNORE, 0},
     {"router_jitter_noise", K_IGNORE, 0},
     {"_name_or_path", K_IGNORE, 0},
+    {"cache_implementation", K_IGNORE, 0},
 };
 #undef F
 
-static const char *const supported_types[] = {"llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", NULL};
+#define AM_SUPPORTED_TYPES "llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, gemma2, gemma3_text"
+static const char *const supported_types[] = {"llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3_text",
+                                              NULL};
 
 bool am_model_type_supported(const char *t)
 {
@@ -488,16 +501,43 @@ static int read_key(const struct hf_key *k, struct am_node *v, const char *secti
         return am_node_double(v, key, (double *)(base + k->off), err);
     case K_BOOL:
         return am_node_bool(v, key, (bool *)(base + k->off), err);
-    case K_ACT: {
+    case K_ACT: /* the MLP's activation as transformers reads it: hidden_act (silu) for the Llama family; */
+    case K_HIDDEN_ACTIVATION: { /* hidden_activation (gelu_pytorch_tanh) for Gemma, which never reads hidden_act */
         const char *s;
+        if ((k->kind == K_ACT) == w->gemma) /* the key the model does not read */
+            return am_node_is_null(v) || v->kind == AM_NODE_SCALAR ? 0 : am_node_str(v, key, &s, err);
         if (am_node_str(v, key, &s, err) < 0)
             return -1;
-        if (strcmp(s, "silu") != 0) {
+        if (w->gemma && strcmp(s, "gelu_pytorch_tanh") != 0) {
+            am_errorf(err, &v->pos, "%s: '%s' is not supported by am (Gemma's MLP is GeGLU with gelu_pytorch_tanh, "
+                      "the tanh approximation: set it to gelu_pytorch_tanh)", key, s);
+            return -1;
+        }
+        if (!w->gemma && strcmp(s, "silu") != 0) {
             am_errorf(err, &v->pos, "%s: '%s' is not supported by am (Llama-style models use silu)", key, s);
             return -1;
         }
         return 0;
     }
+    case K_DOUBLE_NULL:
+        if (am_node_is_null(v))
+            return *(double *)(base + k->off) = 0.0, 0;
+        return am_node_double(v, key, (double *)(base + k->off), err);
+    case K_BIDIRECTIONAL:
+        if (am_node_is_null(v))
+            return 0;
+        if (am_node_bool(v, key, &b, err) < 0)
+            return -1;
+        if (b) {
+            am_errorf(err, &v->pos, "%s: true is not supported by am (it trains causal language models; bidirectional "
+                      "attention is Gemma's embedding variant): set it to false, or leave it out", key);
+            return -1;
+        }
+        return 0;
+    case K_WINDOW_PATTERN:
+        if (am_node_is_null(v))
+            return 0;
+        return am_node_long(v, key, 1, 1L << 40, &w->window_pattern, err);
     case K_STR:
         if (am_node_is_null(v))
             return 0;
@@ -505,6 +545,28 @@ static int read_key(const struct hf_key *k, struct am_node *v, const char *secti
     case K_ROPE_SCALING:
         return read_rope_scaling(v, section, m, err);
     case K_ROPE_PARAMETERS: {
+        struct am_node *full = am_node_child(v, "full_attention"), *sliding = am_node_child(v, "sliding_attention");
+        if (full || sliding) { /* Gemma 3: one set per attention type */
+            if (sliding) {
+                struct am_node *st = am_node_child(sliding, "rope_type"), *sth = am_node_child(sliding, "rope_theta");
+                snprintf(key, sizeof(key), "%s.rope_parameters.sliding_attention.rope_type", section);
+                if (st && st->kind == AM_NODE_SCALAR && strcmp(st->str, "default") != 0) {
+                    am_errorf(err, &st->pos, "%s: '%s' is not supported by am (the sliding layers' rope is unscaled in "
+                              "Gemma 3: use default)", key, st->str);
+                    return -1;
+                }
+                snprintf(key, sizeof(key), "%s.rope_parameters.sliding_attention.rope_theta", section);
+                if (sth && am_node_double(sth, key, &m->rope_local_base_freq, err) < 0)
+                    return -1;
+            }
+            if (!full)
+                return 0;
+            struct am_node *ft = am_node_child(full, "rope_theta");
+            snprintf(key, sizeof(key), "%s.rope_parameters.full_attention.rope_theta", section);
+            if (ft && am_node_double(ft, key, &m->rope_theta, err) < 0)
+                return -1;
+            return read_rope_scaling(full, section, m, err);
+        }
         struct am_node *theta = am_node_child(v, "rope_theta");
         snprintf(key, sizeof(key), "%s.rope_parameters.rope_theta", section);
         if (theta && am_node_double(theta, key, &m->rope_theta, err) < 0)
@@ -641,8 +703,11 @@ static void resolve_windows(const struct window_keys *w, const struct am_pos *wh
     bool qwen3 = strcmp(t, "qwen3") == 0 || strcmp(t, "qwen2") == 0, qwen3_moe = strcmp(t, "qwen3_moe") == 0;
     long window = 0;
     memset(m->window_layers, 0, sizeof(m->window_layers));
+    bool gemma = m->gemma, gemma3 = strcmp(t, "gemma3_text") == 0;
     if (strcmp(t, "mistral") == 0 || strcmp(t, "mixtral") == 0)
         window = w->sliding_window_given ? w->sliding_window : strcmp(t, "mistral") == 0 ? 4096 : 0;
+    else if (gemma) /* Gemma2Config, Gemma3TextConfig: 4096 */
+        window = w->sliding_window_given ? w->sliding_window : 4096;
     else if (qwen3 || qwen3_moe)
         window = !w->use_sliding_window ? 0 : w->sliding_window_given ? w->sliding_window : 4096;
     else if (w->sliding_window_given && w->sliding_window > 0) {
@@ -652,7 +717,7 @@ static void resolve_windows(const struct window_keys *w, const struct am_pos *wh
         return;
     }
     m->sliding_window = 0;
-    struct am_node *lt = qwen3 ? w->layer_types : NULL;
+    struct am_node *lt = qwen3 || gemma ? w->layer_types : NULL;
     if (lt) {
         if (lt->kind != AM_NODE_SEQ || (long)lt->n != m->num_hidden_layers) {
             am_errorf(err, &lt->pos, "%s.layer_types: expected a list of %ld entries (one per layer: "
@@ -681,6 +746,23 @@ static void resolve_windows(const struct window_keys *w, const struct am_pos *wh
                 return;
             }
             set_window_layer(m, (long)l);
+        }
+    } else if (gemma) { /* the default layer_types: every 2nd layer full (Gemma 2), every pattern-th (Gemma 3) */
+        long pattern = gemma3 ? (w->window_pattern > 0 ? w->window_pattern : 6) : 2;
+        for (long l = 0; l < m->num_hidden_layers; l++) {
+            if (!((l + 1) % pattern))
+                continue;
+            if (window <= 0) {
+                am_errorf(err, wpos, "%s.sliding_window: null, but layer %ld is a sliding_attention layer (Gemma's "
+                          "default layer_types): set sliding_window, or give layer_types", section, l);
+                return;
+            }
+            if (l >= AM_MAX_WINDOW_LAYERS) {
+                am_errorf(err, wpos, "%s.sliding_window: am supports sliding windows on the first %d layers (the model "
+                          "has %ld)", section, AM_MAX_WINDOW_LAYERS, m->num_hidden_layers);
+                return;
+            }
+            set_window_layer(m, l);
         }
     } else if (window > 0) {
         long from = qwen3 ? (w->max_window_layers >= 0 ? w->max_window_layers : 28) : 0;
@@ -711,8 +793,8 @@ static const char *const automodel_model_keys[] = {
  * true. */
 static bool unsupported_class(struct am_node *cfg, const char *section, const char **type, struct am_errors *err)
 {
-    static const char *const known[] = {"Llama", "Mistral", "Mixtral", "Qwen2", "Qwen3", "Qwen3Moe", NULL};
-    static const char *const types[] = {"llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe"};
+    static const char *const known[] = {"Llama", "Mistral", "Mixtral", "Qwen2", "Qwen3", "Qwen3Moe", "Gemma2", "Gemma3Text", NULL};
+    static const char *const types[] = {"llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3_text"};
     struct am_node *arch = am_node_path(cfg, "architectures"), *target = am_node_path(cfg, "_target_"), *v = NULL;
     const char *cls = NULL, *key = NULL;
     char name[128];
@@ -745,13 +827,17 @@ static bool unsupported_class(struct am_node *cfg, const char *section, const ch
     } else {
         return false;
     }
+    if (strcmp(cls, "Gemma3ForCausalLM") == 0) { /* Gemma 3's text model (Gemma3ForConditionalGeneration is not) */
+        *type = "gemma3_text";
+        return false;
+    }
     for (int i = 0; known[i]; i++)
         if (strlen(known[i]) == stem && strncmp(cls, known[i], stem) == 0) {
             *type = types[i];
             return false;
         }
-    am_errorf(err, &v->pos, "%s.%s: '%.60s' is not an architecture am builds (supported: llama, mistral, "
-              "mixtral, qwen2, qwen3, qwen3_moe)", section, key, cls);
+    am_errorf(err, &v->pos, "%s.%s: '%.60s' is not an architecture am builds (supported: %s)", section, key, cls,
+              AM_SUPPORTED_TYPES);
     return true;
 }
 
@@ -768,8 +854,15 @@ int am_model_config_read(struct am_arena *a, struct am_node *cfg, const char *se
     if (type && !type->used && type->value->kind == AM_NODE_SCALAR && !am_node_is_null(type->value) &&
         !am_model_type_supported(type->value->str)) {
         struct am_pos where = type->value->pos;
-        am_errorf(err, &where, "%s.model_type: '%.40s' is not supported (supported: llama, mistral, mixtral, qwen2, "
-                  "qwen3, qwen3_moe)", section, type->value->str);
+        if (strcmp(type->value->str, "gemma3") == 0)
+            am_errorf(err, &where, "%s.model_type: 'gemma3' is Gemma 3's image-text model (AutoModelForCausalLM builds "
+                      "Gemma3ForConditionalGeneration: a vision tower and a projector beside the language model, whose "
+                      "weights are model.language_model.*); am trains text decoders only and would train another model: "
+                      "use a text-only Gemma 3 (model_type gemma3_text, e.g. google/gemma-3-1b-pt or "
+                      "google/gemma-3-270m)", section);
+        else
+            am_errorf(err, &where, "%s.model_type: '%.40s' is not supported (supported: %s)", section,
+                      type->value->str, AM_SUPPORTED_TYPES);
         return -1;
     }
     const char *class_type = NULL;
@@ -777,6 +870,19 @@ int am_model_config_read(struct am_arena *a, struct am_node *cfg, const char *se
         return -1;
     const char *pre_type = type && type->value->kind == AM_NODE_SCALAR ? type->value->str : class_type;
     wk.qwen2 = pre_type && strcmp(pre_type, "qwen2") == 0;
+    if (pre_type && (strcmp(pre_type, "gemma2") == 0 || strcmp(pre_type, "gemma3_text") == 0)) {
+        /* Gemma2Config's and Gemma3TextConfig's defaults, where they differ from Llama's */
+        bool g3 = strcmp(pre_type, "gemma3_text") == 0;
+        m->tie_word_embeddings = true;
+        m->head_dim = 256;
+        m->query_pre_attn_scalar = 256;
+        m->rope_theta = g3 ? 1000000.0 : 10000.0;
+        m->rope_local_base_freq = g3 ? 10000.0 : 0.0;
+        m->max_position_embeddings = g3 ? 131072 : 8192;
+        m->attn_logit_softcapping = g3 ? 0.0 : 50.0;
+        m->final_logit_softcapping = g3 ? 0.0 : 30.0;
+        wk.gemma = true;
+    }
     for (size_t i = 0; i < cfg->n; i++) {
         struct am_entry *e = &cfg->entries[i];
         if (e->used) /* read by the caller (pretrained_model_name_or_path, config, ...) */
@@ -817,10 +923,11 @@ int am_model_config_read(struct am_arena *a, struct am_node *cfg, const char *se
     if (!m->model_type)
         m->model_type = class_type ? class_type : m->num_experts ? "mixtral" : "llama";
     if (!am_model_type_supported(m->model_type)) {
-        am_errorf(err, &where, "%s.model_type: '%s' is not supported (supported: llama, mistral, "
-                  "mixtral, qwen2, qwen3, qwen3_moe)", section, m->model_type);
+        am_errorf(err, &where, "%s.model_type: '%s' is not supported (supported: %s)", section, m->model_type,
+                  AM_SUPPORTED_TYPES);
         return -1;
     }
+    m->gemma = strcmp(m->model_type, "gemma2") == 0 || strcmp(m->model_type, "gemma3_text") == 0;
     static const char *const required[] = {"hidden_size", "num_hidden_layers", "num_attention_heads",
                                            "vocab_size", NULL};
     long *req_val[] = {&m->hidden_size, &m->num_hidden_layers, &m->num_attention_heads, &m->vocab_size};
@@ -844,7 +951,17 @@ int am_model_config_read(struct am_arena *a, struct am_node *cfg, const char *se
         am_errorf(err, &where, "%s.num_key_value_heads: %ld does not divide num_attention_heads %ld "
                   "(grouped-query attention shares each kv head among whole groups of query heads)",
                   section, m->num_key_value_heads, m->num_attention_heads);
-    m->qk_norm = strncmp(m->model_type, "qwen3", 5) == 0;
+    m->qk_norm = strncmp(m->model_type, "qwen3", 5) == 0 || strcmp(m->model_type, "gemma3_text") == 0;
+    if (m->gemma && m->query_pre_attn_scalar <= 0)
+        am_errorf(err, &where, "%s.query_pre_attn_scalar: %g; the attention scale is its inverse square root: it must "
+                  "be > 0 (Gemma's is 256, or head_dim)", section, m->query_pre_attn_scalar);
+    if (m->gemma && (m->attn_logit_softcapping < 0 || m->final_logit_softcapping < 0))
+        am_errorf(err, &where, "%s.attn_logit_softcapping / final_logit_softcapping: %g / %g; a cap must be > 0, or "
+                  "null for none", section, m->attn_logit_softcapping, m->final_logit_softcapping);
+    if (!m->gemma && (m->attn_logit_softcapping > 0 || m->final_logit_softcapping > 0 || m->rope_local_base_freq > 0))
+        am_errorf(err, &where, "%s: attn_logit_softcapping, final_logit_softcapping and rope_local_base_freq are "
+                  "Gemma's (model_type gemma2 or gemma3_text); a %s model has none: remove them", section,
+                  m->model_type);
     m->qkv_bias = strcmp(m->model_type, "qwen2") == 0;
     bool moe = strcmp(m->model_type, "mixtral") == 0 || strcmp(m->model_type, "qwen3_moe") == 0;
     if (moe && m->num_experts <= 0)
@@ -886,7 +1003,7 @@ void am_model_params(const struct am_model_config *m, struct am_param_count *p)
     p->lm_head = m->tie_word_embeddings ? 0 : p->embedding;
     p->attn_per_layer =
         h * q + 2 * h * kv + q * h + (m->qk_norm ? 2 * hd : 0) + (m->qkv_bias ? q + 2 * kv : 0); /* qwen2's biases */
-    p->norms_per_layer = 2 * h;
+    p->norms_per_layer = (m->gemma ? 4 : 2) * h; /* Gemma: post-attention, pre- and post-MLP norms */
     if (m->num_experts > 0) {
         p->router_per_layer = h * (double)m->num_experts;
         p->experts_per_layer = (double)m->num_experts * 3 * h * (double)m->moe_intermediate_size;
@@ -913,4 +1030,11 @@ void am_model_params(const struct am_model_config *m, struct am_param_count *p)
                                   dense_active
                             : p->mlp_per_layer;
     p->active_per_token = L * (h * q + 2 * h * kv + q * h + mlp_active) + (double)m->vocab_size * h;
+}
+
+double am_model_layer_rope_theta(const struct am_model_config *m, long l, bool *scaled)
+{
+    bool local = m->rope_local_base_freq > 0 && am_model_layer_window(m, l) > 0;
+    *scaled = !local && m->rope_scaling.type;
+    return local ? m->rope_local_base_freq : m->rope_theta;
 }

@@ -56,6 +56,18 @@ struct am_model_config {
         long original_max_position_embeddings;
     } rope_scaling;
     const char *torch_dtype; /* as written in config.json, or NULL */
+    /* Gemma 2 and Gemma 3 (gemma2, gemma3_text), as transformers' Gemma2ForCausalLM and
+     * Gemma3ForCausalLM compute them: the embedding scaled by sqrt(hidden_size), RMSNorm with
+     * the weight 1 + w, a norm after attention and one before and after the MLP (four per
+     * layer), GeGLU (gelu_pytorch_tanh), attention scaled by query_pre_attn_scalar ** -0.5,
+     * attention logits capped to cap * tanh(s / cap), the final logits likewise; gemma3_text:
+     * q/k norms (1 + w), and rope_local_base_freq as the rope theta of the sliding layers
+     * (rope_theta and rope_scaling for the full ones). */
+    bool gemma;
+    double query_pre_attn_scalar;   /* > 0 for gemma */
+    double attn_logit_softcapping;  /* 0: none */
+    double final_logit_softcapping; /* 0: none */
+    double rope_local_base_freq;    /* gemma3_text: the sliding layers' rope theta; 0: rope_theta */
 };
 
 /* Finds the config.json for a name or path (steps 1-3 above). Returns 0 and the path in
@@ -97,6 +109,10 @@ long am_model_layer_window(const struct am_model_config *m, long l);
 bool am_model_layer_is_moe(const struct am_model_config *m, long l);
 /* How many of the model's layers have experts. */
 long am_model_moe_layers(const struct am_model_config *m);
+
+/* The rope theta of layer l and whether rope_scaling applies there: rope_local_base_freq
+ * without scaling on a gemma3_text sliding layer, rope_theta with rope_scaling elsewhere. */
+double am_model_layer_rope_theta(const struct am_model_config *m, long l, bool *scaled);
 
 /* True when the model name is one am can train. */
 bool am_model_type_supported(const char *model_type);

@@ -151,6 +151,8 @@ static double act_elems_per_token(const struct am_recipe *r, const struct am_pla
     /* norm inputs and outputs, and the two norms' inverse rms (fp32) */
     double f32 = 4 / am_dtype_size(r->compute_dtype);
     double replicated = 4 * h + 2 * f32;
+    if (m->gemma) /* Gemma: the inputs of the norms after attention and after the MLP, and their rstd */
+        replicated += 2 * h + 2 * f32;
     if (r->dist.sequence_parallel)
         replicated /= tp;
     double heads = (double)(m->num_attention_heads / p->tp), kv_heads = kv_rank / hd;
@@ -207,7 +209,8 @@ static double carved(double n, double es) { return (double)(((long long)(n * es)
  * gradient, the head's input gradient, the rotary tables, the cross entropy's target logits
  * (and with tp > 1 the shards' max), the grouped-query key/value gradient sums when tp exceeds
  * the key/value heads, the backward's work buffers (hidden, query, attention, key, value, the
- * MLP's three, qk_norm's key), with sequence parallelism the gathered stream and a rows'
+ * MLP's three, qk_norm's key; Gemma's post norm rows and Gemma 3's second pair of rotary
+ * tables), with sequence parallelism the gathered stream and a rows'
  * buffer; and for a mixture of experts, per slot the router's counts, probability sums and
  * auxiliary loss, shared the router's and the experts' gradient buffers. N: tokens of a
  * micro-batch, R: its rows of the residual stream on this rank (N / tp with sequence
@@ -236,6 +239,10 @@ static double scratch_bytes(const struct am_recipe *r, const struct am_plan *p, 
     b += carved(N * C, cs) + 2 * carved(N * Q, cs) + 2 * carved(N * KV, cs) + carved(N * 3 * I, cs);
     if (m->qk_norm)
         b += carved(N * KV, cs);
+    if (m->gemma) /* a post norm's output and its input's gradient */
+        b += carved(R * C, cs);
+    if (m->rope_local_base_freq > 0) /* Gemma 3: the sliding layers' rotary tables */
+        b += 2 * carved(T * (D / 2), 4);
     if (sp)
         b += carved(N * C, cs) + carved(R * C, cs);
     if (m->num_experts > 0) {

@@ -48,8 +48,8 @@ import safetensors
 import transformers
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from transformers import (AutoConfig, AutoModelForCausalLM, LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config,
-                          Qwen3Config, Qwen3MoeConfig)
+from transformers import (AutoConfig, AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig,
+                          MixtralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODELS = os.path.join(HERE, "models")
@@ -296,7 +296,74 @@ CASES = {
             pad_token_id=None,
         ),
     ),
+    # Gemma 2: embedding x sqrt(hidden), RMSNorm (1 + w), four norms per layer, GeGLU
+    # (gelu_pytorch_tanh), attention scaled by query_pre_attn_scalar ** -0.5 (24, not head_dim 16)
+    # and soft-capped (attn_logit_softcapping 1.0: the scores of a tiny model are small, so a cap
+    # of 50 would change nothing measurable), final logits capped at 5.0, sliding window 5 on the
+    # even layers (layer_types' default: layer 0 sliding, layer 1 full) of 16 tokens, GQA, tied
+    # embedding; initializer_range 0.05 so that the caps bite (with 0.1, or a final cap of 2, the
+    # gradient norm fell below 1 within 5 steps: clipping inactive).
+    "gemma2_tiny": dict(
+        arch="gemma2", seq=16, model_seed=1029, data_seed=2009, config_format="v5",
+        config=dict(
+            vocab_size=128,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            query_pre_attn_scalar=24,
+            attn_logit_softcapping=1.0,
+            final_logit_softcapping=5.0,
+            sliding_window=5,
+            tie_word_embeddings=True,
+            rope_theta=10000.0,
+            rms_norm_eps=1e-6,
+            max_position_embeddings=64,
+            initializer_range=0.05,
+            hidden_activation="gelu_pytorch_tanh",
+            attention_bias=False,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=None,
+        ),
+    ),
+    # Gemma 3 (text): as Gemma 2 plus q/k norms (1 + w) per head, and two rotary tables: the
+    # sliding layers rope_local_base_freq 10000 unscaled, the full layers rope_theta 1e6 with
+    # linear scaling (factor 2); no soft-capping (Gemma 3's default); layer_types [sliding, full,
+    # sliding], window 5 on 16 tokens; config.json written the way the hub's Gemma 3 configs are
+    # (rope_theta, rope_local_base_freq, rope_scaling at the top).
+    "gemma3_tiny": dict(
+        arch="gemma3_text", seq=16, model_seed=1070, data_seed=2010, config_format="legacy",
+        config=dict(
+            vocab_size=128,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            query_pre_attn_scalar=20,
+            sliding_window=5,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            tie_word_embeddings=True,
+            rope_theta=1000000.0,
+            rope_local_base_freq=10000.0,
+            rope_scaling=dict(rope_type="linear", factor=2.0),
+            rms_norm_eps=1e-6,
+            max_position_embeddings=64,
+            initializer_range=0.05,
+            hidden_activation="gelu_pytorch_tanh",
+            attention_bias=False,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=None,
+        ),
+    ),
 }
+
+GEMMA_ARCHS = ("gemma2", "gemma3_text")
 
 # A second llama3 inverse-frequency table whose parameters put head-dim pairs in all three
 # branches of the llama3 rule (unchanged / smoothed / divided by factor); with the model's own
@@ -337,7 +404,7 @@ def make_config(case):
     spec = CASES[case]
     cfg = dict(spec["config"])
     return dict(llama=LlamaConfig, mixtral=MixtralConfig, qwen2=Qwen2Config, qwen3=Qwen3Config, mistral=MistralConfig,
-                qwen3_moe=Qwen3MoeConfig)[spec["arch"]](**cfg)
+                qwen3_moe=Qwen3MoeConfig, gemma2=Gemma2Config, gemma3_text=Gemma3TextConfig)[spec["arch"]](**cfg)
 
 
 MOE_ARCHS = ("mixtral", "qwen3_moe")
@@ -375,7 +442,9 @@ def make_model(case):
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith(("layernorm.weight", "q_norm.weight", "k_norm.weight")) or name == "model.norm.weight":
-                p.copy_(1.0 + NORM_PERTURB * torch.randn(p.shape, generator=g))
+                # Gemma's norms scale by 1 + w: w itself is the perturbation
+                base = 0.0 if spec["arch"] in GEMMA_ARCHS else 1.0
+                p.copy_(base + NORM_PERTURB * torch.randn(p.shape, generator=g))
             elif name.endswith(".bias"):  # Qwen2's q, k, v biases
                 p.copy_(BIAS_PERTURB * torch.randn(p.shape, generator=g))
     model.eval()  # no dropout anywhere (all dropouts are 0 anyway); training flag irrelevant
@@ -508,10 +577,18 @@ def train(model, ids, clip, own_loss=False):
     return losses, norms, margin
 
 
-def rope_tables(model, seq):
+def rope_tables(model, seq, layer_type=None):
     rot = model.model.rotary_emb
     x = torch.zeros(1, dtype=torch.float32)
     pos = torch.arange(seq, dtype=torch.int64)[None, :]
+    if isinstance(model.config, Gemma3TextConfig):  # one table per attention type
+        layer_type = layer_type or "full_attention"
+        cos, sin = rot(x, pos, layer_type)
+        half = cos.shape[-1] // 2
+        cos, sin = cos[0], sin[0]
+        assert torch.equal(cos[:, :half], cos[:, half:]) and torch.equal(sin[:, :half], sin[:, half:])
+        assert getattr(rot, f"{layer_type}_attention_scaling") == 1.0
+        return cos[:, :half].contiguous(), sin[:, :half].contiguous(), getattr(rot, f"{layer_type}_inv_freq").clone()
     cos, sin = rot(x, pos)
     half = cos.shape[-1] // 2
     cos, sin = cos[0], sin[0]
@@ -577,7 +654,71 @@ def ref_window(cfg, layer):
     return None
 
 
+def ref_forward_gemma(W, cfg, ids):
+    """Gemma 2 / Gemma 3 text, as README states it (same conventions as ref_forward)."""
+    B, T = ids.shape
+    H, nh, nkv, hd, eps = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps
+    gemma3 = isinstance(cfg, Gemma3TextConfig)
+
+    def rms(x, w):  # Gemma: weight 1 + w
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + w)
+
+    def cap(x, c):
+        return torch.tanh(x / c) * c if c else x
+
+    def tables(rp):
+        inv = 1.0 / (rp["rope_theta"] ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
+        if rp.get("rope_type", "default") == "linear":
+            inv = inv / rp["factor"]
+        ang = torch.arange(T, dtype=torch.float32)[:, None] * inv[None, :]
+        return torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+
+    def rot(x, cos, sin):
+        x1, x2 = x[..., : hd // 2], x[..., hd // 2:]
+        c, s = cos[..., : hd // 2], sin[..., : hd // 2]
+        return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+
+    rp = cfg.rope_parameters
+    tab = {t: tables(rp[t] if gemma3 else rp) for t in ("full_attention", "sliding_attention")}
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    x = W["model.embed_tokens.weight"][ids] * torch.tensor(H ** 0.5, dtype=torch.float32)
+    for layer in range(cfg.num_hidden_layers):
+        p = f"model.layers.{layer}."
+        kind = cfg.layer_types[layer]
+        cos, sin = tab[kind]
+        h = rms(x, W[p + "input_layernorm.weight"])
+        q = (h @ W[p + "self_attn.q_proj.weight"].T).view(B, T, nh, hd)
+        k = (h @ W[p + "self_attn.k_proj.weight"].T).view(B, T, nkv, hd)
+        v = (h @ W[p + "self_attn.v_proj.weight"].T).view(B, T, nkv, hd)
+        if gemma3:
+            q, k = rms(q, W[p + "self_attn.q_norm.weight"]), rms(k, W[p + "self_attn.k_norm.weight"])
+        q, k = rot(q, cos[:, None], sin[:, None]), rot(k, cos[:, None], sin[:, None])
+        mask = causal
+        if kind == "sliding_attention":
+            pos = torch.arange(T)
+            mask = causal & (pos[None, :] > pos[:, None] - cfg.sliding_window)
+        heads = []
+        for j in range(nh):
+            g = j // (nh // nkv)
+            sc = cap((q[:, :, j] @ k[:, :, g].transpose(1, 2)) * cfg.query_pre_attn_scalar ** -0.5,
+                     cfg.attn_logit_softcapping)
+            sc = sc.masked_fill(~mask, float("-inf")).softmax(-1)
+            heads.append(sc @ v[:, :, g])
+        a = torch.cat(heads, -1) @ W[p + "self_attn.o_proj.weight"].T
+        x = x + rms(a, W[p + "post_attention_layernorm.weight"])
+        h = rms(x, W[p + "pre_feedforward_layernorm.weight"])
+        m = F.gelu(h @ W[p + "mlp.gate_proj.weight"].T, approximate="tanh") * (h @ W[p + "mlp.up_proj.weight"].T)
+        x = x + rms(m @ W[p + "mlp.down_proj.weight"].T, W[p + "post_feedforward_layernorm.weight"])
+    x = rms(x, W["model.norm.weight"])
+    head = W["model.embed_tokens.weight"] if cfg.tie_word_embeddings else W["lm_head.weight"]
+    logits = cap(x @ head.T, cfg.final_logit_softcapping)
+    logp = logits[:, :-1].log_softmax(-1)
+    return logits, -logp.gather(-1, ids[:, 1:, None]).mean(), None
+
+
 def ref_forward(W, cfg, ids):
+    if isinstance(cfg, (Gemma2Config, Gemma3TextConfig)):
+        return ref_forward_gemma(W, cfg, ids)
     B, T = ids.shape
     H, nh, nkv = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
     hd, eps = getattr(cfg, "head_dim", None) or H // nh, cfg.rms_norm_eps
@@ -673,10 +814,14 @@ def rope_params(config):
 
 
 def rewrite_legacy_config(path):
-    """Rewrite config.json with top-level rope_theta/rope_scaling instead of rope_parameters."""
+    """Rewrite config.json with top-level rope_theta/rope_scaling instead of rope_parameters
+    (Gemma 3: rope_theta and rope_scaling of the full layers, rope_local_base_freq of the sliding ones)."""
     with open(path) as f:
         cfg = json.load(f)
     rp = cfg.pop("rope_parameters")
+    if "full_attention" in rp:
+        cfg["rope_local_base_freq"] = rp["sliding_attention"]["rope_theta"]
+        rp = dict(rp["full_attention"])
     cfg["rope_theta"] = rp.pop("rope_theta")
     cfg["rope_scaling"] = rp if rp.get("rope_type", "default") != "default" else None
     cfg = {k: cfg[k] for k in sorted(cfg)}
@@ -750,7 +895,8 @@ def generate(case):
 
     # Reload from disk: eager must be bit-identical, sdpa within SDPA_TOL.
     checks = {}
-    for attn in ("eager", "sdpa"):  # sdpa: also transformers' default (grouped_mm) experts for MoE
+    impls = ("eager",) if spec["arch"] == "gemma2" else ("eager", "sdpa")  # Gemma 2 has no sdpa (soft-capping)
+    for attn in impls:  # sdpa: also transformers' default (grouped_mm) experts for MoE
         m2 = load(outdir, case, fast=(attn == "sdpa"))
         assert m2.config._attn_implementation == attn
         if is_moe:
@@ -764,18 +910,52 @@ def generate(case):
         if attn == "eager":
             assert d_logits == 0.0 and d_loss == 0.0 and d_grad == 0.0, checks[attn]
         else:
-            assert d_logits <= SDPA_TOL and d_loss <= SDPA_TOL and d_grad <= SDPA_TOL, checks[attn]
-    log(f"  [{case}] reload eager: identical; sdpa vs eager: logits {checks['sdpa']['logits_max_abs']:.2e}, "
-        f"loss {checks['sdpa']['loss_abs']:.2e}, grads (rel. to max|g|) {checks['sdpa']['grad_max_rel']:.2e}")
+            # Gemma 3: sdpa scales q before the product (eager scales the scores): gradients
+            # 1.3e-6 .. 2.5e-6 apart (relative) over the seeds tried, so 5e-6 there
+            tol = 5e-6 if spec["arch"] == "gemma3_text" else SDPA_TOL
+            assert d_logits <= tol and d_loss <= tol and d_grad <= tol, checks[attn]
+    if "sdpa" in checks:
+        log(f"  [{case}] reload eager: identical; sdpa vs eager: logits {checks['sdpa']['logits_max_abs']:.2e}, "
+            f"loss {checks['sdpa']['loss_abs']:.2e}, grads (rel. to max|g|) {checks['sdpa']['grad_max_rel']:.2e}")
+    else:
+        checks["sdpa"] = "not supported by this class (soft-capping)"
+        log(f"  [{case}] reload eager: identical; no sdpa for this class")
 
     # Sensitivity: the batch must be sensitive to RoPE (an un-rotated model gives other logits).
     with torch.no_grad():
         m_norope = copy.deepcopy(model)
-        m_norope.model.rotary_emb.inv_freq.zero_()
+        for name, buf in m_norope.model.rotary_emb.named_buffers():
+            if name.endswith("inv_freq"):
+                buf.zero_()
         d_norope = max_abs(m_norope(input_ids=ids).logits, res["logits"])
         del m_norope
     sens = dict(logits_change_without_rope=d_norope)
-    if getattr(cfg, "sliding_window", None):  # the window must matter: the same model without it differs
+    if spec["arch"] in GEMMA_ARCHS:  # the window and the caps must matter
+        with torch.no_grad():
+            m_nowin = copy.deepcopy(model)
+            m_nowin.config.sliding_window = 10 ** 6
+            for layer in m_nowin.model.layers:
+                if layer.self_attn.sliding_window:
+                    layer.self_attn.sliding_window = 10 ** 6
+            sens["logits_change_without_sliding_window"] = max_abs(m_nowin(input_ids=ids).logits, res["logits"])
+            del m_nowin
+            for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+                if getattr(cfg, key, None):
+                    m_nocap = copy.deepcopy(model)
+                    setattr(m_nocap.config, key, None)
+                    for layer in m_nocap.model.layers:
+                        layer.self_attn.attn_logit_softcapping = m_nocap.config.attn_logit_softcapping
+                    sens[f"logits_change_without_{key}"] = max_abs(m_nocap(input_ids=ids).logits, res["logits"])
+                    del m_nocap
+            if spec["arch"] == "gemma3_text":
+                m_nonorm = copy.deepcopy(model)
+                for layer in m_nonorm.model.layers:
+                    layer.self_attn.q_norm = torch.nn.Identity()
+                    layer.self_attn.k_norm = torch.nn.Identity()
+                sens["logits_change_without_qk_norm"] = max_abs(m_nonorm(input_ids=ids).logits, res["logits"])
+                del m_nonorm
+        assert all(v > 1e-3 for k, v in sens.items()), sens
+    elif getattr(cfg, "sliding_window", None):  # the window must matter: the same model without it differs
         with torch.no_grad():
             m_nowin = copy.deepcopy(model)
             # (qwen2, qwen3: layer_types still names the windowed layers, whose mask needs a
@@ -864,6 +1044,7 @@ def generate(case):
     assert not bad, f"{case}: ill-conditioned (float32 vs float64 {bad} > {CONDITIONING}); change model_seed"
 
     cos, sin, inv_freq = rope_tables(model, spec["seq"])
+    local = rope_tables(model, spec["seq"], "sliding_attention") if spec["arch"] == "gemma3_text" else None
 
     tensors = {
         "input_ids": ids.to(torch.int32),
@@ -882,6 +1063,8 @@ def generate(case):
         tensors["aux_loss"] = res["aux_loss"].detach().float().reshape(())
     if case == "llama3_scaling":
         tensors["rope_inv_freq_all_branches"] = llama3_all_branches_inv_freq(cfg)
+    if local is not None:  # Gemma 3's sliding layers: their own table
+        tensors["rope_cos_local"], tensors["rope_sin_local"] = local[0], local[1]
     for k, g in grads.items():
         tensors["grad." + k] = g
     tensors.update(finals)

@@ -381,6 +381,82 @@ static void case_bias(enum am_dtype dt)
     pair_free(&db);
 }
 
+/* Gemma's kernels: RMSNorm with the weight 1 + w, GeGLU, the scaled and soft-capped attention
+ * (with a window, AM_ATTN=cudnn: they run on the own kernels whatever the path) and the
+ * cross-entropy on capped logits, over two vocabulary shards. */
+static void fill_targets(struct pair *tg, int64_t lo, int64_t hi);
+
+static void case_gemma(enum am_dtype dt, enum am_dtype gdt)
+{
+    bool bf = dt == AM_BF16;
+    int64_t N = 130, C = 520;
+    struct pair x = rnd(dt, N, C, 0, 0), w = rnd(dt, C, 0, 0, 0), out = pair_new(dt, N, C, 0, 0);
+    struct pair rstd = pair_new(AM_F32, N, 0, 0, 0), dout = rnd(dt, N, C, 0, 0), dx = rnd(dt, N, C, 0, 0);
+    struct pair dw = rnd(gdt, C, 0, 0, 0);
+    KC->rmsnorm_offset_forward(&cpu, &out.c, &rstd.c, &x.c, &w.c, 1e-6f);
+    KG->rmsnorm_offset_forward(&gpu, &out.g, &rstd.g, &x.g, &w.g, 1e-6f);
+    check("rmsnorm_offset_forward out", &out, bf);
+    KC->rmsnorm_offset_backward(&cpu, &dx.c, &dw.c, &dout.c, &x.c, &w.c, &rstd.c);
+    KG->rmsnorm_offset_backward(&gpu, &dx.g, &dw.g, &dout.g, &x.g, &w.g, &rstd.g);
+    check("rmsnorm_offset_backward dx", &dx, bf);
+    check("rmsnorm_offset_backward dw", &dw, bf);
+    struct pair g = pair_new(dt, N, C, 0, 0), dg = rnd(dt, N, C, 0, 0);
+    pair_fill(&g, -6, 6);
+    KC->geglu_forward(&cpu, &out.c, &g.c, &x.c);
+    KG->geglu_forward(&gpu, &out.g, &g.g, &x.g);
+    check("geglu_forward", &out, bf);
+    KC->geglu_backward(&cpu, &dg.c, &dx.c, &dout.c, &g.c, &x.c);
+    KG->geglu_backward(&gpu, &dg.g, &dx.g, &dout.g, &g.g, &x.g);
+    check("geglu_backward dgate", &dg, bf);
+    check("geglu_backward dup", &dx, bf);
+    int64_t B = 2, T = 45, H = 4, KVH = 2, D = 32;
+    setenv("AM_ATTN", "cudnn", 1);
+    struct pair q = pair_new(dt, B, T, H, D), k = rnd(dt, B, T, KVH, D), v = rnd(dt, B, T, KVH, D);
+    struct pair ao = pair_new(dt, B, T, H, D), lse = pair_new(AM_F32, B, H, T, 0), ado = rnd(dt, B, T, H, D);
+    struct pair dq = rnd(dt, B, T, H, D), dk = rnd(dt, B, T, KVH, D), dv = rnd(dt, B, T, KVH, D);
+    pair_fill(&q, -2, 2);
+    KC->attention_softcap_forward(&cpu, &ao.c, &lse.c, &q.c, &k.c, &v.c, 9, 0.25f, 1.5f);
+    KG->attention_softcap_forward(&gpu, &ao.g, &lse.g, &q.g, &k.g, &v.g, 9, 0.25f, 1.5f);
+    check("attention_softcap out", &ao, bf);
+    record("attention_softcap lse", dname(dt), rel_err(&lse), 1e-5);
+    pair_upload(&ao);
+    pair_upload(&lse);
+    KC->attention_softcap_backward(&cpu, &dq.c, &dk.c, &dv.c, &ado.c, &ao.c, &lse.c, &q.c, &k.c, &v.c, 9, 0.25f, 1.5f);
+    KG->attention_softcap_backward(&gpu, &dq.g, &dk.g, &dv.g, &ado.g, &ao.g, &lse.g, &q.g, &k.g, &v.g, 9, 0.25f, 1.5f);
+    check("attention_softcap dq", &dq, bf);
+    check("attention_softcap dk", &dk, bf);
+    check("attention_softcap dv", &dv, bf);
+    unsetenv("AM_ATTN");
+    int64_t V = 300, Vh = V / 2, Nt = 70;
+    struct pair hx = rnd(dt, Nt, C, 0, 0), hw = rnd(dt, V, C, 0, 0), tg = pair_new(AM_I32, Nt, 0, 0, 0);
+    struct pair m = pair_new(AM_F32, Nt, 0, 0, 0), sm = pair_new(AM_F32, Nt, 0, 0, 0), t = pair_new(AM_F32, Nt, 0, 0, 0);
+    struct pair hdx = rnd(dt, Nt, C, 0, 0), hdw = rnd(gdt, V, C, 0, 0);
+    fill_targets(&tg, -1, V);
+    for (int h = 0; h < 2; h++) {
+        struct pair ws = hw, dws = hdw;
+        size_t es = am_dtype_size(dt), gs = am_dtype_size(gdt);
+        ws.c = am_tensor_view((char *)hw.c.data + (size_t)(h * Vh * C) * es, AM_DEV_CPU, dt, Vh, C, 0, 0);
+        ws.g = am_tensor_view((char *)hw.g.data + (size_t)(h * Vh * C) * es, AM_DEV_CUDA, dt, Vh, C, 0, 0);
+        dws.c = am_tensor_view((char *)hdw.c.data + (size_t)(h * Vh * C) * gs, AM_DEV_CPU, gdt, Vh, C, 0, 0);
+        dws.g = am_tensor_view((char *)hdw.g.data + (size_t)(h * Vh * C) * gs, AM_DEV_CUDA, gdt, Vh, C, 0, 0);
+        KC->ce_stats_softcap(&cpu, &m.c, &sm.c, &t.c, &hx.c, &ws.c, &tg.c, h * Vh, 2.0f);
+        KG->ce_stats_softcap(&gpu, &m.g, &sm.g, &t.g, &hx.g, &ws.g, &tg.g, h * Vh, 2.0f);
+        record(h ? "ce_stats_softcap m (shard 1)" : "ce_stats_softcap m (shard 0)", dname(dt), rel_err(&m), bf ? 1e-2 : 1e-5);
+        record(h ? "ce_stats_softcap s (shard 1)" : "ce_stats_softcap s (shard 0)", dname(dt), rel_err(&sm), bf ? 1e-2 : 1e-5);
+        record(h ? "ce_stats_softcap t (shard 1)" : "ce_stats_softcap t (shard 0)", dname(dt), rel_err(&t), bf ? 1e-2 : 1e-5);
+        pair_upload(&m);
+        pair_upload(&sm);
+        KC->ce_backward_softcap(&cpu, &hdx.c, &dws.c, &hx.c, &ws.c, &tg.c, h * Vh, &m.c, &sm.c, 0.01f, 2.0f);
+        KG->ce_backward_softcap(&gpu, &hdx.g, &dws.g, &hx.g, &ws.g, &tg.g, h * Vh, &m.g, &sm.g, 0.01f, 2.0f);
+    }
+    check("ce_backward_softcap dx", &hdx, bf);
+    check("ce_backward_softcap dw", &hdw, bf);
+    struct pair *all[] = {&x, &w, &out, &rstd, &dout, &dx, &dw, &g, &dg, &q, &k, &v, &ao, &lse, &ado, &dq, &dk, &dv,
+                          &hx, &hw, &tg, &m, &sm, &t, &hdx, &hdw};
+    for (size_t i = 0; i < sizeof all / sizeof *all; i++)
+        pair_free(all[i]);
+}
+
 /* The mixture of experts' kernels on both devices from the same inputs: the router (probs,
  * weights, the choice itself exactly), the plan (exactly: a stable sort), the permutation
  * (exactly), the grouped GEMMs, the combination and every backward, and the aux statistics.
@@ -864,6 +940,8 @@ int main(void)
     case_bias(AM_BF16);
     case_moe(AM_F32);
     case_moe(AM_BF16);
+    case_gemma(AM_F32, AM_F32);
+    case_gemma(AM_BF16, AM_BF16);
     /* attention: GQA and MHA, head sizes 64 and 128 (and, on the own kernels, 20, 96 and
      * 256), T not a multiple of the 32-row tiles, T = 1, a window shorter than T, B = 2 */
     static const int64_t shapes[][6] = {

@@ -16,7 +16,9 @@
 #   qwen2_tiny (2 layers, 4 heads / 2 kv heads, q, k, v biases split over tp with their rows):
 #              1f1b; 1f1b with sequence parallelism;
 #   qwen2_window (2 layers, MHA, biases, tied, sliding window 7 on layer 1 of 32 tokens): 1f1b;
-#              1f1b with sequence parallelism.
+#              1f1b with sequence parallelism;
+#   gemma2_tiny (2 layers, 4 heads / 2 kv heads, soft-capped attention and logits, post norms of
+#              the reduced row-parallel outputs, tied): 1f1b; 1f1b with sequence parallelism.
 # Then the test of the test: the same run with lr 1.1e-2 in the recipe must fail.
 # The measured worst differences are printed per run.
 set -u
@@ -76,7 +78,7 @@ launch() { # NAME CASE SCHEDULE SP LR: golden_dist on 4 ranks, its output in out
 for run in "llama_tp 1f1b false" "llama_tp interleaved1f1b false" "llama_tp 1f1b true" \
     "llama_tied 1f1b false" "llama_tied 1f1b true" "qwen3_tiny 1f1b false" "qwen3_tiny 1f1b true" \
     "mistral_window 1f1b false" "mistral_window 1f1b true" "qwen2_tiny 1f1b false" "qwen2_tiny 1f1b true" \
-    "qwen2_window 1f1b false" "qwen2_window 1f1b true"; do
+    "qwen2_window 1f1b false" "qwen2_window 1f1b true" "gemma2_tiny 1f1b false" "gemma2_tiny 1f1b true"; do
     set -- $run
     name="$1-$2-sp$3"
     start=$(date +%s)

@@ -19,6 +19,11 @@
 #   their rows; at tp 4 each of the 2 kv heads' biases is held by 2 ranks and its gradient summed)
 #   at tp 2 x pp 2 (and with sequence parallelism and activation checkpointing), tp 4, dp 2
 #   (fsdp2: the biases in their layer's flat shards) and tp 2 x pp 2 x dp 2 interleaved;
+#   Gemma 2 (scaled embedding, post norms of
+#   the reduced row-parallel outputs, GeGLU, attention scaled by 24 ** -0.5 and capped at 1.0,
+#   final logits capped at 5.0, a window of 24 on the even layers; also fsdp2 dp 2 with
+#   activation checkpointing and tp 2 x pp 2 interleaved) and Gemma 3 (q/k norms (1 + w), head_dim
+#   32, two rope tables, layer_types; also fsdp2 at tp 2 x dp 2 with activation checkpointing);
 #   a mixture of experts (Mixtral's layers: 4 experts, top 2; experts replicated over tp) at
 #   dp 2 and dp 4 with activation checkpointing, with ddp and with fsdp2 (each layer's experts
 #   a group of their own, gathered with the layer), fsdp2 at tp 2 x dp 2 and with
@@ -88,6 +93,8 @@ recipe() { # NAME MODS: base.yaml with comma-separated changes, its checkpoints 
         qwen3) args+=(-e 's/model_type: llama/model_type: qwen3\n  head_dim: 32/') ;;
         qwen2) args+=(-e 's/model_type: llama/model_type: qwen2/') ;;
         mistral) args+=(-e 's/model_type: llama/model_type: mistral\n  sliding_window: 24/') ;;
+        gemma2) args+=(-e 's/model_type: llama/model_type: gemma2\n  head_dim: 16\n  query_pre_attn_scalar: 24\n  attn_logit_softcapping: 1.0\n  final_logit_softcapping: 5.0\n  sliding_window: 24/') ;;
+        gemma3) args+=(-e 's/model_type: llama/model_type: gemma3_text\n  head_dim: 32\n  query_pre_attn_scalar: 32\n  sliding_window: 24\n  layer_types: [sliding_attention, full_attention, sliding_attention, full_attention]\n  rope_local_base_freq: 10000.0\n  rope_scaling: {rope_type: linear, factor: 2.0}/') ;;
         moe) args+=(-e 's/model_type: llama/model_type: mixtral\n  num_local_experts: 4\n  num_experts_per_tok: 2/') ;;
         qmoe) args+=(-e 's/model_type: llama/model_type: qwen3_moe\n  num_experts: 4\n  num_experts_per_tok: 2\n  moe_intermediate_size: 64\n  norm_topk_prob: true\n  mlp_only_layers: [1]/') ;;
         aux) args+=(-e 's/model_type: mixtral/model_type: mixtral\n  output_router_logits: true\n  router_aux_loss_coef: 0.02/') ;;
@@ -141,7 +148,8 @@ run() { # NAME N MODS [VAR=VALUE...]: N ranks, with the plugin's AM_TP-style ove
         >"$work/out-$name" 2>&1)
 }
 
-for ref in "ref -" "ref-tied tied" "ref-qwen3 qwen3" "ref-qwen2 qwen2" "ref-mistral mistral" "ref-bf16 bf16" "ref-moe moe" "ref-moe-aux moe,aux" "ref-qmoe qmoe"; do
+for ref in "ref -" "ref-tied tied" "ref-qwen3 qwen3" "ref-qwen2 qwen2" "ref-mistral mistral" "ref-bf16 bf16" "ref-moe moe" "ref-moe-aux moe,aux" "ref-qmoe qmoe" \
+    "ref-gemma2 gemma2" "ref-gemma3 gemma3"; do
     set -- $ref
     run "$1" 1 "$2" || { echo "FAIL: $1 (1 rank) did not train"; cat "$work/out-$1"; exit 1; }
     losses "$work/logs-$1" >"$work/$1"
@@ -187,6 +195,10 @@ layouts+=("ac 1 ac ref" "pp2-tied 2 tied ref-tied AM_PP=2" "pp4-tied-gpipe 4 tie
     "tp2-pp2-qwen2 4 qwen2 ref-qwen2 AM_TP=2 AM_PP=2" "tp2-pp2-qwen2-sp-ac 4 qwen2,sp,ac ref-qwen2 AM_TP=2 AM_PP=2"
     "tp4-qwen2 4 qwen2 ref-qwen2 AM_TP=4" "dp2-qwen2 2 qwen2 ref-qwen2" "tp2-pp2-dp2-qwen2-il 8 qwen2,il ref-qwen2 AM_TP=2 AM_PP=2"
     "tp2-pp2-mistral 4 mistral ref-mistral AM_TP=2 AM_PP=2" "tp2-pp2-mistral-sp 4 mistral,sp ref-mistral AM_TP=2 AM_PP=2"
+    "tp2-pp2-gemma2 4 gemma2 ref-gemma2 AM_TP=2 AM_PP=2" "tp2-pp2-gemma2-sp 4 gemma2,sp ref-gemma2 AM_TP=2 AM_PP=2"
+    "fsdp2-dp2-gemma2-ac 2 gemma2,ac ref-gemma2" "tp2-pp2-gemma2-il 4 gemma2,il ref-gemma2 AM_TP=2 AM_PP=2"
+    "tp2-pp2-gemma3 4 gemma3 ref-gemma3 AM_TP=2 AM_PP=2" "tp2-pp2-gemma3-sp 4 gemma3,sp ref-gemma3 AM_TP=2 AM_PP=2"
+    "fsdp2-tp2-dp2-gemma3-ac 4 gemma3,ac ref-gemma3 AM_TP=2"
     "dp2-moe 2 moe,ddp ref-moe" "dp4-moe-ac 4 moe,ddp,ac ref-moe" "ac-moe-aux 1 moe,aux,ac ref-moe-aux"
     "tp2-moe-aux 2 moe,aux ref-moe-aux AM_TP=2" "mfsdp-z2-dp2-moe 2 moe,mz2 ref-moe"
     "mfsdp-z1-tp2-dp2-moe 4 moe,mz1 ref-moe AM_TP=2" "fsdp2-dp2-moe 2 moe ref-moe"

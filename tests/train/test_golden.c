@@ -170,6 +170,9 @@ static void check_forward_backward(const char *name)
     struct am_tensor hf = G.m.slots[0].hf;
     hf.shape[0] = N;
     G.K->matmul_forward(&G.dev, &y, &hf, &G.m.head->w);
+    double cap = G.m.cfg.final_logit_softcapping; /* Gemma 2: cap * tanh(logit / cap) */
+    for (int64_t i = 0; cap > 0 && i < N * V; i++)
+        logits[i] = tanhf(logits[i] / (float)cap) * (float)cap;
     double worst = 0;
     for (int64_t i = 0; i < N * V; i++)
         worst = fmax(worst, fabs((double)logits[i] - want[i]));
@@ -322,6 +325,21 @@ static void check_rope(const char *name)
     assert_true(diff < 2e-6);
     free(cos);
     free(sin);
+    if (am_st_find(G.g, "rope_cos_local")) { /* Gemma 3's sliding layers: rope_local_base_freq */
+        cos = read_all(&G, "rope_cos_local", &n);
+        sin = read_all(&G, "rope_sin_local", &n);
+        assert_non_null(G.m.cos_local.data);
+        mc = G.m.cos_local.data;
+        ms = G.m.sin_local.data;
+        diff = 0;
+        for (int64_t i = 0; i < n; i++)
+            diff = fmax(diff, fmax(fabs((double)mc[i] - cos[i]), fabs((double)ms[i] - sin[i])));
+        if (diff >= 2e-6)
+            print_error("%s: local rope tables differ by %g\n", name, diff);
+        assert_true(diff < 2e-6);
+        free(cos);
+        free(sin);
+    }
     close_golden(&G);
 }
 
@@ -502,6 +520,8 @@ CASE(qwen3_tiny)
 CASE(mistral_window)
 CASE_FP32(mixtral_tiny) /* no bf16 golden: make_bf16_golden.py says why */
 CASE(qwen3_moe_tiny)
+CASE_FP32(gemma2_tiny) /* Gemma: fp32 goldens */
+CASE_FP32(gemma3_tiny)
 #define TESTS_FP32(name)                                                                                           \
     cmocka_unit_test(test_##name##_rope), cmocka_unit_test(test_##name##_forward_backward),                       \
         cmocka_unit_test(test_##name##_adamw), cmocka_unit_test(test_##name##_adamw_clip),                         \
@@ -515,6 +535,8 @@ int main(void)
                                        TESTS(qwen3_tiny),     TESTS(mistral_window),
                                        /* mixtures of experts (mixtral_tiny without bf16) */
                                        TESTS_FP32(mixtral_tiny), TESTS(qwen3_moe_tiny),
+                                       /* Gemma 2 (soft-capping, post norms, GeGLU), Gemma 3 (q/k norms, two ropes) */
+                                       TESTS_FP32(gemma2_tiny), TESTS_FP32(gemma3_tiny),
                                        cmocka_unit_test(test_model_refuses)};
     /* on a GPU (AM_GOLDEN_DEVICE=cuda): the bf16 cases, the models in device memory */
     const struct CMUnitTest gpu[] = {cmocka_unit_test(test_llama_gqa_bf16),       cmocka_unit_test(test_llama_tied_bf16),

@@ -345,22 +345,22 @@ static void test_model_rules(void **state)
     (void)state;
     expect("model:\n  model_type: gpt2\n  hidden_size: 64\n", NULL,
            MSGS("r.yaml:2:15: model.model_type: 'gpt2' is not supported (supported: llama, mistral, mixtral, qwen2, "
-                "qwen3, qwen3_moe)"));
+                "qwen3, qwen3_moe, gemma2, gemma3_text)"));
     /* the architecture first and alone, not the keys of a config am does not build */
     expect("model:\n  model_type: phi3\n  hidden_act: gelu\n  attention_bias: true\n  rope_scaling:\n"
            "    rope_type: yarn\n    factor: 4\n", NULL,
            MSGS("r.yaml:2:15: model.model_type: 'phi3' is not supported (supported: llama, mistral, mixtral, qwen2, "
-                "qwen3, qwen3_moe)"));
+                "qwen3, qwen3_moe, gemma2, gemma3_text)"));
     expect("model:\n  architectures: [Glm4MoeForCausalLM]\n  first_k_dense_replace: 1\n", NULL,
            MSGS("r.yaml:2:19: model.architectures: 'Glm4MoeForCausalLM' is not an architecture am builds (supported: "
-                "llama, mistral, mixtral, qwen2, qwen3, qwen3_moe)"));
+                "llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, gemma2, gemma3_text)"));
     expect("model:\n  config:\n    _target_: nemo_automodel.components.models.deepseek_v4.config.DeepseekV4Config\n"
            "    num_nextn_predict_layers: 0\n", NULL,
            MSGS("r.yaml:3:15: model.config._target_: 'DeepseekV4Config' is not an architecture am builds (supported: "
-                "llama, mistral, mixtral, qwen2, qwen3, qwen3_moe)"));
+                "llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, gemma2, gemma3_text)"));
     expect("model:\n  config:\n    _target_: pkg.models.glm4_moe.Glm4MoeConfig.from_pretrained\n", NULL,
            MSGS("r.yaml:3:15: model.config._target_: 'Glm4MoeConfig' is not an architecture am builds (supported: "
-                "llama, mistral, mixtral, qwen2, qwen3, qwen3_moe)"));
+                "llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, gemma2, gemma3_text)"));
     expect("model:\n  config:\n    _target_: transformers.Qwen3MoeConfig\n    hidden_size: 64\n"
            "    num_hidden_layers: 2\n    num_attention_heads: 2\n    intermediate_size: 128\n    vocab_size: 64\n",
            NULL, MSGS("r.yaml: model.config.num_experts: missing (a qwen3_moe model has experts)"));
@@ -477,6 +477,70 @@ static void test_model_windows(void **state)
     expect_windows("qwen2", "  use_sliding_window: true\n  sliding_window: 7\n  max_window_layers: 0\n"
                    "  layer_types: [sliding_attention, full_attention, sliding_attention]\n", "7 0 7");
     expect_windows("llama", "  sliding_window: null\n", "0 0 0");
+    /* Gemma: layer_types, by default every other layer (Gemma 2) or all but every sixth (Gemma 3) */
+    expect_windows("gemma2", "", "4096 0 4096");
+    expect_windows("gemma2", "  sliding_window: 7\n", "7 0 7");
+    expect_windows("gemma3_text", "  sliding_window: 5\n", "5 5 5");
+    expect_windows("gemma3_text", "  sliding_window: 5\n  sliding_window_pattern: 2\n", "5 0 5");
+    expect_windows("gemma3_text", "  sliding_window: 3\n  layer_types: [full_attention, sliding_attention, "
+                   "full_attention]\n", "0 3 0");
+}
+
+/* Gemma's defaults (Gemma2Config, Gemma3TextConfig) and Gemma 3's two rope thetas, from the
+ * legacy keys and from transformers 5's rope_parameters per attention type. */
+static struct am_recipe *parse_model(const char *keys)
+{
+    char y[1024];
+    snprintf(y, sizeof(y), "model:\n  hidden_size: 64\n  num_hidden_layers: 3\n  num_attention_heads: 4\n"
+             "  vocab_size: 10\n  intermediate_size: 8\n%s", keys);
+    struct am_errors err;
+    am_errors_init(&err);
+    struct am_recipe *r = parse_with("r.yaml", y, NULL, &err);
+    for (size_t i = 0; i < err.n; i++)
+        print_error("%s\n", err.msg[i]);
+    assert_int_equal(err.n, 0);
+    am_errors_free(&err);
+    return r;
+}
+
+static void test_model_gemma(void **state)
+{
+    (void)state;
+    bool scaled;
+    struct am_recipe *r = parse_model("  model_type: gemma2\n");
+    const struct am_model_config *m = &r->model;
+    assert_true(m->gemma && !m->qk_norm && m->tie_word_embeddings);
+    assert_int_equal(m->head_dim, 256);
+    assert_true(m->query_pre_attn_scalar == 256 && m->attn_logit_softcapping == 50 && m->final_logit_softcapping == 30);
+    assert_true(am_model_layer_rope_theta(m, 0, &scaled) == 10000.0 && !scaled);
+    am_recipe_free(r);
+    r = parse_model("  architectures: [Gemma3ForCausalLM]\n  sliding_window: 4\n  final_logit_softcapping: null\n"
+                    "  rope_scaling: {rope_type: linear, factor: 8.0}\n  sliding_window_pattern: 2\n");
+    m = &r->model;
+    assert_string_equal(m->model_type, "gemma3_text");
+    assert_true(m->gemma && m->qk_norm && m->attn_logit_softcapping == 0 && m->final_logit_softcapping == 0);
+    assert_true(am_model_layer_rope_theta(m, 0, &scaled) == 10000.0 && !scaled); /* sliding: local, unscaled */
+    assert_true(am_model_layer_rope_theta(m, 1, &scaled) == 1000000.0 && scaled); /* full: rope_theta, linear */
+    assert_true(m->rope_scaling.factor == 8.0);
+    am_recipe_free(r);
+    r = parse_model("  model_type: gemma3_text\n  sliding_window: 4\n  layer_types: [full_attention, "
+                    "sliding_attention, full_attention]\n  rope_parameters:\n    full_attention: {rope_type: default, "
+                    "rope_theta: 500000.0}\n    sliding_attention: {rope_type: default, rope_theta: 20000.0}\n");
+    m = &r->model;
+    assert_true(am_model_layer_rope_theta(m, 0, &scaled) == 500000.0 && !scaled);
+    assert_true(am_model_layer_rope_theta(m, 1, &scaled) == 20000.0 && !scaled);
+    assert_null(m->rope_scaling.type);
+    am_recipe_free(r);
+    /* what Gemma needs and the other families refuse */
+    expect("model:\n  model_type: gemma3_text\n  hidden_size: 64\n  num_hidden_layers: 2\n  num_attention_heads: 4\n"
+           "  vocab_size: 10\n  intermediate_size: 8\n  rope_parameters:\n    sliding_attention: {rope_type: linear, "
+           "factor: 2.0}\n", NULL,
+           MSGS("r.yaml:9:36: model.rope_parameters.sliding_attention.rope_type: 'linear' is not supported by am (the "
+                "sliding layers' rope is unscaled in Gemma 3: use default)"));
+    expect("model:\n  model_type: llama\n  hidden_size: 64\n  num_hidden_layers: 2\n  num_attention_heads: 4\n"
+           "  vocab_size: 10\n  intermediate_size: 8\n  final_logit_softcapping: 30.0\n", NULL,
+           MSGS("r.yaml: model: attn_logit_softcapping, final_logit_softcapping and rope_local_base_freq are Gemma's "
+                "(model_type gemma2 or gemma3_text); a llama model has none: remove them"));
 }
 
 /* qwen2 (from model_type or config.json's architectures): q, k, v biases counted, its
@@ -789,7 +853,7 @@ int main(void)
         cmocka_unit_test(test_overrides),
         cmocka_unit_test(test_strategy_from_target),
         cmocka_unit_test(test_model_rules),
-        cmocka_unit_test(test_model_windows), cmocka_unit_test(test_model_qwen2),
+        cmocka_unit_test(test_model_windows), cmocka_unit_test(test_model_qwen2), cmocka_unit_test(test_model_gemma),
         cmocka_unit_test(test_model_moe_layers),
         cmocka_unit_test(test_model_from_hf_cache),
         cmocka_unit_test(test_model_shipped_configs),
