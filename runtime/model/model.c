@@ -5,6 +5,7 @@
  */
 #include "model.h"
 #include "moe.h"
+#include "ring.h"
 
 #include <math.h>
 #include <stddef.h>
@@ -418,6 +419,7 @@ void am_model_free(struct am_model *m)
         if (m->scalar_mem)
             m->K->free(m->dev, m->scalar_mem);
         am_moe_free(m);
+        am_cp_free(m);
     }
     free(m->params);
     free(m->groups);
@@ -691,7 +693,12 @@ static int layer_forward(struct am_model *m, const struct am_layer *L, struct am
     struct am_tensor v4 = heads_of(&v, B, T, m->kv_heads, D), att4 = heads_of(&att, B, T, m->heads, D);
     K->rope_forward(m->dev, &q4, &m->cos, &m->sin);
     K->rope_forward(m->dev, &k4, &m->cos, &m->sin);
-    K->attention_forward(m->dev, &att4, &lse, &q4, &k4, &v4, L->window);
+    if (m->cp) { /* context parallelism: over the cp ring (ring.h) */
+        if (am_cp_attention_forward(m, &att4, &lse, &q4, &k4, &v4, L->window, err, err_len) < 0)
+            return -1;
+    } else {
+        K->attention_forward(m->dev, &att4, &lse, &q4, &k4, &v4, L->window);
+    }
     K->matmul_forward(m->dev, &o, &att, &L->wo->wc);
     if (add_row_parallel(m, x, &o, err, err_len) < 0)
         return -1;
@@ -909,7 +916,13 @@ attention:;
     struct am_tensor v4 = heads_of(&v, B, T, m->kv_heads, D), att4 = heads_of(&att, B, T, m->heads, D);
     struct am_tensor dq4 = heads_of(&dq, B, T, m->heads, D), dk4 = heads_of(&dk, B, T, m->kv_heads, D);
     struct am_tensor dv4 = heads_of(&dv, B, T, m->kv_heads, D), datt4 = heads_of(&datt, B, T, m->heads, D);
-    K->attention_backward(m->dev, &dq4, &dk4, &dv4, &datt4, &att4, &lse, &q4, &k4, &v4, L->window);
+    if (m->cp) {
+        if (am_cp_attention_backward(m, &dq4, &dk4, &dv4, &datt4, &att4, &lse, &q4, &k4, &v4, L->window, err,
+                                     err_len) < 0)
+            return -1;
+    } else {
+        K->attention_backward(m->dev, &dq4, &dk4, &dv4, &datt4, &att4, &lse, &q4, &k4, &v4, L->window);
+    }
     K->rope_backward(m->dev, &dq4, &m->cos, &m->sin);
     K->rope_backward(m->dev, &dk4, &m->cos, &m->sin);
     if (L->q_norm) { /* through the per-head norms: dq, dk become the gradients of q_proj's and k_proj's outputs */

@@ -8,10 +8,17 @@
 int am_groups_build(struct am_groups *g, const struct am_rank_setup *s, enum am_comm_backend backend, int device,
                     struct am_flight *flight, const char *const *hosts, struct am_errors *err)
 {
-    static const enum am_group kinds[] = {AM_GROUP_DP, AM_GROUP_TP, AM_GROUP_PP, AM_GROUP_PP, AM_GROUP_DP_SHARD,
-                                          AM_GROUP_DP_REPLICATE};
     const struct am_plan *p = &s->plan;
-    int n_kinds = p->dp_replicate > 1 && p->dp_shard > 1 ? 6 : 4; /* HSDP: the shard and replica groups too */
+    enum am_group kinds[8] = {AM_GROUP_DP, AM_GROUP_TP, AM_GROUP_PP, AM_GROUP_PP};
+    int n_kinds = 4;
+    if (p->dp_replicate > 1 && p->dp_shard > 1) { /* HSDP: the shard and replica groups too */
+        kinds[n_kinds++] = AM_GROUP_DP_SHARD;
+        kinds[n_kinds++] = AM_GROUP_DP_REPLICATE;
+    }
+    if (p->cp > 1) { /* context parallelism: the ring, and the gradients' dp x cp */
+        kinds[n_kinds++] = AM_GROUP_CP;
+        kinds[n_kinds++] = AM_GROUP_DP_CP;
+    }
     char msg[AM_COMM_ERR_LEN];
     memset(g, 0, sizeof(*g));
     g->ctx = am_comm_ctx_init(backend, s->boot, &s->info, device, s->timeout_s, msg, sizeof(msg));
@@ -56,9 +63,15 @@ int am_groups_build(struct am_groups *g, const struct am_rank_setup *s, enum am_
             g->dp_shard = g->comms[i];
         else if (g->set.kinds[i] == AM_GROUP_DP_REPLICATE)
             g->dp_replicate = g->comms[i];
+        else if (g->set.kinds[i] == AM_GROUP_CP)
+            g->cp = g->comms[i];
+        else if (g->set.kinds[i] == AM_GROUP_DP_CP)
+            g->dp_cp = g->comms[i];
     }
-    if (!g->dp_shard) /* no replica groups: the shard group is dp itself */
-        g->dp_shard = g->dp;
+    if (!g->dp_cp) /* cp 1: the gradients are reduced over dp */
+        g->dp_cp = g->dp;
+    if (!g->dp_shard) /* no replica groups: the shard group is dp x cp (dp itself at cp 1) */
+        g->dp_shard = g->dp_cp;
     return 0;
 }
 
