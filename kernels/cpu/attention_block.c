@@ -15,10 +15,13 @@
  *   D_t = dout_t · out_t,  p_j = exp(s_j - lse_t),  ds_j = p_j (dout_t · v_j - D_t)
  *   dq_t += scale Σ_j ds_j k_j,  dk_j += scale ds_j q_t,  dv_j += p_j dout_t
  *
- * Plain loops, one query row at a time: the forward runs one (batch, head) per task, the
- * backward one (batch, kv head) per task walking every query head of its group, so dk and dv
- * have one writer and every sum a fixed order (no atomics; the same bits on any number of
- * threads). A thread holds one row of Tk scores, never Tq x Tk.
+ * In tiles of RT query rows against all of the block's keys, on OpenBLAS (one thread, called
+ * from the task's OpenMP thread): S = scale Q Kᵀ [RT, Tk], masked and exponentiated in place,
+ * then out_b = P V; backward also dP = dO Vᵀ, then dq += dS K, dk += dSᵀ Q, dv += Pᵀ dO. The
+ * forward runs one (batch, head) per task, the backward one (batch, kv head) per task walking
+ * every query head of its group, so dk and dv have one writer and every sum a fixed order (no
+ * atomics; the same bits on any number of threads). A thread holds RT rows of scores (two in
+ * backward), never Tq x Tk.
  */
 #include <math.h>
 #include <omp.h>
@@ -58,13 +61,31 @@ static struct blk_shape check_block(const char *kernel, const struct am_tensor *
 
 static inline bool sees(int32_t qp, int32_t kp, int64_t W) { return kp <= qp && (W <= 0 || kp > qp - W); }
 
-static inline float dot(const float *restrict a, const float *restrict b, int64_t D)
+#define RT 64 /* query rows per tile */
+
+/* Row i of S (n scores, already scaled): masked to the keys the row sees and turned into
+ * exp(s - m); returns m (-inf: the row sees no key, the row all zeros) and the sum in *sum. */
+static float softmax_row(float *restrict S, int64_t n, int32_t qp, const int32_t *restrict kp, int64_t W, float *sum)
 {
-    float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-    for (int64_t d = 0; d < D; d++)
-        acc += a[d] * b[d];
-    return acc;
+    float m = -INFINITY, l = 0.0f;
+    for (int64_t j = 0; j < n; j++) {
+        S[j] = sees(qp, kp[j], W) ? S[j] : -INFINITY;
+        m = S[j] > m ? S[j] : m;
+    }
+    if (m == -INFINITY) {
+        for (int64_t j = 0; j < n; j++)
+            S[j] = 0.0f;
+        *sum = 0.0f;
+        return m;
+    }
+#pragma omp simd reduction(+ : l)
+    for (int64_t j = 0; j < n; j++) {
+        float p = am_expf(S[j] - m);
+        S[j] = p;
+        l += p;
+    }
+    *sum = l;
+    return m;
 }
 
 void am_cpu_attention_block_forward(const struct am_dev *dev, struct am_tensor *out, struct am_tensor *lse,
@@ -81,61 +102,52 @@ void am_cpu_attention_block_forward(const struct am_dev *dev, struct am_tensor *
     bool fail = false;
 #pragma omp parallel if (B * H > 1 && B * H * Tq * Tk * D >= AM_PAR_MIN) reduction(|| : fail)
     {
-        float *S = malloc(((size_t)Tk + (size_t)D) * sizeof(float)); /* a row's scores, its block output */
+        float *S = malloc(((size_t)RT * (size_t)Tk + (size_t)RT * (size_t)D) * sizeof(float)); /* scores, out_b */
         if (!S)
             fail = true;
 #pragma omp for collapse(2) schedule(static)
         for (int64_t b = 0; b < B; b++)
             for (int64_t h = 0; h < H; h++) {
-                if (!S)
+                if (!S || Tk == 0)
                     continue;
-                float *ob = S + Tk;
+                float *ob = S + RT * Tk;
                 const float *kh = kd + b * Tk * ks + (h / G) * D, *vh = vd + b * Tk * ks + (h / G) * D;
-                for (int64_t t = 0; t < Tq; t++) {
-                    const float *qt = qd + (b * Tq + t) * qs + h * D;
-                    float *ot = o + (b * Tq + t) * qs + h * D, *lt = l + (b * H + h) * Tq + t;
-                    float m = -INFINITY;
-                    for (int64_t j = 0; j < Tk; j++) {
-                        S[j] = sees(qp[t], kp[j], window) ? s.scale * dot(qt, kh + j * ks, D) : -INFINITY;
-                        m = S[j] > m ? S[j] : m;
-                    }
-                    if (m == -INFINITY) { /* no key of this block: nothing to merge */
-                        if (!accumulate) {
-                            for (int64_t d = 0; d < D; d++)
-                                ot[d] = 0.0f;
-                            *lt = -INFINITY;
-                        }
-                        continue;
-                    }
-                    float sum = 0.0f;
-                    for (int64_t d = 0; d < D; d++)
-                        ob[d] = 0.0f;
-                    for (int64_t j = 0; j < Tk; j++) {
-                        if (S[j] == -INFINITY)
+                for (int64_t t0 = 0; t0 < Tq; t0 += RT) {
+                    int64_t nr = Tq - t0 < RT ? Tq - t0 : RT;
+                    am_cpu_sgemm1(false, true, nr, Tk, D, s.scale, qd + (b * Tq + t0) * qs + h * D, qs, kh, ks, 0.0f,
+                                  S, Tk);
+                    float m[RT], sum[RT];
+                    for (int64_t i = 0; i < nr; i++)
+                        m[i] = softmax_row(S + i * Tk, Tk, qp[t0 + i], kp, window, &sum[i]);
+                    am_cpu_sgemm1(false, false, nr, D, Tk, 1.0f, S, Tk, vh, ks, 0.0f, ob, D);
+                    for (int64_t i = 0; i < nr; i++) {
+                        int64_t t = t0 + i;
+                        float *ot = o + (b * Tq + t) * qs + h * D, *lt = l + (b * H + h) * Tq + t, *obi = ob + i * D;
+                        if (m[i] == -INFINITY) { /* no key of this block: nothing to merge */
+                            if (!accumulate) {
+                                for (int64_t d = 0; d < D; d++)
+                                    ot[d] = 0.0f;
+                                *lt = -INFINITY;
+                            }
                             continue;
-                        float p = am_expf(S[j] - m);
-                        const float *vj = vh + j * ks;
-                        sum += p;
-#pragma omp simd
+                        }
+                        float lb = m[i] + logf(sum[i]), inv = 1.0f / sum[i];
+                        if (!accumulate || *lt == -INFINITY) {
+                            for (int64_t d = 0; d < D; d++)
+                                ot[d] = obi[d] * inv;
+                            *lt = lb;
+                            continue;
+                        }
+                        float L = *lt > lb ? *lt : lb, a = am_expf(*lt - L), c = am_expf(lb - L), w = 1.0f / (a + c);
                         for (int64_t d = 0; d < D; d++)
-                            ob[d] += p * vj[d];
+                            ot[d] = (a * ot[d] + c * obi[d] * inv) * w;
+                        *lt = L + logf(a + c);
                     }
-                    float lb = m + logf(sum), inv = 1.0f / sum;
-                    if (!accumulate || *lt == -INFINITY) {
-                        for (int64_t d = 0; d < D; d++)
-                            ot[d] = ob[d] * inv;
-                        *lt = lb;
-                        continue;
-                    }
-                    float L = *lt > lb ? *lt : lb, a = am_expf(*lt - L), c = am_expf(lb - L), w = 1.0f / (a + c);
-                    for (int64_t d = 0; d < D; d++)
-                        ot[d] = (a * ot[d] + c * ob[d] * inv) * w;
-                    *lt = L + logf(a + c);
                 }
             }
         free(S);
     }
-    AM_CHECK(!fail, "out of memory for a row of %lld scores", (long long)Tk);
+    AM_CHECK(!fail, "out of memory for %d rows of %lld scores", RT, (long long)Tk);
 }
 
 void am_cpu_attention_block_backward(const struct am_dev *dev, struct am_tensor *dq, struct am_tensor *dk,
@@ -154,32 +166,43 @@ void am_cpu_attention_block_backward(const struct am_dev *dev, struct am_tensor 
     AM_CHECK(am_tensor_numel(dk) == am_tensor_numel(k) && am_tensor_numel(dv) == am_tensor_numel(k),
              "dk (%s) and dv (%s) must have k's shape", am_tname(dk), am_tname(dv));
     int64_t B = s.B, Tq = s.Tq, Tk = s.Tk, H = s.H, KVH = s.KVH, D = s.D, G = H / KVH, qs = H * D, ks = KVH * D;
-#pragma omp parallel for collapse(2) schedule(static) if (B * KVH > 1 && B * H * Tq * Tk * D >= AM_PAR_MIN)
-    for (int64_t b = 0; b < B; b++)
-        for (int64_t kvh = 0; kvh < KVH; kvh++) {
-            int64_t ko = b * Tk * ks + kvh * D;
-            for (int64_t h = kvh * G; h < (kvh + 1) * G; h++)
-                for (int64_t t = 0; t < Tq; t++) {
-                    int64_t qo = (b * Tq + t) * qs + h * D;
-                    const float *qt = qd + qo, *dot_ = dod + qo;
-                    float *dqt = dqd + qo, Lt = ld[(b * H + h) * Tq + t];
-                    if (Lt == -INFINITY)
-                        continue;
-                    float Dt = dot(dot_, od + qo, D);
-                    for (int64_t j = 0; j < Tk; j++) {
-                        if (!sees(qp[t], kp[j], window))
-                            continue;
-                        const float *kj = kd + ko + j * ks, *vj = vd + ko + j * ks;
-                        float *dkj = dkd + ko + j * ks, *dvj = dvd + ko + j * ks;
-                        float p = am_expf(s.scale * dot(qt, kj, D) - Lt);
-                        float ds = p * (dot(dot_, vj, D) - Dt) * s.scale;
-#pragma omp simd
-                        for (int64_t d = 0; d < D; d++) {
-                            dqt[d] += ds * kj[d];
-                            dkj[d] += ds * qt[d];
-                            dvj[d] += p * dot_[d];
+    bool fail = false;
+#pragma omp parallel if (B * KVH > 1 && B * H * Tq * Tk * D >= AM_PAR_MIN) reduction(|| : fail)
+    {
+        float *P = malloc(2 * (size_t)RT * (size_t)Tk * sizeof(float)); /* p, then dp and ds */
+        if (!P)
+            fail = true;
+#pragma omp for collapse(2) schedule(static)
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t kvh = 0; kvh < KVH; kvh++) {
+                if (!P || Tk == 0)
+                    continue;
+                float *dS = P + RT * Tk;
+                int64_t ko = b * Tk * ks + kvh * D;
+                for (int64_t h = kvh * G; h < (kvh + 1) * G; h++)
+                    for (int64_t t0 = 0; t0 < Tq; t0 += RT) {
+                        int64_t nr = Tq - t0 < RT ? Tq - t0 : RT, qo = (b * Tq + t0) * qs + h * D;
+                        am_cpu_sgemm1(false, true, nr, Tk, D, s.scale, qd + qo, qs, kd + ko, ks, 0.0f, P, Tk);
+                        am_cpu_sgemm1(false, true, nr, Tk, D, 1.0f, dod + qo, qs, vd + ko, ks, 0.0f, dS, Tk);
+                        for (int64_t i = 0; i < nr; i++) {
+                            int64_t t = t0 + i;
+                            float *pr = P + i * Tk, *dr = dS + i * Tk, Lt = ld[(b * H + h) * Tq + t];
+                            const float *dot_ = dod + qo + i * qs, *ot = od + qo + i * qs;
+                            float Dt = 0.0f;
+                            for (int64_t d = 0; d < D; d++)
+                                Dt += dot_[d] * ot[d];
+                            for (int64_t j = 0; j < Tk; j++) {
+                                float p = Lt != -INFINITY && sees(qp[t], kp[j], window) ? am_expf(pr[j] - Lt) : 0.0f;
+                                pr[j] = p;
+                                dr[j] = p * (dr[j] - Dt) * s.scale;
+                            }
                         }
+                        am_cpu_sgemm1(false, false, nr, D, Tk, 1.0f, dS, Tk, kd + ko, ks, 1.0f, dqd + qo, qs);
+                        am_cpu_sgemm1(true, false, Tk, D, nr, 1.0f, dS, Tk, qd + qo, qs, 1.0f, dkd + ko, ks);
+                        am_cpu_sgemm1(true, false, Tk, D, nr, 1.0f, P, Tk, dod + qo, qs, 1.0f, dvd + ko, ks);
                     }
-                }
-        }
+            }
+        free(P);
+    }
+    AM_CHECK(!fail, "out of memory for %d rows of %lld scores", 2 * RT, (long long)Tk);
 }

@@ -71,6 +71,8 @@ int am_cp_init(struct am_model *m, struct am_comm *cp, int64_t seq_len, char *er
     c->size = P;
     c->rank = am_comm_rank(cp);
     c->seq_len = seq_len;
+    const char *ov = getenv("AM_RING_OVERLAP");
+    c->overlap = !(ov && strcmp(ov, "0") == 0);
     int64_t Tl = m->seq_len;
     size_t kvb = ((size_t)(m->max_tokens * m->kv_heads * m->head_dim) * sizeof(float) + 63) & ~(size_t)63;
     size_t posb = ((size_t)(P * Tl) * sizeof(int32_t) + 63) & ~(size_t)63;
@@ -166,6 +168,8 @@ int am_cp_attention_forward(struct am_model *m, struct am_tensor *out, struct am
             am_comm_wait_all(rq, 2, NULL, 0);
             return -1;
         }
+        if (more && !c->overlap && wait2(c, rq, err, err_len) < 0) /* AM_RING_OVERLAP=0: the shift alone */
+            return -1;
         double t0 = am_mono_time();
         m->K->attention_block_forward(m->dev, out, lse, q, &hk, &hv, &mine, &kp, window, s > 0);
         c->block_s += am_mono_time() - t0;
@@ -192,7 +196,8 @@ int am_cp_attention_backward(struct am_model *m, struct am_tensor *dq, struct am
     for (int s = 0; s < c->size && rc == 0; s++) {
         bool more = s + 1 < c->size;
         struct am_tensor kp = pos_of(m, mod(c->rank - s, c->size));
-        if (more && shift_kv(c, &hk, &hv, c->kv[s % 2][0], c->kv[s % 2][1], rkv, err, err_len) < 0) {
+        if (more && (shift_kv(c, &hk, &hv, c->kv[s % 2][0], c->kv[s % 2][1], rkv, err, err_len) < 0 ||
+                     (!c->overlap && wait2(c, rkv, err, err_len) < 0))) {
             rc = -1;
             break;
         }
@@ -206,7 +211,7 @@ int am_cp_attention_backward(struct am_model *m, struct am_tensor *dq, struct am
         c->block_s += am_mono_time() - t0;
         struct am_tensor ak = tk, av = tv; /* the sums sent onward */
         if (s > 0) {
-            if (wait2(c, rd, err, err_len) < 0) {
+            if (c->overlap && wait2(c, rd, err, err_len) < 0) {
                 rc = -1;
                 break;
             }
@@ -216,7 +221,7 @@ int am_cp_attention_backward(struct am_model *m, struct am_tensor *dq, struct am
             K->add(m->dev, &av, &tv);
         }
         if (shift_kv(c, &ak, &av, c->dkv[s % 2][0], c->dkv[s % 2][1], rd, err, err_len) < 0 ||
-            (more && wait2(c, rkv, err, err_len) < 0)) {
+            (!c->overlap && wait2(c, rd, err, err_len) < 0) || (more && c->overlap && wait2(c, rkv, err, err_len) < 0)) {
             rc = -1;
             break;
         }
@@ -229,7 +234,7 @@ int am_cp_attention_backward(struct am_model *m, struct am_tensor *dq, struct am
         return -1;
     }
     /* the sums of this rank's own block, back from around the ring */
-    if (wait2(c, rd, err, err_len) < 0)
+    if (c->overlap && wait2(c, rd, err, err_len) < 0)
         return -1;
     struct am_tensor ok = like(k, c->dkv[(c->size - 1) % 2][0]), ov = like(v, c->dkv[(c->size - 1) % 2][1]);
     K->add(m->dev, dk, &ok);

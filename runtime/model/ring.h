@@ -31,6 +31,7 @@
 #ifndef AM_RING_H
 #define AM_RING_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -47,6 +48,8 @@ struct am_cp {
     void *kv[2][2];            /* [buffer][k, v]: the block that arrives next */
     void *dkv[2][2];           /* backward: the running dk, dv sums that travel with a block */
     void *part[2];             /* backward: this rank's dk, dv terms for the block it holds */
+    bool overlap;              /* AM_RING_OVERLAP=0: each shift waited for as soon as it is started (the
+                                  ring's time alone, for bench/cp_small.sh) */
     double wait_s, block_s;    /* seconds waiting for the ring and in the block kernels (host clock) */
 };
 

@@ -1202,7 +1202,8 @@ static void gather_rows(float *dst, const float *src, int64_t B, int64_t T, int6
 /* Every rank's queries against every rank's keys, block by block in ring order (rank r takes
  * the keys of rank r - s at step s, merging from step 1 on), must give full causal attention
  * (the double reference) on the rows each rank holds; the backward's dq, dk, dv summed over the
- * blocks must give its gradients. GQA, windows, 1 to 4 ranks, several rows per chunk. */
+ * blocks must give its gradients. GQA, windows, 1 to 4 ranks, several rows per chunk, several
+ * tiles of rows. */
 static void test_attention_block(void **state)
 {
     (void)state;
@@ -1214,6 +1215,8 @@ static void test_attention_block(void **state)
         {{2, 16, 4, 2, 8, 0}, 2},  {{1, 32, 4, 1, 16, 0}, 4}, {{2, 24, 4, 4, 8, 0}, 3},
         {{1, 16, 2, 1, 8, 0}, 1},  {{2, 32, 4, 2, 8, 5}, 2},  {{1, 48, 8, 2, 16, 13}, 4},
         {{1, 64, 4, 2, 64, 0}, 2},
+        {{1, 160, 4, 2, 16, 0}, 1},  /* tiles of 64 query rows: 3, the last partial */
+        {{1, 288, 2, 1, 8, 40}, 2}, /* 144 rows a rank, a window across chunks */
     };
     for (size_t ci = 0; ci < sizeof cases / sizeof *cases; ci++) {
         struct attn_dims s = cases[ci].s;

@@ -6,8 +6,11 @@
 # norms, 5e-5 on weights). The subset: data parallel over 2 and 4 nodes; tp 2 x pp 2 over 2
 # nodes (1f1b); tp 2 x pp 2 x dp 2 over 4 nodes (interleaved1f1b, sequence parallel). The
 # tiny recipe's strategy is fsdp2, so data parallelism shards (each rank's memory record says
-# "sharded":true): over 4 nodes with dp_shard 4, and as HSDP (2 replicas of 2 shards). Fails,
-# never skips, when the cluster cannot start.
+# "sharded":true): over 4 nodes with dp_shard 4, and as HSDP (2 replicas of 2 shards). Context
+# parallelism: `--am-cp=2 --am-tp=2` over 2 nodes of 2 tasks (the tp pairs inside a node, the
+# cp ring between the nodes, each sequence of 64 in 4 chunks of 16). Fails, never skips, when
+# the cluster cannot start. AM_PARITY_SLURM_ONLY="NAME NODES TASKS RECIPE [OPTIONS];..." runs
+# only those jobs.
 set -u
 : "${AM_SRCDIR:=$(cd "$(dirname "$0")/../.." && pwd)}"
 : "${AM_BUILDDIR:=$PWD}"
@@ -57,8 +60,11 @@ cat >"$work/job.sh" <<JOB
 srun --mpi=pmix "$AM_BUILDDIR/am-launch"
 JOB
 # NAME NODES TASKS-PER-NODE RECIPE [PLUGIN OPTIONS]
-for job in "dp2 2 1 tiny.yaml" "dp4 4 1 tiny.yaml" "tp2-pp2 2 2 tiny.yaml --am-tp=2 --am-pp=2" \
-    "tp2-pp2-dp2-sp-il 4 2 tiny-sp-il.yaml --am-tp=2 --am-pp=2" "hsdp-dp4 4 1 tiny-hsdp.yaml"; do
+jobs=("dp2 2 1 tiny.yaml" "dp4 4 1 tiny.yaml" "tp2-pp2 2 2 tiny.yaml --am-tp=2 --am-pp=2"
+    "tp2-pp2-dp2-sp-il 4 2 tiny-sp-il.yaml --am-tp=2 --am-pp=2" "hsdp-dp4 4 1 tiny-hsdp.yaml"
+    "cp2-tp2 2 2 tiny.yaml --am-cp=2 --am-tp=2")
+[ -n "${AM_PARITY_SLURM_ONLY:-}" ] && IFS=';' read -ra jobs <<<"$AM_PARITY_SLURM_ONLY"
+for job in "${jobs[@]}"; do
     set -- $job
     name=$1 nodes=$2 per=$3 recipe=$4
     shift 4
