@@ -2,8 +2,8 @@
 # Context parallelism on a long sequence: bench-small's width (hidden 512, 4 layers, 8 heads,
 # 4 kv heads, vocabulary 8192) on one sequence of 8192 tokens, am-train at cp 2 against cp 1,
 # side by side, and the share of the ring's time hidden behind the attention's compute.
-#   bench/cp_small.sh [BUILDDIR] [STEPS]   (run from the source tree; BUILDDIR defaults to .,
-#                                           STEPS to 4: the first two warm up)
+#   bench/cp_small.sh [BUILDDIR] [STEPS] [SEQ]   (run from the source tree; BUILDDIR defaults
+#                                   to ., STEPS to 4: the first two warm up; SEQ to 8192)
 # Each rank runs one OpenMP thread, so cp 2 uses 2 cores: efficiency = tokens/s at cp 2 /
 # (2 x tokens/s at cp 1). The ring: `ring_wait_s` of the step records is the time a rank waited
 # for its shifts (runtime/model/ring.h); a third run with AM_RING_OVERLAP=0 waits for each
@@ -12,14 +12,14 @@
 set -eu
 src=$(cd "$(dirname "$0")/.." && pwd)
 build=$(cd "${1:-.}" && pwd)
-steps=${2:-4}
+steps=${2:-4} seq=${3:-8192}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 . "$src/bench/lib.sh"
 bench_data "$work" "$build"
 
 sed -e "s/global_batch_size: .*/global_batch_size: 1/" -e "s/local_batch_size: .*/local_batch_size: 1/" \
-    -e "s/max_position_embeddings: .*/max_position_embeddings: 8192/" -e "s/seq_length: .*/seq_length: 8192/" \
+    -e "s/max_position_embeddings: .*/max_position_embeddings: $seq/" -e "s/seq_length: .*/seq_length: $seq/" \
     -e "s/max_steps: .*/max_steps: $steps/" "$src/bench/bench_small.yaml" >"$work/long.yaml"
 run() { # NAME RANKS [VAR=VALUE...]
     local name=$1 n=$2
@@ -32,10 +32,10 @@ field() { step_field "$work/logs-$1" "$2" | median; } # NAME KEY: median over st
 run cp1 1
 run cp2 2 AM_CP=2
 run cp2-alone 2 AM_CP=2 AM_RING_OVERLAP=0
-one=$(echo "8192 / $(field cp1 step_s)" | bc -l)
-two=$(echo "8192 / $(field cp2 step_s)" | bc -l)
+one=$(echo "$seq / $(field cp1 step_s)" | bc -l)
+two=$(echo "$seq / $(field cp2 step_s)" | bc -l)
 w_on=$(field cp2 ring_wait_s) w_off=$(field cp2-alone ring_wait_s) blk=$(field cp2 ring_block_s)
-echo "context parallelism: bench-small's width on one sequence of 8192 tokens, fp32, 1 thread per rank"
+echo "context parallelism: bench-small's width on one sequence of $seq tokens, fp32, 1 thread per rank"
 echo "$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //'), $(nproc) cores"
 printf '%-28s %10s %11s\n' layout "tok/s" efficiency
 printf '%-28s %10.0f %11s\n' "cp 1 (1 rank)" "$one" -
