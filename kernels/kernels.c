@@ -91,6 +91,8 @@ int am_kernels_missing(const struct am_kernels *k, char *buf, size_t len)
     AM_NEED(rope_backward);
     AM_NEED(attention_forward);
     AM_NEED(attention_backward);
+    AM_NEED(attention_block_forward);
+    AM_NEED(attention_block_backward);
     AM_NEED(swiglu_forward);
     AM_NEED(swiglu_backward);
     AM_NEED(rmsnorm_offset_forward);

@@ -213,6 +213,32 @@ struct am_kernels {
                                const struct am_tensor *lse, const struct am_tensor *q, const struct am_tensor *k,
                                const struct am_tensor *v, int64_t window);
 
+    /* ---- attention of one block of queries against one block of keys (context parallelism's
+     * ring attention, runtime/model/ring.h) ----
+     * q, out [B, Tq, H, D]; k, v [B, Tk, KVH, D] (query head h reads kv head h / (H / KVH));
+     * lse [B, H, Tq] fp32; qpos [Tq] and kpos [Tk] int32: each row's position in its sequence
+     * (the same for every b). Query t sees key j when kpos[j] <= qpos[t], and with window > 0
+     * also kpos[j] > qpos[t] - window (attention_forward's mask, by position).
+     * attention_block_forward computes the block's softmax(q kᵀ / sqrt(D)) v over the keys
+     * each row sees and its log-sum-exp lse_b; accumulate 0 writes them into out and lse (a
+     * row that sees no key: out 0, lse -inf), accumulate 1 merges them into what out and lse
+     * hold, by log-sum-exp: lse' = log(exp(lse) + exp(lse_b)),
+     * out' = out exp(lse - lse') + out_b exp(lse_b - lse'). Over every block of keys that gives
+     * attention_forward's out and lse.
+     * attention_block_backward, given the rows' final out and lse (over all blocks), adds the
+     * block's terms to dq, dk and dv (attention_backward's formulas, p_j = exp(s_j - lse_t) over
+     * the keys of this block the row sees). fp32 tensors; sums in a fixed order (run to run the
+     * same bits on the CPU). */
+    void (*attention_block_forward)(const struct am_dev *d, struct am_tensor *out, struct am_tensor *lse,
+                                    const struct am_tensor *q, const struct am_tensor *k, const struct am_tensor *v,
+                                    const struct am_tensor *qpos, const struct am_tensor *kpos, int64_t window,
+                                    int accumulate);
+    void (*attention_block_backward)(const struct am_dev *d, struct am_tensor *dq, struct am_tensor *dk,
+                                     struct am_tensor *dv, const struct am_tensor *dout, const struct am_tensor *out,
+                                     const struct am_tensor *lse, const struct am_tensor *q, const struct am_tensor *k,
+                                     const struct am_tensor *v, const struct am_tensor *qpos,
+                                     const struct am_tensor *kpos, int64_t window);
+
     /* ---- SwiGLU: out = silu(gate) * up, all [N, I] ---- */
     void (*swiglu_forward)(const struct am_dev *d, struct am_tensor *out, const struct am_tensor *gate, const struct am_tensor *up);
     void (*swiglu_backward)(const struct am_dev *d, struct am_tensor *dgate, struct am_tensor *dup, const struct am_tensor *dout,

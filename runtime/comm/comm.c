@@ -221,6 +221,7 @@ const char *am_comm_call_name(enum am_comm_kind k)
     case AM_CALL_ISEND: return "isend";
     case AM_CALL_SEND_WAIT: return "send_wait";
     case AM_CALL_STREAM_WAIT: return "stream_wait";
+    case AM_CALL_SHIFT: return "shift";
     }
     return "operation";
 }
@@ -232,6 +233,7 @@ const char *am_comm_name_of(const struct am_comm_call *call)
         case AM_CALL_ALLREDUCE: return "iallreduce";
         case AM_CALL_REDUCE_SCATTER: return "ireduce_scatter";
         case AM_CALL_ALLGATHER: return "iallgather";
+        case AM_CALL_SHIFT: return "ishift";
         default: break;
         }
     }
@@ -626,6 +628,7 @@ static uint64_t flight_begin(struct am_comm *c, const struct am_comm_call *call)
         op.dtype = NULL;
         break;
     case AM_CALL_ALLGATHER:
+    case AM_CALL_SHIFT:
     case AM_CALL_SEND_WAIT: /* not recorded: it ends its isends' entries */
         break;
     }
@@ -891,6 +894,33 @@ int am_allgather(struct am_comm *c, const void *send, void *recv, size_t count, 
 {
     struct am_comm_call call = {.kind = AM_CALL_ALLGATHER};
     int rc = !c || prep_allgather(c, &call, send, recv, count, t) < 0 ? -1 : am_comm_dispatch(c, &call);
+    return result(c, rc, err, err_len);
+}
+
+/* The checks of shift, blocking or not; fills *call. */
+static int prep_shift(struct am_comm *c, struct am_comm_call *call, const void *send, void *recv, size_t count,
+                      enum am_dtype t)
+{
+    const char *k = am_comm_name_of(call);
+    size_t bytes;
+    if (check_common(c, k, t) < 0)
+        return -1;
+    if (bytes_of(count, 1, am_dtype_size(t), &bytes) < 0)
+        return arg_fail(c, k, "%zu %s elements overflow", count, am_dtype_name(t));
+    if (count && (!send || !recv))
+        return arg_fail(c, k, "%s buffer is NULL for %zu elements", !send ? "send" : "recv", count);
+    if (overlaps(send, bytes, recv, bytes))
+        return arg_fail(c, k, "send and recv buffers overlap (a shift reads one while the other is written)");
+    *call = (struct am_comm_call){.kind = AM_CALL_SHIFT, .nonblocking = call->nonblocking, .send = send, .recv = recv,
+                                  .count = count, .dtype = t, .bytes = bytes};
+    return 0;
+}
+
+int am_shift(struct am_comm *c, const void *send, void *recv, size_t count, enum am_dtype t, char *err,
+             size_t err_len)
+{
+    struct am_comm_call call = {.kind = AM_CALL_SHIFT};
+    int rc = !c || prep_shift(c, &call, send, recv, count, t) < 0 ? -1 : am_comm_dispatch(c, &call);
     return result(c, rc, err, err_len);
 }
 
@@ -1165,6 +1195,14 @@ int am_iallgather(struct am_comm *c, const void *send, void *recv, size_t count,
     struct am_comm_call call = {.kind = AM_CALL_ALLGATHER, .nonblocking = 1};
     int rc = req_ok(c, req, "iallgather") < 0 || prep_allgather(c, &call, send, recv, count, t) < 0
                  ? -1 : issue(c, &call, req);
+    return result(c, rc, err, err_len);
+}
+
+int am_ishift(struct am_comm *c, const void *send, void *recv, size_t count, enum am_dtype t,
+              struct am_comm_req **req, char *err, size_t err_len)
+{
+    struct am_comm_call call = {.kind = AM_CALL_SHIFT, .nonblocking = 1};
+    int rc = req_ok(c, req, "ishift") < 0 || prep_shift(c, &call, send, recv, count, t) < 0 ? -1 : issue(c, &call, req);
     return result(c, rc, err, err_len);
 }
 

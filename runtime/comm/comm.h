@@ -197,6 +197,14 @@ int am_send_wait(struct am_comm *c, char *err, size_t err_len);
  * sends from a ring of buffers waits for the send of the one it is about to reuse. */
 int am_send_wait_keep(struct am_comm *c, size_t keep, char *err, size_t err_len);
 int am_barrier(struct am_comm *c, char *err, size_t err_len);
+/* Ring shift, a collective of the group (numbered like one, issued by every rank in the same
+ * order): each rank sends count elements of send to group rank (rank + 1) % size and receives
+ * count elements from (rank - 1 + size) % size into recv (context parallelism's ring passes
+ * keys and values this way). send and recv must not overlap; on a group of one rank recv
+ * receives a copy of send. am_ishift starts it as a non-blocking collective (below), so that
+ * the exchange runs while the caller computes on the block it already holds. */
+int am_shift(struct am_comm *c, const void *send, void *recv, size_t count, enum am_dtype t, char *err,
+             size_t err_len);
 
 /* Non-blocking collectives: the arguments, rules and results of the blocking calls; *req is
  * the request (NULL when the call fails: nothing started, err says why). */
@@ -207,6 +215,8 @@ int am_ireduce_scatter(struct am_comm *c, const void *send, void *recv, size_t c
                        enum am_comm_op op, struct am_comm_req **req, char *err, size_t err_len);
 int am_iallgather(struct am_comm *c, const void *send, void *recv, size_t count, enum am_dtype t,
                   struct am_comm_req **req, char *err, size_t err_len);
+int am_ishift(struct am_comm *c, const void *send, void *recv, size_t count, enum am_dtype t,
+              struct am_comm_req **req, char *err, size_t err_len);
 /* Waits for the request (bounded by the timeout like every wait; at once on an abort) and
  * releases it: 0, or -1 with err naming the call and the peer. NULL: 0. */
 int am_comm_wait(struct am_comm_req *req, char *err, size_t err_len);

@@ -45,6 +45,7 @@ enum am_comm_kind {
     AM_CALL_ISEND,              /* run() posts the send and returns; see send_wait */
     AM_CALL_SEND_WAIT,          /* the front's own: never handed to run() */
     AM_CALL_STREAM_WAIT,        /* am_comm_stream_wait: the backend's stream_wait, not run() */
+    AM_CALL_SHIFT,              /* am_shift: to group rank + 1, from group rank - 1 (a collective) */
 };
 
 /* One operation, as the caller asked for it. */

@@ -428,6 +428,27 @@ static int run_p2p(struct am_comm *c, const struct am_comm_call *call)
     return wait_stream(c, s);
 }
 
+/* am_shift on stream s: one NCCL group of the send to the right and the receive from the
+ * left (a copy on a group of one rank). */
+static ncclResult_t enqueue_shift(struct am_comm *c, const struct am_comm_call *call, cudaStream_t s)
+{
+    struct nccl_comm *n = c->be;
+    ncclDataType_t dt = nccl_dtype(call->dtype);
+    if (!call->count)
+        return ncclSuccess;
+    if (c->size == 1)
+        return cudaMemcpyAsync(call->recv, call->send, call->count * am_dtype_size(call->dtype),
+                               cudaMemcpyDeviceToDevice, s) == cudaSuccess ? ncclSuccess : ncclUnhandledCudaError;
+    ncclResult_t r = ncclGroupStart();
+    if (r != ncclSuccess)
+        return r;
+    r = ncclSend(call->send, call->count, dt, (c->rank + 1) % c->size, n->comm, s);
+    if (r == ncclSuccess || r == ncclInProgress)
+        r = ncclRecv(call->recv, call->count, dt, (c->rank + c->size - 1) % c->size, n->comm, s);
+    ncclResult_t e = ncclGroupEnd();
+    return r == ncclSuccess || r == ncclInProgress ? e : r;
+}
+
 /* The collectives (and barrier), after the group's kept sends. */
 static int run_collective(struct am_comm *c, const struct am_comm_call *call)
 {
@@ -466,6 +487,9 @@ static int run_collective(struct am_comm *c, const struct am_comm_call *call)
     case AM_CALL_SEND_WAIT: /* the front's own */
     case AM_CALL_STREAM_WAIT: /* nccl_stream_wait */
         return 0;
+    case AM_CALL_SHIFT:
+        r = enqueue_shift(c, call, s);
+        break;
     case AM_CALL_BARRIER:
         r = ncclAllReduce(n->barrier_buf, n->barrier_buf, 1, ncclInt32, ncclSum, n->comm, s);
         break;
@@ -580,6 +604,8 @@ static int nccl_start(struct am_comm *c, struct am_comm_req *q)
         r = ncclReduceScatter(call->send, call->recv, call->count, dt, nccl_op(call->op, c->size), n->comm, cs);
     else if (call->count && call->kind == AM_CALL_ALLGATHER)
         r = ncclAllGather(call->send, call->recv, call->count, dt, n->comm, cs);
+    else if (call->kind == AM_CALL_SHIFT)
+        r = enqueue_shift(c, call, cs);
     if (issued(c, am_comm_name_of(call), r) < 0) {
         cudaEventDestroy(done);
         return -1;

@@ -901,6 +901,21 @@ static int do_p2p(struct am_comm *c, const struct am_comm_call *call)
     return i < 0 ? -1 : wait_req(c, i);
 }
 
+/* am_shift: the receive from the left posted first, then the send to the right. */
+static int do_shift(struct am_comm *c, const struct am_comm_call *call)
+{
+    int p = c->size, r = c->rank, left = mod(r - 1, p), right = mod(r + 1, p);
+    size_t bytes = call->count * am_dtype_size(call->dtype);
+    if (p == 1) {
+        memcpy(call->recv, call->send, bytes);
+        return 0;
+    }
+    if (post_recv(c, left, call->recv, bytes, coll_tag(c, left, 0)) < 0 ||
+        post_send(c, right, call->send, bytes, coll_tag(c, r, 0)) < 0)
+        return -1;
+    return wait_all(c);
+}
+
 /* am_isend: posted like a send, kept in u->sends (the numbering and the tag are the same). */
 static int do_isend(struct am_comm *c, const struct am_comm_call *call)
 {
@@ -948,6 +963,9 @@ static int ucx_run(struct am_comm *c, const struct am_comm_call *call)
         break;
     case AM_CALL_ISEND:
         rc = do_isend(c, call);
+        break;
+    case AM_CALL_SHIFT:
+        rc = call->count ? do_shift(c, call) : 0;
         break;
     case AM_CALL_SEND_WAIT: /* the front's own */
     case AM_CALL_STREAM_WAIT: /* NCCL's only: the front never hands it to UCX */

@@ -5,6 +5,7 @@
  */
 #include "model.h"
 #include "moe.h"
+#include "ring.h"
 
 #include <math.h>
 #include <stddef.h>
@@ -452,6 +453,7 @@ void am_model_free(struct am_model *m)
         if (m->scalar_mem)
             m->K->free(m->dev, m->scalar_mem);
         am_moe_free(m);
+        am_cp_free(m);
     }
     free(m->params);
     free(m->groups);
@@ -803,11 +805,15 @@ static int layer_forward(struct am_model *m, const struct am_layer *L, struct am
     const struct am_tensor *cs = L->local_rope ? &m->cos_local : &m->cos, *sn = L->local_rope ? &m->sin_local : &m->sin;
     K->rope_forward(m->dev, &q4, cs, sn);
     K->rope_forward(m->dev, &k4, cs, sn);
-    if (m->cfg.gemma)
+    if (m->cp) { /* context parallelism: over the cp ring (ring.h) */
+        if (am_cp_attention_forward(m, &att4, &lse, &q4, &k4, &v4, L->window, err, err_len) < 0)
+            return -1;
+    } else if (m->cfg.gemma) {
         K->attention_softcap_forward(m->dev, &att4, &lse, &q4, &k4, &v4, L->window, attn_scale(m),
                                      (float)m->cfg.attn_logit_softcapping);
-    else
+    } else {
         K->attention_forward(m->dev, &att4, &lse, &q4, &k4, &v4, L->window);
+    }
     K->matmul_forward(m->dev, &o, &att, &L->wo->wc);
     if (L->post_attn_norm) {
         struct am_tensor oa = rows_of(&a->o_att, R), ra = rows_of(&a->rstd_oa, R);
@@ -1064,11 +1070,16 @@ attention:;
     struct am_tensor v4 = heads_of(&v, B, T, m->kv_heads, D), att4 = heads_of(&att, B, T, m->heads, D);
     struct am_tensor dq4 = heads_of(&dq, B, T, m->heads, D), dk4 = heads_of(&dk, B, T, m->kv_heads, D);
     struct am_tensor dv4 = heads_of(&dv, B, T, m->kv_heads, D), datt4 = heads_of(&datt, B, T, m->heads, D);
-    if (m->cfg.gemma)
+    if (m->cp) {
+        if (am_cp_attention_backward(m, &dq4, &dk4, &dv4, &datt4, &att4, &lse, &q4, &k4, &v4, L->window, err,
+                                     err_len) < 0)
+            return -1;
+    } else if (m->cfg.gemma) {
         K->attention_softcap_backward(m->dev, &dq4, &dk4, &dv4, &datt4, &att4, &lse, &q4, &k4, &v4, L->window,
                                       attn_scale(m), (float)m->cfg.attn_logit_softcapping);
-    else
+    } else {
         K->attention_backward(m->dev, &dq4, &dk4, &dv4, &datt4, &att4, &lse, &q4, &k4, &v4, L->window);
+    }
     const struct am_tensor *cs = L->local_rope ? &m->cos_local : &m->cos, *sn = L->local_rope ? &m->sin_local : &m->sin;
     K->rope_backward(m->dev, &dq4, cs, sn);
     K->rope_backward(m->dev, &dk4, cs, sn);

@@ -243,6 +243,7 @@ struct am_model {
     struct am_param *embed, *final_norm, *head; /* head == embed when tied and on the same rank */
     struct am_layer *layers;
     struct am_moe *moe; /* the mixture-of-experts layers' state (moe.h); NULL for a dense model */
+    struct am_cp *cp;   /* context parallelism (ring.h, am_cp_init): the ring; NULL at cp 1 */
 
     /* activations: n_slots (all chunks') micro-batches of up to max_tokens tokens */
     int64_t max_tokens, seq_len;

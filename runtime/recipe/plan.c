@@ -211,7 +211,8 @@ static double carved(double n, double es) { return (double)(((long long)(n * es)
  * the key/value heads, the backward's work buffers (hidden, query, attention, key, value, the
  * MLP's three, qk_norm's key; Gemma's post norm rows and Gemma 3's second pair of rotary
  * tables), with sequence parallelism the gathered stream and a rows'
- * buffer; and for a mixture of experts, per slot the router's counts, probability sums and
+ * buffer, with context parallelism the ring's buffers (T: the rank's rows of a sequence, whose
+ * positions the rotary tables hold); and for a mixture of experts, per slot the router's counts, probability sums and
  * auxiliary loss, shared the router's and the experts' gradient buffers. N: tokens of a
  * micro-batch, R: its rows of the residual stream on this rank (N / tp with sequence
  * parallelism). */
@@ -222,7 +223,7 @@ static double scratch_bytes(const struct am_recipe *r, const struct am_plan *p, 
     double tp = p->tp, cs = am_dtype_size(r->compute_dtype);
     bool sp = r->dist.sequence_parallel && p->tp > 1;
     double N = (double)p->microbatch_size * (double)p->seq_length / p->cp, R = sp ? N / tp : N;
-    double C = (double)m->hidden_size, D = (double)m->head_dim, T = (double)p->seq_length;
+    double C = (double)m->hidden_size, D = (double)m->head_dim, T = (double)p->seq_length / p->cp;
     double Q = (double)(m->num_attention_heads / p->tp) * D;
     double KV = (m->num_key_value_heads >= p->tp ? (double)(m->num_key_value_heads / p->tp) : 1.0) * D;
     double I = (double)(m->intermediate_size / p->tp);
@@ -245,6 +246,9 @@ static double scratch_bytes(const struct am_recipe *r, const struct am_plan *p, 
         b += 2 * carved(T * (D / 2), 4);
     if (sp)
         b += carved(N * C, cs) + carved(R * C, cs);
+    if (p->cp > 1) /* ring attention (runtime/model/ring.h): every rank's positions, two k and v blocks
+                    * arriving, two travelling dk and dv sums and one step's own terms */
+        b += carved((double)p->seq_length, 4) + 10 * carved(N * KV, cs);
     if (m->num_experts > 0) {
         double E = (double)m->num_experts, k = (double)m->num_experts_per_tok, S = N * k;
         double Im = (double)m->moe_intermediate_size;

@@ -9,8 +9,9 @@ int am_groups_build(struct am_groups *g, const struct am_rank_setup *s, enum am_
                     struct am_flight *flight, const char *const *hosts, struct am_errors *err)
 {
     /* HSDP adds the shard and replica groups, expert parallelism the ep groups and their
-     * replicas' (expert-data-parallel) groups */
-    enum am_group kinds[8] = {AM_GROUP_DP, AM_GROUP_TP, AM_GROUP_PP, AM_GROUP_PP};
+     * replicas' (expert-data-parallel) groups, context parallelism the ring and the gradients'
+     * dp x cp */
+    enum am_group kinds[10] = {AM_GROUP_DP, AM_GROUP_TP, AM_GROUP_PP, AM_GROUP_PP};
     const struct am_plan *p = &s->plan;
     int n_kinds = 4;
     if (p->dp_replicate > 1 && p->dp_shard > 1) {
@@ -20,6 +21,10 @@ int am_groups_build(struct am_groups *g, const struct am_rank_setup *s, enum am_
     if (p->ep > 1) {
         kinds[n_kinds++] = AM_GROUP_EP;
         kinds[n_kinds++] = AM_GROUP_EP_SHARD;
+    }
+    if (p->cp > 1) {
+        kinds[n_kinds++] = AM_GROUP_CP;
+        kinds[n_kinds++] = AM_GROUP_DP_CP;
     }
     char msg[AM_COMM_ERR_LEN];
     memset(g, 0, sizeof(*g));
@@ -69,9 +74,15 @@ int am_groups_build(struct am_groups *g, const struct am_rank_setup *s, enum am_
             g->ep = g->comms[i];
         else if (g->set.kinds[i] == AM_GROUP_EP_SHARD)
             g->edp = g->comms[i];
+        else if (g->set.kinds[i] == AM_GROUP_CP)
+            g->cp = g->comms[i];
+        else if (g->set.kinds[i] == AM_GROUP_DP_CP)
+            g->dp_cp = g->comms[i];
     }
-    if (!g->dp_shard) /* no replica groups: the shard group is dp itself */
-        g->dp_shard = g->dp;
+    if (!g->dp_cp) /* cp 1: the gradients are reduced over dp */
+        g->dp_cp = g->dp;
+    if (!g->dp_shard) /* no replica groups: the shard group is dp x cp (dp itself at cp 1) */
+        g->dp_shard = g->dp_cp;
     return 0;
 }
 

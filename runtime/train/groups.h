@@ -6,10 +6,13 @@
  * one kind of message in one order at both ends (pipeline.h). A rank's own group of each
  * kind is dp, tp, pp and pp_grad (groups of one rank where that dimension is 1). With both
  * dp_replicate and dp_shard above 1 (HSDP) the dp_shard and dp_replicate groups are built too
- * (after the others); otherwise dp_shard is dp and dp_replicate NULL. With expert parallelism
+ * (after the others); otherwise dp_shard is dp x cp and dp_replicate NULL. With expert parallelism
  * (ep > 1) come last the ep groups (the ranks that split the experts between them) and the
  * expert-data-parallel groups (the ranks holding the same experts: dp x cp / ep), ep and edp;
- * both NULL at ep 1.
+ * both NULL at ep 1. With cp > 1 the cp
+ * groups (the ring of context parallelism) and the dp x cp groups (over which the loss is summed
+ * and the replicated weights' gradients reduced, and fsdp2 shards: AutoModel's dp_shard_cp)
+ * follow; at cp 1 dp_cp is dp and cp NULL.
  */
 #ifndef AM_GROUPS_H
 #define AM_GROUPS_H
@@ -23,10 +26,12 @@ struct am_groups {
     struct am_comm_ctx *ctx;
     struct am_group_set set;  /* every group of the job, in creation order */
     struct am_comm **comms;   /* comms[g]: this rank's handle of group g, or NULL */
-    const char **names;       /* names[g]: "dp", "tp", "pp", "pp_grad", "dp_shard", "dp_replicate", "ep", "ep_shard" */
+    const char **names;       /* names[g]: "dp", "tp", "pp", "pp_grad", "dp_shard", "dp_replicate", "ep", "ep_shard", "cp",
+                               * "dp_cp" */
     struct am_comm *dp, *tp, *pp, *pp_grad;
     struct am_comm *dp_shard, *dp_replicate; /* fully sharded data parallelism's groups (above) */
     struct am_comm *ep, *edp;                /* expert parallelism's groups (above) */
+    struct am_comm *cp, *dp_cp;              /* context parallelism's ring, and dp x cp (above) */
 };
 
 /* Creates the context (backend UCX or NCCL on CUDA device `device`, the setup's timeout; flight

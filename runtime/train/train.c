@@ -25,6 +25,7 @@
 #include "model_io.h"
 #include "optim.h"
 #include "pipeline.h"
+#include "ring.h"
 #include "util.h"
 #include "watchdog.h"
 
@@ -51,6 +52,8 @@ struct trainer {
     int32_t *mask_sample;
     struct am_log *log;                 /* opened by am_train_log_begin */
     int32_t *sample, *tokens, *targets; /* host buffers for one pipeline run's micro-batches */
+    int32_t *cp_pos;                    /* context parallelism: this rank's positions of a sequence, or NULL */
+    struct am_comm *grad_dp;            /* the loss and replicated gradients are summed over it: dp x cp */
     char base_config[4096];
     /* diagnostics (docs/diagnostics.md) */
     struct am_flight flight;
@@ -64,13 +67,25 @@ struct trainer {
     const char *peak_from;              /* where peak_flops came from, for the start record */
 };
 
-/* The layouts this trainer runs so far: data, tensor (+ sequence), pipeline and expert
- * parallelism (runtime/model/moe.h); context parallelism not yet. */
+/* The layouts this trainer runs so far: data, tensor (+ sequence), pipeline, expert
+ * (runtime/model/moe.h) and context parallelism (dense models in fp32, runtime/model/ring.h). */
 static int check_supported(const struct am_plan *p, const struct am_recipe *r, struct am_errors *err)
 {
-    if (p->cp > 1)
-        return am_errors_fail(err, "am-train does not run this layout yet: cp_size %d (it runs data, tensor, "
-                              "pipeline and expert parallelism: use cp_size 1)", p->cp);
+    if (p->cp > 1 && r->compute_dtype != AM_F32)
+        return am_errors_fail(err, "cp_size %d: ring attention computes in fp32 so far (distributed.mp_policy."
+                              "param_dtype %s: use float32 with context parallelism)", p->cp,
+                              am_dtype_torch_name(r->compute_dtype));
+    if (p->cp > 1 && r->model.num_experts > 0)
+        return am_errors_fail(err, "cp_size %d: a mixture of experts with context parallelism is not run yet (its "
+                              "router statistics are per micro-batch of whole sequences: use cp_size 1)", p->cp);
+    if (p->cp > 1 && r->model.gemma)
+        return am_errors_fail(err, "cp_size %d: ring attention has neither Gemma's attention scale and soft cap nor "
+                              "Gemma 3's second rotary table yet (model_type %s: use cp_size 1)", p->cp,
+                              r->model.model_type);
+    if (p->cp > 1 && p->dp_replicate > 1)
+        return am_errors_fail(err, "cp_size %d with dp_replicate_size %d: HSDP's shard groups over dp_shard x cp are "
+                              "not built yet (use dp_replicate_size 1: fsdp2 then shards over dp x cp)", p->cp,
+                              p->dp_replicate);
     if (p->ep > 1 && p->dp_replicate > 1)
         return am_errors_fail(err, "am-train does not run this layout yet: ep_size %d with dp_replicate_size %d "
                               "(HSDP): the experts are sharded over the ranks holding the same experts, which would "
@@ -121,6 +136,7 @@ static int build_comms(struct trainer *t, struct am_errors *err)
             return am_errors_fail(err, "%s", msg);
     }
     t->dp_rank = am_comm_rank(t->g.dp);
+    t->grad_dp = t->g.dp_cp;
     log_groups(t);
     return 0;
 }
@@ -170,8 +186,10 @@ static int build_model(struct trainer *t, struct am_errors *err)
     t->zero = p->zero_stage;
     t->sharded = p->zero_stage >= 1;
     sh.group_align = t->sharded ? am_comm_size(t->g.dp_shard) : 0;
-    if (am_model_init(&t->model, &r->model, &sh, &t->dev, t->g.tp, pp, p->microbatch_size, p->seq_length, msg,
+    /* context parallelism: each rank holds seq_length / cp rows of every sequence (ring.h) */
+    if (am_model_init(&t->model, &r->model, &sh, &t->dev, t->g.tp, pp, p->microbatch_size, p->seq_length / p->cp, msg,
                       sizeof(msg)) < 0 ||
+        (p->cp > 1 && am_cp_init(&t->model, t->g.cp, p->seq_length, msg, sizeof(msg)) < 0) ||
         am_pipe_bind(&t->pipe, &t->model, p->microbatch_size, pp, p->pp > 1 ? t->g.pp_grad : NULL, msg,
                      sizeof(msg)) < 0)
         return am_errors_fail(err, "%s", msg);
@@ -256,6 +274,12 @@ static int build_data(struct trainer *t, struct am_errors *err)
         return -1;
     size_t n = (size_t)(t->p->n_microbatches * t->p->microbatch_size * t->p->seq_length);
     t->sample = malloc((size_t)(t->p->seq_length + 1) * sizeof(int32_t));
+    if (t->p->cp > 1) { /* this cp rank's positions of every sequence (ring.h) */
+        t->cp_pos = malloc((size_t)(t->p->seq_length / t->p->cp) * sizeof(int32_t));
+        if (!t->cp_pos)
+            return am_errors_fail(err, "out of memory for the batch");
+        am_cp_positions(t->p->seq_length, t->p->cp, am_comm_rank(t->g.cp), t->cp_pos);
+    }
     t->tokens = malloc(n * sizeof(int32_t));
     t->targets = malloc(n * sizeof(int32_t));
     if (!t->sample || !t->tokens || !t->targets)
@@ -264,15 +288,23 @@ static int build_data(struct trainer *t, struct am_errors *err)
 }
 
 /* Fills tokens/targets with the samples of accumulation step `accum` (its n_microbatches
- * micro-batches, one after the other): input = sample[0..T), target = sample[1..T]. */
+ * micro-batches, one after the other): input = sample[0..T), target = sample[1..T]; with
+ * context parallelism this rank's T / cp rows of each (cp_pos: the zigzag of ring.h). */
 static int read_microbatches(struct trainer *t, long step, int64_t accum, struct am_errors *err)
 {
-    int64_t T = t->p->seq_length, b = t->p->microbatch_size * t->p->n_microbatches;
+    int64_t T = t->p->seq_length, b = t->p->microbatch_size * t->p->n_microbatches, Tl = T / t->p->cp;
     for (int64_t j = 0; j < b; j++) {
         int64_t k = accum * b + j;
         int64_t idx = am_gpt_global_index(step, t->p->global_batch, t->dp_rank, t->p->dp, k);
         if (am_gpt_sample(t->data, idx, t->sample, err) < 0)
             return -1;
+        if (t->cp_pos) {
+            for (int64_t i = 0; i < Tl; i++) {
+                t->tokens[j * Tl + i] = t->sample[t->cp_pos[i]];
+                t->targets[j * Tl + i] = t->sample[t->cp_pos[i] + 1];
+            }
+            continue;
+        }
         memcpy(t->tokens + j * T, t->sample, (size_t)T * sizeof(int32_t));
         memcpy(t->targets + j * T, t->sample + 1, (size_t)T * sizeof(int32_t));
         if (t->mask) { /* a masked label: target -1, no loss and no gradient (kernels.h) */
@@ -594,7 +626,8 @@ static int save_checkpoint(struct trainer *t, long step, struct am_errors *err)
 
 static int save_replica(struct trainer *t, long step, struct am_errors *err)
 {
-    bool saves = t->dp_rank == 0; /* one replica saves: its tp and pp ranks together, pp 0 / tp 0 writes */
+    /* one replica saves (cp rank 0 of it): its tp and pp ranks together, pp 0 / tp 0 writes */
+    bool saves = t->dp_rank == 0 && !(t->g.cp && am_comm_rank(t->g.cp) != 0);
     if (!saves && t->p->ep == 1)
         return 0; /* with ep > 1 every rank first gathers its ep group's experts */
     char dir[4096];
@@ -669,7 +702,9 @@ static int forward_backward(struct trainer *t, long step, float dloss_scale, str
         am_fsdp_take_grads(&t->fsdp);
     /* NCCL: the collectives left to the device this step, each seen complete (a timeout names
      * the one that is not) before the host reads results; nothing on UCX */
-    if (am_comm_stream_wait(t->g.tp, msg, sizeof(msg)) < 0 || am_comm_stream_wait(t->g.dp, msg, sizeof(msg)) < 0)
+    if (am_comm_stream_wait(t->g.tp, msg, sizeof(msg)) < 0 || am_comm_stream_wait(t->g.dp, msg, sizeof(msg)) < 0 ||
+        (t->g.cp && (am_comm_stream_wait(t->g.cp, msg, sizeof(msg)) < 0 ||
+                     am_comm_stream_wait(t->g.dp_cp, msg, sizeof(msg)) < 0)))
         return am_errors_fail(err, "step %ld: %s", step, msg);
     return 0;
 }
@@ -681,7 +716,7 @@ static int reduce_values(struct trainer *t, long step, struct am_errors *err)
     const struct am_plan *p = t->p;
     struct am_model *m = &t->model;
     char msg[1024];
-    if (am_model_reduce_loss(m, p->dp > 1 ? t->g.dp : NULL, msg, sizeof(msg)) < 0 ||
+    if (am_model_reduce_loss(m, p->dp * p->cp > 1 ? t->grad_dp : NULL, msg, sizeof(msg)) < 0 ||
         (t->sharded ? am_model_grad_sumsq_shards(m, t->fsdp.grads, t->fsdp.rank, t->g.dp_shard, msg, sizeof(msg))
                     : am_model_grad_sumsq(m, msg, sizeof(msg))) < 0)
         return am_errors_fail(err, "step %ld: %s", step, msg);
@@ -702,13 +737,14 @@ static int step_values(struct trainer *t, long step, double total_tokens, double
     am_model_read_scalars(m, &v);
     *loss = v.loss_sum / total_tokens;
     *norm = sqrt(v.sumsq);
-    if (p->dp > 1 && !isfinite(v.local_sumsq))
+    int reduced = p->dp * p->cp > 1; /* over dp x cp */
+    if (reduced && !isfinite(v.local_sumsq))
         return nonfinite(t, step, *loss, sqrt(v.local_sumsq), "local", err);
     if (isfinite(*loss) && isfinite(*norm))
         return 0;
-    if (p->dp > 1)
+    if (reduced)
         am_fault_sleep(t->wd.timeout_s);
-    return nonfinite(t, step, *loss, *norm, p->dp > 1 ? "reduced" : "local", err);
+    return nonfinite(t, step, *loss, *norm, reduced ? "reduced" : "local", err);
 }
 
 static int run(struct trainer *t, struct am_errors *err)
@@ -761,6 +797,11 @@ static int run(struct trainer *t, struct am_errors *err)
             json_object_set_new(rec, "label_tokens", json_integer((json_int_t)labels));
         if (t->sharded)
             json_object_set_new(rec, "gather_wait_s", json_real(t->fsdp.gather_wait_s));
+        if (m->cp) { /* context parallelism: waiting for the ring, and the block kernels (ring.h) */
+            json_object_set_new(rec, "ring_wait_s", json_real(m->cp->wait_s));
+            json_object_set_new(rec, "ring_block_s", json_real(m->cp->block_s));
+            m->cp->wait_s = m->cp->block_s = 0;
+        }
         if (t->peak_flops > 0) { /* mfu = flops / step_s / peak_flops, all three here */
             json_object_set_new(rec, "flops", json_real(rank_flops(t)));
             json_object_set_new(rec, "peak_flops", json_real(t->peak_flops));
@@ -963,7 +1004,7 @@ int am_train(struct am_rank_setup *s, struct am_log *log, struct am_errors *err)
         am_errors_fail(err, "out of memory for the optimizer state of %zu parameters", n_opt);
         goto out;
     }
-    if (am_gsync_init(&t.sync, &t.model, t.p->dp > 1 ? t.g.dp : NULL, grad_overlap(),
+    if (am_gsync_init(&t.sync, &t.model, t.p->dp * t.p->cp > 1 ? t.grad_dp : NULL, grad_overlap(),
                       t.r->reduce_dtype, msg, sizeof(msg)) < 0 ||
         (t.zero >= 2 && am_gsync_set_shards(&t.sync, t.fsdp.grads, t.fsdp.n_shard, t.g.dp_shard, t.g.dp_replicate, msg,
                                          sizeof(msg)) < 0)) {
@@ -1001,6 +1042,7 @@ out:
     free(t.sample);
     free(t.tokens);
     free(t.targets);
+    free(t.cp_pos);
     am_flight_free(&t.flight);
     free(t.hosts);
     am_dev_close(&t.dev);

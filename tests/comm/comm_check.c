@@ -46,6 +46,10 @@
  *   COMM_CHECK_STALL       the first iallreduce on world stalls (am_comm_inject_stall) on every
  *                          rank; a watchdog thread like the trainer's must abort the wait.
  *
+ * Ring shift (am_shift, am_ishift), on every group, dtype and size: the left neighbour's input
+ * received exactly, blocking and non-blocking; overlapping buffers refused (the refusal breaks
+ * nothing: it is checked before the call is numbered).
+ *
  * Non-blocking collectives (am_iallreduce, am_ireduce_scatter, am_iallgather), on every group:
  * every op x dtype x edge size x in place or not alone, bit for bit against the blocking call
  * on the same inputs, the flight entry "posted" until the wait and completed after; seven of
@@ -1261,6 +1265,29 @@ static int run_stall(struct check *k, struct am_comm *world)
     return 0;
 }
 
+/* am_shift and am_ishift: each rank must receive its left neighbour's input (a copy of its
+ * own on a group of one), blocking and non-blocking alike; overlapping buffers refused. */
+static void test_shift(struct check *k, struct am_comm *c, enum am_dtype t, size_t n, uint64_t salt)
+{
+    int p = am_comm_size(c), r = am_comm_rank(c), left = (r + p - 1) % p;
+    for (int nb = 0; nb < 2; nb++) {
+        void *s = dev_message(t, c->ranks[r], salt + (uint64_t)nb, n), *d = dev_blank(t, n);
+        struct am_comm_req *q = NULL;
+        int rc = nb ? am_ishift(c, s, d, n, t, &q, KERR) : am_shift(c, s, d, n, t, KERR);
+        if (rc < 0 || (nb && am_comm_wait(q, KERR) < 0))
+            die_call(k, nb ? "ishift" : "shift");
+        check_message(k, c, nb ? "ishift" : "shift", t, n, left, salt + (uint64_t)nb, d);
+        dev_free(s);
+    }
+    if (n > 1) {
+        void *s = dev_blank(t, 2 * n);
+        k->checks++;
+        if (am_shift(c, s, (char *)s + am_dtype_size(t), n, t, KERR) == 0 || !strstr(k->err, "overlap"))
+            failf(k, "shift: overlapping buffers were accepted (or said: %s)", k->err);
+        dev_free(s);
+    }
+}
+
 static void run_group(struct check *k, struct am_comm *c, int is_world)
 {
     int p = am_comm_size(c);
@@ -1298,6 +1325,7 @@ static void run_group(struct check *k, struct am_comm *c, int is_world)
             for (int root = 0; root < roots; root++)
                 test_broadcast(k, c, t, n, p - 1 - root, salt_of(6, di, si, root, 0));
             test_alltoallv(k, c, t, n / (size_t)p + 1, salt_of(7, di, si, 0, 0));
+            test_shift(k, c, t, n, salt_of(9, di, si, 0, 0));
         }
         test_p2p(k, c, t, sizes, ns, salt_of(8, di, 0, 0, 0));
         test_nb_single(k, c, t, sizes, ns, di);

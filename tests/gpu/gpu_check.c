@@ -550,6 +550,59 @@ static void case_moe(enum am_dtype dt)
         pair_free(all[i]);
 }
 
+/* Attention by blocks (context parallelism's ring, fp32): one rank's queries (two chunks of
+ * 12 rows of a 48-token sequence split over 2 ranks) against its own keys and then the other rank's, merged,
+ * and the backward of both blocks, with and without a window: each output as the CPU's. */
+static void case_attention_block(int64_t W)
+{
+    int64_t B = 2, T = 24, H = 8, KVH = 2, D = 64, c = T / 2;
+    struct pair q = rnd(AM_F32, B, T, H, D), out = pair_new(AM_F32, B, T, H, D), lse = pair_new(AM_F32, B, H, T, 0);
+    struct pair kv[2][2], pos[2];
+    for (int r = 0; r < 2; r++) {
+        kv[r][0] = rnd(AM_F32, B, T, KVH, D);
+        kv[r][1] = rnd(AM_F32, B, T, KVH, D);
+        pos[r] = pair_new(AM_I32, T, 0, 0, 0);
+        for (int64_t i = 0; i < c; i++) { /* a sequence of 48 in 4 chunks of 12: rank r holds r and 3 - r */
+            ((int32_t *)pos[r].c.data)[i] = (int32_t)(r * c + i);
+            ((int32_t *)pos[r].c.data)[c + i] = (int32_t)((3 - r) * c + i);
+        }
+        pair_upload(&pos[r]);
+    }
+    pair_fill(&q, -2, 2);
+    for (int st = 0; st < 2; st++) {
+        KC->attention_block_forward(&cpu, &out.c, &lse.c, &q.c, &kv[st][0].c, &kv[st][1].c, &pos[0].c, &pos[st].c, W,
+                                    st > 0);
+        KG->attention_block_forward(&gpu, &out.g, &lse.g, &q.g, &kv[st][0].g, &kv[st][1].g, &pos[0].g, &pos[st].g, W,
+                                    st > 0);
+    }
+    char what[96];
+    snprintf(what, sizeof what, "attention_block out (2 blocks) W%lld", (long long)W);
+    check(what, &out, false);
+    snprintf(what, sizeof what, "attention_block lse (2 blocks) W%lld", (long long)W);
+    record(what, "fp32", rel_err(&lse), 1e-5);
+    pair_upload(&out);
+    pair_upload(&lse);
+    struct pair dout = rnd(AM_F32, B, T, H, D), dq = rnd(AM_F32, B, T, H, D), dk[2], dv[2];
+    for (int st = 0; st < 2; st++) {
+        dk[st] = rnd(AM_F32, B, T, KVH, D);
+        dv[st] = rnd(AM_F32, B, T, KVH, D);
+        KC->attention_block_backward(&cpu, &dq.c, &dk[st].c, &dv[st].c, &dout.c, &out.c, &lse.c, &q.c, &kv[st][0].c,
+                                     &kv[st][1].c, &pos[0].c, &pos[st].c, W);
+        KG->attention_block_backward(&gpu, &dq.g, &dk[st].g, &dv[st].g, &dout.g, &out.g, &lse.g, &q.g, &kv[st][0].g,
+                                     &kv[st][1].g, &pos[0].g, &pos[st].g, W);
+        snprintf(what, sizeof what, "attention_block dk (block %d) W%lld", st, (long long)W);
+        check(what, &dk[st], false);
+        snprintf(what, sizeof what, "attention_block dv (block %d) W%lld", st, (long long)W);
+        check(what, &dv[st], false);
+    }
+    snprintf(what, sizeof what, "attention_block dq (2 blocks) W%lld", (long long)W);
+    check(what, &dq, false);
+    struct pair *all[] = {&q, &out, &lse, &kv[0][0], &kv[0][1], &kv[1][0], &kv[1][1], &pos[0], &pos[1], &dout, &dq,
+                          &dk[0], &dk[1], &dv[0], &dv[1]};
+    for (size_t i = 0; i < sizeof all / sizeof *all; i++)
+        pair_free(all[i]);
+}
+
 /* Attention, forward and backward, on one path: AM_ATTN=own (the backend's kernels) or
  * cudnn (cuDNN's fused attention, which must then have run the case, or with T = 1, which
  * cuDNN lacks, must have left it to the backend's kernels: a row says which ran). The
@@ -960,6 +1013,8 @@ int main(void)
         case_attention("own", AM_F32, c[0], c[1], c[2], c[3], c[4], c[5]);
         case_attention("own", AM_BF16, c[0], c[1], c[2], c[3], c[4], c[5]);
     }
+    case_attention_block(0);
+    case_attention_block(7);
     if (am_cuda_attention_has_cudnn())
         for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++) {
             const int64_t *c = shapes[i];

@@ -1225,6 +1225,163 @@ struct swiglu_ctx {
     int64_t n;
 };
 
+/* ---- attention by blocks of keys (context parallelism's ring) ---- */
+
+/* The zigzag split of T positions over cp ranks: 2 cp chunks of T / (2 cp), rank r holds
+ * chunks r and 2 cp - 1 - r, in that order. pos[i]: the position of rank r's row i. */
+static void zigzag_positions(int64_t T, int cp, int r, int32_t *pos)
+{
+    int64_t c = T / (2 * cp);
+    for (int64_t i = 0; i < c; i++) {
+        pos[i] = (int32_t)(r * c + i);
+        pos[c + i] = (int32_t)((2 * cp - 1 - r) * c + i);
+    }
+}
+
+/* rows pos[0..n) of a [B, T, Hx, D] array into [B, n, Hx, D] */
+static void gather_rows(float *dst, const float *src, int64_t B, int64_t T, int64_t n, int64_t width,
+                        const int32_t *pos)
+{
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t i = 0; i < n; i++)
+            memcpy(dst + (b * n + i) * width, src + (b * T + pos[i]) * width, (size_t)width * sizeof(float));
+}
+
+/* Every rank's queries against every rank's keys, block by block in ring order (rank r takes
+ * the keys of rank r - s at step s, merging from step 1 on), must give full causal attention
+ * (the double reference) on the rows each rank holds; the backward's dq, dk, dv summed over the
+ * blocks must give its gradients. GQA, windows, 1 to 4 ranks, several rows per chunk, several
+ * tiles of rows. */
+static void test_attention_block(void **state)
+{
+    (void)state;
+    struct rng r = {23};
+    struct {
+        struct attn_dims s;
+        int cp;
+    } cases[] = {
+        {{2, 16, 4, 2, 8, 0}, 2},  {{1, 32, 4, 1, 16, 0}, 4}, {{2, 24, 4, 4, 8, 0}, 3},
+        {{1, 16, 2, 1, 8, 0}, 1},  {{2, 32, 4, 2, 8, 5}, 2},  {{1, 48, 8, 2, 16, 13}, 4},
+        {{1, 64, 4, 2, 64, 0}, 2},
+        {{1, 160, 4, 2, 16, 0}, 1},  /* tiles of 64 query rows: 3, the last partial */
+        {{1, 288, 2, 1, 8, 40}, 2}, /* 144 rows a rank, a window across chunks */
+    };
+    for (size_t ci = 0; ci < sizeof cases / sizeof *cases; ci++) {
+        struct attn_dims s = cases[ci].s;
+        int cp = cases[ci].cp;
+        int64_t B = s.B, T = s.T, H = s.H, KVH = s.KVH, D = s.D, Tl = T / cp, G = H / KVH;
+        int64_t nq = B * T * H * D, nk = B * T * KVH * D, nl = B * H * T;
+        struct arr q = arr_rand(&r, nq, -1, 1), k = arr_rand(&r, nk, -1, 1), v = arr_rand(&r, nk, -1, 1);
+        struct arr dout = arr_rand(&r, nq, -1, 1);
+        double *wo = dalloc(nq), *wl = dalloc(nl), *gq = dalloc(nq), *gk = dalloc(nk), *gv = dalloc(nk);
+        ref_attention(&s, q.d, k.d, v.d, wo, wl);
+        ref_attention_backward(&s, q.d, k.d, v.d, dout.d, gq, gk, gv);
+        int64_t lq = B * Tl * H * D, lk = B * Tl * KVH * D, ll = B * H * Tl;
+        /* per rank: its rows of q, k, v, dout; out, lse; dq, dk, dv; positions */
+        float *mem = K->alloc(&kdev, (size_t)cp * (size_t)(4 * lq + 4 * lk + ll) * sizeof(float));
+        int32_t *pos = K->alloc(&kdev, (size_t)(cp * Tl) * sizeof(int32_t));
+        assert_non_null(mem);
+        assert_non_null(pos);
+        struct am_tensor tq[4], tk[4], tv[4], tdo[4], to[4], tl[4], tdq[4], tdk[4], tdv[4], tp[4];
+        for (int x = 0; x < cp; x++) {
+            float *m = mem + (size_t)x * (size_t)(4 * lq + 4 * lk + ll);
+            zigzag_positions(T, cp, x, pos + x * Tl);
+            tp[x] = am_tensor_view(pos + x * Tl, AM_DEV_CPU, AM_I32, Tl, 0, 0, 0);
+            tq[x] = am_tensor_view(m, AM_DEV_CPU, AM_F32, B, Tl, H, D);
+            tdo[x] = am_tensor_view(m + lq, AM_DEV_CPU, AM_F32, B, Tl, H, D);
+            to[x] = am_tensor_view(m + 2 * lq, AM_DEV_CPU, AM_F32, B, Tl, H, D);
+            tdq[x] = am_tensor_view(m + 3 * lq, AM_DEV_CPU, AM_F32, B, Tl, H, D);
+            tk[x] = am_tensor_view(m + 4 * lq, AM_DEV_CPU, AM_F32, B, Tl, KVH, D);
+            tv[x] = am_tensor_view(m + 4 * lq + lk, AM_DEV_CPU, AM_F32, B, Tl, KVH, D);
+            tdk[x] = am_tensor_view(m + 4 * lq + 2 * lk, AM_DEV_CPU, AM_F32, B, Tl, KVH, D);
+            tdv[x] = am_tensor_view(m + 4 * lq + 3 * lk, AM_DEV_CPU, AM_F32, B, Tl, KVH, D);
+            tl[x] = am_tensor_view(m + 4 * lq + 4 * lk, AM_DEV_CPU, AM_F32, B, H, Tl, 0);
+            gather_rows(tq[x].data, q.f, B, T, Tl, H * D, pos + x * Tl);
+            gather_rows(tdo[x].data, dout.f, B, T, Tl, H * D, pos + x * Tl);
+            gather_rows(tk[x].data, k.f, B, T, Tl, KVH * D, pos + x * Tl);
+            gather_rows(tv[x].data, v.f, B, T, Tl, KVH * D, pos + x * Tl);
+            K->zero(&kdev, &tdq[x]);
+            K->zero(&kdev, &tdk[x]);
+            K->zero(&kdev, &tdv[x]);
+        }
+        for (int x = 0; x < cp; x++)
+            for (int st = 0; st < cp; st++) {
+                int src = ((x - st) % cp + cp) % cp;
+                K->attention_block_forward(&kdev, &to[x], &tl[x], &tq[x], &tk[src], &tv[src], &tp[x], &tp[src], s.W,
+                                           st > 0);
+            }
+        for (int x = 0; x < cp; x++)
+            for (int st = 0; st < cp; st++) {
+                int src = ((x - st) % cp + cp) % cp;
+                K->attention_block_backward(&kdev, &tdq[x], &tdk[src], &tdv[src], &tdo[x], &to[x], &tl[x], &tq[x],
+                                            &tk[src], &tv[src], &tp[x], &tp[src], s.W);
+            }
+        /* the ranks' rows back in sequence order, against the reference (attention's
+         * tolerances: a merge adds a few roundings per block, within the factor 4) */
+        struct arr go = arr_new(nq), gl = arr_new(nl), dq = arr_new(nq), dk = arr_new(nk), dv = arr_new(nk);
+        for (int x = 0; x < cp; x++)
+            for (int64_t b = 0; b < B; b++)
+                for (int64_t i = 0; i < Tl; i++) {
+                    int64_t t = pos[x * Tl + i];
+                    float *lo = (float *)to[x].data, *ld = (float *)tl[x].data;
+                    memcpy(go.f + (b * T + t) * H * D, lo + (b * Tl + i) * H * D, (size_t)(H * D) * sizeof(float));
+                    memcpy(dq.f + (b * T + t) * H * D, (float *)tdq[x].data + (b * Tl + i) * H * D,
+                           (size_t)(H * D) * sizeof(float));
+                    memcpy(dk.f + (b * T + t) * KVH * D, (float *)tdk[x].data + (b * Tl + i) * KVH * D,
+                           (size_t)(KVH * D) * sizeof(float));
+                    memcpy(dv.f + (b * T + t) * KVH * D, (float *)tdv[x].data + (b * Tl + i) * KVH * D,
+                           (size_t)(KVH * D) * sizeof(float));
+                    for (int64_t h = 0; h < H; h++)
+                        gl.f[(b * H + h) * T + t] = ld[(b * H + h) * Tl + i];
+                }
+        double rel = 4.0 * (double)(s.D + s.T) * U, grel = 4.0 * (double)(s.D + s.T * G) * U;
+        char what[160];
+        snprintf(what, sizeof what, "ring attention out T%lld H%lld KVH%lld D%lld W%lld cp%d", (long long)T,
+                 (long long)H, (long long)KVH, (long long)D, (long long)s.W, cp);
+        expect_close_norm(what, go.f, wo, nq, rel, 0);
+        snprintf(what, sizeof what, "ring attention lse T%lld cp%d", (long long)T, cp);
+        expect_close_norm(what, gl.f, wl, nl, rel, rel);
+        snprintf(what, sizeof what, "ring attention dq T%lld H%lld KVH%lld cp%d", (long long)T, (long long)H,
+                 (long long)KVH, cp);
+        expect_close_norm(what, dq.f, gq, nq, grel, 0);
+        snprintf(what, sizeof what, "ring attention dk T%lld H%lld KVH%lld cp%d", (long long)T, (long long)H,
+                 (long long)KVH, cp);
+        expect_close_norm(what, dk.f, gk, nk, grel, 0);
+        snprintf(what, sizeof what, "ring attention dv T%lld H%lld KVH%lld cp%d", (long long)T, (long long)H,
+                 (long long)KVH, cp);
+        expect_close_norm(what, dv.f, gv, nk, grel, 0);
+        /* one rank holding all of it: the block kernel over one block is attention_forward */
+        if (cp == 1 && s.W == 0) {
+            struct arr o1 = arr_new(nq), l1 = arr_new(nl);
+            struct am_tensor a = tview(&o1, B, T, H, D), al = tview(&l1, B, H, T, 0);
+            struct am_tensor fq = tview(&q, B, T, H, D), fk = tview(&k, B, T, KVH, D), fv = tview(&v, B, T, KVH, D);
+            K->attention_forward(&kdev, &a, &al, &fq, &fk, &fv, 0);
+            for (int64_t i = 0; i < nq; i++)
+                o1.d[i] = o1.f[i];
+            expect_close_norm("block attention == attention_forward (cp 1)", go.f, o1.d, nq, 4.0 * (double)(D + T) * U,
+                              0);
+            arr_free(&o1);
+            arr_free(&l1);
+        }
+        arr_free(&go);
+        arr_free(&gl);
+        arr_free(&dq);
+        arr_free(&dk);
+        arr_free(&dv);
+        K->free(&kdev, mem);
+        K->free(&kdev, pos);
+        arr_free(&q);
+        arr_free(&k);
+        arr_free(&v);
+        arr_free(&dout);
+        free(wo);
+        free(wl);
+        free(gq);
+        free(gk);
+        free(gv);
+    }
+}
+
 static double silu(double x) { return x / (1.0 + exp(-x)); }
 
 static double swiglu_loss(void *p)
@@ -2741,7 +2898,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_expf), cmocka_unit_test(test_memory),        cmocka_unit_test(test_elementwise), cmocka_unit_test(test_scalars_and_convert), cmocka_unit_test(test_matmul),
         cmocka_unit_test(test_embedding),     cmocka_unit_test(test_rmsnorm),     cmocka_unit_test(test_rope_tables),
-        cmocka_unit_test(test_rope),          cmocka_unit_test(test_attention),   cmocka_unit_test(test_swiglu),
+        cmocka_unit_test(test_rope),          cmocka_unit_test(test_attention),   cmocka_unit_test(test_attention_block),   cmocka_unit_test(test_swiglu),
         cmocka_unit_test(test_bias),
         cmocka_unit_test(test_moe_route), cmocka_unit_test(test_moe_dispatch),
         cmocka_unit_test(test_cross_entropy), cmocka_unit_test(test_adamw),       cmocka_unit_test(test_adamw_multi), cmocka_unit_test(test_bad_shape_aborts),

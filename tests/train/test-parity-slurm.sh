@@ -9,8 +9,11 @@
 # "sharded":true): over 4 nodes with dp_shard 4, and as HSDP (2 replicas of 2 shards). A
 # mixture of experts (Mixtral's layers: 4 experts, top 2) with `--am-ep=2` over 4 nodes (dp 4:
 # two ep groups of 2 ranks, tokens dispatched between nodes with all-to-all-v, the experts
-# sharded over the 2 ranks holding the same ones) against its own one rank. Fails, never
-# skips, when the cluster cannot start.
+# sharded over the 2 ranks holding the same ones) against its own one rank. Context
+# parallelism: `--am-cp=2 --am-tp=2` over 2 nodes of 2 tasks (the tp pairs inside a node, the
+# cp ring between the nodes, each sequence of 64 in 4 chunks of 16). Fails, never skips, when
+# the cluster cannot start. AM_PARITY_SLURM_ONLY="NAME NODES TASKS RECIPE [OPTIONS];..." runs
+# only those jobs.
 set -u
 : "${AM_SRCDIR:=$(cd "$(dirname "$0")/../.." && pwd)}"
 : "${AM_BUILDDIR:=$PWD}"
@@ -66,9 +69,11 @@ cat >"$work/job.sh" <<JOB
 srun --mpi=pmix "$AM_BUILDDIR/am-launch"
 JOB
 # NAME NODES TASKS-PER-NODE RECIPE [PLUGIN OPTIONS]
-for job in "dp2 2 1 tiny.yaml" "dp4 4 1 tiny.yaml" "tp2-pp2 2 2 tiny.yaml --am-tp=2 --am-pp=2" \
-    "tp2-pp2-dp2-sp-il 4 2 tiny-sp-il.yaml --am-tp=2 --am-pp=2" "hsdp-dp4 4 1 tiny-hsdp.yaml" \
-    "moe-ep2-dp4 4 1 tiny-moe.yaml --am-ep=2"; do
+jobs=("dp2 2 1 tiny.yaml" "dp4 4 1 tiny.yaml" "tp2-pp2 2 2 tiny.yaml --am-tp=2 --am-pp=2"
+    "tp2-pp2-dp2-sp-il 4 2 tiny-sp-il.yaml --am-tp=2 --am-pp=2" "hsdp-dp4 4 1 tiny-hsdp.yaml"
+    "moe-ep2-dp4 4 1 tiny-moe.yaml --am-ep=2" "cp2-tp2 2 2 tiny.yaml --am-cp=2 --am-tp=2")
+[ -n "${AM_PARITY_SLURM_ONLY:-}" ] && IFS=';' read -ra jobs <<<"$AM_PARITY_SLURM_ONLY"
+for job in "${jobs[@]}"; do
     set -- $job
     name=$1 nodes=$2 per=$3 recipe=$4
     shift 4

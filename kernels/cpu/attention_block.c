@@ -1,0 +1,208 @@
+/* attention_block.c - attention of one block of queries against one block of keys, masked by
+ * the tokens' positions, with its log-sum-exp merged into a running result (kernels.h:
+ * attention_block_forward and attention_block_backward; context parallelism's ring attention).
+ *
+ * q, out [B, Tq, H, D]; k, v [B, Tk, KVH, D]; query head h reads kv head h / (H / KVH);
+ * qpos [Tq], kpos [Tk]: positions in the sequence. Query t sees key j when
+ * kpos[j] <= qpos[t] (and kpos[j] > qpos[t] - W with a window of W). For a row t, over the
+ * keys it sees in this block (scale = 1/sqrt(D)):
+ *   s_j = scale q_t · k_j,  m = max_j s_j,  l = Σ_j exp(s_j - m)
+ *   out_b = Σ_j exp(s_j - m) v_j / l,  lse_b = m + log l
+ * and merged with what (out, lse) hold (lse = -inf: nothing yet):
+ *   L = max(lse, lse_b),  a = exp(lse - L),  c = exp(lse_b - L)
+ *   lse' = L + log(a + c),  out' = (a out + c out_b) / (a + c)
+ * Backward with the rows' final out and lse (attention.c's formulas, restricted to the block):
+ *   D_t = dout_t · out_t,  p_j = exp(s_j - lse_t),  ds_j = p_j (dout_t · v_j - D_t)
+ *   dq_t += scale Σ_j ds_j k_j,  dk_j += scale ds_j q_t,  dv_j += p_j dout_t
+ *
+ * In tiles of RT query rows against all of the block's keys, on OpenBLAS (one thread, called
+ * from the task's OpenMP thread): S = scale Q Kᵀ [RT, Tk], masked and exponentiated in place,
+ * then out_b = P V; backward also dP = dO Vᵀ, then dq += dS K, dk += dSᵀ Q, dv += Pᵀ dO. The
+ * forward runs one (batch, head) per task, the backward one (batch, kv head) per task walking
+ * every query head of its group, so dk and dv have one writer and every sum a fixed order (no
+ * atomics; the same bits on any number of threads). A thread holds RT rows of scores (two in
+ * backward), never Tq x Tk.
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdlib.h>
+
+#include "cpu.h"
+
+struct blk_shape {
+    int64_t B, Tq, Tk, H, KVH, D;
+    float scale;
+};
+
+static struct blk_shape check_block(const char *kernel, const struct am_tensor *o, const struct am_tensor *lse,
+                                    const struct am_tensor *q, const struct am_tensor *k, const struct am_tensor *v,
+                                    const struct am_tensor *qpos, const struct am_tensor *kpos)
+{
+    AM_CHECK(q->ndim == 4 && k->ndim == 4 && v->ndim == 4 && o->ndim == 4,
+             "q (%s), k, v and out must be 4-d [B, T, heads, D] (called from %s)", am_tname(q), kernel);
+    struct blk_shape s = {q->shape[0], q->shape[1], k->shape[1], q->shape[2], k->shape[2], q->shape[3], 0.0f};
+    for (int i = 0; i < 4; i++) {
+        AM_CHECK(o->shape[i] == q->shape[i], "out (%s) must have q's shape (called from %s)", am_tname(o), kernel);
+        AM_CHECK(v->shape[i] == k->shape[i], "v (%s) must have k's shape (called from %s)", am_tname(v), kernel);
+    }
+    AM_CHECK(k->shape[0] == s.B && k->shape[3] == s.D, "k (%s) must have q's B and D (called from %s)", am_tname(k),
+             kernel);
+    AM_CHECK(s.KVH > 0 && s.H % s.KVH == 0, "%lld query heads are not a multiple of %lld kv heads (called from %s)",
+             (long long)s.H, (long long)s.KVH, kernel);
+    AM_CHECK(am_tensor_numel(lse) == s.B * s.H * s.Tq,
+             "lse (%s) must be [B, H, Tq] = [%lld, %lld, %lld] (called from %s)", am_tname(lse), (long long)s.B,
+             (long long)s.H, (long long)s.Tq, kernel);
+    AM_CHECK(am_tensor_numel(qpos) == s.Tq && am_tensor_numel(kpos) == s.Tk,
+             "qpos (%s) and kpos (%s) must hold Tq = %lld and Tk = %lld positions (called from %s)", am_tname(qpos),
+             am_tname(kpos), (long long)s.Tq, (long long)s.Tk, kernel);
+    s.scale = (float)(1.0 / sqrt((double)s.D));
+    return s;
+}
+
+static inline bool sees(int32_t qp, int32_t kp, int64_t W) { return kp <= qp && (W <= 0 || kp > qp - W); }
+
+#define RT 64 /* query rows per tile */
+
+/* Row i of S (n scores, already scaled): masked to the keys the row sees and turned into
+ * exp(s - m); returns m (-inf: the row sees no key, the row all zeros) and the sum in *sum. */
+static float softmax_row(float *restrict S, int64_t n, int32_t qp, const int32_t *restrict kp, int64_t W, float *sum)
+{
+    float m = -INFINITY, l = 0.0f;
+    for (int64_t j = 0; j < n; j++) {
+        S[j] = sees(qp, kp[j], W) ? S[j] : -INFINITY;
+        m = S[j] > m ? S[j] : m;
+    }
+    if (m == -INFINITY) {
+        for (int64_t j = 0; j < n; j++)
+            S[j] = 0.0f;
+        *sum = 0.0f;
+        return m;
+    }
+#pragma omp simd reduction(+ : l)
+    for (int64_t j = 0; j < n; j++) {
+        float p = am_expf(S[j] - m);
+        S[j] = p;
+        l += p;
+    }
+    *sum = l;
+    return m;
+}
+
+void am_cpu_attention_block_forward(const struct am_dev *dev, struct am_tensor *out, struct am_tensor *lse,
+                                    const struct am_tensor *q, const struct am_tensor *k, const struct am_tensor *v,
+                                    const struct am_tensor *qpos, const struct am_tensor *kpos, int64_t window,
+                                    int accumulate)
+{
+    (void)dev;
+    float *o = F32(out), *l = F32(lse);
+    const float *qd = F32(q), *kd = F32(k), *vd = F32(v);
+    const int32_t *qp = I32(qpos), *kp = I32(kpos);
+    struct blk_shape s = check_block(__func__, out, lse, q, k, v, qpos, kpos);
+    int64_t B = s.B, Tq = s.Tq, Tk = s.Tk, H = s.H, D = s.D, G = H / s.KVH, qs = H * D, ks = s.KVH * D;
+    bool fail = false;
+#pragma omp parallel if (B * H > 1 && B * H * Tq * Tk * D >= AM_PAR_MIN) reduction(|| : fail)
+    {
+        float *S = malloc(((size_t)RT * (size_t)Tk + (size_t)RT * (size_t)D) * sizeof(float)); /* scores, out_b */
+        if (!S)
+            fail = true;
+#pragma omp for collapse(2) schedule(static)
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t h = 0; h < H; h++) {
+                if (!S || Tk == 0)
+                    continue;
+                float *ob = S + RT * Tk;
+                const float *kh = kd + b * Tk * ks + (h / G) * D, *vh = vd + b * Tk * ks + (h / G) * D;
+                for (int64_t t0 = 0; t0 < Tq; t0 += RT) {
+                    int64_t nr = Tq - t0 < RT ? Tq - t0 : RT;
+                    am_cpu_sgemm1(false, true, nr, Tk, D, s.scale, qd + (b * Tq + t0) * qs + h * D, qs, kh, ks, 0.0f,
+                                  S, Tk);
+                    float m[RT], sum[RT];
+                    for (int64_t i = 0; i < nr; i++)
+                        m[i] = softmax_row(S + i * Tk, Tk, qp[t0 + i], kp, window, &sum[i]);
+                    am_cpu_sgemm1(false, false, nr, D, Tk, 1.0f, S, Tk, vh, ks, 0.0f, ob, D);
+                    for (int64_t i = 0; i < nr; i++) {
+                        int64_t t = t0 + i;
+                        float *ot = o + (b * Tq + t) * qs + h * D, *lt = l + (b * H + h) * Tq + t, *obi = ob + i * D;
+                        if (m[i] == -INFINITY) { /* no key of this block: nothing to merge */
+                            if (!accumulate) {
+                                for (int64_t d = 0; d < D; d++)
+                                    ot[d] = 0.0f;
+                                *lt = -INFINITY;
+                            }
+                            continue;
+                        }
+                        float lb = m[i] + logf(sum[i]), inv = 1.0f / sum[i];
+                        if (!accumulate || *lt == -INFINITY) {
+                            for (int64_t d = 0; d < D; d++)
+                                ot[d] = obi[d] * inv;
+                            *lt = lb;
+                            continue;
+                        }
+                        float L = *lt > lb ? *lt : lb, a = am_expf(*lt - L), c = am_expf(lb - L), w = 1.0f / (a + c);
+                        for (int64_t d = 0; d < D; d++)
+                            ot[d] = (a * ot[d] + c * obi[d] * inv) * w;
+                        *lt = L + logf(a + c);
+                    }
+                }
+            }
+        free(S);
+    }
+    AM_CHECK(!fail, "out of memory for %d rows of %lld scores", RT, (long long)Tk);
+}
+
+void am_cpu_attention_block_backward(const struct am_dev *dev, struct am_tensor *dq, struct am_tensor *dk,
+                                     struct am_tensor *dv, const struct am_tensor *dout, const struct am_tensor *out,
+                                     const struct am_tensor *lse, const struct am_tensor *q, const struct am_tensor *k,
+                                     const struct am_tensor *v, const struct am_tensor *qpos,
+                                     const struct am_tensor *kpos, int64_t window)
+{
+    (void)dev;
+    float *dqd = F32(dq), *dkd = F32(dk), *dvd = F32(dv);
+    const float *dod = F32(dout), *od = F32(out), *ld = F32(lse), *qd = F32(q), *kd = F32(k), *vd = F32(v);
+    const int32_t *qp = I32(qpos), *kp = I32(kpos);
+    struct blk_shape s = check_block(__func__, out, lse, q, k, v, qpos, kpos);
+    AM_CHECK(am_tensor_numel(dq) == am_tensor_numel(q) && am_tensor_numel(dout) == am_tensor_numel(q),
+             "dq (%s) and dout (%s) must have q's shape", am_tname(dq), am_tname(dout));
+    AM_CHECK(am_tensor_numel(dk) == am_tensor_numel(k) && am_tensor_numel(dv) == am_tensor_numel(k),
+             "dk (%s) and dv (%s) must have k's shape", am_tname(dk), am_tname(dv));
+    int64_t B = s.B, Tq = s.Tq, Tk = s.Tk, H = s.H, KVH = s.KVH, D = s.D, G = H / KVH, qs = H * D, ks = KVH * D;
+    bool fail = false;
+#pragma omp parallel if (B * KVH > 1 && B * H * Tq * Tk * D >= AM_PAR_MIN) reduction(|| : fail)
+    {
+        float *P = malloc(2 * (size_t)RT * (size_t)Tk * sizeof(float)); /* p, then dp and ds */
+        if (!P)
+            fail = true;
+#pragma omp for collapse(2) schedule(static)
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t kvh = 0; kvh < KVH; kvh++) {
+                if (!P || Tk == 0)
+                    continue;
+                float *dS = P + RT * Tk;
+                int64_t ko = b * Tk * ks + kvh * D;
+                for (int64_t h = kvh * G; h < (kvh + 1) * G; h++)
+                    for (int64_t t0 = 0; t0 < Tq; t0 += RT) {
+                        int64_t nr = Tq - t0 < RT ? Tq - t0 : RT, qo = (b * Tq + t0) * qs + h * D;
+                        am_cpu_sgemm1(false, true, nr, Tk, D, s.scale, qd + qo, qs, kd + ko, ks, 0.0f, P, Tk);
+                        am_cpu_sgemm1(false, true, nr, Tk, D, 1.0f, dod + qo, qs, vd + ko, ks, 0.0f, dS, Tk);
+                        for (int64_t i = 0; i < nr; i++) {
+                            int64_t t = t0 + i;
+                            float *pr = P + i * Tk, *dr = dS + i * Tk, Lt = ld[(b * H + h) * Tq + t];
+                            const float *dot_ = dod + qo + i * qs, *ot = od + qo + i * qs;
+                            float Dt = 0.0f;
+                            for (int64_t d = 0; d < D; d++)
+                                Dt += dot_[d] * ot[d];
+                            for (int64_t j = 0; j < Tk; j++) {
+                                float p = Lt != -INFINITY && sees(qp[t], kp[j], window) ? am_expf(pr[j] - Lt) : 0.0f;
+                                pr[j] = p;
+                                dr[j] = p * (dr[j] - Dt) * s.scale;
+                            }
+                        }
+                        am_cpu_sgemm1(false, false, nr, D, Tk, 1.0f, dS, Tk, kd + ko, ks, 1.0f, dqd + qo, qs);
+                        am_cpu_sgemm1(true, false, Tk, D, nr, 1.0f, dS, Tk, qd + qo, qs, 1.0f, dkd + ko, ks);
+                        am_cpu_sgemm1(true, false, Tk, D, nr, 1.0f, P, Tk, dod + qo, qs, 1.0f, dvd + ko, ks);
+                    }
+            }
+        free(P);
+    }
+    AM_CHECK(!fail, "out of memory for %d rows of %lld scores", 2 * RT, (long long)Tk);
+}

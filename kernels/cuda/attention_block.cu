@@ -1,0 +1,280 @@
+/* attention_block.cu - attention of one block of queries against one block of keys, masked
+ * by the tokens' positions, merged into a running result by log-sum-exp (kernels.h:
+ * attention_block_forward and attention_block_backward; kernels/cpu/attention_block.c has the
+ * formulas and is the reference).
+ *
+ * One warp per row, lanes over the head dims (lane, lane + 32, ...: up to 256 = 8 per lane),
+ * dot products summed by warp shuffles; fp32 tensors. A plain kernel, not a tiled one: the
+ * ring's correctness on the device, not its speed.
+ *   - forward: a warp per query row (b, t, h) walks the block's keys with an online softmax
+ *     and merges its result into out and lse;
+ *   - backward: Dt = dout_t · out_t per row, then dq (a warp per query row, over the keys)
+ *     and dk, dv (a warp per key row (b, j, kv head), over the group's query heads and the
+ *     rows): each gradient element has one writer and sums its terms in a fixed order (no
+ *     atomics, run to run the same bits).
+ */
+#include "common.cuh"
+
+#define BLK_WARPS 8
+#define BLK_THREADS (BLK_WARPS * 32)
+#define BLK_MAX_NT 8 /* head dims per lane: D <= 256 */
+#define FULLMASK 0xffffffffu
+
+struct blk_shape {
+    int64_t B, Tq, Tk, H, KVH, D;
+    float scale;
+};
+
+__device__ __forceinline__ float blk_warp_sum(float x)
+{
+    for (int o = 16; o > 0; o /= 2)
+        x += __shfl_xor_sync(FULLMASK, x, o);
+    return x;
+}
+
+__device__ __forceinline__ bool blk_sees(int32_t qp, int32_t kp, int64_t W) { return kp <= qp && (W <= 0 || kp > qp - W); }
+
+/* a . b over the D head dims of two rows, summed over the warp (every lane gets it) */
+__device__ __forceinline__ float blk_dot(const float *a, const float *b, int D)
+{
+    float acc = 0.0f;
+    for (int d = threadIdx.x % 32; d < D; d += 32)
+        acc += a[d] * b[d];
+    return blk_warp_sum(acc);
+}
+
+__global__ void __launch_bounds__(BLK_THREADS) blk_fwd_k(float *out, float *lse, const float *q, const float *k,
+                                                          const float *v, const int32_t *qpos, const int32_t *kpos,
+                                                          struct blk_shape s, int64_t W, int accumulate)
+{
+    int lane = threadIdx.x % 32, D = (int)s.D;
+    int64_t G = s.H / s.KVH, rows = s.B * s.Tq * s.H;
+    for (int64_t row = (int64_t)blockIdx.x * BLK_WARPS + threadIdx.x / 32; row < rows;
+         row += (int64_t)gridDim.x * BLK_WARPS) {
+        int64_t h = row % s.H, t = (row / s.H) % s.Tq, b = row / (s.H * s.Tq);
+        const float *qt = q + row * D;
+        const float *kh = k + (b * s.Tk * s.KVH + h / G) * D, *vh = v + (b * s.Tk * s.KVH + h / G) * D;
+        float acc[BLK_MAX_NT], m = -INFINITY, l = 0.0f;
+        for (int i = 0; i < BLK_MAX_NT; i++)
+            acc[i] = 0.0f;
+        for (int64_t j = 0; j < s.Tk; j++) {
+            if (!blk_sees(qpos[t], kpos[j], W))
+                continue;
+            float sc = s.scale * blk_dot(qt, kh + j * s.KVH * D, D);
+            float mn = fmaxf(m, sc), a = expf(m - mn), p = expf(sc - mn);
+            l = l * a + p;
+            const float *vj = vh + j * s.KVH * D;
+            for (int i = 0; i < BLK_MAX_NT; i++) {
+                int d = lane + 32 * i;
+                if (d < D)
+                    acc[i] = acc[i] * a + p * vj[d];
+            }
+            m = mn;
+        }
+        float *ot = out + row * D, *lt = lse + (b * s.H + h) * s.Tq + t;
+        if (m == -INFINITY) { /* no key of this block */
+            if (!accumulate) {
+                for (int d = lane; d < D; d += 32)
+                    ot[d] = 0.0f;
+                if (lane == 0)
+                    *lt = -INFINITY;
+            }
+            continue;
+        }
+        float lb = m + logf(l), inv = 1.0f / l, old = *lt;
+        __syncwarp();
+        if (!accumulate || old == -INFINITY) {
+            for (int i = 0; i < BLK_MAX_NT; i++)
+                if (lane + 32 * i < D)
+                    ot[lane + 32 * i] = acc[i] * inv;
+            if (lane == 0)
+                *lt = lb;
+            continue;
+        }
+        float L = fmaxf(old, lb), a = expf(old - L), c = expf(lb - L), w = 1.0f / (a + c);
+        for (int i = 0; i < BLK_MAX_NT; i++) {
+            int d = lane + 32 * i;
+            if (d < D)
+                ot[d] = (a * ot[d] + c * acc[i] * inv) * w;
+        }
+        if (lane == 0)
+            *lt = L + logf(a + c);
+    }
+}
+
+/* Dt[b, h, t] = dout_t . out_t */
+__global__ void blk_dot_k(float *Dt, const float *dout, const float *out, struct blk_shape s)
+{
+    int D = (int)s.D;
+    int64_t rows = s.B * s.Tq * s.H;
+    for (int64_t row = (int64_t)blockIdx.x * BLK_WARPS + threadIdx.x / 32; row < rows;
+         row += (int64_t)gridDim.x * BLK_WARPS) {
+        int64_t h = row % s.H, t = (row / s.H) % s.Tq, b = row / (s.H * s.Tq);
+        float x = blk_dot(dout + row * D, out + row * D, D);
+        if (threadIdx.x % 32 == 0)
+            Dt[(b * s.H + h) * s.Tq + t] = x;
+    }
+}
+
+__global__ void __launch_bounds__(BLK_THREADS) blk_dq_k(float *dq, const float *dout, const float *lse, const float *Dt,
+                                                         const float *q, const float *k, const float *v,
+                                                         const int32_t *qpos, const int32_t *kpos, struct blk_shape s,
+                                                         int64_t W)
+{
+    int lane = threadIdx.x % 32, D = (int)s.D;
+    int64_t G = s.H / s.KVH, rows = s.B * s.Tq * s.H;
+    for (int64_t row = (int64_t)blockIdx.x * BLK_WARPS + threadIdx.x / 32; row < rows;
+         row += (int64_t)gridDim.x * BLK_WARPS) {
+        int64_t h = row % s.H, t = (row / s.H) % s.Tq, b = row / (s.H * s.Tq);
+        float L = lse[(b * s.H + h) * s.Tq + t], Dr = Dt[(b * s.H + h) * s.Tq + t];
+        if (L == -INFINITY)
+            continue;
+        const float *qt = q + row * D, *dot_ = dout + row * D;
+        const float *kh = k + (b * s.Tk * s.KVH + h / G) * D, *vh = v + (b * s.Tk * s.KVH + h / G) * D;
+        float acc[BLK_MAX_NT];
+        for (int i = 0; i < BLK_MAX_NT; i++)
+            acc[i] = 0.0f;
+        for (int64_t j = 0; j < s.Tk; j++) {
+            if (!blk_sees(qpos[t], kpos[j], W))
+                continue;
+            const float *kj = kh + j * s.KVH * D;
+            float p = expf(s.scale * blk_dot(qt, kj, D) - L);
+            float ds = p * (blk_dot(dot_, vh + j * s.KVH * D, D) - Dr) * s.scale;
+            for (int i = 0; i < BLK_MAX_NT; i++)
+                if (lane + 32 * i < D)
+                    acc[i] += ds * kj[lane + 32 * i];
+        }
+        for (int i = 0; i < BLK_MAX_NT; i++)
+            if (lane + 32 * i < D)
+                dq[row * D + lane + 32 * i] += acc[i];
+    }
+}
+
+__global__ void __launch_bounds__(BLK_THREADS) blk_dkdv_k(float *dk, float *dv, const float *dout, const float *lse,
+                                                           const float *Dt, const float *q, const float *k,
+                                                           const float *v, const int32_t *qpos, const int32_t *kpos,
+                                                           struct blk_shape s, int64_t W)
+{
+    int lane = threadIdx.x % 32, D = (int)s.D;
+    int64_t G = s.H / s.KVH, rows = s.B * s.Tk * s.KVH;
+    for (int64_t row = (int64_t)blockIdx.x * BLK_WARPS + threadIdx.x / 32; row < rows;
+         row += (int64_t)gridDim.x * BLK_WARPS) {
+        int64_t kvh = row % s.KVH, j = (row / s.KVH) % s.Tk, b = row / (s.KVH * s.Tk);
+        const float *kj = k + row * D, *vj = v + row * D;
+        float gk[BLK_MAX_NT], gv[BLK_MAX_NT];
+        for (int i = 0; i < BLK_MAX_NT; i++)
+            gk[i] = gv[i] = 0.0f;
+        for (int64_t h = kvh * G; h < (kvh + 1) * G; h++)
+            for (int64_t t = 0; t < s.Tq; t++) {
+                float L = lse[(b * s.H + h) * s.Tq + t];
+                if (L == -INFINITY || !blk_sees(qpos[t], kpos[j], W))
+                    continue;
+                const float *qt = q + ((b * s.Tq + t) * s.H + h) * D, *dot_ = dout + ((b * s.Tq + t) * s.H + h) * D;
+                float p = expf(s.scale * blk_dot(qt, kj, D) - L);
+                float ds = p * (blk_dot(dot_, vj, D) - Dt[(b * s.H + h) * s.Tq + t]) * s.scale;
+                for (int i = 0; i < BLK_MAX_NT; i++) {
+                    int d = lane + 32 * i;
+                    if (d < D) {
+                        gk[i] += ds * qt[d];
+                        gv[i] += p * dot_[d];
+                    }
+                }
+            }
+        for (int i = 0; i < BLK_MAX_NT; i++) {
+            int d = lane + 32 * i;
+            if (d < D) {
+                dk[row * D + d] += gk[i];
+                dv[row * D + d] += gv[i];
+            }
+        }
+    }
+}
+
+static struct blk_shape check_block(const char *kn, const struct am_tensor *o, const struct am_tensor *lse,
+                                    const struct am_tensor *q, const struct am_tensor *k, const struct am_tensor *v,
+                                    const struct am_tensor *qpos, const struct am_tensor *kpos)
+{
+    am_cuda_data(kn, "q", q, AM_F32);
+    am_cuda_data(kn, "k", k, AM_F32);
+    am_cuda_data(kn, "v", v, AM_F32);
+    am_cuda_data(kn, "out", o, AM_F32);
+    am_cuda_stat(kn, "lse", lse);
+    am_cuda_data(kn, "qpos", qpos, AM_I32);
+    am_cuda_data(kn, "kpos", kpos, AM_I32);
+    AM_CUDA_REQUIRE(kn, q->ndim == 4 && k->ndim == 4 && v->ndim == 4 && o->ndim == 4,
+                    "q (%s), k, v and out must be 4-d [B, T, heads, D]", am_tname(q));
+    struct blk_shape s = {q->shape[0], q->shape[1], k->shape[1], q->shape[2], k->shape[2], q->shape[3], 0.0f};
+    for (int i = 0; i < 4; i++) {
+        AM_CUDA_REQUIRE(kn, o->shape[i] == q->shape[i], "out (%s) must have q's shape", am_tname(o));
+        AM_CUDA_REQUIRE(kn, v->shape[i] == k->shape[i], "v (%s) must have k's shape", am_tname(v));
+    }
+    AM_CUDA_REQUIRE(kn, k->shape[0] == s.B && k->shape[3] == s.D, "k (%s) must have q's B and D", am_tname(k));
+    AM_CUDA_REQUIRE(kn, s.KVH > 0 && s.H % s.KVH == 0, "%lld query heads are not a multiple of %lld kv heads",
+                    (long long)s.H, (long long)s.KVH);
+    AM_CUDA_REQUIRE(kn, s.D <= 32 * BLK_MAX_NT, "head size %lld: at most %d", (long long)s.D, 32 * BLK_MAX_NT);
+    AM_CUDA_REQUIRE(kn, am_tensor_numel(lse) == s.B * s.H * s.Tq, "lse (%s) must be [B, H, Tq]", am_tname(lse));
+    AM_CUDA_REQUIRE(kn, am_tensor_numel(qpos) == s.Tq && am_tensor_numel(kpos) == s.Tk,
+                    "qpos (%s) and kpos (%s) must hold Tq and Tk positions", am_tname(qpos), am_tname(kpos));
+    s.scale = (float)(1.0 / sqrt((double)s.D));
+    return s;
+}
+
+static unsigned blk_blocks(int64_t rows)
+{
+    int64_t n = (rows + BLK_WARPS - 1) / BLK_WARPS;
+    return (unsigned)(n < 65536 ? (n > 0 ? n : 1) : 65536);
+}
+
+void am_cuda_attention_block_forward(const struct am_dev *d, struct am_tensor *out, struct am_tensor *lse,
+                                     const struct am_tensor *q, const struct am_tensor *k, const struct am_tensor *v,
+                                     const struct am_tensor *qpos, const struct am_tensor *kpos, int64_t window,
+                                     int accumulate)
+{
+    const char *kn = "am_cuda_attention_block_forward";
+    am_cuda_ctx(kn, d);
+    struct blk_shape s = check_block(kn, out, lse, q, k, v, qpos, kpos);
+    int64_t rows = s.B * s.Tq * s.H;
+    if (!rows)
+        return;
+    blk_fwd_k<<<blk_blocks(rows), BLK_THREADS, 0, am_cuda_stream(d)>>>(
+        (float *)out->data, (float *)lse->data, (const float *)q->data, (const float *)k->data,
+        (const float *)v->data, (const int32_t *)qpos->data, (const int32_t *)kpos->data, s, window, accumulate);
+    AM_LAUNCHED(kn);
+}
+
+void am_cuda_attention_block_backward(const struct am_dev *d, struct am_tensor *dq, struct am_tensor *dk,
+                                      struct am_tensor *dv, const struct am_tensor *dout, const struct am_tensor *out,
+                                      const struct am_tensor *lse, const struct am_tensor *q, const struct am_tensor *k,
+                                      const struct am_tensor *v, const struct am_tensor *qpos,
+                                      const struct am_tensor *kpos, int64_t window)
+{
+    const char *kn = "am_cuda_attention_block_backward";
+    am_cuda_ctx(kn, d);
+    struct blk_shape s = check_block(kn, out, lse, q, k, v, qpos, kpos);
+    am_cuda_data(kn, "dq", dq, AM_F32);
+    am_cuda_data(kn, "dk", dk, AM_F32);
+    am_cuda_data(kn, "dv", dv, AM_F32);
+    am_cuda_data(kn, "dout", dout, AM_F32);
+    AM_CUDA_REQUIRE(kn, am_tensor_numel(dq) == am_tensor_numel(q) && am_tensor_numel(dout) == am_tensor_numel(q),
+                    "dq (%s) and dout (%s) must have q's shape", am_tname(dq), am_tname(dout));
+    AM_CUDA_REQUIRE(kn, am_tensor_numel(dk) == am_tensor_numel(k) && am_tensor_numel(dv) == am_tensor_numel(k),
+                    "dk (%s) and dv (%s) must have k's shape", am_tname(dk), am_tname(dv));
+    int64_t rows = s.B * s.Tq * s.H, krows = s.B * s.Tk * s.KVH;
+    if (!rows || !krows)
+        return;
+    cudaStream_t st = am_cuda_stream(d);
+    float *Dt = (float *)am_cuda_scratch(kn, d, (size_t)rows * sizeof(float));
+    const int32_t *qp = (const int32_t *)qpos->data, *kp = (const int32_t *)kpos->data;
+    blk_dot_k<<<blk_blocks(rows), BLK_THREADS, 0, st>>>(Dt, (const float *)dout->data, (const float *)out->data, s);
+    AM_LAUNCHED(kn);
+    blk_dq_k<<<blk_blocks(rows), BLK_THREADS, 0, st>>>((float *)dq->data, (const float *)dout->data,
+                                                       (const float *)lse->data, Dt, (const float *)q->data,
+                                                       (const float *)k->data, (const float *)v->data, qp, kp, s,
+                                                       window);
+    AM_LAUNCHED(kn);
+    blk_dkdv_k<<<blk_blocks(krows), BLK_THREADS, 0, st>>>((float *)dk->data, (float *)dv->data,
+                                                          (const float *)dout->data, (const float *)lse->data, Dt,
+                                                          (const float *)q->data, (const float *)k->data,
+                                                          (const float *)v->data, qp, kp, s, window);
+    AM_LAUNCHED(kn);
+}

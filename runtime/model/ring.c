@@ -1,0 +1,243 @@
+/* ring.c - context parallelism in the model: the zigzag split and ring attention (ring.h). */
+#include "ring.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "log.h"
+#include "util.h"
+
+static int mod(int a, int p) { return ((a % p) + p) % p; }
+
+void am_cp_positions(int64_t T, int cp, int rank, int32_t *pos)
+{
+    int64_t c = T / (2 * cp);
+    for (int64_t i = 0; i < c; i++) {
+        pos[i] = (int32_t)(rank * c + i);
+        pos[c + i] = (int32_t)((2 * cp - 1 - rank) * c + i);
+    }
+}
+
+/* The rotary tables at this rank's positions: the whole sequence's, its two chunks' rows. */
+static int rope_at_positions(struct am_model *m, struct am_cp *c, char *err, size_t err_len)
+{
+    const struct am_kernels *K = m->K;
+    const struct am_model_config *cfg = &m->cfg;
+    int64_t T = c->seq_len, half = m->head_dim / 2, ch = T / (2 * c->size);
+    size_t bytes = (size_t)(T * half) * sizeof(float);
+    void *mem = K->alloc(m->dev, 2 * bytes);
+    if (!mem)
+        return am_fail(err, err_len, "context parallelism: out of memory for the rotary tables of %lld positions",
+                       (long long)T);
+    struct am_tensor fc = am_tensor_view(mem, m->dev->device, AM_F32, T, half, 0, 0);
+    struct am_tensor fs = am_tensor_view((char *)mem + bytes, m->dev->device, AM_F32, T, half, 0, 0);
+    struct am_rope_scaling rs = {cfg->rope_scaling.type, cfg->rope_scaling.factor, cfg->rope_scaling.low_freq_factor,
+                                 cfg->rope_scaling.high_freq_factor,
+                                 cfg->rope_scaling.original_max_position_embeddings};
+    K->rope_tables(m->dev, &fc, &fs, cfg->rope_theta, &rs);
+    int64_t from[2] = {c->rank * ch, (2 * c->size - 1 - c->rank) * ch};
+    for (int i = 0; i < 2; i++) {
+        const struct am_tensor *full[2] = {&fc, &fs};
+        struct am_tensor *mine[2] = {&m->cos, &m->sin};
+        for (int t = 0; t < 2; t++) {
+            struct am_tensor dst = am_tensor_view((float *)mine[t]->data + i * ch * half, m->dev->device, AM_F32,
+                                                  ch * half, 0, 0, 0);
+            struct am_tensor src = am_tensor_view((float *)full[t]->data + from[i] * half, m->dev->device, AM_F32,
+                                                  ch * half, 0, 0, 0);
+            K->copy(m->dev, &dst, &src);
+        }
+    }
+    K->sync(m->dev);
+    K->free(m->dev, mem);
+    return 0;
+}
+
+int am_cp_init(struct am_model *m, struct am_comm *cp, int64_t seq_len, char *err, size_t err_len)
+{
+    int P = am_comm_size(cp);
+    if (P < 2)
+        return 0;
+    if (seq_len % (2 * P) || m->seq_len * P != seq_len)
+        return am_fail(err, err_len, "context parallelism: a sequence of %lld tokens does not split into 2 x cp = %d "
+                       "chunks of equal length (dataset.seq_length must be a multiple of %d)", (long long)seq_len,
+                       2 * P, 2 * P);
+    if (m->act_dt != AM_F32)
+        return am_fail(err, err_len, "context parallelism: ring attention computes in fp32; compute dtype is %s",
+                       am_dtype_name(m->act_dt));
+    struct am_cp *c = calloc(1, sizeof(*c));
+    if (!c)
+        return am_fail(err, err_len, "context parallelism: out of memory");
+    c->comm = cp;
+    c->size = P;
+    c->rank = am_comm_rank(cp);
+    c->seq_len = seq_len;
+    const char *ov = getenv("AM_RING_OVERLAP");
+    c->overlap = !(ov && strcmp(ov, "0") == 0);
+    int64_t Tl = m->seq_len;
+    size_t kvb = ((size_t)(m->max_tokens * m->kv_heads * m->head_dim) * sizeof(float) + 63) & ~(size_t)63;
+    size_t posb = ((size_t)(P * Tl) * sizeof(int32_t) + 63) & ~(size_t)63;
+    c->bytes = posb + 10 * kvb;
+    c->mem = m->K->alloc(m->dev, c->bytes);
+    if (!c->mem) {
+        size_t bytes = c->bytes;
+        free(c);
+        return am_fail(err, err_len, "context parallelism: out of memory for %zu bytes of ring buffers", bytes);
+    }
+    char *p = c->mem;
+    c->pos = (int32_t *)p;
+    p += posb;
+    for (int b = 0; b < 2; b++)
+        for (int i = 0; i < 2; i++) {
+            c->kv[b][i] = p;
+            p += kvb;
+            c->dkv[b][i] = p;
+            p += kvb;
+        }
+    c->part[0] = p;
+    c->part[1] = p + kvb;
+    int32_t *host = malloc((size_t)(P * Tl) * sizeof(int32_t));
+    if (!host) {
+        m->K->free(m->dev, c->mem);
+        free(c);
+        return am_fail(err, err_len, "context parallelism: out of memory");
+    }
+    for (int r = 0; r < P; r++)
+        am_cp_positions(seq_len, P, r, host + r * Tl);
+    m->K->upload(m->dev, c->pos, host, (size_t)(P * Tl) * sizeof(int32_t));
+    free(host);
+    m->cp = c;
+    m->act_bytes += c->bytes;
+    return rope_at_positions(m, c, err, err_len);
+}
+
+void am_cp_free(struct am_model *m)
+{
+    if (!m->cp)
+        return;
+    if (m->cp->mem && m->K)
+        m->K->free(m->dev, m->cp->mem);
+    free(m->cp);
+    m->cp = NULL;
+}
+
+/* Rank r's positions, as a tensor. */
+static struct am_tensor pos_of(const struct am_model *m, int r)
+{
+    int64_t Tl = m->seq_len;
+    return am_tensor_view(m->cp->pos + r * Tl, m->dev->device, AM_I32, Tl, 0, 0, 0);
+}
+
+/* A tensor of t's shape and dtype over buffer p. */
+static struct am_tensor like(const struct am_tensor *t, void *p)
+{
+    struct am_tensor v = *t;
+    v.data = p;
+    return v;
+}
+
+/* Starts the shift of the k and v block (kb, vb) into buffers (nk, nv): two ishifts. */
+static int shift_kv(struct am_cp *c, const struct am_tensor *kb, const struct am_tensor *vb, void *nk, void *nv,
+                    struct am_comm_req **q, char *err, size_t err_len)
+{
+    size_t n = (size_t)am_tensor_numel(kb);
+    if (am_ishift(c->comm, kb->data, nk, n, kb->dtype, &q[0], err, err_len) < 0)
+        return -1;
+    return am_ishift(c->comm, vb->data, nv, n, vb->dtype, &q[1], err, err_len);
+}
+
+/* Waits for the two requests (both released whatever happens). */
+static int wait2(struct am_cp *c, struct am_comm_req **q, char *err, size_t err_len)
+{
+    double t0 = am_mono_time();
+    int rc = am_comm_wait_all(q, 2, err, err_len);
+    c->wait_s += am_mono_time() - t0;
+    return rc;
+}
+
+int am_cp_attention_forward(struct am_model *m, struct am_tensor *out, struct am_tensor *lse, const struct am_tensor *q,
+                            const struct am_tensor *k, const struct am_tensor *v, int64_t window, char *err,
+                            size_t err_len)
+{
+    struct am_cp *c = m->cp;
+    struct am_tensor hk = *k, hv = *v, mine = pos_of(m, c->rank); /* the block held: this rank's own first */
+    struct am_comm_req *rq[2] = {NULL, NULL};
+    for (int s = 0; s < c->size; s++) {
+        bool more = s + 1 < c->size;
+        struct am_tensor kp = pos_of(m, mod(c->rank - s, c->size));
+        if (more && shift_kv(c, &hk, &hv, c->kv[s % 2][0], c->kv[s % 2][1], rq, err, err_len) < 0) {
+            am_comm_wait_all(rq, 2, NULL, 0);
+            return -1;
+        }
+        if (more && !c->overlap && wait2(c, rq, err, err_len) < 0) /* AM_RING_OVERLAP=0: the shift alone */
+            return -1;
+        double t0 = am_mono_time();
+        m->K->attention_block_forward(m->dev, out, lse, q, &hk, &hv, &mine, &kp, window, s > 0);
+        c->block_s += am_mono_time() - t0;
+        if (more) {
+            if (wait2(c, rq, err, err_len) < 0)
+                return -1;
+            hk = like(k, c->kv[s % 2][0]);
+            hv = like(v, c->kv[s % 2][1]);
+        }
+    }
+    return 0;
+}
+
+int am_cp_attention_backward(struct am_model *m, struct am_tensor *dq, struct am_tensor *dk, struct am_tensor *dv,
+                             const struct am_tensor *dout, const struct am_tensor *out, const struct am_tensor *lse,
+                             const struct am_tensor *q, const struct am_tensor *k, const struct am_tensor *v,
+                             int64_t window, char *err, size_t err_len)
+{
+    struct am_cp *c = m->cp;
+    const struct am_kernels *K = m->K;
+    struct am_tensor hk = *k, hv = *v, mine = pos_of(m, c->rank);
+    struct am_comm_req *rkv[2] = {NULL, NULL}, *rd[2] = {NULL, NULL};
+    int rc = 0;
+    for (int s = 0; s < c->size && rc == 0; s++) {
+        bool more = s + 1 < c->size;
+        struct am_tensor kp = pos_of(m, mod(c->rank - s, c->size));
+        if (more && (shift_kv(c, &hk, &hv, c->kv[s % 2][0], c->kv[s % 2][1], rkv, err, err_len) < 0 ||
+                     (!c->overlap && wait2(c, rkv, err, err_len) < 0))) {
+            rc = -1;
+            break;
+        }
+        /* this step's terms for the block held: into the sums that start here (step 0), or
+         * into part, added to the sums that arrived with the block */
+        struct am_tensor tk = like(k, s == 0 ? c->dkv[1][0] : c->part[0]), tv = like(v, s == 0 ? c->dkv[1][1] : c->part[1]);
+        K->zero(m->dev, &tk);
+        K->zero(m->dev, &tv);
+        double t0 = am_mono_time();
+        K->attention_block_backward(m->dev, dq, &tk, &tv, dout, out, lse, q, &hk, &hv, &mine, &kp, window);
+        c->block_s += am_mono_time() - t0;
+        struct am_tensor ak = tk, av = tv; /* the sums sent onward */
+        if (s > 0) {
+            if (c->overlap && wait2(c, rd, err, err_len) < 0) {
+                rc = -1;
+                break;
+            }
+            ak = like(k, c->dkv[(s - 1) % 2][0]);
+            av = like(v, c->dkv[(s - 1) % 2][1]);
+            K->add(m->dev, &ak, &tk);
+            K->add(m->dev, &av, &tv);
+        }
+        if (shift_kv(c, &ak, &av, c->dkv[s % 2][0], c->dkv[s % 2][1], rd, err, err_len) < 0 ||
+            (!c->overlap && wait2(c, rd, err, err_len) < 0) || (more && c->overlap && wait2(c, rkv, err, err_len) < 0)) {
+            rc = -1;
+            break;
+        }
+        hk = like(k, c->kv[s % 2][0]);
+        hv = like(v, c->kv[s % 2][1]);
+    }
+    if (rc < 0) {
+        am_comm_wait_all(rkv, 2, NULL, 0);
+        am_comm_wait_all(rd, 2, NULL, 0);
+        return -1;
+    }
+    /* the sums of this rank's own block, back from around the ring */
+    if (c->overlap && wait2(c, rd, err, err_len) < 0)
+        return -1;
+    struct am_tensor ok = like(k, c->dkv[(c->size - 1) % 2][0]), ov = like(v, c->dkv[(c->size - 1) % 2][1]);
+    K->add(m->dev, dk, &ok);
+    K->add(m->dev, dv, &ov);
+    return 0;
+}

@@ -1,0 +1,76 @@
+/* ring.h - context parallelism in the model: each sequence split over the cp ranks, and ring
+ * attention over that split.
+ *
+ * The split (zigzag, as Megatron and Transformer Engine lay it out): a sequence of T tokens is
+ * cut into 2 cp chunks of T / (2 cp); cp rank r holds chunks r and 2 cp - 1 - r, in that order,
+ * so that under the causal mask every rank does the same attention work. The model on a cp
+ * rank is built for sequences of T / cp tokens (am_model_init's seq_len) and knows nothing of
+ * the split but in two places: the rotary tables hold each of its rows' real positions
+ * (am_cp_init rebuilds them), and attention (am_cp_attention_forward, _backward) runs over the
+ * ring instead of the rank's rows alone. Everything else (norms, projections, the MLP, the
+ * loss over the rank's tokens) is per token and runs as it is. The trainer hands each rank its
+ * rows of every sequence (am_cp_positions), sums the loss over dp x cp, and reduces the
+ * replicated weights' gradients over dp x cp.
+ *
+ * Ring attention. Each rank's keys and values pass around the cp group's ring in cp - 1 steps
+ * (am_ishift: to rank + 1, from rank - 1): at step s a rank holds the block of rank r - s, and
+ * the shift of that block onward is started before the attention of its queries against it
+ * (kernels.h, attention_block_forward: masked by the rows' positions, the partial outputs
+ * merged by their log-sum-exp), then waited for. The backward walks the same ring: each step's
+ * dk, dv terms for the block held are added to the running sums that arrived with it from the
+ * left (started onward after the step's compute, waited for after the next step's), and after
+ * cp steps the sums of a rank's own block come back to it (cp shifts of dk and dv, cp - 1 of k
+ * and v). Grouped-query attention as attention_forward's; a sliding window by position. The
+ * rows' saved out and lse are the merged ones, as a full attention saves them, so activation
+ * checkpointing's recompute runs the ring again. fp32 (the block kernels').
+ *
+ * Memory (counted in the model's act_bytes, and by am-plan): the positions of every rank's
+ * rows (int32), two buffers for the k and v block that arrives next, two for the travelling
+ * dk and dv sums and one for a step's own terms: 10 x tokens x kv width elements.
+ */
+#ifndef AM_RING_H
+#define AM_RING_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "comm.h"
+#include "model.h"
+
+struct am_cp {
+    struct am_comm *comm;      /* the cp group */
+    int size, rank;
+    int64_t seq_len;           /* the whole sequence (T); the model holds seq_len / size rows */
+    void *mem;                 /* everything below, one allocation of `bytes` */
+    size_t bytes;
+    int32_t *pos;              /* [size][T / size]: each rank's positions (device memory) */
+    void *kv[2][2];            /* [buffer][k, v]: the block that arrives next */
+    void *dkv[2][2];           /* backward: the running dk, dv sums that travel with a block */
+    void *part[2];             /* backward: this rank's dk, dv terms for the block it holds */
+    bool overlap;              /* AM_RING_OVERLAP=0: each shift waited for as soon as it is started (the
+                                  ring's time alone, for bench/cp_small.sh) */
+    double wait_s, block_s;    /* seconds waiting for the ring and in the block kernels (host clock) */
+};
+
+/* The positions of cp rank `rank`'s T / cp rows of a sequence of T tokens (the zigzag). */
+void am_cp_positions(int64_t T, int cp, int rank, int32_t *pos);
+
+/* Context parallelism for model m (built with seq_len T / cp): the ring buffers, the
+ * positions, and the rotary tables at the rows' positions. cp: the cp group (its size and
+ * rank). 0, or -1 with a message (the sequence must split into 2 cp chunks). */
+int am_cp_init(struct am_model *m, struct am_comm *cp, int64_t seq_len, char *err, size_t err_len);
+void am_cp_free(struct am_model *m);
+
+/* attention_forward over the ring: q, out [B, T/cp, H, D], k, v [B, T/cp, KVH, D], lse
+ * [B, H, T/cp] of this rank's rows. Collective over the cp group. */
+int am_cp_attention_forward(struct am_model *m, struct am_tensor *out, struct am_tensor *lse, const struct am_tensor *q,
+                            const struct am_tensor *k, const struct am_tensor *v, int64_t window, char *err,
+                            size_t err_len);
+/* Its backward: adds this rank's rows' gradients to dq, dk and dv. Collective over the cp group. */
+int am_cp_attention_backward(struct am_model *m, struct am_tensor *dq, struct am_tensor *dk, struct am_tensor *dv,
+                             const struct am_tensor *dout, const struct am_tensor *out, const struct am_tensor *lse,
+                             const struct am_tensor *q, const struct am_tensor *k, const struct am_tensor *v,
+                             int64_t window, char *err, size_t err_len);
+
+#endif
