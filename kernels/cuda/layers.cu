@@ -1,6 +1,7 @@
-/* layers.cu - the fused layer kernels: vocabulary-parallel embedding, RMSNorm, RoPE and
- * SwiGLU, forward and backward, each computing what its kernels/cpu/ counterpart computes
- * (the formulas and the bf16 rounding points are described there), in fp32.
+/* layers.cu - the fused layer kernels: vocabulary-parallel embedding, RMSNorm (and Gemma's,
+ * with the weight 1 + w), RoPE, SwiGLU and GeGLU, forward and backward, each computing what
+ * its kernels/cpu/ counterpart computes (the formulas and the bf16 rounding points are
+ * described there: rmsnorm.c, gemma.c, swiglu.c), in fp32.
  *
  * Determinism. The two reductions over tokens are done in a fixed order:
  *   - RMSNorm's dw: the rows are cut into RMS_SLABS fixed slabs, one fp32 partial row per
@@ -144,8 +145,15 @@ template <typename R> __device__ static R block_sum_t(R *v, R x)
     return r;
 }
 
+/* the weight of column j: w_j, or Gemma's 1 + w_j in fp32 (OFF) */
+template <bool OFF, typename T> __device__ __forceinline__ float rms_w(const T *w, int64_t j)
+{
+    return OFF ? 1.0f + am_ld(w, j) : am_ld(w, j);
+}
+
 /* one block per row */
-template <typename T> __global__ void rms_fwd_k(T *out, float *rstd, const T *x, const T *w, float eps, int64_t N, int64_t C)
+template <bool OFF, typename T>
+__global__ void rms_fwd_k(T *out, float *rstd, const T *x, const T *w, float eps, int64_t N, int64_t C)
 {
     __shared__ double v[RMS_THREADS];
     for (int64_t i = blockIdx.x; i < N; i += gridDim.x) {
@@ -161,15 +169,16 @@ template <typename T> __global__ void rms_fwd_k(T *out, float *rstd, const T *x,
             rstd[i] = r;
         for (int64_t j = threadIdx.x; j < C; j += blockDim.x) {
             float h = am_ld(xi, j) * r;
-            if constexpr (sizeof(T) == 2) /* transformers rounds hidden_states to bf16 before the weight */
+            if constexpr (!OFF && sizeof(T) == 2) /* transformers rounds Llama's hidden_states to bf16 before
+                                                   * the weight; Gemma's norm stays in fp32 to the end */
                 h = am_round_bf16(h);
-            am_st(out + i * C, j, am_ld(w, j) * h);
+            am_st(out + i * C, j, rms_w<OFF>(w, j) * h);
         }
     }
 }
 
 /* dx rows: one block per row */
-template <typename T> __global__ void rms_bwd_dx_k(T *dx, const T *dout, const T *x, const T *w, const float *rstd, int64_t N,
+template <bool OFF, typename T> __global__ void rms_bwd_dx_k(T *dx, const T *dout, const T *x, const T *w, const float *rstd, int64_t N,
                                                     int64_t C)
 {
     __shared__ float v[RMS_THREADS];
@@ -177,11 +186,11 @@ template <typename T> __global__ void rms_bwd_dx_k(T *dx, const T *dout, const T
         const T *di = dout + i * C, *xi = x + i * C;
         float dot = 0.0f;
         for (int64_t j = threadIdx.x; j < C; j += blockDim.x)
-            dot += am_ld(di, j) * am_ld(w, j) * am_ld(xi, j);
+            dot += am_ld(di, j) * rms_w<OFF>(w, j) * am_ld(xi, j);
         dot = block_sum_t(v, dot);
         float r = rstd[i], c = dot * r * r / (float)C;
         for (int64_t j = threadIdx.x; j < C; j += blockDim.x)
-            am_st(dx + i * C, j, am_ld(dx + i * C, j) + r * (am_ld(di, j) * am_ld(w, j) - am_ld(xi, j) * c));
+            am_st(dx + i * C, j, am_ld(dx + i * C, j) + r * (am_ld(di, j) * rms_w<OFF>(w, j) - am_ld(xi, j) * c));
     }
 }
 
@@ -212,10 +221,10 @@ template <typename G> __global__ void rms_bwd_dw_sum_k(G *dw, const float *part,
 
 static unsigned rows_grid(int64_t N) { return (unsigned)(N < 65536 ? (N > 0 ? N : 1) : 65536); }
 
-void am_cuda_rmsnorm_forward(const struct am_dev *d, struct am_tensor *out, struct am_tensor *rstd, const struct am_tensor *x,
-                             const struct am_tensor *w, float eps)
+template <bool OFF>
+static void rms_forward(const char *k, const struct am_dev *d, struct am_tensor *out, struct am_tensor *rstd,
+                        const struct am_tensor *x, const struct am_tensor *w, float eps)
 {
-    const char *k = "am_cuda_rmsnorm_forward";
     am_cuda_ctx(k, d);
     enum am_dtype dt = am_cuda_act(k, "x", x);
     am_cuda_same(k, "w", w, "x", x);
@@ -231,16 +240,29 @@ void am_cuda_rmsnorm_forward(const struct am_dev *d, struct am_tensor *out, stru
         return;
     cudaStream_t s = am_cuda_stream(d);
     if (dt == AM_F32)
-        rms_fwd_k<<<rows_grid(N), RMS_THREADS, 0, s>>>((float *)out->data, (float *)rstd->data, (const float *)x->data,
-                                                       (const float *)w->data, eps, N, C);
+        rms_fwd_k<OFF><<<rows_grid(N), RMS_THREADS, 0, s>>>((float *)out->data, (float *)rstd->data,
+                                                            (const float *)x->data, (const float *)w->data, eps, N, C);
     else
-        rms_fwd_k<<<rows_grid(N), RMS_THREADS, 0, s>>>((am_bf16_t *)out->data, (float *)rstd->data,
-                                                       (const am_bf16_t *)x->data, (const am_bf16_t *)w->data, eps, N, C);
+        rms_fwd_k<OFF><<<rows_grid(N), RMS_THREADS, 0, s>>>((am_bf16_t *)out->data, (float *)rstd->data,
+                                                            (const am_bf16_t *)x->data, (const am_bf16_t *)w->data, eps,
+                                                            N, C);
     AM_LAUNCHED(k);
 }
 
-template <typename T>
-static void rms_backward(const char *k, const struct am_dev *d, struct am_tensor *dx, struct am_tensor *dw,
+void am_cuda_rmsnorm_forward(const struct am_dev *d, struct am_tensor *out, struct am_tensor *rstd, const struct am_tensor *x,
+                             const struct am_tensor *w, float eps)
+{
+    rms_forward<false>("am_cuda_rmsnorm_forward", d, out, rstd, x, w, eps);
+}
+
+void am_cuda_rmsnorm_offset_forward(const struct am_dev *d, struct am_tensor *out, struct am_tensor *rstd,
+                                    const struct am_tensor *x, const struct am_tensor *w, float eps)
+{
+    rms_forward<true>("am_cuda_rmsnorm_offset_forward", d, out, rstd, x, w, eps);
+}
+
+template <bool OFF, typename T>
+static void rms_backward_t(const char *k, const struct am_dev *d, struct am_tensor *dx, struct am_tensor *dw,
                          const struct am_tensor *dout, const struct am_tensor *x, const struct am_tensor *w,
                          const struct am_tensor *rstd, int64_t N, int64_t C)
 {
@@ -248,7 +270,7 @@ static void rms_backward(const char *k, const struct am_dev *d, struct am_tensor
     const T *dd = (const T *)dout->data, *xd = (const T *)x->data, *wd = (const T *)w->data;
     const float *r = (const float *)rstd->data;
     if (dx) {
-        rms_bwd_dx_k<<<rows_grid(N), RMS_THREADS, 0, s>>>((T *)dx->data, dd, xd, wd, r, N, C);
+        rms_bwd_dx_k<OFF><<<rows_grid(N), RMS_THREADS, 0, s>>>((T *)dx->data, dd, xd, wd, r, N, C);
         AM_LAUNCHED(k);
     }
     if (dw) {
@@ -266,10 +288,11 @@ static void rms_backward(const char *k, const struct am_dev *d, struct am_tensor
     }
 }
 
-void am_cuda_rmsnorm_backward(const struct am_dev *d, struct am_tensor *dx, struct am_tensor *dw, const struct am_tensor *dout,
-                              const struct am_tensor *x, const struct am_tensor *w, const struct am_tensor *rstd)
+template <bool OFF>
+static void rms_backward(const char *k, const struct am_dev *d, struct am_tensor *dx, struct am_tensor *dw,
+                         const struct am_tensor *dout, const struct am_tensor *x, const struct am_tensor *w,
+                         const struct am_tensor *rstd)
 {
-    const char *k = "am_cuda_rmsnorm_backward";
     am_cuda_ctx(k, d);
     enum am_dtype dt = am_cuda_act(k, "x", x);
     am_cuda_same(k, "w", w, "x", x);
@@ -287,9 +310,22 @@ void am_cuda_rmsnorm_backward(const struct am_dev *d, struct am_tensor *dx, stru
     if (!N || !C)
         return;
     if (dt == AM_F32)
-        rms_backward<float>(k, d, dx, dw, dout, x, w, rstd, N, C);
+        rms_backward_t<OFF, float>(k, d, dx, dw, dout, x, w, rstd, N, C);
     else
-        rms_backward<am_bf16_t>(k, d, dx, dw, dout, x, w, rstd, N, C);
+        rms_backward_t<OFF, am_bf16_t>(k, d, dx, dw, dout, x, w, rstd, N, C);
+}
+
+void am_cuda_rmsnorm_backward(const struct am_dev *d, struct am_tensor *dx, struct am_tensor *dw, const struct am_tensor *dout,
+                              const struct am_tensor *x, const struct am_tensor *w, const struct am_tensor *rstd)
+{
+    rms_backward<false>("am_cuda_rmsnorm_backward", d, dx, dw, dout, x, w, rstd);
+}
+
+void am_cuda_rmsnorm_offset_backward(const struct am_dev *d, struct am_tensor *dx, struct am_tensor *dw,
+                                     const struct am_tensor *dout, const struct am_tensor *x, const struct am_tensor *w,
+                                     const struct am_tensor *rstd)
+{
+    rms_backward<true>("am_cuda_rmsnorm_offset_backward", d, dx, dw, dout, x, w, rstd);
 }
 
 /* ================= RoPE ================= */
@@ -376,32 +412,54 @@ void am_cuda_rope_backward(const struct am_dev *d, struct am_tensor *dx, const s
     rope_apply("am_cuda_rope_backward", d, dx, tcos, tsin, -1.0f);
 }
 
-/* ================= SwiGLU ================= */
+/* ================= SwiGLU and GeGLU ================= */
 
-template <typename T> __global__ void swiglu_fwd_k(T *out, const T *gate, const T *up, int64_t n)
+/* out = act(gate) * up; dup += dout * act(gate), dgate += dout * up * act'(gate) */
+struct silu_op { /* SwiGLU: silu(g) = g * sigmoid(g) */
+    __device__ static float f(float g) { return g / (1.0f + expf(-g)); }
+    __device__ static float df(float g)
+    {
+        float sig = 1.0f / (1.0f + expf(-g));
+        return sig * (1.0f + g * (1.0f - sig));
+    }
+};
+
+#define GELU_BETA 0.7978845608028654f /* sqrt(2 / pi) */
+#define GELU_KAPPA 0.044715f
+
+struct gelu_tanh_op { /* GeGLU: torch's gelu(approximate="tanh") and its GeluBackward formula */
+    __device__ static float f(float g)
+    {
+        float inner = GELU_BETA * (g + GELU_KAPPA * (g * g * g));
+        return 0.5f * g * (1.0f + tanhf(inner));
+    }
+    __device__ static float df(float g)
+    {
+        float g2 = g * g, t = tanhf(GELU_BETA * (g + GELU_KAPPA * (g2 * g)));
+        return 0.5f * (1.0f + t) + 0.5f * g * (1.0f - t * t) * GELU_BETA * (1.0f + 3.0f * GELU_KAPPA * g2);
+    }
+};
+
+template <class Op, typename T> __global__ void glu_fwd_k(T *out, const T *gate, const T *up, int64_t n)
 {
     AM_GRID_STRIDE(i, n)
-    {
-        float g = am_ld(gate, i);
-        am_st(out, i, g / (1.0f + expf(-g)) * am_ld(up, i));
-    }
+    am_st(out, i, Op::f(am_ld(gate, i)) * am_ld(up, i));
 }
 
-template <typename T> __global__ void swiglu_bwd_k(T *dgate, T *dup, const T *dout, const T *gate, const T *up, int64_t n)
+template <class Op, typename T>
+__global__ void glu_bwd_k(T *dgate, T *dup, const T *dout, const T *gate, const T *up, int64_t n)
 {
     AM_GRID_STRIDE(i, n)
     {
-        float g = am_ld(gate, i), den = 1.0f + expf(-g), d = am_ld(dout, i);
+        float g = am_ld(gate, i), d = am_ld(dout, i);
         if (dup)
-            am_st(dup, i, am_ld(dup, i) + d * (g / den));
-        if (dgate) {
-            float sig = 1.0f / den;
-            am_st(dgate, i, am_ld(dgate, i) + d * am_ld(up, i) * (sig * (1.0f + g * (1.0f - sig))));
-        }
+            am_st(dup, i, am_ld(dup, i) + d * Op::f(g));
+        if (dgate)
+            am_st(dgate, i, am_ld(dgate, i) + d * am_ld(up, i) * Op::df(g));
     }
 }
 
-static void swiglu_check(const char *k, const struct am_tensor *a, const struct am_tensor *gate, const struct am_tensor *up)
+static void glu_check(const char *k, const struct am_tensor *a, const struct am_tensor *gate, const struct am_tensor *up)
 {
     if (am_tensor_numel(a) != am_tensor_numel(gate) || am_tensor_numel(up) != am_tensor_numel(gate))
         am_cuda_fatal(k, "gate (%s), up (%s) and %s must have the same shape (%lld, %lld, %lld elements)", am_tname(gate),
@@ -409,31 +467,32 @@ static void swiglu_check(const char *k, const struct am_tensor *a, const struct 
                       (long long)am_tensor_numel(a));
 }
 
-void am_cuda_swiglu_forward(const struct am_dev *d, struct am_tensor *out, const struct am_tensor *gate, const struct am_tensor *up)
+template <class Op>
+static void glu_forward(const char *k, const struct am_dev *d, struct am_tensor *out, const struct am_tensor *gate,
+                        const struct am_tensor *up)
 {
-    const char *k = "am_cuda_swiglu_forward";
     am_cuda_ctx(k, d);
     enum am_dtype dt = am_cuda_act(k, "gate", gate);
     am_cuda_same(k, "up", up, "gate", gate);
     am_cuda_same(k, "out", out, "gate", gate);
-    swiglu_check(k, out, gate, up);
+    glu_check(k, out, gate, up);
     int64_t n = am_tensor_numel(out);
     if (!n)
         return;
     cudaStream_t s = am_cuda_stream(d);
     if (dt == AM_F32)
-        swiglu_fwd_k<<<am_blocks(n), AM_THREADS, 0, s>>>((float *)out->data, (const float *)gate->data,
-                                                        (const float *)up->data, n);
+        glu_fwd_k<Op><<<am_blocks(n), AM_THREADS, 0, s>>>((float *)out->data, (const float *)gate->data,
+                                                         (const float *)up->data, n);
     else
-        swiglu_fwd_k<<<am_blocks(n), AM_THREADS, 0, s>>>((am_bf16_t *)out->data, (const am_bf16_t *)gate->data,
-                                                        (const am_bf16_t *)up->data, n);
+        glu_fwd_k<Op><<<am_blocks(n), AM_THREADS, 0, s>>>((am_bf16_t *)out->data, (const am_bf16_t *)gate->data,
+                                                         (const am_bf16_t *)up->data, n);
     AM_LAUNCHED(k);
 }
 
-void am_cuda_swiglu_backward(const struct am_dev *d, struct am_tensor *dgate, struct am_tensor *dup, const struct am_tensor *dout,
-                             const struct am_tensor *gate, const struct am_tensor *up)
+template <class Op>
+static void glu_backward(const char *k, const struct am_dev *d, struct am_tensor *dgate, struct am_tensor *dup,
+                         const struct am_tensor *dout, const struct am_tensor *gate, const struct am_tensor *up)
 {
-    const char *k = "am_cuda_swiglu_backward";
     am_cuda_ctx(k, d);
     enum am_dtype dt = am_cuda_act(k, "gate", gate);
     am_cuda_same(k, "up", up, "gate", gate);
@@ -442,7 +501,7 @@ void am_cuda_swiglu_backward(const struct am_dev *d, struct am_tensor *dgate, st
         am_cuda_same(k, "dgate", dgate, "gate", gate);
     if (dup)
         am_cuda_same(k, "dup", dup, "gate", gate);
-    swiglu_check(k, dout, gate, up);
+    glu_check(k, dout, gate, up);
     AM_CUDA_REQUIRE(k, !dgate || am_tensor_numel(dgate) == am_tensor_numel(gate), "dgate (%s) must have gate's shape",
                     am_tname(dgate));
     AM_CUDA_REQUIRE(k, !dup || am_tensor_numel(dup) == am_tensor_numel(up), "dup (%s) must have up's shape", am_tname(dup));
@@ -451,12 +510,35 @@ void am_cuda_swiglu_backward(const struct am_dev *d, struct am_tensor *dgate, st
         return;
     cudaStream_t s = am_cuda_stream(d);
     if (dt == AM_F32)
-        swiglu_bwd_k<<<am_blocks(n), AM_THREADS, 0, s>>>(dgate ? (float *)dgate->data : NULL, dup ? (float *)dup->data : NULL,
-                                                        (const float *)dout->data, (const float *)gate->data,
-                                                        (const float *)up->data, n);
+        glu_bwd_k<Op><<<am_blocks(n), AM_THREADS, 0, s>>>(dgate ? (float *)dgate->data : NULL,
+                                                         dup ? (float *)dup->data : NULL, (const float *)dout->data,
+                                                         (const float *)gate->data, (const float *)up->data, n);
     else
-        swiglu_bwd_k<<<am_blocks(n), AM_THREADS, 0, s>>>(dgate ? (am_bf16_t *)dgate->data : NULL,
-                                                        dup ? (am_bf16_t *)dup->data : NULL, (const am_bf16_t *)dout->data,
-                                                        (const am_bf16_t *)gate->data, (const am_bf16_t *)up->data, n);
+        glu_bwd_k<Op><<<am_blocks(n), AM_THREADS, 0, s>>>(dgate ? (am_bf16_t *)dgate->data : NULL,
+                                                         dup ? (am_bf16_t *)dup->data : NULL,
+                                                         (const am_bf16_t *)dout->data, (const am_bf16_t *)gate->data,
+                                                         (const am_bf16_t *)up->data, n);
     AM_LAUNCHED(k);
+}
+
+void am_cuda_swiglu_forward(const struct am_dev *d, struct am_tensor *out, const struct am_tensor *gate, const struct am_tensor *up)
+{
+    glu_forward<silu_op>("am_cuda_swiglu_forward", d, out, gate, up);
+}
+
+void am_cuda_swiglu_backward(const struct am_dev *d, struct am_tensor *dgate, struct am_tensor *dup, const struct am_tensor *dout,
+                             const struct am_tensor *gate, const struct am_tensor *up)
+{
+    glu_backward<silu_op>("am_cuda_swiglu_backward", d, dgate, dup, dout, gate, up);
+}
+
+void am_cuda_geglu_forward(const struct am_dev *d, struct am_tensor *out, const struct am_tensor *gate, const struct am_tensor *up)
+{
+    glu_forward<gelu_tanh_op>("am_cuda_geglu_forward", d, out, gate, up);
+}
+
+void am_cuda_geglu_backward(const struct am_dev *d, struct am_tensor *dgate, struct am_tensor *dup, const struct am_tensor *dout,
+                            const struct am_tensor *gate, const struct am_tensor *up)
+{
+    glu_backward<gelu_tanh_op>("am_cuda_geglu_backward", d, dgate, dup, dout, gate, up);
 }
