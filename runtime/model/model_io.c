@@ -93,6 +93,8 @@ struct saver {
     float *slices;   /* tp > 1: every tp rank's slice of one tensor (the all-gather's output) */
     float *full;     /* tp rank 0: one whole tensor */
     struct save_tensor *all; /* writer: every tensor of the model, in the order written */
+    void *stage;             /* on a GPU: device memory every message passes through (msg_*) */
+    size_t stage_bytes;
     int64_t n_all, current;  /* writer: the tensor now in full (-1: none) */
 };
 
@@ -100,6 +102,94 @@ static int comm_failed(const struct saver *s, struct am_errors *err)
 {
     am_errorf(err, NULL, "%s: saving: %s", s->dir, s->comm_err);
     return -1;
+}
+
+/* ---- messages ----
+ * The buffers of a save live in host memory. The CPU's communicators (UCX) take them as they
+ * are; NCCL's move device memory only, so on a GPU every message passes through s->stage
+ * (device memory as large as the largest message so far): uploaded, exchanged, downloaded.
+ * Each returns 0, or -1 with the message in s->comm_err. */
+
+static void *stage(struct saver *s, size_t bytes)
+{
+    const struct am_model *m = s->m;
+    if (bytes <= s->stage_bytes)
+        return s->stage;
+    if (s->stage)
+        m->K->free(m->dev, s->stage);
+    s->stage = m->K->alloc(m->dev, bytes);
+    s->stage_bytes = s->stage ? bytes : 0;
+    if (!s->stage)
+        snprintf(s->comm_err, sizeof(s->comm_err), "out of device memory for a message of %zu bytes", bytes);
+    return s->stage;
+}
+
+static bool staged(const struct saver *s) { return s->m->dev->device != AM_DEV_CPU; }
+
+static int msg_send(struct saver *s, struct am_comm *c, const void *buf, size_t count, enum am_dtype t, int peer)
+{
+    size_t bytes = count * am_dtype_size(t);
+    if (!staged(s))
+        return am_send(c, buf, count, t, peer, s->comm_err, sizeof(s->comm_err));
+    if (!stage(s, bytes))
+        return -1;
+    s->m->K->upload(s->m->dev, s->stage, buf, bytes);
+    return am_send(c, s->stage, count, t, peer, s->comm_err, sizeof(s->comm_err));
+}
+
+static int msg_recv(struct saver *s, struct am_comm *c, void *buf, size_t count, enum am_dtype t, int peer)
+{
+    size_t bytes = count * am_dtype_size(t);
+    if (!staged(s))
+        return am_recv(c, buf, count, t, peer, s->comm_err, sizeof(s->comm_err));
+    if (!stage(s, bytes) || am_recv(c, s->stage, count, t, peer, s->comm_err, sizeof(s->comm_err)) < 0)
+        return -1;
+    s->m->K->download(s->m->dev, buf, s->stage, bytes);
+    return 0;
+}
+
+static int msg_broadcast(struct saver *s, struct am_comm *c, void *buf, size_t count, enum am_dtype t)
+{
+    size_t bytes = count * am_dtype_size(t);
+    if (!staged(s))
+        return am_broadcast(c, buf, count, t, 0, s->comm_err, sizeof(s->comm_err));
+    if (!stage(s, bytes))
+        return -1;
+    s->m->K->upload(s->m->dev, s->stage, buf, bytes);
+    if (am_broadcast(c, s->stage, count, t, 0, s->comm_err, sizeof(s->comm_err)) < 0)
+        return -1;
+    s->m->K->download(s->m->dev, buf, s->stage, bytes);
+    return 0;
+}
+
+static int msg_allreduce_max(struct saver *s, struct am_comm *c, int32_t *v)
+{
+    if (!staged(s))
+        return am_allreduce(c, v, v, 1, AM_I32, AM_MAX, s->comm_err, sizeof(s->comm_err));
+    if (!stage(s, sizeof(*v)))
+        return -1;
+    s->m->K->upload(s->m->dev, s->stage, v, sizeof(*v));
+    if (am_allreduce(c, s->stage, s->stage, 1, AM_I32, AM_MAX, s->comm_err, sizeof(s->comm_err)) < 0)
+        return -1;
+    s->m->K->download(s->m->dev, v, s->stage, sizeof(*v));
+    return 0;
+}
+
+/* recv: every rank's count elements in rank order; send: this rank's */
+static int msg_allgather(struct saver *s, struct am_comm *c, const void *send, void *recv, size_t count,
+                         enum am_dtype t)
+{
+    size_t es = am_dtype_size(t), n = (size_t)am_comm_size(c);
+    if (!staged(s))
+        return am_allgather(c, send, recv, count, t, s->comm_err, sizeof(s->comm_err));
+    if (!stage(s, n * count * es))
+        return -1;
+    char *mine = (char *)s->stage + (size_t)am_comm_rank(c) * count * es; /* in place (comm.h) */
+    s->m->K->upload(s->m->dev, mine, send, count * es);
+    if (am_allgather(c, mine, s->stage, count, t, s->comm_err, sizeof(s->comm_err)) < 0)
+        return -1;
+    s->m->K->download(s->m->dev, recv, s->stage, n * count * es);
+    return 0;
 }
 
 static int64_t full_numel(const struct wire_tensor *t) { return t->rows * (t->cols > 0 ? t->cols : 1); }
@@ -148,7 +238,7 @@ static int gather_experts(struct saver *s, struct am_comm *ep, struct am_errors 
         for (int w = 0; X && w < 3; w++) {
             size_t one = (size_t)am_tensor_numel(&first[w]->w);
             m->K->download(m->dev, mine, first[w]->w.data, one * (size_t)El * sizeof(float));
-            if (am_allgather(ep, mine, at, one * (size_t)El, AM_F32, s->comm_err, sizeof(s->comm_err)) < 0) {
+            if (msg_allgather(s, ep, mine, at, one * (size_t)El, AM_F32) < 0) {
                 free(mine);
                 return comm_failed(s, err);
             }
@@ -233,6 +323,8 @@ static void saver_free(struct saver *s)
     free(s->slices);
     free(s->full);
     free(s->all);
+    if (s->stage)
+        s->m->K->free(s->m->dev, s->stage);
 }
 
 /* Allocates the all-gather's buffer and, for max_full > 0, full for tensors of up to max_full
@@ -294,7 +386,7 @@ static int prepare(struct saver *s, int64_t max_full, struct am_errors *err)
     int32_t bad = alloc_buffers(s, max_full, err) < 0;
     if (s->tp_size > 1) {
         int32_t any = bad;
-        if (am_allreduce(s->tp, &any, &any, 1, AM_I32, AM_MAX, s->comm_err, sizeof(s->comm_err)) < 0)
+        if (msg_allreduce_max(s, s->tp, &any) < 0)
             return comm_failed(s, err);
         if (any && !bad)
             am_errorf(err, NULL, "%s: saving: another tp rank could not take part (its errors say why)", s->dir);
@@ -308,7 +400,7 @@ static int prepare(struct saver *s, int64_t max_full, struct am_errors *err)
         mine[2 * i + 1] = s->which[i] >= 0 ? s->m->params[s->which[i]].col0 : 0;
     }
     if (s->tp_size > 1 &&
-        am_allgather(s->tp, mine, s->origin, (size_t)(2 * s->n), AM_I64, s->comm_err, sizeof(s->comm_err)) < 0)
+        msg_allgather(s, s->tp, mine, s->origin, (size_t)(2 * s->n), AM_I64) < 0)
         return comm_failed(s, err);
     return check_slices(s, err);
 }
@@ -329,7 +421,7 @@ static int gather(struct saver *s, int64_t i, struct am_errors *err)
     s->m->K->download(s->m->dev, mine, p->w.data, n * sizeof(float));
     if (s->tp_size == 1)
         return 0;
-    if (am_allgather(s->tp, mine, s->slices, n, AM_F32, s->comm_err, sizeof(s->comm_err)) < 0)
+    if (msg_allgather(s, s->tp, mine, s->slices, n, AM_F32) < 0)
         return comm_failed(s, err);
     if (s->tp_rank != 0)
         return 0;
@@ -351,9 +443,9 @@ static int serve(struct saver *s, struct am_errors *err)
 {
     for (;;) {
         int64_t req = -1;
-        if (s->tp_rank == 0 && am_recv(s->pp, &req, 1, AM_I64, 0, s->comm_err, sizeof(s->comm_err)) < 0)
+        if (s->tp_rank == 0 && msg_recv(s, s->pp, &req, 1, AM_I64, 0) < 0)
             return comm_failed(s, err);
-        if (s->tp_size > 1 && am_broadcast(s->tp, &req, 1, AM_I64, 0, s->comm_err, sizeof(s->comm_err)) < 0)
+        if (s->tp_size > 1 && msg_broadcast(s, s->tp, &req, 1, AM_I64) < 0)
             return comm_failed(s, err);
         if (req < 0)
             return 0;
@@ -366,7 +458,7 @@ static int serve(struct saver *s, struct am_errors *err)
             return -1;
         struct wire_tensor t = entry_wire(s, req);
         if (s->tp_rank == 0 &&
-            am_send(s->pp, s->full, (size_t)full_numel(&t), AM_F32, 0, s->comm_err, sizeof(s->comm_err)) < 0)
+            msg_send(s, s->pp, s->full, (size_t)full_numel(&t), AM_F32, 0) < 0)
             return comm_failed(s, err);
     }
 }
@@ -375,11 +467,11 @@ static int serve(struct saver *s, struct am_errors *err)
 static int send_list(struct saver *s, bool ok, struct am_errors *err)
 {
     int64_t n = ok ? s->n : -1;
-    if (am_send(s->pp, &n, 1, AM_I64, 0, s->comm_err, sizeof(s->comm_err)) < 0)
+    if (msg_send(s, s->pp, &n, 1, AM_I64, 0) < 0)
         return comm_failed(s, err);
     for (int64_t i = 0; i < n; i++) {
         struct wire_tensor t = entry_wire(s, i);
-        if (am_send(s->pp, &t, WIRE_I64, AM_I64, 0, s->comm_err, sizeof(s->comm_err)) < 0)
+        if (msg_send(s, s->pp, &t, WIRE_I64, AM_I64, 0) < 0)
             return comm_failed(s, err);
     }
     return 0;
@@ -417,7 +509,7 @@ static int collect_lists(struct saver *s, bool ok, struct am_errors *err)
     s->count[0] = ok ? s->n : -1;
     int64_t total = s->count[0] > 0 ? s->count[0] : 0;
     for (int p = 1; p < s->pp_size; p++) {
-        if (am_recv(s->pp, &s->count[p], 1, AM_I64, p, s->comm_err, sizeof(s->comm_err)) < 0)
+        if (msg_recv(s, s->pp, &s->count[p], 1, AM_I64, p) < 0)
             return comm_failed(s, err);
         if (s->count[p] < 0) {
             am_errorf(err, NULL, "%s: saving: pp rank %d could not take part (its errors say why)", s->dir, p);
@@ -434,7 +526,7 @@ static int collect_lists(struct saver *s, bool ok, struct am_errors *err)
     for (int p = 1; p < s->pp_size; p++)
         for (int64_t i = 0; i < s->count[p]; i++) {
             struct save_tensor t = {.owner = p, .index = i};
-            if (am_recv(s->pp, &t.t, WIRE_I64, AM_I64, p, s->comm_err, sizeof(s->comm_err)) < 0)
+            if (msg_recv(s, s->pp, &t.t, WIRE_I64, AM_I64, p) < 0)
                 return comm_failed(s, err);
             t.t.name[sizeof(t.t.name) - 1] = '\0';
             if (t.t.ndim < 1 || t.t.ndim > 2 || t.t.rows < 1 || t.t.cols < 0 || (t.t.ndim == 2) != (t.t.cols > 0)) {
@@ -456,13 +548,12 @@ static int fetch(struct saver *s, int64_t i, struct am_errors *err)
     int64_t req = t->index;
     s->current = -1;
     if (t->owner == 0) {
-        if (s->tp_size > 1 && am_broadcast(s->tp, &req, 1, AM_I64, 0, s->comm_err, sizeof(s->comm_err)) < 0)
+        if (s->tp_size > 1 && msg_broadcast(s, s->tp, &req, 1, AM_I64) < 0)
             return comm_failed(s, err);
         if (gather(s, req, err) < 0)
             return -1;
-    } else if (am_send(s->pp, &req, 1, AM_I64, t->owner, s->comm_err, sizeof(s->comm_err)) < 0 ||
-               am_recv(s->pp, s->full, (size_t)full_numel(&t->t), AM_F32, t->owner, s->comm_err,
-                       sizeof(s->comm_err)) < 0) {
+    } else if (msg_send(s, s->pp, &req, 1, AM_I64, t->owner) < 0 ||
+               msg_recv(s, s->pp, s->full, (size_t)full_numel(&t->t), AM_F32, t->owner) < 0) {
         return comm_failed(s, err);
     }
     s->current = i;
@@ -520,10 +611,10 @@ static int stop_all(struct saver *s, bool tp_serving, struct am_errors *err)
 {
     int64_t stop = -1;
     int rc = 0;
-    if (tp_serving && s->tp_size > 1 && am_broadcast(s->tp, &stop, 1, AM_I64, 0, s->comm_err, sizeof(s->comm_err)) < 0)
+    if (tp_serving && s->tp_size > 1 && msg_broadcast(s, s->tp, &stop, 1, AM_I64) < 0)
         rc = comm_failed(s, err);
     for (int p = 1; p < s->pp_size; p++)
-        if (s->count[p] >= 0 && am_send(s->pp, &stop, 1, AM_I64, p, s->comm_err, sizeof(s->comm_err)) < 0)
+        if (s->count[p] >= 0 && msg_send(s, s->pp, &stop, 1, AM_I64, p) < 0)
             return comm_failed(s, err);
     return rc;
 }
