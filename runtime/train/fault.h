@@ -24,6 +24,11 @@
  *                       has (2^62 bytes), as a kernel's workspace outgrowing the GPU would:
  *                       the allocation fails for real, the device's fault hook (kernels.h)
  *                       writes the "oom" cause record (phase, layer, bytes), the step fails
+ *   kill-in-save:PHASE  the rank sends itself SIGKILL inside the checkpoint saved after step S,
+ *                       at PHASE (shard_ckpt.h's phases, in this order: shard: half of its shard
+ *                       file written; written: its shard on disk, before the ranks agree;
+ *                       manifest, commit, latest: rank 0's, after the manifest, after the rename
+ *                       of the directory, after `latest`); code holds the phase's number
  *
  * Before misbehaving the rank writes a "fault" record to its log (docs/diagnostics.md) so
  * that a reader of the log knows the failure was injected; am-diag never uses it to decide
@@ -47,6 +52,7 @@ enum am_fault_kind {
     AM_FAULT_KILL,
     AM_FAULT_OOM,
     AM_FAULT_DEVICE_OOM,
+    AM_FAULT_KILL_IN_SAVE,
 };
 
 struct am_fault {

@@ -80,7 +80,7 @@ for job in "dp2 2 1 tiny.yaml" "dp4 4 1 tiny.yaml" "tp2-pp2 2 2 tiny.yaml --am-t
             echo "FAIL: sbatch $name: $n of 4 ranks' memory records say sharded"; fails=$((fails + 1))
         fi
     fi
-    if "$AM_BUILDDIR/tests/train/ckpt_diff" "$work/run-1/ckpt/step_8" "$work/run-$name/ckpt/step_8" 5e-5 \
+    if "$AM_BUILDDIR/tests/train/ckpt_diff" "$work/run-1/ckpt/step-8/hf" "$work/run-$name/ckpt/step-8/hf" 5e-5 \
         >"$work/wdiff" 2>&1; then
         echo "ok: sbatch $name saved the checkpoint of 1 rank: $(cat "$work/wdiff")"; passes=$((passes + 1))
     else

@@ -1,0 +1,241 @@
+#!/bin/bash
+# Sharded checkpoints (io/shard_ckpt.h, train/resume.h) on CPU, with the tiny recipe made short
+# (6 steps of 16 sequences of 64 tokens, a checkpoint every 2 steps, the last 2 kept):
+#   resume: a run killed at a step (AM_FAULT kind=kill) and started again with
+#     checkpoint.restore_from: latest gives the uninterrupted run's losses to the last bit and
+#     its final state files byte for byte, at 1 rank, dp 2 (fsdp2) and tp 2 x pp 2;
+#   kills: a seeded random set of trials across layouts kills one rank at a random step or at a
+#     random phase inside a save (kind=kill-in-save:PHASE), then resumes: after every kill
+#     `latest` names a complete checkpoint (or none, before the first), the resumed job
+#     finishes, and every step's loss and the final state equal the uninterrupted run's bits;
+#   re-sharding: a checkpoint saved at one layout and strategy restores into another, AdamW's
+#     moments included, and the losses of the steps after it and the final weights (the
+#     Hugging Face export of checkpoint.save_consolidated) match the one-rank run within the
+#     parity tolerances (losses 1e-5, weights 5e-5: test-parity.sh);
+#   refusals: a truncated shard, a bad checksum, a damaged manifest, a checkpoint of another
+#     model and one of another global batch are refused with their message, and leave the
+#     checkpoint as it was.
+# AM_RESUME_TRIALS (default 20) and AM_RESUME_SEED (default 18) set the kill trials.
+set -u
+: "${AM_SRCDIR:=$(cd "$(dirname "$0")/../.." && pwd)}"
+: "${AM_BUILDDIR:=$PWD}"
+export AM_MODELS_DIR=${AM_MODELS_DIR:-$AM_SRCDIR/runtime/recipe/models}
+unset AM_RECIPE AM_TP AM_PP AM_EP AM_CP AM_LOG_DIR AM_DRY_RUN AM_FAULT PMIX_NAMESPACE PMIX_RANK 2>/dev/null || true
+work=$(mktemp -d)
+trap '[ -n "${AM_RESUME_KEEP:-}" ] || rm -rf "$work"' EXIT
+fails=0 passes=0
+steps=6 loss_tol=1e-5 weight_tol=5e-5
+ok() { echo "ok: $*"; passes=$((passes + 1)); }
+bad() { echo "FAIL: $*"; fails=$((fails + 1)); }
+
+"$AM_BUILDDIR/am-data" build --bytes --out "$work/corpus" /usr/share/common-licenses/* >/dev/null || exit 1
+sed -e "s|paths: .*|paths: $work/corpus|" -e "s/max_steps: .*/max_steps: $steps/" \
+    -e 's/ckpt_every_steps: .*/ckpt_every_steps: 2/' \
+    -e 's/enabled: false/enabled: true\n  restore_from: latest\n  max_recent_checkpoints: 2\n  save_consolidated: false/' \
+    "$AM_SRCDIR/sbatch-templates/recipes/tiny.yaml" >"$work/base.yaml"
+
+recipe() { # NAME MODS: base.yaml with comma-separated changes, its checkpoints under ckpt-NAME
+    local name=$1 mods=$2 args=(-e "s|checkpoint_dir: .*|checkpoint_dir: $work/ckpt-$name|") m
+    for m in ${mods//,/ }; do
+        case $m in
+        ddp) args+=(-e 's/strategy: fsdp2/strategy: ddp/') ;;
+        il) args+=(-e 's/pp_schedule: .*/pp_schedule: interleaved1f1b/') ;;
+        hsdp) args+=(-e 's/  dp_size: none.*/  dp_size: none\n  dp_replicate_size: 2/') ;;
+        mz[123]) args+=(-e "s/strategy: fsdp2/strategy: megatron_fsdp\n  zero_dp_strategy: ${m#mz}/") ;;
+        hf) args+=(-e 's/save_consolidated: false/save_consolidated: true/') ;;
+        every3) args+=(-e 's/ckpt_every_steps: .*/ckpt_every_steps: 3/') ;;
+        from=*) args+=(-e "s|restore_from: .*|restore_from: ${m#from=}|") ;;
+        wide) args+=(-e 's/hidden_size: 64/hidden_size: 128/') ;;
+        gb8) args+=(-e 's/global_batch_size: .*/global_batch_size: 8/') ;;
+        -) ;;
+        *) echo "test-resume.sh: unknown change $m" >&2; exit 2 ;;
+        esac
+    done
+    sed "${args[@]}" "$work/base.yaml" >"$work/$name.yaml"
+}
+
+# launch NAME LOGS N [VAR=VALUE...]: one job of recipe NAME; output in out-LOGS, logs in logs-LOGS
+launch() {
+    local name=$1 logs=$2 n=$3
+    shift 3
+    (cd "$work" && env "$@" AM_LOG_DIR="$work/logs-$logs" timeout 120 "$AM_BUILDDIR/am-launch" --nproc "$n" \
+        "$work/$name.yaml" >"$work/out-$logs" 2>&1)
+}
+
+steps_of() { # LOGS: "step loss grad_norm" of rank 0, as written (the exact decimal of each double)
+    cat "$work/logs-$1"/*/rank-0.jsonl 2>/dev/null | grep '"type":"step"' |
+        sed -E 's/.*"step":([0-9]+),.*"loss":([^,]*),.*"grad_norm":([^,]*),.*/\1 \2 \3/;s/.*"step":([0-9]+),.*/&/' |
+        awk '{print $1, $2, $3}'
+}
+
+# same_state DIR_A DIR_B: the rank files and the tensor map of two checkpoints are the same bytes
+same_state() {
+    local f
+    [ -f "$1/manifest.json" ] && [ -f "$2/manifest.json" ] || return 1
+    for f in "$1"/rank-*.bin; do cmp -s "$f" "$2/$(basename "$f")" || return 1; done
+    [ "$(ls "$1" | grep -c 'rank-.*\.bin')" = "$(ls "$2" | grep -c 'rank-.*\.bin')" ]
+}
+
+# ---- references: the uninterrupted runs --------------------------------------------------------
+# NAME RANKS MODS [OVERRIDES]
+refs=("r1 1 -" "r-dp2 2 -" "r-tp2pp2 4 - AM_TP=2 AM_PP=2" "r-ddp2 2 ddp" "r-pp2dp2 4 - AM_PP=2")
+for ref in "${refs[@]}"; do
+    set -- $ref
+    name=$1 n=$2 mods=$3
+    shift 3
+    recipe "$name" "$mods"
+    launch "$name" "$name" "$n" "$@" || { bad "reference $name did not train"; sed 's/^/    /' "$work/out-$name"; exit 1; }
+    steps_of "$name" >"$work/losses-$name"
+    [ "$(wc -l <"$work/losses-$name")" = "$steps" ] || { bad "reference $name logged $(wc -l <"$work/losses-$name") steps"; exit 1; }
+done
+# keep_last 2: step-4 and step-6 remain, `latest` names step-6, no temporary directory left
+got=$(cd "$work/ckpt-r1" && ls | tr '\n' ' ')
+[ "$got" = "latest step-4 step-6 " ] && [ "$(cat "$work/ckpt-r1/latest")" = step-6 ] &&
+    ok "max_recent_checkpoints 2 keeps step-4 and step-6, latest names step-6" ||
+    bad "checkpoint_dir holds '$got' (want 'latest step-4 step-6 '), latest: $(cat "$work/ckpt-r1/latest")"
+# a second run of the finished job resumes at step 6 and trains nothing
+launch r1 r1-again 1 && grep -q '"type":"restore".*"step":6' "$work"/logs-r1-again/*/rank-0.jsonl &&
+    [ -z "$(steps_of r1-again)" ] && ok "a finished job started again resumes after step 6 and trains no step" ||
+    bad "a finished job started again: $(tail -3 "$work/out-r1-again")"
+
+# ---- resume after a kill between steps: bit-exact ---------------------------------------------------
+# trial NAME REF N KIND RANK STEP [OVERRIDES]: run REF's recipe with AM_FAULT, resume, compare
+trial() {
+    local name=$1 ref=$2 n=$3 kind=$4 rank=$5 step=$6
+    shift 6
+    local mods
+    mods=$(grep -m1 "^$ref " <(printf '%s\n' "${refs[@]}") | awk '{print $3}')
+    recipe "$name" "$mods"
+    launch "$name" "$name-1" "$n" "$@" AM_FAULT="rank=$rank,step=$step,kind=$kind"
+    local rc1=$? latest="" resumed=0
+    if [ -f "$work/ckpt-$name/latest" ]; then
+        latest=$(cat "$work/ckpt-$name/latest")
+        if [ ! -f "$work/ckpt-$name/$latest/manifest.json" ]; then
+            bad "$name: after the kill, latest names $latest, which has no manifest"; return
+        fi
+        resumed=${latest#step-}
+    fi
+    if ! launch "$name" "$name-2" "$n" "$@"; then
+        bad "$name ($kind rank $rank step $step; first run rc $rc1): the resumed job failed"; sed 's/^/    /' "$work/out-$name-2"
+        return
+    fi
+    if [ -n "$latest" ] && ! grep -q "\"type\":\"restore\".*\"step\":$resumed" "$work"/logs-"$name-2"/*/rank-0.jsonl; then
+        bad "$name: the resumed job did not restore $latest"; return
+    fi
+    # every step either run logged equals the reference's, and the second run logged the rest
+    { steps_of "$name-1"; steps_of "$name-2"; } | sort -n -k1,1 -s >"$work/all-$name"
+    local diff
+    diff=$(join -j1 <(sort -k1,1 "$work/all-$name") <(sort -k1,1 "$work/losses-$ref") | awk '$2 != $4 || $3 != $5')
+    local second
+    second=$(steps_of "$name-2" | awk '{print $1}' | tr '\n' ' ')
+    local want
+    want=$(seq $((resumed + 1)) "$steps" | tr '\n' ' ')
+    if [ -n "$diff" ] || [ "$second" != "$want" ]; then
+        bad "$name ($kind rank $rank step $step): resumed from ${latest:-the start}; steps of the second run '$second' (want '$want'); differing: $diff"
+        return
+    fi
+    if ! same_state "$work/ckpt-$ref/step-$steps" "$work/ckpt-$name/step-$steps"; then
+        bad "$name: the final state differs from $ref's"; return
+    fi
+    ok "$name ($kind on rank $rank at step $step, first run rc $rc1): resumed from ${latest:-the start}, losses and final state bit-exact"
+}
+
+trial kill-r1 r1 1 kill 0 4
+trial kill-dp2 r-dp2 2 kill 1 5
+trial kill-tp2pp2 r-tp2pp2 4 kill 3 4 AM_TP=2 AM_PP=2
+
+# ---- kills at random places, inside saves too: seeded ---------------------------------------------
+RANDOM=${AM_RESUME_SEED:-18}
+phases=(shard written manifest commit latest)
+for ((i = 1; i <= ${AM_RESUME_TRIALS:-20}; i++)); do
+    ref=${refs[$((RANDOM % ${#refs[@]}))]}
+    set -- $ref
+    rname=$1 n=$2
+    shift 3
+    rank=$((RANDOM % n))
+    if ((RANDOM % 3 == 0)); then
+        kind=kill step=$((RANDOM % steps + 1))
+    else
+        step=$((2 * (RANDOM % 2 + 1)))
+        if [ "$rank" = 0 ]; then phase=${phases[$((RANDOM % 5))]}; else phase=${phases[$((RANDOM % 2))]}; fi
+        kind=kill-in-save:$phase
+    fi
+    trial "t$i-$rname" "$rname" "$n" "$kind" "$rank" "$step" "$@"
+done
+
+# ---- re-sharding --------------------------------------------------------------------------------------
+# the one-rank reference with its Hugging Face export, a checkpoint at step 3
+recipe ref1 hf,every3
+launch ref1 ref1 1 || { bad "ref1 did not train"; exit 1; }
+steps_of ref1 >"$work/losses-ref1"
+# source NAME N MODS [OVERRIDES]: trains 6 steps saving at 3 and 6
+source_run() {
+    local name=$1 n=$2 mods=$3
+    shift 3
+    recipe "$name" "$mods,every3"
+    launch "$name" "$name" "$n" "$@" || { bad "source $name did not train"; sed 's/^/    /' "$work/out-$name"; return 1; }
+}
+# reshard SRC NAME N MODS [OVERRIDES]: restores SRC's step 3 at another layout, trains steps 4-6
+reshard() {
+    local src=$1 name=$2 n=$3 mods=$4
+    shift 4
+    recipe "$name" "$mods,hf,every3,from=$work/ckpt-$src/step-3"
+    if ! launch "$name" "$name" "$n" "$@"; then
+        bad "$src -> $name: did not train"; sed 's/^/    /' "$work/out-$name"; return
+    fi
+    local got cmp
+    got=$(steps_of "$name" | awk '{print $1}' | tr '\n' ' ')
+    cmp=$(join -j1 <(steps_of "$name" | sort -k1,1) <(sort -k1,1 "$work/losses-ref1") | awk -v lt="$loss_tol" '
+        { d = $2 - $4; if (d < 0) d = -d; if (d > w) w = d } END { printf "%.2g", w; exit !(w <= lt) }')
+    local rc=$?
+    if [ "$got" != "4 5 6 " ] || [ $rc != 0 ]; then
+        bad "$src -> $name: steps '$got' (want '4 5 6 '), largest loss difference $cmp (tolerance $loss_tol)"; return
+    fi
+    if ! "$AM_BUILDDIR/tests/train/ckpt_diff" "$work/ckpt-ref1/step-$steps/hf" "$work/ckpt-$name/step-$steps/hf" \
+        "$weight_tol" >"$work/wdiff-$name" 2>&1; then
+        bad "$src -> $name: final weights differ from one rank's: $(cat "$work/wdiff-$name")"; return
+    fi
+    ok "$src -> $name: losses of steps 4-6 within $cmp of one rank's (tolerance $loss_tol); weights: $(cat "$work/wdiff-$name")"
+}
+source_run s-tp2pp2dp2 8 - AM_TP=2 AM_PP=2 && {
+    reshard s-tp2pp2dp2 to-1 1 -
+    reshard s-tp2pp2dp2 to-tp4dp2 8 - AM_TP=4
+}
+source_run s-dp4 4 - && reshard s-dp4 to-ddp2 2 ddp
+source_run s-1 1 - && reshard s-1 to-tp2pp2 4 - AM_TP=2 AM_PP=2
+source_run s-mz1-tp2dp2 4 mz1 AM_TP=2 && reshard s-mz1-tp2dp2 to-hsdp4 4 hsdp
+source_run s-pp2il 2 il AM_PP=2 && reshard s-pp2il to-dp2-z2 2 mz2
+
+# ---- refusals -------------------------------------------------------------------------------------------
+# refuse NAME N MODS MESSAGE [SETUP...]: a copy of ref1's step-3 damaged by SETUP (run in it)
+refuse() {
+    local name=$1 n=$2 mods=$3 want=$4
+    shift 4
+    rm -rf "$work/bad-$name"
+    cp -r "$work/ckpt-ref1/step-3" "$work/bad-$name"
+    (cd "$work/bad-$name" && eval "$*")
+    local before
+    before=$(cd "$work/bad-$name" && sha256sum * | sha256sum)
+    recipe "$name" "$mods,from=$work/bad-$name"
+    if launch "$name" "$name" "$n"; then
+        bad "refusal $name: the job ran"; return
+    fi
+    if ! grep -qF -- "$want" "$work/out-$name"; then
+        bad "refusal $name: no '$want' in:"; sed 's/^/    /' "$work/out-$name" | tail -5; return
+    fi
+    [ "$(cd "$work/bad-$name" && sha256sum * | sha256sum)" = "$before" ] && [ ! -e "$work/ckpt-$name/latest" ] ||
+        { bad "refusal $name: the checkpoint or checkpoint_dir changed"; return; }
+    ok "refusal $name: \"$want\""
+}
+size=$(stat -c %s "$work/ckpt-ref1/step-3/rank-00000.bin")
+refuse truncated 1 - "shard rank-00000.bin is $((size - 4)) bytes, the manifest says $size (truncated or damaged: restore from another checkpoint)" \
+    "truncate -s -4 rank-00000.bin"
+refuse checksum 1 - "shard rank-00000.bin: crc32c" \
+    "printf '\\x7f' | dd of=rank-00000.bin bs=1 seek=100 conv=notrunc status=none"
+refuse manifest 1 - "manifest.json: cannot be read" "truncate -s 50 manifest.json"
+refuse other-model 1 wide "was saved from another model" ":"
+refuse other-batch 1 gb8 "was saved with a global batch of 16 sequences of 64 tokens, this job runs 8 of 64" ":"
+refuse missing-shard 2 - "shard rank-00000.bin: No such file or directory (the checkpoint is incomplete" "rm rank-00000.bin"
+
+echo "$passes passed, $fails failed"
+[ "$fails" = 0 ]
