@@ -380,12 +380,10 @@ int am_sckpt_resolve(const char *root, const char *restore_from, char *out, size
         return 0;
     }
     snprintf(path, sizeof(path), "%s/latest", dir);
+    if (named_latest && lstat(path, &st) < 0 && errno == ENOENT)
+        return 0; /* nothing saved yet */
     const char *why = am_read_file(path, 4096, &buf, &n);
     if (why) {
-        if (named_latest && stat(dir, &st) < 0 && errno == ENOENT)
-            return 0; /* nothing saved yet */
-        if (named_latest && strcmp(why, "no such file") == 0)
-            return 0;
         return am_fail(err, err_len, "checkpoint.restore_from: %s: no checkpoint there (%s has no manifest.json, and "
                        "%s: %s): name a step-N directory, a checkpoint_dir holding `latest`, or `latest`",
                        restore_from, dir, path, why);
