@@ -95,7 +95,7 @@ static int run_to_boxes(void *arg, const struct am_param *p, int64_t a, int64_t 
 /* ---- job-wide agreement --------------------------------------------------------------------------- */
 
 /* v[0..n) replaced by its maximum over every rank of the job (device buffers for NCCL). */
-static int job_max(const struct am_train_state *s, int32_t *v, size_t n, char *err, size_t err_len)
+int am_train_job_max(const struct am_train_state *s, int32_t *v, size_t n, char *err, size_t err_len)
 {
     const struct am_dev *d = s->m->dev;
     size_t bytes = n * sizeof(int32_t);
@@ -263,7 +263,7 @@ int am_train_save(const struct am_train_state *s, long step, char *dir, size_t d
     if (!bad && s->rank == 0)
         bad = am_sckpt_begin(root, step, s->tag, msg, sizeof(msg)) < 0 || write_config(s, tmp, msg, sizeof(msg)) < 0;
     flags[s->world] = bad;
-    if (job_max(s, &flags[s->world], 1, err, err_len) < 0)
+    if (am_train_job_max(s, &flags[s->world], 1, err, err_len) < 0)
         goto fail;
     if (flags[s->world]) {
         if (bad)
@@ -277,7 +277,7 @@ int am_train_save(const struct am_train_state *s, long step, char *dir, size_t d
         bad = s->extra(s->extra_arg, tmp, msg, sizeof(msg)) < 0;
     flags[s->rank] = s->writes;
     flags[s->world] = bad;
-    if (job_max(s, flags, (size_t)s->world + 1, err, err_len) < 0)
+    if (am_train_job_max(s, flags, (size_t)s->world + 1, err, err_len) < 0)
         goto fail;
     if (flags[s->world]) {
         if (bad)
@@ -302,7 +302,7 @@ int am_train_save(const struct am_train_state *s, long step, char *dir, size_t d
         free(ranks);
     }
     bad = done;
-    if (job_max(s, &done, 1, err, err_len) < 0)
+    if (am_train_job_max(s, &done, 1, err, err_len) < 0)
         goto fail;
     if (done) {
         if (bad)
@@ -429,7 +429,7 @@ int am_train_restore(const struct am_train_state *s, const char *dir, long *step
     v[0] = bad;
     v[1] = bad ? -1 : (int32_t)got;
     int32_t neg[2] = {bad, bad ? 1 : -(int32_t)got};
-    if (job_max(s, v, 2, err, err_len) < 0 || job_max(s, neg, 2, err, err_len) < 0)
+    if (am_train_job_max(s, v, 2, err, err_len) < 0 || am_train_job_max(s, neg, 2, err, err_len) < 0)
         return -1;
     if (bad)
         return am_fail(err, err_len, "%s", msg);

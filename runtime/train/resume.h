@@ -22,6 +22,7 @@
 
 #include <stdbool.h>
 #include <stddef.h>
+#include <stdint.h>
 
 #include "comm.h"
 #include "fsdp.h"
@@ -51,6 +52,9 @@ struct am_train_state {
     int (*extra)(void *arg, const char *tmp_dir, char *err, size_t err_len);
     void *extra_arg;
 };
+
+/* v[0..n) replaced by its maximum over every rank of the job (collective over job[]). */
+int am_train_job_max(const struct am_train_state *s, int32_t *v, size_t n, char *err, size_t err_len);
 
 /* The model's hash as a checkpoint records it (FNV-1a of the config.json am writes for it). */
 int am_train_model_hash(const struct am_model *m, char out[17], char *err, size_t err_len);

@@ -25,6 +25,7 @@
 #include "model_io.h"
 #include "optim.h"
 #include "pipeline.h"
+#include "preempt.h"
 #include "resume.h"
 #include "util.h"
 #include "watchdog.h"
@@ -577,11 +578,35 @@ static int save_checkpoint(struct trainer *t, long step, struct am_errors *err)
     struct am_train_state st = train_state(t);
     char dir[4096], msg[2048];
     double secs = 0;
+    /* its end is the "checkpoint" record: am-diag reports a save that began and did not end */
+    am_log_record(t->log, "checkpoint_start", json_pack("{s:i,s:f}", "step", (int)step, "time", am_wall_time()));
     if (am_train_save(&st, step, dir, sizeof(dir), &secs, msg, sizeof(msg)) < 0)
         return am_errors_fail(err, "%s", msg);
-    am_log_record(t->log, "checkpoint", json_pack("{s:i,s:s,s:f,s:s,s:b}", "step", (int)step, "dir", dir, "seconds",
-                                                  secs, "format", "sharded", "writes", st.writes));
+    am_log_record(t->log, "checkpoint", json_pack("{s:i,s:s,s:f,s:s,s:b,s:f}", "step", (int)step, "dir", dir,
+                                                  "seconds", secs, "format", "sharded", "writes", st.writes, "time",
+                                                  am_wall_time()));
     return 0;
+}
+
+/* Slurm's warning before the time limit (preempt.h), agreed by every rank at the end of each
+ * step: 1 when the ranks stop after `step` (saved; `saved` when ckpt_every_steps did it). */
+static int preempt_check(struct trainer *t, long step, bool saved, struct am_errors *err)
+{
+    struct am_train_state st = train_state(t);
+    int32_t warned = am_preempt_noted();
+    char msg[1024];
+    if (am_train_job_max(&st, &warned, 1, msg, sizeof(msg)) < 0)
+        return am_errors_fail(err, "step %ld: agreeing on Slurm's warning (SIGUSR1): %s", step, msg);
+    if (!warned)
+        return 0;
+    if (!saved && save_checkpoint(t, step, err) < 0)
+        return -1;
+    am_log_record(t->log, "preempted", json_pack("{s:i,s:f,s:i}", "step", (int)step, "time", am_wall_time(),
+                                                 "exit", AM_EXIT_REQUEUE));
+    if (t->s->info.rank == 0)
+        printf("am-train: warned (SIGUSR1): saved the state after step %ld, stopping for a requeue (status %d)\n",
+               step, AM_EXIT_REQUEUE);
+    return 1;
 }
 
 /* checkpoint.restore_from: the state of a sharded checkpoint (resume.h), saved at any layout;
@@ -778,9 +803,12 @@ static int run(struct trainer *t, struct am_errors *err)
         am_log_record(t->log, "step", rec);
         if (rank == 0)
             print_step(t, step, loss, lr, norm, dt, am_mono_time() - t0);
-        if (r->ckpt.enabled && r->steps.ckpt_every > 0 && (step + 1) % r->steps.ckpt_every == 0 &&
-            save_checkpoint(t, step + 1, err) < 0)
+        bool saved = r->ckpt.enabled && r->steps.ckpt_every > 0 && (step + 1) % r->steps.ckpt_every == 0;
+        if (saved && save_checkpoint(t, step + 1, err) < 0)
             return -1;
+        int stop = r->ckpt.enabled && step + 1 < r->steps.max_steps ? preempt_check(t, step + 1, saved, err) : 0;
+        if (stop != 0)
+            return stop; /* -1, or 1: saved for a requeue */
     }
     if (r->ckpt.enabled && (r->steps.ckpt_every <= 0 || r->steps.max_steps % r->steps.ckpt_every != 0))
         return save_checkpoint(t, r->steps.max_steps, err);
@@ -923,6 +951,10 @@ int am_train(struct am_rank_setup *s, struct am_log *log, struct am_errors *err)
         goto out;
     }
     log_start(&t);
+    if (t.r->ckpt.enabled && am_preempt_install(msg, sizeof(msg)) < 0) {
+        am_errors_fail(err, "%s", msg);
+        goto out;
+    }
     if (build_comms(&t, err) < 0)
         goto out;
     t.wd.flight = &t.flight;
