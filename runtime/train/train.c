@@ -810,7 +810,8 @@ static int run(struct trainer *t, struct am_errors *err)
         if (stop != 0)
             return stop; /* -1, or 1: saved for a requeue */
     }
-    if (r->ckpt.enabled && (r->steps.ckpt_every <= 0 || r->steps.max_steps % r->steps.ckpt_every != 0))
+    if (r->ckpt.enabled && t->start_step < r->steps.max_steps && /* a restored end is saved already */
+        (r->steps.ckpt_every <= 0 || r->steps.max_steps % r->steps.ckpt_every != 0))
         return save_checkpoint(t, r->steps.max_steps, err);
     return 0;
 }

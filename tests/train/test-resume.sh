@@ -102,7 +102,8 @@ got=$(cd "$work/ckpt-r1" && ls | tr '\n' ' ')
     bad "checkpoint_dir holds '$got' (want 'latest step-4 step-6 '), latest: $(cat "$work/ckpt-r1/latest")"
 # a second run of the finished job resumes at step 6 and trains nothing
 launch r1 r1-again 1 && grep -q '"type":"restore".*"step":6' "$work"/logs-r1-again/*/rank-0.jsonl &&
-    [ -z "$(steps_of r1-again)" ] && ok "a finished job started again resumes after step 6 and trains no step" ||
+    [ -z "$(steps_of r1-again)" ] && ! grep -q '"type":"checkpoint"' "$work"/logs-r1-again/*/rank-0.jsonl &&
+    ok "a finished job started again resumes after step 6, trains no step and saves nothing" ||
     bad "a finished job started again: $(tail -3 "$work/out-r1-again")"
 
 # ---- resume after a kill between steps: bit-exact ---------------------------------------------------
