@@ -3,7 +3,8 @@
 # (6 steps of 8 sequences of 32 tokens, a checkpoint every 2 steps, the last 2 kept):
 #   resume: a run killed at a step (AM_FAULT kind=kill) and started again with
 #     checkpoint.restore_from: latest gives the uninterrupted run's losses to the last bit and
-#     its final state files byte for byte, at 1 rank, dp 2 (fsdp2) and tp 2 x pp 2;
+#     its final state files byte for byte, at 1 rank, dp 2 (fsdp2), tp 2 x pp 2, and a mixture
+#     of experts (Mixtral's layers, 4 experts) at tp 2 x dp 2 (fsdp2: the experts' own groups);
 #   kills: a seeded random set of trials across layouts kills one rank at a random step or at a
 #     random phase inside a save (kind=kill-in-save:PHASE), then resumes: after every kill
 #     `latest` names a complete checkpoint (or none, before the first), the resumed job
@@ -54,6 +55,7 @@ recipe() { # NAME MODS: base.yaml with comma-separated changes, its checkpoints 
         from=*) args+=(-e "s|restore_from: .*|restore_from: ${m#from=}|") ;;
         wide) args+=(-e 's/hidden_size: 64/hidden_size: 128/') ;;
         gb4) args+=(-e 's/global_batch_size: .*/global_batch_size: 4/') ;;
+        moe) args+=(-e 's/model_type: llama/model_type: mixtral\n  num_local_experts: 4\n  num_experts_per_tok: 2/') ;;
         -) ;;
         *) echo "test-resume.sh: unknown change $m" >&2; exit 2 ;;
         esac
@@ -85,7 +87,8 @@ same_state() {
 
 # ---- references: the uninterrupted runs --------------------------------------------------------
 # NAME RANKS MODS [OVERRIDES]
-refs=("r1 1 -" "r-dp2 2 -" "r-tp2pp2 4 - AM_TP=2 AM_PP=2" "r-ddp2 2 ddp" "r-pp2dp2 4 - AM_PP=2")
+refs=("r1 1 -" "r-dp2 2 -" "r-tp2pp2 4 - AM_TP=2 AM_PP=2" "r-ddp2 2 ddp" "r-pp2dp2 4 - AM_PP=2"
+    "r-moe-tp2dp2 4 moe AM_TP=2")
 for ref in "${refs[@]}"; do
     set -- $ref
     name=$1 n=$2 mods=$3
@@ -151,6 +154,7 @@ trial() {
 trial kill-r1 r1 1 kill 0 4
 trial kill-dp2 r-dp2 2 kill 1 5
 trial kill-tp2pp2 r-tp2pp2 4 kill 3 4 AM_TP=2 AM_PP=2
+trial kill-moe r-moe-tp2dp2 4 kill-in-save:shard 3 4 AM_TP=2
 
 # am-diag after a kill inside a save: the last complete checkpoint, and the save that did not end
 trial kill-save-dp2 r-dp2 2 kill-in-save:written 1 4
@@ -176,7 +180,8 @@ for ((i = 1; i <= ${AM_RESUME_TRIALS:-20}; i++)); do
         kind=kill step=$((RANDOM % steps + 1))
     else
         step=$((2 * (RANDOM % 2 + 1)))
-        if [ "$rank" = 0 ]; then phase=${phases[$((RANDOM % 5))]}; else phase=${phases[$((RANDOM % 2))]}; fi
+        # every phase in turn (the rank's own ones on other ranks), at a random rank and save
+        if [ "$rank" = 0 ]; then phase=${phases[$((i % 5))]}; else phase=${phases[$((i % 2))]}; fi
         kind=kill-in-save:$phase
     fi
     trial "t$i-$rname" "$rname" "$n" "$kind" "$rank" "$step" "$@"
