@@ -155,6 +155,7 @@ trial kill-r1 r1 1 kill 0 4
 trial kill-dp2 r-dp2 2 kill 1 5
 trial kill-tp2pp2 r-tp2pp2 4 kill 3 4 AM_TP=2 AM_PP=2
 trial kill-moe r-moe-tp2dp2 4 kill-in-save:shard 3 4 AM_TP=2
+trial kill-latest r-pp2dp2 4 kill-in-save:latest 0 4 AM_PP=2
 
 # am-diag after a kill inside a save: the last complete checkpoint, and the save that did not end
 trial kill-save-dp2 r-dp2 2 kill-in-save:written 1 4
