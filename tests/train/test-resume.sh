@@ -13,8 +13,10 @@
 #     moments included, and the losses of the steps after it and the final weights (the
 #     Hugging Face export of checkpoint.save_consolidated) match the one-rank run within the
 #     parity tolerances (losses 1e-5, weights 5e-5: test-parity.sh);
-#   Slurm's warning: SIGUSR1 to am-launch during step 3 makes both ranks save step 3 and exit
-#     with status 85 (AM_EXIT_REQUEUE); the job started again finishes bit-exact;
+#   am-ckpt: show prints the layout and state of a checkpoint; export writes the Hugging Face
+#     directory offline, the same bytes as save_consolidated's, and refuses a damaged shard;
+#   Slurm's warning: SIGUSR1 to am-launch after step 2 makes both ranks save the same step and
+#     exit with status 85 (AM_EXIT_REQUEUE); the job started again finishes bit-exact;
 #   am-diag: after a kill inside a save, it names the last complete checkpoint and the save
 #     that did not complete;
 #   refusals: a truncated shard, a bad checksum, a damaged manifest, a checkpoint of another
@@ -189,8 +191,9 @@ for ((i = 1; i <= ${AM_RESUME_TRIALS:-20}; i++)); do
 done
 
 # ---- Slurm's warning (SIGUSR1 to am-launch, forwarded to the ranks): save, exit 85, resume ----------
-# rank 0 sleeps 3 s at the start of step 3 (kind=slow), the warning comes meanwhile: both ranks
-# agree on step 3, save it and stop with status 85; the job started again finishes bit-exact
+# rank 0 sleeps 3 s at the start of step 3 (kind=slow), the warning comes once step 2 is logged:
+# both ranks agree on the same step K (2 or 3, as the signal falls before or after step 2's
+# agreement), save it and stop with status 85; the job started again finishes bit-exact
 recipe warned -
 (cd "$work" && exec env AM_FAULT=rank=0,step=3,kind=slow:3 AM_LOG_DIR="$work/logs-warned-1" \
     "$AM_BUILDDIR/am-launch" --nproc 2 "$work/warned.yaml" >"$work/out-warned-1" 2>&1) &
@@ -202,15 +205,18 @@ done
 kill -USR1 "$launcher" 2>/dev/null
 wait "$launcher"
 rc=$?
-pre=$(cat "$work"/logs-warned-1/*/rank-*.jsonl 2>/dev/null | grep -c '"type":"preempted","step":3,')
-if [ "$rc" = 85 ] && [ "$pre" = 2 ] && [ "$(cat "$work/ckpt-warned/latest" 2>/dev/null)" = step-3 ] &&
-    launch warned warned-2 2 && grep -q '"type":"restore".*"step":3' "$work"/logs-warned-2/*/rank-0.jsonl &&
-    [ "$(steps_of warned-2 | awk '{print $1}' | tr '\n' ' ')" = "4 5 6 " ] &&
+agreed=$(cat "$work"/logs-warned-1/*/rank-*.jsonl 2>/dev/null | grep '"type":"preempted"' |
+    sed -E 's/.*"step":([0-9]+).*/\1/' | sort | uniq -c | awk '{print $1 ":" $2}' | tr '\n' ' ')
+k=${agreed#2:}
+k=${k% }
+if [ "$rc" = 85 ] && [ "$agreed" = "2:$k " ] && [ "$(cat "$work/ckpt-warned/latest" 2>/dev/null)" = "step-$k" ] &&
+    launch warned warned-2 2 && grep -q "\"type\":\"restore\".*\"step\":$k" "$work"/logs-warned-2/*/rank-0.jsonl &&
+    [ "$(steps_of warned-2 | awk '{print $1}' | tr '\n' ' ')" = "$(seq $((k + 1)) "$steps" | tr '\n' ' ')" ] &&
     [ -z "$(join -j1 <(steps_of warned-2 | sort -k1,1) <(sort -k1,1 "$work/losses-r-dp2") | awk '$2 != $4 || $3 != $5')" ] &&
     same_state "$work/ckpt-r-dp2/step-$steps" "$work/ckpt-warned/step-$steps"; then
-    ok "SIGUSR1 during step 3: both ranks saved step 3 and exited 85; the job started again resumed after step 3, bit-exact"
+    ok "SIGUSR1 after step 2: both ranks saved step $k and exited 85; the job started again resumed after step $k, bit-exact"
 else
-    bad "SIGUSR1: status $rc (want 85), $pre preempted records at step 3 (want 2), latest $(cat "$work/ckpt-warned/latest" 2>/dev/null)"
+    bad "SIGUSR1: status $rc (want 85), preempted records (count:step) '$agreed' (want 2 at one step), latest $(cat "$work/ckpt-warned/latest" 2>/dev/null)"
     tail -5 "$work/out-warned-1" "$work/out-warned-2" 2>/dev/null | sed 's/^/    /'
 fi
 
@@ -249,10 +255,35 @@ reshard() {
     fi
     ok "$src -> $name: losses of steps 4-6 within $cmp of one rank's (tolerance $loss_tol); weights: $(cat "$work/wdiff-$name")"
 }
-source_run s-tp2pp2dp2 8 - AM_TP=2 AM_PP=2 && {
+source_run s-tp2pp2dp2 8 hf AM_TP=2 AM_PP=2 && {
     reshard s-tp2pp2dp2 to-1 1 -
     reshard s-tp2pp2dp2 to-tp4dp2 8 - AM_TP=4
 }
+# am-ckpt: what the 8-rank checkpoint holds, and its export offline: the same bytes as the
+# Hugging Face directory the job wrote (save_consolidated), a damaged shard refused
+src8=$work/ckpt-s-tp2pp2dp2/step-6
+if "$AM_BUILDDIR/am-ckpt" show "$src8" >"$work/show" 2>&1 &&
+    grep -qx "layout        world 8: tp 2, pp 2, dp 2 (replicate 1 x shard 2), cp 1, ep 1; fsdp2, ZeRO 3" "$work/show" &&
+    grep -qx "optimizer     AdamW, 6 steps taken" "$work/show" &&
+    grep -qx "data          48 samples consumed (global batch 8 of 32 tokens), dataset seed 1234" "$work/show"; then
+    ok "am-ckpt show: the layout, strategy, optimizer step and data position of the 8-rank checkpoint"
+else
+    bad "am-ckpt show:"; sed 's/^/    /' "$work/show"
+fi
+if "$AM_BUILDDIR/am-ckpt" export "$src8" "$work/export8" >/dev/null 2>&1 &&
+    "$AM_BUILDDIR/tests/train/ckpt_diff" "$src8/hf" "$work/export8" 0 >"$work/wdiff-export" 2>&1; then
+    ok "am-ckpt export of the 8-rank checkpoint equals its save_consolidated export: $(cat "$work/wdiff-export")"
+else
+    bad "am-ckpt export: $(cat "$work/wdiff-export" 2>/dev/null)"
+fi
+cp -r "$src8" "$work/damaged8"
+printf '\x7f' | dd of="$work/damaged8/rank-00005.bin" bs=1 seek=64 conv=notrunc status=none
+if ! "$AM_BUILDDIR/am-ckpt" export "$work/damaged8" "$work/export-bad" >"$work/export-bad.out" 2>&1 &&
+    grep -q "shard rank-00005.bin: crc32c" "$work/export-bad.out" && [ ! -e "$work/export-bad" ]; then
+    ok "am-ckpt export refuses a damaged shard and writes nothing"
+else
+    bad "am-ckpt export of a damaged checkpoint:"; sed 's/^/    /' "$work/export-bad.out"
+fi
 source_run s-dp4 4 - && reshard s-dp4 to-ddp2 2 ddp
 source_run s-1 1 - && reshard s-1 to-tp2pp2 4 - AM_TP=2 AM_PP=2
 source_run s-mz1-tp2dp2 4 mz1 AM_TP=2 && reshard s-mz1-tp2dp2 to-hsdp4 4 hsdp
