@@ -336,8 +336,13 @@ int am_sckpt_commit(const char *root, long step, const char *tag, const int *ran
     if (hook)
         hook(hook_arg, AM_SCKPT_PHASE_MANIFEST);
     struct stat st;
-    if (stat(dir, &st) == 0) { /* saved before by the run being resumed: the same state */
+    if (stat(dir, &st) == 0) {
+        /* saved before (by the killed run this one resumes, or by a run restored from an older
+         * checkpoint): swapped in one rename for the new one; where the filesystem cannot swap,
+         * the complete one that is there is kept */
         *already = true;
+        if (renameat2(AT_FDCWD, tmp, AT_FDCWD, dir, RENAME_EXCHANGE) == 0)
+            *already = false;
         remove_tree(tmp);
     } else if (rename(tmp, dir) < 0) {
         return am_fail(err, err_len, "checkpoint: cannot rename %s to %s: %s", tmp, dir, strerror(errno));

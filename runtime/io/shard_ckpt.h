@@ -93,8 +93,10 @@ int am_sckpt_write_rank(const char *tmp_dir, int rank, const float *const sectio
 /* Rank 0, once every rank has written: the manifest from the rank lists of `ranks` (the
  * writing ranks, ascending), with meta (the trainer's object, taken) and model_hash; the
  * commit and `latest`; then the checkpoints beyond the last keep_last (0: keep all) removed,
- * never the one `latest` names. *already is set when ROOT/step-N existed (a step saved
- * before, by the run that is being resumed): it is kept, the new copy removed. */
+ * never the one `latest` names. When ROOT/step-N exists (saved before: by the killed run this
+ * one resumes, or by a run restored from an older checkpoint), the new one takes its place in
+ * one rename (RENAME_EXCHANGE) and the old one is removed; where the filesystem cannot swap,
+ * the complete one there is kept, the new copy removed, and *already is set. */
 int am_sckpt_commit(const char *root, long step, const char *tag, const int *ranks, int n_ranks, json_t *meta,
                     const char *model_hash, long keep_last, am_sckpt_phase_fn hook, void *hook_arg, bool *already,
                     char *err, size_t err_len);

@@ -79,13 +79,19 @@ static void test_roundtrip(void **state)
     }
     assert_int_equal(am_sckpt_verify(c, err, sizeof(err)), 0);
     am_sckpt_close(c);
+    /* the same step saved again takes the place of the one there, in one rename */
+    spit(pathf("%s/step-2/marker", root), "x", 1);
+    save(root, 2, 0);
+    struct stat st;
+    assert_int_equal(stat(pathf("%s/step-2/marker", root), &st), -1);
+    assert_int_equal(stat(pathf("%s/step-2/manifest.json", root), &st), 0);
+    assert_int_equal(count_entries(root, ".tmp-"), 0);
     /* keep the last 2 of 4: step-2 and step-4 go, `latest` names step-8, no temporary left */
     save(root, 4, 2);
     mkdir(pathf("%s/step-7.tmp-old", root), 0755);
     save(root, 6, 2);
     save(root, 8, 2);
     assert_int_equal(count_entries(root, "step-"), 2);
-    struct stat st;
     assert_int_equal(stat(pathf("%s/step-6/manifest.json", root), &st), 0);
     assert_int_equal(stat(pathf("%s/step-8/manifest.json", root), &st), 0);
     size_t len;
