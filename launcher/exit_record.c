@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include "sigrelay.h"
+#include "util.h"
 
 /* ---- the memory cgroup's oom_kill counter ---------------------------------------------- */
 
@@ -134,7 +135,7 @@ int am_exit_code(int status)
     return 1;
 }
 
-int am_exit_failed(int status) { return am_exit_code(status) != 0; }
+int am_exit_failed(int status) { return am_exit_code(status) != 0 && am_exit_code(status) != AM_EXIT_REQUEUE; }
 
 void am_exit_describe(const struct am_exit *e, char *buf, size_t len)
 {

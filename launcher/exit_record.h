@@ -51,7 +51,7 @@ struct am_exit {
 
 /* The exit status am-launch reports for a rank: its exit code, or 128 + signal. */
 int am_exit_code(int status);
-/* True when the rank failed: a non-zero exit or a signal. */
+/* True when the rank failed: a non-zero exit (but AM_EXIT_REQUEUE, util.h: saved for a requeue) or a signal. */
 int am_exit_failed(int status);
 /* "rank 2 on n1 exited with status 7", "rank 2 on n1 was killed by signal 11 (SIGSEGV,
  * Segmentation fault), core dumped", "... killed by the OOM killer (signal 9, SIGKILL)". */

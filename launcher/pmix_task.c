@@ -512,7 +512,7 @@ static int rank_ended(struct task *t, int status)
                  t->abort_status, t->abort_msg);
         code = t->abort_status;
     } else if (!am_exit_failed(status)) {
-        return 0;
+        return code; /* 0, or AM_EXIT_REQUEUE: saved on Slurm's warning, to be requeued */
     } else {
         am_exit_describe(&e, msg, sizeof(msg));
     }

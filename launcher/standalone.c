@@ -16,6 +16,7 @@
 #include "reaper.h"
 #include "sigrelay.h"
 #include "spawn.h"
+#include "util.h"
 
 /* After a rank's socket closes, the launcher waits this long for the rank to exit (longer
  * while the kernel is still tearing it down) before telling the ranks in a fence that it is
@@ -151,6 +152,8 @@ static void rank_ended(struct job *j, int r, int status)
     close_fd(j, r);
     if (am_exit_record(j->log_dir, j->job_id, &e, err, sizeof(err)) < 0)
         fprintf(stderr, "am-launch: %s\n", err);
+    if (am_exit_code(status) == AM_EXIT_REQUEUE && !j->stopping && !j->rc)
+        j->rc = AM_EXIT_REQUEUE; /* saved on Slurm's warning: the job's status asks for a requeue */
     if (!am_exit_failed(status) || j->stopping)
         return;
     am_exit_describe(&e, msg, sizeof(msg));

@@ -10,6 +10,11 @@
 
 #define AM_JSON_MAX_BYTES (16 * 1024 * 1024)
 
+/* The exit status of a rank that saved a checkpoint on Slurm's warning before the time limit
+ * and stopped (train/preempt.h): not a failure; am-launch passes it on as its own status, and
+ * the job script requeues the job on it. */
+#define AM_EXIT_REQUEUE 85
+
 /* Reads a regular file of at most max bytes into a malloc'd, NUL-terminated buffer.
  * Returns NULL on success, else a short reason ("no such file", "is a directory", ...)
  * that never quotes the file's content. Never blocks on a FIFO or device. */

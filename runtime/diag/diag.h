@@ -118,6 +118,8 @@ struct am_diag_rank {
     struct am_diag_group *groups;
     int n_groups;
     json_t *cause, *stop, *exit, *fault; /* first of each, or NULL */
+    json_t *ckpt;                        /* the last "checkpoint" record (a committed save), or NULL */
+    long ckpt_started;                   /* the step of the last "checkpoint_start" record, 0: none */
     double last_time;                    /* of the last record with a time */
     int lines, bad_lines, truncated;
     /* per log, summarised in one note each: lines that are not JSON objects, lines over

@@ -35,6 +35,7 @@ static void rank_free(struct am_diag_rank *r)
     json_decref(r->stop);
     json_decref(r->exit);
     json_decref(r->fault);
+    json_decref(r->ckpt);
 }
 
 void am_diag_free(struct am_diag *d)
@@ -577,6 +578,11 @@ static void on_record(struct loader *L, struct am_diag_rank *r, const struct rec
         r->exit = json_incref(x->o);
     else if (strcmp(type, "fault") == 0 && !r->fault)
         r->fault = json_incref(x->o);
+    else if (strcmp(type, "checkpoint") == 0) { /* the last one wins */
+        json_decref(r->ckpt);
+        r->ckpt = json_incref(x->o);
+    } else if (strcmp(type, "checkpoint_start") == 0)
+        r->ckpt_started = rec_long(x, "step", 0, LONG_MAX, 0);
 }
 
 /* A step or flight record for the fast reader: 1 handled, 0 not one (jansson decides). What

@@ -198,6 +198,34 @@ static int missing_runs(const struct am_diag *d, struct am_diag_range *runs, lon
     return n;
 }
 
+/* The last committed checkpoint any rank logged (NULL: none), and the highest step whose save
+ * began after it without a record of its end (0: none) on rank *who. */
+static const json_t *last_checkpoint(const struct am_diag *d, long *interrupted, int *who, int *any)
+{
+    const json_t *best = NULL;
+    long best_step = 0;
+    *interrupted = 0;
+    *who = -1;
+    *any = 0;
+    for (int q = 0; q < d->n_ranks; q++) {
+        const struct am_diag_rank *r = &d->ranks[q];
+        long s = r->ckpt ? (long)json_integer_value(json_object_get(r->ckpt, "step")) : 0;
+        *any |= r->ckpt || r->ckpt_started;
+        if (r->ckpt && (!best || s > best_step)) {
+            best = r->ckpt;
+            best_step = s;
+        }
+    }
+    for (int q = 0; q < d->n_ranks; q++) {
+        const struct am_diag_rank *r = &d->ranks[q];
+        if (r->ckpt_started > best_step && r->ckpt_started > *interrupted) {
+            *interrupted = r->ckpt_started;
+            *who = r->rank;
+        }
+    }
+    return best;
+}
+
 void am_diag_print(const struct am_diag *d, FILE *f)
 {
     char t[64], c[160], list[512];
@@ -265,6 +293,22 @@ void am_diag_print(const struct am_diag *d, FILE *f)
     }
     if (d->more_mismatches)
         fprintf(f, "  (and %d more, not listed)\n", d->more_mismatches);
+    long interrupted;
+    int who, saves;
+    const json_t *ck = last_checkpoint(d, &interrupted, &who, &saves);
+    if (saves) { /* only for jobs that save checkpoints */
+        if (ck) {
+            when(json_number_value(json_object_get(ck, "time")), t, sizeof(t));
+            fprintf(f, "last checkpoint: step %lld, %s, ", (long long)json_integer_value(json_object_get(ck, "step")), t);
+            put(f, json_string_value(json_object_get(ck, "dir")) ? json_string_value(json_object_get(ck, "dir")) : "?");
+            fputs("\n", f);
+        } else {
+            fprintf(f, "last checkpoint: none completed\n");
+        }
+        if (interrupted)
+            fprintf(f, "  the save of step %ld did not complete (rank %d began it): a restore takes %s\n", interrupted,
+                    who, ck ? "the checkpoint above" : "nothing (the run starts again)");
+    }
 
     fprintf(f, "\ndetails:\n");
     int next = 0; /* ranks below it are printed */
@@ -394,6 +438,17 @@ json_t *am_diag_json(const struct am_diag *d)
         json_array_append_new(mm, m);
     }
     json_object_set_new(o, "mismatches", mm);
+    long interrupted;
+    int who, any;
+    const json_t *ck = last_checkpoint(d, &interrupted, &who, &any);
+    json_t *cj = json_pack("{s:o,s:o,s:o,s:o}", "step", ck ? json_integer(json_integer_value(json_object_get(ck, "step"))) : json_null(),
+                           "time", ck && json_is_number(json_object_get(ck, "time")) ? json_real(json_number_value(json_object_get(ck, "time"))) : json_null(),
+                           "dir", opt_str(ck ? json_string_value(json_object_get(ck, "dir")) : NULL),
+                           "interrupted_step", opt_int(interrupted, interrupted > 0));
+    if (any) /* only for jobs that save checkpoints */
+        json_object_set_new(o, "checkpoint", cj);
+    else
+        json_decref(cj);
     json_t *notes = json_array();
     for (int i = 0; i < d->n_notes; i++)
         json_array_append_new(notes, jstr(d->notes[i]));

@@ -518,18 +518,20 @@ static const struct key_spec checkpoint_keys[] = {
     {"enabled", K_BOOL, R(ckpt.enabled), 0, NULL},
     {"checkpoint_dir", K_STR, R(ckpt.dir), 0, NULL},
     {"restore_from", K_STR, R(ckpt.restore_from), 0, NULL},
+    {"max_recent_checkpoints", K_OPT_LONG, R(ckpt.keep_last), 1, NULL},
+    {"save_consolidated", K_BOOL, R(ckpt.save_consolidated), 0, NULL},
     {"model_save_format", K_FN, 0, 0, read_save_format},
     {"is_peft", K_FN, 0, 0, read_is_peft},
     /* where and how AutoModel writes and stages its files; dequantize_base_checkpoint is a no-op
      * for the unquantized checkpoints am loads (a quantized one is refused by its config.json's
      * quantization_config); v4_compatible writes transformers-4 config files;
      * skip_task_head_prefixes_for_base_model names heads of other tasks */
-    IGNORE("save_consolidated"), IGNORE("dequantize_base_checkpoint"), IGNORE("model_cache_dir"),
+    IGNORE("dequantize_base_checkpoint"), IGNORE("model_cache_dir"),
     IGNORE("model_repo_id"), IGNORE("_target_"), IGNORE("v4_compatible"), IGNORE("skip_task_head_prefixes_for_base_model"),
     IGNORE("model_state_dict_keys"), IGNORE("is_async"), IGNORE("wait_for_staging"), IGNORE("cpu_offload"),
     IGNORE("allow_legacy_pickle_restore"), IGNORE("original_model_root_dir"), IGNORE("single_rank_consolidation"),
     IGNORE("staging_dir"), IGNORE("diffusers_compatible"), IGNORE("best_metric_key"),
-    IGNORE("consolidation_timeout_minutes"), IGNORE("max_recent_checkpoints"),
+    IGNORE("consolidation_timeout_minutes"),
     {NULL, 0, 0, 0, NULL}};
 
 static const struct key_spec dist_env_keys[] = {
@@ -861,6 +863,7 @@ static void read_recipe(struct reader *rd)
     r->dist.strategy = AM_FSDP2;
     r->dist.zero_dp_strategy = 3;
     r->dist.reshard_after_forward = true;
+    r->ckpt.save_consolidated = true;
     r->dist.pipeline.schedule = AM_PP_1F1B;
     r->dist.pipeline.microbatch_size = 1;
     r->data.shuffle = true;

@@ -108,6 +108,8 @@ struct am_recipe {
     struct {
         bool enabled;
         const char *dir, *restore_from;
+        long keep_last;         /* max_recent_checkpoints: sharded checkpoints kept (0: all) */
+        bool save_consolidated; /* also a Hugging Face directory in each checkpoint (default true) */
     } ckpt;
 
     struct {

@@ -9,6 +9,7 @@
 
 #include "rank_setup.h"
 #include "train.h"
+#include "util.h"
 
 int main(void)
 {
@@ -41,5 +42,5 @@ int main(void)
     am_rank_setup_end(&s);
     am_train_log_end(&log);
     am_errors_free(&err);
-    return rc < 0 ? 1 : 0;
+    return rc < 0 ? 1 : rc == AM_TRAIN_REQUEUE ? AM_EXIT_REQUEUE : 0;
 }

@@ -12,7 +12,9 @@
 #include <time.h>
 #include <unistd.h>
 
-#define KINDS "segv, abort, exit:CODE, nan, hang, hang-in-collective, slow:SECONDS, kill, oom, device-oom or kill-in-alltoall"
+#define KINDS "segv, abort, exit:CODE, nan, hang, hang-in-collective, slow:SECONDS, kill, oom, device-oom, " \
+              "kill-in-alltoall or kill-in-save:PHASE"
+#define SAVE_PHASES "shard, written, manifest, commit or latest"
 #define FORM "AM_FAULT=rank=R,step=S,kind=K"
 
 const char *am_fault_kind_name(enum am_fault_kind kind)
@@ -30,6 +32,7 @@ const char *am_fault_kind_name(enum am_fault_kind kind)
     case AM_FAULT_OOM: return "oom";
     case AM_FAULT_DEVICE_OOM: return "device-oom";
     case AM_FAULT_KILL_IN_ALLTOALL: return "kill-in-alltoall";
+    case AM_FAULT_KILL_IN_SAVE: return "kill-in-save";
     }
     return "none";
 }
@@ -84,6 +87,18 @@ static int parse_kind(const char *v, struct am_fault *f, const char *spec, char 
         f->kind = AM_FAULT_SLOW;
         f->seconds = s;
         return 0;
+    }
+    if (strcmp(v, "kill-in-save") == 0 || strncmp(v, "kill-in-save:", 13) == 0) {
+        static const char *const phases[] = {"shard", "written", "manifest", "commit", "latest"}; /* fault.h's order */
+        for (int i = 0; v[12] == ':' && i < (int)(sizeof(phases) / sizeof(phases[0])); i++)
+            if (strcmp(v + 13, phases[i]) == 0) {
+                f->kind = AM_FAULT_KILL_IN_SAVE;
+                f->code = i;
+                return 0;
+            }
+        snprintf(err, err_len, "AM_FAULT=%s: kind=%s: the phase of the save must be one of " SAVE_PHASES
+                 " (for example kind=kill-in-save:shard)", spec, v);
+        return -1;
     }
     snprintf(err, err_len, "AM_FAULT=%s: kind=%s: unknown kind (use " KINDS ")", spec, v);
     return -1;
@@ -175,6 +190,11 @@ int am_fault_check(const struct am_fault *f, int world, int dp, char *err, size_
     if (f->kind == AM_FAULT_HANG_IN_COLLECTIVE && dp < 2) {
         snprintf(err, err_len, "AM_FAULT=%s: kind=hang-in-collective blocks the gradient all-reduce, and this job "
                  "has none (dp 1): run 2 or more data-parallel ranks, or use kind=hang", f->spec);
+        return -1;
+    }
+    if (f->kind == AM_FAULT_KILL_IN_SAVE && f->code >= 2 && f->rank != 0) {
+        snprintf(err, err_len, "AM_FAULT=%s: rank 0 alone writes the manifest, renames the checkpoint and updates "
+                 "`latest`: use rank=0 for those phases, or the phases shard and written on rank %d", f->spec, f->rank);
         return -1;
     }
     return 0;

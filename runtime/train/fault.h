@@ -28,6 +28,11 @@
  *                       the first MoE layer's tokens in step S, a second after the call began
  *                       (its flight entry open; its ep peers wait for it in that all-to-all);
  *                       needs expert parallelism (ep > 1)
+ *   kill-in-save:PHASE  the rank sends itself SIGKILL inside the checkpoint saved after step S,
+ *                       at PHASE (shard_ckpt.h's phases, in this order: shard: half of its shard
+ *                       file written; written: its shard on disk, before the ranks agree;
+ *                       manifest, commit, latest: rank 0's, after the manifest, after the rename
+ *                       of the directory, after `latest`); code holds the phase's number
  *
  * Before misbehaving the rank writes a "fault" record to its log (docs/diagnostics.md) so
  * that a reader of the log knows the failure was injected; am-diag never uses it to decide
@@ -52,6 +57,7 @@ enum am_fault_kind {
     AM_FAULT_OOM,
     AM_FAULT_DEVICE_OOM,
     AM_FAULT_KILL_IN_ALLTOALL,
+    AM_FAULT_KILL_IN_SAVE,
 };
 
 struct am_fault {

@@ -26,6 +26,8 @@
 #include "optim.h"
 #include "pipeline.h"
 #include "ring.h"
+#include "preempt.h"
+#include "resume.h"
 #include "util.h"
 #include "watchdog.h"
 
@@ -62,6 +64,7 @@ struct trainer {
     const char **hosts;                 /* host of each global rank */
     double comm_s;                      /* seconds in communication calls this step */
     long step;                          /* the step being run (1-based) */
+    long start_step;                    /* steps done before this run: checkpoint.restore_from's */
     bool comm_init_failed;              /* the communicators could not be made (NCCL: a "nccl" cause) */
     double peak_flops;                  /* the device's dense peak, FLOP/s (0: unknown: no MFU) */
     const char *peak_from;              /* where peak_flops came from, for the start record */
@@ -604,44 +607,141 @@ static void print_step(const struct trainer *t, long step, double loss, double l
     fflush(stdout);
 }
 
-static int save_replica(struct trainer *t, long step, struct am_errors *err);
+/* The Hugging Face export of the weights (checkpoint.save_consolidated) into dir: one replica
+ * saves (cp rank 0 of it), its tp and pp ranks together (pp 0 / tp 0 writes); fully sharded,
+ * the shard groups first gather the masters; with ep > 1 every rank first gathers its ep
+ * group's experts. */
+static int save_hf(struct trainer *t, const char *dir, struct am_errors *err)
+{
+    void *slab = NULL;
+    char msg[1024];
+    if (t->zero >= 3 && am_fsdp_gather_masters(&t->fsdp, &slab, msg, sizeof(msg)) < 0) {
+        am_fsdp_release_masters(&t->fsdp, slab);
+        return am_errors_fail(err, "%s", msg);
+    }
+    bool saves = t->dp_rank == 0 && !(t->g.cp && am_comm_rank(t->g.cp) != 0);
+    int rc = !saves && t->p->ep == 1
+                 ? 0
+                 : am_model_save_hf_ep(&t->model, t->p->tp > 1 ? t->g.tp : NULL, t->p->pp > 1 ? t->g.pp : NULL,
+                                       t->p->ep > 1 ? t->g.ep : NULL, saves, dir,
+                                       t->base_config[0] ? t->base_config : NULL, err);
+    if (t->zero >= 3)
+        am_fsdp_release_masters(&t->fsdp, slab);
+    return rc;
+}
 
-/* Fully sharded: every rank of the shard group gathers the masters, replica 0 saves them. */
+static int save_hf_extra(void *arg, const char *tmp_dir, char *err, size_t err_len)
+{
+    struct trainer *t = arg;
+    char dir[4200];
+    struct am_errors e;
+    am_errors_init(&e);
+    snprintf(dir, sizeof(dir), "%s/hf", tmp_dir);
+    int rc = save_hf(t, dir, &e);
+    if (rc < 0)
+        snprintf(err, err_len, "the Hugging Face export: %s", e.n ? e.msg[0] : "failed");
+    am_errors_free(&e);
+    return rc;
+}
+
+/* AM_FAULT kill-in-save:PHASE (fault.h) */
+static void fault_in_save(void *arg, enum am_sckpt_phase phase)
+{
+    struct trainer *t = arg;
+    if (am_fault_due(&t->fault, t->s->info.rank, t->step, AM_FAULT_KILL_IN_SAVE) && t->fault.code == (int)phase) {
+        fault_record(t, t->step, NULL);
+        am_fault_kill();
+    }
+}
+
+/* What resume.h saves and restores of this rank. */
+static struct am_train_state train_state(struct trainer *t)
+{
+    const char *job = getenv("AM_JOB_ID");
+    return (struct am_train_state){
+        .m = &t->model, .fsdp = t->sharded ? &t->fsdp : NULL, .optim = &t->optim,
+        .master = t->sharded ? t->fsdp.master : t->model.param_mem,
+        .n = t->sharded ? t->fsdp.n_shard : t->model.slab_elems,
+        .job = {t->g.tp, t->g.pp, t->g.dp, t->g.cp}, .rank = t->s->info.rank, .world = t->s->info.size,
+        /* a copy of a lower rank's state does not write: replicas (HSDP's, or every data-parallel
+         * and context-parallel rank but the first when nothing is sharded) */
+        .writes = t->sharded ? !t->g.dp_replicate || am_comm_rank(t->g.dp_replicate) == 0
+                             : t->dp_rank == 0 && !(t->g.cp && am_comm_rank(t->g.cp) != 0),
+        .r = t->r, .p = t->p, .tag = job && *job ? job : "0", .hook = fault_in_save, .hook_arg = t,
+        .extra = t->r->ckpt.save_consolidated ? save_hf_extra : NULL, .extra_arg = t};
+}
+
+/* A sharded checkpoint (resume.h) of the state after `step` steps, with the Hugging Face
+ * export inside it when checkpoint.save_consolidated. */
 static int save_checkpoint(struct trainer *t, long step, struct am_errors *err)
 {
     if (!t->r->ckpt.enabled)
         return 0;
-    if (t->zero < 3) /* the model holds every weight */
-        return save_replica(t, step, err);
-    void *slab = NULL;
-    char msg[1024];
-    if (am_fsdp_gather_masters(&t->fsdp, &slab, msg, sizeof(msg)) < 0) {
-        am_fsdp_release_masters(&t->fsdp, slab);
-        return am_errors_fail(err, "checkpoint at step %ld: %s", step, msg);
-    }
-    int rc = save_replica(t, step, err);
-    am_fsdp_release_masters(&t->fsdp, slab);
-    return rc;
+    struct am_train_state st = train_state(t);
+    char dir[4096], msg[2048];
+    double secs = 0;
+    /* its end is the "checkpoint" record: am-diag reports a save that began and did not end */
+    am_log_record(t->log, "checkpoint_start", json_pack("{s:i,s:f}", "step", (int)step, "time", am_wall_time()));
+    if (am_train_save(&st, step, dir, sizeof(dir), &secs, msg, sizeof(msg)) < 0)
+        return am_errors_fail(err, "%s", msg);
+    am_log_record(t->log, "checkpoint", json_pack("{s:i,s:s,s:f,s:s,s:b,s:f}", "step", (int)step, "dir", dir,
+                                                  "seconds", secs, "format", "sharded", "writes", st.writes, "time",
+                                                  am_wall_time()));
+    return 0;
 }
 
-static int save_replica(struct trainer *t, long step, struct am_errors *err)
+/* Slurm's warning before the time limit (preempt.h), agreed by every rank at the end of each
+ * step: 1 when the ranks stop after `step` (saved; `saved` when ckpt_every_steps did it). */
+static int preempt_check(struct trainer *t, long step, bool saved, struct am_errors *err)
 {
-    /* one replica saves (cp rank 0 of it): its tp and pp ranks together, pp 0 / tp 0 writes */
-    bool saves = t->dp_rank == 0 && !(t->g.cp && am_comm_rank(t->g.cp) != 0);
-    if (!saves && t->p->ep == 1)
-        return 0; /* with ep > 1 every rank first gathers its ep group's experts */
-    char dir[4096];
-    const char *root = t->r->ckpt.dir ? t->r->ckpt.dir : "checkpoints";
-    snprintf(dir, sizeof(dir), "%s/step_%ld", root, step);
-    if (saves && am_mkdir_p(root) < 0)
-        return am_errors_fail(err, "checkpoint.checkpoint_dir: cannot create %s: %s", root, strerror(errno));
-    if (am_model_save_hf_ep(&t->model, t->p->tp > 1 ? t->g.tp : NULL, t->p->pp > 1 ? t->g.pp : NULL,
-                            t->p->ep > 1 ? t->g.ep : NULL, saves, dir, t->base_config[0] ? t->base_config : NULL,
-                            err) < 0)
-        return -1;
-    if (!saves)
+    struct am_train_state st = train_state(t);
+    int32_t warned = am_preempt_noted();
+    char msg[1024];
+    if (am_train_job_max(&st, &warned, 1, msg, sizeof(msg)) < 0)
+        return am_errors_fail(err, "step %ld: agreeing on Slurm's warning (SIGUSR1): %s", step, msg);
+    if (!warned)
         return 0;
-    am_log_record(t->log, "checkpoint", json_pack("{s:i,s:s}", "step", (int)step, "dir", dir));
+    if (!saved && save_checkpoint(t, step, err) < 0)
+        return -1;
+    am_log_record(t->log, "preempted", json_pack("{s:i,s:f,s:i}", "step", (int)step, "time", am_wall_time(),
+                                                 "exit", AM_EXIT_REQUEUE));
+    if (t->s->info.rank == 0)
+        printf("am-train: warned (SIGUSR1): saved the state after step %ld, stopping for a requeue (status %d)\n",
+               step, AM_EXIT_REQUEUE);
+    return 1;
+}
+
+/* checkpoint.restore_from: the state of a sharded checkpoint (resume.h), saved at any layout;
+ * `latest` before any checkpoint exists starts from the beginning. */
+static int restore_checkpoint(struct trainer *t, struct am_errors *err)
+{
+    const struct am_recipe *r = t->r;
+    const char *root = r->ckpt.dir ? r->ckpt.dir : "checkpoints";
+    char dir[4096], msg[2048];
+    bool found = false;
+    long step = 0;
+    double t0 = am_mono_time();
+    if (!r->ckpt.restore_from || !*r->ckpt.restore_from)
+        return 0;
+    if (am_sckpt_resolve(root, r->ckpt.restore_from, dir, sizeof(dir), &found, msg, sizeof(msg)) < 0)
+        return am_errors_fail(err, "%s", msg);
+    if (!found) {
+        am_log_record(t->log, "restore", json_pack("{s:s,s:b}", "from", r->ckpt.restore_from, "found", 0));
+        return 0;
+    }
+    struct am_train_state st = train_state(t);
+    if (am_train_restore(&st, dir, &step, msg, sizeof(msg)) < 0)
+        return am_errors_fail(err, "checkpoint.restore_from: %s", msg);
+    if (step > r->steps.max_steps)
+        return am_errors_fail(err, "checkpoint.restore_from: %s was saved after step %ld, past max_steps %ld: raise "
+                              "step_scheduler.max_steps", dir, step, r->steps.max_steps);
+    if (t->sharded && t->zero < 3 && am_fsdp_publish(&t->fsdp, msg, sizeof(msg)) < 0)
+        return am_errors_fail(err, "checkpoint.restore_from: %s", msg);
+    t->start_step = step;
+    am_log_record(t->log, "restore", json_pack("{s:s,s:b,s:s,s:i,s:f}", "from", r->ckpt.restore_from, "found", 1,
+                                               "dir", dir, "step", (int)step, "seconds", am_mono_time() - t0));
+    if (t->s->info.rank == 0)
+        printf("am-train: resumed from %s after step %ld\n", dir, step);
     return 0;
 }
 
@@ -755,7 +855,7 @@ static int run(struct trainer *t, struct am_errors *err)
     float dloss_scale = (float)(1.0 / ((double)p->global_batch * (double)p->seq_length));
     double t0 = am_mono_time();
     int rank = t->s->info.rank;
-    for (long step = 0; step < r->steps.max_steps; step++) {
+    for (long step = t->start_step; step < r->steps.max_steps; step++) {
         double ts = am_mono_time(), loss = 0, norm = 0;
         t->step = step + 1;
         am_crash_set_step(step + 1);
@@ -828,11 +928,15 @@ static int run(struct trainer *t, struct am_errors *err)
         am_log_record(t->log, "step", rec);
         if (rank == 0)
             print_step(t, step, loss, lr, norm, dt, am_mono_time() - t0);
-        if (r->ckpt.enabled && r->steps.ckpt_every > 0 && (step + 1) % r->steps.ckpt_every == 0 &&
-            save_checkpoint(t, step + 1, err) < 0)
+        bool saved = r->ckpt.enabled && r->steps.ckpt_every > 0 && (step + 1) % r->steps.ckpt_every == 0;
+        if (saved && save_checkpoint(t, step + 1, err) < 0)
             return -1;
+        int stop = r->ckpt.enabled && step + 1 < r->steps.max_steps ? preempt_check(t, step + 1, saved, err) : 0;
+        if (stop != 0)
+            return stop; /* -1, or 1: saved for a requeue */
     }
-    if (r->ckpt.enabled && (r->steps.ckpt_every <= 0 || r->steps.max_steps % r->steps.ckpt_every != 0))
+    if (r->ckpt.enabled && t->start_step < r->steps.max_steps && /* a restored end is saved already */
+        (r->steps.ckpt_every <= 0 || r->steps.max_steps % r->steps.ckpt_every != 0))
         return save_checkpoint(t, r->steps.max_steps, err);
     return 0;
 }
@@ -974,6 +1078,10 @@ int am_train(struct am_rank_setup *s, struct am_log *log, struct am_errors *err)
         goto out;
     }
     log_start(&t);
+    if (t.r->ckpt.enabled && am_preempt_install(msg, sizeof(msg)) < 0) {
+        am_errors_fail(err, "%s", msg);
+        goto out;
+    }
     if (build_comms(&t, err) < 0)
         goto out;
     t.wd.flight = &t.flight;
@@ -1017,6 +1125,8 @@ int am_train(struct am_rank_setup *s, struct am_log *log, struct am_errors *err)
     t.model.grad_ready = grad_ready;
     t.model.grad_ready_arg = &t;
     log_memory(&t);
+    if (restore_checkpoint(&t, err) < 0)
+        goto out;
     rc = run(&t, err);
 out:
     am_watchdog_stop(&t.wd);

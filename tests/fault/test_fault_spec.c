@@ -51,6 +51,15 @@ static void test_kinds(void **state)
     assert_int_equal(f.kind, AM_FAULT_SLOW);
     assert_true(f.seconds == 2.5);
     assert_string_equal(am_fault_kind_name(AM_FAULT_HANG_IN_COLLECTIVE), "hang-in-collective");
+    static const char *const phases[] = {"shard", "written", "manifest", "commit", "latest"};
+    for (int i = 0; i < 5; i++) {
+        char spec[96];
+        snprintf(spec, sizeof(spec), "rank=0,step=4,kind=kill-in-save:%s", phases[i]);
+        assert_int_equal(am_fault_parse(spec, &f, err, sizeof(err)), 0);
+        assert_int_equal(f.kind, AM_FAULT_KILL_IN_SAVE);
+        assert_int_equal(f.code, i);
+    }
+    assert_string_equal(am_fault_kind_name(AM_FAULT_KILL_IN_SAVE), "kill-in-save");
 }
 
 static void expect_error(const char *spec, const char *message)
@@ -66,11 +75,14 @@ static void test_errors(void **state)
 {
     (void)state;
     expect_error("rank=1,step=2", "AM_FAULT=rank=1,step=2: kind is missing (AM_FAULT=rank=R,step=S,kind=K; kinds: segv, "
-                 "abort, exit:CODE, nan, hang, hang-in-collective, slow:SECONDS, kill, oom, device-oom or kill-in-alltoall)");
+                 "abort, exit:CODE, nan, hang, hang-in-collective, slow:SECONDS, kill, oom, device-oom, kill-in-alltoall or "
+                 "kill-in-save:PHASE)");
     expect_error("step=2,kind=segv", "AM_FAULT=step=2,kind=segv: rank is missing (AM_FAULT=rank=R,step=S,kind=K; kinds: "
-                 "segv, abort, exit:CODE, nan, hang, hang-in-collective, slow:SECONDS, kill, oom, device-oom or kill-in-alltoall)");
+                 "segv, abort, exit:CODE, nan, hang, hang-in-collective, slow:SECONDS, kill, oom, device-oom, kill-in-alltoall or "
+                 "kill-in-save:PHASE)");
     expect_error("rank=1,kind=segv", "AM_FAULT=rank=1,kind=segv: step is missing (AM_FAULT=rank=R,step=S,kind=K; kinds: "
-                 "segv, abort, exit:CODE, nan, hang, hang-in-collective, slow:SECONDS, kill, oom, device-oom or kill-in-alltoall)");
+                 "segv, abort, exit:CODE, nan, hang, hang-in-collective, slow:SECONDS, kill, oom, device-oom, kill-in-alltoall or "
+                 "kill-in-save:PHASE)");
     expect_error("rank=x,step=2,kind=segv", "AM_FAULT=rank=x,step=2,kind=segv: rank=x: the rank must be a whole number "
                  "from 0 (the global rank that misbehaves, for example rank=1)");
     expect_error("rank=-1,step=2,kind=segv", "AM_FAULT=rank=-1,step=2,kind=segv: rank=-1: the rank must be a whole "
@@ -80,7 +92,8 @@ static void test_errors(void **state)
     expect_error("rank=1,step=,kind=segv", "AM_FAULT=rank=1,step=,kind=segv: step=: the step must be a whole number "
                  "from 1 (the 1-based training step at which the rank misbehaves, for example step=3)");
     expect_error("rank=1,step=2,kind=boom", "AM_FAULT=rank=1,step=2,kind=boom: kind=boom: unknown kind (use segv, "
-                 "abort, exit:CODE, nan, hang, hang-in-collective, slow:SECONDS, kill, oom, device-oom or kill-in-alltoall)");
+                 "abort, exit:CODE, nan, hang, hang-in-collective, slow:SECONDS, kill, oom, device-oom, kill-in-alltoall or "
+                 "kill-in-save:PHASE)");
     expect_error("rank=1,step=2,kind=exit", "AM_FAULT=rank=1,step=2,kind=exit: kind=exit: the exit code must be a whole "
                  "number from 0 to 255 (for example kind=exit:3)");
     expect_error("rank=1,step=2,kind=exit:256", "AM_FAULT=rank=1,step=2,kind=exit:256: kind=exit:256: the exit code "
@@ -95,6 +108,12 @@ static void test_errors(void **state)
                  "each of rank, step and kind once)");
     expect_error("rank=1,segv,step=2", "AM_FAULT=rank=1,segv,step=2: 'segv' is not key=value "
                  "(AM_FAULT=rank=R,step=S,kind=K)");
+    expect_error("rank=1,step=2,kind=kill-in-save", "AM_FAULT=rank=1,step=2,kind=kill-in-save: kind=kill-in-save: the "
+                 "phase of the save must be one of shard, written, manifest, commit or latest (for example "
+                 "kind=kill-in-save:shard)");
+    expect_error("rank=1,step=2,kind=kill-in-save:rename", "AM_FAULT=rank=1,step=2,kind=kill-in-save:rename: "
+                 "kind=kill-in-save:rename: the phase of the save must be one of shard, written, manifest, commit or "
+                 "latest (for example kind=kill-in-save:shard)");
     char longspec[200];
     memset(longspec, 'x', sizeof(longspec) - 1);
     longspec[sizeof(longspec) - 1] = '\0';
@@ -124,6 +143,13 @@ static void test_checks(void **state)
                              "experts' all-to-all, and this job has none (ep 1): run a mixture-of-experts model with "
                              "ep_size 2 or more, or use kind=kill");
     assert_int_equal(am_fault_check_ep(&f, 2, err, sizeof(err)), 0);
+    assert_int_equal(am_fault_parse("rank=1,step=2,kind=kill-in-save:commit", &f, err, sizeof(err)), 0);
+    assert_int_equal(am_fault_check(&f, 2, 2, err, sizeof(err)), -1);
+    assert_string_equal(err, "AM_FAULT=rank=1,step=2,kind=kill-in-save:commit: rank 0 alone writes the manifest, "
+                             "renames the checkpoint and updates `latest`: use rank=0 for those phases, or the phases "
+                             "shard and written on rank 1");
+    assert_int_equal(am_fault_parse("rank=1,step=2,kind=kill-in-save:written", &f, err, sizeof(err)), 0);
+    assert_int_equal(am_fault_check(&f, 2, 2, err, sizeof(err)), 0);
 }
 
 int main(void)

@@ -105,7 +105,7 @@ for job in "${jobs[@]}"; do
             echo "FAIL: sbatch $name: rank 0's ep groups are '$got', want 'ep [0,1] ep_shard [0,2] '"; fails=$((fails + 1))
         fi
     fi
-    if "$AM_BUILDDIR/tests/train/ckpt_diff" "$work/run-$ref/ckpt/step_8" "$work/run-$name/ckpt/step_8" 5e-5 \
+    if "$AM_BUILDDIR/tests/train/ckpt_diff" "$work/run-$ref/ckpt/step-8/hf" "$work/run-$name/ckpt/step-8/hf" 5e-5 \
         >"$work/wdiff" 2>&1; then
         echo "ok: sbatch $name saved the checkpoint of 1 rank: $(cat "$work/wdiff")"; passes=$((passes + 1))
     else

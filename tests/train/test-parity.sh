@@ -139,7 +139,7 @@ compare() {
         paste "$work/$ref" "$work/got-$name" | sed 's/^/    /'
         fails=$((fails + 1)); return
     fi
-    if ! "$AM_BUILDDIR/tests/train/ckpt_diff" "$work/ckpt-$ref/step_$steps" "$work/ckpt-$name/step_$steps" "$wt" \
+    if ! "$AM_BUILDDIR/tests/train/ckpt_diff" "$work/ckpt-$ref/step-$steps/hf" "$work/ckpt-$name/step-$steps/hf" "$wt" \
         >"$work/wdiff-$name" 2>&1; then
         echo "FAIL: $name's checkpoint differs from $ref's: $(cat "$work/wdiff-$name") (tolerance $wt)"
         fails=$((fails + 1)); return
@@ -253,7 +253,7 @@ done
 bf16_tol=$(paste "$work/ref" "$work/ref-bf16" | awk '
     { d = $1 - $3; if (d < 0) d = -d; if (d > l) l = d; g = ($2 - $4) / $2; if (g < 0) g = -g; if (g > n) n = g }
     END { printf "%.3g %.3g", 2 * l, 2 * n }')
-"$AM_BUILDDIR/tests/train/ckpt_diff" "$work/ckpt-ref/step_$steps" "$work/ckpt-ref-bf16/step_$steps" 1e9 \
+"$AM_BUILDDIR/tests/train/ckpt_diff" "$work/ckpt-ref/step-$steps/hf" "$work/ckpt-ref-bf16/step-$steps/hf" 1e9 \
     >"$work/wdiff-bf16-fp32" 2>&1
 bf16_wtol=$(sed -nE 's/.*largest difference ([^ ]*) .*/\1/p' "$work/wdiff-bf16-fp32" | awk '{ printf "%.3g", 2 * $1 }')
 if awk -v t="${bf16_tol%% *}" 'BEGIN { exit !(t > 1e-4) }'; then

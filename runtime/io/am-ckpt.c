@@ -1,0 +1,205 @@
+/* am-ckpt - what a sharded training checkpoint holds, and its export to Hugging Face.
+ *
+ *   am-ckpt show DIR          the step, the layout it was saved at, the optimizer, data and
+ *                             schedule state, its files and tensors (DIR: a step-N directory,
+ *                             or a checkpoint_dir, whose `latest` is shown)
+ *   am-ckpt export DIR OUT    the master weights as a Hugging Face directory (config.json +
+ *                             safetensors, fp32), offline, from any layout: every shard checked
+ *                             (size, crc32c) first
+ *
+ * Exit status: 0, 1 when the checkpoint is refused (with the reason), 2 on a usage error. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "arena.h"
+#include "checkpoint.h"
+#include "model_config.h"
+#include "shard_ckpt.h"
+
+static int usage(void)
+{
+    fprintf(stderr, "usage: am-ckpt show DIR\n       am-ckpt export DIR OUT\n"
+            "DIR: a checkpoint (step-N, with manifest.json) or a checkpoint_dir (its `latest`)\n");
+    return 2;
+}
+
+static int open_dir(const char *arg, struct am_sckpt **c)
+{
+    char dir[4096], err[2048];
+    bool found;
+    if (am_sckpt_resolve(arg, arg, dir, sizeof(dir), &found, err, sizeof(err)) < 0 || !found) {
+        fprintf(stderr, "am-ckpt: %s\n", found ? err : "no checkpoint there (no manifest.json, no `latest`)");
+        return -1;
+    }
+    if (am_sckpt_open(dir, c, err, sizeof(err)) < 0) {
+        fprintf(stderr, "am-ckpt: %s\n", err);
+        return -1;
+    }
+    return 0;
+}
+
+static json_int_t geti(json_t *o, const char *a, const char *b)
+{
+    return json_integer_value(json_object_get(json_object_get(o, a), b));
+}
+
+static int show(const char *arg)
+{
+    struct am_sckpt *c;
+    if (open_dir(arg, &c) < 0)
+        return 1;
+    json_t *man = am_sckpt_json(c), *meta = am_sckpt_meta(c), *mc = json_object_get(meta, "model_config");
+    printf("checkpoint    %s\n", am_sckpt_dir(c));
+    printf("step          %ld (saved at unix time %.0f)\n", am_sckpt_step(c),
+           json_number_value(json_object_get(man, "time")));
+    printf("model         %s, hidden %lld, %lld layers, vocab %lld (hash %s)\n",
+           json_string_value(json_object_get(mc, "model_type")) ? json_string_value(json_object_get(mc, "model_type"))
+                                                                   : "?",
+           (long long)json_integer_value(json_object_get(mc, "hidden_size")),
+           (long long)json_integer_value(json_object_get(mc, "num_hidden_layers")),
+           (long long)json_integer_value(json_object_get(mc, "vocab_size")), am_sckpt_model_hash(c));
+    printf("layout        world %lld: tp %lld, pp %lld, dp %lld (replicate %lld x shard %lld), cp %lld, ep %lld; "
+           "%s, ZeRO %lld\n", (long long)geti(meta, "layout", "world"), (long long)geti(meta, "layout", "tp"),
+           (long long)geti(meta, "layout", "pp"), (long long)geti(meta, "layout", "dp"),
+           (long long)geti(meta, "layout", "dp_replicate"), (long long)geti(meta, "layout", "dp_shard"),
+           (long long)geti(meta, "layout", "cp"), (long long)geti(meta, "layout", "ep"),
+           json_string_value(json_object_get(meta, "strategy")) ? json_string_value(json_object_get(meta, "strategy"))
+                                                                 : "?",
+           (long long)json_integer_value(json_object_get(meta, "zero_stage")));
+    printf("optimizer     AdamW, %lld steps taken\n", (long long)geti(meta, "optimizer", "step"));
+    printf("data          %lld samples consumed (global batch %lld of %lld tokens), dataset seed %lld\n",
+           (long long)geti(meta, "data", "samples"), (long long)geti(meta, "data", "global_batch"),
+           (long long)geti(meta, "data", "seq_length"), (long long)geti(meta, "data", "seed"));
+    printf("lr schedule   %s, next lr %g\n",
+           json_string_value(json_object_get(json_object_get(meta, "lr_scheduler"), "style")) ?: "?",
+           json_number_value(json_object_get(json_object_get(meta, "lr_scheduler"), "next_lr")));
+    printf("rng           seed %lld\n", (long long)geti(meta, "rng", "seed"));
+    json_t *files = json_object_get(man, "files"), *f;
+    size_t i;
+    json_int_t bytes = 0;
+    json_array_foreach(files, i, f)
+        bytes += json_integer_value(json_object_get(f, "bytes"));
+    printf("files         %zu shards, %lld bytes (masters, AdamW m and v in fp32)\n", json_array_size(files),
+           (long long)bytes);
+    json_int_t params = 0;
+    for (i = 0; i < am_sckpt_n_tensors(c); i++) {
+        struct am_sckpt_tensor_info t;
+        am_sckpt_tensor(c, i, &t);
+        params += t.rows * t.cols;
+    }
+    printf("tensors       %zu, %lld parameters\n", am_sckpt_n_tensors(c), (long long)params);
+    for (i = 0; i < am_sckpt_n_tensors(c); i++) {
+        struct am_sckpt_tensor_info t;
+        am_sckpt_tensor(c, i, &t);
+        if (t.ndim == 2)
+            printf("  %-56s [%lld, %lld]  %zu pieces\n", t.name, (long long)t.rows, (long long)t.cols, t.n_pieces);
+        else
+            printf("  %-56s [%lld]  %zu pieces\n", t.name, (long long)t.rows, t.n_pieces);
+    }
+    am_sckpt_close(c);
+    return 0;
+}
+
+/* The safetensors writer's fill: tensor `index`, read whole once, then handed out in chunks. */
+struct exporter {
+    struct am_sckpt *c;
+    size_t *which; /* safetensors index -> checkpoint tensor */
+    size_t current;
+    float *buf;
+    char err[2048];
+};
+
+static int fill(void *ctx, size_t index, uint64_t offset, void *dst, size_t n, struct am_errors *err)
+{
+    struct exporter *x = ctx;
+    struct am_sckpt_tensor_info t;
+    am_sckpt_tensor(x->c, x->which[index], &t);
+    if (x->current != index || !x->buf) {
+        free(x->buf);
+        x->buf = malloc((size_t)(t.rows * t.cols) * sizeof(float) + 1);
+        x->current = index;
+        if (!x->buf || am_sckpt_read(x->c, x->which[index], 0, 0, t.rows, 0, t.cols, x->buf, t.cols, NULL, x->err,
+                                     sizeof(x->err)) < 0) {
+            am_errors_fail(err, "%s", x->buf ? x->err : "out of memory");
+            free(x->buf);
+            x->buf = NULL;
+            return -1;
+        }
+    }
+    memcpy(dst, (char *)x->buf + offset, n);
+    return 0;
+}
+
+static int export(const char *arg, const char *out)
+{
+    struct am_sckpt *c;
+    char path[4200], err[2048], hash[17];
+    struct am_errors e;
+    struct am_arena a;
+    struct am_list ignored = {0};
+    struct am_model_config cfg;
+    int rc = 1;
+    if (open_dir(arg, &c) < 0)
+        return 1;
+    am_errors_init(&e);
+    am_arena_init(&a, 64u << 20);
+    struct exporter x = {.c = c, .current = (size_t)-1};
+    struct am_st_wtensor *wt = calloc(am_sckpt_n_tensors(c) + 1, sizeof(*wt));
+    x.which = calloc(am_sckpt_n_tensors(c) + 1, sizeof(size_t));
+    if (!wt || !x.which) {
+        fprintf(stderr, "am-ckpt: out of memory\n");
+        goto out;
+    }
+    if (am_sckpt_verify(c, err, sizeof(err)) < 0) {
+        fprintf(stderr, "am-ckpt: %s\n", err);
+        goto out;
+    }
+    snprintf(path, sizeof(path), "%s/config.json", am_sckpt_dir(c));
+    struct am_node *node = am_json_file_to_node(&a, path, &e);
+    if (!node || am_model_config_read(&a, node, "config.json", &cfg, &ignored, &e) < 0 || e.n)
+        goto errs;
+    char *text = am_ckpt_config_json(&cfg, NULL, &e);
+    if (!text)
+        goto errs;
+    am_sckpt_hash_text(text, hash);
+    free(text);
+    if (strcmp(hash, am_sckpt_model_hash(c)) != 0) {
+        fprintf(stderr, "am-ckpt: %s describes a model of hash %s, the manifest says %s (the directory was changed: "
+                "export another checkpoint)\n", path, hash, am_sckpt_model_hash(c));
+        goto out;
+    }
+    size_t n = am_sckpt_n_tensors(c);
+    for (size_t i = 0; i < n; i++) {
+        struct am_sckpt_tensor_info t;
+        am_sckpt_tensor(c, i, &t);
+        x.which[i] = i;
+        wt[i] = (struct am_st_wtensor){.name = t.name, .dtype = AM_ST_F32, .ndim = t.ndim, .shape = {t.rows, t.cols},
+                                       .fill = fill, .ctx = &x};
+    }
+    if (am_ckpt_save(out, &cfg, wt, n, NULL, &e) < 0)
+        goto errs;
+    printf("am-ckpt: exported step %ld (%zu tensors) to %s\n", am_sckpt_step(c), n, out);
+    rc = 0;
+    goto out;
+errs:
+    for (size_t i = 0; i < e.n; i++)
+        fprintf(stderr, "am-ckpt: %s\n", e.msg[i]);
+out:
+    free(x.buf);
+    free(x.which);
+    free(wt);
+    am_arena_free(&a);
+    am_errors_free(&e);
+    am_sckpt_close(c);
+    return rc;
+}
+
+int main(int argc, char **argv)
+{
+    if (argc == 3 && strcmp(argv[1], "show") == 0)
+        return show(argv[2]);
+    if (argc == 4 && strcmp(argv[1], "export") == 0)
+        return export(argv[2], argv[3]);
+    return usage();
+}

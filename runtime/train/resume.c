@@ -1,0 +1,442 @@
+/* resume.c - the trainer's sharded checkpoints: save and restore (resume.h). */
+#include "resume.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "checkpoint.h"
+#include "errors.h"
+#include "log.h"
+#include "util.h"
+
+/* ---- the layout: runs of a parameter's elements in the state arrays --------------------------- */
+
+/* A run of `len` elements of parameter p from its local element a, at `off` in the arrays. */
+typedef int (*run_fn)(void *arg, const struct am_param *p, int64_t a, int64_t len, size_t off, char *err,
+                      size_t err_len);
+
+static int64_t local_cols(const struct am_param *p) { return p->g.ndim > 1 ? p->g.shape[1] : 1; }
+static int64_t full_cols(const struct am_param *p) { return p->full_cols > 0 ? p->full_cols : 1; }
+
+/* Every run of the layout; skip_tied leaves out a tied embedding's copy on the last stage. */
+static int for_runs(const struct am_train_state *s, bool skip_tied, run_fn fn, void *arg, char *err, size_t err_len)
+{
+    struct am_model *m = s->m;
+    const float *g0 = m->grad_mem;
+    if (!s->fsdp) {
+        for (int i = 0; i < m->n_params; i++) {
+            const struct am_param *p = &m->params[i];
+            if (skip_tied && am_model_is_tied_copy(m, p))
+                continue;
+            if (fn(arg, p, 0, am_tensor_numel(&p->g), (size_t)((const float *)p->g.data - g0), err, err_len) < 0)
+                return -1;
+        }
+        return 0;
+    }
+    for (int gi = 0; gi < m->n_groups; gi++) {
+        const struct am_pgroup *G = &m->groups[gi];
+        size_t lo = G->offset + (size_t)G->shard_rank * G->shard_elems, hi = lo + G->shard_elems;
+        for (int j = G->first; j < G->first + G->n; j++) {
+            const struct am_param *p = &m->params[j];
+            if (skip_tied && am_model_is_tied_copy(m, p))
+                continue;
+            size_t po = (size_t)((const float *)p->g.data - g0), pe = po + (size_t)am_tensor_numel(&p->g);
+            size_t a = po > lo ? po : lo, b = pe < hi ? pe : hi;
+            if (a < b && fn(arg, p, (int64_t)(a - po), (int64_t)(b - a), G->shard_offset + (a - lo), err, err_len) < 0)
+                return -1;
+        }
+    }
+    return 0;
+}
+
+/* A run as rectangles of the full tensor, each stored row-major from `off`. */
+typedef int (*box_fn)(void *arg, const struct am_param *p, int64_t row0, int64_t rows, int64_t col0, int64_t cols,
+                      size_t off, char *err, size_t err_len);
+
+static int for_boxes(const struct am_param *p, int64_t a, int64_t len, size_t off, box_fn fn, void *arg, char *err,
+                     size_t err_len)
+{
+    int64_t lc = local_cols(p);
+    while (len > 0) {
+        int64_t r = a / lc, c = a % lc, n;
+        int rc;
+        if (c != 0 || len < lc) {
+            n = lc - c < len ? lc - c : len;
+            rc = fn(arg, p, p->row0 + r, 1, p->col0 + c, n, off, err, err_len);
+        } else {
+            int64_t k = len / lc;
+            n = k * lc;
+            rc = fn(arg, p, p->row0 + r, k, p->col0, lc, off, err, err_len);
+        }
+        if (rc < 0)
+            return -1;
+        a += n;
+        off += (size_t)n;
+        len -= n;
+    }
+    return 0;
+}
+
+struct box_visit {
+    box_fn fn;
+    void *arg;
+};
+
+static int run_to_boxes(void *arg, const struct am_param *p, int64_t a, int64_t len, size_t off, char *err,
+                        size_t err_len)
+{
+    struct box_visit *v = arg;
+    return for_boxes(p, a, len, off, v->fn, v->arg, err, err_len);
+}
+
+/* ---- job-wide agreement --------------------------------------------------------------------------- */
+
+/* v[0..n) replaced by its maximum over every rank of the job (device buffers for NCCL). */
+int am_train_job_max(const struct am_train_state *s, int32_t *v, size_t n, char *err, size_t err_len)
+{
+    const struct am_dev *d = s->m->dev;
+    size_t bytes = n * sizeof(int32_t);
+    void *a = d->k->alloc(d, bytes), *b = d->k->alloc(d, bytes);
+    int rc = 0;
+    if (!a || !b) {
+        rc = am_fail(err, err_len, "checkpoint: out of device memory for %zu flags", n);
+        goto out;
+    }
+    d->k->upload(d, a, v, bytes);
+    for (int k = 0; k < 4; k++) {
+        struct am_comm *c = s->job[k];
+        if (!c || am_comm_size(c) < 2)
+            continue;
+        if (am_allreduce(c, a, b, n, AM_I32, AM_MAX, err, err_len) < 0) {
+            rc = -1;
+            goto out;
+        }
+        void *t = a;
+        a = b;
+        b = t;
+    }
+    d->k->download(d, v, a, bytes);
+out:
+    if (a)
+        d->k->free(d, a);
+    if (b)
+        d->k->free(d, b);
+    return rc;
+}
+
+int am_train_model_hash(const struct am_model *m, char out[17], char *err, size_t err_len)
+{
+    struct am_errors e;
+    am_errors_init(&e);
+    char *text = am_ckpt_config_json(&m->cfg, NULL, &e);
+    if (!text) {
+        am_fail(err, err_len, "checkpoint: the model's config: %s", e.n ? e.msg[0] : "out of memory");
+        am_errors_free(&e);
+        return -1;
+    }
+    am_errors_free(&e);
+    am_sckpt_hash_text(text, out);
+    free(text);
+    return 0;
+}
+
+/* ---- save ----------------------------------------------------------------------------------------- */
+
+struct pieces {
+    struct am_sckpt_piece *v;
+    size_t n, cap;
+};
+
+static int add_piece(void *arg, const struct am_param *p, int64_t row0, int64_t rows, int64_t col0, int64_t cols,
+                     size_t off, char *err, size_t err_len)
+{
+    struct pieces *ps = arg;
+    if (ps->n == ps->cap) {
+        size_t cap = ps->cap ? 2 * ps->cap : 256;
+        struct am_sckpt_piece *v = realloc(ps->v, cap * sizeof(*v));
+        if (!v)
+            return am_fail(err, err_len, "checkpoint: out of memory for the list of pieces");
+        ps->v = v;
+        ps->cap = cap;
+    }
+    ps->v[ps->n++] = (struct am_sckpt_piece){p->name, p->full_rows, p->full_cols, (int64_t)off, row0, rows, col0, cols};
+    return 0;
+}
+
+static json_t *meta_of(const struct am_train_state *s, long step)
+{
+    const struct am_recipe *r = s->r;
+    const struct am_plan *p = s->p;
+    static const char *const lr_styles[] = {"constant", "linear", "cosine"};
+    json_t *o = json_object();
+    json_object_set_new(o, "layout", json_pack("{s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i}", "world", p->world, "tp", p->tp,
+                                               "pp", p->pp, "dp", p->dp, "dp_replicate", p->dp_replicate, "dp_shard",
+                                               p->dp_shard, "cp", p->cp, "ep", p->ep));
+    json_object_set_new(o, "strategy", json_string(am_strategy_name(r->dist.strategy)));
+    json_object_set_new(o, "zero_stage", json_integer(p->zero_stage));
+    json_object_set_new(o, "optimizer", json_pack("{s:I,s:f,s:f,s:f,s:f,s:f}", "step", (json_int_t)s->optim->step,
+                                                  "lr", r->optim.lr, "beta1", r->optim.beta1, "beta2", r->optim.beta2,
+                                                  "eps", r->optim.eps, "weight_decay", r->optim.weight_decay));
+    json_object_set_new(o, "data", json_pack("{s:I,s:I,s:I,s:I,s:I,s:b}", "step", (json_int_t)step, "global_batch",
+                                             (json_int_t)p->global_batch, "seq_length", (json_int_t)p->seq_length,
+                                             "samples", (json_int_t)(step * p->global_batch), "seed",
+                                             (json_int_t)r->data.seed, "shuffle", r->data.shuffle));
+    json_object_set_new(o, "rng", json_pack("{s:I,s:s}", "seed", (json_int_t)r->seed, "draws",
+                                            "at initialisation only, from (seed, tensor, index)"));
+    json_object_set_new(o, "lr_scheduler", json_pack("{s:s,s:I,s:I,s:f,s:f}", "style",
+                                                     (unsigned)r->lr.style < 3 ? lr_styles[r->lr.style] : "?",
+                                                     "warmup_steps", (json_int_t)r->lr.warmup_steps, "decay_steps",
+                                                     (json_int_t)r->lr.decay_steps, "min_lr", r->lr.min_lr,
+                                                     "next_lr", am_lr_at(r, step)));
+    struct am_errors e;
+    am_errors_init(&e);
+    char *text = am_ckpt_config_json(&s->m->cfg, NULL, &e);
+    am_errors_free(&e);
+    if (text) {
+        json_t *cfg = json_loads(text, 0, NULL);
+        if (cfg)
+            json_object_set_new(o, "model_config", cfg);
+        free(text);
+    }
+    return o;
+}
+
+/* The model's config.json beside the manifest (am-ckpt export reads it). */
+static int write_config(const struct am_train_state *s, const char *tmp, char *err, size_t err_len)
+{
+    struct am_errors e;
+    am_errors_init(&e);
+    char *text = am_ckpt_config_json(&s->m->cfg, NULL, &e);
+    if (!text)
+        am_fail(err, err_len, "checkpoint: the model's config: %s", e.n ? e.msg[0] : "out of memory");
+    am_errors_free(&e);
+    if (!text)
+        return -1;
+    int rc = am_sckpt_write_text(tmp, "config.json", text, err, err_len);
+    free(text);
+    return rc;
+}
+
+/* This rank's three arrays and pieces into tmp. */
+static int write_rank(const struct am_train_state *s, const char *tmp, char *err, size_t err_len)
+{
+    const struct am_dev *d = s->m->dev;
+    size_t bytes = s->n * sizeof(float);
+    float *sec[AM_SCKPT_SECTIONS] = {malloc(bytes ? bytes : 1), malloc(bytes ? bytes : 1), malloc(bytes ? bytes : 1)};
+    struct pieces ps = {0};
+    int rc = -1;
+    if (!sec[0] || !sec[1] || !sec[2]) {
+        am_fail(err, err_len, "checkpoint: out of host memory for %zu bytes of state", 3 * bytes);
+        goto out;
+    }
+    d->k->download(d, sec[0], s->master, bytes);
+    d->k->download(d, sec[1], s->optim->m_mem, bytes);
+    d->k->download(d, sec[2], s->optim->v_mem, bytes);
+    struct box_visit v = {add_piece, &ps};
+    if (for_runs(s, true, run_to_boxes, &v, err, err_len) < 0)
+        goto out;
+    rc = am_sckpt_write_rank(tmp, s->rank, (const float *const *)sec, (int64_t)s->n, ps.v, ps.n, s->hook, s->hook_arg,
+                             err, err_len);
+out:
+    for (int i = 0; i < AM_SCKPT_SECTIONS; i++)
+        free(sec[i]);
+    free(ps.v);
+    return rc;
+}
+
+int am_train_save(const struct am_train_state *s, long step, char *dir, size_t dir_len, double *seconds, char *err,
+                  size_t err_len)
+{
+    const char *root = s->r->ckpt.dir ? s->r->ckpt.dir : "checkpoints";
+    double t0 = am_mono_time();
+    char tmp[4096], msg[1024] = "";
+    char hash[17];
+    int32_t *flags = calloc((size_t)s->world + 1, sizeof(int32_t)); /* [rank]: writes; [world]: a failure */
+    if (!flags)
+        return am_fail(err, err_len, "checkpoint at step %ld: out of memory", step);
+    am_sckpt_tmp_dir(root, step, s->tag, tmp, sizeof(tmp));
+    am_sckpt_step_dir(root, step, dir, dir_len);
+    int bad = am_train_model_hash(s->m, hash, msg, sizeof(msg)) < 0;
+    if (!bad && s->rank == 0)
+        bad = am_sckpt_begin(root, step, s->tag, msg, sizeof(msg)) < 0 || write_config(s, tmp, msg, sizeof(msg)) < 0;
+    flags[s->world] = bad;
+    if (am_train_job_max(s, &flags[s->world], 1, err, err_len) < 0)
+        goto fail;
+    if (flags[s->world]) {
+        if (bad)
+            am_fail(err, err_len, "checkpoint at step %ld: %s", step, msg);
+        else
+            am_fail(err, err_len, "checkpoint at step %ld: rank 0 could not begin it (its log says why)", step);
+        goto fail;
+    }
+    bad = s->writes && write_rank(s, tmp, msg, sizeof(msg)) < 0;
+    if (!bad && s->extra)
+        bad = s->extra(s->extra_arg, tmp, msg, sizeof(msg)) < 0;
+    flags[s->rank] = s->writes;
+    flags[s->world] = bad;
+    if (am_train_job_max(s, flags, (size_t)s->world + 1, err, err_len) < 0)
+        goto fail;
+    if (flags[s->world]) {
+        if (bad)
+            am_fail(err, err_len, "checkpoint at step %ld: %s", step, msg);
+        else
+            am_fail(err, err_len, "checkpoint at step %ld: another rank could not write its shard (its log says why)",
+                    step);
+        goto fail;
+    }
+    int32_t done = 0;
+    if (s->rank == 0) {
+        int *ranks = malloc((size_t)s->world * sizeof(int));
+        int n = 0;
+        bool already = false;
+        for (int i = 0; ranks && i < s->world; i++)
+            if (flags[i])
+                ranks[n++] = i;
+        done = !ranks || am_sckpt_commit(root, step, s->tag, ranks, n, meta_of(s, step), hash, s->r->ckpt.keep_last,
+                                         s->hook, s->hook_arg, &already, msg, sizeof(msg)) < 0;
+        if (!ranks)
+            snprintf(msg, sizeof(msg), "out of memory");
+        free(ranks);
+    }
+    bad = done;
+    if (am_train_job_max(s, &done, 1, err, err_len) < 0)
+        goto fail;
+    if (done) {
+        if (bad)
+            am_fail(err, err_len, "checkpoint at step %ld: %s", step, msg);
+        else
+            am_fail(err, err_len, "checkpoint at step %ld: rank 0 could not commit it (its log says why)", step);
+        goto fail;
+    }
+    free(flags);
+    *seconds = am_mono_time() - t0;
+    return 0;
+fail:
+    free(flags);
+    return -1;
+}
+
+/* ---- restore -------------------------------------------------------------------------------------- */
+
+struct loader {
+    struct am_sckpt *c;
+    float *sec[AM_SCKPT_SECTIONS];
+    unsigned char *mask;
+};
+
+static int load_box(void *arg, const struct am_param *p, int64_t row0, int64_t rows, int64_t col0, int64_t cols,
+                    size_t off, char *err, size_t err_len)
+{
+    struct loader *L = arg;
+    int t = am_sckpt_find(L->c, p->name);
+    struct am_sckpt_tensor_info ti;
+    if (t < 0)
+        return am_fail(err, err_len, "checkpoint %s has no tensor %s (saved from another model: restore from a "
+                       "checkpoint of this model)", am_sckpt_dir(L->c), p->name);
+    am_sckpt_tensor(L->c, (size_t)t, &ti);
+    if (ti.rows != p->full_rows || ti.cols != full_cols(p) || (ti.ndim == 2) != (p->full_cols > 0))
+        return am_fail(err, err_len, "checkpoint %s holds %s as %lld x %lld, this model as %lld x %lld (another "
+                       "model: restore from a checkpoint of this model)", am_sckpt_dir(L->c), p->name,
+                       (long long)ti.rows, (long long)ti.cols, (long long)p->full_rows, (long long)full_cols(p));
+    for (int s = 0; s < AM_SCKPT_SECTIONS; s++)
+        if (am_sckpt_read(L->c, (size_t)t, s, row0, rows, col0, cols, L->sec[s] + off, cols, s == 0 ? L->mask + off : NULL,
+                          err, err_len) < 0)
+            return -1;
+    for (int64_t i = 0; i < rows * cols; i++)
+        if (!L->mask[off + (size_t)i])
+            return am_fail(err, err_len, "checkpoint %s does not hold element (%lld, %lld) of %s (its shards are "
+                           "incomplete: restore from another checkpoint)", am_sckpt_dir(L->c),
+                           (long long)(row0 + i / cols), (long long)(col0 + i % cols), p->name);
+    return 0;
+}
+
+static long meta_long(json_t *meta, const char *obj, const char *key)
+{
+    json_t *v = json_object_get(json_object_get(meta, obj), key);
+    return json_is_integer(v) ? (long)json_integer_value(v) : -1;
+}
+
+static int restore_local(const struct am_train_state *s, const char *dir, long *step, char *err, size_t err_len)
+{
+    struct loader L = {0};
+    char hash[17];
+    int rc = -1;
+    if (am_train_model_hash(s->m, hash, err, err_len) < 0 || am_sckpt_open(dir, &L.c, err, err_len) < 0)
+        return -1;
+    json_t *meta = am_sckpt_meta(L.c);
+    if (strcmp(am_sckpt_model_hash(L.c), hash) != 0) {
+        json_t *mc = json_object_get(meta, "model_config");
+        am_fail(err, err_len, "checkpoint %s was saved from another model (model hash %s; this recipe's is %s: "
+                "model_type %s, hidden_size %ld, num_hidden_layers %ld, vocab_size %ld; the checkpoint's: model_type "
+                "%s, hidden_size %lld, num_hidden_layers %lld, vocab_size %lld): restore from a checkpoint of this "
+                "model", dir, am_sckpt_model_hash(L.c), hash, s->m->cfg.model_type, s->m->cfg.hidden_size,
+                s->m->cfg.num_hidden_layers, s->m->cfg.vocab_size,
+                json_string_value(json_object_get(mc, "model_type")) ? json_string_value(json_object_get(mc, "model_type")) : "?",
+                (long long)json_integer_value(json_object_get(mc, "hidden_size")),
+                (long long)json_integer_value(json_object_get(mc, "num_hidden_layers")),
+                (long long)json_integer_value(json_object_get(mc, "vocab_size")));
+        goto out;
+    }
+    long gb = meta_long(meta, "data", "global_batch"), sl = meta_long(meta, "data", "seq_length");
+    if (gb != s->p->global_batch || sl != s->p->seq_length) {
+        am_fail(err, err_len, "checkpoint %s was saved with a global batch of %ld sequences of %ld tokens, this job "
+                "runs %ld of %ld: the data position (a number of steps of that batch) cannot be taken; keep "
+                "step_scheduler.global_batch_size and the sequence length of the saved run", dir, gb, sl,
+                (long)s->p->global_batch, (long)s->p->seq_length);
+        goto out;
+    }
+    long opt_step = meta_long(meta, "optimizer", "step");
+    if (opt_step < 0) {
+        am_fail(err, err_len, "checkpoint %s: manifest.json has no optimizer step (damaged: restore from another "
+                "checkpoint)", dir);
+        goto out;
+    }
+    size_t bytes = s->n * sizeof(float);
+    for (int i = 0; i < AM_SCKPT_SECTIONS; i++)
+        L.sec[i] = calloc(s->n ? s->n : 1, sizeof(float));
+    L.mask = calloc(s->n ? s->n : 1, 1);
+    if (!L.sec[0] || !L.sec[1] || !L.sec[2] || !L.mask) {
+        am_fail(err, err_len, "checkpoint %s: out of host memory for %zu bytes of state", dir, 3 * bytes);
+        goto out;
+    }
+    struct box_visit v = {load_box, &L};
+    if (for_runs(s, false, run_to_boxes, &v, err, err_len) < 0)
+        goto out;
+    const struct am_dev *d = s->m->dev;
+    d->k->upload(d, s->master, L.sec[0], bytes);
+    d->k->upload(d, s->optim->m_mem, L.sec[1], bytes);
+    d->k->upload(d, s->optim->v_mem, L.sec[2], bytes);
+    s->optim->step = opt_step;
+    *step = am_sckpt_step(L.c);
+    rc = 0;
+out:
+    for (int i = 0; i < AM_SCKPT_SECTIONS; i++)
+        free(L.sec[i]);
+    free(L.mask);
+    am_sckpt_close(L.c);
+    return rc;
+}
+
+int am_train_restore(const struct am_train_state *s, const char *dir, long *step, char *err, size_t err_len)
+{
+    char msg[1024];
+    int32_t v[2];
+    long got = -1;
+    int bad = restore_local(s, dir, &got, msg, sizeof(msg)) < 0;
+    v[0] = bad;
+    v[1] = bad ? -1 : (int32_t)got;
+    int32_t neg[2] = {bad, bad ? 1 : -(int32_t)got};
+    if (am_train_job_max(s, v, 2, err, err_len) < 0 || am_train_job_max(s, neg, 2, err, err_len) < 0)
+        return -1;
+    if (bad)
+        return am_fail(err, err_len, "%s", msg);
+    if (v[0])
+        return am_fail(err, err_len, "checkpoint %s: another rank could not restore its part (its log says why)", dir);
+    if (v[1] != -neg[1])
+        return am_fail(err, err_len, "checkpoint %s: the ranks read different steps (%d and %d): the directory "
+                       "changed while they read it", dir, -neg[1], v[1]);
+    *step = got;
+    return 0;
+}
