@@ -3,8 +3,10 @@
 # (6 steps of 8 sequences of 32 tokens, a checkpoint every 2 steps, the last 2 kept):
 #   resume: a run killed at a step (AM_FAULT kind=kill) and started again with
 #     checkpoint.restore_from: latest gives the uninterrupted run's losses to the last bit and
-#     its final state files byte for byte, at 1 rank, dp 2 (fsdp2), tp 2 x pp 2, and a mixture
-#     of experts (Mixtral's layers, 4 experts) at tp 2 x dp 2 (fsdp2: the experts' own groups);
+#     its final state files byte for byte, at 1 rank, dp 2 (fsdp2), tp 2 x pp 2, cp 2 x dp 2
+#     (fsdp2 over dp x cp), and a mixture of experts (Mixtral's layers, 4 experts) at tp 2 x dp 2
+#     (fsdp2: the experts' own groups) and at ep 2 x dp 4 (the experts sharded over the ranks
+#     holding the same ones);
 #   kills: a seeded random set of trials across layouts kills one rank at a random step or at a
 #     random phase inside a save (kind=kill-in-save:PHASE), then resumes: after every kill
 #     `latest` names a complete checkpoint (or none, before the first), the resumed job
@@ -90,7 +92,7 @@ same_state() {
 # ---- references: the uninterrupted runs --------------------------------------------------------
 # NAME RANKS MODS [OVERRIDES]
 refs=("r1 1 -" "r-dp2 2 -" "r-tp2pp2 4 - AM_TP=2 AM_PP=2" "r-ddp2 2 ddp" "r-pp2dp2 4 - AM_PP=2"
-    "r-moe-tp2dp2 4 moe AM_TP=2")
+    "r-moe-tp2dp2 4 moe AM_TP=2" "r-cp2dp2 4 - AM_CP=2" "r-moe-ep2dp4 4 moe AM_EP=2")
 for ref in "${refs[@]}"; do
     set -- $ref
     name=$1 n=$2 mods=$3
@@ -158,6 +160,8 @@ trial kill-dp2 r-dp2 2 kill 1 5
 trial kill-tp2pp2 r-tp2pp2 4 kill 3 4 AM_TP=2 AM_PP=2
 trial kill-moe r-moe-tp2dp2 4 kill-in-save:shard 3 4 AM_TP=2
 trial kill-latest r-pp2dp2 4 kill-in-save:latest 0 4 AM_PP=2
+trial kill-cp2dp2 r-cp2dp2 4 kill 2 5 AM_CP=2
+trial kill-ep2dp4 r-moe-ep2dp4 4 kill-in-save:written 1 4 AM_EP=2
 
 # am-diag after a kill inside a save: the last complete checkpoint, and the save that did not end
 trial kill-save-dp2 r-dp2 2 kill-in-save:written 1 4
@@ -288,6 +292,7 @@ source_run s-dp4 4 - && reshard s-dp4 to-ddp2 2 ddp
 source_run s-1 1 - && reshard s-1 to-tp2pp2 4 - AM_TP=2 AM_PP=2
 source_run s-mz1-tp2dp2 4 mz1 AM_TP=2 && reshard s-mz1-tp2dp2 to-hsdp4 4 hsdp
 source_run s-pp2il 2 il AM_PP=2 && reshard s-pp2il to-dp2-z2 2 mz2
+source_run s-cp2dp2 4 - AM_CP=2 && reshard s-cp2dp2 to-tp2cp2 4 - AM_TP=2 AM_CP=2
 
 # ---- refusals -------------------------------------------------------------------------------------------
 # refuse NAME N MODS MESSAGE [SETUP...]: a copy of ref1's step-3 damaged by SETUP (run in it)
