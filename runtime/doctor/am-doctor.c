@@ -124,10 +124,13 @@ int main(int argc, char **argv)
     int status = 0;
     if (me == 0) {
         const char *dev = getenv("AM_DEVICE");
+        /* a sharded checkpoint holds 12 bytes a parameter (fp32 masters, AdamW's two moments),
+         * 4 more with its Hugging Face export; the kept ones and the one being written */
+        const struct am_recipe *r = s.recipe;
+        double per_ckpt = s.plan.params.total * (12.0 + (r->ckpt.save_consolidated ? 4.0 : 0.0));
         struct am_doc_need need = {
             .rank_mem = s.plan.mem.total,
-            .ckpt_bytes = s.recipe->ckpt.enabled
-                              ? s.plan.params.total * (double)(am_dtype_size(s.recipe->param_dtype) + 8) : 0,
+            .ckpt_bytes = r->ckpt.enabled ? per_ckpt * (double)(r->ckpt.keep_last > 0 ? r->ckpt.keep_last + 1 : 1) : 0,
             .gpu_job = strcmp(all[0].transport, "nccl") == 0 || (dev && strcmp(dev, "cuda") == 0),
             .recipe = recipe,
         };

@@ -31,7 +31,7 @@ static const char usage[] =
     "  started by am-launch --doctor (srun --mpi=pmix am-launch --doctor RECIPE [-- OPTIONS])\n"
     "  --json                 one JSON object instead of the tables\n"
     "  --min-mem-gb G         free memory each node needs (default: the plan's estimate on CPUs)\n"
-    "  --min-disk-gb G        free disk where checkpoints go (default: one checkpoint's size)\n"
+    "  --min-disk-gb G        free disk where checkpoints go (default: the checkpoints kept and one more)\n"
     "  --max-skew S           largest clock difference between nodes, seconds (default 0.5)\n"
     "  --expect-domain-gbs B  all-reduce bus bandwidth expected in an NVLink domain, GB/s\n"
     "                         (default: NCCL 100, UCX 0.02)\n"
