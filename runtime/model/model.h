@@ -57,6 +57,7 @@ struct am_param {
     struct am_tensor wc;    /* the value the kernels compute with: w itself, or its copy in the
                                compute dtype (mixed precision), refreshed by am_model_begin_step */
     char name[96];          /* Hugging Face name */
+    size_t slab_off;        /* where it starts in the slabs (elements), wherever g points now */
     enum am_split split;
     int64_t full_rows, full_cols; /* the unsplit shape (cols 0 for vectors) */
     int64_t row0, col0;     /* where this rank's slice starts in the full tensor */
@@ -147,7 +148,10 @@ struct am_pgroup {
     bool tied;               /* holds a copy of a tied embedding split over two pipeline stages:
                                 final only after am_model_finish_tied, never signalled */
     enum am_shard shard;     /* set by the trainer (AM_SHARD_REPLICATED by default) */
-    struct am_comm *comm;    /* the group it is reduced over; set by the trainer */
+    struct am_comm *comm;    /* the group it is reduced over (sharded: the group its shards span,
+                                all-gathered and reduce-scattered over); set by the trainer */
+    struct am_comm *replicate; /* sharded with replicas (HSDP): the group its shards are then
+                                  all-reduced over, or NULL; set by the trainer */
 };
 
 /* The step's values the host reads (am_model_read_scalars). */
@@ -203,7 +207,15 @@ struct am_model {
      * the weights are always where init put them. Non-zero fails the pass with its message. */
     int (*group_use)(void *arg, int group, bool backward, char *err, size_t err_len);
     void *group_use_arg;
+    /* Called before a pass writes group's gradients (the head's, then the embedding's it
+     * shares, in the backward or already in the forward that fuses the loss's gradient; a
+     * layer's, then its experts'; the embedding's), so that a trainer that keeps
+     * gradients in per-group buffers (sharded gradients, grad_sync.h) points the group's g
+     * there first. NULL: the gradients are the slab's. Non-zero fails the backward. */
+    int (*grad_use)(void *arg, int group, char *err, size_t err_len);
+    void *grad_use_arg;
     bool grads_final;
+    bool grads_each_pass; /* grad_ready after every backward of a group, not only the final one */
     /* device scalars: loss and sumsq (f64 accumulators), local_sumsq (the trainer's), the
      * fp32 sums over ranks of loss and sumsq, and an i32 flag (all_finite) */
     struct {
@@ -319,6 +331,15 @@ int am_model_grad_sumsq_shards(struct am_model *m, const float *shards, int rank
  * them in shards and gathers each group before use, group_use); p->w.data becomes NULL
  * (point it at a gathered copy to save a checkpoint). */
 void am_model_drop_weights(struct am_model *m);
+
+/* Frees the gradient slab (a trainer that keeps gradients in per-group buffers points each
+ * group's g there through grad_use); p->g.data becomes NULL. */
+void am_model_drop_grads(struct am_model *m);
+
+/* The other group whose parameters group g's passes read and write: the embedding for the
+ * head's group when the head is the embedding on this rank, a mixture-of-experts layer's
+ * experts for its layer's group; -1 for any other. */
+int am_model_group_also(const struct am_model *m, int group);
 
 /* The loss scalar summed over the data-parallel group dp (NULL: none) and the pp group. */
 int am_model_reduce_loss(struct am_model *m, struct am_comm *dp, char *err, size_t err_len);

@@ -15,23 +15,8 @@ static struct am_tensor flat(void *p, const struct am_model *m, enum am_dtype dt
 /* Where parameter p starts in the model's slabs, in elements. */
 static size_t param_offset(const struct am_model *m, const struct am_param *p)
 {
-    return (size_t)((const float *)p->g.data - (const float *)m->grad_mem);
-}
-
-/* The head's group reads the embedding's weights too when they are one tensor on this rank. */
-static bool head_reads_embed(const struct am_model *m, int group)
-{
-    return m->embed && m->head == m->embed && m->groups[group].kind == AM_PG_HEAD;
-}
-
-/* The group of a mixture-of-experts layer's experts, which follows its layer's group (moe.h):
- * the layer reads both; -1 for any other group. */
-static int experts_of(const struct am_model *m, int group)
-{
-    return group >= 0 && group + 1 < m->n_groups && m->groups[group].kind == AM_PG_LAYER &&
-                   m->groups[group + 1].kind == AM_PG_EXPERTS
-               ? group + 1
-               : -1;
+    (void)m;
+    return p->slab_off;
 }
 
 int am_fsdp_init(struct am_fsdp *f, struct am_model *m, struct am_comm *comm, int stage, bool reshard_after_forward,
@@ -51,6 +36,7 @@ int am_fsdp_init(struct am_fsdp *f, struct am_model *m, struct am_comm *comm, in
     for (int g = 0; g < m->n_groups; g++) {
         struct am_pgroup *G = &m->groups[g];
         G->shard = stage >= 2 ? AM_SHARD_SHARDED : AM_SHARD_REPLICATED;
+        G->comm = comm; /* the group its shard spans (every group over the same one so far) */
         G->shard_offset = f->n_shard;
         G->shard_elems = G->span / (size_t)f->size;
         f->n_shard += G->shard_elems;
@@ -125,7 +111,7 @@ int am_fsdp_publish(struct am_fsdp *f, char *err, size_t err_len)
     struct am_model *m = f->m;
     for (int g = 0; g < m->n_groups; g++) {
         const struct am_pgroup *G = &m->groups[g];
-        if (am_allgather(f->comm, (float *)f->master + G->shard_offset, (float *)m->param_mem + G->offset,
+        if (am_allgather(G->comm, (float *)f->master + G->shard_offset, (float *)m->param_mem + G->offset,
                          G->shard_elems, AM_F32, err, err_len) < 0)
             return -1;
     }
@@ -212,7 +198,7 @@ static int start_gather(struct am_fsdp *f, int g, int s, char *err, size_t err_l
     f->slot_used[s] = ++f->tick;
     const char *src = (const char *)(f->master_lp ? f->master_lp : f->master) + G->shard_offset * cs;
     void *dst = (char *)f->slot_mem + (size_t)s * f->slot_elems * cs;
-    if (am_iallgather(f->comm, src, dst, G->shard_elems, m->act_dt, &f->slot_req[s], err, err_len) < 0) {
+    if (am_iallgather(G->comm, src, dst, G->shard_elems, m->act_dt, &f->slot_req[s], err, err_len) < 0) {
         f->slot_group[s] = -1;
         return -1;
     }
@@ -252,7 +238,7 @@ int am_fsdp_use(void *arg, int group, bool backward, char *err, size_t err_len)
 {
     struct am_fsdp *f = arg;
     const struct am_model *m = f->m;
-    int also = head_reads_embed(m, group) ? 0 : experts_of(m, group);
+    int also = am_model_group_also(m, group);
     if (gather(f, group, also, err, err_len) < 0 || (also >= 0 && gather(f, also, group, err, err_len) < 0))
         return -1;
     /* the prefetch: the next group this pass reads, with its experts (the embedding's backward
@@ -265,7 +251,7 @@ int am_fsdp_use(void *arg, int group, bool backward, char *err, size_t err_len)
     int s;
     if (slot_of(f, next) < 0 && (s = free_slot(f, group, also, -1)) >= 0 && start_gather(f, next, s, err, err_len) < 0)
         return -1;
-    int nx = experts_of(m, next);
+    int nx = m->groups[next].kind == AM_PG_LAYER ? am_model_group_also(m, next) : -1;
     if (nx >= 0 && slot_of(f, nx) < 0 && (s = free_slot(f, group, also, next)) >= 0 &&
         start_gather(f, nx, s, err, err_len) < 0)
         return -1;
@@ -280,7 +266,7 @@ int am_fsdp_gather_masters(struct am_fsdp *f, void **slab, char *err, size_t err
         return am_fail(err, err_len, "fsdp: out of memory for the %zu gathered weights of a checkpoint", m->slab_elems);
     for (int g = 0; g < m->n_groups; g++) {
         const struct am_pgroup *G = &m->groups[g];
-        if (am_allgather(f->comm, (float *)f->master + G->shard_offset, (float *)*slab + G->offset, G->shard_elems,
+        if (am_allgather(G->comm, (float *)f->master + G->shard_offset, (float *)*slab + G->offset, G->shard_elems,
                          AM_F32, err, err_len) < 0)
             return -1;
     }

@@ -26,12 +26,15 @@
  * are issued in the order of the schedule, the same on every rank of the
  * shard group.
  *
- * Gradients: the backward accumulates full-size fp32 gradients in the model's gradient slab
- * over the micro-batches of the step (FSDP2 with set_requires_gradient_sync(False) on all but
- * the last micro-batch: one reduction per step), and each group's gradients are
- * reduce-scattered, in reduce_dtype, into its shard as soon as the last backward makes them
- * final (grad_sync.h). The gradient norm is the shards' sum of squares summed over the shard
- * group, tp and pp (am_model_grad_sumsq_shards); the optimizer steps the shards alone.
+ * Gradients (stages 2 and 3): the model keeps no full-size gradients; each group's live in a
+ * per-group buffer while its backward runs and are reduce-scattered, in reduce_dtype, into
+ * the group's fp32 shard after every backward (with gradient accumulation, every micro-batch:
+ * FSDP2's default, set_requires_gradient_sync(True)), HSDP's replica all-reduce of each
+ * group's shard started as its last reduce-scatter of the step completes (grad_sync.h). The
+ * gradient norm is the shards' sum of squares summed over the shard group, tp and pp
+ * (am_model_grad_sumsq_shards); the optimizer steps the shards alone. Each group carries the
+ * communicator its shard spans (G->comm, all-gathers and reduce-scatters; G->replicate for
+ * HSDP), the same dp_shard group for every group so far.
  *
  * A checkpoint gathers the masters of every group into a full fp32 slab for the save
  * (am_fsdp_gather_masters), which the caller frees after it.
@@ -39,8 +42,8 @@
  * ZeRO stages below 3 (megatron_fsdp's zero_dp_strategy) use the same shards with the
  * weights replicated: the model keeps its full weights (no gathering before use), the
  * optimizer steps the shards, and am_fsdp_publish all-gathers the updated master shards
- * into the model's full masters after each step. Stage 2 reduce-scatters the gradients into
- * the shards as above; stage 1 all-reduces them whole (as ddp) and am_fsdp_take_grads copies
+ * into the model's full masters after each step. Stage 2 shards the gradients as above; stage
+ * 1 accumulates them full-size, all-reduces them whole (as ddp) and am_fsdp_take_grads copies
  * the rank's shard of them.
  */
 #ifndef AM_FSDP_H
@@ -60,7 +63,7 @@ struct am_fsdp {
     size_t n_shard;       /* this rank's elements: the sum of the groups' shards */
     void *master;         /* fp32 master shards [n_shard] */
     void *master_lp;      /* their copy in the compute dtype (mixed precision), else NULL */
-    void *grads;          /* fp32 reduced gradient shards [n_shard] */
+    void *grads;          /* fp32 reduced gradient shards [n_shard] (accumulated over a step) */
     void *slot_mem;       /* n_slots gathered buffers of slot_elems in the compute dtype */
     size_t slot_elems;
     int n_slots;

@@ -131,11 +131,12 @@ static void log_memory(struct trainer *t)
     size_t n = m->n_elems, lp = m->param_lp_mem ? am_dtype_size(m->act_dt) : 0;
     size_t glp = t->sync.lp_mem ? am_dtype_size(t->sync.reduce) : 0;
     size_t weights = n * (sizeof(float) + lp), grads = n * (sizeof(float) + glp), opt = n * 2 * sizeof(float);
-    size_t gathered = 0;
-    if (t->sharded) { /* fsdp.h: the shards; the full-size gradients (and their reduce_dtype copy) */
+    size_t gathered = 0, grad_buffers = am_gsync_buffer_bytes(&t->sync);
+    if (t->sharded) { /* fsdp.h: the shards; stage 1 the full-size gradients (and their reduce_dtype
+                       * copy), from stage 2 the per-group buffers instead (grad_sync.h) */
         size_t S = t->fsdp.n_shard, slab = m->slab_elems;
         weights = am_fsdp_weight_bytes(&t->fsdp);
-        grads = slab * (sizeof(float) + glp) + S * (sizeof(float) + (t->zero >= 2 ? glp : 0));
+        grads = (t->zero >= 2 ? 0 : slab * sizeof(float)) + am_gsync_bytes(&t->sync) + S * sizeof(float);
         opt = S * 2 * sizeof(float);
         gathered = am_fsdp_gathered_bytes(&t->fsdp);
     }
@@ -147,6 +148,7 @@ static void log_memory(struct trainer *t)
                           "recompute", m->sh.recompute);
     json_object_set_new(o, "compute_dtype", json_string(am_dtype_torch_name(m->act_dt)));
     json_object_set_new(o, "gathered_bytes", json_integer((json_int_t)gathered));
+    json_object_set_new(o, "grad_buffers_bytes", json_integer((json_int_t)grad_buffers));
     json_object_set_new(o, "sharded", json_boolean(t->sharded));
     am_log_record(t->log, "memory", o);
 }
@@ -224,8 +226,11 @@ static int read_microbatches(struct trainer *t, long step, int64_t accum, struct
 
 /* The first parameter whose gradient is not finite, for the log (after a failure: a read of
  * the device per parameter). */
-static const char *first_nonfinite(struct am_model *m)
+static const char *first_nonfinite(struct am_gsync *s, struct am_model *m)
 {
+    int sharded = am_gsync_first_nonfinite(s); /* sharded gradients: flagged as the backward went */
+    if (sharded != -2)
+        return sharded >= 0 ? m->params[sharded].name : "(none)";
     for (int i = 0; i < m->n_params; i++) {
         int32_t ok = 1;
         m->K->upload(m->dev, m->scalars.flag.data, &ok, sizeof(ok));
@@ -548,7 +553,7 @@ static int save_replica(struct trainer *t, long step, struct am_errors *err)
  * this rank is where it came from) or "reduced" (after the data-parallel all-reduce). */
 static int nonfinite(struct trainer *t, long step, double loss, double norm, const char *origin, struct am_errors *err)
 {
-    const char *bad = first_nonfinite(&t->model);
+    const char *bad = first_nonfinite(&t->sync, &t->model);
     json_t *o = json_pack("{s:s,s:i,s:s,s:s}", "cause", "nonfinite", "step", (int)step, "tensor", bad, "origin", origin);
     json_object_set_new(o, "loss", number(loss));
     json_object_set_new(o, "grad_norm", number(norm));
@@ -577,6 +582,7 @@ static int forward_backward(struct trainer *t, long step, float dloss_scale, str
     const struct am_plan *p = t->p;
     char msg[1024];
     am_model_begin_step(&t->model);
+    am_gsync_begin_step(&t->sync);
     if (t->sharded)
         am_fsdp_begin_step(&t->fsdp);
     if (p->dp > 1 && am_fault_due(&t->fault, t->s->info.rank, step, AM_FAULT_HANG_IN_COLLECTIVE)) {
@@ -878,10 +884,11 @@ int am_train(struct am_rank_setup *s, struct am_log *log, struct am_errors *err)
         am_errors_fail(err, "out of memory for the optimizer state of %zu parameters", n_opt);
         goto out;
     }
-    if (am_gsync_init(&t.sync, &t.model, t.p->dp > 1 ? t.g.dp : NULL, grad_overlap(),
-                      t.r->reduce_dtype, msg, sizeof(msg)) < 0 ||
-        (t.zero >= 2 && am_gsync_set_shards(&t.sync, t.fsdp.grads, t.fsdp.n_shard, t.g.dp_shard, t.g.dp_replicate, msg,
-                                         sizeof(msg)) < 0)) {
+    /* from ZeRO stage 2 the gradients are sharded too: per-group buffers reduce-scattered into
+     * the shards (grad_sync.h) */
+    struct am_gsync_shards shards = {t.fsdp.grads, t.fsdp.n_shard, t.g.dp_replicate};
+    if (am_gsync_init(&t.sync, &t.model, t.p->dp > 1 ? t.g.dp : NULL, grad_overlap(), t.r->reduce_dtype,
+                      t.zero >= 2 ? &shards : NULL, msg, sizeof(msg)) < 0) {
         am_errors_fail(err, "%s", msg);
         goto out;
     }
