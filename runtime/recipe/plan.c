@@ -403,8 +403,8 @@ static int memory_of_rank(const struct am_recipe *r, const struct am_plan *p, in
     double sends = p->virtual_stages == 1 ? flight / layers : (double)p->virtual_stages * (double)p->n_microbatches;
     out->p2p = p->pp == 1 ? 0 : (1 + 2 * sends) * tokens * h * cs / (r->dist.sequence_parallel ? tp : 1);
     out->scratch = scratch_bytes(r, p, emb, head, &rs);
-    out->total = out->weights + out->grads + out->grad_buffers + out->optimizer + out->gathered + out->activations + out->scratch +
-                 out->p2p;
+    out->total = out->weights + out->grads + out->grad_buffers + out->optimizer + out->gathered + out->activations +
+                 out->scratch + out->p2p;
     return 0;
 }
 

@@ -36,9 +36,14 @@ int am_fsdp_init(struct am_fsdp *f, struct am_model *m, struct am_comm *comm, in
     for (int g = 0; g < m->n_groups; g++) {
         struct am_pgroup *G = &m->groups[g];
         G->shard = stage >= 2 ? AM_SHARD_SHARDED : AM_SHARD_REPLICATED;
-        G->comm = comm; /* the group its shard spans (every group over the same one so far) */
+        if (!G->comm) /* the group its shard spans: comm unless the caller chose another */
+            G->comm = comm;
+        size_t ranks = (size_t)am_comm_size(G->comm);
+        if (G->span % ranks)
+            return am_fail(err, err_len, "fsdp: group %s spans %zu elements, not a multiple of the %zu ranks of its "
+                           "shard group", G->name, G->span, ranks);
         G->shard_offset = f->n_shard;
-        G->shard_elems = G->span / (size_t)f->size;
+        G->shard_elems = G->span / ranks;
         f->n_shard += G->shard_elems;
         if (G->span > max_span)
             max_span = G->span;
@@ -68,8 +73,8 @@ int am_fsdp_init(struct am_fsdp *f, struct am_model *m, struct am_comm *comm, in
     for (int g = 0; g < m->n_groups; g++) { /* this rank's shard of what init or load wrote */
         const struct am_pgroup *G = &m->groups[g];
         struct am_tensor dst = flat((float *)f->master + G->shard_offset, m, AM_F32, G->shard_elems);
-        struct am_tensor src = flat((float *)m->param_mem + G->offset + (size_t)f->rank * G->shard_elems, m, AM_F32,
-                                    G->shard_elems);
+        size_t mine = G->offset + (size_t)am_comm_rank(G->comm) * G->shard_elems;
+        struct am_tensor src = flat((float *)m->param_mem + mine, m, AM_F32, G->shard_elems);
         K->copy(m->dev, &dst, &src);
     }
     if (stage < 3)
@@ -124,8 +129,8 @@ void am_fsdp_take_grads(struct am_fsdp *f)
     for (int g = 0; g < m->n_groups; g++) {
         const struct am_pgroup *G = &m->groups[g];
         struct am_tensor dst = flat((float *)f->grads + G->shard_offset, m, AM_F32, G->shard_elems);
-        struct am_tensor src = flat((float *)m->grad_mem + G->offset + (size_t)f->rank * G->shard_elems, m, AM_F32,
-                                    G->shard_elems);
+        size_t mine = G->offset + (size_t)am_comm_rank(G->comm) * G->shard_elems;
+        struct am_tensor src = flat((float *)m->grad_mem + mine, m, AM_F32, G->shard_elems);
         m->K->copy(m->dev, &dst, &src);
     }
 }

@@ -74,7 +74,9 @@ struct am_fsdp {
     double gather_wait_s;                          /* this step: seconds waiting for all-gathers */
 };
 
-/* Shards the model's groups over comm (the model was built with group_align = its size) and
+/* Shards the model's groups over comm (the model was built with group_align = its size), or
+ * over the communicator a group already carries (G->comm set by the caller: its span must be a
+ * multiple of that group's size; the shard is that group's rank's), and
  * takes each shard of the weights init or load put in the model's slabs; stage 3 then frees
  * them and installs the group_use hook. Returns 0, or -1 with a message. */
 int am_fsdp_init(struct am_fsdp *f, struct am_model *m, struct am_comm *comm, int stage, bool reshard_after_forward,

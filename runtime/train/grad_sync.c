@@ -118,7 +118,8 @@ size_t am_gsync_bytes(const struct am_gsync *s)
 size_t am_gsync_buffer_bytes(const struct am_gsync *s)
 {
     size_t es = am_dtype_size(s->reduce);
-    return (size_t)s->n_bufs * (s->buf_elems * sizeof(float) + (s->buf_lp ? s->buf_elems * es : 0) + s->recv_elems * es);
+    size_t per = s->buf_elems * sizeof(float) + (s->buf_lp ? s->buf_elems * es : 0) + s->recv_elems * es;
+    return (size_t)s->n_bufs * per;
 }
 
 void am_gsync_begin_step(struct am_gsync *s)

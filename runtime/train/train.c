@@ -94,6 +94,14 @@ static void log_groups(struct trainer *t)
     am_log_record(t->log, "groups", json_pack("{s:i,s:o}", "rank", t->s->info.rank, "groups", a));
 }
 
+/* am-plan's memory estimate for this rank: its pipeline rank's. */
+static double plan_bytes(const struct trainer *t)
+{
+    const struct am_plan *p = t->p;
+    int k = t->s->coords.pp;
+    return p->mem_pp && k >= 0 && k < p->pp ? p->mem_pp[k].total : p->mem.total;
+}
+
 static int build_comms(struct trainer *t, struct am_errors *err)
 {
     enum am_comm_backend be = t->dev.device == AM_DEV_CUDA ? AM_COMM_NCCL : AM_COMM_UCX;
@@ -301,7 +309,7 @@ static void log_start(struct trainer *t)
     json_object_set_new(o, "timeout_from", json_string(t->wd.timeout_from));
     json_object_set_new(o, "flight_size", json_integer((json_int_t)t->flight.cap));
     json_object_set_new(o, "device_name", json_string(t->dev.name));
-    json_object_set_new(o, "plan_bytes", json_integer((json_int_t)t->p->mem.total));
+    json_object_set_new(o, "plan_bytes", json_integer((json_int_t)plan_bytes(t)));
     if (t->peak_flops > 0) {
         json_object_set_new(o, "peak_flops", json_real(t->peak_flops));
         json_object_set_new(o, "peak_from", json_string(t->peak_from));
@@ -337,7 +345,7 @@ static void add_where(json_t *o, const struct am_model_where *w)
 
 /* The device's fault hook (kernels.h): an allocation that failed is the rank's "oom" cause,
  * with what was asked, what the allocator holds and uses, the plan's estimate for the rank
- * (am-plan's: the most loaded pipeline rank) and where the step was; a CUDA error before the
+ * (am-plan's for its pipeline rank) and where the step was; a CUDA error before the
  * backend aborts is "cuda" with the runtime's text; a kernel called wrongly is an "error"; a
  * note (another path taken, nothing failed) is a "note" record and a line on stderr. */
 static void device_fault(void *arg, const struct am_dev_fault *f)
@@ -358,7 +366,7 @@ static void device_fault(void *arg, const struct am_dev_fault *f)
         json_object_set_new(o, "bytes_held", json_integer((json_int_t)f->bytes_held));
         json_object_set_new(o, "bytes_in_use", json_integer((json_int_t)f->bytes_in_use));
         json_object_set_new(o, "bytes_total", json_integer((json_int_t)f->bytes_total));
-        json_object_set_new(o, "plan_bytes", json_integer((json_int_t)t->p->mem.total));
+        json_object_set_new(o, "plan_bytes", json_integer((json_int_t)plan_bytes(t)));
     } else {
         o = json_pack("{s:s,s:s,s:i,s:s,s:s}", "cause", f->kind == AM_DEV_FAULT_ERROR ? "cuda" : "error", "device",
                       f->backend, "ordinal", f->ordinal, "where", f->where ? f->where : "", "error",
@@ -869,9 +877,9 @@ int am_train(struct am_rank_setup *s, struct am_log *log, struct am_errors *err)
     }
     /* the device's memory for the run reserved at once, as the plan counts it (CUDA: the
      * caching allocator's arena; it grows past that when the estimate falls short) */
-    if (t.K->reserve && t.p->mem.total > 0 && t.K->reserve(&t.dev, (size_t)t.p->mem.total) < 0)
+    if (t.K->reserve && plan_bytes(&t) > 0 && t.K->reserve(&t.dev, (size_t)plan_bytes(&t)) < 0)
         fprintf(stderr, "am-train: rank %d: could not reserve the plan's %.0f bytes on %s up front; allocating as "
-                "the run goes\n", s->info.rank, t.p->mem.total, t.dev.name);
+                "the run goes\n", s->info.rank, plan_bytes(&t), t.dev.name);
     if (build_model(&t, err) < 0 || build_data(&t, err) < 0)
         goto out;
     if (t.sharded && am_fsdp_init(&t.fsdp, &t.model, t.g.dp_shard, t.zero, t.r->dist.reshard_after_forward, msg,

@@ -29,12 +29,14 @@
 #   Qwen3-MoE (q/k norms, renormalised top 2, layer 1 a dense MLP split over tp) at tp 2 x pp 2.
 # The tiny recipe's strategy is fsdp2, so every layout with dp > 1 above shards weights,
 # gradients and AdamW state over its dp ranks (train/fsdp.h: flat shards per group, weights
-# all-gathered before use, gradients reduce-scattered from per-group buffers after each backward); dp 8 (local batches of
-# 2), reshard_after_forward false (every group kept gathered from its forward to its backward)
+# all-gathered before use, gradients reduce-scattered from per-group buffers after each
+# backward, micro-batch by micro-batch); dp 8 (local batches of 2), reshard_after_forward false
+# (every group kept gathered from its forward to its backward)
 # and a bf16 reduction are added, HSDP (dp_replicate_size 2: sharded within each replica
 # group, the shards' gradients all-reduced over the replicas), and ddp (full replicas,
 # all-reduce) runs a few layouts too; megatron_fsdp with each zero_dp_strategy (1: AdamW state
-# sharded, 2: and the reduced gradients, 3: and the weights, as fsdp2).
+# sharded, 2: and the reduced gradients, 3: and the weights, as fsdp2). AM_GRAD_OVERLAP=0 (the
+# reductions blocking, where the overlapped ones start) may be given to a layout as a VAR.
 # Tolerances: 1e-5 absolute on losses near 5 and 1e-5 relative on gradient norms over 8
 # steps; every weight of the final checkpoint within 5e-5, as test_golden's final weights
 # (AdamW divides each gradient by its own running magnitude, so an element whose gradient
