@@ -190,6 +190,7 @@ layouts+=("ac 1 ac ref" "pp2-tied 2 tied ref-tied AM_PP=2" "pp4-tied-gpipe 4 tie
     "ddp-dp2 2 ddp ref" "ddp-dp4-ac 4 ddp,ac ref" "ddp-dp8 8 ddp,lb2 ref"
     "hsdp-dp4 4 hsdp ref" "hsdp-dp8-ac 8 hsdp,lb2,ac ref" "hsdp-tp2-dp4-sp 8 hsdp,sp ref AM_TP=2"
     "hsdp-pp2-dp4 8 hsdp ref AM_PP=2" "hsdp-rep2 2 hsdp ref"
+    "hsdp-dp4-block 4 hsdp ref AM_GRAD_OVERLAP=0" "tp1-pp2-dp2-gpipe-ac-block 4 gpipe,ac ref AM_PP=2 AM_GRAD_OVERLAP=0"
     "mfsdp-z1-dp2 2 mz1 ref" "mfsdp-z1-dp4-ac 4 mz1,ac ref" "mfsdp-z2-dp2 2 mz2 ref" "mfsdp-z2-tp2-dp2 4 mz2 ref AM_TP=2"
     "mfsdp-z3-dp4 4 mz3 ref" "mfsdp-z3-dp8-ac 8 mz3,lb2,ac ref" "mfsdp-z3-tp2-dp2 4 mz3 ref AM_TP=2")
 [ -n "${AM_PARITY_ONLY:-}" ] && IFS=';' read -ra layouts <<<"$AM_PARITY_ONLY" # some layouts, to debug them
