@@ -312,6 +312,7 @@ if true; then # (with AM_PARITY_ONLY, the layouts that ran)
     for layout in "tp1-pp1-dp2-1f1b 2" "tp1-pp1-dp4-1f1b 4" "dp8 8" "dp8-ac 8" "dp2-bf16 2" "dp4-rbf16 4" \
         "dp8-bf16-ac 8" "dp2-tied 2" "dp2-keep 2" "hsdp-dp4 4" "hsdp-dp4-rbf16 4" "mfsdp-z1-dp2-rbf16 2" "mfsdp-z2-dp2-rbf16 2" \
         "mfsdp-z3-dp4 4" "dp2-qwen2 2" "mfsdp-z2-tp2-dp2 4 --set distributed.tp_size=2" "tp2-pp1-dp2-1f1b-sp 4 --set distributed.tp_size=2 --set distributed.sequence_parallel=true" \
+        "ep2-moe 2 --set distributed.ep_size=2" "ep4-moe 4 --set distributed.ep_size=4" \
         "ep2-dp4-moe 4 --set distributed.ep_size=2" "ep4-dp8-moe 8 --set distributed.ep_size=4" \
         "tp2-dp4-ep2-moe 8 --set distributed.tp_size=2 --set distributed.ep_size=2"; do
         set -- $layout
