@@ -2,13 +2,14 @@
 # Fully sharded data parallelism against full replicas: bench-small on 2 data-parallel ranks,
 # each with THREADS OpenMP threads (default 1), once with strategy fsdp2 (weights, gradients
 # and AdamW state sharded over the 2 ranks: each group's weights all-gathered before its
-# forward and its backward, the next one prefetched; gradients reduce-scattered) and once with
+# forward and its backward, the next one prefetched; each group's gradients reduce-scattered
+# from a per-group buffer after its backward) and once with
 # ddp (full replicas, gradients all-reduced), alternating REPEAT times (default 3). Prints the
 # median step time, tokens/s per rank, the time waiting for all-gathers (gather_wait_s) and
 # the ratio fsdp2 / ddp. Then the resident state per rank from the `memory` records of one
 # step of bench-small (global batch 8) on 1, 2, 4 and 8 ranks with fsdp2: weights (master
-# shards), AdamW state, gradients (the step's full-size accumulation and the shards) and the
-# gathered groups.
+# shards), AdamW state, gradients (the reduced shards) and, apart, the working buffers of the
+# backward: the gathered groups and the per-group gradient buffers.
 #   bench/fsdp_small.sh [BUILDDIR] [THREADS]
 set -eu
 src=$(cd "$(dirname "$0")/.." && pwd)
@@ -41,12 +42,13 @@ printf 'fsdp2 / ddp tokens/s: %.3f\n' "$(echo "${tps[fsdp2]} / ${tps[ddp]}" | bc
 sed -e "s/max_steps: .*/max_steps: 1/" "$work/fsdp2.yaml" >"$work/one.yaml"
 echo
 echo "resident state per rank (bytes, rank 0's memory record), fsdp2 over dp_shard ranks"
-printf '%-9s %12s %12s %12s %12s %12s\n' dp_shard weights optimizer grads gathered "w+opt+grads"
+printf '%-9s %12s %12s %12s %12s %12s %12s\n' dp_shard weights optimizer grads "w+opt+grads" gathered "grad buffers"
 mem() { grep -h '"type":"memory"' "$1"/*/rank-0.jsonl | sed -E "s/.*\"$2\":([0-9]*).*/\\1/"; }
 for n in 1 2 4 8; do
     sed -e "s/local_batch_size: .*/local_batch_size: $((8 / n))/" "$work/one.yaml" >"$work/one-$n.yaml"
     (cd "$work" && OMP_NUM_THREADS=1 AM_LOG_DIR="mem-$n" "$build/am-launch" --nproc $n one-$n.yaml >/dev/null 2>&1) ||
         { echo "bench: $n ranks failed"; exit 1; }
     w=$(mem "$work/mem-$n" weights_bytes) o=$(mem "$work/mem-$n" optimizer_bytes) g=$(mem "$work/mem-$n" grads_bytes)
-    printf '%-9s %12d %12d %12d %12d %12d\n' $n "$w" "$o" "$g" "$(mem "$work/mem-$n" gathered_bytes)" $((w + o + g))
+    printf '%-9s %12d %12d %12d %12d %12d %12d\n' $n "$w" "$o" "$g" $((w + o + g)) "$(mem "$work/mem-$n" gathered_bytes)" \
+        "$(mem "$work/mem-$n" grad_buffers_bytes)"
 done

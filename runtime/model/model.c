@@ -142,7 +142,7 @@ static void end_groups(struct am_model *m)
     for (int i = 0; i < m->n_groups; i++) {
         struct am_pgroup *g = &m->groups[i];
         g->n = (i + 1 < m->n_groups ? m->groups[i + 1].first : m->n_params) - g->first;
-        g->offset = (size_t)((float *)m->params[g->first].g.data - (float *)m->grad_mem);
+        g->offset = m->params[g->first].slab_off;
         g->n_elems = 0;
         for (int k = g->first; k < g->first + g->n; k++) {
             g->n_elems += (size_t)am_tensor_numel(&m->params[k].g);
@@ -395,6 +395,7 @@ int am_model_init(struct am_model *m, const struct am_model_config *cfg, const s
     for (int i = 0; i < m->n_params; i++) {
         struct am_param *p = &m->params[i];
         size_t off = offs[i];
+        p->slab_off = off;
         p->w.data = (float *)m->param_mem + off;
         p->g.data = (float *)m->grad_mem + off;
         p->wc.data = m->param_lp_mem ? (char *)m->param_lp_mem + off * am_dtype_size(m->act_dt) : p->w.data;
@@ -514,11 +515,34 @@ void am_model_drop_weights(struct am_model *m)
         m->params[i].w.data = m->params[i].wc.data = NULL;
 }
 
+void am_model_drop_grads(struct am_model *m)
+{
+    if (m->grad_mem)
+        m->K->free(m->dev, m->grad_mem);
+    m->grad_mem = NULL;
+    for (int i = 0; i < m->n_params; i++)
+        m->params[i].g.data = NULL;
+}
+
+int am_model_group_also(const struct am_model *m, int group)
+{
+    if (group < 0 || group >= m->n_groups)
+        return -1;
+    if (m->embed && m->head == m->embed && m->groups[group].kind == AM_PG_HEAD)
+        return 0;
+    return group + 1 < m->n_groups && m->groups[group].kind == AM_PG_LAYER &&
+                   m->groups[group + 1].kind == AM_PG_EXPERTS
+               ? group + 1
+               : -1;
+}
+
 void am_model_begin_step(struct am_model *m)
 {
     am_model_cast_weights(m);
-    struct am_tensor g = am_tensor_view(m->grad_mem, m->K->device, AM_F32, (int64_t)m->slab_elems, 0, 0, 0);
-    m->K->zero(m->dev, &g);
+    if (m->grad_mem) {
+        struct am_tensor g = am_tensor_view(m->grad_mem, m->K->device, AM_F32, (int64_t)m->slab_elems, 0, 0, 0);
+        m->K->zero(m->dev, &g);
+    }
     m->K->zero(m->dev, &m->scalars.loss);
     m->K->zero(m->dev, &m->scalars.local_sumsq);
     am_moe_stats_reset(m);
@@ -848,6 +872,12 @@ static int layer_forward(struct am_model *m, const struct am_layer *L, struct am
     return add_row_parallel(m, x, &o, err, err_len);
 }
 
+/* The grad_use hook (model.h), when there is one. */
+static int grad_use(struct am_model *m, int group, char *err, size_t err_len)
+{
+    return m->grad_use ? m->grad_use(m->grad_use_arg, group, err, err_len) : 0;
+}
+
 /* The final norm, the output head and the cross-entropy, vocabulary-parallel. With
  * want_grad and the conditions of ce_fused (no tensor parallelism, and this slot's backward
  * certain to come before the next forward: one slot, one chunk), the head's gradients are
@@ -874,6 +904,8 @@ static int head_forward(struct am_model *m, struct am_slot *S, const struct am_t
     float cap = (float)m->cfg.final_logit_softcapping;
     if (want_grad && !m->tp_comm && K->ce_fused && m->n_slots == 1 && cap <= 0.0f) {
         struct am_tensor dhf = rows_of(&m->dhf, N);
+        if (grad_use(m, m->n_groups - 1, err, err_len) < 0 || (m->head == m->embed && grad_use(m, 0, err, err_len) < 0))
+            return -1;
         K->zero(m->dev, &dhf);
         S->fused = K->ce_fused(m->dev, &cm, &cs, &ct, &dhf, &m->head->g, &hf, &m->head->wc, &tgt, dloss_scale);
     }
@@ -1135,7 +1167,7 @@ static int head_backward(struct am_model *m, const struct am_slot *S, struct am_
 /* Tells the trainer that a group's gradients are final (model.h, grad_ready). */
 static int group_done(struct am_model *m, int group, char *err, size_t err_len)
 {
-    if (!m->grads_final || !m->grad_ready || m->groups[group].tied)
+    if (!(m->grads_final || m->grads_each_pass) || !m->grad_ready || m->groups[group].tied)
         return 0;
     return m->grad_ready(m->grad_ready_arg, group, err, err_len);
 }
@@ -1154,6 +1186,8 @@ int am_model_backward(struct am_model *m, int chunk, int slot, const void *dy, v
     m->where = (struct am_model_where){AM_PHASE_BACKWARD, AM_WHERE_HEAD};
     if (is_last(m, chunk)) {
         if (use_group(m, m->n_groups - 1, true, err, err_len) < 0 ||
+            grad_use(m, m->n_groups - 1, err, err_len) < 0 ||
+            (m->head == m->embed && grad_use(m, 0, err, err_len) < 0) ||
             head_backward(m, S, &dx, dloss_scale, err, err_len) < 0 ||
             group_done(m, m->n_groups - 1, err, err_len) < 0)
             return -1;
@@ -1165,7 +1199,8 @@ int am_model_backward(struct am_model *m, int chunk, int slot, const void *dy, v
     for (int l = m->sh.chunks[chunk].n_layers - 1; l >= 0; l--) {
         struct am_layer_acts *a = &S->acts[l];
         m->where.layer = m->sh.chunks[chunk].first_layer + l;
-        if (use_group(m, layers[l].group, true, err, err_len) < 0)
+        if (use_group(m, layers[l].group, true, err, err_len) < 0 || grad_use(m, layers[l].group, err, err_len) < 0 ||
+            (layers[l].moe && grad_use(m, layers[l].moe->experts_group, err, err_len) < 0))
             return -1;
         if (m->sh.recompute) { /* the layer's forward again, from its saved input */
             struct am_tensor x = rows_of(&m->x, R), x_in = rows_of(&a->x_in, R);
@@ -1181,7 +1216,7 @@ int am_model_backward(struct am_model *m, int chunk, int slot, const void *dy, v
     m->where.layer = AM_WHERE_EMBEDDING;
     if (is_first(m, chunk)) {
         struct am_tensor tok = rows_of(&S->tokens, N), g;
-        if (row_parallel_grad(m, &dx, N, &g, err, err_len) < 0)
+        if (row_parallel_grad(m, &dx, N, &g, err, err_len) < 0 || grad_use(m, 0, err, err_len) < 0)
             return -1;
         if (m->cfg.gemma) /* through the embedding's scale */
             K->scale(m->dev, &g, embed_scale(m));
@@ -1352,11 +1387,11 @@ int am_model_grad_sumsq_shards(struct am_model *m, const float *shards, int rank
     m->K->zero(m->dev, &m->scalars.sumsq);
     for (int g = 0; g < m->n_groups; g++) {
         const struct am_pgroup *G = &m->groups[g];
-        int r = G->shard_comm ? G->shard_rank : rank; /* experts: their own shard group's place */
+        int r = G->comm ? am_comm_rank(G->comm) : rank; /* its place in the group its shards span */
         size_t lo = G->offset + (size_t)r * G->shard_elems, hi = lo + G->shard_elems;
         for (int i = G->first; i < G->first + G->n; i++) {
             const struct am_param *p = &m->params[i];
-            size_t a = (size_t)((const float *)p->g.data - (const float *)m->grad_mem);
+            size_t a = p->slab_off;
             size_t b = a + (size_t)am_tensor_numel(&p->g);
             if (am_model_is_tied_copy(m, p) || b <= lo || a >= hi)
                 continue;

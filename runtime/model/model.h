@@ -64,6 +64,7 @@ struct am_param {
     struct am_tensor wc;    /* the value the kernels compute with: w itself, or its copy in the
                                compute dtype (mixed precision), refreshed by am_model_begin_step */
     char name[96];          /* Hugging Face name */
+    size_t slab_off;        /* where it starts in the slabs (elements), wherever g points now */
     enum am_split split;
     int64_t full_rows, full_cols; /* the unsplit shape (cols 0 for vectors) */
     int64_t row0, col0;     /* where this rank's slice starts in the full tensor */
@@ -165,11 +166,11 @@ struct am_pgroup {
     bool tied;               /* holds a copy of a tied embedding split over two pipeline stages:
                                 final only after am_model_finish_tied, never signalled */
     enum am_shard shard;     /* set by the trainer (AM_SHARD_REPLICATED by default) */
-    struct am_comm *comm;    /* the group it is reduced over; set by the trainer */
-    struct am_comm *shard_comm; /* sharded: the group its shard is one of (fsdp.h: dp_shard, or
-                                   the expert-data-parallel group for experts); set by the trainer */
-    int shard_rank;          /* this rank's place in shard_comm: its shard starts at
-                                shard_rank * shard_elems of the span */
+    struct am_comm *comm;    /* the group it is reduced over (sharded: the group its shards span,
+                                all-gathered and reduce-scattered over; with expert parallelism
+                                the experts' expert-data-parallel group); set by the trainer */
+    struct am_comm *replicate; /* sharded with replicas (HSDP): the group its shards are then
+                                  all-reduced over, or NULL; set by the trainer */
 };
 
 /* The step's values the host reads (am_model_read_scalars). */
@@ -226,7 +227,15 @@ struct am_model {
      * the weights are always where init put them. Non-zero fails the pass with its message. */
     int (*group_use)(void *arg, int group, bool backward, char *err, size_t err_len);
     void *group_use_arg;
+    /* Called before a pass writes group's gradients (the head's, then the embedding's it
+     * shares, in the backward or already in the forward that fuses the loss's gradient; a
+     * layer's, then its experts'; the embedding's), so that a trainer that keeps
+     * gradients in per-group buffers (sharded gradients, grad_sync.h) points the group's g
+     * there first. NULL: the gradients are the slab's. Non-zero fails the backward. */
+    int (*grad_use)(void *arg, int group, char *err, size_t err_len);
+    void *grad_use_arg;
     bool grads_final;
+    bool grads_each_pass; /* grad_ready after every backward of a group, not only the final one */
     /* device scalars: loss and sumsq (f64 accumulators), local_sumsq (the trainer's), the
      * fp32 sums over ranks of loss and sumsq, and an i32 flag (all_finite) */
     struct {
@@ -335,9 +344,10 @@ int am_model_grad_sumsq(struct am_model *m, char *err, size_t err_len);
 
 /* The same norm from gradient shards (fully sharded data parallelism): the reduced gradients
  * are rank `rank` of `ranks`'s flat shard of each group (shards + the group's shard_offset, its
- * elements [offset + rank * shard_elems, + shard_elems) of the padded span). Each parameter's
- * part of the shard counted as am_model_grad_sumsq counts it; summed over tp, pp and the
- * shard group dp. */
+ * elements [offset + rank * shard_elems, + shard_elems) of the padded span; a group with a comm
+ * set, its rank in it instead: the experts' with expert parallelism). Each parameter's part of
+ * the shard counted as am_model_grad_sumsq counts it; summed over tp, pp and the shard group dp
+ * (dp_shard: the ep groups x the expert-data-parallel groups, so each expert counted once). */
 int am_model_grad_sumsq_shards(struct am_model *m, const float *shards, int rank, struct am_comm *dp, char *err,
                                size_t err_len);
 
@@ -345,6 +355,15 @@ int am_model_grad_sumsq_shards(struct am_model *m, const float *shards, int rank
  * them in shards and gathers each group before use, group_use); p->w.data becomes NULL
  * (point it at a gathered copy to save a checkpoint). */
 void am_model_drop_weights(struct am_model *m);
+
+/* Frees the gradient slab (a trainer that keeps gradients in per-group buffers points each
+ * group's g there through grad_use); p->g.data becomes NULL. */
+void am_model_drop_grads(struct am_model *m);
+
+/* The other group whose parameters group g's passes read and write: the embedding for the
+ * head's group when the head is the embedding on this rank, a mixture-of-experts layer's
+ * experts for its layer's group; -1 for any other. */
+int am_model_group_also(const struct am_model *m, int group);
 
 /* The loss scalar summed over the data-parallel group dp (NULL: none) and the pp group. */
 int am_model_reduce_loss(struct am_model *m, struct am_comm *dp, char *err, size_t err_len);

@@ -444,7 +444,10 @@ int am_moe_backward(struct am_model *m, const struct am_layer *L, const struct a
         K->moe_permute_forward(m->dev, &dyl, &t1, &p2);
     }
     K->zero(m->dev, &da);
-    struct am_tensor G2 = X->G2, G1 = X->G1, G3 = X->G3;
+    struct am_tensor G2 = X->G2, G1 = X->G1, G3 = X->G3; /* where the gradients are now (grad_use) */
+    G1.data = X->w1->g.data;
+    G3.data = X->w3->g.data;
+    G2.data = X->w2->g.data;
     struct am_tensor W1 = weights_now(&X->W1, X->w1), W3 = weights_now(&X->W3, X->w3), W2 = weights_now(&X->W2, X->w2);
     K->grouped_matmul_backward(m->dev, &da, &G2, &dyl, &act, &W2, cnt);
     K->zero(m->dev, &dg);

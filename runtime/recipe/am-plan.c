@@ -74,6 +74,17 @@ static json_t *str_array(const struct am_list *l)
     return a;
 }
 
+/* One pipeline rank's memory: {"weights":...,"pp_rank":k,"total":...}. */
+static json_t *memory_json(const struct am_memory *m)
+{
+    json_t *o = json_pack("{s:f,s:f,s:f,s:f,s:f,s:f,s:f,s:f,s:f,s:i}", "weights", m->weights, "grads", m->grads,
+                          "optimizer", m->optimizer, "gathered_params", m->gathered, "grad_buffers", m->grad_buffers,
+                          "activations", m->activations, "scratch", m->scratch, "pipeline_buffers", m->p2p,
+                          "alltoall_buffers", m->alltoall, "pp_rank", m->pp_rank);
+    json_object_set_new(o, "total", json_real(m->total));
+    return o;
+}
+
 static void print_json(const struct am_recipe *r, const struct am_plan *p, bool planned, const struct am_errors *err)
 {
     json_t *o = json_object();
@@ -112,12 +123,11 @@ static void print_json(const struct am_recipe *r, const struct am_plan *p, bool 
         json_object_set_new(o, "seq_length", json_integer(p->seq_length));
         json_object_set_new(o, "params_total", json_real(p->params.total));
         json_object_set_new(o, "memory_per_gpu_bytes", json_real(p->mem.total));
-        json_object_set_new(o, "memory_breakdown",
-                            json_pack("{s:f,s:f,s:f,s:f,s:f,s:f,s:f,s:f,s:i}", "weights", p->mem.weights, "grads",
-                                      p->mem.grads, "optimizer", p->mem.optimizer, "gathered_params", p->mem.gathered,
-                                      "activations", p->mem.activations, "scratch", p->mem.scratch,
-                                      "pipeline_buffers", p->mem.p2p, "alltoall_buffers", p->mem.alltoall,
-                                      "pp_rank", p->mem.pp_rank));
+        json_object_set_new(o, "memory_breakdown", memory_json(&p->mem));
+        json_t *per = json_array(); /* every pipeline rank's, memory_breakdown's being the largest */
+        for (int k = 0; p->mem_pp && k < p->pp; k++)
+            json_array_append_new(per, memory_json(&p->mem_pp[k]));
+        json_object_set_new(o, "memory_per_pp_rank", per);
         json_object_set_new(o, "tokens_per_step", json_real(p->tokens_per_step));
         json_object_set_new(o, "flops_per_step", json_real(p->flops_per_step));
     }

@@ -274,7 +274,7 @@ static int trainer_zero_stage(const struct am_recipe *r, const struct am_plan *p
 /* fsdp2 as am-train shards (train/fsdp.h): each group (the embedding, each layer, the final
  * norm with the head) padded to a multiple of D elements, a flat shard of 1/D of it per rank. */
 struct flat_shards {
-    long long D, shard, slab, max_span;
+    long long D, shard, slab, max_span, max_shard; /* max_shard: the largest group's shard (experts: over fewer ranks) */
 };
 
 /* A group of elems parameters, padded to a multiple of D and sharded over d ranks (D for the
@@ -286,6 +286,8 @@ static void add_group_over(struct flat_shards *f, double elems, long long d)
     f->slab += span;
     if (span > f->max_span)
         f->max_span = span;
+    if (span / d > f->max_shard)
+        f->max_shard = span / d;
 }
 
 static void add_group(struct flat_shards *f, double elems) { add_group_over(f, elems, f->D); }
@@ -356,6 +358,7 @@ static int memory_of_rank(const struct am_recipe *r, const struct am_plan *p, in
     double ewshard = zero >= 3 ? expert_shard : 1, egshard = zero >= 2 ? expert_shard : 1,
            eoshard = zero >= 1 ? expert_shard : 1;
     out->pp_rank = k;
+    out->grad_buffers = 0;
     out->params = dense_params + expert_params;
     out->weights = wb * (dense_params / wshard + expert_params / ewshard);
     out->grads = gb * (dense_params / gshard + expert_params / egshard);
@@ -365,9 +368,7 @@ static int memory_of_rank(const struct am_recipe *r, const struct am_plan *p, in
     if (zero >= 1 && r->dist.strategy != AM_DDP) {
         /* exactly what am-train allocates: master shards (and their compute copy; below stage
          * 3 the full masters and their compute copy instead, all-gathered after each step),
-         * the full-size gradients of the step's accumulation (and their reduce_dtype copy),
-         * the gradient shards (from stage 2 reduce-scattered, bf16 first with a bf16
-         * reduce_dtype; stage 1 copies them from the all-reduced gradients), Adam's moments
+         * the gradients (below), Adam's moments
          * of the shards, and from stage 3 two gathered groups (three when the head shares the
          * embedding; four with MoE layers: a layer and its experts, and the next two) */
         struct flat_shards f = {.D = (long long)shard};
@@ -387,7 +388,20 @@ static int memory_of_rank(const struct am_recipe *r, const struct am_plan *p, in
             add_group(&f, pc->final_norm + (m->tie_word_embeddings && emb ? 0 : pc->embedding / tp));
         double glp = am_dtype_size(r->reduce_dtype) < 4 ? am_dtype_size(r->reduce_dtype) : 0;
         out->weights = zero >= 3 ? wb * (double)f.shard : wb * (double)f.slab + 4 * (double)f.shard;
-        out->grads = (4 + glp) * (double)f.slab + (zero >= 2 ? 4 + glp : 4) * (double)f.shard;
+        /* stage 1: the full-size gradients (and their reduce_dtype copy) and the shards; from
+         * stage 2 (train/grad_sync.h) the shards and a few per-group buffers of the largest
+         * group's span (two; three when the head shares the embedding; four with MoE layers; one
+         * more for a tied embedding split over two stages), each with its reduce_dtype copy and
+         * its receive shard (grad_buffers), and with HSDP in bf16 the shards' copy all-reduced
+         * over the replicas */
+        if (zero >= 2) {
+            double nb = (moe_layers ? 4 : m->tie_word_embeddings && emb && head ? 3 : 2) +
+                        (m->tie_word_embeddings && p->pp > 1 && (emb || head) ? 1 : 0);
+            out->grads = 4 * (double)f.shard + (glp && p->dp_replicate > 1 ? glp * (double)f.shard : 0);
+            out->grad_buffers = nb * (double)f.max_span * (4 + glp) + nb * (double)f.max_shard * (glp ? glp : 4);
+        } else {
+            out->grads = (4 + glp) * (double)f.slab + 4 * (double)f.shard;
+        }
         out->optimizer = 8 * (double)f.shard;
         int slots = !r->dist.reshard_after_forward ? (emb ? 1 : 0) + layers + moe_layers + (head ? 1 : 0)
                     : moe_layers ? 4 : m->tie_word_embeddings && emb && head ? 3 : 2;
@@ -422,8 +436,8 @@ static int memory_of_rank(const struct am_recipe *r, const struct am_plan *p, in
         double S = (double)p->microbatch_size * (double)p->seq_length / p->cp * (double)m->num_experts_per_tok;
         out->alltoall = 2 * carved(p->ep * S * h, cs) + carved(S * h, cs);
     }
-    out->total = out->weights + out->grads + out->optimizer + out->gathered + out->activations + out->scratch +
-                 out->p2p + out->alltoall;
+    out->total = out->weights + out->grads + out->grad_buffers + out->optimizer + out->gathered + out->activations +
+                 out->scratch + out->p2p + out->alltoall;
     return 0;
 }
 
@@ -432,7 +446,9 @@ static int memory_of_rank(const struct am_recipe *r, const struct am_plan *p, in
 void am_plan_free(struct am_plan *p)
 {
     free(p->stages);
+    free(p->mem_pp);
     p->stages = NULL;
+    p->mem_pp = NULL;
 }
 
 static int out_of_memory(const struct am_recipe *r, struct am_errors *err)
@@ -475,12 +491,15 @@ int am_plan_build(const struct am_recipe *r, const struct am_world *w, struct am
                   AM_PLAN_MAX_PIPE_PASSES);
         return -1;
     }
+    free(p->mem_pp);
+    if (!(p->mem_pp = calloc((size_t)p->pp, sizeof(*p->mem_pp))))
+        return out_of_memory(r, err);
     for (int k = 0; k < p->pp; k++) {
-        struct am_memory m;
-        if (memory_of_rank(r, p, k, &m) < 0)
+        struct am_memory *m = &p->mem_pp[k];
+        if (memory_of_rank(r, p, k, m) < 0)
             return out_of_memory(r, err);
-        if (k == 0 || m.total > p->mem.total)
-            p->mem = m;
+        if (k == 0 || m->total > p->mem.total)
+            p->mem = *m;
     }
     const struct am_model_config *m = &r->model;
     double attn_width = (double)m->num_attention_heads * (double)m->head_dim;

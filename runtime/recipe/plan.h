@@ -65,6 +65,8 @@ struct am_memory {
     double params;          /* parameters held by the rank before data-parallel sharding */
     double weights, grads, optimizer; /* after data-parallel sharding (am_plan.zero_stage) */
     double gathered;        /* ZeRO-3: unsharded parameters of the layers in flight */
+    double grad_buffers;    /* ZeRO-2/3: the per-group gradient buffers of the backward (each
+                               with its reduce_dtype copy and receive shard) */
     double activations;     /* saved for backward, at the schedule's peak */
     double p2p;             /* pipeline: buffers of the hidden states sent to the neighbours
                                and one received (pipeline.h) */
@@ -91,7 +93,8 @@ struct am_plan {
      * the gradients, 3 also the weights; 0, a full replica on each data-parallel rank, for
      * every strategy until fully sharded data parallel lands */
     int zero_stage;
-    struct am_memory mem;
+    struct am_memory mem;       /* the most loaded pipeline rank's */
+    struct am_memory *mem_pp;   /* [pp]: each pipeline rank's */
     double tokens_per_step, flops_per_step;
 };
 

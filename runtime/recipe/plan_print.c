@@ -50,10 +50,12 @@ void am_plan_print(FILE *f, const struct am_recipe *r, const struct am_world *w,
     fprintf(f, "memory/GPU   %s on pp rank %d", am_format_bytes(m->total, a, sizeof(a)), m->pp_rank);
     if (w->gpu_mem > 0)
         fprintf(f, " of %s", am_format_bytes(w->gpu_mem, b, sizeof(b)));
-    fprintf(f, "\n             weights %s, gradients %s, optimizer %s, gathered %s, activations %s",
+    fprintf(f, "\n             weights %s, gradients %s, optimizer %s, gathered %s",
             am_format_bytes(m->weights, a, sizeof(a)), am_format_bytes(m->grads, b, sizeof(b)),
-            am_format_bytes(m->optimizer, c, sizeof(c)), am_format_bytes(m->gathered, d, sizeof(d)),
-            am_format_bytes(m->activations, e, sizeof(e)));
+            am_format_bytes(m->optimizer, c, sizeof(c)), am_format_bytes(m->gathered, d, sizeof(d)));
+    if (m->grad_buffers > 0)
+        fprintf(f, ", gradient buffers %s", am_format_bytes(m->grad_buffers, a, sizeof(a)));
+    fprintf(f, ", activations %s", am_format_bytes(m->activations, e, sizeof(e)));
     fprintf(f, ", scratch %s", am_format_bytes(m->scratch, a, sizeof(a)));
     if (p->pp > 1)
         fprintf(f, ", pipeline buffers %s", am_format_bytes(m->p2p, a, sizeof(a)));

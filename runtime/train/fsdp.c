@@ -15,27 +15,12 @@ static struct am_tensor flat(void *p, const struct am_model *m, enum am_dtype dt
 /* Where parameter p starts in the model's slabs, in elements. */
 static size_t param_offset(const struct am_model *m, const struct am_param *p)
 {
-    return (size_t)((const float *)p->g.data - (const float *)m->grad_mem);
+    (void)m;
+    return p->slab_off;
 }
 
-/* The head's group reads the embedding's weights too when they are one tensor on this rank. */
-static bool head_reads_embed(const struct am_model *m, int group)
-{
-    return m->embed && m->head == m->embed && m->groups[group].kind == AM_PG_HEAD;
-}
-
-/* The group of a mixture-of-experts layer's experts, which follows its layer's group (moe.h):
- * the layer reads both; -1 for any other group. */
-static int experts_of(const struct am_model *m, int group)
-{
-    return group >= 0 && group + 1 < m->n_groups && m->groups[group].kind == AM_PG_LAYER &&
-                   m->groups[group + 1].kind == AM_PG_EXPERTS
-               ? group + 1
-               : -1;
-}
-
-int am_fsdp_init(struct am_fsdp *f, struct am_model *m, struct am_comm *comm, struct am_comm *expert_comm, int stage,
-                 bool reshard_after_forward, char *err, size_t err_len)
+int am_fsdp_init(struct am_fsdp *f, struct am_model *m, struct am_comm *comm, int stage, bool reshard_after_forward,
+                 char *err, size_t err_len)
 {
     const struct am_kernels *K = m->K;
     memset(f, 0, sizeof(*f));
@@ -47,15 +32,15 @@ int am_fsdp_init(struct am_fsdp *f, struct am_model *m, struct am_comm *comm, st
     size_t max_span = 0;
     for (int g = 0; g < m->n_groups; g++) {
         struct am_pgroup *G = &m->groups[g];
-        G->shard_comm = G->kind == AM_PG_EXPERTS && expert_comm ? expert_comm : comm;
-        G->shard_rank = am_comm_rank(G->shard_comm);
-        int size = am_comm_size(G->shard_comm);
-        if (m->sh.group_align % size)
-            return am_fail(err, err_len, "fsdp: the model's groups are padded to multiples of %d, %s's shard group "
-                           "has %d ranks", m->sh.group_align, G->name, size);
         G->shard = stage >= 2 ? AM_SHARD_SHARDED : AM_SHARD_REPLICATED;
+        if (!G->comm) /* the group its shard spans: comm unless the caller chose another (experts: edp) */
+            G->comm = comm;
+        size_t ranks = (size_t)am_comm_size(G->comm);
+        if (G->span % ranks)
+            return am_fail(err, err_len, "fsdp: group %s spans %zu elements, not a multiple of the %zu ranks of its "
+                           "shard group", G->name, G->span, ranks);
         G->shard_offset = f->n_shard;
-        G->shard_elems = G->span / (size_t)size;
+        G->shard_elems = G->span / ranks;
         f->n_shard += G->shard_elems;
         if (G->span > max_span)
             max_span = G->span;
@@ -85,8 +70,8 @@ int am_fsdp_init(struct am_fsdp *f, struct am_model *m, struct am_comm *comm, st
     for (int g = 0; g < m->n_groups; g++) { /* this rank's shard of what init or load wrote */
         const struct am_pgroup *G = &m->groups[g];
         struct am_tensor dst = flat((float *)f->master + G->shard_offset, m, AM_F32, G->shard_elems);
-        struct am_tensor src = flat((float *)m->param_mem + G->offset + (size_t)G->shard_rank * G->shard_elems, m,
-                                    AM_F32, G->shard_elems);
+        size_t mine = G->offset + (size_t)am_comm_rank(G->comm) * G->shard_elems;
+        struct am_tensor src = flat((float *)m->param_mem + mine, m, AM_F32, G->shard_elems);
         K->copy(m->dev, &dst, &src);
     }
     if (stage < 3)
@@ -128,7 +113,7 @@ int am_fsdp_publish(struct am_fsdp *f, char *err, size_t err_len)
     struct am_model *m = f->m;
     for (int g = 0; g < m->n_groups; g++) {
         const struct am_pgroup *G = &m->groups[g];
-        if (am_allgather(G->shard_comm, (float *)f->master + G->shard_offset, (float *)m->param_mem + G->offset,
+        if (am_allgather(G->comm, (float *)f->master + G->shard_offset, (float *)m->param_mem + G->offset,
                          G->shard_elems, AM_F32, err, err_len) < 0)
             return -1;
     }
@@ -141,8 +126,8 @@ void am_fsdp_take_grads(struct am_fsdp *f)
     for (int g = 0; g < m->n_groups; g++) {
         const struct am_pgroup *G = &m->groups[g];
         struct am_tensor dst = flat((float *)f->grads + G->shard_offset, m, AM_F32, G->shard_elems);
-        struct am_tensor src = flat((float *)m->grad_mem + G->offset + (size_t)G->shard_rank * G->shard_elems, m,
-                                    AM_F32, G->shard_elems);
+        size_t mine = G->offset + (size_t)am_comm_rank(G->comm) * G->shard_elems;
+        struct am_tensor src = flat((float *)m->grad_mem + mine, m, AM_F32, G->shard_elems);
         m->K->copy(m->dev, &dst, &src);
     }
 }
@@ -215,7 +200,7 @@ static int start_gather(struct am_fsdp *f, int g, int s, char *err, size_t err_l
     f->slot_used[s] = ++f->tick;
     const char *src = (const char *)(f->master_lp ? f->master_lp : f->master) + G->shard_offset * cs;
     void *dst = (char *)f->slot_mem + (size_t)s * f->slot_elems * cs;
-    if (am_iallgather(G->shard_comm, src, dst, G->shard_elems, m->act_dt, &f->slot_req[s], err, err_len) < 0) {
+    if (am_iallgather(G->comm, src, dst, G->shard_elems, m->act_dt, &f->slot_req[s], err, err_len) < 0) {
         f->slot_group[s] = -1;
         return -1;
     }
@@ -255,7 +240,7 @@ int am_fsdp_use(void *arg, int group, bool backward, char *err, size_t err_len)
 {
     struct am_fsdp *f = arg;
     const struct am_model *m = f->m;
-    int also = head_reads_embed(m, group) ? 0 : experts_of(m, group);
+    int also = am_model_group_also(m, group);
     if (gather(f, group, also, err, err_len) < 0 || (also >= 0 && gather(f, also, group, err, err_len) < 0))
         return -1;
     /* the prefetch: the next group this pass reads, with its experts (the embedding's backward
@@ -268,7 +253,7 @@ int am_fsdp_use(void *arg, int group, bool backward, char *err, size_t err_len)
     int s;
     if (slot_of(f, next) < 0 && (s = free_slot(f, group, also, -1)) >= 0 && start_gather(f, next, s, err, err_len) < 0)
         return -1;
-    int nx = experts_of(m, next);
+    int nx = m->groups[next].kind == AM_PG_LAYER ? am_model_group_also(m, next) : -1;
     if (nx >= 0 && slot_of(f, nx) < 0 && (s = free_slot(f, group, also, next)) >= 0 &&
         start_gather(f, nx, s, err, err_len) < 0)
         return -1;
@@ -283,7 +268,7 @@ int am_fsdp_gather_masters(struct am_fsdp *f, void **slab, char *err, size_t err
         return am_fail(err, err_len, "fsdp: out of memory for the %zu gathered weights of a checkpoint", m->slab_elems);
     for (int g = 0; g < m->n_groups; g++) {
         const struct am_pgroup *G = &m->groups[g];
-        if (am_allgather(G->shard_comm, (float *)f->master + G->shard_offset, (float *)*slab + G->offset, G->shard_elems,
+        if (am_allgather(G->comm, (float *)f->master + G->shard_offset, (float *)*slab + G->offset, G->shard_elems,
                          AM_F32, err, err_len) < 0)
             return -1;
     }

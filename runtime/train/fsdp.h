@@ -26,18 +26,23 @@
  * are issued in the order of the schedule, the same on every rank of the
  * shard group.
  *
- * Gradients: the backward accumulates full-size fp32 gradients in the model's gradient slab
- * over the micro-batches of the step (FSDP2 with set_requires_gradient_sync(False) on all but
- * the last micro-batch: one reduction per step), and each group's gradients are
- * reduce-scattered, in reduce_dtype, into its shard as soon as the last backward makes them
- * final (grad_sync.h). The gradient norm is the shards' sum of squares summed over the shard
- * group, tp and pp (am_model_grad_sumsq_shards); the optimizer steps the shards alone.
+ * Gradients (stages 2 and 3): the model keeps no full-size gradients; each group's live in a
+ * per-group buffer while its backward runs and are reduce-scattered, in reduce_dtype, into
+ * the group's fp32 shard after every backward (with gradient accumulation, every micro-batch:
+ * FSDP2's default, set_requires_gradient_sync(True)), HSDP's replica all-reduce of each
+ * group's shard started as its last reduce-scatter of the step completes (grad_sync.h). The
+ * gradient norm is the shards' sum of squares summed over the shard group, tp and pp
+ * (am_model_grad_sumsq_shards); the optimizer steps the shards alone. Each group carries the
+ * communicator its shard spans (G->comm, all-gathers and reduce-scatters; G->replicate for
+ * HSDP): the dp_shard group, but for the experts with expert parallelism.
  *
  * Expert parallelism (ep > 1): the ranks of a shard group hold different experts, so a MoE
  * layer's experts group is sharded over the expert-data-parallel group instead (the ranks
- * that hold the same experts: dp_shard x cp / ep of them), its all-gathers and its gradients'
- * reduce-scatter go over that group (the group's shard_comm), and the gradient norm's sum over
- * the shard group still counts every expert once (each ep rank's experts, over its own
+ * that hold the same experts: dp_shard x cp / ep of them; the trainer sets the group's comm
+ * to it before am_fsdp_init), its all-gathers and its gradients' reduce-scatters go over that
+ * group (one rank when ep = dp: a communicator of one, its collectives copies), and the
+ * gradient norm's sum over the shard group still counts every expert once (dp_shard is the
+ * ep groups x the expert-data-parallel groups: each ep rank's experts, over its own
  * expert-data-parallel ranks).
  *
  * A checkpoint gathers the masters of every group into a full fp32 slab for the save
@@ -46,8 +51,8 @@
  * ZeRO stages below 3 (megatron_fsdp's zero_dp_strategy) use the same shards with the
  * weights replicated: the model keeps its full weights (no gathering before use), the
  * optimizer steps the shards, and am_fsdp_publish all-gathers the updated master shards
- * into the model's full masters after each step. Stage 2 reduce-scatters the gradients into
- * the shards as above; stage 1 all-reduces them whole (as ddp) and am_fsdp_take_grads copies
+ * into the model's full masters after each step. Stage 2 shards the gradients as above; stage
+ * 1 accumulates them full-size, all-reduces them whole (as ddp) and am_fsdp_take_grads copies
  * the rank's shard of them.
  */
 #ifndef AM_FSDP_H
@@ -62,12 +67,12 @@
 struct am_fsdp {
     struct am_model *m;
     int stage;            /* ZeRO stage: 3 (fsdp2; megatron_fsdp 3), 2 or 1 (megatron_fsdp) */
-    struct am_comm *comm; /* the shard group (the experts': each group's shard_comm, model.h) */
+    struct am_comm *comm; /* the shard group (the experts' with ep: their group's comm, model.h) */
     int rank, size;
     size_t n_shard;       /* this rank's elements: the sum of the groups' shards */
     void *master;         /* fp32 master shards [n_shard] */
     void *master_lp;      /* their copy in the compute dtype (mixed precision), else NULL */
-    void *grads;          /* fp32 reduced gradient shards [n_shard] */
+    void *grads;          /* fp32 reduced gradient shards [n_shard] (accumulated over a step) */
     void *slot_mem;       /* n_slots gathered buffers of slot_elems in the compute dtype */
     size_t slot_elems;
     int n_slots;
@@ -78,13 +83,13 @@ struct am_fsdp {
     double gather_wait_s;                          /* this step: seconds waiting for all-gathers */
 };
 
-/* Shards the model's groups over comm, the experts' groups (AM_PG_EXPERTS) over expert_comm
- * when it is not NULL (the model was built with group_align a multiple of both sizes), sets
- * each group's shard_comm and shard_rank, and takes each shard of the weights init or load
- * put in the model's slabs; stage 3 then frees them and installs the group_use hook. Returns
- * 0, or -1 with a message. */
-int am_fsdp_init(struct am_fsdp *f, struct am_model *m, struct am_comm *comm, struct am_comm *expert_comm, int stage,
-                 bool reshard_after_forward, char *err, size_t err_len);
+/* Shards the model's groups over comm (the model was built with group_align = its size), or
+ * over the communicator a group already carries (G->comm set by the caller: its span must be a
+ * multiple of that group's size; the shard is that group's rank's), and
+ * takes each shard of the weights init or load put in the model's slabs; stage 3 then frees
+ * them and installs the group_use hook. Returns 0, or -1 with a message. */
+int am_fsdp_init(struct am_fsdp *f, struct am_model *m, struct am_comm *comm, int stage, bool reshard_after_forward,
+                 char *err, size_t err_len);
 /* After the communicators are destroyed (requests still in flight go with them). */
 void am_fsdp_free(struct am_fsdp *f);
 

@@ -9,17 +9,39 @@
  * the groups that hold them, and waits for every reduction: what it waits is the step's
  * "waiting for gradient communication after the backward" (wait_s).
  *
- * Fully sharded data parallelism (fsdp.h, am_gsync_set_shards): a sharded group's gradients
- * are reduce-scattered instead, its padded span of the gradient slab into the group's flat
- * shard of the shard slab, once per step (the full-size gradients accumulate locally over the
- * micro-batches: FSDP2's no-sync accumulation).
+ * Sharded gradients (ZeRO stages 2 and 3, fsdp.h; am_gsync_init with shards): the model's
+ * gradient slab is freed and a group's gradients live in one of a few per-group buffers only
+ * while its backward runs. Before a backward writes a group's gradients (the model's grad_use
+ * hook, am_gsync_use) the group takes a free buffer (or the oldest one whose reduce-scatter is
+ * in flight, waiting for it) and its parameters' g point into it, zeroed; when its backward
+ * ends (grad_ready after every backward: the model's grads_each_pass) its tp sums are done
+ * and the buffer is reduce-scattered, in reduce_dtype, over the group's shard communicator
+ * (G->comm) into the buffer's receive shard, which is added to the group's fp32 shard of the
+ * shard slab once the reduce-scatter completes (oldest first, the same order on every rank,
+ * so that a group's micro-batches are summed in their order). With gradient accumulation
+ * this reduce-scatters every micro-batch (FSDP2's set_requires_gradient_sync(True), its
+ * default): n_microbatches reductions per step for gradients that take 1/dp_shard of the
+ * memory; accumulating full-size gradients over the micro-batches and reducing once would
+ * keep a whole replica of them, which is what sharding removes. The buffers: two (a group
+ * accumulating, the previous one reducing), three when the head shares the embedding on this
+ * rank (the embedding's gradients accumulate from the head's backward to the embedding's),
+ * four with mixture-of-experts layers (a layer and its experts, twice), one more for a tied
+ * embedding split over two pipeline stages (its copy is kept for the whole step and reduced
+ * in am_gsync_finish, after the two copies are summed), each of the largest group's span.
+ * HSDP (G->replicate): once a group's last reduce-scatter of the step has been added to its
+ * shard, the shard is all-reduced over the replicas, non-blocking (it runs while the backward
+ * goes on), waited for in am_gsync_finish. The reduce-scatters are completed, and these
+ * all-reduces started, at points of the schedule only (when the next group's reduce-scatter
+ * starts, when a buffer is needed, after the backward), never on a request found complete, so
+ * that every rank issues its collectives in the same order across groups (comm.h).
  *
  * Gradients are fp32; with mp_policy.reduce_dtype bfloat16 each group is rounded to bf16,
  * all-reduced in bf16 (as FSDP2 reduces in its reduce_dtype) and widened back after the wait.
  *
  * Overlapped (the default) the reductions are started in the backward and progress while it
- * goes on; blocking (AM_GRAD_OVERLAP=0), every group is reduced in am_gsync_finish, in the
- * same order with the same calls, so that both give bit-identical gradients. Groups are
+ * goes on; blocking (AM_GRAD_OVERLAP=0), every group is reduced in am_gsync_finish (sharded:
+ * each reduce-scatter, and the replicas' all-reduce, done where the overlapped one starts),
+ * in the same order with the same calls, so that both give bit-identical gradients. Groups are
  * reduced in the order the backward finishes them, the same on every rank of a dp group
  * (they all run the same schedule).
  */
@@ -28,9 +50,18 @@
 
 #include <stdbool.h>
 #include <stddef.h>
+#include <stdint.h>
 
 #include "comm.h"
 #include "model.h"
+
+/* Sharded gradients: the fp32 shard slab (each group's shard at its shard_offset, over
+ * G->comm, which the caller set) and the replicas' group (HSDP), or NULL. */
+struct am_gsync_shards {
+    void *grads;
+    size_t n_shard;
+    struct am_comm *replicate;
+};
 
 struct am_gsync {
     struct am_model *m;
@@ -38,34 +69,59 @@ struct am_gsync {
     bool overlap;
     enum am_dtype reduce; /* the all-reduce's dtype (mp_policy.reduce_dtype): f32, or bf16 */
     void *lp_mem;          /* bf16: the gradients' copy that is reduced (mirrors the grad slab) */
-    void *shard_g;         /* sharded groups: the fp32 gradient shards (fsdp.h), or NULL */
-    void *shard_lp;        /* bf16: the shards the reduce-scatter writes, widened into shard_g */
-    size_t n_shard;
-    struct am_comm *shard;     /* the group the shards are reduce-scattered over (dp_shard) */
-    struct am_comm *replicate; /* HSDP: the replicas' group the shards are then all-reduced over, or NULL */
     unsigned char *state; /* [n_groups]: how far each group got this step (grad_sync.c) */
     struct am_comm_req **reqs; /* the reductions in flight, in the order they were started */
     size_t n_reqs;
     double wait_s;        /* this step: seconds in am_gsync_finish */
+    /* sharded gradients (above) */
+    void *shard_g;        /* the fp32 gradient shards, or NULL */
+    size_t n_shard;
+    void *shard_lp;       /* HSDP with a bf16 reduce_dtype: the shards' copy all-reduced */
+    int n_bufs;
+    size_t buf_elems, recv_elems; /* the largest group's span, and its shard */
+    void *buf_mem;        /* n_bufs x buf_elems fp32 gradients */
+    void *buf_lp;         /* bf16 reduce_dtype: their copy that is reduce-scattered, or NULL */
+    void *recv_mem;       /* n_bufs x recv_elems in reduce_dtype: what the reduce-scatters write */
+    int *buf_group;       /* [n_bufs]: the group accumulating there, or -1 */
+    int *buf_sent;        /* [n_bufs]: the group whose reduce-scatter it is in, or -1 */
+    bool *buf_final;      /* [n_bufs]: that was the group's last this step */
+    long *buf_seq;        /* [n_bufs]: when it was started (oldest completed first) */
+    long seq;
+    struct am_comm_req **buf_req;
+    void *finite;         /* [n_params] i32 on the device: 0 once a parameter's gradient was not finite */
+    int32_t *ones;        /* [n_params] on the host */
 };
 
 /* overlap: start reductions in the backward. Installs am_gsync_group as m's grad_ready hook
- * (a caller with a hook of its own calls am_gsync_group from it) and sets each group's comm. */
+ * (a caller with a hook of its own calls am_gsync_group from it) and sets each replicated
+ * group's comm to dp unless the caller set it (the experts' expert-data-parallel group with
+ * expert parallelism; a replicated group whose comm has one rank is not all-reduced). shards (NULL: every group replicated): sharded gradients (above): the
+ * model's gradient slab is freed and am_gsync_use installed as its grad_use hook. */
 int am_gsync_init(struct am_gsync *s, struct am_model *m, struct am_comm *dp, bool overlap, enum am_dtype reduce,
-                  char *err, size_t err_len);
+                  const struct am_gsync_shards *shards, char *err, size_t err_len);
 void am_gsync_free(struct am_gsync *s);
-/* The gradient shards of the sharded groups: n_shard fp32 on the device (each group's at its
- * shard_offset), reduce-scattered over `shard`; with `replicate` (HSDP) the whole shard slab
- * is then all-reduced over the replicas in am_gsync_finish, after the reduce-scatters (one
- * call, not overlapped). With a bf16 reduce_dtype their bf16 copy is allocated here. */
-int am_gsync_set_shards(struct am_gsync *s, void *shard_grads, size_t n_shard, struct am_comm *shard,
-                        struct am_comm *replicate, char *err, size_t err_len);
 
-/* Group g's gradients are final: its tp sums, its share of local_sumsq, and (overlapped) its
- * all-reduce started. The model's grad_ready hook. */
+/* The bytes it allocated beside the model's slab and the shard slab: the gradients' copies
+ * in reduce_dtype (full-size; HSDP's of the shards), and apart (buffer_bytes) the per-group
+ * buffers of sharded gradients with their reduce_dtype copies and receive shards. */
+size_t am_gsync_bytes(const struct am_gsync *s);
+size_t am_gsync_buffer_bytes(const struct am_gsync *s);
+
+/* Before the step's first backward: the gradient shards zeroed (they accumulate). */
+void am_gsync_begin_step(struct am_gsync *s);
+
+/* The model's grad_use hook: group's gradients in a buffer of their own (sharded). */
+int am_gsync_use(void *s, int group, char *err, size_t err_len);
+
+/* Group g's gradients are final (sharded: its backward ended): its tp sums, its share of
+ * local_sumsq, and (overlapped) its reduction started. The model's grad_ready hook. */
 int am_gsync_group(void *s, int group, char *err, size_t err_len);
 
 /* After the step's backward: tied copies, the groups not yet reduced, then every wait. */
 int am_gsync_finish(struct am_gsync *s, char *err, size_t err_len);
+
+/* Sharded gradients: the first parameter whose gradient was not finite this step (a read of
+ * the device), -1 when none was; -2 when the gradients are the model's slab (read them). */
+int am_gsync_first_nonfinite(struct am_gsync *s);
 
 #endif

@@ -115,6 +115,14 @@ static void log_groups(struct trainer *t)
     am_log_record(t->log, "groups", json_pack("{s:i,s:o}", "rank", t->s->info.rank, "groups", a));
 }
 
+/* am-plan's memory estimate for this rank: its pipeline rank's. */
+static double plan_bytes(const struct trainer *t)
+{
+    const struct am_plan *p = t->p;
+    int k = t->s->coords.pp;
+    return p->mem_pp && k >= 0 && k < p->pp ? p->mem_pp[k].total : p->mem.total;
+}
+
 static int build_comms(struct trainer *t, struct am_errors *err)
 {
     enum am_comm_backend be = t->dev.device == AM_DEV_CUDA ? AM_COMM_NCCL : AM_COMM_UCX;
@@ -153,11 +161,12 @@ static void log_memory(struct trainer *t)
     size_t n = m->n_elems, lp = m->param_lp_mem ? am_dtype_size(m->act_dt) : 0;
     size_t glp = t->sync.lp_mem ? am_dtype_size(t->sync.reduce) : 0;
     size_t weights = n * (sizeof(float) + lp), grads = n * (sizeof(float) + glp), opt = n * 2 * sizeof(float);
-    size_t gathered = 0;
-    if (t->sharded) { /* fsdp.h: the shards; the full-size gradients (and their reduce_dtype copy) */
+    size_t gathered = 0, grad_buffers = am_gsync_buffer_bytes(&t->sync);
+    if (t->sharded) { /* fsdp.h: the shards; stage 1 the full-size gradients (and their reduce_dtype
+                       * copy), from stage 2 the per-group buffers instead (grad_sync.h) */
         size_t S = t->fsdp.n_shard, slab = m->slab_elems;
         weights = am_fsdp_weight_bytes(&t->fsdp);
-        grads = slab * (sizeof(float) + glp) + S * (sizeof(float) + (t->zero >= 2 ? glp : 0));
+        grads = (t->zero >= 2 ? 0 : slab * sizeof(float)) + am_gsync_bytes(&t->sync) + S * sizeof(float);
         opt = S * 2 * sizeof(float);
         gathered = am_fsdp_gathered_bytes(&t->fsdp);
     }
@@ -169,6 +178,7 @@ static void log_memory(struct trainer *t)
                           "recompute", m->sh.recompute);
     json_object_set_new(o, "compute_dtype", json_string(am_dtype_torch_name(m->act_dt)));
     json_object_set_new(o, "gathered_bytes", json_integer((json_int_t)gathered));
+    json_object_set_new(o, "grad_buffers_bytes", json_integer((json_int_t)grad_buffers));
     json_object_set_new(o, "sharded", json_boolean(t->sharded));
     json_object_set_new(o, "alltoall_bytes", json_integer((json_int_t)am_moe_alltoall_bytes(m)));
     am_log_record(t->log, "memory", o);
@@ -323,8 +333,11 @@ static int read_microbatches(struct trainer *t, long step, int64_t accum, struct
 
 /* The first parameter whose gradient is not finite, for the log (after a failure: a read of
  * the device per parameter). */
-static const char *first_nonfinite(struct am_model *m)
+static const char *first_nonfinite(struct am_gsync *s, struct am_model *m)
 {
+    int sharded = am_gsync_first_nonfinite(s); /* sharded gradients: flagged as the backward went */
+    if (sharded != -2)
+        return sharded >= 0 ? m->params[sharded].name : "(none)";
     for (int i = 0; i < m->n_params; i++) {
         int32_t ok = 1;
         m->K->upload(m->dev, m->scalars.flag.data, &ok, sizeof(ok));
@@ -395,7 +408,7 @@ static void log_start(struct trainer *t)
     json_object_set_new(o, "timeout_from", json_string(t->wd.timeout_from));
     json_object_set_new(o, "flight_size", json_integer((json_int_t)t->flight.cap));
     json_object_set_new(o, "device_name", json_string(t->dev.name));
-    json_object_set_new(o, "plan_bytes", json_integer((json_int_t)t->p->mem.total));
+    json_object_set_new(o, "plan_bytes", json_integer((json_int_t)plan_bytes(t)));
     if (t->peak_flops > 0) {
         json_object_set_new(o, "peak_flops", json_real(t->peak_flops));
         json_object_set_new(o, "peak_from", json_string(t->peak_from));
@@ -431,7 +444,7 @@ static void add_where(json_t *o, const struct am_model_where *w)
 
 /* The device's fault hook (kernels.h): an allocation that failed is the rank's "oom" cause,
  * with what was asked, what the allocator holds and uses, the plan's estimate for the rank
- * (am-plan's: the most loaded pipeline rank) and where the step was; a CUDA error before the
+ * (am-plan's for its pipeline rank) and where the step was; a CUDA error before the
  * backend aborts is "cuda" with the runtime's text; a kernel called wrongly is an "error"; a
  * note (another path taken, nothing failed) is a "note" record and a line on stderr. */
 static void device_fault(void *arg, const struct am_dev_fault *f)
@@ -452,7 +465,7 @@ static void device_fault(void *arg, const struct am_dev_fault *f)
         json_object_set_new(o, "bytes_held", json_integer((json_int_t)f->bytes_held));
         json_object_set_new(o, "bytes_in_use", json_integer((json_int_t)f->bytes_in_use));
         json_object_set_new(o, "bytes_total", json_integer((json_int_t)f->bytes_total));
-        json_object_set_new(o, "plan_bytes", json_integer((json_int_t)t->p->mem.total));
+        json_object_set_new(o, "plan_bytes", json_integer((json_int_t)plan_bytes(t)));
     } else {
         o = json_pack("{s:s,s:s,s:i,s:s,s:s}", "cause", f->kind == AM_DEV_FAULT_ERROR ? "cuda" : "error", "device",
                       f->backend, "ordinal", f->ordinal, "where", f->where ? f->where : "", "error",
@@ -749,7 +762,7 @@ static int restore_checkpoint(struct trainer *t, struct am_errors *err)
  * this rank is where it came from) or "reduced" (after the data-parallel all-reduce). */
 static int nonfinite(struct trainer *t, long step, double loss, double norm, const char *origin, struct am_errors *err)
 {
-    const char *bad = first_nonfinite(&t->model);
+    const char *bad = first_nonfinite(&t->sync, &t->model);
     json_t *o = json_pack("{s:s,s:i,s:s,s:s}", "cause", "nonfinite", "step", (int)step, "tensor", bad, "origin", origin);
     json_object_set_new(o, "loss", number(loss));
     json_object_set_new(o, "grad_norm", number(norm));
@@ -778,6 +791,7 @@ static int forward_backward(struct trainer *t, long step, float dloss_scale, str
     const struct am_plan *p = t->p;
     char msg[1024];
     am_model_begin_step(&t->model);
+    am_gsync_begin_step(&t->sync);
     if (t->sharded)
         am_fsdp_begin_step(&t->fsdp);
     if (p->dp > 1 && am_fault_due(&t->fault, t->s->info.rank, step, AM_FAULT_HANG_IN_COLLECTIVE)) {
@@ -1096,14 +1110,18 @@ int am_train(struct am_rank_setup *s, struct am_log *log, struct am_errors *err)
     }
     /* the device's memory for the run reserved at once, as the plan counts it (CUDA: the
      * caching allocator's arena; it grows past that when the estimate falls short) */
-    if (t.K->reserve && t.p->mem.total > 0 && t.K->reserve(&t.dev, (size_t)t.p->mem.total) < 0)
+    if (t.K->reserve && plan_bytes(&t) > 0 && t.K->reserve(&t.dev, (size_t)plan_bytes(&t)) < 0)
         fprintf(stderr, "am-train: rank %d: could not reserve the plan's %.0f bytes on %s up front; allocating as "
-                "the run goes\n", s->info.rank, t.p->mem.total, t.dev.name);
+                "the run goes\n", s->info.rank, plan_bytes(&t), t.dev.name);
     if (build_model(&t, err) < 0 || build_data(&t, err) < 0)
         goto out;
-    /* with expert parallelism the experts are sharded over the ranks holding the same ones (fsdp.h) */
-    if (t.sharded && am_fsdp_init(&t.fsdp, &t.model, t.g.dp_shard, t.p->ep > 1 ? t.g.edp : NULL, t.zero,
-                                  t.r->dist.reshard_after_forward, msg, sizeof(msg)) < 0) {
+    /* with expert parallelism the experts are sharded, and their gradients reduced, over the
+     * ranks holding the same ones (fsdp.h; one rank when ep = dp: a communicator of one) */
+    for (int g = 0; t.p->ep > 1 && g < t.model.n_groups; g++)
+        if (t.model.groups[g].kind == AM_PG_EXPERTS)
+            t.model.groups[g].comm = t.g.edp;
+    if (t.sharded &&
+        am_fsdp_init(&t.fsdp, &t.model, t.g.dp_shard, t.zero, t.r->dist.reshard_after_forward, msg, sizeof(msg)) < 0) {
         am_errors_fail(err, "%s", msg);
         goto out;
     }
@@ -1112,16 +1130,14 @@ int am_train(struct am_rank_setup *s, struct am_log *log, struct am_errors *err)
         am_errors_fail(err, "out of memory for the optimizer state of %zu parameters", n_opt);
         goto out;
     }
-    if (am_gsync_init(&t.sync, &t.model, t.p->dp * t.p->cp > 1 ? t.grad_dp : NULL, grad_overlap(),
-                      t.r->reduce_dtype, msg, sizeof(msg)) < 0 ||
-        (t.zero >= 2 && am_gsync_set_shards(&t.sync, t.fsdp.grads, t.fsdp.n_shard, t.g.dp_shard, t.g.dp_replicate, msg,
-                                         sizeof(msg)) < 0)) {
+    /* from ZeRO stage 2 the gradients are sharded too: per-group buffers reduce-scattered into
+     * the shards (grad_sync.h) */
+    struct am_gsync_shards shards = {t.fsdp.grads, t.fsdp.n_shard, t.g.dp_replicate};
+    if (am_gsync_init(&t.sync, &t.model, t.p->dp * t.p->cp > 1 ? t.grad_dp : NULL, grad_overlap(), t.r->reduce_dtype,
+                      t.zero >= 2 ? &shards : NULL, msg, sizeof(msg)) < 0) {
         am_errors_fail(err, "%s", msg);
         goto out;
     }
-    for (int g = 0; t.p->ep > 1 && g < t.model.n_groups; g++) /* experts: over expert-data-parallel ranks */
-        if (t.model.groups[g].kind == AM_PG_EXPERTS)
-            t.model.groups[g].comm = am_comm_size(t.g.edp) > 1 ? t.g.edp : NULL;
     t.model.grad_ready = grad_ready;
     t.model.grad_ready_arg = &t;
     log_memory(&t);

@@ -222,9 +222,10 @@ static void test_memory_ddp_16_bytes_per_parameter(void **state)
  * 262144, each layer 590336, the final norm with the head 262400 elements) divides by 4, so
  * each rank's shard is a quarter of the parameters, no padding. Its default mixed precision
  * (bf16 compute, fp32 reduction): the master shard and its bf16 copy (6 B / 4), Adam's moments
- * of the shard (8 B / 4), the full-size fp32 gradients accumulated over the step (4 B) and the
- * reduced gradient shard (4 B / 4); two layers gathered in bf16. A bf16 reduce_dtype adds the
- * gradients' bf16 copy and the shard's (2 B + 2 B / 4). */
+ * of the shard (8 B / 4), the reduced fp32 gradient shard (4 B / 4); two layers gathered in
+ * bf16; two gradient buffers of the largest group (a layer: fp32, 4 B each) with their
+ * receive shards (4 B / 4). A bf16 reduce_dtype adds each buffer's bf16 copy (2 B) and
+ * receives in bf16 (2 B / 4). */
 static void test_memory_fsdp_shards(void **state)
 {
     (void)state;
@@ -235,7 +236,8 @@ static void test_memory_fsdp_shards(void **state)
     assert_int_equal(p.zero_stage, 3);
     assert_float_equal(p.mem.params, params, 0);
     assert_float_equal(p.mem.weights, 6 * params / 4, 0);
-    assert_float_equal(p.mem.grads, 4 * params + 4 * params / 4, 0);
+    assert_float_equal(p.mem.grads, 4 * params / 4, 0);
+    assert_float_equal(p.mem.grad_buffers, 2 * 4 * layer + 2 * 4 * layer / 4, 0);
     assert_float_equal(p.mem.optimizer, 8 * params / 4, 0);
     assert_float_equal(p.mem.gathered, 2 * 2 * layer, 0);
     am_plan_free(&p);
@@ -244,7 +246,8 @@ static void test_memory_fsdp_shards(void **state)
     const char *reduce_bf16[] = {"distributed.mp_policy.param_dtype=bfloat16",
                                  "distributed.mp_policy.reduce_dtype=bfloat16", NULL};
     r = plan_of(model8, reduce_bf16, 4, &p);
-    assert_float_equal(p.mem.grads, 6 * params + 6 * params / 4, 0);
+    assert_float_equal(p.mem.grads, 4 * params / 4, 0);
+    assert_float_equal(p.mem.grad_buffers, 2 * 6 * layer + 2 * 2 * layer / 4, 0);
     am_plan_free(&p);
     am_recipe_free(r);
 
@@ -261,7 +264,8 @@ static void test_memory_fsdp_shards(void **state)
     double shard = (262144.0 + 2) / 3 + 8 * (590336.0 + 1) / 3 + (262400.0 + 1) / 3;
     assert_int_equal(p.zero_stage, 3);
     assert_float_equal(p.mem.optimizer, 8 * shard, 0);
-    assert_float_equal(p.mem.grads, 4 * (3 * shard) + 4 * shard, 0);
+    assert_float_equal(p.mem.grads, 4 * shard, 0);
+    assert_float_equal(p.mem.grad_buffers, 2 * 4 * (layer + 1) + 2 * 4 * (layer + 1) / 3, 0);
     am_plan_free(&p);
     am_recipe_free(r);
 
@@ -275,6 +279,7 @@ static void test_memory_fsdp_shards(void **state)
     r = plan_of(model8, hsdp, 4, &p);
     assert_int_equal(p.zero_stage, 3);
     assert_float_equal(p.mem.optimizer, 8 * params / 2, 0);
+    assert_float_equal(p.mem.grads, 4 * params / 2, 0);
     assert_float_equal(p.mem.gathered, 2 * 2 * layer, 0);
     am_plan_free(&p);
     am_recipe_free(r);
@@ -342,9 +347,10 @@ static void test_memory_full_replicas(void **state)
 
 /* megatron_fsdp's zero_dp_strategy over the dp 4 ranks (bf16 compute, bf16 reduction here):
  * stage 3 as fsdp2; stages 2 and 1 keep the full masters and their bf16 copy (6 B) beside the
- * master shard (4 B / 4) and Adam's moments of the shard (8 B / 4); the gradients' full-size
- * accumulation and its bf16 copy (6 B), plus the shard: reduce-scattered in bf16 then widened
- * (6 B / 4) from stage 2, copied from the all-reduced gradients (4 B / 4) at stage 1. */
+ * master shard (4 B / 4) and Adam's moments of the shard (8 B / 4); from stage 2 the
+ * gradient shard (4 B / 4) and two gradient buffers of a layer (fp32 and bf16, 6 B each, and
+ * a bf16 receive shard, 2 B / 4); stage 1 the gradients' full-size accumulation and its bf16
+ * copy (6 B) and the shard copied from the all-reduced gradients (4 B / 4). */
 static void test_memory_megatron_zero_stages(void **state)
 {
     (void)state;
@@ -359,7 +365,8 @@ static void test_memory_megatron_zero_stages(void **state)
         assert_int_equal(p.zero_stage, stage);
         assert_float_equal(p.mem.optimizer, 8 * params / 4, 0);
         assert_float_equal(p.mem.weights, stage == 3 ? 6 * params / 4 : 6 * params + 4 * params / 4, 0);
-        assert_float_equal(p.mem.grads, 6 * params + (stage >= 2 ? 6 : 4) * params / 4, 0);
+        assert_float_equal(p.mem.grads, stage >= 2 ? 4 * params / 4 : 6 * params + 4 * params / 4, 0);
+        assert_float_equal(p.mem.grad_buffers, stage >= 2 ? 2 * 6 * layer + 2 * 2 * layer / 4 : 0, 0);
         assert_float_equal(p.mem.gathered, stage == 3 ? 2 * 2 * layer : 0, 0);
         am_plan_free(&p);
         am_recipe_free(r);
@@ -491,8 +498,9 @@ static void test_memory_over_budget_names_the_fix(void **state)
     struct am_recipe *r = plan_of(model8, sets, 4, &p);
     /* 16 B * 5247232 = 80.1 MiB of state + 52.2 MiB of activations (3338 * 512 * 4 B * 8 layers)
      * + 7.5 MiB of scratch (test_memory_activations) = 139.8 MiB; in 110 MiB it fits with fsdp2
-     * (sharded over the 4 ranks: 4/4 + 4 + 4/4 + 8/4 B = 40.0 MiB of state, 4.5 MiB of two
-     * gathered layers, the same activations and scratch) and with checkpointing (80.1 + 3.5
+     * (sharded over the 4 ranks: 4/4 + 4/4 + 8/4 B = 20.0 MiB of state, 4.5 MiB of two gathered
+     * layers, 5.6 MiB of two gradient buffers of a layer with their receive shards, the same
+     * activations and scratch) and with checkpointing (80.1 + 3.5
      * saved + 6.5 recomputed + 7.5). Not tp and pp, which ddp does not run. */
     struct am_world w = {.size = 4, .nodes = 1, .gpus_per_node = 4, .nvlink_domain = 4, .gpu_mem = 110 << 20};
     struct am_errors err;
@@ -500,7 +508,7 @@ static void test_memory_over_budget_names_the_fix(void **state)
     assert_int_equal(am_plan_check_memory(r, &w, &p, &err), -1);
     assert_messages(&err, (const char *const[]){
         "plan.yaml: estimated memory per GPU 139.8 MiB exceeds the GPU's 110.0 MiB by 29.8 MiB; it fits with "
-        "distributed.strategy=fsdp2 (104.2 MiB), distributed.activation_checkpointing=true (97.6 MiB)", NULL});
+        "distributed.strategy=fsdp2 (89.8 MiB), distributed.activation_checkpointing=true (97.6 MiB)", NULL});
     am_errors_free(&err);
     am_plan_free(&p);
     am_recipe_free(r);
