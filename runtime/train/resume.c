@@ -37,7 +37,7 @@ static int for_runs(const struct am_train_state *s, bool skip_tied, run_fn fn, v
     }
     for (int gi = 0; gi < m->n_groups; gi++) {
         const struct am_pgroup *G = &m->groups[gi];
-        size_t lo = G->offset + (size_t)G->shard_rank * G->shard_elems, hi = lo + G->shard_elems;
+        size_t lo = G->offset + (size_t)am_comm_rank(G->comm) * G->shard_elems, hi = lo + G->shard_elems;
         for (int j = G->first; j < G->first + G->n; j++) {
             const struct am_param *p = &m->params[j];
             if (skip_tied && am_model_is_tied_copy(m, p))
