@@ -764,6 +764,14 @@ static void sift_down(struct cursor *h, int n, int i)
     }
 }
 
+/* The median of v[0..m) (the upper one, as the steps' compute median), -1 when m is 0: the
+ * ranks' expert tokens at one step, of those whose step record carries them. */
+#define EP_UNSEEN (-2.0f)
+static float ep_median(float *v, int m)
+{
+    return m > 0 ? kth(v, m, m / 2) : -1.0f;
+}
+
 static void straggler_check(struct am_diag *d)
 {
     /* per step: compute = step_s - comm_s (the time outside collectives). A rank whose
@@ -774,8 +782,11 @@ static void straggler_check(struct am_diag *d)
     float *vals = calloc((size_t)n + 1, sizeof(float)), *worst = calloc((size_t)n + 1, sizeof(float));
     long *worst_step = calloc((size_t)n + 1, sizeof(long));
     struct cursor *heap = calloc((size_t)n + 1, sizeof(*heap)), *now = calloc((size_t)n + 1, sizeof(*now));
+    /* expert parallelism: each rank's expert tokens at its worst step, the median rank's then */
+    float *evals = calloc((size_t)n + 1, sizeof(float)), *worst_in = calloc((size_t)n + 1, sizeof(float));
+    float *worst_med = calloc((size_t)n + 1, sizeof(float));
     int nh = 0;
-    if (!vals || !worst || !worst_step || !heap || !now)
+    if (!vals || !worst || !worst_step || !heap || !now || !evals || !worst_in || !worst_med)
         goto out;
     for (int q = 0; q < n; q++) {
         struct am_diag_rank *r = &d->ranks[q];
@@ -806,7 +817,7 @@ static void straggler_check(struct am_diag *d)
     enum { STEP_BLOCK = 64 };
     struct at_step {
         int q;
-        float compute;
+        float compute, ep_in;
     } *slot = dense && nh > 0 ? malloc((size_t)STEP_BLOCK * (size_t)nh * sizeof(*slot)) : NULL;
     int cnt[STEP_BLOCK];
     if (dense && nh > 0 && !slot)
@@ -820,7 +831,8 @@ static void straggler_check(struct am_diag *d)
             while (c->at < r->n_steps && r->steps[c->at].step <= top) {
                 uint32_t s = r->steps[c->at].step;
                 int j = (int)(s - base);
-                slot[(size_t)j * (size_t)nh + (size_t)cnt[j]++] = (struct at_step){c->q, r->steps[c->at].compute};
+                slot[(size_t)j * (size_t)nh + (size_t)cnt[j]++] =
+                    (struct at_step){c->q, r->steps[c->at].compute, r->steps[c->at].ep_in};
                 while (c->at < r->n_steps && r->steps[c->at].step == s) /* its first record counts */
                     c->at++;
             }
@@ -832,12 +844,21 @@ static void straggler_check(struct am_diag *d)
                 continue;
             for (int i = 0; i < k; i++)
                 vals[i] = at[i].compute;
-            float med = kth(vals, k, k / 2);
+            float med = kth(vals, k, k / 2), emed = EP_UNSEEN;
             for (int i = 0; i < k; i++) {
                 double excess = (double)at[i].compute - med;
                 if (excess >= AM_DIAG_STRAGGLER_S && excess >= 2 * (double)med && excess > worst[at[i].q]) {
                     worst[at[i].q] = (float)excess;
                     worst_step[at[i].q] = (long)(base + (uint64_t)j);
+                    if (emed == EP_UNSEEN) { /* once per step that names a straggler */
+                        int m = 0;
+                        for (int x = 0; x < k; x++)
+                            if (at[x].ep_in >= 0)
+                                evals[m++] = at[x].ep_in;
+                        emed = ep_median(evals, m);
+                    }
+                    worst_in[at[i].q] = at[i].ep_in;
+                    worst_med[at[i].q] = emed;
                 }
             }
         }
@@ -863,13 +884,24 @@ static void straggler_check(struct am_diag *d)
         }
         if (k < 2)
             continue;
-        float med = kth(vals, k, k / 2); /* reorders vals: each rank's own value is read again */
+        float med = kth(vals, k, k / 2), emed = EP_UNSEEN; /* reorders vals: each rank's own value is read again */
         for (int i = 0; i < k; i++) {
             const struct am_diag_rank *r = &d->ranks[now[i].q];
             double excess = (double)r->steps[now[i].at].compute - med;
             if (excess >= AM_DIAG_STRAGGLER_S && excess >= 2 * (double)med && excess > worst[now[i].q]) {
                 worst[now[i].q] = (float)excess;
                 worst_step[now[i].q] = s;
+                if (emed == EP_UNSEEN) {
+                    int m = 0;
+                    for (int x = 0; x < k; x++) {
+                        float e = d->ranks[now[x].q].steps[now[x].at].ep_in;
+                        if (e >= 0)
+                            evals[m++] = e;
+                    }
+                    emed = ep_median(evals, m);
+                }
+                worst_in[now[i].q] = r->steps[now[i].at].ep_in;
+                worst_med[now[i].q] = emed;
             }
         }
     }
@@ -881,8 +913,21 @@ static void straggler_check(struct am_diag *d)
         set(r->detail, sizeof(r->detail), "finished cleanly, but held the others back: at step %ld it spent "
             "%.2f s longer outside collectives than the median rank, while the others waited for it",
             worst_step[q], (double)worst[q]);
+        if (worst_in[q] >= 0 && worst_med[q] > 0) { /* its step record carries its expert load */
+            r->ep_step = worst_step[q];
+            r->ep_in = worst_in[q];
+            r->ep_median = worst_med[q];
+            double ratio = r->ep_in / r->ep_median;
+            add(r->detail, sizeof(r->detail), "; its experts received %.2fx the median rank's expert tokens at step "
+                "%ld (%.0f against %.0f): %s", ratio, r->ep_step, r->ep_in, r->ep_median,
+                ratio >= AM_DIAG_EP_OVERLOAD ? "an overloaded expert-parallel rank (routing imbalance), not a slow node"
+                                             : "not overloaded by the routing (a slow node or device)");
+        }
     }
 out:
+    free(evals);
+    free(worst_in);
+    free(worst_med);
     free(vals);
     free(worst);
     free(worst_step);

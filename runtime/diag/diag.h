@@ -27,7 +27,9 @@
  *      collective it waited in, #k of group g, and whether the culprit is the member that
  *      never came), failed (another failure of its own, later), straggler (clean but late:
  *      in some step its time outside communication calls exceeded the median rank's by at
- *      least AM_DIAG_STRAGGLER_S and by twice that median; or, in a hang, another member that
+ *      least AM_DIAG_STRAGGLER_S and by twice that median, told apart by its expert load when
+ *      the step records carry one (ep_tokens_in: at AM_DIAG_EP_OVERLOAD times the median
+ *      rank's or more at its worst step, routing overloaded it); or, in a hang, another member that
  *      never reached #k), clean, missing.
  *   4. mismatches: ranks of one group whose flight recorders hold the same collective
  *      sequence number with a different op, dtype or count, or that are stuck (in flight at
@@ -47,6 +49,9 @@
 #include <stdio.h>
 
 #define AM_DIAG_STRAGGLER_S 1.0
+/* A straggler whose experts received at least this many times the median rank's expert tokens
+ * at its worst step was overloaded by the routing (expert parallelism), not slow by itself. */
+#define AM_DIAG_EP_OVERLOAD 1.5
 
 /* Limits: what one log may cost am-diag, whatever it holds. Ranks, groups, steps and flight
  * entries are stored only as the logs hold them (a rank number written inside a log, "world"
@@ -78,10 +83,13 @@ struct am_diag_group {
     int n;
 };
 
-/* A step record: its number and the rank's time outside communication (step_s - comm_s). */
+/* A step record: its number, the rank's time outside communication (step_s - comm_s), and
+ * with expert parallelism the token rows its experts received in the step (ep_tokens_in; -1
+ * when the record has none). */
 struct am_diag_step {
     uint32_t step;
     float compute;
+    float ep_in;
 };
 
 enum am_diag_end { AM_END_UNKNOWN, AM_END_CLEAN, AM_END_FAILED, AM_END_WAITING, AM_END_STOPPED };
@@ -140,6 +148,10 @@ struct am_diag_rank {
     int waiting_for;        /* global rank it waited for, -1 */
     double waited_s;
     int visited;            /* the hang analysis passed here */
+    long ep_step;           /* straggler: its worst step when that step's records carry
+                             * ep_tokens_in (0: none), the tokens its experts received then and
+                             * the median rank's */
+    double ep_in, ep_median;
     enum am_diag_verdict verdict;
     char detail[768];
 };

@@ -366,7 +366,7 @@ static void on_start(struct loader *L, struct am_diag_rank *r, const struct rec 
  * field's key is classified once, the last field of a key wins (as in jansson). */
 enum fkey {
     FK_TYPE, FK_TIME, FK_STEP, FK_STEP_S, FK_COMM_S, FK_GROUP, FK_OP, FK_DTYPE, FK_STATE, FK_GID, FK_ID,
-    FK_SEQ, FK_COUNT, FK_BYTES, FK_PEER, FK_WAITING_FOR, FK_ENQUEUED, FK_STARTED, FK_ENDED, FK_N
+    FK_SEQ, FK_COUNT, FK_BYTES, FK_PEER, FK_WAITING_FOR, FK_ENQUEUED, FK_STARTED, FK_ENDED, FK_EP_IN, FK_N
 };
 
 #define KEY_IS(f, lit) (memcmp((f)->key, lit, sizeof(lit) - 1) == 0)
@@ -392,6 +392,8 @@ static inline int fkey_of(const struct am_diag_field *f)
         return KEY_IS(f, "enqueued") ? FK_ENQUEUED : -1;
     case 11:
         return KEY_IS(f, "waiting_for") ? FK_WAITING_FOR : -1;
+    case 12:
+        return KEY_IS(f, "ep_tokens_in") ? FK_EP_IN : -1;
     default:
         return -1;
     }
@@ -449,7 +451,10 @@ static void on_step(struct am_diag_rank *r, const struct am_diag_field *const *k
         r->cap_steps = cap;
     }
     double compute = sane_s(fk_num(k[FK_STEP_S])) - sane_s(fk_num(k[FK_COMM_S]));
-    r->steps[r->n_steps++] = (struct am_diag_step){.step = (uint32_t)step, .compute = (float)compute};
+    double ep_in = k[FK_EP_IN] ? fk_num(k[FK_EP_IN]) : -1; /* a count: sane when finite, >= 0 */
+    ep_in = isfinite(ep_in) && ep_in >= 0 && ep_in < 1e18 ? ep_in : -1;
+    r->steps[r->n_steps++] =
+        (struct am_diag_step){.step = (uint32_t)step, .compute = (float)compute, .ep_in = (float)ep_in};
 }
 
 static void on_flight(struct loader *L, struct am_diag_rank *r, const struct am_diag_field *const *k)

@@ -418,6 +418,15 @@ json_t *am_diag_json(const struct am_diag *d)
                                                       json_integer_value(because) < d->world
                                                       ? json_integer(json_integer_value(because)) : json_null());
         json_object_set_new(e, "detail", jstr(r->detail));
+        if (r->ep_step > 0) { /* a straggler whose step records carry its expert load */
+            json_t *x = json_object();
+            json_object_set_new(x, "step", json_integer(r->ep_step));
+            json_object_set_new(x, "tokens_in", json_integer((json_int_t)r->ep_in));
+            json_object_set_new(x, "median_tokens_in", json_integer((json_int_t)r->ep_median));
+            json_object_set_new(x, "ratio", json_real(r->ep_in / r->ep_median));
+            json_object_set_new(x, "overloaded", json_boolean(r->ep_in / r->ep_median >= AM_DIAG_EP_OVERLOAD));
+            json_object_set_new(e, "expert_load", x);
+        }
         json_array_append_new(ranks, e);
     }
     long listed = 0;

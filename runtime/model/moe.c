@@ -47,6 +47,7 @@ struct am_moe {
     int64_t *ep_host;        /* ep > 1: every acts entry's send_rows, recv_rows, lcount, rc */
     int last_slot;
     double a2a_s;            /* seconds in the all-to-alls over the step */
+    int64_t step_recv;       /* ep > 1: token rows this rank's experts received over the step */
 };
 
 int am_moe_check(const struct am_model_config *cfg, const struct am_model_shard *sh, char *err, size_t err_len)
@@ -359,6 +360,8 @@ static int forward_ep(struct am_model *m, const struct am_layer *L, struct moe_a
     if (exchange_counts(m, A, err, err_len) < 0)
         return -1;
     int64_t R = A->recv_total;
+    if (m->where.phase != AM_PHASE_BACKWARD) /* a recomputation in the backward counts once */
+        M->step_recv += R;
     struct am_tensor ts = rows(&M->ts, S), t1 = rows(&M->t1, R), t2 = rows(&M->t2, R), p2 = pos2_of(A);
     struct am_tensor xp = rows(&A->xp, R), g = rows(&A->g, R), u = rows(&A->u, R), act = rows(&A->act, R);
     struct am_tensor yp = rows(&A->yp, S);
@@ -526,6 +529,7 @@ void am_moe_stats_reset(struct am_model *m)
     if (m->moe) {
         memset(m->moe->step_counts, 0, (size_t)m->moe->E * sizeof(int64_t));
         m->moe->a2a_s = 0;
+        m->moe->step_recv = 0;
     }
 }
 
@@ -543,6 +547,7 @@ void am_moe_stats(struct am_model *m, struct am_moe_stats *out)
         out->max = M->step_counts[e] > out->max ? M->step_counts[e] : out->max;
     }
     out->alltoall_s = M->a2a_s;
+    out->tokens_in = M->step_recv;
     out->imbalance = sum > 0 ? (double)out->max * (double)M->E / (double)sum : 0.0;
     if (M->aux_on)
         m->K->download(m->dev, &out->aux, M->slots[M->last_slot].aux.data, sizeof(double));

@@ -78,6 +78,9 @@ struct am_moe_stats {
     double aux;        /* the load-balancing loss of the last micro-batch (unscaled; 0 without it) */
     double alltoall_s; /* expert parallelism: seconds in the experts' all-to-alls (counts, tokens,
                           gradients; the host's time in the calls) */
+    int64_t tokens_in; /* expert parallelism: the token rows this rank's experts received over the
+                          step (after the counts' all-to-all, from every rank of its ep group; every
+                          MoE layer and micro-batch, each forward once): its share of the routing */
 };
 
 /* The configurations the MoE block runs in; -1 with a message naming what is not supported. */

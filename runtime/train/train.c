@@ -936,8 +936,10 @@ static int run(struct trainer *t, struct am_errors *err)
             json_object_set_new(rec, "expert_imbalance", json_real(ms.imbalance));
             if (r->model.output_router_logits)
                 json_object_set_new(rec, "aux_loss", json_real(ms.aux));
-            if (p->ep > 1)
+            if (p->ep > 1) {
                 json_object_set_new(rec, "alltoall_s", json_real(ms.alltoall_s));
+                json_object_set_new(rec, "ep_tokens_in", json_integer((json_int_t)ms.tokens_in));
+            }
         }
         am_log_record(t->log, "step", rec);
         if (rank == 0)

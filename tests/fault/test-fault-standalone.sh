@@ -63,6 +63,21 @@ else
   fail "ep kill-in-alltoall: rank 0 is not waiting for rank 1 in an alltoallv of group ep:"
   grep "^  rank" <<<"$diag_text" | sed "s/^/    /"
 fi
+# a slow rank under expert parallelism: its step records carry ep_tokens_in, and am-diag
+# weighs the straggler's expert load at its slow step against the median rank's; the
+# routing did not overload it (the sleep did), so the report says it is no routing imbalance
+run "ep-slow-1-2" slow:2.5 1 2
+diag_text=$("$DIAG" "$DIR")
+want="^  rank 1 on .*: straggler: finished cleanly, but held the others back: at step 2 it spent [0-9.]+ s longer "
+want+="outside collectives than the median rank, while the others waited for it; its experts received [0-9.]+x the "
+want+="median rank's expert tokens at step 2 \([0-9]+ against [0-9]+\): not overloaded by the routing \(a slow node or device\)$"
+if grep -qE "$want" <<<"$diag_text" &&
+  [[ $("$DIAG" "$DIR" --json) == *'"expert_load":{"step":2,"tokens_in":'*',"overloaded":false}'* ]]; then
+  pass "ep slow: am-diag weighs rank 1's expert load at step 2 and finds no routing imbalance (a slow node)"
+else
+  fail "ep slow: am-diag does not weigh rank 1's expert load (want /$want/):"
+  grep "^  rank" <<<"$diag_text" | sed "s/^/    /"
+fi
 LAYOUT="" RECIPE=tiny.yaml
 
 # am-diag's input: a log root holding one job is read like the job's directory; unusable

@@ -537,6 +537,9 @@ static void test_straggler(void **state)
     assert_int_equal(d.ranks[2].verdict, AM_VERDICT_CLEAN);
     assert_non_null(strstr(d.ranks[1].detail, "at step 3"));
     expect_in_json(&d, "\"status\":\"clean\",\"first_failure\":null");
+    char *text = json_text(&d);
+    assert_null(strstr(text, "expert_load")); /* no ep_tokens_in in the records */
+    free(text);
     am_diag_free(&d);
 
     /* the same with steps numbered far apart (merged through the heap, not walked by number),
@@ -559,6 +562,73 @@ static void test_straggler(void **state)
     assert_int_equal(d.ranks[2].verdict, AM_VERDICT_CLEAN);
     assert_string_equal(d.ranks[1].detail, "finished cleanly, but held the others back: at step 3000000 it spent 2.00 s "
                                            "longer outside collectives than the median rank, while the others waited for it");
+    am_diag_free(&d);
+}
+
+/* Expert parallelism: 4 ranks whose step records carry ep_tokens_in; rank 3 is the straggler
+ * of step 3 (at step `scale` x 3: scale 1 walks the steps by number, a large scale merges them
+ * through the heap) and its experts received `load` tokens there, the others 2000. */
+static char *report(const struct am_diag *d);
+
+static void ep_job(struct am_diag *d, int scale, int load)
+{
+    struct log l;
+    am_diag_init(d);
+    for (int r = 0; r < 4; r++) {
+        start(&l, r, 4, "n1");
+        for (int s = 1; s <= 6; s++)
+            line(&l, "{\"type\":\"step\",\"step\":%d,\"step_s\":%s,\"comm_s\":%s,\"time\":%.6f,\"expert_tokens_min\":400,"
+                     "\"expert_tokens_max\":900,\"expert_imbalance\":1.3,\"alltoall_s\":0.01,\"ep_tokens_in\":%d%s}",
+                 s * scale, s == 3 ? "2.1" : "0.1", s == 3 && r != 3 ? "2.05" : "0.05", T0 + s,
+                 s == 3 && r == 3 ? load : 2000,
+                 s == 3 && r == 3 ? ",\"nested\":{\"a\":1}" : ""); /* jansson reads that one */
+        exit_rec(&l, r, 0, 0, NULL, NULL, T0 + 7);
+        add(d, r, &l);
+    }
+    am_diag_analyze(d);
+}
+
+static void test_straggler_expert_load(void **state)
+{
+    (void)state;
+    struct am_diag d;
+    ep_job(&d, 1, 5000); /* 2.5x the median: routing overloaded it */
+    assert_int_equal(d.failed, 0);
+    for (int r = 0; r < 3; r++)
+        assert_int_equal(d.ranks[r].verdict, AM_VERDICT_CLEAN);
+    assert_int_equal(d.ranks[3].verdict, AM_VERDICT_STRAGGLER);
+    assert_string_equal(d.ranks[3].detail,
+                        "finished cleanly, but held the others back: at step 3 it spent 2.00 s longer outside "
+                        "collectives than the median rank, while the others waited for it; its experts received "
+                        "2.50x the median rank's expert tokens at step 3 (5000 against 2000): an overloaded "
+                        "expert-parallel rank (routing imbalance), not a slow node");
+    char *text = report(&d);
+    if (!strstr(text, "\n  rank 3 on n1: straggler: finished cleanly, but held the others back: at step 3 it spent "
+                      "2.00 s longer outside collectives than the median rank, while the others waited for it; its "
+                      "experts received 2.50x the median rank's expert tokens at step 3 (5000 against 2000): an "
+                      "overloaded expert-parallel rank (routing imbalance), not a slow node\n"))
+        fail_msg("report:\n%s", text);
+    free(text);
+    expect_in_json(&d, "\"expert_load\":{\"step\":3,\"tokens_in\":5000,\"median_tokens_in\":2000,\"ratio\":2.5,"
+                       "\"overloaded\":true}");
+    am_diag_free(&d);
+
+    /* exactly 1.5x: overloaded (the rule is >= 1.5) */
+    ep_job(&d, 1, 3000);
+    assert_non_null(strstr(d.ranks[3].detail, "; its experts received 1.50x the median rank's expert tokens at step 3 "
+                                               "(3000 against 2000): an overloaded expert-parallel rank"));
+    am_diag_free(&d);
+
+    /* 1.05x the median, steps far apart (the heap): slow by itself */
+    ep_job(&d, 1000000, 2100);
+    assert_int_equal(d.ranks[3].verdict, AM_VERDICT_STRAGGLER);
+    assert_string_equal(d.ranks[3].detail,
+                        "finished cleanly, but held the others back: at step 3000000 it spent 2.00 s longer outside "
+                        "collectives than the median rank, while the others waited for it; its experts received "
+                        "1.05x the median rank's expert tokens at step 3000000 (2100 against 2000): not overloaded "
+                        "by the routing (a slow node or device)");
+    expect_in_json(&d, "\"expert_load\":{\"step\":3000000,\"tokens_in\":2100,\"median_tokens_in\":2000,");
+    expect_in_json(&d, "\"overloaded\":false}");
     am_diag_free(&d);
 }
 
@@ -971,6 +1041,7 @@ int main(void)
         cmocka_unit_test(test_truncated_log),
         cmocka_unit_test(test_mismatches),
         cmocka_unit_test(test_straggler),
+        cmocka_unit_test(test_straggler_expert_load),
         cmocka_unit_test(test_stopped_from_outside),
         cmocka_unit_test(test_exits_without_cause),
         cmocka_unit_test(test_clean),
