@@ -498,7 +498,9 @@ static int blame(const struct am_diag *d, const struct am_diag_flight *k, int *k
  * It starts at the call that has been waiting longest (the earliest start among the calls
  * in flight when the ranks ended) and follows the chain: when the member to blame there is
  * itself waiting in another collective (a tensor-parallel rank held up by its partner), the
- * blame moves on to that one (at most AM_DIAG_MAX_HOPS times, never twice through a rank). */
+ * blame moves on to that one (at most AM_DIAG_MAX_HOPS times, never twice through a rank); a
+ * point-to-point wait moves on the same way when its peer was itself waiting in another call
+ * (a pipeline stage held up by a prefetch of its data-parallel group). */
 static int hang(struct am_diag *d)
 {
     const struct am_diag_rank *first = NULL;
@@ -526,6 +528,17 @@ static int hang(struct am_diag *d)
                  "cannot name the rank that held it up", first->rank, first->waited_s, k->group,
                  (unsigned long long)k->seq);
         return 1;
+    }
+    /* point-to-point: the peer it waited for, unless that peer was itself waiting in another
+     * call (not the matching one): then the blame moves on to that call, as for a collective */
+    for (int hop = 0; hop <= AM_DIAG_MAX_HOPS && !is_collective(k); hop++) {
+        struct am_diag_rank *c = am_diag_rank_find(d, first->waiting_for >= 0 ? first->waiting_for : k->peer);
+        if (!c || c->visited || !c->in || c->end == AM_END_CLEAN || c->end == AM_END_FAILED ||
+            (!is_collective(c->in) && c->in->gid == k->gid && c->in->peer == first->rank))
+            break;
+        c->visited = 1;
+        first = c;
+        k = c->in;
     }
     if (!is_collective(k)) { /* point-to-point: the peer it waited for */
         d->ff_in = k;

@@ -44,7 +44,8 @@ for place in "1 2" "3 4"; do
 done
 
 # a pipeline (pp 2 x dp 2): the last stage's rank 3 fails; rank 1 (first stage) waits for
-# its gradients in a recv on pp_grad, ranks 0 and 2 in the data-parallel all-reduce
+# its gradients in a recv on pp_grad, rank 2 for rank 3 in a data-parallel collective (an
+# all-gather of fsdp2), rank 0 for rank 2's gradients: the chain leads to rank 3
 LAYOUT=AM_PP=2
 for kind in segv hang kill; do
   run "pp-$kind-3-2" "$kind" 3 2

@@ -249,6 +249,60 @@ static void test_hang_in_recv(void **state)
     am_diag_free(&d);
 }
 
+/* Pipeline x data parallelism: rank 0 waits longest, in recv #9 of group pp_grad for rank 1;
+ * rank 1 was itself waiting (iallgather #45 of group dp, a prefetch) for rank 2, which hung
+ * after #44. The blame follows the chain through rank 1's wait to rank 2. */
+static void test_hang_recv_chain(void **state)
+{
+    (void)state;
+    struct am_diag d;
+    struct log l;
+    am_diag_init(&d);
+    for (int r = 0; r < 3; r++) {
+        start(&l, r, 3, "n1");
+        l.len = (size_t)(strchr(l.text, '\n') + 1 - l.text); /* the start record only: this rank's own groups */
+        line(&l, "{\"type\":\"groups\",\"rank\":%d,\"groups\":[%s]}", r,
+             r == 0   ? "{\"name\":\"pp_grad\",\"gid\":3,\"ranks\":[0,1]}"
+             : r == 1 ? "{\"name\":\"dp_shard\",\"gid\":1,\"ranks\":[1,2]},{\"name\":\"pp_grad\",\"gid\":3,\"ranks\":[0,1]}"
+                      : "{\"name\":\"dp_shard\",\"gid\":1,\"ranks\":[1,2]}");
+        steps(&l, 1, 0.01);
+        if (r == 0) {
+            line(&l, "{\"type\":\"cause\",\"cause\":\"timeout\",\"by\":\"watchdog\",\"op\":\"recv\",\"group\":"
+                     "\"pp_grad\",\"gid\":3,\"seq\":9,\"count\":100,\"bytes\":400,\"waited_s\":4.3,\"rank\":0,"
+                     "\"time\":%.6f,\"timeout_s\":4.0,\"peer\":1,\"waiting_for\":1,\"waiting_for_host\":\"n1\","
+                     "\"step\":2,\"message\":\"x\"}", T0 + 9.3);
+            line(&l, "{\"type\":\"flight\",\"id\":1,\"group\":\"pp_grad\",\"gid\":3,\"seq\":9,\"op\":\"recv\","
+                     "\"dtype\":\"fp32\",\"count\":100,\"bytes\":400,\"redop\":null,\"peer\":1,\"state\":\"timed_out\","
+                     "\"enqueued\":%.6f,\"started\":%.6f,\"ended\":%.6f,\"waiting_for\":1}", T0 + 5, T0 + 5, T0 + 9.3);
+            exit_rec(&l, 0, 1, 0, NULL, NULL, T0 + 9.5);
+        } else if (r == 1) {
+            sigterm(&l, 1, 2, T0 + 9.6, "supervisor");
+            line(&l, "{\"type\":\"flight\",\"id\":1,\"group\":\"dp_shard\",\"gid\":1,\"seq\":44,\"op\":\"allreduce\","
+                     "\"dtype\":\"fp32\",\"count\":1,\"bytes\":4,\"redop\":\"sum\",\"peer\":null,\"state\":\"completed\","
+                     "\"enqueued\":%.6f,\"started\":%.6f,\"ended\":%.6f,\"waiting_for\":null}", T0 + 4, T0 + 4, T0 + 4.1);
+            line(&l, "{\"type\":\"flight\",\"id\":2,\"group\":\"dp_shard\",\"gid\":1,\"seq\":45,\"op\":\"iallgather\","
+                     "\"dtype\":\"fp32\",\"count\":100,\"bytes\":800,\"redop\":null,\"peer\":null,\"state\":\"started\","
+                     "\"enqueued\":%.6f,\"started\":%.6f,\"ended\":null,\"waiting_for\":2}", T0 + 5.1, T0 + 5.1);
+            exit_rec(&l, 1, 143, 15, "SIGTERM", "SIGTERM", T0 + 9.61);
+        } else {
+            sigterm(&l, 2, 2, T0 + 9.6, "supervisor");
+            line(&l, "{\"type\":\"flight\",\"id\":1,\"group\":\"dp_shard\",\"gid\":1,\"seq\":44,\"op\":\"allreduce\","
+                     "\"dtype\":\"fp32\",\"count\":1,\"bytes\":4,\"redop\":\"sum\",\"peer\":null,\"state\":\"completed\","
+                     "\"enqueued\":%.6f,\"started\":%.6f,\"ended\":%.6f,\"waiting_for\":null}", T0 + 4, T0 + 4, T0 + 4.1);
+            exit_rec(&l, 2, 143, 15, "SIGTERM", "SIGTERM", T0 + 9.61);
+        }
+        add(&d, r, &l);
+    }
+    am_diag_analyze(&d);
+    assert_int_equal(d.culprit, 2);
+    assert_string_equal(d.ff_cause, "hang");
+    assert_non_null(strstr(d.ff_detail, "never issued iallgather #45 of group dp_shard"));
+    assert_int_equal(d.ranks[0].verdict, AM_VERDICT_VICTIM);
+    assert_int_equal(d.ranks[1].verdict, AM_VERDICT_VICTIM);
+    assert_int_equal(d.ranks[2].verdict, AM_VERDICT_FIRST);
+    am_diag_free(&d);
+}
+
 /* rank 3 is stuck inside allreduce #5 waiting for no one; every rank times out */
 static void test_hang_inside(void **state)
 {
@@ -1036,7 +1090,7 @@ int main(void)
         cmocka_unit_test(test_hang_inside),
         cmocka_unit_test(test_hang_chain_through_tp),
         cmocka_unit_test(test_hang_in_nonblocking),
-        cmocka_unit_test(test_hang_in_recv),
+        cmocka_unit_test(test_hang_in_recv), cmocka_unit_test(test_hang_recv_chain),
         cmocka_unit_test(test_missing_ranks),
         cmocka_unit_test(test_truncated_log),
         cmocka_unit_test(test_mismatches),
