@@ -1106,7 +1106,9 @@ static void mismatches(struct am_diag *d)
     /* stuck in collectives of one group two or more apart: a rank cannot complete #k without
      * every member, so one of them counted its calls differently (one apart is the ordinary
      * race of ranks that finished #k while a peer had not yet seen it finish); per group, the
-     * lowest and the highest */
+     * lowest and the highest. The lowest counts from the last call it issued on the group, not
+     * the one it waits in: with non-blocking collectives in flight (fsdp2's prefetched
+     * all-gathers) it may wait in #k having issued #k+1 and #k+2, which its peers then reach. */
     k = 0;
     for (int a = 0; a < d->n_ranks; a++) {
         const struct am_diag_flight *f = d->ranks[a].in;
@@ -1118,7 +1120,10 @@ static void mismatches(struct am_diag *d)
         size_t j = i;
         while (j + 1 < k && calls[j + 1].gid == calls[i].gid)
             j++;
-        if (calls[j].seq >= calls[i].seq + 2)
+        const struct am_diag_rank *lo = am_diag_rank_find(d, calls[i].rank);
+        uint64_t issued = lo ? last_seq(lo, calls[i].gid) : 0;
+        issued = issued > calls[i].seq ? issued : calls[i].seq;
+        if (calls[j].seq >= issued + 2)
             mismatch(d, "sequence", calls[i].f, "group %s: rank %d is stuck in %s #%llu, rank %d in %s #%llu",
                      calls[i].f->group, calls[i].rank, calls[i].f->op, (unsigned long long)calls[i].seq,
                      calls[j].rank, calls[j].f->op, (unsigned long long)calls[j].seq);

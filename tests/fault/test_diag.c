@@ -567,6 +567,41 @@ static void test_mismatches(void **state)
     am_diag_free(&d);
 }
 
+/* Non-blocking collectives: rank 0 waits in iallgather #5 with #6 and #7 already issued
+ * (posted), rank 1 waits in #7: rank 0 is behind in its data, not counting its calls
+ * differently, so there is no sequence mismatch; one apart beyond what rank 0 issued (#9) is. */
+static void test_sequence_nonblocking(void **state)
+{
+    (void)state;
+    for (int far = 0; far < 2; far++) {
+        struct am_diag d;
+        struct log l;
+        am_diag_init(&d);
+        start(&l, 0, 2, "n1");
+        flight(&l, 4, NULL, -1, 100);
+        for (int s = 5; s <= 7; s++)
+            line(&l, "{\"type\":\"flight\",\"id\":%d,\"group\":\"dp\",\"gid\":0,\"seq\":%d,\"op\":\"iallgather\","
+                     "\"dtype\":\"fp32\",\"count\":100,\"bytes\":800,\"redop\":null,\"peer\":null,\"state\":\"%s\","
+                     "\"enqueued\":%.6f,\"started\":%.6f,\"ended\":null,\"waiting_for\":%s}", s, s,
+                 s == 5 ? "timed_out" : "posted", T0 + s, T0 + s, s == 5 ? "1" : "null");
+        timeout(&l, 0, 5, 1, T0 + 10);
+        add(&d, 0, &l);
+        start(&l, 1, 2, "n2");
+        flight(&l, far ? 8 : 6, "timed_out", 0, 100);
+        timeout(&l, 1, far ? 9 : 7, 0, T0 + 10.2);
+        add(&d, 1, &l);
+        am_diag_analyze(&d);
+        int seq = 0;
+        for (int i = 0; i < d.n_mismatches; i++)
+            if (strcmp(d.mismatches[i].what, "sequence") == 0) {
+                seq = 1;
+                assert_string_equal(d.mismatches[i].text, "group dp: rank 0 is stuck in iallgather #5, rank 1 in allreduce #9");
+            }
+        assert_int_equal(seq, far);
+        am_diag_free(&d);
+    }
+}
+
 /* a clean job where rank 1 was 2 s late at step 3 */
 static void test_straggler(void **state)
 {
@@ -1090,7 +1125,7 @@ int main(void)
         cmocka_unit_test(test_hang_inside),
         cmocka_unit_test(test_hang_chain_through_tp),
         cmocka_unit_test(test_hang_in_nonblocking),
-        cmocka_unit_test(test_hang_in_recv), cmocka_unit_test(test_hang_recv_chain),
+        cmocka_unit_test(test_hang_in_recv), cmocka_unit_test(test_hang_recv_chain), cmocka_unit_test(test_sequence_nonblocking),
         cmocka_unit_test(test_missing_ranks),
         cmocka_unit_test(test_truncated_log),
         cmocka_unit_test(test_mismatches),
