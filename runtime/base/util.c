@@ -148,3 +148,18 @@ int am_fail(char *err, size_t err_len, const char *fmt, ...)
     va_end(ap);
     return -1;
 }
+
+int am_grow(void **p, size_t *cap, size_t need, size_t elem, size_t first)
+{
+    if (need <= *cap)
+        return 0;
+    size_t c = *cap ? *cap : first;
+    while (c < need)
+        c *= 2;
+    void *q = realloc(*p, c * elem);
+    if (!q)
+        return -1;
+    *p = q;
+    *cap = c;
+    return 0;
+}

@@ -31,6 +31,10 @@ bool am_key_in(const char *key, const char *const *names);
 void am_error_unknown_key(struct am_errors *err, const struct am_pos *pos, const char *section,
                           const char *key, const char *const *known, const char *const *also);
 
+/* Grows *p (an array of *cap elements of elem bytes, realloc'd) to hold at least need
+ * elements, doubling from *cap (or `first`). 0, or -1 when memory runs out (*p left as it was). */
+int am_grow(void **p, size_t *cap, size_t need, size_t elem, size_t first);
+
 /* Levenshtein distance, capped: returns cap+1 when larger (keys are short). */
 int am_edit_distance(const char *a, const char *b, int cap);
 

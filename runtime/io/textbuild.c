@@ -15,12 +15,13 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
-#include <time.h>
 #include <unistd.h>
 
 #include "dataset.h"
+#include "log.h"
 #include "textbuild.h"
 #include "tokenizer.h"
+#include "util.h"
 
 #define CHUNK_TARGET (1u << 20)
 #define SYNC_SECONDS 5.0
@@ -54,28 +55,6 @@ struct ctx {
     bool quit;
 };
 
-static double now(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
-static int grow(void **p, size_t *cap, size_t need, size_t elem)
-{
-    if (need <= *cap)
-        return 0;
-    size_t c = *cap ? *cap : 1024;
-    while (c < need)
-        c *= 2;
-    void *q = realloc(*p, c * elem);
-    if (!q)
-        return -1;
-    *p = q;
-    *cap = c;
-    return 0;
-}
-
 /* ---- the paragraph rule (am-data build --bytes's) ------------------------------------------- */
 
 static bool blank(unsigned char c) { return c == ' ' || c == '\t' || c == '\r' || c == '\f' || c == '\v'; }
@@ -102,7 +81,7 @@ static size_t last_paragraph_start(const char *s, size_t n)
 
 static int end_doc(struct chunk *k, size_t start)
 {
-    if (grow((void **)&k->doc_len, &k->docs_cap, k->n_docs + 1, sizeof(int64_t)) < 0)
+    if (am_grow((void **)&k->doc_len, &k->docs_cap, k->n_docs + 1, sizeof(int64_t), 1024) < 0)
         return -1;
     k->doc_len[k->n_docs++] = (int64_t)(k->ids.n - start);
     return 0;
@@ -110,7 +89,7 @@ static int end_doc(struct chunk *k, size_t start)
 
 static int push_id(struct am_tok_ids *v, int32_t id)
 {
-    if (grow((void **)&v->ids, &v->cap, v->n + 1, sizeof(int32_t)) < 0)
+    if (am_grow((void **)&v->ids, &v->cap, v->n + 1, sizeof(int32_t), 1024) < 0)
         return -1;
     v->ids[v->n++] = id;
     return 0;
@@ -180,7 +159,7 @@ static int encode_instruction(const struct am_text_build *o, struct am_tok_state
         goto done;
     if ((k->ids.n == start || k->ids.ids[k->ids.n - 1] != o->eos) && push_id(&k->ids, o->eos) < 0)
         goto oom;
-    if (grow((void **)&k->mask, &k->mask_cap, k->ids.n, 1) < 0)
+    if (am_grow((void **)&k->mask, &k->mask_cap, k->ids.n, 1, 1024) < 0)
         goto oom;
     for (size_t i = start; i < k->ids.n; i++)
         k->mask[i] = i - start >= scratch->n;
@@ -331,7 +310,7 @@ static int read_chunk(struct reader *r, struct chunk *k, struct am_errors *err)
         size_t cut = 0;
         for (size_t want = CHUNK_TARGET;;) {
             if (!r->eof) {
-                if (grow((void **)&r->buf, &r->cap, r->len + want, 1) < 0) {
+                if (am_grow((void **)&r->buf, &r->cap, r->len + want, 1, 1024) < 0) {
                     am_errorf(err, NULL, "%s: out of memory", r->o->inputs[r->file]);
                     return -1;
                 }
@@ -368,7 +347,7 @@ static int read_chunk(struct reader *r, struct chunk *k, struct am_errors *err)
             r->len = 0;
             continue;
         }
-        if (grow((void **)&k->buf, &k->cap, cut, 1) < 0) {
+        if (am_grow((void **)&k->buf, &k->cap, cut, 1, 1024) < 0) {
             am_errorf(err, NULL, "%s: out of memory", r->o->inputs[r->file]);
             return -1;
         }
@@ -475,7 +454,7 @@ static int read_resume(const char *path, const char *sig, struct resume_point *p
 static void progress(const struct am_text_build *o, int64_t done, int64_t total, int64_t tokens, double t0,
                      bool last)
 {
-    double dt = now() - t0, frac = total ? (double)done / (double)total : 1.0;
+    double dt = am_mono_time() - t0, frac = total ? (double)done / (double)total : 1.0;
     double left = frac > 0 ? dt / frac - dt : 0;
     fprintf(stderr, "\ram-data: %5.1f%%  %.1f of %.1f MB  %.2fM tokens  %.2fM tokens/s  %d:%02d left ", 100 * frac,
             (double)done / 1e6, (double)total / 1e6, (double)tokens / 1e6, dt > 0 ? (double)tokens / dt / 1e6 : 0.0,
@@ -507,7 +486,7 @@ static int add_ids(struct am_indexed_builder *b, enum am_idx_dtype dt, const int
 int am_text_build_run(const struct am_text_build *o, struct am_text_stats *st, struct am_errors *err)
 {
     memset(st, 0, sizeof(*st));
-    double t0 = now(), last_sync = t0, last_print = 0;
+    double t0 = am_mono_time(), last_sync = t0, last_print = 0;
     int threads = o->threads > 0 ? o->threads : (int)sysconf(_SC_NPROCESSORS_ONLN);
     threads = threads < 1 ? 1 : threads > 256 ? 256 : threads;
     enum am_idx_dtype dt = am_tokenizer_vocab_size(o->tok) <= 65536 ? AM_IDX_U16 : AM_IDX_I32;
@@ -626,7 +605,7 @@ int am_text_build_run(const struct am_text_build *o, struct am_text_stats *st, s
         st->bytes += (int64_t)k->len;
         k->state = SLOT_FREE;
         written++;
-        double t = now();
+        double t = am_mono_time();
         if (kill_after > 0 && written == kill_after)
             raise(SIGKILL); /* fault injection: an interruption between two syncs */
         if (o->resume && t - last_sync >= sync_seconds) {
@@ -683,6 +662,6 @@ done:
     pthread_mutex_destroy(&c.mu);
     pthread_cond_destroy(&c.work);
     pthread_cond_destroy(&c.done);
-    st->seconds = now() - t0;
+    st->seconds = am_mono_time() - t0;
     return rc;
 }

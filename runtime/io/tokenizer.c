@@ -14,6 +14,7 @@
 
 #include "tokenizer.h"
 #include "unicode.h"
+#include "util.h"
 
 /* ---- hash maps -------------------------------------------------------------------------------- */
 
@@ -652,24 +653,9 @@ void am_tok_ids_free(struct am_tok_ids *v)
     *v = (struct am_tok_ids){0};
 }
 
-static int grow(void **p, size_t *cap, size_t need, size_t elem)
-{
-    if (need <= *cap)
-        return 0;
-    size_t c = *cap ? *cap : 64;
-    while (c < need)
-        c *= 2;
-    void *q = realloc(*p, c * elem);
-    if (!q)
-        return -1;
-    *p = q;
-    *cap = c;
-    return 0;
-}
-
 static int push_ids(struct am_tok_ids *out, const int32_t *ids, size_t n)
 {
-    if (grow((void **)&out->ids, &out->cap, out->n + n, sizeof(int32_t)) < 0)
+    if (am_grow((void **)&out->ids, &out->cap, out->n + n, sizeof(int32_t), 64) < 0)
         return -1;
     memcpy(out->ids + out->n, ids, n * sizeof(int32_t));
     out->n += n;
@@ -719,7 +705,7 @@ static int bpe_word(const struct am_tokenizer *t, struct am_tok_state *s, const 
                     struct am_tok_ids *out)
 {
     if (t->ignore_merges) { /* a word that is a token is that token */
-        if (grow((void **)&s->mapped, &s->mapped_cap, 2 * n, 1) < 0)
+        if (am_grow((void **)&s->mapped, &s->mapped_cap, 2 * n, 1, 64) < 0)
             return -1;
         size_t m = 0;
         for (size_t i = 0; i < n; i++) {
@@ -731,10 +717,10 @@ static int bpe_word(const struct am_tokenizer *t, struct am_tok_state *s, const 
             return push_ids(out, &id, 1);
     }
     size_t cap = s->sym_cap, hcap = s->heap_cap;
-    if (grow((void **)&s->c, &cap, n, sizeof(int32_t)) < 0 ||
-        (cap = s->sym_cap, grow((void **)&s->prev, &cap, n, sizeof(int32_t))) < 0 ||
-        (cap = s->sym_cap, grow((void **)&s->next, &cap, n, sizeof(int32_t))) < 0 ||
-        grow((void **)&s->heap, &hcap, 3 * n + 1, sizeof(struct heap_item)) < 0)
+    if (am_grow((void **)&s->c, &cap, n, sizeof(int32_t), 64) < 0 ||
+        (cap = s->sym_cap, am_grow((void **)&s->prev, &cap, n, sizeof(int32_t), 64)) < 0 ||
+        (cap = s->sym_cap, am_grow((void **)&s->next, &cap, n, sizeof(int32_t), 64)) < 0 ||
+        am_grow((void **)&s->heap, &hcap, 3 * n + 1, sizeof(struct heap_item), 64) < 0)
         return -1;
     s->sym_cap = cap;
     s->heap_cap = hcap;
@@ -798,8 +784,8 @@ static int encode_word(const struct am_tokenizer *t, struct am_tok_state *s, con
         s->cache_n = s->ckeys_len = s->cids_len = 0;
         i = h & (CACHE_SLOTS - 1);
     }
-    if (grow((void **)&s->ckeys, &s->ckeys_cap, s->ckeys_len + n, 1) < 0 ||
-        grow((void **)&s->cids, &s->cids_cap, s->cids_len + k, sizeof(int32_t)) < 0)
+    if (am_grow((void **)&s->ckeys, &s->ckeys_cap, s->ckeys_len + n, 1, 64) < 0 ||
+        am_grow((void **)&s->cids, &s->cids_cap, s->cids_len + k, sizeof(int32_t), 64) < 0)
         return 0; /* not cached: no harm */
     memcpy(s->ckeys + s->ckeys_len, w, n);
     memcpy(s->cids + s->cids_len, out->ids + before, k * sizeof(int32_t));
@@ -919,8 +905,8 @@ static int encode_plain(const struct am_tokenizer *t, struct am_tok_state *s, co
     if (len == 0)
         return 0;
     size_t n = 0, cap = s->cps_cap;
-    if (grow((void **)&s->cps, &cap, len + 2, sizeof(uint32_t)) < 0 ||
-        (cap = s->cps_cap, grow((void **)&s->offs, &cap, len + 2, sizeof(uint32_t))) < 0)
+    if (am_grow((void **)&s->cps, &cap, len + 2, sizeof(uint32_t), 64) < 0 ||
+        (cap = s->cps_cap, am_grow((void **)&s->offs, &cap, len + 2, sizeof(uint32_t), 64)) < 0)
         return -1;
     s->cps_cap = cap;
     const unsigned char *w = text;
@@ -999,7 +985,7 @@ int am_tokenizer_encode(const struct am_tokenizer *t, struct am_tok_state *s, co
         return -1;
     }
     if (!am_utf8_valid(u, len)) { /* repair: U+FFFD for every maximal invalid subpart */
-        if (grow((void **)&s->text, &s->text_cap, 3 * len, 1) < 0)
+        if (am_grow((void **)&s->text, &s->text_cap, 3 * len, 1, 64) < 0)
             goto oom;
         size_t m = 0;
         for (size_t i = 0; i < len;) {
