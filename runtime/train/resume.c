@@ -17,20 +17,19 @@
 typedef int (*run_fn)(void *arg, const struct am_param *p, int64_t a, int64_t len, size_t off, char *err,
                       size_t err_len);
 
-static int64_t local_cols(const struct am_param *p) { return p->g.ndim > 1 ? p->g.shape[1] : 1; }
+static int64_t local_cols(const struct am_param *p) { return p->w.ndim > 1 ? p->w.shape[1] : 1; }
 static int64_t full_cols(const struct am_param *p) { return p->full_cols > 0 ? p->full_cols : 1; }
 
 /* Every run of the layout; skip_tied leaves out a tied embedding's copy on the last stage. */
 static int for_runs(const struct am_train_state *s, bool skip_tied, run_fn fn, void *arg, char *err, size_t err_len)
 {
     struct am_model *m = s->m;
-    const float *g0 = m->grad_mem;
     if (!s->fsdp) {
         for (int i = 0; i < m->n_params; i++) {
             const struct am_param *p = &m->params[i];
             if (skip_tied && am_model_is_tied_copy(m, p))
                 continue;
-            if (fn(arg, p, 0, am_tensor_numel(&p->g), (size_t)((const float *)p->g.data - g0), err, err_len) < 0)
+            if (fn(arg, p, 0, am_tensor_numel(&p->w), p->slab_off, err, err_len) < 0)
                 return -1;
         }
         return 0;
@@ -42,7 +41,7 @@ static int for_runs(const struct am_train_state *s, bool skip_tied, run_fn fn, v
             const struct am_param *p = &m->params[j];
             if (skip_tied && am_model_is_tied_copy(m, p))
                 continue;
-            size_t po = (size_t)((const float *)p->g.data - g0), pe = po + (size_t)am_tensor_numel(&p->g);
+            size_t po = p->slab_off, pe = po + (size_t)am_tensor_numel(&p->w);
             size_t a = po > lo ? po : lo, b = pe < hi ? pe : hi;
             if (a < b && fn(arg, p, (int64_t)(a - po), (int64_t)(b - a), G->shard_offset + (a - lo), err, err_len) < 0)
                 return -1;
