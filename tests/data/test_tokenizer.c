@@ -339,12 +339,13 @@ static const char *am_data(void)
 }
 
 /* The committed texts that are valid UTF-8, as JSONL rows {"text": ...} (repeated `times`),
- * and their expected ids (with special tokens) from llama3.ids. Returns the number of rows. */
-static size_t write_jsonl(const char *path, int times, int32_t ***want, size_t **want_n)
+ * and their expected ids (with special tokens) from IDS (llama3.ids, ...). Returns the number
+ * of rows. */
+static size_t write_jsonl(const char *path, const char *ids_file, int times, int32_t ***want, size_t **want_n)
 {
     size_t nt, ni;
     unsigned char *texts = slurp(tokfile("texts.bin"), &nt);
-    char *ids = (char *)slurp(tokfile("llama3.ids"), &ni);
+    char *ids = (char *)slurp(tokfile(ids_file), &ni);
     ids[ni] = '\0';
     FILE *f = fopen(path, "wb");
     assert_non_null(f);
@@ -423,7 +424,7 @@ static void test_build_jsonl(void **state)
     int32_t **want;
     size_t *want_n;
     const char *in = pathf("%s/in.jsonl", dir);
-    size_t rows = write_jsonl(in, 100, &want, &want_n); /* about 5 chunks of 1 MiB */
+    size_t rows = write_jsonl(in, "llama3.ids", 100, &want, &want_n); /* about 5 chunks of 1 MiB */
     const char *tok = tokfile("llama3.json");
     assert_int_equal(run(pathf("'%s' build --tokenizer '%s' --out '%s/one' --threads 1 '%s' > '%s/out1'", am_data(), tok,
                                dir, in, dir)), 0);
@@ -465,6 +466,34 @@ static void test_build_jsonl(void **state)
     free(want);
     free(want_n);
     rm_tree(dir);
+}
+
+/* am-data build with SentencePiece-style tokenizers given as model directories: the
+ * documents' ids are the library's */
+static void test_build_spm(void **state)
+{
+    (void)state;
+    static const char *const styles[] = {"llama2", "mistral"};
+    for (int k = 0; k < 2; k++) {
+        char *dir = scratch_dir();
+        int32_t **want;
+        size_t *want_n;
+        const char *in = pathf("%s/in.jsonl", dir);
+        size_t rows = write_jsonl(in, pathf("%s.ids", styles[k]), 3, &want, &want_n);
+        size_t n;
+        unsigned char *js = slurp(tokfile(pathf("%s.json", styles[k])), &n);
+        assert_int_equal(mkdir(pathf("%s/model", dir), 0700), 0);
+        spit(pathf("%s/model/tokenizer.json", dir), js, n);
+        free(js);
+        assert_int_equal(run(pathf("'%s' build --tokenizer '%s/model' --out '%s/ds' --threads 2 '%s' > /dev/null",
+                                   am_data(), dir, dir, in)), 0);
+        expect_docs(pathf("%s/ds", dir), want, want_n, rows);
+        for (size_t r = 0; r < rows; r++)
+            free(want[r]);
+        free(want);
+        free(want_n);
+        rm_tree(dir);
+    }
 }
 
 static void test_build_text_and_errors(void **state)
@@ -581,7 +610,8 @@ int main(void)
         cmocka_unit_test(test_qwen2),       cmocka_unit_test(test_qwen35), cmocka_unit_test(test_llama2),
         cmocka_unit_test(test_mistral),     cmocka_unit_test(test_spm_unk), cmocka_unit_test(test_refusals),
         cmocka_unit_test(test_unk_not_needed), cmocka_unit_test(test_long_line),
-        cmocka_unit_test(test_build_jsonl), cmocka_unit_test(test_build_text_and_errors),
+        cmocka_unit_test(test_build_jsonl), cmocka_unit_test(test_build_spm),
+        cmocka_unit_test(test_build_text_and_errors),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
