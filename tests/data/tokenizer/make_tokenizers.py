@@ -86,8 +86,8 @@ def build_spm(style):
     unk_token "<unk>", byte_fallback, <unk> <s> </s> then the 256 byte tokens <0x00>..<0xFF>
     first in the vocabulary, those three as non-normalized special added tokens, "<s> $A"):
     llama2: normalizer Prepend "▁" + Replace " " -> "▁", no pre-tokenizer (legacy, as Llama 2's
-    and Mistral 7B v0.1's files); mistral: no normalizer, Metaspace prepend_scheme "first",
-    split false (legacy false); spm_unk: NFC then Metaspace "always" with split, only the
+    file); mistral: no normalizer, Metaspace prepend_scheme "first", split false (what
+    transformers writes with legacy false); spm_unk: NFC then Metaspace "always" with split, only the
     bytes below 0x80 as tokens (the rest fall to <unk>, not fused), no post-processor."""
     base = Tokenizer(models.BPE())
     base.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always", split=True)
