@@ -95,6 +95,9 @@ static void test_qwen35(void **state) { (void)state; check_style("qwen35", NULL)
 static void test_llama2(void **state) { (void)state; check_style("llama2", "texts_spm.bin"); }
 static void test_mistral(void **state) { (void)state; check_style("mistral", "texts_spm.bin"); }
 static void test_spm_unk(void **state) { (void)state; check_style("spm_unk", "texts_spm.bin"); }
+/* Llama 2's file as it was made: a model trained by `sentencepiece` with Llama 2's settings,
+ * converted as transformers' LlamaConverter converts it (merges from the pieces' scores) */
+static void test_llama2_sp(void **state) { (void)state; check_style("llama2_sp", "texts_spm.bin"); }
 
 /* Python's bytes.decode("utf-8", "replace"): one U+FFFD per maximal invalid subpart. */
 static void test_utf8_repair(void **state)
@@ -608,7 +611,8 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_utf8_repair), cmocka_unit_test(test_gpt2),   cmocka_unit_test(test_llama3),
         cmocka_unit_test(test_qwen2),       cmocka_unit_test(test_qwen35), cmocka_unit_test(test_llama2),
-        cmocka_unit_test(test_mistral),     cmocka_unit_test(test_spm_unk), cmocka_unit_test(test_refusals),
+        cmocka_unit_test(test_mistral),     cmocka_unit_test(test_spm_unk), cmocka_unit_test(test_llama2_sp),
+        cmocka_unit_test(test_refusals),
         cmocka_unit_test(test_unk_not_needed), cmocka_unit_test(test_long_line),
         cmocka_unit_test(test_build_jsonl), cmocka_unit_test(test_build_spm),
         cmocka_unit_test(test_build_text_and_errors),

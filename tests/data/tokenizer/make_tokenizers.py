@@ -78,17 +78,54 @@ def build(style):
 
 
 STYLES = ["gpt2", "llama3", "qwen2", "qwen35"]
-SPM_STYLES = ["llama2", "mistral", "spm_unk"]
+SPM_STYLES = ["llama2", "mistral", "spm_unk", "llama2_sp"]
+
+
+def build_sp():
+    """Llama 2's tokenizer.json as it was made: a SentencePiece BPE model trained by the
+    `sentencepiece` library with Llama 2's trainer settings (byte_fallback, split_digits,
+    whitespace-only pieces, identity normalization, no extra-whitespace removal, dummy
+    prefix, <unk> <s> </s> at 0 1 2, then the byte tokens), converted as transformers'
+    LlamaConverter (legacy) converts it: vocabulary in piece order, merges generated from the
+    pieces' scores (transformers' generate_merges), BPE with unk_token "<unk>", fuse_unk and
+    byte_fallback, normalizer Prepend "▁" + Replace " " -> "▁", no pre-tokenizer, "<s> $A"."""
+    import tempfile
+    import sentencepiece as spm
+    from transformers.tokenization_utils_base import generate_merges
+    with tempfile.TemporaryDirectory() as d:
+        text = os.path.join(d, "corpus.txt")
+        with open(text, "w") as f:
+            for line in corpus():
+                f.write(line.replace("\n", " ") + "\n")
+        spm.SentencePieceTrainer.train(
+            input=text, model_prefix=os.path.join(d, "m"), model_type="bpe", vocab_size=900, byte_fallback=True,
+            split_digits=True, allow_whitespace_only_pieces=True, normalization_rule_name="identity",
+            remove_extra_whitespaces=False, add_dummy_prefix=True, character_coverage=0.99, unk_id=0, bos_id=1,
+            eos_id=2, pad_id=-1, num_threads=1, minloglevel=2)
+        sp = spm.SentencePieceProcessor(model_file=os.path.join(d, "m.model"))
+    vocab = {sp.id_to_piece(i): i for i in range(sp.get_piece_size())}
+    scores = {sp.id_to_piece(i): sp.get_score(i) for i in range(sp.get_piece_size())}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=generate_merges(vocab, scores), unk_token="<unk>", fuse_unk=True,
+                               byte_fallback=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in ("<unk>", "<s>", "</s>")])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                       special_tokens=[("<s>", 1)])
+    return tok
 
 
 def build_spm(style):
-    """A SentencePiece-style BPE as transformers' LlamaConverter writes it (model BPE with
+    """llama2_sp: build_sp(). The others: a SentencePiece-style BPE as transformers' LlamaConverter writes it (model BPE with
     unk_token "<unk>", byte_fallback, <unk> <s> </s> then the 256 byte tokens <0x00>..<0xFF>
     first in the vocabulary, those three as non-normalized special added tokens, "<s> $A"):
     llama2: normalizer Prepend "▁" + Replace " " -> "▁", no pre-tokenizer (legacy, as Llama 2's
     file); mistral: no normalizer, Metaspace prepend_scheme "first", split false (what
     transformers writes with legacy false); spm_unk: NFC then Metaspace "always" with split, only the
     bytes below 0x80 as tokens (the rest fall to <unk>, not fused), no post-processor."""
+    if style == "llama2_sp":
+        return build_sp()
     base = Tokenizer(models.BPE())
     base.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always", split=True)
     # limit_alphabet: the rarer characters stay out of the vocabulary (byte fallback)
