@@ -1,14 +1,17 @@
 #!/usr/bin/env python3
 """Builds small BPE tokenizer.json files with the Hugging Face `tokenizers` library: byte-level
 in the styles of GPT-2, Llama 3, Qwen 2 and Qwen 3.5, SentencePiece-style (byte_fallback) in
-the styles of Llama 2 and Mistral and a third with unknown characters; and the ids that
+the styles of Llama 2 and Mistral, a third with unknown characters, and a Llama 2 one trained
+by `sentencepiece` and converted as transformers converts Llama 2's; and the ids that
 library gives for a set of hostile texts. The outputs are committed (tests/data/tokenizer/);
 the C test test_tokenizer checks am's encoder against them without Python.
 
     /tmp/goldenv/bin/python tests/data/tokenizer/make_tokenizers.py [OUTDIR]
 
-Also a module: compare.py imports STYLES, build() and hostile_texts().
-Used for the committed files: tokenizers 0.23.3 (Python 3.11.7).
+Also a module: compare.py imports STYLES, SPM_STYLES, build(), build_spm(), hostile_texts() and
+spm_texts().
+Used for the committed files: tokenizers 0.23.3, sentencepiece 0.2.3 and transformers 5.24.0 (for
+llama2_sp), Python 3.11.7.
 """
 import json
 import os
