@@ -417,6 +417,10 @@ static int load_pre_tokenizer(struct am_tokenizer *t, const json_t *p, struct am
     if (seq) {
         steps = json_object_get(p, "pretokenizers");
         n = json_array_size(steps);
+        if (n == 0) {
+            t->pre = PRE_NONE; /* an empty Sequence splits nothing */
+            return 0;
+        }
     }
     if (!type)
         return refuse(err, t, "pre_tokenizer", "has no \"type\"");

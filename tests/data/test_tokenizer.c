@@ -296,7 +296,8 @@ static void test_long_line(void **state)
 }
 
 /* Llama 2 with an unk_token outside the vocabulary: every byte has a token, so no character
- * needs unk_token and the library encodes (ids from tokenizers 0.23.3); so does am. */
+ * needs unk_token and the library encodes (ids from tokenizers 0.23.3); so does am. And an
+ * empty pre-tokenizer Sequence. */
 static void test_unk_not_needed(void **state)
 {
     (void)state;
@@ -320,6 +321,27 @@ static void test_unk_not_needed(void **state)
     const int32_t want[] = {1, 377, 418, 299, 299, 302, 377, 237, 156, 177};
     assert_int_equal(out.n, 10);
     assert_memory_equal(out.ids, want, sizeof(want));
+    am_tokenizer_free(t);
+    free(js);
+    /* Mistral's with an empty Sequence for its pre-tokenizer: no pre-tokenization at all
+     * (spaces stay spaces, byte tokens) */
+    js = (char *)slurp(tokfile("mistral.json"), &n);
+    js[n] = '\0';
+    char *a = strstr(js, "\"pre_tokenizer\": {"), *b = strstr(a, "},") + 1;
+    FILE *f = fopen(pathf("%s/tokenizer.json", dir), "wb");
+    assert_non_null(f);
+    fwrite(js, 1, (size_t)(a - js), f);
+    fputs("\"pre_tokenizer\": {\"type\": \"Sequence\", \"pretokenizers\": []}", f);
+    fputs(b, f);
+    fclose(f);
+    if (am_tokenizer_load(dir, &t, &err) < 0)
+        expect_no_error(&err);
+    text = "The quick  fox, \xea\x99\xae!";
+    out.n = 0;
+    assert_int_equal(am_tokenizer_encode(t, s, text, strlen(text), true, &out, &err), 0);
+    const int32_t want2[] = {1, 287, 418, 35, 575, 573, 35, 35, 293, 574, 268, 35, 237, 156, 177, 261};
+    assert_int_equal(out.n, 16);
+    assert_memory_equal(out.ids, want2, sizeof(want2));
     am_tok_ids_free(&out);
     am_tok_state_free(s);
     am_tokenizer_free(t);
