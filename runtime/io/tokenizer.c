@@ -1304,8 +1304,12 @@ int am_tokenizer_encode(const struct am_tokenizer *t, struct am_tok_state *s, co
                         bool add_special, struct am_tok_ids *out, struct am_errors *err)
 {
     const unsigned char *u = (const unsigned char *)text;
-    if (len > UINT32_MAX / 4) {
-        am_errorf(err, NULL, "a text of %zu bytes: am encodes texts below 1 GiB (split it)", len);
+    /* offsets are 32-bit; a SentencePiece-style word may grow 3 times (spaces to "\u2581") and
+     * its symbols are int32 */
+    size_t max = t->pre == PRE_GPT2 || t->pre == PRE_LLAMA3 ? UINT32_MAX / 4 : INT32_MAX / 4;
+    if (len > max) {
+        am_errorf(err, NULL, "a text of %zu bytes: am encodes texts below %s (split it)", len,
+                  max == UINT32_MAX / 4 ? "1 GiB" : "512 MiB");
         return -1;
     }
     if (!am_utf8_valid(u, len)) { /* repair: U+FFFD for every maximal invalid subpart */
