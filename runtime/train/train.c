@@ -348,10 +348,13 @@ static int read_microbatches(struct trainer *t, long step, int64_t accum, struct
         int64_t k = accum * b + j;
         int64_t idx = am_gpt_global_index(step, t->p->global_batch, t->dp_rank, t->p->dp, k);
         int32_t *tok = t->tokens + j * Tl, *tgt = t->targets + j * Tl, *st = t->starts ? t->starts + j * Tl : NULL;
-        const int32_t *rows = t->pack_rows, *rtgt = rows + T, *rst = rows + 2 * T; /* the whole sequence's */
+        const int32_t *rows, *rtgt, *rst = NULL; /* the whole sequence's tokens, targets, starts */
         if (t->packs) {
             if (am_packs_read(t->packs, idx, t->pack_rows, t->pack_rows + T, t->pack_rows + 2 * T, err) < 0)
                 return -1;
+            rows = t->pack_rows;
+            rtgt = rows + T;
+            rst = rows + 2 * T;
         } else {
             if (am_gpt_sample(t->data, idx, t->sample, err) < 0)
                 return -1;
