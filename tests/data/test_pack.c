@@ -3,8 +3,9 @@
  * is 100 d + j; document 4 has no row) in packs of 8 rows. The expected packs are what
  * AutoModel's own pack_dataset (thd) and neat_pack_dataset (neat) make of the same samples
  * (input_ids = tokens[:-1], labels = tokens[1:]; numpy's RandomState(1234).shuffle for the
- * shuffled order, [2, 1, 6, 0, 4, 5, 3]), run with its packed_sequence.py and neat_packing.py:
- * rows, targets (-100 there, -1 here) and pads alike. starts are am's (the model's masks). */
+ * shuffled order, [2, 1, 6, 0, 4, 5, 3]), printed by tests/data/fixtures/automodel_packs.py
+ * from AutoModel's packed_sequence.py and neat_packing.py (commit 36044ad3): rows, targets (-100
+ * there, -1 here) and pads alike. starts are am's (the model's masks). */
 #include "../ckpt/testio.h"
 #include "dataset.h"
 #include "pack.h"
