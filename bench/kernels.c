@@ -153,9 +153,9 @@ static void long_attention(int64_t T)
     s[0] = now() - t0, t0 = now();
     K->attention_backward(&kdev, &tdq, &tdk, &tdv, &to, &to, &tl, &tq, &tk, &tv, 0);
     s[1] = now() - t0, t0 = now();
-    K->attention_block_forward(&kdev, &to, &tl, &tq, &tk, &tv, &tp, &tp, 0, 0);
+    K->attention_block_forward(&kdev, &to, &tl, &tq, &tk, &tv, &tp, &tp, NULL, 0, 0);
     s[2] = now() - t0, t0 = now();
-    K->attention_block_backward(&kdev, &tdq, &tdk, &tdv, &to, &to, &tl, &tq, &tk, &tv, &tp, &tp, 0);
+    K->attention_block_backward(&kdev, &tdq, &tdk, &tdv, &to, &to, &tl, &tq, &tk, &tv, &tp, &tp, NULL, 0);
     s[3] = now() - t0;
     printf("  T %6lld  causal fwd %8.3f s %6.1f GFLOP/s  bwd %8.3f s %6.1f GFLOP/s | block fwd %8.3f s %6.1f "
            "GFLOP/s  bwd %8.3f s %6.1f GFLOP/s\n", (long long)T, s[0], 4 * pairs / s[0] / 1e9, s[1],

@@ -218,7 +218,10 @@ struct am_kernels {
      * q, out [B, Tq, H, D]; k, v [B, Tk, KVH, D] (query head h reads kv head h / (H / KVH));
      * lse [B, H, Tq] fp32; qpos [Tq] and kpos [Tk] int32: each row's position in its sequence
      * (the same for every b). Query t sees key j when kpos[j] <= qpos[t], and with window > 0
-     * also kpos[j] > qpos[t] - window (attention_forward's mask, by position).
+     * also kpos[j] > qpos[t] - window (attention_forward's mask, by position). qstart: NULL, or
+     * (packed sequences: several documents in one sequence, none attending to another) int32
+     * [B, Tq], the position where the document of query row (b, t) starts: the row then sees
+     * only keys with kpos[j] >= qstart[b, t] too (block-diagonal causal attention).
      * attention_block_forward computes the block's softmax(q kᵀ / sqrt(D)) v over the keys
      * each row sees and its log-sum-exp lse_b; accumulate 0 writes them into out and lse (a
      * row that sees no key: out 0, lse -inf), accumulate 1 merges them into what out and lse
@@ -231,13 +234,13 @@ struct am_kernels {
      * same bits on the CPU). */
     void (*attention_block_forward)(const struct am_dev *d, struct am_tensor *out, struct am_tensor *lse,
                                     const struct am_tensor *q, const struct am_tensor *k, const struct am_tensor *v,
-                                    const struct am_tensor *qpos, const struct am_tensor *kpos, int64_t window,
-                                    int accumulate);
+                                    const struct am_tensor *qpos, const struct am_tensor *kpos,
+                                    const struct am_tensor *qstart, int64_t window, int accumulate);
     void (*attention_block_backward)(const struct am_dev *d, struct am_tensor *dq, struct am_tensor *dk,
                                      struct am_tensor *dv, const struct am_tensor *dout, const struct am_tensor *out,
                                      const struct am_tensor *lse, const struct am_tensor *q, const struct am_tensor *k,
                                      const struct am_tensor *v, const struct am_tensor *qpos,
-                                     const struct am_tensor *kpos, int64_t window);
+                                     const struct am_tensor *kpos, const struct am_tensor *qstart, int64_t window);
 
     /* ---- SwiGLU: out = silu(gate) * up, all [N, I] ---- */
     void (*swiglu_forward)(const struct am_dev *d, struct am_tensor *out, const struct am_tensor *gate, const struct am_tensor *up);

@@ -4,7 +4,8 @@
  *
  * q, out [B, Tq, H, D]; k, v [B, Tk, KVH, D]; query head h reads kv head h / (H / KVH);
  * qpos [Tq], kpos [Tk]: positions in the sequence. Query t sees key j when
- * kpos[j] <= qpos[t] (and kpos[j] > qpos[t] - W with a window of W). For a row t, over the
+ * kpos[j] <= qpos[t] (and kpos[j] > qpos[t] - W with a window of W), and with qstart (packed
+ * sequences: [B, Tq], the position where the query row's document starts) kpos[j] >= qstart. For a row t, over the
  * keys it sees in this block (scale = 1/sqrt(D)):
  *   s_j = scale q_t · k_j,  m = max_j s_j,  l = Σ_j exp(s_j - m)
  *   out_b = Σ_j exp(s_j - m) v_j / l,  lse_b = m + log l
@@ -36,7 +37,8 @@ struct blk_shape {
 
 static struct blk_shape check_block(const char *kernel, const struct am_tensor *o, const struct am_tensor *lse,
                                     const struct am_tensor *q, const struct am_tensor *k, const struct am_tensor *v,
-                                    const struct am_tensor *qpos, const struct am_tensor *kpos)
+                                    const struct am_tensor *qpos, const struct am_tensor *kpos,
+                                    const struct am_tensor *qstart)
 {
     AM_CHECK(q->ndim == 4 && k->ndim == 4 && v->ndim == 4 && o->ndim == 4,
              "q (%s), k, v and out must be 4-d [B, T, heads, D] (called from %s)", am_tname(q), kernel);
@@ -55,21 +57,31 @@ static struct blk_shape check_block(const char *kernel, const struct am_tensor *
     AM_CHECK(am_tensor_numel(qpos) == s.Tq && am_tensor_numel(kpos) == s.Tk,
              "qpos (%s) and kpos (%s) must hold Tq = %lld and Tk = %lld positions (called from %s)", am_tname(qpos),
              am_tname(kpos), (long long)s.Tq, (long long)s.Tk, kernel);
+    AM_CHECK(!qstart || (qstart->dtype == AM_I32 && am_tensor_numel(qstart) == s.B * s.Tq),
+             "qstart (%s) must hold B x Tq = %lld int32 document starts (called from %s)", am_tname(qstart),
+             (long long)(s.B * s.Tq), kernel);
     s.scale = (float)(1.0 / sqrt((double)s.D));
     return s;
 }
 
-static inline bool sees(int32_t qp, int32_t kp, int64_t W) { return kp <= qp && (W <= 0 || kp > qp - W); }
+static inline bool sees(int32_t qp, int32_t kp, int64_t W, int32_t lo)
+{
+    return kp <= qp && kp >= lo && (W <= 0 || kp > qp - W);
+}
+
+/* The first position query row r (of B x Tq) may see: its document's start, or none. */
+static inline int32_t start_of(const int32_t *qs, int64_t r) { return qs ? qs[r] : INT32_MIN; }
 
 #define RT 64 /* query rows per tile */
 
 /* Row i of S (n scores, already scaled): masked to the keys the row sees and turned into
  * exp(s - m); returns m (-inf: the row sees no key, the row all zeros) and the sum in *sum. */
-static float softmax_row(float *restrict S, int64_t n, int32_t qp, const int32_t *restrict kp, int64_t W, float *sum)
+static float softmax_row(float *restrict S, int64_t n, int32_t qp, const int32_t *restrict kp, int64_t W, int32_t lo,
+                         float *sum)
 {
     float m = -INFINITY, l = 0.0f;
     for (int64_t j = 0; j < n; j++) {
-        S[j] = sees(qp, kp[j], W) ? S[j] : -INFINITY;
+        S[j] = sees(qp, kp[j], W, lo) ? S[j] : -INFINITY;
         m = S[j] > m ? S[j] : m;
     }
     if (m == -INFINITY) {
@@ -90,14 +102,15 @@ static float softmax_row(float *restrict S, int64_t n, int32_t qp, const int32_t
 
 void am_cpu_attention_block_forward(const struct am_dev *dev, struct am_tensor *out, struct am_tensor *lse,
                                     const struct am_tensor *q, const struct am_tensor *k, const struct am_tensor *v,
-                                    const struct am_tensor *qpos, const struct am_tensor *kpos, int64_t window,
-                                    int accumulate)
+                                    const struct am_tensor *qpos, const struct am_tensor *kpos,
+                                    const struct am_tensor *qstart, int64_t window, int accumulate)
 {
     (void)dev;
     float *o = F32(out), *l = F32(lse);
     const float *qd = F32(q), *kd = F32(k), *vd = F32(v);
     const int32_t *qp = I32(qpos), *kp = I32(kpos);
-    struct blk_shape s = check_block(__func__, out, lse, q, k, v, qpos, kpos);
+    struct blk_shape s = check_block(__func__, out, lse, q, k, v, qpos, kpos, qstart);
+    const int32_t *qst = qstart ? I32(qstart) : NULL;
     int64_t B = s.B, Tq = s.Tq, Tk = s.Tk, H = s.H, D = s.D, G = H / s.KVH, qs = H * D, ks = s.KVH * D;
     bool fail = false;
 #pragma omp parallel if (B * H > 1 && B * H * Tq * Tk * D >= AM_PAR_MIN) reduction(|| : fail)
@@ -118,7 +131,8 @@ void am_cpu_attention_block_forward(const struct am_dev *dev, struct am_tensor *
                                   S, Tk);
                     float m[RT], sum[RT];
                     for (int64_t i = 0; i < nr; i++)
-                        m[i] = softmax_row(S + i * Tk, Tk, qp[t0 + i], kp, window, &sum[i]);
+                        m[i] = softmax_row(S + i * Tk, Tk, qp[t0 + i], kp, window, start_of(qst, b * Tq + t0 + i),
+                                           &sum[i]);
                     am_cpu_sgemm1(false, false, nr, D, Tk, 1.0f, S, Tk, vh, ks, 0.0f, ob, D);
                     for (int64_t i = 0; i < nr; i++) {
                         int64_t t = t0 + i;
@@ -154,13 +168,14 @@ void am_cpu_attention_block_backward(const struct am_dev *dev, struct am_tensor 
                                      struct am_tensor *dv, const struct am_tensor *dout, const struct am_tensor *out,
                                      const struct am_tensor *lse, const struct am_tensor *q, const struct am_tensor *k,
                                      const struct am_tensor *v, const struct am_tensor *qpos,
-                                     const struct am_tensor *kpos, int64_t window)
+                                     const struct am_tensor *kpos, const struct am_tensor *qstart, int64_t window)
 {
     (void)dev;
     float *dqd = F32(dq), *dkd = F32(dk), *dvd = F32(dv);
     const float *dod = F32(dout), *od = F32(out), *ld = F32(lse), *qd = F32(q), *kd = F32(k), *vd = F32(v);
     const int32_t *qp = I32(qpos), *kp = I32(kpos);
-    struct blk_shape s = check_block(__func__, out, lse, q, k, v, qpos, kpos);
+    struct blk_shape s = check_block(__func__, out, lse, q, k, v, qpos, kpos, qstart);
+    const int32_t *qst = qstart ? I32(qstart) : NULL;
     AM_CHECK(am_tensor_numel(dq) == am_tensor_numel(q) && am_tensor_numel(dout) == am_tensor_numel(q),
              "dq (%s) and dout (%s) must have q's shape", am_tname(dq), am_tname(dout));
     AM_CHECK(am_tensor_numel(dk) == am_tensor_numel(k) && am_tensor_numel(dv) == am_tensor_numel(k),
@@ -189,10 +204,11 @@ void am_cpu_attention_block_backward(const struct am_dev *dev, struct am_tensor 
                             float *pr = P + i * Tk, *dr = dS + i * Tk, Lt = ld[(b * H + h) * Tq + t];
                             const float *dot_ = dod + qo + i * qs, *ot = od + qo + i * qs;
                             float Dt = 0.0f;
+                            int32_t lo = start_of(qst, b * Tq + t);
                             for (int64_t d = 0; d < D; d++)
                                 Dt += dot_[d] * ot[d];
                             for (int64_t j = 0; j < Tk; j++) {
-                                float p = Lt != -INFINITY && sees(qp[t], kp[j], window) ? am_expf(pr[j] - Lt) : 0.0f;
+                                float p = Lt != -INFINITY && sees(qp[t], kp[j], window, lo) ? am_expf(pr[j] - Lt) : 0.0f;
                                 pr[j] = p;
                                 dr[j] = p * (dr[j] - Dt) * s.scale;
                             }

@@ -1,7 +1,7 @@
 /* attention_block.cu - attention of one block of queries against one block of keys, masked
  * by the tokens' positions, merged into a running result by log-sum-exp (kernels.h:
  * attention_block_forward and attention_block_backward; kernels/cpu/attention_block.c has the
- * formulas and is the reference).
+ * formulas and is the reference), and by the documents of packed sequences (qstart).
  *
  * One warp per row, lanes over the head dims (lane, lane + 32, ...: up to 256 = 8 per lane),
  * dot products summed by warp shuffles; fp32 tensors. A plain kernel, not a tiled one: the
@@ -32,7 +32,13 @@ __device__ __forceinline__ float blk_warp_sum(float x)
     return x;
 }
 
-__device__ __forceinline__ bool blk_sees(int32_t qp, int32_t kp, int64_t W) { return kp <= qp && (W <= 0 || kp > qp - W); }
+__device__ __forceinline__ bool blk_sees(int32_t qp, int32_t kp, int64_t W, int32_t lo)
+{
+    return kp <= qp && kp >= lo && (W <= 0 || kp > qp - W);
+}
+
+/* where the document of query row r (of B x Tq) starts (packed sequences), or no bound */
+__device__ __forceinline__ int32_t blk_start(const int32_t *qs, int64_t r) { return qs ? qs[r] : INT32_MIN; }
 
 /* a . b over the D head dims of two rows, summed over the warp (every lane gets it) */
 __device__ __forceinline__ float blk_dot(const float *a, const float *b, int D)
@@ -45,7 +51,8 @@ __device__ __forceinline__ float blk_dot(const float *a, const float *b, int D)
 
 __global__ void __launch_bounds__(BLK_THREADS) blk_fwd_k(float *out, float *lse, const float *q, const float *k,
                                                           const float *v, const int32_t *qpos, const int32_t *kpos,
-                                                          struct blk_shape s, int64_t W, int accumulate)
+                                                          const int32_t *qs, struct blk_shape s, int64_t W,
+                                                          int accumulate)
 {
     int lane = threadIdx.x % 32, D = (int)s.D;
     int64_t G = s.H / s.KVH, rows = s.B * s.Tq * s.H;
@@ -55,10 +62,11 @@ __global__ void __launch_bounds__(BLK_THREADS) blk_fwd_k(float *out, float *lse,
         const float *qt = q + row * D;
         const float *kh = k + (b * s.Tk * s.KVH + h / G) * D, *vh = v + (b * s.Tk * s.KVH + h / G) * D;
         float acc[BLK_MAX_NT], m = -INFINITY, l = 0.0f;
+        int32_t lo = blk_start(qs, b * s.Tq + t);
         for (int i = 0; i < BLK_MAX_NT; i++)
             acc[i] = 0.0f;
         for (int64_t j = 0; j < s.Tk; j++) {
-            if (!blk_sees(qpos[t], kpos[j], W))
+            if (!blk_sees(qpos[t], kpos[j], W, lo))
                 continue;
             float sc = s.scale * blk_dot(qt, kh + j * s.KVH * D, D);
             float mn = fmaxf(m, sc), a = expf(m - mn), p = expf(sc - mn);
@@ -118,8 +126,8 @@ __global__ void blk_dot_k(float *Dt, const float *dout, const float *out, struct
 
 __global__ void __launch_bounds__(BLK_THREADS) blk_dq_k(float *dq, const float *dout, const float *lse, const float *Dt,
                                                          const float *q, const float *k, const float *v,
-                                                         const int32_t *qpos, const int32_t *kpos, struct blk_shape s,
-                                                         int64_t W)
+                                                         const int32_t *qpos, const int32_t *kpos, const int32_t *qs,
+                                                         struct blk_shape s, int64_t W)
 {
     int lane = threadIdx.x % 32, D = (int)s.D;
     int64_t G = s.H / s.KVH, rows = s.B * s.Tq * s.H;
@@ -132,10 +140,11 @@ __global__ void __launch_bounds__(BLK_THREADS) blk_dq_k(float *dq, const float *
         const float *qt = q + row * D, *dot_ = dout + row * D;
         const float *kh = k + (b * s.Tk * s.KVH + h / G) * D, *vh = v + (b * s.Tk * s.KVH + h / G) * D;
         float acc[BLK_MAX_NT];
+        int32_t lo = blk_start(qs, b * s.Tq + t);
         for (int i = 0; i < BLK_MAX_NT; i++)
             acc[i] = 0.0f;
         for (int64_t j = 0; j < s.Tk; j++) {
-            if (!blk_sees(qpos[t], kpos[j], W))
+            if (!blk_sees(qpos[t], kpos[j], W, lo))
                 continue;
             const float *kj = kh + j * s.KVH * D;
             float p = expf(s.scale * blk_dot(qt, kj, D) - L);
@@ -153,7 +162,7 @@ __global__ void __launch_bounds__(BLK_THREADS) blk_dq_k(float *dq, const float *
 __global__ void __launch_bounds__(BLK_THREADS) blk_dkdv_k(float *dk, float *dv, const float *dout, const float *lse,
                                                            const float *Dt, const float *q, const float *k,
                                                            const float *v, const int32_t *qpos, const int32_t *kpos,
-                                                           struct blk_shape s, int64_t W)
+                                                           const int32_t *qs, struct blk_shape s, int64_t W)
 {
     int lane = threadIdx.x % 32, D = (int)s.D;
     int64_t G = s.H / s.KVH, rows = s.B * s.Tk * s.KVH;
@@ -167,7 +176,7 @@ __global__ void __launch_bounds__(BLK_THREADS) blk_dkdv_k(float *dk, float *dv, 
         for (int64_t h = kvh * G; h < (kvh + 1) * G; h++)
             for (int64_t t = 0; t < s.Tq; t++) {
                 float L = lse[(b * s.H + h) * s.Tq + t];
-                if (L == -INFINITY || !blk_sees(qpos[t], kpos[j], W))
+                if (L == -INFINITY || !blk_sees(qpos[t], kpos[j], W, blk_start(qs, b * s.Tq + t)))
                     continue;
                 const float *qt = q + ((b * s.Tq + t) * s.H + h) * D, *dot_ = dout + ((b * s.Tq + t) * s.H + h) * D;
                 float p = expf(s.scale * blk_dot(qt, kj, D) - L);
@@ -192,7 +201,8 @@ __global__ void __launch_bounds__(BLK_THREADS) blk_dkdv_k(float *dk, float *dv, 
 
 static struct blk_shape check_block(const char *kn, const struct am_tensor *o, const struct am_tensor *lse,
                                     const struct am_tensor *q, const struct am_tensor *k, const struct am_tensor *v,
-                                    const struct am_tensor *qpos, const struct am_tensor *kpos)
+                                    const struct am_tensor *qpos, const struct am_tensor *kpos,
+                                    const struct am_tensor *qstart)
 {
     am_cuda_data(kn, "q", q, AM_F32);
     am_cuda_data(kn, "k", k, AM_F32);
@@ -215,6 +225,11 @@ static struct blk_shape check_block(const char *kn, const struct am_tensor *o, c
     AM_CUDA_REQUIRE(kn, am_tensor_numel(lse) == s.B * s.H * s.Tq, "lse (%s) must be [B, H, Tq]", am_tname(lse));
     AM_CUDA_REQUIRE(kn, am_tensor_numel(qpos) == s.Tq && am_tensor_numel(kpos) == s.Tk,
                     "qpos (%s) and kpos (%s) must hold Tq and Tk positions", am_tname(qpos), am_tname(kpos));
+    if (qstart) {
+        am_cuda_data(kn, "qstart", qstart, AM_I32);
+        AM_CUDA_REQUIRE(kn, am_tensor_numel(qstart) == s.B * s.Tq, "qstart (%s) must hold B x Tq document starts",
+                        am_tname(qstart));
+    }
     s.scale = (float)(1.0 / sqrt((double)s.D));
     return s;
 }
@@ -227,18 +242,19 @@ static unsigned blk_blocks(int64_t rows)
 
 void am_cuda_attention_block_forward(const struct am_dev *d, struct am_tensor *out, struct am_tensor *lse,
                                      const struct am_tensor *q, const struct am_tensor *k, const struct am_tensor *v,
-                                     const struct am_tensor *qpos, const struct am_tensor *kpos, int64_t window,
-                                     int accumulate)
+                                     const struct am_tensor *qpos, const struct am_tensor *kpos,
+                                     const struct am_tensor *qstart, int64_t window, int accumulate)
 {
     const char *kn = "am_cuda_attention_block_forward";
     am_cuda_ctx(kn, d);
-    struct blk_shape s = check_block(kn, out, lse, q, k, v, qpos, kpos);
+    struct blk_shape s = check_block(kn, out, lse, q, k, v, qpos, kpos, qstart);
+    const int32_t *qs = qstart ? (const int32_t *)qstart->data : NULL;
     int64_t rows = s.B * s.Tq * s.H;
     if (!rows)
         return;
     blk_fwd_k<<<blk_blocks(rows), BLK_THREADS, 0, am_cuda_stream(d)>>>(
         (float *)out->data, (float *)lse->data, (const float *)q->data, (const float *)k->data,
-        (const float *)v->data, (const int32_t *)qpos->data, (const int32_t *)kpos->data, s, window, accumulate);
+        (const float *)v->data, (const int32_t *)qpos->data, (const int32_t *)kpos->data, qs, s, window, accumulate);
     AM_LAUNCHED(kn);
 }
 
@@ -246,11 +262,12 @@ void am_cuda_attention_block_backward(const struct am_dev *d, struct am_tensor *
                                       struct am_tensor *dv, const struct am_tensor *dout, const struct am_tensor *out,
                                       const struct am_tensor *lse, const struct am_tensor *q, const struct am_tensor *k,
                                       const struct am_tensor *v, const struct am_tensor *qpos,
-                                      const struct am_tensor *kpos, int64_t window)
+                                      const struct am_tensor *kpos, const struct am_tensor *qstart, int64_t window)
 {
     const char *kn = "am_cuda_attention_block_backward";
     am_cuda_ctx(kn, d);
-    struct blk_shape s = check_block(kn, out, lse, q, k, v, qpos, kpos);
+    struct blk_shape s = check_block(kn, out, lse, q, k, v, qpos, kpos, qstart);
+    const int32_t *qs = qstart ? (const int32_t *)qstart->data : NULL;
     am_cuda_data(kn, "dq", dq, AM_F32);
     am_cuda_data(kn, "dk", dk, AM_F32);
     am_cuda_data(kn, "dv", dv, AM_F32);
@@ -269,12 +286,12 @@ void am_cuda_attention_block_backward(const struct am_dev *d, struct am_tensor *
     AM_LAUNCHED(kn);
     blk_dq_k<<<blk_blocks(rows), BLK_THREADS, 0, st>>>((float *)dq->data, (const float *)dout->data,
                                                        (const float *)lse->data, Dt, (const float *)q->data,
-                                                       (const float *)k->data, (const float *)v->data, qp, kp, s,
-                                                       window);
+                                                       (const float *)k->data, (const float *)v->data, qp, kp, qs,
+                                                       s, window);
     AM_LAUNCHED(kn);
     blk_dkdv_k<<<blk_blocks(krows), BLK_THREADS, 0, st>>>((float *)dk->data, (float *)dv->data,
                                                           (const float *)dout->data, (const float *)lse->data, Dt,
                                                           (const float *)q->data, (const float *)k->data,
-                                                          (const float *)v->data, qp, kp, s, window);
+                                                          (const float *)v->data, qp, kp, qs, s, window);
     AM_LAUNCHED(kn);
 }

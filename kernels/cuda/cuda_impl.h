@@ -140,13 +140,14 @@ void am_cuda_attention_cudnn_close(struct am_dev *d);
  * position, merged by log-sum-exp (context parallelism's ring attention; fp32) ---- */
 void am_cuda_attention_block_forward(const struct am_dev *d, struct am_tensor *out, struct am_tensor *lse,
                                      const struct am_tensor *q, const struct am_tensor *k, const struct am_tensor *v,
-                                     const struct am_tensor *qpos, const struct am_tensor *kpos, int64_t window,
-                                     int accumulate);
+                                     const struct am_tensor *qpos, const struct am_tensor *kpos,
+                                     const struct am_tensor *qstart, int64_t window, int accumulate);
 void am_cuda_attention_block_backward(const struct am_dev *d, struct am_tensor *dq, struct am_tensor *dk,
                                       struct am_tensor *dv, const struct am_tensor *dout, const struct am_tensor *out,
                                       const struct am_tensor *lse, const struct am_tensor *q, const struct am_tensor *k,
                                       const struct am_tensor *v, const struct am_tensor *qpos,
-                                      const struct am_tensor *kpos, int64_t window);
+                                      const struct am_tensor *kpos, const struct am_tensor *qstart,
+                                     int64_t window);
 
 /* ---- ce.cu: the head's cross-entropy, vocabulary-parallel, in tiles (cuBLASLt + own) ---- */
 void am_cuda_ce_stats(const struct am_dev *d, struct am_tensor *m, struct am_tensor *s, struct am_tensor *t,

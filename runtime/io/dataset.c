@@ -945,6 +945,19 @@ int am_gpt_config_from_recipe(const struct am_recipe *r, int64_t num_samples, st
     return 0;
 }
 
+/* ---- numpy's RandomState(seed).shuffle, for other modules (the packer's documents) --------------- */
+
+int am_np_shuffle_i64(uint32_t seed, int64_t *a, int64_t n)
+{
+    struct mt19937 *rs = malloc(sizeof(*rs));
+    if (!rs)
+        return -1;
+    mt_seed(rs, seed);
+    shuffle_i64(rs, a, n);
+    free(rs);
+    return 0;
+}
+
 /* ---- resumable building ------------------------------------------------------------------------ */
 
 int am_indexed_builder_open_partial(const char *prefix, enum am_idx_dtype dtype, int64_t docs, int64_t tokens,

@@ -150,6 +150,10 @@ static inline int64_t am_gpt_global_index(int64_t step, int64_t global_batch, in
     return step * global_batch + k * world + rank;
 }
 
+/* numpy.random.RandomState(seed).shuffle(a) of an int64 array (the same permutation numpy
+ * makes). -1 when out of memory. */
+int am_np_shuffle_i64(uint32_t seed, int64_t *a, int64_t n);
+
 /* Fills cfg from the recipe's dataset section (paths, weights, seq_length, shuffle, seed);
  * cfg->paths points into the recipe. -1 with a message for a seed numpy does not accept. */
 int am_gpt_config_from_recipe(const struct am_recipe *r, int64_t num_samples, struct am_gpt_config *cfg,

@@ -5,6 +5,7 @@
  */
 #include "model.h"
 #include "moe.h"
+#include "packed.h"
 #include "ring.h"
 
 #include <math.h>
@@ -455,6 +456,7 @@ void am_model_free(struct am_model *m)
             m->K->free(m->dev, m->scalar_mem);
         am_moe_free(m);
         am_cp_free(m);
+        am_packed_free(m);
     }
     free(m->params);
     free(m->groups);
@@ -781,6 +783,30 @@ static int combine_ce(struct am_model *m, struct am_slot *S, int64_t N, char *er
 /* Gemma's attention scale, query_pre_attn_scalar ** -0.5 (a Python float, applied as fp32). */
 static float attn_scale(const struct am_model *m) { return (float)(1.0 / sqrt(m->cfg.query_pre_attn_scalar)); }
 
+/* Rotary embedding of q and k [B, T, heads, D] (backward: of their gradients) with the layer's
+ * tables: one row per position of the sequence, or with packed sequences one per row of the
+ * micro-batch (each document's positions, packed.h: q and k seen as one sequence of B x T). */
+static void rope(struct am_model *m, const struct am_layer *L, struct am_tensor *q4, struct am_tensor *k4,
+                 bool backward)
+{
+    const struct am_tensor *cs = L->local_rope ? &m->cos_local : &m->cos, *sn = L->local_rope ? &m->sin_local : &m->sin;
+    struct am_tensor q = *q4, k = *k4;
+    if (m->pk) {
+        cs = &m->pk->cos;
+        sn = &m->pk->sin;
+        q.shape[1] *= q.shape[0];
+        k.shape[1] *= k.shape[0];
+        q.shape[0] = k.shape[0] = 1;
+    }
+    if (backward) {
+        m->K->rope_backward(m->dev, &q, cs, sn);
+        m->K->rope_backward(m->dev, &k, cs, sn);
+    } else {
+        m->K->rope_forward(m->dev, &q, cs, sn);
+        m->K->rope_forward(m->dev, &k, cs, sn);
+    }
+}
+
 /* One decoder layer on the residual stream x (R rows), saving what backward needs in a. */
 static int layer_forward(struct am_model *m, const struct am_layer *L, struct am_layer_acts *a, struct am_tensor *x,
                          int64_t B, char *err, size_t err_len)
@@ -826,12 +852,14 @@ static int layer_forward(struct am_model *m, const struct am_layer *L, struct am
         K->bias_forward(m->dev, &v, &L->bv->wc);
     struct am_tensor q4 = heads_of(&q, B, T, m->heads, D), k4 = heads_of(&k, B, T, m->kv_heads, D);
     struct am_tensor v4 = heads_of(&v, B, T, m->kv_heads, D), att4 = heads_of(&att, B, T, m->heads, D);
-    const struct am_tensor *cs = L->local_rope ? &m->cos_local : &m->cos, *sn = L->local_rope ? &m->sin_local : &m->sin;
-    K->rope_forward(m->dev, &q4, cs, sn);
-    K->rope_forward(m->dev, &k4, cs, sn);
+    rope(m, L, &q4, &k4, false);
     if (m->cp) { /* context parallelism: over the cp ring (ring.h) */
-        if (am_cp_attention_forward(m, &att4, &lse, &q4, &k4, &v4, L->window, err, err_len) < 0)
+        if (am_cp_attention_forward(m, &att4, &lse, &q4, &k4, &v4, m->pk ? &m->pk->cur : NULL, L->window, err,
+                                    err_len) < 0)
             return -1;
+    } else if (m->pk) { /* packed sequences: each row sees its own document (packed.h) */
+        K->attention_block_forward(m->dev, &att4, &lse, &q4, &k4, &v4, &m->pk->rows, &m->pk->rows, &m->pk->cur,
+                                   L->window, 0);
     } else if (m->cfg.gemma) {
         K->attention_softcap_forward(m->dev, &att4, &lse, &q4, &k4, &v4, L->window, attn_scale(m),
                                      (float)m->cfg.attn_logit_softcapping);
@@ -957,14 +985,21 @@ static int check_slot(const struct am_model *m, int chunk, int slot, char *err, 
 }
 
 static int forward_chunk(struct am_model *m, int chunk, int slot, int64_t B, const int32_t *tokens,
-                         const int32_t *targets, const void *x_in, void *x_out, float dloss_scale, bool want_grad,
-                         char *err, size_t err_len)
+                         const int32_t *targets, const int32_t *starts, const void *x_in, void *x_out,
+                         float dloss_scale, bool want_grad, char *err, size_t err_len)
 {
     if (check_slot(m, chunk, slot, err, err_len) < 0)
         return -1;
     if (B < 1 || B * m->seq_len > m->max_tokens)
         return am_fail(err, err_len, "model: a micro-batch of %lld tokens; this model was built for up to %lld",
                     (long long)(B * m->seq_len), (long long)m->max_tokens);
+    if (!m->pk != !starts)
+        return am_fail(err, err_len, m->pk ? "model: packed sequences need each row's document start (starts is NULL)"
+                                           : "model: document starts given to a model without packed sequences");
+    if (m->pk && am_packed_load(m, m->slot_base[chunk] + slot, B, starts, err, err_len) < 0)
+        return -1;
+    if (m->pk)
+        am_packed_enter(m, m->slot_base[chunk] + slot, B);
     const struct am_kernels *K = m->K;
     struct am_slot *S = &m->slots[m->slot_base[chunk] + slot];
     int64_t N = B * m->seq_len, R = stream_rows(m, N);
@@ -1007,10 +1042,10 @@ static int forward_chunk(struct am_model *m, int chunk, int slot, int64_t B, con
 }
 
 int am_model_forward(struct am_model *m, int chunk, int slot, int64_t batch, const int32_t *tokens,
-                     const int32_t *targets, const void *x_in, void *x_out, float dloss_scale, char *err,
-                     size_t err_len)
+                     const int32_t *targets, const int32_t *starts, const void *x_in, void *x_out, float dloss_scale,
+                     char *err, size_t err_len)
 {
-    return forward_chunk(m, chunk, slot, batch, tokens, targets, x_in, x_out, dloss_scale, true, err, err_len);
+    return forward_chunk(m, chunk, slot, batch, tokens, targets, starts, x_in, x_out, dloss_scale, true, err, err_len);
 }
 
 /* ---- backward ------------------------------------------------------------------------ */
@@ -1103,18 +1138,19 @@ attention:;
     struct am_tensor dq4 = heads_of(&dq, B, T, m->heads, D), dk4 = heads_of(&dk, B, T, m->kv_heads, D);
     struct am_tensor dv4 = heads_of(&dv, B, T, m->kv_heads, D), datt4 = heads_of(&datt, B, T, m->heads, D);
     if (m->cp) {
-        if (am_cp_attention_backward(m, &dq4, &dk4, &dv4, &datt4, &att4, &lse, &q4, &k4, &v4, L->window, err,
-                                     err_len) < 0)
+        if (am_cp_attention_backward(m, &dq4, &dk4, &dv4, &datt4, &att4, &lse, &q4, &k4, &v4,
+                                     m->pk ? &m->pk->cur : NULL, L->window, err, err_len) < 0)
             return -1;
+    } else if (m->pk) {
+        K->attention_block_backward(m->dev, &dq4, &dk4, &dv4, &datt4, &att4, &lse, &q4, &k4, &v4, &m->pk->rows,
+                                    &m->pk->rows, &m->pk->cur, L->window);
     } else if (m->cfg.gemma) {
         K->attention_softcap_backward(m->dev, &dq4, &dk4, &dv4, &datt4, &att4, &lse, &q4, &k4, &v4, L->window,
                                       attn_scale(m), (float)m->cfg.attn_logit_softcapping);
     } else {
         K->attention_backward(m->dev, &dq4, &dk4, &dv4, &datt4, &att4, &lse, &q4, &k4, &v4, L->window);
     }
-    const struct am_tensor *cs = L->local_rope ? &m->cos_local : &m->cos, *sn = L->local_rope ? &m->sin_local : &m->sin;
-    K->rope_backward(m->dev, &dq4, cs, sn);
-    K->rope_backward(m->dev, &dk4, cs, sn);
+    rope(m, L, &dq4, &dk4, true);
     if (L->q_norm) { /* through the per-head norms: dq, dk become the gradients of q_proj's and k_proj's outputs */
         struct am_tensor dq_raw = datt, dk_raw = rows_of(&m->scratch_kn, N); /* datt is spent */
         struct am_tensor q_raw = rows_of(&a->q_raw, N), k_raw = rows_of(&a->k_raw, N);
@@ -1184,6 +1220,8 @@ int am_model_backward(struct am_model *m, int chunk, int slot, const void *dy, v
     int64_t B = S->batch, N = B * m->seq_len, R = stream_rows(m, N);
     struct am_tensor dx = rows_of(&m->dx, R);
     m->where = (struct am_model_where){AM_PHASE_BACKWARD, AM_WHERE_HEAD};
+    if (m->pk)
+        am_packed_enter(m, m->slot_base[chunk] + slot, B);
     if (is_last(m, chunk)) {
         if (use_group(m, m->n_groups - 1, true, err, err_len) < 0 ||
             grad_use(m, m->n_groups - 1, err, err_len) < 0 ||
@@ -1238,26 +1276,26 @@ static double read_loss(struct am_model *m)
 
 static void zero_loss(struct am_model *m) { m->K->zero(m->dev, &m->scalars.loss); }
 
-int am_model_step(struct am_model *m, const int32_t *tokens, const int32_t *targets, int64_t batch, float dloss_scale,
-                  double *loss_sum, char *err, size_t err_len)
+int am_model_step(struct am_model *m, const int32_t *tokens, const int32_t *targets, const int32_t *starts,
+                  int64_t batch, float dloss_scale, double *loss_sum, char *err, size_t err_len)
 {
     if (!m->sh.first_stage || !m->sh.last_stage || m->sh.n_chunks != 1)
         return am_fail(err, err_len, "model: am_model_step runs a whole model; this rank holds part of a pipeline");
     zero_loss(m);
-    if (am_model_forward(m, 0, 0, batch, tokens, targets, NULL, NULL, dloss_scale, err, err_len) < 0 ||
+    if (am_model_forward(m, 0, 0, batch, tokens, targets, starts, NULL, NULL, dloss_scale, err, err_len) < 0 ||
         am_model_backward(m, 0, 0, NULL, NULL, dloss_scale, err, err_len) < 0)
         return -1;
     *loss_sum = read_loss(m);
     return 0;
 }
 
-int am_model_loss(struct am_model *m, const int32_t *tokens, const int32_t *targets, int64_t batch, double *loss_sum,
-                  char *err, size_t err_len)
+int am_model_loss(struct am_model *m, const int32_t *tokens, const int32_t *targets, const int32_t *starts,
+                  int64_t batch, double *loss_sum, char *err, size_t err_len)
 {
     if (!m->sh.first_stage || !m->sh.last_stage || m->sh.n_chunks != 1)
         return am_fail(err, err_len, "model: am_model_loss runs a whole model; this rank holds part of a pipeline");
     zero_loss(m);
-    if (forward_chunk(m, 0, 0, batch, tokens, targets, NULL, NULL, 0.0f, false, err, err_len) < 0)
+    if (forward_chunk(m, 0, 0, batch, tokens, targets, starts, NULL, NULL, 0.0f, false, err, err_len) < 0)
         return -1;
     *loss_sum = read_loss(m);
     return 0;

@@ -253,6 +253,8 @@ struct am_model {
     struct am_layer *layers;
     struct am_moe *moe; /* the mixture-of-experts layers' state (moe.h); NULL for a dense model */
     struct am_cp *cp;   /* context parallelism (ring.h, am_cp_init): the ring; NULL at cp 1 */
+    struct am_packed *pk; /* packed sequences (packed.h, am_packed_init): documents that do not attend
+                             to one another, rotary positions per document; NULL: one per sequence */
 
     /* activations: n_slots (all chunks') micro-batches of up to max_tokens tokens */
     int64_t max_tokens, seq_len;
@@ -295,14 +297,15 @@ size_t am_model_hidden_elems(const struct am_model *m, int64_t batch);
 /* Pipeline pieces: the forward of one chunk for the micro-batch kept in the chunk's `slot`
  * (0 <= slot < the chunk's slots; the slot's activations stay until its backward). tokens and targets are host int32
  * arrays of batch x seq_len (a target < 0 is ignored): tokens are read by the chunk with the
- * embedding, targets by the chunk with the head. x_in (device memory, am_model_hidden_elems)
+ * embedding, targets by the chunk with the head. starts: with packed sequences (packed.h) the
+ * host int32 array of batch x seq_len document starts, read by every chunk; NULL otherwise. x_in (device memory, am_model_hidden_elems)
  * is the previous stage's output, on every chunk but the first stage's; x_out receives this
  * chunk's output on every chunk but the last stage's. The last stage adds the micro-batch's
  * token losses to the loss scalar; dloss_scale is the gradient of the total loss with respect
  * to that sum (1 / tokens of the global batch gives the global mean). */
 int am_model_forward(struct am_model *m, int chunk, int slot, int64_t batch, const int32_t *tokens,
-                     const int32_t *targets, const void *x_in, void *x_out, float dloss_scale, char *err,
-                     size_t err_len);
+                     const int32_t *targets, const int32_t *starts, const void *x_in, void *x_out, float dloss_scale,
+                     char *err, size_t err_len);
 /* Its backward: dy is the gradient of the chunk's output (from the next stage; ignored on the
  * last stage, where it starts from the loss), dx receives the gradient of x_in (not on the
  * first stage). Parameter gradients accumulate. */
@@ -310,14 +313,15 @@ int am_model_backward(struct am_model *m, int chunk, int slot, const void *dy, v
                       char *err, size_t err_len);
 
 /* The whole model on one rank (one chunk with embedding and head): forward and backward of
- * one micro-batch in slot 0. Returns the sum of its token losses in *loss_sum (reading the
- * loss scalar, which it zeroes first: a host sync, for tests and tools). */
-int am_model_step(struct am_model *m, const int32_t *tokens, const int32_t *targets, int64_t batch,
-                  float dloss_scale, double *loss_sum, char *err, size_t err_len);
+ * one micro-batch in slot 0 (starts as am_model_forward's). Returns the sum of its token losses
+ * in *loss_sum (reading the loss scalar, which it zeroes first: a host sync, for tests and
+ * tools). */
+int am_model_step(struct am_model *m, const int32_t *tokens, const int32_t *targets, const int32_t *starts,
+                  int64_t batch, float dloss_scale, double *loss_sum, char *err, size_t err_len);
 
 /* Forward only, the whole model on one rank: returns the summed token loss (as am_model_step). */
-int am_model_loss(struct am_model *m, const int32_t *tokens, const int32_t *targets, int64_t batch,
-                  double *loss_sum, char *err, size_t err_len);
+int am_model_loss(struct am_model *m, const int32_t *tokens, const int32_t *targets, const int32_t *starts,
+                  int64_t batch, double *loss_sum, char *err, size_t err_len);
 
 /* The start of a step: zeroes the gradients and the loss scalar, and refreshes the compute
  * copy of the weights from the masters (mixed precision). */

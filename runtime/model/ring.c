@@ -155,8 +155,8 @@ static int wait2(struct am_cp *c, struct am_comm_req **q, char *err, size_t err_
 }
 
 int am_cp_attention_forward(struct am_model *m, struct am_tensor *out, struct am_tensor *lse, const struct am_tensor *q,
-                            const struct am_tensor *k, const struct am_tensor *v, int64_t window, char *err,
-                            size_t err_len)
+                            const struct am_tensor *k, const struct am_tensor *v, const struct am_tensor *qstart,
+                            int64_t window, char *err, size_t err_len)
 {
     struct am_cp *c = m->cp;
     struct am_tensor hk = *k, hv = *v, mine = pos_of(m, c->rank); /* the block held: this rank's own first */
@@ -171,7 +171,7 @@ int am_cp_attention_forward(struct am_model *m, struct am_tensor *out, struct am
         if (more && !c->overlap && wait2(c, rq, err, err_len) < 0) /* AM_RING_OVERLAP=0: the shift alone */
             return -1;
         double t0 = am_mono_time();
-        m->K->attention_block_forward(m->dev, out, lse, q, &hk, &hv, &mine, &kp, window, s > 0);
+        m->K->attention_block_forward(m->dev, out, lse, q, &hk, &hv, &mine, &kp, qstart, window, s > 0);
         c->block_s += am_mono_time() - t0;
         if (more) {
             if (wait2(c, rq, err, err_len) < 0)
@@ -186,7 +186,7 @@ int am_cp_attention_forward(struct am_model *m, struct am_tensor *out, struct am
 int am_cp_attention_backward(struct am_model *m, struct am_tensor *dq, struct am_tensor *dk, struct am_tensor *dv,
                              const struct am_tensor *dout, const struct am_tensor *out, const struct am_tensor *lse,
                              const struct am_tensor *q, const struct am_tensor *k, const struct am_tensor *v,
-                             int64_t window, char *err, size_t err_len)
+                             const struct am_tensor *qstart, int64_t window, char *err, size_t err_len)
 {
     struct am_cp *c = m->cp;
     const struct am_kernels *K = m->K;
@@ -207,7 +207,7 @@ int am_cp_attention_backward(struct am_model *m, struct am_tensor *dq, struct am
         K->zero(m->dev, &tk);
         K->zero(m->dev, &tv);
         double t0 = am_mono_time();
-        K->attention_block_backward(m->dev, dq, &tk, &tv, dout, out, lse, q, &hk, &hv, &mine, &kp, window);
+        K->attention_block_backward(m->dev, dq, &tk, &tv, dout, out, lse, q, &hk, &hv, &mine, &kp, qstart, window);
         c->block_s += am_mono_time() - t0;
         struct am_tensor ak = tk, av = tv; /* the sums sent onward */
         if (s > 0) {

@@ -63,14 +63,18 @@ int am_cp_init(struct am_model *m, struct am_comm *cp, int64_t seq_len, char *er
 void am_cp_free(struct am_model *m);
 
 /* attention_forward over the ring: q, out [B, T/cp, H, D], k, v [B, T/cp, KVH, D], lse
- * [B, H, T/cp] of this rank's rows. Collective over the cp group. */
+ * [B, H, T/cp] of this rank's rows. qstart: NULL, or with packed sequences [B, T/cp] int32,
+ * where each row's document starts (a position in the whole sequence): a row sees no key
+ * before it, whichever rank's block the key arrives in (kernels.h, attention_block_forward).
+ * Only the queries' starts are needed: a key's position says everything about it. Collective
+ * over the cp group. */
 int am_cp_attention_forward(struct am_model *m, struct am_tensor *out, struct am_tensor *lse, const struct am_tensor *q,
-                            const struct am_tensor *k, const struct am_tensor *v, int64_t window, char *err,
-                            size_t err_len);
+                            const struct am_tensor *k, const struct am_tensor *v, const struct am_tensor *qstart,
+                            int64_t window, char *err, size_t err_len);
 /* Its backward: adds this rank's rows' gradients to dq, dk and dv. Collective over the cp group. */
 int am_cp_attention_backward(struct am_model *m, struct am_tensor *dq, struct am_tensor *dk, struct am_tensor *dv,
                              const struct am_tensor *dout, const struct am_tensor *out, const struct am_tensor *lse,
                              const struct am_tensor *q, const struct am_tensor *k, const struct am_tensor *v,
-                             int64_t window, char *err, size_t err_len);
+                             const struct am_tensor *qstart, int64_t window, char *err, size_t err_len);
 
 #endif

@@ -212,7 +212,8 @@ static double carved(double n, double es) { return (double)(((long long)(n * es)
  * MLP's three, qk_norm's key; Gemma's post norm rows and Gemma 3's second pair of rotary
  * tables), with sequence parallelism the gathered stream and a rows'
  * buffer, with context parallelism the ring's buffers (T: the rank's rows of a sequence, whose
- * positions the rotary tables hold); and for a mixture of experts, per slot the router's counts, probability sums and
+ * positions the rotary tables hold), with packed sequences their rotary tables and documents;
+ * and for a mixture of experts, per slot the router's counts, probability sums and
  * auxiliary loss, shared the router's and the experts' gradient buffers. N: tokens of a
  * micro-batch, R: its rows of the residual stream on this rank (N / tp with sequence
  * parallelism). */
@@ -249,6 +250,11 @@ static double scratch_bytes(const struct am_recipe *r, const struct am_plan *p, 
     if (p->cp > 1) /* ring attention (runtime/model/ring.h): every rank's positions, two k and v blocks
                     * arriving, two travelling dk and dv sums and one step's own terms */
         b += carved((double)p->seq_length, 4) + 10 * carved(N * KV, cs);
+    if (r->packed_sequence_size > 0) /* packed sequences (runtime/model/packed.h): the rotary tables of the
+                                      * whole sequence and of the micro-batch's rows, the rank's rows'
+                                      * positions, per slot each row's document start and rotary position */
+        b += 2 * carved((double)p->seq_length * (D / 2), 4) + 2 * carved(N * (D / 2), 4) + carved(T, 4) +
+             rs->total * 2 * carved(N, 4);
     if (m->num_experts > 0) {
         double E = (double)m->num_experts, k = (double)m->num_experts_per_tok, S = N * k;
         double Im = (double)m->moe_intermediate_size;

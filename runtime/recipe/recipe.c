@@ -416,11 +416,13 @@ static int read_packing_strategy(struct reader *rd, struct am_node *v, const cha
 static const struct key_spec packed_keys[] = {
     {"packed_sequence_size", K_OPT_LONG, R(packed_sequence_size), 0, NULL},
     {"packing_strategy", K_FN, 0, 0, read_packing_strategy},
-    /* how packs are built (not what a pack holds): a cap on their number, already-packed
-     * data, tokenizer processes, dropping over-long samples (neat); split_across_pack has no
-     * effect in AutoModel any more */
-    IGNORE("split_across_pack"), IGNORE("max_packs"), IGNORE("prepacked"), IGNORE("num_proc"),
-    IGNORE("drop_long_samples"),
+    /* which documents are packed (runtime/io/pack.h): over-long ones dropped or refused, at
+     * most max_packs packs */
+    {"drop_long_samples", K_BOOL, R(drop_long_samples), 0, NULL},
+    {"max_packs", K_OPT_LONG, R(max_packs), 1, NULL},
+    /* how AutoModel builds packs (already-packed data, tokenizer processes); split_across_pack
+     * has no effect in AutoModel any more */
+    IGNORE("split_across_pack"), IGNORE("prepacked"), IGNORE("num_proc"),
     {NULL, 0, 0, 0, NULL}};
 
 static int read_optimizer_target(struct reader *rd, struct am_node *v, const char *key)
@@ -867,6 +869,7 @@ static void read_recipe(struct reader *rd)
     r->dist.pipeline.schedule = AM_PP_1F1B;
     r->dist.pipeline.microbatch_size = 1;
     r->data.shuffle = true;
+    r->drop_long_samples = true;
     r->optim.name = "adamw";
     r->optim.lr = 1e-4;
     r->optim.beta1 = 0.9;

@@ -92,6 +92,9 @@ struct am_recipe {
     } data;
     long packed_sequence_size;
     const char *packing_strategy; /* "thd" (AutoModel's default) or "neat" */
+    bool drop_long_samples;       /* packed_sequence.drop_long_samples: a document longer than a pack is
+                                     dropped (true, the default), or refused */
+    long max_packs;               /* packed_sequence.max_packs: 0, or at most this many packs */
 
     struct {
         const char *name; /* "adam" or "adamw" */

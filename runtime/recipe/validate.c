@@ -38,10 +38,10 @@ static const char *divisors(long n, long max, char *buf, size_t len)
 long am_recipe_seq_length(const struct am_recipe *r, bool *assumed)
 {
     *assumed = false;
+    if (r->packed_sequence_size > 0) /* documents or samples packed into sequences of this many tokens */
+        return r->packed_sequence_size;
     if (!r->data.foreign && r->data.seq_length > 0) /* a Megatron dataset's samples: what am trains on */
         return r->data.seq_length;
-    if (r->packed_sequence_size > 0) /* samples are packed into sequences of this many tokens */
-        return r->packed_sequence_size;
     if (r->data.seq_length > 0)
         return r->data.seq_length;
     if (r->dist.pp > 1 && r->dist.pipeline.seq_len > 0)
@@ -200,13 +200,14 @@ static void sequence_rules(struct check *c)
 {
     const struct am_recipe *r = c->r;
     int cp = r->dist.cp, tp = r->dist.tp;
-    long seq = r->data.seq_length;
-    if (cp > 1 && r->packed_sequence_size % cp)
-        FAIL(c, "packed_sequence.packed_sequence_size", "%ld is not divisible by cp_size = %d (use a multiple of "
-             "%d)", r->packed_sequence_size, cp, cp);
-    /* the key the recipe gives it under: seq_length, or seq_len (AutoModel's other datasets) */
+    /* the sequence trained on, under the key the recipe gives it: packs of packed_sequence_size
+     * tokens, else dataset.seq_length, or seq_len (AutoModel's other datasets) */
+    long seq = r->packed_sequence_size > 0 ? r->packed_sequence_size : r->data.seq_length;
     char key[64];
-    snprintf(key, sizeof(key), "dataset.%s", r->data.seq_key ? r->data.seq_key : "seq_length");
+    if (r->packed_sequence_size > 0)
+        snprintf(key, sizeof(key), "packed_sequence.packed_sequence_size");
+    else
+        snprintf(key, sizeof(key), "dataset.%s", r->data.seq_key ? r->data.seq_key : "seq_length");
     struct am_pos pos = am_recipe_pos(r, key);
     if (cp > 1 && seq && seq % (2L * cp)) {
         am_errorf(c->err, &pos, "%s: %ld is not divisible by 2*cp_size = %d (context parallelism splits each "
@@ -218,6 +219,10 @@ static void sequence_rules(struct check *c)
                   "across tp ranks)", key, seq, tp);
         c->added++;
     }
+    if (r->packed_sequence_size > 0 && !r->data.foreign && r->data.n_paths > 1)
+        FAIL(c, "dataset.paths", "%d datasets: packed sequences are packed from the documents of one dataset, and "
+             "a blend is not packed yet (give one prefix, or packed_sequence.packed_sequence_size: 0)",
+             r->data.n_paths);
     if (r->dist_env.timeout_minutes <= 0)
         FAIL(c, "dist_env.timeout_minutes", "%g must be positive", r->dist_env.timeout_minutes);
 }

@@ -119,7 +119,8 @@ static int prev_rank(const struct am_pipe *P, int s) { return (s - 1) % P->pp; }
 static int next_rank(const struct am_pipe *P, int s) { return (s + 1) % P->pp; }
 
 static int run_forward(struct am_pipe *P, struct am_model *m, const struct am_pipe_action *a, const int32_t *tokens,
-                       const int32_t *targets, int64_t batch, float dloss_scale, char *err, size_t err_len)
+                       const int32_t *targets, const int32_t *starts, int64_t batch, float dloss_scale, char *err,
+                       size_t err_len)
 {
     int s = a->chunk * P->pp + P->rank;
     size_t N = (size_t)(batch * m->seq_len);
@@ -133,8 +134,9 @@ static int run_forward(struct am_pipe *P, struct am_model *m, const struct am_pi
         x_in = P->recv_buf;
     }
     const int32_t *tok = tokens + a->micro * N, *tgt = targets + a->micro * N;
-    if (am_model_forward(m, a->chunk, a->micro % P->slots[a->chunk], batch, tok, tgt, x_in, x_out, dloss_scale, err,
-                         err_len) < 0)
+    const int32_t *st = starts ? starts + a->micro * N : NULL; /* packed sequences: the documents */
+    if (am_model_forward(m, a->chunk, a->micro % P->slots[a->chunk], batch, tok, tgt, st, x_in, x_out, dloss_scale,
+                         err, err_len) < 0)
         return -1;
     if (x_out && am_isend(P->fwd, x_out, P->hidden, P->dtype, next_rank(P, s), err, err_len) < 0)
         return -1;
@@ -164,13 +166,13 @@ static int run_backward(struct am_pipe *P, struct am_model *m, const struct am_p
     return 0;
 }
 
-int am_pipe_run(struct am_pipe *P, struct am_model *m, const int32_t *tokens, const int32_t *targets, int64_t batch,
-                float dloss_scale, bool last_run, char *err, size_t err_len)
+int am_pipe_run(struct am_pipe *P, struct am_model *m, const int32_t *tokens, const int32_t *targets,
+                const int32_t *starts, int64_t batch, float dloss_scale, bool last_run, char *err, size_t err_len)
 {
     for (int i = 0; i < P->n_actions; i++) {
         const struct am_pipe_action *a = &P->actions[i];
         int rc = a->kind == AM_PIPE_FORWARD
-                     ? run_forward(P, m, a, tokens, targets, batch, dloss_scale, err, err_len)
+                     ? run_forward(P, m, a, tokens, targets, starts, batch, dloss_scale, err, err_len)
                      : run_backward(P, m, a, dloss_scale, last_run && i == P->last_bwd[a->chunk], err, err_len);
         if (rc < 0)
             return -1;

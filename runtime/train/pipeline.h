@@ -55,10 +55,11 @@ void am_pipe_free(struct am_pipe *P);
 size_t am_pipe_bytes(const struct am_pipe *P);
 
 /* Runs one schedule: forward and backward of every micro-batch i, whose tokens and targets
- * are tokens + i * batch * seq_len (host int32). Gradients accumulate in m, token losses in
+ * are tokens + i * batch * seq_len (host int32), and with packed sequences its document starts
+ * starts + i * batch * seq_len (NULL without: model.h, am_model_forward). Gradients accumulate in m, token losses in
  * its loss scalar (last stage). last_run: the last run of the step (gradient accumulation),
  * whose last backward of each chunk sets m->grads_final (model.h, grad_ready). */
-int am_pipe_run(struct am_pipe *P, struct am_model *m, const int32_t *tokens, const int32_t *targets, int64_t batch,
-                float dloss_scale, bool last_run, char *err, size_t err_len);
+int am_pipe_run(struct am_pipe *P, struct am_model *m, const int32_t *tokens, const int32_t *targets,
+                const int32_t *starts, int64_t batch, float dloss_scale, bool last_run, char *err, size_t err_len);
 
 #endif

@@ -24,6 +24,8 @@
 #include "moe.h"
 #include "model_io.h"
 #include "optim.h"
+#include "pack.h"
+#include "packed.h"
 #include "pipeline.h"
 #include "ring.h"
 #include "preempt.h"
@@ -54,6 +56,9 @@ struct trainer {
     int32_t *mask_sample;
     struct am_log *log;                 /* opened by am_train_log_begin */
     int32_t *sample, *tokens, *targets; /* host buffers for one pipeline run's micro-batches */
+    struct am_packs *packs;             /* packed sequences (pack.h): the packs of whole documents, or NULL */
+    int32_t *starts;                    /* packed: each row's document start, beside tokens and targets */
+    int32_t *pack_rows;                 /* packed: one pack's tokens, targets and starts (3 x seq_length) */
     int32_t *cp_pos;                    /* context parallelism: this rank's positions of a sequence, or NULL */
     struct am_comm *grad_dp;            /* the loss and replicated gradients are summed over it: dp x cp */
     char base_config[4096];
@@ -71,7 +76,8 @@ struct trainer {
 };
 
 /* The layouts this trainer runs so far: data, tensor (+ sequence), pipeline, expert
- * (runtime/model/moe.h) and context parallelism (dense models in fp32, runtime/model/ring.h). */
+ * (runtime/model/moe.h) and context parallelism (dense models in fp32, runtime/model/ring.h);
+ * packed sequences in fp32 (runtime/model/packed.h). */
 static int check_supported(const struct am_plan *p, const struct am_recipe *r, struct am_errors *err)
 {
     if (p->cp > 1 && r->compute_dtype != AM_F32)
@@ -94,6 +100,14 @@ static int check_supported(const struct am_plan *p, const struct am_recipe *r, s
                               "(HSDP): the experts are sharded over the ranks holding the same experts, which would "
                               "span the replica groups (use dp_replicate_size 1 with expert parallelism)", p->ep,
                               p->dp_replicate);
+    if (r->packed_sequence_size > 0 && r->compute_dtype != AM_F32)
+        return am_errors_fail(err, "packed_sequence.packed_sequence_size %ld: the attention of documents computes "
+                              "in fp32 so far (distributed.mp_policy.param_dtype %s: use float32 with packed "
+                              "sequences)", r->packed_sequence_size, am_dtype_torch_name(r->compute_dtype));
+    if (r->packed_sequence_size > 0 && r->model.gemma)
+        return am_errors_fail(err, "packed_sequence.packed_sequence_size %ld: the attention of documents has neither "
+                              "Gemma's attention scale and soft cap nor Gemma 3's second rotary table yet (model_type "
+                              "%s: use packed_sequence_size 0)", r->packed_sequence_size, r->model.model_type);
     if (r->compute_dtype == AM_F16 || r->reduce_dtype == AM_F16)
         return am_errors_fail(err, "distributed.mp_policy: float16 compute or reduction needs loss scaling, which "
                               "am-train does not do: use bfloat16 (fp32's range in half the bytes) or float32");
@@ -203,6 +217,7 @@ static int build_model(struct trainer *t, struct am_errors *err)
     if (am_model_init(&t->model, &r->model, &sh, &t->dev, t->g.tp, pp, p->microbatch_size, p->seq_length / p->cp, msg,
                       sizeof(msg)) < 0 ||
         (p->cp > 1 && am_cp_init(&t->model, t->g.cp, p->seq_length, msg, sizeof(msg)) < 0) ||
+        (r->packed_sequence_size > 0 && am_packed_init(&t->model, p->seq_length, msg, sizeof(msg)) < 0) ||
         am_pipe_bind(&t->pipe, &t->model, p->microbatch_size, pp, p->pp > 1 ? t->g.pp_grad : NULL, msg,
                      sizeof(msg)) < 0)
         return am_errors_fail(err, "%s", msg);
@@ -261,7 +276,14 @@ static int count_labels(struct trainer *t, long step, int64_t *count, struct am_
 {
     int64_t G = t->p->global_batch, T = t->p->seq_length;
     *count = 0;
-    for (int64_t i = step * G; i < (step + 1) * G; i++) {
+    for (int64_t i = step * G; t->packs && i < (step + 1) * G; i++) { /* a pack's targets >= 0 */
+        int32_t *tgt = t->pack_rows + T;
+        if (am_packs_read(t->packs, i, t->pack_rows, tgt, tgt + T, err) < 0)
+            return -1;
+        for (int64_t k = 0; k < T; k++)
+            *count += tgt[k] >= 0;
+    }
+    for (int64_t i = step * G; !t->packs && i < (step + 1) * G; i++) {
         if (am_gpt_sample(t->mask, i, t->mask_sample, err) < 0)
             return -1;
         for (int64_t k = 1; k <= T; k++)
@@ -283,9 +305,24 @@ static int build_data(struct trainer *t, struct am_errors *err)
     if (am_gpt_config_from_recipe(r, t->p->global_batch * r->steps.max_steps, &cfg, err) < 0)
         return -1;
     cfg.seq_length = t->p->seq_length;
-    if (am_gpt_open(&cfg, &t->data, err) < 0 || open_mask(t, &cfg, err) < 0)
-        return -1;
     size_t n = (size_t)(t->p->n_microbatches * t->p->microbatch_size * t->p->seq_length);
+    if (r->packed_sequence_size > 0) { /* whole documents packed into sequences (pack.h) */
+        struct am_pack_config pc = {.path = cfg.paths[0], .size = t->p->seq_length,
+                                    .neat = r->packing_strategy && !strcmp(r->packing_strategy, "neat"),
+                                    .drop_long = r->drop_long_samples, .shuffle = cfg.shuffle, .seed = cfg.seed,
+                                    .max_packs = r->max_packs};
+        if (am_packs_open(&pc, &t->packs, err) < 0)
+            return -1;
+        am_log_record(t->log, "packs", json_pack("{s:I,s:I,s:s,s:b}", "packs", (json_int_t)am_packs_count(t->packs),
+                                                 "dropped", (json_int_t)am_packs_dropped(t->packs), "strategy",
+                                                 pc.neat ? "neat" : "thd", "masked", am_packs_masked(t->packs)));
+        t->starts = malloc(n * sizeof(int32_t));
+        t->pack_rows = malloc((size_t)(3 * t->p->seq_length) * sizeof(int32_t));
+        if (!t->starts || !t->pack_rows)
+            return am_errors_fail(err, "out of memory for the batch");
+    } else if (am_gpt_open(&cfg, &t->data, err) < 0 || open_mask(t, &cfg, err) < 0) {
+        return -1;
+    }
     t->sample = malloc((size_t)(t->p->seq_length + 1) * sizeof(int32_t));
     if (t->p->cp > 1) { /* this cp rank's positions of every sequence (ring.h) */
         t->cp_pos = malloc((size_t)(t->p->seq_length / t->p->cp) * sizeof(int32_t));
@@ -301,7 +338,8 @@ static int build_data(struct trainer *t, struct am_errors *err)
 }
 
 /* Fills tokens/targets with the samples of accumulation step `accum` (its n_microbatches
- * micro-batches, one after the other): input = sample[0..T), target = sample[1..T]; with
+ * micro-batches, one after the other): input = sample[0..T), target = sample[1..T] (a masked
+ * label: -1), or with packed sequences a pack's rows, targets and document starts (pack.h); with
  * context parallelism this rank's T / cp rows of each (cp_pos: the zigzag of ring.h). */
 static int read_microbatches(struct trainer *t, long step, int64_t accum, struct am_errors *err)
 {
@@ -309,23 +347,29 @@ static int read_microbatches(struct trainer *t, long step, int64_t accum, struct
     for (int64_t j = 0; j < b; j++) {
         int64_t k = accum * b + j;
         int64_t idx = am_gpt_global_index(step, t->p->global_batch, t->dp_rank, t->p->dp, k);
-        if (am_gpt_sample(t->data, idx, t->sample, err) < 0)
-            return -1;
-        if (t->cp_pos) {
-            for (int64_t i = 0; i < Tl; i++) {
-                t->tokens[j * Tl + i] = t->sample[t->cp_pos[i]];
-                t->targets[j * Tl + i] = t->sample[t->cp_pos[i] + 1];
-            }
-            continue;
-        }
-        memcpy(t->tokens + j * T, t->sample, (size_t)T * sizeof(int32_t));
-        memcpy(t->targets + j * T, t->sample + 1, (size_t)T * sizeof(int32_t));
-        if (t->mask) { /* a masked label: target -1, no loss and no gradient (kernels.h) */
-            if (am_gpt_sample(t->mask, idx, t->mask_sample, err) < 0)
+        int32_t *tok = t->tokens + j * Tl, *tgt = t->targets + j * Tl, *st = t->starts ? t->starts + j * Tl : NULL;
+        const int32_t *rows, *rtgt, *rst = NULL; /* the whole sequence's tokens, targets, starts */
+        if (t->packs) {
+            if (am_packs_read(t->packs, idx, t->pack_rows, t->pack_rows + T, t->pack_rows + 2 * T, err) < 0)
                 return -1;
-            for (int64_t i = 0; i < T; i++)
-                if (!t->mask_sample[i + 1])
-                    t->targets[j * T + i] = -1;
+            rows = t->pack_rows;
+            rtgt = rows + T;
+            rst = rows + 2 * T;
+        } else {
+            if (am_gpt_sample(t->data, idx, t->sample, err) < 0)
+                return -1;
+            if (t->mask && am_gpt_sample(t->mask, idx, t->mask_sample, err) < 0)
+                return -1;
+            rows = t->sample;
+            rtgt = t->sample + 1;
+        }
+        for (int64_t i = 0; i < Tl; i++) {
+            int64_t at = t->cp_pos ? t->cp_pos[i] : i;
+            tok[i] = rows[at];
+            /* a masked label: target -1, no loss and no gradient (kernels.h) */
+            tgt[i] = t->mask && !t->mask_sample[at + 1] ? -1 : rtgt[at];
+            if (st)
+                st[i] = rst[at];
         }
     }
     return 0;
@@ -805,7 +849,7 @@ static int forward_backward(struct trainer *t, long step, float dloss_scale, str
     for (int64_t a = 0; a < p->grad_accum; a++) {
         if (read_microbatches(t, step - 1, a, err) < 0)
             return -1;
-        if (am_pipe_run(&t->pipe, &t->model, t->tokens, t->targets, p->microbatch_size, dloss_scale,
+        if (am_pipe_run(&t->pipe, &t->model, t->tokens, t->targets, t->starts, p->microbatch_size, dloss_scale,
                         a == p->grad_accum - 1, msg, sizeof(msg)) < 0)
             return am_errors_fail(err, "step %ld: %s", step, msg);
     }
@@ -877,11 +921,12 @@ static int run(struct trainer *t, struct am_errors *err)
         fault_at_step_start(t, step + 1);
         double lr = am_lr_at(r, step);
         /* the loss is the mean over the labels it counts: every token's, or with a loss mask
-         * the unmasked ones of the global batch (AutoModel's normalisation) */
+         * or packed sequences the targets of the global batch (AutoModel's normalisation by its
+         * num_label_tokens) */
         int64_t labels = p->global_batch * p->seq_length;
-        if (t->mask && count_labels(t, step, &labels, err) < 0)
+        if ((t->mask || t->packs) && count_labels(t, step, &labels, err) < 0)
             return -1;
-        if (t->mask)
+        if (t->mask || t->packs)
             dloss_scale = labels ? (float)(1.0 / (double)labels) : 0.0f;
         if (forward_backward(t, step + 1, dloss_scale, err) < 0 || reduce_values(t, step + 1, err) < 0)
             return -1;
@@ -907,7 +952,7 @@ static int run(struct trainer *t, struct am_errors *err)
                                 "grad_norm", norm, "tokens", (json_int_t)p->tokens_per_step, "step_s", dt, "time",
                                 am_wall_time(), "comm_s", t->comm_s, "max_rss_kib", (json_int_t)ru.ru_maxrss);
         json_object_set_new(rec, "grad_wait_s", json_real(t->sync.wait_s));
-        if (t->mask)
+        if (t->mask || t->packs)
             json_object_set_new(rec, "label_tokens", json_integer((json_int_t)labels));
         if (t->sharded)
             json_object_set_new(rec, "gather_wait_s", json_real(t->fsdp.gather_wait_s));
@@ -1163,6 +1208,9 @@ out:
     am_pipe_free(&t.pipe);
     am_gpt_close(t.data);
     am_gpt_close(t.mask);
+    am_packs_close(t.packs);
+    free(t.starts);
+    free(t.pack_rows);
     for (int i = 0; t.mask_paths && i < t.r->data.n_paths; i++)
         free(t.mask_paths[i]);
     free(t.mask_paths);

@@ -104,6 +104,8 @@ LLAMA_BASE = dict(
 # eager gradients 1.1-1.8e-6 apart, 1049's unclipped grad norms were 2.0e-5 from float64's (the check
 # on grad norms was added then: every earlier case passes it). qwen2_window (1010 -> 1080): 1020, 1040, 1060 left clipping
 # inactive in a step, 1030 and 1050 were ill-conditioned, 1070 had sdpa vs eager gradients 1.08e-6 apart.
+# llama_packed (model_seed 1011 -> 1031): 1011's grad norms were 3.3e-6 from float64's (ill-conditioned),
+# 1021's loss moved only 4.8e-4 without the documents' mask (the case requires 1e-3).
 #
 # config_format: "v5" keeps config.json as transformers 5 writes it (rope in "rope_parameters");
 # "legacy" rewrites it the way most checkpoints on the hub are written (top-level "rope_theta"
@@ -361,6 +363,17 @@ CASES = {
             pad_token_id=None,
         ),
     ),
+    # Packed sequences: each of the 2 sequences of 32 rows holds whole documents back to back
+    # (rows: how many rows each document takes, its tokens but the last; the last token is only
+    # a target) and pads to the end; attention is block-diagonal causal (a 4-d mask), position_ids
+    # restart at 0 in each document, a document's last row predicts its last token, pads predict
+    # nothing, and the first 3 targets of document 1 of sequence 0 are masked as an instruction
+    # dataset's prompt would be. intermediate_size 112 tells its config from llama_gqa's.
+    "llama_packed": dict(
+        arch="llama", seq=32, model_seed=1031, data_seed=2011, config_format="v5",
+        config=dict(LLAMA_BASE, intermediate_size=112),
+        packed=dict(rows=[[9, 13, 6], [5, 11, 14]], masked=[(0, 1, 3)]),
+    ),
 }
 
 GEMMA_ARCHS = ("gemma2", "gemma3_text")
@@ -455,7 +468,43 @@ def make_batch(case):
     spec = CASES[case]
     g = torch.Generator().manual_seed(spec["data_seed"])
     vocab = spec["config"]["vocab_size"]
-    return torch.randint(0, vocab, (BATCH, spec["seq"]), generator=g, dtype=torch.int64)
+    if "packed" not in spec:
+        return torch.randint(0, vocab, (BATCH, spec["seq"]), generator=g, dtype=torch.int64)
+    return make_pack(spec, g, vocab)
+
+
+def make_pack(spec, g, vocab):
+    """A packed batch: documents of rows + 1 random tokens each, back to back, then pads (token 0,
+    no target, a segment of their own). Returns input_ids, targets (-100: none), position_ids,
+    starts (where each row's document starts) and mask [B, T, T] (True: row t sees key j)."""
+    T = spec["seq"]
+    ids = torch.zeros(BATCH, T, dtype=torch.int64)
+    targets = torch.full((BATCH, T), -100, dtype=torch.int64)
+    starts = torch.zeros(BATCH, T, dtype=torch.int64)
+    for b, rows in enumerate(spec["packed"]["rows"]):
+        at = 0
+        for d, n in enumerate(rows):
+            doc = torch.randint(0, vocab, (n + 1,), generator=g, dtype=torch.int64)
+            ids[b, at:at + n] = doc[:-1]
+            targets[b, at:at + n] = doc[1:]
+            for skip in [k for (bb, dd, k) in spec["packed"]["masked"] if (bb, dd) == (b, d)]:
+                targets[b, at:at + skip] = -100
+            starts[b, at:at + n] = at
+            at += n
+        starts[b, at:] = at  # the pads: a segment of their own
+    pos = torch.arange(T)[None, :] - starts
+    j = torch.arange(T)
+    mask = (j[None, None, :] <= j[None, :, None]) & (j[None, None, :] >= starts[:, :, None])
+    return dict(input_ids=ids, targets=targets, position_ids=pos, starts=starts, mask=mask)
+
+
+def model_inputs(batch, dtype):
+    """The keyword arguments of a forward: the ids, and for a pack its position_ids and its
+    block-diagonal causal mask as a 4-d additive mask (0: seen, the dtype's min: not)."""
+    if not isinstance(batch, dict):
+        return dict(input_ids=batch)
+    add = torch.zeros(batch["mask"].shape, dtype=dtype).masked_fill(~batch["mask"], torch.finfo(dtype).min)
+    return dict(input_ids=batch["input_ids"], position_ids=batch["position_ids"], attention_mask=add[:, None])
 
 
 def to_checkpoint_names(model, tensors):
@@ -515,6 +564,11 @@ def forward(model, ids, own_loss=False):
     (transformers upcasts logits to float32 for its loss, which would spoil the float64 reference).
     """
     is_moe = isinstance(model.config, MOE_CONFIGS)
+    if isinstance(ids, dict):  # a pack: each row's own target (-100: none), mean over the targets
+        out = model(**model_inputs(ids, model.dtype))
+        vocab = out.logits.shape[-1]
+        loss = F.cross_entropy(out.logits.reshape(-1, vocab), ids["targets"].reshape(-1), ignore_index=-100)
+        return dict(loss=loss, loss_lm=loss, logits=out.logits, aux_loss=None, router_logits=None)
     kwargs = dict(input_ids=ids, labels=ids)
     if is_moe:
         kwargs["output_router_logits"] = True
@@ -692,7 +746,8 @@ def ref_forward_gemma(W, cfg, ids):
         v = (h @ W[p + "self_attn.v_proj.weight"].T).view(B, T, nkv, hd)
         if gemma3:
             q, k = rms(q, W[p + "self_attn.q_norm.weight"]), rms(k, W[p + "self_attn.k_norm.weight"])
-        q, k = rot(q, cos[:, None], sin[:, None]), rot(k, cos[:, None], sin[:, None])
+        cs, sn = (cos[:, :, None], sin[:, :, None]) if pack else (cos[:, None], sin[:, None])
+        q, k = rot(q, cs, sn), rot(k, cs, sn)
         mask = causal
         if kind == "sliding_attention":
             pos = torch.arange(T)
@@ -719,6 +774,9 @@ def ref_forward_gemma(W, cfg, ids):
 def ref_forward(W, cfg, ids):
     if isinstance(cfg, (Gemma2Config, Gemma3TextConfig)):
         return ref_forward_gemma(W, cfg, ids)
+    pack = ids if isinstance(ids, dict) else None
+    if pack:
+        ids = pack["input_ids"]
     B, T = ids.shape
     H, nh, nkv = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
     hd, eps = getattr(cfg, "head_dim", None) or H // nh, cfg.rms_norm_eps
@@ -732,8 +790,12 @@ def ref_forward(W, cfg, ids):
         return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
 
     ang = torch.arange(T, dtype=torch.float32)[:, None] * ref_inv_freq(cfg)[None, :]
+    if pack:  # each row at its position in its document: [B, T, hd/2]
+        ang = pack["position_ids"].to(torch.float32)[..., None] * ref_inv_freq(cfg)
     cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
     causal = torch.ones(T, T, dtype=torch.bool).tril()
+    if pack:  # [B, T, T]: a row sees the rows of its document up to itself
+        causal = pack["mask"]
     x = W["model.embed_tokens.weight"][ids]
     router_probs = []
     for layer in range(cfg.num_hidden_layers):
@@ -748,7 +810,8 @@ def ref_forward(W, cfg, ids):
         q, k, v = proj("q_proj", nh), proj("k_proj", nkv), proj("v_proj", nkv)
         if p + "self_attn.q_norm.weight" in W:  # Qwen3: RMSNorm over each head of q and k, before rope
             q, k = rms(q, W[p + "self_attn.q_norm.weight"]), rms(k, W[p + "self_attn.k_norm.weight"])
-        q, k = rot(q, cos[:, None], sin[:, None]), rot(k, cos[:, None], sin[:, None])
+        cs, sn = (cos[:, :, None], sin[:, :, None]) if pack else (cos[:, None], sin[:, None])
+        q, k = rot(q, cs, sn), rot(k, cs, sn)
         # sliding window: query t sees keys t - window < j <= t (Mistral: every layer; Qwen3: the
         # layers layer_types marks sliding_attention)
         window = ref_window(cfg, layer)
@@ -789,9 +852,14 @@ def ref_forward(W, cfg, ids):
     x = rms(x, W["model.norm.weight"])
     head = W["model.embed_tokens.weight"] if cfg.tie_word_embeddings else W["lm_head.weight"]
     logits = x @ head.T
-    # position t predicts ids[t+1]; mean over the B*(T-1) predicted positions
-    logp = logits[:, :-1].log_softmax(-1)
-    loss_lm = -logp.gather(-1, ids[:, 1:, None]).mean()
+    # position t predicts ids[t+1]; mean over the B*(T-1) predicted positions (a pack: its targets)
+    if pack:
+        tg = pack["targets"]
+        logp = logits.log_softmax(-1).gather(-1, tg.clamp(min=0)[..., None])[..., 0]
+        loss_lm = -(logp * (tg >= 0)).sum() / (tg >= 0).sum()
+    else:
+        logp = logits[:, :-1].log_softmax(-1)
+        loss_lm = -logp.gather(-1, ids[:, 1:, None]).mean()
     aux = None
     if router_probs:
         E, k = getattr(cfg, "num_local_experts", None) or cfg.num_experts, cfg.num_experts_per_tok
@@ -927,9 +995,21 @@ def generate(case):
         for name, buf in m_norope.model.rotary_emb.named_buffers():
             if name.endswith("inv_freq"):
                 buf.zero_()
-        d_norope = max_abs(m_norope(input_ids=ids).logits, res["logits"])
+        d_norope = max_abs(m_norope(**model_inputs(ids, torch.float32)).logits, res["logits"])
         del m_norope
     sens = dict(logits_change_without_rope=d_norope)
+    if "packed" in spec:  # the documents must matter: the same rows as one sequence give another loss
+        with torch.no_grad():
+            plain = dict(ids, mask=torch.ones_like(ids["mask"]).tril(), position_ids=torch.arange(spec["seq"]).expand(
+                BATCH, -1))
+            sens["loss_change_without_document_mask"] = abs(float(forward(model, plain)["loss"]) - float(res["loss"]))
+            unreset = dict(ids, position_ids=plain["position_ids"])
+            sens["loss_change_without_position_reset"] = abs(float(forward(model, unreset)["loss"]) -
+                                                             float(res["loss"]))
+            sens["logits_change_without_document_mask"] = max_abs(forward(model, plain)["logits"], res["logits"])
+        # (position_ids not reset change nothing but rounding: rope is relative, and no row sees
+        # another document, so a document's shift cancels in every score; recorded, not required)
+        assert sens["loss_change_without_document_mask"] > 1e-3, sens
     if spec["arch"] in GEMMA_ARCHS:  # the window and the caps must matter
         with torch.no_grad():
             m_nowin = copy.deepcopy(model)
@@ -1046,8 +1126,9 @@ def generate(case):
     cos, sin, inv_freq = rope_tables(model, spec["seq"])
     local = rope_tables(model, spec["seq"], "sliding_attention") if spec["arch"] == "gemma3_text" else None
 
+    pack = ids if isinstance(ids, dict) else None
     tensors = {
-        "input_ids": ids.to(torch.int32),
+        "input_ids": (pack["input_ids"] if pack else ids).to(torch.int32),
         "logits": res["logits"].detach(),
         "loss": res["loss"].detach().reshape(()),
         "losses_adamw": torch.tensor(series[False][0], dtype=torch.float32),
@@ -1058,6 +1139,10 @@ def generate(case):
         "rope_sin": sin,
         "rope_inv_freq": inv_freq,
     }
+    if pack:  # each row's target (-100: none), its document's start and its position in the document
+        tensors["targets"] = pack["targets"].to(torch.int32)
+        tensors["starts"] = pack["starts"].to(torch.int32)
+        tensors["position_ids"] = pack["position_ids"].to(torch.int32)
     if is_moe:
         tensors["loss_lm"] = res["loss_lm"].detach().reshape(())
         tensors["aux_loss"] = res["aux_loss"].detach().float().reshape(())
@@ -1079,7 +1164,9 @@ def generate(case):
         "seq": str(spec["seq"]),
         "model_seed": str(spec["model_seed"]),
         "data_seed": str(spec["data_seed"]),
-        "labels": "input_ids; position t predicts input_ids[:, t+1]; last position ignored; mean over B*(T-1)",
+        "labels": ("targets: row t predicts targets[:, t] (-100: nothing); mean over the targets; 4-d mask "
+                   "from starts (block-diagonal causal), position_ids reset per document") if pack else
+                  "input_ids; position t predicts input_ids[:, t+1]; last position ignored; mean over B*(T-1)",
         "attn_implementation": "eager",
         "adamw": json.dumps(dict(ADAMW, foreach=False, steps=ADAMW_STEPS)),
         "clip_max_norm": str(CLIP_MAX_NORM),
@@ -1167,8 +1254,13 @@ def check_export(export_dir, case=None, quiet=False):
             problems.append(f"{what}: {sorted(map(str, info[what]))[:8]}")
     model.eval()
     ids = golden["input_ids"].to(torch.int64)
+    if "starts" in golden:  # a pack: its position_ids and its block-diagonal causal mask
+        st, T = golden["starts"].to(torch.int64), ids.shape[1]
+        j = torch.arange(T)
+        ids = dict(input_ids=ids, position_ids=golden["position_ids"].to(torch.int64),
+                   mask=(j[None, None, :] <= j[None, :, None]) & (j[None, None, :] >= st[:, :, None]))
     with torch.no_grad():
-        logits = model(input_ids=ids).logits
+        logits = model(**model_inputs(ids, torch.float32)).logits
     if tuple(logits.shape) != tuple(golden["logits"].shape):
         problems.append(f"logits shape {tuple(logits.shape)} != golden {tuple(golden['logits'].shape)}")
         diff = float("inf")

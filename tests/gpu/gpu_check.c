@@ -552,8 +552,9 @@ static void case_moe(enum am_dtype dt)
 
 /* Attention by blocks (context parallelism's ring, fp32): one rank's queries (two chunks of
  * 12 rows of a 48-token sequence split over 2 ranks) against its own keys and then the other rank's, merged,
- * and the backward of both blocks, with and without a window: each output as the CPU's. */
-static void case_attention_block(int64_t W)
+ * and the backward of both blocks, with and without a window, and packed (documents of 7 rows
+ * for the first sequence, 11 for the second: qstart): each output as the CPU's. */
+static void case_attention_block(int64_t W, bool packed)
 {
     int64_t B = 2, T = 24, H = 8, KVH = 2, D = 64, c = T / 2;
     struct pair q = rnd(AM_F32, B, T, H, D), out = pair_new(AM_F32, B, T, H, D), lse = pair_new(AM_F32, B, H, T, 0);
@@ -568,17 +569,25 @@ static void case_attention_block(int64_t W)
         }
         pair_upload(&pos[r]);
     }
+    struct pair st0 = pair_new(AM_I32, B * T, 0, 0, 0); /* rank 0's rows' document starts */
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t i = 0; i < T; i++) {
+            int32_t p = ((int32_t *)pos[0].c.data)[i], len = b ? 11 : 7;
+            ((int32_t *)st0.c.data)[b * T + i] = p / len * len;
+        }
+    pair_upload(&st0);
+    const struct am_tensor *qs_c = packed ? &st0.c : NULL, *qs_g = packed ? &st0.g : NULL;
     pair_fill(&q, -2, 2);
     for (int st = 0; st < 2; st++) {
-        KC->attention_block_forward(&cpu, &out.c, &lse.c, &q.c, &kv[st][0].c, &kv[st][1].c, &pos[0].c, &pos[st].c, W,
-                                    st > 0);
-        KG->attention_block_forward(&gpu, &out.g, &lse.g, &q.g, &kv[st][0].g, &kv[st][1].g, &pos[0].g, &pos[st].g, W,
-                                    st > 0);
+        KC->attention_block_forward(&cpu, &out.c, &lse.c, &q.c, &kv[st][0].c, &kv[st][1].c, &pos[0].c, &pos[st].c, qs_c,
+                                    W, st > 0);
+        KG->attention_block_forward(&gpu, &out.g, &lse.g, &q.g, &kv[st][0].g, &kv[st][1].g, &pos[0].g, &pos[st].g, qs_g,
+                                    W, st > 0);
     }
     char what[96];
-    snprintf(what, sizeof what, "attention_block out (2 blocks) W%lld", (long long)W);
+    snprintf(what, sizeof what, "attention_block out (2 blocks) W%lld%s", (long long)W, packed ? " packed" : "");
     check(what, &out, false);
-    snprintf(what, sizeof what, "attention_block lse (2 blocks) W%lld", (long long)W);
+    snprintf(what, sizeof what, "attention_block lse (2 blocks) W%lld%s", (long long)W, packed ? " packed" : "");
     record(what, "fp32", rel_err(&lse), 1e-5);
     pair_upload(&out);
     pair_upload(&lse);
@@ -587,18 +596,18 @@ static void case_attention_block(int64_t W)
         dk[st] = rnd(AM_F32, B, T, KVH, D);
         dv[st] = rnd(AM_F32, B, T, KVH, D);
         KC->attention_block_backward(&cpu, &dq.c, &dk[st].c, &dv[st].c, &dout.c, &out.c, &lse.c, &q.c, &kv[st][0].c,
-                                     &kv[st][1].c, &pos[0].c, &pos[st].c, W);
+                                     &kv[st][1].c, &pos[0].c, &pos[st].c, qs_c, W);
         KG->attention_block_backward(&gpu, &dq.g, &dk[st].g, &dv[st].g, &dout.g, &out.g, &lse.g, &q.g, &kv[st][0].g,
-                                     &kv[st][1].g, &pos[0].g, &pos[st].g, W);
-        snprintf(what, sizeof what, "attention_block dk (block %d) W%lld", st, (long long)W);
+                                     &kv[st][1].g, &pos[0].g, &pos[st].g, qs_g, W);
+        snprintf(what, sizeof what, "attention_block dk (block %d) W%lld%s", st, (long long)W, packed ? " packed" : "");
         check(what, &dk[st], false);
-        snprintf(what, sizeof what, "attention_block dv (block %d) W%lld", st, (long long)W);
+        snprintf(what, sizeof what, "attention_block dv (block %d) W%lld%s", st, (long long)W, packed ? " packed" : "");
         check(what, &dv[st], false);
     }
-    snprintf(what, sizeof what, "attention_block dq (2 blocks) W%lld", (long long)W);
+    snprintf(what, sizeof what, "attention_block dq (2 blocks) W%lld%s", (long long)W, packed ? " packed" : "");
     check(what, &dq, false);
     struct pair *all[] = {&q, &out, &lse, &kv[0][0], &kv[0][1], &kv[1][0], &kv[1][1], &pos[0], &pos[1], &dout, &dq,
-                          &dk[0], &dk[1], &dv[0], &dv[1]};
+                          &dk[0], &dk[1], &dv[0], &dv[1], &st0};
     for (size_t i = 0; i < sizeof all / sizeof *all; i++)
         pair_free(all[i]);
 }
@@ -1013,8 +1022,10 @@ int main(void)
         case_attention("own", AM_F32, c[0], c[1], c[2], c[3], c[4], c[5]);
         case_attention("own", AM_BF16, c[0], c[1], c[2], c[3], c[4], c[5]);
     }
-    case_attention_block(0);
-    case_attention_block(7);
+    case_attention_block(0, false);
+    case_attention_block(7, false);
+    case_attention_block(0, true);
+    case_attention_block(5, true);
     if (am_cuda_attention_has_cudnn())
         for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++) {
             const int64_t *c = shapes[i];

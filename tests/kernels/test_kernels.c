@@ -931,10 +931,17 @@ static void test_rope(void **state)
 struct attn_dims {
     int64_t B, T, H, KVH, D;
     int64_t W; /* sliding window (0: none): query t sees keys t - W < j <= t */
+    const int32_t *start; /* packed sequences: [B, T], where row (b, t)'s document starts (NULL: at 0) */
 };
 
-/* The first key query t sees. */
-static int64_t ref_first_key(const struct attn_dims *s, int64_t t) { return s->W > 0 && t - s->W + 1 > 0 ? t - s->W + 1 : 0; }
+/* The first key query t of sequence b sees. */
+static int64_t ref_first_key(const struct attn_dims *s, int64_t b, int64_t t)
+{
+    int64_t lo = s->W > 0 && t - s->W + 1 > 0 ? t - s->W + 1 : 0;
+    if (s->start && s->start[b * s->T + t] > lo)
+        lo = s->start[b * s->T + t];
+    return lo;
+}
 
 static void ref_attention(const struct attn_dims *s, const double *q, const double *k, const double *v, double *out,
                           double *lse)
@@ -946,7 +953,7 @@ static void ref_attention(const struct attn_dims *s, const double *q, const doub
             for (int64_t t = 0; t < T; t++) {
                 const double *qt = q + ((b * T + t) * H + h) * D;
                 double m = -INFINITY;
-                int64_t lo = ref_first_key(s, t);
+                int64_t lo = ref_first_key(s, b, t);
                 for (int64_t j = lo; j <= t; j++) {
                     const double *kj = k + ((b * T + j) * KVH + h / G) * D;
                     double dot = 0.0;
@@ -982,7 +989,7 @@ static void ref_attention_backward(const struct attn_dims *s, const double *q, c
             for (int64_t t = 0; t < T; t++) {
                 int64_t qo = ((b * T + t) * H + h) * D;
                 double m = -INFINITY, l = 0.0;
-                int64_t lo = ref_first_key(s, t);
+                int64_t lo = ref_first_key(s, b, t);
                 for (int64_t j = lo; j <= t; j++) {
                     double dot = 0.0;
                     for (int64_t d = 0; d < D; d++)
@@ -1035,20 +1042,20 @@ static void test_attention(void **state)
     (void)state;
     struct rng r = {19};
     struct attn_dims cases[] = {
-        {2, 7, 4, 4, 8, 0}, /* H/KVH = 1 */
-        {2, 7, 4, 2, 8, 0}, /* 2 */
-        {1, 7, 4, 1, 8, 0}, /* 4 */
-        {1, 1, 2, 1, 4, 0}, /* a single token */
-        {2, 33, 8, 4, 16, 0}, /* several threads */
-        {1, 64, 4, 2, 64, 0}, /* Llama's head size */
+        {2, 7, 4, 4, 8, 0, NULL}, /* H/KVH = 1 */
+        {2, 7, 4, 2, 8, 0, NULL}, /* 2 */
+        {1, 7, 4, 1, 8, 0, NULL}, /* 4 */
+        {1, 1, 2, 1, 4, 0, NULL}, /* a single token */
+        {2, 33, 8, 4, 16, 0, NULL}, /* several threads */
+        {1, 64, 4, 2, 64, 0, NULL}, /* Llama's head size */
         /* sliding windows (Mistral's): shorter than T, across tiles of 16 keys, W = 1 (itself
          * only), W = T - 1, and W = T (the causal result, bit for bit: checked below) */
-        {2, 7, 4, 2, 8, 3},
-        {1, 7, 4, 1, 8, 1},
-        {2, 33, 8, 4, 16, 5},
-        {1, 50, 4, 2, 24, 20},
-        {1, 40, 2, 1, 16, 39},
-        {2, 33, 8, 4, 16, 33},
+        {2, 7, 4, 2, 8, 3, NULL},
+        {1, 7, 4, 1, 8, 1, NULL},
+        {2, 33, 8, 4, 16, 5, NULL},
+        {1, 50, 4, 2, 24, 20, NULL},
+        {1, 40, 2, 1, 16, 39, NULL},
+        {2, 33, 8, 4, 16, 33, NULL},
     };
     for (size_t c = 0; c < sizeof cases / sizeof *cases; c++) {
         struct attn_dims s = cases[c];
@@ -1259,16 +1266,33 @@ static void test_attention_block(void **state)
     struct {
         struct attn_dims s;
         int cp;
+        bool packed; /* several documents per sequence, of random lengths (qstart) */
     } cases[] = {
-        {{2, 16, 4, 2, 8, 0}, 2},  {{1, 32, 4, 1, 16, 0}, 4}, {{2, 24, 4, 4, 8, 0}, 3},
-        {{1, 16, 2, 1, 8, 0}, 1},  {{2, 32, 4, 2, 8, 5}, 2},  {{1, 48, 8, 2, 16, 13}, 4},
-        {{1, 64, 4, 2, 64, 0}, 2},
-        {{1, 160, 4, 2, 16, 0}, 1},  /* tiles of 64 query rows: 3, the last partial */
-        {{1, 288, 2, 1, 8, 40}, 2}, /* 144 rows a rank, a window across chunks */
+        {{2, 16, 4, 2, 8, 0, NULL}, 2, false},  {{1, 32, 4, 1, 16, 0, NULL}, 4, false},
+        {{2, 24, 4, 4, 8, 0, NULL}, 3, false},  {{1, 16, 2, 1, 8, 0, NULL}, 1, false},
+        {{2, 32, 4, 2, 8, 5, NULL}, 2, false},  {{1, 48, 8, 2, 16, 13, NULL}, 4, false},
+        {{1, 64, 4, 2, 64, 0, NULL}, 2, false},
+        {{1, 160, 4, 2, 16, 0, NULL}, 1, false},  /* tiles of 64 query rows: 3, the last partial */
+        {{1, 288, 2, 1, 8, 40, NULL}, 2, false}, /* 144 rows a rank, a window across chunks */
+        {{2, 48, 4, 2, 8, 0, NULL}, 1, true},   {{2, 48, 4, 2, 8, 0, NULL}, 2, true},
+        {{3, 64, 4, 1, 16, 0, NULL}, 4, true},  {{2, 96, 4, 2, 8, 7, NULL}, 2, true},
+        {{1, 160, 2, 1, 8, 0, NULL}, 1, true}, /* documents across tiles of rows */
     };
     for (size_t ci = 0; ci < sizeof cases / sizeof *cases; ci++) {
         struct attn_dims s = cases[ci].s;
         int cp = cases[ci].cp;
+        int32_t *start = NULL; /* packed: each sequence cut into documents of 1 to T / 3 rows */
+        if (cases[ci].packed) {
+            start = calloc((size_t)(s.B * s.T), sizeof(int32_t));
+            assert_non_null(start);
+            for (int64_t b = 0; b < s.B; b++)
+                for (int64_t t = 0, first = 0; t < s.T; t++) {
+                    if (t > first && rng_uniform(&r, 0, 1) < 3.0 / (double)s.T)
+                        first = t;
+                    start[b * s.T + t] = (int32_t)first;
+                }
+            s.start = start;
+        }
         int64_t B = s.B, T = s.T, H = s.H, KVH = s.KVH, D = s.D, Tl = T / cp, G = H / KVH;
         int64_t nq = B * T * H * D, nk = B * T * KVH * D, nl = B * H * T;
         struct arr q = arr_rand(&r, nq, -1, 1), k = arr_rand(&r, nk, -1, 1), v = arr_rand(&r, nk, -1, 1);
@@ -1280,13 +1304,19 @@ static void test_attention_block(void **state)
         /* per rank: its rows of q, k, v, dout; out, lse; dq, dk, dv; positions */
         float *mem = K->alloc(&kdev, (size_t)cp * (size_t)(4 * lq + 4 * lk + ll) * sizeof(float));
         int32_t *pos = K->alloc(&kdev, (size_t)(cp * Tl) * sizeof(int32_t));
+        int32_t *qst = K->alloc(&kdev, (size_t)(B * T) * sizeof(int32_t)); /* each rank's rows' starts */
         assert_non_null(mem);
         assert_non_null(pos);
-        struct am_tensor tq[4], tk[4], tv[4], tdo[4], to[4], tl[4], tdq[4], tdk[4], tdv[4], tp[4];
+        assert_non_null(qst);
+        struct am_tensor tq[4], tk[4], tv[4], tdo[4], to[4], tl[4], tdq[4], tdk[4], tdv[4], tp[4], ts[4];
         for (int x = 0; x < cp; x++) {
             float *m = mem + (size_t)x * (size_t)(4 * lq + 4 * lk + ll);
             zigzag_positions(T, cp, x, pos + x * Tl);
             tp[x] = am_tensor_view(pos + x * Tl, AM_DEV_CPU, AM_I32, Tl, 0, 0, 0);
+            ts[x] = am_tensor_view(qst + x * B * Tl, AM_DEV_CPU, AM_I32, B * Tl, 0, 0, 0);
+            for (int64_t b = 0; start && b < B; b++)
+                for (int64_t i = 0; i < Tl; i++)
+                    qst[x * B * Tl + b * Tl + i] = start[b * T + pos[x * Tl + i]];
             tq[x] = am_tensor_view(m, AM_DEV_CPU, AM_F32, B, Tl, H, D);
             tdo[x] = am_tensor_view(m + lq, AM_DEV_CPU, AM_F32, B, Tl, H, D);
             to[x] = am_tensor_view(m + 2 * lq, AM_DEV_CPU, AM_F32, B, Tl, H, D);
@@ -1307,14 +1337,14 @@ static void test_attention_block(void **state)
         for (int x = 0; x < cp; x++)
             for (int st = 0; st < cp; st++) {
                 int src = ((x - st) % cp + cp) % cp;
-                K->attention_block_forward(&kdev, &to[x], &tl[x], &tq[x], &tk[src], &tv[src], &tp[x], &tp[src], s.W,
-                                           st > 0);
+                K->attention_block_forward(&kdev, &to[x], &tl[x], &tq[x], &tk[src], &tv[src], &tp[x], &tp[src],
+                                           start ? &ts[x] : NULL, s.W, st > 0);
             }
         for (int x = 0; x < cp; x++)
             for (int st = 0; st < cp; st++) {
                 int src = ((x - st) % cp + cp) % cp;
                 K->attention_block_backward(&kdev, &tdq[x], &tdk[src], &tdv[src], &tdo[x], &to[x], &tl[x], &tq[x],
-                                            &tk[src], &tv[src], &tp[x], &tp[src], s.W);
+                                            &tk[src], &tv[src], &tp[x], &tp[src], start ? &ts[x] : NULL, s.W);
             }
         /* the ranks' rows back in sequence order, against the reference (attention's
          * tolerances: a merge adds a few roundings per block, within the factor 4) */
@@ -1336,8 +1366,8 @@ static void test_attention_block(void **state)
                 }
         double rel = 4.0 * (double)(s.D + s.T) * U, grel = 4.0 * (double)(s.D + s.T * G) * U;
         char what[160];
-        snprintf(what, sizeof what, "ring attention out T%lld H%lld KVH%lld D%lld W%lld cp%d", (long long)T,
-                 (long long)H, (long long)KVH, (long long)D, (long long)s.W, cp);
+        snprintf(what, sizeof what, "ring attention out T%lld H%lld KVH%lld D%lld W%lld cp%d%s", (long long)T,
+                 (long long)H, (long long)KVH, (long long)D, (long long)s.W, cp, start ? " packed" : "");
         expect_close_norm(what, go.f, wo, nq, rel, 0);
         snprintf(what, sizeof what, "ring attention lse T%lld cp%d", (long long)T, cp);
         expect_close_norm(what, gl.f, wl, nl, rel, rel);
@@ -1351,7 +1381,7 @@ static void test_attention_block(void **state)
                  (long long)KVH, cp);
         expect_close_norm(what, dv.f, gv, nk, grel, 0);
         /* one rank holding all of it: the block kernel over one block is attention_forward */
-        if (cp == 1 && s.W == 0) {
+        if (cp == 1 && s.W == 0 && !start) {
             struct arr o1 = arr_new(nq), l1 = arr_new(nl);
             struct am_tensor a = tview(&o1, B, T, H, D), al = tview(&l1, B, H, T, 0);
             struct am_tensor fq = tview(&q, B, T, H, D), fk = tview(&k, B, T, KVH, D), fv = tview(&v, B, T, KVH, D);
@@ -1370,6 +1400,8 @@ static void test_attention_block(void **state)
         arr_free(&dv);
         K->free(&kdev, mem);
         K->free(&kdev, pos);
+        K->free(&kdev, qst);
+        free(start);
         arr_free(&q);
         arr_free(&k);
         arr_free(&v);
@@ -2557,7 +2589,7 @@ static void test_bf16_attention(void **state)
 {
     (void)state;
     struct rng r = {127};
-    struct attn_dims cases[] = {{2, 37, 4, 2, 16, 0}, {1, 64, 4, 1, 64, 0}, {2, 9, 6, 3, 8, 4}}; /* the last windowed */
+    struct attn_dims cases[] = {{2, 37, 4, 2, 16, 0, NULL}, {1, 64, 4, 1, 64, 0, NULL}, {2, 9, 6, 3, 8, 4, NULL}}; /* the last windowed */
     for (size_t ci = 0; ci < sizeof cases / sizeof *cases; ci++)
         for (int chunked = 0; chunked < 2; chunked++) {
             struct attn_dims s = cases[ci];

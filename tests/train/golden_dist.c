@@ -207,7 +207,7 @@ static int run_series(struct dist *d, const struct golden *G, bool clip, struct 
     for (int step = 0; step < STEPS; step++) {
         struct am_model_values v;
         am_model_begin_step(&m);
-        if (am_pipe_run(&pipe, &m, G->tokens, G->targets, p->microbatch_size, dloss_scale, true, msg, sizeof(msg)) < 0 ||
+        if (am_pipe_run(&pipe, &m, G->tokens, G->targets, NULL, p->microbatch_size, dloss_scale, true, msg, sizeof(msg)) < 0 ||
             am_model_finish_grads(&m, msg, sizeof(msg)) < 0 || am_model_reduce_loss(&m, NULL, msg, sizeof(msg)) < 0 ||
             am_model_grad_sumsq(&m, msg, sizeof(msg)) < 0) {
             am_errors_fail(err, "%s step %d: %s", series, step + 1, msg);

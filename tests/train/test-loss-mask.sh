@@ -7,9 +7,12 @@
 #   - with mask M and its complement 1 - M: loss_M * n_M + loss_(1-M) * n_(1-M) = loss * N
 #     (N = every label of the batch), to 1e-5 relative: the masked labels contribute nothing
 #     to either sum, and each is normalised by its own count (label_tokens in the step record);
-#   - dp 2 (each rank half of the batch) and pp 2 give one rank's losses over 3 steps to 1e-5:
-#     the count is the whole global batch's on every rank, the masked targets reach the last
-#     stage.
+#   - dp 2 (each rank half of the batch), pp 2 and cp 2 give one rank's losses over 3 steps to
+#     1e-5: the count is the whole global batch's on every rank, the masked targets reach the
+#     last stage and each cp rank's rows;
+#   - packed (packed_sequence_size 64: the rows packed whole, docs/data.md): the masked targets
+#     are dropped from the packs' count too (fewer than the packs' targets without the mask),
+#     and cp 2 gives one rank's losses.
 set -u
 : "${AM_SRCDIR:=$(cd "$(dirname "$0")/../.." && pwd)}"
 : "${AM_BUILDDIR:=$PWD}"
@@ -55,6 +58,7 @@ field() { # LOGDIR STEP KEY
 for d in M ones comp none; do train $d 1; done
 train M 2
 train M 2 AM_PP=2
+train M 2 AM_CP=2
 
 lo=$(field "$work/logs-ones-1" 1 loss) ln=$(field "$work/logs-none-1" 1 loss)
 [ -n "$ln" ] && [ "$lo" = "$ln" ] || fail "a mask of ones: loss $lo, without a mask $ln (must be equal)"
@@ -68,8 +72,23 @@ awk -v lm="$lm" -v nm="$nm" -v lc="$lc" -v nc="$nc" -v l="$ln" 'BEGIN { s = lm *
     lm, nm, lc, nc, s, l, l * 1024, r; exit !(r < 1e-5) }' || fail "the masked labels add to the loss"
 for s in 1 2 3; do
     a=$(field "$work/logs-M-1" $s loss) b=$(field "$work/logs-M-2" $s loss) c=$(field "$work/logs-M-2AM_PP=2" $s loss)
-    awk -v a="$a" -v b="$b" -v c="$c" 'BEGIN { d = a - b; e = a - c; if (d < 0) d = -d; if (e < 0) e = -e
-        exit !(a != "" && b != "" && c != "" && d < 1e-5 * a && e < 1e-5 * a) }' ||
-        fail "step $s: one rank's loss $a, dp 2 $b, pp 2 $c"
+    e=$(field "$work/logs-M-2AM_CP=2" $s loss)
+    awk -v a="$a" -v b="$b" -v c="$c" -v e="$e" 'BEGIN { d = a - b; f = a - c; g = a - e; if (d < 0) d = -d; if (f < 0) f = -f
+        if (g < 0) g = -g; exit !(a != "" && b != "" && c != "" && e != "" && d < 1e-5 * a && f < 1e-5 * a && g < 1e-5 * a) }' ||
+        fail "step $s: one rank's loss $a, dp 2 $b, pp 2 $c, cp 2 $e"
 done
-echo "PASS: mask of ones = no mask; masked + complement = unmasked; dp 2 and pp 2 = one rank over 3 steps"
+# packed: the same rows (prompt and response of a row one document) packed whole
+sed -i 's/^dataset:/packed_sequence:\n  packed_sequence_size: 64\ndataset:/' "$work/tiny.yaml"
+train M 1 PACKED=1
+train none 1 PACKED=1
+train M 2 PACKED=1 AM_CP=2
+pm=$(field "$work/logs-M-1PACKED=1" 1 label_tokens) pn=$(field "$work/logs-none-1PACKED=1" 1 label_tokens)
+[ -n "$pm" ] && [ -n "$pn" ] && [ "$pm" -gt 0 ] && [ "$pm" -lt "$pn" ] && [ "$pn" -le 1024 ] ||
+    fail "packed: $pm targets counted with the mask, $pn without (want 0 < masked < unmasked <= 1024)"
+for s in 1 2 3; do
+    a=$(field "$work/logs-M-1PACKED=1" $s loss) e=$(field "$work/logs-M-2PACKED=1 AM_CP=2" $s loss)
+    awk -v a="$a" -v e="$e" 'BEGIN { g = a - e; if (g < 0) g = -g; exit !(a != "" && e != "" && g < 1e-5 * a) }' ||
+        fail "packed, step $s: one rank's loss $a, cp 2 $e"
+done
+echo "PASS: mask of ones = no mask; masked + complement = unmasked; dp 2, pp 2 and cp 2 = one rank over 3 steps;" \
+    "packed: $pm of $pn targets counted, cp 2 = one rank"

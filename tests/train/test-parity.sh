@@ -47,6 +47,11 @@
 #   tp 2 x pp 2 and megatron_fsdp, against one rank on the same sequences; Mistral's sliding
 #   window (24, across chunks of 16) and Qwen3 at cp 2 on sequences of 64, and the tied
 #   embedding at cp 2 x pp 2; each rank's activation memory falls as 1/cp.
+#   packed sequences (packed_sequence_size 256: the corpus's paragraphs packed whole, thd and
+#   neat; each document attending to itself only, with its own rotary positions, across the
+#   ring's blocks too): cp 2 and cp 4, cp 2 x tp 2 (and with sequence parallelism and
+#   activation checkpointing), cp 2 x dp 2, cp 2 x pp 2, and without cp dp 2 and tp 2 x pp 2,
+#   against one rank packing the same documents; the loss the mean over the packs' targets.
 # The tiny recipe's strategy is fsdp2, so every layout with dp > 1 above shards weights,
 # gradients and AdamW state over its dp ranks (train/fsdp.h: flat shards per group, weights
 # all-gathered before use, gradients reduce-scattered from per-group buffers after each
@@ -107,6 +112,8 @@ recipe() { # NAME MODS: base.yaml with comma-separated changes, its checkpoints 
         moe) args+=(-e 's/model_type: llama/model_type: mixtral\n  num_local_experts: 4\n  num_experts_per_tok: 2/') ;;
         qmoe) args+=(-e 's/model_type: llama/model_type: qwen3_moe\n  num_experts: 4\n  num_experts_per_tok: 2\n  moe_intermediate_size: 64\n  norm_topk_prob: true\n  mlp_only_layers: [1]/') ;;
         long) args+=(-e 's/seq_length: .*/seq_length: 256/') ;;
+        packed) args+=(-e 's/^dataset:/packed_sequence:\n  packed_sequence_size: 256\ndataset:/') ;;
+        neat) args+=(-e 's/^  packed_sequence_size: 256/  packed_sequence_size: 256\n  packing_strategy: neat/') ;;
         aux) args+=(-e 's/model_type: mixtral/model_type: mixtral\n  output_router_logits: true\n  router_aux_loss_coef: 0.02/') ;;
         - | 1f1b) ;;
         *) echo "test-parity.sh: unknown change $m" >&2; exit 2 ;;
@@ -158,7 +165,7 @@ run() { # NAME N MODS [VAR=VALUE...]: N ranks, with the plugin's AM_TP-style ove
         >"$work/out-$name" 2>&1)
 }
 
-for ref in "ref -" "ref-long long" "ref-tied tied" "ref-qwen3 qwen3" "ref-qwen2 qwen2" "ref-mistral mistral" "ref-bf16 bf16" "ref-moe moe" "ref-moe-aux moe,aux" "ref-qmoe qmoe" \
+for ref in "ref -" "ref-long long" "ref-packed packed" "ref-pneat packed,neat" "ref-tied tied" "ref-qwen3 qwen3" "ref-qwen2 qwen2" "ref-mistral mistral" "ref-bf16 bf16" "ref-moe moe" "ref-moe-aux moe,aux" "ref-qmoe qmoe" \
     "ref-gemma2 gemma2" "ref-gemma3 gemma3"; do
     set -- $ref
     run "$1" 1 "$2" || { echo "FAIL: $1 (1 rank) did not train"; cat "$work/out-$1"; exit 1; }
@@ -236,7 +243,12 @@ layouts+=("ac 1 ac ref" "pp2-tied 2 tied ref-tied AM_PP=2" "pp4-tied-gpipe 4 tie
     "cp2-dp2 4 long ref-long AM_CP=2" "cp4-dp2-ac 8 long,ac ref-long AM_CP=4"
     "cp2-tp2-pp2 8 long ref-long AM_CP=2 AM_TP=2 AM_PP=2" "cp2-mfsdp-z2-dp2 4 long,mz2 ref-long AM_CP=2"
     "cp2-mistral 2 mistral ref-mistral AM_CP=2" "cp2-qwen3-tp2 4 qwen3 ref-qwen3 AM_CP=2 AM_TP=2"
-    "cp2-pp2-tied 4 tied ref-tied AM_CP=2 AM_PP=2")
+    "cp2-pp2-tied 4 tied ref-tied AM_CP=2 AM_PP=2"
+    "cp2-packed 2 packed ref-packed AM_CP=2" "cp4-packed 4 packed ref-packed AM_CP=4"
+    "cp2-tp2-packed 4 packed ref-packed AM_CP=2 AM_TP=2" "cp2-dp2-packed 4 packed ref-packed AM_CP=2"
+    "cp2-tp2-sp-packed-ac 4 packed,sp,ac ref-packed AM_CP=2 AM_TP=2" "cp2-pp2-packed 4 packed ref-packed AM_CP=2 AM_PP=2"
+    "dp2-packed 2 packed ref-packed" "tp2-pp2-packed 4 packed ref-packed AM_TP=2 AM_PP=2"
+    "cp2-pneat 2 packed,neat ref-pneat AM_CP=2")
 [ -n "${AM_PARITY_ONLY:-}" ] && IFS=';' read -ra layouts <<<"$AM_PARITY_ONLY" # some layouts, to debug them
 for layout in "${layouts[@]}"; do
     set -- $layout
@@ -248,6 +260,14 @@ for layout in "${layouts[@]}"; do
     trained+=("$name $n $*")
     compare "$name" "$ref" "$loss_tol" "$norm_tol" "$weight_tol"
 done
+# packed sequences: step 1's loss is the mean over the packs' targets (label_tokens), fewer than
+# the 16 x 256 rows (each document's last token is only a target; pads have none)
+if [ -d "$work/logs-ref-packed" ]; then
+    lt=$(grep -h '"type":"step"' "$work/logs-ref-packed"/*/rank-0.jsonl | head -n1 | sed -nE 's/.*"label_tokens":([0-9]+).*/\1/p')
+    np=$(grep -h '"type":"packs"' "$work/logs-ref-packed"/*/rank-0.jsonl | sed -nE 's/.*"packs":([0-9]+).*/\1/p')
+    check_memory "ref-packed: $np packs of the corpus's paragraphs; step 1 counts ${lt:-no} targets in 4096 rows" \
+        "$([ -n "$lt" ] && [ -n "$np" ] && [ "$lt" -gt 2048 ] && [ "$lt" -lt 4096 ] && echo 1)"
+fi
 # bf16 mixed precision (docs/training.md): data, tensor (with sequence parallelism) and
 # pipeline parallelism against one rank, all in bf16. Their activations are rounded to bf16
 # after partial sums that each layout splits differently, so a layout may differ from one
@@ -436,6 +456,11 @@ refuse() { # NAME RECIPE WANT [VAR=VALUE...]
         echo "FAIL: $name ended with $rc, want 1 and: $want"; sed 's/^/    /' "$work/out-$name"; fails=$((fails + 1))
     fi
 }
+# packed sequences: bf16 and Gemma are refused with the reason
+sed 's/param_dtype: float32.*/param_dtype: bfloat16/' "$work/ref-packed.yaml" >"$work/packed-bf16.yaml"
+recipe packed-gemma packed,gemma2
+refuse packed-bf16 "$work/packed-bf16.yaml" "am-train: rank 0: error: packed_sequence.packed_sequence_size 256: the attention of documents computes in fp32 so far (distributed.mp_policy.param_dtype bfloat16: use float32 with packed sequences)"
+refuse packed-gemma "$work/packed-gemma.yaml" "am-train: rank 0: error: packed_sequence.packed_sequence_size 256: the attention of documents has neither Gemma's attention scale and soft cap nor Gemma 3's second rotary table yet (model_type gemma2: use packed_sequence_size 0)"
 refuse fp16 "$work/fp16.yaml" "am-train: rank 0: error: distributed.mp_policy: float16 compute or reduction needs loss scaling, which am-train does not do: use bfloat16 (fp32's range in half the bytes) or float32"
 refuse device "$work/base.yaml" "am-train: rank 0: error: AM_DEVICE=gpu: not a device (cpu or cuda)" AM_DEVICE=gpu
 # expert parallelism: the all-to-all's buffers am-train allocated (sized for every slot of the

@@ -26,6 +26,7 @@
 #include "model.h"
 #include "model_io.h"
 #include "moe.h"
+#include "packed.h"
 #include "recipe.h"
 #include "safetensors.h"
 
@@ -37,6 +38,7 @@ struct golden {
     const struct am_kernels *K; /* dev.k */
     int64_t B, T;
     int32_t *tokens, *targets;
+    int32_t *starts; /* a packed case (llama_packed): each row's document start; else NULL */
     int n_targets;
     char dir[1024];
 };
@@ -99,6 +101,18 @@ static void open_golden_as(struct golden *G, const char *name, enum am_dtype com
         for (int64_t t = 0; t < G->T; t++)
             G->targets[b * G->T + t] = t + 1 < G->T ? G->tokens[b * G->T + t + 1] : -1;
     G->n_targets = (int)(G->B * (G->T - 1));
+    const struct am_st_info *tg = am_st_find(G->g, "targets"), *st = am_st_find(G->g, "starts");
+    if (st) { /* a pack (tests/golden/README.md): its own targets (-100: none) and documents */
+        assert_non_null(tg);
+        G->starts = malloc((size_t)N * sizeof(int32_t));
+        memcpy(G->starts, st->data, (size_t)N * sizeof(int32_t));
+        G->n_targets = 0;
+        for (int64_t i = 0; i < N; i++) {
+            int32_t v = ((const int32_t *)tg->data)[i];
+            G->targets[i] = v < 0 ? -1 : v;
+            G->n_targets += v >= 0;
+        }
+    }
 
     char msg[512];
     int rc_dev = am_dev_open(&G->dev, golden_device(), 0, msg, sizeof(msg));
@@ -109,6 +123,8 @@ static void open_golden_as(struct golden *G, const char *name, enum am_dtype com
     struct am_model_shard sh = am_model_shard_whole(1, 0, (int)G->recipe->model.num_hidden_layers);
     sh.compute = compute;
     assert_int_equal(am_model_init(&G->m, &G->recipe->model, &sh, &G->dev, NULL, NULL, G->B, G->T, msg, sizeof(msg)), 0);
+    if (G->starts && am_packed_init(&G->m, G->T, msg, sizeof(msg)) < 0)
+        fail_msg("%s", msg);
     int rc = am_model_load_hf(&G->m, G->dir, &err);
     for (size_t i = 0; i < err.n; i++)
         print_error("%s\n", err.msg[i]);
@@ -126,6 +142,7 @@ static void close_golden(struct golden *G)
     am_recipe_free(G->recipe);
     free(G->tokens);
     free(G->targets);
+    free(G->starts);
 }
 
 /* AM_TEST_VERBOSE=1 prints each case's measured worst differences (what the tolerances above
@@ -145,9 +162,11 @@ static double step(struct golden *G)
     double loss_sum;
     char msg[512];
     am_model_begin_step(&G->m);
-    assert_int_equal(am_model_step(&G->m, G->tokens, G->targets, G->B, 1.0f / (float)G->n_targets, &loss_sum, msg,
-                                   sizeof(msg)),
-                     0);
+    int rc = am_model_step(&G->m, G->tokens, G->targets, G->starts, G->B, 1.0f / (float)G->n_targets, &loss_sum, msg,
+                           sizeof(msg));
+    if (rc < 0)
+        print_error("%s\n", msg);
+    assert_int_equal(rc, 0);
     return loss_sum / G->n_targets;
 }
 
@@ -394,9 +413,9 @@ static void test_model_refuses(void **state)
     assert_int_equal(am_model_init(&m, &G.recipe->model, &sh, &G.dev, NULL, NULL, G.B, G.T, msg, sizeof(msg)), -1);
     assert_string_equal(msg, "model: chunk 1 (layers 0..0) is not a run of layers after the previous chunk within the "
                              "model's 4");
-    assert_int_equal(am_model_forward(&G.m, 0, 1, G.B, G.tokens, G.targets, NULL, NULL, 1.0f, msg, sizeof(msg)), -1);
+    assert_int_equal(am_model_forward(&G.m, 0, 1, G.B, G.tokens, G.targets, NULL, NULL, NULL, 1.0f, msg, sizeof(msg)), -1);
     assert_string_equal(msg, "model: slot 1 of chunk 0 out of range (1 slots)");
-    assert_int_equal(am_model_forward(&G.m, 0, 0, G.B + 1, G.tokens, G.targets, NULL, NULL, 1.0f, msg, sizeof(msg)),
+    assert_int_equal(am_model_forward(&G.m, 0, 0, G.B + 1, G.tokens, G.targets, NULL, NULL, NULL, 1.0f, msg, sizeof(msg)),
                      -1);
     assert_string_equal(msg, "model: a micro-batch of 48 tokens; this model was built for up to 32");
     assert_int_equal(am_model_backward(&G.m, 0, 0, NULL, NULL, 1.0f, msg, sizeof(msg)), -1);
@@ -501,6 +520,55 @@ static void check_bf16(const char *name)
     close_golden(&G);
 }
 
+/* Packed sequences (llama_packed): the documents matter, and what does not fit is refused.
+ * With every row's start at 0 (the rows as one sequence: plain causal attention, positions
+ * 0 .. T - 1) the loss moves away from transformers' packed loss by far more than the golden
+ * tolerance (the generator requires 1e-3: summary.json, loss_change_without_document_mask), and
+ * with the pack's starts it is back within 1e-5. Exact messages for: no starts to a packed model,
+ * a start after its row, starts to a model without packing, packing in bf16 and for Gemma. */
+static void test_packed(void **state)
+{
+    (void)state;
+    struct golden G;
+    open_golden(&G, "llama_packed");
+    int64_t n, N = G.B * G.T;
+    float *want = read_all(&G, "loss", &n);
+    int32_t *zero = calloc((size_t)N, sizeof(int32_t));
+    assert_non_null(zero);
+    double sum;
+    char msg[512];
+    assert_int_equal(am_model_loss(&G.m, G.tokens, G.targets, zero, G.B, &sum, msg, sizeof(msg)), 0);
+    double off = fabs(sum / G.n_targets - want[0]);
+    assert_int_equal(am_model_loss(&G.m, G.tokens, G.targets, G.starts, G.B, &sum, msg, sizeof(msg)), 0);
+    double on = fabs(sum / G.n_targets - want[0]);
+    report("llama_packed: loss without the documents %.2e from transformers' (must exceed 1e-3), with them %.2e "
+           "(tolerance 1e-5)\n", off, on);
+    assert_true(off > 1e-3);
+    assert_true(on < 1e-5);
+    assert_int_equal(am_model_loss(&G.m, G.tokens, G.targets, NULL, G.B, &sum, msg, sizeof(msg)), -1);
+    assert_string_equal(msg, "model: packed sequences need each row's document start (starts is NULL)");
+    zero[5] = 6;
+    assert_int_equal(am_model_loss(&G.m, G.tokens, G.targets, zero, G.B, &sum, msg, sizeof(msg)), -1);
+    assert_string_equal(msg, "packed sequences: row 5 of sequence 0 (position 5) has its document start at 6, outside "
+                             "0 .. 5");
+    close_golden(&G);
+    open_golden(&G, "llama_gqa");
+    assert_int_equal(am_model_loss(&G.m, G.tokens, G.targets, zero, G.B, &sum, msg, sizeof(msg)), -1);
+    assert_string_equal(msg, "model: document starts given to a model without packed sequences");
+    close_golden(&G);
+    open_golden_as(&G, "llama_gqa", AM_BF16);
+    assert_int_equal(am_packed_init(&G.m, G.T, msg, sizeof(msg)), -1);
+    assert_string_equal(msg, "packed sequences: the attention of documents computes in fp32; compute dtype is bf16");
+    close_golden(&G);
+    open_golden(&G, "gemma2_tiny");
+    assert_int_equal(am_packed_init(&G.m, G.T, msg, sizeof(msg)), -1);
+    assert_string_equal(msg, "packed sequences: the attention of documents has neither Gemma's attention scale and "
+                             "soft cap nor Gemma 3's second rotary table yet (model_type gemma2)");
+    close_golden(&G);
+    free(zero);
+    free(want);
+}
+
 #define CASE_FP32(name)                                                                                            \
     static void test_##name##_forward_backward(void **s) { (void)s; check_forward_backward(#name); }            \
     static void test_##name##_adamw(void **s) { (void)s; check_adamw(#name, false); }                            \
@@ -522,6 +590,7 @@ CASE_FP32(mixtral_tiny) /* no bf16 golden: make_bf16_golden.py says why */
 CASE(qwen3_moe_tiny)
 CASE_FP32(gemma2_tiny) /* Gemma: fp32 goldens */
 CASE_FP32(gemma3_tiny)
+CASE_FP32(llama_packed) /* packed sequences: fp32 (packed.h) */
 #define TESTS_FP32(name)                                                                                           \
     cmocka_unit_test(test_##name##_rope), cmocka_unit_test(test_##name##_forward_backward),                       \
         cmocka_unit_test(test_##name##_adamw), cmocka_unit_test(test_##name##_adamw_clip),                         \
@@ -537,6 +606,8 @@ int main(void)
                                        TESTS_FP32(mixtral_tiny), TESTS(qwen3_moe_tiny),
                                        /* Gemma 2 (soft-capping, post norms, GeGLU), Gemma 3 (q/k norms, two ropes) */
                                        TESTS_FP32(gemma2_tiny), TESTS_FP32(gemma3_tiny),
+                                       /* packed sequences: documents in a sequence, none seeing another */
+                                       TESTS_FP32(llama_packed), cmocka_unit_test(test_packed),
                                        cmocka_unit_test(test_model_refuses)};
     /* on a GPU (AM_GOLDEN_DEVICE=cuda): the bf16 cases, the models in device memory */
     const struct CMUnitTest gpu[] = {cmocka_unit_test(test_llama_gqa_bf16),       cmocka_unit_test(test_llama_tied_bf16),

@@ -180,7 +180,18 @@ static const struct rule_case cases[] = {
     {"packed sequence and cp", dense, {"distributed.cp_size=2", "packed_sequence.packed_sequence_size=127", NULL},
      W(8, 1, 8, 8),
      {"--set packed_sequence.packed_sequence_size=127: packed_sequence.packed_sequence_size: 127 is not divisible by "
-      "cp_size = 2 (use a multiple of 2)", NULL}},
+      "2*cp_size = 4 (context parallelism splits each sequence into 2*cp_size chunks for load balance)", NULL}},
+    /* AutoModel's rule: the packed size divisible by 2 x cp (a multiple of cp alone is not enough) */
+    {"packed sequence and cp, odd chunks", dense, {"distributed.cp_size=2", "packed_sequence.packed_sequence_size=130",
+                                                   "dataset.seq_length=128", NULL},
+     W(8, 1, 8, 8),
+     {"--set packed_sequence.packed_sequence_size=130: packed_sequence.packed_sequence_size: 130 is not divisible by "
+      "2*cp_size = 4 (context parallelism splits each sequence into 2*cp_size chunks for load balance)", NULL}},
+    {"packed sequence and sequence parallel", dense,
+     {"distributed.tp_size=4", "distributed.sequence_parallel=true", "packed_sequence.packed_sequence_size=130",
+      NULL}, W(8, 1, 8, 8),
+     {"--set packed_sequence.packed_sequence_size=130: packed_sequence.packed_sequence_size: 130 is not divisible by "
+      "tp_size = 4 (sequence_parallel splits the sequence across tp ranks)", NULL}},
     {"seq_length and cp", dense, {"distributed.cp_size=2", "dataset.seq_length=130", NULL}, W(8, 1, 8, 8),
      {"--set dataset.seq_length=130: dataset.seq_length: 130 is not divisible by 2*cp_size = 4 (context parallelism "
       "splits each sequence into 2*cp_size chunks for load balance)", NULL}},

@@ -1,0 +1,116 @@
+/* packed.c - packed sequences in the model: the rows' documents and rotary positions (packed.h). */
+#include "packed.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "ring.h"
+#include "util.h"
+
+static size_t align64(size_t n) { return (n + 63) & ~(size_t)63; }
+
+int am_packed_init(struct am_model *m, int64_t seq_len, char *err, size_t err_len)
+{
+    const struct am_kernels *K = m->K;
+    const struct am_model_config *cfg = &m->cfg;
+    int64_t T = seq_len, Tl = m->seq_len, N = m->max_tokens, half = m->head_dim / 2;
+    int P = m->cp ? m->cp->size : 1;
+    if (Tl * P != T)
+        return am_fail(err, err_len, "packed sequences: the model holds %lld rows of a sequence of %lld tokens over "
+                       "cp = %d", (long long)Tl, (long long)T, P);
+    if (cfg->gemma)
+        return am_fail(err, err_len, "packed sequences: the attention of documents has neither Gemma's attention "
+                       "scale and soft cap nor Gemma 3's second rotary table yet (model_type %s)", cfg->model_type);
+    if (m->act_dt != AM_F32)
+        return am_fail(err, err_len, "packed sequences: the attention of documents computes in fp32; compute dtype "
+                       "is %s", am_dtype_name(m->act_dt));
+    struct am_packed *pk = calloc(1, sizeof(*pk));
+    if (!pk)
+        return am_fail(err, err_len, "packed sequences: out of memory");
+    m->pk = pk;
+    pk->seq_len = T;
+    pk->starts = calloc((size_t)m->n_slots, sizeof(*pk->starts));
+    pk->rope_pos = calloc((size_t)m->n_slots, sizeof(*pk->rope_pos));
+    pk->host_rows = malloc((size_t)Tl * sizeof(int32_t));
+    pk->host_pos = malloc((size_t)N * sizeof(int32_t));
+    size_t tab = align64((size_t)(T * half) * sizeof(float)), rows = align64((size_t)(N * half) * sizeof(float));
+    size_t ints = align64((size_t)N * sizeof(int32_t)), own = align64((size_t)Tl * sizeof(int32_t));
+    pk->bytes = 2 * tab + 2 * rows + own + 2 * ints * (size_t)m->n_slots;
+    if (!pk->starts || !pk->rope_pos || !pk->host_rows || !pk->host_pos || !(pk->mem = K->alloc(m->dev, pk->bytes))) {
+        size_t bytes = pk->bytes;
+        am_packed_free(m);
+        return am_fail(err, err_len, "packed sequences: out of memory for %zu bytes of document starts and rotary "
+                       "tables", bytes);
+    }
+    enum am_device dv = m->dev->device;
+    char *p = pk->mem;
+    pk->cos_all = am_tensor_view(p, dv, AM_F32, T, half, 0, 0);
+    pk->sin_all = am_tensor_view(p + tab, dv, AM_F32, T, half, 0, 0);
+    p += 2 * tab;
+    pk->cos = am_tensor_view(p, dv, AM_F32, N, half, 0, 0);
+    pk->sin = am_tensor_view(p + rows, dv, AM_F32, N, half, 0, 0);
+    p += 2 * rows;
+    pk->rows = am_tensor_view(p, dv, AM_I32, Tl, 0, 0, 0);
+    p += own;
+    for (int s = 0; s < m->n_slots; s++) {
+        pk->starts[s] = am_tensor_view(p, dv, AM_I32, N, 0, 0, 0);
+        pk->rope_pos[s] = am_tensor_view(p + ints, dv, AM_I32, N, 0, 0, 0);
+        p += 2 * ints;
+    }
+    struct am_rope_scaling rs = {cfg->rope_scaling.type, cfg->rope_scaling.factor, cfg->rope_scaling.low_freq_factor,
+                                 cfg->rope_scaling.high_freq_factor,
+                                 cfg->rope_scaling.original_max_position_embeddings};
+    K->rope_tables(m->dev, &pk->cos_all, &pk->sin_all, cfg->rope_theta, &rs);
+    if (m->cp)
+        am_cp_positions(T, P, m->cp->rank, pk->host_rows);
+    else
+        for (int64_t i = 0; i < Tl; i++)
+            pk->host_rows[i] = (int32_t)i;
+    K->upload(m->dev, pk->rows.data, pk->host_rows, (size_t)Tl * sizeof(int32_t));
+    m->act_bytes += pk->bytes;
+    return 0;
+}
+
+void am_packed_free(struct am_model *m)
+{
+    struct am_packed *pk = m->pk;
+    if (!pk)
+        return;
+    if (pk->mem && m->K)
+        m->K->free(m->dev, pk->mem);
+    free(pk->starts);
+    free(pk->rope_pos);
+    free(pk->host_rows);
+    free(pk->host_pos);
+    free(pk);
+    m->pk = NULL;
+}
+
+int am_packed_load(struct am_model *m, int slot, int64_t B, const int32_t *starts, char *err, size_t err_len)
+{
+    struct am_packed *pk = m->pk;
+    int64_t Tl = m->seq_len, N = B * Tl;
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t i = 0; i < Tl; i++) {
+            int32_t s = starts[b * Tl + i], p = pk->host_rows[i];
+            if (s < 0 || s > p)
+                return am_fail(err, err_len, "packed sequences: row %lld of sequence %lld (position %d) has its "
+                               "document start at %d, outside 0 .. %d", (long long)i, (long long)b, p, s, p);
+            pk->host_pos[b * Tl + i] = p - s;
+        }
+    m->K->upload(m->dev, pk->starts[slot].data, starts, (size_t)N * sizeof(int32_t));
+    m->K->upload(m->dev, pk->rope_pos[slot].data, pk->host_pos, (size_t)N * sizeof(int32_t));
+    return 0;
+}
+
+void am_packed_enter(struct am_model *m, int slot, int64_t B)
+{
+    struct am_packed *pk = m->pk;
+    int64_t N = B * m->seq_len;
+    struct am_tensor ids = am_tensor_view(pk->rope_pos[slot].data, m->dev->device, AM_I32, N, 0, 0, 0);
+    struct am_tensor c = pk->cos, s = pk->sin;
+    c.shape[0] = s.shape[0] = N;
+    m->K->embedding_forward(m->dev, &c, &ids, &pk->cos_all, 0);
+    m->K->embedding_forward(m->dev, &s, &ids, &pk->sin_all, 0);
+    pk->cur = am_tensor_view(pk->starts[slot].data, m->dev->device, AM_I32, N, 0, 0, 0);
+}

@@ -1,0 +1,62 @@
+/* packed.h - packed sequences in the model: several documents back to back in one sequence,
+ * none attending to another, each with its rotary positions from 0.
+ *
+ * A packed micro-batch comes with one more host array beside its tokens and targets: starts
+ * [B, T] (int32), for each row of each sequence the position in the sequence where the row's
+ * document starts (runtime/io/pack.h builds packs and their starts). A row at position p of a
+ * document starting at s is rotated by rope at position p - s, and attends to the keys at
+ * positions s .. p of its sequence (with a sliding window, to those within the window too):
+ * block-diagonal causal attention, transformers' 4-d mask of a pack with position_ids reset per
+ * document. The targets carry the rest (a document's last row predicts its last token, which
+ * is no row's input; pads predict nothing: target -1), so nothing crosses a boundary.
+ *
+ * The attention is the kernels' attention_block_forward / _backward (kernels.h) with qstart,
+ * over the rank's rows alone, or over the cp ring (ring.h) with the rows' starts: under context
+ * parallelism the positions of a rank's rows are the zigzag's, and only the queries' starts are
+ * needed (a key's position says which document it can belong to). fp32 only, as those kernels.
+ *
+ * The rotary tables: those of positions 0 .. T - 1 are built once; each forward of a
+ * micro-batch uploads its starts and the rows' rotary positions into its slot, and each pass
+ * over a slot (forward; backward, with its recompute) gathers the rows' tables from them
+ * (embedding_forward as a row gather: nothing the host computes per pass).
+ *
+ * Memory (in the model's act_bytes, and am-plan's activations): the tables of T positions, the
+ * gathered tables of the micro-batch's tokens, and two int32 per token per slot.
+ */
+#ifndef AM_PACKED_H
+#define AM_PACKED_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "model.h"
+
+struct am_packed {
+    int64_t seq_len;               /* T: the whole sequence (the model holds T / cp rows of it) */
+    struct am_tensor cos_all, sin_all; /* [T, D/2]: positions 0 .. T - 1 */
+    struct am_tensor cos, sin;     /* [N, D/2]: the rows of the slot being run, gathered */
+    struct am_tensor rows;         /* [T / cp] int32: the positions of the rank's rows in the sequence */
+    struct am_tensor *starts;      /* per slot: [N] int32, each row's document start */
+    struct am_tensor *rope_pos;    /* per slot: [N] int32, each row's rotary position */
+    struct am_tensor cur;          /* the starts of the slot being run ([B, T / cp]) */
+    int32_t *host_rows, *host_pos; /* host copies: the rows' positions, a micro-batch's rotary positions */
+    void *mem;
+    size_t bytes;
+};
+
+/* Packed sequences for model m (built, and with cp > 1 given its ring by am_cp_init) whose
+ * whole sequences are seq_len tokens. 0, or -1 with a message. */
+int am_packed_init(struct am_model *m, int64_t seq_len, char *err, size_t err_len);
+void am_packed_free(struct am_model *m);
+
+/* The forward's part: slot (an index into m->slots) takes the documents of its B sequences
+ * from starts (host [B, T / cp]: each row's document start, a position of the whole
+ * sequence); -1 with a message naming the row when a start lies outside 0 .. the row's
+ * position. */
+int am_packed_load(struct am_model *m, int slot, int64_t B, const int32_t *starts, char *err, size_t err_len);
+
+/* Before a pass over slot (forward, backward): its rotary tables and starts become the ones
+ * the layers use. */
+void am_packed_enter(struct am_model *m, int slot, int64_t B);
+
+#endif
