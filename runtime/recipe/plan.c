@@ -158,8 +158,12 @@ static double act_elems_per_token(const struct am_recipe *r, const struct am_pla
     double heads = (double)(m->num_attention_heads / p->tp), kv_heads = kv_rank / hd;
     /* q and k before their per-head norms, and the norms' inverse rms (fp32) */
     double qk_norm = m->qk_norm ? q / tp + kv_rank + (heads + kv_heads) * f32 : 0;
+    /* LoRA: each adapter's A x (dim values per token; a row-parallel layer's summed over tp) */
+    double lora = 0;
+    for (int t = 0; r->peft.enabled && t < AM_LORA_HEAD; t++)
+        lora += (r->peft.targets >> t & 1u) ? (double)r->peft.dim : 0;
     /* the attention's log-sum-exp per head (fp32) */
-    return replicated + 2 * q / tp + 2 * kv_rank + heads * f32 + qk_norm + mlp;
+    return replicated + 2 * q / tp + 2 * kv_rank + heads * f32 + qk_norm + mlp + lora;
 }
 
 /* Micro-batches whose activations pp rank k holds at its peak, in units of its layers: as the
@@ -289,6 +293,27 @@ static void add_group_over(struct flat_shards *f, double elems, long long d)
 }
 
 static void add_group(struct flat_shards *f, double elems) { add_group_over(f, elems, f->D); }
+
+/* LoRA's trainable parameters on one tensor-parallel rank: of one layer (head false) or of the
+ * head. A column-parallel base layer (q, k, v, gate, up, the head) splits B by rows and keeps A
+ * whole; a row-parallel one (o, down) splits A by columns and keeps B whole. */
+static double lora_rank_params(const struct am_recipe *r, const struct am_plan *p, bool head)
+{
+    const struct am_model_config *m = &r->model;
+    if (!r->peft.enabled)
+        return 0;
+    double tp = p->tp, h = (double)m->hidden_size, q = (double)m->num_attention_heads * (double)m->head_dim;
+    double kv_rank = (m->num_key_value_heads >= p->tp ? (double)m->num_key_value_heads / tp : 1.0) *
+                     (double)m->head_dim;
+    double I = (double)m->intermediate_size, d = (double)r->peft.dim, n = 0;
+    const double in_out[AM_LORA_NTARGETS][2] = {
+        {h, q / tp}, {h, kv_rank}, {h, kv_rank}, {q / tp, h}, {h, I / tp}, {h, I / tp}, {I / tp, h},
+        {h, (double)m->vocab_size / tp}};
+    for (int t = head ? AM_LORA_HEAD : 0; t < (head ? AM_LORA_NTARGETS : AM_LORA_HEAD); t++)
+        if (r->peft.targets & (1u << t))
+            n += d * (in_out[t][0] + in_out[t][1]);
+    return n;
+}
 
 /* Fills out for pp rank k. Returns 0, or -1 when out of memory. */
 static int memory_of_rank(const struct am_recipe *r, const struct am_plan *p, int k, struct am_memory *out)
@@ -421,6 +446,17 @@ static int memory_of_rank(const struct am_recipe *r, const struct am_plan *p, in
     if (p->ep > 1 && m->num_experts > 0) {
         double S = (double)p->microbatch_size * (double)p->seq_length / p->cp * (double)m->num_experts_per_tok;
         out->alltoall = 2 * carved(p->ep * S * h, cs) + carved(S * h, cs);
+    }
+    if (r->peft.enabled) {
+        /* LoRA: the base weights frozen (held as above, without gradients or optimizer state);
+         * the adapters, replicated on every data-parallel rank (their gradients all-reduced),
+         * have master weights (and their compute copy), gradients (and the reduce_dtype copy)
+         * and Adam's moments */
+        double ad = layers * lora_rank_params(r, p, false) + (head ? lora_rank_params(r, p, true) : 0);
+        out->adapter_params = ad;
+        out->grads = gb * ad;
+        out->optimizer = 8 * ad;
+        out->weights += wb * ad;
     }
     out->total = out->weights + out->grads + out->optimizer + out->gathered + out->activations + out->scratch +
                  out->p2p + out->alltoall;
