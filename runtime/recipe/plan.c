@@ -522,7 +522,13 @@ int am_plan_build(const struct am_recipe *r, const struct am_world *w, struct am
     double attn_width = (double)m->num_attention_heads * (double)m->head_dim;
     p->tokens_per_step = (double)p->global_batch * (double)p->seq_length;
     /* PaLM (Chowdhery et al. 2022, appendix B): 6N + 12*L*H*Q*T per token */
-    p->flops_per_step = p->tokens_per_step * (6 * p->params.active_per_token +
+    /* LoRA: the frozen base computes no weight gradients (4N: forward and the input
+     * gradients), the adapters all three (6 per adapter parameter) */
+    double matmul = 6 * p->params.active_per_token;
+    if (r->peft.enabled)
+        matmul = 4 * p->params.active_per_token +
+                 6 * ((double)m->num_hidden_layers * am_lora_layer_params(r) + am_lora_head_params(r));
+    p->flops_per_step = p->tokens_per_step * (matmul +
                                               12.0 * (double)m->num_hidden_layers * attn_width * (double)p->seq_length);
     return 0;
 }
