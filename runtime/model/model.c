@@ -118,7 +118,6 @@ static void layer_params(struct am_model *m, int l, int local)
                             0, AM_SPLIT_NONE, C, 0, 0, 0);
     if (am_model_layer_is_moe(c, l)) { /* the router and the experts in place of the MLP */
         am_moe_layer_params(m, l, L);
-        lora_params(m, l, L);
         return;
     }
     L->w_gate = add_param(m, NAME("mlp.gate_proj.weight"), m->inter, C, AM_SPLIT_ROWS, c->intermediate_size, C,
@@ -128,7 +127,6 @@ static void layer_params(struct am_model *m, int l, int local)
     L->w_down = add_param(m, NAME("mlp.down_proj.weight"), C, m->inter, AM_SPLIT_COLS, C, c->intermediate_size, 0,
                           r * m->inter);
 #undef NAME
-    lora_params(m, l, L);
 }
 
 /* The device scalars, in one allocation read at once (am_model_read_scalars). */
@@ -388,7 +386,7 @@ int am_model_init(struct am_model *m, const struct am_model_config *cfg, const s
 
     m->params = calloc((size_t)((16 + (sh->lora_r > 0 ? 2 * AM_LORA_NPROJ : 0)) * m->n_layers + 4 +
                                 am_moe_extra_params(cfg, m->n_layers)), sizeof(*m->params));
-    m->groups = calloc((size_t)(2 * m->n_layers + 2), sizeof(*m->groups));
+    m->groups = calloc((size_t)(2 * m->n_layers + 3), sizeof(*m->groups));
     m->layers = calloc((size_t)m->n_layers, sizeof(*m->layers));
     m->slots = calloc((size_t)m->n_slots, sizeof(*m->slots));
     m->acts_mem = calloc(m->n_acts + 1, sizeof(*m->acts_mem));
@@ -420,6 +418,14 @@ int am_model_init(struct am_model *m, const struct am_model_config *cfg, const s
         else
             m->head = add_param(m, cfg->tie_word_embeddings ? "model.embed_tokens.weight" : "lm_head.weight",
                                 m->vocab_shard, C, AM_SPLIT_ROWS, V, C, r * m->vocab_shard, 0);
+    }
+    if (sh->lora_r > 0) { /* LoRA: every adapter of the rank's layers in one group, the last */
+        begin_group(m, AM_PG_LORA, -1, "lora");
+        for (int c = 0; c < sh->n_chunks; c++)
+            for (int i = 0; i < sh->chunks[c].n_layers; i++)
+                lora_params(m, sh->chunks[c].first_layer + i, &m->layers[m->chunk_base[c] + i]);
+        if (m->groups[m->n_groups - 1].first == m->n_params) /* no adapted projection here */
+            m->n_groups--;
     }
     /* one slab for the values, one for the gradients (each group padded to group_align: the
      * padding stays zero) */

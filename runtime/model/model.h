@@ -33,9 +33,14 @@
  * layer's forward (collectives included) just before its backward, bit for bit the same.
  *
  * LoRA (sh.lora_r > 0, lora.h): each projection named in sh.lora_targets gains an adapter,
- * y += (lora_alpha / lora_r) * B (A x), its A and B registered after the layer's own parameters
- * in the layer's group ("model.layers.N.self_attn.q_proj.lora_A.weight", split over tp with the
- * base layer as lora.h says; the partial one summed over tp with the other partial gradients).
+ * y += (lora_alpha / lora_r) * B (A x). The A and B of all the rank's layers form one group of
+ * their own, the last (AM_PG_LORA, "lora": one contiguous span of the slabs, what an optimizer
+ * of the adapters alone steps), named as transformers' modules are
+ * ("model.layers.N.self_attn.q_proj.lora_A.weight"), split over tp with the base layer as
+ * lora.h says (the partial one summed over tp with the other partial gradients in
+ * am_model_group_finish). The backward does not signal the group (grad_ready): its gradients
+ * are final after the step's last backward, like a tied group's; its weights are used by every
+ * layer's forward and backward without a group_use call (keep it whole on every rank).
  * The base is frozen: the projections' weight-gradient GEMMs are skipped (their gradients stay
  * zero); the norms', the embedding's and the head's are still computed, and which parameters
  * the optimizer steps is the trainer's choice. am_model_load_hf leaves the adapters alone;
@@ -172,7 +177,8 @@ struct am_layer {
  * (fully sharded data parallelism) and expert (reduced over the expert-data group) next. */
 enum am_shard { AM_SHARD_REPLICATED, AM_SHARD_SHARDED, AM_SHARD_EXPERT };
 
-enum am_pgroup_kind { AM_PG_EMBED, AM_PG_LAYER, AM_PG_HEAD, AM_PG_EXPERTS /* a MoE layer's experts (moe.h) */ };
+enum am_pgroup_kind { AM_PG_EMBED, AM_PG_LAYER, AM_PG_HEAD, AM_PG_EXPERTS /* a MoE layer's experts (moe.h) */,
+                      AM_PG_LORA /* LoRA: the adapters of all the rank's layers, the last group */ };
 
 struct am_pgroup {
     char name[32];           /* "embed", "layers.3", "head" (final norm and output head) */

@@ -5,7 +5,8 @@
  * (am_model_load_peft), one forward and backward of the golden batch on the CPU in fp32: the
  * loss within 1e-5 and every adapter's gradient within 1e-5 of that tensor's largest (the full
  * models' tolerances, tests/golden/README.md); the frozen projections' gradients stay zero (their
- * weight-gradient GEMMs are skipped). The 5 AdamW steps of the golden (losses_adamw,
+ * weight-gradient GEMMs are skipped); the adapters are the model's last parameter group, alone.
+ * The 5 AdamW steps of the golden (losses_adamw,
  * final.*) need the trainer's adapter-only optimizer and are not checked here.
  */
 #include <math.h>
@@ -57,6 +58,15 @@ static int run_case(const char *name, int r, float alpha, unsigned targets)
     sh.lora_targets = targets;
     if (am_model_init(&m, &rc->model, &sh, &dev, NULL, NULL, B, T, msg, sizeof(msg)) < 0) {
         printf("FAIL: %s: %s\n", name, msg);
+        return 1;
+    }
+    /* the adapters: the last group, alone */
+    const struct am_pgroup *lg = &m.groups[m.n_groups - 1];
+    int misplaced = 0;
+    for (int i = 0; i < m.n_params; i++)
+        misplaced += am_model_is_lora(&m.params[i]) != (i >= lg->first && i < lg->first + lg->n);
+    if (lg->kind != AM_PG_LORA || misplaced) {
+        printf("FAIL: %s: the adapters are not the last group, alone\n", name);
         return 1;
     }
     snprintf(path, sizeof(path), "%s/adapter_init", dir);
