@@ -530,6 +530,8 @@ void am_model_init_weights(struct am_model *m, uint64_t seed)
     double std = m->cfg.initializer_range;
     for (int i = 0; i < m->n_params; i++) {
         struct am_param *p = &m->params[i];
+        if (am_model_is_lora(p)) /* am_model_init_lora */
+            continue;
         int64_t rows = p->w.shape[0], cols = p->w.ndim > 1 ? p->w.shape[1] : 1;
         float *host = malloc((size_t)(rows * cols) * sizeof(float));
         if (!host)
@@ -543,6 +545,32 @@ void am_model_init_weights(struct am_model *m, uint64_t seed)
                 }
                 uint64_t idx = (uint64_t)((p->row0 + r) * p->full_cols + p->col0 + c);
                 host[r * cols + c] = (float)(std * am_rng_normal(seed, stream, idx));
+            }
+        m->K->upload(m->dev, p->w.data, host, (size_t)(rows * cols) * sizeof(float));
+        free(host);
+    }
+    am_model_cast_weights(m);
+}
+
+bool am_model_is_lora(const struct am_param *p) { return strstr(p->name, ".lora_A.") || strstr(p->name, ".lora_B."); }
+
+void am_model_init_lora(struct am_model *m, uint64_t seed, bool kaiming)
+{
+    for (int i = 0; i < m->n_params; i++) {
+        struct am_param *p = &m->params[i];
+        if (!am_model_is_lora(p))
+            continue;
+        int64_t rows = p->w.shape[0], cols = p->w.shape[1];
+        float *host = calloc((size_t)(rows * cols), sizeof(float));
+        if (!host)
+            continue;
+        uint64_t stream = am_hash_str(p->name);
+        double in = (double)p->full_cols, r = (double)p->full_rows;
+        for (int64_t y = 0; strstr(p->name, ".lora_A.") && y < rows; y++) /* B stays zero */
+            for (int64_t c = 0; c < cols; c++) {
+                uint64_t idx = (uint64_t)((p->row0 + y) * p->full_cols + p->col0 + c);
+                host[y * cols + c] = kaiming ? (float)((2 * am_rng_uniform(seed, stream, idx) - 1) / sqrt(in))
+                                             : (float)(sqrt(2.0 / (in + r)) * am_rng_normal(seed, stream, idx));
             }
         m->K->upload(m->dev, p->w.data, host, (size_t)(rows * cols) * sizeof(float));
         free(host);

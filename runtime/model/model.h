@@ -306,6 +306,15 @@ void am_model_free(struct am_model *m);
  * index in the full tensor), so every layout of tp and pp initialises the same model. */
 void am_model_init_weights(struct am_model *m, uint64_t seed);
 
+/* LoRA: whether p is an adapter's A or B. */
+bool am_model_is_lora(const struct am_param *p);
+
+/* LoRA's adapters as peft and AutoModel start them: B zero; A kaiming-uniform with a = sqrt(5)
+ * (bound 1 / sqrt(in), kaiming true: peft's) or xavier-normal (std sqrt(2 / (in + r)):
+ * AutoModel's default). Each element a function of (seed, name, index in the full tensor), as
+ * am_model_init_weights, which leaves the adapters alone. */
+void am_model_init_lora(struct am_model *m, uint64_t seed, bool kaiming);
+
 /* Elements of the hidden state one pipeline stage hands the next for a micro-batch of
  * `batch` sequences: its rows of the residual stream (all tokens, or its 1/tp with sequence
  * parallelism) times hidden_size. */

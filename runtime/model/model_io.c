@@ -54,8 +54,6 @@ int am_model_load_hf(struct am_model *m, const char *dir, struct am_errors *err)
     return err->n > before ? -1 : 0;
 }
 
-bool am_model_is_lora(const struct am_param *p) { return strstr(p->name, ".lora_A.") || strstr(p->name, ".lora_B."); }
-
 int am_model_load_peft(struct am_model *m, const char *dir, struct am_errors *err)
 {
     char path[4096];
@@ -342,7 +340,8 @@ static int saver_init(struct saver *s, const struct am_model *m, struct am_comm 
     if (!s->which || !s->count)
         goto oom;
     for (int i = 0; i < m->n_params; i++)
-        if (!am_model_is_tied_copy(m, &m->params[i]) && !(s->n_ep && am_moe_is_expert_param(m, &m->params[i])))
+        if (!am_model_is_tied_copy(m, &m->params[i]) && !(s->n_ep && am_moe_is_expert_param(m, &m->params[i])) &&
+            !am_model_is_lora(&m->params[i])) /* LoRA's adapters are saved apart (io/peft.h) */
             s->which[s->n++] = i;
     /* the gathered experts after their layer's other tensors (the writer sorts by layer) */
     if (s->n_ep && !(s->which = realloc(s->which, ((size_t)m->n_params + (size_t)s->n_ep) * sizeof(int))))

@@ -17,9 +17,7 @@
 /* Copies every parameter of m from the directory (model.safetensors or the sharded set).
  * Returns 0, or -1 with messages naming the tensor (missing, or of another shape). */
 int am_model_load_hf(struct am_model *m, const char *dir, struct am_errors *err);
-
-/* LoRA (lora.h): whether p is an adapter's A or B (am_model_load_hf leaves them as they are). */
-bool am_model_is_lora(const struct am_param *p);
+/* (LoRA's adapters, am_model_is_lora, are neither loaded nor saved by the am_model_*_hf functions.) */
 
 /* Copies every LoRA adapter of m from dir/adapter_model.safetensors, as the peft library saves
  * them ("base_model.model." + the parameter's name), each rank its tp slice. Returns 0, or -1

@@ -6,6 +6,8 @@
  * loss within 1e-5 and every adapter's gradient within 1e-5 of that tensor's largest (the full
  * models' tolerances, tests/golden/README.md); the frozen projections' gradients stay zero (their
  * weight-gradient GEMMs are skipped); the adapters are the model's last parameter group, alone.
+ * Before the load: am_model_init_lora's two initialisations (check_init) and a full save
+ * (am_model_save_hf) that holds the base tensors only.
  * The 5 AdamW steps of the golden (losses_adamw,
  * final.*) need the trainer's adapter-only optimizer and are not checked here.
  */
@@ -21,6 +23,79 @@
 #include "safetensors.h"
 
 static int fails;
+
+/* am_model_init_lora: B zero; A within kaiming's bound 1 / sqrt(in) and filling it, or with
+ * xavier's std sqrt(2 / (in + r)) (pooled over every A, within 10%: over 1024 or more samples
+ * the estimate's own error is about 2%). */
+static int check_init(struct am_model *m, const char *name)
+{
+    int bad = 0;
+    for (int kaiming = 0; kaiming < 2; kaiming++) {
+        am_model_init_lora(m, 7, kaiming);
+        double sum2 = 0, want2 = 0, worst = 0;
+        int64_t n_a = 0;
+        for (int i = 0; i < m->n_params; i++) {
+            const struct am_param *p = &m->params[i];
+            if (!am_model_is_lora(p))
+                continue;
+            const float *w = p->w.data;
+            int64_t n = am_tensor_numel(&p->w);
+            bool is_b = strstr(p->name, ".lora_B.") != NULL;
+            double in = (double)p->full_cols, r = (double)p->full_rows;
+            for (int64_t k = 0; k < n; k++) {
+                if (is_b) {
+                    bad += w[k] != 0;
+                    continue;
+                }
+                sum2 += (double)w[k] * w[k];
+                want2 += 2 / (in + r);
+                worst = fmax(worst, fabs(w[k]) * sqrt(in));
+                n_a++;
+            }
+        }
+        double ratio = sqrt(sum2 / want2);
+        bool ok = kaiming ? worst <= 1 && worst > 0.9 : fabs(ratio - 1) < 0.1;
+        printf("%s: %s: %s init of %lld A elements: %s %.3f\n", ok && !bad ? "ok" : "FAIL", name,
+               kaiming ? "kaiming" : "xavier", (long long)n_a, kaiming ? "max |a| sqrt(in)" : "std / xavier's",
+               kaiming ? worst : ratio);
+        bad += !ok;
+    }
+    /* a full save holds the base model only */
+    char tmp[] = "/tmp/am-lora-save-XXXXXX", path[128];
+    struct am_errors err;
+    am_errors_init(&err);
+    struct am_st_file *f = NULL;
+    char out[64];
+    if (!mkdtemp(tmp)) {
+        printf("FAIL: %s: mkdtemp\n", name);
+        return -1;
+    }
+    snprintf(out, sizeof(out), "%s/out", tmp);
+    snprintf(path, sizeof(path), "%s/model.safetensors", out);
+    int lora = 0;
+    if (am_model_save_hf(m, out, NULL, &err) < 0 || am_st_open(path, &f, &err) < 0) {
+        printf("FAIL: %s: save: %s\n", name, err.n ? err.msg[0] : "?");
+        bad++;
+    } else {
+        for (size_t i = 0; i < am_st_count(f); i++)
+            lora += strstr(am_st_at(f, i)->name, ".lora_") != NULL;
+        int adapters = 0;
+        for (int i = 0; i < m->n_params; i++)
+            adapters += am_model_is_lora(&m->params[i]);
+        bool ok = lora == 0 && (int)am_st_count(f) == m->n_params - adapters;
+        printf("%s: %s: a full save holds the %zu base tensors, no adapter\n", ok ? "ok" : "FAIL", name,
+               am_st_count(f));
+        bad += !ok;
+        am_st_close(f);
+    }
+    char cmd[128];
+    snprintf(cmd, sizeof(cmd), "rm -rf '%s'", tmp);
+    if (system(cmd) != 0)
+        printf("note: could not remove %s\n", tmp);
+    am_errors_free(&err);
+    fails += bad;
+    return bad ? -1 : 0;
+}
 
 static int run_case(const char *name, int r, float alpha, unsigned targets)
 {
@@ -69,6 +144,8 @@ static int run_case(const char *name, int r, float alpha, unsigned targets)
         printf("FAIL: %s: the adapters are not the last group, alone\n", name);
         return 1;
     }
+    if (check_init(&m, name) < 0)
+        return 1;
     snprintf(path, sizeof(path), "%s/adapter_init", dir);
     if (am_model_load_hf(&m, base, &err) < 0 || am_model_load_peft(&m, path, &err) < 0) {
         for (size_t i = 0; i < err.n; i++)
