@@ -2,9 +2,9 @@
  * adapters split over TP tensor-parallel ranks (lora.h) against the peft library's golden
  * (tests/golden/models/CASE, as tests/model/test_lora_golden.c checks it on one rank).
  *
- *   am-launch --nproc 2 RECIPE -- tests/model/lora_tp_check CASE TARGETS
+ *   am-launch --nproc 2 RECIPE -- tests/model/lora_tp_check CASE TARGETS [sp]
  *
- * TARGETS: "qv" or "all". Every rank loads the base model and peft's adapters (its tp slice),
+ * TARGETS: "qv" or "all"; sp: with sequence parallelism. Every rank loads the base model and peft's adapters (its tp slice),
  * runs one forward and backward of the golden batch over the tp group, completes the gradients
  * (am_model_finish_grads: the partial ones summed over tp), and checks the loss (1e-5) and its
  * slice of every adapter's gradient (1e-5 of the whole tensor's largest). LORA_TP_PERTURB=1
@@ -39,8 +39,8 @@ static void check(bool ok, const char *what, double got, double lim)
 int main(int argc, char **argv)
 {
     char err[1024];
-    if (argc != 3) {
-        fprintf(stderr, "usage: lora_tp_check CASE qv|all\n");
+    if (argc != 3 && !(argc == 4 && strcmp(argv[3], "sp") == 0)) {
+        fprintf(stderr, "usage: lora_tp_check CASE qv|all [sp]\n");
         return 2;
     }
     struct am_boot_info info;
@@ -88,6 +88,7 @@ int main(int argc, char **argv)
     int n_targets = (int)(B * (T - 1));
     struct am_model_shard sh = am_model_shard_whole(tp, my_rank, (int)rc->model.num_hidden_layers);
     sh.lora_r = 4;
+    sh.sequence_parallel = argc == 4;
     sh.lora_alpha = 8;
     sh.lora_targets = strcmp(argv[2], "qv") == 0 ? (1u << AM_LORA_PQ | 1u << AM_LORA_PV) : (1u << AM_LORA_NPROJ) - 1;
     struct am_model m;
