@@ -1,8 +1,9 @@
 #!/bin/sh
 # tests/model/test-lora-tp.sh - LoRA adapters split over tp = 2 ranks (tests/model/lora_tp_check
 # under the standalone launcher) against the peft library's golden: llama_lora_qv (q, v) and
-# llama_lora_all (all seven projections, and with sequence parallelism: sp); then the test of the test: without the completion of
-# the partial gradients over tp (LORA_TP_PERTURB=1) the check must fail. Fails, never skips.
+# llama_lora_all (all seven projections, and with sequence parallelism: sp); then the test of
+# the test: without the completion of the partial gradients over tp (LORA_TP_PERTURB=1) the
+# check must fail. Fails, never skips.
 set -u
 B=${AM_BUILDDIR:-$(pwd)}
 S=${AM_SRCDIR:-$(dirname "$0")/../..}
