@@ -31,6 +31,8 @@ int am_model_load_hf(struct am_model *m, const char *dir, struct am_errors *err)
     size_t before = err->n;
     for (int i = 0; i < m->n_params; i++) {
         struct am_param *p = &m->params[i];
+        if (am_model_is_lora(p)) /* LoRA's adapters are not the base model's (am_model_load_peft) */
+            continue;
         int64_t n = am_tensor_numel(&p->w);
         float *host = malloc((size_t)n * sizeof(float));
         if (!host) {
@@ -48,6 +50,46 @@ int am_model_load_hf(struct am_model *m, const char *dir, struct am_errors *err)
         free(host);
     }
     am_ckpt_close(c);
+    am_model_cast_weights(m);
+    return err->n > before ? -1 : 0;
+}
+
+int am_model_load_peft(struct am_model *m, const char *dir, struct am_errors *err)
+{
+    char path[4096];
+    struct am_st_file *f = NULL;
+    snprintf(path, sizeof(path), "%s/adapter_model.safetensors", dir);
+    if (am_st_open(path, &f, err) < 0)
+        return -1;
+    size_t before = err->n;
+    for (int i = 0; i < m->n_params; i++) {
+        struct am_param *p = &m->params[i];
+        if (!am_model_is_lora(p))
+            continue;
+        char name[160];
+        snprintf(name, sizeof(name), "base_model.model.%s", p->name);
+        const struct am_st_info *t = am_st_find(f, name);
+        int64_t rows = p->full_rows, cols = p->full_cols;
+        if (!t || t->ndim != 2 || t->shape[0] != rows || t->shape[1] != cols) {
+            am_errorf(err, NULL, "%s: %s: %s (want [%lld, %lld])", path, name, t ? "another shape" : "missing",
+                      (long long)rows, (long long)cols);
+            continue;
+        }
+        float *full = malloc((size_t)(rows * cols) * sizeof(float));
+        float *mine = malloc((size_t)am_tensor_numel(&p->w) * sizeof(float));
+        if (full && mine && am_st_read_f32(f, t, 0, rows * cols, full, err) == 0) {
+            int64_t r0 = p->split == AM_SPLIT_ROWS ? p->row0 : 0, c0 = p->split == AM_SPLIT_COLS ? p->col0 : 0;
+            int64_t lr = p->w.shape[0], lc = p->w.shape[1];
+            for (int64_t r = 0; r < lr; r++)
+                memcpy(mine + r * lc, full + (r0 + r) * cols + c0, (size_t)lc * sizeof(float));
+            m->K->upload(m->dev, p->w.data, mine, (size_t)(lr * lc) * sizeof(float));
+        } else if (!full || !mine) {
+            am_errorf(err, NULL, "%s: out of memory reading %s", path, name);
+        }
+        free(full);
+        free(mine);
+    }
+    am_st_close(f);
     am_model_cast_weights(m);
     return err->n > before ? -1 : 0;
 }
@@ -298,7 +340,8 @@ static int saver_init(struct saver *s, const struct am_model *m, struct am_comm 
     if (!s->which || !s->count)
         goto oom;
     for (int i = 0; i < m->n_params; i++)
-        if (!am_model_is_tied_copy(m, &m->params[i]) && !(s->n_ep && am_moe_is_expert_param(m, &m->params[i])))
+        if (!am_model_is_tied_copy(m, &m->params[i]) && !(s->n_ep && am_moe_is_expert_param(m, &m->params[i])) &&
+            !am_model_is_lora(&m->params[i])) /* LoRA's adapters are saved apart (io/peft.h) */
             s->which[s->n++] = i;
     /* the gathered experts after their layer's other tensors (the writer sorts by layer) */
     if (s->n_ep && !(s->which = realloc(s->which, ((size_t)m->n_params + (size_t)s->n_ep) * sizeof(int))))

@@ -17,6 +17,12 @@
 /* Copies every parameter of m from the directory (model.safetensors or the sharded set).
  * Returns 0, or -1 with messages naming the tensor (missing, or of another shape). */
 int am_model_load_hf(struct am_model *m, const char *dir, struct am_errors *err);
+/* (LoRA's adapters, am_model_is_lora, are neither loaded nor saved by the am_model_*_hf functions.) */
+
+/* Copies every LoRA adapter of m from dir/adapter_model.safetensors, as the peft library saves
+ * them ("base_model.model." + the parameter's name), each rank its tp slice. Returns 0, or -1
+ * with messages naming the tensor (missing, or of another shape). */
+int am_model_load_peft(struct am_model *m, const char *dir, struct am_errors *err);
 
 /* True when dir holds weights (model.safetensors or model.safetensors.index.json). */
 int am_model_dir_has_weights(const char *dir);

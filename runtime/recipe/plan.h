@@ -76,6 +76,9 @@ struct am_memory {
                                worst case (runtime/model/moe.c): every slot of every ep rank's
                                micro-batch routed to this rank's experts, twice, and the rank's
                                own slots once */
+    double adapter_params;  /* LoRA: the trainable adapter parameters the rank holds (their bytes are
+                               in weights, grads and optimizer; the frozen base has none in the
+                               last two) */
     double total;
     int pp_rank;            /* which pipeline rank this is */
 };
