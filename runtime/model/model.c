@@ -434,7 +434,17 @@ int am_model_init(struct am_model *m, const struct am_model_config *cfg, const s
         goto oom;
     m->slab_elems = param_offsets(m, offs);
     m->param_mem = K->alloc(m->dev, m->slab_elems * sizeof(float));
-    m->grad_mem = K->alloc(m->dev, m->slab_elems * sizeof(float));
+    /* LoRA freezes the base: the gradient slab is the adapters' group alone, the last */
+    m->grad_off = 0;
+    m->grad_elems = m->slab_elems;
+    if (sh->lora_r > 0) {
+        const struct am_pgroup *L = &m->groups[m->n_groups - 1];
+        m->grad_off = L->kind == AM_PG_LORA && L->first < m->n_params ? offs[L->first] : m->slab_elems;
+        m->grad_elems = m->slab_elems - m->grad_off;
+        for (int g = 0; g < m->n_groups; g++)
+            m->groups[g].frozen = m->groups[g].kind != AM_PG_LORA;
+    }
+    m->grad_mem = K->alloc(m->dev, (m->grad_elems ? m->grad_elems : 1) * sizeof(float));
     if (m->act_dt != AM_F32 && m->param_mem &&
         !(m->param_lp_mem = K->alloc(m->dev, m->slab_elems * am_dtype_size(m->act_dt)))) {
         free(offs);
@@ -453,7 +463,7 @@ int am_model_init(struct am_model *m, const struct am_model_config *cfg, const s
         size_t off = offs[i];
         p->slab_off = off;
         p->w.data = (float *)m->param_mem + off;
-        p->g.data = (float *)m->grad_mem + off;
+        p->g.data = off >= m->grad_off ? (float *)m->grad_mem + (off - m->grad_off) : NULL;
         p->wc.data = m->param_lp_mem ? (char *)m->param_lp_mem + off * am_dtype_size(m->act_dt) : p->w.data;
     }
     free(offs);
@@ -623,8 +633,8 @@ int am_model_group_also(const struct am_model *m, int group)
 void am_model_begin_step(struct am_model *m)
 {
     am_model_cast_weights(m);
-    if (m->grad_mem) {
-        struct am_tensor g = am_tensor_view(m->grad_mem, m->K->device, AM_F32, (int64_t)m->slab_elems, 0, 0, 0);
+    if (m->grad_mem && m->grad_elems) {
+        struct am_tensor g = am_tensor_view(m->grad_mem, m->K->device, AM_F32, (int64_t)m->grad_elems, 0, 0, 0);
         m->K->zero(m->dev, &g);
     }
     m->K->zero(m->dev, &m->scalars.loss);
@@ -763,6 +773,13 @@ static int column_input(struct am_model *m, struct am_tensor *h, int64_t N, stru
     return sp_gather(m, h, in, err, err_len);
 }
 
+/* A base weight's gradient, or NULL when LoRA freezes the base (its weight-gradient kernel
+ * skipped: the base has no gradient memory, model.h). */
+static struct am_tensor *base_grad(const struct am_model *m, const struct am_param *p)
+{
+    return m->sh.lora_r > 0 ? NULL : (struct am_tensor *)&p->g;
+}
+
 /* The gradient of a column-parallel input, summed over tp (all-reduce, or reduce-scatter to
  * this rank's rows), then through the norm into dx. */
 static int norm_backward(struct am_model *m, struct am_tensor *dx, struct am_param *norm, struct am_tensor *dh,
@@ -777,9 +794,9 @@ static int norm_backward(struct am_model *m, struct am_tensor *dx, struct am_par
         return -1;
     }
     if (m->cfg.gemma)
-        m->K->rmsnorm_offset_backward(m->dev, dx, &norm->g, &d, x, &norm->wc, rstd);
+        m->K->rmsnorm_offset_backward(m->dev, dx, base_grad(m, norm), &d, x, &norm->wc, rstd);
     else
-        m->K->rmsnorm_backward(m->dev, dx, &norm->g, &d, x, &norm->wc, rstd);
+        m->K->rmsnorm_backward(m->dev, dx, base_grad(m, norm), &d, x, &norm->wc, rstd);
     return 0;
 }
 
@@ -800,7 +817,7 @@ static void norm_forward(struct am_model *m, struct am_tensor *out, struct am_te
 static void norm_backward_local(struct am_model *m, struct am_tensor *dx, const struct am_param *norm,
                                 const struct am_tensor *dout, const struct am_tensor *x, const struct am_tensor *rstd)
 {
-    struct am_tensor *dw = (struct am_tensor *)&norm->g;
+    struct am_tensor *dw = base_grad(m, norm);
     if (m->cfg.gemma)
         m->K->rmsnorm_offset_backward(m->dev, dx, dw, dout, x, &norm->wc, rstd);
     else
@@ -894,12 +911,6 @@ static void lora_backward(struct am_model *m, const struct am_layer *L, const st
     struct am_tensor du = am_tensor_view(m->lora_du.data, m->K->device, m->act_dt, N, dy->shape[1], 0, 0);
     struct am_tensor dt = rows_of(&m->lora_dt, N);
     am_lora_backward(m->dev, m->K, &l, dx, dy, x, &tt, &du, &dt);
-}
-
-/* A base weight's gradient, or NULL when LoRA freezes the base (its weight-gradient GEMM skipped). */
-static struct am_tensor *base_grad(const struct am_model *m, struct am_param *p)
-{
-    return m->sh.lora_r > 0 ? NULL : &p->g;
 }
 
 static int layer_forward(struct am_model *m, const struct am_layer *L, struct am_layer_acts *a, struct am_tensor *x,
@@ -1031,7 +1042,7 @@ static int head_forward(struct am_model *m, struct am_slot *S, const struct am_t
     }
     S->fused = false;
     float cap = (float)m->cfg.final_logit_softcapping;
-    if (want_grad && !m->tp_comm && K->ce_fused && m->n_slots == 1 && cap <= 0.0f) {
+    if (want_grad && !m->tp_comm && K->ce_fused && m->n_slots == 1 && cap <= 0.0f && m->sh.lora_r == 0) {
         struct am_tensor dhf = rows_of(&m->dhf, N);
         if (grad_use(m, m->n_groups - 1, err, err_len) < 0 || (m->head == m->embed && grad_use(m, 0, err, err_len) < 0))
             return -1;
@@ -1263,9 +1274,11 @@ attention:;
         dk = dk_raw;
     }
     if (L->bq) { /* the biases' gradients: the projections' output gradients summed over the tokens */
-        K->bias_backward(m->dev, &L->bq->g, &dq);
-        K->bias_backward(m->dev, &L->bk->g, &dk);
-        K->bias_backward(m->dev, &L->bv->g, &dv);
+        if (m->sh.lora_r == 0) { /* LoRA: the biases are frozen with the base */
+            K->bias_backward(m->dev, &L->bq->g, &dq);
+            K->bias_backward(m->dev, &L->bk->g, &dk);
+            K->bias_backward(m->dev, &L->bv->g, &dv);
+        }
     }
     if (column_input(m, &h1, N, &in, err, err_len) < 0)
         return -1;
@@ -1290,10 +1303,10 @@ static int head_backward(struct am_model *m, const struct am_slot *S, struct am_
     if (!S->fused) { /* dhf is summed over the vocabulary shards in norm_backward */
         m->K->zero(m->dev, &dhf);
         if (m->cfg.final_logit_softcapping > 0)
-            m->K->ce_backward_softcap(m->dev, &dhf, &m->head->g, &hf, &m->head->wc, &tgt, m->vocab_start, &cm, &cs,
+            m->K->ce_backward_softcap(m->dev, &dhf, base_grad(m, m->head), &hf, &m->head->wc, &tgt, m->vocab_start, &cm, &cs,
                                       dloss_scale, (float)m->cfg.final_logit_softcapping);
         else
-            m->K->ce_backward(m->dev, &dhf, &m->head->g, &hf, &m->head->wc, &tgt, m->vocab_start, &cm, &cs,
+            m->K->ce_backward(m->dev, &dhf, base_grad(m, m->head), &hf, &m->head->wc, &tgt, m->vocab_start, &cm, &cs,
                               dloss_scale);
     }
     m->K->zero(m->dev, dx);
@@ -1356,7 +1369,8 @@ int am_model_backward(struct am_model *m, int chunk, int slot, const void *dy, v
             return -1;
         if (m->cfg.gemma) /* through the embedding's scale */
             K->scale(m->dev, &g, embed_scale(m));
-        K->embedding_backward(m->dev, &m->embed->g, &g, &tok, m->vocab_start);
+        if (m->sh.lora_r == 0) /* LoRA: the embedding is frozen */
+            K->embedding_backward(m->dev, &m->embed->g, &g, &tok, m->vocab_start);
         return group_done(m, 0, err, err_len);
     }
     struct am_tensor out = hidden(m, dx_out, B);
@@ -1460,6 +1474,8 @@ static int sum_shared_kv(struct am_model *m, const struct am_layer *L, char *err
 int am_model_group_finish(struct am_model *m, int group, char *err, size_t err_len)
 {
     const struct am_pgroup *G = &m->groups[group];
+    if (G->frozen)
+        return 0; /* LoRA's frozen base: no gradients */
     /* with sequence parallelism each rank saw its own token rows, and the q/k norms each rank's
      * own heads: those gradients are partial sums */
     for (int i = G->first; m->tp_comm && i < G->first + G->n; i++)
@@ -1472,7 +1488,7 @@ int am_model_group_finish(struct am_model *m, int group, char *err, size_t err_l
 
 int am_model_finish_tied(struct am_model *m, char *err, size_t err_len)
 {
-    return tied_across_stages(m) ? sum_tied_copies(m, err, err_len) : 0;
+    return tied_across_stages(m) && m->sh.lora_r == 0 ? sum_tied_copies(m, err, err_len) : 0;
 }
 
 int am_model_finish_grads(struct am_model *m, char *err, size_t err_len)
@@ -1506,8 +1522,8 @@ int am_model_grad_sumsq(struct am_model *m, char *err, size_t err_len)
     m->K->zero(m->dev, &m->scalars.sumsq);
     for (int i = 0; i < m->n_params; i++) {
         const struct am_param *p = &m->params[i];
-        if (am_model_is_tied_copy(m, p))
-            continue; /* the first stage counts the tied embedding */
+        if (am_model_is_tied_copy(m, p) || !p->g.data)
+            continue; /* the first stage counts the tied embedding; LoRA's frozen base has no gradient */
         /* summed over ep too: the experts' once each, the rest ep times, so counted 1 / ep each */
         double ep = m->ep_comm && !am_moe_is_expert_param(m, p) ? (double)am_comm_size(m->ep_comm) : 1.0;
         m->K->sum_squares(m->dev, &m->scalars.sumsq, &p->g, (double)p->copies_in_tp * ep);

@@ -41,9 +41,10 @@
  * am_model_group_finish). The backward does not signal the group (grad_ready): its gradients
  * are final after the step's last backward, like a tied group's; its weights are used by every
  * layer's forward and backward without a group_use call (keep it whole on every rank).
- * The base is frozen: the projections' weight-gradient GEMMs are skipped (their gradients stay
- * zero); the norms', the embedding's and the head's are still computed, and which parameters
- * the optimizer steps is the trainer's choice. am_model_load_hf leaves the adapters alone;
+ * The base is frozen: no base parameter has gradient memory (its g.data is NULL; the gradient
+ * slab holds the adapters' group alone, grad_off and grad_elems; the other groups are frozen)
+ * and the backward computes no base gradient (the projections', norms', biases', embedding's
+ * and head's weight-gradient kernels are skipped). am_model_load_hf leaves the adapters alone;
  * am_model_load_peft reads them from a peft adapter directory. With tp above the kv heads, k
  * and v adapters are refused. Mixture-of-experts layers get adapters on attention only.
  *
@@ -190,6 +191,8 @@ struct am_pgroup {
     size_t span;             /* its span of the slabs: n_elems padded to a multiple of group_align */
     size_t shard_offset, shard_elems; /* sharded: its flat shard (span / ranks elements) in the
                                          trainer's shard slabs; set by the trainer */
+    bool frozen;             /* LoRA: a group of the frozen base (no gradient memory, g.data NULL;
+                                nothing to reduce or step) */
     bool tied;               /* holds a copy of a tied embedding split over two pipeline stages:
                                 final only after am_model_finish_tied, never signalled */
     enum am_shard shard;     /* set by the trainer (AM_SHARD_REPLICATED by default) */
@@ -275,6 +278,8 @@ struct am_model {
     enum am_dtype act_dt;       /* compute dtype: the weights' copy and the activations */
     size_t n_elems; /* parameters on this rank (all of them, in elements) */
     size_t slab_elems; /* the slabs' length: n_elems plus each group's padding (group_align) */
+    size_t grad_off, grad_elems; /* the gradient slab (grad_mem) holds slab elements [grad_off, grad_off +
+                                    grad_elems): all of them, or with LoRA the adapters' group alone */
 
     struct am_param *embed, *final_norm, *head; /* head == embed when tied and on the same rank */
     struct am_layer *layers;

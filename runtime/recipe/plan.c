@@ -270,6 +270,9 @@ static double scratch_bytes(const struct am_recipe *r, const struct am_plan *p, 
  * (ddp; megatron_fsdp so far). */
 static int trainer_zero_stage(const struct am_recipe *r, const struct am_plan *p)
 {
+    if (r->peft.enabled)
+        return 0; /* LoRA: the frozen base and the adapters whole on every rank (only the adapters' gradients
+                     are all-reduced: nothing else has any to shard) */
     if (r->dist.strategy == AM_MEGATRON_FSDP && p->dp * p->cp > 1)
         return r->dist.zero_dp_strategy; /* over dp * cp (validated: no HSDP) */
     return r->dist.strategy == AM_FSDP2 && p->dp_shard * p->cp > 1 ? 3 : 0;
@@ -467,8 +470,10 @@ static int memory_of_rank(const struct am_recipe *r, const struct am_plan *p, in
          * have master weights (and their compute copy), gradients (and the reduce_dtype copy)
          * and Adam's moments */
         double ad = layers * lora_rank_params(r, p, false) + (head ? lora_rank_params(r, p, true) : 0);
+        /* their reduce_dtype copy where they are all-reduced: over dp x cp */
+        double lgb = 4 + (p->dp * p->cp > 1 && am_dtype_size(r->reduce_dtype) < 4 ? am_dtype_size(r->reduce_dtype) : 0);
         out->adapter_params = ad;
-        out->grads = gb * ad;
+        out->grads = lgb * ad;
         out->optimizer = 8 * ad;
         out->weights += wb * ad;
     }

@@ -133,6 +133,11 @@ const char *am_format_bytes(double bytes, char *buf, size_t len);
  * (what sbatch can check before an allocation exists). Returns the number of errors added. */
 int am_validate(const struct am_recipe *r, const struct am_world *w, struct am_errors *err);
 
+/* What am-train cannot run yet of a recipe's peft section (am-plan plans it all): an adapter
+ * on lm_head, and adapters on k_proj or v_proj with tp_size above the kv heads. Each a message
+ * with the reason and the fix. Returns the number of errors added (0 without peft). */
+int am_validate_peft_run(const struct am_recipe *r, struct am_errors *err);
+
 /* Sequence length for planning (and am-train's samples): a Megatron dataset's seq_length; else
  * packed_sequence_size (AutoModel packs the samples of its other datasets into sequences of that
  * many tokens), else dataset.seq_length or seq_len, else distributed.pipeline.pp_seq_len (with

@@ -4,8 +4,9 @@
  * For each case: the base model from base/, the adapters peft saved from adapter_init/
  * (am_model_load_peft), one forward and backward of the golden batch on the CPU in fp32: the
  * loss within 1e-5 and every adapter's gradient within 1e-5 of that tensor's largest (the full
- * models' tolerances, tests/golden/README.md); the frozen projections' gradients stay zero (their
- * weight-gradient GEMMs are skipped); the adapters are the model's last parameter group, alone.
+ * models' tolerances, tests/golden/README.md); the frozen base has no gradient memory at all (no
+ * base parameter's g points anywhere: no weight-gradient kernel of the base can run); the
+ * adapters are the model's last parameter group, alone.
  * Before the load: am_model_init_lora's two initialisations (check_init) and a full save
  * (am_model_save_hf) that holds the base tensors only.
  * The 5 AdamW steps of the golden (losses_adamw,
@@ -169,13 +170,10 @@ static int run_case(const char *name, int r, float alpha, unsigned targets)
         const float *mine = p->g.data;
         int64_t n = am_tensor_numel(&p->g);
         if (!am_model_is_lora(p)) {
-            bool proj = strstr(p->name, "_proj.weight") != NULL;
-            for (int64_t k = 0; proj && k < n; k++)
-                if (mine[k] != 0) {
-                    printf("FAIL: %s: frozen %s has a gradient\n", name, p->name);
-                    bad++;
-                    break;
-                }
+            if (mine) {
+                printf("FAIL: %s: frozen %s has gradient memory\n", name, p->name);
+                bad++;
+            }
             continue;
         }
         char key[200];
