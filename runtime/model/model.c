@@ -773,6 +773,13 @@ static int column_input(struct am_model *m, struct am_tensor *h, int64_t N, stru
     return sp_gather(m, h, in, err, err_len);
 }
 
+/* The head's group (final norm and head) on the last stage: the last group, or with LoRA the
+ * one before the adapters' group. */
+static int head_group(const struct am_model *m)
+{
+    return m->n_groups - 1 - (m->groups[m->n_groups - 1].kind == AM_PG_LORA);
+}
+
 /* A base weight's gradient, or NULL when LoRA freezes the base (its weight-gradient kernel
  * skipped: the base has no gradient memory, model.h). */
 static struct am_tensor *base_grad(const struct am_model *m, const struct am_param *p)
@@ -1044,7 +1051,7 @@ static int head_forward(struct am_model *m, struct am_slot *S, const struct am_t
     float cap = (float)m->cfg.final_logit_softcapping;
     if (want_grad && !m->tp_comm && K->ce_fused && m->n_slots == 1 && cap <= 0.0f && m->sh.lora_r == 0) {
         struct am_tensor dhf = rows_of(&m->dhf, N);
-        if (grad_use(m, m->n_groups - 1, err, err_len) < 0 || (m->head == m->embed && grad_use(m, 0, err, err_len) < 0))
+        if (grad_use(m, head_group(m), err, err_len) < 0 || (m->head == m->embed && grad_use(m, 0, err, err_len) < 0))
             return -1;
         K->zero(m->dev, &dhf);
         S->fused = K->ce_fused(m->dev, &cm, &cs, &ct, &dhf, &m->head->g, &hf, &m->head->wc, &tgt, dloss_scale);
@@ -1137,7 +1144,7 @@ static int forward_chunk(struct am_model *m, int chunk, int slot, int64_t B, con
     }
     am_moe_forward_end(m, m->slot_base[chunk] + slot, N, is_last(m, chunk) ? targets : NULL, dloss_scale);
     m->where.layer = AM_WHERE_HEAD;
-    if (is_last(m, chunk) && use_group(m, m->n_groups - 1, false, err, err_len) < 0)
+    if (is_last(m, chunk) && use_group(m, head_group(m), false, err, err_len) < 0)
         return -1;
     if (is_last(m, chunk))
         return head_forward(m, S, &x, targets, dloss_scale, want_grad, err, err_len);
@@ -1334,11 +1341,10 @@ int am_model_backward(struct am_model *m, int chunk, int slot, const void *dy, v
     struct am_tensor dx = rows_of(&m->dx, R);
     m->where = (struct am_model_where){AM_PHASE_BACKWARD, AM_WHERE_HEAD};
     if (is_last(m, chunk)) {
-        if (use_group(m, m->n_groups - 1, true, err, err_len) < 0 ||
-            grad_use(m, m->n_groups - 1, err, err_len) < 0 ||
+        if (use_group(m, head_group(m), true, err, err_len) < 0 || grad_use(m, head_group(m), err, err_len) < 0 ||
             (m->head == m->embed && grad_use(m, 0, err, err_len) < 0) ||
             head_backward(m, S, &dx, dloss_scale, err, err_len) < 0 ||
-            group_done(m, m->n_groups - 1, err, err_len) < 0)
+            group_done(m, head_group(m), err, err_len) < 0)
             return -1;
     } else {
         struct am_tensor g = hidden(m, dy, B);
