@@ -253,6 +253,12 @@ static double scratch_bytes(const struct am_recipe *r, const struct am_plan *p, 
     if (p->cp > 1) /* ring attention (runtime/model/ring.h): every rank's positions, two k and v blocks
                     * arriving, two travelling dk and dv sums and one step's own terms */
         b += carved((double)p->seq_length, 4) + 10 * carved(N * KV, cs);
+    if (r->peft.enabled) { /* LoRA (model.c): an adapter's output and its gradient, as wide as the widest
+                            * projection of the rank, and x · Aᵀ's gradient */
+        double wide = Q > C ? Q : C;
+        wide = I > wide ? I : wide;
+        b += 2 * carved(N * wide, cs) + carved(N * (double)r->peft.dim, cs);
+    }
     if (m->num_experts > 0) {
         double E = (double)m->num_experts, k = (double)m->num_experts_per_tok, S = N * k;
         double Im = (double)m->moe_intermediate_size;

@@ -15,7 +15,8 @@
 #     file byte for byte, at one rank and at tp 2 x pp 2;
 #   memory: what the trainer allocated for weights, gradients and AdamW state (the frozen base:
 #     weights only; the adapters: weights, gradients, moments) equals am-plan's count, at one rank
-#     and dp 2;
+#     and dp 2; and every rank's whole allocation (activations and the adapters' scratch too)
+#     equals am-plan's estimate for its pipeline rank to the byte, at every layout above;
 #   peft: where the peft library is installed ($AM_GOLDENV, default /tmp/goldenv), it loads the
 #     final adapters onto the base (PeftModel.from_pretrained): every adapter tensor of the model
 #     equals the file's, B is no longer zero and the adapted model's loss differs from the base's;
@@ -184,6 +185,40 @@ for run in "ref 1" "dp2 2"; do
         ok "memory of $run: weights, gradients, AdamW state allocated ($got bytes) are am-plan's; gradients and moments of the $adapters_n adapter parameters only"
     else
         bad "memory of $run: allocated $got, am-plan $want (adapter parameters $adapters_n)"
+    fi
+done
+
+# every rank's whole allocation (weights, gradients, optimizer state, activations with the model's
+# scratch and the adapters' buffers, pipeline buffers) equals am-plan's estimate for its pipeline
+# rank (memory_per_pp_rank) to the byte (NAME NPROC SETS...)
+for run in "ref 1" "tp2-pp2 4 distributed.tp_size=2 distributed.pp_size=2" "dp2 2" \
+    "tp2-dp2-sp 4 distributed.tp_size=2" "pp2-dp2 4 distributed.pp_size=2"; do
+    set -- $run
+    name=$1 n=$2
+    shift 2
+    sets=()
+    for v in "$@"; do sets+=(--set "$v"); done
+    wants=($("$AM_BUILDDIR/am-plan" "$work/$name.yaml" --gpus-per-node "$n" --json "${sets[@]}" |
+        sed -E 's/.*"memory_per_pp_rank"://' | grep -oE '"pp_rank":[0-9]+,"total":[0-9.e+]+' |
+        sed -E 's/.*"total":([0-9.e+]+)/\1/'))
+    wr=1 equal=0 detail=
+    for r in $(seq 0 $((n - 1))); do
+        t=0
+        for key in weights_bytes grads_bytes optimizer_bytes gathered_bytes grad_buffers_bytes act_bytes pipe_bytes; do
+            t=$((t + $(memory "$work/logs-$name" "$r" $key)))
+        done
+        pp=$(grep -h '"coords":{"pp":' "$work/logs-$name"/*/rank-"$r".jsonl | sed -E 's/.*"coords":\{"pp":([0-9]+).*/\1/')
+        want=${wants[$pp]:-0}
+        ratio=$(awk -v g="$t" -v w="$want" 'BEGIN { if (w > 0) printf "%.4f", g / w; else print "none" }')
+        [ "$(awk -v g="$t" -v w="$want" 'BEGIN { print (g == w) }')" = 1 ] && equal=$((equal + 1))
+        if [ "$ratio" = none ] || awk -v r="$ratio" -v w="$wr" 'BEGIN { d = r - 1; e = w - 1; exit !((d < 0 ? -d : d) >= (e < 0 ? -e : e)) }'; then
+            wr=$ratio detail="rank $r (pp $pp) allocated $t bytes, am-plan estimates $want for pp rank $pp"
+        fi
+    done
+    if [ "$equal" = "$n" ]; then
+        ok "LoRA $name: every rank's allocation is its pp rank's estimate to the byte ($detail)"
+    else
+        bad "LoRA $name: a rank's allocation is off am-plan's estimate: $detail (record/plan $wr)"
     fi
 done
 
