@@ -7,9 +7,10 @@
 #   the bundled recipe (sbatch-templates/recipes/tiny_lora.yaml, its own inline base) runs as it
 #     is on 2 ranks: the loss falls and each checkpoint holds the adapters as peft saves them;
 #   parity: tiny_lora on the trained base at tp 2 x pp 2, dp 2 (fsdp2: the adapters whole on
-#     every rank, their gradients all-reduced), tp 2 x dp 2 with sequence parallelism and ddp
-#     dp 2 against one rank: losses within 1e-5, grad norms 1e-5 relative, the final adapters
-#     within 5e-5 (test-parity.sh's tolerances);
+#     every rank, their gradients all-reduced), tp 2 x dp 2 with sequence parallelism, ddp dp 2
+#     and pp 2 x dp 2 against one rank: losses within 1e-5, grad norms 1e-5 relative, the final
+#     adapters within 5e-5 (test-parity.sh's tolerances); in bf16, tp 2 x dp 2 and dp 2 with a
+#     bf16 reduction against one rank's bf16 run within twice its distance from fp32;
 #   resume: a run stopped after step 3 and restored from its checkpoint (checkpoint.restore_from)
 #     gives the uninterrupted run's losses of steps 4-6 to the last bit and the same adapter
 #     file byte for byte, at one rank and at tp 2 x pp 2;
@@ -114,6 +115,8 @@ recipe() { # NAME MODS: lora.yaml with changes, its checkpoints under ckpt-NAME
         every3) args+=(-e 's/ckpt_every_steps: .*/ckpt_every_steps: 3/') ;;
         stop3) args+=(-e 's/max_steps: .*/max_steps: 3/') ;;
         ckpt=*) args+=(-e "s|checkpoint_dir: .*|checkpoint_dir: $work/ckpt-${m#ckpt=}|") ;;
+        bf16) args+=(-e 's/param_dtype: float32.*/param_dtype: bfloat16/') ;;
+        rbf16) args+=(-e 's/param_dtype: float32.*/param_dtype: bfloat16\n    reduce_dtype: bfloat16/') ;;
         -) ;;
         esac
     done
@@ -146,6 +149,42 @@ for layout in "tp2-pp2 4 - AM_TP=2 AM_PP=2" "dp2 2 -" "tp2-dp2-sp 4 sp AM_TP=2" 
     fi
     ok "LoRA $name matches one rank: $(cat "$work/cmp-$name"); adapters: $(cat "$work/wdiff-$name")"
 done
+
+# bf16 mixed precision: one rank in bf16, then tp 2 x dp 2 and dp 2 with a bf16 reduction against
+# it, within twice one rank's bf16-vs-fp32 differences (loss; grad norm relative), as
+# test-parity.sh tolerates bf16 layouts
+recipe ref-bf16 bf16
+if train ref-bf16 1 "$work/ref-bf16.yaml"; then
+    steps_of "$work/logs-ref-bf16" >"$work/steps-ref-bf16"
+    tol=$(paste "$work/steps-ref" "$work/steps-ref-bf16" | awk '
+        { d = $2 - $5; if (d < 0) d = -d; if (d > l) l = d; g = ($3 - $6) / $3; if (g < 0) g = -g; if (g > n) n = g }
+        END { printf "%.3g %.3g", 2 * l, 2 * n }')
+    if awk -v t="${tol%% *}" 'BEGIN { exit !(t > 1e-5) }'; then
+        ok "bf16 differs from fp32 on one rank: bf16 layouts get $tol (loss, grad norm)"
+    else
+        bad "one rank's bf16 LoRA run is not different from fp32 ($tol): is bf16 used?"
+    fi
+    for layout in "bf16-tp2-dp2 4 bf16 AM_TP=2" "rbf16-dp2 2 rbf16"; do
+        set -- $layout
+        name=$1 n=$2 mods=$3
+        shift 3
+        recipe "$name" "$mods"
+        if ! train "$name" "$n" "$work/$name.yaml" "$@"; then
+            bad "$name did not train"; sed 's/^/    /' "$work/out-$name"; continue
+        fi
+        steps_of "$work/logs-$name" >"$work/steps-$name"
+        if paste "$work/steps-ref-bf16" "$work/steps-$name" | awk -v steps="$steps" -v lt="${tol%% *}" -v nt="${tol##* }" '
+            { d = $2 - $5; if (d < 0) d = -d; if (d > w) w = d; g = ($3 - $6) / $3; if (g < 0) g = -g; if (g > gw) gw = g; n++ }
+            END { printf "%d steps, loss %.2g (tolerance %.2g), grad norm %.2g relative (%.2g)", n, w, lt, gw, nt
+                  exit !(n == steps && w <= lt && gw <= nt) }' >"$work/cmp-$name"; then
+            ok "LoRA $name matches one rank in bf16: $(cat "$work/cmp-$name")"
+        else
+            bad "$name: $(cat "$work/cmp-$name")"; paste "$work/steps-ref-bf16" "$work/steps-$name" | sed 's/^/    /'
+        fi
+    done
+else
+    bad "the bf16 LoRA fine-tune did not train on one rank"; sed 's/^/    /' "$work/out-ref-bf16"
+fi
 
 # resume: stopped after step 3 (its checkpoint), restored, against the uninterrupted run: NAME NPROC [VAR=VALUE...]
 for layout in "r1 1" "r-tp2-pp2 4 AM_TP=2 AM_PP=2"; do
@@ -192,7 +231,8 @@ done
 # scratch and the adapters' buffers, pipeline buffers) equals am-plan's estimate for its pipeline
 # rank (memory_per_pp_rank) to the byte (NAME NPROC SETS...)
 for run in "ref 1" "tp2-pp2 4 distributed.tp_size=2 distributed.pp_size=2" "dp2 2" \
-    "tp2-dp2-sp 4 distributed.tp_size=2" "pp2-dp2 4 distributed.pp_size=2"; do
+    "tp2-dp2-sp 4 distributed.tp_size=2" "pp2-dp2 4 distributed.pp_size=2" "bf16-tp2-dp2 4 distributed.tp_size=2" \
+    "rbf16-dp2 2"; do
     set -- $run
     name=$1 n=$2
     shift 2
