@@ -331,20 +331,19 @@ static int read_microbatches(struct trainer *t, long step, int64_t accum, struct
     for (int64_t j = 0; j < b; j++) {
         int64_t k = accum * b + j;
         int64_t idx = am_gpt_global_index(step, t->p->global_batch, t->dp_rank, t->p->dp, k);
-        if (am_gpt_sample(t->data, idx, t->sample, err) < 0)
+        if (am_gpt_sample(t->data, idx, t->sample, err) < 0 ||
+            (t->mask && am_gpt_sample(t->mask, idx, t->mask_sample, err) < 0))
             return -1;
-        if (t->cp_pos) {
+        if (t->cp_pos) { /* a masked label: target -1 here too */
             for (int64_t i = 0; i < Tl; i++) {
                 t->tokens[j * Tl + i] = t->sample[t->cp_pos[i]];
-                t->targets[j * Tl + i] = t->sample[t->cp_pos[i] + 1];
+                t->targets[j * Tl + i] = t->mask && !t->mask_sample[t->cp_pos[i] + 1] ? -1 : t->sample[t->cp_pos[i] + 1];
             }
             continue;
         }
         memcpy(t->tokens + j * T, t->sample, (size_t)T * sizeof(int32_t));
         memcpy(t->targets + j * T, t->sample + 1, (size_t)T * sizeof(int32_t));
         if (t->mask) { /* a masked label: target -1, no loss and no gradient (kernels.h) */
-            if (am_gpt_sample(t->mask, idx, t->mask_sample, err) < 0)
-                return -1;
             for (int64_t i = 0; i < T; i++)
                 if (!t->mask_sample[i + 1])
                     t->targets[j * T + i] = -1;

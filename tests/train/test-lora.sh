@@ -7,8 +7,8 @@
 #   the bundled recipe (sbatch-templates/recipes/tiny_lora.yaml, its own inline base) runs as it
 #     is on 2 ranks: the loss falls and each checkpoint holds the adapters as peft saves them;
 #   parity: tiny_lora on the trained base at tp 2 x pp 2, dp 2 (fsdp2: the adapters whole on
-#     every rank, their gradients all-reduced), tp 2 x dp 2 with sequence parallelism, ddp dp 2
-#     and pp 2 x dp 2 against one rank: losses within 1e-5, grad norms 1e-5 relative, the final
+#     every rank, their gradients all-reduced), tp 2 x dp 2 with sequence parallelism, ddp dp 2,
+#     pp 2 x dp 2 and cp 2 x dp 2 (the loss mask on each cp rank's rows) against one rank: losses within 1e-5, grad norms 1e-5 relative, the final
 #     adapters within 5e-5 (test-parity.sh's tolerances); in bf16, tp 2 x dp 2 and dp 2 with a
 #     bf16 reduction against one rank's bf16 run within twice its distance from fp32;
 #   resume: a run stopped after step 3 and restored from its checkpoint (checkpoint.restore_from)
@@ -129,7 +129,8 @@ steps_of "$work/logs-ref" >"$work/steps-ref"
 ok "the fine-tune of the trained base on one rank: losses $(awk '{ printf "%s ", $2 }' "$work/steps-ref")"
 
 # parity: NAME NPROC MODS [VAR=VALUE...]
-for layout in "tp2-pp2 4 - AM_TP=2 AM_PP=2" "dp2 2 -" "tp2-dp2-sp 4 sp AM_TP=2" "ddp-dp2 2 ddp" "pp2-dp2 4 - AM_PP=2"; do
+for layout in "tp2-pp2 4 - AM_TP=2 AM_PP=2" "dp2 2 -" "tp2-dp2-sp 4 sp AM_TP=2" "ddp-dp2 2 ddp" "pp2-dp2 4 - AM_PP=2" \
+    "cp2-dp2 4 - AM_CP=2"; do
     set -- $layout
     name=$1 n=$2 mods=$3
     shift 3
