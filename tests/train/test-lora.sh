@@ -23,7 +23,8 @@
 #     equals the file's, B is no longer zero and the adapted model's loss differs from the base's;
 #     without peft that part is skipped and said so;
 #   refusals: an adapter on lm_head (match_all_linear) and k/v adapters at tp 4 above the 2 kv
-#     heads fail before training with their messages.
+#     heads fail before training with their messages; am-ckpt export refuses a LoRA checkpoint
+#     (adapters, no model) and names its peft/ directory.
 set -u
 : "${AM_SRCDIR:=$(cd "$(dirname "$0")/../.." && pwd)}"
 : "${AM_BUILDDIR:=$PWD}"
@@ -317,5 +318,15 @@ for c in "head 1 want_head" "kv 4 want_kv AM_TP=4"; do
         bad "$name: not refused with its message"; sed 's/^/    /' "$work/out-refuse-$name"
     fi
 done
+# am-ckpt export of a LoRA checkpoint: no Hugging Face model to write (the adapters are in peft/)
+d=$(cd "$work/ckpt-ref/step-$steps" && pwd)
+want="am-ckpt: $d holds LoRA adapters, not a model (the frozen base is the recipe's model directory): its peft/ directory holds them as the peft library saves them, for PeftModel.from_pretrained(base, \"$d/peft\")"
+if "$AM_BUILDDIR/am-ckpt" export "$d" "$work/export" >"$work/out-export" 2>&1; then
+    bad "am-ckpt exported a LoRA checkpoint as a model"
+elif grep -qxF "$want" "$work/out-export" && [ ! -e "$work/export" ]; then
+    ok "am-ckpt export refuses a LoRA checkpoint: $want"
+else
+    bad "am-ckpt export of a LoRA checkpoint: not its message"; sed 's/^/    /' "$work/out-export"
+fi
 echo "lora: $passes passed, $fails failed"
 [ "$fails" = 0 ]
