@@ -9,8 +9,8 @@
  * adapters are the model's last parameter group, alone.
  * Before the load: am_model_init_lora's two initialisations (check_init) and a full save
  * (am_model_save_hf) that holds the base tensors only.
- * The 5 AdamW steps of the golden (losses_adamw,
- * final.*) need the trainer's adapter-only optimizer and are not checked here.
+ * The 5 AdamW steps of the golden (losses_adamw, final.*) are checked with the trainer's
+ * adapter-only optimizer by tests/train/test-lora-golden.sh (golden_dist).
  */
 #include <math.h>
 #include <stdio.h>
