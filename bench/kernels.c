@@ -4,6 +4,9 @@
  *
  *   bench/kernels [seconds per kernel, default 0.5]
  *   OMP_NUM_THREADS=1 AM_BENCH_CPUTIME=1 bench/kernels     (one core, CPU time: for a busy machine)
+ *   bench/kernels --attention T [T ...]   (causal attention of one sequence of T tokens at
+ *       bench-small's heads: the causal kernel against the block kernels that ring attention
+ *       uses, over the same causal pairs; one timed call each, for long T)
  *
  * The peer is OpenBLAS's own threaded sgemm at the MLP's shape (1024 x 1408 x 512), with
  * as many threads as OpenMP uses. The step estimate sums each kernel's time times the
@@ -13,6 +16,7 @@
  * (SkylakeX or Haswell): sgemm is then about five times faster.
  */
 #include <cblas.h>
+#include <stdbool.h>
 #include <omp.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -126,9 +130,46 @@ static void print_row(const struct row *r, double peer)
         printf("  %-34s %9.3f ms                               x%-3d\n", r->name, r->s * 1e3, r->per_step);
 }
 
+/* One sequence of T tokens, bench-small's heads: attention_forward/backward (the causal
+ * kernels) against attention_block_forward/backward with positions 0..T-1 (the same pairs,
+ * as a one-rank ring would run them). One call each: at long T a call takes seconds. */
+static void long_attention(int64_t T)
+{
+    float *q = buf(T * NH * ND, 1), *k = buf(T * NKV * ND, 2), *v = buf(T * NKV * ND, 3), *o = buf(T * NH * ND, 4);
+    float *lse = buf(NH * T, 5), *dq = buf(T * NH * ND, 6), *dk = buf(T * NKV * ND, 7), *dv = buf(T * NKV * ND, 8);
+    int32_t *pos = K->alloc(&kdev, (size_t)T * sizeof(int32_t));
+    if (!pos) {
+        fprintf(stderr, "bench/kernels: out of memory for %lld positions\n", (long long)T);
+        exit(1);
+    }
+    for (int64_t t = 0; t < T; t++)
+        pos[t] = (int32_t)t;
+    struct am_tensor tq = f32(q, 1, T, NH, ND), tk = f32(k, 1, T, NKV, ND), tv = f32(v, 1, T, NKV, ND);
+    struct am_tensor to = f32(o, 1, T, NH, ND), tl = f32(lse, 1, NH, T, 0), tdq = f32(dq, 1, T, NH, ND);
+    struct am_tensor tdk = f32(dk, 1, T, NKV, ND), tdv = f32(dv, 1, T, NKV, ND);
+    struct am_tensor tp = am_tensor_view(pos, AM_DEV_CPU, AM_I32, T, 0, 0, 0);
+    double pairs = (double)NH * T * (T + 1) / 2 * ND, s[4], t0 = now();
+    K->attention_forward(&kdev, &to, &tl, &tq, &tk, &tv, 0);
+    s[0] = now() - t0, t0 = now();
+    K->attention_backward(&kdev, &tdq, &tdk, &tdv, &to, &to, &tl, &tq, &tk, &tv, 0);
+    s[1] = now() - t0, t0 = now();
+    K->attention_block_forward(&kdev, &to, &tl, &tq, &tk, &tv, &tp, &tp, 0, 0);
+    s[2] = now() - t0, t0 = now();
+    K->attention_block_backward(&kdev, &tdq, &tdk, &tdv, &to, &to, &tl, &tq, &tk, &tv, &tp, &tp, 0);
+    s[3] = now() - t0;
+    printf("  T %6lld  causal fwd %8.3f s %6.1f GFLOP/s  bwd %8.3f s %6.1f GFLOP/s | block fwd %8.3f s %6.1f "
+           "GFLOP/s  bwd %8.3f s %6.1f GFLOP/s\n", (long long)T, s[0], 4 * pairs / s[0] / 1e9, s[1],
+           10 * pairs / s[1] / 1e9, s[2], 4 * pairs / s[2] / 1e9, s[3], 10 * pairs / s[3] / 1e9);
+    float *bufs[] = {q, k, v, o, lse, dq, dk, dv};
+    for (int i = 0; i < 8; i++)
+        K->free(&kdev, bufs[i]);
+    K->free(&kdev, pos);
+}
+
 int main(int argc, char **argv)
 {
-    if (argc > 1)
+    bool attention = argc > 1 && strcmp(argv[1], "--attention") == 0;
+    if (argc > 1 && !attention)
         seconds_per_call = atof(argv[1]);
     if (getenv("AM_BENCH_CPUTIME") && strcmp(getenv("AM_BENCH_CPUTIME"), "1") == 0)
         bench_clock = CLOCK_PROCESS_CPUTIME_ID;
@@ -139,6 +180,13 @@ int main(int argc, char **argv)
         return 1;
     }
     K = kdev.k; /* (the CPU backend sets OpenBLAS to one thread; the peer below resets it) */
+    if (attention) {
+        printf("causal attention of one sequence, %d heads, %d kv heads, head dim %d, %d OpenMP threads\n", NH, NKV,
+               ND, nth);
+        for (int i = 2; i < argc; i++)
+            long_attention(atoll(argv[i]));
+        return 0;
+    }
 
     float *x = buf(NN * NI, 1), *w = buf(NI * NC, 2), *y = buf(NN * NI, 3);
     /* the peer: OpenBLAS's own threads */

@@ -238,6 +238,12 @@ void am_cpu_rmsnorm_forward(const struct am_dev *dev, struct am_tensor *out, str
                             const struct am_tensor *w, float eps);
 void am_cpu_rmsnorm_backward(const struct am_dev *dev, struct am_tensor *dx, struct am_tensor *dw, const struct am_tensor *dout,
                              const struct am_tensor *x, const struct am_tensor *w, const struct am_tensor *rstd);
+/* The fp32 backward on chunks of rows widened into scratch (read in place when f32) with the
+ * weight w + w_offset (Gemma's 1 + w); a bf16 dw is accumulated in fp32 over every chunk and
+ * rounded once. kernel: the caller's name in argument errors. */
+void am_cpu_rmsnorm_backward_rows(const struct am_dev *dev, struct am_tensor *dx, struct am_tensor *dw,
+                                  const struct am_tensor *dout, const struct am_tensor *x, const struct am_tensor *w,
+                                  const struct am_tensor *rstd, float w_offset, const char *kernel);
 /* rope.c */
 void am_cpu_rope_tables(const struct am_dev *dev, struct am_tensor *tcos, struct am_tensor *tsin, double theta,
                         const struct am_rope_scaling *scaling);

@@ -4,7 +4,8 @@
  *   out_ij = (x_ij * rstd_i) * (1 + w_j)
  *   i.e. rmsnorm (rmsnorm.c) with the fp32 weight 1 + w, which is also its backward: dx as
  *   rmsnorm's with 1 + w, dw_j += Σ_i dout_ij x̂_ij (d(1 + w) = dw). Rows go in chunks,
- *   widened into scratch (bf16) or read in place (fp32), through rmsnorm's fp32 kernels.
+ *   widened into scratch (bf16) or read in place (fp32), through rmsnorm's fp32 kernels (the
+ *   backward is rmsnorm.c's am_cpu_rmsnorm_backward_rows with the offset 1).
  *
  * geglu: out = gelu_tanh(gate) * up, torch's gelu(approximate="tanh") in fp32:
  *   inner = sqrt(2/pi) * (g + 0.044715 g³),  gelu = 0.5 g (1 + tanh(inner))
@@ -68,38 +69,7 @@ void am_cpu_rmsnorm_offset_backward(const struct am_dev *dev, struct am_tensor *
                                     const struct am_tensor *dout, const struct am_tensor *x, const struct am_tensor *w,
                                     const struct am_tensor *rstd)
 {
-    const char *kernel = "am_cpu_rmsnorm_offset_backward";
-    am_cpu_act(kernel, "x", x);
-    am_cpu_same(kernel, "w", w, "x", x);
-    am_cpu_same(kernel, "dout", dout, "x", x);
-    am_cpu_stat(kernel, "rstd", rstd);
-    if (dx)
-        am_cpu_same(kernel, "dx", dx, "x", x);
-    if (dw)
-        am_cpu_grad(kernel, "dw", dw, "x", x);
-    int64_t N = am_rows(x), C = am_cols(x);
-    AM_CHECK(am_tensor_numel(w) == C && am_tensor_numel(rstd) == N && am_tensor_numel(dout) == N * C,
-             "w (%s) must be [%lld], rstd [%lld] and dout x's shape", am_tname(w), (long long)C, (long long)N);
-    AM_CHECK(!dx || am_tensor_numel(dx) == N * C, "dx (%s) must have x's shape", am_tname(dx));
-    AM_CHECK(!dw || am_tensor_numel(dw) == C, "dw (%s) must have w's shape", am_tname(dw));
-    int64_t R = rows_per_chunk(dev, N, C);
-    float *ws = am_cpu_scratch(kernel, dev, 3 * R * C + 2 * C + 64);
-    float *xb = am_cpu_carve(&ws, R * C), *db = am_cpu_carve(&ws, R * C), *dxb = am_cpu_carve(&ws, R * C);
-    float *w1 = one_plus(w, C, am_cpu_carve(&ws, C));
-    float *dwf = dw ? am_cpu_load(dw, 0, C, am_cpu_carve(&ws, C)) : NULL;
-    struct am_tensor tw = am_f32_view(w1, C, 0, 0, 0), tdw = am_f32_view(dwf, C, 0, 0, 0);
-    for (int64_t r0 = 0; r0 < N; r0 += R) {
-        int64_t nr = N - r0 < R ? N - r0 : R;
-        struct am_tensor tx = am_f32_view(am_cpu_load(x, r0 * C, nr * C, xb), nr, C, 0, 0);
-        struct am_tensor td = am_f32_view(am_cpu_load(dout, r0 * C, nr * C, db), nr, C, 0, 0);
-        struct am_tensor tr = am_f32_view((float *)rstd->data + r0, nr, 0, 0, 0);
-        struct am_tensor tdx = am_f32_view(dx ? am_cpu_load(dx, r0 * C, nr * C, dxb) : NULL, nr, C, 0, 0);
-        am_cpu_rmsnorm_backward(dev, dx ? &tdx : NULL, dw ? &tdw : NULL, &td, &tx, &tw, &tr);
-        if (dx)
-            am_cpu_store(dx, r0 * C, nr * C, tdx.data);
-    }
-    if (dw)
-        am_cpu_store(dw, 0, C, dwf);
+    am_cpu_rmsnorm_backward_rows(dev, dx, dw, dout, x, w, rstd, 1.0f, "am_cpu_rmsnorm_offset_backward");
 }
 
 /* ---- GeGLU ---- */

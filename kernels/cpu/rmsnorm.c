@@ -133,13 +133,10 @@ AM_HOT static void rmsnorm_dw_rows(float *restrict dw, const float *restrict dou
     }
 }
 
-/* The fp32 backward on chunks of rows widened into scratch; a bf16 dw is accumulated in
- * fp32 over every chunk and rounded once. */
-static void rmsnorm_backward_bf16(const struct am_dev *dev, struct am_tensor *dx, struct am_tensor *dw,
+void am_cpu_rmsnorm_backward_rows(const struct am_dev *dev, struct am_tensor *dx, struct am_tensor *dw,
                                   const struct am_tensor *dout, const struct am_tensor *x, const struct am_tensor *w,
-                                  const struct am_tensor *rstd)
+                                  const struct am_tensor *rstd, float w_offset, const char *kernel)
 {
-    const char *kernel = "am_cpu_rmsnorm_backward";
     am_cpu_act(kernel, "x", x);
     am_cpu_same(kernel, "w", w, "x", x);
     am_cpu_same(kernel, "dout", dout, "x", x);
@@ -157,7 +154,10 @@ static void rmsnorm_backward_bf16(const struct am_dev *dev, struct am_tensor *dx
     R = R < 1 ? 1 : R > N ? N : R;
     float *ws = am_cpu_scratch(kernel, dev, 3 * R * C + 2 * C + 64);
     float *xb = am_cpu_carve(&ws, R * C), *db = am_cpu_carve(&ws, R * C), *dxb = am_cpu_carve(&ws, R * C);
-    float *wf = am_cpu_load(w, 0, C, am_cpu_carve(&ws, C));
+    float *wf = am_cpu_carve(&ws, C);
+    const float *wl = am_cpu_load(w, 0, C, wf); /* in place when w is f32: read, never written */
+    for (int64_t j = 0; j < C; j++)
+        wf[j] = wl[j] + w_offset;
     float *dwf = dw ? am_cpu_load(dw, 0, C, am_cpu_carve(&ws, C)) : NULL;
     struct am_tensor tw = am_f32_view(wf, C, 0, 0, 0), tdw = am_f32_view(dwf, C, 0, 0, 0);
     for (int64_t r0 = 0; r0 < N; r0 += R) {
@@ -178,7 +178,7 @@ void am_cpu_rmsnorm_backward(const struct am_dev *dev, struct am_tensor *dx, str
                              const struct am_tensor *x, const struct am_tensor *w, const struct am_tensor *rstd)
 {
     if (am_not_f32(dx) || am_not_f32(dw) || am_not_f32(dout) || am_not_f32(x) || am_not_f32(w)) {
-        rmsnorm_backward_bf16(dev, dx, dw, dout, x, w, rstd);
+        am_cpu_rmsnorm_backward_rows(dev, dx, dw, dout, x, w, rstd, 0.0f, "am_cpu_rmsnorm_backward");
         return;
     }
     const float *d = F32(dout), *xd = F32(x), *wd = F32(w), *r = F32(rstd);

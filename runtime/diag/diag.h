@@ -65,6 +65,8 @@
 #define AM_DIAG_MAX_MISMATCHES 1000  /* listed; more are counted */
 #define AM_DIAG_MAX_HOPS 64          /* a hang's blame follows at most this many waits */
 #define AM_DIAG_MAX_LISTED 65536     /* --json's missing_ranks lists at most this many */
+#define AM_DIAG_RECENT_STEPS 64      /* step times kept per rank (its last ones): am_diag_timing */
+#define AM_DIAG_RECENT_SAVES 4       /* save durations kept per rank (its last ones) */
 
 /* One flight recorder entry as dumped. Times are wall-clock seconds, 0 when null or not a
  * sane time. The strings are interned: owned by struct am_diag, never NULL ("" when absent). */
@@ -128,6 +130,13 @@ struct am_diag_rank {
     json_t *cause, *stop, *exit, *fault; /* first of each, or NULL */
     json_t *ckpt;                        /* the last "checkpoint" record (a committed save), or NULL */
     long ckpt_started;                   /* the step of the last "checkpoint_start" record, 0: none */
+    /* the last AM_DIAG_RECENT_STEPS step records' step_s and the last AM_DIAG_RECENT_SAVES
+     * "checkpoint" records' seconds and steps, in rings (slot = count % size); the counts are of
+     * all the records read */
+    float recent_step_s[AM_DIAG_RECENT_STEPS];
+    float recent_save_s[AM_DIAG_RECENT_SAVES];
+    long recent_save_step[AM_DIAG_RECENT_SAVES];
+    long n_step_s, n_save_s;
     double last_time;                    /* of the last record with a time */
     int lines, bad_lines, truncated;
     /* per log, summarised in one note each: lines that are not JSON objects, lines over
@@ -199,6 +208,9 @@ struct am_diag {
     size_t max_file;         /* bytes read per log (AM_DIAG_MAX_FILE) */
     long max_listed;         /* --json's missing_ranks lists at most this many (AM_DIAG_MAX_LISTED) */
     int threads;             /* am_diag_load_dir's readers: 0 = one per CPU, at most 16 */
+    int timing;              /* read for am_diag_timing only: step records are not stored (their
+                              * times go to the rings alone), flight and groups records are
+                              * skipped; no analysis follows */
     void *lock;              /* the readers' pthread mutex while they run, else NULL */
     /* results */
     struct am_diag_gref *gref;
@@ -280,6 +292,17 @@ size_t am_diag_escape(const char *s, char *out, size_t len);
 void am_diag_utf8_trim(char *buf);
 
 void am_diag_analyze(struct am_diag *d);
+
+/* The step and save times of a job (diag_timing.c), from the rings of its logs: what am-plan's
+ * signal lead reads. step_s: the largest over the ranks of the median of a rank's recent step
+ * times (step_rank's), -1 with no step record; save_s: the longest of the ranks' recent saves
+ * (save_rank's, of step save_step), -1 with no "checkpoint" record. */
+struct am_diag_timing {
+    double step_s, save_s;
+    int step_rank, save_rank, step_ranks, save_ranks; /* step_ranks, save_ranks: ranks with such records */
+    long save_step;
+};
+void am_diag_timing(const struct am_diag *d, struct am_diag_timing *t);
 
 void am_diag_print(const struct am_diag *d, FILE *f);
 json_t *am_diag_json(const struct am_diag *d);

@@ -429,8 +429,9 @@ static inline int fk_rank(struct am_diag_rank *r, const struct am_diag_field *f)
     return -1;
 }
 
-/* A step and a flight record, from their fields (k: the last field of each key). */
-static void on_step(struct am_diag_rank *r, const struct am_diag_field *const *k)
+/* A step and a flight record, from their fields (k: the last field of each key). A step's
+ * time goes to the rank's ring of recent ones; the record is stored unless timing (diag.h). */
+static void on_step(struct am_diag_rank *r, const struct am_diag_field *const *k, int timing)
 {
     long long step = fk_long(k[FK_STEP], 1, INT32_MAX, 0);
     if (step == 0) {
@@ -442,6 +443,11 @@ static void on_step(struct am_diag_rank *r, const struct am_diag_field *const *k
         r->last_step_time = t;
     if (step > r->last_step)
         r->last_step = (long)step;
+    double step_s = k[FK_STEP_S] ? sane_s(fk_num(k[FK_STEP_S])) : 0;
+    if (step_s > 0)
+        r->recent_step_s[r->n_step_s++ % AM_DIAG_RECENT_STEPS] = (float)step_s;
+    if (timing)
+        return;
     if (r->n_steps == r->cap_steps) {
         size_t cap = r->cap_steps ? 2 * r->cap_steps : 64;
         struct am_diag_step *s = realloc(r->steps, cap * sizeof(*s));
@@ -523,15 +529,15 @@ static void json_record(struct loader *L, struct am_diag_rank *r, json_t *o, int
         nf++;
     }
     if (step)
-        on_step(r, k);
-    else
+        on_step(r, k, L->d->timing);
+    else if (!L->d->timing)
         on_flight(L, r, k);
 }
 
 static void on_groups(struct loader *L, struct am_diag_rank *r, json_t *o)
 {
     const json_t *a = json_object_get(o, "groups");
-    if (!json_is_array(a) || r->groups)
+    if (!json_is_array(a) || r->groups || L->d->timing)
         return;
     size_t n = json_array_size(a);
     r->groups = calloc(n ? n : 1, sizeof(*r->groups));
@@ -586,6 +592,11 @@ static void on_record(struct loader *L, struct am_diag_rank *r, const struct rec
     else if (strcmp(type, "checkpoint") == 0) { /* the last one wins */
         json_decref(r->ckpt);
         r->ckpt = json_incref(x->o);
+        double s = sane_s(rec_num(x, "seconds"));
+        if (s > 0) {
+            r->recent_save_step[r->n_save_s % AM_DIAG_RECENT_SAVES] = (long)rec_long(x, "step", 0, LONG_MAX, 0);
+            r->recent_save_s[r->n_save_s++ % AM_DIAG_RECENT_SAVES] = (float)s;
+        }
     } else if (strcmp(type, "checkpoint_start") == 0)
         r->ckpt_started = rec_long(x, "step", 0, LONG_MAX, 0);
 }
@@ -615,8 +626,8 @@ static int fast_record(struct loader *L, struct am_diag_rank *r, const char *lin
     if (t > r->last_time)
         r->last_time = t;
     if (step)
-        on_step(r, k);
-    else
+        on_step(r, k, L->d->timing);
+    else if (!L->d->timing)
         on_flight(L, r, k);
     return 1;
 }

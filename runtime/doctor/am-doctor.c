@@ -124,10 +124,13 @@ int main(int argc, char **argv)
     int status = 0;
     if (me == 0) {
         const char *dev = getenv("AM_DEVICE");
-        /* a sharded checkpoint holds 12 bytes a parameter (fp32 masters, AdamW's two moments),
-         * 4 more with its Hugging Face export; the kept ones and the one being written */
+        /* a sharded checkpoint as am-plan counts it (plan.h: 12 bytes a parameter in the writing
+         * ranks' shards, with the norms each tensor-parallel rank keeps and the shards' padding,
+         * 4 more with its Hugging Face export); the kept ones and the one being written */
         const struct am_recipe *r = s.recipe;
-        double per_ckpt = s.plan.params.total * (12.0 + (r->ckpt.save_consolidated ? 4.0 : 0.0));
+        struct am_ckpt_cost cost;
+        am_plan_ckpt_cost(r, &s.world, &s.plan, &cost);
+        double per_ckpt = cost.bytes;
         struct am_doc_need need = {
             .rank_mem = s.plan.mem.total,
             .ckpt_bytes = r->ckpt.enabled ? per_ckpt * (double)(r->ckpt.keep_last > 0 ? r->ckpt.keep_last + 1 : 1) : 0,

@@ -313,19 +313,18 @@ struct am_indexed_builder {
     size_t len_synced;
 };
 
-int am_indexed_builder_open(const char *prefix, enum am_idx_dtype dtype, struct am_indexed_builder **out,
-                            struct am_errors *err)
+/* A builder for PREFIX with its final paths set (dtype checked), no file open yet. */
+static struct am_indexed_builder *builder_new(const char *prefix, enum am_idx_dtype dtype, struct am_errors *err)
 {
-    *out = NULL;
     if (!am_idx_dtype_name((int)dtype) || dtype == AM_IDX_F64 || dtype == AM_IDX_F32) {
         am_errorf(err, NULL, "%s: dtype code %d is not an integer token dtype", prefix, (int)dtype);
-        return -1;
+        return NULL;
     }
     struct am_indexed_builder *b = calloc(1, sizeof(*b));
     if (!b || !(b->prefix = strdup(prefix))) {
         free(b);
         am_errorf(err, NULL, "%s: out of memory", prefix);
-        return -1;
+        return NULL;
     }
     b->dtype = (int)dtype;
     b->isize = am_idx_dtype_size(b->dtype);
@@ -334,8 +333,17 @@ int am_indexed_builder_open(const char *prefix, enum am_idx_dtype dtype, struct 
         am_errorf(err, NULL, "%s: path too long", prefix);
         free(b->prefix);
         free(b);
-        return -1;
+        return NULL;
     }
+    return b;
+}
+
+int am_indexed_builder_open(const char *prefix, enum am_idx_dtype dtype, struct am_indexed_builder **out,
+                            struct am_errors *err)
+{
+    struct am_indexed_builder *b = *out = builder_new(prefix, dtype, err);
+    if (!b)
+        return -1;
     int fd = am_open_temp(b->bin_path, b->bin_tmp, sizeof(b->bin_tmp));
     if (fd < 0 || !(b->bin = fdopen(fd, "wb"))) {
         am_errorf(err, NULL, "%s: cannot create a file beside it: %s (does the directory exist, is it writable?)",
@@ -346,10 +354,10 @@ int am_indexed_builder_open(const char *prefix, enum am_idx_dtype dtype, struct 
         }
         free(b->prefix);
         free(b);
+        *out = NULL;
         return -1;
     }
     setvbuf(b->bin, NULL, _IOFBF, 1 << 20);
-    *out = b;
     return 0;
 }
 
@@ -943,22 +951,11 @@ int am_indexed_builder_open_partial(const char *prefix, enum am_idx_dtype dtype,
                                     struct am_indexed_builder **out, struct am_errors *err)
 {
     *out = NULL;
-    if (!am_idx_dtype_name((int)dtype) || dtype == AM_IDX_F64 || dtype == AM_IDX_F32) {
-        am_errorf(err, NULL, "%s: dtype code %d is not an integer token dtype", prefix, (int)dtype);
+    struct am_indexed_builder *b = builder_new(prefix, dtype, err);
+    if (!b)
         return -1;
-    }
-    struct am_indexed_builder *b = calloc(1, sizeof(*b));
-    if (!b || !(b->prefix = strdup(prefix))) {
-        free(b);
-        am_errorf(err, NULL, "%s: out of memory", prefix);
-        return -1;
-    }
-    b->dtype = (int)dtype;
-    b->isize = am_idx_dtype_size(b->dtype);
     b->partial = true;
-    if (am_path_cat(b->bin_path, sizeof(b->bin_path), prefix, ".bin", "") < 0 ||
-        am_path_cat(b->idx_path, sizeof(b->idx_path), prefix, ".idx", "") < 0 ||
-        am_path_cat(b->bin_tmp, sizeof(b->bin_tmp), prefix, ".bin.partial", "") < 0 ||
+    if (am_path_cat(b->bin_tmp, sizeof(b->bin_tmp), prefix, ".bin.partial", "") < 0 ||
         am_path_cat(b->len_path, sizeof(b->len_path), prefix, ".len.partial", "") < 0) {
         am_errorf(err, NULL, "%s: path too long", prefix);
         goto fail;

@@ -1,9 +1,11 @@
-/* tokenizer.c - byte-level BPE from a Hugging Face tokenizer.json (see tokenizer.h).
+/* tokenizer.c - BPE from a Hugging Face tokenizer.json, byte-level and SentencePiece-style
+ * (see tokenizer.h).
  *
  * The order of work follows the `tokenizers` library (tokenizers/src/tokenizer/mod.rs,
- * added_vocabulary.rs, pre_tokenizers/byte_level.rs, models/bpe/word.rs):
- *   repair the UTF-8 -> split out added tokens -> split by the pre-tokenizer's pattern ->
- *   BPE on each piece's bytes -> the post-processor's special tokens around the ids.
+ * added_vocabulary.rs, normalizers/, pre_tokenizers/byte_level.rs and metaspace.rs,
+ * models/bpe/model.rs and word.rs):
+ *   repair the UTF-8 -> split out added tokens -> normalize -> split by the pre-tokenizer ->
+ *   BPE on each piece -> the post-processor's special tokens around the ids.
  */
 #include <errno.h>
 #include <jansson.h>
@@ -115,13 +117,27 @@ struct merge {
 
 /* ---- the tokenizer ---------------------------------------------------------------------------- */
 
-enum pre_kind { PRE_GPT2, PRE_LLAMA3 };
+/* PRE_GPT2, PRE_LLAMA3: a split pattern then ByteLevel (words are bytes, mapped to the
+ * ByteLevel alphabet); PRE_NONE: no pre-tokenizer (the whole normalized text is one word, as
+ * in Llama 2); PRE_METASPACE: SentencePiece's meta space (Mistral). In the last two, words are
+ * characters looked up in the vocabulary as they are. */
+enum pre_kind { PRE_GPT2, PRE_LLAMA3, PRE_NONE, PRE_METASPACE };
+enum prepend_scheme { PREPEND_ALWAYS, PREPEND_FIRST, PREPEND_NEVER };
 
 struct added {
-    char *s;
-    size_t len;
+    char *s;     /* the content */
+    char *match; /* what is searched for: the content, normalized when `normalized` */
+    size_t len, match_len;
     int32_t id;
     bool normalized;
+};
+
+/* One normalizer of the sequence: NFC; Prepend a (when the text is not empty); Replace every
+ * a by b (a string pattern, leftmost first, not overlapping). */
+struct norm_step {
+    enum { NORM_NFC, NORM_PREPEND, NORM_REPLACE } kind;
+    char *a, *b;
+    size_t la, lb;
 };
 
 struct am_tokenizer {
@@ -132,14 +148,23 @@ struct am_tokenizer {
     struct merge *merges;
     size_t merges_cap;
     bool ignore_merges;
+    bool byte_fallback, fuse_unk;
+    int32_t unk_id;        /* model.unk_token's id, or -1 */
+    int32_t fb_id[256];    /* byte_fallback: the ids of <0x00> .. <0xFF> (-1: absent) */
+    int32_t *bmp_id;       /* PRE_NONE, PRE_METASPACE: the id of each one-character token below U+10000 */
     enum pre_kind pre;
     int digits_max;   /* PRE_LLAMA3: \p{N}{1,digits_max} */
     bool marks;       /* PRE_LLAMA3: letters are [\p{L}\p{M}] (Qwen 3.5) */
     bool prefix_space; /* ByteLevel add_prefix_space */
-    bool nfc;          /* normalizer NFC */
+    struct norm_step *norm; /* the normalizer, in order */
+    size_t n_norm;
+    char meta[5];           /* PRE_METASPACE: the replacement character (UTF-8) */
+    size_t meta_len;
+    enum prepend_scheme prepend;
+    bool meta_split;
     struct added *added;
     size_t n_added;
-    size_t *by_first[256]; /* added tokens by their first byte, longest first */
+    size_t *by_first[256]; /* added tokens by the first byte of their match, longest first */
     size_t n_first[256];
     int32_t prefix[16], suffix[16];
     size_t n_prefix, n_suffix;
@@ -205,24 +230,118 @@ static bool is_null_or_empty(const json_t *v)
 
 /* ---- loading: the pieces ---------------------------------------------------------------------- */
 
+static int add_norm(struct am_tokenizer *t, struct norm_step step, struct am_errors *err)
+{
+    struct norm_step *n = realloc(t->norm, (t->n_norm + 1) * sizeof(*n));
+    if (!n) {
+        free(step.a);
+        free(step.b);
+        return refuse(err, t, "normalizer", "out of memory");
+    }
+    t->norm = n;
+    t->norm[t->n_norm++] = step;
+    return 0;
+}
+
 static int load_normalizer(struct am_tokenizer *t, const json_t *n, struct am_errors *err)
 {
     if (!n || json_is_null(n))
         return 0;
     const char *type = json_string_value(json_object_get(n, "type"));
-    const json_t *list = json_object_get(n, "normalizers");
-    if (type && strcmp(type, "Sequence") == 0 && json_is_array(list) && json_array_size(list) == 0)
+    if (type && strcmp(type, "Sequence") == 0 && json_is_array(json_object_get(n, "normalizers"))) {
+        size_t i;
+        const json_t *s;
+        json_array_foreach(json_object_get(n, "normalizers"), i, s)
+            if (load_normalizer(t, s, err) < 0)
+                return -1;
         return 0;
-    if (type && strcmp(type, "Sequence") == 0 && json_array_size(list) == 1)
-        return load_normalizer(t, json_array_get(list, 0), err);
-    if (type && strcmp(type, "NFC") == 0) {
-        t->nfc = true;
-        return 0;
+    }
+    if (type && strcmp(type, "NFC") == 0)
+        return add_norm(t, (struct norm_step){.kind = NORM_NFC}, err);
+    if (type && strcmp(type, "Prepend") == 0) {
+        const json_t *v = json_object_get(n, "prepend");
+        if (!json_is_string(v))
+            return refuse(err, t, "normalizer Prepend", "needs a string \"prepend\"");
+        char *a = strdup(json_string_value(v));
+        if (!a)
+            return refuse(err, t, "normalizer", "out of memory");
+        return add_norm(t, (struct norm_step){NORM_PREPEND, a, NULL, strlen(a), 0}, err);
+    }
+    if (type && strcmp(type, "Replace") == 0) {
+        const json_t *pat = json_object_get(n, "pattern"), *content = json_object_get(n, "content");
+        const char *str = json_string_value(json_object_get(pat, "String"));
+        if (!str || !*str || !json_is_string(content)) {
+            return refuse(err, t, "normalizer Replace", "am implements a non-empty {\"String\": ...} pattern and a "
+                          "string content (Llama 2's \" \" -> \"\u2581\"); a Regex pattern needs a regex engine, "
+                          "which am does not have");
+        }
+        char *a = strdup(str), *b = strdup(json_string_value(content));
+        if (!a || !b) {
+            free(a);
+            free(b);
+            return refuse(err, t, "normalizer", "out of memory");
+        }
+        return add_norm(t, (struct norm_step){NORM_REPLACE, a, b, strlen(a), strlen(b)}, err);
     }
     char what[160];
     snprintf(what, sizeof(what), "normalizer \"%s\"", type ? type : "?");
-    return refuse(err, t, what, "am implements NFC (Qwen 2/3) or none; another normalizer would change the "
-                  "text and give other ids");
+    return refuse(err, t, what, "am implements NFC (Qwen 2/3), Prepend and Replace with a string pattern (Llama 2), "
+                  "a Sequence of those, or none; another normalizer would change the text and give other ids");
+}
+
+/* The normalizer on text[0, n): *out is NULL when it changes nothing, else a malloc'ed text of
+ * *out_n bytes. -1 when memory runs out. */
+static int normalize(const struct am_tokenizer *t, const unsigned char *text, size_t n, unsigned char **out,
+                     size_t *out_n)
+{
+    unsigned char *cur = NULL; /* owned; NULL: still `text` */
+    const unsigned char *in = text;
+    for (size_t k = 0; k < t->n_norm; k++) {
+        const struct norm_step *st = &t->norm[k];
+        unsigned char *next = NULL;
+        size_t m = 0;
+        if (st->kind == NORM_NFC) {
+            if (!am_nfc_needed(in, n))
+                continue;
+            if (!(next = am_nfc(in, n, &m)))
+                goto oom;
+        } else if (st->kind == NORM_PREPEND) {
+            if (n == 0)
+                continue;
+            if (!(next = malloc(st->la + n)))
+                goto oom;
+            memcpy(next, st->a, st->la);
+            memcpy(next + st->la, in, n);
+            m = st->la + n;
+        } else {
+            size_t hits = 0;
+            for (size_t i = 0; i + st->la <= n;)
+                if (memcmp(in + i, st->a, st->la) == 0)
+                    hits++, i += st->la;
+                else
+                    i++;
+            if (!hits)
+                continue;
+            if (!(next = malloc(n + hits * st->lb + 1)))
+                goto oom;
+            for (size_t i = 0; i < n;)
+                if (i + st->la <= n && memcmp(in + i, st->a, st->la) == 0) {
+                    memcpy(next + m, st->b, st->lb);
+                    m += st->lb, i += st->la;
+                } else {
+                    next[m++] = in[i++];
+                }
+        }
+        free(cur);
+        in = cur = next;
+        n = m;
+    }
+    *out = cur;
+    *out_n = n;
+    return 0;
+oom:
+    free(cur);
+    return -1;
 }
 
 static int load_split(struct am_tokenizer *t, const json_t *p, struct am_errors *err)
@@ -254,8 +373,43 @@ static int load_split(struct am_tokenizer *t, const json_t *p, struct am_errors 
     return 0;
 }
 
+/* Metaspace (tokenizers/src/pre_tokenizers/metaspace.rs, with its reading of older files:
+ * prepend_scheme "always" when absent, add_prefix_space false meaning "never", split true
+ * when absent). */
+static int load_metaspace(struct am_tokenizer *t, const json_t *p, struct am_errors *err)
+{
+    const char *rep = json_string_value(json_object_get(p, "replacement"));
+    uint32_t cp;
+    if (!rep || !*rep || am_utf8_decode((const unsigned char *)rep, strlen(rep), &cp) != strlen(rep))
+        return refuse(err, t, "pre_tokenizer Metaspace", "its replacement must be one character");
+    memcpy(t->meta, rep, strlen(rep));
+    t->meta_len = strlen(rep);
+    const json_t *scheme = json_object_get(p, "prepend_scheme"), *aps = json_object_get(p, "add_prefix_space");
+    const char *sc = json_string_value(scheme);
+    if (!scheme || json_is_null(scheme) || (sc && strcmp(sc, "always") == 0))
+        t->prepend = PREPEND_ALWAYS;
+    else if (sc && strcmp(sc, "first") == 0)
+        t->prepend = PREPEND_FIRST;
+    else if (sc && strcmp(sc, "never") == 0)
+        t->prepend = PREPEND_NEVER;
+    else
+        return refuse(err, t, "pre_tokenizer Metaspace", "prepend_scheme must be \"first\", \"always\" or \"never\"");
+    if (json_is_false(aps)) {
+        if (t->prepend != PREPEND_NEVER)
+            return refuse(err, t, "pre_tokenizer Metaspace", "add_prefix_space false does not match prepend_scheme "
+                          "(the tokenizers library refuses this file too)");
+    }
+    t->meta_split = !json_is_false(json_object_get(p, "split"));
+    t->pre = PRE_METASPACE;
+    return 0;
+}
+
 static int load_pre_tokenizer(struct am_tokenizer *t, const json_t *p, struct am_errors *err)
 {
+    if (!p || json_is_null(p)) {
+        t->pre = PRE_NONE; /* Llama 2: the normalized text is one word */
+        return 0;
+    }
     const char *type = json_string_value(json_object_get(p, "type"));
     const json_t *steps = p;
     size_t n = 1;
@@ -263,11 +417,13 @@ static int load_pre_tokenizer(struct am_tokenizer *t, const json_t *p, struct am
     if (seq) {
         steps = json_object_get(p, "pretokenizers");
         n = json_array_size(steps);
+        if (n == 0) {
+            t->pre = PRE_NONE; /* an empty Sequence splits nothing */
+            return 0;
+        }
     }
-    if (!type) {
-        return refuse(err, t, "pre_tokenizer", "missing: am implements byte-level BPE, whose pre_tokenizer ends "
-                      "with ByteLevel");
-    }
+    if (!type)
+        return refuse(err, t, "pre_tokenizer", "has no \"type\"");
     bool split = false;
     for (size_t i = 0; i < n; i++) {
         const json_t *s = seq ? json_array_get(steps, i) : steps;
@@ -276,6 +432,8 @@ static int load_pre_tokenizer(struct am_tokenizer *t, const json_t *p, struct am
             if (load_split(t, s, err) < 0)
                 return -1;
             split = true;
+        } else if (st && strcmp(st, "Metaspace") == 0 && n == 1) {
+            return load_metaspace(t, s, err);
         } else if (st && strcmp(st, "ByteLevel") == 0 && i + 1 == n) {
             bool use_regex = !json_is_false(json_object_get(s, "use_regex")); /* the library's default: true */
             t->prefix_space = json_is_true(json_object_get(s, "add_prefix_space"));
@@ -297,10 +455,11 @@ static int load_pre_tokenizer(struct am_tokenizer *t, const json_t *p, struct am
             char what[200];
             snprintf(what, sizeof(what), "pre_tokenizer %s%s", st ? st : "?", seq ? " (in a Sequence)" : "");
             return refuse(err, t, what, "am implements ByteLevel, or a Split with a known pattern followed by "
-                          "ByteLevel (GPT-2, Llama 3, Qwen 2/3)");
+                          "ByteLevel (GPT-2, Llama 3, Qwen 2/3), Metaspace alone (Mistral), or none (Llama 2)");
         }
     }
-    return refuse(err, t, "pre_tokenizer", "does not end with ByteLevel: am implements byte-level BPE only");
+    return refuse(err, t, "pre_tokenizer", "a Split must be followed by ByteLevel (am implements a Split only in "
+                  "byte-level BPE)");
 }
 
 static int add_template(struct am_tokenizer *t, const json_t *pp, struct am_errors *err)
@@ -396,11 +555,20 @@ static int load_added(struct am_tokenizer *t, const json_t *list, struct am_erro
         d->id = (int32_t)json_integer_value(id);
         d->normalized = json_is_true(json_object_get(a, "normalized"));
         t->vocab_size = d->id + 1 > t->vocab_size ? d->id + 1 : t->vocab_size;
+        /* a normalized token is searched for in the normalized text as the normalizer writes
+         * it (Llama 2's "x" as "\u2581x"), as the library does */
+        unsigned char *norm = NULL;
+        size_t nn = 0;
+        if (d->normalized && normalize(t, (const unsigned char *)d->s, d->len, &norm, &nn) < 0)
+            return refuse(err, t, "added_tokens", "out of memory");
+        d->match = norm ? (char *)norm : d->s;
+        d->match_len = norm ? nn : d->len;
     }
     /* buckets by first byte, longest first: at a position, the first that matches is the
      * longest (the library matches leftmost-longest) */
     for (size_t k = 0; k < t->n_added; k++)
-        t->n_first[(unsigned char)t->added[k].s[0]]++;
+        if (t->added[k].match_len)
+            t->n_first[(unsigned char)t->added[k].match[0]]++;
     for (int b = 0; b < 256; b++) {
         if (!t->n_first[b])
             continue;
@@ -408,10 +576,11 @@ static int load_added(struct am_tokenizer *t, const json_t *list, struct am_erro
             return refuse(err, t, "added_tokens", "out of memory");
         size_t m = 0;
         for (size_t k = 0; k < t->n_added; k++)
-            if ((unsigned char)t->added[k].s[0] == b)
+            if (t->added[k].match_len && (unsigned char)t->added[k].match[0] == b)
                 t->by_first[b][m++] = k;
         for (size_t x = 1; x < m; x++) /* insertion sort by length, descending (stable) */
-            for (size_t y = x; y > 0 && t->added[t->by_first[b][y]].len > t->added[t->by_first[b][y - 1]].len; y--) {
+            for (size_t y = x; y > 0 && t->added[t->by_first[b][y]].match_len >
+                                        t->added[t->by_first[b][y - 1]].match_len; y--) {
                 size_t tmp = t->by_first[b][y];
                 t->by_first[b][y] = t->by_first[b][y - 1];
                 t->by_first[b][y - 1] = tmp;
@@ -432,14 +601,16 @@ static int load_model(struct am_tokenizer *t, const json_t *m, struct am_errors 
     }
     if (!json_is_null(json_object_get(m, "dropout")) && json_object_get(m, "dropout"))
         return refuse(err, t, "model.dropout", "BPE dropout makes encoding random; am encodes deterministically");
-    if (json_is_true(json_object_get(m, "byte_fallback")))
-        return refuse(err, t, "model.byte_fallback true", "SentencePiece-style BPE (Llama 2, Mistral) is not "
-                      "implemented; am implements byte-level BPE");
     if (!is_null_or_empty(json_object_get(m, "continuing_subword_prefix")) ||
         !is_null_or_empty(json_object_get(m, "end_of_word_suffix")))
-        return refuse(err, t, "model.continuing_subword_prefix / end_of_word_suffix", "not implemented (byte-level "
-                      "BPE does not use them)");
+        return refuse(err, t, "model.continuing_subword_prefix / end_of_word_suffix", "not implemented (the BPE "
+                      "of GPT-2, Llama 2 and 3, Mistral and Qwen does not use them)");
     t->ignore_merges = json_is_true(json_object_get(m, "ignore_merges"));
+    t->byte_fallback = json_is_true(json_object_get(m, "byte_fallback"));
+    t->fuse_unk = json_is_true(json_object_get(m, "fuse_unk"));
+    const json_t *unk = json_object_get(m, "unk_token");
+    if (unk && !json_is_null(unk) && !json_is_string(unk))
+        return refuse(err, t, "model.unk_token", "must be a string or null");
 
     const json_t *vocab = json_object_get(m, "vocab"), *merges = json_object_get(m, "merges");
     if (!json_is_object(vocab) || !json_is_array(merges))
@@ -456,16 +627,13 @@ static int load_model(struct am_tokenizer *t, const json_t *m, struct am_errors 
             return refuse(err, t, "model.vocab", "out of memory");
         t->vocab_size = id + 1 > t->vocab_size ? id + 1 : t->vocab_size;
     }
+    t->unk_id = -1;
+    if (json_is_string(unk))
+        t->unk_id = strmap_find(&t->vocab, json_string_value(unk), json_string_length(unk));
     for (int b = 0; b < 256; b++) {
-        unsigned char u[4];
-        size_t n = am_utf8_encode(byte_char(b), u);
-        memcpy(t->byte_utf8[b], u, n);
-        t->byte_utf8_len[b] = (unsigned char)n;
-        if ((t->byte_id[b] = strmap_find(&t->vocab, (const char *)u, n)) < 0) {
-            am_errorf(err, NULL, "%s: model.vocab has no token for byte 0x%02x (\"%.*s\"): a byte-level BPE "
-                      "vocabulary holds all 256 bytes (am implements byte-level BPE only)", t->path, b, (int)n, u);
-            return -1;
-        }
+        char code[8];
+        snprintf(code, sizeof(code), "<0x%02X>", b); /* the library's format!("<{b:#04X}>") */
+        t->fb_id[b] = t->byte_fallback ? strmap_find(&t->vocab, code, 6) : -1;
     }
     size_t nm = json_array_size(merges);
     t->merges_cap = 1024;
@@ -523,6 +691,45 @@ done:
     return rc;
 }
 
+/* What a word's first symbols are: with ByteLevel, its bytes (each one in the vocabulary
+ * through the ByteLevel alphabet); else its characters, looked up as they are (a table for
+ * the Basic Multilingual Plane). */
+static int load_alphabet(struct am_tokenizer *t, const json_t *unk, struct am_errors *err)
+{
+    if (t->pre == PRE_GPT2 || t->pre == PRE_LLAMA3) {
+        for (int b = 0; b < 256; b++) {
+            unsigned char u[4];
+            size_t n = am_utf8_encode(byte_char(b), u);
+            memcpy(t->byte_utf8[b], u, n);
+            t->byte_utf8_len[b] = (unsigned char)n;
+            if ((t->byte_id[b] = strmap_find(&t->vocab, (const char *)u, n)) < 0) {
+                am_errorf(err, NULL, "%s: model.vocab has no token for byte 0x%02x (\"%.*s\"): a byte-level BPE "
+                          "vocabulary holds all 256 bytes (the ByteLevel pre-tokenizer writes every byte as one of "
+                          "them)", t->path, b, (int)n, u);
+                return -1;
+            }
+        }
+        return 0;
+    }
+    bool all_bytes = t->byte_fallback; /* then no character needs unk_token */
+    for (int b = 0; b < 256; b++)
+        all_bytes = all_bytes && t->fb_id[b] >= 0;
+    if (json_is_string(unk) && t->unk_id < 0 && !all_bytes) {
+        am_errorf(err, NULL, "%s: model.unk_token \"%s\" is not in model.vocab: the tokenizers library fails on any "
+                  "text with a character outside the vocabulary (and not written by byte_fallback); add the token "
+                  "or set unk_token to null", t->path, json_string_value(unk));
+        return -1;
+    }
+    if (!(t->bmp_id = malloc(0x10000 * sizeof(int32_t))))
+        return refuse(err, t, "model.vocab", "out of memory");
+    for (uint32_t cp = 0; cp < 0x10000; cp++) {
+        unsigned char u[4];
+        size_t n = am_utf8_encode(cp, u);
+        t->bmp_id[cp] = cp >= 0xd800 && cp < 0xe000 ? -1 : strmap_find(&t->vocab, (const char *)u, n);
+    }
+    return 0;
+}
+
 int am_tokenizer_load(const char *path, struct am_tokenizer **out, struct am_errors *err)
 {
     *out = NULL;
@@ -561,6 +768,7 @@ int am_tokenizer_load(const char *path, struct am_tokenizer **out, struct am_err
     if (load_model(t, json_object_get(root, "model"), err) < 0 ||
         load_normalizer(t, json_object_get(root, "normalizer"), err) < 0 ||
         load_pre_tokenizer(t, json_object_get(root, "pre_tokenizer"), err) < 0 ||
+        load_alphabet(t, json_object_get(json_object_get(root, "model"), "unk_token"), err) < 0 ||
         load_post_processor(t, json_object_get(root, "post_processor"), err) < 0 ||
         load_added(t, json_object_get(root, "added_tokens"), err) < 0)
         goto done;
@@ -580,8 +788,17 @@ void am_tokenizer_free(struct am_tokenizer *t)
         return;
     strmap_free(&t->vocab);
     free(t->merges);
-    for (size_t i = 0; i < t->n_added; i++)
+    for (size_t i = 0; i < t->n_added; i++) {
+        if (t->added[i].match != t->added[i].s)
+            free(t->added[i].match);
         free(t->added[i].s);
+    }
+    for (size_t i = 0; i < t->n_norm; i++) {
+        free(t->norm[i].a);
+        free(t->norm[i].b);
+    }
+    free(t->norm);
+    free(t->bmp_id);
     free(t->added);
     for (int b = 0; b < 256; b++)
         free(t->by_first[b]);
@@ -619,6 +836,8 @@ struct am_tok_state {
     size_t sym_cap, heap_cap;
     char *mapped; /* a word in ByteLevel characters */
     size_t mapped_cap;
+    unsigned char *meta; /* a segment after Metaspace */
+    size_t meta_cap;
     struct { uint64_t h; uint32_t key_off, ids_off; uint16_t key_len, n_ids; } *cache;
     size_t cache_n;
     unsigned char *ckeys;
@@ -641,6 +860,7 @@ void am_tok_state_free(struct am_tok_state *s)
     free(s->next);
     free(s->heap);
     free(s->mapped);
+    free(s->meta);
     free(s->cache);
     free(s->ckeys);
     free(s->cids);
@@ -699,20 +919,69 @@ static struct heap_item heap_pop(struct heap_item *h, size_t *n)
     return top;
 }
 
+/* The first symbols of a word of characters (PRE_NONE, PRE_METASPACE), as the library's
+ * BPE::merge_word makes them: a character in the vocabulary is its token; else, with
+ * byte_fallback, its UTF-8 bytes as <0xNN> when all of them are tokens; else unk_token (runs
+ * of unknown characters fused into one when fuse_unk), or nothing when there is no
+ * unk_token. As in the library, a pending unk is written only before the next character
+ * found in the vocabulary (or at the end), so it follows byte tokens that came after it. */
+static size_t char_symbols(const struct am_tokenizer *t, const unsigned char *w, size_t n, int32_t *c)
+{
+    size_t k = 0;
+    bool unk = false;
+    for (size_t i = 0, l; i < n; i += l) {
+        uint32_t cp;
+        l = am_utf8_decode(w + i, n - i, &cp);
+        int32_t id = cp < 0x10000 ? t->bmp_id[cp] : strmap_find(&t->vocab, (const char *)w + i, l);
+        if (id >= 0) {
+            if (unk)
+                c[k++] = t->unk_id, unk = false;
+            c[k++] = id;
+            continue;
+        }
+        if (t->byte_fallback) {
+            size_t j = 0;
+            while (j < l && t->fb_id[w[i + j]] >= 0)
+                j++;
+            if (j == l) {
+                for (j = 0; j < l; j++)
+                    c[k++] = t->fb_id[w[i + j]];
+                continue;
+            }
+        }
+        if (t->unk_id >= 0) {
+            if (unk && !t->fuse_unk)
+                c[k++] = t->unk_id;
+            unk = true;
+        }
+    }
+    if (unk)
+        c[k++] = t->unk_id;
+    return k;
+}
+
 /* The BPE of one pre-tokenized word (raw bytes): the library's Word::merge_all, the lowest
- * rank first and, for equal ranks, the leftmost. */
+ * rank first and, for equal ranks, the leftmost; O(n log n) in the word's length (a heap of
+ * candidate pairs over a linked list of symbols), so that a whole line as one word (Llama 2)
+ * costs little more than its pieces would. */
 static int bpe_word(const struct am_tokenizer *t, struct am_tok_state *s, const unsigned char *w, size_t n,
                     struct am_tok_ids *out)
 {
+    bool bytes = t->pre == PRE_GPT2 || t->pre == PRE_LLAMA3;
     if (t->ignore_merges) { /* a word that is a token is that token */
-        if (am_grow((void **)&s->mapped, &s->mapped_cap, 2 * n, 1, 64) < 0)
-            return -1;
-        size_t m = 0;
-        for (size_t i = 0; i < n; i++) {
-            memcpy(s->mapped + m, t->byte_utf8[w[i]], t->byte_utf8_len[w[i]]);
-            m += t->byte_utf8_len[w[i]];
+        const char *key = (const char *)w;
+        size_t m = n;
+        if (bytes) {
+            if (am_grow((void **)&s->mapped, &s->mapped_cap, 2 * n, 1, 64) < 0)
+                return -1;
+            m = 0;
+            for (size_t i = 0; i < n; i++) {
+                memcpy(s->mapped + m, t->byte_utf8[w[i]], t->byte_utf8_len[w[i]]);
+                m += t->byte_utf8_len[w[i]];
+            }
+            key = s->mapped;
         }
-        int32_t id = strmap_find(&t->vocab, s->mapped, m);
+        int32_t id = strmap_find(&t->vocab, key, m);
         if (id >= 0)
             return push_ids(out, &id, 1);
     }
@@ -726,13 +995,19 @@ static int bpe_word(const struct am_tokenizer *t, struct am_tok_state *s, const 
     s->heap_cap = hcap;
     int32_t *c = s->c, *prev = s->prev, *next = s->next;
     struct heap_item *h = s->heap;
-    size_t nh = 0;
-    for (size_t i = 0; i < n; i++) {
-        c[i] = t->byte_id[w[i]];
+    size_t nh = 0, ns = n;
+    if (bytes)
+        for (size_t i = 0; i < n; i++)
+            c[i] = t->byte_id[w[i]];
+    else
+        ns = char_symbols(t, w, n, c); /* at most one symbol per byte */
+    if (ns == 0)
+        return 0;
+    for (size_t i = 0; i < ns; i++) {
         prev[i] = (int32_t)i - 1;
-        next[i] = i + 1 < n ? (int32_t)i + 1 : -1;
+        next[i] = i + 1 < ns ? (int32_t)i + 1 : -1;
     }
-    for (size_t i = 0; i + 1 < n; i++) {
+    for (size_t i = 0; i + 1 < ns; i++) {
         const struct merge *m = merge_find(t, c[i], c[i + 1]);
         if (m)
             heap_push(h, &nh, (struct heap_item){m->rank, (uint32_t)i, m->id});
@@ -743,8 +1018,8 @@ static int bpe_word(const struct am_tokenizer *t, struct am_tok_state *s, const 
         if (c[p] < 0 || q < 0)
             continue;
         const struct merge *m = merge_find(t, c[p], c[q]);
-        if (!m || m->rank != top.rank || m->id != top.id)
-            continue; /* stale: one of the two symbols changed since */
+        if (!m || m->id != top.id)
+            continue; /* stale: one of the two symbols changed since (the library compares the new id only) */
         c[p] = top.id;
         c[q] = -1;
         next[p] = next[q];
@@ -898,12 +1173,57 @@ static size_t match_llama3(const struct am_tokenizer *t, const uint32_t *cps, si
 
 /* ---- encoding ------------------------------------------------------------------------------------ */
 
-/* Pre-tokenizes and encodes text[0, len) (valid UTF-8, no added token in it). */
+/* Metaspace on one segment (metaspace.rs): every ' ' becomes the replacement; the
+ * replacement is put in front unless the segment starts with it (prepend_scheme "always",
+ * or "first" for the segment at the start of the text); with split, a new word starts at
+ * every replacement character. */
+static int encode_metaspace(const struct am_tokenizer *t, struct am_tok_state *s, const unsigned char *text,
+                            size_t len, bool at_start, struct am_tok_ids *out)
+{
+    const char *r = t->meta;
+    size_t rl = t->meta_len, spaces = 0;
+    for (size_t i = 0; i < len; i++)
+        spaces += text[i] == ' ';
+    if (am_grow((void **)&s->meta, &s->meta_cap, len + (spaces + 1) * rl, 1, 64) < 0)
+        return -1;
+    unsigned char *w = s->meta;
+    size_t n = 0;
+    bool starts = text[0] == ' ' || (len >= rl && memcmp(text, r, rl) == 0); /* after the replacement */
+    if (!starts && (t->prepend == PREPEND_ALWAYS || (t->prepend == PREPEND_FIRST && at_start))) {
+        memcpy(w, r, rl);
+        n = rl;
+    }
+    for (size_t i = 0; i < len; i++) {
+        if (text[i] == ' ') {
+            memcpy(w + n, r, rl);
+            n += rl;
+        } else {
+            w[n++] = text[i];
+        }
+    }
+    if (!t->meta_split)
+        return encode_word(t, s, w, n, out);
+    size_t start = 0;
+    for (size_t i = 1; i + rl <= n; i++) /* UTF-8: a match is always at a character's start */
+        if (memcmp(w + i, r, rl) == 0) {
+            if (encode_word(t, s, w + start, i - start, out) < 0)
+                return -1;
+            start = i;
+        }
+    return encode_word(t, s, w + start, n - start, out);
+}
+
+/* Pre-tokenizes and encodes text[0, len) (valid UTF-8, no added token in it); at_start: the
+ * segment begins the text (Metaspace's "first"). */
 static int encode_plain(const struct am_tokenizer *t, struct am_tok_state *s, const unsigned char *text, size_t len,
-                        struct am_tok_ids *out)
+                        bool at_start, struct am_tok_ids *out)
 {
     if (len == 0)
         return 0;
+    if (t->pre == PRE_NONE)
+        return encode_word(t, s, text, len, out);
+    if (t->pre == PRE_METASPACE)
+        return encode_metaspace(t, s, text, len, at_start, out);
     size_t n = 0, cap = s->cps_cap;
     if (am_grow((void **)&s->cps, &cap, len + 2, sizeof(uint32_t), 64) < 0 ||
         (cap = s->cps_cap, am_grow((void **)&s->offs, &cap, len + 2, sizeof(uint32_t), 64)) < 0)
@@ -936,18 +1256,20 @@ static int encode_plain(const struct am_tokenizer *t, struct am_tok_state *s, co
 
 /* Splits text[0, len) on the added tokens with normalized == pass (0: the non-normalized
  * ones, first; 1: the normalized ones, inside what pass 0 left, after the normalizer; 2: as 1,
- * normalized already), leftmost-longest. */
+ * normalized already), leftmost-longest. at_start: text begins the whole text. */
 static int encode_added(const struct am_tokenizer *t, struct am_tok_state *s, const unsigned char *text, size_t len,
-                        int pass, struct am_tok_ids *out)
+                        int pass, bool at_start, struct am_tok_ids *out)
 {
-    if (pass == 1 && t->nfc && am_nfc_needed(text, len)) { /* the normalizer, between the special tokens */
+    if (pass == 1 && t->n_norm) { /* the normalizer, between the non-normalized added tokens */
         size_t n;
-        unsigned char *norm = am_nfc(text, len, &n);
-        if (!norm)
+        unsigned char *norm;
+        if (normalize(t, text, len, &norm, &n) < 0)
             return -1;
-        int rc = encode_added(t, s, norm, n, 2, out);
-        free(norm);
-        return rc;
+        if (norm) {
+            int rc = encode_added(t, s, norm, n, 2, at_start, out);
+            free(norm);
+            return rc;
+        }
     }
     pass = pass == 2 ? 1 : pass;
     size_t start = 0;
@@ -958,30 +1280,36 @@ static int encode_added(const struct am_tokenizer *t, struct am_tok_state *s, co
         const struct added *hit = NULL;
         for (size_t k = 0; k < nb; k++) {
             const struct added *a = &t->added[t->by_first[text[i]][k]];
-            if (a->normalized == (pass == 1) && a->len <= len - i && memcmp(text + i, a->s, a->len) == 0) {
+            if (a->normalized == (pass == 1) && a->match_len <= len - i && memcmp(text + i, a->match, a->match_len) == 0) {
                 hit = a;
                 break;
             }
         }
         if (!hit)
             continue;
-        if ((pass == 0 ? encode_added(t, s, text + start, i - start, 1, out)
-                       : encode_plain(t, s, text + start, i - start, out)) < 0 ||
+        bool first = at_start && start == 0;
+        if ((pass == 0 ? encode_added(t, s, text + start, i - start, 1, first, out)
+                       : encode_plain(t, s, text + start, i - start, first, out)) < 0 ||
             push_ids(out, &hit->id, 1) < 0)
             return -1;
-        i += hit->len - 1;
+        i += hit->match_len - 1;
         start = i + 1;
     }
-    return pass == 0 ? encode_added(t, s, text + start, len - start, 1, out)
-                     : encode_plain(t, s, text + start, len - start, out);
+    bool first = at_start && start == 0;
+    return pass == 0 ? encode_added(t, s, text + start, len - start, 1, first, out)
+                     : encode_plain(t, s, text + start, len - start, first, out);
 }
 
 int am_tokenizer_encode(const struct am_tokenizer *t, struct am_tok_state *s, const char *text, size_t len,
                         bool add_special, struct am_tok_ids *out, struct am_errors *err)
 {
     const unsigned char *u = (const unsigned char *)text;
-    if (len > UINT32_MAX / 4) {
-        am_errorf(err, NULL, "a text of %zu bytes: am encodes texts below 1 GiB (split it)", len);
+    /* offsets are 32-bit; a SentencePiece-style word may grow 3 times (spaces to "\u2581") and
+     * its symbols are int32 */
+    size_t max = t->pre == PRE_GPT2 || t->pre == PRE_LLAMA3 ? UINT32_MAX / 4 : INT32_MAX / 4;
+    if (len > max) {
+        am_errorf(err, NULL, "a text of %zu bytes: am encodes texts below %s (split it)", len,
+                  max == UINT32_MAX / 4 ? "1 GiB" : "512 MiB");
         return -1;
     }
     if (!am_utf8_valid(u, len)) { /* repair: U+FFFD for every maximal invalid subpart */
@@ -996,7 +1324,7 @@ int am_tokenizer_encode(const struct am_tokenizer *t, struct am_tok_state *s, co
         u = s->text;
         len = m;
     }
-    if ((add_special && push_ids(out, t->prefix, t->n_prefix) < 0) || encode_added(t, s, u, len, 0, out) < 0 ||
+    if ((add_special && push_ids(out, t->prefix, t->n_prefix) < 0) || encode_added(t, s, u, len, 0, true, out) < 0 ||
         (add_special && push_ids(out, t->suffix, t->n_suffix) < 0))
         goto oom;
     return 0;

@@ -1,7 +1,12 @@
 /* am-plan - check a recipe against a cluster and print the parallel plan.
  *
  *   am-plan RECIPE [--nodes N] [--gpus-per-node G] [--nvlink-domain K] [--gpu-mem 80G]
- *                  [--set KEY=VALUE]... [--json]
+ *                  [--ckpt-bw 1G] [--logs DIR] [--set KEY=VALUE]... [--json]
+ *
+ * With checkpoints enabled it prints the advised lead of `#SBATCH --signal=B:USR1@LEAD`
+ * (plan.h: am_plan_lead_s; docs/checkpoints.md): from the checkpoint's bytes at --ckpt-bw, or
+ * from a run's logs (--logs: the step and save times its ranks recorded, read by am-diag's
+ * loader, diag.h, which keeps each rank's recent ones).
  *
  * Exit status: 0 the plan is valid (and fits --gpu-mem when given); 1 the recipe or the
  * layout is invalid, or the estimate exceeds --gpu-mem; 2 the command line is wrong.
@@ -14,19 +19,26 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "diag.h"
 #include "plan.h"
 #include "recipe.h"
 
 static const double GiB = 1024.0 * 1024 * 1024;
+/* What am-plan reads of one rank log of --logs: its first 16 MiB and its last 48 (the recent
+ * steps and saves), whatever its size. */
+static const size_t LOG_BYTES = (size_t)64 << 20;
 
 static void usage(FILE *f)
 {
     fprintf(f, "usage: am-plan RECIPE [--nodes N] [--gpus-per-node G] [--nvlink-domain K] [--gpu-mem SIZE]\n"
-               "               [--set KEY=VALUE]... [--json]\n"
+               "               [--ckpt-bw SIZE] [--logs DIR] [--set KEY=VALUE]... [--json]\n"
                "  --nodes N           nodes in the job (default 1)\n"
                "  --gpus-per-node G   GPUs (ranks) per node (default 8)\n"
                "  --nvlink-domain K   GPUs per NVLink domain (default: G, one domain per node)\n"
                "  --gpu-mem SIZE      memory per GPU, e.g. 80G or 141GiB: fail when the estimate exceeds it\n"
+               "  --ckpt-bw SIZE      bytes per second one node writes to checkpoint_dir, fsync included\n"
+               "                      (default 1G: 1 GiB/s); estimates a save's time\n"
+               "  --logs DIR          a run's log directory: its step and save times replace the estimate\n"
                "  --set KEY=VALUE     override a recipe key, e.g. --set distributed.tp_size=8 (repeatable)\n"
                "  --json              print one JSON object instead of the table\n");
 }
@@ -66,6 +78,109 @@ static int parse_count(const char *opt, const char *s, int *out)
     return 0;
 }
 
+/* The advised lead of Slurm's warning (plan.h: am_plan_lead_s) and what it comes from. */
+struct lead {
+    bool enabled;              /* checkpoint.enabled: without it nothing is saved when warned */
+    struct am_ckpt_cost cost;
+    double bw, estimate_s;     /* --ckpt-bw and the save's time at it */
+    const char *logs;          /* --logs, or NULL */
+    int log_ranks;             /* logs read there */
+    struct am_diag_timing tm;  /* their step and save times */
+    double save_s, step_s;     /* those used: the logs' when they have them, else the estimate; step_s -1: unknown */
+    long lead_s;
+};
+
+/* --logs DIR: the step and save times of its rank logs, each read as its first and last bytes
+ * (LOG_BYTES in all). 0, or -1 with a message. */
+static int read_logs(const char *dir, struct lead *L, char *err, size_t err_len)
+{
+    struct am_diag d;
+    am_diag_init(&d);
+    d.timing = 1;
+    d.max_file = LOG_BYTES;
+    int rc = am_diag_load_dir(&d, dir, err, err_len);
+    if (rc == 0) {
+        am_diag_timing(&d, &L->tm);
+        for (int i = 0; i < d.n_ranks; i++)
+            L->log_ranks += d.ranks[i].have_log;
+    }
+    am_diag_free(&d);
+    return rc;
+}
+
+static void lead_plan(const struct am_recipe *r, const struct am_world *w, const struct am_plan *p, struct lead *L)
+{
+    L->enabled = r->ckpt.enabled;
+    am_plan_ckpt_cost(r, w, p, &L->cost);
+    L->estimate_s = am_plan_save_s(&L->cost, L->bw);
+    bool logged = L->logs && L->tm.save_s > 0, stepped = L->logs && L->tm.step_s > 0;
+    L->save_s = logged ? L->tm.save_s : L->estimate_s;
+    L->step_s = stepped ? L->tm.step_s : -1;
+    L->lead_s = am_plan_lead_s(L->step_s, L->save_s);
+}
+
+static void print_lead(const struct lead *L)
+{
+    char a[32], b[32], c[32], d[32];
+    const struct am_ckpt_cost *k = &L->cost;
+    if (!L->enabled) {
+        printf("checkpoint   disabled (checkpoint.enabled): nothing is saved when Slurm warns the job; no --signal lead\n");
+        return;
+    }
+    printf("checkpoint   %s a save: %ld shard%s, the largest %s, %s from one node at most", am_format_bytes(k->bytes, a, sizeof(a)),
+           k->writers, k->writers == 1 ? "" : "s", am_format_bytes(k->rank_bytes, b, sizeof(b)),
+           am_format_bytes(k->node_bytes, c, sizeof(c)));
+    if (k->hf_bytes > 0)
+        printf("; Hugging Face export %s from one rank", am_format_bytes(k->hf_bytes, d, sizeof(d)));
+    putchar('\n');
+    am_format_bytes(L->bw, a, sizeof(a));
+    if (L->logs && L->tm.save_s > 0)
+        printf("save         %.3f s measured: the longest recent save in %s (rank %d, step %ld); estimated %.1f s at %s/s "
+               "per node\n", L->save_s, L->logs, L->tm.save_rank, L->tm.save_step, L->estimate_s, a);
+    else
+        printf("save         %.1f s estimated at %s/s per node (--ckpt-bw)%s\n", L->save_s, a,
+               L->logs ? "; the logs hold no save" : "");
+    if (L->step_s > 0)
+        printf("step         %.3f s measured: the median of the slowest rank's recent steps in %s (rank %d)\n", L->step_s,
+               L->logs, L->tm.step_rank);
+    else if (L->logs)
+        printf("step         not known: %s holds no step record (give the logs of a run that trained some steps)\n",
+               L->logs);
+    else
+        printf("step         not known: give a run's log directory with --logs DIR (its steps' step_s)\n");
+    printf("lead         #SBATCH --signal=B:USR1@%ld   (%.1f x %s, rounded up, at least %d s%s)\n", L->lead_s,
+           AM_LEAD_FACTOR, L->step_s > 0 ? "(step + save)" : "save", AM_LEAD_MIN_S,
+           L->step_s > 0 ? "" : "; one step not counted: add the same for it");
+    if (L->lead_s > 65535)
+        printf("note         sbatch's --signal takes at most 65535 s: write the checkpoints faster (storage, more nodes)\n");
+}
+
+static json_t *lead_json(const struct lead *L)
+{
+    if (!L->enabled)
+        return json_pack("{s:b}", "enabled", 0);
+    const struct am_ckpt_cost *k = &L->cost;
+    json_t *o = json_pack("{s:b,s:f,s:I,s:f,s:f,s:f,s:f,s:f}", "enabled", 1, "bytes", k->bytes, "shards",
+                          (json_int_t)k->writers, "shard_bytes_max", k->rank_bytes, "node_bytes_max", k->node_bytes,
+                          "hf_bytes", k->hf_bytes, "write_bw", L->bw, "save_estimate_s", L->estimate_s);
+    bool logged = L->logs && L->tm.save_s > 0;
+    json_object_set_new(o, "save_s", json_real(L->save_s));
+    json_object_set_new(o, "save_from", json_string(logged ? "logs" : "estimate"));
+    json_object_set_new(o, "step_s", L->step_s > 0 ? json_real(L->step_s) : json_null());
+    json_object_set_new(o, "step_from", L->step_s > 0 ? json_string("logs") : json_null());
+    json_object_set_new(o, "lead_s", json_integer(L->lead_s));
+    char sig[64];
+    snprintf(sig, sizeof(sig), "B:USR1@%ld", L->lead_s);
+    json_object_set_new(o, "signal", json_string(sig));
+    if (L->logs)
+        json_object_set_new(o, "logs",
+                            json_pack("{s:s,s:i,s:i,s:i,s:i,s:i,s:I}", "dir", L->logs, "ranks", L->log_ranks,
+                                      "step_ranks", L->tm.step_ranks, "save_ranks", L->tm.save_ranks, "step_rank",
+                                      L->tm.step_rank, "save_rank", L->tm.save_rank, "save_step",
+                                      (json_int_t)L->tm.save_step));
+    return o;
+}
+
 static json_t *str_array(const struct am_list *l)
 {
     json_t *a = json_array();
@@ -85,7 +200,8 @@ static json_t *memory_json(const struct am_memory *m)
     return o;
 }
 
-static void print_json(const struct am_recipe *r, const struct am_plan *p, bool planned, const struct am_errors *err)
+static void print_json(const struct am_recipe *r, const struct am_plan *p, const struct lead *L, bool planned,
+                       const struct am_errors *err)
 {
     json_t *o = json_object();
     json_t *errors = json_array();
@@ -139,6 +255,7 @@ static void print_json(const struct am_recipe *r, const struct am_plan *p, bool 
         }
         json_object_set_new(o, "tokens_per_step", json_real(p->tokens_per_step));
         json_object_set_new(o, "flops_per_step", json_real(p->flops_per_step));
+        json_object_set_new(o, "checkpoint", lead_json(L));
     }
     /* values the plan assumed because the recipe does not give them */
     json_t *assumed = json_object();
@@ -161,9 +278,11 @@ static void print_json(const struct am_recipe *r, const struct am_plan *p, bool 
     json_decref(o);
 }
 
-static void print_table(const struct am_recipe *r, const struct am_world *w, const struct am_plan *p)
+static void print_table(const struct am_recipe *r, const struct am_world *w, const struct am_plan *p,
+                        const struct lead *L)
 {
     am_plan_print(stdout, r, w, p);
+    print_lead(L);
     for (size_t i = 0; i < r->ignored.n; i++)
         printf("%s %s\n", i ? "            " : "ignored     ", r->ignored.v[i]);
     for (size_t i = 0; i < r->notes.n; i++)
@@ -176,6 +295,8 @@ int main(int argc, char **argv)
                                          {"gpus-per-node", required_argument, 0, 'g'},
                                          {"nvlink-domain", required_argument, 0, 'k'},
                                          {"gpu-mem", required_argument, 0, 'm'},
+                                         {"ckpt-bw", required_argument, 0, 'b'},
+                                         {"logs", required_argument, 0, 'l'},
                                          {"set", required_argument, 0, 's'},
                                          {"json", no_argument, 0, 'j'},
                                          {"help", no_argument, 0, 'h'},
@@ -184,6 +305,7 @@ int main(int argc, char **argv)
     struct am_override ov[64];
     size_t n_ov = 0;
     bool json = false;
+    struct lead lead = {.bw = AM_CKPT_BW};
     int c;
     while ((c = getopt_long(argc, argv, "h", opts, NULL)) != -1) {
         switch (c) {
@@ -204,6 +326,22 @@ int main(int argc, char **argv)
                 fprintf(stderr, "am-plan: --gpu-mem: '%s' is not a size (use e.g. 80G or 141GiB)\n", optarg);
                 return 2;
             }
+            break;
+        case 'b': { /* "2G", "2G/s", "500MiB/s": bytes per second */
+            char v[64];
+            size_t n = strlen(optarg);
+            if (n >= 2 && strcmp(optarg + n - 2, "/s") == 0)
+                n -= 2;
+            snprintf(v, sizeof(v), "%.*s", (int)(n < sizeof(v) ? n : sizeof(v) - 1), optarg);
+            if (n >= sizeof(v) || parse_size(v, &lead.bw) < 0) {
+                fprintf(stderr, "am-plan: --ckpt-bw: '%s' is not a bandwidth (use e.g. 2G or 500M/s: bytes per second "
+                                "per node)\n", optarg);
+                return 2;
+            }
+            break;
+        }
+        case 'l':
+            lead.logs = optarg;
             break;
         case 's':
             if (n_ov == sizeof(ov) / sizeof(ov[0]) || am_override_parse(optarg, &ov[n_ov]) < 0) {
@@ -239,6 +377,13 @@ int main(int argc, char **argv)
     if (!w.nvlink_domain)
         w.nvlink_domain = w.gpus_per_node;
     w.size = w.nodes * w.gpus_per_node;
+    if (lead.logs) {
+        char msg[8192];
+        if (read_logs(lead.logs, &lead, msg, sizeof(msg)) < 0) {
+            fprintf(stderr, "am-plan: --logs: %s\n", msg);
+            return 2;
+        }
+    }
 
     struct am_errors err;
     am_errors_init(&err);
@@ -249,15 +394,16 @@ int main(int argc, char **argv)
         if (am_plan_build(r, &w, &plan, &err) == 0) {
             planned = true;
             am_plan_check_memory(r, &w, &plan, &err);
+            lead_plan(r, &w, &plan, &lead);
         }
     } else if (r) {
         am_validate(r, &w, &err); /* the layout's errors too, all in one run */
     }
     if (json) {
-        print_json(r, &plan, planned, &err);
+        print_json(r, &plan, &lead, planned, &err);
     } else {
         if (planned)
-            print_table(r, &w, &plan);
+            print_table(r, &w, &plan, &lead);
         for (size_t i = 0; i < err.n; i++)
             fprintf(stderr, "error: %s\n", err.msg[i]);
         if (err.truncated)

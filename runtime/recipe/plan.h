@@ -127,6 +127,36 @@ const char *am_format_count(double n, char *buf, size_t len);
 /* "93.1 GiB", or "512.0 MiB" below one GiB. */
 const char *am_format_bytes(double bytes, char *buf, size_t len);
 
+/* ---- plan_ckpt.c: what a sharded checkpoint costs, and the lead of Slurm's warning ---- */
+
+/* A save as am-train writes it (docs/checkpoints.md): each writing rank's shard file holds 12
+ * bytes a parameter it keeps optimizer state for (fp32 master, AdamW's two moments: 1.5 times
+ * the plan's optimizer bytes); with checkpoint.save_consolidated one rank then writes the
+ * Hugging Face export, 4 bytes a parameter. With LoRA the state is the adapters' and the export
+ * their peft files (4 bytes an adapter parameter, written with or without save_consolidated). Ranks sit on nodes in rank order, w->gpus_per_node
+ * to a node. */
+struct am_ckpt_cost {
+    double bytes;      /* the whole checkpoint: every shard and the export */
+    double rank_bytes; /* the largest shard file */
+    double node_bytes; /* the most shard bytes the writing ranks of one node write */
+    double hf_bytes;   /* the Hugging Face export; 0 without save_consolidated */
+    long writers;      /* ranks that write a shard */
+};
+void am_plan_ckpt_cost(const struct am_recipe *r, const struct am_world *w, const struct am_plan *p,
+                       struct am_ckpt_cost *c);
+
+/* The lead of `#SBATCH --signal=B:USR1@LEAD`: the warned ranks finish their step, save and
+ * exit before the time limit, so LEAD covers one step and one save with a margin:
+ *   LEAD = ceil(AM_LEAD_FACTOR * (step_s + save_s)), at least AM_LEAD_MIN_S
+ * (step_s < 0: not known, left out). AM_CKPT_BW is the write bandwidth per node assumed
+ * without a measured one (bytes/s). */
+#define AM_LEAD_FACTOR 1.5
+#define AM_LEAD_MIN_S 60
+#define AM_CKPT_BW (1024.0 * 1024 * 1024)
+/* A save's time at bw bytes/s per node: the busiest node's shards, then the export. */
+double am_plan_save_s(const struct am_ckpt_cost *c, double bw);
+long am_plan_lead_s(double step_s, double save_s);
+
 /* ---- validate.c ---- */
 
 /* The layout rules. With w NULL, only the rules that need no knowledge of the job's size

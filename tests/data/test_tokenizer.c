@@ -19,7 +19,8 @@
 
 static const char *tokfile(const char *name) { return srcpath(pathf("tests/data/tokenizer/%s", name)); }
 
-static void check_style(const char *style)
+/* extra: a second file of texts, after texts.bin (the SentencePiece-style tokenizers') */
+static void check_style(const char *style, const char *extra)
 {
     struct am_errors err;
     am_errors_init(&err);
@@ -28,6 +29,15 @@ static void check_style(const char *style)
         expect_no_error(&err);
     size_t nt, ni;
     unsigned char *texts = slurp(tokfile("texts.bin"), &nt);
+    if (extra) {
+        size_t ne;
+        unsigned char *more = slurp(tokfile(extra), &ne);
+        texts = realloc(texts, nt + 1 + ne + 1);
+        texts[nt] = '\0';
+        memcpy(texts + nt + 1, more, ne);
+        nt += 1 + ne;
+        free(more);
+    }
     char *ids = (char *)slurp(tokfile(pathf("%s.ids", style)), &ni);
     ids[ni] = '\0';
     /* the texts, NUL-separated */
@@ -75,10 +85,19 @@ static void check_style(const char *style)
     free(ids);
 }
 
-static void test_gpt2(void **state) { (void)state; check_style("gpt2"); }
-static void test_llama3(void **state) { (void)state; check_style("llama3"); }
-static void test_qwen2(void **state) { (void)state; check_style("qwen2"); }
-static void test_qwen35(void **state) { (void)state; check_style("qwen35"); }
+static void test_gpt2(void **state) { (void)state; check_style("gpt2", NULL); }
+static void test_llama3(void **state) { (void)state; check_style("llama3", NULL); }
+static void test_qwen2(void **state) { (void)state; check_style("qwen2", NULL); }
+static void test_qwen35(void **state) { (void)state; check_style("qwen35", NULL); }
+/* SentencePiece-style BPE: Llama 2 (Prepend + Replace, the whole text one word), Mistral
+ * (Metaspace "first"), and Metaspace "always" with split, NFC, half the byte tokens and
+ * unfused <unk> */
+static void test_llama2(void **state) { (void)state; check_style("llama2", "texts_spm.bin"); }
+static void test_mistral(void **state) { (void)state; check_style("mistral", "texts_spm.bin"); }
+static void test_spm_unk(void **state) { (void)state; check_style("spm_unk", "texts_spm.bin"); }
+/* Llama 2's file as it was made: a model trained by `sentencepiece` with Llama 2's settings,
+ * converted as transformers' LlamaConverter converts it (merges from the pieces' scores) */
+static void test_llama2_sp(void **state) { (void)state; check_style("llama2_sp", "texts_spm.bin"); }
 
 /* Python's bytes.decode("utf-8", "replace"): one U+FFFD per maximal invalid subpart. */
 static void test_utf8_repair(void **state)
@@ -114,16 +133,17 @@ static void test_utf8_repair(void **state)
     assert_int_equal(am_uni_flags(0x180e), 0); /* not White_Space since Unicode 6.3 */
 }
 
-/* Writes gpt2.json with `from` replaced by `to` (once) and loads it: the message. */
-static void expect_refusal(const char *from, const char *to, const char *want)
+/* Writes BASE (a committed tokenizer) with `from` replaced by `to` (once) and loads it: the
+ * message. */
+static void expect_refusal_in(const char *base, const char *from, const char *to, const char *want)
 {
     char *dir = scratch_dir();
     size_t n;
-    char *js = (char *)slurp(tokfile("gpt2.json"), &n);
+    char *js = (char *)slurp(tokfile(base), &n);
     js[n] = '\0';
     char *at = strstr(js, from);
     if (!at)
-        fail_msg("gpt2.json has no %s", from);
+        fail_msg("%s has no %s", base, from);
     const char *path = pathf("%s/tokenizer.json", dir);
     FILE *f = fopen(path, "wb");
     assert_non_null(f);
@@ -141,23 +161,36 @@ static void expect_refusal(const char *from, const char *to, const char *want)
     rm_tree(dir);
 }
 
+static void expect_refusal(const char *from, const char *to, const char *want)
+{
+    expect_refusal_in("gpt2.json", from, to, want);
+}
+
 static void test_refusals(void **state)
 {
     (void)state;
     expect_refusal("\"normalizer\": null", "\"normalizer\": {\"type\":\"NFKC\"}",
-                   "normalizer \"NFKC\": am implements NFC (Qwen 2/3) or none; another normalizer would change the "
-                   "text and give other ids");
+                   "normalizer \"NFKC\": am implements NFC (Qwen 2/3), Prepend and Replace with a string pattern "
+                   "(Llama 2), a Sequence of those, or none; another normalizer would change the text and give other "
+                   "ids");
+    expect_refusal("\"normalizer\": null",
+                   "\"normalizer\": {\"type\":\"Sequence\",\"normalizers\":[{\"type\":\"Prepend\",\"prepend\":"
+                   "\"x\"},{\"type\":\"Replace\",\"pattern\":{\"Regex\":\" +\"},\"content\":\"_\"}]}",
+                   "normalizer Replace: am implements a non-empty {\"String\": ...} pattern and a string content "
+                   "(Llama 2's \" \" -> \"\u2581\"); a Regex pattern needs a regex engine, which am does not have");
     expect_refusal("\"type\": \"BPE\"", "\"type\": \"WordPiece\"",
                    "model type \"WordPiece\": am implements BPE only (WordPiece, Unigram and WordLevel are not "
                    "implemented)");
-    expect_refusal("\"byte_fallback\": false", "\"byte_fallback\": true",
-                   "model.byte_fallback true: SentencePiece-style BPE (Llama 2, Mistral) is not implemented; am "
-                   "implements byte-level BPE");
     expect_refusal("\"dropout\": null", "\"dropout\": 0.1",
                    "model.dropout: BPE dropout makes encoding random; am encodes deterministically");
     expect_refusal("\"pre_tokenizer\": {\n    \"type\": \"ByteLevel\"", "\"pre_tokenizer\": {\"type\": \"Whitespace\"",
                    "pre_tokenizer Whitespace: am implements ByteLevel, or a Split with a known pattern followed by "
-                   "ByteLevel (GPT-2, Llama 3, Qwen 2/3)");
+                   "ByteLevel (GPT-2, Llama 3, Qwen 2/3), Metaspace alone (Mistral), or none (Llama 2)");
+    expect_refusal("\"pre_tokenizer\": {\n    \"type\": \"ByteLevel\"",
+                   "\"pre_tokenizer\":{\"type\":\"Sequence\",\"pretokenizers\":[{\"type\":\"Metaspace\","
+                   "\"replacement\":\"_\"},{\"type\":\"Digits\"}]},\"x\":{\"type\":\"ByteLevel\"",
+                   "pre_tokenizer Metaspace (in a Sequence): am implements ByteLevel, or a Split with a known pattern "
+                   "followed by ByteLevel (GPT-2, Llama 3, Qwen 2/3), Metaspace alone (Mistral), or none (Llama 2)");
     expect_refusal("\"pre_tokenizer\": {\n    \"type\": \"ByteLevel\"",
                    "\"pre_tokenizer\":{\"type\":\"Sequence\",\"pretokenizers\":[{\"type\":\"Split\",\"pattern\":"
                    "{\"Regex\":\"\\\\w+\"},\"behavior\":\"Isolated\",\"invert\":false},{\"type\":\"ByteLevel\","
@@ -172,7 +205,148 @@ static void test_refusals(void **state)
                    "exactly where they occur)");
     expect_refusal("\"Ā\": ", "\"no-such\": ",
                    "model.vocab has no token for byte 0x00 (\"Ā\"): a byte-level BPE vocabulary holds all 256 bytes "
-                   "(am implements byte-level BPE only)");
+                   "(the ByteLevel pre-tokenizer writes every byte as one of them)");
+    /* SentencePiece-style */
+    expect_refusal_in("spm_unk.json", "\"unk_token\": \"<unk>\"", "\"unk_token\": \"<nope>\"",
+                      "model.unk_token \"<nope>\" is not in model.vocab: the tokenizers library fails on any text "
+                      "with a character outside the vocabulary (and not written by byte_fallback); add the token or "
+                      "set unk_token to null");
+    expect_refusal_in("mistral.json", "\"prepend_scheme\": \"first\"", "\"prepend_scheme\": \"sometimes\"",
+                      "pre_tokenizer Metaspace: prepend_scheme must be \"first\", \"always\" or \"never\"");
+    expect_refusal_in("mistral.json", "\"prepend_scheme\": \"first\"", "\"add_prefix_space\": false",
+                      "pre_tokenizer Metaspace: add_prefix_space false does not match prepend_scheme (the tokenizers "
+                      "library refuses this file too)");
+    expect_refusal_in("mistral.json", "\"replacement\": \"▁\"", "\"replacement\": \"▁▁\"",
+                      "pre_tokenizer Metaspace: its replacement must be one character");
+    expect_refusal_in("llama2.json", "\"continuing_subword_prefix\": null", "\"continuing_subword_prefix\": \"##\"",
+                      "model.continuing_subword_prefix / end_of_word_suffix: not implemented (the BPE of GPT-2, "
+                      "Llama 2 and 3, Mistral and Qwen does not use them)");
+}
+
+/* Llama 2 makes a whole line one word: a 4 MiB line (words, runs of spaces, CJK and emoji
+ * outside the vocabulary) encodes in time only with a merge of O(n log n), and its tokens
+ * spell the normalized line exactly ("\u2581" before it and for every space, byte tokens
+ * for what the vocabulary lacks). */
+static void test_long_line(void **state)
+{
+    (void)state;
+    struct am_errors err;
+    am_errors_init(&err);
+    struct am_tokenizer *t;
+    const char *path = tokfile("llama2.json");
+    if (am_tokenizer_load(path, &t, &err) < 0)
+        expect_no_error(&err);
+    json_t *root = json_load_file(path, 0, NULL);
+    json_t *vocab = json_object_get(json_object_get(root, "model"), "vocab");
+    const char **str = calloc((size_t)am_tokenizer_vocab_size(t), sizeof(char *));
+    const char *key;
+    json_t *v;
+    json_object_foreach(vocab, key, v)
+        str[json_integer_value(v)] = key;
+    static const char *const parts[] = {"the ", "quick ", "brown fox", "  ", "    ", ". ", ", ", "jumps ", "中文",
+                                        "\xf0\x9f\x91\x8d", "e ", "\n", "\xea\x99\xae", "tokenizer", "don't "};
+    size_t cap = (size_t)4 << 20, len = 0;
+    char *text = malloc(cap + 16);
+    uint64_t x = 88172645463325252ull;
+    while (len < cap) {
+        x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+        const char *p = parts[x % (sizeof(parts) / sizeof(parts[0]))];
+        memcpy(text + len, p, strlen(p));
+        len += strlen(p);
+    }
+    struct am_tok_state *s = am_tok_state_new();
+    struct am_tok_ids out = {0};
+    assert_int_equal(am_tokenizer_encode(t, s, text, len, false, &out, &err), 0);
+    /* spell it back */
+    char *spelt = malloc(4 * len + 16);
+    size_t m = 0;
+    for (size_t i = 0; i < out.n; i++) {
+        int32_t id = out.ids[i];
+        unsigned b;
+        if (id == am_tokenizer_token_id(t, "tokenizer")) { /* the normalized added token: "\u2581tokenizer" */
+            memcpy(spelt + m, "\xe2\x96\x81tokenizer", 12);
+            m += 12;
+        } else if (sscanf(str[id], "<0x%2X>", &b) == 1 && strlen(str[id]) == 6) {
+            spelt[m++] = (char)b;
+        } else {
+            memcpy(spelt + m, str[id], strlen(str[id]));
+            m += strlen(str[id]);
+        }
+    }
+    char *want = malloc(4 * len + 16);
+    size_t w = 0;
+    memcpy(want, "\xe2\x96\x81", 3), w = 3;
+    for (size_t i = 0; i < len; i++)
+        if (text[i] == ' ')
+            memcpy(want + w, "\xe2\x96\x81", 3), w += 3;
+        else
+            want[w++] = text[i];
+    assert_int_equal(m, w);
+    assert_memory_equal(spelt, want, w);
+    assert_true(out.n < len / 2); /* merged, not left in characters */
+    print_message("llama2: a line of %zu bytes in %zu tokens\n", len, out.n);
+    free(spelt);
+    free(want);
+    free(text);
+    free(str);
+    json_decref(root);
+    am_tok_ids_free(&out);
+    am_tok_state_free(s);
+    am_tokenizer_free(t);
+}
+
+/* Llama 2 with an unk_token outside the vocabulary: every byte has a token, so no character
+ * needs unk_token and the library encodes (ids from tokenizers 0.23.3); so does am. And an
+ * empty pre-tokenizer Sequence. */
+static void test_unk_not_needed(void **state)
+{
+    (void)state;
+    char *dir = scratch_dir();
+    size_t n;
+    char *js = (char *)slurp(tokfile("llama2.json"), &n);
+    js[n] = '\0';
+    char *at = strstr(js, "\"unk_token\": \"<unk>\"");
+    assert_non_null(at);
+    memcpy(at + strlen("\"unk_token\": \"<"), "nop", 3); /* "<nop>" */
+    spit(pathf("%s/tokenizer.json", dir), js, n);
+    struct am_errors err;
+    am_errors_init(&err);
+    struct am_tokenizer *t;
+    if (am_tokenizer_load(dir, &t, &err) < 0)
+        expect_no_error(&err);
+    struct am_tok_state *s = am_tok_state_new();
+    struct am_tok_ids out = {0};
+    const char *text = "hello \xea\x99\xae"; /* U+A66E, not in the vocabulary */
+    assert_int_equal(am_tokenizer_encode(t, s, text, strlen(text), true, &out, &err), 0);
+    const int32_t want[] = {1, 377, 418, 299, 299, 302, 377, 237, 156, 177};
+    assert_int_equal(out.n, 10);
+    assert_memory_equal(out.ids, want, sizeof(want));
+    am_tokenizer_free(t);
+    free(js);
+    /* Mistral's with an empty Sequence for its pre-tokenizer: no pre-tokenization at all
+     * (spaces stay spaces, byte tokens) */
+    js = (char *)slurp(tokfile("mistral.json"), &n);
+    js[n] = '\0';
+    char *a = strstr(js, "\"pre_tokenizer\": {"), *b = strstr(a, "},") + 1;
+    FILE *f = fopen(pathf("%s/tokenizer.json", dir), "wb");
+    assert_non_null(f);
+    fwrite(js, 1, (size_t)(a - js), f);
+    fputs("\"pre_tokenizer\": {\"type\": \"Sequence\", \"pretokenizers\": []}", f);
+    fputs(b, f);
+    fclose(f);
+    if (am_tokenizer_load(dir, &t, &err) < 0)
+        expect_no_error(&err);
+    text = "The quick  fox, \xea\x99\xae!";
+    out.n = 0;
+    assert_int_equal(am_tokenizer_encode(t, s, text, strlen(text), true, &out, &err), 0);
+    const int32_t want2[] = {1, 287, 418, 35, 575, 573, 35, 35, 293, 574, 268, 35, 237, 156, 177, 261};
+    assert_int_equal(out.n, 16);
+    assert_memory_equal(out.ids, want2, sizeof(want2));
+    am_tok_ids_free(&out);
+    am_tok_state_free(s);
+    am_tokenizer_free(t);
+    free(js);
+    rm_tree(dir);
 }
 
 /* ---- am-data build --tokenizer --------------------------------------------------------------- */
@@ -190,12 +364,13 @@ static const char *am_data(void)
 }
 
 /* The committed texts that are valid UTF-8, as JSONL rows {"text": ...} (repeated `times`),
- * and their expected ids (with special tokens) from llama3.ids. Returns the number of rows. */
-static size_t write_jsonl(const char *path, int times, int32_t ***want, size_t **want_n)
+ * and their expected ids (with special tokens) from IDS (llama3.ids, ...). Returns the number
+ * of rows. */
+static size_t write_jsonl(const char *path, const char *ids_file, int times, int32_t ***want, size_t **want_n)
 {
     size_t nt, ni;
     unsigned char *texts = slurp(tokfile("texts.bin"), &nt);
-    char *ids = (char *)slurp(tokfile("llama3.ids"), &ni);
+    char *ids = (char *)slurp(tokfile(ids_file), &ni);
     ids[ni] = '\0';
     FILE *f = fopen(path, "wb");
     assert_non_null(f);
@@ -274,7 +449,7 @@ static void test_build_jsonl(void **state)
     int32_t **want;
     size_t *want_n;
     const char *in = pathf("%s/in.jsonl", dir);
-    size_t rows = write_jsonl(in, 100, &want, &want_n); /* about 5 chunks of 1 MiB */
+    size_t rows = write_jsonl(in, "llama3.ids", 100, &want, &want_n); /* about 5 chunks of 1 MiB */
     const char *tok = tokfile("llama3.json");
     assert_int_equal(run(pathf("'%s' build --tokenizer '%s' --out '%s/one' --threads 1 '%s' > '%s/out1'", am_data(), tok,
                                dir, in, dir)), 0);
@@ -316,6 +491,34 @@ static void test_build_jsonl(void **state)
     free(want);
     free(want_n);
     rm_tree(dir);
+}
+
+/* am-data build with SentencePiece-style tokenizers given as model directories: the
+ * documents' ids are the library's */
+static void test_build_spm(void **state)
+{
+    (void)state;
+    static const char *const styles[] = {"llama2", "mistral"};
+    for (int k = 0; k < 2; k++) {
+        char *dir = scratch_dir();
+        int32_t **want;
+        size_t *want_n;
+        const char *in = pathf("%s/in.jsonl", dir);
+        size_t rows = write_jsonl(in, pathf("%s.ids", styles[k]), 3, &want, &want_n);
+        size_t n;
+        unsigned char *js = slurp(tokfile(pathf("%s.json", styles[k])), &n);
+        assert_int_equal(mkdir(pathf("%s/model", dir), 0700), 0);
+        spit(pathf("%s/model/tokenizer.json", dir), js, n);
+        free(js);
+        assert_int_equal(run(pathf("'%s' build --tokenizer '%s/model' --out '%s/ds' --threads 2 '%s' > /dev/null",
+                                   am_data(), dir, dir, in)), 0);
+        expect_docs(pathf("%s/ds", dir), want, want_n, rows);
+        for (size_t r = 0; r < rows; r++)
+            free(want[r]);
+        free(want);
+        free(want_n);
+        rm_tree(dir);
+    }
 }
 
 static void test_build_text_and_errors(void **state)
@@ -429,8 +632,12 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_utf8_repair), cmocka_unit_test(test_gpt2),   cmocka_unit_test(test_llama3),
-        cmocka_unit_test(test_qwen2),       cmocka_unit_test(test_qwen35), cmocka_unit_test(test_refusals),
-        cmocka_unit_test(test_build_jsonl), cmocka_unit_test(test_build_text_and_errors),
+        cmocka_unit_test(test_qwen2),       cmocka_unit_test(test_qwen35), cmocka_unit_test(test_llama2),
+        cmocka_unit_test(test_mistral),     cmocka_unit_test(test_spm_unk), cmocka_unit_test(test_llama2_sp),
+        cmocka_unit_test(test_refusals),
+        cmocka_unit_test(test_unk_not_needed), cmocka_unit_test(test_long_line),
+        cmocka_unit_test(test_build_jsonl), cmocka_unit_test(test_build_spm),
+        cmocka_unit_test(test_build_text_and_errors),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

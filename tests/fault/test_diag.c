@@ -2,7 +2,8 @@
  * victims, hangs outside and inside a collective, missing ranks, a cut last line, mismatches,
  * stragglers, a job stopped from outside, exits without a cause, and the JSON fields; and
  * hostile or broken logs (each once a crash or a wrong answer): ranks named outside the job,
- * UTF-8 cut by truncation, absurd times, terminal escapes, unreadable files, oversized logs. */
+ * UTF-8 cut by truncation, absurd times, terminal escapes, unreadable files, oversized logs;
+ * and am-plan's reading of the step and save times. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -1117,6 +1118,67 @@ static void test_unreadable_files(void **state)
     assert_int_equal(system(path), 0);
 }
 
+/* am-plan's reading (diag_timing.c): with d.timing, step records leave their times in the
+ * rank's ring only (none stored), flight and groups records are skipped; the step time is the
+ * slowest rank's median of its last AM_DIAG_RECENT_STEPS, the save the longest of each rank's
+ * last AM_DIAG_RECENT_SAVES. */
+static void test_timing(void **state)
+{
+    (void)state;
+    static struct log l;
+    struct am_diag d;
+    am_diag_init(&d);
+    d.timing = 1;
+    /* rank 0: 100 steps of 7 s, then AM_DIAG_RECENT_STEPS of 1 s (median 1); saves of 50 s
+     * (step 10: older than its last 4), then 3, 4, 5 and 6 s (step 50) */
+    start(&l, 0, 2, "h0");
+    for (int s = 1; s <= 100 + AM_DIAG_RECENT_STEPS; s++)
+        line(&l, "{\"type\":\"step\",\"step\":%d,\"loss\":5.0,\"step_s\":%.1f,\"comm_s\":0.5,\"time\":%.6f}", s,
+             s <= 100 ? 7.0 : 1.0, T0 + s);
+    static const double saves[] = {50, 3, 4, 5, 6};
+    for (int i = 0; i < 5; i++)
+        line(&l, "{\"type\":\"checkpoint\",\"step\":%d,\"dir\":\"/c/step-%d\",\"seconds\":%.1f,\"format\":\"sharded\","
+                 "\"writes\":true,\"time\":%.6f}", 10 * (i + 1), 10 * (i + 1), saves[i], T0 + 10 * (i + 1));
+    flight(&l, 3, NULL, -1, 100);
+    add(&d, 0, &l);
+    /* rank 1: 4 steps of 1.5, 2.5, 2.0 and 3.0 s (median 2.25: the slowest), one save of 5.5 s */
+    start(&l, 1, 2, "h1");
+    static const double st[] = {1.5, 2.5, 2.0, 3.0};
+    for (int s = 0; s < 4; s++)
+        line(&l, "{\"type\":\"step\",\"step\":%d,\"loss\":5.0,\"step_s\":%.1f,\"comm_s\":0.5,\"time\":%.6f}", s + 1,
+             st[s], T0 + s + 1);
+    line(&l, "{\"type\":\"checkpoint\",\"step\":2,\"dir\":\"/c/step-2\",\"seconds\":5.5,\"time\":%.6f}", T0 + 2);
+    add(&d, 1, &l);
+    const struct am_diag_rank *r0 = am_diag_rank_find(&d, 0);
+    assert_non_null(r0);
+    assert_int_equal(r0->n_steps, 0);
+    assert_int_equal(r0->n_flight, 0);
+    assert_int_equal(r0->n_groups, 0);
+    assert_int_equal(r0->n_step_s, 100 + AM_DIAG_RECENT_STEPS);
+    assert_int_equal(r0->n_save_s, 5);
+    struct am_diag_timing t;
+    am_diag_timing(&d, &t);
+    assert_float_equal(t.step_s, 2.25, 0);
+    assert_int_equal(t.step_rank, 1);
+    assert_int_equal(t.step_ranks, 2);
+    assert_float_equal(t.save_s, 6.0, 0);
+    assert_int_equal(t.save_rank, 0);
+    assert_int_equal(t.save_step, 50);
+    assert_int_equal(t.save_ranks, 2);
+    am_diag_free(&d);
+    /* a log without steps or saves: both unknown */
+    am_diag_init(&d);
+    d.timing = 1;
+    start(&l, 0, 1, "h0");
+    add(&d, 0, &l);
+    am_diag_timing(&d, &t);
+    assert_true(t.step_s < 0 && t.save_s < 0);
+    assert_int_equal(t.step_rank, -1);
+    assert_int_equal(t.save_rank, -1);
+    assert_int_equal(t.step_ranks + t.save_ranks, 0);
+    am_diag_free(&d);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -1142,6 +1204,7 @@ int main(void)
         cmocka_unit_test(test_terminal_escapes),
         cmocka_unit_test(test_one_note_per_log),
         cmocka_unit_test(test_unreadable_files),
+        cmocka_unit_test(test_timing),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -14,7 +14,12 @@
 #   re-sharding: a checkpoint saved at one layout and strategy restores into another, AdamW's
 #     moments included, and the losses of the steps after it and the final weights (the
 #     Hugging Face export of checkpoint.save_consolidated) match the one-rank run within the
-#     parity tolerances (losses 1e-5, weights 5e-5: test-parity.sh);
+#     parity tolerances (losses 1e-5, weights 5e-5: test-parity.sh); mixtures of experts too
+#     (ep 2 x dp 4 to 1 rank, to dp 2 and to tp 2; tp 2 x dp 2 to ep 2 x dp 2; 1 rank to
+#     megatron_fsdp ZeRO 3 at dp 4);
+#   am-plan: its bytes of a checkpoint (the largest shard file, the most one node of 4 ranks
+#     writes) are those of the files the 8-rank job wrote, and with --logs it takes the save
+#     and step times the job's ranks recorded;
 #   am-ckpt: show prints the layout and state of a checkpoint; export writes the Hugging Face
 #     directory offline, the same bytes as save_consolidated's, and refuses a damaged shard;
 #   Slurm's warning: SIGUSR1 to am-launch after step 2 makes both ranks save the same step and
@@ -237,7 +242,9 @@ source_run() {
     recipe "$name" "$mods,every3"
     launch "$name" "$name" "$n" "$@" || { bad "source $name did not train"; sed 's/^/    /' "$work/out-$name"; return 1; }
 }
-# reshard SRC NAME N MODS [OVERRIDES]: restores SRC's step 3 at another layout, trains steps 4-6
+# reshard SRC NAME N MODS [OVERRIDES]: restores SRC's step 3 at another layout, trains steps 4-6,
+# compared with the one-rank run $reshard_ref (ref1; ref1-moe for the mixtures of experts)
+reshard_ref=ref1
 reshard() {
     local src=$1 name=$2 n=$3 mods=$4
     shift 4
@@ -247,13 +254,13 @@ reshard() {
     fi
     local got cmp
     got=$(steps_of "$name" | awk '{print $1}' | tr '\n' ' ')
-    cmp=$(join -j1 <(steps_of "$name" | sort -k1,1) <(sort -k1,1 "$work/losses-ref1") | awk -v lt="$loss_tol" '
+    cmp=$(join -j1 <(steps_of "$name" | sort -k1,1) <(sort -k1,1 "$work/losses-$reshard_ref") | awk -v lt="$loss_tol" '
         { d = $2 - $4; if (d < 0) d = -d; if (d > w) w = d; n++ } END { printf "%.2g", w; exit !(n == 3 && w <= lt) }')
     local rc=$?
     if [ "$got" != "4 5 6 " ] || [ $rc != 0 ]; then
         bad "$src -> $name: steps '$got' (want '4 5 6 '), largest loss difference $cmp (tolerance $loss_tol)"; return
     fi
-    if ! "$AM_BUILDDIR/tests/train/ckpt_diff" "$work/ckpt-ref1/step-$steps/hf" "$work/ckpt-$name/step-$steps/hf" \
+    if ! "$AM_BUILDDIR/tests/train/ckpt_diff" "$work/ckpt-$reshard_ref/step-$steps/hf" "$work/ckpt-$name/step-$steps/hf" \
         "$weight_tol" >"$work/wdiff-$name" 2>&1; then
         bad "$src -> $name: final weights differ from one rank's: $(cat "$work/wdiff-$name")"; return
     fi
@@ -263,6 +270,31 @@ source_run s-tp2pp2dp2 8 hf AM_TP=2 AM_PP=2 && {
     reshard s-tp2pp2dp2 to-1 1 -
     reshard s-tp2pp2dp2 to-tp4dp2 8 - AM_TP=4
 }
+# am-plan's checkpoint bytes against the files of that job (2 nodes of 4 ranks: ranks 0-3, 4-7),
+# and its lead from the job's logs: the longest save and the slowest rank's median step
+plan=$("$AM_BUILDDIR/am-plan" "$work/s-tp2pp2dp2.yaml" --nodes 2 --gpus-per-node 4 --set distributed.tp_size=2 \
+    --set distributed.pp_size=2 --logs "$work/logs-s-tp2pp2dp2" --json 2>&1)
+field() { sed -nE "s/.*\"checkpoint\":\{[^}]*\"$1\":([^,}]*).*/\1/p" <<<"$plan"; }
+files=$work/ckpt-s-tp2pp2dp2/step-6
+big=$(stat -c %s "$files"/rank-*.bin | sort -n | tail -1)
+node0=$(stat -c %s "$files"/rank-0000[0-3].bin | awk '{ s += $1 } END { print s }')
+node1=$(stat -c %s "$files"/rank-0000[4-7].bin | awk '{ s += $1 } END { print s }')
+save=$(cat "$work"/logs-s-tp2pp2dp2/*/rank-*.jsonl | grep '"type":"checkpoint"' | sed -E 's/.*"seconds":([^,}]*).*/\1/' |
+    sort -g | tail -1)
+step=$(for f in "$work"/logs-s-tp2pp2dp2/*/rank-*.jsonl; do
+    grep '"type":"step"' "$f" | sed -E 's/.*"step_s":([^,}]*).*/\1/' | sort -g |
+        awk '{ v[NR] = $1 } END { print (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2 }'
+done | sort -g | tail -1)
+if awk -v a="$(field shard_bytes_max)" -v b="$big" -v n="$(field node_bytes_max)" -v n0="$node0" -v n1="$node1" \
+    -v s="$(field save_s)" -v S="$save" -v t="$(field step_s)" -v T="$step" -v l="$(field lead_s)" 'BEGIN {
+        m = n0 > n1 ? n0 : n1; ls = int(1.5 * (S + T)); if (ls < 1.5 * (S + T)) ls++; if (ls < 60) ls = 60
+        exit !(a == b && n == m && (s - S) ^ 2 <= (1e-6 * S) ^ 2 && (t - T) ^ 2 <= (1e-6 * T) ^ 2 && (l - ls) ^ 2 <= 1) }' &&
+    grep -q '"save_from":"logs","step_s":[0-9.e-]*,"step_from":"logs"' <<<"$plan"; then
+    ok "am-plan: the largest shard $big bytes and the busiest node's $((node0 > node1 ? node0 : node1)) are the job's files; save $save s and step $step s from its logs"
+else
+    bad "am-plan against the 8-rank job: largest shard $big, nodes $node0 and $node1, save $save s, median step $step s:"
+    echo "$plan" | sed 's/^/    /'
+fi
 # am-ckpt: what the 8-rank checkpoint holds, and its export offline: the same bytes as the
 # Hugging Face directory the job wrote (save_consolidated), a damaged shard refused
 src8=$work/ckpt-s-tp2pp2dp2/step-6
@@ -293,6 +325,23 @@ source_run s-1 1 - && reshard s-1 to-tp2pp2 4 - AM_TP=2 AM_PP=2
 source_run s-mz1-tp2dp2 4 mz1 AM_TP=2 && reshard s-mz1-tp2dp2 to-hsdp4 4 hsdp
 source_run s-pp2il 2 il AM_PP=2 && reshard s-pp2il to-dp2-z2 2 mz2
 source_run s-cp2dp2 4 - AM_CP=2 && reshard s-cp2dp2 to-tp2cp2 4 - AM_TP=2 AM_CP=2
+# mixtures of experts (Mixtral's layers, 4 experts): the experts' state saved at expert-parallel
+# and tensor-parallel layouts restored at others, against the one-rank run
+recipe ref1-moe moe,hf,every3
+if launch ref1-moe ref1-moe 1 && steps_of ref1-moe >"$work/losses-ref1-moe" &&
+    [ "$(wc -l <"$work/losses-ref1-moe")" = "$steps" ]; then
+    reshard_ref=ref1-moe
+    source_run s-moe-ep2dp4 4 moe AM_EP=2 && {
+        reshard s-moe-ep2dp4 to-moe-1 1 moe
+        reshard s-moe-ep2dp4 to-moe-dp2 2 moe
+        reshard s-moe-ep2dp4 to-moe-tp2 2 moe AM_TP=2
+    }
+    source_run s-moe-tp2dp2 4 moe AM_TP=2 && reshard s-moe-tp2dp2 to-moe-ep2dp2 2 moe AM_EP=2
+    source_run s-moe-1 1 moe && reshard s-moe-1 to-moe-mz3dp4 4 moe,mz3
+    reshard_ref=ref1
+else
+    bad "ref1-moe did not train"; sed 's/^/    /' "$work/out-ref1-moe"
+fi
 
 # ---- refusals -------------------------------------------------------------------------------------------
 # refuse NAME N MODS MESSAGE [SETUP...]: a copy of ref1's step-3 damaged by SETUP (run in it)

@@ -116,5 +116,96 @@ check "bad count" 2 "am-plan: --nodes: 'zero' is not a whole number from 1 to 10
 check "bad --set" 2 "am-plan: --set: expected KEY=VALUE" -- "$bin" "$recipes/tiny.yaml" --set tp_size
 check "no recipe" 2 "usage: am-plan RECIPE" -- "$bin"
 
+# ---- the lead of Slurm's warning (docs/checkpoints.md) ------------------------------------------------
+# llama70b on 8 x 8 (fsdp2, dp_shard 2): all 64 ranks write their shard; the Hugging Face export
+# (save_consolidated, true by default) 4 bytes a parameter; at 1 GiB/s per node by default
+check "llama70b's checkpoint" 0 \
+    "checkpoint   1051.4 GiB a save: 64 shards, the largest 12.7 GiB, 101.5 GiB from one node at most; Hugging Face export 262.8 GiB from one rank" \
+    -- "$bin" "$recipes/llama70b.yaml" --nodes 8 --gpus-per-node 8
+# (101.5 GiB of shards + 262.8 GiB of export) / 1 GiB/s = 364.3 s; x 1.5 = 546.5
+check "llama70b's save estimate" 0 "save         364.3 s estimated at 1.0 GiB/s per node (--ckpt-bw)" \
+    -- "$bin" "$recipes/llama70b.yaml" --nodes 8 --gpus-per-node 8
+check "llama70b's step is not known" 0 \
+    "step         not known: give a run's log directory with --logs DIR (its steps' step_s)" \
+    -- "$bin" "$recipes/llama70b.yaml" --nodes 8 --gpus-per-node 8
+check "llama70b's lead" 0 \
+    "lead         #SBATCH --signal=B:USR1@547   (1.5 x save, rounded up, at least 60 s; one step not counted: add the same for it)" \
+    -- "$bin" "$recipes/llama70b.yaml" --nodes 8 --gpus-per-node 8
+# the largest shard: the last stage's tp slice of 20 layers and the head, halved over dp_shard:
+# 1135382528 elements x 12 B; a node holds one (pp, dp_shard) slice's 8 tp ranks
+check "json: llama70b's checkpoint" 0 \
+    '"checkpoint":{"enabled":true,"bytes":1128970092544.0,"shards":64,"shard_bytes_max":13624590336.0,"node_bytes_max":108996722688.0,"hf_bytes":282214825984.0,"write_bw":1073741824.0,"save_estimate_s":364.34414672851562,"save_s":364.34414672851562,"save_from":"estimate","step_s":null,"step_from":null,"lead_s":547,"signal":"B:USR1@547"}' \
+    -- "$bin" "$recipes/llama70b.yaml" --nodes 8 --gpus-per-node 8 --json
+# 4 GiB/s per node: 91.1 s, lead ceil(136.6) = 137
+check "a faster filesystem" 0 "lead         #SBATCH --signal=B:USR1@137   (1.5 x save" \
+    -- "$bin" "$recipes/llama70b.yaml" --nodes 8 --gpus-per-node 8 --ckpt-bw 4GiB/s
+check "checkpoints disabled: no lead" 0 \
+    "checkpoint   disabled (checkpoint.enabled): nothing is saved when Slurm warns the job; no --signal lead" \
+    -- "$bin" "$recipes/tiny.yaml" --gpus-per-node 2
+check "json: checkpoints disabled" 0 '"checkpoint":{"enabled":false}' \
+    -- "$bin" "$recipes/tiny.yaml" --gpus-per-node 2 --json
+check "bad bandwidth" 2 "am-plan: --ckpt-bw: '1Q/s' is not a bandwidth (use e.g. 2G or 500M/s: bytes per second per node)" \
+    -- "$bin" "$recipes/tiny.yaml" --ckpt-bw 1Q/s
+check "no such log directory" 2 \
+    "am-plan: --logs: /nonexistent-logs: No such file or directory (give the job's log directory: <log dir>/<job id>, holding rank-<R>.jsonl)" \
+    -- "$bin" "$recipes/tiny.yaml" --logs /nonexistent-logs
+
+# a run's logs (job 4242, 3 ranks): rank 0 stepped 9.0 s for 70 steps, then 2.0 s for its last 64
+# (its recent median 2.0); rank 1 alternated 2.4 and 2.6 s (median 2.5: the slowest rank);
+# rank 2 stepped 2.2 s, with a flight record and a cut last line. Saves every 20 steps: rank
+# 0's took 95.0 s (step 20: older than its last 4), then 30.0 ... 41.5 s (step 120); rank 1's at
+# most 40.0; rank 2's one 12.0. The lead: ceil(1.5 x (2.5 + 41.5)) = 66 s.
+logs=$(mktemp -d)
+trap 'rm -rf "$logs"' EXIT
+mkdir -p "$logs/4242"
+step_rec() { # STEP STEP_S
+    printf '{"type":"step","step":%d,"loss":5.25,"lr":0.0001,"grad_norm":1.5,"tokens":1024,"step_s":%s,"time":%d.5,"comm_s":0.25,"max_rss_kib":1000}\n' \
+        "$1" "$2" $((1800000000 + $1))
+}
+save_rec() { # STEP SECONDS
+    printf '{"type":"checkpoint_start","step":%d,"time":%d.0}\n' "$1" $((1800000000 + $1))
+    printf '{"type":"checkpoint","step":%d,"dir":"/scratch/ckpt/step-%d","seconds":%s,"format":"sharded","writes":true,"time":%d.9}\n' \
+        "$1" "$1" "$2" $((1800000000 + $1))
+}
+{
+    printf '{"type":"start","host":"n1","pid":1,"rank":0,"world":3,"job":"4242","time":1800000000.0}\n'
+    for i in $(seq 1 134); do
+        step_rec "$i" "$([ "$i" -le 70 ] && echo 9.0 || echo 2.0)"
+        case $i in 20) save_rec 20 95.0 ;; 40) save_rec 40 30.0 ;; 60) save_rec 60 31.0 ;; 80) save_rec 80 32.0 ;;
+        100) save_rec 100 33.0 ;; 120) save_rec 120 41.5 ;; esac
+    done
+} >"$logs/4242/rank-0.jsonl"
+{
+    printf '{"type":"start","host":"n1","pid":2,"rank":1,"world":3,"job":"4242","time":1800000000.0}\n'
+    for i in $(seq 1 134); do
+        step_rec "$i" "$([ $((i % 2)) = 0 ] && echo 2.4 || echo 2.6)"
+        [ $((i % 20)) = 0 ] && save_rec "$i" "$([ "$i" = 100 ] && echo 40.0 || echo 20.0)"
+    done
+} >"$logs/4242/rank-1.jsonl"
+{
+    printf '{"type":"start","host":"n2","pid":3,"rank":2,"world":3,"job":"4242","time":1800000000.0}\n'
+    for i in $(seq 1 12); do step_rec "$i" 2.2; done
+    save_rec 10 12.0
+    printf '{"type":"flight","group":"dp","gid":1,"op":"allreduce","seq":7,"count":1024,"bytes":4096,"state":"done","enqueued":1800000010.0,"started":1800000010.1,"ended":1800000010.2}\n'
+    printf '{"type":"step","step":13,"loss":5.2'
+} >"$logs/4242/rank-2.jsonl"
+check "save from the logs" 0 \
+    "save         41.500 s measured: the longest recent save in $logs (rank 0, step 120); estimated 0.0 s at 1.0 GiB/s per node" \
+    -- "$bin" "$recipes/tiny.yaml" --gpus-per-node 2 --set checkpoint.enabled=true --logs "$logs"
+check "step from the logs" 0 \
+    "step         2.500 s measured: the median of the slowest rank's recent steps in $logs (rank 1)" \
+    -- "$bin" "$recipes/tiny.yaml" --gpus-per-node 2 --set checkpoint.enabled=true --logs "$logs"
+check "lead from the logs" 0 "lead         #SBATCH --signal=B:USR1@66   (1.5 x (step + save), rounded up, at least 60 s)" \
+    -- "$bin" "$recipes/tiny.yaml" --gpus-per-node 2 --set checkpoint.enabled=true --logs "$logs"
+check "json: the lead from the logs" 0 \
+    '"save_s":41.5,"save_from":"logs","step_s":2.5,"step_from":"logs","lead_s":66,"signal":"B:USR1@66","logs":{"dir":"'"$logs"'","ranks":3,"step_ranks":3,"save_ranks":3,"step_rank":1,"save_rank":0,"save_step":120}}' \
+    -- "$bin" "$recipes/tiny.yaml" --gpus-per-node 2 --set checkpoint.enabled=true --logs "$logs" --json
+# logs without saves: the estimate stays, the step is measured
+mkdir -p "$logs/nosave/9"
+grep -v checkpoint "$logs/4242/rank-1.jsonl" >"$logs/nosave/9/rank-0.jsonl"
+check "logs without saves keep the estimate" 0 \
+    "lead         #SBATCH --signal=B:USR1@60   (1.5 x (step + save), rounded up, at least 60 s)" \
+    -- "$bin" "$recipes/tiny.yaml" --gpus-per-node 2 --set checkpoint.enabled=true --logs "$logs/nosave/9"
+
 echo "am-plan: $passes passed, $fails failed"
 [ "$fails" = 0 ]

@@ -27,14 +27,14 @@ export LC_ALL
 # folder: the folders it builds on directly (lowest layer first)
 DEFAULT_LAYERS='
 base:
-recipe:   base
+diag:     base
+recipe:   base diag
 rank:     recipe
 comm:     rank
 kernels:  base
 io:       recipe
 model:    comm kernels io
 train:    model
-diag:     base
 doctor:   comm
 launcher: rank
 spank:    recipe

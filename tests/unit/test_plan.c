@@ -373,6 +373,81 @@ static void test_memory_megatron_zero_stages(void **state)
     }
 }
 
+/* A sharded checkpoint's bytes (plan.h: am_plan_ckpt_cost): 12 B per parameter whose optimizer
+ * state a writing rank keeps, 4 B per parameter of the Hugging Face export; model8 has 5247232
+ * parameters, its groups divide evenly over 2 and 4 ranks. */
+static void test_ckpt_cost(void **state)
+{
+    (void)state;
+    double params = 5247232;
+    struct am_plan p;
+    struct am_ckpt_cost c;
+    /* ddp on 4 ranks: data-parallel rank 0 alone writes the whole model */
+    const char *ddp[] = {"distributed.strategy=ddp", NULL};
+    struct am_recipe *r = plan_of(model8, ddp, 4, &p);
+    struct am_world w = {.size = 4, .nodes = 1, .gpus_per_node = 4};
+    am_plan_ckpt_cost(r, &w, &p, &c);
+    assert_int_equal(c.writers, 1);
+    assert_float_equal(c.rank_bytes, 12 * params, 0);
+    assert_float_equal(c.node_bytes, 12 * params, 0);
+    assert_float_equal(c.hf_bytes, 4 * params, 0); /* save_consolidated: true by default */
+    assert_float_equal(c.bytes, 16 * params, 0);
+    /* 12 + 4 bytes a parameter at 1 GiB/s per node */
+    assert_float_equal(am_plan_save_s(&c, 1024.0 * 1024 * 1024), 16 * params / (1024.0 * 1024 * 1024), 1e-12);
+    am_plan_free(&p);
+    am_recipe_free(r);
+    /* megatron_fsdp ZeRO 1 on 4 ranks: each writes a quarter; on 2 nodes of 2, a node writes half */
+    const char *z1[] = {"distributed.strategy=megatron_fsdp", "distributed.zero_dp_strategy=1",
+                        "checkpoint.save_consolidated=false", NULL};
+    r = plan_of(model8, z1, 4, &p);
+    am_plan_ckpt_cost(r, &w, &p, &c);
+    assert_int_equal(c.writers, 4);
+    assert_float_equal(c.rank_bytes, 3 * params, 0);
+    assert_float_equal(c.node_bytes, 12 * params, 0);
+    assert_float_equal(c.hf_bytes, 0, 0);
+    assert_float_equal(c.bytes, 12 * params, 0);
+    struct am_world w2 = {.size = 4, .nodes = 2, .gpus_per_node = 2};
+    am_plan_ckpt_cost(r, &w2, &p, &c);
+    assert_float_equal(c.node_bytes, 6 * params, 0);
+    assert_float_equal(am_plan_save_s(&c, 6 * params), 1, 1e-12);
+    am_plan_free(&p);
+    am_recipe_free(r);
+    /* HSDP, 2 replicas of 2 shards: the first replica group writes (ranks 0 and 1) */
+    const char *hsdp[] = {"distributed.dp_replicate_size=2", "checkpoint.save_consolidated=false", NULL};
+    r = plan_of(model8, hsdp, 4, &p);
+    am_plan_ckpt_cost(r, &w2, &p, &c);
+    assert_int_equal(c.writers, 2);
+    assert_float_equal(c.rank_bytes, 6 * params, 0);
+    assert_float_equal(c.node_bytes, 12 * params, 0); /* both on node 0 */
+    assert_float_equal(c.bytes, 12 * params, 0);
+    am_plan_free(&p);
+    am_recipe_free(r);
+    /* pp 2 x tp 2 (fsdp2 at dp 1: nothing sharded): every rank writes its stage's tp slice */
+    const char *pp[] = {"distributed.pp_size=2", "distributed.tp_size=2", NULL};
+    r = plan_of(model8, pp, 4, &p);
+    assert_int_equal(p.zero_stage, 0);
+    am_plan_ckpt_cost(r, &w, &p, &c);
+    assert_int_equal(c.writers, 4);
+    assert_float_equal(c.rank_bytes, 1.5 * (p.mem_pp[0].optimizer > p.mem_pp[1].optimizer ? p.mem_pp[0].optimizer
+                                                                                            : p.mem_pp[1].optimizer), 0);
+    /* each tp rank holds its slices and a copy of the norms (8 layers' 2 x 256, the final 256) */
+    assert_float_equal(c.bytes - c.hf_bytes, 12 * (params + 17 * 256), 0);
+    am_plan_free(&p);
+    am_recipe_free(r);
+}
+
+/* The lead of --signal: ceil(1.5 x (step + save)), at least 60 s; an unknown step (< 0) counts 0. */
+static void test_signal_lead(void **state)
+{
+    (void)state;
+    assert_int_equal(am_plan_lead_s(-1, 10), 60);
+    assert_int_equal(am_plan_lead_s(-1, 50), 75);
+    assert_int_equal(am_plan_lead_s(2.5, 41.5), 66);
+    assert_int_equal(am_plan_lead_s(10, 50.1), 91);
+    assert_int_equal(am_plan_lead_s(0.1, 0.1), 60);
+    assert_int_equal(am_plan_lead_s(-1, 0), 60);
+}
+
 /* Activations of model8 per token and layer, in elements (docs/recipes.md):
  *   4h (norm inputs/outputs) + 2 (their inverse rms) + 2q (attention in/out) + 2kv + 8 (the
  *   log-sum-exp of 8 heads) + 3I = 1024 + 2 + 512 + 256 + 8 + 1536 = 3338
@@ -528,6 +603,8 @@ int main(void)
         cmocka_unit_test(test_memory_full_replicas),
         cmocka_unit_test(test_memory_megatron_zero_stages),
         cmocka_unit_test(test_memory_activations),
+        cmocka_unit_test(test_ckpt_cost),
+        cmocka_unit_test(test_signal_lead),
         cmocka_unit_test(test_memory_pipeline_schedules),
         cmocka_unit_test(test_pipeline_schedule_too_long),
         cmocka_unit_test(test_memory_over_budget_names_the_fix),

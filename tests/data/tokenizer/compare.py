@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
-"""am's tokenizer against the Hugging Face `tokenizers` library, live: trains the four
-tokenizers of make_tokenizers.py afresh, encodes new hostile texts (another seed, a
-200000-character text, invalid UTF-8) with `am-data encode` and with the library, builds a
-JSONL dataset with `am-data build --tokenizer` and an instruction dataset, and compares
-every id (and every loss-mask value against AutoModel's format_prompt_completion rule,
-computed here with transformers' PreTrainedTokenizerFast as AutoModel calls it).
+"""am's tokenizer against the Hugging Face `tokenizers` library, live: trains the tokenizers
+of make_tokenizers.py afresh (byte-level and SentencePiece-style, and three more Metaspace
+settings), encodes new hostile texts (another seed, a 200000-character text, which is one
+word for the Llama 2 style, invalid UTF-8) with `am-data encode` and with the library, builds
+a JSONL dataset with `am-data build --tokenizer` and instruction datasets, and compares every
+id (and every loss-mask value against AutoModel's format_prompt_completion rule, computed
+here with transformers' PreTrainedTokenizerFast as AutoModel calls it).
 
     python compare.py AM_DATA WORKDIR      (tests/data/test-tokenizer-golden.sh runs it)
 """
@@ -73,18 +74,50 @@ def check_nfc(am_data, work):
     return sum(map(len, want))
 
 
+# Metaspace settings beyond the committed fixtures' (the mistral tokenizer with another
+# pre_tokenizer; the last is the older files' spelling: add_prefix_space, no split key)
+METASPACE = {
+    "ms_never_split": {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "never", "split": True},
+    "ms_first_split": {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "first", "split": True},
+    "ms_old": {"type": "Metaspace", "replacement": "\u2581", "add_prefix_space": True},
+}
+
+
+def tokenizer(style, path):
+    """Trains STYLE, saves it at PATH and returns the library's Tokenizer of that file."""
+    from tokenizers import Tokenizer
+    if style in mk.STYLES:
+        tok = mk.build(style)
+        tok.save(path)
+        return tok
+    spec = json.loads(mk.build_spm(style if style in mk.SPM_STYLES else "mistral").to_str())
+    if style in METASPACE:
+        spec["pre_tokenizer"] = METASPACE[style]
+    with open(path, "w") as f:
+        json.dump(spec, f)
+    return Tokenizer.from_file(path)
+
+
 def main():
     am_data, work = sys.argv[1], sys.argv[2]
     os.makedirs(work, exist_ok=True)
-    texts = mk.hostile_texts(seed=2, big=True)
-    nul = os.path.join(work, "texts.bin")
-    with open(nul, "wb") as f:
-        f.write(b"\0".join(texts))
+    hostile = mk.hostile_texts(seed=2, big=True)
+    spm = hostile + mk.spm_texts(seed=4)
     total = check_nfc(am_data, work)
-    for style in mk.STYLES:
-        tok = mk.build(style)
+    styles = mk.STYLES + mk.SPM_STYLES + list(METASPACE)
+    try:
+        import sentencepiece  # noqa: F401  (llama2_sp is trained by it)
+    except ImportError:
+        styles.remove("llama2_sp")
+        print("compare.py: no sentencepiece module: the llama2_sp tokenizer is left out (pip install -r "
+              "tests/golden/requirements.txt)")
+    for style in styles:
+        texts = hostile if style in mk.STYLES else spm
+        nul = os.path.join(work, style + ".bin")
+        with open(nul, "wb") as f:
+            f.write(b"\0".join(texts))
         path = os.path.join(work, style + ".json")
-        tok.save(path)
+        tok = tokenizer(style, path)
         strs = [t.decode("utf-8", "replace") for t in texts]
         for special in (True, False):
             args = [am_data, "encode", "--tokenizer", path, "--nul", nul] + ([] if special else ["--no-special-tokens"])
@@ -111,10 +144,17 @@ def main():
         if read_indexed(prefix) != want:
             fail(f"{style}: am-data build's documents differ from tokenizers'")
         total += sum(map(len, want))
-    # instruction data, as AutoModel's ColumnMappedTextInstructionDataset (no chat template)
+    for style, eos_token in (("llama3", "<|end_of_text|>"), ("llama2", "</s>")):
+        total += check_instruction(am_data, work, style, eos_token, hostile)
+    print(f"compare.py: {total} ids (and the mask values) equal to tokenizers' / AutoModel's rule")
+
+
+def check_instruction(am_data, work, style, eos_token, texts):
+    """Instruction data, as AutoModel's ColumnMappedTextInstructionDataset (no chat template)."""
     from transformers import PreTrainedTokenizerFast
-    path = os.path.join(work, "llama3.json")
-    hf = PreTrainedTokenizerFast(tokenizer_file=path, eos_token="<|end_of_text|>")
+    total = 0
+    path = os.path.join(work, style + ".json")
+    hf = PreTrainedTokenizerFast(tokenizer_file=path, eos_token=eos_token)
     eos = hf.eos_token_id
     rows = []
     for i, t in enumerate(texts[:120]):
@@ -127,13 +167,13 @@ def main():
         if i % 3 != 1:
             r["question"] = "What is it? " + s[:10]
         rows.append(r)
-    jl = os.path.join(work, "sft.jsonl")
+    jl = os.path.join(work, style + "_sft.jsonl")
     with open(jl, "w") as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")
-    prefix = os.path.join(work, "sft")
+    prefix = os.path.join(work, style + "_sft")
     subprocess.run([am_data, "build", "--tokenizer", path, "--out", prefix, "--instruction", "--context-key", "context",
-                    "--question-key", "question", "--answer-key", "answers", "--eos", "<|end_of_text|>", jl],
+                    "--question-key", "question", "--answer-key", "answers", "--eos", eos_token, jl],
                    check=True, capture_output=True)
     toks, masks = read_indexed(prefix), read_indexed(prefix + ".mask")
     for k, r in enumerate(rows):
@@ -146,9 +186,10 @@ def main():
             ids += [eos]
             mask += [1]
         if toks[k] != ids or masks[k] != mask[: len(ids)]:
-            fail(f"instruction row {k}: am {toks[k][:8]}.. mask {masks[k][:8]}.., AutoModel's {ids[:8]}.. {mask[:8]}..")
+            fail(f"{style} instruction row {k}: am {toks[k][:8]}.. mask {masks[k][:8]}.., AutoModel's {ids[:8]}.. "
+                 f"{mask[:8]}..")
         total += len(ids)
-    print(f"compare.py: {total} ids (and {sum(map(len, masks))} mask values) equal to tokenizers' / AutoModel's rule")
+    return total
 
 
 if __name__ == "__main__":

@@ -1,13 +1,17 @@
 #!/usr/bin/env python3
-"""Builds small byte-level BPE tokenizer.json files with the Hugging Face `tokenizers`
-library, in the styles of GPT-2, Llama 3, Qwen 2 and Qwen 3.5, and the ids that library
-gives for a set of hostile texts. The outputs are committed (tests/data/tokenizer/); the C
-test test_tokenizer checks am's encoder against them without Python.
+"""Builds small BPE tokenizer.json files with the Hugging Face `tokenizers` library: byte-level
+in the styles of GPT-2, Llama 3, Qwen 2 and Qwen 3.5, SentencePiece-style (byte_fallback) in
+the styles of Llama 2 and Mistral, a third with unknown characters, and a Llama 2 one trained
+by `sentencepiece` and converted as transformers converts Llama 2's; and the ids that
+library gives for a set of hostile texts. The outputs are committed (tests/data/tokenizer/);
+the C test test_tokenizer checks am's encoder against them without Python.
 
     /tmp/goldenv/bin/python tests/data/tokenizer/make_tokenizers.py [OUTDIR]
 
-Also a module: compare.py imports STYLES, build() and hostile_texts().
-Used for the committed files: tokenizers 0.23.3 (Python 3.11.7).
+Also a module: compare.py imports STYLES, SPM_STYLES, build(), build_spm(), hostile_texts() and
+spm_texts().
+Used for the committed files: tokenizers 0.23.3, sentencepiece 0.2.3 and transformers 5.24.0 (for
+llama2_sp), Python 3.11.7.
 """
 import json
 import os
@@ -15,7 +19,7 @@ import random
 import sys
 import unicodedata
 
-from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
@@ -77,6 +81,107 @@ def build(style):
 
 
 STYLES = ["gpt2", "llama3", "qwen2", "qwen35"]
+SPM_STYLES = ["llama2", "mistral", "spm_unk", "llama2_sp"]
+
+
+def build_sp():
+    """Llama 2's tokenizer.json as it was made: a SentencePiece BPE model trained by the
+    `sentencepiece` library with Llama 2's trainer settings (byte_fallback, split_digits,
+    whitespace-only pieces, identity normalization, no extra-whitespace removal, dummy
+    prefix, <unk> <s> </s> at 0 1 2, then the byte tokens), converted as transformers'
+    LlamaConverter (legacy) converts it: vocabulary in piece order, merges generated from the
+    pieces' scores (transformers' generate_merges), BPE with unk_token "<unk>", fuse_unk and
+    byte_fallback, normalizer Prepend "▁" + Replace " " -> "▁", no pre-tokenizer, "<s> $A"."""
+    import tempfile
+    import sentencepiece as spm
+    from transformers.tokenization_utils_base import generate_merges
+    with tempfile.TemporaryDirectory() as d:
+        text = os.path.join(d, "corpus.txt")
+        with open(text, "w") as f:
+            for line in corpus():
+                f.write(line.replace("\n", " ") + "\n")
+        spm.SentencePieceTrainer.train(
+            input=text, model_prefix=os.path.join(d, "m"), model_type="bpe", vocab_size=900, byte_fallback=True,
+            split_digits=True, allow_whitespace_only_pieces=True, normalization_rule_name="identity",
+            remove_extra_whitespaces=False, add_dummy_prefix=True, character_coverage=0.99, unk_id=0, bos_id=1,
+            eos_id=2, pad_id=-1, num_threads=1, minloglevel=2)
+        sp = spm.SentencePieceProcessor(model_file=os.path.join(d, "m.model"))
+    vocab = {sp.id_to_piece(i): i for i in range(sp.get_piece_size())}
+    scores = {sp.id_to_piece(i): sp.get_score(i) for i in range(sp.get_piece_size())}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=generate_merges(vocab, scores), unk_token="<unk>", fuse_unk=True,
+                               byte_fallback=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in ("<unk>", "<s>", "</s>")])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                       special_tokens=[("<s>", 1)])
+    return tok
+
+
+def build_spm(style):
+    """llama2_sp: build_sp(). The others: a SentencePiece-style BPE as transformers' LlamaConverter writes it (model BPE with
+    unk_token "<unk>", byte_fallback, <unk> <s> </s> then the 256 byte tokens <0x00>..<0xFF>
+    first in the vocabulary, those three as non-normalized special added tokens, "<s> $A"):
+    llama2: normalizer Prepend "▁" + Replace " " -> "▁", no pre-tokenizer (legacy, as Llama 2's
+    file); mistral: no normalizer, Metaspace prepend_scheme "first", split false (what
+    transformers writes with legacy false); spm_unk: NFC then Metaspace "always" with split, only the
+    bytes below 0x80 as tokens (the rest fall to <unk>, not fused), no post-processor."""
+    if style == "llama2_sp":
+        return build_sp()
+    base = Tokenizer(models.BPE())
+    base.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always", split=True)
+    # limit_alphabet: the rarer characters stay out of the vocabulary (byte fallback)
+    base.train_from_iterator(corpus(), trainers.BpeTrainer(vocab_size=1000, limit_alphabet=150, show_progress=False))
+    learned = json.loads(base.to_str())["model"]
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for b in range(128 if style == "spm_unk" else 256):
+        vocab["<0x%02X>" % b] = len(vocab)
+    for t, _ in sorted(learned["vocab"].items(), key=lambda kv: kv[1]):
+        vocab.setdefault(t, len(vocab))
+    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in learned["merges"]]
+    # merges a trainer that splits at "▁" cannot learn and Llama 2's vocabulary has: runs of
+    # "▁" and pieces across words (its whole line is one word), at several ranks
+    for at, (a, b) in [(3, ("▁", "▁")), (10, (".", "▁")), (40, ("▁▁", "▁▁")), (80, ("e", "▁")),
+                       (120, ("▁▁", "▁")), (200, (",", "▁")), (300, ("▁▁▁▁", "▁▁▁▁")), (500, ("\n", "▁"))]:
+        if a in vocab and b in vocab:
+            vocab.setdefault(a + b, len(vocab))
+            merges.insert(at, (a, b))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", fuse_unk=style != "spm_unk",
+                               byte_fallback=True))
+    if style == "llama2":
+        tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    elif style == "mistral":
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
+    else:
+        tok.normalizer = normalizers.NFC()
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always", split=True)
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in ("<unk>", "<s>", "</s>")])
+    # normalized added tokens: searched for as the normalizer writes them ("▁to▁ken" in llama2)
+    tok.add_tokens([AddedToken("tokenizer", normalized=True), AddedToken("to ken", normalized=True)])
+    if style != "spm_unk":
+        tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                           special_tokens=[("<s>", 1)])
+    return tok
+
+
+def spm_texts(seed=3):
+    """Texts for the SentencePiece-style tokenizers beyond hostile_texts(): special tokens and
+    byte-token lookalikes in the text, spaces and meta spaces, and long lines (one word each
+    in llama2)."""
+    rng = random.Random(seed)
+    words = CORPUS.split(" ")
+    pool = [chr(c) for c in range(0x20, 0x250)] + list(" \t\n'0123456789") * 8 + \
+        [chr(c) for c in (0x2581, 0x3000, 0x4e2d, 0x1f44d, 0xfffd)]
+    t = ["<s>hello</s> <unk> <s> x</s>", "<s>", " <s> ", "<s> ", "hello<s>world", "<0x41><0xFF> <unk>x",
+         "▁", "▁▁x ▁ y", "  two  spaces  ", " leading", "trailing ", "a\tb\n c\r\n", " \n ",
+         "tokenizer atokenizer tokenizers to ken to  ken", "x to ken", "to ken", " to ken<s>to ken",
+         "▁" * 40, " " * 41, "e e e. . , ,\n\n\n ", "中文 emoji 👍 Ω ÿ ĀāĂ 𝔘𝔫𝔦", "\u00e9 e\u0301 \u212b",
+         " ".join(rng.choice(words) for _ in range(3000)),
+         "".join(rng.choice(pool) for _ in range(20000))]
+    return [s.encode() for s in t]
 
 
 def category_samples(rng, per=40):
@@ -135,12 +240,23 @@ def main():
     assert not any(b"\0" in t for t in texts)
     with open(os.path.join(outdir, "texts.bin"), "wb") as f:
         f.write(b"\0".join(texts))
-    for style in STYLES:
-        tok = build(style)
-        tok.save(os.path.join(outdir, f"{style}.json"))
+    extra = spm_texts()
+    assert not any(b"\0" in t for t in extra)
+    with open(os.path.join(outdir, "texts_spm.bin"), "wb") as f:
+        f.write(b"\0".join(extra))
+    for style in STYLES + SPM_STYLES:
+        path = os.path.join(outdir, f"{style}.json")
+        if style in SPM_STYLES:
+            build_spm(style).save(path)
+            tok = Tokenizer.from_file(path)  # the ids of the file as saved
+            style_texts = texts + extra  # texts.bin, then texts_spm.bin
+        else:
+            tok = build(style)
+            tok.save(path)
+            style_texts = texts
         with open(os.path.join(outdir, f"{style}.ids"), "w") as f:
             for special in (True, False):
-                for t in texts:
+                for t in style_texts:
                     ids = tok.encode(t.decode("utf-8", "replace"), add_special_tokens=special).ids
                     f.write(" ".join(map(str, ids)) + "\n")
 
