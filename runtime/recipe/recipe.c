@@ -20,6 +20,7 @@ struct reader {
     /* peft's module selection, resolved once the model is known (resolve_peft) */
     struct am_node *peft_targets, *peft_excludes;
     bool peft_match_all;
+    struct am_node *is_peft; /* checkpoint.is_peft: true, checked against the peft section once read */
 };
 
 enum kind {
@@ -507,14 +508,16 @@ static int read_save_format(struct reader *rd, struct am_node *v, const char *ke
     return 0;
 }
 
+/* checkpoint.is_peft: the checkpoints hold LoRA adapters, which is what am's checkpoints of a
+ * recipe with a peft section hold; without one it is refused (after the peft section is read). */
 static int read_is_peft(struct reader *rd, struct am_node *v, const char *key)
 {
     bool b = false;
     if (am_node_is_null(v) || am_node_bool(v, key, &b, rd->err) < 0 || !b)
         return 0;
-    am_errorf(rd->err, &v->pos, "%s: true: the checkpoint holds LoRA adapters, and am does not restore "
-              "adapters yet (start the adapters afresh from the base model: remove is_peft)", key);
-    return -1;
+    rd->is_peft = v;
+    (void)key;
+    return 0;
 }
 
 /* ---- peft: LoRA (AutoModel's PeftConfig) ------------------------------------------- */
@@ -1209,6 +1212,10 @@ static void read_recipe(struct reader *rd)
         if (rd->err->n == before && peft->kind == AM_NODE_MAP)
             resolve_peft(rd, pe ? pe->key_pos : peft->pos);
     }
+    if (rd->is_peft && !r->peft.enabled)
+        am_errorf(rd->err, &rd->is_peft->pos, "checkpoint.is_peft: true: the checkpoints would hold LoRA adapters, "
+                  "but the recipe has no peft section and trains every weight (add the peft section for a LoRA "
+                  "fine-tune, or remove is_peft)");
     struct am_node *clip = am_node_child(root, "clip_grad_norm");
     if (clip && am_node_is_null(am_node_path(clip, "max_norm")) && am_node_entry(clip, "max_norm"))
         r->optim.max_grad_norm = 0; /* max_norm: null turns clipping off */
