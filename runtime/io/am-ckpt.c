@@ -173,6 +173,12 @@ static int export(const char *arg, const char *out)
     for (size_t i = 0; i < n; i++) {
         struct am_sckpt_tensor_info t;
         am_sckpt_tensor(c, i, &t);
+        if (strstr(t.name, ".lora_A.") || strstr(t.name, ".lora_B.")) { /* a LoRA fine-tune's state: no model */
+            fprintf(stderr, "am-ckpt: %s holds LoRA adapters, not a model (the frozen base is the recipe's model "
+                    "directory): its peft/ directory holds them as the peft library saves them, for "
+                    "PeftModel.from_pretrained(base, \"%s/peft\")\n", am_sckpt_dir(c), am_sckpt_dir(c));
+            goto out;
+        }
         x.which[i] = i;
         wt[i] = (struct am_st_wtensor){.name = t.name, .dtype = AM_ST_F32, .ndim = t.ndim, .shape = {t.rows, t.cols},
                                        .fill = fill, .ctx = &x};

@@ -4,6 +4,7 @@
  * micro-batch, block by block, each backward below its forward in reverse.
  */
 #include "model.h"
+#include "lora.h"
 #include "moe.h"
 #include "packed.h"
 #include "ring.h"
@@ -42,6 +43,38 @@ struct am_param *am_model_add_param(struct am_model *m, const char *name, int64_
     return p;
 }
 #define add_param am_model_add_param
+
+/* LoRA (lora.h): A and B of each adapted projection, after the layer's own parameters, split
+ * over tp with their base layer; the tp ranks' partial gradients (A beside a column-parallel
+ * layer, B beside a row-parallel one) summed in am_model_finish_grads. */
+static void lora_params(struct am_model *m, int l, struct am_layer *L)
+{
+    static const char *const names[AM_LORA_NPROJ] = {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                                     "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
+                                                     "mlp.down_proj"};
+    const struct am_param *base[AM_LORA_NPROJ] = {L->wq, L->wk, L->wv, L->wo, L->w_gate, L->w_up, L->w_down};
+    int64_t rk = m->sh.lora_r;
+    for (int t = 0; rk > 0 && t < AM_LORA_NPROJ; t++) {
+        if (!(m->sh.lora_targets >> t & 1u) || !base[t])
+            continue;
+        bool row = base[t]->split == AM_SPLIT_COLS;
+        int64_t in = base[t]->full_cols, out = base[t]->full_rows, a_cols, a0, b_rows, b0;
+        am_lora_split(in, out, row, m->sh.tp, m->sh.tp_rank, &a_cols, &a0, &b_rows, &b0);
+        if (!row) { /* a kv projection held by several ranks keeps its rows (row0, its own kv head) */
+            b_rows = base[t]->w.shape[0];
+            b0 = base[t]->row0;
+        }
+        char n[128];
+        snprintf(n, sizeof(n), "model.layers.%d.%s.lora_A.weight", l, names[t]);
+        L->lora_a[t] = add_param(m, n, rk, a_cols, row ? AM_SPLIT_COLS : AM_SPLIT_NONE, rk, in, 0, a0);
+        snprintf(n, sizeof(n), "model.layers.%d.%s.lora_B.weight", l, names[t]);
+        L->lora_b[t] = add_param(m, n, b_rows, rk, row ? AM_SPLIT_NONE : AM_SPLIT_ROWS, out, rk, b0, 0);
+        struct am_param *partial = row ? L->lora_b[t] : L->lora_a[t];
+        partial->partial_in_tp = m->sh.tp > 1;
+        if (!row)
+            L->lora_b[t]->copies_in_tp = base[t]->copies_in_tp;
+    }
+}
 
 static void layer_params(struct am_model *m, int l, int local)
 {
@@ -194,6 +227,9 @@ static void carve_layer(struct am_model *m, struct slab *c, struct am_layer_acts
     a->gate = carve(c, m->act_dt, N, I, 0, 0);
     a->up = carve(c, m->act_dt, N, I, 0, 0);
     a->act = carve(c, m->act_dt, N, I, 0, 0);
+    for (int t = 0; m->sh.lora_r > 0 && t < AM_LORA_NPROJ; t++)
+        if (m->sh.lora_targets >> t & 1u)
+            a->lora_t[t] = carve(c, m->act_dt, N, m->sh.lora_r, 0, 0);
     if (m->cfg.gemma) {
         a->o_att = carve(c, m->act_dt, R, C, 0, 0);
         a->rstd_oa = carve(c, AM_F32, R, 0, 0, 0);
@@ -258,6 +294,13 @@ static size_t layout_acts(struct am_model *m, char *base)
         m->scratch_kn = carve(&c, m->act_dt, N, KV, 0, 0);
     if (m->cfg.gemma)
         m->scratch_post = carve(&c, m->act_dt, R, C, 0, 0);
+    if (m->sh.lora_r > 0) {
+        int64_t wide = Q > C ? Q : C;
+        wide = I > wide ? I : wide;
+        m->lora_u = carve(&c, m->act_dt, N, wide, 0, 0);
+        m->lora_du = carve(&c, m->act_dt, N, wide, 0, 0);
+        m->lora_dt = carve(&c, m->act_dt, N, m->sh.lora_r, 0, 0);
+    }
     if (m->cfg.rope_local_base_freq > 0) {
         m->cos_local = carve(&c, AM_F32, T, D / 2, 0, 0);
         m->sin_local = carve(&c, AM_F32, T, D / 2, 0, 0);
@@ -312,6 +355,10 @@ int am_model_init(struct am_model *m, const struct am_model_config *cfg, const s
                     "ranks: they must divide evenly", (long long)(batch * seq_len), sh->tp);
     if (am_moe_check(cfg, sh, err, err_len) < 0)
         return -1;
+    if (sh->lora_r > 0 && (sh->lora_targets & (1u << AM_LORA_PK | 1u << AM_LORA_PV)) &&
+        cfg->num_key_value_heads < sh->tp)
+        return am_fail(err, err_len, "model: LoRA on k_proj or v_proj with tp = %d above the %ld kv heads (each kv "
+                       "head shared by several tp ranks) is not supported yet", sh->tp, (long)cfg->num_key_value_heads);
     int tp = sh->tp;
     int64_t H = cfg->num_attention_heads, KVH = cfg->num_key_value_heads;
     m->head_dim = cfg->head_dim;
@@ -338,8 +385,9 @@ int am_model_init(struct am_model *m, const struct am_model_config *cfg, const s
         m->n_acts += (size_t)m->sh.chunks[c].slots * (size_t)sh->chunks[c].n_layers;
     }
 
-    m->params = calloc((size_t)(16 * m->n_layers + 4 + am_moe_extra_params(cfg, m->n_layers)), sizeof(*m->params));
-    m->groups = calloc((size_t)(2 * m->n_layers + 2), sizeof(*m->groups));
+    m->params = calloc((size_t)((16 + (sh->lora_r > 0 ? 2 * AM_LORA_NPROJ : 0)) * m->n_layers + 4 +
+                                am_moe_extra_params(cfg, m->n_layers)), sizeof(*m->params));
+    m->groups = calloc((size_t)(2 * m->n_layers + 3), sizeof(*m->groups));
     m->layers = calloc((size_t)m->n_layers, sizeof(*m->layers));
     m->slots = calloc((size_t)m->n_slots, sizeof(*m->slots));
     m->acts_mem = calloc(m->n_acts + 1, sizeof(*m->acts_mem));
@@ -372,6 +420,14 @@ int am_model_init(struct am_model *m, const struct am_model_config *cfg, const s
             m->head = add_param(m, cfg->tie_word_embeddings ? "model.embed_tokens.weight" : "lm_head.weight",
                                 m->vocab_shard, C, AM_SPLIT_ROWS, V, C, r * m->vocab_shard, 0);
     }
+    if (sh->lora_r > 0) { /* LoRA: every adapter of the rank's layers in one group, the last */
+        begin_group(m, AM_PG_LORA, -1, "lora");
+        for (int c = 0; c < sh->n_chunks; c++)
+            for (int i = 0; i < sh->chunks[c].n_layers; i++)
+                lora_params(m, sh->chunks[c].first_layer + i, &m->layers[m->chunk_base[c] + i]);
+        if (m->groups[m->n_groups - 1].first == m->n_params) /* no adapted projection here */
+            m->n_groups--;
+    }
     /* one slab for the values, one for the gradients (each group padded to group_align: the
      * padding stays zero) */
     size_t *offs = malloc(((size_t)m->n_params + 1) * sizeof(*offs));
@@ -379,7 +435,17 @@ int am_model_init(struct am_model *m, const struct am_model_config *cfg, const s
         goto oom;
     m->slab_elems = param_offsets(m, offs);
     m->param_mem = K->alloc(m->dev, m->slab_elems * sizeof(float));
-    m->grad_mem = K->alloc(m->dev, m->slab_elems * sizeof(float));
+    /* LoRA freezes the base: the gradient slab is the adapters' group alone, the last */
+    m->grad_off = 0;
+    m->grad_elems = m->slab_elems;
+    if (sh->lora_r > 0) {
+        const struct am_pgroup *L = &m->groups[m->n_groups - 1];
+        m->grad_off = L->kind == AM_PG_LORA && L->first < m->n_params ? offs[L->first] : m->slab_elems;
+        m->grad_elems = m->slab_elems - m->grad_off;
+        for (int g = 0; g < m->n_groups; g++)
+            m->groups[g].frozen = m->groups[g].kind != AM_PG_LORA;
+    }
+    m->grad_mem = K->alloc(m->dev, (m->grad_elems ? m->grad_elems : 1) * sizeof(float));
     if (m->act_dt != AM_F32 && m->param_mem &&
         !(m->param_lp_mem = K->alloc(m->dev, m->slab_elems * am_dtype_size(m->act_dt)))) {
         free(offs);
@@ -398,7 +464,7 @@ int am_model_init(struct am_model *m, const struct am_model_config *cfg, const s
         size_t off = offs[i];
         p->slab_off = off;
         p->w.data = (float *)m->param_mem + off;
-        p->g.data = (float *)m->grad_mem + off;
+        p->g.data = off >= m->grad_off ? (float *)m->grad_mem + (off - m->grad_off) : NULL;
         p->wc.data = m->param_lp_mem ? (char *)m->param_lp_mem + off * am_dtype_size(m->act_dt) : p->w.data;
     }
     free(offs);
@@ -477,6 +543,8 @@ void am_model_init_weights(struct am_model *m, uint64_t seed)
     double std = m->cfg.initializer_range;
     for (int i = 0; i < m->n_params; i++) {
         struct am_param *p = &m->params[i];
+        if (am_model_is_lora(p)) /* am_model_init_lora */
+            continue;
         int64_t rows = p->w.shape[0], cols = p->w.ndim > 1 ? p->w.shape[1] : 1;
         float *host = malloc((size_t)(rows * cols) * sizeof(float));
         if (!host)
@@ -490,6 +558,32 @@ void am_model_init_weights(struct am_model *m, uint64_t seed)
                 }
                 uint64_t idx = (uint64_t)((p->row0 + r) * p->full_cols + p->col0 + c);
                 host[r * cols + c] = (float)(std * am_rng_normal(seed, stream, idx));
+            }
+        m->K->upload(m->dev, p->w.data, host, (size_t)(rows * cols) * sizeof(float));
+        free(host);
+    }
+    am_model_cast_weights(m);
+}
+
+bool am_model_is_lora(const struct am_param *p) { return strstr(p->name, ".lora_A.") || strstr(p->name, ".lora_B."); }
+
+void am_model_init_lora(struct am_model *m, uint64_t seed, bool kaiming)
+{
+    for (int i = 0; i < m->n_params; i++) {
+        struct am_param *p = &m->params[i];
+        if (!am_model_is_lora(p))
+            continue;
+        int64_t rows = p->w.shape[0], cols = p->w.shape[1];
+        float *host = calloc((size_t)(rows * cols), sizeof(float));
+        if (!host)
+            continue;
+        uint64_t stream = am_hash_str(p->name);
+        double in = (double)p->full_cols, r = (double)p->full_rows;
+        for (int64_t y = 0; strstr(p->name, ".lora_A.") && y < rows; y++) /* B stays zero */
+            for (int64_t c = 0; c < cols; c++) {
+                uint64_t idx = (uint64_t)((p->row0 + y) * p->full_cols + p->col0 + c);
+                host[y * cols + c] = kaiming ? (float)((2 * am_rng_uniform(seed, stream, idx) - 1) / sqrt(in))
+                                             : (float)(sqrt(2.0 / (in + r)) * am_rng_normal(seed, stream, idx));
             }
         m->K->upload(m->dev, p->w.data, host, (size_t)(rows * cols) * sizeof(float));
         free(host);
@@ -541,8 +635,8 @@ int am_model_group_also(const struct am_model *m, int group)
 void am_model_begin_step(struct am_model *m)
 {
     am_model_cast_weights(m);
-    if (m->grad_mem) {
-        struct am_tensor g = am_tensor_view(m->grad_mem, m->K->device, AM_F32, (int64_t)m->slab_elems, 0, 0, 0);
+    if (m->grad_mem && m->grad_elems) {
+        struct am_tensor g = am_tensor_view(m->grad_mem, m->K->device, AM_F32, (int64_t)m->grad_elems, 0, 0, 0);
         m->K->zero(m->dev, &g);
     }
     m->K->zero(m->dev, &m->scalars.loss);
@@ -681,6 +775,20 @@ static int column_input(struct am_model *m, struct am_tensor *h, int64_t N, stru
     return sp_gather(m, h, in, err, err_len);
 }
 
+/* The head's group (final norm and head) on the last stage: the last group, or with LoRA the
+ * one before the adapters' group. */
+static int head_group(const struct am_model *m)
+{
+    return m->n_groups - 1 - (m->groups[m->n_groups - 1].kind == AM_PG_LORA);
+}
+
+/* A base weight's gradient, or NULL when LoRA freezes the base (its weight-gradient kernel
+ * skipped: the base has no gradient memory, model.h). */
+static struct am_tensor *base_grad(const struct am_model *m, const struct am_param *p)
+{
+    return m->sh.lora_r > 0 ? NULL : (struct am_tensor *)&p->g;
+}
+
 /* The gradient of a column-parallel input, summed over tp (all-reduce, or reduce-scatter to
  * this rank's rows), then through the norm into dx. */
 static int norm_backward(struct am_model *m, struct am_tensor *dx, struct am_param *norm, struct am_tensor *dh,
@@ -695,9 +803,9 @@ static int norm_backward(struct am_model *m, struct am_tensor *dx, struct am_par
         return -1;
     }
     if (m->cfg.gemma)
-        m->K->rmsnorm_offset_backward(m->dev, dx, &norm->g, &d, x, &norm->wc, rstd);
+        m->K->rmsnorm_offset_backward(m->dev, dx, base_grad(m, norm), &d, x, &norm->wc, rstd);
     else
-        m->K->rmsnorm_backward(m->dev, dx, &norm->g, &d, x, &norm->wc, rstd);
+        m->K->rmsnorm_backward(m->dev, dx, base_grad(m, norm), &d, x, &norm->wc, rstd);
     return 0;
 }
 
@@ -718,7 +826,7 @@ static void norm_forward(struct am_model *m, struct am_tensor *out, struct am_te
 static void norm_backward_local(struct am_model *m, struct am_tensor *dx, const struct am_param *norm,
                                 const struct am_tensor *dout, const struct am_tensor *x, const struct am_tensor *rstd)
 {
-    struct am_tensor *dw = (struct am_tensor *)&norm->g;
+    struct am_tensor *dw = base_grad(m, norm);
     if (m->cfg.gemma)
         m->K->rmsnorm_offset_backward(m->dev, dx, dw, dout, x, &norm->wc, rstd);
     else
@@ -808,6 +916,36 @@ static void rope(struct am_model *m, const struct am_layer *L, struct am_tensor 
 }
 
 /* One decoder layer on the residual stream x (R rows), saving what backward needs in a. */
+/* LoRA (lora.h): projection t's adapter, when it has one. y: the base layer's output (before a
+ * row-parallel reduction); x: its input. */
+static void lora_forward(struct am_model *m, const struct am_layer *L, struct am_layer_acts *a, int t,
+                         struct am_tensor *y, const struct am_tensor *x)
+{
+    if (!L->lora_a[t])
+        return;
+    int64_t N = y->shape[0];
+    struct am_lora l = {&L->lora_a[t]->wc, &L->lora_b[t]->wc, &L->lora_a[t]->g, &L->lora_b[t]->g,
+                        m->sh.lora_alpha / (float)m->sh.lora_r};
+    struct am_tensor tt = rows_of(&a->lora_t[t], N);
+    struct am_tensor u = am_tensor_view(m->lora_u.data, m->K->device, m->act_dt, N, y->shape[1], 0, 0);
+    am_lora_forward(m->dev, m->K, &l, y, x, &tt, &u);
+}
+
+/* Its backward: dx += the adapter's input gradient; A's and B's gradients accumulate. */
+static void lora_backward(struct am_model *m, const struct am_layer *L, const struct am_layer_acts *a, int t,
+                          struct am_tensor *dx, const struct am_tensor *dy, const struct am_tensor *x)
+{
+    if (!L->lora_a[t])
+        return;
+    int64_t N = dy->shape[0];
+    struct am_lora l = {&L->lora_a[t]->wc, &L->lora_b[t]->wc, &L->lora_a[t]->g, &L->lora_b[t]->g,
+                        m->sh.lora_alpha / (float)m->sh.lora_r};
+    struct am_tensor tt = rows_of(&a->lora_t[t], N);
+    struct am_tensor du = am_tensor_view(m->lora_du.data, m->K->device, m->act_dt, N, dy->shape[1], 0, 0);
+    struct am_tensor dt = rows_of(&m->lora_dt, N);
+    am_lora_backward(m->dev, m->K, &l, dx, dy, x, &tt, &du, &dt);
+}
+
 static int layer_forward(struct am_model *m, const struct am_layer *L, struct am_layer_acts *a, struct am_tensor *x,
                          int64_t B, char *err, size_t err_len)
 {
@@ -834,6 +972,8 @@ static int layer_forward(struct am_model *m, const struct am_layer *L, struct am
             K->bias_forward(m->dev, &q_raw, &L->bq->wc);
             K->bias_forward(m->dev, &k_raw, &L->bk->wc);
         }
+        lora_forward(m, L, a, AM_LORA_PQ, &q_raw, &in);
+        lora_forward(m, L, a, AM_LORA_PK, &k_raw, &in);
         struct am_tensor qr = head_rows(&q_raw, N * m->heads, D), kr = head_rows(&k_raw, N * m->kv_heads, D);
         struct am_tensor qn = head_rows(&q, N * m->heads, D), kn = head_rows(&k, N * m->kv_heads, D);
         struct am_tensor rq = rows_of(&a->rstd_q, N * m->heads), rk = rows_of(&a->rstd_k, N * m->kv_heads);
@@ -846,10 +986,13 @@ static int layer_forward(struct am_model *m, const struct am_layer *L, struct am
             K->bias_forward(m->dev, &q, &L->bq->wc);
             K->bias_forward(m->dev, &k, &L->bk->wc);
         }
+        lora_forward(m, L, a, AM_LORA_PQ, &q, &in);
+        lora_forward(m, L, a, AM_LORA_PK, &k, &in);
     }
     K->matmul_forward(m->dev, &v, &in, &L->wv->wc);
     if (L->bv)
         K->bias_forward(m->dev, &v, &L->bv->wc);
+    lora_forward(m, L, a, AM_LORA_PV, &v, &in);
     struct am_tensor q4 = heads_of(&q, B, T, m->heads, D), k4 = heads_of(&k, B, T, m->kv_heads, D);
     struct am_tensor v4 = heads_of(&v, B, T, m->kv_heads, D), att4 = heads_of(&att, B, T, m->heads, D);
     rope(m, L, &q4, &k4, false);
@@ -867,6 +1010,7 @@ static int layer_forward(struct am_model *m, const struct am_layer *L, struct am
         K->attention_forward(m->dev, &att4, &lse, &q4, &k4, &v4, L->window);
     }
     K->matmul_forward(m->dev, &o, &att, &L->wo->wc);
+    lora_forward(m, L, a, AM_LORA_PO, &o, &att);
     if (L->post_attn_norm) {
         struct am_tensor oa = rows_of(&a->o_att, R), ra = rows_of(&a->rstd_oa, R);
         if (add_post_norm(m, x, &o, &oa, &ra, L->post_attn_norm, err, err_len) < 0)
@@ -888,11 +1032,14 @@ static int layer_forward(struct am_model *m, const struct am_layer *L, struct am
     }
     K->matmul_forward(m->dev, &gate, &in, &L->w_gate->wc);
     K->matmul_forward(m->dev, &up, &in, &L->w_up->wc);
+    lora_forward(m, L, a, AM_LORA_PGATE, &gate, &in);
+    lora_forward(m, L, a, AM_LORA_PUP, &up, &in);
     if (m->cfg.gemma)
         K->geglu_forward(m->dev, &act, &gate, &up);
     else
         K->swiglu_forward(m->dev, &act, &gate, &up);
     K->matmul_forward(m->dev, &o, &act, &L->w_down->wc);
+    lora_forward(m, L, a, AM_LORA_PDOWN, &o, &act);
     if (L->post_mlp_norm) {
         struct am_tensor om = rows_of(&a->o_mlp, R), rm = rows_of(&a->rstd_om, R);
         return add_post_norm(m, x, &o, &om, &rm, L->post_mlp_norm, err, err_len);
@@ -930,9 +1077,9 @@ static int head_forward(struct am_model *m, struct am_slot *S, const struct am_t
     }
     S->fused = false;
     float cap = (float)m->cfg.final_logit_softcapping;
-    if (want_grad && !m->tp_comm && K->ce_fused && m->n_slots == 1 && cap <= 0.0f) {
+    if (want_grad && !m->tp_comm && K->ce_fused && m->n_slots == 1 && cap <= 0.0f && m->sh.lora_r == 0) {
         struct am_tensor dhf = rows_of(&m->dhf, N);
-        if (grad_use(m, m->n_groups - 1, err, err_len) < 0 || (m->head == m->embed && grad_use(m, 0, err, err_len) < 0))
+        if (grad_use(m, head_group(m), err, err_len) < 0 || (m->head == m->embed && grad_use(m, 0, err, err_len) < 0))
             return -1;
         K->zero(m->dev, &dhf);
         S->fused = K->ce_fused(m->dev, &cm, &cs, &ct, &dhf, &m->head->g, &hf, &m->head->wc, &tgt, dloss_scale);
@@ -1032,7 +1179,7 @@ static int forward_chunk(struct am_model *m, int chunk, int slot, int64_t B, con
     }
     am_moe_forward_end(m, m->slot_base[chunk] + slot, N, is_last(m, chunk) ? targets : NULL, dloss_scale);
     m->where.layer = AM_WHERE_HEAD;
-    if (is_last(m, chunk) && use_group(m, m->n_groups - 1, false, err, err_len) < 0)
+    if (is_last(m, chunk) && use_group(m, head_group(m), false, err, err_len) < 0)
         return -1;
     if (is_last(m, chunk))
         return head_forward(m, S, &x, targets, dloss_scale, want_grad, err, err_len);
@@ -1102,7 +1249,8 @@ static int layer_backward(struct am_model *m, const struct am_layer *L, const st
         goto attention;
     }
     K->zero(m->dev, &dact);
-    K->matmul_backward(m->dev, &dact, &L->w_down->g, &dy, &act, &L->w_down->wc);
+    K->matmul_backward(m->dev, &dact, base_grad(m, L->w_down), &dy, &act, &L->w_down->wc);
+    lora_backward(m, L, a, AM_LORA_PDOWN, &dact, &dy, &act);
     K->zero(m->dev, &dgate);
     K->zero(m->dev, &dup);
     if (m->cfg.gemma)
@@ -1112,8 +1260,10 @@ static int layer_backward(struct am_model *m, const struct am_layer *L, const st
     if (column_input(m, &h2, N, &in, err, err_len) < 0)
         return -1;
     K->zero(m->dev, &dh);
-    K->matmul_backward(m->dev, &dh, &L->w_gate->g, &dgate, &in, &L->w_gate->wc);
-    K->matmul_backward(m->dev, &dh, &L->w_up->g, &dup, &in, &L->w_up->wc);
+    K->matmul_backward(m->dev, &dh, base_grad(m, L->w_gate), &dgate, &in, &L->w_gate->wc);
+    K->matmul_backward(m->dev, &dh, base_grad(m, L->w_up), &dup, &in, &L->w_up->wc);
+    lora_backward(m, L, a, AM_LORA_PGATE, &dh, &dgate, &in);
+    lora_backward(m, L, a, AM_LORA_PUP, &dh, &dup, &in);
     if (norm_backward(m, dx, L->mlp_norm, &dh, &x_mid, &rstd2, err, err_len) < 0)
         return -1;
 
@@ -1129,7 +1279,8 @@ attention:;
         return -1;
     }
     K->zero(m->dev, &datt);
-    K->matmul_backward(m->dev, &datt, &L->wo->g, &dy, &att, &L->wo->wc);
+    K->matmul_backward(m->dev, &datt, base_grad(m, L->wo), &dy, &att, &L->wo->wc);
+    lora_backward(m, L, a, AM_LORA_PO, &datt, &dy, &att);
     K->zero(m->dev, &dq);
     K->zero(m->dev, &dk);
     K->zero(m->dev, &dv);
@@ -1166,16 +1317,21 @@ attention:;
         dk = dk_raw;
     }
     if (L->bq) { /* the biases' gradients: the projections' output gradients summed over the tokens */
-        K->bias_backward(m->dev, &L->bq->g, &dq);
-        K->bias_backward(m->dev, &L->bk->g, &dk);
-        K->bias_backward(m->dev, &L->bv->g, &dv);
+        if (m->sh.lora_r == 0) { /* LoRA: the biases are frozen with the base */
+            K->bias_backward(m->dev, &L->bq->g, &dq);
+            K->bias_backward(m->dev, &L->bk->g, &dk);
+            K->bias_backward(m->dev, &L->bv->g, &dv);
+        }
     }
     if (column_input(m, &h1, N, &in, err, err_len) < 0)
         return -1;
     K->zero(m->dev, &dh);
-    K->matmul_backward(m->dev, &dh, &L->wq->g, &dq, &in, &L->wq->wc);
-    K->matmul_backward(m->dev, &dh, &L->wk->g, &dk, &in, &L->wk->wc);
-    K->matmul_backward(m->dev, &dh, &L->wv->g, &dv, &in, &L->wv->wc);
+    K->matmul_backward(m->dev, &dh, base_grad(m, L->wq), &dq, &in, &L->wq->wc);
+    K->matmul_backward(m->dev, &dh, base_grad(m, L->wk), &dk, &in, &L->wk->wc);
+    K->matmul_backward(m->dev, &dh, base_grad(m, L->wv), &dv, &in, &L->wv->wc);
+    lora_backward(m, L, a, AM_LORA_PQ, &dh, &dq, &in);
+    lora_backward(m, L, a, AM_LORA_PK, &dh, &dk, &in);
+    lora_backward(m, L, a, AM_LORA_PV, &dh, &dv, &in);
     return norm_backward(m, dx, L->attn_norm, &dh, &x_in, &rstd1, err, err_len);
 }
 
@@ -1190,10 +1346,10 @@ static int head_backward(struct am_model *m, const struct am_slot *S, struct am_
     if (!S->fused) { /* dhf is summed over the vocabulary shards in norm_backward */
         m->K->zero(m->dev, &dhf);
         if (m->cfg.final_logit_softcapping > 0)
-            m->K->ce_backward_softcap(m->dev, &dhf, &m->head->g, &hf, &m->head->wc, &tgt, m->vocab_start, &cm, &cs,
+            m->K->ce_backward_softcap(m->dev, &dhf, base_grad(m, m->head), &hf, &m->head->wc, &tgt, m->vocab_start, &cm, &cs,
                                       dloss_scale, (float)m->cfg.final_logit_softcapping);
         else
-            m->K->ce_backward(m->dev, &dhf, &m->head->g, &hf, &m->head->wc, &tgt, m->vocab_start, &cm, &cs,
+            m->K->ce_backward(m->dev, &dhf, base_grad(m, m->head), &hf, &m->head->wc, &tgt, m->vocab_start, &cm, &cs,
                               dloss_scale);
     }
     m->K->zero(m->dev, dx);
@@ -1223,11 +1379,10 @@ int am_model_backward(struct am_model *m, int chunk, int slot, const void *dy, v
     if (m->pk)
         am_packed_enter(m, m->slot_base[chunk] + slot, B);
     if (is_last(m, chunk)) {
-        if (use_group(m, m->n_groups - 1, true, err, err_len) < 0 ||
-            grad_use(m, m->n_groups - 1, err, err_len) < 0 ||
+        if (use_group(m, head_group(m), true, err, err_len) < 0 || grad_use(m, head_group(m), err, err_len) < 0 ||
             (m->head == m->embed && grad_use(m, 0, err, err_len) < 0) ||
             head_backward(m, S, &dx, dloss_scale, err, err_len) < 0 ||
-            group_done(m, m->n_groups - 1, err, err_len) < 0)
+            group_done(m, head_group(m), err, err_len) < 0)
             return -1;
     } else {
         struct am_tensor g = hidden(m, dy, B);
@@ -1258,7 +1413,8 @@ int am_model_backward(struct am_model *m, int chunk, int slot, const void *dy, v
             return -1;
         if (m->cfg.gemma) /* through the embedding's scale */
             K->scale(m->dev, &g, embed_scale(m));
-        K->embedding_backward(m->dev, &m->embed->g, &g, &tok, m->vocab_start);
+        if (m->sh.lora_r == 0) /* LoRA: the embedding is frozen */
+            K->embedding_backward(m->dev, &m->embed->g, &g, &tok, m->vocab_start);
         return group_done(m, 0, err, err_len);
     }
     struct am_tensor out = hidden(m, dx_out, B);
@@ -1362,6 +1518,8 @@ static int sum_shared_kv(struct am_model *m, const struct am_layer *L, char *err
 int am_model_group_finish(struct am_model *m, int group, char *err, size_t err_len)
 {
     const struct am_pgroup *G = &m->groups[group];
+    if (G->frozen)
+        return 0; /* LoRA's frozen base: no gradients */
     /* with sequence parallelism each rank saw its own token rows, and the q/k norms each rank's
      * own heads: those gradients are partial sums */
     for (int i = G->first; m->tp_comm && i < G->first + G->n; i++)
@@ -1374,7 +1532,7 @@ int am_model_group_finish(struct am_model *m, int group, char *err, size_t err_l
 
 int am_model_finish_tied(struct am_model *m, char *err, size_t err_len)
 {
-    return tied_across_stages(m) ? sum_tied_copies(m, err, err_len) : 0;
+    return tied_across_stages(m) && m->sh.lora_r == 0 ? sum_tied_copies(m, err, err_len) : 0;
 }
 
 int am_model_finish_grads(struct am_model *m, char *err, size_t err_len)
@@ -1408,8 +1566,8 @@ int am_model_grad_sumsq(struct am_model *m, char *err, size_t err_len)
     m->K->zero(m->dev, &m->scalars.sumsq);
     for (int i = 0; i < m->n_params; i++) {
         const struct am_param *p = &m->params[i];
-        if (am_model_is_tied_copy(m, p))
-            continue; /* the first stage counts the tied embedding */
+        if (am_model_is_tied_copy(m, p) || !p->g.data)
+            continue; /* the first stage counts the tied embedding; LoRA's frozen base has no gradient */
         /* summed over ep too: the experts' once each, the rest ep times, so counted 1 / ep each */
         double ep = m->ep_comm && !am_moe_is_expert_param(m, p) ? (double)am_comm_size(m->ep_comm) : 1.0;
         m->K->sum_squares(m->dev, &m->scalars.sumsq, &p->g, (double)p->copies_in_tp * ep);

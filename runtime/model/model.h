@@ -32,6 +32,22 @@
  * activation checkpointing a slot keeps only each layer's input; backward recomputes the
  * layer's forward (collectives included) just before its backward, bit for bit the same.
  *
+ * LoRA (sh.lora_r > 0, lora.h): each projection named in sh.lora_targets gains an adapter,
+ * y += (lora_alpha / lora_r) * B (A x). The A and B of all the rank's layers form one group of
+ * their own, the last (AM_PG_LORA, "lora": one contiguous span of the slabs, what an optimizer
+ * of the adapters alone steps), named as transformers' modules are
+ * ("model.layers.N.self_attn.q_proj.lora_A.weight"), split over tp with the base layer as
+ * lora.h says (the partial one summed over tp with the other partial gradients in
+ * am_model_group_finish). The backward does not signal the group (grad_ready): its gradients
+ * are final after the step's last backward, like a tied group's; its weights are used by every
+ * layer's forward and backward without a group_use call (keep it whole on every rank).
+ * The base is frozen: no base parameter has gradient memory (its g.data is NULL; the gradient
+ * slab holds the adapters' group alone, grad_off and grad_elems; the other groups are frozen)
+ * and the backward computes no base gradient (the projections', norms', biases', embedding's
+ * and head's weight-gradient kernels are skipped). am_model_load_hf leaves the adapters alone;
+ * am_model_load_peft reads them from a peft adapter directory. With tp above the kv heads, k
+ * and v adapters are refused. Mixture-of-experts layers get adapters on attention only.
+ *
  * Parameters and their gradients live in two slabs (one allocation each) so that the
  * optimizer walks one array. Parameter i is params[i] (value, gradient, Hugging Face name,
  * how it is split). The parameters form groups, consecutive in params[] and in the slabs:
@@ -99,10 +115,18 @@ struct am_model_shard {
     enum am_dtype compute;        /* weights and activations in forward and backward: AM_F32
                                      (the default), or AM_BF16 (mixed precision: fp32 master
                                      weights and gradients, a bf16 copy of the weights) */
+    int lora_r;                   /* LoRA (lora.h): the rank of the adapters on the lora_targets
+                                     projections; 0: none */
+    float lora_alpha;             /* their scale is lora_alpha / lora_r */
+    unsigned lora_targets;        /* bits 1u << enum am_lora_proj */
     int group_align;              /* fully sharded data parallelism over this many ranks: each
                                      group's span of the slabs padded with zeros to a multiple of
                                      it, so that it splits into equal flat shards (0 or 1: none) */
 };
+
+/* The projections of a layer that can carry a LoRA adapter (the order of recipe.h's am_lora_target). */
+enum am_lora_proj { AM_LORA_PQ, AM_LORA_PK, AM_LORA_PV, AM_LORA_PO, AM_LORA_PGATE, AM_LORA_PUP, AM_LORA_PDOWN,
+                    AM_LORA_NPROJ };
 
 /* The shard of a rank that holds all n_layers layers as one stage. */
 static inline struct am_model_shard am_model_shard_whole(int tp, int tp_rank, int n_layers)
@@ -117,6 +141,7 @@ struct am_layer_acts {
     struct am_tensor x_in, h1, rstd1, q, k, v, att, lse, x_mid, h2, rstd2, gate, up, act;
     struct am_tensor q_raw, k_raw, rstd_q, rstd_k; /* qk_norm: q, k before their norms, and the norms' rstd
                                                       per head row */
+    struct am_tensor lora_t[AM_LORA_NPROJ];         /* LoRA: each adapter's x · Aᵀ [N, r] */
     struct am_tensor o_att, rstd_oa, o_mlp, rstd_om; /* Gemma: the inputs of the norms after attention and
                                                         after the MLP (the row-parallel outputs, reduced over
                                                         tp: this rank's rows of the stream), and their rstd */
@@ -145,6 +170,8 @@ struct am_layer {
                                                         outputs (mlp_norm is then pre_feedforward_layernorm);
                                                         else NULL */
     bool local_rope;                  /* Gemma 3's sliding layers: the rope tables of rope_local_base_freq */
+    struct am_param *lora_a[AM_LORA_NPROJ], *lora_b[AM_LORA_NPROJ]; /* LoRA (lora.h): each adapted projection's
+                                                                        A and B, in the layer's group; else NULL */
 };
 
 /* How a parameter group is kept across the data-parallel ranks: replicated (every rank holds
@@ -152,7 +179,8 @@ struct am_layer {
  * (fully sharded data parallelism) and expert (reduced over the expert-data group) next. */
 enum am_shard { AM_SHARD_REPLICATED, AM_SHARD_SHARDED, AM_SHARD_EXPERT };
 
-enum am_pgroup_kind { AM_PG_EMBED, AM_PG_LAYER, AM_PG_HEAD, AM_PG_EXPERTS /* a MoE layer's experts (moe.h) */ };
+enum am_pgroup_kind { AM_PG_EMBED, AM_PG_LAYER, AM_PG_HEAD, AM_PG_EXPERTS /* a MoE layer's experts (moe.h) */,
+                      AM_PG_LORA /* LoRA: the adapters of all the rank's layers, the last group */ };
 
 struct am_pgroup {
     char name[32];           /* "embed", "layers.3", "head" (final norm and output head) */
@@ -163,6 +191,8 @@ struct am_pgroup {
     size_t span;             /* its span of the slabs: n_elems padded to a multiple of group_align */
     size_t shard_offset, shard_elems; /* sharded: its flat shard (span / ranks elements) in the
                                          trainer's shard slabs; set by the trainer */
+    bool frozen;             /* LoRA: a group of the frozen base (no gradient memory, g.data NULL;
+                                nothing to reduce or step) */
     bool tied;               /* holds a copy of a tied embedding split over two pipeline stages:
                                 final only after am_model_finish_tied, never signalled */
     enum am_shard shard;     /* set by the trainer (AM_SHARD_REPLICATED by default) */
@@ -248,6 +278,8 @@ struct am_model {
     enum am_dtype act_dt;       /* compute dtype: the weights' copy and the activations */
     size_t n_elems; /* parameters on this rank (all of them, in elements) */
     size_t slab_elems; /* the slabs' length: n_elems plus each group's padding (group_align) */
+    size_t grad_off, grad_elems; /* the gradient slab (grad_mem) holds slab elements [grad_off, grad_off +
+                                    grad_elems): all of them, or with LoRA the adapters' group alone */
 
     struct am_param *embed, *final_norm, *head; /* head == embed when tied and on the same rank */
     struct am_layer *layers;
@@ -273,6 +305,7 @@ struct am_model {
                                                 gradients (no data otherwise) */
     struct am_tensor cos_local, sin_local;   /* Gemma 3: the sliding layers' rope tables */
     struct am_tensor scratch_post;           /* Gemma: [R, C], a post norm's output, and its input's gradient */
+    struct am_tensor lora_u, lora_du, lora_dt; /* LoRA: [N, widest output], twice, and [N, r] */
 };
 
 /* Builds the shard's parameters (zeroed) and activation buffers for each chunk's slots of
@@ -288,6 +321,15 @@ void am_model_free(struct am_model *m);
  * N(0, initializer_range), norm weights 1. Each element is a function of (seed, name,
  * index in the full tensor), so every layout of tp and pp initialises the same model. */
 void am_model_init_weights(struct am_model *m, uint64_t seed);
+
+/* LoRA: whether p is an adapter's A or B. */
+bool am_model_is_lora(const struct am_param *p);
+
+/* LoRA's adapters as peft and AutoModel start them: B zero; A kaiming-uniform with a = sqrt(5)
+ * (bound 1 / sqrt(in), kaiming true: peft's) or xavier-normal (std sqrt(2 / (in + r)):
+ * AutoModel's default). Each element a function of (seed, name, index in the full tensor), as
+ * am_model_init_weights, which leaves the adapters alone. */
+void am_model_init_lora(struct am_model *m, uint64_t seed, bool kaiming);
 
 /* Elements of the hidden state one pipeline stage hands the next for a micro-batch of
  * `batch` sequences: its rows of the residual stream (all tokens, or its 1/tp with sequence

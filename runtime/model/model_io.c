@@ -10,6 +10,7 @@
 
 #include "checkpoint.h"
 #include "moe.h"
+#include "peft.h"
 #include "safetensors.h"
 
 int am_model_dir_has_weights(const char *dir)
@@ -31,6 +32,8 @@ int am_model_load_hf(struct am_model *m, const char *dir, struct am_errors *err)
     size_t before = err->n;
     for (int i = 0; i < m->n_params; i++) {
         struct am_param *p = &m->params[i];
+        if (am_model_is_lora(p)) /* LoRA's adapters are not the base model's (am_model_load_peft) */
+            continue;
         int64_t n = am_tensor_numel(&p->w);
         float *host = malloc((size_t)n * sizeof(float));
         if (!host) {
@@ -48,6 +51,46 @@ int am_model_load_hf(struct am_model *m, const char *dir, struct am_errors *err)
         free(host);
     }
     am_ckpt_close(c);
+    am_model_cast_weights(m);
+    return err->n > before ? -1 : 0;
+}
+
+int am_model_load_peft(struct am_model *m, const char *dir, struct am_errors *err)
+{
+    char path[4096];
+    struct am_st_file *f = NULL;
+    snprintf(path, sizeof(path), "%s/adapter_model.safetensors", dir);
+    if (am_st_open(path, &f, err) < 0)
+        return -1;
+    size_t before = err->n;
+    for (int i = 0; i < m->n_params; i++) {
+        struct am_param *p = &m->params[i];
+        if (!am_model_is_lora(p))
+            continue;
+        char name[160];
+        snprintf(name, sizeof(name), "base_model.model.%s", p->name);
+        const struct am_st_info *t = am_st_find(f, name);
+        int64_t rows = p->full_rows, cols = p->full_cols;
+        if (!t || t->ndim != 2 || t->shape[0] != rows || t->shape[1] != cols) {
+            am_errorf(err, NULL, "%s: %s: %s (want [%lld, %lld])", path, name, t ? "another shape" : "missing",
+                      (long long)rows, (long long)cols);
+            continue;
+        }
+        float *full = malloc((size_t)(rows * cols) * sizeof(float));
+        float *mine = malloc((size_t)am_tensor_numel(&p->w) * sizeof(float));
+        if (full && mine && am_st_read_f32(f, t, 0, rows * cols, full, err) == 0) {
+            int64_t r0 = p->split == AM_SPLIT_ROWS ? p->row0 : 0, c0 = p->split == AM_SPLIT_COLS ? p->col0 : 0;
+            int64_t lr = p->w.shape[0], lc = p->w.shape[1];
+            for (int64_t r = 0; r < lr; r++)
+                memcpy(mine + r * lc, full + (r0 + r) * cols + c0, (size_t)lc * sizeof(float));
+            m->K->upload(m->dev, p->w.data, mine, (size_t)(lr * lc) * sizeof(float));
+        } else if (!full || !mine) {
+            am_errorf(err, NULL, "%s: out of memory reading %s", path, name);
+        }
+        free(full);
+        free(mine);
+    }
+    am_st_close(f);
     am_model_cast_weights(m);
     return err->n > before ? -1 : 0;
 }
@@ -96,6 +139,7 @@ struct saver {
     void *stage;             /* on a GPU: device memory every message passes through (msg_*) */
     size_t stage_bytes;
     int64_t n_all, current;  /* writer: the tensor now in full (-1: none) */
+    const struct am_peft_config *peft; /* LoRA's adapters alone, written as peft does (else NULL: the base) */
 };
 
 static int comm_failed(const struct saver *s, struct am_errors *err)
@@ -264,9 +308,11 @@ static int gather_experts(struct saver *s, struct am_comm *ep, struct am_errors 
 /* Checks the arguments and builds the rank's list and the small tables (no communication).
  * -1 with a message on the ranks where the arguments are wrong or memory runs out. */
 static int saver_init(struct saver *s, const struct am_model *m, struct am_comm *tp, struct am_comm *pp,
-                      struct am_comm *ep, bool saves, const char *dir, struct am_errors *err)
+                      struct am_comm *ep, bool saves, const char *dir, const struct am_peft_config *peft,
+                      struct am_errors *err)
 {
-    *s = (struct saver){.m = m, .tp = tp, .pp = pp, .dir = dir, .tp_size = 1, .pp_size = 1, .current = -1};
+    *s = (struct saver){.m = m, .tp = tp, .pp = pp, .dir = dir, .tp_size = 1, .pp_size = 1, .current = -1,
+                        .peft = peft};
     if (ep && am_comm_size(ep) > 1 && gather_experts(s, ep, err) < 0)
         return -1;
     if (!saves)
@@ -298,7 +344,8 @@ static int saver_init(struct saver *s, const struct am_model *m, struct am_comm 
     if (!s->which || !s->count)
         goto oom;
     for (int i = 0; i < m->n_params; i++)
-        if (!am_model_is_tied_copy(m, &m->params[i]) && !(s->n_ep && am_moe_is_expert_param(m, &m->params[i])))
+        if (!am_model_is_tied_copy(m, &m->params[i]) && !(s->n_ep && am_moe_is_expert_param(m, &m->params[i])) &&
+            am_model_is_lora(&m->params[i]) == (peft != NULL)) /* LoRA's adapters are saved apart (io/peft.h) */
             s->which[s->n++] = i;
     /* the gathered experts after their layer's other tensors (the writer sorts by layer) */
     if (s->n_ep && !(s->which = realloc(s->which, ((size_t)m->n_params + (size_t)s->n_ep) * sizeof(int))))
@@ -599,8 +646,24 @@ static int write_all(struct saver *s, const char *base_config, struct am_errors 
         t[i] = (struct am_st_wtensor){.name = w->name, .dtype = AM_ST_F32, .ndim = (int)w->ndim,
                                       .shape = {w->rows, w->cols}, .fill = fill, .ctx = s};
     }
-    struct am_ckpt_save_opts opts = {.base_config = base_config};
-    int rc = am_ckpt_save(s->dir, &s->m->cfg, t, (size_t)s->n_all, &opts, err);
+    int rc;
+    if (s->peft) { /* peft's names: "base_model.model." + the parameter's */
+        char(*names)[128] = calloc((size_t)s->n_all + 1, sizeof(*names));
+        if (!names) {
+            free(t);
+            am_errorf(err, NULL, "%s: saving: out of memory", s->dir);
+            return -1;
+        }
+        for (int64_t i = 0; i < s->n_all; i++) {
+            snprintf(names[i], sizeof(names[i]), "base_model.model.%s", s->all[i].t.name);
+            t[i].name = names[i];
+        }
+        rc = am_peft_save(s->dir, s->peft, t, (size_t)s->n_all, err);
+        free(names);
+    } else {
+        struct am_ckpt_save_opts opts = {.base_config = base_config};
+        rc = am_ckpt_save(s->dir, &s->m->cfg, t, (size_t)s->n_all, &opts, err);
+    }
     free(t);
     return rc;
 }
@@ -625,11 +688,12 @@ int am_model_save_hf_dist(const struct am_model *m, struct am_comm *tp, struct a
     return am_model_save_hf_ep(m, tp, pp, NULL, true, dir, base_config, err);
 }
 
-int am_model_save_hf_ep(const struct am_model *m, struct am_comm *tp, struct am_comm *pp, struct am_comm *ep,
-                        bool saves, const char *dir, const char *base_config, struct am_errors *err)
+static int save_dist(const struct am_model *m, struct am_comm *tp, struct am_comm *pp, struct am_comm *ep, bool saves,
+                     const char *dir, const char *base_config, const struct am_peft_config *peft,
+                     struct am_errors *err)
 {
     struct saver s;
-    int rc0 = saver_init(&s, m, tp, pp, ep, saves, dir, err);
+    int rc0 = saver_init(&s, m, tp, pp, ep, saves, dir, peft, err);
     if (rc0 < 0 || !saves) {
         saver_free(&s);
         return rc0;
@@ -656,6 +720,31 @@ int am_model_save_hf_ep(const struct am_model *m, struct am_comm *tp, struct am_
     }
     saver_free(&s);
     return rc;
+}
+
+int am_model_save_hf_ep(const struct am_model *m, struct am_comm *tp, struct am_comm *pp, struct am_comm *ep,
+                        bool saves, const char *dir, const char *base_config, struct am_errors *err)
+{
+    return save_dist(m, tp, pp, ep, saves, dir, base_config, NULL, err);
+}
+
+int am_model_save_peft_dist(const struct am_model *m, struct am_comm *tp, struct am_comm *pp, bool saves,
+                            const char *dir, const char *base_model, struct am_errors *err)
+{
+    static const char *const names[AM_LORA_NPROJ] = {"q_proj", "k_proj", "v_proj", "o_proj",
+                                                     "gate_proj", "up_proj", "down_proj"};
+    const char *targets[AM_LORA_NPROJ];
+    size_t n = 0;
+    for (int t = 0; t < AM_LORA_NPROJ; t++)
+        if (m->sh.lora_targets >> t & 1u)
+            targets[n++] = names[t];
+    if (m->sh.lora_r < 1 || n == 0) {
+        am_errorf(err, NULL, "%s: saving LoRA adapters: the model has none", dir);
+        return -1;
+    }
+    struct am_peft_config cfg = {.r = m->sh.lora_r, .alpha = m->sh.lora_alpha, .targets = targets, .n_targets = n,
+                                 .base_model = base_model};
+    return save_dist(m, tp, pp, NULL, saves, dir, NULL, &cfg, err);
 }
 
 int am_model_save_hf(const struct am_model *m, const char *dir, const char *base_config, struct am_errors *err)

@@ -17,6 +17,12 @@
 /* Copies every parameter of m from the directory (model.safetensors or the sharded set).
  * Returns 0, or -1 with messages naming the tensor (missing, or of another shape). */
 int am_model_load_hf(struct am_model *m, const char *dir, struct am_errors *err);
+/* (LoRA's adapters, am_model_is_lora, are neither loaded nor saved by the am_model_*_hf functions.) */
+
+/* Copies every LoRA adapter of m from dir/adapter_model.safetensors, as the peft library saves
+ * them ("base_model.model." + the parameter's name), each rank its tp slice. Returns 0, or -1
+ * with messages naming the tensor (missing, or of another shape). */
+int am_model_load_peft(struct am_model *m, const char *dir, struct am_errors *err);
 
 /* True when dir holds weights (model.safetensors or model.safetensors.index.json). */
 int am_model_dir_has_weights(const char *dir);
@@ -58,5 +64,14 @@ int am_model_save_hf_dist(const struct am_model *m, struct am_comm *tp, struct a
  * A rank without saves returns 0 after the gather (-1 if it failed). */
 int am_model_save_hf_ep(const struct am_model *m, struct am_comm *tp, struct am_comm *pp, struct am_comm *ep,
                         bool saves, const char *dir, const char *base_config, struct am_errors *err);
+
+/* LoRA: the model's adapters alone, as the peft library saves them (io/peft.h:
+ * adapter_config.json with r, alpha and the targeted modules, and adapter_model.safetensors,
+ * "base_model.model." + each adapter's name), gathered over tp and pp as
+ * am_model_save_hf_dist gathers the base (collective over the ranks with saves: one replica's
+ * tp and pp ranks; a rank without saves returns 0 at once). base_model: the adapter config's
+ * base_model_name_or_path, or NULL. */
+int am_model_save_peft_dist(const struct am_model *m, struct am_comm *tp, struct am_comm *pp, bool saves,
+                            const char *dir, const char *base_model, struct am_errors *err);
 
 #endif

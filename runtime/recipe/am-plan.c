@@ -244,6 +244,15 @@ static void print_json(const struct am_recipe *r, const struct am_plan *p, const
         for (int k = 0; p->mem_pp && k < p->pp; k++)
             json_array_append_new(per, memory_json(&p->mem_pp[k]));
         json_object_set_new(o, "memory_per_pp_rank", per);
+        if (r->peft.enabled) {
+            json_t *targets = json_array();
+            for (int t = 0; t < AM_LORA_NTARGETS; t++)
+                if (r->peft.targets & (1u << t))
+                    json_array_append_new(targets, json_string(am_lora_target_name((enum am_lora_target)t)));
+            json_object_set_new(o, "lora", json_pack("{s:o,s:i,s:f,s:f}", "targets", targets, "dim",
+                                                     (int)r->peft.dim, "alpha", r->peft.alpha,
+                                                     "adapter_params_per_gpu", p->mem.adapter_params));
+        }
         json_object_set_new(o, "tokens_per_step", json_real(p->tokens_per_step));
         json_object_set_new(o, "flops_per_step", json_real(p->flops_per_step));
         json_object_set_new(o, "checkpoint", lead_json(L));

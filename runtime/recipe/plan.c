@@ -158,8 +158,12 @@ static double act_elems_per_token(const struct am_recipe *r, const struct am_pla
     double heads = (double)(m->num_attention_heads / p->tp), kv_heads = kv_rank / hd;
     /* q and k before their per-head norms, and the norms' inverse rms (fp32) */
     double qk_norm = m->qk_norm ? q / tp + kv_rank + (heads + kv_heads) * f32 : 0;
+    /* LoRA: each adapter's A x (dim values per token; a row-parallel layer's summed over tp) */
+    double lora = 0;
+    for (int t = 0; r->peft.enabled && t < AM_LORA_HEAD; t++)
+        lora += (r->peft.targets >> t & 1u) ? (double)r->peft.dim : 0;
     /* the attention's log-sum-exp per head (fp32) */
-    return replicated + 2 * q / tp + 2 * kv_rank + heads * f32 + qk_norm + mlp;
+    return replicated + 2 * q / tp + 2 * kv_rank + heads * f32 + qk_norm + mlp + lora;
 }
 
 /* Micro-batches whose activations pp rank k holds at its peak, in units of its layers: as the
@@ -255,6 +259,12 @@ static double scratch_bytes(const struct am_recipe *r, const struct am_plan *p, 
                                       * positions, per slot each row's document start and rotary position */
         b += 2 * carved((double)p->seq_length * (D / 2), 4) + 2 * carved(N * (D / 2), 4) + carved(T, 4) +
              rs->total * 2 * carved(N, 4);
+    if (r->peft.enabled) { /* LoRA (model.c): an adapter's output and its gradient, as wide as the widest
+                            * projection of the rank, and x · Aᵀ's gradient */
+        double wide = Q > C ? Q : C;
+        wide = I > wide ? I : wide;
+        b += 2 * carved(N * wide, cs) + carved(N * (double)r->peft.dim, cs);
+    }
     if (m->num_experts > 0) {
         double E = (double)m->num_experts, k = (double)m->num_experts_per_tok, S = N * k;
         double Im = (double)m->moe_intermediate_size;
@@ -272,6 +282,9 @@ static double scratch_bytes(const struct am_recipe *r, const struct am_plan *p, 
  * (ddp; megatron_fsdp so far). */
 static int trainer_zero_stage(const struct am_recipe *r, const struct am_plan *p)
 {
+    if (r->peft.enabled)
+        return 0; /* LoRA: the frozen base and the adapters whole on every rank (only the adapters' gradients
+                     are all-reduced: nothing else has any to shard) */
     if (r->dist.strategy == AM_MEGATRON_FSDP && p->dp * p->cp > 1)
         return r->dist.zero_dp_strategy; /* over dp * cp (validated: no HSDP) */
     return r->dist.strategy == AM_FSDP2 && p->dp_shard * p->cp > 1 ? 3 : 0;
@@ -297,6 +310,27 @@ static void add_group_over(struct flat_shards *f, double elems, long long d)
 }
 
 static void add_group(struct flat_shards *f, double elems) { add_group_over(f, elems, f->D); }
+
+/* LoRA's trainable parameters on one tensor-parallel rank: of one layer (head false) or of the
+ * head. A column-parallel base layer (q, k, v, gate, up, the head) splits B by rows and keeps A
+ * whole; a row-parallel one (o, down) splits A by columns and keeps B whole. */
+static double lora_rank_params(const struct am_recipe *r, const struct am_plan *p, bool head)
+{
+    const struct am_model_config *m = &r->model;
+    if (!r->peft.enabled)
+        return 0;
+    double tp = p->tp, h = (double)m->hidden_size, q = (double)m->num_attention_heads * (double)m->head_dim;
+    double kv_rank = (m->num_key_value_heads >= p->tp ? (double)m->num_key_value_heads / tp : 1.0) *
+                     (double)m->head_dim;
+    double I = (double)m->intermediate_size, d = (double)r->peft.dim, n = 0;
+    const double in_out[AM_LORA_NTARGETS][2] = {
+        {h, q / tp}, {h, kv_rank}, {h, kv_rank}, {q / tp, h}, {h, I / tp}, {h, I / tp}, {I / tp, h},
+        {h, (double)m->vocab_size / tp}};
+    for (int t = head ? AM_LORA_HEAD : 0; t < (head ? AM_LORA_NTARGETS : AM_LORA_HEAD); t++)
+        if (r->peft.targets & (1u << t))
+            n += d * (in_out[t][0] + in_out[t][1]);
+    return n;
+}
 
 /* Fills out for pp rank k. Returns 0, or -1 when out of memory. */
 static int memory_of_rank(const struct am_recipe *r, const struct am_plan *p, int k, struct am_memory *out)
@@ -442,6 +476,19 @@ static int memory_of_rank(const struct am_recipe *r, const struct am_plan *p, in
         double S = (double)p->microbatch_size * (double)p->seq_length / p->cp * (double)m->num_experts_per_tok;
         out->alltoall = 2 * carved(p->ep * S * h, cs) + carved(S * h, cs);
     }
+    if (r->peft.enabled) {
+        /* LoRA: the base weights frozen (held as above, without gradients or optimizer state);
+         * the adapters, replicated on every data-parallel rank (their gradients all-reduced),
+         * have master weights (and their compute copy), gradients (and the reduce_dtype copy)
+         * and Adam's moments */
+        double ad = layers * lora_rank_params(r, p, false) + (head ? lora_rank_params(r, p, true) : 0);
+        /* their reduce_dtype copy where they are all-reduced: over dp x cp */
+        double lgb = 4 + (p->dp * p->cp > 1 && am_dtype_size(r->reduce_dtype) < 4 ? am_dtype_size(r->reduce_dtype) : 0);
+        out->adapter_params = ad;
+        out->grads = lgb * ad;
+        out->optimizer = 8 * ad;
+        out->weights += wb * ad;
+    }
     out->total = out->weights + out->grads + out->grad_buffers + out->optimizer + out->gathered + out->activations +
                  out->scratch + out->p2p + out->alltoall;
     return 0;
@@ -511,7 +558,13 @@ int am_plan_build(const struct am_recipe *r, const struct am_world *w, struct am
     double attn_width = (double)m->num_attention_heads * (double)m->head_dim;
     p->tokens_per_step = (double)p->global_batch * (double)p->seq_length;
     /* PaLM (Chowdhery et al. 2022, appendix B): 6N + 12*L*H*Q*T per token */
-    p->flops_per_step = p->tokens_per_step * (6 * p->params.active_per_token +
+    /* LoRA: the frozen base computes no weight gradients (4N: forward and the input
+     * gradients), the adapters all three (6 per adapter parameter) */
+    double matmul = 6 * p->params.active_per_token;
+    if (r->peft.enabled)
+        matmul = 4 * p->params.active_per_token +
+                 6 * ((double)m->num_hidden_layers * am_lora_layer_params(r) + am_lora_head_params(r));
+    p->flops_per_step = p->tokens_per_step * (matmul +
                                               12.0 * (double)m->num_hidden_layers * attn_width * (double)p->seq_length);
     return 0;
 }

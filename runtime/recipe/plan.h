@@ -76,6 +76,9 @@ struct am_memory {
                                worst case (runtime/model/moe.c): every slot of every ep rank's
                                micro-batch routed to this rank's experts, twice, and the rank's
                                own slots once */
+    double adapter_params;  /* LoRA: the trainable adapter parameters the rank holds (their bytes are
+                               in weights, grads and optimizer; the frozen base has none in the
+                               last two) */
     double total;
     int pp_rank;            /* which pipeline rank this is */
 };
@@ -129,7 +132,8 @@ const char *am_format_bytes(double bytes, char *buf, size_t len);
 /* A save as am-train writes it (docs/checkpoints.md): each writing rank's shard file holds 12
  * bytes a parameter it keeps optimizer state for (fp32 master, AdamW's two moments: 1.5 times
  * the plan's optimizer bytes); with checkpoint.save_consolidated one rank then writes the
- * Hugging Face export, 4 bytes a parameter. Ranks sit on nodes in rank order, w->gpus_per_node
+ * Hugging Face export, 4 bytes a parameter. With LoRA the state is the adapters' and the export
+ * their peft files (4 bytes an adapter parameter, written with or without save_consolidated). Ranks sit on nodes in rank order, w->gpus_per_node
  * to a node. */
 struct am_ckpt_cost {
     double bytes;      /* the whole checkpoint: every shard and the export */
@@ -158,6 +162,11 @@ long am_plan_lead_s(double step_s, double save_s);
 /* The layout rules. With w NULL, only the rules that need no knowledge of the job's size
  * (what sbatch can check before an allocation exists). Returns the number of errors added. */
 int am_validate(const struct am_recipe *r, const struct am_world *w, struct am_errors *err);
+
+/* What am-train cannot run yet of a recipe's peft section (am-plan plans it all): an adapter
+ * on lm_head, and adapters on k_proj or v_proj with tp_size above the kv heads. Each a message
+ * with the reason and the fix. Returns the number of errors added (0 without peft). */
+int am_validate_peft_run(const struct am_recipe *r, struct am_errors *err);
 
 /* Sequence length for planning (and am-train's samples): a Megatron dataset's seq_length; else
  * packed_sequence_size (AutoModel packs the samples of its other datasets into sequences of that

@@ -65,6 +65,14 @@ void am_plan_print(FILE *f, const struct am_recipe *r, const struct am_world *w,
     fprintf(f, "             %s parameters%s, %s compute%s\n", am_dtype_torch_name(r->param_dtype),
             r->param_dtype_assumed ? " (assumed: set model.torch_dtype)" : "", am_dtype_torch_name(r->compute_dtype),
             r->dist.activation_checkpointing ? ", activation checkpointing" : "");
+    if (r->peft.enabled) {
+        fprintf(f, "lora         dim %ld, alpha %g on", r->peft.dim, r->peft.alpha);
+        for (int t = 0; t < AM_LORA_NTARGETS; t++)
+            if (r->peft.targets & (1u << t))
+                fprintf(f, " %s", am_lora_target_name((enum am_lora_target)t));
+        fprintf(f, "; %s adapter parameters on pp rank %d (trained; the base frozen: no gradients or optimizer "
+                "state)\n", am_format_count(m->adapter_params, a, sizeof(a)), m->pp_rank);
+    }
     if (p->zero_stage == 0 && p->dp > 1 && r->dist.strategy == AM_MEGATRON_FSDP)
         fprintf(f, "note         %s does not shard yet: each data-parallel rank keeps full weights, gradients and "
                 "optimizer state, as ddp does, and the memory above counts them\n", am_strategy_name(r->dist.strategy));

@@ -17,6 +17,10 @@
 struct reader {
     struct am_recipe *r;
     struct am_errors *err;
+    /* peft's module selection, resolved once the model is known (resolve_peft) */
+    struct am_node *peft_targets, *peft_excludes;
+    bool peft_match_all;
+    struct am_node *is_peft; /* checkpoint.is_peft: true, checked against the peft section once read */
 };
 
 enum kind {
@@ -506,14 +510,286 @@ static int read_save_format(struct reader *rd, struct am_node *v, const char *ke
     return 0;
 }
 
+/* checkpoint.is_peft: the checkpoints hold LoRA adapters, which is what am's checkpoints of a
+ * recipe with a peft section hold; without one it is refused (after the peft section is read). */
 static int read_is_peft(struct reader *rd, struct am_node *v, const char *key)
 {
     bool b = false;
     if (am_node_is_null(v) || am_node_bool(v, key, &b, rd->err) < 0 || !b)
         return 0;
-    am_errorf(rd->err, &v->pos, "%s: true: the checkpoint holds LoRA adapters, and am does not run LoRA yet (it "
-              "would train every weight instead: remove peft and is_peft for a full fine-tune)", key);
+    rd->is_peft = v;
+    (void)key;
+    return 0;
+}
+
+/* ---- peft: LoRA (AutoModel's PeftConfig) ------------------------------------------- */
+
+static const char *const lora_target_names[] = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                "up_proj", "down_proj", "lm_head"};
+
+const char *am_lora_target_name(enum am_lora_target t) { return lora_target_names[t]; }
+
+static int read_peft_target(struct reader *rd, struct am_node *v, const char *key)
+{
+    if (!am_node_is_null(v) && v->kind == AM_NODE_SCALAR && !strstr(v->str, "PeftConfig")) {
+        am_errorf(rd->err, &v->pos, "%s: '%.80s' is not AutoModel's LoRA configuration (use "
+                  "nemo_automodel.components._peft.lora.PeftConfig)", key, v->str);
+        return -1;
+    }
+    return 0;
+}
+
+static int read_peft_modules(struct reader *rd, struct am_node *v, const char *key)
+{
+    if (am_node_is_null(v))
+        return 0;
+    if (v->kind == AM_NODE_MAP) {
+        am_errorf(rd->err, &v->pos, "%s: expected a module name pattern or a list of them ('*.q_proj')", key);
+        return -1;
+    }
+    for (size_t i = 0; v->kind == AM_NODE_SEQ && i < v->n; i++) {
+        if (v->entries[i].value->kind != AM_NODE_SCALAR) {
+            am_errorf(rd->err, &v->entries[i].value->pos, "%s: expected a module name pattern ('*.q_proj')", key);
+            return -1;
+        }
+    }
+    if (strstr(key, "exclude"))
+        rd->peft_excludes = v;
+    else
+        rd->peft_targets = v;
+    return 0;
+}
+
+static int read_peft_all_linear(struct reader *rd, struct am_node *v, const char *key)
+{
+    return am_node_is_null(v) ? 0 : am_node_bool(v, key, &rd->peft_match_all, rd->err);
+}
+
+static int read_peft_alpha(struct reader *rd, struct am_node *v, const char *key)
+{
+    if (am_node_double(v, key, &rd->r->peft.alpha, rd->err) < 0)
+        return -1;
+    if (!(rd->r->peft.alpha > 0)) {
+        am_errorf(rd->err, &v->pos, "%s: %s: the adapters' scale alpha / dim must be positive (AutoModel's "
+                  "default is 32)", key, v->str);
+        return -1;
+    }
+    return 0;
+}
+
+static int read_peft_dropout(struct reader *rd, struct am_node *v, const char *key)
+{
+    double d = 0;
+    if (am_node_is_null(v) || am_node_double(v, key, &d, rd->err) < 0 || d == 0)
+        return 0;
+    am_errorf(rd->err, &v->pos, "%s: %s: dropout on the adapters' input is not supported by am (set "
+              "dropout: 0.0)", key, v->str);
     return -1;
+}
+
+static int read_peft_dora(struct reader *rd, struct am_node *v, const char *key)
+{
+    bool b = false;
+    if (am_node_is_null(v) || am_node_bool(v, key, &b, rd->err) < 0 || !b)
+        return 0;
+    am_errorf(rd->err, &v->pos, "%s: true: DoRA (weight-decomposed adapters, a learned magnitude per output) "
+              "is not supported by am (set use_dora: false for LoRA)", key);
+    return -1;
+}
+
+static int read_peft_init(struct reader *rd, struct am_node *v, const char *key)
+{
+    static const char *const names[] = {"xavier", "kaiming", NULL};
+    int i;
+    if (am_node_choice(v, key, names, &i, rd->err) < 0)
+        return -1;
+    rd->r->peft.a_init = (enum am_lora_init)i;
+    return 0;
+}
+
+static int read_peft_dtype(struct reader *rd, struct am_node *v, const char *key)
+{
+    if (!am_node_is_null(v))
+        add_note(rd, "%s: am keeps the adapters as its other trained weights (fp32 master weights, computed in "
+                 "the compute dtype), not in %.40s", key, v->kind == AM_NODE_SCALAR ? v->str : "it");
+    return 0;
+}
+
+static const struct key_spec peft_keys[] = {
+    {"_target_", K_FN, 0, 0, read_peft_target},
+    {"target_modules", K_FN, 0, 0, read_peft_modules},
+    {"exclude_modules", K_FN, 0, 0, read_peft_modules},
+    {"match_all_linear", K_FN, 0, 0, read_peft_all_linear},
+    {"dim", K_LONG, R(peft.dim), 1, NULL},
+    {"alpha", K_FN, 0, 0, read_peft_alpha},
+    {"dropout", K_FN, 0, 0, read_peft_dropout},
+    {"use_dora", K_FN, 0, 0, read_peft_dora},
+    {"lora_A_init", K_FN, 0, 0, read_peft_init},
+    {"lora_dtype", K_FN, 0, 0, read_peft_dtype},
+    /* dropout_position matters only with dropout; the others choose kernels (use_triton,
+     * use_memory_efficient_lora) or concern experts, which am does not adapt (moe_rank_scaling,
+     * expert_weight_format) */
+    IGNORE("dropout_position"), IGNORE("use_triton"), IGNORE("use_memory_efficient_lora"),
+    IGNORE("moe_rank_scaling"), IGNORE("expert_weight_format"),
+    {NULL, 0, 0, 0, NULL}};
+
+/* AutoModel's wildcard_match: the pattern is a regular expression anchored at both ends in
+ * which every '*' (with a '.' just before it) matches any text, and any other '.' matches one
+ * character; other characters match themselves. */
+static bool lora_wildcard(const char *p, const char *s)
+{
+    if (*p == '.' && p[1] == '*')
+        p++;
+    if (*p == '*') {
+        for (const char *t = s;; t++) {
+            if (lora_wildcard(p + 1, t))
+                return true;
+            if (!*t)
+                return false;
+        }
+    }
+    if (!*p)
+        return !*s;
+    return *s && (*p == '.' || *p == *s) && lora_wildcard(p + 1, s + 1);
+}
+
+/* Whether any pattern of a string or list node matches the module's dotted path. */
+static bool lora_any(const struct am_node *v, const char *path)
+{
+    if (v->kind == AM_NODE_SCALAR)
+        return strcmp(v->str, path) == 0 || lora_wildcard(v->str, path);
+    for (size_t i = 0; i < v->n; i++)
+        if (lora_any(v->entries[i].value, path))
+            return true;
+    return false;
+}
+
+/* The Hugging Face path of target t in layer l ("model.layers.3.self_attn.q_proj"). */
+static void lora_path(char *buf, size_t len, long l, int t)
+{
+    if (t == AM_LORA_HEAD)
+        snprintf(buf, len, "lm_head");
+    else
+        snprintf(buf, len, "model.layers.%ld.%s.%s", l, t <= AM_LORA_O ? "self_attn" : "mlp", lora_target_names[t]);
+}
+
+static bool lora_selects(struct reader *rd, const char *path)
+{
+    if (rd->peft_match_all)
+        return true;
+    if (rd->peft_targets)
+        return lora_any(rd->peft_targets, path);
+    return !lora_any(rd->peft_excludes, path);
+}
+
+/* Which linear layers AutoModel's ModuleMatcher picks, checked against what am adapts. */
+static void resolve_peft(struct reader *rd, struct am_pos at)
+{
+    size_t before = rd->err->n;
+    struct am_recipe *r = rd->r;
+    const struct am_model_config *m = &r->model;
+    struct am_node *t = rd->peft_targets, *x = rd->peft_excludes;
+    bool has_t = t && (t->kind == AM_NODE_SCALAR || t->n > 0), has_x = x && (x->kind == AM_NODE_SCALAR || x->n > 0);
+    if (has_t && has_x) {
+        am_errorf(rd->err, &x->pos, "peft: target_modules and exclude_modules exclude each other (keep one)");
+        return;
+    }
+    if (rd->peft_match_all && (has_t || has_x)) {
+        am_errorf(rd->err, &(has_t ? t : x)->pos, "peft: match_all_linear: true adapts every linear layer; "
+                  "remove %s (or match_all_linear)", has_t ? "target_modules" : "exclude_modules");
+        return;
+    }
+    static struct am_node proj = {.kind = AM_NODE_SCALAR, .str = "*_proj", .plain = true};
+    rd->peft_targets = has_t ? t : has_x || rd->peft_match_all ? NULL : &proj; /* AutoModel's default */
+    rd->peft_excludes = has_x ? x : NULL;
+    if (m->num_experts > 0) {
+        am_errorf(rd->err, &at, "peft: LoRA on a mixture-of-experts model (%s) is not supported by am yet "
+                  "(remove the section for a full fine-tune)", m->model_type ? m->model_type : "experts");
+        return;
+    }
+    long L = m->num_hidden_layers;
+    char path[128];
+    for (int k = 0; k < AM_LORA_NTARGETS && L > 0; k++) {
+        long n = 0;
+        for (long l = 0; l < (k == AM_LORA_HEAD ? 1 : L); l++) {
+            lora_path(path, sizeof(path), l, k);
+            n += lora_selects(rd, path);
+        }
+        if (n && k != AM_LORA_HEAD && n < L) {
+            am_errorf(rd->err, &(rd->peft_targets ? rd->peft_targets : rd->peft_excludes)->pos,
+                      "peft: the patterns select %s in %ld of the %ld layers; am adapts a projection in every "
+                      "layer or in none (select it in all layers, as '*.%s')", lora_target_names[k], n, L,
+                      lora_target_names[k]);
+            return;
+        }
+        if (n)
+            r->peft.targets |= 1u << k;
+    }
+    /* a pattern that selects nothing is a typo or a module am does not have */
+    const struct am_node *lists[] = {rd->peft_targets, rd->peft_excludes};
+    for (int j = 0; j < 2 && L > 0; j++) {
+        const struct am_node *v = lists[j];
+        for (size_t i = 0; v && i < (v->kind == AM_NODE_SCALAR ? 1 : v->n); i++) {
+            const struct am_node *pat = v->kind == AM_NODE_SCALAR ? v : v->entries[i].value;
+            bool hit = false;
+            for (int k = 0; k < AM_LORA_NTARGETS && !hit; k++) {
+                lora_path(path, sizeof(path), k == AM_LORA_HEAD ? 0 : L - 1, k);
+                hit = lora_any(pat, path);
+            }
+            if (!hit) {
+                bool leaf = false;
+                for (int k = 0; k < AM_LORA_NTARGETS; k++)
+                    leaf |= strcmp(pat->str, lora_target_names[k]) == 0 && k != AM_LORA_HEAD;
+                if (leaf)
+                    am_errorf(rd->err, &pat->pos, "peft.%s: '%s' matches no module: a pattern is compared with "
+                              "whole dotted paths such as model.layers.0.self_attn.q_proj (write '*.%s')",
+                              j ? "exclude_modules" : "target_modules", pat->str, pat->str);
+                else
+                    am_errorf(rd->err, &pat->pos, "peft.%s: '%.80s' matches none of the linear layers am adapts "
+                              "(model.layers.N.self_attn.{q,k,v,o}_proj, model.layers.N.mlp.{gate,up,down}_proj, "
+                              "lm_head)", j ? "exclude_modules" : "target_modules", pat->str);
+            }
+        }
+    }
+    if (!r->peft.targets && rd->err->n == before)
+        am_errorf(rd->err, &at, "peft: the section selects no linear layer to adapt (give target_modules, "
+                  "such as '*_proj')");
+}
+
+/* A targeted layer's input and output sizes. */
+static void lora_shape(const struct am_model_config *m, int t, double *in, double *out)
+{
+    double h = (double)m->hidden_size, q = (double)m->num_attention_heads * (double)m->head_dim,
+           kv = (double)m->num_key_value_heads * (double)m->head_dim, I = (double)m->intermediate_size;
+    static const int kinds[] = {0, 1, 1, 2, 3, 3, 4, 5};
+    switch (kinds[t]) {
+    case 0: *in = h, *out = q; break;
+    case 1: *in = h, *out = kv; break;
+    case 2: *in = q, *out = h; break;
+    case 3: *in = h, *out = I; break;
+    case 4: *in = I, *out = h; break;
+    default: *in = h, *out = (double)m->vocab_size; break;
+    }
+}
+
+double am_lora_layer_params(const struct am_recipe *r)
+{
+    double n = 0, in, out;
+    for (int t = 0; r->peft.enabled && t < AM_LORA_HEAD; t++)
+        if (r->peft.targets & (1u << t)) {
+            lora_shape(&r->model, t, &in, &out);
+            n += (double)r->peft.dim * (in + out);
+        }
+    return n;
+}
+
+double am_lora_head_params(const struct am_recipe *r)
+{
+    double in, out;
+    if (!r->peft.enabled || !(r->peft.targets & (1u << AM_LORA_HEAD)))
+        return 0;
+    lora_shape(&r->model, AM_LORA_HEAD, &in, &out);
+    return (double)r->peft.dim * (in + out);
 }
 
 static const struct key_spec checkpoint_keys[] = {
@@ -753,15 +1029,13 @@ static void read_model(struct reader *rd, struct am_node *model)
 
 static const char *const owned_sections[] = {"model", "distributed", "step_scheduler", "dataset",
                                              "packed_sequence", "optimizer", "lr_scheduler", "checkpoint",
-                                             "dist_env", "rng", "clip_grad_norm", NULL};
+                                             "dist_env", "rng", "clip_grad_norm", "peft", NULL};
 
 /* Top-level sections of features that change what is trained and that am does not have: a
  * recipe with one is refused, never trained without it. */
 static const struct {
     const char *section, *why;
 } refused_sections[] = {
-    {"peft", "a LoRA fine-tune (AutoModel trains low-rank adapters on a frozen model); am does not run LoRA yet "
-             "and will not train every weight in its place (remove the section for a full fine-tune)"},
     {"teacher_model", "knowledge distillation from a teacher model is not supported by am (remove teacher_model, "
                       "kd_loss_fn and kd_ratio to train on next-token prediction alone)"},
     {"kd_loss_fn", "knowledge distillation from a teacher model is not supported by am (remove teacher_model, "
@@ -930,6 +1204,21 @@ static void read_recipe(struct reader *rd)
     read_section(rd, am_node_child(root, "checkpoint"), "checkpoint", checkpoint_keys);
     read_section(rd, am_node_child(root, "dist_env"), "dist_env", dist_env_keys);
     read_section(rd, am_node_child(root, "rng"), "rng", rng_keys);
+    struct am_node *peft = am_node_child(root, "peft");
+    if (peft && !am_node_is_null(peft)) {
+        struct am_entry *pe = am_node_entry(root, "peft");
+        size_t before = rd->err->n;
+        r->peft.enabled = true;
+        r->peft.dim = 8; /* AutoModel's defaults */
+        r->peft.alpha = 32;
+        read_section(rd, peft, "peft", peft_keys);
+        if (rd->err->n == before && peft->kind == AM_NODE_MAP)
+            resolve_peft(rd, pe ? pe->key_pos : peft->pos);
+    }
+    if (rd->is_peft && !r->peft.enabled)
+        am_errorf(rd->err, &rd->is_peft->pos, "checkpoint.is_peft: true: the checkpoints would hold LoRA adapters, "
+                  "but the recipe has no peft section and trains every weight (add the peft section for a LoRA "
+                  "fine-tune, or remove is_peft)");
     struct am_node *clip = am_node_child(root, "clip_grad_norm");
     if (clip && am_node_is_null(am_node_path(clip, "max_norm")) && am_node_entry(clip, "max_norm"))
         r->optim.max_grad_norm = 0; /* max_norm: null turns clipping off */

@@ -1,7 +1,7 @@
 /* recipe.h - the recipe: NeMo AutoModel's YAML layout, read into typed settings.
  *
  * A recipe has AutoModel's sections (model, distributed, step_scheduler, dataset,
- * packed_sequence, optimizer, lr_scheduler, clip_grad_norm, checkpoint, dist_env, rng). am reads the keys
+ * packed_sequence, optimizer, lr_scheduler, clip_grad_norm, checkpoint, dist_env, rng, peft). am reads the keys
  * it uses; keys that AutoModel defines but am does not use (`_target_`, mp_policy, ...) and
  * whole sections am does not own (wandb, ci, loss_fn, dataloader, ...) are accepted and
  * listed in `ignored`. An unknown key inside a section am owns is an error (with a
@@ -31,6 +31,14 @@ enum am_strategy { AM_FSDP2, AM_MEGATRON_FSDP, AM_DDP };
 enum am_pp_schedule { AM_PP_1F1B, AM_PP_GPIPE, AM_PP_INTERLEAVED_1F1B };
 enum am_lr_style { AM_LR_CONSTANT, AM_LR_LINEAR, AM_LR_COSINE };
 enum am_round { AM_ROUND_NONE, AM_ROUND_UP, AM_ROUND_DOWN };
+/* The linear layers LoRA can adapt, by their Hugging Face module names (q_proj, ..., lm_head). */
+enum am_lora_target {
+    AM_LORA_Q, AM_LORA_K, AM_LORA_V, AM_LORA_O, AM_LORA_GATE, AM_LORA_UP, AM_LORA_DOWN, AM_LORA_HEAD,
+    AM_LORA_NTARGETS
+};
+/* How lora_A starts (B starts at zero): xavier normal (AutoModel's default), or kaiming uniform
+ * with a = sqrt(5) (torch's nn.Linear default, the peft library's). */
+enum am_lora_init { AM_LORA_INIT_XAVIER, AM_LORA_INIT_KAIMING };
 
 #define AM_MAX_DATA_PATHS 64
 
@@ -115,6 +123,17 @@ struct am_recipe {
         bool save_consolidated; /* also a Hugging Face directory in each checkpoint (default true) */
     } ckpt;
 
+    /* peft: LoRA (AutoModel's PeftConfig). With it the model's weights are frozen and each
+     * targeted linear layer y = W x gains y += (alpha / dim) * B (A x), A: dim x in, B: out x dim,
+     * the only trained parameters. */
+    struct {
+        bool enabled;
+        unsigned targets; /* bits 1u << enum am_lora_target; the same in every layer */
+        long dim;         /* r */
+        double alpha;
+        enum am_lora_init a_init;
+    } peft;
+
     struct {
         double timeout_minutes;
         const char *backend;
@@ -148,6 +167,12 @@ struct am_pos am_recipe_pos(const struct am_recipe *r, const char *path);
 
 const char *am_strategy_name(enum am_strategy s);
 const char *am_pp_schedule_name(enum am_pp_schedule s);
+/* "q_proj", ..., "lm_head" */
+const char *am_lora_target_name(enum am_lora_target t);
+/* Trainable LoRA parameters of one layer (counted whole, before tensor parallelism) and of the
+ * head; 0 without peft. */
+double am_lora_layer_params(const struct am_recipe *r);
+double am_lora_head_params(const struct am_recipe *r);
 
 /* Largest recipe file accepted (a real one is a few KiB). */
 #define AM_RECIPE_MAX_BYTES (1024 * 1024)

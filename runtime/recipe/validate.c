@@ -295,3 +295,24 @@ int am_validate(const struct am_recipe *r, const struct am_world *w, struct am_e
     batch_rules(&c, dp);
     return c.added;
 }
+
+int am_validate_peft_run(const struct am_recipe *r, struct am_errors *err)
+{
+    int added = 0;
+    if (!r->peft.enabled)
+        return 0;
+    if (r->peft.targets & (1u << AM_LORA_HEAD)) {
+        am_errorf(err, NULL, "%s: peft: an adapter on lm_head is not run by am-train yet (its targets match "
+                  "lm_head, as match_all_linear does: add exclude_modules: ['lm_head'] or name the projections, "
+                  "target_modules: ['*_proj'])", r->file);
+        added++;
+    }
+    long kvh = r->model.num_key_value_heads;
+    if ((r->peft.targets & (1u << AM_LORA_K | 1u << AM_LORA_V)) && r->dist.tp > kvh) {
+        am_errorf(err, NULL, "%s: peft: adapters on k_proj or v_proj with tp_size %d above the %ld kv heads (each kv "
+                  "head shared by several tp ranks) are not run by am-train yet: use tp_size %ld or less, or leave "
+                  "k_proj and v_proj out of the targets", r->file, r->dist.tp, kvh, kvh);
+        added++;
+    }
+    return added;
+}

@@ -77,9 +77,9 @@ int am_gsync_init(struct am_gsync *s, struct am_model *m, struct am_comm *dp, bo
     s->dp = dp;
     s->overlap = overlap;
     s->reduce = reduce;
-    if (dp && reduce != AM_F32 && !shards &&
-        !(s->lp_mem = m->K->alloc(m->dev, m->slab_elems * am_dtype_size(reduce))))
-        return am_fail(err, err_len, "out of memory for the %zu gradients in the reduction's dtype", m->slab_elems);
+    if (dp && reduce != AM_F32 && !shards && m->grad_elems &&
+        !(s->lp_mem = m->K->alloc(m->dev, m->grad_elems * am_dtype_size(reduce))))
+        return am_fail(err, err_len, "out of memory for the %zu gradients in the reduction's dtype", m->grad_elems);
     s->state = calloc((size_t)m->n_groups + 1, sizeof(*s->state));
     s->reqs = calloc((size_t)m->n_groups + 1, sizeof(*s->reqs));
     if (!s->state || !s->reqs)
@@ -112,7 +112,7 @@ void am_gsync_free(struct am_gsync *s)
 size_t am_gsync_bytes(const struct am_gsync *s)
 {
     size_t es = am_dtype_size(s->reduce);
-    return (s->lp_mem ? s->m->slab_elems * es : 0) + (s->shard_lp ? s->n_shard * es : 0);
+    return (s->lp_mem ? s->m->grad_elems * es : 0) + (s->shard_lp ? s->n_shard * es : 0);
 }
 
 size_t am_gsync_buffer_bytes(const struct am_gsync *s)
@@ -307,16 +307,16 @@ static int reduce(struct am_gsync *s, int group, bool start, char *err, size_t e
 {
     struct am_model *m = s->m;
     const struct am_pgroup *G = &m->groups[group];
-    struct am_tensor g = flat(m, (float *)m->grad_mem + G->offset, AM_F32, G->n_elems);
     s->state[group] = REDUCED;
-    if (!s->dp)
+    if (!s->dp || G->frozen) /* LoRA's frozen base: no gradients */
         return 0;
+    struct am_tensor g = flat(m, (float *)m->grad_mem + (G->offset - m->grad_off), AM_F32, G->n_elems);
     m->K->sum_squares(m->dev, &m->scalars.local_sumsq, &g, 1.0);
     if (!G->comm || am_comm_size(G->comm) == 1)
         return 0; /* experts whose expert-data-parallel group is this rank alone */
     struct am_tensor r = g; /* what is reduced: the gradients, or their copy in reduce_dtype */
     if (s->lp_mem) {
-        r = flat(m, (char *)s->lp_mem + G->offset * am_dtype_size(s->reduce), s->reduce, G->n_elems);
+        r = flat(m, (char *)s->lp_mem + (G->offset - m->grad_off) * am_dtype_size(s->reduce), s->reduce, G->n_elems);
         m->K->convert(m->dev, &r, &g);
     }
     return start ? am_iallreduce(G->comm, r.data, r.data, G->n_elems, s->reduce, AM_SUM, &s->reqs[s->n_reqs++], err,
@@ -373,7 +373,8 @@ int am_gsync_finish(struct am_gsync *s, char *err, size_t err_len)
         struct am_tensor g = flat(m, s->shard_g, AM_F32, s->n_shard), r = flat(m, s->shard_lp, s->reduce, s->n_shard);
         m->K->convert(m->dev, &g, &r);
     } else if (s->lp_mem && rc == 0) { /* the sums back into the fp32 gradients */
-        struct am_tensor g = flat(m, m->grad_mem, AM_F32, m->n_elems), r = flat(m, s->lp_mem, s->reduce, m->n_elems);
+        struct am_tensor g = flat(m, m->grad_mem, AM_F32, m->grad_elems),
+                         r = flat(m, s->lp_mem, s->reduce, m->grad_elems);
         m->K->convert(m->dev, &g, &r);
     }
     memset(s->state, 0, (size_t)m->n_groups * sizeof(*s->state));

@@ -27,9 +27,9 @@ static int for_runs(const struct am_train_state *s, bool skip_tied, run_fn fn, v
     if (!s->fsdp) {
         for (int i = 0; i < m->n_params; i++) {
             const struct am_param *p = &m->params[i];
-            if (skip_tied && am_model_is_tied_copy(m, p))
-                continue;
-            if (fn(arg, p, 0, am_tensor_numel(&p->w), p->slab_off, err, err_len) < 0)
+            if ((skip_tied && am_model_is_tied_copy(m, p)) || p->slab_off < s->base)
+                continue; /* a tied copy; LoRA's frozen base (not state) */
+            if (fn(arg, p, 0, am_tensor_numel(&p->w), p->slab_off - s->base, err, err_len) < 0)
                 return -1;
         }
         return 0;

@@ -2,7 +2,8 @@
  * (io/shard_ckpt.h holds the format).
  *
  * The training state of a rank is three fp32 arrays of the same layout: the master weights,
- * and AdamW's two moments. Their layout is the model's slab (every parameter of the rank,
+ * and AdamW's two moments. With LoRA they hold the adapters alone (the frozen base is read from
+ * the model's directory at every start). Their layout is the model's slab (every parameter of the rank,
  * whole or as its tensor-parallel slice, each group padded to group_align) or, with sharded
  * data parallelism (fsdp.h), the rank's flat shards of each group's padded span. Every run of
  * elements that belongs to a parameter is described by the rectangles of the full tensor it
@@ -38,6 +39,9 @@ struct am_train_state {
     struct am_optim *optim;
     void *master;             /* device: the fp32 masters of the layout (fsdp->master or m->param_mem) */
     size_t n;                 /* elements of each array */
+    size_t base;              /* unsharded: the slab element the arrays start at (0; with LoRA the
+                                 adapters' group, m->grad_off: the adapters and their moments are
+                                 the state, the frozen base comes from the model directory) */
     struct am_comm *job[4];   /* tp, pp, dp, cp (NULL at cp 1): together every rank of the job */
     int rank, world;
     bool writes;              /* this rank's state is not a copy of a lower data-parallel rank's */

@@ -174,7 +174,9 @@ static void log_memory(struct trainer *t)
     const struct am_model *m = &t->model;
     size_t n = m->n_elems, lp = m->param_lp_mem ? am_dtype_size(m->act_dt) : 0;
     size_t glp = t->sync.lp_mem ? am_dtype_size(t->sync.reduce) : 0;
-    size_t weights = n * (sizeof(float) + lp), grads = n * (sizeof(float) + glp), opt = n * 2 * sizeof(float);
+    /* the gradients and the optimizer's moments: every parameter's, or with LoRA the adapters' */
+    size_t weights = n * (sizeof(float) + lp), grads = m->grad_elems * (sizeof(float) + glp),
+           opt = t->optim.n * 2 * sizeof(float);
     size_t gathered = 0, grad_buffers = am_gsync_buffer_bytes(&t->sync);
     if (t->sharded) { /* fsdp.h: the shards; stage 1 the full-size gradients (and their reduce_dtype
                        * copy), from stage 2 the per-group buffers instead (grad_sync.h) */
@@ -194,8 +196,18 @@ static void log_memory(struct trainer *t)
     json_object_set_new(o, "gathered_bytes", json_integer((json_int_t)gathered));
     json_object_set_new(o, "grad_buffers_bytes", json_integer((json_int_t)grad_buffers));
     json_object_set_new(o, "sharded", json_boolean(t->sharded));
+    if (m->sh.lora_r > 0)
+        json_object_set_new(o, "adapter_params", json_integer((json_int_t)m->grad_elems));
     json_object_set_new(o, "alltoall_bytes", json_integer((json_int_t)am_moe_alltoall_bytes(m)));
     am_log_record(t->log, "memory", o);
+}
+
+/* LoRA: the adapters as peft and AutoModel start them (B zero, A by peft.lora_A_init), from
+ * rng.seed: every layout starts the same adapters. */
+static void init_adapters(struct trainer *t)
+{
+    if (t->model.sh.lora_r > 0)
+        am_model_init_lora(&t->model, (uint64_t)t->r->seed, t->r->peft.a_init == AM_LORA_INIT_KAIMING);
 }
 
 /* Weights: the checkpoint named by the recipe when it has any, else a random init. */
@@ -208,6 +220,11 @@ static int build_model(struct trainer *t, struct am_errors *err)
     if (am_pipe_init(&t->pipe, p, r, &t->s->coords, &sh, msg, sizeof(msg)) < 0)
         return am_errors_fail(err, "%s", msg);
     sh.ep = p->ep; /* expert parallelism: this rank's share of the experts (moe.h) */
+    if (r->peft.enabled) { /* LoRA (model.h): the adapters on the targeted projections, the base frozen */
+        sh.lora_r = (int)r->peft.dim;
+        sh.lora_alpha = (float)r->peft.alpha;
+        sh.lora_targets = r->peft.targets & ((1u << AM_LORA_NPROJ) - 1); /* recipe.h's order of the projections */
+    }
     sh.ep_rank = p->ep > 1 ? am_comm_rank(t->g.ep) : 0;
     struct am_comm *pp = p->pp > 1 ? t->g.pp : NULL;
     t->zero = p->zero_stage;
@@ -228,10 +245,15 @@ static int build_model(struct trainer *t, struct am_errors *err)
         char dir[4096];
         snprintf(dir, sizeof(dir), "%s", r->model_source);
         dirname(dir);
-        if (am_model_dir_has_weights(dir))
-            return am_model_load_hf(&t->model, dir, err);
+        if (am_model_dir_has_weights(dir)) {
+            if (am_model_load_hf(&t->model, dir, err) < 0)
+                return -1;
+            init_adapters(t);
+            return 0;
+        }
     }
     am_model_init_weights(&t->model, (uint64_t)r->seed);
+    init_adapters(t);
     return 0;
 }
 
@@ -384,6 +406,8 @@ static const char *first_nonfinite(struct am_gsync *s, struct am_model *m)
         return sharded >= 0 ? m->params[sharded].name : "(none)";
     for (int i = 0; i < m->n_params; i++) {
         int32_t ok = 1;
+        if (!m->params[i].g.data)
+            continue; /* LoRA's frozen base */
         m->K->upload(m->dev, m->scalars.flag.data, &ok, sizeof(ok));
         m->K->all_finite(m->dev, &m->scalars.flag, &m->params[i].g);
         m->K->download(m->dev, &ok, m->scalars.flag.data, sizeof(ok));
@@ -589,6 +613,8 @@ static void fault_nan(struct trainer *t, long step)
     if (!am_fault_due(&t->fault, t->s->info.rank, step, AM_FAULT_NAN) || m->n_params < 1)
         return;
     struct am_param *p = &m->params[m->n_params / 2];
+    if (!p->g.data)
+        return; /* LoRA's frozen base: no gradient to poison */
     fault_record(t, step, p->name);
     float nan = NAN;
     m->K->upload(m->dev, p->g.data, &nan, sizeof(nan));
@@ -671,6 +697,17 @@ static void print_step(const struct trainer *t, long step, double loss, double l
 static int save_hf(struct trainer *t, const char *dir, struct am_errors *err)
 {
     void *slab = NULL;
+    if (t->model.sh.lora_r > 0) { /* LoRA: the adapters, as peft saves them; the base is the model directory */
+        bool saves = t->dp_rank == 0 && !(t->g.cp && am_comm_rank(t->g.cp) != 0);
+        char base[4096];
+        const char *model_dir = NULL; /* the adapters' base_model_name_or_path: the base's directory */
+        if (t->base_config[0]) {
+            snprintf(base, sizeof(base), "%s", t->base_config);
+            model_dir = dirname(base);
+        }
+        return am_model_save_peft_dist(&t->model, t->p->tp > 1 ? t->g.tp : NULL, t->p->pp > 1 ? t->g.pp : NULL,
+                                       saves, dir, model_dir, err);
+    }
     char msg[1024];
     if (t->zero >= 3 && am_fsdp_gather_masters(&t->fsdp, &slab, msg, sizeof(msg)) < 0) {
         am_fsdp_release_masters(&t->fsdp, slab);
@@ -693,10 +730,12 @@ static int save_hf_extra(void *arg, const char *tmp_dir, char *err, size_t err_l
     char dir[4200];
     struct am_errors e;
     am_errors_init(&e);
-    snprintf(dir, sizeof(dir), "%s/hf", tmp_dir);
+    bool lora = t->model.sh.lora_r > 0;
+    snprintf(dir, sizeof(dir), "%s/%s", tmp_dir, lora ? "peft" : "hf");
     int rc = save_hf(t, dir, &e);
     if (rc < 0)
-        snprintf(err, err_len, "the Hugging Face export: %s", e.n ? e.msg[0] : "failed");
+        snprintf(err, err_len, "%s: %s", lora ? "the LoRA adapters (peft)" : "the Hugging Face export",
+                 e.n ? e.msg[0] : "failed");
     am_errors_free(&e);
     return rc;
 }
@@ -717,15 +756,16 @@ static struct am_train_state train_state(struct trainer *t)
     const char *job = getenv("AM_JOB_ID");
     return (struct am_train_state){
         .m = &t->model, .fsdp = t->sharded ? &t->fsdp : NULL, .optim = &t->optim,
-        .master = t->sharded ? t->fsdp.master : t->model.param_mem,
-        .n = t->sharded ? t->fsdp.n_shard : t->model.slab_elems,
+        /* unsharded: the slab's [grad_off, +grad_elems): all of it, or LoRA's adapters */
+        .master = t->sharded ? t->fsdp.master : (float *)t->model.param_mem + t->model.grad_off,
+        .n = t->sharded ? t->fsdp.n_shard : t->model.grad_elems, .base = t->sharded ? 0 : t->model.grad_off,
         .job = {t->g.tp, t->g.pp, t->g.dp, t->g.cp}, .rank = t->s->info.rank, .world = t->s->info.size,
         /* a copy of a lower rank's state does not write: replicas (HSDP's, or every data-parallel
          * and context-parallel rank but the first when nothing is sharded) */
         .writes = t->sharded ? !t->g.dp_replicate || am_comm_rank(t->g.dp_replicate) == 0
                              : t->dp_rank == 0 && !(t->g.cp && am_comm_rank(t->g.cp) != 0),
         .r = t->r, .p = t->p, .tag = job && *job ? job : "0", .hook = fault_in_save, .hook_arg = t,
-        .extra = t->r->ckpt.save_consolidated ? save_hf_extra : NULL, .extra_arg = t};
+        .extra = t->r->ckpt.save_consolidated || t->model.sh.lora_r > 0 ? save_hf_extra : NULL, .extra_arg = t};
 }
 
 /* A sharded checkpoint (resume.h) of the state after `step` steps, with the Hugging Face
@@ -940,7 +980,9 @@ static int run(struct trainer *t, struct am_errors *err)
             if (t->zero < 3 && am_fsdp_publish(&t->fsdp, msg, sizeof(msg)) < 0)
                 return am_errors_fail(err, "step %ld: %s", step + 1, msg);
         } else {
-            am_optim_step(&t->optim, m->param_mem, m->grad_mem, am_model_sumsq(m), r->optim.max_grad_norm, (float)lr);
+            /* every parameter, or with LoRA the adapters alone (the gradient slab's span) */
+            am_optim_step(&t->optim, (float *)m->param_mem + m->grad_off, m->grad_mem, am_model_sumsq(m),
+                          r->optim.max_grad_norm, (float)lr);
         }
         if (step_values(t, step + 1, labels ? (double)labels : 1.0, &loss, &norm, err) < 0)
             return -1;
@@ -1172,7 +1214,7 @@ int am_train(struct am_rank_setup *s, struct am_log *log, struct am_errors *err)
         am_errors_fail(err, "%s", msg);
         goto out;
     }
-    size_t n_opt = t.sharded ? t.fsdp.n_shard : t.model.slab_elems;
+    size_t n_opt = t.sharded ? t.fsdp.n_shard : t.model.grad_elems; /* LoRA: the adapters' alone */
     if (am_optim_init(&t.optim, &t.dev, n_opt, t.r) < 0) {
         am_errors_fail(err, "out of memory for the optimizer state of %zu parameters", n_opt);
         goto out;

@@ -1212,6 +1212,115 @@ def generate(case):
 # ----------------------------------------------------------------------------------------
 
 
+# ----------------------------------------------------------------------------------------
+# LoRA (the peft library on transformers)
+# ----------------------------------------------------------------------------------------
+
+# LoRA cases: a base case's model (same seeds, so the same weights) with peft's LoRA adapters.
+# lora_B starts from LORA_B_INIT * N(0, 1) (seeded) instead of peft's zeros: with B = 0 the
+# gradient of every A is zero at the first step, and a golden would not see A's backward. am
+# loads the initial adapters from adapter_init/ (what peft's save_pretrained writes), so the
+# initialisation itself is not what is compared.
+LORA_B_INIT = 0.05
+LORA_CASES = {
+    "llama_lora_qv": dict(base="llama_gqa", r=4, alpha=8, targets=["q_proj", "v_proj"], adapter_seed=3001),
+    "llama_lora_all": dict(base="llama_gqa", r=4, alpha=8,
+                           targets=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+                           adapter_seed=3002),
+}
+
+
+def make_lora_model(case, dtype=torch.float32):
+    from peft import LoraConfig, get_peft_model
+
+    spec = LORA_CASES[case]
+    model = make_model(spec["base"]).to(dtype)
+    cfg = LoraConfig(r=spec["r"], lora_alpha=spec["alpha"], target_modules=spec["targets"], lora_dropout=0.0,
+                     bias="none", init_lora_weights=True, task_type="CAUSAL_LM")
+    torch.manual_seed(spec["adapter_seed"])  # peft's kaiming-uniform A
+    pm = get_peft_model(model, cfg)
+    g = torch.Generator().manual_seed(spec["adapter_seed"] + 500)
+    with torch.no_grad():
+        for name, p in pm.named_parameters():
+            if "lora_B" in name:
+                p.copy_(LORA_B_INIT * torch.randn(p.shape, generator=g, dtype=torch.float32).to(dtype))
+    pm.eval()
+    return pm
+
+
+def lora_run(pm, ids):
+    """Loss, adapter gradients (peft's saved names), then 5 AdamW steps of the adapters alone."""
+    from peft import get_peft_model_state_dict
+
+    names = {id(p): n for n, p in pm.named_parameters() if p.requires_grad}
+    pm.zero_grad(set_to_none=True)
+    res = forward(pm, ids)
+    res["loss"].backward()
+    grads = {n: p.grad.detach().clone() for n, p in pm.named_parameters() if p.requires_grad}
+    assert all(p.grad is None for p in pm.parameters() if not p.requires_grad)  # the base is frozen
+    loss = float(res["loss"].detach())
+    params = [p for p in pm.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, foreach=False, **ADAMW)
+    losses = []
+    for _ in range(ADAMW_STEPS):
+        opt.zero_grad(set_to_none=True)
+        r = forward(pm, ids)
+        r["loss"].backward()
+        losses.append(float(r["loss"].detach()))
+        opt.step()
+    final = get_peft_model_state_dict(pm)
+    # peft's file names: the in-memory ".default" adapter name dropped
+    to_file = {n: n.replace(".default", "") for n in grads}
+    assert all(names[id(p)] in grads for p in params)
+    return loss, {to_file[n]: g for n, g in grads.items()}, losses, final
+
+
+def generate_lora(case):
+    from peft import PeftModel, get_peft_model_state_dict
+
+    t0 = time.time()
+    spec = LORA_CASES[case]
+    outdir = os.path.join(MODELS, case)
+    if os.path.isdir(outdir):
+        shutil.rmtree(outdir)
+    os.makedirs(outdir)
+    ids = make_batch(spec["base"])
+    pm = make_lora_model(case)
+    # the base model and the initial adapters, as peft writes them (adapter_config.json +
+    # adapter_model.safetensors)
+    base_dir = os.path.join(outdir, "base")
+    make_model(spec["base"]).save_pretrained(base_dir)  # before peft wraps its layers (base_layer names)
+    for extra in os.listdir(base_dir):
+        if extra not in ("config.json", "model.safetensors"):
+            os.remove(os.path.join(base_dir, extra))
+    pm.save_pretrained(os.path.join(outdir, "adapter_init"))
+    os.remove(os.path.join(outdir, "adapter_init", "README.md"))  # peft's model card: not data
+    init = {k: v.detach().clone() for k, v in get_peft_model_state_dict(pm).items()}
+    loss, grads, losses, final = lora_run(pm, ids)
+    assert set(grads) == set(init), sorted(set(grads) ^ set(init))
+    assert all(float(g.abs().max()) > 0 for g in grads.values()), "an adapter without gradient"
+    # float64: the same adapters and steps, the conditioning of the float32 golden
+    pm64 = make_lora_model(case, torch.float64)
+    loss64, grads64, losses64, _ = lora_run(pm64, ids)
+    cond = dict(loss_abs=abs(loss - loss64), grad_max_rel=max(rel_to_max(grads[k], grads64[k]) for k in grads),
+                losses_adamw_max_abs=max(abs(a - b) for a, b in zip(losses, losses64)))
+    for k, v in cond.items():
+        assert v <= CONDITIONING[k], (case, k, v)
+    # peft loads what it saved: the reloaded model gives the same loss
+    reloaded = PeftModel.from_pretrained(load(base_dir, spec["base"]), os.path.join(outdir, "adapter_init"))
+    with torch.no_grad():
+        rl = float(forward(reloaded, ids)["loss"])
+        assert abs(rl - loss) <= 1e-6, (rl, loss)
+    golden = dict(input_ids=ids.to(torch.int32).contiguous(), loss=torch.tensor([loss], dtype=torch.float64),
+                  losses_adamw=torch.tensor(losses, dtype=torch.float64))
+    golden.update({"grad." + k: v.contiguous() for k, v in grads.items()})
+    golden.update({"final." + k: v.detach().contiguous() for k, v in final.items()})
+    save_file(golden, os.path.join(outdir, "golden.safetensors"))
+    log(f"{case}: loss {loss:.6f}, {len(grads)} adapter tensors, conditioning {cond}, {time.time() - t0:.1f}s")
+    return dict(base=spec["base"], r=spec["r"], alpha=spec["alpha"], targets=spec["targets"],
+                lora_B_init=LORA_B_INIT, loss=loss, losses_adamw=losses, conditioning=cond)
+
+
 def _case_signature(cfg):
     keys = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
             "num_attention_heads", "num_key_value_heads", "tie_word_embeddings")
@@ -1322,7 +1431,8 @@ def sha256(path):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--case", action="append", choices=sorted(CASES), help="case(s) to generate / check against")
+    ap.add_argument("--case", action="append", choices=sorted(CASES) + sorted(LORA_CASES),
+                    help="case(s) to generate / check against (LoRA cases only with --case)")
     ap.add_argument("--check-am-export", metavar="DIR", help="check a model directory written by am")
     ap.add_argument("--self-test", action="store_true", help="check the --check-am-export checker")
     args = ap.parse_args()
@@ -1331,6 +1441,8 @@ def main():
     if args.check_am_export:
         if args.case and len(args.case) > 1:
             ap.error("--check-am-export takes at most one --case")
+        if args.case and args.case[0] in LORA_CASES:
+            ap.error("--check-am-export checks full models; a LoRA case's adapters are checked by peft")
         ok = check_export(args.check_am_export, args.case[0] if args.case else None)
         sys.exit(0 if ok else 1)
     if args.self_test:
@@ -1347,13 +1459,14 @@ def main():
     summary.setdefault("cases", {})
     for case in cases:
         log(f"generating {case}")
-        summary["cases"][case] = generate(case)
+        summary["cases"][case] = generate_lora(case) if case in LORA_CASES else generate(case)
     summary["versions"] = dict(python=sys.version.split()[0], torch=torch.__version__,
                                transformers=transformers.__version__, safetensors=safetensors.__version__)
     files = {}
     for case in sorted(summary["cases"]):
-        for fn in sorted(os.listdir(os.path.join(MODELS, case))):
-            p = os.path.join(MODELS, case, fn)
+        top = os.path.join(MODELS, case)
+        for fn in sorted(os.path.relpath(os.path.join(d, f), top) for d, _, fs in os.walk(top) for f in fs):
+            p = os.path.join(top, fn)
             files[f"models/{case}/{fn}"] = dict(bytes=os.path.getsize(p), sha256=sha256(p))
     summary["files"] = files
     summary["cases"] = {k: summary["cases"][k] for k in sorted(summary["cases"])}

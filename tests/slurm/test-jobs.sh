@@ -145,6 +145,40 @@ rc=$?
 line="sbatch: error: am: --am-recipe=mine.yaml: the current directory, $WORK/new?line, contains a newline, which no path handed to the tasks may have (rename it, or give the path from a directory without one)"
 grep -qxF "$line" "$WORK/cwd.err" && pass "sbatch says the current directory contains a newline" || { fail "no line: $line"; show "$WORK/cwd.err"; }
 
+# ---- a LoRA fine-tune on instruction data (tiny_lora.yaml) through the shipped template -------
+# JSONL prompt/response rows tokenized with a tokenizer.json and the loss mask (am-data build
+# --instruction), the bundled LoRA recipe given on sbatch's command line (it wins over the
+# template's #SBATCH --am-recipe), tp 2 x dp 2 on 2 nodes: the job trains to its last step and
+# its checkpoint holds the adapters as the peft library saves them.
+mkdir -p "$WORK/lora/am-demo"
+awk 'NF { gsub(/\\/, "\\\\"); gsub(/"/, "\\\""); gsub(/\t/, " "); if (p != "") printf "{\"prompt\": \"%s\", \"response\": \"%s\"}\n", p, $0; p = $0 }' \
+  /usr/share/common-licenses/GPL-3 | head -n 300 >"$WORK/lora/rows.jsonl"
+if (cd "$WORK/lora" && am-data build --tokenizer "$SRCDIR/tests/data/tokenizer/gpt2.json" --instruction \
+  --eos '<|endoftext|>' --out am-demo/instructions rows.jsonl >/dev/null); then
+  (cd "$WORK/lora" && timeout 600 sbatch --wait --am-recipe=tiny_lora.yaml "$SRCDIR/sbatch-templates/tiny.sbatch") \
+    >"$WORK/lora.sbatch" 2>&1
+  rc=$?
+  job=$(sed -nE 's/^Submitted batch job ([0-9]+)$/\1/p' "$WORK/lora.sbatch")
+  out=$WORK/lora/am-tiny-$job.out
+  [[ $rc == 0 ]] && pass "tiny_lora.yaml under sbatch: the job succeeds" || { fail "tiny_lora.yaml under sbatch: sbatch --wait exited $rc"; show "$WORK/lora.sbatch" "$out"; }
+  first=$(grep -E '^step +1/40 \|' "$out" | sed -nE 's/.*loss ([0-9.]+).*/\1/p')
+  last=$(grep -E '^step +40/40 \|' "$out" | sed -nE 's/.*loss ([0-9.]+).*/\1/p')
+  if [[ -n $first && -n $last ]] && awk -v a="$first" -v b="$last" 'BEGIN { exit !(b < a) }'; then
+    pass "tiny_lora.yaml under sbatch trained 40 steps: loss $first -> $last"
+  else
+    fail "tiny_lora.yaml under sbatch: no falling loss from step 1 to 40 ($first -> $last)"; show "$out"
+  fi
+  ad=$WORK/lora/checkpoints/tiny_lora/step-40/peft
+  if [[ -s $ad/adapter_model.safetensors ]] && jq -e '.peft_type == "LORA" and .r == 8 and .lora_alpha == 32' \
+    "$ad/adapter_config.json" >/dev/null; then
+    pass "the job's checkpoint holds the adapters as peft saves them (step-40/peft)"
+  else
+    fail "no peft adapters in $ad"; ls -la "$WORK/lora/checkpoints/tiny_lora/step-40" 2>&1 | show /dev/stdin
+  fi
+else
+  fail "am-data build --instruction in the LoRA job's directory"
+fi
+
 if [[ $FAILED == 0 ]]; then say "all checks passed"; exit 0; fi
 say "some checks FAILED"
 exit 1

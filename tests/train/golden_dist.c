@@ -20,6 +20,15 @@
  * load: without clipping, against losses_adamw / grad_norms_adamw; with the recipe's
  * max_norm, against losses_adamw_clip / grad_norms_adamw_clip.
  *
+ * LoRA (a recipe with a peft section: the cases llama_lora_qv and llama_lora_all, whose recipe
+ * names CASE/base): the model gets the recipe's adapters (as am-train sets them), loads the base
+ * and then peft's initial adapters (CASE/adapter_init), and the optimizer steps the adapters
+ * alone (the gradient slab's span, as am-train); one series without clipping, each loss against
+ * losses_adamw (the golden has no grad norms), then every adapter element this rank holds
+ * against the golden's final adapters (final.*) within 5e-5 absolute (test_golden's tolerance
+ * for final weights: AdamW moves an element whose gradient nearly cancels by up to lr on
+ * rounding alone).
+ *
  * The golden convention (tests/golden/README.md): token t's target is input t + 1, the last
  * position has none (target -1), and the loss is the mean over the B * (T - 1) targets, so the
  * gradient scale is 1 / (B * (T - 1)) rather than am-train's 1 / (B * T). A sequence of T
@@ -54,6 +63,7 @@
 #define STEPS 5
 #define LOSS_TOL 1e-5 /* absolute */
 #define NORM_TOL 1e-5 /* relative */
+#define FINAL_TOL 5e-5 /* absolute: LoRA's final adapters */
 
 /* The golden batch and the two AdamW series of one case. */
 struct golden {
@@ -63,6 +73,8 @@ struct golden {
     int32_t *tokens, *targets;  /* [B, T], row b = micro-batch b */
     int n_targets;              /* B * (T - 1) */
     float losses[2][STEPS], norms[2][STEPS]; /* [clip] */
+    bool lora;                  /* a LoRA case: the base in dir, the golden and adapter_init beside it */
+    char golden[4200];          /* golden.safetensors */
 };
 
 /* This rank's setup and communicators (groups.h, as am-train builds them). */
@@ -75,7 +87,7 @@ struct dist {
 /* The running tally of checks; rank 0 prints, every rank keeps its verdict. */
 struct tally {
     int rank, checks, failures;
-    double loss_worst, norm_worst;
+    double loss_worst, norm_worst, final_worst;
 };
 
 /* Copies `n` floats of the golden tensor `key` into out; -1 with a message when the tensor is
@@ -100,8 +112,11 @@ static int open_golden(struct golden *G, const char *name, const struct am_recip
         return am_errors_fail(err, "the recipe must name the golden model: model.pretrained_model_name_or_path");
     snprintf(G->dir, sizeof(G->dir), "%s", r->model_source);
     dirname(G->dir);
-    char path[4200];
-    snprintf(path, sizeof(path), "%s/golden.safetensors", G->dir);
+    G->lora = r->peft.enabled;
+    char path[4200], up[4096];
+    snprintf(up, sizeof(up), "%s", G->dir);
+    snprintf(path, sizeof(path), "%s/golden.safetensors", G->lora ? dirname(up) : G->dir);
+    snprintf(G->golden, sizeof(G->golden), "%s", path);
     struct am_st_file *f;
     if (am_st_open(path, &f, err) < 0)
         return -1;
@@ -127,6 +142,17 @@ static int open_golden(struct golden *G, const char *name, const struct am_recip
     G->n_targets = (int)(G->B * (G->T - 1));
     static const char *const keys[2][2] = {{"losses_adamw", "grad_norms_adamw"},
                                            {"losses_adamw_clip", "grad_norms_adamw_clip"}};
+    if (G->lora) { /* the golden's losses, read as float64 */
+        const struct am_st_info *l = am_st_find(f, "losses_adamw");
+        if (!l || l->dtype != AM_ST_F64 || l->numel != STEPS) {
+            am_errors_fail(err, "%s: losses_adamw must be F64 [%d]", path, STEPS);
+            goto out;
+        }
+        for (int k = 0; k < STEPS; k++)
+            G->losses[0][k] = (float)((const double *)l->data)[k];
+        rc = 0;
+        goto out;
+    }
     for (int c = 0; c < 2; c++)
         if (read_series(f, keys[c][0], G->losses[c], STEPS, err) < 0 ||
             read_series(f, keys[c][1], G->norms[c], STEPS, err) < 0)
@@ -174,6 +200,51 @@ static void compare(struct tally *t, const char *series, int step, const char *w
                relative ? "rel" : "diff", diff, ok ? "" : "  MISMATCH");
 }
 
+/* LoRA: every adapter element this rank holds (its tp slice) against the golden's final
+ * adapters, one check per tensor (FINAL_TOL absolute); rank 0 prints the worst. */
+static int compare_final(const struct am_model *m, const struct golden *G, struct tally *t, struct am_errors *err)
+{
+    struct am_st_file *f;
+    if (am_st_open(G->golden, &f, err) < 0)
+        return -1;
+    int rc = 0, n = 0;
+    double worst = 0;
+    for (int i = 0; i < m->n_params && rc == 0; i++) {
+        const struct am_param *p = &m->params[i];
+        if (!am_model_is_lora(p))
+            continue;
+        char key[200];
+        snprintf(key, sizeof(key), "final.base_model.model.%s", p->name);
+        const struct am_st_info *gi = am_st_find(f, key);
+        int64_t cols = p->full_cols, lr = p->w.shape[0], lc = p->w.shape[1];
+        float *want = gi && gi->numel == p->full_rows * cols ? malloc((size_t)gi->numel * sizeof(float)) : NULL;
+        float *mine = malloc((size_t)(lr * lc) * sizeof(float));
+        if (!want || !mine || am_st_read_f32(f, gi, 0, gi->numel, want, err) < 0) {
+            rc = am_errors_fail(err, "%s: no %s of %lld x %lld", G->golden, key, (long long)p->full_rows,
+                                (long long)cols);
+        } else {
+            m->K->download(m->dev, mine, p->w.data, (size_t)(lr * lc) * sizeof(float));
+            double diff = 0;
+            for (int64_t y = 0; y < lr; y++)
+                for (int64_t c = 0; c < lc; c++)
+                    diff = fmax(diff, fabs((double)mine[y * lc + c] - want[(p->row0 + y) * cols + p->col0 + c]));
+            worst = fmax(worst, diff);
+            t->checks++;
+            t->failures += !(diff <= FINAL_TOL);
+            if (!(diff <= FINAL_TOL) && t->rank == 0)
+                printf("final %s: differs by %.2e  MISMATCH\n", p->name, diff);
+            n++;
+        }
+        free(want);
+        free(mine);
+    }
+    am_st_close(f);
+    t->final_worst = fmax(t->final_worst, worst);
+    if (rc == 0 && t->rank == 0)
+        printf("final adapters: %d tensors on rank 0, largest difference %.2e (tolerance %.0e)\n", n, worst, FINAL_TOL);
+    return rc;
+}
+
 /* One series: a fresh shard loaded from the case, 5 steps as train.c's run() takes them,
  * clipping at the recipe's max_norm when `clip`. Returns 0 (mismatches are counted in t), or
  * -1 with a message when the library or a communicator failed. */
@@ -190,16 +261,32 @@ static int run_series(struct dist *d, const struct golden *G, bool clip, struct 
     char msg[1024];
     int rc = -1;
     /* build_model */
-    if (am_pipe_init(&pipe, p, r, &d->s->coords, &sh, msg, sizeof(msg)) < 0 ||
-        am_model_init(&m, &r->model, &sh, &d->dev, d->g.tp, pp, p->microbatch_size, p->seq_length, msg, sizeof(msg)) < 0 ||
+    if (am_pipe_init(&pipe, p, r, &d->s->coords, &sh, msg, sizeof(msg)) < 0) {
+        am_errors_fail(err, "%s", msg);
+        goto out;
+    }
+    if (G->lora) { /* as am-train's build_model */
+        sh.lora_r = (int)r->peft.dim;
+        sh.lora_alpha = (float)r->peft.alpha;
+        sh.lora_targets = r->peft.targets & ((1u << AM_LORA_NPROJ) - 1);
+    }
+    if (am_model_init(&m, &r->model, &sh, &d->dev, d->g.tp, pp, p->microbatch_size, p->seq_length, msg, sizeof(msg)) < 0 ||
         am_pipe_bind(&pipe, &m, p->microbatch_size, pp, p->pp > 1 ? d->g.pp_grad : NULL, msg, sizeof(msg)) < 0) {
         am_errors_fail(err, "%s", msg);
         goto out;
     }
     if (am_model_load_hf(&m, G->dir, err) < 0)
         goto out;
-    if (am_optim_init(&optim, &d->dev, m.n_elems, r) < 0) {
-        am_errors_fail(err, "out of memory for the optimizer state of %zu parameters", m.n_elems);
+    if (G->lora) {
+        char init[4200], up[4096];
+        snprintf(up, sizeof(up), "%s", G->dir);
+        snprintf(init, sizeof(init), "%s/adapter_init", dirname(up));
+        if (am_model_load_peft(&m, init, err) < 0)
+            goto out;
+    }
+    /* every parameter, or with LoRA the adapters alone: the gradient slab's span, as am-train */
+    if (am_optim_init(&optim, &d->dev, m.grad_elems, r) < 0) {
+        am_errors_fail(err, "out of memory for the optimizer state of %zu parameters", m.grad_elems);
         goto out;
     }
     /* run() */
@@ -213,14 +300,15 @@ static int run_series(struct dist *d, const struct golden *G, bool clip, struct 
             am_errors_fail(err, "%s step %d: %s", series, step + 1, msg);
             goto out;
         }
-        am_optim_step(&optim, m.param_mem, m.grad_mem, am_model_sumsq(&m), clip ? r->optim.max_grad_norm : 0,
-                      (float)am_lr_at(r, step));
+        am_optim_step(&optim, (float *)m.param_mem + m.grad_off, m.grad_mem, am_model_sumsq(&m),
+                      clip ? r->optim.max_grad_norm : 0, (float)am_lr_at(r, step));
         am_model_read_scalars(&m, &v);
         double norm = sqrt(v.sumsq);
         compare(t, series, step, "loss", v.loss_sum / G->n_targets, G->losses[clip][step], false);
-        compare(t, series, step, "grad norm", norm, G->norms[clip][step], true);
+        if (!G->lora) /* the LoRA golden has no grad norms */
+            compare(t, series, step, "grad norm", norm, G->norms[clip][step], true);
     }
-    rc = 0;
+    rc = G->lora ? compare_final(&m, G, t, err) : 0;
 out:
     am_optim_free(&optim);
     am_model_free(&m);
@@ -237,7 +325,7 @@ static int run(struct dist *d, const char *name, struct tally *t, struct am_erro
     int rc = open_golden(&G, name, r, err);
     if (rc == 0)
         rc = check_shape(p, &G, err);
-    if (rc == 0 && r->optim.max_grad_norm <= 0)
+    if (rc == 0 && r->optim.max_grad_norm <= 0 && !G.lora)
         rc = am_errors_fail(err, "the recipe must clip (clip_grad_norm.max_norm 1.0) for the golden's clipped series");
     if (rc == 0)
         rc = am_groups_build(&d->g, d->s, AM_COMM_UCX, -1, NULL, NULL, err);
@@ -245,7 +333,7 @@ static int run(struct dist *d, const char *name, struct tally *t, struct am_erro
         printf("golden tp%d pp%d %s: %s, %d virtual stage(s) per pp rank, sequence parallel %s, %lld x %lld tokens\n",
                p->tp, p->pp, name, am_pp_schedule_name(r->dist.pipeline.schedule), p->virtual_stages,
                r->dist.sequence_parallel ? "on" : "off", (long long)G.B, (long long)G.T);
-    for (int clip = 0; rc == 0 && clip < 2; clip++)
+    for (int clip = 0; rc == 0 && clip < (G.lora ? 1 : 2); clip++) /* LoRA: the golden has no clipped series */
         rc = run_series(d, &G, clip, t, err);
     close_golden(&G);
     return rc;
