@@ -103,7 +103,7 @@ int main(int argc, char **argv)
     }
     double loss_sum;
     am_model_begin_step(&m);
-    if (am_model_step(&m, tokens, tgt, B, 1.0f / (float)n_targets, &loss_sum, err, sizeof(err)) < 0 ||
+    if (am_model_step(&m, tokens, tgt, NULL, B, 1.0f / (float)n_targets, &loss_sum, err, sizeof(err)) < 0 ||
         (!(getenv("LORA_TP_PERTURB") && getenv("LORA_TP_PERTURB")[0] == '1') &&
          am_model_finish_grads(&m, err, sizeof(err)) < 0)) {
         fprintf(stderr, "lora_tp_check: rank %d: %s\n", my_rank, err);

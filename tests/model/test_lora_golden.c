@@ -155,7 +155,7 @@ static int run_case(const char *name, int r, float alpha, unsigned targets)
     }
     double loss_sum;
     am_model_begin_step(&m);
-    if (am_model_step(&m, tokens, tgt, B, 1.0f / (float)n_targets, &loss_sum, msg, sizeof(msg)) < 0) {
+    if (am_model_step(&m, tokens, tgt, NULL, B, 1.0f / (float)n_targets, &loss_sum, msg, sizeof(msg)) < 0) {
         printf("FAIL: %s: %s\n", name, msg);
         return 1;
     }

@@ -283,7 +283,7 @@ save=$(cat "$work"/logs-s-tp2pp2dp2/*/rank-*.jsonl | grep '"type":"checkpoint"' 
     sort -g | tail -1)
 step=$(for f in "$work"/logs-s-tp2pp2dp2/*/rank-*.jsonl; do
     grep '"type":"step"' "$f" | sed -E 's/.*"step_s":([^,}]*).*/\1/' | sort -g |
-        awk '{ v[NR] = $1 } END { print (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2 }'
+        awk '{ v[NR] = $1 } END { printf "%.17g\n", (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2 }'
 done | sort -g | tail -1)
 if awk -v a="$(field shard_bytes_max)" -v b="$big" -v n="$(field node_bytes_max)" -v n0="$node0" -v n1="$node1" \
     -v s="$(field save_s)" -v S="$save" -v t="$(field step_s)" -v T="$step" -v l="$(field lead_s)" 'BEGIN {
