@@ -612,9 +612,12 @@ static void fault_nan(struct trainer *t, long step)
     struct am_model *m = &t->model;
     if (!am_fault_due(&t->fault, t->s->info.rank, step, AM_FAULT_NAN) || m->n_params < 1)
         return;
-    struct am_param *p = &m->params[m->n_params / 2];
-    if (!p->g.data)
-        return; /* LoRA's frozen base: no gradient to poison */
+    int i = m->n_params / 2;
+    while (i < m->n_params && !m->params[i].g.data) /* LoRA's frozen base has no gradient: the next that has */
+        i++;
+    if (i == m->n_params)
+        return;
+    struct am_param *p = &m->params[i];
     fault_record(t, step, p->name);
     float nan = NAN;
     m->K->upload(m->dev, p->g.data, &nan, sizeof(nan));

@@ -328,5 +328,16 @@ elif grep -qxF "$want" "$work/out-export" && [ ! -e "$work/export" ]; then
 else
     bad "am-ckpt export of a LoRA checkpoint: not its message"; sed 's/^/    /' "$work/out-export"
 fi
+# AM_FAULT kind=nan poisons a gradient the step computes: under LoRA an adapter's (the frozen
+# base has none), and the job stops on the non-finite gradient norm
+recipe nan stop3
+if train nan 2 "$work/nan.yaml" AM_FAULT="rank=1,step=2,kind=nan"; then
+    bad "a NaN in an adapter's gradient went unnoticed"
+elif grep -h '"type":"fault"' "$work"/logs-nan/*/rank-1.jsonl | grep -q '"kind":"nan".*lora_[AB]\.weight'; then
+    ok "AM_FAULT kind=nan poisons an adapter's gradient: $(grep -h '"type":"fault"' "$work"/logs-nan/*/rank-1.jsonl |
+        sed -E 's/.*"tensor":"([^"]*)".*/\1/')"
+else
+    bad "AM_FAULT kind=nan under LoRA: no fault record naming an adapter"; sed 's/^/    /' "$work/out-nan"
+fi
 echo "lora: $passes passed, $fails failed"
 [ "$fails" = 0 ]
