@@ -126,14 +126,16 @@ int main(int argc, char **argv)
         const char *dev = getenv("AM_DEVICE");
         /* a sharded checkpoint as am-plan counts it (plan.h: 12 bytes a parameter in the writing
          * ranks' shards, with the norms each tensor-parallel rank keeps and the shards' padding,
-         * 4 more with its Hugging Face export); the kept ones and the one being written */
+         * 4 more with its Hugging Face export, or with save_consolidated: final once, in the last
+         * checkpoint); the kept ones and the one being written */
         const struct am_recipe *r = s.recipe;
         struct am_ckpt_cost cost;
         am_plan_ckpt_cost(r, &s.world, &s.plan, &cost);
         double per_ckpt = cost.bytes;
         struct am_doc_need need = {
             .rank_mem = s.plan.mem.total,
-            .ckpt_bytes = r->ckpt.enabled ? per_ckpt * (double)(r->ckpt.keep_last > 0 ? r->ckpt.keep_last + 1 : 1) : 0,
+            .ckpt_bytes = r->ckpt.enabled ? per_ckpt * (double)(r->ckpt.keep_last > 0 ? r->ckpt.keep_last + 1 : 1) +
+                                                (r->ckpt.consolidated_final && !r->peft.enabled ? 4 * s.plan.params.total : 0) : 0,
             .gpu_job = strcmp(all[0].transport, "nccl") == 0 || (dev && strcmp(dev, "cuda") == 0),
             .recipe = recipe,
         };

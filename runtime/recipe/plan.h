@@ -139,7 +139,7 @@ struct am_ckpt_cost {
     double bytes;      /* the whole checkpoint: every shard and the export */
     double rank_bytes; /* the largest shard file */
     double node_bytes; /* the most shard bytes the writing ranks of one node write */
-    double hf_bytes;   /* the Hugging Face export; 0 without save_consolidated */
+    double hf_bytes;   /* the Hugging Face export a save writes; 0 without save_consolidated or with final */
     long writers;      /* ranks that write a shard */
 };
 void am_plan_ckpt_cost(const struct am_recipe *r, const struct am_world *w, const struct am_plan *p,

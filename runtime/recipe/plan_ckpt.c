@@ -38,7 +38,9 @@ void am_plan_ckpt_cost(const struct am_recipe *r, const struct am_world *w, cons
         if (node > c->node_bytes)
             c->node_bytes = node;
     }
-    c->hf_bytes = r->ckpt.save_consolidated ? 4 * p->params.total : 0;
+    /* save_consolidated: final writes the export with the last checkpoint only, never with a
+     * save on Slurm's warning: a save costs it with every (or true) alone */
+    c->hf_bytes = r->ckpt.save_consolidated && !r->ckpt.consolidated_final ? 4 * p->params.total : 0;
     if (r->peft.enabled) /* LoRA: the adapters as peft saves them (step-N/peft), always, in place of the export */
         c->hf_bytes = 4 * ((double)r->model.num_hidden_layers * am_lora_layer_params(r) + am_lora_head_params(r));
     c->bytes += c->hf_bytes;

@@ -510,6 +510,19 @@ static int read_save_format(struct reader *rd, struct am_node *v, const char *ke
     return 0;
 }
 
+/* checkpoint.save_consolidated, as AutoModel's SaveConsolidatedMode: false, true or every (a
+ * Hugging Face directory in every checkpoint), final (in the one at the end of training only). */
+static int read_save_consolidated(struct reader *rd, struct am_node *v, const char *key)
+{
+    static const char *const names[] = {"false", "False", "FALSE", "true", "True", "TRUE", "every", "final", NULL};
+    int i;
+    if (am_node_choice(v, key, names, &i, rd->err) < 0)
+        return -1;
+    rd->r->ckpt.save_consolidated = i >= 3;
+    rd->r->ckpt.consolidated_final = i == 7;
+    return 0;
+}
+
 /* checkpoint.is_peft: the checkpoints hold LoRA adapters, which is what am's checkpoints of a
  * recipe with a peft section hold; without one it is refused (after the peft section is read). */
 static int read_is_peft(struct reader *rd, struct am_node *v, const char *key)
@@ -797,7 +810,7 @@ static const struct key_spec checkpoint_keys[] = {
     {"checkpoint_dir", K_STR, R(ckpt.dir), 0, NULL},
     {"restore_from", K_STR, R(ckpt.restore_from), 0, NULL},
     {"max_recent_checkpoints", K_OPT_LONG, R(ckpt.keep_last), 1, NULL},
-    {"save_consolidated", K_BOOL, R(ckpt.save_consolidated), 0, NULL},
+    {"save_consolidated", K_FN, 0, 0, read_save_consolidated},
     {"model_save_format", K_FN, 0, 0, read_save_format},
     {"is_peft", K_FN, 0, 0, read_is_peft},
     /* where and how AutoModel writes and stages its files; dequantize_base_checkpoint is a no-op

@@ -120,7 +120,8 @@ struct am_recipe {
         bool enabled;
         const char *dir, *restore_from;
         long keep_last;         /* max_recent_checkpoints: sharded checkpoints kept (0: all) */
-        bool save_consolidated; /* also a Hugging Face directory in each checkpoint (default true) */
+        bool save_consolidated; /* also a Hugging Face directory in the checkpoints (default true) */
+        bool consolidated_final; /* save_consolidated: final: in the checkpoint at the end of training only */
     } ckpt;
 
     /* peft: LoRA (AutoModel's PeftConfig). With it the model's weights are frozen and each

@@ -772,12 +772,15 @@ static struct am_train_state train_state(struct trainer *t)
 }
 
 /* A sharded checkpoint (resume.h) of the state after `step` steps, with the Hugging Face
- * export inside it when checkpoint.save_consolidated. */
+ * export inside it when checkpoint.save_consolidated (every checkpoint, or with `final` the
+ * one at the end of training). */
 static int save_checkpoint(struct trainer *t, long step, struct am_errors *err)
 {
     if (!t->r->ckpt.enabled)
         return 0;
     struct am_train_state st = train_state(t);
+    if (t->r->ckpt.consolidated_final && t->model.sh.lora_r == 0 && step != t->r->steps.max_steps)
+        st.extra = NULL; /* save_consolidated: final: the Hugging Face directory with the last checkpoint only */
     char dir[4096], msg[2048];
     double secs = 0;
     /* its end is the "checkpoint" record: am-diag reports a save that began and did not end */

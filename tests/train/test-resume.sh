@@ -60,6 +60,7 @@ recipe() { # NAME MODS: base.yaml with comma-separated changes, its checkpoints 
         hsdp) args+=(-e 's/  dp_size: none.*/  dp_size: none\n  dp_replicate_size: 2/') ;;
         mz[123]) args+=(-e "s/strategy: fsdp2/strategy: megatron_fsdp\n  zero_dp_strategy: ${m#mz}/") ;;
         hf) args+=(-e 's/save_consolidated: false/save_consolidated: true/') ;;
+        final) args+=(-e 's/save_consolidated: false/save_consolidated: final/') ;;
         every3) args+=(-e 's/ckpt_every_steps: .*/ckpt_every_steps: 3/') ;;
         from=*) args+=(-e "s|restore_from: .*|restore_from: ${m#from=}|") ;;
         wide) args+=(-e 's/hidden_size: 64/hidden_size: 128/') ;;
@@ -117,6 +118,14 @@ launch r1 r1-again 1 && grep -q '"type":"restore".*"step":6' "$work"/logs-r1-aga
     [ -z "$(steps_of r1-again)" ] && ! grep -q '"type":"checkpoint"' "$work"/logs-r1-again/*/rank-0.jsonl &&
     ok "a finished job started again resumes after step 6, trains no step and saves nothing" ||
     bad "a finished job started again: $(tail -3 "$work/out-r1-again")"
+
+# save_consolidated: final (AutoModel's mode): the Hugging Face directory with the last checkpoint only
+recipe r1-final final
+launch r1-final r1-final 1 &&
+    [ ! -e "$work/ckpt-r1-final/step-4/hf" ] && [ -f "$work/ckpt-r1-final/step-6/hf/config.json" ] &&
+    ls "$work/ckpt-r1-final/step-6/hf/"*.safetensors >/dev/null 2>&1 &&
+    ok "save_consolidated: final: step-6/hf written, step-4 without one" ||
+    bad "save_consolidated: final: $(cd "$work/ckpt-r1-final" && ls -d step-*/hf 2>&1 | tr '\n' ' ')"
 
 # ---- resume after a kill between steps: bit-exact ---------------------------------------------------
 # trial NAME REF N KIND RANK STEP [OVERRIDES]: run REF's recipe with AM_FAULT, resume, compare

@@ -396,6 +396,14 @@ static void test_ckpt_cost(void **state)
     assert_float_equal(am_plan_save_s(&c, 1024.0 * 1024 * 1024), 16 * params / (1024.0 * 1024 * 1024), 1e-12);
     am_plan_free(&p);
     am_recipe_free(r);
+    /* save_consolidated: final: no save but the last writes the export (never one on Slurm's warning) */
+    const char *final[] = {"distributed.strategy=ddp", "checkpoint.save_consolidated=final", NULL};
+    r = plan_of(model8, final, 4, &p);
+    am_plan_ckpt_cost(r, &w, &p, &c);
+    assert_float_equal(c.hf_bytes, 0, 0);
+    assert_float_equal(c.bytes, 12 * params, 0);
+    am_plan_free(&p);
+    am_recipe_free(r);
     /* megatron_fsdp ZeRO 1 on 4 ranks: each writes a quarter; on 2 nodes of 2, a node writes half */
     const char *z1[] = {"distributed.strategy=megatron_fsdp", "distributed.zero_dp_strategy=1",
                         "checkpoint.save_consolidated=false", NULL};

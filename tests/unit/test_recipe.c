@@ -307,6 +307,23 @@ static void test_overrides(void **state)
     expect(arch, (const char *[]){"distributed.tp_size=[1", NULL},
            MSGS("--set distributed.tp_size=[1: YAML syntax error: did not find expected ',' or ']' while parsing a "
                 "flow sequence"));
+
+    /* checkpoint.save_consolidated: AutoModel's modes (and its booleans) */
+    const char *modes[][2] = {{"false", "00"}, {"true", "10"}, {"every", "10"}, {"final", "11"}, {"False", "00"}};
+    for (size_t i = 0; i < sizeof(modes) / sizeof(modes[0]); i++) {
+        char set[64];
+        snprintf(set, sizeof(set), "checkpoint.save_consolidated=%s", modes[i][0]);
+        am_errors_init(&err);
+        r = parse_with("r.yaml", arch, (const char *[]){set, NULL}, &err);
+        assert_messages(&err, NONE);
+        assert_int_equal(r->ckpt.save_consolidated, modes[i][1][0] == '1');
+        assert_int_equal(r->ckpt.consolidated_final, modes[i][1][1] == '1');
+        am_recipe_free(r);
+        am_errors_free(&err);
+    }
+    expect(arch, (const char *[]){"checkpoint.save_consolidated=last", NULL},
+           MSGS("--set checkpoint.save_consolidated=last: checkpoint.save_consolidated: 'last' is not one of: false, "
+                "False, FALSE, true, True, TRUE, every, final"));
 }
 
 static void test_strategy_from_target(void **state)
