@@ -11,6 +11,9 @@
  *                                                first lora_A one row short), "extra" (a
  *                                                tensor that is not a LoRA matrix added)
  *   peft_merge bf16 BASE OUT                     OUT: BASE with every tensor in BF16
+ *   peft_merge shard BASE OUT                    OUT: BASE in two shards,
+ *                                                model-0000{1,2}-of-00002.safetensors, and
+ *                                                model.safetensors.index.json
  *   peft_merge check BASE ADAPTER OUT            every tensor of OUT against BASE: the dtype,
  *                                                shape and file kept; a weight the adapters
  *                                                adapt equal to W + (lora_alpha / r) * B @ A
@@ -172,6 +175,40 @@ static int bf16(const char *base, const char *out)
     return json_dump_file(j, b, JSON_INDENT(2)) == 0 ? 0 : 1;
 }
 
+static int shard(const char *base, const char *out)
+{
+    struct am_errors e;
+    struct am_st_file *f;
+    char path[4096];
+    am_errors_init(&e);
+    snprintf(path, sizeof(path), "%s/model.safetensors", base);
+    if (am_st_open(path, &f, &e) < 0)
+        return die(&e);
+    size_t n = am_st_count(f), half = n / 2;
+    struct am_st_wtensor *wt = calloc(n, sizeof(*wt));
+    json_t *map = json_object();
+    for (size_t i = 0; i < n; i++) {
+        wt[i] = wt_of(am_st_at(f, i), am_st_at(f, i)->name);
+        json_object_set_new(map, wt[i].name, json_string(i < half ? "model-00001-of-00002.safetensors"
+                                                                  : "model-00002-of-00002.safetensors"));
+    }
+    snprintf(path, sizeof(path), "%s/model-00001-of-00002.safetensors", out);
+    if (am_st_write(path, wt, half, NULL, 0, 0, &e) < 0)
+        return die(&e);
+    snprintf(path, sizeof(path), "%s/model-00002-of-00002.safetensors", out);
+    if (am_st_write(path, wt + half, n - half, NULL, 0, 0, &e) < 0)
+        return die(&e);
+    json_t *index = json_pack("{s:{s:I}s:o}", "metadata", "total_size", (json_int_t)0, "weight_map", map);
+    snprintf(path, sizeof(path), "%s/model.safetensors.index.json", out);
+    if (json_dump_file(index, path, JSON_INDENT(2)) < 0)
+        return 1;
+    char a[4096], b[4096];
+    snprintf(a, sizeof(a), "%s/config.json", base);
+    snprintf(b, sizeof(b), "%s/config.json", out);
+    json_t *j = json_load_file(a, 0, NULL);
+    return json_dump_file(j, b, JSON_INDENT(2)) == 0 ? 0 : 1;
+}
+
 static int check_merge(const char *base_dir, const char *adapter, const char *out_dir)
 {
     struct am_errors e;
@@ -263,6 +300,8 @@ int main(int argc, char **argv)
         return edit(argv[2], argv[3], argv[4]);
     if (argc == 4 && strcmp(argv[1], "bf16") == 0)
         return bf16(argv[2], argv[3]);
+    if (argc == 4 && strcmp(argv[1], "shard") == 0)
+        return shard(argv[2], argv[3]);
     if (argc == 5 && strcmp(argv[1], "check") == 0)
         return check_merge(argv[2], argv[3], argv[4]);
     fprintf(stderr, "usage: peft_merge trained|edit|bf16|check ...\n");

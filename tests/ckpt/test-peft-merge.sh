@@ -27,12 +27,13 @@ fail() { echo "FAIL: $*"; fails=$((fails + 1)); }
 
 for case in llama_lora_qv llama_lora_all; do
     g=$AM_SRCDIR/tests/golden/models/$case
-    mkdir -p "$T/$case/trained" "$T/$case/base16"
+    mkdir -p "$T/$case/trained" "$T/$case/base16" "$T/$case/sharded"
+    "$tool" shard "$g/base" "$T/$case/sharded" || fail "$case: the sharded base"
     "$tool" trained "$g" "$g/adapter_init" "$T/$case/trained" || fail "$case: the trained adapters"
     "$tool" bf16 "$g/base" "$T/$case/base16" || fail "$case: the bf16 base"
-    for run in "base trained" "base16 trained" "base adapter_init"; do
+    for run in "base trained" "base16 trained" "sharded trained" "base adapter_init"; do
         set -- $run
-        b=$g/base; [ "$1" = base16 ] && b=$T/$case/base16
+        b=$g/base; [ "$1" != base ] && b=$T/$case/$1
         a=$g/adapter_init; [ "$2" = trained ] && a=$T/$case/trained
         out=$T/$case/out-$1-$2
         if ! "$ckpt" merge "$b" "$a" "$out" > "$T/log" 2>&1; then
@@ -45,6 +46,10 @@ for case in llama_lora_qv llama_lora_all; do
             fail "$case: $1 + $2: the merged model"
         fi
         cmp -s "$b/config.json" "$out/config.json" || fail "$case: config.json not copied as it was"
+        if [ "$1" = sharded ]; then
+            cmp -s "$b/model.safetensors.index.json" "$out/model.safetensors.index.json" &&
+                [ "$(ls "$out")" = "$(ls "$b")" ] || fail "$case: the shards or the index not kept"
+        fi
     done
 done
 
