@@ -6,6 +6,10 @@
  *   am-ckpt export DIR OUT    the master weights as a Hugging Face directory (config.json +
  *                             safetensors, fp32), offline, from any layout: every shard checked
  *                             (size, crc32c) first
+ *   am-ckpt merge BASE PEFT OUT
+ *                             LoRA adapters merged into their base model, as a Hugging Face
+ *                             directory: W + (lora_alpha / r) * B @ A in the base's dtype, every
+ *                             other tensor and file copied (peft_merge.h); OUT must not exist
  *
  * Exit status: 0, 1 when the checkpoint is refused (with the reason), 2 on a usage error. */
 #include <stdio.h>
@@ -15,12 +19,15 @@
 #include "arena.h"
 #include "checkpoint.h"
 #include "model_config.h"
+#include "peft_merge.h"
 #include "shard_ckpt.h"
 
 static int usage(void)
 {
-    fprintf(stderr, "usage: am-ckpt show DIR\n       am-ckpt export DIR OUT\n"
-            "DIR: a checkpoint (step-N, with manifest.json) or a checkpoint_dir (its `latest`)\n");
+    fprintf(stderr, "usage: am-ckpt show DIR\n       am-ckpt export DIR OUT\n       am-ckpt merge BASE PEFT OUT\n"
+            "DIR: a checkpoint (step-N, with manifest.json) or a checkpoint_dir (its `latest`)\n"
+            "merge: LoRA adapters (PEFT: a step-N/peft directory, or one peft saved) merged into the base model\n"
+            "(BASE: a Hugging Face model directory) as a new Hugging Face directory OUT (which must not exist)\n");
     return 2;
 }
 
@@ -201,8 +208,24 @@ out:
     return rc;
 }
 
+static int merge(const char *base, const char *peft, const char *out)
+{
+    struct am_errors e;
+    am_errors_init(&e);
+    long n = am_peft_merge(base, peft, out, &e);
+    for (size_t i = 0; i < e.n; i++)
+        fprintf(stderr, "am-ckpt: %s\n", e.msg[i]);
+    am_errors_free(&e);
+    if (n < 0)
+        return 1;
+    printf("am-ckpt: merged %ld adapted weights of %s into %s, written to %s\n", n, peft, base, out);
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
+    if (argc == 5 && strcmp(argv[1], "merge") == 0)
+        return merge(argv[2], argv[3], argv[4]);
     if (argc == 3 && strcmp(argv[1], "show") == 0)
         return show(argv[2]);
     if (argc == 4 && strcmp(argv[1], "export") == 0)

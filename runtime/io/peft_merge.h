@@ -1,0 +1,36 @@
+/* peft_merge.h - LoRA adapters merged into their base model, offline, as a Hugging Face
+ * directory (what peft's merge_and_unload() then save_pretrained() give for plain LoRA).
+ *
+ * am_peft_merge(BASE, PEFT, OUT) reads the base model directory (config.json and
+ * model.safetensors, or its index and shards) and the adapters as the peft library saves them
+ * (PEFT/adapter_config.json + PEFT/adapter_model.safetensors: an am step-N/peft directory or
+ * one PeftModel.save_pretrained wrote), and writes OUT with:
+ *   - every adapted weight W (the module M whose M.lora_A.weight A [r, in] and
+ *     M.lora_B.weight B [out, r] the adapters hold) replaced by W + (lora_alpha / r) * B @ A,
+ *     computed in double precision and rounded once to W's dtype (F32, BF16 or F16);
+ *   - every other tensor copied bit for bit, each in the same file as in BASE (the shards and
+ *     model.safetensors.index.json keep their names);
+ *   - config.json and the other top-level files of BASE (tokenizer files,
+ *     generation_config.json, ...) copied as they are; weight files other than the
+ *     safetensors (pytorch_model*.bin, ...) are not.
+ * OUT is built in OUT.tmp-XXXXXX beside it, every file fsynced, then renamed to OUT: OUT never
+ * holds half a model. OUT must not exist, or be an empty directory: it is never overwritten.
+ *
+ * Refused, with the file, the rule and what to do: a missing file; an adapter_config.json that
+ * is not plain LoRA (peft_type other than LORA, use_dora, use_rslora, fan_in_fan_out,
+ * lora_bias, rank_pattern, alpha_pattern, modules_to_save); a tensor of the adapters that is
+ * not a LoRA A or B matrix; a module with A and no B (or B and no A); a module the base lacks;
+ * shapes that do not fit the base weight and r.
+ */
+#ifndef AM_PEFT_MERGE_H
+#define AM_PEFT_MERGE_H
+
+#include <stddef.h>
+
+#include "errors.h"
+
+/* Merges as above. Returns the number of weights merged (>= 1), or -1 with messages in err
+ * (OUT then does not exist or is as it was). */
+long am_peft_merge(const char *base_dir, const char *peft_dir, const char *out_dir, struct am_errors *err);
+
+#endif
