@@ -183,7 +183,8 @@ static int export(const char *arg, const char *out)
         if (strstr(t.name, ".lora_A.") || strstr(t.name, ".lora_B.")) { /* a LoRA fine-tune's state: no model */
             fprintf(stderr, "am-ckpt: %s holds LoRA adapters, not a model (the frozen base is the recipe's model "
                     "directory): its peft/ directory holds them as the peft library saves them, for "
-                    "PeftModel.from_pretrained(base, \"%s/peft\")\n", am_sckpt_dir(c), am_sckpt_dir(c));
+                    "PeftModel.from_pretrained(base, \"%s/peft\"), or for a merged model: am-ckpt merge BASE_DIR "
+                    "%s/peft OUT_DIR\n", am_sckpt_dir(c), am_sckpt_dir(c), am_sckpt_dir(c));
             goto out;
         }
         x.which[i] = i;

@@ -320,7 +320,7 @@ for c in "head 1 want_head" "kv 4 want_kv AM_TP=4"; do
 done
 # am-ckpt export of a LoRA checkpoint: no Hugging Face model to write (the adapters are in peft/)
 d=$(cd "$work/ckpt-ref/step-$steps" && pwd)
-want="am-ckpt: $d holds LoRA adapters, not a model (the frozen base is the recipe's model directory): its peft/ directory holds them as the peft library saves them, for PeftModel.from_pretrained(base, \"$d/peft\")"
+want="am-ckpt: $d holds LoRA adapters, not a model (the frozen base is the recipe's model directory): its peft/ directory holds them as the peft library saves them, for PeftModel.from_pretrained(base, \"$d/peft\"), or for a merged model: am-ckpt merge BASE_DIR $d/peft OUT_DIR"
 if "$AM_BUILDDIR/am-ckpt" export "$d" "$work/export" >"$work/out-export" 2>&1; then
     bad "am-ckpt exported a LoRA checkpoint as a model"
 elif grep -qxF "$want" "$work/out-export" && [ ! -e "$work/export" ]; then
