@@ -4,6 +4,7 @@
 #include <stdarg.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <ftw.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -79,6 +80,51 @@ int am_mkdir_p(const char *path)
     }
     return mkdir(buf, 0755) < 0 && errno != EEXIST ? -1 : 0;
 }
+
+int am_copy_file(const char *from, const char *to, unsigned mode)
+{
+    int in = open(from, O_RDONLY | O_CLOEXEC), out = -1, rc = -1;
+    char buf[65536];
+    if (in < 0 || (out = open(to, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, (mode_t)mode)) < 0)
+        goto done;
+    for (;;) {
+        ssize_t r = read(in, buf, sizeof(buf));
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r < 0)
+            goto done;
+        if (r == 0)
+            break;
+        for (ssize_t off = 0; off < r;) {
+            ssize_t w = write(out, buf + off, (size_t)(r - off));
+            if (w < 0 && errno == EINTR)
+                continue;
+            if (w <= 0)
+                goto done;
+            off += w;
+        }
+    }
+    rc = fsync(out);
+done:
+    if (in >= 0)
+        close(in);
+    if (out >= 0 && close(out) < 0)
+        rc = -1;
+    return rc;
+}
+
+static int rm_entry(const char *path, const struct stat *st, int flag, struct FTW *ftw)
+{
+    (void)st;
+    (void)ftw;
+    if (flag == FTW_DP)
+        rmdir(path);
+    else
+        unlink(path);
+    return 0;
+}
+
+void am_remove_tree(const char *path) { nftw(path, rm_entry, 16, FTW_DEPTH | FTW_PHYS); }
 
 bool am_key_in(const char *key, const char *const *names)
 {

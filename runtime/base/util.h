@@ -23,6 +23,15 @@ const char *am_read_file(const char *path, size_t max, char **buf, size_t *len);
 /* mkdir -p: creates path and the directories above it (mode 0755). 0, or -1 with errno. */
 int am_mkdir_p(const char *path);
 
+/* Copies the regular file `from` to the new file `to` (created with mode, never over an
+ * existing one) and fsyncs it. 0, or -1 with errno (a partial `to` may be left: the caller
+ * writes into a temporary directory it removes on failure). */
+int am_copy_file(const char *from, const char *to, unsigned mode);
+
+/* rm -r: removes path and everything below it, without following links; errors ignored (for
+ * temporary directories and what a failed write left). */
+void am_remove_tree(const char *path);
+
 /* True when key is one of the NULL-terminated names. */
 bool am_key_in(const char *key, const char *const *names);
 

@@ -4,7 +4,6 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
-#include <ftw.h>
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -464,17 +463,6 @@ static int write_small(const char *path, const char *text, struct am_errors *err
     return 0;
 }
 
-static int rm_entry(const char *path, const struct stat *st, int flag, struct FTW *ftw)
-{
-    (void)st;
-    (void)flag;
-    (void)ftw;
-    remove(path);
-    return 0;
-}
-
-static void remove_tree(const char *path) { nftw(path, rm_entry, 16, FTW_DEPTH | FTW_PHYS); }
-
 /* The names am_ckpt_save writes: they are never carried over from a previous checkpoint. */
 static bool managed_name(const char *n)
 {
@@ -482,38 +470,6 @@ static bool managed_name(const char *n)
     int end = 0;
     return strcmp(n, "config.json") == 0 || strcmp(n, AM_CKPT_SINGLE) == 0 || strcmp(n, AM_CKPT_INDEX) == 0 ||
            (sscanf(n, "model-%5u-of-%5u.safetensors%n", &a, &b, &end) == 2 && n[end] == '\0');
-}
-
-static int copy_file(const char *from, const char *to)
-{
-    int in = open(from, O_RDONLY | O_CLOEXEC), out = -1, rc = -1;
-    char buf[65536];
-    if (in < 0 || (out = open(to, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666)) < 0)
-        goto done;
-    for (;;) {
-        ssize_t r = read(in, buf, sizeof(buf));
-        if (r < 0 && errno == EINTR)
-            continue;
-        if (r < 0)
-            goto done;
-        if (r == 0)
-            break;
-        for (ssize_t off = 0; off < r;) {
-            ssize_t w = write(out, buf + off, (size_t)(r - off));
-            if (w < 0 && errno == EINTR)
-                continue;
-            if (w <= 0)
-                goto done;
-            off += w;
-        }
-    }
-    rc = fsync(out);
-done:
-    if (in >= 0)
-        close(in);
-    if (out >= 0 && close(out) < 0)
-        rc = -1;
-    return rc;
 }
 
 /* Hard-links (or copies) the previous checkpoint's other top-level files into tmp. */
@@ -535,7 +491,7 @@ static int carry_over(const char *old, const char *tmp, struct am_errors *err)
             am_path_cat(to, sizeof(to), tmp, "/", de->d_name) < 0 ||
             lstat(from, &st) < 0 || !S_ISREG(st.st_mode))
             continue;
-        if (link(from, to) < 0 && copy_file(from, to) < 0) {
+        if (link(from, to) < 0 && am_copy_file(from, to, 0666) < 0) {
             am_errorf(err, NULL, "%s: cannot carry it over into the new checkpoint: %s", from, strerror(errno));
             rc = -1;
         }
@@ -724,7 +680,7 @@ int am_ckpt_save(const char *dir_in, const struct am_model_config *m, const stru
     rc = 0;
 done:
     if (tmp[0])
-        remove_tree(tmp); /* the unfinished checkpoint, or after a swap the previous one */
+        am_remove_tree(tmp); /* the unfinished checkpoint, or after a swap the previous one */
     free(config);
     return rc;
 }

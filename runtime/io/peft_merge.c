@@ -16,6 +16,7 @@
 #include "checkpoint.h"
 #include "half.h"
 #include "safetensors.h"
+#include "util.h"
 
 #define PFX "base_model.model."
 
@@ -258,52 +259,6 @@ static bool weight_file(const char *n)
     return false;
 }
 
-static int copy_file(const char *from, const char *to)
-{
-    int in = open(from, O_RDONLY | O_CLOEXEC), out = -1, rc = -1;
-    char buf[65536];
-    if (in < 0 || (out = open(to, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644)) < 0)
-        goto done;
-    for (;;) {
-        ssize_t got = read(in, buf, sizeof(buf));
-        if (got < 0 && errno == EINTR)
-            continue;
-        if (got < 0)
-            goto done;
-        if (got == 0)
-            break;
-        for (ssize_t off = 0; off < got;) {
-            ssize_t put = write(out, buf + off, (size_t)(got - off));
-            if (put < 0 && errno == EINTR)
-                continue;
-            if (put <= 0)
-                goto done;
-            off += put;
-        }
-    }
-    rc = fsync(out);
-done:
-    if (in >= 0)
-        close(in);
-    if (out >= 0 && close(out) < 0)
-        rc = -1;
-    return rc;
-}
-
-static void remove_tree(const char *dir)
-{
-    DIR *d = opendir(dir);
-    struct dirent *de;
-    char p[4400];
-    while (d && (de = readdir(d)))
-        if (strcmp(de->d_name, ".") != 0 && strcmp(de->d_name, "..") != 0 &&
-            am_path_cat(p, sizeof(p), dir, "/", de->d_name) == 0)
-            unlink(p);
-    if (d)
-        closedir(d);
-    rmdir(dir);
-}
-
 /* Writes the base's files into tmp: copies, and the safetensors with the merged weights. */
 static int write_out(const char *tmp, const struct am_ckpt *base, struct module *m, size_t nm, struct am_errors *err)
 {
@@ -320,7 +275,7 @@ static int write_out(const char *tmp, const struct am_ckpt *base, struct module 
         if (de->d_name[0] == '.' || weight_file(de->d_name) || am_path_cat(from, sizeof(from), bdir, "/", de->d_name) < 0 ||
             stat(from, &st) < 0 || !S_ISREG(st.st_mode))
             continue;
-        if (am_path_cat(to, sizeof(to), tmp, "/", de->d_name) < 0 || copy_file(from, to) < 0) {
+        if (am_path_cat(to, sizeof(to), tmp, "/", de->d_name) < 0 || am_copy_file(from, to, 0644) < 0) {
             am_errorf(err, NULL, "%s: cannot copy to %s: %s", from, tmp, strerror(errno));
             closedir(d);
             return -1;
@@ -460,7 +415,7 @@ long am_peft_merge(const char *base_dir, const char *peft_dir, const char *out_i
     rc = (long)nm;
 done:
     if (tmp[0])
-        remove_tree(tmp);
+        am_remove_tree(tmp);
     for (size_t j = 0; m && j < nm; j++) {
         free(m[j].name);
         free(m[j].merged);

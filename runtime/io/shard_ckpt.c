@@ -4,7 +4,6 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
-#include <ftw.h>
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -83,15 +82,6 @@ void am_sckpt_step_dir(const char *root, long step, char *out, size_t len)
     snprintf(out, len, "%s/step-%ld", root, step);
 }
 
-static int rm_entry(const char *path, const struct stat *st, int flag, struct FTW *ftw)
-{
-    (void)st;
-    (void)ftw;
-    return flag == FTW_DP ? rmdir(path) : unlink(path);
-}
-
-static void remove_tree(const char *path) { nftw(path, rm_entry, 16, FTW_DEPTH | FTW_PHYS); }
-
 static int fsync_path(const char *path, bool dir)
 {
     int fd = open(path, (dir ? O_RDONLY | O_DIRECTORY : O_RDONLY) | O_CLOEXEC);
@@ -138,7 +128,7 @@ int am_sckpt_begin(const char *root, long step, const char *tag, char *err, size
     if (am_mkdir_p(root) < 0)
         return am_fail(err, err_len, "checkpoint.checkpoint_dir: cannot create %s: %s", root, strerror(errno));
     am_sckpt_tmp_dir(root, step, tag, tmp, sizeof(tmp));
-    remove_tree(tmp);
+    am_remove_tree(tmp);
     if (mkdir(tmp, 0755) < 0)
         return am_fail(err, err_len, "checkpoint: cannot create %s: %s", tmp, strerror(errno));
     return 0;
@@ -244,7 +234,7 @@ static void prune(const char *root, long keep_last, long keep)
             steps[n++] = s;
         } else if (strncmp(e->d_name, "step-", 5) == 0 && strstr(e->d_name, ".tmp-")) {
             snprintf(path, sizeof(path), "%s/%s", root, e->d_name);
-            remove_tree(path);
+            am_remove_tree(path);
         }
     }
     closedir(d);
@@ -253,7 +243,7 @@ static void prune(const char *root, long keep_last, long keep)
         for (size_t i = (size_t)keep_last; i < n; i++)
             if (steps[i] != keep) {
                 am_sckpt_step_dir(root, steps[i], path, sizeof(path));
-                remove_tree(path);
+                am_remove_tree(path);
             }
     }
     free(steps);
@@ -343,7 +333,7 @@ int am_sckpt_commit(const char *root, long step, const char *tag, const int *ran
         *already = true;
         if (renameat2(AT_FDCWD, tmp, AT_FDCWD, dir, RENAME_EXCHANGE) == 0)
             *already = false;
-        remove_tree(tmp);
+        am_remove_tree(tmp);
     } else if (rename(tmp, dir) < 0) {
         return am_fail(err, err_len, "checkpoint: cannot rename %s to %s: %s", tmp, dir, strerror(errno));
     }
