@@ -652,14 +652,8 @@ int am_ckpt_save(const char *dir_in, const struct am_model_config *m, const stru
     }
     if (!(config = am_ckpt_config_json(m, opts ? opts->base_config : NULL, err)))
         goto done;
-    am_path_cat(tmp, sizeof(tmp), dir, ".tmp-XXXXXX", "");
-    if (!mkdtemp(tmp)) {
-        am_errorf(err, NULL, "%s: cannot create the temporary directory %s.tmp-XXXXXX: %s (is the parent directory "
-                  "writable?)", dir, dir, strerror(errno));
-        tmp[0] = '\0';
+    if (am_temp_dir(dir, tmp, sizeof(tmp), err) < 0)
         goto done;
-    }
-    chmod(tmp, 0755); /* mkdtemp makes it 0700; a checkpoint is readable like any directory */
     am_path_cat(path, sizeof(path), tmp, "/config.json", "");
     uint64_t max = opts && opts->max_shard_bytes ? opts->max_shard_bytes : AM_CKPT_DEFAULT_SHARD_BYTES;
     if (write_small(path, config, err) < 0 || write_weights(tmp, t, n, max, err) < 0)

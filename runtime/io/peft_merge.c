@@ -396,14 +396,8 @@ long am_peft_merge(const char *base_dir, const char *peft_dir, const char *out_i
     for (size_t j = 0; j < nm; j++)
         if (merge_one(af, &m[j], r, scale, err) < 0)
             goto done;
-    am_path_cat(tmp, sizeof(tmp), out, ".tmp-XXXXXX", "");
-    if (!mkdtemp(tmp)) {
-        am_errorf(err, NULL, "%s: cannot create the temporary directory %s.tmp-XXXXXX: %s (is the parent directory "
-                  "writable?)", out, out, strerror(errno));
-        tmp[0] = '\0';
+    if (am_temp_dir(out, tmp, sizeof(tmp), err) < 0)
         goto done;
-    }
-    chmod(tmp, 0755);
     if (write_out(tmp, base, m, nm, err) < 0)
         goto done;
     if (am_fsync_dir_of(tmp, true) < 0 || rename(tmp, out) < 0) { /* over an empty directory, or none */

@@ -589,6 +589,18 @@ done:
 }
 
 /* Opens a new temporary file next to `path` (same directory: rename stays atomic). */
+int am_temp_dir(const char *path, char *tmp, size_t len, struct am_errors *err)
+{
+    if (am_path_cat(tmp, len, path, ".tmp-XXXXXX", "") < 0 || !mkdtemp(tmp)) {
+        am_errorf(err, NULL, "%s: cannot create the temporary directory %s.tmp-XXXXXX: %s (is the parent directory "
+                  "writable?)", path, path, strerror(errno));
+        tmp[0] = '\0';
+        return -1;
+    }
+    chmod(tmp, 0755); /* mkdtemp makes it 0700 */
+    return 0;
+}
+
 int am_open_temp(const char *path, char *tmp, size_t len)
 {
     for (int attempt = 0; attempt < 100; attempt++) {

@@ -915,17 +915,22 @@ static void rope(struct am_model *m, const struct am_layer *L, struct am_tensor 
     }
 }
 
-/* One decoder layer on the residual stream x (R rows), saving what backward needs in a. */
-/* LoRA (lora.h): projection t's adapter, when it has one. y: the base layer's output (before a
- * row-parallel reduction); x: its input. */
+/* LoRA (lora.h): projection t's adapter of layer L. */
+static struct am_lora adapter_of(const struct am_model *m, const struct am_layer *L, int t)
+{
+    return (struct am_lora){&L->lora_a[t]->wc, &L->lora_b[t]->wc, &L->lora_a[t]->g, &L->lora_b[t]->g,
+                            m->sh.lora_alpha / (float)m->sh.lora_r};
+}
+
+/* Projection t's adapter, when it has one. y: the base layer's output (before a row-parallel
+ * reduction); x: its input. */
 static void lora_forward(struct am_model *m, const struct am_layer *L, struct am_layer_acts *a, int t,
                          struct am_tensor *y, const struct am_tensor *x)
 {
     if (!L->lora_a[t])
         return;
     int64_t N = y->shape[0];
-    struct am_lora l = {&L->lora_a[t]->wc, &L->lora_b[t]->wc, &L->lora_a[t]->g, &L->lora_b[t]->g,
-                        m->sh.lora_alpha / (float)m->sh.lora_r};
+    struct am_lora l = adapter_of(m, L, t);
     struct am_tensor tt = rows_of(&a->lora_t[t], N);
     struct am_tensor u = am_tensor_view(m->lora_u.data, m->K->device, m->act_dt, N, y->shape[1], 0, 0);
     am_lora_forward(m->dev, m->K, &l, y, x, &tt, &u);
@@ -938,14 +943,14 @@ static void lora_backward(struct am_model *m, const struct am_layer *L, const st
     if (!L->lora_a[t])
         return;
     int64_t N = dy->shape[0];
-    struct am_lora l = {&L->lora_a[t]->wc, &L->lora_b[t]->wc, &L->lora_a[t]->g, &L->lora_b[t]->g,
-                        m->sh.lora_alpha / (float)m->sh.lora_r};
+    struct am_lora l = adapter_of(m, L, t);
     struct am_tensor tt = rows_of(&a->lora_t[t], N);
     struct am_tensor du = am_tensor_view(m->lora_du.data, m->K->device, m->act_dt, N, dy->shape[1], 0, 0);
     struct am_tensor dt = rows_of(&m->lora_dt, N);
     am_lora_backward(m->dev, m->K, &l, dx, dy, x, &tt, &du, &dt);
 }
 
+/* One decoder layer on the residual stream x (R rows), saving what backward needs in a. */
 static int layer_forward(struct am_model *m, const struct am_layer *L, struct am_layer_acts *a, struct am_tensor *x,
                          int64_t B, char *err, size_t err_len)
 {
