@@ -1,4 +1,5 @@
-# tests/launcher/lib.sh - helpers for the launcher's shell tests (sourced).
+# tests/launcher/lib.sh - helpers for the shell tests that launch ranks with am-launch (sourced):
+# the launcher's, tests/rank/test-nvml.sh and tests/doctor/test-doctor.sh.
 #
 # Expects AM_SRCDIR and AM_BUILDDIR (make check exports them); falls back to the tree this
 # file is in, so a test also runs by hand from the build directory.

@@ -4,7 +4,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "testutil.h"
+#include "testrecipe.h"
 
 static const char arch[] = "model:\n  hidden_size: 64\n  num_hidden_layers: 2\n  num_attention_heads: 4\n"
                            "  intermediate_size: 128\n  vocab_size: 256\n"

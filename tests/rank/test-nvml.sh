@@ -3,9 +3,9 @@
 # libnvidia-ml.so.1 (fake_nvml.c) describes the GPUs, the dry run shows the domains NVML's
 # answers make: NVLink pairs, a multi-node fabric clique, and no driver at all.
 set -uo pipefail
-source "$(dirname "$0")/lib.sh"
+source "$(dirname "$0")/../launcher/lib.sh"
 
-FAKE=$AM_BUILDDIR/tests/launcher/.libs/libfakenvml.so
+FAKE=$AM_BUILDDIR/tests/rank/.libs/libfakenvml.so
 T=$(mktemp -d /tmp/am-test-nvml.XXXXXX)
 trap 'rm -rf "$T"' EXIT
 HOST=$(hostname)

@@ -2,14 +2,14 @@
 # test-fault-slurm.sh - the fault matrix on the local Slurm cluster (tests/slurm/cluster):
 # 8 ranks over 4 nodes, `srun -N4 --ntasks-per-node=2 --mpi=pmix --am-recipe=... am-launch`
 # through the SPANK plugin, every AM_FAULT kind at two (rank, step) places; checks in
-# tests/fault/lib.sh (every rank's host is n1..n4: rank r runs on n(r/2+1)). The layout is
+# tests/train/fault-lib.sh (every rank's host is n1..n4: rank r runs on n(r/2+1)). The layout is
 # tp 2 x dp 4 (--am-tp=2): tensor-parallel pairs on each node ({0,1} on n1, ...), two
 # data-parallel groups of 4 across the nodes ({0,2,4,6}, {1,3,5,7}), so a failure leaves
 # ranks waiting in both kinds of group. The oom kind moves each task into one memory cgroup with a 2 GiB limit first
 # (skipped, with a message, where none can be made). Fails, never skips, when the cluster
 # cannot start.
 set -uo pipefail
-source "$(dirname "$0")/lib.sh"
+source "$(dirname "$0")/fault-lib.sh"
 
 T=$(mktemp -d /tmp/am-fault-slurm-XXXXXX)
 chmod 755 "$T"

@@ -17,7 +17,7 @@ trap 'rm -rf "$cache"' EXIT
 export HF_HUB_CACHE=$cache
 unset HF_HOME
 fails=0 passes=0
-cd "$AM_SRCDIR/tests/recipes" || exit 1
+cd "$AM_SRCDIR/tests/recipe" || exit 1
 for f in automodel/*.yaml; do
     header=$(grep '^# [a-z-]*: ' "$f")
     args=$(sed -n 's/^# args: //p' <<<"$header")

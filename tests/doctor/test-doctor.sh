@@ -13,11 +13,11 @@
 # The Slurm part fails (does not skip) when the cluster cannot start; it is skipped only in
 # a build without Slurm or PMIx.
 set -uo pipefail
-source "$(dirname "$0")/lib.sh"
+source "$(dirname "$0")/../launcher/lib.sh"
 unset AM_DOCTOR_FAULT AM_DEVICE LD_PRELOAD FAKE_NVML_GPUS FAKE_NVML_NVLINK FAKE_NVML_MEM 2>/dev/null || true
 
 DOCTOR=$AM_BUILDDIR/am-doctor
-FAKE=$AM_BUILDDIR/tests/launcher/.libs/libfakenvml.so
+FAKE=$AM_BUILDDIR/tests/rank/.libs/libfakenvml.so
 T=$(mktemp -d /tmp/am-test-doctor.XXXXXX)
 CLUSTER=$AM_SRCDIR/tests/slurm/cluster
 export AM_CLUSTER_DIR=/tmp/am-cluster-doctor-$$

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # test-fault-standalone.sh - the fault matrix on one machine: `am-launch --nproc 4` with
 # AM_FAULT, every kind at two (rank, step) places (dp 4), and three kinds in a pipeline (pp 2
-# x dp 2); checks in tests/fault/lib.sh. The oom
+# x dp 2); checks in tests/train/fault-lib.sh. The oom
 # kind runs in a fresh memory cgroup with a 1 GiB limit (skipped, with a message, where
 # none can be made: every other kind still runs).
 set -uo pipefail
-source "$(dirname "$0")/lib.sh"
+source "$(dirname "$0")/fault-lib.sh"
 
 T=$(mktemp -d /tmp/am-fault-standalone.XXXXXX)
 CG=""

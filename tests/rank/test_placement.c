@@ -1,32 +1,9 @@
 /* test_placement.c - physical -> mesh rank mappings computed by hand for block, cyclic and
  * arbitrary task distributions, multi-node domains, the world handed to the planner, the
  * groups in physical ranks, and the impossible cases with their exact messages. */
-#include <setjmp.h>
-#include <stdarg.h>
-#include <stddef.h>
-#include <stdint.h>
-#include <stdio.h>
-#include <string.h>
-
-#include <cmocka.h>
-
+#include "../testutil.h"
 #include "placement.h"
 #include "recipe.h"
-
-static void assert_messages(const struct am_errors *err, const char *const *expected)
-{
-    size_t n = 0;
-    while (expected[n])
-        n++;
-    for (size_t i = 0; i < err->n || i < n; i++) {
-        const char *got = i < err->n ? err->msg[i] : "(none)";
-        const char *want = i < n ? expected[i] : "(none)";
-        if (strcmp(got, want) != 0) {
-            print_error("message %zu:\n  got:  %s\n  want: %s\n", i, got, want);
-            fail();
-        }
-    }
-}
 
 static struct am_place_rank at(int node, int local_rank, int gpu, const char *domain)
 {

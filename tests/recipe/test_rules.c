@@ -3,7 +3,7 @@
  * Each case takes a small recipe (dense or MoE, below; line numbers matter for positions),
  * applies --set overrides, validates against a world, and expects exactly these messages.
  */
-#include "testutil.h"
+#include "testrecipe.h"
 
 /* line numbers:   1 */
 static const char dense[] = "model:\n"

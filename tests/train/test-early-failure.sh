@@ -5,7 +5,7 @@
 # the rank, its host and that message as the first failure (am-launch --nproc; the same on
 # Slurm is in tests/slurm/test-jobs.sh).
 set -uo pipefail
-source "$(dirname "$0")/lib.sh"
+source "$(dirname "$0")/fault-lib.sh"
 
 T=$(mktemp -d /tmp/am-early-XXXXXX)
 trap 'rm -rf "$T"' EXIT

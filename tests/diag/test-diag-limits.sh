@@ -1,5 +1,5 @@
 #!/bin/bash
-# tests/fault/test-diag-limits.sh - am-diag on logs built to exhaust it: numbers written inside
+# tests/diag/test-diag-limits.sh - am-diag on logs built to exhaust it: numbers written inside
 # a log that once sized allocations (a group member, "world", a file name of 2 million), long
 # logs that took quadratic time (3 ranks x 100k steps; 128 ranks with full 1024-entry flight
 # recorders), 10 MB of bad lines (one note each), a FIFO and a link to /dev/zero. Each runs

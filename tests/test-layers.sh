@@ -1,7 +1,7 @@
 #!/bin/sh
 # test-layers.sh - the layering of the source folders (docs/architecture.md), enforced.
 #
-#   tests/unit/test-layers.sh [ROOT]
+#   tests/test-layers.sh [ROOT]
 #
 # Reads every `#include "..."` (C sources and headers, CUDA's .cu and .cuh) in runtime/*/,
 # kernels/, launcher/ and spank/ under ROOT (default: $AM_SRCDIR, else the tree this script
@@ -41,7 +41,7 @@ spank:    recipe
 '
 LAYERS=${AM_LAYERS:-$DEFAULT_LAYERS}
 
-here=$(cd "$(dirname "$0")/../.." && pwd)
+here=$(cd "$(dirname "$0")/.." && pwd)
 
 # check ROOT: prints one line per violation, exits 1 if any
 check() {
@@ -172,7 +172,7 @@ root=${AM_SRCDIR:-$here}
 if check "$root"; then
     echo "ok: every include in runtime/, kernels/, launcher/, spank/ of $root follows the layering"
 else
-    echo "FAIL: includes against the layering above (the table: tests/unit/test-layers.sh, docs/architecture.md)"
+    echo "FAIL: includes against the layering above (the table: tests/test-layers.sh, docs/architecture.md)"
     fails=$((fails + 1))
 fi
 

@@ -1,5 +1,5 @@
-# tests/fault/lib.sh - the fault matrix's helpers (sourced by test-fault-standalone.sh and
-# test-fault-slurm.sh).
+# tests/train/fault-lib.sh - the fault matrix's helpers (sourced by test-fault-standalone.sh,
+# test-fault-slurm.sh and test-early-failure.sh).
 #
 # A case injects one AM_FAULT into a short training job (the tiny recipe, 6 steps), waits
 # for the job to end (bounded by `timeout`), and checks exactly:

@@ -1,6 +1,6 @@
 /* test_plan.c - the mesh, the groups, the pipeline stages, the memory estimate and the
  * FLOPs, each against values computed by hand. */
-#include "testutil.h"
+#include "testrecipe.h"
 
 static const char model8[] = "model:\n"
                              "  hidden_size: 256\n"

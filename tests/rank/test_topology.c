@@ -1,32 +1,10 @@
 /* test_topology.c - the topology file (domains, ranges, clusters, every error with its
  * exact message), GPU binding from the Slurm/CUDA variables, and the no-NVML path. */
-#include <setjmp.h>
-#include <stdarg.h>
-#include <stddef.h>
-#include <stdint.h>
-#include <stdio.h>
 #include <stdlib.h>
-#include <string.h>
 #include <unistd.h>
 
-#include <cmocka.h>
-
+#include "../testutil.h"
 #include "topology.h"
-
-static void assert_messages(const struct am_errors *err, const char *const *expected)
-{
-    size_t n = 0;
-    while (expected[n])
-        n++;
-    for (size_t i = 0; i < err->n || i < n; i++) {
-        const char *got = i < err->n ? err->msg[i] : "(none)";
-        const char *want = i < n ? expected[i] : "(none)";
-        if (strcmp(got, want) != 0) {
-            print_error("message %zu:\n  got:  %s\n  want: %s\n", i, got, want);
-            fail();
-        }
-    }
-}
 
 /* Parses text as t.yaml and checks the messages (none expected: NULL first entry). */
 static int parse(const char *text, struct am_topology *t, const char *const *expected)
