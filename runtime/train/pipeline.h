@@ -4,7 +4,7 @@
  * for activations (forward), one for gradients (backward), so that each group carries one
  * kind of message in one order on both ends. Receives block; sends do not (am_isend), so no
  * two ranks can wait on each other: every schedule here is a valid order of the dependency
- * graph on every rank (tests/unit/test_pp_schedule.c simulates them all). Sends go out of a
+ * graph on every rank (tests/recipe/test_pp_schedule.c simulates them all). Sends go out of a
  * ring of as many buffers as the rank holds micro-batches, each reused once the send from it
  * is done; with interleaving, every micro-batch and chunk has its own buffer until the end of
  * the step.
