@@ -251,10 +251,8 @@ static int check_without_world(const struct am_config *cfg, bool read_files, str
         chk.r = NULL;
     }
     chk.unreadable = !chk.r;
-    if (chk.r)
-        am_validate(chk.r, NULL, err); /* the layout's errors too, with the recipe's: all in one run */
-    if (chk.r) /* LoRA: what am-train does not run of it yet */
-        am_validate_peft_run(chk.r, err);
+    if (chk.r) /* the layout's and am-train's errors too, with the recipe's: all in one run */
+        am_validate_run(chk.r, NULL, err);
     return err->n ? -1 : 0;
 }
 

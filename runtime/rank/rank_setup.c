@@ -46,9 +46,9 @@ static void local_steps(struct am_rank_setup *s, struct am_errors *err)
     } else {
         size_t n = env_overrides(ov, origin);
         s->recipe = am_recipe_load(path, ov, n, err);
-        /* LoRA: what am-train does not run of it yet is refused, never trained otherwise */
+        /* what am-train does not run is refused here too, with the messages sbatch gives */
         if (s->recipe)
-            am_validate_peft_run(s->recipe, err);
+            am_validate_run(s->recipe, NULL, err);
         if (s->recipe && err->n == 0 && s->recipe->dist_env.timeout_minutes > 0)
             s->timeout_s = 60.0 * s->recipe->dist_env.timeout_minutes;
     }

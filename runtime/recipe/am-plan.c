@@ -390,14 +390,19 @@ int main(int argc, char **argv)
     struct am_plan plan = {0};
     struct am_recipe *r = am_recipe_load(argv[optind], ov, n_ov, &err);
     bool planned = false;
-    if (r && err.n == 0) {
-        if (am_plan_build(r, &w, &plan, &err) == 0) {
+    if (r) {
+        /* every rule am-train's ranks check, all in one run; a valid layout is planned (and
+         * shown) even when am-train would refuse the recipe, whose errors then follow */
+        size_t read_errors = err.n;
+        struct am_errors layout;
+        am_errors_init(&layout);
+        am_validate_run(r, &w, &err);
+        if (read_errors == 0 && am_plan_build(r, &w, &plan, &layout) == 0) {
             planned = true;
             am_plan_check_memory(r, &w, &plan, &err);
             lead_plan(r, &w, &plan, &lead);
         }
-    } else if (r) {
-        am_validate(r, &w, &err); /* the layout's errors too, all in one run */
+        am_errors_free(&layout); /* am_validate's messages, already in err */
     }
     if (json) {
         print_json(r, &plan, &lead, planned, &err);

@@ -163,10 +163,12 @@ long am_plan_lead_s(double step_s, double save_s);
  * (what sbatch can check before an allocation exists). Returns the number of errors added. */
 int am_validate(const struct am_recipe *r, const struct am_world *w, struct am_errors *err);
 
-/* What am-train cannot run yet of a recipe's peft section (am-plan plans it all): an adapter
- * on lm_head, and adapters on k_proj or v_proj with tp_size above the kv heads. Each a message
- * with the reason and the fix. Returns the number of errors added (0 without peft). */
-int am_validate_peft_run(const struct am_recipe *r, struct am_errors *err);
+/* Whether am-train runs r at w: the layout rules (am_validate) and what the trainer runs of the
+ * recipe (combinations of dtypes, parallelisms, models and adapters it does not run yet, a
+ * dataset it cannot read), each refused with the reason and what to use instead. The one
+ * validation that sbatch (w NULL), srun, am-plan and every rank at its start call, so a recipe
+ * that passes it is one am-train runs. Returns the number of errors added. */
+int am_validate_run(const struct am_recipe *r, const struct am_world *w, struct am_errors *err);
 
 /* Sequence length for planning (and am-train's samples): a Megatron dataset's seq_length; else
  * packed_sequence_size (AutoModel packs the samples of its other datasets into sequences of that

@@ -1194,8 +1194,6 @@ static void read_recipe(struct reader *rd)
                 break;
             }
         }
-        add_note(rd, "dataset: %s is not a dataset am reads: am plans with this recipe but trains only on "
-                 "Megatron indexed datasets (dataset.paths)%s", target->str, "");
     } else {
         read_section(rd, ds, "dataset", dataset_keys);
     }

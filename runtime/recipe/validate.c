@@ -296,23 +296,156 @@ int am_validate(const struct am_recipe *r, const struct am_world *w, struct am_e
     return c.added;
 }
 
-int am_validate_peft_run(const struct am_recipe *r, struct am_errors *err)
+/* ---- what am-train runs ------------------------------------------------------------------
+ * Beyond the layout: combinations the trainer does not run yet, each refused by name with
+ * the reason and what to use instead. These depend on the recipe alone, so sbatch refuses
+ * them before the job queues. Every rule is a row of run_rules[]; tests/recipe/refusals.tsv
+ * holds a recipe and the exact message for each row, checked through am-plan, am-train and
+ * sbatch alike (a row missing there fails the test). */
+
+static bool lora_on(const struct am_recipe *r, enum am_lora_target t)
 {
-    int added = 0;
-    if (!r->peft.enabled)
-        return 0;
-    if (r->peft.targets & (1u << AM_LORA_HEAD)) {
-        am_errorf(err, NULL, "%s: peft: an adapter on lm_head is not run by am-train yet (its targets match "
-                  "lm_head, as match_all_linear does: add exclude_modules: ['lm_head'] or name the projections, "
-                  "target_modules: ['*_proj'])", r->file);
-        added++;
-    }
+    return r->peft.enabled && (r->peft.targets & (1u << t));
+}
+
+static void cp_dtype(struct check *c)
+{
+    const struct am_recipe *r = c->r;
+    if (r->dist.cp > 1 && r->compute_dtype != AM_F32)
+        FAIL(c, "distributed.cp_size", "%d: ring attention computes in fp32 so far, and the compute dtype is %s "
+             "(set distributed.mp_policy.param_dtype: float32 with context parallelism, or cp_size: 1)",
+             r->dist.cp, am_dtype_torch_name(r->compute_dtype));
+}
+
+static void cp_moe(struct check *c)
+{
+    const struct am_recipe *r = c->r;
+    if (r->dist.cp > 1 && r->model.num_experts > 0)
+        FAIL(c, "distributed.cp_size", "%d: a mixture of experts (%s) with context parallelism is not run yet (its "
+             "router statistics are per micro-batch of whole sequences: use cp_size 1)", r->dist.cp,
+             r->model.model_type);
+}
+
+static void cp_gemma(struct check *c)
+{
+    const struct am_recipe *r = c->r;
+    if (r->dist.cp > 1 && r->model.gemma)
+        FAIL(c, "distributed.cp_size", "%d: ring attention has neither Gemma's attention scale and soft cap nor "
+             "Gemma 3's second rotary table yet (model_type %s: use cp_size 1)", r->dist.cp, r->model.model_type);
+}
+
+static void cp_hsdp(struct check *c)
+{
+    const struct am_recipe *r = c->r;
+    if (r->dist.cp > 1 && r->dist.dp_replicate > 1)
+        FAIL(c, "distributed.dp_replicate_size", "%d with cp_size %d: HSDP's shard groups over dp_shard x cp are "
+             "not built yet (use dp_replicate_size 1: fsdp2 then shards over dp x cp)", r->dist.dp_replicate,
+             r->dist.cp);
+}
+
+static void ep_hsdp(struct check *c)
+{
+    const struct am_recipe *r = c->r;
+    if (r->dist.ep > 1 && r->dist.dp_replicate > 1)
+        FAIL(c, "distributed.dp_replicate_size", "%d with ep_size %d: the experts are sharded over the ranks "
+             "holding the same experts, which would span the replica groups; not run yet (use dp_replicate_size 1 "
+             "with expert parallelism)", r->dist.dp_replicate, r->dist.ep);
+}
+
+static void packed_dtype(struct check *c)
+{
+    const struct am_recipe *r = c->r;
+    if (r->packed_sequence_size > 0 && r->compute_dtype != AM_F32)
+        FAIL(c, "packed_sequence.packed_sequence_size", "%ld: the attention of documents computes in fp32 so far, "
+             "and the compute dtype is %s (set distributed.mp_policy.param_dtype: float32 with packed sequences, or "
+             "packed_sequence_size: 0)", r->packed_sequence_size, am_dtype_torch_name(r->compute_dtype));
+}
+
+static void packed_gemma(struct check *c)
+{
+    const struct am_recipe *r = c->r;
+    if (r->packed_sequence_size > 0 && r->model.gemma)
+        FAIL(c, "packed_sequence.packed_sequence_size", "%ld: the attention of documents has neither Gemma's "
+             "attention scale and soft cap nor Gemma 3's second rotary table yet (model_type %s: use "
+             "packed_sequence_size 0)", r->packed_sequence_size, r->model.model_type);
+}
+
+static void fp16(struct check *c)
+{
+    const struct am_recipe *r = c->r;
+    if (r->compute_dtype == AM_F16)
+        FAIL(c, "distributed.mp_policy.param_dtype", "float16 needs loss scaling, which am-train does not do (use "
+             "bfloat16: fp32's range in half the bytes, or float32)");
+    else if (r->reduce_dtype == AM_F16)
+        FAIL(c, "distributed.mp_policy.reduce_dtype", "float16 needs loss scaling, which am-train does not do (use "
+             "bfloat16 or float32)");
+}
+
+static void moe_sp(struct check *c)
+{
+    const struct am_recipe *r = c->r;
+    if (r->model.num_experts > 0 && r->dist.sequence_parallel && r->dist.tp > 1)
+        FAIL(c, "distributed.sequence_parallel", "%s with sequence parallelism: the experts are replicated over "
+             "the tensor-parallel ranks and take every token, not a rank's share (set sequence_parallel: false)",
+             r->model.model_type);
+}
+
+static void moe_aux_pp(struct check *c)
+{
+    const struct am_recipe *r = c->r;
+    if (r->model.num_experts > 0 && r->model.output_router_logits && r->dist.pp > 1)
+        FAIL(c, "distributed.pp_size", "%d with output_router_logits: the load-balancing loss of %s spans all the "
+             "layers and is not exchanged between stages yet (train with pp_size 1, or without the loss: "
+             "output_router_logits: false)", r->dist.pp, r->model.model_type);
+}
+
+static void lora_head(struct check *c)
+{
+    if (lora_on(c->r, AM_LORA_HEAD))
+        FAIL(c, "peft", "an adapter on lm_head is not run by am-train yet (its targets match lm_head, as "
+             "match_all_linear does: add exclude_modules: ['lm_head'] or name the projections, target_modules: "
+             "['*_proj'])");
+}
+
+static void lora_kv_tp(struct check *c)
+{
+    const struct am_recipe *r = c->r;
     long kvh = r->model.num_key_value_heads;
-    if ((r->peft.targets & (1u << AM_LORA_K | 1u << AM_LORA_V)) && r->dist.tp > kvh) {
-        am_errorf(err, NULL, "%s: peft: adapters on k_proj or v_proj with tp_size %d above the %ld kv heads (each kv "
-                  "head shared by several tp ranks) are not run by am-train yet: use tp_size %ld or less, or leave "
-                  "k_proj and v_proj out of the targets", r->file, r->dist.tp, kvh, kvh);
-        added++;
-    }
-    return added;
+    if ((lora_on(r, AM_LORA_K) || lora_on(r, AM_LORA_V)) && r->dist.tp > kvh)
+        FAIL(c, "peft", "adapters on k_proj or v_proj with tp_size %d above the %ld kv heads (each kv head shared by "
+             "several tp ranks) are not run by am-train yet: use tp_size %ld or less, or leave k_proj and v_proj "
+             "out of the targets", r->dist.tp, kvh, kvh);
+}
+
+static void dataset(struct check *c)
+{
+    const struct am_recipe *r = c->r;
+    if (r->data.foreign)
+        FAIL(c, "dataset._target_", "%s is not a dataset am reads: am-train trains on Megatron indexed datasets "
+             "(give dataset.paths, built with am-data build from text or token ids)",
+             am_node_path(r->root, "dataset._target_")->str);
+    else if (r->data.n_paths == 0)
+        FAIL(c, "dataset.paths", "missing (the prefix of a Megatron indexed dataset; build one with am-data build "
+             "--bytes --out PREFIX FILES...)");
+}
+
+static const struct {
+    const char *name; /* the row of tests/recipe/refusals.tsv */
+    void (*check)(struct check *c);
+} run_rules[] = {
+    {"cp-dtype", cp_dtype},     {"cp-moe", cp_moe},           {"cp-gemma", cp_gemma},   {"cp-hsdp", cp_hsdp},
+    {"ep-hsdp", ep_hsdp},       {"packed-dtype", packed_dtype}, {"packed-gemma", packed_gemma},
+    {"fp16", fp16},             {"moe-sp", moe_sp},           {"moe-aux-pp", moe_aux_pp}, {"lora-head", lora_head},
+    {"lora-kv-tp", lora_kv_tp}, {"dataset", dataset},
+};
+
+int am_validate_run(const struct am_recipe *r, const struct am_world *w, struct am_errors *err)
+{
+    struct check c = {.r = r, .err = err};
+    int added = am_validate(r, w, err);
+    if (r->model.num_hidden_layers <= 0)
+        return added; /* the model could not be read; that error is already reported */
+    for (size_t i = 0; i < sizeof(run_rules) / sizeof(run_rules[0]); i++)
+        run_rules[i].check(&c);
+    return added + c.added;
 }

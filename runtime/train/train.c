@@ -75,45 +75,6 @@ struct trainer {
     const char *peak_from;              /* where peak_flops came from, for the start record */
 };
 
-/* The layouts this trainer runs so far: data, tensor (+ sequence), pipeline, expert
- * (runtime/model/moe.h) and context parallelism (dense models in fp32, runtime/model/ring.h);
- * packed sequences in fp32 (runtime/model/packed.h). */
-static int check_supported(const struct am_plan *p, const struct am_recipe *r, struct am_errors *err)
-{
-    if (p->cp > 1 && r->compute_dtype != AM_F32)
-        return am_errors_fail(err, "cp_size %d: ring attention computes in fp32 so far (distributed.mp_policy."
-                              "param_dtype %s: use float32 with context parallelism)", p->cp,
-                              am_dtype_torch_name(r->compute_dtype));
-    if (p->cp > 1 && r->model.num_experts > 0)
-        return am_errors_fail(err, "cp_size %d: a mixture of experts with context parallelism is not run yet (its "
-                              "router statistics are per micro-batch of whole sequences: use cp_size 1)", p->cp);
-    if (p->cp > 1 && r->model.gemma)
-        return am_errors_fail(err, "cp_size %d: ring attention has neither Gemma's attention scale and soft cap nor "
-                              "Gemma 3's second rotary table yet (model_type %s: use cp_size 1)", p->cp,
-                              r->model.model_type);
-    if (p->cp > 1 && p->dp_replicate > 1)
-        return am_errors_fail(err, "cp_size %d with dp_replicate_size %d: HSDP's shard groups over dp_shard x cp are "
-                              "not built yet (use dp_replicate_size 1: fsdp2 then shards over dp x cp)", p->cp,
-                              p->dp_replicate);
-    if (p->ep > 1 && p->dp_replicate > 1)
-        return am_errors_fail(err, "am-train does not run this layout yet: ep_size %d with dp_replicate_size %d "
-                              "(HSDP): the experts are sharded over the ranks holding the same experts, which would "
-                              "span the replica groups (use dp_replicate_size 1 with expert parallelism)", p->ep,
-                              p->dp_replicate);
-    if (r->packed_sequence_size > 0 && r->compute_dtype != AM_F32)
-        return am_errors_fail(err, "packed_sequence.packed_sequence_size %ld: the attention of documents computes "
-                              "in fp32 so far (distributed.mp_policy.param_dtype %s: use float32 with packed "
-                              "sequences)", r->packed_sequence_size, am_dtype_torch_name(r->compute_dtype));
-    if (r->packed_sequence_size > 0 && r->model.gemma)
-        return am_errors_fail(err, "packed_sequence.packed_sequence_size %ld: the attention of documents has neither "
-                              "Gemma's attention scale and soft cap nor Gemma 3's second rotary table yet (model_type "
-                              "%s: use packed_sequence_size 0)", r->packed_sequence_size, r->model.model_type);
-    if (r->compute_dtype == AM_F16 || r->reduce_dtype == AM_F16)
-        return am_errors_fail(err, "distributed.mp_policy: float16 compute or reduction needs loss scaling, which "
-                              "am-train does not do: use bfloat16 (fp32's range in half the bytes) or float32");
-    return 0;
-}
-
 /* This rank's groups, for am-diag: {"type":"groups","groups":[{"name":"dp","gid":0,"ranks":[0,1]},...]}. */
 static void log_groups(struct trainer *t)
 {
@@ -318,12 +279,6 @@ static int build_data(struct trainer *t, struct am_errors *err)
 {
     const struct am_recipe *r = t->r;
     struct am_gpt_config cfg;
-    if (r->data.n_paths == 0) {
-        struct am_pos pos = {.file = r->file};
-        am_errorf(err, &pos, "dataset.paths: missing (the prefix of a Megatron indexed dataset; build one with "
-                  "am-data build --bytes --out PREFIX FILES...)");
-        return -1;
-    }
     if (am_gpt_config_from_recipe(r, t->p->global_batch * r->steps.max_steps, &cfg, err) < 0)
         return -1;
     cfg.seq_length = t->p->seq_length;
@@ -1178,7 +1133,7 @@ int am_train(struct am_rank_setup *s, struct am_log *log, struct am_errors *err)
     struct trainer t = {.s = s, .r = s->recipe, .p = &s->plan, .log = log};
     char msg[512];
     int rc = -1;
-    if (check_supported(t.p, t.r, err) < 0 || setup_diagnostics(&t, err) < 0 || open_device(&t, err) < 0)
+    if (setup_diagnostics(&t, err) < 0 || open_device(&t, err) < 0)
         goto out;
     am_crash_set_flight(&t.flight);
     am_kernels_set_fault_hook(device_fault, &t);

@@ -220,7 +220,22 @@ has tp3.err "$E job not submitted: fix the 3 problems above (am-plan $SITE/tiny.
 # LoRA: what am-train does not run yet is refused at submission (tiny_lora.yaml adapts v_proj:
 # at tp 4 each of the 2 kv heads would be shared by two ranks)
 reject lora-kv --am-recipe=tiny_lora.yaml --am-tp=4 show.sh
-has lora-kv.err "$E $SITE/tiny_lora.yaml: peft: adapters on k_proj or v_proj with tp_size 4 above the 2 kv heads (each kv head shared by several tp ranks) are not run by am-train yet: use tp_size 2 or less, or leave k_proj and v_proj out of the targets"
+has lora-kv.err "$E $SITE/tiny_lora.yaml:29:3: peft: adapters on k_proj or v_proj with tp_size 4 above the 2 kv heads (each kv head shared by several tp ranks) are not run by am-train yet: use tp_size 2 or less, or leave k_proj and v_proj out of the targets"
+
+# One validation: what am-train refuses of a recipe, sbatch refuses before the job queues, with
+# the line am-plan and am-train print (tests/recipe/refusals.tsv; test-refusals.sh checks those
+# two and that every rule has a row)
+i=0
+while IFS=$'\t' read -r rule base edits message; do
+  case $rule in '#'* | '') continue ;; esac
+  i=$((i + 1))
+  sed -e "$edits" "$SITE/$base.yaml" >"$SITE/refusal-$i.yaml"
+  reject "refusal-$i" --am-recipe="$SITE/refusal-$i.yaml" show.sh
+  plan=$("$AM_PLAN" "$SITE/refusal-$i.yaml" --nodes 1 --gpus-per-node 8 2>&1 | sed -n 's/^error: //p' |
+    grep -F -- ": $message")
+  if [[ -n $plan ]]; then has "refusal-$i.err" "$E $plan"; else fail "refusal $rule (row $i): am-plan did not print: $message"; fi
+done <"$SRCDIR/tests/recipe/refusals.tsv"
+[[ $i -gt 0 ]] || fail "no rows in tests/recipe/refusals.tsv"
 
 reject directive-tp3 bad-directive.sh
 has directive-tp3.err "$E --am-tp=3: distributed.tp_size: 3 does not divide num_attention_heads = 4 (use 1, 2 or 4)"

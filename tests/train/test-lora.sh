@@ -312,7 +312,7 @@ for c in "head 1 want_head" "kv 4 want_kv AM_TP=4"; do
     shift 3
     if train "refuse-$name" "$n" "$work/$name.yaml" "$@"; then
         bad "$name: trained"
-    elif grep -qF "$work/$name.yaml: $want" "$work/out-refuse-$name" && ! grep -q '"type":"step"' "$work/logs-refuse-$name"/*/rank-0.jsonl 2>/dev/null; then
+    elif grep -F "$work/$name.yaml:" "$work/out-refuse-$name" | grep -qF ": $want" && ! grep -q '"type":"step"' "$work/logs-refuse-$name"/*/rank-0.jsonl 2>/dev/null; then
         ok "$name refused: $want"
     else
         bad "$name: not refused with its message"; sed 's/^/    /' "$work/out-refuse-$name"

@@ -33,12 +33,12 @@
 #   tp 2 against one rank (the loss is a product of means over each micro-batch's tokens, as
 #   transformers computes it per forward, so it depends on which sequences share a micro-batch:
 #   data-parallel ranks' and pipeline micro-batches hold other sequences than one rank's); its
-#   sequence-parallel and pipeline-with-aux-loss layouts are refused with the reason.
+#   sequence-parallel and pipeline-with-aux-loss layouts are refused with the reason (tests/recipe/test-refusals.sh).
 #   Expert parallelism (fsdp2; each ep rank holds E / ep experts, tokens dispatched with
 #   all-to-all-v; the experts' groups sharded over the expert-data-parallel group, dp / ep
 #   ranks): ep 2, ep 4, ep 2 x dp 4 (also reshard false, and Qwen3-MoE), ep 4 x dp 8, tp 2 and
 #   pp 2 with ep 2 and ep 4, tp 2 x dp 4 x ep 2, pp 2 x dp 4 x ep 2 with ac, tp 2 x pp 2 x ep 2;
-#   with HSDP it is refused with the reason.
+#   with HSDP it is refused with the reason (tests/recipe/test-refusals.sh).
 #   Qwen3-MoE (q/k norms, renormalised top 2, layer 1 a dense MLP split over tp) at tp 2 x pp 2.
 #   context parallelism on sequences of 256 (each sequence in 2 x cp chunks, rank r holding
 #   chunks r and 2 cp - 1 - r: at cp 4 chunks of 32 tokens, every rank's queries against 4
@@ -421,29 +421,7 @@ if [ -z "${AM_PARITY_ONLY:-}" ] || [ -d "$work/logs-cp4" ]; then
     check_memory "activation bytes per rank fall as 1/cp: $a1 $a2 $a4 at cp 1 2 4 (times cp: within 10% of cp 1's)" \
         "$(awk -v a="$a1" -v b="$a2" -v c="$a4" 'BEGIN { x = 2 * b / a; y = 4 * c / a; print (x >= 1 && x <= 1.1 && y >= 1 && y <= 1.1) }')"
 fi
-# what am-train does not run with context parallelism is refused by every rank, with the reason
-sed 's/param_dtype: float32.*/param_dtype: bfloat16/' "$work/ref-long.yaml" >"$work/cp-bf16.yaml"
-recipe cp-hsdp long,hsdp
-for v in "bf16 2 cp-bf16 AM_CP=2 cp_size 2: ring attention computes in fp32 so far (distributed.mp_policy.param_dtype bfloat16: use float32 with context parallelism)" \
-    "hsdp 4 cp-hsdp AM_CP=2 cp_size 2 with dp_replicate_size 2: HSDP's shard groups over dp_shard x cp are not built yet (use dp_replicate_size 1: fsdp2 then shards over dp x cp)" \
-    "moe 2 ref-moe AM_CP=2 cp_size 2: a mixture of experts with context parallelism is not run yet (its router statistics are per micro-batch of whole sequences: use cp_size 1)" \
-    "gemma 2 ref-gemma2 AM_CP=2 cp_size 2: ring attention has neither Gemma's attention scale and soft cap nor Gemma 3's second rotary table yet (model_type gemma2: use cp_size 1)"; do
-    set -- $v
-    name=cp-$1 n=$2 yaml=$3 var=$4
-    shift 4
-    want="$*"
-    (cd "$work" && env "$var" AM_LOG_DIR="$work/logs-$name" "$AM_BUILDDIR/am-launch" --nproc "$n" "$work/$yaml.yaml" \
-        >"$work/out-$name" 2>&1)
-    rc=$?
-    if [ "$rc" = 1 ] && grep -q "^am-train: rank [0-3]: error: " "$work/out-$name" &&
-        sed -n 's/^am-train: rank [0-3]: error: //p' "$work/out-$name" | grep -qxF "$want"; then
-        echo "ok: $name is refused: $want"; passes=$((passes + 1))
-    else
-        echo "FAIL: $name ended with $rc, want 1 and: $want"; sed 's/^/    /' "$work/out-$name"; fails=$((fails + 1))
-    fi
-done
 # what am-train cannot run is refused by every rank before training, with the reason
-sed 's/param_dtype: float32.*/param_dtype: float16/' "$work/base.yaml" >"$work/fp16.yaml"
 refuse() { # NAME RECIPE WANT [VAR=VALUE...]
     local name=$1 recipe=$2 want=$3
     shift 3
@@ -456,12 +434,8 @@ refuse() { # NAME RECIPE WANT [VAR=VALUE...]
         echo "FAIL: $name ended with $rc, want 1 and: $want"; sed 's/^/    /' "$work/out-$name"; fails=$((fails + 1))
     fi
 }
-# packed sequences: bf16 and Gemma are refused with the reason
-sed 's/param_dtype: float32.*/param_dtype: bfloat16/' "$work/ref-packed.yaml" >"$work/packed-bf16.yaml"
-recipe packed-gemma packed,gemma2
-refuse packed-bf16 "$work/packed-bf16.yaml" "am-train: rank 0: error: packed_sequence.packed_sequence_size 256: the attention of documents computes in fp32 so far (distributed.mp_policy.param_dtype bfloat16: use float32 with packed sequences)"
-refuse packed-gemma "$work/packed-gemma.yaml" "am-train: rank 0: error: packed_sequence.packed_sequence_size 256: the attention of documents has neither Gemma's attention scale and soft cap nor Gemma 3's second rotary table yet (model_type gemma2: use packed_sequence_size 0)"
-refuse fp16 "$work/fp16.yaml" "am-train: rank 0: error: distributed.mp_policy: float16 compute or reduction needs loss scaling, which am-train does not do: use bfloat16 (fp32's range in half the bytes) or float32"
+# (what the recipe alone decides, am-train refuses with am-plan's and sbatch's messages:
+# tests/recipe/test-refusals.sh; here what only the rank can see, its device)
 refuse device "$work/base.yaml" "am-train: rank 0: error: AM_DEVICE=gpu: not a device (cpu or cuda)" AM_DEVICE=gpu
 # expert parallelism: the all-to-all's buffers am-train allocated (sized for every slot of the
 # ep group routed to one rank) are what am-plan counts
@@ -472,27 +446,6 @@ if [ -d "$work/logs-ep2-moe" ]; then
     check_memory "ep2-moe: all-to-all buffers allocated ($got bytes) are am-plan's ($want)" \
         "$([ -n "$got" ] && [ "$got" -gt 0 ] && [ "$got" = "$want" ] && echo 1)"
 fi
-# what a mixture of experts does not run on 2 ranks (runtime/model/moe.h) is
-# refused by every rank (whichever refuses first ends the job)
-sed 's/sequence_parallel: false/sequence_parallel: true/' "$work/ref-moe.yaml" >"$work/moe-sp.yaml"
-sed 's/  dp_size: none.*/  dp_size: none\n  dp_replicate_size: 2/' "$work/ref-moe.yaml" >"$work/moe-hsdp.yaml"
-for v in "sp moe-sp AM_TP=2 model: mixtral with sequence parallelism: the experts are replicated over the tensor-parallel ranks and take every token, not a rank's share (set distributed.sequence_parallel: false)" \
-    "pp2-aux ref-moe-aux AM_PP=2 model: mixtral over pipeline stages with output_router_logits: the load-balancing loss spans all the layers and is not exchanged between stages yet (train with pp 1, or without the loss: output_router_logits: false)" \
-    "ep2-hsdp moe-hsdp AM_EP=2 am-train does not run this layout yet: ep_size 2 with dp_replicate_size 2 (HSDP): the experts are sharded over the ranks holding the same experts, which would span the replica groups (use dp_replicate_size 1 with expert parallelism)"; do
-    set -- $v
-    name=moe-$1 yaml=$2 var=$3
-    shift 3
-    want="$*"
-    (cd "$work" && env "$var" AM_LOG_DIR="$work/logs-$name" "$AM_BUILDDIR/am-launch" --nproc 2 "$work/$yaml.yaml" \
-        >"$work/out-$name" 2>&1)
-    rc=$?
-    if [ "$rc" = 1 ] && grep -q "^am-train: rank [01]: error: " "$work/out-$name" &&
-        sed -n 's/^am-train: rank [01]: error: //p' "$work/out-$name" | grep -qxF "$want"; then
-        echo "ok: $name is refused: $want"; passes=$((passes + 1))
-    else
-        echo "FAIL: $name ended with $rc, want 1 and: $want"; sed 's/^/    /' "$work/out-$name"; fails=$((fails + 1))
-    fi
-done
 # the loss falls: the last step's loss is below the first's
 first=$(head -n1 "$work/ref" | cut -d' ' -f1) last=$(tail -n1 "$work/ref" | cut -d' ' -f1)
 if awk -v a="$first" -v b="$last" 'BEGIN { exit !(b < a - 0.5) }'; then
