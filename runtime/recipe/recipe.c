@@ -28,23 +28,28 @@ enum kind {
     K_LONG,   /* long, >= min */
     K_OPT_LONG, /* long, >= min; null/none/~/empty stores 0 ("not set") */
     K_SIZE,   /* int >= 1; null/none stores 0 ("not set": inferred or default) */
-    K_DOUBLE, /* double */
+    K_DOUBLE, /* double, >= 0 */
+    K_OPT_DOUBLE, /* double, >= 0; null/none/~/empty stores 0 ("off") */
     K_BOOL,
     K_STR,
     K_FN,     /* read by fn */
     K_IGNORE, /* accepted, listed as ignored */
 };
 
+/* One key of a section: its name, how it is read (kind, and fn for K_FN), where it is stored
+ * (off), its bound (min) and its value when the recipe leaves it out (def: YAML as a recipe would
+ * write it, read like the key itself; NULL: zero, false or none). */
 struct key_spec {
     const char *name;
     enum kind kind;
     size_t off;
     long min;
     int (*fn)(struct reader *rd, struct am_node *v, const char *key);
+    const char *def;
 };
 
 #define R(field) offsetof(struct am_recipe, field)
-#define IGNORE(name) {name, K_IGNORE, 0, 0, NULL}
+#define IGNORE(name) {name, K_IGNORE, 0, 0, NULL, NULL}
 
 static void read_section(struct reader *rd, struct am_node *sec, const char *name, const struct key_spec *keys);
 static int read_norm_type(struct reader *rd, struct am_node *v, const char *key);
@@ -184,10 +189,10 @@ static int read_reduce_dtype(struct reader *rd, struct am_node *v, const char *k
 /* FSDP2's MixedPrecisionPolicy. output_dtype changes nothing am computes: its loss reads the
  * logits in fp32 whatever the model's output dtype, as transformers' loss upcasts them. */
 static const struct key_spec mp_policy_keys[] = {
-    {"param_dtype", K_FN, 0, 0, read_compute_dtype},
-    {"reduce_dtype", K_FN, 0, 0, read_reduce_dtype},
+    {"param_dtype", K_FN, 0, 0, read_compute_dtype, NULL},
+    {"reduce_dtype", K_FN, 0, 0, read_reduce_dtype, NULL},
     IGNORE("_target_"), IGNORE("output_dtype"), IGNORE("cast_forward_inputs"),
-    {NULL, 0, 0, 0, NULL}};
+    {NULL, 0, 0, 0, NULL, NULL}};
 
 static int read_mp_policy(struct reader *rd, struct am_node *v, const char *key)
 {
@@ -198,16 +203,16 @@ static int read_mp_policy(struct reader *rd, struct am_node *v, const char *key)
 }
 
 static const struct key_spec pipeline_keys[] = {
-    {"pp_schedule", K_FN, 0, 0, read_schedule},
-    {"pp_microbatch_size", K_INT, R(dist.pipeline.microbatch_size), 1, NULL},
-    {"layers_per_stage", K_SIZE, R(dist.pipeline.layers_per_stage), 1, NULL},
-    {"round_virtual_stages_to_pp_multiple", K_FN, 0, 0, read_round},
+    {"pp_schedule", K_FN, 0, 0, read_schedule, NULL},
+    {"pp_microbatch_size", K_INT, R(dist.pipeline.microbatch_size), 1, NULL, "1"},
+    {"layers_per_stage", K_SIZE, R(dist.pipeline.layers_per_stage), 1, NULL, NULL},
+    {"round_virtual_stages_to_pp_multiple", K_FN, 0, 0, read_round, NULL},
     IGNORE("pp_batch_size"), IGNORE("pp_schedule_csv"), IGNORE("module_fqns_per_model_part"),
     IGNORE("patch_inner_model"), IGNORE("patch_causal_lm_model"), IGNORE("patch_stage_backward_maybe_with_nosync"),
     IGNORE("dtype"), IGNORE("scale_grads_in_schedule"), IGNORE("loss_fn"),
     IGNORE("pp_recv_buffer_pool"), IGNORE("pp_recv_buffer_pool_slack"), IGNORE("_target_"),
-    {"pp_seq_len", K_OPT_LONG, R(dist.pipeline.seq_len), 1, NULL},
-    {NULL, 0, 0, 0, NULL}};
+    {"pp_seq_len", K_OPT_LONG, R(dist.pipeline.seq_len), 1, NULL, NULL},
+    {NULL, 0, 0, 0, NULL, NULL}};
 
 /* pp_size as the recipe (and its overrides) give it, before the section is read; 1 when absent,
  * null, or not a number (that error is reported where pp_size is read). */
@@ -253,10 +258,10 @@ static int refuse_moe_dtype(struct reader *rd, struct am_node *v, const char *ke
 }
 
 static const struct key_spec moe_keys[] = {
-    {"lm_head_precision", K_FN, 0, 0, refuse_moe_dtype},
-    {"mp_policy", K_FN, 0, 0, refuse_moe_dtype},
+    {"lm_head_precision", K_FN, 0, 0, refuse_moe_dtype, NULL},
+    {"mp_policy", K_FN, 0, 0, refuse_moe_dtype, NULL},
     IGNORE("ignore_router_for_ac"), IGNORE("reshard_after_forward"), IGNORE("wrap_outer_model"), IGNORE("_target_"),
-    {NULL, 0, 0, 0, NULL}};
+    {NULL, 0, 0, 0, NULL, NULL}};
 
 static int read_moe(struct reader *rd, struct am_node *v, const char *key)
 {
@@ -278,27 +283,27 @@ static int read_moe(struct reader *rd, struct am_node *v, const char *key)
 }
 
 static const struct key_spec distributed_keys[] = {
-    {"strategy", K_FN, 0, 0, read_strategy},
-    {"_target_", K_FN, 0, 0, read_dist_target},
-    {"dp_size", K_SIZE, R(dist.dp), 1, NULL},
-    {"dp_replicate_size", K_SIZE, R(dist.dp_replicate), 1, NULL},
-    {"tp_size", K_SIZE, R(dist.tp), 1, NULL},
-    {"pp_size", K_SIZE, R(dist.pp), 1, NULL},
-    {"cp_size", K_SIZE, R(dist.cp), 1, NULL},
-    {"ep_size", K_SIZE, R(dist.ep), 1, NULL},
-    {"sequence_parallel", K_BOOL, R(dist.sequence_parallel), 0, NULL},
-    {"activation_checkpointing", K_FN, 0, 0, read_activation_ckpt},
-    {"zero_dp_strategy", K_INT, R(dist.zero_dp_strategy), 1, NULL},
-    {"pipeline", K_FN, 0, 0, read_pipeline},
-    {"mp_policy", K_FN, 0, 0, read_mp_policy},
-    {"moe", K_FN, 0, 0, read_moe},
+    {"strategy", K_FN, 0, 0, read_strategy, NULL},
+    {"_target_", K_FN, 0, 0, read_dist_target, NULL},
+    {"dp_size", K_SIZE, R(dist.dp), 1, NULL, NULL},
+    {"dp_replicate_size", K_SIZE, R(dist.dp_replicate), 1, NULL, NULL},
+    {"tp_size", K_SIZE, R(dist.tp), 1, NULL, NULL},
+    {"pp_size", K_SIZE, R(dist.pp), 1, NULL, NULL},
+    {"cp_size", K_SIZE, R(dist.cp), 1, NULL, NULL},
+    {"ep_size", K_SIZE, R(dist.ep), 1, NULL, NULL},
+    {"sequence_parallel", K_BOOL, R(dist.sequence_parallel), 0, NULL, NULL},
+    {"activation_checkpointing", K_FN, 0, 0, read_activation_ckpt, NULL},
+    {"zero_dp_strategy", K_INT, R(dist.zero_dp_strategy), 1, NULL, "3"},
+    {"pipeline", K_FN, 0, 0, read_pipeline, NULL},
+    {"mp_policy", K_FN, 0, 0, read_mp_policy, NULL},
+    {"moe", K_FN, 0, 0, read_moe, NULL},
     /* FSDP2's policies for vision and audio towers: a language model has none */
     IGNORE("multimodal"),
     /* DDP's bucketing and buffer options */
     IGNORE("broadcast_buffers"), IGNORE("static_graph"), IGNORE("bucket_cap_mb"), IGNORE("gradient_as_bucket_view"),
     IGNORE("_recursive_"), IGNORE("_convert_"),
     IGNORE("tp_plan"), IGNORE("patch_is_packed_sequence"), IGNORE("offload_policy"), IGNORE("autocast_dtype"),
-    IGNORE("activation_checkpointing_scope"), IGNORE("defer_fsdp_grad_sync"), {"reshard_after_forward", K_BOOL, R(dist.reshard_after_forward), 0, NULL},
+    IGNORE("activation_checkpointing_scope"), IGNORE("defer_fsdp_grad_sync"), {"reshard_after_forward", K_BOOL, R(dist.reshard_after_forward), 0, NULL, "true"},
     IGNORE("enable_async_tensor_parallel"), IGNORE("enable_compile"), IGNORE("enable_fsdp2_prefetch"),
     IGNORE("fsdp2_backward_prefetch_depth"), IGNORE("fsdp2_forward_prefetch_depth"),
     IGNORE("megatron_fsdp_unit_modules"), IGNORE("init_fsdp_with_meta_device"), IGNORE("grad_reduce_in_fp32"),
@@ -307,7 +312,7 @@ static const struct key_spec distributed_keys[] = {
     IGNORE("disable_bucketing"), IGNORE("calculate_per_token_loss"), IGNORE("keep_fp8_transpose_cache"),
     IGNORE("nccl_ub"), IGNORE("fsdp_double_buffer"), IGNORE("backend"), IGNORE("find_unused_parameters"),
     IGNORE("use_hf_tp_plan"), IGNORE("cpu_offload"),
-    {NULL, 0, 0, 0, NULL}};
+    {NULL, 0, 0, 0, NULL, NULL}};
 
 /* step_scheduler.start_step / start_epoch: where a resumed run's counters start (AutoModel sets
  * them from a checkpoint); a recipe that starts elsewhere shifts the learning-rate schedule. */
@@ -327,19 +332,19 @@ static int read_start(struct reader *rd, struct am_node *v, const char *key)
 }
 
 static const struct key_spec step_keys[] = {
-    {"global_batch_size", K_LONG, R(steps.global_batch), 1, NULL},
-    {"local_batch_size", K_LONG, R(steps.local_batch), 1, NULL},
-    {"max_steps", K_OPT_LONG, R(steps.max_steps), 1, NULL},
-    {"ckpt_every_steps", K_OPT_LONG, R(steps.ckpt_every), 1, NULL},
-    {"val_every_steps", K_OPT_LONG, R(steps.val_every), 1, NULL},
-    {"num_epochs", K_OPT_LONG, R(steps.num_epochs), 1, NULL},
+    {"global_batch_size", K_LONG, R(steps.global_batch), 1, NULL, NULL},
+    {"local_batch_size", K_LONG, R(steps.local_batch), 1, NULL, NULL},
+    {"max_steps", K_OPT_LONG, R(steps.max_steps), 1, NULL, NULL},
+    {"ckpt_every_steps", K_OPT_LONG, R(steps.ckpt_every), 1, NULL, NULL},
+    {"val_every_steps", K_OPT_LONG, R(steps.val_every), 1, NULL, NULL},
+    {"num_epochs", K_OPT_LONG, R(steps.num_epochs), 1, NULL, "1"},
     /* StepScheduler's bookkeeping: when Python collects garbage, saves at epoch ends, logs to
      * a remote tracker, the window of its averaged loss, the preemption signal */
     IGNORE("_target_"), IGNORE("val_batches"), IGNORE("gc_every_steps"), IGNORE("save_checkpoint_every_epoch"),
     IGNORE("log_remote_every_steps"), IGNORE("loss_average_window_steps"), IGNORE("preemption_signal"),
-    {"start_step", K_FN, 0, 0, read_start},
-    {"start_epoch", K_FN, 0, 0, read_start},
-    {NULL, 0, 0, 0, NULL}};
+    {"start_step", K_FN, 0, 0, read_start, NULL},
+    {"start_epoch", K_FN, 0, 0, read_start, NULL},
+    {NULL, 0, 0, 0, NULL, NULL}};
 
 /* dataset.paths: a prefix, a list of prefixes, or Megatron's blend [w1, p1, w2, p2, ...]. */
 static int read_paths(struct reader *rd, struct am_node *v, const char *key)
@@ -381,21 +386,21 @@ static int read_paths(struct reader *rd, struct am_node *v, const char *key)
 }
 
 static const struct key_spec dataset_keys[] = {
-    {"paths", K_FN, 0, 0, read_paths},
-    {"seq_length", K_OPT_LONG, R(data.seq_length), 1, NULL},
-    {"shuffle", K_BOOL, R(data.shuffle), 0, NULL},
-    {"seed", K_LONG, R(data.seed), 0, NULL},
+    {"paths", K_FN, 0, 0, read_paths, NULL},
+    {"seq_length", K_OPT_LONG, R(data.seq_length), 1, NULL, NULL},
+    {"shuffle", K_BOOL, R(data.shuffle), 0, NULL, "true"},
+    {"seed", K_LONG, R(data.seed), 0, NULL, NULL},
     IGNORE("_target_"), IGNORE("split"), IGNORE("splits_to_build"), IGNORE("index_mapping_dir"),
     IGNORE("tokenizer"), IGNORE("num_val_samples"), IGNORE("num_train_samples"),
-    {NULL, 0, 0, 0, NULL}};
+    {NULL, 0, 0, 0, NULL, NULL}};
 
 /* A dataset class am does not implement: only the sequence length is read (for planning), under
  * the names AutoModel's datasets give it. */
 static const char *const seq_length_names[] = {"seq_length", "seq_len", NULL};
 static const struct key_spec foreign_dataset_keys[] = {
-    {"seq_length", K_OPT_LONG, R(data.seq_length), 1, NULL},
-    {"seq_len", K_OPT_LONG, R(data.seq_length), 1, NULL},
-    {NULL, 0, 0, 0, NULL}};
+    {"seq_length", K_OPT_LONG, R(data.seq_length), 1, NULL, NULL},
+    {"seq_len", K_OPT_LONG, R(data.seq_length), 1, NULL, NULL},
+    {NULL, 0, 0, 0, NULL, NULL}};
 
 /* packed_sequence.packing_strategy: how AutoModel fills each pack of packed_sequence_size
  * tokens: `thd` (first fit, in order) or `neat` (greedy knapsack). Both keep each sample's
@@ -418,16 +423,16 @@ static int read_packing_strategy(struct reader *rd, struct am_node *v, const cha
 }
 
 static const struct key_spec packed_keys[] = {
-    {"packed_sequence_size", K_OPT_LONG, R(packed_sequence_size), 0, NULL},
-    {"packing_strategy", K_FN, 0, 0, read_packing_strategy},
+    {"packed_sequence_size", K_OPT_LONG, R(packed_sequence_size), 0, NULL, NULL},
+    {"packing_strategy", K_FN, 0, 0, read_packing_strategy, NULL},
     /* which documents are packed (runtime/io/pack.h): over-long ones dropped or refused, at
      * most max_packs packs */
-    {"drop_long_samples", K_BOOL, R(drop_long_samples), 0, NULL},
-    {"max_packs", K_OPT_LONG, R(max_packs), 1, NULL},
+    {"drop_long_samples", K_BOOL, R(drop_long_samples), 0, NULL, "true"},
+    {"max_packs", K_OPT_LONG, R(max_packs), 1, NULL, NULL},
     /* how AutoModel builds packs (already-packed data, tokenizer processes); split_across_pack
      * has no effect in AutoModel any more */
     IGNORE("split_across_pack"), IGNORE("prepacked"), IGNORE("num_proc"),
-    {NULL, 0, 0, 0, NULL}};
+    {NULL, 0, 0, 0, NULL, NULL}};
 
 static int read_optimizer_target(struct reader *rd, struct am_node *v, const char *key)
 {
@@ -472,13 +477,13 @@ static int read_betas(struct reader *rd, struct am_node *v, const char *key)
 }
 
 static const struct key_spec optimizer_keys[] = {
-    {"_target_", K_FN, 0, 0, read_optimizer_target},
-    {"lr", K_DOUBLE, R(optim.lr), 0, NULL},
-    {"betas", K_FN, 0, 0, read_betas},
-    {"eps", K_DOUBLE, R(optim.eps), 0, NULL},
-    {"weight_decay", K_DOUBLE, R(optim.weight_decay), 0, NULL},
+    {"_target_", K_FN, 0, 0, read_optimizer_target, "torch.optim.AdamW"},
+    {"lr", K_DOUBLE, R(optim.lr), 0, NULL, "1.0e-4"},
+    {"betas", K_FN, 0, 0, read_betas, "[0.9, 0.999]"},
+    {"eps", K_DOUBLE, R(optim.eps), 0, NULL, "1.0e-8"},
+    {"weight_decay", K_DOUBLE, R(optim.weight_decay), 0, NULL, "0.01"},
     IGNORE("foreach"), IGNORE("fused"), IGNORE("capturable"), IGNORE("differentiable"),
-    {NULL, 0, 0, 0, NULL}};
+    {NULL, 0, 0, 0, NULL, NULL}};
 
 static int read_lr_style(struct reader *rd, struct am_node *v, const char *key)
 {
@@ -491,13 +496,13 @@ static int read_lr_style(struct reader *rd, struct am_node *v, const char *key)
 }
 
 static const struct key_spec lr_keys[] = {
-    {"lr_decay_style", K_FN, 0, 0, read_lr_style},
-    {"lr_warmup_steps", K_LONG, R(lr.warmup_steps), 0, NULL},
-    {"lr_decay_steps", K_LONG, R(lr.decay_steps), 1, NULL},
-    {"min_lr", K_DOUBLE, R(lr.min_lr), 0, NULL},
+    {"lr_decay_style", K_FN, 0, 0, read_lr_style, NULL},
+    {"lr_warmup_steps", K_LONG, R(lr.warmup_steps), 0, NULL, NULL},
+    {"lr_decay_steps", K_LONG, R(lr.decay_steps), 1, NULL, NULL},
+    {"min_lr", K_DOUBLE, R(lr.min_lr), 0, NULL, NULL},
     IGNORE("_target_"), IGNORE("init_lr"), IGNORE("start_weight_decay"), IGNORE("end_weight_decay"),
     IGNORE("weight_decay_incr_style"), IGNORE("use_checkpoint_opt_param_scheduler"),
-    {NULL, 0, 0, 0, NULL}};
+    {NULL, 0, 0, 0, NULL, NULL}};
 
 static int read_save_format(struct reader *rd, struct am_node *v, const char *key)
 {
@@ -629,22 +634,22 @@ static int read_peft_dtype(struct reader *rd, struct am_node *v, const char *key
 }
 
 static const struct key_spec peft_keys[] = {
-    {"_target_", K_FN, 0, 0, read_peft_target},
-    {"target_modules", K_FN, 0, 0, read_peft_modules},
-    {"exclude_modules", K_FN, 0, 0, read_peft_modules},
-    {"match_all_linear", K_FN, 0, 0, read_peft_all_linear},
-    {"dim", K_LONG, R(peft.dim), 1, NULL},
-    {"alpha", K_FN, 0, 0, read_peft_alpha},
-    {"dropout", K_FN, 0, 0, read_peft_dropout},
-    {"use_dora", K_FN, 0, 0, read_peft_dora},
-    {"lora_A_init", K_FN, 0, 0, read_peft_init},
-    {"lora_dtype", K_FN, 0, 0, read_peft_dtype},
+    {"_target_", K_FN, 0, 0, read_peft_target, NULL},
+    {"target_modules", K_FN, 0, 0, read_peft_modules, NULL},
+    {"exclude_modules", K_FN, 0, 0, read_peft_modules, NULL},
+    {"match_all_linear", K_FN, 0, 0, read_peft_all_linear, NULL},
+    {"dim", K_LONG, R(peft.dim), 1, NULL, "8"},
+    {"alpha", K_FN, 0, 0, read_peft_alpha, "32"},
+    {"dropout", K_FN, 0, 0, read_peft_dropout, NULL},
+    {"use_dora", K_FN, 0, 0, read_peft_dora, NULL},
+    {"lora_A_init", K_FN, 0, 0, read_peft_init, NULL},
+    {"lora_dtype", K_FN, 0, 0, read_peft_dtype, NULL},
     /* dropout_position matters only with dropout; the others choose kernels (use_triton,
      * use_memory_efficient_lora) or concern experts, which am does not adapt (moe_rank_scaling,
      * expert_weight_format) */
     IGNORE("dropout_position"), IGNORE("use_triton"), IGNORE("use_memory_efficient_lora"),
     IGNORE("moe_rank_scaling"), IGNORE("expert_weight_format"),
-    {NULL, 0, 0, 0, NULL}};
+    {NULL, 0, 0, 0, NULL, NULL}};
 
 /* AutoModel's wildcard_match: the pattern is a regular expression anchored at both ends in
  * which every '*' (with a '.' just before it) matches any text, and any other '.' matches one
@@ -806,13 +811,13 @@ double am_lora_head_params(const struct am_recipe *r)
 }
 
 static const struct key_spec checkpoint_keys[] = {
-    {"enabled", K_BOOL, R(ckpt.enabled), 0, NULL},
-    {"checkpoint_dir", K_STR, R(ckpt.dir), 0, NULL},
-    {"restore_from", K_STR, R(ckpt.restore_from), 0, NULL},
-    {"max_recent_checkpoints", K_OPT_LONG, R(ckpt.keep_last), 1, NULL},
-    {"save_consolidated", K_FN, 0, 0, read_save_consolidated},
-    {"model_save_format", K_FN, 0, 0, read_save_format},
-    {"is_peft", K_FN, 0, 0, read_is_peft},
+    {"enabled", K_BOOL, R(ckpt.enabled), 0, NULL, NULL},
+    {"checkpoint_dir", K_STR, R(ckpt.dir), 0, NULL, NULL},
+    {"restore_from", K_STR, R(ckpt.restore_from), 0, NULL, NULL},
+    {"max_recent_checkpoints", K_OPT_LONG, R(ckpt.keep_last), 1, NULL, NULL},
+    {"save_consolidated", K_FN, 0, 0, read_save_consolidated, "true"},
+    {"model_save_format", K_FN, 0, 0, read_save_format, NULL},
+    {"is_peft", K_FN, 0, 0, read_is_peft, NULL},
     /* where and how AutoModel writes and stages its files; dequantize_base_checkpoint is a no-op
      * for the unquantized checkpoints am loads (a quantized one is refused by its config.json's
      * quantization_config); v4_compatible writes transformers-4 config files;
@@ -823,24 +828,24 @@ static const struct key_spec checkpoint_keys[] = {
     IGNORE("allow_legacy_pickle_restore"), IGNORE("original_model_root_dir"), IGNORE("single_rank_consolidation"),
     IGNORE("staging_dir"), IGNORE("diffusers_compatible"), IGNORE("best_metric_key"),
     IGNORE("consolidation_timeout_minutes"),
-    {NULL, 0, 0, 0, NULL}};
+    {NULL, 0, 0, 0, NULL, NULL}};
 
 static const struct key_spec dist_env_keys[] = {
-    {"timeout_minutes", K_DOUBLE, R(dist_env.timeout_minutes), 0, NULL},
-    {"backend", K_STR, R(dist_env.backend), 0, NULL},
-    {NULL, 0, 0, 0, NULL}};
+    {"timeout_minutes", K_DOUBLE, R(dist_env.timeout_minutes), 0, NULL, "10"},
+    {"backend", K_STR, R(dist_env.backend), 0, NULL, NULL},
+    {NULL, 0, 0, 0, NULL, NULL}};
 
 static const struct key_spec clip_keys[] = {
-    {"max_norm", K_DOUBLE, R(optim.max_grad_norm), 0, NULL},
-    {"norm_type", K_FN, 0, 0, read_norm_type},
+    {"max_norm", K_OPT_DOUBLE, R(optim.max_grad_norm), 0, NULL, "1.0"}, /* null: no clipping */
+    {"norm_type", K_FN, 0, 0, read_norm_type, NULL},
     IGNORE("foreach"), IGNORE("error_if_nonfinite"),
-    {NULL, 0, 0, 0, NULL}};
+    {NULL, 0, 0, 0, NULL, NULL}};
 
 static const struct key_spec rng_keys[] = {
-    {"seed", K_LONG, R(seed), 0, NULL},
-    {"ranked", K_BOOL, R(seed_ranked), 0, NULL},
+    {"seed", K_LONG, R(seed), 0, NULL, "42"},
+    {"ranked", K_BOOL, R(seed_ranked), 0, NULL, NULL},
     IGNORE("_target_"),
-    {NULL, 0, 0, 0, NULL}};
+    {NULL, 0, 0, 0, NULL, NULL}};
 
 static int read_norm_type(struct reader *rd, struct am_node *v, const char *key)
 {
@@ -884,7 +889,10 @@ static void read_key(struct reader *rd, const struct key_spec *k, struct am_node
             *(long *)(base + k->off) = l;
         break;
     case K_DOUBLE:
-        if (am_node_double(v, key, (double *)(base + k->off), rd->err) == 0 && *(double *)(base + k->off) < 0)
+    case K_OPT_DOUBLE:
+        if (k->kind == K_OPT_DOUBLE && am_node_is_null(v))
+            *(double *)(base + k->off) = 0;
+        else if (am_node_double(v, key, (double *)(base + k->off), rd->err) == 0 && *(double *)(base + k->off) < 0)
             am_errorf(rd->err, &v->pos, "%s: %g must not be negative", key, *(double *)(base + k->off));
         break;
     case K_BOOL:
@@ -929,6 +937,20 @@ static void read_section(struct reader *rd, struct am_node *sec, const char *nam
             add_ignored(rd, name, e->key);
         else
             read_key(rd, k, e->value, key);
+    }
+}
+
+/* Each key of a table the recipe leaves out takes its row's default, read like the key itself. */
+static void apply_defaults(struct reader *rd, const char *name, const struct key_spec *keys)
+{
+    for (const struct key_spec *k = keys; k->name; k++) {
+        if (!k->def)
+            continue;
+        char key[256];
+        snprintf(key, sizeof(key), "%s.%s (default)", name, k->name);
+        struct am_node *v = am_yaml_parse(&rd->r->arena, rd->r->file, key, k->def, strlen(k->def), rd->err);
+        if (v)
+            read_key(rd, k, v, key);
     }
 }
 
@@ -1147,27 +1169,20 @@ static void read_recipe(struct reader *rd)
     next:;
     }
 
-    /* defaults (AutoModel's) */
+    /* AutoModel's defaults: the tables' (each key's row), and the parameters' dtype (model.torch_dtype
+     * or config.json's, else bfloat16: read_model) */
+    static const struct {
+        const char *name;
+        const struct key_spec *keys;
+    } tables[] = {{"distributed", distributed_keys}, {"distributed.pipeline", pipeline_keys},
+                  {"step_scheduler", step_keys},     {"dataset", dataset_keys},
+                  {"packed_sequence", packed_keys},  {"optimizer", optimizer_keys},
+                  {"lr_scheduler", lr_keys},         {"checkpoint", checkpoint_keys},
+                  {"dist_env", dist_env_keys},       {"clip_grad_norm", clip_keys},
+                  {"rng", rng_keys}};
+    for (size_t i = 0; i < sizeof(tables) / sizeof(tables[0]); i++)
+        apply_defaults(rd, tables[i].name, tables[i].keys);
     r->param_dtype = AM_BF16;
-    r->dist.strategy = AM_FSDP2;
-    r->dist.zero_dp_strategy = 3;
-    r->dist.reshard_after_forward = true;
-    r->ckpt.save_consolidated = true;
-    r->dist.pipeline.schedule = AM_PP_1F1B;
-    r->dist.pipeline.microbatch_size = 1;
-    r->data.shuffle = true;
-    r->drop_long_samples = true;
-    r->optim.name = "adamw";
-    r->optim.lr = 1e-4;
-    r->optim.beta1 = 0.9;
-    r->optim.beta2 = 0.999;
-    r->optim.eps = 1e-8;
-    r->optim.weight_decay = 0.01;
-    r->optim.max_grad_norm = 1.0;
-    r->lr.style = AM_LR_CONSTANT;
-    r->dist_env.timeout_minutes = 10;
-    r->seed = 42;
-    r->steps.num_epochs = 1;
 
     read_model(rd, am_node_child(root, "model"));
     read_section(rd, am_node_child(root, "distributed"), "distributed", distributed_keys);
@@ -1220,8 +1235,7 @@ static void read_recipe(struct reader *rd)
         struct am_entry *pe = am_node_entry(root, "peft");
         size_t before = rd->err->n;
         r->peft.enabled = true;
-        r->peft.dim = 8; /* AutoModel's defaults */
-        r->peft.alpha = 32;
+        apply_defaults(rd, "peft", peft_keys);
         read_section(rd, peft, "peft", peft_keys);
         if (rd->err->n == before && peft->kind == AM_NODE_MAP)
             resolve_peft(rd, pe ? pe->key_pos : peft->pos);
@@ -1230,11 +1244,7 @@ static void read_recipe(struct reader *rd)
         am_errorf(rd->err, &rd->is_peft->pos, "checkpoint.is_peft: true: the checkpoints would hold LoRA adapters, "
                   "but the recipe has no peft section and trains every weight (add the peft section for a LoRA "
                   "fine-tune, or remove is_peft)");
-    struct am_node *clip = am_node_child(root, "clip_grad_norm");
-    if (clip && am_node_is_null(am_node_path(clip, "max_norm")) && am_node_entry(clip, "max_norm"))
-        r->optim.max_grad_norm = 0; /* max_norm: null turns clipping off */
-    else
-        read_section(rd, clip, "clip_grad_norm", clip_keys);
+    read_section(rd, am_node_child(root, "clip_grad_norm"), "clip_grad_norm", clip_keys);
 
     /* sizes not given are 1 (dp: inferred later) */
     int *sizes[] = {&r->dist.tp, &r->dist.pp, &r->dist.cp, &r->dist.ep};

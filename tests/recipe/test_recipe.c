@@ -857,10 +857,55 @@ static void test_recipe_files(void **state)
     am_errors_free(&err);
 }
 
+/* AutoModel's defaults, each from its key's row: a recipe that leaves every key out */
+static void test_defaults(void **state)
+{
+    (void)state;
+    struct am_errors err;
+    am_errors_init(&err);
+    struct am_recipe *r = parse_with("r.yaml", arch, NULL, &err);
+    assert_int_equal(err.n, 0);
+    assert_int_equal(r->dist.strategy, AM_FSDP2);
+    assert_int_equal(r->dist.zero_dp_strategy, 3);
+    assert_true(r->dist.reshard_after_forward);
+    assert_int_equal(r->dist.pipeline.schedule, AM_PP_1F1B);
+    assert_int_equal(r->dist.pipeline.microbatch_size, 1);
+    assert_int_equal(r->steps.num_epochs, 1);
+    assert_true(r->data.shuffle);
+    assert_true(r->drop_long_samples);
+    assert_string_equal(r->optim.name, "adamw");
+    assert_float_equal(r->optim.lr, 1e-4, 0);
+    assert_float_equal(r->optim.beta1, 0.9, 0);
+    assert_float_equal(r->optim.beta2, 0.999, 0);
+    assert_float_equal(r->optim.eps, 1e-8, 0);
+    assert_float_equal(r->optim.weight_decay, 0.01, 0);
+    assert_float_equal(r->optim.max_grad_norm, 1.0, 0);
+    assert_int_equal(r->lr.style, AM_LR_CONSTANT);
+    assert_true(r->ckpt.save_consolidated);
+    assert_false(r->ckpt.consolidated_final);
+    assert_float_equal(r->dist_env.timeout_minutes, 10, 0);
+    assert_int_equal(r->seed, 42);
+    assert_int_equal(r->param_dtype, AM_BF16);
+    assert_false(r->peft.enabled);
+    assert_int_equal(r->peft.dim, 0); /* no peft section: no adapters' defaults */
+    am_recipe_free(r);
+    /* max_norm: null turns clipping off; a peft section takes its dim and alpha defaults */
+    r = parse_with("r.yaml", arch, (const char *[]){"clip_grad_norm.max_norm=null", "peft.target_modules=['*_proj']", NULL},
+                   &err);
+    assert_int_equal(err.n, 0);
+    assert_float_equal(r->optim.max_grad_norm, 0, 0);
+    assert_true(r->peft.enabled);
+    assert_int_equal(r->peft.dim, 8);
+    assert_float_equal(r->peft.alpha, 32, 0);
+    am_recipe_free(r);
+    am_errors_free(&err);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_positions_and_types),
+        cmocka_unit_test(test_defaults),
         cmocka_unit_test(test_yaml_errors),
         cmocka_unit_test(test_yaml_limits),
         cmocka_unit_test(test_aliases_resolve),
