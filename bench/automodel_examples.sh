@@ -9,7 +9,8 @@
 # kind: planned, or refused because of a missing config.json, an architecture am does not
 # build, a model or recipe that is not a causal LM, an optimizer am does not run, a feature am
 # does not run (LoRA, distillation, fp8, quantization, ...), the layout or batch rules, memory
-# over 80 GiB, or anything else ("other": to be read). OUT_DIR (default a temporary
+# over 80 GiB, a dataset am-train does not read (planned, but refused: "dataset"), a combination
+# am-train does not run yet ("run"), or anything else ("other": to be read). OUT_DIR (default a temporary
 # directory) keeps one line per run: "RECIPE N KIND first error".
 set -u
 src=${1:?usage: automodel_examples.sh AUTOMODEL_CHECKOUT [AM_PLAN] [OUT_DIR]}
@@ -30,6 +31,9 @@ kind() { # RC FIRST_ERROR -> a kind
     *"peft: "*) echo lora ;;
     *"knowledge distillation"*) echo distillation ;;
     *"fp8.enabled"*|*"quantiz"*|*"freezing"*|*"NEFTune"*) echo feature ;;
+    *"is not a dataset am reads"*|*"dataset.paths: missing"*) echo dataset ;;
+    *"so far, and the compute dtype"*|*"not run yet"*|*"needs loss scaling"*|*"is not run by am-train"*|\
+        *"not built yet"*|*"not exchanged between stages"*|*"experts are replicated over"*) echo run ;;
     *"estimated memory per GPU"*) echo memory ;;
     *"distributed."*|*"step_scheduler."*) echo layout ;;
     *) echo other ;;
