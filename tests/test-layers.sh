@@ -32,9 +32,10 @@ recipe:   base diag
 rank:     recipe
 comm:     rank
 kernels:  base
-io:       recipe
-model:    comm kernels io
-train:    model
+ckpt:     recipe
+data:     recipe
+model:    comm kernels ckpt
+train:    model data
 doctor:   comm
 launcher: rank
 spank:    recipe
@@ -218,9 +219,10 @@ kernels: base
 recipe: base
 rank: recipe
 comm: rank
-io: recipe
-model: comm kernels io
-train: model
+ckpt: recipe
+data: recipe
+model: comm kernels ckpt
+train: model data
 diag: base
 launcher: rank
 spank: recipe'

@@ -2,10 +2,10 @@
  * communicators and the recipe's precision settings (model.torch_dtype, mp_policy's
  * param_dtype and reduce_dtype).
  *
- * File formats keep their own codes: safetensors' dtype list (am_st_dtype, io/safetensors.h)
+ * File formats keep their own codes: safetensors' dtype list (am_st_dtype, ckpt/safetensors.h)
  * is the format's vocabulary, much wider than this one (F8_E4M3, U8, BOOL, ...) and ordered
  * as the reference writer sorts tensors; Megatron's .idx dtype codes (am_idx_dtype,
- * io/dataset.h) are the numbers on disk. Each maps to this enum in one place, where am reads
+ * data/dataset.h) are the numbers on disk. Each maps to this enum in one place, where am reads
  * it. The recipe's spellings ("bfloat16", "bf16", "torch.bfloat16", ...) are parsed by the
  * recipe (recipe.c: its error lists them).
  *

@@ -5,10 +5,13 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <ftw.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/random.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 const char *am_read_file(const char *path, size_t max, char **buf, size_t *len)
@@ -125,6 +128,79 @@ static int rm_entry(const char *path, const struct stat *st, int flag, struct FT
 }
 
 void am_remove_tree(const char *path) { nftw(path, rm_entry, 16, FTW_DEPTH | FTW_PHYS); }
+
+int am_path_cat(char *buf, size_t len, const char *a, const char *sep, const char *b)
+{
+    size_t la = strlen(a), ls = strlen(sep), lb = strlen(b);
+    if (la + ls + lb + 1 > len) {
+        if (len)
+            buf[0] = '\0';
+        errno = ENAMETOOLONG;
+        return -1;
+    }
+    memcpy(buf, a, la);
+    memcpy(buf + la, sep, ls);
+    memcpy(buf + la + ls, b, lb + 1);
+    return 0;
+}
+
+int am_fsync_dir_of(const char *path, bool is_dir)
+{
+    char dir[4096];
+    const char *slash = is_dir ? NULL : strrchr(path, '/');
+    size_t n = is_dir ? strlen(path) : !slash ? 0 : slash == path ? 1 : (size_t)(slash - path);
+    if (n >= sizeof(dir)) {
+        errno = ENAMETOOLONG;
+        return -1;
+    }
+    if (!is_dir && !slash)
+        memcpy(dir, ".", 2);
+    else {
+        memcpy(dir, path, n);
+        dir[n] = '\0';
+    }
+    int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0)
+        return -1;
+    int rc = fsync(fd);
+    int saved = errno;
+    close(fd);
+    errno = saved;
+    return rc;
+}
+
+int am_open_temp(const char *path, char *tmp, size_t len)
+{
+    for (int attempt = 0; attempt < 100; attempt++) {
+        uint32_t r;
+        if (getrandom(&r, sizeof(r), GRND_NONBLOCK) != (ssize_t)sizeof(r)) {
+            struct timespec ts;
+            clock_gettime(CLOCK_REALTIME, &ts);
+            r = (uint32_t)ts.tv_nsec ^ ((uint32_t)getpid() << 12) ^ ((uint32_t)attempt * 2654435761u);
+        }
+        char suffix[16];
+        snprintf(suffix, sizeof(suffix), ".tmp-%06x", (unsigned)(r & 0xffffff));
+        if (am_path_cat(tmp, len, path, suffix, "") < 0)
+            return -1;
+        int fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+        if (fd >= 0 || errno != EEXIST)
+            return fd;
+    }
+    errno = EEXIST;
+    return -1;
+}
+
+int am_temp_dir(const char *path, char *tmp, size_t len, struct am_errors *err)
+{
+    if (am_path_cat(tmp, len, path, ".tmp-XXXXXX", "") < 0 || !mkdtemp(tmp)) {
+        am_errorf(err, NULL, "%s: cannot create the temporary directory %s.tmp-XXXXXX: %s (is the parent directory "
+                  "writable?)", path, path, strerror(errno));
+        tmp[0] = '\0';
+        return -1;
+    }
+    chmod(tmp, 0755); /* mkdtemp makes it 0700 */
+    return 0;
+}
 
 bool am_key_in(const char *key, const char *const *names)
 {

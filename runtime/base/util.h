@@ -1,5 +1,7 @@
-/* util.h - small helpers shared by the recipe library and the runtime: bounded file reads, the
- * "unknown key, did you mean ..." message, and the runtime's error convention (am_fail). */
+/* util.h - small helpers shared by the recipe library and the runtime: bounded file reads, files
+ * and directories (mkdir -p, copies, removal, temporary files and directories written beside
+ * a path then renamed over it, the fsync that makes a rename durable), the "unknown key, did
+ * you mean ..." message, and the runtime's error convention (am_fail). */
 #ifndef AM_UTIL_H
 #define AM_UTIL_H
 
@@ -31,6 +33,22 @@ int am_copy_file(const char *from, const char *to, unsigned mode);
 /* rm -r: removes path and everything below it, without following links; errors ignored (for
  * temporary directories and what a failed write left). */
 void am_remove_tree(const char *path);
+
+/* buf = a + sep + b; -1 (errno ENAMETOOLONG) when it does not fit in len bytes. */
+int am_path_cat(char *buf, size_t len, const char *a, const char *sep, const char *b);
+
+/* Creates a new file "PATH.tmp-XXXXXX" (mode 0666 less the umask) beside path, for writing
+ * then renaming over path; the name goes to tmp. Returns the descriptor, or -1 with errno. */
+int am_open_temp(const char *path, char *tmp, size_t len);
+
+/* Creates a new directory "PATH.tmp-XXXXXX" (mode 0755, readable like any directory) beside
+ * path, to fill then rename to path; its name goes to tmp (empty on failure). 0, or -1 after
+ * writing the message into err. */
+int am_temp_dir(const char *path, char *tmp, size_t len, struct am_errors *err);
+
+/* fsyncs the directory holding `path` (or `path` itself when it is a directory): makes a
+ * rename or a new file durable. 0 or -1 with errno set. */
+int am_fsync_dir_of(const char *path, bool is_dir);
 
 /* True when key is one of the NULL-terminated names. */
 bool am_key_in(const char *key, const char *const *names);

@@ -101,7 +101,7 @@ enum am_comm_backend am_comm_ctx_backend(const struct am_comm_ctx *ctx);
 
 /* Diagnostics (docs/diagnostics.md).
  * set_flight: every later call on the context is recorded in the flight recorder f
- * (runtime/flight.h: group, sequence number, op, size, peer, times, state); NULL: none. The
+ * (base/flight.h: group, sequence number, op, size, peer, times, state); NULL: none. The
  * recorder must outlive the context's calls.
  * set_hosts: host names by global rank (hosts[r] for r < n, copied), so that messages that
  * name a peer say where it runs: "waiting for rank 1 (global 5 on n3)". 0, or -1 (no memory).

@@ -1,5 +1,6 @@
-/* comm_impl.h - private to the communicators: the generic front (comm.c) and its backends
- * (comm_ucx.c, comm_nccl.c). Nothing outside launcher/comm*.c includes this file.
+/* comm_impl.h - private to the communicators: the generic front (comm.c), its backends
+ * (comm_ucx.c, comm_nccl.c) and the host reductions (comm_reduce.c). Nothing outside
+ * runtime/comm/ includes this file (but the tests of tests/comm/).
  *
  * Every public operation is checked by the front, described in one struct am_comm_call,
  * numbered (the group's sequence number) and handed to am_comm_dispatch(), the one place
@@ -193,10 +194,10 @@ const char *am_comm_peer_text(const struct am_comm *c, int peer, char *buf, size
 /* A backend's wait saw am_comm_ctx_abort: fails the call ("aborted: REASON"); returns -1. */
 int am_comm_fail_aborted(struct am_comm *c);
 
-/* Host reductions, element-wise over n elements: out = a (op) b; out may equal a or b.
- * bf16 and fp16 are widened to fp32, combined, and rounded back to nearest even. The
- * combination is commutative bit for bit (max included), so two ranks that combine the same
- * pair in either order get the same bits. */
+/* Host reductions (comm_reduce.c: the UCX transport's), element-wise over n elements:
+ * out = a (op) b; out may equal a or b. bf16 and fp16 are widened to fp32, combined, and
+ * rounded back to nearest even. The combination is commutative bit for bit (max included),
+ * so two ranks that combine the same pair in either order get the same bits. */
 void am_comm_reduce(void *out, const void *a, const void *b, size_t n, enum am_dtype t, enum am_comm_op op);
 /* AVG's last step: buf[i] /= divisor (integers truncate toward zero). */
 void am_comm_scale(void *buf, size_t n, enum am_dtype t, int divisor);

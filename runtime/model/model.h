@@ -175,8 +175,8 @@ struct am_layer {
 };
 
 /* How a parameter group is kept across the data-parallel ranks: replicated (every rank holds
- * all of it and all-reduces its gradients: ddp, and fsdp2 until sharding lands); sharded
- * (fully sharded data parallelism) and expert (reduced over the expert-data group) next. */
+ * all of it and all-reduces its gradients: ddp, ZeRO stage 1); sharded (fully sharded data
+ * parallelism, fsdp.h: ZeRO stages 2 and 3) and expert (reduced over the expert-data group). */
 enum am_shard { AM_SHARD_REPLICATED, AM_SHARD_SHARDED, AM_SHARD_EXPERT };
 
 enum am_pgroup_kind { AM_PG_EMBED, AM_PG_LAYER, AM_PG_HEAD, AM_PG_EXPERTS /* a MoE layer's experts (moe.h) */,

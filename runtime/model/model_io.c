@@ -345,7 +345,7 @@ static int saver_init(struct saver *s, const struct am_model *m, struct am_comm 
         goto oom;
     for (int i = 0; i < m->n_params; i++)
         if (!am_model_is_tied_copy(m, &m->params[i]) && !(s->n_ep && am_moe_is_expert_param(m, &m->params[i])) &&
-            am_model_is_lora(&m->params[i]) == (peft != NULL)) /* LoRA's adapters are saved apart (io/peft.h) */
+            am_model_is_lora(&m->params[i]) == (peft != NULL)) /* LoRA's adapters are saved apart (ckpt/peft.h) */
             s->which[s->n++] = i;
     /* the gathered experts after their layer's other tensors (the writer sorts by layer) */
     if (s->n_ep && !(s->which = realloc(s->which, ((size_t)m->n_params + (size_t)s->n_ep) * sizeof(int))))

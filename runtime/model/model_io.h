@@ -65,7 +65,7 @@ int am_model_save_hf_dist(const struct am_model *m, struct am_comm *tp, struct a
 int am_model_save_hf_ep(const struct am_model *m, struct am_comm *tp, struct am_comm *pp, struct am_comm *ep,
                         bool saves, const char *dir, const char *base_config, struct am_errors *err);
 
-/* LoRA: the model's adapters alone, as the peft library saves them (io/peft.h:
+/* LoRA: the model's adapters alone, as the peft library saves them (ckpt/peft.h:
  * adapter_config.json with r, alpha and the targeted modules, and adapter_model.safetensors,
  * "base_model.model." + each adapter's name), gathered over tp and pp as
  * am_model_save_hf_dist gathers the base (collective over the ranks with saves: one replica's

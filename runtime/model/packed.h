@@ -3,7 +3,7 @@
  *
  * A packed micro-batch comes with one more host array beside its tokens and targets: starts
  * [B, T] (int32), for each row of each sequence the position in the sequence where the row's
- * document starts (runtime/io/pack.h builds packs and their starts). A row at position p of a
+ * document starts (runtime/data/pack.h builds packs and their starts). A row at position p of a
  * document starting at s is rotated by rope at position p - s, and attends to the keys at
  * positions s .. p of its sequence (with a sliding window, to those within the window too):
  * block-diagonal causal attention, transformers' 4-d mask of a pack with position_ids reset per

@@ -425,7 +425,7 @@ static int read_packing_strategy(struct reader *rd, struct am_node *v, const cha
 static const struct key_spec packed_keys[] = {
     {"packed_sequence_size", K_OPT_LONG, R(packed_sequence_size), 0, NULL, NULL},
     {"packing_strategy", K_FN, 0, 0, read_packing_strategy, NULL},
-    /* which documents are packed (runtime/io/pack.h): over-long ones dropped or refused, at
+    /* which documents are packed (runtime/data/pack.h): over-long ones dropped or refused, at
      * most max_packs packs */
     {"drop_long_samples", K_BOOL, R(drop_long_samples), 0, NULL, "true"},
     {"max_packs", K_OPT_LONG, R(max_packs), 1, NULL, NULL},

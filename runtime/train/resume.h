@@ -1,5 +1,5 @@
 /* resume.h - what the trainer saves in a sharded checkpoint and restores from one
- * (io/shard_ckpt.h holds the format).
+ * (ckpt/shard_ckpt.h holds the format).
  *
  * The training state of a rank is three fp32 arrays of the same layout: the master weights,
  * and AdamW's two moments. With LoRA they hold the adapters alone (the frozen base is read from

@@ -1,6 +1,6 @@
 /* train.h - the training loop of one rank.
  *
- * After am_rank_setup (launcher/rank_setup.h) has bootstrapped the rank, read the recipe
+ * After am_rank_setup (rank/rank_setup.h) has bootstrapped the rank, read the recipe
  * and placed the rank in the mesh, am_train builds the communicators (all groups at once,
  * in one order), the model shard, the data and the optimizer, and runs
  * step_scheduler.max_steps optimizer steps:

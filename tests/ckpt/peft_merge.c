@@ -1,4 +1,4 @@
-/* peft_merge.c - inputs for `am-ckpt merge` (runtime/io/peft_merge.h) and an independent check
+/* peft_merge.c - inputs for `am-ckpt merge` (runtime/ckpt/peft_merge.h) and an independent check
  * of what it wrote. tests/ckpt/test-peft-merge.sh drives it.
  *
  *   peft_merge trained GOLDEN ADAPTER_INIT OUT   OUT: an adapter directory holding the golden's

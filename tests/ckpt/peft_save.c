@@ -1,4 +1,4 @@
-/* peft_save.c - am's LoRA adapter files (runtime/io/peft.h) from the golden's adapters.
+/* peft_save.c - am's LoRA adapter files (runtime/ckpt/peft.h) from the golden's adapters.
  *
  *   peft_save SRC_ADAPTER_DIR OUT_DIR
  *

@@ -1,5 +1,5 @@
 #!/bin/bash
-# test-peft-merge.sh - `am-ckpt merge BASE PEFT OUT` (runtime/io/peft_merge.h): LoRA adapters
+# test-peft-merge.sh - `am-ckpt merge BASE PEFT OUT` (runtime/ckpt/peft_merge.h): LoRA adapters
 # merged into their base as a Hugging Face directory.
 #   - For each golden LoRA case (tests/golden/models/llama_lora_qv, llama_lora_all), the
 #     golden's trained adapters (B not zero) merged into the base, in F32 and in a BF16 copy of

@@ -1,5 +1,5 @@
 #!/bin/bash
-# test-peft-save.sh - LoRA adapters written by am (runtime/io/peft.h) as the peft library
+# test-peft-save.sh - LoRA adapters written by am (runtime/ckpt/peft.h) as the peft library
 # writes them: for each golden LoRA case, tests/ckpt/peft_save rewrites the adapters peft saved
 # (names, shapes, bits, adapter_config.json checked); then, where the peft library is installed
 # ($AM_GOLDENV, default /tmp/goldenv: tests/golden/README.md), peft loads am's directory onto the

@@ -824,7 +824,7 @@ static int group_rank_of(const struct am_comm *c, int g)
     return -1;
 }
 
-/* The pipeline's pattern (runtime/pipeline.c): activations go forward on one group ("world"),
+/* The pipeline's pattern (train/pipeline.c): activations go forward on one group ("world"),
  * gradients back on another ("rev": the same ranks). Rank r receives its activation from
  * r - 1, starts sending its own to r + 1 with am_isend and, with that send pending, blocks
  * receiving the gradient from r + 1 on the other group, which r + 1 sends only once it has

@@ -1,4 +1,4 @@
-/* test_pack.c - packed sequences (runtime/io/pack.h): whole documents packed as NeMo AutoModel
+/* test_pack.c - packed sequences (runtime/data/pack.h): whole documents packed as NeMo AutoModel
  * packs its samples. Seven documents of 5, 3, 9, 2, 1, 7 and 4 tokens (token j of document d
  * is 100 d + j; document 4 has no row) in packs of 8 rows. The expected packs are what
  * AutoModel's own pack_dataset (thd) and neat_pack_dataset (neat) make of the same samples

@@ -1,5 +1,5 @@
 /* fake_nvml.c - a stand-in for libnvidia-ml.so.1 that describes GPUs from the environment,
- * so that the NVML path of runtime/rank/nvml.c runs where no GPU is (tests/rank/test-nvml.sh
+ * so that the NVML path of rank/nvml.c runs where no GPU is (tests/rank/test-nvml.sh
  * links it as libnvidia-ml.so.1 in a directory on LD_LIBRARY_PATH):
  *   FAKE_NVML_GPUS=N          N GPUs (unset: nvmlInit fails as without a driver)
  *   FAKE_NVML_NVLINK=0-1,2-3  pairs of GPUs joined by NVLink (P2P status OK)

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Sharded checkpoints (io/shard_ckpt.h, train/resume.h) on CPU, with the tiny recipe made short
+# Sharded checkpoints (ckpt/shard_ckpt.h, train/resume.h) on CPU, with the tiny recipe made short
 # (6 steps of 8 sequences of 32 tokens, a checkpoint every 2 steps, the last 2 kept):
 #   resume: a run killed at a step (AM_FAULT kind=kill) and started again with
 #     checkpoint.restore_from: latest gives the uninterrupted run's losses to the last bit and

@@ -8,6 +8,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "util.h"
+
 int am_peft_tensor_name(char *buf, size_t len, const char *module, int b)
 {
     int n = snprintf(buf, len, "base_model.model.%s.%s.weight", module, b ? "lora_B" : "lora_A");

@@ -128,22 +128,4 @@ uint64_t am_st_wtensor_bytes(const struct am_st_wtensor *t, bool *ok);
 int am_st_write(const char *path, const struct am_st_wtensor *t, size_t n, const struct am_st_kv *meta,
                 size_t n_meta, size_t index_base, struct am_errors *err);
 
-/* ---- helpers shared with checkpoint.c and dataset.c ----------------------------------------- */
-
-/* buf = a + sep + b; -1 (errno ENAMETOOLONG) when it does not fit in len bytes. */
-int am_path_cat(char *buf, size_t len, const char *a, const char *sep, const char *b);
-
-/* Creates a new file "PATH.tmp-XXXXXX" (mode 0666 less the umask) beside path, for writing
- * then renaming over path; the name goes to tmp. Returns the descriptor, or -1 with errno. */
-int am_open_temp(const char *path, char *tmp, size_t len);
-
-/* Creates a new directory "PATH.tmp-XXXXXX" (mode 0755, readable like any directory) beside
- * path, to fill then rename to path; its name goes to tmp (empty on failure). 0, or -1 after
- * writing the message into err. */
-int am_temp_dir(const char *path, char *tmp, size_t len, struct am_errors *err);
-
-/* fsyncs the directory holding `path` (or `path` itself when it is a directory): makes a
- * rename or a new file durable. 0 or -1 with errno set. */
-int am_fsync_dir_of(const char *path, bool is_dir);
-
 #endif

@@ -21,7 +21,7 @@
 #include <unistd.h>
 
 #include "recipe.h"
-#include "safetensors.h" /* am_open_temp, am_fsync_dir_of */
+#include "util.h"
 
 #if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "dataset.c assumes a little-endian host (Megatron's files are little-endian)"
