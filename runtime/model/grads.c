@@ -8,7 +8,7 @@
 
 #include <stddef.h>
 
-/* ---- the device scalars ----------------------------------------------------------------- */
+/* ---- the device scalars -------------------------------------------------------------- */
 
 /* The device scalars (model.h, scalars), in one allocation read at once (am_model_read_scalars). */
 struct scalar_block {
@@ -45,7 +45,7 @@ void am_model_begin_step(struct am_model *m)
     am_moe_stats_reset(m);
 }
 
-/* ---- completing the gradients ----------------------------------------------------------- */
+/* ---- completing the gradients -------------------------------------------------------- */
 
 /* A tied embedding split over the first and the last pipeline stage: each copy got the
  * gradient of its own use (lookup, head). Both become first + last, on both ranks, so that
@@ -135,7 +135,7 @@ int am_model_finish_grads(struct am_model *m, char *err, size_t err_len)
     return 0;
 }
 
-/* ---- sums over ranks, and the read ------------------------------------------------------ */
+/* ---- sums over ranks, and the read --------------------------------------------------- */
 
 /* x (one f64 on the device) as f32 in y, summed over each of the groups there are. */
 static int sum_scalar(struct am_model *m, struct am_tensor *x, struct am_tensor *y, struct am_comm *const *groups,

@@ -19,7 +19,7 @@
 
 #define add_param am_model_add_param /* params.c */
 
-/* ---- parameters ----------------------------------------------------------------------- */
+/* ---- parameters ---------------------------------------------------------------------- */
 
 /* The layer's own parameters in transformers' order (model_impl.h). */
 void am_layer_params(struct am_model *m, int l, int local)
@@ -122,8 +122,9 @@ static struct am_tensor heads_of(const struct am_tensor *t, int64_t B, int64_t T
     return am_tensor_view(t->data, t->device, t->dtype, B, T, H, D);
 }
 
-/* ---- norms ---------------------------------------------------------------------------- */
+/* ---- norms --------------------------------------------------------------------------- */
 
+/* RMSNorm as the model's family has it: w (Llama), or 1 + w (Gemma). */
 void am_norm_forward(struct am_model *m, struct am_tensor *out, struct am_tensor *rstd, const struct am_tensor *x,
                      const struct am_param *norm)
 {
@@ -247,7 +248,7 @@ static void lora_backward(struct am_model *m, const struct am_layer *L, const st
     am_lora_backward(m->dev, m->K, &l, dx, dy, x, &tt, &du, &dt);
 }
 
-/* ---- the layer ------------------------------------------------------------------------ */
+/* ---- the layer ----------------------------------------------------------------------- */
 
 /* One decoder layer on the residual stream x (R rows), saving what backward needs in a. */
 int am_layer_forward(struct am_model *m, const struct am_layer *L, struct am_layer_acts *a, struct am_tensor *x,
@@ -384,7 +385,7 @@ int am_layer_backward(struct am_model *m, const struct am_layer *L, const struct
         K->zero(m->dev, &dh);
         if (am_moe_backward(m, L, a, &dy, &in, &dh, err, err_len) < 0)
             return -1;
-        if (m->tp_comm) /* each tp rank holds all of dh, which norm_backward sums over tp */
+        if (m->tp_comm) /* each tp rank holds all of dh, which am_norm_backward sums over tp */
             K->scale(m->dev, &dh, 1.0f / (float)m->sh.tp);
         if (am_norm_backward(m, dx, L->mlp_norm, &dh, &x_mid, &rstd2, err, err_len) < 0)
             return -1;

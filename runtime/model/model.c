@@ -19,7 +19,7 @@
 #include "half.h"
 #include "util.h"
 
-/* ---- init ------------------------------------------------------------------------------ */
+/* ---- init ---------------------------------------------------------------------------- */
 
 /* The chunks must be non-empty runs of layers in model order. */
 static int check_shard(const struct am_model_shard *sh, const struct am_model_config *cfg, char *err, size_t err_len)
@@ -151,7 +151,7 @@ static void register_params(struct am_model *m, const struct am_model_config *cf
     }
 }
 
-/* ---- the activations: each slot's saved tensors, then the shared scratch ------------------ */
+/* ---- the activations: each slot's saved tensors, then the shared scratch ------------- */
 
 /* The next tensor of a slab: at byte offset *off of base (base NULL: only measures). */
 struct slab {
@@ -371,7 +371,7 @@ const char *am_model_phase_name(enum am_model_phase p)
     return "setup";
 }
 
-/* ---- one micro-batch: the hooks, the chunks' ends ---------------------------------------- */
+/* ---- one micro-batch: the hooks, the chunks' ends ------------------------------------ */
 
 /* The head's group (final norm and head) on the last stage: the last group, or with LoRA the
  * one before the adapters' group. */
@@ -434,7 +434,7 @@ static float embed_scale(const struct am_model *m)
     return s;
 }
 
-/* ---- the head: the final norm, the output projection and the loss ------------------------ */
+/* ---- the head: the final norm, the output projection and the loss -------------------- */
 
 /* Combines the vocabulary shards' softmax statistics (kernels.h, ce_stats) into M and S in
  * the slot, for the backward, and adds the micro-batch's token losses to the loss scalar. */
@@ -503,7 +503,7 @@ static int head_backward(struct am_model *m, const struct am_slot *S, struct am_
     struct am_tensor tgt = rows_of(&S->targets, N), hf = rows_of(&S->hf, N), dhf = rows_of(&m->dhf, N);
     struct am_tensor xf = rows_of(&S->xf, R), rstdf = rows_of(&S->rstdf, R);
     struct am_tensor cm = rows_of(&S->ce_m, N), cs = rows_of(&S->ce_s, N);
-    if (!S->fused) { /* dhf is summed over the vocabulary shards in norm_backward */
+    if (!S->fused) { /* dhf is summed over the vocabulary shards in am_norm_backward */
         m->K->zero(m->dev, &dhf);
         if (m->cfg.final_logit_softcapping > 0)
             m->K->ce_backward_softcap(m->dev, &dhf, base_grad(m, m->head), &hf, &m->head->wc, &tgt, m->vocab_start, &cm, &cs,
@@ -516,8 +516,10 @@ static int head_backward(struct am_model *m, const struct am_slot *S, struct am_
     return am_norm_backward(m, dx, m->final_norm, &dhf, &xf, &rstdf, err, err_len);
 }
 
-/* ---- a chunk: forward and backward ------------------------------------------------------- */
+/* ---- a chunk: forward and backward --------------------------------------------------- */
 
+/* One chunk's forward for the micro-batch of `slot` (am_model_forward); want_grad: its backward
+ * follows (am_model_loss runs without), so the head may compute its gradients already. */
 static int forward_chunk(struct am_model *m, int chunk, int slot, int64_t B, const int32_t *tokens,
                          const int32_t *targets, const int32_t *starts, const void *x_in, void *x_out,
                          float dloss_scale, bool want_grad, char *err, size_t err_len)

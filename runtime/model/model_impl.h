@@ -54,7 +54,7 @@ static inline struct am_tensor *base_grad(const struct am_model *m, const struct
     return m->sh.lora_r > 0 ? NULL : (struct am_tensor *)&p->g;
 }
 
-/* ---- params.c: the registry, the slabs and the groups --------------------------------- */
+/* ---- params.c: the registry, the slabs and the groups -------------------------------- */
 
 /* Registers a parameter of local shape rows x cols (cols 0: a vector) in the current group. */
 struct am_param *am_model_add_param(struct am_model *m, const char *name, int64_t rows, int64_t cols,
@@ -68,12 +68,12 @@ bool am_model_tied_across_stages(const struct am_model *m);
  * each parameter's place in them, each group's span. -1: out of memory (the caller frees). */
 int am_model_place_params(struct am_model *m);
 
-/* ---- grads.c: the device scalars ------------------------------------------------------ */
+/* ---- grads.c: the device scalars ----------------------------------------------------- */
 
 /* Allocates the device scalars (model.h, scalars) in one block. -1: out of memory. */
 int am_model_alloc_scalars(struct am_model *m);
 
-/* ---- tp.c: tensor and sequence parallelism -------------------------------------------- */
+/* ---- tp.c: tensor and sequence parallelism ------------------------------------------- */
 
 /* t reduced in place over the tp group (none: t as it is); am_tp_sum with AM_SUM. */
 int am_tp_reduce(struct am_model *m, struct am_tensor *t, enum am_comm_op op, char *err, size_t err_len);
@@ -101,7 +101,7 @@ int am_tp_reduce_rows(struct am_model *m, struct am_tensor *out, struct am_tenso
 int am_sp_gather(struct am_model *m, const struct am_tensor *rows, struct am_tensor *full, char *err,
                  size_t err_len);
 
-/* ---- layer.c: one decoder layer -------------------------------------------------------- */
+/* ---- layer.c: one decoder layer ------------------------------------------------------ */
 
 /* Registers global layer l's parameters (local index `local`) into the current group, the
  * router and experts of a MoE layer too (moe.h); its LoRA adapters into the adapters' group. */

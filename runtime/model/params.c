@@ -16,7 +16,7 @@
 #include "rng.h"
 #include "util.h"
 
-/* ---- the registry ---------------------------------------------------------------------- */
+/* ---- the registry -------------------------------------------------------------------- */
 
 /* Registers a parameter of local shape rows x cols (cols 0: a vector) in the current group. */
 struct am_param *am_model_add_param(struct am_model *m, const char *name, int64_t rows, int64_t cols,
@@ -56,7 +56,7 @@ int am_model_find(const struct am_model *m, const char *name)
     return -1;
 }
 
-/* ---- the slabs and the groups ----------------------------------------------------------- */
+/* ---- the slabs and the groups -------------------------------------------------------- */
 
 bool am_model_tied_across_stages(const struct am_model *m)
 {
@@ -185,7 +185,7 @@ int am_model_group_also(const struct am_model *m, int group)
                : -1;
 }
 
-/* ---- initial values ---------------------------------------------------------------------- */
+/* ---- initial values ------------------------------------------------------------------ */
 
 static bool is_bias(const struct am_param *p)
 {

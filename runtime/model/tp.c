@@ -19,7 +19,7 @@
  * stay as they are: the same bits either way (comm.h). */
 static int tp_on_device(const struct am_model *m) { return m->dev->device == AM_DEV_CUDA; }
 
-/* ---- the collectives ------------------------------------------------------------------ */
+/* ---- the collectives ----------------------------------------------------------------- */
 
 int am_tp_reduce(struct am_model *m, struct am_tensor *t, enum am_comm_op op, char *err, size_t err_len)
 {
@@ -66,7 +66,7 @@ static int sp_scatter(struct am_model *m, const struct am_tensor *full, struct a
     return am_reduce_scatter(m->tp_comm, full->data, rows->data, n, rows->dtype, AM_SUM, err, err_len);
 }
 
-/* ---- column-parallel input (f) -------------------------------------------------------- */
+/* ---- column-parallel input (f) ------------------------------------------------------- */
 
 int am_tp_column_input(struct am_model *m, struct am_tensor *h, int64_t N, struct am_tensor *in, char *err,
                        size_t err_len)
@@ -90,7 +90,7 @@ int am_tp_column_input_grad(struct am_model *m, struct am_tensor *dh, int64_t ro
     return am_tp_sum(m, dh, err, err_len);
 }
 
-/* ---- row-parallel output (g) ---------------------------------------------------------- */
+/* ---- row-parallel output (g) --------------------------------------------------------- */
 
 int am_tp_add_row_parallel(struct am_model *m, struct am_tensor *x, struct am_tensor *out, char *err,
                            size_t err_len)
