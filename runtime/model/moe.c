@@ -1,5 +1,6 @@
 /* moe.c - the mixture-of-experts block (moe.h) over the kernel table. */
 #include "moe.h"
+#include "model_impl.h"
 
 #include <stdio.h>
 #include <stdlib.h>

@@ -87,8 +87,8 @@ struct am_moe_stats {
 int am_moe_check(const struct am_model_config *cfg, const struct am_model_shard *sh, char *err, size_t err_len);
 /* Parameters the MoE layers add to the dense count of 11 per layer (for sizing params[]). */
 int am_moe_extra_params(const struct am_model_config *cfg, int n_layers);
-/* Registers layer l's router and experts (model.c calls it for a MoE layer, after the MLP's
- * norm): the router into the current group, the experts into a new group. */
+/* Registers layer l's router and experts (layer.c calls it for a MoE layer, after the MLP's
+ * norm) through params.c: the router into the current group, the experts into a new group. */
 void am_moe_layer_params(struct am_model *m, int l, struct am_layer *L);
 /* After the slabs are placed: the experts' views, and the activations of every slot's MoE
  * layers. Returns 0, or -1 (out of memory). */
@@ -115,11 +115,5 @@ bool am_moe_is_expert_param(const struct am_model *m, const struct am_param *p);
 /* The step's statistics: reset by am_model_begin_step, read by the trainer. */
 void am_moe_stats_reset(struct am_model *m);
 void am_moe_stats(struct am_model *m, struct am_moe_stats *out);
-
-/* model.c's registration of a parameter (add_param), for moe.c. */
-struct am_param *am_model_add_param(struct am_model *m, const char *name, int64_t rows, int64_t cols, enum am_split split,
-                                    int64_t full_rows, int64_t full_cols, int64_t row0, int64_t col0);
-/* model.c's start of a parameter group, for moe.c. */
-void am_model_begin_group(struct am_model *m, enum am_pgroup_kind kind, int layer, const char *name);
 
 #endif

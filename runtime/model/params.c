@@ -1,0 +1,247 @@
+/* params.c - the parameter registry, the slabs and the groups (model_impl.h, model.h), and
+ * the weights' initial values.
+ *
+ * Registration (am_model_begin_group, am_model_add_param: model.c for the embedding and the
+ * head, layer.c for a layer, moe.c for its router and experts) fills params[] and groups[] in
+ * model order with shapes only; am_model_place_params then lays every parameter out in the
+ * slabs, consecutive, each group's span padded to group_align, and points w, g and wc there.
+ */
+#include "model_impl.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "rng.h"
+#include "util.h"
+
+/* ---- the registry -------------------------------------------------------------------- */
+
+/* Registers a parameter of local shape rows x cols (cols 0: a vector) in the current group. */
+struct am_param *am_model_add_param(struct am_model *m, const char *name, int64_t rows, int64_t cols,
+                                    enum am_split split, int64_t full_rows, int64_t full_cols, int64_t row0,
+                                    int64_t col0)
+{
+    struct am_param *p = &m->params[m->n_params++];
+    memset(p, 0, sizeof(*p));
+    snprintf(p->name, sizeof(p->name), "%s", name);
+    p->w = am_tensor_view(NULL, m->K->device, AM_F32, rows, cols, 0, 0);
+    p->g = p->w;
+    p->wc = am_tensor_view(NULL, m->K->device, m->act_dt, rows, cols, 0, 0);
+    p->split = split;
+    p->full_rows = full_rows;
+    p->full_cols = full_cols;
+    p->row0 = row0;
+    p->col0 = col0;
+    p->copies_in_tp = split == AM_SPLIT_NONE ? m->sh.tp : 1;
+    p->partial_in_tp = split == AM_SPLIT_NONE && m->sh.sequence_parallel; /* the norms of the stream's rows */
+    m->n_elems += (size_t)am_tensor_numel(&p->w);
+    return p;
+}
+
+/* Starts parameter group `kind` with the next parameter registered (model.h). */
+void am_model_begin_group(struct am_model *m, enum am_pgroup_kind kind, int layer, const char *name)
+{
+    struct am_pgroup *g = &m->groups[m->n_groups++];
+    *g = (struct am_pgroup){.kind = kind, .layer = layer, .first = m->n_params, .shard = AM_SHARD_REPLICATED};
+    snprintf(g->name, sizeof(g->name), "%s", name);
+}
+
+int am_model_find(const struct am_model *m, const char *name)
+{
+    for (int i = 0; i < m->n_params; i++)
+        if (strcmp(m->params[i].name, name) == 0)
+            return i;
+    return -1;
+}
+
+/* ---- the slabs and the groups -------------------------------------------------------- */
+
+bool am_model_tied_across_stages(const struct am_model *m)
+{
+    return m->pp_comm && m->cfg.tie_word_embeddings && m->sh.first_stage != m->sh.last_stage;
+}
+
+static size_t align_up(size_t n, int align) { return align > 1 ? (n + (size_t)align - 1) / (size_t)align * (size_t)align : n; }
+
+/* The slab offset of each parameter: consecutive, each group's span padded to group_align. */
+static size_t param_offsets(struct am_model *m, size_t *offs)
+{
+    size_t off = 0;
+    for (int g = 0, i = 0; g < m->n_groups; g++) {
+        size_t start = off;
+        int end = g + 1 < m->n_groups ? m->groups[g + 1].first : m->n_params;
+        for (; i < end; i++) {
+            offs[i] = off;
+            off += (size_t)am_tensor_numel(&m->params[i].w);
+        }
+        off = start + align_up(off - start, m->sh.group_align);
+    }
+    return off;
+}
+
+/* Each group's span of the slabs, and whether it holds a tied copy split over stages. */
+static void end_groups(struct am_model *m)
+{
+    for (int i = 0; i < m->n_groups; i++) {
+        struct am_pgroup *g = &m->groups[i];
+        g->n = (i + 1 < m->n_groups ? m->groups[i + 1].first : m->n_params) - g->first;
+        g->offset = m->params[g->first].slab_off;
+        g->n_elems = 0;
+        for (int k = g->first; k < g->first + g->n; k++) {
+            g->n_elems += (size_t)am_tensor_numel(&m->params[k].g);
+            g->tied |= am_model_tied_across_stages(m) && (&m->params[k] == m->embed || &m->params[k] == m->head);
+        }
+        g->span = align_up(g->n_elems, m->sh.group_align);
+    }
+}
+
+int am_model_place_params(struct am_model *m)
+{
+    const struct am_kernels *K = m->K;
+    /* one slab for the values, one for the gradients (each group padded to group_align: the
+     * padding stays zero) */
+    size_t *offs = malloc(((size_t)m->n_params + 1) * sizeof(*offs));
+    if (!offs)
+        return -1;
+    m->slab_elems = param_offsets(m, offs);
+    m->param_mem = K->alloc(m->dev, m->slab_elems * sizeof(float));
+    /* LoRA freezes the base: the gradient slab is the adapters' group alone, the last */
+    m->grad_off = 0;
+    m->grad_elems = m->slab_elems;
+    if (m->sh.lora_r > 0) {
+        const struct am_pgroup *L = &m->groups[m->n_groups - 1];
+        m->grad_off = L->kind == AM_PG_LORA && L->first < m->n_params ? offs[L->first] : m->slab_elems;
+        m->grad_elems = m->slab_elems - m->grad_off;
+        for (int g = 0; g < m->n_groups; g++)
+            m->groups[g].frozen = m->groups[g].kind != AM_PG_LORA;
+    }
+    m->grad_mem = K->alloc(m->dev, (m->grad_elems ? m->grad_elems : 1) * sizeof(float));
+    if (m->act_dt != AM_F32 && m->param_mem &&
+        !(m->param_lp_mem = K->alloc(m->dev, m->slab_elems * am_dtype_size(m->act_dt)))) {
+        free(offs);
+        return -1;
+    }
+    if (!m->param_mem || !m->grad_mem) {
+        free(offs);
+        return -1;
+    }
+    if (m->slab_elems != m->n_elems) {
+        struct am_tensor all = am_tensor_view(m->param_mem, m->dev->device, AM_F32, (int64_t)m->slab_elems, 0, 0, 0);
+        K->zero(m->dev, &all);
+    }
+    for (int i = 0; i < m->n_params; i++) {
+        struct am_param *p = &m->params[i];
+        size_t off = offs[i];
+        p->slab_off = off;
+        p->w.data = (float *)m->param_mem + off;
+        p->g.data = off >= m->grad_off ? (float *)m->grad_mem + (off - m->grad_off) : NULL;
+        p->wc.data = m->param_lp_mem ? (char *)m->param_lp_mem + off * am_dtype_size(m->act_dt) : p->w.data;
+    }
+    free(offs);
+    end_groups(m);
+    return 0;
+}
+
+void am_model_cast_weights(struct am_model *m)
+{
+    if (!m->param_lp_mem || !m->param_mem)
+        return;
+    struct am_tensor w = am_tensor_view(m->param_mem, m->K->device, AM_F32, (int64_t)m->slab_elems, 0, 0, 0);
+    struct am_tensor c = am_tensor_view(m->param_lp_mem, m->K->device, m->act_dt, (int64_t)m->slab_elems, 0, 0, 0);
+    m->K->convert(m->dev, &c, &w);
+}
+
+void am_model_drop_weights(struct am_model *m)
+{
+    if (m->param_mem)
+        m->K->free(m->dev, m->param_mem);
+    if (m->param_lp_mem)
+        m->K->free(m->dev, m->param_lp_mem);
+    m->param_mem = m->param_lp_mem = NULL;
+    for (int i = 0; i < m->n_params; i++)
+        m->params[i].w.data = m->params[i].wc.data = NULL;
+}
+
+void am_model_drop_grads(struct am_model *m)
+{
+    if (m->grad_mem)
+        m->K->free(m->dev, m->grad_mem);
+    m->grad_mem = NULL;
+    for (int i = 0; i < m->n_params; i++)
+        m->params[i].g.data = NULL;
+}
+
+int am_model_group_also(const struct am_model *m, int group)
+{
+    if (group < 0 || group >= m->n_groups)
+        return -1;
+    if (m->embed && m->head == m->embed && m->groups[group].kind == AM_PG_HEAD)
+        return 0;
+    return group + 1 < m->n_groups && m->groups[group].kind == AM_PG_LAYER &&
+                   m->groups[group + 1].kind == AM_PG_EXPERTS
+               ? group + 1
+               : -1;
+}
+
+/* ---- initial values ------------------------------------------------------------------ */
+
+static bool is_bias(const struct am_param *p)
+{
+    size_t n = strlen(p->name);
+    return n > 5 && strcmp(p->name + n - 5, ".bias") == 0;
+}
+
+void am_model_init_weights(struct am_model *m, uint64_t seed)
+{
+    double std = m->cfg.initializer_range;
+    for (int i = 0; i < m->n_params; i++) {
+        struct am_param *p = &m->params[i];
+        if (am_model_is_lora(p)) /* am_model_init_lora */
+            continue;
+        int64_t rows = p->w.shape[0], cols = p->w.ndim > 1 ? p->w.shape[1] : 1;
+        float *host = malloc((size_t)(rows * cols) * sizeof(float));
+        if (!host)
+            continue;
+        uint64_t stream = am_hash_str(p->name);
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t c = 0; c < cols; c++) {
+                if (p->w.ndim == 1) { /* RMSNorm weights 1 (Gemma's, 1 + w: 0), biases 0 (transformers' _init_weights) */
+                    host[r] = is_bias(p) || m->cfg.gemma ? 0.0f : 1.0f;
+                    continue;
+                }
+                uint64_t idx = (uint64_t)((p->row0 + r) * p->full_cols + p->col0 + c);
+                host[r * cols + c] = (float)(std * am_rng_normal(seed, stream, idx));
+            }
+        m->K->upload(m->dev, p->w.data, host, (size_t)(rows * cols) * sizeof(float));
+        free(host);
+    }
+    am_model_cast_weights(m);
+}
+
+bool am_model_is_lora(const struct am_param *p) { return strstr(p->name, ".lora_A.") || strstr(p->name, ".lora_B."); }
+
+void am_model_init_lora(struct am_model *m, uint64_t seed, bool kaiming)
+{
+    for (int i = 0; i < m->n_params; i++) {
+        struct am_param *p = &m->params[i];
+        if (!am_model_is_lora(p))
+            continue;
+        int64_t rows = p->w.shape[0], cols = p->w.shape[1];
+        float *host = calloc((size_t)(rows * cols), sizeof(float));
+        if (!host)
+            continue;
+        uint64_t stream = am_hash_str(p->name);
+        double in = (double)p->full_cols, r = (double)p->full_rows;
+        for (int64_t y = 0; strstr(p->name, ".lora_A.") && y < rows; y++) /* B stays zero */
+            for (int64_t c = 0; c < cols; c++) {
+                uint64_t idx = (uint64_t)((p->row0 + y) * p->full_cols + p->col0 + c);
+                host[y * cols + c] = kaiming ? (float)((2 * am_rng_uniform(seed, stream, idx) - 1) / sqrt(in))
+                                             : (float)(sqrt(2.0 / (in + r)) * am_rng_normal(seed, stream, idx));
+            }
+        m->K->upload(m->dev, p->w.data, host, (size_t)(rows * cols) * sizeof(float));
+        free(host);
+    }
+    am_model_cast_weights(m);
+}
