@@ -1055,7 +1055,7 @@ static int layer_forward(struct am_model *m, const struct am_layer *L, struct am
 /* The grad_use hook (model.h), when there is one. */
 static int grad_use(struct am_model *m, int group, char *err, size_t err_len)
 {
-    return m->grad_use ? m->grad_use(m->grad_use_arg, group, err, err_len) : 0;
+    return m->hooks.grad_use ? m->hooks.grad_use(m->hooks.arg, group, err, err_len) : 0;
 }
 
 /* The final norm, the output head and the cross-entropy, vocabulary-parallel. With
@@ -1123,7 +1123,7 @@ size_t am_model_hidden_elems(const struct am_model *m, int64_t batch)
 /* The group_use hook (model.h), when there is one. */
 static int use_group(struct am_model *m, int group, bool backward, char *err, size_t err_len)
 {
-    return m->group_use ? m->group_use(m->group_use_arg, group, backward, err, err_len) : 0;
+    return m->hooks.group_use ? m->hooks.group_use(m->hooks.arg, group, backward, err, err_len) : 0;
 }
 
 static int check_slot(const struct am_model *m, int chunk, int slot, char *err, size_t err_len)
@@ -1364,9 +1364,9 @@ static int head_backward(struct am_model *m, const struct am_slot *S, struct am_
 /* Tells the trainer that a group's gradients are final (model.h, grad_ready). */
 static int group_done(struct am_model *m, int group, char *err, size_t err_len)
 {
-    if (!(m->grads_final || m->grads_each_pass) || !m->grad_ready || m->groups[group].tied)
+    if (!(m->grads_final || m->hooks.grads_each_pass) || !m->hooks.grad_ready || m->groups[group].tied)
         return 0;
-    return m->grad_ready(m->grad_ready_arg, group, err, err_len);
+    return m->hooks.grad_ready(m->hooks.arg, group, err, err_len);
 }
 
 int am_model_backward(struct am_model *m, int chunk, int slot, const void *dy, void *dx_out, float dloss_scale,

@@ -63,9 +63,6 @@ static int init_shards(struct am_gsync *s, const struct am_gsync_shards *sh, cha
     if (s->reduce != AM_F32 && sh->replicate && !(s->shard_lp = K->alloc(m->dev, s->n_shard * es)))
         return am_fail(err, err_len, "out of memory for the %zu gradient shards in the reduction's dtype", s->n_shard);
     am_model_drop_grads(m);
-    m->grad_use = am_gsync_use;
-    m->grad_use_arg = s;
-    m->grads_each_pass = true;
     return 0;
 }
 
@@ -87,8 +84,6 @@ int am_gsync_init(struct am_gsync *s, struct am_model *m, struct am_comm *dp, bo
     for (int g = 0; g < m->n_groups; g++) /* replicated: dp, unless the caller chose another */
         if (!shards && !m->groups[g].comm)
             m->groups[g].comm = dp;
-    m->grad_ready = am_gsync_group;
-    m->grad_ready_arg = s;
     return shards && dp ? init_shards(s, shards, err, err_len) : 0;
 }
 
@@ -224,9 +219,8 @@ static int progress(struct am_gsync *s, int keep, char *err, size_t err_len)
     return 0;
 }
 
-int am_gsync_use(void *arg, int group, char *err, size_t err_len)
+int am_gsync_use(struct am_gsync *s, int group, char *err, size_t err_len)
 {
-    struct am_gsync *s = arg;
     struct am_model *m = s->m;
     const struct am_pgroup *G = &m->groups[group];
     int b = -1;
@@ -324,9 +318,8 @@ static int reduce(struct am_gsync *s, int group, bool start, char *err, size_t e
                  : am_allreduce(G->comm, r.data, r.data, G->n_elems, s->reduce, AM_SUM, err, err_len);
 }
 
-int am_gsync_group(void *arg, int group, char *err, size_t err_len)
+int am_gsync_group(struct am_gsync *s, int group, char *err, size_t err_len)
 {
-    struct am_gsync *s = arg;
     if (am_model_group_finish(s->m, group, err, err_len) < 0)
         return -1;
     s->state[group] = FINISHED;

@@ -875,6 +875,28 @@ static int grad_ready(void *arg, int group, char *err, size_t err_len)
     return am_gsync_group(&t->sync, group, err, err_len);
 }
 
+/* The model's group_use hook: fully sharded (stage 3), the group's weights gathered. */
+static int group_use(void *arg, int group, bool backward, char *err, size_t err_len)
+{
+    struct trainer *t = arg;
+    return t->zero >= 3 ? am_fsdp_use(&t->fsdp, group, backward, err, err_len) : 0;
+}
+
+/* The model's grad_use hook: sharded gradients (from stage 2) in a buffer of their own. */
+static int grad_use(void *arg, int group, char *err, size_t err_len)
+{
+    struct trainer *t = arg;
+    return t->zero >= 2 ? am_gsync_use(&t->sync, group, err, err_len) : 0;
+}
+
+/* The model's hooks (model.h), installed once. */
+static void install_hooks(struct trainer *t)
+{
+    struct am_model_hooks h = {.group_use = group_use, .grad_use = grad_use, .grad_ready = grad_ready,
+                               .grads_each_pass = t->zero >= 2, .arg = t};
+    am_model_set_hooks(&t->model, &h);
+}
+
 /* Forward and backward of every micro-batch of the step, gradients synchronised over dp. */
 static int forward_backward(struct trainer *t, long step, float dloss_scale, struct am_errors *err)
 {
@@ -1233,8 +1255,7 @@ int am_train(struct am_rank_setup *s, struct am_log *log, struct am_errors *err)
         am_errors_fail(err, "%s", msg);
         goto out;
     }
-    t.model.grad_ready = grad_ready;
-    t.model.grad_ready_arg = &t;
+    install_hooks(&t);
     log_memory(&t);
     if (restore_checkpoint(&t, err) < 0)
         goto out;
