@@ -1,13 +1,16 @@
 /* grad_sync.h - data-parallel gradient synchronisation, one parameter group at a time.
  *
  * Each parameter group of the model (model.h) is reduced over its data-parallel group as
- * soon as the backward has made its gradients final: the model's grad_ready hook calls
- * am_gsync_group, which completes the group's tensor-parallel sums (am_model_group_finish),
- * adds its squared gradients to the model's local_sumsq scalar (so that a non-finite gradient
- * is known to come from this rank before any reduction mixes it with others'), and starts the
- * all-reduce. am_gsync_finish, after the backward, sums a tied embedding's two copies, reduces
- * the groups that hold them, and waits for every reduction: what it waits is the step's
- * "waiting for gradient communication after the backward" (wait_s).
+ * soon as the backward has made its gradients final, the way its strategy (am_pgroup.shard)
+ * says: AM_SHARD_REPLICATED and AM_SHARD_EXPERT all-reduced over the group's comm (dp, or the
+ * experts' expert-data-parallel group), AM_SHARD_SHARDED reduce-scattered into its shard
+ * (below). The model's grad_ready hook calls am_gsync_group, which completes the group's
+ * tensor-parallel sums (am_model_group_finish), adds its squared gradients to the model's
+ * local_sumsq scalar (so that a non-finite gradient is known to come from this rank before
+ * any reduction mixes it with others'), and starts the all-reduce. am_gsync_finish, after
+ * the backward, sums a tied embedding's two copies, reduces the groups that hold them, and
+ * waits for every reduction: what it waits is the step's "waiting for gradient
+ * communication after the backward" (wait_s).
  *
  * Sharded gradients (ZeRO stages 2 and 3, fsdp.h; am_gsync_init with shards): the model's
  * gradient slab is freed and a group's gradients live in one of a few per-group buffers only
@@ -92,11 +95,12 @@ struct am_gsync {
     int32_t *ones;        /* [n_params] on the host */
 };
 
-/* overlap: start reductions in the backward. Sets each replicated group's comm to dp unless
- * the caller set it (the experts' expert-data-parallel group with expert parallelism; a
- * replicated group whose comm has one rank is not all-reduced). shards (NULL: every group
- * replicated): sharded gradients (above): the model's gradient slab is freed, and its hooks
- * must call am_gsync_use (grad_use) and am_gsync_group after every backward (grads_each_pass). */
+/* overlap: start reductions in the backward. Sets each group's comm that is not
+ * AM_SHARD_SHARDED to dp unless the caller set it (the experts' expert-data-parallel group
+ * with expert parallelism; a replicated group whose comm has one rank is not all-reduced).
+ * shards (NULL: no group AM_SHARD_SHARDED): sharded gradients (above): the model's gradient
+ * slab is freed, and its hooks must call am_gsync_use (grad_use) and am_gsync_group after
+ * every backward (grads_each_pass). */
 int am_gsync_init(struct am_gsync *s, struct am_model *m, struct am_comm *dp, bool overlap, enum am_dtype reduce,
                   const struct am_gsync_shards *shards, char *err, size_t err_len);
 void am_gsync_free(struct am_gsync *s);
