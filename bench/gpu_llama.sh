@@ -138,7 +138,7 @@ for run in "${runs[@]}"; do
     flops=$("$build/am-plan" "$r" --gpus-per-node 1 --json | grep -o '"flops_per_step": *[0-9.e+]*' | sed 's/.*: *//')
     read -r am peak < <(am_run "$r")
     [ "$am" = - ] && status=1
-    if [ "$peak" = - ]; then # am did not say: AM_PEAK_TFLOPS, else the same table as am-train's (train.c)
+    if [ "$peak" = - ]; then # am did not say: AM_PEAK_TFLOPS, else the same table as am-train's (train/records.c)
         case "${AM_PEAK_TFLOPS:-}:$gpu" in
         [0-9]*:*) peak=$(awk -v t="$AM_PEAK_TFLOPS" 'BEGIN { printf "%.6g", t * 1e12 }') ;;
         *H100*NVL*) peak=835e12 ;;

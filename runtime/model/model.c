@@ -383,21 +383,21 @@ static int head_group(const struct am_model *m)
 /* The group_use hook (model.h), when there is one. */
 static int use_group(struct am_model *m, int group, bool backward, char *err, size_t err_len)
 {
-    return m->group_use ? m->group_use(m->group_use_arg, group, backward, err, err_len) : 0;
+    return m->hooks.group_use ? m->hooks.group_use(m->hooks.arg, group, backward, err, err_len) : 0;
 }
 
 /* The grad_use hook (model.h), when there is one. */
 static int grad_use(struct am_model *m, int group, char *err, size_t err_len)
 {
-    return m->grad_use ? m->grad_use(m->grad_use_arg, group, err, err_len) : 0;
+    return m->hooks.grad_use ? m->hooks.grad_use(m->hooks.arg, group, err, err_len) : 0;
 }
 
 /* Tells the trainer that a group's gradients are final (model.h, grad_ready). */
 static int group_done(struct am_model *m, int group, char *err, size_t err_len)
 {
-    if (!(m->grads_final || m->grads_each_pass) || !m->grad_ready || m->groups[group].tied)
+    if (!(m->grads_final || m->hooks.grads_each_pass) || !m->hooks.grad_ready || m->groups[group].tied)
         return 0;
-    return m->grad_ready(m->grad_ready_arg, group, err, err_len);
+    return m->hooks.grad_ready(m->hooks.arg, group, err, err_len);
 }
 
 static int check_slot(const struct am_model *m, int chunk, int slot, char *err, size_t err_len)

@@ -223,6 +223,30 @@ struct am_model_where {
 };
 const char *am_model_phase_name(enum am_model_phase p);
 
+/* The trainer's hooks into the passes, installed once (am_model_set_hooks); each is called
+ * with arg first, and NULL means none. Non-zero from a hook fails the pass with its message. */
+struct am_model_hooks {
+    /* Called before group's weights are read: before its forward, and before its backward
+     * (which starts with the recompute under activation checkpointing); backward says which.
+     * The head's group is used for the tied embedding too when head == embed. Fully sharded
+     * data parallelism gathers the group's weights there and points their wc at them. NULL:
+     * the weights are always where init put them. */
+    int (*group_use)(void *arg, int group, bool backward, char *err, size_t err_len);
+    /* Called before a pass writes group's gradients (the head's, then the embedding's it
+     * shares, in the backward or already in the forward that fuses the loss's gradient; a
+     * layer's, then its experts'; the embedding's), so that a trainer that keeps
+     * gradients in per-group buffers (sharded gradients, grad_sync.h) points the group's g
+     * there first. NULL: the gradients are the slab's. */
+    int (*grad_use)(void *arg, int group, char *err, size_t err_len);
+    /* Called when a group's gradients are final: while the model's grads_final is set (the
+     * pipeline sets it for each chunk's last backward of the step), after the group's last
+     * backward kernel; with grads_each_pass after every backward of the group. A tied group
+     * is never signalled. */
+    int (*grad_ready)(void *arg, int group, char *err, size_t err_len);
+    bool grads_each_pass;
+    void *arg;
+};
+
 struct am_model {
     struct am_model_config cfg;
     struct am_model_where where;
@@ -244,28 +268,8 @@ struct am_model {
     int n_params;
     struct am_pgroup *groups;
     int n_groups;
-    /* The backward calls grad_ready(arg, group) when a group's gradients are final: while
-     * grads_final is set (the pipeline sets it for each chunk's last backward of the step),
-     * after the group's last backward kernel. A tied group is never signalled. Non-zero
-     * from grad_ready fails the backward with its message. */
-    int (*grad_ready)(void *arg, int group, char *err, size_t err_len);
-    void *grad_ready_arg;
-    /* Called before group's weights are read: before its forward, and before its backward
-     * (which starts with the recompute under activation checkpointing); backward says which.
-     * The head's group is used for the tied embedding too when head == embed. Fully sharded
-     * data parallelism gathers the group's weights there and points their wc at them. NULL:
-     * the weights are always where init put them. Non-zero fails the pass with its message. */
-    int (*group_use)(void *arg, int group, bool backward, char *err, size_t err_len);
-    void *group_use_arg;
-    /* Called before a pass writes group's gradients (the head's, then the embedding's it
-     * shares, in the backward or already in the forward that fuses the loss's gradient; a
-     * layer's, then its experts'; the embedding's), so that a trainer that keeps
-     * gradients in per-group buffers (sharded gradients, grad_sync.h) points the group's g
-     * there first. NULL: the gradients are the slab's. Non-zero fails the backward. */
-    int (*grad_use)(void *arg, int group, char *err, size_t err_len);
-    void *grad_use_arg;
-    bool grads_final;
-    bool grads_each_pass; /* grad_ready after every backward of a group, not only the final one */
+    struct am_model_hooks hooks; /* the trainer's (am_model_set_hooks); none after am_model_init */
+    bool grads_final; /* set by the pipeline around each chunk's last backward of the step (grad_ready) */
     /* device scalars: loss and sumsq (f64 accumulators), local_sumsq (the trainer's), the
      * fp32 sums over ranks of loss and sumsq, and an i32 flag (all_finite) */
     struct {
@@ -307,6 +311,9 @@ struct am_model {
     struct am_tensor scratch_post;           /* Gemma: [R, C], a post norm's output, and its input's gradient */
     struct am_tensor lora_u, lora_du, lora_dt; /* LoRA: [N, widest output], twice, and [N, r] */
 };
+
+/* Installs the trainer's hooks (after am_model_init, which clears them). */
+static inline void am_model_set_hooks(struct am_model *m, const struct am_model_hooks *h) { m->hooks = *h; }
 
 /* Builds the shard's parameters (zeroed) and activation buffers for each chunk's slots of
  * micro-batches of up to batch x seq_len tokens. tp_comm: the tensor-parallel group (tp > 1); pp_comm: the

@@ -4,9 +4,9 @@
 
 #include "plan.h"
 
-/* Whether the rank at c writes a shard (train.c's rule): sharded state (ZeRO 1-3) is written
- * by the first replica group (HSDP's others hold copies); a full replica by data-parallel and
- * context-parallel rank 0 alone. */
+/* Whether the rank at c writes a shard (the trainer's rule: train/dp.c, am_dp_state): sharded
+ * state (ZeRO 1-3) is written by the first replica group (HSDP's others hold copies); a full
+ * replica by data-parallel and context-parallel rank 0 alone. */
 static bool writes(const struct am_plan *p, const struct am_coords *c)
 {
     if (p->zero_stage >= 1)

@@ -79,8 +79,6 @@ int am_fsdp_init(struct am_fsdp *f, struct am_model *m, struct am_comm *comm, in
     am_model_drop_weights(m);
     for (int s = 0; s < f->n_slots; s++)
         f->slot_group[s] = -1;
-    m->group_use = am_fsdp_use;
-    m->group_use_arg = f;
     return 0;
 }
 
@@ -236,9 +234,8 @@ static int gather(struct am_fsdp *f, int g, int pin, char *err, size_t err_len)
     return 0;
 }
 
-int am_fsdp_use(void *arg, int group, bool backward, char *err, size_t err_len)
+int am_fsdp_use(struct am_fsdp *f, int group, bool backward, char *err, size_t err_len)
 {
-    struct am_fsdp *f = arg;
     const struct am_model *m = f->m;
     int also = am_model_group_also(m, group);
     if (gather(f, group, also, err, err_len) < 0 || (also >= 0 && gather(f, also, group, err, err_len) < 0))

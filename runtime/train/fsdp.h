@@ -85,9 +85,11 @@ struct am_fsdp {
 
 /* Shards the model's groups over comm (the model was built with group_align = its size), or
  * over the communicator a group already carries (G->comm set by the caller: its span must be a
- * multiple of that group's size; the shard is that group's rank's), and
- * takes each shard of the weights init or load put in the model's slabs; stage 3 then frees
- * them and installs the group_use hook. Returns 0, or -1 with a message. */
+ * multiple of that group's size; the shard is that group's rank's), sets each group's strategy
+ * (G->shard: AM_SHARD_SHARDED from stage 2, whose gradients grad_sync.h reduce-scatters, else
+ * AM_SHARD_REPLICATED) and takes each shard of the weights init or load put in the model's
+ * slabs; stage 3 then frees them, and the model's group_use hook must call am_fsdp_use.
+ * Returns 0, or -1 with a message. */
 int am_fsdp_init(struct am_fsdp *f, struct am_model *m, struct am_comm *comm, int stage, bool reshard_after_forward,
                  char *err, size_t err_len);
 /* After the communicators are destroyed (requests still in flight go with them). */
@@ -110,8 +112,8 @@ void am_fsdp_begin_step(struct am_fsdp *f);
  * all-gathers still in flight (a prefetch nobody used) and forgets what is gathered. */
 int am_fsdp_end_step(struct am_fsdp *f, char *err, size_t err_len);
 
-/* The model's group_use hook (model.h). */
-int am_fsdp_use(void *f, int group, bool backward, char *err, size_t err_len);
+/* Stage 3, for the model's group_use hook (model.h): group gathered, the next one prefetched. */
+int am_fsdp_use(struct am_fsdp *f, int group, bool backward, char *err, size_t err_len);
 
 /* Every group's master shards all-gathered into a new fp32 slab of the model's layout, the
  * parameters' w pointed into it (*slab: free it with am_fsdp_release_masters). Collective

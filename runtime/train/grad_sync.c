@@ -63,9 +63,6 @@ static int init_shards(struct am_gsync *s, const struct am_gsync_shards *sh, cha
     if (s->reduce != AM_F32 && sh->replicate && !(s->shard_lp = K->alloc(m->dev, s->n_shard * es)))
         return am_fail(err, err_len, "out of memory for the %zu gradient shards in the reduction's dtype", s->n_shard);
     am_model_drop_grads(m);
-    m->grad_use = am_gsync_use;
-    m->grad_use_arg = s;
-    m->grads_each_pass = true;
     return 0;
 }
 
@@ -85,10 +82,8 @@ int am_gsync_init(struct am_gsync *s, struct am_model *m, struct am_comm *dp, bo
     if (!s->state || !s->reqs)
         return am_fail(err, err_len, "out of memory for %d parameter groups", m->n_groups);
     for (int g = 0; g < m->n_groups; g++) /* replicated: dp, unless the caller chose another */
-        if (!shards && !m->groups[g].comm)
+        if (m->groups[g].shard != AM_SHARD_SHARDED && !m->groups[g].comm)
             m->groups[g].comm = dp;
-    m->grad_ready = am_gsync_group;
-    m->grad_ready_arg = s;
     return shards && dp ? init_shards(s, shards, err, err_len) : 0;
 }
 
@@ -224,9 +219,8 @@ static int progress(struct am_gsync *s, int keep, char *err, size_t err_len)
     return 0;
 }
 
-int am_gsync_use(void *arg, int group, char *err, size_t err_len)
+int am_gsync_use(struct am_gsync *s, int group, char *err, size_t err_len)
 {
-    struct am_gsync *s = arg;
     struct am_model *m = s->m;
     const struct am_pgroup *G = &m->groups[group];
     int b = -1;
@@ -324,17 +318,22 @@ static int reduce(struct am_gsync *s, int group, bool start, char *err, size_t e
                  : am_allreduce(G->comm, r.data, r.data, G->n_elems, s->reduce, AM_SUM, err, err_len);
 }
 
-int am_gsync_group(void *arg, int group, char *err, size_t err_len)
+int am_gsync_group(struct am_gsync *s, int group, char *err, size_t err_len)
 {
-    struct am_gsync *s = arg;
+    const struct am_pgroup *G = &s->m->groups[group];
     if (am_model_group_finish(s->m, group, err, err_len) < 0)
         return -1;
     s->state[group] = FINISHED;
-    if (s->shard_g) /* HSDP: the previous groups' all-reduces started as this one's reduce-scatter is */
+    switch (G->shard) {
+    case AM_SHARD_SHARDED: /* HSDP: the previous groups' all-reduces started as this one's reduce-scatter is */
         return send_group(s, group, s->m->grads_final, err, err_len) < 0 ||
-                       (s->m->groups[group].replicate && progress(s, 1, err, err_len) < 0)
+                       (G->replicate && progress(s, 1, err, err_len) < 0)
                    ? -1
                    : 0;
+    case AM_SHARD_REPLICATED: /* all-reduced over G->comm: dp, or the experts' expert-data-parallel group */
+    case AM_SHARD_EXPERT:
+        break;
+    }
     return s->overlap ? reduce(s, group, true, err, err_len) : 0;
 }
 
@@ -344,7 +343,7 @@ int am_gsync_finish(struct am_gsync *s, char *err, size_t err_len)
     double t0 = am_mono_time();
     int rc = am_model_finish_tied(m, err, err_len);
     for (int g = 0; g < m->n_groups && rc == 0; g++) {
-        if (s->shard_g) { /* a tied copy, held for the step */
+        if (m->groups[g].shard == AM_SHARD_SHARDED) { /* a tied copy, held for the step */
             bool held = false;
             for (int b = 0; b < s->n_bufs; b++)
                 held |= s->buf_group[b] == g;

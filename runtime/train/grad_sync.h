@@ -1,13 +1,16 @@
 /* grad_sync.h - data-parallel gradient synchronisation, one parameter group at a time.
  *
  * Each parameter group of the model (model.h) is reduced over its data-parallel group as
- * soon as the backward has made its gradients final: the model's grad_ready hook calls
- * am_gsync_group, which completes the group's tensor-parallel sums (am_model_group_finish),
- * adds its squared gradients to the model's local_sumsq scalar (so that a non-finite gradient
- * is known to come from this rank before any reduction mixes it with others'), and starts the
- * all-reduce. am_gsync_finish, after the backward, sums a tied embedding's two copies, reduces
- * the groups that hold them, and waits for every reduction: what it waits is the step's
- * "waiting for gradient communication after the backward" (wait_s).
+ * soon as the backward has made its gradients final, the way its strategy (am_pgroup.shard)
+ * says: AM_SHARD_REPLICATED and AM_SHARD_EXPERT all-reduced over the group's comm (dp, or the
+ * experts' expert-data-parallel group), AM_SHARD_SHARDED reduce-scattered into its shard
+ * (below). The model's grad_ready hook calls am_gsync_group, which completes the group's
+ * tensor-parallel sums (am_model_group_finish), adds its squared gradients to the model's
+ * local_sumsq scalar (so that a non-finite gradient is known to come from this rank before
+ * any reduction mixes it with others'), and starts the all-reduce. am_gsync_finish, after
+ * the backward, sums a tied embedding's two copies, reduces the groups that hold them, and
+ * waits for every reduction: what it waits is the step's "waiting for gradient
+ * communication after the backward" (wait_s).
  *
  * Sharded gradients (ZeRO stages 2 and 3, fsdp.h; am_gsync_init with shards): the model's
  * gradient slab is freed and a group's gradients live in one of a few per-group buffers only
@@ -92,11 +95,12 @@ struct am_gsync {
     int32_t *ones;        /* [n_params] on the host */
 };
 
-/* overlap: start reductions in the backward. Installs am_gsync_group as m's grad_ready hook
- * (a caller with a hook of its own calls am_gsync_group from it) and sets each replicated
- * group's comm to dp unless the caller set it (the experts' expert-data-parallel group with
- * expert parallelism; a replicated group whose comm has one rank is not all-reduced). shards (NULL: every group replicated): sharded gradients (above): the
- * model's gradient slab is freed and am_gsync_use installed as its grad_use hook. */
+/* overlap: start reductions in the backward. Sets each group's comm that is not
+ * AM_SHARD_SHARDED to dp unless the caller set it (the experts' expert-data-parallel group
+ * with expert parallelism; a replicated group whose comm has one rank is not all-reduced).
+ * shards (NULL: no group AM_SHARD_SHARDED): sharded gradients (above): the model's gradient
+ * slab is freed, and its hooks must call am_gsync_use (grad_use) and am_gsync_group after
+ * every backward (grads_each_pass). */
 int am_gsync_init(struct am_gsync *s, struct am_model *m, struct am_comm *dp, bool overlap, enum am_dtype reduce,
                   const struct am_gsync_shards *shards, char *err, size_t err_len);
 void am_gsync_free(struct am_gsync *s);
@@ -110,12 +114,12 @@ size_t am_gsync_buffer_bytes(const struct am_gsync *s);
 /* Before the step's first backward: the gradient shards zeroed (they accumulate). */
 void am_gsync_begin_step(struct am_gsync *s);
 
-/* The model's grad_use hook: group's gradients in a buffer of their own (sharded). */
-int am_gsync_use(void *s, int group, char *err, size_t err_len);
+/* For the model's grad_use hook: group's gradients in a buffer of their own (sharded). */
+int am_gsync_use(struct am_gsync *s, int group, char *err, size_t err_len);
 
 /* Group g's gradients are final (sharded: its backward ended): its tp sums, its share of
- * local_sumsq, and (overlapped) its reduction started. The model's grad_ready hook. */
-int am_gsync_group(void *s, int group, char *err, size_t err_len);
+ * local_sumsq, and (overlapped) its reduction started. For the model's grad_ready hook. */
+int am_gsync_group(struct am_gsync *s, int group, char *err, size_t err_len);
 
 /* After the step's backward: tied copies, the groups not yet reduced, then every wait. */
 int am_gsync_finish(struct am_gsync *s, char *err, size_t err_len);

@@ -1,7 +1,9 @@
-/* resume.c - the trainer's sharded checkpoints: save and restore (resume.h). */
+/* resume.c - the trainer's sharded checkpoints: what they hold, saved and restored
+ * (resume.h), and when the trainer saves and restores them (trainer.h). */
 #include "resume.h"
 
 #include <errno.h>
+#include <libgen.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -9,6 +11,9 @@
 #include "checkpoint.h"
 #include "errors.h"
 #include "log.h"
+#include "model_io.h"
+#include "preempt.h"
+#include "trainer.h"
 #include "util.h"
 
 /* ---- the layout: runs of a parameter's elements in the state arrays --------------------------- */
@@ -437,5 +442,145 @@ int am_train_restore(const struct am_train_state *s, const char *dir, long *step
         return am_fail(err, err_len, "checkpoint %s: the ranks read different steps (%d and %d): the directory "
                        "changed while they read it", dir, -neg[1], v[1]);
     *step = got;
+    return 0;
+}
+
+/* ---- the trainer's checkpoints: when it saves and restores (trainer.h) ---------------------------- */
+
+/* The Hugging Face export of the weights (checkpoint.save_consolidated) into dir: one replica
+ * saves (cp rank 0 of it), its tp and pp ranks together (pp 0 / tp 0 writes); fully sharded,
+ * the shard groups first gather the masters; with ep > 1 every rank first gathers its ep
+ * group's experts. */
+static int save_hf(struct trainer *t, const char *dir, struct am_errors *err)
+{
+    void *slab = NULL;
+    if (t->model.sh.lora_r > 0) { /* LoRA: the adapters, as peft saves them; the base is the model directory */
+        bool saves = t->dp_rank == 0 && !(t->g.cp && am_comm_rank(t->g.cp) != 0);
+        char base[4096];
+        const char *model_dir = NULL; /* the adapters' base_model_name_or_path: the base's directory */
+        if (t->base_config[0]) {
+            snprintf(base, sizeof(base), "%s", t->base_config);
+            model_dir = dirname(base);
+        }
+        return am_model_save_peft_dist(&t->model, t->p->tp > 1 ? t->g.tp : NULL, t->p->pp > 1 ? t->g.pp : NULL,
+                                       saves, dir, model_dir, err);
+    }
+    char msg[1024];
+    if (am_dp_gather_weights(&t->dp, &slab, msg, sizeof(msg)) < 0) {
+        am_dp_release_weights(&t->dp, slab);
+        return am_errors_fail(err, "%s", msg);
+    }
+    bool saves = t->dp_rank == 0 && !(t->g.cp && am_comm_rank(t->g.cp) != 0);
+    int rc = !saves && t->p->ep == 1
+                 ? 0
+                 : am_model_save_hf_ep(&t->model, t->p->tp > 1 ? t->g.tp : NULL, t->p->pp > 1 ? t->g.pp : NULL,
+                                       t->p->ep > 1 ? t->g.ep : NULL, saves, dir,
+                                       t->base_config[0] ? t->base_config : NULL, err);
+    am_dp_release_weights(&t->dp, slab);
+    return rc;
+}
+
+static int save_hf_extra(void *arg, const char *tmp_dir, char *err, size_t err_len)
+{
+    struct trainer *t = arg;
+    char dir[4200];
+    struct am_errors e;
+    am_errors_init(&e);
+    bool lora = t->model.sh.lora_r > 0;
+    snprintf(dir, sizeof(dir), "%s/%s", tmp_dir, lora ? "peft" : "hf");
+    int rc = save_hf(t, dir, &e);
+    if (rc < 0)
+        snprintf(err, err_len, "%s: %s", lora ? "the LoRA adapters (peft)" : "the Hugging Face export",
+                 e.n ? e.msg[0] : "failed");
+    am_errors_free(&e);
+    return rc;
+}
+
+/* What resume.h saves and restores of this rank. */
+static struct am_train_state train_state(struct trainer *t)
+{
+    const char *job = getenv("AM_JOB_ID");
+    struct am_train_state st = {
+        .job = {t->g.tp, t->g.pp, t->g.dp, t->g.cp}, .rank = t->s->info.rank, .world = t->s->info.size,
+        .r = t->r, .p = t->p, .tag = job && *job ? job : "0", .hook = am_train_fault_in_save, .hook_arg = t,
+        .extra = t->r->ckpt.save_consolidated || t->model.sh.lora_r > 0 ? save_hf_extra : NULL, .extra_arg = t};
+    am_dp_state(&t->dp, &st); /* the arrays' layout, and whether this rank writes them */
+    return st;
+}
+
+/* A sharded checkpoint (resume.h) of the state after `step` steps, with the Hugging Face
+ * export inside it when checkpoint.save_consolidated (every checkpoint, or with `final` the
+ * one at the end of training). */
+int am_train_save_checkpoint(struct trainer *t, long step, struct am_errors *err)
+{
+    if (!t->r->ckpt.enabled)
+        return 0;
+    struct am_train_state st = train_state(t);
+    if (t->r->ckpt.consolidated_final && t->model.sh.lora_r == 0 && step != t->r->steps.max_steps)
+        st.extra = NULL; /* save_consolidated: final: the Hugging Face directory with the last checkpoint only */
+    char dir[4096], msg[2048];
+    double secs = 0;
+    /* its end is the "checkpoint" record: am-diag reports a save that began and did not end */
+    am_log_record(t->log, "checkpoint_start", json_pack("{s:i,s:f}", "step", (int)step, "time", am_wall_time()));
+    if (am_train_save(&st, step, dir, sizeof(dir), &secs, msg, sizeof(msg)) < 0)
+        return am_errors_fail(err, "%s", msg);
+    am_log_record(t->log, "checkpoint", json_pack("{s:i,s:s,s:f,s:s,s:b,s:f}", "step", (int)step, "dir", dir,
+                                                  "seconds", secs, "format", "sharded", "writes", st.writes, "time",
+                                                  am_wall_time()));
+    return 0;
+}
+
+/* Slurm's warning before the time limit (preempt.h), agreed by every rank at the end of each
+ * step: 1 when the ranks stop after `step` (saved; `saved` when ckpt_every_steps did it). */
+int am_train_preempt_check(struct trainer *t, long step, bool saved, struct am_errors *err)
+{
+    struct am_train_state st = train_state(t);
+    int32_t warned = am_preempt_noted();
+    char msg[1024];
+    if (am_train_job_max(&st, &warned, 1, msg, sizeof(msg)) < 0)
+        return am_errors_fail(err, "step %ld: agreeing on Slurm's warning (SIGUSR1): %s", step, msg);
+    if (!warned)
+        return 0;
+    if (!saved && am_train_save_checkpoint(t, step, err) < 0)
+        return -1;
+    am_log_record(t->log, "preempted", json_pack("{s:i,s:f,s:i}", "step", (int)step, "time", am_wall_time(),
+                                                 "exit", AM_EXIT_REQUEUE));
+    if (t->s->info.rank == 0)
+        printf("am-train: warned (SIGUSR1): saved the state after step %ld, stopping for a requeue (status %d)\n",
+               step, AM_EXIT_REQUEUE);
+    return 1;
+}
+
+/* checkpoint.restore_from: the state of a sharded checkpoint (resume.h), saved at any layout;
+ * `latest` before any checkpoint exists starts from the beginning. */
+int am_train_restore_checkpoint(struct trainer *t, struct am_errors *err)
+{
+    const struct am_recipe *r = t->r;
+    const char *root = r->ckpt.dir ? r->ckpt.dir : "checkpoints";
+    char dir[4096], msg[2048];
+    bool found = false;
+    long step = 0;
+    double t0 = am_mono_time();
+    if (!r->ckpt.restore_from || !*r->ckpt.restore_from)
+        return 0;
+    if (am_sckpt_resolve(root, r->ckpt.restore_from, dir, sizeof(dir), &found, msg, sizeof(msg)) < 0)
+        return am_errors_fail(err, "%s", msg);
+    if (!found) {
+        am_log_record(t->log, "restore", json_pack("{s:s,s:b}", "from", r->ckpt.restore_from, "found", 0));
+        return 0;
+    }
+    struct am_train_state st = train_state(t);
+    if (am_train_restore(&st, dir, &step, msg, sizeof(msg)) < 0)
+        return am_errors_fail(err, "checkpoint.restore_from: %s", msg);
+    if (step > r->steps.max_steps)
+        return am_errors_fail(err, "checkpoint.restore_from: %s was saved after step %ld, past max_steps %ld: raise "
+                              "step_scheduler.max_steps", dir, step, r->steps.max_steps);
+    if (am_dp_restored(&t->dp, msg, sizeof(msg)) < 0)
+        return am_errors_fail(err, "checkpoint.restore_from: %s", msg);
+    t->start_step = step;
+    am_log_record(t->log, "restore", json_pack("{s:s,s:b,s:s,s:i,s:f}", "from", r->ckpt.restore_from, "found", 1,
+                                               "dir", dir, "step", (int)step, "seconds", am_mono_time() - t0));
+    if (t->s->info.rank == 0)
+        printf("am-train: resumed from %s after step %ld\n", dir, step);
     return 0;
 }

@@ -2,13 +2,14 @@
  *
  * After am_rank_setup (rank/rank_setup.h) has bootstrapped the rank, read the recipe
  * and placed the rank in the mesh, am_train builds the communicators (all groups at once,
- * in one order), the model shard, the data and the optimizer, and runs
+ * in one order), the model shard, the data and its data parallelism (dp.h: the optimizer's
+ * state replicated or sharded), and runs
  * step_scheduler.max_steps optimizer steps:
  *   for each of grad_accum micro-steps: local_batch samples through the pipeline schedule
  *   (pipeline.h; micro-batches of pp_microbatch_size, or one without pipelining), forward +
  *   backward (gradients accumulate, scaled so that their sum is the gradient of the global
  *   batch's mean token loss); tensor-parallel and tied-embedding gradient sums;
- *   data-parallel all-reduce of the gradients; global norm and clipping;
+ *   data-parallel reduction of the gradients (grad_sync.h); global norm and clipping;
  *   AdamW with the scheduled learning rate; a step record in the rank's log; rank 0 prints
  *   one line per step; checkpoints every ckpt_every_steps when checkpoint.enabled.
  * Data: step s reads global samples [s * global_batch, (s + 1) * global_batch); data-parallel

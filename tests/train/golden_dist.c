@@ -12,7 +12,7 @@
  * baseline of the same sequence.)
  *
  * Every rank sets up as am-train does (rank_setup.h), builds its communicators as am-train
- * does (groups.h), and its shard as build_model does (am_pipe_init, am_model_init, am_pipe_bind, am_model_load_hf of the case). Then 5 steps on the golden batch
+ * does (groups.h), and its shard as am_train_build_model does (setup.c: am_pipe_init, am_model_init, am_pipe_bind, am_model_load_hf of the case). Then 5 steps on the golden batch
  * as train.c's run() does them (with one data-parallel rank, nothing to reduce over dp): zero
  * the gradients, am_pipe_run, am_model_finish_grads, the loss summed over the pp group (only
  * the last stage has it, am_model_reduce_loss), am_model_grad_sumsq, am_optim_step at
@@ -260,12 +260,12 @@ static int run_series(struct dist *d, const struct golden *G, bool clip, struct 
     struct am_comm *pp = p->pp > 1 ? d->g.pp : NULL;
     char msg[1024];
     int rc = -1;
-    /* build_model */
+    /* am_train_build_model */
     if (am_pipe_init(&pipe, p, r, &d->s->coords, &sh, msg, sizeof(msg)) < 0) {
         am_errors_fail(err, "%s", msg);
         goto out;
     }
-    if (G->lora) { /* as am-train's build_model */
+    if (G->lora) { /* as am-train's am_train_build_model */
         sh.lora_r = (int)r->peft.dim;
         sh.lora_alpha = (float)r->peft.alpha;
         sh.lora_targets = r->peft.targets & ((1u << AM_LORA_NPROJ) - 1);

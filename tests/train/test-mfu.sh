@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# test-mfu.sh - the step's MFU (train.c): with AM_PEAK_TFLOPS set, every step record holds
+# test-mfu.sh - the step's MFU (train/records.c): with AM_PEAK_TFLOPS set, every step record holds
 # flops (this rank's share of am-plan's flops_per_step), peak_flops and mfu, and mfu equals
 # flops / step_s / peak_flops of the same record; rank 0's step line shows it; without a peak
 # (the CPU) there is no mfu field and no MFU in the line; a bad AM_PEAK_TFLOPS is refused

@@ -1,0 +1,148 @@
+/* setup.c - the rank's communicators, watchdog, model and data parallelism (trainer.h). */
+#include <libgen.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "comm.h"
+#include "model_io.h"
+#include "packed.h"
+#include "ring.h"
+#include "trainer.h"
+
+int am_train_build_comms(struct trainer *t, struct am_errors *err)
+{
+    enum am_comm_backend be = t->dev.device == AM_DEV_CUDA ? AM_COMM_NCCL : AM_COMM_UCX;
+    if (am_groups_build(&t->g, t->s, be, t->dev.ordinal, &t->flight, t->hosts, err) < 0) {
+        t->comm_init_failed = true;
+        return -1;
+    }
+    /* NCCL, ordered against the compute stream (comm.h): the tensor- and data-parallel groups
+     * on the compute stream itself (collectives after the kernels that wrote their buffers,
+     * kernels after the collectives they read; non-blocking ones on the group's communication
+     * stream, joined by events); the pipeline's groups on streams of their own that wait for
+     * the compute stream before each call (a send's kernel waits for the peer's receive and
+     * must not hold the compute stream) */
+    for (int g = 0; be == AM_COMM_NCCL && g < t->g.set.n; g++) {
+        struct am_comm *c = t->g.comms[g];
+        char msg[AM_COMM_ERR_LEN];
+        if (!c)
+            continue;
+        if (c != t->g.pp && c != t->g.pp_grad)
+            am_comm_set_stream(c, t->dev.stream);
+        else if (am_comm_set_stream_after(c, t->dev.stream, msg, sizeof(msg)) < 0)
+            return am_errors_fail(err, "%s", msg);
+    }
+    t->dp_rank = am_comm_rank(t->g.dp);
+    t->grad_dp = t->g.dp_cp;
+    am_train_log_groups(t);
+    return 0;
+}
+
+int am_train_start_watchdog(struct trainer *t, struct am_errors *err)
+{
+    char msg[512];
+    t->wd.flight = &t->flight;
+    t->wd.ctx = t->g.ctx;
+    t->wd.log = t->log;
+    t->wd.hosts = t->hosts;
+    t->wd.n_hosts = t->s->info.size;
+    t->wd.rank = t->s->info.rank;
+    if (am_watchdog_start(&t->wd, msg, sizeof(msg)) < 0)
+        return am_errors_fail(err, "%s", msg);
+    return 0;
+}
+
+/* CUDA: the caching allocator's arena; it grows past that when the estimate falls short */
+void am_train_reserve(struct trainer *t)
+{
+    if (t->K->reserve && am_train_plan_bytes(t) > 0 && t->K->reserve(&t->dev, (size_t)am_train_plan_bytes(t)) < 0)
+        fprintf(stderr, "am-train: rank %d: could not reserve the plan's %.0f bytes on %s up front; allocating as "
+                "the run goes\n", t->s->info.rank, am_train_plan_bytes(t), t->dev.name);
+}
+
+/* AM_GRAD_OVERLAP=0 reduces the gradients after the backward instead of during it. */
+static bool grad_overlap(void)
+{
+    const char *v = getenv("AM_GRAD_OVERLAP");
+    return !(v && strcmp(v, "0") == 0);
+}
+
+/* Replicated or sharded (dp.h), by am-plan's ZeRO stage, on the mesh's groups. */
+static void choose_dp(struct trainer *t)
+{
+    const struct am_plan *p = t->p;
+    struct am_dp_config c = {
+        .zero = p->zero_stage, .grad_comm = p->dp * p->cp > 1 ? t->grad_dp : NULL, .shard = t->g.dp_shard,
+        .replicate = t->g.dp_replicate, .dp = t->g.dp, .cp = t->g.cp, .overlap = grad_overlap(),
+        .reshard_after_forward = t->r->dist.reshard_after_forward, .reduce = t->r->reduce_dtype, .dev = &t->dev,
+        .r = t->r};
+    am_dp_choose(&t->dp, &c);
+}
+
+/* LoRA: the adapters as peft and AutoModel start them (B zero, A by peft.lora_A_init), from
+ * rng.seed: every layout starts the same adapters. */
+static void init_adapters(struct trainer *t)
+{
+    if (t->model.sh.lora_r > 0)
+        am_model_init_lora(&t->model, (uint64_t)t->r->seed, t->r->peft.a_init == AM_LORA_INIT_KAIMING);
+}
+
+/* Weights: the checkpoint named by the recipe when it has any, else a random init. */
+int am_train_build_model(struct trainer *t, struct am_errors *err)
+{
+    const struct am_recipe *r = t->r;
+    const struct am_plan *p = t->p;
+    char msg[512];
+    struct am_model_shard sh;
+    if (am_pipe_init(&t->pipe, p, r, &t->s->coords, &sh, msg, sizeof(msg)) < 0)
+        return am_errors_fail(err, "%s", msg);
+    sh.ep = p->ep; /* expert parallelism: this rank's share of the experts (moe.h) */
+    if (r->peft.enabled) { /* LoRA (model.h): the adapters on the targeted projections, the base frozen */
+        sh.lora_r = (int)r->peft.dim;
+        sh.lora_alpha = (float)r->peft.alpha;
+        sh.lora_targets = r->peft.targets & ((1u << AM_LORA_NPROJ) - 1); /* recipe.h's order of the projections */
+    }
+    sh.ep_rank = p->ep > 1 ? am_comm_rank(t->g.ep) : 0;
+    struct am_comm *pp = p->pp > 1 ? t->g.pp : NULL;
+    choose_dp(t);
+    sh.group_align = am_dp_group_align(&t->dp);
+    /* context parallelism: each rank holds seq_length / cp rows of every sequence (ring.h) */
+    if (am_model_init(&t->model, &r->model, &sh, &t->dev, t->g.tp, pp, p->microbatch_size, p->seq_length / p->cp, msg,
+                      sizeof(msg)) < 0 ||
+        (p->cp > 1 && am_cp_init(&t->model, t->g.cp, p->seq_length, msg, sizeof(msg)) < 0) ||
+        (r->packed_sequence_size > 0 && am_packed_init(&t->model, p->seq_length, msg, sizeof(msg)) < 0) ||
+        am_pipe_bind(&t->pipe, &t->model, p->microbatch_size, pp, p->pp > 1 ? t->g.pp_grad : NULL, msg,
+                     sizeof(msg)) < 0)
+        return am_errors_fail(err, "%s", msg);
+    t->model.ep_comm = p->ep > 1 ? t->g.ep : NULL;
+    t->base_config[0] = '\0';
+    if (strcmp(r->model_source, "inline") != 0) {
+        snprintf(t->base_config, sizeof(t->base_config), "%s", r->model_source);
+        char dir[4096];
+        snprintf(dir, sizeof(dir), "%s", r->model_source);
+        dirname(dir);
+        if (am_model_dir_has_weights(dir)) {
+            if (am_model_load_hf(&t->model, dir, err) < 0)
+                return -1;
+            init_adapters(t);
+            return 0;
+        }
+    }
+    am_model_init_weights(&t->model, (uint64_t)r->seed);
+    init_adapters(t);
+    return 0;
+}
+
+int am_train_build_dp(struct trainer *t, struct am_errors *err)
+{
+    char msg[512];
+    /* with expert parallelism the experts are sharded, and their gradients reduced, over the
+     * ranks holding the same ones (fsdp.h; one rank when ep = dp: a communicator of one) */
+    for (int g = 0; t->p->ep > 1 && g < t->model.n_groups; g++)
+        if (t->model.groups[g].kind == AM_PG_EXPERTS)
+            t->model.groups[g].comm = t->g.edp;
+    if (am_dp_init(&t->dp, &t->model, msg, sizeof(msg)) < 0)
+        return am_errors_fail(err, "%s", msg);
+    return 0;
+}
