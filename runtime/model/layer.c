@@ -81,9 +81,6 @@ void am_layer_params(struct am_model *m, int l, int local)
  * layer, B beside a row-parallel one) summed in am_model_finish_grads. */
 void am_layer_lora_params(struct am_model *m, int l, struct am_layer *L)
 {
-    static const char *const names[AM_LORA_NPROJ] = {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
-                                                     "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
-                                                     "mlp.down_proj"};
     const struct am_param *base[AM_LORA_NPROJ] = {L->wq, L->wk, L->wv, L->wo, L->w_gate, L->w_up, L->w_down};
     int64_t rk = m->sh.lora_r;
     for (int t = 0; rk > 0 && t < AM_LORA_NPROJ; t++) {
@@ -97,9 +94,9 @@ void am_layer_lora_params(struct am_model *m, int l, struct am_layer *L)
             b0 = base[t]->row0;
         }
         char n[128];
-        snprintf(n, sizeof(n), "model.layers.%d.%s.lora_A.weight", l, names[t]);
+        snprintf(n, sizeof(n), "model.layers.%d.%s.lora_A.weight", l, am_lora_target_path(t));
         L->lora_a[t] = add_param(m, n, rk, a_cols, row ? AM_SPLIT_COLS : AM_SPLIT_NONE, rk, in, 0, a0);
-        snprintf(n, sizeof(n), "model.layers.%d.%s.lora_B.weight", l, names[t]);
+        snprintf(n, sizeof(n), "model.layers.%d.%s.lora_B.weight", l, am_lora_target_path(t));
         L->lora_b[t] = add_param(m, n, b_rows, rk, row ? AM_SPLIT_NONE : AM_SPLIT_ROWS, out, rk, b0, 0);
         struct am_param *partial = row ? L->lora_b[t] : L->lora_a[t];
         partial->partial_in_tp = m->sh.tp > 1;
@@ -277,8 +274,8 @@ int am_layer_forward(struct am_model *m, const struct am_layer *L, struct am_lay
             K->bias_forward(m->dev, &q_raw, &L->bq->wc);
             K->bias_forward(m->dev, &k_raw, &L->bk->wc);
         }
-        lora_forward(m, L, a, AM_LORA_PQ, &q_raw, &in);
-        lora_forward(m, L, a, AM_LORA_PK, &k_raw, &in);
+        lora_forward(m, L, a, AM_LORA_Q, &q_raw, &in);
+        lora_forward(m, L, a, AM_LORA_K, &k_raw, &in);
         struct am_tensor qr = head_rows(&q_raw, N * m->heads, D), kr = head_rows(&k_raw, N * m->kv_heads, D);
         struct am_tensor qn = head_rows(&q, N * m->heads, D), kn = head_rows(&k, N * m->kv_heads, D);
         struct am_tensor rq = rows_of(&a->rstd_q, N * m->heads), rk = rows_of(&a->rstd_k, N * m->kv_heads);
@@ -291,13 +288,13 @@ int am_layer_forward(struct am_model *m, const struct am_layer *L, struct am_lay
             K->bias_forward(m->dev, &q, &L->bq->wc);
             K->bias_forward(m->dev, &k, &L->bk->wc);
         }
-        lora_forward(m, L, a, AM_LORA_PQ, &q, &in);
-        lora_forward(m, L, a, AM_LORA_PK, &k, &in);
+        lora_forward(m, L, a, AM_LORA_Q, &q, &in);
+        lora_forward(m, L, a, AM_LORA_K, &k, &in);
     }
     K->matmul_forward(m->dev, &v, &in, &L->wv->wc);
     if (L->bv)
         K->bias_forward(m->dev, &v, &L->bv->wc);
-    lora_forward(m, L, a, AM_LORA_PV, &v, &in);
+    lora_forward(m, L, a, AM_LORA_V, &v, &in);
     struct am_tensor q4 = heads_of(&q, B, T, m->heads, D), k4 = heads_of(&k, B, T, m->kv_heads, D);
     struct am_tensor v4 = heads_of(&v, B, T, m->kv_heads, D), att4 = heads_of(&att, B, T, m->heads, D);
     rope(m, L, &q4, &k4, false);
@@ -315,7 +312,7 @@ int am_layer_forward(struct am_model *m, const struct am_layer *L, struct am_lay
         K->attention_forward(m->dev, &att4, &lse, &q4, &k4, &v4, L->window);
     }
     K->matmul_forward(m->dev, &o, &att, &L->wo->wc);
-    lora_forward(m, L, a, AM_LORA_PO, &o, &att);
+    lora_forward(m, L, a, AM_LORA_O, &o, &att);
     if (L->post_attn_norm) {
         struct am_tensor oa = rows_of(&a->o_att, R), ra = rows_of(&a->rstd_oa, R);
         if (add_post_norm(m, x, &o, &oa, &ra, L->post_attn_norm, err, err_len) < 0)
@@ -337,14 +334,14 @@ int am_layer_forward(struct am_model *m, const struct am_layer *L, struct am_lay
     }
     K->matmul_forward(m->dev, &gate, &in, &L->w_gate->wc);
     K->matmul_forward(m->dev, &up, &in, &L->w_up->wc);
-    lora_forward(m, L, a, AM_LORA_PGATE, &gate, &in);
-    lora_forward(m, L, a, AM_LORA_PUP, &up, &in);
+    lora_forward(m, L, a, AM_LORA_GATE, &gate, &in);
+    lora_forward(m, L, a, AM_LORA_UP, &up, &in);
     if (m->cfg.gemma)
         K->geglu_forward(m->dev, &act, &gate, &up);
     else
         K->swiglu_forward(m->dev, &act, &gate, &up);
     K->matmul_forward(m->dev, &o, &act, &L->w_down->wc);
-    lora_forward(m, L, a, AM_LORA_PDOWN, &o, &act);
+    lora_forward(m, L, a, AM_LORA_DOWN, &o, &act);
     if (L->post_mlp_norm) {
         struct am_tensor om = rows_of(&a->o_mlp, R), rm = rows_of(&a->rstd_om, R);
         return add_post_norm(m, x, &o, &om, &rm, L->post_mlp_norm, err, err_len);
@@ -393,7 +390,7 @@ int am_layer_backward(struct am_model *m, const struct am_layer *L, const struct
     }
     K->zero(m->dev, &dact);
     K->matmul_backward(m->dev, &dact, base_grad(m, L->w_down), &dy, &act, &L->w_down->wc);
-    lora_backward(m, L, a, AM_LORA_PDOWN, &dact, &dy, &act);
+    lora_backward(m, L, a, AM_LORA_DOWN, &dact, &dy, &act);
     K->zero(m->dev, &dgate);
     K->zero(m->dev, &dup);
     if (m->cfg.gemma)
@@ -405,8 +402,8 @@ int am_layer_backward(struct am_model *m, const struct am_layer *L, const struct
     K->zero(m->dev, &dh);
     K->matmul_backward(m->dev, &dh, base_grad(m, L->w_gate), &dgate, &in, &L->w_gate->wc);
     K->matmul_backward(m->dev, &dh, base_grad(m, L->w_up), &dup, &in, &L->w_up->wc);
-    lora_backward(m, L, a, AM_LORA_PGATE, &dh, &dgate, &in);
-    lora_backward(m, L, a, AM_LORA_PUP, &dh, &dup, &in);
+    lora_backward(m, L, a, AM_LORA_GATE, &dh, &dgate, &in);
+    lora_backward(m, L, a, AM_LORA_UP, &dh, &dup, &in);
     if (am_norm_backward(m, dx, L->mlp_norm, &dh, &x_mid, &rstd2, err, err_len) < 0)
         return -1;
 
@@ -423,7 +420,7 @@ attention:;
     }
     K->zero(m->dev, &datt);
     K->matmul_backward(m->dev, &datt, base_grad(m, L->wo), &dy, &att, &L->wo->wc);
-    lora_backward(m, L, a, AM_LORA_PO, &datt, &dy, &att);
+    lora_backward(m, L, a, AM_LORA_O, &datt, &dy, &att);
     K->zero(m->dev, &dq);
     K->zero(m->dev, &dk);
     K->zero(m->dev, &dv);
@@ -472,8 +469,8 @@ attention:;
     K->matmul_backward(m->dev, &dh, base_grad(m, L->wq), &dq, &in, &L->wq->wc);
     K->matmul_backward(m->dev, &dh, base_grad(m, L->wk), &dk, &in, &L->wk->wc);
     K->matmul_backward(m->dev, &dh, base_grad(m, L->wv), &dv, &in, &L->wv->wc);
-    lora_backward(m, L, a, AM_LORA_PQ, &dh, &dq, &in);
-    lora_backward(m, L, a, AM_LORA_PK, &dh, &dk, &in);
-    lora_backward(m, L, a, AM_LORA_PV, &dh, &dv, &in);
+    lora_backward(m, L, a, AM_LORA_Q, &dh, &dq, &in);
+    lora_backward(m, L, a, AM_LORA_K, &dh, &dk, &in);
+    lora_backward(m, L, a, AM_LORA_V, &dh, &dv, &in);
     return am_norm_backward(m, dx, L->attn_norm, &dh, &x_in, &rstd1, err, err_len);
 }

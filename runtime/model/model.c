@@ -55,7 +55,7 @@ static int check_layout(const struct am_model *m, const struct am_model_config *
                     "ranks: they must divide evenly", (long long)(batch * seq_len), sh->tp);
     if (am_moe_check(cfg, sh, err, err_len) < 0)
         return -1;
-    if (sh->lora_r > 0 && (sh->lora_targets & (1u << AM_LORA_PK | 1u << AM_LORA_PV)) &&
+    if (sh->lora_r > 0 && (sh->lora_targets & (1u << AM_LORA_K | 1u << AM_LORA_V)) &&
         cfg->num_key_value_heads < sh->tp)
         return am_fail(err, err_len, "model: LoRA on k_proj or v_proj with tp = %d above the %ld kv heads (each kv "
                        "head shared by several tp ranks) is not supported yet", sh->tp, (long)cfg->num_key_value_heads);

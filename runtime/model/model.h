@@ -118,15 +118,13 @@ struct am_model_shard {
     int lora_r;                   /* LoRA (lora.h): the rank of the adapters on the lora_targets
                                      projections; 0: none */
     float lora_alpha;             /* their scale is lora_alpha / lora_r */
-    unsigned lora_targets;        /* bits 1u << enum am_lora_proj */
+    unsigned lora_targets;        /* bits 1u << enum am_lora_target (model_config.h), a layer's projections only */
     int group_align;              /* fully sharded data parallelism over this many ranks: each
                                      group's span of the slabs padded with zeros to a multiple of
                                      it, so that it splits into equal flat shards (0 or 1: none) */
 };
 
 /* The projections of a layer that can carry a LoRA adapter (the order of recipe.h's am_lora_target). */
-enum am_lora_proj { AM_LORA_PQ, AM_LORA_PK, AM_LORA_PV, AM_LORA_PO, AM_LORA_PGATE, AM_LORA_PUP, AM_LORA_PDOWN,
-                    AM_LORA_NPROJ };
 
 /* The shard of a rank that holds all n_layers layers as one stage. */
 static inline struct am_model_shard am_model_shard_whole(int tp, int tp_rank, int n_layers)

@@ -731,13 +731,11 @@ int am_model_save_hf_ep(const struct am_model *m, struct am_comm *tp, struct am_
 int am_model_save_peft_dist(const struct am_model *m, struct am_comm *tp, struct am_comm *pp, bool saves,
                             const char *dir, const char *base_model, struct am_errors *err)
 {
-    static const char *const names[AM_LORA_NPROJ] = {"q_proj", "k_proj", "v_proj", "o_proj",
-                                                     "gate_proj", "up_proj", "down_proj"};
     const char *targets[AM_LORA_NPROJ];
     size_t n = 0;
     for (int t = 0; t < AM_LORA_NPROJ; t++)
         if (m->sh.lora_targets >> t & 1u)
-            targets[n++] = names[t];
+            targets[n++] = am_lora_target_name(t);
     if (m->sh.lora_r < 1 || n == 0) {
         am_errorf(err, NULL, "%s: saving LoRA adapters: the model has none", dir);
         return -1;

@@ -1038,3 +1038,15 @@ double am_model_layer_rope_theta(const struct am_model_config *m, long l, bool *
     *scaled = !local && m->rope_scaling.type;
     return local ? m->rope_local_base_freq : m->rope_theta;
 }
+
+static const char *const lora_target_paths[AM_LORA_NTARGETS] = {
+    "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+    "mlp.gate_proj",    "mlp.up_proj",      "mlp.down_proj",    "lm_head"};
+
+const char *am_lora_target_path(enum am_lora_target t) { return lora_target_paths[t]; }
+
+const char *am_lora_target_name(enum am_lora_target t)
+{
+    const char *dot = strrchr(lora_target_paths[t], '.');
+    return dot ? dot + 1 : lora_target_paths[t];
+}

@@ -83,6 +83,19 @@ int am_model_similar(const char *id, char *out, size_t len);
  * cannot be read or is not a JSON object. */
 struct am_node *am_json_file_to_node(struct am_arena *a, const char *path, struct am_errors *err);
 
+/* The linear layers LoRA can adapt (peft's target modules), in one order for the recipe, the
+ * model and the adapters' files: a decoder layer's projections, then the output head. */
+enum am_lora_target {
+    AM_LORA_Q, AM_LORA_K, AM_LORA_V, AM_LORA_O, AM_LORA_GATE, AM_LORA_UP, AM_LORA_DOWN,
+    AM_LORA_HEAD,
+    AM_LORA_NTARGETS,
+    AM_LORA_NPROJ = AM_LORA_HEAD /* a layer's projections: the targets before lm_head */
+};
+/* Its module name ("q_proj", ..., "lm_head") and its path inside a decoder layer
+ * ("self_attn.q_proj", "mlp.down_proj"; "lm_head" for the head), as Hugging Face names them. */
+const char *am_lora_target_name(enum am_lora_target t);
+const char *am_lora_target_path(enum am_lora_target t);
+
 /* Reads the architecture from `cfg` (config.json merged with inline keys). `strict`
  * entries (those written in the recipe) must be known keys; config.json may hold
  * anything. Checks the model itself (heads divide hidden size, kv heads divide heads,

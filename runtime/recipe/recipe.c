@@ -542,10 +542,6 @@ static int read_is_peft(struct reader *rd, struct am_node *v, const char *key)
 
 /* ---- peft: LoRA (AutoModel's PeftConfig) ------------------------------------------- */
 
-static const char *const lora_target_names[] = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                                "up_proj", "down_proj", "lm_head"};
-
-const char *am_lora_target_name(enum am_lora_target t) { return lora_target_names[t]; }
 
 static int read_peft_target(struct reader *rd, struct am_node *v, const char *key)
 {
@@ -688,7 +684,7 @@ static void lora_path(char *buf, size_t len, long l, int t)
     if (t == AM_LORA_HEAD)
         snprintf(buf, len, "lm_head");
     else
-        snprintf(buf, len, "model.layers.%ld.%s.%s", l, t <= AM_LORA_O ? "self_attn" : "mlp", lora_target_names[t]);
+        snprintf(buf, len, "model.layers.%ld.%s", l, am_lora_target_path(t));
 }
 
 static bool lora_selects(struct reader *rd, const char *path)
@@ -736,8 +732,8 @@ static void resolve_peft(struct reader *rd, struct am_pos at)
         if (n && k != AM_LORA_HEAD && n < L) {
             am_errorf(rd->err, &(rd->peft_targets ? rd->peft_targets : rd->peft_excludes)->pos,
                       "peft: the patterns select %s in %ld of the %ld layers; am adapts a projection in every "
-                      "layer or in none (select it in all layers, as '*.%s')", lora_target_names[k], n, L,
-                      lora_target_names[k]);
+                      "layer or in none (select it in all layers, as '*.%s')", am_lora_target_name(k), n, L,
+                      am_lora_target_name(k));
             return;
         }
         if (n)
@@ -757,7 +753,7 @@ static void resolve_peft(struct reader *rd, struct am_pos at)
             if (!hit) {
                 bool leaf = false;
                 for (int k = 0; k < AM_LORA_NTARGETS; k++)
-                    leaf |= strcmp(pat->str, lora_target_names[k]) == 0 && k != AM_LORA_HEAD;
+                    leaf |= strcmp(pat->str, am_lora_target_name(k)) == 0 && k != AM_LORA_HEAD;
                 if (leaf)
                     am_errorf(rd->err, &pat->pos, "peft.%s: '%s' matches no module: a pattern is compared with "
                               "whole dotted paths such as model.layers.0.self_attn.q_proj (write '*.%s')",

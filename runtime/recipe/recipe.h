@@ -31,11 +31,6 @@ enum am_strategy { AM_FSDP2, AM_MEGATRON_FSDP, AM_DDP };
 enum am_pp_schedule { AM_PP_1F1B, AM_PP_GPIPE, AM_PP_INTERLEAVED_1F1B };
 enum am_lr_style { AM_LR_CONSTANT, AM_LR_LINEAR, AM_LR_COSINE };
 enum am_round { AM_ROUND_NONE, AM_ROUND_UP, AM_ROUND_DOWN };
-/* The linear layers LoRA can adapt, by their Hugging Face module names (q_proj, ..., lm_head). */
-enum am_lora_target {
-    AM_LORA_Q, AM_LORA_K, AM_LORA_V, AM_LORA_O, AM_LORA_GATE, AM_LORA_UP, AM_LORA_DOWN, AM_LORA_HEAD,
-    AM_LORA_NTARGETS
-};
 /* How lora_A starts (B starts at zero): xavier normal (AutoModel's default), or kaiming uniform
  * with a = sqrt(5) (torch's nn.Linear default, the peft library's). */
 enum am_lora_init { AM_LORA_INIT_XAVIER, AM_LORA_INIT_KAIMING };
@@ -168,8 +163,6 @@ struct am_pos am_recipe_pos(const struct am_recipe *r, const char *path);
 
 const char *am_strategy_name(enum am_strategy s);
 const char *am_pp_schedule_name(enum am_pp_schedule s);
-/* "q_proj", ..., "lm_head" */
-const char *am_lora_target_name(enum am_lora_target t);
 /* Trainable LoRA parameters of one layer (counted whole, before tensor parallelism) and of the
  * head; 0 without peft. */
 double am_lora_layer_params(const struct am_recipe *r);

@@ -220,7 +220,7 @@ static int run_case(const char *name, int r, float alpha, unsigned targets)
 
 int main(void)
 {
-    fails += run_case("llama_lora_qv", 4, 8, 1u << AM_LORA_PQ | 1u << AM_LORA_PV);
+    fails += run_case("llama_lora_qv", 4, 8, 1u << AM_LORA_Q | 1u << AM_LORA_V);
     fails += run_case("llama_lora_all", 4, 8, (1u << AM_LORA_NPROJ) - 1);
     return fails ? 1 : 0;
 }
