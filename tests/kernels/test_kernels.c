@@ -2852,6 +2852,64 @@ static void test_bad_shape_aborts(void **state)
     assert_non_null(strstr(msg, "model.layers.0.mlp.up_proj.weight"));
 }
 
+/* grouped_matmul's rows: y (and dy, dx) must have a row per row of x, the counts' sum (a
+ * caller's bug would otherwise write past y) */
+static void grouped_rows_call(int which)
+{
+    float a[40] = {0}, b[64] = {0}, c[20] = {0};
+    int64_t counts[2] = {3, 2};
+    struct am_tensor x = am_tensor_view(a, AM_DEV_CPU, AM_F32, 5, 8, 0, 0);
+    struct am_tensor w = am_tensor_view(b, AM_DEV_CPU, AM_F32, 2, 4, 8, 0);
+    struct am_tensor y = am_tensor_view(c, AM_DEV_CPU, AM_F32, 4, 4, 0, 0); /* 4 rows, 5 wanted */
+    struct am_tensor dy = am_tensor_view(c, AM_DEV_CPU, AM_F32, 5, 4, 0, 0);
+    struct am_tensor dx = am_tensor_view(a, AM_DEV_CPU, AM_F32, 3, 8, 0, 0); /* 3 rows */
+    y.name = "model.layers.0.mlp.experts.h";
+    dx.name = "model.layers.0.mlp.experts.dx";
+    if (which == 0)
+        K->grouped_matmul_forward(&kdev, &y, &x, &w, counts);
+    else if (which == 1)
+        K->grouped_matmul_backward(&kdev, NULL, NULL, &y, &x, &w, counts);
+    else
+        K->grouped_matmul_backward(&kdev, &dx, NULL, &dy, &x, &w, counts);
+}
+
+static void test_grouped_rows_abort(void **state)
+{
+    (void)state;
+    const char *want[][2] = {
+        {"am_cpu_grouped_matmul_forward", "y (model.layers.0.mlp.experts.h) has 4 rows; the experts' counts add up to 5"},
+        {"am_cpu_grouped_matmul_backward", "dy (model.layers.0.mlp.experts.h) has 4 rows; the experts' counts add up to 5"},
+        {"am_cpu_grouped_matmul_backward", "dx (model.layers.0.mlp.experts.dx) has 3 rows; the experts' counts add up to 5"},
+    };
+    for (int c = 0; c < 3; c++) {
+        int pipefd[2];
+        assert_int_equal(pipe(pipefd), 0);
+        fflush(stdout);
+        fflush(stderr);
+        pid_t pid = fork();
+        assert_true(pid >= 0);
+        if (pid == 0) {
+            dup2(pipefd[1], 2);
+            grouped_rows_call(c);
+            _exit(0);
+        }
+        close(pipefd[1]);
+        char msg[1024] = {0};
+        ssize_t got = 0, rd;
+        while ((rd = read(pipefd[0], msg + got, sizeof msg - 1 - (size_t)got)) > 0)
+            got += rd;
+        close(pipefd[0]);
+        int status = 0;
+        assert_int_equal(waitpid(pid, &status, 0), pid);
+        assert_true(WIFSIGNALED(status) && WTERMSIG(status) == SIGABRT);
+        for (int i = 0; i < 2; i++)
+            if (!strstr(msg, want[c][i])) {
+                print_error("case %d: \"%s\" not in: %s\n", c, want[c][i], msg);
+                fail();
+            }
+    }
+}
+
 /* The CUDA device context where there is no GPU (this test runs in CI, on CPUs): a build
  * without CUDA says so; a build with CUDA fails cleanly with "no CUDA device" and the
  * CUDA runtime's reason, leaving the context zeroed. The tables: the CPU's is complete, the
@@ -2933,7 +2991,7 @@ int main(void)
         cmocka_unit_test(test_rope),          cmocka_unit_test(test_attention),   cmocka_unit_test(test_attention_block),   cmocka_unit_test(test_swiglu),
         cmocka_unit_test(test_bias),
         cmocka_unit_test(test_moe_route), cmocka_unit_test(test_moe_dispatch),
-        cmocka_unit_test(test_cross_entropy), cmocka_unit_test(test_adamw),       cmocka_unit_test(test_adamw_multi), cmocka_unit_test(test_bad_shape_aborts),
+        cmocka_unit_test(test_cross_entropy), cmocka_unit_test(test_adamw),       cmocka_unit_test(test_adamw_multi), cmocka_unit_test(test_bad_shape_aborts), cmocka_unit_test(test_grouped_rows_abort),
         cmocka_unit_test(test_bf16_elementwise), cmocka_unit_test(test_bf16_matmul), cmocka_unit_test(test_bf16_embedding),
         cmocka_unit_test(test_bf16_rmsnorm), cmocka_unit_test(test_bf16_rope), cmocka_unit_test(test_bf16_attention),
         cmocka_unit_test(test_bf16_swiglu), cmocka_unit_test(test_bf16_bias), cmocka_unit_test(test_bf16_cross_entropy),
