@@ -100,6 +100,14 @@ void am_cuda_gemm(const char *kernel, const struct am_dev *d, bool ta, bool tb, 
                   const void *A, int64_t lda, const void *B, int64_t ldb, enum am_dtype atype, void *C, int64_t ldc,
                   enum am_dtype ctype, float beta);
 
+/* ---- Gemma's RMSNorm on RMSNorm's kernels (rmsnorm.cu; gemma.cu calls them): the weight
+ * 1 + w in fp32; k names the caller in argument errors ---- */
+void am_cuda_rms_offset_forward(const char *k, const struct am_dev *d, struct am_tensor *out, struct am_tensor *rstd,
+                                const struct am_tensor *x, const struct am_tensor *w, float eps);
+void am_cuda_rms_offset_backward(const char *k, const struct am_dev *d, struct am_tensor *dx, struct am_tensor *dw,
+                                 const struct am_tensor *dout, const struct am_tensor *x, const struct am_tensor *w,
+                                 const struct am_tensor *rstd);
+
 static inline const char *am_tname(const struct am_tensor *t) { return t && t->name ? t->name : "(unnamed)"; }
 static inline int64_t am_cols(const struct am_tensor *t) { return t->ndim ? t->shape[t->ndim - 1] : 1; }
 static inline int64_t am_rows(const struct am_tensor *t)

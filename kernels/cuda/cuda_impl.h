@@ -11,7 +11,7 @@
  * the cross-entropy's tiles), the GEMM algorithm cache and, once attention runs on cuDNN, a
  * cuDNN handle on the context's stream and its attention plans per shape
  * (attention_cudnn.cu). The scratch is as large as the largest call asks: the cross-entropy's
- * tiles are at most 160 MiB (ce.cu: 64 MiB of fp32 logits, with bf16 activations 32 MiB of
+ * tiles are at most 160 MiB (crossentropy.cu: 64 MiB of fp32 logits, with bf16 activations 32 MiB of
  * bf16 dlogits and up to 64 MiB of fp32 dx) and, with a bf16 dw only, the whole of dw widened
  * to fp32 besides (V x C x 4 bytes: 2 GiB at 128k x 4096; the model's head gradient is fp32,
  * so only the table's contract asks for it); cuDNN's attention backward takes 6 bytes per
@@ -87,19 +87,22 @@ void am_cuda_matmul_backward(const struct am_dev *d, struct am_tensor *dx, struc
 void am_cuda_bias_forward(const struct am_dev *d, struct am_tensor *y, const struct am_tensor *b);
 void am_cuda_bias_backward(const struct am_dev *d, struct am_tensor *db, const struct am_tensor *dy);
 
-/* ---- layers.cu: embedding, RMSNorm, RoPE, SwiGLU ---- */
+/* ---- embedding.cu ---- */
 void am_cuda_embedding_forward(const struct am_dev *d, struct am_tensor *out, const struct am_tensor *ids,
                                const struct am_tensor *wte, int64_t vocab_start);
 void am_cuda_embedding_backward(const struct am_dev *d, struct am_tensor *dwte, const struct am_tensor *dout,
                                 const struct am_tensor *ids, int64_t vocab_start);
+/* ---- rmsnorm.cu ---- */
 void am_cuda_rmsnorm_forward(const struct am_dev *d, struct am_tensor *out, struct am_tensor *rstd, const struct am_tensor *x,
                              const struct am_tensor *w, float eps);
 void am_cuda_rmsnorm_backward(const struct am_dev *d, struct am_tensor *dx, struct am_tensor *dw, const struct am_tensor *dout,
                               const struct am_tensor *x, const struct am_tensor *w, const struct am_tensor *rstd);
+/* ---- rope.cu ---- */
 void am_cuda_rope_tables(const struct am_dev *d, struct am_tensor *tcos, struct am_tensor *tsin, double theta,
                          const struct am_rope_scaling *scaling);
 void am_cuda_rope_forward(const struct am_dev *d, struct am_tensor *x, const struct am_tensor *tcos, const struct am_tensor *tsin);
 void am_cuda_rope_backward(const struct am_dev *d, struct am_tensor *dx, const struct am_tensor *tcos, const struct am_tensor *tsin);
+/* ---- swiglu.cu ---- */
 void am_cuda_swiglu_forward(const struct am_dev *d, struct am_tensor *out, const struct am_tensor *gate, const struct am_tensor *up);
 void am_cuda_swiglu_backward(const struct am_dev *d, struct am_tensor *dgate, struct am_tensor *dup, const struct am_tensor *dout,
                              const struct am_tensor *gate, const struct am_tensor *up);
@@ -119,7 +122,7 @@ void am_cuda_attention_softcap_backward(const struct am_dev *d, struct am_tensor
                                         struct am_tensor *dv, const struct am_tensor *dout, const struct am_tensor *out,
                                         const struct am_tensor *lse, const struct am_tensor *q, const struct am_tensor *k,
                                         const struct am_tensor *v, int64_t window, float scale, float softcap);
-/* ---- layers.cu: Gemma's RMSNorm with weight 1 + w, GeGLU ---- */
+/* ---- gemma.cu: Gemma's RMSNorm with weight 1 + w, GeGLU ---- */
 void am_cuda_rmsnorm_offset_forward(const struct am_dev *d, struct am_tensor *out, struct am_tensor *rstd,
                                     const struct am_tensor *x, const struct am_tensor *w, float eps);
 void am_cuda_rmsnorm_offset_backward(const struct am_dev *d, struct am_tensor *dx, struct am_tensor *dw,
@@ -160,7 +163,7 @@ void am_cuda_attention_block_backward(const struct am_dev *d, struct am_tensor *
                                       const struct am_tensor *kpos, const struct am_tensor *qstart,
                                      int64_t window);
 
-/* ---- ce.cu: the head's cross-entropy, vocabulary-parallel, in tiles (cuBLASLt + own) ---- */
+/* ---- crossentropy.cu: the head's cross-entropy, vocabulary-parallel, in tiles (cuBLASLt + own) ---- */
 void am_cuda_ce_stats(const struct am_dev *d, struct am_tensor *m, struct am_tensor *s, struct am_tensor *t,
                       const struct am_tensor *x, const struct am_tensor *w, const struct am_tensor *targets,
                       int64_t vocab_start);

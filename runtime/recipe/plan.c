@@ -278,7 +278,7 @@ static double scratch_bytes(const struct am_recipe *r, const struct am_plan *p, 
 /* The CUDA kernels' device scratch (kernels/cuda/cuda_impl.h): one buffer, grown to what the
  * largest call of a step asks for and kept, each piece of a call 256-byte aligned. Its largest
  * users at the model's shapes, whichever asks most:
- *   - the head's cross-entropy (kernels/cuda/ce.cu), on the last stage: rows in chunks of
+ *   - the head's cross-entropy (kernels/cuda/crossentropy.cu), on the last stage: rows in chunks of
  *     Rc = min(N, 4096, max(64, 2^24 / C)), the vocabulary shard in tiles of
  *     VC = min(V / tp, 2^24 / Rc rounded down to 64): the fp32 logits tile [Rc, VC] (rows of VC
  *     rounded up to 8), with bf16 compute the bf16 dlogits tile and the fp32 dx tile [Rc, C]

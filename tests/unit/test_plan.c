@@ -503,7 +503,7 @@ static void test_memory_activations(void **state)
 }
 
 /* The CUDA kernels' scratch (kernels/cuda/cuda_impl.h, plan.c): the largest of the head's
- * cross-entropy tiles (ce.cu) and the attention backward's buffers, each piece 256-byte
+ * cross-entropy tiles (crossentropy.cu) and the attention backward's buffers, each piece 256-byte
  * aligned. bf16 compute, tp 2, 64 sequences of 128: N = 8192 tokens a micro-batch, 4 query and
  * 2 kv heads a rank, C = 256. The cross-entropy takes row chunks of min(N, 4096, 2^24 / C) =
  * 4096 and vocabulary tiles of min(V / tp, 2^24 / 4096 = 4096): the fp32 logits tile, the

@@ -1,4 +1,4 @@
-/* ce.cu - cross-entropy fused with the output projection, vocabulary-parallel, in tiles of
+/* crossentropy.cu - cross-entropy fused with the output projection, vocabulary-parallel, in tiles of
  * rows x vocabulary so that the logits [N, V] never exist whole (kernels.h has the contract,
  * kernels/cpu/crossentropy.c the same computation on the CPU).
  *
