@@ -1,5 +1,6 @@
 /* gpu_check.c - every CUDA kernel against the CPU kernel (the reference, tested on its own by
- * tests/kernels/test_kernels) on fresh random inputs, forward and backward, fp32 and bf16.
+ * tests/kernels/test_*, one program per kernel family) on fresh random inputs, forward and
+ * backward, fp32 and bf16.
  *
  * Each case fills its inputs at random (xorshift, seed AM_GPU_SEED or the clock), gives the
  * same bytes to both backends (gradients start random too: backward kernels accumulate; but
