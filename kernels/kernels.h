@@ -87,7 +87,7 @@ const char *am_device_name(enum am_device device);
  * (the trainer writes a cause record, runtime/train/crash.h) installs a hook; the backends call
  * it when an allocation fails (AM_DEV_FAULT_OOM, before alloc returns NULL or a kernel's
  * scratch aborts) and before they abort on a device error (AM_DEV_FAULT_ERROR: a CUDA call or
- * launch that failed, with cudaGetErrorString's text) or on a caller's bug
+ * launch, cuBLASLt or cuDNN that failed, with the library's text for it) or on a caller's bug
  * (AM_DEV_FAULT_BUG: a tensor of the wrong device, dtype or shape), and to tell of a path
  * taken instead of the usual one, nothing having failed (AM_DEV_FAULT_NOTE: cuDNN declined an
  * attention case, the backend's own kernels run it; told once per process). The hook runs on

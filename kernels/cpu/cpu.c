@@ -1,4 +1,6 @@
-/* cpu.c - the CPU backend's table of kernels, and the checks every kernel shares. */
+/* cpu.c - the CPU backend's table of kernels, its device context (the scratch that bf16
+ * operands are widened into, the count of allocated bytes) and the checks every kernel shares
+ * (the tensors, the dtype rules of cpu.h). */
 #include <cblas.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -74,6 +76,135 @@ double *am_cpu_scalar_f64(const char *kernel, const char *what, const struct am_
         am_cpu_fatal(kernel, "%s (%s) has %lld elements; a device scalar has one", what, am_tname(t),
                      (long long)am_tensor_numel(t));
     return t->data;
+}
+
+/* ---- the dtype rules ---- */
+
+enum am_dtype am_cpu_act(const char *kernel, const char *what, const struct am_tensor *t)
+{
+    am_cpu_check(kernel, what, t);
+    if (t->dtype != AM_F32 && t->dtype != AM_BF16)
+        am_cpu_fatal(kernel, "%s (%s) is %s; the CPU backend takes fp32 or bf16 here (bf16 storage, fp32 arithmetic)",
+                     what, am_tname(t), am_dtype_name(t->dtype));
+    return t->dtype;
+}
+
+void am_cpu_same(const char *kernel, const char *what, const struct am_tensor *t, const char *refname,
+                 const struct am_tensor *ref)
+{
+    am_cpu_check(kernel, what, t);
+    if (t->dtype != ref->dtype)
+        am_cpu_fatal(kernel, "%s (%s) is %s but %s (%s) is %s: a kernel's activations and weights share one dtype "
+                     "(fp32, or bf16 for mixed precision)", what, am_tname(t), am_dtype_name(t->dtype), refname,
+                     am_tname(ref), am_dtype_name(ref->dtype));
+}
+
+void am_cpu_grad(const char *kernel, const char *what, const struct am_tensor *t, const char *refname,
+                 const struct am_tensor *ref)
+{
+    am_cpu_check(kernel, what, t);
+    if (t->dtype == AM_F32 || (t->dtype == AM_BF16 && ref->dtype == AM_BF16))
+        return;
+    am_cpu_fatal(kernel, "%s (%s) is %s with %s (%s) %s: a parameter gradient is fp32, or bf16 when the activations "
+                 "are bf16", what, am_tname(t), am_dtype_name(t->dtype), refname, am_tname(ref),
+                 am_dtype_name(ref->dtype));
+}
+
+void am_cpu_stat(const char *kernel, const char *what, const struct am_tensor *t)
+{
+    am_cpu_check(kernel, what, t);
+    if (t->dtype != AM_F32)
+        am_cpu_fatal(kernel, "%s (%s) is %s; statistics saved for backward stay fp32, also with bf16 activations", what,
+                     am_tname(t), am_dtype_name(t->dtype));
+}
+
+/* ---- the context: its scratch, its count of allocated bytes ---- */
+
+struct am_cpu_ws {
+    float *p;
+    size_t bytes;
+    int64_t chunk; /* floats per operand per chunk */
+    size_t in_use, peak; /* bytes handed out by alloc (memory.c), not freed */
+};
+
+void am_cpu_account(const struct am_dev *dev, size_t bytes, bool freed)
+{
+    struct am_cpu_ws *ws = dev ? dev->workspace : NULL;
+    if (!ws)
+        return;
+    ws->in_use = freed ? (ws->in_use >= bytes ? ws->in_use - bytes : 0) : ws->in_use + bytes;
+    if (ws->in_use > ws->peak)
+        ws->peak = ws->in_use;
+}
+
+void am_cpu_mem_stats(const struct am_dev *dev, struct am_dev_mem *out)
+{
+    const struct am_cpu_ws *ws = dev ? dev->workspace : NULL;
+    *out = (struct am_dev_mem){0};
+    if (ws) {
+        out->in_use = out->held = ws->in_use;
+        out->peak = ws->peak;
+    }
+}
+
+int64_t am_cpu_chunk(const struct am_dev *dev)
+{
+    const struct am_cpu_ws *ws = dev ? dev->workspace : NULL;
+    return ws ? ws->chunk : AM_BF16_CHUNK;
+}
+
+void am_cpu_set_chunk(const struct am_dev *dev, int64_t n)
+{
+    struct am_cpu_ws *ws = dev ? dev->workspace : NULL;
+    if (ws)
+        ws->chunk = n > 0 ? n : AM_BF16_CHUNK;
+}
+
+int am_cpu_open(struct am_dev *dev, char *err, size_t err_len)
+{
+    struct am_cpu_ws *ws = calloc(1, sizeof(*ws));
+    if (!ws) {
+        snprintf(err, err_len, "kernels (cpu): out of memory for the device context");
+        return -1;
+    }
+    ws->chunk = AM_BF16_CHUNK;
+    dev->workspace = ws;
+    dev->workspace_bytes = 0;
+    return 0;
+}
+
+void am_cpu_close(struct am_dev *dev)
+{
+    struct am_cpu_ws *ws = dev->workspace;
+    if (ws)
+        free(ws->p);
+    free(ws);
+    dev->workspace = NULL;
+}
+
+float *am_cpu_scratch(const char *kernel, const struct am_dev *dev, int64_t nfloats)
+{
+    struct am_cpu_ws *ws = dev ? dev->workspace : NULL;
+    if (!ws)
+        am_cpu_fatal(kernel, "the device context has no scratch for bf16 tensors: open it with am_dev_open");
+    size_t want = (size_t)(nfloats > 0 ? nfloats : 1) * sizeof(float);
+    want = (want + 63) / 64 * 64;
+    if (want > ws->bytes) {
+        free(ws->p);
+        ws->bytes = 0;
+        ws->p = aligned_alloc(64, want);
+        if (!ws->p)
+            am_cpu_fatal(kernel, "out of memory for %zu bytes of scratch (bf16 operands widened to fp32)", want);
+        ws->bytes = want;
+    }
+    return ws->p;
+}
+
+float *am_cpu_carve(float **p, int64_t n)
+{
+    float *r = *p;
+    *p += (n + 15) / 16 * 16;
+    return r;
 }
 
 static void cpu_sync(const struct am_dev *d) { (void)d; }

@@ -121,7 +121,8 @@ AM_INLINE float am_expf(float x)
     return y;
 }
 
-/* ---- bf16 storage, fp32 arithmetic (bf16.c) ----
+/* ---- bf16 storage, fp32 arithmetic (the context and the rules: cpu.c; widening and
+ * narrowing: bf16.c; the mixed-precision matrix product: matmul.c) ----
  * Mixed precision as PyTorch's FSDP2 MixedPrecisionPolicy(param_dtype=bf16) runs it:
  * activations, their gradients and the weights' working copy may be bf16; master weights,
  * optimizer state and (optionally) parameter gradients stay fp32. Every kernel that takes
@@ -151,6 +152,7 @@ AM_INLINE float am_expf(float x)
  * to run the chunked paths on small tensors). */
 int64_t am_cpu_chunk(const struct am_dev *dev);
 void am_cpu_set_chunk(const struct am_dev *dev, int64_t n);
+/* The context (cpu.c): its scratch and its count of allocated bytes. */
 int am_cpu_open(struct am_dev *dev, char *err, size_t err_len);
 /* The context's count of bytes handed out by am_cpu_alloc (memory.c): + bytes, or - when freed. */
 void am_cpu_account(const struct am_dev *dev, size_t bytes, bool freed);
@@ -171,8 +173,8 @@ void am_cpu_same(const char *kernel, const char *what, const struct am_tensor *t
 void am_cpu_grad(const char *kernel, const char *what, const struct am_tensor *t, const char *refname,
                  const struct am_tensor *ref);
 void am_cpu_stat(const char *kernel, const char *what, const struct am_tensor *t);
-/* Exact widening and round-to-nearest-even narrowing of rows x cols blocks (rows ld apart),
- * parallel over rows when large. */
+/* bf16.c: exact widening and round-to-nearest-even narrowing of rows x cols blocks (rows ld
+ * apart), parallel over rows when large. */
 void am_bf16_widen(float *dst, int64_t ldd, const uint16_t *src, int64_t lds, int64_t rows, int64_t cols);
 void am_bf16_narrow(uint16_t *dst, int64_t ldd, const float *src, int64_t lds, int64_t rows, int64_t cols);
 /* The same on the calling thread only (inside a parallel region): one row of n. */
@@ -187,7 +189,7 @@ static inline struct am_tensor am_f32_view(float *p, int64_t d0, int64_t d1, int
 {
     return am_tensor_view(p, AM_DEV_CPU, AM_F32, d0, d1, d2, d3);
 }
-/* C[M,N] = beta C + op(A) op(B) for A, B, C each f32 or bf16, row-major with leading
+/* matmul.c: C[M,N] = beta C + op(A) op(B) for A, B, C each f32 or bf16, row-major with leading
  * dimensions lda, ldb, ldc, op(A) [M,L], op(B) [L,N]: tiles of C (up to 512 x 512) are
  * accumulated in fp32 over blocks of L, the bf16 blocks widened into scratch, the sgemm
  * driver on the fp32 blocks (or OpenBLAS's sbgemm on the bf16 ones, where configure found

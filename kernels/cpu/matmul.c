@@ -7,10 +7,18 @@
  * Backward accumulates (beta = 1), so residual branches and tied weights add up for free.
  *
  * bf16 (cpu.h's rules: x, w, y, dy, dx share one dtype; dw f32 or bf16): the same three
- * products through am_cpu_gemm_mixed (bf16.c), which widens blocks of the bf16 operands,
+ * products through am_cpu_gemm_mixed (below), which widens blocks of the bf16 operands,
  * accumulates in fp32 and rounds each output element once; dx and a bf16 dw are widened,
  * accumulated into and rounded once, an f32 dw is accumulated into directly. As
  * torch.matmul in bf16 on CPU and cuBLAS (fp32 accumulation, one rounding of the output).
+ *
+ * OpenBLAS exports cblas_sbgemm (bf16 x bf16 -> fp32) only where it was built for it;
+ * Debian's 0.3.21 does not (its header declares it, the library has no such symbol), and CPUs
+ * without AVX-512 BF16 have no bf16 instructions to run it on. configure looks for the symbol
+ * (AC_CHECK_FUNC) and defines AM_HAVE_SBGEMM when it links; without it, bf16 operands are
+ * widened to fp32 in blocks and multiplied by sgemm. A product of two bf16 values is exact in
+ * fp32 (8 + 8 significant bits), so sgemm on the widened blocks computes what sbgemm does, up
+ * to the order of the fp32 accumulation.
  */
 #include <cblas.h>
 #include <omp.h>
@@ -61,6 +69,99 @@ void am_cpu_sgemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, f
             const float *b = trans_b ? B + lo * ldb : B + lo;
             am_cpu_sgemm1(trans_a, trans_b, M, hi - lo, K, alpha, A, lda, b, ldb, beta, C + lo, ldc);
         }
+    }
+}
+
+/* ---- the mixed-precision matrix product ----
+ * One parallel region per product: C is cut into tiles (up to TM x 512, TM halved down to 64
+ * until there are two tiles per thread), each tile belongs to one thread, which widens the blocks of A
+ * and B it needs into its own slice of the scratch, runs single-threaded sgemm over L in
+ * blocks of 512 accumulating the tile in fp32, and rounds a bf16 tile once. No thread waits
+ * for another inside the product (on a busy machine every barrier costs a time slice), and
+ * the widening is spread over the threads with the multiplies. A block of B is widened once
+ * per tile row that needs it: about 1/(2 TM) of the multiply-adds, a few percent. */
+
+#define TILE 512
+
+/* rows x cols of m from (r0, c0) as fp32: m's own memory when it is f32 (*ld its leading
+ * dimension), else widened into buf (*ld = cols), on the calling thread. */
+static const float *block(const struct am_mat *m, int64_t r0, int64_t c0, int64_t rows, int64_t cols, float *buf,
+                          int64_t *ld)
+{
+    if (m->dt == AM_F32) {
+        *ld = m->ld;
+        return (const float *)m->p + r0 * m->ld + c0;
+    }
+    const uint16_t *src = (const uint16_t *)m->p + r0 * m->ld + c0;
+    for (int64_t r = 0; r < rows; r++)
+        am_bf16_widen1(buf + r * cols, src + r * m->ld, cols);
+    *ld = cols;
+    return buf;
+}
+
+/* One tile of C, [mb, nb] at (m0, n0), on the calling thread; buf: 3 x TILE x TILE floats. */
+static void gemm_tile(bool ta, bool tb, int64_t m0, int64_t n0, int64_t mb, int64_t nb, int64_t L,
+                      const struct am_mat *A, const struct am_mat *B, float beta, const struct am_mat *C, float *buf)
+{
+    float *cbuf = buf, *abuf = buf + TILE * TILE, *bbuf = buf + 2 * TILE * TILE, *c;
+    int64_t ldc;
+    if (C->dt == AM_F32) {
+        c = (float *)C->p + m0 * C->ld + n0;
+        ldc = C->ld;
+    } else {
+        c = cbuf;
+        ldc = nb;
+        if (beta != 0.0f)
+            block(C, m0, n0, mb, nb, cbuf, &ldc);
+    }
+    if (L <= 0)
+        am_cpu_sgemm1(ta, tb, mb, nb, 0, 1.0f, NULL, 1, NULL, 1, beta, c, ldc);
+    for (int64_t l0 = 0; l0 < L; l0 += TILE) {
+        int64_t lb = L - l0 < TILE ? L - l0 : TILE, lda, ldb;
+        float b_ = l0 == 0 ? beta : 1.0f;
+#ifdef AM_HAVE_SBGEMM
+        if (A->dt == AM_BF16 && B->dt == AM_BF16) {
+            const uint16_t *a = (const uint16_t *)A->p + (ta ? l0 * A->ld + m0 : m0 * A->ld + l0);
+            const uint16_t *b = (const uint16_t *)B->p + (tb ? n0 * B->ld + l0 : l0 * B->ld + n0);
+            cblas_sbgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, (blasint)mb,
+                         (blasint)nb, (blasint)lb, 1.0f, a, (blasint)A->ld, b, (blasint)B->ld, b_, c, (blasint)ldc);
+            continue;
+        }
+#endif
+        /* op(A)'s rows m0.. and columns l0.. are A's rows l0.., columns m0.. when
+         * transposed; likewise op(B)'s rows l0.., columns n0.. */
+        const float *a = ta ? block(A, l0, m0, lb, mb, abuf, &lda) : block(A, m0, l0, mb, lb, abuf, &lda);
+        const float *b = tb ? block(B, n0, l0, nb, lb, bbuf, &ldb) : block(B, l0, n0, lb, nb, bbuf, &ldb);
+        am_cpu_sgemm1(ta, tb, mb, nb, lb, 1.0f, a, lda, b, ldb, b_, c, ldc);
+    }
+    if (C->dt != AM_F32) {
+        uint16_t *dst = (uint16_t *)C->p + m0 * C->ld + n0;
+        for (int64_t r = 0; r < mb; r++)
+            am_bf16_narrow1(dst + r * C->ld, c + r * nb, nb);
+    }
+}
+
+void am_cpu_gemm_mixed(const char *kernel, const struct am_dev *dev, bool ta, bool tb, int64_t M, int64_t N, int64_t L,
+                       struct am_mat A, struct am_mat B, float beta, struct am_mat C)
+{
+    if (M <= 0 || N <= 0)
+        return;
+    int nth = omp_get_max_threads();
+    if (M * N * (L > 0 ? L : 1) < (1 << 18) || omp_in_parallel())
+        nth = 1;
+    int64_t tn = N < TILE ? N : TILE, tm = TILE, tiles_n = (N + tn - 1) / tn;
+    while (tm > 64 && (M + tm - 1) / tm * tiles_n < 2 * nth) /* two tiles a thread: a third tile */
+        tm /= 2;                                                   /* on one of two threads idles the other */
+    int64_t tiles_m = (M + tm - 1) / tm, tiles = tiles_m * tiles_n;
+    if (nth > tiles)
+        nth = (int)tiles;
+    float *ws = am_cpu_scratch(kernel, dev, (int64_t)nth * 3 * TILE * TILE);
+#pragma omp parallel for num_threads(nth) schedule(static) if (nth > 1)
+    for (int64_t t = 0; t < tiles; t++) {
+        int64_t m0 = t / tiles_n * tm, n0 = t % tiles_n * tn;
+        int64_t mb = M - m0 < tm ? M - m0 : tm, nb = N - n0 < tn ? N - n0 : tn;
+        gemm_tile(ta, tb, m0, n0, mb, nb, L, &A, &B, beta, &C,
+                  ws + (size_t)omp_get_thread_num() * 3 * TILE * TILE);
     }
 }
 

@@ -293,7 +293,10 @@ static int64_t check_grouped(const char *kernel, const struct am_tensor *x, cons
 void am_cpu_grouped_matmul_forward(const struct am_dev *d, struct am_tensor *y, const struct am_tensor *x, const struct am_tensor *w,
                                    const int64_t *counts)
 {
-    check_grouped(__func__, x, w, counts);
+    int64_t total = check_grouped(__func__, x, w, counts);
+    am_cpu_check(__func__, "y", y);
+    AM_CHECK(am_rows(y) == total, "y (%s) has %lld rows; the experts' counts add up to %lld (a row of y per row of x)",
+             am_tname(y), (long long)am_rows(y), (long long)total);
     int64_t r0 = 0;
     for (int64_t e = 0; e < w->shape[0]; r0 += counts[e], e++) {
         if (!counts[e])
@@ -306,7 +309,16 @@ void am_cpu_grouped_matmul_forward(const struct am_dev *d, struct am_tensor *y, 
 void am_cpu_grouped_matmul_backward(const struct am_dev *d, struct am_tensor *dx, struct am_tensor *dw, const struct am_tensor *dy,
                                     const struct am_tensor *x, const struct am_tensor *w, const int64_t *counts)
 {
-    check_grouped(__func__, x, w, counts);
+    int64_t total = check_grouped(__func__, x, w, counts);
+    am_cpu_check(__func__, "dy", dy);
+    AM_CHECK(am_rows(dy) == total,
+             "dy (%s) has %lld rows; the experts' counts add up to %lld (a row of dy per row of x)", am_tname(dy),
+             (long long)am_rows(dy), (long long)total);
+    if (dx)
+        am_cpu_check(__func__, "dx", dx);
+    AM_CHECK(!dx || am_rows(dx) == total,
+             "dx (%s) has %lld rows; the experts' counts add up to %lld (a row of dx per row of x)", am_tname(dx),
+             (long long)am_rows(dx), (long long)total);
     AM_CHECK(!dw || (dw->ndim == 3 && am_tensor_numel(dw) == am_tensor_numel(w)), "dw (%s) must have w's shape",
              am_tname(dw));
     int64_t r0 = 0;

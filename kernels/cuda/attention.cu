@@ -469,11 +469,18 @@ static struct att_shape check_attention(const char *kn, const struct am_tensor *
                     am_tname(lse), (long long)s.B, (long long)s.H, (long long)s.T);
     AM_CUDA_REQUIRE(kn, s.D >= 1 && s.D <= ATT_MAX_D, "head size %lld: the CUDA attention takes 1 .. %d", (long long)s.D,
                     ATT_MAX_D);
-    AM_CUDA_REQUIRE(kn, s.B * s.H <= 65535 && s.T < ((int64_t)1 << 36),
-                    "B x H = %lld (at most 65535) and T = %lld: too large for the attention's grid", (long long)(s.B * s.H),
-                    (long long)s.T);
     s.scale = (float)(1.0 / sqrt((double)s.D)); /* transformers' head_dim ** -0.5, as an fp32 operand */
     return s;
+}
+
+/* The limits of the backend's own kernels (their grid: B x H blocks in y, T / 32 in x), checked
+ * once cuDNN has declined the call: cuDNN's fused attention has no such limit. */
+static void check_own_grid(const char *kn, const struct att_shape *s)
+{
+    AM_CUDA_REQUIRE(kn, s->B * s->H <= 65535 && s->T < ((int64_t)1 << 36),
+                    "B x H = %lld (at most 65535) and T = %lld: too large for the grid of the backend's own attention "
+                    "kernels (cuDNN's fused attention, AM_ATTN=cudnn, has no such limit where it has the case: bf16, "
+                    "head size 64 or 128)", (long long)(s->B * s->H), (long long)s->T);
 }
 
 /* AM_ATTN: true when cuDNN may run attention (a build with cuDNN, AM_ATTN unset or "cudnn");
@@ -534,6 +541,7 @@ static void attention_forward(const char *kn, const struct am_dev *d, struct am_
     want_cudnn(kn);
     (void)plain;
 #endif
+    check_own_grid(kn, &s);
     __atomic_fetch_add(&att_calls_own, 1, __ATOMIC_RELAXED);
     cudaStream_t st = am_cuda_stream(d);
     int nt = (int)((s.D + 31) / 32);
@@ -596,6 +604,7 @@ static void attention_backward(const char *kn, const struct am_dev *d, struct am
     want_cudnn(kn);
     (void)plain;
 #endif
+    check_own_grid(kn, &s);
     __atomic_fetch_add(&att_calls_own, 1, __ATOMIC_RELAXED);
     cudaStream_t st = am_cuda_stream(d);
     int64_t rows = s.B * s.T * s.H;

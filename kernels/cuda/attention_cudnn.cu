@@ -32,8 +32,10 @@
  * cuDNN writes its outputs; kernels.h's backward accumulates: dq, dk, dv are written to
  * bf16 temporaries in the context's scratch and added (rounded once more) onto the
  * gradients. Plans are built once per shape (B, T, H, KVH, D, window) per context and
- * kept in a small cache (ATT_PLANS entries, round robin); the cuDNN handle is created on
- * first use and bound to the context's stream.
+ * kept in a small cache (ATT_PLANS entries, round robin; an evicted plan is destroyed after
+ * the context's stream has run what used it); the cuDNN handle is created on first use and
+ * bound to the context's stream. A failure of cuDNN at run time (cudnnBackendExecute) is the
+ * device's (am_cuda_device_error: a `cuda` cause), not a caller's bug.
  */
 #include <cudnn.h>
 #include <stdio.h>
@@ -423,7 +425,7 @@ static struct att_state *state(const char *kn, const struct am_dev *d)
 }
 
 /* the plan for a key, built on first use; NULL when cuDNN cannot run it (why in s->why) */
-static struct att_plan *plan_for(const char *kn, struct att_state *s, const struct att_key *key)
+static struct att_plan *plan_for(const char *kn, const struct am_dev *d, struct att_state *s, const struct att_key *key)
 {
     for (int i = 0; i < ATT_PLANS; i++)
         if (s->plans[i].used && memcmp(&s->plans[i].key, key, sizeof *key) == 0)
@@ -431,8 +433,13 @@ static struct att_plan *plan_for(const char *kn, struct att_state *s, const stru
     struct att_plan *p = &s->plans[s->next];
     s->next = (s->next + 1) % ATT_PLANS;
     if (p->used) { /* evicted */
-        if (p->plan)
+        /* the stream may still run the plan: wait for it (the context's stream, not the device:
+         * a collective on another stream may wait for a peer) before the plan goes. Only here,
+         * where more than ATT_PLANS shapes came by, does a kernel wait for its stream. */
+        if (p->plan) {
+            am_cuda_check(kn, cudaStreamSynchronize(am_cuda_stream(d)), "cudaStreamSynchronize (a cuDNN plan evicted)");
             cudnnBackendDestroyDescriptor(p->plan);
+        }
         for (int i = 0; i < p->nkeep; i++)
             cudnnBackendDestroyDescriptor(p->keep[i]);
     }
@@ -505,8 +512,9 @@ static int execute(const char *kn, const struct am_dev *d, struct att_state *s, 
     if (st != CUDNN_STATUS_SUCCESS) {
         char msg[256] = "";
         cudnnGetLastErrorString(msg, sizeof msg);
-        am_cuda_fatal(kn, "cudnnBackendExecute: %s%s%s (AM_ATTN=own runs attention without cuDNN)", cudnnGetErrorString(st),
-                      msg[0] ? ": " : "", msg);
+        am_cuda_device_error(kn, cudnnGetErrorString(st),
+                             "cudnnBackendExecute: %s%s%s (AM_ATTN=own runs attention without cuDNN)",
+                             cudnnGetErrorString(st), msg[0] ? ": " : "", msg);
     }
     AM_LAUNCHED(kn);
     return 0;
@@ -526,7 +534,7 @@ int am_cuda_attention_cudnn_forward(const struct am_dev *d, struct am_tensor *ou
     struct att_state *s = state(kn, d);
     if (!s->handle)
         return -1;
-    struct att_plan *p = plan_for(kn, s, &key);
+    struct att_plan *p = plan_for(kn, d, s, &key);
     if (!p)
         return -1;
     float scale = (float)(1.0 / sqrt((double)key.D)), neginf = -INFINITY, w = (float)key.W;
@@ -549,7 +557,7 @@ int am_cuda_attention_cudnn_backward(const struct am_dev *d, struct am_tensor *d
     struct att_state *s = state(kn, d);
     if (!s->handle)
         return -1;
-    struct att_plan *p = plan_for(kn, s, &key);
+    struct att_plan *p = plan_for(kn, d, s, &key);
     if (!p)
         return -1;
     /* scratch: cuDNN's workspace, Dsum [B, H, T] and dQacc [B, H, T, D] fp32, then dq, dk,

@@ -34,9 +34,12 @@ struct am_cuda_gemm_entry {
  * request, whichever less). Blocks are used on the context's stream (and the communication
  * streams that wait for it): a block freed on the host is reused by work enqueued after the
  * free on that stream, so in stream order; alloc (zeroed memory for any stream) waits for the
- * context's stream before it hands a block out. When cudaMalloc fails the pool gives back its
- * free blocks of their own (cudaFree) and tries once more; then the request fails: the fault
- * hook hears AM_DEV_FAULT_OOM with what was asked and what the pool holds. */
+ * context's stream before it hands a block out. When cudaMalloc fails the pool serves the
+ * request from the smallest free block that holds it, whatever that wastes; without one the
+ * request fails: the fault hook hears AM_DEV_FAULT_OOM with what was asked and what the pool
+ * holds. The pool gives nothing back to the device before close: cudaFree waits for the whole
+ * device, a collective on a communication stream waiting for a peer included (a hang no
+ * watchdog breaks), so it never runs while the context does. */
 struct am_cuda_block {
     char *p;
     size_t size;           /* its size class */
@@ -64,8 +67,14 @@ struct am_cuda_ctx {
     void *attn;           /* attention_cudnn.cu's state (cuDNN handle, plans); NULL until used */
 };
 
-/* ---- checks (cuda.cu) ---- */
+/* ---- checks (cuda.cu) ----
+ * am_cuda_fatal: the caller's bug (a tensor of the wrong device, dtype or shape: the fault
+ * hook hears AM_DEV_FAULT_BUG); am_cuda_device_error: the device or a library on it failed (a
+ * CUDA call, cuBLASLt, cuDNN: AM_DEV_FAULT_ERROR, with error the library's text for it, which
+ * the trainer records as a `cuda` cause). Both abort after telling the hook. */
 [[noreturn]] void am_cuda_fatal(const char *kernel, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+[[noreturn]] void am_cuda_device_error(const char *kernel, const char *error, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
 /* aborts naming the kernel, what failed and cudaGetErrorString(e) unless e is cudaSuccess */
 void am_cuda_check(const char *kernel, cudaError_t e, const char *what);
 /* after a launch: the launch's error, if any */
@@ -90,6 +99,14 @@ void *am_cuda_scratch(const char *kernel, const struct am_dev *d, size_t bytes);
 void am_cuda_gemm(const char *kernel, const struct am_dev *d, bool ta, bool tb, int64_t m, int64_t n, int64_t kk,
                   const void *A, int64_t lda, const void *B, int64_t ldb, enum am_dtype atype, void *C, int64_t ldc,
                   enum am_dtype ctype, float beta);
+
+/* ---- Gemma's RMSNorm on RMSNorm's kernels (rmsnorm.cu; gemma.cu calls them): the weight
+ * 1 + w in fp32; k names the caller in argument errors ---- */
+void am_cuda_rms_offset_forward(const char *k, const struct am_dev *d, struct am_tensor *out, struct am_tensor *rstd,
+                                const struct am_tensor *x, const struct am_tensor *w, float eps);
+void am_cuda_rms_offset_backward(const char *k, const struct am_dev *d, struct am_tensor *dx, struct am_tensor *dw,
+                                 const struct am_tensor *dout, const struct am_tensor *x, const struct am_tensor *w,
+                                 const struct am_tensor *rstd);
 
 static inline const char *am_tname(const struct am_tensor *t) { return t && t->name ? t->name : "(unnamed)"; }
 static inline int64_t am_cols(const struct am_tensor *t) { return t->ndim ? t->shape[t->ndim - 1] : 1; }

@@ -36,9 +36,7 @@ void am_cuda_fatal(const char *kernel, const char *fmt, ...)
     fault_abort(AM_DEV_FAULT_BUG, kernel, "", fmt, ap);
 }
 
-[[noreturn]] static void cuda_error(const char *kernel, const char *error, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
-[[noreturn]] static void cuda_error(const char *kernel, const char *error, const char *fmt, ...)
+void am_cuda_device_error(const char *kernel, const char *error, const char *fmt, ...)
 {
     va_list ap;
     va_start(ap, fmt);
@@ -48,8 +46,8 @@ void am_cuda_fatal(const char *kernel, const char *fmt, ...)
 void am_cuda_check(const char *kernel, cudaError_t e, const char *what)
 {
     if (e != cudaSuccess)
-        cuda_error(kernel, cudaGetErrorString(e), "CUDA error in %s: %s (%s)", what, cudaGetErrorString(e),
-                   cudaGetErrorName(e));
+        am_cuda_device_error(kernel, cudaGetErrorString(e), "CUDA error in %s: %s (%s)", what, cudaGetErrorString(e),
+                             cudaGetErrorName(e));
 }
 
 struct am_cuda_ctx *am_cuda_ctx(const char *kernel, const struct am_dev *d)

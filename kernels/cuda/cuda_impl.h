@@ -6,11 +6,20 @@
  * creates a non-blocking stream (d->stream), a cuBLASLt handle (d->blas) and a GEMM
  * workspace; d->workspace is the backend's own host struct (struct am_cuda_ctx), which owns
  * that workspace (also d->workspace_bytes), a device scratch grown on demand in stream order
- * (the partial sums of the reductions, the sort of the embedding backward, the attention's
- * row sums and cuDNN's workspace, the cross-entropy's tiles of logits: 64 MiB at most, ce.cu),
- * the GEMM algorithm cache and, once attention runs on cuDNN, a cuDNN handle on the context's
- * stream and its attention plans per shape (attention_cudnn.cu). Kernels are enqueued on
- * d->stream in call order and never wait for it;
+ * and kept (the partial sums of the reductions, the sort of the embedding backward, the
+ * attention's row sums, cuDNN's workspace with its fp32 dQ accumulator and bf16 dq, dk, dv,
+ * the cross-entropy's tiles), the GEMM algorithm cache and, once attention runs on cuDNN, a
+ * cuDNN handle on the context's stream and its attention plans per shape
+ * (attention_cudnn.cu). The scratch is as large as the largest call asks: the cross-entropy's
+ * tiles are at most 160 MiB (crossentropy.cu: 64 MiB of fp32 logits, with bf16 activations 32 MiB of
+ * bf16 dlogits and up to 64 MiB of fp32 dx) and, with a bf16 dw only, the whole of dw widened
+ * to fp32 besides (V x C x 4 bytes: 2 GiB at 128k x 4096; the model's head gradient is fp32,
+ * so only the table's contract asks for it); cuDNN's attention backward takes 6 bytes per
+ * element of q (the fp32 dQ accumulator, bf16 dq) and 4 per element of k (bf16 dk, dv) beside
+ * its own workspace (225 MiB for 8192 tokens of Llama 3.1 8B's 32 heads of 128). am-plan
+ * counts the scratch the model's shapes ask for (its "kernels' scratch", runtime/recipe/plan.c).
+ * Kernels are enqueued on d->stream in call order and never wait for it (but where a cuDNN
+ * plan is evicted from its cache: attention_cudnn.cu);
  * the thread that calls them must have the context's device current (the opening thread
  * does).
  *
@@ -25,14 +34,16 @@
  * is not (attention_cudnn.cu says why; AM_ATTN=own is).
  *
  * Memory. A caching allocator (common.cuh: struct am_cuda_pool) serves alloc, free and the
- * scratch: one arena reserved up front (reserve), blocks reused by size class in stream order.
+ * scratch: one arena reserved up front (reserve), blocks reused by size class in stream order;
+ * nothing goes back to the device before close (no cudaFree while the context runs).
  *
  * Errors. A tensor of the wrong device, dtype or shape aborts with the kernel's name, the
  * tensor and the rule (am_cuda_fatal); every CUDA call and launch is checked, and a failure
- * aborts naming the kernel and cudaGetErrorString's message (am_cuda_check). Both tell the
- * fault hook first (kernels.h: AM_DEV_FAULT_BUG, AM_DEV_FAULT_ERROR), and so does an
- * allocation that fails (AM_DEV_FAULT_OOM), so that the program running the kernels can
- * record why before the process ends.
+ * aborts naming the kernel and cudaGetErrorString's message (am_cuda_check), as does a
+ * failure of cuBLASLt or cuDNN (am_cuda_device_error, with the library's status). Both tell the
+ * fault hook first (kernels.h: AM_DEV_FAULT_BUG; AM_DEV_FAULT_ERROR, which the trainer records
+ * as a `cuda` cause), and so does an allocation that fails (AM_DEV_FAULT_OOM), so that the
+ * program running the kernels can record why before the process ends.
  */
 #ifndef AM_KERNELS_CUDA_IMPL_H
 #define AM_KERNELS_CUDA_IMPL_H
@@ -76,19 +87,22 @@ void am_cuda_matmul_backward(const struct am_dev *d, struct am_tensor *dx, struc
 void am_cuda_bias_forward(const struct am_dev *d, struct am_tensor *y, const struct am_tensor *b);
 void am_cuda_bias_backward(const struct am_dev *d, struct am_tensor *db, const struct am_tensor *dy);
 
-/* ---- layers.cu: embedding, RMSNorm, RoPE, SwiGLU ---- */
+/* ---- embedding.cu ---- */
 void am_cuda_embedding_forward(const struct am_dev *d, struct am_tensor *out, const struct am_tensor *ids,
                                const struct am_tensor *wte, int64_t vocab_start);
 void am_cuda_embedding_backward(const struct am_dev *d, struct am_tensor *dwte, const struct am_tensor *dout,
                                 const struct am_tensor *ids, int64_t vocab_start);
+/* ---- rmsnorm.cu ---- */
 void am_cuda_rmsnorm_forward(const struct am_dev *d, struct am_tensor *out, struct am_tensor *rstd, const struct am_tensor *x,
                              const struct am_tensor *w, float eps);
 void am_cuda_rmsnorm_backward(const struct am_dev *d, struct am_tensor *dx, struct am_tensor *dw, const struct am_tensor *dout,
                               const struct am_tensor *x, const struct am_tensor *w, const struct am_tensor *rstd);
+/* ---- rope.cu ---- */
 void am_cuda_rope_tables(const struct am_dev *d, struct am_tensor *tcos, struct am_tensor *tsin, double theta,
                          const struct am_rope_scaling *scaling);
 void am_cuda_rope_forward(const struct am_dev *d, struct am_tensor *x, const struct am_tensor *tcos, const struct am_tensor *tsin);
 void am_cuda_rope_backward(const struct am_dev *d, struct am_tensor *dx, const struct am_tensor *tcos, const struct am_tensor *tsin);
+/* ---- swiglu.cu ---- */
 void am_cuda_swiglu_forward(const struct am_dev *d, struct am_tensor *out, const struct am_tensor *gate, const struct am_tensor *up);
 void am_cuda_swiglu_backward(const struct am_dev *d, struct am_tensor *dgate, struct am_tensor *dup, const struct am_tensor *dout,
                              const struct am_tensor *gate, const struct am_tensor *up);
@@ -108,7 +122,7 @@ void am_cuda_attention_softcap_backward(const struct am_dev *d, struct am_tensor
                                         struct am_tensor *dv, const struct am_tensor *dout, const struct am_tensor *out,
                                         const struct am_tensor *lse, const struct am_tensor *q, const struct am_tensor *k,
                                         const struct am_tensor *v, int64_t window, float scale, float softcap);
-/* ---- layers.cu: Gemma's RMSNorm with weight 1 + w, GeGLU ---- */
+/* ---- gemma.cu: Gemma's RMSNorm with weight 1 + w, GeGLU ---- */
 void am_cuda_rmsnorm_offset_forward(const struct am_dev *d, struct am_tensor *out, struct am_tensor *rstd,
                                     const struct am_tensor *x, const struct am_tensor *w, float eps);
 void am_cuda_rmsnorm_offset_backward(const struct am_dev *d, struct am_tensor *dx, struct am_tensor *dw,
@@ -149,7 +163,7 @@ void am_cuda_attention_block_backward(const struct am_dev *d, struct am_tensor *
                                       const struct am_tensor *kpos, const struct am_tensor *qstart,
                                      int64_t window);
 
-/* ---- ce.cu: the head's cross-entropy, vocabulary-parallel, in tiles (cuBLASLt + own) ---- */
+/* ---- crossentropy.cu: the head's cross-entropy, vocabulary-parallel, in tiles (cuBLASLt + own) ---- */
 void am_cuda_ce_stats(const struct am_dev *d, struct am_tensor *m, struct am_tensor *s, struct am_tensor *t,
                       const struct am_tensor *x, const struct am_tensor *w, const struct am_tensor *targets,
                       int64_t vocab_start);

@@ -19,10 +19,13 @@
 
 #include "common.cuh"
 
+/* a cuBLASLt failure is the device's (AM_DEV_FAULT_ERROR: a `cuda` cause), not the caller's:
+ * the shapes were checked before */
 static void lt_check(const char *k, cublasStatus_t st, const char *what)
 {
     if (st != CUBLAS_STATUS_SUCCESS)
-        am_cuda_fatal(k, "cuBLASLt error in %s: %s", what, cublasLtGetStatusString(st));
+        am_cuda_device_error(k, cublasLtGetStatusString(st), "cuBLASLt error in %s: %s", what,
+                             cublasLtGetStatusString(st));
 }
 
 static int align_of(const void *p)
@@ -107,9 +110,10 @@ void am_cuda_gemm(const char *k, const struct am_dev *d, bool ta, bool tb, int64
                  "cublasLtMatmulAlgoGetHeuristic");
         cublasLtMatmulPreferenceDestroy(pref);
         if (found < 1)
-            am_cuda_fatal(k, "cuBLASLt has no algorithm for %s%s m=%lld n=%lld k=%lld (%s x %s -> %s)", ta ? "T" : "N",
-                          tb ? "T" : "N", (long long)m, (long long)n, (long long)kk, am_dtype_name(atype),
-                          am_dtype_name(atype), am_dtype_name(ctype));
+            am_cuda_device_error(k, "no algorithm",
+                                 "cuBLASLt has no algorithm for %s%s m=%lld n=%lld k=%lld (%s x %s -> %s)",
+                                 ta ? "T" : "N", tb ? "T" : "N", (long long)m, (long long)n, (long long)kk,
+                                 am_dtype_name(atype), am_dtype_name(atype), am_dtype_name(ctype));
         e = &c->gemm[c->gemm_next];
         c->gemm_next = (c->gemm_next + 1) % AM_CUDA_GEMM_CACHE;
         e->key = key;

@@ -36,13 +36,14 @@ static int add_block(struct am_cuda_pool *P, char *p, size_t size, bool own)
     return 0;
 }
 
-/* A free block of the class: the exact class, else the smallest that wastes at most a quarter. */
-static struct am_cuda_block *find_free(struct am_cuda_pool *P, size_t cls)
+/* A free block of the class: the exact class, else the smallest that wastes at most a quarter
+ * (any: the smallest free block that holds the class, whatever it wastes). */
+static struct am_cuda_block *find_free(struct am_cuda_pool *P, size_t cls, bool any)
 {
     struct am_cuda_block *best = NULL;
     for (size_t i = 0; i < P->n; i++) {
         struct am_cuda_block *b = &P->blocks[i];
-        if (!b->free || b->size < cls || b->size > cls + cls / 4)
+        if (!b->free || b->size < cls || (!any && b->size > cls + cls / 4))
             continue;
         if (!best || b->size < best->size)
             best = b;
@@ -50,29 +51,6 @@ static struct am_cuda_block *find_free(struct am_cuda_pool *P, size_t cls)
             break;
     }
     return best;
-}
-
-/* The pool's free blocks of their own back to the device (cudaFree waits for the device
- * itself; the context's stream first, where the blocks were last used). */
-static void trim(const struct am_dev *d, struct am_cuda_pool *P)
-{
-    size_t k = 0;
-    bool synced = false;
-    for (size_t i = 0; i < P->n; i++) {
-        struct am_cuda_block *b = &P->blocks[i];
-        if (b->free && b->own) {
-            if (!synced) {
-                cudaStreamSynchronize(am_cuda_stream(d));
-                synced = true;
-            }
-            cudaFree(b->p);
-            P->held -= b->size;
-            continue;
-        }
-        P->blocks[k++] = *b;
-    }
-    P->n = k;
-    cudaGetLastError();
 }
 
 static void *oom(const char *kernel, const struct am_dev *d, struct am_cuda_pool *P, size_t bytes, cudaError_t e)
@@ -103,7 +81,7 @@ void *am_cuda_pool_get(const char *kernel, const struct am_dev *d, size_t bytes)
     if (bytes > (SIZE_MAX >> 1)) /* no device has it (and its class would not fit in a size_t) */
         return oom(kernel, d, P, bytes, cudaErrorMemoryAllocation);
     size_t cls = size_class(bytes);
-    struct am_cuda_block *b = find_free(P, cls);
+    struct am_cuda_block *b = find_free(P, cls, false);
     if (!b && P->arena && P->arena_bytes - P->arena_used >= cls) {
         if (add_block(P, P->arena + P->arena_used, cls, false) < 0)
             am_cuda_fatal(kernel, "out of host memory for the allocator's list of blocks");
@@ -113,20 +91,18 @@ void *am_cuda_pool_get(const char *kernel, const struct am_dev *d, size_t bytes)
     if (!b) {
         void *p = NULL;
         cudaError_t e = cudaMalloc(&p, cls);
-        if (e == cudaErrorMemoryAllocation) {
+        if (e == cudaErrorMemoryAllocation) { /* a larger free block, whatever it wastes (no cudaFree: common.cuh) */
             cudaGetLastError();
-            trim(d, P);
-            e = cudaMalloc(&p, cls);
+            b = find_free(P, cls, true);
+            if (!b)
+                return oom(kernel, d, P, bytes, e);
+        } else {
+            am_cuda_check(kernel, e, "cudaMalloc");
+            if (add_block(P, (char *)p, cls, true) < 0)
+                am_cuda_fatal(kernel, "out of host memory for the allocator's list of blocks");
+            P->held += cls;
+            b = &P->blocks[P->n - 1];
         }
-        if (e == cudaErrorMemoryAllocation) {
-            cudaGetLastError();
-            return oom(kernel, d, P, bytes, e);
-        }
-        am_cuda_check(kernel, e, "cudaMalloc");
-        if (add_block(P, (char *)p, cls, true) < 0)
-            am_cuda_fatal(kernel, "out of host memory for the allocator's list of blocks");
-        P->held += cls;
-        b = &P->blocks[P->n - 1];
     }
     b->free = false;
     P->in_use += b->size;

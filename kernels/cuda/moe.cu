@@ -381,7 +381,10 @@ static struct am_tensor expert_w(const struct am_tensor *w, int64_t e)
     return am_tensor_view((char *)w->data + (size_t)(e * n * kk) * am_dtype_size(w->dtype), w->device, w->dtype, n, kk, 0, 0);
 }
 
-static void check_grouped(const char *k, const struct am_tensor *x, const struct am_tensor *w, const int64_t *counts)
+/* x's rows are the counts' sum; so are the rows of out (y, dy, dx: what the experts' GEMMs
+ * write or read per row of x; NULL: none) */
+static void check_grouped(const char *k, const struct am_tensor *x, const struct am_tensor *w, const int64_t *counts,
+                          const char *out_name, const struct am_tensor *out)
 {
     am_cuda_tensor(k, "w", w);
     AM_CUDA_REQUIRE(k, w->ndim == 3, "w (%s) must be [E, Nout, K] (the experts' weights back to back)", am_tname(w));
@@ -390,12 +393,18 @@ static void check_grouped(const char *k, const struct am_tensor *x, const struct
         total += counts[e];
     AM_CUDA_REQUIRE(k, total == am_rows(x), "the experts' counts add up to %lld rows; x (%s) has %lld", (long long)total,
                     am_tname(x), (long long)am_rows(x));
+    if (!out)
+        return;
+    am_cuda_tensor(k, out_name, out);
+    AM_CUDA_REQUIRE(k, am_rows(out) == total,
+                    "%s (%s) has %lld rows; the experts' counts add up to %lld (a row of %s per row of x)", out_name,
+                    am_tname(out), (long long)am_rows(out), (long long)total, out_name);
 }
 
 void am_cuda_grouped_matmul_forward(const struct am_dev *d, struct am_tensor *y, const struct am_tensor *x, const struct am_tensor *w,
                                     const int64_t *counts)
 {
-    check_grouped("am_cuda_grouped_matmul_forward", x, w, counts);
+    check_grouped("am_cuda_grouped_matmul_forward", x, w, counts, "y", y);
     int64_t r0 = 0;
     for (int64_t e = 0; e < w->shape[0]; r0 += counts[e], e++) {
         if (!counts[e])
@@ -409,7 +418,8 @@ void am_cuda_grouped_matmul_backward(const struct am_dev *d, struct am_tensor *d
                                      const struct am_tensor *x, const struct am_tensor *w, const int64_t *counts)
 {
     const char *k = "am_cuda_grouped_matmul_backward";
-    check_grouped(k, x, w, counts);
+    check_grouped(k, x, w, counts, "dy", dy);
+    check_grouped(k, x, w, counts, "dx", dx);
     AM_CUDA_REQUIRE(k, !dw || (dw->ndim == 3 && am_tensor_numel(dw) == am_tensor_numel(w)), "dw (%s) must have w's shape",
                     am_tname(dw));
     int64_t r0 = 0;

@@ -1,4 +1,5 @@
-/* table.c - the CUDA backend's table of kernels (the functions: the .cu files beside it).
+/* table.c - the CUDA backend's table of kernels (the functions: the .cu files beside it, each
+ * kernel family in a file named as its CPU one, kernels/cpu/).
  *
  * A NULL entry is a kernel this backend does not have yet: am_dev_open refuses a context
  * on a table with holes and names them (am_kernels_missing, kernels.c), so that nothing

@@ -192,10 +192,10 @@ static json_t *str_array(const struct am_list *l)
 /* One pipeline rank's memory: {"weights":...,"pp_rank":k,"total":...}. */
 static json_t *memory_json(const struct am_memory *m)
 {
-    json_t *o = json_pack("{s:f,s:f,s:f,s:f,s:f,s:f,s:f,s:f,s:f,s:i}", "weights", m->weights, "grads", m->grads,
+    json_t *o = json_pack("{s:f,s:f,s:f,s:f,s:f,s:f,s:f,s:f,s:f,s:f,s:i}", "weights", m->weights, "grads", m->grads,
                           "optimizer", m->optimizer, "gathered_params", m->gathered, "grad_buffers", m->grad_buffers,
-                          "activations", m->activations, "scratch", m->scratch, "pipeline_buffers", m->p2p,
-                          "alltoall_buffers", m->alltoall, "pp_rank", m->pp_rank);
+                          "activations", m->activations, "scratch", m->scratch, "kernel_scratch", m->kernel_scratch,
+                          "pipeline_buffers", m->p2p, "alltoall_buffers", m->alltoall, "pp_rank", m->pp_rank);
     json_object_set_new(o, "total", json_real(m->total));
     return o;
 }

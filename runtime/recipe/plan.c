@@ -275,6 +275,53 @@ static double scratch_bytes(const struct am_recipe *r, const struct am_plan *p, 
     return b;
 }
 
+/* The CUDA kernels' device scratch (kernels/cuda/cuda_impl.h): one buffer, grown to what the
+ * largest call of a step asks for and kept, each piece of a call 256-byte aligned. Its largest
+ * users at the model's shapes, whichever asks most:
+ *   - the head's cross-entropy (kernels/cuda/crossentropy.cu), on the last stage: rows in chunks of
+ *     Rc = min(N, 4096, max(64, 2^24 / C)), the vocabulary shard in tiles of
+ *     VC = min(V / tp, 2^24 / Rc rounded down to 64): the fp32 logits tile [Rc, VC] (rows of VC
+ *     rounded up to 8), with bf16 compute the bf16 dlogits tile and the fp32 dx tile [Rc, C]
+ *     (the model's head gradient is fp32, so never the whole of a bf16 dw widened to fp32);
+ *   - the attention's backward on a stage with layers: cuDNN's (bf16, head size 64 or 128, no
+ *     soft cap): an fp32 row sum [N, H], the fp32 dQ accumulator and bf16 dq, dk and dv (cuDNN's
+ *     own workspace beside them is cuDNN's to size: not counted); the own kernels' and the
+ *     ring's: the fp32 row sum alone.
+ * The rest is smaller (RMSNorm's weight gradient: 64 fp32 rows of C; the embedding's sort: 16
+ * bytes a token and cub's storage; sum_squares: 8 KiB). On the CPU the kernels take none of
+ * it (their workspace holds widened bf16 operands: not counted). N: tokens of a micro-batch
+ * (over cp), H and KV: the rank's query and key/value heads. */
+static double rup256(long long bytes) { return (double)((bytes + 255) / 256 * 256); }
+
+static double kernel_scratch_bytes(const struct am_recipe *r, const struct am_plan *p, bool head, int layers)
+{
+    const struct am_model_config *m = &r->model;
+    long long N = (long long)p->microbatch_size * p->seq_length / p->cp, C = m->hidden_size > 0 ? m->hidden_size : 1;
+    bool bf = r->compute_dtype == AM_BF16;
+    double b = 0;
+    if (head && N > 0) {
+        const long long tile_max = 1LL << 24; /* logits: a tile of 64 MiB of fp32 */
+        long long rc = tile_max / C;
+        rc = rc < 64 ? 64 : rc > 4096 ? 4096 : rc;
+        rc = N < rc ? N : rc;
+        long long V = m->vocab_size / p->tp, vc = tile_max / rc / 64 * 64;
+        vc = vc < 64 ? 64 : vc;
+        vc = V < vc ? V : vc;
+        long long tile = rc * ((vc + 7) / 8 * 8);
+        double ce = rup256(tile * 4) + (bf ? rup256(tile * 2) + rup256(rc * C * 4) : 0);
+        b = ce > b ? ce : b;
+    }
+    if (layers > 0 && N > 0) {
+        long long D = m->head_dim, H = m->num_attention_heads / p->tp;
+        long long KV = m->num_key_value_heads >= p->tp ? m->num_key_value_heads / p->tp : 1;
+        double attn = rup256(N * H * 4);
+        if (bf && (D == 64 || D == 128) && m->attn_logit_softcapping <= 0 && !m->gemma)
+            attn += rup256(N * H * D * 4) + rup256(N * H * D * 2) + 2 * rup256(N * KV * D * 2);
+        b = attn > b ? attn : b;
+    }
+    return b;
+}
+
 /* The ZeRO stage am-train runs for a recipe (am_plan.zero_stage): fsdp2 shards weights,
  * gradients and optimizer state over dp_shard (ZeRO-3, train/fsdp.h) when there is more than
  * one shard (HSDP: within each replica group, the shards' gradients all-reduced over the
@@ -469,6 +516,7 @@ static int memory_of_rank(const struct am_recipe *r, const struct am_plan *p, in
     double sends = p->virtual_stages == 1 ? flight / layers : (double)p->virtual_stages * (double)p->n_microbatches;
     out->p2p = p->pp == 1 ? 0 : (1 + 2 * sends) * tokens * h * cs / (r->dist.sequence_parallel ? tp : 1);
     out->scratch = scratch_bytes(r, p, emb, head, &rs);
+    out->kernel_scratch = kernel_scratch_bytes(r, p, head, layers);
     /* the all-to-all's buffers (moe.c): the slots received, twice, and the rank's own, each
      * 64-byte aligned as allocated */
     out->alltoall = 0;
@@ -490,7 +538,7 @@ static int memory_of_rank(const struct am_recipe *r, const struct am_plan *p, in
         out->weights += wb * ad;
     }
     out->total = out->weights + out->grads + out->grad_buffers + out->optimizer + out->gathered + out->activations +
-                 out->scratch + out->p2p + out->alltoall;
+                 out->scratch + out->kernel_scratch + out->p2p + out->alltoall;
     return 0;
 }
 

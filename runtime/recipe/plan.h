@@ -72,6 +72,9 @@ struct am_memory {
                                and one received (pipeline.h) */
     double scratch;         /* the model's buffers beside the saved tensors (work buffers,
                                the loss's, the rotary tables, the slots' token ids) */
+    double kernel_scratch;  /* the CUDA kernels' device scratch at its largest (the head's
+                               cross-entropy tiles, the attention backward's buffers:
+                               kernels/cuda/cuda_impl.h); the model allocates none of it */
     double alltoall;        /* expert parallelism: the experts' all-to-all buffers, sized for the
                                worst case (runtime/model/moe.c): every slot of every ep rank's
                                micro-batch routed to this rank's experts, twice, and the rank's

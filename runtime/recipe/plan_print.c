@@ -57,6 +57,8 @@ void am_plan_print(FILE *f, const struct am_recipe *r, const struct am_world *w,
         fprintf(f, ", gradient buffers %s", am_format_bytes(m->grad_buffers, a, sizeof(a)));
     fprintf(f, ", activations %s", am_format_bytes(m->activations, e, sizeof(e)));
     fprintf(f, ", scratch %s", am_format_bytes(m->scratch, a, sizeof(a)));
+    if (m->kernel_scratch > 0)
+        fprintf(f, ", kernels' scratch %s", am_format_bytes(m->kernel_scratch, a, sizeof(a)));
     if (p->pp > 1)
         fprintf(f, ", pipeline buffers %s", am_format_bytes(m->p2p, a, sizeof(a)));
     if (m->alltoall > 0)

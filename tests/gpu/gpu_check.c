@@ -1,30 +1,71 @@
 /* gpu_check.c - every CUDA kernel against the CPU kernel (the reference, tested on its own by
- * tests/kernels/test_kernels) on fresh random inputs, forward and backward, fp32 and bf16.
+ * tests/kernels/test_*, one program per kernel family) on fresh random inputs, forward and
+ * backward, fp32 and bf16.
  *
  * Each case fills its inputs at random (xorshift, seed AM_GPU_SEED or the clock), gives the
- * same bytes to both backends (gradients start random too: backward kernels accumulate),
- * runs the kernel on each and compares every output by its relative L2 norm,
- * ||gpu - cpu|| / ||cpu||: at most 1e-5 for the fp32 paths, 1e-2 for the bf16 paths (a bf16
- * output differs by at most an ulp, 2^-8 relative, where the two sum in a different order).
- * A summary table is printed last; exit 0 when every row passes, 1 otherwise, 77 (SKIP) when
- * there is no CUDA device. Run by tests/gpu/run; small shapes but for the cross-entropy's, which
- * cross its row and vocabulary chunks (some seconds of CPU reference).
+ * same bytes to both backends (gradients start random too: backward kernels accumulate; but
+ * the attention's, below), runs the kernel on each and compares every output by its relative
+ * L2 norm, ||gpu - cpu|| / ||cpu||: at most 1e-5 for the fp32 paths, 1e-2 for the bf16 paths
+ * (a bf16 output differs by at most an ulp, 2^-8 relative, where the two sum in a different
+ * order). A summary table is printed last; exit 0 when every row passes, 1 otherwise, 77
+ * (SKIP) when the machine has no NVIDIA device (probe.h: any other CUDA error FAILs, naming
+ * it; the driver's and the runtime's versions come first). Run by tests/gpu/run; small shapes
+ * but for the cross-entropy's, which cross its row and vocabulary chunks (some seconds of CPU
+ * reference). stdout is line-buffered and each case prints its name ("case ...") before it
+ * runs, so that an abort on an asynchronous fault (run it with CUDA_LAUNCH_BLOCKING=1 to have
+ * the fault name its kernel: tests/gpu/run --blocking) still shows every row before it and the
+ * case it died in.
  *
  * Attention runs on each of its paths (AM_ATTN=own, and AM_ATTN=cudnn in a build with
- * cuDNN), and a row per case checks which path ran (cuda_impl.h counts the calls).
+ * cuDNN), and a row per case checks which path ran (cuda_impl.h counts the calls). Its
+ * backward (and the soft-capped one's) starts from zero gradients, so that the rows compare
+ * what the backward computes, not the random values it adds to (7-93 % of the norm: a 10 %
+ * error in dq passed 1e-2 so), within 5e-3 in bf16: a 1 % error fails (--self-test shows it);
+ * then it runs again onto its own result, on both devices, to check that it accumulates.
+ *
+ *   gpu_check               the cases (a GPU machine)
+ *   gpu_check --probe       the versions and the verdict only: exit 0 (a device), 77, 1
+ *   gpu_check --self-test   the checks themselves, no GPU needed: the probe's verdict on every
+ *                           kind of machine; the attention case run on the CPU against the CPU
+ *                           passes, against the CPU with its backward's result off by 1 %
+ *                           fails on every gradient row; the CUDA backend's argument checks
+ *                           that abort before the device is touched (grouped_matmul's output
+ *                           rows, the own attention's grid limit) name what is wrong
  *
  * The CUDA context is opened through the backend's own open (not am_dev_open), so that the
  * kernels it has are checked while the table still lacks some (am_dev_open refuses those). */
 #include <cuda_runtime_api.h>
 #include <math.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "cuda/cuda_impl.h" /* which attention path ran */
 #include "half.h"
 #include "kernels.h"
+#include "probe.h"
+
+/* the tolerances of the relative L2 norm (see above) */
+#define TOL_F32 1e-5
+#define TOL_BF16 1e-2
+#define TOL_ATTN_BWD_BF16 5e-3 /* the attention's gradients from zero: a 1 % error fails */
+
+/* each case's name before it runs (stdout is line-buffered) */
+static void begin(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static void begin(const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    printf("case ");
+    vprintf(fmt, ap);
+    printf("\n");
+    va_end(ap);
+}
+#define RUN(...) (begin("%s", #__VA_ARGS__), __VA_ARGS__)
 
 static struct am_dev cpu, gpu;
 static const struct am_kernels *KC, *KG;
@@ -48,7 +89,7 @@ static struct pair pair_new(enum am_dtype dt, int64_t d0, int64_t d1, int64_t d2
 {
     struct pair p;
     p.c = am_tensor_view(NULL, AM_DEV_CPU, dt, d0, d1, d2, d3);
-    p.g = am_tensor_view(NULL, AM_DEV_CUDA, dt, d0, d1, d2, d3);
+    p.g = am_tensor_view(NULL, gpu.device, dt, d0, d1, d2, d3); /* the CPU in --self-test */
     size_t b = am_tensor_bytes(&p.c);
     p.c.data = KC->alloc(&cpu, b);
     p.g.data = KG->alloc(&gpu, b);
@@ -148,7 +189,13 @@ static void check(const char *what, const struct pair *p, bool bf16)
 {
     char name[96];
     snprintf(name, sizeof name, "%s", what);
-    record(name, bf16 ? "bf16" : "fp32", rel_err(p), bf16 ? 1e-2 : 1e-5);
+    record(name, bf16 ? "bf16" : "fp32", rel_err(p), bf16 ? TOL_BF16 : TOL_F32);
+}
+
+/* an attention gradient, from zero (or twice from zero): TOL_ATTN_BWD_BF16 in bf16 */
+static void check_attn_grad(const char *what, const struct pair *p, bool bf16)
+{
+    record(what, bf16 ? "bf16" : "fp32", rel_err(p), bf16 ? TOL_ATTN_BWD_BF16 : TOL_F32);
 }
 
 static const char *dname(enum am_dtype dt) { return am_dtype_name(dt); }
@@ -413,7 +460,8 @@ static void case_gemma(enum am_dtype dt, enum am_dtype gdt)
     setenv("AM_ATTN", "cudnn", 1);
     struct pair q = pair_new(dt, B, T, H, D), k = rnd(dt, B, T, KVH, D), v = rnd(dt, B, T, KVH, D);
     struct pair ao = pair_new(dt, B, T, H, D), lse = pair_new(AM_F32, B, H, T, 0), ado = rnd(dt, B, T, H, D);
-    struct pair dq = rnd(dt, B, T, H, D), dk = rnd(dt, B, T, KVH, D), dv = rnd(dt, B, T, KVH, D);
+    /* the gradients from zero (gpu_check's header says why), then accumulated once more */
+    struct pair dq = pair_new(dt, B, T, H, D), dk = pair_new(dt, B, T, KVH, D), dv = pair_new(dt, B, T, KVH, D);
     pair_fill(&q, -2, 2);
     KC->attention_softcap_forward(&cpu, &ao.c, &lse.c, &q.c, &k.c, &v.c, 9, 0.25f, 1.5f);
     KG->attention_softcap_forward(&gpu, &ao.g, &lse.g, &q.g, &k.g, &v.g, 9, 0.25f, 1.5f);
@@ -421,11 +469,15 @@ static void case_gemma(enum am_dtype dt, enum am_dtype gdt)
     record("attention_softcap lse", dname(dt), rel_err(&lse), 1e-5);
     pair_upload(&ao);
     pair_upload(&lse);
-    KC->attention_softcap_backward(&cpu, &dq.c, &dk.c, &dv.c, &ado.c, &ao.c, &lse.c, &q.c, &k.c, &v.c, 9, 0.25f, 1.5f);
-    KG->attention_softcap_backward(&gpu, &dq.g, &dk.g, &dv.g, &ado.g, &ao.g, &lse.g, &q.g, &k.g, &v.g, 9, 0.25f, 1.5f);
-    check("attention_softcap dq", &dq, bf);
-    check("attention_softcap dk", &dk, bf);
-    check("attention_softcap dv", &dv, bf);
+    for (int twice = 0; twice < 2; twice++) {
+        KC->attention_softcap_backward(&cpu, &dq.c, &dk.c, &dv.c, &ado.c, &ao.c, &lse.c, &q.c, &k.c, &v.c, 9, 0.25f,
+                                       1.5f);
+        KG->attention_softcap_backward(&gpu, &dq.g, &dk.g, &dv.g, &ado.g, &ao.g, &lse.g, &q.g, &k.g, &v.g, 9, 0.25f,
+                                       1.5f);
+        check_attn_grad(twice ? "attention_softcap dq (accumulated twice)" : "attention_softcap dq", &dq, bf);
+        check_attn_grad(twice ? "attention_softcap dk (accumulated twice)" : "attention_softcap dk", &dk, bf);
+        check_attn_grad(twice ? "attention_softcap dv (accumulated twice)" : "attention_softcap dv", &dv, bf);
+    }
     unsetenv("AM_ATTN");
     int64_t V = 300, Vh = V / 2, Nt = 70;
     struct pair hx = rnd(dt, Nt, C, 0, 0), hw = rnd(dt, V, C, 0, 0), tg = pair_new(AM_I32, Nt, 0, 0, 0);
@@ -623,17 +675,20 @@ static void case_attention_block(int64_t W, bool packed)
 static void case_attention(const char *path, enum am_dtype dt, int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t D,
                            int64_t W)
 {
-    bool bf = dt == AM_BF16, cudnn = strcmp(path, "cudnn") == 0;
-    setenv("AM_ATTN", path, 1);
-    struct pair q = pair_new(dt, B, T, H, D), k = rnd(dt, B, T, KVH, D), v = rnd(dt, B, T, KVH, D);
-    struct pair out = pair_new(dt, B, T, H, D), lse = pair_new(AM_F32, B, H, T, 0), dout = rnd(dt, B, T, H, D);
-    struct pair dq = rnd(dt, B, T, H, D), dk = rnd(dt, B, T, KVH, D), dv = rnd(dt, B, T, KVH, D);
-    pair_fill(&q, -2, 2);
+    bool bf = dt == AM_BF16, cudnn = strcmp(path, "cudnn") == 0, on_cuda = gpu.device == AM_DEV_CUDA;
     char what[96], shape[48];
     snprintf(shape, sizeof shape, "%s B%lld T%lld H%lld/%lld D%lld W%lld", path, (long long)B, (long long)T, (long long)H,
              (long long)KVH, (long long)D, (long long)W);
-    unsigned long long own0, cudnn0, own1, cudnn1;
-    am_cuda_attention_calls(&own0, &cudnn0);
+    begin("attention %s %s", shape, dname(dt));
+    setenv("AM_ATTN", path, 1);
+    struct pair q = pair_new(dt, B, T, H, D), k = rnd(dt, B, T, KVH, D), v = rnd(dt, B, T, KVH, D);
+    struct pair out = pair_new(dt, B, T, H, D), lse = pair_new(AM_F32, B, H, T, 0), dout = rnd(dt, B, T, H, D);
+    /* the gradients from zero: the rows compare what the backward computes (gpu_check's header) */
+    struct pair dq = pair_new(dt, B, T, H, D), dk = pair_new(dt, B, T, KVH, D), dv = pair_new(dt, B, T, KVH, D);
+    pair_fill(&q, -2, 2);
+    unsigned long long own0 = 0, cudnn0 = 0, own1 = 0, cudnn1 = 0;
+    if (on_cuda)
+        am_cuda_attention_calls(&own0, &cudnn0);
     KC->attention_forward(&cpu, &out.c, &lse.c, &q.c, &k.c, &v.c, W);
     KG->attention_forward(&gpu, &out.g, &lse.g, &q.g, &k.g, &v.g, W);
     snprintf(what, sizeof what, "attn %s out", shape);
@@ -654,13 +709,16 @@ static void case_attention(const char *path, enum am_dtype dt, int64_t B, int64_
     KC->attention_backward(&cpu, &dq.c, &dk.c, &dv.c, &dout.c, &out.c, &lse.c, &q.c, &k.c, &v.c, W);
     KG->attention_backward(&gpu, &dq.g, &dk.g, &dv.g, &dout.g, &out.g, &lse.g, &q.g, &k.g, &v.g, W);
     snprintf(what, sizeof what, "attn %s dq", shape);
-    check(what, &dq, bf);
+    check_attn_grad(what, &dq, bf);
     snprintf(what, sizeof what, "attn %s dk", shape);
-    check(what, &dk, bf);
+    check_attn_grad(what, &dk, bf);
     snprintf(what, sizeof what, "attn %s dv", shape);
-    check(what, &dv, bf);
-    am_cuda_attention_calls(&own1, &cudnn1);
-    if (cudnn && T >= 2) {
+    check_attn_grad(what, &dv, bf);
+    if (on_cuda)
+        am_cuda_attention_calls(&own1, &cudnn1);
+    if (!on_cuda) {
+        /* --self-test: no path to check */
+    } else if (cudnn && T >= 2) {
         const char *why = am_cuda_attention_cudnn_why(&gpu);
         if (cudnn1 - cudnn0 != 2)
             printf("     cuDNN did not run it: %s\n", why ? why : "(no reason recorded)");
@@ -687,6 +745,16 @@ static void case_attention(const char *path, enum am_dtype dt, int64_t B, int64_
         snprintf(what, sizeof what, "attn %s ran on own kernels", shape);
         record(what, dname(dt), own1 - own0 == 3 && cudnn1 == cudnn0 ? 0 : 1, 0);
     }
+    /* once more onto the first result, on both devices: the backward accumulates (a path that
+     * wrote its result instead would be off by half) */
+    KC->attention_backward(&cpu, &dq.c, &dk.c, &dv.c, &dout.c, &out.c, &lse.c, &q.c, &k.c, &v.c, W);
+    KG->attention_backward(&gpu, &dq.g, &dk.g, &dv.g, &dout.g, &out.g, &lse.g, &q.g, &k.g, &v.g, W);
+    snprintf(what, sizeof what, "attn %s dq accumulated", shape);
+    check_attn_grad(what, &dq, bf);
+    snprintf(what, sizeof what, "attn %s dk accumulated", shape);
+    check_attn_grad(what, &dk, bf);
+    snprintf(what, sizeof what, "attn %s dv accumulated", shape);
+    check_attn_grad(what, &dv, bf);
     free(h0);
     free(h1);
     unsetenv("AM_ATTN");
@@ -935,27 +1003,292 @@ static void case_adamw_multi(enum am_dtype ss_dtype, float beta1)
     pair_free(&fl);
 }
 
-static void cases_ce_adamw_multi(void)
+
+/* ---- --self-test: the checks themselves, on the CPU ---- */
+
+/* The CPU's attention backward with its result off by 1 %: each gradient gets 1.01 times what
+ * the backward adds (then rounded to its dtype). */
+static const struct am_kernels *real_cpu;
+
+static void off_by_one_percent(struct am_tensor *g, const void *before)
 {
-    case_ce(AM_F32, AM_F32, 300, 96, 1000, 500, true);
-    case_ce(AM_BF16, AM_BF16, 300, 96, 1000, 500, true);
-    case_ce(AM_BF16, AM_F32, 300, 96, 1000, 500, true);
-    case_ce(AM_F32, AM_F32, 4100, 64, 5000, 123, false);
-    case_ce(AM_BF16, AM_F32, 4100, 64, 5000, 123, false);
-    case_ce(AM_F32, AM_F32, 4100, 64, 3000, 0, true);
-    case_ce(AM_BF16, AM_BF16, 4100, 64, 3000, 0, true);
-    case_adamw_multi(AM_F64, 0.9f);
-    case_adamw_multi(AM_F32, 0.3f);
+    int64_t n = am_tensor_numel(g);
+    for (int64_t i = 0; i < n; i++) {
+        double b = elem(g, before, i), a = elem(g, g->data, i), v = b + 1.01 * (a - b);
+        if (g->dtype == AM_F32)
+            ((float *)g->data)[i] = (float)v;
+        else
+            ((uint16_t *)g->data)[i] = am_f32_to_bf16((float)v);
+    }
 }
 
-int main(void)
+static void attention_backward_off(const struct am_dev *d, struct am_tensor *dq, struct am_tensor *dk,
+                                   struct am_tensor *dv, const struct am_tensor *dout, const struct am_tensor *out,
+                                   const struct am_tensor *lse, const struct am_tensor *q, const struct am_tensor *k,
+                                   const struct am_tensor *v, int64_t window)
 {
-    int ndev = 0;
-    cudaError_t e = cudaGetDeviceCount(&ndev);
-    if (e != cudaSuccess || ndev == 0) {
-        printf("skipped: no CUDA device (cudaGetDeviceCount: %s)\n", e != cudaSuccess ? cudaGetErrorString(e) : "0 devices");
-        return 77;
+    struct am_tensor *g[3] = {dq, dk, dv};
+    void *before[3];
+    for (int i = 0; i < 3; i++) {
+        size_t b = am_tensor_bytes(g[i]);
+        before[i] = malloc(b ? b : 1);
+        memcpy(before[i], g[i]->data, b);
     }
+    real_cpu->attention_backward(d, dq, dk, dv, dout, out, lse, q, k, v, window);
+    for (int i = 0; i < 3; i++) {
+        off_by_one_percent(g[i], before[i]);
+        free(before[i]);
+    }
+}
+
+static int self_failures;
+
+static void expect(bool ok, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void expect(bool ok, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    printf("%-4s ", ok ? "ok" : "FAIL");
+    vprintf(fmt, ap);
+    printf("\n");
+    va_end(ap);
+    self_failures += !ok;
+}
+
+/* The attention cases of main on the CPU against kernels k (as the device): returns the rows
+ * that passed and failed, the gradient rows (dq, dk, dv) and the others apart. */
+static void attention_rows(const struct am_kernels *k, int *grad_ok, int *grad_fail, int *other_ok, int *other_fail)
+{
+    char err[256];
+    if (am_dev_open(&gpu, AM_DEV_CPU, -1, err, sizeof err) < 0) {
+        fprintf(stderr, "gpu_check: %s\n", err);
+        exit(1);
+    }
+    gpu.k = KG = k;
+    nrows = nfail = 0;
+    static const int64_t shapes[][6] = {{2, 77, 8, 2, 64, 0}, {1, 40, 3, 3, 96, 5}, {2, 33, 2, 2, 20, 0}};
+    for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++) {
+        const int64_t *c = shapes[i];
+        case_attention("own", AM_F32, c[0], c[1], c[2], c[3], c[4], c[5]);
+        case_attention("own", AM_BF16, c[0], c[1], c[2], c[3], c[4], c[5]);
+    }
+    *grad_ok = *grad_fail = *other_ok = *other_fail = 0;
+    for (int i = 0; i < nrows; i++) {
+        const char *w = rows[i].what;
+        bool grad = strstr(w, " dq") || strstr(w, " dk") || strstr(w, " dv");
+        if (grad)
+            rows[i].ok ? (*grad_ok)++ : (*grad_fail)++;
+        else
+            rows[i].ok ? (*other_ok)++ : (*other_fail)++;
+    }
+    am_dev_close(&gpu);
+}
+
+/* Runs fn in a child process (CUDA untouched: the backend's checks abort before any device
+ * call) and returns what it printed on stdout and stderr; *sig: the signal that ended it, 0 if
+ * none. */
+static void in_child(void (*fn)(void), char *msg, size_t len, int *sig)
+{
+    int fd[2];
+    if (pipe(fd) < 0) {
+        perror("gpu_check: pipe");
+        exit(1);
+    }
+    fflush(stdout);
+    fflush(stderr);
+    pid_t pid = fork();
+    if (pid < 0) {
+        perror("gpu_check: fork");
+        exit(1);
+    }
+    if (pid == 0) {
+        dup2(fd[1], 1);
+        dup2(fd[1], 2);
+        close(fd[0]);
+        fn();
+        fflush(stdout);
+        _exit(0);
+    }
+    close(fd[1]);
+    size_t got = 0;
+    ssize_t rd;
+    while (got + 1 < len && (rd = read(fd[0], msg + got, len - 1 - got)) > 0)
+        got += (size_t)rd;
+    msg[got] = 0;
+    close(fd[0]);
+    int status = 0;
+    waitpid(pid, &status, 0);
+    *sig = WIFSIGNALED(status) ? WTERMSIG(status) : 0;
+}
+
+/* A context that passes the backend's check of an open context (never used for a device call). */
+static struct am_dev fake_cuda(void)
+{
+    static char fake[64];
+    struct am_dev d;
+    memset(&d, 0, sizeof d);
+    d.k = am_kernels_cuda();
+    d.device = AM_DEV_CUDA;
+    d.stream = fake;
+    d.workspace = fake;
+    return d;
+}
+
+static struct am_tensor fake_tensor(enum am_dtype dt, int64_t d0, int64_t d1, int64_t d2, int64_t d3, const char *name)
+{
+    static _Alignas(16) char data[16];
+    struct am_tensor t = am_tensor_view(data, AM_DEV_CUDA, dt, d0, d1, d2, d3);
+    t.name = name;
+    return t;
+}
+
+static void notes_hook(void *arg, const struct am_dev_fault *f)
+{
+    (void)arg;
+    printf("hook: %s %s: %s\n", f->kind == AM_DEV_FAULT_NOTE ? "note" : f->kind == AM_DEV_FAULT_BUG ? "bug" : "other",
+           f->where, f->message);
+    fflush(stdout);
+}
+
+static void grouped_forward_short_y(void)
+{
+    struct am_dev d = fake_cuda();
+    int64_t counts[2] = {3, 2};
+    struct am_tensor x = fake_tensor(AM_F32, 5, 8, 0, 0, "x"), w = fake_tensor(AM_F32, 2, 4, 8, 0, "w");
+    struct am_tensor y = fake_tensor(AM_F32, 4, 4, 0, 0, "model.layers.0.mlp.experts.h");
+    d.k->grouped_matmul_forward(&d, &y, &x, &w, counts);
+}
+
+static void grouped_backward_short_dx(void)
+{
+    struct am_dev d = fake_cuda();
+    int64_t counts[2] = {3, 2};
+    struct am_tensor x = fake_tensor(AM_F32, 5, 8, 0, 0, "x"), w = fake_tensor(AM_F32, 2, 4, 8, 0, "w");
+    struct am_tensor dy = fake_tensor(AM_F32, 5, 4, 0, 0, "dy"), dx = fake_tensor(AM_F32, 3, 8, 0, 0, "model.experts.dx");
+    d.k->grouped_matmul_backward(&d, &dx, NULL, &dy, &x, &w, counts);
+}
+
+/* B x H = 65536 query heads' rows: more than the own kernels' grid takes */
+static void attention_wide(void)
+{
+    am_kernels_set_fault_hook(notes_hook, NULL);
+    struct am_dev d = fake_cuda();
+    int64_t B = 1, T = 2, H = 65536, D = 64;
+    struct am_tensor q = fake_tensor(AM_BF16, B, T, H, D, "q"), k = fake_tensor(AM_BF16, B, T, 1, D, "k");
+    struct am_tensor v = fake_tensor(AM_BF16, B, T, 1, D, "v"), o = fake_tensor(AM_BF16, B, T, H, D, "out");
+    struct am_tensor lse = fake_tensor(AM_F32, B, H, T, 0, "lse");
+    d.k->attention_forward(&d, &o, &lse, &q, &k, &v, 0);
+}
+
+static void attention_wide_own(void)
+{
+    setenv("AM_ATTN", "own", 1);
+    attention_wide();
+}
+
+static int self_test(void)
+{
+    printf("gpu_check --self-test: the checks of tests/gpu, without a GPU\n");
+    /* the probe's verdict: SKIP only without an NVIDIA device */
+    static const struct {
+        cudaError_t e;
+        int ndev;
+        bool nodes;
+        enum gpu_verdict want;
+        const char *says;
+    } verdicts[] = {
+        {cudaSuccess, 1, true, GPU_RUN, "1 CUDA device"},
+        {cudaSuccess, 2, false, GPU_RUN, "2 CUDA devices"},
+        {cudaSuccess, 0, true, GPU_SKIP, "0 devices"},
+        {cudaErrorNoDevice, 0, true, GPU_SKIP, "cudaErrorNoDevice"},
+        {cudaErrorInsufficientDriver, 0, false, GPU_SKIP, "no /dev/nvidia[0-9]* device node"},
+        {cudaErrorInsufficientDriver, 0, true, GPU_FAIL,
+         "cudaErrorInsufficientDriver: CUDA driver version is insufficient for CUDA runtime version (driver 12.2, runtime "
+         "13.0: install a driver for CUDA 13.0 or later"},
+        {cudaErrorInitializationError, 0, true, GPU_FAIL, "cudaGetDeviceCount: cudaErrorInitializationError"},
+        {cudaErrorSystemDriverMismatch, 0, true, GPU_FAIL, "cudaErrorSystemDriverMismatch"},
+        {cudaErrorDevicesUnavailable, 0, true, GPU_FAIL, "cudaErrorDevicesUnavailable"},
+    };
+    for (size_t i = 0; i < sizeof verdicts / sizeof verdicts[0]; i++) {
+        char why[512];
+        enum gpu_verdict v = gpu_verdict(verdicts[i].e, verdicts[i].ndev, verdicts[i].nodes, 12020, 13000, why, sizeof why);
+        expect(v == verdicts[i].want && strstr(why, verdicts[i].says),
+               "probe: %s, %d devices, %s device node: %s (%s)", cudaGetErrorName(verdicts[i].e), verdicts[i].ndev,
+               verdicts[i].nodes ? "a" : "no", v == GPU_RUN ? "run" : v == GPU_SKIP ? "SKIP" : "FAIL", why);
+    }
+
+    /* the attention's rows: the CPU against itself passes; against its backward off by 1 %,
+     * every gradient row fails and nothing else does */
+    char err[256];
+    if (am_dev_open(&cpu, AM_DEV_CPU, -1, err, sizeof err) < 0) {
+        fprintf(stderr, "gpu_check: %s\n", err);
+        return 1;
+    }
+    KC = real_cpu = cpu.k;
+    rng_state = 0x9E3779B97F4A7C15ull;
+    int go, gf, oo, of;
+    attention_rows(real_cpu, &go, &gf, &oo, &of);
+    expect(gf == 0 && of == 0 && go > 0, "attention, CPU against CPU: %d gradient rows and %d others pass, %d and %d fail",
+           go, oo, gf, of);
+    struct am_kernels off = *real_cpu;
+    off.attention_backward = attention_backward_off;
+    attention_rows(&off, &go, &gf, &oo, &of);
+    expect(go == 0 && gf > 0 && of == 0,
+           "attention, CPU against its backward off by 1 %%: %d gradient rows fail (%d pass), the %d others pass (%d fail)",
+           gf, go, oo, of);
+    am_dev_close(&cpu);
+
+    /* the CUDA backend's checks that abort before the device is touched */
+    static const struct {
+        void (*fn)(void);
+        const char *what;
+        const char *says[3];
+    } aborts[] = {
+        {grouped_forward_short_y, "grouped_matmul_forward with a y of 4 rows for counts 3 + 2",
+         {"am_cuda_grouped_matmul_forward", "y (model.layers.0.mlp.experts.h) has 4 rows; the experts' counts add up to 5",
+          NULL}},
+        {grouped_backward_short_dx, "grouped_matmul_backward with a dx of 3 rows for counts 3 + 2",
+         {"am_cuda_grouped_matmul_backward", "dx (model.experts.dx) has 3 rows; the experts' counts add up to 5", NULL}},
+        {attention_wide_own, "attention_forward, AM_ATTN=own, B x H = 65536",
+         {"am_cuda_attention_forward", "B x H = 65536 (at most 65535)", "the backend's own attention kernels"}},
+    };
+    for (size_t i = 0; i < sizeof aborts / sizeof aborts[0]; i++) {
+        char msg[4096];
+        int sig = 0;
+        in_child(aborts[i].fn, msg, sizeof msg, &sig);
+        bool ok = sig == SIGABRT;
+        for (int j = 0; j < 3 && aborts[i].says[j]; j++)
+            ok &= strstr(msg, aborts[i].says[j]) != NULL;
+        expect(ok, "%s: aborts naming it (signal %d): %s", aborts[i].what, sig, msg);
+    }
+    if (am_cuda_attention_has_cudnn() && !gpu_nodes()) {
+        /* with cuDNN (AM_ATTN unset) the call goes to cuDNN first, and the limit is checked only
+         * once cuDNN has declined it (here: no device for cuDNN's handle, a note; on a GPU
+         * machine cuDNN would take the fake context: not run there) */
+        char msg[4096];
+        int sig = 0;
+        unsetenv("AM_ATTN");
+        in_child(attention_wide, msg, sizeof msg, &sig);
+        char *note = strstr(msg, "hook: note"), *limit = strstr(msg, "B x H = 65536");
+        expect(sig == SIGABRT && note && limit && note < limit,
+               "attention_forward, B x H = 65536: cuDNN is tried before the own kernels' limit (signal %d): %s", sig, msg);
+    }
+    printf("gpu_check --self-test: %s\n", self_failures ? "FAILED" : "every check passed");
+    return self_failures ? 1 : 0;
+}
+
+int main(int argc, char **argv)
+{
+    setvbuf(stdout, NULL, _IOLBF, 0); /* through a pipe too: an abort loses no row */
+    if (argc > 1 && strcmp(argv[1], "--self-test") == 0)
+        return self_test();
+    if (argc > 1 && strcmp(argv[1], "--probe") != 0) {
+        fprintf(stderr, "usage: gpu_check [--probe | --self-test]\n");
+        return 2;
+    }
+    enum gpu_verdict verdict = gpu_probe("gpu_check");
+    if (verdict != GPU_RUN || argc > 1)
+        return (int)verdict;
     char err[512];
     if (am_dev_open(&cpu, AM_DEV_CPU, -1, err, sizeof err) < 0) {
         fprintf(stderr, "gpu_check: %s\n", err);
@@ -971,6 +1304,7 @@ int main(void)
         fprintf(stderr, "gpu_check: %s\n", err);
         return 1;
     }
+    printf("gpu_check: device 0: %s, compute capability %d.%d\n", gpu.name, gpu.cc_major, gpu.cc_minor);
     char missing[512];
     if (am_kernels_missing(KG, missing, sizeof missing) > 0)
         printf("note: the CUDA backend lacks %s (not checked here; am_dev_open refuses the backend until it has them)\n",
@@ -981,29 +1315,29 @@ int main(void)
            (unsigned long long)rng_state);
     rng_state = rng_state * 0x9E3779B97F4A7C15ull + 1; /* never 0 */
 
-    case_elementwise(AM_F32);
-    case_elementwise(AM_BF16);
-    case_convert();
-    case_matmul(AM_F32, AM_F32);
-    case_matmul(AM_BF16, AM_BF16);
-    case_matmul(AM_BF16, AM_F32);
-    case_embedding(AM_F32, AM_F32);
-    case_embedding(AM_BF16, AM_BF16);
-    case_embedding(AM_BF16, AM_F32);
-    case_rmsnorm(AM_F32, AM_F32);
-    case_rmsnorm(AM_BF16, AM_BF16);
-    case_rmsnorm(AM_BF16, AM_F32);
-    case_rope(AM_F32, AM_F32);
-    case_rope(AM_BF16, AM_F32);
-    case_rope(AM_BF16, AM_BF16);
-    case_swiglu(AM_F32);
-    case_swiglu(AM_BF16);
-    case_bias(AM_F32);
-    case_bias(AM_BF16);
-    case_moe(AM_F32);
-    case_moe(AM_BF16);
-    case_gemma(AM_F32, AM_F32);
-    case_gemma(AM_BF16, AM_BF16);
+    RUN(case_elementwise(AM_F32));
+    RUN(case_elementwise(AM_BF16));
+    RUN(case_convert());
+    RUN(case_matmul(AM_F32, AM_F32));
+    RUN(case_matmul(AM_BF16, AM_BF16));
+    RUN(case_matmul(AM_BF16, AM_F32));
+    RUN(case_embedding(AM_F32, AM_F32));
+    RUN(case_embedding(AM_BF16, AM_BF16));
+    RUN(case_embedding(AM_BF16, AM_F32));
+    RUN(case_rmsnorm(AM_F32, AM_F32));
+    RUN(case_rmsnorm(AM_BF16, AM_BF16));
+    RUN(case_rmsnorm(AM_BF16, AM_F32));
+    RUN(case_rope(AM_F32, AM_F32));
+    RUN(case_rope(AM_BF16, AM_F32));
+    RUN(case_rope(AM_BF16, AM_BF16));
+    RUN(case_swiglu(AM_F32));
+    RUN(case_swiglu(AM_BF16));
+    RUN(case_bias(AM_F32));
+    RUN(case_bias(AM_BF16));
+    RUN(case_moe(AM_F32));
+    RUN(case_moe(AM_BF16));
+    RUN(case_gemma(AM_F32, AM_F32));
+    RUN(case_gemma(AM_BF16, AM_BF16));
     /* attention: GQA and MHA, head sizes 64 and 128 (and, on the own kernels, 20, 96 and
      * 256), T not a multiple of the 32-row tiles, T = 1, a window shorter than T, B = 2 */
     static const int64_t shapes[][6] = {
@@ -1022,10 +1356,10 @@ int main(void)
         case_attention("own", AM_F32, c[0], c[1], c[2], c[3], c[4], c[5]);
         case_attention("own", AM_BF16, c[0], c[1], c[2], c[3], c[4], c[5]);
     }
-    case_attention_block(0, false);
-    case_attention_block(7, false);
-    case_attention_block(0, true);
-    case_attention_block(5, true);
+    RUN(case_attention_block(0, false));
+    RUN(case_attention_block(7, false));
+    RUN(case_attention_block(0, true));
+    RUN(case_attention_block(5, true));
     if (am_cuda_attention_has_cudnn())
         for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++) {
             const int64_t *c = shapes[i];
@@ -1033,9 +1367,17 @@ int main(void)
         }
     else
         printf("note: this build has no cuDNN: the attention's cuDNN path is not checked\n");
-    case_adamw(0.9f);
-    case_adamw(0.3f);
-    cases_ce_adamw_multi();
+    RUN(case_adamw(0.9f));
+    RUN(case_adamw(0.3f));
+    RUN(case_ce(AM_F32, AM_F32, 300, 96, 1000, 500, true));
+    RUN(case_ce(AM_BF16, AM_BF16, 300, 96, 1000, 500, true));
+    RUN(case_ce(AM_BF16, AM_F32, 300, 96, 1000, 500, true));
+    RUN(case_ce(AM_F32, AM_F32, 4100, 64, 5000, 123, false));
+    RUN(case_ce(AM_BF16, AM_F32, 4100, 64, 5000, 123, false));
+    RUN(case_ce(AM_F32, AM_F32, 4100, 64, 3000, 0, true));
+    RUN(case_ce(AM_BF16, AM_BF16, 4100, 64, 3000, 0, true));
+    RUN(case_adamw_multi(AM_F64, 0.9f));
+    RUN(case_adamw_multi(AM_F32, 0.3f));
     KG->sync(&gpu);
 
     printf("\n%-44s %-6s %-11s %-7s %s\n", "kernel (CUDA vs CPU)", "dtype", "rel err", "tol", "");

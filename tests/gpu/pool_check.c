@@ -1,9 +1,11 @@
 /* pool_check.c - the CUDA backend's caching allocator (kernels/cuda/memory.cu) on a GPU:
  * size classes, reuse of a freed block, zeroed memory, the arena reserved up front and growth
- * past it, the counts of mem_stats, and an allocation no device can serve reaching the fault
- * hook (kernels.h) as AM_DEV_FAULT_OOM with the bytes asked and the pool's counts. Prints one
- * line per check and a summary; exit 0 when all pass, 1 otherwise, 77 (SKIP) without a CUDA
- * device. Run by tests/gpu/run. */
+ * past it, the counts of mem_stats, an allocation no device can serve reaching the fault hook
+ * (kernels.h) as AM_DEV_FAULT_OOM with the bytes asked and the pool's counts, and a device
+ * filled up: a request cudaMalloc cannot serve is served from a larger free block of the pool
+ * (nothing given back to the device: no cudaFree while the context runs, common.cuh). Prints
+ * one line per check (line-buffered) and a summary; exit 0 when all pass, 1 otherwise, 77
+ * (SKIP) without an NVIDIA device, as gpu_check (probe.h). Run by tests/gpu/run. */
 #include <cuda_runtime_api.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -11,6 +13,7 @@
 #include <string.h>
 
 #include "kernels.h"
+#include "probe.h"
 
 static int failures, checks;
 
@@ -27,12 +30,23 @@ static void check(int ok, const char *fmt, ...)
     failures += !ok;
 }
 
+/* the last fault the hook heard, its strings copied (they live only during the call: the
+ * message is in the allocator's stack) */
 static struct am_dev_fault seen;
+static char seen_message[1024], seen_where[128], seen_error[256], seen_backend[16];
 static int n_seen;
 static void hook(void *arg, const struct am_dev_fault *f)
 {
     (void)arg;
     seen = *f;
+    snprintf(seen_message, sizeof seen_message, "%s", f->message ? f->message : "");
+    snprintf(seen_where, sizeof seen_where, "%s", f->where ? f->where : "");
+    snprintf(seen_error, sizeof seen_error, "%s", f->error ? f->error : "");
+    snprintf(seen_backend, sizeof seen_backend, "%s", f->backend ? f->backend : "");
+    seen.message = seen_message;
+    seen.where = seen_where;
+    seen.error = seen_error;
+    seen.backend = seen_backend;
     n_seen++;
 }
 
@@ -52,14 +66,52 @@ static int open_cuda(struct am_dev *d, const struct am_kernels *K)
 
 #define MIB ((size_t)1 << 20)
 
+/* The device filled with blocks of 1 GiB, then 64 MiB, then 2 MiB, until cudaMalloc fails at
+ * each (the hook hears those): one 1 GiB block freed, 600 MiB (a class the quarter's rule
+ * would not take from it) are served from it, the pool holding no more than before. */
+static void filled_device(const struct am_kernels *K, struct am_dev *d)
+{
+    enum { MAXB = 4096 };
+    static void *blocks[MAXB];
+    int n = 0, first_gib = -1;
+    static const size_t steps[] = {(size_t)1 << 30, 64 * MIB, 2 * MIB};
+    for (int s = 0; s < 3; s++)
+        while (n < MAXB) {
+            void *p = K->alloc(d, steps[s]);
+            if (!p)
+                break;
+            if (s == 0 && first_gib < 0)
+                first_gib = n;
+            blocks[n++] = p;
+        }
+    struct am_dev_mem m;
+    K->mem_stats(d, &m);
+    check(first_gib >= 0 && n < MAXB, "the device filled: %d blocks, %zu bytes held of %zu", n, m.held, m.total);
+    if (first_gib < 0 || n >= MAXB) {
+        for (int i = 0; i < n; i++)
+            K->free(d, blocks[i]);
+        return;
+    }
+    void *gib = blocks[first_gib];
+    K->free(d, gib);
+    size_t held = m.held;
+    void *p = K->alloc(d, 600 * MIB);
+    K->mem_stats(d, &m);
+    check(p == gib && m.held == held,
+          "600 MiB on a full device: the freed 1 GiB block (%p, was %p), the pool still holds %zu bytes (%zu before)", p,
+          gib, m.held, held);
+    blocks[first_gib] = p;
+    for (int i = 0; i < n; i++)
+        if (blocks[i])
+            K->free(d, blocks[i]);
+}
+
 int main(void)
 {
-    int ndev = 0;
-    cudaError_t e = cudaGetDeviceCount(&ndev);
-    if (e != cudaSuccess || ndev == 0) {
-        printf("skipped: no CUDA device (cudaGetDeviceCount: %s)\n", e != cudaSuccess ? cudaGetErrorString(e) : "0 devices");
-        return 77;
-    }
+    setvbuf(stdout, NULL, _IOLBF, 0);
+    enum gpu_verdict verdict = gpu_probe("pool_check");
+    if (verdict != GPU_RUN)
+        return (int)verdict;
     const struct am_kernels *K = am_kernels_cuda();
     struct am_dev d;
     struct am_dev_mem m;
@@ -128,11 +180,17 @@ int main(void)
           seen.bytes_asked, seen.bytes_in_use, seen.bytes_held, seen.message ? seen.message : "");
     void *after = K->alloc(&d, MIB);
     check(after != NULL, "the device still allocates after the failure");
-    am_kernels_set_fault_hook(NULL, NULL);
     K->free(&d, x);
     K->free(&d, y);
     K->free(&d, z);
     K->free(&d, after);
+    K->close(&d);
+
+    /* a full device */
+    if (open_cuda(&d, K) < 0)
+        return 1;
+    filled_device(K, &d);
+    am_kernels_set_fault_hook(NULL, NULL);
     K->close(&d);
 
     printf("pool_check: %d of %d checks passed\n", checks - failures, checks);

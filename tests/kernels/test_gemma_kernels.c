@@ -1,7 +1,8 @@
 /* test_gemma_kernels.c - the kernels Gemma 2 and Gemma 3 add (kernels.h: rmsnorm_offset, geglu,
  * attention_softcap, ce_stats_softcap / ce_backward_softcap) on the CPU, against references
  * written here in double from the same fp32 inputs, and every backward against central finite
- * differences of L = Σ out ⊙ R on the double reference (as tests/kernels/test_kernels.c).
+ * differences of L = Σ out ⊙ R on the double reference (as the other tests/kernels/test_*.c,
+ * kernels_test.h).
  *
  * Tolerances are normwise, rel * max|reference| + a floor, with rel a small multiple of fp32's
  * unit roundoff u = 2^-24 times the length of the longest sum (stated at each check); a wrong

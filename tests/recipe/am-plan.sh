@@ -53,9 +53,11 @@ check "json lists ignored keys" 0 '"errors":[],"ignored_keys":["recipe","loss_fn
     -- "$bin" "$recipes/llama70b.yaml" --nodes 8 --gpus-per-node 8 --json
 check "json memory" 0 '"memory_per_gpu_bytes":' -- "$bin" "$recipes/llama70b.yaml" --nodes 8 --gpus-per-node 8 --json
 # every pipeline rank's memory (memory_breakdown is the most loaded one's): pp 2 of tiny, the
-# first stage's 1F1B keeps two micro-batches' activations, the last one
+# first stage's 1F1B keeps two micro-batches' activations, the last one; the CUDA kernels' scratch:
+# the first stage's attention row sums (4 x 64 tokens x 4 heads), the last's cross-entropy tile
+# (64 rows x 256 ids x 4)
 check "json has every pp rank's memory" 0 \
-    '"activations":1005568.0,"scratch":254720.0,"pipeline_buffers":81920.0,"alltoall_buffers":0.0,"pp_rank":0,"total":3083008.0},{"weights":435456.0,"grads":435456.0,"optimizer":870912.0,"gathered_params":0.0,"grad_buffers":0.0,"activations":502784.0,"scratch":288000.0,"pipeline_buffers":49152.0,"alltoall_buffers":0.0,"pp_rank":1,"total":2581760.0}]' \
+    '"activations":1005568.0,"scratch":254720.0,"kernel_scratch":1024.0,"pipeline_buffers":81920.0,"alltoall_buffers":0.0,"pp_rank":0,"total":3084032.0},{"weights":435456.0,"grads":435456.0,"optimizer":870912.0,"gathered_params":0.0,"grad_buffers":0.0,"activations":502784.0,"scratch":288000.0,"kernel_scratch":65536.0,"pipeline_buffers":49152.0,"alltoall_buffers":0.0,"pp_rank":1,"total":2647296.0}]' \
     -- "$bin" "$recipes/tiny.yaml" --gpus-per-node 2 --set distributed.pp_size=2 --json
 check "json flops" 0 '"flops_per_step":' -- "$bin" "$recipes/llama70b.yaml" --nodes 8 --gpus-per-node 8 --json
 check "override makes it invalid" 1 \
@@ -65,7 +67,7 @@ check "json carries errors" 1 \
     '{"assumed":{},"errors":["--set distributed.ep_size=2: distributed.ep_size: 2 needs a mixture-of-experts model; llama has no experts (use ep_size: 1)"]' \
     -- "$bin" "$recipes/llama70b.yaml" --nodes 8 --gpus-per-node 8 --set distributed.ep_size=2 --json
 check "too little GPU memory names the fix" 1 \
-    "error: $recipes/llama70b.yaml: estimated memory per GPU 136.6 GiB exceeds the GPU's 80.0 GiB by 56.6 GiB; it fits with distributed.activation_checkpointing=true (45.8 GiB), distributed.sequence_parallel=true (64.4 GiB)" \
+    "error: $recipes/llama70b.yaml: estimated memory per GPU 136.7 GiB exceeds the GPU's 80.0 GiB by 56.7 GiB; it fits with distributed.activation_checkpointing=true (45.9 GiB), distributed.sequence_parallel=true (64.5 GiB)" \
     -- "$bin" "$recipes/llama70b.yaml" --nodes 8 --gpus-per-node 8 --gpu-mem 80G \
     --set distributed.activation_checkpointing=false --set distributed.sequence_parallel=false \
     --set step_scheduler.local_batch_size=16 --set distributed.pipeline.pp_microbatch_size=2
@@ -81,18 +83,19 @@ check "tiny_moe with experts" 0 "ep 2 (ep_shard 2)" -- "$bin" "$recipes/tiny_moe
 # 1/8 shard of fp32 masters + their bf16 copy (6 B), of Adam's moments (8 B) and of the reduced
 # gradients (4 B), two gathered groups in bf16 (the embedding, the largest), two fp32 gradient
 # buffers of the embedding's size with their receive shards (4.4 GiB), 6.0 GiB of activations
-# and 2.4 GiB of the model's scratch buffers: 31.6 GiB
-check "llama3_8b on 8 GPUs fits 80G with fsdp2" 0 "memory/GPU   31.6 GiB on pp rank 0 of 80.0 GiB" \
+# 2.4 GiB of the model's scratch buffers and 450 MiB of the CUDA kernels' (cuDNN's attention
+# backward: 16384 tokens x 32 heads x 128 x (4 + 2) B, the row sums and bf16 dk, dv): 32.0 GiB
+check "llama3_8b on 8 GPUs fits 80G with fsdp2" 0 "memory/GPU   32.0 GiB on pp rank 0 of 80.0 GiB" \
     -- "$bin" "$recipes/llama3_8b.yaml" --gpu-mem 80G
 check "llama3_8b's breakdown" 0 \
-    "             weights 5.6 GiB, gradients 3.7 GiB, optimizer 7.5 GiB, gathered 2.0 GiB, gradient buffers 4.4 GiB, activations 6.0 GiB, scratch 2.4 GiB" \
+    "             weights 5.6 GiB, gradients 3.7 GiB, optimizer 7.5 GiB, gathered 2.0 GiB, gradient buffers 4.4 GiB, activations 6.0 GiB, scratch 2.4 GiB, kernels' scratch 450.0 MiB" \
     -- "$bin" "$recipes/llama3_8b.yaml" --gpu-mem 80G
 # ddp keeps full replicas: 18 B x 8.03B = 134.6 GiB + activations; the advice is to shard
 check "llama3_8b with ddp exceeds 80G, fits with fsdp2" 1 \
-    "error: $recipes/llama3_8b.yaml: estimated memory per GPU 143.0 GiB exceeds the GPU's 80.0 GiB by 63.0 GiB; it fits with distributed.strategy=fsdp2 (31.6 GiB)" \
+    "error: $recipes/llama3_8b.yaml: estimated memory per GPU 143.4 GiB exceeds the GPU's 80.0 GiB by 63.4 GiB; it fits with distributed.strategy=fsdp2 (32.0 GiB)" \
     -- "$bin" "$recipes/llama3_8b.yaml" --gpu-mem 80G --set distributed.strategy=ddp
-# HSDP (2 replicas of 4 shards): each rank keeps a quarter: 48.9 GiB
-check "llama3_8b with HSDP shards over dp_shard 4" 0 "memory/GPU   48.9 GiB on pp rank 0 of 80.0 GiB" \
+# HSDP (2 replicas of 4 shards): each rank keeps a quarter: 49.3 GiB
+check "llama3_8b with HSDP shards over dp_shard 4" 0 "memory/GPU   49.3 GiB on pp rank 0 of 80.0 GiB" \
     -- "$bin" "$recipes/llama3_8b.yaml" --gpu-mem 80G --set distributed.dp_replicate_size=2
 check_lacks "fsdp2 has no sharding note" "does not shard yet" \
     -- "$bin" "$recipes/tiny.yaml" --gpus-per-node 2

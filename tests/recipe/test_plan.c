@@ -477,7 +477,12 @@ static void test_memory_activations(void **state)
     double scratch = 4 * N + (4 * N + 2 * 4 * N * h + 4 * N + 8 * N) + (3 * 4 * N * h + 2 * 128 * 16 * 4 + 4 * N) +
                      4 * N * (h + 2 * 256 + 2 * 128 + 3 * 512);
     assert_float_equal(p.mem.scratch, scratch, 0);
-    assert_float_equal(p.mem.total, p.mem.weights + p.mem.grads + p.mem.optimizer + p.mem.activations + scratch, 0);
+    /* the CUDA kernels' scratch: the cross-entropy's fp32 logits tile of the 512 rows by the
+     * 1024 ids (test_memory_kernel_scratch) */
+    double kernels = 4.0 * 512 * 1024;
+    assert_float_equal(p.mem.kernel_scratch, kernels, 0);
+    assert_float_equal(p.mem.total,
+                       p.mem.weights + p.mem.grads + p.mem.optimizer + p.mem.activations + scratch + kernels, 0);
     am_plan_free(&p);
     am_recipe_free(r);
 
@@ -493,6 +498,57 @@ static void test_memory_activations(void **state)
                         "distributed.mp_policy.param_dtype=float32", NULL};
     r = plan_of(model8, sp, 2, &p);
     assert_float_equal(p.mem.activations, 8 * (3338.0 / 2) * 512 * 4, 0);
+    am_plan_free(&p);
+    am_recipe_free(r);
+}
+
+/* The CUDA kernels' scratch (kernels/cuda/cuda_impl.h, plan.c): the largest of the head's
+ * cross-entropy tiles (crossentropy.cu) and the attention backward's buffers, each piece 256-byte
+ * aligned. bf16 compute, tp 2, 64 sequences of 128: N = 8192 tokens a micro-batch, 4 query and
+ * 2 kv heads a rank, C = 256. The cross-entropy takes row chunks of min(N, 4096, 2^24 / C) =
+ * 4096 and vocabulary tiles of min(V / tp, 2^24 / 4096 = 4096): the fp32 logits tile, the
+ * bf16 dlogits tile and the fp32 dx tile [4096, C]. cuDNN's attention backward (head size 64):
+ * the fp32 row sums 4NH, the fp32 dQ accumulator 4NHD, bf16 dq 2NHD, dk and dv 2 x 2N KV D. */
+static void test_memory_kernel_scratch(void **state)
+{
+    (void)state;
+    double N = 8192, rows = 4096;
+    double attn64 = 4 * N * 4 + 4 * N * 4 * 64 + 2 * N * 4 * 64 + 2 * (2 * N * 2 * 64);
+    const char *base[] = {"distributed.tp_size=2", "distributed.mp_policy.param_dtype=bfloat16",
+                          "step_scheduler.local_batch_size=64", "step_scheduler.global_batch_size=64",
+                          "model.head_dim=64", "model.vocab_size=131072", NULL};
+    struct am_plan p;
+    struct am_recipe *r = plan_of(model8, base, 2, &p);
+    assert_int_equal(p.microbatch_size, 64);
+    /* a vocabulary shard of 65536: tiles of 4096 ids, 100 MiB of tiles */
+    assert_float_equal(p.mem.kernel_scratch, rows * 4096 * (4 + 2) + rows * 256 * 4, 0);
+    am_plan_free(&p);
+    am_recipe_free(r);
+
+    /* a vocabulary of 512 (256 a rank): 10 MiB of tiles, less than cuDNN's 16.1 MiB */
+    const char *small_vocab[] = {"distributed.tp_size=2", "distributed.mp_policy.param_dtype=bfloat16",
+                                 "step_scheduler.local_batch_size=64", "step_scheduler.global_batch_size=64",
+                                 "model.head_dim=64", "model.vocab_size=512", NULL};
+    r = plan_of(model8, small_vocab, 2, &p);
+    assert_float_equal(p.mem.kernel_scratch, attn64, 0);
+    am_plan_free(&p);
+    am_recipe_free(r);
+
+    /* head size 32: no cuDNN, the own kernels' row sums alone; the tiles again */
+    const char *own[] = {"distributed.tp_size=2", "distributed.mp_policy.param_dtype=bfloat16",
+                         "step_scheduler.local_batch_size=64", "step_scheduler.global_batch_size=64",
+                         "model.vocab_size=512", NULL};
+    r = plan_of(model8, own, 2, &p);
+    assert_float_equal(p.mem.kernel_scratch, rows * 256 * (4 + 2) + rows * 256 * 4, 0);
+    am_plan_free(&p);
+    am_recipe_free(r);
+
+    /* pp 2 (one sequence a micro-batch, N = 128): the first stage has no head, only the attention's
+     * row sums (fp32, 4 x 128 x 8 heads); the last the logits tile of 128 rows x 1024 ids */
+    const char *pp[] = {"distributed.pp_size=2", "distributed.mp_policy.param_dtype=float32", NULL};
+    r = plan_of(model8, pp, 2, &p);
+    assert_float_equal(p.mem_pp[0].kernel_scratch, 4.0 * 128 * 8, 0);
+    assert_float_equal(p.mem_pp[1].kernel_scratch, 4.0 * 128 * 1024, 0);
     am_plan_free(&p);
     am_recipe_free(r);
 }
@@ -580,18 +636,18 @@ static void test_memory_over_budget_names_the_fix(void **state)
     const char *sets[] = {"distributed.strategy=ddp", NULL};
     struct am_recipe *r = plan_of(model8, sets, 4, &p);
     /* 16 B * 5247232 = 80.1 MiB of state + 52.2 MiB of activations (3338 * 512 * 4 B * 8 layers)
-     * + 7.5 MiB of scratch (test_memory_activations) = 139.8 MiB; in 110 MiB it fits with fsdp2
-     * (sharded over the 4 ranks: 4/4 + 4/4 + 8/4 B = 20.0 MiB of state, 4.5 MiB of two gathered
-     * layers, 5.6 MiB of two gradient buffers of a layer with their receive shards, the same
-     * activations and scratch) and with checkpointing (80.1 + 3.5
-     * saved + 6.5 recomputed + 7.5). Not tp and pp, which ddp does not run. */
+     * + 7.5 MiB of scratch + 2.0 MiB of the kernels' (test_memory_activations) = 141.8 MiB; in
+     * 110 MiB it fits with fsdp2 (sharded over the 4 ranks: 4/4 + 4/4 + 8/4 B = 20.0 MiB of
+     * state, 4.5 MiB of two gathered layers, 5.6 MiB of two gradient buffers of a layer with
+     * their receive shards, the same activations and scratch) and with checkpointing (80.1 + 3.5
+     * saved + 6.5 recomputed + 7.5 + 2.0). Not tp and pp, which ddp does not run. */
     struct am_world w = {.size = 4, .nodes = 1, .gpus_per_node = 4, .nvlink_domain = 4, .gpu_mem = 110 << 20};
     struct am_errors err;
     am_errors_init(&err);
     assert_int_equal(am_plan_check_memory(r, &w, &p, &err), -1);
     assert_messages(&err, (const char *const[]){
-        "plan.yaml: estimated memory per GPU 139.8 MiB exceeds the GPU's 110.0 MiB by 29.8 MiB; it fits with "
-        "distributed.strategy=fsdp2 (89.8 MiB), distributed.activation_checkpointing=true (97.6 MiB)", NULL});
+        "plan.yaml: estimated memory per GPU 141.8 MiB exceeds the GPU's 110.0 MiB by 31.8 MiB; it fits with "
+        "distributed.strategy=fsdp2 (91.8 MiB), distributed.activation_checkpointing=true (99.6 MiB)", NULL});
     am_errors_free(&err);
     am_plan_free(&p);
     am_recipe_free(r);
@@ -610,7 +666,7 @@ int main(void)
         cmocka_unit_test(test_memory_fsdp_shards),
         cmocka_unit_test(test_memory_full_replicas),
         cmocka_unit_test(test_memory_megatron_zero_stages),
-        cmocka_unit_test(test_memory_activations),
+        cmocka_unit_test(test_memory_activations), cmocka_unit_test(test_memory_kernel_scratch),
         cmocka_unit_test(test_ckpt_cost),
         cmocka_unit_test(test_signal_lead),
         cmocka_unit_test(test_memory_pipeline_schedules),

@@ -17,7 +17,8 @@
 #   memory: what the trainer allocated for weights, gradients and AdamW state (the frozen base:
 #     weights only; the adapters: weights, gradients, moments) equals am-plan's count, at one rank
 #     and dp 2; and every rank's whole allocation (activations and the adapters' scratch too)
-#     equals am-plan's estimate for its pipeline rank to the byte, at every layout above;
+#     equals am-plan's estimate for its pipeline rank (but the CUDA kernels' scratch) to the
+#     byte, at every layout above;
 #   peft: where the peft library is installed ($AM_GOLDENV, default /tmp/goldenv), it loads the
 #     final adapters onto the base (PeftModel.from_pretrained): every adapter tensor of the model
 #     equals the file's, B is no longer zero and the adapted model's loss differs from the base's;
@@ -231,7 +232,8 @@ done
 
 # every rank's whole allocation (weights, gradients, optimizer state, activations with the model's
 # scratch and the adapters' buffers, pipeline buffers) equals am-plan's estimate for its pipeline
-# rank (memory_per_pp_rank) to the byte (NAME NPROC SETS...)
+# rank (memory_per_pp_rank; less the CUDA kernels' scratch, which the CPU's kernels do not
+# allocate) to the byte (NAME NPROC SETS...)
 for run in "ref 1" "tp2-pp2 4 distributed.tp_size=2 distributed.pp_size=2" "dp2 2" \
     "tp2-dp2-sp 4 distributed.tp_size=2" "pp2-dp2 4 distributed.pp_size=2" "bf16-tp2-dp2 4 distributed.tp_size=2" \
     "rbf16-dp2 2"; do
@@ -241,8 +243,9 @@ for run in "ref 1" "tp2-pp2 4 distributed.tp_size=2 distributed.pp_size=2" "dp2 
     sets=()
     for v in "$@"; do sets+=(--set "$v"); done
     wants=($("$AM_BUILDDIR/am-plan" "$work/$name.yaml" --gpus-per-node "$n" --json "${sets[@]}" |
-        sed -E 's/.*"memory_per_pp_rank"://' | grep -oE '"pp_rank":[0-9]+,"total":[0-9.e+]+' |
-        sed -E 's/.*"total":([0-9.e+]+)/\1/'))
+        sed -E 's/.*"memory_per_pp_rank"://' |
+        grep -oE '"kernel_scratch":[0-9.e+]+,"pipeline_buffers":[0-9.e+]+,"alltoall_buffers":[0-9.e+]+,"pp_rank":[0-9]+,"total":[0-9.e+]+' |
+        sed -E 's/"kernel_scratch":([0-9.e+]+),.*"total":([0-9.e+]+)/\1 \2/' | awk '{ printf "%.0f\n", $2 - $1 }'))
     wr=1 equal=0 detail=
     for r in $(seq 0 $((n - 1))); do
         t=0

@@ -378,8 +378,9 @@ if [ -z "${AM_PARITY_ONLY:-}" ]; then
 fi
 # every rank's whole allocation (weights, gradients, optimizer state, gathered groups, gradient
 # buffers, activations with the model's scratch, pipeline buffers) against am-plan's estimate
-# for its own pipeline rank (memory_per_pp_rank: the ranks of a stage hold the same), within
-# 5%; the worst ratio of the layout is printed
+# for its own pipeline rank (memory_per_pp_rank: the ranks of a stage hold the same; less the
+# CUDA kernels' scratch, kernel_scratch, which the CPU's kernels do not allocate), within 5%;
+# the worst ratio of the layout is printed
 for layout in "${trained[@]}"; do
     set -- $layout
     name=$1 n=$2
@@ -394,8 +395,9 @@ for layout in "${trained[@]}"; do
         esac
     done
     wants=($("$AM_BUILDDIR/am-plan" "$work/$name.yaml" --gpus-per-node "$n" --json "${sets[@]}" |
-        sed -E 's/.*"memory_per_pp_rank"://' | grep -oE '"pp_rank":[0-9]+,"total":[0-9.e+]+' |
-        sed -E 's/.*"total":([0-9.e+]+)/\1/'))
+        sed -E 's/.*"memory_per_pp_rank"://' |
+        grep -oE '"kernel_scratch":[0-9.e+]+,"pipeline_buffers":[0-9.e+]+,"alltoall_buffers":[0-9.e+]+,"pp_rank":[0-9]+,"total":[0-9.e+]+' |
+        sed -E 's/"kernel_scratch":([0-9.e+]+),.*"total":([0-9.e+]+)/\1 \2/' | awk '{ printf "%.0f\n", $2 - $1 }'))
     worst= wr=1 equal=0 detail=
     for r in $(seq 0 $((n - 1))); do
         t=0

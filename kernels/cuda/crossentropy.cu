@@ -1,4 +1,4 @@
-/* ce.cu - cross-entropy fused with the output projection, vocabulary-parallel, in tiles of
+/* crossentropy.cu - cross-entropy fused with the output projection, vocabulary-parallel, in tiles of
  * rows x vocabulary so that the logits [N, V] never exist whole (kernels.h has the contract,
  * kernels/cpu/crossentropy.c the same computation on the CPU).
  *
@@ -27,7 +27,9 @@
  * contributions to a bf16 dx are summed over the vocabulary chunks in the fp32 dx tile and
  * added to dx once (one rounding per element: kernels.h's rule for a += into bf16); a bf16
  * dw (the model's head gradient is fp32; a bf16 one is the table's contract only) is widened
- * whole into fp32 scratch, accumulated there and rounded back once, as the CPU does.
+ * whole into fp32 scratch, accumulated there and rounded back once, as the CPU does: V x C x 4
+ * bytes of scratch beside the tiles (2 GiB at 128k x 4096), which am-plan does not count (the
+ * model never asks for it; cuda_impl.h has the scratch's sizes).
  *
  * Determinism: one block per row reduces its part of a tile by a fixed tree, the tiles in
  * order; ce_loss is one block whose threads each sum a contiguous strip of tokens in order,

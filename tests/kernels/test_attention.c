@@ -1,0 +1,496 @@
+/* test_attention.c - the CPU kernels' tests (kernels_test.h: how they are tested): causal
+ * grouped-query attention, and by blocks of keys (context parallelism's ring).
+ */
+#include "kernels_test.h"
+#include "cpu/cpu.h" /* the backend's private helpers (am_expf, am_cpu_set_chunk), used directly */
+
+/* ---- causal grouped-query attention ---- */
+
+struct attn_dims {
+    int64_t B, T, H, KVH, D;
+    int64_t W; /* sliding window (0: none): query t sees keys t - W < j <= t */
+    const int32_t *start; /* packed sequences: [B, T], where row (b, t)'s document starts (NULL: at 0) */
+};
+
+/* The first key query t of sequence b sees. */
+static int64_t ref_first_key(const struct attn_dims *s, int64_t b, int64_t t)
+{
+    int64_t lo = s->W > 0 && t - s->W + 1 > 0 ? t - s->W + 1 : 0;
+    if (s->start && s->start[b * s->T + t] > lo)
+        lo = s->start[b * s->T + t];
+    return lo;
+}
+
+static void ref_attention(const struct attn_dims *s, const double *q, const double *k, const double *v, double *out,
+                          double *lse)
+{
+    int64_t B = s->B, T = s->T, H = s->H, KVH = s->KVH, D = s->D, G = H / KVH;
+    double scale = 1.0 / sqrt((double)D), *sc = dalloc(T);
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t h = 0; h < H; h++)
+            for (int64_t t = 0; t < T; t++) {
+                const double *qt = q + ((b * T + t) * H + h) * D;
+                double m = -INFINITY;
+                int64_t lo = ref_first_key(s, b, t);
+                for (int64_t j = lo; j <= t; j++) {
+                    const double *kj = k + ((b * T + j) * KVH + h / G) * D;
+                    double dot = 0.0;
+                    for (int64_t d = 0; d < D; d++)
+                        dot += qt[d] * kj[d];
+                    sc[j] = dot * scale;
+                    m = fmax(m, sc[j]);
+                }
+                double l = 0.0;
+                for (int64_t j = lo; j <= t; j++)
+                    l += exp(sc[j] - m);
+                double *ot = out + ((b * T + t) * H + h) * D;
+                for (int64_t d = 0; d < D; d++) {
+                    double acc = 0.0;
+                    for (int64_t j = lo; j <= t; j++)
+                        acc += exp(sc[j] - m) / l * v[((b * T + j) * KVH + h / G) * D + d];
+                    ot[d] = acc;
+                }
+                if (lse)
+                    lse[(b * H + h) * T + t] = m + log(l);
+            }
+    free(sc);
+}
+
+/* dq, dk, dv += the gradients of L = Σ out ⊙ dout (softmax backward written out plainly) */
+static void ref_attention_backward(const struct attn_dims *s, const double *q, const double *k, const double *v,
+                                   const double *dout, double *dq, double *dk, double *dv)
+{
+    int64_t B = s->B, T = s->T, H = s->H, KVH = s->KVH, D = s->D, G = H / KVH;
+    double scale = 1.0 / sqrt((double)D), *p = dalloc(T), *dp = dalloc(T);
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t h = 0; h < H; h++)
+            for (int64_t t = 0; t < T; t++) {
+                int64_t qo = ((b * T + t) * H + h) * D;
+                double m = -INFINITY, l = 0.0;
+                int64_t lo = ref_first_key(s, b, t);
+                for (int64_t j = lo; j <= t; j++) {
+                    double dot = 0.0;
+                    for (int64_t d = 0; d < D; d++)
+                        dot += q[qo + d] * k[((b * T + j) * KVH + h / G) * D + d];
+                    p[j] = dot * scale;
+                    m = fmax(m, p[j]);
+                }
+                for (int64_t j = lo; j <= t; j++)
+                    l += exp(p[j] - m);
+                double sum_pdp = 0.0;
+                for (int64_t j = lo; j <= t; j++) {
+                    int64_t ko = ((b * T + j) * KVH + h / G) * D;
+                    p[j] = exp(p[j] - m) / l;
+                    dp[j] = 0.0;
+                    for (int64_t d = 0; d < D; d++)
+                        dp[j] += dout[qo + d] * v[ko + d];
+                    sum_pdp += p[j] * dp[j];
+                }
+                for (int64_t j = lo; j <= t; j++) {
+                    int64_t ko = ((b * T + j) * KVH + h / G) * D;
+                    double ds = p[j] * (dp[j] - sum_pdp) * scale;
+                    for (int64_t d = 0; d < D; d++) {
+                        dq[qo + d] += ds * k[ko + d];
+                        dk[ko + d] += ds * q[qo + d];
+                        dv[ko + d] += p[j] * dout[qo + d];
+                    }
+                }
+            }
+    free(p);
+    free(dp);
+}
+
+struct attn_ctx {
+    struct attn_dims s;
+    double *q, *k, *v, *R, *out;
+};
+
+static double attn_loss(void *p)
+{
+    struct attn_ctx *c = p;
+    ref_attention(&c->s, c->q, c->k, c->v, c->out, NULL);
+    double L = 0.0;
+    for (int64_t i = 0; i < c->s.B * c->s.T * c->s.H * c->s.D; i++)
+        L += c->out[i] * c->R[i];
+    return L;
+}
+
+static void test_attention(void **state)
+{
+    (void)state;
+    struct rng r = {19};
+    struct attn_dims cases[] = {
+        {2, 7, 4, 4, 8, 0, NULL}, /* H/KVH = 1 */
+        {2, 7, 4, 2, 8, 0, NULL}, /* 2 */
+        {1, 7, 4, 1, 8, 0, NULL}, /* 4 */
+        {1, 1, 2, 1, 4, 0, NULL}, /* a single token */
+        {2, 33, 8, 4, 16, 0, NULL}, /* several threads */
+        {1, 64, 4, 2, 64, 0, NULL}, /* Llama's head size */
+        /* sliding windows (Mistral's): shorter than T, across tiles of 16 keys, W = 1 (itself
+         * only), W = T - 1, and W = T (the causal result, bit for bit: checked below) */
+        {2, 7, 4, 2, 8, 3, NULL},
+        {1, 7, 4, 1, 8, 1, NULL},
+        {2, 33, 8, 4, 16, 5, NULL},
+        {1, 50, 4, 2, 24, 20, NULL},
+        {1, 40, 2, 1, 16, 39, NULL},
+        {2, 33, 8, 4, 16, 33, NULL},
+    };
+    for (size_t c = 0; c < sizeof cases / sizeof *cases; c++) {
+        struct attn_dims s = cases[c];
+        int64_t nq = s.B * s.T * s.H * s.D, nk = s.B * s.T * s.KVH * s.D, nl = s.B * s.H * s.T;
+        struct arr q = arr_rand(&r, nq, -1, 1), k = arr_rand(&r, nk, -1, 1), v = arr_rand(&r, nk, -1, 1);
+        struct arr out = arr_new(nq), lse = arr_new(nl);
+        struct am_tensor tq = tview(&q, s.B, s.T, s.H, s.D), tk = tview(&k, s.B, s.T, s.KVH, s.D);
+        struct am_tensor tv = tview(&v, s.B, s.T, s.KVH, s.D), to = tview(&out, s.B, s.T, s.H, s.D);
+        struct am_tensor tl = tview(&lse, s.B, s.H, s.T, 0);
+        K->attention_forward(&kdev, &to, &tl, &tq, &tk, &tv, s.W);
+        double *wo = dalloc(nq), *wl = dalloc(nl);
+        ref_attention(&s, q.d, k.d, v.d, wo, wl);
+        /* Normwise, 4 (D + T) u: a score is a D-term fp32 dot (<= D u relative to Σ|q k|,
+         * which is <= sqrt(D) here, so the scores' error is <= D u in absolute terms); a
+         * softmax weight inherits that error plus exp's 2 ulp and the T-term normalising
+         * sum; the output adds a T-term weighted sum. The factor 4 covers the few products
+         * between. For D = T = 64 this is 3e-5 of the largest value. */
+        double rel = 4.0 * (double)(s.D + s.T) * U;
+        char what[160];
+        snprintf(what, sizeof what, "attention out B%lld T%lld H%lld KVH%lld D%lld W%lld", (long long)s.B,
+                 (long long)s.T, (long long)s.H, (long long)s.KVH, (long long)s.D, (long long)s.W);
+        expect_close_norm(what, out.f, wo, nq, rel, 0);
+        snprintf(what, sizeof what, "attention lse T%lld H%lld KVH%lld", (long long)s.T, (long long)s.H,
+                 (long long)s.KVH);
+        expect_close_norm(what, lse.f, wl, nl, rel, rel);
+
+        struct arr dout = arr_rand(&r, nq, -1, 1);
+        struct arr dq = arr_rand(&r, nq, -1, 1), dk = arr_rand(&r, nk, -1, 1), dv = arr_rand(&r, nk, -1, 1);
+        struct arr dq0 = arr_copy(&dq), dk0 = arr_copy(&dk), dv0 = arr_copy(&dv);
+        struct am_tensor tdo = tview(&dout, s.B, s.T, s.H, s.D), tdq = tview(&dq, s.B, s.T, s.H, s.D);
+        struct am_tensor tdk = tview(&dk, s.B, s.T, s.KVH, s.D), tdv = tview(&dv, s.B, s.T, s.KVH, s.D);
+        K->attention_backward(&kdev, &tdq, &tdk, &tdv, &tdo, &to, &tl, &tq, &tk, &tv, s.W);
+        double *gq = dalloc(nq), *gk = dalloc(nk), *gv = dalloc(nk);
+        ref_attention_backward(&s, q.d, k.d, v.d, dout.d, gq, gk, gv);
+        /* Normwise on the gradient itself (the accumulated start adds u of itself):
+         * 4 (D + T H/KVH) u: dk and dv of a shared kv head sum over the group's rows. */
+        int64_t G = s.H / s.KVH;
+        double grel = 4.0 * (double)(s.D + s.T * G) * U;
+        double *wq = dalloc(nq), *wk = dalloc(nk), *wv = dalloc(nk), *tq_ = dalloc(nq), *tk_ = dalloc(nk),
+               *tv_ = dalloc(nk);
+        double mq = max_abs(gq, nq), mk = max_abs(gk, nk), mv = max_abs(gv, nk);
+        for (int64_t i = 0; i < nq; i++) {
+            wq[i] = dq0.d[i] + gq[i];
+            tq_[i] = grel * mq + U * fabs(wq[i]);
+        }
+        for (int64_t i = 0; i < nk; i++) {
+            wk[i] = dk0.d[i] + gk[i];
+            wv[i] = dv0.d[i] + gv[i];
+            tk_[i] = grel * mk + U * fabs(wk[i]);
+            tv_[i] = grel * mv + U * fabs(wv[i]);
+        }
+        snprintf(what, sizeof what, "attention dq T%lld H%lld KVH%lld D%lld", (long long)s.T, (long long)s.H,
+                 (long long)s.KVH, (long long)s.D);
+        expect_close(what, dq.f, wq, tq_, nq);
+        snprintf(what, sizeof what, "attention dk T%lld H%lld KVH%lld D%lld", (long long)s.T, (long long)s.H,
+                 (long long)s.KVH, (long long)s.D);
+        expect_close(what, dk.f, wk, tk_, nk);
+        snprintf(what, sizeof what, "attention dv T%lld H%lld KVH%lld D%lld", (long long)s.T, (long long)s.H,
+                 (long long)s.KVH, (long long)s.D);
+        expect_close(what, dv.f, wv, tv_, nk);
+        if (nq <= 1024) {
+            struct attn_ctx ctx = {s, q.d, k.d, v.d, dout.d, dalloc(nq)};
+            double *fd = dalloc(nq);
+            fd_grad(attn_loss, &ctx, q.d, nq, fd);
+            expect_fd("attention dq vs finite differences", dq.f, dq0.d, fd, tq_, nq);
+            /* and the reference backward against the same differences, tightly */
+            for (int64_t i = 0; i < nq; i++)
+                assert_true(fabs(gq[i] - fd[i]) <= 1e-7 * (1 + max_abs(fd, nq)));
+            fd_grad(attn_loss, &ctx, k.d, nk, fd);
+            expect_fd("attention dk vs finite differences", dk.f, dk0.d, fd, tk_, nk);
+            fd_grad(attn_loss, &ctx, v.d, nk, fd);
+            expect_fd("attention dv vs finite differences", dv.f, dv0.d, fd, tv_, nk);
+            free(fd);
+            free(ctx.out);
+        }
+        /* deterministic: one thread and three give the same bits */
+        struct arr a1[3] = {arr_copy(&dq0), arr_copy(&dk0), arr_copy(&dv0)};
+        struct arr a3[3] = {arr_copy(&dq0), arr_copy(&dk0), arr_copy(&dv0)};
+        struct am_tensor t1q = tview(&a1[0], s.B, s.T, s.H, s.D), t1k = tview(&a1[1], s.B, s.T, s.KVH, s.D),
+                         t1v = tview(&a1[2], s.B, s.T, s.KVH, s.D);
+        struct am_tensor t3q = tview(&a3[0], s.B, s.T, s.H, s.D), t3k = tview(&a3[1], s.B, s.T, s.KVH, s.D),
+                         t3v = tview(&a3[2], s.B, s.T, s.KVH, s.D);
+        omp_set_num_threads(1);
+        K->attention_backward(&kdev, &t1q, &t1k, &t1v, &tdo, &to, &tl, &tq, &tk, &tv, s.W);
+        omp_set_num_threads(3);
+        K->attention_backward(&kdev, &t3q, &t3k, &t3v, &tdo, &to, &tl, &tq, &tk, &tv, s.W);
+        omp_set_num_threads(omp_get_num_procs());
+        expect_bitwise("attention backward dq: 1 thread == 3 threads", a1[0].f, a3[0].f, nq);
+        expect_bitwise("attention backward dk: 1 thread == 3 threads", a1[1].f, a3[1].f, nk);
+        expect_bitwise("attention backward dv: 1 thread == 3 threads", a1[2].f, a3[2].f, nk);
+        if (s.W >= s.T) { /* a window of T or more is no window: the same bits as without one */
+            struct arr o0 = arr_new(nq), l0 = arr_new(nl), c1[3] = {arr_copy(&dq0), arr_copy(&dk0), arr_copy(&dv0)};
+            struct am_tensor t0o = tview(&o0, s.B, s.T, s.H, s.D), t0l = tview(&l0, s.B, s.H, s.T, 0);
+            struct am_tensor c1q = tview(&c1[0], s.B, s.T, s.H, s.D), c1k = tview(&c1[1], s.B, s.T, s.KVH, s.D),
+                             c1v = tview(&c1[2], s.B, s.T, s.KVH, s.D);
+            K->attention_forward(&kdev, &t0o, &t0l, &tq, &tk, &tv, 0);
+            expect_bitwise("attention out: window >= T == no window", o0.f, out.f, nq);
+            expect_bitwise("attention lse: window >= T == no window", l0.f, lse.f, nl);
+            omp_set_num_threads(1);
+            K->attention_backward(&kdev, &c1q, &c1k, &c1v, &tdo, &to, &tl, &tq, &tk, &tv, 0);
+            omp_set_num_threads(omp_get_num_procs());
+            for (int i = 0; i < 3; i++) {
+                expect_bitwise("attention backward: window >= T == no window", c1[i].f, a1[i].f, i ? nk : nq);
+                arr_free(&c1[i]);
+            }
+            arr_free(&o0);
+            arr_free(&l0);
+        }
+        for (int i = 0; i < 3; i++) {
+            arr_free(&a1[i]);
+            arr_free(&a3[i]);
+        }
+        double *bufs[] = {wo, wl, gq, gk, gv, wq, wk, wv, tq_, tk_, tv_};
+        for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++)
+            free(bufs[i]);
+        struct arr *all[] = {&q, &k, &v, &out, &lse, &dout, &dq, &dk, &dv, &dq0, &dk0, &dv0};
+        for (size_t i = 0; i < sizeof all / sizeof *all; i++)
+            arr_free(all[i]);
+    }
+}
+
+/* ---- attention by blocks of keys (context parallelism's ring) ---- */
+
+/* The zigzag split of T positions over cp ranks: 2 cp chunks of T / (2 cp), rank r holds
+ * chunks r and 2 cp - 1 - r, in that order. pos[i]: the position of rank r's row i. */
+static void zigzag_positions(int64_t T, int cp, int r, int32_t *pos)
+{
+    int64_t c = T / (2 * cp);
+    for (int64_t i = 0; i < c; i++) {
+        pos[i] = (int32_t)(r * c + i);
+        pos[c + i] = (int32_t)((2 * cp - 1 - r) * c + i);
+    }
+}
+
+/* rows pos[0..n) of a [B, T, Hx, D] array into [B, n, Hx, D] */
+static void gather_rows(float *dst, const float *src, int64_t B, int64_t T, int64_t n, int64_t width,
+                        const int32_t *pos)
+{
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t i = 0; i < n; i++)
+            memcpy(dst + (b * n + i) * width, src + (b * T + pos[i]) * width, (size_t)width * sizeof(float));
+}
+
+/* Every rank's queries against every rank's keys, block by block in ring order (rank r takes
+ * the keys of rank r - s at step s, merging from step 1 on), must give full causal attention
+ * (the double reference) on the rows each rank holds; the backward's dq, dk, dv summed over the
+ * blocks must give its gradients. GQA, windows, 1 to 4 ranks, several rows per chunk, several
+ * tiles of rows. */
+static void test_attention_block(void **state)
+{
+    (void)state;
+    struct rng r = {23};
+    struct {
+        struct attn_dims s;
+        int cp;
+        bool packed; /* several documents per sequence, of random lengths (qstart) */
+    } cases[] = {
+        {{2, 16, 4, 2, 8, 0, NULL}, 2, false},  {{1, 32, 4, 1, 16, 0, NULL}, 4, false},
+        {{2, 24, 4, 4, 8, 0, NULL}, 3, false},  {{1, 16, 2, 1, 8, 0, NULL}, 1, false},
+        {{2, 32, 4, 2, 8, 5, NULL}, 2, false},  {{1, 48, 8, 2, 16, 13, NULL}, 4, false},
+        {{1, 64, 4, 2, 64, 0, NULL}, 2, false},
+        {{1, 160, 4, 2, 16, 0, NULL}, 1, false},  /* tiles of 64 query rows: 3, the last partial */
+        {{1, 288, 2, 1, 8, 40, NULL}, 2, false}, /* 144 rows a rank, a window across chunks */
+        {{2, 48, 4, 2, 8, 0, NULL}, 1, true},   {{2, 48, 4, 2, 8, 0, NULL}, 2, true},
+        {{3, 64, 4, 1, 16, 0, NULL}, 4, true},  {{2, 96, 4, 2, 8, 7, NULL}, 2, true},
+        {{1, 160, 2, 1, 8, 0, NULL}, 1, true}, /* documents across tiles of rows */
+    };
+    for (size_t ci = 0; ci < sizeof cases / sizeof *cases; ci++) {
+        struct attn_dims s = cases[ci].s;
+        int cp = cases[ci].cp;
+        int32_t *start = NULL; /* packed: each sequence cut into documents of 1 to T / 3 rows */
+        if (cases[ci].packed) {
+            start = calloc((size_t)(s.B * s.T), sizeof(int32_t));
+            assert_non_null(start);
+            for (int64_t b = 0; b < s.B; b++)
+                for (int64_t t = 0, first = 0; t < s.T; t++) {
+                    if (t > first && rng_uniform(&r, 0, 1) < 3.0 / (double)s.T)
+                        first = t;
+                    start[b * s.T + t] = (int32_t)first;
+                }
+            s.start = start;
+        }
+        int64_t B = s.B, T = s.T, H = s.H, KVH = s.KVH, D = s.D, Tl = T / cp, G = H / KVH;
+        int64_t nq = B * T * H * D, nk = B * T * KVH * D, nl = B * H * T;
+        struct arr q = arr_rand(&r, nq, -1, 1), k = arr_rand(&r, nk, -1, 1), v = arr_rand(&r, nk, -1, 1);
+        struct arr dout = arr_rand(&r, nq, -1, 1);
+        double *wo = dalloc(nq), *wl = dalloc(nl), *gq = dalloc(nq), *gk = dalloc(nk), *gv = dalloc(nk);
+        ref_attention(&s, q.d, k.d, v.d, wo, wl);
+        ref_attention_backward(&s, q.d, k.d, v.d, dout.d, gq, gk, gv);
+        int64_t lq = B * Tl * H * D, lk = B * Tl * KVH * D, ll = B * H * Tl;
+        /* per rank: its rows of q, k, v, dout; out, lse; dq, dk, dv; positions */
+        float *mem = K->alloc(&kdev, (size_t)cp * (size_t)(4 * lq + 4 * lk + ll) * sizeof(float));
+        int32_t *pos = K->alloc(&kdev, (size_t)(cp * Tl) * sizeof(int32_t));
+        int32_t *qst = K->alloc(&kdev, (size_t)(B * T) * sizeof(int32_t)); /* each rank's rows' starts */
+        assert_non_null(mem);
+        assert_non_null(pos);
+        assert_non_null(qst);
+        struct am_tensor tq[4], tk[4], tv[4], tdo[4], to[4], tl[4], tdq[4], tdk[4], tdv[4], tp[4], ts[4];
+        for (int x = 0; x < cp; x++) {
+            float *m = mem + (size_t)x * (size_t)(4 * lq + 4 * lk + ll);
+            zigzag_positions(T, cp, x, pos + x * Tl);
+            tp[x] = am_tensor_view(pos + x * Tl, AM_DEV_CPU, AM_I32, Tl, 0, 0, 0);
+            ts[x] = am_tensor_view(qst + x * B * Tl, AM_DEV_CPU, AM_I32, B * Tl, 0, 0, 0);
+            for (int64_t b = 0; start && b < B; b++)
+                for (int64_t i = 0; i < Tl; i++)
+                    qst[x * B * Tl + b * Tl + i] = start[b * T + pos[x * Tl + i]];
+            tq[x] = am_tensor_view(m, AM_DEV_CPU, AM_F32, B, Tl, H, D);
+            tdo[x] = am_tensor_view(m + lq, AM_DEV_CPU, AM_F32, B, Tl, H, D);
+            to[x] = am_tensor_view(m + 2 * lq, AM_DEV_CPU, AM_F32, B, Tl, H, D);
+            tdq[x] = am_tensor_view(m + 3 * lq, AM_DEV_CPU, AM_F32, B, Tl, H, D);
+            tk[x] = am_tensor_view(m + 4 * lq, AM_DEV_CPU, AM_F32, B, Tl, KVH, D);
+            tv[x] = am_tensor_view(m + 4 * lq + lk, AM_DEV_CPU, AM_F32, B, Tl, KVH, D);
+            tdk[x] = am_tensor_view(m + 4 * lq + 2 * lk, AM_DEV_CPU, AM_F32, B, Tl, KVH, D);
+            tdv[x] = am_tensor_view(m + 4 * lq + 3 * lk, AM_DEV_CPU, AM_F32, B, Tl, KVH, D);
+            tl[x] = am_tensor_view(m + 4 * lq + 4 * lk, AM_DEV_CPU, AM_F32, B, H, Tl, 0);
+            gather_rows(tq[x].data, q.f, B, T, Tl, H * D, pos + x * Tl);
+            gather_rows(tdo[x].data, dout.f, B, T, Tl, H * D, pos + x * Tl);
+            gather_rows(tk[x].data, k.f, B, T, Tl, KVH * D, pos + x * Tl);
+            gather_rows(tv[x].data, v.f, B, T, Tl, KVH * D, pos + x * Tl);
+            K->zero(&kdev, &tdq[x]);
+            K->zero(&kdev, &tdk[x]);
+            K->zero(&kdev, &tdv[x]);
+        }
+        for (int x = 0; x < cp; x++)
+            for (int st = 0; st < cp; st++) {
+                int src = ((x - st) % cp + cp) % cp;
+                K->attention_block_forward(&kdev, &to[x], &tl[x], &tq[x], &tk[src], &tv[src], &tp[x], &tp[src],
+                                           start ? &ts[x] : NULL, s.W, st > 0);
+            }
+        for (int x = 0; x < cp; x++)
+            for (int st = 0; st < cp; st++) {
+                int src = ((x - st) % cp + cp) % cp;
+                K->attention_block_backward(&kdev, &tdq[x], &tdk[src], &tdv[src], &tdo[x], &to[x], &tl[x], &tq[x],
+                                            &tk[src], &tv[src], &tp[x], &tp[src], start ? &ts[x] : NULL, s.W);
+            }
+        /* the ranks' rows back in sequence order, against the reference (attention's
+         * tolerances: a merge adds a few roundings per block, within the factor 4) */
+        struct arr go = arr_new(nq), gl = arr_new(nl), dq = arr_new(nq), dk = arr_new(nk), dv = arr_new(nk);
+        for (int x = 0; x < cp; x++)
+            for (int64_t b = 0; b < B; b++)
+                for (int64_t i = 0; i < Tl; i++) {
+                    int64_t t = pos[x * Tl + i];
+                    float *lo = (float *)to[x].data, *ld = (float *)tl[x].data;
+                    memcpy(go.f + (b * T + t) * H * D, lo + (b * Tl + i) * H * D, (size_t)(H * D) * sizeof(float));
+                    memcpy(dq.f + (b * T + t) * H * D, (float *)tdq[x].data + (b * Tl + i) * H * D,
+                           (size_t)(H * D) * sizeof(float));
+                    memcpy(dk.f + (b * T + t) * KVH * D, (float *)tdk[x].data + (b * Tl + i) * KVH * D,
+                           (size_t)(KVH * D) * sizeof(float));
+                    memcpy(dv.f + (b * T + t) * KVH * D, (float *)tdv[x].data + (b * Tl + i) * KVH * D,
+                           (size_t)(KVH * D) * sizeof(float));
+                    for (int64_t h = 0; h < H; h++)
+                        gl.f[(b * H + h) * T + t] = ld[(b * H + h) * Tl + i];
+                }
+        double rel = 4.0 * (double)(s.D + s.T) * U, grel = 4.0 * (double)(s.D + s.T * G) * U;
+        char what[160];
+        snprintf(what, sizeof what, "ring attention out T%lld H%lld KVH%lld D%lld W%lld cp%d%s", (long long)T,
+                 (long long)H, (long long)KVH, (long long)D, (long long)s.W, cp, start ? " packed" : "");
+        expect_close_norm(what, go.f, wo, nq, rel, 0);
+        snprintf(what, sizeof what, "ring attention lse T%lld cp%d", (long long)T, cp);
+        expect_close_norm(what, gl.f, wl, nl, rel, rel);
+        snprintf(what, sizeof what, "ring attention dq T%lld H%lld KVH%lld cp%d", (long long)T, (long long)H,
+                 (long long)KVH, cp);
+        expect_close_norm(what, dq.f, gq, nq, grel, 0);
+        snprintf(what, sizeof what, "ring attention dk T%lld H%lld KVH%lld cp%d", (long long)T, (long long)H,
+                 (long long)KVH, cp);
+        expect_close_norm(what, dk.f, gk, nk, grel, 0);
+        snprintf(what, sizeof what, "ring attention dv T%lld H%lld KVH%lld cp%d", (long long)T, (long long)H,
+                 (long long)KVH, cp);
+        expect_close_norm(what, dv.f, gv, nk, grel, 0);
+        /* one rank holding all of it: the block kernel over one block is attention_forward */
+        if (cp == 1 && s.W == 0 && !start) {
+            struct arr o1 = arr_new(nq), l1 = arr_new(nl);
+            struct am_tensor a = tview(&o1, B, T, H, D), al = tview(&l1, B, H, T, 0);
+            struct am_tensor fq = tview(&q, B, T, H, D), fk = tview(&k, B, T, KVH, D), fv = tview(&v, B, T, KVH, D);
+            K->attention_forward(&kdev, &a, &al, &fq, &fk, &fv, 0);
+            for (int64_t i = 0; i < nq; i++)
+                o1.d[i] = o1.f[i];
+            expect_close_norm("block attention == attention_forward (cp 1)", go.f, o1.d, nq, 4.0 * (double)(D + T) * U,
+                              0);
+            arr_free(&o1);
+            arr_free(&l1);
+        }
+        arr_free(&go);
+        arr_free(&gl);
+        arr_free(&dq);
+        arr_free(&dk);
+        arr_free(&dv);
+        K->free(&kdev, mem);
+        K->free(&kdev, pos);
+        K->free(&kdev, qst);
+        free(start);
+        arr_free(&q);
+        arr_free(&k);
+        arr_free(&v);
+        arr_free(&dout);
+        free(wo);
+        free(wl);
+        free(gq);
+        free(gk);
+        free(gv);
+    }
+}
+
+static void test_bf16_attention(void **state)
+{
+    (void)state;
+    struct rng r = {127};
+    struct attn_dims cases[] = {{2, 37, 4, 2, 16, 0, NULL}, {1, 64, 4, 1, 64, 0, NULL}, {2, 9, 6, 3, 8, 4, NULL}}; /* the last windowed */
+    for (size_t ci = 0; ci < sizeof cases / sizeof *cases; ci++)
+        for (int chunked = 0; chunked < 2; chunked++) {
+            struct attn_dims s = cases[ci];
+            am_cpu_set_chunk(&kdev, chunked ? 1 : 0); /* one group of kv heads at a time */
+            int64_t nq = s.B * s.T * s.H * s.D, nk = s.B * s.T * s.KVH * s.D, nl = s.B * s.H * s.T;
+            struct bt q = bt_rand(&r, nq, -2, 2), k = bt_rand(&r, nk, -2, 2), v = bt_rand(&r, nk, -1, 1);
+            struct bt out = bt_new(nq);
+            float *l = malloc((size_t)nl * 4), *lf = malloc((size_t)nl * 4);
+            struct am_tensor tq = hv(&q, s.B, s.T, s.H, s.D), tk = hv(&k, s.B, s.T, s.KVH, s.D);
+            struct am_tensor tv = hv(&v, s.B, s.T, s.KVH, s.D), to = hv(&out, s.B, s.T, s.H, s.D);
+            struct am_tensor tqf = fv(&q, s.B, s.T, s.H, s.D), tkf = fv(&k, s.B, s.T, s.KVH, s.D);
+            struct am_tensor tvf = fv(&v, s.B, s.T, s.KVH, s.D), tof = fv(&out, s.B, s.T, s.H, s.D);
+            struct am_tensor tl = f32v(l, s.B, s.H, s.T, 0), tlf = f32v(lf, s.B, s.H, s.T, 0);
+            K->attention_forward(&kdev, &to, &tl, &tq, &tk, &tv, s.W);
+            K->attention_forward(&kdev, &tof, &tlf, &tqf, &tkf, &tvf, s.W);
+            char what[128];
+            snprintf(what, sizeof what, "bf16 attention out B%lld T%lld H%lld KVH%lld D%lld%s", (long long)s.B,
+                     (long long)s.T, (long long)s.H, (long long)s.KVH, (long long)s.D, chunked ? " (per kv head)" : "");
+            expect_bf16(what, out.h, out.f, nq);
+            expect_mixed("bf16 attention lse (f32)", l, lf, nl);
+            /* backward from the same bf16 out (widened for the fp32 kernel) and lse */
+            for (int64_t i = 0; i < nq; i++)
+                out.f[i] = am_bf16_to_f32(out.h[i]);
+            struct bt dout = bt_rand(&r, nq, -1, 1), dq = bt_rand(&r, nq, -1, 1), dk = bt_rand(&r, nk, -1, 1);
+            struct bt dv = bt_rand(&r, nk, -1, 1);
+            struct am_tensor tdo = hv(&dout, s.B, s.T, s.H, s.D), tdq = hv(&dq, s.B, s.T, s.H, s.D);
+            struct am_tensor tdk = hv(&dk, s.B, s.T, s.KVH, s.D), tdv = hv(&dv, s.B, s.T, s.KVH, s.D);
+            struct am_tensor tdof = fv(&dout, s.B, s.T, s.H, s.D), tdqf = fv(&dq, s.B, s.T, s.H, s.D);
+            struct am_tensor tdkf = fv(&dk, s.B, s.T, s.KVH, s.D), tdvf = fv(&dv, s.B, s.T, s.KVH, s.D);
+            K->attention_backward(&kdev, &tdq, &tdk, &tdv, &tdo, &to, &tl, &tq, &tk, &tv, s.W);
+            K->attention_backward(&kdev, &tdqf, &tdkf, &tdvf, &tdof, &tof, &tl, &tqf, &tkf, &tvf, s.W);
+            expect_bf16("bf16 attention dq", dq.h, dq.f, nq);
+            expect_bf16("bf16 attention dk", dk.h, dk.f, nk);
+            expect_bf16("bf16 attention dv", dv.h, dv.f, nk);
+            free(l);
+            free(lf);
+            struct bt *all[] = {&q, &k, &v, &out, &dout, &dq, &dk, &dv};
+            for (size_t i = 0; i < sizeof all / sizeof *all; i++)
+                bt_free(all[i]);
+        }
+    am_cpu_set_chunk(&kdev, 0);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_attention),
+        cmocka_unit_test(test_attention_block),
+        cmocka_unit_test(test_bf16_attention),
+    };
+    return cmocka_run_group_tests_name("kernels (cpu): attention", tests, kernels_test_setup, NULL);
+}

@@ -1,0 +1,272 @@
+/* test_rope.c - the CPU kernels' tests (kernels_test.h: how they are tested): the rotary tables
+ * and RoPE.
+ */
+#include "kernels_test.h"
+
+/* ---- RoPE tables ---- */
+
+/* (A) The textbook definition in double: inv_freq_i = theta^(-2i/D), with Llama 3's
+ * scaling (transformers' _compute_llama3_parameters) or linear scaling. */
+static double ref_inv_freq(double theta, int64_t i, int64_t D, const struct am_rope_scaling *sc)
+{
+    double inv = 1.0 / pow(theta, (double)(2 * i) / (double)D);
+    if (!sc || !sc->type)
+        return inv;
+    if (strcmp(sc->type, "linear") == 0)
+        return inv / sc->factor;
+    double old = (double)sc->original_max_position_embeddings;
+    double low_wavelen = old / sc->low_freq_factor, high_wavelen = old / sc->high_freq_factor;
+    double wavelen = 2 * M_PI / inv;
+    if (wavelen < high_wavelen)
+        return inv;
+    if (wavelen > low_wavelen)
+        return inv / sc->factor;
+    double smooth = (old / wavelen - sc->low_freq_factor) / (sc->high_freq_factor - sc->low_freq_factor);
+    return (1 - smooth) * inv / sc->factor + smooth * inv;
+}
+
+/* (B) What transformers computes, step by step in fp32 tensors (LlamaRotaryEmbedding):
+ * written here from the Python source, separately from the kernel. Python scalars meet
+ * fp32 tensors as fp32; `a / tensor` is tensor.reciprocal() * a. */
+static float torch_inv_freq(double theta, int64_t i, int64_t D, const struct am_rope_scaling *sc)
+{
+    float expo = (float)(2 * i) / (float)D;                   /* arange(0, dim, 2).float() / dim */
+    float powered = (float)pow((double)(float)theta, expo);   /* base ** tensor (correctly rounded) */
+    float inv = 1.0f / powered;                               /* 1.0 / tensor */
+    if (!sc || !sc->type)
+        return inv;
+    if (strcmp(sc->type, "linear") == 0)
+        return inv / (float)sc->factor;                       /* inv_freq /= factor */
+    double old = (double)sc->original_max_position_embeddings;
+    float low_wl = (float)(old / sc->low_freq_factor), high_wl = (float)(old / sc->high_freq_factor);
+    float wavelen = (1.0f / inv) * (float)(2 * M_PI);         /* 2 * math.pi / inv_freq */
+    float llama = wavelen > low_wl ? inv / (float)sc->factor : inv;
+    if (wavelen >= high_wl && wavelen <= low_wl) {
+        float smooth = ((1.0f / wavelen) * (float)old - (float)sc->low_freq_factor) /
+                       (float)(sc->high_freq_factor - sc->low_freq_factor);
+        float a = (1.0f - smooth) * llama;
+        llama = a / (float)sc->factor + smooth * llama;
+    }
+    return llama;
+}
+
+static void test_rope_tables(void **state)
+{
+    (void)state;
+    struct am_rope_scaling llama31 = {"llama3", 8.0, 1.0, 4.0, 8192}; /* Llama 3.1's published settings */
+    struct am_rope_scaling linear4 = {"linear", 4.0, 0, 0, 0};
+    struct {
+        double theta;
+        int64_t D;
+        const struct am_rope_scaling *sc;
+    } cases[] = {{10000, 64, NULL},     {10000, 128, NULL},    {500000, 128, NULL}, {500000, 64, NULL},
+                 {500000, 128, &llama31}, {10000, 64, &llama31}, {10000, 64, &linear4}};
+    const int64_t T = 8192;
+    for (size_t c = 0; c < sizeof cases / sizeof *cases; c++) {
+        int64_t D = cases[c].D, half = D / 2;
+        struct arr co = arr_new(T * half), si = arr_new(T * half);
+        struct am_tensor tc = tview(&co, T, half, 0, 0), ts = tview(&si, T, half, 0, 0);
+        K->rope_tables(&kdev, &tc, &ts, cases[c].theta, cases[c].sc);
+        /* (A) position 1 holds sin(inv_freq) and cos(inv_freq); for small angles sin keeps
+         * inv_freq's relative precision. The kernel's fp32 inv_freq comes out of at most
+         * ten fp32 operations (llama3's smoothing), each rounding once: 16u relative, plus
+         * sin's own rounding. */
+        double *wants = dalloc(half), *tol = dalloc(half);
+        for (int64_t i = 0; i < half; i++) {
+            double inv = ref_inv_freq(cases[c].theta, i, D, cases[c].sc);
+            wants[i] = sin(inv);
+            tol[i] = 16 * U * inv + U * fabs(wants[i]);
+        }
+        char what[160];
+        snprintf(what, sizeof what, "rope inv_freq theta=%g D=%lld %s", cases[c].theta, (long long)D,
+                 cases[c].sc ? cases[c].sc->type : "");
+        expect_close(what, si.f + half, wants, tol, half);
+        /* (B) every position up to 8191: angle = fp32(t * inv_freq) as torch forms it, cos
+         * and sin of that angle. Agreement to 1e-6 requires the fp32 order: at position 8000
+         * one ulp of inv_freq or of the angle moves cos by up to 5e-4. */
+        double *wc = dalloc(T * half), *ws = dalloc(T * half);
+        for (int64_t i = 0; i < half; i++) {
+            float inv = torch_inv_freq(cases[c].theta, i, D, cases[c].sc);
+            for (int64_t t = 0; t < T; t++) {
+                float angle = (float)t * inv;
+                wc[t * half + i] = cos((double)angle);
+                ws[t * half + i] = sin((double)angle);
+            }
+        }
+        snprintf(what, sizeof what, "rope cos theta=%g D=%lld %s", cases[c].theta, (long long)D,
+                 cases[c].sc ? cases[c].sc->type : "");
+        expect_close_norm(what, co.f, wc, T * half, 0.0, 1e-6);
+        snprintf(what, sizeof what, "rope sin theta=%g D=%lld %s", cases[c].theta, (long long)D,
+                 cases[c].sc ? cases[c].sc->type : "");
+        expect_close_norm(what, si.f, ws, T * half, 0.0, 1e-6);
+        free(wants);
+        free(tol);
+        free(wc);
+        free(ws);
+        arr_free(&co);
+        arr_free(&si);
+    }
+    /* llama3 scaling leaves the highest frequencies alone and divides the lowest by 8 */
+    struct arr co = arr_new(2 * 64), si = arr_new(2 * 64), co8 = arr_new(2 * 64), si8 = arr_new(2 * 64);
+    struct am_tensor tc = tview(&co, 2, 64, 0, 0), ts = tview(&si, 2, 64, 0, 0);
+    struct am_tensor tc8 = tview(&co8, 2, 64, 0, 0), ts8 = tview(&si8, 2, 64, 0, 0);
+    K->rope_tables(&kdev, &tc, &ts, 500000, NULL);
+    struct am_rope_scaling deflt = {"default", 0, 0, 0, 0}; /* rope_type "default": no scaling */
+    K->rope_tables(&kdev, &tc8, &ts8, 500000, &deflt);
+    expect_bitwise("rope: rope_type default == no scaling", si8.f, si.f, 2 * 64);
+    K->rope_tables(&kdev, &tc8, &ts8, 500000, &llama31);
+    assert_true(si8.f[64 + 0] == si.f[64 + 0]);                       /* wavelen 2π < 2048 */
+    assert_true(fabs(si8.f[64 + 63] - si.f[64 + 63] / 8) < 1e-6 * si.f[64 + 63]); /* wavelen > 8192 */
+    arr_free(&co);
+    arr_free(&si);
+    arr_free(&co8);
+    arr_free(&si8);
+}
+
+/* ---- RoPE forward / backward ---- */
+
+static void ref_rope(const double *x, const double *co, const double *si, int64_t B, int64_t T, int64_t H, int64_t D,
+                     double sign, double *y, double *yabs)
+{
+    int64_t half = D / 2;
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t h = 0; h < H; h++) {
+                const double *xr = x + ((b * T + t) * H + h) * D;
+                double *yr = y + ((b * T + t) * H + h) * D;
+                for (int64_t i = 0; i < half; i++) {
+                    double c = co[t * half + i], s = sign * si[t * half + i];
+                    yr[i] = xr[i] * c - xr[i + half] * s;
+                    yr[i + half] = xr[i + half] * c + xr[i] * s;
+                    if (yabs) {
+                        yabs[((b * T + t) * H + h) * D + i] = fabs(xr[i] * c) + fabs(xr[i + half] * s);
+                        yabs[((b * T + t) * H + h) * D + i + half] = fabs(xr[i + half] * c) + fabs(xr[i] * s);
+                    }
+                }
+            }
+}
+
+struct rope_ctx {
+    double *x, *co, *si, *R, *y;
+    int64_t B, T, H, D;
+};
+
+static double rope_loss(void *p)
+{
+    struct rope_ctx *c = p;
+    ref_rope(c->x, c->co, c->si, c->B, c->T, c->H, c->D, 1.0, c->y, NULL);
+    double L = 0.0;
+    for (int64_t i = 0; i < c->B * c->T * c->H * c->D; i++)
+        L += c->y[i] * c->R[i];
+    return L;
+}
+
+static void test_rope(void **state)
+{
+    (void)state;
+    struct rng r = {17};
+    int64_t cases[][4] = {{2, 7, 3, 8}, {1, 1, 2, 4}, {2, 33, 4, 64}}; /* B, T, H, D */
+    for (size_t c = 0; c < sizeof cases / sizeof *cases; c++) {
+        int64_t B = cases[c][0], T = cases[c][1], H = cases[c][2], D = cases[c][3], n = B * T * H * D;
+        int64_t TT = T + 9; /* tables longer than the sequence */
+        struct arr co = arr_new(TT * D / 2), si = arr_new(TT * D / 2);
+        struct am_tensor tc = tview(&co, TT, D / 2, 0, 0), ts = tview(&si, TT, D / 2, 0, 0);
+        K->rope_tables(&kdev, &tc, &ts, 10000, NULL);
+        for (int64_t i = 0; i < TT * D / 2; i++) {
+            co.d[i] = co.f[i];
+            si.d[i] = si.f[i];
+        }
+        struct arr x = arr_rand(&r, n, -1, 1), x0 = arr_copy(&x);
+        struct am_tensor tx = tview(&x, B, T, H, D);
+        K->rope_forward(&kdev, &tx, &tc, &ts);
+        double *want = dalloc(n), *absr = dalloc(n), *tol = dalloc(n);
+        ref_rope(x0.d, co.d, si.d, B, T, H, D, 1.0, want, absr);
+        for (int64_t i = 0; i < n; i++) /* two products and a sum: 3 roundings */
+            tol[i] = 3 * U * absr[i];
+        expect_close("rope forward", x.f, want, tol, n);
+        /* backward rotates dy in place by the opposite angle */
+        struct arr g = arr_rand(&r, n, -1, 1), g0 = arr_copy(&g);
+        struct am_tensor tg = tview(&g, B, T, H, D);
+        K->rope_backward(&kdev, &tg, &tc, &ts);
+        ref_rope(g0.d, co.d, si.d, B, T, H, D, -1.0, want, absr);
+        for (int64_t i = 0; i < n; i++)
+            tol[i] = 3 * U * absr[i];
+        expect_close("rope backward", g.f, want, tol, n);
+        if (n <= 512) {
+            struct rope_ctx ctx = {x0.d, co.d, si.d, g0.d, dalloc(n), B, T, H, D};
+            double *fd = dalloc(n);
+            fd_grad(rope_loss, &ctx, x0.d, n, fd);
+            expect_fd("rope backward vs finite differences", g.f, NULL, fd, tol, n);
+            free(fd);
+            free(ctx.y);
+        }
+        /* the backward undoes the forward (a rotation, cos² + sin² = 1 to 2u): 3 roundings
+         * each way plus the tables' 2u, relative to the head's largest value */
+        K->rope_backward(&kdev, &tx, &tc, &ts);
+        double mx = max_abs(x0.d, n);
+        for (int64_t i = 0; i < n; i++)
+            tol[i] = 10 * U * mx;
+        expect_close("rope backward(forward(x)) == x", x.f, x0.d, tol, n);
+        free(want);
+        free(absr);
+        free(tol);
+        struct arr *all[] = {&co, &si, &x, &x0, &g, &g0};
+        for (size_t i = 0; i < sizeof all / sizeof *all; i++)
+            arr_free(all[i]);
+    }
+}
+
+static void test_bf16_rope(void **state)
+{
+    (void)state;
+    struct rng r = {113};
+    int64_t shapes[][4] = {{2, 19, 3, 16}, {2, 64, 4, 64}}; /* B, T, H, D; the second in parallel */
+    for (int sc = 0; sc < 2; sc++) {
+        int64_t B = shapes[sc][0], T = shapes[sc][1], H = shapes[sc][2], D = shapes[sc][3], half = D / 2;
+        int64_t n = B * T * H * D;
+        float *c = malloc((size_t)(T * half) * 4), *s = malloc((size_t)(T * half) * 4);
+        struct am_tensor tc = f32v(c, T, half, 0, 0), ts = f32v(s, T, half, 0, 0);
+        K->rope_tables(&kdev, &tc, &ts, 10000.0, NULL);
+        struct bt cb = bt_new(T * half), sb = bt_new(T * half); /* the tables in bf16, as transformers uses them */
+        struct am_tensor tcb = hv(&cb, T, half, 0, 0), tsb = hv(&sb, T, half, 0, 0);
+        K->convert(&kdev, &tcb, &tc);
+        K->convert(&kdev, &tsb, &ts);
+        K->convert(&kdev, &(struct am_tensor){.data = cb.f, .dtype = AM_F32, .ndim = 1, .shape = {T * half}}, &tcb);
+        K->convert(&kdev, &(struct am_tensor){.data = sb.f, .dtype = AM_F32, .ndim = 1, .shape = {T * half}}, &tsb);
+        struct am_tensor tcbf = fv(&cb, T, half, 0, 0), tsbf = fv(&sb, T, half, 0, 0);
+        for (int bt16 = 0; bt16 < 2; bt16++) {
+            struct bt x = bt_rand(&r, n, -1, 1);
+            struct am_tensor tx = hv(&x, B, T, H, D), txf = fv(&x, B, T, H, D);
+            const struct am_tensor *C16 = bt16 ? &tcb : &tc, *S16 = bt16 ? &tsb : &ts;
+            const struct am_tensor *C32 = bt16 ? &tcbf : &tc, *S32 = bt16 ? &tsbf : &ts;
+            K->rope_forward(&kdev, &tx, C16, S16);
+            K->rope_forward(&kdev, &txf, C32, S32);
+            char what[96];
+            snprintf(what, sizeof what, "bf16 rope fwd, %s tables, B%lld T%lld H%lld D%lld", bt16 ? "bf16" : "f32",
+                     (long long)B, (long long)T, (long long)H, (long long)D);
+            expect_bf16(what, x.h, x.f, n);
+            for (int64_t i = 0; i < n; i++) /* the backward from the same (bf16) start */
+                x.f[i] = am_bf16_to_f32(x.h[i]);
+            K->rope_backward(&kdev, &tx, C16, S16);
+            K->rope_backward(&kdev, &txf, C32, S32);
+            snprintf(what, sizeof what, "bf16 rope bwd, %s tables, B%lld T%lld H%lld D%lld", bt16 ? "bf16" : "f32",
+                     (long long)B, (long long)T, (long long)H, (long long)D);
+            expect_bf16(what, x.h, x.f, n);
+            bt_free(&x);
+        }
+        free(c);
+        free(s);
+        bt_free(&cb);
+        bt_free(&sb);
+    }
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_rope_tables),
+        cmocka_unit_test(test_rope),
+        cmocka_unit_test(test_bf16_rope),
+    };
+    return cmocka_run_group_tests_name("kernels (cpu): rope", tests, kernels_test_setup, NULL);
+}
