@@ -83,6 +83,19 @@ static void test_groups(void **state)
     assert_group(&p, AM_GROUP_DP_SHARD, 5, (int[]){5, 7}, 2);
     assert_group(&p, AM_GROUP_DP_REPLICATE, 5, (int[]){1, 5}, 2);
     assert_group(&p, AM_GROUP_CP, 5, (int[]){5}, 1);
+    am_plan_free(&p);
+    am_recipe_free(r);
+    /* HSDP with cp 2 (and ep 2): the shard group is dp_shard x cp within a replica group (AutoModel's
+     * dp_shard_cp), the replicas vary dp_replicate alone; the experts' shard group (the ranks
+     * holding the same experts) spans the replica groups. Rank 5 = rep 1, shard 0, cp 1. */
+    const char *cp[] = {"distributed.cp_size=2", "distributed.dp_replicate_size=2", NULL};
+    r = plan_of(model8, cp, 8, &p);
+    assert_group(&p, AM_GROUP_DP_SHARD, 5, (int[]){4, 5, 6, 7}, 4);
+    assert_group(&p, AM_GROUP_DP_REPLICATE, 5, (int[]){1, 5}, 2);
+    assert_group(&p, AM_GROUP_DP_CP, 5, (int[]){0, 1, 2, 3, 4, 5, 6, 7}, 8);
+    am_plan_free(&p);
+    am_recipe_free(r);
+    r = plan_of(model8, sets, 16, &p);
     /* every rank is in exactly one group of each kind: group sizes add up */
     for (int g = 0; g < AM_NGROUPS; g++) {
         int seen[16] = {0}, members[16];
