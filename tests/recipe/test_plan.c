@@ -138,6 +138,22 @@ static void test_expert_groups(void **state)
     assert_int_equal(c.ep_shard, 1);
     am_plan_free(&p);
     am_recipe_free(r);
+    /* HSDP (2 replicas of 2 shards) with ep 2, world 4: the ranks holding the same experts
+     * span the replica groups (AutoModel's ep_shard), and every rank writes a checkpoint
+     * shard (the other replica group its experts' pieces) */
+    const char *hsdp[] = {"distributed.ep_size=2", "distributed.dp_replicate_size=2", "checkpoint.enabled=true",
+                          "checkpoint.save_consolidated=false", NULL};
+    r = plan_of(moe, hsdp, 4, &p);
+    assert_int_equal(p.zero_stage, 3);
+    assert_group(&p, AM_GROUP_DP_SHARD, 2, (int[]){2, 3}, 2);
+    assert_group(&p, AM_GROUP_EP, 2, (int[]){2, 3}, 2);
+    assert_group(&p, AM_GROUP_EP_SHARD, 2, (int[]){0, 2}, 2);
+    struct am_world w = {.size = 4, .nodes = 1, .gpus_per_node = 4};
+    struct am_ckpt_cost cost;
+    am_plan_ckpt_cost(r, &w, &p, &cost);
+    assert_int_equal(cost.writers, 4);
+    am_plan_free(&p);
+    am_recipe_free(r);
 }
 
 static void test_interleaved_stages(void **state)
