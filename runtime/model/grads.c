@@ -169,12 +169,14 @@ int am_model_grad_sumsq(struct am_model *m, char *err, size_t err_len)
     return sum_scalar(m, &m->scalars.sumsq, &m->scalars.sumsq_f, groups, 3, &m->sumsq_reduced, err, err_len);
 }
 
-int am_model_grad_sumsq_shards(struct am_model *m, const float *shards, int rank, struct am_comm *dp, char *err,
-                               size_t err_len)
+int am_model_grad_sumsq_shards(struct am_model *m, const float *shards, int rank, struct am_comm *dp,
+                               struct am_comm *replicas, char *err, size_t err_len)
 {
     m->K->zero(m->dev, &m->scalars.sumsq);
     for (int g = 0; g < m->n_groups; g++) {
         const struct am_pgroup *G = &m->groups[g];
+        /* summed over the replicas too: the experts' shards once each, the rest R times */
+        double copies = replicas && G->kind != AM_PG_EXPERTS ? (double)am_comm_size(replicas) : 1.0;
         int r = G->comm ? am_comm_rank(G->comm) : rank; /* its place in the group its shards span */
         size_t lo = G->offset + (size_t)r * G->shard_elems, hi = lo + G->shard_elems;
         for (int i = G->first; i < G->first + G->n; i++) {
@@ -187,11 +189,11 @@ int am_model_grad_sumsq_shards(struct am_model *m, const float *shards, int rank
             b = b < hi ? b : hi;
             struct am_tensor piece = am_tensor_view((float *)shards + G->shard_offset + (a - lo), m->dev->device,
                                                     AM_F32, (int64_t)(b - a), 0, 0, 0);
-            m->K->sum_squares(m->dev, &m->scalars.sumsq, &piece, (double)p->copies_in_tp);
+            m->K->sum_squares(m->dev, &m->scalars.sumsq, &piece, (double)p->copies_in_tp * copies);
         }
     }
-    struct am_comm *groups[3] = {m->tp_comm, m->pp_comm, dp};
-    return sum_scalar(m, &m->scalars.sumsq, &m->scalars.sumsq_f, groups, 3, &m->sumsq_reduced, err, err_len);
+    struct am_comm *groups[4] = {m->tp_comm, m->pp_comm, dp, replicas};
+    return sum_scalar(m, &m->scalars.sumsq, &m->scalars.sumsq_f, groups, 4, &m->sumsq_reduced, err, err_len);
 }
 
 int am_model_reduce_loss(struct am_model *m, struct am_comm *dp, char *err, size_t err_len)

@@ -122,6 +122,10 @@ struct am_model_shard {
     int group_align;              /* fully sharded data parallelism over this many ranks: each
                                      group's span of the slabs padded with zeros to a multiple of
                                      it, so that it splits into equal flat shards (0 or 1: none) */
+    int expert_align;             /* the experts' groups' instead (expert parallelism, sharded:
+                                     a multiple of group_align and of the expert-data-parallel
+                                     group's size, which with HSDP need not divide it); 0:
+                                     group_align */
 };
 
 /* The projections of a layer that can carry a LoRA adapter (the order of recipe.h's am_lora_target). */
@@ -186,7 +190,7 @@ struct am_pgroup {
     int layer;               /* AM_PG_LAYER, AM_PG_EXPERTS: the layer's local index */
     int first, n;            /* params[first .. first + n) */
     size_t offset, n_elems;  /* where it starts in the slabs, and its parameters' elements */
-    size_t span;             /* its span of the slabs: n_elems padded to a multiple of group_align */
+    size_t span;             /* its span of the slabs: n_elems padded to a multiple of group_align (experts: expert_align) */
     size_t shard_offset, shard_elems; /* sharded: its flat shard (span / ranks elements) in the
                                          trainer's shard slabs; set by the trainer */
     bool frozen;             /* LoRA: a group of the frozen base (no gradient memory, g.data NULL;
@@ -198,7 +202,9 @@ struct am_pgroup {
                                 all-gathered and reduce-scattered over; with expert parallelism
                                 the experts' expert-data-parallel group); set by the trainer */
     struct am_comm *replicate; /* sharded with replicas (HSDP): the group its shards are then
-                                  all-reduced over, or NULL; set by the trainer */
+                                  all-reduced over, or NULL (the experts' with expert
+                                  parallelism: their group spans the replicas); set by the
+                                  trainer */
 };
 
 /* The step's values the host reads (am_model_read_scalars). */
@@ -398,9 +404,12 @@ int am_model_grad_sumsq(struct am_model *m, char *err, size_t err_len);
  * elements [offset + rank * shard_elems, + shard_elems) of the padded span; a group with a comm
  * set, its rank in it instead: the experts' with expert parallelism). Each parameter's part of
  * the shard counted as am_model_grad_sumsq counts it; summed over tp, pp and the shard group dp
- * (dp_shard: the ep groups x the expert-data-parallel groups, so each expert counted once). */
-int am_model_grad_sumsq_shards(struct am_model *m, const float *shards, int rank, struct am_comm *dp, char *err,
-                               size_t err_len);
+ * (dp_shard x cp: the ep groups x the expert-data-parallel groups, so each expert counted
+ * once). replicas: HSDP's replica group when the experts' shards span it (expert parallelism
+ * with HSDP: dp_shard holds only some of them), else NULL; then every group but the experts'
+ * is counted 1 / replicas (each replica holds the same shards) and the sum taken over it too. */
+int am_model_grad_sumsq_shards(struct am_model *m, const float *shards, int rank, struct am_comm *dp,
+                               struct am_comm *replicas, char *err, size_t err_len);
 
 /* Frees the full fp32 masters and their compute copy (fully sharded data parallelism keeps
  * them in shards and gathers each group before use, group_use); p->w.data becomes NULL

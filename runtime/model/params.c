@@ -65,7 +65,13 @@ bool am_model_tied_across_stages(const struct am_model *m)
 
 static size_t align_up(size_t n, int align) { return align > 1 ? (n + (size_t)align - 1) / (size_t)align * (size_t)align : n; }
 
-/* The slab offset of each parameter: consecutive, each group's span padded to group_align. */
+/* The multiple a group's span is padded to: group_align, the experts' expert_align if set. */
+static int align_of(const struct am_model *m, const struct am_pgroup *g)
+{
+    return g->kind == AM_PG_EXPERTS && m->sh.expert_align > 0 ? m->sh.expert_align : m->sh.group_align;
+}
+
+/* The slab offset of each parameter: consecutive, each group's span padded to its align_of. */
 static size_t param_offsets(struct am_model *m, size_t *offs)
 {
     size_t off = 0;
@@ -76,7 +82,7 @@ static size_t param_offsets(struct am_model *m, size_t *offs)
             offs[i] = off;
             off += (size_t)am_tensor_numel(&m->params[i].w);
         }
-        off = start + align_up(off - start, m->sh.group_align);
+        off = start + align_up(off - start, align_of(m, &m->groups[g]));
     }
     return off;
 }
@@ -93,7 +99,7 @@ static void end_groups(struct am_model *m)
             g->n_elems += (size_t)am_tensor_numel(&m->params[k].g);
             g->tied |= am_model_tied_across_stages(m) && (&m->params[k] == m->embed || &m->params[k] == m->head);
         }
-        g->span = align_up(g->n_elems, m->sh.group_align);
+        g->span = align_up(g->n_elems, align_of(m, g));
     }
 }
 

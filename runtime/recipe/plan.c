@@ -43,8 +43,8 @@ static bool same_group(const struct am_plan *p, enum am_group g, const struct am
         return rep && shard && cp && tp;
     case AM_GROUP_DP:
         return pp && cp && tp;
-    case AM_GROUP_DP_SHARD:
-        return pp && rep && cp && tp;
+    case AM_GROUP_DP_SHARD: /* dp_shard x cp (AutoModel's dp_shard_cp): the ranks fsdp2 shards over */
+        return pp && rep && tp;
     case AM_GROUP_DP_REPLICATE:
         return pp && shard && cp && tp;
     case AM_GROUP_DP_CP:
@@ -343,11 +343,23 @@ struct flat_shards {
     long long D, shard, slab, max_span, max_shard; /* max_shard: the largest group's shard (experts: over fewer ranks) */
 };
 
+static long long lcm(long long a, long long b)
+{
+    long long x = a, y = b;
+    while (y) {
+        long long t = x % y;
+        x = y;
+        y = t;
+    }
+    return a / x * b;
+}
+
 /* A group of elems parameters, padded to a multiple of D and sharded over d ranks (D for the
- * dense groups; for the experts with expert parallelism the ranks holding the same experts) */
+ * dense groups; for the experts with expert parallelism the ranks holding the same experts,
+ * padded to a multiple of both: with HSDP d need not divide D) */
 static void add_group_over(struct flat_shards *f, double elems, long long d)
 {
-    long long n = (long long)elems, span = (n + f->D - 1) / f->D * f->D;
+    long long n = (long long)elems, pad = lcm(f->D, d), span = (n + pad - 1) / pad * pad;
     f->shard += span / d;
     f->slab += span;
     if (span > f->max_span)
@@ -435,9 +447,7 @@ static int memory_of_rank(const struct am_recipe *r, const struct am_plan *p, in
     int zero = p->zero_stage;
     if (r->dist.strategy == AM_FSDP2) {
         shard = (double)p->dp_shard * p->cp;
-        expert_shard = (double)p->ep_shard / p->dp_replicate;
-        if (expert_shard < 1)
-            expert_shard = 1;
+        expert_shard = (double)p->ep_shard; /* with HSDP too: across the replica groups (AutoModel's ep_shard) */
     } else if (r->dist.strategy == AM_MEGATRON_FSDP) {
         shard = expert_shard = (double)p->dp * p->cp;
     }

@@ -41,11 +41,11 @@ enum am_group {
     AM_GROUP_CP,           /* context parallel */
     AM_GROUP_PP,           /* pipeline: the pp ranks of one model replica */
     AM_GROUP_DP,           /* data parallel: dp_replicate x dp_shard */
-    AM_GROUP_DP_SHARD,     /* FSDP sharding group */
+    AM_GROUP_DP_SHARD,     /* FSDP sharding group: dp_shard x cp */
     AM_GROUP_DP_REPLICATE, /* HSDP replicas */
     AM_GROUP_DP_CP,        /* gradient reduction with cp: dp x cp */
     AM_GROUP_EP,           /* expert parallel */
-    AM_GROUP_EP_SHARD,     /* replicas of one expert shard */
+    AM_GROUP_EP_SHARD,     /* the ranks holding the same experts (dp x cp / ep; with HSDP across the replicas) */
     AM_NGROUPS
 };
 

@@ -5,12 +5,13 @@
 #include "plan.h"
 
 /* Whether the rank at c writes a shard (the trainer's rule: train/dp.c, am_dp_state): sharded
- * state (ZeRO 1-3) is written by the first replica group (HSDP's others hold copies); a full
+ * state (ZeRO 1-3) is written by the first replica group (HSDP's others hold copies, but of
+ * the experts with expert parallelism: sharded across the replicas, every rank writes); a full
  * replica by data-parallel and context-parallel rank 0 alone. */
-static bool writes(const struct am_plan *p, const struct am_coords *c)
+static bool writes(const struct am_recipe *r, const struct am_plan *p, const struct am_coords *c)
 {
     if (p->zero_stage >= 1)
-        return c->dp_replicate == 0;
+        return c->dp_replicate == 0 || (p->ep > 1 && r->model.num_experts > 0);
     return c->dp_replicate == 0 && c->dp_shard == 0 && c->cp == 0;
 }
 
@@ -25,7 +26,7 @@ void am_plan_ckpt_cost(const struct am_recipe *r, const struct am_world *w, cons
         am_plan_coords(p, rank, &co);
         if (rank % per_node == 0)
             node = 0;
-        if (!writes(p, &co))
+        if (!writes(r, p, &co))
             continue;
         /* the optimizer state is 8 bytes an element the rank updates; its file 12 */
         const struct am_memory *m = p->mem_pp && co.pp < p->pp ? &p->mem_pp[co.pp] : &p->mem;

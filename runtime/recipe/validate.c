@@ -334,24 +334,6 @@ static void cp_gemma(struct check *c)
              "Gemma 3's second rotary table yet (model_type %s: use cp_size 1)", r->dist.cp, r->model.model_type);
 }
 
-static void cp_hsdp(struct check *c)
-{
-    const struct am_recipe *r = c->r;
-    if (r->dist.cp > 1 && r->dist.dp_replicate > 1)
-        FAIL(c, "distributed.dp_replicate_size", "%d with cp_size %d: HSDP's shard groups over dp_shard x cp are "
-             "not built yet (use dp_replicate_size 1: fsdp2 then shards over dp x cp)", r->dist.dp_replicate,
-             r->dist.cp);
-}
-
-static void ep_hsdp(struct check *c)
-{
-    const struct am_recipe *r = c->r;
-    if (r->dist.ep > 1 && r->dist.dp_replicate > 1)
-        FAIL(c, "distributed.dp_replicate_size", "%d with ep_size %d: the experts are sharded over the ranks "
-             "holding the same experts, which would span the replica groups; not run yet (use dp_replicate_size 1 "
-             "with expert parallelism)", r->dist.dp_replicate, r->dist.ep);
-}
-
 static void packed_dtype(struct check *c)
 {
     const struct am_recipe *r = c->r;
@@ -433,8 +415,8 @@ static const struct {
     const char *name; /* the row of tests/recipe/refusals.tsv */
     void (*check)(struct check *c);
 } run_rules[] = {
-    {"cp-dtype", cp_dtype},     {"cp-moe", cp_moe},           {"cp-gemma", cp_gemma},   {"cp-hsdp", cp_hsdp},
-    {"ep-hsdp", ep_hsdp},       {"packed-dtype", packed_dtype}, {"packed-gemma", packed_gemma},
+    {"cp-dtype", cp_dtype},     {"cp-moe", cp_moe},           {"cp-gemma", cp_gemma},
+    {"packed-dtype", packed_dtype}, {"packed-gemma", packed_gemma},
     {"fp16", fp16},             {"moe-sp", moe_sp},           {"moe-aux-pp", moe_aux_pp}, {"lora-head", lora_head},
     {"lora-kv-tp", lora_kv_tp}, {"dataset", dataset},
 };

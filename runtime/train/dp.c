@@ -141,9 +141,17 @@ static int sh_end_backward(struct am_dp *d, char *err, size_t err_len)
     return 0;
 }
 
+/* HSDP's replicas whose experts' shards differ (expert parallelism with HSDP: the experts are
+ * sharded over their expert-data-parallel group, across the replicas), else NULL */
+static struct am_comm *expert_replicas(const struct am_dp *d)
+{
+    return d->c.zero >= 2 && d->m->ep_comm ? d->c.replicate : NULL;
+}
+
 static int sh_grad_sumsq(struct am_dp *d, char *err, size_t err_len)
 {
-    return am_model_grad_sumsq_shards(d->m, d->fsdp.grads, d->fsdp.rank, d->c.shard, err, err_len);
+    return am_model_grad_sumsq_shards(d->m, d->fsdp.grads, d->fsdp.rank, d->c.shard, expert_replicas(d), err,
+                                      err_len);
 }
 
 /* the shards alone; below stage 3 then gathered into the model */
@@ -177,8 +185,9 @@ static void sh_state(struct am_dp *d, struct am_train_state *st)
     st->master = d->fsdp.master;
     st->n = d->fsdp.n_shard;
     st->base = 0;
-    /* HSDP's replicas hold copies of the first one's shards */
-    st->writes = !d->c.replicate || am_comm_rank(d->c.replicate) == 0;
+    /* HSDP's replicas hold copies of the first one's shards (but of the experts' with expert
+     * parallelism: those a replica writes, resume.c) */
+    st->writes = !d->c.replicate || am_comm_rank(d->c.replicate) == 0 || expert_replicas(d);
 }
 
 static int sh_restored(struct am_dp *d, char *err, size_t err_len)

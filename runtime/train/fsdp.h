@@ -38,12 +38,15 @@
  *
  * Expert parallelism (ep > 1): the ranks of a shard group hold different experts, so a MoE
  * layer's experts group is sharded over the expert-data-parallel group instead (the ranks
- * that hold the same experts: dp_shard x cp / ep of them; the trainer sets the group's comm
+ * that hold the same experts: dp x cp / ep of them; the trainer sets the group's comm
  * to it before am_fsdp_init), its all-gathers and its gradients' reduce-scatters go over that
  * group (one rank when ep = dp: a communicator of one, its collectives copies), and the
  * gradient norm's sum over the shard group still counts every expert once (dp_shard is the
  * ep groups x the expert-data-parallel groups: each ep rank's experts, over its own
- * expert-data-parallel ranks).
+ * expert-data-parallel ranks). With HSDP that group spans the replica groups (AutoModel's
+ * ep_shard): the experts' shards are not all-reduced over the replicas (grad_sync.h), their
+ * groups are padded to a multiple of both groups' sizes (am_model_shard.expert_align), and
+ * the norm sums over the replicas too (am_model_grad_sumsq_shards).
  *
  * A checkpoint gathers the masters of every group into a full fp32 slab for the save
  * (am_fsdp_gather_masters), which the caller frees after it.

@@ -33,7 +33,9 @@ static int init_shards(struct am_gsync *s, const struct am_gsync_shards *sh, cha
     s->n_bufs = buffers_needed(m);
     for (int g = 0; g < m->n_groups; g++) {
         struct am_pgroup *G = &m->groups[g];
-        G->replicate = sh->replicate;
+        /* with expert parallelism the experts' shards span the replicas (their expert-data-parallel
+         * group, AutoModel's ep_shard): no replica all-reduce for them */
+        G->replicate = G->kind == AM_PG_EXPERTS && m->ep_comm ? NULL : sh->replicate;
         if (G->span > s->buf_elems)
             s->buf_elems = G->span;
         if (G->shard_elems > s->recv_elems)

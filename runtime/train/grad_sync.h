@@ -31,8 +31,9 @@
  * four with mixture-of-experts layers (a layer and its experts, twice), one more for a tied
  * embedding split over two pipeline stages (its copy is kept for the whole step and reduced
  * in am_gsync_finish, after the two copies are summed), each of the largest group's span.
- * HSDP (G->replicate): once a group's last reduce-scatter of the step has been added to its
- * shard, the shard is all-reduced over the replicas, non-blocking (it runs while the backward
+ * HSDP (G->replicate; none for the experts' groups with expert parallelism, whose
+ * expert-data-parallel group spans the replicas): once a group's last reduce-scatter of the
+ * step has been added to its shard, the shard is all-reduced over the replicas, non-blocking (it runs while the backward
  * goes on), waited for in am_gsync_finish. The reduce-scatters are completed, and these
  * all-reduces started, at points of the schedule only (when the next group's reduce-scatter
  * starts, when a buffer is needed, after the backward), never on a request found complete, so

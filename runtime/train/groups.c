@@ -8,13 +8,13 @@
 int am_groups_build(struct am_groups *g, const struct am_rank_setup *s, enum am_comm_backend backend, int device,
                     struct am_flight *flight, const char *const *hosts, struct am_errors *err)
 {
-    /* HSDP adds the shard and replica groups, expert parallelism the ep groups and their
-     * replicas' (expert-data-parallel) groups, context parallelism the ring and the gradients'
-     * dp x cp */
+    /* HSDP adds the shard (dp_shard x cp) and replica groups, expert parallelism the ep groups
+     * and their replicas' (expert-data-parallel) groups, context parallelism the ring and the
+     * gradients' dp x cp */
     enum am_group kinds[10] = {AM_GROUP_DP, AM_GROUP_TP, AM_GROUP_PP, AM_GROUP_PP};
     const struct am_plan *p = &s->plan;
     int n_kinds = 4;
-    if (p->dp_replicate > 1 && p->dp_shard > 1) {
+    if (p->dp_replicate > 1 && p->dp_shard * p->cp > 1) {
         kinds[n_kinds++] = AM_GROUP_DP_SHARD;
         kinds[n_kinds++] = AM_GROUP_DP_REPLICATE;
     }

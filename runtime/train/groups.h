@@ -4,11 +4,13 @@
  * groups, the tensor-parallel groups, and the pipeline groups twice, the first set carrying
  * activations forward ("pp") and the second gradients back ("pp_grad"), so that each carries
  * one kind of message in one order at both ends (pipeline.h). A rank's own group of each
- * kind is dp, tp, pp and pp_grad (groups of one rank where that dimension is 1). With both
- * dp_replicate and dp_shard above 1 (HSDP) the dp_shard and dp_replicate groups are built too
- * (after the others); otherwise dp_shard is dp x cp and dp_replicate NULL. With expert parallelism
+ * kind is dp, tp, pp and pp_grad (groups of one rank where that dimension is 1). With
+ * dp_replicate above 1 and dp_shard x cp above 1 (HSDP) the dp_shard groups (dp_shard x cp within
+ * a replica group: AutoModel's dp_shard_cp) and dp_replicate groups are built too (after the
+ * others); otherwise dp_shard is dp x cp and dp_replicate NULL. With expert parallelism
  * (ep > 1) come last the ep groups (the ranks that split the experts between them) and the
- * expert-data-parallel groups (the ranks holding the same experts: dp x cp / ep), ep and edp;
+ * expert-data-parallel groups (the ranks holding the same experts: dp x cp / ep, across the
+ * replica groups with HSDP, as AutoModel's ep_shard), ep and edp;
  * both NULL at ep 1. With cp > 1 the cp
  * groups (the ring of context parallelism) and the dp x cp groups (over which the loss is summed
  * and the replicated weights' gradients reduced, and fsdp2 shards: AutoModel's dp_shard_cp)

@@ -25,7 +25,9 @@ typedef int (*run_fn)(void *arg, const struct am_param *p, int64_t a, int64_t le
 static int64_t local_cols(const struct am_param *p) { return p->w.ndim > 1 ? p->w.shape[1] : 1; }
 static int64_t full_cols(const struct am_param *p) { return p->full_cols > 0 ? p->full_cols : 1; }
 
-/* Every run of the layout; skip_tied leaves out a tied embedding's copy on the last stage. */
+/* Every run of the layout; skip_tied (the save) leaves out a tied embedding's copy on the last
+ * stage and, on HSDP's replicas but the first, the groups they hold copies of (all but the
+ * experts' with expert parallelism). */
 static int for_runs(const struct am_train_state *s, bool skip_tied, run_fn fn, void *arg, char *err, size_t err_len)
 {
     struct am_model *m = s->m;
@@ -41,6 +43,8 @@ static int for_runs(const struct am_train_state *s, bool skip_tied, run_fn fn, v
     }
     for (int gi = 0; gi < m->n_groups; gi++) {
         const struct am_pgroup *G = &m->groups[gi];
+        if (skip_tied && G->replicate && am_comm_rank(G->replicate) != 0)
+            continue;
         size_t lo = G->offset + (size_t)am_comm_rank(G->comm) * G->shard_elems, hi = lo + G->shard_elems;
         for (int j = G->first; j < G->first + G->n; j++) {
             const struct am_param *p = &m->params[j];

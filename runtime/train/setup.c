@@ -80,6 +80,17 @@ static void choose_dp(struct trainer *t)
     am_dp_choose(&t->dp, &c);
 }
 
+static int lcm(int a, int b)
+{
+    int x = a, y = b;
+    while (y) {
+        int r = x % y;
+        x = y;
+        y = r;
+    }
+    return a / x * b;
+}
+
 /* LoRA: the adapters as peft and AutoModel start them (B zero, A by peft.lora_A_init), from
  * rng.seed: every layout starts the same adapters. */
 static void init_adapters(struct trainer *t)
@@ -107,6 +118,10 @@ int am_train_build_model(struct trainer *t, struct am_errors *err)
     struct am_comm *pp = p->pp > 1 ? t->g.pp : NULL;
     choose_dp(t);
     sh.group_align = am_dp_group_align(&t->dp);
+    /* the experts sharded over the expert-data-parallel group (am_train_build_dp): with HSDP it
+     * spans the replicas, and its size need not divide the shard group's */
+    if (sh.group_align > 1 && p->ep > 1)
+        sh.expert_align = lcm(sh.group_align, am_comm_size(t->g.edp));
     /* context parallelism: each rank holds seq_length / cp rows of every sequence (ring.h) */
     if (am_model_init(&t->model, &r->model, &sh, &t->dev, t->g.tp, pp, p->microbatch_size, p->seq_length / p->cp, msg,
                       sizeof(msg)) < 0 ||

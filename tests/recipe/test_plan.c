@@ -83,6 +83,19 @@ static void test_groups(void **state)
     assert_group(&p, AM_GROUP_DP_SHARD, 5, (int[]){5, 7}, 2);
     assert_group(&p, AM_GROUP_DP_REPLICATE, 5, (int[]){1, 5}, 2);
     assert_group(&p, AM_GROUP_CP, 5, (int[]){5}, 1);
+    am_plan_free(&p);
+    am_recipe_free(r);
+    /* HSDP with cp 2 (and ep 2): the shard group is dp_shard x cp within a replica group (AutoModel's
+     * dp_shard_cp), the replicas vary dp_replicate alone; the experts' shard group (the ranks
+     * holding the same experts) spans the replica groups. Rank 5 = rep 1, shard 0, cp 1. */
+    const char *cp[] = {"distributed.cp_size=2", "distributed.dp_replicate_size=2", NULL};
+    r = plan_of(model8, cp, 8, &p);
+    assert_group(&p, AM_GROUP_DP_SHARD, 5, (int[]){4, 5, 6, 7}, 4);
+    assert_group(&p, AM_GROUP_DP_REPLICATE, 5, (int[]){1, 5}, 2);
+    assert_group(&p, AM_GROUP_DP_CP, 5, (int[]){0, 1, 2, 3, 4, 5, 6, 7}, 8);
+    am_plan_free(&p);
+    am_recipe_free(r);
+    r = plan_of(model8, sets, 16, &p);
     /* every rank is in exactly one group of each kind: group sizes add up */
     for (int g = 0; g < AM_NGROUPS; g++) {
         int seen[16] = {0}, members[16];
@@ -123,6 +136,22 @@ static void test_expert_groups(void **state)
     am_plan_coords(&p, 6, &c); /* d = 3 */
     assert_int_equal(c.ep, 1);
     assert_int_equal(c.ep_shard, 1);
+    am_plan_free(&p);
+    am_recipe_free(r);
+    /* HSDP (2 replicas of 2 shards) with ep 2, world 4: the ranks holding the same experts
+     * span the replica groups (AutoModel's ep_shard), and every rank writes a checkpoint
+     * shard (the other replica group its experts' pieces) */
+    const char *hsdp[] = {"distributed.ep_size=2", "distributed.dp_replicate_size=2", "checkpoint.enabled=true",
+                          "checkpoint.save_consolidated=false", NULL};
+    r = plan_of(moe, hsdp, 4, &p);
+    assert_int_equal(p.zero_stage, 3);
+    assert_group(&p, AM_GROUP_DP_SHARD, 2, (int[]){2, 3}, 2);
+    assert_group(&p, AM_GROUP_EP, 2, (int[]){2, 3}, 2);
+    assert_group(&p, AM_GROUP_EP_SHARD, 2, (int[]){0, 2}, 2);
+    struct am_world w = {.size = 4, .nodes = 1, .gpus_per_node = 4};
+    struct am_ckpt_cost cost;
+    am_plan_ckpt_cost(r, &w, &p, &cost);
+    assert_int_equal(cost.writers, 4);
     am_plan_free(&p);
     am_recipe_free(r);
 }

@@ -38,12 +38,16 @@
 #   all-to-all-v; the experts' groups sharded over the expert-data-parallel group, dp / ep
 #   ranks): ep 2, ep 4, ep 2 x dp 4 (also reshard false, and Qwen3-MoE), ep 4 x dp 8, tp 2 and
 #   pp 2 with ep 2 and ep 4, tp 2 x dp 4 x ep 2, pp 2 x dp 4 x ep 2 with ac, tp 2 x pp 2 x ep 2;
-#   with HSDP it is refused with the reason (tests/recipe/test-refusals.sh).
+#   with HSDP (dp_replicate 2) at ep 2 and ep 4 on 4 ranks and (dp_replicate 4, 8 ranks) at
+#   ep 2: the experts sharded over the ranks holding the same ones across the replica groups
+#   (AutoModel's ep_shard; 4 of them over shard groups of 2: their groups padded to both),
+#   not all-reduced over the replicas.
 #   Qwen3-MoE (q/k norms, renormalised top 2, layer 1 a dense MLP split over tp) at tp 2 x pp 2.
 #   context parallelism on sequences of 256 (each sequence in 2 x cp chunks, rank r holding
 #   chunks r and 2 cp - 1 - r: at cp 4 chunks of 32 tokens, every rank's queries against 4
 #   blocks of keys passed around the ring): cp 2 and cp 4 alone, with tp 2 (and sequence
-#   parallelism), pp 2, dp 2 (fsdp2 sharding over dp x cp), activation checkpointing,
+#   parallelism), pp 2, dp 2 (fsdp2 sharding over dp x cp), HSDP (dp_replicate 2: sharding over
+#   dp_shard x cp, 1 and 2, the shards all-reduced over the replicas), activation checkpointing,
 #   tp 2 x pp 2 and megatron_fsdp, against one rank on the same sequences; Mistral's sliding
 #   window (24, across chunks of 16) and Qwen3 at cp 2 on sequences of 64, and the tied
 #   embedding at cp 2 x pp 2; each rank's activation memory falls as 1/cp.
@@ -101,6 +105,7 @@ recipe() { # NAME MODS: base.yaml with comma-separated changes, its checkpoints 
         rbf16) args+=(-e 's/param_dtype: float32.*/param_dtype: bfloat16\n    reduce_dtype: bfloat16/') ;;
         ddp) args+=(-e 's/strategy: fsdp2/strategy: ddp/') ;;
         hsdp) args+=(-e 's/  dp_size: none.*/  dp_size: none\n  dp_replicate_size: 2/') ;;
+        hsdp4) args+=(-e 's/  dp_size: none.*/  dp_size: none\n  dp_replicate_size: 4/') ;;
         mz[123]) args+=(-e "s/strategy: fsdp2/strategy: megatron_fsdp\n  zero_dp_strategy: ${m#mz}/") ;;
         keep) args+=(-e 's/strategy: fsdp2/strategy: fsdp2\n  reshard_after_forward: false/') ;;
         lb2) args+=(-e 's/local_batch_size: .*/local_batch_size: 2/') ;;
@@ -237,10 +242,13 @@ layouts+=("ac 1 ac ref" "pp2-tied 2 tied ref-tied AM_PP=2" "pp4-tied-gpipe 4 tie
     "tp2-dp4-ep2-moe 8 moe ref-moe AM_TP=2 AM_EP=2" "pp2-dp4-ep2-moe-ac 8 moe,ac ref-moe AM_PP=2 AM_EP=2"
     "tp2-ep4-moe 8 moe ref-moe AM_TP=2 AM_EP=4" "pp2-ep4-moe 8 moe ref-moe AM_PP=2 AM_EP=4"
     "tp2-pp2-ep2-moe 8 moe ref-moe AM_TP=2 AM_PP=2 AM_EP=2" "ep2-dp4-qmoe 4 qmoe ref-qmoe AM_EP=2"
+    "ep2-hsdp-moe 4 moe,hsdp ref-moe AM_EP=2" "ep4-hsdp-moe 4 moe,hsdp ref-moe AM_EP=4"
+    "ep2-hsdp4-moe 8 moe,hsdp4,lb2 ref-moe AM_EP=2"
     "cp2 2 long ref-long AM_CP=2" "cp4 4 long ref-long AM_CP=4" "cp2-ac 2 long,ac ref-long AM_CP=2"
     "cp2-tp2 4 long ref-long AM_CP=2 AM_TP=2" "cp2-tp2-sp 4 long,sp ref-long AM_CP=2 AM_TP=2"
     "cp2-pp2 4 long ref-long AM_CP=2 AM_PP=2" "cp4-pp2-gpipe 8 long,gpipe ref-long AM_CP=4 AM_PP=2"
     "cp2-dp2 4 long ref-long AM_CP=2" "cp4-dp2-ac 8 long,ac ref-long AM_CP=4"
+    "cp2-hsdp 4 long,hsdp ref-long AM_CP=2" "cp2-hsdp-dp4 8 long,hsdp ref-long AM_CP=2"
     "cp2-tp2-pp2 8 long ref-long AM_CP=2 AM_TP=2 AM_PP=2" "cp2-mfsdp-z2-dp2 4 long,mz2 ref-long AM_CP=2"
     "cp2-mistral 2 mistral ref-mistral AM_CP=2" "cp2-qwen3-tp2 4 qwen3 ref-qwen3 AM_CP=2 AM_TP=2"
     "cp2-pp2-tied 4 tied ref-tied AM_CP=2 AM_PP=2"
@@ -334,7 +342,10 @@ if true; then # (with AM_PARITY_ONLY, the layouts that ran)
         "mfsdp-z3-dp4 4" "dp2-qwen2 2" "mfsdp-z2-tp2-dp2 4 --set distributed.tp_size=2" "tp2-pp1-dp2-1f1b-sp 4 --set distributed.tp_size=2 --set distributed.sequence_parallel=true" \
         "ep2-moe 2 --set distributed.ep_size=2" "ep4-moe 4 --set distributed.ep_size=4" \
         "ep2-dp4-moe 4 --set distributed.ep_size=2" "ep4-dp8-moe 8 --set distributed.ep_size=4" \
-        "tp2-dp4-ep2-moe 8 --set distributed.tp_size=2 --set distributed.ep_size=2"; do
+        "tp2-dp4-ep2-moe 8 --set distributed.tp_size=2 --set distributed.ep_size=2" \
+        "ep2-hsdp-moe 4 --set distributed.ep_size=2" "ep4-hsdp-moe 4 --set distributed.ep_size=4" \
+        "ep2-hsdp4-moe 8 --set distributed.ep_size=2" \
+        "cp2-hsdp 4 --set distributed.cp_size=2" "cp2-hsdp-dp4 8 --set distributed.cp_size=2"; do
         set -- $layout
         name=$1 n=$2
         shift 2

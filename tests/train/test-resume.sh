@@ -16,7 +16,8 @@
 #     Hugging Face export of checkpoint.save_consolidated) match the one-rank run within the
 #     parity tolerances (losses 1e-5, weights 5e-5: test-parity.sh); mixtures of experts too
 #     (ep 2 x dp 4 to 1 rank, to dp 2 and to tp 2; tp 2 x dp 2 to ep 2 x dp 2; 1 rank to
-#     megatron_fsdp ZeRO 3 at dp 4);
+#     megatron_fsdp ZeRO 3 at dp 4; ep 2 x HSDP at dp 4, its experts sharded across the
+#     replicas, to 1 rank and back);
 #   am-plan: its bytes of a checkpoint (the largest shard file, the most one node of 4 ranks
 #     writes) are those of the files the 8-rank job wrote, and with --logs it takes the save
 #     and step times the job's ranks recorded;
@@ -347,6 +348,9 @@ if launch ref1-moe ref1-moe 1 && steps_of ref1-moe >"$work/losses-ref1-moe" &&
     }
     source_run s-moe-tp2dp2 4 moe AM_TP=2 && reshard s-moe-tp2dp2 to-moe-ep2dp2 2 moe AM_EP=2
     source_run s-moe-1 1 moe && reshard s-moe-1 to-moe-mz3dp4 4 moe,mz3
+    # ep 2 with HSDP (2 replicas of 2): every replica writes its own shards of the experts
+    source_run s-moe-ep2hsdp 4 moe,hsdp AM_EP=2 && reshard s-moe-ep2hsdp to-moe-1-from-hsdp 1 moe
+    reshard s-moe-1 to-moe-ep2hsdp 4 moe,hsdp AM_EP=2
     reshard_ref=ref1
 else
     bad "ref1-moe did not train"; sed 's/^/    /' "$work/out-ref1-moe"
