@@ -11,8 +11,8 @@
  *   inject.c   AM_FAULT (fault.h) at its points of the step
  *   resume.c   the checkpoints: what is saved and restored (resume.h), when, with the Hugging
  *              Face export inside
- * Functions that can fail take the rank's error list (errors.h) and return 0 or -1, unless
- * they are called from a hook with its message buffer.
+ * Functions that can fail return 0, or -1 with the reason in the rank's error list
+ * (errors.h), or in err where they take a message buffer (a hook's, the device peak's).
  */
 #ifndef AM_TRAINER_H
 #define AM_TRAINER_H
