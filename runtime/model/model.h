@@ -52,7 +52,8 @@
  * optimizer walks one array. Parameter i is params[i] (value, gradient, Hugging Face name,
  * how it is split). The parameters form groups, consecutive in params[] and in the slabs:
  * the embedding, each decoder layer, the final norm with the head. A group is the unit of
- * gradient synchronisation (and, next, of sharding): the backward tells the trainer when a
+ * gradient synchronisation and of sharding (am_pgroup.shard: how its gradients are reduced,
+ * which the trainer's grad_sync.c dispatches on): the backward tells the trainer when a
  * group's gradients are final (grad_ready), so that their reduction over the data-parallel
  * ranks overlaps the backward of the layers before it.
  *
