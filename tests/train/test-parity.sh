@@ -50,7 +50,9 @@
 #   dp_shard x cp, 1 and 2, the shards all-reduced over the replicas), activation checkpointing,
 #   tp 2 x pp 2 and megatron_fsdp, against one rank on the same sequences; Mistral's sliding
 #   window (24, across chunks of 16) and Qwen3 at cp 2 on sequences of 64, and the tied
-#   embedding at cp 2 x pp 2; each rank's activation memory falls as 1/cp.
+#   embedding at cp 2 x pp 2; a mixture of experts (Mixtral's layers without the load-balancing
+#   loss: each token routed alone) at cp 2, cp 2 x ep 2 (the experts split over the cp ranks),
+#   cp 2 x dp 2 and cp 2 x tp 2; each rank's activation memory falls as 1/cp.
 #   packed sequences (packed_sequence_size 256: the corpus's paragraphs packed whole, thd and
 #   neat; each document attending to itself only, with its own rotary positions, across the
 #   ring's blocks too): cp 2 and cp 4, cp 2 x tp 2 (and with sequence parallelism and
@@ -256,7 +258,9 @@ layouts+=("ac 1 ac ref" "pp2-tied 2 tied ref-tied AM_PP=2" "pp4-tied-gpipe 4 tie
     "cp2-tp2-packed 4 packed ref-packed AM_CP=2 AM_TP=2" "cp2-dp2-packed 4 packed ref-packed AM_CP=2"
     "cp2-tp2-sp-packed-ac 4 packed,sp,ac ref-packed AM_CP=2 AM_TP=2" "cp2-pp2-packed 4 packed ref-packed AM_CP=2 AM_PP=2"
     "dp2-packed 2 packed ref-packed" "tp2-pp2-packed 4 packed ref-packed AM_TP=2 AM_PP=2"
-    "cp2-pneat 2 packed,neat ref-pneat AM_CP=2")
+    "cp2-pneat 2 packed,neat ref-pneat AM_CP=2"
+    "cp2-moe 2 moe ref-moe AM_CP=2" "cp2-ep2-moe 2 moe ref-moe AM_CP=2 AM_EP=2" "cp2-dp2-moe 4 moe ref-moe AM_CP=2"
+    "cp2-tp2-moe 4 moe ref-moe AM_CP=2 AM_TP=2")
 [ -n "${AM_PARITY_ONLY:-}" ] && IFS=';' read -ra layouts <<<"$AM_PARITY_ONLY" # some layouts, to debug them
 for layout in "${layouts[@]}"; do
     set -- $layout
