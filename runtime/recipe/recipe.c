@@ -591,14 +591,29 @@ static int read_peft_alpha(struct reader *rd, struct am_node *v, const char *key
     return 0;
 }
 
+/* dropout: torch.nn.functional.dropout's p on each adapter (lora.h), in [0, 1) */
 static int read_peft_dropout(struct reader *rd, struct am_node *v, const char *key)
 {
     double d = 0;
-    if (am_node_is_null(v) || am_node_double(v, key, &d, rd->err) < 0 || d == 0)
-        return 0;
-    am_errorf(rd->err, &v->pos, "%s: %s: dropout on the adapters' input is not supported by am (set "
-              "dropout: 0.0)", key, v->str);
-    return -1;
+    if (am_node_is_null(v) || am_node_double(v, key, &d, rd->err) < 0)
+        return am_node_is_null(v) ? 0 : -1;
+    if (!(d >= 0 && d < 1)) {
+        am_errorf(rd->err, &v->pos, "%s: %s: the adapters' dropout probability must be in [0, 1) (0.0: no "
+                  "dropout)", key, v->str);
+        return -1;
+    }
+    rd->r->peft.dropout = d;
+    return 0;
+}
+
+static int read_peft_dropout_position(struct reader *rd, struct am_node *v, const char *key)
+{
+    static const char *const names[] = {"post", "pre", NULL};
+    int i = 0;
+    if (!am_node_is_null(v) && am_node_choice(v, key, names, &i, rd->err) < 0)
+        return -1;
+    rd->r->peft.dropout_pre = i == 1;
+    return 0;
 }
 
 static int read_peft_dora(struct reader *rd, struct am_node *v, const char *key)
@@ -637,13 +652,13 @@ static const struct key_spec peft_keys[] = {
     {"dim", K_LONG, R(peft.dim), 1, NULL, "8"},
     {"alpha", K_FN, 0, 0, read_peft_alpha, "32"},
     {"dropout", K_FN, 0, 0, read_peft_dropout, NULL},
+    {"dropout_position", K_FN, 0, 0, read_peft_dropout_position, NULL},
     {"use_dora", K_FN, 0, 0, read_peft_dora, NULL},
     {"lora_A_init", K_FN, 0, 0, read_peft_init, NULL},
     {"lora_dtype", K_FN, 0, 0, read_peft_dtype, NULL},
-    /* dropout_position matters only with dropout; the others choose kernels (use_triton,
-     * use_memory_efficient_lora) or concern experts, which am does not adapt (moe_rank_scaling,
-     * expert_weight_format) */
-    IGNORE("dropout_position"), IGNORE("use_triton"), IGNORE("use_memory_efficient_lora"),
+    /* the others choose kernels (use_triton, use_memory_efficient_lora) or concern experts,
+     * which am does not adapt (moe_rank_scaling, expert_weight_format) */
+    IGNORE("use_triton"), IGNORE("use_memory_efficient_lora"),
     IGNORE("moe_rank_scaling"), IGNORE("expert_weight_format"),
     {NULL, 0, 0, 0, NULL, NULL}};
 
