@@ -224,7 +224,7 @@ static struct am_lora adapter_of(const struct am_model *m, const struct am_layer
     const struct am_lora_dropout *ld = &m->lora_drop;
     const struct am_param *in = L->lora_a[t], *out = L->lora_b[t];
     int64_t T = m->pk ? m->pk->seq_len : m->cp ? m->cp->seq_len : m->seq_len;
-    *dr = (struct am_dropout){.p = ld->p,
+    *dr = (struct am_dropout){.p = (float)ld->p,
                               .seed = ld->seed,
                               .stream = am_splitmix64(((uint64_t)m->where.layer << 8 | (uint64_t)t) ^ 0x4c6f5241ull),
                               .seq0 = ld->cur_seq0,

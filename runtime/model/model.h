@@ -253,7 +253,7 @@ struct am_model_hooks {
 
 /* LoRA's adapter dropout (am_model_set_lora_dropout, am_model_set_batch_seq) */
 struct am_lora_dropout {
-    float p;                 /* 0: none */
+    double p;                /* 0: none (the kernels draw with it as a float) */
     bool pre;                /* on the adapters' input ("pre"), else on their output ("post") */
     uint64_t seed;
     int64_t base, seq_step;  /* the first sequence (global index) of micro-batch 0 of the run, and the step between
@@ -331,7 +331,7 @@ struct am_model {
 
 /* LoRA's adapter dropout: probability p (0: none) on the adapters' input (pre) or output,
  * drawn from seed (lora.h). */
-static inline void am_model_set_lora_dropout(struct am_model *m, float p, bool pre, uint64_t seed)
+static inline void am_model_set_lora_dropout(struct am_model *m, double p, bool pre, uint64_t seed)
 {
     m->lora_drop.p = p;
     m->lora_drop.pre = pre;

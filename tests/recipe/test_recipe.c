@@ -897,8 +897,24 @@ static void test_defaults(void **state)
     assert_true(r->peft.enabled);
     assert_int_equal(r->peft.dim, 8);
     assert_float_equal(r->peft.alpha, 32, 0);
+    assert_float_equal(r->peft.dropout, 0, 0); /* AutoModel's defaults: no dropout, "post" */
+    assert_false(r->peft.dropout_pre);
+    am_recipe_free(r);
+    /* adapter dropout: its probability and position */
+    r = parse_with("r.yaml", arch,
+                   (const char *[]){"peft.target_modules=['*_proj']", "peft.dropout=0.1", "peft.dropout_position=pre",
+                                    NULL},
+                   &err);
+    assert_int_equal(err.n, 0);
+    assert_float_equal(r->peft.dropout, 0.1, 0);
+    assert_true(r->peft.dropout_pre);
     am_recipe_free(r);
     am_errors_free(&err);
+    expect(arch, (const char *[]){"peft.target_modules=['*_proj']", "peft.dropout_position=middle", NULL},
+           MSGS("--set peft.dropout_position=middle: peft.dropout_position: 'middle' is not one of: post, pre"));
+    expect(arch, (const char *[]){"peft.target_modules=['*_proj']", "peft.dropout=1.0", NULL},
+           MSGS("--set peft.dropout=1.0: peft.dropout: 1.0: the adapters' dropout probability must be in [0, 1) (0.0: "
+                "no dropout)"));
 }
 
 int main(void)
