@@ -8,7 +8,8 @@
 #     so every layout draws the same ones: "post" at tp 2, pp 2, dp 2 and cp 2, "pre" at tp 2
 #     with sequence parallelism, dp 2 and with activation checkpointing (the forward drawn
 #     again in backward) against one rank's run: losses within 1e-5, grad norms 1e-5 relative
-#     (test-parity.sh's fp32 tolerances).
+#     (test-parity.sh's fp32 tolerances); in bf16, "post" at tp 2 against one rank's bf16 run
+#     within twice its distance from fp32.
 # (test_lora checks the mask's rate and the adapter's formulas against references.)
 set -u
 : "${AM_SRCDIR:=$(cd "$(dirname "$0")/../.." && pwd)}"
@@ -45,6 +46,7 @@ recipe() { # NAME DROPOUT POSITION [MODS]: tiny_lora.yaml, every projection adap
     case ${4:-} in
     sp) args+=(-e 's/sequence_parallel: false/sequence_parallel: true/') ;;
     ac) args+=(-e 's/activation_checkpointing: false/activation_checkpointing: true/') ;;
+    bf16) args+=(-e 's/param_dtype: float32.*/param_dtype: bfloat16/') ;;
     esac
     sed "${args[@]}" "$AM_SRCDIR/sbatch-templates/recipes/tiny_lora.yaml" >"$work/$1.yaml"
 }
@@ -57,8 +59,8 @@ run() { # NAME NPROC DROPOUT POSITION MODS [VAR=VALUE...]: trained, its steps in
     fi
     steps_of "$work/logs-$name" >"$work/steps-$name"
 }
-compare() { # A B: within the tolerances (0), else 1; the comparison in cmp-B
-    paste "$work/steps-$1" "$work/steps-$2" | awk -v steps="$steps" -v lt="$loss_tol" -v nt="$norm_tol" '
+compare() { # A B [LOSS_TOL NORM_TOL]: within the tolerances (0), else 1; the comparison in cmp-B
+    paste "$work/steps-$1" "$work/steps-$2" | awk -v steps="$steps" -v lt="${3:-$loss_tol}" -v nt="${4:-$norm_tol}" '
         { d = $2 - $5; if (d < 0) d = -d; if (d > w) w = d; g = ($3 - $6) / $3; if (g < 0) g = -g; if (g > gw) gw = g; n++ }
         END { printf "%d steps, loss %.2g (tolerance %.2g), grad norm %.2g relative (%.2g)", n, w, lt, gw, nt
               exit !(n == steps && w <= lt && gw <= nt) }' >"$work/cmp-$2"
@@ -89,6 +91,22 @@ for layout in "post-tp2 2 post - AM_TP=2" "post-pp2 2 post - AM_PP=2" "post-dp2 
         bad "dropout $name: $(cat "$work/cmp-$name")"; paste "$work/steps-ref-$pos" "$work/steps-$name" | sed 's/^/    /'
     fi
 done
+
+# bf16: "post" at tp 2 against one rank's bf16 run, within twice one rank's bf16-vs-fp32
+# differences (loss; grad norm relative), as test-lora.sh tolerates bf16 layouts
+if run ref-post-bf16 1 0.1 post bf16 && run post-bf16-tp2 2 0.1 post bf16 AM_TP=2; then
+    tol=$(paste "$work/steps-ref-post" "$work/steps-ref-post-bf16" | awk '
+        { d = $2 - $5; if (d < 0) d = -d; if (d > l) l = d; g = ($3 - $6) / $3; if (g < 0) g = -g; if (g > n) n = g }
+        END { printf "%.3g %.3g", 2 * l, 2 * n }')
+    if ! awk -v t="${tol%% *}" 'BEGIN { exit !(t > 1e-5) }'; then
+        bad "one rank's bf16 run with dropout is not different from fp32 ($tol): is bf16 used?"
+    elif compare ref-post-bf16 post-bf16-tp2 ${tol%% *} ${tol##* }; then
+        ok "dropout post-bf16-tp2 matches one rank in bf16: $(cat "$work/cmp-post-bf16-tp2")"
+    else
+        bad "dropout post-bf16-tp2: $(cat "$work/cmp-post-bf16-tp2")"
+        paste "$work/steps-ref-post-bf16" "$work/steps-post-bf16-tp2" | sed 's/^/    /'
+    fi
+fi
 
 echo "$passes passed, $fails failed"
 [ "$fails" = 0 ]
