@@ -9,7 +9,9 @@
 #     with sequence parallelism, dp 2 and with activation checkpointing (the forward drawn
 #     again in backward) against one rank's run: losses within 1e-5, grad norms 1e-5 relative
 #     (test-parity.sh's fp32 tolerances); in bf16, "post" at tp 2 against one rank's bf16 run
-#     within twice its distance from fp32.
+#     within twice its distance from fp32;
+#   resume: stopped after step 2 and restored from its checkpoint, steps 3 and 4 are the
+#     uninterrupted run's to the last bit.
 # (test_lora checks the mask's rate and the adapter's formulas against references.)
 set -u
 : "${AM_SRCDIR:=$(cd "$(dirname "$0")/../.." && pwd)}"
@@ -39,15 +41,17 @@ train() { # NAME NPROC RECIPE [VAR=VALUE...]
 steps_of() { # LOGDIR: "step loss grad_norm" of rank 0
     grep -h '"type":"step"' "$1"/*/rank-0.jsonl | sed -E 's/.*"step":([0-9]+),"loss":([^,]*),.*"grad_norm":([^,]*),.*/\1 \2 \3/'
 }
-recipe() { # NAME DROPOUT POSITION [MODS]: tiny_lora.yaml, every projection adapted, no checkpoints
+recipe() { # NAME DROPOUT POSITION [MODS]: tiny_lora.yaml, every projection adapted, no checkpoints (but ckpt=NAME)
     local args=(-e "s|paths: .*|paths: $work/ds|" -e "s/max_steps: .*/max_steps: $steps/"
         -e "s/target_modules: .*/target_modules: ['*_proj']/"
-        -e "s/  dropout: .*/  dropout: $2\n  dropout_position: $3/" -e 's/  enabled: true/  enabled: false/')
+        -e "s/  dropout: .*/  dropout: $2\n  dropout_position: $3/")
     case ${4:-} in
     sp) args+=(-e 's/sequence_parallel: false/sequence_parallel: true/') ;;
     ac) args+=(-e 's/activation_checkpointing: false/activation_checkpointing: true/') ;;
     bf16) args+=(-e 's/param_dtype: float32.*/param_dtype: bfloat16/') ;;
+    ckpt=*) args+=(-e "s|checkpoint_dir: .*|checkpoint_dir: $work/ckpt-${4#ckpt=}|" -e 's/ckpt_every_steps: .*/ckpt_every_steps: 2/') ;;
     esac
+    [[ ${4:-} == ckpt=* ]] || args+=(-e 's/  enabled: true/  enabled: false/') # no checkpoints to restore from
     sed "${args[@]}" "$AM_SRCDIR/sbatch-templates/recipes/tiny_lora.yaml" >"$work/$1.yaml"
 }
 run() { # NAME NPROC DROPOUT POSITION MODS [VAR=VALUE...]: trained, its steps in steps-NAME
@@ -106,6 +110,19 @@ if run ref-post-bf16 1 0.1 post bf16 && run post-bf16-tp2 2 0.1 post bf16 AM_TP=
         bad "dropout post-bf16-tp2: $(cat "$work/cmp-post-bf16-tp2")"
         paste "$work/steps-ref-post-bf16" "$work/steps-post-bf16-tp2" | sed 's/^/    /'
     fi
+fi
+
+# resume: a run stopped after step 2 (its checkpoint) and restored gives the uninterrupted run's
+# losses of steps 3 and 4 to the last bit (the masks are functions of the step's sequences)
+run resume-full 1 0.1 post ckpt=full && run resume-cut 1 0.1 post ckpt=cut &&
+    sed -i 's/max_steps: .*/max_steps: 2/' "$work/resume-cut.yaml" && rm -rf "$work/ckpt-cut" &&
+    train resume-cut 1 "$work/resume-cut.yaml" && sed 's/max_steps: .*/max_steps: 4/' "$work/resume-cut.yaml" >"$work/resumed.yaml" &&
+    train resumed 1 "$work/resumed.yaml" && steps_of "$work/logs-resumed" >"$work/steps-resumed"
+if [ -f "$work/steps-resumed" ] && [ "$(tail -2 "$work/steps-resume-full")" = "$(cat "$work/steps-resumed")" ]; then
+    ok "dropout: restored after step 2, steps 3-4 are the uninterrupted run's to the last bit"
+else
+    bad "dropout resume: $(tail -2 "$work/steps-resume-full" | tr '\n' ' ') against $(cat "$work/steps-resumed" 2>/dev/null | tr '\n' ' ')"
+    sed 's/^/    /' "$work/out-resumed" 2>/dev/null | tail -5
 fi
 
 echo "$passes passed, $fails failed"
