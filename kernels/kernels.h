@@ -122,6 +122,17 @@ struct am_dev_mem {
     size_t total;    /* the device's memory (0: not known, the CPU) */
 };
 
+/* dropout's mask (am_kernels.dropout) */
+struct am_dropout {
+    float p;                   /* the probability of a zero, 0 < p < 1 */
+    uint64_t seed, stream;
+    int64_t seq0, seq_step;    /* the global index of the rows' first sequence, and the step to the next */
+    int64_t seq_len;           /* the whole sequence's tokens */
+    int64_t rows_per_seq;      /* the rows of each sequence in t (seq_len, or its share under cp) */
+    const int32_t *pos;        /* their positions in the sequence (device memory), or NULL: 0, 1, ... */
+    int64_t col0, cols;        /* t's first column in the whole tensor, and the whole tensor's columns */
+};
+
 struct am_kernels {
     const char *name;
     enum am_device device;
@@ -151,6 +162,14 @@ struct am_kernels {
     /* dst += src (f32 or bf16 each; rounded once into a bf16 dst) */
     void (*add)(const struct am_dev *d, struct am_tensor *dst, const struct am_tensor *src);
     void (*scale)(const struct am_dev *d, struct am_tensor *t, float s); /* t *= s */
+    /* dropout's mask (LoRA's adapter dropout, as torch.nn.functional.dropout): t [N, F] (f32
+     * or bf16) *= keep / (1 - p), keep of row n, column f = am_rng_keep(seed, stream,
+     * key(n) * cols + col0 + f, p) (rng.h), the product computed in fp32 and rounded once into a
+     * bf16 t. Row n = b * rows_per_seq + i is row i of sequence b: key(n) = (seq0 + b *
+     * seq_step) * seq_len + pos[i] (pos: rows_per_seq int32 positions in device memory, or
+     * NULL: i). A mask of (sequence, position, feature) of the whole tensor: each rank draws
+     * the elements it holds, the same in every layout. Applied twice, the same mask. */
+    void (*dropout)(const struct am_dev *d, struct am_tensor *t, const struct am_dropout *dr);
     /* dst = src converted to dst's dtype (same number of elements): f64 <-> f32, f32 <-> bf16
      * (round to nearest even), or a plain copy when the dtypes match */
     void (*convert)(const struct am_dev *d, struct am_tensor *dst, const struct am_tensor *src);

@@ -213,6 +213,7 @@ void am_cpu_copy(const struct am_dev *dev, struct am_tensor *dst, const struct a
 /* elementwise.c */
 void am_cpu_add(const struct am_dev *dev, struct am_tensor *dst, const struct am_tensor *src);
 void am_cpu_scale(const struct am_dev *dev, struct am_tensor *t, float s);
+void am_cpu_dropout(const struct am_dev *dev, struct am_tensor *t, const struct am_dropout *dr);
 void am_cpu_convert(const struct am_dev *dev, struct am_tensor *dst, const struct am_tensor *src);
 void am_cpu_sum_squares(const struct am_dev *dev, struct am_tensor *acc, const struct am_tensor *t, double div);
 void am_cpu_all_finite(const struct am_dev *dev, struct am_tensor *flag, const struct am_tensor *t);

@@ -1,4 +1,4 @@
-/* elementwise.c - dst += src, t *= s, dtype conversion, the sum of squares (for the
+/* elementwise.c - dst += src, t *= s, dropout's mask, dtype conversion, the sum of squares (for the
  * gradient norm) and the finiteness check (for NaN/Inf detection), parallel over the cores
  * for large tensors.
  *
@@ -9,6 +9,7 @@
 
 #include "cpu.h"
 #include "half.h"
+#include "rng.h"
 
 AM_HOT static void add_bf16_block(void *restrict dst, enum am_dtype dt, const void *restrict src, enum am_dtype st,
                                   int64_t n)
@@ -95,6 +96,31 @@ void am_cpu_scale(const struct am_dev *dev, struct am_tensor *t, float s)
 #pragma omp parallel for simd schedule(static) if (n >= AM_PAR_MIN)
     for (int64_t i = 0; i < n; i++)
         d[i] *= s;
+}
+
+/* Dropout's mask (kernels.h): each row's key from its sequence and position, each element
+ * kept or zeroed by its own counter, so the threads' split changes nothing. */
+void am_cpu_dropout(const struct am_dev *dev, struct am_tensor *t, const struct am_dropout *dr)
+{
+    (void)dev;
+    enum am_dtype dt = am_cpu_act(__func__, "t", t);
+    int64_t F = t->shape[1] ? t->shape[1] : 1, N = am_tensor_numel(t) / F;
+    float keep = 1.0f / (1.0f - dr->p);
+#pragma omp parallel for schedule(static) if (N * F >= AM_PAR_MIN)
+    for (int64_t n = 0; n < N; n++) {
+        int64_t b = n / dr->rows_per_seq, i = n % dr->rows_per_seq;
+        int64_t key = (dr->seq0 + b * dr->seq_step) * dr->seq_len + (dr->pos ? dr->pos[i] : i);
+        uint64_t base = (uint64_t)key * (uint64_t)dr->cols + (uint64_t)dr->col0;
+        for (int64_t f = 0; f < F; f++) {
+            float s = am_rng_keep(dr->seed, dr->stream, base + (uint64_t)f, dr->p) ? keep : 0.0f;
+            if (dt == AM_BF16) {
+                uint16_t *d = (uint16_t *)t->data + n * F + f;
+                *d = am_f32_to_bf16(am_bf16_to_f32(*d) * s);
+            } else {
+                ((float *)t->data)[n * F + f] *= s;
+            }
+        }
+    }
 }
 
 /* Σ x², each square exact in double and summed in double. The sum is cut into fixed

@@ -76,6 +76,7 @@ void am_cuda_copy(const struct am_dev *d, struct am_tensor *dst, const struct am
 /* ---- element-wise and reductions (elementwise.cu) ---- */
 void am_cuda_add(const struct am_dev *d, struct am_tensor *dst, const struct am_tensor *src);
 void am_cuda_scale(const struct am_dev *d, struct am_tensor *t, float s);
+void am_cuda_dropout(const struct am_dev *d, struct am_tensor *t, const struct am_dropout *dr);
 void am_cuda_convert(const struct am_dev *d, struct am_tensor *dst, const struct am_tensor *src);
 void am_cuda_sum_squares(const struct am_dev *d, struct am_tensor *acc, const struct am_tensor *t, double div);
 void am_cuda_all_finite(const struct am_dev *d, struct am_tensor *flag, const struct am_tensor *t);

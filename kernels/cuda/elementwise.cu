@@ -1,4 +1,4 @@
-/* elementwise.cu - dst += src, t *= s, dtype conversion, the sum of squares (gradient norm)
+/* elementwise.cu - dst += src, t *= s, dropout's mask, dtype conversion, the sum of squares (gradient norm)
  * and the finiteness check, as kernels/cpu/elementwise.c computes them.
  *
  * sum_squares is deterministic: SS_BLOCKS blocks (a constant, whatever the GPU) each sum a
@@ -7,6 +7,7 @@
  * total / div into the accumulator. all_finite writes 0 into the flag from any thread that
  * sees an Inf or a NaN (all write the same value) and never syncs with the host. */
 #include "common.cuh"
+#include "rng.h"
 
 template <typename D, typename S> __global__ void add_k(D *dst, const S *src, int64_t n)
 {
@@ -16,6 +17,18 @@ template <typename D, typename S> __global__ void add_k(D *dst, const S *src, in
 template <typename T> __global__ void scale_k(T *t, float s, int64_t n)
 {
     AM_GRID_STRIDE(i, n) am_st(t, i, am_ld(t, i) * s);
+}
+
+/* dropout's mask (kernels.h): one thread per element, its counter that of the CPU's */
+template <typename T> __global__ void dropout_k(T *t, struct am_dropout dr, float keep, int64_t F, int64_t n)
+{
+    AM_GRID_STRIDE(e, n)
+    {
+        int64_t r = e / F, f = e % F, b = r / dr.rows_per_seq, i = r % dr.rows_per_seq;
+        int64_t key = (dr.seq0 + b * dr.seq_step) * dr.seq_len + (dr.pos ? dr.pos[i] : i);
+        uint64_t idx = (uint64_t)key * (uint64_t)dr.cols + (uint64_t)dr.col0 + (uint64_t)f;
+        am_st(t, e, am_ld(t, e) * (am_rng_keep(dr.seed, dr.stream, idx, dr.p) ? keep : 0.0f));
+    }
 }
 
 template <typename D, typename S> __global__ void convert_k(D *dst, const S *src, int64_t n)
@@ -74,6 +87,23 @@ void am_cuda_scale(const struct am_dev *d, struct am_tensor *t, float sc)
         scale_k<<<am_blocks(n), AM_THREADS, 0, s>>>((float *)t->data, sc, n);
     else
         scale_k<<<am_blocks(n), AM_THREADS, 0, s>>>((am_bf16_t *)t->data, sc, n);
+    AM_LAUNCHED(k);
+}
+
+void am_cuda_dropout(const struct am_dev *d, struct am_tensor *t, const struct am_dropout *dr)
+{
+    const char *k = "am_cuda_dropout";
+    am_cuda_ctx(k, d);
+    enum am_dtype dt = am_cuda_act(k, "t", t);
+    int64_t n = am_tensor_numel(t), F = t->shape[1] ? t->shape[1] : 1;
+    if (!n)
+        return;
+    float keep = 1.0f / (1.0f - dr->p);
+    cudaStream_t s = am_cuda_stream(d);
+    if (dt == AM_F32)
+        dropout_k<<<am_blocks(n), AM_THREADS, 0, s>>>((float *)t->data, *dr, keep, F, n);
+    else
+        dropout_k<<<am_blocks(n), AM_THREADS, 0, s>>>((am_bf16_t *)t->data, *dr, keep, F, n);
     AM_LAUNCHED(k);
 }
 

@@ -7,7 +7,13 @@
 #include <math.h>
 #include <stdint.h>
 
-static inline uint64_t am_splitmix64(uint64_t x)
+#ifdef __CUDACC__
+#define AM_RNG_FN static inline __host__ __device__ /* the same numbers in the CUDA kernels */
+#else
+#define AM_RNG_FN static inline
+#endif
+
+AM_RNG_FN uint64_t am_splitmix64(uint64_t x)
 {
     x += 0x9e3779b97f4a7c15ull;
     x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
@@ -25,7 +31,7 @@ static inline uint64_t am_hash_str(const char *s)
 }
 
 /* Uniform in (0, 1]. */
-static inline double am_rng_uniform(uint64_t seed, uint64_t stream, uint64_t index)
+AM_RNG_FN double am_rng_uniform(uint64_t seed, uint64_t stream, uint64_t index)
 {
     uint64_t r = am_splitmix64(am_splitmix64(seed ^ stream) + index);
     return ((double)(r >> 11) + 1.0) * 0x1.0p-53;
@@ -36,6 +42,13 @@ static inline double am_rng_normal(uint64_t seed, uint64_t stream, uint64_t inde
 {
     double u1 = am_rng_uniform(seed, stream, 2 * index), u2 = am_rng_uniform(seed, stream, 2 * index + 1);
     return sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2);
+}
+
+/* Dropout's mask: element `index` of stream `stream` is kept (and scaled by 1 / (1 - p))
+ * when its uniform exceeds p, which it does with probability 1 - p. */
+AM_RNG_FN int am_rng_keep(uint64_t seed, uint64_t stream, uint64_t index, float p)
+{
+    return am_rng_uniform(seed, stream, index) > (double)p;
 }
 
 #endif

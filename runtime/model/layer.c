@@ -10,6 +10,7 @@
  */
 #include "model_impl.h"
 #include "lora.h"
+#include "rng.h"
 #include "moe.h"
 #include "packed.h"
 #include "ring.h"
@@ -210,11 +211,32 @@ static void rope(struct am_model *m, const struct am_layer *L, struct am_tensor 
     }
 }
 
-/* LoRA (lora.h): projection t's adapter of layer L. */
-static struct am_lora adapter_of(const struct am_model *m, const struct am_layer *L, int t)
+/* LoRA (lora.h): projection t's adapter of layer L, with its dropout's mask in *dr when the
+ * pass drops: over the whole tensor of the adapter's input (pre: A's columns) or output (post:
+ * B's rows), keyed by the layer (m->where.layer), the projection and each row's sequence and
+ * position (ring.h's zigzag under cp). */
+static struct am_lora adapter_of(const struct am_model *m, const struct am_layer *L, int t, struct am_dropout *dr)
 {
-    return (struct am_lora){&L->lora_a[t]->wc, &L->lora_b[t]->wc, &L->lora_a[t]->g, &L->lora_b[t]->g,
-                            m->sh.lora_alpha / (float)m->sh.lora_r};
+    struct am_lora l = {&L->lora_a[t]->wc, &L->lora_b[t]->wc, &L->lora_a[t]->g, &L->lora_b[t]->g,
+                        m->sh.lora_alpha / (float)m->sh.lora_r, NULL, false};
+    if (!m->lora_drop.on)
+        return l;
+    const struct am_lora_dropout *ld = &m->lora_drop;
+    const struct am_param *in = L->lora_a[t], *out = L->lora_b[t];
+    int64_t T = m->pk ? m->pk->seq_len : m->cp ? m->cp->seq_len : m->seq_len;
+    *dr = (struct am_dropout){.p = (float)ld->p,
+                              .seed = ld->seed,
+                              .stream = am_splitmix64(((uint64_t)m->where.layer << 8 | (uint64_t)t) ^ 0x4c6f5241ull),
+                              .seq0 = ld->cur_seq0,
+                              .seq_step = ld->seq_step,
+                              .seq_len = T,
+                              .rows_per_seq = m->seq_len,
+                              .pos = m->cp ? m->cp->pos + (int64_t)m->cp->rank * m->seq_len : NULL,
+                              .col0 = ld->pre ? in->col0 : out->row0,
+                              .cols = ld->pre ? in->full_cols : out->full_rows};
+    l.drop = dr;
+    l.drop_pre = ld->pre;
+    return l;
 }
 
 /* Projection t's adapter, when it has one. y: the base layer's output (before a row-parallel
@@ -225,10 +247,11 @@ static void lora_forward(struct am_model *m, const struct am_layer *L, struct am
     if (!L->lora_a[t])
         return;
     int64_t N = y->shape[0];
-    struct am_lora l = adapter_of(m, L, t);
+    struct am_dropout dr;
+    struct am_lora l = adapter_of(m, L, t, &dr);
     struct am_tensor tt = rows_of(&a->lora_t[t], N);
     struct am_tensor u = am_tensor_view(m->lora_u.data, m->K->device, m->act_dt, N, y->shape[1], 0, 0);
-    am_lora_forward(m->dev, m->K, &l, y, x, &tt, &u);
+    am_lora_forward(m->dev, m->K, &l, y, x, &tt, &u, &m->lora_du); /* du: M ⊙ x with dropout "pre" */
 }
 
 /* Its backward: dx += the adapter's input gradient; A's and B's gradients accumulate. */
@@ -238,11 +261,12 @@ static void lora_backward(struct am_model *m, const struct am_layer *L, const st
     if (!L->lora_a[t])
         return;
     int64_t N = dy->shape[0];
-    struct am_lora l = adapter_of(m, L, t);
+    struct am_dropout dr;
+    struct am_lora l = adapter_of(m, L, t, &dr);
     struct am_tensor tt = rows_of(&a->lora_t[t], N);
     struct am_tensor du = am_tensor_view(m->lora_du.data, m->K->device, m->act_dt, N, dy->shape[1], 0, 0);
     struct am_tensor dt = rows_of(&m->lora_dt, N);
-    am_lora_backward(m->dev, m->K, &l, dx, dy, x, &tt, &du, &dt);
+    am_lora_backward(m->dev, m->K, &l, dx, dy, x, &tt, &du, &dt, &m->lora_u);
 }
 
 /* ---- the layer ----------------------------------------------------------------------- */

@@ -22,6 +22,15 @@
  *     whole on every rank: dt is too, each rank's dA columns and dx columns are its own, and
  *     its dB = duᵀ · t_rank is a partial sum (partial_in_tp).
  *
+ * Dropout (AutoModel's `dropout`, `dropout_position`; training only): a mask M of 0 and
+ * 1 / (1 - p) (kernels.h's dropout: a function of the seed, the layer, the projection and each
+ * element's sequence, position and feature in the whole tensor, the same in every layout):
+ *   - "post" (AutoModel's default): on the adapter's output, y = x · Wᵀ + M ⊙ (s · t · Bᵀ);
+ *     backward from du = M ⊙ (s · dy). Beside a row-parallel base each tp rank masks its
+ *     partial sum with the same mask, so the sum is masked.
+ *   - "pre": on the adapter's input, t = (M ⊙ x) · Aᵀ; backward gA += dtᵀ · (M ⊙ x) and
+ *     dx += M ⊙ (dt · A), M ⊙ x drawn again (it is not kept).
+ *
  * In bf16 the rounding follows peft's module order: t and t · Bᵀ rounded as matmul outputs,
  * the scaling rounded, then added to y.
  */
@@ -38,18 +47,24 @@ struct am_lora {
     const struct am_tensor *a, *b;   /* the values computed with: A [r, in_rank], B [out_rank, r] */
     struct am_tensor *ga, *gb;       /* their gradients (fp32), accumulated */
     float scale;                     /* alpha / r */
+    const struct am_dropout *drop;   /* dropout's mask over x's columns (pre) or y's (post); NULL: none */
+    bool drop_pre;
 };
 
 /* y [N, out_rank] += s · ((x · Aᵀ) · Bᵀ). t [N, r] receives x · Aᵀ (kept for the backward);
- * u [N, out_rank] is scratch. x, y, t, u in the compute dtype. */
+ * u [N, out_rank] is scratch, and xd [N, in_rank] with dropout "pre" (M ⊙ x; else unused).
+ * x, y, t, u, xd in the compute dtype. */
 void am_lora_forward(const struct am_dev *d, const struct am_kernels *K, const struct am_lora *l,
-                     struct am_tensor *y, const struct am_tensor *x, struct am_tensor *t, struct am_tensor *u);
+                     struct am_tensor *y, const struct am_tensor *x, struct am_tensor *t, struct am_tensor *u,
+                     struct am_tensor *xd);
 
 /* The backward above: dx [N, in_rank] += dt · A; ga += dtᵀ · x; gb += duᵀ · t. du [N, out_rank]
- * and dt [N, r] are scratch (compute dtype). dx may be NULL (only the adapter's gradients). */
+ * and dt [N, r] are scratch (compute dtype), and with dropout "pre" du holds M ⊙ x after its
+ * use and dxa [N, in_rank] (scratch) holds dt · A before its mask (du and dxa: in_rank
+ * columns at least then). dx may be NULL (only the adapter's gradients). */
 void am_lora_backward(const struct am_dev *d, const struct am_kernels *K, const struct am_lora *l,
                       struct am_tensor *dx, const struct am_tensor *dy, const struct am_tensor *x,
-                      const struct am_tensor *t, struct am_tensor *du, struct am_tensor *dt);
+                      const struct am_tensor *t, struct am_tensor *du, struct am_tensor *dt, struct am_tensor *dxa);
 
 /* The shapes of A and B on tp rank `rank` of `tp` for a base layer of in x out (full sizes)
  * split as column-parallel (row_parallel false) or row-parallel: a_cols (A [r, a_cols]),

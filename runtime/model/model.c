@@ -304,6 +304,7 @@ int am_model_init(struct am_model *m, const struct am_model_config *cfg, const s
 {
     memset(m, 0, sizeof(*m));
     m->where = (struct am_model_where){AM_PHASE_SETUP, AM_WHERE_NONE};
+    m->lora_drop.seq_step = 1;
     m->cfg = *cfg;
     m->sh = *sh;
     m->dev = dev;
@@ -541,6 +542,9 @@ static int forward_chunk(struct am_model *m, int chunk, int slot, int64_t B, con
     int64_t N = B * m->seq_len, R = stream_rows(m, N);
     struct am_tensor x = rows_of(&m->x, R);
     S->batch = B;
+    S->seq0 = m->lora_drop.seq0;
+    m->lora_drop.cur_seq0 = S->seq0;
+    m->lora_drop.on = want_grad && m->lora_drop.p > 0; /* training only */
     m->where = (struct am_model_where){AM_PHASE_FORWARD, AM_WHERE_EMBEDDING};
     if (is_first(m, chunk)) {
         /* the embedding: each rank looks up the ids of its vocabulary shard; summed over tp */
@@ -596,6 +600,8 @@ int am_model_backward(struct am_model *m, int chunk, int slot, const void *dy, v
     int64_t B = S->batch, N = B * m->seq_len, R = stream_rows(m, N);
     struct am_tensor dx = rows_of(&m->dx, R);
     m->where = (struct am_model_where){AM_PHASE_BACKWARD, AM_WHERE_HEAD};
+    m->lora_drop.cur_seq0 = S->seq0;
+    m->lora_drop.on = m->lora_drop.p > 0;
     if (m->pk)
         am_packed_enter(m, m->slot_base[chunk] + slot, B);
     if (is_last(m, chunk)) {

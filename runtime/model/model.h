@@ -47,6 +47,11 @@
  * and head's weight-gradient kernels are skipped). am_model_load_hf leaves the adapters alone;
  * am_model_load_peft reads them from a peft adapter directory. With tp above the kv heads, k
  * and v adapters are refused. Mixture-of-experts layers get adapters on attention only.
+ * Adapter dropout (lora_drop, lora.h): set by am_model_set_lora_dropout, drawn in the forwards
+ * and backwards of training (am_model_forward, am_model_step; never am_model_loss) from the
+ * global index of each row's sequence (am_model_set_batch_seq and am_model_set_micro, before
+ * a micro-batch's forward; kept with its slot for the backward) and its position in the whole
+ * sequence.
  *
  * Parameters and their gradients live in two slabs (one allocation each) so that the
  * optimizer walks one array. Parameter i is params[i] (value, gradient, Hugging Face name,
@@ -157,6 +162,7 @@ struct am_slot {
     struct am_layer_acts *acts; /* by layer of the chunk */
     struct am_tensor tokens, targets, xf, hf, rstdf, ce_m, ce_s;
     int64_t batch;
+    int64_t seq0;   /* adapter dropout: the global index of its first sequence (am_model_set_batch_seq) */
     bool fused; /* the head's gradients were computed in forward (ce_fused) */
 };
 
@@ -252,6 +258,18 @@ struct am_model_hooks {
     void *arg;
 };
 
+/* LoRA's adapter dropout (am_model_set_lora_dropout, am_model_set_batch_seq) */
+struct am_lora_dropout {
+    double p;                /* 0: none (the kernels draw with it as a float) */
+    bool pre;                /* on the adapters' input ("pre"), else on their output ("post") */
+    uint64_t seed;
+    int64_t base, seq_step;  /* the first sequence (global index) of micro-batch 0 of the run, and the step between
+                                sequences (am_model_set_batch_seq) */
+    int64_t seq0;            /* the next forward's first sequence (am_model_set_micro) */
+    bool on;                 /* in the pass being run: a training pass with p > 0 */
+    int64_t cur_seq0;        /* the first sequence of the slot being run */
+};
+
 struct am_model {
     struct am_model_config cfg;
     struct am_model_where where;
@@ -315,7 +333,33 @@ struct am_model {
     struct am_tensor cos_local, sin_local;   /* Gemma 3: the sliding layers' rope tables */
     struct am_tensor scratch_post;           /* Gemma: [R, C], a post norm's output, and its input's gradient */
     struct am_tensor lora_u, lora_du, lora_dt; /* LoRA: [N, widest output], twice, and [N, r] */
+    struct am_lora_dropout lora_drop;          /* LoRA's adapter dropout (p 0: none) */
 };
+
+/* LoRA's adapter dropout: probability p (0: none) on the adapters' input (pre) or output,
+ * drawn from seed (lora.h). */
+static inline void am_model_set_lora_dropout(struct am_model *m, double p, bool pre, uint64_t seed)
+{
+    m->lora_drop.p = p;
+    m->lora_drop.pre = pre;
+    m->lora_drop.seed = seed;
+}
+
+/* The global index of the first sequence of micro-batch 0 of the next run of micro-batches,
+ * and the step from one sequence to the next (the trainer's: step * global_batch + k * dp +
+ * dp rank for its k-th sequence, dataset.h). Only adapter dropout reads it; default 0, 1. */
+static inline void am_model_set_batch_seq(struct am_model *m, int64_t seq0, int64_t seq_step)
+{
+    m->lora_drop.base = m->lora_drop.seq0 = seq0;
+    m->lora_drop.seq_step = seq_step;
+}
+
+/* The next forward is of micro-batch `micro` of that run, each of `batch` sequences (the
+ * pipeline's call; without it, micro-batch 0). */
+static inline void am_model_set_micro(struct am_model *m, int64_t micro, int64_t batch)
+{
+    m->lora_drop.seq0 = m->lora_drop.base + micro * batch * m->lora_drop.seq_step;
+}
 
 /* Installs the trainer's hooks (after am_model_init, which clears them). */
 static inline void am_model_set_hooks(struct am_model *m, const struct am_model_hooks *h) { m->hooks = *h; }

@@ -741,7 +741,7 @@ int am_model_save_peft_dist(const struct am_model *m, struct am_comm *tp, struct
         return -1;
     }
     struct am_peft_config cfg = {.r = m->sh.lora_r, .alpha = m->sh.lora_alpha, .targets = targets, .n_targets = n,
-                                 .base_model = base_model};
+                                 .base_model = base_model, .dropout = m->lora_drop.p};
     return save_dist(m, tp, pp, NULL, saves, dir, NULL, &cfg, err);
 }
 

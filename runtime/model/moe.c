@@ -453,13 +453,14 @@ int am_moe_backward(struct am_model *m, const struct am_layer *L, const struct a
     G3.data = X->w3->g.data;
     G2.data = X->w2->g.data;
     struct am_tensor W1 = weights_now(&X->W1, X->w1), W3 = weights_now(&X->W3, X->w3), W2 = weights_now(&X->W2, X->w2);
-    K->grouped_matmul_backward(m->dev, &da, &G2, &dyl, &act, &W2, cnt);
+    bool frozen = m->sh.lora_r > 0; /* LoRA: the router and the experts frozen with the base, no gradients */
+    K->grouped_matmul_backward(m->dev, &da, frozen ? NULL : &G2, &dyl, &act, &W2, cnt);
     K->zero(m->dev, &dg);
     K->zero(m->dev, &du);
     K->swiglu_backward(m->dev, &dg, &du, &da, &g, &u);
     K->zero(m->dev, &dxp);
-    K->grouped_matmul_backward(m->dev, &dxp, &G1, &dg, &xp, &W1, cnt);
-    K->grouped_matmul_backward(m->dev, &dxp, &G3, &du, &xp, &W3, cnt);
+    K->grouped_matmul_backward(m->dev, &dxp, frozen ? NULL : &G1, &dg, &xp, &W1, cnt);
+    K->grouped_matmul_backward(m->dev, &dxp, frozen ? NULL : &G3, &du, &xp, &W3, cnt);
     if (M->ep > 1) { /* the inputs' gradients back to the tokens' ranks */
         struct am_tensor t1 = rows(&M->t1, R), ts = rows(&M->ts, S);
         K->zero(m->dev, &t1);
@@ -472,7 +473,7 @@ int am_moe_backward(struct am_model *m, const struct am_layer *L, const struct a
     K->zero(m->dev, &dlogits);
     K->moe_route_backward(m->dev, &dlogits, &dwts, &probs, &idx, M->aux_on ? &Sl->cnt : NULL, Sl->aux_scale,
                           M->renorm);
-    K->matmul_backward(m->dev, dh, &X->router->g, &dlogits, in, &X->router->wc);
+    K->matmul_backward(m->dev, dh, frozen ? NULL : &X->router->g, &dlogits, in, &X->router->wc);
     return 0;
 }
 

@@ -591,14 +591,29 @@ static int read_peft_alpha(struct reader *rd, struct am_node *v, const char *key
     return 0;
 }
 
+/* dropout: torch.nn.functional.dropout's p on each adapter (lora.h), in [0, 1) */
 static int read_peft_dropout(struct reader *rd, struct am_node *v, const char *key)
 {
     double d = 0;
-    if (am_node_is_null(v) || am_node_double(v, key, &d, rd->err) < 0 || d == 0)
-        return 0;
-    am_errorf(rd->err, &v->pos, "%s: %s: dropout on the adapters' input is not supported by am (set "
-              "dropout: 0.0)", key, v->str);
-    return -1;
+    if (am_node_is_null(v) || am_node_double(v, key, &d, rd->err) < 0)
+        return am_node_is_null(v) ? 0 : -1;
+    if (!(d >= 0 && d < 1)) {
+        am_errorf(rd->err, &v->pos, "%s: %s: the adapters' dropout probability must be in [0, 1) (0.0: no "
+                  "dropout)", key, v->str);
+        return -1;
+    }
+    rd->r->peft.dropout = d;
+    return 0;
+}
+
+static int read_peft_dropout_position(struct reader *rd, struct am_node *v, const char *key)
+{
+    static const char *const names[] = {"post", "pre", NULL};
+    int i = 0;
+    if (!am_node_is_null(v) && am_node_choice(v, key, names, &i, rd->err) < 0)
+        return -1;
+    rd->r->peft.dropout_pre = i == 1;
+    return 0;
 }
 
 static int read_peft_dora(struct reader *rd, struct am_node *v, const char *key)
@@ -637,13 +652,13 @@ static const struct key_spec peft_keys[] = {
     {"dim", K_LONG, R(peft.dim), 1, NULL, "8"},
     {"alpha", K_FN, 0, 0, read_peft_alpha, "32"},
     {"dropout", K_FN, 0, 0, read_peft_dropout, NULL},
+    {"dropout_position", K_FN, 0, 0, read_peft_dropout_position, NULL},
     {"use_dora", K_FN, 0, 0, read_peft_dora, NULL},
     {"lora_A_init", K_FN, 0, 0, read_peft_init, NULL},
     {"lora_dtype", K_FN, 0, 0, read_peft_dtype, NULL},
-    /* dropout_position matters only with dropout; the others choose kernels (use_triton,
-     * use_memory_efficient_lora) or concern experts, which am does not adapt (moe_rank_scaling,
-     * expert_weight_format) */
-    IGNORE("dropout_position"), IGNORE("use_triton"), IGNORE("use_memory_efficient_lora"),
+    /* the others choose kernels (use_triton, use_memory_efficient_lora) or concern experts,
+     * which am does not adapt (moe_rank_scaling, expert_weight_format) */
+    IGNORE("use_triton"), IGNORE("use_memory_efficient_lora"),
     IGNORE("moe_rank_scaling"), IGNORE("expert_weight_format"),
     {NULL, 0, 0, 0, NULL, NULL}};
 
@@ -697,6 +712,41 @@ static bool lora_selects(struct reader *rd, const char *path)
 }
 
 /* Which linear layers AutoModel's ModuleMatcher picks, checked against what am adapts. */
+/* A mixture-of-experts model: am adapts its attention projections (AutoModel's adapters on
+ * q, k, v, o in every layer); the experts (AutoModel's GroupedExperts, which a pattern matching
+ * model.layers.N.mlp.experts adapts, as '*' does) and the MLP projections of its dense layers
+ * are refused. -1 with the message. */
+static int moe_targets(struct reader *rd, struct am_pos at)
+{
+    const struct am_model_config *m = &rd->r->model;
+    bool mixtral = m->model_type && strcmp(m->model_type, "mixtral") == 0;
+    const char *blk = mixtral ? "block_sparse_moe" : "mlp";
+    static const char fix[] = "on a mixture-of-experts model am adapts the attention projections (target_modules: "
+                              "['*.q_proj', '*.k_proj', '*.v_proj', '*.o_proj'])";
+    char path[128];
+    for (long l = 0; l < m->num_hidden_layers; l++) {
+        if (am_model_layer_is_moe(m, l)) {
+            snprintf(path, sizeof(path), "model.layers.%ld.%s.experts", l, blk);
+            if (rd->peft_targets && lora_any(rd->peft_targets, path)) {
+                am_errorf(rd->err, &rd->peft_targets->pos, "peft: the patterns select the experts (%s): LoRA on "
+                          "each expert's projections is not supported by am yet; %s", path, fix);
+                return -1;
+            }
+            continue;
+        }
+        for (int k = AM_LORA_GATE; k <= AM_LORA_DOWN; k++) {
+            lora_path(path, sizeof(path), l, k);
+            if (lora_selects(rd, path)) {
+                am_errorf(rd->err, rd->peft_targets ? &rd->peft_targets->pos : rd->peft_excludes ? &rd->peft_excludes->pos : &at,
+                          "peft: the patterns select %s of dense layer %ld: adapters on the MLP of a "
+                          "mixture-of-experts model's dense layers are not supported by am yet; %s", path, l, fix);
+                return -1;
+            }
+        }
+    }
+    return 0;
+}
+
 static void resolve_peft(struct reader *rd, struct am_pos at)
 {
     size_t before = rd->err->n;
@@ -716,14 +766,13 @@ static void resolve_peft(struct reader *rd, struct am_pos at)
     static struct am_node proj = {.kind = AM_NODE_SCALAR, .str = "*_proj", .plain = true};
     rd->peft_targets = has_t ? t : has_x || rd->peft_match_all ? NULL : &proj; /* AutoModel's default */
     rd->peft_excludes = has_x ? x : NULL;
-    if (m->num_experts > 0) {
-        am_errorf(rd->err, &at, "peft: LoRA on a mixture-of-experts model (%s) is not supported by am yet "
-                  "(remove the section for a full fine-tune)", m->model_type ? m->model_type : "experts");
-        return;
-    }
     long L = m->num_hidden_layers;
     char path[128];
+    if (m->num_experts > 0 && moe_targets(rd, at) < 0)
+        return;
     for (int k = 0; k < AM_LORA_NTARGETS && L > 0; k++) {
+        if (m->num_experts > 0 && k >= AM_LORA_GATE && k <= AM_LORA_DOWN)
+            continue; /* a mixture of experts: no MLP projection in its expert layers (moe_targets) */
         long n = 0;
         for (long l = 0; l < (k == AM_LORA_HEAD ? 1 : L); l++) {
             lora_path(path, sizeof(path), l, k);

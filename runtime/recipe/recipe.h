@@ -128,6 +128,8 @@ struct am_recipe {
         long dim;         /* r */
         double alpha;
         enum am_lora_init a_init;
+        double dropout;   /* AutoModel's dropout: each adapter's in training (lora.h); 0: none */
+        bool dropout_pre; /* dropout_position "pre": on the adapter's input; else "post": on its output */
     } peft;
 
     struct {

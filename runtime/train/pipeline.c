@@ -135,6 +135,7 @@ static int run_forward(struct am_pipe *P, struct am_model *m, const struct am_pi
     }
     const int32_t *tok = tokens + a->micro * N, *tgt = targets + a->micro * N;
     const int32_t *st = starts ? starts + a->micro * N : NULL; /* packed sequences: the documents */
+    am_model_set_micro(m, a->micro, batch); /* adapter dropout's sequences (model.h) */
     if (am_model_forward(m, a->chunk, a->micro % P->slots[a->chunk], batch, tok, tgt, st, x_in, x_out, dloss_scale,
                          err, err_len) < 0)
         return -1;

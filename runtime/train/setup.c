@@ -131,6 +131,8 @@ int am_train_build_model(struct trainer *t, struct am_errors *err)
                      sizeof(msg)) < 0)
         return am_errors_fail(err, "%s", msg);
     t->model.ep_comm = p->ep > 1 ? t->g.ep : NULL;
+    if (r->peft.enabled) /* adapter dropout from rng.seed: the same masks in every layout (lora.h) */
+        am_model_set_lora_dropout(&t->model, r->peft.dropout, r->peft.dropout_pre, (uint64_t)r->seed);
     t->base_config[0] = '\0';
     if (strcmp(r->model_source, "inline") != 0) {
         snprintf(t->base_config, sizeof(t->base_config), "%s", r->model_source);

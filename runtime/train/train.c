@@ -101,6 +101,10 @@ static int forward_backward(struct trainer *t, long step, float dloss_scale, str
     for (int64_t a = 0; a < p->grad_accum; a++) {
         if (am_train_read_microbatches(t, step - 1, a, err) < 0)
             return -1;
+        /* adapter dropout: the global index of the first sequence read (batch.c), the next dp apart */
+        int64_t b = p->microbatch_size * p->n_microbatches;
+        am_model_set_batch_seq(&t->model, am_gpt_global_index(step - 1, p->global_batch, t->dp_rank, p->dp, a * b),
+                               p->dp);
         if (am_pipe_run(&t->pipe, &t->model, t->tokens, t->targets, t->starts, p->microbatch_size, dloss_scale,
                         a == p->grad_accum - 1, msg, sizeof(msg)) < 0)
             return am_errors_fail(err, "step %ld: %s", step, msg);

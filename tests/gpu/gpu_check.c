@@ -215,6 +215,21 @@ static void case_elementwise(enum am_dtype dt)
     KC->scale(&cpu, &c.c, 0.37f);
     KG->scale(&gpu, &c.g, 0.37f);
     check("scale", &c, bf);
+    /* dropout's mask: the same counters, the same product: bit for bit (rows of 40 sequences
+     * of 25 rows at shuffled positions of 50, columns 37 from 11 of 100) */
+    struct pair pos = pair_new(AM_I32, 25, 0, 0, 0);
+    for (int i = 0; i < 25; i++)
+        ((int32_t *)pos.c.data)[i] = (i * 7) % 50;
+    pair_upload(&pos);
+    struct am_dropout dr = {.p = 0.3f, .seed = 5, .stream = 17, .seq0 = 3, .seq_step = 2, .seq_len = 50,
+                            .rows_per_seq = 25, .col0 = 11, .cols = 100};
+    struct am_dropout drg = dr;
+    dr.pos = pos.c.data;
+    drg.pos = pos.g.data;
+    KC->dropout(&cpu, &c.c, &dr);
+    KG->dropout(&gpu, &c.g, &drg);
+    record("dropout", dname(dt), rel_err(&c), 0);
+    pair_free(&pos);
     /* sum of squares into an f64 scalar, starting from a value */
     struct pair acc = pair_new(AM_F64, 1, 0, 0, 0);
     ((double *)acc.c.data)[0] = 2.5;

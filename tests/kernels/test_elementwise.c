@@ -212,6 +212,21 @@ static void test_bf16_elementwise(void **state)
         K->scale(&kdev, &ta, 0.37f);
         for (int64_t i = 0; i < n; i++)
             assert_int_equal(a.h[i], am_f32_to_bf16(a0.f[i] * 0.37f));
+        /* dropout's mask on bf16: the fp32 mask's factor (from a tensor of ones), one rounding */
+        float *ones = malloc((size_t)n * sizeof(float));
+        assert_non_null(ones);
+        for (int64_t i = 0; i < n; i++)
+            ones[i] = 1.0f;
+        struct am_dropout dr = {.p = 0.2f, .seed = 9, .stream = 2, .seq_step = 1, .seq_len = n, .rows_per_seq = n,
+                                .cols = 1};
+        struct am_tensor tones = am_tensor_view(ones, AM_DEV_CPU, AM_F32, n, 1, 0, 0), tac = ta;
+        tac.shape[1] = 1;
+        memcpy(a.h, a0.h, (size_t)n * 2);
+        K->dropout(&kdev, &tones, &dr);
+        K->dropout(&kdev, &tac, &dr);
+        for (int64_t i = 0; i < n; i++)
+            assert_int_equal(a.h[i], am_f32_to_bf16(a0.f[i] * ones[i]));
+        free(ones);
         K->copy(&kdev, &ta, &tb);
         assert_memory_equal(a.h, b.h, (size_t)n * 2);
         K->zero(&kdev, &ta);

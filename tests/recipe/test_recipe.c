@@ -897,8 +897,46 @@ static void test_defaults(void **state)
     assert_true(r->peft.enabled);
     assert_int_equal(r->peft.dim, 8);
     assert_float_equal(r->peft.alpha, 32, 0);
+    assert_float_equal(r->peft.dropout, 0, 0); /* AutoModel's defaults: no dropout, "post" */
+    assert_false(r->peft.dropout_pre);
+    am_recipe_free(r);
+    /* adapter dropout: its probability and position */
+    r = parse_with("r.yaml", arch,
+                   (const char *[]){"peft.target_modules=['*_proj']", "peft.dropout=0.1", "peft.dropout_position=pre",
+                                    NULL},
+                   &err);
+    assert_int_equal(err.n, 0);
+    assert_float_equal(r->peft.dropout, 0.1, 0);
+    assert_true(r->peft.dropout_pre);
     am_recipe_free(r);
     am_errors_free(&err);
+    expect(arch, (const char *[]){"peft.target_modules=['*_proj']", "peft.dropout_position=middle", NULL},
+           MSGS("--set peft.dropout_position=middle: peft.dropout_position: 'middle' is not one of: post, pre"));
+    expect(arch, (const char *[]){"peft.target_modules=['*_proj']", "peft.dropout=1.0", NULL},
+           MSGS("--set peft.dropout=1.0: peft.dropout: 1.0: the adapters' dropout probability must be in [0, 1) (0.0: "
+                "no dropout)"));
+
+    /* a mixture of experts: the attention adapted ('*_proj' matches no module of the expert
+     * layers' MLP); the experts ('*') and a dense layer's MLP refused */
+#define MOE "model:\n  model_type: qwen3_moe\n  hidden_size: 64\n  num_hidden_layers: 2\n  num_attention_heads: 4\n" \
+            "  vocab_size: 64\n  intermediate_size: 128\n  moe_intermediate_size: 32\n  num_experts: 4\n" \
+            "  num_experts_per_tok: 2\n"
+    r = parse_with("r.yaml", MOE, (const char *[]){"peft.target_modules=['*_proj']", NULL}, &err);
+    assert_int_equal(err.n, 0);
+    assert_int_equal(r->peft.targets, 1u << AM_LORA_Q | 1u << AM_LORA_K | 1u << AM_LORA_V | 1u << AM_LORA_O);
+    am_recipe_free(r);
+    am_errors_free(&err);
+    static const char moe_fix[] = "on a mixture-of-experts model am adapts the attention projections (target_modules: "
+                                  "['*.q_proj', '*.k_proj', '*.v_proj', '*.o_proj'])";
+    char want[512];
+    snprintf(want, sizeof(want), "--set peft.target_modules=['*']: peft: the patterns select the experts "
+             "(model.layers.0.mlp.experts): LoRA on each expert's projections is not supported by am yet; %s", moe_fix);
+    expect(MOE, (const char *[]){"peft.target_modules=['*']", NULL}, MSGS(want));
+    snprintf(want, sizeof(want), "--set peft.target_modules=['*_proj']: peft: the patterns select "
+             "model.layers.1.mlp.gate_proj of dense layer 1: adapters on the MLP of a mixture-of-experts model's dense "
+             "layers are not supported by am yet; %s", moe_fix);
+    expect(MOE "  mlp_only_layers: [1]\n", (const char *[]){"peft.target_modules=['*_proj']", NULL}, MSGS(want));
+#undef MOE
 }
 
 int main(void)
