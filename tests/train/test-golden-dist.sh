@@ -53,6 +53,7 @@ step_scheduler:
   max_steps: 5
 dataset:
   seq_length: $(seq_of "$1")             # the golden rows; golden_dist ignores the last position's target
+  paths: golden-rows        # a prefix am-train would read; golden_dist feeds the golden rows instead
 optimizer:
   _target_: torch.optim.AdamW
   lr: $4

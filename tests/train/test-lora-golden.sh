@@ -39,6 +39,7 @@ step_scheduler:
   max_steps: 5
 dataset:
   seq_length: 16             # the golden rows; golden_dist ignores the last position's target
+  paths: golden-rows        # a prefix am-train would read; golden_dist feeds the golden rows instead
 optimizer:
   _target_: torch.optim.AdamW
   lr: $3
