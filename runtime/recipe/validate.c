@@ -308,15 +308,6 @@ static bool lora_on(const struct am_recipe *r, enum am_lora_target t)
     return r->peft.enabled && (r->peft.targets & (1u << t));
 }
 
-static void cp_dtype(struct check *c)
-{
-    const struct am_recipe *r = c->r;
-    if (r->dist.cp > 1 && r->compute_dtype != AM_F32)
-        FAIL(c, "distributed.cp_size", "%d: ring attention computes in fp32 so far, and the compute dtype is %s "
-             "(set distributed.mp_policy.param_dtype: float32 with context parallelism, or cp_size: 1)",
-             r->dist.cp, am_dtype_torch_name(r->compute_dtype));
-}
-
 static void cp_moe(struct check *c)
 {
     const struct am_recipe *r = c->r;
@@ -350,15 +341,6 @@ static void ep_hsdp(struct check *c)
         FAIL(c, "distributed.dp_replicate_size", "%d with ep_size %d: the experts are sharded over the ranks "
              "holding the same experts, which would span the replica groups; not run yet (use dp_replicate_size 1 "
              "with expert parallelism)", r->dist.dp_replicate, r->dist.ep);
-}
-
-static void packed_dtype(struct check *c)
-{
-    const struct am_recipe *r = c->r;
-    if (r->packed_sequence_size > 0 && r->compute_dtype != AM_F32)
-        FAIL(c, "packed_sequence.packed_sequence_size", "%ld: the attention of documents computes in fp32 so far, "
-             "and the compute dtype is %s (set distributed.mp_policy.param_dtype: float32 with packed sequences, or "
-             "packed_sequence_size: 0)", r->packed_sequence_size, am_dtype_torch_name(r->compute_dtype));
 }
 
 static void packed_gemma(struct check *c)
@@ -433,8 +415,8 @@ static const struct {
     const char *name; /* the row of tests/recipe/refusals.tsv */
     void (*check)(struct check *c);
 } run_rules[] = {
-    {"cp-dtype", cp_dtype},     {"cp-moe", cp_moe},           {"cp-gemma", cp_gemma},   {"cp-hsdp", cp_hsdp},
-    {"ep-hsdp", ep_hsdp},       {"packed-dtype", packed_dtype}, {"packed-gemma", packed_gemma},
+    {"cp-moe", cp_moe},         {"cp-gemma", cp_gemma},       {"cp-hsdp", cp_hsdp},     {"ep-hsdp", ep_hsdp},
+    {"packed-gemma", packed_gemma},
     {"fp16", fp16},             {"moe-sp", moe_sp},           {"moe-aux-pp", moe_aux_pp}, {"lora-head", lora_head},
     {"lora-kv-tp", lora_kv_tp}, {"dataset", dataset},
 };
