@@ -192,7 +192,7 @@ int am_cp_attention_forward(struct am_model *m, struct am_tensor *out, struct am
         }
     }
     if (c->acc) /* bf16: rounded once, after the last block */
-        m->K->copy(m->dev, out, &run);
+        m->K->convert(m->dev, out, &run);
     return 0;
 }
 

@@ -598,7 +598,7 @@ static void case_attention_block(enum am_dtype dt, enum am_dtype gdt, int64_t W,
     pair_upload(&out);
     pair_upload(&lse);
     struct pair o16 = pair_new(dt, B, T, H, D); /* the backward's out: the forward's, in q's dtype */
-    KC->copy(&cpu, &o16.c, &out.c);
+    KC->convert(&cpu, &o16.c, &out.c);
     pair_upload(&o16);
     if (bf) { /* one block into a bf16 out (no merge: rounded once); then the merged lse again */
         struct pair ob = pair_new(AM_BF16, B, T, H, D), lb = pair_new(AM_F32, B, H, T, 0);
