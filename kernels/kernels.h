@@ -249,8 +249,16 @@ struct am_kernels {
      * attention_forward's out and lse.
      * attention_block_backward, given the rows' final out and lse (over all blocks), adds the
      * block's terms to dq, dk and dv (attention_backward's formulas, p_j = exp(s_j - lse_t) over
-     * the keys of this block the row sees). fp32 tensors; sums in a fixed order (run to run the
-     * same bits on the CPU). */
+     * the keys of this block the row sees). Sums in a fixed order (run to run the same bits on
+     * the CPU).
+     * dtypes: q, k, v (and backward's dout and out) f32 or bf16, one dtype; lse f32. The
+     * forward's out is f32 (any accumulate: a running merge across blocks is kept in fp32 by
+     * its owner, ring.c, and rounded once at the end), or q's dtype with accumulate 0 (the
+     * block's result rounded once). The backward's dq, dk, dv (one dtype) are f32 (sums across
+     * blocks in fp32, rounded once by their owner) or q's dtype: each element gets the block's
+     * terms added in fp32 and is rounded once per call. Scores, softmax statistics and sums are
+     * fp32 whatever the dtypes (FlashAttention's semantics; the CPU widens bf16 operands into
+     * scratch and runs the fp32 kernel). */
     void (*attention_block_forward)(const struct am_dev *d, struct am_tensor *out, struct am_tensor *lse,
                                     const struct am_tensor *q, const struct am_tensor *k, const struct am_tensor *v,
                                     const struct am_tensor *qpos, const struct am_tensor *kpos,

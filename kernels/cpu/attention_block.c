@@ -23,6 +23,15 @@
  * every query head of its group, so dk and dv have one writer and every sum a fixed order (no
  * atomics; the same bits on any number of threads). A thread holds RT rows of scores (two in
  * backward), never Tq x Tk.
+ *
+ * bf16 (q, k, v, and in backward dout and out, bf16; lse f32): a wrapper around the fp32
+ * kernels, as attention.c's: for each chunk of sequences (every head), q, k, v (dout, out) are
+ * widened into scratch and the fp32 kernel runs on them. The forward's out is f32 (the running
+ * merge of a ring, kept in fp32 across blocks and rounded once by its owner) or, without
+ * accumulate, bf16: computed into fp32 scratch and rounded once. The backward's dq, dk, dv are
+ * f32 (sums over the ring's blocks kept in fp32 by their owner) or bf16: widened, the block's
+ * terms added in fp32, rounded once per call. FlashAttention's semantics: scores, softmax
+ * statistics and sums in fp32, one rounding of each output.
  */
 #include <math.h>
 #include <omp.h>
@@ -100,11 +109,123 @@ static float softmax_row(float *restrict S, int64_t n, int32_t qp, const int32_t
     return m;
 }
 
+/* ---- bf16: the fp32 kernels on widened chunks of sequences ---- */
+
+/* Sequences per chunk: `per` floats of scratch each, within a few chunks' worth. */
+static int64_t seqs_per_chunk(const struct am_dev *dev, int64_t per, int64_t B)
+{
+    int64_t bc = 4 * am_cpu_chunk(dev) / (per > 0 ? per : 1);
+    return bc < 1 ? 1 : bc > B ? B : bc;
+}
+
+/* Sequences b0 .. b0 + nb - 1 of t ([B, T, heads, D]) as fp32 [nb, T, heads, D]: t's own memory
+ * when t is f32, else widened into buf. */
+static struct am_tensor chunk_of(const struct am_tensor *t, int64_t b0, int64_t nb, float *buf)
+{
+    int64_t per = t->shape[1] * t->shape[2] * t->shape[3];
+    return am_f32_view(am_cpu_load(t, b0 * per, nb * per, buf), nb, t->shape[1], t->shape[2], t->shape[3]);
+}
+
+/* Writes back what chunk_of gave (a no-op for an f32 t): rounded once into t. */
+static void chunk_store(struct am_tensor *t, int64_t b0, const struct am_tensor *f)
+{
+    int64_t per = t->shape[1] * t->shape[2] * t->shape[3];
+    am_cpu_store(t, b0 * per, f->shape[0] * per, f->data);
+}
+
+/* The document starts of sequences b0 .. b0 + nb - 1, or NULL. */
+static struct am_tensor starts_of(const struct am_tensor *qstart, int64_t b0, int64_t nb, int64_t Tq)
+{
+    return am_tensor_view((int32_t *)qstart->data + b0 * Tq, qstart->device, AM_I32, nb * Tq, 0, 0, 0);
+}
+
+static void block_forward_bf16(const struct am_dev *dev, struct am_tensor *out, struct am_tensor *lse,
+                               const struct am_tensor *q, const struct am_tensor *k, const struct am_tensor *v,
+                               const struct am_tensor *qpos, const struct am_tensor *kpos,
+                               const struct am_tensor *qstart, int64_t window, int accumulate)
+{
+    const char *kernel = "am_cpu_attention_block_forward";
+    am_cpu_act(kernel, "q", q);
+    am_cpu_same(kernel, "k", k, "q", q);
+    am_cpu_same(kernel, "v", v, "q", q);
+    am_cpu_act(kernel, "out", out);
+    am_cpu_stat(kernel, "lse", lse);
+    struct blk_shape s = check_block(kernel, out, lse, q, k, v, qpos, kpos, qstart);
+    AM_CHECK(out->dtype == AM_F32 || (out->dtype == q->dtype && !accumulate),
+             "out (%s) must be f32, or q's dtype without accumulate: a running merge across blocks stays fp32 "
+             "(called from %s)", am_tname(out), kernel);
+    int64_t qn = s.Tq * s.H * s.D, kn = s.Tk * s.KVH * s.D, bc = seqs_per_chunk(dev, 2 * qn + 2 * kn, s.B);
+    float *ws = am_cpu_scratch(kernel, dev, bc * (2 * qn + 2 * kn) + 64);
+    float *qb = am_cpu_carve(&ws, bc * qn), *ob = am_cpu_carve(&ws, bc * qn), *kb = am_cpu_carve(&ws, bc * kn);
+    float *vb = am_cpu_carve(&ws, bc * kn);
+    for (int64_t b0 = 0; b0 < s.B; b0 += bc) {
+        int64_t nb = s.B - b0 < bc ? s.B - b0 : bc;
+        struct am_tensor tq = chunk_of(q, b0, nb, qb), tk = chunk_of(k, b0, nb, kb), tv = chunk_of(v, b0, nb, vb);
+        struct am_tensor to = out->dtype == AM_F32 ? chunk_of(out, b0, nb, NULL)
+                                                   : am_f32_view(ob, nb, s.Tq, s.H, s.D); /* written whole */
+        struct am_tensor tl = am_f32_view((float *)lse->data + b0 * s.H * s.Tq, nb, s.H, s.Tq, 0);
+        struct am_tensor ts = qstart ? starts_of(qstart, b0, nb, s.Tq) : (struct am_tensor){0};
+        am_cpu_attention_block_forward(dev, &to, &tl, &tq, &tk, &tv, qpos, kpos, qstart ? &ts : NULL, window,
+                                       accumulate);
+        chunk_store(out, b0, &to);
+    }
+}
+
+static void block_backward_bf16(const struct am_dev *dev, struct am_tensor *dq, struct am_tensor *dk,
+                                struct am_tensor *dv, const struct am_tensor *dout, const struct am_tensor *out,
+                                const struct am_tensor *lse, const struct am_tensor *q, const struct am_tensor *k,
+                                const struct am_tensor *v, const struct am_tensor *qpos, const struct am_tensor *kpos,
+                                const struct am_tensor *qstart, int64_t window)
+{
+    const char *kernel = "am_cpu_attention_block_backward";
+    am_cpu_act(kernel, "q", q);
+    const struct am_tensor *same[] = {k, v, out, dout};
+    const char *names[] = {"k", "v", "out", "dout"};
+    for (int i = 0; i < 4; i++)
+        am_cpu_same(kernel, names[i], same[i], "q", q);
+    am_cpu_act(kernel, "dq", dq);
+    am_cpu_same(kernel, "dk", dk, "dq", dq);
+    am_cpu_same(kernel, "dv", dv, "dq", dq);
+    am_cpu_stat(kernel, "lse", lse);
+    struct blk_shape s = check_block(kernel, out, lse, q, k, v, qpos, kpos, qstart);
+    AM_CHECK(dq->dtype == AM_F32 || dq->dtype == q->dtype, "dq (%s), dk and dv must be f32 or q's dtype (called "
+             "from %s)", am_tname(dq), kernel);
+    AM_CHECK(am_tensor_numel(dq) == am_tensor_numel(q) && am_tensor_numel(dout) == am_tensor_numel(q) &&
+                 am_tensor_numel(dk) == am_tensor_numel(k) && am_tensor_numel(dv) == am_tensor_numel(k) &&
+                 dq->ndim == 4 && dout->ndim == 4 && dk->ndim == 4 && dv->ndim == 4,
+             "dq (%s) and dout must have q's shape, dk (%s) and dv k's", am_tname(dq), am_tname(dk));
+    int64_t qn = s.Tq * s.H * s.D, kn = s.Tk * s.KVH * s.D, bc = seqs_per_chunk(dev, 4 * qn + 4 * kn, s.B);
+    float *ws = am_cpu_scratch(kernel, dev, bc * (4 * qn + 4 * kn) + 128);
+    float *qb = am_cpu_carve(&ws, bc * qn), *ob = am_cpu_carve(&ws, bc * qn), *dob = am_cpu_carve(&ws, bc * qn);
+    float *dqb = am_cpu_carve(&ws, bc * qn), *kb = am_cpu_carve(&ws, bc * kn), *vb = am_cpu_carve(&ws, bc * kn);
+    float *dkb = am_cpu_carve(&ws, bc * kn), *dvb = am_cpu_carve(&ws, bc * kn);
+    for (int64_t b0 = 0; b0 < s.B; b0 += bc) {
+        int64_t nb = s.B - b0 < bc ? s.B - b0 : bc;
+        struct am_tensor tq = chunk_of(q, b0, nb, qb), to = chunk_of(out, b0, nb, ob);
+        struct am_tensor tdo = chunk_of(dout, b0, nb, dob), tdq = chunk_of(dq, b0, nb, dqb);
+        struct am_tensor tk = chunk_of(k, b0, nb, kb), tv = chunk_of(v, b0, nb, vb);
+        struct am_tensor tdk = chunk_of(dk, b0, nb, dkb), tdv = chunk_of(dv, b0, nb, dvb);
+        struct am_tensor tl = am_f32_view((float *)lse->data + b0 * s.H * s.Tq, nb, s.H, s.Tq, 0);
+        struct am_tensor ts = qstart ? starts_of(qstart, b0, nb, s.Tq) : (struct am_tensor){0};
+        am_cpu_attention_block_backward(dev, &tdq, &tdk, &tdv, &tdo, &to, &tl, &tq, &tk, &tv, qpos, kpos,
+                                        qstart ? &ts : NULL, window);
+        chunk_store(dq, b0, &tdq);
+        chunk_store(dk, b0, &tdk);
+        chunk_store(dv, b0, &tdv);
+    }
+}
+
+/* ---- fp32 ---- */
+
 void am_cpu_attention_block_forward(const struct am_dev *dev, struct am_tensor *out, struct am_tensor *lse,
                                     const struct am_tensor *q, const struct am_tensor *k, const struct am_tensor *v,
                                     const struct am_tensor *qpos, const struct am_tensor *kpos,
                                     const struct am_tensor *qstart, int64_t window, int accumulate)
 {
+    if (am_not_f32(out) || am_not_f32(q) || am_not_f32(k) || am_not_f32(v)) {
+        block_forward_bf16(dev, out, lse, q, k, v, qpos, kpos, qstart, window, accumulate);
+        return;
+    }
     (void)dev;
     float *o = F32(out), *l = F32(lse);
     const float *qd = F32(q), *kd = F32(k), *vd = F32(v);
@@ -170,6 +291,11 @@ void am_cpu_attention_block_backward(const struct am_dev *dev, struct am_tensor 
                                      const struct am_tensor *v, const struct am_tensor *qpos,
                                      const struct am_tensor *kpos, const struct am_tensor *qstart, int64_t window)
 {
+    if (am_not_f32(q) || am_not_f32(k) || am_not_f32(v) || am_not_f32(out) || am_not_f32(dout) || am_not_f32(dq) ||
+        am_not_f32(dk) || am_not_f32(dv)) {
+        block_backward_bf16(dev, dq, dk, dv, dout, out, lse, q, k, v, qpos, kpos, qstart, window);
+        return;
+    }
     (void)dev;
     float *dqd = F32(dq), *dkd = F32(dk), *dvd = F32(dv);
     const float *dod = F32(dout), *od = F32(out), *ld = F32(lse), *qd = F32(q), *kd = F32(k), *vd = F32(v);

@@ -4,7 +4,10 @@
  * formulas and is the reference), and by the documents of packed sequences (qstart).
  *
  * One warp per row, lanes over the head dims (lane, lane + 32, ...: up to 256 = 8 per lane),
- * dot products summed by warp shuffles; fp32 tensors. A plain kernel, not a tiled one: the
+ * dot products summed by warp shuffles. q, k, v, dout and out f32 or bf16 (one dtype), loaded
+ * into fp32; the running out of the forward and dq, dk, dv f32, or bf16 where kernels.h allows
+ * it (out without accumulate; a bf16 gradient element gets its block's sum added in fp32 and is
+ * rounded once): scores, softmax statistics and sums all in fp32, as the CPU's. A plain kernel, not a tiled one: the
  * ring's correctness on the device, not its speed.
  *   - forward: a warp per query row (b, t, h) walks the block's keys with an online softmax
  *     and merges its result into out and lse;
@@ -41,16 +44,17 @@ __device__ __forceinline__ bool blk_sees(int32_t qp, int32_t kp, int64_t W, int3
 __device__ __forceinline__ int32_t blk_start(const int32_t *qs, int64_t r) { return qs ? qs[r] : INT32_MIN; }
 
 /* a . b over the D head dims of two rows, summed over the warp (every lane gets it) */
-__device__ __forceinline__ float blk_dot(const float *a, const float *b, int D)
+template <typename T> __device__ __forceinline__ float blk_dot(const T *a, const T *b, int D)
 {
     float acc = 0.0f;
     for (int d = threadIdx.x % 32; d < D; d += 32)
-        acc += a[d] * b[d];
+        acc += am_ld(a, d) * am_ld(b, d);
     return blk_warp_sum(acc);
 }
 
-__global__ void __launch_bounds__(BLK_THREADS) blk_fwd_k(float *out, float *lse, const float *q, const float *k,
-                                                          const float *v, const int32_t *qpos, const int32_t *kpos,
+template <typename T, typename O>
+__global__ void __launch_bounds__(BLK_THREADS) blk_fwd_k(O *out, float *lse, const T *q, const T *k,
+                                                          const T *v, const int32_t *qpos, const int32_t *kpos,
                                                           const int32_t *qs, struct blk_shape s, int64_t W,
                                                           int accumulate)
 {
@@ -59,8 +63,8 @@ __global__ void __launch_bounds__(BLK_THREADS) blk_fwd_k(float *out, float *lse,
     for (int64_t row = (int64_t)blockIdx.x * BLK_WARPS + threadIdx.x / 32; row < rows;
          row += (int64_t)gridDim.x * BLK_WARPS) {
         int64_t h = row % s.H, t = (row / s.H) % s.Tq, b = row / (s.H * s.Tq);
-        const float *qt = q + row * D;
-        const float *kh = k + (b * s.Tk * s.KVH + h / G) * D, *vh = v + (b * s.Tk * s.KVH + h / G) * D;
+        const T *qt = q + row * D;
+        const T *kh = k + (b * s.Tk * s.KVH + h / G) * D, *vh = v + (b * s.Tk * s.KVH + h / G) * D;
         float acc[BLK_MAX_NT], m = -INFINITY, l = 0.0f;
         int32_t lo = blk_start(qs, b * s.Tq + t);
         for (int i = 0; i < BLK_MAX_NT; i++)
@@ -71,19 +75,20 @@ __global__ void __launch_bounds__(BLK_THREADS) blk_fwd_k(float *out, float *lse,
             float sc = s.scale * blk_dot(qt, kh + j * s.KVH * D, D);
             float mn = fmaxf(m, sc), a = expf(m - mn), p = expf(sc - mn);
             l = l * a + p;
-            const float *vj = vh + j * s.KVH * D;
+            const T *vj = vh + j * s.KVH * D;
             for (int i = 0; i < BLK_MAX_NT; i++) {
                 int d = lane + 32 * i;
                 if (d < D)
-                    acc[i] = acc[i] * a + p * vj[d];
+                    acc[i] = acc[i] * a + p * am_ld(vj, d);
             }
             m = mn;
         }
-        float *ot = out + row * D, *lt = lse + (b * s.H + h) * s.Tq + t;
+        O *ot = out + row * D;
+        float *lt = lse + (b * s.H + h) * s.Tq + t;
         if (m == -INFINITY) { /* no key of this block */
             if (!accumulate) {
                 for (int d = lane; d < D; d += 32)
-                    ot[d] = 0.0f;
+                    am_st(ot, d, 0.0f);
                 if (lane == 0)
                     *lt = -INFINITY;
             }
@@ -94,7 +99,7 @@ __global__ void __launch_bounds__(BLK_THREADS) blk_fwd_k(float *out, float *lse,
         if (!accumulate || old == -INFINITY) {
             for (int i = 0; i < BLK_MAX_NT; i++)
                 if (lane + 32 * i < D)
-                    ot[lane + 32 * i] = acc[i] * inv;
+                    am_st(ot, lane + 32 * i, acc[i] * inv);
             if (lane == 0)
                 *lt = lb;
             continue;
@@ -103,7 +108,7 @@ __global__ void __launch_bounds__(BLK_THREADS) blk_fwd_k(float *out, float *lse,
         for (int i = 0; i < BLK_MAX_NT; i++) {
             int d = lane + 32 * i;
             if (d < D)
-                ot[d] = (a * ot[d] + c * acc[i] * inv) * w;
+                am_st(ot, d, (a * am_ld(ot, d) + c * acc[i] * inv) * w);
         }
         if (lane == 0)
             *lt = L + logf(a + c);
@@ -111,7 +116,7 @@ __global__ void __launch_bounds__(BLK_THREADS) blk_fwd_k(float *out, float *lse,
 }
 
 /* Dt[b, h, t] = dout_t . out_t */
-__global__ void blk_dot_k(float *Dt, const float *dout, const float *out, struct blk_shape s)
+template <typename T> __global__ void blk_dot_k(float *Dt, const T *dout, const T *out, struct blk_shape s)
 {
     int D = (int)s.D;
     int64_t rows = s.B * s.Tq * s.H;
@@ -124,21 +129,22 @@ __global__ void blk_dot_k(float *Dt, const float *dout, const float *out, struct
     }
 }
 
-__global__ void __launch_bounds__(BLK_THREADS) blk_dq_k(float *dq, const float *dout, const float *lse, const float *Dt,
-                                                         const float *q, const float *k, const float *v,
+template <typename T, typename G>
+__global__ void __launch_bounds__(BLK_THREADS) blk_dq_k(G *dq, const T *dout, const float *lse, const float *Dt,
+                                                         const T *q, const T *k, const T *v,
                                                          const int32_t *qpos, const int32_t *kpos, const int32_t *qs,
                                                          struct blk_shape s, int64_t W)
 {
     int lane = threadIdx.x % 32, D = (int)s.D;
-    int64_t G = s.H / s.KVH, rows = s.B * s.Tq * s.H;
+    int64_t Gs = s.H / s.KVH, rows = s.B * s.Tq * s.H;
     for (int64_t row = (int64_t)blockIdx.x * BLK_WARPS + threadIdx.x / 32; row < rows;
          row += (int64_t)gridDim.x * BLK_WARPS) {
         int64_t h = row % s.H, t = (row / s.H) % s.Tq, b = row / (s.H * s.Tq);
         float L = lse[(b * s.H + h) * s.Tq + t], Dr = Dt[(b * s.H + h) * s.Tq + t];
         if (L == -INFINITY)
             continue;
-        const float *qt = q + row * D, *dot_ = dout + row * D;
-        const float *kh = k + (b * s.Tk * s.KVH + h / G) * D, *vh = v + (b * s.Tk * s.KVH + h / G) * D;
+        const T *qt = q + row * D, *dot_ = dout + row * D;
+        const T *kh = k + (b * s.Tk * s.KVH + h / Gs) * D, *vh = v + (b * s.Tk * s.KVH + h / Gs) * D;
         float acc[BLK_MAX_NT];
         int32_t lo = blk_start(qs, b * s.Tq + t);
         for (int i = 0; i < BLK_MAX_NT; i++)
@@ -146,68 +152,71 @@ __global__ void __launch_bounds__(BLK_THREADS) blk_dq_k(float *dq, const float *
         for (int64_t j = 0; j < s.Tk; j++) {
             if (!blk_sees(qpos[t], kpos[j], W, lo))
                 continue;
-            const float *kj = kh + j * s.KVH * D;
+            const T *kj = kh + j * s.KVH * D;
             float p = expf(s.scale * blk_dot(qt, kj, D) - L);
             float ds = p * (blk_dot(dot_, vh + j * s.KVH * D, D) - Dr) * s.scale;
             for (int i = 0; i < BLK_MAX_NT; i++)
                 if (lane + 32 * i < D)
-                    acc[i] += ds * kj[lane + 32 * i];
+                    acc[i] += ds * am_ld(kj, lane + 32 * i);
         }
         for (int i = 0; i < BLK_MAX_NT; i++)
             if (lane + 32 * i < D)
-                dq[row * D + lane + 32 * i] += acc[i];
+                am_st(dq, row * D + lane + 32 * i, am_ld(dq, row * D + lane + 32 * i) + acc[i]);
     }
 }
 
-__global__ void __launch_bounds__(BLK_THREADS) blk_dkdv_k(float *dk, float *dv, const float *dout, const float *lse,
-                                                           const float *Dt, const float *q, const float *k,
-                                                           const float *v, const int32_t *qpos, const int32_t *kpos,
+template <typename T, typename G>
+__global__ void __launch_bounds__(BLK_THREADS) blk_dkdv_k(G *dk, G *dv, const T *dout, const float *lse,
+                                                           const float *Dt, const T *q, const T *k,
+                                                           const T *v, const int32_t *qpos, const int32_t *kpos,
                                                            const int32_t *qs, struct blk_shape s, int64_t W)
 {
     int lane = threadIdx.x % 32, D = (int)s.D;
-    int64_t G = s.H / s.KVH, rows = s.B * s.Tk * s.KVH;
+    int64_t Gs = s.H / s.KVH, rows = s.B * s.Tk * s.KVH;
     for (int64_t row = (int64_t)blockIdx.x * BLK_WARPS + threadIdx.x / 32; row < rows;
          row += (int64_t)gridDim.x * BLK_WARPS) {
         int64_t kvh = row % s.KVH, j = (row / s.KVH) % s.Tk, b = row / (s.KVH * s.Tk);
-        const float *kj = k + row * D, *vj = v + row * D;
+        const T *kj = k + row * D, *vj = v + row * D;
         float gk[BLK_MAX_NT], gv[BLK_MAX_NT];
         for (int i = 0; i < BLK_MAX_NT; i++)
             gk[i] = gv[i] = 0.0f;
-        for (int64_t h = kvh * G; h < (kvh + 1) * G; h++)
+        for (int64_t h = kvh * Gs; h < (kvh + 1) * Gs; h++)
             for (int64_t t = 0; t < s.Tq; t++) {
                 float L = lse[(b * s.H + h) * s.Tq + t];
                 if (L == -INFINITY || !blk_sees(qpos[t], kpos[j], W, blk_start(qs, b * s.Tq + t)))
                     continue;
-                const float *qt = q + ((b * s.Tq + t) * s.H + h) * D, *dot_ = dout + ((b * s.Tq + t) * s.H + h) * D;
+                const T *qt = q + ((b * s.Tq + t) * s.H + h) * D, *dot_ = dout + ((b * s.Tq + t) * s.H + h) * D;
                 float p = expf(s.scale * blk_dot(qt, kj, D) - L);
                 float ds = p * (blk_dot(dot_, vj, D) - Dt[(b * s.H + h) * s.Tq + t]) * s.scale;
                 for (int i = 0; i < BLK_MAX_NT; i++) {
                     int d = lane + 32 * i;
                     if (d < D) {
-                        gk[i] += ds * qt[d];
-                        gv[i] += p * dot_[d];
+                        gk[i] += ds * am_ld(qt, d);
+                        gv[i] += p * am_ld(dot_, d);
                     }
                 }
             }
         for (int i = 0; i < BLK_MAX_NT; i++) {
             int d = lane + 32 * i;
             if (d < D) {
-                dk[row * D + d] += gk[i];
-                dv[row * D + d] += gv[i];
+                am_st(dk, row * D + d, am_ld(dk, row * D + d) + gk[i]);
+                am_st(dv, row * D + d, am_ld(dv, row * D + d) + gv[i]);
             }
         }
     }
 }
 
+/* q, k, v (and out in backward) of one dtype, f32 or bf16; out of the forward: f32, or q's
+ * dtype without accumulate (checked by the callers) */
 static struct blk_shape check_block(const char *kn, const struct am_tensor *o, const struct am_tensor *lse,
                                     const struct am_tensor *q, const struct am_tensor *k, const struct am_tensor *v,
                                     const struct am_tensor *qpos, const struct am_tensor *kpos,
                                     const struct am_tensor *qstart)
 {
-    am_cuda_data(kn, "q", q, AM_F32);
-    am_cuda_data(kn, "k", k, AM_F32);
-    am_cuda_data(kn, "v", v, AM_F32);
-    am_cuda_data(kn, "out", o, AM_F32);
+    am_cuda_act(kn, "q", q);
+    am_cuda_same(kn, "k", k, "q", q);
+    am_cuda_same(kn, "v", v, "q", q);
+    am_cuda_act(kn, "out", o);
     am_cuda_stat(kn, "lse", lse);
     am_cuda_data(kn, "qpos", qpos, AM_I32);
     am_cuda_data(kn, "kpos", kpos, AM_I32);
@@ -240,6 +249,17 @@ static unsigned blk_blocks(int64_t rows)
     return (unsigned)(n < 65536 ? (n > 0 ? n : 1) : 65536);
 }
 
+template <typename T, typename O>
+static void blk_fwd(const struct am_dev *d, struct am_tensor *out, struct am_tensor *lse, const struct am_tensor *q,
+                    const struct am_tensor *k, const struct am_tensor *v, const struct am_tensor *qpos,
+                    const struct am_tensor *kpos, const int32_t *qs, struct blk_shape s, int64_t window,
+                    int accumulate, int64_t rows)
+{
+    blk_fwd_k<T, O><<<blk_blocks(rows), BLK_THREADS, 0, am_cuda_stream(d)>>>(
+        (O *)out->data, (float *)lse->data, (const T *)q->data, (const T *)k->data, (const T *)v->data,
+        (const int32_t *)qpos->data, (const int32_t *)kpos->data, qs, s, window, accumulate);
+}
+
 void am_cuda_attention_block_forward(const struct am_dev *d, struct am_tensor *out, struct am_tensor *lse,
                                      const struct am_tensor *q, const struct am_tensor *k, const struct am_tensor *v,
                                      const struct am_tensor *qpos, const struct am_tensor *kpos,
@@ -248,13 +268,41 @@ void am_cuda_attention_block_forward(const struct am_dev *d, struct am_tensor *o
     const char *kn = "am_cuda_attention_block_forward";
     am_cuda_ctx(kn, d);
     struct blk_shape s = check_block(kn, out, lse, q, k, v, qpos, kpos, qstart);
+    AM_CUDA_REQUIRE(kn, out->dtype == AM_F32 || (out->dtype == q->dtype && !accumulate),
+                    "out (%s) must be f32, or q's dtype without accumulate (the running merge stays fp32)",
+                    am_tname(out));
     const int32_t *qs = qstart ? (const int32_t *)qstart->data : NULL;
     int64_t rows = s.B * s.Tq * s.H;
     if (!rows)
         return;
-    blk_fwd_k<<<blk_blocks(rows), BLK_THREADS, 0, am_cuda_stream(d)>>>(
-        (float *)out->data, (float *)lse->data, (const float *)q->data, (const float *)k->data,
-        (const float *)v->data, (const int32_t *)qpos->data, (const int32_t *)kpos->data, qs, s, window, accumulate);
+    bool bq = q->dtype == AM_BF16, bo = out->dtype == AM_BF16;
+    if (!bq)
+        blk_fwd<float, float>(d, out, lse, q, k, v, qpos, kpos, qs, s, window, accumulate, rows);
+    else if (!bo)
+        blk_fwd<am_bf16_t, float>(d, out, lse, q, k, v, qpos, kpos, qs, s, window, accumulate, rows);
+    else
+        blk_fwd<am_bf16_t, am_bf16_t>(d, out, lse, q, k, v, qpos, kpos, qs, s, window, accumulate, rows);
+    AM_LAUNCHED(kn);
+}
+
+template <typename T, typename G>
+static void blk_bwd(const char *kn, cudaStream_t st, struct am_tensor *dq, struct am_tensor *dk, struct am_tensor *dv,
+                    const struct am_tensor *dout, const struct am_tensor *out, const struct am_tensor *lse,
+                    const struct am_tensor *q, const struct am_tensor *k, const struct am_tensor *v, float *Dt,
+                    const int32_t *qp, const int32_t *kp, const int32_t *qs, struct blk_shape s, int64_t window,
+                    int64_t rows, int64_t krows)
+{
+    blk_dot_k<T><<<blk_blocks(rows), BLK_THREADS, 0, st>>>(Dt, (const T *)dout->data, (const T *)out->data, s);
+    AM_LAUNCHED(kn);
+    blk_dq_k<T, G><<<blk_blocks(rows), BLK_THREADS, 0, st>>>((G *)dq->data, (const T *)dout->data,
+                                                             (const float *)lse->data, Dt, (const T *)q->data,
+                                                             (const T *)k->data, (const T *)v->data, qp, kp, qs, s,
+                                                             window);
+    AM_LAUNCHED(kn);
+    blk_dkdv_k<T, G><<<blk_blocks(krows), BLK_THREADS, 0, st>>>((G *)dk->data, (G *)dv->data, (const T *)dout->data,
+                                                                (const float *)lse->data, Dt, (const T *)q->data,
+                                                                (const T *)k->data, (const T *)v->data, qp, kp, qs, s,
+                                                                window);
     AM_LAUNCHED(kn);
 }
 
@@ -268,10 +316,13 @@ void am_cuda_attention_block_backward(const struct am_dev *d, struct am_tensor *
     am_cuda_ctx(kn, d);
     struct blk_shape s = check_block(kn, out, lse, q, k, v, qpos, kpos, qstart);
     const int32_t *qs = qstart ? (const int32_t *)qstart->data : NULL;
-    am_cuda_data(kn, "dq", dq, AM_F32);
-    am_cuda_data(kn, "dk", dk, AM_F32);
-    am_cuda_data(kn, "dv", dv, AM_F32);
-    am_cuda_data(kn, "dout", dout, AM_F32);
+    am_cuda_same(kn, "out", out, "q", q);
+    am_cuda_same(kn, "dout", dout, "q", q);
+    am_cuda_act(kn, "dq", dq);
+    am_cuda_same(kn, "dk", dk, "dq", dq);
+    am_cuda_same(kn, "dv", dv, "dq", dq);
+    AM_CUDA_REQUIRE(kn, dq->dtype == AM_F32 || dq->dtype == q->dtype,
+                    "dq (%s), dk and dv must be f32 or q's dtype", am_tname(dq));
     AM_CUDA_REQUIRE(kn, am_tensor_numel(dq) == am_tensor_numel(q) && am_tensor_numel(dout) == am_tensor_numel(q),
                     "dq (%s) and dout (%s) must have q's shape", am_tname(dq), am_tname(dout));
     AM_CUDA_REQUIRE(kn, am_tensor_numel(dk) == am_tensor_numel(k) && am_tensor_numel(dv) == am_tensor_numel(k),
@@ -282,16 +333,13 @@ void am_cuda_attention_block_backward(const struct am_dev *d, struct am_tensor *
     cudaStream_t st = am_cuda_stream(d);
     float *Dt = (float *)am_cuda_scratch(kn, d, (size_t)rows * sizeof(float));
     const int32_t *qp = (const int32_t *)qpos->data, *kp = (const int32_t *)kpos->data;
-    blk_dot_k<<<blk_blocks(rows), BLK_THREADS, 0, st>>>(Dt, (const float *)dout->data, (const float *)out->data, s);
-    AM_LAUNCHED(kn);
-    blk_dq_k<<<blk_blocks(rows), BLK_THREADS, 0, st>>>((float *)dq->data, (const float *)dout->data,
-                                                       (const float *)lse->data, Dt, (const float *)q->data,
-                                                       (const float *)k->data, (const float *)v->data, qp, kp, qs,
-                                                       s, window);
-    AM_LAUNCHED(kn);
-    blk_dkdv_k<<<blk_blocks(krows), BLK_THREADS, 0, st>>>((float *)dk->data, (float *)dv->data,
-                                                          (const float *)dout->data, (const float *)lse->data, Dt,
-                                                          (const float *)q->data, (const float *)k->data,
-                                                          (const float *)v->data, qp, kp, qs, s, window);
-    AM_LAUNCHED(kn);
+    bool bq = q->dtype == AM_BF16, bg = dq->dtype == AM_BF16;
+    if (!bq)
+        blk_bwd<float, float>(kn, st, dq, dk, dv, dout, out, lse, q, k, v, Dt, qp, kp, qs, s, window, rows, krows);
+    else if (!bg)
+        blk_bwd<am_bf16_t, float>(kn, st, dq, dk, dv, dout, out, lse, q, k, v, Dt, qp, kp, qs, s, window, rows,
+                                  krows);
+    else
+        blk_bwd<am_bf16_t, am_bf16_t>(kn, st, dq, dk, dv, dout, out, lse, q, k, v, Dt, qp, kp, qs, s, window, rows,
+                                      krows);
 }

@@ -152,7 +152,8 @@ const char *am_cuda_attention_cudnn_why(const struct am_dev *d);
 void am_cuda_attention_cudnn_close(struct am_dev *d);
 
 /* ---- attention_block.cu: one block of queries against one block of keys, masked by
- * position, merged by log-sum-exp (context parallelism's ring attention; fp32) ---- */
+ * position, merged by log-sum-exp (context parallelism's ring attention, packed sequences;
+ * f32 or bf16 inputs, fp32 arithmetic: kernels.h says which dtype each argument takes) ---- */
 void am_cuda_attention_block_forward(const struct am_dev *d, struct am_tensor *out, struct am_tensor *lse,
                                      const struct am_tensor *q, const struct am_tensor *k, const struct am_tensor *v,
                                      const struct am_tensor *qpos, const struct am_tensor *kpos,

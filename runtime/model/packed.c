@@ -21,9 +21,6 @@ int am_packed_init(struct am_model *m, int64_t seq_len, char *err, size_t err_le
     if (cfg->gemma)
         return am_fail(err, err_len, "packed sequences: the attention of documents has neither Gemma's attention "
                        "scale and soft cap nor Gemma 3's second rotary table yet (model_type %s)", cfg->model_type);
-    if (m->act_dt != AM_F32)
-        return am_fail(err, err_len, "packed sequences: the attention of documents computes in fp32; compute dtype "
-                       "is %s", am_dtype_name(m->act_dt));
     struct am_packed *pk = calloc(1, sizeof(*pk));
     if (!pk)
         return am_fail(err, err_len, "packed sequences: out of memory");

@@ -61,9 +61,6 @@ int am_cp_init(struct am_model *m, struct am_comm *cp, int64_t seq_len, char *er
         return am_fail(err, err_len, "context parallelism: a sequence of %lld tokens does not split into 2 x cp = %d "
                        "chunks of equal length (dataset.seq_length must be a multiple of %d)", (long long)seq_len,
                        2 * P, 2 * P);
-    if (m->act_dt != AM_F32)
-        return am_fail(err, err_len, "context parallelism: ring attention computes in fp32; compute dtype is %s",
-                       am_dtype_name(m->act_dt));
     struct am_cp *c = calloc(1, sizeof(*c));
     if (!c)
         return am_fail(err, err_len, "context parallelism: out of memory");
@@ -73,10 +70,14 @@ int am_cp_init(struct am_model *m, struct am_comm *cp, int64_t seq_len, char *er
     c->seq_len = seq_len;
     const char *ov = getenv("AM_RING_OVERLAP");
     c->overlap = !(ov && strcmp(ov, "0") == 0);
-    int64_t Tl = m->seq_len;
-    size_t kvb = ((size_t)(m->max_tokens * m->kv_heads * m->head_dim) * sizeof(float) + 63) & ~(size_t)63;
+    int64_t Tl = m->seq_len, kvn = m->max_tokens * m->kv_heads * m->head_dim;
+    size_t kvb = ((size_t)kvn * am_dtype_size(m->act_dt) + 63) & ~(size_t)63; /* k, v: the compute dtype */
+    size_t gb = ((size_t)kvn * sizeof(float) + 63) & ~(size_t)63;            /* dk, dv sums: fp32 */
+    size_t accb = m->act_dt == AM_F32 ? 0
+                                      : ((size_t)(m->max_tokens * m->heads * m->head_dim) * sizeof(float) + 63) &
+                                            ~(size_t)63;
     size_t posb = ((size_t)(P * Tl) * sizeof(int32_t) + 63) & ~(size_t)63;
-    c->bytes = posb + 10 * kvb;
+    c->bytes = posb + 4 * kvb + 6 * gb + accb;
     c->mem = m->K->alloc(m->dev, c->bytes);
     if (!c->mem) {
         size_t bytes = c->bytes;
@@ -91,10 +92,11 @@ int am_cp_init(struct am_model *m, struct am_comm *cp, int64_t seq_len, char *er
             c->kv[b][i] = p;
             p += kvb;
             c->dkv[b][i] = p;
-            p += kvb;
+            p += gb;
         }
     c->part[0] = p;
-    c->part[1] = p + kvb;
+    c->part[1] = p + gb;
+    c->acc = accb ? p + 2 * gb : NULL;
     int32_t *host = malloc((size_t)(P * Tl) * sizeof(int32_t));
     if (!host) {
         m->K->free(m->dev, c->mem);
@@ -135,6 +137,14 @@ static struct am_tensor like(const struct am_tensor *t, void *p)
     return v;
 }
 
+/* An fp32 tensor of t's shape over buffer p (the ring's sums). */
+static struct am_tensor like_f32(const struct am_tensor *t, void *p)
+{
+    struct am_tensor v = like(t, p);
+    v.dtype = AM_F32;
+    return v;
+}
+
 /* Starts the shift of the k and v block (kb, vb) into buffers (nk, nv): two ishifts. */
 static int shift_kv(struct am_cp *c, const struct am_tensor *kb, const struct am_tensor *vb, void *nk, void *nv,
                     struct am_comm_req **q, char *err, size_t err_len)
@@ -161,6 +171,7 @@ int am_cp_attention_forward(struct am_model *m, struct am_tensor *out, struct am
     struct am_cp *c = m->cp;
     struct am_tensor hk = *k, hv = *v, mine = pos_of(m, c->rank); /* the block held: this rank's own first */
     struct am_comm_req *rq[2] = {NULL, NULL};
+    struct am_tensor run = c->acc ? like_f32(out, c->acc) : *out; /* the running merge: fp32 */
     for (int s = 0; s < c->size; s++) {
         bool more = s + 1 < c->size;
         struct am_tensor kp = pos_of(m, mod(c->rank - s, c->size));
@@ -171,7 +182,7 @@ int am_cp_attention_forward(struct am_model *m, struct am_tensor *out, struct am
         if (more && !c->overlap && wait2(c, rq, err, err_len) < 0) /* AM_RING_OVERLAP=0: the shift alone */
             return -1;
         double t0 = am_mono_time();
-        m->K->attention_block_forward(m->dev, out, lse, q, &hk, &hv, &mine, &kp, qstart, window, s > 0);
+        m->K->attention_block_forward(m->dev, &run, lse, q, &hk, &hv, &mine, &kp, qstart, window, s > 0);
         c->block_s += am_mono_time() - t0;
         if (more) {
             if (wait2(c, rq, err, err_len) < 0)
@@ -180,6 +191,8 @@ int am_cp_attention_forward(struct am_model *m, struct am_tensor *out, struct am
             hv = like(v, c->kv[s % 2][1]);
         }
     }
+    if (c->acc) /* bf16: rounded once, after the last block */
+        m->K->convert(m->dev, out, &run);
     return 0;
 }
 
@@ -192,7 +205,10 @@ int am_cp_attention_backward(struct am_model *m, struct am_tensor *dq, struct am
     const struct am_kernels *K = m->K;
     struct am_tensor hk = *k, hv = *v, mine = pos_of(m, c->rank);
     struct am_comm_req *rkv[2] = {NULL, NULL}, *rd[2] = {NULL, NULL};
+    struct am_tensor gq = c->acc ? like_f32(dq, c->acc) : *dq; /* dq's sum over the blocks: fp32 */
     int rc = 0;
+    if (c->acc)
+        K->zero(m->dev, &gq);
     for (int s = 0; s < c->size && rc == 0; s++) {
         bool more = s + 1 < c->size;
         struct am_tensor kp = pos_of(m, mod(c->rank - s, c->size));
@@ -203,11 +219,12 @@ int am_cp_attention_backward(struct am_model *m, struct am_tensor *dq, struct am
         }
         /* this step's terms for the block held: into the sums that start here (step 0), or
          * into part, added to the sums that arrived with the block */
-        struct am_tensor tk = like(k, s == 0 ? c->dkv[1][0] : c->part[0]), tv = like(v, s == 0 ? c->dkv[1][1] : c->part[1]);
+        struct am_tensor tk = like_f32(k, s == 0 ? c->dkv[1][0] : c->part[0]);
+        struct am_tensor tv = like_f32(v, s == 0 ? c->dkv[1][1] : c->part[1]);
         K->zero(m->dev, &tk);
         K->zero(m->dev, &tv);
         double t0 = am_mono_time();
-        K->attention_block_backward(m->dev, dq, &tk, &tv, dout, out, lse, q, &hk, &hv, &mine, &kp, qstart, window);
+        K->attention_block_backward(m->dev, &gq, &tk, &tv, dout, out, lse, q, &hk, &hv, &mine, &kp, qstart, window);
         c->block_s += am_mono_time() - t0;
         struct am_tensor ak = tk, av = tv; /* the sums sent onward */
         if (s > 0) {
@@ -215,8 +232,8 @@ int am_cp_attention_backward(struct am_model *m, struct am_tensor *dq, struct am
                 rc = -1;
                 break;
             }
-            ak = like(k, c->dkv[(s - 1) % 2][0]);
-            av = like(v, c->dkv[(s - 1) % 2][1]);
+            ak = like_f32(k, c->dkv[(s - 1) % 2][0]);
+            av = like_f32(v, c->dkv[(s - 1) % 2][1]);
             K->add(m->dev, &ak, &tk);
             K->add(m->dev, &av, &tv);
         }
@@ -236,8 +253,10 @@ int am_cp_attention_backward(struct am_model *m, struct am_tensor *dq, struct am
     /* the sums of this rank's own block, back from around the ring */
     if (c->overlap && wait2(c, rd, err, err_len) < 0)
         return -1;
-    struct am_tensor ok = like(k, c->dkv[(c->size - 1) % 2][0]), ov = like(v, c->dkv[(c->size - 1) % 2][1]);
-    K->add(m->dev, dk, &ok);
+    struct am_tensor ok = like_f32(k, c->dkv[(c->size - 1) % 2][0]), ov = like_f32(v, c->dkv[(c->size - 1) % 2][1]);
+    K->add(m->dev, dk, &ok); /* bf16: each sum rounded once, here */
     K->add(m->dev, dv, &ov);
+    if (c->acc)
+        K->add(m->dev, dq, &gq);
     return 0;
 }

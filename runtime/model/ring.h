@@ -22,11 +22,19 @@
  * cp steps the sums of a rank's own block come back to it (cp shifts of dk and dv, cp - 1 of k
  * and v). Grouped-query attention as attention_forward's; a sliding window by position. The
  * rows' saved out and lse are the merged ones, as a full attention saves them, so activation
- * checkpointing's recompute runs the ring again. fp32 (the block kernels').
+ * checkpointing's recompute runs the ring again.
+ *
+ * Precision: fp32 or bf16 (the compute dtype). In bf16, k and v travel in bf16, everything
+ * summed over the ring in fp32, rounded once (FlashAttention's semantics, kernels.h): the
+ * running out and lse of the forward's merge (out rounded to bf16 after the last block), dq's
+ * sum over the blocks (added to dq once at the end), and the travelling dk and dv sums (fp32
+ * on the wire, added to dk and dv once when they come home).
  *
  * Memory (counted in the model's act_bytes, and by am-plan): the positions of every rank's
- * rows (int32), two buffers for the k and v block that arrives next, two for the travelling
- * dk and dv sums and one for a step's own terms: 10 x tokens x kv width elements.
+ * rows (int32), two buffers for the k and v block that arrives next (4 x tokens x kv width
+ * elements of the compute dtype), two for the travelling dk and dv sums and one for a step's
+ * own terms (6 x tokens x kv width fp32), and in bf16 the fp32 running out / dq sum (tokens x
+ * q width fp32).
  */
 #ifndef AM_RING_H
 #define AM_RING_H
@@ -48,6 +56,7 @@ struct am_cp {
     void *kv[2][2];            /* [buffer][k, v]: the block that arrives next */
     void *dkv[2][2];           /* backward: the running dk, dv sums that travel with a block */
     void *part[2];             /* backward: this rank's dk, dv terms for the block it holds */
+    void *acc;                 /* bf16 compute: the fp32 running out (forward) and dq sum (backward), or NULL */
     bool overlap;              /* AM_RING_OVERLAP=0: each shift waited for as soon as it is started (the
                                   ring's time alone, for bench/cp_small.sh) */
     double wait_s, block_s;    /* seconds waiting for the ring and in the block kernels (host clock) */

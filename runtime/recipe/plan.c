@@ -252,8 +252,10 @@ static double scratch_bytes(const struct am_recipe *r, const struct am_plan *p, 
     if (sp)
         b += carved(N * C, cs) + carved(R * C, cs);
     if (p->cp > 1) /* ring attention (runtime/model/ring.h): every rank's positions, two k and v blocks
-                    * arriving, two travelling dk and dv sums and one step's own terms */
-        b += carved((double)p->seq_length, 4) + 10 * carved(N * KV, cs);
+                    * arriving, two travelling dk and dv sums and one step's own terms (fp32), and in bf16
+                    * the fp32 running out / dq sum */
+        b += carved((double)p->seq_length, 4) + 4 * carved(N * KV, cs) + 6 * carved(N * KV, 4) +
+             (cs != 4 ? carved(N * Q, 4) : 0);
     if (r->packed_sequence_size > 0) /* packed sequences (runtime/model/packed.h): the rotary tables of the
                                       * whole sequence and of the micro-batch's rows, the rank's rows'
                                       * positions, per slot each row's document start and rotary position */

@@ -308,15 +308,6 @@ static bool lora_on(const struct am_recipe *r, enum am_lora_target t)
     return r->peft.enabled && (r->peft.targets & (1u << t));
 }
 
-static void cp_dtype(struct check *c)
-{
-    const struct am_recipe *r = c->r;
-    if (r->dist.cp > 1 && r->compute_dtype != AM_F32)
-        FAIL(c, "distributed.cp_size", "%d: ring attention computes in fp32 so far, and the compute dtype is %s "
-             "(set distributed.mp_policy.param_dtype: float32 with context parallelism, or cp_size: 1)",
-             r->dist.cp, am_dtype_torch_name(r->compute_dtype));
-}
-
 static void cp_moe_aux(struct check *c)
 {
     const struct am_recipe *r = c->r;
@@ -332,15 +323,6 @@ static void cp_gemma(struct check *c)
     if (r->dist.cp > 1 && r->model.gemma)
         FAIL(c, "distributed.cp_size", "%d: ring attention has neither Gemma's attention scale and soft cap nor "
              "Gemma 3's second rotary table yet (model_type %s: use cp_size 1)", r->dist.cp, r->model.model_type);
-}
-
-static void packed_dtype(struct check *c)
-{
-    const struct am_recipe *r = c->r;
-    if (r->packed_sequence_size > 0 && r->compute_dtype != AM_F32)
-        FAIL(c, "packed_sequence.packed_sequence_size", "%ld: the attention of documents computes in fp32 so far, "
-             "and the compute dtype is %s (set distributed.mp_policy.param_dtype: float32 with packed sequences, or "
-             "packed_sequence_size: 0)", r->packed_sequence_size, am_dtype_torch_name(r->compute_dtype));
 }
 
 static void packed_gemma(struct check *c)
@@ -415,8 +397,7 @@ static const struct {
     const char *name; /* the row of tests/recipe/refusals.tsv */
     void (*check)(struct check *c);
 } run_rules[] = {
-    {"cp-dtype", cp_dtype},     {"cp-moe-aux", cp_moe_aux},   {"cp-gemma", cp_gemma},
-    {"packed-dtype", packed_dtype}, {"packed-gemma", packed_gemma},
+    {"cp-moe-aux", cp_moe_aux},   {"cp-gemma", cp_gemma},       {"packed-gemma", packed_gemma},
     {"fp16", fp16},             {"moe-sp", moe_sp},           {"moe-aux-pp", moe_aux_pp}, {"lora-head", lora_head},
     {"lora-kv-tp", lora_kv_tp}, {"dataset", dataset},
 };

@@ -617,18 +617,22 @@ static void case_moe(enum am_dtype dt)
         pair_free(all[i]);
 }
 
-/* Attention by blocks (context parallelism's ring, fp32): one rank's queries (two chunks of
- * 12 rows of a 48-token sequence split over 2 ranks) against its own keys and then the other rank's, merged,
- * and the backward of both blocks, with and without a window, and packed (documents of 7 rows
- * for the first sequence, 11 for the second: qstart): each output as the CPU's. */
-static void case_attention_block(int64_t W, bool packed)
+/* Attention by blocks (context parallelism's ring): one rank's queries (two chunks of 12 rows
+ * of a 48-token sequence split over 2 ranks) against its own keys and then the other rank's,
+ * merged, and the backward of both blocks, with and without a window, and packed (documents
+ * of 7 rows for the first sequence, 11 for the second: qstart): each output as the CPU's.
+ * dt: q, k, v, dout (and the backward's out) f32 or bf16; the running out stays f32 (ring.c's
+ * accumulator), gdt: dq, dk, dv f32 (the ring's sums) or bf16 (packed sequences without cp:
+ * rounded once per call); with bf16 also one block written into a bf16 out. */
+static void case_attention_block(enum am_dtype dt, enum am_dtype gdt, int64_t W, bool packed)
 {
     int64_t B = 2, T = 24, H = 8, KVH = 2, D = 64, c = T / 2;
-    struct pair q = rnd(AM_F32, B, T, H, D), out = pair_new(AM_F32, B, T, H, D), lse = pair_new(AM_F32, B, H, T, 0);
+    bool bf = dt == AM_BF16;
+    struct pair q = rnd(dt, B, T, H, D), out = pair_new(AM_F32, B, T, H, D), lse = pair_new(AM_F32, B, H, T, 0);
     struct pair kv[2][2], pos[2];
     for (int r = 0; r < 2; r++) {
-        kv[r][0] = rnd(AM_F32, B, T, KVH, D);
-        kv[r][1] = rnd(AM_F32, B, T, KVH, D);
+        kv[r][0] = rnd(dt, B, T, KVH, D);
+        kv[r][1] = rnd(dt, B, T, KVH, D);
         pos[r] = pair_new(AM_I32, T, 0, 0, 0);
         for (int64_t i = 0; i < c; i++) { /* a sequence of 48 in 4 chunks of 12: rank r holds r and 3 - r */
             ((int32_t *)pos[r].c.data)[i] = (int32_t)(r * c + i);
@@ -651,30 +655,44 @@ static void case_attention_block(int64_t W, bool packed)
         KG->attention_block_forward(&gpu, &out.g, &lse.g, &q.g, &kv[st][0].g, &kv[st][1].g, &pos[0].g, &pos[st].g, qs_g,
                                     W, st > 0);
     }
-    char what[96];
-    snprintf(what, sizeof what, "attention_block out (2 blocks) W%lld%s", (long long)W, packed ? " packed" : "");
-    check(what, &out, false);
-    snprintf(what, sizeof what, "attention_block lse (2 blocks) W%lld%s", (long long)W, packed ? " packed" : "");
+    char what[96], tag[40];
+    snprintf(tag, sizeof tag, "W%lld%s%s", (long long)W, packed ? " packed" : "",
+             bf ? (gdt == AM_BF16 ? " (bf16 in, bf16 grads)" : " (bf16 in, f32 sums)") : "");
+    snprintf(what, sizeof what, "attention_block out (2 blocks, f32) %s", tag);
+    check(what, &out, false); /* f32 from the same widened inputs: fp32's tolerance */
+    snprintf(what, sizeof what, "attention_block lse (2 blocks) %s", tag);
     record(what, "fp32", rel_err(&lse), 1e-5);
     pair_upload(&out);
     pair_upload(&lse);
-    struct pair dout = rnd(AM_F32, B, T, H, D), dq = rnd(AM_F32, B, T, H, D), dk[2], dv[2];
-    for (int st = 0; st < 2; st++) {
-        dk[st] = rnd(AM_F32, B, T, KVH, D);
-        dv[st] = rnd(AM_F32, B, T, KVH, D);
-        KC->attention_block_backward(&cpu, &dq.c, &dk[st].c, &dv[st].c, &dout.c, &out.c, &lse.c, &q.c, &kv[st][0].c,
-                                     &kv[st][1].c, &pos[0].c, &pos[st].c, qs_c, W);
-        KG->attention_block_backward(&gpu, &dq.g, &dk[st].g, &dv[st].g, &dout.g, &out.g, &lse.g, &q.g, &kv[st][0].g,
-                                     &kv[st][1].g, &pos[0].g, &pos[st].g, qs_g, W);
-        snprintf(what, sizeof what, "attention_block dk (block %d) W%lld%s", st, (long long)W, packed ? " packed" : "");
-        check(what, &dk[st], false);
-        snprintf(what, sizeof what, "attention_block dv (block %d) W%lld%s", st, (long long)W, packed ? " packed" : "");
-        check(what, &dv[st], false);
+    struct pair o16 = pair_new(dt, B, T, H, D); /* the backward's out: the forward's, in q's dtype */
+    KC->convert(&cpu, &o16.c, &out.c);
+    pair_upload(&o16);
+    if (bf) { /* one block into a bf16 out (no merge: rounded once); then the merged lse again */
+        struct pair ob = pair_new(AM_BF16, B, T, H, D), lb = pair_new(AM_F32, B, H, T, 0);
+        KC->attention_block_forward(&cpu, &ob.c, &lb.c, &q.c, &kv[0][0].c, &kv[0][1].c, &pos[0].c, &pos[0].c, qs_c, W, 0);
+        KG->attention_block_forward(&gpu, &ob.g, &lb.g, &q.g, &kv[0][0].g, &kv[0][1].g, &pos[0].g, &pos[0].g, qs_g, W, 0);
+        snprintf(what, sizeof what, "attention_block out (1 block, bf16) %s", tag);
+        check(what, &ob, true);
+        pair_free(&ob);
+        pair_free(&lb);
     }
-    snprintf(what, sizeof what, "attention_block dq (2 blocks) W%lld%s", (long long)W, packed ? " packed" : "");
-    check(what, &dq, false);
+    struct pair dout = rnd(dt, B, T, H, D), dq = rnd(gdt, B, T, H, D), dk[2], dv[2];
+    for (int st = 0; st < 2; st++) {
+        dk[st] = rnd(gdt, B, T, KVH, D);
+        dv[st] = rnd(gdt, B, T, KVH, D);
+        KC->attention_block_backward(&cpu, &dq.c, &dk[st].c, &dv[st].c, &dout.c, &o16.c, &lse.c, &q.c, &kv[st][0].c,
+                                     &kv[st][1].c, &pos[0].c, &pos[st].c, qs_c, W);
+        KG->attention_block_backward(&gpu, &dq.g, &dk[st].g, &dv[st].g, &dout.g, &o16.g, &lse.g, &q.g, &kv[st][0].g,
+                                     &kv[st][1].g, &pos[0].g, &pos[st].g, qs_g, W);
+        snprintf(what, sizeof what, "attention_block dk (block %d) %s", st, tag);
+        check(what, &dk[st], gdt == AM_BF16);
+        snprintf(what, sizeof what, "attention_block dv (block %d) %s", st, tag);
+        check(what, &dv[st], gdt == AM_BF16);
+    }
+    snprintf(what, sizeof what, "attention_block dq (2 blocks) %s", tag);
+    check(what, &dq, gdt == AM_BF16);
     struct pair *all[] = {&q, &out, &lse, &kv[0][0], &kv[0][1], &kv[1][0], &kv[1][1], &pos[0], &pos[1], &dout, &dq,
-                          &dk[0], &dk[1], &dv[0], &dv[1], &st0};
+                          &dk[0], &dk[1], &dv[0], &dv[1], &st0, &o16};
     for (size_t i = 0; i < sizeof all / sizeof *all; i++)
         pair_free(all[i]);
 }
@@ -1371,10 +1389,14 @@ int main(int argc, char **argv)
         case_attention("own", AM_F32, c[0], c[1], c[2], c[3], c[4], c[5]);
         case_attention("own", AM_BF16, c[0], c[1], c[2], c[3], c[4], c[5]);
     }
-    RUN(case_attention_block(0, false));
-    RUN(case_attention_block(7, false));
-    RUN(case_attention_block(0, true));
-    RUN(case_attention_block(5, true));
+    RUN(case_attention_block(AM_F32, AM_F32, 0, false));
+    RUN(case_attention_block(AM_F32, AM_F32, 7, false));
+    RUN(case_attention_block(AM_F32, AM_F32, 0, true));
+    RUN(case_attention_block(AM_F32, AM_F32, 5, true));
+    RUN(case_attention_block(AM_BF16, AM_F32, 0, false)); /* the ring in bf16: f32 running out and sums */
+    RUN(case_attention_block(AM_BF16, AM_F32, 7, true));
+    RUN(case_attention_block(AM_BF16, AM_BF16, 0, true)); /* packed without cp: bf16 out and gradients */
+    RUN(case_attention_block(AM_BF16, AM_BF16, 5, false));
     if (am_cuda_attention_has_cudnn())
         for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++) {
             const int64_t *c = shapes[i];

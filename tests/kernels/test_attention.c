@@ -485,12 +485,189 @@ static void test_bf16_attention(void **state)
     am_cpu_set_chunk(&kdev, 0);
 }
 
+/* Elements of a bf16 result out of expect_bf16's tolerance (without failing): the perturbation checks. */
+static int64_t bf16_out_of_tolerance(const uint16_t *got, const float *ref, int64_t n)
+{
+    double mx = 0.0;
+    for (int64_t i = 0; i < n; i++)
+        mx = fmax(mx, fabs((double)ref[i]));
+    int64_t bad = 0;
+    for (int64_t i = 0; i < n; i++)
+        bad += !(fabs(am_bf16_to_f32(got[i]) - ref[i]) <= B16_REL * fabs((double)ref[i]) + B16_ABS * mx);
+    return bad;
+}
+
+/* A bf16 result whose largest element is moved by 2 %: expect_bf16's tolerance must see it. */
+static void expect_perturbation_caught(const char *what, struct bt *a, int64_t n)
+{
+    int64_t at = 0;
+    for (int64_t i = 1; i < n; i++)
+        at = fabsf(a->f[i]) > fabsf(a->f[at]) ? i : at;
+    uint16_t keep = a->h[at];
+    a->h[at] = am_f32_to_bf16(am_bf16_to_f32(keep) * 1.02f + 1e-3f);
+    if (bf16_out_of_tolerance(a->h, a->f, n) == 0) {
+        print_error("%s: a perturbation of element %lld by 2%% went unnoticed\n", what, (long long)at);
+        fail();
+    }
+    a->h[at] = keep;
+}
+
+/* The block kernels in bf16 (q, k, v bf16) against the fp32 ones on the widened inputs, the
+ * way ring.c and packed.c use them: the keys in cp blocks merged into an f32 running out (and
+ * f32 dq, dk, dv sums), then rounded once; and one block with bf16 out, dq, dk, dv (packed
+ * sequences without cp: rounded once per call). */
+static void test_bf16_attention_block(void **state)
+{
+    (void)state;
+    struct rng r = {139};
+    struct {
+        struct attn_dims s;
+        int cp;
+        bool packed;
+    } cases[] = {
+        {{2, 32, 4, 2, 16, 0, NULL}, 2, false}, {{1, 48, 4, 1, 64, 13, NULL}, 3, false},
+        {{2, 48, 4, 2, 8, 0, NULL}, 2, true},   {{2, 96, 4, 2, 8, 7, NULL}, 1, true},
+        {{1, 160, 2, 1, 8, 0, NULL}, 2, true},
+    };
+    for (size_t ci = 0; ci < sizeof cases / sizeof *cases; ci++)
+        for (int chunked = 0; chunked < 2; chunked++) {
+            struct attn_dims s = cases[ci].s;
+            int cp = cases[ci].cp;
+            am_cpu_set_chunk(&kdev, chunked ? 1 : 0); /* one sequence at a time */
+            int64_t B = s.B, T = s.T, H = s.H, KVH = s.KVH, D = s.D, Tk = T / cp;
+            int64_t nq = B * T * H * D, nk = B * T * KVH * D, nl = B * H * T, kb = B * Tk * KVH * D;
+            int32_t *pos = malloc((size_t)T * sizeof(int32_t)), *start = calloc((size_t)(B * T), sizeof(int32_t));
+            assert_non_null(pos);
+            assert_non_null(start);
+            for (int64_t t = 0; t < T; t++)
+                pos[t] = (int32_t)t;
+            for (int64_t b = 0; cases[ci].packed && b < B; b++)
+                for (int64_t t = 0, first = 0; t < T; t++) {
+                    if (t > first && rng_uniform(&r, 0, 1) < 3.0 / (double)T)
+                        first = t;
+                    start[b * T + t] = (int32_t)first;
+                }
+            struct am_tensor tqs = am_tensor_view(start, AM_DEV_CPU, AM_I32, B * T, 0, 0, 0);
+            struct am_tensor *qs = cases[ci].packed ? &tqs : NULL, tqp = am_tensor_view(pos, AM_DEV_CPU, AM_I32, T, 0, 0, 0);
+            /* the keys in cp blocks of Tk positions: block c holds positions c Tk .. (c + 1) Tk - 1 */
+            struct bt q = bt_rand(&r, nq, -2, 2), dout = bt_rand(&r, nq, -1, 1);
+            struct bt kblk[3], vblk[3];
+            for (int c = 0; c < cp; c++) {
+                kblk[c] = bt_rand(&r, kb, -2, 2);
+                vblk[c] = bt_rand(&r, kb, -1, 1);
+            }
+            float *o32 = malloc((size_t)nq * 4), *of = malloc((size_t)nq * 4), *l = malloc((size_t)nl * 4);
+            float *lf = malloc((size_t)nl * 4);
+            struct bt out = bt_new(nq);
+            struct am_tensor to32 = f32v(o32, B, T, H, D), tof = f32v(of, B, T, H, D);
+            struct am_tensor tl = f32v(l, B, H, T, 0), tlf = f32v(lf, B, H, T, 0);
+            struct am_tensor tq = hv(&q, B, T, H, D), tqf = fv(&q, B, T, H, D);
+            for (int c = 0; c < cp; c++) {
+                struct am_tensor kp = am_tensor_view(pos + c * Tk, AM_DEV_CPU, AM_I32, Tk, 0, 0, 0);
+                struct am_tensor tk = hv(&kblk[c], B, Tk, KVH, D), tv = hv(&vblk[c], B, Tk, KVH, D);
+                struct am_tensor tkf = fv(&kblk[c], B, Tk, KVH, D), tvf = fv(&vblk[c], B, Tk, KVH, D);
+                K->attention_block_forward(&kdev, &to32, &tl, &tq, &tk, &tv, &tqp, &kp, qs, s.W, c > 0);
+                K->attention_block_forward(&kdev, &tof, &tlf, &tqf, &tkf, &tvf, &tqp, &kp, qs, s.W, c > 0);
+            }
+            char what[160];
+            snprintf(what, sizeof what, "bf16 attention block out (f32 merge of %d) B%lld T%lld H%lld KVH%lld D%lld%s%s",
+                     cp, (long long)B, (long long)T, (long long)H, (long long)KVH, (long long)D,
+                     cases[ci].packed ? " packed" : "", chunked ? " (per sequence)" : "");
+            expect_mixed(what, o32, of, nq);
+            expect_mixed("bf16 attention block lse (f32)", l, lf, nl);
+            for (int64_t i = 0; i < nq; i++) { /* rounded once, as ring.c does after the last block */
+                out.h[i] = am_f32_to_bf16(o32[i]);
+                out.f[i] = of[i];
+            }
+            expect_bf16("bf16 attention block out (rounded once)", out.h, out.f, nq);
+            expect_perturbation_caught("bf16 attention block out", &out, nq);
+            /* one block, out bf16 without accumulate (its keys: all T positions) */
+            struct bt kall = bt_new(nk), vall = bt_new(nk), o1 = bt_new(nq);
+            for (int64_t b = 0; b < B; b++)
+                for (int c = 0; c < cp; c++) {
+                    size_t rowb = (size_t)(Tk * KVH * D);
+                    memcpy(kall.h + (b * T + c * Tk) * KVH * D, kblk[c].h + b * Tk * KVH * D, rowb * 2);
+                    memcpy(kall.f + (b * T + c * Tk) * KVH * D, kblk[c].f + b * Tk * KVH * D, rowb * 4);
+                    memcpy(vall.h + (b * T + c * Tk) * KVH * D, vblk[c].h + b * Tk * KVH * D, rowb * 2);
+                    memcpy(vall.f + (b * T + c * Tk) * KVH * D, vblk[c].f + b * Tk * KVH * D, rowb * 4);
+                }
+            struct am_tensor tka = hv(&kall, B, T, KVH, D), tva = hv(&vall, B, T, KVH, D);
+            struct am_tensor tkaf = fv(&kall, B, T, KVH, D), tvaf = fv(&vall, B, T, KVH, D);
+            struct am_tensor to1 = hv(&o1, B, T, H, D), to1f = fv(&o1, B, T, H, D);
+            K->attention_block_forward(&kdev, &to1, &tl, &tq, &tka, &tva, &tqp, &tqp, qs, s.W, 0);
+            K->attention_block_forward(&kdev, &to1f, &tlf, &tqf, &tkaf, &tvaf, &tqp, &tqp, qs, s.W, 0);
+            expect_bf16("bf16 attention block out (one block, bf16)", o1.h, o1.f, nq);
+            expect_mixed("bf16 attention block lse (one block)", l, lf, nl);
+            expect_perturbation_caught("bf16 attention block out (one block)", &o1, nq);
+            /* backward from the bf16 out (widened for the fp32 kernel) and the lse */
+            for (int64_t i = 0; i < nq; i++)
+                o1.f[i] = am_bf16_to_f32(o1.h[i]);
+            struct am_tensor tdo = hv(&dout, B, T, H, D), tdof = fv(&dout, B, T, H, D);
+            /* the ring's way: f32 dq summed over the blocks, each block's f32 dk, dv, then rounded */
+            float *dq32 = calloc((size_t)nq, 4), *dqf = calloc((size_t)nq, 4);
+            float *dk32 = calloc((size_t)kb, 4), *dv32 = calloc((size_t)kb, 4), *dkf = calloc((size_t)kb, 4);
+            float *dvf = calloc((size_t)kb, 4);
+            struct am_tensor tdq32 = f32v(dq32, B, T, H, D), tdqf = f32v(dqf, B, T, H, D);
+            struct am_tensor tdk32 = f32v(dk32, B, Tk, KVH, D), tdv32 = f32v(dv32, B, Tk, KVH, D);
+            struct am_tensor tdkf = f32v(dkf, B, Tk, KVH, D), tdvf = f32v(dvf, B, Tk, KVH, D);
+            for (int c = 0; c < cp; c++) {
+                struct am_tensor kp = am_tensor_view(pos + c * Tk, AM_DEV_CPU, AM_I32, Tk, 0, 0, 0);
+                struct am_tensor tk = hv(&kblk[c], B, Tk, KVH, D), tv = hv(&vblk[c], B, Tk, KVH, D);
+                struct am_tensor tkf = fv(&kblk[c], B, Tk, KVH, D), tvf = fv(&vblk[c], B, Tk, KVH, D);
+                memset(dk32, 0, (size_t)kb * 4);
+                memset(dv32, 0, (size_t)kb * 4);
+                memset(dkf, 0, (size_t)kb * 4);
+                memset(dvf, 0, (size_t)kb * 4);
+                K->attention_block_backward(&kdev, &tdq32, &tdk32, &tdv32, &tdo, &to1, &tl, &tq, &tk, &tv, &tqp, &kp,
+                                            qs, s.W);
+                K->attention_block_backward(&kdev, &tdqf, &tdkf, &tdvf, &tdof, &to1f, &tl, &tqf, &tkf, &tvf, &tqp,
+                                            &kp, qs, s.W);
+                expect_mixed("bf16 attention block dk (f32, one block's terms)", dk32, dkf, kb);
+                expect_mixed("bf16 attention block dv (f32, one block's terms)", dv32, dvf, kb);
+            }
+            expect_mixed("bf16 attention block dq (f32 sum over the blocks)", dq32, dqf, nq);
+            /* one block with bf16 dq, dk, dv: the terms added in fp32, rounded once */
+            struct bt dq = bt_rand(&r, nq, -1, 1), dk = bt_rand(&r, nk, -1, 1), dv = bt_rand(&r, nk, -1, 1);
+            struct am_tensor tdq = hv(&dq, B, T, H, D), tdk = hv(&dk, B, T, KVH, D), tdv = hv(&dv, B, T, KVH, D);
+            struct am_tensor tdq1f = fv(&dq, B, T, H, D), tdk1f = fv(&dk, B, T, KVH, D), tdv1f = fv(&dv, B, T, KVH, D);
+            K->attention_block_backward(&kdev, &tdq, &tdk, &tdv, &tdo, &to1, &tl, &tq, &tka, &tva, &tqp, &tqp, qs, s.W);
+            K->attention_block_backward(&kdev, &tdq1f, &tdk1f, &tdv1f, &tdof, &to1f, &tl, &tqf, &tkaf, &tvaf, &tqp,
+                                        &tqp, qs, s.W);
+            expect_bf16("bf16 attention block dq (bf16)", dq.h, dq.f, nq);
+            expect_bf16("bf16 attention block dk (bf16)", dk.h, dk.f, nk);
+            expect_bf16("bf16 attention block dv (bf16)", dv.h, dv.f, nk);
+            expect_perturbation_caught("bf16 attention block dq", &dq, nq);
+            expect_perturbation_caught("bf16 attention block dk", &dk, nk);
+            free(dq32);
+            free(dqf);
+            free(dk32);
+            free(dv32);
+            free(dkf);
+            free(dvf);
+            free(o32);
+            free(of);
+            free(l);
+            free(lf);
+            free(pos);
+            free(start);
+            for (int c = 0; c < cp; c++) {
+                bt_free(&kblk[c]);
+                bt_free(&vblk[c]);
+            }
+            struct bt *all[] = {&q, &dout, &out, &kall, &vall, &o1, &dq, &dk, &dv};
+            for (size_t i = 0; i < sizeof all / sizeof *all; i++)
+                bt_free(all[i]);
+        }
+    am_cpu_set_chunk(&kdev, 0);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_attention),
         cmocka_unit_test(test_attention_block),
         cmocka_unit_test(test_bf16_attention),
+        cmocka_unit_test(test_bf16_attention_block),
     };
     return cmocka_run_group_tests_name("kernels (cpu): attention", tests, kernels_test_setup, NULL);
 }
