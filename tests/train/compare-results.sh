@@ -31,9 +31,17 @@
 # Environment: AM_PARITY_ONLY (and AM_PARITY_BF16) pass through to test-parity.sh to run some
 # layouts only (the 14 one-rank references always run); TMPDIR is where the work directory
 # (compare-results.XXXXXX) is made; AM_COMPARE_CLEAN=1 removes it at the end.
+# compare-results.sh --resume BUILDDIR OUTFILE: the same of test-resume.sh's uninterrupted runs
+# (AM_RESUME_TRIALS 0 unless given): its references (r1, r-*: checkpoints of steps 4 and 6, the
+# sharded files only), r1-final, ref1 and ref1-moe, the sources of the re-sharding (s-*) and the
+# runs restored from them at another layout (to-*: their step 6 and its Hugging Face export).
+# The runs killed on purpose, the one warned by SIGUSR1 (the step it saves depends on timing)
+# and the refused ones are left out.
 set -u
+test=parity
+[ "${1:-}" = --resume ] && { test=resume; shift; }
 if [ $# != 2 ]; then
-    echo "usage: $0 BUILDDIR OUTFILE (AM_PARITY_ONLY=\"NAME RANKS CHANGES REF [VAR=VALUE...];...\" for some layouts)" >&2
+    echo "usage: $0 [--resume] BUILDDIR OUTFILE (AM_PARITY_ONLY=\"NAME RANKS CHANGES REF [VAR=VALUE...];...\" for some layouts)" >&2
     exit 2
 fi
 build=$(cd "$1" && pwd) || exit 2
@@ -51,17 +59,25 @@ echo "compare-results.sh: work directory $tmp" >&2
 start=$(date +%s)
 # as the test environment of Makefile.am, from the build directory
 (cd "$build" && env AM_SRCDIR="$src" AM_BUILDDIR="$build" AM_MODELS_DIR="$src/runtime/recipe/models" \
-    HF_HUB_CACHE="$build/tests/no-hf-cache" AM_PARITY_KEEP=1 TMPDIR="$tmp" OMP_NUM_THREADS="$threads" \
-    bash "$src/tests/train/test-parity.sh") >"$tmp/parity.out" 2>&1
+    HF_HUB_CACHE="$build/tests/no-hf-cache" AM_PARITY_KEEP=1 AM_RESUME_KEEP=1 AM_RESUME_TRIALS="${AM_RESUME_TRIALS:-0}" \
+    TMPDIR="$tmp" OMP_NUM_THREADS="$threads" bash "$src/tests/train/test-$test.sh") >"$tmp/$test.out" 2>&1
 rc=$?
-echo "compare-results.sh: test-parity.sh ended with $rc after $(($(date +%s) - start)) s: $(tail -n1 "$tmp/parity.out")" >&2
+echo "compare-results.sh: test-$test.sh ended with $rc after $(($(date +%s) - start)) s: $(tail -n1 "$tmp/$test.out")" >&2
 work=$(ls -d "$tmp"/tmp.* 2>/dev/null | head -n1)
-[ -d "$work/logs-ref" ] || { echo "compare-results.sh: no work directory with logs-ref under $tmp (see $tmp/parity.out)" >&2; exit 1; }
+first=ref
+[ "$test" = resume ] && first=r1
+[ -d "$work/logs-$first" ] || { echo "compare-results.sh: no work directory with logs-$first under $tmp (see $tmp/$test.out)" >&2; exit 1; }
+keep() { # NAME: whether the run's results go to OUTFILE
+    [ "$test" = parity ] && return 0
+    case $1 in r1 | r1-final | r-* | ref1 | ref1-moe | s-* | to-*) return 0 ;; esac
+    return 1
+}
 
 {
-    echo "# threads $threads, cpu $(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -n1)"
+    echo "# test-$test.sh, threads $threads, cpu $(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -n1)"
     for logs in "$work"/logs-*; do
         name=${logs##*/logs-}
+        keep "$name" || continue
         for log in "$logs"/*/rank-*.jsonl; do
             [ -f "$log" ] || continue
             r=${log##*/}
@@ -76,6 +92,7 @@ work=$(ls -d "$tmp"/tmp.* 2>/dev/null | head -n1)
     for ckpt in "$work"/ckpt-*; do
         [ -d "$ckpt" ] || continue
         name=${ckpt##*/ckpt-}
+        keep "$name" || continue
         (cd "$ckpt" && find . -type f | sort) | while read -r f; do
             case $f in
             */manifest.json) sum=$(grep -v '^ *"time": ' "$ckpt/$f" | sha256sum) ;;
