@@ -1,6 +1,10 @@
 /* kernels_test.c - the helpers of the CPU kernels' tests (kernels_test.h says what they are). */
 #include "kernels_test.h"
 
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
 struct am_dev kdev;
 const struct am_kernels *K;
 
@@ -282,4 +286,35 @@ void expect_mixed(const char *what, const float *got, const float *ref, int64_t 
 struct am_tensor f32v(float *p, int64_t d0, int64_t d1, int64_t d2, int64_t d3)
 {
     return am_tensor_view(p, AM_DEV_CPU, AM_F32, d0, d1, d2, d3);
+}
+
+void expect_abort(void (*call)(int), int c, const char *const *want, int n)
+{
+    int pipefd[2];
+    assert_int_equal(pipe(pipefd), 0);
+    fflush(stdout);
+    fflush(stderr);
+    pid_t pid = fork();
+    assert_true(pid >= 0);
+    if (pid == 0) {
+        dup2(pipefd[1], 2);
+        call(c);
+        _exit(0);
+    }
+    close(pipefd[1]);
+    char msg[1024] = {0};
+    ssize_t got = 0, rd;
+    while ((rd = read(pipefd[0], msg + got, sizeof msg - 1 - (size_t)got)) > 0)
+        got += rd;
+    close(pipefd[0]);
+    int status = 0;
+    assert_int_equal(waitpid(pid, &status, 0), pid);
+    if (getenv("AM_TEST_VERBOSE"))
+        printf("    %s", msg);
+    assert_true(WIFSIGNALED(status) && WTERMSIG(status) == SIGABRT);
+    for (int i = 0; i < n; i++)
+        if (!strstr(msg, want[i])) {
+            print_error("case %d: \"%s\" not in: %s\n", c, want[i], msg);
+            fail();
+        }
 }

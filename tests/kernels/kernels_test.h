@@ -129,4 +129,9 @@ void expect_bf16(const char *what, const uint16_t *got, const float *ref, int64_
 void expect_mixed(const char *what, const float *got, const float *ref, int64_t n);
 struct am_tensor f32v(float *p, int64_t d0, int64_t d1, int64_t d2, int64_t d3);
 
+/* Runs call(c) in a child, which must abort (a kernel's caller-bug check); the message it
+ * printed on stderr is checked to hold each of the n strings in want (printed with
+ * AM_TEST_VERBOSE). */
+void expect_abort(void (*call)(int), int c, const char *const *want, int n);
+
 #endif
