@@ -35,8 +35,6 @@ int main(void)
         am_rank_setup_exit(&s, rc < 0);
     }
     rc = am_train(&s, &log, &err);
-    for (size_t i = 0; i < err.n; i++)
-        fprintf(stderr, "am-train: rank %d: error: %s\n", s.info.rank, err.msg[i]);
     if (rc < 0 && s.boot)
         am_boot_abort(s.boot, 1, err.n ? err.msg[0] : "am-train failed");
     am_rank_setup_end(&s);

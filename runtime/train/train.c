@@ -245,6 +245,10 @@ int am_train(struct am_rank_setup *s, struct am_log *log, struct am_errors *err)
     rc = run(&t, err);
 out:
     am_watchdog_stop(&t.wd);
+    /* printed before the cause record: a rank stopped by the job's teardown between the two
+     * has printed whatever its log names */
+    for (size_t i = 0; i < err->n; i++)
+        fprintf(stderr, "am-train: rank %d: error: %s\n", s->info.rank, err->msg[i]);
     if (rc < 0 && t.log->fd >= 0 && err->n)
         am_train_report_error(&t, err->msg[0]);
     am_crash_set_flight(NULL); /* freed below */

@@ -45,7 +45,8 @@ void am_train_log_end(struct am_log *log);
 /* Writes to log (opened by am_train_log_begin; every error of its own setup, from the
  * device to the dataset, and of training becomes the rank's cause record). Returns 0 when
  * every step ran, AM_TRAIN_REQUEUE when the ranks saved and stopped on Slurm's warning
- * (preempt.h), -1 with the reason in err. */
+ * (preempt.h), -1 with the reason in err, each message also printed on stderr
+ * ("am-train: rank R: error: MESSAGE") before the cause record is written. */
 #define AM_TRAIN_REQUEUE 1
 int am_train(struct am_rank_setup *s, struct am_log *log, struct am_errors *err);
 
