@@ -49,8 +49,6 @@
 #define AM_SCKPT_VERSION 1
 #define AM_SCKPT_SECTIONS 3 /* master weights, AdamW m, AdamW v */
 
-/* crc32c (Castagnoli) of len bytes, continuing from crc (0 to start). */
-uint32_t am_crc32c(uint32_t crc, const void *buf, size_t len);
 
 /* One rectangle of a tensor held by a rank (see above). */
 struct am_sckpt_piece {

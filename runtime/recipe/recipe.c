@@ -1157,6 +1157,29 @@ static void read_compile(struct reader *rd, struct am_node *c)
                  "computed, not what%s%s", "", "");
 }
 
+/* Experiment trackers' sections: am's C runtime speaks none of their services' protocols;
+ * rank 0 writes TensorBoard event files instead, and the note says how to look at them. */
+static bool tracker_section(struct reader *rd, const char *key)
+{
+    static const struct {
+        const char *section, *import;
+    } trackers[] = {
+        {"wandb", "import them into W&B with wandb sync --sync-tensorboard DIR"},
+        {"mlflow", "view them with tensorboard --logdir DIR"},
+        {"comet", "view them with tensorboard --logdir DIR"},
+    };
+    for (size_t i = 0; i < sizeof trackers / sizeof trackers[0]; i++) {
+        if (strcmp(key, trackers[i].section) != 0)
+            continue;
+        add_ignored(rd, "", key);
+        add_note(rd, "%s: am-train logs to no tracking service; rank 0 writes TensorBoard event files in <log "
+                 "dir>/<job id>/tensorboard (docs/diagnostics.md, \"TensorBoard\"): %s", key,
+                 trackers[i].import);
+        return true;
+    }
+    return false;
+}
+
 static void read_recipe(struct reader *rd)
 {
     struct am_recipe *r = rd->r;
@@ -1201,6 +1224,10 @@ static void read_recipe(struct reader *rd)
         if (strcmp(e->key, "compile") == 0) {
             e->used = true;
             read_compile(rd, e->value);
+            continue;
+        }
+        if (tracker_section(rd, e->key)) {
+            e->used = true;
             continue;
         }
         for (int j = 0; owned_sections[j]; j++) {

@@ -132,6 +132,58 @@ static json_t *am_settings(void)
     return o;
 }
 
+/* Rank 0's TensorBoard file: in AM_TENSORBOARD_DIR/<job id> when set (none: no file), else
+ * in the job's log directory, <log dir>/<job id>/tensorboard. A file that cannot be made is
+ * a note: the run goes on without curves (its log has every value). */
+static void tensorboard_open(struct trainer *t)
+{
+    const char *env = getenv("AM_TENSORBOARD_DIR");
+    char dir[4096], msg[4200];
+    if (env && strcmp(env, "none") == 0)
+        return;
+    if (env && *env)
+        snprintf(dir, sizeof dir, "%s/%s", env, t->s->info.job_id);
+    else {
+        const char *slash = strrchr(t->log->path, '/');
+        if (t->log->fd < 0 || !slash)
+            return;
+        snprintf(dir, sizeof dir, "%.*s/tensorboard", (int)(slash - t->log->path), t->log->path);
+    }
+    if (am_tfevents_open(&t->tb, dir, t->s->info.host, am_wall_time(), msg, sizeof msg) == 0)
+        return;
+    am_log_record(t->log, "note", json_pack("{s:s,s:s,s:f}", "where", "tensorboard", "message", msg, "time",
+                                            am_wall_time()));
+    fprintf(stderr, "am-train: rank 0: note: TensorBoard: %s (no curves for this run: set AM_TENSORBOARD_DIR to a "
+            "writable directory, or to none)\n", msg);
+}
+
+/* The step record's numbers as TensorBoard scalars "train/<key>" at the step (its time as
+ * the wall time), and the tokens per second. A write that fails is noted once and ends the
+ * file. */
+static void tensorboard_step(struct trainer *t, json_t *rec)
+{
+    struct am_tfscalar v[64];
+    char tags[64][64], msg[4200];
+    size_t n = 0;
+    const char *key;
+    json_t *val;
+    json_object_foreach(rec, key, val) {
+        if (!json_is_number(val) || strcmp(key, "step") == 0 || strcmp(key, "time") == 0 || n == 63)
+            continue;
+        snprintf(tags[n], sizeof tags[n], "train/%s", key);
+        v[n] = (struct am_tfscalar){tags[n], json_number_value(val)};
+        n++;
+    }
+    double dt = json_number_value(json_object_get(rec, "step_s"));
+    if (dt > 0)
+        v[n++] = (struct am_tfscalar){"train/tokens_per_s", json_number_value(json_object_get(rec, "tokens")) / dt};
+    if (am_tfevents_scalars(&t->tb, json_integer_value(json_object_get(rec, "step")),
+                            json_number_value(json_object_get(rec, "time")), v, n, msg, sizeof msg) == 0)
+        return;
+    fprintf(stderr, "am-train: rank 0: note: TensorBoard: %s (no more curves for this run)\n", msg);
+    am_tfevents_close(&t->tb);
+}
+
 /* The rank's second start record, once it is placed: coordinates, device, recipe, settings. */
 void am_train_log_start(struct trainer *t)
 {
@@ -160,6 +212,8 @@ void am_train_log_start(struct trainer *t)
     }
     json_object_set_new(o, "settings", am_settings());
     am_log_record(t->log, "start", o);
+    if (t->s->info.rank == 0)
+        tensorboard_open(t);
 }
 
 /* This rank's groups, for am-diag: {"type":"groups","groups":[{"name":"dp","gid":0,"ranks":[0,1]},...]}. */
@@ -288,6 +342,8 @@ void am_train_log_step(struct trainer *t, long step, double loss, double lr, dou
             json_object_set_new(rec, "ep_tokens_in", json_integer((json_int_t)ms.tokens_in));
         }
     }
+    if (t->tb.fd >= 0)
+        tensorboard_step(t, rec);
     am_log_record(t->log, "step", rec);
 }
 

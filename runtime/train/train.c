@@ -216,7 +216,7 @@ static int run(struct trainer *t, struct am_errors *err)
 
 int am_train(struct am_rank_setup *s, struct am_log *log, struct am_errors *err)
 {
-    struct trainer t = {.s = s, .r = s->recipe, .p = &s->plan, .log = log};
+    struct trainer t = {.s = s, .r = s->recipe, .p = &s->plan, .log = log, .tb = {.fd = -1}};
     char msg[512];
     int rc = -1;
     if (setup_diagnostics(&t, err) < 0 || open_device(&t, err) < 0)
@@ -262,6 +262,7 @@ out:
     am_pipe_free(&t.pipe);
     am_train_free_data(&t);
     am_flight_free(&t.flight);
+    am_tfevents_close(&t.tb);
     free(t.hosts);
     am_dev_close(&t.dev);
     return rc;

@@ -32,6 +32,7 @@
 #include "pack.h"
 #include "pipeline.h"
 #include "rank_setup.h"
+#include "tfevents.h"
 #include "watchdog.h"
 
 struct trainer {
@@ -50,6 +51,7 @@ struct trainer {
     char **mask_paths;
     int32_t *mask_sample;
     struct am_log *log;                 /* opened by am_train_log_begin */
+    struct am_tfevents tb;              /* rank 0's TensorBoard scalars (fd -1: none) */
     int32_t *sample, *tokens, *targets; /* host buffers for one pipeline run's micro-batches */
     struct am_packs *packs;             /* packed sequences (pack.h): the packs of whole documents, or NULL */
     int32_t *starts;                    /* packed: each row's document start, beside tokens and targets */
@@ -88,9 +90,10 @@ void am_train_free_data(struct trainer *t);
 int am_train_count_labels(struct trainer *t, long step, int64_t *count, struct am_errors *err);
 int am_train_read_microbatches(struct trainer *t, long step, int64_t accum, struct am_errors *err);
 
-/* records.c: am-plan's memory estimate for this rank; the second start record, the groups,
- * the memory allocated, each step's record (step: 0-based, as the loop counts) and line on
- * rank 0; the device's peak for the MFU (AM_PEAK_TFLOPS, else a table of GPUs); the
+/* records.c: am-plan's memory estimate for this rank; the second start record (and rank 0's
+ * TensorBoard file: docs/diagnostics.md), the groups, the memory allocated, each step's record
+ * (step: 0-based, as the loop counts; on rank 0 also its numbers as TensorBoard scalars) and
+ * line on rank 0; the device's peak for the MFU (AM_PEAK_TFLOPS, else a table of GPUs); the
  * device's fault hook (kernels.h); the rank's cause record for a failure (a communication
  * call's, else the message); a non-finite loss or norm as the cause and the error. */
 double am_train_plan_bytes(const struct trainer *t);

@@ -3,6 +3,7 @@
  * cross the pieces, checked (sizes, crc32c), kept (max_recent_checkpoints) and resolved. */
 #include "testio.h"
 
+#include "crc32c.h"
 #include "shard_ckpt.h"
 
 #define ROWS 4

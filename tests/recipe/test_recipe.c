@@ -273,6 +273,13 @@ static void test_automodel_recipe_loads(void **state)
         assert_true(found);
     }
     assert_int_equal(r->ignored.n, n);
+    /* a tracker's section: ignored, with a note of what am writes instead */
+    bool noted = false;
+    for (size_t j = 0; j < r->notes.n; j++)
+        noted |= strcmp(r->notes.v[j], "wandb: am-train logs to no tracking service; rank 0 writes TensorBoard event "
+                        "files in <log dir>/<job id>/tensorboard (docs/diagnostics.md, \"TensorBoard\"): import them "
+                        "into W&B with wandb sync --sync-tensorboard DIR") == 0;
+    assert_true(noted);
     am_recipe_free(r);
     am_errors_free(&err);
 }
