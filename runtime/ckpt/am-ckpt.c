@@ -11,23 +11,30 @@
  *                             directory: W + (lora_alpha / r) * B @ A in the base's dtype, every
  *                             other tensor and file copied (peft_merge.h); OUT must not exist
  *
+ * export and merge take --progress / --quiet (after the command): the progress line on stderr,
+ * shown by default when stderr is a terminal (progress.h).
  * Exit status: 0, 1 when the checkpoint is refused (with the reason), 2 on a usage error. */
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "arena.h"
 #include "checkpoint.h"
 #include "model_config.h"
 #include "peft_merge.h"
+#include "progress.h"
 #include "shard_ckpt.h"
 
 static int usage(void)
 {
-    fprintf(stderr, "usage: am-ckpt show DIR\n       am-ckpt export DIR OUT\n       am-ckpt merge BASE PEFT OUT\n"
+    fprintf(stderr, "usage: am-ckpt show DIR\n       am-ckpt export [--progress|--quiet] DIR OUT\n"
+            "       am-ckpt merge [--progress|--quiet] BASE PEFT OUT\n"
             "DIR: a checkpoint (step-N, with manifest.json) or a checkpoint_dir (its `latest`)\n"
             "merge: LoRA adapters (PEFT: a step-N/peft directory, or one peft saved) merged into the base model\n"
-            "(BASE: a Hugging Face model directory) as a new Hugging Face directory OUT (which must not exist)\n");
+            "(BASE: a Hugging Face model directory) as a new Hugging Face directory OUT (which must not exist)\n"
+            "export and merge show their progress on a terminal (--progress: always; --quiet: never)\n");
     return 2;
 }
 
@@ -115,6 +122,8 @@ struct exporter {
     size_t current;
     float *buf;
     char err[2048];
+    struct am_progress bar; /* the bytes of the tensors read */
+    uint64_t done;
 };
 
 static int fill(void *ctx, size_t index, uint64_t offset, void *dst, size_t n, struct am_errors *err)
@@ -123,6 +132,8 @@ static int fill(void *ctx, size_t index, uint64_t offset, void *dst, size_t n, s
     struct am_sckpt_tensor_info t;
     am_sckpt_tensor(x->c, x->which[index], &t);
     if (x->current != index || !x->buf) {
+        am_progress_set(&x->bar, x->done, 0);
+        x->done += (uint64_t)(t.rows * t.cols) * sizeof(float);
         free(x->buf);
         x->buf = malloc((size_t)(t.rows * t.cols) * sizeof(float) + 1);
         x->current = index;
@@ -138,7 +149,7 @@ static int fill(void *ctx, size_t index, uint64_t offset, void *dst, size_t n, s
     return 0;
 }
 
-static int export(const char *arg, const char *out)
+static int export(const char *arg, const char *out, bool show)
 {
     struct am_sckpt *c;
     char path[4200], err[2048], hash[17];
@@ -177,6 +188,7 @@ static int export(const char *arg, const char *out)
         goto out;
     }
     size_t n = am_sckpt_n_tensors(c);
+    uint64_t total = 0;
     for (size_t i = 0; i < n; i++) {
         struct am_sckpt_tensor_info t;
         am_sckpt_tensor(c, i, &t);
@@ -188,11 +200,17 @@ static int export(const char *arg, const char *out)
             goto out;
         }
         x.which[i] = i;
+        total += (uint64_t)(t.rows * t.cols) * sizeof(float);
         wt[i] = (struct am_st_wtensor){.name = t.name, .dtype = AM_ST_F32, .ndim = t.ndim, .shape = {t.rows, t.cols},
                                        .fill = fill, .ctx = &x};
     }
-    if (am_ckpt_save(out, &cfg, wt, n, NULL, &e) < 0)
+    am_progress_start(&x.bar, "am-ckpt export", NULL, total, show);
+    if (am_ckpt_save(out, &cfg, wt, n, NULL, &e) < 0) {
+        am_progress_end(&x.bar, false);
         goto errs;
+    }
+    am_progress_set(&x.bar, x.done, 0);
+    am_progress_end(&x.bar, true);
     printf("am-ckpt: exported step %ld (%zu tensors) to %s\n", am_sckpt_step(c), n, out);
     rc = 0;
     goto out;
@@ -209,11 +227,12 @@ out:
     return rc;
 }
 
-static int merge(const char *base, const char *peft, const char *out)
+static int merge(const char *base, const char *peft, const char *out, bool show)
 {
     struct am_errors e;
+    struct am_progress bar = {.on = show};
     am_errors_init(&e);
-    long n = am_peft_merge(base, peft, out, &e);
+    long n = am_peft_merge(base, peft, out, &bar, &e);
     for (size_t i = 0; i < e.n; i++)
         fprintf(stderr, "am-ckpt: %s\n", e.msg[i]);
     am_errors_free(&e);
@@ -225,11 +244,21 @@ static int merge(const char *base, const char *peft, const char *out)
 
 int main(int argc, char **argv)
 {
+    bool show_progress = isatty(2); /* --progress / --quiet: shown or not, after the command */
+    int n = 0;
+    for (int i = 0; i < argc; i++) {
+        int o = i >= 2 ? am_progress_option(argv[i]) : -1;
+        if (o >= 0)
+            show_progress = o;
+        else
+            argv[n++] = argv[i];
+    }
+    argc = n;
     if (argc == 5 && strcmp(argv[1], "merge") == 0)
-        return merge(argv[2], argv[3], argv[4]);
+        return merge(argv[2], argv[3], argv[4], show_progress);
     if (argc == 3 && strcmp(argv[1], "show") == 0)
         return show(argv[2]);
     if (argc == 4 && strcmp(argv[1], "export") == 0)
-        return export(argv[2], argv[3]);
+        return export(argv[2], argv[3], show_progress);
     return usage();
 }

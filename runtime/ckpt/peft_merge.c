@@ -249,6 +249,14 @@ out:
     return rc;
 }
 
+static uint64_t tensor_bytes(const struct am_st_info *t)
+{
+    uint64_t n = (uint64_t)am_st_dtype_bits(t->dtype);
+    for (int d = 0; d < t->ndim; d++)
+        n *= (uint64_t)t->shape[d];
+    return n / 8;
+}
+
 static bool weight_file(const char *n)
 {
     static const char *const sfx[] = {".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf",
@@ -260,7 +268,8 @@ static bool weight_file(const char *n)
 }
 
 /* Writes the base's files into tmp: copies, and the safetensors with the merged weights. */
-static int write_out(const char *tmp, const struct am_ckpt *base, struct module *m, size_t nm, struct am_errors *err)
+static int write_out(const char *tmp, const struct am_ckpt *base, struct module *m, size_t nm, struct am_progress *bar,
+                     struct am_errors *err)
 {
     const char *bdir = am_ckpt_dir(base);
     DIR *d = opendir(bdir);
@@ -299,6 +308,12 @@ static int write_out(const char *tmp, const struct am_ckpt *base, struct module 
         if (j == nf)
             files[nf++] = f;
     }
+    uint64_t total = 0, done = 0;
+    for (size_t j = 0; j < nf; j++)
+        for (size_t i = 0; i < am_st_count(files[j]); i++)
+            total += tensor_bytes(am_st_at(files[j], i));
+    if (bar)
+        am_progress_start(bar, "am-ckpt merge", NULL, total, bar->on);
     for (size_t j = 0; j < nf; j++) {
         const struct am_st_file *f = files[j];
         size_t nt = am_st_count(f);
@@ -325,14 +340,21 @@ static int write_out(const char *tmp, const struct am_ckpt *base, struct module 
                 am_errorf(err, NULL, "%s: path too long", tmp);
             goto out;
         }
+        for (size_t i = 0; i < nt; i++)
+            done += tensor_bytes(am_st_at(f, i));
+        if (bar)
+            am_progress_set(bar, done, 0);
     }
     rc = 0;
 out:
+    if (bar)
+        am_progress_end(bar, rc == 0);
     free(files);
     return rc;
 }
 
-long am_peft_merge(const char *base_dir, const char *peft_dir, const char *out_in, struct am_errors *err)
+long am_peft_merge(const char *base_dir, const char *peft_dir, const char *out_in, struct am_progress *bar,
+                   struct am_errors *err)
 {
     char out[4096], tmp[4200] = "", path[4400];
     struct am_ckpt *base = NULL;
@@ -398,7 +420,7 @@ long am_peft_merge(const char *base_dir, const char *peft_dir, const char *out_i
             goto done;
     if (am_temp_dir(out, tmp, sizeof(tmp), err) < 0)
         goto done;
-    if (write_out(tmp, base, m, nm, err) < 0)
+    if (write_out(tmp, base, m, nm, bar, err) < 0)
         goto done;
     if (am_fsync_dir_of(tmp, true) < 0 || rename(tmp, out) < 0) { /* over an empty directory, or none */
         am_errorf(err, NULL, "%s: cannot move %s into place: %s", out, tmp, strerror(errno));

@@ -28,9 +28,12 @@
 #include <stddef.h>
 
 #include "errors.h"
+#include "progress.h"
 
-/* Merges as above. Returns the number of weights merged (>= 1), or -1 with messages in err
+/* Merges as above, showing the bytes written on bar (progress.h; bar->on says whether it
+ * shows; NULL: none). Returns the number of weights merged (>= 1), or -1 with messages in err
  * (OUT then does not exist or is as it was). */
-long am_peft_merge(const char *base_dir, const char *peft_dir, const char *out_dir, struct am_errors *err);
+long am_peft_merge(const char *base_dir, const char *peft_dir, const char *out_dir, struct am_progress *bar,
+                   struct am_errors *err);
 
 #endif

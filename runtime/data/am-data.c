@@ -35,13 +35,14 @@
 #include "errors.h"
 #include "recipe.h" /* AM_MAX_DATA_PATHS */
 #include "textbuild.h"
+#include "progress.h"
 #include "tokenizer.h"
 #include "util.h"
 
 static const char usage[] =
-    "usage: am-data build --out PREFIX [--bytes] FILE...\n"
+    "usage: am-data build --out PREFIX [--bytes] [--progress|--quiet] FILE...\n"
     "       am-data build --out PREFIX --tokenizer DIR_OR_FILE [--format jsonl|text] [--text-key KEY]\n"
-    "                     [--no-special-tokens] [--eod TOKEN] [--threads N] [--resume] [--progress|--no-progress]\n"
+    "                     [--no-special-tokens] [--eod TOKEN] [--threads N] [--resume] [--progress|--quiet]\n"
     "                     [--instruction [--prompt-key K --response-key K | --context-key K --question-key K\n"
     "                      --answer-key K] [--eos TOKEN] [--no-chat-template]] FILE...\n"
     "       am-data encode --tokenizer DIR_OR_FILE [--no-special-tokens] [--nul] [FILE]\n"
@@ -57,7 +58,9 @@ static const char usage[] =
     "                 prompt/response rows, tokens plus a loss mask in PREFIX.mask.bin/.idx (docs/data.md)\n"
     "encode  prints the token ids of each line (--nul: NUL-separated text) of FILE or standard input\n"
     "info    prints the counts of a dataset\n"
-    "sample  prints GPT samples (seq_length + 1 tokens) as the trainer builds them\n";
+    "sample  prints GPT samples (seq_length + 1 tokens) as the trainer builds them\n"
+    "\n"
+    "build shows its progress on a terminal (--progress: always; --quiet or --no-progress: never)\n";
 
 static int report(struct am_errors *err)
 {
@@ -219,6 +222,13 @@ done:
     return rc;
 }
 
+/* A file's size in bytes (0 when it cannot be read: its build step then says why). */
+static uint64_t file_size(const char *path)
+{
+    struct stat st;
+    return stat(path, &st) == 0 ? (uint64_t)st.st_size : 0;
+}
+
 /* Creates the directories above PREFIX (mkdir -p of its dirname), as a user expects of --out. */
 static int make_parent_dirs(const char *prefix, struct am_errors *err)
 {
@@ -244,11 +254,13 @@ static int cmd_build(int argc, char **argv)
             return cmd_build_text(argc, argv);
     const char *out = NULL;
     bool bytes = false, options = true;
-    int n_files = 0;
+    int n_files = 0, show = isatty(2);
     for (int i = 0; i < argc; i++) {
         const char *a = argv[i];
         if (options && strcmp(a, "--") == 0) {
             options = false;
+        } else if (options && am_progress_option(a) >= 0) {
+            show = am_progress_option(a);
         } else if (options && strcmp(a, "--out") == 0 && i + 1 < argc) {
             out = argv[++i];
         } else if (options && strncmp(a, "--out=", 6) == 0) {
@@ -269,6 +281,7 @@ static int cmd_build(int argc, char **argv)
     struct am_errors err;
     am_errors_init(&err);
     struct am_indexed_builder *b = NULL;
+    struct am_progress bar = {0}; /* off until the build starts */
     int64_t max_id = 0, docs = 0, ignored = 0;
     int rc = 1;
     enum am_idx_dtype dtype = AM_IDX_U8;
@@ -280,9 +293,16 @@ static int cmd_build(int argc, char **argv)
     }
     if (make_parent_dirs(out, &err) < 0 || am_indexed_builder_open(out, dtype, &b, &err) < 0)
         goto done;
+    uint64_t total = 0, done_bytes = 0;
     for (int i = 0; i < n_files; i++)
+        total += file_size(argv[i]);
+    am_progress_start(&bar, "am-data build", NULL, total, show);
+    for (int i = 0; i < n_files; i++) {
         if ((bytes ? build_bytes_file(b, argv[i], &docs, &err) : parse_ids(argv[i], b, &max_id, &docs, &err)) < 0)
             goto done;
+        done_bytes += file_size(argv[i]);
+        am_progress_set(&bar, done_bytes, 0);
+    }
     if (docs == 0) {
         am_errorf(&err, NULL, "%s: the input files hold no tokens", out);
         goto done;
@@ -291,9 +311,11 @@ static int cmd_build(int argc, char **argv)
     b = NULL;
     if (am_indexed_builder_finish(done_b, &err) < 0)
         goto done;
+    am_progress_end(&bar, true);
     printf("%s.bin, %s.idx: %" PRId64 " documents, dtype %s\n", out, out, docs, am_idx_dtype_name(dtype));
     rc = 0;
 done:
+    am_progress_end(&bar, false);
     am_indexed_builder_abort(b);
     if (rc)
         report(&err);
@@ -342,6 +364,8 @@ static int cmd_build_text(int argc, char **argv)
     for (int i = 0; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         const char **val = NULL;
+        char opt[64];
+        bool inline_value = false; /* --key=value */
         if (options && strcmp(a, "--") == 0) {
             options = false;
             continue;
@@ -350,12 +374,19 @@ static int cmd_build_text(int argc, char **argv)
             argv[n_files++] = argv[i];
             continue;
         }
+        const char *eq = strchr(a, '=');
+        if (eq && eq - a < (long)sizeof(opt)) {
+            snprintf(opt, sizeof opt, "%.*s", (int)(eq - a), a);
+            v = eq + 1;
+            a = opt;
+            inline_value = true;
+        }
         if (strcmp(a, "--no-special-tokens") == 0) {
             o.add_special = false;
         } else if (strcmp(a, "--resume") == 0) {
             o.resume = true;
-        } else if (strcmp(a, "--progress") == 0 || strcmp(a, "--no-progress") == 0) {
-            o.progress = a[2] == 'p';
+        } else if (am_progress_option(a) >= 0) {
+            o.progress = am_progress_option(a);
             progress_set = true;
         } else if (strcmp(a, "--instruction") == 0) {
             o.instruction = true;
@@ -391,7 +422,7 @@ static int cmd_build_text(int argc, char **argv)
                 return 2;
             }
             o.threads = (int)n;
-            i++;
+            i += !inline_value;
         } else {
             fprintf(stderr, "am-data build: unknown option %s\n%s", a, usage);
             return 2;
@@ -402,7 +433,10 @@ static int cmd_build_text(int argc, char **argv)
                 return 2;
             }
             *val = v;
-            i++;
+            i += !inline_value;
+        } else if (inline_value && strcmp(a, "--threads") != 0) {
+            fprintf(stderr, "am-data build: %s takes no value\n", a);
+            return 2;
         }
     }
     if (!o.out || n_files == 0) {

@@ -19,6 +19,7 @@
 
 #include "dataset.h"
 #include "log.h"
+#include "progress.h"
 #include "textbuild.h"
 #include "tokenizer.h"
 #include "util.h"
@@ -451,19 +452,6 @@ static int read_resume(const char *path, const char *sig, struct resume_point *p
 
 /* ---- the build ------------------------------------------------------------------------------ */
 
-static void progress(const struct am_text_build *o, int64_t done, int64_t total, int64_t tokens, double t0,
-                     bool last)
-{
-    double dt = am_mono_time() - t0, frac = total ? (double)done / (double)total : 1.0;
-    double left = frac > 0 ? dt / frac - dt : 0;
-    fprintf(stderr, "\ram-data: %5.1f%%  %.1f of %.1f MB  %.2fM tokens  %.2fM tokens/s  %d:%02d left ", 100 * frac,
-            (double)done / 1e6, (double)total / 1e6, (double)tokens / 1e6, dt > 0 ? (double)tokens / dt / 1e6 : 0.0,
-            (int)(left / 60), (int)left % 60);
-    if (last)
-        fputc('\n', stderr);
-    (void)o;
-}
-
 /* Appends n ids as the dataset's dtype. */
 static int add_ids(struct am_indexed_builder *b, enum am_idx_dtype dt, const int32_t *ids, size_t n,
                    struct am_errors *err)
@@ -486,7 +474,8 @@ static int add_ids(struct am_indexed_builder *b, enum am_idx_dtype dt, const int
 int am_text_build_run(const struct am_text_build *o, struct am_text_stats *st, struct am_errors *err)
 {
     memset(st, 0, sizeof(*st));
-    double t0 = am_mono_time(), last_sync = t0, last_print = 0;
+    double t0 = am_mono_time(), last_sync = t0;
+    struct am_progress bar = {0}; /* off until the build starts */
     int threads = o->threads > 0 ? o->threads : (int)sysconf(_SC_NPROCESSORS_ONLN);
     threads = threads < 1 ? 1 : threads > 256 ? 256 : threads;
     enum am_idx_dtype dt = am_tokenizer_vocab_size(o->tok) <= 65536 ? AM_IDX_U16 : AM_IDX_I32;
@@ -550,7 +539,8 @@ int am_text_build_run(const struct am_text_build *o, struct am_text_stats *st, s
                (o->instruction && am_indexed_builder_open(mask_prefix, AM_IDX_U8, &mb, err) < 0)) {
         goto done;
     }
-    int64_t start_tokens = st->tokens;
+    am_progress_start(&bar, "am-data build", "tokens", (uint64_t)total, o->progress);
+    am_progress_set(&bar, (uint64_t)st->bytes, (uint64_t)st->tokens);
     /* for tests: AM_DATA_SYNC_SECONDS (how often a resumable build syncs) and
      * AM_DATA_KILL_AFTER=N (SIGKILL after the N-th chunk is written) */
     const char *env = getenv("AM_DATA_SYNC_SECONDS");
@@ -616,10 +606,7 @@ int am_text_build_run(const struct am_text_build *o, struct am_text_stats *st, s
                 goto done;
             last_sync = t;
         }
-        if (o->progress && t - last_print > 0.25) {
-            progress(o, st->bytes, total, st->tokens - start_tokens, t0, false);
-            last_print = t;
-        }
+        am_progress_set(&bar, (uint64_t)st->bytes, (uint64_t)st->tokens);
     }
     if (st->documents == 0) {
         am_errorf(err, NULL, "%s: the input files hold no documents", o->out);
@@ -631,8 +618,7 @@ int am_text_build_run(const struct am_text_build *o, struct am_text_stats *st, s
         goto done;
     if (o->resume)
         unlink(resume_path);
-    if (o->progress)
-        progress(o, st->bytes, total, st->tokens - start_tokens, t0, true);
+    am_progress_end(&bar, true);
     rc = 0;
 done:
     pthread_mutex_lock(&c.mu);
@@ -641,8 +627,8 @@ done:
     pthread_mutex_unlock(&c.mu);
     for (int i = 0; i < started; i++)
         pthread_join(tids[i], NULL);
-    if (o->progress && rc < 0 && last_print > 0)
-        fputc('\n', stderr);
+    if (rc < 0)
+        am_progress_end(&bar, false);
     am_indexed_builder_abort(b);
     am_indexed_builder_abort(mb);
     if (r.f)

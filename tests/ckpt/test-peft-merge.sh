@@ -53,8 +53,28 @@ for case in llama_lora_qv llama_lora_all; do
     done
 done
 
-# refusals: exact messages
+# the progress line: --progress draws it (ending at 100.0% of the bytes written, then a
+# newline), --quiet and a stderr that is not a terminal draw nothing, a terminal does
 g=$AM_SRCDIR/tests/golden/models/llama_lora_qv
+A=$T/llama_lora_qv/trained
+bytes=$(du -b "$g/base/model.safetensors" | cut -f1)
+"$ckpt" merge --progress "$g/base" "$A" "$T/p1" >/dev/null 2>"$T/p1.err"
+if tr '\r' '\n' <"$T/p1.err" | grep -qE '^am-ckpt merge: 100\.0%  .* of .*B  .*B/s $' && [ "$(tail -c 1 "$T/p1.err" | od -An -c | tr -d ' ')" = '\n' ]; then
+    echo "ok: merge --progress: $(tr '\r' '\n' <"$T/p1.err" | grep -c 'am-ckpt merge') progress line(s), the last at 100.0% (the base holds $bytes bytes)"
+else
+    fail "merge --progress: no line ending at 100.0%: $(cat -A "$T/p1.err")"
+fi
+"$ckpt" merge --quiet "$g/base" "$A" "$T/p2" >/dev/null 2>"$T/p2.err"
+[ -d "$T/p2" ] && [ ! -s "$T/p2.err" ] && echo "ok: merge --quiet: nothing on stderr" || fail "merge --quiet: $(cat "$T/p2.err")"
+"$ckpt" merge "$g/base" "$A" "$T/p3" >/dev/null 2>"$T/p3.err"
+[ ! -s "$T/p3.err" ] && echo "ok: merge with stderr not a terminal: nothing on stderr" || fail "merge, not a terminal: $(cat "$T/p3.err")"
+if command -v script >/dev/null; then
+    script -qec "'$ckpt' merge '$g/base' '$A' '$T/p4' >/dev/null" /dev/null >"$T/p4.tty" </dev/null
+    grep -q 'am-ckpt merge: 100\.0%' "$T/p4.tty" && echo "ok: merge on a terminal: the progress line by default" ||
+        fail "merge on a terminal: no progress line: $(cat -A "$T/p4.tty")"
+fi
+
+# refusals: exact messages
 A=$T/llama_lora_qv/trained
 refuse() { # NAME EXPECTED-MESSAGE BASE PEFT OUT
     local name=$1 want=$2
