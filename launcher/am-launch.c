@@ -21,6 +21,7 @@
 
 #include "cpu_env.h"
 #include "launch.h"
+#include "version.h"
 
 #ifndef AM_PKGLIBEXECDIR
 #define AM_PKGLIBEXECDIR "/usr/local/libexec/am"
@@ -65,6 +66,8 @@ static int absolute(const char *what, const char *path, char *out)
 
 int main(int argc, char **argv)
 {
+    if (am_version_option(argc, argv, "am-launch"))
+        return 0;
     static const struct option opts[] = {{"nproc", required_argument, 0, 'n'},
                                          {"dry-run", no_argument, 0, 'd'},
                                          {"doctor", no_argument, 0, 'D'},

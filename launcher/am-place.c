@@ -9,9 +9,12 @@
 #include <stdlib.h>
 
 #include "rank_setup.h"
+#include "version.h"
 
-int main(void)
+int main(int argc, char **argv)
 {
+    if (am_version_option(argc, argv, "am-place"))
+        return 0;
     struct am_errors err;
     struct am_rank_setup s;
     am_errors_init(&err);

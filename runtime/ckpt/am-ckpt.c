@@ -26,6 +26,7 @@
 #include "peft_merge.h"
 #include "progress.h"
 #include "shard_ckpt.h"
+#include "version.h"
 
 static int usage(void)
 {
@@ -244,6 +245,8 @@ static int merge(const char *base, const char *peft, const char *out, bool show)
 
 int main(int argc, char **argv)
 {
+    if (am_version_option(argc, argv, "am-ckpt"))
+        return 0;
     bool show_progress = isatty(2); /* --progress / --quiet: shown or not, after the command */
     int n = 0;
     for (int i = 0; i < argc; i++) {

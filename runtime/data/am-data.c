@@ -38,6 +38,7 @@
 #include "progress.h"
 #include "tokenizer.h"
 #include "util.h"
+#include "version.h"
 
 static const char usage[] =
     "usage: am-data build --out PREFIX [--bytes] [--progress|--quiet] FILE...\n"
@@ -732,6 +733,8 @@ done:
 
 int main(int argc, char **argv)
 {
+    if (am_version_option(argc, argv, "am-data"))
+        return 0;
     if (argc < 2 || strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0) {
         fputs(usage, argc < 2 ? stderr : stdout);
         return argc < 2 ? 2 : 0;

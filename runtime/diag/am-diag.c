@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "diag.h"
+#include "version.h"
 
 static void usage(FILE *f)
 {
@@ -25,6 +26,8 @@ static void usage(FILE *f)
 
 int main(int argc, char **argv)
 {
+    if (am_version_option(argc, argv, "am-diag"))
+        return 0;
     const char *dir = NULL;
     int json = 0, threads = 0;
     for (int i = 1; i < argc; i++) {

@@ -19,6 +19,7 @@
 #endif
 
 #include "doctor.h"
+#include "version.h"
 
 /* s as a JSON string (control characters escaped; other bytes as they are) */
 static void json_text(FILE *f, const char *s)
@@ -59,6 +60,8 @@ static void print_setup_errors(FILE *f, const struct am_errors *err, const struc
 
 int main(int argc, char **argv)
 {
+    if (am_version_option(argc, argv, "am-doctor"))
+        return 0;
     struct am_errors err;
     struct am_rank_setup s;
     struct am_doc_opts o;

@@ -22,6 +22,7 @@
 #include "diag.h"
 #include "plan.h"
 #include "recipe.h"
+#include "version.h"
 
 static const double GiB = 1024.0 * 1024 * 1024;
 /* What am-plan reads of one rank log of --logs: its first 16 MiB and its last 48 (the recent
@@ -291,6 +292,8 @@ static void print_table(const struct am_recipe *r, const struct am_world *w, con
 
 int main(int argc, char **argv)
 {
+    if (am_version_option(argc, argv, "am-plan"))
+        return 0;
     static const struct option opts[] = {{"nodes", required_argument, 0, 'n'},
                                          {"gpus-per-node", required_argument, 0, 'g'},
                                          {"nvlink-domain", required_argument, 0, 'k'},

@@ -10,9 +10,12 @@
 #include "rank_setup.h"
 #include "train.h"
 #include "util.h"
+#include "version.h"
 
-int main(void)
+int main(int argc, char **argv)
 {
+    if (am_version_option(argc, argv, "am-train"))
+        return 0;
     struct am_rank_setup s;
     struct am_errors err;
     struct am_log log;
