@@ -28,15 +28,15 @@
 #include "shard_ckpt.h"
 #include "version.h"
 
-static int usage(void)
+static int usage(FILE *out)
 {
-    fprintf(stderr, "usage: am-ckpt show DIR\n       am-ckpt export [--progress|--quiet] DIR OUT\n"
+    fprintf(out, "usage: am-ckpt show DIR\n       am-ckpt export [--progress|--quiet] DIR OUT\n"
             "       am-ckpt merge [--progress|--quiet] BASE PEFT OUT\n"
             "DIR: a checkpoint (step-N, with manifest.json) or a checkpoint_dir (its `latest`)\n"
             "merge: LoRA adapters (PEFT: a step-N/peft directory, or one peft saved) merged into the base model\n"
             "(BASE: a Hugging Face model directory) as a new Hugging Face directory OUT (which must not exist)\n"
             "export and merge show their progress on a terminal (--progress: always; --quiet: never)\n");
-    return 2;
+    return out == stdout ? 0 : 2;
 }
 
 static int open_dir(const char *arg, struct am_sckpt **c)
@@ -263,5 +263,7 @@ int main(int argc, char **argv)
         return show(argv[2]);
     if (argc == 4 && strcmp(argv[1], "export") == 0)
         return export(argv[2], argv[3], show_progress);
-    return usage();
+    if (argc == 2 && strcmp(argv[1], "--help") == 0)
+        return usage(stdout);
+    return usage(stderr);
 }

@@ -6,16 +6,36 @@
  * record, so that am-diag names the rank, its host and the cause of a failure at any stage. */
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "rank_setup.h"
 #include "train.h"
 #include "util.h"
 #include "version.h"
 
+static const char help[] =
+    "usage: am-launch --nproc N RECIPE          (am-launch starts am-train on each rank)\n"
+    "       srun --mpi=pmix am-launch RECIPE\n"
+    "am-train is the rank program: it trains the recipe on its rank and is started by am-launch,\n"
+    "never by hand (it needs the launcher's AM_BOOTSTRAP_FD).\n"
+    "  --help       this text\n"
+    "  --version    am's version and what the build has\n"
+    "Settings from the environment:\n"
+    "  AM_TENSORBOARD_DIR DIR|none  rank 0's TensorBoard files (default <log dir>/<job id>/tensorboard)\n"
+    "  AM_WATCHDOG_S S              the collective watchdog's timeout (default dist_env.timeout_minutes)\n"
+    "  AM_FLIGHT_RECORDER_SIZE N    entries of the flight recorder (default 1024)\n"
+    "  AM_PEAK_TFLOPS T             the device's peak for the MFU\n"
+    "  AM_DEVICE cpu                train on the CPU on a GPU machine\n"
+    "  AM_FAULT rank=R,step=S,kind=K  inject a fault (docs/diagnostics.md)\n";
+
 int main(int argc, char **argv)
 {
     if (am_version_option(argc, argv, "am-train"))
         return 0;
+    if (argc >= 2 && strcmp(argv[1], "--help") == 0) {
+        fputs(help, stdout);
+        return 0;
+    }
     struct am_rank_setup s;
     struct am_errors err;
     struct am_log log;
