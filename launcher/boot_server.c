@@ -1,6 +1,7 @@
 /* boot_server.c - the standalone bootstrap store (boot_server.h). */
 #include "boot_server.h"
 
+#include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -9,11 +10,11 @@
 
 #include "boot_proto.h"
 
-struct entry {
-    int rank;
+/* One key's values, indexed by rank (a job publishes a few keys, each from every rank). */
+struct slot {
     char key[AM_BOOT_MAX_KEY + 1];
-    void *value;
-    size_t len;
+    void **value; /* [size]; NULL: not published */
+    size_t *len;
 };
 
 struct am_boot_server {
@@ -22,10 +23,11 @@ struct am_boot_server {
     int *fence_fd; /* -1: not waiting in a fence */
     double *fence_deadline; /* CLOCK_MONOTONIC seconds; 0: waits without a timeout */
     double *fence_timeout;
+    int *fence_slot; /* an allgather's key (slot index); -1: a plain fence */
     int n_fenced;
     int dropped; /* a rank that left: no fence can complete any more */
-    struct entry *entries;
-    size_t n_entries, cap_entries;
+    struct slot *slots;
+    size_t n_slots, cap_slots;
 };
 
 struct am_boot_server *am_boot_server_new(int size, const struct am_boot_info *info)
@@ -38,7 +40,8 @@ struct am_boot_server *am_boot_server_new(int size, const struct am_boot_info *i
     s->fence_fd = malloc((size_t)size * sizeof(int));
     s->fence_deadline = calloc((size_t)size, sizeof(double));
     s->fence_timeout = calloc((size_t)size, sizeof(double));
-    if (!s->info || !s->fence_fd || !s->fence_deadline || !s->fence_timeout) {
+    s->fence_slot = malloc((size_t)size * sizeof(int));
+    if (!s->info || !s->fence_fd || !s->fence_deadline || !s->fence_timeout || !s->fence_slot) {
         am_boot_server_free(s);
         return NULL;
     }
@@ -53,11 +56,16 @@ void am_boot_server_free(struct am_boot_server *s)
 {
     if (!s)
         return;
-    for (size_t i = 0; i < s->n_entries; i++)
-        free(s->entries[i].value);
-    free(s->entries);
+    for (size_t i = 0; i < s->n_slots; i++) {
+        for (int r = 0; r < s->size; r++)
+            free(s->slots[i].value[r]);
+        free(s->slots[i].value);
+        free(s->slots[i].len);
+    }
+    free(s->slots);
     free(s->info);
     free(s->fence_fd);
+    free(s->fence_slot);
     free(s->fence_deadline);
     free(s->fence_timeout);
     free(s);
@@ -79,46 +87,120 @@ static int reply_error(int fd, const char *fmt, const char *a, int b)
     return reply(fd, 1, text, strlen(text));
 }
 
-static struct entry *find(struct am_boot_server *s, int rank, const char *key)
+/* The slot of key, made when `make` (-1: not there, or out of memory). */
+static int slot_of(struct am_boot_server *s, const char *key, bool make)
 {
-    for (size_t i = 0; i < s->n_entries; i++)
-        if (s->entries[i].rank == rank && strcmp(s->entries[i].key, key) == 0)
-            return &s->entries[i];
-    return NULL;
+    for (size_t i = 0; i < s->n_slots; i++)
+        if (strcmp(s->slots[i].key, key) == 0)
+            return (int)i;
+    if (!make)
+        return -1;
+    if (s->n_slots == s->cap_slots) {
+        size_t cap = s->cap_slots ? 2 * s->cap_slots : 8;
+        struct slot *v = realloc(s->slots, cap * sizeof(*v));
+        if (!v)
+            return -1;
+        s->slots = v;
+        s->cap_slots = cap;
+    }
+    struct slot *sl = &s->slots[s->n_slots];
+    sl->value = calloc((size_t)s->size, sizeof(void *));
+    sl->len = calloc((size_t)s->size, sizeof(size_t));
+    if (!sl->value || !sl->len) {
+        free(sl->value);
+        free(sl->len);
+        return -1;
+    }
+    snprintf(sl->key, sizeof(sl->key), "%s", key);
+    return (int)s->n_slots++;
 }
 
 static int put(struct am_boot_server *s, int rank, const char *key, void *value, size_t len)
 {
-    struct entry *e = find(s, rank, key);
-    if (!e) {
-        if (s->n_entries == s->cap_entries) {
-            size_t cap = s->cap_entries ? 2 * s->cap_entries : 64;
-            struct entry *v = realloc(s->entries, cap * sizeof(*v));
-            if (!v)
-                return -1;
-            s->entries = v;
-            s->cap_entries = cap;
-        }
-        e = &s->entries[s->n_entries++];
-        e->rank = rank;
-        snprintf(e->key, sizeof(e->key), "%s", key);
-    } else {
-        free(e->value);
-    }
-    e->value = value;
-    e->len = len;
+    int k = slot_of(s, key, true);
+    if (k < 0)
+        return -1;
+    free(s->slots[k].value[rank]);
+    s->slots[k].value[rank] = value;
+    s->slots[k].len[rank] = len;
     return 0;
 }
 
+/* The answer of an allgather of slot k: every rank's value in rank order (malloc'd), or
+ * NULL with the reason in why (a rank's value missing or of another length). */
+static char *gathered(const struct am_boot_server *s, int k, size_t *len, char *why, size_t why_len)
+{
+    const struct slot *sl = &s->slots[k];
+    size_t each = sl->len[0];
+    for (int r = 0; r < s->size; r++) {
+        if (!sl->value[r]) {
+            snprintf(why, why_len, "allgather '%s': rank %d sent no value (it waits in a plain fence)", sl->key, r);
+            return NULL;
+        }
+        if (sl->len[r] != each) {
+            snprintf(why, why_len, "allgather '%s': rank %d sent %zu bytes, rank 0 %zu (every rank sends as many)",
+                     sl->key, r, sl->len[r], each);
+            return NULL;
+        }
+    }
+    char *all = malloc((size_t)s->size * each + 1);
+    if (!all) {
+        snprintf(why, why_len, "allgather '%s': the launcher is out of memory for %d x %zu bytes", sl->key, s->size,
+                 each);
+        return NULL;
+    }
+    for (int r = 0; r < s->size; r++)
+        memcpy(all + (size_t)r * each, sl->value[r], each);
+    *len = (size_t)s->size * each;
+    return all;
+}
+
+/* Answers every rank waiting in the fence: status and why, or (status 0) nothing for a plain
+ * fence and the gathered values for an allgather (each key's built once). */
 static void release_fence(struct am_boot_server *s, int status, const char *why)
 {
+    int built = -1;
+    char *all = NULL, err[256];
+    size_t len = 0;
     for (int r = 0; r < s->size; r++) {
-        if (s->fence_fd[r] < 0)
+        int fd = s->fence_fd[r], k = s->fence_slot[r];
+        if (fd < 0)
             continue;
-        reply(s->fence_fd[r], status, why, why ? strlen(why) : 0);
         s->fence_fd[r] = -1;
+        if (status != 0 || k < 0) {
+            reply(fd, status, why, why ? strlen(why) : 0);
+            continue;
+        }
+        if (k != built) {
+            free(all);
+            all = gathered(s, k, &len, err, sizeof(err));
+            built = k;
+        }
+        if (all)
+            reply(fd, 0, all, len);
+        else
+            reply(fd, 1, err, strlen(err));
     }
+    free(all);
     s->n_fenced = 0;
+}
+
+/* rank waits in the fence (k: its allgather's slot, -1: a plain fence), released with the
+ * last rank's arrival. */
+static int wait_fence(struct am_boot_server *s, int rank, int fd, int k, double timeout_s)
+{
+    if (s->dropped >= 0)
+        return reply_error(fd, "rank %2$d exited before reaching this fence%1$s", "", s->dropped);
+    if (s->fence_fd[rank] < 0) {
+        s->fence_fd[rank] = fd;
+        s->fence_slot[rank] = k;
+        s->fence_timeout[rank] = timeout_s;
+        s->fence_deadline[rank] = timeout_s > 0 ? now() + timeout_s : 0;
+        s->n_fenced++;
+    }
+    if (s->n_fenced == s->size)
+        release_fence(s, 0, NULL);
+    return 0;
 }
 
 enum am_boot_event am_boot_server_serve(struct am_boot_server *s, int rank, int fd, int *status, char *msg,
@@ -150,23 +232,21 @@ enum am_boot_event am_boot_server_serve(struct am_boot_server *s, int rank, int 
         rc = reply(fd, 0, NULL, 0);
         break;
     case AM_BOOT_FENCE:
-        if (s->dropped >= 0) {
-            rc = reply_error(fd, "rank %2$d exited before reaching this fence%1$s", "", s->dropped);
+        rc = wait_fence(s, rank, fd, -1, req.timeout_s);
+        break;
+    case AM_BOOT_ALLGATHER: {
+        if (put(s, rank, key, value, req.val_len) < 0) {
+            rc = reply_error(fd, "launcher out of memory storing '%s' (%d)", key, 0);
             break;
         }
-        if (s->fence_fd[rank] < 0) {
-            s->fence_fd[rank] = fd;
-            s->fence_timeout[rank] = req.timeout_s;
-            s->fence_deadline[rank] = req.timeout_s > 0 ? now() + req.timeout_s : 0;
-            s->n_fenced++;
-        }
-        if (s->n_fenced == s->size)
-            release_fence(s, 0, NULL);
+        value = NULL;
+        rc = wait_fence(s, rank, fd, slot_of(s, key, false), req.timeout_s);
         break;
+    }
     case AM_BOOT_GET: {
-        struct entry *e = req.rank >= 0 && req.rank < s->size ? find(s, req.rank, key) : NULL;
-        if (e)
-            rc = reply(fd, 0, e->value, e->len);
+        int k = req.rank >= 0 && req.rank < s->size ? slot_of(s, key, false) : -1;
+        if (k >= 0 && s->slots[k].value[req.rank])
+            rc = reply(fd, 0, s->slots[k].value[req.rank], s->slots[k].len[req.rank]);
         else if (req.rank < 0 || req.rank >= s->size)
             rc = reply_error(fd, "no rank %2$d in this job (key '%1$s')", key, req.rank);
         else

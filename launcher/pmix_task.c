@@ -250,7 +250,7 @@ static void start_op(struct task *t, const struct am_boot_req *req, const char *
     t->op.deadline = req->timeout_s > 0 ? now() + req->timeout_s + 1 : 0;
     snprintf(t->op.key, sizeof(t->op.key), "%s", key);
     pmix_status_t rc;
-    if (req->op == AM_BOOT_FENCE) {
+    if (req->op == AM_BOOT_FENCE || req->op == AM_BOOT_ALLGATHER) {
         pmix_proc_t all;
         PMIX_LOAD_PROCID(&all, t->me.nspace, PMIX_RANK_WILDCARD);
         PMIX_INFO_LOAD(&info[ninfo++], PMIX_COLLECT_DATA, &collect, PMIX_BOOL);
@@ -274,8 +274,44 @@ static void start_op(struct task *t, const struct am_boot_req *req, const char *
         t->op.seq = 0;
         pthread_mutex_unlock(&t->op.lock);
         free(a);
-        reply_error(t, "PMIx refused the %s: %s", req->op == AM_BOOT_FENCE ? "fence" : "get", PMIx_Error_string(rc));
+        reply_error(t, "PMIx refused the %s: %s", req->op == AM_BOOT_GET ? "get" : "fence", PMIx_Error_string(rc));
     }
+}
+
+/* An allgather's answer once its fence (with the data collected) is over: every rank's value
+ * of key from PMIx's local store, in rank order, of one length. */
+static void reply_gathered(struct task *t, const char *key)
+{
+    char pkey[sizeof(KEY_PREFIX) + AM_BOOT_MAX_KEY];
+    snprintf(pkey, sizeof(pkey), KEY_PREFIX "%s", key);
+    char *all = NULL;
+    size_t each = 0;
+    for (int r = 0; r < t->info.size; r++) {
+        pmix_proc_t peer;
+        pmix_value_t *v = NULL;
+        PMIX_LOAD_PROCID(&peer, t->me.nspace, (pmix_rank_t)r);
+        pmix_status_t rc = PMIx_Get(&peer, pkey, NULL, 0, &v);
+        if (rc != PMIX_SUCCESS || !v || v->type != PMIX_BYTE_OBJECT) {
+            reply_error(t, "allgather '%s': rank %d's value: %s", key, r,
+                        rc != PMIX_SUCCESS ? PMIx_Error_string(rc) : "not bytes");
+        } else if (r == 0 && !(all = malloc((size_t)t->info.size * v->data.bo.size + 1))) {
+            reply_error(t, "allgather '%s': the supervisor is out of memory", key);
+        } else if (r > 0 && v->data.bo.size != each) {
+            reply_error(t, "allgather '%s': rank %d sent %zu bytes, rank 0 %zu (every rank sends as many)", key, r,
+                        v->data.bo.size, each);
+        } else {
+            each = v->data.bo.size;
+            memcpy(all + (size_t)r * each, v->data.bo.bytes, each);
+            PMIX_VALUE_RELEASE(v);
+            continue;
+        }
+        if (v)
+            PMIX_VALUE_RELEASE(v);
+        free(all);
+        return;
+    }
+    am_boot_reply(t->fd, 0, all, (size_t)t->info.size * each);
+    free(all);
 }
 
 /* The operation in flight finished (or timed out): answer the rank. */
@@ -293,8 +329,10 @@ static void finish_op(struct task *t, int timed_out)
     pthread_mutex_unlock(&t->op.lock);
     if (!done && !timed_out)
         return;
-    int fence = t->op.op == AM_BOOT_FENCE;
-    if (done && st == PMIX_SUCCESS)
+    int fence = t->op.op != AM_BOOT_GET;
+    if (done && st == PMIX_SUCCESS && t->op.op == AM_BOOT_ALLGATHER)
+        reply_gathered(t, t->op.key);
+    else if (done && st == PMIX_SUCCESS)
         am_boot_reply(t->fd, 0, data, len);
     else if (!done || st == PMIX_ERR_TIMEOUT)
         reply_error(t, "timed out after %g s: %s", t->op.timeout_s,
@@ -342,6 +380,20 @@ static void serve(struct task *t)
     case AM_BOOT_FENCE:
         start_op(t, &req, "");
         break;
+    case AM_BOOT_ALLGATHER: { /* a put, then a fence that collects the data; answered in finish_op */
+        pmix_value_t v;
+        PMIX_VALUE_CONSTRUCT(&v);
+        v.type = PMIX_BYTE_OBJECT;
+        v.data.bo.bytes = value;
+        v.data.bo.size = req.val_len;
+        snprintf(pkey, sizeof(pkey), KEY_PREFIX "%s", key);
+        pmix_status_t rc = PMIx_Put(PMIX_GLOBAL, pkey, &v);
+        if (rc == PMIX_SUCCESS)
+            start_op(t, &req, key);
+        else
+            reply_error(t, "PMIx_Put of '%s' failed: %s", key, PMIx_Error_string(rc));
+        break;
+    }
     case AM_BOOT_GET:
         if (req.rank < 0 || req.rank >= t->info.size)
             reply_error(t, "no rank %d in this job (key '%s')", req.rank, key);

@@ -3,7 +3,10 @@
  * A stream socket carries requests from the rank and one reply to each; integers in host
  * order (both ends run on one machine). A request is struct am_boot_req followed by
  * key_len bytes of key and val_len bytes of value; a reply is struct am_boot_rep followed
- * by len bytes: the info (HELLO), the value (GET), or an error message (status != 0).
+ * by len bytes: the info (HELLO), the value (GET), every rank's value of the key in rank order
+ * (ALLGATHER: a put and a fence in one request, answered when the last rank sends its
+ * own; one request per rank instead of a put, a fence and N gets), or an error message
+ * (status != 0).
  */
 #ifndef AM_BOOT_PROTO_H
 #define AM_BOOT_PROTO_H
@@ -13,7 +16,7 @@
 
 #include "bootstrap.h"
 
-enum am_boot_op { AM_BOOT_HELLO = 1, AM_BOOT_PUT, AM_BOOT_FENCE, AM_BOOT_GET, AM_BOOT_ABORT };
+enum am_boot_op { AM_BOOT_HELLO = 1, AM_BOOT_PUT, AM_BOOT_FENCE, AM_BOOT_GET, AM_BOOT_ABORT, AM_BOOT_ALLGATHER };
 
 struct am_boot_req {
     uint32_t op;

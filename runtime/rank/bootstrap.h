@@ -35,6 +35,9 @@ struct am_boot;
 /* Connects to the launcher named by AM_BOOTSTRAP_FD. On failure returns NULL and writes a
  * message (which says how to launch a rank program) to err. */
 struct am_boot *am_boot_init(struct am_boot_info *info, char *err, size_t err_len);
+/* The same over an open stream to a launcher (the bootstrap's benchmark drives a server with
+ * thousands of these); the fd is the am_boot's from then on (closed by am_boot_fini). */
+struct am_boot *am_boot_connect(int fd, struct am_boot_info *info, char *err, size_t err_len);
 void am_boot_fini(struct am_boot *b);
 
 /* Publishes key=value for the other ranks; visible to them after the next fence. */
@@ -44,7 +47,8 @@ int am_boot_fence(struct am_boot *b, double timeout_s, char *err, size_t err_len
 /* Reads rank's value of key (after a fence). *value is malloc'd; the caller frees it. */
 int am_boot_get(struct am_boot *b, int rank, const char *key, void **value, size_t *len, double timeout_s,
                 char *err, size_t err_len);
-/* put + fence + get from everyone: all holds size * len bytes, rank r's at r * len. */
+/* Every rank's len bytes under key, in one request (a put and a fence: the launcher answers
+ * when every rank has sent its own): all holds size * len bytes, rank r's at r * len. */
 int am_boot_allgather(struct am_boot *b, const char *key, const void *mine, size_t len, void *all,
                       double timeout_s, char *err, size_t err_len);
 /* Ends the whole job (every rank), with status and a message for the logs. Does not return. */

@@ -139,7 +139,7 @@ expect_line "abort reported" "$ERR" "am-launch: rank 3 on n2 aborted the job (st
 
 srun_launch fence -N2 -w n1,n2 -n4 --ntasks-per-node=2 -- "$RECIPE" -- env BOOT_CHECK_HANG=1:before BOOT_CHECK_TIMEOUT=2 "$T/rank-prog"
 expect_rc "rank 1 never reaches the fence" 4 "$RC" "$ERR"
-expect_match "fence timeout reported" "$ERR" '^boot_check: rank [023]: bootstrap fence: timed out after 2 s: not every rank reached this fence \(one is stuck or slow: see the logs\)$'
+expect_match "fence timeout reported" "$ERR" '^boot_check: rank [023]: bootstrap allgather: timed out after 2 s: not every rank reached this fence \(one is stuck or slow: see the logs\)$'
 awk -v s="$SECS" 'BEGIN { exit !(s < 12) }' && pass "fence timeout ended the step in ${SECS}s" || fail "step took ${SECS}s"
 
 # ---- signals reach each rank once; a stop is not a failure ---------------------------------

@@ -73,7 +73,7 @@ expect_match "stubborn rank's exit record" "$(job_dir "$LOGS")/rank-0.jsonl" \
 # a rank never reaches the fence: the others' fence times out with a message
 run fence --nproc 3 "$RECIPE" -- env BOOT_CHECK_HANG=1:before BOOT_CHECK_TIMEOUT=1 "$BOOT_CHECK"
 expect_rc "fence timeout" 4 "$RC" "$ERR"
-expect_match "fence timeout reported" "$ERR" "^boot_check: rank [02]: bootstrap fence: timed out after 1 s: rank 1 did not reach it \\(stuck or slow: see its log\\)$"
+expect_match "fence timeout reported" "$ERR" "^boot_check: rank [02]: bootstrap allgather: timed out after 1 s: rank 1 did not reach it \\(stuck or slow: see its log\\)$"
 
 run noexec --nproc 2 "$RECIPE" -- /nonexistent/rank-program
 expect_rc "program not found" 127 "$RC" "$ERR"
