@@ -32,7 +32,10 @@ int am_fsdp_init(struct am_fsdp *f, struct am_model *m, struct am_comm *comm, in
     size_t max_span = 0;
     for (int g = 0; g < m->n_groups; g++) {
         struct am_pgroup *G = &m->groups[g];
-        G->shard = stage >= 2 ? AM_SHARD_SHARDED : AM_SHARD_REPLICATED;
+        if (G->kind == AM_PG_LORA) /* LoRA's adapters: whole on every rank, in the model's slabs */
+            continue;
+        /* LoRA's frozen base has no gradients to reduce-scatter */
+        G->shard = stage >= 2 && !G->frozen ? AM_SHARD_SHARDED : AM_SHARD_REPLICATED;
         if (!G->comm) /* the group its shard spans: comm unless the caller chose another (experts: edp) */
             G->comm = comm;
         size_t ranks = (size_t)am_comm_size(G->comm);
@@ -58,17 +61,20 @@ int am_fsdp_init(struct am_fsdp *f, struct am_model *m, struct am_comm *comm, in
     f->slot_used = calloc((size_t)f->n_slots + 1, sizeof(*f->slot_used));
     if (!f->slot_group || !f->slot_req || !f->slot_used)
         return am_fail(err, err_len, "fsdp: out of memory for %d gathered buffers", f->n_slots);
+    bool grads = m->sh.lora_r == 0; /* LoRA: every sharded group is the frozen base's */
     f->master = K->alloc(m->dev, f->n_shard * sizeof(float));
-    f->grads = K->alloc(m->dev, f->n_shard * sizeof(float));
+    f->grads = grads ? K->alloc(m->dev, f->n_shard * sizeof(float)) : NULL;
     if (f->n_slots)
         f->slot_mem = K->alloc(m->dev, (size_t)f->n_slots * f->slot_elems * cs);
     if (m->act_dt != AM_F32 && stage >= 3)
         f->master_lp = K->alloc(m->dev, f->n_shard * cs);
-    if (!f->master || !f->grads || (f->n_slots && !f->slot_mem) || (m->act_dt != AM_F32 && stage >= 3 && !f->master_lp))
+    if (!f->master || (grads && !f->grads) || (f->n_slots && !f->slot_mem) || (m->act_dt != AM_F32 && stage >= 3 && !f->master_lp))
         return am_fail(err, err_len, "fsdp: out of memory for the shards of %zu parameters and %d gathered groups of "
                        "%zu", f->n_shard, f->n_slots, f->slot_elems);
     for (int g = 0; g < m->n_groups; g++) { /* this rank's shard of what init or load wrote */
         const struct am_pgroup *G = &m->groups[g];
+        if (G->kind == AM_PG_LORA)
+            continue;
         struct am_tensor dst = flat((float *)f->master + G->shard_offset, m, AM_F32, G->shard_elems);
         size_t mine = G->offset + (size_t)am_comm_rank(G->comm) * G->shard_elems;
         struct am_tensor src = flat((float *)m->param_mem + mine, m, AM_F32, G->shard_elems);
@@ -76,7 +82,8 @@ int am_fsdp_init(struct am_fsdp *f, struct am_model *m, struct am_comm *comm, in
     }
     if (stage < 3)
         return 0;
-    am_model_drop_weights(m);
+    if (am_model_drop_weights(m) < 0)
+        return am_fail(err, err_len, "fsdp: out of memory for the %zu LoRA adapter weights kept whole", m->grad_elems);
     for (int s = 0; s < f->n_slots; s++)
         f->slot_group[s] = -1;
     return 0;
@@ -245,7 +252,8 @@ int am_fsdp_use(struct am_fsdp *f, int group, bool backward, char *err, size_t e
     int step = backward ? -1 : 1, next = group + step;
     while (next >= 0 && next < m->n_groups && m->groups[next].kind == AM_PG_EXPERTS)
         next += step;
-    if (next < 0 || next >= m->n_groups || (backward && m->groups[next].kind != AM_PG_LAYER))
+    if (next < 0 || next >= m->n_groups || (backward && m->groups[next].kind != AM_PG_LAYER) ||
+        m->groups[next].kind == AM_PG_LORA) /* LoRA's adapters (after the head) are not sharded */
         return 0;
     int s;
     if (slot_of(f, next) < 0 && (s = free_slot(f, group, also, -1)) >= 0 && start_gather(f, next, s, err, err_len) < 0)
