@@ -489,7 +489,9 @@ static int memory_of_rank(const struct am_recipe *r, const struct am_plan *p, in
         if (head)
             add_group(&f, pc->final_norm + (m->tie_word_embeddings && emb ? 0 : pc->embedding / tp));
         double glp = am_dtype_size(r->reduce_dtype) < 4 ? am_dtype_size(r->reduce_dtype) : 0;
-        out->weights = zero >= 3 ? wb * (double)f.shard : wb * (double)f.slab + 4 * (double)f.shard;
+        /* LoRA's frozen base (stage 3) in mixed precision: its shards in the compute dtype alone */
+        double swb = r->peft.enabled && cs < 4 ? cs : wb;
+        out->weights = zero >= 3 ? swb * (double)f.shard : wb * (double)f.slab + 4 * (double)f.shard;
         /* stage 1: the full-size gradients (and their reduce_dtype copy) and the shards; from
          * stage 2 (train/grad_sync.h) the shards and a few per-group buffers of the largest
          * group's span (two; three when the head shares the embedding; four with MoE layers; one

@@ -14,9 +14,10 @@
  *     the weights in shards too, each group gathered before it runs. Below stage 3 the updated
  *     master shards are all-gathered into the model's full weights after each step;
  *   LoRA's base sharded (stage 3 with LoRA: fsdp2, megatron_fsdp's zero_dp_strategy 3): the
- *     frozen base's groups held as stage 3 holds weights (flat shards over the shard group,
- *     each group gathered before it runs, prefetched, freed after use; no gradients, no
- *     reduce-scatter, no optimizer state), the adapters as the replicated table holds them
+ *     frozen base's groups held as stage 3 holds weights (flat shards over the shard group, in
+ *     mixed precision in the compute dtype alone, each group gathered before it runs,
+ *     prefetched, freed after use; no gradients, no reduce-scatter, no optimizer state), the
+ *     adapters as the replicated table holds them
  *     (whole on every rank, their gradients all-reduced over grad_comm, AdamW's moments whole).
  * Both are tables of the same operations; the trainer calls the functions below at fixed
  * points of its setup and step and never asks which one runs. Another way of holding the

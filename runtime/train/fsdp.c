@@ -62,22 +62,30 @@ int am_fsdp_init(struct am_fsdp *f, struct am_model *m, struct am_comm *comm, in
     if (!f->slot_group || !f->slot_req || !f->slot_used)
         return am_fail(err, err_len, "fsdp: out of memory for %d gathered buffers", f->n_slots);
     bool grads = m->sh.lora_r == 0; /* LoRA: every sharded group is the frozen base's */
-    f->master = K->alloc(m->dev, f->n_shard * sizeof(float));
+    /* LoRA's frozen base in mixed precision keeps its compute copy alone: its masters never change,
+     * so the copy rounded once is the one every step would round from them */
+    bool masters = !(m->sh.lora_r > 0 && m->act_dt != AM_F32 && stage >= 3);
+    f->master = masters ? K->alloc(m->dev, f->n_shard * sizeof(float)) : NULL;
     f->grads = grads ? K->alloc(m->dev, f->n_shard * sizeof(float)) : NULL;
     if (f->n_slots)
         f->slot_mem = K->alloc(m->dev, (size_t)f->n_slots * f->slot_elems * cs);
     if (m->act_dt != AM_F32 && stage >= 3)
         f->master_lp = K->alloc(m->dev, f->n_shard * cs);
-    if (!f->master || (grads && !f->grads) || (f->n_slots && !f->slot_mem) || (m->act_dt != AM_F32 && stage >= 3 && !f->master_lp))
+    if ((masters && !f->master) || (grads && !f->grads) || (f->n_slots && !f->slot_mem) || (m->act_dt != AM_F32 && stage >= 3 && !f->master_lp))
         return am_fail(err, err_len, "fsdp: out of memory for the shards of %zu parameters and %d gathered groups of "
                        "%zu", f->n_shard, f->n_slots, f->slot_elems);
     for (int g = 0; g < m->n_groups; g++) { /* this rank's shard of what init or load wrote */
         const struct am_pgroup *G = &m->groups[g];
         if (G->kind == AM_PG_LORA)
             continue;
-        struct am_tensor dst = flat((float *)f->master + G->shard_offset, m, AM_F32, G->shard_elems);
         size_t mine = G->offset + (size_t)am_comm_rank(G->comm) * G->shard_elems;
         struct am_tensor src = flat((float *)m->param_mem + mine, m, AM_F32, G->shard_elems);
+        if (!masters) {
+            struct am_tensor dst = flat((char *)f->master_lp + G->shard_offset * cs, m, m->act_dt, G->shard_elems);
+            K->convert(m->dev, &dst, &src);
+            continue;
+        }
+        struct am_tensor dst = flat((float *)f->master + G->shard_offset, m, AM_F32, G->shard_elems);
         K->copy(m->dev, &dst, &src);
     }
     if (stage < 3)
@@ -110,7 +118,7 @@ size_t am_fsdp_weight_bytes(const struct am_fsdp *f)
     if (f->stage < 3) /* the model's full masters and compute copy, and the master shards */
         return m->slab_elems * (sizeof(float) + (m->param_lp_mem ? am_dtype_size(m->act_dt) : 0)) +
                f->n_shard * sizeof(float);
-    return f->n_shard * (sizeof(float) + (f->master_lp ? am_dtype_size(m->act_dt) : 0));
+    return f->n_shard * ((f->master ? sizeof(float) : 0) + (f->master_lp ? am_dtype_size(m->act_dt) : 0));
 }
 
 int am_fsdp_publish(struct am_fsdp *f, char *err, size_t err_len)
@@ -146,7 +154,7 @@ void am_fsdp_begin_step(struct am_fsdp *f)
 {
     const struct am_model *m = f->m;
     f->gather_wait_s = 0;
-    if (!f->master_lp)
+    if (!f->master_lp || !f->master) /* fp32; or LoRA's frozen base, its compute copy made once */
         return;
     struct am_tensor w = flat(f->master, m, AM_F32, f->n_shard), c = flat(f->master_lp, m, m->act_dt, f->n_shard);
     m->K->convert(m->dev, &c, &w);
