@@ -49,13 +49,16 @@ int am_fsdp_init(struct am_fsdp *f, struct am_model *m, struct am_comm *comm, in
             max_span = G->span;
     }
     bool moe = false;
-    for (int g = 0; g < m->n_groups; g++)
+    int sharded = 0; /* the groups sharded: all but LoRA's adapters */
+    for (int g = 0; g < m->n_groups; g++) {
         moe |= m->groups[g].kind == AM_PG_EXPERTS;
+        sharded += m->groups[g].kind != AM_PG_LORA;
+    }
     size_t cs = am_dtype_size(m->act_dt);
     f->slot_elems = max_span;
     /* the groups in use and the next ones prefetched: a layer, or a MoE layer and its experts
      * (twice: 4); the head and the embedding it shares (3) */
-    f->n_slots = stage < 3 ? 0 : !reshard_after_forward ? m->n_groups : moe ? 4 : m->embed && m->head == m->embed ? 3 : 2;
+    f->n_slots = stage < 3 ? 0 : !reshard_after_forward ? sharded : moe ? 4 : m->embed && m->head == m->embed ? 3 : 2;
     f->slot_group = calloc((size_t)f->n_slots + 1, sizeof(*f->slot_group));
     f->slot_req = calloc((size_t)f->n_slots + 1, sizeof(*f->slot_req));
     f->slot_used = calloc((size_t)f->n_slots + 1, sizeof(*f->slot_used));

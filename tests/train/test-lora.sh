@@ -6,19 +6,20 @@
 #     export (step-4/hf) the base of the fine-tunes below;
 #   the bundled recipe (sbatch-templates/recipes/tiny_lora.yaml, its own inline base) runs as it
 #     is on 2 ranks: the loss falls and each checkpoint holds the adapters as peft saves them;
-#   parity: tiny_lora on the trained base at tp 2 x pp 2, dp 2 and dp 4 (local batch 2) (fsdp2: the frozen base
-#     sharded over dp, each layer gathered before use; the adapters whole on every rank, their
-#     gradients all-reduced), tp 2 x dp 2 with sequence parallelism (fsdp2, the base sharded),
-#     ddp dp 2 (the base whole), megatron_fsdp dp 2 and tp 2 x dp 2 (zero_dp_strategy 3: the
-#     base sharded), pp 2 x dp 2 and cp 2 x dp 2 (the loss mask on each cp rank's rows) against
-#     one rank: losses within 1e-5, grad norms 1e-5 relative, the final adapters within 5e-5
+#   parity: tiny_lora on the trained base at tp 2 x pp 2, dp 2 and dp 4 (local batch 2)
+#     (fsdp2: the frozen base sharded over dp, each layer gathered before use; the adapters
+#     whole on every rank, their gradients all-reduced), tp 2 x dp 2 with sequence parallelism
+#     (fsdp2, the base sharded), ddp dp 2 (the base whole), megatron_fsdp dp 2 and tp 2 x dp 2
+#     (zero_dp_strategy 3: the base sharded), HSDP (2 replicas of 2 shards), fsdp2 dp 2 with
+#     reshard_after_forward false (every group gathered once a step), pp 2 x dp 2 and
+#     cp 2 x dp 2 (the loss mask on each cp rank's rows) against one rank: losses within 1e-5, grad norms 1e-5 relative, the final adapters within 5e-5
 #     (test-parity.sh's tolerances); in bf16, tp 2 x dp 2 (fsdp2), megatron_fsdp dp 2 and dp 2
 #     with a bf16 reduction against one rank's bf16 run within twice its distance from fp32;
 #   the base sharded or whole: fsdp2 dp 2 and megatron_fsdp dp 2 give ddp dp 2's losses and
 #     grad norms to the last bit and its adapter file byte for byte;
 #   resume: a run stopped after step 3 and restored from its checkpoint (checkpoint.restore_from)
 #     gives the uninterrupted run's losses of steps 4-6 to the last bit and the same adapter
-#     file byte for byte, at one rank and at tp 2 x pp 2;
+#     file byte for byte, at one rank, at tp 2 x pp 2 and at dp 2 (fsdp2: the base sharded);
 #   memory: what the trainer allocated for weights, gradients and AdamW state (the frozen base:
 #     weights only; the adapters: weights, gradients, moments) equals am-plan's count, at one rank
 #     and dp 2; the base's bytes per rank (its weights, the adapters' left out) at dp 2 and dp 4,
@@ -123,6 +124,8 @@ recipe() { # NAME MODS: lora.yaml with changes, its checkpoints under ckpt-NAME
         ddp) args+=(-e 's/strategy: fsdp2/strategy: ddp/') ;;
         mfsdp) args+=(-e 's/strategy: fsdp2/strategy: megatron_fsdp/') ;;
         lb2) args+=(-e 's/local_batch_size: .*/local_batch_size: 2/') ;;
+        hsdp) args+=(-e 's/dp_size: none/dp_size: none\n  dp_replicate_size: 2/') ;;
+        keep) args+=(-e 's/^distributed:/distributed:\n  reshard_after_forward: false/') ;;
         every3) args+=(-e 's/ckpt_every_steps: .*/ckpt_every_steps: 3/') ;;
         stop3) args+=(-e 's/max_steps: .*/max_steps: 3/') ;;
         ckpt=*) args+=(-e "s|checkpoint_dir: .*|checkpoint_dir: $work/ckpt-${m#ckpt=}|") ;;
@@ -141,7 +144,8 @@ ok "the fine-tune of the trained base on one rank: losses $(awk '{ printf "%s ",
 
 # parity: NAME NPROC MODS [VAR=VALUE...]
 for layout in "tp2-pp2 4 - AM_TP=2 AM_PP=2" "dp2 2 -" "dp4 4 lb2" "tp2-dp2-sp 4 sp AM_TP=2" "ddp-dp2 2 ddp" \
-    "mfsdp-dp2 2 mfsdp" "mfsdp-tp2-dp2 4 mfsdp AM_TP=2" "pp2-dp2 4 - AM_PP=2" "cp2-dp2 4 - AM_CP=2"; do
+    "mfsdp-dp2 2 mfsdp" "mfsdp-tp2-dp2 4 mfsdp AM_TP=2" "hsdp-dp4 4 hsdp,lb2" "keep-dp2 2 keep" "pp2-dp2 4 - AM_PP=2" \
+    "cp2-dp2 4 - AM_CP=2"; do
     set -- $layout
     name=$1 n=$2 mods=$3
     shift 3
@@ -212,7 +216,7 @@ else
 fi
 
 # resume: stopped after step 3 (its checkpoint), restored, against the uninterrupted run: NAME NPROC [VAR=VALUE...]
-for layout in "r1 1" "r-tp2-pp2 4 AM_TP=2 AM_PP=2"; do
+for layout in "r1 1" "r-tp2-pp2 4 AM_TP=2 AM_PP=2" "r-dp2 2"; do
     set -- $layout
     name=$1 n=$2
     shift 2
@@ -276,7 +280,8 @@ done
 # allocate) to the byte (NAME NPROC SETS...)
 for run in "ref 1" "tp2-pp2 4 distributed.tp_size=2 distributed.pp_size=2" "dp2 2" "dp4 4" \
     "tp2-dp2-sp 4 distributed.tp_size=2" "pp2-dp2 4 distributed.pp_size=2" "bf16-tp2-dp2 4 distributed.tp_size=2" \
-    "ddp-dp2 2" "mfsdp-dp2 2" "mfsdp-tp2-dp2 4 distributed.tp_size=2" "bf16-mfsdp-dp2 2" "rbf16-dp2 2"; do
+    "ddp-dp2 2" "mfsdp-dp2 2" "mfsdp-tp2-dp2 4 distributed.tp_size=2" "hsdp-dp4 4" "keep-dp2 2" "bf16-mfsdp-dp2 2" \
+    "rbf16-dp2 2"; do
     set -- $run
     name=$1 n=$2
     shift 2
