@@ -74,7 +74,8 @@ int am_fsdp_init(struct am_fsdp *f, struct am_model *m, struct am_comm *comm, in
         f->slot_mem = K->alloc(m->dev, (size_t)f->n_slots * f->slot_elems * cs);
     if (m->act_dt != AM_F32 && stage >= 3)
         f->master_lp = K->alloc(m->dev, f->n_shard * cs);
-    if ((masters && !f->master) || (grads && !f->grads) || (f->n_slots && !f->slot_mem) || (m->act_dt != AM_F32 && stage >= 3 && !f->master_lp))
+    if ((masters && !f->master) || (grads && !f->grads) || (f->n_slots && !f->slot_mem) ||
+        (m->act_dt != AM_F32 && stage >= 3 && !f->master_lp))
         return am_fail(err, err_len, "fsdp: out of memory for the shards of %zu parameters and %d gathered groups of "
                        "%zu", f->n_shard, f->n_slots, f->slot_elems);
     for (int g = 0; g < m->n_groups; g++) { /* this rank's shard of what init or load wrote */
