@@ -40,9 +40,12 @@
  * lora.h says (the partial one summed over tp with the other partial gradients in
  * am_model_group_finish). The backward does not signal the group (grad_ready): its gradients
  * are final after the step's last backward, like a tied group's; its weights are used by every
- * layer's forward and backward without a group_use call (keep it whole on every rank).
+ * layer's forward and backward without a group_use call (keep it whole on every rank: it is
+ * never padded to group_align).
  * The base is frozen: no base parameter has gradient memory (its g.data is NULL; the gradient
- * slab holds the adapters' group alone, grad_off and grad_elems; the other groups are frozen)
+ * slab holds the adapters' group alone, grad_off and grad_elems; the other groups are frozen;
+ * fully sharded data parallelism shards their weights and gathers them through group_use as it
+ * does trainable groups', am_model_drop_weights keeping the adapters)
  * and the backward computes no base gradient (the projections', norms', biases', embedding's
  * and head's weight-gradient kernels are skipped). am_model_load_hf leaves the adapters alone;
  * am_model_load_peft reads them from a peft adapter directory. With tp above the kv heads, k
@@ -302,6 +305,9 @@ struct am_model {
     bool loss_reduced, sumsq_reduced; /* the f32 sums are the values to read */
     void *param_mem, *grad_mem; /* fp32 masters and gradients */
     void *param_lp_mem;         /* the compute copy of the weights (mixed precision), or NULL */
+    size_t param_off;           /* param_mem (and param_lp_mem) hold slab elements [param_off, slab_elems): all
+                                   of them (0), or with LoRA's base sharded (am_model_drop_weights) the
+                                   adapters' group alone (grad_off) */
     enum am_dtype act_dt;       /* compute dtype: the weights' copy and the activations */
     size_t n_elems; /* parameters on this rank (all of them, in elements) */
     size_t slab_elems; /* the slabs' length: n_elems plus each group's padding (group_align) */
@@ -458,8 +464,10 @@ int am_model_grad_sumsq_shards(struct am_model *m, const float *shards, int rank
 
 /* Frees the full fp32 masters and their compute copy (fully sharded data parallelism keeps
  * them in shards and gathers each group before use, group_use); p->w.data becomes NULL
- * (point it at a gathered copy to save a checkpoint). */
-void am_model_drop_weights(struct am_model *m);
+ * (point it at a gathered copy to save a checkpoint). With LoRA the adapters' group stays:
+ * copied into slabs of its own (param_mem from param_off = grad_off), the frozen base's
+ * weights alone dropped. Returns 0, or -1 when out of memory for that copy (nothing dropped). */
+int am_model_drop_weights(struct am_model *m);
 
 /* Frees the gradient slab (a trainer that keeps gradients in per-group buffers points each
  * group's g there through grad_use); p->g.data becomes NULL. */

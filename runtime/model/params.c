@@ -65,9 +65,12 @@ bool am_model_tied_across_stages(const struct am_model *m)
 
 static size_t align_up(size_t n, int align) { return align > 1 ? (n + (size_t)align - 1) / (size_t)align * (size_t)align : n; }
 
-/* The multiple a group's span is padded to: group_align, the experts' expert_align if set. */
+/* The multiple a group's span is padded to: group_align, the experts' expert_align if set;
+ * LoRA's adapters, kept whole on every rank, none. */
 static int align_of(const struct am_model *m, const struct am_pgroup *g)
 {
+    if (g->kind == AM_PG_LORA)
+        return 1;
     return g->kind == AM_PG_EXPERTS && m->sh.expert_align > 0 ? m->sh.expert_align : m->sh.group_align;
 }
 
@@ -113,6 +116,7 @@ int am_model_place_params(struct am_model *m)
         return -1;
     m->slab_elems = param_offsets(m, offs);
     m->param_mem = K->alloc(m->dev, m->slab_elems * sizeof(float));
+    m->param_off = 0;
     /* LoRA freezes the base: the gradient slab is the adapters' group alone, the last */
     m->grad_off = 0;
     m->grad_elems = m->slab_elems;
@@ -154,13 +158,55 @@ void am_model_cast_weights(struct am_model *m)
 {
     if (!m->param_lp_mem || !m->param_mem)
         return;
-    struct am_tensor w = am_tensor_view(m->param_mem, m->K->device, AM_F32, (int64_t)m->slab_elems, 0, 0, 0);
-    struct am_tensor c = am_tensor_view(m->param_lp_mem, m->K->device, m->act_dt, (int64_t)m->slab_elems, 0, 0, 0);
+    int64_t n = (int64_t)(m->slab_elems - m->param_off);
+    struct am_tensor w = am_tensor_view(m->param_mem, m->K->device, AM_F32, n, 0, 0, 0);
+    struct am_tensor c = am_tensor_view(m->param_lp_mem, m->K->device, m->act_dt, n, 0, 0, 0);
     m->K->convert(m->dev, &c, &w);
 }
 
-void am_model_drop_weights(struct am_model *m)
+/* LoRA: the adapters' group (the slabs' last span, from grad_off) copied into slabs of its own,
+ * which param_mem and param_lp_mem then are (param_off = grad_off), their w and wc pointed there.
+ * Returns 0, or -1 when out of memory (nothing changed). */
+static int keep_adapters(struct am_model *m)
 {
+    const struct am_kernels *K = m->K;
+    size_t n = m->grad_elems, cs = am_dtype_size(m->act_dt);
+    void *w = K->alloc(m->dev, (n ? n : 1) * sizeof(float)), *c = NULL;
+    if (w && m->param_lp_mem && !(c = K->alloc(m->dev, (n ? n : 1) * cs))) {
+        K->free(m->dev, w);
+        return -1;
+    }
+    if (!w)
+        return -1;
+    if (n) {
+        struct am_tensor dst = am_tensor_view(w, m->dev->device, AM_F32, (int64_t)n, 0, 0, 0);
+        struct am_tensor src = am_tensor_view((float *)m->param_mem + (m->grad_off - m->param_off), m->dev->device,
+                                              AM_F32, (int64_t)n, 0, 0, 0);
+        K->copy(m->dev, &dst, &src);
+    }
+    K->free(m->dev, m->param_mem);
+    if (m->param_lp_mem)
+        K->free(m->dev, m->param_lp_mem);
+    m->param_mem = w;
+    m->param_lp_mem = c;
+    m->param_off = m->grad_off;
+    for (int i = 0; i < m->n_params; i++) {
+        struct am_param *p = &m->params[i];
+        if (p->slab_off < m->grad_off) {
+            p->w.data = p->wc.data = NULL;
+            continue;
+        }
+        p->w.data = (float *)w + (p->slab_off - m->grad_off);
+        p->wc.data = c ? (char *)c + (p->slab_off - m->grad_off) * cs : p->w.data;
+    }
+    am_model_cast_weights(m);
+    return 0;
+}
+
+int am_model_drop_weights(struct am_model *m)
+{
+    if (m->sh.lora_r > 0 && m->param_mem)
+        return keep_adapters(m);
     if (m->param_mem)
         m->K->free(m->dev, m->param_mem);
     if (m->param_lp_mem)
@@ -168,6 +214,7 @@ void am_model_drop_weights(struct am_model *m)
     m->param_mem = m->param_lp_mem = NULL;
     for (int i = 0; i < m->n_params; i++)
         m->params[i].w.data = m->params[i].wc.data = NULL;
+    return 0;
 }
 
 void am_model_drop_grads(struct am_model *m)

@@ -327,16 +327,19 @@ static double kernel_scratch_bytes(const struct am_recipe *r, const struct am_pl
 /* The ZeRO stage am-train runs for a recipe (am_plan.zero_stage): fsdp2 shards weights,
  * gradients and optimizer state over dp_shard (ZeRO-3, train/fsdp.h) when there is more than
  * one shard (HSDP: within each replica group, the shards' gradients all-reduced over the
- * replicas); every other case keeps a full replica on each rank and all-reduces the gradients
- * (ddp; megatron_fsdp so far). */
+ * replicas); megatron_fsdp its zero_dp_strategy over dp * cp; every other case keeps a full
+ * replica on each rank and all-reduces the gradients (ddp). LoRA: stage 3 shards the frozen
+ * base's weights as it shards any weights (train/dp.h; the adapters whole on every rank, their
+ * gradients all-reduced); below it nothing is sharded (the base has no gradients or optimizer
+ * state, the adapters are not sharded): 0. */
 static int trainer_zero_stage(const struct am_recipe *r, const struct am_plan *p)
 {
-    if (r->peft.enabled)
-        return 0; /* LoRA: the frozen base and the adapters whole on every rank (only the adapters' gradients
-                     are all-reduced: nothing else has any to shard) */
+    int zero = 0;
     if (r->dist.strategy == AM_MEGATRON_FSDP && p->dp * p->cp > 1)
-        return r->dist.zero_dp_strategy; /* over dp * cp (validated: no HSDP) */
-    return r->dist.strategy == AM_FSDP2 && p->dp_shard * p->cp > 1 ? 3 : 0;
+        zero = r->dist.zero_dp_strategy; /* over dp * cp (validated: no HSDP) */
+    else if (r->dist.strategy == AM_FSDP2 && p->dp_shard * p->cp > 1)
+        zero = 3;
+    return r->peft.enabled && zero < 3 ? 0 : zero;
 }
 
 /* fsdp2 as am-train shards (train/fsdp.h): each group (the embedding, each layer, the final
@@ -486,7 +489,9 @@ static int memory_of_rank(const struct am_recipe *r, const struct am_plan *p, in
         if (head)
             add_group(&f, pc->final_norm + (m->tie_word_embeddings && emb ? 0 : pc->embedding / tp));
         double glp = am_dtype_size(r->reduce_dtype) < 4 ? am_dtype_size(r->reduce_dtype) : 0;
-        out->weights = zero >= 3 ? wb * (double)f.shard : wb * (double)f.slab + 4 * (double)f.shard;
+        /* LoRA's frozen base (stage 3) in mixed precision: its shards in the compute dtype alone */
+        double swb = r->peft.enabled && cs < 4 ? cs : wb;
+        out->weights = zero >= 3 ? swb * (double)f.shard : wb * (double)f.slab + 4 * (double)f.shard;
         /* stage 1: the full-size gradients (and their reduce_dtype copy) and the shards; from
          * stage 2 (train/grad_sync.h) the shards and a few per-group buffers of the largest
          * group's span (two; three when the head shares the embedding; four with MoE layers; one
@@ -537,14 +542,16 @@ static int memory_of_rank(const struct am_recipe *r, const struct am_plan *p, in
         out->alltoall = 2 * carved(p->ep * S * h, cs) + carved(S * h, cs);
     }
     if (r->peft.enabled) {
-        /* LoRA: the base weights frozen (held as above, without gradients or optimizer state);
-         * the adapters, replicated on every data-parallel rank (their gradients all-reduced),
-         * have master weights (and their compute copy), gradients (and the reduce_dtype copy)
-         * and Adam's moments */
+        /* LoRA: the base weights frozen (held as above: whole, or from stage 3 the shards and the
+         * gathered groups; without gradients, their buffers or optimizer state); the adapters,
+         * replicated on every data-parallel rank (their gradients all-reduced), have master
+         * weights (and their compute copy), gradients (and the reduce_dtype copy) and Adam's
+         * moments */
         double ad = layers * lora_rank_params(r, p, false) + (head ? lora_rank_params(r, p, true) : 0);
         /* their reduce_dtype copy where they are all-reduced: over dp x cp */
         double lgb = 4 + (p->dp * p->cp > 1 && am_dtype_size(r->reduce_dtype) < 4 ? am_dtype_size(r->reduce_dtype) : 0);
         out->adapter_params = ad;
+        out->grad_buffers = 0;
         out->grads = lgb * ad;
         out->optimizer = 8 * ad;
         out->weights += wb * ad;

@@ -7,10 +7,11 @@
 /* Whether the rank at c writes a shard (the trainer's rule: train/dp.c, am_dp_state): sharded
  * state (ZeRO 1-3) is written by the first replica group (HSDP's others hold copies, but of
  * the experts with expert parallelism: sharded across the replicas, every rank writes); a full
- * replica by data-parallel and context-parallel rank 0 alone. */
+ * replica (and LoRA's adapters, whose base alone is sharded) by data-parallel and
+ * context-parallel rank 0 alone. */
 static bool writes(const struct am_recipe *r, const struct am_plan *p, const struct am_coords *c)
 {
-    if (p->zero_stage >= 1)
+    if (p->zero_stage >= 1 && !r->peft.enabled) /* LoRA's state, the adapters, is replicated */
         return c->dp_replicate == 0 || (p->ep > 1 && r->model.num_experts > 0);
     return c->dp_replicate == 0 && c->dp_shard == 0 && c->cp == 0;
 }

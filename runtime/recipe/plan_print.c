@@ -75,7 +75,11 @@ void am_plan_print(FILE *f, const struct am_recipe *r, const struct am_world *w,
         fprintf(f, "; %s adapter parameters on pp rank %d (trained; the base frozen: no gradients or optimizer "
                 "state)\n", am_format_count(m->adapter_params, a, sizeof(a)), m->pp_rank);
     }
-    if (p->zero_stage == 0 && p->dp > 1 && r->dist.strategy == AM_MEGATRON_FSDP)
+    if (p->zero_stage == 0 && p->dp > 1 && r->dist.strategy == AM_MEGATRON_FSDP && r->peft.enabled)
+        fprintf(f, "note         LoRA with zero_dp_strategy %d shards nothing: each data-parallel rank keeps the "
+                "frozen base whole (zero_dp_strategy 3 shards it), and the memory above counts it\n",
+                r->dist.zero_dp_strategy);
+    else if (p->zero_stage == 0 && p->dp > 1 && r->dist.strategy == AM_MEGATRON_FSDP)
         fprintf(f, "note         %s does not shard yet: each data-parallel rank keeps full weights, gradients and "
                 "optimizer state, as ddp does, and the memory above counts them\n", am_strategy_name(r->dist.strategy));
 

@@ -52,14 +52,20 @@ static int rep_grad_sumsq(struct am_dp *d, char *err, size_t err_len)
     return am_model_grad_sumsq(d->m, err, err_len);
 }
 
+/* The fp32 masters of what the gradient slab spans: every parameter's, or LoRA's adapters'
+ * (param_mem holds them from param_off: model.h). */
+static float *trained_masters(const struct am_model *m)
+{
+    return (float *)m->param_mem + (m->grad_off - m->param_off);
+}
+
 /* every parameter, or with LoRA the adapters alone (the gradient slab's span) */
 static int rep_update(struct am_dp *d, float lr, char *err, size_t err_len)
 {
     struct am_model *m = d->m;
     (void)err;
     (void)err_len;
-    am_optim_step(&d->optim, (float *)m->param_mem + m->grad_off, m->grad_mem, am_model_sumsq(m),
-                  d->c.r->optim.max_grad_norm, lr);
+    am_optim_step(&d->optim, trained_masters(m), m->grad_mem, am_model_sumsq(m), d->c.r->optim.max_grad_norm, lr);
     return 0;
 }
 
@@ -82,7 +88,7 @@ static void rep_state(struct am_dp *d, struct am_train_state *st)
     st->fsdp = NULL;
     st->optim = &d->optim;
     /* the slab's [grad_off, +grad_elems): all of it, or LoRA's adapters */
-    st->master = (float *)m->param_mem + m->grad_off;
+    st->master = trained_masters(m);
     st->n = m->grad_elems;
     st->base = m->grad_off;
     /* every data-parallel and context-parallel rank but the first holds a copy */
@@ -225,12 +231,60 @@ static const struct am_dp_ops sharded = {
     .release_weights = sh_release_weights,
 };
 
+/* ---- LoRA's frozen base sharded, its adapters replicated ---------------------------------- */
+
+/* The base's groups sharded as stage 3 shards them (fsdp.h: weights only, gathered before use);
+ * the adapters whole, their gradients all-reduced and stepped as the replicated table's. */
+static int lora_init(struct am_dp *d, char *err, size_t err_len)
+{
+    const struct am_dp_config *c = &d->c;
+    if (am_fsdp_init(&d->fsdp, d->m, c->shard, 3, c->reshard_after_forward, err, err_len) < 0)
+        return -1;
+    return rep_init(d, err, err_len);
+}
+
+static int lora_group_use(struct am_dp *d, int group, bool backward, char *err, size_t err_len)
+{
+    return am_fsdp_use(&d->fsdp, group, backward, err, err_len);
+}
+
+static int lora_end_backward(struct am_dp *d, char *err, size_t err_len)
+{
+    return am_fsdp_end_step(&d->fsdp, err, err_len);
+}
+
+/* the base's shards (and their compute copy) and gathered groups, the adapters' as replicated */
+static void lora_bytes(const struct am_dp *d, struct am_dp_bytes *b)
+{
+    const struct am_model *m = d->m;
+    size_t lp = m->param_lp_mem ? am_dtype_size(m->act_dt) : 0;
+    size_t glp = d->sync.lp_mem ? am_dtype_size(d->sync.reduce) : 0;
+    b->weights = am_fsdp_weight_bytes(&d->fsdp) + m->grad_elems * (sizeof(float) + lp);
+    b->grads = m->grad_elems * (sizeof(float) + glp);
+    b->optimizer = d->optim.n * 2 * sizeof(float);
+    b->gathered = am_fsdp_gathered_bytes(&d->fsdp);
+}
+
+static const struct am_dp_ops lora_sharded = {
+    .sharded = true,
+    .group_align = sh_group_align,
+    .init = lora_init,
+    .group_use = lora_group_use,
+    .begin_step = sh_begin_step,
+    .end_backward = lora_end_backward,
+    .grad_sumsq = rep_grad_sumsq,
+    .update = rep_update,
+    .bytes = lora_bytes,
+    .record = sh_record,
+    .state = rep_state,
+};
+
 /* ---- the interface ------------------------------------------------------------------------ */
 
 void am_dp_choose(struct am_dp *d, const struct am_dp_config *c)
 {
     d->c = *c;
-    d->ops = c->zero >= 1 ? &sharded : &replicated;
+    d->ops = c->zero >= 3 && c->lora ? &lora_sharded : c->zero >= 1 ? &sharded : &replicated;
 }
 
 int am_dp_group_align(const struct am_dp *d) { return d->ops->group_align(d); }

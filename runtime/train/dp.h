@@ -2,18 +2,24 @@
  * every data-parallel rank, or sharded over them.
  *
  * am-plan's ZeRO stage (am_plan.zero_stage) chooses the implementation (dp.c):
- *   replicated (stage 0: ddp, fsdp2 over one shard, LoRA): every rank holds the weights, the
- *     gradients and AdamW's moments whole; each group's gradients are all-reduced over its
- *     comm (grad_sync.h) and the optimizer steps the model's slabs (with LoRA the adapters'
- *     span, grad_off / grad_elems of model.h);
+ *   replicated (stage 0: ddp, fsdp2 over one shard, LoRA below stage 3): every rank holds the
+ *     weights, the gradients and AdamW's moments whole; each group's gradients are all-reduced
+ *     over its comm (grad_sync.h) and the optimizer steps the model's slabs (with LoRA the
+ *     adapters' span, grad_off / grad_elems of model.h);
  *   sharded (stages 1 to 3: fsdp2, megatron_fsdp; fsdp.h): the optimizer steps this rank's
  *     flat shard of each group over the shard group (HSDP: within a replica group, the
  *     shards' gradients then all-reduced over the replicas). Stage 1 all-reduces full-size
  *     gradients and copies its shard of them; from stage 2 the groups are AM_SHARD_SHARDED,
  *     their gradients reduce-scattered into the shards from per-group buffers; stage 3 keeps
  *     the weights in shards too, each group gathered before it runs. Below stage 3 the updated
- *     master shards are all-gathered into the model's full weights after each step.
- * Both are tables of the same operations; the trainer calls the functions below at fixed
+ *     master shards are all-gathered into the model's full weights after each step;
+ *   LoRA's base sharded (stage 3 with LoRA: fsdp2, megatron_fsdp's zero_dp_strategy 3): the
+ *     frozen base's groups held as stage 3 holds weights (flat shards over the shard group, in
+ *     mixed precision in the compute dtype alone, each group gathered before it runs,
+ *     prefetched, freed after use; no gradients, no reduce-scatter, no optimizer state), the
+ *     adapters as the replicated table holds them (whole on every rank, their gradients
+ *     all-reduced over grad_comm, AdamW's moments whole).
+ * All are tables of the same operations; the trainer calls the functions below at fixed
  * points of its setup and step and never asks which one runs. Another way of holding the
  * state is another table in dp.c (and, for its gradients' reduction, a value of enum am_shard
  * that grad_sync.c dispatches on).
@@ -45,6 +51,7 @@ struct am_dp_config {
     enum am_dtype reduce;      /* mp_policy.reduce_dtype */
     const struct am_dev *dev;
     const struct am_recipe *r; /* AdamW's settings, max_grad_norm */
+    bool lora;                 /* LoRA: the model's base frozen, its adapters trained */
 };
 
 struct am_dp_ops;

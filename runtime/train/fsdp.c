@@ -32,7 +32,10 @@ int am_fsdp_init(struct am_fsdp *f, struct am_model *m, struct am_comm *comm, in
     size_t max_span = 0;
     for (int g = 0; g < m->n_groups; g++) {
         struct am_pgroup *G = &m->groups[g];
-        G->shard = stage >= 2 ? AM_SHARD_SHARDED : AM_SHARD_REPLICATED;
+        if (G->kind == AM_PG_LORA) /* LoRA's adapters: whole on every rank, in the model's slabs */
+            continue;
+        /* LoRA's frozen base has no gradients to reduce-scatter */
+        G->shard = stage >= 2 && !G->frozen ? AM_SHARD_SHARDED : AM_SHARD_REPLICATED;
         if (!G->comm) /* the group its shard spans: comm unless the caller chose another (experts: edp) */
             G->comm = comm;
         size_t ranks = (size_t)am_comm_size(G->comm);
@@ -46,37 +49,53 @@ int am_fsdp_init(struct am_fsdp *f, struct am_model *m, struct am_comm *comm, in
             max_span = G->span;
     }
     bool moe = false;
-    for (int g = 0; g < m->n_groups; g++)
+    int sharded = 0; /* the groups sharded: all but LoRA's adapters */
+    for (int g = 0; g < m->n_groups; g++) {
         moe |= m->groups[g].kind == AM_PG_EXPERTS;
+        sharded += m->groups[g].kind != AM_PG_LORA;
+    }
     size_t cs = am_dtype_size(m->act_dt);
     f->slot_elems = max_span;
     /* the groups in use and the next ones prefetched: a layer, or a MoE layer and its experts
      * (twice: 4); the head and the embedding it shares (3) */
-    f->n_slots = stage < 3 ? 0 : !reshard_after_forward ? m->n_groups : moe ? 4 : m->embed && m->head == m->embed ? 3 : 2;
+    f->n_slots = stage < 3 ? 0 : !reshard_after_forward ? sharded : moe ? 4 : m->embed && m->head == m->embed ? 3 : 2;
     f->slot_group = calloc((size_t)f->n_slots + 1, sizeof(*f->slot_group));
     f->slot_req = calloc((size_t)f->n_slots + 1, sizeof(*f->slot_req));
     f->slot_used = calloc((size_t)f->n_slots + 1, sizeof(*f->slot_used));
     if (!f->slot_group || !f->slot_req || !f->slot_used)
         return am_fail(err, err_len, "fsdp: out of memory for %d gathered buffers", f->n_slots);
-    f->master = K->alloc(m->dev, f->n_shard * sizeof(float));
-    f->grads = K->alloc(m->dev, f->n_shard * sizeof(float));
+    bool grads = m->sh.lora_r == 0; /* LoRA: every sharded group is the frozen base's */
+    /* LoRA's frozen base in mixed precision keeps its compute copy alone: its masters never change,
+     * so the copy rounded once is the one every step would round from them */
+    bool masters = !(m->sh.lora_r > 0 && m->act_dt != AM_F32 && stage >= 3);
+    f->master = masters ? K->alloc(m->dev, f->n_shard * sizeof(float)) : NULL;
+    f->grads = grads ? K->alloc(m->dev, f->n_shard * sizeof(float)) : NULL;
     if (f->n_slots)
         f->slot_mem = K->alloc(m->dev, (size_t)f->n_slots * f->slot_elems * cs);
     if (m->act_dt != AM_F32 && stage >= 3)
         f->master_lp = K->alloc(m->dev, f->n_shard * cs);
-    if (!f->master || !f->grads || (f->n_slots && !f->slot_mem) || (m->act_dt != AM_F32 && stage >= 3 && !f->master_lp))
+    if ((masters && !f->master) || (grads && !f->grads) || (f->n_slots && !f->slot_mem) ||
+        (m->act_dt != AM_F32 && stage >= 3 && !f->master_lp))
         return am_fail(err, err_len, "fsdp: out of memory for the shards of %zu parameters and %d gathered groups of "
                        "%zu", f->n_shard, f->n_slots, f->slot_elems);
     for (int g = 0; g < m->n_groups; g++) { /* this rank's shard of what init or load wrote */
         const struct am_pgroup *G = &m->groups[g];
-        struct am_tensor dst = flat((float *)f->master + G->shard_offset, m, AM_F32, G->shard_elems);
+        if (G->kind == AM_PG_LORA)
+            continue;
         size_t mine = G->offset + (size_t)am_comm_rank(G->comm) * G->shard_elems;
         struct am_tensor src = flat((float *)m->param_mem + mine, m, AM_F32, G->shard_elems);
+        if (!masters) {
+            struct am_tensor dst = flat((char *)f->master_lp + G->shard_offset * cs, m, m->act_dt, G->shard_elems);
+            K->convert(m->dev, &dst, &src);
+            continue;
+        }
+        struct am_tensor dst = flat((float *)f->master + G->shard_offset, m, AM_F32, G->shard_elems);
         K->copy(m->dev, &dst, &src);
     }
     if (stage < 3)
         return 0;
-    am_model_drop_weights(m);
+    if (am_model_drop_weights(m) < 0)
+        return am_fail(err, err_len, "fsdp: out of memory for the %zu LoRA adapter weights kept whole", m->grad_elems);
     for (int s = 0; s < f->n_slots; s++)
         f->slot_group[s] = -1;
     return 0;
@@ -103,7 +122,7 @@ size_t am_fsdp_weight_bytes(const struct am_fsdp *f)
     if (f->stage < 3) /* the model's full masters and compute copy, and the master shards */
         return m->slab_elems * (sizeof(float) + (m->param_lp_mem ? am_dtype_size(m->act_dt) : 0)) +
                f->n_shard * sizeof(float);
-    return f->n_shard * (sizeof(float) + (f->master_lp ? am_dtype_size(m->act_dt) : 0));
+    return f->n_shard * ((f->master ? sizeof(float) : 0) + (f->master_lp ? am_dtype_size(m->act_dt) : 0));
 }
 
 int am_fsdp_publish(struct am_fsdp *f, char *err, size_t err_len)
@@ -139,7 +158,7 @@ void am_fsdp_begin_step(struct am_fsdp *f)
 {
     const struct am_model *m = f->m;
     f->gather_wait_s = 0;
-    if (!f->master_lp)
+    if (!f->master_lp || !f->master) /* fp32; or LoRA's frozen base, its compute copy made once */
         return;
     struct am_tensor w = flat(f->master, m, AM_F32, f->n_shard), c = flat(f->master_lp, m, m->act_dt, f->n_shard);
     m->K->convert(m->dev, &c, &w);
@@ -245,7 +264,8 @@ int am_fsdp_use(struct am_fsdp *f, int group, bool backward, char *err, size_t e
     int step = backward ? -1 : 1, next = group + step;
     while (next >= 0 && next < m->n_groups && m->groups[next].kind == AM_PG_EXPERTS)
         next += step;
-    if (next < 0 || next >= m->n_groups || (backward && m->groups[next].kind != AM_PG_LAYER))
+    if (next < 0 || next >= m->n_groups || (backward && m->groups[next].kind != AM_PG_LAYER) ||
+        m->groups[next].kind == AM_PG_LORA) /* LoRA's adapters (after the head) are not sharded */
         return 0;
     int s;
     if (slot_of(f, next) < 0 && (s = free_slot(f, group, also, -1)) >= 0 && start_gather(f, next, s, err, err_len) < 0)

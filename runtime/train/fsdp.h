@@ -48,6 +48,15 @@
  * groups are padded to a multiple of both groups' sizes (am_model_shard.expert_align), and
  * the norm sums over the replicas too (am_model_grad_sumsq_shards).
  *
+ * LoRA (the model's lora_r > 0: train/dp.h's LoRA table): every group but the adapters' is the
+ * frozen base's. Those are sharded as above, weights only: no gradient shards (f->grads NULL),
+ * nothing reduce-scattered (G->shard AM_SHARD_REPLICATED: grad_sync.c skips a frozen group);
+ * in mixed precision the shards are kept in the compute dtype alone (f->master NULL: a frozen
+ * master never changes, so its copy is rounded once, at init, as every step would round it).
+ * The adapters' group is not sharded (no shard, no gathered buffer, never prefetched): the model
+ * keeps it whole in slabs of its own (am_model_drop_weights). am_fsdp_publish, am_fsdp_take_grads
+ * and am_fsdp_gather_masters are not for a LoRA model.
+ *
  * A checkpoint gathers the masters of every group into a full fp32 slab for the save
  * (am_fsdp_gather_masters), which the caller frees after it.
  *
@@ -73,9 +82,9 @@ struct am_fsdp {
     struct am_comm *comm; /* the shard group (the experts' with ep: their group's comm, model.h) */
     int rank, size;
     size_t n_shard;       /* this rank's elements: the sum of the groups' shards */
-    void *master;         /* fp32 master shards [n_shard] */
+    void *master;         /* fp32 master shards [n_shard] (NULL: LoRA's frozen base in mixed precision) */
     void *master_lp;      /* their copy in the compute dtype (mixed precision), else NULL */
-    void *grads;          /* fp32 reduced gradient shards [n_shard] (accumulated over a step) */
+    void *grads;          /* fp32 reduced gradient shards [n_shard] (accumulated over a step); NULL with LoRA */
     void *slot_mem;       /* n_slots gathered buffers of slot_elems in the compute dtype */
     size_t slot_elems;
     int n_slots;

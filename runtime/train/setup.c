@@ -76,7 +76,7 @@ static void choose_dp(struct trainer *t)
         .zero = p->zero_stage, .grad_comm = p->dp * p->cp > 1 ? t->grad_dp : NULL, .shard = t->g.dp_shard,
         .replicate = t->g.dp_replicate, .dp = t->g.dp, .cp = t->g.cp, .overlap = grad_overlap(),
         .reshard_after_forward = t->r->dist.reshard_after_forward, .reduce = t->r->reduce_dtype, .dev = &t->dev,
-        .r = t->r};
+        .r = t->r, .lora = t->r->peft.enabled};
     am_dp_choose(&t->dp, &c);
 }
 

@@ -6,17 +6,25 @@
 #     export (step-4/hf) the base of the fine-tunes below;
 #   the bundled recipe (sbatch-templates/recipes/tiny_lora.yaml, its own inline base) runs as it
 #     is on 2 ranks: the loss falls and each checkpoint holds the adapters as peft saves them;
-#   parity: tiny_lora on the trained base at tp 2 x pp 2, dp 2 (fsdp2: the adapters whole on
-#     every rank, their gradients all-reduced), tp 2 x dp 2 with sequence parallelism, ddp dp 2,
-#     pp 2 x dp 2 and cp 2 x dp 2 (the loss mask on each cp rank's rows) against one rank: losses within 1e-5, grad norms 1e-5 relative, the final
-#     adapters within 5e-5 (test-parity.sh's tolerances); in bf16, tp 2 x dp 2 and dp 2 with a
-#     bf16 reduction against one rank's bf16 run within twice its distance from fp32;
+#   parity: tiny_lora on the trained base at tp 2 x pp 2, dp 2 and dp 4 (local batch 2)
+#     (fsdp2: the frozen base sharded over dp, each layer gathered before use; the adapters
+#     whole on every rank, their gradients all-reduced), tp 2 x dp 2 with sequence parallelism
+#     (fsdp2, the base sharded), ddp dp 2 (the base whole), megatron_fsdp dp 2 and tp 2 x dp 2
+#     (zero_dp_strategy 3: the base sharded), HSDP (2 replicas of 2 shards), fsdp2 dp 2 with
+#     reshard_after_forward false (every group gathered once a step), pp 2 x dp 2 and
+#     cp 2 x dp 2 (the loss mask on each cp rank's rows) against one rank: losses within 1e-5, grad norms 1e-5 relative, the final adapters within 5e-5
+#     (test-parity.sh's tolerances); in bf16, tp 2 x dp 2 (fsdp2), megatron_fsdp dp 2 and dp 2
+#     with a bf16 reduction against one rank's bf16 run within twice its distance from fp32;
+#   the base sharded or whole: fsdp2 dp 2 and megatron_fsdp dp 2 give ddp dp 2's losses and
+#     grad norms to the last bit and its adapter file byte for byte;
 #   resume: a run stopped after step 3 and restored from its checkpoint (checkpoint.restore_from)
 #     gives the uninterrupted run's losses of steps 4-6 to the last bit and the same adapter
-#     file byte for byte, at one rank and at tp 2 x pp 2;
+#     file byte for byte, at one rank, at tp 2 x pp 2 and at dp 2 (fsdp2: the base sharded);
 #   memory: what the trainer allocated for weights, gradients and AdamW state (the frozen base:
 #     weights only; the adapters: weights, gradients, moments) equals am-plan's count, at one rank
-#     and dp 2; and every rank's whole allocation (activations and the adapters' scratch too)
+#     and dp 2; the base's bytes per rank (its weights, the adapters' left out) at dp 2 and dp 4,
+#     sharded, are one rank's divided by dp (but each group's padding to a multiple of dp); and
+#     every rank's whole allocation (activations and the adapters' scratch too)
 #     equals am-plan's estimate for its pipeline rank (but the CUDA kernels' scratch) to the
 #     byte, at every layout above;
 #   peft: where the peft library is installed ($AM_GOLDENV, default /tmp/goldenv), it loads the
@@ -114,6 +122,10 @@ recipe() { # NAME MODS: lora.yaml with changes, its checkpoints under ckpt-NAME
         case $m in
         sp) args+=(-e 's/sequence_parallel: false/sequence_parallel: true/') ;;
         ddp) args+=(-e 's/strategy: fsdp2/strategy: ddp/') ;;
+        mfsdp) args+=(-e 's/strategy: fsdp2/strategy: megatron_fsdp/') ;;
+        lb2) args+=(-e 's/local_batch_size: .*/local_batch_size: 2/') ;;
+        hsdp) args+=(-e 's/dp_size: none/dp_size: none\n  dp_replicate_size: 2/') ;;
+        keep) args+=(-e 's/^distributed:/distributed:\n  reshard_after_forward: false/') ;;
         every3) args+=(-e 's/ckpt_every_steps: .*/ckpt_every_steps: 3/') ;;
         stop3) args+=(-e 's/max_steps: .*/max_steps: 3/') ;;
         ckpt=*) args+=(-e "s|checkpoint_dir: .*|checkpoint_dir: $work/ckpt-${m#ckpt=}|") ;;
@@ -131,7 +143,8 @@ steps_of "$work/logs-ref" >"$work/steps-ref"
 ok "the fine-tune of the trained base on one rank: losses $(awk '{ printf "%s ", $2 }' "$work/steps-ref")"
 
 # parity: NAME NPROC MODS [VAR=VALUE...]
-for layout in "tp2-pp2 4 - AM_TP=2 AM_PP=2" "dp2 2 -" "tp2-dp2-sp 4 sp AM_TP=2" "ddp-dp2 2 ddp" "pp2-dp2 4 - AM_PP=2" \
+for layout in "tp2-pp2 4 - AM_TP=2 AM_PP=2" "dp2 2 -" "dp4 4 lb2" "tp2-dp2-sp 4 sp AM_TP=2" "ddp-dp2 2 ddp" \
+    "mfsdp-dp2 2 mfsdp" "mfsdp-tp2-dp2 4 mfsdp AM_TP=2" "hsdp-dp4 4 hsdp,lb2" "keep-dp2 2 keep" "pp2-dp2 4 - AM_PP=2" \
     "cp2-dp2 4 - AM_CP=2"; do
     set -- $layout
     name=$1 n=$2 mods=$3
@@ -153,6 +166,19 @@ for layout in "tp2-pp2 4 - AM_TP=2 AM_PP=2" "dp2 2 -" "tp2-dp2-sp 4 sp AM_TP=2" 
     ok "LoRA $name matches one rank: $(cat "$work/cmp-$name"); adapters: $(cat "$work/wdiff-$name")"
 done
 
+# the frozen base sharded (fsdp2, megatron_fsdp) or whole (ddp): the same computation, bit for bit
+for name in dp2 mfsdp-dp2; do
+    if [ -s "$work/steps-$name" ] && cmp -s "$work/steps-$name" "$work/steps-ddp-dp2" &&
+        cmp -s "$work/ckpt-$name/step-$steps/peft/adapter_model.safetensors" \
+            "$work/ckpt-ddp-dp2/step-$steps/peft/adapter_model.safetensors" &&
+        grep -h '"type":"memory"' "$work/logs-$name"/*/rank-0.jsonl | grep -q '"sharded":true'; then
+        ok "$name (the base sharded) gives ddp-dp2's (the base whole) losses, grad norms and adapters bit for bit"
+    else
+        bad "$name (the base sharded) differs from ddp-dp2 (the base whole), or did not shard"
+        paste "$work/steps-$name" "$work/steps-ddp-dp2" | sed 's/^/    /'
+    fi
+done
+
 # bf16 mixed precision: one rank in bf16, then tp 2 x dp 2 and dp 2 with a bf16 reduction against
 # it, within twice one rank's bf16-vs-fp32 differences (loss; grad norm relative), as
 # test-parity.sh tolerates bf16 layouts
@@ -167,7 +193,7 @@ if train ref-bf16 1 "$work/ref-bf16.yaml"; then
     else
         bad "one rank's bf16 LoRA run is not different from fp32 ($tol): is bf16 used?"
     fi
-    for layout in "bf16-tp2-dp2 4 bf16 AM_TP=2" "rbf16-dp2 2 rbf16"; do
+    for layout in "bf16-tp2-dp2 4 bf16 AM_TP=2" "bf16-mfsdp-dp2 2 bf16,mfsdp" "rbf16-dp2 2 rbf16"; do
         set -- $layout
         name=$1 n=$2 mods=$3
         shift 3
@@ -190,7 +216,7 @@ else
 fi
 
 # resume: stopped after step 3 (its checkpoint), restored, against the uninterrupted run: NAME NPROC [VAR=VALUE...]
-for layout in "r1 1" "r-tp2-pp2 4 AM_TP=2 AM_PP=2"; do
+for layout in "r1 1" "r-tp2-pp2 4 AM_TP=2 AM_PP=2" "r-dp2 2"; do
     set -- $layout
     name=$1 n=$2
     shift 2
@@ -230,12 +256,31 @@ for run in "ref 1" "dp2 2"; do
     fi
 done
 
+# the frozen base's bytes per rank (weights_bytes less the adapters' fp32 weights) at dp 2 and dp 4,
+# sharded, against one rank's whole base: divided by dp, but for each group's padding to a multiple
+# of dp (fewer than dp elements a group)
+base_of() { # NAME: the base's bytes on rank 0
+    echo $(($(memory "$work/logs-$1" 0 weights_bytes) - 4 * $(memory "$work/logs-$1" 0 adapter_params)))
+}
+whole=$(base_of ref)
+for run in "dp2 2" "dp4 4"; do
+    set -- $run
+    b=$(base_of "$1")
+    pad=$(($2 * b - whole))
+    if [ "$pad" -ge 0 ] && [ "$pad" -lt $((4 * $2 * 8)) ]; then
+        ok "the base per rank at $1: $b bytes, one rank's $whole / $2 ($(awk -v a="$b" -v w="$whole" 'BEGIN { printf "%.4f", a / w }')x; padding $pad bytes)"
+    else
+        bad "the base per rank at $1: $b bytes, not one rank's $whole / $2"
+    fi
+done
+
 # every rank's whole allocation (weights, gradients, optimizer state, activations with the model's
 # scratch and the adapters' buffers, pipeline buffers) equals am-plan's estimate for its pipeline
 # rank (memory_per_pp_rank; less the CUDA kernels' scratch, which the CPU's kernels do not
 # allocate) to the byte (NAME NPROC SETS...)
-for run in "ref 1" "tp2-pp2 4 distributed.tp_size=2 distributed.pp_size=2" "dp2 2" \
+for run in "ref 1" "tp2-pp2 4 distributed.tp_size=2 distributed.pp_size=2" "dp2 2" "dp4 4" \
     "tp2-dp2-sp 4 distributed.tp_size=2" "pp2-dp2 4 distributed.pp_size=2" "bf16-tp2-dp2 4 distributed.tp_size=2" \
+    "ddp-dp2 2" "mfsdp-dp2 2" "mfsdp-tp2-dp2 4 distributed.tp_size=2" "hsdp-dp4 4" "keep-dp2 2" "bf16-mfsdp-dp2 2" \
     "rbf16-dp2 2"; do
     set -- $run
     name=$1 n=$2
