@@ -570,7 +570,9 @@ static int forward_chunk(struct am_model *m, int chunk, int slot, int64_t B, con
             am_layer_forward(m, &layers[l], &S->acts[l], &x, B, err, err_len) < 0)
             return -1;
     }
-    am_moe_forward_end(m, m->slot_base[chunk] + slot, N, is_last(m, chunk) ? targets : NULL, dloss_scale);
+    if (am_moe_forward_end(m, m->slot_base[chunk] + slot, N, is_last(m, chunk) ? targets : NULL, dloss_scale, err,
+                           err_len) < 0)
+        return -1;
     m->where.layer = AM_WHERE_HEAD;
     if (is_last(m, chunk) && use_group(m, head_group(m), false, err, err_len) < 0)
         return -1;

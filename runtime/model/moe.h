@@ -20,6 +20,15 @@
  * router_aux_loss_coef * aux * (its tokens with a target) to the loss sum, so that with the
  * trainer's 1 / (tokens of the batch) scale the loss is transformers' loss_lm + coef * aux for
  * one micro-batch, and the token-weighted mean of the micro-batches' aux over several.
+ * Context parallelism (m->cp: each cp rank holds T / cp rows of every sequence, ring.h): the
+ * statistics are those of the whole sequences, as AutoModel's Gate computes them under cp (its
+ * expert_load, expert_scores and context_length summed over the cp group): at the end of a
+ * micro-batch's forward cnt and psum are summed over the cp ranks (in place, so the backward's
+ * gradient uses the global counts), R counts the rows of all the cp ranks, and each rank adds
+ * coef * aux * (its own tokens with a target), so that the loss summed over dp x cp is one
+ * rank's; its gradient scale is that of coef * aux * (the whole micro-batch's tokens with a
+ * target), whose derivative with respect to this rank's probabilities it is. Three small
+ * all-reduces per micro-batch (cnt, psum, the targets' count).
  *
  * Parameters (Hugging Face names): Mixtral's block_sparse_moe.gate.weight [E, C] and
  * block_sparse_moe.experts.e.{w1 (gate), w3 (up)} [I, C], w2 (down) [C, I]; Qwen3-MoE's
@@ -104,9 +113,12 @@ int am_moe_backward(struct am_model *m, const struct am_layer *L, const struct a
                     const struct am_tensor *in, struct am_tensor *dh, char *err, size_t err_len);
 /* Around a micro-batch's forward of all the layers (slot: the model's slot index): begin zeroes
  * its load-balancing statistics; end adds the load-balancing loss to the loss scalar for the
- * targets' tokens and keeps its gradient's scale (dloss_scale as am_model_forward's). */
+ * targets' tokens and keeps its gradient's scale (dloss_scale as am_model_forward's). Under
+ * context parallelism end is collective over the cp group (its statistics summed): 0, or -1
+ * with the message of a failed all-reduce. */
 void am_moe_forward_begin(struct am_model *m, int slot);
-void am_moe_forward_end(struct am_model *m, int slot, int64_t N, const int32_t *targets, float dloss_scale);
+int am_moe_forward_end(struct am_model *m, int slot, int64_t N, const int32_t *targets, float dloss_scale, char *err,
+                       size_t err_len);
 /* Expert parallelism: the bytes of the all-to-all's buffers (within the activations' bytes,
  * m->act_bytes): [ep x S, C] twice and [S, C] for S = the micro-batch's tokens x top_k; 0 at ep 1. */
 size_t am_moe_alltoall_bytes(const struct am_model *m);

@@ -308,15 +308,6 @@ static bool lora_on(const struct am_recipe *r, enum am_lora_target t)
     return r->peft.enabled && (r->peft.targets & (1u << t));
 }
 
-static void cp_moe_aux(struct check *c)
-{
-    const struct am_recipe *r = c->r;
-    if (r->dist.cp > 1 && r->model.num_experts > 0 && r->model.output_router_logits)
-        FAIL(c, "distributed.cp_size", "%d with output_router_logits: the load-balancing loss of %s over the whole "
-             "sequences (its statistics summed over the cp ranks) is not run yet (use cp_size 1, or train without "
-             "the loss: output_router_logits: false)", r->dist.cp, r->model.model_type);
-}
-
 static void cp_gemma(struct check *c)
 {
     const struct am_recipe *r = c->r;
@@ -397,7 +388,7 @@ static const struct {
     const char *name; /* the row of tests/recipe/refusals.tsv */
     void (*check)(struct check *c);
 } run_rules[] = {
-    {"cp-moe-aux", cp_moe_aux},   {"cp-gemma", cp_gemma},       {"packed-gemma", packed_gemma},
+    {"cp-gemma", cp_gemma},     {"packed-gemma", packed_gemma},
     {"fp16", fp16},             {"moe-sp", moe_sp},           {"moe-aux-pp", moe_aux_pp}, {"lora-head", lora_head},
     {"lora-kv-tp", lora_kv_tp}, {"dataset", dataset},
 };
