@@ -66,12 +66,6 @@ int am_moe_check(const struct am_model_config *cfg, const struct am_model_shard 
         return am_fail(err, err_len, "model: ep_size %d does not divide %s's %d experts: each ep rank holds "
                        "num_experts / ep_size of them (use an ep_size that divides %d)", sh->ep, cfg->model_type,
                        (int)cfg->num_experts, (int)cfg->num_experts);
-    bool whole = sh->n_chunks == 1 && sh->first_stage && sh->last_stage && sh->chunks[0].first_layer == 0 &&
-                 sh->chunks[0].n_layers == cfg->num_hidden_layers;
-    if (!whole && cfg->output_router_logits)
-        return am_fail(err, err_len, "model: %s over pipeline stages with output_router_logits: the load-balancing "
-                       "loss spans all the layers and is not exchanged between stages yet (train with pp 1, or "
-                       "without the loss: output_router_logits: false)", cfg->model_type);
     return 0;
 }
 
@@ -482,14 +476,34 @@ int am_moe_backward(struct am_model *m, const struct am_layer *L, const struct a
     return 0;
 }
 
-void am_moe_forward_begin(struct am_model *m, int slot)
+/* Pipeline stages: the statistics that travel after a hidden state (am_moe_pipe_bytes), as
+ * f32 [cnt E | psum E | scale 1] at msg (the message's trailer, on the device) */
+static struct am_tensor trailer(const struct am_model *m, const void *msg, int64_t off, int64_t n)
+{
+    return am_tensor_view((char *)msg + off * (int64_t)sizeof(float), m->K->device, AM_F32, n, 0, 0, 0);
+}
+
+size_t am_moe_pipe_bytes(const struct am_model *m)
+{
+    const struct am_moe *M = m->moe;
+    return M && M->aux_on && M->n_moe > 0 ? (size_t)(2 * M->E + 1) * sizeof(float) : 0;
+}
+
+void am_moe_forward_begin(struct am_model *m, int slot, const void *in)
 {
     struct am_moe *M = m->moe;
     if (!M || !M->aux_on)
         return;
-    m->K->zero(m->dev, &M->slots[slot].cnt);
-    m->K->zero(m->dev, &M->slots[slot].psum);
-    m->K->zero(m->dev, &M->slots[slot].aux);
+    struct moe_slot *Sl = &M->slots[slot];
+    m->K->zero(m->dev, &Sl->aux);
+    if (in) { /* the earlier stages' sums go on */
+        struct am_tensor c = trailer(m, in, 0, M->E), p = trailer(m, in, M->E, M->E);
+        m->K->copy(m->dev, &Sl->cnt, &c);
+        m->K->copy(m->dev, &Sl->psum, &p);
+        return;
+    }
+    m->K->zero(m->dev, &Sl->cnt);
+    m->K->zero(m->dev, &Sl->psum);
 }
 
 /* Context parallelism: the statistics of the whole sequences (AutoModel's Gate under cp sums
@@ -509,13 +523,19 @@ static int cp_sum_stats(struct am_model *m, struct moe_slot *Sl, int64_t *valid,
     return 0;
 }
 
-int am_moe_forward_end(struct am_model *m, int slot, int64_t N, const int32_t *targets, float dloss_scale, char *err,
-                       size_t err_len)
+int am_moe_forward_end(struct am_model *m, int slot, int64_t N, const int32_t *targets, float dloss_scale, void *out,
+                       char *err, size_t err_len)
 {
     struct am_moe *M = m->moe;
     if (!M || !M->aux_on || M->n_moe == 0)
         return 0;
     struct moe_slot *Sl = &M->slots[slot];
+    if (out) { /* a stage before the last: its sums go on to the next */
+        struct am_tensor c = trailer(m, out, 0, M->E), p = trailer(m, out, M->E, M->E);
+        m->K->copy(m->dev, &c, &Sl->cnt);
+        m->K->copy(m->dev, &p, &Sl->psum);
+        return 0;
+    }
     int64_t valid = 0, all;
     for (int64_t i = 0; targets && i < N; i++)
         valid += targets[i] >= 0;
@@ -532,6 +552,28 @@ int am_moe_forward_end(struct am_model *m, int slot, int64_t N, const int32_t *t
     Sl->aux_scale = (float)((double)dloss_scale * M->coef * (double)all * unit);
     M->last_slot = slot;
     return 0;
+}
+
+void am_moe_backward_begin(struct am_model *m, int slot, const void *in)
+{
+    struct am_moe *M = m->moe;
+    if (!M || !M->aux_on || M->n_moe == 0 || !in)
+        return;
+    struct moe_slot *Sl = &M->slots[slot]; /* the whole model's counts, and the loss's gradient scale */
+    struct am_tensor c = trailer(m, in, 0, M->E);
+    m->K->copy(m->dev, &Sl->cnt, &c);
+    m->K->download(m->dev, &Sl->aux_scale, (const float *)in + 2 * M->E, sizeof(float));
+}
+
+void am_moe_backward_end(struct am_model *m, int slot, void *out)
+{
+    struct am_moe *M = m->moe;
+    if (!M || !M->aux_on || M->n_moe == 0 || !out)
+        return;
+    struct moe_slot *Sl = &M->slots[slot];
+    struct am_tensor c = trailer(m, out, 0, M->E);
+    m->K->copy(m->dev, &c, &Sl->cnt);
+    m->K->upload(m->dev, (float *)out + 2 * M->E, &Sl->aux_scale, sizeof(float));
 }
 
 size_t am_moe_alltoall_bytes(const struct am_model *m)

@@ -527,7 +527,10 @@ static int memory_of_rank(const struct am_recipe *r, const struct am_plan *p, in
     /* the executor's send buffers each way (a ring of one per slot; with interleaving one per
      * micro-batch and chunk) and one receive buffer (pipeline.h) */
     double sends = p->virtual_stages == 1 ? flight / layers : (double)p->virtual_stages * (double)p->n_microbatches;
-    out->p2p = p->pp == 1 ? 0 : (1 + 2 * sends) * tokens * h * cs / (r->dist.sequence_parallel ? tp : 1);
+    /* with the load-balancing loss its statistics follow each hidden state (f32 [2 E + 1]) */
+    double trailer = m->num_experts > 0 && m->output_router_logits && am_model_moe_layers(m) > 0
+                         ? (2 * (double)m->num_experts + 1) * 4 : 0;
+    out->p2p = p->pp == 1 ? 0 : (1 + 2 * sends) * (tokens * h * cs / (r->dist.sequence_parallel ? tp : 1) + trailer);
     out->scratch = scratch_bytes(r, p, emb, head, &rs);
     out->kernel_scratch = kernel_scratch_bytes(r, p, head, layers);
     /* the all-to-all's buffers (moe.c): the slots received, twice, and the rank's own, each

@@ -345,15 +345,6 @@ static void moe_sp(struct check *c)
              r->model.model_type);
 }
 
-static void moe_aux_pp(struct check *c)
-{
-    const struct am_recipe *r = c->r;
-    if (r->model.num_experts > 0 && r->model.output_router_logits && r->dist.pp > 1)
-        FAIL(c, "distributed.pp_size", "%d with output_router_logits: the load-balancing loss of %s spans all the "
-             "layers and is not exchanged between stages yet (train with pp_size 1, or without the loss: "
-             "output_router_logits: false)", r->dist.pp, r->model.model_type);
-}
-
 static void lora_head(struct check *c)
 {
     if (lora_on(c->r, AM_LORA_HEAD))
@@ -389,7 +380,7 @@ static const struct {
     void (*check)(struct check *c);
 } run_rules[] = {
     {"cp-gemma", cp_gemma},     {"packed-gemma", packed_gemma},
-    {"fp16", fp16},             {"moe-sp", moe_sp},           {"moe-aux-pp", moe_aux_pp}, {"lora-head", lora_head},
+    {"fp16", fp16},             {"moe-sp", moe_sp},           {"lora-head", lora_head},
     {"lora-kv-tp", lora_kv_tp}, {"dataset", dataset},
 };
 
