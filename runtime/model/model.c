@@ -425,6 +425,8 @@ size_t am_model_hidden_elems(const struct am_model *m, int64_t batch)
     return (size_t)(stream_rows(m, batch * m->seq_len) * m->cfg.hidden_size);
 }
 
+size_t am_model_pipe_trailer_bytes(const struct am_model *m) { return am_moe_pipe_bytes(m); }
+
 /* Gemma's embedding scale: sqrt(hidden_size) as a tensor of the compute dtype (transformers:
  * torch.tensor(hidden_size ** 0.5).to(weight.dtype): rounded to bf16 in bf16). */
 static float embed_scale(const struct am_model *m)
@@ -563,14 +565,18 @@ static int forward_chunk(struct am_model *m, int chunk, int slot, int64_t B, con
         K->copy(m->dev, &x, &in);
     }
     const struct am_layer *layers = &m->layers[m->chunk_base[chunk]];
-    am_moe_forward_begin(m, m->slot_base[chunk] + slot);
+    /* the load-balancing statistics of the earlier stages travel after the hidden state */
+    size_t hb = am_model_hidden_elems(m, B) * am_dtype_size(m->act_dt);
+    am_moe_forward_begin(m, m->slot_base[chunk] + slot, is_first(m, chunk) ? NULL : (const char *)x_in + hb);
     for (int l = 0; l < m->sh.chunks[chunk].n_layers; l++) {
         m->where.layer = m->sh.chunks[chunk].first_layer + l;
         if (use_group(m, layers[l].group, false, err, err_len) < 0 ||
             am_layer_forward(m, &layers[l], &S->acts[l], &x, B, err, err_len) < 0)
             return -1;
     }
-    am_moe_forward_end(m, m->slot_base[chunk] + slot, N, is_last(m, chunk) ? targets : NULL, dloss_scale);
+    if (am_moe_forward_end(m, m->slot_base[chunk] + slot, N, is_last(m, chunk) ? targets : NULL, dloss_scale,
+                           is_last(m, chunk) ? NULL : (char *)x_out + hb, err, err_len) < 0)
+        return -1;
     m->where.layer = AM_WHERE_HEAD;
     if (is_last(m, chunk) && use_group(m, head_group(m), false, err, err_len) < 0)
         return -1;
@@ -614,6 +620,9 @@ int am_model_backward(struct am_model *m, int chunk, int slot, const void *dy, v
         struct am_tensor g = hidden(m, dy, B);
         K->copy(m->dev, &dx, &g);
     }
+    /* the load-balancing loss's whole-model counts and gradient scale travel after the gradient */
+    size_t hb = am_model_hidden_elems(m, B) * am_dtype_size(m->act_dt);
+    am_moe_backward_begin(m, m->slot_base[chunk] + slot, is_last(m, chunk) ? NULL : (const char *)dy + hb);
     const struct am_layer *layers = &m->layers[m->chunk_base[chunk]];
     for (int l = m->sh.chunks[chunk].n_layers - 1; l >= 0; l--) {
         struct am_layer_acts *a = &S->acts[l];
@@ -645,6 +654,7 @@ int am_model_backward(struct am_model *m, int chunk, int slot, const void *dy, v
     }
     struct am_tensor out = hidden(m, dx_out, B);
     K->copy(m->dev, &out, &dx);
+    am_moe_backward_end(m, m->slot_base[chunk] + slot, (char *)dx_out + hb);
     return 0;
 }
 

@@ -397,6 +397,10 @@ void am_model_init_lora(struct am_model *m, uint64_t seed, bool kaiming);
  * `batch` sequences: its rows of the residual stream (all tokens, or its 1/tp with sequence
  * parallelism) times hidden_size. */
 size_t am_model_hidden_elems(const struct am_model *m, int64_t batch);
+/* Bytes that travel after that hidden state, and after its gradient: with a mixture of
+ * experts' load-balancing loss its statistics (moe.h, am_moe_pipe_bytes), else 0. x_in,
+ * x_out, dy and dx below hold them right after the hidden state's elements. */
+size_t am_model_pipe_trailer_bytes(const struct am_model *m);
 
 /* Pipeline pieces: the forward of one chunk for the micro-batch kept in the chunk's `slot`
  * (0 <= slot < the chunk's slots; the slot's activations stay until its backward). tokens and targets are host int32

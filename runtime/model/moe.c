@@ -8,6 +8,7 @@
 
 #include "comm.h"
 #include "log.h"
+#include "ring.h"
 #include "util.h"
 
 /* One MoE layer's saved tensors for one micro-batch. */
@@ -26,6 +27,8 @@ struct moe_acts {
 
 struct moe_slot {
     struct am_tensor cnt, psum, aux; /* load-balancing statistics [E] f32, and aux (one f64) */
+    struct am_tensor valid;          /* cp > 1: the micro-batch's tokens with a target, summed over the cp
+                                        group (one i64, beside aux in its 64 bytes) */
     float aux_scale;                 /* the gradient of the loss with respect to Σ cnt·psum terms */
 };
 
@@ -63,12 +66,6 @@ int am_moe_check(const struct am_model_config *cfg, const struct am_model_shard 
         return am_fail(err, err_len, "model: ep_size %d does not divide %s's %d experts: each ep rank holds "
                        "num_experts / ep_size of them (use an ep_size that divides %d)", sh->ep, cfg->model_type,
                        (int)cfg->num_experts, (int)cfg->num_experts);
-    bool whole = sh->n_chunks == 1 && sh->first_stage && sh->last_stage && sh->chunks[0].first_layer == 0 &&
-                 sh->chunks[0].n_layers == cfg->num_hidden_layers;
-    if (!whole && cfg->output_router_logits)
-        return am_fail(err, err_len, "model: %s over pipeline stages with output_router_logits: the load-balancing "
-                       "loss spans all the layers and is not exchanged between stages yet (train with pp 1, or "
-                       "without the loss: output_router_logits: false)", cfg->model_type);
     return 0;
 }
 
@@ -145,7 +142,9 @@ static size_t layout(struct am_model *m, struct am_moe *M, char *base)
     for (int s = 0; s < m->n_slots; s++) {
         M->slots[s].cnt = carve(base, &off, dev, AM_F32, E, 0);
         M->slots[s].psum = carve(base, &off, dev, AM_F32, E, 0);
-        M->slots[s].aux = carve(base, &off, dev, AM_F64, 1, 0);
+        struct am_tensor av = carve(base, &off, dev, AM_F64, 2, 0); /* aux, and valid in the second 8 bytes */
+        M->slots[s].aux = am_tensor_view(av.data, dev, AM_F64, 1, 0, 0, 0);
+        M->slots[s].valid = am_tensor_view(av.data ? (char *)av.data + 8 : NULL, dev, AM_I64, 1, 0, 0, 0);
     }
     M->dlogits = carve(base, &off, dev, dt, N, E);
     M->dwts = carve(base, &off, dev, AM_F32, N, k);
@@ -477,30 +476,104 @@ int am_moe_backward(struct am_model *m, const struct am_layer *L, const struct a
     return 0;
 }
 
-void am_moe_forward_begin(struct am_model *m, int slot)
+/* Pipeline stages: the statistics that travel after a hidden state (am_moe_pipe_bytes), as
+ * f32 [cnt E | psum E | scale 1] at msg (the message's trailer, on the device) */
+static struct am_tensor trailer(const struct am_model *m, const void *msg, int64_t off, int64_t n)
+{
+    return am_tensor_view((char *)msg + off * (int64_t)sizeof(float), m->K->device, AM_F32, n, 0, 0, 0);
+}
+
+size_t am_moe_pipe_bytes(const struct am_model *m)
+{
+    const struct am_moe *M = m->moe;
+    return M && M->aux_on && M->n_moe > 0 ? (size_t)(2 * M->E + 1) * sizeof(float) : 0;
+}
+
+void am_moe_forward_begin(struct am_model *m, int slot, const void *in)
 {
     struct am_moe *M = m->moe;
     if (!M || !M->aux_on)
         return;
-    m->K->zero(m->dev, &M->slots[slot].cnt);
-    m->K->zero(m->dev, &M->slots[slot].psum);
-    m->K->zero(m->dev, &M->slots[slot].aux);
+    struct moe_slot *Sl = &M->slots[slot];
+    m->K->zero(m->dev, &Sl->aux);
+    if (in) { /* the earlier stages' sums go on */
+        struct am_tensor c = trailer(m, in, 0, M->E), p = trailer(m, in, M->E, M->E);
+        m->K->copy(m->dev, &Sl->cnt, &c);
+        m->K->copy(m->dev, &Sl->psum, &p);
+        return;
+    }
+    m->K->zero(m->dev, &Sl->cnt);
+    m->K->zero(m->dev, &Sl->psum);
 }
 
-void am_moe_forward_end(struct am_model *m, int slot, int64_t N, const int32_t *targets, float dloss_scale)
+/* Context parallelism: the statistics of the whole sequences (AutoModel's Gate under cp sums
+ * expert_load, expert_scores and context_length over the cp group): cnt and psum summed over
+ * the cp ranks in place, so that the backward's gradient uses the global counts too, and the
+ * tokens with a target of the whole micro-batch (*valid: this rank's in, the group's out). */
+static int cp_sum_stats(struct am_model *m, struct moe_slot *Sl, int64_t *valid, char *err, size_t err_len)
+{
+    struct am_comm *c = m->cp->comm;
+    size_t E = (size_t)m->moe->E;
+    m->K->upload(m->dev, Sl->valid.data, valid, sizeof(*valid));
+    if (am_allreduce(c, Sl->cnt.data, Sl->cnt.data, E, AM_F32, AM_SUM, err, err_len) < 0 ||
+        am_allreduce(c, Sl->psum.data, Sl->psum.data, E, AM_F32, AM_SUM, err, err_len) < 0 ||
+        am_allreduce(c, Sl->valid.data, Sl->valid.data, 1, AM_I64, AM_SUM, err, err_len) < 0)
+        return -1;
+    m->K->download(m->dev, valid, Sl->valid.data, sizeof(*valid));
+    return 0;
+}
+
+int am_moe_forward_end(struct am_model *m, int slot, int64_t N, const int32_t *targets, float dloss_scale, void *out,
+                       char *err, size_t err_len)
 {
     struct am_moe *M = m->moe;
     if (!M || !M->aux_on || M->n_moe == 0)
-        return;
+        return 0;
     struct moe_slot *Sl = &M->slots[slot];
-    int64_t valid = 0;
+    if (out) { /* a stage before the last: its sums go on to the next */
+        struct am_tensor c = trailer(m, out, 0, M->E), p = trailer(m, out, M->E, M->E);
+        m->K->copy(m->dev, &c, &Sl->cnt);
+        m->K->copy(m->dev, &p, &Sl->psum);
+        return 0;
+    }
+    int64_t valid = 0, all;
     for (int64_t i = 0; targets && i < N; i++)
         valid += targets[i] >= 0;
-    double R = (double)M->n_moe * (double)N, unit = (double)M->E / (R * R); /* aux = unit Σ cnt psum */
+    all = valid;
+    int cp = m->cp ? m->cp->size : 1;
+    if (cp > 1 && cp_sum_stats(m, Sl, &all, err, err_len) < 0)
+        return -1;
+    /* aux = unit Σ cnt psum over the R rows of the whole sequences' MoE layers */
+    double R = (double)M->n_moe * (double)(N * cp), unit = (double)M->E / (R * R);
     m->K->moe_aux_loss(m->dev, &Sl->aux, &Sl->cnt, &Sl->psum, unit);
+    /* this rank's share of the loss, coef * aux * its targets; the gradient of the whole
+     * micro-batch's coef * aux * (all its targets) with respect to this rank's probabilities */
     m->K->moe_aux_loss(m->dev, &m->scalars.loss, &Sl->cnt, &Sl->psum, M->coef * (double)valid * unit);
-    Sl->aux_scale = (float)((double)dloss_scale * M->coef * (double)valid * unit);
+    Sl->aux_scale = (float)((double)dloss_scale * M->coef * (double)all * unit);
     M->last_slot = slot;
+    return 0;
+}
+
+void am_moe_backward_begin(struct am_model *m, int slot, const void *in)
+{
+    struct am_moe *M = m->moe;
+    if (!M || !M->aux_on || M->n_moe == 0 || !in)
+        return;
+    struct moe_slot *Sl = &M->slots[slot]; /* the whole model's counts, and the loss's gradient scale */
+    struct am_tensor c = trailer(m, in, 0, M->E);
+    m->K->copy(m->dev, &Sl->cnt, &c);
+    m->K->download(m->dev, &Sl->aux_scale, (const float *)in + 2 * M->E, sizeof(float));
+}
+
+void am_moe_backward_end(struct am_model *m, int slot, void *out)
+{
+    struct am_moe *M = m->moe;
+    if (!M || !M->aux_on || M->n_moe == 0 || !out)
+        return;
+    struct moe_slot *Sl = &M->slots[slot];
+    struct am_tensor c = trailer(m, out, 0, M->E);
+    m->K->copy(m->dev, &c, &Sl->cnt);
+    m->K->upload(m->dev, (float *)out + 2 * M->E, &Sl->aux_scale, sizeof(float));
 }
 
 size_t am_moe_alltoall_bytes(const struct am_model *m)

@@ -20,6 +20,15 @@
  * router_aux_loss_coef * aux * (its tokens with a target) to the loss sum, so that with the
  * trainer's 1 / (tokens of the batch) scale the loss is transformers' loss_lm + coef * aux for
  * one micro-batch, and the token-weighted mean of the micro-batches' aux over several.
+ * Context parallelism (m->cp: each cp rank holds T / cp rows of every sequence, ring.h): the
+ * statistics are those of the whole sequences, as AutoModel's Gate computes them under cp (its
+ * expert_load, expert_scores and context_length summed over the cp group): at the end of a
+ * micro-batch's forward cnt and psum are summed over the cp ranks (in place, so the backward's
+ * gradient uses the global counts), R counts the rows of all the cp ranks, and each rank adds
+ * coef * aux * (its own tokens with a target), so that the loss summed over dp x cp is one
+ * rank's; its gradient scale is that of coef * aux * (the whole micro-batch's tokens with a
+ * target), whose derivative with respect to this rank's probabilities it is. Three small
+ * all-reduces per micro-batch (cnt, psum, the targets' count).
  *
  * Parameters (Hugging Face names): Mixtral's block_sparse_moe.gate.weight [E, C] and
  * block_sparse_moe.experts.e.{w1 (gate), w3 (up)} [I, C], w2 (down) [C, I]; Qwen3-MoE's
@@ -34,8 +43,13 @@
  * computes the whole block on all the tokens; the parameters are AM_SPLIT_NONE, counted once in
  * the gradient norm); the block's output is added to the residual without a tp sum, and the
  * gradient of its input is divided by tp before the sum over tp that the norm's backward takes.
- * Pipeline stages: each stage runs its own MoE layers; the load-balancing loss, which spans all
- * the layers of the model, is not exchanged between stages yet.
+ * Pipeline stages: each stage runs its own MoE layers. The load-balancing loss spans all the
+ * layers of the model (transformers concatenates every layer's router logits), so its sums
+ * travel with the micro-batch: each stage adds its layers' cnt and psum to those received
+ * after the hidden state and sends them on after its own; the last stage computes the loss
+ * (added to its loss scalar, which the trainer sums over pp) and sends the whole model's cnt
+ * and the gradient scale back after the hidden state's gradient, which each earlier stage's
+ * router backward uses and passes on (am_moe_pipe_bytes: 4 (2 E + 1) bytes each way).
  * Expert parallelism (sh.ep > 1, the trainer's m->ep_comm): this rank holds experts
  * e0 = ep_rank * E/ep .. e0 + E/ep - 1 (their parameters named by global index; E % ep is
  * refused). The router and the load-balancing statistics see all E experts on the rank's own
@@ -47,8 +61,8 @@
  * The received rows are sized for the worst case (ep x N x k). The experts' groups are reduced
  * over the expert-data-parallel group (the trainer sets their comm; under fully sharded data
  * parallelism they are sharded, gathered and reduce-scattered over it: fsdp.h).
- * Not yet: experts split over tp, sequence parallelism with experts, and the load-balancing
- * loss over pipeline stages; am_moe_check refuses the last two.
+ * Not yet: experts split over tp, and sequence parallelism with experts, which am_moe_check
+ * refuses.
  */
 #ifndef AM_MODEL_MOE_H
 #define AM_MODEL_MOE_H
@@ -102,11 +116,25 @@ int am_moe_forward(struct am_model *m, const struct am_layer *L, const struct am
 /* Its backward: dout the gradient of out; dh (+=) the gradient of in. */
 int am_moe_backward(struct am_model *m, const struct am_layer *L, const struct am_layer_acts *a, const struct am_tensor *dout,
                     const struct am_tensor *in, struct am_tensor *dh, char *err, size_t err_len);
-/* Around a micro-batch's forward of all the layers (slot: the model's slot index): begin zeroes
- * its load-balancing statistics; end adds the load-balancing loss to the loss scalar for the
- * targets' tokens and keeps its gradient's scale (dloss_scale as am_model_forward's). */
-void am_moe_forward_begin(struct am_model *m, int slot);
-void am_moe_forward_end(struct am_model *m, int slot, int64_t N, const int32_t *targets, float dloss_scale);
+/* Around a micro-batch's forward of a chunk's layers (slot: the model's slot index): begin
+ * zeroes its load-balancing statistics, or with in (a stage after the first: the trailer of
+ * the hidden state received, below) takes the earlier stages' sums; end, on the last stage
+ * (out NULL), adds the load-balancing loss to the loss scalar for the targets' tokens and
+ * keeps its gradient's scale (dloss_scale as am_model_forward's), and on an earlier stage
+ * writes the sums to out (the trailer of the hidden state sent). Under context parallelism
+ * end is collective over the cp group on the last stage (its statistics summed): 0, or -1
+ * with the message of a failed all-reduce. */
+void am_moe_forward_begin(struct am_model *m, int slot, const void *in);
+int am_moe_forward_end(struct am_model *m, int slot, int64_t N, const int32_t *targets, float dloss_scale, void *out,
+                       char *err, size_t err_len);
+/* Pipeline stages with the load-balancing loss: the bytes that travel after a micro-batch's
+ * hidden state and after its gradient (0 without the loss): f32 [cnt E | psum E | scale],
+ * forward the sums so far, backward the whole model's counts and the gradient scale. Around a
+ * chunk's backward: begin takes them from in (the gradient received; NULL on the last stage),
+ * end writes them to out (the gradient sent; NULL on the first stage). */
+size_t am_moe_pipe_bytes(const struct am_model *m);
+void am_moe_backward_begin(struct am_model *m, int slot, const void *in);
+void am_moe_backward_end(struct am_model *m, int slot, void *out);
 /* Expert parallelism: the bytes of the all-to-all's buffers (within the activations' bytes,
  * m->act_bytes): [ep x S, C] twice and [S, C] for S = the micro-batch's tokens x top_k; 0 at ep 1. */
 size_t am_moe_alltoall_bytes(const struct am_model *m);

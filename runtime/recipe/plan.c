@@ -110,11 +110,15 @@ static int build_stages(const struct am_recipe *r, struct am_plan *p)
 
 /* ---- memory -------------------------------------------------------------------------- */
 
+/* Bytes of one buffer of n elements of size es, as the model carves them (64-byte aligned). */
+static double carved(double n, double es) { return (double)(((long long)(n * es) + 63) / 64 * 64); }
+
 /* A MoE layer's tensors per token (in compute-dtype elements), kept per micro-batch slot and
  * MoE layer whether or not the dense part is recomputed (runtime/model/moe.c). With expert
  * parallelism the rows a rank's experts receive (the permuted input, gate, up and product) are
  * sized for the worst case: every slot of the ep group's ranks, ep times the rank's own, with
- * where each goes (an i32 per row); the counts received (an i32 per expert) are apart. */
+ * where each goes (an i32 per row); the counts (an i32 per expert, and those received) are
+ * apart. */
 static double moe_elems_per_token(const struct am_recipe *r, const struct am_plan *p)
 {
     const struct am_model_config *m = &r->model;
@@ -203,9 +207,6 @@ static double in_flight_layers(const struct am_recipe *r, const struct am_plan *
     return (double)slots * layers_on_rank / v;
 }
 
-/* Bytes of one buffer of n elements of size es, as the model carves them (64-byte aligned). */
-static double carved(double n, double es) { return (double)(((long long)(n * es) + 63) / 64 * 64); }
-
 /* The buffers the model allocates beside the layers' saved tensors (runtime/model/model.c,
  * layout_acts; moe.c, layout), exactly: per micro-batch slot the first stage's token ids and
  * the last stage's targets, final norm input and output, its inverse rms and the cross
@@ -217,10 +218,10 @@ static double carved(double n, double es) { return (double)(((long long)(n * es)
  * tables), with sequence parallelism the gathered stream and a rows'
  * buffer, with context parallelism the ring's buffers (T: the rank's rows of a sequence, whose
  * positions the rotary tables hold), with packed sequences their rotary tables and documents;
- * and for a mixture of experts, per slot the router's counts, probability sums and
- * auxiliary loss, shared the router's and the experts' gradient buffers. N: tokens of a
- * micro-batch, R: its rows of the residual stream on this rank (N / tp with sequence
- * parallelism). */
+ * and for a mixture of experts, per slot the router's counts, probability sums, auxiliary
+ * loss and count of targets (the last two in one buffer), shared the router's and the
+ * experts' gradient buffers. N: tokens of a micro-batch, R: its rows of the residual stream
+ * on this rank (N / tp with sequence parallelism). */
 static double scratch_bytes(const struct am_recipe *r, const struct am_plan *p, bool emb, bool head,
                             const struct rank_slots *rs)
 {
@@ -270,7 +271,7 @@ static double scratch_bytes(const struct am_recipe *r, const struct am_plan *p, 
     if (m->num_experts > 0) {
         double E = (double)m->num_experts, k = (double)m->num_experts_per_tok, S = N * k;
         double Im = (double)m->moe_intermediate_size;
-        b += rs->total * (2 * carved(E, 4) + carved(1, 8));
+        b += rs->total * (2 * carved(E, 4) + carved(2, 8));
         double Re = S * p->ep; /* the rows this rank's experts can receive (moe_elems_per_token) */
         b += carved(N * E, cs) + carved(N * k, 4) + carved(S * C, cs) + carved(Re * C, cs) + 3 * carved(Re * Im, cs);
     }
@@ -526,12 +527,15 @@ static int memory_of_rank(const struct am_recipe *r, const struct am_plan *p, in
         out->activations = flight * full_layer;
     }
     out->activations += rs.moe_layer_slots * tokens * moe_elems_per_token(r, p) * cs;
-    if (p->ep > 1 && m->num_experts > 0) /* each slot's counts received from the ep ranks */
-        out->activations += rs.moe_layer_slots * (double)m->num_experts * 4;
+    if (m->num_experts > 0) /* each slot's counts per expert, and with ep those received from the ep ranks */
+        out->activations += rs.moe_layer_slots * (p->ep > 1 ? 2 : 1) * carved((double)m->num_experts, 4);
     /* the executor's send buffers each way (a ring of one per slot; with interleaving one per
      * micro-batch and chunk) and one receive buffer (pipeline.h) */
     double sends = p->virtual_stages == 1 ? flight / layers : (double)p->virtual_stages * (double)p->n_microbatches;
-    out->p2p = p->pp == 1 ? 0 : (1 + 2 * sends) * tokens * h * cs / (r->dist.sequence_parallel ? tp : 1);
+    /* with the load-balancing loss its statistics follow each hidden state (f32 [2 E + 1]) */
+    double trailer = m->num_experts > 0 && m->output_router_logits && am_model_moe_layers(m) > 0
+                         ? (2 * (double)m->num_experts + 1) * 4 : 0;
+    out->p2p = p->pp == 1 ? 0 : (1 + 2 * sends) * (tokens * h * cs / (r->dist.sequence_parallel ? tp : 1) + trailer);
     out->scratch = scratch_bytes(r, p, emb, head, &rs);
     out->kernel_scratch = kernel_scratch_bytes(r, p, head, layers);
     /* the all-to-all's buffers (moe.c): the slots received, twice, and the rank's own, each

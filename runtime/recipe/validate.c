@@ -308,15 +308,6 @@ static bool lora_on(const struct am_recipe *r, enum am_lora_target t)
     return r->peft.enabled && (r->peft.targets & (1u << t));
 }
 
-static void cp_moe_aux(struct check *c)
-{
-    const struct am_recipe *r = c->r;
-    if (r->dist.cp > 1 && r->model.num_experts > 0 && r->model.output_router_logits)
-        FAIL(c, "distributed.cp_size", "%d with output_router_logits: the load-balancing loss of %s over the whole "
-             "sequences (its statistics summed over the cp ranks) is not run yet (use cp_size 1, or train without "
-             "the loss: output_router_logits: false)", r->dist.cp, r->model.model_type);
-}
-
 static void cp_gemma(struct check *c)
 {
     const struct am_recipe *r = c->r;
@@ -354,15 +345,6 @@ static void moe_sp(struct check *c)
              r->model.model_type);
 }
 
-static void moe_aux_pp(struct check *c)
-{
-    const struct am_recipe *r = c->r;
-    if (r->model.num_experts > 0 && r->model.output_router_logits && r->dist.pp > 1)
-        FAIL(c, "distributed.pp_size", "%d with output_router_logits: the load-balancing loss of %s spans all the "
-             "layers and is not exchanged between stages yet (train with pp_size 1, or without the loss: "
-             "output_router_logits: false)", r->dist.pp, r->model.model_type);
-}
-
 static void lora_head(struct check *c)
 {
     if (lora_on(c->r, AM_LORA_HEAD))
@@ -397,8 +379,8 @@ static const struct {
     const char *name; /* the row of tests/recipe/refusals.tsv */
     void (*check)(struct check *c);
 } run_rules[] = {
-    {"cp-moe-aux", cp_moe_aux},   {"cp-gemma", cp_gemma},       {"packed-gemma", packed_gemma},
-    {"fp16", fp16},             {"moe-sp", moe_sp},           {"moe-aux-pp", moe_aux_pp}, {"lora-head", lora_head},
+    {"cp-gemma", cp_gemma},     {"packed-gemma", packed_gemma},
+    {"fp16", fp16},             {"moe-sp", moe_sp},           {"lora-head", lora_head},
     {"lora-kv-tp", lora_kv_tp}, {"dataset", dataset},
 };
 

@@ -68,6 +68,12 @@ int am_pipe_bind(struct am_pipe *P, const struct am_model *m, int64_t batch, str
     P->dtype = m->act_dt;
     if (P->pp == 1)
         return 0;
+    /* the load-balancing loss's statistics after the hidden state (model.h), f32 */
+    size_t trailer = am_model_pipe_trailer_bytes(m);
+    if (trailer && (P->hidden * P->elem) % sizeof(float))
+        return am_fail(err, err_len, "pipeline: a hidden state of %zu bytes is not a whole number of floats, which the "
+                       "load-balancing loss's statistics follow (use an even hidden_size)", P->hidden * P->elem);
+    P->hidden += trailer / P->elem; /* what travels: the hidden state and its trailer */
     P->n_bufs = P->v == 1 ? P->slots[0] : P->v * P->n_micro;
     size_t n = (size_t)P->n_bufs * P->hidden;
     P->recv_buf = m->K->alloc(m->dev, P->hidden * P->elem);

@@ -27,7 +27,8 @@ struct am_pipe {
     int n_actions;
     int slots[AM_MAX_CHUNKS];        /* per chunk: am_pipe_slots */
     int last_bwd[AM_MAX_CHUNKS];     /* per chunk: the index of its last backward action */
-    size_t hidden;                   /* elements of one hidden state (am_model_hidden_elems) */
+    size_t hidden;                   /* elements of one message: a hidden state (am_model_hidden_elems)
+                                        and its trailer (am_model_pipe_trailer_bytes), in elem units */
     size_t elem;                     /* bytes of one element (the model's compute dtype) */
     enum am_dtype dtype;             /* the model's compute dtype, which elem is the size of */
     char *recv_buf;                  /* one hidden state, consumed by the model at once */

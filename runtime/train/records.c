@@ -335,7 +335,7 @@ void am_train_log_step(struct trainer *t, long step, double loss, double lr, dou
         json_object_set_new(rec, "expert_tokens_min", json_integer((json_int_t)ms.min));
         json_object_set_new(rec, "expert_tokens_max", json_integer((json_int_t)ms.max));
         json_object_set_new(rec, "expert_imbalance", json_real(ms.imbalance));
-        if (r->model.output_router_logits)
+        if (r->model.output_router_logits && m->sh.last_stage) /* computed by the last pipeline stage */
             json_object_set_new(rec, "aux_loss", json_real(ms.aux));
         if (p->ep > 1) {
             json_object_set_new(rec, "alltoall_s", json_real(ms.alltoall_s));

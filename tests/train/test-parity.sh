@@ -32,8 +32,12 @@
 #   against its own one rank; with the load-balancing loss on, activation checkpointing and
 #   tp 2 against one rank (the loss is a product of means over each micro-batch's tokens, as
 #   transformers computes it per forward, so it depends on which sequences share a micro-batch:
-#   data-parallel ranks' and pipeline micro-batches hold other sequences than one rank's); its
-#   sequence-parallel and pipeline-with-aux-loss layouts are refused with the reason (tests/recipe/test-refusals.sh).
+#   data-parallel ranks' hold other sequences than one rank's), and over pipeline stages (the
+#   statistics passed along with the hidden states, the whole model's counts back with the
+#   gradients) at pp 2 with micro-batches of 2 sequences (1f1b, and gpipe with activation
+#   checkpointing), tp 2 x pp 2, cp 2 x pp 2 and cp 2 x pp 2 x ep 2 against one rank with
+#   local batches of 2, and interleaved1f1b with one micro-batch of 4 against one rank; its
+#   sequence-parallel layouts are refused with the reason (tests/recipe/test-refusals.sh).
 #   Expert parallelism (fsdp2; each ep rank holds E / ep experts, tokens dispatched with
 #   all-to-all-v; the experts' groups sharded over the expert-data-parallel group, dp / ep
 #   ranks): ep 2, ep 4, ep 2 x dp 4 (also reshard false, and Qwen3-MoE), ep 4 x dp 8, tp 2 and
@@ -50,9 +54,11 @@
 #   dp_shard x cp, 1 and 2, the shards all-reduced over the replicas), activation checkpointing,
 #   tp 2 x pp 2 and megatron_fsdp, against one rank on the same sequences; Mistral's sliding
 #   window (24, across chunks of 16) and Qwen3 at cp 2 on sequences of 64, and the tied
-#   embedding at cp 2 x pp 2; a mixture of experts (Mixtral's layers without the load-balancing
-#   loss: each token routed alone) at cp 2, cp 2 x ep 2 (the experts split over the cp ranks),
-#   cp 2 x dp 2 and cp 2 x tp 2; each rank's activation memory falls as 1/cp.
+#   embedding at cp 2 x pp 2; a mixture of experts (Mixtral's layers; each token routed alone)
+#   at cp 2, cp 2 x ep 2 (the experts split over the cp ranks), cp 2 x dp 2 and cp 2 x tp 2,
+#   and with the load-balancing loss (its statistics of the whole sequences, summed over the cp
+#   ranks) at cp 2, cp 4, cp 2 x ep 2, cp 2 x tp 2 with activation checkpointing (and cp 2 in
+#   bf16, below); each rank's activation memory falls as 1/cp.
 #   packed sequences (packed_sequence_size 256: the corpus's paragraphs packed whole, thd and
 #   neat; each document attending to itself only, with its own rotary positions, across the
 #   ring's blocks too): cp 2 and cp 4, cp 2 x tp 2 (and with sequence parallelism and
@@ -102,6 +108,7 @@ recipe() { # NAME MODS: base.yaml with comma-separated changes, its checkpoints 
         gpipe) args+=(-e 's/pp_schedule: .*/pp_schedule: gpipe/') ;;
         il) args+=(-e 's/pp_schedule: .*/pp_schedule: interleaved1f1b/') ;;
         mb4) args+=(-e 's/pp_microbatch_size: .*/pp_microbatch_size: 4/') ;;
+        mb2) args+=(-e 's/pp_microbatch_size: .*/pp_microbatch_size: 2/') ;;
         tied) args+=(-e 's/tie_word_embeddings: false/tie_word_embeddings: true/') ;;
         bf16) args+=(-e 's/param_dtype: float32.*/param_dtype: bfloat16/') ;;
         rbf16) args+=(-e 's/param_dtype: float32.*/param_dtype: bfloat16\n    reduce_dtype: bfloat16/') ;;
@@ -172,7 +179,7 @@ run() { # NAME N MODS [VAR=VALUE...]: N ranks, with the plugin's AM_TP-style ove
         >"$work/out-$name" 2>&1)
 }
 
-for ref in "ref -" "ref-long long" "ref-packed packed" "ref-pneat packed,neat" "ref-tied tied" "ref-qwen3 qwen3" "ref-qwen2 qwen2" "ref-mistral mistral" "ref-bf16 bf16" "ref-long-bf16 long,bf16" "ref-packed-bf16 packed,bf16" "ref-moe moe" "ref-moe-aux moe,aux" "ref-qmoe qmoe" \
+for ref in "ref -" "ref-long long" "ref-packed packed" "ref-pneat packed,neat" "ref-tied tied" "ref-qwen3 qwen3" "ref-qwen2 qwen2" "ref-mistral mistral" "ref-bf16 bf16" "ref-long-bf16 long,bf16" "ref-packed-bf16 packed,bf16" "ref-moe moe" "ref-moe-aux moe,aux" "ref-moe-aux-bf16 moe,aux,bf16" "ref-moe-aux-lb2 moe,aux,lb2" "ref-qmoe qmoe" \
     "ref-gemma2 gemma2" "ref-gemma3 gemma3"; do
     set -- $ref
     run "$1" 1 "$2" || { echo "FAIL: $1 (1 rank) did not train"; cat "$work/out-$1"; exit 1; }
@@ -260,7 +267,13 @@ layouts+=("ac 1 ac ref" "pp2-tied 2 tied ref-tied AM_PP=2" "pp4-tied-gpipe 4 tie
     "dp2-packed 2 packed ref-packed" "tp2-pp2-packed 4 packed ref-packed AM_TP=2 AM_PP=2"
     "cp2-pneat 2 packed,neat ref-pneat AM_CP=2"
     "cp2-moe 2 moe ref-moe AM_CP=2" "cp2-ep2-moe 2 moe ref-moe AM_CP=2 AM_EP=2" "cp2-dp2-moe 4 moe ref-moe AM_CP=2"
-    "cp2-tp2-moe 4 moe ref-moe AM_CP=2 AM_TP=2")
+    "cp2-tp2-moe 4 moe ref-moe AM_CP=2 AM_TP=2" "cp2-moe-aux 2 moe,aux ref-moe-aux AM_CP=2"
+    "cp2-ep2-moe-aux 2 moe,aux ref-moe-aux AM_CP=2 AM_EP=2" "cp2-tp2-moe-aux-ac 4 moe,aux,ac ref-moe-aux AM_CP=2 AM_TP=2"
+    "cp4-moe-aux 4 moe,aux ref-moe-aux AM_CP=4"
+    "pp2-moe-aux 2 moe,aux,mb2 ref-moe-aux-lb2 AM_PP=2" "pp2-moe-aux-gpipe-ac 2 moe,aux,mb2,gpipe,ac ref-moe-aux-lb2 AM_PP=2"
+    "pp2-il-m1-moe-aux 2 moe,aux,il,mb4 ref-moe-aux AM_PP=2" "tp2-pp2-moe-aux 4 moe,aux,mb2 ref-moe-aux-lb2 AM_TP=2 AM_PP=2"
+    "cp2-pp2-moe-aux 4 moe,aux,mb2 ref-moe-aux-lb2 AM_CP=2 AM_PP=2"
+    "cp2-pp2-ep2-moe-aux 4 moe,aux,mb2 ref-moe-aux-lb2 AM_CP=2 AM_PP=2 AM_EP=2")
 [ -n "${AM_PARITY_ONLY:-}" ] && IFS=';' read -ra layouts <<<"$AM_PARITY_ONLY" # some layouts, to debug them
 for layout in "${layouts[@]}"; do
     set -- $layout
@@ -314,9 +327,10 @@ for layout in "dp2-bf16 2 bf16" "tp2-sp-bf16 2 bf16,sp AM_TP=2" "pp2-bf16 2 bf16
 done
 # ring attention and packed sequences in bf16 (bf16 storage; scores, softmax statistics and
 # the ring's running out, dq, dk, dv sums in fp32, each rounded once): cp 2, cp 2 x tp 2,
-# packed at dp 2 and packed x cp 2 against one rank in bf16 on the same sequences, with the
-# tolerances above taken from their own reference: twice one rank's bf16-vs-fp32 differences
-# on sequences of 256 (ref-long) and on the packs (ref-packed). Each rank's whole allocation
+# packed at dp 2, packed x cp 2 and a mixture of experts with the load-balancing loss at cp 2
+# against one rank in bf16 on the same sequences, with the tolerances above taken from their
+# own reference: twice one rank's bf16-vs-fp32 differences on sequences of 256 (ref-long), on
+# the packs (ref-packed) and with the experts (ref-moe-aux). Each rank's whole allocation
 # must equal am-plan's estimate to the byte (below: the ring's bf16 k, v blocks and fp32 sums).
 bf16_tols() { # FP32REF BF16REF: "loss_tol norm_tol weight_tol", twice the bf16 run's distance from fp32
     local t w
@@ -331,7 +345,8 @@ exact=() # layouts whose every rank must allocate exactly am-plan's estimate
 for layout in "cp2-bf16 2 long,bf16 ref-long-bf16 ref-long AM_CP=2" \
     "cp2-tp2-bf16 4 long,bf16 ref-long-bf16 ref-long AM_CP=2 AM_TP=2" \
     "dp2-packed-bf16 2 packed,bf16 ref-packed-bf16 ref-packed" \
-    "cp2-packed-bf16 2 packed,bf16 ref-packed-bf16 ref-packed AM_CP=2"; do
+    "cp2-packed-bf16 2 packed,bf16 ref-packed-bf16 ref-packed AM_CP=2" \
+    "cp2-moe-aux-bf16 2 moe,aux,bf16 ref-moe-aux-bf16 ref-moe-aux AM_CP=2"; do
     set -- $layout
     [ -n "${AM_PARITY_ONLY:-}" ] && [[ " ${AM_PARITY_BF16:-} " != *" $1 "* ]] && continue
     name=$1 n=$2 mods=$3 ref=$4 fref=$5
