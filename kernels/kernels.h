@@ -286,6 +286,11 @@ struct am_kernels {
      *   1 / sqrt(D)) and, with softcap > 0, capped before the softmax: s_j <- softcap *
      *   tanh(s_j / softcap) (attn_logit_softcapping); softcap <= 0: no cap. With scale <= 0
      *   and softcap <= 0 it is attention_forward / attention_backward, bit for bit.
+     * attention_block_softcap: attention_block_forward / attention_block_backward (ring
+     *   attention, packed sequences) with attention_softcap's scale and cap on each score; the
+     *   window and the documents as attention_block's (by position: across the ring's blocks a
+     *   window counts positions of the whole sequence, and a document bounds it from below).
+     *   With scale <= 0 and softcap <= 0 it is attention_block_forward / _backward, bit for bit.
      * ce_stats_softcap, ce_backward_softcap: ce_stats and ce_backward on the capped logits
      *   softcap * tanh(logit / softcap) (final_logit_softcapping), the backward through the
      *   cap (d/dlogit = 1 - (capped / softcap)²); softcap <= 0: ce_stats / ce_backward. */
@@ -304,6 +309,18 @@ struct am_kernels {
                                        struct am_tensor *dv, const struct am_tensor *dout, const struct am_tensor *out,
                                        const struct am_tensor *lse, const struct am_tensor *q, const struct am_tensor *k,
                                        const struct am_tensor *v, int64_t window, float scale, float softcap);
+    void (*attention_block_softcap_forward)(const struct am_dev *d, struct am_tensor *out, struct am_tensor *lse,
+                                            const struct am_tensor *q, const struct am_tensor *k,
+                                            const struct am_tensor *v, const struct am_tensor *qpos,
+                                            const struct am_tensor *kpos, const struct am_tensor *qstart,
+                                            int64_t window, int accumulate, float scale, float softcap);
+    void (*attention_block_softcap_backward)(const struct am_dev *d, struct am_tensor *dq, struct am_tensor *dk,
+                                             struct am_tensor *dv, const struct am_tensor *dout,
+                                             const struct am_tensor *out, const struct am_tensor *lse,
+                                             const struct am_tensor *q, const struct am_tensor *k,
+                                             const struct am_tensor *v, const struct am_tensor *qpos,
+                                             const struct am_tensor *kpos, const struct am_tensor *qstart,
+                                             int64_t window, float scale, float softcap);
     void (*ce_stats_softcap)(const struct am_dev *d, struct am_tensor *m, struct am_tensor *s, struct am_tensor *t,
                              const struct am_tensor *x, const struct am_tensor *w, const struct am_tensor *targets,
                              int64_t vocab_start, float softcap);

@@ -6,8 +6,9 @@
  * qpos [Tq], kpos [Tk]: positions in the sequence. Query t sees key j when
  * kpos[j] <= qpos[t] (and kpos[j] > qpos[t] - W with a window of W), and with qstart (packed
  * sequences: [B, Tq], the position where the query row's document starts) kpos[j] >= qstart. For a row t, over the
- * keys it sees in this block (scale = 1/sqrt(D)):
- *   s_j = scale q_t · k_j,  m = max_j s_j,  l = Σ_j exp(s_j - m)
+ * keys it sees in this block (scale = 1/sqrt(D), or Gemma's query_pre_attn_scalar ** -0.5):
+ *   s_j = scale q_t · k_j  (Gemma 2's soft cap c: s_j <- c tanh(s_j / c)),
+ *   m = max_j s_j,  l = Σ_j exp(s_j - m)
  *   out_b = Σ_j exp(s_j - m) v_j / l,  lse_b = m + log l
  * and merged with what (out, lse) hold (lse = -inf: nothing yet):
  *   L = max(lse, lse_b),  a = exp(lse - L),  c = exp(lse_b - L)
@@ -15,6 +16,7 @@
  * Backward with the rows' final out and lse (attention.c's formulas, restricted to the block):
  *   D_t = dout_t · out_t,  p_j = exp(s_j - lse_t),  ds_j = p_j (dout_t · v_j - D_t)
  *   dq_t += scale Σ_j ds_j k_j,  dk_j += scale ds_j q_t,  dv_j += p_j dout_t
+ * (with the cap, ds_j also times the cap's derivative 1 - tanh², as attention.c's).
  *
  * In tiles of RT query rows against all of the block's keys, on OpenBLAS (one thread, called
  * from the task's OpenMP thread): S = scale Q Kᵀ [RT, Tk], masked and exponentiated in place,
@@ -22,7 +24,9 @@
  * forward runs one (batch, head) per task, the backward one (batch, kv head) per task walking
  * every query head of its group, so dk and dv have one writer and every sum a fixed order (no
  * atomics; the same bits on any number of threads). A thread holds RT rows of scores (two in
- * backward), never Tq x Tk.
+ * backward), never Tq x Tk. A tile none of whose rows sees any key of the block (a sliding
+ * window or a document that ends before the block's keys, the causal mask across the ring) is
+ * skipped: its rows get what a fully masked row gets.
  *
  * bf16 (q, k, v, and in backward dout and out, bf16; lse f32): a wrapper around the fp32
  * kernels, as attention.c's: for each chunk of sequences (every head), q, k, v (dout, out) are
@@ -47,7 +51,7 @@ struct blk_shape {
 static struct blk_shape check_block(const char *kernel, const struct am_tensor *o, const struct am_tensor *lse,
                                     const struct am_tensor *q, const struct am_tensor *k, const struct am_tensor *v,
                                     const struct am_tensor *qpos, const struct am_tensor *kpos,
-                                    const struct am_tensor *qstart)
+                                    const struct am_tensor *qstart, float scale)
 {
     AM_CHECK(q->ndim == 4 && k->ndim == 4 && v->ndim == 4 && o->ndim == 4,
              "q (%s), k, v and out must be 4-d [B, T, heads, D] (called from %s)", am_tname(q), kernel);
@@ -69,7 +73,7 @@ static struct blk_shape check_block(const char *kernel, const struct am_tensor *
     AM_CHECK(!qstart || (qstart->dtype == AM_I32 && am_tensor_numel(qstart) == s.B * s.Tq),
              "qstart (%s) must hold B x Tq = %lld int32 document starts (called from %s)", am_tname(qstart),
              (long long)(s.B * s.Tq), kernel);
-    s.scale = (float)(1.0 / sqrt((double)s.D));
+    s.scale = scale > 0.0f ? scale : (float)(1.0 / sqrt((double)s.D));
     return s;
 }
 
@@ -83,12 +87,36 @@ static inline int32_t start_of(const int32_t *qs, int64_t r) { return qs ? qs[r]
 
 #define RT 64 /* query rows per tile */
 
-/* Row i of S (n scores, already scaled): masked to the keys the row sees and turned into
- * exp(s - m); returns m (-inf: the row sees no key, the row all zeros) and the sum in *sum. */
+/* Whether any of the nr query rows at positions qp (rows r0 .. r0 + nr - 1 of B x Tq, for
+ * their document starts) may see any of the block's keys: the keys between the lowest
+ * position any of the rows sees and the highest. false: the tile is fully masked. */
+static bool tile_sees(const int32_t *restrict qp, const int32_t *restrict qs, int64_t r0, int64_t nr,
+                      const int32_t *restrict kp, int64_t Tk, int64_t W)
+{
+    int64_t lo = INT64_MAX, hi = INT64_MIN;
+    for (int64_t i = 0; i < nr; i++) {
+        int64_t first = start_of(qs, r0 + i);
+        if (W > 0 && qp[i] - W + 1 > first)
+            first = qp[i] - W + 1;
+        lo = first < lo ? first : lo;
+        hi = qp[i] > hi ? qp[i] : hi;
+    }
+    for (int64_t j = 0; j < Tk; j++)
+        if (kp[j] >= lo && kp[j] <= hi)
+            return true;
+    return false;
+}
+
+/* Row i of S (n scores, already scaled): capped (cap > 0: cap tanh(s / cap), Gemma 2's
+ * order), masked to the keys the row sees and turned into exp(s - m); returns m (-inf: the
+ * row sees no key, the row all zeros) and the sum in *sum. */
 static float softmax_row(float *restrict S, int64_t n, int32_t qp, const int32_t *restrict kp, int64_t W, int32_t lo,
-                         float *sum)
+                         float cap, float *sum)
 {
     float m = -INFINITY, l = 0.0f;
+    if (cap > 0.0f)
+        for (int64_t j = 0; j < n; j++)
+            S[j] = tanhf(S[j] / cap) * cap;
     for (int64_t j = 0; j < n; j++) {
         S[j] = sees(qp, kp[j], W, lo) ? S[j] : -INFINITY;
         m = S[j] > m ? S[j] : m;
@@ -142,7 +170,8 @@ static struct am_tensor starts_of(const struct am_tensor *qstart, int64_t b0, in
 static void block_forward_bf16(const struct am_dev *dev, struct am_tensor *out, struct am_tensor *lse,
                                const struct am_tensor *q, const struct am_tensor *k, const struct am_tensor *v,
                                const struct am_tensor *qpos, const struct am_tensor *kpos,
-                               const struct am_tensor *qstart, int64_t window, int accumulate)
+                               const struct am_tensor *qstart, int64_t window, int accumulate, float scale,
+                               float cap)
 {
     const char *kernel = "am_cpu_attention_block_forward";
     am_cpu_act(kernel, "q", q);
@@ -150,7 +179,7 @@ static void block_forward_bf16(const struct am_dev *dev, struct am_tensor *out, 
     am_cpu_same(kernel, "v", v, "q", q);
     am_cpu_act(kernel, "out", out);
     am_cpu_stat(kernel, "lse", lse);
-    struct blk_shape s = check_block(kernel, out, lse, q, k, v, qpos, kpos, qstart);
+    struct blk_shape s = check_block(kernel, out, lse, q, k, v, qpos, kpos, qstart, scale);
     AM_CHECK(out->dtype == AM_F32 || (out->dtype == q->dtype && !accumulate),
              "out (%s) must be f32, or q's dtype without accumulate: a running merge across blocks stays fp32 "
              "(called from %s)", am_tname(out), kernel);
@@ -165,8 +194,8 @@ static void block_forward_bf16(const struct am_dev *dev, struct am_tensor *out, 
                                                    : am_f32_view(ob, nb, s.Tq, s.H, s.D); /* written whole */
         struct am_tensor tl = am_f32_view((float *)lse->data + b0 * s.H * s.Tq, nb, s.H, s.Tq, 0);
         struct am_tensor ts = qstart ? starts_of(qstart, b0, nb, s.Tq) : (struct am_tensor){0};
-        am_cpu_attention_block_forward(dev, &to, &tl, &tq, &tk, &tv, qpos, kpos, qstart ? &ts : NULL, window,
-                                       accumulate);
+        am_cpu_attention_block_softcap_forward(dev, &to, &tl, &tq, &tk, &tv, qpos, kpos, qstart ? &ts : NULL, window,
+                                               accumulate, scale, cap);
         chunk_store(out, b0, &to);
     }
 }
@@ -175,7 +204,7 @@ static void block_backward_bf16(const struct am_dev *dev, struct am_tensor *dq, 
                                 struct am_tensor *dv, const struct am_tensor *dout, const struct am_tensor *out,
                                 const struct am_tensor *lse, const struct am_tensor *q, const struct am_tensor *k,
                                 const struct am_tensor *v, const struct am_tensor *qpos, const struct am_tensor *kpos,
-                                const struct am_tensor *qstart, int64_t window)
+                                const struct am_tensor *qstart, int64_t window, float scale, float cap)
 {
     const char *kernel = "am_cpu_attention_block_backward";
     am_cpu_act(kernel, "q", q);
@@ -187,7 +216,7 @@ static void block_backward_bf16(const struct am_dev *dev, struct am_tensor *dq, 
     am_cpu_same(kernel, "dk", dk, "dq", dq);
     am_cpu_same(kernel, "dv", dv, "dq", dq);
     am_cpu_stat(kernel, "lse", lse);
-    struct blk_shape s = check_block(kernel, out, lse, q, k, v, qpos, kpos, qstart);
+    struct blk_shape s = check_block(kernel, out, lse, q, k, v, qpos, kpos, qstart, scale);
     AM_CHECK(dq->dtype == AM_F32 || dq->dtype == q->dtype, "dq (%s), dk and dv must be f32 or q's dtype (called "
              "from %s)", am_tname(dq), kernel);
     AM_CHECK(am_tensor_numel(dq) == am_tensor_numel(q) && am_tensor_numel(dout) == am_tensor_numel(q) &&
@@ -207,8 +236,8 @@ static void block_backward_bf16(const struct am_dev *dev, struct am_tensor *dq, 
         struct am_tensor tdk = chunk_of(dk, b0, nb, dkb), tdv = chunk_of(dv, b0, nb, dvb);
         struct am_tensor tl = am_f32_view((float *)lse->data + b0 * s.H * s.Tq, nb, s.H, s.Tq, 0);
         struct am_tensor ts = qstart ? starts_of(qstart, b0, nb, s.Tq) : (struct am_tensor){0};
-        am_cpu_attention_block_backward(dev, &tdq, &tdk, &tdv, &tdo, &to, &tl, &tq, &tk, &tv, qpos, kpos,
-                                        qstart ? &ts : NULL, window);
+        am_cpu_attention_block_softcap_backward(dev, &tdq, &tdk, &tdv, &tdo, &to, &tl, &tq, &tk, &tv, qpos, kpos,
+                                                qstart ? &ts : NULL, window, scale, cap);
         chunk_store(dq, b0, &tdq);
         chunk_store(dk, b0, &tdk);
         chunk_store(dv, b0, &tdv);
@@ -222,15 +251,24 @@ void am_cpu_attention_block_forward(const struct am_dev *dev, struct am_tensor *
                                     const struct am_tensor *qpos, const struct am_tensor *kpos,
                                     const struct am_tensor *qstart, int64_t window, int accumulate)
 {
+    am_cpu_attention_block_softcap_forward(dev, out, lse, q, k, v, qpos, kpos, qstart, window, accumulate, 0.0f, 0.0f);
+}
+
+void am_cpu_attention_block_softcap_forward(const struct am_dev *dev, struct am_tensor *out, struct am_tensor *lse,
+                                            const struct am_tensor *q, const struct am_tensor *k,
+                                            const struct am_tensor *v, const struct am_tensor *qpos,
+                                            const struct am_tensor *kpos, const struct am_tensor *qstart,
+                                            int64_t window, int accumulate, float scale, float cap)
+{
     if (am_not_f32(out) || am_not_f32(q) || am_not_f32(k) || am_not_f32(v)) {
-        block_forward_bf16(dev, out, lse, q, k, v, qpos, kpos, qstart, window, accumulate);
+        block_forward_bf16(dev, out, lse, q, k, v, qpos, kpos, qstart, window, accumulate, scale, cap);
         return;
     }
     (void)dev;
     float *o = F32(out), *l = F32(lse);
     const float *qd = F32(q), *kd = F32(k), *vd = F32(v);
     const int32_t *qp = I32(qpos), *kp = I32(kpos);
-    struct blk_shape s = check_block(__func__, out, lse, q, k, v, qpos, kpos, qstart);
+    struct blk_shape s = check_block(__func__, out, lse, q, k, v, qpos, kpos, qstart, scale);
     const int32_t *qst = qstart ? I32(qstart) : NULL;
     int64_t B = s.B, Tq = s.Tq, Tk = s.Tk, H = s.H, D = s.D, G = H / s.KVH, qs = H * D, ks = s.KVH * D;
     bool fail = false;
@@ -248,12 +286,21 @@ void am_cpu_attention_block_forward(const struct am_dev *dev, struct am_tensor *
                 const float *kh = kd + b * Tk * ks + (h / G) * D, *vh = vd + b * Tk * ks + (h / G) * D;
                 for (int64_t t0 = 0; t0 < Tq; t0 += RT) {
                     int64_t nr = Tq - t0 < RT ? Tq - t0 : RT;
+                    if (!tile_sees(qp + t0, qst, b * Tq + t0, nr, kp, Tk, window)) { /* every row masked */
+                        for (int64_t t = t0; t < t0 + nr && !accumulate; t++) {
+                            float *ot = o + (b * Tq + t) * qs + h * D;
+                            for (int64_t d = 0; d < D; d++)
+                                ot[d] = 0.0f;
+                            l[(b * H + h) * Tq + t] = -INFINITY;
+                        }
+                        continue;
+                    }
                     am_cpu_sgemm1(false, true, nr, Tk, D, s.scale, qd + (b * Tq + t0) * qs + h * D, qs, kh, ks, 0.0f,
                                   S, Tk);
                     float m[RT], sum[RT];
                     for (int64_t i = 0; i < nr; i++)
                         m[i] = softmax_row(S + i * Tk, Tk, qp[t0 + i], kp, window, start_of(qst, b * Tq + t0 + i),
-                                           &sum[i]);
+                                           cap, &sum[i]);
                     am_cpu_sgemm1(false, false, nr, D, Tk, 1.0f, S, Tk, vh, ks, 0.0f, ob, D);
                     for (int64_t i = 0; i < nr; i++) {
                         int64_t t = t0 + i;
@@ -291,16 +338,28 @@ void am_cpu_attention_block_backward(const struct am_dev *dev, struct am_tensor 
                                      const struct am_tensor *v, const struct am_tensor *qpos,
                                      const struct am_tensor *kpos, const struct am_tensor *qstart, int64_t window)
 {
+    am_cpu_attention_block_softcap_backward(dev, dq, dk, dv, dout, out, lse, q, k, v, qpos, kpos, qstart, window, 0.0f,
+                                            0.0f);
+}
+
+void am_cpu_attention_block_softcap_backward(const struct am_dev *dev, struct am_tensor *dq, struct am_tensor *dk,
+                                             struct am_tensor *dv, const struct am_tensor *dout,
+                                             const struct am_tensor *out, const struct am_tensor *lse,
+                                             const struct am_tensor *q, const struct am_tensor *k,
+                                             const struct am_tensor *v, const struct am_tensor *qpos,
+                                             const struct am_tensor *kpos, const struct am_tensor *qstart,
+                                             int64_t window, float scale, float cap)
+{
     if (am_not_f32(q) || am_not_f32(k) || am_not_f32(v) || am_not_f32(out) || am_not_f32(dout) || am_not_f32(dq) ||
         am_not_f32(dk) || am_not_f32(dv)) {
-        block_backward_bf16(dev, dq, dk, dv, dout, out, lse, q, k, v, qpos, kpos, qstart, window);
+        block_backward_bf16(dev, dq, dk, dv, dout, out, lse, q, k, v, qpos, kpos, qstart, window, scale, cap);
         return;
     }
     (void)dev;
     float *dqd = F32(dq), *dkd = F32(dk), *dvd = F32(dv);
     const float *dod = F32(dout), *od = F32(out), *ld = F32(lse), *qd = F32(q), *kd = F32(k), *vd = F32(v);
     const int32_t *qp = I32(qpos), *kp = I32(kpos);
-    struct blk_shape s = check_block(__func__, out, lse, q, k, v, qpos, kpos, qstart);
+    struct blk_shape s = check_block(__func__, out, lse, q, k, v, qpos, kpos, qstart, scale);
     const int32_t *qst = qstart ? I32(qstart) : NULL;
     AM_CHECK(am_tensor_numel(dq) == am_tensor_numel(q) && am_tensor_numel(dout) == am_tensor_numel(q),
              "dq (%s) and dout (%s) must have q's shape", am_tname(dq), am_tname(dout));
@@ -323,6 +382,8 @@ void am_cpu_attention_block_backward(const struct am_dev *dev, struct am_tensor 
                 for (int64_t h = kvh * G; h < (kvh + 1) * G; h++)
                     for (int64_t t0 = 0; t0 < Tq; t0 += RT) {
                         int64_t nr = Tq - t0 < RT ? Tq - t0 : RT, qo = (b * Tq + t0) * qs + h * D;
+                        if (!tile_sees(qp + t0, qst, b * Tq + t0, nr, kp, Tk, window)) /* no term */
+                            continue;
                         am_cpu_sgemm1(false, true, nr, Tk, D, s.scale, qd + qo, qs, kd + ko, ks, 0.0f, P, Tk);
                         am_cpu_sgemm1(false, true, nr, Tk, D, 1.0f, dod + qo, qs, vd + ko, ks, 0.0f, dS, Tk);
                         for (int64_t i = 0; i < nr; i++) {
@@ -333,11 +394,21 @@ void am_cpu_attention_block_backward(const struct am_dev *dev, struct am_tensor 
                             int32_t lo = start_of(qst, b * Tq + t);
                             for (int64_t d = 0; d < D; d++)
                                 Dt += dot_[d] * ot[d];
-                            for (int64_t j = 0; j < Tk; j++) {
-                                float p = Lt != -INFINITY && sees(qp[t], kp[j], window, lo) ? am_expf(pr[j] - Lt) : 0.0f;
-                                pr[j] = p;
-                                dr[j] = p * (dr[j] - Dt) * s.scale;
-                            }
+                            if (cap > 0.0f) /* through the cap: d tanh = 1 - tanh² */
+                                for (int64_t j = 0; j < Tk; j++) {
+                                    float th = tanhf(pr[j] / cap);
+                                    float p = Lt != -INFINITY && sees(qp[t], kp[j], window, lo) ? am_expf(th * cap - Lt)
+                                                                                                : 0.0f;
+                                    pr[j] = p;
+                                    dr[j] = p * (dr[j] - Dt) * (1.0f - th * th) * s.scale;
+                                }
+                            else
+                                for (int64_t j = 0; j < Tk; j++) {
+                                    float p = Lt != -INFINITY && sees(qp[t], kp[j], window, lo) ? am_expf(pr[j] - Lt)
+                                                                                                : 0.0f;
+                                    pr[j] = p;
+                                    dr[j] = p * (dr[j] - Dt) * s.scale;
+                                }
                         }
                         am_cpu_sgemm1(false, false, nr, D, Tk, 1.0f, dS, Tk, kd + ko, ks, 1.0f, dqd + qo, qs);
                         am_cpu_sgemm1(true, false, Tk, D, nr, 1.0f, dS, Tk, qd + qo, qs, 1.0f, dkd + ko, ks);

@@ -287,6 +287,18 @@ void am_cpu_attention_block_backward(const struct am_dev *dev, struct am_tensor 
                                      const struct am_tensor *v, const struct am_tensor *qpos,
                                      const struct am_tensor *kpos, const struct am_tensor *qstart,
                                      int64_t window);
+void am_cpu_attention_block_softcap_forward(const struct am_dev *dev, struct am_tensor *out, struct am_tensor *lse,
+                                            const struct am_tensor *q, const struct am_tensor *k,
+                                            const struct am_tensor *v, const struct am_tensor *qpos,
+                                            const struct am_tensor *kpos, const struct am_tensor *qstart,
+                                            int64_t window, int accumulate, float scale, float cap);
+void am_cpu_attention_block_softcap_backward(const struct am_dev *dev, struct am_tensor *dq, struct am_tensor *dk,
+                                             struct am_tensor *dv, const struct am_tensor *dout,
+                                             const struct am_tensor *out, const struct am_tensor *lse,
+                                             const struct am_tensor *q, const struct am_tensor *k,
+                                             const struct am_tensor *v, const struct am_tensor *qpos,
+                                             const struct am_tensor *kpos, const struct am_tensor *qstart,
+                                             int64_t window, float scale, float cap);
 /* swiglu.c */
 void am_cpu_swiglu_forward(const struct am_dev *dev, struct am_tensor *out, const struct am_tensor *gate, const struct am_tensor *up);
 void am_cpu_swiglu_backward(const struct am_dev *dev, struct am_tensor *dgate, struct am_tensor *dup, const struct am_tensor *dout,

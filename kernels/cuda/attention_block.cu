@@ -1,7 +1,9 @@
 /* attention_block.cu - attention of one block of queries against one block of keys, masked
  * by the tokens' positions, merged into a running result by log-sum-exp (kernels.h:
  * attention_block_forward and attention_block_backward; kernels/cpu/attention_block.c has the
- * formulas and is the reference), and by the documents of packed sequences (qstart).
+ * formulas and is the reference), and by the documents of packed sequences (qstart); with
+ * Gemma's scale and soft cap (attention_block_softcap_*: score u = cap tanh(scale q·k / cap),
+ * the backward's ds times 1 - tanh²).
  *
  * One warp per row, lanes over the head dims (lane, lane + 32, ...: up to 256 = 8 per lane),
  * dot products summed by warp shuffles. q, k, v, dout and out f32 or bf16 (one dtype), loaded
@@ -25,8 +27,21 @@
 
 struct blk_shape {
     int64_t B, Tq, Tk, H, KVH, D;
-    float scale;
+    float scale, cap; /* cap <= 0: no soft cap */
 };
+
+/* the score of a row against a key from q · k: scaled, and capped with a cap (the cap's
+ * tanh in *th for the backward) */
+__device__ __forceinline__ float blk_score(float dot, const struct blk_shape &s, float *th)
+{
+    float x = s.scale * dot;
+    if (s.cap <= 0.0f) {
+        *th = 0.0f;
+        return x;
+    }
+    *th = tanhf(x / s.cap);
+    return *th * s.cap;
+}
 
 __device__ __forceinline__ float blk_warp_sum(float x)
 {
@@ -72,7 +87,7 @@ __global__ void __launch_bounds__(BLK_THREADS) blk_fwd_k(O *out, float *lse, con
         for (int64_t j = 0; j < s.Tk; j++) {
             if (!blk_sees(qpos[t], kpos[j], W, lo))
                 continue;
-            float sc = s.scale * blk_dot(qt, kh + j * s.KVH * D, D);
+            float th, sc = blk_score(blk_dot(qt, kh + j * s.KVH * D, D), s, &th);
             float mn = fmaxf(m, sc), a = expf(m - mn), p = expf(sc - mn);
             l = l * a + p;
             const T *vj = vh + j * s.KVH * D;
@@ -153,8 +168,8 @@ __global__ void __launch_bounds__(BLK_THREADS) blk_dq_k(G *dq, const T *dout, co
             if (!blk_sees(qpos[t], kpos[j], W, lo))
                 continue;
             const T *kj = kh + j * s.KVH * D;
-            float p = expf(s.scale * blk_dot(qt, kj, D) - L);
-            float ds = p * (blk_dot(dot_, vh + j * s.KVH * D, D) - Dr) * s.scale;
+            float th, p = expf(blk_score(blk_dot(qt, kj, D), s, &th) - L);
+            float ds = p * (blk_dot(dot_, vh + j * s.KVH * D, D) - Dr) * (1.0f - th * th) * s.scale;
             for (int i = 0; i < BLK_MAX_NT; i++)
                 if (lane + 32 * i < D)
                     acc[i] += ds * am_ld(kj, lane + 32 * i);
@@ -186,8 +201,8 @@ __global__ void __launch_bounds__(BLK_THREADS) blk_dkdv_k(G *dk, G *dv, const T 
                 if (L == -INFINITY || !blk_sees(qpos[t], kpos[j], W, blk_start(qs, b * s.Tq + t)))
                     continue;
                 const T *qt = q + ((b * s.Tq + t) * s.H + h) * D, *dot_ = dout + ((b * s.Tq + t) * s.H + h) * D;
-                float p = expf(s.scale * blk_dot(qt, kj, D) - L);
-                float ds = p * (blk_dot(dot_, vj, D) - Dt[(b * s.H + h) * s.Tq + t]) * s.scale;
+                float th, p = expf(blk_score(blk_dot(qt, kj, D), s, &th) - L);
+                float ds = p * (blk_dot(dot_, vj, D) - Dt[(b * s.H + h) * s.Tq + t]) * (1.0f - th * th) * s.scale;
                 for (int i = 0; i < BLK_MAX_NT; i++) {
                     int d = lane + 32 * i;
                     if (d < D) {
@@ -211,7 +226,7 @@ __global__ void __launch_bounds__(BLK_THREADS) blk_dkdv_k(G *dk, G *dv, const T 
 static struct blk_shape check_block(const char *kn, const struct am_tensor *o, const struct am_tensor *lse,
                                     const struct am_tensor *q, const struct am_tensor *k, const struct am_tensor *v,
                                     const struct am_tensor *qpos, const struct am_tensor *kpos,
-                                    const struct am_tensor *qstart)
+                                    const struct am_tensor *qstart, float scale, float cap)
 {
     am_cuda_act(kn, "q", q);
     am_cuda_same(kn, "k", k, "q", q);
@@ -222,7 +237,7 @@ static struct blk_shape check_block(const char *kn, const struct am_tensor *o, c
     am_cuda_data(kn, "kpos", kpos, AM_I32);
     AM_CUDA_REQUIRE(kn, q->ndim == 4 && k->ndim == 4 && v->ndim == 4 && o->ndim == 4,
                     "q (%s), k, v and out must be 4-d [B, T, heads, D]", am_tname(q));
-    struct blk_shape s = {q->shape[0], q->shape[1], k->shape[1], q->shape[2], k->shape[2], q->shape[3], 0.0f};
+    struct blk_shape s = {q->shape[0], q->shape[1], k->shape[1], q->shape[2], k->shape[2], q->shape[3], 0.0f, cap};
     for (int i = 0; i < 4; i++) {
         AM_CUDA_REQUIRE(kn, o->shape[i] == q->shape[i], "out (%s) must have q's shape", am_tname(o));
         AM_CUDA_REQUIRE(kn, v->shape[i] == k->shape[i], "v (%s) must have k's shape", am_tname(v));
@@ -239,7 +254,7 @@ static struct blk_shape check_block(const char *kn, const struct am_tensor *o, c
         AM_CUDA_REQUIRE(kn, am_tensor_numel(qstart) == s.B * s.Tq, "qstart (%s) must hold B x Tq document starts",
                         am_tname(qstart));
     }
-    s.scale = (float)(1.0 / sqrt((double)s.D));
+    s.scale = scale > 0.0f ? scale : (float)(1.0 / sqrt((double)s.D));
     return s;
 }
 
@@ -265,9 +280,18 @@ void am_cuda_attention_block_forward(const struct am_dev *d, struct am_tensor *o
                                      const struct am_tensor *qpos, const struct am_tensor *kpos,
                                      const struct am_tensor *qstart, int64_t window, int accumulate)
 {
+    am_cuda_attention_block_softcap_forward(d, out, lse, q, k, v, qpos, kpos, qstart, window, accumulate, 0.0f, 0.0f);
+}
+
+void am_cuda_attention_block_softcap_forward(const struct am_dev *d, struct am_tensor *out, struct am_tensor *lse,
+                                             const struct am_tensor *q, const struct am_tensor *k,
+                                             const struct am_tensor *v, const struct am_tensor *qpos,
+                                             const struct am_tensor *kpos, const struct am_tensor *qstart,
+                                             int64_t window, int accumulate, float scale, float softcap)
+{
     const char *kn = "am_cuda_attention_block_forward";
     am_cuda_ctx(kn, d);
-    struct blk_shape s = check_block(kn, out, lse, q, k, v, qpos, kpos, qstart);
+    struct blk_shape s = check_block(kn, out, lse, q, k, v, qpos, kpos, qstart, scale, softcap);
     AM_CUDA_REQUIRE(kn, out->dtype == AM_F32 || (out->dtype == q->dtype && !accumulate),
                     "out (%s) must be f32, or q's dtype without accumulate (the running merge stays fp32)",
                     am_tname(out));
@@ -312,9 +336,21 @@ void am_cuda_attention_block_backward(const struct am_dev *d, struct am_tensor *
                                       const struct am_tensor *v, const struct am_tensor *qpos,
                                       const struct am_tensor *kpos, const struct am_tensor *qstart, int64_t window)
 {
+    am_cuda_attention_block_softcap_backward(d, dq, dk, dv, dout, out, lse, q, k, v, qpos, kpos, qstart, window, 0.0f,
+                                             0.0f);
+}
+
+void am_cuda_attention_block_softcap_backward(const struct am_dev *d, struct am_tensor *dq, struct am_tensor *dk,
+                                              struct am_tensor *dv, const struct am_tensor *dout,
+                                              const struct am_tensor *out, const struct am_tensor *lse,
+                                              const struct am_tensor *q, const struct am_tensor *k,
+                                              const struct am_tensor *v, const struct am_tensor *qpos,
+                                              const struct am_tensor *kpos, const struct am_tensor *qstart,
+                                              int64_t window, float scale, float softcap)
+{
     const char *kn = "am_cuda_attention_block_backward";
     am_cuda_ctx(kn, d);
-    struct blk_shape s = check_block(kn, out, lse, q, k, v, qpos, kpos, qstart);
+    struct blk_shape s = check_block(kn, out, lse, q, k, v, qpos, kpos, qstart, scale, softcap);
     const int32_t *qs = qstart ? (const int32_t *)qstart->data : NULL;
     am_cuda_same(kn, "out", out, "q", q);
     am_cuda_same(kn, "dout", dout, "q", q);

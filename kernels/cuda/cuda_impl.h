@@ -123,6 +123,18 @@ void am_cuda_attention_softcap_backward(const struct am_dev *d, struct am_tensor
                                         struct am_tensor *dv, const struct am_tensor *dout, const struct am_tensor *out,
                                         const struct am_tensor *lse, const struct am_tensor *q, const struct am_tensor *k,
                                         const struct am_tensor *v, int64_t window, float scale, float softcap);
+void am_cuda_attention_block_softcap_forward(const struct am_dev *d, struct am_tensor *out, struct am_tensor *lse,
+                                             const struct am_tensor *q, const struct am_tensor *k,
+                                             const struct am_tensor *v, const struct am_tensor *qpos,
+                                             const struct am_tensor *kpos, const struct am_tensor *qstart,
+                                             int64_t window, int accumulate, float scale, float softcap);
+void am_cuda_attention_block_softcap_backward(const struct am_dev *d, struct am_tensor *dq, struct am_tensor *dk,
+                                              struct am_tensor *dv, const struct am_tensor *dout,
+                                              const struct am_tensor *out, const struct am_tensor *lse,
+                                              const struct am_tensor *q, const struct am_tensor *k,
+                                              const struct am_tensor *v, const struct am_tensor *qpos,
+                                              const struct am_tensor *kpos, const struct am_tensor *qstart,
+                                              int64_t window, float scale, float softcap);
 /* ---- gemma.cu: Gemma's RMSNorm with weight 1 + w, GeGLU ---- */
 void am_cuda_rmsnorm_offset_forward(const struct am_dev *d, struct am_tensor *out, struct am_tensor *rstd,
                                     const struct am_tensor *x, const struct am_tensor *w, float eps);

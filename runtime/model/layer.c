@@ -187,6 +187,11 @@ static int post_norm_backward(struct am_model *m, struct am_tensor *dx, const st
 /* Gemma's attention scale, query_pre_attn_scalar ** -0.5 (a Python float, applied as fp32). */
 static float attn_scale(const struct am_model *m) { return (float)(1.0 / sqrt(m->cfg.query_pre_attn_scalar)); }
 
+/* The scale and soft cap of the block kernels' scores (kernels.h, attention_block_softcap):
+ * Gemma's, or 0 and 0 (1 / sqrt(D), no cap) for the others. */
+static float block_scale(const struct am_model *m) { return m->cfg.gemma ? attn_scale(m) : 0.0f; }
+static float block_cap(const struct am_model *m) { return m->cfg.gemma ? (float)m->cfg.attn_logit_softcapping : 0.0f; }
+
 /* Rotary embedding of q and k [B, T, heads, D] (backward: of their gradients) with the layer's
  * tables: one row per position of the sequence, or with packed sequences one per row of the
  * micro-batch (each document's positions, packed.h: q and k seen as one sequence of B x T). */
@@ -196,8 +201,8 @@ static void rope(struct am_model *m, const struct am_layer *L, struct am_tensor 
     const struct am_tensor *cs = L->local_rope ? &m->cos_local : &m->cos, *sn = L->local_rope ? &m->sin_local : &m->sin;
     struct am_tensor q = *q4, k = *k4;
     if (m->pk) {
-        cs = &m->pk->cos;
-        sn = &m->pk->sin;
+        cs = L->local_rope ? &m->pk->cos_local : &m->pk->cos;
+        sn = L->local_rope ? &m->pk->sin_local : &m->pk->sin;
         q.shape[1] *= q.shape[0];
         k.shape[1] *= k.shape[0];
         q.shape[0] = k.shape[0] = 1;
@@ -323,12 +328,12 @@ int am_layer_forward(struct am_model *m, const struct am_layer *L, struct am_lay
     struct am_tensor v4 = heads_of(&v, B, T, m->kv_heads, D), att4 = heads_of(&att, B, T, m->heads, D);
     rope(m, L, &q4, &k4, false);
     if (m->cp) { /* context parallelism: over the cp ring (ring.h) */
-        if (am_cp_attention_forward(m, &att4, &lse, &q4, &k4, &v4, m->pk ? &m->pk->cur : NULL, L->window, err,
-                                    err_len) < 0)
+        if (am_cp_attention_forward(m, &att4, &lse, &q4, &k4, &v4, m->pk ? &m->pk->cur : NULL, L->window,
+                                    block_scale(m), block_cap(m), err, err_len) < 0)
             return -1;
     } else if (m->pk) { /* packed sequences: each row sees its own document (packed.h) */
-        K->attention_block_forward(m->dev, &att4, &lse, &q4, &k4, &v4, &m->pk->rows, &m->pk->rows, &m->pk->cur,
-                                   L->window, 0);
+        K->attention_block_softcap_forward(m->dev, &att4, &lse, &q4, &k4, &v4, &m->pk->rows, &m->pk->rows,
+                                           &m->pk->cur, L->window, 0, block_scale(m), block_cap(m));
     } else if (m->cfg.gemma) {
         K->attention_softcap_forward(m->dev, &att4, &lse, &q4, &k4, &v4, L->window, attn_scale(m),
                                      (float)m->cfg.attn_logit_softcapping);
@@ -454,11 +459,13 @@ attention:;
     struct am_tensor dv4 = heads_of(&dv, B, T, m->kv_heads, D), datt4 = heads_of(&datt, B, T, m->heads, D);
     if (m->cp) {
         if (am_cp_attention_backward(m, &dq4, &dk4, &dv4, &datt4, &att4, &lse, &q4, &k4, &v4,
-                                     m->pk ? &m->pk->cur : NULL, L->window, err, err_len) < 0)
+                                     m->pk ? &m->pk->cur : NULL, L->window, block_scale(m), block_cap(m), err,
+                                     err_len) < 0)
             return -1;
     } else if (m->pk) {
-        K->attention_block_backward(m->dev, &dq4, &dk4, &dv4, &datt4, &att4, &lse, &q4, &k4, &v4, &m->pk->rows,
-                                    &m->pk->rows, &m->pk->cur, L->window);
+        K->attention_block_softcap_backward(m->dev, &dq4, &dk4, &dv4, &datt4, &att4, &lse, &q4, &k4, &v4,
+                                            &m->pk->rows, &m->pk->rows, &m->pk->cur, L->window, block_scale(m),
+                                            block_cap(m));
     } else if (m->cfg.gemma) {
         K->attention_softcap_backward(m->dev, &dq4, &dk4, &dv4, &datt4, &att4, &lse, &q4, &k4, &v4, L->window,
                                       attn_scale(m), (float)m->cfg.attn_logit_softcapping);

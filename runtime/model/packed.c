@@ -18,9 +18,6 @@ int am_packed_init(struct am_model *m, int64_t seq_len, char *err, size_t err_le
     if (Tl * P != T)
         return am_fail(err, err_len, "packed sequences: the model holds %lld rows of a sequence of %lld tokens over "
                        "cp = %d", (long long)Tl, (long long)T, P);
-    if (cfg->gemma)
-        return am_fail(err, err_len, "packed sequences: the attention of documents has neither Gemma's attention "
-                       "scale and soft cap nor Gemma 3's second rotary table yet (model_type %s)", cfg->model_type);
     struct am_packed *pk = calloc(1, sizeof(*pk));
     if (!pk)
         return am_fail(err, err_len, "packed sequences: out of memory");
@@ -32,7 +29,8 @@ int am_packed_init(struct am_model *m, int64_t seq_len, char *err, size_t err_le
     pk->host_pos = malloc((size_t)N * sizeof(int32_t));
     size_t tab = align64((size_t)(T * half) * sizeof(float)), rows = align64((size_t)(N * half) * sizeof(float));
     size_t ints = align64((size_t)N * sizeof(int32_t)), own = align64((size_t)Tl * sizeof(int32_t));
-    pk->bytes = 2 * tab + 2 * rows + own + 2 * ints * (size_t)m->n_slots;
+    int pairs = cfg->rope_local_base_freq > 0 ? 2 : 1; /* Gemma 3: its sliding layers' tables too */
+    pk->bytes = (size_t)pairs * (2 * tab + 2 * rows) + own + 2 * ints * (size_t)m->n_slots;
     if (!pk->starts || !pk->rope_pos || !pk->host_rows || !pk->host_pos || !(pk->mem = K->alloc(m->dev, pk->bytes))) {
         size_t bytes = pk->bytes;
         am_packed_free(m);
@@ -47,6 +45,14 @@ int am_packed_init(struct am_model *m, int64_t seq_len, char *err, size_t err_le
     pk->cos = am_tensor_view(p, dv, AM_F32, N, half, 0, 0);
     pk->sin = am_tensor_view(p + rows, dv, AM_F32, N, half, 0, 0);
     p += 2 * rows;
+    if (pairs == 2) {
+        pk->cos_local_all = am_tensor_view(p, dv, AM_F32, T, half, 0, 0);
+        pk->sin_local_all = am_tensor_view(p + tab, dv, AM_F32, T, half, 0, 0);
+        p += 2 * tab;
+        pk->cos_local = am_tensor_view(p, dv, AM_F32, N, half, 0, 0);
+        pk->sin_local = am_tensor_view(p + rows, dv, AM_F32, N, half, 0, 0);
+        p += 2 * rows;
+    }
     pk->rows = am_tensor_view(p, dv, AM_I32, Tl, 0, 0, 0);
     p += own;
     for (int s = 0; s < m->n_slots; s++) {
@@ -58,6 +64,8 @@ int am_packed_init(struct am_model *m, int64_t seq_len, char *err, size_t err_le
                                  cfg->rope_scaling.high_freq_factor,
                                  cfg->rope_scaling.original_max_position_embeddings};
     K->rope_tables(m->dev, &pk->cos_all, &pk->sin_all, cfg->rope_theta, &rs);
+    if (pairs == 2) /* as model.c's: their own theta, unscaled */
+        K->rope_tables(m->dev, &pk->cos_local_all, &pk->sin_local_all, cfg->rope_local_base_freq, NULL);
     if (m->cp)
         am_cp_positions(T, P, m->cp->rank, pk->host_rows);
     else
@@ -109,5 +117,12 @@ void am_packed_enter(struct am_model *m, int slot, int64_t B)
     c.shape[0] = s.shape[0] = N;
     m->K->embedding_forward(m->dev, &c, &ids, &pk->cos_all, 0);
     m->K->embedding_forward(m->dev, &s, &ids, &pk->sin_all, 0);
+    if (pk->cos_local_all.data) {
+        c = pk->cos_local;
+        s = pk->sin_local;
+        c.shape[0] = s.shape[0] = N;
+        m->K->embedding_forward(m->dev, &c, &ids, &pk->cos_local_all, 0);
+        m->K->embedding_forward(m->dev, &s, &ids, &pk->sin_local_all, 0);
+    }
     pk->cur = am_tensor_view(pk->starts[slot].data, m->dev->device, AM_I32, N, 0, 0, 0);
 }

@@ -21,8 +21,13 @@
  * over a slot (forward; backward, with its recompute) gathers the rows' tables from them
  * (embedding_forward as a row gather: nothing the host computes per pass).
  *
+ * Gemma (attention_block_softcap: the scale and soft cap on the scores, the sliding window of
+ * a layer within its document) and Gemma 3's sliding layers, whose tables (rope_local_base_freq)
+ * are built and gathered beside the model's.
+ *
  * Memory (in the model's act_bytes, and am-plan's activations): the tables of T positions, the
- * gathered tables of the micro-batch's tokens, and two int32 per token per slot.
+ * gathered tables of the micro-batch's tokens (for Gemma 3 two pairs of each), and two int32 per
+ * token per slot.
  */
 #ifndef AM_PACKED_H
 #define AM_PACKED_H
@@ -36,6 +41,8 @@ struct am_packed {
     int64_t seq_len;               /* T: the whole sequence (the model holds T / cp rows of it) */
     struct am_tensor cos_all, sin_all; /* [T, D/2]: positions 0 .. T - 1 */
     struct am_tensor cos, sin;     /* [N, D/2]: the rows of the slot being run, gathered */
+    struct am_tensor cos_local_all, sin_local_all, cos_local, sin_local; /* Gemma 3's sliding layers': the
+                                      same pair of pairs at rope_local_base_freq (else no data) */
     struct am_tensor rows;         /* [T / cp] int32: the positions of the rank's rows in the sequence */
     struct am_tensor *starts;      /* per slot: [N] int32, each row's document start */
     struct am_tensor *rope_pos;    /* per slot: [N] int32, each row's rotary position */

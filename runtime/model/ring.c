@@ -18,27 +18,21 @@ void am_cp_positions(int64_t T, int cp, int rank, int32_t *pos)
     }
 }
 
-/* The rotary tables at this rank's positions: the whole sequence's, its two chunks' rows. */
-static int rope_at_positions(struct am_model *m, struct am_cp *c, char *err, size_t err_len)
+/* A pair of rotary tables (cos, sin) at this rank's positions: the whole sequence's (theta,
+ * scaling), built in mem, then its two chunks' rows copied in. */
+static void tables_at(struct am_model *m, struct am_cp *c, void *mem, struct am_tensor *cos, struct am_tensor *sin,
+                      double theta, const struct am_rope_scaling *scaling)
 {
     const struct am_kernels *K = m->K;
-    const struct am_model_config *cfg = &m->cfg;
     int64_t T = c->seq_len, half = m->head_dim / 2, ch = T / (2 * c->size);
     size_t bytes = (size_t)(T * half) * sizeof(float);
-    void *mem = K->alloc(m->dev, 2 * bytes);
-    if (!mem)
-        return am_fail(err, err_len, "context parallelism: out of memory for the rotary tables of %lld positions",
-                       (long long)T);
     struct am_tensor fc = am_tensor_view(mem, m->dev->device, AM_F32, T, half, 0, 0);
     struct am_tensor fs = am_tensor_view((char *)mem + bytes, m->dev->device, AM_F32, T, half, 0, 0);
-    struct am_rope_scaling rs = {cfg->rope_scaling.type, cfg->rope_scaling.factor, cfg->rope_scaling.low_freq_factor,
-                                 cfg->rope_scaling.high_freq_factor,
-                                 cfg->rope_scaling.original_max_position_embeddings};
-    K->rope_tables(m->dev, &fc, &fs, cfg->rope_theta, &rs);
+    K->rope_tables(m->dev, &fc, &fs, theta, scaling);
     int64_t from[2] = {c->rank * ch, (2 * c->size - 1 - c->rank) * ch};
     for (int i = 0; i < 2; i++) {
         const struct am_tensor *full[2] = {&fc, &fs};
-        struct am_tensor *mine[2] = {&m->cos, &m->sin};
+        struct am_tensor *mine[2] = {cos, sin};
         for (int t = 0; t < 2; t++) {
             struct am_tensor dst = am_tensor_view((float *)mine[t]->data + i * ch * half, m->dev->device, AM_F32,
                                                   ch * half, 0, 0, 0);
@@ -48,6 +42,26 @@ static int rope_at_positions(struct am_model *m, struct am_cp *c, char *err, siz
         }
     }
     K->sync(m->dev);
+}
+
+/* The rotary tables at this rank's positions: the model's, and Gemma 3's sliding layers'
+ * (their own theta, unscaled, as model.c builds them). */
+static int rope_at_positions(struct am_model *m, struct am_cp *c, char *err, size_t err_len)
+{
+    const struct am_kernels *K = m->K;
+    const struct am_model_config *cfg = &m->cfg;
+    int64_t T = c->seq_len, half = m->head_dim / 2;
+    size_t bytes = (size_t)(T * half) * sizeof(float);
+    void *mem = K->alloc(m->dev, 2 * bytes);
+    if (!mem)
+        return am_fail(err, err_len, "context parallelism: out of memory for the rotary tables of %lld positions",
+                       (long long)T);
+    struct am_rope_scaling rs = {cfg->rope_scaling.type, cfg->rope_scaling.factor, cfg->rope_scaling.low_freq_factor,
+                                 cfg->rope_scaling.high_freq_factor,
+                                 cfg->rope_scaling.original_max_position_embeddings};
+    tables_at(m, c, mem, &m->cos, &m->sin, cfg->rope_theta, &rs);
+    if (cfg->rope_local_base_freq > 0)
+        tables_at(m, c, mem, &m->cos_local, &m->sin_local, cfg->rope_local_base_freq, NULL);
     K->free(m->dev, mem);
     return 0;
 }
@@ -155,6 +169,22 @@ static int shift_kv(struct am_cp *c, const struct am_tensor *kb, const struct am
     return am_ishift(c->comm, vb->data, nv, n, vb->dtype, &q[1], err, err_len);
 }
 
+/* Whether any of this rank's rows may see a key of rank r's block under a sliding window of
+ * W (W <= 0: always): some pair of their zigzag chunks, queries [a, a + ch) and keys
+ * [b, b + ch), with a difference of positions q - k in 0 .. W - 1. */
+static bool block_seen(const struct am_cp *c, int r, int64_t W)
+{
+    if (W <= 0)
+        return true;
+    int64_t ch = c->seq_len / (2 * c->size);
+    int64_t mine[2] = {c->rank * ch, (2 * c->size - 1 - c->rank) * ch}, theirs[2] = {r * ch, (2 * c->size - 1 - r) * ch};
+    for (int i = 0; i < 2; i++)
+        for (int j = 0; j < 2; j++)
+            if (mine[i] + ch - 1 - theirs[j] >= 0 && mine[i] - theirs[j] - ch + 1 <= W - 1)
+                return true;
+    return false;
+}
+
 /* Waits for the two requests (both released whatever happens). */
 static int wait2(struct am_cp *c, struct am_comm_req **q, char *err, size_t err_len)
 {
@@ -166,7 +196,7 @@ static int wait2(struct am_cp *c, struct am_comm_req **q, char *err, size_t err_
 
 int am_cp_attention_forward(struct am_model *m, struct am_tensor *out, struct am_tensor *lse, const struct am_tensor *q,
                             const struct am_tensor *k, const struct am_tensor *v, const struct am_tensor *qstart,
-                            int64_t window, char *err, size_t err_len)
+                            int64_t window, float scale, float softcap, char *err, size_t err_len)
 {
     struct am_cp *c = m->cp;
     struct am_tensor hk = *k, hv = *v, mine = pos_of(m, c->rank); /* the block held: this rank's own first */
@@ -182,7 +212,9 @@ int am_cp_attention_forward(struct am_model *m, struct am_tensor *out, struct am
         if (more && !c->overlap && wait2(c, rq, err, err_len) < 0) /* AM_RING_OVERLAP=0: the shift alone */
             return -1;
         double t0 = am_mono_time();
-        m->K->attention_block_forward(m->dev, &run, lse, q, &hk, &hv, &mine, &kp, qstart, window, s > 0);
+        if (s == 0 || block_seen(c, mod(c->rank - s, c->size), window)) /* step 0: the diagonal */
+            m->K->attention_block_softcap_forward(m->dev, &run, lse, q, &hk, &hv, &mine, &kp, qstart, window, s > 0,
+                                                  scale, softcap);
         c->block_s += am_mono_time() - t0;
         if (more) {
             if (wait2(c, rq, err, err_len) < 0)
@@ -199,7 +231,8 @@ int am_cp_attention_forward(struct am_model *m, struct am_tensor *out, struct am
 int am_cp_attention_backward(struct am_model *m, struct am_tensor *dq, struct am_tensor *dk, struct am_tensor *dv,
                              const struct am_tensor *dout, const struct am_tensor *out, const struct am_tensor *lse,
                              const struct am_tensor *q, const struct am_tensor *k, const struct am_tensor *v,
-                             const struct am_tensor *qstart, int64_t window, char *err, size_t err_len)
+                             const struct am_tensor *qstart, int64_t window, float scale, float softcap, char *err,
+                             size_t err_len)
 {
     struct am_cp *c = m->cp;
     const struct am_kernels *K = m->K;
@@ -224,7 +257,9 @@ int am_cp_attention_backward(struct am_model *m, struct am_tensor *dq, struct am
         K->zero(m->dev, &tk);
         K->zero(m->dev, &tv);
         double t0 = am_mono_time();
-        K->attention_block_backward(m->dev, &gq, &tk, &tv, dout, out, lse, q, &hk, &hv, &mine, &kp, qstart, window);
+        if (s == 0 || block_seen(c, mod(c->rank - s, c->size), window))
+            K->attention_block_softcap_backward(m->dev, &gq, &tk, &tv, dout, out, lse, q, &hk, &hv, &mine, &kp, qstart,
+                                                window, scale, softcap);
         c->block_s += am_mono_time() - t0;
         struct am_tensor ak = tk, av = tv; /* the sums sent onward */
         if (s > 0) {

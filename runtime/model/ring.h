@@ -6,7 +6,7 @@
  * so that under the causal mask every rank does the same attention work. The model on a cp
  * rank is built for sequences of T / cp tokens (am_model_init's seq_len) and knows nothing of
  * the split but in two places: the rotary tables hold each of its rows' real positions
- * (am_cp_init rebuilds them), and attention (am_cp_attention_forward, _backward) runs over the
+ * (am_cp_init rebuilds them, and Gemma 3's sliding layers' second pair), and attention (am_cp_attention_forward, _backward) runs over the
  * ring instead of the rank's rows alone. Everything else (norms, projections, the MLP, the
  * loss over the rank's tokens) is per token and runs as it is. The trainer hands each rank its
  * rows of every sequence (am_cp_positions), sums the loss over dp x cp, and reduces the
@@ -20,7 +20,10 @@
  * dk, dv terms for the block held are added to the running sums that arrived with it from the
  * left (started onward after the step's compute, waited for after the next step's), and after
  * cp steps the sums of a rank's own block come back to it (cp shifts of dk and dv, cp - 1 of k
- * and v). Grouped-query attention as attention_forward's; a sliding window by position. The
+ * and v). Grouped-query attention as attention_forward's; a sliding window by position, and
+ * Gemma's scale and soft cap on the scores. A block none of whose keys lies within the
+ * window of any of the rank's queries (zigzag chunks further apart than the window) is not
+ * computed: it is still passed on, its terms are none. The
  * rows' saved out and lse are the merged ones, as a full attention saves them, so activation
  * checkpointing's recompute runs the ring again.
  *
@@ -75,15 +78,19 @@ void am_cp_free(struct am_model *m);
  * [B, H, T/cp] of this rank's rows. qstart: NULL, or with packed sequences [B, T/cp] int32,
  * where each row's document starts (a position in the whole sequence): a row sees no key
  * before it, whichever rank's block the key arrives in (kernels.h, attention_block_forward).
- * Only the queries' starts are needed: a key's position says everything about it. Collective
- * over the cp group. */
+ * Only the queries' starts are needed: a key's position says everything about it. window:
+ * the layer's sliding window (positions of the whole sequence, so it reaches across the
+ * blocks); scale, softcap: the scores' (kernels.h, attention_block_softcap: Gemma's
+ * query_pre_attn_scalar ** -0.5 and attn_logit_softcapping; 0, 0: 1 / sqrt(D), no cap).
+ * Collective over the cp group. */
 int am_cp_attention_forward(struct am_model *m, struct am_tensor *out, struct am_tensor *lse, const struct am_tensor *q,
                             const struct am_tensor *k, const struct am_tensor *v, const struct am_tensor *qstart,
-                            int64_t window, char *err, size_t err_len);
+                            int64_t window, float scale, float softcap, char *err, size_t err_len);
 /* Its backward: adds this rank's rows' gradients to dq, dk and dv. Collective over the cp group. */
 int am_cp_attention_backward(struct am_model *m, struct am_tensor *dq, struct am_tensor *dk, struct am_tensor *dv,
                              const struct am_tensor *dout, const struct am_tensor *out, const struct am_tensor *lse,
                              const struct am_tensor *q, const struct am_tensor *k, const struct am_tensor *v,
-                             const struct am_tensor *qstart, int64_t window, char *err, size_t err_len);
+                             const struct am_tensor *qstart, int64_t window, float scale, float softcap, char *err,
+                             size_t err_len);
 
 #endif

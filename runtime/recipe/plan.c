@@ -258,10 +258,12 @@ static double scratch_bytes(const struct am_recipe *r, const struct am_plan *p, 
         b += carved((double)p->seq_length, 4) + 4 * carved(N * KV, cs) + 6 * carved(N * KV, 4) +
              (cs != 4 ? carved(N * Q, 4) : 0);
     if (r->packed_sequence_size > 0) /* packed sequences (runtime/model/packed.h): the rotary tables of the
-                                      * whole sequence and of the micro-batch's rows, the rank's rows'
-                                      * positions, per slot each row's document start and rotary position */
-        b += 2 * carved((double)p->seq_length * (D / 2), 4) + 2 * carved(N * (D / 2), 4) + carved(T, 4) +
-             rs->total * 2 * carved(N, 4);
+                                      * whole sequence and of the micro-batch's rows (Gemma 3: two pairs of
+                                      * each), the rank's rows' positions, per slot each row's document start
+                                      * and rotary position */
+        b += (m->rope_local_base_freq > 0 ? 2 : 1) *
+                 (2 * carved((double)p->seq_length * (D / 2), 4) + 2 * carved(N * (D / 2), 4)) +
+             carved(T, 4) + rs->total * 2 * carved(N, 4);
     if (r->peft.enabled) { /* LoRA (model.c): an adapter's output and its gradient, as wide as the widest
                             * projection of the rank, and x · Aᵀ's gradient */
         double wide = Q > C ? Q : C;

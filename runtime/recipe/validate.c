@@ -308,23 +308,6 @@ static bool lora_on(const struct am_recipe *r, enum am_lora_target t)
     return r->peft.enabled && (r->peft.targets & (1u << t));
 }
 
-static void cp_gemma(struct check *c)
-{
-    const struct am_recipe *r = c->r;
-    if (r->dist.cp > 1 && r->model.gemma)
-        FAIL(c, "distributed.cp_size", "%d: ring attention has neither Gemma's attention scale and soft cap nor "
-             "Gemma 3's second rotary table yet (model_type %s: use cp_size 1)", r->dist.cp, r->model.model_type);
-}
-
-static void packed_gemma(struct check *c)
-{
-    const struct am_recipe *r = c->r;
-    if (r->packed_sequence_size > 0 && r->model.gemma)
-        FAIL(c, "packed_sequence.packed_sequence_size", "%ld: the attention of documents has neither Gemma's "
-             "attention scale and soft cap nor Gemma 3's second rotary table yet (model_type %s: use "
-             "packed_sequence_size 0)", r->packed_sequence_size, r->model.model_type);
-}
-
 static void fp16(struct check *c)
 {
     const struct am_recipe *r = c->r;
@@ -379,8 +362,7 @@ static const struct {
     const char *name; /* the row of tests/recipe/refusals.tsv */
     void (*check)(struct check *c);
 } run_rules[] = {
-    {"cp-gemma", cp_gemma},     {"packed-gemma", packed_gemma},
-    {"fp16", fp16},             {"moe-sp", moe_sp},           {"lora-head", lora_head},
+    {"fp16", fp16},   {"moe-sp", moe_sp},         {"lora-head", lora_head},
     {"lora-kv-tp", lora_kv_tp}, {"dataset", dataset},
 };
 

@@ -623,8 +623,32 @@ static void case_moe(enum am_dtype dt)
  * of 7 rows for the first sequence, 11 for the second: qstart): each output as the CPU's.
  * dt: q, k, v, dout (and the backward's out) f32 or bf16; the running out stays f32 (ring.c's
  * accumulator), gdt: dq, dk, dv f32 (the ring's sums) or bf16 (packed sequences without cp:
- * rounded once per call); with bf16 also one block written into a bf16 out. */
-static void case_attention_block(enum am_dtype dt, enum am_dtype gdt, int64_t W, bool packed)
+ * rounded once per call); with bf16 also one block written into a bf16 out. scale, cap > 0:
+ * Gemma's (attention_block_softcap_*), else the plain entries. */
+static void blk_fwd(const struct am_kernels *K, const struct am_dev *d, struct am_tensor *out, struct am_tensor *lse,
+                    const struct am_tensor *q, const struct am_tensor *k, const struct am_tensor *v,
+                    const struct am_tensor *qp, const struct am_tensor *kp, const struct am_tensor *qs, int64_t W,
+                    int acc, float scale, float cap)
+{
+    if (scale > 0 || cap > 0)
+        K->attention_block_softcap_forward(d, out, lse, q, k, v, qp, kp, qs, W, acc, scale, cap);
+    else
+        K->attention_block_forward(d, out, lse, q, k, v, qp, kp, qs, W, acc);
+}
+
+static void blk_bwd(const struct am_kernels *K, const struct am_dev *d, struct am_tensor *dq, struct am_tensor *dk,
+                    struct am_tensor *dv, const struct am_tensor *dout, const struct am_tensor *out,
+                    const struct am_tensor *lse, const struct am_tensor *q, const struct am_tensor *k,
+                    const struct am_tensor *v, const struct am_tensor *qp, const struct am_tensor *kp,
+                    const struct am_tensor *qs, int64_t W, float scale, float cap)
+{
+    if (scale > 0 || cap > 0)
+        K->attention_block_softcap_backward(d, dq, dk, dv, dout, out, lse, q, k, v, qp, kp, qs, W, scale, cap);
+    else
+        K->attention_block_backward(d, dq, dk, dv, dout, out, lse, q, k, v, qp, kp, qs, W);
+}
+
+static void case_attention_block(enum am_dtype dt, enum am_dtype gdt, int64_t W, bool packed, float scale, float cap)
 {
     int64_t B = 2, T = 24, H = 8, KVH = 2, D = 64, c = T / 2;
     bool bf = dt == AM_BF16;
@@ -650,14 +674,15 @@ static void case_attention_block(enum am_dtype dt, enum am_dtype gdt, int64_t W,
     const struct am_tensor *qs_c = packed ? &st0.c : NULL, *qs_g = packed ? &st0.g : NULL;
     pair_fill(&q, -2, 2);
     for (int st = 0; st < 2; st++) {
-        KC->attention_block_forward(&cpu, &out.c, &lse.c, &q.c, &kv[st][0].c, &kv[st][1].c, &pos[0].c, &pos[st].c, qs_c,
-                                    W, st > 0);
-        KG->attention_block_forward(&gpu, &out.g, &lse.g, &q.g, &kv[st][0].g, &kv[st][1].g, &pos[0].g, &pos[st].g, qs_g,
-                                    W, st > 0);
+        blk_fwd(KC, &cpu, &out.c, &lse.c, &q.c, &kv[st][0].c, &kv[st][1].c, &pos[0].c, &pos[st].c, qs_c, W, st > 0,
+                scale, cap);
+        blk_fwd(KG, &gpu, &out.g, &lse.g, &q.g, &kv[st][0].g, &kv[st][1].g, &pos[0].g, &pos[st].g, qs_g, W, st > 0,
+                scale, cap);
     }
     char what[96], tag[40];
-    snprintf(tag, sizeof tag, "W%lld%s%s", (long long)W, packed ? " packed" : "",
-             bf ? (gdt == AM_BF16 ? " (bf16 in, bf16 grads)" : " (bf16 in, f32 sums)") : "");
+    snprintf(tag, sizeof tag, "W%lld%s%s%s", (long long)W, packed ? " packed" : "",
+             bf ? (gdt == AM_BF16 ? " (bf16 in, bf16 grads)" : " (bf16 in, f32 sums)") : "",
+             scale > 0 || cap > 0 ? " gemma" : "");
     snprintf(what, sizeof what, "attention_block out (2 blocks, f32) %s", tag);
     check(what, &out, false); /* f32 from the same widened inputs: fp32's tolerance */
     snprintf(what, sizeof what, "attention_block lse (2 blocks) %s", tag);
@@ -669,8 +694,8 @@ static void case_attention_block(enum am_dtype dt, enum am_dtype gdt, int64_t W,
     pair_upload(&o16);
     if (bf) { /* one block into a bf16 out (no merge: rounded once); then the merged lse again */
         struct pair ob = pair_new(AM_BF16, B, T, H, D), lb = pair_new(AM_F32, B, H, T, 0);
-        KC->attention_block_forward(&cpu, &ob.c, &lb.c, &q.c, &kv[0][0].c, &kv[0][1].c, &pos[0].c, &pos[0].c, qs_c, W, 0);
-        KG->attention_block_forward(&gpu, &ob.g, &lb.g, &q.g, &kv[0][0].g, &kv[0][1].g, &pos[0].g, &pos[0].g, qs_g, W, 0);
+        blk_fwd(KC, &cpu, &ob.c, &lb.c, &q.c, &kv[0][0].c, &kv[0][1].c, &pos[0].c, &pos[0].c, qs_c, W, 0, scale, cap);
+        blk_fwd(KG, &gpu, &ob.g, &lb.g, &q.g, &kv[0][0].g, &kv[0][1].g, &pos[0].g, &pos[0].g, qs_g, W, 0, scale, cap);
         snprintf(what, sizeof what, "attention_block out (1 block, bf16) %s", tag);
         check(what, &ob, true);
         pair_free(&ob);
@@ -680,10 +705,10 @@ static void case_attention_block(enum am_dtype dt, enum am_dtype gdt, int64_t W,
     for (int st = 0; st < 2; st++) {
         dk[st] = rnd(gdt, B, T, KVH, D);
         dv[st] = rnd(gdt, B, T, KVH, D);
-        KC->attention_block_backward(&cpu, &dq.c, &dk[st].c, &dv[st].c, &dout.c, &o16.c, &lse.c, &q.c, &kv[st][0].c,
-                                     &kv[st][1].c, &pos[0].c, &pos[st].c, qs_c, W);
-        KG->attention_block_backward(&gpu, &dq.g, &dk[st].g, &dv[st].g, &dout.g, &o16.g, &lse.g, &q.g, &kv[st][0].g,
-                                     &kv[st][1].g, &pos[0].g, &pos[st].g, qs_g, W);
+        blk_bwd(KC, &cpu, &dq.c, &dk[st].c, &dv[st].c, &dout.c, &o16.c, &lse.c, &q.c, &kv[st][0].c, &kv[st][1].c,
+                &pos[0].c, &pos[st].c, qs_c, W, scale, cap);
+        blk_bwd(KG, &gpu, &dq.g, &dk[st].g, &dv[st].g, &dout.g, &o16.g, &lse.g, &q.g, &kv[st][0].g, &kv[st][1].g,
+                &pos[0].g, &pos[st].g, qs_g, W, scale, cap);
         snprintf(what, sizeof what, "attention_block dk (block %d) %s", st, tag);
         check(what, &dk[st], gdt == AM_BF16);
         snprintf(what, sizeof what, "attention_block dv (block %d) %s", st, tag);
@@ -1389,14 +1414,19 @@ int main(int argc, char **argv)
         case_attention("own", AM_F32, c[0], c[1], c[2], c[3], c[4], c[5]);
         case_attention("own", AM_BF16, c[0], c[1], c[2], c[3], c[4], c[5]);
     }
-    RUN(case_attention_block(AM_F32, AM_F32, 0, false));
-    RUN(case_attention_block(AM_F32, AM_F32, 7, false));
-    RUN(case_attention_block(AM_F32, AM_F32, 0, true));
-    RUN(case_attention_block(AM_F32, AM_F32, 5, true));
-    RUN(case_attention_block(AM_BF16, AM_F32, 0, false)); /* the ring in bf16: f32 running out and sums */
-    RUN(case_attention_block(AM_BF16, AM_F32, 7, true));
-    RUN(case_attention_block(AM_BF16, AM_BF16, 0, true)); /* packed without cp: bf16 out and gradients */
-    RUN(case_attention_block(AM_BF16, AM_BF16, 5, false));
+    RUN(case_attention_block(AM_F32, AM_F32, 0, false, 0.0f, 0.0f));
+    RUN(case_attention_block(AM_F32, AM_F32, 7, false, 0.0f, 0.0f));
+    RUN(case_attention_block(AM_F32, AM_F32, 0, true, 0.0f, 0.0f));
+    RUN(case_attention_block(AM_F32, AM_F32, 5, true, 0.0f, 0.0f));
+    RUN(case_attention_block(AM_BF16, AM_F32, 0, false, 0.0f, 0.0f)); /* the ring in bf16: f32 running out and sums */
+    RUN(case_attention_block(AM_BF16, AM_F32, 7, true, 0.0f, 0.0f));
+    RUN(case_attention_block(AM_BF16, AM_BF16, 0, true, 0.0f, 0.0f)); /* packed without cp: bf16 out and gradients */
+    RUN(case_attention_block(AM_BF16, AM_BF16, 5, false, 0.0f, 0.0f));
+    /* Gemma: 24 ** -0.5 capped at 1 (Gemma 2), 0.25 without a cap (Gemma 3) */
+    RUN(case_attention_block(AM_F32, AM_F32, 7, false, 0.2041241f, 1.0f));
+    RUN(case_attention_block(AM_F32, AM_F32, 5, true, 0.25f, 0.0f));
+    RUN(case_attention_block(AM_BF16, AM_F32, 7, false, 0.2041241f, 1.0f));
+    RUN(case_attention_block(AM_BF16, AM_BF16, 5, true, 0.2041241f, 1.0f));
     if (am_cuda_attention_has_cudnn())
         for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++) {
             const int64_t *c = shapes[i];

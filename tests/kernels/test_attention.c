@@ -1,5 +1,6 @@
 /* test_attention.c - the CPU kernels' tests (kernels_test.h: how they are tested): causal
- * grouped-query attention, and by blocks of keys (context parallelism's ring).
+ * grouped-query attention, and by blocks of keys (context parallelism's ring, packed
+ * sequences), also with Gemma's scale and soft cap (attention_block_softcap).
  */
 #include "kernels_test.h"
 #include "cpu/cpu.h" /* the backend's private helpers (am_expf, am_cpu_set_chunk), used directly */
@@ -10,7 +11,19 @@ struct attn_dims {
     int64_t B, T, H, KVH, D;
     int64_t W; /* sliding window (0: none): query t sees keys t - W < j <= t */
     const int32_t *start; /* packed sequences: [B, T], where row (b, t)'s document starts (NULL: at 0) */
+    float scale, cap;     /* Gemma (attention_block_softcap): the scores' scale (0: 1 / sqrt(D)) and soft
+                             cap (0: none), u = cap tanh(scale q·k / cap) */
 };
+
+/* The scale of the scores, and a score of q · k = dot scaled and capped (th: the cap's tanh, 0
+ * without one). */
+static double ref_scale(const struct attn_dims *s) { return s->scale > 0 ? (double)s->scale : 1.0 / sqrt((double)s->D); }
+static double ref_score(const struct attn_dims *s, double dot, double *th)
+{
+    double x = dot * ref_scale(s);
+    *th = s->cap > 0 ? tanh(x / (double)s->cap) : 0.0;
+    return s->cap > 0 ? *th * (double)s->cap : x;
+}
 
 /* The first key query t of sequence b sees. */
 static int64_t ref_first_key(const struct attn_dims *s, int64_t b, int64_t t)
@@ -25,7 +38,7 @@ static void ref_attention(const struct attn_dims *s, const double *q, const doub
                           double *lse)
 {
     int64_t B = s->B, T = s->T, H = s->H, KVH = s->KVH, D = s->D, G = H / KVH;
-    double scale = 1.0 / sqrt((double)D), *sc = dalloc(T);
+    double *sc = dalloc(T), th;
     for (int64_t b = 0; b < B; b++)
         for (int64_t h = 0; h < H; h++)
             for (int64_t t = 0; t < T; t++) {
@@ -37,7 +50,7 @@ static void ref_attention(const struct attn_dims *s, const double *q, const doub
                     double dot = 0.0;
                     for (int64_t d = 0; d < D; d++)
                         dot += qt[d] * kj[d];
-                    sc[j] = dot * scale;
+                    sc[j] = ref_score(s, dot, &th);
                     m = fmax(m, sc[j]);
                 }
                 double l = 0.0;
@@ -61,7 +74,7 @@ static void ref_attention_backward(const struct attn_dims *s, const double *q, c
                                    const double *dout, double *dq, double *dk, double *dv)
 {
     int64_t B = s->B, T = s->T, H = s->H, KVH = s->KVH, D = s->D, G = H / KVH;
-    double scale = 1.0 / sqrt((double)D), *p = dalloc(T), *dp = dalloc(T);
+    double scale = ref_scale(s), *p = dalloc(T), *dp = dalloc(T), *dth = dalloc(T), th;
     for (int64_t b = 0; b < B; b++)
         for (int64_t h = 0; h < H; h++)
             for (int64_t t = 0; t < T; t++) {
@@ -72,7 +85,8 @@ static void ref_attention_backward(const struct attn_dims *s, const double *q, c
                     double dot = 0.0;
                     for (int64_t d = 0; d < D; d++)
                         dot += q[qo + d] * k[((b * T + j) * KVH + h / G) * D + d];
-                    p[j] = dot * scale;
+                    p[j] = ref_score(s, dot, &th);
+                    dth[j] = 1.0 - th * th; /* d u / d x through the cap (1 without) */
                     m = fmax(m, p[j]);
                 }
                 for (int64_t j = lo; j <= t; j++)
@@ -88,7 +102,7 @@ static void ref_attention_backward(const struct attn_dims *s, const double *q, c
                 }
                 for (int64_t j = lo; j <= t; j++) {
                     int64_t ko = ((b * T + j) * KVH + h / G) * D;
-                    double ds = p[j] * (dp[j] - sum_pdp) * scale;
+                    double ds = p[j] * (dp[j] - sum_pdp) * dth[j] * scale;
                     for (int64_t d = 0; d < D; d++) {
                         dq[qo + d] += ds * k[ko + d];
                         dk[ko + d] += ds * q[qo + d];
@@ -98,6 +112,33 @@ static void ref_attention_backward(const struct attn_dims *s, const double *q, c
             }
     free(p);
     free(dp);
+    free(dth);
+}
+
+/* The block kernels as the model calls them: attention_block_softcap_* with Gemma's scale and
+ * cap, the plain entries otherwise. */
+static void blk_forward(const struct attn_dims *s, struct am_tensor *out, struct am_tensor *lse,
+                        const struct am_tensor *q, const struct am_tensor *k, const struct am_tensor *v,
+                        const struct am_tensor *qpos, const struct am_tensor *kpos, const struct am_tensor *qstart,
+                        int accumulate)
+{
+    if (s->scale > 0 || s->cap > 0)
+        K->attention_block_softcap_forward(&kdev, out, lse, q, k, v, qpos, kpos, qstart, s->W, accumulate, s->scale,
+                                           s->cap);
+    else
+        K->attention_block_forward(&kdev, out, lse, q, k, v, qpos, kpos, qstart, s->W, accumulate);
+}
+
+static void blk_backward(const struct attn_dims *s, struct am_tensor *dq, struct am_tensor *dk, struct am_tensor *dv,
+                         const struct am_tensor *dout, const struct am_tensor *out, const struct am_tensor *lse,
+                         const struct am_tensor *q, const struct am_tensor *k, const struct am_tensor *v,
+                         const struct am_tensor *qpos, const struct am_tensor *kpos, const struct am_tensor *qstart)
+{
+    if (s->scale > 0 || s->cap > 0)
+        K->attention_block_softcap_backward(&kdev, dq, dk, dv, dout, out, lse, q, k, v, qpos, kpos, qstart, s->W,
+                                            s->scale, s->cap);
+    else
+        K->attention_block_backward(&kdev, dq, dk, dv, dout, out, lse, q, k, v, qpos, kpos, qstart, s->W);
 }
 
 struct attn_ctx {
@@ -120,20 +161,20 @@ static void test_attention(void **state)
     (void)state;
     struct rng r = {19};
     struct attn_dims cases[] = {
-        {2, 7, 4, 4, 8, 0, NULL}, /* H/KVH = 1 */
-        {2, 7, 4, 2, 8, 0, NULL}, /* 2 */
-        {1, 7, 4, 1, 8, 0, NULL}, /* 4 */
-        {1, 1, 2, 1, 4, 0, NULL}, /* a single token */
-        {2, 33, 8, 4, 16, 0, NULL}, /* several threads */
-        {1, 64, 4, 2, 64, 0, NULL}, /* Llama's head size */
+        {2, 7, 4, 4, 8, 0, NULL, 0, 0}, /* H/KVH = 1 */
+        {2, 7, 4, 2, 8, 0, NULL, 0, 0}, /* 2 */
+        {1, 7, 4, 1, 8, 0, NULL, 0, 0}, /* 4 */
+        {1, 1, 2, 1, 4, 0, NULL, 0, 0}, /* a single token */
+        {2, 33, 8, 4, 16, 0, NULL, 0, 0}, /* several threads */
+        {1, 64, 4, 2, 64, 0, NULL, 0, 0}, /* Llama's head size */
         /* sliding windows (Mistral's): shorter than T, across tiles of 16 keys, W = 1 (itself
          * only), W = T - 1, and W = T (the causal result, bit for bit: checked below) */
-        {2, 7, 4, 2, 8, 3, NULL},
-        {1, 7, 4, 1, 8, 1, NULL},
-        {2, 33, 8, 4, 16, 5, NULL},
-        {1, 50, 4, 2, 24, 20, NULL},
-        {1, 40, 2, 1, 16, 39, NULL},
-        {2, 33, 8, 4, 16, 33, NULL},
+        {2, 7, 4, 2, 8, 3, NULL, 0, 0},
+        {1, 7, 4, 1, 8, 1, NULL, 0, 0},
+        {2, 33, 8, 4, 16, 5, NULL, 0, 0},
+        {1, 50, 4, 2, 24, 20, NULL, 0, 0},
+        {1, 40, 2, 1, 16, 39, NULL, 0, 0},
+        {2, 33, 8, 4, 16, 33, NULL, 0, 0},
     };
     for (size_t c = 0; c < sizeof cases / sizeof *cases; c++) {
         struct attn_dims s = cases[c];
@@ -281,7 +322,10 @@ static void gather_rows(float *dst, const float *src, int64_t B, int64_t T, int6
  * the keys of rank r - s at step s, merging from step 1 on), must give full causal attention
  * (the double reference) on the rows each rank holds; the backward's dq, dk, dv summed over the
  * blocks must give its gradients. GQA, windows, 1 to 4 ranks, several rows per chunk, several
- * tiles of rows. */
+ * tiles of rows; Gemma's scale and soft cap with windows that cut across the ranks' chunks
+ * (and whole tiles and blocks outside them), packed too (the window within each document);
+ * without documents also against the non-ring kernel (attention_softcap_forward,
+ * attention_softcap_backward) on the whole sequence. */
 static void test_attention_block(void **state)
 {
     (void)state;
@@ -291,15 +335,24 @@ static void test_attention_block(void **state)
         int cp;
         bool packed; /* several documents per sequence, of random lengths (qstart) */
     } cases[] = {
-        {{2, 16, 4, 2, 8, 0, NULL}, 2, false},  {{1, 32, 4, 1, 16, 0, NULL}, 4, false},
-        {{2, 24, 4, 4, 8, 0, NULL}, 3, false},  {{1, 16, 2, 1, 8, 0, NULL}, 1, false},
-        {{2, 32, 4, 2, 8, 5, NULL}, 2, false},  {{1, 48, 8, 2, 16, 13, NULL}, 4, false},
-        {{1, 64, 4, 2, 64, 0, NULL}, 2, false},
-        {{1, 160, 4, 2, 16, 0, NULL}, 1, false},  /* tiles of 64 query rows: 3, the last partial */
-        {{1, 288, 2, 1, 8, 40, NULL}, 2, false}, /* 144 rows a rank, a window across chunks */
-        {{2, 48, 4, 2, 8, 0, NULL}, 1, true},   {{2, 48, 4, 2, 8, 0, NULL}, 2, true},
-        {{3, 64, 4, 1, 16, 0, NULL}, 4, true},  {{2, 96, 4, 2, 8, 7, NULL}, 2, true},
-        {{1, 160, 2, 1, 8, 0, NULL}, 1, true}, /* documents across tiles of rows */
+        {{2, 16, 4, 2, 8, 0, NULL, 0, 0}, 2, false},  {{1, 32, 4, 1, 16, 0, NULL, 0, 0}, 4, false},
+        {{2, 24, 4, 4, 8, 0, NULL, 0, 0}, 3, false},  {{1, 16, 2, 1, 8, 0, NULL, 0, 0}, 1, false},
+        {{2, 32, 4, 2, 8, 5, NULL, 0, 0}, 2, false},  {{1, 48, 8, 2, 16, 13, NULL, 0, 0}, 4, false},
+        {{1, 64, 4, 2, 64, 0, NULL, 0, 0}, 2, false},
+        {{1, 160, 4, 2, 16, 0, NULL, 0, 0}, 1, false},  /* tiles of 64 query rows: 3, the last partial */
+        {{1, 288, 2, 1, 8, 40, NULL, 0, 0}, 2, false}, /* 144 rows a rank, a window across chunks */
+        {{2, 48, 4, 2, 8, 0, NULL, 0, 0}, 1, true},   {{2, 48, 4, 2, 8, 0, NULL, 0, 0}, 2, true},
+        {{3, 64, 4, 1, 16, 0, NULL, 0, 0}, 4, true},  {{2, 96, 4, 2, 8, 7, NULL, 0, 0}, 2, true},
+        {{1, 160, 2, 1, 8, 0, NULL, 0, 0}, 1, true}, /* documents across tiles of rows */
+        /* Gemma: scale 24^-0.5 (Gemma 2's query_pre_attn_scalar), cap 1.0 (scores near it), or
+         * Gemma 3's scale without a cap; windows shorter than a chunk */
+        {{2, 32, 4, 2, 16, 5, NULL, 0.2041241f, 1.0f}, 2, false},
+        {{1, 64, 4, 2, 16, 6, NULL, 0.2041241f, 1.0f}, 4, false},
+        {{1, 256, 2, 1, 8, 24, NULL, 0.2041241f, 1.0f}, 2, false}, /* tiles of 64 rows past the window */
+        {{1, 256, 2, 1, 8, 20, NULL, 0.25f, 0.0f}, 4, false},
+        {{2, 48, 4, 2, 16, 0, NULL, 0.3f, 1.5f}, 3, false},
+        {{2, 96, 4, 2, 8, 7, NULL, 0.2041241f, 1.0f}, 2, true},
+        {{1, 160, 2, 1, 8, 30, NULL, 0.25f, 0.0f}, 2, true},
     };
     for (size_t ci = 0; ci < sizeof cases / sizeof *cases; ci++) {
         struct attn_dims s = cases[ci].s;
@@ -360,14 +413,14 @@ static void test_attention_block(void **state)
         for (int x = 0; x < cp; x++)
             for (int st = 0; st < cp; st++) {
                 int src = ((x - st) % cp + cp) % cp;
-                K->attention_block_forward(&kdev, &to[x], &tl[x], &tq[x], &tk[src], &tv[src], &tp[x], &tp[src],
-                                           start ? &ts[x] : NULL, s.W, st > 0);
+                blk_forward(&s, &to[x], &tl[x], &tq[x], &tk[src], &tv[src], &tp[x], &tp[src], start ? &ts[x] : NULL,
+                            st > 0);
             }
         for (int x = 0; x < cp; x++)
             for (int st = 0; st < cp; st++) {
                 int src = ((x - st) % cp + cp) % cp;
-                K->attention_block_backward(&kdev, &tdq[x], &tdk[src], &tdv[src], &tdo[x], &to[x], &tl[x], &tq[x],
-                                            &tk[src], &tv[src], &tp[x], &tp[src], start ? &ts[x] : NULL, s.W);
+                blk_backward(&s, &tdq[x], &tdk[src], &tdv[src], &tdo[x], &to[x], &tl[x], &tq[x], &tk[src], &tv[src],
+                             &tp[x], &tp[src], start ? &ts[x] : NULL);
             }
         /* the ranks' rows back in sequence order, against the reference (attention's
          * tolerances: a merge adds a few roundings per block, within the factor 4) */
@@ -389,8 +442,9 @@ static void test_attention_block(void **state)
                 }
         double rel = 4.0 * (double)(s.D + s.T) * U, grel = 4.0 * (double)(s.D + s.T * G) * U;
         char what[160];
-        snprintf(what, sizeof what, "ring attention out T%lld H%lld KVH%lld D%lld W%lld cp%d%s", (long long)T,
-                 (long long)H, (long long)KVH, (long long)D, (long long)s.W, cp, start ? " packed" : "");
+        snprintf(what, sizeof what, "ring attention out T%lld H%lld KVH%lld D%lld W%lld cp%d%s scale %g cap %g",
+                 (long long)T, (long long)H, (long long)KVH, (long long)D, (long long)s.W, cp, start ? " packed" : "",
+                 (double)s.scale, (double)s.cap);
         expect_close_norm(what, go.f, wo, nq, rel, 0);
         snprintf(what, sizeof what, "ring attention lse T%lld cp%d", (long long)T, cp);
         expect_close_norm(what, gl.f, wl, nl, rel, rel);
@@ -403,8 +457,33 @@ static void test_attention_block(void **state)
         snprintf(what, sizeof what, "ring attention dv T%lld H%lld KVH%lld cp%d", (long long)T, (long long)H,
                  (long long)KVH, cp);
         expect_close_norm(what, dv.f, gv, nk, grel, 0);
+        /* Gemma: the ring against the non-ring kernel on the whole sequence (out, lse, and the
+         * gradients from that out and lse) */
+        if ((s.scale > 0 || s.cap > 0) && !start) {
+            struct arr o1 = arr_new(nq), l1 = arr_new(nl), q1 = arr_new(nq), k1 = arr_new(nk), v1 = arr_new(nk);
+            struct am_tensor a = tview(&o1, B, T, H, D), al = tview(&l1, B, H, T, 0);
+            struct am_tensor fq = tview(&q, B, T, H, D), fk = tview(&k, B, T, KVH, D), fv = tview(&v, B, T, KVH, D);
+            struct am_tensor fdo = tview(&dout, B, T, H, D), g1 = tview(&q1, B, T, H, D), gk1 = tview(&k1, B, T, KVH, D);
+            struct am_tensor gv1 = tview(&v1, B, T, KVH, D);
+            K->attention_softcap_forward(&kdev, &a, &al, &fq, &fk, &fv, s.W, s.scale, s.cap);
+            K->zero(&kdev, &g1);
+            K->zero(&kdev, &gk1);
+            K->zero(&kdev, &gv1);
+            K->attention_softcap_backward(&kdev, &g1, &gk1, &gv1, &fdo, &a, &al, &fq, &fk, &fv, s.W, s.scale, s.cap);
+            struct arr *got[] = {&go, &gl, &dq, &dk, &dv}, *ref[] = {&o1, &l1, &q1, &k1, &v1};
+            const char *names[] = {"out", "lse", "dq", "dk", "dv"};
+            for (int i = 0; i < 5; i++) {
+                for (int64_t e = 0; e < ref[i]->n; e++)
+                    ref[i]->d[e] = ref[i]->f[e];
+                snprintf(what, sizeof what, "ring attention %s == attention_softcap's (T%lld W%lld cp%d cap %g)",
+                         names[i], (long long)T, (long long)s.W, cp, (double)s.cap);
+                expect_close_norm(what, got[i]->f, ref[i]->d, ref[i]->n, i < 2 ? rel : grel, i == 1 ? rel : 0);
+            }
+            for (int i = 0; i < 5; i++)
+                arr_free(ref[i]);
+        }
         /* one rank holding all of it: the block kernel over one block is attention_forward */
-        if (cp == 1 && s.W == 0 && !start) {
+        if (cp == 1 && s.W == 0 && !start && s.scale == 0 && s.cap == 0) {
             struct arr o1 = arr_new(nq), l1 = arr_new(nl);
             struct am_tensor a = tview(&o1, B, T, H, D), al = tview(&l1, B, H, T, 0);
             struct am_tensor fq = tview(&q, B, T, H, D), fk = tview(&k, B, T, KVH, D), fv = tview(&v, B, T, KVH, D);
@@ -441,7 +520,7 @@ static void test_bf16_attention(void **state)
 {
     (void)state;
     struct rng r = {127};
-    struct attn_dims cases[] = {{2, 37, 4, 2, 16, 0, NULL}, {1, 64, 4, 1, 64, 0, NULL}, {2, 9, 6, 3, 8, 4, NULL}}; /* the last windowed */
+    struct attn_dims cases[] = {{2, 37, 4, 2, 16, 0, NULL, 0, 0}, {1, 64, 4, 1, 64, 0, NULL, 0, 0}, {2, 9, 6, 3, 8, 4, NULL, 0, 0}}; /* the last windowed */
     for (size_t ci = 0; ci < sizeof cases / sizeof *cases; ci++)
         for (int chunked = 0; chunked < 2; chunked++) {
             struct attn_dims s = cases[ci];
@@ -515,7 +594,7 @@ static void expect_perturbation_caught(const char *what, struct bt *a, int64_t n
 /* The block kernels in bf16 (q, k, v bf16) against the fp32 ones on the widened inputs, the
  * way ring.c and packed.c use them: the keys in cp blocks merged into an f32 running out (and
  * f32 dq, dk, dv sums), then rounded once; and one block with bf16 out, dq, dk, dv (packed
- * sequences without cp: rounded once per call). */
+ * sequences without cp: rounded once per call). Gemma's scale and soft cap too. */
 static void test_bf16_attention_block(void **state)
 {
     (void)state;
@@ -525,9 +604,11 @@ static void test_bf16_attention_block(void **state)
         int cp;
         bool packed;
     } cases[] = {
-        {{2, 32, 4, 2, 16, 0, NULL}, 2, false}, {{1, 48, 4, 1, 64, 13, NULL}, 3, false},
-        {{2, 48, 4, 2, 8, 0, NULL}, 2, true},   {{2, 96, 4, 2, 8, 7, NULL}, 1, true},
-        {{1, 160, 2, 1, 8, 0, NULL}, 2, true},
+        {{2, 32, 4, 2, 16, 0, NULL, 0, 0}, 2, false}, {{1, 48, 4, 1, 64, 13, NULL, 0, 0}, 3, false},
+        {{2, 48, 4, 2, 8, 0, NULL, 0, 0}, 2, true},   {{2, 96, 4, 2, 8, 7, NULL, 0, 0}, 1, true},
+        {{1, 160, 2, 1, 8, 0, NULL, 0, 0}, 2, true},
+        /* Gemma 2's scale and cap, Gemma 3's scale alone, with windows within a block */
+        {{2, 64, 4, 2, 16, 6, NULL, 0.2041241f, 1.0f}, 2, false}, {{2, 96, 4, 2, 8, 7, NULL, 0.25f, 0.0f}, 2, true},
     };
     for (size_t ci = 0; ci < sizeof cases / sizeof *cases; ci++)
         for (int chunked = 0; chunked < 2; chunked++) {
@@ -566,13 +647,15 @@ static void test_bf16_attention_block(void **state)
                 struct am_tensor kp = am_tensor_view(pos + c * Tk, AM_DEV_CPU, AM_I32, Tk, 0, 0, 0);
                 struct am_tensor tk = hv(&kblk[c], B, Tk, KVH, D), tv = hv(&vblk[c], B, Tk, KVH, D);
                 struct am_tensor tkf = fv(&kblk[c], B, Tk, KVH, D), tvf = fv(&vblk[c], B, Tk, KVH, D);
-                K->attention_block_forward(&kdev, &to32, &tl, &tq, &tk, &tv, &tqp, &kp, qs, s.W, c > 0);
-                K->attention_block_forward(&kdev, &tof, &tlf, &tqf, &tkf, &tvf, &tqp, &kp, qs, s.W, c > 0);
+                blk_forward(&s, &to32, &tl, &tq, &tk, &tv, &tqp, &kp, qs, c > 0);
+                blk_forward(&s, &tof, &tlf, &tqf, &tkf, &tvf, &tqp, &kp, qs, c > 0);
             }
             char what[160];
-            snprintf(what, sizeof what, "bf16 attention block out (f32 merge of %d) B%lld T%lld H%lld KVH%lld D%lld%s%s",
+            snprintf(what, sizeof what,
+                     "bf16 attention block out (f32 merge of %d) B%lld T%lld H%lld KVH%lld D%lld%s%s scale %g cap %g",
                      cp, (long long)B, (long long)T, (long long)H, (long long)KVH, (long long)D,
-                     cases[ci].packed ? " packed" : "", chunked ? " (per sequence)" : "");
+                     cases[ci].packed ? " packed" : "", chunked ? " (per sequence)" : "", (double)s.scale,
+                     (double)s.cap);
             expect_mixed(what, o32, of, nq);
             expect_mixed("bf16 attention block lse (f32)", l, lf, nl);
             for (int64_t i = 0; i < nq; i++) { /* rounded once, as ring.c does after the last block */
@@ -594,8 +677,8 @@ static void test_bf16_attention_block(void **state)
             struct am_tensor tka = hv(&kall, B, T, KVH, D), tva = hv(&vall, B, T, KVH, D);
             struct am_tensor tkaf = fv(&kall, B, T, KVH, D), tvaf = fv(&vall, B, T, KVH, D);
             struct am_tensor to1 = hv(&o1, B, T, H, D), to1f = fv(&o1, B, T, H, D);
-            K->attention_block_forward(&kdev, &to1, &tl, &tq, &tka, &tva, &tqp, &tqp, qs, s.W, 0);
-            K->attention_block_forward(&kdev, &to1f, &tlf, &tqf, &tkaf, &tvaf, &tqp, &tqp, qs, s.W, 0);
+            blk_forward(&s, &to1, &tl, &tq, &tka, &tva, &tqp, &tqp, qs, 0);
+            blk_forward(&s, &to1f, &tlf, &tqf, &tkaf, &tvaf, &tqp, &tqp, qs, 0);
             expect_bf16("bf16 attention block out (one block, bf16)", o1.h, o1.f, nq);
             expect_mixed("bf16 attention block lse (one block)", l, lf, nl);
             expect_perturbation_caught("bf16 attention block out (one block)", &o1, nq);
@@ -618,10 +701,8 @@ static void test_bf16_attention_block(void **state)
                 memset(dv32, 0, (size_t)kb * 4);
                 memset(dkf, 0, (size_t)kb * 4);
                 memset(dvf, 0, (size_t)kb * 4);
-                K->attention_block_backward(&kdev, &tdq32, &tdk32, &tdv32, &tdo, &to1, &tl, &tq, &tk, &tv, &tqp, &kp,
-                                            qs, s.W);
-                K->attention_block_backward(&kdev, &tdqf, &tdkf, &tdvf, &tdof, &to1f, &tl, &tqf, &tkf, &tvf, &tqp,
-                                            &kp, qs, s.W);
+                blk_backward(&s, &tdq32, &tdk32, &tdv32, &tdo, &to1, &tl, &tq, &tk, &tv, &tqp, &kp, qs);
+                blk_backward(&s, &tdqf, &tdkf, &tdvf, &tdof, &to1f, &tl, &tqf, &tkf, &tvf, &tqp, &kp, qs);
                 expect_mixed("bf16 attention block dk (f32, one block's terms)", dk32, dkf, kb);
                 expect_mixed("bf16 attention block dv (f32, one block's terms)", dv32, dvf, kb);
             }
@@ -630,9 +711,8 @@ static void test_bf16_attention_block(void **state)
             struct bt dq = bt_rand(&r, nq, -1, 1), dk = bt_rand(&r, nk, -1, 1), dv = bt_rand(&r, nk, -1, 1);
             struct am_tensor tdq = hv(&dq, B, T, H, D), tdk = hv(&dk, B, T, KVH, D), tdv = hv(&dv, B, T, KVH, D);
             struct am_tensor tdq1f = fv(&dq, B, T, H, D), tdk1f = fv(&dk, B, T, KVH, D), tdv1f = fv(&dv, B, T, KVH, D);
-            K->attention_block_backward(&kdev, &tdq, &tdk, &tdv, &tdo, &to1, &tl, &tq, &tka, &tva, &tqp, &tqp, qs, s.W);
-            K->attention_block_backward(&kdev, &tdq1f, &tdk1f, &tdv1f, &tdof, &to1f, &tl, &tqf, &tkaf, &tvaf, &tqp,
-                                        &tqp, qs, s.W);
+            blk_backward(&s, &tdq, &tdk, &tdv, &tdo, &to1, &tl, &tq, &tka, &tva, &tqp, &tqp, qs);
+            blk_backward(&s, &tdq1f, &tdk1f, &tdv1f, &tdof, &to1f, &tl, &tqf, &tkaf, &tvaf, &tqp, &tqp, qs);
             expect_bf16("bf16 attention block dq (bf16)", dq.h, dq.f, nq);
             expect_bf16("bf16 attention block dk (bf16)", dk.h, dk.f, nk);
             expect_bf16("bf16 attention block dv (bf16)", dv.h, dv.f, nk);

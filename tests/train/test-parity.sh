@@ -58,12 +58,18 @@
 #   at cp 2, cp 2 x ep 2 (the experts split over the cp ranks), cp 2 x dp 2 and cp 2 x tp 2,
 #   and with the load-balancing loss (its statistics of the whole sequences, summed over the cp
 #   ranks) at cp 2, cp 4, cp 2 x ep 2, cp 2 x tp 2 with activation checkpointing (and cp 2 in
-#   bf16, below); each rank's activation memory falls as 1/cp.
+#   bf16, below); each rank's activation memory falls as 1/cp. Gemma over the
+#   ring (its scale and soft cap on the block kernels' scores, Gemma 3's second rotary table at
+#   the rows' positions): Gemma 2 at cp 2 on sequences of 64 (its window of 24 on the even
+#   layers across chunks of 16) and at cp 4 on sequences of 256 (chunks of 32: blocks wholly
+#   outside the window are skipped), Gemma 3 at cp 2 and cp 2 x tp 2 with activation
+#   checkpointing.
 #   packed sequences (packed_sequence_size 256: the corpus's paragraphs packed whole, thd and
 #   neat; each document attending to itself only, with its own rotary positions, across the
 #   ring's blocks too): cp 2 and cp 4, cp 2 x tp 2 (and with sequence parallelism and
 #   activation checkpointing), cp 2 x dp 2, cp 2 x pp 2, and without cp dp 2 and tp 2 x pp 2,
-#   against one rank packing the same documents; the loss the mean over the packs' targets.
+#   against one rank packing the same documents; the loss the mean over the packs' targets;
+#   Gemma 2 packed at dp 2 and cp 2, Gemma 3 packed at cp 2 (the windows within documents).
 # The tiny recipe's strategy is fsdp2, so every layout with dp > 1 above shards weights,
 # gradients and AdamW state over its dp ranks (train/fsdp.h: flat shards per group, weights
 # all-gathered before use, gradients reduce-scattered from per-group buffers after each
@@ -180,7 +186,8 @@ run() { # NAME N MODS [VAR=VALUE...]: N ranks, with the plugin's AM_TP-style ove
 }
 
 for ref in "ref -" "ref-long long" "ref-packed packed" "ref-pneat packed,neat" "ref-tied tied" "ref-qwen3 qwen3" "ref-qwen2 qwen2" "ref-mistral mistral" "ref-bf16 bf16" "ref-long-bf16 long,bf16" "ref-packed-bf16 packed,bf16" "ref-moe moe" "ref-moe-aux moe,aux" "ref-moe-aux-bf16 moe,aux,bf16" "ref-moe-aux-lb2 moe,aux,lb2" "ref-qmoe qmoe" \
-    "ref-gemma2 gemma2" "ref-gemma3 gemma3"; do
+    "ref-gemma2 gemma2" "ref-gemma3 gemma3" "ref-gemma2-long gemma2,long" "ref-gemma2-packed gemma2,packed" \
+    "ref-gemma3-packed gemma3,packed" "ref-gemma2-bf16 gemma2,bf16" "ref-gemma2-packed-bf16 gemma2,packed,bf16"; do
     set -- $ref
     run "$1" 1 "$2" || { echo "FAIL: $1 (1 rank) did not train"; cat "$work/out-$1"; exit 1; }
     losses "$work/logs-$1" >"$work/$1"
@@ -218,6 +225,7 @@ for tp in 1 2 4; do
     done
 done
 trained=() # NAME RANKS [OVERRIDES] of each layout that trained (for the memory checks)
+exact=()   # layouts whose every rank must allocate exactly am-plan's estimate
 layouts+=("ac 1 ac ref" "pp2-tied 2 tied ref-tied AM_PP=2" "pp4-tied-gpipe 4 tied,gpipe ref-tied AM_PP=4"
     "tp2-pp2-tied-il 4 tied,il ref-tied AM_TP=2 AM_PP=2"
     "pp2-il-m1 2 il,mb4 ref AM_PP=2" "dp2-pp2-il-m1-ac 4 il,mb4,ac ref AM_PP=2"
@@ -273,7 +281,11 @@ layouts+=("ac 1 ac ref" "pp2-tied 2 tied ref-tied AM_PP=2" "pp4-tied-gpipe 4 tie
     "pp2-moe-aux 2 moe,aux,mb2 ref-moe-aux-lb2 AM_PP=2" "pp2-moe-aux-gpipe-ac 2 moe,aux,mb2,gpipe,ac ref-moe-aux-lb2 AM_PP=2"
     "pp2-il-m1-moe-aux 2 moe,aux,il,mb4 ref-moe-aux AM_PP=2" "tp2-pp2-moe-aux 4 moe,aux,mb2 ref-moe-aux-lb2 AM_TP=2 AM_PP=2"
     "cp2-pp2-moe-aux 4 moe,aux,mb2 ref-moe-aux-lb2 AM_CP=2 AM_PP=2"
-    "cp2-pp2-ep2-moe-aux 4 moe,aux,mb2 ref-moe-aux-lb2 AM_CP=2 AM_PP=2 AM_EP=2")
+    "cp2-pp2-ep2-moe-aux 4 moe,aux,mb2 ref-moe-aux-lb2 AM_CP=2 AM_PP=2 AM_EP=2"
+    "cp2-gemma2 2 gemma2 ref-gemma2 AM_CP=2" "cp2-gemma3 2 gemma3 ref-gemma3 AM_CP=2"
+    "cp4-gemma2-long 4 gemma2,long ref-gemma2-long AM_CP=4" "cp2-tp2-gemma3-ac 4 gemma3,ac ref-gemma3 AM_CP=2 AM_TP=2"
+    "dp2-gemma2-packed 2 gemma2,packed ref-gemma2-packed" "cp2-gemma2-packed 2 gemma2,packed ref-gemma2-packed AM_CP=2"
+    "cp2-gemma3-packed 2 gemma3,packed ref-gemma3-packed AM_CP=2")
 [ -n "${AM_PARITY_ONLY:-}" ] && IFS=';' read -ra layouts <<<"$AM_PARITY_ONLY" # some layouts, to debug them
 for layout in "${layouts[@]}"; do
     set -- $layout
@@ -283,6 +295,7 @@ for layout in "${layouts[@]}"; do
         echo "FAIL: $name did not train"; sed 's/^/    /' "$work/out-$name"; fails=$((fails + 1)); continue
     fi
     trained+=("$name $n $*")
+    [[ $name == *gemma*-packed* || $name == cp*-gemma* ]] && exact+=("$name") # the ring's and the packs' buffers
     compare "$name" "$ref" "$loss_tol" "$norm_tol" "$weight_tol"
 done
 # packed sequences: step 1's loss is the mean over the packs' targets (label_tokens), fewer than
@@ -327,10 +340,12 @@ for layout in "dp2-bf16 2 bf16" "tp2-sp-bf16 2 bf16,sp AM_TP=2" "pp2-bf16 2 bf16
 done
 # ring attention and packed sequences in bf16 (bf16 storage; scores, softmax statistics and
 # the ring's running out, dq, dk, dv sums in fp32, each rounded once): cp 2, cp 2 x tp 2,
-# packed at dp 2, packed x cp 2 and a mixture of experts with the load-balancing loss at cp 2
-# against one rank in bf16 on the same sequences, with the tolerances above taken from their
-# own reference: twice one rank's bf16-vs-fp32 differences on sequences of 256 (ref-long), on
-# the packs (ref-packed) and with the experts (ref-moe-aux). Each rank's whole allocation
+# packed at dp 2, packed x cp 2, a mixture of experts with the load-balancing loss at cp 2,
+# Gemma 2 at cp 2 and packed at dp 2 (its scale and soft cap on the bf16 blocks) against one
+# rank in bf16 on the same sequences, with the tolerances above taken from their own
+# reference: twice one rank's bf16-vs-fp32 differences on sequences of 256 (ref-long), on the
+# packs (ref-packed), with the experts (ref-moe-aux) and with Gemma's (ref-gemma2,
+# ref-gemma2-packed). Each rank's whole allocation
 # must equal am-plan's estimate to the byte (below: the ring's bf16 k, v blocks and fp32 sums).
 bf16_tols() { # FP32REF BF16REF: "loss_tol norm_tol weight_tol", twice the bf16 run's distance from fp32
     local t w
@@ -341,12 +356,13 @@ bf16_tols() { # FP32REF BF16REF: "loss_tol norm_tol weight_tol", twice the bf16 
     w=$(sed -nE 's/.*largest difference ([^ ]*) .*/\1/p' "$work/wdiff-$2-fp32" | awk '{ printf "%.3g", 2 * $1 }')
     echo "$t $w"
 }
-exact=() # layouts whose every rank must allocate exactly am-plan's estimate
 for layout in "cp2-bf16 2 long,bf16 ref-long-bf16 ref-long AM_CP=2" \
     "cp2-tp2-bf16 4 long,bf16 ref-long-bf16 ref-long AM_CP=2 AM_TP=2" \
     "dp2-packed-bf16 2 packed,bf16 ref-packed-bf16 ref-packed" \
     "cp2-packed-bf16 2 packed,bf16 ref-packed-bf16 ref-packed AM_CP=2" \
-    "cp2-moe-aux-bf16 2 moe,aux,bf16 ref-moe-aux-bf16 ref-moe-aux AM_CP=2"; do
+    "cp2-moe-aux-bf16 2 moe,aux,bf16 ref-moe-aux-bf16 ref-moe-aux AM_CP=2" \
+    "cp2-gemma2-bf16 2 gemma2,bf16 ref-gemma2-bf16 ref-gemma2 AM_CP=2" \
+    "dp2-gemma2-packed-bf16 2 gemma2,packed,bf16 ref-gemma2-packed-bf16 ref-gemma2-packed"; do
     set -- $layout
     [ -n "${AM_PARITY_ONLY:-}" ] && [[ " ${AM_PARITY_BF16:-} " != *" $1 "* ]] && continue
     name=$1 n=$2 mods=$3 ref=$4 fref=$5
