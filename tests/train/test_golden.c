@@ -525,8 +525,9 @@ static void check_bf16(const char *name)
  * 0 .. T - 1) the loss moves away from transformers' packed loss by far more than the golden
  * tolerance (the generator requires 1e-3: summary.json, loss_change_without_document_mask), and
  * with the pack's starts it is back within 1e-5. Exact messages for: no starts to a packed model,
- * a start after its row, starts to a model without packing, packing in bf16. Gemma 2 and 3
- * packed one document per sequence give transformers' loss. */
+ * a start after its row, starts to a model without packing. Gemma 2 and 3 packed one document
+ * per sequence give transformers' loss; packing in bf16 is test_llama_packed_bf16's, against
+ * PyTorch. */
 static void test_packed(void **state)
 {
     (void)state;
@@ -602,7 +603,7 @@ CASE_FP32(mixtral_tiny) /* no bf16 golden: make_bf16_golden.py says why */
 CASE(qwen3_moe_tiny)
 CASE_FP32(gemma2_tiny) /* Gemma: fp32 goldens */
 CASE_FP32(gemma3_tiny)
-CASE_FP32(llama_packed) /* packed sequences: fp32 (packed.h) */
+CASE(llama_packed) /* packed sequences (packed.h); bf16: the block kernels' bf16 path */
 #define TESTS_FP32(name)                                                                                           \
     cmocka_unit_test(test_##name##_rope), cmocka_unit_test(test_##name##_forward_backward),                       \
         cmocka_unit_test(test_##name##_adamw), cmocka_unit_test(test_##name##_adamw_clip),                         \
@@ -619,7 +620,7 @@ int main(void)
                                        /* Gemma 2 (soft-capping, post norms, GeGLU), Gemma 3 (q/k norms, two ropes) */
                                        TESTS_FP32(gemma2_tiny), TESTS_FP32(gemma3_tiny),
                                        /* packed sequences: documents in a sequence, none seeing another */
-                                       TESTS_FP32(llama_packed), cmocka_unit_test(test_packed),
+                                       TESTS(llama_packed), cmocka_unit_test(test_packed),
                                        cmocka_unit_test(test_model_refuses)};
     /* on a GPU (AM_GOLDEN_DEVICE=cuda): the bf16 cases, the models in device memory */
     const struct CMUnitTest gpu[] = {cmocka_unit_test(test_llama_gqa_bf16),       cmocka_unit_test(test_llama_tied_bf16),
