@@ -170,7 +170,9 @@ static void span_of(const struct am_diag_rank *r, struct span *s)
 struct html {
     const struct am_diag *d;
     FILE *f;
-    double t0, t1;   /* the timeline's wall-clock range */
+    double t0, t1;   /* the timeline's wall-clock range (the zoomed one's while it is drawn) */
+    double origin;   /* the whole timeline's start: 0 s on both axes */
+    int zoom;        /* drawing the end, zoomed: lanes without their titles */
     int *order;      /* rank entries by node (host), then rank */
     int n_order;
     int *runs;       /* order[runs[i]..runs[i+1]) is one node; n_runs nodes */
@@ -271,17 +273,18 @@ static const char css[] =
     ".note{color:#666}";
 
 static const char js[] =
-    "(function(){var D=JSON.parse(document.getElementById('am-data').textContent);"
+    "(function(){var D=null;" /* parsed at the first look-up, not while the page loads */
     "var pd=document.getElementById('pd'),pc=document.getElementById('pc');"
     "var P=document.getElementById('panel');document.getElementById('close').onclick=function(){P.className='';};"
-    "function show(r){r=String(r).trim();var l=D.lines[r];P.className='on';"
+    "function show(r){D=D||JSON.parse(document.getElementById('am-data').textContent);"
+    "r=String(r).trim();var l=D.lines[r];P.className='on';"
     "pd.textContent=l!==undefined?l:('rank '+r+': '+(D.cut?'not kept in this page (am-diag LOGDIR prints it)':'no log names it'));"
     "var c=D.causes[r];pc.textContent=c?'cause record: '+JSON.stringify(c,null,1):(l!==undefined?"
     "(D.cut?'(no cause record kept in this page)':'(no cause record)'):'');}"
     "document.addEventListener('click',function(e){var g=e.target.closest&&e.target.closest('[data-r]');"
     "if(g)show(g.getAttribute('data-r'));});"
     "document.getElementById('find').addEventListener('change',function(e){show(e.target.value);});"
-    "})();";
+    "document.documentElement.setAttribute('data-am','ready');})();"; /* the script ran: tests read it */
 
 static void legend(FILE *f)
 {
@@ -351,12 +354,16 @@ static void rank_lane(struct html *h, int q, double y)
     struct span s;
     span_of(r, &s);
     h->lane_y[q] = y;
-    fprintf(f, "<g data-r=\"%d\"><title>", r->rank);
-    char *line = printed_rank(d, r);
-    if (line)
-        html_text(f, line, strlen(line));
-    free(line);
-    fprintf(f, "</title><text x=\"8\" y=\"%.1f\">rank %d</text>", y + 4, r->rank);
+    fprintf(f, "<g data-r=\"%d\">", r->rank);
+    if (!h->zoom) { /* the zoomed view's lanes: the same ranks, no second copy of the titles */
+        fputs("<title>", f);
+        char *line = printed_rank(d, r);
+        if (line)
+            html_text(f, line, strlen(line));
+        free(line);
+        fputs("</title>", f);
+    }
+    fprintf(f, "<text x=\"8\" y=\"%.1f\">rank %d</text>", y + 4, r->rank);
     if (!r->have_log) {
         fprintf(f, "<text x=\"%d\" y=\"%.1f\" class=\"note\">no log</text></g>\n", LABEL_W + 4, y + 4);
         return;
@@ -408,18 +415,22 @@ static void node_lane(struct html *h, int k, double y)
     struct span ws;
     span_of(w, &ws);
     h->lane_y[worst] = h->lane_y[worst] >= 0 ? h->lane_y[worst] : y;
-    fprintf(f, "<g data-r=\"%d\"><title>node ", w->rank);
-    hput(f, w->host[0] ? w->host : "(unknown host)");
-    fprintf(f, ": %d rank%s (%d to %d):", b - a, b - a == 1 ? "" : "s", lo, hi);
-    for (int v = AM_VERDICT_FIRST; v <= AM_VERDICT_MISSING; v++)
-        if (counts[v])
-            fprintf(f, " %d %s", counts[v], am_diag_verdict_name((enum am_diag_verdict)v));
-    fputs("; its worst: ", f);
-    char *line = printed_rank(d, w);
-    if (line)
-        html_text(f, line, strlen(line));
-    free(line);
-    fprintf(f, "</title><text x=\"8\" y=\"%.1f\">", y + 4);
+    fprintf(f, "<g data-r=\"%d\">", w->rank);
+    if (!h->zoom) {
+        fputs("<title>node ", f);
+        hput(f, w->host[0] ? w->host : "(unknown host)");
+        fprintf(f, ": %d rank%s (%d to %d):", b - a, b - a == 1 ? "" : "s", lo, hi);
+        for (int v = AM_VERDICT_FIRST; v <= AM_VERDICT_MISSING; v++)
+            if (counts[v])
+                fprintf(f, " %d %s", counts[v], am_diag_verdict_name((enum am_diag_verdict)v));
+        fputs("; its worst: ", f);
+        char *line = printed_rank(d, w);
+        if (line)
+            html_text(f, line, strlen(line));
+        free(line);
+        fputs("</title>", f);
+    }
+    fprintf(f, "<text x=\"8\" y=\"%.1f\">", y + 4);
     char host[24];
     size_t hn = strlen(w->host[0] ? w->host : "?");
     hn = hn < sizeof(host) - 1 ? hn : sizeof(host) - 1;
@@ -435,7 +446,7 @@ static void node_lane(struct html *h, int k, double y)
         struct span s;
         span_of(&d->ranks[stepper], &s);
         s.steps_from = all.steps_from;
-        steps_bar(h, &d->ranks[stepper], &s, y, 6);
+        steps_bar(h, &d->ranks[stepper], &s, y, 8);
     }
     double from = all.steps_to > 0 ? all.steps_to : all.begin;
     if (from > 0 && all.end > from && w->verdict != AM_VERDICT_CLEAN)
@@ -487,10 +498,12 @@ static void nice_axis(struct html *h, double top, double bottom)
         step *= 5;
     else if (span / step > 16)
         step *= 2;
-    for (double t = 0; t <= span + 1e-9; t += step) {
-        double x = X(h, h->t0 + t);
+    /* ticks at multiples of step seconds after the origin (the zoomed view's too) */
+    for (double k = ceil((h->t0 - h->origin) / step - 1e-9); h->origin + k * step <= h->t1 + 1e-9; k++) {
+        double x = X(h, h->origin + k * step);
         fprintf(f, "<line class=\"ax\" x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\"/>"
-                   "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\">%g s</text>", x, top, x, bottom, x, top - 4, t);
+                   "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\">%.10g s</text>", x, top, x, bottom, x, top - 4,
+                k * step + 0.0); /* + 0.0: no "-0" */
     }
 }
 
@@ -519,17 +532,22 @@ static void timeline(struct html *h)
     double top = 30, height = top + (lanes + headers) * LANE_H + 20;
     char t[64];
     utc(h->t0, t, sizeof(t));
-    fprintf(f, "<h2>Timeline</h2>\n<p class=\"note\">Wall time from %s (0 s) to %.2f s later; one lane per rank, "
-               "grouped by node. Hover a lane for its verdict, click it for its cause record, or look a rank up: "
-               "<input id=\"find\" size=\"7\" placeholder=\"rank\">%s</p>\n", t, h->t1 - h->t0,
-            h->large ? " This job is large: lanes of their own for the ranks that matter (the first failure, the "
-                       "members of its groups, the ranks they waited for, the failed, the stragglers), then one lane "
-                       "per node (its ranks together: their span, their worst end)." : "");
-    legend(f);
-    fprintf(f, "<svg id=\"timeline\" width=\"%d\" height=\"%.0f\" viewBox=\"0 0 %d %.0f\">\n"
-               "<defs><marker id=\"ah\" viewBox=\"0 0 6 6\" refX=\"6\" refY=\"3\" markerWidth=\"6\" markerHeight=\"6\" "
+    if (h->zoom) {
+        fprintf(f, "<h2>The end, zoomed</h2>\n<p class=\"note\">The same lanes from %.4g s to %.4g s: the last "
+                   "steps, where each rank stopped and whom it waited for.</p>\n", h->t0 - h->origin, h->t1 - h->origin);
+    } else {
+        fprintf(f, "<h2>Timeline</h2>\n<p class=\"note\">Wall time from %s (0 s) to %.2f s later; one lane per rank, "
+                   "grouped by node. Hover a lane for its verdict, click it for its cause record, or look a rank up: "
+                   "<input id=\"find\" size=\"7\" placeholder=\"rank\">%s</p>\n", t, h->t1 - h->t0,
+                h->large ? " This job is large: lanes of their own for the ranks that matter (the first failure, the "
+                           "members of its groups, the ranks they waited for, the failed, the stragglers), then one "
+                           "lane per node (its ranks together: their span, their worst end)." : "");
+        legend(f);
+    }
+    fprintf(f, "<svg id=\"%s\" width=\"%d\" height=\"%.0f\" viewBox=\"0 0 %d %.0f\">\n"
+               "<defs><marker id=\"ah%d\" viewBox=\"0 0 6 6\" refX=\"6\" refY=\"3\" markerWidth=\"6\" markerHeight=\"6\" "
                "orient=\"auto\"><path d=\"M0 0L6 3L0 6z\" fill=\"#e07b00\"/></marker></defs>\n",
-            PAGE_W, height, PAGE_W, height);
+            h->zoom ? "zoomed" : "timeline", PAGE_W, height, PAGE_W, height, h->zoom);
     nice_axis(h, top - 6, height - 10);
     double y = top;
     for (int pass = 0; pass < 1 + h->large; pass++) {
@@ -572,8 +590,8 @@ static void timeline(struct html *h)
         struct span s;
         span_of(r, &s);
         double x = X(h, s.stop), y0 = h->lane_y[q], y1 = h->lane_y[to];
-        fprintf(f, "<path class=\"wf\" marker-end=\"url(#ah)\" d=\"M%.1f %.1fC%.1f %.1f %.1f %.1f %.1f %.1f\"/>\n", x, y0,
-                x + 25, y0, x + 25, y1, x + 4, y1 + (y1 > y0 ? -3 : 3));
+        fprintf(f, "<path class=\"wf\" marker-end=\"url(#ah%d)\" d=\"M%.1f %.1fC%.1f %.1f %.1f %.1f %.1f %.1f\"/>\n",
+                h->zoom, x, y0, x + 25, y0, x + 25, y1, x + 4, y1 + (y1 > y0 ? -3 : 3));
         arrows++;
     }
     if (d->ff_time > 0) {
@@ -680,6 +698,8 @@ static void where_stopped(struct html *h)
         for (int i = sums[k].a; i < sums[k].b; i++)
             if (d->ranks[rows[i].q].waiting_for >= 0)
                 votes[nv++] = d->ranks[rows[i].q].waiting_for;
+        if (nv == 0)
+            fputs("(none named)", f);
         for (int shown = 0; shown < 5 && nv > 0; shown++) {
             int best = -1, count = 0;
             for (int i = 0; i < nv; i++) { /* the most named; quadratic only in one call's ranks */
@@ -920,7 +940,7 @@ int am_diag_html(const struct am_diag *d, FILE *f)
         span_of(&d->ranks[q], &s);
         if (s.begin > 0 && (h.t0 == 0 || s.begin < h.t0))
             h.t0 = s.begin;
-        h.t1 = fmax(h.t1, fmax(s.end, s.stop));
+        h.t1 = fmax(h.t1, s.stop); /* where the ranks stopped (their supervisors' exit records come later) */
     }
     if (d->ff_time > 0) {
         h.t0 = h.t0 > 0 && h.t0 < d->ff_time ? h.t0 : d->ff_time;
@@ -928,6 +948,21 @@ int am_diag_html(const struct am_diag *d, FILE *f)
     }
     if (!(h.t1 > h.t0)) /* no time known, or one instant */
         h.t1 = h.t0 + 1;
+    h.origin = h.t0;
+    /* the end, zoomed: from a step before the earliest end of a last step among the ranks that did
+     * not end cleanly, when that is less than half the run */
+    double w0 = h.t1, typical = 0;
+    for (int q = 0; q < d->n_ranks; q++) {
+        const struct am_diag_rank *r = &d->ranks[q];
+        struct span s;
+        span_of(r, &s);
+        if (r->verdict == AM_VERDICT_CLEAN || s.stop <= 0)
+            continue;
+        w0 = fmin(w0, s.steps_to > 0 ? s.steps_to : s.begin > 0 ? s.begin : w0);
+        if (r->n_steps > 1 && typical == 0)
+            typical = (s.steps_to - s.steps_from) / (double)r->n_steps;
+    }
+    w0 -= fmax(typical, 0.2 * (h.t1 - w0));
     fputs("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">\n"
           "<meta http-equiv=\"Content-Security-Policy\" content=\"default-src 'none'; style-src 'unsafe-inline'; "
           "script-src 'unsafe-inline'; img-src data:\">\n<title>am-diag: job ", f);
@@ -937,6 +972,14 @@ int am_diag_html(const struct am_diag *d, FILE *f)
     fprintf(f, ", %d rank%s: %s</h1>\n", d->world, d->world == 1 ? "" : "s", d->failed ? "FAILED" : "clean");
     verdict(&h);
     timeline(&h);
+    if (d->failed && w0 > h.t0 && h.t1 - w0 < 0.5 * (h.t1 - h.t0) && h.t1 > w0) {
+        double t0 = h.t0;
+        h.t0 = w0;
+        h.zoom = 1;
+        timeline(&h);
+        h.t0 = t0;
+        h.zoom = 0;
+    }
     where_stopped(&h);
     memory(&h);
     fputs("<div id=\"panel\"><button id=\"close\" title=\"close\">&#215;</button><div id=\"pd\"></div>"

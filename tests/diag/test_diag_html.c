@@ -146,7 +146,7 @@ static void test_crash_page(void **state)
     expect(p, "<g data-r=\"3\"><title>rank 3 on n0: victim: waited in allreduce #4 of group dp for 0.34 s (waiting "
               "for rank 2), whose missing member is rank 2; stopped by SIGTERM from am-launch because rank 2 failed");
     expect(p, "<path class=\"vf\""); /* the first failure's marker */
-    expect(p, "<path class=\"wf\" marker-end=\"url(#ah)\"");
+    expect(p, "<path class=\"wf\" marker-end=\"url(#ah0)\"");
     expect(p, "<td>allreduce #4 of group dp</td><td>3</td><td>0-1, 3</td><td>rank 0 (1), rank 1 (1), rank 2 (1)</td>");
     /* memory: the culprit allocated 1.25 GiB against a plan of 1 GiB */
     expect(p, "1 rank above its plan. The fullest: rank 2, 1.25 GiB of 1.00 GiB (125%).");
