@@ -9,7 +9,9 @@
  * its flight recorder, exit 139); every other rank is stopped by its supervisor while waiting
  * in its next collective (stop, cause SIGTERM, flight recorder with that call in flight, exit
  * 143). Flight recorders hold the last RING calls (default 1024), cycling through the 8 groups
- * with per-group sequence numbers, the same on every member. Prints the injected rank. */
+ * with per-group sequence numbers, the same on every member, 40 calls a step. A memory record and
+ * the plan's estimate (start record's plan_bytes) give am-diag --html its memory chart. Prints
+ * the injected rank. */
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -18,6 +20,8 @@
 
 #define T0 1767000000.0
 #define KINDS 8
+#define STEP_S 0.5
+#define CALL_S (STEP_S / 40) /* 40 collectives a step: the flight times follow the steps' */
 
 static int block(int k, int ranks)
 {
@@ -34,7 +38,7 @@ static void flight(FILE *f, int r, int ranks, long calls, int ring, int in_fligh
     for (long c = first; c <= last; c++) {
         int k = (int)(c % KINDS), b = block(k, ranks);
         long gid = (long)k * ranks + r / b, seq = c / KINDS + 1;
-        double t = T0 + 1.0 + (double)c * 1e-3;
+        double t = T0 + 1.0 + (double)c * CALL_S;
         if (c < calls || !in_flight) {
             fprintf(f, "{\"type\":\"flight\",\"id\":%ld,\"group\":\"g%d\",\"gid\":%ld,\"seq\":%ld,\"op\":\"allreduce\","
                     "\"dtype\":\"bf16\",\"count\":%d,\"bytes\":%d,\"redop\":\"sum\",\"peer\":null,\"state\":\"completed\","
@@ -68,7 +72,7 @@ int main(int argc, char **argv)
     }
     int culprit = (ranks * 5 / 8 + 3) % ranks;
     long calls = 40L * steps; /* collectives issued per rank before the failure */
-    double t_fail = T0 + 1.0 + (double)calls * 1e-3 + 0.1;
+    double t_fail = T0 + 1.0 + (double)calls * CALL_S + 0.1;
     char path[4096];
     static char iobuf[1 << 20];
     for (int r = 0; r < ranks; r++) {
@@ -82,8 +86,14 @@ int main(int argc, char **argv)
         fprintf(f, "{\"type\":\"start\",\"host\":\"node%04d\",\"pid\":%d,\"rank\":%d,\"world\":%d,\"job\":\"4242.0\","
                 "\"local_rank\":%d,\"coords\":{\"pp\":0,\"dp_replicate\":0,\"dp_shard\":%d,\"cp\":0,\"tp\":%d,\"ep\":0},"
                 "\"device\":\"cuda\",\"time\":%.6f,\"version\":\"0.1.0\",\"node_id\":%d,\"mesh_rank\":%d,"
-                "\"max_steps\":%d,\"flight_size\":%d}\n", r / 8, 1000 + r, r, ranks, r % 8, r / 8, r % 8, T0, r / 8, r,
-                steps * 2, ring);
+                "\"max_steps\":%d,\"flight_size\":%d,\"plan_bytes\":%lld}\n", r / 8, 1000 + r, r, ranks, r % 8, r / 8,
+                r % 8, T0, r / 8, r, steps * 2, ring, 80LL << 30);
+        /* what the rank allocated, a little under the plan (the pipeline's first stages hold more) */
+        fprintf(f, "{\"type\":\"memory\",\"param_bytes\":%lld,\"weights_bytes\":%lld,\"grads_bytes\":%lld,"
+                "\"optimizer_bytes\":%lld,\"act_bytes\":%lld,\"pipe_bytes\":0,\"slots\":1,\"peak_micro\":1,"
+                "\"recompute\":false,\"compute_dtype\":\"bfloat16\",\"gathered_bytes\":%lld,\"grad_buffers_bytes\":%lld,"
+                "\"sharded\":true,\"alltoall_bytes\":0}\n", 16LL << 30, 12LL << 30, 8LL << 30, 16LL << 30,
+                (30LL << 30) + ((long long)(r % 8) << 28), 4LL << 30, 2LL << 30);
         fprintf(f, "{\"type\":\"groups\",\"rank\":%d,\"groups\":[", r);
         for (int k = 0; k < KINDS; k++) {
             int b = block(k, ranks), base = r / b * b;
@@ -97,7 +107,7 @@ int main(int argc, char **argv)
             double comm = 0.30 + 0.01 * (double)((r * 7 + s * 13) % 10);
             fprintf(f, "{\"type\":\"step\",\"step\":%d,\"loss\":%.6f,\"lr\":0.0003,\"grad_norm\":%.5f,\"tokens\":65536,"
                     "\"step_s\":0.5,\"time\":%.6f,\"comm_s\":%.5f}\n", s, 2.0 + 8.0 / s, 1.0 + 0.5 / s,
-                    T0 + 1.0 + (double)s * 0.5, comm);
+                    T0 + 1.0 + (double)s * STEP_S, comm);
         }
         if (r == culprit) {
             fprintf(f, "{\"type\":\"cause\",\"cause\":\"signal\",\"signal\":11,\"signal_name\":\"SIGSEGV\",\"code\":1,"

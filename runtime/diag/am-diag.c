@@ -1,12 +1,14 @@
 /* am-diag - after a job: which rank failed first, and why; what happened to the others.
  *
- *   am-diag LOGDIR [--json] [--threads N]
+ *   am-diag LOGDIR [--json] [--html OUT.html] [--threads N]
  *
  * LOGDIR is the job's log directory (<log dir>/<job id>, holding rank-<R>.jsonl), or a log
  * directory holding exactly one job. Prints a short summary, then per-rank details; --json
- * prints one JSON object instead (docs/diagnostics.md). Exit status: 0 the job was clean,
+ * prints one JSON object instead (docs/diagnostics.md); --html also writes the verdict as one
+ * self-contained page (diag_html.c; "-": to stdout, instead of the report). Exit status: 0 the job was clean,
  * 1 a failure was found, 2 the input is unusable (with a message).
  */
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -16,10 +18,12 @@
 
 static void usage(FILE *f)
 {
-    fprintf(f, "usage: am-diag LOGDIR [--json] [--threads N]\n"
+    fprintf(f, "usage: am-diag LOGDIR [--json] [--html OUT.html] [--threads N]\n"
                "  LOGDIR   a job's log directory (<log dir>/<job id>, with rank-<R>.jsonl files),\n"
                "           or a log directory that holds one job\n"
                "  --json   one JSON object: first_failure, ranks (verdicts), missing_ranks, mismatches\n"
+               "  --html OUT.html  also write the verdict as one self-contained page (a timeline of the ranks;\n"
+               "           - : the page on stdout, instead of the report)\n"
                "  --threads N  read the logs with N threads (default: one per CPU, at most 16)\n"
                "exit status: 0 clean, 1 failure found, 2 unusable input\n");
 }
@@ -28,11 +32,18 @@ int main(int argc, char **argv)
 {
     if (am_version_option(argc, argv, "am-diag"))
         return 0;
-    const char *dir = NULL;
+    const char *dir = NULL, *html = NULL;
     int json = 0, threads = 0;
     for (int i = 1; i < argc; i++) {
         if (strcmp(argv[i], "--json") == 0) {
             json = 1;
+        } else if (strcmp(argv[i], "--html") == 0) {
+            if (i + 1 >= argc || !argv[i + 1][0]) {
+                fprintf(stderr, "am-diag: --html needs the page's file name (for example --html verdict.html; - for "
+                        "stdout)\n");
+                return 2;
+            }
+            html = argv[++i];
         } else if (strcmp(argv[i], "--threads") == 0) {
             char *end = NULL;
             long n = i + 1 < argc ? strtol(argv[i + 1], &end, 10) : 0;
@@ -85,6 +96,20 @@ int main(int argc, char **argv)
         return 2;
     }
     am_diag_analyze(&d);
+    if (html) {
+        int out = strcmp(html, "-") == 0;
+        FILE *f = out ? stdout : fopen(html, "w");
+        if (!f || am_diag_html(&d, f) < 0 || (!out && fclose(f) != 0)) {
+            fprintf(stderr, "am-diag: --html %s: cannot write the page: %s\n", html, strerror(errno));
+            am_diag_free(&d);
+            return 2;
+        }
+        if (out) {
+            int rc = d.failed ? 1 : 0;
+            am_diag_free(&d);
+            return rc;
+        }
+    }
     if (json) {
         json_t *o = am_diag_json(&d);
         char *text = json_dumps(o, JSON_COMPACT | JSON_REAL_PRECISION(16));

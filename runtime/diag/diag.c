@@ -923,6 +923,7 @@ static void straggler_check(struct am_diag *d)
         if (worst[q] <= 0 || r->verdict != AM_VERDICT_CLEAN)
             continue;
         r->verdict = AM_VERDICT_STRAGGLER;
+        r->slow_step = worst_step[q];
         set(r->detail, sizeof(r->detail), "finished cleanly, but held the others back: at step %ld it spent "
             "%.2f s longer outside collectives than the median rank, while the others waited for it",
             worst_step[q], (double)worst[q]);

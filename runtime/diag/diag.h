@@ -92,6 +92,7 @@ struct am_diag_step {
     uint32_t step;
     float compute;
     float ep_in;
+    float end; /* the record's time, in seconds after the rank's step_t0 (0 when it has none) */
 };
 
 enum am_diag_end { AM_END_UNKNOWN, AM_END_CLEAN, AM_END_FAILED, AM_END_WAITING, AM_END_STOPPED };
@@ -123,6 +124,14 @@ struct am_diag_rank {
     size_t n_steps, cap_steps;
     long last_step;                      /* the highest step recorded */
     double last_step_time;               /* the latest step record's time */
+    double step_t0;                      /* the first step record's time: steps[].end counts from it */
+    uint32_t first_step;                 /* the lowest step recorded and its step_s (where the */
+    float first_step_s;                  /* timeline's first step begins) */
+    /* memory: the memory record's bytes (weights, gradients, optimizer state, gathered groups,
+     * gradient buffers, activations, pipeline buffers: what am-plan counts), am-plan's estimate
+     * for the rank (the start record's plan_bytes) and the device allocator's peak (the step
+     * records' dev_mem_peak, the largest); 0 when absent */
+    double mem_bytes, plan_bytes, dev_peak;
     struct am_diag_flight *flight;
     size_t n_flight, cap_flight;
     struct am_diag_group *groups;
@@ -161,6 +170,8 @@ struct am_diag_rank {
                              * ep_tokens_in (0: none), the tokens its experts received then and
                              * the median rank's */
     double ep_in, ep_median;
+    long slow_step;         /* straggler: the step where its time outside collectives exceeded the
+                             * median rank's the most (0: none) */
     enum am_diag_verdict verdict;
     char detail[768];
 };
@@ -304,7 +315,27 @@ struct am_diag_timing {
 };
 void am_diag_timing(const struct am_diag *d, struct am_diag_timing *t);
 
+/* The human report: am_diag_print is the summary (the job, the first failure, its cause and
+ * backtrace, the others' verdicts, missing logs, mismatches, the last checkpoint), then a line
+ * per rank (am_diag_print_rank's, without a newline: "rank 5 on n3: victim: ..."), then the
+ * notes. Untrusted text is escaped (am_diag_escape). */
 void am_diag_print(const struct am_diag *d, FILE *f);
+void am_diag_print_summary(const struct am_diag *d, FILE *f);
+void am_diag_print_rank(const struct am_diag *d, const struct am_diag_rank *r, FILE *f);
+/* The same verdict as one self-contained HTML page (diag_html.c): no file fetched (inline CSS,
+ * SVG and a little JS). First am_diag_print_summary's lines, then a timeline (one lane per rank
+ * grouped by node: setup, steps over wall time, where it stopped, the call in flight at its end
+ * and the rank it waited for, stragglers' slow step; beyond AM_DIAG_HTML_LANES ranks a lane per
+ * node plus lanes for the ranks that matter: the first failure, its groups' members, the
+ * failed and the stragglers), where the ranks stopped (ranks by the call in flight at their
+ * end), memory per rank (or node) against am-plan's estimate, and each rank's verdict and cause
+ * record on click (at most AM_DIAG_HTML_CAUSES bytes of cause records, the culprit's first).
+ * Every text from a log is escaped as the text report escapes it, then for HTML (entities; in
+ * the page's JSON, \u003c for <). Stays under 5 MB at 4096 ranks (docs/performance.md).
+ * 0, or -1 (a write failed). */
+#define AM_DIAG_HTML_LANES 256
+#define AM_DIAG_HTML_CAUSES ((size_t)1 << 20)
+int am_diag_html(const struct am_diag *d, FILE *f);
 json_t *am_diag_json(const struct am_diag *d);
 const char *am_diag_verdict_name(enum am_diag_verdict v);
 

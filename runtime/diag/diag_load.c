@@ -341,6 +341,9 @@ static void on_start(struct loader *L, struct am_diag_rank *r, const struct rec 
     double t = sane_time(rec_num(x, "time"));
     if (t > 0)
         r->start_time = t;
+    double plan = rec_num(x, "plan_bytes");
+    if (isfinite(plan) && plan > 0 && plan < 1e18)
+        r->plan_bytes = plan;
     const char *device = rec_str(x, "device", &n);
     if (device)
         r->nccl = n == 4 && memcmp(device, "cuda", 4) == 0;
@@ -366,7 +369,8 @@ static void on_start(struct loader *L, struct am_diag_rank *r, const struct rec 
  * field's key is classified once, the last field of a key wins (as in jansson). */
 enum fkey {
     FK_TYPE, FK_TIME, FK_STEP, FK_STEP_S, FK_COMM_S, FK_GROUP, FK_OP, FK_DTYPE, FK_STATE, FK_GID, FK_ID,
-    FK_SEQ, FK_COUNT, FK_BYTES, FK_PEER, FK_WAITING_FOR, FK_ENQUEUED, FK_STARTED, FK_ENDED, FK_EP_IN, FK_N
+    FK_SEQ, FK_COUNT, FK_BYTES, FK_PEER, FK_WAITING_FOR, FK_ENQUEUED, FK_STARTED, FK_ENDED, FK_EP_IN, FK_DEV_PEAK,
+    FK_N
 };
 
 #define KEY_IS(f, lit) (memcmp((f)->key, lit, sizeof(lit) - 1) == 0)
@@ -393,7 +397,7 @@ static inline int fkey_of(const struct am_diag_field *f)
     case 11:
         return KEY_IS(f, "waiting_for") ? FK_WAITING_FOR : -1;
     case 12:
-        return KEY_IS(f, "ep_tokens_in") ? FK_EP_IN : -1;
+        return KEY_IS(f, "ep_tokens_in") ? FK_EP_IN : KEY_IS(f, "dev_mem_peak") ? FK_DEV_PEAK : -1;
     default:
         return -1;
     }
@@ -456,11 +460,21 @@ static void on_step(struct am_diag_rank *r, const struct am_diag_field *const *k
         r->steps = s;
         r->cap_steps = cap;
     }
+    double peak = k[FK_DEV_PEAK] ? fk_num(k[FK_DEV_PEAK]) : 0;
+    if (isfinite(peak) && peak > r->dev_peak && peak < 1e18)
+        r->dev_peak = peak;
+    if (t > 0 && r->step_t0 == 0)
+        r->step_t0 = t;
+    if (r->first_step == 0 || step < r->first_step) {
+        r->first_step = (uint32_t)step;
+        r->first_step_s = (float)step_s;
+    }
     double compute = sane_s(fk_num(k[FK_STEP_S])) - sane_s(fk_num(k[FK_COMM_S]));
     double ep_in = k[FK_EP_IN] ? fk_num(k[FK_EP_IN]) : -1; /* a count: sane when finite, >= 0 */
     ep_in = isfinite(ep_in) && ep_in >= 0 && ep_in < 1e18 ? ep_in : -1;
     r->steps[r->n_steps++] =
-        (struct am_diag_step){.step = (uint32_t)step, .compute = (float)compute, .ep_in = (float)ep_in};
+        (struct am_diag_step){.step = (uint32_t)step, .compute = (float)compute, .ep_in = (float)ep_in,
+                              .end = t > 0 ? (float)(t - r->step_t0) : 0};
 }
 
 static void on_flight(struct loader *L, struct am_diag_rank *r, const struct am_diag_field *const *k)
@@ -597,6 +611,13 @@ static void on_record(struct loader *L, struct am_diag_rank *r, const struct rec
             r->recent_save_step[r->n_save_s % AM_DIAG_RECENT_SAVES] = (long)rec_long(x, "step", 0, LONG_MAX, 0);
             r->recent_save_s[r->n_save_s++ % AM_DIAG_RECENT_SAVES] = (float)s;
         }
+    } else if (strcmp(type, "memory") == 0) { /* what the rank allocated, as am-plan counts it */
+        static const char *const parts[] = {"weights_bytes", "grads_bytes", "optimizer_bytes", "gathered_bytes",
+                                            "grad_buffers_bytes", "act_bytes", "pipe_bytes"};
+        double sum = 0;
+        for (size_t i = 0; i < sizeof(parts) / sizeof(parts[0]); i++)
+            sum += (double)rec_long(x, parts[i], 0, (long long)1 << 60, 0);
+        r->mem_bytes = sum;
     } else if (strcmp(type, "checkpoint_start") == 0)
         r->ckpt_started = rec_long(x, "step", 0, LONG_MAX, 0);
 }

@@ -226,7 +226,7 @@ static const json_t *last_checkpoint(const struct am_diag *d, long *interrupted,
     return best;
 }
 
-void am_diag_print(const struct am_diag *d, FILE *f)
+void am_diag_print_summary(const struct am_diag *d, FILE *f)
 {
     char t[64], c[160], list[512];
     struct am_diag_range *runs = calloc((size_t)(d->n_ranks > d->n_missing_ranges ? d->n_ranks : d->n_missing_ranges)
@@ -309,7 +309,24 @@ void am_diag_print(const struct am_diag *d, FILE *f)
             fprintf(f, "  the save of step %ld did not complete (rank %d began it): a restore takes %s\n", interrupted,
                     who, ck ? "the checkpoint above" : "nothing (the run starts again)");
     }
+    free(runs);
+}
 
+void am_diag_print_rank(const struct am_diag *d, const struct am_diag_rank *r, FILE *f)
+{
+    (void)d;
+    fprintf(f, "rank %d", r->rank);
+    if (r->host[0]) {
+        fputs(" on ", f);
+        put(f, r->host);
+    }
+    fprintf(f, ": %s: ", am_diag_verdict_name(r->verdict));
+    put(f, r->detail);
+}
+
+void am_diag_print(const struct am_diag *d, FILE *f)
+{
+    am_diag_print_summary(d, f);
     fprintf(f, "\ndetails:\n");
     int next = 0; /* ranks below it are printed */
     for (int q = 0; q <= d->n_ranks; q++) {
@@ -324,13 +341,8 @@ void am_diag_print(const struct am_diag *d, FILE *f)
             break;
         const struct am_diag_rank *r = &d->ranks[q];
         next = r->rank + 1 > next ? r->rank + 1 : next;
-        fprintf(f, "  rank %d", r->rank);
-        if (r->host[0]) {
-            fputs(" on ", f);
-            put(f, r->host);
-        }
-        fprintf(f, ": %s: ", am_diag_verdict_name(r->verdict));
-        put(f, r->detail);
+        fputs("  ", f);
+        am_diag_print_rank(d, r, f);
         fputs("\n", f);
         if (r->fault) {
             fputs("      (injected: AM_FAULT=", f);
@@ -346,7 +358,6 @@ void am_diag_print(const struct am_diag *d, FILE *f)
             fputs("\n", f);
         }
     }
-    free(runs);
 }
 
 static json_t *opt_int(long v, int present) { return present ? json_integer(v) : json_null(); }

@@ -3,7 +3,8 @@
  * Input: the logs of a job, one after the other, separated by lines "@R" (the next log is
  * rank R's; R may be any number, as a file name would give it); text before the first "@R"
  * is rank 0's. Each log goes through am_diag_add_log (which the directory loader calls with
- * each file's bytes), then the analysis, the report and the JSON. Every line the fast reader
+ * each file's bytes), then the analysis, the report, the page (--html: no log's text may add
+ * markup to it) and the JSON. Every line the fast reader
  * accepts is also checked against jansson: an object with the same values. Any crash, leak,
  * sanitizer report or disagreement is a bug. */
 #include <jansson.h>
@@ -98,6 +99,21 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         if (f) {
             am_diag_print(&d, f);
             fclose(f);
+        }
+        /* the page: no text of a log adds markup (the page's own two scripts only) */
+        char *page = NULL;
+        size_t page_len = 0;
+        FILE *m = open_memstream(&page, &page_len);
+        if (m) {
+            if (am_diag_html(&d, m) < 0)
+                abort();
+            fclose(m);
+            int scripts = 0;
+            for (const char *q = strstr(page, "<script"); q; q = strstr(q + 1, "<script"))
+                scripts++;
+            if (scripts != 2 || strlen(page) != page_len)
+                abort();
+            free(page);
         }
         json_t *o = am_diag_json(&d);
         char *s = json_dumps(o, JSON_COMPACT);
