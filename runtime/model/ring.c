@@ -23,7 +23,7 @@ static int rope_at_positions(struct am_model *m, struct am_cp *c, char *err, siz
 {
     const struct am_kernels *K = m->K;
     const struct am_model_config *cfg = &m->cfg;
-    int64_t T = c->seq_len, half = m->head_dim / 2, ch = T / (2 * c->size);
+    int64_t T = c->seq_len, half = am_model_rotary_dim(&m->cfg) / 2, ch = T / (2 * c->size);
     size_t bytes = (size_t)(T * half) * sizeof(float);
     void *mem = K->alloc(m->dev, 2 * bytes);
     if (!mem)
