@@ -526,8 +526,10 @@ static int memory_of_rank(const struct am_recipe *r, const struct am_plan *p, in
         out->activations = flight * full_layer;
     }
     out->activations += rs.moe_layer_slots * tokens * moe_elems_per_token(r, p) * cs;
+    if (m->num_experts > 0) /* each slot's tokens per expert (an i32 each), a buffer of its own */
+        out->activations += rs.moe_layer_slots * carved((double)m->num_experts, 4);
     if (p->ep > 1 && m->num_experts > 0) /* each slot's counts received from the ep ranks */
-        out->activations += rs.moe_layer_slots * (double)m->num_experts * 4;
+        out->activations += rs.moe_layer_slots * carved((double)m->num_experts, 4);
     /* the executor's send buffers each way (a ring of one per slot; with interleaving one per
      * micro-batch and chunk) and one receive buffer (pipeline.h) */
     double sends = p->virtual_stages == 1 ? flight / layers : (double)p->virtual_stages * (double)p->n_microbatches;
