@@ -324,7 +324,7 @@ struct am_node *am_json_file_to_node(struct am_arena *a, const char *path, struc
 enum kind {
     K_LONG, K_DOUBLE, K_BOOL, K_STR, K_ACT, K_ROPE_SCALING, K_ROPE_PARAMETERS, K_CHECK_FALSE, K_CHECK_ZERO, K_MLP_ONLY,
     K_WINDOW, K_USE_WINDOW, K_MAX_WINDOW_LAYERS, K_LAYER_TYPES, K_QUANT, K_IGNORE, K_DOUBLE_NULL, K_HIDDEN_ACTIVATION,
-    K_BIDIRECTIONAL, K_WINDOW_PATTERN, K_ATTENTION_BIAS, K_MTP
+    K_BIDIRECTIONAL, K_WINDOW_PATTERN, K_ATTENTION_BIAS, K_MTP, K_MOE_OVERRIDES
 };
 
 /* The sliding-window keys as written, resolved per model type once all keys are read. */
@@ -397,6 +397,8 @@ static const struct hf_key hf_keys[] = {
     {"first_k_dense_replace", K_LONG, F(first_k_dense_replace)},
     {"num_nextn_predict_layers", K_MTP, 0},
     {"num_mtp_layers", K_MTP, 0},
+    {"moe_overrides", K_MOE_OVERRIDES, 0}, /* AutoModel's MoEConfig fields for its own MoE models */
+    {"moe_config", K_MOE_OVERRIDES, 0},
     {"mlp_bias", K_CHECK_FALSE, 0},
     {"attention_dropout", K_CHECK_ZERO, 0},
     {"sliding_window", K_WINDOW, 0},
@@ -530,6 +532,40 @@ static int read_key(const struct hf_key *k, struct am_node *v, const char *secti
             return -1;
         }
         return 0;
+    case K_MOE_OVERRIDES: { /* AutoModel's MoEConfig: what am computes is transformers' MoE, so only the
+                               training rules it would leave as they are (0) are accepted */
+        if (am_node_is_null(v))
+            return 0;
+        if (v->kind != AM_NODE_MAP) {
+            am_errorf(err, &v->pos, "%s: expected a section (AutoModel's MoEConfig fields)", key);
+            return -1;
+        }
+        int rc = 0;
+        for (size_t i = 0; i < v->n; i++) {
+            struct am_entry *f = &v->entries[i];
+            char sub[192];
+            double d;
+            snprintf(sub, sizeof(sub), "%s.%s", key, f->key);
+            bool bias = strcmp(f->key, "gate_bias_update_factor") == 0, aux = strcmp(f->key, "aux_loss_coeff") == 0;
+            if (!bias && !aux) {
+                am_errorf(err, &f->key_pos, "%s: not read by am (it trains the MoE transformers' class computes; of "
+                          "AutoModel's MoEConfig it takes gate_bias_update_factor and aux_loss_coeff at 0 only): "
+                          "remove it", sub);
+                rc = -1;
+            } else if (am_node_double(f->value, sub, &d, err) < 0) {
+                rc = -1;
+            } else if (d != 0.0) {
+                am_errorf(err, &f->value->pos, "%s: %g is not supported by am: %s (set it to 0)", sub, d,
+                          bias ? "it does not update the experts' selection bias (e_score_correction_bias) in "
+                                 "training; AutoModel's glm4_moe does not either (its model has no "
+                                 "update_moe_gate_bias, which the train loop calls)"
+                               : "AutoModel's load-balancing loss is not computed by am (it computes transformers' own: "
+                                 "output_router_logits and router_aux_loss_coef; glm4_moe has none)");
+                rc = -1;
+            }
+        }
+        return rc;
+    }
     case K_MTP: /* multi-token prediction modules: not part of the causal LM transformers and AutoModel train */
         if (am_node_is_null(v))
             return 0;

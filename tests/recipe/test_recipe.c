@@ -385,6 +385,15 @@ static void test_model_rules(void **state)
            "  vocab_size: 64\n  quantization_config:\n    quant_method: bitsandbytes\n    load_in_4bit: true\n", NULL,
            MSGS("r.yaml:8:5: model.quantization_config: a quantized checkpoint (quant_method bitsandbytes) is not "
                 "supported: am trains bf16 or fp32 weights and does not dequantize them (use the unquantized model)"));
+    /* AutoModel's MoEConfig overrides: only what would leave transformers' MoE as it is */
+    expect("model:\n  model_type: glm4_moe\n  moe_overrides:\n    gate_bias_update_factor: 0.001\n"
+           "    aux_loss_coeff: 0.0\n    score_func: softmax\n", NULL,
+           MSGS("r.yaml:4:30: model.moe_overrides.gate_bias_update_factor: 0.001 is not supported by am: it does not "
+                "update the experts' selection bias (e_score_correction_bias) in training; AutoModel's glm4_moe does "
+                "not either (its model has no update_moe_gate_bias, which the train loop calls) (set it to 0)",
+                "r.yaml:6:5: model.moe_overrides.score_func: not read by am (it trains the MoE transformers' class "
+                "computes; of AutoModel's MoEConfig it takes gate_bias_update_factor and aux_loss_coeff at 0 only): "
+                "remove it"));
     expect("model:\n  hidden_act: gelu\n  attention_bias: true\n", NULL,
            MSGS("r.yaml:2:15: model.hidden_act: 'gelu' is not supported by am (Llama-style models use silu)",
                 "r.yaml:3:19: model.attention_bias: true is not supported by am (its layers have no bias terms: train "
