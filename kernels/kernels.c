@@ -107,6 +107,8 @@ int am_kernels_missing(const struct am_kernels *k, char *buf, size_t len)
     AM_NEED(ce_backward_softcap);
     AM_NEED(moe_route_forward);
     AM_NEED(moe_route_backward);
+    AM_NEED(moe_route_sigmoid_forward);
+    AM_NEED(moe_route_sigmoid_backward);
     AM_NEED(moe_aux_stats);
     AM_NEED(moe_aux_loss);
     AM_NEED(moe_plan);

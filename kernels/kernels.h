@@ -212,7 +212,9 @@ struct am_kernels {
      * rope_tables fills cos, sin [T, D/2] (on the backend's device) for positions 0..T-1 of a
      * head of size D, with
      * rope_theta and optional Llama 3 / linear scaling, exactly as transformers computes them.
-     * x [B, T, H, D] is rotated in place; backward rotates the gradient by the opposite angle. */
+     * x [B, T, H, D] is rotated in place; backward rotates the gradient by the opposite angle.
+     * Partial rotary: tables [T, R/2] with R < D (made by rope_tables as for a head of size R)
+     * rotate the first R dims of each head and leave the rest (glm4_moe's partial_rotary_factor). */
     void (*rope_tables)(const struct am_dev *d, struct am_tensor *cos, struct am_tensor *sin, double theta,
                         const struct am_rope_scaling *scaling);
     void (*rope_forward)(const struct am_dev *d, struct am_tensor *x, const struct am_tensor *cos, const struct am_tensor *sin);
@@ -362,6 +364,23 @@ struct am_kernels {
     void (*moe_route_backward)(const struct am_dev *d, struct am_tensor *dlogits, const struct am_tensor *dwts,
                                const struct am_tensor *probs, const struct am_tensor *idx, const struct am_tensor *cnt,
                                float aux_scale, bool renorm);
+    /* DeepSeekMoE's router (glm4_moe; transformers' Glm4MoeTopkRouter), on logits [N, E]:
+     *   moe_route_sigmoid_forward: probs = sigmoid(logits) in fp32; the choice on
+     *     probs + bias (bias [E] f32, e_score_correction_bias: it chooses, never weights): the
+     *     n_group groups of E / n_group consecutive experts scored by the sum of their two
+     *     largest biased scores, the topk_group best groups kept (ties to the lower group), then
+     *     idx the k experts of largest biased score among the kept groups, in descending order
+     *     (ties to the lower expert); wts their unbiased probs, divided by their sum + 1e-20 when
+     *     renorm, times scale (routed_scaling_factor).
+     *   moe_route_sigmoid_backward: dlogits += the sigmoid's backward p (1 - p) of dprobs, where
+     *     dprobs is dwts taken back through the scale and the renormalisation onto the chosen
+     *     entries (the choice itself has no gradient). */
+    void (*moe_route_sigmoid_forward)(const struct am_dev *d, struct am_tensor *probs, struct am_tensor *idx,
+                                      struct am_tensor *wts, const struct am_tensor *logits, const struct am_tensor *bias,
+                                      int n_group, int topk_group, bool renorm, float scale);
+    void (*moe_route_sigmoid_backward)(const struct am_dev *d, struct am_tensor *dlogits, const struct am_tensor *dwts,
+                                       const struct am_tensor *probs, const struct am_tensor *idx, bool renorm,
+                                       float scale);
     void (*moe_aux_stats)(const struct am_dev *d, struct am_tensor *cnt, struct am_tensor *psum, const struct am_tensor *probs,
                           const struct am_tensor *idx);
     void (*moe_aux_loss)(const struct am_dev *d, struct am_tensor *acc, const struct am_tensor *cnt,

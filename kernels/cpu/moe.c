@@ -115,6 +115,99 @@ void am_cpu_moe_route_backward(const struct am_dev *d, struct am_tensor *dlogits
     }
 }
 
+/* The index of the largest of v[0..n) not yet taken (taken[i] set), ties to the lower index. */
+static int64_t best_free(const float *v, const bool *taken, int64_t n)
+{
+    int64_t best = -1;
+    for (int64_t i = 0; i < n; i++)
+        if (!taken[i] && (best < 0 || v[i] > v[best]))
+            best = i;
+    return best;
+}
+
+void am_cpu_moe_route_sigmoid_forward(const struct am_dev *d, struct am_tensor *probs, struct am_tensor *idx,
+                                      struct am_tensor *wts, const struct am_tensor *logits, const struct am_tensor *bias,
+                                      int n_group, int topk_group, bool renorm, float scale)
+{
+    (void)d;
+    am_cpu_act(__func__, "logits", logits);
+    int64_t N = am_rows(logits), E = am_cols(logits), k = am_cols(idx);
+    float *p = F32(probs), *w = F32(wts);
+    const float *bs = F32(bias);
+    int32_t *ix = (int32_t *)I32(idx);
+    want2(__func__, "probs", probs, N, E);
+    want2(__func__, "idx", idx, N, k);
+    want2(__func__, "wts", wts, N, k);
+    AM_CHECK(am_tensor_numel(bias) == E, "bias (%s) must hold the %lld experts' selection biases", am_tname(bias),
+             (long long)E);
+    AM_CHECK(n_group >= 1 && E % n_group == 0 && E / n_group >= 2 && topk_group >= 1 && topk_group <= n_group,
+             "n_group %d must divide the %lld experts into groups of 2 or more, topk_group %d be 1 to n_group", n_group,
+             (long long)E, topk_group);
+    int64_t G = E / n_group;
+    AM_CHECK(k >= 1 && k <= (int64_t)topk_group * G, "idx (%s) has %lld columns: 1 to the %lld experts of the kept groups",
+             am_tname(idx), (long long)k, (long long)topk_group * G);
+#pragma omp parallel for schedule(static) if (N * E >= AM_PAR_MIN)
+    for (int64_t i = 0; i < N; i++) {
+        float *pr = p + i * E, choice[E], gscore[n_group];
+        bool taken[E], gtaken[n_group];
+        for (int64_t e = 0; e < E; e++) {
+            pr[e] = 1.0f / (1.0f + expf(-ld(logits, i * E + e)));
+            choice[e] = pr[e] + bs[e];
+            taken[e] = false;
+        }
+        for (int g = 0; g < n_group; g++) { /* a group's score: its two largest biased scores */
+            int64_t a = best_free(choice + g * G, taken + g * G, G);
+            taken[g * G + a] = true;
+            int64_t b = best_free(choice + g * G, taken + g * G, G);
+            taken[g * G + a] = false;
+            gscore[g] = choice[g * G + a] + choice[g * G + b];
+            gtaken[g] = false;
+        }
+        for (int j = 0; j < topk_group; j++) /* the kept groups */
+            gtaken[best_free(gscore, gtaken, n_group)] = true;
+        for (int64_t e = 0; e < E; e++) /* the other groups' experts cannot be chosen */
+            taken[e] = !gtaken[e / G];
+        float tsum = 0.0f;
+        for (int64_t j = 0; j < k; j++) {
+            int64_t best = best_free(choice, taken, E);
+            taken[best] = true;
+            ix[i * k + j] = (int32_t)best;
+            w[i * k + j] = pr[best];
+            tsum += pr[best];
+        }
+        for (int64_t j = 0; j < k; j++)
+            w[i * k + j] = (renorm ? w[i * k + j] / (tsum + 1e-20f) : w[i * k + j]) * scale;
+    }
+}
+
+void am_cpu_moe_route_sigmoid_backward(const struct am_dev *d, struct am_tensor *dlogits, const struct am_tensor *dwts,
+                                       const struct am_tensor *probs, const struct am_tensor *idx, bool renorm,
+                                       float scale)
+{
+    (void)d;
+    am_cpu_act(__func__, "dlogits", dlogits);
+    int64_t N = am_rows(dlogits), E = am_cols(dlogits), k = am_cols(idx);
+    const float *p = F32(probs), *dw = F32(dwts);
+    const int32_t *ix = I32(idx);
+    want2(__func__, "probs", probs, N, E);
+    want2(__func__, "idx", idx, N, k);
+    want2(__func__, "dwts", dwts, N, k);
+#pragma omp parallel for schedule(static) if (N * E >= AM_PAR_MIN)
+    for (int64_t i = 0; i < N; i++) {
+        const float *pr = p + i * E;
+        float s = 1e-20f, dot = 0.0f; /* w_j = scale p_j / s with s = Σ p + 1e-20 (renorm) */
+        for (int64_t j = 0; j < k; j++)
+            s += pr[ix[i * k + j]];
+        for (int64_t j = 0; j < k; j++)
+            dot += dw[i * k + j] * pr[ix[i * k + j]];
+        for (int64_t j = 0; j < k; j++) {
+            int64_t e = ix[i * k + j];
+            float dp = renorm ? scale * (dw[i * k + j] / s - dot / (s * s)) : scale * dw[i * k + j];
+            st(dlogits, i * E + e, ld(dlogits, i * E + e) + dp * pr[e] * (1.0f - pr[e]));
+        }
+    }
+}
+
 void am_cpu_moe_aux_stats(const struct am_dev *d, struct am_tensor *cnt, struct am_tensor *psum, const struct am_tensor *probs,
                           const struct am_tensor *idx)
 {

@@ -6,6 +6,9 @@
  *   backward: the transpose, a rotation by -angle:
  *             dx1 = dy1 c + dy2 s,  dx2 = dy2 c - dy1 s
  * Both work in place on [B, T, H, D].
+ * Partial rotary (glm4_moe's partial_rotary_factor): tables [T, R/2] with R < D rotate the
+ * first R dims of each head as a head of size R (halves x[:R/2], x[R/2:R]) and leave the
+ * other D - R as they are (transformers' q_rot, q_pass = q[..., :R], q[..., R:]).
  *
  * The tables follow transformers' LlamaRotaryEmbedding operation by operation in fp32,
  * because at position 8000 one ulp of inv_freq moves the angle by ~5e-4:
@@ -105,21 +108,22 @@ static void check_rope(const char *kernel, const struct am_tensor *x, const stru
 {
     if (x->ndim != 4)
         am_cpu_fatal(kernel, "x (%s) must be [B, T, H, D], has %d dimensions", am_tname(x), x->ndim);
-    int64_t T = x->shape[1], D = x->shape[3];
-    if (D % 2 || am_cols(tcos) != D / 2 || am_cols(tsin) != D / 2)
-        am_cpu_fatal(kernel, "head size %lld must be even and the tables [T, %lld], they are [.., %lld]",
-                     (long long)D, (long long)(D / 2), (long long)am_cols(tcos));
+    int64_t T = x->shape[1], D = x->shape[3], half = am_cols(tcos);
+    if (D % 2 || half < 1 || half > D / 2 || am_cols(tsin) != half)
+        am_cpu_fatal(kernel, "head size %lld must be even and the tables [T, R/2] with R <= %lld, they are [.., %lld] "
+                     "and [.., %lld]", (long long)D, (long long)D, (long long)half, (long long)am_cols(tsin));
     if (am_rows(tcos) < T || am_rows(tsin) < T)
         am_cpu_fatal(kernel, "the tables cover %lld positions, x (%s) has %lld", (long long)am_rows(tcos), am_tname(x),
                      (long long)T);
 }
 
-/* Rotates every head of x [B, T, H, D] by +angle (sign 1) or -angle (sign -1). */
+/* Rotates the first 2 half dims of every head (of size D) of one position's H heads by +angle
+ * (sign 1) or -angle (sign -1). */
 AM_HOT static void rope_rows(float *restrict x, const float *restrict cs, const float *restrict sn, int64_t H,
-                             int64_t half, float sign)
+                             int64_t D, int64_t half, float sign)
 {
     for (int64_t h = 0; h < H; h++) {
-        float *restrict x1 = x + h * 2 * half, *restrict x2 = x1 + half;
+        float *restrict x1 = x + h * D, *restrict x2 = x1 + half;
 #pragma omp simd
         for (int64_t i = 0; i < half; i++) {
             float a = x1[i], b = x2[i], c = cs[i], s = sign * sn[i];
@@ -135,11 +139,11 @@ static void rope_apply(const char *kernel, struct am_tensor *x, const struct am_
     float *xd = am_cpu_f32(kernel, "x", x);
     const float *c = am_cpu_f32(kernel, "cos", tcos), *s = am_cpu_f32(kernel, "sin", tsin);
     check_rope(kernel, x, tcos, tsin);
-    int64_t B = x->shape[0], T = x->shape[1], H = x->shape[2], half = x->shape[3] / 2;
+    int64_t B = x->shape[0], T = x->shape[1], H = x->shape[2], D = x->shape[3], half = am_cols(tcos);
 #pragma omp parallel for collapse(2) schedule(static) if (am_tensor_numel(x) >= AM_PAR_MIN)
     for (int64_t b = 0; b < B; b++)
         for (int64_t t = 0; t < T; t++)
-            rope_rows(xd + (b * T + t) * H * 2 * half, c + t * half, s + t * half, H, half, sign);
+            rope_rows(xd + (b * T + t) * H * D, c + t * half, s + t * half, H, D, half, sign);
 }
 
 /* bf16 x and/or tables: the fp32 rotation (rope_rows) on each position's heads widened
@@ -154,7 +158,7 @@ static void rope_apply_bf16(const char *kernel, const struct am_dev *dev, struct
     AM_CHECK(x->dtype == AM_BF16, "x (%s) is fp32 with %s tables: bf16 tables go with bf16 activations",
              am_tname(x), am_dtype_name(tcos->dtype == AM_F32 ? tsin->dtype : tcos->dtype));
     check_rope(kernel, x, tcos, tsin);
-    int64_t B = x->shape[0], T = x->shape[1], H = x->shape[2], half = x->shape[3] / 2, HD = H * 2 * half;
+    int64_t B = x->shape[0], T = x->shape[1], H = x->shape[2], D = x->shape[3], half = am_cols(tcos), HD = H * D;
     int64_t per = HD + 2 * half + 32; /* floats of scratch per thread */
     float *ws = am_cpu_scratch(kernel, dev, (int64_t)omp_get_max_threads() * per);
     uint16_t *xd = x->data;
@@ -173,7 +177,7 @@ static void rope_apply_bf16(const char *kernel, const struct am_dev *dev, struct
             }
             uint16_t *row = xd + (b * T + t) * HD;
             am_bf16_widen1(buf, row, HD);
-            rope_rows(buf, c, sn, H, half, sign);
+            rope_rows(buf, c, sn, H, D, half, sign);
             am_bf16_narrow1(row, buf, HD);
         }
 }

@@ -201,6 +201,12 @@ bool am_cuda_ce_fused(const struct am_dev *d, struct am_tensor *m, struct am_ten
 /* ---- moe.cu: mixture of experts (routing, permutation; grouped GEMMs on cuBLASLt, one per expert) ---- */
 void am_cuda_moe_route_forward(const struct am_dev *d, struct am_tensor *probs, struct am_tensor *idx, struct am_tensor *wts,
                           const struct am_tensor *logits, bool renorm);
+void am_cuda_moe_route_sigmoid_forward(const struct am_dev *d, struct am_tensor *probs, struct am_tensor *idx,
+                                       struct am_tensor *wts, const struct am_tensor *logits, const struct am_tensor *bias,
+                                       int n_group, int topk_group, bool renorm, float scale);
+void am_cuda_moe_route_sigmoid_backward(const struct am_dev *d, struct am_tensor *dlogits, const struct am_tensor *dwts,
+                                        const struct am_tensor *probs, const struct am_tensor *idx, bool renorm,
+                                        float scale);
 void am_cuda_moe_route_backward(const struct am_dev *d, struct am_tensor *dlogits, const struct am_tensor *dwts,
                            const struct am_tensor *probs, const struct am_tensor *idx, const struct am_tensor *cnt,
                            float aux_scale, bool renorm);

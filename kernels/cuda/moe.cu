@@ -154,6 +154,135 @@ __global__ void aux_stats_k(float *cnt, float *psum, const float *p, const int32
     }
 }
 
+/* DeepSeekMoE's router (kernels.h), one thread per token: the groups kept as a bit mask (n_group
+ * <= 64), the experts taken found in idx's earlier columns, as route_fwd_k does */
+__device__ __forceinline__ float group_score(const float *pr, const float *bias, int64_t g, int64_t G)
+{
+    float a = -INFINITY, b = -INFINITY; /* the two largest biased scores of group g */
+    for (int64_t e = g * G; e < (g + 1) * G; e++) {
+        float v = pr[e] + bias[e];
+        if (v > a) {
+            b = a;
+            a = v;
+        } else if (v > b) {
+            b = v;
+        }
+    }
+    return a + b;
+}
+
+__global__ void route_sig_fwd_k(float *p, int32_t *ix, float *w, const void *logits, bool bf, const float *bias, int64_t N,
+                                int64_t E, int64_t k, int n_group, int topk_group, bool renorm, float scale)
+{
+    AM_GRID_STRIDE(i, N)
+    {
+        float *pr = p + i * E;
+        int64_t G = E / n_group;
+        for (int64_t e = 0; e < E; e++)
+            pr[e] = 1.0f / (1.0f + expf(-ldv(logits, bf, i * E + e)));
+        unsigned long long kept = 0;
+        for (int j = 0; j < topk_group; j++) {
+            int best = -1;
+            float bv = 0.0f;
+            for (int g = 0; g < n_group; g++) {
+                if (kept >> g & 1ull)
+                    continue;
+                float v = group_score(pr, bias, g, G);
+                if (best < 0 || v > bv)
+                    best = g, bv = v;
+            }
+            kept |= 1ull << best;
+        }
+        float tsum = 0.0f;
+        for (int64_t j = 0; j < k; j++) {
+            int best = -1;
+            for (int64_t e = 0; e < E; e++) {
+                bool taken = !(kept >> (e / G) & 1ull);
+                for (int64_t q = 0; q < j; q++)
+                    taken |= ix[i * k + q] == e;
+                if (!taken && (best < 0 || pr[e] + bias[e] > pr[best] + bias[best]))
+                    best = (int)e;
+            }
+            ix[i * k + j] = best;
+            w[i * k + j] = pr[best];
+            tsum += pr[best];
+        }
+        for (int64_t j = 0; j < k; j++)
+            w[i * k + j] = (renorm ? w[i * k + j] / (tsum + 1e-20f) : w[i * k + j]) * scale;
+    }
+}
+
+void am_cuda_moe_route_sigmoid_forward(const struct am_dev *d, struct am_tensor *probs, struct am_tensor *idx,
+                                       struct am_tensor *wts, const struct am_tensor *logits, const struct am_tensor *bias,
+                                       int n_group, int topk_group, bool renorm, float scale)
+{
+    const char *k = "am_cuda_moe_route_sigmoid_forward";
+    am_cuda_ctx(k, d);
+    enum am_dtype dt = am_cuda_act(k, "logits", logits);
+    int64_t N = am_rows(logits), E = am_cols(logits), K = am_cols(idx);
+    float *p = (float *)am_cuda_data(k, "probs", probs, AM_F32), *w = (float *)am_cuda_data(k, "wts", wts, AM_F32);
+    const float *b = (const float *)am_cuda_data(k, "bias", bias, AM_F32);
+    int32_t *ix = (int32_t *)am_cuda_data(k, "idx", idx, AM_I32);
+    want2(k, "probs", probs, N, E);
+    want2(k, "idx", idx, N, K);
+    want2(k, "wts", wts, N, K);
+    AM_CUDA_REQUIRE(k, am_tensor_numel(bias) == E, "bias (%s) must hold the %lld experts' selection biases",
+                    am_tname(bias), (long long)E);
+    AM_CUDA_REQUIRE(k, n_group >= 1 && n_group <= 64 && E % n_group == 0 && E / n_group >= 2 && topk_group >= 1 &&
+                           topk_group <= n_group,
+                    "n_group %d (at most 64) must divide the %lld experts into groups of 2 or more, topk_group %d be 1 "
+                    "to n_group", n_group, (long long)E, topk_group);
+    AM_CUDA_REQUIRE(k, K >= 1 && K <= (int64_t)topk_group * (E / n_group),
+                    "idx (%s) has %lld columns: 1 to the %lld experts of the kept groups", am_tname(idx), (long long)K,
+                    (long long)topk_group * (E / n_group));
+    if (!N)
+        return;
+    route_sig_fwd_k<<<am_blocks(N), AM_THREADS, 0, am_cuda_stream(d)>>>(p, ix, w, logits->data, dt == AM_BF16, b, N, E, K,
+                                                                         n_group, topk_group, renorm, scale);
+    AM_LAUNCHED(k);
+}
+
+__global__ void route_sig_bwd_k(void *dl, bool bf, const float *p, const int32_t *ix, const float *dw, int64_t N, int64_t E,
+                                int64_t k, bool renorm, float scale)
+{
+    AM_GRID_STRIDE(i, N)
+    {
+        const float *pr = p + i * E, *dwi = dw + i * k;
+        const int32_t *ixi = ix + i * k;
+        float s = 1e-20f, dot = 0.0f;
+        for (int64_t j = 0; j < k; j++)
+            s += pr[ixi[j]];
+        for (int64_t j = 0; j < k; j++)
+            dot += dwi[j] * pr[ixi[j]];
+        for (int64_t j = 0; j < k; j++) {
+            int64_t e = ixi[j];
+            float dp = renorm ? scale * (dwi[j] / s - dot / (s * s)) : scale * dwi[j];
+            stv(dl, bf, i * E + e, ldv(dl, bf, i * E + e) + dp * pr[e] * (1.0f - pr[e]));
+        }
+    }
+}
+
+void am_cuda_moe_route_sigmoid_backward(const struct am_dev *d, struct am_tensor *dlogits, const struct am_tensor *dwts,
+                                        const struct am_tensor *probs, const struct am_tensor *idx, bool renorm,
+                                        float scale)
+{
+    const char *k = "am_cuda_moe_route_sigmoid_backward";
+    am_cuda_ctx(k, d);
+    enum am_dtype dt = am_cuda_act(k, "dlogits", dlogits);
+    int64_t N = am_rows(dlogits), E = am_cols(dlogits), K = am_cols(idx);
+    const float *p = (const float *)am_cuda_data(k, "probs", probs, AM_F32);
+    const float *dw = (const float *)am_cuda_data(k, "dwts", dwts, AM_F32);
+    const int32_t *ix = (const int32_t *)am_cuda_data(k, "idx", idx, AM_I32);
+    want2(k, "probs", probs, N, E);
+    want2(k, "idx", idx, N, K);
+    want2(k, "dwts", dwts, N, K);
+    if (!N)
+        return;
+    route_sig_bwd_k<<<am_blocks(N), AM_THREADS, 0, am_cuda_stream(d)>>>(dlogits->data, dt == AM_BF16, p, ix, dw, N, E, K,
+                                                                         renorm, scale);
+    AM_LAUNCHED(k);
+}
+
 void am_cuda_moe_aux_stats(const struct am_dev *d, struct am_tensor *cnt, struct am_tensor *psum, const struct am_tensor *probs,
                            const struct am_tensor *idx)
 {

@@ -32,14 +32,16 @@ void am_cuda_rope_tables(const struct am_dev *d, struct am_tensor *tcos, struct 
     free(h);
 }
 
-/* x [B, T, H, D]: one thread per (b, t, h, i < D/2) pair, rotated by sign * angle */
+/* x [B, T, H, D]: one thread per (b, t, h, i < half) pair, rotated by sign * angle; half = D/2,
+ * or R/2 for partial rotary (the first R dims of each head rotated, the rest left) */
 template <typename X, typename Tb>
-__global__ void rope_k(X *x, const Tb *tc, const Tb *ts, int64_t T, int64_t H, int64_t half, int64_t pairs, float sign)
+__global__ void rope_k(X *x, const Tb *tc, const Tb *ts, int64_t T, int64_t H, int64_t D, int64_t half, int64_t pairs,
+                       float sign)
 {
     AM_GRID_STRIDE(p, pairs)
     {
         int64_t i = p % half, rest = p / half, t = (rest / H) % T;
-        X *x1 = x + rest * 2 * half;
+        X *x1 = x + rest * D;
         float a = am_ld(x1, i), b = am_ld(x1, i + half), c = am_ld(tc, t * half + i), s = sign * am_ld(ts, t * half + i);
         am_st(x1, i, a * c - b * s);
         am_st(x1, i + half, b * c + a * s);
@@ -55,26 +57,26 @@ static void rope_apply(const char *k, const struct am_dev *d, struct am_tensor *
     AM_CUDA_REQUIRE(k, xt == AM_BF16 || ct == AM_F32, "x (%s) is fp32 with bf16 tables: bf16 tables go with bf16 activations",
                     am_tname(x));
     AM_CUDA_REQUIRE(k, x->ndim == 4, "x (%s) must be [B, T, H, D], has %d dimensions", am_tname(x), x->ndim);
-    int64_t T = x->shape[1], H = x->shape[2], D = x->shape[3], half = D / 2;
-    AM_CUDA_REQUIRE(k, D % 2 == 0 && am_cols(tcos) == half && am_cols(tsin) == half,
-                    "head size %lld must be even and the tables [T, %lld], they are [.., %lld]", (long long)D,
-                    (long long)half, (long long)am_cols(tcos));
+    int64_t T = x->shape[1], H = x->shape[2], D = x->shape[3], half = am_cols(tcos);
+    AM_CUDA_REQUIRE(k, D % 2 == 0 && half >= 1 && half <= D / 2 && am_cols(tsin) == half,
+                    "head size %lld must be even and the tables [T, R/2] with R <= %lld, they are [.., %lld] and "
+                    "[.., %lld]", (long long)D, (long long)D, (long long)half, (long long)am_cols(tsin));
     AM_CUDA_REQUIRE(k, am_rows(tcos) >= T && am_rows(tsin) >= T, "the tables cover %lld positions, x (%s) has %lld",
                     (long long)am_rows(tcos), am_tname(x), (long long)T);
-    int64_t pairs = am_tensor_numel(x) / 2;
+    int64_t pairs = am_tensor_numel(x) / D * half;
     if (!pairs)
         return;
     cudaStream_t s = am_cuda_stream(d);
     unsigned g = am_blocks(pairs);
     if (xt == AM_F32)
-        rope_k<<<g, AM_THREADS, 0, s>>>((float *)x->data, (const float *)tcos->data, (const float *)tsin->data, T, H, half,
-                                        pairs, sign);
+        rope_k<<<g, AM_THREADS, 0, s>>>((float *)x->data, (const float *)tcos->data, (const float *)tsin->data, T, H, D,
+                                        half, pairs, sign);
     else if (ct == AM_F32)
         rope_k<<<g, AM_THREADS, 0, s>>>((am_bf16_t *)x->data, (const float *)tcos->data, (const float *)tsin->data, T, H,
-                                        half, pairs, sign);
+                                        D, half, pairs, sign);
     else
         rope_k<<<g, AM_THREADS, 0, s>>>((am_bf16_t *)x->data, (const am_bf16_t *)tcos->data,
-                                        (const am_bf16_t *)tsin->data, T, H, half, pairs, sign);
+                                        (const am_bf16_t *)tsin->data, T, H, D, half, pairs, sign);
     AM_LAUNCHED(k);
 }
 

@@ -178,6 +178,13 @@ static int export(const char *arg, const char *out, bool show)
     struct am_node *node = am_json_file_to_node(&a, path, &e);
     if (!node || am_model_config_read(&a, node, "config.json", &cfg, &ignored, &e) < 0 || e.n)
         goto errs;
+    if (cfg.sigmoid_router) { /* its selection biases are buffers of the model, not in the shards */
+        fprintf(stderr, "am-ckpt: %s is a %s model, whose experts' selection biases (e_score_correction_bias, "
+                "not trained: the recipe's model directory's) are not in a sharded checkpoint: an export without "
+                "them would be another model; train with checkpoint.save_consolidated: its hf/ directory beside the "
+                "shards holds them\n", am_sckpt_dir(c), cfg.model_type);
+        goto out;
+    }
     char *text = am_ckpt_config_json(&cfg, NULL, &e);
     if (!text)
         goto errs;

@@ -282,7 +282,8 @@ static const char *architecture(const char *model_type)
     static const char *const map[][2] = {{"llama", "LlamaForCausalLM"},     {"mistral", "MistralForCausalLM"},
                                          {"mixtral", "MixtralForCausalLM"}, {"qwen2", "Qwen2ForCausalLM"},
                                          {"qwen3", "Qwen3ForCausalLM"},     {"qwen3_moe", "Qwen3MoeForCausalLM"},
-                                         {"gemma2", "Gemma2ForCausalLM"},   {"gemma3_text", "Gemma3ForCausalLM"}};
+                                         {"gemma2", "Gemma2ForCausalLM"},   {"gemma3_text", "Gemma3ForCausalLM"},
+                                         {"glm4_moe", "Glm4MoeForCausalLM"}};
     for (size_t i = 0; i < sizeof(map) / sizeof(map[0]); i++)
         if (strcmp(model_type, map[i][0]) == 0)
             return map[i][1];
@@ -299,7 +300,7 @@ char *am_ckpt_config_json(const struct am_model_config *m, const char *base_conf
     const char *type = m->model_type ? m->model_type : "llama", *arch = architecture(type);
     if (!arch) {
         am_errorf(err, NULL, "config.json: model_type '%s' has no transformers class am knows (llama, mistral, "
-                  "mixtral, qwen2, qwen3, qwen3_moe, gemma2, gemma3_text)", type);
+                  "mixtral, qwen2, qwen3, qwen3_moe, gemma2, gemma3_text, glm4_moe)", type);
         goto done;
     }
     if (base_config) {
@@ -416,6 +417,26 @@ char *am_ckpt_config_json(const struct am_model_config *m, const char *base_conf
                 json_array_append_new(dense, json_integer(l));
         set(cfg, "decoder_sparse_step", json_integer(1));
         set(cfg, "mlp_only_layers", dense);
+    }
+    if (strcmp(type, "glm4_moe") == 0) { /* Glm4MoeConfig: what am trained, as transformers reads it back */
+        set(cfg, "attention_bias", json_boolean(m->qkv_bias));
+        set(cfg, "use_qk_norm", json_boolean(m->qk_norm));
+        set(cfg, "partial_rotary_factor", json_real(m->partial_rotary_factor));
+        json_t *rp = json_object_get(cfg, "rope_parameters"); /* transformers 5 keeps it there */
+        if (json_is_object(rp)) {
+            set(rp, "partial_rotary_factor", json_real(m->partial_rotary_factor));
+            set(rp, "rope_theta", json_real(m->rope_theta));
+        }
+        set(cfg, "n_routed_experts", json_integer(m->num_experts));
+        set(cfg, "num_experts_per_tok", json_integer(m->num_experts_per_tok));
+        set(cfg, "moe_intermediate_size", json_integer(m->moe_intermediate_size));
+        set(cfg, "norm_topk_prob", json_boolean(m->norm_topk_prob));
+        set(cfg, "n_group", json_integer(m->n_group));
+        set(cfg, "topk_group", json_integer(m->topk_group));
+        set(cfg, "n_shared_experts", json_integer(m->n_shared_experts));
+        set(cfg, "routed_scaling_factor", json_real(m->routed_scaling_factor));
+        set(cfg, "first_k_dense_replace", json_integer(m->first_k_dense_replace));
+        set(cfg, "num_nextn_predict_layers", json_integer(0)); /* am builds and saves no MTP layers */
     }
     char *dumped = json_dumps(cfg, JSON_INDENT(2) | JSON_SORT_KEYS);
     if (!dumped)

@@ -65,6 +65,12 @@ void am_layer_params(struct am_model *m, int l, int local)
     L->mlp_norm = add_param(m, NAME(c->gemma ? "pre_feedforward_layernorm.weight" : "post_attention_layernorm.weight"), C,
                             0, AM_SPLIT_NONE, C, 0, 0, 0);
     if (am_model_layer_is_moe(c, l)) { /* the router and the experts in place of the MLP */
+        if (c->n_shared_experts > 0) { /* glm4_moe's shared experts: a dense MLP beside them, split over tp */
+            int64_t Is = c->n_shared_experts * c->moe_intermediate_size, Il = Is / m->sh.tp;
+            L->w_gate = add_param(m, NAME("mlp.shared_experts.gate_proj.weight"), Il, C, AM_SPLIT_ROWS, Is, C, r * Il, 0);
+            L->w_up = add_param(m, NAME("mlp.shared_experts.up_proj.weight"), Il, C, AM_SPLIT_ROWS, Is, C, r * Il, 0);
+            L->w_down = add_param(m, NAME("mlp.shared_experts.down_proj.weight"), C, Il, AM_SPLIT_COLS, C, Is, 0, r * Il);
+        }
         am_moe_layer_params(m, l, L);
         return;
     }
@@ -359,7 +365,13 @@ int am_layer_forward(struct am_model *m, const struct am_layer *L, struct am_lay
         if (am_moe_forward(m, L, a, &in, &o, err, err_len) < 0)
             return -1;
         K->add(m->dev, x, &o);
-        return 0;
+        if (!L->w_gate)
+            return 0;
+        /* glm4_moe's shared experts beside them: an MLP of their width, split over tp */
+        int64_t Il = L->w_gate->w.shape[0];
+        gate = am_tensor_view(a->gate.data, K->device, m->act_dt, N, Il, 0, 0);
+        up = am_tensor_view(a->up.data, K->device, m->act_dt, N, Il, 0, 0);
+        act = am_tensor_view(a->act.data, K->device, m->act_dt, N, Il, 0, 0);
     }
     K->matmul_forward(m->dev, &gate, &in, &L->w_gate->wc);
     K->matmul_forward(m->dev, &up, &in, &L->w_up->wc);
@@ -413,6 +425,23 @@ int am_layer_backward(struct am_model *m, const struct am_layer *L, const struct
             return -1;
         if (m->tp_comm) /* each tp rank holds all of dh, which am_norm_backward sums over tp */
             K->scale(m->dev, &dh, 1.0f / (float)m->sh.tp);
+        if (L->w_gate) { /* glm4_moe's shared experts: their MLP's backward adds to dh (partial over tp) */
+            int64_t Il = L->w_gate->w.shape[0];
+            size_t ps = (size_t)(N * Il) * am_dtype_size(m->act_dt);
+            struct am_tensor sg = am_tensor_view(a->gate.data, K->device, m->act_dt, N, Il, 0, 0);
+            struct am_tensor su = am_tensor_view(a->up.data, K->device, m->act_dt, N, Il, 0, 0);
+            struct am_tensor sa = am_tensor_view(a->act.data, K->device, m->act_dt, N, Il, 0, 0);
+            struct am_tensor sda = am_tensor_view(m->scratch_mlp.data, K->device, m->act_dt, N, Il, 0, 0);
+            struct am_tensor sdg = am_tensor_view((char *)m->scratch_mlp.data + ps, K->device, m->act_dt, N, Il, 0, 0);
+            struct am_tensor sdu = am_tensor_view((char *)m->scratch_mlp.data + 2 * ps, K->device, m->act_dt, N, Il, 0, 0);
+            K->zero(m->dev, &sda);
+            K->matmul_backward(m->dev, &sda, base_grad(m, L->w_down), &dy, &sa, &L->w_down->wc);
+            K->zero(m->dev, &sdg);
+            K->zero(m->dev, &sdu);
+            K->swiglu_backward(m->dev, &sdg, &sdu, &sda, &sg, &su);
+            K->matmul_backward(m->dev, &dh, base_grad(m, L->w_gate), &sdg, &in, &L->w_gate->wc);
+            K->matmul_backward(m->dev, &dh, base_grad(m, L->w_up), &sdu, &in, &L->w_up->wc);
+        }
         if (am_norm_backward(m, dx, L->mlp_norm, &dh, &x_mid, &rstd2, err, err_len) < 0)
             return -1;
         goto attention;

@@ -241,8 +241,9 @@ static size_t layout_acts(struct am_model *m, char *base)
     m->x = carve(&c, m->act_dt, R, C, 0, 0);
     m->dx = carve(&c, m->act_dt, R, C, 0, 0);
     m->dhf = carve(&c, m->act_dt, N, C, 0, 0);
-    m->cos = carve(&c, AM_F32, T, D / 2, 0, 0);
-    m->sin = carve(&c, AM_F32, T, D / 2, 0, 0);
+    int64_t RH = am_model_rotary_dim(&m->cfg) / 2; /* the rotary tables' width (partial rotary: < D / 2) */
+    m->cos = carve(&c, AM_F32, T, RH, 0, 0);
+    m->sin = carve(&c, AM_F32, T, RH, 0, 0);
     m->ce_t = carve(&c, AM_F32, N, 0, 0, 0);
     if (m->sh.tp > 1)
         m->ce_M = carve(&c, AM_F32, N, 0, 0, 0);

@@ -50,6 +50,23 @@ int am_model_load_hf(struct am_model *m, const char *dir, struct am_errors *err)
             m->K->upload(m->dev, p->w.data, host, (size_t)n * sizeof(float));
         free(host);
     }
+    for (int l = 0; l < m->n_layers; l++) { /* glm4_moe's selection biases: buffers, whole on every rank */
+        const struct am_moe_layer *X = m->layers[l].moe;
+        if (!X || !X->bias_name[0])
+            continue;
+        int64_t n = am_tensor_numel(&X->bias);
+        float *host = malloc((size_t)n * sizeof(float));
+        if (!host) {
+            am_errorf(err, NULL, "%s: out of memory reading %s", dir, X->bias_name);
+            break;
+        }
+        struct am_tensor dst = X->bias;
+        dst.data = host;
+        dst.device = AM_DEV_CPU;
+        if (am_ckpt_read(c, X->bias_name, NULL, &dst, err) == 0)
+            m->K->upload(m->dev, X->bias.data, host, (size_t)n * sizeof(float));
+        free(host);
+    }
     am_ckpt_close(c);
     am_model_cast_weights(m);
     return err->n > before ? -1 : 0;
@@ -130,6 +147,8 @@ struct saver {
     struct ep_tensor *ep; /* ep > 1: every expert's matrices, gathered */
     int64_t n_ep;
     float *ep_mem;
+    float *bias_mem; /* glm4_moe's selection biases, listed in ep after the experts (add_biases) */
+    int64_t n_bias;
     int64_t n;       /* entries in it */
     int64_t *origin; /* (row0, col0) of list entry i on tp rank r at [2 * (r * n + i)] */
     int64_t *count;  /* writer: each pp rank's list length, -1 for a rank that could not take part */
@@ -305,6 +324,37 @@ static int gather_experts(struct saver *s, struct am_comm *ep, struct am_errors 
     return 0;
 }
 
+/* glm4_moe's selection biases (moe.h), buffers whole on every rank of the layer's stage: copied
+ * to the host and listed after the gathered experts, as those are (whole on every tp rank). */
+static int add_biases(struct saver *s, struct am_errors *err)
+{
+    const struct am_model *m = s->m;
+    int64_t nb = 0, E = m->cfg.num_experts;
+    for (int l = 0; l < m->n_layers; l++)
+        nb += m->layers[l].moe && m->layers[l].moe->bias_name[0];
+    if (!nb)
+        return 0;
+    struct ep_tensor *ep = realloc(s->ep, (size_t)(s->n_ep + nb + 1) * sizeof(*ep));
+    if (ep)
+        s->ep = ep;
+    if (!ep || !(s->bias_mem = malloc((size_t)(nb * E) * sizeof(float)))) {
+        am_errorf(err, NULL, "%s: saving: out of memory for the experts' selection biases", s->dir);
+        return -1;
+    }
+    float *at = s->bias_mem;
+    for (int l = 0; l < m->n_layers; l++) {
+        const struct am_moe_layer *X = m->layers[l].moe;
+        if (!X || !X->bias_name[0])
+            continue;
+        m->K->download(m->dev, at, X->bias.data, (size_t)E * sizeof(float));
+        struct ep_tensor *t = &s->ep[s->n_ep + s->n_bias++];
+        *t = (struct ep_tensor){.t = {.ndim = 1, .rows = E, .cols = 0}, .data = at};
+        snprintf(t->t.name, sizeof(t->t.name), "%s", X->bias_name);
+        at += E;
+    }
+    return 0;
+}
+
 /* Checks the arguments and builds the rank's list and the small tables (no communication).
  * -1 with a message on the ranks where the arguments are wrong or memory runs out. */
 static int saver_init(struct saver *s, const struct am_model *m, struct am_comm *tp, struct am_comm *pp,
@@ -317,6 +367,8 @@ static int saver_init(struct saver *s, const struct am_model *m, struct am_comm 
         return -1;
     if (!saves)
         return 0;
+    if (!peft && add_biases(s, err) < 0)
+        return -1;
     if (tp) {
         s->tp_size = am_comm_size(tp);
         s->tp_rank = am_comm_rank(tp);
@@ -348,9 +400,10 @@ static int saver_init(struct saver *s, const struct am_model *m, struct am_comm 
             am_model_is_lora(&m->params[i]) == (peft != NULL)) /* LoRA's adapters are saved apart (ckpt/peft.h) */
             s->which[s->n++] = i;
     /* the gathered experts after their layer's other tensors (the writer sorts by layer) */
-    if (s->n_ep && !(s->which = realloc(s->which, ((size_t)m->n_params + (size_t)s->n_ep) * sizeof(int))))
+    if ((s->n_ep || s->n_bias) &&
+        !(s->which = realloc(s->which, ((size_t)m->n_params + (size_t)(s->n_ep + s->n_bias)) * sizeof(int))))
         goto oom;
-    for (int64_t j = 0; j < s->n_ep; j++)
+    for (int64_t j = 0; j < s->n_ep + s->n_bias; j++)
         s->which[s->n++] = (int)(-1 - j);
     if (!(s->origin = malloc((size_t)s->tp_size * (size_t)(2 * s->n + 1) * sizeof(int64_t))))
         goto oom;
@@ -365,6 +418,7 @@ static void saver_free(struct saver *s)
     free(s->which);
     free(s->ep);
     free(s->ep_mem);
+    free(s->bias_mem);
     free(s->origin);
     free(s->count);
     free(s->slices);

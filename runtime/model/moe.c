@@ -39,6 +39,9 @@ struct am_moe {
     struct am_tensor t1, t2, ts; /* ep > 1: the all-to-all's scratch, [ep S, C] twice and [S, C] */
     size_t *cnt_sz;          /* ep > 1: counts and displacements for am_alltoallv, 4 x ep */
     bool renorm, aux_on;
+    bool sigmoid;            /* glm4_moe's router (moe.h) */
+    int n_group, topk_group;
+    float scale;             /* routed_scaling_factor */
     double coef;
     int n_moe;               /* the model's MoE layers */
     struct moe_acts *acts;   /* by index into m->acts_mem */
@@ -66,6 +69,14 @@ int am_moe_check(const struct am_model_config *cfg, const struct am_model_shard 
         return am_fail(err, err_len, "model: ep_size %d does not divide %s's %d experts: each ep rank holds "
                        "num_experts / ep_size of them (use an ep_size that divides %d)", sh->ep, cfg->model_type,
                        (int)cfg->num_experts, (int)cfg->num_experts);
+    if (cfg->sigmoid_router && sh->lora_r > 0)
+        return am_fail(err, err_len, "model: LoRA on %s: its adapters would sit on the dense layers' and the shared "
+                       "experts' MLPs, which peft names apart; not supported yet (train without peft)",
+                       cfg->model_type);
+    if (cfg->n_shared_experts > 0 && (cfg->n_shared_experts * cfg->moe_intermediate_size) % sh->tp)
+        return am_fail(err, err_len, "model: tp_size %d does not divide the shared experts' width %ld (n_shared_experts "
+                       "x moe_intermediate_size), which tp splits as an MLP (use a tp_size that divides it)", sh->tp,
+                       cfg->n_shared_experts * cfg->moe_intermediate_size);
     return 0;
 }
 
@@ -89,6 +100,9 @@ void am_moe_layer_params(struct am_model *m, int l, struct am_layer *L)
         return; /* am_moe_init reports it */
     snprintf(n, sizeof(n), "model.layers.%d.%s.gate.weight", l, blk);
     L->moe->router = am_model_add_param(m, n, E, C, AM_SPLIT_NONE, E, C, 0, 0);
+    if (c->sigmoid_router)
+        snprintf(L->moe->bias_name, sizeof(L->moe->bias_name), "model.layers.%d.%s.gate.e_score_correction_bias", l,
+                 blk);
     snprintf(n, sizeof(n), "layers.%d.experts", l);
     L->moe->experts_group = m->n_groups;
     am_model_begin_group(m, AM_PG_EXPERTS, (int)(L - m->layers), n);
@@ -146,6 +160,9 @@ static size_t layout(struct am_model *m, struct am_moe *M, char *base)
         M->slots[s].aux = am_tensor_view(av.data, dev, AM_F64, 1, 0, 0, 0);
         M->slots[s].valid = am_tensor_view(av.data ? (char *)av.data + 8 : NULL, dev, AM_I64, 1, 0, 0, 0);
     }
+    for (int l = 0; M->sigmoid && l < m->n_layers; l++) /* the selection biases */
+        if (m->layers[l].moe)
+            m->layers[l].moe->bias = carve(base, &off, dev, AM_F32, E, 0);
     M->dlogits = carve(base, &off, dev, dt, N, E);
     M->dwts = carve(base, &off, dev, AM_F32, N, k);
     M->dyp = carve(base, &off, dev, dt, S, C);
@@ -184,6 +201,10 @@ int am_moe_init(struct am_model *m, char *err, size_t err_len)
     M->El = M->E / M->ep;
     M->e0 = (int64_t)M->ep_rank * M->El;
     M->renorm = strcmp(c->model_type, "mixtral") == 0 || c->norm_topk_prob;
+    M->sigmoid = c->sigmoid_router;
+    M->n_group = (int)c->n_group;
+    M->topk_group = (int)c->topk_group;
+    M->scale = (float)c->routed_scaling_factor;
     M->aux_on = c->output_router_logits;
     M->coef = c->router_aux_loss_coef;
     M->n_moe = (int)am_model_moe_layers(c);
@@ -225,6 +246,9 @@ int am_moe_init(struct am_model *m, char *err, size_t err_len)
         return am_fail(err, err_len, "model: out of memory for the experts' activations (%zu bytes)", bytes);
     layout(m, M, M->mem);
     m->act_bytes += bytes;
+    for (int l = 0; M->sigmoid && l < m->n_layers; l++)
+        if (m->layers[l].moe)
+            m->K->zero(m->dev, &m->layers[l].moe->bias);
     for (int l = 0; l < m->n_layers; l++) {
         struct am_moe_layer *X = m->layers[l].moe;
         if (!X)
@@ -396,7 +420,11 @@ int am_moe_forward(struct am_model *m, const struct am_layer *L, const struct am
     struct am_tensor wts = rows(&A->wts, N), pos = rows(&A->pos, N), xp = rows(&A->xp, S), g = rows(&A->g, S);
     struct am_tensor u = rows(&A->u, S), act = rows(&A->act, S), yp = rows(&A->yp, S);
     K->matmul_forward(m->dev, &logits, in, &L->moe->router->wc);
-    K->moe_route_forward(m->dev, &probs, &idx, &wts, &logits, M->renorm);
+    if (M->sigmoid)
+        K->moe_route_sigmoid_forward(m->dev, &probs, &idx, &wts, &logits, &L->moe->bias, M->n_group, M->topk_group,
+                                     M->renorm, M->scale);
+    else
+        K->moe_route_forward(m->dev, &probs, &idx, &wts, &logits, M->renorm);
     if (M->aux_on && !again)
         K->moe_aux_stats(m->dev, &Sl->cnt, &Sl->psum, &probs, &idx);
     K->moe_plan(m->dev, &pos, &A->counts, &idx);
@@ -470,8 +498,11 @@ int am_moe_backward(struct am_model *m, const struct am_layer *L, const struct a
     } else
         K->moe_permute_backward(m->dev, dh, &dxp, &pos);
     K->zero(m->dev, &dlogits);
-    K->moe_route_backward(m->dev, &dlogits, &dwts, &probs, &idx, M->aux_on ? &Sl->cnt : NULL, Sl->aux_scale,
-                          M->renorm);
+    if (M->sigmoid)
+        K->moe_route_sigmoid_backward(m->dev, &dlogits, &dwts, &probs, &idx, M->renorm, M->scale);
+    else
+        K->moe_route_backward(m->dev, &dlogits, &dwts, &probs, &idx, M->aux_on ? &Sl->cnt : NULL, Sl->aux_scale,
+                              M->renorm);
     K->matmul_backward(m->dev, dh, frozen ? NULL : &X->router->g, &dlogits, in, &X->router->wc);
     return 0;
 }

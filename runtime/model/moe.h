@@ -63,6 +63,14 @@
  * parallelism they are sharded, gathered and reduce-scattered over it: fsdp.h).
  * Not yet: experts split over tp, and sequence parallelism with experts, which am_moe_check
  * refuses.
+ *
+ * DeepSeekMoE (glm4_moe; model_config.h, sigmoid_router): the router's scores are sigmoids, the
+ * experts chosen on the scores plus the layer's selection bias within the best groups, weighted
+ * by the unbiased scores (renormalised when norm_topk_prob) times routed_scaling_factor
+ * (kernels.h, moe_route_sigmoid_*); shared experts (mlp.shared_experts) are a dense MLP of the
+ * layer (layer.c: w_gate, w_up, w_down, split over tp), added beside the routed ones. The
+ * selection bias is not updated in training: AutoModel's glm4_moe has no update_moe_gate_bias
+ * (its gate_bias_update_factor 1e-3 never applies), and transformers' is a buffer.
  */
 #ifndef AM_MODEL_MOE_H
 #define AM_MODEL_MOE_H
@@ -79,6 +87,11 @@ struct am_moe_layer {
     struct am_tensor W1, W3, W2;   /* the compute copies as [E, I, C], [E, I, C], [E, C, I] */
     struct am_tensor G1, G3, G2;   /* their gradients, same shapes */
     int experts_group;             /* the experts' parameter group */
+    /* glm4_moe (sigmoid_router): the selection bias e_score_correction_bias [E] f32, a buffer of
+     * the checkpoint (not a parameter: no gradient, no optimizer), under its Hugging Face name;
+     * zero until loaded (transformers' initial value) */
+    struct am_tensor bias;
+    char bias_name[96];
 };
 
 /* The model's state for its MoE layers (model.h: am_model.moe; NULL for a dense model). */

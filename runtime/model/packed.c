@@ -13,7 +13,7 @@ int am_packed_init(struct am_model *m, int64_t seq_len, char *err, size_t err_le
 {
     const struct am_kernels *K = m->K;
     const struct am_model_config *cfg = &m->cfg;
-    int64_t T = seq_len, Tl = m->seq_len, N = m->max_tokens, half = m->head_dim / 2;
+    int64_t T = seq_len, Tl = m->seq_len, N = m->max_tokens, half = am_model_rotary_dim(&m->cfg) / 2;
     int P = m->cp ? m->cp->size : 1;
     if (Tl * P != T)
         return am_fail(err, err_len, "packed sequences: the model holds %lld rows of a sequence of %lld tokens over "

@@ -24,7 +24,7 @@ static void tables_at(struct am_model *m, struct am_cp *c, void *mem, struct am_
                       double theta, const struct am_rope_scaling *scaling)
 {
     const struct am_kernels *K = m->K;
-    int64_t T = c->seq_len, half = m->head_dim / 2, ch = T / (2 * c->size);
+    int64_t T = c->seq_len, half = am_model_rotary_dim(&m->cfg) / 2, ch = T / (2 * c->size);
     size_t bytes = (size_t)(T * half) * sizeof(float);
     struct am_tensor fc = am_tensor_view(mem, m->dev->device, AM_F32, T, half, 0, 0);
     struct am_tensor fs = am_tensor_view((char *)mem + bytes, m->dev->device, AM_F32, T, half, 0, 0);
@@ -50,7 +50,7 @@ static int rope_at_positions(struct am_model *m, struct am_cp *c, char *err, siz
 {
     const struct am_kernels *K = m->K;
     const struct am_model_config *cfg = &m->cfg;
-    int64_t T = c->seq_len, half = m->head_dim / 2;
+    int64_t T = c->seq_len, half = am_model_rotary_dim(cfg) / 2;
     size_t bytes = (size_t)(T * half) * sizeof(float);
     void *mem = K->alloc(m->dev, 2 * bytes);
     if (!mem)

@@ -324,7 +324,7 @@ struct am_node *am_json_file_to_node(struct am_arena *a, const char *path, struc
 enum kind {
     K_LONG, K_DOUBLE, K_BOOL, K_STR, K_ACT, K_ROPE_SCALING, K_ROPE_PARAMETERS, K_CHECK_FALSE, K_CHECK_ZERO, K_MLP_ONLY,
     K_WINDOW, K_USE_WINDOW, K_MAX_WINDOW_LAYERS, K_LAYER_TYPES, K_QUANT, K_IGNORE, K_DOUBLE_NULL, K_HIDDEN_ACTIVATION,
-    K_BIDIRECTIONAL, K_WINDOW_PATTERN
+    K_BIDIRECTIONAL, K_WINDOW_PATTERN, K_ATTENTION_BIAS, K_MTP, K_MOE_OVERRIDES
 };
 
 /* The sliding-window keys as written, resolved per model type once all keys are read. */
@@ -338,6 +338,9 @@ struct window_keys {
                    attention_bias nor mlp_bias (its q, k, v always have biases, o and the MLP never) */
     bool gemma;                                      /* the model type, known before the keys: gemma2 or gemma3_text */
     long window_pattern;                             /* gemma3_text's sliding_window_pattern; 0: not given */
+    bool glm;                                        /* the model type, known before the keys: glm4_moe */
+    bool attention_bias;                             /* glm4_moe: q, k and v with biases (o never) */
+    bool use_qk_norm;                                /* glm4_moe: q/k norms */
 };
 
 struct hf_key {
@@ -382,7 +385,20 @@ static const struct hf_key hf_keys[] = {
     {"rope_local_base_freq", K_DOUBLE, F(rope_local_base_freq)},
     {"use_bidirectional_attention", K_BIDIRECTIONAL, 0},
     {"sliding_window_pattern", K_WINDOW_PATTERN, 0},
-    {"attention_bias", K_CHECK_FALSE, 0},
+    {"attention_bias", K_ATTENTION_BIAS, 0},
+    /* glm4_moe */
+    {"partial_rotary_factor", K_DOUBLE, F(partial_rotary_factor)},
+    {"use_qk_norm", K_BOOL, 0},
+    {"n_routed_experts", K_LONG, F(num_experts)},
+    {"n_shared_experts", K_LONG, F(n_shared_experts)},
+    {"n_group", K_LONG, F(n_group)},
+    {"topk_group", K_LONG, F(topk_group)},
+    {"routed_scaling_factor", K_DOUBLE, F(routed_scaling_factor)},
+    {"first_k_dense_replace", K_LONG, F(first_k_dense_replace)},
+    {"num_nextn_predict_layers", K_MTP, 0},
+    {"num_mtp_layers", K_MTP, 0},
+    {"moe_overrides", K_MOE_OVERRIDES, 0}, /* AutoModel's MoEConfig fields for its own MoE models */
+    {"moe_config", K_MOE_OVERRIDES, 0},
     {"mlp_bias", K_CHECK_FALSE, 0},
     {"attention_dropout", K_CHECK_ZERO, 0},
     {"sliding_window", K_WINDOW, 0},
@@ -404,9 +420,9 @@ static const struct hf_key hf_keys[] = {
 };
 #undef F
 
-#define AM_SUPPORTED_TYPES "llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, gemma2, gemma3_text"
+#define AM_SUPPORTED_TYPES "llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, gemma2, gemma3_text, glm4_moe"
 static const char *const supported_types[] = {"llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3_text",
-                                              NULL};
+                                              "glm4_moe", NULL};
 
 bool am_model_type_supported(const char *t)
 {
@@ -500,7 +516,63 @@ static int read_key(const struct hf_key *k, struct am_node *v, const char *secti
     case K_DOUBLE:
         return am_node_double(v, key, (double *)(base + k->off), err);
     case K_BOOL:
+        if (strcmp(k->name, "use_qk_norm") == 0) /* glm4_moe's; resolved with the model type */
+            return am_node_is_null(v) ? 0 : am_node_bool(v, key, &w->use_qk_norm, err);
         return am_node_bool(v, key, (bool *)(base + k->off), err);
+    case K_ATTENTION_BIAS: /* glm4_moe: q, k, v biases; qwen2 reads none (always biased); others have none */
+        if (w->qwen2)
+            return 0;
+        if (w->glm)
+            return am_node_is_null(v) ? 0 : am_node_bool(v, key, &w->attention_bias, err);
+        if (am_node_bool(v, key, &b, err) < 0)
+            return -1;
+        if (b) {
+            am_errorf(err, &v->pos, "%s: true is not supported by am (its layers have no bias terms: train a model "
+                      "without them, %s false)", key, k->name);
+            return -1;
+        }
+        return 0;
+    case K_MOE_OVERRIDES: { /* AutoModel's MoEConfig: what am computes is transformers' MoE, so only the
+                               training rules it would leave as they are (0) are accepted */
+        if (am_node_is_null(v))
+            return 0;
+        if (v->kind != AM_NODE_MAP) {
+            am_errorf(err, &v->pos, "%s: expected a section (AutoModel's MoEConfig fields)", key);
+            return -1;
+        }
+        int rc = 0;
+        for (size_t i = 0; i < v->n; i++) {
+            struct am_entry *f = &v->entries[i];
+            char sub[192];
+            double d;
+            snprintf(sub, sizeof(sub), "%s.%s", key, f->key);
+            bool bias = strcmp(f->key, "gate_bias_update_factor") == 0, aux = strcmp(f->key, "aux_loss_coeff") == 0;
+            if (!bias && !aux) {
+                am_errorf(err, &f->key_pos, "%s: not read by am (it trains the MoE transformers' class computes; of "
+                          "AutoModel's MoEConfig it takes gate_bias_update_factor and aux_loss_coeff at 0 only): "
+                          "remove it", sub);
+                rc = -1;
+            } else if (am_node_double(f->value, sub, &d, err) < 0) {
+                rc = -1;
+            } else if (d != 0.0) {
+                am_errorf(err, &f->value->pos, "%s: %g is not supported by am: %s (set it to 0)", sub, d,
+                          bias ? "it does not update the experts' selection bias (e_score_correction_bias) in "
+                                 "training; AutoModel's glm4_moe does not either (its model has no "
+                                 "update_moe_gate_bias, which the train loop calls)"
+                               : "AutoModel's load-balancing loss is not computed by am (it computes transformers' own: "
+                                 "output_router_logits and router_aux_loss_coef; glm4_moe has none)");
+                rc = -1;
+            }
+        }
+        return rc;
+    }
+    case K_MTP: /* multi-token prediction modules: not part of the causal LM transformers and AutoModel train */
+        if (am_node_is_null(v))
+            return 0;
+        {
+            long n;
+            return am_node_long(v, key, 0, 1L << 20, &n, err);
+        }
     case K_ACT: /* the MLP's activation as transformers reads it: hidden_act (silu) for the Llama family; */
     case K_HIDDEN_ACTIVATION: { /* hidden_activation (gelu_pytorch_tanh) for Gemma, which never reads hidden_act */
         const char *s;
@@ -567,9 +639,12 @@ static int read_key(const struct hf_key *k, struct am_node *v, const char *secti
                 return -1;
             return read_rope_scaling(full, section, m, err);
         }
-        struct am_node *theta = am_node_child(v, "rope_theta");
+        struct am_node *theta = am_node_child(v, "rope_theta"), *prf = am_node_child(v, "partial_rotary_factor");
         snprintf(key, sizeof(key), "%s.rope_parameters.rope_theta", section);
         if (theta && am_node_double(theta, key, &m->rope_theta, err) < 0)
+            return -1;
+        snprintf(key, sizeof(key), "%s.rope_parameters.partial_rotary_factor", section);
+        if (prf && !am_node_is_null(prf) && am_node_double(prf, key, &m->partial_rotary_factor, err) < 0)
             return -1;
         return read_rope_scaling(v, section, m, err);
     }
@@ -637,6 +712,12 @@ static void resolve_dense_layers(const struct window_keys *w, const struct am_po
                                  struct am_model_config *m, struct am_errors *err)
 {
     memset(m->dense_layers, 0, sizeof(m->dense_layers));
+    if (strcmp(m->model_type, "glm4_moe") == 0) { /* the first first_k_dense_replace layers are dense */
+        m->decoder_sparse_step = 1;
+        for (long l = 0; l < m->first_k_dense_replace && l < m->num_hidden_layers && l < AM_MAX_WINDOW_LAYERS; l++)
+            m->dense_layers[l / 64] |= (uint64_t)1 << (l % 64);
+        return;
+    }
     if (strcmp(m->model_type, "qwen3_moe") != 0) {
         m->decoder_sparse_step = 1;
         return;
@@ -793,8 +874,10 @@ static const char *const automodel_model_keys[] = {
  * true. */
 static bool unsupported_class(struct am_node *cfg, const char *section, const char **type, struct am_errors *err)
 {
-    static const char *const known[] = {"Llama", "Mistral", "Mixtral", "Qwen2", "Qwen3", "Qwen3Moe", "Gemma2", "Gemma3Text", NULL};
-    static const char *const types[] = {"llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3_text"};
+    static const char *const known[] = {"Llama", "Mistral", "Mixtral", "Qwen2", "Qwen3", "Qwen3Moe", "Gemma2", "Gemma3Text",
+                                        "Glm4Moe", NULL};
+    static const char *const types[] = {"llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3_text",
+                                        "glm4_moe"};
     struct am_node *arch = am_node_path(cfg, "architectures"), *target = am_node_path(cfg, "_target_"), *v = NULL;
     const char *cls = NULL, *key = NULL;
     char name[128];
@@ -841,12 +924,46 @@ static bool unsupported_class(struct am_node *cfg, const char *section, const ch
     return true;
 }
 
+/* glm4_moe's own rules: what transformers computes, or what am does not (yet). */
+static void glm_checks(const struct am_model_config *m, const struct am_pos *where, const char *section,
+                       struct am_errors *err)
+{
+    long rd = (long)((double)m->head_dim * m->partial_rotary_factor);
+    if (!(m->partial_rotary_factor > 0 && m->partial_rotary_factor <= 1) || rd < 2 || rd % 2)
+        am_errorf(err, where, "%s.partial_rotary_factor: %g gives a rotary part of %ld of head_dim %ld; it must be "
+                  "even and at least 2 (a factor in (0, 1])", section, m->partial_rotary_factor, rd, m->head_dim);
+    if (m->rope_scaling.type && m->partial_rotary_factor < 1)
+        am_errorf(err, where, "%s.rope_scaling: %s with partial_rotary_factor %g is not supported by am (its partial "
+                  "rotary tables are checked against transformers without scaling only): use rope_scaling null",
+                  section, m->rope_scaling.type, m->partial_rotary_factor);
+    long E = m->num_experts;
+    if (m->n_group < 1 || E % m->n_group || E / m->n_group < 2)
+        am_errorf(err, where, "%s.n_group: %ld must divide n_routed_experts (%ld) into groups of at least 2 experts "
+                  "(a group's score is the sum of its two best)", section, m->n_group, E);
+    else if (m->topk_group < 1 || m->topk_group > m->n_group)
+        am_errorf(err, where, "%s.topk_group: %ld must be 1 to n_group (%ld)", section, m->topk_group, m->n_group);
+    else if (m->num_experts_per_tok > m->topk_group * (E / m->n_group))
+        am_errorf(err, where, "%s.num_experts_per_tok: %ld exceeds the %ld experts of the topk_group (%ld) groups "
+                  "kept", section, m->num_experts_per_tok, m->topk_group * (E / m->n_group), m->topk_group);
+    if (m->n_shared_experts < 0)
+        am_errorf(err, where, "%s.n_shared_experts: %ld must be 0 or more", section, m->n_shared_experts);
+    if (m->n_shared_experts > 0 && m->n_shared_experts * m->moe_intermediate_size > m->intermediate_size)
+        am_errorf(err, where, "%s.n_shared_experts: the shared experts' width %ld x moe_intermediate_size %ld is "
+                  "wider than intermediate_size %ld; am keeps them in the dense MLP's buffers and does not train "
+                  "a wider one yet", section, m->n_shared_experts, m->moe_intermediate_size, m->intermediate_size);
+    if (m->first_k_dense_replace < 0)
+        am_errorf(err, where, "%s.first_k_dense_replace: %ld must be 0 or more", section, m->first_k_dense_replace);
+    if (m->routed_scaling_factor <= 0)
+        am_errorf(err, where, "%s.routed_scaling_factor: %g must be > 0", section, m->routed_scaling_factor);
+}
+
 int am_model_config_read(struct am_arena *a, struct am_node *cfg, const char *section,
                          struct am_model_config *m, struct am_list *ignored, struct am_errors *err)
 {
     size_t before = err->n;
     *m = (struct am_model_config){.rope_theta = 10000.0, .rms_norm_eps = 1e-6, .initializer_range = 0.02,
-                                  .max_position_embeddings = 2048, .router_aux_loss_coef = 0.001};
+                                  .max_position_embeddings = 2048, .router_aux_loss_coef = 0.001,
+                                  .partial_rotary_factor = 1.0};
     struct window_keys wk = {.max_window_layers = -1};
     /* an architecture am does not build is reported first and alone: its other keys would
      * only hide it behind errors about them */
@@ -870,6 +987,20 @@ int am_model_config_read(struct am_arena *a, struct am_node *cfg, const char *se
         return -1;
     const char *pre_type = type && type->value->kind == AM_NODE_SCALAR ? type->value->str : class_type;
     wk.qwen2 = pre_type && strcmp(pre_type, "qwen2") == 0;
+    wk.glm = pre_type && strcmp(pre_type, "glm4_moe") == 0;
+    if (wk.glm) { /* Glm4MoeConfig's defaults, where they differ from Llama's */
+        m->partial_rotary_factor = 0.5;
+        m->rms_norm_eps = 1e-5;
+        m->max_position_embeddings = 131072;
+        m->n_shared_experts = 1;
+        m->n_group = m->topk_group = 1;
+        m->first_k_dense_replace = 1;
+        m->norm_topk_prob = true;
+        m->routed_scaling_factor = 1.0;
+        m->num_experts = 128;
+        m->num_experts_per_tok = 8;
+        m->moe_intermediate_size = 1408;
+    }
     if (pre_type && (strcmp(pre_type, "gemma2") == 0 || strcmp(pre_type, "gemma3_text") == 0)) {
         /* Gemma2Config's and Gemma3TextConfig's defaults, where they differ from Llama's */
         bool g3 = strcmp(pre_type, "gemma3_text") == 0;
@@ -963,10 +1094,23 @@ int am_model_config_read(struct am_arena *a, struct am_node *cfg, const char *se
                   "Gemma's (model_type gemma2 or gemma3_text); a %s model has none: remove them", section,
                   m->model_type);
     m->qkv_bias = strcmp(m->model_type, "qwen2") == 0;
-    bool moe = strcmp(m->model_type, "mixtral") == 0 || strcmp(m->model_type, "qwen3_moe") == 0;
+    bool glm = strcmp(m->model_type, "glm4_moe") == 0;
+    if (glm) {
+        m->qkv_bias = wk.attention_bias;
+        m->qk_norm = wk.use_qk_norm;
+        m->sigmoid_router = true;
+        m->output_router_logits = false; /* Glm4MoeForCausalLM adds no load-balancing loss */
+        glm_checks(m, &where, section, err);
+    } else {
+        m->partial_rotary_factor = 1.0; /* read by glm4_moe only */
+        m->n_shared_experts = 0;
+    }
+    m->rotary_dim = glm ? (long)((double)m->head_dim * m->partial_rotary_factor) : m->head_dim;
+    bool moe = strcmp(m->model_type, "mixtral") == 0 || strcmp(m->model_type, "qwen3_moe") == 0 || glm;
     if (moe && m->num_experts <= 0)
         am_errorf(err, &where, "%s.%s: missing (a %s model has experts)", section,
-                  strcmp(m->model_type, "mixtral") == 0 ? "num_local_experts" : "num_experts", m->model_type);
+                  strcmp(m->model_type, "mixtral") == 0 ? "num_local_experts" : glm ? "n_routed_experts" : "num_experts",
+                  m->model_type);
     if (!moe)
         m->num_experts = 0;
     if (moe && m->num_experts > 0) {
@@ -1007,6 +1151,7 @@ void am_model_params(const struct am_model_config *m, struct am_param_count *p)
     if (m->num_experts > 0) {
         p->router_per_layer = h * (double)m->num_experts;
         p->experts_per_layer = (double)m->num_experts * 3 * h * (double)m->moe_intermediate_size;
+        p->shared_per_layer = 3 * h * (double)(m->n_shared_experts * m->moe_intermediate_size);
     } else {
         p->mlp_per_layer = 3 * h * (double)m->intermediate_size;
     }
@@ -1017,15 +1162,16 @@ void am_model_params(const struct am_model_config *m, struct am_param_count *p)
     if (m->num_experts > 0 && n_moe < L) {
         p->router_per_layer *= n_moe / L;
         p->experts_per_layer *= n_moe / L;
+        p->shared_per_layer *= n_moe / L;
         p->mlp_per_layer = dense_share * 3 * h * (double)m->intermediate_size;
         dense_active = p->mlp_per_layer;
     }
     p->per_layer = p->attn_per_layer + p->norms_per_layer + p->mlp_per_layer + p->router_per_layer +
-                   p->experts_per_layer;
+                   p->experts_per_layer + p->shared_per_layer;
     p->final_norm = h;
     p->total = p->embedding + p->lm_head + L * p->per_layer + p->final_norm;
     double mlp_active = m->num_experts > 0
-                            ? p->router_per_layer +
+                            ? p->router_per_layer + p->shared_per_layer +
                                   (n_moe / L) * (double)m->num_experts_per_tok * 3 * h * (double)m->moe_intermediate_size +
                                   dense_active
                             : p->mlp_per_layer;

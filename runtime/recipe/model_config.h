@@ -25,7 +25,7 @@
 #define AM_MAX_WINDOW_LAYERS 1024
 
 struct am_model_config {
-    const char *model_type; /* llama, mistral, mixtral, qwen2, qwen3, qwen3_moe */
+    const char *model_type; /* llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, gemma2, gemma3_text, glm4_moe */
     long hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim;
     long intermediate_size, vocab_size, max_position_embeddings;
     double rope_theta, rms_norm_eps, initializer_range;
@@ -68,6 +68,25 @@ struct am_model_config {
     double attn_logit_softcapping;  /* 0: none */
     double final_logit_softcapping; /* 0: none */
     double rope_local_base_freq;    /* gemma3_text: the sliding layers' rope theta; 0: rope_theta */
+    /* Partial rotary embedding (glm4_moe's partial_rotary_factor, default 0.5 there): rope on the
+     * first rotary_dim = int(head_dim * partial_rotary_factor) dims of each head, the rest
+     * passed through; its tables are those of a head of rotary_dim. rotary_dim = head_dim for
+     * every other model. */
+    double partial_rotary_factor;
+    long rotary_dim;
+    /* DeepSeekMoE (glm4_moe), as transformers' Glm4MoeTopkRouter and Glm4MoeMoE compute it: the
+     * router's scores are sigmoid(logits) in fp32; the selection adds the per-expert
+     * e_score_correction_bias (a buffer of the checkpoint: it chooses, never weights), keeps the
+     * topk_group of n_group groups of experts whose two best biased scores sum highest, and the
+     * num_experts_per_tok best biased scores among them; the weights are the chosen unbiased
+     * scores, divided by their sum (+1e-20) when norm_topk_prob, times routed_scaling_factor.
+     * n_shared_experts: a dense MLP of n_shared_experts * moe_intermediate_size beside the routed
+     * experts on every MoE layer (mlp.shared_experts). The first first_k_dense_replace layers
+     * are dense MLPs of intermediate_size. No load-balancing loss (transformers computes none
+     * for it; AutoModel's aux_loss_coeff is 0 there). */
+    bool sigmoid_router;
+    long n_group, topk_group, n_shared_experts, first_k_dense_replace;
+    double routed_scaling_factor;
 };
 
 /* Finds the config.json for a name or path (steps 1-3 above). Returns 0 and the path in
@@ -109,6 +128,7 @@ struct am_param_count {
     double lm_head;     /* 0 when tied */
     double per_layer;   /* attention + norms + MLP/experts (all experts) */
     double attn_per_layer, mlp_per_layer, experts_per_layer, router_per_layer, norms_per_layer;
+    double shared_per_layer; /* glm4_moe's shared experts (a MoE layer's dense MLP) */
     double final_norm;
     double total;
     double active_per_token; /* parameters touched per token (matmuls only, incl. lm_head) */
@@ -126,6 +146,12 @@ long am_model_moe_layers(const struct am_model_config *m);
 /* The rope theta of layer l and whether rope_scaling applies there: rope_local_base_freq
  * without scaling on a gemma3_text sliding layer, rope_theta with rope_scaling elsewhere. */
 double am_model_layer_rope_theta(const struct am_model_config *m, long l, bool *scaled);
+
+/* The rotary part of each head (partial rotary: rotary_dim; else, or unset, head_dim). */
+static inline long am_model_rotary_dim(const struct am_model_config *m)
+{
+    return m->rotary_dim > 0 ? m->rotary_dim : m->head_dim;
+}
 
 /* True when the model name is one am can train. */
 bool am_model_type_supported(const char *model_type);

@@ -180,6 +180,7 @@ static double act_elems_per_token(const struct am_recipe *r, const struct am_pla
 struct rank_slots {
     int total, first, last; /* over the rank's chunks; of its first chunk; of its last */
     int moe_layer_slots;    /* over the chunks, slots x the chunk's MoE layers */
+    int moe_layers;         /* over the chunks, the MoE layers */
 };
 
 static double in_flight_layers(const struct am_recipe *r, const struct am_plan *p, int k, int layers_on_rank,
@@ -197,6 +198,7 @@ static double in_flight_layers(const struct am_recipe *r, const struct am_plan *
             sc = 1; /* the model gives every chunk one slot at least */
         slots += sc;
         rs->moe_layer_slots += sc * stage_moe_layers(r, &p->stages[c * p->pp + k]);
+        rs->moe_layers += stage_moe_layers(r, &p->stages[c * p->pp + k]);
         if (c == 0)
             rs->first = sc;
         if (c == v - 1)
@@ -238,7 +240,8 @@ static double scratch_bytes(const struct am_recipe *r, const struct am_plan *p, 
         b += rs->first * carved(N, 4);
     if (head)
         b += rs->last * (carved(N, 4) + carved(R * C, cs) + carved(N * C, cs) + carved(R, 4) + 2 * carved(N, 4));
-    b += 2 * carved(R * C, cs) + carved(N * C, cs) + 2 * carved(T * (D / 2), 4) + carved(N, 4);
+    double RH = (double)(am_model_rotary_dim(m) / 2); /* the rotary tables' width */
+    b += 2 * carved(R * C, cs) + carved(N * C, cs) + 2 * carved(T * RH, 4) + carved(N, 4);
     if (p->tp > 1)
         b += carved(N, 4);
     if (p->tp > m->num_key_value_heads)
@@ -262,7 +265,7 @@ static double scratch_bytes(const struct am_recipe *r, const struct am_plan *p, 
                                       * each), the rank's rows' positions, per slot each row's document start
                                       * and rotary position */
         b += (m->rope_local_base_freq > 0 ? 2 : 1) *
-                 (2 * carved((double)p->seq_length * (D / 2), 4) + 2 * carved(N * (D / 2), 4)) +
+                 (2 * carved((double)p->seq_length * RH, 4) + 2 * carved(N * RH, 4)) +
              carved(T, 4) + rs->total * 2 * carved(N, 4);
     if (r->peft.enabled) { /* LoRA (model.c): an adapter's output and its gradient, as wide as the widest
                             * projection of the rank, and x · Aᵀ's gradient */
@@ -276,6 +279,8 @@ static double scratch_bytes(const struct am_recipe *r, const struct am_plan *p, 
         b += rs->total * (2 * carved(E, 4) + carved(2, 8));
         double Re = S * p->ep; /* the rows this rank's experts can receive (moe_elems_per_token) */
         b += carved(N * E, cs) + carved(N * k, 4) + carved(S * C, cs) + carved(Re * C, cs) + 3 * carved(Re * Im, cs);
+        if (m->sigmoid_router) /* glm4_moe: each MoE layer's e_score_correction_bias (fp32) */
+            b += rs->moe_layers * carved(E, 4);
     }
     return b;
 }
@@ -413,8 +418,8 @@ static int memory_of_rank(const struct am_recipe *r, const struct am_plan *p, in
      * layers (qwen3_moe's mlp_only_layers) have the MLP instead of the router and experts,
      * counted per layer of the rank (their share differs between stages) */
     double mlp = 3 * h * (double)m->intermediate_size / tp, router = 0, experts = 0;
-    if (m->num_experts > 0) {
-        router = h * (double)m->num_experts;
+    if (m->num_experts > 0) { /* the router, with glm4_moe's shared experts (split over tp as an MLP) */
+        router = h * (double)m->num_experts + 3 * h * (double)(m->n_shared_experts * m->moe_intermediate_size) / tp;
         experts = (double)m->num_experts * 3 * h * (double)m->moe_intermediate_size / p->ep;
     }
     double dense = 0, dense_params = 0, expert_params = 0; /* dense + experts: the largest layer */
@@ -517,7 +522,7 @@ static int memory_of_rank(const struct am_recipe *r, const struct am_plan *p, in
 
     double tokens = (double)(p->pp > 1 ? p->microbatch_size : p->local_batch) * (double)p->seq_length / p->cp;
     double full_layer = tokens * act_elems_per_token(r, p) * cs;
-    struct rank_slots rs = {0, 0, 0, 0};
+    struct rank_slots rs = {0, 0, 0, 0, 0};
     double flight = in_flight_layers(r, p, k, layers, &rs);
     if (flight < 0)
         return -1;

@@ -346,6 +346,24 @@ static void lora_kv_tp(struct check *c)
              "out of the targets", r->dist.tp, kvh, kvh);
 }
 
+static void glm_lora(struct check *c)
+{
+    const struct am_recipe *r = c->r;
+    if (r->peft.enabled && r->model.sigmoid_router)
+        FAIL(c, "peft", "LoRA on %s is not run by am-train yet: its adapters would sit on the dense layers' and the "
+             "shared experts' MLPs, which peft names apart (train without peft)", r->model.model_type);
+}
+
+static void glm_shared_tp(struct check *c)
+{
+    const struct am_recipe *r = c->r;
+    long width = r->model.n_shared_experts * r->model.moe_intermediate_size;
+    if (r->model.num_experts > 0 && width > 0 && width % r->dist.tp)
+        FAIL(c, "distributed.tp_size", "%d does not divide %s's shared experts' width %ld (n_shared_experts x "
+             "moe_intermediate_size), which tp splits as an MLP (use a tp_size that divides it)", r->dist.tp,
+             r->model.model_type, width);
+}
+
 static void dataset(struct check *c)
 {
     const struct am_recipe *r = c->r;
@@ -362,8 +380,8 @@ static const struct {
     const char *name; /* the row of tests/recipe/refusals.tsv */
     void (*check)(struct check *c);
 } run_rules[] = {
-    {"fp16", fp16},   {"moe-sp", moe_sp},         {"lora-head", lora_head},
-    {"lora-kv-tp", lora_kv_tp}, {"dataset", dataset},
+    {"fp16", fp16},           {"moe-sp", moe_sp},       {"lora-head", lora_head},
+    {"lora-kv-tp", lora_kv_tp}, {"glm-lora", glm_lora}, {"glm-shared-tp", glm_shared_tp}, {"dataset", dataset},
 };
 
 int am_validate_run(const struct am_recipe *r, const struct am_world *w, struct am_errors *err)

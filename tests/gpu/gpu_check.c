@@ -524,6 +524,57 @@ static void case_gemma(enum am_dtype dt, enum am_dtype gdt)
         pair_free(all[i]);
 }
 
+/* Partial rotary (glm4_moe's partial_rotary_factor 0.5): tables of a head of 32 rotate the first
+ * 32 of 64 dims and leave the rest. */
+static void case_rope_partial(enum am_dtype dt)
+{
+    bool bf = dt == AM_BF16;
+    int64_t B = 2, T = 40, H = 3, D = 64, R = 32;
+    struct pair tc = pair_new(AM_F32, T, R / 2, 0, 0), ts = pair_new(AM_F32, T, R / 2, 0, 0);
+    KC->rope_tables(&cpu, &tc.c, &ts.c, 10000.0, NULL);
+    KG->rope_tables(&gpu, &tc.g, &ts.g, 10000.0, NULL);
+    struct pair x = rnd(dt, B, T, H, D);
+    KC->rope_forward(&cpu, &x.c, &tc.c, &ts.c);
+    KG->rope_forward(&gpu, &x.g, &tc.g, &ts.g);
+    check("rope_forward (partial rotary)", &x, bf);
+    KC->rope_backward(&cpu, &x.c, &tc.c, &ts.c);
+    KG->rope_backward(&gpu, &x.g, &tc.g, &ts.g);
+    check("rope_backward (partial rotary)", &x, bf);
+    pair_free(&tc);
+    pair_free(&ts);
+    pair_free(&x);
+}
+
+/* DeepSeekMoE's router (glm4_moe) on both devices: 16 experts in 4 groups, 2 kept, top 3, a
+ * selection bias; the choice exactly, the scores and weights, the backward with and without
+ * the renormalisation. */
+static void case_moe_sigmoid(enum am_dtype dt)
+{
+    bool bf = dt == AM_BF16;
+    int64_t N = 150, E = 16, k = 3;
+    struct pair lg = pair_new(dt, N, E, 0, 0), probs = pair_new(AM_F32, N, E, 0, 0), bias = pair_new(AM_F32, E, 0, 0, 0);
+    struct pair idx = pair_new(AM_I32, N, k, 0, 0), wts = pair_new(AM_F32, N, k, 0, 0);
+    pair_fill(&lg, -3, 3);
+    pair_fill(&bias, -0.1, 0.1);
+    KC->moe_route_sigmoid_forward(&cpu, &probs.c, &idx.c, &wts.c, &lg.c, &bias.c, 4, 2, true, 2.5f);
+    KG->moe_route_sigmoid_forward(&gpu, &probs.g, &idx.g, &wts.g, &lg.g, &bias.g, 4, 2, true, 2.5f);
+    check("moe_route_sigmoid_forward probs", &probs, false);
+    record("moe_route_sigmoid_forward idx", bf ? "bf16" : "fp32", rel_err(&idx), 0);
+    check("moe_route_sigmoid_forward wts", &wts, false);
+    KG->upload(&gpu, idx.g.data, idx.c.data, am_tensor_bytes(&idx.c)); /* the same choice from here on */
+    pair_upload(&probs);
+    struct pair dl = rnd(dt, N, E, 0, 0), dwts = rnd(AM_F32, N, k, 0, 0);
+    KC->moe_route_sigmoid_backward(&cpu, &dl.c, &dwts.c, &probs.c, &idx.c, true, 2.5f);
+    KG->moe_route_sigmoid_backward(&gpu, &dl.g, &dwts.g, &probs.g, &idx.g, true, 2.5f);
+    check("moe_route_sigmoid_backward dlogits", &dl, bf);
+    KC->moe_route_sigmoid_backward(&cpu, &dl.c, &dwts.c, &probs.c, &idx.c, false, 1.0f);
+    KG->moe_route_sigmoid_backward(&gpu, &dl.g, &dwts.g, &probs.g, &idx.g, false, 1.0f);
+    check("moe_route_sigmoid_backward (no renorm)", &dl, bf);
+    struct pair *all[] = {&lg, &probs, &bias, &idx, &wts, &dl, &dwts};
+    for (size_t i = 0; i < sizeof(all) / sizeof(all[0]); i++)
+        pair_free(all[i]);
+}
+
 /* The mixture of experts' kernels on both devices from the same inputs: the router (probs,
  * weights, the choice itself exactly), the plan (exactly: a stable sort), the permutation
  * (exactly), the grouped GEMMs, the combination and every backward, and the aux statistics.
@@ -1394,6 +1445,10 @@ int main(int argc, char **argv)
     RUN(case_bias(AM_BF16));
     RUN(case_moe(AM_F32));
     RUN(case_moe(AM_BF16));
+    RUN(case_moe_sigmoid(AM_F32));
+    RUN(case_moe_sigmoid(AM_BF16));
+    RUN(case_rope_partial(AM_F32));
+    RUN(case_rope_partial(AM_BF16));
     RUN(case_gemma(AM_F32, AM_F32));
     RUN(case_gemma(AM_BF16, AM_BF16));
     /* attention: GQA and MHA, head sizes 64 and 128 (and, on the own kernels, 20, 96 and

@@ -147,6 +147,119 @@ static void test_moe_route(void **state)
     }
 }
 
+/* DeepSeekMoE's router (glm4_moe) in double with the experts chosen fixed (idx): the sigmoid
+ * scores, the chosen weights (renormalised or not, times scale) and L = Σ wts ⊙ R, whose
+ * gradient moe_route_sigmoid_backward computes (dwts = R). */
+struct sig_ctx {
+    double *logits, *R, *p, *w;
+    const int32_t *idx;
+    int64_t N, E, k;
+    bool renorm;
+    double scale;
+};
+
+static double sig_loss(void *q)
+{
+    struct sig_ctx *c = q;
+    double L = 0.0;
+    for (int64_t i = 0; i < c->N; i++) {
+        double ts = 1e-20;
+        for (int64_t e = 0; e < c->E; e++)
+            c->p[i * c->E + e] = 1.0 / (1.0 + exp(-c->logits[i * c->E + e]));
+        for (int64_t j = 0; j < c->k; j++)
+            ts += c->p[i * c->E + c->idx[i * c->k + j]];
+        for (int64_t j = 0; j < c->k; j++) {
+            double w = c->p[i * c->E + c->idx[i * c->k + j]];
+            c->w[i * c->k + j] = (c->renorm ? w / ts : w) * c->scale;
+            if (c->R)
+                L += c->w[i * c->k + j] * c->R[i * c->k + j];
+        }
+    }
+    return L;
+}
+
+static int cmp_desc(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? 1 : x > y ? -1 : 0;
+}
+
+static void test_moe_route_sigmoid(void **state)
+{
+    (void)state;
+    struct rng r = {67};
+    struct {
+        int64_t N, E, k;
+        int groups, kept;
+        bool renorm;
+        float scale;
+    } cases[] = {{29, 8, 2, 4, 2, true, 2.5f}, {17, 6, 3, 1, 1, false, 1.0f}, {11, 12, 2, 3, 1, true, 1.0f}};
+    for (size_t c = 0; c < sizeof cases / sizeof *cases; c++) {
+        int64_t N = cases[c].N, E = cases[c].E, k = cases[c].k, G = E / cases[c].groups;
+        struct arr lg = arr_rand(&r, N * E, -3, 3), b = arr_rand(&r, E, -0.2, 0.2), p = arr_new(N * E);
+        struct arr w = arr_new(N * k);
+        int32_t *idx = calloc((size_t)(N * k), sizeof(int32_t));
+        struct am_tensor tl = tview(&lg, N, E, 0, 0), tp = tview(&p, N, E, 0, 0), tw = tview(&w, N, k, 0, 0);
+        struct am_tensor tb = tview(&b, E, 0, 0, 0), ti = am_tensor_view(idx, AM_DEV_CPU, AM_I32, N, k, 0, 0);
+        K->moe_route_sigmoid_forward(&kdev, &tp, &ti, &tw, &tl, &tb, cases[c].groups, cases[c].kept, cases[c].renorm,
+                                     cases[c].scale);
+        /* the choice: the kept groups (the sum of their two best biased scores), then the k best
+         * biased scores among their experts, in descending order */
+        for (int64_t i = 0; i < N; i++) {
+            double ch[16], gs[16], sorted[16], cand[16];
+            for (int64_t e = 0; e < E; e++)
+                ch[e] = 1.0 / (1.0 + exp(-lg.d[i * E + e])) + b.d[e];
+            for (int g = 0; g < cases[c].groups; g++) {
+                memcpy(sorted, ch + g * G, (size_t)G * sizeof(double));
+                qsort(sorted, (size_t)G, sizeof(double), cmp_desc);
+                gs[g] = sorted[0] + sorted[1];
+            }
+            memcpy(sorted, gs, (size_t)cases[c].groups * sizeof(double));
+            qsort(sorted, (size_t)cases[c].groups, sizeof(double), cmp_desc);
+            double cut = sorted[cases[c].kept - 1];
+            int64_t n = 0;
+            for (int64_t e = 0; e < E; e++)
+                if (gs[e / G] >= cut)
+                    cand[n++] = ch[e];
+            qsort(cand, (size_t)n, sizeof(double), cmp_desc);
+            for (int64_t j = 0; j < k; j++) {
+                int32_t e = idx[i * k + j];
+                assert_true(e >= 0 && e < E);
+                assert_true(fabs(ch[e] - cand[j]) < 1e-6);
+            }
+        }
+        struct sig_ctx ctx = {lg.d, NULL, dalloc(N * E), dalloc(N * k), idx, N, E, k, cases[c].renorm, cases[c].scale};
+        sig_loss(&ctx);
+        double *tol = dalloc(N * E);
+        for (int64_t i = 0; i < N * E; i++)
+            tol[i] = 8 * U * ctx.p[i];
+        expect_close("moe sigmoid route scores", p.f, ctx.p, tol, N * E);
+        for (int64_t i = 0; i < N * k; i++)
+            tol[i] = (double)(k + 12) * U * ctx.w[i];
+        expect_close("moe sigmoid route weights", w.f, ctx.w, tol, N * k);
+
+        /* backward: dwts = R onto a random start, against finite differences */
+        struct arr R = arr_rand(&r, N * k, -1, 1), dl = arr_rand(&r, N * E, -1, 1), dl0 = arr_copy(&dl);
+        struct am_tensor tR = tview(&R, N, k, 0, 0), tdl = tview(&dl, N, E, 0, 0);
+        K->moe_route_sigmoid_backward(&kdev, &tdl, &tR, &tp, &ti, cases[c].renorm, cases[c].scale);
+        ctx.R = R.d;
+        double *fd = dalloc(N * E), *tl_ = dalloc(N * E);
+        fd_grad(sig_loss, &ctx, lg.d, N * E, fd);
+        for (int64_t i = 0; i < N * E; i++)
+            tl_[i] = (double)(4 * k + 16) * U * (1.0 + fabs(dl0.d[i]) + cases[c].scale);
+        expect_fd("moe sigmoid route backward vs finite differences", dl.f, dl0.d, fd, tl_, N * E);
+        free(fd);
+        free(tl_);
+        free(tol);
+        free(ctx.p);
+        free(ctx.w);
+        free(idx);
+        struct arr *all[] = {&lg, &b, &p, &w, &R, &dl, &dl0};
+        for (size_t i = 0; i < sizeof all / sizeof *all; i++)
+            arr_free(all[i]);
+    }
+}
+
 /* plan, permute, the experts' SwiGLU as three grouped GEMMs, combine: against a reference that
  * runs each token through its k experts directly, forward and backward */
 static void test_moe_dispatch(void **state)
@@ -327,6 +440,7 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_moe_route),
+        cmocka_unit_test(test_moe_route_sigmoid),
         cmocka_unit_test(test_moe_dispatch),
         cmocka_unit_test(test_grouped_rows_abort),
     };

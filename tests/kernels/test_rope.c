@@ -216,6 +216,41 @@ static void test_rope(void **state)
     }
 }
 
+/* Partial rotary (glm4_moe): tables of a head of R < D rotate the first R dims of each head of
+ * D exactly as the whole-head rope of a head of R would, and leave the other D - R as they are,
+ * forward and backward. */
+static void test_rope_partial(void **state)
+{
+    (void)state;
+    struct rng r = {19};
+    int64_t B = 2, T = 9, H = 3, D = 16, R = 8, n = B * T * H * D, nr = B * T * H * R;
+    struct arr co = arr_new(T * R / 2), si = arr_new(T * R / 2);
+    struct am_tensor tc = tview(&co, T, R / 2, 0, 0), ts = tview(&si, T, R / 2, 0, 0);
+    K->rope_tables(&kdev, &tc, &ts, 10000, NULL);
+    for (int sign = 1; sign >= -1; sign -= 2) {
+        struct arr x = arr_rand(&r, n, -1, 1), x0 = arr_copy(&x), xr = arr_new(nr);
+        for (int64_t i = 0; i < B * T * H; i++) /* the rotary part alone, as heads of R */
+            memcpy(xr.f + i * R, x.f + i * D, (size_t)R * sizeof(float));
+        struct am_tensor tx = tview(&x, B, T, H, D), txr = tview(&xr, B, T, H, R);
+        if (sign > 0) {
+            K->rope_forward(&kdev, &tx, &tc, &ts);
+            K->rope_forward(&kdev, &txr, &tc, &ts);
+        } else {
+            K->rope_backward(&kdev, &tx, &tc, &ts);
+            K->rope_backward(&kdev, &txr, &tc, &ts);
+        }
+        for (int64_t i = 0; i < B * T * H; i++) {
+            assert_memory_equal(x.f + i * D, xr.f + i * R, (size_t)R * sizeof(float));
+            assert_memory_equal(x.f + i * D + R, x0.f + i * D + R, (size_t)(D - R) * sizeof(float));
+        }
+        arr_free(&x);
+        arr_free(&x0);
+        arr_free(&xr);
+    }
+    arr_free(&co);
+    arr_free(&si);
+}
+
 static void test_bf16_rope(void **state)
 {
     (void)state;
@@ -266,6 +301,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_rope_tables),
         cmocka_unit_test(test_rope),
+        cmocka_unit_test(test_rope_partial),
         cmocka_unit_test(test_bf16_rope),
     };
     return cmocka_run_group_tests_name("kernels (cpu): rope", tests, kernels_test_setup, NULL);

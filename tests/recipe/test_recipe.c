@@ -369,22 +369,22 @@ static void test_model_rules(void **state)
     (void)state;
     expect("model:\n  model_type: gpt2\n  hidden_size: 64\n", NULL,
            MSGS("r.yaml:2:15: model.model_type: 'gpt2' is not supported (supported: llama, mistral, mixtral, qwen2, "
-                "qwen3, qwen3_moe, gemma2, gemma3_text)"));
+                "qwen3, qwen3_moe, gemma2, gemma3_text, glm4_moe)"));
     /* the architecture first and alone, not the keys of a config am does not build */
     expect("model:\n  model_type: phi3\n  hidden_act: gelu\n  attention_bias: true\n  rope_scaling:\n"
            "    rope_type: yarn\n    factor: 4\n", NULL,
            MSGS("r.yaml:2:15: model.model_type: 'phi3' is not supported (supported: llama, mistral, mixtral, qwen2, "
-                "qwen3, qwen3_moe, gemma2, gemma3_text)"));
-    expect("model:\n  architectures: [Glm4MoeForCausalLM]\n  first_k_dense_replace: 1\n", NULL,
-           MSGS("r.yaml:2:19: model.architectures: 'Glm4MoeForCausalLM' is not an architecture am builds (supported: "
-                "llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, gemma2, gemma3_text)"));
+                "qwen3, qwen3_moe, gemma2, gemma3_text, glm4_moe)"));
+    expect("model:\n  architectures: [DeepseekV3ForCausalLM]\n  first_k_dense_replace: 1\n", NULL,
+           MSGS("r.yaml:2:19: model.architectures: 'DeepseekV3ForCausalLM' is not an architecture am builds (supported: "
+                "llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, gemma2, gemma3_text, glm4_moe)"));
     expect("model:\n  config:\n    _target_: nemo_automodel.components.models.deepseek_v4.config.DeepseekV4Config\n"
            "    num_nextn_predict_layers: 0\n", NULL,
            MSGS("r.yaml:3:15: model.config._target_: 'DeepseekV4Config' is not an architecture am builds (supported: "
-                "llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, gemma2, gemma3_text)"));
-    expect("model:\n  config:\n    _target_: pkg.models.glm4_moe.Glm4MoeConfig.from_pretrained\n", NULL,
-           MSGS("r.yaml:3:15: model.config._target_: 'Glm4MoeConfig' is not an architecture am builds (supported: "
-                "llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, gemma2, gemma3_text)"));
+                "llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, gemma2, gemma3_text, glm4_moe)"));
+    expect("model:\n  config:\n    _target_: pkg.models.deepseek_v3.DeepseekV3Config.from_pretrained\n", NULL,
+           MSGS("r.yaml:3:15: model.config._target_: 'DeepseekV3Config' is not an architecture am builds (supported: "
+                "llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, gemma2, gemma3_text, glm4_moe)"));
     expect("model:\n  config:\n    _target_: transformers.Qwen3MoeConfig\n    hidden_size: 64\n"
            "    num_hidden_layers: 2\n    num_attention_heads: 2\n    intermediate_size: 128\n    vocab_size: 64\n",
            NULL, MSGS("r.yaml: model.config.num_experts: missing (a qwen3_moe model has experts)"));
@@ -392,6 +392,15 @@ static void test_model_rules(void **state)
            "  vocab_size: 64\n  quantization_config:\n    quant_method: bitsandbytes\n    load_in_4bit: true\n", NULL,
            MSGS("r.yaml:8:5: model.quantization_config: a quantized checkpoint (quant_method bitsandbytes) is not "
                 "supported: am trains bf16 or fp32 weights and does not dequantize them (use the unquantized model)"));
+    /* AutoModel's MoEConfig overrides: only what would leave transformers' MoE as it is */
+    expect("model:\n  model_type: glm4_moe\n  moe_overrides:\n    gate_bias_update_factor: 0.001\n"
+           "    aux_loss_coeff: 0.0\n    score_func: softmax\n", NULL,
+           MSGS("r.yaml:4:30: model.moe_overrides.gate_bias_update_factor: 0.001 is not supported by am: it does not "
+                "update the experts' selection bias (e_score_correction_bias) in training; AutoModel's glm4_moe does "
+                "not either (its model has no update_moe_gate_bias, which the train loop calls) (set it to 0)",
+                "r.yaml:6:5: model.moe_overrides.score_func: not read by am (it trains the MoE transformers' class "
+                "computes; of AutoModel's MoEConfig it takes gate_bias_update_factor and aux_loss_coeff at 0 only): "
+                "remove it"));
     expect("model:\n  hidden_act: gelu\n  attention_bias: true\n", NULL,
            MSGS("r.yaml:2:15: model.hidden_act: 'gelu' is not supported by am (Llama-style models use silu)",
                 "r.yaml:3:19: model.attention_bias: true is not supported by am (its layers have no bias terms: train "

@@ -102,8 +102,9 @@ done
 # scratch added; the frozen base's gradients and moments gone) equals what it changes of am-plan's
 # estimate for its pipeline rank, to the byte:
 # each layout run again without the peft section (one step) and both compared with am-plan's.
-# (Compared as differences because the MoE model's own allocation is a few hundred bytes off
-# am-plan's estimate, with or without LoRA: a matter of the MoE state's count, not LoRA's.)
+# (Compared as differences: the MoE model's own allocation was a few hundred bytes off
+# am-plan's estimate, with or without LoRA, until am-plan counted each MoE layer's tokens per
+# expert as the 64-byte buffer am-train carves; test-parity.sh checks the totals themselves.)
 total_of() { # LOGDIR RANK: the bytes the rank allocated
     local t=0 key v
     for key in weights_bytes grads_bytes optimizer_bytes gathered_bytes grad_buffers_bytes act_bytes pipe_bytes; do

@@ -47,6 +47,9 @@
 #   (AutoModel's ep_shard; 4 of them over shard groups of 2: their groups padded to both),
 #   not all-reduced over the replicas.
 #   Qwen3-MoE (q/k norms, renormalised top 2, layer 1 a dense MLP split over tp) at tp 2 x pp 2.
+#   GLM-4.5 (glm4_moe: partial rotary, q, k, v biases, q/k norms, layer 0 dense, then 8 experts in 4
+#   groups with the sigmoid router and 2 shared experts, split over tp as an MLP) at ep 2, tp 2,
+#   pp 2 and fsdp2 dp 2 against its own one rank.
 #   context parallelism on sequences of 256 (each sequence in 2 x cp chunks, rank r holding
 #   chunks r and 2 cp - 1 - r: at cp 4 chunks of 32 tokens, every rank's queries against 4
 #   blocks of keys passed around the ring): cp 2 and cp 4 alone, with tp 2 (and sequence
@@ -131,6 +134,7 @@ recipe() { # NAME MODS: base.yaml with comma-separated changes, its checkpoints 
         gemma3) args+=(-e 's/model_type: llama/model_type: gemma3_text\n  head_dim: 32\n  query_pre_attn_scalar: 32\n  sliding_window: 24\n  layer_types: [sliding_attention, full_attention, sliding_attention, full_attention]\n  rope_local_base_freq: 10000.0\n  rope_scaling: {rope_type: linear, factor: 2.0}/') ;;
         moe) args+=(-e 's/model_type: llama/model_type: mixtral\n  num_local_experts: 4\n  num_experts_per_tok: 2/') ;;
         qmoe) args+=(-e 's/model_type: llama/model_type: qwen3_moe\n  num_experts: 4\n  num_experts_per_tok: 2\n  moe_intermediate_size: 64\n  norm_topk_prob: true\n  mlp_only_layers: [1]/') ;;
+        glm) args+=(-e 's/model_type: llama/model_type: glm4_moe\n  partial_rotary_factor: 0.5\n  attention_bias: true\n  use_qk_norm: true\n  n_routed_experts: 8\n  num_experts_per_tok: 2\n  n_group: 4\n  topk_group: 2\n  moe_intermediate_size: 32\n  n_shared_experts: 2\n  routed_scaling_factor: 1.5\n  first_k_dense_replace: 1\n  norm_topk_prob: true/') ;;
         long) args+=(-e 's/seq_length: .*/seq_length: 256/') ;;
         packed) args+=(-e 's/^dataset:/packed_sequence:\n  packed_sequence_size: 256\ndataset:/') ;;
         neat) args+=(-e 's/^  packed_sequence_size: 256/  packed_sequence_size: 256\n  packing_strategy: neat/') ;;
@@ -187,7 +191,7 @@ run() { # NAME N MODS [VAR=VALUE...]: N ranks, with the plugin's AM_TP-style ove
 
 for ref in "ref -" "ref-long long" "ref-packed packed" "ref-pneat packed,neat" "ref-tied tied" "ref-qwen3 qwen3" "ref-qwen2 qwen2" "ref-mistral mistral" "ref-bf16 bf16" "ref-long-bf16 long,bf16" "ref-packed-bf16 packed,bf16" "ref-moe moe" "ref-moe-aux moe,aux" "ref-moe-aux-bf16 moe,aux,bf16" "ref-moe-aux-lb2 moe,aux,lb2" "ref-qmoe qmoe" \
     "ref-gemma2 gemma2" "ref-gemma3 gemma3" "ref-gemma2-long gemma2,long" "ref-gemma2-packed gemma2,packed" \
-    "ref-gemma3-packed gemma3,packed" "ref-gemma2-bf16 gemma2,bf16" "ref-gemma2-packed-bf16 gemma2,packed,bf16"; do
+    "ref-gemma3-packed gemma3,packed" "ref-gemma2-bf16 gemma2,bf16" "ref-gemma2-packed-bf16 gemma2,packed,bf16" "ref-glm glm"; do
     set -- $ref
     run "$1" 1 "$2" || { echo "FAIL: $1 (1 rank) did not train"; cat "$work/out-$1"; exit 1; }
     losses "$work/logs-$1" >"$work/$1"
@@ -261,6 +265,8 @@ layouts+=("ac 1 ac ref" "pp2-tied 2 tied ref-tied AM_PP=2" "pp4-tied-gpipe 4 tie
     "tp2-pp2-ep2-moe 8 moe ref-moe AM_TP=2 AM_PP=2 AM_EP=2" "ep2-dp4-qmoe 4 qmoe ref-qmoe AM_EP=2"
     "ep2-hsdp-moe 4 moe,hsdp ref-moe AM_EP=2" "ep4-hsdp-moe 4 moe,hsdp ref-moe AM_EP=4"
     "ep2-hsdp4-moe 8 moe,hsdp4,lb2 ref-moe AM_EP=2"
+    "ep2-glm 2 glm ref-glm AM_EP=2" "tp2-glm 2 glm ref-glm AM_TP=2" "pp2-glm 2 glm ref-glm AM_PP=2"
+    "fsdp2-dp2-glm 2 glm ref-glm"
     "cp2 2 long ref-long AM_CP=2" "cp4 4 long ref-long AM_CP=4" "cp2-ac 2 long,ac ref-long AM_CP=2"
     "cp2-tp2 4 long ref-long AM_CP=2 AM_TP=2" "cp2-tp2-sp 4 long,sp ref-long AM_CP=2 AM_TP=2"
     "cp2-pp2 4 long ref-long AM_CP=2 AM_PP=2" "cp4-pp2-gpipe 8 long,gpipe ref-long AM_CP=4 AM_PP=2"
@@ -356,6 +362,7 @@ bf16_tols() { # FP32REF BF16REF: "loss_tol norm_tol weight_tol", twice the bf16 
     w=$(sed -nE 's/.*largest difference ([^ ]*) .*/\1/p' "$work/wdiff-$2-fp32" | awk '{ printf "%.3g", 2 * $1 }')
     echo "$t $w"
 }
+exact+=(ep2-glm tp2-glm pp2-glm fsdp2-dp2-glm) # the glm4_moe layouts above
 for layout in "cp2-bf16 2 long,bf16 ref-long-bf16 ref-long AM_CP=2" \
     "cp2-tp2-bf16 4 long,bf16 ref-long-bf16 ref-long AM_CP=2 AM_TP=2" \
     "dp2-packed-bf16 2 packed,bf16 ref-packed-bf16 ref-packed" \

@@ -298,7 +298,7 @@ static void check_adamw(const char *name, bool clip)
     if (clip) { /* the weights themselves after the clipped steps */
         static const char *const finals[] = {"model.norm.weight", "lm_head.weight", "model.embed_tokens.weight",
                                              "model.layers.0.block_sparse_moe.gate.weight",
-                                             "model.layers.0.mlp.gate.weight"};
+                                             "model.layers.0.mlp.gate.weight", "model.layers.1.mlp.gate.weight"};
         for (size_t f = 0; f < sizeof(finals) / sizeof(finals[0]); f++) {
             char key[128];
             snprintf(key, sizeof(key), "final.%s", finals[f]);
@@ -604,6 +604,7 @@ CASE(qwen3_moe_tiny)
 CASE_FP32(gemma2_tiny) /* Gemma: fp32 goldens */
 CASE_FP32(gemma3_tiny)
 CASE(llama_packed) /* packed sequences (packed.h); bf16: the block kernels' bf16 path */
+CASE_FP32(glm4_moe_tiny) /* GLM-4.5: fp32 (transformers computes its router in fp32 under bf16 too) */
 #define TESTS_FP32(name)                                                                                           \
     cmocka_unit_test(test_##name##_rope), cmocka_unit_test(test_##name##_forward_backward),                       \
         cmocka_unit_test(test_##name##_adamw), cmocka_unit_test(test_##name##_adamw_clip),                         \
@@ -619,6 +620,8 @@ int main(void)
                                        TESTS_FP32(mixtral_tiny), TESTS(qwen3_moe_tiny),
                                        /* Gemma 2 (soft-capping, post norms, GeGLU), Gemma 3 (q/k norms, two ropes) */
                                        TESTS_FP32(gemma2_tiny), TESTS_FP32(gemma3_tiny),
+                                       /* GLM-4.5 (glm4_moe): partial rotary, DeepSeekMoE's router, shared experts */
+                                       TESTS_FP32(glm4_moe_tiny),
                                        /* packed sequences: documents in a sequence, none seeing another */
                                        TESTS(llama_packed), cmocka_unit_test(test_packed),
                                        cmocka_unit_test(test_model_refuses)};
