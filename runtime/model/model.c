@@ -99,8 +99,10 @@ static void shard_shapes(struct am_model *m, const struct am_model_config *cfg, 
 static int alloc_tables(struct am_model *m, const struct am_model_config *cfg, const struct am_model_shard *sh)
 {
     m->params = calloc((size_t)((16 + (sh->lora_r > 0 ? 2 * AM_LORA_NPROJ : 0)) * m->n_layers + 4 +
-                                am_moe_extra_params(cfg, m->n_layers)), sizeof(*m->params));
-    m->groups = calloc((size_t)(2 * m->n_layers + 3), sizeof(*m->groups));
+                                am_moe_extra_params(cfg, m->n_layers) +
+                                (sh->lora_r > 0 && sh->lora_experts ? 5 * cfg->num_experts * m->n_layers : 0)),
+                       sizeof(*m->params));
+    m->groups = calloc((size_t)(2 * m->n_layers + 4), sizeof(*m->groups));
     m->layers = calloc((size_t)m->n_layers, sizeof(*m->layers));
     m->slots = calloc((size_t)m->n_slots, sizeof(*m->slots));
     m->acts_mem = calloc(m->n_acts + 1, sizeof(*m->acts_mem));
@@ -148,6 +150,15 @@ static void register_params(struct am_model *m, const struct am_model_config *cf
                 am_layer_lora_params(m, sh->chunks[c].first_layer + i, &m->layers[m->chunk_base[c] + i]);
         if (m->groups[m->n_groups - 1].first == m->n_params) /* no adapted projection here */
             m->n_groups--;
+        if (sh->lora_experts && cfg->num_experts > 0) { /* the experts' adapters: a group of their own (moe.h) */
+            am_model_begin_group(m, AM_PG_LORA, -1, "lora.experts");
+            m->groups[m->n_groups - 1].shard = AM_SHARD_EXPERT;
+            for (int c = 0; c < sh->n_chunks; c++)
+                for (int i = 0; i < sh->chunks[c].n_layers; i++)
+                    am_moe_lora_params(m, sh->chunks[c].first_layer + i, &m->layers[m->chunk_base[c] + i]);
+            if (m->groups[m->n_groups - 1].first == m->n_params) /* no MoE layer here */
+                m->n_groups--;
+        }
     }
 }
 
@@ -376,10 +387,13 @@ const char *am_model_phase_name(enum am_model_phase p)
 /* ---- one micro-batch: the hooks, the chunks' ends ------------------------------------ */
 
 /* The head's group (final norm and head) on the last stage: the last group, or with LoRA the
- * one before the adapters' group. */
+ * one before the adapters' groups. */
 static int head_group(const struct am_model *m)
 {
-    return m->n_groups - 1 - (m->groups[m->n_groups - 1].kind == AM_PG_LORA);
+    int g = m->n_groups - 1;
+    while (g > 0 && m->groups[g].kind == AM_PG_LORA)
+        g--;
+    return g;
 }
 
 /* The group_use hook (model.h), when there is one. */

@@ -49,7 +49,10 @@
  * and the backward computes no base gradient (the projections', norms', biases', embedding's
  * and head's weight-gradient kernels are skipped). am_model_load_hf leaves the adapters alone;
  * am_model_load_peft reads them from a peft adapter directory. With tp above the kv heads, k
- * and v adapters are refused. Mixture-of-experts layers get adapters on attention only.
+ * and v adapters are refused. Mixture-of-experts layers get adapters on attention, and with
+ * sh.lora_experts on each expert's projections (moe.h), in a second group after "lora":
+ * "lora.experts" (AM_PG_LORA, AM_SHARD_EXPERT: each ep rank's experts' adapters, reduced over
+ * the expert-data-parallel group as the experts are).
  * Adapter dropout (lora_drop, lora.h): set by am_model_set_lora_dropout, drawn in the forwards
  * and backwards of training (am_model_forward, am_model_step; never am_model_loss) from the
  * global index of each row's sequence (am_model_set_batch_seq and am_model_set_micro, before
@@ -128,6 +131,7 @@ struct am_model_shard {
                                      projections; 0: none */
     float lora_alpha;             /* their scale is lora_alpha / lora_r */
     unsigned lora_targets;        /* bits 1u << enum am_lora_target (model_config.h), a layer's projections only */
+    bool lora_experts;            /* LoRA on a mixture of experts' experts too (moe.h), with lora_r > 0 */
     int group_align;              /* fully sharded data parallelism over this many ranks: each
                                      group's span of the slabs padded with zeros to a multiple of
                                      it, so that it splits into equal flat shards (0 or 1: none) */
@@ -192,7 +196,8 @@ struct am_layer {
 enum am_shard { AM_SHARD_REPLICATED, AM_SHARD_SHARDED, AM_SHARD_EXPERT };
 
 enum am_pgroup_kind { AM_PG_EMBED, AM_PG_LAYER, AM_PG_HEAD, AM_PG_EXPERTS /* a MoE layer's experts (moe.h) */,
-                      AM_PG_LORA /* LoRA: the adapters of all the rank's layers, the last group */ };
+                      AM_PG_LORA /* LoRA: the adapters of all the rank's layers, the last group (and the
+                                    experts' adapters, the group after it: moe.h) */ };
 
 struct am_pgroup {
     char name[32];           /* "embed", "layers.3", "head" (final norm and output head) */

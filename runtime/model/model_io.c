@@ -270,20 +270,48 @@ static struct wire_tensor entry_wire(const struct saver *s, int64_t i)
     return s->which[i] >= 0 ? wire_of(&s->m->params[s->which[i]]) : s->ep[-1 - s->which[i]].t;
 }
 
-/* The experts of every MoE layer gathered over ep (collective over ep: all its ranks): for
- * each layer and kind, the ep ranks' El consecutive matrices, back to back in rank order, are
- * the E experts in global order. */
+/* The runs of El consecutive parameters of layer X that are saved gathered: the experts'
+ * matrices (w1, w3, w2), or with peft their adapters (moe.h: A, B of gate, B of up, A and B of
+ * down). Returns how many (0: none). */
+static int expert_runs(const struct am_moe_layer *X, bool peft, const struct am_param *run[5])
+{
+    if (!X || (peft && !X->la))
+        return 0;
+    const struct am_param *base[3] = {X->w1, X->w3, X->w2}, *lora[5] = {X->la, X->lbg, X->lbu, X->lda, X->ldb};
+    for (int k = 0; k < (peft ? 5 : 3); k++)
+        run[k] = peft ? lora[k] : base[k];
+    return peft ? 5 : 3;
+}
+
+/* The name of expert e's tensor of the run whose first parameter is `first`, with the segment
+ * after the expert's index replaced by `kind` when not NULL (".w3.lora_A.weight"). */
+static void expert_name(char *buf, size_t len, const struct am_param *first, int64_t e, const char *kind)
+{
+    const char *dot = strstr(first->name, ".experts.");
+    const char *rest = dot ? strchr(dot + strlen(".experts."), '.') : NULL;
+    snprintf(buf, len, "%.*s.experts.%lld%s", dot ? (int)(dot - first->name) : 0, first->name, (long long)e,
+             kind ? kind : rest ? rest : "");
+}
+
+/* The experts of every MoE layer gathered over ep (collective over ep: all its ranks; ep NULL:
+ * this rank's, which are all of them): for each layer and run (expert_runs), the ep ranks' El
+ * consecutive matrices, back to back in rank order, are the E experts in global order. With
+ * peft each expert's A of gate and up is listed twice, as gate's and as up's (peft's names
+ * for AutoModel's shared A). */
 static int gather_experts(struct saver *s, struct am_comm *ep, struct am_errors *err)
 {
     const struct am_model *m = s->m;
-    int n = am_comm_size(ep);
+    bool peft = s->peft != NULL;
+    int n = ep ? am_comm_size(ep) : 1, nr;
     int64_t E = m->cfg.num_experts, El = E / n, total = 0, per = 0;
+    const struct am_param *run[5];
     for (int l = 0; l < m->n_layers; l++)
-        if (m->layers[l].moe) {
-            const struct am_moe_layer *X = m->layers[l].moe;
-            per = am_tensor_numel(&X->w1->w) + am_tensor_numel(&X->w3->w) + am_tensor_numel(&X->w2->w);
+        if ((nr = expert_runs(m->layers[l].moe, peft, run)) > 0) {
+            per = 0;
+            for (int k = 0; k < nr; k++)
+                per += am_tensor_numel(&run[k]->w);
             total += per * E;
-            s->n_ep += 3 * E;
+            s->n_ep += (nr + (peft ? 1 : 0)) * E;
         }
     s->ep_mem = malloc((size_t)(total + 1) * sizeof(float));
     s->ep = calloc((size_t)s->n_ep + 1, sizeof(*s->ep));
@@ -296,28 +324,40 @@ static int gather_experts(struct saver *s, struct am_comm *ep, struct am_errors 
     float *at = s->ep_mem;
     int64_t j = 0;
     for (int l = 0; l < m->n_layers; l++) {
-        const struct am_moe_layer *X = m->layers[l].moe;
-        const struct am_param *first[3] = {X ? X->w1 : NULL, X ? X->w3 : NULL, X ? X->w2 : NULL};
-        for (int w = 0; X && w < 3; w++) {
-            size_t one = (size_t)am_tensor_numel(&first[w]->w);
-            m->K->download(m->dev, mine, first[w]->w.data, one * (size_t)El * sizeof(float));
-            if (msg_allgather(s, ep, mine, at, one * (size_t)El, AM_F32) < 0) {
-                free(mine);
-                return comm_failed(s, err);
+        nr = expert_runs(m->layers[l].moe, peft, run);
+        const float *shared = at; /* peft: the A of gate and up, the first run */
+        for (int w = 0; w < nr; w++) {
+            size_t one = (size_t)am_tensor_numel(&run[w]->w);
+            if (ep) {
+                m->K->download(m->dev, mine, run[w]->w.data, one * (size_t)El * sizeof(float));
+                if (msg_allgather(s, ep, mine, at, one * (size_t)El, AM_F32) < 0) {
+                    free(mine);
+                    return comm_failed(s, err);
+                }
+            } else {
+                m->K->download(m->dev, at, run[w]->w.data, one * (size_t)E * sizeof(float));
             }
             for (int64_t e = 0; e < E; e++) { /* the names: this rank's first expert's, renumbered */
                 struct ep_tensor *t = &s->ep[j++];
-                t->t = wire_of(first[w]);
-                char pre[64];
-                const char *dot = strstr(first[w]->name, ".experts.");
-                const char *kind = dot ? strchr(dot + strlen(".experts."), '.') : NULL;
-                snprintf(pre, sizeof(pre), "%.*s", dot ? (int)(dot - first[w]->name) : 0, first[w]->name);
-                char name[256];
-                snprintf(name, sizeof(name), "%s.experts.%lld%s", pre, (long long)e, kind ? kind : "");
-                snprintf(t->t.name, sizeof(t->t.name), "%.95s", name);
+                t->t = wire_of(run[w]);
+                expert_name(t->t.name, sizeof(t->t.name), run[w], e, NULL);
                 t->data = at + (size_t)e * one;
             }
             at += one * (size_t)E;
+        }
+        if (nr && peft) { /* up's lora_A: the shared A again, named after up's lora_B */
+            const char *dot = strstr(run[2]->name, ".experts.");
+            const char *rest = dot ? strchr(dot + strlen(".experts."), '.') : NULL;
+            char kind[64];
+            snprintf(kind, sizeof(kind), "%.*s.lora_A.weight", rest ? (int)(strstr(rest, ".lora_B.") - rest) : 0,
+                     rest ? rest : "");
+            size_t one = (size_t)am_tensor_numel(&run[0]->w);
+            for (int64_t e = 0; e < E; e++) {
+                struct ep_tensor *t = &s->ep[j++];
+                t->t = wire_of(run[0]);
+                expert_name(t->t.name, sizeof(t->t.name), run[0], e, kind);
+                t->data = shared + (size_t)e * one;
+            }
         }
     }
     free(mine);
@@ -363,7 +403,9 @@ static int saver_init(struct saver *s, const struct am_model *m, struct am_comm 
 {
     *s = (struct saver){.m = m, .tp = tp, .pp = pp, .dir = dir, .tp_size = 1, .pp_size = 1, .current = -1,
                         .peft = peft};
-    if (ep && am_comm_size(ep) > 1 && gather_experts(s, ep, err) < 0)
+    /* the experts gathered over ep; with peft their adapters always (up's A written as gate's) */
+    bool gather = (ep && am_comm_size(ep) > 1) || (peft && m->sh.lora_experts);
+    if (gather && gather_experts(s, ep && am_comm_size(ep) > 1 ? ep : NULL, err) < 0)
         return -1;
     if (!saves)
         return 0;
@@ -782,21 +824,48 @@ int am_model_save_hf_ep(const struct am_model *m, struct am_comm *tp, struct am_
     return save_dist(m, tp, pp, ep, saves, dir, base_config, NULL, err);
 }
 
-int am_model_save_peft_dist(const struct am_model *m, struct am_comm *tp, struct am_comm *pp, bool saves,
-                            const char *dir, const char *base_model, struct am_errors *err)
+int am_model_save_peft_dist(const struct am_model *m, struct am_comm *tp, struct am_comm *pp, struct am_comm *ep,
+                            bool saves, const char *dir, const char *base_model, struct am_errors *err)
 {
-    const char *targets[AM_LORA_NPROJ];
-    size_t n = 0;
+    const struct am_model_config *c = &m->cfg;
+    bool experts = m->sh.lora_experts && c->num_experts > 0;
+    int64_t moe_layers = 0;
+    for (int64_t l = 0; experts && l < c->num_hidden_layers; l++)
+        moe_layers += am_model_layer_is_moe(c, l);
+    /* the projections' names, and with the experts each expert's gate, up and down by its path
+     * (AutoModel's per-expert target_modules) */
+    size_t cap = AM_LORA_NPROJ + (size_t)(3 * moe_layers * c->num_experts), n = 0;
+    const char **targets = calloc(cap, sizeof(*targets));
+    char *paths = calloc(cap, 96);
+    if (!targets || !paths) {
+        free(targets);
+        free(paths);
+        am_errorf(err, NULL, "%s: saving LoRA adapters: out of memory", dir);
+        return -1;
+    }
     for (int t = 0; t < AM_LORA_NPROJ; t++)
         if (m->sh.lora_targets >> t & 1u)
             targets[n++] = am_lora_target_name(t);
+    bool mixtral = strcmp(c->model_type, "mixtral") == 0;
+    const char *kind[3] = {mixtral ? "w1" : "gate_proj", mixtral ? "w3" : "up_proj", mixtral ? "w2" : "down_proj"};
+    for (int64_t l = 0; experts && l < c->num_hidden_layers; l++)
+        for (int64_t e = 0; am_model_layer_is_moe(c, l) && e < c->num_experts; e++)
+            for (int k = 0; k < 3; k++, n++) {
+                snprintf(paths + n * 96, 96, "model.layers.%lld.%s.experts.%lld.%s", (long long)l,
+                         mixtral ? "block_sparse_moe" : "mlp", (long long)e, kind[k]);
+                targets[n] = paths + n * 96;
+            }
+    int rc = -1;
     if (m->sh.lora_r < 1 || n == 0) {
         am_errorf(err, NULL, "%s: saving LoRA adapters: the model has none", dir);
-        return -1;
+    } else {
+        struct am_peft_config cfg = {.r = m->sh.lora_r, .alpha = m->sh.lora_alpha, .targets = targets,
+                                     .n_targets = n, .base_model = base_model, .dropout = m->lora_drop.p};
+        rc = save_dist(m, tp, pp, experts ? ep : NULL, saves, dir, NULL, &cfg, err);
     }
-    struct am_peft_config cfg = {.r = m->sh.lora_r, .alpha = m->sh.lora_alpha, .targets = targets, .n_targets = n,
-                                 .base_model = base_model, .dropout = m->lora_drop.p};
-    return save_dist(m, tp, pp, NULL, saves, dir, NULL, &cfg, err);
+    free(targets);
+    free(paths);
+    return rc;
 }
 
 int am_model_save_hf(const struct am_model *m, const char *dir, const char *base_config, struct am_errors *err)

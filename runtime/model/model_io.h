@@ -70,8 +70,12 @@ int am_model_save_hf_ep(const struct am_model *m, struct am_comm *tp, struct am_
  * "base_model.model." + each adapter's name), gathered over tp and pp as
  * am_model_save_hf_dist gathers the base (collective over the ranks with saves: one replica's
  * tp and pp ranks; a rank without saves returns 0 at once). base_model: the adapter config's
- * base_model_name_or_path, or NULL. */
-int am_model_save_peft_dist(const struct am_model *m, struct am_comm *tp, struct am_comm *pp, bool saves,
-                            const char *dir, const char *base_model, struct am_errors *err);
+ * base_model_name_or_path, or NULL. With adapters on the experts (moe.h) they are gathered over
+ * ep first, as am_model_save_hf_ep gathers the experts (collective over ep: every rank of it,
+ * with saves or not), each expert's adapters under peft's per-expert names (the shared A of
+ * gate and up as both gate's and up's lora_A), and target_modules lists each expert's gate, up
+ * and down by path, as AutoModel's adapter_config.json does. */
+int am_model_save_peft_dist(const struct am_model *m, struct am_comm *tp, struct am_comm *pp, struct am_comm *ep,
+                            bool saves, const char *dir, const char *base_model, struct am_errors *err);
 
 #endif

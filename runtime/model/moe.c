@@ -47,6 +47,8 @@ struct am_moe {
     struct moe_acts *acts;   /* by index into m->acts_mem */
     struct moe_slot *slots;  /* by the model's slot index */
     struct am_tensor dlogits, dwts, dyp, da, dg, du, dxp; /* backward scratch */
+    struct am_tensor lt, ltd, ldt; /* LoRA on the experts: x · Aᵀ, a · A_dᵀ and their gradient, [R, r] */
+    float lscale;                  /* their scale, lora_alpha / lora_r */
     void *mem;
     int64_t *host;           /* every hcount */
     int32_t *h32;            /* the counts as downloaded */
@@ -118,6 +120,37 @@ void am_moe_layer_params(struct am_model *m, int l, struct am_layer *L)
         }
 }
 
+void am_moe_lora_params(struct am_model *m, int l, struct am_layer *L)
+{
+    struct am_moe_layer *X = L->moe;
+    if (!X || m->sh.lora_r < 1)
+        return;
+    const struct am_model_config *c = &m->cfg;
+    bool mixtral = strcmp(c->model_type, "mixtral") == 0;
+    int64_t C = c->hidden_size, I = c->moe_intermediate_size, r = m->sh.lora_r;
+    int ep = m->sh.ep > 1 ? m->sh.ep : 1;
+    int64_t El = c->num_experts / ep, e0 = (int64_t)m->sh.ep_rank * El;
+    const char *blk = mixtral ? "block_sparse_moe" : "mlp";
+    const char *kind[3] = {mixtral ? "w1" : "gate_proj", mixtral ? "w3" : "up_proj", mixtral ? "w2" : "down_proj"};
+    const struct {
+        struct am_param **first;
+        int kind;
+        const char *ab;
+        int64_t rows, cols;
+    } runs[5] = {{&X->la, 0, "lora_A", r, C}, {&X->lbg, 0, "lora_B", I, r}, {&X->lbu, 1, "lora_B", I, r},
+                 {&X->lda, 2, "lora_A", r, I}, {&X->ldb, 2, "lora_B", C, r}};
+    char n[128];
+    for (int k = 0; k < 5; k++)
+        for (int64_t e = 0; e < El; e++) {
+            snprintf(n, sizeof(n), "model.layers.%d.%s.experts.%lld.%s.%s.weight", l, blk, (long long)(e0 + e),
+                     kind[runs[k].kind], runs[k].ab);
+            struct am_param *p = am_model_add_param(m, n, runs[k].rows, runs[k].cols, AM_SPLIT_NONE, runs[k].rows,
+                                                    runs[k].cols, 0, 0);
+            if (e == 0)
+                *runs[k].first = p;
+        }
+}
+
 /* the next tensor of a slab at *off of base (NULL: only measures) */
 static struct am_tensor carve(char *base, size_t *off, enum am_device dev, enum am_dtype dt, int64_t d0, int64_t d1)
 {
@@ -170,6 +203,11 @@ static size_t layout(struct am_model *m, struct am_moe *M, char *base)
     M->dg = carve(base, &off, dev, dt, R, I);
     M->du = carve(base, &off, dev, dt, R, I);
     M->dxp = carve(base, &off, dev, dt, R, C);
+    if (m->sh.lora_r > 0 && m->sh.lora_experts) {
+        M->lt = carve(base, &off, dev, dt, R, m->sh.lora_r);
+        M->ltd = carve(base, &off, dev, dt, R, m->sh.lora_r);
+        M->ldt = carve(base, &off, dev, dt, R, m->sh.lora_r);
+    }
     if (M->ep > 1) {
         M->t1 = carve(base, &off, dev, dt, R, C);
         M->t2 = carve(base, &off, dev, dt, R, C);
@@ -259,7 +297,20 @@ int am_moe_init(struct am_model *m, char *err, size_t err_len)
         X->G1 = experts_view(&X->w1->g, AM_F32, M->El);
         X->G3 = experts_view(&X->w3->g, AM_F32, M->El);
         X->G2 = experts_view(&X->w2->g, AM_F32, M->El);
+        if (X->la) {
+            X->LA = experts_view(&X->la->wc, m->act_dt, M->El);
+            X->LBG = experts_view(&X->lbg->wc, m->act_dt, M->El);
+            X->LBU = experts_view(&X->lbu->wc, m->act_dt, M->El);
+            X->LDA = experts_view(&X->lda->wc, m->act_dt, M->El);
+            X->LDB = experts_view(&X->ldb->wc, m->act_dt, M->El);
+            X->GLA = experts_view(&X->la->g, AM_F32, M->El);
+            X->GLBG = experts_view(&X->lbg->g, AM_F32, M->El);
+            X->GLBU = experts_view(&X->lbu->g, AM_F32, M->El);
+            X->GLDA = experts_view(&X->lda->g, AM_F32, M->El);
+            X->GLDB = experts_view(&X->ldb->g, AM_F32, M->El);
+        }
     }
+    M->lscale = m->sh.lora_r > 0 ? m->sh.lora_alpha / (float)m->sh.lora_r : 0.0f;
     return 0;
 }
 
@@ -374,6 +425,77 @@ static struct am_tensor pos2_of(const struct moe_acts *A)
     return rows(&t, A->recv_total); /* 2-D even with no rows */
 }
 
+/* The experts over rows xp (grouped by local expert, cnt rows each): g, u, act and y (moe.h),
+ * with their adapters beside them under LoRA on the experts. */
+static void experts_forward(struct am_model *m, const struct am_moe_layer *X, const int64_t *cnt, struct am_tensor *y,
+                            struct am_tensor *act, struct am_tensor *g, struct am_tensor *u, const struct am_tensor *xp)
+{
+    const struct am_kernels *K = m->K;
+    struct am_moe *M = m->moe;
+    int64_t R = xp->shape[0];
+    struct am_tensor W1 = weights_now(&X->W1, X->w1), W3 = weights_now(&X->W3, X->w3), W2 = weights_now(&X->W2, X->w2);
+    K->grouped_matmul_forward(m->dev, g, xp, &W1, cnt);
+    K->grouped_matmul_forward(m->dev, u, xp, &W3, cnt);
+    if (X->la) { /* g += s · (x · Aᵀ) · Bgᵀ, u += s · (x · Aᵀ) · Buᵀ (dg: scratch) */
+        struct am_tensor t = rows(&M->lt, R), z = rows(&M->dg, R);
+        K->grouped_matmul_forward(m->dev, &t, xp, &X->LA, cnt);
+        K->grouped_matmul_forward(m->dev, &z, &t, &X->LBG, cnt);
+        K->scale(m->dev, &z, M->lscale);
+        K->add(m->dev, g, &z);
+        K->grouped_matmul_forward(m->dev, &z, &t, &X->LBU, cnt);
+        K->scale(m->dev, &z, M->lscale);
+        K->add(m->dev, u, &z);
+    }
+    K->swiglu_forward(m->dev, act, g, u);
+    K->grouped_matmul_forward(m->dev, y, act, &W2, cnt);
+    if (X->la) { /* y += s · (a · A_dᵀ) · B_dᵀ (dxp: scratch) */
+        struct am_tensor t = rows(&M->ltd, R), z = rows(&M->dxp, R);
+        K->grouped_matmul_forward(m->dev, &t, act, &X->LDA, cnt);
+        K->grouped_matmul_forward(m->dev, &z, &t, &X->LDB, cnt);
+        K->scale(m->dev, &z, M->lscale);
+        K->add(m->dev, y, &z);
+    }
+}
+
+/* The down adapter's backward (moe.h), after the base's: da += its part; dyl is spent (s · dy). */
+static void lora_down_backward(struct am_model *m, const struct am_moe_layer *X, const int64_t *cnt,
+                               struct am_tensor *dyl, struct am_tensor *da, const struct am_tensor *act)
+{
+    const struct am_kernels *K = m->K;
+    struct am_moe *M = m->moe;
+    int64_t R = act->shape[0];
+    struct am_tensor t = rows(&M->ltd, R), dt = rows(&M->ldt, R), GA = X->GLDA, GB = X->GLDB;
+    GA.data = X->lda->g.data;
+    GB.data = X->ldb->g.data;
+    K->grouped_matmul_forward(m->dev, &t, act, &X->LDA, cnt); /* t_d = a · A_dᵀ again */
+    K->scale(m->dev, dyl, M->lscale);
+    K->zero(m->dev, &dt);
+    K->grouped_matmul_backward(m->dev, &dt, &GB, dyl, &t, &X->LDB, cnt); /* dt_d = dd · B_d, gB_d += ddᵀ · t_d */
+    K->grouped_matmul_backward(m->dev, da, &GA, &dt, act, &X->LDA, cnt); /* da += dt_d · A_d, gA_d += dt_dᵀ · a */
+}
+
+/* The gate and up adapter's backward (moe.h), after the base's: dxp += its part; dg and du are
+ * spent (s times theirs). */
+static void lora_gate_up_backward(struct am_model *m, const struct am_moe_layer *X, const int64_t *cnt,
+                                  struct am_tensor *dg, struct am_tensor *du, struct am_tensor *dxp,
+                                  const struct am_tensor *xp)
+{
+    const struct am_kernels *K = m->K;
+    struct am_moe *M = m->moe;
+    int64_t R = xp->shape[0];
+    struct am_tensor t = rows(&M->lt, R), dt = rows(&M->ldt, R), GA = X->GLA, GBG = X->GLBG, GBU = X->GLBU;
+    GA.data = X->la->g.data;
+    GBG.data = X->lbg->g.data;
+    GBU.data = X->lbu->g.data;
+    K->grouped_matmul_forward(m->dev, &t, xp, &X->LA, cnt); /* t = x · Aᵀ again */
+    K->scale(m->dev, dg, M->lscale);
+    K->scale(m->dev, du, M->lscale);
+    K->zero(m->dev, &dt);
+    K->grouped_matmul_backward(m->dev, &dt, &GBG, dg, &t, &X->LBG, cnt); /* dt = s dg · Bg + s du · Bu, */
+    K->grouped_matmul_backward(m->dev, &dt, &GBU, du, &t, &X->LBU, cnt); /* gB += s dᵀ · t */
+    K->grouped_matmul_backward(m->dev, dxp, &GA, &dt, xp, &X->LA, cnt);  /* dx += dt · A, gA += dtᵀ · x */
+}
+
 static int forward_ep(struct am_model *m, const struct am_layer *L, struct moe_acts *A, const struct am_tensor *in,
                       struct am_tensor *out, const struct am_tensor *pos, const struct am_tensor *wts, char *err,
                       size_t err_len)
@@ -393,12 +515,7 @@ static int forward_ep(struct am_model *m, const struct am_layer *L, struct moe_a
     if (a2a_rows(m, &ts, A->send_rows, &t1, A->recv_rows, err, err_len) < 0)
         return -1;
     K->moe_permute_forward(m->dev, &xp, &t1, &p2);
-    struct am_tensor W1 = weights_now(&L->moe->W1, L->moe->w1), W3 = weights_now(&L->moe->W3, L->moe->w3);
-    struct am_tensor W2 = weights_now(&L->moe->W2, L->moe->w2);
-    K->grouped_matmul_forward(m->dev, &g, &xp, &W1, A->lcount);
-    K->grouped_matmul_forward(m->dev, &u, &xp, &W3, A->lcount);
-    K->swiglu_forward(m->dev, &act, &g, &u);
-    K->grouped_matmul_forward(m->dev, &t1, &act, &W2, A->lcount);
+    experts_forward(m, L->moe, A->lcount, &t1, &act, &g, &u, &xp);
     K->zero(m->dev, &t2);
     K->moe_permute_backward(m->dev, &t2, &t1, &p2); /* back to source order */
     if (a2a_rows(m, &t2, A->recv_rows, &yp, A->send_rows, err, err_len) < 0)
@@ -437,12 +554,7 @@ int am_moe_forward(struct am_model *m, const struct am_layer *L, const struct am
     if (M->ep > 1)
         return forward_ep(m, L, A, in, out, &pos, &wts, err, err_len);
     K->moe_permute_forward(m->dev, &xp, in, &pos);
-    struct am_tensor W1 = weights_now(&L->moe->W1, L->moe->w1), W3 = weights_now(&L->moe->W3, L->moe->w3);
-    struct am_tensor W2 = weights_now(&L->moe->W2, L->moe->w2);
-    K->grouped_matmul_forward(m->dev, &g, &xp, &W1, A->hcount);
-    K->grouped_matmul_forward(m->dev, &u, &xp, &W3, A->hcount);
-    K->swiglu_forward(m->dev, &act, &g, &u);
-    K->grouped_matmul_forward(m->dev, &yp, &act, &W2, A->hcount);
+    experts_forward(m, L->moe, A->hcount, &yp, &act, &g, &u, &xp);
     K->moe_combine_forward(m->dev, out, &yp, &pos, &wts);
     return 0;
 }
@@ -482,12 +594,16 @@ int am_moe_backward(struct am_model *m, const struct am_layer *L, const struct a
     struct am_tensor W1 = weights_now(&X->W1, X->w1), W3 = weights_now(&X->W3, X->w3), W2 = weights_now(&X->W2, X->w2);
     bool frozen = m->sh.lora_r > 0; /* LoRA: the router and the experts frozen with the base, no gradients */
     K->grouped_matmul_backward(m->dev, &da, frozen ? NULL : &G2, &dyl, &act, &W2, cnt);
+    if (X->la) /* the down adapter's (dyl is spent) */
+        lora_down_backward(m, X, cnt, &dyl, &da, &act);
     K->zero(m->dev, &dg);
     K->zero(m->dev, &du);
     K->swiglu_backward(m->dev, &dg, &du, &da, &g, &u);
     K->zero(m->dev, &dxp);
     K->grouped_matmul_backward(m->dev, &dxp, frozen ? NULL : &G1, &dg, &xp, &W1, cnt);
     K->grouped_matmul_backward(m->dev, &dxp, frozen ? NULL : &G3, &du, &xp, &W3, cnt);
+    if (X->la) /* the gate and up adapter's (dg and du are spent) */
+        lora_gate_up_backward(m, X, cnt, &dg, &du, &dxp, &xp);
     if (M->ep > 1) { /* the inputs' gradients back to the tokens' ranks */
         struct am_tensor t1 = rows(&M->t1, R), ts = rows(&M->ts, S);
         K->zero(m->dev, &t1);
@@ -625,6 +741,8 @@ bool am_moe_is_expert_param(const struct am_model *m, const struct am_param *p)
     for (int l = 0; l < m->n_layers; l++) {
         const struct am_moe_layer *X = m->layers[l].moe;
         if (X && p >= X->w1 && p < X->w1 + 3 * m->moe->El)
+            return true;
+        if (X && X->la && p >= X->la && p < X->la + 5 * m->moe->El)
             return true;
     }
     return false;

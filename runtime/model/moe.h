@@ -71,6 +71,23 @@
  * layer (layer.c: w_gate, w_up, w_down, split over tp), added beside the routed ones. The
  * selection bias is not updated in training: AutoModel's glm4_moe has no update_moe_gate_bias
  * (its gate_bias_update_factor 1e-3 never applies), and transformers' is a buffer.
+ *
+ * LoRA on the experts (sh.lora_experts; AutoModel's GroupedExpertsLoRA): each expert e gains,
+ * beside its frozen matrices, A_e [r, C] shared by gate and up, B of gate and B of up [I, r]
+ * each, and A_d [r, I], B_d [C, r] on down, with s = lora_alpha / lora_r (AutoModel's scale):
+ *     g = x · W1ᵀ + s · (x · A_eᵀ) · Bgᵀ,  u = x · W3ᵀ + s · (x · A_eᵀ) · Buᵀ,
+ *     a = silu(g) * u,                    y = a · W2ᵀ + s · (a · A_dᵀ) · B_dᵀ
+ * (AutoModel's gate_and_up B [r, 2I] is Bg and Bu side by side; it applies the routing weight
+ * to a before down, am after: the same, down being linear). A starts as AutoModel's init of its
+ * 3-D [E, in, r] tensor draws it (xavier normal std sqrt(2 / (r (in + E))), kaiming uniform
+ * bound 1 / sqrt(in r)), B at zero; no dropout (AutoModel's has none). Backward: from dy
+ * (rows of the expert), dd = s · dy: gB_d += ddᵀ · t_d, dt_d = dd · B_d, gA_d += dt_dᵀ · a,
+ * da += dt_d · A_d; from dg, du: dt = s · (dg · Bg + du · Bu), gBg += s · dgᵀ · t,
+ * gBu += s · duᵀ · t, gA += dtᵀ · x, dx += dt · A (t = x · Aᵀ and t_d = a · A_dᵀ recomputed in
+ * the backward). Named as peft names per-expert adapters ("...experts.3.w1.lora_A.weight"; A
+ * after gate's), registered as 5 runs of El consecutive parameters per layer (A, Bg, Bu, A_d,
+ * B_d) in the group "lora.experts" after the "lora" group (model.h); held as their experts are:
+ * this ep rank's experts' alone, whole on every tp rank (their gradients the same on each).
  */
 #ifndef AM_MODEL_MOE_H
 #define AM_MODEL_MOE_H
@@ -92,6 +109,12 @@ struct am_moe_layer {
      * zero until loaded (transformers' initial value) */
     struct am_tensor bias;
     char bias_name[96];
+    /* LoRA on the experts (sh.lora_experts; NULL without): the first of El consecutive
+     * parameters each: A [r, C] of gate and up, B of gate and B of up [I, r], A of down [r, I],
+     * B of down [C, r]; their compute copies and gradients as [El, rows, cols] */
+    struct am_param *la, *lbg, *lbu, *lda, *ldb;
+    struct am_tensor LA, LBG, LBU, LDA, LDB;
+    struct am_tensor GLA, GLBG, GLBU, GLDA, GLDB;
 };
 
 /* The model's state for its MoE layers (model.h: am_model.moe; NULL for a dense model). */
@@ -117,6 +140,9 @@ int am_moe_extra_params(const struct am_model_config *cfg, int n_layers);
 /* Registers layer l's router and experts (layer.c calls it for a MoE layer, after the MLP's
  * norm) through params.c: the router into the current group, the experts into a new group. */
 void am_moe_layer_params(struct am_model *m, int l, struct am_layer *L);
+/* With sh.lora_experts: registers layer l's experts' adapters (model.c, in the "lora.experts"
+ * group; nothing for a dense layer). */
+void am_moe_lora_params(struct am_model *m, int l, struct am_layer *L);
 /* After the slabs are placed: the experts' views, and the activations of every slot's MoE
  * layers. Returns 0, or -1 (out of memory). */
 int am_moe_init(struct am_model *m, char *err, size_t err_len);
@@ -151,7 +177,7 @@ void am_moe_backward_end(struct am_model *m, int slot, void *out);
 /* Expert parallelism: the bytes of the all-to-all's buffers (within the activations' bytes,
  * m->act_bytes): [ep x S, C] twice and [S, C] for S = the micro-batch's tokens x top_k; 0 at ep 1. */
 size_t am_moe_alltoall_bytes(const struct am_model *m);
-/* Whether p is one of the experts' matrices (not the router). */
+/* Whether p is one of the experts' matrices (not the router), or one of their adapters. */
 bool am_moe_is_expert_param(const struct am_model *m, const struct am_param *p);
 /* The step's statistics: reset by am_model_begin_step, read by the trainer. */
 void am_moe_stats_reset(struct am_model *m);

@@ -121,8 +121,11 @@ int am_model_place_params(struct am_model *m)
     m->grad_off = 0;
     m->grad_elems = m->slab_elems;
     if (m->sh.lora_r > 0) {
-        const struct am_pgroup *L = &m->groups[m->n_groups - 1];
-        m->grad_off = L->kind == AM_PG_LORA && L->first < m->n_params ? offs[L->first] : m->slab_elems;
+        int first = m->n_groups; /* the adapters' groups, the last ones */
+        while (first > 0 && m->groups[first - 1].kind == AM_PG_LORA)
+            first--;
+        const struct am_pgroup *L = first < m->n_groups ? &m->groups[first] : NULL;
+        m->grad_off = L && L->first < m->n_params ? offs[L->first] : m->slab_elems;
         m->grad_elems = m->slab_elems - m->grad_off;
         for (int g = 0; g < m->n_groups; g++)
             m->groups[g].frozen = m->groups[g].kind != AM_PG_LORA;
@@ -287,11 +290,16 @@ void am_model_init_lora(struct am_model *m, uint64_t seed, bool kaiming)
             continue;
         uint64_t stream = am_hash_str(p->name);
         double in = (double)p->full_cols, r = (double)p->full_rows;
+        /* an expert's A (moe.h): as torch's init of AutoModel's [E, in, r] tensor, whose fans are
+         * in·r and E·r */
+        double fan_in = in, fan_sum = in + r;
+        if (strstr(p->name, ".experts."))
+            fan_in = in * r, fan_sum = r * (in + (double)m->cfg.num_experts);
         for (int64_t y = 0; strstr(p->name, ".lora_A.") && y < rows; y++) /* B stays zero */
             for (int64_t c = 0; c < cols; c++) {
                 uint64_t idx = (uint64_t)((p->row0 + y) * p->full_cols + p->col0 + c);
-                host[y * cols + c] = kaiming ? (float)((2 * am_rng_uniform(seed, stream, idx) - 1) / sqrt(in))
-                                             : (float)(sqrt(2.0 / (in + r)) * am_rng_normal(seed, stream, idx));
+                host[y * cols + c] = kaiming ? (float)((2 * am_rng_uniform(seed, stream, idx) - 1) / sqrt(fan_in))
+                                             : (float)(sqrt(2.0 / fan_sum) * am_rng_normal(seed, stream, idx));
             }
         m->K->upload(m->dev, p->w.data, host, (size_t)(rows * cols) * sizeof(float));
         free(host);

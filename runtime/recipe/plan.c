@@ -281,6 +281,9 @@ static double scratch_bytes(const struct am_recipe *r, const struct am_plan *p, 
         b += carved(N * E, cs) + carved(N * k, 4) + carved(S * C, cs) + carved(Re * C, cs) + 3 * carved(Re * Im, cs);
         if (m->sigmoid_router) /* glm4_moe: each MoE layer's e_score_correction_bias (fp32) */
             b += rs->moe_layers * carved(E, 4);
+        if (r->peft.enabled && r->peft.experts) /* the experts' adapters (moe.c): x · Aᵀ of gate and up and of
+                                                 * down, recomputed in the backward, and its gradient */
+            b += 3 * carved(Re * (double)r->peft.dim, cs);
     }
     return b;
 }
@@ -559,6 +562,15 @@ static int memory_of_rank(const struct am_recipe *r, const struct am_plan *p, in
          * weights (and their compute copy), gradients (and the reduce_dtype copy) and Adam's
          * moments */
         double ad = layers * lora_rank_params(r, p, false) + (head ? lora_rank_params(r, p, true) : 0);
+        if (r->peft.experts) { /* the adapters of the rank's experts (ep's share; whole on every tp rank), in
+                                * a group of their own after the others (moe.h) */
+            double moe_here = 0;
+            for (int s = 0; s < p->n_stages; s++)
+                for (int l = 0; p->stages[s].pp_rank == k && l < p->stages[s].n_layers; l++)
+                    moe_here += am_model_layer_is_moe(m, p->stages[s].first_layer + l);
+            ad += moe_here * (double)m->num_experts / p->ep * (double)r->peft.dim *
+                  (2 * h + 3 * (double)m->moe_intermediate_size);
+        }
         /* their reduce_dtype copy where they are all-reduced: over dp x cp */
         double lgb = 4 + (p->dp * p->cp > 1 && am_dtype_size(r->reduce_dtype) < 4 ? am_dtype_size(r->reduce_dtype) : 0);
         out->adapter_params = ad;
@@ -641,7 +653,9 @@ int am_plan_build(const struct am_recipe *r, const struct am_world *w, struct am
     double matmul = 6 * p->params.active_per_token;
     if (r->peft.enabled)
         matmul = 4 * p->params.active_per_token +
-                 6 * ((double)m->num_hidden_layers * am_lora_layer_params(r) + am_lora_head_params(r));
+                 6 * ((double)m->num_hidden_layers * am_lora_layer_params(r) + am_lora_head_params(r) +
+                      (r->peft.experts ? am_lora_expert_params(r, false) * (double)m->num_experts_per_tok /
+                                             (double)m->num_experts : 0));
     p->flops_per_step = p->tokens_per_step * (matmul +
                                               12.0 * (double)m->num_hidden_layers * attn_width * (double)p->seq_length);
     return 0;

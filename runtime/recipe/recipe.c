@@ -20,6 +20,7 @@ struct reader {
     /* peft's module selection, resolved once the model is known (resolve_peft) */
     struct am_node *peft_targets, *peft_excludes;
     bool peft_match_all;
+    struct am_node *peft_rank_scaling; /* moe_rank_scaling: true (refused with adapters on the experts) */
     struct am_node *is_peft; /* checkpoint.is_peft: true, checked against the peft section once read */
 };
 
@@ -579,6 +580,17 @@ static int read_peft_all_linear(struct reader *rd, struct am_node *v, const char
     return am_node_is_null(v) ? 0 : am_node_bool(v, key, &rd->peft_match_all, rd->err);
 }
 
+static int read_peft_rank_scaling(struct reader *rd, struct am_node *v, const char *key)
+{
+    bool on = false;
+    if (am_node_is_null(v))
+        return 0;
+    if (am_node_bool(v, key, &on, rd->err) < 0)
+        return -1;
+    rd->peft_rank_scaling = on ? v : NULL;
+    return 0;
+}
+
 static int read_peft_alpha(struct reader *rd, struct am_node *v, const char *key)
 {
     if (am_node_double(v, key, &rd->r->peft.alpha, rd->err) < 0)
@@ -656,10 +668,10 @@ static const struct key_spec peft_keys[] = {
     {"use_dora", K_FN, 0, 0, read_peft_dora, NULL},
     {"lora_A_init", K_FN, 0, 0, read_peft_init, NULL},
     {"lora_dtype", K_FN, 0, 0, read_peft_dtype, NULL},
-    /* the others choose kernels (use_triton, use_memory_efficient_lora) or concern experts,
-     * which am does not adapt (moe_rank_scaling, expert_weight_format) */
-    IGNORE("use_triton"), IGNORE("use_memory_efficient_lora"),
-    IGNORE("moe_rank_scaling"), IGNORE("expert_weight_format"),
+    {"moe_rank_scaling", K_FN, 0, 0, read_peft_rank_scaling, NULL},
+    /* the others choose kernels (use_triton, use_memory_efficient_lora) or the experts' storage
+     * (expert_weight_format) */
+    IGNORE("use_triton"), IGNORE("use_memory_efficient_lora"), IGNORE("expert_weight_format"),
     {NULL, 0, 0, 0, NULL, NULL}};
 
 /* AutoModel's wildcard_match: the pattern is a regular expression anchored at both ends in
@@ -712,26 +724,30 @@ static bool lora_selects(struct reader *rd, const char *path)
 }
 
 /* Which linear layers AutoModel's ModuleMatcher picks, checked against what am adapts. */
+/* The Hugging Face path of layer l's experts ("model.layers.3.block_sparse_moe.experts"). */
+static void experts_path(const struct am_model_config *m, char *buf, size_t len, long l)
+{
+    bool mixtral = m->model_type && strcmp(m->model_type, "mixtral") == 0;
+    snprintf(buf, len, "model.layers.%ld.%s.experts", l, mixtral ? "block_sparse_moe" : "mlp");
+}
+
 /* A mixture-of-experts model: am adapts its attention projections (AutoModel's adapters on
- * q, k, v, o in every layer); the experts (AutoModel's GroupedExperts, which a pattern matching
- * model.layers.N.mlp.experts adapts, as '*' does) and the MLP projections of its dense layers
- * are refused. -1 with the message. */
+ * q, k, v, o) and its experts (AutoModel's GroupedExpertsLoRA: a target_modules pattern that
+ * matches model.layers.N.mlp.experts, as '*' does; match_all_linear and exclude_modules pick
+ * linear layers only, which the experts are not). Refused: the experts of some MoE layers only,
+ * moe_rank_scaling with them, and the MLP projections of its dense layers. -1 with the message. */
 static int moe_targets(struct reader *rd, struct am_pos at)
 {
     const struct am_model_config *m = &rd->r->model;
-    bool mixtral = m->model_type && strcmp(m->model_type, "mixtral") == 0;
-    const char *blk = mixtral ? "block_sparse_moe" : "mlp";
     static const char fix[] = "on a mixture-of-experts model am adapts the attention projections (target_modules: "
                               "['*.q_proj', '*.k_proj', '*.v_proj', '*.o_proj'])";
     char path[128];
+    long n_moe = 0, n_sel = 0;
     for (long l = 0; l < m->num_hidden_layers; l++) {
         if (am_model_layer_is_moe(m, l)) {
-            snprintf(path, sizeof(path), "model.layers.%ld.%s.experts", l, blk);
-            if (rd->peft_targets && lora_any(rd->peft_targets, path)) {
-                am_errorf(rd->err, &rd->peft_targets->pos, "peft: the patterns select the experts (%s): LoRA on "
-                          "each expert's projections is not supported by am yet; %s", path, fix);
-                return -1;
-            }
+            experts_path(m, path, sizeof(path), l);
+            n_moe++;
+            n_sel += rd->peft_targets && lora_any(rd->peft_targets, path);
             continue;
         }
         for (int k = AM_LORA_GATE; k <= AM_LORA_DOWN; k++) {
@@ -744,6 +760,19 @@ static int moe_targets(struct reader *rd, struct am_pos at)
             }
         }
     }
+    if (n_sel > 0 && n_sel < n_moe) {
+        am_errorf(rd->err, &rd->peft_targets->pos, "peft: the patterns select the experts in %ld of the %ld "
+                  "mixture-of-experts layers; am adapts the experts in every such layer or in none (select them "
+                  "in all layers, as '*.experts')", n_sel, n_moe);
+        return -1;
+    }
+    if (n_sel > 0 && rd->peft_rank_scaling) {
+        am_errorf(rd->err, &rd->peft_rank_scaling->pos, "peft.moe_rank_scaling: true: the experts' adapters of "
+                  "rank dim / num_experts_per_tok are not supported by am yet (set moe_rank_scaling: false: the "
+                  "experts' adapters take rank dim, as the other adapters)");
+        return -1;
+    }
+    rd->r->peft.experts = n_sel > 0;
     return 0;
 }
 
@@ -799,6 +828,11 @@ static void resolve_peft(struct reader *rd, struct am_pos at)
                 lora_path(path, sizeof(path), k == AM_LORA_HEAD ? 0 : L - 1, k);
                 hit = lora_any(pat, path);
             }
+            for (long l = 0; l < L && !hit && m->num_experts > 0; l++)
+                if (am_model_layer_is_moe(m, l)) { /* the experts (moe_targets) */
+                    experts_path(m, path, sizeof(path), l);
+                    hit = lora_any(pat, path);
+                }
             if (!hit) {
                 bool leaf = false;
                 for (int k = 0; k < AM_LORA_NTARGETS; k++)
@@ -814,7 +848,7 @@ static void resolve_peft(struct reader *rd, struct am_pos at)
             }
         }
     }
-    if (!r->peft.targets && rd->err->n == before)
+    if (!r->peft.targets && !r->peft.experts && rd->err->n == before)
         am_errorf(rd->err, &at, "peft: the section selects no linear layer to adapt (give target_modules, "
                   "such as '*_proj')");
 }
@@ -853,6 +887,19 @@ double am_lora_head_params(const struct am_recipe *r)
         return 0;
     lora_shape(&r->model, AM_LORA_HEAD, &in, &out);
     return (double)r->peft.dim * (in + out);
+}
+
+double am_lora_expert_params(const struct am_recipe *r, bool saved)
+{
+    const struct am_model_config *m = &r->model;
+    if (!r->peft.enabled || !r->peft.experts)
+        return 0;
+    double layers = 0, d = (double)r->peft.dim, C = (double)m->hidden_size, I = (double)m->moe_intermediate_size;
+    for (long l = 0; l < m->num_hidden_layers; l++)
+        layers += am_model_layer_is_moe(m, l);
+    /* an expert's A of gate and up (shared: saved twice, as gate's and up's), B of gate and up,
+     * A and B of down */
+    return layers * (double)m->num_experts * d * ((saved ? 3 : 2) * C + 3 * I);
 }
 
 static const struct key_spec checkpoint_keys[] = {

@@ -130,6 +130,8 @@ struct am_recipe {
         enum am_lora_init a_init;
         double dropout;   /* AutoModel's dropout: each adapter's in training (lora.h); 0: none */
         bool dropout_pre; /* dropout_position "pre": on the adapter's input; else "post": on its output */
+        bool experts;     /* a mixture of experts: adapters on each expert's projections too (AutoModel's
+                           * GroupedExpertsLoRA, moe.h), in every MoE layer; no dropout on them */
     } peft;
 
     struct {
@@ -169,6 +171,9 @@ const char *am_pp_schedule_name(enum am_pp_schedule s);
  * head; 0 without peft. */
 double am_lora_layer_params(const struct am_recipe *r);
 double am_lora_head_params(const struct am_recipe *r);
+/* With peft.experts: the experts' adapter parameters of the whole model (every MoE layer's E
+ * experts), or with saved the values peft's file holds (the shared A of gate and up twice). */
+double am_lora_expert_params(const struct am_recipe *r, bool saved);
 
 /* Largest recipe file accepted (a real one is a few KiB). */
 #define AM_RECIPE_MAX_BYTES (1024 * 1024)

@@ -91,8 +91,16 @@ static void rep_state(struct am_dp *d, struct am_train_state *st)
     st->master = trained_masters(m);
     st->n = m->grad_elems;
     st->base = m->grad_off;
-    /* every data-parallel and context-parallel rank but the first holds a copy */
-    st->writes = am_comm_rank(d->c.dp) == 0 && !(d->c.cp && am_comm_rank(d->c.cp) != 0);
+    /* every data-parallel and context-parallel rank but the first holds a copy; but LoRA's
+     * adapters on the experts under ep (moe.h) differ between the ep ranks: the first holder of
+     * each rank's (its expert-data-parallel rank 0) writes them, and only them (resume.c) */
+    bool first = am_comm_rank(d->c.dp) == 0 && !(d->c.cp && am_comm_rank(d->c.cp) != 0);
+    struct am_comm *edp = NULL;
+    for (int g = 0; m->ep_comm && g < m->n_groups; g++)
+        if (m->groups[g].kind == AM_PG_LORA && m->groups[g].shard == AM_SHARD_EXPERT)
+            edp = m->groups[g].comm;
+    st->experts_only = !first && edp && am_comm_rank(edp) == 0;
+    st->writes = first || st->experts_only;
 }
 
 static const struct am_dp_ops replicated = {

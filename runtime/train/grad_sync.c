@@ -373,10 +373,18 @@ int am_gsync_finish(struct am_gsync *s, char *err, size_t err_len)
     if (s->shard_lp && rc == 0) { /* HSDP in reduce_dtype: the replicas' sums back into the fp32 shards */
         struct am_tensor g = flat(m, s->shard_g, AM_F32, s->n_shard), r = flat(m, s->shard_lp, s->reduce, s->n_shard);
         m->K->convert(m->dev, &g, &r);
-    } else if (s->lp_mem && rc == 0) { /* the sums back into the fp32 gradients */
-        struct am_tensor g = flat(m, m->grad_mem, AM_F32, m->grad_elems),
-                         r = flat(m, s->lp_mem, s->reduce, m->grad_elems);
-        m->K->convert(m->dev, &g, &r);
+    } else if (s->lp_mem && rc == 0) { /* the sums back into the fp32 gradients, of the groups reduced (not of
+                                         * experts, or LoRA's adapters on them, whose expert-data-parallel
+                                         * group is this rank alone: their copy was never made, reduce) */
+        size_t es = am_dtype_size(s->reduce);
+        for (int g = 0; g < m->n_groups; g++) {
+            const struct am_pgroup *G = &m->groups[g];
+            if (G->frozen || !G->comm || am_comm_size(G->comm) == 1)
+                continue;
+            struct am_tensor gf = flat(m, (float *)m->grad_mem + (G->offset - m->grad_off), AM_F32, G->n_elems),
+                             r = flat(m, (char *)s->lp_mem + (G->offset - m->grad_off) * es, s->reduce, G->n_elems);
+            m->K->convert(m->dev, &gf, &r);
+        }
     }
     memset(s->state, 0, (size_t)m->n_groups * sizeof(*s->state));
     s->wait_s += am_mono_time() - t0;

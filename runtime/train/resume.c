@@ -12,6 +12,7 @@
 #include "errors.h"
 #include "log.h"
 #include "model_io.h"
+#include "moe.h"
 #include "preempt.h"
 #include "trainer.h"
 #include "util.h"
@@ -36,6 +37,8 @@ static int for_runs(const struct am_train_state *s, bool skip_tied, run_fn fn, v
             const struct am_param *p = &m->params[i];
             if ((skip_tied && am_model_is_tied_copy(m, p)) || p->slab_off < s->base)
                 continue; /* a tied copy; LoRA's frozen base (not state) */
+            if (skip_tied && s->experts_only && !am_moe_is_expert_param(m, p))
+                continue; /* LoRA under ep: a copy of a lower data-parallel rank's adapter */
             if (fn(arg, p, 0, am_tensor_numel(&p->w), p->slab_off - s->base, err, err_len) < 0)
                 return -1;
         }
@@ -467,7 +470,7 @@ static int save_hf(struct trainer *t, const char *dir, struct am_errors *err)
             model_dir = dirname(base);
         }
         return am_model_save_peft_dist(&t->model, t->p->tp > 1 ? t->g.tp : NULL, t->p->pp > 1 ? t->g.pp : NULL,
-                                       saves, dir, model_dir, err);
+                                       t->p->ep > 1 ? t->g.ep : NULL, saves, dir, model_dir, err);
     }
     char msg[1024];
     if (am_dp_gather_weights(&t->dp, &slab, msg, sizeof(msg)) < 0) {

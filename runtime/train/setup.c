@@ -113,6 +113,7 @@ int am_train_build_model(struct trainer *t, struct am_errors *err)
         sh.lora_r = (int)r->peft.dim;
         sh.lora_alpha = (float)r->peft.alpha;
         sh.lora_targets = r->peft.targets & ((1u << AM_LORA_NPROJ) - 1); /* the projections, without lm_head */
+        sh.lora_experts = r->peft.experts;
     }
     sh.ep_rank = p->ep > 1 ? am_comm_rank(t->g.ep) : 0;
     struct am_comm *pp = p->pp > 1 ? t->g.pp : NULL;
@@ -154,10 +155,11 @@ int am_train_build_model(struct trainer *t, struct am_errors *err)
 int am_train_build_dp(struct trainer *t, struct am_errors *err)
 {
     char msg[512];
-    /* with expert parallelism the experts are sharded, and their gradients reduced, over the
-     * ranks holding the same ones (fsdp.h; one rank when ep = dp: a communicator of one) */
+    /* with expert parallelism the experts (and LoRA's adapters on them) are sharded, and their
+     * gradients reduced, over the ranks holding the same ones (fsdp.h; one rank when ep = dp: a
+     * communicator of one) */
     for (int g = 0; t->p->ep > 1 && g < t->model.n_groups; g++)
-        if (t->model.groups[g].kind == AM_PG_EXPERTS)
+        if (t->model.groups[g].kind == AM_PG_EXPERTS || t->model.groups[g].shard == AM_SHARD_EXPERT)
             t->model.groups[g].comm = t->g.edp;
     if (am_dp_init(&t->dp, &t->model, msg, sizeof(msg)) < 0)
         return am_errors_fail(err, "%s", msg);

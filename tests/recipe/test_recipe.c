@@ -933,21 +933,47 @@ static void test_defaults(void **state)
                 "no dropout)"));
 
     /* a mixture of experts: the attention adapted ('*_proj' matches no module of the expert
-     * layers' MLP); the experts ('*') and a dense layer's MLP refused */
+     * layers' MLP), the experts too when a pattern matches them ('*', '*.experts': AutoModel's
+     * GroupedExpertsLoRA); the experts of some layers only, moe_rank_scaling with them and a
+     * dense layer's MLP refused */
 #define MOE "model:\n  model_type: qwen3_moe\n  hidden_size: 64\n  num_hidden_layers: 2\n  num_attention_heads: 4\n" \
             "  vocab_size: 64\n  intermediate_size: 128\n  moe_intermediate_size: 32\n  num_experts: 4\n" \
             "  num_experts_per_tok: 2\n"
     r = parse_with("r.yaml", MOE, (const char *[]){"peft.target_modules=['*_proj']", NULL}, &err);
     assert_int_equal(err.n, 0);
     assert_int_equal(r->peft.targets, 1u << AM_LORA_Q | 1u << AM_LORA_K | 1u << AM_LORA_V | 1u << AM_LORA_O);
+    assert_false(r->peft.experts);
     am_recipe_free(r);
     am_errors_free(&err);
+    r = parse_with("r.yaml", MOE, (const char *[]){"peft.target_modules=['*']", NULL}, &err);
+    assert_int_equal(err.n, 0);
+    assert_int_equal(r->peft.targets,
+                     1u << AM_LORA_Q | 1u << AM_LORA_K | 1u << AM_LORA_V | 1u << AM_LORA_O | 1u << AM_LORA_HEAD);
+    assert_true(r->peft.experts);
+    am_recipe_free(r);
+    am_errors_free(&err);
+    r = parse_with("r.yaml", MOE, (const char *[]){"peft.target_modules=['*.experts']", NULL}, &err);
+    assert_int_equal(err.n, 0);
+    assert_int_equal(r->peft.targets, 0);
+    assert_true(r->peft.experts);
+    am_recipe_free(r);
+    am_errors_free(&err);
+    r = parse_with("r.yaml", MOE, (const char *[]){"peft.match_all_linear=true", NULL}, &err); /* linear layers only */
+    assert_int_equal(err.n, 0);
+    assert_false(r->peft.experts);
+    am_recipe_free(r);
+    am_errors_free(&err);
+    expect(MOE, (const char *[]){"peft.target_modules=['model.layers.0.mlp.experts']", NULL},
+           MSGS("--set peft.target_modules=['model.layers.0.mlp.experts']: peft: the patterns select the experts in 1 "
+                "of the 2 mixture-of-experts layers; am adapts the experts in every such layer or in none (select "
+                "them in all layers, as '*.experts')"));
+    expect(MOE, (const char *[]){"peft.target_modules=['*.experts']", "peft.moe_rank_scaling=true", NULL},
+           MSGS("--set peft.moe_rank_scaling=true: peft.moe_rank_scaling: true: the experts' adapters of rank dim / "
+                "num_experts_per_tok are not supported by am yet (set moe_rank_scaling: false: the experts' adapters "
+                "take rank dim, as the other adapters)"));
     static const char moe_fix[] = "on a mixture-of-experts model am adapts the attention projections (target_modules: "
                                   "['*.q_proj', '*.k_proj', '*.v_proj', '*.o_proj'])";
     char want[512];
-    snprintf(want, sizeof(want), "--set peft.target_modules=['*']: peft: the patterns select the experts "
-             "(model.layers.0.mlp.experts): LoRA on each expert's projections is not supported by am yet; %s", moe_fix);
-    expect(MOE, (const char *[]){"peft.target_modules=['*']", NULL}, MSGS(want));
     snprintf(want, sizeof(want), "--set peft.target_modules=['*_proj']: peft: the patterns select "
              "model.layers.1.mlp.gate_proj of dense layer 1: adapters on the MLP of a mixture-of-experts model's dense "
              "layers are not supported by am yet; %s", moe_fix);

@@ -1,17 +1,31 @@
 #!/bin/bash
 # LoRA on a mixture-of-experts model (docs/training.md, "LoRA") end to end with am-train, on CPU:
 # the bundled tiny_moe recipe (Mixtral-style, 4 experts, top 2, ep 2) with a peft section on
-# the attention projections (AutoModel's target_modules on q, k, v, o), adapter dropout 0.1, in
-# fp32; the router and the experts frozen with the base (no gradients, no optimizer state),
+# the attention projections and the experts (AutoModel's target_modules on q, k, v, o and
+# '*.experts': each expert's gate, up and down adapted as GroupedExpertsLoRA does), adapter
+# dropout 0.1 (on the attention's adapters), in fp32; the router and the base frozen (no
+# gradients, no optimizer state),
 #   parity: ep 2, tp 2 x ep 2 and pp 2 against one rank (ep 1): losses within 1e-5, grad norms
-#     1e-5 relative (test-parity.sh's fp32 tolerances);
+#     1e-5 relative (test-parity.sh's fp32 tolerances); the saved adapters within 1e-5 of one
+#     rank's, under the same names and shapes;
+#   bf16: ep 2 and tp 2 x ep 2 against one rank in bf16, within twice one rank's bf16-vs-fp32
+#     differences;
 #   the adapters train: the loss falls from step 1 and the gradients are the adapters' alone (a
-#     grads_bytes record of the adapter parameters);
+#     grads_bytes record of the adapter parameters), the experts' adapters among them (the grad
+#     norm of step 1 differs from the attention-only run's);
 #   memory: what LoRA changes of every rank's allocation (the base's gradients and moments gone,
 #     the adapters' added) equals what it changes of am-plan's estimate for its pipeline rank, to
 #     the byte;
-#   checkpoint: step-N/peft holds the attention adapters as peft names them, no expert's.
-# (test_recipe checks the refusals of adapters on the experts and on a dense layer's MLP.)
+#   checkpoint: step-N/peft holds the attention adapters and every expert's (gathered over ep)
+#     as peft names them, with their shapes (lora_A [r, in], lora_B [out, r]; up's lora_A the
+#     same values as gate's: AutoModel's shared A), adapter_config.json's target_modules listing
+#     each expert's projections; an attention-only run saves no expert's;
+#   resume: the ep 2 run stopped after step 2 and restored gives the uninterrupted run's steps 3
+#     and 4 to the last bit (each ep rank's experts' adapters in the sharded checkpoint).
+#   merge: am-ckpt merge of the saved adapters into the base (exported by a run of the same seed
+#     at lr 0) makes an expert's w1, w3, w2 W + s B A, gate's and up's with the shared A.
+# (test_recipe checks the refusals: the experts of some layers only, moe_rank_scaling, a dense
+# layer's MLP; tests/model/test_lora_moe the experts' adapters' math.)
 set -u
 : "${AM_SRCDIR:=$(cd "$(dirname "$0")/../.." && pwd)}"
 : "${AM_BUILDDIR:=$PWD}"
@@ -42,7 +56,8 @@ steps_of() { # LOGDIR: "step loss grad_norm" of rank 0
 memory() { # LOGDIR RANK KEY
     grep -h '"type":"memory"' "$1"/*/rank-"$2".jsonl | sed -E "s/.*\"$3\":([0-9a-z]*).*/\1/"
 }
-recipe() { # NAME EP: tiny_moe.yaml in fp32 on the instruction data, adapters on the attention
+recipe() { # NAME EP [TARGETS]: tiny_moe.yaml in fp32 on the instruction data, adapters on the attention and
+    # the experts (or TARGETS)
     sed -e "s|paths: .*|paths: $work/ds|" -e "s/vocab_size: .*/vocab_size: 1024/" -e "s/max_steps: .*/max_steps: $steps/" \
         -e "s/ep_size: .*/ep_size: $2/" -e 's/^  ep_size: \(.*\)/  ep_size: \1\n  mp_policy:\n    param_dtype: float32/' \
         "$AM_SRCDIR/sbatch-templates/recipes/tiny_moe.yaml" >"$work/$1.yaml"
@@ -50,7 +65,7 @@ recipe() { # NAME EP: tiny_moe.yaml in fp32 on the instruction data, adapters on
 
 peft:
   _target_: nemo_automodel.components._peft.lora.PeftConfig
-  target_modules: ['*.q_proj', '*.k_proj', '*.v_proj', '*.o_proj']
+  target_modules: ${3:-['*.q_proj', '*.k_proj', '*.v_proj', '*.o_proj', '*.experts']}
   dim: 8
   alpha: 32
   dropout: 0.1
@@ -71,12 +86,53 @@ if [ "$(wc -l <"$work/steps-ref")" = "$steps" ] &&
 else
     bad "LoRA on tiny_moe, one rank: losses $(awk '{ printf "%s ", $2 }' "$work/steps-ref"), grads_bytes $(memory "$work/logs-ref" 0 grads_bytes) for $(memory "$work/logs-ref" 0 adapter_params) adapter parameters"
 fi
+# the saved adapters: their names and shapes (and up's lora_A the same values as gate's), from
+# the safetensors header, and target_modules
+tensors() { # FILE: "name rows cols" of each tensor, sorted
+    local n
+    n=$(od -An -t u8 -N 8 "$1" | tr -d ' ')
+    head -c $((8 + n)) "$1" | tail -c "$n" | grep -oE '"[^"]+":\{"dtype":"[A-Z0-9]+","shape":\[[0-9]+,[0-9]+\]' |
+        sed -E 's/"([^"]+)".*\[([0-9]+),([0-9]+)\]/\1 \2 \3/' | sort
+}
+floats() { # FILE: every value of the data, in the header's order (names sorted by the writer)
+    local n
+    n=$(od -An -t u8 -N 8 "$1" | tr -d ' ')
+    od -An -v -t f4 -j $((8 + n)) "$1" | tr -s ' ' '\n' | grep .
+}
+slice() { # FILE NAME: the tensor's bytes, as hex
+    local n off
+    n=$(od -An -t u8 -N 8 "$1" | tr -d ' ')
+    off=$(head -c $((8 + n)) "$1" | tail -c "$n" | grep -oE "\"$2\":\\{[^}]*\\}" | grep -oE 'data_offsets":\[[0-9]+,[0-9]+' |
+        grep -oE '[0-9]+,[0-9]+')
+    od -An -v -t x1 -j $((8 + n + ${off%,*})) -N $((${off#*,} - ${off%,*})) "$1" | tr -d ' \n'
+}
 ad="$work/ckpt-ref/step-$steps/peft/adapter_model.safetensors"
-if [ -f "$ad" ] && grep -q 'base_model.model.model.layers.3.self_attn.o_proj.lora_B.weight' "$ad" &&
-    ! grep -q 'experts' "$ad" && grep -q '"lora_dropout": 0.1' "$work/ckpt-ref/step-$steps/peft/adapter_config.json"; then
-    ok "step-$steps/peft holds the attention adapters as peft names them (no expert's), lora_dropout 0.1"
+e=base_model.model.model.layers.2.block_sparse_moe.experts.3
+if [ -f "$ad" ] && tensors "$ad" >"$work/names-ref" &&
+    grep -qx 'base_model.model.model.layers.3.self_attn.o_proj.lora_B.weight 64 8' "$work/names-ref" &&
+    grep -qx "$e.w1.lora_A.weight 8 64" "$work/names-ref" && grep -qx "$e.w3.lora_A.weight 8 64" "$work/names-ref" &&
+    grep -qx "$e.w1.lora_B.weight 96 8" "$work/names-ref" && grep -qx "$e.w3.lora_B.weight 96 8" "$work/names-ref" &&
+    grep -qx "$e.w2.lora_A.weight 8 96" "$work/names-ref" && grep -qx "$e.w2.lora_B.weight 64 8" "$work/names-ref" &&
+    [ "$(grep -c 'experts' "$work/names-ref")" = $((4 * 4 * 6)) ] && [ "$(wc -l <"$work/names-ref")" = $((4 * 4 * 6 + 4 * 4 * 2)) ] &&
+    [ "$(slice "$ad" "$e.w1.lora_A.weight")" = "$(slice "$ad" "$e.w3.lora_A.weight")" ] &&
+    [ -n "$(slice "$ad" "$e.w2.lora_B.weight" | tr -d 0)" ] &&
+    grep -q '"model.layers.0.block_sparse_moe.experts.0.w1"' "$work/ckpt-ref/step-$steps/peft/adapter_config.json" &&
+    grep -q '"model.layers.3.block_sparse_moe.experts.3.w2"' "$work/ckpt-ref/step-$steps/peft/adapter_config.json" &&
+    grep -q '"lora_dropout": 0.1' "$work/ckpt-ref/step-$steps/peft/adapter_config.json"; then
+    ok "step-$steps/peft holds the attention adapters and each expert's as peft names them, with their shapes (up's lora_A gate's, the trained B non-zero), target_modules naming each expert's projections, lora_dropout 0.1"
 else
-    bad "step-$steps/peft: $(ls "$work/ckpt-ref/step-$steps/peft" 2>&1 | tr '\n' ' ')"
+    bad "step-$steps/peft: $(ls "$work/ckpt-ref/step-$steps/peft" 2>&1 | tr '\n' ' '); $(grep -c experts "$work/names-ref" 2>&1) experts' tensors"
+fi
+# the attention alone: the experts frozen with the base, none saved, and the experts' adapters
+# change the gradients from step 1
+recipe att 1 "['*.q_proj', '*.k_proj', '*.v_proj', '*.o_proj']"
+if train att 1 && steps_of "$work/logs-att" >"$work/steps-att" &&
+    ! tensors "$work/ckpt-att/step-$steps/peft/adapter_model.safetensors" | grep -q experts &&
+    [ "$(head -1 "$work/steps-att" | cut -d' ' -f2)" = "$(head -1 "$work/steps-ref" | cut -d' ' -f2)" ] &&
+    [ "$(head -1 "$work/steps-att" | cut -d' ' -f3)" != "$(head -1 "$work/steps-ref" | cut -d' ' -f3)" ]; then
+    ok "adapters on the attention alone: no expert's saved; the experts' adapters (B zero) leave step 1's loss and change its gradients"
+else
+    bad "adapters on the attention alone: $(head -1 "$work/steps-att" 2>&1) against $(head -1 "$work/steps-ref")"
 fi
 
 for layout in "ep2 2 2" "tp2-ep2 4 2 AM_TP=2" "pp2 2 1 AM_PP=2"; do
@@ -96,7 +152,89 @@ for layout in "ep2 2 2" "tp2-ep2 4 2 AM_TP=2" "pp2 2 1 AM_PP=2"; do
     else
         bad "LoRA on tiny_moe $name: $(cat "$work/cmp-$name")"; paste "$work/steps-ref" "$work/steps-$name" | sed 's/^/    /'
     fi
+    # the saved adapters: one rank's names and shapes, their values within 1e-5
+    f="$work/ckpt-$name/step-$steps/peft/adapter_model.safetensors"
+    if [ -f "$f" ] && [ "$(tensors "$f")" = "$(cat "$work/names-ref")" ] && awk -v tol=1e-5 '
+            NR == FNR { a[FNR] = $0; n = FNR; next } { d = a[FNR] - $0; if (d < 0) d = -d; if (d > w) w = d }
+            END { printf "%.2g", w; exit !(FNR == n && w <= tol) }' <(floats "$ad") <(floats "$f") >"$work/ad-$name"; then
+        ok "LoRA on tiny_moe $name saves one rank's adapters (names, shapes; values within $(cat "$work/ad-$name"))"
+    else
+        bad "LoRA on tiny_moe $name: its saved adapters differ from one rank's ($(cat "$work/ad-$name" 2>/dev/null))"
+    fi
 done
+
+# bf16: ep 2 and tp 2 x ep 2 against one rank's bf16 run, within twice one rank's bf16-vs-fp32
+# differences (loss; grad norm relative), as test-lora.sh tolerates bf16 layouts
+for run in "ref-bf16 1 ref" "ep2-bf16 2 ep2" "tp2-ep2-bf16 4 tp2-ep2 AM_TP=2"; do
+    set -- $run
+    sed -e 's/param_dtype: float32/param_dtype: bfloat16/' -e "s|ckpt-$3|ckpt-$1|" "$work/$3.yaml" >"$work/$1.yaml"
+    name=$1 n=$2
+    shift 3
+    train "$name" "$n" "$@" && steps_of "$work/logs-$name" >"$work/steps-$name" || { bad "$name did not train"; sed 's/^/    /' "$work/out-$name"; }
+done
+tol=$(paste "$work/steps-ref" "$work/steps-ref-bf16" | awk '
+    { d = $2 - $5; if (d < 0) d = -d; if (d > l) l = d; g = ($3 - $6) / $3; if (g < 0) g = -g; if (g > n) n = g }
+    END { printf "%.3g %.3g", 2 * l, 2 * n }')
+if ! awk -v t="${tol%% *}" 'BEGIN { exit !(t > 1e-5) }'; then
+    bad "one rank's bf16 run is not different from fp32 ($tol): is bf16 used?"
+fi
+for name in ep2-bf16 tp2-ep2-bf16; do
+    if paste "$work/steps-ref-bf16" "$work/steps-$name" | awk -v steps="$steps" -v lt="${tol%% *}" -v nt="${tol##* }" '
+        { d = $2 - $5; if (d < 0) d = -d; if (d > w) w = d; g = ($3 - $6) / $3; if (g < 0) g = -g; if (g > gw) gw = g; n++ }
+        END { printf "%d steps, loss %.2g (tolerance %.2g), grad norm %.2g relative (%.2g)", n, w, lt, gw, nt
+              exit !(n == steps && w <= lt && gw <= nt) }' >"$work/cmp-$name"; then
+        ok "LoRA on tiny_moe $name matches one rank in bf16: $(cat "$work/cmp-$name")"
+    else
+        bad "LoRA on tiny_moe $name: $(cat "$work/cmp-$name")"; paste "$work/steps-ref-bf16" "$work/steps-$name" | sed 's/^/    /'
+    fi
+done
+
+# resume: ep 2 stopped after step 2 (its checkpoint) and restored gives the uninterrupted run's
+# steps 3 and 4 to the last bit
+recipe cut 2 && sed -i -e 's/max_steps: .*/max_steps: 2/' -e 's|checkpoint_dir: .*|&\n  restore_from: latest|' "$work/cut.yaml" &&
+    train cut 2 && sed -i 's/max_steps: .*/max_steps: 4/' "$work/cut.yaml" && rm -rf "$work/logs-cut" && train cut 2 &&
+    steps_of "$work/logs-cut" >"$work/steps-cut"
+if [ -f "$work/steps-cut" ] && [ "$(tail -2 "$work/steps-ep2")" = "$(cat "$work/steps-cut")" ]; then
+    ok "LoRA on tiny_moe ep2: restored after step 2, steps 3-4 are the uninterrupted run's to the last bit"
+else
+    bad "LoRA on tiny_moe ep2 resume: $(tail -2 "$work/steps-ep2" | tr '\n' ' ') against $(tr '\n' ' ' <"$work/steps-cut" 2>/dev/null)"
+fi
+
+# merge: am-ckpt merge writes each expert's weights as W + s B A (gate's and up's with the shared
+# A) into the base the adapters were trained on, exported by a run of the same seed after one
+# step at lr 0 (the warmup's first: the initial weights)
+values() { # FILE NAME: the tensor's values, one a line
+    local n off
+    n=$(od -An -t u8 -N 8 "$1" | tr -d ' ')
+    off=$(head -c $((8 + n)) "$1" | tail -c "$n" | grep -oE "\"$2\":\\{[^}]*\\}" | grep -oE 'data_offsets":\[[0-9]+,[0-9]+' |
+        grep -oE '[0-9]+,[0-9]+')
+    od -An -v -t f4 -j $((8 + n + ${off%,*})) -N $((${off#*,} - ${off%,*})) "$1" | tr -s ' ' '\n' | grep .
+}
+sed -e '/^peft:/,$d' -e 's/max_steps: .*/max_steps: 1/' "$work/ref.yaml" >"$work/base.yaml"
+printf '\ncheckpoint:\n  enabled: true\n  checkpoint_dir: %s\n' "$work/ckpt-base" >>"$work/base.yaml"
+if train base 1 && "$AM_BUILDDIR/am-ckpt" merge "$work/ckpt-base/step-1/hf" "$work/ckpt-ref/step-$steps/peft" \
+    "$work/merged" >"$work/out-merge" 2>&1 && grep -q 'merged 64 adapted weights' "$work/out-merge"; then
+    e=model.layers.2.block_sparse_moe.experts.3 pe=base_model.model.model.layers.2.block_sparse_moe.experts.3 fit=1
+    for w in "w1 w1 w1 96 64" "w3 w3 w1 96 64" "w2 w2 w2 64 96"; do
+        set -- $w
+        awk -v s=4 -v rows="$4" -v cols="$5" -v r=8 '
+            FNR == 1 { f++ } f == 1 { B[FNR - 1] = $1 } f == 2 { A[FNR - 1] = $1 } f == 3 { W[FNR - 1] = $1 }
+            f == 4 { i = FNR - 1; o = int(i / cols); c = i % cols; d = 0
+                     for (k = 0; k < r; k++) d += B[o * r + k] * A[k * cols + c]
+                     e = $1 - W[i] - s * d; if (e < 0) e = -e; if (e > worst) worst = e; n++ }
+            END { printf "%.2g", worst; exit !(n == rows * cols && worst < 1e-6) }' \
+            <(values "$ad" "$pe.$2.lora_B.weight") <(values "$ad" "$pe.$3.lora_A.weight") \
+            <(values "$work/ckpt-base/step-1/hf/model.safetensors" "$e.$1.weight") \
+            <(values "$work/merged/model.safetensors" "$e.$1.weight") >"$work/merge-$1" || fit=0
+    done
+    if [ "$fit" = 1 ]; then
+        ok "am-ckpt merge: each expert's w1, w3, w2 become W + s B A (within $(cat "$work/merge-w1"), $(cat "$work/merge-w3"), $(cat "$work/merge-w2"))"
+    else
+        bad "am-ckpt merge: an expert's merged weight is not W + s B A ($(cat "$work"/merge-* 2>/dev/null | tr '\n' ' '))"
+    fi
+else
+    bad "am-ckpt merge of the experts' adapters: $(cat "$work/out-merge" 2>/dev/null)"
+fi
 
 # memory: what LoRA changes of every rank's allocation (the adapters, their gradients, moments and
 # scratch added; the frozen base's gradients and moments gone) equals what it changes of am-plan's
