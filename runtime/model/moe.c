@@ -438,11 +438,13 @@ static void experts_forward(struct am_model *m, const struct am_moe_layer *X, co
     K->grouped_matmul_forward(m->dev, u, xp, &W3, cnt);
     if (X->la) { /* g += s · (x · Aᵀ) · Bgᵀ, u += s · (x · Aᵀ) · Buᵀ (dg: scratch) */
         struct am_tensor t = rows(&M->lt, R), z = rows(&M->dg, R);
-        K->grouped_matmul_forward(m->dev, &t, xp, &X->LA, cnt);
-        K->grouped_matmul_forward(m->dev, &z, &t, &X->LBG, cnt);
+        struct am_tensor LA = weights_now(&X->LA, X->la), LBG = weights_now(&X->LBG, X->lbg),
+                         LBU = weights_now(&X->LBU, X->lbu);
+        K->grouped_matmul_forward(m->dev, &t, xp, &LA, cnt);
+        K->grouped_matmul_forward(m->dev, &z, &t, &LBG, cnt);
         K->scale(m->dev, &z, M->lscale);
         K->add(m->dev, g, &z);
-        K->grouped_matmul_forward(m->dev, &z, &t, &X->LBU, cnt);
+        K->grouped_matmul_forward(m->dev, &z, &t, &LBU, cnt);
         K->scale(m->dev, &z, M->lscale);
         K->add(m->dev, u, &z);
     }
@@ -450,8 +452,9 @@ static void experts_forward(struct am_model *m, const struct am_moe_layer *X, co
     K->grouped_matmul_forward(m->dev, y, act, &W2, cnt);
     if (X->la) { /* y += s · (a · A_dᵀ) · B_dᵀ (dxp: scratch) */
         struct am_tensor t = rows(&M->ltd, R), z = rows(&M->dxp, R);
-        K->grouped_matmul_forward(m->dev, &t, act, &X->LDA, cnt);
-        K->grouped_matmul_forward(m->dev, &z, &t, &X->LDB, cnt);
+        struct am_tensor LDA = weights_now(&X->LDA, X->lda), LDB = weights_now(&X->LDB, X->ldb);
+        K->grouped_matmul_forward(m->dev, &t, act, &LDA, cnt);
+        K->grouped_matmul_forward(m->dev, &z, &t, &LDB, cnt);
         K->scale(m->dev, &z, M->lscale);
         K->add(m->dev, y, &z);
     }
@@ -465,13 +468,14 @@ static void lora_down_backward(struct am_model *m, const struct am_moe_layer *X,
     struct am_moe *M = m->moe;
     int64_t R = act->shape[0];
     struct am_tensor t = rows(&M->ltd, R), dt = rows(&M->ldt, R), GA = X->GLDA, GB = X->GLDB;
+    struct am_tensor LDA = weights_now(&X->LDA, X->lda), LDB = weights_now(&X->LDB, X->ldb);
     GA.data = X->lda->g.data;
     GB.data = X->ldb->g.data;
-    K->grouped_matmul_forward(m->dev, &t, act, &X->LDA, cnt); /* t_d = a · A_dᵀ again */
+    K->grouped_matmul_forward(m->dev, &t, act, &LDA, cnt); /* t_d = a · A_dᵀ again */
     K->scale(m->dev, dyl, M->lscale);
     K->zero(m->dev, &dt);
-    K->grouped_matmul_backward(m->dev, &dt, &GB, dyl, &t, &X->LDB, cnt); /* dt_d = dd · B_d, gB_d += ddᵀ · t_d */
-    K->grouped_matmul_backward(m->dev, da, &GA, &dt, act, &X->LDA, cnt); /* da += dt_d · A_d, gA_d += dt_dᵀ · a */
+    K->grouped_matmul_backward(m->dev, &dt, &GB, dyl, &t, &LDB, cnt); /* dt_d = dd · B_d, gB_d += ddᵀ · t_d */
+    K->grouped_matmul_backward(m->dev, da, &GA, &dt, act, &LDA, cnt); /* da += dt_d · A_d, gA_d += dt_dᵀ · a */
 }
 
 /* The gate and up adapter's backward (moe.h), after the base's: dxp += its part; dg and du are
@@ -484,16 +488,18 @@ static void lora_gate_up_backward(struct am_model *m, const struct am_moe_layer 
     struct am_moe *M = m->moe;
     int64_t R = xp->shape[0];
     struct am_tensor t = rows(&M->lt, R), dt = rows(&M->ldt, R), GA = X->GLA, GBG = X->GLBG, GBU = X->GLBU;
+    struct am_tensor LA = weights_now(&X->LA, X->la), LBG = weights_now(&X->LBG, X->lbg),
+                     LBU = weights_now(&X->LBU, X->lbu);
     GA.data = X->la->g.data;
     GBG.data = X->lbg->g.data;
     GBU.data = X->lbu->g.data;
-    K->grouped_matmul_forward(m->dev, &t, xp, &X->LA, cnt); /* t = x · Aᵀ again */
+    K->grouped_matmul_forward(m->dev, &t, xp, &LA, cnt); /* t = x · Aᵀ again */
     K->scale(m->dev, dg, M->lscale);
     K->scale(m->dev, du, M->lscale);
     K->zero(m->dev, &dt);
-    K->grouped_matmul_backward(m->dev, &dt, &GBG, dg, &t, &X->LBG, cnt); /* dt = s dg · Bg + s du · Bu, */
-    K->grouped_matmul_backward(m->dev, &dt, &GBU, du, &t, &X->LBU, cnt); /* gB += s dᵀ · t */
-    K->grouped_matmul_backward(m->dev, dxp, &GA, &dt, xp, &X->LA, cnt);  /* dx += dt · A, gA += dtᵀ · x */
+    K->grouped_matmul_backward(m->dev, &dt, &GBG, dg, &t, &LBG, cnt); /* dt = s dg · Bg + s du · Bu, */
+    K->grouped_matmul_backward(m->dev, &dt, &GBU, du, &t, &LBU, cnt); /* gB += s dᵀ · t */
+    K->grouped_matmul_backward(m->dev, dxp, &GA, &dt, xp, &LA, cnt);  /* dx += dt · A, gA += dtᵀ · x */
 }
 
 static int forward_ep(struct am_model *m, const struct am_layer *L, struct moe_acts *A, const struct am_tensor *in,
