@@ -29,7 +29,7 @@ kind() { # RC FIRST_ERROR -> a kind
     *"model_type: '"*"is not supported"*|*"is not an architecture am builds"*) echo architecture ;;
     *"is not a causal language model"*|*"recipe: "*" trains a"*) echo not-causal-lm ;;
     *"is not an optimizer am runs"*) echo optimizer ;;
-    *"peft: "*) echo lora ;;
+    *"peft: "*|*"peft."*) echo lora ;;
     *"knowledge distillation"*) echo distillation ;;
     *"fp8.enabled"*|*"quantiz"*|*"freezing"*|*"NEFTune"*) echo feature ;;
     *"so far, and the compute dtype"*|*"not run yet"*|*"needs loss scaling"*|*"is not run by am-train"*|\
