@@ -82,6 +82,7 @@
 #include "comm.h"
 #include "kernels.h"
 #include "model_config.h"
+#include "progress.h"
 #include "tensor.h"
 
 /* How a parameter is split over tp: its full shape is shape[0] x shape[1] where split. */
@@ -284,6 +285,7 @@ struct am_model {
     struct am_model_shard sh;
     const struct am_dev *dev; /* where the model lives and its kernels run */
     const struct am_kernels *K; /* dev->k */
+    struct am_progress *load_bar; /* am_model_load_hf's progress line (its `on` says whether it shows), or NULL */
     struct am_comm *tp_comm; /* NULL when tp = 1 */
     struct am_comm *pp_comm; /* NULL without pipeline parallelism: the tied embedding's two copies */
     struct am_comm *ep_comm; /* the expert-parallel group (moe.h), set by the trainer; NULL at ep 1 */

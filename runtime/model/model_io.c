@@ -30,6 +30,11 @@ int am_model_load_hf(struct am_model *m, const char *dir, struct am_errors *err)
     if (am_ckpt_open(dir, &c, err) < 0)
         return -1;
     size_t before = err->n;
+    uint64_t total = 0, done = 0; /* the bytes of this rank's weights, for the progress line */
+    for (int i = 0; i < m->n_params; i++)
+        total += am_model_is_lora(&m->params[i]) ? 0 : (uint64_t)am_tensor_numel(&m->params[i].w) * sizeof(float);
+    if (m->load_bar)
+        am_progress_start(m->load_bar, "am-train: loading the weights", NULL, total, m->load_bar->on);
     for (int i = 0; i < m->n_params; i++) {
         struct am_param *p = &m->params[i];
         if (am_model_is_lora(p)) /* LoRA's adapters are not the base model's (am_model_load_peft) */
@@ -49,7 +54,12 @@ int am_model_load_hf(struct am_model *m, const char *dir, struct am_errors *err)
         if (am_ckpt_read(c, p->name, p->split == AM_SPLIT_NONE ? NULL : &slice, &dst, err) == 0)
             m->K->upload(m->dev, p->w.data, host, (size_t)n * sizeof(float));
         free(host);
+        done += (uint64_t)n * sizeof(float);
+        if (m->load_bar)
+            am_progress_set(m->load_bar, done, 0);
     }
+    if (m->load_bar)
+        am_progress_end(m->load_bar, err->n == before);
     for (int l = 0; l < m->n_layers; l++) { /* glm4_moe's selection biases: buffers, whole on every rank */
         const struct am_moe_layer *X = m->layers[l].moe;
         if (!X || !X->bias_name[0])

@@ -3,6 +3,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "comm.h"
 #include "model_io.h"
@@ -141,7 +142,12 @@ int am_train_build_model(struct trainer *t, struct am_errors *err)
         snprintf(dir, sizeof(dir), "%s", r->model_source);
         dirname(dir);
         if (am_model_dir_has_weights(dir)) {
-            if (am_model_load_hf(&t->model, dir, err) < 0)
+            /* rank 0 shows its loading on a terminal (progress.h) */
+            struct am_progress bar = {.on = t->s->info.rank == 0 && isatty(2)};
+            t->model.load_bar = &bar;
+            int rc = am_model_load_hf(&t->model, dir, err);
+            t->model.load_bar = NULL;
+            if (rc < 0)
                 return -1;
             init_adapters(t);
             return 0;
