@@ -275,8 +275,7 @@ static void classify(const struct am_diag *d, struct am_diag_rank *r)
 
 /* ---- 2. the first failure ------------------------------------------------------------------------ */
 
-/* "41.0 GiB" (binary units, one decimal; bytes below 1 KiB as they are). */
-static const char *bytes_text(double n, char *buf, size_t len)
+const char *am_diag_bytes_text(double n, int decimals, char *buf, size_t len)
 {
     static const char *const units[] = {"KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
     if (n < 1024) {
@@ -288,7 +287,7 @@ static const char *bytes_text(double n, char *buf, size_t len)
         n /= 1024;
         u++;
     }
-    snprintf(buf, len, "%.1f %s", n, units[u]);
+    snprintf(buf, len, "%.*f %s", decimals, n, units[u]);
     return buf;
 }
 
@@ -348,13 +347,14 @@ static void describe_failure(const struct am_diag_rank *r, char *buf, size_t len
         where_text(c, where, sizeof(where));
         add(buf, len, "rank %d ran out of %s memory%s: %s in use", r->rank,
             streq(dev, "cuda") ? "GPU" : streq(dev, "cpu") ? "host (CPU device)" : "device", where,
-            bytes_text(num(c, "bytes_in_use"), used, sizeof(used)));
+            am_diag_bytes_text(num(c, "bytes_in_use"), 1, used, sizeof(used)));
         if (num(c, "plan_bytes") > 0)
-            add(buf, len, ", plan %s", bytes_text(num(c, "plan_bytes"), plan, sizeof(plan)));
-        add(buf, len, " (asked for %s; the allocator holds %s", bytes_text(num(c, "bytes_asked"), asked, sizeof(asked)),
-            bytes_text(num(c, "bytes_held"), held, sizeof(held)));
+            add(buf, len, ", plan %s", am_diag_bytes_text(num(c, "plan_bytes"), 1, plan, sizeof(plan)));
+        add(buf, len, " (asked for %s; the allocator holds %s",
+            am_diag_bytes_text(num(c, "bytes_asked"), 1, asked, sizeof(asked)),
+            am_diag_bytes_text(num(c, "bytes_held"), 1, held, sizeof(held)));
         if (num(c, "bytes_total") > 0)
-            add(buf, len, " of the device's %s", bytes_text(num(c, "bytes_total"), total, sizeof(total)));
+            add(buf, len, " of the device's %s", am_diag_bytes_text(num(c, "bytes_total"), 1, total, sizeof(total)));
         add(buf, len, ")");
     } else if (streq(r->kind, "cuda")) {
         char where[96];

@@ -322,6 +322,9 @@ void am_diag_timing(const struct am_diag *d, struct am_diag_timing *t);
 void am_diag_print(const struct am_diag *d, FILE *f);
 void am_diag_print_summary(const struct am_diag *d, FILE *f);
 void am_diag_print_rank(const struct am_diag *d, const struct am_diag_rank *r, FILE *f);
+/* "41.0 GiB": n bytes in binary units with `decimals` decimals (below 1 KiB: "512 B"), in buf. */
+const char *am_diag_bytes_text(double n, int decimals, char *buf, size_t len);
+
 /* The same verdict as one self-contained HTML page (diag_html.c): no file fetched (inline CSS,
  * SVG and a little JS). First am_diag_print_summary's lines, then a timeline (one lane per rank
  * grouped by node: setup, steps over wall time, where it stopped, the call in flight at its end

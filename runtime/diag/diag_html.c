@@ -78,21 +78,8 @@ static char *printed_rank(const struct am_diag *d, const struct am_diag_rank *r)
 
 /* ---- figures -------------------------------------------------------------------------------- */
 
-static const char *bytes_text(double n, char *buf, size_t len)
-{
-    static const char *const units[] = {"KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
-    if (n < 1024) {
-        snprintf(buf, len, "%.0f B", n);
-        return buf;
-    }
-    int u = -1;
-    while (n >= 1024 && u < 5) {
-        n /= 1024;
-        u++;
-    }
-    snprintf(buf, len, "%.2f %s", n, units[u]);
-    return buf;
-}
+/* two decimals: a figure's axis and labels */
+static const char *bytes_text(double n, char *buf, size_t len) { return am_diag_bytes_text(n, 2, buf, len); }
 
 static void utc(double t, char *buf, size_t len)
 {
