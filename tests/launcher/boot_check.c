@@ -12,6 +12,7 @@
  *   BOOT_CHECK_WAIT=1          every rank prints "rank R ready", then reports each SIGUSR1
  *                              and SIGUSR2 it gets and exits 0 on SIGTERM
  *   BOOT_CHECK_TIMEOUT=S       the bootstrap timeout (default 30 s)
+ *   BOOT_CHECK_WIDE=RANK       that rank sends 8 bytes to the allgather, the others 4
  */
 #include <signal.h>
 #include <stdio.h>
@@ -91,10 +92,11 @@ int main(void)
         signal(SIGTERM, SIG_IGN); /* before the fence: no other rank can fail earlier */
     if (for_me("BOOT_CHECK_HANG", info.rank, &arg) && arg && strcmp(arg, "before") == 0)
         hang(arg);
-    int *all = calloc((size_t)info.size, sizeof(int));
-    int mine = 1000 + info.rank;
+    int *all = calloc(2 * (size_t)info.size, sizeof(int));
+    int mine[2] = {1000 + info.rank, 0};
+    size_t len = for_me("BOOT_CHECK_WIDE", info.rank, &arg) ? sizeof(mine) : sizeof(int);
     snprintf(err, sizeof(err), "out of memory");
-    if (!all || am_boot_allgather(b, "x", &mine, sizeof(mine), all, timeout, err, sizeof(err)) < 0) {
+    if (!all || am_boot_allgather(b, "x", mine, len, all, timeout, err, sizeof(err)) < 0) {
         fprintf(stderr, "boot_check: rank %d: %s\n", info.rank, err);
         return 4;
     }

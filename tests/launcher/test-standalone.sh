@@ -75,6 +75,11 @@ run fence --nproc 3 "$RECIPE" -- env BOOT_CHECK_HANG=1:before BOOT_CHECK_TIMEOUT
 expect_rc "fence timeout" 4 "$RC" "$ERR"
 expect_match "fence timeout reported" "$ERR" "^boot_check: rank [02]: bootstrap allgather: timed out after 1 s: rank 1 did not reach it \\(stuck or slow: see its log\\)$"
 
+# ranks that send the allgather values of different lengths: every rank is refused, with who sent what
+run wide --nproc 3 "$RECIPE" -- env BOOT_CHECK_WIDE=1 "$BOOT_CHECK"
+expect_rc "allgather of unequal lengths" 4 "$RC" "$ERR"
+expect_match "allgather of unequal lengths reported" "$ERR" "^boot_check: rank [012]: bootstrap allgather: allgather 'x': rank 1 sent 8 bytes, rank 0 4 \\(every rank sends as many\\)$"
+
 run noexec --nproc 2 "$RECIPE" -- /nonexistent/rank-program
 expect_rc "program not found" 127 "$RC" "$ERR"
 expect_line "program not found reported" "$ERR" "am-launch: cannot run /nonexistent/rank-program: No such file or directory"
