@@ -2,6 +2,7 @@
  *
  *   am-launch --nproc N [options] RECIPE [-- PROGRAM ARGS...]     N ranks on this machine
  *   srun --mpi=pmix am-launch [options] RECIPE [-- PROGRAM ...]   one rank per Slurm task
+ *   srun --mpi=none am-launch [options] RECIPE [-- PROGRAM ...]   the same, without PMIx
  *
  * RECIPE may be left out when AM_RECIPE is set (the SPANK plugin's --am-recipe sets it).
  * With --doctor the rank program is am-doctor (runtime/doctor/doctor.h), and what follows `--`
@@ -31,12 +32,15 @@ static void usage(FILE *f)
 {
     fprintf(f, "usage: am-launch --nproc N [options] [RECIPE] [-- PROGRAM ARGS...]\n"
                "       srun --mpi=pmix am-launch [options] [RECIPE] [-- PROGRAM ARGS...]\n"
+               "       srun --mpi=none am-launch [options] [RECIPE] [-- PROGRAM ARGS...]\n"
                "  --nproc N          run N ranks on this machine (no Slurm needed)\n"
                "  --dry-run          stop after placement: rank 0 prints one JSON line per rank\n"
                "  --doctor           check the node set instead of training: rank 0 prints a report;\n"
                "                     what follows `--` are am-doctor's options (-- --help lists them)\n"
                "  --topology FILE    NVLink domains from FILE instead of NVML (also AM_TOPOLOGY_FILE)\n"
                "  --log-dir DIR      where rank logs and exit records go (also AM_LOG_DIR; default ./am-logs)\n"
+               "  --boot-port PORT   srun without PMIx: the TCP port of the step's boot server (also\n"
+               "                     AM_BOOT_PORT; default: derived from the job and step ids)\n"
                "  RECIPE             the recipe (default: $AM_RECIPE, set by sbatch/srun --am-recipe)\n"
                "  PROGRAM            the rank program (default: am-train, or am-place with --dry-run)\n");
 }
@@ -73,6 +77,7 @@ int main(int argc, char **argv)
                                          {"doctor", no_argument, 0, 'D'},
                                          {"topology", required_argument, 0, 't'},
                                          {"log-dir", required_argument, 0, 'l'},
+                                         {"boot-port", required_argument, 0, 'p'},
                                          {"help", no_argument, 0, 'h'},
                                          {0, 0, 0, 0}};
     struct am_launch_opts o = {.grace_s = 5};
@@ -104,6 +109,16 @@ int main(int argc, char **argv)
         case 'l':
             o.log_dir = optarg;
             break;
+        case 'p': {
+            errno = 0;
+            long v = strtol(optarg, &end, 10);
+            if (*optarg == '\0' || *end || errno || v < 1 || v > 65535) {
+                fprintf(stderr, "am-launch: --boot-port: '%s' is not a TCP port (1 to 65535)\n", optarg);
+                return 2;
+            }
+            setenv("AM_BOOT_PORT", optarg, 1);
+            break;
+        }
         case 'h':
             usage(stdout);
             return 0;
@@ -187,11 +202,9 @@ int main(int argc, char **argv)
         return 2;
 #endif
     }
-    if (getenv("SLURM_STEP_ID") && getenv("SLURM_PROCID"))
-        fprintf(stderr, "am-launch: running in a Slurm step without PMIx: start it with `srun --mpi=pmix am-launch "
-                        "...` (or set MpiDefault=pmix in slurm.conf)\n");
-    else
-        fprintf(stderr, "am-launch: no --nproc and no PMIx server: run `am-launch --nproc N %s` on one machine, or "
+    if (getenv("SLURM_STEP_ID") && getenv("SLURM_PROCID")) /* its error names both ways */
+        return am_launch_slurm_env(&o);
+    fprintf(stderr, "am-launch: no --nproc and no PMIx server: run `am-launch --nproc N %s` on one machine, or "
                         "`srun --mpi=pmix am-launch %s` under Slurm\n", recipe_arg, recipe_arg);
     return 2;
 }

@@ -8,6 +8,11 @@
  * task. Each is its rank's supervisor and PMIx client: it forks the one rank program and
  * relays its bootstrap requests to PMIx (put, commit + fence, get, abort).
  *
+ * Without PMIx, `srun --mpi=none am-launch` (env_task.c): one am-launch per Slurm task, as
+ * above, that learns its place from Slurm's environment; the task of local rank 0 on the
+ * step's first node also serves the step's bootstrap over TCP (boot_tcp.h), which every task
+ * joins with a munge credential (boot_join.h) and relays its rank's requests to.
+ *
  * Both modes:
  *   - hand the rank program its bootstrap socket in AM_BOOTSTRAP_FD (spawn.h);
  *   - forward SIGTERM, SIGINT, SIGUSR1 and SIGUSR2 to the rank(s), and a SIGHUP as SIGTERM,
@@ -44,5 +49,6 @@ struct am_launch_opts {
  * usage error) when the launcher itself failed. */
 int am_launch_standalone(const struct am_launch_opts *o);
 int am_launch_pmix(const struct am_launch_opts *o);
+int am_launch_slurm_env(const struct am_launch_opts *o);
 
 #endif

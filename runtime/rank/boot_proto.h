@@ -1,7 +1,7 @@
 /* boot_proto.h - the bootstrap's wire format between a rank and its launcher.
  *
  * A stream socket carries requests from the rank and one reply to each; integers in host
- * order (both ends run on one machine). A request is struct am_boot_req followed by
+ * order (both ends run on one machine, or, over TCP without PMIx, on nodes of one cluster). A request is struct am_boot_req followed by
  * key_len bytes of key and val_len bytes of value; a reply is struct am_boot_rep followed
  * by len bytes: the info (HELLO), the value (GET), every rank's value of the key in rank order
  * (ALLGATHER: a put and a fence in one request, answered when the last rank sends its
@@ -16,7 +16,8 @@
 
 #include "bootstrap.h"
 
-enum am_boot_op { AM_BOOT_HELLO = 1, AM_BOOT_PUT, AM_BOOT_FENCE, AM_BOOT_GET, AM_BOOT_ABORT, AM_BOOT_ALLGATHER };
+enum am_boot_op { AM_BOOT_HELLO = 1, AM_BOOT_PUT, AM_BOOT_FENCE, AM_BOOT_GET, AM_BOOT_ABORT, AM_BOOT_ALLGATHER,
+                  AM_BOOT_JOIN /* TCP only: a rank's credential (launcher/boot_join.h) */ };
 
 struct am_boot_req {
     uint32_t op;
