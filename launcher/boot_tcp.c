@@ -71,7 +71,11 @@ static void peer_name(int fd, char *out, size_t len)
             inet_ntop(AF_INET, &((struct sockaddr_in *)&a)->sin_addr, host, sizeof(host));
             port = ntohs(((struct sockaddr_in *)&a)->sin_port);
         } else if (a.ss_family == AF_INET6) {
-            inet_ntop(AF_INET6, &((struct sockaddr_in6 *)&a)->sin6_addr, host, sizeof(host));
+            const struct in6_addr *v6 = &((struct sockaddr_in6 *)&a)->sin6_addr;
+            if (IN6_IS_ADDR_V4MAPPED(v6)) /* an IPv4 peer of the dual-stack socket */
+                inet_ntop(AF_INET, &v6->s6_addr[12], host, sizeof(host));
+            else
+                inet_ntop(AF_INET6, v6, host, sizeof(host));
             port = ntohs(((struct sockaddr_in6 *)&a)->sin6_port);
         }
     }

@@ -7,7 +7,8 @@
  * allgather to it as they are, and its replies back (HELLO is answered here). The server
  * enforces the fences' timeouts; the supervisor gives up itself 5 s after one (then the
  * connection is closed: a late reply would answer the wrong request). The step's abort is
- * `scancel --signal=KILL JOB.STEP`.
+ * `scancel --signal=KILL JOB.STEP`; a task that cannot serve or join aborts the step too (the
+ * other ranks would wait for it until their timeout).
  */
 #include <errno.h>
 #include <poll.h>
@@ -105,9 +106,9 @@ static void env_abort(struct task *t, int status, const char *msg)
         execvpe(argv[0], argv, environ);
         _exit(127);
     }
-    int st = 0;
-    if (pid < 0 || waitpid(pid, &st, 0) < 0 || !WIFEXITED(st) || WEXITSTATUS(st) != 0)
-        fprintf(stderr, "am-launch: `scancel --signal=KILL %s` failed: the other ranks may wait until their "
+    int st = 0; /* its status: the step may be ending already */
+    if (pid < 0 || (waitpid(pid, &st, 0) == pid && WIFEXITED(st) && WEXITSTATUS(st) == 127))
+        fprintf(stderr, "am-launch: cannot run `scancel --signal=KILL %s`: the other ranks may wait until their "
                 "timeout\n", target);
 }
 
@@ -143,13 +144,16 @@ int am_launch_slurm_env(const struct am_launch_opts *o)
     t->info = e->st.info;
     snprintf(e->server, sizeof(e->server), "%s:%d", e->st.server_host, e->st.port);
     am_task_begin(t, o, &env_ops); /* before the server's thread: the reaper's guard */
-    if (e->st.serves && !(e->srv = am_boot_tcp_serve(&e->st, err, sizeof(err)))) {
+    if (e->st.serves && !(e->srv = am_boot_tcp_serve(&e->st, err, sizeof(err))))
+        e->conn = -1;
+    else
+        e->conn = am_boot_tcp_join(&e->st, JOIN_TIMEOUT_S, err, sizeof(err));
+    if (e->conn < 0) { /* the other tasks would wait for this one until their timeout */
         neither(err);
-        goto out;
-    }
-    e->conn = am_boot_tcp_join(&e->st, JOIN_TIMEOUT_S, err, sizeof(err));
-    if (e->conn < 0) {
-        neither(err);
+        if (t->info.size > 1) {
+            t->aborted = 1;
+            env_abort(t, 2, err);
+        }
         goto out;
     }
     rc = am_task_run(t);

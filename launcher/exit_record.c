@@ -362,5 +362,6 @@ int am_log_has_exit(const char *log_dir, const char *job_id, int rank)
     tail[n - 1] = '\0';
     const char *last = strrchr(tail, '\n');
     last = last ? last + 1 : tail;
-    return strncmp(last, "{\"type\":\"exit\"", 15) == 0;
+    static const char exit_prefix[] = "{\"type\":\"exit\"";
+    return strncmp(last, exit_prefix, sizeof(exit_prefix) - 1) == 0;
 }

@@ -121,8 +121,8 @@ expect_line "how to launch" "$T/u.err" "am-launch: no --nproc and no PMIx server
 env -u SLURM_JOB_ID SLURM_STEP_ID=0 SLURM_PROCID=0 "$LAUNCH" "$RECIPE" >"$T/u.out" 2>"$T/u.err"
 expect_rc "Slurm without PMIx, nor a Slurm environment" 2 $? "$T/u.err"
 expect_line "both ways named" "$T/u.err" "am-launch: running in a Slurm step without PMIx, and its bootstrap over TCP with munge failed (SLURM_JOB_ID is not set: is this a task of a Slurm step (srun)?): start it with \`srun --mpi=pmix am-launch ...\` (or set MpiDefault=pmix in slurm.conf), or make munge and the boot server's port work on every node of the step (docs/admin.md)"
-env SLURM_JOB_ID=7 SLURM_STEP_ID=0 SLURM_PROCID=1 SLURM_NTASKS=2 SLURM_STEP_NUM_NODES=1 SLURM_NODEID=0 \
-  SLURM_LOCALID=1 SLURM_STEP_TASKS_PER_NODE=2 SLURM_STEP_NODELIST=localhost AM_MUNGE_SOCKET=$T/no-munged.sock \
+env SLURM_JOB_ID=7 SLURM_STEP_ID=0 SLURM_PROCID=0 SLURM_NTASKS=1 SLURM_STEP_NUM_NODES=1 SLURM_NODEID=0 \
+  SLURM_LOCALID=0 SLURM_STEP_TASKS_PER_NODE=1 SLURM_STEP_NODELIST=localhost AM_BOOT_HOST=127.0.0.1 AM_MUNGE_SOCKET=$T/no-munged.sock \
   "$LAUNCH" "$RECIPE" >"$T/u.out" 2>"$T/u.err"
 expect_rc "Slurm without PMIx, no munged" 2 $? "$T/u.err"
 expect_line "munged missing named" "$T/u.err" "am-launch: running in a Slurm step without PMIx, and its bootstrap over TCP with munge failed (munge cannot make a credential (munged's socket: $T/no-munged.sock; AM_MUNGE_SOCKET sets it): Failed to access \"$T/no-munged.sock\": No such file or directory (Did you start munged?)): start it with \`srun --mpi=pmix am-launch ...\` (or set MpiDefault=pmix in slurm.conf), or make munge and the boot server's port work on every node of the step (docs/admin.md)"
