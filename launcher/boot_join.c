@@ -7,6 +7,8 @@
 #include <string.h>
 #ifdef AM_HAVE_MUNGE
 #include <munge.h>
+
+#include "slurm_env.h"
 #endif
 
 void am_join_payload(const struct am_join_expect *x, int rank, char *out, size_t len)
@@ -48,16 +50,29 @@ int am_join_check(const struct am_join_expect *x, const char *payload, size_t le
 }
 
 #ifdef AM_HAVE_MUNGE
+/* munged's socket: AM_MUNGE_SOCKET, else Slurm's AuthInfo socket=, else NULL: libmunge's
+ * default. */
+static const char *socket_path(void)
+{
+    static char from_slurm[4096];
+    const char *sock = getenv("AM_MUNGE_SOCKET");
+    if (sock && *sock)
+        return sock;
+    if (!from_slurm[0] && !am_slurm_auth_socket(from_slurm, sizeof(from_slurm)))
+        return NULL;
+    return from_slurm;
+}
+
 static munge_ctx_t context(char *err, size_t err_len)
 {
     munge_ctx_t ctx = munge_ctx_create();
-    const char *sock = getenv("AM_MUNGE_SOCKET");
+    const char *sock = socket_path();
     if (!ctx) {
         snprintf(err, err_len, "munge: out of memory");
         return NULL;
     }
     if (sock && *sock && munge_ctx_set(ctx, MUNGE_OPT_SOCKET, sock) != EMUNGE_SUCCESS) {
-        snprintf(err, err_len, "munge: cannot use the socket AM_MUNGE_SOCKET=%s: %s", sock, munge_ctx_strerror(ctx));
+        snprintf(err, err_len, "munge: cannot use the socket %s: %s", sock, munge_ctx_strerror(ctx));
         munge_ctx_destroy(ctx);
         return NULL;
     }
@@ -67,8 +82,8 @@ static munge_ctx_t context(char *err, size_t err_len)
 /* Which munged: for messages. */
 static const char *socket_name(void)
 {
-    const char *sock = getenv("AM_MUNGE_SOCKET");
-    return sock && *sock ? sock : "libmunge's default socket";
+    const char *sock = socket_path();
+    return sock ? sock : "libmunge's default";
 }
 
 char *am_join_encode(const char *payload, char *err, size_t err_len)

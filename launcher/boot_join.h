@@ -7,8 +7,9 @@
  * runs as the job's user) and the payload names its job, step and address and a rank of the
  * step. The credential travels as the value of an AM_BOOT_JOIN request (boot_proto.h) whose
  * rank field is the rank; the reply is status 0, or an error message saying why.
- * The munged socket: AM_MUNGE_SOCKET when set (a cluster whose munged listens elsewhere than
- * libmunge's default, like the local test cluster), else libmunge's default.
+ * The munged socket: AM_MUNGE_SOCKET when set, else the socket= of Slurm's AuthInfo in
+ * slurm.conf (slurm_env.h: a munged that listens elsewhere than libmunge's default, like the
+ * local test cluster's), else libmunge's default.
  */
 #ifndef AM_BOOT_JOIN_H
 #define AM_BOOT_JOIN_H

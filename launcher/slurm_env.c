@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <unistd.h>
 
 int am_boot_port_derive(unsigned long long job, unsigned long long step)
@@ -158,6 +159,54 @@ int am_tasks_on_node(const char *spec, int node, char *err, size_t err_len)
     }
     snprintf(err, err_len, "tasks per node '%s': malformed (expected counts like 2(x3),1)", spec ? spec : "");
     return -1;
+}
+
+int am_slurm_auth_socket_parse(const char *text, char *out, size_t out_len)
+{
+    for (const char *line = text; line && *line;) {
+        const char *end = strchr(line, '\n');
+        size_t len = end ? (size_t)(end - line) : strlen(line);
+        const char *p = line, *stop = line + len;
+        line = end ? end + 1 : NULL;
+        while (p < stop && isspace((unsigned char)*p))
+            p++;
+        if ((size_t)(stop - p) < 9 || strncasecmp(p, "AuthInfo", 8) != 0)
+            continue;
+        p += 8;
+        while (p < stop && isspace((unsigned char)*p))
+            p++;
+        if (p == stop || *p++ != '=')
+            continue;
+        while (p < stop && isspace((unsigned char)*p))
+            p++;
+        while (p < stop && *p != '#' && !isspace((unsigned char)*p)) { /* options, comma-separated */
+            const char *opt = p;
+            while (p < stop && *p != ',' && *p != '#' && !isspace((unsigned char)*p))
+                p++;
+            size_t n = (size_t)(p - opt);
+            if (n > 7 && strncasecmp(opt, "socket=", 7) == 0 && n - 7 < out_len) {
+                memcpy(out, opt + 7, n - 7);
+                out[n - 7] = '\0';
+                return 1;
+            }
+            if (p < stop && *p == ',')
+                p++;
+        }
+    }
+    return 0;
+}
+
+int am_slurm_auth_socket(char *out, size_t out_len)
+{
+    const char *path = getenv("SLURM_CONF");
+    FILE *f = fopen(path && *path ? path : "/etc/slurm/slurm.conf", "re");
+    if (!f)
+        return 0;
+    char text[65536];
+    size_t n = fread(text, 1, sizeof(text) - 1, f);
+    fclose(f);
+    text[n] = '\0';
+    return am_slurm_auth_socket_parse(text, out, out_len);
 }
 
 /* The first of the variables that is set and not empty (its name into *which). */

@@ -35,6 +35,14 @@ long am_hostlist_count(const char *list, char *err, size_t err_len);
  * node `node`; -1 with a message when malformed or node is past its end. */
 int am_tasks_on_node(const char *spec, int node, char *err, size_t err_len);
 
+/* munged's socket as Slurm is told it: the socket= option of AuthInfo in slurm.conf's text
+ * ("AuthInfo=socket=/run/munge2/munge.sock,ttl=60"; keys case-insensitive, # comments).
+ * 1 with the path in out, 0 when the text names none. */
+int am_slurm_auth_socket_parse(const char *text, char *out, size_t out_len);
+/* The same from the file $SLURM_CONF (slurmd exports it to the tasks; configless clusters
+ * point it at slurmd's copy), else /etc/slurm/slurm.conf: 0 when neither names one. */
+int am_slurm_auth_socket(char *out, size_t out_len);
+
 /* This task in the step. */
 struct am_slurm_step {
     struct am_boot_info info;    /* rank, size, local, node, host, job id "JOB.STEP" */

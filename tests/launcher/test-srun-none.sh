@@ -10,9 +10,9 @@
 #     1 of a step; then it runs the real am-launch and the step completes);
 #   - a tp 2 job over 2 nodes (2 tasks each: tp inside a node, dp 2 between them) trains to the very same losses and gradient norms as under
 #     --mpi=pmix (when am-launch has PMIx), and as with the port given by --boot-port.
-# The cluster's munged listens on a private socket: AM_MUNGE_SOCKET names it; its node names
-# (n1..n4) do not resolve: AM_BOOT_HOST=127.0.0.1 is their address. Skips (77) when the
-# cluster cannot start.
+# The cluster's munged listens on a private socket, which am-launch finds in slurm.conf's
+# AuthInfo (SLURM_CONF); its node names (n1..n4) do not resolve: AM_BOOT_HOST=127.0.0.1 is
+# their address. Skips (77) when the cluster cannot start.
 set -uo pipefail
 source "$(dirname "$0")/lib.sh"
 
@@ -34,7 +34,8 @@ if ! "$CLUSTER" up >"$T/cluster.log" 2>&1; then
   exit 77
 fi
 eval "$("$CLUSTER" env)"
-export AM_MUNGE_SOCKET=$AM_CLUSTER_DIR/munge/munge.sock AM_BOOT_HOST=127.0.0.1
+unset AM_MUNGE_SOCKET
+export AM_BOOT_HOST=127.0.0.1
 
 # run NAME SRUN-OPTIONS... -- COMMAND...: sets RC, OUT, ERR (srun without --mpi: MpiDefault=none)
 run() {

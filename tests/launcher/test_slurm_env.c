@@ -86,6 +86,21 @@ static void test_port(void **state)
     }
 }
 
+static void test_auth_socket(void **state)
+{
+    (void)state;
+    char out[128];
+    assert_int_equal(am_slurm_auth_socket_parse("ClusterName=c\nAuthType=auth/munge\nAuthInfo=socket=/run/m/munge.sock\n",
+                                                out, sizeof(out)), 1);
+    assert_string_equal(out, "/run/m/munge.sock");
+    assert_int_equal(am_slurm_auth_socket_parse("  authinfo = ttl=60,SOCKET=/x/s # a comment\n", out, sizeof(out)), 1);
+    assert_string_equal(out, "/x/s");
+    assert_int_equal(am_slurm_auth_socket_parse("#AuthInfo=socket=/no\nAuthInfo=ttl=60\nAuthAltTypes=x\n", out,
+                                                sizeof(out)), 0);
+    assert_int_equal(am_slurm_auth_socket_parse("AuthInfoX=socket=/no", out, sizeof(out)), 0);
+    assert_int_equal(am_slurm_auth_socket_parse("", out, sizeof(out)), 0);
+}
+
 /* ---- a whole step's environment ---- */
 static const char *const *env_now;
 static const char *fake_getenv(const char *name)
@@ -171,7 +186,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_hostlist_first), cmocka_unit_test(test_hostlist_count),
         cmocka_unit_test(test_hostlist_malformed), cmocka_unit_test(test_tasks_on_node),
-        cmocka_unit_test(test_port), cmocka_unit_test(test_step), cmocka_unit_test(test_step_refused),
+        cmocka_unit_test(test_port), cmocka_unit_test(test_auth_socket), cmocka_unit_test(test_step), cmocka_unit_test(test_step_refused),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
