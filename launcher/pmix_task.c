@@ -1,4 +1,5 @@
-/* pmix_task.c - `srun --mpi=pmix am-launch`: one task's supervisor and PMIx client (launch.h).
+/* pmix_task.c - `srun --mpi=pmix am-launch`: one task's supervisor (slurm_task.h, which
+ * supervises the rank) and PMIx client (launch.h).
  *
  * The rank's requests are relayed to PMIx:
  *   HELLO  -> the info read at PMIx_Init (rank, sizes, node, host, job id)
