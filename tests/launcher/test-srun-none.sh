@@ -3,7 +3,7 @@
 # MpiDefault is none; tests/slurm/cluster): the bootstrap from Slurm's environment over TCP,
 # served by the first node's task and joined with munge credentials (launcher/env_task.c):
 #   - 4 ranks over 2 nodes bootstrap (each rank's view) and record their exits;
-#   - a failing rank ends the whole step with its status;
+#   - a failing rank ends the whole step with its status; a fence timeout names the late rank;
 #   - forged joins are refused, with the exact reason on the forger and on the server: a
 #     credential for another job, for another server address, garbage, a replayed one, a
 #     first request that is no join, a credential made by another user (boot_forge, as rank
@@ -64,6 +64,13 @@ expect_rc "bootstrap with srun --mpi=none" 0 "$RC" "$OUT" "$ERR"
 BOOT_CHECK_EXIT=3:7 run fail -N2 -w n1,n2 -n4 --ntasks-per-node=2 -- "$LAUNCH" --log-dir "$T/fail/logs" "$RECIPE" -- "$BOOT_CHECK"
 expect_rc "a rank exits 7" 7 "$RC" "$OUT" "$ERR"
 expect_match "its failure reported" "$ERR" '^am-launch: rank 3 on n2 exited with status 7; aborting the job \(log: .*/rank-3\.jsonl\)$'
+
+# ---- a fence timeout, enforced by the boot server: it names the rank that did not come ----------
+BOOT_CHECK_HANG=1:before BOOT_CHECK_TIMEOUT=2 run fence -N2 -w n1,n2 -n4 --ntasks-per-node=2 -- \
+  "$LAUNCH" --log-dir "$T/fence/logs" "$RECIPE" -- "$BOOT_CHECK"
+expect_rc "a rank stuck before the allgather" 4 "$RC" "$OUT" "$ERR"
+expect_match "the timeout names it" "$ERR" \
+  '^boot_check: rank [023]: bootstrap allgather: timed out after 2 s: rank 1 did not reach it \(stuck or slow: see its log\)$'
 
 # ---- forged joins -----------------------------------------------------------------------------
 PORT=24567
