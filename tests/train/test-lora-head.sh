@@ -9,6 +9,8 @@
 #     against one tied rank; in bf16, tp 2 against one rank's bf16 run within twice its
 #     distance from fp32;
 #   the adapter trains: the run with lm_head differs from the run without it;
+#   resume: stopped after step 3 and restored, steps 4-6 equal the uninterrupted run's to the
+#     last bit, at one rank and at tp 2 x pp 2;
 #   saved as peft saves it: step-N/peft/adapter_model.safetensors holds
 #     base_model.model.lm_head.lora_A.weight [dim, hidden] and lora_B [vocab, dim], gathered
 #     over tp, adapter_config.json's target_modules lists lm_head;
@@ -65,6 +67,9 @@ recipe() { # NAME MODS: lora.yaml with changes, its checkpoints under ckpt-NAME
         tied) args+=(-e 's/tie_word_embeddings: false/tie_word_embeddings: true/') ;;
         bf16) args+=(-e 's/param_dtype: float32.*/param_dtype: bfloat16/') ;;
         nohead) args+=(-e "s/match_all_linear: true/target_modules: ['*_proj']/") ;;
+        every3) args+=(-e 's/ckpt_every_steps: .*/ckpt_every_steps: 3/') ;;
+        stop3) args+=(-e 's/max_steps: .*/max_steps: 3/') ;;
+        ckpt=*) args+=(-e "s|checkpoint_dir: .*|checkpoint_dir: $work/ckpt-${m#ckpt=}|") ;;
         -) ;;
         esac
     done
@@ -118,6 +123,22 @@ if run ref-bf16 1 bf16 && run bf16-tp2 2 bf16 AM_TP=2; then
         bad "LoRA on lm_head in bf16, tp 2 against one rank: $cmp"
     fi
 fi
+
+# resume: stopped after step 3 and restored from its checkpoint, steps 4-6 are the uninterrupted
+# run's to the last bit (the head's adapter and its AdamW moments in the sharded state)
+for layout in "r1 1 ref" "r-tp2-pp2 4 tp2-pp2 AM_TP=2 AM_PP=2"; do
+    set -- $layout
+    name=$1 n=$2 ref=$3
+    shift 3
+    run "$name-stop" "$n" "every3,stop3,ckpt=$name" "$@" || continue
+    run "$name-cont" "$n" "every3,ckpt=$name" "$@" || continue
+    if [ -s "$work/steps-$ref" ] && [ "$(tail -n 3 "$work/steps-$ref")" = "$(cat "$work/steps-$name-cont")" ]; then
+        ok "$name: restored after step 3, steps 4-6 are $ref's to the last bit"
+    else
+        bad "$name: the resumed steps differ from $ref's"
+        paste <(tail -n 3 "$work/steps-$ref") "$work/steps-$name-cont" | sed 's/^/    /'
+    fi
+done
 
 # the saved adapters, as peft saves them, gathered over tp
 st="$work/ckpt-tp2/step-$steps/peft"
