@@ -1265,6 +1265,9 @@ LORA_CASES = {
     # an adapter on lm_head too (AutoModel's target_modules: ['*'] and match_all_linear select it)
     "llama_lora_head": dict(base="llama_gqa", r=4, alpha=8, targets=["q_proj", "v_proj", "lm_head"],
                             adapter_seed=3003),
+    # and on a base whose head is tied to the embedding, with Gemma 2's final logit soft cap
+    "gemma2_lora_head": dict(base="gemma2_tiny", r=4, alpha=8, targets=["q_proj", "v_proj", "lm_head"],
+                             adapter_seed=3004),
 }
 
 
