@@ -105,6 +105,8 @@ int am_kernels_missing(const struct am_kernels *k, char *buf, size_t len)
     AM_NEED(attention_block_softcap_backward);
     AM_NEED(ce_stats_softcap);
     AM_NEED(ce_backward_softcap);
+    AM_NEED(ce_stats_lora);
+    AM_NEED(ce_backward_lora);
     AM_NEED(moe_route_forward);
     AM_NEED(moe_route_backward);
     AM_NEED(moe_route_sigmoid_forward);

@@ -329,6 +329,20 @@ struct am_kernels {
     void (*ce_backward_softcap)(const struct am_dev *d, struct am_tensor *dx, struct am_tensor *dw, const struct am_tensor *x,
                                 const struct am_tensor *w, const struct am_tensor *targets, int64_t vocab_start,
                                 const struct am_tensor *M, const struct am_tensor *S, float dloss_scale, float softcap);
+    /* LoRA on the head (runtime/model/lora.h): ce_stats_softcap and ce_backward_softcap on the
+     * logits x · wᵀ + u · bᵀ, u [N, r] the adapter's scaled x · Aᵀ (compute dtype), b [V_shard, r]
+     * this shard of lora_B; the backward also accumulates du [N, r] += dlogits · b (compute dtype;
+     * the caller sums it over tp) and db [V_shard, r] += dlogitsᵀ · u (the gradient, fp32). The
+     * logits are never stored whole, as without the adapter. With u NULL (b, du, db NULL): the
+     * _softcap kernels, bit for bit. */
+    void (*ce_stats_lora)(const struct am_dev *d, struct am_tensor *m, struct am_tensor *s, struct am_tensor *t,
+                          const struct am_tensor *x, const struct am_tensor *w, const struct am_tensor *u,
+                          const struct am_tensor *b, const struct am_tensor *targets, int64_t vocab_start, float softcap);
+    void (*ce_backward_lora)(const struct am_dev *d, struct am_tensor *dx, struct am_tensor *dw, struct am_tensor *du,
+                             struct am_tensor *db, const struct am_tensor *x, const struct am_tensor *w,
+                             const struct am_tensor *u, const struct am_tensor *b, const struct am_tensor *targets,
+                             int64_t vocab_start, const struct am_tensor *M, const struct am_tensor *S, float dloss_scale,
+                             float softcap);
 
     /* ---- mixture of experts on one rank's experts (transformers' Mixtral, Qwen3-MoE) ----
      * N tokens, E experts, k experts per token (idx's columns), S = N * k routed rows; the

@@ -21,6 +21,11 @@
  * logits is capped where it is computed, logit <- c * tanh(logit / c) (transformers' order:
  * / c, tanh, * c), and the backward's dlogits are multiplied by 1 - (capped / c)².
  *
+ * LoRA on the head (ce_stats_lora, ce_backward_lora): u [N, r] (the adapter's scaled
+ * x · Aᵀ) and b [V, r] (this shard of lora_B) add u_rows · b_vocabᵀ to each tile of logits
+ * (one more sgemm, before the cap); the backward adds du_rows += dlogits · b_vocab beside dx
+ * and db_vocab += dlogitsᵀ · u_rows beside dw. Without u (NULL) nothing changes.
+ *
  * Threads: ce_stats gives each thread whole chunks of rows (its own scratch, its own
  * sgemms). The backward works on one tile at a time with all threads: first each thread
  * takes a slice of the tile's vocabulary (its columns of the logits, its rows of dw: one
@@ -104,37 +109,64 @@ static void check_ce_bf16(const char *kernel, const struct am_tensor *x, const s
     check_ce(kernel, x, w, targets);
 }
 
+static void stats_f32(const struct am_dev *dev, struct am_tensor *m, struct am_tensor *s, struct am_tensor *t,
+                      const struct am_tensor *x, const struct am_tensor *w, const struct am_tensor *u,
+                      const struct am_tensor *b, const struct am_tensor *targets, int64_t vocab_start, float cap);
+static void backward_f32(const struct am_dev *dev, struct am_tensor *dx, struct am_tensor *dw, struct am_tensor *du,
+                         struct am_tensor *db, const struct am_tensor *x, const struct am_tensor *w,
+                         const struct am_tensor *u, const struct am_tensor *b, const struct am_tensor *targets,
+                         int64_t vocab_start, const struct am_tensor *M, const struct am_tensor *S, float dloss_scale,
+                         float cap);
+
+/* LoRA's u [N, r] and b [V, r] beside x and w (u NULL: none). */
+static void check_lora(const char *kernel, const struct am_tensor *x, const struct am_tensor *w,
+                       const struct am_tensor *u, const struct am_tensor *b)
+{
+    if (!u)
+        return;
+    am_cpu_same(kernel, "u", u, "x", x);
+    am_cpu_same(kernel, "b", b, "x", x);
+    AM_CHECK(am_rows(u) == am_rows(x) && am_rows(b) == am_rows(w) && am_cols(u) == am_cols(b),
+             "u (%s) must be [%lld, r] and b (%s) [%lld, r]", am_tname(u), (long long)am_rows(x), am_tname(b),
+             (long long)am_rows(w));
+}
+
 static void ce_stats_bf16(const struct am_dev *dev, struct am_tensor *m, struct am_tensor *s, struct am_tensor *t,
-                          const struct am_tensor *x, const struct am_tensor *w, const struct am_tensor *targets,
-                          int64_t vocab_start, float cap)
+                          const struct am_tensor *x, const struct am_tensor *w, const struct am_tensor *u,
+                          const struct am_tensor *b, const struct am_tensor *targets, int64_t vocab_start, float cap)
 {
     const char *kernel = "am_cpu_ce_stats";
     check_ce_bf16(kernel, x, w, targets);
     am_cpu_stat(kernel, "m", m);
     am_cpu_stat(kernel, "s", s);
     am_cpu_stat(kernel, "t", t);
-    int64_t N = am_rows(x), C = am_cols(x), V = am_rows(w);
+    check_lora(kernel, x, w, u, b);
+    int64_t N = am_rows(x), C = am_cols(x), V = am_rows(w), rk = u ? am_cols(u) : 0;
     AM_CHECK(am_tensor_numel(m) == N && am_tensor_numel(s) == N && am_tensor_numel(t) == N,
              "m (%s), s and t must have one entry per row of x (%lld)", am_tname(m), (long long)N);
     int64_t R = chunk_rows(dev, C, N), VC = chunk_rows(dev, C, V), wv = -1;
-    float *ws = am_cpu_scratch(kernel, dev, R * C + VC * C + 3 * R + 64);
+    float *ws = am_cpu_scratch(kernel, dev, R * C + VC * C + 3 * R + 64 + (rk ? (R + VC) * rk + 64 : 0));
     float *xb = am_cpu_carve(&ws, R * C), *wb = am_cpu_carve(&ws, VC * C), *m2 = am_cpu_carve(&ws, R);
     float *s2 = am_cpu_carve(&ws, R), *t2 = am_cpu_carve(&ws, R), *wf = NULL;
+    float *ub = rk ? am_cpu_carve(&ws, R * rk) : NULL, *bb = rk ? am_cpu_carve(&ws, VC * rk) : NULL, *bf = NULL;
     for (int64_t r0 = 0; r0 < N; r0 += R) {
         int64_t nr = N - r0 < R ? N - r0 : R;
         struct am_tensor tx = am_f32_view(am_cpu_load(x, r0 * C, nr * C, xb), nr, C, 0, 0);
+        struct am_tensor tu = am_f32_view(rk ? am_cpu_load(u, r0 * rk, nr * rk, ub) : NULL, nr, rk, 0, 0);
         struct am_tensor tg = am_tensor_view((int32_t *)targets->data + r0, AM_DEV_CPU, AM_I32, nr, 0, 0, 0);
         float *md = (float *)m->data + r0, *sd = (float *)s->data + r0, *td = (float *)t->data + r0;
         for (int64_t v0 = 0; v0 < V; v0 += VC) {
             int64_t vc = V - v0 < VC ? V - v0 : VC;
-            if (wv != v0) /* (one chunk of vocabulary: widened once for every row chunk) */
+            if (wv != v0) { /* (one chunk of vocabulary: widened once for every row chunk) */
                 wf = am_cpu_load(w, v0 * C, vc * C, wb);
+                bf = rk ? am_cpu_load(b, v0 * rk, vc * rk, bb) : NULL;
+            }
             wv = v0;
-            struct am_tensor tw = am_f32_view(wf, vc, C, 0, 0);
+            struct am_tensor tw = am_f32_view(wf, vc, C, 0, 0), tb = am_f32_view(bf, vc, rk, 0, 0);
             bool first = v0 == 0;
             struct am_tensor tm = am_f32_view(first ? md : m2, nr, 0, 0, 0), ts = am_f32_view(first ? sd : s2, nr, 0, 0, 0);
             struct am_tensor tt = am_f32_view(first ? td : t2, nr, 0, 0, 0);
-            am_cpu_ce_stats_softcap(dev, &tm, &ts, &tt, &tx, &tw, &tg, vocab_start + v0, cap);
+            stats_f32(dev, &tm, &ts, &tt, &tx, &tw, rk ? &tu : NULL, rk ? &tb : NULL, &tg, vocab_start + v0, cap);
             for (int64_t r = 0; !first && r < nr; r++) { /* combine, as the shards of a tp group */
                 float mx = md[r] > m2[r] ? md[r] : m2[r];
                 sd[r] = sd[r] * expf(md[r] - mx) + s2[r] * expf(m2[r] - mx);
@@ -145,8 +177,9 @@ static void ce_stats_bf16(const struct am_dev *dev, struct am_tensor *m, struct 
     }
 }
 
-static void ce_backward_bf16(const struct am_dev *dev, struct am_tensor *dx, struct am_tensor *dw,
-                             const struct am_tensor *x, const struct am_tensor *w, const struct am_tensor *targets,
+static void ce_backward_bf16(const struct am_dev *dev, struct am_tensor *dx, struct am_tensor *dw, struct am_tensor *du,
+                             struct am_tensor *db, const struct am_tensor *x, const struct am_tensor *w,
+                             const struct am_tensor *u, const struct am_tensor *b, const struct am_tensor *targets,
                              int64_t vocab_start, const struct am_tensor *M, const struct am_tensor *S, float dloss_scale,
                              float cap)
 {
@@ -158,40 +191,60 @@ static void ce_backward_bf16(const struct am_dev *dev, struct am_tensor *dx, str
         am_cpu_same(kernel, "dx", dx, "x", x);
     if (dw)
         am_cpu_grad(kernel, "dw", dw, "x", x);
-    int64_t N = am_rows(x), C = am_cols(x), V = am_rows(w);
+    check_lora(kernel, x, w, u, b);
+    int64_t N = am_rows(x), C = am_cols(x), V = am_rows(w), rk = u ? am_cols(u) : 0;
     AM_CHECK(am_tensor_numel(M) == N && am_tensor_numel(S) == N, "M (%s) and S (%s) need one entry per row (%lld)",
              am_tname(M), am_tname(S), (long long)N);
     AM_CHECK(!dx || (am_rows(dx) == N && am_cols(dx) == C), "dx (%s) must have x's shape", am_tname(dx));
     AM_CHECK(!dw || (am_rows(dw) == V && am_cols(dw) == C), "dw (%s) must have w's shape", am_tname(dw));
-    if ((!dx && !dw) || N == 0 || V == 0)
+    AM_CHECK(!rk || (du && db && am_rows(du) == N && am_cols(du) == rk && am_rows(db) == V && am_cols(db) == rk),
+             "du and db must have u's and b's shapes");
+    if (rk) {
+        am_cpu_same(kernel, "du", du, "u", u);
+        am_cpu_grad(kernel, "db", db, "u", u);
+    }
+    if ((!dx && !dw && !rk) || N == 0 || V == 0)
         return;
     int64_t R = chunk_rows(dev, C, N), VC = chunk_rows(dev, C, V), wv = -1;
-    bool dw_bf16 = dw && dw->dtype == AM_BF16;
-    float *ws = am_cpu_scratch(kernel, dev, 2 * R * C + VC * C + (dw_bf16 ? V * C : 0) + 64);
+    bool dw_bf16 = dw && dw->dtype == AM_BF16, db_bf16 = rk && db->dtype == AM_BF16;
+    float *ws = am_cpu_scratch(kernel, dev, 2 * R * C + VC * C + (dw_bf16 ? V * C : 0) +
+                                                (rk ? 2 * R * rk + VC * rk + (db_bf16 ? V * rk : 0) + 64 : 0) + 64);
     float *xb = am_cpu_carve(&ws, R * C), *dxb = am_cpu_carve(&ws, R * C), *wb = am_cpu_carve(&ws, VC * C), *wf = NULL;
+    float *ub = rk ? am_cpu_carve(&ws, R * rk) : NULL, *dub = rk ? am_cpu_carve(&ws, R * rk) : NULL;
+    float *bb = rk ? am_cpu_carve(&ws, VC * rk) : NULL, *bf = NULL;
+    float *dbf = rk ? am_cpu_load(db, 0, V * rk, am_cpu_carve(&ws, db_bf16 ? V * rk : 0)) : NULL;
     float *dwf = dw ? am_cpu_load(dw, 0, V * C, ws) : NULL; /* f32: dw itself; bf16: widened, whole */
     for (int64_t r0 = 0; r0 < N; r0 += R) {
         int64_t nr = N - r0 < R ? N - r0 : R;
         struct am_tensor tx = am_f32_view(am_cpu_load(x, r0 * C, nr * C, xb), nr, C, 0, 0);
         struct am_tensor tdx = am_f32_view(dx ? am_cpu_load(dx, r0 * C, nr * C, dxb) : NULL, nr, C, 0, 0);
+        struct am_tensor tu = am_f32_view(rk ? am_cpu_load(u, r0 * rk, nr * rk, ub) : NULL, nr, rk, 0, 0);
+        struct am_tensor tdu = am_f32_view(rk ? am_cpu_load(du, r0 * rk, nr * rk, dub) : NULL, nr, rk, 0, 0);
         struct am_tensor tg = am_tensor_view((int32_t *)targets->data + r0, AM_DEV_CPU, AM_I32, nr, 0, 0, 0);
         struct am_tensor tM = am_f32_view((float *)M->data + r0, nr, 0, 0, 0);
         struct am_tensor tS = am_f32_view((float *)S->data + r0, nr, 0, 0, 0);
         for (int64_t v0 = 0; v0 < V; v0 += VC) {
             int64_t vc = V - v0 < VC ? V - v0 : VC;
-            if (wv != v0)
+            if (wv != v0) {
                 wf = am_cpu_load(w, v0 * C, vc * C, wb);
+                bf = rk ? am_cpu_load(b, v0 * rk, vc * rk, bb) : NULL;
+            }
             wv = v0;
-            struct am_tensor tw = am_f32_view(wf, vc, C, 0, 0);
+            struct am_tensor tw = am_f32_view(wf, vc, C, 0, 0), tb = am_f32_view(bf, vc, rk, 0, 0);
             struct am_tensor tdw = am_f32_view(dwf ? dwf + v0 * C : NULL, vc, C, 0, 0);
-            am_cpu_ce_backward_softcap(dev, dx ? &tdx : NULL, dw ? &tdw : NULL, &tx, &tw, &tg, vocab_start + v0, &tM,
-                                       &tS, dloss_scale, cap);
+            struct am_tensor tdb = am_f32_view(dbf ? dbf + v0 * rk : NULL, vc, rk, 0, 0);
+            backward_f32(dev, dx ? &tdx : NULL, dw ? &tdw : NULL, rk ? &tdu : NULL, rk ? &tdb : NULL, &tx, &tw,
+                         rk ? &tu : NULL, rk ? &tb : NULL, &tg, vocab_start + v0, &tM, &tS, dloss_scale, cap);
         }
         if (dx)
             am_cpu_store(dx, r0 * C, nr * C, tdx.data);
+        if (rk)
+            am_cpu_store(du, r0 * rk, nr * rk, tdu.data);
     }
     if (dw)
         am_cpu_store(dw, 0, V * C, dwf);
+    if (rk)
+        am_cpu_store(db, 0, V * rk, dbf);
 }
 
 static bool ce_fused_bf16(const struct am_dev *dev, struct am_tensor *m, struct am_tensor *s, struct am_tensor *t,
@@ -245,15 +298,30 @@ void am_cpu_ce_stats_softcap(const struct am_dev *dev, struct am_tensor *m, stru
                              const struct am_tensor *x, const struct am_tensor *w, const struct am_tensor *targets,
                              int64_t vocab_start, float cap)
 {
-    if (am_not_f32(x) || am_not_f32(w)) {
-        ce_stats_bf16(dev, m, s, t, x, w, targets, vocab_start, cap);
-        return;
-    }
+    am_cpu_ce_stats_lora(dev, m, s, t, x, w, NULL, NULL, targets, vocab_start, cap);
+}
+
+void am_cpu_ce_stats_lora(const struct am_dev *dev, struct am_tensor *m, struct am_tensor *s, struct am_tensor *t,
+                          const struct am_tensor *x, const struct am_tensor *w, const struct am_tensor *u,
+                          const struct am_tensor *b, const struct am_tensor *targets, int64_t vocab_start, float cap)
+{
+    if (am_not_f32(x) || am_not_f32(w) || (u && (am_not_f32(u) || am_not_f32(b))))
+        ce_stats_bf16(dev, m, s, t, x, w, u, b, targets, vocab_start, cap);
+    else
+        stats_f32(dev, m, s, t, x, w, u, b, targets, vocab_start, cap);
+}
+
+static void stats_f32(const struct am_dev *dev, struct am_tensor *m, struct am_tensor *s, struct am_tensor *t,
+                      const struct am_tensor *x, const struct am_tensor *w, const struct am_tensor *u,
+                      const struct am_tensor *b, const struct am_tensor *targets, int64_t vocab_start, float cap)
+{
     float *md = F32(m), *sd = F32(s), *td = F32(t);
     const float *xd = F32(x), *wd = F32(w);
     const int32_t *tg = I32(targets);
-    check_ce(__func__, x, w, targets);
-    int64_t N = am_rows(x), C = am_cols(x), V = am_rows(w);
+    check_ce("am_cpu_ce_stats_softcap", x, w, targets);
+    check_lora("am_cpu_ce_stats_lora", x, w, u, b);
+    int64_t N = am_rows(x), C = am_cols(x), V = am_rows(w), rk = u ? am_cols(u) : 0;
+    const float *ud = u ? F32(u) : NULL, *bd = u ? F32(b) : NULL;
     AM_CHECK(am_tensor_numel(m) == N && am_tensor_numel(s) == N && am_tensor_numel(t) == N,
              "m (%s), s and t must have one entry per row of x (%lld)", am_tname(m), (long long)N);
     int nth = omp_get_max_threads();
@@ -282,6 +350,8 @@ void am_cpu_ce_stats_softcap(const struct am_dev *dev, struct am_tensor *m, stru
             for (int64_t v0 = 0; v0 < V; v0 += VT) {
                 int64_t vt = V - v0 < VT ? V - v0 : VT;
                 am_cpu_sgemm1(false, true, nr, vt, C, 1.0f, xd + r0 * C, C, wd + v0 * C, C, 0.0f, L, VT);
+                if (rk)
+                    am_cpu_sgemm1(false, true, nr, vt, rk, 1.0f, ud + r0 * rk, rk, bd + v0 * rk, rk, 1.0f, L, VT);
                 if (cap > 0.0f)
                     cap_tile(L, VT, nr, 0, vt, cap);
                 for (int64_t r = 0; r < nr; r++) {
@@ -340,20 +410,43 @@ void am_cpu_ce_backward_softcap(const struct am_dev *dev, struct am_tensor *dx, 
                                 int64_t vocab_start, const struct am_tensor *M, const struct am_tensor *S,
                                 float dloss_scale, float cap)
 {
-    if (am_not_f32(dx) || am_not_f32(dw) || am_not_f32(x) || am_not_f32(w)) {
-        ce_backward_bf16(dev, dx, dw, x, w, targets, vocab_start, M, S, dloss_scale, cap);
-        return;
-    }
+    am_cpu_ce_backward_lora(dev, dx, dw, NULL, NULL, x, w, NULL, NULL, targets, vocab_start, M, S, dloss_scale, cap);
+}
+
+void am_cpu_ce_backward_lora(const struct am_dev *dev, struct am_tensor *dx, struct am_tensor *dw, struct am_tensor *du,
+                             struct am_tensor *db, const struct am_tensor *x, const struct am_tensor *w,
+                             const struct am_tensor *u, const struct am_tensor *b, const struct am_tensor *targets,
+                             int64_t vocab_start, const struct am_tensor *M, const struct am_tensor *S, float dloss_scale,
+                             float cap)
+{
+    if (am_not_f32(dx) || am_not_f32(dw) || am_not_f32(x) || am_not_f32(w) ||
+        (u && (am_not_f32(u) || am_not_f32(b) || am_not_f32(du) || am_not_f32(db))))
+        ce_backward_bf16(dev, dx, dw, du, db, x, w, u, b, targets, vocab_start, M, S, dloss_scale, cap);
+    else
+        backward_f32(dev, dx, dw, du, db, x, w, u, b, targets, vocab_start, M, S, dloss_scale, cap);
+}
+
+static void backward_f32(const struct am_dev *dev, struct am_tensor *dx, struct am_tensor *dw, struct am_tensor *du,
+                         struct am_tensor *db, const struct am_tensor *x, const struct am_tensor *w,
+                         const struct am_tensor *u, const struct am_tensor *lb, const struct am_tensor *targets,
+                         int64_t vocab_start, const struct am_tensor *M, const struct am_tensor *S, float dloss_scale,
+                         float cap)
+{
     const float *xd = F32(x), *wd = F32(w), *Md = F32(M), *Sd = F32(S);
     const int32_t *tg = I32(targets);
-    check_ce(__func__, x, w, targets);
-    int64_t N = am_rows(x), C = am_cols(x), V = am_rows(w);
+    check_ce("am_cpu_ce_backward_softcap", x, w, targets);
+    check_lora("am_cpu_ce_backward_lora", x, w, u, lb);
+    int64_t N = am_rows(x), C = am_cols(x), V = am_rows(w), rk = u ? am_cols(u) : 0;
     AM_CHECK(am_tensor_numel(M) == N && am_tensor_numel(S) == N, "M (%s) and S (%s) need one entry per row (%lld)",
              am_tname(M), am_tname(S), (long long)N);
     float *dxd = dx ? F32(dx) : NULL, *dwd = dw ? F32(dw) : NULL;
     AM_CHECK(!dx || (am_rows(dx) == N && am_cols(dx) == C), "dx (%s) must have x's shape", am_tname(dx));
     AM_CHECK(!dw || (am_rows(dw) == V && am_cols(dw) == C), "dw (%s) must have w's shape", am_tname(dw));
-    if ((!dxd && !dwd) || N == 0 || V == 0)
+    AM_CHECK(!rk || (du && db && am_rows(du) == N && am_cols(du) == rk && am_rows(db) == V && am_cols(db) == rk),
+             "du and db must have u's and b's shapes");
+    const float *ud = rk ? F32(u) : NULL, *bd = rk ? F32(lb) : NULL;
+    float *dud = rk ? F32(du) : NULL, *dbd = rk ? F32(db) : NULL;
+    if ((!dxd && !dwd && !rk) || N == 0 || V == 0)
         return;
     int64_t R = N < CE_ROWS ? N : CE_ROWS, VT = vocab_tile(R, V);
     float *L = malloc((size_t)(R * VT) * sizeof(float));
@@ -369,11 +462,17 @@ void am_cpu_ce_backward_softcap(const struct am_dev *dev, struct am_tensor *dx, 
                 /* this thread's columns of the tile: logits, dlogits, its rows of dw */
                 am_split(vt, id, nth, 16, &a, &b);
                 am_cpu_sgemm1(false, true, nr, b - a, C, 1.0f, xc, C, wd + (v0 + a) * C, C, 0.0f, L + a, VT);
+                if (rk)
+                    am_cpu_sgemm1(false, true, nr, b - a, rk, 1.0f, ud + r0 * rk, rk, bd + (v0 + a) * rk, rk, 1.0f,
+                                  L + a, VT);
                 if (cap > 0.0f)
                     cap_tile(L, VT, nr, a, b, cap);
                 dlogits_slice(L, VT, nr, a, b, v0, tg + r0, vocab_start, Md + r0, Sd + r0, dloss_scale, cap);
                 if (dwd)
                     am_cpu_sgemm1(true, false, b - a, C, nr, 1.0f, L + a, VT, xc, C, 1.0f, dwd + (v0 + a) * C, C);
+                if (rk) /* db's rows of the slice += dlogitsᵀ · u */
+                    am_cpu_sgemm1(true, false, b - a, rk, nr, 1.0f, L + a, VT, ud + r0 * rk, rk, 1.0f,
+                                  dbd + (v0 + a) * rk, rk);
 #pragma omp barrier
                 /* this thread's rows of the tile: dx += dlogits · w over the tile's vocabulary */
                 if (dxd) {
@@ -381,6 +480,12 @@ void am_cpu_ce_backward_softcap(const struct am_dev *dev, struct am_tensor *dx, 
                     am_split(nr, id, nth, 1, &ra, &rb);
                     am_cpu_sgemm1(false, false, rb - ra, C, vt, 1.0f, L + ra * VT, VT, wd + v0 * C, C, 1.0f,
                                   dxd + (r0 + ra) * C, C);
+                }
+                if (rk) { /* and du += dlogits · b */
+                    int64_t ra, rb;
+                    am_split(nr, id, nth, 1, &ra, &rb);
+                    am_cpu_sgemm1(false, false, rb - ra, rk, vt, 1.0f, L + ra * VT, VT, bd + v0 * rk, rk, 1.0f,
+                                  dud + (r0 + ra) * rk, rk);
                 }
 #pragma omp barrier
             }

@@ -31,6 +31,11 @@
  * bytes of scratch beside the tiles (2 GiB at 128k x 4096), which am-plan does not count (the
  * model never asks for it; cuda_impl.h has the scratch's sizes).
  *
+ * LoRA on the head (ce_stats_lora, ce_backward_lora): one more GEMM per tile adds u_rows ·
+ * b_vocabᵀ (K = r, beta 1) to the logits before the cap; the backward adds du_rows += D · b_vocab
+ * (into an fp32 [R, r] tile added to a bf16 du once per row chunk, as dx's) and db_vocab += Dᵀ ·
+ * u_rows (db fp32, the model's gradient).
+ *
  * Determinism: one block per row reduces its part of a tile by a fixed tree, the tiles in
  * order; ce_loss is one block whose threads each sum a contiguous strip of tokens in order,
  * the strips added by a fixed tree; the GEMMs are cuBLASLt's with the algorithm cached per
@@ -275,13 +280,27 @@ static void check_grads(const char *k, const struct am_tensor *dx, const struct 
 
 /* ---- the passes over the tiles ---- */
 
-/* L = x[r0 .. r0 + nr) · w[v0 .. v0 + vc)ᵀ into the fp32 tile (rows p->ld apart) */
+/* LoRA on the head: u [N, r], b [V, r] (x's dtype), du [N, r] (x's dtype), db [V, r] (fp32) */
+struct ce_lora {
+    const struct am_tensor *u, *b;
+    struct am_tensor *du, *db;
+    int64_t r;
+};
+
+/* L = x[r0 .. r0 + nr) · w[v0 .. v0 + vc)ᵀ (+ u_rows · b_vocabᵀ with lo) into the fp32 tile (rows
+ * p->ld apart) */
 static void logits(const char *k, const struct am_dev *d, const struct ce_plan *p, const struct am_tensor *x,
-                   const struct am_tensor *w, int64_t r0, int64_t nr, int64_t v0, int64_t vc, float *L)
+                   const struct am_tensor *w, int64_t r0, int64_t nr, int64_t v0, int64_t vc, float *L,
+                   const struct ce_lora *lo)
 {
     size_t es = am_dtype_size(x->dtype);
     const char *xc = (const char *)x->data + (size_t)(r0 * p->C) * es, *wc = (const char *)w->data + (size_t)(v0 * p->C) * es;
     am_cuda_gemm(k, d, true, false, vc, nr, p->C, wc, p->C, xc, p->C, x->dtype, L, p->ld, AM_F32, 0.0f);
+    if (lo) {
+        const char *uc = (const char *)lo->u->data + (size_t)(r0 * lo->r) * es;
+        const char *bc = (const char *)lo->b->data + (size_t)(v0 * lo->r) * es;
+        am_cuda_gemm(k, d, true, false, vc, nr, lo->r, bc, lo->r, uc, lo->r, x->dtype, L, p->ld, AM_F32, 1.0f);
+    }
 }
 
 /* The tile's logits capped (cap > 0; nothing otherwise). */
@@ -309,22 +328,25 @@ struct ce_grads {
     am_bf16_t *Lb;     /* bf16: the dlogits tile */
     float *dx_acc;     /* bf16 dx: the row chunk's fp32 contributions [R, C] */
     float *dw_acc;     /* bf16 dw: the whole of dw widened to fp32 [V, C] */
+    float *du_acc;     /* LoRA with bf16 du: the row chunk's fp32 contributions [R, r] */
 };
 
 /* Scratch for one call: the logits tile, and what the bf16 path needs. */
 static struct ce_grads ce_scratch(const char *k, const struct am_dev *d, const struct ce_plan *p, bool bf16, bool dx_acc,
-                                  bool dw_acc)
+                                  bool dw_acc, int64_t du_cols)
 {
     size_t tile = (size_t)(p->R * p->ld);
     size_t bytes = rup(tile * sizeof(float)) + (bf16 ? rup(tile * sizeof(am_bf16_t)) : 0) +
                    (dx_acc ? rup((size_t)(p->R * p->C) * sizeof(float)) : 0) +
-                   (dw_acc ? rup((size_t)(p->V * p->C) * sizeof(float)) : 0);
+                   (dw_acc ? rup((size_t)(p->V * p->C) * sizeof(float)) : 0) +
+                   (du_cols ? rup((size_t)(p->R * du_cols) * sizeof(float)) : 0);
     char *base = (char *)am_cuda_scratch(k, d, bytes);
     struct ce_grads g;
     g.L = (float *)carve(&base, tile * sizeof(float));
     g.Lb = bf16 ? (am_bf16_t *)carve(&base, tile * sizeof(am_bf16_t)) : NULL;
     g.dx_acc = dx_acc ? (float *)carve(&base, (size_t)(p->R * p->C) * sizeof(float)) : NULL;
     g.dw_acc = dw_acc ? (float *)carve(&base, (size_t)(p->V * p->C) * sizeof(float)) : NULL;
+    g.du_acc = du_cols ? (float *)carve(&base, (size_t)(p->R * du_cols) * sizeof(float)) : NULL;
     return g;
 }
 
@@ -333,7 +355,7 @@ static struct ce_grads ce_scratch(const char *k, const struct am_dev *d, const s
 static void backward_tile(const char *k, const struct am_dev *d, const struct ce_plan *p, const struct ce_grads *g,
                           struct am_tensor *dx, struct am_tensor *dw, const struct am_tensor *x, const struct am_tensor *w,
                           const int32_t *tg, int64_t vocab_start, const float *M, const float *S, float scale,
-                          int64_t r0, int64_t nr, int64_t v0, int64_t vc, float cap)
+                          int64_t r0, int64_t nr, int64_t v0, int64_t vc, float cap, const struct ce_lora *lo)
 {
     cudaStream_t st = am_cuda_stream(d);
     enum am_dtype dt = x->dtype;
@@ -363,6 +385,14 @@ static void backward_tile(const char *k, const struct am_dev *d, const struct ce
         am_cuda_gemm(k, d, false, true, p->C, vc, nr, xc, p->C, D, p->ld, dt, out, p->C, g->dw_acc ? AM_F32 : dw->dtype,
                      1.0f);
     }
+    if (lo) { /* du_rows[nr, r] += D · b_vocab[vc, r]; db_vocab[vc, r] += Dᵀ · u_rows[nr, r] */
+        int64_t r = lo->r;
+        const char *bc = (const char *)lo->b->data + (size_t)(v0 * r) * es;
+        const char *uc = (const char *)lo->u->data + (size_t)(r0 * r) * es;
+        void *out = g->du_acc ? (void *)g->du_acc : (void *)((char *)lo->du->data + (size_t)(r0 * r) * es);
+        am_cuda_gemm(k, d, false, false, r, nr, vc, bc, r, D, p->ld, dt, out, r, AM_F32, 1.0f);
+        am_cuda_gemm(k, d, false, true, r, vc, nr, uc, r, D, p->ld, dt, (float *)lo->db->data + v0 * r, r, AM_F32, 1.0f);
+    }
 }
 
 /* The bf16 path's accumulators: dw widened before the passes ... */
@@ -377,19 +407,29 @@ static void grads_begin(const char *k, const struct am_dev *d, const struct ce_p
 }
 
 /* ... the dx tile zeroed before each row chunk and added to dx after it ... */
-static void rows_begin(const char *k, const struct am_dev *d, const struct ce_plan *p, const struct ce_grads *g, int64_t nr)
+static void rows_begin(const char *k, const struct am_dev *d, const struct ce_plan *p, const struct ce_grads *g, int64_t nr,
+                       const struct ce_lora *lo)
 {
     if (g->dx_acc)
         am_cuda_check(k, cudaMemsetAsync(g->dx_acc, 0, (size_t)(nr * p->C) * sizeof(float), am_cuda_stream(d)),
                       "cudaMemsetAsync (dx tile)");
+    if (g->du_acc)
+        am_cuda_check(k, cudaMemsetAsync(g->du_acc, 0, (size_t)(nr * lo->r) * sizeof(float), am_cuda_stream(d)),
+                      "cudaMemsetAsync (du tile)");
 }
 
 static void rows_end(const char *k, const struct am_dev *d, const struct ce_plan *p, const struct ce_grads *g,
-                     struct am_tensor *dx, int64_t r0, int64_t nr)
+                     struct am_tensor *dx, int64_t r0, int64_t nr, const struct ce_lora *lo)
 {
     if (g->dx_acc) {
         int64_t n = nr * p->C;
         ce_add_bf16_k<<<am_blocks(n), AM_THREADS, 0, am_cuda_stream(d)>>>((am_bf16_t *)dx->data + r0 * p->C, g->dx_acc, n);
+        AM_LAUNCHED(k);
+    }
+    if (g->du_acc) {
+        int64_t n = nr * lo->r;
+        ce_add_bf16_k<<<am_blocks(n), AM_THREADS, 0, am_cuda_stream(d)>>>((am_bf16_t *)lo->du->data + r0 * lo->r,
+                                                                          g->du_acc, n);
         AM_LAUNCHED(k);
     }
 }
@@ -409,7 +449,7 @@ static void grads_end(const char *k, const struct am_dev *d, const struct ce_pla
 
 static void ce_stats(const char *k, const struct am_dev *d, struct am_tensor *m, struct am_tensor *s, struct am_tensor *t,
                      const struct am_tensor *x, const struct am_tensor *w, const struct am_tensor *targets,
-                     int64_t vocab_start, float cap)
+                     int64_t vocab_start, float cap, const struct ce_lora *lo)
 {
     am_cuda_ctx(k, d);
     check_ce(k, x, w, targets);
@@ -424,12 +464,12 @@ static void ce_stats(const char *k, const struct am_dev *d, struct am_tensor *m,
         return;
     }
     struct ce_plan p = ce_plan_for(N, C, V);
-    float *L = ce_scratch(k, d, &p, false, false, false).L;
+    float *L = ce_scratch(k, d, &p, false, false, false, 0).L;
     for (int64_t r0 = 0; r0 < N; r0 += p.R) {
         int64_t nr = N - r0 < p.R ? N - r0 : p.R;
         for (int64_t v0 = 0; v0 < V; v0 += p.VC) {
             int64_t vc = V - v0 < p.VC ? V - v0 : p.VC;
-            logits(k, d, &p, x, w, r0, nr, v0, vc, L);
+            logits(k, d, &p, x, w, r0, nr, v0, vc, L, lo);
             cap_tile(k, d, &p, L, nr, vc, cap);
             stats_tile(k, d, &p, L, nr, v0, vc, md + r0, sd + r0, td + r0, tg + r0, vocab_start);
         }
@@ -440,43 +480,81 @@ void am_cuda_ce_stats(const struct am_dev *d, struct am_tensor *m, struct am_ten
                       const struct am_tensor *x, const struct am_tensor *w, const struct am_tensor *targets,
                       int64_t vocab_start)
 {
-    ce_stats("am_cuda_ce_stats", d, m, s, t, x, w, targets, vocab_start, 0.0f);
+    ce_stats("am_cuda_ce_stats", d, m, s, t, x, w, targets, vocab_start, 0.0f, NULL);
 }
 
 void am_cuda_ce_stats_softcap(const struct am_dev *d, struct am_tensor *m, struct am_tensor *s, struct am_tensor *t,
                               const struct am_tensor *x, const struct am_tensor *w, const struct am_tensor *targets,
                               int64_t vocab_start, float softcap)
 {
-    ce_stats("am_cuda_ce_stats_softcap", d, m, s, t, x, w, targets, vocab_start, softcap);
+    ce_stats("am_cuda_ce_stats_softcap", d, m, s, t, x, w, targets, vocab_start, softcap, NULL);
+}
+
+/* LoRA's tensors checked against x and w (kernels.h: ce_stats_lora); NULL without u. */
+static const struct ce_lora *lora_of(const char *k, struct ce_lora *lo, const struct am_tensor *x,
+                                     const struct am_tensor *w, const struct am_tensor *u, const struct am_tensor *b,
+                                     struct am_tensor *du, struct am_tensor *db)
+{
+    if (!u)
+        return NULL;
+    am_cuda_same(k, "u", u, "x", x);
+    am_cuda_same(k, "b", b, "x", x);
+    lo->u = u;
+    lo->b = b;
+    lo->du = du;
+    lo->db = db;
+    lo->r = am_cols(u);
+    AM_CUDA_REQUIRE(k, am_rows(u) == am_rows(x) && am_rows(b) == am_rows(w) && am_cols(b) == lo->r,
+                    "u (%s) must be [%lld, r] and b (%s) [%lld, r]", am_tname(u), (long long)am_rows(x), am_tname(b),
+                    (long long)am_rows(w));
+    if (du || db) {
+        AM_CUDA_REQUIRE(k, du && db, "du and db come together");
+        am_cuda_same(k, "du", du, "u", u);
+        am_cuda_stat(k, "db", db);
+        AM_CUDA_REQUIRE(k, am_rows(du) == am_rows(u) && am_cols(du) == lo->r && am_rows(db) == am_rows(b) &&
+                               am_cols(db) == lo->r,
+                        "du (%s) and db (%s) must have u's and b's shapes", am_tname(du), am_tname(db));
+    }
+    return lo;
+}
+
+void am_cuda_ce_stats_lora(const struct am_dev *d, struct am_tensor *m, struct am_tensor *s, struct am_tensor *t,
+                           const struct am_tensor *x, const struct am_tensor *w, const struct am_tensor *u,
+                           const struct am_tensor *b, const struct am_tensor *targets, int64_t vocab_start,
+                           float softcap)
+{
+    const char *k = "am_cuda_ce_stats_lora";
+    struct ce_lora lb;
+    ce_stats(k, d, m, s, t, x, w, targets, vocab_start, softcap, lora_of(k, &lb, x, w, u, b, NULL, NULL));
 }
 
 static void ce_backward(const char *k, const struct am_dev *d, struct am_tensor *dx, struct am_tensor *dw,
                         const struct am_tensor *x, const struct am_tensor *w, const struct am_tensor *targets,
                         int64_t vocab_start, const struct am_tensor *M, const struct am_tensor *S, float dloss_scale,
-                        float cap)
+                        float cap, const struct ce_lora *lo)
 {
     am_cuda_ctx(k, d);
     enum am_dtype dt = check_ce(k, x, w, targets);
     int64_t N = am_rows(x), C = am_cols(x), V = am_rows(w);
     const float *Md = stat_of(k, "M", M, N), *Sd = stat_of(k, "S", S, N);
     check_grads(k, dx, dw, x, N, C, V);
-    if ((!dx && !dw) || N == 0 || V == 0)
+    if ((!dx && !dw && !lo) || N == 0 || V == 0)
         return;
     const int32_t *tg = (const int32_t *)targets->data;
     struct ce_plan p = ce_plan_for(N, C, V);
     bool bf = dt == AM_BF16;
-    struct ce_grads g = ce_scratch(k, d, &p, bf, bf && dx, dw && dw->dtype == AM_BF16);
+    struct ce_grads g = ce_scratch(k, d, &p, bf, bf && dx, dw && dw->dtype == AM_BF16, lo && bf ? lo->r : 0);
     grads_begin(k, d, &p, &g, dw);
     for (int64_t r0 = 0; r0 < N; r0 += p.R) {
         int64_t nr = N - r0 < p.R ? N - r0 : p.R;
-        rows_begin(k, d, &p, &g, nr);
+        rows_begin(k, d, &p, &g, nr, lo);
         for (int64_t v0 = 0; v0 < V; v0 += p.VC) {
             int64_t vc = V - v0 < p.VC ? V - v0 : p.VC;
-            logits(k, d, &p, x, w, r0, nr, v0, vc, g.L);
+            logits(k, d, &p, x, w, r0, nr, v0, vc, g.L, lo);
             cap_tile(k, d, &p, g.L, nr, vc, cap);
-            backward_tile(k, d, &p, &g, dx, dw, x, w, tg, vocab_start, Md, Sd, dloss_scale, r0, nr, v0, vc, cap);
+            backward_tile(k, d, &p, &g, dx, dw, x, w, tg, vocab_start, Md, Sd, dloss_scale, r0, nr, v0, vc, cap, lo);
         }
-        rows_end(k, d, &p, &g, dx, r0, nr);
+        rows_end(k, d, &p, &g, dx, r0, nr, lo);
     }
     grads_end(k, d, &p, &g, dw);
 }
@@ -485,7 +563,7 @@ void am_cuda_ce_backward(const struct am_dev *d, struct am_tensor *dx, struct am
                          const struct am_tensor *w, const struct am_tensor *targets, int64_t vocab_start,
                          const struct am_tensor *M, const struct am_tensor *S, float dloss_scale)
 {
-    ce_backward("am_cuda_ce_backward", d, dx, dw, x, w, targets, vocab_start, M, S, dloss_scale, 0.0f);
+    ce_backward("am_cuda_ce_backward", d, dx, dw, x, w, targets, vocab_start, M, S, dloss_scale, 0.0f, NULL);
 }
 
 void am_cuda_ce_backward_softcap(const struct am_dev *d, struct am_tensor *dx, struct am_tensor *dw,
@@ -493,7 +571,20 @@ void am_cuda_ce_backward_softcap(const struct am_dev *d, struct am_tensor *dx, s
                                  int64_t vocab_start, const struct am_tensor *M, const struct am_tensor *S,
                                  float dloss_scale, float softcap)
 {
-    ce_backward("am_cuda_ce_backward_softcap", d, dx, dw, x, w, targets, vocab_start, M, S, dloss_scale, softcap);
+    ce_backward("am_cuda_ce_backward_softcap", d, dx, dw, x, w, targets, vocab_start, M, S, dloss_scale, softcap, NULL);
+}
+
+void am_cuda_ce_backward_lora(const struct am_dev *d, struct am_tensor *dx, struct am_tensor *dw, struct am_tensor *du,
+                              struct am_tensor *db, const struct am_tensor *x, const struct am_tensor *w,
+                              const struct am_tensor *u, const struct am_tensor *b, const struct am_tensor *targets,
+                              int64_t vocab_start, const struct am_tensor *M, const struct am_tensor *S, float dloss_scale,
+                              float softcap)
+{
+    const char *k = "am_cuda_ce_backward_lora";
+    struct ce_lora lb;
+    const struct ce_lora *lo = lora_of(k, &lb, x, w, u, b, du, db);
+    AM_CUDA_REQUIRE(k, !u || (du && db), "du and db are required with u");
+    ce_backward(k, d, dx, dw, x, w, targets, vocab_start, M, S, dloss_scale, softcap, lo);
 }
 
 void am_cuda_ce_rescale(const struct am_dev *d, struct am_tensor *s, const struct am_tensor *m, const struct am_tensor *M)
@@ -542,16 +633,16 @@ bool am_cuda_ce_fused(const struct am_dev *d, struct am_tensor *m, struct am_ten
     check_grads(k, dx, dw, x, N, C, V);
     const int32_t *tg = (const int32_t *)targets->data;
     bool bf = dt == AM_BF16;
-    struct ce_grads g = ce_scratch(k, d, &p, bf, bf, dw->dtype == AM_BF16);
+    struct ce_grads g = ce_scratch(k, d, &p, bf, bf, dw->dtype == AM_BF16, 0);
     grads_begin(k, d, &p, &g, dw);
     for (int64_t r0 = 0; r0 < N; r0 += p.R) {
         int64_t nr = N - r0 < p.R ? N - r0 : p.R;
-        rows_begin(k, d, &p, &g, nr);
-        logits(k, d, &p, x, w, r0, nr, 0, V, g.L);
+        rows_begin(k, d, &p, &g, nr, NULL);
+        logits(k, d, &p, x, w, r0, nr, 0, V, g.L, NULL);
         stats_tile(k, d, &p, g.L, nr, 0, V, md + r0, sd + r0, td + r0, tg + r0, 0);
         /* the row chunk's statistics are final: M = m, S = s */
-        backward_tile(k, d, &p, &g, dx, dw, x, w, tg, 0, md, sd, dloss_scale, r0, nr, 0, V, 0.0f);
-        rows_end(k, d, &p, &g, dx, r0, nr);
+        backward_tile(k, d, &p, &g, dx, dw, x, w, tg, 0, md, sd, dloss_scale, r0, nr, 0, V, 0.0f, NULL);
+        rows_end(k, d, &p, &g, dx, r0, nr, NULL);
     }
     grads_end(k, d, &p, &g, dw);
     return true;

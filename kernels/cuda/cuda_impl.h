@@ -194,6 +194,15 @@ void am_cuda_ce_backward_softcap(const struct am_dev *d, struct am_tensor *dx, s
                                  const struct am_tensor *x, const struct am_tensor *w, const struct am_tensor *targets,
                                  int64_t vocab_start, const struct am_tensor *M, const struct am_tensor *S,
                                  float dloss_scale, float softcap);
+void am_cuda_ce_stats_lora(const struct am_dev *d, struct am_tensor *m, struct am_tensor *s, struct am_tensor *t,
+                           const struct am_tensor *x, const struct am_tensor *w, const struct am_tensor *u,
+                           const struct am_tensor *b, const struct am_tensor *targets, int64_t vocab_start,
+                           float softcap);
+void am_cuda_ce_backward_lora(const struct am_dev *d, struct am_tensor *dx, struct am_tensor *dw, struct am_tensor *du,
+                              struct am_tensor *db, const struct am_tensor *x, const struct am_tensor *w,
+                              const struct am_tensor *u, const struct am_tensor *b, const struct am_tensor *targets,
+                              int64_t vocab_start, const struct am_tensor *M, const struct am_tensor *S, float dloss_scale,
+                              float softcap);
 bool am_cuda_ce_fused(const struct am_dev *d, struct am_tensor *m, struct am_tensor *s, struct am_tensor *t,
                       struct am_tensor *dx, struct am_tensor *dw, const struct am_tensor *x, const struct am_tensor *w,
                       const struct am_tensor *targets, float dloss_scale);

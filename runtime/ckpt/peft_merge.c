@@ -185,6 +185,15 @@ static int collect(const struct am_st_file *af, const struct am_ckpt *base, long
         }
         snprintf(wname, sizeof(wname), "%s.weight", m[j].name);
         const struct am_st_info *w = m[j].w = am_ckpt_find(base, wname, &m[j].wfile);
+        const struct am_st_file *ef;
+        if (!w && strcmp(m[j].name, "lm_head") == 0 && am_ckpt_find(base, "model.embed_tokens.weight", &ef)) {
+            am_errorf(err, NULL, "%s: module lm_head is adapted, but the base model %s ties it to the embedding "
+                      "(no tensor lm_head.weight, tie_word_embeddings): merged, the head's adapter would change "
+                      "model.embed_tokens.weight, the input embedding, too: keep the adapters apart "
+                      "(PeftModel.from_pretrained) or merge them with peft's merge_and_unload()", apath,
+                      am_ckpt_dir(base));
+            return -1;
+        }
         if (!w) {
             am_errorf(err, NULL, "%s: module %s is adapted, but the base model %s has no tensor %s: the adapters "
                       "were trained on another model: merge them into the base they were trained on", apath,

@@ -19,8 +19,10 @@
  * Refused, with the file, the rule and what to do: a missing file; an adapter_config.json that
  * is not plain LoRA (peft_type other than LORA, use_dora, use_rslora, fan_in_fan_out,
  * lora_bias, rank_pattern, alpha_pattern, modules_to_save); a tensor of the adapters that is
- * not a LoRA A or B matrix; a module with A and no B (or B and no A); a module the base lacks;
- * shapes that do not fit the base weight and r.
+ * not a LoRA A or B matrix; a module with A and no B (or B and no A); a module the base lacks
+ * (lm_head's adapter on a base that ties the head to the embedding has its own message: merged,
+ * it would change the input embedding too); shapes that do not fit the base weight and r.
+ * lm_head's adapter on an untied base is merged into lm_head.weight as any other.
  */
 #ifndef AM_PEFT_MERGE_H
 #define AM_PEFT_MERGE_H

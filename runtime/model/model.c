@@ -98,7 +98,7 @@ static void shard_shapes(struct am_model *m, const struct am_model_config *cfg, 
  * each slot's layers' saved activations. -1: out of memory. */
 static int alloc_tables(struct am_model *m, const struct am_model_config *cfg, const struct am_model_shard *sh)
 {
-    m->params = calloc((size_t)((16 + (sh->lora_r > 0 ? 2 * AM_LORA_NPROJ : 0)) * m->n_layers + 4 +
+    m->params = calloc((size_t)((16 + (sh->lora_r > 0 ? 2 * AM_LORA_NPROJ : 0)) * m->n_layers + 6 +
                                 am_moe_extra_params(cfg, m->n_layers) +
                                 (sh->lora_r > 0 && sh->lora_experts ? 5 * cfg->num_experts * m->n_layers : 0)),
                        sizeof(*m->params));
@@ -148,6 +148,13 @@ static void register_params(struct am_model *m, const struct am_model_config *cf
         for (int c = 0; c < sh->n_chunks; c++)
             for (int i = 0; i < sh->chunks[c].n_layers; i++)
                 am_layer_lora_params(m, sh->chunks[c].first_layer + i, &m->layers[m->chunk_base[c] + i]);
+        if (sh->last_stage && (sh->lora_targets >> AM_LORA_HEAD & 1u)) { /* lm_head's: B split with the head */
+            m->head_lora_a = am_model_add_param(m, "lm_head.lora_A.weight", sh->lora_r, C, AM_SPLIT_NONE, sh->lora_r,
+                                                C, 0, 0);
+            m->head_lora_b = am_model_add_param(m, "lm_head.lora_B.weight", m->vocab_shard, sh->lora_r, AM_SPLIT_ROWS,
+                                                V, sh->lora_r, r * m->vocab_shard, 0);
+            m->head_lora_a->partial_in_tp = sh->tp > 1;
+        }
         if (m->groups[m->n_groups - 1].first == m->n_params) /* no adapted projection here */
             m->n_groups--;
         if (sh->lora_experts && cfg->num_experts > 0) { /* the experts' adapters: a group of their own (moe.h) */
@@ -475,6 +482,16 @@ static int combine_ce(struct am_model *m, struct am_slot *S, int64_t N, char *er
     return 0;
 }
 
+/* LoRA on lm_head: u = s · (hf · Aᵀ) [N, r] in the adapters' scratch (lora_u: the forward and
+ * the backward each compute it, so a slot keeps nothing of it; its width is at least r). */
+static struct am_tensor head_lora_u(struct am_model *m, const struct am_tensor *hf)
+{
+    struct am_tensor u = am_tensor_view(m->lora_u.data, m->K->device, m->act_dt, hf->shape[0], m->sh.lora_r, 0, 0);
+    m->K->matmul_forward(m->dev, &u, hf, &m->head_lora_a->wc);
+    m->K->scale(m->dev, &u, m->sh.lora_alpha / (float)m->sh.lora_r);
+    return u;
+}
+
 /* The final norm, the output head and the cross-entropy, vocabulary-parallel. With
  * want_grad and the conditions of ce_fused (no tensor parallelism, and this slot's backward
  * certain to come before the next forward: one slot, one chunk), the head's gradients are
@@ -499,6 +516,12 @@ static int head_forward(struct am_model *m, struct am_slot *S, const struct am_t
     }
     S->fused = false;
     float cap = (float)m->cfg.final_logit_softcapping;
+    if (m->head_lora_a) { /* LoRA on lm_head: the logits x · Wᵀ + u · Bᵀ, u = s · (hf · Aᵀ) */
+        struct am_tensor u = head_lora_u(m, &hf);
+        K->ce_stats_lora(m->dev, &cm, &cs, &ct, &hf, &m->head->wc, &u, &m->head_lora_b->wc, &tgt, m->vocab_start,
+                         cap > 0.0f ? cap : 0.0f);
+        return combine_ce(m, S, N, err, err_len);
+    }
     if (want_grad && !m->tp_comm && K->ce_fused && m->n_slots == 1 && cap <= 0.0f && m->sh.lora_r == 0) {
         struct am_tensor dhf = rows_of(&m->dhf, N);
         if (grad_use(m, head_group(m), err, err_len) < 0 || (m->head == m->embed && grad_use(m, 0, err, err_len) < 0))
@@ -521,7 +544,17 @@ static int head_backward(struct am_model *m, const struct am_slot *S, struct am_
     struct am_tensor tgt = rows_of(&S->targets, N), hf = rows_of(&S->hf, N), dhf = rows_of(&m->dhf, N);
     struct am_tensor xf = rows_of(&S->xf, R), rstdf = rows_of(&S->rstdf, R);
     struct am_tensor cm = rows_of(&S->ce_m, N), cs = rows_of(&S->ce_s, N);
-    if (!S->fused) { /* dhf is summed over the vocabulary shards in am_norm_backward */
+    if (m->head_lora_a) { /* LoRA on lm_head: du = dlogits · B, then A's gradient and dhf's share */
+        const struct am_kernels *K = m->K;
+        struct am_tensor u = head_lora_u(m, &hf), du = rows_of(&m->lora_dt, N);
+        float cap = (float)m->cfg.final_logit_softcapping;
+        K->zero(m->dev, &dhf);
+        K->zero(m->dev, &du);
+        K->ce_backward_lora(m->dev, &dhf, base_grad(m, m->head), &du, &m->head_lora_b->g, &hf, &m->head->wc, &u,
+                            &m->head_lora_b->wc, &tgt, m->vocab_start, &cm, &cs, dloss_scale, cap > 0.0f ? cap : 0.0f);
+        K->scale(m->dev, &du, m->sh.lora_alpha / (float)m->sh.lora_r); /* dt = s · du */
+        K->matmul_backward(m->dev, &dhf, &m->head_lora_a->g, &du, &hf, &m->head_lora_a->wc); /* dhf += dt · A */
+    } else if (!S->fused) { /* dhf is summed over the vocabulary shards in am_norm_backward */
         m->K->zero(m->dev, &dhf);
         if (m->cfg.final_logit_softcapping > 0)
             m->K->ce_backward_softcap(m->dev, &dhf, base_grad(m, m->head), &hf, &m->head->wc, &tgt, m->vocab_start, &cm, &cs,

@@ -58,6 +58,11 @@
  * global index of each row's sequence (am_model_set_batch_seq and am_model_set_micro, before
  * a micro-batch's forward; kept with its slot for the backward) and its position in the whole
  * sequence.
+ * LoRA on lm_head (AM_LORA_HEAD in sh.lora_targets): an adapter on the head's output, in the
+ * "lora" group on the last stage (named "lm_head.lora_A.weight", tied or not: the embedding
+ * is untouched); the cross-entropy adds s · (hf · Aᵀ) · Bᵀ to each tile of logits (kernels.h's
+ * ce_stats_lora, ce_backward_lora: the logits are never stored whole), B split over tp by the
+ * vocabulary with the head, A whole (its gradient partial in tp). No adapter dropout on it.
  *
  * Parameters and their gradients live in two slabs (one allocation each) so that the
  * optimizer walks one array. Parameter i is params[i] (value, gradient, Hugging Face name,
@@ -131,7 +136,8 @@ struct am_model_shard {
     int lora_r;                   /* LoRA (lora.h): the rank of the adapters on the lora_targets
                                      projections; 0: none */
     float lora_alpha;             /* their scale is lora_alpha / lora_r */
-    unsigned lora_targets;        /* bits 1u << enum am_lora_target (model_config.h), a layer's projections only */
+    unsigned lora_targets;        /* bits 1u << enum am_lora_target (model_config.h): a layer's projections,
+                                   * and AM_LORA_HEAD for lm_head's adapter (the last stage's) */
     bool lora_experts;            /* LoRA on a mixture of experts' experts too (moe.h), with lora_r > 0 */
     int group_align;              /* fully sharded data parallelism over this many ranks: each
                                      group's span of the slabs padded with zeros to a multiple of
@@ -322,6 +328,8 @@ struct am_model {
                                     grad_elems): all of them, or with LoRA the adapters' group alone */
 
     struct am_param *embed, *final_norm, *head; /* head == embed when tied and on the same rank */
+    struct am_param *head_lora_a, *head_lora_b; /* LoRA on lm_head (last stage; NULL: none): A [r, C] whole,
+                                                 * B [vocab_shard, r] split with the head's rows */
     struct am_layer *layers;
     struct am_moe *moe; /* the mixture-of-experts layers' state (moe.h); NULL for a dense model */
     struct am_cp *cp;   /* context parallelism (ring.h, am_cp_init): the ring; NULL at cp 1 */

@@ -844,7 +844,7 @@ int am_model_save_peft_dist(const struct am_model *m, struct am_comm *tp, struct
         moe_layers += am_model_layer_is_moe(c, l);
     /* the projections' names, and with the experts each expert's gate, up and down by its path
      * (AutoModel's per-expert target_modules) */
-    size_t cap = AM_LORA_NPROJ + (size_t)(3 * moe_layers * c->num_experts), n = 0;
+    size_t cap = AM_LORA_NTARGETS + (size_t)(3 * moe_layers * c->num_experts), n = 0;
     const char **targets = calloc(cap, sizeof(*targets));
     char *paths = calloc(cap, 96);
     if (!targets || !paths) {
@@ -853,7 +853,7 @@ int am_model_save_peft_dist(const struct am_model *m, struct am_comm *tp, struct
         am_errorf(err, NULL, "%s: saving LoRA adapters: out of memory", dir);
         return -1;
     }
-    for (int t = 0; t < AM_LORA_NPROJ; t++)
+    for (int t = 0; t < AM_LORA_NTARGETS; t++)
         if (m->sh.lora_targets >> t & 1u)
             targets[n++] = am_lora_target_name(t);
     bool mixtral = strcmp(c->model_type, "mixtral") == 0;

@@ -295,7 +295,8 @@ static double scratch_bytes(const struct am_recipe *r, const struct am_plan *p, 
  *     Rc = min(N, 4096, max(64, 2^24 / C)), the vocabulary shard in tiles of
  *     VC = min(V / tp, 2^24 / Rc rounded down to 64): the fp32 logits tile [Rc, VC] (rows of VC
  *     rounded up to 8), with bf16 compute the bf16 dlogits tile and the fp32 dx tile [Rc, C]
- *     (the model's head gradient is fp32, so never the whole of a bf16 dw widened to fp32);
+ *     (the model's head gradient is fp32, so never the whole of a bf16 dw widened to fp32), and
+ *     with LoRA on lm_head in bf16 the fp32 du tile [Rc, r];
  *   - the attention's backward on a stage with layers: cuDNN's (bf16, head size 64 or 128, no
  *     soft cap): an fp32 row sum [N, H], the fp32 dQ accumulator and bf16 dq, dk and dv (cuDNN's
  *     own workspace beside them is cuDNN's to size: not counted); the own kernels' and the
@@ -322,6 +323,8 @@ static double kernel_scratch_bytes(const struct am_recipe *r, const struct am_pl
         vc = V < vc ? V : vc;
         long long tile = rc * ((vc + 7) / 8 * 8);
         double ce = rup256(tile * 4) + (bf ? rup256(tile * 2) + rup256(rc * C * 4) : 0);
+        if (bf && r->peft.enabled && (r->peft.targets >> AM_LORA_HEAD & 1u)) /* LoRA on lm_head: the fp32 du tile */
+            ce += rup256(rc * r->peft.dim * 4);
         b = ce > b ? ce : b;
     }
     if (layers > 0 && N > 0) {

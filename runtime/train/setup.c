@@ -113,7 +113,7 @@ int am_train_build_model(struct trainer *t, struct am_errors *err)
     if (r->peft.enabled) { /* LoRA (model.h): the adapters on the targeted projections, the base frozen */
         sh.lora_r = (int)r->peft.dim;
         sh.lora_alpha = (float)r->peft.alpha;
-        sh.lora_targets = r->peft.targets & ((1u << AM_LORA_NPROJ) - 1); /* the projections, without lm_head */
+        sh.lora_targets = r->peft.targets & ((1u << AM_LORA_NTARGETS) - 1); /* the projections and lm_head */
         sh.lora_experts = r->peft.experts;
     }
     sh.ep_rank = p->ep > 1 ? am_comm_rank(t->g.ep) : 0;

@@ -175,6 +175,32 @@ static int bf16(const char *base, const char *out)
     return json_dump_file(j, b, JSON_INDENT(2)) == 0 ? 0 : 1;
 }
 
+/* base with lm_head.weight left out and tie_word_embeddings true: a tied base */
+static int tie(const char *base, const char *out)
+{
+    struct am_errors e;
+    struct am_st_file *f;
+    char path[4096];
+    am_errors_init(&e);
+    snprintf(path, sizeof(path), "%s/model.safetensors", base);
+    if (am_st_open(path, &f, &e) < 0)
+        return die(&e);
+    size_t n = am_st_count(f), k = 0;
+    struct am_st_wtensor *wt = calloc(n, sizeof(*wt));
+    for (size_t i = 0; i < n; i++)
+        if (strcmp(am_st_at(f, i)->name, "lm_head.weight") != 0)
+            wt[k] = wt_of(am_st_at(f, i), am_st_at(f, i)->name), k++;
+    snprintf(path, sizeof(path), "%s/model.safetensors", out);
+    if (am_st_write(path, wt, k, NULL, 0, 0, &e) < 0)
+        return die(&e);
+    char a[4096], b[4096];
+    snprintf(a, sizeof(a), "%s/config.json", base);
+    snprintf(b, sizeof(b), "%s/config.json", out);
+    json_t *j = json_load_file(a, 0, NULL);
+    json_object_set_new(j, "tie_word_embeddings", json_true());
+    return json_dump_file(j, b, JSON_INDENT(2)) == 0 ? 0 : 1;
+}
+
 static int shard(const char *base, const char *out)
 {
     struct am_errors e;
@@ -300,6 +326,8 @@ int main(int argc, char **argv)
         return edit(argv[2], argv[3], argv[4]);
     if (argc == 4 && strcmp(argv[1], "bf16") == 0)
         return bf16(argv[2], argv[3]);
+    if (argc == 4 && strcmp(argv[1], "tie") == 0)
+        return tie(argv[2], argv[3]);
     if (argc == 4 && strcmp(argv[1], "shard") == 0)
         return shard(argv[2], argv[3]);
     if (argc == 5 && strcmp(argv[1], "check") == 0)

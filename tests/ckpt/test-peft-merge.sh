@@ -1,13 +1,14 @@
 #!/bin/bash
 # test-peft-merge.sh - `am-ckpt merge BASE PEFT OUT` (runtime/ckpt/peft_merge.h): LoRA adapters
 # merged into their base as a Hugging Face directory.
-#   - For each golden LoRA case (tests/golden/models/llama_lora_qv, llama_lora_all), the
+#   - For each golden LoRA case (tests/golden/models/llama_lora_qv, llama_lora_all, llama_lora_head), the
 #     golden's trained adapters (B not zero) merged into the base, in F32 and in a BF16 copy of
 #     it; tests/ckpt/peft_merge check: every untouched tensor bit-identical, every adapted
 #     weight equal to W + (lora_alpha / r) * B @ A computed there in double precision within one
 #     unit in the last place of its dtype; the same with the golden's initial adapters.
 #   - Refusals, with their exact messages: OUT not empty, OUT a file, missing files, DoRA,
-#     rsLoRA, fan_in_fan_out, a module the base lacks, a shape that does not fit, an A without
+#     rsLoRA, fan_in_fan_out, a module the base lacks, lm_head's adapter on a base that ties
+#     the head to the embedding, a shape that does not fit, an A without
 #     its B, a tensor that is not a LoRA matrix; a refused merge leaves no OUT and no temporary
 #     directory.
 #   - Where peft is installed ($AM_GOLDENV, default /tmp/goldenv), peft's merge_and_unload()
@@ -25,7 +26,7 @@ trap 'rm -rf "$T"' EXIT
 fails=0
 fail() { echo "FAIL: $*"; fails=$((fails + 1)); }
 
-for case in llama_lora_qv llama_lora_all; do
+for case in llama_lora_qv llama_lora_all llama_lora_head; do
     g=$AM_SRCDIR/tests/golden/models/$case
     mkdir -p "$T/$case/trained" "$T/$case/base16" "$T/$case/sharded"
     "$tool" shard "$g/base" "$T/$case/sharded" || fail "$case: the sharded base"
@@ -115,6 +116,10 @@ refuse "module the base lacks" "am-ckpt: $T/foreign/adapter_model.safetensors: m
 refuse "shape" "am-ckpt: $T/shape/adapter_model.safetensors: module model.layers.0.self_attn.q_proj: lora_A is [3, 64] and lora_B [64, 4], but with r 4 the base weight model.layers.0.self_attn.q_proj.weight [64, 64] needs lora_A [4, 64] and lora_B [64, 4]: the adapters were trained on another model (or adapter_config.json's r is not theirs): merge them into the base they were trained on" "$g/base" "$T/shape" "$T/o1"
 refuse "A without B" "am-ckpt: $T/no-B/adapter_model.safetensors: module model.layers.0.self_attn.q_proj has lora_A.weight but no lora_B.weight: the file is incomplete: save the adapters again" "$g/base" "$T/no-B" "$T/o1"
 refuse "not a LoRA matrix" "am-ckpt: $T/extra/adapter_model.safetensors: tensor base_model.model.model.norm.weight is not a LoRA matrix (base_model.model.MODULE.lora_A.weight or .lora_B.weight): am-ckpt merge merges plain LoRA adapters of linear layers only: merge them with peft's merge_and_unload()" "$g/base" "$T/extra" "$T/o1"
+# lm_head's adapter on a base that ties the head to the embedding (the llama_lora_head golden's
+# base with lm_head.weight left out, tie_word_embeddings true)
+mkdir -p "$T/tied" && "$tool" tie "$AM_SRCDIR/tests/golden/models/llama_lora_head/base" "$T/tied" || fail "the tied base"
+refuse "lm_head tied to the embedding" "am-ckpt: $AM_SRCDIR/tests/golden/models/llama_lora_head/adapter_init/adapter_model.safetensors: module lm_head is adapted, but the base model $T/tied ties it to the embedding (no tensor lm_head.weight, tie_word_embeddings): merged, the head's adapter would change model.embed_tokens.weight, the input embedding, too: keep the adapters apart (PeftModel.from_pretrained) or merge them with peft's merge_and_unload()" "$T/tied" "$AM_SRCDIR/tests/golden/models/llama_lora_head/adapter_init" "$T/o1"
 [ -e "$T/o1" ] && fail "a refused merge left $T/o1"
 
 # an empty OUT is used
@@ -123,7 +128,7 @@ mkdir -p "$T/empty"
 
 py=$AM_GOLDENV/bin/python
 if [ -x "$py" ] && "$py" -c 'import peft, transformers' 2>/dev/null; then
-    for case in llama_lora_qv llama_lora_all; do
+    for case in llama_lora_qv llama_lora_all llama_lora_head; do
         g=$AM_SRCDIR/tests/golden/models/$case
         if "$py" - "$g/base" "$T/$case/trained" "$T/$case/out-base-trained" "$g/golden.safetensors" <<'PY'
 import sys

@@ -1262,6 +1262,12 @@ LORA_CASES = {
     "llama_lora_all": dict(base="llama_gqa", r=4, alpha=8,
                            targets=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
                            adapter_seed=3002),
+    # an adapter on lm_head too (AutoModel's target_modules: ['*'] and match_all_linear select it)
+    "llama_lora_head": dict(base="llama_gqa", r=4, alpha=8, targets=["q_proj", "v_proj", "lm_head"],
+                            adapter_seed=3003),
+    # and on a base whose head is tied to the embedding, with Gemma 2's final logit soft cap
+    "gemma2_lora_head": dict(base="gemma2_tiny", r=4, alpha=8, targets=["q_proj", "v_proj", "lm_head"],
+                             adapter_seed=3004),
 }
 
 
@@ -1303,7 +1309,7 @@ def lora_run(pm, ids):
         r["loss"].backward()
         losses.append(float(r["loss"].detach()))
         opt.step()
-    final = get_peft_model_state_dict(pm)
+    final = get_peft_model_state_dict(pm, save_embedding_layers=False)  # the adapters alone (AutoModel's)
     # peft's file names: the in-memory ".default" adapter name dropped
     to_file = {n: n.replace(".default", "") for n in grads}
     assert all(names[id(p)] in grads for p in params)
@@ -1322,15 +1328,16 @@ def generate_lora(case):
     ids = make_batch(spec["base"])
     pm = make_lora_model(case)
     # the base model and the initial adapters, as peft writes them (adapter_config.json +
-    # adapter_model.safetensors)
+    # adapter_model.safetensors; with lm_head targeted, without peft's copy of the head's base
+    # weight: AutoModel saves the adapters alone, and so does am)
     base_dir = os.path.join(outdir, "base")
     make_model(spec["base"]).save_pretrained(base_dir)  # before peft wraps its layers (base_layer names)
     for extra in os.listdir(base_dir):
         if extra not in ("config.json", "model.safetensors"):
             os.remove(os.path.join(base_dir, extra))
-    pm.save_pretrained(os.path.join(outdir, "adapter_init"))
+    pm.save_pretrained(os.path.join(outdir, "adapter_init"), save_embedding_layers=False)
     os.remove(os.path.join(outdir, "adapter_init", "README.md"))  # peft's model card: not data
-    init = {k: v.detach().clone() for k, v in get_peft_model_state_dict(pm).items()}
+    init = {k: v.detach().clone() for k, v in get_peft_model_state_dict(pm, save_embedding_layers=False).items()}
     loss, grads, losses, final = lora_run(pm, ids)
     assert set(grads) == set(init), sorted(set(grads) ^ set(init))
     assert all(float(g.abs().max()) > 0 for g in grads.values()), "an adapter without gradient"

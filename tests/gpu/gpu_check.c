@@ -524,6 +524,54 @@ static void case_gemma(enum am_dtype dt, enum am_dtype gdt)
         pair_free(all[i]);
 }
 
+/* LoRA on lm_head (ce_stats_lora, ce_backward_lora): the logits x · wᵀ + u · bᵀ over two
+ * vocabulary shards, without and with a soft cap; m, s, t of each shard, dx, du (summed over the
+ * shards, as the model's tp sum would) and the fp32 db. */
+static void case_ce_lora(enum am_dtype dt)
+{
+    bool bf = dt == AM_BF16;
+    int64_t V = 300, Vh = V / 2, Nt = 70, C = 96, r = 8;
+    struct pair hx = rnd(dt, Nt, C, 0, 0), hw = rnd(dt, V, C, 0, 0), tg = pair_new(AM_I32, Nt, 0, 0, 0);
+    struct pair u = rnd(dt, Nt, r, 0, 0), b = rnd(dt, V, r, 0, 0);
+    struct pair m = pair_new(AM_F32, Nt, 0, 0, 0), sm = pair_new(AM_F32, Nt, 0, 0, 0), t = pair_new(AM_F32, Nt, 0, 0, 0);
+    struct pair hdx = rnd(dt, Nt, C, 0, 0), du = rnd(dt, Nt, r, 0, 0), db = rnd(AM_F32, V, r, 0, 0);
+    fill_targets(&tg, -1, V);
+    for (int capped = 0; capped < 2; capped++) {
+        float cap = capped ? 2.0f : 0.0f;
+        for (int h = 0; h < 2; h++) {
+            struct pair ws = hw, bs = b, dbs = db;
+            size_t es = am_dtype_size(dt);
+            ws.c = am_tensor_view((char *)hw.c.data + (size_t)(h * Vh * C) * es, AM_DEV_CPU, dt, Vh, C, 0, 0);
+            ws.g = am_tensor_view((char *)hw.g.data + (size_t)(h * Vh * C) * es, AM_DEV_CUDA, dt, Vh, C, 0, 0);
+            bs.c = am_tensor_view((char *)b.c.data + (size_t)(h * Vh * r) * es, AM_DEV_CPU, dt, Vh, r, 0, 0);
+            bs.g = am_tensor_view((char *)b.g.data + (size_t)(h * Vh * r) * es, AM_DEV_CUDA, dt, Vh, r, 0, 0);
+            dbs.c = am_tensor_view((float *)db.c.data + h * Vh * r, AM_DEV_CPU, AM_F32, Vh, r, 0, 0);
+            dbs.g = am_tensor_view((float *)db.g.data + h * Vh * r, AM_DEV_CUDA, AM_F32, Vh, r, 0, 0);
+            KC->ce_stats_lora(&cpu, &m.c, &sm.c, &t.c, &hx.c, &ws.c, &u.c, &bs.c, &tg.c, h * Vh, cap);
+            KG->ce_stats_lora(&gpu, &m.g, &sm.g, &t.g, &hx.g, &ws.g, &u.g, &bs.g, &tg.g, h * Vh, cap);
+            char what[96];
+            snprintf(what, sizeof what, "ce_stats_lora m (shard %d, cap %g)", h, cap);
+            record(what, dname(dt), rel_err(&m), bf ? 1e-2 : 1e-5);
+            snprintf(what, sizeof what, "ce_stats_lora s (shard %d, cap %g)", h, cap);
+            record(what, dname(dt), rel_err(&sm), bf ? 1e-2 : 1e-5);
+            snprintf(what, sizeof what, "ce_stats_lora t (shard %d, cap %g)", h, cap);
+            record(what, dname(dt), rel_err(&t), bf ? 1e-2 : 1e-5);
+            pair_upload(&m);
+            pair_upload(&sm);
+            KC->ce_backward_lora(&cpu, &hdx.c, NULL, &du.c, &dbs.c, &hx.c, &ws.c, &u.c, &bs.c, &tg.c, h * Vh, &m.c,
+                                 &sm.c, 0.01f, cap);
+            KG->ce_backward_lora(&gpu, &hdx.g, NULL, &du.g, &dbs.g, &hx.g, &ws.g, &u.g, &bs.g, &tg.g, h * Vh, &m.g,
+                                 &sm.g, 0.01f, cap);
+        }
+        check(capped ? "ce_backward_lora dx (cap 2)" : "ce_backward_lora dx", &hdx, bf);
+        check(capped ? "ce_backward_lora du (cap 2)" : "ce_backward_lora du", &du, bf);
+        check(capped ? "ce_backward_lora db (cap 2)" : "ce_backward_lora db", &db, bf);
+    }
+    struct pair *all[] = {&hx, &hw, &tg, &u, &b, &m, &sm, &t, &hdx, &du, &db};
+    for (size_t i = 0; i < sizeof all / sizeof *all; i++)
+        pair_free(all[i]);
+}
+
 /* Partial rotary (glm4_moe's partial_rotary_factor 0.5): tables of a head of 32 rotate the first
  * 32 of 64 dims and leave the rest. */
 static void case_rope_partial(enum am_dtype dt)
@@ -1451,6 +1499,8 @@ int main(int argc, char **argv)
     RUN(case_rope_partial(AM_BF16));
     RUN(case_gemma(AM_F32, AM_F32));
     RUN(case_gemma(AM_BF16, AM_BF16));
+    RUN(case_ce_lora(AM_F32));
+    RUN(case_ce_lora(AM_BF16));
     /* attention: GQA and MHA, head sizes 64 and 128 (and, on the own kernels, 20, 96 and
      * 256), T not a multiple of the 32-row tiles, T = 1, a window shorter than T, B = 2 */
     static const int64_t shapes[][6] = {

@@ -308,11 +308,117 @@ static void test_bf16_cross_entropy(void **state)
     free(tg);
 }
 
+/* LoRA on the head (ce_stats_lora, ce_backward_lora): the logits x · wᵀ + u · bᵀ are those of
+ * the concatenations x' = [x | u], w' = [w | b], so the LoRA kernels must agree with
+ * ce_stats_softcap / ce_backward_softcap on x' and w' (fp32, within the matmul's reordering:
+ * 1e-5 of the largest): statistics, dx = dx'[:, :C], du = dx'[:, C:], db = dw'[:, C:]; without
+ * and with a soft cap, two vocabulary shards. Then bf16 (x, w, u, b, du bf16; db fp32) against
+ * the fp32 kernel on the widened values, whole and in vocabulary chunks. */
+static void test_lora_cross_entropy(void **state)
+{
+    (void)state;
+    struct rng r = {271};
+    int64_t N = 37, C = 20, V = 600, R = 4, Ct = C + R, Vh = V / 2;
+    int32_t *tg = malloc((size_t)N * sizeof(int32_t));
+    for (int64_t i = 0; i < N; i++)
+        tg[i] = i % 5 == 2 ? -1 : (int32_t)rng_uniform(&r, 0, (double)V);
+    struct am_tensor ttg = ids_view(tg, N);
+    float scale = 1.0f / (float)N;
+    struct arr x = arr_rand(&r, N * C, -2, 2), w = arr_rand(&r, V * C, -1, 1), u = arr_rand(&r, N * R, -1, 1);
+    struct arr b = arr_rand(&r, V * R, -1, 1), xc = arr_new(N * Ct), wc = arr_new(V * Ct);
+    for (int64_t i = 0; i < N; i++)
+        for (int64_t c = 0; c < Ct; c++)
+            xc.f[i * Ct + c] = c < C ? x.f[i * C + c] : u.f[i * R + c - C];
+    for (int64_t v = 0; v < V; v++)
+        for (int64_t c = 0; c < Ct; c++)
+            wc.f[v * Ct + c] = c < C ? w.f[v * C + c] : b.f[v * R + c - C];
+    for (int capped = 0; capped < 2; capped++) {
+        float cap = capped ? 2.0f : 0.0f;
+        float *st = calloc((size_t)(6 * N), 4), *dx = calloc((size_t)(N * C), 4), *du = calloc((size_t)(N * R), 4);
+        float *db = calloc((size_t)(V * R), 4), *dxc = calloc((size_t)(N * Ct), 4), *dwc = calloc((size_t)(V * Ct), 4);
+        double *want = dalloc(V * Ct);
+        for (int h = 0; h < 2; h++) {
+            int64_t v0 = h * Vh;
+            struct am_tensor tx = tview(&x, N, C, 0, 0), tu = tview(&u, N, R, 0, 0), txc = tview(&xc, N, Ct, 0, 0);
+            struct am_tensor tw = f32v(w.f + v0 * C, Vh, C, 0, 0), tb = f32v(b.f + v0 * R, Vh, R, 0, 0);
+            struct am_tensor twc = f32v(wc.f + v0 * Ct, Vh, Ct, 0, 0);
+            struct am_tensor tm = f32v(st, N, 0, 0, 0), ts = f32v(st + N, N, 0, 0, 0), tt = f32v(st + 2 * N, N, 0, 0, 0);
+            struct am_tensor tmc = f32v(st + 3 * N, N, 0, 0, 0), tsc = f32v(st + 4 * N, N, 0, 0, 0);
+            struct am_tensor ttc = f32v(st + 5 * N, N, 0, 0, 0);
+            K->ce_stats_lora(&kdev, &tm, &ts, &tt, &tx, &tw, &tu, &tb, &ttg, v0, cap);
+            K->ce_stats_softcap(&kdev, &tmc, &tsc, &ttc, &txc, &twc, &ttg, v0, cap);
+            for (int k = 0; k < 3; k++) {
+                for (int64_t i = 0; i < N; i++)
+                    want[i] = st[(3 + k) * N + i];
+                expect_close_norm(k == 0 ? "ce_stats_lora m" : k == 1 ? "ce_stats_lora s" : "ce_stats_lora t",
+                                  st + k * N, want, N, 1e-5, 1e-6);
+            }
+            struct am_tensor tdx = f32v(dx, N, C, 0, 0), tdu = f32v(du, N, R, 0, 0), tdb = f32v(db + v0 * R, Vh, R, 0, 0);
+            struct am_tensor tdxc = f32v(dxc, N, Ct, 0, 0), tdwc = f32v(dwc + v0 * Ct, Vh, Ct, 0, 0);
+            K->ce_backward_lora(&kdev, &tdx, NULL, &tdu, &tdb, &tx, &tw, &tu, &tb, &ttg, v0, &tmc, &tsc, scale, cap);
+            K->ce_backward_softcap(&kdev, &tdxc, &tdwc, &txc, &twc, &ttg, v0, &tmc, &tsc, scale, cap);
+        }
+        for (int64_t i = 0; i < N * C; i++)
+            want[i] = dxc[i / C * Ct + i % C];
+        expect_close_norm("ce_backward_lora dx", dx, want, N * C, 1e-5, 0);
+        for (int64_t i = 0; i < N * R; i++)
+            want[i] = dxc[i / R * Ct + C + i % R];
+        expect_close_norm("ce_backward_lora du", du, want, N * R, 1e-5, 0);
+        for (int64_t i = 0; i < V * R; i++)
+            want[i] = dwc[i / R * Ct + C + i % R];
+        expect_close_norm("ce_backward_lora db", db, want, V * R, 1e-5, 0);
+        free(want);
+        free(st);
+        free(dx);
+        free(du);
+        free(db);
+        free(dxc);
+        free(dwc);
+    }
+    /* bf16 against fp32 on the widened values */
+    for (int chunked = 0; chunked < 2; chunked++) {
+        am_cpu_set_chunk(&kdev, chunked ? 256 * C : 0); /* vocabulary in 3 chunks, combined as shards */
+        struct bt hx = bt_rand(&r, N * C, -2, 2), hw = bt_rand(&r, V * C, -1, 1), hu = bt_rand(&r, N * R, -1, 1);
+        struct bt hb = bt_rand(&r, V * R, -1, 1), hdx = bt_rand(&r, N * C, -1, 1), hdu = bt_rand(&r, N * R, -1, 1);
+        struct am_tensor tx = hv(&hx, N, C, 0, 0), tw = hv(&hw, V, C, 0, 0), tu = hv(&hu, N, R, 0, 0);
+        struct am_tensor tb = hv(&hb, V, R, 0, 0), txf = fv(&hx, N, C, 0, 0), twf = fv(&hw, V, C, 0, 0);
+        struct am_tensor tuf = fv(&hu, N, R, 0, 0), tbf = fv(&hb, V, R, 0, 0);
+        float *st = calloc((size_t)(6 * N), 4), *db = calloc((size_t)(V * R), 4), *dbf = calloc((size_t)(V * R), 4);
+        struct am_tensor tm = f32v(st, N, 0, 0, 0), ts = f32v(st + N, N, 0, 0, 0), tt = f32v(st + 2 * N, N, 0, 0, 0);
+        struct am_tensor tmf = f32v(st + 3 * N, N, 0, 0, 0), tsf = f32v(st + 4 * N, N, 0, 0, 0);
+        struct am_tensor ttf = f32v(st + 5 * N, N, 0, 0, 0);
+        K->ce_stats_lora(&kdev, &tm, &ts, &tt, &tx, &tw, &tu, &tb, &ttg, 0, 0.0f);
+        K->ce_stats_lora(&kdev, &tmf, &tsf, &ttf, &txf, &twf, &tuf, &tbf, &ttg, 0, 0.0f);
+        expect_mixed("bf16 ce_stats_lora m", st, st + 3 * N, N);
+        expect_mixed("bf16 ce_stats_lora s", st + N, st + 4 * N, N);
+        expect_mixed("bf16 ce_stats_lora t", st + 2 * N, st + 5 * N, N);
+        struct am_tensor tdx = hv(&hdx, N, C, 0, 0), tdu = hv(&hdu, N, R, 0, 0), tdxf = fv(&hdx, N, C, 0, 0);
+        struct am_tensor tduf = fv(&hdu, N, R, 0, 0), tdb = f32v(db, V, R, 0, 0), tdbf = f32v(dbf, V, R, 0, 0);
+        K->ce_backward_lora(&kdev, &tdx, NULL, &tdu, &tdb, &tx, &tw, &tu, &tb, &ttg, 0, &tmf, &tsf, scale, 0.0f);
+        K->ce_backward_lora(&kdev, &tdxf, NULL, &tduf, &tdbf, &txf, &twf, &tuf, &tbf, &ttg, 0, &tmf, &tsf, scale, 0.0f);
+        expect_bf16("bf16 ce_backward_lora dx", hdx.h, hdx.f, N * C);
+        expect_bf16("bf16 ce_backward_lora du", hdu.h, hdu.f, N * R);
+        expect_mixed("bf16 ce_backward_lora db (f32, mixed)", db, dbf, V * R);
+        free(st);
+        free(db);
+        free(dbf);
+        struct bt *all[] = {&hx, &hw, &hu, &hb, &hdx, &hdu};
+        for (size_t i = 0; i < sizeof all / sizeof *all; i++)
+            bt_free(all[i]);
+    }
+    am_cpu_set_chunk(&kdev, 0);
+    struct arr *all[] = {&x, &w, &u, &b, &xc, &wc};
+    for (size_t i = 0; i < sizeof all / sizeof *all; i++)
+        arr_free(all[i]);
+    free(tg);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_cross_entropy),
         cmocka_unit_test(test_bf16_cross_entropy),
+        cmocka_unit_test(test_lora_cross_entropy),
     };
     return cmocka_run_group_tests_name("kernels (cpu): crossentropy", tests, kernels_test_setup, NULL);
 }

@@ -40,7 +40,7 @@ int main(int argc, char **argv)
 {
     char err[1024];
     if (argc != 3 && !(argc == 4 && strcmp(argv[3], "sp") == 0)) {
-        fprintf(stderr, "usage: lora_tp_check CASE qv|all [sp]\n");
+        fprintf(stderr, "usage: lora_tp_check CASE qv|all|head [sp]\n");
         return 2;
     }
     struct am_boot_info info;
@@ -90,7 +90,9 @@ int main(int argc, char **argv)
     sh.lora_r = 4;
     sh.sequence_parallel = argc == 4;
     sh.lora_alpha = 8;
-    sh.lora_targets = strcmp(argv[2], "qv") == 0 ? (1u << AM_LORA_Q | 1u << AM_LORA_V) : (1u << AM_LORA_NPROJ) - 1;
+    sh.lora_targets = strcmp(argv[2], "qv") == 0 ? (1u << AM_LORA_Q | 1u << AM_LORA_V)
+                      : strcmp(argv[2], "head") == 0 ? (1u << AM_LORA_Q | 1u << AM_LORA_V | 1u << AM_LORA_HEAD)
+                                                     : (1u << AM_LORA_NPROJ) - 1;
     struct am_model m;
     if (am_model_init(&m, &rc->model, &sh, &dev, tpc, NULL, B, T, err, sizeof(err)) < 0) {
         fprintf(stderr, "lora_tp_check: rank %d: %s\n", my_rank, err);

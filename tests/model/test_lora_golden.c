@@ -1,5 +1,7 @@
 /* test_lora_golden.c - the model with LoRA adapters (model.h: lora_r, lora_targets) against the
- * peft library on transformers (tests/golden/models/llama_lora_qv and llama_lora_all, README.md).
+ * peft library on transformers (tests/golden/models/llama_lora_qv, llama_lora_all,
+ * llama_lora_head: q, v and lm_head, and gemma2_lora_head: the same on Gemma 2, whose head is
+ * tied to the embedding and whose logits are soft-capped; README.md).
  *
  * For each case: the base model from base/, the adapters peft saved from adapter_init/
  * (am_model_load_peft), one forward and backward of the golden batch on the CPU in fp32: the
@@ -222,5 +224,7 @@ int main(void)
 {
     fails += run_case("llama_lora_qv", 4, 8, 1u << AM_LORA_Q | 1u << AM_LORA_V);
     fails += run_case("llama_lora_all", 4, 8, (1u << AM_LORA_NPROJ) - 1);
+    fails += run_case("llama_lora_head", 4, 8, 1u << AM_LORA_Q | 1u << AM_LORA_V | 1u << AM_LORA_HEAD);
+    fails += run_case("gemma2_lora_head", 4, 8, 1u << AM_LORA_Q | 1u << AM_LORA_V | 1u << AM_LORA_HEAD);
     return fails ? 1 : 0;
 }

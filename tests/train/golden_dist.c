@@ -268,7 +268,7 @@ static int run_series(struct dist *d, const struct golden *G, bool clip, struct 
     if (G->lora) { /* as am-train's am_train_build_model */
         sh.lora_r = (int)r->peft.dim;
         sh.lora_alpha = (float)r->peft.alpha;
-        sh.lora_targets = r->peft.targets & ((1u << AM_LORA_NPROJ) - 1);
+        sh.lora_targets = r->peft.targets & ((1u << AM_LORA_NTARGETS) - 1);
     }
     if (am_model_init(&m, &r->model, &sh, &d->dev, d->g.tp, pp, p->microbatch_size, p->seq_length, msg, sizeof(msg)) < 0 ||
         am_pipe_bind(&pipe, &m, p->microbatch_size, pp, p->pp > 1 ? d->g.pp_grad : NULL, msg, sizeof(msg)) < 0) {

@@ -1,7 +1,8 @@
 #!/bin/bash
 # LoRA against the peft library: tests/train/golden_dist (a rank program that trains as am-train
 # does) on the LoRA goldens (tests/golden/models/llama_lora_qv: adapters on q and v;
-# llama_lora_all: on all seven projections; peft on transformers, tests/golden/README.md). The
+# llama_lora_all: on all seven projections; llama_lora_head: on q, v and lm_head (the adapter on
+# the last stage, B split over tp with the vocabulary); peft on transformers, tests/golden/README.md). The
 # recipe's peft section gives the adapters (r 4, alpha 8) as am-train reads it; golden_dist loads
 # the base and peft's initial adapters, steps the adapters alone with the golden's AdamW (lr 1e-2,
 # betas 0.9/0.95, eps 1e-8, weight decay 0.1, no clipping) for 5 steps on the golden batch, and
@@ -17,7 +18,13 @@ trap 'rm -rf "$work"' EXIT
 export AM_LOG_DIR="$work/logs" OMP_NUM_THREADS=1
 fails=0 passes=0
 
-targets_of() { case $1 in llama_lora_qv) echo "['*.q_proj', '*.v_proj']" ;; *) echo "['*_proj']" ;; esac; }
+targets_of() {
+    case $1 in
+    llama_lora_qv) echo "['*.q_proj', '*.v_proj']" ;;
+    llama_lora_head) echo "['*.q_proj', '*.v_proj', 'lm_head']" ;;
+    *) echo "['*_proj']" ;;
+    esac
+}
 
 recipe() { # CASE SP LR: the recipe of a golden run, to stdout
     cat <<EOF
@@ -70,7 +77,8 @@ launch() { # NAME CASE TP PP SP LR: golden_dist on TP x PP ranks, its output in 
 }
 
 for run in "llama_lora_qv 1 1 false" "llama_lora_qv 2 2 false" "llama_lora_qv 2 2 true" \
-    "llama_lora_all 1 1 false" "llama_lora_all 2 2 false" "llama_lora_all 2 2 true"; do
+    "llama_lora_all 1 1 false" "llama_lora_all 2 2 false" "llama_lora_all 2 2 true" \
+    "llama_lora_head 1 1 false" "llama_lora_head 2 2 false" "llama_lora_head 2 2 true"; do
     set -- $run
     name="$1-tp$2-pp$3-sp$4"
     # 5 losses, and the final adapters: 4 tensors per adapted projection and layer (A, B) on rank 0

@@ -31,7 +31,7 @@
 #     final adapters onto the base (PeftModel.from_pretrained): every adapter tensor of the model
 #     equals the file's, B is no longer zero and the adapted model's loss differs from the base's;
 #     without peft that part is skipped and said so;
-#   refusals: an adapter on lm_head (match_all_linear) and k/v adapters at tp 4 above the 2 kv
+#   refusals: adapter dropout on lm_head's adapter (match_all_linear) and k/v adapters at tp 4 above the 2 kv
 #     heads fail before training with their messages; am-ckpt export refuses a LoRA checkpoint
 #     (adapters, no model) and names its peft/ directory.
 set -u
@@ -350,9 +350,10 @@ else
 fi
 
 # refusals, before any step
-awk '/target_modules:/ { print "  match_all_linear: true"; next } 1' "$work/ref.yaml" >"$work/head.yaml"
+awk '/target_modules:/ { print "  match_all_linear: true"; next } /dropout:/ { print "  dropout: 0.1"; next } 1' \
+    "$work/ref.yaml" >"$work/head.yaml"
 sed -e "s/target_modules: .*/target_modules: ['*.k_proj']/" "$work/ref.yaml" >"$work/kv.yaml"
-want_head="peft: an adapter on lm_head is not run by am-train yet (its targets match lm_head, as match_all_linear does: add exclude_modules: ['lm_head'] or name the projections, target_modules: ['*_proj'])"
+want_head="peft.dropout: adapter dropout on lm_head's adapter is not run by am-train yet (its targets match lm_head, as match_all_linear does: set dropout: 0.0, or add exclude_modules: ['lm_head'])"
 want_kv="peft: adapters on k_proj or v_proj with tp_size 4 above the 2 kv heads (each kv head shared by several tp ranks) are not run by am-train yet: use tp_size 2 or less, or leave k_proj and v_proj out of the targets"
 for c in "head 1 want_head" "kv 4 want_kv AM_TP=4"; do
     set -- $c
