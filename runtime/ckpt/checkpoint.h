@@ -61,6 +61,12 @@ static inline struct am_ckpt_slice am_ckpt_cols(int64_t c0, int64_t c1) { return
 int am_ckpt_read(const struct am_ckpt *c, const char *name, const struct am_ckpt_slice *slice,
                  const struct am_tensor *dst, struct am_errors *err);
 
+/* Makes an FP8 checkpoint's F8_E4M3 weights readable (block: weight_block_size, the rows and
+ * columns of one scale; NULL: none, the default, and such a weight is refused): am_ckpt_read
+ * then dequantises them (quant.h) with their `<name>_scale_inv`, reading only the slice's rows
+ * and columns and their blocks' scales. Other tensors read as before. */
+void am_ckpt_set_fp8(struct am_ckpt *c, const int64_t *block);
+
 struct am_ckpt_save_opts {
     uint64_t max_shard_bytes; /* 0: AM_CKPT_DEFAULT_SHARD_BYTES */
     const char *base_config;  /* the config.json the model came from: keys am does not write

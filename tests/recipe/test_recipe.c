@@ -391,7 +391,8 @@ static void test_model_rules(void **state)
     expect("model:\n  hidden_size: 64\n  num_hidden_layers: 2\n  num_attention_heads: 2\n  intermediate_size: 128\n"
            "  vocab_size: 64\n  quantization_config:\n    quant_method: bitsandbytes\n    load_in_4bit: true\n", NULL,
            MSGS("r.yaml:8:5: model.quantization_config: a quantized checkpoint (quant_method bitsandbytes) is not "
-                "supported: am trains bf16 or fp32 weights and does not dequantize them (use the unquantized model)"));
+                "supported: am trains bf16 or fp32 weights and dequantizes only FP8 checkpoints (quant_method fp8, fmt e4m3, "
+                "as DeepSeek-V3's); use the unquantized model"));
     /* AutoModel's MoEConfig overrides: only what would leave transformers' MoE as it is */
     expect("model:\n  model_type: glm4_moe\n  moe_overrides:\n    gate_bias_update_factor: 0.001\n"
            "    aux_loss_coeff: 0.0\n    score_func: softmax\n", NULL,
