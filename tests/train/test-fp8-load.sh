@@ -1,0 +1,129 @@
+#!/usr/bin/env bash
+# test-fp8-load.sh - an FP8 checkpoint (DeepSeek-V3's form: F8_E4M3 projection weights with one
+# fp32 weight_scale_inv per block, quantization_config quant_method fp8) trains from the same
+# weights as its dequantisation saved in fp32: am-train's first loss is the same number, on one
+# rank, at tp 2 (each rank dequantising its rows or columns only, the slices cutting through
+# blocks) and in bf16 (the fp32 product rounded once); for a dense model (the llama_tp golden,
+# blocks of 16 x 24, edge blocks partial, one projection left unquantised by
+# modules_to_not_convert) and a mixture of experts (qwen3_moe_tiny's experts, ep 2). The
+# checkpoints are made by tests/ckpt/make_fp8_checkpoint.py with torch's float8_e4m3fn (the
+# golden venv: AM_GOLDEN_PYTHON, tests/golden/README.md; skipped without it). Then: a scale of
+# the wrong shape and a missing one are refused naming the tensor; the progress line shows
+# during the FP8 load on a terminal; am-ckpt export of the trained model writes no
+# quantization_config.
+set -u
+: "${AM_SRCDIR:=$(cd "$(dirname "$0")/../.." && pwd)}"
+: "${AM_BUILDDIR:=$PWD}"
+export AM_MODELS_DIR=${AM_MODELS_DIR:-$AM_SRCDIR/runtime/recipe/models}
+unset AM_RECIPE AM_TP AM_PP AM_EP AM_CP AM_LOG_DIR AM_DRY_RUN AM_FAULT 2>/dev/null || true
+PY=${AM_GOLDEN_PYTHON:-/tmp/goldenv/bin/python}
+if ! "$PY" -c 'import torch, safetensors' 2>/dev/null; then
+    echo "SKIP: no Python venv with torch at $PY (tests/golden/README.md says how to make it; AM_GOLDEN_PYTHON names another)"
+    exit 77
+fi
+T=$(mktemp -d /tmp/am-fp8-XXXXXX)
+trap '[ -n "${AM_KEEP:-}" ] || rm -rf "$T"' EXIT
+fails=0 passes=0
+ok() { echo "ok: $*"; passes=$((passes + 1)); }
+bad() { echo "FAIL: $*"; fails=$((fails + 1)); }
+
+"$AM_BUILDDIR/am-data" build --bytes --out "$T/corpus" /usr/share/common-licenses/* >/dev/null || exit 1
+for g in llama_tp:16:24 qwen3_moe_tiny:32:40; do
+    IFS=: read -r name b0 b1 <<<"$g"
+    "$PY" "$AM_SRCDIR/tests/ckpt/make_fp8_checkpoint.py" "$AM_SRCDIR/tests/golden/models/$name" "$T/$name" "$b0" "$b1" ||
+        { bad "could not make the FP8 checkpoint of $name"; continue; }
+done
+
+# recipe DIR NAME [bf16 [save]]: the tiny recipe on the model in DIR (save: a checkpoint, in ckpt-NAME)
+recipe() {
+    awk -v base="$1" -v data="$T/corpus" -v bf="${3:-}" -v save="${4:-}" -v name="$2" '
+        /^model:/ { print "model:\n  pretrained_model_name_or_path: " base "\n"; skip = 1; next }
+        skip && /^[a-z]/ { skip = 0 }
+        skip { next }
+        bf && /param_dtype:/ { sub(/param_dtype: .*/, "param_dtype: bfloat16") }
+        { sub(/paths: .*/, "paths: " data); sub(/max_steps: .*/, "max_steps: 1"); sub(/seq_length: .*/, "seq_length: 32");
+          sub(/ckpt_every_steps: .*/, "ckpt_every_steps: 1"); sub(/checkpoint_dir: .*/, "checkpoint_dir: ckpt-" name);
+          if (save) sub(/enabled: false/, "enabled: true"); print }' \
+        "$AM_SRCDIR/sbatch-templates/recipes/tiny.yaml" >"$T/$2.yaml"
+}
+
+# first NAME NPROC RECIPE [VAR=VALUE...]: trains one step; prints rank 0's first loss
+first() {
+    local name=$1 n=$2 r=$3
+    shift 3
+    (cd "$T" && env ${1+"$@"} "$AM_BUILDDIR/am-launch" --nproc "$n" --log-dir "$T/logs-$name" "$r.yaml" \
+        >"$T/$name.out" 2>"$T/$name.err") || { echo "did-not-train"; return; }
+    grep -h '"type":"step"' "$T/logs-$name"/*/rank-0.jsonl | head -1 | sed -E 's/.*"loss":([^,]*),.*/\1/'
+}
+
+for c in "llama_tp 1 - -" "llama_tp 2 AM_TP=2 -" "llama_tp 1 - bf16" "qwen3_moe_tiny 1 - -" "qwen3_moe_tiny 2 AM_EP=2 -"; do
+    read -r name n var bf <<<"$c"
+    [ -d "$T/$name/fp8" ] || continue
+    [ "$bf" = - ] && bf=
+    [ "$var" = - ] && var=
+    recipe "$T/$name/fp8" "fp8-$name$bf" "$bf"
+    recipe "$T/$name/deq" "deq-$name$bf" "$bf"
+    a=$(first "fp8-$name-$n$bf" "$n" "fp8-$name$bf" $var)
+    b=$(first "deq-$name-$n$bf" "$n" "deq-$name$bf" $var)
+    what="$name on $n rank(s)${var:+ ($var)}${bf:+ in bf16}"
+    if [ "$a" != did-not-train ] && [ -n "$a" ] && [ "$a" = "$b" ]; then
+        ok "$what: the FP8 checkpoint's first loss $a equals its dequantised weights' (fp32 on disk)"
+    else
+        bad "$what: FP8 first loss '$a', dequantised '$b'"
+        sed 's/^/    /' "$T/fp8-$name-$n$bf.err" | tail -5
+    fi
+done
+
+# am-ckpt export of the model trained from the FP8 checkpoint: no quantization_config
+recipe "$T/llama_tp/fp8" save "" save
+first save 1 save >/dev/null
+if "$AM_BUILDDIR/am-ckpt" export --quiet "$T/ckpt-save" "$T/export" >"$T/export.out" 2>&1; then
+    if grep -q quantization_config "$T/export/config.json"; then
+        bad "am-ckpt export wrote a quantization_config"
+    else
+        ok "am-ckpt export of the trained model writes plain weights and no quantization_config"
+    fi
+else
+    bad "am-ckpt export failed"; cat "$T/export.out" 2>/dev/null | head -5
+fi
+
+# the errors: a scale of the wrong shape, a missing one (llama_tp's checkpoint, edited)
+"$PY" - "$T/llama_tp/fp8" "$T/bad" "$T/lost" <<'PYEOF' || bad "could not make the broken checkpoints"
+import os, shutil, sys
+from safetensors.torch import load_file, save_file
+src, bad, lost = sys.argv[1:4]
+w = load_file(os.path.join(src, "model.safetensors"))
+for d in (bad, lost):
+    os.makedirs(d, exist_ok=True)
+    shutil.copy(os.path.join(src, "config.json"), d)
+n = "model.layers.1.mlp.up_proj.weight_scale_inv"
+b = dict(w); b[n] = b[n][:, :2].contiguous()
+save_file(b, os.path.join(bad, "model.safetensors"), metadata={"format": "pt"})
+l = dict(w); del l[n]
+save_file(l, os.path.join(lost, "model.safetensors"), metadata={"format": "pt"})
+PYEOF
+# expect NAME MESSAGE: training from $T/NAME fails with MESSAGE on stderr
+expect() {
+    recipe "$T/$1" "$1"
+    (cd "$T" && "$AM_BUILDDIR/am-launch" --nproc 1 --log-dir "$T/logs-$1" "$1.yaml" >"$T/$1.out" 2>"$T/$1.err")
+    if grep -qF -- "$2" "$T/$1.err"; then
+        ok "$1: refused: $2"
+    else
+        bad "$1: want '$2', got:"; sed 's/^/    /' "$T/$1.err" | head -8
+    fi
+}
+expect bad "$T/bad/model.safetensors: tensor 'model.layers.1.mlp.up_proj.weight_scale_inv' is F32 [8, 2], but the FP8 weight 'model.layers.1.mlp.up_proj.weight' of [128, 64] in blocks of 16 x 24 (quantization_config.weight_block_size) needs F32 [8, 3], one scale per block (does weight_block_size match the checkpoint?)"
+expect lost "$T/lost/model.safetensors: tensor 'model.layers.1.mlp.up_proj.weight' is F8_E4M3 but 'model.layers.1.mlp.up_proj.weight_scale_inv' is missing: an FP8 checkpoint holds one fp32 scale per 16 x 24 block beside each weight, here [8, 3] (an incomplete download, or a checkpoint quantised another way)"
+
+# the progress line during the FP8 load, on a terminal (script(1)'s pseudo-terminal)
+if command -v script >/dev/null; then
+    recipe "$T/llama_tp/fp8" tty
+    (cd "$T" && script -qec "'$AM_BUILDDIR/am-launch' --nproc 1 --log-dir '$T/logs-tty' tty.yaml" /dev/null </dev/null >"$T/tty.out")
+    if tr '\r' '\n' <"$T/tty.out" | grep -qE '^am-train: loading the weights: 100\.0%  [0-9]+ kB of [0-9]+ kB  '; then
+        ok "on a terminal, the FP8 load shows its progress to 100.0%"
+    else
+        bad "no progress line during the FP8 load on a terminal:"; cat -A "$T/tty.out" | head -5
+    fi
+fi
+echo "$passes passed, $fails failed"
+[ $fails = 0 ]
