@@ -20,6 +20,9 @@ void am_fp8_dequant(const struct am_st_info *w, const struct am_st_info *s, cons
                     int64_t r1, int64_t c0, int64_t c1, float *dst)
 {
     int64_t C = w->shape[1], sc = s->shape[1];
+    float lut[256]; /* every byte's value: a lookup per element */
+    for (int b = 0; b < 256; b++)
+        lut[b] = am_e4m3_to_f32((uint8_t)b);
     for (int64_t r = r0; r < r1; r++) {
         const uint8_t *row = w->data + r * C;
         const unsigned char *srow = s->data + (size_t)((r / block[0]) * sc) * sizeof(float);
@@ -29,7 +32,7 @@ void am_fp8_dequant(const struct am_st_info *w, const struct am_st_info *s, cons
             float scale;
             memcpy(&scale, srow + (size_t)j * sizeof(float), sizeof(float));
             for (; c < end; c++)
-                out[c - c0] = am_e4m3_to_f32(row[c]) * scale;
+                out[c - c0] = lut[row[c]] * scale;
         }
     }
 }
