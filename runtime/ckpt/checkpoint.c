@@ -687,6 +687,28 @@ done:
     return rc;
 }
 
+/* config (am_ckpt_config_json's text, freed) with torch_dtype (and dtype when there) set to
+ * `dtype`, written the same way; NULL on failure. */
+static char *set_torch_dtype(char *config, const char *dtype, struct am_errors *err)
+{
+    json_t *cfg = json_loads(config, 0, NULL);
+    free(config);
+    char *dumped = NULL, *out = NULL;
+    if (cfg) {
+        json_object_set_new(cfg, "torch_dtype", json_string(dtype));
+        if (json_object_get(cfg, "dtype"))
+            json_object_set_new(cfg, "dtype", json_string(dtype));
+        dumped = json_dumps(cfg, JSON_INDENT(2) | JSON_SORT_KEYS);
+        json_decref(cfg);
+    }
+    if (dumped && (out = malloc(strlen(dumped) + 2)))
+        sprintf(out, "%s\n", dumped);
+    free(dumped);
+    if (!out)
+        am_errorf(err, NULL, "config.json: out of memory");
+    return out;
+}
+
 int am_ckpt_save(const char *dir_in, const struct am_model_config *m, const struct am_st_wtensor *t, size_t n,
                  const struct am_ckpt_save_opts *opts, struct am_errors *err)
 {
@@ -723,6 +745,8 @@ int am_ckpt_save(const char *dir_in, const struct am_model_config *m, const stru
         goto done;
     }
     if (!(config = am_ckpt_config_json(m, opts ? opts->base_config : NULL, err)))
+        goto done;
+    if (opts && opts->torch_dtype && !(config = set_torch_dtype(config, opts->torch_dtype, err)))
         goto done;
     if (am_temp_dir(dir, tmp, sizeof(tmp), err) < 0)
         goto done;

@@ -71,6 +71,8 @@ struct am_ckpt_save_opts {
     uint64_t max_shard_bytes; /* 0: AM_CKPT_DEFAULT_SHARD_BYTES */
     const char *base_config;  /* the config.json the model came from: keys am does not write
                                  (bos/eos token ids, ...) are kept; NULL for none */
+    const char *torch_dtype;  /* config.json's torch_dtype (and dtype): the tensors' dtype as torch
+                                 names it; NULL: "float32" */
 };
 
 /* Saves the tensors (in the order given; shards are consecutive runs of it) and config.json

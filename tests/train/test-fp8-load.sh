@@ -10,7 +10,7 @@
 # golden venv: AM_GOLDEN_PYTHON, tests/golden/README.md; skipped without it). Then: a scale of
 # the wrong shape and a missing one are refused naming the tensor; the progress line shows
 # during the FP8 load on a terminal; am-ckpt export of the trained model writes no
-# quantization_config.
+# quantization_config, in fp32 or (--dtype bfloat16) bf16, and refuses to re-quantise.
 set -u
 : "${AM_SRCDIR:=$(cd "$(dirname "$0")/../.." && pwd)}"
 : "${AM_BUILDDIR:=$PWD}"
@@ -85,6 +85,30 @@ if "$AM_BUILDDIR/am-ckpt" export --quiet "$T/ckpt-save" "$T/export" >"$T/export.
     fi
 else
     bad "am-ckpt export failed"; cat "$T/export.out" 2>/dev/null | head -5
+fi
+# --dtype bfloat16: every tensor BF16, each the fp32 export's rounded once; torch_dtype bfloat16
+if "$AM_BUILDDIR/am-ckpt" export --quiet --dtype bfloat16 "$T/ckpt-save" "$T/export16" >"$T/export16.out" 2>&1 &&
+    "$PY" - "$T/export" "$T/export16" <<'PYEOF' >"$T/export16.check" 2>&1; then
+import json, sys, torch
+from safetensors.torch import load_file
+a, b = (load_file(d + "/model.safetensors") for d in sys.argv[1:3])
+assert a.keys() == b.keys(), "other tensors"
+for k in a:
+    assert b[k].dtype == torch.bfloat16 and torch.equal(b[k], a[k].to(torch.bfloat16)), k
+c = json.load(open(sys.argv[2] + "/config.json"))
+assert c["torch_dtype"] == "bfloat16" and "quantization_config" not in c, c.get("torch_dtype")
+PYEOF
+    ok "am-ckpt export --dtype bfloat16: every tensor the fp32 export's rounded to bf16 (torch's), torch_dtype bfloat16"
+else
+    bad "am-ckpt export --dtype bfloat16:"; cat "$T/export16.out" "$T/export16.check" 2>/dev/null | head -8
+fi
+want="am-ckpt: --dtype fp8: am does not re-quantise: the trained weights would be rounded to a few bits per block scale (e4m3 keeps 3 mantissa bits), losing the fine-tuning's small updates, and no such rounding is checked against the tools that serve the model; export float32 or bfloat16 and quantise with the serving stack's own tool"
+"$AM_BUILDDIR/am-ckpt" export --dtype fp8 "$T/ckpt-save" "$T/export8" >"$T/export8.out" 2>&1
+rc=$?
+if [ $rc = 1 ] && [ "$(cat "$T/export8.out")" = "$want" ] && [ ! -e "$T/export8" ]; then
+    ok "am-ckpt export --dtype fp8 is refused: $want"
+else
+    bad "am-ckpt export --dtype fp8: exit $rc:"; cat "$T/export8.out"
 fi
 
 # the errors: a scale of the wrong shape, a missing one (llama_tp's checkpoint, edited)
