@@ -268,6 +268,36 @@ static int read_fp8(const struct am_ckpt *c, const struct am_st_file *f, const s
     return 0;
 }
 
+int am_ckpt_read_mxfp4(const struct am_ckpt *c, const char *name, int64_t e0, int64_t e1, const struct am_tensor *dst,
+                       struct am_errors *err)
+{
+    char bn[300], sn[300], have[200], want[200];
+    snprintf(bn, sizeof(bn), "%s_blocks", name);
+    snprintf(sn, sizeof(sn), "%s_scales", name);
+    const struct am_st_file *f, *sf;
+    const struct am_st_info *b = am_ckpt_find(c, bn, &f), *s = am_ckpt_find(c, sn, &sf);
+    const char *path = f ? am_st_path(f) : sf ? am_st_path(sf) : c->dir;
+    if (am_mxfp4_check(path, name, b, s, err) < 0)
+        return -1;
+    int64_t E = b->shape[0], R = b->shape[1], G = b->shape[2];
+    int64_t shape[3] = {e1 - e0, G * 32, R};
+    if (e0 < 0 || e0 >= e1 || e1 > E) {
+        am_errorf(err, NULL, "%s: tensor '%s': cannot take experts [%" PRId64 ", %" PRId64 ") of %" PRId64, path, bn,
+                  e0, e1, E);
+        return -1;
+    }
+    if (dst->device != AM_DEV_CPU || dst->dtype != AM_F32 || dst->ndim != 3 || dst->shape[0] != shape[0] ||
+        dst->shape[1] != shape[1] || dst->shape[2] != shape[2]) {
+        am_errorf(err, NULL, "%s: tensor '%s': experts [%" PRId64 ", %" PRId64 ") dequantise to %s, but the model "
+                  "expects %s (read into a host fp32 tensor; does config.json match the weights?)", path, name, e0,
+                  e1, am_st_shape_str(shape, 3, want, sizeof(want)),
+                  am_st_shape_str(dst->shape, dst->ndim, have, sizeof(have)));
+        return -1;
+    }
+    am_mxfp4_dequant(b->data + e0 * R * G * 16, s->data + e0 * R * G, e1 - e0, R, G, dst->data);
+    return 0;
+}
+
 int am_ckpt_read(const struct am_ckpt *c, const char *name, const struct am_ckpt_slice *slice,
                  const struct am_tensor *dst, struct am_errors *err)
 {

@@ -93,3 +93,30 @@ void am_mxfp4_dequant(const uint8_t *blocks, const uint8_t *scales, int64_t E, i
                 }
             }
 }
+
+int am_mxfp4_check(const char *path, const char *name, const struct am_st_info *b, const struct am_st_info *s,
+                   struct am_errors *err)
+{
+    char have[200], want[200], each[200];
+    if (!b || !s) {
+        am_errorf(err, NULL, "%s: '%s_%s' is missing beside '%s_%s': MXFP4 weights are stored as both, the e2m1 "
+                  "blocks and their e8m0 scales (an incomplete download?)", path, name, b ? "scales" : "blocks", name,
+                  b ? "blocks" : "scales");
+        return -1;
+    }
+    if (b->dtype != AM_ST_U8 || b->ndim != 4 || b->shape[3] != 16) {
+        am_errorf(err, NULL, "%s: tensor '%s_blocks' is %s %s, but MXFP4 blocks are U8 [experts, rows, groups, 16], "
+                  "32 e2m1 values in 16 bytes a group (gpt-oss's layout; a checkpoint quantised another way?)", path,
+                  name, am_st_dtype_name(b->dtype), am_st_shape_str(b->shape, b->ndim, have, sizeof(have)));
+        return -1;
+    }
+    if (s->dtype != AM_ST_U8 || s->ndim != 3 || s->shape[0] != b->shape[0] || s->shape[1] != b->shape[1] ||
+        s->shape[2] != b->shape[2]) {
+        am_errorf(err, NULL, "%s: tensor '%s_scales' is %s %s, but the blocks '%s_blocks' of %s need U8 %s, one "
+                  "e8m0 exponent per 32 values (the two come from different checkpoints?)", path, name,
+                  am_st_dtype_name(s->dtype), am_st_shape_str(s->shape, s->ndim, have, sizeof(have)), name,
+                  am_st_shape_str(b->shape, 4, want, sizeof(want)), am_st_shape_str(b->shape, 3, each, sizeof(each)));
+        return -1;
+    }
+    return 0;
+}

@@ -48,7 +48,14 @@ int am_fp8_check(const char *path, const char *name, const struct am_st_info *w,
 /* e2m1 nibble -> its value (transformers' FP4_VALUES). */
 float am_e2m1_to_f32(uint8_t nibble);
 
-/* MXFP4 blocks [E, R, G, 16] and scales [E, R, G] into dst, [E, G * 32, R] fp32 (above). */
+/* MXFP4 blocks [E, R, G, 16] and scales [E, R, G] into dst, [E, G * 32, R] fp32 (above).
+ * Experts [e0, e1) alone (an ep rank's): blocks + e0 * R * G * 16, scales + e0 * R * G, E = e1 - e0. */
 void am_mxfp4_dequant(const uint8_t *blocks, const uint8_t *scales, int64_t E, int64_t R, int64_t G, float *dst);
+
+/* Checks `<name>_blocks` (b) and `<name>_scales` (s) of file `path` (NULL: missing): b U8
+ * [E, R, G, 16], s U8 [E, R, G]. Returns 0, or -1 with a message naming the tensor, the rule
+ * and the fix. */
+int am_mxfp4_check(const char *path, const char *name, const struct am_st_info *b, const struct am_st_info *s,
+                   struct am_errors *err);
 
 #endif

@@ -3,7 +3,8 @@
  * make_quant_fixture.py): every e4m3fn byte; an FP8 weight in 2 x 3 blocks (edge blocks
  * partial) read whole, by rows and by columns through am_ckpt_read, into fp32 and bf16; the
  * errors of a missing or misshapen scale; MXFP4 blocks and scales as
- * convert_moe_packed_tensors converts them. */
+ * convert_moe_packed_tensors converts them, whole and an ep rank's experts through
+ * am_ckpt_read_mxfp4, with its errors. */
 #include <math.h>
 
 #include "../ckpt/testio.h"
@@ -173,9 +174,39 @@ static void test_mxfp4(void **state)
         memcpy(&h, ref16->data + 2 * i, 2);
         assert_int_equal(am_f32_to_bf16(out[i]), h); /* exact: the bf16 conversion is too */
     }
+    /* through a model directory: an ep rank's experts [1, 2), and the errors */
+    char *dir = scratch_dir();
+    size_t n;
+    unsigned char *bytes = slurp(srcpath("tests/ckpt/fixtures/quant.safetensors"), &n);
+    spit(pathf("%s/model.safetensors", dir), bytes, n);
+    free(bytes);
+    struct am_errors err;
+    am_errors_init(&err);
+    struct am_ckpt *c;
+    assert_int_equal(am_ckpt_open(dir, &c, &err), 0);
+    struct am_tensor t = am_tensor_view(out, AM_DEV_CPU, AM_F32, 1, 64, 3, 0);
+    assert_int_equal(am_ckpt_read_mxfp4(c, "mx", 1, 2, &t, &err), 0);
+    assert_memory_equal(out, ref->data + 64 * 3 * 4, 64 * 3 * sizeof(float));
+    assert_int_equal(am_ckpt_read_mxfp4(c, "mx", 1, 3, &t, &err), -1);
+    expect_error(&err, "%s/model.safetensors: tensor 'mx_blocks': cannot take experts [1, 3) of 2", dir);
+    t = am_tensor_view(out, AM_DEV_CPU, AM_F32, 1, 3, 64, 0);
+    assert_int_equal(am_ckpt_read_mxfp4(c, "mx", 0, 1, &t, &err), -1);
+    expect_error(&err, "%s/model.safetensors: tensor 'mx': experts [0, 1) dequantise to [1, 64, 3], but the model "
+                 "expects [1, 3, 64] (read into a host fp32 tensor; does config.json match the weights?)", dir);
+    assert_int_equal(am_ckpt_read_mxfp4(c, "e4m3", 0, 1, &t, &err), -1);
+    expect_error(&err, "%s: 'e4m3_blocks' is missing beside 'e4m3_scales': MXFP4 weights are stored as both, the e2m1 "
+                 "blocks and their e8m0 scales (an incomplete download?)", dir);
+    am_ckpt_close(c);
+    assert_int_equal(am_mxfp4_check("f", "x", s, s, &err), -1);
+    expect_error(&err, "f: tensor 'x_blocks' is U8 [2, 3, 2], but MXFP4 blocks are U8 [experts, rows, groups, 16], 32 "
+                 "e2m1 values in 16 bytes a group (gpt-oss's layout; a checkpoint quantised another way?)");
+    assert_int_equal(am_mxfp4_check("f", "x", b, b, &err), -1);
+    expect_error(&err, "f: tensor 'x_scales' is U8 [2, 3, 2, 16], but the blocks 'x_blocks' of [2, 3, 2, 16] need U8 "
+                 "[2, 3, 2], one e8m0 exponent per 32 values (the two come from different checkpoints?)");
+    rm_tree(dir);
     static const float mag[8] = {0, 0.5f, 1, 1.5f, 2, 3, 4, 6};
-    for (int n = 0; n < 16; n++)
-        assert_true(am_e2m1_to_f32((uint8_t)n) == (n & 8 ? -mag[n & 7] : mag[n & 7]));
+    for (int k = 0; k < 16; k++)
+        assert_true(am_e2m1_to_f32((uint8_t)k) == (k & 8 ? -mag[k & 7] : mag[k & 7]));
     am_st_close(f);
 }
 
