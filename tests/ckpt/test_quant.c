@@ -157,6 +157,36 @@ static void test_fp8_errors(void **state)
     rm_tree(dir);
 }
 
+/* a sharded checkpoint whose scale lies in another file than its weight (as in DeepSeek-V3's 163) */
+static void test_fp8_sharded(void **state)
+{
+    (void)state;
+    char *dir = scratch_dir();
+    struct am_st_file *f = fixture_file();
+    const struct am_st_info *w = get(f, "fp8_w"), *sc = get(f, "fp8_w_scale_inv"), *ref = get(f, "fp8_ref");
+    struct am_st_wtensor a = {"fp8_w", AM_ST_F8_E4M3, 2, {5, 7}, w->data, NULL, NULL},
+                         b = {"fp8_w_scale_inv", AM_ST_F32, 2, {3, 3}, sc->data, NULL, NULL};
+    struct am_errors err;
+    am_errors_init(&err);
+    assert_int_equal(am_st_write(pathf("%s/model-00001-of-00002.safetensors", dir), &a, 1, NULL, 0, 0, &err), 0);
+    assert_int_equal(am_st_write(pathf("%s/model-00002-of-00002.safetensors", dir), &b, 1, NULL, 0, 0, &err), 0);
+    const char *index = "{\"metadata\": {}, \"weight_map\": {\"fp8_w\": \"model-00001-of-00002.safetensors\", "
+                        "\"fp8_w_scale_inv\": \"model-00002-of-00002.safetensors\"}}";
+    spit(pathf("%s/model.safetensors.index.json", dir), index, strlen(index));
+    struct am_ckpt *c;
+    assert_int_equal(am_ckpt_open(dir, &c, &err), 0);
+    am_ckpt_set_fp8(c, (const int64_t[2]){2, 3});
+    float part[20];
+    struct am_ckpt_slice s = am_ckpt_rows(3, 5);
+    struct am_tensor t = am_tensor_view(part, AM_DEV_CPU, AM_F32, 2, 7, 0, 0);
+    assert_int_equal(am_ckpt_read(c, "fp8_w", &s, &t, &err), 0);
+    assert_memory_equal(part, ref->data + 3 * 7 * sizeof(float), 14 * sizeof(float));
+    expect_no_error(&err);
+    am_ckpt_close(c);
+    am_st_close(f);
+    rm_tree(dir);
+}
+
 static void test_mxfp4(void **state)
 {
     (void)state;
@@ -216,6 +246,7 @@ int main(void)
         cmocka_unit_test(test_e4m3_every_byte),
         cmocka_unit_test(test_fp8_reads),
         cmocka_unit_test(test_fp8_errors),
+        cmocka_unit_test(test_fp8_sharded),
         cmocka_unit_test(test_mxfp4),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

@@ -3,7 +3,7 @@
 # fp32 weight_scale_inv per block, quantization_config quant_method fp8) trains from the same
 # weights as its dequantisation saved in fp32: am-train's first loss is the same number, on one
 # rank, at tp 2 (each rank dequantising its rows or columns only, the slices cutting through
-# blocks) and in bf16 (the fp32 product rounded once); for a dense model (the llama_tp golden,
+# blocks), at dp 2 (fsdp2, the tiny recipe's strategy) and in bf16 (the fp32 product rounded once); for a dense model (the llama_tp golden,
 # blocks of 16 x 24, edge blocks partial, one projection left unquantised by
 # modules_to_not_convert) and a mixture of experts (qwen3_moe_tiny's experts, ep 2). The
 # checkpoints are made by tests/ckpt/make_fp8_checkpoint.py with torch's float8_e4m3fn (the
@@ -56,7 +56,7 @@ first() {
     grep -h '"type":"step"' "$T/logs-$name"/*/rank-0.jsonl | head -1 | sed -E 's/.*"loss":([^,]*),.*/\1/'
 }
 
-for c in "llama_tp 1 - -" "llama_tp 2 AM_TP=2 -" "llama_tp 1 - bf16" "qwen3_moe_tiny 1 - -" "qwen3_moe_tiny 2 AM_EP=2 -"; do
+for c in "llama_tp 1 - -" "llama_tp 2 AM_TP=2 -" "llama_tp 2 - -" "llama_tp 1 - bf16" "qwen3_moe_tiny 1 - -" "qwen3_moe_tiny 2 AM_EP=2 -"; do
     read -r name n var bf <<<"$c"
     [ -d "$T/$name/fp8" ] || continue
     [ "$bf" = - ] && bf=
@@ -65,7 +65,9 @@ for c in "llama_tp 1 - -" "llama_tp 2 AM_TP=2 -" "llama_tp 1 - bf16" "qwen3_moe_
     recipe "$T/$name/deq" "deq-$name$bf" "$bf"
     a=$(first "fp8-$name-$n$bf" "$n" "fp8-$name$bf" $var)
     b=$(first "deq-$name-$n$bf" "$n" "deq-$name$bf" $var)
-    what="$name on $n rank(s)${var:+ ($var)}${bf:+ in bf16}"
+    layout=${var:-dp $n, fsdp2}
+    [ "$n" = 1 ] && layout=
+    what="$name on $n rank(s)${layout:+ ($layout)}${bf:+ in bf16}"
     if [ "$a" != did-not-train ] && [ -n "$a" ] && [ "$a" = "$b" ]; then
         ok "$what: the FP8 checkpoint's first loss $a equals its dequantised weights' (fp32 on disk)"
     else
@@ -73,6 +75,16 @@ for c in "llama_tp 1 - -" "llama_tp 2 AM_TP=2 -" "llama_tp 1 - bf16" "qwen3_moe_
         sed 's/^/    /' "$T/fp8-$name-$n$bf.err" | tail -5
     fi
 done
+
+# not vacuous: the golden's own weights (unquantised) give another first loss
+recipe "$AM_SRCDIR/tests/golden/models/llama_tp" orig
+o=$(first orig 1 orig)
+a=$(first fp8-llama_tp-1 1 fp8-llama_tp)
+if [ -n "$o" ] && [ "$o" != did-not-train ] && [ "$o" != "$a" ]; then
+    ok "the unquantised golden's first loss $o differs from the FP8 checkpoint's $a (the quantisation is seen)"
+else
+    bad "the unquantised golden's first loss '$o' against the FP8 checkpoint's '$a'"
+fi
 
 # am-ckpt export of the model trained from the FP8 checkpoint: no quantization_config
 recipe "$T/llama_tp/fp8" save "" save
