@@ -76,6 +76,14 @@ for c in "llama_tp 1 - -" "llama_tp 2 AM_TP=2 -" "llama_tp 2 - -" "llama_tp 1 - 
     fi
 done
 
+# am-plan says what it will load
+if (cd "$T" && "$AM_BUILDDIR/am-plan" --nodes 1 --gpus-per-node 1 fp8-llama_tp.yaml 2>&1) |
+    grep -qx '             an FP8 checkpoint (e4m3, one scale per 16 x 24 block): dequantised at load'; then
+    ok "am-plan names the FP8 checkpoint and its blocks"
+else
+    bad "am-plan does not name the FP8 checkpoint:"; (cd "$T" && "$AM_BUILDDIR/am-plan" --nodes 1 --gpus-per-node 1 fp8-llama_tp.yaml 2>&1 | head -5)
+fi
+
 # not vacuous: the golden's own weights (unquantised) give another first loss
 recipe "$AM_SRCDIR/tests/golden/models/llama_tp" orig
 o=$(first orig 1 orig)
