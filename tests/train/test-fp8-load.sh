@@ -97,6 +97,13 @@ fi
 # am-ckpt export of the model trained from the FP8 checkpoint: no quantization_config
 recipe "$T/llama_tp/fp8" save "" save
 first save 1 save >/dev/null
+hf=$(ls -d "$T"/ckpt-save/step-*/hf 2>/dev/null | head -1)
+if [ -n "$hf" ] && [ -f "$hf/config.json" ] && ! grep -q quantization_config "$hf/config.json" &&
+    ! grep -q F8_E4M3 "$hf/model.safetensors"; then
+    ok "the job's consolidated save (step-N/hf) is unquantised, with no quantization_config"
+else
+    bad "the job's consolidated save: '$hf' missing, quantised or with a quantization_config"
+fi
 if "$AM_BUILDDIR/am-ckpt" export --quiet "$T/ckpt-save" "$T/export" >"$T/export.out" 2>&1; then
     if grep -q quantization_config "$T/export/config.json"; then
         bad "am-ckpt export wrote a quantization_config"
