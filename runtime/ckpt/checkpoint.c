@@ -189,14 +189,14 @@ void am_ckpt_close(struct am_ckpt *c)
 }
 
 const char *am_ckpt_dir(const struct am_ckpt *c) { return c->dir; }
+size_t am_ckpt_count(const struct am_ckpt *c) { return c->n; }
+const char *am_ckpt_name(const struct am_ckpt *c, size_t i) { return i < c->n ? c->e[i].name : NULL; }
 
 void am_ckpt_set_fp8(struct am_ckpt *c, const int64_t *block)
 {
     c->fp8_block[0] = block ? block[0] : 0;
     c->fp8_block[1] = block ? block[1] : 0;
 }
-size_t am_ckpt_count(const struct am_ckpt *c) { return c->n; }
-const char *am_ckpt_name(const struct am_ckpt *c, size_t i) { return i < c->n ? c->e[i].name : NULL; }
 
 const struct am_st_info *am_ckpt_find(const struct am_ckpt *c, const char *name, const struct am_st_file **file)
 {
