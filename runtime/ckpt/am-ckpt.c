@@ -5,7 +5,11 @@
  *                             or a checkpoint_dir, whose `latest` is shown)
  *   am-ckpt export DIR OUT    the master weights as a Hugging Face directory (config.json +
  *                             safetensors, fp32), offline, from any layout: every shard checked
- *                             (size, crc32c) first
+ *                             (size, crc32c) first; --dtype bfloat16 writes them rounded to bf16
+ *                             (torch_dtype bfloat16), as AutoModel's consolidated save of a bf16
+ *                             model; never quantised (no quantization_config: a model trained
+ *                             from an FP8 checkpoint is exported dequantised, and --dtype asking
+ *                             for FP8 is refused with the reason)
  *   am-ckpt merge BASE PEFT OUT
  *                             LoRA adapters merged into their base model, as a Hugging Face
  *                             directory: W + (lora_alpha / r) * B @ A in the base's dtype, every
@@ -30,7 +34,7 @@
 
 static int usage(FILE *out)
 {
-    fprintf(out, "usage: am-ckpt show DIR\n       am-ckpt export [--progress|--quiet] DIR OUT\n"
+    fprintf(out, "usage: am-ckpt show DIR\n       am-ckpt export [--progress|--quiet] [--dtype float32|bfloat16] DIR OUT\n"
             "       am-ckpt merge [--progress|--quiet] BASE PEFT OUT\n"
             "DIR: a checkpoint (step-N, with manifest.json) or a checkpoint_dir (its `latest`)\n"
             "merge: LoRA adapters (PEFT: a step-N/peft directory, or one peft saved) merged into the base model\n"
@@ -122,6 +126,7 @@ struct exporter {
     size_t *which; /* safetensors index -> checkpoint tensor */
     size_t current;
     float *buf;
+    bool bf16; /* --dtype bfloat16: buf's values rounded to bf16, in place */
     char err[2048];
     struct am_progress bar; /* the bytes of the tensors read */
     uint64_t done;
@@ -145,12 +150,15 @@ static int fill(void *ctx, size_t index, uint64_t offset, void *dst, size_t n, s
             x->buf = NULL;
             return -1;
         }
+        uint16_t *h = (uint16_t *)x->buf; /* in place: element i's 2 bytes lie below float i's */
+        for (int64_t i = 0; x->bf16 && i < t.rows * t.cols; i++)
+            h[i] = am_f32_to_bf16(x->buf[i]);
     }
     memcpy(dst, (char *)x->buf + offset, n);
     return 0;
 }
 
-static int export(const char *arg, const char *out, bool show)
+static int export(const char *arg, const char *out, bool show, bool bf16)
 {
     struct am_sckpt *c;
     char path[4200], err[2048], hash[17];
@@ -163,7 +171,7 @@ static int export(const char *arg, const char *out, bool show)
         return 1;
     am_errors_init(&e);
     am_arena_init(&a, 64u << 20);
-    struct exporter x = {.c = c, .current = (size_t)-1};
+    struct exporter x = {.c = c, .current = (size_t)-1, .bf16 = bf16};
     struct am_st_wtensor *wt = calloc(am_sckpt_n_tensors(c) + 1, sizeof(*wt));
     x.which = calloc(am_sckpt_n_tensors(c) + 1, sizeof(size_t));
     if (!wt || !x.which) {
@@ -209,11 +217,12 @@ static int export(const char *arg, const char *out, bool show)
         }
         x.which[i] = i;
         total += (uint64_t)(t.rows * t.cols) * sizeof(float);
-        wt[i] = (struct am_st_wtensor){.name = t.name, .dtype = AM_ST_F32, .ndim = t.ndim, .shape = {t.rows, t.cols},
+        wt[i] = (struct am_st_wtensor){.name = t.name, .dtype = bf16 ? AM_ST_BF16 : AM_ST_F32, .ndim = t.ndim, .shape = {t.rows, t.cols},
                                        .fill = fill, .ctx = &x};
     }
     am_progress_start(&x.bar, "am-ckpt export", NULL, total, show);
-    if (am_ckpt_save(out, &cfg, wt, n, NULL, &e) < 0) {
+    struct am_ckpt_save_opts opts = {.torch_dtype = bf16 ? "bfloat16" : NULL};
+    if (am_ckpt_save(out, &cfg, wt, n, &opts, &e) < 0) {
         am_progress_end(&x.bar, false);
         goto errs;
     }
@@ -255,13 +264,31 @@ int main(int argc, char **argv)
     if (am_version_option(argc, argv, "am-ckpt"))
         return 0;
     bool show_progress = isatty(2); /* --progress / --quiet: shown or not, after the command */
+    const char *dtype = "float32";   /* export --dtype */
     int n = 0;
     for (int i = 0; i < argc; i++) {
         int o = i >= 2 ? am_progress_option(argv[i]) : -1;
         if (o >= 0)
             show_progress = o;
+        else if (i >= 2 && strncmp(argv[i], "--dtype=", 8) == 0)
+            dtype = argv[i] + 8;
+        else if (i >= 2 && strcmp(argv[i], "--dtype") == 0 && i + 1 < argc)
+            dtype = argv[++i];
         else
             argv[n++] = argv[i];
+    }
+    bool bf16 = strcmp(dtype, "bfloat16") == 0 || strcmp(dtype, "bf16") == 0;
+    if (!bf16 && strcmp(dtype, "float32") != 0 && strcmp(dtype, "fp32") != 0) {
+        if (strstr(dtype, "fp8") || strstr(dtype, "float8") || strstr(dtype, "e4m3") || strstr(dtype, "fp4") ||
+            strstr(dtype, "mxfp4") || strstr(dtype, "int8") || strstr(dtype, "int4")) {
+            fprintf(stderr, "am-ckpt: --dtype %s: am does not re-quantise: the trained weights would be rounded to "
+                    "a few bits per block scale (e4m3 keeps 3 mantissa bits), losing the fine-tuning's small updates, "
+                    "and no such rounding is checked against the tools that serve the model; export float32 or "
+                    "bfloat16 and quantise with the serving stack's own tool\n", dtype);
+            return 1;
+        }
+        fprintf(stderr, "am-ckpt: --dtype %s: expected float32 or bfloat16\n", dtype);
+        return 2;
     }
     argc = n;
     if (argc == 5 && strcmp(argv[1], "merge") == 0)
@@ -269,7 +296,7 @@ int main(int argc, char **argv)
     if (argc == 3 && strcmp(argv[1], "show") == 0)
         return show(argv[2]);
     if (argc == 4 && strcmp(argv[1], "export") == 0)
-        return export(argv[2], argv[3], show_progress);
+        return export(argv[2], argv[3], show_progress, bf16);
     if (argc == 2 && strcmp(argv[1], "--help") == 0)
         return usage(stdout);
     return usage(stderr);

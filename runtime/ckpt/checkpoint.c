@@ -13,6 +13,7 @@
 
 #include <jansson.h>
 
+#include "quant.h"
 #include "util.h"
 
 /* ---- reading ------------------------------------------------------------------------------------ */
@@ -30,6 +31,7 @@ struct am_ckpt {
     struct entry *e;
     size_t n;
     json_t *index; /* keeps weight_map names alive */
+    int64_t fp8_block[2]; /* am_ckpt_set_fp8's blocks; 0: not an FP8 checkpoint */
 };
 
 static int cmp_entry(const void *a, const void *b)
@@ -190,6 +192,12 @@ const char *am_ckpt_dir(const struct am_ckpt *c) { return c->dir; }
 size_t am_ckpt_count(const struct am_ckpt *c) { return c->n; }
 const char *am_ckpt_name(const struct am_ckpt *c, size_t i) { return i < c->n ? c->e[i].name : NULL; }
 
+void am_ckpt_set_fp8(struct am_ckpt *c, const int64_t *block)
+{
+    c->fp8_block[0] = block ? block[0] : 0;
+    c->fp8_block[1] = block ? block[1] : 0;
+}
+
 const struct am_st_info *am_ckpt_find(const struct am_ckpt *c, const char *name, const struct am_st_file **file)
 {
     struct entry key = {.name = name};
@@ -216,6 +224,77 @@ static int copy_run(const struct am_st_file *f, const struct am_st_info *t, int6
             d[done + i] = dt == AM_BF16 ? am_f32_to_bf16(buf[i]) : am_f32_to_f16(buf[i]);
         done += k;
     }
+    return 0;
+}
+
+/* An FP8 weight (quant.h), or rows or columns of it, dequantised into dst (its shape checked):
+ * each row's bytes of the slice and the scales of their blocks are all that is read. */
+static int read_fp8(const struct am_ckpt *c, const struct am_st_file *f, const struct am_st_info *t, const char *name,
+                    const struct am_ckpt_slice *slice, const struct am_tensor *dst, struct am_errors *err)
+{
+    if (!c->fp8_block[0]) {
+        am_errorf(err, NULL, "%s: tensor '%s' is F8_E4M3, but config.json has no quantization_config with "
+                  "quant_method fp8 (the block of one scale, weight_block_size, is unknown): use the model's own "
+                  "config.json", am_st_path(f), name);
+        return -1;
+    }
+    char sname[300];
+    snprintf(sname, sizeof(sname), "%s" AM_FP8_SCALE_SUFFIX, name);
+    const struct am_st_file *sf;
+    const struct am_st_info *s = am_ckpt_find(c, sname, &sf);
+    if (am_fp8_check(am_st_path(f), name, t, s, c->fp8_block, err) < 0)
+        return -1;
+    int64_t r0 = 0, r1 = t->shape[0], c0 = 0, c1 = t->shape[1];
+    if (slice && slice->dim == 0)
+        r0 = slice->begin, r1 = slice->end;
+    else if (slice)
+        c0 = slice->begin, c1 = slice->end;
+    if (dst->dtype == AM_F32) {
+        am_fp8_dequant(t, s, c->fp8_block, r0, r1, c0, c1, dst->data);
+        return 0;
+    }
+    float *row = malloc((size_t)(c1 - c0 + 1) * sizeof(float)); /* one row at a time, rounded once */
+    if (!row) {
+        am_errorf(err, NULL, "%s: tensor '%s': out of memory", am_st_path(f), name);
+        return -1;
+    }
+    uint16_t *d = dst->data;
+    for (int64_t r = r0; r < r1; r++) {
+        am_fp8_dequant(t, s, c->fp8_block, r, r + 1, c0, c1, row);
+        for (int64_t j = 0; j < c1 - c0; j++)
+            d[(r - r0) * (c1 - c0) + j] = dst->dtype == AM_BF16 ? am_f32_to_bf16(row[j]) : am_f32_to_f16(row[j]);
+    }
+    free(row);
+    return 0;
+}
+
+int am_ckpt_read_mxfp4(const struct am_ckpt *c, const char *name, int64_t e0, int64_t e1, const struct am_tensor *dst,
+                       struct am_errors *err)
+{
+    char bn[300], sn[300], have[200], want[200];
+    snprintf(bn, sizeof(bn), "%s_blocks", name);
+    snprintf(sn, sizeof(sn), "%s_scales", name);
+    const struct am_st_file *f, *sf;
+    const struct am_st_info *b = am_ckpt_find(c, bn, &f), *s = am_ckpt_find(c, sn, &sf);
+    const char *path = f ? am_st_path(f) : sf ? am_st_path(sf) : c->dir;
+    if (am_mxfp4_check(path, name, b, s, err) < 0)
+        return -1;
+    int64_t E = b->shape[0], R = b->shape[1], G = b->shape[2];
+    int64_t shape[3] = {e1 - e0, G * 32, R};
+    if (e0 < 0 || e0 >= e1 || e1 > E) {
+        am_errorf(err, NULL, "%s: tensor '%s': cannot take experts [%" PRId64 ", %" PRId64 ") of %" PRId64, path, bn,
+                  e0, e1, E);
+        return -1;
+    }
+    if (dst->device != AM_DEV_CPU || dst->dtype != AM_F32 || dst->ndim != 3 || dst->shape[0] != shape[0] ||
+        dst->shape[1] != shape[1] || dst->shape[2] != shape[2]) {
+        am_errorf(err, NULL, "%s: tensor '%s': experts [%" PRId64 ", %" PRId64 ") dequantise to %s, but the model "
+                  "expects %s (read into a host fp32 tensor; does config.json match the weights?)", path, name, e0,
+                  e1, am_st_shape_str(shape, 3, want, sizeof(want)),
+                  am_st_shape_str(dst->shape, dst->ndim, have, sizeof(have)));
+        return -1;
+    }
+    am_mxfp4_dequant(b->data + e0 * R * G * 16, s->data + e0 * R * G, e1 - e0, R, G, dst->data);
     return 0;
 }
 
@@ -261,6 +340,8 @@ int am_ckpt_read(const struct am_ckpt *c, const char *name, const struct am_ckpt
                   am_st_shape_str(dst->shape, dst->ndim, want, sizeof(want)));
         return -1;
     }
+    if (t->dtype == AM_ST_F8_E4M3)
+        return read_fp8(c, f, t, name, dim < 0 ? NULL : slice, dst, err);
     if (dim < 0)
         return copy_run(f, t, 0, t->numel, dst->dtype, dst->data, 0, err);
     int64_t outer = 1, inner = 1;
@@ -636,6 +717,28 @@ done:
     return rc;
 }
 
+/* config (am_ckpt_config_json's text, freed) with torch_dtype (and dtype when there) set to
+ * `dtype`, written the same way; NULL on failure. */
+static char *set_torch_dtype(char *config, const char *dtype, struct am_errors *err)
+{
+    json_t *cfg = json_loads(config, 0, NULL);
+    free(config);
+    char *dumped = NULL, *out = NULL;
+    if (cfg) {
+        json_object_set_new(cfg, "torch_dtype", json_string(dtype));
+        if (json_object_get(cfg, "dtype"))
+            json_object_set_new(cfg, "dtype", json_string(dtype));
+        dumped = json_dumps(cfg, JSON_INDENT(2) | JSON_SORT_KEYS);
+        json_decref(cfg);
+    }
+    if (dumped && (out = malloc(strlen(dumped) + 2)))
+        sprintf(out, "%s\n", dumped);
+    free(dumped);
+    if (!out)
+        am_errorf(err, NULL, "config.json: out of memory");
+    return out;
+}
+
 int am_ckpt_save(const char *dir_in, const struct am_model_config *m, const struct am_st_wtensor *t, size_t n,
                  const struct am_ckpt_save_opts *opts, struct am_errors *err)
 {
@@ -672,6 +775,8 @@ int am_ckpt_save(const char *dir_in, const struct am_model_config *m, const stru
         goto done;
     }
     if (!(config = am_ckpt_config_json(m, opts ? opts->base_config : NULL, err)))
+        goto done;
+    if (opts && opts->torch_dtype && !(config = set_torch_dtype(config, opts->torch_dtype, err)))
         goto done;
     if (am_temp_dir(dir, tmp, sizeof(tmp), err) < 0)
         goto done;

@@ -61,10 +61,25 @@ static inline struct am_ckpt_slice am_ckpt_cols(int64_t c0, int64_t c1) { return
 int am_ckpt_read(const struct am_ckpt *c, const char *name, const struct am_ckpt_slice *slice,
                  const struct am_tensor *dst, struct am_errors *err);
 
+/* Makes an FP8 checkpoint's F8_E4M3 weights readable (block: weight_block_size, the rows and
+ * columns of one scale; NULL: none, the default, and such a weight is refused): am_ckpt_read
+ * then dequantises them (quant.h) with their `<name>_scale_inv`, reading only the slice's rows
+ * and columns and their blocks' scales. Other tensors read as before. */
+void am_ckpt_set_fp8(struct am_ckpt *c, const int64_t *block);
+
+/* MXFP4 experts (gpt-oss's `<name>_blocks` and `<name>_scales`, quant.h): experts [e0, e1)
+ * dequantised into dst, a host F32 tensor [e1 - e0, G * 32, R] (transformers' layout), reading
+ * only those experts' bytes. Errors (a missing or misshapen tensor, experts out of range, dst's
+ * shape) name the tensor. */
+int am_ckpt_read_mxfp4(const struct am_ckpt *c, const char *name, int64_t e0, int64_t e1, const struct am_tensor *dst,
+                       struct am_errors *err);
+
 struct am_ckpt_save_opts {
     uint64_t max_shard_bytes; /* 0: AM_CKPT_DEFAULT_SHARD_BYTES */
     const char *base_config;  /* the config.json the model came from: keys am does not write
                                  (bos/eos token ids, ...) are kept; NULL for none */
+    const char *torch_dtype;  /* config.json's torch_dtype (and dtype): the tensors' dtype as torch
+                                 names it; NULL: "float32" */
 };
 
 /* Saves the tensors (in the order given; shards are consecutive runs of it) and config.json

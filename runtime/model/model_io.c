@@ -29,6 +29,8 @@ int am_model_load_hf(struct am_model *m, const char *dir, struct am_errors *err)
     struct am_ckpt *c = NULL;
     if (am_ckpt_open(dir, &c, err) < 0)
         return -1;
+    if (m->cfg.fp8) /* an FP8 checkpoint: its F8_E4M3 weights dequantised as they are read */
+        am_ckpt_set_fp8(c, (const int64_t[2]){m->cfg.fp8_block[0], m->cfg.fp8_block[1]});
     size_t before = err->n;
     uint64_t total = 0, done = 0; /* the bytes of this rank's weights, for the progress line */
     for (int i = 0; i < m->n_params; i++)

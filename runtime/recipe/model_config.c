@@ -499,6 +499,71 @@ static int read_rope_scaling(struct am_node *n, const char *section, struct am_m
     return rc;
 }
 
+/* quantization_config: an FP8 checkpoint as DeepSeek-V3 and Kimi ship it (quant_method fp8,
+ * fmt e4m3, weight_block_size [b0, b1]: runtime/ckpt/quant.h) is dequantised at load; any other
+ * quantisation is refused. modules_to_not_convert is read but not needed: a tensor stored in
+ * F8_E4M3 is dequantised, any other loads as it is. activation_scheme concerns FP8 inference
+ * (the activations' scales), not the weights am trains. */
+static int read_quant(struct am_node *v, const char *key, struct am_model_config *m, struct am_errors *err)
+{
+    m->fp8 = false;
+    if (am_node_is_null(v))
+        return 0;
+    struct am_node *method = v->kind == AM_NODE_MAP ? am_node_child(v, "quant_method") : NULL;
+    bool fp8 = method && method->kind == AM_NODE_SCALAR && strcmp(method->str, "fp8") == 0;
+    if (!fp8) {
+        am_errorf(err, &v->pos, "%s: a quantized checkpoint%s%.40s%s is not supported: am trains bf16 or fp32 "
+                  "weights and dequantizes only FP8 checkpoints (quant_method fp8, fmt e4m3, as DeepSeek-V3's); "
+                  "use the unquantized model", key,
+                  method && method->kind == AM_NODE_SCALAR ? " (quant_method " : "",
+                  method && method->kind == AM_NODE_SCALAR ? method->str : "",
+                  method && method->kind == AM_NODE_SCALAR ? ")" : "");
+        return -1;
+    }
+    char sub[160];
+    struct am_node *fmt = am_node_child(v, "fmt");
+    const char *f = "e4m3";
+    snprintf(sub, sizeof(sub), "%s.fmt", key);
+    if (fmt && !am_node_is_null(fmt) && am_node_str(fmt, sub, &f, err) < 0)
+        return -1;
+    if (strcmp(f, "e4m3") != 0) {
+        am_errorf(err, &fmt->pos, "%s: '%s' is not supported: am dequantizes FP8 checkpoints in e4m3 (F8_E4M3 "
+                  "weights with one fp32 weight_scale_inv per block, as DeepSeek-V3 and Kimi ship them); "
+                  "use such a checkpoint or the unquantized model", sub, f);
+        return -1;
+    }
+    struct am_node *bs = am_node_child(v, "weight_block_size");
+    snprintf(sub, sizeof(sub), "%s.weight_block_size", key);
+    m->fp8_block[0] = m->fp8_block[1] = 128; /* transformers' FineGrainedFP8Config default */
+    if (bs && am_node_is_null(bs)) {
+        am_errorf(err, &bs->pos, "%s: null (one scale per tensor) is not supported: am dequantizes FP8 weights "
+                  "with one scale per block, [rows, columns] (DeepSeek-V3's [128, 128])", sub);
+        return -1;
+    }
+    if (bs && (bs->kind != AM_NODE_SEQ || bs->n != 2)) {
+        am_errorf(err, &bs->pos, "%s: expected [rows, columns], the block of one scale (DeepSeek-V3's [128, 128])",
+                  sub);
+        return -1;
+    }
+    for (size_t i = 0; bs && i < 2; i++)
+        if (am_node_long(bs->entries[i].value, sub, 1, 1L << 30, &m->fp8_block[i], err) < 0)
+            return -1;
+    struct am_node *skip = am_node_child(v, "modules_to_not_convert");
+    snprintf(sub, sizeof(sub), "%s.modules_to_not_convert", key);
+    if (skip && !am_node_is_null(skip)) {
+        const char *name;
+        if (skip->kind != AM_NODE_SEQ) {
+            am_errorf(err, &skip->pos, "%s: expected a list of module names", sub);
+            return -1;
+        }
+        for (size_t i = 0; i < skip->n; i++)
+            if (am_node_str(skip->entries[i].value, sub, &name, err) < 0)
+                return -1;
+    }
+    m->fp8 = true;
+    return 0;
+}
+
 static int read_key(const struct hf_key *k, struct am_node *v, const char *section,
                     struct am_model_config *m, struct window_keys *w, struct am_errors *err)
 {
@@ -688,17 +753,8 @@ static int read_key(const struct hf_key *k, struct am_node *v, const char *secti
         if (!am_node_is_null(v))
             w->mlp_only_layers = v;
         return 0;
-    case K_QUANT: {
-        if (am_node_is_null(v))
-            return 0;
-        struct am_node *method = v->kind == AM_NODE_MAP ? am_node_path(v, "quant_method") : NULL;
-        am_errorf(err, &v->pos, "%s: a quantized checkpoint%s%.40s%s is not supported: am trains bf16 or fp32 "
-                  "weights and does not dequantize them (use the unquantized model)", key,
-                  method && method->kind == AM_NODE_SCALAR ? " (quant_method " : "",
-                  method && method->kind == AM_NODE_SCALAR ? method->str : "",
-                  method && method->kind == AM_NODE_SCALAR ? ")" : "");
-        return -1;
-    }
+    case K_QUANT:
+        return read_quant(v, key, m, err);
     case K_IGNORE:
         return 0;
     }

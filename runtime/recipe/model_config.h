@@ -87,6 +87,11 @@ struct am_model_config {
     bool sigmoid_router;
     long n_group, topk_group, n_shared_experts, first_k_dense_replace;
     double routed_scaling_factor;
+    /* config.json's quantization_config of an FP8 checkpoint (quant_method fp8, fmt e4m3), whose
+     * F8_E4M3 weights are dequantised at load (runtime/ckpt/quant.h): fp8_block is
+     * weight_block_size, the rows and columns of one scale. false: not quantised. */
+    bool fp8;
+    long fp8_block[2];
 };
 
 /* Finds the config.json for a name or path (steps 1-3 above). Returns 0 and the path in

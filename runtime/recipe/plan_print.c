@@ -28,6 +28,9 @@ void am_plan_print(FILE *f, const struct am_recipe *r, const struct am_world *w,
             r->model.num_attention_heads, r->model.num_key_value_heads,
             r->model.num_experts ? ", mixture of experts" : "");
     fprintf(f, "             from %s\n", r->model_source);
+    if (r->model.fp8)
+        fprintf(f, "             an FP8 checkpoint (e4m3, one scale per %ld x %ld block): dequantised at load\n",
+                r->model.fp8_block[0], r->model.fp8_block[1]);
     fprintf(f, "world        %d rank%s on %d node%s", p->world, p->world == 1 ? "" : "s", w->nodes,
             w->nodes == 1 ? "" : "s");
     if (w->gpus_per_node)

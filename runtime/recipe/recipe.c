@@ -910,9 +910,10 @@ static const struct key_spec checkpoint_keys[] = {
     {"save_consolidated", K_FN, 0, 0, read_save_consolidated, "true"},
     {"model_save_format", K_FN, 0, 0, read_save_format, NULL},
     {"is_peft", K_FN, 0, 0, read_is_peft, NULL},
-    /* where and how AutoModel writes and stages its files; dequantize_base_checkpoint is a no-op
-     * for the unquantized checkpoints am loads (a quantized one is refused by its config.json's
-     * quantization_config); v4_compatible writes transformers-4 config files;
+    /* where and how AutoModel writes and stages its files; dequantize_base_checkpoint: am
+     * dequantizes an FP8 checkpoint whenever its config.json's quantization_config says it is one
+     * (AutoModel's default, null, detects the same) and refuses the other quantizations (model_config.c);
+     * v4_compatible writes transformers-4 config files;
      * skip_task_head_prefixes_for_base_model names heads of other tasks */
     IGNORE("dequantize_base_checkpoint"), IGNORE("model_cache_dir"),
     IGNORE("model_repo_id"), IGNORE("_target_"), IGNORE("v4_compatible"), IGNORE("skip_task_head_prefixes_for_base_model"),

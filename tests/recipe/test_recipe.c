@@ -391,7 +391,23 @@ static void test_model_rules(void **state)
     expect("model:\n  hidden_size: 64\n  num_hidden_layers: 2\n  num_attention_heads: 2\n  intermediate_size: 128\n"
            "  vocab_size: 64\n  quantization_config:\n    quant_method: bitsandbytes\n    load_in_4bit: true\n", NULL,
            MSGS("r.yaml:8:5: model.quantization_config: a quantized checkpoint (quant_method bitsandbytes) is not "
-                "supported: am trains bf16 or fp32 weights and does not dequantize them (use the unquantized model)"));
+                "supported: am trains bf16 or fp32 weights and dequantizes only FP8 checkpoints (quant_method fp8, fmt e4m3, "
+                "as DeepSeek-V3's); use the unquantized model"));
+    /* FP8 checkpoints: e4m3 in blocks is dequantised at load (runtime/ckpt/quant.h); other forms are refused */
+    expect("model:\n  hidden_size: 64\n  num_hidden_layers: 2\n  num_attention_heads: 2\n  intermediate_size: 128\n"
+           "  vocab_size: 64\n  quantization_config:\n    quant_method: fp8\n    fmt: e5m2\n", NULL,
+           MSGS("r.yaml:9:10: model.quantization_config.fmt: 'e5m2' is not supported: am dequantizes FP8 checkpoints "
+                "in e4m3 (F8_E4M3 weights with one fp32 weight_scale_inv per block, as DeepSeek-V3 and Kimi ship "
+                "them); use such a checkpoint or the unquantized model"));
+    expect("model:\n  hidden_size: 64\n  num_hidden_layers: 2\n  num_attention_heads: 2\n  intermediate_size: 128\n"
+           "  vocab_size: 64\n  quantization_config:\n    quant_method: fp8\n    weight_block_size: null\n", NULL,
+           MSGS("r.yaml:9:24: model.quantization_config.weight_block_size: null (one scale per tensor) is not "
+                "supported: am dequantizes FP8 weights with one scale per block, [rows, columns] (DeepSeek-V3's "
+                "[128, 128])"));
+    expect("model:\n  hidden_size: 64\n  num_hidden_layers: 2\n  num_attention_heads: 2\n  intermediate_size: 128\n"
+           "  vocab_size: 64\n  quantization_config:\n    quant_method: fp8\n    weight_block_size: [128]\n", NULL,
+           MSGS("r.yaml:9:24: model.quantization_config.weight_block_size: expected [rows, columns], the block of "
+                "one scale (DeepSeek-V3's [128, 128])"));
     /* AutoModel's MoEConfig overrides: only what would leave transformers' MoE as it is */
     expect("model:\n  model_type: glm4_moe\n  moe_overrides:\n    gate_bias_update_factor: 0.001\n"
            "    aux_loss_coeff: 0.0\n    score_func: softmax\n", NULL,
