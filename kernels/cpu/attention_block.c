@@ -26,7 +26,10 @@
  * atomics; the same bits on any number of threads). A thread holds RT rows of scores (two in
  * backward), never Tq x Tk. A tile none of whose rows sees any key of the block (a sliding
  * window or a document that ends before the block's keys, the causal mask across the ring) is
- * skipped: its rows get what a fully masked row gets.
+ * skipped: its rows get what a fully masked row gets. With documents (packed sequences,
+ * qstart) a tile's keys are narrowed to those from the first the tile may see (its rows'
+ * earliest document start) to the last (its last row): the keys outside are masked for every
+ * row of the tile, so the packed causal square costs its documents' blocks, not T x T.
  *
  * bf16 (q, k, v, and in backward dout and out, bf16; lse f32): a wrapper around the fp32
  * kernels, as attention.c's: for each chunk of sequences (every head), q, k, v (dout, out) are
@@ -87,11 +90,15 @@ static inline int32_t start_of(const int32_t *qs, int64_t r) { return qs ? qs[r]
 
 #define RT 64 /* query rows per tile */
 
-/* Whether any of the nr query rows at positions qp (rows r0 .. r0 + nr - 1 of B x Tq, for
- * their document starts) may see any of the block's keys: the keys between the lowest
- * position any of the rows sees and the highest. false: the tile is fully masked. */
-static bool tile_sees(const int32_t *restrict qp, const int32_t *restrict qs, int64_t r0, int64_t nr,
-                      const int32_t *restrict kp, int64_t Tk, int64_t W)
+/* The keys the nr query rows at positions qp (rows r0 .. r0 + nr - 1 of B x Tq, for their
+ * document starts) may see: those between the lowest position any of the rows sees (the
+ * earliest document start, or window's edge) and the highest (the last row). false: none, the
+ * tile is fully masked. Else the tile's keys are [*j0, *j1): with documents (qs), from the first
+ * such key of the block to the last (every key outside is masked for every row of the tile:
+ * a packed sequence's causal square shrinks to its documents' blocks); without, all Tk (the
+ * ring's blocks keep their sums' lengths). */
+static bool tile_keys(const int32_t *restrict qp, const int32_t *restrict qs, int64_t r0, int64_t nr,
+                      const int32_t *restrict kp, int64_t Tk, int64_t W, int64_t *j0, int64_t *j1)
 {
     int64_t lo = INT64_MAX, hi = INT64_MIN;
     for (int64_t i = 0; i < nr; i++) {
@@ -101,10 +108,15 @@ static bool tile_sees(const int32_t *restrict qp, const int32_t *restrict qs, in
         lo = first < lo ? first : lo;
         hi = qp[i] > hi ? qp[i] : hi;
     }
+    int64_t a = -1, z = -1;
     for (int64_t j = 0; j < Tk; j++)
-        if (kp[j] >= lo && kp[j] <= hi)
-            return true;
-    return false;
+        if (kp[j] >= lo && kp[j] <= hi) {
+            a = a < 0 ? j : a;
+            z = j;
+        }
+    *j0 = qs ? a : 0;
+    *j1 = qs ? z + 1 : Tk;
+    return a >= 0;
 }
 
 /* Row i of S (n scores, already scaled): capped (cap > 0: cap tanh(s / cap), Gemma 2's
@@ -285,8 +297,8 @@ void am_cpu_attention_block_softcap_forward(const struct am_dev *dev, struct am_
                 float *ob = S + RT * Tk;
                 const float *kh = kd + b * Tk * ks + (h / G) * D, *vh = vd + b * Tk * ks + (h / G) * D;
                 for (int64_t t0 = 0; t0 < Tq; t0 += RT) {
-                    int64_t nr = Tq - t0 < RT ? Tq - t0 : RT;
-                    if (!tile_sees(qp + t0, qst, b * Tq + t0, nr, kp, Tk, window)) { /* every row masked */
+                    int64_t nr = Tq - t0 < RT ? Tq - t0 : RT, j0, j1;
+                    if (!tile_keys(qp + t0, qst, b * Tq + t0, nr, kp, Tk, window, &j0, &j1)) { /* every row masked */
                         for (int64_t t = t0; t < t0 + nr && !accumulate; t++) {
                             float *ot = o + (b * Tq + t) * qs + h * D;
                             for (int64_t d = 0; d < D; d++)
@@ -295,13 +307,14 @@ void am_cpu_attention_block_softcap_forward(const struct am_dev *dev, struct am_
                         }
                         continue;
                     }
-                    am_cpu_sgemm1(false, true, nr, Tk, D, s.scale, qd + (b * Tq + t0) * qs + h * D, qs, kh, ks, 0.0f,
-                                  S, Tk);
+                    int64_t n = j1 - j0; /* the tile's keys */
+                    am_cpu_sgemm1(false, true, nr, n, D, s.scale, qd + (b * Tq + t0) * qs + h * D, qs, kh + j0 * ks,
+                                  ks, 0.0f, S, n);
                     float m[RT], sum[RT];
                     for (int64_t i = 0; i < nr; i++)
-                        m[i] = softmax_row(S + i * Tk, Tk, qp[t0 + i], kp, window, start_of(qst, b * Tq + t0 + i),
+                        m[i] = softmax_row(S + i * n, n, qp[t0 + i], kp + j0, window, start_of(qst, b * Tq + t0 + i),
                                            cap, &sum[i]);
-                    am_cpu_sgemm1(false, false, nr, D, Tk, 1.0f, S, Tk, vh, ks, 0.0f, ob, D);
+                    am_cpu_sgemm1(false, false, nr, D, n, 1.0f, S, n, vh + j0 * ks, ks, 0.0f, ob, D);
                     for (int64_t i = 0; i < nr; i++) {
                         int64_t t = t0 + i;
                         float *ot = o + (b * Tq + t) * qs + h * D, *lt = l + (b * H + h) * Tq + t, *obi = ob + i * D;
@@ -381,38 +394,40 @@ void am_cpu_attention_block_softcap_backward(const struct am_dev *dev, struct am
                 int64_t ko = b * Tk * ks + kvh * D;
                 for (int64_t h = kvh * G; h < (kvh + 1) * G; h++)
                     for (int64_t t0 = 0; t0 < Tq; t0 += RT) {
-                        int64_t nr = Tq - t0 < RT ? Tq - t0 : RT, qo = (b * Tq + t0) * qs + h * D;
-                        if (!tile_sees(qp + t0, qst, b * Tq + t0, nr, kp, Tk, window)) /* no term */
+                        int64_t nr = Tq - t0 < RT ? Tq - t0 : RT, qo = (b * Tq + t0) * qs + h * D, j0, j1;
+                        if (!tile_keys(qp + t0, qst, b * Tq + t0, nr, kp, Tk, window, &j0, &j1)) /* no term */
                             continue;
-                        am_cpu_sgemm1(false, true, nr, Tk, D, s.scale, qd + qo, qs, kd + ko, ks, 0.0f, P, Tk);
-                        am_cpu_sgemm1(false, true, nr, Tk, D, 1.0f, dod + qo, qs, vd + ko, ks, 0.0f, dS, Tk);
+                        int64_t n = j1 - j0, kj = ko + j0 * ks; /* the tile's keys */
+                        const int32_t *kpj = kp + j0;
+                        am_cpu_sgemm1(false, true, nr, n, D, s.scale, qd + qo, qs, kd + kj, ks, 0.0f, P, n);
+                        am_cpu_sgemm1(false, true, nr, n, D, 1.0f, dod + qo, qs, vd + kj, ks, 0.0f, dS, n);
                         for (int64_t i = 0; i < nr; i++) {
                             int64_t t = t0 + i;
-                            float *pr = P + i * Tk, *dr = dS + i * Tk, Lt = ld[(b * H + h) * Tq + t];
+                            float *pr = P + i * n, *dr = dS + i * n, Lt = ld[(b * H + h) * Tq + t];
                             const float *dot_ = dod + qo + i * qs, *ot = od + qo + i * qs;
                             float Dt = 0.0f;
                             int32_t lo = start_of(qst, b * Tq + t);
                             for (int64_t d = 0; d < D; d++)
                                 Dt += dot_[d] * ot[d];
                             if (cap > 0.0f) /* through the cap: d tanh = 1 - tanh² */
-                                for (int64_t j = 0; j < Tk; j++) {
+                                for (int64_t j = 0; j < n; j++) {
                                     float th = tanhf(pr[j] / cap);
-                                    float p = Lt != -INFINITY && sees(qp[t], kp[j], window, lo) ? am_expf(th * cap - Lt)
-                                                                                                : 0.0f;
+                                    float p = Lt != -INFINITY && sees(qp[t], kpj[j], window, lo)
+                                                  ? am_expf(th * cap - Lt) : 0.0f;
                                     pr[j] = p;
                                     dr[j] = p * (dr[j] - Dt) * (1.0f - th * th) * s.scale;
                                 }
                             else
-                                for (int64_t j = 0; j < Tk; j++) {
-                                    float p = Lt != -INFINITY && sees(qp[t], kp[j], window, lo) ? am_expf(pr[j] - Lt)
-                                                                                                : 0.0f;
+                                for (int64_t j = 0; j < n; j++) {
+                                    float p = Lt != -INFINITY && sees(qp[t], kpj[j], window, lo)
+                                                  ? am_expf(pr[j] - Lt) : 0.0f;
                                     pr[j] = p;
                                     dr[j] = p * (dr[j] - Dt) * s.scale;
                                 }
                         }
-                        am_cpu_sgemm1(false, false, nr, D, Tk, 1.0f, dS, Tk, kd + ko, ks, 1.0f, dqd + qo, qs);
-                        am_cpu_sgemm1(true, false, Tk, D, nr, 1.0f, dS, Tk, qd + qo, qs, 1.0f, dkd + ko, ks);
-                        am_cpu_sgemm1(true, false, Tk, D, nr, 1.0f, P, Tk, dod + qo, qs, 1.0f, dvd + ko, ks);
+                        am_cpu_sgemm1(false, false, nr, D, n, 1.0f, dS, n, kd + kj, ks, 1.0f, dqd + qo, qs);
+                        am_cpu_sgemm1(true, false, n, D, nr, 1.0f, dS, n, qd + qo, qs, 1.0f, dkd + kj, ks);
+                        am_cpu_sgemm1(true, false, n, D, nr, 1.0f, P, n, dod + qo, qs, 1.0f, dvd + kj, ks);
                     }
             }
         free(P);

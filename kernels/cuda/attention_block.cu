@@ -10,7 +10,9 @@
  * into fp32; the running out of the forward and dq, dk, dv f32, or bf16 where kernels.h allows
  * it (out without accumulate; a bf16 gradient element gets its block's sum added in fp32 and is
  * rounded once): scores, softmax statistics and sums all in fp32, as the CPU's. A plain kernel, not a tiled one: the
- * ring's correctness on the device, not its speed.
+ * ring's correctness on the device, not its speed. Each row's loop runs over the span of keys
+ * it sees (a key's, of the query rows that see it), found by the warp's lanes together: with
+ * packed documents a row costs its document's keys, not the whole causal square.
  *   - forward: a warp per query row (b, t, h) walks the block's keys with an online softmax
  *     and merges its result into out and lse;
  *   - backward: Dt = dout_t · out_t per row, then dq (a warp per query row, over the keys)
@@ -18,6 +20,8 @@
  *     rows): each gradient element has one writer and sums its terms in a fixed order (no
  *     atomics, run to run the same bits).
  */
+#include <limits.h>
+
 #include "common.cuh"
 
 #define BLK_WARPS 8
@@ -58,6 +62,27 @@ __device__ __forceinline__ bool blk_sees(int32_t qp, int32_t kp, int64_t W, int3
 /* where the document of query row r (of B x Tq) starts (packed sequences), or no bound */
 __device__ __forceinline__ int32_t blk_start(const int32_t *qs, int64_t r) { return qs ? qs[r] : INT32_MIN; }
 
+/* The span [*a, *z] of indices 0 .. n - 1 for which ok(i) holds, found by the warp's lanes
+ * together (every lane gets it; *a > *z: none). A row's loop over keys (or a key's over query
+ * rows) runs over its span alone: a packed sequence's row reads its document's keys, not the
+ * whole causal square; the indices outside are masked, so the sums are the same, bit for bit. */
+template <typename F> __device__ __forceinline__ void blk_span(int64_t n, F ok, int64_t *a, int64_t *z)
+{
+    long long lo = LLONG_MAX, hi = -1;
+    for (int64_t i = threadIdx.x % 32; i < n; i += 32)
+        if (ok(i)) {
+            lo = lo == LLONG_MAX ? (long long)i : lo;
+            hi = (long long)i;
+        }
+    for (int o = 16; o > 0; o /= 2) {
+        long long l2 = __shfl_xor_sync(FULLMASK, lo, o), h2 = __shfl_xor_sync(FULLMASK, hi, o);
+        lo = l2 < lo ? l2 : lo;
+        hi = h2 > hi ? h2 : hi;
+    }
+    *a = lo == LLONG_MAX ? 0 : (int64_t)lo;
+    *z = (int64_t)hi;
+}
+
 /* a . b over the D head dims of two rows, summed over the warp (every lane gets it) */
 template <typename T> __device__ __forceinline__ float blk_dot(const T *a, const T *b, int D)
 {
@@ -81,11 +106,13 @@ __global__ void __launch_bounds__(BLK_THREADS) blk_fwd_k(O *out, float *lse, con
         const T *qt = q + row * D;
         const T *kh = k + (b * s.Tk * s.KVH + h / G) * D, *vh = v + (b * s.Tk * s.KVH + h / G) * D;
         float acc[BLK_MAX_NT], m = -INFINITY, l = 0.0f;
-        int32_t lo = blk_start(qs, b * s.Tq + t);
+        int32_t lo = blk_start(qs, b * s.Tq + t), qp = qpos[t];
         for (int i = 0; i < BLK_MAX_NT; i++)
             acc[i] = 0.0f;
-        for (int64_t j = 0; j < s.Tk; j++) {
-            if (!blk_sees(qpos[t], kpos[j], W, lo))
+        int64_t j0, j1;
+        blk_span(s.Tk, [&](int64_t j) { return blk_sees(qp, kpos[j], W, lo); }, &j0, &j1);
+        for (int64_t j = j0; j <= j1; j++) {
+            if (!blk_sees(qp, kpos[j], W, lo))
                 continue;
             float th, sc = blk_score(blk_dot(qt, kh + j * s.KVH * D, D), s, &th);
             float mn = fmaxf(m, sc), a = expf(m - mn), p = expf(sc - mn);
@@ -161,11 +188,13 @@ __global__ void __launch_bounds__(BLK_THREADS) blk_dq_k(G *dq, const T *dout, co
         const T *qt = q + row * D, *dot_ = dout + row * D;
         const T *kh = k + (b * s.Tk * s.KVH + h / Gs) * D, *vh = v + (b * s.Tk * s.KVH + h / Gs) * D;
         float acc[BLK_MAX_NT];
-        int32_t lo = blk_start(qs, b * s.Tq + t);
+        int32_t lo = blk_start(qs, b * s.Tq + t), qp = qpos[t];
         for (int i = 0; i < BLK_MAX_NT; i++)
             acc[i] = 0.0f;
-        for (int64_t j = 0; j < s.Tk; j++) {
-            if (!blk_sees(qpos[t], kpos[j], W, lo))
+        int64_t j0, j1;
+        blk_span(s.Tk, [&](int64_t j) { return blk_sees(qp, kpos[j], W, lo); }, &j0, &j1);
+        for (int64_t j = j0; j <= j1; j++) {
+            if (!blk_sees(qp, kpos[j], W, lo))
                 continue;
             const T *kj = kh + j * s.KVH * D;
             float th, p = expf(blk_score(blk_dot(qt, kj, D), s, &th) - L);
@@ -195,8 +224,11 @@ __global__ void __launch_bounds__(BLK_THREADS) blk_dkdv_k(G *dk, G *dv, const T 
         float gk[BLK_MAX_NT], gv[BLK_MAX_NT];
         for (int i = 0; i < BLK_MAX_NT; i++)
             gk[i] = gv[i] = 0.0f;
+        int32_t kp = kpos[j];
+        int64_t t0, t1; /* the query rows that may see the key */
+        blk_span(s.Tq, [&](int64_t t) { return blk_sees(qpos[t], kp, W, blk_start(qs, b * s.Tq + t)); }, &t0, &t1);
         for (int64_t h = kvh * Gs; h < (kvh + 1) * Gs; h++)
-            for (int64_t t = 0; t < s.Tq; t++) {
+            for (int64_t t = t0; t <= t1; t++) {
                 float L = lse[(b * s.H + h) * s.Tq + t];
                 if (L == -INFINITY || !blk_sees(qpos[t], kpos[j], W, blk_start(qs, b * s.Tq + t)))
                     continue;

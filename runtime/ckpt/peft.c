@@ -31,6 +31,11 @@ static json_t *config_json(const struct am_peft_config *cfg)
     json_object_set_new(o, "lora_alpha", cfg->alpha == (double)(long long)cfg->alpha
                                              ? json_integer((json_int_t)cfg->alpha) : json_real(cfg->alpha));
     json_object_set_new(o, "target_modules", targets);
+    if (cfg->rank_key) {
+        json_t *ranks = json_object();
+        json_object_set_new(ranks, cfg->rank_key, json_integer(cfg->rank_r));
+        json_object_set_new(o, "rank_pattern", ranks);
+    }
     json_object_set_new(o, "lora_dropout", json_real(cfg->dropout));
     json_object_set_new(o, "bias", json_string("none"));
     json_object_set_new(o, "fan_in_fan_out", json_false());

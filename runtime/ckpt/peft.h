@@ -4,7 +4,8 @@
  * The tensors are named "base_model.model." + the base layer's module path + ".lora_A.weight"
  * (A [r, in]) or ".lora_B.weight" (B [out, r]), e.g.
  * base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight (am_peft_tensor_name).
- * adapter_config.json says peft_type LORA, r, lora_alpha, the target module names, lora_dropout
+ * adapter_config.json says peft_type LORA, r, lora_alpha, the target module names, the ranks of
+ * modules whose adapters' rank is not r (rank_pattern), lora_dropout
  * (the training's; peft drops the adapters' input, AutoModel's "pre"),
  * bias "none", task CAUSAL_LM, and that the adapters are plain LoRA (no DoRA, no rsLoRA, not
  * fan_in_fan_out): what peft needs to rebuild the adapters on the base model and load them.
@@ -24,6 +25,12 @@ struct am_peft_config {
     size_t n_targets;
     const char *base_model; /* base_model_name_or_path; NULL: null */
     double dropout;         /* lora_dropout: the adapters' training dropout (0: none) */
+    /* rank_pattern: the modules whose name matches the regular expression rank_key (as peft
+     * matches it: the whole name, or its end after a '.') have adapters of rank rank_r
+     * (AutoModel's moe_rank_scaling: the experts'); their scale is lora_alpha / rank_r, as
+     * peft computes it. NULL: every adapter has rank r. */
+    const char *rank_key;
+    long rank_r;
 };
 
 /* buf = "base_model.model." + module + (b ? ".lora_B.weight" : ".lora_A.weight"); -1 when it

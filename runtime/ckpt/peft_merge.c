@@ -6,6 +6,7 @@
 #include <fcntl.h>
 #include <jansson.h>
 #include <math.h>
+#include <regex.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -22,6 +23,7 @@
 
 struct module {
     char *name;                      /* the base layer's path, "model.layers.0.self_attn.q_proj" */
+    long r;                          /* its adapters' rank: adapter_config.json's r, or rank_pattern's */
     const struct am_st_info *a, *b;  /* in the adapter file */
     const struct am_st_info *w;      /* the base weight */
     const struct am_st_file *wfile;
@@ -68,8 +70,70 @@ static bool nonempty(json_t *cfg, const char *key)
                                       (json_is_array(v) && json_array_size(v) == 0));
 }
 
-/* The adapter_config.json checks: r and the scale; -1 with a message when not plain LoRA. */
-static int read_config(const char *path, long *r, double *scale, struct am_errors *err)
+/* adapter_config.json's rank_pattern: modules whose adapters have their own rank, in the
+ * file's order (peft takes the first key that matches) */
+struct ranks {
+    regex_t *re; /* each key as peft matches it: the whole module name, or its end after a '.' */
+    long *r;
+    size_t n;
+};
+
+static void ranks_free(struct ranks *k)
+{
+    for (size_t i = 0; i < k->n; i++)
+        regfree(&k->re[i]);
+    free(k->re);
+    free(k->r);
+    *k = (struct ranks){0};
+}
+
+/* the rank of module `name`'s adapters: rank_pattern's first match, else r */
+static long rank_of(const struct ranks *k, const char *name, long r)
+{
+    for (size_t i = 0; i < k->n; i++)
+        if (regexec(&k->re[i], name, 0, NULL, 0) == 0)
+            return k->r[i];
+    return r;
+}
+
+static int read_ranks(const char *path, json_t *o, struct ranks *k, struct am_errors *err)
+{
+    size_t n = json_object_size(o);
+    k->re = calloc(n + 1, sizeof(*k->re));
+    k->r = calloc(n + 1, sizeof(*k->r));
+    if (!k->re || !k->r) {
+        am_errorf(err, NULL, "out of memory");
+        return -1;
+    }
+    const char *key;
+    json_t *v;
+    json_object_foreach(o, key, v) {
+        char *pat = malloc(strlen(key) + 16);
+        if (!pat) {
+            am_errorf(err, NULL, "out of memory");
+            return -1;
+        }
+        sprintf(pat, "^(.*\\.)?(%s)$", key); /* peft's re.match(rf"(.*\.)?({key})$", name) */
+        int bad = regcomp(&k->re[k->n], pat, REG_EXTENDED | REG_NOSUB);
+        free(pat);
+        if (bad) {
+            am_errorf(err, NULL, "%s: rank_pattern's key '%s' is not a regular expression am-ckpt merge reads "
+                      "(POSIX extended): merge them with peft's merge_and_unload()", path, key);
+            return -1;
+        }
+        k->r[k->n++] = json_is_integer(v) ? (long)json_integer_value(v) : 0;
+        if (k->r[k->n - 1] < 1) {
+            am_errorf(err, NULL, "%s: rank_pattern's '%s' must be a positive integer rank: restore the file peft "
+                      "wrote", path, key);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* The adapter_config.json checks: r, lora_alpha and rank_pattern's ranks; -1 with a message when
+ * not plain LoRA. */
+static int read_config(const char *path, long *r, double *alpha, struct ranks *ranks, struct am_errors *err)
 {
     json_error_t je;
     json_t *cfg = json_load_file(path, 0, &je);
@@ -92,7 +156,6 @@ static int read_config(const char *path, long *r, double *scale, struct am_error
         {"lora_bias", "the adapters carry a bias for B, which plain LoRA has not"},
     };
     static const char *const patterns[][2] = {
-        {"rank_pattern", "modules have their own r"},
         {"alpha_pattern", "modules have their own lora_alpha"},
         {"modules_to_save", "whole modules are trained and saved beside the adapters"},
     };
@@ -118,12 +181,20 @@ static int read_config(const char *path, long *r, double *scale, struct am_error
         }
     for (size_t i = 0; i < sizeof(patterns) / sizeof(patterns[0]); i++)
         if (nonempty(cfg, patterns[i][0])) {
-            am_errorf(err, NULL, "%s: %s is set (%s): am-ckpt merge merges one r and lora_alpha for every "
+            am_errorf(err, NULL, "%s: %s is set (%s): am-ckpt merge merges one lora_alpha for every "
                       "module: merge them with peft's merge_and_unload()", path, patterns[i][0], patterns[i][1]);
             goto out;
         }
+    json_t *rp = json_object_get(cfg, "rank_pattern");
+    if (rp && !json_is_null(rp) && !json_is_object(rp)) {
+        am_errorf(err, NULL, "%s: rank_pattern must be an object of module patterns and ranks: restore the file "
+                  "peft wrote", path);
+        goto out;
+    }
+    if (rp && json_is_object(rp) && read_ranks(path, rp, ranks, err) < 0)
+        goto out;
     *r = (long)json_integer_value(jr);
-    *scale = json_number_value(ja) / (double)*r;
+    *alpha = json_number_value(ja);
     rc = 0;
 out:
     json_decref(cfg);
@@ -136,8 +207,8 @@ static const char *shape(const struct am_st_info *t, char *buf, size_t len)
 }
 
 /* Finds the adapters' modules and checks them against the base. */
-static int collect(const struct am_st_file *af, const struct am_ckpt *base, long r, struct module **out,
-                   size_t *n_out, struct am_errors *err)
+static int collect(const struct am_st_file *af, const struct am_ckpt *base, long r0, const struct ranks *ranks,
+                   struct module **out, size_t *n_out, struct am_errors *err)
 {
     const char *apath = am_st_path(af);
     size_t n = am_st_count(af), nm = 0;
@@ -201,6 +272,7 @@ static int collect(const struct am_st_file *af, const struct am_ckpt *base, long
             return -1;
         }
         const struct am_st_info *a = m[j].a, *b = m[j].b;
+        long r = m[j].r = rank_of(ranks, m[j].name, r0);
         if (w->ndim != 2 || a->ndim != 2 || b->ndim != 2 || a->shape[0] != r || b->shape[1] != r ||
             a->shape[1] != w->shape[1] || b->shape[0] != w->shape[0]) {
             am_errorf(err, NULL, "%s: module %s: lora_A is %s and lora_B %s, but with r %ld the base weight %s %s "
@@ -220,9 +292,12 @@ static int collect(const struct am_st_file *af, const struct am_ckpt *base, long
     return 0;
 }
 
-/* W + scale * B @ A, in double, rounded once to W's dtype. */
-static int merge_one(const struct am_st_file *af, struct module *m, long r, double scale, struct am_errors *err)
+/* W + (alpha / r) * B @ A (r: the module's rank, peft's scale), in double, rounded once to W's
+ * dtype. */
+static int merge_one(const struct am_st_file *af, struct module *m, double alpha, struct am_errors *err)
 {
+    long r = m->r;
+    double scale = alpha / (double)r;
     int64_t out = m->w->shape[0], in = m->w->shape[1];
     float *a = malloc((size_t)(r * in) * sizeof(float) + 1), *b = malloc((size_t)(out * r) * sizeof(float) + 1);
     float *w = malloc((size_t)in * sizeof(float) + 1);
@@ -371,7 +446,8 @@ long am_peft_merge(const char *base_dir, const char *peft_dir, const char *out_i
     struct module *m = NULL;
     size_t nm = 0;
     long r = 0, rc = -1;
-    double scale = 0;
+    double alpha = 0;
+    struct ranks ranks = {0};
     size_t len = strlen(out_in);
     while (len > 1 && out_in[len - 1] == '/')
         len--;
@@ -408,7 +484,7 @@ long am_peft_merge(const char *base_dir, const char *peft_dir, const char *out_i
     if (am_ckpt_open(base_dir, &base, err) < 0)
         return -1;
     if (am_path_cat(path, sizeof(path), peft_dir, "/", "adapter_config.json") < 0 ||
-        read_config(path, &r, &scale, err) < 0)
+        read_config(path, &r, &alpha, &ranks, err) < 0)
         goto done;
     if (am_path_cat(path, sizeof(path), peft_dir, "/", "adapter_model.safetensors") < 0)
         goto done;
@@ -422,10 +498,10 @@ long am_peft_merge(const char *base_dir, const char *peft_dir, const char *out_i
                                          : "name a step-N/peft directory or one PeftModel.save_pretrained wrote");
         goto done;
     }
-    if (am_st_open(path, &af, err) < 0 || collect(af, base, r, &m, &nm, err) < 0)
+    if (am_st_open(path, &af, err) < 0 || collect(af, base, r, &ranks, &m, &nm, err) < 0)
         goto done;
     for (size_t j = 0; j < nm; j++)
-        if (merge_one(af, &m[j], r, scale, err) < 0)
+        if (merge_one(af, &m[j], alpha, err) < 0)
             goto done;
     if (am_temp_dir(out, tmp, sizeof(tmp), err) < 0)
         goto done;
@@ -446,6 +522,7 @@ done:
         free(m[j].merged);
     }
     free(m);
+    ranks_free(&ranks);
     if (af)
         am_st_close(af);
     am_ckpt_close(base);

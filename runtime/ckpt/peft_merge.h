@@ -7,7 +7,10 @@
  * one PeftModel.save_pretrained wrote), and writes OUT with:
  *   - every adapted weight W (the module M whose M.lora_A.weight A [r, in] and
  *     M.lora_B.weight B [out, r] the adapters hold) replaced by W + (lora_alpha / r) * B @ A,
- *     computed in double precision and rounded once to W's dtype (F32, BF16 or F16);
+ *     computed in double precision and rounded once to W's dtype (F32, BF16 or F16); r is
+ *     adapter_config.json's, or rank_pattern's for a module one of its keys matches (peft's
+ *     match: the first key that is the whole name or its end after a '.', read as a POSIX
+ *     extended regular expression; AutoModel's moe_rank_scaling experts);
  *   - every other tensor copied bit for bit, each in the same file as in BASE (the shards and
  *     model.safetensors.index.json keep their names);
  *   - config.json and the other top-level files of BASE (tokenizer files,
@@ -18,11 +21,12 @@
  *
  * Refused, with the file, the rule and what to do: a missing file; an adapter_config.json that
  * is not plain LoRA (peft_type other than LORA, use_dora, use_rslora, fan_in_fan_out,
- * lora_bias, rank_pattern, alpha_pattern, modules_to_save); a tensor of the adapters that is
- * not a LoRA A or B matrix; a module with A and no B (or B and no A); a module the base lacks
- * (lm_head's adapter on a base that ties the head to the embedding has its own message: merged,
- * it would change the input embedding too); shapes that do not fit the base weight and r.
- * lm_head's adapter on an untied base is merged into lm_head.weight as any other.
+ * lora_bias, alpha_pattern, modules_to_save; a rank_pattern key that is not a regular
+ * expression); a tensor of the adapters that is not a LoRA A or B matrix; a module with A and
+ * no B (or B and no A); a module the base lacks (lm_head's adapter on a base that ties the
+ * head to the embedding has its own message: merged, it would change the input embedding
+ * too); shapes that do not fit the base weight and the module's r. lm_head's adapter on an
+ * untied base is merged into lm_head.weight as any other.
  */
 #ifndef AM_PEFT_MERGE_H
 #define AM_PEFT_MERGE_H

@@ -139,6 +139,8 @@ struct am_model_shard {
     unsigned lora_targets;        /* bits 1u << enum am_lora_target (model_config.h): a layer's projections,
                                    * and AM_LORA_HEAD for lm_head's adapter (the last stage's) */
     bool lora_experts;            /* LoRA on a mixture of experts' experts too (moe.h), with lora_r > 0 */
+    int lora_experts_r;           /* their rank (AutoModel's moe_rank_scaling: lora_r / num_experts_per_tok);
+                                     0: lora_r. Their scale is lora_alpha / this rank */
     int group_align;              /* fully sharded data parallelism over this many ranks: each
                                      group's span of the slabs padded with zeros to a multiple of
                                      it, so that it splits into equal flat shards (0 or 1: none) */

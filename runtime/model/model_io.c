@@ -873,6 +873,13 @@ int am_model_save_peft_dist(const struct am_model *m, struct am_comm *tp, struct
     } else {
         struct am_peft_config cfg = {.r = m->sh.lora_r, .alpha = m->sh.lora_alpha, .targets = targets,
                                      .n_targets = n, .base_model = base_model, .dropout = m->lora_drop.p};
+        /* the experts' adapters of their own rank (moe_rank_scaling): peft's rank_pattern, matching
+         * each expert's projections ("model.layers.0.mlp.experts.3.gate_proj") */
+        if (experts && m->sh.lora_experts_r > 0 && m->sh.lora_experts_r != m->sh.lora_r) {
+            cfg.rank_key = mixtral ? "experts\\.[0-9]+\\.(w1|w3|w2)"
+                                   : "experts\\.[0-9]+\\.(gate_proj|up_proj|down_proj)";
+            cfg.rank_r = m->sh.lora_experts_r;
+        }
         rc = save_dist(m, tp, pp, experts ? ep : NULL, saves, dir, NULL, &cfg, err);
     }
     free(targets);

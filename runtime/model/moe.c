@@ -48,7 +48,7 @@ struct am_moe {
     struct moe_slot *slots;  /* by the model's slot index */
     struct am_tensor dlogits, dwts, dyp, da, dg, du, dxp; /* backward scratch */
     struct am_tensor lt, ltd, ldt; /* LoRA on the experts: x · Aᵀ, a · A_dᵀ and their gradient, [R, r] */
-    float lscale;                  /* their scale, lora_alpha / lora_r */
+    float lscale;                  /* their scale, lora_alpha / their rank (experts_r) */
     void *mem;
     int64_t *host;           /* every hcount */
     int32_t *h32;            /* the counts as downloaded */
@@ -120,6 +120,12 @@ void am_moe_layer_params(struct am_model *m, int l, struct am_layer *L)
         }
 }
 
+/* the rank of the experts' adapters (moe.h) */
+static int experts_r(const struct am_model *m)
+{
+    return m->sh.lora_experts_r > 0 ? m->sh.lora_experts_r : m->sh.lora_r;
+}
+
 void am_moe_lora_params(struct am_model *m, int l, struct am_layer *L)
 {
     struct am_moe_layer *X = L->moe;
@@ -127,7 +133,7 @@ void am_moe_lora_params(struct am_model *m, int l, struct am_layer *L)
         return;
     const struct am_model_config *c = &m->cfg;
     bool mixtral = strcmp(c->model_type, "mixtral") == 0;
-    int64_t C = c->hidden_size, I = c->moe_intermediate_size, r = m->sh.lora_r;
+    int64_t C = c->hidden_size, I = c->moe_intermediate_size, r = experts_r(m);
     int ep = m->sh.ep > 1 ? m->sh.ep : 1;
     int64_t El = c->num_experts / ep, e0 = (int64_t)m->sh.ep_rank * El;
     const char *blk = mixtral ? "block_sparse_moe" : "mlp";
@@ -204,9 +210,9 @@ static size_t layout(struct am_model *m, struct am_moe *M, char *base)
     M->du = carve(base, &off, dev, dt, R, I);
     M->dxp = carve(base, &off, dev, dt, R, C);
     if (m->sh.lora_r > 0 && m->sh.lora_experts) {
-        M->lt = carve(base, &off, dev, dt, R, m->sh.lora_r);
-        M->ltd = carve(base, &off, dev, dt, R, m->sh.lora_r);
-        M->ldt = carve(base, &off, dev, dt, R, m->sh.lora_r);
+        M->lt = carve(base, &off, dev, dt, R, experts_r(m));
+        M->ltd = carve(base, &off, dev, dt, R, experts_r(m));
+        M->ldt = carve(base, &off, dev, dt, R, experts_r(m));
     }
     if (M->ep > 1) {
         M->t1 = carve(base, &off, dev, dt, R, C);
@@ -310,7 +316,7 @@ int am_moe_init(struct am_model *m, char *err, size_t err_len)
             X->GLDB = experts_view(&X->ldb->g, AM_F32, M->El);
         }
     }
-    M->lscale = m->sh.lora_r > 0 ? m->sh.lora_alpha / (float)m->sh.lora_r : 0.0f;
+    M->lscale = m->sh.lora_r > 0 ? m->sh.lora_alpha / (float)experts_r(m) : 0.0f;
     return 0;
 }
 

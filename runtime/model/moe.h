@@ -74,7 +74,8 @@
  *
  * LoRA on the experts (sh.lora_experts; AutoModel's GroupedExpertsLoRA): each expert e gains,
  * beside its frozen matrices, A_e [r, C] shared by gate and up, B of gate and B of up [I, r]
- * each, and A_d [r, I], B_d [C, r] on down, with s = lora_alpha / lora_r (AutoModel's scale):
+ * each, and A_d [r, I], B_d [C, r] on down, with s = lora_alpha / r (AutoModel's scale), r the experts' rank
+ * (sh.lora_experts_r: with AutoModel's moe_rank_scaling lora_r / num_experts_per_tok, else lora_r):
  *     g = x · W1ᵀ + s · (x · A_eᵀ) · Bgᵀ,  u = x · W3ᵀ + s · (x · A_eᵀ) · Buᵀ,
  *     a = silu(g) * u,                    y = a · W2ᵀ + s · (a · A_dᵀ) · B_dᵀ
  * (AutoModel's gate_and_up B [r, 2I] is Bg and Bu side by side; it applies the routing weight

@@ -14,7 +14,9 @@
  * over the rank's rows alone, or over the cp ring (ring.h) with the rows' starts: under context
  * parallelism the positions of a rank's rows are the zigzag's, and only the queries' starts are
  * needed (a key's position says which document it can belong to). fp32 or bf16 (those kernels':
- * bf16 storage, fp32 scores, softmax statistics and sums, each output rounded once).
+ * bf16 storage, fp32 scores, softmax statistics and sums, each output rounded once). The
+ * kernels compute each tile of query rows (a row, on the GPU) against the keys from its
+ * documents' earliest start to its last row only, not the whole T x T square.
  *
  * The rotary tables: those of positions 0 .. T - 1 are built once; each forward of a
  * micro-batch uploads its starts and the rows' rotary positions into its slot, and each pass

@@ -252,9 +252,11 @@ static void print_json(const struct am_recipe *r, const struct am_plan *p, const
                     json_array_append_new(targets, json_string(am_lora_target_name((enum am_lora_target)t)));
             if (r->peft.experts) /* each expert's gate, up and down (moe.h) */
                 json_array_append_new(targets, json_string("experts"));
-            json_object_set_new(o, "lora", json_pack("{s:o,s:i,s:f,s:f}", "targets", targets, "dim",
-                                                     (int)r->peft.dim, "alpha", r->peft.alpha,
-                                                     "adapter_params_per_gpu", p->mem.adapter_params));
+            json_t *lora = json_pack("{s:o,s:i,s:f,s:f}", "targets", targets, "dim", (int)r->peft.dim, "alpha",
+                                     r->peft.alpha, "adapter_params_per_gpu", p->mem.adapter_params);
+            if (r->peft.experts && r->peft.rank_scaling) /* the experts' adapters' rank (moe_rank_scaling) */
+                json_object_set_new(lora, "experts_dim", json_integer(r->peft.experts_dim));
+            json_object_set_new(o, "lora", lora);
         }
         json_object_set_new(o, "tokens_per_step", json_real(p->tokens_per_step));
         json_object_set_new(o, "flops_per_step", json_real(p->flops_per_step));

@@ -283,7 +283,7 @@ static double scratch_bytes(const struct am_recipe *r, const struct am_plan *p, 
             b += rs->moe_layers * carved(E, 4);
         if (r->peft.enabled && r->peft.experts) /* the experts' adapters (moe.c): x · Aᵀ of gate and up and of
                                                  * down, recomputed in the backward, and its gradient */
-            b += 3 * carved(Re * (double)r->peft.dim, cs);
+            b += 3 * carved(Re * (double)r->peft.experts_dim, cs);
     }
     return b;
 }
@@ -571,7 +571,7 @@ static int memory_of_rank(const struct am_recipe *r, const struct am_plan *p, in
             for (int s = 0; s < p->n_stages; s++)
                 for (int l = 0; p->stages[s].pp_rank == k && l < p->stages[s].n_layers; l++)
                     moe_here += am_model_layer_is_moe(m, p->stages[s].first_layer + l);
-            ad += moe_here * (double)m->num_experts / p->ep * (double)r->peft.dim *
+            ad += moe_here * (double)m->num_experts / p->ep * (double)r->peft.experts_dim *
                   (2 * h + 3 * (double)m->moe_intermediate_size);
         }
         /* their reduce_dtype copy where they are all-reduced: over dp x cp */

@@ -75,7 +75,10 @@ void am_plan_print(FILE *f, const struct am_recipe *r, const struct am_world *w,
         for (int t = 0; t < AM_LORA_NTARGETS; t++)
             if (r->peft.targets & (1u << t))
                 fprintf(f, " %s", am_lora_target_name((enum am_lora_target)t));
-        if (r->peft.experts)
+        if (r->peft.experts && r->peft.rank_scaling) /* AutoModel's moe_rank_scaling */
+            fprintf(f, " experts (gate, up, down of each, at rank %ld: dim / num_experts_per_tok)",
+                    r->peft.experts_dim);
+        else if (r->peft.experts)
             fprintf(f, " experts (gate, up, down of each)");
         fprintf(f, "; %s adapter parameters on pp rank %d (trained; the base frozen: no gradients or optimizer "
                 "state)\n", am_format_count(m->adapter_params, a, sizeof(a)), m->pp_rank);

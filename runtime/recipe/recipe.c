@@ -20,7 +20,6 @@ struct reader {
     /* peft's module selection, resolved once the model is known (resolve_peft) */
     struct am_node *peft_targets, *peft_excludes;
     bool peft_match_all;
-    struct am_node *peft_rank_scaling; /* moe_rank_scaling: true (refused with adapters on the experts) */
     struct am_node *is_peft; /* checkpoint.is_peft: true, checked against the peft section once read */
 };
 
@@ -582,13 +581,7 @@ static int read_peft_all_linear(struct reader *rd, struct am_node *v, const char
 
 static int read_peft_rank_scaling(struct reader *rd, struct am_node *v, const char *key)
 {
-    bool on = false;
-    if (am_node_is_null(v))
-        return 0;
-    if (am_node_bool(v, key, &on, rd->err) < 0)
-        return -1;
-    rd->peft_rank_scaling = on ? v : NULL;
-    return 0;
+    return am_node_is_null(v) ? 0 : am_node_bool(v, key, &rd->r->peft.rank_scaling, rd->err);
 }
 
 static int read_peft_alpha(struct reader *rd, struct am_node *v, const char *key)
@@ -734,8 +727,9 @@ static void experts_path(const struct am_model_config *m, char *buf, size_t len,
 /* A mixture-of-experts model: am adapts its attention projections (AutoModel's adapters on
  * q, k, v, o) and its experts (AutoModel's GroupedExpertsLoRA: a target_modules pattern that
  * matches model.layers.N.mlp.experts, as '*' does; match_all_linear and exclude_modules pick
- * linear layers only, which the experts are not). Refused: the experts of some MoE layers only,
- * moe_rank_scaling with them, and the MLP projections of its dense layers. -1 with the message. */
+ * linear layers only, which the experts are not), at rank dim or, with moe_rank_scaling, dim /
+ * num_experts_per_tok. Refused: the experts of some MoE layers only, and the MLP projections of
+ * its dense layers. -1 with the message. */
 static int moe_targets(struct reader *rd, struct am_pos at)
 {
     const struct am_model_config *m = &rd->r->model;
@@ -766,13 +760,18 @@ static int moe_targets(struct reader *rd, struct am_pos at)
                   "in all layers, as '*.experts')", n_sel, n_moe);
         return -1;
     }
-    if (n_sel > 0 && rd->peft_rank_scaling) {
-        am_errorf(rd->err, &rd->peft_rank_scaling->pos, "peft.moe_rank_scaling: true: the experts' adapters of "
-                  "rank dim / num_experts_per_tok are not supported by am yet (set moe_rank_scaling: false: the "
-                  "experts' adapters take rank dim, as the other adapters)");
-        return -1;
-    }
     rd->r->peft.experts = n_sel > 0;
+    /* AutoModel's moe_rank_scaling: rank dim // n_activated_experts (a rank below 1 is refused
+     * by am_validate_run, naming both numbers) */
+    long k = m->num_experts_per_tok, d = rd->r->peft.dim;
+    rd->r->peft.experts_dim = n_sel > 0 && rd->r->peft.rank_scaling && k > 0 ? d / k : d;
+    if (n_sel > 0 && rd->r->peft.rank_scaling && k > 0 && d >= k && d % k) {
+        char a[64], b[64];
+        snprintf(a, sizeof(a), "%ld is not a multiple of num_experts_per_tok %ld", d, k);
+        snprintf(b, sizeof(b), "%ld // %ld = %ld", d, k, d / k);
+        add_note(rd, "peft.moe_rank_scaling: dim %s: the experts' adapters take rank %s, rounded down as AutoModel "
+                 "does", a, b);
+    }
     return 0;
 }
 
@@ -894,7 +893,8 @@ double am_lora_expert_params(const struct am_recipe *r, bool saved)
     const struct am_model_config *m = &r->model;
     if (!r->peft.enabled || !r->peft.experts)
         return 0;
-    double layers = 0, d = (double)r->peft.dim, C = (double)m->hidden_size, I = (double)m->moe_intermediate_size;
+    double layers = 0, d = (double)r->peft.experts_dim, C = (double)m->hidden_size;
+    double I = (double)m->moe_intermediate_size;
     for (long l = 0; l < m->num_hidden_layers; l++)
         layers += am_model_layer_is_moe(m, l);
     /* an expert's A of gate and up (shared: saved twice, as gate's and up's), B of gate and up,

@@ -132,6 +132,11 @@ struct am_recipe {
         bool dropout_pre; /* dropout_position "pre": on the adapter's input; else "post": on its output */
         bool experts;     /* a mixture of experts: adapters on each expert's projections too (AutoModel's
                            * GroupedExpertsLoRA, moe.h), in every MoE layer; no dropout on them */
+        bool rank_scaling; /* moe_rank_scaling: the experts' adapters of rank dim / num_experts_per_tok */
+        long experts_dim;  /* with experts: their adapters' rank, dim, or with rank_scaling (AutoModel's
+                            * moe_dim) dim / num_experts_per_tok rounded down (0 when dim is below
+                            * num_experts_per_tok: refused by am_validate_run); their scale is
+                            * alpha / experts_dim */
     } peft;
 
     struct {

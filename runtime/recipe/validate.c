@@ -353,6 +353,17 @@ static void glm_lora(struct check *c)
              "shared experts' MLPs, which peft names apart (train without peft)", r->model.model_type);
 }
 
+/* AutoModel's moe_rank_scaling: the experts' adapters of rank dim // num_experts_per_tok, which
+ * must be 1 at least (AutoModel raises the same) */
+static void lora_moe_rank(struct check *c)
+{
+    const struct am_recipe *r = c->r;
+    long k = r->model.num_experts_per_tok;
+    if (r->peft.enabled && r->peft.experts && r->peft.rank_scaling && r->peft.dim < k)
+        FAIL(c, "peft.moe_rank_scaling", "true gives the experts' adapters rank dim // num_experts_per_tok = %ld // "
+             "%ld = 0 (set peft.dim to %ld or more, or moe_rank_scaling: false for rank dim)", r->peft.dim, k, k);
+}
+
 static void glm_shared_tp(struct check *c)
 {
     const struct am_recipe *r = c->r;
@@ -380,7 +391,8 @@ static const struct {
     void (*check)(struct check *c);
 } run_rules[] = {
     {"fp16", fp16},           {"moe-sp", moe_sp},       {"lora-head-dropout", lora_head_dropout},
-    {"lora-kv-tp", lora_kv_tp}, {"glm-lora", glm_lora}, {"glm-shared-tp", glm_shared_tp}, {"dataset", dataset},
+    {"lora-kv-tp", lora_kv_tp}, {"lora-moe-rank", lora_moe_rank}, {"glm-lora", glm_lora},
+    {"glm-shared-tp", glm_shared_tp}, {"dataset", dataset},
 };
 
 int am_validate_run(const struct am_recipe *r, const struct am_world *w, struct am_errors *err)

@@ -115,6 +115,7 @@ int am_train_build_model(struct trainer *t, struct am_errors *err)
         sh.lora_alpha = (float)r->peft.alpha;
         sh.lora_targets = r->peft.targets & ((1u << AM_LORA_NTARGETS) - 1); /* the projections and lm_head */
         sh.lora_experts = r->peft.experts;
+        sh.lora_experts_r = r->peft.experts ? (int)r->peft.experts_dim : 0; /* moe_rank_scaling's rank, or dim */
     }
     sh.ep_rank = p->ep > 1 ? am_comm_rank(t->g.ep) : 0;
     struct am_comm *pp = p->pp > 1 ? t->g.pp : NULL;

@@ -11,6 +11,8 @@
  *    loss (am_model_loss; a step small enough that no token changes experts);
  * 3. the adapters' names, shapes and group: peft's per-expert names, "lora.experts" of kind
  *    AM_PG_LORA after "lora", the gradient slab holding both.
+ * Each twice: the experts' adapters of rank r as the attention's, and of rank r / top-k
+ * (AutoModel's moe_rank_scaling, sh.lora_experts_r), their scale alpha / (r / top-k).
  * Prints ok/FAIL lines; exits 1 on a failure.
  */
 #include <math.h>
@@ -117,9 +119,11 @@ static void directional(struct am_model *m, const int32_t *tok, const int32_t *t
     expect(n > 0 && rel < 5e-3 && fabs(gd) > 1e-2, what, gd, fd);
 }
 
-int main(void)
+/* one case: the experts' adapters of rank RE (sh.lora_experts_r; R: the same as the attention's) */
+static int run(int RE)
 {
     char err[512];
+    seed = 12345;
     struct am_errors e;
     am_errors_init(&e);
     struct am_recipe *rc = am_recipe_parse("lora_moe.yaml", yaml, strlen(yaml), NULL, 0, &e);
@@ -133,6 +137,8 @@ int main(void)
     sh.lora_alpha = ALPHA;
     sh.lora_targets = 1u << AM_LORA_Q | 1u << AM_LORA_V;
     sh.lora_experts = true;
+    sh.lora_experts_r = RE == R ? 0 : RE;
+    printf("the experts' adapters of rank %d, the attention's %d:\n", RE, R);
     struct am_model m;
     if (am_model_init(&m, &rc->model, &sh, &dev, NULL, NULL, B, T, err, sizeof(err)) < 0) {
         printf("FAIL: am_model_init: %s\n", err);
@@ -155,15 +161,15 @@ int main(void)
     struct am_param *a = param(&m, "model.layers.%d.block_sparse_moe.experts.%d.w1.lora_A.weight", 1, 3);
     struct am_param *bd = param(&m, "model.layers.%d.block_sparse_moe.experts.%d.w2.lora_B.weight", 0, 2);
     struct am_param *bu = param(&m, "model.layers.%d.block_sparse_moe.experts.%d.w3.lora_B.weight", 0, 0);
-    bool shapes = a->w.shape[0] == R && a->w.shape[1] == C && bd->w.shape[0] == C && bd->w.shape[1] == R &&
-                  bu->w.shape[0] == I && bu->w.shape[1] == R &&
+    bool shapes = a->w.shape[0] == RE && a->w.shape[1] == C && bd->w.shape[0] == C && bd->w.shape[1] == RE &&
+                  bu->w.shape[0] == I && bu->w.shape[1] == RE &&
                   am_model_find(&m, "model.layers.0.block_sparse_moe.experts.0.w3.lora_A.weight") < 0; /* gate's */
     bool groups = last->kind == AM_PG_LORA && strcmp(last->name, "lora.experts") == 0 &&
                   last->shard == AM_SHARD_EXPERT && last->n == L * 5 * E && prev->kind == AM_PG_LORA &&
                   strcmp(prev->name, "lora") == 0 && m.grad_off == prev->offset &&
                   m.grad_elems == m.slab_elems - prev->offset;
-    expect(shapes && groups, "the experts' adapters: A [%g, 16] (gate's, shared with up), B of up [12, 4], B of down "
-           "[16, %g], in the group lora.experts after lora, in the gradient slab", R, R);
+    expect(shapes && groups, "the experts' adapters: A [%g, 16] (gate's, shared with up), B of up [12, r], B of down "
+           "[16, %g], in the group lora.experts after lora, in the gradient slab", RE, RE);
 
     /* 2. backward against central differences */
     double loss;
@@ -179,7 +185,7 @@ int main(void)
 
     /* 1. forward against the merged base */
     double with = loss_of(&m, tok, tgt);
-    float s = ALPHA / R;
+    float s = ALPHA / RE; /* AutoModel's scale of the experts' adapters: alpha / their rank */
     for (int l = 0; l < L; l++)
         for (int x = 0; x < E; x++) {
             struct am_param *w1 = param(&m, "model.layers.%d.block_sparse_moe.experts.%d.w1.weight", l, x);
@@ -199,14 +205,14 @@ int main(void)
                 for (int o = 0; o < mg[q].out; o++)
                     for (int c = 0; c < mg[q].in; c++) {
                         double acc = 0;
-                        for (int r = 0; r < R; r++)
-                            acc += (double)Bm[o * R + r] * Am[r * mg[q].in + c];
+                        for (int r = 0; r < RE; r++)
+                            acc += (double)Bm[o * RE + r] * Am[r * mg[q].in + c];
                         W[o * mg[q].in + c] += (float)(s * acc);
                     }
             }
-            memset(lg->w.data, 0, sizeof(float) * I * R);
-            memset(lu->w.data, 0, sizeof(float) * I * R);
-            memset(ldb->w.data, 0, sizeof(float) * C * R);
+            memset(lg->w.data, 0, sizeof(float) * I * RE);
+            memset(lu->w.data, 0, sizeof(float) * I * RE);
+            memset(ldb->w.data, 0, sizeof(float) * C * RE);
         }
     double merged = loss_of(&m, tok, tgt);
     expect(fabs(with - merged) <= 1e-5 * fabs(with) && fabs(with - loss) <= 1e-6 * fabs(with),
@@ -215,5 +221,12 @@ int main(void)
     am_dev_close(&dev);
     am_recipe_free(rc);
     am_errors_free(&e);
+    return 0;
+}
+
+int main(void)
+{
+    if (run(R) || run(R / 2)) /* r / top-k: moe_rank_scaling's rank (top 2) */
+        return 1;
     return fails ? 1 : 0;
 }

@@ -950,8 +950,7 @@ static void test_defaults(void **state)
 
     /* a mixture of experts: the attention adapted ('*_proj' matches no module of the expert
      * layers' MLP), the experts too when a pattern matches them ('*', '*.experts': AutoModel's
-     * GroupedExpertsLoRA); the experts of some layers only, moe_rank_scaling with them and a
-     * dense layer's MLP refused */
+     * GroupedExpertsLoRA); the experts of some layers only and a dense layer's MLP refused */
 #define MOE "model:\n  model_type: qwen3_moe\n  hidden_size: 64\n  num_hidden_layers: 2\n  num_attention_heads: 4\n" \
             "  vocab_size: 64\n  intermediate_size: 128\n  moe_intermediate_size: 32\n  num_experts: 4\n" \
             "  num_experts_per_tok: 2\n"
@@ -983,10 +982,41 @@ static void test_defaults(void **state)
            MSGS("--set peft.target_modules=['model.layers.0.mlp.experts']: peft: the patterns select the experts in 1 "
                 "of the 2 mixture-of-experts layers; am adapts the experts in every such layer or in none (select "
                 "them in all layers, as '*.experts')"));
-    expect(MOE, (const char *[]){"peft.target_modules=['*.experts']", "peft.moe_rank_scaling=true", NULL},
-           MSGS("--set peft.moe_rank_scaling=true: peft.moe_rank_scaling: true: the experts' adapters of rank dim / "
-                "num_experts_per_tok are not supported by am yet (set moe_rank_scaling: false: the experts' adapters "
-                "take rank dim, as the other adapters)"));
+    /* moe_rank_scaling (AutoModel's): the experts' adapters of rank dim // num_experts_per_tok,
+     * rounded down with a note; below 1 refused by am_validate_run (tests/recipe/refusals.tsv) */
+    r = parse_with("r.yaml", MOE, (const char *[]){"peft.target_modules=['*_proj', '*.experts']", NULL}, &err);
+    assert_int_equal(err.n, 0);
+    assert_false(r->peft.rank_scaling);
+    assert_int_equal(r->peft.experts_dim, 8);
+    am_recipe_free(r);
+    am_errors_free(&err);
+    r = parse_with("r.yaml", MOE, (const char *[]){"peft.target_modules=['*_proj', '*.experts']",
+                                                   "peft.moe_rank_scaling=true", NULL}, &err);
+    assert_int_equal(err.n, 0);
+    assert_true(r->peft.experts && r->peft.rank_scaling);
+    assert_int_equal(r->peft.dim, 8);
+    assert_int_equal(r->peft.experts_dim, 4);
+    assert_int_equal(r->notes.n, 0);
+    am_recipe_free(r);
+    am_errors_free(&err);
+    r = parse_with("r.yaml", MOE, (const char *[]){"peft.target_modules=['*.experts']", "peft.moe_rank_scaling=true",
+                                                   "peft.dim=7", NULL}, &err);
+    assert_int_equal(err.n, 0);
+    assert_int_equal(r->peft.experts_dim, 3);
+    bool floored = false;
+    for (size_t j = 0; j < r->notes.n; j++)
+        floored |= strcmp(r->notes.v[j], "peft.moe_rank_scaling: dim 7 is not a multiple of num_experts_per_tok 2: "
+                          "the experts' adapters take rank 7 // 2 = 3, rounded down as AutoModel does") == 0;
+    assert_true(floored);
+    am_recipe_free(r);
+    am_errors_free(&err);
+    r = parse_with("r.yaml", MOE, (const char *[]){"peft.target_modules=['*_proj']", "peft.moe_rank_scaling=true",
+                                                   NULL}, &err); /* no expert adapted: nothing changes */
+    assert_int_equal(err.n, 0);
+    assert_false(r->peft.experts);
+    assert_int_equal(r->peft.experts_dim, 8);
+    am_recipe_free(r);
+    am_errors_free(&err);
     static const char moe_fix[] = "on a mixture-of-experts model am adapts the attention projections (target_modules: "
                                   "['*.q_proj', '*.k_proj', '*.v_proj', '*.o_proj'])";
     char want[512];

@@ -23,9 +23,13 @@
 #   resume: the ep 2 run stopped after step 2 and restored gives the uninterrupted run's steps 3
 #     and 4 to the last bit (each ep rank's experts' adapters in the sharded checkpoint).
 #   merge: am-ckpt merge of the saved adapters into the base (exported by a run of the same seed
-#     at lr 0) makes an expert's w1, w3, w2 W + s B A, gate's and up's with the shared A.
-# (test_recipe checks the refusals: the experts of some layers only, moe_rank_scaling, a dense
-# layer's MLP; tests/model/test_lora_moe the experts' adapters' math.)
+#     at lr 0) makes an expert's w1, w3, w2 W + s B A, gate's and up's with the shared A;
+#   moe_rank_scaling: true: the experts' adapters at rank 8 // 2 = 4, scale 32 / 4: ep 2 against
+#     one rank, the saved shapes and adapter_config.json's rank_pattern, the merge at each
+#     module's scale, the memory against am-plan's.
+# (test_recipe checks the refusals: the experts of some layers only, a dense layer's MLP;
+# refusals.tsv moe_rank_scaling with dim below num_experts_per_tok; tests/model/test_lora_moe
+# the experts' adapters' math, at rank r and r / top-k.)
 set -u
 : "${AM_SRCDIR:=$(cd "$(dirname "$0")/../.." && pwd)}"
 : "${AM_BUILDDIR:=$PWD}"
@@ -236,6 +240,66 @@ else
     bad "am-ckpt merge of the experts' adapters: $(cat "$work/out-merge" 2>/dev/null)"
 fi
 
+# moe_rank_scaling (AutoModel's): the experts' adapters of rank dim // num_experts_per_tok = 8 // 2
+# = 4 (the attention's 8) and scale alpha / 4: ep 2 matches one rank; the saved experts'
+# adapters are [4, in] and [out, 4] with adapter_config.json's rank_pattern naming their rank, so
+# that peft rebuilds them so; am-ckpt merge merges an expert's w1 at lora_alpha / 4 (32 / 4 = 8)
+# and an attention projection at lora_alpha / 8; the memory is checked below with the layouts
+for run in "rs 1" "rs-ep2 2"; do
+    set -- $run
+    recipe "$1" "$2" && sed -i 's/^  dim: 8$/  dim: 8\n  moe_rank_scaling: true/' "$work/$1.yaml"
+    train "$1" "$2" && steps_of "$work/logs-$1" >"$work/steps-$1" || { bad "$1 did not train"; sed 's/^/    /' "$work/out-$1"; }
+done
+if paste "$work/steps-rs" "$work/steps-rs-ep2" | awk -v steps="$steps" -v lt="$loss_tol" -v nt="$norm_tol" '
+    { d = $2 - $5; if (d < 0) d = -d; if (d > w) w = d; g = ($3 - $6) / $3; if (g < 0) g = -g; if (g > gw) gw = g; n++ }
+    END { printf "%d steps, loss %.2g (tolerance %.2g), grad norm %.2g relative (%.2g)", n, w, lt, gw, nt
+          exit !(n == steps && w <= lt && gw <= nt) }' >"$work/cmp-rs" &&
+    [ "$(head -1 "$work/steps-rs" | cut -d' ' -f3)" != "$(head -1 "$work/steps-ref" | cut -d' ' -f3)" ]; then
+    ok "moe_rank_scaling: ep 2 matches one rank ($(cat "$work/cmp-rs")); step 1's gradients differ from rank 8's"
+else
+    bad "moe_rank_scaling: $(cat "$work/cmp-rs" 2>/dev/null)"; paste "$work/steps-rs" "$work/steps-rs-ep2" | sed 's/^/    /'
+fi
+rad="$work/ckpt-rs/step-$steps/peft/adapter_model.safetensors" rcfg="$work/ckpt-rs/step-$steps/peft/adapter_config.json"
+e=base_model.model.model.layers.2.block_sparse_moe.experts.3
+if [ -f "$rad" ] && tensors "$rad" >"$work/names-rs" &&
+    grep -qx 'base_model.model.model.layers.3.self_attn.o_proj.lora_B.weight 64 8' "$work/names-rs" &&
+    grep -qx "$e.w1.lora_A.weight 4 64" "$work/names-rs" && grep -qx "$e.w3.lora_A.weight 4 64" "$work/names-rs" &&
+    grep -qx "$e.w1.lora_B.weight 96 4" "$work/names-rs" && grep -qx "$e.w3.lora_B.weight 96 4" "$work/names-rs" &&
+    grep -qx "$e.w2.lora_A.weight 4 96" "$work/names-rs" && grep -qx "$e.w2.lora_B.weight 64 4" "$work/names-rs" &&
+    [ "$(wc -l <"$work/names-rs")" = "$(wc -l <"$work/names-ref")" ] &&
+    tr -d ' \n' <"$rcfg" | grep -qF '"r":8,' && tr -d ' \n' <"$rcfg" | grep -qF '"lora_alpha":32,' &&
+    tr -d ' \n' <"$rcfg" | grep -qF '"rank_pattern":{"experts\\.[0-9]+\\.(w1|w3|w2)":4}' &&
+    f="$work/ckpt-rs-ep2/step-$steps/peft/adapter_model.safetensors" && [ "$(tensors "$f")" = "$(cat "$work/names-rs")" ] &&
+    cmp -s "$rcfg" "$work/ckpt-rs-ep2/step-$steps/peft/adapter_config.json"; then
+    ok "moe_rank_scaling: the experts' adapters saved at rank 4 (the attention's at 8), adapter_config.json's r 8 and rank_pattern {experts\\.[0-9]+\\.(w1|w3|w2): 4}; ep 2 saves the same"
+else
+    bad "moe_rank_scaling's saved adapters: $(grep "$e.w1" "$work/names-rs" 2>&1 | tr '\n' ' '); $(tr -d ' \n' <"$rcfg" 2>&1)"
+fi
+if "$AM_BUILDDIR/am-ckpt" merge "$work/ckpt-base/step-1/hf" "$work/ckpt-rs/step-$steps/peft" "$work/merged-rs" \
+    >"$work/out-merge-rs" 2>&1 && grep -q 'merged 64 adapted weights' "$work/out-merge-rs"; then
+    fit=1
+    for w in "model.layers.2.block_sparse_moe.experts.3.w1 8 4 96 64" "model.layers.1.self_attn.q_proj 4 8 64 64"; do
+        set -- $w
+        awk -v s="$2" -v r="$3" -v rows="$4" -v cols="$5" '
+            FNR == 1 { f++ } f == 1 { B[FNR - 1] = $1 } f == 2 { A[FNR - 1] = $1 } f == 3 { W[FNR - 1] = $1 }
+            f == 4 { i = FNR - 1; o = int(i / cols); c = i % cols; d = 0
+                     for (k = 0; k < r; k++) d += B[o * r + k] * A[k * cols + c]
+                     e = $1 - W[i] - s * d; if (e < 0) e = -e; if (e > worst) worst = e; n++ }
+            END { printf "%.2g", worst; exit !(n == rows * cols && worst < 1e-6) }' \
+            <(values "$rad" "base_model.model.$1.lora_B.weight") <(values "$rad" "base_model.model.$1.lora_A.weight") \
+            <(values "$work/ckpt-base/step-1/hf/model.safetensors" "$1.weight") \
+            <(values "$work/merged-rs/model.safetensors" "$1.weight") >>"$work/merge-rs" || fit=0
+        echo >>"$work/merge-rs"
+    done
+    if [ "$fit" = 1 ]; then
+        ok "moe_rank_scaling: am-ckpt merge makes an expert's w1 W + (32 / 4) B A and q_proj W + (32 / 8) B A (within $(tr '\n' ' ' <"$work/merge-rs"))"
+    else
+        bad "moe_rank_scaling: am-ckpt merge: $(tr '\n' ' ' <"$work/merge-rs")"
+    fi
+else
+    bad "moe_rank_scaling: am-ckpt merge: $(cat "$work/out-merge-rs" 2>/dev/null)"
+fi
+
 # memory: what LoRA changes of every rank's allocation (the adapters, their gradients, moments and
 # scratch added; the frozen base's gradients and moments gone) equals what it changes of am-plan's
 # estimate for its pipeline rank, to the byte:
@@ -257,7 +321,7 @@ plan_of() { # RECIPE NPROC SETS...: am-plan's total of each pp rank
     "$AM_BUILDDIR/am-plan" "$y" --gpus-per-node "$n" --json "$@" | sed -E 's/.*"memory_per_pp_rank"://' |
         grep -oE '"pp_rank":[0-9]+,"total":[0-9.e+]+' | sed -E 's/.*"total":([0-9.e+]+)/\1/'
 }
-for run in "ref 1" "ep2 2" "tp2-ep2 4 AM_TP=2" "pp2 2 AM_PP=2"; do
+for run in "ref 1" "ep2 2" "tp2-ep2 4 AM_TP=2" "pp2 2 AM_PP=2" "rs 1" "rs-ep2 2"; do
     set -- $run
     name=$1 n=$2
     shift 2
