@@ -205,6 +205,16 @@ static void carve_layer(struct am_model *m, struct slab *c, struct am_layer_acts
     for (int t = 0; m->sh.lora_r > 0 && t < AM_LORA_NPROJ; t++)
         if (m->sh.lora_targets >> t & 1u)
             a->lora_t[t] = carve(c, m->act_dt, N, m->sh.lora_r, 0, 0);
+    if (m->cfg.mla) { /* multi-head latent attention's low-rank activations (mla.c) */
+        if (m->cfg.q_lora_rank > 0) {
+            a->qa = carve(c, m->act_dt, N, m->cfg.q_lora_rank, 0, 0);
+            a->qa_n = carve(c, m->act_dt, N, m->cfg.q_lora_rank, 0, 0);
+            a->rstd_qa = carve(c, AM_F32, N, 0, 0, 0);
+        }
+        a->ckv = carve(c, m->act_dt, N, m->cfg.kv_lora_rank, 0, 0);
+        a->ckv_n = carve(c, m->act_dt, N, m->cfg.kv_lora_rank, 0, 0);
+        a->rstd_kv = carve(c, AM_F32, N, 0, 0, 0);
+    }
     if (m->cfg.gemma) {
         a->o_att = carve(c, m->act_dt, R, C, 0, 0);
         a->rstd_oa = carve(c, AM_F32, R, 0, 0, 0);
@@ -270,6 +280,8 @@ static size_t layout_acts(struct am_model *m, char *base)
         m->scratch_kn = carve(&c, m->act_dt, N, KV, 0, 0);
     if (m->cfg.gemma)
         m->scratch_post = carve(&c, m->act_dt, R, C, 0, 0);
+    if (m->cfg.mla)
+        m->scratch_mla = carve(&c, m->act_dt, am_mla_scratch_elems(m), 0, 0, 0);
     if (m->sh.lora_r > 0) {
         int64_t wide = Q > C ? Q : C;
         wide = I > wide ? I : wide;
