@@ -52,7 +52,8 @@
 #   pp 2 and fsdp2 dp 2 against its own one rank. DeepSeek-V3 (deepseek_v3: multi-head latent
 #   attention with q_lora_rank 24, kv_lora_rank 16, v narrower than q and k, rope_interleave; q_b_proj and
 #   kv_b_proj split over tp by heads, q_a_proj, kv_a_proj_with_mqa and their norms whole on every tp
-#   rank with their gradients summed; glm4_moe's MoE) at ep 2, tp 2, pp 2 and fsdp2 dp 2 likewise.
+#   rank with their gradients summed; glm4_moe's MoE) at ep 2, tp 2, pp 2, fsdp2 dp 2, tp 2 x ep 2 and
+#   cp 2 (sequences of 256) likewise.
 #   context parallelism on sequences of 256 (each sequence in 2 x cp chunks, rank r holding
 #   chunks r and 2 cp - 1 - r: at cp 4 chunks of 32 tokens, every rank's queries against 4
 #   blocks of keys passed around the ring): cp 2 and cp 4 alone, with tp 2 (and sequence
@@ -195,7 +196,7 @@ run() { # NAME N MODS [VAR=VALUE...]: N ranks, with the plugin's AM_TP-style ove
 
 for ref in "ref -" "ref-long long" "ref-packed packed" "ref-pneat packed,neat" "ref-tied tied" "ref-qwen3 qwen3" "ref-qwen2 qwen2" "ref-mistral mistral" "ref-bf16 bf16" "ref-long-bf16 long,bf16" "ref-packed-bf16 packed,bf16" "ref-moe moe" "ref-moe-aux moe,aux" "ref-moe-aux-bf16 moe,aux,bf16" "ref-moe-aux-lb2 moe,aux,lb2" "ref-qmoe qmoe" \
     "ref-gemma2 gemma2" "ref-gemma3 gemma3" "ref-gemma2-long gemma2,long" "ref-gemma2-packed gemma2,packed" \
-    "ref-gemma3-packed gemma3,packed" "ref-gemma2-bf16 gemma2,bf16" "ref-gemma2-packed-bf16 gemma2,packed,bf16" "ref-glm glm" "ref-dsv3 dsv3"; do
+    "ref-gemma3-packed gemma3,packed" "ref-gemma2-bf16 gemma2,bf16" "ref-gemma2-packed-bf16 gemma2,packed,bf16" "ref-glm glm" "ref-dsv3 dsv3" "ref-dsv3-long dsv3,long"; do
     set -- $ref
     run "$1" 1 "$2" || { echo "FAIL: $1 (1 rank) did not train"; cat "$work/out-$1"; exit 1; }
     losses "$work/logs-$1" >"$work/$1"
@@ -272,7 +273,8 @@ layouts+=("ac 1 ac ref" "pp2-tied 2 tied ref-tied AM_PP=2" "pp4-tied-gpipe 4 tie
     "ep2-glm 2 glm ref-glm AM_EP=2" "tp2-glm 2 glm ref-glm AM_TP=2" "pp2-glm 2 glm ref-glm AM_PP=2"
     "fsdp2-dp2-glm 2 glm ref-glm"
     "ep2-dsv3 2 dsv3 ref-dsv3 AM_EP=2" "tp2-dsv3 2 dsv3 ref-dsv3 AM_TP=2" "pp2-dsv3 2 dsv3 ref-dsv3 AM_PP=2"
-    "fsdp2-dp2-dsv3 2 dsv3 ref-dsv3"
+    "fsdp2-dp2-dsv3 2 dsv3 ref-dsv3" "tp2-ep2-dsv3 4 dsv3 ref-dsv3 AM_TP=2 AM_EP=2"
+    "cp2-dsv3 2 dsv3,long ref-dsv3-long AM_CP=2"
     "cp2 2 long ref-long AM_CP=2" "cp4 4 long ref-long AM_CP=4" "cp2-ac 2 long,ac ref-long AM_CP=2"
     "cp2-tp2 4 long ref-long AM_CP=2 AM_TP=2" "cp2-tp2-sp 4 long,sp ref-long AM_CP=2 AM_TP=2"
     "cp2-pp2 4 long ref-long AM_CP=2 AM_PP=2" "cp4-pp2-gpipe 8 long,gpipe ref-long AM_CP=4 AM_PP=2"
@@ -369,7 +371,7 @@ bf16_tols() { # FP32REF BF16REF: "loss_tol norm_tol weight_tol", twice the bf16 
     echo "$t $w"
 }
 exact+=(ep2-glm tp2-glm pp2-glm fsdp2-dp2-glm) # the glm4_moe layouts above
-exact+=(ep2-dsv3 tp2-dsv3 pp2-dsv3 fsdp2-dp2-dsv3) # the deepseek_v3 layouts above
+exact+=(ep2-dsv3 tp2-dsv3 pp2-dsv3 fsdp2-dp2-dsv3 tp2-ep2-dsv3 cp2-dsv3) # the deepseek_v3 layouts above
 for layout in "cp2-bf16 2 long,bf16 ref-long-bf16 ref-long AM_CP=2" \
     "cp2-tp2-bf16 4 long,bf16 ref-long-bf16 ref-long AM_CP=2 AM_TP=2" \
     "dp2-packed-bf16 2 packed,bf16 ref-packed-bf16 ref-packed" \
