@@ -483,6 +483,11 @@ static int read_rope_scaling(struct am_node *n, const char *section, struct am_m
         m->rope_scaling.type = NULL;
         return 0;
     }
+    if (strcmp(type, "yarn") == 0) { /* DeepSeek-V3's and Kimi K2's */
+        am_errorf(err, &t->pos, "%s: 'yarn' is not supported by am (its frequency ramp and attention factor, and "
+                  "deepseek_v3's softmax mscale, are not implemented yet): use llama3 or linear, or null", key);
+        return -1;
+    }
     if (strcmp(type, "llama3") != 0 && strcmp(type, "linear") != 0) {
         am_errorf(err, &t->pos, "%s: '%s' is not supported by am (use llama3 or linear)", key, type);
         return -1;
