@@ -46,9 +46,13 @@ extern "C" { /* the CUDA backend's .cu files are C++ */
 #endif
 
 struct am_rope_scaling {
-    const char *type; /* NULL or "default" (none), "llama3", "linear" */
+    const char *type; /* NULL or "default" (none), "llama3", "linear", "yarn" */
     double factor, low_freq_factor, high_freq_factor;
     long original_max_position_embeddings;
+    /* yarn (transformers' _compute_yarn_parameters): the ramp's bounds, whether they are
+     * truncated to whole dims, and the attention factor the tables are multiplied by */
+    double beta_fast, beta_slow, attention_factor;
+    bool truncate;
 };
 
 struct am_kernels;

@@ -17,6 +17,7 @@
 
 #include <math.h>
 #include <stdio.h>
+#include <string.h>
 
 #define add_param am_model_add_param /* params.c */
 
@@ -220,8 +221,15 @@ static int post_norm_backward(struct am_model *m, struct am_tensor *dx, const st
  * (qk_nope_head_dim + qk_rope_head_dim) ** -0.5 (Python floats, applied as fp32). */
 static float attn_scale(const struct am_model *m)
 {
-    if (m->cfg.mla)
-        return (float)pow((double)(m->cfg.qk_nope_head_dim + m->cfg.qk_rope_head_dim), -0.5);
+    if (m->cfg.mla) { /* with yarn, times mscale² (DeepseekV3Attention's yarn_apply_mscale) */
+        const struct am_model_config *c = &m->cfg;
+        double s = pow((double)(c->qk_nope_head_dim + c->qk_rope_head_dim), -0.5);
+        if (c->rope_scaling.type && strcmp(c->rope_scaling.type, "yarn") == 0 && c->rope_scaling.mscale_all_dim != 0) {
+            double ms = am_yarn_mscale(c->rope_scaling.factor, c->rope_scaling.mscale_all_dim);
+            s = s * ms * ms;
+        }
+        return (float)s;
+    }
     return (float)(1.0 / sqrt(m->cfg.query_pre_attn_scalar));
 }
 

@@ -56,6 +56,20 @@ static inline struct am_tensor *base_grad(const struct am_model *m, const struct
     return m->sh.lora_r > 0 ? NULL : (struct am_tensor *)&p->g;
 }
 
+/* The rotary scaling the kernels' rope_tables take, from the model's config. */
+static inline struct am_rope_scaling am_model_rope_scaling(const struct am_model_config *c)
+{
+    return (struct am_rope_scaling){c->rope_scaling.type,
+                                    c->rope_scaling.factor,
+                                    c->rope_scaling.low_freq_factor,
+                                    c->rope_scaling.high_freq_factor,
+                                    c->rope_scaling.original_max_position_embeddings,
+                                    c->rope_scaling.beta_fast,
+                                    c->rope_scaling.beta_slow,
+                                    c->rope_scaling.attention_factor,
+                                    c->rope_scaling.truncate};
+}
+
 /* ---- params.c: the registry, the slabs and the groups -------------------------------- */
 
 /* Registers a parameter of local shape rows x cols (cols 0: a vector) in the current group. */

@@ -252,13 +252,29 @@ CASES = {
     ),
     # Seeds: deepseek_v3_tiny 1328 -> 1348 (1328 .. 1398 by 10 each had AdamW grad norms 3.0e-6 .. 2.0e-5 from
     # float64's; 1348's 3.0e-6 is the least, and the case's conditioning allows 3.5e-6: generate() says why),
-    # deepseek_v3_qproj 1338 -> 1349 (1339 ill-conditioned the same way).
+    # deepseek_v3_qproj 1338 -> 1349 (1339 ill-conditioned the same way); deepseek_v3_yarn 1358 -> 1368 (1358
+    # ill-conditioned, 1348 left an expert no token chose: a zero gradient).
     # The same with q_lora_rank null (q_proj), v wider than q and k (v_head_dim 20 against 8 + 8:
     # am pads q and k) and rope_interleave false.
     "deepseek_v3_qproj": dict(
         arch="deepseek_v3", seq=16, model_seed=1349, data_seed=2014, config_format="v5",
         config=dict(BASE, num_hidden_layers=3, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=16,
                     qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=20, rope_interleave=False,
+                    moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
+                    n_shared_experts=1, routed_scaling_factor=1.5, first_k_dense_replace=1, norm_topk_prob=True),
+    ),
+    # deepseek_v3_tiny with yarn rope scaling (DeepSeek-V3's and Kimi K2's): factor 4 over an original
+    # context of 16 (max_position_embeddings 64), beta_fast 32 and beta_slow 1 (the ramp keeps the first
+    # of the 4 frequencies and divides the others by 4), mscale 0.707 and mscale_all_dim 1.0: the tables
+    # times attention_factor = get_mscale(4, 0.707) / get_mscale(4, 1.0), the softmax scale times
+    # get_mscale(4, 1.0) ** 2.
+    "deepseek_v3_yarn": dict(
+        arch="deepseek_v3", seq=16, model_seed=1368, data_seed=2015, config_format="v5",
+        config=dict(BASE, num_hidden_layers=3, num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=16,
+                    qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12, rope_interleave=True,
+                    rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                                         original_max_position_embeddings=16, beta_fast=32, beta_slow=1,
+                                         mscale=0.707, mscale_all_dim=1.0),
                     moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
                     n_shared_experts=1, routed_scaling_factor=1.5, first_k_dense_replace=1, norm_topk_prob=True),
     ),
@@ -591,7 +607,8 @@ def rope_tables(model, seq, layer_type=None):
     cos, sin = cos[0], sin[0]
     # transformers builds emb = cat(freqs, freqs): the two halves are identical.
     assert torch.equal(cos[:, :half], cos[:, half:]) and torch.equal(sin[:, :half], sin[:, half:])
-    assert rot.attention_scaling == 1.0
+    # yarn (deepseek_v3_yarn): the tables are times its attention factor, as am's are
+    assert rot.attention_scaling == 1.0 or model.config.rope_parameters.get("rope_type") == "yarn"
     return cos[:, :half].contiguous(), sin[:, :half].contiguous(), rot.inv_freq.detach().clone()
 
 
@@ -811,9 +828,25 @@ def ref_forward_dsv3(W, cfg, ids):
     nh = cfg.num_attention_heads
     dn, dr, dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
     kvr = cfg.kv_lora_rank
-    inv = 1.0 / (cfg.rope_parameters["rope_theta"] ** (torch.arange(0, dr, 2, dtype=torch.float32) / dr))
+    rp = cfg.rope_parameters
+    inv = 1.0 / (rp["rope_theta"] ** (torch.arange(0, dr, 2, dtype=torch.float32) / dr))
+    scale, att = (dn + dr) ** -0.5, 1.0
+    if rp.get("rope_type") == "yarn":  # YaRN (Peng et al. 2023) as README states it
+        def get_mscale(s, m):
+            return 1.0 if s <= 1 else 0.1 * m * math.log(s) + 1.0
+
+        f, orig = rp["factor"], rp["original_max_position_embeddings"]
+
+        def corr(rot):
+            return dr * math.log(orig / (rot * 2 * math.pi)) / (2 * math.log(rp["rope_theta"]))
+
+        lo, hi = max(math.floor(corr(rp["beta_fast"])), 0), min(math.ceil(corr(rp["beta_slow"])), dr - 1)
+        keep = 1 - ((torch.arange(dr // 2, dtype=torch.float32) - lo) / (hi - lo if hi > lo else 0.001)).clamp(0, 1)
+        inv = inv / f * (1 - keep) + inv * keep
+        att = get_mscale(f, rp["mscale"]) / get_mscale(f, rp["mscale_all_dim"])
+        scale = scale * get_mscale(f, rp["mscale_all_dim"]) ** 2
     ang = torch.arange(T, dtype=torch.float32)[:, None] * inv[None, :]
-    cos, sin = ang.cos()[:, None], ang.sin()[:, None]  # [T, 1, dr/2]
+    cos, sin = ang.cos()[:, None] * att, ang.sin()[:, None] * att  # [T, 1, dr/2]
 
     def rms(x, w, eps=1e-6):  # q_a_layernorm and kv_a_layernorm: DeepseekV3RMSNorm's default eps, always
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
@@ -841,7 +874,7 @@ def ref_forward_dsv3(W, cfg, ids):
         v = kvb[..., dn:]
         heads = []
         for j in range(nh):
-            sc = (qf[:, :, j] @ kf[:, :, j].transpose(1, 2)) * (dn + dr) ** -0.5
+            sc = (qf[:, :, j] @ kf[:, :, j].transpose(1, 2)) * scale
             heads.append(sc.masked_fill(~causal, float("-inf")).softmax(-1) @ v[:, :, j])
         return torch.cat(heads, -1) @ W[a + "o_proj.weight"].T
 

@@ -403,9 +403,12 @@ static void test_model_rules(void **state)
                 "remove it"));
     /* deepseek_v3: AutoModel's selection-bias update, and what transformers' DeepseekV3 does not read */
     expect("model:\n  model_type: deepseek_v3\n  rope_scaling:\n    rope_type: yarn\n    factor: 40\n", NULL,
-           MSGS("r.yaml:4:16: model.rope_scaling.rope_type: 'yarn' is not supported by am (its frequency ramp and "
-                "attention factor, and deepseek_v3's softmax mscale, are not implemented yet): use llama3 or linear, "
-                "or null"));
+           MSGS("r.yaml:4:5: model.rope_scaling.original_max_position_embeddings: missing (required for rope_type yarn)"));
+    expect("model:\n  hidden_size: 64\n  num_hidden_layers: 2\n  num_attention_heads: 2\n  intermediate_size: 128\n"
+           "  vocab_size: 64\n  rope_scaling:\n    rope_type: yarn\n    factor: 4\n"
+           "    original_max_position_embeddings: 16\n", NULL,
+           MSGS("r.yaml: model.rope_scaling: yarn with llama is not supported by am (its tables are checked against "
+                "transformers for deepseek_v3 only): use llama3 or linear, or null"));
     expect("model:\n  model_type: deepseek_v3\n  moe_overrides:\n    gate_bias_update_factor: 0.001\n", NULL,
            MSGS("r.yaml:4:30: model.moe_overrides.gate_bias_update_factor: 0.001 is not supported by am: it does not "
                 "update the experts' selection bias (e_score_correction_bias) in training, as transformers' "
