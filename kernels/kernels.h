@@ -46,9 +46,13 @@ extern "C" { /* the CUDA backend's .cu files are C++ */
 #endif
 
 struct am_rope_scaling {
-    const char *type; /* NULL or "default" (none), "llama3", "linear" */
+    const char *type; /* NULL or "default" (none), "llama3", "linear", "yarn" */
     double factor, low_freq_factor, high_freq_factor;
     long original_max_position_embeddings;
+    /* yarn (transformers' _compute_yarn_parameters): the ramp's bounds, whether they are
+     * truncated to whole dims, and the attention factor the tables are multiplied by */
+    double beta_fast, beta_slow, attention_factor;
+    bool truncate;
 };
 
 struct am_kernels;
@@ -162,6 +166,15 @@ struct am_kernels {
     /* dst += src (f32 or bf16 each; rounded once into a bf16 dst) */
     void (*add)(const struct am_dev *d, struct am_tensor *dst, const struct am_tensor *src);
     void (*scale)(const struct am_dev *d, struct am_tensor *t, float s); /* t *= s */
+    /* A block of columns (multi-head latent attention's pieces of q, k and v): dst [M, Nd] and
+     * src [M, Ns] seen as matrices of one dtype (f32 or bf16); for every row i and j < width,
+     *   perm 0:  dst[i, dst_col + j] = src[i, src_col + j]
+     *   perm 1:  dst[i, dst_col + j] = src[i, src_col + p(j)], p(j) = 2j for j < width / 2 and
+     *            2 (j - width / 2) + 1 after (DeepSeek's rope_interleave: x0, x2, ..., x1, x3, ...)
+     *   perm -1: dst[i, dst_col + p(j)] = src[i, src_col + j] (the inverse: perm 1's gradient);
+     * accumulate: += instead of =, added in fp32 and rounded once. The other columns stay. */
+    void (*copy_cols)(const struct am_dev *d, struct am_tensor *dst, int64_t dst_col, const struct am_tensor *src,
+                      int64_t src_col, int64_t width, int perm, bool accumulate);
     /* dropout's mask (LoRA's adapter dropout, as torch.nn.functional.dropout): t [N, F] (f32
      * or bf16) *= keep / (1 - p), keep of row n, column f = am_rng_keep(seed, stream,
      * key(n) * cols + col0 + f, p) (rng.h), the product computed in fp32 and rounded once into a

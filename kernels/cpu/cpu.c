@@ -224,6 +224,7 @@ static const struct am_kernels cpu_kernels = {
     .mem_stats = am_cpu_mem_stats,
     .add = am_cpu_add,
     .scale = am_cpu_scale,
+    .copy_cols = am_cpu_copy_cols,
     .dropout = am_cpu_dropout,
     .convert = am_cpu_convert,
     .sum_squares = am_cpu_sum_squares,

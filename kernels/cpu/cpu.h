@@ -213,6 +213,8 @@ void am_cpu_copy(const struct am_dev *dev, struct am_tensor *dst, const struct a
 /* elementwise.c */
 void am_cpu_add(const struct am_dev *dev, struct am_tensor *dst, const struct am_tensor *src);
 void am_cpu_scale(const struct am_dev *dev, struct am_tensor *t, float s);
+void am_cpu_copy_cols(const struct am_dev *dev, struct am_tensor *dst, int64_t dst_col, const struct am_tensor *src,
+                      int64_t src_col, int64_t width, int perm, bool accumulate);
 void am_cpu_dropout(const struct am_dev *dev, struct am_tensor *t, const struct am_dropout *dr);
 void am_cpu_convert(const struct am_dev *dev, struct am_tensor *dst, const struct am_tensor *src);
 void am_cpu_sum_squares(const struct am_dev *dev, struct am_tensor *acc, const struct am_tensor *t, double div);

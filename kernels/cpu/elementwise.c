@@ -250,3 +250,40 @@ void am_cpu_all_finite(const struct am_dev *dev, struct am_tensor *flag, const s
     if (bad)
         *ok = 0;
 }
+
+/* kernels.h: a block of columns, optionally de-interleaved (perm 1) or interleaved (perm -1). */
+void am_cpu_copy_cols(const struct am_dev *dev, struct am_tensor *dst, int64_t dst_col, const struct am_tensor *src,
+                      int64_t src_col, int64_t width, int perm, bool accumulate)
+{
+    (void)dev;
+    const char *kernel = __func__;
+    enum am_dtype dt = am_cpu_act(kernel, "dst", dst), st = am_cpu_act(kernel, "src", src);
+    int64_t M = am_rows(dst), Nd = am_cols(dst), Ns = am_cols(src);
+    AM_CHECK(dt == st, "dst (%s) and src (%s) must have one dtype", am_tname(dst), am_tname(src));
+    AM_CHECK(am_rows(src) == M, "dst (%s) has %lld rows, src (%s) %lld: they must match", am_tname(dst), (long long)M,
+             am_tname(src), (long long)am_rows(src));
+    AM_CHECK(width >= 0 && dst_col >= 0 && src_col >= 0 && dst_col + width <= Nd && src_col + width <= Ns &&
+                 (perm == 0 || width % 2 == 0),
+             "columns [%lld, +%lld) of dst (%s, %lld wide) from [%lld, +%lld) of src (%s, %lld wide), perm %d: out of "
+             "range (or an odd width to interleave)",
+             (long long)dst_col, (long long)width, am_tname(dst), (long long)Nd, (long long)src_col, (long long)width,
+             am_tname(src), (long long)Ns, perm);
+    int64_t half = width / 2;
+    bool bf = dt == AM_BF16;
+#pragma omp parallel for schedule(static) if (M * width >= AM_PAR_MIN)
+    for (int64_t i = 0; i < M; i++) {
+        for (int64_t j = 0; j < width; j++) {
+            int64_t pj = perm == 0 ? j : j < half ? 2 * j : 2 * (j - half) + 1;
+            int64_t dj = dst_col + (perm < 0 ? pj : j), sj = src_col + (perm > 0 ? pj : j);
+            if (bf) {
+                uint16_t *d = (uint16_t *)dst->data + i * Nd + dj;
+                uint16_t s = ((const uint16_t *)src->data)[i * Ns + sj];
+                *d = accumulate ? am_f32_to_bf16(am_bf16_to_f32(*d) + am_bf16_to_f32(s)) : s;
+            } else {
+                float *d = (float *)dst->data + i * Nd + dj;
+                float s = ((const float *)src->data)[i * Ns + sj];
+                *d = accumulate ? *d + s : s;
+            }
+        }
+    }
+}

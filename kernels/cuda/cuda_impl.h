@@ -76,6 +76,8 @@ void am_cuda_copy(const struct am_dev *d, struct am_tensor *dst, const struct am
 /* ---- element-wise and reductions (elementwise.cu) ---- */
 void am_cuda_add(const struct am_dev *d, struct am_tensor *dst, const struct am_tensor *src);
 void am_cuda_scale(const struct am_dev *d, struct am_tensor *t, float s);
+void am_cuda_copy_cols(const struct am_dev *d, struct am_tensor *dst, int64_t dst_col, const struct am_tensor *src,
+                       int64_t src_col, int64_t width, int perm, bool accumulate);
 void am_cuda_dropout(const struct am_dev *d, struct am_tensor *t, const struct am_dropout *dr);
 void am_cuda_convert(const struct am_dev *d, struct am_tensor *dst, const struct am_tensor *src);
 void am_cuda_sum_squares(const struct am_dev *d, struct am_tensor *acc, const struct am_tensor *t, double div);

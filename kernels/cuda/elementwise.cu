@@ -229,3 +229,48 @@ void am_cuda_all_finite(const struct am_dev *d, struct am_tensor *flag, const st
         finite_bf16_k<<<am_blocks(n), AM_THREADS, 0, s>>>(ok, (const am_bf16_t *)t->data, n);
     AM_LAUNCHED(k);
 }
+
+/* copy_cols (kernels.h): one thread per element of the block, the CPU's index arithmetic */
+template <typename T>
+__global__ void copy_cols_k(T *dst, int64_t Nd, int64_t dst_col, const T *src, int64_t Ns, int64_t src_col,
+                            int64_t width, int perm, bool accumulate, int64_t n)
+{
+    AM_GRID_STRIDE(e, n)
+    {
+        int64_t i = e / width, j = e % width, half = width / 2;
+        int64_t pj = perm == 0 ? j : j < half ? 2 * j : 2 * (j - half) + 1;
+        int64_t di = i * Nd + dst_col + (perm < 0 ? pj : j), si = i * Ns + src_col + (perm > 0 ? pj : j);
+        if (accumulate)
+            am_st(dst, di, am_ld(dst, di) + am_ld(src, si));
+        else
+            dst[di] = src[si];
+    }
+}
+
+void am_cuda_copy_cols(const struct am_dev *d, struct am_tensor *dst, int64_t dst_col, const struct am_tensor *src,
+                       int64_t src_col, int64_t width, int perm, bool accumulate)
+{
+    const char *k = "am_cuda_copy_cols";
+    am_cuda_ctx(k, d);
+    enum am_dtype dt = am_cuda_act(k, "dst", dst), st = am_cuda_act(k, "src", src);
+    int64_t Nd = dst->ndim ? dst->shape[dst->ndim - 1] : 1, Ns = src->ndim ? src->shape[src->ndim - 1] : 1;
+    int64_t M = Nd ? am_tensor_numel(dst) / Nd : 0, Ms = Ns ? am_tensor_numel(src) / Ns : 0;
+    if (dt != st || M != Ms || width < 0 || dst_col < 0 || src_col < 0 || dst_col + width > Nd ||
+        src_col + width > Ns || (perm != 0 && width % 2))
+        am_cuda_fatal(k, "columns [%lld, +%lld) of dst (%s, %lld x %lld) from [%lld, +%lld) of src (%s, %lld x %lld), "
+                      "perm %d: dtypes, rows or range do not fit", (long long)dst_col, (long long)width, am_tname(dst),
+                      (long long)M, (long long)Nd, (long long)src_col, (long long)width, am_tname(src), (long long)Ms,
+                      (long long)Ns, perm);
+    int64_t n = M * width;
+    if (!n)
+        return;
+    cudaStream_t s = am_cuda_stream(d);
+    if (dt == AM_F32)
+        copy_cols_k<<<am_blocks(n), AM_THREADS, 0, s>>>((float *)dst->data, Nd, dst_col, (const float *)src->data, Ns,
+                                                       src_col, width, perm, accumulate, n);
+    else
+        copy_cols_k<<<am_blocks(n), AM_THREADS, 0, s>>>((am_bf16_t *)dst->data, Nd, dst_col,
+                                                       (const am_bf16_t *)src->data, Ns, src_col, width, perm,
+                                                       accumulate, n);
+    AM_LAUNCHED(k);
+}

@@ -24,6 +24,7 @@ static const struct am_kernels cuda_kernels = {
     .reserve = am_cuda_reserve,
     .add = am_cuda_add,
     .scale = am_cuda_scale,
+    .copy_cols = am_cuda_copy_cols,
     .dropout = am_cuda_dropout,
     .convert = am_cuda_convert,
     .sum_squares = am_cuda_sum_squares,

@@ -364,7 +364,7 @@ static const char *architecture(const char *model_type)
                                          {"mixtral", "MixtralForCausalLM"}, {"qwen2", "Qwen2ForCausalLM"},
                                          {"qwen3", "Qwen3ForCausalLM"},     {"qwen3_moe", "Qwen3MoeForCausalLM"},
                                          {"gemma2", "Gemma2ForCausalLM"},   {"gemma3_text", "Gemma3ForCausalLM"},
-                                         {"glm4_moe", "Glm4MoeForCausalLM"}};
+                                         {"glm4_moe", "Glm4MoeForCausalLM"}, {"deepseek_v3", "DeepseekV3ForCausalLM"}};
     for (size_t i = 0; i < sizeof(map) / sizeof(map[0]); i++)
         if (strcmp(model_type, map[i][0]) == 0)
             return map[i][1];
@@ -381,7 +381,7 @@ char *am_ckpt_config_json(const struct am_model_config *m, const char *base_conf
     const char *type = m->model_type ? m->model_type : "llama", *arch = architecture(type);
     if (!arch) {
         am_errorf(err, NULL, "config.json: model_type '%s' has no transformers class am knows (llama, mistral, "
-                  "mixtral, qwen2, qwen3, qwen3_moe, gemma2, gemma3_text, glm4_moe)", type);
+                  "mixtral, qwen2, qwen3, qwen3_moe, gemma2, gemma3_text, glm4_moe, deepseek_v3)", type);
         goto done;
     }
     if (base_config) {
@@ -403,7 +403,9 @@ char *am_ckpt_config_json(const struct am_model_config *m, const char *base_conf
     set(cfg, "num_attention_heads", json_integer(m->num_attention_heads));
     set(cfg, "num_key_value_heads", json_integer(m->num_key_value_heads ? m->num_key_value_heads
                                                                          : m->num_attention_heads));
-    if (m->head_dim)
+    if (m->mla) /* DeepseekV3Config's head_dim is its rope part (the attention's width is am's own) */
+        set(cfg, "head_dim", json_integer(m->qk_rope_head_dim));
+    else if (m->head_dim)
         set(cfg, "head_dim", json_integer(m->head_dim));
     set(cfg, "intermediate_size", json_integer(m->intermediate_size));
     set(cfg, "vocab_size", json_integer(m->vocab_size));
@@ -427,6 +429,23 @@ char *am_ckpt_config_json(const struct am_model_config *m, const char *base_conf
             set(rs, "low_freq_factor", json_real(m->rope_scaling.low_freq_factor));
             set(rs, "high_freq_factor", json_real(m->rope_scaling.high_freq_factor));
             set(rs, "original_max_position_embeddings", json_integer(m->rope_scaling.original_max_position_embeddings));
+        }
+        if (strcmp(m->rope_scaling.type, "yarn") == 0) { /* deepseek_v3's: what the tables and the scale were made of */
+            set(rs, "original_max_position_embeddings", json_integer(m->rope_scaling.original_max_position_embeddings));
+            set(rs, "beta_fast", json_real(m->rope_scaling.beta_fast));
+            set(rs, "beta_slow", json_real(m->rope_scaling.beta_slow));
+            if (m->rope_scaling.mscale != 0)
+                set(rs, "mscale", json_real(m->rope_scaling.mscale));
+            if (m->rope_scaling.mscale_all_dim != 0)
+                set(rs, "mscale_all_dim", json_real(m->rope_scaling.mscale_all_dim));
+            set(rs, "attention_factor", json_real(m->rope_scaling.attention_factor));
+            set(rs, "truncate", json_boolean(m->rope_scaling.truncate));
+            json_t *rp = json_object_get(cfg, "rope_parameters"); /* transformers 5 reads it there */
+            if (json_is_object(rp)) {
+                json_t *copy = json_deep_copy(rs);
+                set(copy, "rope_theta", json_real(m->rope_theta));
+                set(cfg, "rope_parameters", copy);
+            }
         }
         set(cfg, "rope_scaling", rs);
     } else {
@@ -498,6 +517,31 @@ char *am_ckpt_config_json(const struct am_model_config *m, const char *base_conf
                 json_array_append_new(dense, json_integer(l));
         set(cfg, "decoder_sparse_step", json_integer(1));
         set(cfg, "mlp_only_layers", dense);
+    }
+    if (m->mla) { /* DeepseekV3Config: what am trained, as transformers reads it back */
+        if (m->q_lora_rank > 0)
+            set(cfg, "q_lora_rank", json_integer(m->q_lora_rank));
+        else
+            set(cfg, "q_lora_rank", json_null());
+        set(cfg, "kv_lora_rank", json_integer(m->kv_lora_rank));
+        set(cfg, "qk_nope_head_dim", json_integer(m->qk_nope_head_dim));
+        set(cfg, "qk_rope_head_dim", json_integer(m->qk_rope_head_dim));
+        set(cfg, "v_head_dim", json_integer(m->v_head_dim));
+        set(cfg, "rope_interleave", json_boolean(m->rope_interleave));
+        set(cfg, "attention_bias", json_false());
+        json_t *rp = json_object_get(cfg, "rope_parameters");
+        if (json_is_object(rp))
+            set(rp, "rope_theta", json_real(m->rope_theta));
+        set(cfg, "n_routed_experts", json_integer(m->num_experts));
+        set(cfg, "num_experts_per_tok", json_integer(m->num_experts_per_tok));
+        set(cfg, "moe_intermediate_size", json_integer(m->moe_intermediate_size));
+        set(cfg, "norm_topk_prob", json_boolean(m->norm_topk_prob));
+        set(cfg, "n_group", json_integer(m->n_group));
+        set(cfg, "topk_group", json_integer(m->topk_group));
+        set(cfg, "n_shared_experts", json_integer(m->n_shared_experts));
+        set(cfg, "routed_scaling_factor", json_real(m->routed_scaling_factor));
+        set(cfg, "first_k_dense_replace", json_integer(m->first_k_dense_replace));
+        set(cfg, "num_nextn_predict_layers", json_integer(0)); /* am builds and saves no MTP layers */
     }
     if (strcmp(type, "glm4_moe") == 0) { /* Glm4MoeConfig: what am trained, as transformers reads it back */
         set(cfg, "attention_bias", json_boolean(m->qkv_bias));

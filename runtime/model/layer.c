@@ -17,6 +17,7 @@
 
 #include <math.h>
 #include <stdio.h>
+#include <string.h>
 
 #define add_param am_model_add_param /* params.c */
 
@@ -35,6 +36,31 @@ void am_layer_params(struct am_model *m, int l, int local)
     if (c->gemma) { /* Gemma: the norm of the attention's output, then the MLP's pre- and post-norms */
         L->post_attn_norm = add_param(m, NAME("post_attention_layernorm.weight"), C, 0, AM_SPLIT_NONE, C, 0, 0, 0);
         L->post_mlp_norm = add_param(m, NAME("post_feedforward_layernorm.weight"), C, 0, AM_SPLIT_NONE, C, 0, 0, 0);
+    }
+    if (c->mla) { /* multi-head latent attention (mla.c), in transformers' order */
+        int64_t qk = c->qk_nope_head_dim + c->qk_rope_head_dim, kvw = c->qk_nope_head_dim + c->v_head_dim;
+        int64_t H = c->num_attention_heads, Hl = m->heads, qr = c->q_lora_rank, kvr = c->kv_lora_rank;
+        int64_t vd = c->v_head_dim;
+        if (qr > 0) {
+            L->wq_a = add_param(m, NAME("self_attn.q_a_proj.weight"), qr, C, AM_SPLIT_NONE, qr, C, 0, 0);
+            L->q_a_norm = add_param(m, NAME("self_attn.q_a_layernorm.weight"), qr, 0, AM_SPLIT_NONE, qr, 0, 0, 0);
+            L->wq = add_param(m, NAME("self_attn.q_b_proj.weight"), Hl * qk, qr, AM_SPLIT_ROWS, H * qk, qr, r * Hl * qk, 0);
+        } else {
+            L->wq = add_param(m, NAME("self_attn.q_proj.weight"), Hl * qk, C, AM_SPLIT_ROWS, H * qk, C, r * Hl * qk, 0);
+        }
+        int64_t kva = kvr + c->qk_rope_head_dim;
+        L->wkv_a = add_param(m, NAME("self_attn.kv_a_proj_with_mqa.weight"), kva, C, AM_SPLIT_NONE, kva, C, 0, 0);
+        L->kv_a_norm = add_param(m, NAME("self_attn.kv_a_layernorm.weight"), kvr, 0, AM_SPLIT_NONE, kvr, 0, 0, 0);
+        L->wkv_b = add_param(m, NAME("self_attn.kv_b_proj.weight"), Hl * kvw, kvr, AM_SPLIT_ROWS, H * kvw, kvr,
+                             r * Hl * kvw, 0);
+        L->wo = add_param(m, NAME("self_attn.o_proj.weight"), C, Hl * vd, AM_SPLIT_COLS, C, H * vd, 0, r * Hl * vd);
+        /* replicated over tp, each rank's gradient from its own heads: summed over tp */
+        struct am_param *partial[] = {L->wq_a, L->q_a_norm, L->wkv_a, L->kv_a_norm};
+        for (size_t i = 0; i < sizeof(partial) / sizeof(partial[0]); i++)
+            if (partial[i])
+                partial[i]->partial_in_tp = m->sh.tp > 1;
+        L->window = am_model_layer_window(c, l);
+        goto mlp;
     }
     /* transformers' order: each projection's weight, then its bias (Qwen2: q, k, v) */
     L->wq = add_param(m, NAME("self_attn.q_proj.weight"), m->heads * D, C, AM_SPLIT_ROWS, Hq, C, r * m->heads * D, 0);
@@ -62,6 +88,7 @@ void am_layer_params(struct am_model *m, int l, int local)
     L->window = am_model_layer_window(c, l);
     L->local_rope = c->rope_local_base_freq > 0 && L->window > 0;
     L->wo = add_param(m, NAME("self_attn.o_proj.weight"), C, m->heads * D, AM_SPLIT_COLS, C, Hq, 0, r * m->heads * D);
+mlp:
     L->mlp_norm = add_param(m, NAME(c->gemma ? "pre_feedforward_layernorm.weight" : "post_attention_layernorm.weight"), C,
                             0, AM_SPLIT_NONE, C, 0, 0, 0);
     if (am_model_layer_is_moe(c, l)) { /* the router and the experts in place of the MLP */
@@ -140,7 +167,7 @@ void am_norm_forward(struct am_model *m, struct am_tensor *out, struct am_tensor
 }
 
 /* The norm's backward alone: dx += the gradient of its input x from dout's. */
-static void norm_backward_local(struct am_model *m, struct am_tensor *dx, const struct am_param *norm,
+void am_norm_backward_local(struct am_model *m, struct am_tensor *dx, const struct am_param *norm,
                                 const struct am_tensor *dout, const struct am_tensor *x, const struct am_tensor *rstd)
 {
     struct am_tensor *dw = base_grad(m, norm);
@@ -158,7 +185,7 @@ int am_norm_backward(struct am_model *m, struct am_tensor *dx, struct am_param *
     struct am_tensor d;
     if (am_tp_column_input_grad(m, dh, am_rows_of(dx), &d, err, err_len) < 0)
         return -1;
-    norm_backward_local(m, dx, norm, &d, x, rstd);
+    am_norm_backward_local(m, dx, norm, &d, x, rstd);
     return 0;
 }
 
@@ -184,25 +211,38 @@ static int post_norm_backward(struct am_model *m, struct am_tensor *dx, const st
 {
     struct am_tensor d = rows_of(&m->scratch_post, am_rows_of(dx));
     m->K->zero(m->dev, &d);
-    norm_backward_local(m, &d, norm, dx, saved, rstd);
+    am_norm_backward_local(m, &d, norm, dx, saved, rstd);
     return am_tp_row_parallel_grad(m, &d, N, dy, err, err_len);
 }
 
 /* ---- attention's pieces -------------------------------------------------------------- */
 
-/* Gemma's attention scale, query_pre_attn_scalar ** -0.5 (a Python float, applied as fp32). */
-static float attn_scale(const struct am_model *m) { return (float)(1.0 / sqrt(m->cfg.query_pre_attn_scalar)); }
+/* Gemma's attention scale, query_pre_attn_scalar ** -0.5, and multi-head latent attention's,
+ * (qk_nope_head_dim + qk_rope_head_dim) ** -0.5 (Python floats, applied as fp32). */
+static float attn_scale(const struct am_model *m)
+{
+    if (m->cfg.mla) { /* with yarn, times mscale² (DeepseekV3Attention's yarn_apply_mscale) */
+        const struct am_model_config *c = &m->cfg;
+        double s = pow((double)(c->qk_nope_head_dim + c->qk_rope_head_dim), -0.5);
+        if (c->rope_scaling.type && strcmp(c->rope_scaling.type, "yarn") == 0 && c->rope_scaling.mscale_all_dim != 0) {
+            double ms = am_yarn_mscale(c->rope_scaling.factor, c->rope_scaling.mscale_all_dim);
+            s = s * ms * ms;
+        }
+        return (float)s;
+    }
+    return (float)(1.0 / sqrt(m->cfg.query_pre_attn_scalar));
+}
 
 /* The scale and soft cap of the block kernels' scores (kernels.h, attention_block_softcap):
- * Gemma's, or 0 and 0 (1 / sqrt(D), no cap) for the others. */
-static float block_scale(const struct am_model *m) { return m->cfg.gemma ? attn_scale(m) : 0.0f; }
+ * Gemma's and multi-head latent attention's, or 0 and 0 (1 / sqrt(D), no cap) for the others. */
+static float block_scale(const struct am_model *m) { return m->cfg.gemma || m->cfg.mla ? attn_scale(m) : 0.0f; }
 static float block_cap(const struct am_model *m) { return m->cfg.gemma ? (float)m->cfg.attn_logit_softcapping : 0.0f; }
 
 /* Rotary embedding of q and k [B, T, heads, D] (backward: of their gradients) with the layer's
  * tables: one row per position of the sequence, or with packed sequences one per row of the
  * micro-batch (each document's positions, packed.h: q and k seen as one sequence of B x T). */
-static void rope(struct am_model *m, const struct am_layer *L, struct am_tensor *q4, struct am_tensor *k4,
-                 bool backward)
+void am_layer_rope(struct am_model *m, const struct am_layer *L, struct am_tensor *q4, struct am_tensor *k4,
+                   bool backward)
 {
     const struct am_tensor *cs = L->local_rope ? &m->cos_local : &m->cos, *sn = L->local_rope ? &m->sin_local : &m->sin;
     struct am_tensor q = *q4, k = *k4;
@@ -220,6 +260,45 @@ static void rope(struct am_model *m, const struct am_layer *L, struct am_tensor 
         m->K->rope_forward(m->dev, &q, cs, sn);
         m->K->rope_forward(m->dev, &k, cs, sn);
     }
+}
+
+/* The attention of q4, k4, v4 [B, T, heads, D] (rope applied) into att4 and lse: over the cp
+ * ring, by documents with packed sequences, or causal on the whole sequence; with the layer's
+ * window and the model's scale and cap. Its backward adds to dq4, dk4, dv4. */
+int am_attend_forward(struct am_model *m, const struct am_layer *L, struct am_tensor *att4, struct am_tensor *lse,
+                      struct am_tensor *q4, struct am_tensor *k4, struct am_tensor *v4, char *err, size_t err_len)
+{
+    const struct am_kernels *K = m->K;
+    if (m->cp) /* context parallelism: over the cp ring (ring.h) */
+        return am_cp_attention_forward(m, att4, lse, q4, k4, v4, m->pk ? &m->pk->cur : NULL, L->window,
+                                       block_scale(m), block_cap(m), err, err_len);
+    if (m->pk) /* packed sequences: each row sees its own document (packed.h) */
+        K->attention_block_softcap_forward(m->dev, att4, lse, q4, k4, v4, &m->pk->rows, &m->pk->rows, &m->pk->cur,
+                                           L->window, 0, block_scale(m), block_cap(m));
+    else if (m->cfg.gemma || m->cfg.mla)
+        K->attention_softcap_forward(m->dev, att4, lse, q4, k4, v4, L->window, attn_scale(m), block_cap(m));
+    else
+        K->attention_forward(m->dev, att4, lse, q4, k4, v4, L->window);
+    return 0;
+}
+
+int am_attend_backward(struct am_model *m, const struct am_layer *L, struct am_tensor *dq4, struct am_tensor *dk4,
+                       struct am_tensor *dv4, struct am_tensor *datt4, struct am_tensor *att4, struct am_tensor *lse,
+                       struct am_tensor *q4, struct am_tensor *k4, struct am_tensor *v4, char *err, size_t err_len)
+{
+    const struct am_kernels *K = m->K;
+    if (m->cp)
+        return am_cp_attention_backward(m, dq4, dk4, dv4, datt4, att4, lse, q4, k4, v4, m->pk ? &m->pk->cur : NULL,
+                                        L->window, block_scale(m), block_cap(m), err, err_len);
+    if (m->pk)
+        K->attention_block_softcap_backward(m->dev, dq4, dk4, dv4, datt4, att4, lse, q4, k4, v4, &m->pk->rows,
+                                            &m->pk->rows, &m->pk->cur, L->window, block_scale(m), block_cap(m));
+    else if (m->cfg.gemma || m->cfg.mla)
+        K->attention_softcap_backward(m->dev, dq4, dk4, dv4, datt4, att4, lse, q4, k4, v4, L->window, attn_scale(m),
+                                      block_cap(m));
+    else
+        K->attention_backward(m->dev, dq4, dk4, dv4, datt4, att4, lse, q4, k4, v4, L->window);
+    return 0;
 }
 
 /* LoRA (lora.h): projection t's adapter of layer L, with its dropout's mask in *dr when the
@@ -301,6 +380,11 @@ int am_layer_forward(struct am_model *m, const struct am_layer *L, struct am_lay
     am_norm_forward(m, &h1, &rstd1, x, L->attn_norm);
     if (am_tp_column_input(m, &h1, N, &in, err, err_len) < 0)
         return -1;
+    if (L->wkv_a) { /* multi-head latent attention (mla.c) */
+        if (am_mla_forward(m, L, a, &in, &o, B, err, err_len) < 0)
+            return -1;
+        goto attention_out;
+    }
     if (L->q_norm) { /* Qwen3: q = q_norm(q_proj(h)), k = k_norm(k_proj(h)), RMSNorm over each head, before rope */
         struct am_tensor q_raw = rows_of(&a->q_raw, N), k_raw = rows_of(&a->k_raw, N);
         K->matmul_forward(m->dev, &q_raw, &in, &L->wq->wc);
@@ -332,22 +416,12 @@ int am_layer_forward(struct am_model *m, const struct am_layer *L, struct am_lay
     lora_forward(m, L, a, AM_LORA_V, &v, &in);
     struct am_tensor q4 = heads_of(&q, B, T, m->heads, D), k4 = heads_of(&k, B, T, m->kv_heads, D);
     struct am_tensor v4 = heads_of(&v, B, T, m->kv_heads, D), att4 = heads_of(&att, B, T, m->heads, D);
-    rope(m, L, &q4, &k4, false);
-    if (m->cp) { /* context parallelism: over the cp ring (ring.h) */
-        if (am_cp_attention_forward(m, &att4, &lse, &q4, &k4, &v4, m->pk ? &m->pk->cur : NULL, L->window,
-                                    block_scale(m), block_cap(m), err, err_len) < 0)
-            return -1;
-    } else if (m->pk) { /* packed sequences: each row sees its own document (packed.h) */
-        K->attention_block_softcap_forward(m->dev, &att4, &lse, &q4, &k4, &v4, &m->pk->rows, &m->pk->rows,
-                                           &m->pk->cur, L->window, 0, block_scale(m), block_cap(m));
-    } else if (m->cfg.gemma) {
-        K->attention_softcap_forward(m->dev, &att4, &lse, &q4, &k4, &v4, L->window, attn_scale(m),
-                                     (float)m->cfg.attn_logit_softcapping);
-    } else {
-        K->attention_forward(m->dev, &att4, &lse, &q4, &k4, &v4, L->window);
-    }
+    am_layer_rope(m, L, &q4, &k4, false);
+    if (am_attend_forward(m, L, &att4, &lse, &q4, &k4, &v4, err, err_len) < 0)
+        return -1;
     K->matmul_forward(m->dev, &o, &att, &L->wo->wc);
     lora_forward(m, L, a, AM_LORA_O, &o, &att);
+attention_out:
     if (L->post_attn_norm) {
         struct am_tensor oa = rows_of(&a->o_att, R), ra = rows_of(&a->rstd_oa, R);
         if (add_post_norm(m, x, &o, &oa, &ra, L->post_attn_norm, err, err_len) < 0)
@@ -476,6 +550,12 @@ attention:;
     } else if (am_tp_row_parallel_grad(m, dx, N, &dy, err, err_len) < 0) {
         return -1;
     }
+    if (L->wkv_a) { /* multi-head latent attention (mla.c) */
+        if (am_tp_column_input(m, &h1, N, &in, err, err_len) < 0 ||
+            am_mla_backward(m, L, a, &in, &dy, &dh, B, err, err_len) < 0)
+            return -1;
+        return am_norm_backward(m, dx, L->attn_norm, &dh, &x_in, &rstd1, err, err_len);
+    }
     K->zero(m->dev, &datt);
     K->matmul_backward(m->dev, &datt, base_grad(m, L->wo), &dy, &att, &L->wo->wc);
     lora_backward(m, L, a, AM_LORA_O, &datt, &dy, &att);
@@ -486,22 +566,9 @@ attention:;
     struct am_tensor v4 = heads_of(&v, B, T, m->kv_heads, D), att4 = heads_of(&att, B, T, m->heads, D);
     struct am_tensor dq4 = heads_of(&dq, B, T, m->heads, D), dk4 = heads_of(&dk, B, T, m->kv_heads, D);
     struct am_tensor dv4 = heads_of(&dv, B, T, m->kv_heads, D), datt4 = heads_of(&datt, B, T, m->heads, D);
-    if (m->cp) {
-        if (am_cp_attention_backward(m, &dq4, &dk4, &dv4, &datt4, &att4, &lse, &q4, &k4, &v4,
-                                     m->pk ? &m->pk->cur : NULL, L->window, block_scale(m), block_cap(m), err,
-                                     err_len) < 0)
-            return -1;
-    } else if (m->pk) {
-        K->attention_block_softcap_backward(m->dev, &dq4, &dk4, &dv4, &datt4, &att4, &lse, &q4, &k4, &v4,
-                                            &m->pk->rows, &m->pk->rows, &m->pk->cur, L->window, block_scale(m),
-                                            block_cap(m));
-    } else if (m->cfg.gemma) {
-        K->attention_softcap_backward(m->dev, &dq4, &dk4, &dv4, &datt4, &att4, &lse, &q4, &k4, &v4, L->window,
-                                      attn_scale(m), (float)m->cfg.attn_logit_softcapping);
-    } else {
-        K->attention_backward(m->dev, &dq4, &dk4, &dv4, &datt4, &att4, &lse, &q4, &k4, &v4, L->window);
-    }
-    rope(m, L, &dq4, &dk4, true);
+    if (am_attend_backward(m, L, &dq4, &dk4, &dv4, &datt4, &att4, &lse, &q4, &k4, &v4, err, err_len) < 0)
+        return -1;
+    am_layer_rope(m, L, &dq4, &dk4, true);
     if (L->q_norm) { /* through the per-head norms: dq, dk become the gradients of q_proj's and k_proj's outputs */
         struct am_tensor dq_raw = datt, dk_raw = rows_of(&m->scratch_kn, N); /* datt is spent */
         struct am_tensor q_raw = rows_of(&a->q_raw, N), k_raw = rows_of(&a->k_raw, N);
@@ -511,8 +578,8 @@ attention:;
         struct am_tensor rq = rows_of(&a->rstd_q, N * m->heads), rk = rows_of(&a->rstd_k, N * m->kv_heads);
         K->zero(m->dev, &dq_raw);
         K->zero(m->dev, &dk_raw);
-        norm_backward_local(m, &dqr, L->q_norm, &dqn, &qr, &rq);
-        norm_backward_local(m, &dkr, L->k_norm, &dkn, &kr, &rk);
+        am_norm_backward_local(m, &dqr, L->q_norm, &dqn, &qr, &rq);
+        am_norm_backward_local(m, &dkr, L->k_norm, &dkn, &kr, &rk);
         dq = dq_raw;
         dk = dk_raw;
     }

@@ -212,6 +212,16 @@ static void carve_layer(struct am_model *m, struct slab *c, struct am_layer_acts
     for (int t = 0; m->sh.lora_r > 0 && t < AM_LORA_NPROJ; t++)
         if (m->sh.lora_targets >> t & 1u)
             a->lora_t[t] = carve(c, m->act_dt, N, m->sh.lora_r, 0, 0);
+    if (m->cfg.mla) { /* multi-head latent attention's low-rank activations (mla.c) */
+        if (m->cfg.q_lora_rank > 0) {
+            a->qa = carve(c, m->act_dt, N, m->cfg.q_lora_rank, 0, 0);
+            a->qa_n = carve(c, m->act_dt, N, m->cfg.q_lora_rank, 0, 0);
+            a->rstd_qa = carve(c, AM_F32, N, 0, 0, 0);
+        }
+        a->ckv = carve(c, m->act_dt, N, m->cfg.kv_lora_rank, 0, 0);
+        a->ckv_n = carve(c, m->act_dt, N, m->cfg.kv_lora_rank, 0, 0);
+        a->rstd_kv = carve(c, AM_F32, N, 0, 0, 0);
+    }
     if (m->cfg.gemma) {
         a->o_att = carve(c, m->act_dt, R, C, 0, 0);
         a->rstd_oa = carve(c, AM_F32, R, 0, 0, 0);
@@ -277,6 +287,8 @@ static size_t layout_acts(struct am_model *m, char *base)
         m->scratch_kn = carve(&c, m->act_dt, N, KV, 0, 0);
     if (m->cfg.gemma)
         m->scratch_post = carve(&c, m->act_dt, R, C, 0, 0);
+    if (m->cfg.mla)
+        m->scratch_mla = carve(&c, m->act_dt, am_mla_scratch_elems(m), 0, 0, 0);
     if (m->sh.lora_r > 0) {
         int64_t wide = Q > C ? Q : C;
         wide = I > wide ? I : wide;
@@ -309,9 +321,7 @@ static int alloc_acts(struct am_model *m)
 /* The rotary tables: the model's, and Gemma 3's sliding layers'. */
 static void rope_tables(struct am_model *m, const struct am_model_config *cfg)
 {
-    struct am_rope_scaling rs = {cfg->rope_scaling.type, cfg->rope_scaling.factor, cfg->rope_scaling.low_freq_factor,
-                                 cfg->rope_scaling.high_freq_factor,
-                                 cfg->rope_scaling.original_max_position_embeddings};
+    struct am_rope_scaling rs = am_model_rope_scaling(cfg);
     m->K->rope_tables(m->dev, &m->cos, &m->sin, cfg->rope_theta, &rs);
     if (cfg->rope_local_base_freq > 0) /* Gemma 3's sliding layers: their own theta, unscaled */
         m->K->rope_tables(m->dev, &m->cos_local, &m->sin_local, cfg->rope_local_base_freq, NULL);

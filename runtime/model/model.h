@@ -169,6 +169,11 @@ struct am_layer_acts {
     struct am_tensor o_att, rstd_oa, o_mlp, rstd_om; /* Gemma: the inputs of the norms after attention and
                                                         after the MLP (the row-parallel outputs, reduced over
                                                         tp: this rank's rows of the stream), and their rstd */
+    struct am_tensor qa, qa_n, rstd_qa, ckv, ckv_n, rstd_kv; /* multi-head latent attention (mla.c): q_a_proj's
+                                                               output [N, q_lora_rank] before and after its
+                                                               norm (q_lora_rank > 0), the compressed kv
+                                                               [N, kv_lora_rank] before and after its norm,
+                                                               and the norms' rstd */
 };
 
 /* One micro-batch in flight on one chunk: the activations of the chunk's layers and, on the
@@ -197,6 +202,13 @@ struct am_layer {
     bool local_rope;                  /* Gemma 3's sliding layers: the rope tables of rope_local_base_freq */
     struct am_param *lora_a[AM_LORA_NPROJ], *lora_b[AM_LORA_NPROJ]; /* LoRA (lora.h): each adapted projection's
                                                                         A and B, in the layer's group; else NULL */
+    /* multi-head latent attention (deepseek_v3, mla.c): q_a_proj and q_a_layernorm (NULL when
+     * q_lora_rank is null: wq is then q_proj, else q_b_proj), kv_a_proj_with_mqa,
+     * kv_a_layernorm and kv_b_proj; wk and wv are NULL. q_b_proj (q_proj) and kv_b_proj are
+     * split over tp by heads (column-parallel), o_proj by its input columns; q_a_proj,
+     * kv_a_proj_with_mqa and the two norms are whole on every tp rank, their gradients
+     * partial (each rank's heads') and summed over tp. */
+    struct am_param *wq_a, *q_a_norm, *wkv_a, *kv_a_norm, *wkv_b;
 };
 
 /* How a parameter group is kept across the data-parallel ranks: replicated (every rank holds
@@ -349,6 +361,8 @@ struct am_model {
     struct am_tensor x, dx, dhf, cos, sin, ce_t;
     struct am_tensor scratch_q, scratch_kv_k, scratch_kv_v, scratch_c, scratch_mlp, scratch_att;
     struct am_tensor scratch_kn; /* qk_norm: the gradient of k before its norm */
+    struct am_tensor scratch_mla; /* multi-head latent attention: its projections' outputs and their
+                                     gradients (mla.c, am_mla_scratch_elems) */
     struct am_tensor gathered, scratch_rows; /* sequence parallelism: [N, C] all-gathered, [N/tp, C] */
     struct am_tensor ce_M;                   /* tp > 1: the combined max logit of each token */
     struct am_tensor kv_sum;                 /* kv heads shared by tp ranks: every kv head's k and v

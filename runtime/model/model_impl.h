@@ -8,6 +8,8 @@
  *   layer.c   one decoder layer: its parameters, then its pieces and the layer itself, each
  *             forward beside its backward (norms, rotary embedding, LoRA adapters, attention,
  *             MLP); calls tp.c, params.c, moe.c, ring.c, lora.c
+ *   mla.c     multi-head latent attention (deepseek_v3), the attention block of its layers; calls
+ *             layer.c (rope, the attention itself, norms), tp.c
  *   moe.c     the mixture-of-experts block in place of a layer's MLP (moe.h); calls params.c
  *   grads.c   a step's gradients and device scalars: zeroed at its start, completed (tied and
  *             shared-kv sums), their squared norm, the loss summed over ranks, one read;
@@ -52,6 +54,20 @@ static inline int64_t stream_rows(const struct am_model *m, int64_t n)
 static inline struct am_tensor *base_grad(const struct am_model *m, const struct am_param *p)
 {
     return m->sh.lora_r > 0 ? NULL : (struct am_tensor *)&p->g;
+}
+
+/* The rotary scaling the kernels' rope_tables take, from the model's config. */
+static inline struct am_rope_scaling am_model_rope_scaling(const struct am_model_config *c)
+{
+    return (struct am_rope_scaling){c->rope_scaling.type,
+                                    c->rope_scaling.factor,
+                                    c->rope_scaling.low_freq_factor,
+                                    c->rope_scaling.high_freq_factor,
+                                    c->rope_scaling.original_max_position_embeddings,
+                                    c->rope_scaling.beta_fast,
+                                    c->rope_scaling.beta_slow,
+                                    c->rope_scaling.attention_factor,
+                                    c->rope_scaling.truncate};
 }
 
 /* ---- params.c: the registry, the slabs and the groups -------------------------------- */
@@ -120,5 +136,35 @@ void am_norm_forward(struct am_model *m, struct am_tensor *out, struct am_tensor
                      const struct am_param *norm);
 int am_norm_backward(struct am_model *m, struct am_tensor *dx, struct am_param *norm, struct am_tensor *dh,
                      const struct am_tensor *x, const struct am_tensor *rstd, char *err, size_t err_len);
+/* The norm's backward alone: dx += the gradient of its input x from dout's (its weight's gradient
+ * accumulates). */
+void am_norm_backward_local(struct am_model *m, struct am_tensor *dx, const struct am_param *norm,
+                            const struct am_tensor *dout, const struct am_tensor *x, const struct am_tensor *rstd);
+/* Rotary embedding of q4 and k4 [B, T, heads, D] with the layer's tables (backward: of their
+ * gradients). */
+void am_layer_rope(struct am_model *m, const struct am_layer *L, struct am_tensor *q4, struct am_tensor *k4,
+                   bool backward);
+/* The attention of q4, k4, v4 (rope applied) into att4 and lse [B, heads, T] as the layer and
+ * the model have it (cp ring, packed documents, window, scale, cap); its backward adds to dq4,
+ * dk4 and dv4. */
+int am_attend_forward(struct am_model *m, const struct am_layer *L, struct am_tensor *att4, struct am_tensor *lse,
+                      struct am_tensor *q4, struct am_tensor *k4, struct am_tensor *v4, char *err, size_t err_len);
+int am_attend_backward(struct am_model *m, const struct am_layer *L, struct am_tensor *dq4, struct am_tensor *dk4,
+                       struct am_tensor *dv4, struct am_tensor *datt4, struct am_tensor *att4, struct am_tensor *lse,
+                       struct am_tensor *q4, struct am_tensor *k4, struct am_tensor *v4, char *err, size_t err_len);
+
+/* ---- mla.c: multi-head latent attention ---------------------------------------------- */
+
+/* Elements of the model's scratch_mla (one micro-batch of max_tokens tokens). */
+int64_t am_mla_scratch_elems(const struct am_model *m);
+/* The attention block of a deepseek_v3 layer, from `in` (the normalised stream as the
+ * column-parallel projections take it, all N rows) to o [N, C] (o_proj's output, partial over
+ * tp), saving what backward needs in a. Its backward: from dy (o's gradient) into dh [N, C]
+ * (zeroed here; the input's gradient, partial over tp). */
+int am_mla_forward(struct am_model *m, const struct am_layer *L, struct am_layer_acts *a, const struct am_tensor *in,
+                   struct am_tensor *o, int64_t B, char *err, size_t err_len);
+int am_mla_backward(struct am_model *m, const struct am_layer *L, const struct am_layer_acts *a,
+                    const struct am_tensor *in, const struct am_tensor *dy, struct am_tensor *dh, int64_t B, char *err,
+                    size_t err_len);
 
 #endif

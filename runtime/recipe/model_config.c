@@ -4,6 +4,7 @@
 #include <errno.h>
 #include <jansson.h>
 #include <limits.h>
+#include <math.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -324,7 +325,7 @@ struct am_node *am_json_file_to_node(struct am_arena *a, const char *path, struc
 enum kind {
     K_LONG, K_DOUBLE, K_BOOL, K_STR, K_ACT, K_ROPE_SCALING, K_ROPE_PARAMETERS, K_CHECK_FALSE, K_CHECK_ZERO, K_MLP_ONLY,
     K_WINDOW, K_USE_WINDOW, K_MAX_WINDOW_LAYERS, K_LAYER_TYPES, K_QUANT, K_IGNORE, K_DOUBLE_NULL, K_HIDDEN_ACTIVATION,
-    K_BIDIRECTIONAL, K_WINDOW_PATTERN, K_ATTENTION_BIAS, K_MTP, K_MOE_OVERRIDES
+    K_BIDIRECTIONAL, K_WINDOW_PATTERN, K_ATTENTION_BIAS, K_MTP, K_MOE_OVERRIDES, K_DSV3_ONLY
 };
 
 /* The sliding-window keys as written, resolved per model type once all keys are read. */
@@ -341,6 +342,9 @@ struct window_keys {
     bool glm;                                        /* the model type, known before the keys: glm4_moe */
     bool attention_bias;                             /* glm4_moe: q, k and v with biases (o never) */
     bool use_qk_norm;                                /* glm4_moe: q/k norms */
+    bool dsv3;                                       /* the model type, known before the keys: deepseek_v3 */
+    long moe_layer_freq;                             /* deepseek_v3: as written (1 when absent) */
+    struct am_node *moe_layer_freq_node, *topk_method, *scoring_func;
 };
 
 struct hf_key {
@@ -396,6 +400,20 @@ static const struct hf_key hf_keys[] = {
     {"routed_scaling_factor", K_DOUBLE, F(routed_scaling_factor)},
     {"first_k_dense_replace", K_LONG, F(first_k_dense_replace)},
     {"num_nextn_predict_layers", K_MTP, 0},
+    /* deepseek_v3: multi-head latent attention, and DeepSeekMoE's keys that transformers does not read */
+    {"q_lora_rank", K_LONG, F(q_lora_rank)},
+    {"kv_lora_rank", K_LONG, F(kv_lora_rank)},
+    {"qk_nope_head_dim", K_LONG, F(qk_nope_head_dim)},
+    {"qk_rope_head_dim", K_LONG, F(qk_rope_head_dim)},
+    {"v_head_dim", K_LONG, F(v_head_dim)},
+    {"rope_interleave", K_BOOL, F(rope_interleave)},
+    {"moe_layer_freq", K_DSV3_ONLY, 0},
+    {"topk_method", K_DSV3_ONLY, 0},
+    {"scoring_func", K_DSV3_ONLY, 0},
+    {"ep_size", K_IGNORE, 0},      /* DeepSeek's own modelling code's expert-parallel size: a layout, not the model */
+    {"aux_loss_alpha", K_IGNORE, 0}, /* read by DeepSeek's code only in training with seq_aux; transformers and
+                                        AutoModel's deepseek_v3 compute no such loss */
+    {"seq_aux", K_IGNORE, 0},
     {"num_mtp_layers", K_MTP, 0},
     {"moe_overrides", K_MOE_OVERRIDES, 0}, /* AutoModel's MoEConfig fields for its own MoE models */
     {"moe_config", K_MOE_OVERRIDES, 0},
@@ -420,9 +438,9 @@ static const struct hf_key hf_keys[] = {
 };
 #undef F
 
-#define AM_SUPPORTED_TYPES "llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, gemma2, gemma3_text, glm4_moe"
+#define AM_SUPPORTED_TYPES "llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, gemma2, gemma3_text, glm4_moe, deepseek_v3"
 static const char *const supported_types[] = {"llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3_text",
-                                              "glm4_moe", NULL};
+                                              "glm4_moe", "deepseek_v3", NULL};
 
 bool am_model_type_supported(const char *t)
 {
@@ -466,11 +484,16 @@ static int read_rope_scaling(struct am_node *n, const char *section, struct am_m
         m->rope_scaling.type = NULL;
         return 0;
     }
-    if (strcmp(type, "llama3") != 0 && strcmp(type, "linear") != 0) {
+    bool yarn = strcmp(type, "yarn") == 0; /* DeepSeek-V3's and Kimi K2's (deepseek_v3 only: dsv3_checks) */
+    if (strcmp(type, "llama3") != 0 && strcmp(type, "linear") != 0 && !yarn) {
         am_errorf(err, &t->pos, "%s: '%s' is not supported by am (use llama3 or linear)", key, type);
         return -1;
     }
     m->rope_scaling.type = type;
+    m->rope_scaling.beta_fast = 32; /* yarn's defaults (transformers: `or 32`, `or 1`, truncate true) */
+    m->rope_scaling.beta_slow = 1;
+    m->rope_scaling.truncate = true;
+    m->rope_scaling.mscale = m->rope_scaling.mscale_all_dim = m->rope_scaling.attention_factor = 0;
     struct {
         const char *name;
         double *d;
@@ -480,12 +503,25 @@ static int read_rope_scaling(struct am_node *n, const char *section, struct am_m
         {"low_freq_factor", &m->rope_scaling.low_freq_factor, NULL},
         {"high_freq_factor", &m->rope_scaling.high_freq_factor, NULL},
         {"original_max_position_embeddings", NULL, &m->rope_scaling.original_max_position_embeddings},
+        {"beta_fast", &m->rope_scaling.beta_fast, NULL},
+        {"beta_slow", &m->rope_scaling.beta_slow, NULL},
+        {"mscale", &m->rope_scaling.mscale, NULL},
+        {"mscale_all_dim", &m->rope_scaling.mscale_all_dim, NULL},
+        {"attention_factor", &m->rope_scaling.attention_factor, NULL},
     };
     int rc = 0;
     for (size_t i = 0; i < sizeof(fields) / sizeof(fields[0]); i++) {
+        bool yarn_only = i >= 4;
+        if (yarn_only != yarn && yarn_only)
+            continue;
+        if (yarn && (i == 1 || i == 2)) /* llama3's */
+            continue;
         struct am_node *v = am_node_child(n, fields[i].name);
         snprintf(key, sizeof(key), "%s.rope_scaling.%s", section, fields[i].name);
-        bool needed = fields[i].d == &m->rope_scaling.factor || strcmp(type, "llama3") == 0;
+        if (v && am_node_is_null(v) && yarn_only) /* transformers: None, the default */
+            continue;
+        bool needed = fields[i].d == &m->rope_scaling.factor || strcmp(type, "llama3") == 0 ||
+                      (yarn && fields[i].l);
         if (!v) {
             if (needed) {
                 am_errorf(err, &n->pos, "%s: missing (required for rope_type %s)", key, type);
@@ -495,6 +531,21 @@ static int read_rope_scaling(struct am_node *n, const char *section, struct am_m
         }
         if (fields[i].d ? am_node_double(v, key, fields[i].d, err) : am_node_long(v, key, 1, LONG_MAX, fields[i].l, err))
             rc = -1;
+    }
+    struct am_node *tr = yarn ? am_node_child(n, "truncate") : NULL;
+    snprintf(key, sizeof(key), "%s.rope_scaling.truncate", section);
+    if (tr && !am_node_is_null(tr) && am_node_bool(tr, key, &m->rope_scaling.truncate, err) < 0)
+        rc = -1;
+    if (yarn && rc == 0) {
+        if (m->rope_scaling.beta_fast == 0) /* `or 32`, `or 1` */
+            m->rope_scaling.beta_fast = 32;
+        if (m->rope_scaling.beta_slow == 0)
+            m->rope_scaling.beta_slow = 1;
+        if (m->rope_scaling.attention_factor == 0) { /* as _compute_yarn_parameters infers it */
+            double f = m->rope_scaling.factor, ms = m->rope_scaling.mscale, md = m->rope_scaling.mscale_all_dim;
+            m->rope_scaling.attention_factor = ms != 0 && md != 0 ? am_yarn_mscale(f, ms) / am_yarn_mscale(f, md)
+                                                                  : am_yarn_mscale(f, 1.0);
+        }
     }
     return rc;
 }
@@ -564,6 +615,8 @@ static int read_quant(struct am_node *v, const char *key, struct am_model_config
     return 0;
 }
 
+double am_yarn_mscale(double scale, double mscale) { return scale <= 1 ? 1.0 : 0.1 * mscale * log(scale) + 1.0; }
+
 static int read_key(const struct hf_key *k, struct am_node *v, const char *section,
                     struct am_model_config *m, struct window_keys *w, struct am_errors *err)
 {
@@ -621,11 +674,16 @@ static int read_key(const struct hf_key *k, struct am_node *v, const char *secti
                 rc = -1;
             } else if (d != 0.0) {
                 am_errorf(err, &f->value->pos, "%s: %g is not supported by am: %s (set it to 0)", sub, d,
-                          bias ? "it does not update the experts' selection bias (e_score_correction_bias) in "
-                                 "training; AutoModel's glm4_moe does not either (its model has no "
-                                 "update_moe_gate_bias, which the train loop calls)"
-                               : "AutoModel's load-balancing loss is not computed by am (it computes transformers' own: "
-                                 "output_router_logits and router_aux_loss_coef; glm4_moe has none)");
+                          bias && w->dsv3 ? "it does not update the experts' selection bias (e_score_correction_bias) in "
+                                  "training, as transformers' DeepseekV3ForCausalLM does not (AutoModel's deepseek_v3 "
+                                  "adds gate_bias_update_factor x sign(mean load - load) after each step)"
+                : bias ? "it does not update the experts' selection bias (e_score_correction_bias) in "
+                         "training; AutoModel's glm4_moe does not either (its model has no "
+                         "update_moe_gate_bias, which the train loop calls)"
+                       : w->dsv3 ? "AutoModel's load-balancing loss is not computed by am (it computes transformers' own; "
+                                   "deepseek_v3 has none)"
+                                 : "AutoModel's load-balancing loss is not computed by am (it computes transformers' own: "
+                                   "output_router_logits and router_aux_loss_coef; glm4_moe has none)");
                 rc = -1;
             }
         }
@@ -755,6 +813,14 @@ static int read_key(const struct hf_key *k, struct am_node *v, const char *secti
         return 0;
     case K_QUANT:
         return read_quant(v, key, m, err);
+    case K_DSV3_ONLY: /* resolved with the model type (dsv3_checks) */
+        if (strcmp(k->name, "moe_layer_freq") == 0) {
+            w->moe_layer_freq_node = v;
+            return am_node_is_null(v) ? 0 : am_node_long(v, key, 1, 1L << 20, &w->moe_layer_freq, err);
+        }
+        if (!am_node_is_null(v))
+            *(strcmp(k->name, "topk_method") == 0 ? &w->topk_method : &w->scoring_func) = v;
+        return 0;
     case K_IGNORE:
         return 0;
     }
@@ -768,7 +834,7 @@ static void resolve_dense_layers(const struct window_keys *w, const struct am_po
                                  struct am_model_config *m, struct am_errors *err)
 {
     memset(m->dense_layers, 0, sizeof(m->dense_layers));
-    if (strcmp(m->model_type, "glm4_moe") == 0) { /* the first first_k_dense_replace layers are dense */
+    if (m->sigmoid_router) { /* glm4_moe, deepseek_v3: the first first_k_dense_replace layers are dense */
         m->decoder_sparse_step = 1;
         for (long l = 0; l < m->first_k_dense_replace && l < m->num_hidden_layers && l < AM_MAX_WINDOW_LAYERS; l++)
             m->dense_layers[l / 64] |= (uint64_t)1 << (l % 64);
@@ -931,9 +997,9 @@ static const char *const automodel_model_keys[] = {
 static bool unsupported_class(struct am_node *cfg, const char *section, const char **type, struct am_errors *err)
 {
     static const char *const known[] = {"Llama", "Mistral", "Mixtral", "Qwen2", "Qwen3", "Qwen3Moe", "Gemma2", "Gemma3Text",
-                                        "Glm4Moe", NULL};
+                                        "Glm4Moe", "DeepseekV3", NULL};
     static const char *const types[] = {"llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3_text",
-                                        "glm4_moe"};
+                                        "glm4_moe", "deepseek_v3"};
     struct am_node *arch = am_node_path(cfg, "architectures"), *target = am_node_path(cfg, "_target_"), *v = NULL;
     const char *cls = NULL, *key = NULL;
     char name[128];
@@ -980,18 +1046,11 @@ static bool unsupported_class(struct am_node *cfg, const char *section, const ch
     return true;
 }
 
-/* glm4_moe's own rules: what transformers computes, or what am does not (yet). */
-static void glm_checks(const struct am_model_config *m, const struct am_pos *where, const char *section,
-                       struct am_errors *err)
+/* DeepSeekMoE's router and shared experts (glm4_moe, deepseek_v3): what transformers computes,
+ * or what am does not (yet). */
+static void router_checks(const struct am_model_config *m, const struct am_pos *where, const char *section,
+                          struct am_errors *err)
 {
-    long rd = (long)((double)m->head_dim * m->partial_rotary_factor);
-    if (!(m->partial_rotary_factor > 0 && m->partial_rotary_factor <= 1) || rd < 2 || rd % 2)
-        am_errorf(err, where, "%s.partial_rotary_factor: %g gives a rotary part of %ld of head_dim %ld; it must be "
-                  "even and at least 2 (a factor in (0, 1])", section, m->partial_rotary_factor, rd, m->head_dim);
-    if (m->rope_scaling.type && m->partial_rotary_factor < 1)
-        am_errorf(err, where, "%s.rope_scaling: %s with partial_rotary_factor %g is not supported by am (its partial "
-                  "rotary tables are checked against transformers without scaling only): use rope_scaling null",
-                  section, m->rope_scaling.type, m->partial_rotary_factor);
     long E = m->num_experts;
     if (m->n_group < 1 || E % m->n_group || E / m->n_group < 2)
         am_errorf(err, where, "%s.n_group: %ld must divide n_routed_experts (%ld) into groups of at least 2 experts "
@@ -1011,6 +1070,60 @@ static void glm_checks(const struct am_model_config *m, const struct am_pos *whe
         am_errorf(err, where, "%s.first_k_dense_replace: %ld must be 0 or more", section, m->first_k_dense_replace);
     if (m->routed_scaling_factor <= 0)
         am_errorf(err, where, "%s.routed_scaling_factor: %g must be > 0", section, m->routed_scaling_factor);
+}
+
+/* glm4_moe's own rules: its partial rotary, then the router's. */
+static void glm_checks(const struct am_model_config *m, const struct am_pos *where, const char *section,
+                       struct am_errors *err)
+{
+    long rd = (long)((double)m->head_dim * m->partial_rotary_factor);
+    if (!(m->partial_rotary_factor > 0 && m->partial_rotary_factor <= 1) || rd < 2 || rd % 2)
+        am_errorf(err, where, "%s.partial_rotary_factor: %g gives a rotary part of %ld of head_dim %ld; it must be "
+                  "even and at least 2 (a factor in (0, 1])", section, m->partial_rotary_factor, rd, m->head_dim);
+    if (m->rope_scaling.type && m->partial_rotary_factor < 1)
+        am_errorf(err, where, "%s.rope_scaling: %s with partial_rotary_factor %g is not supported by am (its partial "
+                  "rotary tables are checked against transformers without scaling only): use rope_scaling null",
+                  section, m->rope_scaling.type, m->partial_rotary_factor);
+    router_checks(m, where, section, err);
+}
+
+/* deepseek_v3's own rules (multi-head latent attention, DeepSeekMoE's keys transformers does not
+ * read), then the router's; sets the attention's head width and rotary part (model_config.h). */
+static void dsv3_checks(struct am_model_config *m, const struct window_keys *w, const struct am_pos *where,
+                        const char *section, struct am_errors *err)
+{
+    if (m->kv_lora_rank < 1 || m->qk_rope_head_dim < 2 || m->qk_rope_head_dim % 2 || m->qk_nope_head_dim < 0 ||
+        m->v_head_dim < 1)
+        am_errorf(err, where, "%s: kv_lora_rank %ld, qk_rope_head_dim %ld, qk_nope_head_dim %ld, v_head_dim %ld: "
+                  "multi-head latent attention needs kv_lora_rank and v_head_dim >= 1 and an even qk_rope_head_dim >= 2",
+                  section, m->kv_lora_rank, m->qk_rope_head_dim, m->qk_nope_head_dim, m->v_head_dim);
+    if (m->num_key_value_heads != m->num_attention_heads)
+        am_errorf(err, where, "%s.num_key_value_heads: %ld, but deepseek_v3's kv_b_proj gives every one of the %ld "
+                  "attention heads its own key and value (transformers would repeat them into more heads than it "
+                  "has queries): set it to num_attention_heads", section, m->num_key_value_heads,
+                  m->num_attention_heads);
+    if (m->rope_scaling.type && strcmp(m->rope_scaling.type, "yarn") != 0)
+        am_errorf(err, where, "%s.rope_scaling: %s with deepseek_v3 is not supported by am (its rope tables under "
+                  "that scaling are not checked against transformers' DeepseekV3Attention): use yarn, or rope_scaling "
+                  "null", section, m->rope_scaling.type);
+    if (w->moe_layer_freq != 1)
+        am_errorf(err, w->moe_layer_freq_node ? &w->moe_layer_freq_node->pos : where,
+                  "%s.moe_layer_freq: %ld is not supported by am: transformers' DeepseekV3 ignores it (every layer from "
+                  "first_k_dense_replace on has experts) while DeepSeek's own code puts experts on every %ld-th layer "
+                  "only; set it to 1", section, w->moe_layer_freq, w->moe_layer_freq);
+    static const char *const fixed[][3] = {{"topk_method", "noaux_tc", "the grouped top-k on sigmoid scores plus "
+                                                                       "e_score_correction_bias"},
+                                           {"scoring_func", "sigmoid", "sigmoid scores"}};
+    const struct am_node *given[] = {w->topk_method, w->scoring_func};
+    for (int i = 0; i < 2; i++)
+        if (given[i] && (given[i]->kind != AM_NODE_SCALAR || strcmp(given[i]->str, fixed[i][1]) != 0))
+            am_errorf(err, &given[i]->pos, "%s.%s: '%.40s' is not supported by am: transformers' DeepseekV3 computes "
+                      "%s (%s) whatever it says; set it to %s", section, fixed[i][0],
+                      given[i]->kind == AM_NODE_SCALAR ? given[i]->str : "?", fixed[i][1], fixed[i][2], fixed[i][1]);
+    router_checks(m, where, section, err);
+    long qk = m->qk_nope_head_dim + m->qk_rope_head_dim;
+    m->head_dim = qk > m->v_head_dim ? qk : m->v_head_dim;
+    m->rotary_dim = m->qk_rope_head_dim;
 }
 
 int am_model_config_read(struct am_arena *a, struct am_node *cfg, const char *section,
@@ -1044,6 +1157,27 @@ int am_model_config_read(struct am_arena *a, struct am_node *cfg, const char *se
     const char *pre_type = type && type->value->kind == AM_NODE_SCALAR ? type->value->str : class_type;
     wk.qwen2 = pre_type && strcmp(pre_type, "qwen2") == 0;
     wk.glm = pre_type && strcmp(pre_type, "glm4_moe") == 0;
+    wk.dsv3 = pre_type && strcmp(pre_type, "deepseek_v3") == 0;
+    wk.moe_layer_freq = 1;
+    if (wk.dsv3) { /* DeepseekV3Config's defaults, where they differ from Llama's */
+        m->max_position_embeddings = 4096;
+        m->intermediate_size = 18432;
+        m->n_shared_experts = 1;
+        m->num_experts = 256;
+        m->num_experts_per_tok = 8;
+        m->moe_intermediate_size = 2048;
+        m->n_group = 8;
+        m->topk_group = 4;
+        m->first_k_dense_replace = 3;
+        m->norm_topk_prob = true;
+        m->routed_scaling_factor = 2.5;
+        m->q_lora_rank = 1536;
+        m->kv_lora_rank = 512;
+        m->qk_rope_head_dim = 64;
+        m->qk_nope_head_dim = 128;
+        m->v_head_dim = 128;
+        m->rope_interleave = true;
+    }
     if (wk.glm) { /* Glm4MoeConfig's defaults, where they differ from Llama's */
         m->partial_rotary_factor = 0.5;
         m->rms_norm_eps = 1e-5;
@@ -1126,7 +1260,7 @@ int am_model_config_read(struct am_arena *a, struct am_node *cfg, const char *se
         return -1;
     if (!m->num_key_value_heads)
         m->num_key_value_heads = m->num_attention_heads;
-    if (!m->head_dim) {
+    if (!m->head_dim && !wk.dsv3) { /* deepseek_v3: its head widths are its own (dsv3_checks) */
         if (m->hidden_size % m->num_attention_heads) {
             am_errorf(err, &where, "%s.num_attention_heads: %ld does not divide hidden_size %ld (set head_dim, "
                       "or use a divisor of %ld)", section, m->num_attention_heads, m->hidden_size, m->hidden_size);
@@ -1150,22 +1284,38 @@ int am_model_config_read(struct am_arena *a, struct am_node *cfg, const char *se
                   "Gemma's (model_type gemma2 or gemma3_text); a %s model has none: remove them", section,
                   m->model_type);
     m->qkv_bias = strcmp(m->model_type, "qwen2") == 0;
-    bool glm = strcmp(m->model_type, "glm4_moe") == 0;
+    bool glm = strcmp(m->model_type, "glm4_moe") == 0, dsv3 = strcmp(m->model_type, "deepseek_v3") == 0;
+    m->rotary_dim = m->head_dim;
     if (glm) {
         m->qkv_bias = wk.attention_bias;
         m->qk_norm = wk.use_qk_norm;
         m->sigmoid_router = true;
         m->output_router_logits = false; /* Glm4MoeForCausalLM adds no load-balancing loss */
         glm_checks(m, &where, section, err);
+        m->rotary_dim = (long)((double)m->head_dim * m->partial_rotary_factor);
+    } else if (dsv3) {
+        m->mla = true;
+        m->partial_rotary_factor = 1.0;
+        m->sigmoid_router = true;
+        m->output_router_logits = false; /* DeepseekV3ForCausalLM adds no load-balancing loss */
+        dsv3_checks(m, &wk, &where, section, err);
     } else {
         m->partial_rotary_factor = 1.0; /* read by glm4_moe only */
         m->n_shared_experts = 0;
     }
-    m->rotary_dim = glm ? (long)((double)m->head_dim * m->partial_rotary_factor) : m->head_dim;
-    bool moe = strcmp(m->model_type, "mixtral") == 0 || strcmp(m->model_type, "qwen3_moe") == 0 || glm;
+    if (!dsv3 && m->rope_scaling.type && strcmp(m->rope_scaling.type, "yarn") == 0)
+        am_errorf(err, &where, "%s.rope_scaling: yarn with %s is not supported by am (its tables are checked against "
+                  "transformers for deepseek_v3 only): use llama3 or linear, or null", section, m->model_type);
+    if (!dsv3) {
+        m->q_lora_rank = m->kv_lora_rank = m->qk_nope_head_dim = m->qk_rope_head_dim = m->v_head_dim = 0;
+        m->rope_interleave = false;
+    }
+    bool moe = strcmp(m->model_type, "mixtral") == 0 || strcmp(m->model_type, "qwen3_moe") == 0 || glm || dsv3;
     if (moe && m->num_experts <= 0)
         am_errorf(err, &where, "%s.%s: missing (a %s model has experts)", section,
-                  strcmp(m->model_type, "mixtral") == 0 ? "num_local_experts" : glm ? "n_routed_experts" : "num_experts",
+                  strcmp(m->model_type, "mixtral") == 0 ? "num_local_experts"
+                  : glm || dsv3                          ? "n_routed_experts"
+                                                         : "num_experts",
                   m->model_type);
     if (!moe)
         m->num_experts = 0;
@@ -1203,6 +1353,15 @@ void am_model_params(const struct am_model_config *m, struct am_param_count *p)
     p->lm_head = m->tie_word_embeddings ? 0 : p->embedding;
     p->attn_per_layer =
         h * q + 2 * h * kv + q * h + (m->qk_norm ? 2 * hd : 0) + (m->qkv_bias ? q + 2 * kv : 0); /* qwen2's biases */
+    double attn_matmul = h * q + 2 * h * kv + q * h; /* the attention's weights a token multiplies by */
+    if (m->mla) { /* multi-head latent attention: its projections and its two norms (model_config.h) */
+        double nh = (double)m->num_attention_heads, qr = (double)m->q_lora_rank, kvr = (double)m->kv_lora_rank;
+        double qk = (double)(m->qk_nope_head_dim + m->qk_rope_head_dim), vd = (double)m->v_head_dim;
+        double qw = qr > 0 ? h * qr + qr * nh * qk : h * nh * qk;
+        attn_matmul = qw + h * (kvr + (double)m->qk_rope_head_dim) + kvr * nh * ((double)m->qk_nope_head_dim + vd) +
+                      nh * vd * h;
+        p->attn_per_layer = attn_matmul + qr + kvr;
+    }
     p->norms_per_layer = (m->gemma ? 4 : 2) * h; /* Gemma: post-attention, pre- and post-MLP norms */
     if (m->num_experts > 0) {
         p->router_per_layer = h * (double)m->num_experts;
@@ -1231,7 +1390,7 @@ void am_model_params(const struct am_model_config *m, struct am_param_count *p)
                                   (n_moe / L) * (double)m->num_experts_per_tok * 3 * h * (double)m->moe_intermediate_size +
                                   dense_active
                             : p->mlp_per_layer;
-    p->active_per_token = L * (h * q + 2 * h * kv + q * h + mlp_active) + (double)m->vocab_size * h;
+    p->active_per_token = L * (attn_matmul + mlp_active) + (double)m->vocab_size * h;
 }
 
 double am_model_layer_rope_theta(const struct am_model_config *m, long l, bool *scaled)

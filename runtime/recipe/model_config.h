@@ -25,7 +25,8 @@
 #define AM_MAX_WINDOW_LAYERS 1024
 
 struct am_model_config {
-    const char *model_type; /* llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, gemma2, gemma3_text, glm4_moe */
+    const char *model_type; /* llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, gemma2, gemma3_text, glm4_moe,
+                               deepseek_v3 */
     long hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim;
     long intermediate_size, vocab_size, max_position_embeddings;
     double rope_theta, rms_norm_eps, initializer_range;
@@ -51,9 +52,13 @@ struct am_model_config {
     long decoder_sparse_step;
     uint64_t dense_layers[AM_MAX_WINDOW_LAYERS / 64];
     struct {
-        const char *type; /* NULL: no scaling; "llama3", "linear" */
+        const char *type; /* NULL: no scaling; "llama3", "linear", "yarn" (deepseek_v3 only) */
         double factor, low_freq_factor, high_freq_factor;
         long original_max_position_embeddings;
+        /* yarn: beta_fast (32), beta_slow (1), mscale and mscale_all_dim (0: not given), the
+         * attention factor on cos and sin (given, or resolved as transformers does), truncate */
+        double beta_fast, beta_slow, mscale, mscale_all_dim, attention_factor;
+        bool truncate;
     } rope_scaling;
     const char *torch_dtype; /* as written in config.json, or NULL */
     /* Gemma 2 and Gemma 3 (gemma2, gemma3_text), as transformers' Gemma2ForCausalLM and
@@ -92,6 +97,19 @@ struct am_model_config {
      * weight_block_size, the rows and columns of one scale. false: not quantised. */
     bool fp8;
     long fp8_block[2];
+    /* Multi-head latent attention (deepseek_v3: DeepSeek-V3, Moonlight, Kimi K2), as transformers'
+     * DeepseekV3Attention computes it: q = q_b_proj(q_a_layernorm(q_a_proj(h))), or q_proj(h) when
+     * q_lora_rank is null (0 here), per head [q_nope (qk_nope_head_dim), q_pe (qk_rope_head_dim)];
+     * kv_a_proj_with_mqa(h) = [c (kv_lora_rank), k_pe (qk_rope_head_dim, one rope key shared by
+     * every head)]; kv_b_proj(kv_a_layernorm(c)) per head [k_nope, v (v_head_dim)]; q = [q_nope,
+     * rope(q_pe)], k = [k_nope, rope(k_pe)]; the softmax scale (qk_nope + qk_rope)^-0.5. With
+     * rope_interleave the rope part is taken in the order (x0, x2, ..., x1, x3, ...) before
+     * rotate-half. head_dim is then the width of a head in the attention kernels,
+     * max(qk_nope + qk_rope, v_head_dim) (the narrower of q/k and v padded with zeros), and
+     * rotary_dim qk_rope_head_dim. num_key_value_heads equals num_attention_heads. */
+    bool mla;
+    long q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim;
+    bool rope_interleave;
 };
 
 /* Finds the config.json for a name or path (steps 1-3 above). Returns 0 and the path in
@@ -157,6 +175,9 @@ static inline long am_model_rotary_dim(const struct am_model_config *m)
 {
     return m->rotary_dim > 0 ? m->rotary_dim : m->head_dim;
 }
+
+/* yarn's get_mscale (transformers' yarn_get_mscale): 1 for scale <= 1, else 0.1 mscale ln(scale) + 1. */
+double am_yarn_mscale(double scale, double mscale);
 
 /* True when the model name is one am can train. */
 bool am_model_type_supported(const char *model_type);

@@ -166,8 +166,12 @@ static double act_elems_per_token(const struct am_recipe *r, const struct am_pla
     double lora = 0;
     for (int t = 0; r->peft.enabled && t < AM_LORA_HEAD; t++)
         lora += (r->peft.targets >> t & 1u) ? (double)r->peft.dim : 0;
+    /* multi-head latent attention (runtime/model/mla.c): q_a_proj's output before and after its
+     * norm, the compressed kv before and after its norm, and the norms' inverse rms (fp32) */
+    double mla = !m->mla ? 0 : (m->q_lora_rank > 0 ? 2 * (double)m->q_lora_rank + f32 : 0) +
+                                   2 * (double)m->kv_lora_rank + f32;
     /* the attention's log-sum-exp per head (fp32) */
-    return replicated + 2 * q / tp + 2 * kv_rank + heads * f32 + qk_norm + mlp + lora;
+    return replicated + 2 * q / tp + 2 * kv_rank + heads * f32 + qk_norm + mlp + lora + mla;
 }
 
 /* Micro-batches whose activations pp rank k holds at its peak, in units of its layers: as the
@@ -251,6 +255,14 @@ static double scratch_bytes(const struct am_recipe *r, const struct am_plan *p, 
         b += carved(N * KV, cs);
     if (m->gemma) /* a post norm's output and its input's gradient */
         b += carved(R * C, cs);
+    if (m->mla) { /* multi-head latent attention's work buffer (mla.c, am_mla_scratch_elems): q, kv_a's
+                   * and kv_b's outputs, the heads' outputs and their gradient, the gradients of the
+                   * compressed kv and of q_a's output before and after their norms */
+        double Hl = (double)(m->num_attention_heads / p->tp), dn = (double)m->qk_nope_head_dim;
+        double dr = (double)m->qk_rope_head_dim, dv = (double)m->v_head_dim, kvr = (double)m->kv_lora_rank;
+        b += carved(N * (Hl * (dn + dr) + kvr + dr + Hl * (dn + dv) + 2 * Hl * dv + 2 * kvr +
+                         2 * (double)m->q_lora_rank), cs);
+    }
     if (m->rope_local_base_freq > 0) /* Gemma 3: the sliding layers' rotary tables */
         b += 2 * carved(T * (D / 2), 4);
     if (sp)
@@ -420,6 +432,14 @@ static int memory_of_rank(const struct am_recipe *r, const struct am_plan *p, in
     double kv_rank = (m->num_key_value_heads >= p->tp ? (double)m->num_key_value_heads / tp : 1.0) * hd;
     double attn = 2 * h * q / tp + 2 * h * kv_rank + (m->qk_norm ? 2 * hd : 0) +
                   (m->qkv_bias ? q / tp + 2 * kv_rank : 0); /* qwen2's q, k, v biases: split as their rows */
+    if (m->mla) { /* multi-head latent attention: q_b_proj (q_proj), kv_b_proj and o_proj split by heads,
+                   * q_a_proj, kv_a_proj_with_mqa and their norms whole (runtime/model/model.h) */
+        double nh = (double)m->num_attention_heads, qr = (double)m->q_lora_rank, kvr = (double)m->kv_lora_rank;
+        double qk = (double)(m->qk_nope_head_dim + m->qk_rope_head_dim), vd = (double)m->v_head_dim;
+        attn = (qr > 0 ? h * qr + qr + qr * nh * qk / tp : h * nh * qk / tp) +
+               h * (kvr + (double)m->qk_rope_head_dim) + kvr + kvr * nh * ((double)m->qk_nope_head_dim + vd) / tp +
+               nh * vd * h / tp;
+    }
     /* a layer's parameters but the experts (dense), and its experts: a MoE model's dense
      * layers (qwen3_moe's mlp_only_layers) have the MLP instead of the router and experts,
      * counted per layer of the rank (their share differs between stages) */
@@ -649,6 +669,9 @@ int am_plan_build(const struct am_recipe *r, const struct am_world *w, struct am
     }
     const struct am_model_config *m = &r->model;
     double attn_width = (double)m->num_attention_heads * (double)m->head_dim;
+    if (m->mla) /* multi-head latent attention: scores over qk_nope + qk_rope, outputs over v_head_dim */
+        attn_width = (double)m->num_attention_heads *
+                     ((double)(m->qk_nope_head_dim + m->qk_rope_head_dim) + (double)m->v_head_dim) / 2;
     p->tokens_per_step = (double)p->global_batch * (double)p->seq_length;
     /* PaLM (Chowdhery et al. 2022, appendix B): 6N + 12*L*H*Q*T per token */
     /* LoRA: the frozen base computes no weight gradients (4N: forward and the input

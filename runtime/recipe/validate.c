@@ -374,6 +374,28 @@ static void glm_shared_tp(struct check *c)
              r->model.model_type, width);
 }
 
+/* AutoModel's own deepseek_v3 (NeMoAutoModelForCausalLM without force_hf) updates the selection
+ * bias after every step (gate_bias_update_factor 1e-3 by default), which am does not: such a
+ * recipe would train another model unless it sets the factor to 0 (model_config.c refuses any
+ * other value) or asks for transformers' class. */
+static void dsv3_bias_update(struct check *c)
+{
+    const struct am_recipe *r = c->r;
+    if (!r->model.mla)
+        return;
+    const struct am_node *target = am_node_path(r->root, "model._target_");
+    const struct am_node *force = am_node_path(r->root, "model.force_hf");
+    if (!target || target->kind != AM_NODE_SCALAR || !strstr(target->str, "NeMoAutoModel") ||
+        (force && force->kind == AM_NODE_SCALAR && strcmp(force->str, "true") == 0) ||
+        am_node_path(r->root, "model.moe_overrides.gate_bias_update_factor") ||
+        am_node_path(r->root, "model.moe_config.gate_bias_update_factor"))
+        return;
+    FAIL(c, "model._target_", "AutoModel's own deepseek_v3 updates the experts' selection bias "
+         "(e_score_correction_bias) after every step by gate_bias_update_factor (default 1e-3) x sign(mean load - "
+         "load), which am-train does not do yet: set model.moe_overrides.gate_bias_update_factor: 0 (or force_hf: "
+         "true) to train without the update, as transformers' DeepseekV3ForCausalLM does");
+}
+
 static void dataset(struct check *c)
 {
     const struct am_recipe *r = c->r;
@@ -392,7 +414,7 @@ static const struct {
 } run_rules[] = {
     {"fp16", fp16},           {"moe-sp", moe_sp},       {"lora-head-dropout", lora_head_dropout},
     {"lora-kv-tp", lora_kv_tp}, {"lora-moe-rank", lora_moe_rank}, {"glm-lora", glm_lora},
-    {"glm-shared-tp", glm_shared_tp}, {"dataset", dataset},
+    {"glm-shared-tp", glm_shared_tp}, {"dsv3-bias-update", dsv3_bias_update}, {"dataset", dataset},
 };
 
 int am_validate_run(const struct am_recipe *r, const struct am_world *w, struct am_errors *err)

@@ -215,6 +215,18 @@ static void case_elementwise(enum am_dtype dt)
     KC->scale(&cpu, &c.c, 0.37f);
     KG->scale(&gpu, &c.g, 0.37f);
     check("scale", &c, bf);
+    /* copy_cols (multi-head latent attention's heads): de-interleaved, then interleaved back and
+     * added, then plain: the same bits */
+    struct pair cs = rnd(dt, 200, 48, 0, 0), cd = rnd(dt, 200, 40, 0, 0);
+    KC->copy_cols(&cpu, &cd.c, 4, &cs.c, 10, 16, 1, false);
+    KG->copy_cols(&gpu, &cd.g, 4, &cs.g, 10, 16, 1, false);
+    KC->copy_cols(&cpu, &cs.c, 30, &cd.c, 4, 16, -1, true);
+    KG->copy_cols(&gpu, &cs.g, 30, &cd.g, 4, 16, -1, true);
+    KC->copy_cols(&cpu, &cd.c, 21, &cs.c, 0, 19, 0, false);
+    KG->copy_cols(&gpu, &cd.g, 21, &cs.g, 0, 19, 0, false);
+    record("copy_cols", dname(dt), rel_err(&cs) + rel_err(&cd), 0);
+    pair_free(&cs);
+    pair_free(&cd);
     /* dropout's mask: the same counters, the same product: bit for bit (rows of 40 sequences
      * of 25 rows at shuffled positions of 50, columns 37 from 11 of 100) */
     struct pair pos = pair_new(AM_I32, 25, 0, 0, 0);
@@ -364,7 +376,8 @@ static void case_rope(enum am_dtype dt, enum am_dtype tdt)
     bool bf = dt == AM_BF16;
     int64_t B = 2, T = 48, H = 3, D = 64;
     struct pair tc = pair_new(AM_F32, T, D / 2, 0, 0), ts = pair_new(AM_F32, T, D / 2, 0, 0);
-    struct am_rope_scaling sc = {"llama3", 8.0, 1.0, 4.0, 32};
+    struct am_rope_scaling sc = {.type = "llama3", .factor = 8.0, .low_freq_factor = 1.0, .high_freq_factor = 4.0,
+                                 .original_max_position_embeddings = 32};
     KC->rope_tables(&cpu, &tc.c, &ts.c, 500000.0, &sc);
     KG->rope_tables(&gpu, &tc.g, &ts.g, 500000.0, &sc);
     if (dt == AM_F32) {

@@ -251,6 +251,50 @@ static void test_bf16_elementwise(void **state)
     }
 }
 
+/* copy_cols: a block of columns, plain, de-interleaved (perm 1) and back (perm -1), written and
+ * accumulated, in fp32 and bf16; the other columns untouched. */
+static void test_copy_cols(void **state)
+{
+    (void)state;
+    enum { M = 3, NS = 10, ND = 9 };
+    float src[M * NS], dst[M * ND], back[M * NS];
+    for (int i = 0; i < M * NS; i++)
+        src[i] = (float)(i + 1);
+    for (int i = 0; i < M * ND; i++)
+        dst[i] = -1.0f;
+    struct am_tensor ts = am_tensor_view(src, AM_DEV_CPU, AM_F32, M, NS, 0, 0);
+    struct am_tensor td = am_tensor_view(dst, AM_DEV_CPU, AM_F32, M, ND, 0, 0);
+    K->copy_cols(&kdev, &td, 1, &ts, 2, 6, 1, false); /* dst[1 + j] = src[2 + p(j)], p = 0 2 4 1 3 5 */
+    const int p[6] = {0, 2, 4, 1, 3, 5};
+    for (int i = 0; i < M; i++) {
+        assert_true(dst[i * ND] == -1.0f && dst[i * ND + 7] == -1.0f && dst[i * ND + 8] == -1.0f);
+        for (int j = 0; j < 6; j++)
+            assert_true(dst[i * ND + 1 + j] == src[i * NS + 2 + p[j]]);
+    }
+    for (int i = 0; i < M * NS; i++)
+        back[i] = 0.5f;
+    struct am_tensor tb = am_tensor_view(back, AM_DEV_CPU, AM_F32, M, NS, 0, 0);
+    K->copy_cols(&kdev, &tb, 2, &td, 1, 6, -1, true); /* the inverse, added: back = 0.5 + src there */
+    for (int i = 0; i < M; i++)
+        for (int j = 0; j < NS; j++)
+            assert_true(back[i * NS + j] == (j >= 2 && j < 8 ? 0.5f + src[i * NS + j] : 0.5f));
+    K->copy_cols(&kdev, &td, 0, &ts, 7, 3, 0, false); /* plain */
+    for (int i = 0; i < M; i++)
+        for (int j = 0; j < 3; j++)
+            assert_true(dst[i * ND + j] == src[i * NS + 7 + j]);
+    uint16_t bs[M * NS], bd[M * ND];
+    for (int i = 0; i < M * NS; i++)
+        bs[i] = am_f32_to_bf16(src[i]);
+    for (int i = 0; i < M * ND; i++)
+        bd[i] = am_f32_to_bf16(0.25f);
+    struct am_tensor bts = am_tensor_view(bs, AM_DEV_CPU, AM_BF16, M, NS, 0, 0);
+    struct am_tensor btd = am_tensor_view(bd, AM_DEV_CPU, AM_BF16, M, ND, 0, 0);
+    K->copy_cols(&kdev, &btd, 3, &bts, 0, 4, 1, true); /* bf16, added in fp32 and rounded once */
+    for (int i = 0; i < M; i++)
+        for (int j = 0; j < 4; j++)
+            assert_true(bd[i * ND + 3 + j] == am_f32_to_bf16(0.25f + src[i * NS + (j < 2 ? 2 * j : 2 * (j - 2) + 1)]));
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -259,6 +303,7 @@ int main(void)
         cmocka_unit_test(test_elementwise),
         cmocka_unit_test(test_scalars_and_convert),
         cmocka_unit_test(test_bf16_elementwise),
+        cmocka_unit_test(test_copy_cols),
     };
     return cmocka_run_group_tests_name("kernels (cpu): element-wise", tests, kernels_test_setup, NULL);
 }

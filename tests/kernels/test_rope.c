@@ -53,8 +53,9 @@ static float torch_inv_freq(double theta, int64_t i, int64_t D, const struct am_
 static void test_rope_tables(void **state)
 {
     (void)state;
-    struct am_rope_scaling llama31 = {"llama3", 8.0, 1.0, 4.0, 8192}; /* Llama 3.1's published settings */
-    struct am_rope_scaling linear4 = {"linear", 4.0, 0, 0, 0};
+    struct am_rope_scaling llama31 = {.type = "llama3", .factor = 8.0, .low_freq_factor = 1.0, .high_freq_factor = 4.0,
+                                      .original_max_position_embeddings = 8192}; /* Llama 3.1's published settings */
+    struct am_rope_scaling linear4 = {.type = "linear", .factor = 4.0};
     struct {
         double theta;
         int64_t D;
@@ -111,7 +112,7 @@ static void test_rope_tables(void **state)
     struct am_tensor tc = tview(&co, 2, 64, 0, 0), ts = tview(&si, 2, 64, 0, 0);
     struct am_tensor tc8 = tview(&co8, 2, 64, 0, 0), ts8 = tview(&si8, 2, 64, 0, 0);
     K->rope_tables(&kdev, &tc, &ts, 500000, NULL);
-    struct am_rope_scaling deflt = {"default", 0, 0, 0, 0}; /* rope_type "default": no scaling */
+    struct am_rope_scaling deflt = {.type = "default"}; /* rope_type "default": no scaling */
     K->rope_tables(&kdev, &tc8, &ts8, 500000, &deflt);
     expect_bitwise("rope: rope_type default == no scaling", si8.f, si.f, 2 * 64);
     K->rope_tables(&kdev, &tc8, &ts8, 500000, &llama31);

@@ -369,22 +369,22 @@ static void test_model_rules(void **state)
     (void)state;
     expect("model:\n  model_type: gpt2\n  hidden_size: 64\n", NULL,
            MSGS("r.yaml:2:15: model.model_type: 'gpt2' is not supported (supported: llama, mistral, mixtral, qwen2, "
-                "qwen3, qwen3_moe, gemma2, gemma3_text, glm4_moe)"));
+                "qwen3, qwen3_moe, gemma2, gemma3_text, glm4_moe, deepseek_v3)"));
     /* the architecture first and alone, not the keys of a config am does not build */
     expect("model:\n  model_type: phi3\n  hidden_act: gelu\n  attention_bias: true\n  rope_scaling:\n"
            "    rope_type: yarn\n    factor: 4\n", NULL,
            MSGS("r.yaml:2:15: model.model_type: 'phi3' is not supported (supported: llama, mistral, mixtral, qwen2, "
-                "qwen3, qwen3_moe, gemma2, gemma3_text, glm4_moe)"));
-    expect("model:\n  architectures: [DeepseekV3ForCausalLM]\n  first_k_dense_replace: 1\n", NULL,
-           MSGS("r.yaml:2:19: model.architectures: 'DeepseekV3ForCausalLM' is not an architecture am builds (supported: "
-                "llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, gemma2, gemma3_text, glm4_moe)"));
+                "qwen3, qwen3_moe, gemma2, gemma3_text, glm4_moe, deepseek_v3)"));
+    expect("model:\n  architectures: [GptOssForCausalLM]\n  first_k_dense_replace: 1\n", NULL,
+           MSGS("r.yaml:2:19: model.architectures: 'GptOssForCausalLM' is not an architecture am builds (supported: "
+                "llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, gemma2, gemma3_text, glm4_moe, deepseek_v3)"));
     expect("model:\n  config:\n    _target_: nemo_automodel.components.models.deepseek_v4.config.DeepseekV4Config\n"
            "    num_nextn_predict_layers: 0\n", NULL,
            MSGS("r.yaml:3:15: model.config._target_: 'DeepseekV4Config' is not an architecture am builds (supported: "
-                "llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, gemma2, gemma3_text, glm4_moe)"));
-    expect("model:\n  config:\n    _target_: pkg.models.deepseek_v3.DeepseekV3Config.from_pretrained\n", NULL,
-           MSGS("r.yaml:3:15: model.config._target_: 'DeepseekV3Config' is not an architecture am builds (supported: "
-                "llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, gemma2, gemma3_text, glm4_moe)"));
+                "llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, gemma2, gemma3_text, glm4_moe, deepseek_v3)"));
+    expect("model:\n  config:\n    _target_: pkg.models.gpt_oss.GptOssConfig.from_pretrained\n", NULL,
+           MSGS("r.yaml:3:15: model.config._target_: 'GptOssConfig' is not an architecture am builds (supported: "
+                "llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, gemma2, gemma3_text, glm4_moe, deepseek_v3)"));
     expect("model:\n  config:\n    _target_: transformers.Qwen3MoeConfig\n    hidden_size: 64\n"
            "    num_hidden_layers: 2\n    num_attention_heads: 2\n    intermediate_size: 128\n    vocab_size: 64\n",
            NULL, MSGS("r.yaml: model.config.num_experts: missing (a qwen3_moe model has experts)"));
@@ -417,6 +417,33 @@ static void test_model_rules(void **state)
                 "r.yaml:6:5: model.moe_overrides.score_func: not read by am (it trains the MoE transformers' class "
                 "computes; of AutoModel's MoEConfig it takes gate_bias_update_factor and aux_loss_coeff at 0 only): "
                 "remove it"));
+    /* deepseek_v3: AutoModel's selection-bias update, and what transformers' DeepseekV3 does not read */
+    expect("model:\n  model_type: deepseek_v3\n  rope_scaling:\n    rope_type: yarn\n    factor: 40\n", NULL,
+           MSGS("r.yaml:4:5: model.rope_scaling.original_max_position_embeddings: missing (required for rope_type yarn)"));
+    expect("model:\n  hidden_size: 64\n  num_hidden_layers: 2\n  num_attention_heads: 2\n  intermediate_size: 128\n"
+           "  vocab_size: 64\n  rope_scaling:\n    rope_type: yarn\n    factor: 4\n"
+           "    original_max_position_embeddings: 16\n", NULL,
+           MSGS("r.yaml: model.rope_scaling: yarn with llama is not supported by am (its tables are checked against "
+                "transformers for deepseek_v3 only): use llama3 or linear, or null"));
+    expect("model:\n  model_type: deepseek_v3\n  moe_overrides:\n    gate_bias_update_factor: 0.001\n", NULL,
+           MSGS("r.yaml:4:30: model.moe_overrides.gate_bias_update_factor: 0.001 is not supported by am: it does not "
+                "update the experts' selection bias (e_score_correction_bias) in training, as transformers' "
+                "DeepseekV3ForCausalLM does not (AutoModel's deepseek_v3 adds gate_bias_update_factor x sign(mean "
+                "load - load) after each step) (set it to 0)"));
+    expect("model:\n  model_type: deepseek_v3\n  hidden_size: 64\n  num_hidden_layers: 2\n  num_attention_heads: 4\n"
+           "  num_key_value_heads: 2\n  vocab_size: 64\n  moe_layer_freq: 2\n  topk_method: greedy\n"
+           "  scoring_func: softmax\n", NULL,
+           MSGS("r.yaml: model.num_key_value_heads: 2, but deepseek_v3's kv_b_proj gives every one of the 4 attention "
+                "heads its own key and value (transformers would repeat them into more heads than it has queries): set "
+                "it to num_attention_heads",
+                "r.yaml:8:19: model.moe_layer_freq: 2 is not supported by am: transformers' DeepseekV3 ignores it (every "
+                "layer from first_k_dense_replace on has experts) while DeepSeek's own code puts experts on every 2-th "
+                "layer only; set it to 1",
+                "r.yaml:9:16: model.topk_method: 'greedy' is not supported by am: transformers' DeepseekV3 computes "
+                "noaux_tc (the grouped top-k on sigmoid scores plus e_score_correction_bias) whatever it says; set it to "
+                "noaux_tc",
+                "r.yaml:10:17: model.scoring_func: 'softmax' is not supported by am: transformers' DeepseekV3 computes "
+                "sigmoid (sigmoid scores) whatever it says; set it to sigmoid"));
     expect("model:\n  hidden_act: gelu\n  attention_bias: true\n", NULL,
            MSGS("r.yaml:2:15: model.hidden_act: 'gelu' is not supported by am (Llama-style models use silu)",
                 "r.yaml:3:19: model.attention_bias: true is not supported by am (its layers have no bias terms: train "

@@ -605,6 +605,9 @@ CASE_FP32(gemma2_tiny) /* Gemma: fp32 goldens */
 CASE_FP32(gemma3_tiny)
 CASE(llama_packed) /* packed sequences (packed.h); bf16: the block kernels' bf16 path */
 CASE_FP32(glm4_moe_tiny) /* GLM-4.5: fp32 (transformers computes its router in fp32 under bf16 too) */
+CASE_FP32(deepseek_v3_tiny) /* DeepSeek-V3: multi-head latent attention (q_lora_rank, rope_interleave) */
+CASE_FP32(deepseek_v3_qproj) /* q_proj (q_lora_rank null), v wider than q and k */
+CASE_FP32(deepseek_v3_yarn) /* yarn rope scaling: the tables' ramp and attention factor, the softmax's mscale² */
 #define TESTS_FP32(name)                                                                                           \
     cmocka_unit_test(test_##name##_rope), cmocka_unit_test(test_##name##_forward_backward),                       \
         cmocka_unit_test(test_##name##_adamw), cmocka_unit_test(test_##name##_adamw_clip),                         \
@@ -622,6 +625,9 @@ int main(void)
                                        TESTS_FP32(gemma2_tiny), TESTS_FP32(gemma3_tiny),
                                        /* GLM-4.5 (glm4_moe): partial rotary, DeepSeekMoE's router, shared experts */
                                        TESTS_FP32(glm4_moe_tiny),
+                                       /* DeepSeek-V3 (deepseek_v3): multi-head latent attention, DeepSeekMoE */
+                                       TESTS_FP32(deepseek_v3_tiny), TESTS_FP32(deepseek_v3_qproj),
+                                       TESTS_FP32(deepseek_v3_yarn),
                                        /* packed sequences: documents in a sequence, none seeing another */
                                        TESTS(llama_packed), cmocka_unit_test(test_packed),
                                        cmocka_unit_test(test_model_refuses)};
