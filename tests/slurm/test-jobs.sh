@@ -15,6 +15,8 @@
 #     current directory whose name has a newline.
 # Fails, never skips, when the cluster cannot start. Alone:
 #   AM_BUILDDIR=$PWD AM_SRCDIR=$PWD tests/slurm/test-jobs.sh
+# With AM_INSTALLED_DATADIR=PREFIX/share/am (tests/slurm/test-installed.sh: the Debian
+# packages) README's paths, the templates and the plugin's recipe_path are the installed ones.
 set -uo pipefail
 
 SRCDIR=${AM_SRCDIR:-$(cd "$(dirname "$0")/../.." && pwd)}
@@ -22,6 +24,12 @@ BUILDDIR=${AM_BUILDDIR:-$SRCDIR}
 PLUGIN=${AM_SPANK_PLUGIN_SO:-$BUILDDIR/.libs/spank_am.so}
 CLUSTER=$SRCDIR/tests/slurm/cluster
 export AM_CLUSTER_DIR=/tmp/am-jobs-test.$$
+if [[ -n ${AM_INSTALLED_DATADIR:-} ]]; then
+  TEMPLATES=$AM_INSTALLED_DATADIR/sbatch-templates RECIPES=$AM_INSTALLED_DATADIR/recipes
+else
+  TEMPLATES=$SRCDIR/sbatch-templates RECIPES=$SRCDIR/sbatch-templates/recipes
+fi
+export -n AM_INSTALLED_DATADIR 2>/dev/null # the jobs must not see the harness's variables
 unset AM_RECIPE AM_TP AM_PP AM_EP AM_CP AM_LOG_DIR AM_DRY_RUN AM_FAULT AM_TOPOLOGY_FILE SLURM_JOB_ID SLURM_JOBID \
   PMIX_NAMESPACE PMIX_RANK SLURM_STEP_ID SLURM_PROCID
 for v in $(compgen -e | grep -E '^(SLURM_SPANK_|SPANK_)' || true); do unset "$v"; done
@@ -43,7 +51,7 @@ cleanup() {
 trap cleanup EXIT
 
 [[ -f $PLUGIN ]] || { say "FAIL: no plugin at $PLUGIN (build first: make)"; exit 1; }
-if ! AM_SPANK_PLUGIN=$PLUGIN AM_SPANK_ARGS="recipe_path=$SRCDIR/sbatch-templates/recipes" "$CLUSTER" up \
+if ! AM_SPANK_PLUGIN=$PLUGIN AM_SPANK_ARGS="recipe_path=$RECIPES" "$CLUSTER" up \
   >"$WORK/cluster.log" 2>&1; then
   say "FAIL: the local Slurm cluster did not start; nothing was tested"
   show "$WORK/cluster.log"
@@ -66,8 +74,8 @@ if [[ $(grep -c '^sbatch ' "$WORK/readme.lines") == 1 ]]; then
 else
   fail "README's Slurm paragraph has no single sbatch line"; show "$WORK/readme.lines"
 fi
-sed -e "s|/usr/local/share/am/sbatch-templates/|$SRCDIR/sbatch-templates/|g" \
-  -e "s|/usr/local/share/am/recipes/|$SRCDIR/sbatch-templates/recipes/|g" "$WORK/readme.lines" >"$WORK/readme.sh"
+sed -e "s|/usr/local/share/am/sbatch-templates/|$TEMPLATES/|g" \
+  -e "s|/usr/local/share/am/recipes/|$RECIPES/|g" "$WORK/readme.lines" >"$WORK/readme.sh"
 demo_data "$WORK/readme" &&
   (cd "$WORK/readme" && timeout 600 bash -e "$WORK/readme.sh") >"$WORK/readme.out" 2>"$WORK/readme.err"
 rc=$?
@@ -82,7 +90,7 @@ fi
 
 # ---- the template with one task per node: the placement error is the cause record ----------
 demo_data "$WORK/placement"
-(cd "$WORK/placement" && timeout 300 sbatch --wait --ntasks-per-node=1 "$SRCDIR/sbatch-templates/tiny.sbatch") \
+(cd "$WORK/placement" && timeout 300 sbatch --wait --ntasks-per-node=1 "$TEMPLATES/tiny.sbatch") \
   >"$WORK/placement.sbatch" 2>&1
 rc=$?
 # (the job's status is srun's: the template's --kill-on-bad-exit=1 kills the failed rank's task
@@ -138,7 +146,7 @@ grep -qxF "slurmstepd-n1: error: am: the command was not run" "$WORK/newline.err
 
 # sbatch refuses a relative recipe when the current directory's name has a newline
 nl=$WORK/$'new\nline'
-mkdir -p "$nl" && cp "$SRCDIR/sbatch-templates/recipes/tiny.yaml" "$nl/mine.yaml"
+mkdir -p "$nl" && cp "$RECIPES/tiny.yaml" "$nl/mine.yaml"
 (cd "$nl" && timeout 60 sbatch --am-recipe=mine.yaml --wrap true) >"$WORK/cwd.out" 2>"$WORK/cwd.err"
 rc=$?
 [[ $rc != 0 ]] && pass "sbatch refuses (exit $rc)" || fail "sbatch accepted a recipe under a directory with a newline"
@@ -155,7 +163,7 @@ awk 'NF { gsub(/\\/, "\\\\"); gsub(/"/, "\\\""); gsub(/\t/, " "); if (p != "") p
   /usr/share/common-licenses/GPL-3 | head -n 300 >"$WORK/lora/rows.jsonl"
 if (cd "$WORK/lora" && am-data build --tokenizer "$SRCDIR/tests/data/tokenizer/gpt2.json" --instruction \
   --eos '<|endoftext|>' --out am-demo/instructions rows.jsonl >/dev/null); then
-  (cd "$WORK/lora" && timeout 600 sbatch --wait --am-recipe=tiny_lora.yaml "$SRCDIR/sbatch-templates/tiny.sbatch") \
+  (cd "$WORK/lora" && timeout 600 sbatch --wait --am-recipe=tiny_lora.yaml "$TEMPLATES/tiny.sbatch") \
     >"$WORK/lora.sbatch" 2>&1
   rc=$?
   job=$(sed -nE 's/^Submitted batch job ([0-9]+)$/\1/p' "$WORK/lora.sbatch")

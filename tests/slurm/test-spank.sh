@@ -18,7 +18,7 @@ AM_PLAN=$BUILDDIR/am-plan
 export AM_MODELS_DIR=${AM_MODELS_DIR:-$SRCDIR/runtime/recipe/models}
 AM_CLUSTER_DIR=/tmp/am-spank-test.$$
 KEEP=${AM_TEST_KEEP:-0}
-export -n AM_BUILDDIR AM_SRCDIR AM_CLUSTER_DIR AM_TEST_KEEP 2>/dev/null # the jobs must not see the harness's variables
+export -n AM_BUILDDIR AM_SRCDIR AM_CLUSTER_DIR AM_TEST_KEEP AM_SPANK_PLUGIN_SO 2>/dev/null # the jobs must not see the harness's variables
 cluster() { AM_CLUSTER_DIR=$AM_CLUSTER_DIR "$CLUSTER" "$@"; }
 export COLUMNS=80 # Slurm wraps --help at $COLUMNS
 # The caller's own settings must not leak into the jobs under test.
