@@ -15,6 +15,7 @@ struct scalar_block {
     double loss, sumsq, local_sumsq;
     float loss_f, sumsq_f;
     int32_t flag;
+    int64_t job_max[2][AM_MODEL_JOB_MAX]; /* the trainer's: an all-reduce's send and receive */
 };
 
 int am_model_alloc_scalars(struct am_model *m)
@@ -30,6 +31,9 @@ int am_model_alloc_scalars(struct am_model *m)
     m->scalars.loss_f = am_tensor_view(b + offsetof(struct scalar_block, loss_f), dev, AM_F32, 1, 0, 0, 0);
     m->scalars.sumsq_f = am_tensor_view(b + offsetof(struct scalar_block, sumsq_f), dev, AM_F32, 1, 0, 0, 0);
     m->scalars.flag = am_tensor_view(b + offsetof(struct scalar_block, flag), dev, AM_I32, 1, 0, 0, 0);
+    for (int i = 0; i < 2; i++)
+        m->scalars.job_max[i] = am_tensor_view(b + offsetof(struct scalar_block, job_max) + i * sizeof(int64_t) *
+                                               AM_MODEL_JOB_MAX, dev, AM_I64, AM_MODEL_JOB_MAX, 0, 0, 0);
     return 0;
 }
 

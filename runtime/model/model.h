@@ -117,6 +117,7 @@ struct am_chunk {
 };
 
 #define AM_MAX_CHUNKS 64
+#define AM_MODEL_JOB_MAX 2 /* the trainer's i64 values in the device scalars (scalars.job_max) */
 
 struct am_model_shard {
     int tp, tp_rank;
@@ -324,9 +325,11 @@ struct am_model {
     struct am_model_hooks hooks; /* the trainer's (am_model_set_hooks); none after am_model_init */
     bool grads_final; /* set by the pipeline around each chunk's last backward of the step (grad_ready) */
     /* device scalars: loss and sumsq (f64 accumulators), local_sumsq (the trainer's), the
-     * fp32 sums over ranks of loss and sumsq, and an i32 flag (all_finite) */
+     * fp32 sums over ranks of loss and sumsq, an i32 flag (all_finite), and the trainer's
+     * AM_MODEL_JOB_MAX i64 values it reduces by their maximum over the job each step, an
+     * all-reduce's send and receive buffers (job_max[0], job_max[1]) */
     struct {
-        struct am_tensor loss, sumsq, local_sumsq, loss_f, sumsq_f, flag;
+        struct am_tensor loss, sumsq, local_sumsq, loss_f, sumsq_f, flag, job_max[2];
     } scalars;
     void *scalar_mem;
     bool loss_reduced, sumsq_reduced; /* the f32 sums are the values to read */

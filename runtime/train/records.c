@@ -309,6 +309,9 @@ void am_train_log_step(struct trainer *t, long step, double loss, double lr, dou
                             "grad_norm", norm, "tokens", (json_int_t)p->tokens_per_step, "step_s", dt, "time",
                             am_wall_time(), "comm_s", t->comm_s, "max_rss_kib", (json_int_t)ru.ru_maxrss);
     json_object_set_new(rec, "grad_wait_s", json_real(t->dp.sync.wait_s));
+    json_object_set_new(rec, "step_s_max", json_real(t->job_max.step_s));
+    json_object_set_new(rec, "work_s_max", json_real(t->job_max.work_s));
+    json_object_set_new(rec, "work_s_max_rank", json_integer(t->job_max.work_rank));
     if (t->mask || t->packs)
         json_object_set_new(rec, "label_tokens", json_integer((json_int_t)labels));
     am_dp_record(&t->dp, rec);

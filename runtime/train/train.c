@@ -158,6 +158,39 @@ static int step_values(struct trainer *t, long step, double total_tokens, double
     return am_train_nonfinite(t, step, *loss, *norm, reduced ? "reduced" : "local", err);
 }
 
+/* The step's maxima over the job (trainer.h, job_max): every rank's step time and time
+ * outside communication calls, in one all-reduce (max) of AM_MODEL_JOB_MAX i64 per group of
+ * the job (tp, pp, dp, cp: together every rank) through the model's device scalars. A step
+ * time >= 0 orders as its double's bits do; the time outside communication is packed as
+ * microseconds << 24 | (2^24 - 1 - rank), so the maximum names its rank (the lowest of a tie). */
+static int job_maxima(struct trainer *t, long step, double dt, struct am_errors *err)
+{
+    struct am_model *m = &t->model;
+    struct am_comm *groups[4] = {t->g.tp, t->g.pp, t->g.dp, t->g.cp};
+    const int64_t ranks = (int64_t)1 << 24;
+    double work = dt - t->comm_s > 0 ? dt - t->comm_s : 0;
+    int64_t v[AM_MODEL_JOB_MAX];
+    char msg[1024];
+    memcpy(&v[0], &dt, sizeof(double));
+    v[1] = (int64_t)llround(work * 1e6) * ranks + (ranks - 1 - t->s->info.rank);
+    void *a = m->scalars.job_max[0].data, *b = m->scalars.job_max[1].data;
+    t->K->upload(&t->dev, a, v, sizeof(v));
+    for (int k = 0; k < 4; k++) {
+        if (!groups[k] || am_comm_size(groups[k]) < 2)
+            continue;
+        if (am_allreduce(groups[k], a, b, AM_MODEL_JOB_MAX, AM_I64, AM_MAX, msg, sizeof(msg)) < 0)
+            return am_errors_fail(err, "step %ld: the step's maxima over the job: %s", step, msg);
+        void *x = a;
+        a = b;
+        b = x;
+    }
+    t->K->download(&t->dev, v, a, sizeof(v));
+    memcpy(&t->job_max.step_s, &v[0], sizeof(double));
+    t->job_max.work_s = (double)(v[1] / ranks) / 1e6;
+    t->job_max.work_rank = (int)(ranks - 1 - v[1] % ranks);
+    return 0;
+}
+
 /* The steps from start_step to max_steps: each step's passes, its values, the optimizer, its
  * record and line, the checkpoints and Slurm's warning; the last state saved at the end. */
 static int run(struct trainer *t, struct am_errors *err)
@@ -195,6 +228,8 @@ static int run(struct trainer *t, struct am_errors *err)
             return -1;
         double dt = am_mono_time() - ts;
         t->comm_s = am_comm_ctx_busy_s(t->g.ctx) - busy0;
+        if (job_maxima(t, step + 1, dt, err) < 0)
+            return -1;
         am_train_log_step(t, step, loss, lr, norm, dt, labels);
         if (rank == 0)
             am_train_print_step(t, step, loss, lr, norm, dt, am_mono_time() - t0);

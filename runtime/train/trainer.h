@@ -65,6 +65,11 @@ struct trainer {
     struct am_fault fault;
     const char **hosts;                 /* host of each global rank */
     double comm_s;                      /* seconds in communication calls this step */
+    struct {                            /* the step's maxima over the job's ranks (train.c) */
+        double step_s;                  /* the largest step time */
+        double work_s;                  /* the largest time outside communication calls (step_s - comm_s) */
+        int work_rank;                  /* the rank that had it: the one the others waited for */
+    } job_max;
     long step;                          /* the step being run (1-based) */
     long start_step;                    /* steps done before this run: checkpoint.restore_from's */
     bool comm_init_failed;              /* the communicators could not be made (NCCL: a "nccl" cause) */

@@ -4,7 +4,10 @@
 # as "train/<key>" (and train/tokens_per_s), stamped with the record's time. The file is read
 # back by tests/base/tfevents_dump (both crc32c of every record checked) and, where Python
 # has the tensorboard package (AM_TB_PYTHON, else python3), by TensorBoard's own
-# EventAccumulator; every value must equal its step record's as a float. AM_TENSORBOARD_DIR
+# EventAccumulator; every value must equal its step record's as a float. The records' maxima
+# over the job (step_s_max, work_s_max, work_s_max_rank) must be the ranks' own: the largest
+# step_s, the largest step_s - comm_s and its rank, which is the rank slowed by AM_FAULT
+# (kind=slow) at its step. AM_TENSORBOARD_DIR
 # moves the files (DIR/<job id>) or, set to none, turns them off; a directory that cannot be
 # made is a note and the run goes on.
 set -uo pipefail
@@ -60,11 +63,26 @@ check() {
     else bad "$name: scalars differ from the step records:"; head "$T/$name.cmp"; fi
 }
 
-job dense 2 tiny.yaml && {
+job dense 2 tiny.yaml AM_FAULT=rank=1,step=4,kind=slow:0.5 && {
     files=("$(cat "$T/job-dense")"/tensorboard/events.out.tfevents.*)
     [ "${#files[@]}" = 1 ] && [ -s "${files[0]}" ] && ok "dense: one event file in <log dir>/<job id>/tensorboard" ||
         bad "dense: ${#files[@]} event files in $(cat "$T/job-dense")/tensorboard"
     check dense "${files[0]}"
+    # the slowest ranks: every rank's record holds the maxima of the ranks' own step records
+    # (the time outside communication to the microsecond, its rank one that had it)
+    if jq -nr '[inputs | select(.type == "step") | . + {rank: (input_filename | capture("rank-(?<r>[0-9]+)[.]jsonl$").r | tonumber)}]
+            | group_by(.step)[] | . as $s | ($s | map(.step_s) | max) as $mx | ($s | map(.step_s - .comm_s) | max) as $w
+            | $s[] | . as $r | ([$s[] | select(.rank == $r.work_s_max_rank) | .step_s - .comm_s] | first // -1) as $named
+            | select(.step_s_max != $mx or (.work_s_max - $w | fabs) > 1e-6 or $named < $w - 1e-6)
+            | "    step \(.step) rank \(.rank): step_s_max \(.step_s_max) work_s_max \(.work_s_max) rank \(.work_s_max_rank); the ranks: \($mx) \($w)"' \
+            "$(cat "$T/job-dense")"/rank-*.jsonl >"$T/dense.max" && [ ! -s "$T/dense.max" ] &&
+        [ "$(grep -c '"type":"step"' "$(cat "$T/job-dense")"/rank-1.jsonl)" = 6 ]; then
+        ok "dense: step_s_max, work_s_max and work_s_max_rank are the ranks' own maxima at every step"
+    else bad "dense: the records' maxima are not the ranks' own:"; head "$T/dense.max"; fi
+    jq -se 'any(.[]; .type == "step" and .step == 4 and .work_s_max_rank == 1 and .work_s_max >= 0.5)' \
+        "$(cat "$T/job-dense")/rank-0.jsonl" >/dev/null && grep -q ' train/work_s_max_rank 1$' <(grep '^4 ' "$T/dense.got") &&
+        ok "dense: rank 1, slowed by 0.5 s at step 4, is work_s_max_rank there (and in TensorBoard)" ||
+        bad "dense: the rank slowed at step 4 is not named: $(jq -c 'select(.type == "step" and .step == 4)' "$(cat "$T/job-dense")/rank-0.jsonl")"
     py=${AM_TB_PYTHON:-python3}
     if "$py" -c 'import tensorboard.backend.event_processing.event_accumulator' 2>/dev/null; then
         if "$py" - "$(cat "$T/job-dense")/tensorboard" "$T/dense.want" <<'PY'; then ok "dense: TensorBoard's EventAccumulator reads every value of the step records"; else bad "dense: TensorBoard's EventAccumulator disagrees"; fi
