@@ -364,7 +364,8 @@ static void case_rope(enum am_dtype dt, enum am_dtype tdt)
     bool bf = dt == AM_BF16;
     int64_t B = 2, T = 48, H = 3, D = 64;
     struct pair tc = pair_new(AM_F32, T, D / 2, 0, 0), ts = pair_new(AM_F32, T, D / 2, 0, 0);
-    struct am_rope_scaling sc = {"llama3", 8.0, 1.0, 4.0, 32};
+    struct am_rope_scaling sc = {
+        .type = "llama3", .factor = 8.0, .low_freq_factor = 1.0, .high_freq_factor = 4.0, .original_max_position_embeddings = 32};
     KC->rope_tables(&cpu, &tc.c, &ts.c, 500000.0, &sc);
     KG->rope_tables(&gpu, &tc.g, &ts.g, 500000.0, &sc);
     if (dt == AM_F32) {
