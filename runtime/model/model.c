@@ -302,11 +302,7 @@ static int alloc_acts(struct am_model *m)
 /* The rotary tables: the model's, and Gemma 3's sliding layers'. */
 static void rope_tables(struct am_model *m, const struct am_model_config *cfg)
 {
-    struct am_rope_scaling rs = {.type = cfg->rope_scaling.type,
-                                 .factor = cfg->rope_scaling.factor,
-                                 .low_freq_factor = cfg->rope_scaling.low_freq_factor,
-                                 .high_freq_factor = cfg->rope_scaling.high_freq_factor,
-                                 .original_max_position_embeddings = cfg->rope_scaling.original_max_position_embeddings};
+    struct am_rope_scaling rs = am_model_rope_scaling(cfg);
     m->K->rope_tables(m->dev, &m->cos, &m->sin, cfg->rope_theta, &rs);
     if (cfg->rope_local_base_freq > 0) /* Gemma 3's sliding layers: their own theta, unscaled */
         m->K->rope_tables(m->dev, &m->cos_local, &m->sin_local, cfg->rope_local_base_freq, NULL);

@@ -1,5 +1,6 @@
 /* packed.c - packed sequences in the model: the rows' documents and rotary positions (packed.h). */
 #include "packed.h"
+#include "model_impl.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -60,11 +61,7 @@ int am_packed_init(struct am_model *m, int64_t seq_len, char *err, size_t err_le
         pk->rope_pos[s] = am_tensor_view(p + ints, dv, AM_I32, N, 0, 0, 0);
         p += 2 * ints;
     }
-    struct am_rope_scaling rs = {.type = cfg->rope_scaling.type,
-                                 .factor = cfg->rope_scaling.factor,
-                                 .low_freq_factor = cfg->rope_scaling.low_freq_factor,
-                                 .high_freq_factor = cfg->rope_scaling.high_freq_factor,
-                                 .original_max_position_embeddings = cfg->rope_scaling.original_max_position_embeddings};
+    struct am_rope_scaling rs = am_model_rope_scaling(cfg);
     K->rope_tables(m->dev, &pk->cos_all, &pk->sin_all, cfg->rope_theta, &rs);
     if (pairs == 2) /* as model.c's: their own theta, unscaled */
         K->rope_tables(m->dev, &pk->cos_local_all, &pk->sin_local_all, cfg->rope_local_base_freq, NULL);

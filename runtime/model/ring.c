@@ -1,5 +1,6 @@
 /* ring.c - context parallelism in the model: the zigzag split and ring attention (ring.h). */
 #include "ring.h"
+#include "model_impl.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -56,11 +57,7 @@ static int rope_at_positions(struct am_model *m, struct am_cp *c, char *err, siz
     if (!mem)
         return am_fail(err, err_len, "context parallelism: out of memory for the rotary tables of %lld positions",
                        (long long)T);
-    struct am_rope_scaling rs = {.type = cfg->rope_scaling.type,
-                                 .factor = cfg->rope_scaling.factor,
-                                 .low_freq_factor = cfg->rope_scaling.low_freq_factor,
-                                 .high_freq_factor = cfg->rope_scaling.high_freq_factor,
-                                 .original_max_position_embeddings = cfg->rope_scaling.original_max_position_embeddings};
+    struct am_rope_scaling rs = am_model_rope_scaling(cfg);
     tables_at(m, c, mem, &m->cos, &m->sin, cfg->rope_theta, &rs);
     if (cfg->rope_local_base_freq > 0)
         tables_at(m, c, mem, &m->cos_local, &m->sin_local, cfg->rope_local_base_freq, NULL);

@@ -459,15 +459,16 @@ static int read_rope_scaling(struct am_node *n, const char *section, struct am_m
     snprintf(key, sizeof(key), "%s.rope_scaling.rope_type", section);
     if (!t || am_node_str(t, key, &type, err) < 0) {
         if (!t)
-            am_errorf(err, &n->pos, "%s: missing (llama3 or linear)", key);
+            am_errorf(err, &n->pos, "%s: missing (llama3, linear or yarn)", key);
         return -1;
     }
     if (strcmp(type, "default") == 0) {
         m->rope_scaling.type = NULL;
         return 0;
     }
-    if (strcmp(type, "llama3") != 0 && strcmp(type, "linear") != 0) {
-        am_errorf(err, &t->pos, "%s: '%s' is not supported by am (use llama3 or linear)", key, type);
+    bool yarn = strcmp(type, "yarn") == 0;
+    if (strcmp(type, "llama3") != 0 && strcmp(type, "linear") != 0 && !yarn) {
+        am_errorf(err, &t->pos, "%s: '%s' is not supported by am (use llama3, linear or yarn)", key, type);
         return -1;
     }
     m->rope_scaling.type = type;
@@ -475,17 +476,34 @@ static int read_rope_scaling(struct am_node *n, const char *section, struct am_m
         const char *name;
         double *d;
         long *l;
+        bool yarn; /* yarn's alone (optional: absent or null, transformers' default) */
     } fields[] = {
-        {"factor", &m->rope_scaling.factor, NULL},
-        {"low_freq_factor", &m->rope_scaling.low_freq_factor, NULL},
-        {"high_freq_factor", &m->rope_scaling.high_freq_factor, NULL},
-        {"original_max_position_embeddings", NULL, &m->rope_scaling.original_max_position_embeddings},
+        {"factor", &m->rope_scaling.factor, NULL, false},
+        {"low_freq_factor", &m->rope_scaling.low_freq_factor, NULL, false},
+        {"high_freq_factor", &m->rope_scaling.high_freq_factor, NULL, false},
+        {"original_max_position_embeddings", NULL, &m->rope_scaling.original_max_position_embeddings, false},
+        {"beta_fast", &m->rope_scaling.beta_fast, NULL, true},
+        {"beta_slow", &m->rope_scaling.beta_slow, NULL, true},
+        {"attention_factor", &m->rope_scaling.attention_factor, NULL, true},
+        {"mscale", &m->rope_scaling.mscale, NULL, true},
+        {"mscale_all_dim", &m->rope_scaling.mscale_all_dim, NULL, true},
     };
     int rc = 0;
+    if (yarn) { /* truncate: true unless false (transformers' rope_parameters.get("truncate", True)) */
+        struct am_node *tr = am_node_child(n, "truncate");
+        bool b = true;
+        snprintf(key, sizeof(key), "%s.rope_scaling.truncate", section);
+        if (tr && !am_node_is_null(tr) && am_node_bool(tr, key, &b, err) < 0)
+            rc = -1;
+        m->rope_scaling.no_truncate = !b;
+    }
     for (size_t i = 0; i < sizeof(fields) / sizeof(fields[0]); i++) {
         struct am_node *v = am_node_child(n, fields[i].name);
         snprintf(key, sizeof(key), "%s.rope_scaling.%s", section, fields[i].name);
-        bool needed = fields[i].d == &m->rope_scaling.factor || strcmp(type, "llama3") == 0;
+        bool needed = fields[i].d == &m->rope_scaling.factor || strcmp(type, "llama3") == 0 ||
+                      (yarn && fields[i].l == &m->rope_scaling.original_max_position_embeddings);
+        if (fields[i].yarn && (!yarn || (v && am_node_is_null(v))))
+            continue;
         if (!v) {
             if (needed) {
                 am_errorf(err, &n->pos, "%s: missing (required for rope_type %s)", key, type);
@@ -495,6 +513,10 @@ static int read_rope_scaling(struct am_node *n, const char *section, struct am_m
         }
         if (fields[i].d ? am_node_double(v, key, fields[i].d, err) : am_node_long(v, key, 1, LONG_MAX, fields[i].l, err))
             rc = -1;
+    }
+    if (rc == 0 && yarn && !(m->rope_scaling.factor > 0)) {
+        am_errorf(err, &n->pos, "%s.rope_scaling.factor: %g; yarn needs a factor > 0", section, m->rope_scaling.factor);
+        rc = -1;
     }
     return rc;
 }

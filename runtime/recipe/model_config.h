@@ -51,9 +51,12 @@ struct am_model_config {
     long decoder_sparse_step;
     uint64_t dense_layers[AM_MAX_WINDOW_LAYERS / 64];
     struct {
-        const char *type; /* NULL: no scaling; "llama3", "linear" */
+        const char *type; /* NULL: no scaling; "llama3", "linear", "yarn" */
         double factor, low_freq_factor, high_freq_factor;
         long original_max_position_embeddings;
+        /* yarn (kernels.h, am_rope_scaling): 0 for a key absent or null; no_truncate: truncate false */
+        double beta_fast, beta_slow, attention_factor, mscale, mscale_all_dim;
+        bool no_truncate;
     } rope_scaling;
     const char *torch_dtype; /* as written in config.json, or NULL */
     /* Gemma 2 and Gemma 3 (gemma2, gemma3_text), as transformers' Gemma2ForCausalLM and

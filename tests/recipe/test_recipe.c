@@ -392,6 +392,19 @@ static void test_model_rules(void **state)
            "  vocab_size: 64\n  quantization_config:\n    quant_method: bitsandbytes\n    load_in_4bit: true\n", NULL,
            MSGS("r.yaml:8:5: model.quantization_config: a quantized checkpoint (quant_method bitsandbytes) is not "
                 "supported: am trains bf16 or fp32 weights and does not dequantize them (use the unquantized model)"));
+    /* rope_scaling: llama3, linear and yarn; yarn needs original_max_position_embeddings and a factor > 0 */
+    expect("model:\n  hidden_size: 64\n  num_hidden_layers: 2\n  num_attention_heads: 2\n  intermediate_size: 128\n"
+           "  vocab_size: 64\n  rope_scaling:\n    rope_type: dynamic\n    factor: 2\n", NULL,
+           MSGS("r.yaml:8:16: model.rope_scaling.rope_type: 'dynamic' is not supported by am (use llama3, linear or "
+                "yarn)"));
+    expect("model:\n  hidden_size: 64\n  num_hidden_layers: 2\n  num_attention_heads: 2\n  intermediate_size: 128\n"
+           "  vocab_size: 64\n  rope_scaling:\n    rope_type: yarn\n    factor: 4\n", NULL,
+           MSGS("r.yaml:8:5: model.rope_scaling.original_max_position_embeddings: missing (required for rope_type "
+                "yarn)"));
+    expect("model:\n  hidden_size: 64\n  num_hidden_layers: 2\n  num_attention_heads: 2\n  intermediate_size: 128\n"
+           "  vocab_size: 64\n  rope_scaling:\n    rope_type: yarn\n    factor: 0\n"
+           "    original_max_position_embeddings: 4096\n", NULL,
+           MSGS("r.yaml:8:5: model.rope_scaling.factor: 0; yarn needs a factor > 0"));
     /* AutoModel's MoEConfig overrides: only what would leave transformers' MoE as it is */
     expect("model:\n  model_type: glm4_moe\n  moe_overrides:\n    gate_bias_update_factor: 0.001\n"
            "    aux_loss_coeff: 0.0\n    score_func: softmax\n", NULL,

@@ -594,6 +594,7 @@ static void test_packed(void **state)
 CASE(llama_gqa)
 CASE(llama_tied)
 CASE(llama3_scaling)
+CASE_FP32(llama_yarn) /* yarn: an fp32 golden */
 CASE(llama_tp)
 CASE(qwen2_tiny)
 CASE(qwen2_window)
@@ -614,6 +615,7 @@ CASE_FP32(glm4_moe_tiny) /* GLM-4.5: fp32 (transformers computes its router in f
 int main(void)
 {
     const struct CMUnitTest tests[] = {TESTS(llama_gqa), TESTS(llama_tied), TESTS(llama3_scaling), TESTS(llama_tp),
+                                       TESTS_FP32(llama_yarn), /* yarn's rope */
                                        TESTS(qwen2_tiny),     TESTS(qwen2_window),
                                        TESTS(qwen3_tiny),     TESTS(mistral_window),
                                        /* mixtures of experts (mixtral_tiny without bf16) */
