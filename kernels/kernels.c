@@ -111,6 +111,10 @@ int am_kernels_missing(const struct am_kernels *k, char *buf, size_t len)
     AM_NEED(moe_route_backward);
     AM_NEED(moe_route_sigmoid_forward);
     AM_NEED(moe_route_sigmoid_backward);
+    AM_NEED(attention_sink_forward);
+    AM_NEED(attention_sink_backward);
+    AM_NEED(swiglu_clamped_forward);
+    AM_NEED(swiglu_clamped_backward);
     AM_NEED(moe_aux_stats);
     AM_NEED(moe_aux_loss);
     AM_NEED(moe_plan);

@@ -35,6 +35,7 @@
 #ifndef AM_KERNELS_H
 #define AM_KERNELS_H
 
+#include <math.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -49,11 +50,20 @@ struct am_rope_scaling {
     const char *type; /* NULL or "default" (none), "llama3", "linear", "yarn" */
     double factor, low_freq_factor, high_freq_factor;
     long original_max_position_embeddings;
-    /* yarn (transformers' _compute_yarn_parameters): the ramp's bounds, whether they are
-     * truncated to whole dims, and the attention factor the tables are multiplied by */
-    double beta_fast, beta_slow, attention_factor;
-    bool truncate;
+    /* yarn (transformers' _compute_yarn_parameters; kernels/cpu/rope.c): 0 stands for a key
+     * absent from rope_parameters (beta_fast 32, beta_slow 1; attention_factor computed from
+     * factor, with mscale and mscale_all_dim when both are set); no_truncate: truncate false */
+    double beta_fast, beta_slow, attention_factor, mscale, mscale_all_dim;
+    bool no_truncate;
 };
+
+/* yarn's get_mscale (transformers' get_mscale / yarn_get_mscale): 1 for scale <= 1, else
+ * 0.1 mscale ln(scale) + 1, in double. The tables' attention factor (kernels/cpu/rope.c) and
+ * deepseek_v3's softmax scale (runtime/model/layer.c) are made of it. */
+static inline double am_yarn_mscale(double scale, double mscale)
+{
+    return scale <= 1 ? 1.0 : 0.1 * mscale * log(scale) + 1.0;
+}
 
 struct am_kernels;
 
@@ -408,6 +418,31 @@ struct am_kernels {
     void (*moe_route_sigmoid_backward)(const struct am_dev *d, struct am_tensor *dlogits, const struct am_tensor *dwts,
                                        const struct am_tensor *probs, const struct am_tensor *idx, bool renorm,
                                        float scale);
+    /* ---- gpt-oss (transformers' GptOssForCausalLM) ----
+     * attention_sink: a learned logit per head (sinks [H], f32 or the activations' dtype) in
+     *   each softmax's denominator, given attention's out [B, T, H, D] and lse [B, H, T] over
+     *   the keys (any attention kernel's, ring's and packed included): forward, in place,
+     *   lse' = logaddexp(lse, sink_h), out *= exp(lse - lse'), lse = lse' (GptOssAttention's
+     *   softmax over [scores | sink] with the sink's column dropped). The attention backward
+     *   given these out and lse is then the sinks' attention's for q, k and v (its
+     *   D_t = dout_t · out_t is Σ p_j dp_j with the sink's p counted, whose dp is 0);
+     *   backward: dsinks [H] f32 += -Σ_{b,t} exp(sink_h - lse'_{b,h,t}) (dout · out)_{b,t,h},
+     *   summed per head in a fixed order (deterministic).
+     * swiglu_clamped: GptOssExperts._apply_gate on gate and up [N, I] (gate_up_proj's even
+     *   and odd columns, split by the caller): g = min(gate, limit), u = clamp(up, -limit,
+     *   limit), out = (u + 1) * g * sigmoid(alpha g); backward (dgate or dup may be NULL;
+     *   both +=): the clamps pass the gradient where the input is within them, ends included
+     *   (torch's clamp), dg = dout (u + 1) (s + alpha g s (1 - s)), du = dout g s. */
+    void (*attention_sink_forward)(const struct am_dev *d, struct am_tensor *out, struct am_tensor *lse,
+                                   const struct am_tensor *sinks);
+    void (*attention_sink_backward)(const struct am_dev *d, struct am_tensor *dsinks, const struct am_tensor *dout,
+                                    const struct am_tensor *out, const struct am_tensor *lse,
+                                    const struct am_tensor *sinks);
+    void (*swiglu_clamped_forward)(const struct am_dev *d, struct am_tensor *out, const struct am_tensor *gate,
+                                   const struct am_tensor *up, float alpha, float limit);
+    void (*swiglu_clamped_backward)(const struct am_dev *d, struct am_tensor *dgate, struct am_tensor *dup,
+                                    const struct am_tensor *dout, const struct am_tensor *gate,
+                                    const struct am_tensor *up, float alpha, float limit);
     void (*moe_aux_stats)(const struct am_dev *d, struct am_tensor *cnt, struct am_tensor *psum, const struct am_tensor *probs,
                           const struct am_tensor *idx);
     void (*moe_aux_loss)(const struct am_dev *d, struct am_tensor *acc, const struct am_tensor *cnt,

@@ -301,6 +301,16 @@ void am_cpu_attention_block_softcap_backward(const struct am_dev *dev, struct am
                                              const struct am_tensor *v, const struct am_tensor *qpos,
                                              const struct am_tensor *kpos, const struct am_tensor *qstart,
                                              int64_t window, float scale, float cap);
+/* gpt_oss.c: gpt-oss's attention sinks and clamped SwiGLU */
+void am_cpu_attention_sink_forward(const struct am_dev *d, struct am_tensor *out, struct am_tensor *lse,
+                                 const struct am_tensor *sinks);
+void am_cpu_attention_sink_backward(const struct am_dev *d, struct am_tensor *dsinks, const struct am_tensor *dout,
+                                  const struct am_tensor *out, const struct am_tensor *lse, const struct am_tensor *sinks);
+void am_cpu_swiglu_clamped_forward(const struct am_dev *d, struct am_tensor *out, const struct am_tensor *gate,
+                                 const struct am_tensor *up, float alpha, float limit);
+void am_cpu_swiglu_clamped_backward(const struct am_dev *d, struct am_tensor *dgate, struct am_tensor *dup,
+                                  const struct am_tensor *dout, const struct am_tensor *gate, const struct am_tensor *up,
+                                  float alpha, float limit);
 /* swiglu.c */
 void am_cpu_swiglu_forward(const struct am_dev *dev, struct am_tensor *out, const struct am_tensor *gate, const struct am_tensor *up);
 void am_cpu_swiglu_backward(const struct am_dev *dev, struct am_tensor *dgate, struct am_tensor *dup, const struct am_tensor *dout,

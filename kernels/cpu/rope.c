@@ -21,16 +21,22 @@
  *   linear (_compute_linear_scaling_rope_parameters): inv_freq / factor
  *   angle = float(t) * inv_freq (fp32 product, as torch's matmul of the two), then cos and sin
  *   of that fp32 angle, computed in double and rounded (torch's fp32 cos is within 1 ulp).
- *   yarn (_compute_yarn_parameters), on a head of D = 2 half dims: low, high = the correction
- *     range of beta_fast and beta_slow over original_max_position_embeddings (in double;
- *     floor and ceil with truncate; clamped to [0, D - 1]); ramp_i = clamp((float(i) - low) /
- *     (high - low), 0, 1) in fp32 (high - low: 0.001 when they meet); e = 1 - ramp_i;
- *     inv_freq = (1 / (factor * p)) * (1 - e) + (1 / p) * e, with p = theta^(2i / D);
- *     cos and sin are then multiplied by attention_factor (fp32), as transformers' rotary
- *     embedding does with its attention_scaling.
+ *   yarn (_compute_yarn_parameters), with p_i = theta^(2i/D) (fp32, as above) and D the
+ *   rotated size (R with partial rotary):
+ *     extrapolation = 1 / p_i,  interpolation = 1 / (float(factor) * p_i)
+ *     low, high = D log(orig / (beta 2π)) / (2 log theta) for beta_fast, beta_slow (double),
+ *       floored and ceiled unless truncate is false, then max(low, 0), min(high, D - 1);
+ *       high += 0.001 when low == high
+ *     ramp_i = clamp((float(i) - low) / (high - low), 0, 1)    (fp32; i < D/2)
+ *     e_i = 1 - ramp_i;  inv_freq = interpolation (1 - e_i) + extrapolation e_i
+ *     attention factor: attention_factor if given, else get_mscale(factor, mscale) /
+ *       get_mscale(factor, mscale_all_dim) when both are set, else get_mscale(factor), with
+ *       get_mscale(s, m) = 1 for s <= 1, else 0.1 m ln s + 1 (double; am_yarn_mscale,
+ *       kernels.h); it multiplies cos and
+ *       sin (fp32 products: GptOssRotaryEmbedding's cos * attention_scaling).
  * theta^e is computed in double and rounded to fp32, i.e. the correctly rounded fp32 pow
  * that torch's (Sleef, 1-ulp) pow returns for these arguments. The attention scaling
- * factor is 1 for default, linear and llama3, so it is not applied to them.
+ * factor is 1 for default, linear and llama3, so it is not applied there.
  *
  * bf16: x (dx) bf16 is rotated in fp32 and rounded once per element, where torch rounds
  * q * cos, rotate_half(q) * sin and their sum (three roundings). The tables stay fp32 from
@@ -78,46 +84,50 @@ static float scaled_inv_freq(float inv, const struct am_rope_scaling *sc)
     return llama;
 }
 
-/* yarn's correction dim of num_rotations (transformers' find_correction_dim, in double) */
-static double yarn_dim(double rotations, double D, double base, double original)
+/* yarn's constants (the header's formulas): the ramp's ends, factor and the attention
+ * factor as fp32 operands */
+struct yarn {
+    double low, high;
+    float factor, attn;
+};
+
+static double yarn_correction_dim(double rot, int64_t D, double theta, double orig)
 {
-    return (D * log(original / (rotations * 2 * 3.141592653589793))) / (2 * log(base));
+    return ((double)D * log(orig / (rot * 2 * 3.141592653589793))) / (2 * log(theta));
 }
 
-static void yarn_tables(float *c, float *s, int64_t T, int64_t half, double theta, const struct am_rope_scaling *sc)
+static struct yarn yarn_setup(const struct am_rope_scaling *sc, double theta, int64_t D)
 {
-    int64_t D = 2 * half;
-    AM_CHECK(sc->factor > 0 && sc->original_max_position_embeddings > 0 && sc->beta_fast > 0 && sc->beta_slow > 0,
-             "yarn rope_scaling needs factor (%g), original_max_position_embeddings (%ld), beta_fast (%g) and "
-             "beta_slow (%g) > 0", sc->factor, sc->original_max_position_embeddings, sc->beta_fast, sc->beta_slow);
-    double orig = (double)sc->original_max_position_embeddings;
-    double low = yarn_dim(sc->beta_fast, (double)D, theta, orig), high = yarn_dim(sc->beta_slow, (double)D, theta, orig);
-    if (sc->truncate) {
+    struct yarn y;
+    double f = sc->factor, orig = (double)sc->original_max_position_embeddings;
+    double attn = sc->attention_factor;
+    if (attn == 0)
+        attn = sc->mscale != 0 && sc->mscale_all_dim != 0
+                   ? am_yarn_mscale(f, sc->mscale) / am_yarn_mscale(f, sc->mscale_all_dim)
+                   : am_yarn_mscale(f, 1.0);
+    double fast = sc->beta_fast != 0 ? sc->beta_fast : 32, slow = sc->beta_slow != 0 ? sc->beta_slow : 1;
+    double low = yarn_correction_dim(fast, D, theta, orig), high = yarn_correction_dim(slow, D, theta, orig);
+    if (!sc->no_truncate) {
         low = floor(low);
         high = ceil(high);
     }
-    low = low > 0 ? low : 0;
-    high = high < (double)(D - 1) ? high : (double)(D - 1);
-    if (low == high)
-        high += 0.001;
-    float base = (float)theta, fl = (float)low, span = (float)(high - low), factor = (float)sc->factor;
-    float att = (float)sc->attention_factor;
-    for (int64_t i = 0; i < half; i++) {
-        float e = (float)(2 * i) / (float)D;
-        volatile float p = (float)pow((double)base, (double)e);
-        volatile float fp = factor * p, inter = 1.0f / fp, extra = 1.0f / p;
-        volatile float ramp = ((float)i - fl) / span;
-        ramp = ramp < 0.0f ? 0.0f : ramp > 1.0f ? 1.0f : ramp;
-        volatile float ef = 1.0f - ramp, one_minus = 1.0f - ef;
-        volatile float a = inter * one_minus, b = extra * ef;
-        float inv = a + b;
-        for (int64_t t = 0; t < T; t++) {
-            float angle = (float)t * inv;
-            volatile float cv = (float)cos((double)angle), sv = (float)sin((double)angle);
-            c[t * half + i] = cv * att;
-            s[t * half + i] = sv * att;
-        }
-    }
+    y.low = low > 0 ? low : 0;
+    y.high = high < (double)(D - 1) ? high : (double)(D - 1);
+    if (y.low == y.high)
+        y.high += 0.001;
+    y.factor = (float)f;
+    y.attn = (float)attn;
+    return y;
+}
+
+/* inv_freq of pair i from p = theta^(2i/D) (fp32), each fp32 operation rounded on its own */
+static float yarn_inv_freq(const struct yarn *y, float p, int64_t i)
+{
+    volatile float extra = 1.0f / p, fp = y->factor * p, inter = 1.0f / fp;
+    volatile float num = (float)i - (float)y->low, ramp = num / (float)(y->high - y->low);
+    ramp = ramp < 0.0f ? 0.0f : ramp > 1.0f ? 1.0f : ramp;
+    volatile float ef = 1.0f - ramp, keep = 1.0f - ef, a = inter * keep, b = extra * ef;
+    return a + b;
 }
 
 void am_cpu_rope_tables(const struct am_dev *dev, struct am_tensor *tcos, struct am_tensor *tsin, double theta,
@@ -128,11 +138,8 @@ void am_cpu_rope_tables(const struct am_dev *dev, struct am_tensor *tcos, struct
     AM_CHECK(am_rows(tsin) == T && am_cols(tsin) == half, "cos (%s) and sin (%s) must both be [T, D/2]", am_tname(tcos),
              am_tname(tsin));
     AM_CHECK(theta > 0, "rope_theta %g must be positive", theta);
-    if (!no_scaling(scaling) && strcmp(scaling->type, "yarn") == 0) {
-        yarn_tables(c, s, T, half, theta, scaling);
-        return;
-    }
-    if (!no_scaling(scaling)) {
+    bool yarn = !no_scaling(scaling) && strcmp(scaling->type, "yarn") == 0;
+    if (!no_scaling(scaling) && !yarn) {
         bool llama3 = strcmp(scaling->type, "llama3") == 0, linear = strcmp(scaling->type, "linear") == 0;
         AM_CHECK(llama3 || linear, "rope_scaling type '%s' is not supported (default, llama3, linear, yarn)",
                  scaling->type);
@@ -143,15 +150,26 @@ void am_cpu_rope_tables(const struct am_dev *dev, struct am_tensor *tcos, struct
                  "original_max_position_embeddings > 0 (%ld)",
                  scaling->low_freq_factor, scaling->high_freq_factor, scaling->original_max_position_embeddings);
     }
+    struct yarn y = {0};
+    if (yarn) {
+        AM_CHECK(scaling->factor > 0 && scaling->original_max_position_embeddings > 0,
+                 "yarn rope_scaling needs factor (%g) > 0 and original_max_position_embeddings (%ld) > 0",
+                 scaling->factor, scaling->original_max_position_embeddings);
+        y = yarn_setup(scaling, theta, D);
+    }
     float base = (float)theta;
     for (int64_t i = 0; i < half; i++) {
         float e = (float)(2 * i) / (float)D;
         float p = (float)pow((double)base, (double)e);
-        float inv = scaled_inv_freq(1.0f / p, scaling);
+        float inv = yarn ? yarn_inv_freq(&y, p, i) : scaled_inv_freq(1.0f / p, scaling);
         for (int64_t t = 0; t < T; t++) {
             float angle = (float)t * inv;
             c[t * half + i] = (float)cos((double)angle);
             s[t * half + i] = (float)sin((double)angle);
+            if (yarn) {
+                c[t * half + i] *= y.attn;
+                s[t * half + i] *= y.attn;
+            }
         }
     }
 }

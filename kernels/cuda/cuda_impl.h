@@ -105,6 +105,16 @@ void am_cuda_rope_tables(const struct am_dev *d, struct am_tensor *tcos, struct 
                          const struct am_rope_scaling *scaling);
 void am_cuda_rope_forward(const struct am_dev *d, struct am_tensor *x, const struct am_tensor *tcos, const struct am_tensor *tsin);
 void am_cuda_rope_backward(const struct am_dev *d, struct am_tensor *dx, const struct am_tensor *tcos, const struct am_tensor *tsin);
+/* ---- gpt_oss.cu ---- */
+void am_cuda_attention_sink_forward(const struct am_dev *d, struct am_tensor *out, struct am_tensor *lse,
+                                 const struct am_tensor *sinks);
+void am_cuda_attention_sink_backward(const struct am_dev *d, struct am_tensor *dsinks, const struct am_tensor *dout,
+                                  const struct am_tensor *out, const struct am_tensor *lse, const struct am_tensor *sinks);
+void am_cuda_swiglu_clamped_forward(const struct am_dev *d, struct am_tensor *out, const struct am_tensor *gate,
+                                 const struct am_tensor *up, float alpha, float limit);
+void am_cuda_swiglu_clamped_backward(const struct am_dev *d, struct am_tensor *dgate, struct am_tensor *dup,
+                                  const struct am_tensor *dout, const struct am_tensor *gate, const struct am_tensor *up,
+                                  float alpha, float limit);
 /* ---- swiglu.cu ---- */
 void am_cuda_swiglu_forward(const struct am_dev *d, struct am_tensor *out, const struct am_tensor *gate, const struct am_tensor *up);
 void am_cuda_swiglu_backward(const struct am_dev *d, struct am_tensor *dgate, struct am_tensor *dup, const struct am_tensor *dout,

@@ -430,16 +430,15 @@ char *am_ckpt_config_json(const struct am_model_config *m, const char *base_conf
             set(rs, "high_freq_factor", json_real(m->rope_scaling.high_freq_factor));
             set(rs, "original_max_position_embeddings", json_integer(m->rope_scaling.original_max_position_embeddings));
         }
-        if (strcmp(m->rope_scaling.type, "yarn") == 0) { /* deepseek_v3's: what the tables and the scale were made of */
+        if (strcmp(m->rope_scaling.type, "yarn") == 0) { /* a key am read as absent (0) is written absent */
             set(rs, "original_max_position_embeddings", json_integer(m->rope_scaling.original_max_position_embeddings));
-            set(rs, "beta_fast", json_real(m->rope_scaling.beta_fast));
-            set(rs, "beta_slow", json_real(m->rope_scaling.beta_slow));
-            if (m->rope_scaling.mscale != 0)
-                set(rs, "mscale", json_real(m->rope_scaling.mscale));
-            if (m->rope_scaling.mscale_all_dim != 0)
-                set(rs, "mscale_all_dim", json_real(m->rope_scaling.mscale_all_dim));
-            set(rs, "attention_factor", json_real(m->rope_scaling.attention_factor));
-            set(rs, "truncate", json_boolean(m->rope_scaling.truncate));
+            const char *names[] = {"beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim"};
+            double vals[] = {m->rope_scaling.beta_fast, m->rope_scaling.beta_slow, m->rope_scaling.attention_factor,
+                             m->rope_scaling.mscale, m->rope_scaling.mscale_all_dim};
+            for (size_t i = 0; i < sizeof(vals) / sizeof(vals[0]); i++)
+                if (vals[i] != 0)
+                    set(rs, names[i], json_real(vals[i]));
+            set(rs, "truncate", json_boolean(!m->rope_scaling.no_truncate));
             json_t *rp = json_object_get(cfg, "rope_parameters"); /* transformers 5 reads it there */
             if (json_is_object(rp)) {
                 json_t *copy = json_deep_copy(rs);

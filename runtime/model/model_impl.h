@@ -56,18 +56,20 @@ static inline struct am_tensor *base_grad(const struct am_model *m, const struct
     return m->sh.lora_r > 0 ? NULL : (struct am_tensor *)&p->g;
 }
 
-/* The rotary scaling the kernels' rope_tables take, from the model's config. */
-static inline struct am_rope_scaling am_model_rope_scaling(const struct am_model_config *c)
+/* The rotary tables' scaling (kernels.h) of the model's rope_scaling (model_config.h). */
+static inline struct am_rope_scaling am_model_rope_scaling(const struct am_model_config *cfg)
 {
-    return (struct am_rope_scaling){c->rope_scaling.type,
-                                    c->rope_scaling.factor,
-                                    c->rope_scaling.low_freq_factor,
-                                    c->rope_scaling.high_freq_factor,
-                                    c->rope_scaling.original_max_position_embeddings,
-                                    c->rope_scaling.beta_fast,
-                                    c->rope_scaling.beta_slow,
-                                    c->rope_scaling.attention_factor,
-                                    c->rope_scaling.truncate};
+    return (struct am_rope_scaling){.type = cfg->rope_scaling.type,
+                                    .factor = cfg->rope_scaling.factor,
+                                    .low_freq_factor = cfg->rope_scaling.low_freq_factor,
+                                    .high_freq_factor = cfg->rope_scaling.high_freq_factor,
+                                    .original_max_position_embeddings = cfg->rope_scaling.original_max_position_embeddings,
+                                    .beta_fast = cfg->rope_scaling.beta_fast,
+                                    .beta_slow = cfg->rope_scaling.beta_slow,
+                                    .attention_factor = cfg->rope_scaling.attention_factor,
+                                    .mscale = cfg->rope_scaling.mscale,
+                                    .mscale_all_dim = cfg->rope_scaling.mscale_all_dim,
+                                    .no_truncate = cfg->rope_scaling.no_truncate};
 }
 
 /* ---- params.c: the registry, the slabs and the groups -------------------------------- */

@@ -4,7 +4,6 @@
 #include <errno.h>
 #include <jansson.h>
 #include <limits.h>
-#include <math.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -477,51 +476,54 @@ static int read_rope_scaling(struct am_node *n, const char *section, struct am_m
     snprintf(key, sizeof(key), "%s.rope_scaling.rope_type", section);
     if (!t || am_node_str(t, key, &type, err) < 0) {
         if (!t)
-            am_errorf(err, &n->pos, "%s: missing (llama3 or linear)", key);
+            am_errorf(err, &n->pos, "%s: missing (llama3, linear or yarn)", key);
         return -1;
     }
     if (strcmp(type, "default") == 0) {
         m->rope_scaling.type = NULL;
         return 0;
     }
-    bool yarn = strcmp(type, "yarn") == 0; /* DeepSeek-V3's and Kimi K2's (deepseek_v3 only: dsv3_checks) */
+    bool yarn = strcmp(type, "yarn") == 0;
     if (strcmp(type, "llama3") != 0 && strcmp(type, "linear") != 0 && !yarn) {
-        am_errorf(err, &t->pos, "%s: '%s' is not supported by am (use llama3 or linear)", key, type);
+        am_errorf(err, &t->pos, "%s: '%s' is not supported by am (use llama3, linear or yarn)", key, type);
         return -1;
     }
     m->rope_scaling.type = type;
-    m->rope_scaling.beta_fast = 32; /* yarn's defaults (transformers: `or 32`, `or 1`, truncate true) */
-    m->rope_scaling.beta_slow = 1;
-    m->rope_scaling.truncate = true;
-    m->rope_scaling.mscale = m->rope_scaling.mscale_all_dim = m->rope_scaling.attention_factor = 0;
+    m->rope_scaling.beta_fast = m->rope_scaling.beta_slow = m->rope_scaling.attention_factor = 0; /* absent */
+    m->rope_scaling.mscale = m->rope_scaling.mscale_all_dim = 0;
+    m->rope_scaling.no_truncate = false;
     struct {
         const char *name;
         double *d;
         long *l;
+        bool yarn; /* yarn's alone (optional: absent or null, transformers' default) */
     } fields[] = {
-        {"factor", &m->rope_scaling.factor, NULL},
-        {"low_freq_factor", &m->rope_scaling.low_freq_factor, NULL},
-        {"high_freq_factor", &m->rope_scaling.high_freq_factor, NULL},
-        {"original_max_position_embeddings", NULL, &m->rope_scaling.original_max_position_embeddings},
-        {"beta_fast", &m->rope_scaling.beta_fast, NULL},
-        {"beta_slow", &m->rope_scaling.beta_slow, NULL},
-        {"mscale", &m->rope_scaling.mscale, NULL},
-        {"mscale_all_dim", &m->rope_scaling.mscale_all_dim, NULL},
-        {"attention_factor", &m->rope_scaling.attention_factor, NULL},
+        {"factor", &m->rope_scaling.factor, NULL, false},
+        {"low_freq_factor", &m->rope_scaling.low_freq_factor, NULL, false},
+        {"high_freq_factor", &m->rope_scaling.high_freq_factor, NULL, false},
+        {"original_max_position_embeddings", NULL, &m->rope_scaling.original_max_position_embeddings, false},
+        {"beta_fast", &m->rope_scaling.beta_fast, NULL, true},
+        {"beta_slow", &m->rope_scaling.beta_slow, NULL, true},
+        {"attention_factor", &m->rope_scaling.attention_factor, NULL, true},
+        {"mscale", &m->rope_scaling.mscale, NULL, true},
+        {"mscale_all_dim", &m->rope_scaling.mscale_all_dim, NULL, true},
     };
     int rc = 0;
+    if (yarn) { /* truncate: true unless false (transformers' rope_parameters.get("truncate", True)) */
+        struct am_node *tr = am_node_child(n, "truncate");
+        bool b = true;
+        snprintf(key, sizeof(key), "%s.rope_scaling.truncate", section);
+        if (tr && !am_node_is_null(tr) && am_node_bool(tr, key, &b, err) < 0)
+            rc = -1;
+        m->rope_scaling.no_truncate = !b;
+    }
     for (size_t i = 0; i < sizeof(fields) / sizeof(fields[0]); i++) {
-        bool yarn_only = i >= 4;
-        if (yarn_only != yarn && yarn_only)
-            continue;
-        if (yarn && (i == 1 || i == 2)) /* llama3's */
-            continue;
         struct am_node *v = am_node_child(n, fields[i].name);
         snprintf(key, sizeof(key), "%s.rope_scaling.%s", section, fields[i].name);
-        if (v && am_node_is_null(v) && yarn_only) /* transformers: None, the default */
-            continue;
         bool needed = fields[i].d == &m->rope_scaling.factor || strcmp(type, "llama3") == 0 ||
-                      (yarn && fields[i].l);
+                      (yarn && fields[i].l == &m->rope_scaling.original_max_position_embeddings);
+        if (fields[i].yarn && (!yarn || (v && am_node_is_null(v))))
+            continue;
         if (!v) {
             if (needed) {
                 am_errorf(err, &n->pos, "%s: missing (required for rope_type %s)", key, type);
@@ -532,20 +534,9 @@ static int read_rope_scaling(struct am_node *n, const char *section, struct am_m
         if (fields[i].d ? am_node_double(v, key, fields[i].d, err) : am_node_long(v, key, 1, LONG_MAX, fields[i].l, err))
             rc = -1;
     }
-    struct am_node *tr = yarn ? am_node_child(n, "truncate") : NULL;
-    snprintf(key, sizeof(key), "%s.rope_scaling.truncate", section);
-    if (tr && !am_node_is_null(tr) && am_node_bool(tr, key, &m->rope_scaling.truncate, err) < 0)
+    if (rc == 0 && yarn && !(m->rope_scaling.factor > 0)) {
+        am_errorf(err, &n->pos, "%s.rope_scaling.factor: %g; yarn needs a factor > 0", section, m->rope_scaling.factor);
         rc = -1;
-    if (yarn && rc == 0) {
-        if (m->rope_scaling.beta_fast == 0) /* `or 32`, `or 1` */
-            m->rope_scaling.beta_fast = 32;
-        if (m->rope_scaling.beta_slow == 0)
-            m->rope_scaling.beta_slow = 1;
-        if (m->rope_scaling.attention_factor == 0) { /* as _compute_yarn_parameters infers it */
-            double f = m->rope_scaling.factor, ms = m->rope_scaling.mscale, md = m->rope_scaling.mscale_all_dim;
-            m->rope_scaling.attention_factor = ms != 0 && md != 0 ? am_yarn_mscale(f, ms) / am_yarn_mscale(f, md)
-                                                                  : am_yarn_mscale(f, 1.0);
-        }
     }
     return rc;
 }
@@ -614,8 +605,6 @@ static int read_quant(struct am_node *v, const char *key, struct am_model_config
     m->fp8 = true;
     return 0;
 }
-
-double am_yarn_mscale(double scale, double mscale) { return scale <= 1 ? 1.0 : 0.1 * mscale * log(scale) + 1.0; }
 
 static int read_key(const struct hf_key *k, struct am_node *v, const char *section,
                     struct am_model_config *m, struct window_keys *w, struct am_errors *err)
@@ -1303,9 +1292,6 @@ int am_model_config_read(struct am_arena *a, struct am_node *cfg, const char *se
         m->partial_rotary_factor = 1.0; /* read by glm4_moe only */
         m->n_shared_experts = 0;
     }
-    if (!dsv3 && m->rope_scaling.type && strcmp(m->rope_scaling.type, "yarn") == 0)
-        am_errorf(err, &where, "%s.rope_scaling: yarn with %s is not supported by am (its tables are checked against "
-                  "transformers for deepseek_v3 only): use llama3 or linear, or null", section, m->model_type);
     if (!dsv3) {
         m->q_lora_rank = m->kv_lora_rank = m->qk_nope_head_dim = m->qk_rope_head_dim = m->v_head_dim = 0;
         m->rope_interleave = false;

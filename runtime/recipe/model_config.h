@@ -52,13 +52,12 @@ struct am_model_config {
     long decoder_sparse_step;
     uint64_t dense_layers[AM_MAX_WINDOW_LAYERS / 64];
     struct {
-        const char *type; /* NULL: no scaling; "llama3", "linear", "yarn" (deepseek_v3 only) */
+        const char *type; /* NULL: no scaling; "llama3", "linear", "yarn" */
         double factor, low_freq_factor, high_freq_factor;
         long original_max_position_embeddings;
-        /* yarn: beta_fast (32), beta_slow (1), mscale and mscale_all_dim (0: not given), the
-         * attention factor on cos and sin (given, or resolved as transformers does), truncate */
-        double beta_fast, beta_slow, mscale, mscale_all_dim, attention_factor;
-        bool truncate;
+        /* yarn (kernels.h, am_rope_scaling): 0 for a key absent or null; no_truncate: truncate false */
+        double beta_fast, beta_slow, attention_factor, mscale, mscale_all_dim;
+        bool no_truncate;
     } rope_scaling;
     const char *torch_dtype; /* as written in config.json, or NULL */
     /* Gemma 2 and Gemma 3 (gemma2, gemma3_text), as transformers' Gemma2ForCausalLM and
@@ -175,9 +174,6 @@ static inline long am_model_rotary_dim(const struct am_model_config *m)
 {
     return m->rotary_dim > 0 ? m->rotary_dim : m->head_dim;
 }
-
-/* yarn's get_mscale (transformers' yarn_get_mscale): 1 for scale <= 1, else 0.1 mscale ln(scale) + 1. */
-double am_yarn_mscale(double scale, double mscale);
 
 /* True when the model name is one am can train. */
 bool am_model_type_supported(const char *model_type);

@@ -145,6 +145,19 @@ CASES = {
             ),
         ),
     ),
+    # yarn (transformers' _compute_yarn_parameters; gpt-oss's and DeepSeek-V3's rope): the same
+    # initial weights as llama_gqa; factor 4 with original_max_position_embeddings 64 puts the
+    # head's 8 pairs in all three regimes (pair 0 extrapolated: unchanged, pair 1 on the ramp
+    # from 0 to 2.02, untruncated, pairs 2-7 interpolated: divided by 4), and the attention
+    # factor 0.1 ln 4 + 1 multiplies cos and sin (so every score by its square).
+    "llama_yarn": dict(
+        arch="llama", seq=32, model_seed=1001, data_seed=2029, config_format="legacy",
+        config=dict(
+            LLAMA_BASE,
+            rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64, beta_fast=32.0,
+                              beta_slow=1.0, truncate=False),
+        ),
+    ),
     "llama_tp": dict(
         arch="llama", seq=16, model_seed=1044, data_seed=2004, config_format="v5",
         config=dict(LLAMA_BASE, num_hidden_layers=4, intermediate_size=128),
@@ -607,8 +620,8 @@ def rope_tables(model, seq, layer_type=None):
     cos, sin = cos[0], sin[0]
     # transformers builds emb = cat(freqs, freqs): the two halves are identical.
     assert torch.equal(cos[:, :half], cos[:, half:]) and torch.equal(sin[:, :half], sin[:, half:])
-    # yarn (deepseek_v3_yarn): the tables are times its attention factor, as am's are
-    assert rot.attention_scaling == 1.0 or model.config.rope_parameters.get("rope_type") == "yarn"
+    # yarn's attention factor is in the tables (cos and sin times attention_scaling), as in am's
+    assert rot.attention_scaling == ref_attention_factor(model.config)
     return cos[:, :half].contiguous(), sin[:, :half].contiguous(), rot.inv_freq.detach().clone()
 
 
@@ -656,7 +669,46 @@ def ref_inv_freq(cfg):
                 s = (old / wl - lo_f) / (hi_f - lo_f)
                 out.append((1 - s) * f / factor + s * f)  # smooth interpolation
         inv = torch.tensor(out, dtype=torch.float32)
+    if rp.get("rope_type", "default") == "yarn":
+        inv = ref_yarn(cfg, inv)
     return inv
+
+
+def ref_yarn(cfg, inv, hd=None):
+    """yarn's inverse frequencies from the plain ones inv of a rotated head of hd, as README states it."""
+    rp = cfg.rope_parameters
+    hd = hd or getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    theta, factor, orig = rp["rope_theta"], rp["factor"], rp["original_max_position_embeddings"]
+
+    def dim_of(rot):  # the pair index at which a wavelength makes `rot` turns over orig positions
+        return hd * math.log(orig / (rot * 2 * math.pi)) / (2 * math.log(theta))
+
+    lo, hi = dim_of(rp.get("beta_fast") or 32), dim_of(rp.get("beta_slow") or 1)
+    if rp.get("truncate", True):
+        lo, hi = math.floor(lo), math.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, hd - 1)
+    hi = hi + 0.001 if lo == hi else hi
+    ramp = ((torch.arange(hd // 2, dtype=torch.float32) - lo) / (hi - lo)).clamp(0, 1)
+    # ramp 0: extrapolated (unchanged), ramp 1: interpolated (divided by factor)
+    return (inv / factor) * ramp + inv * (1 - ramp)
+
+
+def ref_attention_factor(cfg):
+    """The factor on cos and sin: 1, or yarn's 0.1 ln(factor) + 1 (mscale's ratio when set)."""
+    rp = cfg.rope_parameters
+    if rp.get("rope_type", "default") != "yarn":
+        return 1.0
+    if rp.get("attention_factor"):
+        return rp["attention_factor"]
+    f = rp["factor"]
+    if rp.get("mscale") and rp.get("mscale_all_dim"):
+        return ref_get_mscale(f, rp["mscale"]) / ref_get_mscale(f, rp["mscale_all_dim"])
+    return ref_get_mscale(f, 1.0)
+
+
+def ref_get_mscale(scale, mscale):
+    """yarn's get_mscale: 1 for scale <= 1, else 0.1 mscale ln(scale) + 1."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
 def ref_window(cfg, layer):
@@ -830,21 +882,11 @@ def ref_forward_dsv3(W, cfg, ids):
     kvr = cfg.kv_lora_rank
     rp = cfg.rope_parameters
     inv = 1.0 / (rp["rope_theta"] ** (torch.arange(0, dr, 2, dtype=torch.float32) / dr))
-    scale, att = (dn + dr) ** -0.5, 1.0
-    if rp.get("rope_type") == "yarn":  # YaRN (Peng et al. 2023) as README states it
-        def get_mscale(s, m):
-            return 1.0 if s <= 1 else 0.1 * m * math.log(s) + 1.0
-
-        f, orig = rp["factor"], rp["original_max_position_embeddings"]
-
-        def corr(rot):
-            return dr * math.log(orig / (rot * 2 * math.pi)) / (2 * math.log(rp["rope_theta"]))
-
-        lo, hi = max(math.floor(corr(rp["beta_fast"])), 0), min(math.ceil(corr(rp["beta_slow"])), dr - 1)
-        keep = 1 - ((torch.arange(dr // 2, dtype=torch.float32) - lo) / (hi - lo if hi > lo else 0.001)).clamp(0, 1)
-        inv = inv / f * (1 - keep) + inv * keep
-        att = get_mscale(f, rp["mscale"]) / get_mscale(f, rp["mscale_all_dim"])
-        scale = scale * get_mscale(f, rp["mscale_all_dim"]) ** 2
+    scale, att = (dn + dr) ** -0.5, ref_attention_factor(cfg)
+    if rp.get("rope_type") == "yarn":  # YaRN (Peng et al. 2023) as README states it, over the rope part
+        inv = ref_yarn(cfg, inv, dr)
+        if rp.get("mscale_all_dim"):  # DeepseekV3Attention's softmax scale x get_mscale(factor, mscale_all_dim)^2
+            scale = scale * ref_get_mscale(rp["factor"], rp["mscale_all_dim"]) ** 2
     ang = torch.arange(T, dtype=torch.float32)[:, None] * inv[None, :]
     cos, sin = ang.cos()[:, None] * att, ang.sin()[:, None] * att  # [T, 1, dr/2]
 
@@ -906,7 +948,8 @@ def ref_forward(W, cfg, ids):
     ang = torch.arange(T, dtype=torch.float32)[:, None] * ref_inv_freq(cfg)[None, :]
     if pack:  # each row at its position in its document: [B, T, hd/2]
         ang = pack["position_ids"].to(torch.float32)[..., None] * ref_inv_freq(cfg)
-    cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+    af = ref_attention_factor(cfg)
+    cos, sin = torch.cat([ang.cos()] * 2, -1) * af, torch.cat([ang.sin()] * 2, -1) * af
     causal = torch.ones(T, T, dtype=torch.bool).tril()
     if pack:  # [B, T, T]: a row sees the rows of its document up to itself
         causal = pack["mask"]
@@ -1210,6 +1253,19 @@ def generate(case):
                 sens[f"logits_change_without_{what}"] = max_abs(mm(input_ids=ids).logits, res["logits"])
                 del mm
         assert all(v > 1e-3 for v in sens.values()), sens
+    if case == "llama_yarn":
+        with torch.no_grad():
+            m_plain = copy.deepcopy(model)
+            base = m_plain.model.rotary_emb.compute_default_rope_parameters(cfg)[0]
+            m_plain.model.rotary_emb.inv_freq.copy_(base)
+            sens["logits_change_without_yarn_frequencies"] = max_abs(m_plain(input_ids=ids).logits, res["logits"])
+            m_plain.model.rotary_emb.attention_scaling = 1.0
+            m_plain.model.rotary_emb.inv_freq.copy_(model.model.rotary_emb.inv_freq)
+            sens["logits_change_without_yarn_attention_factor"] = max_abs(m_plain(input_ids=ids).logits,
+                                                                          res["logits"])
+            del m_plain
+        assert sens["logits_change_without_yarn_frequencies"] > 1e-3, sens
+        assert sens["logits_change_without_yarn_attention_factor"] > 1e-3, sens
     if case == "llama3_scaling":
         with torch.no_grad():
             m_plain = copy.deepcopy(model)

@@ -376,8 +376,8 @@ static void case_rope(enum am_dtype dt, enum am_dtype tdt)
     bool bf = dt == AM_BF16;
     int64_t B = 2, T = 48, H = 3, D = 64;
     struct pair tc = pair_new(AM_F32, T, D / 2, 0, 0), ts = pair_new(AM_F32, T, D / 2, 0, 0);
-    struct am_rope_scaling sc = {.type = "llama3", .factor = 8.0, .low_freq_factor = 1.0, .high_freq_factor = 4.0,
-                                 .original_max_position_embeddings = 32};
+    struct am_rope_scaling sc = {
+        .type = "llama3", .factor = 8.0, .low_freq_factor = 1.0, .high_freq_factor = 4.0, .original_max_position_embeddings = 32};
     KC->rope_tables(&cpu, &tc.c, &ts.c, 500000.0, &sc);
     KG->rope_tables(&gpu, &tc.g, &ts.g, 500000.0, &sc);
     if (dt == AM_F32) {
@@ -604,6 +604,51 @@ static void case_rope_partial(enum am_dtype dt)
     pair_free(&tc);
     pair_free(&ts);
     pair_free(&x);
+}
+
+/* gpt-oss: the attention sinks on an attention's out and lse (forward in place, the sinks'
+ * gradient), the clamped SwiGLU with inputs beyond the clamps, and yarn's tables (the CPU's,
+ * uploaded: bitwise). */
+static void case_gpt_oss(enum am_dtype dt)
+{
+    bool bf = dt == AM_BF16;
+    int64_t B = 2, T = 50, H = 6, D = 64, N = 200, I = 300;
+    struct pair out = rnd(dt, B, T, H, D), lse = pair_new(AM_F32, B, H, T, 0), sinks = pair_new(dt, H, 0, 0, 0);
+    struct pair dout = rnd(dt, B, T, H, D), ds = rnd(AM_F32, H, 0, 0, 0);
+    pair_fill(&lse, -2, 4);
+    pair_fill(&sinks, -3, 3);
+    KC->attention_sink_forward(&cpu, &out.c, &lse.c, &sinks.c);
+    KG->attention_sink_forward(&gpu, &out.g, &lse.g, &sinks.g);
+    check("attention_sink_forward out", &out, bf);
+    record("attention_sink_forward lse", dname(dt), rel_err(&lse), 1e-6);
+    KC->attention_sink_backward(&cpu, &ds.c, &dout.c, &out.c, &lse.c, &sinks.c);
+    KG->attention_sink_backward(&gpu, &ds.g, &dout.g, &out.g, &lse.g, &sinks.g);
+    record("attention_sink_backward dsinks", dname(dt), rel_err(&ds), 1e-5);
+    struct pair g = pair_new(dt, N, I, 0, 0), u = pair_new(dt, N, I, 0, 0), o = pair_new(dt, N, I, 0, 0);
+    struct pair d = rnd(dt, N, I, 0, 0), dg = rnd(dt, N, I, 0, 0), du = rnd(dt, N, I, 0, 0);
+    pair_fill(&g, -10, 10);
+    pair_fill(&u, -10, 10);
+    KC->swiglu_clamped_forward(&cpu, &o.c, &g.c, &u.c, 1.702f, 7.0f);
+    KG->swiglu_clamped_forward(&gpu, &o.g, &g.g, &u.g, 1.702f, 7.0f);
+    check("swiglu_clamped_forward", &o, bf);
+    KC->swiglu_clamped_backward(&cpu, &dg.c, &du.c, &d.c, &g.c, &u.c, 1.702f, 7.0f);
+    KG->swiglu_clamped_backward(&gpu, &dg.g, &du.g, &d.g, &g.g, &u.g, 1.702f, 7.0f);
+    check("swiglu_clamped_backward dgate", &dg, bf);
+    check("swiglu_clamped_backward dup", &du, bf);
+    if (!bf) {
+        struct am_rope_scaling y = {.type = "yarn", .factor = 32.0, .original_max_position_embeddings = 4096,
+                                    .beta_fast = 32.0, .beta_slow = 1.0, .no_truncate = true};
+        struct pair tc = pair_new(AM_F32, T, D / 2, 0, 0), ts = pair_new(AM_F32, T, D / 2, 0, 0);
+        KC->rope_tables(&cpu, &tc.c, &ts.c, 150000.0, &y);
+        KG->rope_tables(&gpu, &tc.g, &ts.g, 150000.0, &y);
+        record("rope_tables yarn cos (bitwise)", "fp32", rel_err(&tc), 0);
+        record("rope_tables yarn sin (bitwise)", "fp32", rel_err(&ts), 0);
+        pair_free(&tc);
+        pair_free(&ts);
+    }
+    struct pair *all[] = {&out, &lse, &sinks, &dout, &ds, &g, &u, &o, &d, &dg, &du};
+    for (size_t i = 0; i < sizeof all / sizeof *all; i++)
+        pair_free(all[i]);
 }
 
 /* DeepSeekMoE's router (glm4_moe) on both devices: 16 experts in 4 groups, 2 kept, top 3, a
@@ -1508,6 +1553,8 @@ int main(int argc, char **argv)
     RUN(case_moe(AM_BF16));
     RUN(case_moe_sigmoid(AM_F32));
     RUN(case_moe_sigmoid(AM_BF16));
+    RUN(case_gpt_oss(AM_F32));
+    RUN(case_gpt_oss(AM_BF16));
     RUN(case_rope_partial(AM_F32));
     RUN(case_rope_partial(AM_BF16));
     RUN(case_gemma(AM_F32, AM_F32));

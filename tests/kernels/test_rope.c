@@ -53,8 +53,11 @@ static float torch_inv_freq(double theta, int64_t i, int64_t D, const struct am_
 static void test_rope_tables(void **state)
 {
     (void)state;
-    struct am_rope_scaling llama31 = {.type = "llama3", .factor = 8.0, .low_freq_factor = 1.0, .high_freq_factor = 4.0,
-                                      .original_max_position_embeddings = 8192}; /* Llama 3.1's published settings */
+    struct am_rope_scaling llama31 = {.type = "llama3", /* Llama 3.1's published settings */
+                                      .factor = 8.0,
+                                      .low_freq_factor = 1.0,
+                                      .high_freq_factor = 4.0,
+                                      .original_max_position_embeddings = 8192};
     struct am_rope_scaling linear4 = {.type = "linear", .factor = 4.0};
     struct {
         double theta;
@@ -122,6 +125,113 @@ static void test_rope_tables(void **state)
     arr_free(&si);
     arr_free(&co8);
     arr_free(&si8);
+}
+
+/* ---- yarn (transformers' _compute_yarn_parameters) ----
+ * cos and sin [8 positions, 8 pairs] of a head of 16, as transformers 5's rotary embedding
+ * returns them (cos(t inv_freq) * attention_scaling, fp32 tensors): gpt-oss's settings (theta
+ * 150000, factor 32, beta_fast 32, beta_slow 1, original 4096, truncate false: attention
+ * factor 0.1 ln 32 + 1), a truncated one (theta 10000, factor 4, betas absent, original 64)
+ * and DeepSeek-V3's form (factor 40, mscale 1, mscale_all_dim 0.8: the factor's ratio). */
+static const float yarn_gptoss_cos[8 * 8] = {
+    0x1.58b90cp+0f, 0x1.58b90cp+0f, 0x1.58b90cp+0f, 0x1.58b90cp+0f, 0x1.58b90cp+0f, 0x1.58b90cp+0f, 0x1.58b90cp+0f, 0x1.58b90cp+0f,
+    0x1.748256p-1f, 0x1.50006ap+0f, 0x1.584724p+0f, 0x1.58b702p+0f, 0x1.58b90ap+0f, 0x1.58b90cp+0f, 0x1.58b90cp+0f, 0x1.58b90cp+0f,
+    -0x1.1ee920p-1f, 0x1.36477cp+0f, 0x1.56f1b8p+0f, 0x1.58b0e6p+0f, 0x1.58b902p+0f, 0x1.58b90cp+0f, 0x1.58b90cp+0f, 0x1.58b90cp+0f,
+    -0x1.5545e4p+0f, 0x1.0cdb6ep+0f, 0x1.54b9acp+0f, 0x1.58a6b6p+0f, 0x1.58b8f6p+0f, 0x1.58b90cp+0f, 0x1.58b90cp+0f, 0x1.58b90cp+0f,
+    -0x1.c2a6dap-1f, 0x1.aba9aap-1f, 0x1.51a074p+0f, 0x1.589874p+0f, 0x1.58b8e6p+0f, 0x1.58b90cp+0f, 0x1.58b90cp+0f, 0x1.58b90cp+0f,
+    0x1.8723acp-2f, 0x1.27f8d6p-1f, 0x1.4da81cp+0f, 0x1.58861ep+0f, 0x1.58b8d0p+0f, 0x1.58b90cp+0f, 0x1.58b90cp+0f, 0x1.58b90cp+0f,
+    0x1.4afe1cp+0f, 0x1.2a9c70p-2f, 0x1.48d346p+0f, 0x1.586fb8p+0f, 0x1.58b8b8p+0f, 0x1.58b90cp+0f, 0x1.58b90cp+0f, 0x1.58b90cp+0f,
+    0x1.03e328p+0f, -0x1.3a97b0p-7f, 0x1.432522p+0f, 0x1.58553cp+0f, 0x1.58b898p+0f, 0x1.58b90cp+0f, 0x1.58b90cp+0f, 0x1.58b90cp+0f,
+};
+static const float yarn_gptoss_sin[8 * 8] = {
+    0x0.0p+0f, 0x0.0p+0f, 0x0.0p+0f, 0x0.0p+0f, 0x0.0p+0f, 0x0.0p+0f, 0x0.0p+0f, 0x0.0p+0f,
+    0x1.221302p+0f, 0x1.343386p-2f, 0x1.1824b2p-4f, 0x1.2bd272p-7f, 0x1.42462ep-11f, 0x1.9ae80ep-16f, 0x1.7280bap-18f, 0x1.4e1272p-20f,
+    0x1.3974a2p+0f, 0x1.2c676cp-1f, 0x1.17c820p-3f, 0x1.2bd0acp-6f, 0x1.42462ep-10f, 0x1.9ae80ep-15f, 0x1.7280bap-17f, 0x1.4e1272p-19f,
+    0x1.852da6p-3f, 0x1.af81e4p-1f, 0x1.a2c504p-3f, 0x1.c1b492p-6f, 0x1.e3693cp-10f, 0x1.342e0ap-14f, 0x1.15e08cp-16f, 0x1.f51bacp-19f,
+    -0x1.04e31ap+0f, 0x1.0e637ap+0f, 0x1.165696p-2f, 0x1.2bc994p-5f, 0x1.424624p-9f, 0x1.9ae80ep-14f, 0x1.7280bap-16f, 0x1.4e1272p-18f,
+    -0x1.4a9028p+0f, 0x1.37579cp+0f, 0x1.5a92b6p-2f, 0x1.76b556p-5f, 0x1.92d7a4p-9f, 0x1.00d10ap-13f, 0x1.cf20eap-16f, 0x1.a1970ep-18f,
+    -0x1.81489ap-2f, 0x1.508adcp+0f, 0x1.9de9d2p-2f, 0x1.c19ca6p-5f, 0x1.e36920p-9f, 0x1.342e0ap-13f, 0x1.15e08cp-15f, 0x1.f51bacp-18f,
+    0x1.c4f4e2p-1f, 0x1.58b6cep+0f, 0x1.e02f64p-2f, 0x1.063f54p-4f, 0x1.19fd4ap-8f, 0x1.678b0cp-13f, 0x1.4430a4p-15f, 0x1.245024p-17f,
+};
+static const float yarn_trunc_cos[8 * 8] = {
+    0x1.237d38p+0f, 0x1.237d38p+0f, 0x1.237d38p+0f, 0x1.237d38p+0f, 0x1.237d38p+0f, 0x1.237d38p+0f, 0x1.237d38p+0f, 0x1.237d38p+0f,
+    0x1.3afc0ap-1f, 0x1.1b5452p+0f, 0x1.231ff6p+0f, 0x1.237ae4p+0f, 0x1.237cfcp+0f, 0x1.237d32p+0f, 0x1.237d38p+0f, 0x1.237d38p+0f,
+    -0x1.e5358ap-2f, 0x1.034e90p+0f, 0x1.22086cp+0f, 0x1.2373e4p+0f, 0x1.237c48p+0f, 0x1.237d20p+0f, 0x1.237d36p+0f, 0x1.237d38p+0f,
+    -0x1.209272p+0f, 0x1.b98882p-1f, 0x1.20374ep+0f, 0x1.23683cp+0f, 0x1.237b1ep+0f, 0x1.237d02p+0f, 0x1.237d32p+0f, 0x1.237d38p+0f,
+    -0x1.7d0f5ep-1f, 0x1.53bb94p-1f, 0x1.1dadc4p+0f, 0x1.2357eap+0f, 0x1.23797cp+0f, 0x1.237cd8p+0f, 0x1.237d2ep+0f, 0x1.237d36p+0f,
+    0x1.4abce0p-2f, 0x1.b5d2c0p-2f, 0x1.1a6d6ep+0f, 0x1.2342eep+0f, 0x1.237764p+0f, 0x1.237ca2p+0f, 0x1.237d2ap+0f, 0x1.237d36p+0f,
+    0x1.17e114p+0f, 0x1.575660p-3f, 0x1.167860p+0f, 0x1.232948p+0f, 0x1.2374d4p+0f, 0x1.237c60p+0f, 0x1.237d22p+0f, 0x1.237d36p+0f,
+    0x1.b78236p-1f, -0x1.a06354p-4f, 0x1.11d124p+0f, 0x1.230afcp+0f, 0x1.2371cap+0f, 0x1.237c14p+0f, 0x1.237d1ap+0f, 0x1.237d36p+0f,
+};
+static const float yarn_trunc_sin[8 * 8] = {
+    0x0.0p+0f, 0x0.0p+0f, 0x0.0p+0f, 0x0.0p+0f, 0x0.0p+0f, 0x0.0p+0f, 0x0.0p+0f, 0x0.0p+0f,
+    0x1.ea8f2ep-1f, 0x1.11f218p-2f, 0x1.d23032p-5f, 0x1.26f696p-7f, 0x1.751b10p-9f, 0x1.d7f22ep-11f, 0x1.2a7c22p-12f, 0x1.798e8ep-14f,
+    0x1.090ce2p+0f, 0x1.0a46eap-1f, 0x1.d19b0ep-4f, 0x1.26f438p-6f, 0x1.751ac2p-8f, 0x1.d7f224p-10f, 0x1.2a7c22p-11f, 0x1.798e8ep-13f,
+    0x1.491460p-3f, 0x1.7cac54p-1f, 0x1.5c7a0ap-3f, 0x1.ba686ep-6f, 0x1.17d3b2p-7f, 0x1.61f58ep-9f, 0x1.bfba30p-11f, 0x1.1b2aeap-12f,
+    -0x1.b9330cp-1f, 0x1.d9c1b4p-1f, 0x1.cf4792p-3f, 0x1.26eac8p-5f, 0x1.751990p-7f, 0x1.d7f1fcp-9f, 0x1.2a7c20p-10f, 0x1.798e8ep-12f,
+    -0x1.17841ap+0f, 0x1.0e2872p+0f, 0x1.207656p-2f, 0x1.709ca2p-5f, 0x1.d25ed4p-7f, 0x1.26f72cp-8f, 0x1.751b24p-10f, 0x1.d7f230p-12f,
+    -0x1.45c94cp-2f, 0x1.204ff8p+0f, 0x1.58904ep-2f, 0x1.ba4894p-5f, 0x1.17d1aep-6f, 0x1.61f54ep-8f, 0x1.bfba26p-10f, 0x1.1b2ae8p-11f,
+    0x1.7f0248p-1f, 0x1.225338p+0f, 0x1.8fcdccp-2f, 0x1.01f6bap-4f, 0x1.46737ep-6f, 0x1.9cf360p-8f, 0x1.052c94p-9f, 0x1.4a5cbcp-11f,
+};
+static const float yarn_dsv3_cos[8 * 8] = {
+    0x1.0e9558p+0f, 0x1.0e9558p+0f, 0x1.0e9558p+0f, 0x1.0e9558p+0f, 0x1.0e9558p+0f, 0x1.0e9558p+0f, 0x1.0e9558p+0f, 0x1.0e9558p+0f,
+    0x1.2464c6p-1f, 0x1.012aa6p+0f, 0x1.0d3b4ap+0f, 0x1.0e818ap+0f, 0x1.0e9470p+0f, 0x1.0e9552p+0f, 0x1.0e9558p+0f, 0x1.0e9558p+0f,
+    -0x1.c268e0p-2f, 0x1.b47e50p-1f, 0x1.093092p+0f, 0x1.0e4620p+0f, 0x1.0e91b4p+0f, 0x1.0e953ep+0f, 0x1.0e9558p+0f, 0x1.0e9558p+0f,
+    -0x1.0be022p+0f, 0x1.3b5deep-1f, 0x1.027f88p+0f, 0x1.0de326p+0f, 0x1.0e8d28p+0f, 0x1.0e951ep+0f, 0x1.0e9558p+0f, 0x1.0e9558p+0f,
+    -0x1.61baeep-1f, 0x1.45ee62p-2f, 0x1.f27294p-1f, 0x1.0d58a8p+0f, 0x1.0e86cap+0f, 0x1.0e94f2p+0f, 0x1.0e9558p+0f, 0x1.0e9558p+0f,
+    0x1.330460p-2f, -0x1.663418p-7f, 0x1.daeb22p-1f, 0x1.0ca6bcp+0f, 0x1.0e7e9ap+0f, 0x1.0e94b8p+0f, 0x1.0e9558p+0f, 0x1.0e9558p+0f,
+    0x1.03ce5ep+0f, -0x1.5b356cp-2f, 0x1.bea4eap-1f, 0x1.0bcd7ap+0f, 0x1.0e749ap+0f, 0x1.0e9472p+0f, 0x1.0e9558p+0f, 0x1.0e9558p+0f,
+    0x1.97fca2p-1f, -0x1.446548p-1f, 0x1.9de83cp-1f, 0x1.0acd04p+0f, 0x1.0e68c6p+0f, 0x1.0e941ep+0f, 0x1.0e9558p+0f, 0x1.0e9558p+0f,
+};
+static const float yarn_dsv3_sin[8 * 8] = {
+    0x0.0p+0f, 0x0.0p+0f, 0x0.0p+0f, 0x0.0p+0f, 0x0.0p+0f, 0x0.0p+0f, 0x0.0p+0f, 0x0.0p+0f,
+    0x1.c76048p-1f, 0x1.509684p-2f, 0x1.b03654p-4f, 0x1.9e198ep-6f, 0x1.6300fap-8f, 0x1.d6f482p-11f, 0x1.bb52e4p-16f, 0x1.1861f2p-17f,
+    0x1.ec14dep-1f, 0x1.3fe5f8p-1f, 0x1.ae0d8ep-3f, 0x1.9dfb3ep-5f, 0x1.62ffc8p-7f, 0x1.d6f476p-10f, 0x1.bb52e4p-15f, 0x1.1861f2p-16f,
+    0x1.317a52p-3f, 0x1.b7c750p-1f, 0x1.3fd9f8p-2f, 0x1.36568cp-4f, 0x1.0a3e5ap-6f, 0x1.61374cp-9f, 0x1.4c7e2ap-14f, 0x1.a492eap-16f,
+    -0x1.998e6cp-1f, 0x1.0205eap+0f, 0x1.a57b04p-2f, 0x1.9d820cp-4f, 0x1.62fb02p-6f, 0x1.d6f44ap-9f, 0x1.bb52e4p-14f, 0x1.1861f2p-15f,
+    -0x1.03780ep+0f, 0x1.0e91a4p+0f, 0x1.0372fcp-1f, 0x1.023880p-3f, 0x1.bbb548p-6f, 0x1.26589cp-8f, 0x1.1513cep-13f, 0x1.5e7a70p-15f,
+    -0x1.2e6bb6p-2f, 0x1.004856p+0f, 0x1.3190d4p-1f, 0x1.358a2ep-3f, 0x1.0a364ap-5f, 0x1.613702p-8f, 0x1.4c7e2ap-13f, 0x1.a492eap-15f,
+    0x1.638a10p-1f, 0x1.b1295cp-1f, 0x1.5ca112p-1f, 0x1.68ae8ap-3f, 0x1.369024p-5f, 0x1.9c1556p-8f, 0x1.83e888p-13f, 0x1.eaab68p-15f,
+};
+
+static void test_rope_yarn(void **state)
+{
+    (void)state;
+    struct am_rope_scaling gptoss = {.type = "yarn", .factor = 32.0, .original_max_position_embeddings = 4096,
+                                     .beta_fast = 32.0, .beta_slow = 1.0, .no_truncate = true};
+    struct am_rope_scaling trunc = {.type = "yarn", .factor = 4.0, .original_max_position_embeddings = 64};
+    struct am_rope_scaling dsv3 = {.type = "yarn", .factor = 40.0, .original_max_position_embeddings = 4096,
+                                   .beta_fast = 32, .beta_slow = 1, .mscale = 1.0, .mscale_all_dim = 0.8};
+    struct {
+        const char *what;
+        double theta;
+        const struct am_rope_scaling *sc;
+        const float *cos, *sin;
+    } cases[] = {{"yarn gpt-oss", 150000.0, &gptoss, yarn_gptoss_cos, yarn_gptoss_sin},
+                 {"yarn truncated", 10000.0, &trunc, yarn_trunc_cos, yarn_trunc_sin},
+                 {"yarn mscale", 10000.0, &dsv3, yarn_dsv3_cos, yarn_dsv3_sin}};
+    for (size_t c = 0; c < sizeof cases / sizeof *cases; c++) {
+        struct arr co = arr_new(64), si = arr_new(64);
+        struct am_tensor tc = tview(&co, 8, 8, 0, 0), ts = tview(&si, 8, 8, 0, 0);
+        K->rope_tables(&kdev, &tc, &ts, cases[c].theta, cases[c].sc);
+        double wc[64], ws[64], tcl[64], tsl[64];
+        /* the same fp32 angles (inv_freq as torch's, operation by operation); torch's cos and
+         * sin within an ulp of the correctly rounded, then the product by the factor: a few
+         * ulps of the value, and of the factor where cos crosses zero */
+        for (int i = 0; i < 64; i++) {
+            wc[i] = cases[c].cos[i];
+            ws[i] = cases[c].sin[i];
+            tcl[i] = 4 * U * (fabs(wc[i]) + 2.0);
+            tsl[i] = 4 * U * (fabs(ws[i]) + 2.0 * (i >= 8 && fabs(ws[i]) > 1e-3));
+        }
+        char what[64];
+        snprintf(what, sizeof what, "%s cos", cases[c].what);
+        expect_close(what, co.f, wc, tcl, 64);
+        snprintf(what, sizeof what, "%s sin", cases[c].what);
+        expect_close(what, si.f, ws, tsl, 64);
+        arr_free(&co);
+        arr_free(&si);
+    }
 }
 
 /* ---- RoPE forward / backward ---- */
@@ -301,6 +411,7 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_rope_tables),
+        cmocka_unit_test(test_rope_yarn),
         cmocka_unit_test(test_rope),
         cmocka_unit_test(test_rope_partial),
         cmocka_unit_test(test_bf16_rope),

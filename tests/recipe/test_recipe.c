@@ -408,6 +408,19 @@ static void test_model_rules(void **state)
            "  vocab_size: 64\n  quantization_config:\n    quant_method: fp8\n    weight_block_size: [128]\n", NULL,
            MSGS("r.yaml:9:24: model.quantization_config.weight_block_size: expected [rows, columns], the block of "
                 "one scale (DeepSeek-V3's [128, 128])"));
+    /* rope_scaling: llama3, linear and yarn; yarn needs original_max_position_embeddings and a factor > 0 */
+    expect("model:\n  hidden_size: 64\n  num_hidden_layers: 2\n  num_attention_heads: 2\n  intermediate_size: 128\n"
+           "  vocab_size: 64\n  rope_scaling:\n    rope_type: dynamic\n    factor: 2\n", NULL,
+           MSGS("r.yaml:8:16: model.rope_scaling.rope_type: 'dynamic' is not supported by am (use llama3, linear or "
+                "yarn)"));
+    expect("model:\n  hidden_size: 64\n  num_hidden_layers: 2\n  num_attention_heads: 2\n  intermediate_size: 128\n"
+           "  vocab_size: 64\n  rope_scaling:\n    rope_type: yarn\n    factor: 4\n", NULL,
+           MSGS("r.yaml:8:5: model.rope_scaling.original_max_position_embeddings: missing (required for rope_type "
+                "yarn)"));
+    expect("model:\n  hidden_size: 64\n  num_hidden_layers: 2\n  num_attention_heads: 2\n  intermediate_size: 128\n"
+           "  vocab_size: 64\n  rope_scaling:\n    rope_type: yarn\n    factor: 0\n"
+           "    original_max_position_embeddings: 4096\n", NULL,
+           MSGS("r.yaml:8:5: model.rope_scaling.factor: 0; yarn needs a factor > 0"));
     /* AutoModel's MoEConfig overrides: only what would leave transformers' MoE as it is */
     expect("model:\n  model_type: glm4_moe\n  moe_overrides:\n    gate_bias_update_factor: 0.001\n"
            "    aux_loss_coeff: 0.0\n    score_func: softmax\n", NULL,
@@ -420,11 +433,6 @@ static void test_model_rules(void **state)
     /* deepseek_v3: AutoModel's selection-bias update, and what transformers' DeepseekV3 does not read */
     expect("model:\n  model_type: deepseek_v3\n  rope_scaling:\n    rope_type: yarn\n    factor: 40\n", NULL,
            MSGS("r.yaml:4:5: model.rope_scaling.original_max_position_embeddings: missing (required for rope_type yarn)"));
-    expect("model:\n  hidden_size: 64\n  num_hidden_layers: 2\n  num_attention_heads: 2\n  intermediate_size: 128\n"
-           "  vocab_size: 64\n  rope_scaling:\n    rope_type: yarn\n    factor: 4\n"
-           "    original_max_position_embeddings: 16\n", NULL,
-           MSGS("r.yaml: model.rope_scaling: yarn with llama is not supported by am (its tables are checked against "
-                "transformers for deepseek_v3 only): use llama3 or linear, or null"));
     expect("model:\n  model_type: deepseek_v3\n  moe_overrides:\n    gate_bias_update_factor: 0.001\n", NULL,
            MSGS("r.yaml:4:30: model.moe_overrides.gate_bias_update_factor: 0.001 is not supported by am: it does not "
                 "update the experts' selection bias (e_score_correction_bias) in training, as transformers' "

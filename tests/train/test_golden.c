@@ -525,8 +525,8 @@ static void check_bf16(const char *name)
  * 0 .. T - 1) the loss moves away from transformers' packed loss by far more than the golden
  * tolerance (the generator requires 1e-3: summary.json, loss_change_without_document_mask), and
  * with the pack's starts it is back within 1e-5. Exact messages for: no starts to a packed model,
- * a start after its row, starts to a model without packing. Gemma 2 and 3 packed one document
- * per sequence give transformers' loss; packing in bf16 is test_llama_packed_bf16's, against
+ * a start after its row, starts to a model without packing. Gemma 2 and 3 and llama_yarn packed
+ * one document per sequence give transformers' loss; packing in bf16 is test_llama_packed_bf16's, against
  * PyTorch. */
 static void test_packed(void **state)
 {
@@ -564,17 +564,19 @@ static void test_packed(void **state)
     free(want);
     /* Gemma 2 and 3 packed, one document per sequence (every start 0): the block kernels with
      * Gemma's scale, soft cap and sliding window, and Gemma 3's second rotary table gathered
-     * per row, give transformers' unpacked loss */
-    const char *gemmas[] = {"gemma2_tiny", "gemma3_tiny"};
+     * per row, give transformers' unpacked loss; so does yarn's table (the packed rows' own,
+     * packed.c) */
+    const char *one_doc[] = {"gemma2_tiny", "gemma3_tiny", "llama_yarn"};
     zero[5] = 0;
-    for (int i = 0; i < 2; i++) {
-        open_golden(&G, gemmas[i]);
+    for (int i = 0; i < 3; i++) {
+        open_golden(&G, one_doc[i]);
         want = read_all(&G, "loss", &n);
         assert_true(G.B * G.T <= N);
         assert_int_equal(am_packed_init(&G.m, G.T, msg, sizeof(msg)), 0);
         assert_int_equal(am_model_loss(&G.m, G.tokens, G.targets, zero, G.B, &sum, msg, sizeof(msg)), 0);
         double d = fabs(sum / G.n_targets - want[0]);
-        report("%s packed as one document per sequence: loss %.2e from transformers' (tolerance 1e-5)\n", gemmas[i], d);
+        report("%s packed as one document per sequence: loss %.2e from transformers' (tolerance 1e-5)\n", one_doc[i],
+               d);
         assert_true(d < 1e-5);
         free(want);
         close_golden(&G);
@@ -594,6 +596,7 @@ static void test_packed(void **state)
 CASE(llama_gqa)
 CASE(llama_tied)
 CASE(llama3_scaling)
+CASE_FP32(llama_yarn) /* yarn: an fp32 golden */
 CASE(llama_tp)
 CASE(qwen2_tiny)
 CASE(qwen2_window)
@@ -617,6 +620,7 @@ CASE_FP32(deepseek_v3_yarn) /* yarn rope scaling: the tables' ramp and attention
 int main(void)
 {
     const struct CMUnitTest tests[] = {TESTS(llama_gqa), TESTS(llama_tied), TESTS(llama3_scaling), TESTS(llama_tp),
+                                       TESTS_FP32(llama_yarn), /* yarn's rope */
                                        TESTS(qwen2_tiny),     TESTS(qwen2_window),
                                        TESTS(qwen3_tiny),     TESTS(mistral_window),
                                        /* mixtures of experts (mixtral_tiny without bf16) */

@@ -1,0 +1,170 @@
+/* gpt_oss.c - gpt-oss's attention sinks and clamped SwiGLU (kernels.h, "gpt-oss").
+ *
+ * Attention sinks. GptOssAttention appends a learned logit sink_h to every row's scores,
+ * softmaxes [s_0 .. s_t | sink_h] and drops the sink's column: the row's weights are
+ * p_j = exp(s_j - lse'), lse' = log(Σ_j exp(s_j) + exp(sink_h)) = logaddexp(lse, sink_h),
+ * with lse the row's log-sum-exp over its keys alone (what the attention kernels save). So
+ * the sink's attention is the plain one's rescaled, per row:
+ *   out' = out exp(lse - lse'),   lse' = max + log(exp(lse - max) + exp(sink - max))
+ * (max = max(lse, sink); lse = -inf, a row without keys, gives out' = 0). Given out' and lse'
+ * the attention backward computes the sinks' model's dq, dk, dv: its p_j come from lse' and
+ * its D_t = dout · out' = Σ_j p_j dp_j, the sink's term being p_sink · 0 (the sink has no
+ * value). The sink's own gradient is ds_sink = p_sink (0 - D_t) for every row of its head:
+ *   dsinks_h += -Σ_{b,t} exp(sink_h - lse'_{b,h,t}) (dout_{b,t,h} · out'_{b,t,h})
+ * summed in double over (b, t) in order, one head per task (deterministic).
+ *
+ * Clamped SwiGLU (GptOssExperts._apply_gate; alpha 1.702, limit 7.0 in gpt-oss's config):
+ *   g = min(gate, limit), u = clamp(up, -limit, limit), s = sigmoid(alpha g)
+ *   out = (u + 1) * (g * s)
+ *   backward (torch's clamp passes the gradient where lo <= x <= hi):
+ *     dgate += dout (u + 1) (s + alpha g s (1 - s))    where gate <= limit
+ *     dup   += dout g s                                 where -limit <= up <= limit
+ * in fp32 as torch's separate operations; bf16 tensors are widened per element and each
+ * output rounded once.
+ */
+#include <math.h>
+#include <omp.h>
+
+#include "cpu.h"
+#include "half.h"
+
+static inline float ld(const struct am_tensor *t, int64_t i)
+{
+    return t->dtype == AM_F32 ? ((const float *)t->data)[i] : am_bf16_to_f32(((const uint16_t *)t->data)[i]);
+}
+
+static inline void st(struct am_tensor *t, int64_t i, float v)
+{
+    if (t->dtype == AM_F32)
+        ((float *)t->data)[i] = v;
+    else
+        ((uint16_t *)t->data)[i] = am_f32_to_bf16(v);
+}
+
+/* out [B, T, H, D], lse [B, H, T] f32, sinks [H] */
+static void check_sink(const char *kernel, const struct am_tensor *out, const struct am_tensor *lse,
+                       const struct am_tensor *sinks)
+{
+    am_cpu_act(kernel, "out", out);
+    am_cpu_stat(kernel, "lse", lse);
+    am_cpu_act(kernel, "sinks", sinks);
+    if (out->ndim != 4)
+        am_cpu_fatal(kernel, "out (%s) must be [B, T, H, D], has %d dimensions", am_tname(out), out->ndim);
+    int64_t B = out->shape[0], T = out->shape[1], H = out->shape[2];
+    if (am_tensor_numel(lse) != B * H * T)
+        am_cpu_fatal(kernel, "lse (%s) must be [B, H, T] = %lld values, has %lld", am_tname(lse),
+                     (long long)(B * H * T), (long long)am_tensor_numel(lse));
+    if (am_tensor_numel(sinks) != H)
+        am_cpu_fatal(kernel, "sinks (%s) must hold one value per head (%lld), has %lld", am_tname(sinks), (long long)H,
+                     (long long)am_tensor_numel(sinks));
+}
+
+void am_cpu_attention_sink_forward(const struct am_dev *d, struct am_tensor *out, struct am_tensor *lse,
+                                   const struct am_tensor *sinks)
+{
+    (void)d;
+    check_sink(__func__, out, lse, sinks);
+    int64_t B = out->shape[0], T = out->shape[1], H = out->shape[2], D = out->shape[3];
+    float *L = F32(lse);
+#pragma omp parallel for collapse(2) schedule(static) if (B * T * H * D >= AM_PAR_MIN)
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t h = 0; h < H; h++) {
+            float s = ld(sinks, h);
+            for (int64_t t = 0; t < T; t++) {
+                float *l = L + (b * H + h) * T + t;
+                float m = *l > s ? *l : s;
+                float l2 = m + logf(expf(*l - m) + expf(s - m)), f = expf(*l - l2);
+                int64_t o = ((b * T + t) * H + h) * D;
+                for (int64_t i = 0; i < D; i++)
+                    st(out, o + i, ld(out, o + i) * f);
+                *l = l2;
+            }
+        }
+}
+
+void am_cpu_attention_sink_backward(const struct am_dev *d, struct am_tensor *dsinks, const struct am_tensor *dout,
+                                    const struct am_tensor *out, const struct am_tensor *lse,
+                                    const struct am_tensor *sinks)
+{
+    (void)d;
+    const char *kernel = __func__;
+    check_sink(kernel, out, lse, sinks);
+    am_cpu_same(kernel, "dout", dout, "out", out);
+    am_cpu_stat(kernel, "dsinks", dsinks);
+    int64_t B = out->shape[0], T = out->shape[1], H = out->shape[2], D = out->shape[3];
+    if (am_tensor_numel(dout) != am_tensor_numel(out) || am_tensor_numel(dsinks) != H)
+        am_cpu_fatal(kernel, "dout (%s) must have out's shape and dsinks (%s) one value per head (%lld)",
+                     am_tname(dout), am_tname(dsinks), (long long)H);
+    const float *L = F32(lse);
+    float *ds = F32(dsinks);
+#pragma omp parallel for schedule(static) if (B * T * H * D >= AM_PAR_MIN)
+    for (int64_t h = 0; h < H; h++) {
+        float s = ld(sinks, h);
+        double acc = 0.0;
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t t = 0; t < T; t++) {
+                int64_t o = ((b * T + t) * H + h) * D;
+                float dot = 0.0f;
+                for (int64_t i = 0; i < D; i++)
+                    dot += ld(dout, o + i) * ld(out, o + i);
+                acc += (double)(expf(s - L[(b * H + h) * T + t]) * dot);
+            }
+        ds[h] -= (float)acc;
+    }
+}
+
+static void check_glu(const char *kernel, const struct am_tensor *a, const struct am_tensor *gate,
+                      const struct am_tensor *up)
+{
+    am_cpu_act(kernel, "gate", gate);
+    am_cpu_same(kernel, "up", up, "gate", gate);
+    am_cpu_same(kernel, "out", a, "gate", gate);
+    if (am_tensor_numel(a) != am_tensor_numel(gate) || am_tensor_numel(up) != am_tensor_numel(gate))
+        am_cpu_fatal(kernel, "gate (%s), up (%s) and %s must have the same shape (%lld, %lld, %lld elements)",
+                     am_tname(gate), am_tname(up), am_tname(a), (long long)am_tensor_numel(gate),
+                     (long long)am_tensor_numel(up), (long long)am_tensor_numel(a));
+}
+
+void am_cpu_swiglu_clamped_forward(const struct am_dev *d, struct am_tensor *out, const struct am_tensor *gate,
+                                   const struct am_tensor *up, float alpha, float limit)
+{
+    (void)d;
+    check_glu(__func__, out, gate, up);
+    int64_t n = am_tensor_numel(out);
+#pragma omp parallel for schedule(static) if (n >= AM_PAR_MIN)
+    for (int64_t i = 0; i < n; i++) {
+        float g = ld(gate, i), u = ld(up, i);
+        g = g > limit ? limit : g;
+        u = u > limit ? limit : u < -limit ? -limit : u;
+        float ag = g * alpha, sig = 1.0f / (1.0f + am_expf(-ag)), glu = g * sig, u1 = u + 1.0f;
+        st(out, i, u1 * glu);
+    }
+}
+
+void am_cpu_swiglu_clamped_backward(const struct am_dev *d, struct am_tensor *dgate, struct am_tensor *dup,
+                                    const struct am_tensor *dout, const struct am_tensor *gate,
+                                    const struct am_tensor *up, float alpha, float limit)
+{
+    (void)d;
+    const char *kernel = __func__;
+    check_glu(kernel, dout, gate, up);
+    if (dgate) {
+        am_cpu_same(kernel, "dgate", dgate, "gate", gate);
+        AM_CHECK(am_tensor_numel(dgate) == am_tensor_numel(gate), "dgate (%s) must have gate's shape", am_tname(dgate));
+    }
+    if (dup) {
+        am_cpu_same(kernel, "dup", dup, "gate", gate);
+        AM_CHECK(am_tensor_numel(dup) == am_tensor_numel(up), "dup (%s) must have up's shape", am_tname(dup));
+    }
+    int64_t n = am_tensor_numel(dout);
+#pragma omp parallel for schedule(static) if (n >= AM_PAR_MIN)
+    for (int64_t i = 0; i < n; i++) {
+        float g0 = ld(gate, i), u0 = ld(up, i), dy = ld(dout, i);
+        float g = g0 > limit ? limit : g0, u = u0 > limit ? limit : u0 < -limit ? -limit : u0;
+        float ag = g * alpha, sig = 1.0f / (1.0f + am_expf(-ag)), glu = g * sig;
+        if (dgate && g0 <= limit)
+            st(dgate, i, ld(dgate, i) + dy * (u + 1.0f) * (sig + ag * (sig * (1.0f - sig))));
+        if (dup && u0 >= -limit && u0 <= limit)
+            st(dup, i, ld(dup, i) + dy * glu);
+    }
+}
