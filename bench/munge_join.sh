@@ -11,6 +11,5 @@ dd if=/dev/urandom of="$D/key" bs=1024 count=1 status=none
 chmod 0400 "$D/key"
 munged -f -S "$D/sock" --key-file="$D/key" --pid-file="$D/pid" --log-file="$D/log" --seed-file="$D/seed" </dev/null
 for _ in $(seq 50); do munge -n -S "$D/sock" 2>/dev/null | unmunge -S "$D/sock" >/dev/null 2>&1 && break; sleep 0.1; done
-for n in "${@:-1024 4096 16384}"; do
-    for m in $n; do AM_MUNGE_SOCKET=$D/sock "$B/bench/munge_join" "$m"; done
-done
+[ $# -gt 0 ] || set -- 1024 4096 16384
+for n in "$@"; do AM_MUNGE_SOCKET=$D/sock "$B/bench/munge_join" "$n"; done
