@@ -99,6 +99,18 @@ void am_cpu_same(const char *kernel, const char *what, const struct am_tensor *t
                      am_tname(ref), am_dtype_name(ref->dtype));
 }
 
+void am_cpu_glu_check(const char *kernel, const struct am_tensor *a, const struct am_tensor *gate,
+                      const struct am_tensor *up)
+{
+    am_cpu_act(kernel, "gate", gate);
+    am_cpu_same(kernel, "up", up, "gate", gate);
+    am_cpu_same(kernel, "out", a, "gate", gate);
+    if (am_tensor_numel(a) != am_tensor_numel(gate) || am_tensor_numel(up) != am_tensor_numel(gate))
+        am_cpu_fatal(kernel, "gate (%s), up (%s) and %s must have the same shape (%lld, %lld, %lld elements)",
+                     am_tname(gate), am_tname(up), am_tname(a), (long long)am_tensor_numel(gate),
+                     (long long)am_tensor_numel(up), (long long)am_tensor_numel(a));
+}
+
 void am_cpu_grad(const char *kernel, const char *what, const struct am_tensor *t, const char *refname,
                  const struct am_tensor *ref)
 {

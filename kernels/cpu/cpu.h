@@ -19,6 +19,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "half.h"
 #include "kernels.h"
 
 /* The hot loops are compiled three times, for AVX-512 (x86-64-v4), AVX2 (x86-64-v3) and
@@ -173,6 +174,22 @@ void am_cpu_same(const char *kernel, const char *what, const struct am_tensor *t
 void am_cpu_grad(const char *kernel, const char *what, const struct am_tensor *t, const char *refname,
                  const struct am_tensor *ref);
 void am_cpu_stat(const char *kernel, const char *what, const struct am_tensor *t);
+/* A gated unit's tensors (GeGLU, the clamped SwiGLU): gate an activation, up and a (the output,
+ * or its gradient) of gate's dtype and element count. */
+void am_cpu_glu_check(const char *kernel, const struct am_tensor *a, const struct am_tensor *gate,
+                      const struct am_tensor *up);
+/* Element i of an f32 or bf16 tensor as fp32, and stored back (rounded once when bf16). */
+static inline float am_cpu_ld(const struct am_tensor *t, int64_t i)
+{
+    return t->dtype == AM_F32 ? ((const float *)t->data)[i] : am_bf16_to_f32(((const uint16_t *)t->data)[i]);
+}
+static inline void am_cpu_st(struct am_tensor *t, int64_t i, float v)
+{
+    if (t->dtype == AM_F32)
+        ((float *)t->data)[i] = v;
+    else
+        ((uint16_t *)t->data)[i] = am_f32_to_bf16(v);
+}
 /* bf16.c: exact widening and round-to-nearest-even narrowing of rows x cols blocks (rows ld
  * apart), parallel over rows when large. */
 void am_bf16_widen(float *dst, int64_t ldd, const uint16_t *src, int64_t lds, int64_t rows, int64_t cols);

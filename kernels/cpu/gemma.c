@@ -110,18 +110,6 @@ AM_HOT static void geglu_bwd(float *restrict dgate, float *restrict dup, const f
     }
 }
 
-static void check_geglu(const char *kernel, const struct am_tensor *a, const struct am_tensor *gate,
-                        const struct am_tensor *up)
-{
-    am_cpu_act(kernel, "gate", gate);
-    am_cpu_same(kernel, "up", up, "gate", gate);
-    am_cpu_same(kernel, "out", a, "gate", gate);
-    if (am_tensor_numel(a) != am_tensor_numel(gate) || am_tensor_numel(up) != am_tensor_numel(gate))
-        am_cpu_fatal(kernel, "gate (%s), up (%s) and %s must have the same shape (%lld, %lld, %lld elements)",
-                     am_tname(gate), am_tname(up), am_tname(a), (long long)am_tensor_numel(gate),
-                     (long long)am_tensor_numel(up), (long long)am_tensor_numel(a));
-}
-
 /* Block b of t as fp32: t itself (f32) or widened into buf. */
 static inline float *blk(const struct am_tensor *t, int64_t lo, int64_t len, float *buf)
 {
@@ -141,7 +129,7 @@ void am_cpu_geglu_forward(const struct am_dev *dev, struct am_tensor *out, const
                           const struct am_tensor *up)
 {
     const char *kernel = "am_cpu_geglu_forward";
-    check_geglu(kernel, out, gate, up);
+    am_cpu_glu_check(kernel, out, gate, up);
     int64_t n = am_tensor_numel(out), nb = (n + GEGLU_BLOCK - 1) / GEGLU_BLOCK;
     float *ws = am_cpu_scratch(kernel, dev, (int64_t)omp_get_max_threads() * 3 * GEGLU_BLOCK);
 #pragma omp parallel for schedule(static) if (n >= AM_PAR_MIN)
@@ -158,7 +146,7 @@ void am_cpu_geglu_backward(const struct am_dev *dev, struct am_tensor *dgate, st
                            const struct am_tensor *dout, const struct am_tensor *gate, const struct am_tensor *up)
 {
     const char *kernel = "am_cpu_geglu_backward";
-    check_geglu(kernel, dout, gate, up);
+    am_cpu_glu_check(kernel, dout, gate, up);
     AM_CHECK(!dgate || (dgate->dtype == gate->dtype && am_tensor_numel(dgate) == am_tensor_numel(gate)),
              "dgate (%s) must have gate's shape and dtype", am_tname(dgate));
     AM_CHECK(!dup || (dup->dtype == gate->dtype && am_tensor_numel(dup) == am_tensor_numel(up)),

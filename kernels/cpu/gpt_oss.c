@@ -28,19 +28,6 @@
 #include "cpu.h"
 #include "half.h"
 
-static inline float ld(const struct am_tensor *t, int64_t i)
-{
-    return t->dtype == AM_F32 ? ((const float *)t->data)[i] : am_bf16_to_f32(((const uint16_t *)t->data)[i]);
-}
-
-static inline void st(struct am_tensor *t, int64_t i, float v)
-{
-    if (t->dtype == AM_F32)
-        ((float *)t->data)[i] = v;
-    else
-        ((uint16_t *)t->data)[i] = am_f32_to_bf16(v);
-}
-
 /* out [B, T, H, D], lse [B, H, T] f32, sinks [H] */
 static void check_sink(const char *kernel, const struct am_tensor *out, const struct am_tensor *lse,
                        const struct am_tensor *sinks)
@@ -69,14 +56,14 @@ void am_cpu_attention_sink_forward(const struct am_dev *d, struct am_tensor *out
 #pragma omp parallel for collapse(2) schedule(static) if (B * T * H * D >= AM_PAR_MIN)
     for (int64_t b = 0; b < B; b++)
         for (int64_t h = 0; h < H; h++) {
-            float s = ld(sinks, h);
+            float s = am_cpu_ld(sinks, h);
             for (int64_t t = 0; t < T; t++) {
                 float *l = L + (b * H + h) * T + t;
                 float m = *l > s ? *l : s;
                 float l2 = m + logf(expf(*l - m) + expf(s - m)), f = expf(*l - l2);
                 int64_t o = ((b * T + t) * H + h) * D;
                 for (int64_t i = 0; i < D; i++)
-                    st(out, o + i, ld(out, o + i) * f);
+                    am_cpu_st(out, o + i, am_cpu_ld(out, o + i) * f);
                 *l = l2;
             }
         }
@@ -99,45 +86,33 @@ void am_cpu_attention_sink_backward(const struct am_dev *d, struct am_tensor *ds
     float *ds = F32(dsinks);
 #pragma omp parallel for schedule(static) if (B * T * H * D >= AM_PAR_MIN)
     for (int64_t h = 0; h < H; h++) {
-        float s = ld(sinks, h);
+        float s = am_cpu_ld(sinks, h);
         double acc = 0.0;
         for (int64_t b = 0; b < B; b++)
             for (int64_t t = 0; t < T; t++) {
                 int64_t o = ((b * T + t) * H + h) * D;
                 float dot = 0.0f;
                 for (int64_t i = 0; i < D; i++)
-                    dot += ld(dout, o + i) * ld(out, o + i);
+                    dot += am_cpu_ld(dout, o + i) * am_cpu_ld(out, o + i);
                 acc += (double)(expf(s - L[(b * H + h) * T + t]) * dot);
             }
         ds[h] -= (float)acc;
     }
 }
 
-static void check_glu(const char *kernel, const struct am_tensor *a, const struct am_tensor *gate,
-                      const struct am_tensor *up)
-{
-    am_cpu_act(kernel, "gate", gate);
-    am_cpu_same(kernel, "up", up, "gate", gate);
-    am_cpu_same(kernel, "out", a, "gate", gate);
-    if (am_tensor_numel(a) != am_tensor_numel(gate) || am_tensor_numel(up) != am_tensor_numel(gate))
-        am_cpu_fatal(kernel, "gate (%s), up (%s) and %s must have the same shape (%lld, %lld, %lld elements)",
-                     am_tname(gate), am_tname(up), am_tname(a), (long long)am_tensor_numel(gate),
-                     (long long)am_tensor_numel(up), (long long)am_tensor_numel(a));
-}
-
 void am_cpu_swiglu_clamped_forward(const struct am_dev *d, struct am_tensor *out, const struct am_tensor *gate,
                                    const struct am_tensor *up, float alpha, float limit)
 {
     (void)d;
-    check_glu(__func__, out, gate, up);
+    am_cpu_glu_check(__func__, out, gate, up);
     int64_t n = am_tensor_numel(out);
 #pragma omp parallel for schedule(static) if (n >= AM_PAR_MIN)
     for (int64_t i = 0; i < n; i++) {
-        float g = ld(gate, i), u = ld(up, i);
+        float g = am_cpu_ld(gate, i), u = am_cpu_ld(up, i);
         g = g > limit ? limit : g;
         u = u > limit ? limit : u < -limit ? -limit : u;
         float ag = g * alpha, sig = 1.0f / (1.0f + am_expf(-ag)), glu = g * sig, u1 = u + 1.0f;
-        st(out, i, u1 * glu);
+        am_cpu_st(out, i, u1 * glu);
     }
 }
 
@@ -147,7 +122,7 @@ void am_cpu_swiglu_clamped_backward(const struct am_dev *d, struct am_tensor *dg
 {
     (void)d;
     const char *kernel = __func__;
-    check_glu(kernel, dout, gate, up);
+    am_cpu_glu_check(kernel, dout, gate, up);
     if (dgate) {
         am_cpu_same(kernel, "dgate", dgate, "gate", gate);
         AM_CHECK(am_tensor_numel(dgate) == am_tensor_numel(gate), "dgate (%s) must have gate's shape", am_tname(dgate));
@@ -159,12 +134,12 @@ void am_cpu_swiglu_clamped_backward(const struct am_dev *d, struct am_tensor *dg
     int64_t n = am_tensor_numel(dout);
 #pragma omp parallel for schedule(static) if (n >= AM_PAR_MIN)
     for (int64_t i = 0; i < n; i++) {
-        float g0 = ld(gate, i), u0 = ld(up, i), dy = ld(dout, i);
+        float g0 = am_cpu_ld(gate, i), u0 = am_cpu_ld(up, i), dy = am_cpu_ld(dout, i);
         float g = g0 > limit ? limit : g0, u = u0 > limit ? limit : u0 < -limit ? -limit : u0;
         float ag = g * alpha, sig = 1.0f / (1.0f + am_expf(-ag)), glu = g * sig;
         if (dgate && g0 <= limit)
-            st(dgate, i, ld(dgate, i) + dy * (u + 1.0f) * (sig + ag * (sig * (1.0f - sig))));
+            am_cpu_st(dgate, i, am_cpu_ld(dgate, i) + dy * (u + 1.0f) * (sig + ag * (sig * (1.0f - sig))));
         if (dup && u0 >= -limit && u0 <= limit)
-            st(dup, i, ld(dup, i) + dy * glu);
+            am_cpu_st(dup, i, am_cpu_ld(dup, i) + dy * glu);
     }
 }

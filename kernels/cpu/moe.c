@@ -13,19 +13,6 @@
 #include "cpu.h"
 #include "half.h"
 
-static inline float ld(const struct am_tensor *t, int64_t i)
-{
-    return t->dtype == AM_F32 ? ((const float *)t->data)[i] : am_bf16_to_f32(((const uint16_t *)t->data)[i]);
-}
-
-static inline void st(struct am_tensor *t, int64_t i, float v)
-{
-    if (t->dtype == AM_F32)
-        ((float *)t->data)[i] = v;
-    else
-        ((uint16_t *)t->data)[i] = am_f32_to_bf16(v);
-}
-
 /* the shape checks the kernels share: rows x cols of a 2-d tensor */
 static void want2(const char *kernel, const char *what, const struct am_tensor *t, int64_t rows, int64_t cols)
 {
@@ -51,7 +38,7 @@ void am_cpu_moe_route_forward(const struct am_dev *d, struct am_tensor *probs, s
     for (int64_t i = 0; i < N; i++) {
         float *pr = p + i * E, mx = -INFINITY, sum = 0.0f;
         for (int64_t e = 0; e < E; e++) {
-            pr[e] = ld(logits, i * E + e);
+            pr[e] = am_cpu_ld(logits, i * E + e);
             mx = pr[e] > mx ? pr[e] : mx;
         }
         for (int64_t e = 0; e < E; e++) {
@@ -111,7 +98,7 @@ void am_cpu_moe_route_backward(const struct am_dev *d, struct am_tensor *dlogits
         for (int64_t e = 0; e < E; e++)
             pd += pr[e] * dp[e];
         for (int64_t e = 0; e < E; e++)
-            st(dlogits, i * E + e, ld(dlogits, i * E + e) + pr[e] * (dp[e] - pd));
+            am_cpu_st(dlogits, i * E + e, am_cpu_ld(dlogits, i * E + e) + pr[e] * (dp[e] - pd));
     }
 }
 
@@ -151,7 +138,7 @@ void am_cpu_moe_route_sigmoid_forward(const struct am_dev *d, struct am_tensor *
         float *pr = p + i * E, choice[E], gscore[n_group];
         bool taken[E], gtaken[n_group];
         for (int64_t e = 0; e < E; e++) {
-            pr[e] = 1.0f / (1.0f + expf(-ld(logits, i * E + e)));
+            pr[e] = 1.0f / (1.0f + expf(-am_cpu_ld(logits, i * E + e)));
             choice[e] = pr[e] + bs[e];
             taken[e] = false;
         }
@@ -203,7 +190,7 @@ void am_cpu_moe_route_sigmoid_backward(const struct am_dev *d, struct am_tensor 
         for (int64_t j = 0; j < k; j++) {
             int64_t e = ix[i * k + j];
             float dp = renorm ? scale * (dw[i * k + j] / s - dot / (s * s)) : scale * dw[i * k + j];
-            st(dlogits, i * E + e, ld(dlogits, i * E + e) + dp * pr[e] * (1.0f - pr[e]));
+            am_cpu_st(dlogits, i * E + e, am_cpu_ld(dlogits, i * E + e) + dp * pr[e] * (1.0f - pr[e]));
         }
     }
 }
@@ -293,10 +280,10 @@ void am_cpu_moe_permute_backward(const struct am_dev *d, struct am_tensor *dx, c
 #pragma omp parallel for schedule(static) if (N * k * C >= AM_PAR_MIN)
     for (int64_t i = 0; i < N; i++)
         for (int64_t c = 0; c < C; c++) {
-            float s = ld(dx, i * C + c);
+            float s = am_cpu_ld(dx, i * C + c);
             for (int64_t j = 0; j < k; j++)
-                s += ld(dxp, (int64_t)ps[i * k + j] * C + c);
-            st(dx, i * C + c, s);
+                s += am_cpu_ld(dxp, (int64_t)ps[i * k + j] * C + c);
+            am_cpu_st(dx, i * C + c, s);
         }
 }
 
@@ -318,10 +305,10 @@ void am_cpu_moe_combine_forward(const struct am_dev *d, struct am_tensor *y, con
         for (int64_t c = 0; c < C; c++) {
             float s = 0.0f;
             for (int64_t j = 0; j < k; j++) { /* transformers: index_add_ of yp * w, in the activations' dtype */
-                float t = ld(yp, (int64_t)ps[i * k + j] * C + c) * w[i * k + j];
+                float t = am_cpu_ld(yp, (int64_t)ps[i * k + j] * C + c) * w[i * k + j];
                 s += bf ? am_bf16_to_f32(am_f32_to_bf16(t)) : t;
             }
-            st(y, i * C + c, s);
+            am_cpu_st(y, i * C + c, s);
         }
 }
 
@@ -347,9 +334,9 @@ void am_cpu_moe_combine_backward(const struct am_dev *d, struct am_tensor *dyp, 
             int64_t r = ps[i * k + j];
             float dot = 0.0f;
             for (int64_t c = 0; c < C; c++) {
-                float g = ld(dy, i * C + c);
-                dot += g * ld(yp, r * C + c);
-                st(dyp, r * C + c, ld(dyp, r * C + c) + w[i * k + j] * g);
+                float g = am_cpu_ld(dy, i * C + c);
+                dot += g * am_cpu_ld(yp, r * C + c);
+                am_cpu_st(dyp, r * C + c, am_cpu_ld(dyp, r * C + c) + w[i * k + j] * g);
             }
             dw[i * k + j] += dot;
         }

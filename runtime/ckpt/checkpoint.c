@@ -373,6 +373,21 @@ static const char *architecture(const char *model_type)
 
 static void set(json_t *o, const char *k, json_t *v) { json_object_set_new(o, k, v); }
 
+/* DeepSeekMoE's keys, as deepseek_v3's and glm4_moe's configs name them. */
+static void set_deepseek_moe(json_t *cfg, const struct am_model_config *m)
+{
+    set(cfg, "n_routed_experts", json_integer(m->num_experts));
+    set(cfg, "num_experts_per_tok", json_integer(m->num_experts_per_tok));
+    set(cfg, "moe_intermediate_size", json_integer(m->moe_intermediate_size));
+    set(cfg, "norm_topk_prob", json_boolean(m->norm_topk_prob));
+    set(cfg, "n_group", json_integer(m->n_group));
+    set(cfg, "topk_group", json_integer(m->topk_group));
+    set(cfg, "n_shared_experts", json_integer(m->n_shared_experts));
+    set(cfg, "routed_scaling_factor", json_real(m->routed_scaling_factor));
+    set(cfg, "first_k_dense_replace", json_integer(m->first_k_dense_replace));
+    set(cfg, "num_nextn_predict_layers", json_integer(0)); /* am builds and saves no MTP layers */
+}
+
 char *am_ckpt_config_json(const struct am_model_config *m, const char *base_config, struct am_errors *err)
 {
     char *text = NULL, *out = NULL;
@@ -531,16 +546,7 @@ char *am_ckpt_config_json(const struct am_model_config *m, const char *base_conf
         json_t *rp = json_object_get(cfg, "rope_parameters");
         if (json_is_object(rp))
             set(rp, "rope_theta", json_real(m->rope_theta));
-        set(cfg, "n_routed_experts", json_integer(m->num_experts));
-        set(cfg, "num_experts_per_tok", json_integer(m->num_experts_per_tok));
-        set(cfg, "moe_intermediate_size", json_integer(m->moe_intermediate_size));
-        set(cfg, "norm_topk_prob", json_boolean(m->norm_topk_prob));
-        set(cfg, "n_group", json_integer(m->n_group));
-        set(cfg, "topk_group", json_integer(m->topk_group));
-        set(cfg, "n_shared_experts", json_integer(m->n_shared_experts));
-        set(cfg, "routed_scaling_factor", json_real(m->routed_scaling_factor));
-        set(cfg, "first_k_dense_replace", json_integer(m->first_k_dense_replace));
-        set(cfg, "num_nextn_predict_layers", json_integer(0)); /* am builds and saves no MTP layers */
+        set_deepseek_moe(cfg, m);
     }
     if (strcmp(type, "glm4_moe") == 0) { /* Glm4MoeConfig: what am trained, as transformers reads it back */
         set(cfg, "attention_bias", json_boolean(m->qkv_bias));
@@ -551,16 +557,7 @@ char *am_ckpt_config_json(const struct am_model_config *m, const char *base_conf
             set(rp, "partial_rotary_factor", json_real(m->partial_rotary_factor));
             set(rp, "rope_theta", json_real(m->rope_theta));
         }
-        set(cfg, "n_routed_experts", json_integer(m->num_experts));
-        set(cfg, "num_experts_per_tok", json_integer(m->num_experts_per_tok));
-        set(cfg, "moe_intermediate_size", json_integer(m->moe_intermediate_size));
-        set(cfg, "norm_topk_prob", json_boolean(m->norm_topk_prob));
-        set(cfg, "n_group", json_integer(m->n_group));
-        set(cfg, "topk_group", json_integer(m->topk_group));
-        set(cfg, "n_shared_experts", json_integer(m->n_shared_experts));
-        set(cfg, "routed_scaling_factor", json_real(m->routed_scaling_factor));
-        set(cfg, "first_k_dense_replace", json_integer(m->first_k_dense_replace));
-        set(cfg, "num_nextn_predict_layers", json_integer(0)); /* am builds and saves no MTP layers */
+        set_deepseek_moe(cfg, m);
     }
     char *dumped = json_dumps(cfg, JSON_INDENT(2) | JSON_SORT_KEYS);
     if (!dumped)
