@@ -96,3 +96,19 @@ void am_groups_free(struct am_groups *g)
     am_comm_ctx_fini(g->ctx);
     memset(g, 0, sizeof(*g));
 }
+
+int am_groups_job_max(struct am_comm *const job[4], void *a, void *b, size_t count, enum am_dtype t, void **out,
+                      char *err, size_t err_len)
+{
+    for (int k = 0; k < 4; k++) {
+        if (!job[k] || am_comm_size(job[k]) < 2)
+            continue;
+        if (am_allreduce(job[k], a, b, count, t, AM_MAX, err, err_len) < 0)
+            return -1;
+        void *x = a;
+        a = b;
+        b = x;
+    }
+    *out = a;
+    return 0;
+}

@@ -43,4 +43,14 @@ int am_groups_build(struct am_groups *g, const struct am_rank_setup *s, enum am_
                     struct am_flight *flight, const char *const *hosts, struct am_errors *err);
 void am_groups_free(struct am_groups *g);
 
+/* The maximum over every rank of the job of `count` elements of dtype t: an all-reduce (max)
+ * over each of job[0..4) in turn, the rank's tp, pp, dp and cp groups (together every rank of
+ * the job; NULL groups and groups of one rank skipped). Collective over the job, for the
+ * trainer's agreements and its step's maxima. a holds the rank's values and b is a buffer as
+ * large (device memory with NCCL): each all-reduce reads one and writes the other, and *out gets
+ * the one holding the result (a when no group has two ranks). 0, or -1 with the message of the
+ * all-reduce that failed. */
+int am_groups_job_max(struct am_comm *const job[4], void *a, void *b, size_t count, enum am_dtype t, void **out,
+                      char *err, size_t err_len);
+
 #endif

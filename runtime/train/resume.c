@@ -10,6 +10,7 @@
 
 #include "checkpoint.h"
 #include "errors.h"
+#include "groups.h"
 #include "log.h"
 #include "model_io.h"
 #include "moe.h"
@@ -116,19 +117,12 @@ int am_train_job_max(const struct am_train_state *s, int32_t *v, size_t n, char 
         goto out;
     }
     d->k->upload(d, a, v, bytes);
-    for (int k = 0; k < 4; k++) {
-        struct am_comm *c = s->job[k];
-        if (!c || am_comm_size(c) < 2)
-            continue;
-        if (am_allreduce(c, a, b, n, AM_I32, AM_MAX, err, err_len) < 0) {
-            rc = -1;
-            goto out;
-        }
-        void *t = a;
-        a = b;
-        b = t;
+    void *max;
+    if (am_groups_job_max(s->job, a, b, n, AM_I32, &max, err, err_len) < 0) {
+        rc = -1;
+        goto out;
     }
-    d->k->download(d, v, a, bytes);
+    d->k->download(d, v, max, bytes);
 out:
     if (a)
         d->k->free(d, a);

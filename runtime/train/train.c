@@ -159,8 +159,8 @@ static int step_values(struct trainer *t, long step, double total_tokens, double
 }
 
 /* The step's maxima over the job (trainer.h, job_max): every rank's step time and time
- * outside communication calls, in one all-reduce (max) of AM_MODEL_JOB_MAX i64 per group of
- * the job (tp, pp, dp, cp: together every rank) through the model's device scalars. A step
+ * outside communication calls, AM_MODEL_JOB_MAX i64 reduced over the job (am_groups_job_max)
+ * through the model's device scalars. A step
  * time >= 0 orders as its double's bits do; the time outside communication is packed as
  * microseconds << 24 | (2^24 - 1 - rank), so the maximum names its rank (the lowest of a tie). */
 static int job_maxima(struct trainer *t, long step, double dt, struct am_errors *err)
@@ -173,18 +173,11 @@ static int job_maxima(struct trainer *t, long step, double dt, struct am_errors 
     char msg[1024];
     memcpy(&v[0], &dt, sizeof(double));
     v[1] = (int64_t)llround(work * 1e6) * ranks + (ranks - 1 - t->s->info.rank);
-    void *a = m->scalars.job_max[0].data, *b = m->scalars.job_max[1].data;
+    void *a = m->scalars.job_max[0].data, *b = m->scalars.job_max[1].data, *max;
     t->K->upload(&t->dev, a, v, sizeof(v));
-    for (int k = 0; k < 4; k++) {
-        if (!groups[k] || am_comm_size(groups[k]) < 2)
-            continue;
-        if (am_allreduce(groups[k], a, b, AM_MODEL_JOB_MAX, AM_I64, AM_MAX, msg, sizeof(msg)) < 0)
-            return am_errors_fail(err, "step %ld: the step's maxima over the job: %s", step, msg);
-        void *x = a;
-        a = b;
-        b = x;
-    }
-    t->K->download(&t->dev, v, a, sizeof(v));
+    if (am_groups_job_max(groups, a, b, AM_MODEL_JOB_MAX, AM_I64, &max, msg, sizeof(msg)) < 0)
+        return am_errors_fail(err, "step %ld: the step's maxima over the job: %s", step, msg);
+    t->K->download(&t->dev, v, max, sizeof(v));
     memcpy(&t->job_max.step_s, &v[0], sizeof(double));
     t->job_max.work_s = (double)(v[1] / ranks) / 1e6;
     t->job_max.work_rank = (int)(ranks - 1 - v[1] % ranks);
