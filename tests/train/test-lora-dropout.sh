@@ -14,33 +14,12 @@
 #     uninterrupted run's to the last bit.
 # (test_lora checks the mask's rate and the adapter's formulas against references.)
 set -u
-: "${AM_SRCDIR:=$(cd "$(dirname "$0")/../.." && pwd)}"
-: "${AM_BUILDDIR:=$PWD}"
-AM_BUILDDIR=$(cd "$AM_BUILDDIR" && pwd)
-export AM_MODELS_DIR=${AM_MODELS_DIR:-$AM_SRCDIR/runtime/recipe/models} OMP_NUM_THREADS=1
-unset AM_RECIPE AM_TP AM_PP AM_EP AM_CP AM_LOG_DIR AM_DRY_RUN AM_FAULT PMIX_NAMESPACE PMIX_RANK 2>/dev/null || true
-work=$(mktemp -d)
-trap '[ -n "${AM_LORA_KEEP:-}" ] || rm -rf "$work"' EXIT
-fails=0 passes=0
 steps=4 loss_tol=1e-5 norm_tol=1e-5
-ok() { echo "ok: $*"; passes=$((passes + 1)); }
-bad() { echo "FAIL: $*"; fails=$((fails + 1)); }
+source "$(dirname "$0")/lora-lib.sh"
 
 # instruction rows from Debian's license texts (as test-lora.sh)
-awk 'NF { gsub(/\\/, "\\\\"); gsub(/"/, "\\\""); gsub(/\t/, " "); if (p != "") printf "{\"prompt\": \"%s\", \"response\": \"%s\"}\n", p, $0; p = $0 }' \
-    /usr/share/common-licenses/GPL-3 /usr/share/common-licenses/Apache-2.0 | head -600 >"$work/rows.jsonl"
-"$AM_BUILDDIR/am-data" build --tokenizer "$AM_SRCDIR/tests/data/tokenizer/gpt2.json" --instruction \
-    --eos '<|endoftext|>' --out "$work/ds" "$work/rows.jsonl" >/dev/null || { bad "am-data build --instruction"; exit 1; }
+lora_dataset 600 GPL-3 Apache-2.0
 
-train() { # NAME NPROC RECIPE [VAR=VALUE...]
-    local name=$1 n=$2 recipe=$3
-    shift 3
-    (cd "$work" && env "$@" AM_LOG_DIR="$work/logs-$name" timeout 600 "$AM_BUILDDIR/am-launch" --nproc "$n" \
-        "$recipe" >"$work/out-$name" 2>&1)
-}
-steps_of() { # LOGDIR: "step loss grad_norm" of rank 0
-    grep -h '"type":"step"' "$1"/*/rank-0.jsonl | sed -E 's/.*"step":([0-9]+),"loss":([^,]*),.*"grad_norm":([^,]*),.*/\1 \2 \3/'
-}
 recipe() { # NAME DROPOUT POSITION [MODS]: tiny_lora.yaml, every projection adapted, no checkpoints (but ckpt=NAME)
     local args=(-e "s|paths: .*|paths: $work/ds|" -e "s/max_steps: .*/max_steps: $steps/"
         -e "s/target_modules: .*/target_modules: ['*_proj']/"
@@ -62,12 +41,6 @@ run() { # NAME NPROC DROPOUT POSITION MODS [VAR=VALUE...]: trained, its steps in
         bad "$name did not train"; sed 's/^/    /' "$work/out-$name"; return 1
     fi
     steps_of "$work/logs-$name" >"$work/steps-$name"
-}
-compare() { # A B [LOSS_TOL NORM_TOL]: within the tolerances (0), else 1; the comparison in cmp-B
-    paste "$work/steps-$1" "$work/steps-$2" | awk -v steps="$steps" -v lt="${3:-$loss_tol}" -v nt="${4:-$norm_tol}" '
-        { d = $2 - $5; if (d < 0) d = -d; if (d > w) w = d; g = ($3 - $6) / $3; if (g < 0) g = -g; if (g > gw) gw = g; n++ }
-        END { printf "%d steps, loss %.2g (tolerance %.2g), grad norm %.2g relative (%.2g)", n, w, lt, gw, nt
-              exit !(n == steps && w <= lt && gw <= nt) }' >"$work/cmp-$2"
 }
 
 run none 1 0.0 post - || exit 1
@@ -99,9 +72,7 @@ done
 # bf16: "post" at tp 2 against one rank's bf16 run, within twice one rank's bf16-vs-fp32
 # differences (loss; grad norm relative), as test-lora.sh tolerates bf16 layouts
 if run ref-post-bf16 1 0.1 post bf16 && run post-bf16-tp2 2 0.1 post bf16 AM_TP=2; then
-    tol=$(paste "$work/steps-ref-post" "$work/steps-ref-post-bf16" | awk '
-        { d = $2 - $5; if (d < 0) d = -d; if (d > l) l = d; g = ($3 - $6) / $3; if (g < 0) g = -g; if (g > n) n = g }
-        END { printf "%.3g %.3g", 2 * l, 2 * n }')
+    tol=$(bf16_tol ref-post ref-post-bf16)
     if ! awk -v t="${tol%% *}" 'BEGIN { exit !(t > 1e-5) }'; then
         bad "one rank's bf16 run with dropout is not different from fp32 ($tol): is bf16 used?"
     elif compare ref-post-bf16 post-bf16-tp2 ${tol%% *} ${tol##* }; then

@@ -17,41 +17,11 @@
 #   memory: every rank's allocation equals am-plan's estimate for its pipeline rank (less the
 #     CUDA kernels' scratch) to the byte, at every layout.
 set -u
-: "${AM_SRCDIR:=$(cd "$(dirname "$0")/../.." && pwd)}"
-: "${AM_BUILDDIR:=$PWD}"
-AM_BUILDDIR=$(cd "$AM_BUILDDIR" && pwd)
-export AM_MODELS_DIR=${AM_MODELS_DIR:-$AM_SRCDIR/runtime/recipe/models} OMP_NUM_THREADS=1
-unset AM_RECIPE AM_TP AM_PP AM_EP AM_CP AM_LOG_DIR AM_DRY_RUN AM_FAULT PMIX_NAMESPACE PMIX_RANK 2>/dev/null || true
-work=$(mktemp -d)
-trap '[ -n "${AM_LORA_KEEP:-}" ] || rm -rf "$work"' EXIT
-fails=0 passes=0
 steps=6 loss_tol=1e-5 norm_tol=1e-5
-ok() { echo "ok: $*"; passes=$((passes + 1)); }
-bad() { echo "FAIL: $*"; fails=$((fails + 1)); }
+source "$(dirname "$0")/lora-lib.sh"
 
-awk 'NF { gsub(/\\/, "\\\\"); gsub(/"/, "\\\""); gsub(/\t/, " "); if (p != "") printf "{\"prompt\": \"%s\", \"response\": \"%s\"}\n", p, $0; p = $0 }' \
-    /usr/share/common-licenses/GPL-3 | head -300 >"$work/rows.jsonl"
-"$AM_BUILDDIR/am-data" build --tokenizer "$AM_SRCDIR/tests/data/tokenizer/gpt2.json" --instruction \
-    --eos '<|endoftext|>' --out "$work/ds" "$work/rows.jsonl" >/dev/null || { bad "am-data build --instruction"; exit 1; }
+lora_dataset 300 GPL-3
 
-train() { # NAME NPROC RECIPE [VAR=VALUE...]: am-launch in $work, logs in logs-NAME, output in out-NAME
-    local name=$1 n=$2 recipe=$3
-    shift 3
-    (cd "$work" && env "$@" AM_LOG_DIR="$work/logs-$name" timeout 600 "$AM_BUILDDIR/am-launch" --nproc "$n" \
-        "$recipe" >"$work/out-$name" 2>&1)
-}
-steps_of() { # LOGDIR: "step loss grad_norm" of rank 0
-    grep -h '"type":"step"' "$1"/*/rank-0.jsonl | sed -E 's/.*"step":([0-9]+),"loss":([^,]*),.*"grad_norm":([^,]*),.*/\1 \2 \3/'
-}
-memory() { # LOGDIR RANK KEY
-    grep -h '"type":"memory"' "$1"/*/rank-"$2".jsonl | sed -E "s/.*\"$3\":([0-9a-z]*).*/\1/"
-}
-compare() { # REF NAME LOSS_TOL NORM_TOL: rank 0's steps of NAME against REF's
-    paste "$work/steps-$1" "$work/steps-$2" | awk -v steps="$steps" -v lt="$3" -v nt="$4" '
-        { d = $2 - $5; if (d < 0) d = -d; if (d > w) w = d; g = ($3 - $6) / $3; if (g < 0) g = -g; if (g > gw) gw = g; n++ }
-        END { printf "%d steps, loss %.2g (tolerance %.2g), grad norm %.2g relative (%.2g)", n, w, lt, gw, nt
-              exit !(n == steps && w <= lt && gw <= nt) }'
-}
 
 # tiny_lora.yaml, short, every linear layer adapted (lm_head included)
 sed -e "s|paths: .*|paths: $work/ds|" -e "s/max_steps: .*/max_steps: $steps/" \
@@ -103,24 +73,22 @@ for layout in "tp2 2 - ref AM_TP=2" "pp2 2 - ref AM_PP=2" "tp2-pp2 4 - ref AM_TP
     name=$1 n=$2 mods=$3 ref=$4
     shift 4
     run "$name" "$n" "$mods" "$@" || continue
-    if cmp=$(compare "$ref" "$name" "$loss_tol" "$norm_tol"); then
-        ok "LoRA on lm_head, $name matches $ref: $cmp"
+    if compare "$ref" "$name"; then
+        ok "LoRA on lm_head, $name matches $ref: $(cat "$work/cmp-$name")"
     else
-        bad "LoRA on lm_head, $name against $ref: $cmp"; paste "$work/steps-$ref" "$work/steps-$name" | sed 's/^/    /'
+        bad "LoRA on lm_head, $name against $ref: $(cat "$work/cmp-$name")"; paste "$work/steps-$ref" "$work/steps-$name" | sed 's/^/    /'
     fi
 done
 
 # bf16: tp 2 against one rank's bf16 run, within twice one rank's bf16-vs-fp32 distance
 if run ref-bf16 1 bf16 && run bf16-tp2 2 bf16 AM_TP=2; then
-    tol=$(paste "$work/steps-ref" "$work/steps-ref-bf16" | awk '
-        { d = $2 - $5; if (d < 0) d = -d; if (d > l) l = d; g = ($3 - $6) / $3; if (g < 0) g = -g; if (g > n) n = g }
-        END { printf "%.3g %.3g", 2 * l, 2 * n }')
+    tol=$(bf16_tol ref ref-bf16)
     if ! awk -v t="${tol%% *}" 'BEGIN { exit !(t > 1e-5) }'; then
         bad "one rank's bf16 run is not different from fp32 ($tol): is bf16 used?"
-    elif cmp=$(compare ref-bf16 bf16-tp2 "${tol%% *}" "${tol##* }"); then
-        ok "LoRA on lm_head in bf16, tp 2 matches one rank's bf16 run: $cmp"
+    elif compare ref-bf16 bf16-tp2 "${tol%% *}" "${tol##* }"; then
+        ok "LoRA on lm_head in bf16, tp 2 matches one rank's bf16 run: $(cat "$work/cmp-bf16-tp2")"
     else
-        bad "LoRA on lm_head in bf16, tp 2 against one rank: $cmp"
+        bad "LoRA on lm_head in bf16, tp 2 against one rank: $(cat "$work/cmp-bf16-tp2")"
     fi
 fi
 

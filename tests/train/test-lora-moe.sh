@@ -31,35 +31,11 @@
 # refusals.tsv moe_rank_scaling with dim below num_experts_per_tok; tests/model/test_lora_moe
 # the experts' adapters' math, at rank r and r / top-k.)
 set -u
-: "${AM_SRCDIR:=$(cd "$(dirname "$0")/../.." && pwd)}"
-: "${AM_BUILDDIR:=$PWD}"
-AM_BUILDDIR=$(cd "$AM_BUILDDIR" && pwd)
-export AM_MODELS_DIR=${AM_MODELS_DIR:-$AM_SRCDIR/runtime/recipe/models} OMP_NUM_THREADS=1
-unset AM_RECIPE AM_TP AM_PP AM_EP AM_CP AM_LOG_DIR AM_DRY_RUN AM_FAULT PMIX_NAMESPACE PMIX_RANK 2>/dev/null || true
-work=$(mktemp -d)
-trap '[ -n "${AM_LORA_KEEP:-}" ] || rm -rf "$work"' EXIT
-fails=0 passes=0
 steps=4 loss_tol=1e-5 norm_tol=1e-5
-ok() { echo "ok: $*"; passes=$((passes + 1)); }
-bad() { echo "FAIL: $*"; fails=$((fails + 1)); }
+source "$(dirname "$0")/lora-lib.sh"
 
-awk 'NF { gsub(/\\/, "\\\\"); gsub(/"/, "\\\""); gsub(/\t/, " "); if (p != "") printf "{\"prompt\": \"%s\", \"response\": \"%s\"}\n", p, $0; p = $0 }' \
-    /usr/share/common-licenses/GPL-3 /usr/share/common-licenses/Apache-2.0 | head -600 >"$work/rows.jsonl"
-"$AM_BUILDDIR/am-data" build --tokenizer "$AM_SRCDIR/tests/data/tokenizer/gpt2.json" --instruction \
-    --eos '<|endoftext|>' --out "$work/ds" "$work/rows.jsonl" >/dev/null || { bad "am-data build --instruction"; exit 1; }
+lora_dataset 600 GPL-3 Apache-2.0
 
-train() { # NAME NPROC [VAR=VALUE...]
-    local name=$1 n=$2
-    shift 2
-    (cd "$work" && env "$@" AM_LOG_DIR="$work/logs-$name" timeout 600 "$AM_BUILDDIR/am-launch" --nproc "$n" \
-        "$work/$name.yaml" >"$work/out-$name" 2>&1)
-}
-steps_of() { # LOGDIR: "step loss grad_norm" of rank 0
-    grep -h '"type":"step"' "$1"/*/rank-0.jsonl | sed -E 's/.*"step":([0-9]+),"loss":([^,]*),.*"grad_norm":([^,]*),.*/\1 \2 \3/'
-}
-memory() { # LOGDIR RANK KEY
-    grep -h '"type":"memory"' "$1"/*/rank-"$2".jsonl | sed -E "s/.*\"$3\":([0-9a-z]*).*/\1/"
-}
 recipe() { # NAME EP [TARGETS]: tiny_moe.yaml in fp32 on the instruction data, adapters on the attention and
     # the experts (or TARGETS)
     sed -e "s|paths: .*|paths: $work/ds|" -e "s/vocab_size: .*/vocab_size: 1024/" -e "s/max_steps: .*/max_steps: $steps/" \
@@ -81,7 +57,7 @@ YAML
 }
 
 recipe ref 1
-train ref 1 || { sed 's/^/    /' "$work/out-ref"; bad "LoRA on tiny_moe did not train on one rank"; exit 1; }
+train ref 1 "$work/ref.yaml" || { sed 's/^/    /' "$work/out-ref"; bad "LoRA on tiny_moe did not train on one rank"; exit 1; }
 steps_of "$work/logs-ref" >"$work/steps-ref"
 if [ "$(wc -l <"$work/steps-ref")" = "$steps" ] &&
     awk 'NR == 1 { a = $2 } END { exit !($2 < a) }' "$work/steps-ref" &&
@@ -130,7 +106,7 @@ fi
 # the attention alone: the experts frozen with the base, none saved, and the experts' adapters
 # change the gradients from step 1
 recipe att 1 "['*.q_proj', '*.k_proj', '*.v_proj', '*.o_proj']"
-if train att 1 && steps_of "$work/logs-att" >"$work/steps-att" &&
+if train att 1 "$work/att.yaml" && steps_of "$work/logs-att" >"$work/steps-att" &&
     ! tensors "$work/ckpt-att/step-$steps/peft/adapter_model.safetensors" | grep -q experts &&
     [ "$(head -1 "$work/steps-att" | cut -d' ' -f2)" = "$(head -1 "$work/steps-ref" | cut -d' ' -f2)" ] &&
     [ "$(head -1 "$work/steps-att" | cut -d' ' -f3)" != "$(head -1 "$work/steps-ref" | cut -d' ' -f3)" ]; then
@@ -144,14 +120,11 @@ for layout in "ep2 2 2" "tp2-ep2 4 2 AM_TP=2" "pp2 2 1 AM_PP=2"; do
     name=$1 n=$2 ep=$3
     shift 3
     recipe "$name" "$ep"
-    if ! train "$name" "$n" "$@"; then
+    if ! train "$name" "$n" "$work/$name.yaml" "$@"; then
         bad "$name did not train"; sed 's/^/    /' "$work/out-$name"; continue
     fi
     steps_of "$work/logs-$name" >"$work/steps-$name"
-    if paste "$work/steps-ref" "$work/steps-$name" | awk -v steps="$steps" -v lt="$loss_tol" -v nt="$norm_tol" '
-        { d = $2 - $5; if (d < 0) d = -d; if (d > w) w = d; g = ($3 - $6) / $3; if (g < 0) g = -g; if (g > gw) gw = g; n++ }
-        END { printf "%d steps, loss %.2g (tolerance %.2g), grad norm %.2g relative (%.2g)", n, w, lt, gw, nt
-              exit !(n == steps && w <= lt && gw <= nt) }' >"$work/cmp-$name"; then
+    if compare ref "$name"; then
         ok "LoRA on tiny_moe $name matches one rank: $(cat "$work/cmp-$name")"
     else
         bad "LoRA on tiny_moe $name: $(cat "$work/cmp-$name")"; paste "$work/steps-ref" "$work/steps-$name" | sed 's/^/    /'
@@ -174,19 +147,14 @@ for run in "ref-bf16 1 ref" "ep2-bf16 2 ep2" "tp2-ep2-bf16 4 tp2-ep2 AM_TP=2"; d
     sed -e 's/param_dtype: float32/param_dtype: bfloat16/' -e "s|ckpt-$3|ckpt-$1|" "$work/$3.yaml" >"$work/$1.yaml"
     name=$1 n=$2
     shift 3
-    train "$name" "$n" "$@" && steps_of "$work/logs-$name" >"$work/steps-$name" || { bad "$name did not train"; sed 's/^/    /' "$work/out-$name"; }
+    train "$name" "$n" "$work/$name.yaml" "$@" && steps_of "$work/logs-$name" >"$work/steps-$name" || { bad "$name did not train"; sed 's/^/    /' "$work/out-$name"; }
 done
-tol=$(paste "$work/steps-ref" "$work/steps-ref-bf16" | awk '
-    { d = $2 - $5; if (d < 0) d = -d; if (d > l) l = d; g = ($3 - $6) / $3; if (g < 0) g = -g; if (g > n) n = g }
-    END { printf "%.3g %.3g", 2 * l, 2 * n }')
+tol=$(bf16_tol ref ref-bf16)
 if ! awk -v t="${tol%% *}" 'BEGIN { exit !(t > 1e-5) }'; then
     bad "one rank's bf16 run is not different from fp32 ($tol): is bf16 used?"
 fi
 for name in ep2-bf16 tp2-ep2-bf16; do
-    if paste "$work/steps-ref-bf16" "$work/steps-$name" | awk -v steps="$steps" -v lt="${tol%% *}" -v nt="${tol##* }" '
-        { d = $2 - $5; if (d < 0) d = -d; if (d > w) w = d; g = ($3 - $6) / $3; if (g < 0) g = -g; if (g > gw) gw = g; n++ }
-        END { printf "%d steps, loss %.2g (tolerance %.2g), grad norm %.2g relative (%.2g)", n, w, lt, gw, nt
-              exit !(n == steps && w <= lt && gw <= nt) }' >"$work/cmp-$name"; then
+    if compare ref-bf16 "$name" "${tol%% *}" "${tol##* }"; then
         ok "LoRA on tiny_moe $name matches one rank in bf16: $(cat "$work/cmp-$name")"
     else
         bad "LoRA on tiny_moe $name: $(cat "$work/cmp-$name")"; paste "$work/steps-ref-bf16" "$work/steps-$name" | sed 's/^/    /'
@@ -196,7 +164,7 @@ done
 # resume: ep 2 stopped after step 2 (its checkpoint) and restored gives the uninterrupted run's
 # steps 3 and 4 to the last bit
 recipe cut 2 && sed -i -e 's/max_steps: .*/max_steps: 2/' -e 's|checkpoint_dir: .*|&\n  restore_from: latest|' "$work/cut.yaml" &&
-    train cut 2 && sed -i 's/max_steps: .*/max_steps: 4/' "$work/cut.yaml" && rm -rf "$work/logs-cut" && train cut 2 &&
+    train cut 2 "$work/cut.yaml" && sed -i 's/max_steps: .*/max_steps: 4/' "$work/cut.yaml" && rm -rf "$work/logs-cut" && train cut 2 "$work/cut.yaml" &&
     steps_of "$work/logs-cut" >"$work/steps-cut"
 if [ -f "$work/steps-cut" ] && [ "$(tail -2 "$work/steps-ep2")" = "$(cat "$work/steps-cut")" ]; then
     ok "LoRA on tiny_moe ep2: restored after step 2, steps 3-4 are the uninterrupted run's to the last bit"
@@ -216,7 +184,7 @@ values() { # FILE NAME: the tensor's values, one a line
 }
 sed -e '/^peft:/,$d' -e 's/max_steps: .*/max_steps: 1/' "$work/ref.yaml" >"$work/base.yaml"
 printf '\ncheckpoint:\n  enabled: true\n  checkpoint_dir: %s\n' "$work/ckpt-base" >>"$work/base.yaml"
-if train base 1 && "$AM_BUILDDIR/am-ckpt" merge "$work/ckpt-base/step-1/hf" "$work/ckpt-ref/step-$steps/peft" \
+if train base 1 "$work/base.yaml" && "$AM_BUILDDIR/am-ckpt" merge "$work/ckpt-base/step-1/hf" "$work/ckpt-ref/step-$steps/peft" \
     "$work/merged" >"$work/out-merge" 2>&1 && grep -q 'merged 64 adapted weights' "$work/out-merge"; then
     e=model.layers.2.block_sparse_moe.experts.3 pe=base_model.model.model.layers.2.block_sparse_moe.experts.3 fit=1
     for w in "w1 w1 w1 96 64" "w3 w3 w1 96 64" "w2 w2 w2 64 96"; do
@@ -248,16 +216,13 @@ fi
 for run in "rs 1" "rs-ep2 2"; do
     set -- $run
     recipe "$1" "$2" && sed -i 's/^  dim: 8$/  dim: 8\n  moe_rank_scaling: true/' "$work/$1.yaml"
-    train "$1" "$2" && steps_of "$work/logs-$1" >"$work/steps-$1" || { bad "$1 did not train"; sed 's/^/    /' "$work/out-$1"; }
+    train "$1" "$2" "$work/$1.yaml" && steps_of "$work/logs-$1" >"$work/steps-$1" || { bad "$1 did not train"; sed 's/^/    /' "$work/out-$1"; }
 done
-if paste "$work/steps-rs" "$work/steps-rs-ep2" | awk -v steps="$steps" -v lt="$loss_tol" -v nt="$norm_tol" '
-    { d = $2 - $5; if (d < 0) d = -d; if (d > w) w = d; g = ($3 - $6) / $3; if (g < 0) g = -g; if (g > gw) gw = g; n++ }
-    END { printf "%d steps, loss %.2g (tolerance %.2g), grad norm %.2g relative (%.2g)", n, w, lt, gw, nt
-          exit !(n == steps && w <= lt && gw <= nt) }' >"$work/cmp-rs" &&
+if compare rs rs-ep2 &&
     [ "$(head -1 "$work/steps-rs" | cut -d' ' -f3)" != "$(head -1 "$work/steps-ref" | cut -d' ' -f3)" ]; then
-    ok "moe_rank_scaling: ep 2 matches one rank ($(cat "$work/cmp-rs")); step 1's gradients differ from rank 8's"
+    ok "moe_rank_scaling: ep 2 matches one rank ($(cat "$work/cmp-rs-ep2")); step 1's gradients differ from rank 8's"
 else
-    bad "moe_rank_scaling: $(cat "$work/cmp-rs" 2>/dev/null)"; paste "$work/steps-rs" "$work/steps-rs-ep2" | sed 's/^/    /'
+    bad "moe_rank_scaling: $(cat "$work/cmp-rs-ep2" 2>/dev/null)"; paste "$work/steps-rs" "$work/steps-rs-ep2" | sed 's/^/    /'
 fi
 rad="$work/ckpt-rs/step-$steps/peft/adapter_model.safetensors" rcfg="$work/ckpt-rs/step-$steps/peft/adapter_config.json"
 e=base_model.model.model.layers.2.block_sparse_moe.experts.3
@@ -330,7 +295,7 @@ for run in "ref 1" "ep2 2" "tp2-ep2 4 AM_TP=2" "pp2 2 AM_PP=2" "rs 1" "rs-ep2 2"
         case $v in AM_TP=*) sets+=(--set "distributed.tp_size=${v#*=}") ;; AM_PP=*) sets+=(--set "distributed.pp_size=${v#*=}") ;; esac
     done
     sed -e '/^peft:/,$d' -e 's/max_steps: .*/max_steps: 1/' "$work/$name.yaml" >"$work/$name-base.yaml"
-    if ! train "$name-base" "$n" "$@"; then
+    if ! train "$name-base" "$n" "$work/$name-base.yaml" "$@"; then
         bad "$name without LoRA did not train"; sed 's/^/    /' "$work/out-$name-base"; continue
     fi
     wl=($(plan_of "$work/$name.yaml" "$n" "${sets[@]}")) wb=($(plan_of "$work/$name-base.yaml" "$n" "${sets[@]}"))

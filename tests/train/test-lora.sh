@@ -35,38 +35,14 @@
 #     heads fail before training with their messages; am-ckpt export refuses a LoRA checkpoint
 #     (adapters, no model) and names its peft/ directory.
 set -u
-: "${AM_SRCDIR:=$(cd "$(dirname "$0")/../.." && pwd)}"
-: "${AM_BUILDDIR:=$PWD}"
 : "${AM_GOLDENV:=/tmp/goldenv}"
-AM_BUILDDIR=$(cd "$AM_BUILDDIR" && pwd)
-export AM_MODELS_DIR=${AM_MODELS_DIR:-$AM_SRCDIR/runtime/recipe/models} OMP_NUM_THREADS=1
-unset AM_RECIPE AM_TP AM_PP AM_EP AM_CP AM_LOG_DIR AM_DRY_RUN AM_FAULT PMIX_NAMESPACE PMIX_RANK 2>/dev/null || true
-work=$(mktemp -d)
-trap '[ -n "${AM_LORA_KEEP:-}" ] || rm -rf "$work"' EXIT
-fails=0 passes=0
 steps=6 loss_tol=1e-5 norm_tol=1e-5 weight_tol=5e-5
-ok() { echo "ok: $*"; passes=$((passes + 1)); }
-bad() { echo "FAIL: $*"; fails=$((fails + 1)); }
+source "$(dirname "$0")/lora-lib.sh"
 
 # instruction rows from Debian's license texts: a line as the prompt, the next as the response
-awk 'NF { gsub(/\\/, "\\\\"); gsub(/"/, "\\\""); gsub(/\t/, " "); if (p != "") printf "{\"prompt\": \"%s\", \"response\": \"%s\"}\n", p, $0; p = $0 }' \
-    /usr/share/common-licenses/GPL-3 /usr/share/common-licenses/Apache-2.0 | head -600 >"$work/rows.jsonl"
-"$AM_BUILDDIR/am-data" build --tokenizer "$AM_SRCDIR/tests/data/tokenizer/gpt2.json" --instruction \
-    --eos '<|endoftext|>' --out "$work/ds" "$work/rows.jsonl" >/dev/null || { bad "am-data build --instruction"; exit 1; }
+lora_dataset 600 GPL-3 Apache-2.0
 [ -f "$work/ds.mask.idx" ] || { bad "no loss mask beside the dataset"; exit 1; }
 
-train() { # NAME NPROC RECIPE [VAR=VALUE...]: am-launch in $work, logs in logs-NAME, output in out-NAME
-    local name=$1 n=$2 recipe=$3
-    shift 3
-    (cd "$work" && env "$@" AM_LOG_DIR="$work/logs-$name" timeout 600 "$AM_BUILDDIR/am-launch" --nproc "$n" \
-        "$recipe" >"$work/out-$name" 2>&1)
-}
-steps_of() { # LOGDIR: "step loss grad_norm" of rank 0
-    grep -h '"type":"step"' "$1"/*/rank-0.jsonl | sed -E 's/.*"step":([0-9]+),"loss":([^,]*),.*"grad_norm":([^,]*),.*/\1 \2 \3/'
-}
-memory() { # LOGDIR RANK KEY
-    grep -h '"type":"memory"' "$1"/*/rank-"$2".jsonl | sed -E "s/.*\"$3\":([0-9a-z]*).*/\1/"
-}
 # adapters A B TOL: two peft directories' adapter tensors compared by ckpt_diff (as a model
 # directory: the safetensors file under the name it reads, the base's config.json beside it)
 adapters() {
@@ -154,10 +130,7 @@ for layout in "tp2-pp2 4 - AM_TP=2 AM_PP=2" "dp2 2 -" "dp4 4 lb2" "tp2-dp2-sp 4 
         bad "$name did not train"; sed 's/^/    /' "$work/out-$name"; continue
     fi
     steps_of "$work/logs-$name" >"$work/steps-$name"
-    if ! paste "$work/steps-ref" "$work/steps-$name" | awk -v steps="$steps" -v lt="$loss_tol" -v nt="$norm_tol" '
-        { d = $2 - $5; if (d < 0) d = -d; if (d > w) w = d; g = ($3 - $6) / $3; if (g < 0) g = -g; if (g > gw) gw = g; n++ }
-        END { printf "%d steps, loss %.2g (tolerance %.2g), grad norm %.2g relative (%.2g)", n, w, lt, gw, nt
-              exit !(n == steps && w <= lt && gw <= nt) }' >"$work/cmp-$name"; then
+    if ! compare ref "$name"; then
         bad "$name: $(cat "$work/cmp-$name")"; paste "$work/steps-ref" "$work/steps-$name" | sed 's/^/    /'; continue
     fi
     if ! adapters "$work/ckpt-ref/step-$steps/peft" "$work/ckpt-$name/step-$steps/peft" "$weight_tol" >"$work/wdiff-$name" 2>&1; then
@@ -185,9 +158,7 @@ done
 recipe ref-bf16 bf16
 if train ref-bf16 1 "$work/ref-bf16.yaml"; then
     steps_of "$work/logs-ref-bf16" >"$work/steps-ref-bf16"
-    tol=$(paste "$work/steps-ref" "$work/steps-ref-bf16" | awk '
-        { d = $2 - $5; if (d < 0) d = -d; if (d > l) l = d; g = ($3 - $6) / $3; if (g < 0) g = -g; if (g > n) n = g }
-        END { printf "%.3g %.3g", 2 * l, 2 * n }')
+    tol=$(bf16_tol ref ref-bf16)
     if awk -v t="${tol%% *}" 'BEGIN { exit !(t > 1e-5) }'; then
         ok "bf16 differs from fp32 on one rank: bf16 layouts get $tol (loss, grad norm)"
     else
@@ -202,10 +173,7 @@ if train ref-bf16 1 "$work/ref-bf16.yaml"; then
             bad "$name did not train"; sed 's/^/    /' "$work/out-$name"; continue
         fi
         steps_of "$work/logs-$name" >"$work/steps-$name"
-        if paste "$work/steps-ref-bf16" "$work/steps-$name" | awk -v steps="$steps" -v lt="${tol%% *}" -v nt="${tol##* }" '
-            { d = $2 - $5; if (d < 0) d = -d; if (d > w) w = d; g = ($3 - $6) / $3; if (g < 0) g = -g; if (g > gw) gw = g; n++ }
-            END { printf "%d steps, loss %.2g (tolerance %.2g), grad norm %.2g relative (%.2g)", n, w, lt, gw, nt
-                  exit !(n == steps && w <= lt && gw <= nt) }' >"$work/cmp-$name"; then
+        if compare ref-bf16 "$name" "${tol%% *}" "${tol##* }"; then
             ok "LoRA $name matches one rank in bf16: $(cat "$work/cmp-$name")"
         else
             bad "$name: $(cat "$work/cmp-$name")"; paste "$work/steps-ref-bf16" "$work/steps-$name" | sed 's/^/    /'

@@ -1,0 +1,58 @@
+# tests/train/lora-lib.sh - what the LoRA end-to-end tests share (sourced by test-lora.sh,
+# test-lora-dropout.sh, test-lora-moe.sh and test-lora-head.sh): the test environment, a work
+# directory $work (kept when AM_LORA_KEEP is set), the counts of passed and failed checks (ok,
+# bad), the instruction dataset, the runs and their steps compared with test-parity.sh's
+# measures.
+
+: "${AM_SRCDIR:=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)}"
+: "${AM_BUILDDIR:=$PWD}"
+AM_BUILDDIR=$(cd "$AM_BUILDDIR" && pwd)
+export AM_MODELS_DIR=${AM_MODELS_DIR:-$AM_SRCDIR/runtime/recipe/models} OMP_NUM_THREADS=1
+unset AM_RECIPE AM_TP AM_PP AM_EP AM_CP AM_LOG_DIR AM_DRY_RUN AM_FAULT PMIX_NAMESPACE PMIX_RANK 2>/dev/null || true
+work=$(mktemp -d)
+trap '[ -n "${AM_LORA_KEEP:-}" ] || rm -rf "$work"' EXIT
+fails=0 passes=0
+ok() { echo "ok: $*"; passes=$((passes + 1)); }
+bad() { echo "FAIL: $*"; fails=$((fails + 1)); }
+
+# lora_dataset ROWS LICENSE...: $work/ds (and its loss mask) by am-data build --instruction from
+# the first ROWS instruction rows of Debian's license texts (a line as the prompt, the next as the
+# response), the script ended when it fails
+lora_dataset() {
+    local rows=$1 f texts=()
+    shift
+    for f; do texts+=("/usr/share/common-licenses/$f"); done
+    awk 'NF { gsub(/\\/, "\\\\"); gsub(/"/, "\\\""); gsub(/\t/, " "); if (p != "") printf "{\"prompt\": \"%s\", \"response\": \"%s\"}\n", p, $0; p = $0 }' \
+        "${texts[@]}" | head -"$rows" >"$work/rows.jsonl"
+    "$AM_BUILDDIR/am-data" build --tokenizer "$AM_SRCDIR/tests/data/tokenizer/gpt2.json" --instruction \
+        --eos '<|endoftext|>' --out "$work/ds" "$work/rows.jsonl" >/dev/null || { bad "am-data build --instruction"; exit 1; }
+}
+
+train() { # NAME NPROC RECIPE [VAR=VALUE...]: am-launch in $work, logs in logs-NAME, output in out-NAME
+    local name=$1 n=$2 recipe=$3
+    shift 3
+    (cd "$work" && env "$@" AM_LOG_DIR="$work/logs-$name" timeout 600 "$AM_BUILDDIR/am-launch" --nproc "$n" \
+        "$recipe" >"$work/out-$name" 2>&1)
+}
+steps_of() { # LOGDIR: "step loss grad_norm" of rank 0
+    grep -h '"type":"step"' "$1"/*/rank-0.jsonl | sed -E 's/.*"step":([0-9]+),"loss":([^,]*),.*"grad_norm":([^,]*),.*/\1 \2 \3/'
+}
+memory() { # LOGDIR RANK KEY
+    grep -h '"type":"memory"' "$1"/*/rank-"$2".jsonl | sed -E "s/.*\"$3\":([0-9a-z]*).*/\1/"
+}
+# compare A B [LOSS_TOL NORM_TOL]: rank 0's steps of B (steps-B) against A's: $steps steps, the
+# losses within LOSS_TOL and the grad norms within NORM_TOL relative ($loss_tol, $norm_tol) (0),
+# else 1; what it measured in cmp-B
+compare() {
+    paste "$work/steps-$1" "$work/steps-$2" | awk -v steps="$steps" -v lt="${3:-$loss_tol}" -v nt="${4:-$norm_tol}" '
+        { d = $2 - $5; if (d < 0) d = -d; if (d > w) w = d; g = ($3 - $6) / $3; if (g < 0) g = -g; if (g > gw) gw = g; n++ }
+        END { printf "%d steps, loss %.2g (tolerance %.2g), grad norm %.2g relative (%.2g)", n, w, lt, gw, nt
+              exit !(n == steps && w <= lt && gw <= nt) }' >"$work/cmp-$2"
+}
+# bf16_tol FP32 BF16: "LOSS_TOL NORM_TOL" for bf16 layouts, twice one rank's bf16 run's (steps-BF16)
+# distance from its fp32 run (steps-FP32): the loss's, the grad norm's relative
+bf16_tol() {
+    paste "$work/steps-$1" "$work/steps-$2" | awk '
+        { d = $2 - $5; if (d < 0) d = -d; if (d > l) l = d; g = ($3 - $6) / $3; if (g < 0) g = -g; if (g > n) n = g }
+        END { printf "%.3g %.3g", 2 * l, 2 * n }'
+}
