@@ -113,7 +113,7 @@ mlp:
 /* LoRA (lora.h): A and B of each adapted projection, after the layer's own parameters, split
  * over tp with their base layer; the tp ranks' partial gradients (A beside a column-parallel
  * layer, B beside a row-parallel one) summed in am_model_finish_grads. */
-void am_layer_lora_params(struct am_model *m, int l, struct am_layer *L)
+void am_layer_lora_params(struct am_model *m, struct am_layer *L)
 {
     const struct am_param *base[AM_LORA_NPROJ] = {L->wq, L->wk, L->wv, L->wo, L->w_gate, L->w_up, L->w_down};
     int64_t rk = m->sh.lora_r;
@@ -127,10 +127,12 @@ void am_layer_lora_params(struct am_model *m, int l, struct am_layer *L)
             b_rows = base[t]->w.shape[0];
             b0 = base[t]->row0;
         }
+        /* named after the base layer ("model.layers.3.mlp.shared_experts.gate_proj.lora_A.weight") */
         char n[128];
-        snprintf(n, sizeof(n), "model.layers.%d.%s.lora_A.weight", l, am_lora_target_path(t));
+        int stem = (int)(strlen(base[t]->name) - strlen(".weight"));
+        snprintf(n, sizeof(n), "%.*s.lora_A.weight", stem, base[t]->name);
         L->lora_a[t] = add_param(m, n, rk, a_cols, row ? AM_SPLIT_COLS : AM_SPLIT_NONE, rk, in, 0, a0);
-        snprintf(n, sizeof(n), "model.layers.%d.%s.lora_B.weight", l, am_lora_target_path(t));
+        snprintf(n, sizeof(n), "%.*s.lora_B.weight", stem, base[t]->name);
         L->lora_b[t] = add_param(m, n, b_rows, rk, row ? AM_SPLIT_NONE : AM_SPLIT_ROWS, out, rk, b0, 0);
         struct am_param *partial = row ? L->lora_b[t] : L->lora_a[t];
         partial->partial_in_tp = m->sh.tp > 1;
@@ -510,11 +512,14 @@ int am_layer_backward(struct am_model *m, const struct am_layer *L, const struct
             struct am_tensor sdu = am_tensor_view((char *)m->scratch_mlp.data + 2 * ps, K->device, m->act_dt, N, Il, 0, 0);
             K->zero(m->dev, &sda);
             K->matmul_backward(m->dev, &sda, base_grad(m, L->w_down), &dy, &sa, &L->w_down->wc);
+            lora_backward(m, L, a, AM_LORA_DOWN, &sda, &dy, &sa);
             K->zero(m->dev, &sdg);
             K->zero(m->dev, &sdu);
             K->swiglu_backward(m->dev, &sdg, &sdu, &sda, &sg, &su);
             K->matmul_backward(m->dev, &dh, base_grad(m, L->w_gate), &sdg, &in, &L->w_gate->wc);
             K->matmul_backward(m->dev, &dh, base_grad(m, L->w_up), &sdu, &in, &L->w_up->wc);
+            lora_backward(m, L, a, AM_LORA_GATE, &dh, &sdg, &in);
+            lora_backward(m, L, a, AM_LORA_UP, &dh, &sdu, &in);
         }
         if (am_norm_backward(m, dx, L->mlp_norm, &dh, &x_mid, &rstd2, err, err_len) < 0)
             return -1;

@@ -147,7 +147,7 @@ static void register_params(struct am_model *m, const struct am_model_config *cf
         am_model_begin_group(m, AM_PG_LORA, -1, "lora");
         for (int c = 0; c < sh->n_chunks; c++)
             for (int i = 0; i < sh->chunks[c].n_layers; i++)
-                am_layer_lora_params(m, sh->chunks[c].first_layer + i, &m->layers[m->chunk_base[c] + i]);
+                am_layer_lora_params(m, &m->layers[m->chunk_base[c] + i]);
         if (sh->last_stage && (sh->lora_targets >> AM_LORA_HEAD & 1u)) { /* lm_head's: B split with the head */
             m->head_lora_a = am_model_add_param(m, "lm_head.lora_A.weight", sh->lora_r, C, AM_SPLIT_NONE, sh->lora_r,
                                                 C, 0, 0);

@@ -124,7 +124,7 @@ int am_sp_gather(struct am_model *m, const struct am_tensor *rows, struct am_ten
 /* Registers global layer l's parameters (local index `local`) into the current group, the
  * router and experts of a MoE layer too (moe.h); its LoRA adapters into the adapters' group. */
 void am_layer_params(struct am_model *m, int l, int local);
-void am_layer_lora_params(struct am_model *m, int l, struct am_layer *L);
+void am_layer_lora_params(struct am_model *m, struct am_layer *L);
 /* The layer on the residual stream x (R rows), saving what backward needs in a; its
  * backward: dx holds the gradient of the layer's output and becomes that of its input. */
 int am_layer_forward(struct am_model *m, const struct am_layer *L, struct am_layer_acts *a, struct am_tensor *x,

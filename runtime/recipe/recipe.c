@@ -724,27 +724,51 @@ static void experts_path(const struct am_model_config *m, char *buf, size_t len,
     snprintf(buf, len, "model.layers.%ld.%s.experts", l, mixtral ? "block_sparse_moe" : "mlp");
 }
 
+/* The Hugging Face path of MLP projection k (AM_LORA_GATE .. AM_LORA_DOWN) of layer l of a
+ * DeepSeekMoE model (glm4_moe, deepseek_v3): a dense layer's ("model.layers.0.mlp.gate_proj")
+ * or a MoE layer's shared experts' ("model.layers.3.mlp.shared_experts.gate_proj"). false when
+ * the layer has neither (a MoE layer without shared experts). */
+static bool deepseekmoe_mlp_path(const struct am_model_config *m, char *buf, size_t len, long l, int k)
+{
+    bool moe = am_model_layer_is_moe(m, l);
+    if (moe && m->n_shared_experts <= 0)
+        return false;
+    snprintf(buf, len, "model.layers.%ld.mlp.%s%s", l, moe ? "shared_experts." : "", am_lora_target_name(k));
+    return true;
+}
+
 /* A mixture-of-experts model: am adapts its attention projections (AutoModel's adapters on
  * q, k, v, o) and its experts (AutoModel's GroupedExpertsLoRA: a target_modules pattern that
  * matches model.layers.N.mlp.experts, as '*' does; match_all_linear and exclude_modules pick
  * linear layers only, which the experts are not), at rank dim or, with moe_rank_scaling, dim /
- * num_experts_per_tok. Refused: the experts of some MoE layers only, and the MLP projections of
- * its dense layers. -1 with the message. */
+ * num_experts_per_tok. A DeepSeekMoE model's MLPs (glm4_moe, deepseek_v3: the dense layers'
+ * mlp.gate_proj, up_proj, down_proj and the MoE layers' mlp.shared_experts.*: linear layers,
+ * which '*_proj' and match_all_linear pick) are adapted as one target each: in all of those
+ * layers or in none. Refused: the experts of some MoE layers only, a DeepSeekMoE MLP projection
+ * in some of its layers only, and the MLP projections of the other models' dense layers. -1
+ * with the message. */
 static int moe_targets(struct reader *rd, struct am_pos at)
 {
     const struct am_model_config *m = &rd->r->model;
     static const char fix[] = "on a mixture-of-experts model am adapts the attention projections (target_modules: "
                               "['*.q_proj', '*.k_proj', '*.v_proj', '*.o_proj'])";
     char path[128];
-    long n_moe = 0, n_sel = 0;
+    long n_moe = 0, n_sel = 0, n_mlp = 0, mlp_sel[AM_LORA_DOWN + 1] = {0};
     for (long l = 0; l < m->num_hidden_layers; l++) {
+        if (m->sigmoid_router && deepseekmoe_mlp_path(m, path, sizeof(path), l, AM_LORA_GATE)) {
+            n_mlp++;
+            for (int k = AM_LORA_GATE; k <= AM_LORA_DOWN; k++) {
+                deepseekmoe_mlp_path(m, path, sizeof(path), l, k);
+                mlp_sel[k] += lora_selects(rd, path);
+            }
+        }
         if (am_model_layer_is_moe(m, l)) {
             experts_path(m, path, sizeof(path), l);
             n_moe++;
             n_sel += rd->peft_targets && lora_any(rd->peft_targets, path);
             continue;
         }
-        for (int k = AM_LORA_GATE; k <= AM_LORA_DOWN; k++) {
+        for (int k = AM_LORA_GATE; k <= AM_LORA_DOWN && !m->sigmoid_router; k++) {
             lora_path(path, sizeof(path), l, k);
             if (lora_selects(rd, path)) {
                 am_errorf(rd->err, rd->peft_targets ? &rd->peft_targets->pos : rd->peft_excludes ? &rd->peft_excludes->pos : &at,
@@ -753,6 +777,18 @@ static int moe_targets(struct reader *rd, struct am_pos at)
                 return -1;
             }
         }
+    }
+    for (int k = AM_LORA_GATE; k <= AM_LORA_DOWN; k++) {
+        const char *name = am_lora_target_name(k);
+        if (mlp_sel[k] > 0 && mlp_sel[k] < n_mlp) {
+            am_errorf(rd->err, &(rd->peft_targets ? rd->peft_targets : rd->peft_excludes)->pos,
+                      "peft: the patterns select %s in %ld of the %ld layers with an MLP (the dense layers' "
+                      "mlp.%s, the shared experts' mlp.shared_experts.%s); am adapts a projection in every such "
+                      "layer or in none (select it in all, as '*.%s')", name, mlp_sel[k], n_mlp, name, name, name);
+            return -1;
+        }
+        if (mlp_sel[k] > 0)
+            rd->r->peft.targets |= 1u << k;
     }
     if (n_sel > 0 && n_sel < n_moe) {
         am_errorf(rd->err, &rd->peft_targets->pos, "peft: the patterns select the experts in %ld of the %ld "
@@ -827,11 +863,14 @@ static void resolve_peft(struct reader *rd, struct am_pos at)
                 lora_path(path, sizeof(path), k == AM_LORA_HEAD ? 0 : L - 1, k);
                 hit = lora_any(pat, path);
             }
-            for (long l = 0; l < L && !hit && m->num_experts > 0; l++)
+            for (long l = 0; l < L && !hit && m->num_experts > 0; l++) {
                 if (am_model_layer_is_moe(m, l)) { /* the experts (moe_targets) */
                     experts_path(m, path, sizeof(path), l);
                     hit = lora_any(pat, path);
                 }
+                for (int k = AM_LORA_GATE; k <= AM_LORA_DOWN && !hit && m->sigmoid_router; k++)
+                    hit = deepseekmoe_mlp_path(m, path, sizeof(path), l, k) && lora_any(pat, path);
+            }
             if (!hit) {
                 bool leaf = false;
                 for (int k = 0; k < AM_LORA_NTARGETS; k++)
@@ -852,12 +891,19 @@ static void resolve_peft(struct reader *rd, struct am_pos at)
                   "such as '*_proj')");
 }
 
-/* A targeted layer's input and output sizes. */
-static void lora_shape(const struct am_model_config *m, int t, double *in, double *out)
+/* A targeted layer's input and output sizes, in layer l (a mixture of experts' MLP
+ * projections: a DeepSeekMoE MoE layer's shared experts, of n_shared_experts x
+ * moe_intermediate_size; false when layer l has no such projection). */
+static bool lora_shape(const struct am_model_config *m, int t, long l, double *in, double *out)
 {
     double h = (double)m->hidden_size, q = (double)m->num_attention_heads * (double)m->head_dim,
            kv = (double)m->num_key_value_heads * (double)m->head_dim, I = (double)m->intermediate_size;
     static const int kinds[] = {0, 1, 1, 2, 3, 3, 4, 5};
+    if (t >= AM_LORA_GATE && t <= AM_LORA_DOWN && m->num_experts > 0 && am_model_layer_is_moe(m, l)) {
+        I = (double)(m->n_shared_experts * m->moe_intermediate_size);
+        if (I <= 0)
+            return false;
+    }
     switch (kinds[t]) {
     case 0: *in = h, *out = q; break;
     case 1: *in = h, *out = kv; break;
@@ -866,16 +912,23 @@ static void lora_shape(const struct am_model_config *m, int t, double *in, doubl
     case 4: *in = I, *out = h; break;
     default: *in = h, *out = (double)m->vocab_size; break;
     }
+    return true;
 }
 
-double am_lora_layer_params(const struct am_recipe *r)
+double am_lora_layer_params(const struct am_recipe *r, long l)
 {
     double n = 0, in, out;
     for (int t = 0; r->peft.enabled && t < AM_LORA_HEAD; t++)
-        if (r->peft.targets & (1u << t)) {
-            lora_shape(&r->model, t, &in, &out);
+        if ((r->peft.targets & (1u << t)) && lora_shape(&r->model, t, l, &in, &out))
             n += (double)r->peft.dim * (in + out);
-        }
+    return n;
+}
+
+double am_lora_layers_params(const struct am_recipe *r)
+{
+    double n = 0;
+    for (long l = 0; l < r->model.num_hidden_layers; l++)
+        n += am_lora_layer_params(r, l);
     return n;
 }
 
@@ -884,7 +937,7 @@ double am_lora_head_params(const struct am_recipe *r)
     double in, out;
     if (!r->peft.enabled || !(r->peft.targets & (1u << AM_LORA_HEAD)))
         return 0;
-    lora_shape(&r->model, AM_LORA_HEAD, &in, &out);
+    lora_shape(&r->model, AM_LORA_HEAD, 0, &in, &out);
     return (double)r->peft.dim * (in + out);
 }
 
