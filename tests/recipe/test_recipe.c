@@ -1060,6 +1060,42 @@ static void test_defaults(void **state)
              "layers are not supported by am yet; %s", moe_fix);
     expect(MOE "  mlp_only_layers: [1]\n", (const char *[]){"peft.target_modules=['*_proj']", NULL}, MSGS(want));
 #undef MOE
+    /* DeepSeekMoE (glm4_moe): the dense layers' MLP (mlp.gate_proj) and the shared experts'
+     * (mlp.shared_experts.gate_proj) are one target each: '*_proj', '*.gate_proj' and
+     * match_all_linear select both; a pattern that selects one kind alone is refused */
+#define GLM "model:\n  model_type: glm4_moe\n  hidden_size: 64\n  num_hidden_layers: 3\n  num_attention_heads: 4\n" \
+            "  vocab_size: 64\n  intermediate_size: 128\n  moe_intermediate_size: 32\n  n_routed_experts: 4\n" \
+            "  num_experts_per_tok: 2\n  first_k_dense_replace: 1\n"
+    unsigned all = (1u << AM_LORA_NPROJ) - 1;
+    r = parse_with("r.yaml", GLM, (const char *[]){"peft.target_modules=['*_proj']", NULL}, &err);
+    assert_int_equal(err.n, 0);
+    assert_int_equal(r->peft.targets, all);
+    assert_false(r->peft.experts);
+    am_recipe_free(r);
+    am_errors_free(&err);
+    r = parse_with("r.yaml", GLM, (const char *[]){"peft.match_all_linear=true", NULL}, &err);
+    assert_int_equal(err.n, 0);
+    assert_int_equal(r->peft.targets, all | 1u << AM_LORA_HEAD);
+    assert_false(r->peft.experts);
+    am_recipe_free(r);
+    am_errors_free(&err);
+    r = parse_with("r.yaml", GLM, (const char *[]){"peft.target_modules=['*.down_proj', '*.experts']", NULL}, &err);
+    assert_int_equal(err.n, 0);
+    assert_int_equal(r->peft.targets, 1u << AM_LORA_DOWN);
+    assert_true(r->peft.experts);
+    am_recipe_free(r);
+    am_errors_free(&err);
+    expect(GLM, (const char *[]){"peft.target_modules=['*.mlp.gate_proj']", NULL},
+           MSGS("--set peft.target_modules=['*.mlp.gate_proj']: peft: the patterns select gate_proj in 1 of the 3 "
+                "layers with an MLP (the dense layers' mlp.gate_proj, the shared experts' "
+                "mlp.shared_experts.gate_proj); am adapts a projection in every such layer or in none (select it "
+                "in all, as '*.gate_proj')"));
+    expect(GLM, (const char *[]){"peft.target_modules=['*.shared_experts.up_proj']", NULL},
+           MSGS("--set peft.target_modules=['*.shared_experts.up_proj']: peft: the patterns select up_proj in 2 of "
+                "the 3 layers with an MLP (the dense layers' mlp.up_proj, the shared experts' "
+                "mlp.shared_experts.up_proj); am adapts a projection in every such layer or in none (select it in "
+                "all, as '*.up_proj')"));
+#undef GLM
 }
 
 int main(void)
