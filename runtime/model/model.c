@@ -292,6 +292,13 @@ static size_t layout_acts(struct am_model *m, char *base)
     if (m->sh.lora_r > 0) {
         int64_t wide = Q > C ? Q : C;
         wide = I > wide ? I : wide;
+        if (m->cfg.mla) { /* q_a's output, kv_a's and kv_b's (mla.c; am-plan counts the same) */
+            int64_t kvw = m->cfg.kv_lora_rank + m->cfg.qk_rope_head_dim, qr = m->cfg.q_lora_rank;
+            int64_t kvb = m->heads * (m->cfg.qk_nope_head_dim + m->cfg.v_head_dim);
+            wide = qr > wide ? qr : wide;
+            wide = kvw > wide ? kvw : wide;
+            wide = kvb > wide ? kvb : wide;
+        }
         m->lora_u = carve(&c, m->act_dt, N, wide, 0, 0);
         m->lora_du = carve(&c, m->act_dt, N, wide, 0, 0);
         m->lora_dt = carve(&c, m->act_dt, N, m->sh.lora_r, 0, 0);

@@ -283,6 +283,13 @@ static double scratch_bytes(const struct am_recipe *r, const struct am_plan *p, 
                             * projection of the rank, and x · Aᵀ's gradient */
         double wide = Q > C ? Q : C;
         wide = I > wide ? I : wide;
+        if (m->mla) { /* multi-head latent attention: q_a's output, kv_a's and kv_b's (mla.c) */
+            double Hl = (double)(m->num_attention_heads / p->tp), kvw = (double)(m->kv_lora_rank + m->qk_rope_head_dim);
+            double kvb = Hl * (double)(m->qk_nope_head_dim + m->v_head_dim), qr = (double)m->q_lora_rank;
+            wide = qr > wide ? qr : wide;
+            wide = kvw > wide ? kvw : wide;
+            wide = kvb > wide ? kvb : wide;
+        }
         b += 2 * carved(N * wide, cs) + carved(N * (double)r->peft.dim, cs);
     }
     if (m->num_experts > 0) {
@@ -416,9 +423,18 @@ static double lora_rank_params(const struct am_recipe *r, const struct am_plan *
     double I = (double)m->intermediate_size, d = (double)r->peft.dim, n = 0;
     if (!head && m->num_experts > 0 && am_model_layer_is_moe(m, l))
         I = (double)(m->n_shared_experts * m->moe_intermediate_size);
-    const double in_out[AM_LORA_NTARGETS][2] = {
+    double H = (double)m->num_attention_heads, qr = (double)m->q_lora_rank, kvr = (double)m->kv_lora_rank;
+    double dn = (double)m->qk_nope_head_dim, dr = (double)m->qk_rope_head_dim, dv = (double)m->v_head_dim;
+    /* multi-head latent attention: q_b_proj (q_proj) and kv_b_proj split by heads as
+     * column-parallel layers, o_proj as a row-parallel one, q_a_proj and kv_a_proj_with_mqa
+     * replicated (their adapters whole) */
+    double in_out[AM_LORA_NTARGETS][2] = {
         {h, q / tp}, {h, kv_rank}, {h, kv_rank}, {q / tp, h}, {h, I / tp}, {h, I / tp}, {I / tp, h},
-        {h, (double)m->vocab_size / tp}};
+        {h, qr}, {h, kvr + dr}, {kvr, H * (dn + dv) / tp}, {h, (double)m->vocab_size / tp}};
+    if (m->mla) {
+        in_out[AM_LORA_Q][0] = qr > 0 ? qr : h, in_out[AM_LORA_Q][1] = H * (dn + dr) / tp;
+        in_out[AM_LORA_O][0] = H * dv / tp;
+    }
     for (int t = head ? AM_LORA_HEAD : 0; t < (head ? AM_LORA_NTARGETS : AM_LORA_HEAD); t++)
         if ((r->peft.targets & (1u << t)) && !(t >= AM_LORA_GATE && t <= AM_LORA_DOWN && I <= 0))
             n += d * (in_out[t][0] + in_out[t][1]);

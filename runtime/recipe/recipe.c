@@ -698,13 +698,18 @@ static bool lora_any(const struct am_node *v, const char *path)
     return false;
 }
 
-/* The Hugging Face path of target t in layer l ("model.layers.3.self_attn.q_proj"). */
-static void lora_path(char *buf, size_t len, long l, int t)
+/* The Hugging Face path of target t in layer l of model m ("model.layers.3.self_attn.q_proj");
+ * false when m has no such projection (am_lora_target_path_of). */
+static bool lora_path(const struct am_model_config *m, char *buf, size_t len, long l, int t)
 {
+    const char *p = am_lora_target_path_of(m, t);
+    if (!p)
+        return false;
     if (t == AM_LORA_HEAD)
         snprintf(buf, len, "lm_head");
     else
-        snprintf(buf, len, "model.layers.%ld.%s", l, am_lora_target_path(t));
+        snprintf(buf, len, "model.layers.%ld.%s", l, p);
+    return true;
 }
 
 static bool lora_selects(struct reader *rd, const char *path)
@@ -769,7 +774,7 @@ static int moe_targets(struct reader *rd, struct am_pos at)
             continue;
         }
         for (int k = AM_LORA_GATE; k <= AM_LORA_DOWN && !m->sigmoid_router; k++) {
-            lora_path(path, sizeof(path), l, k);
+            lora_path(m, path, sizeof(path), l, k);
             if (lora_selects(rd, path)) {
                 am_errorf(rd->err, rd->peft_targets ? &rd->peft_targets->pos : rd->peft_excludes ? &rd->peft_excludes->pos : &at,
                           "peft: the patterns select %s of dense layer %ld: adapters on the MLP of a "
@@ -838,15 +843,13 @@ static void resolve_peft(struct reader *rd, struct am_pos at)
         if (m->num_experts > 0 && k >= AM_LORA_GATE && k <= AM_LORA_DOWN)
             continue; /* a mixture of experts: no MLP projection in its expert layers (moe_targets) */
         long n = 0;
-        for (long l = 0; l < (k == AM_LORA_HEAD ? 1 : L); l++) {
-            lora_path(path, sizeof(path), l, k);
-            n += lora_selects(rd, path);
-        }
+        for (long l = 0; l < (k == AM_LORA_HEAD ? 1 : L); l++)
+            n += lora_path(m, path, sizeof(path), l, k) && lora_selects(rd, path);
         if (n && k != AM_LORA_HEAD && n < L) {
             am_errorf(rd->err, &(rd->peft_targets ? rd->peft_targets : rd->peft_excludes)->pos,
                       "peft: the patterns select %s in %ld of the %ld layers; am adapts a projection in every "
-                      "layer or in none (select it in all layers, as '*.%s')", am_lora_target_name(k), n, L,
-                      am_lora_target_name(k));
+                      "layer or in none (select it in all layers, as '*.%s')", am_lora_target_name_of(m, k), n, L,
+                      am_lora_target_name_of(m, k));
             return;
         }
         if (n)
@@ -859,10 +862,8 @@ static void resolve_peft(struct reader *rd, struct am_pos at)
         for (size_t i = 0; v && i < (v->kind == AM_NODE_SCALAR ? 1 : v->n); i++) {
             const struct am_node *pat = v->kind == AM_NODE_SCALAR ? v : v->entries[i].value;
             bool hit = false;
-            for (int k = 0; k < AM_LORA_NTARGETS && !hit; k++) {
-                lora_path(path, sizeof(path), k == AM_LORA_HEAD ? 0 : L - 1, k);
-                hit = lora_any(pat, path);
-            }
+            for (int k = 0; k < AM_LORA_NTARGETS && !hit; k++)
+                hit = lora_path(m, path, sizeof(path), k == AM_LORA_HEAD ? 0 : L - 1, k) && lora_any(pat, path);
             for (long l = 0; l < L && !hit && m->num_experts > 0; l++) {
                 if (am_model_layer_is_moe(m, l)) { /* the experts (moe_targets) */
                     experts_path(m, path, sizeof(path), l);
@@ -874,15 +875,17 @@ static void resolve_peft(struct reader *rd, struct am_pos at)
             if (!hit) {
                 bool leaf = false;
                 for (int k = 0; k < AM_LORA_NTARGETS; k++)
-                    leaf |= strcmp(pat->str, am_lora_target_name(k)) == 0 && k != AM_LORA_HEAD;
+                    leaf |= k != AM_LORA_HEAD && am_lora_target_name_of(m, k) &&
+                            strcmp(pat->str, am_lora_target_name_of(m, k)) == 0;
                 if (leaf)
                     am_errorf(rd->err, &pat->pos, "peft.%s: '%s' matches no module: a pattern is compared with "
                               "whole dotted paths such as model.layers.0.self_attn.q_proj (write '*.%s')",
                               j ? "exclude_modules" : "target_modules", pat->str, pat->str);
                 else
                     am_errorf(rd->err, &pat->pos, "peft.%s: '%.80s' matches none of the linear layers am adapts "
-                              "(model.layers.N.self_attn.{q,k,v,o}_proj, model.layers.N.mlp.{gate,up,down}_proj, "
-                              "lm_head)", j ? "exclude_modules" : "target_modules", pat->str);
+                              "(model.layers.N.self_attn.%s, model.layers.N.mlp.{gate,up,down}_proj, lm_head)",
+                              j ? "exclude_modules" : "target_modules", pat->str,
+                              m->mla ? "{q_a,q_b,kv_a,kv_b,o}_proj (kv_a_proj_with_mqa)" : "{q,k,v,o}_proj");
             }
         }
     }
@@ -898,11 +901,25 @@ static bool lora_shape(const struct am_model_config *m, int t, long l, double *i
 {
     double h = (double)m->hidden_size, q = (double)m->num_attention_heads * (double)m->head_dim,
            kv = (double)m->num_key_value_heads * (double)m->head_dim, I = (double)m->intermediate_size;
-    static const int kinds[] = {0, 1, 1, 2, 3, 3, 4, 5};
+    static const int kinds[] = {0, 1, 1, 2, 3, 3, 4, 6, 7, 8, 5};
     if (t >= AM_LORA_GATE && t <= AM_LORA_DOWN && m->num_experts > 0 && am_model_layer_is_moe(m, l)) {
         I = (double)(m->n_shared_experts * m->moe_intermediate_size);
         if (I <= 0)
             return false;
+    }
+    if (!am_lora_target_path_of(m, t))
+        return false;
+    if (m->mla) { /* multi-head latent attention (runtime/model/mla.c) */
+        double H = (double)m->num_attention_heads, qr = (double)m->q_lora_rank, kvr = (double)m->kv_lora_rank;
+        double dn = (double)m->qk_nope_head_dim, dr = (double)m->qk_rope_head_dim, dv = (double)m->v_head_dim;
+        switch (t) {
+        case AM_LORA_Q: *in = qr > 0 ? qr : h, *out = H * (dn + dr); return true;
+        case AM_LORA_O: *in = H * dv, *out = h; return true;
+        case AM_LORA_Q_A: *in = h, *out = qr; return true;
+        case AM_LORA_KV_A: *in = h, *out = kvr + dr; return true;
+        case AM_LORA_KV_B: *in = kvr, *out = H * (dn + dv); return true;
+        default: break;
+        }
     }
     switch (kinds[t]) {
     case 0: *in = h, *out = q; break;

@@ -1456,6 +1456,14 @@ LORA_CASES = {
     "glm4_moe_lora": dict(base="glm4_moe_tiny", r=4, alpha=8,
                           targets=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
                                    "lm_head"], adapter_seed=3008, plain_peft=True),
+    # DeepSeek-V3: multi-head latent attention's five projections (q_a_proj, q_b_proj,
+    # kv_a_proj_with_mqa, kv_b_proj, o_proj), the dense layer's and the shared experts' MLPs and
+    # lm_head (plain_peft as glm4_moe_lora). adapter_seed 3102: fp32's final adapters 4.3e-7 off
+    # fp64's (3101's 1.3e-4)
+    "deepseek_v3_lora": dict(base="deepseek_v3_tiny", r=4, alpha=8,
+                             targets=["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj",
+                                      "gate_proj", "up_proj", "down_proj", "lm_head"], adapter_seed=3102,
+                             plain_peft=True),
 }
 
 
