@@ -1116,8 +1116,8 @@ static void test_defaults(void **state)
                                           1u << AM_LORA_KV_B | mlp | 1u << AM_LORA_HEAD);
     am_recipe_free(r);
     am_errors_free(&err);
-    r = parse_with("r.yaml", DSV3_BASE "  q_lora_rank: null\n", (const char *[]){"peft.target_modules=['*.q_proj']", NULL},
-                   &err); /* q_lora_rank null: q_proj */
+    r = parse_with("r.yaml", DSV3_BASE "  q_lora_rank: null\n", /* q_lora_rank null: q_proj */
+                   (const char *[]){"peft.target_modules=['*.q_proj']", NULL}, &err);
     assert_int_equal(err.n, 0);
     assert_int_equal(r->peft.targets, 1u << AM_LORA_Q);
     am_recipe_free(r);
