@@ -17,6 +17,8 @@
 #     and up by rows, A of down by columns), ep 2, pp 2 and tp 2 x ep 2 against one rank: losses
 #     within 1e-5, grad norms 1e-5 relative; the saved adapters within 1e-5 of one rank's;
 #   bf16: tp 2 x ep 2 against one rank in bf16, within twice one rank's bf16-vs-fp32 differences;
+#   dropout: adapter dropout 0.1 (all adapters but the experts' and lm_head's) at tp 2 against
+#     one rank;
 #   resume: tp 2 stopped after step 2 and restored gives steps 3 and 4 to the last bit;
 #   memory: every rank's allocation equals am-plan's estimate for its pipeline rank, to the byte
 #     (less the CUDA kernels' scratch, which the CPU's kernels do not allocate);
@@ -31,11 +33,12 @@ set -u
 arch=${LORA_ARCH:-glm4_moe}
 case $arch in
 glm4_moe)
-    golden=glm4_moe_lora golden_targets="['*_proj', 'lm_head']"
+    golden=glm4_moe_lora golden_targets="['*_proj', 'lm_head']" drop_targets="['*_proj']"
     edits='s/model_type: llama/model_type: glm4_moe\n  partial_rotary_factor: 0.5\n  attention_bias: true\n  use_qk_norm: true\n  n_routed_experts: 8\n  num_experts_per_tok: 2\n  n_group: 4\n  topk_group: 2\n  moe_intermediate_size: 32\n  n_shared_experts: 2\n  routed_scaling_factor: 1.5\n  first_k_dense_replace: 1\n  norm_topk_prob: true/'
     attn=8 ;; # q, k, v, o: A and B
 deepseek_v3)
     golden=deepseek_v3_lora golden_targets="['*_proj', '*.kv_a_proj_with_mqa', 'lm_head']"
+    drop_targets="['*_proj', '*.kv_a_proj_with_mqa']"
     edits='s/model_type: llama/model_type: deepseek_v3\n  q_lora_rank: 24\n  kv_lora_rank: 16\n  qk_nope_head_dim: 8\n  qk_rope_head_dim: 8\n  v_head_dim: 12\n  rope_interleave: true\n  n_routed_experts: 8\n  num_experts_per_tok: 2\n  n_group: 4\n  topk_group: 2\n  moe_intermediate_size: 32\n  n_shared_experts: 2\n  routed_scaling_factor: 1.5\n  first_k_dense_replace: 1\n  norm_topk_prob: true/; s/num_key_value_heads: 2/num_key_value_heads: 4/'
     attn=10 ;; # q_a, q_b, kv_a, kv_b, o
 *) echo "test-lora-glm.sh: LORA_ARCH $arch is not glm4_moe or deepseek_v3" >&2; exit 2 ;;
@@ -246,6 +249,20 @@ if compare ref-bf16 tp2-ep2-bf16 "${tol%% *}" "${tol##* }" >"$work/cmp-bf16"; th
     ok "LoRA on $arch tp2-ep2 matches one rank in bf16: $(cat "$work/cmp-bf16")"
 else
     bad "LoRA on $arch tp2-ep2 in bf16: $(cat "$work/cmp-bf16")"; paste "$work/steps-ref-bf16" "$work/steps-tp2-ep2-bf16" | sed 's/^/    /'
+fi
+
+# adapter dropout 0.1 on every adapter but the experts' and lm_head's: tp 2 draws the masks of one rank
+for run in "drop 1" "drop-tp2 2 AM_TP=2"; do
+    set -- $run
+    recipe "$1" 1 && sed -i -e "s/target_modules: .*/target_modules: $drop_targets/" -e 's/dropout: 0.0/dropout: 0.1/' "$work/$1.yaml"
+    name=$1 n=$2
+    shift 2
+    train "$name" "$n" "$@" && steps_of "$work/logs-$name" >"$work/steps-$name" || { bad "$name did not train"; sed 's/^/    /' "$work/out-$name"; }
+done
+if compare drop drop-tp2 "$loss_tol" "$norm_tol" >"$work/cmp-drop" && [ "$(head -1 "$work/steps-drop")" != "$(head -1 "$work/steps-ref")" ]; then
+    ok "LoRA on $arch with adapter dropout 0.1: tp 2 matches one rank ($(cat "$work/cmp-drop"))"
+else
+    bad "LoRA on $arch with adapter dropout 0.1 at tp 2: $(cat "$work/cmp-drop")"; paste "$work/steps-drop" "$work/steps-drop-tp2" | sed 's/^/    /'
 fi
 
 # resume: tp 2 stopped after step 2 (its checkpoint) and restored gives steps 3 and 4 to the last bit
