@@ -113,24 +113,38 @@ mlp:
 /* LoRA (lora.h): A and B of each adapted projection, after the layer's own parameters, split
  * over tp with their base layer; the tp ranks' partial gradients (A beside a column-parallel
  * layer, B beside a row-parallel one) summed in am_model_finish_grads. */
-void am_layer_lora_params(struct am_model *m, int l, struct am_layer *L)
+void am_layer_lora_params(struct am_model *m, struct am_layer *L)
 {
-    const struct am_param *base[AM_LORA_NPROJ] = {L->wq, L->wk, L->wv, L->wo, L->w_gate, L->w_up, L->w_down};
+    const struct am_param *base[AM_LORA_NPROJ] = {L->wq, L->wk, L->wv,    L->wo,    L->w_gate,
+                                                  L->w_up, L->w_down, L->wq_a, L->wkv_a, L->wkv_b};
     int64_t rk = m->sh.lora_r;
     for (int t = 0; rk > 0 && t < AM_LORA_NPROJ; t++) {
         if (!(m->sh.lora_targets >> t & 1u) || !base[t])
             continue;
         bool row = base[t]->split == AM_SPLIT_COLS;
+        if (base[t]->split == AM_SPLIT_NONE) { /* replicated over tp (mla.c's q_a_proj, kv_a_proj_with_mqa):
+                                                * A and B whole, both gradients partial (the rank's heads') */
+            int64_t in = base[t]->full_cols, out = base[t]->full_rows, stem = (int64_t)strlen(base[t]->name) - 7;
+            char n[128];
+            snprintf(n, sizeof(n), "%.*s.lora_A.weight", (int)stem, base[t]->name);
+            L->lora_a[t] = add_param(m, n, rk, in, AM_SPLIT_NONE, rk, in, 0, 0);
+            snprintf(n, sizeof(n), "%.*s.lora_B.weight", (int)stem, base[t]->name);
+            L->lora_b[t] = add_param(m, n, out, rk, AM_SPLIT_NONE, out, rk, 0, 0);
+            L->lora_a[t]->partial_in_tp = L->lora_b[t]->partial_in_tp = m->sh.tp > 1;
+            continue;
+        }
         int64_t in = base[t]->full_cols, out = base[t]->full_rows, a_cols, a0, b_rows, b0;
         am_lora_split(in, out, row, m->sh.tp, m->sh.tp_rank, &a_cols, &a0, &b_rows, &b0);
         if (!row) { /* a kv projection held by several ranks keeps its rows (row0, its own kv head) */
             b_rows = base[t]->w.shape[0];
             b0 = base[t]->row0;
         }
+        /* named after the base layer ("model.layers.3.mlp.shared_experts.gate_proj.lora_A.weight") */
         char n[128];
-        snprintf(n, sizeof(n), "model.layers.%d.%s.lora_A.weight", l, am_lora_target_path(t));
+        int stem = (int)(strlen(base[t]->name) - strlen(".weight"));
+        snprintf(n, sizeof(n), "%.*s.lora_A.weight", stem, base[t]->name);
         L->lora_a[t] = add_param(m, n, rk, a_cols, row ? AM_SPLIT_COLS : AM_SPLIT_NONE, rk, in, 0, a0);
-        snprintf(n, sizeof(n), "model.layers.%d.%s.lora_B.weight", l, am_lora_target_path(t));
+        snprintf(n, sizeof(n), "%.*s.lora_B.weight", stem, base[t]->name);
         L->lora_b[t] = add_param(m, n, b_rows, rk, row ? AM_SPLIT_NONE : AM_SPLIT_ROWS, out, rk, b0, 0);
         struct am_param *partial = row ? L->lora_b[t] : L->lora_a[t];
         partial->partial_in_tp = m->sh.tp > 1;
@@ -331,8 +345,8 @@ static struct am_lora adapter_of(const struct am_model *m, const struct am_layer
 
 /* Projection t's adapter, when it has one. y: the base layer's output (before a row-parallel
  * reduction); x: its input. */
-static void lora_forward(struct am_model *m, const struct am_layer *L, struct am_layer_acts *a, int t,
-                         struct am_tensor *y, const struct am_tensor *x)
+void am_layer_lora_forward(struct am_model *m, const struct am_layer *L, struct am_layer_acts *a, int t,
+                           struct am_tensor *y, const struct am_tensor *x)
 {
     if (!L->lora_a[t])
         return;
@@ -345,8 +359,8 @@ static void lora_forward(struct am_model *m, const struct am_layer *L, struct am
 }
 
 /* Its backward: dx += the adapter's input gradient; A's and B's gradients accumulate. */
-static void lora_backward(struct am_model *m, const struct am_layer *L, const struct am_layer_acts *a, int t,
-                          struct am_tensor *dx, const struct am_tensor *dy, const struct am_tensor *x)
+void am_layer_lora_backward(struct am_model *m, const struct am_layer *L, const struct am_layer_acts *a, int t,
+                            struct am_tensor *dx, const struct am_tensor *dy, const struct am_tensor *x)
 {
     if (!L->lora_a[t])
         return;
@@ -393,8 +407,8 @@ int am_layer_forward(struct am_model *m, const struct am_layer *L, struct am_lay
             K->bias_forward(m->dev, &q_raw, &L->bq->wc);
             K->bias_forward(m->dev, &k_raw, &L->bk->wc);
         }
-        lora_forward(m, L, a, AM_LORA_Q, &q_raw, &in);
-        lora_forward(m, L, a, AM_LORA_K, &k_raw, &in);
+        am_layer_lora_forward(m, L, a, AM_LORA_Q, &q_raw, &in);
+        am_layer_lora_forward(m, L, a, AM_LORA_K, &k_raw, &in);
         struct am_tensor qr = head_rows(&q_raw, N * m->heads, D), kr = head_rows(&k_raw, N * m->kv_heads, D);
         struct am_tensor qn = head_rows(&q, N * m->heads, D), kn = head_rows(&k, N * m->kv_heads, D);
         struct am_tensor rq = rows_of(&a->rstd_q, N * m->heads), rk = rows_of(&a->rstd_k, N * m->kv_heads);
@@ -407,20 +421,20 @@ int am_layer_forward(struct am_model *m, const struct am_layer *L, struct am_lay
             K->bias_forward(m->dev, &q, &L->bq->wc);
             K->bias_forward(m->dev, &k, &L->bk->wc);
         }
-        lora_forward(m, L, a, AM_LORA_Q, &q, &in);
-        lora_forward(m, L, a, AM_LORA_K, &k, &in);
+        am_layer_lora_forward(m, L, a, AM_LORA_Q, &q, &in);
+        am_layer_lora_forward(m, L, a, AM_LORA_K, &k, &in);
     }
     K->matmul_forward(m->dev, &v, &in, &L->wv->wc);
     if (L->bv)
         K->bias_forward(m->dev, &v, &L->bv->wc);
-    lora_forward(m, L, a, AM_LORA_V, &v, &in);
+    am_layer_lora_forward(m, L, a, AM_LORA_V, &v, &in);
     struct am_tensor q4 = heads_of(&q, B, T, m->heads, D), k4 = heads_of(&k, B, T, m->kv_heads, D);
     struct am_tensor v4 = heads_of(&v, B, T, m->kv_heads, D), att4 = heads_of(&att, B, T, m->heads, D);
     am_layer_rope(m, L, &q4, &k4, false);
     if (am_attend_forward(m, L, &att4, &lse, &q4, &k4, &v4, err, err_len) < 0)
         return -1;
     K->matmul_forward(m->dev, &o, &att, &L->wo->wc);
-    lora_forward(m, L, a, AM_LORA_O, &o, &att);
+    am_layer_lora_forward(m, L, a, AM_LORA_O, &o, &att);
 attention_out:
     if (L->post_attn_norm) {
         struct am_tensor oa = rows_of(&a->o_att, R), ra = rows_of(&a->rstd_oa, R);
@@ -449,14 +463,14 @@ attention_out:
     }
     K->matmul_forward(m->dev, &gate, &in, &L->w_gate->wc);
     K->matmul_forward(m->dev, &up, &in, &L->w_up->wc);
-    lora_forward(m, L, a, AM_LORA_GATE, &gate, &in);
-    lora_forward(m, L, a, AM_LORA_UP, &up, &in);
+    am_layer_lora_forward(m, L, a, AM_LORA_GATE, &gate, &in);
+    am_layer_lora_forward(m, L, a, AM_LORA_UP, &up, &in);
     if (m->cfg.gemma)
         K->geglu_forward(m->dev, &act, &gate, &up);
     else
         K->swiglu_forward(m->dev, &act, &gate, &up);
     K->matmul_forward(m->dev, &o, &act, &L->w_down->wc);
-    lora_forward(m, L, a, AM_LORA_DOWN, &o, &act);
+    am_layer_lora_forward(m, L, a, AM_LORA_DOWN, &o, &act);
     if (L->post_mlp_norm) {
         struct am_tensor om = rows_of(&a->o_mlp, R), rm = rows_of(&a->rstd_om, R);
         return add_post_norm(m, x, &o, &om, &rm, L->post_mlp_norm, err, err_len);
@@ -510,11 +524,14 @@ int am_layer_backward(struct am_model *m, const struct am_layer *L, const struct
             struct am_tensor sdu = am_tensor_view((char *)m->scratch_mlp.data + 2 * ps, K->device, m->act_dt, N, Il, 0, 0);
             K->zero(m->dev, &sda);
             K->matmul_backward(m->dev, &sda, base_grad(m, L->w_down), &dy, &sa, &L->w_down->wc);
+            am_layer_lora_backward(m, L, a, AM_LORA_DOWN, &sda, &dy, &sa);
             K->zero(m->dev, &sdg);
             K->zero(m->dev, &sdu);
             K->swiglu_backward(m->dev, &sdg, &sdu, &sda, &sg, &su);
             K->matmul_backward(m->dev, &dh, base_grad(m, L->w_gate), &sdg, &in, &L->w_gate->wc);
             K->matmul_backward(m->dev, &dh, base_grad(m, L->w_up), &sdu, &in, &L->w_up->wc);
+            am_layer_lora_backward(m, L, a, AM_LORA_GATE, &dh, &sdg, &in);
+            am_layer_lora_backward(m, L, a, AM_LORA_UP, &dh, &sdu, &in);
         }
         if (am_norm_backward(m, dx, L->mlp_norm, &dh, &x_mid, &rstd2, err, err_len) < 0)
             return -1;
@@ -522,7 +539,7 @@ int am_layer_backward(struct am_model *m, const struct am_layer *L, const struct
     }
     K->zero(m->dev, &dact);
     K->matmul_backward(m->dev, &dact, base_grad(m, L->w_down), &dy, &act, &L->w_down->wc);
-    lora_backward(m, L, a, AM_LORA_DOWN, &dact, &dy, &act);
+    am_layer_lora_backward(m, L, a, AM_LORA_DOWN, &dact, &dy, &act);
     K->zero(m->dev, &dgate);
     K->zero(m->dev, &dup);
     if (m->cfg.gemma)
@@ -534,8 +551,8 @@ int am_layer_backward(struct am_model *m, const struct am_layer *L, const struct
     K->zero(m->dev, &dh);
     K->matmul_backward(m->dev, &dh, base_grad(m, L->w_gate), &dgate, &in, &L->w_gate->wc);
     K->matmul_backward(m->dev, &dh, base_grad(m, L->w_up), &dup, &in, &L->w_up->wc);
-    lora_backward(m, L, a, AM_LORA_GATE, &dh, &dgate, &in);
-    lora_backward(m, L, a, AM_LORA_UP, &dh, &dup, &in);
+    am_layer_lora_backward(m, L, a, AM_LORA_GATE, &dh, &dgate, &in);
+    am_layer_lora_backward(m, L, a, AM_LORA_UP, &dh, &dup, &in);
     if (am_norm_backward(m, dx, L->mlp_norm, &dh, &x_mid, &rstd2, err, err_len) < 0)
         return -1;
 
@@ -558,7 +575,7 @@ attention:;
     }
     K->zero(m->dev, &datt);
     K->matmul_backward(m->dev, &datt, base_grad(m, L->wo), &dy, &att, &L->wo->wc);
-    lora_backward(m, L, a, AM_LORA_O, &datt, &dy, &att);
+    am_layer_lora_backward(m, L, a, AM_LORA_O, &datt, &dy, &att);
     K->zero(m->dev, &dq);
     K->zero(m->dev, &dk);
     K->zero(m->dev, &dv);
@@ -596,8 +613,8 @@ attention:;
     K->matmul_backward(m->dev, &dh, base_grad(m, L->wq), &dq, &in, &L->wq->wc);
     K->matmul_backward(m->dev, &dh, base_grad(m, L->wk), &dk, &in, &L->wk->wc);
     K->matmul_backward(m->dev, &dh, base_grad(m, L->wv), &dv, &in, &L->wv->wc);
-    lora_backward(m, L, a, AM_LORA_Q, &dh, &dq, &in);
-    lora_backward(m, L, a, AM_LORA_K, &dh, &dk, &in);
-    lora_backward(m, L, a, AM_LORA_V, &dh, &dv, &in);
+    am_layer_lora_backward(m, L, a, AM_LORA_Q, &dh, &dq, &in);
+    am_layer_lora_backward(m, L, a, AM_LORA_K, &dh, &dk, &in);
+    am_layer_lora_backward(m, L, a, AM_LORA_V, &dh, &dv, &in);
     return am_norm_backward(m, dx, L->attn_norm, &dh, &x_in, &rstd1, err, err_len);
 }

@@ -19,6 +19,10 @@
  * Tensor parallelism: each rank holds its heads of q_b_proj (q_proj) and kv_b_proj (column-
  * parallel) and their input columns of o_proj (row-parallel); q_a_proj, kv_a_proj_with_mqa and
  * their norms whole (model.h), their gradients from the rank's heads summed over tp.
+ *
+ * LoRA (lora.h): an adapter beside each of the five projections, split as its base layer: B of
+ * q_b_proj (q_proj) and kv_b_proj by the rank's heads, A of o_proj by its columns, those of
+ * q_a_proj and kv_a_proj_with_mqa whole with both gradients partial (summed over tp).
  */
 #include "model_impl.h"
 
@@ -90,16 +94,21 @@ int am_mla_forward(struct am_model *m, const struct am_layer *L, struct am_layer
     if (L->wq_a) { /* q through its low rank: q_a_proj, its norm, q_b_proj */
         struct am_tensor qa = rows_of(&a->qa, N), qa_n = rows_of(&a->qa_n, N), rq = rows_of(&a->rstd_qa, N);
         K->matmul_forward(m->dev, &qa, in, &L->wq_a->wc);
+        am_layer_lora_forward(m, L, a, AM_LORA_Q_A, &qa, in);
         K->rmsnorm_forward(m->dev, &qa_n, &rq, &qa, &L->q_a_norm->wc, MLA_NORM_EPS);
         K->matmul_forward(m->dev, &s.q, &qa_n, &L->wq->wc);
+        am_layer_lora_forward(m, L, a, AM_LORA_Q, &s.q, &qa_n);
     } else {
         K->matmul_forward(m->dev, &s.q, in, &L->wq->wc);
+        am_layer_lora_forward(m, L, a, AM_LORA_Q, &s.q, in);
     }
     struct am_tensor ckv = rows_of(&a->ckv, N), ckv_n = rows_of(&a->ckv_n, N), rkv = rows_of(&a->rstd_kv, N);
     K->matmul_forward(m->dev, &s.kva, in, &L->wkv_a->wc);
+    am_layer_lora_forward(m, L, a, AM_LORA_KV_A, &s.kva, in);
     K->copy_cols(m->dev, &ckv, 0, &s.kva, 0, kvr, 0, false);
     K->rmsnorm_forward(m->dev, &ckv_n, &rkv, &ckv, &L->kv_a_norm->wc, MLA_NORM_EPS);
     K->matmul_forward(m->dev, &s.kvb, &ckv_n, &L->wkv_b->wc);
+    am_layer_lora_forward(m, L, a, AM_LORA_KV_B, &s.kvb, &ckv_n);
 
     /* the heads as the kernels take them: [pe, nope, zeros] for q and k, [v, zeros] for v */
     struct am_tensor qh = as2d(&q, N * Hl, D), kh = as2d(&k, N * Hl, D), vh = as2d(&v, N * Hl, D);
@@ -127,6 +136,7 @@ int am_mla_forward(struct am_model *m, const struct am_layer *L, struct am_layer
     struct am_tensor atth = as2d(&att, N * Hl, D), oh = as2d(&s.o_in, N * Hl, dv);
     K->copy_cols(m->dev, &oh, 0, &atth, 0, dv, 0, false);
     K->matmul_forward(m->dev, o, &s.o_in, &L->wo->wc);
+    am_layer_lora_forward(m, L, a, AM_LORA_O, o, &s.o_in);
     return 0;
 }
 
@@ -151,6 +161,7 @@ int am_mla_backward(struct am_model *m, const struct am_layer *L, const struct a
     K->copy_cols(m->dev, &oh, 0, &atth, 0, dv, 0, false);
     K->zero(m->dev, &s.do_in);
     K->matmul_backward(m->dev, &s.do_in, base_grad(m, L->wo), dy, &s.o_in, &L->wo->wc);
+    am_layer_lora_backward(m, L, a, AM_LORA_O, &s.do_in, dy, &s.o_in);
     struct am_tensor dattw = as2d(&datt, N * Hl, D);
     K->zero(m->dev, &datt);
     K->copy_cols(m->dev, &dattw, 0, &doh, 0, dv, 0, false);
@@ -186,21 +197,26 @@ int am_mla_backward(struct am_model *m, const struct am_layer *L, const struct a
     struct am_tensor ckv = rows_of(&a->ckv, N), ckv_n = rows_of(&a->ckv_n, N), rkv = rows_of(&a->rstd_kv, N);
     K->zero(m->dev, &s.dckv_n);
     K->matmul_backward(m->dev, &s.dckv_n, base_grad(m, L->wkv_b), &s.kvb, &ckv_n, &L->wkv_b->wc);
+    am_layer_lora_backward(m, L, a, AM_LORA_KV_B, &s.dckv_n, &s.kvb, &ckv_n);
     K->zero(m->dev, &s.dckv);
     am_norm_backward_local(m, &s.dckv, L->kv_a_norm, &s.dckv_n, &ckv, &rkv);
     K->copy_cols(m->dev, &s.kva, 0, &s.dckv, 0, kvr, 0, false);
 
     K->zero(m->dev, dh);
     K->matmul_backward(m->dev, dh, base_grad(m, L->wkv_a), &s.kva, in, &L->wkv_a->wc);
+    am_layer_lora_backward(m, L, a, AM_LORA_KV_A, dh, &s.kva, in);
     if (L->wq_a) {
         struct am_tensor qa = rows_of(&a->qa, N), qa_n = rows_of(&a->qa_n, N), rq = rows_of(&a->rstd_qa, N);
         K->zero(m->dev, &s.dqa_n);
         K->matmul_backward(m->dev, &s.dqa_n, base_grad(m, L->wq), &s.q, &qa_n, &L->wq->wc);
+        am_layer_lora_backward(m, L, a, AM_LORA_Q, &s.dqa_n, &s.q, &qa_n);
         K->zero(m->dev, &s.dqa);
         am_norm_backward_local(m, &s.dqa, L->q_a_norm, &s.dqa_n, &qa, &rq);
         K->matmul_backward(m->dev, dh, base_grad(m, L->wq_a), &s.dqa, in, &L->wq_a->wc);
+        am_layer_lora_backward(m, L, a, AM_LORA_Q_A, dh, &s.dqa, in);
     } else {
         K->matmul_backward(m->dev, dh, base_grad(m, L->wq), &s.q, in, &L->wq->wc);
+        am_layer_lora_backward(m, L, a, AM_LORA_Q, dh, &s.q, in);
     }
     return 0;
 }

@@ -147,7 +147,7 @@ static void register_params(struct am_model *m, const struct am_model_config *cf
         am_model_begin_group(m, AM_PG_LORA, -1, "lora");
         for (int c = 0; c < sh->n_chunks; c++)
             for (int i = 0; i < sh->chunks[c].n_layers; i++)
-                am_layer_lora_params(m, sh->chunks[c].first_layer + i, &m->layers[m->chunk_base[c] + i]);
+                am_layer_lora_params(m, &m->layers[m->chunk_base[c] + i]);
         if (sh->last_stage && (sh->lora_targets >> AM_LORA_HEAD & 1u)) { /* lm_head's: B split with the head */
             m->head_lora_a = am_model_add_param(m, "lm_head.lora_A.weight", sh->lora_r, C, AM_SPLIT_NONE, sh->lora_r,
                                                 C, 0, 0);
@@ -292,6 +292,13 @@ static size_t layout_acts(struct am_model *m, char *base)
     if (m->sh.lora_r > 0) {
         int64_t wide = Q > C ? Q : C;
         wide = I > wide ? I : wide;
+        if (m->cfg.mla) { /* q_a's output, kv_a's and kv_b's (mla.c; am-plan counts the same) */
+            int64_t kvw = m->cfg.kv_lora_rank + m->cfg.qk_rope_head_dim, qr = m->cfg.q_lora_rank;
+            int64_t kvb = m->heads * (m->cfg.qk_nope_head_dim + m->cfg.v_head_dim);
+            wide = qr > wide ? qr : wide;
+            wide = kvw > wide ? kvw : wide;
+            wide = kvb > wide ? kvb : wide;
+        }
         m->lora_u = carve(&c, m->act_dt, N, wide, 0, 0);
         m->lora_du = carve(&c, m->act_dt, N, wide, 0, 0);
         m->lora_dt = carve(&c, m->act_dt, N, m->sh.lora_r, 0, 0);

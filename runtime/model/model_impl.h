@@ -124,7 +124,14 @@ int am_sp_gather(struct am_model *m, const struct am_tensor *rows, struct am_ten
 /* Registers global layer l's parameters (local index `local`) into the current group, the
  * router and experts of a MoE layer too (moe.h); its LoRA adapters into the adapters' group. */
 void am_layer_params(struct am_model *m, int l, int local);
-void am_layer_lora_params(struct am_model *m, int l, struct am_layer *L);
+void am_layer_lora_params(struct am_model *m, struct am_layer *L);
+/* Projection t's adapter beside its base layer, when layer L has one (lora.h): y += its output
+ * for input x (y: the base's output, before a row-parallel reduction); its backward adds the
+ * input's gradient to dx and accumulates A's and B's. */
+void am_layer_lora_forward(struct am_model *m, const struct am_layer *L, struct am_layer_acts *a, int t,
+                           struct am_tensor *y, const struct am_tensor *x);
+void am_layer_lora_backward(struct am_model *m, const struct am_layer *L, const struct am_layer_acts *a, int t,
+                            struct am_tensor *dx, const struct am_tensor *dy, const struct am_tensor *x);
 /* The layer on the residual stream x (R rows), saving what backward needs in a; its
  * backward: dx holds the gradient of the layer's output and becomes that of its input. */
 int am_layer_forward(struct am_model *m, const struct am_layer *L, struct am_layer_acts *a, struct am_tensor *x,

@@ -857,7 +857,7 @@ int am_model_save_peft_dist(const struct am_model *m, struct am_comm *tp, struct
     }
     for (int t = 0; t < AM_LORA_NTARGETS; t++)
         if (m->sh.lora_targets >> t & 1u)
-            targets[n++] = am_lora_target_name(t);
+            targets[n++] = am_lora_target_name_of(c, t);
     bool mixtral = strcmp(c->model_type, "mixtral") == 0;
     const char *kind[3] = {mixtral ? "w1" : "gate_proj", mixtral ? "w3" : "up_proj", mixtral ? "w2" : "down_proj"};
     for (int64_t l = 0; experts && l < c->num_hidden_layers; l++)

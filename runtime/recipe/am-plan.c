@@ -249,7 +249,8 @@ static void print_json(const struct am_recipe *r, const struct am_plan *p, const
             json_t *targets = json_array();
             for (int t = 0; t < AM_LORA_NTARGETS; t++)
                 if (r->peft.targets & (1u << t))
-                    json_array_append_new(targets, json_string(am_lora_target_name((enum am_lora_target)t)));
+                    json_array_append_new(targets,
+                                          json_string(am_lora_target_name_of(&r->model, (enum am_lora_target)t)));
             if (r->peft.experts) /* each expert's gate, up and down (moe.h) */
                 json_array_append_new(targets, json_string("experts"));
             json_t *lora = json_pack("{s:o,s:i,s:f,s:f}", "targets", targets, "dim", (int)r->peft.dim, "alpha",

@@ -1388,12 +1388,33 @@ double am_model_layer_rope_theta(const struct am_model_config *m, long l, bool *
 
 static const char *const lora_target_paths[AM_LORA_NTARGETS] = {
     "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-    "mlp.gate_proj",    "mlp.up_proj",      "mlp.down_proj",    "lm_head"};
+    "mlp.gate_proj",    "mlp.up_proj",      "mlp.down_proj",    "self_attn.q_a_proj",
+    "self_attn.kv_a_proj_with_mqa", "self_attn.kv_b_proj", "lm_head"};
 
 const char *am_lora_target_path(enum am_lora_target t) { return lora_target_paths[t]; }
 
-const char *am_lora_target_name(enum am_lora_target t)
+static const char *leaf(const char *path)
 {
-    const char *dot = strrchr(lora_target_paths[t], '.');
-    return dot ? dot + 1 : lora_target_paths[t];
+    const char *dot = strrchr(path, '.');
+    return dot ? dot + 1 : path;
+}
+
+const char *am_lora_target_name(enum am_lora_target t) { return leaf(lora_target_paths[t]); }
+
+const char *am_lora_target_path_of(const struct am_model_config *m, enum am_lora_target t)
+{
+    bool mla_own = t == AM_LORA_Q_A || t == AM_LORA_KV_A || t == AM_LORA_KV_B;
+    if (!m->mla)
+        return mla_own ? NULL : lora_target_paths[t];
+    if (t == AM_LORA_K || t == AM_LORA_V || (t == AM_LORA_Q_A && m->q_lora_rank <= 0))
+        return NULL;
+    if (t == AM_LORA_Q && m->q_lora_rank > 0)
+        return "self_attn.q_b_proj";
+    return lora_target_paths[t];
+}
+
+const char *am_lora_target_name_of(const struct am_model_config *m, enum am_lora_target t)
+{
+    const char *p = am_lora_target_path_of(m, t);
+    return p ? leaf(p) : NULL;
 }

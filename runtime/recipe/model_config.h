@@ -125,9 +125,12 @@ int am_model_similar(const char *id, char *out, size_t len);
 struct am_node *am_json_file_to_node(struct am_arena *a, const char *path, struct am_errors *err);
 
 /* The linear layers LoRA can adapt (peft's target modules), in one order for the recipe, the
- * model and the adapters' files: a decoder layer's projections, then the output head. */
+ * model and the adapters' files: a decoder layer's projections, then the output head. Multi-head
+ * latent attention (deepseek_v3) has q (q_b_proj, or q_proj when q_lora_rank is null), o and
+ * its own three: q_a_proj, kv_a_proj_with_mqa, kv_b_proj (no k or v). */
 enum am_lora_target {
     AM_LORA_Q, AM_LORA_K, AM_LORA_V, AM_LORA_O, AM_LORA_GATE, AM_LORA_UP, AM_LORA_DOWN,
+    AM_LORA_Q_A, AM_LORA_KV_A, AM_LORA_KV_B,
     AM_LORA_HEAD,
     AM_LORA_NTARGETS,
     AM_LORA_NPROJ = AM_LORA_HEAD /* a layer's projections: the targets before lm_head */
@@ -136,6 +139,10 @@ enum am_lora_target {
  * ("self_attn.q_proj", "mlp.down_proj"; "lm_head" for the head), as Hugging Face names them. */
 const char *am_lora_target_name(enum am_lora_target t);
 const char *am_lora_target_path(enum am_lora_target t);
+/* The same in model m: deepseek_v3's q is "q_b_proj" when q_lora_rank is set; NULL when m's
+ * layers have no such projection (k, v, q_a_proj and the kv projections on the other side). */
+const char *am_lora_target_name_of(const struct am_model_config *m, enum am_lora_target t);
+const char *am_lora_target_path_of(const struct am_model_config *m, enum am_lora_target t);
 
 /* Reads the architecture from `cfg` (config.json merged with inline keys). `strict`
  * entries (those written in the recipe) must be known keys; config.json may hold

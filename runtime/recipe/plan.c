@@ -283,6 +283,13 @@ static double scratch_bytes(const struct am_recipe *r, const struct am_plan *p, 
                             * projection of the rank, and x · Aᵀ's gradient */
         double wide = Q > C ? Q : C;
         wide = I > wide ? I : wide;
+        if (m->mla) { /* multi-head latent attention: q_a's output, kv_a's and kv_b's (mla.c) */
+            double Hl = (double)(m->num_attention_heads / p->tp), kvw = (double)(m->kv_lora_rank + m->qk_rope_head_dim);
+            double kvb = Hl * (double)(m->qk_nope_head_dim + m->v_head_dim), qr = (double)m->q_lora_rank;
+            wide = qr > wide ? qr : wide;
+            wide = kvw > wide ? kvw : wide;
+            wide = kvb > wide ? kvb : wide;
+        }
         b += 2 * carved(N * wide, cs) + carved(N * (double)r->peft.dim, cs);
     }
     if (m->num_experts > 0) {
@@ -401,10 +408,11 @@ static void add_group_over(struct flat_shards *f, double elems, long long d)
 
 static void add_group(struct flat_shards *f, double elems) { add_group_over(f, elems, f->D); }
 
-/* LoRA's trainable parameters on one tensor-parallel rank: of one layer (head false) or of the
+/* LoRA's trainable parameters on one tensor-parallel rank: of layer l (head false) or of the
  * head. A column-parallel base layer (q, k, v, gate, up, the head) splits B by rows and keeps A
- * whole; a row-parallel one (o, down) splits A by columns and keeps B whole. */
-static double lora_rank_params(const struct am_recipe *r, const struct am_plan *p, bool head)
+ * whole; a row-parallel one (o, down) splits A by columns and keeps B whole. A DeepSeekMoE MoE
+ * layer's MLP projections are its shared experts' (n_shared_experts x moe_intermediate_size). */
+static double lora_rank_params(const struct am_recipe *r, const struct am_plan *p, bool head, long l)
 {
     const struct am_model_config *m = &r->model;
     if (!r->peft.enabled)
@@ -413,11 +421,22 @@ static double lora_rank_params(const struct am_recipe *r, const struct am_plan *
     double kv_rank = (m->num_key_value_heads >= p->tp ? (double)m->num_key_value_heads / tp : 1.0) *
                      (double)m->head_dim;
     double I = (double)m->intermediate_size, d = (double)r->peft.dim, n = 0;
-    const double in_out[AM_LORA_NTARGETS][2] = {
+    if (!head && m->num_experts > 0 && am_model_layer_is_moe(m, l))
+        I = (double)(m->n_shared_experts * m->moe_intermediate_size);
+    double H = (double)m->num_attention_heads, qr = (double)m->q_lora_rank, kvr = (double)m->kv_lora_rank;
+    double dn = (double)m->qk_nope_head_dim, dr = (double)m->qk_rope_head_dim, dv = (double)m->v_head_dim;
+    /* multi-head latent attention: q_b_proj (q_proj) and kv_b_proj split by heads as
+     * column-parallel layers, o_proj as a row-parallel one, q_a_proj and kv_a_proj_with_mqa
+     * replicated (their adapters whole) */
+    double in_out[AM_LORA_NTARGETS][2] = {
         {h, q / tp}, {h, kv_rank}, {h, kv_rank}, {q / tp, h}, {h, I / tp}, {h, I / tp}, {I / tp, h},
-        {h, (double)m->vocab_size / tp}};
+        {h, qr}, {h, kvr + dr}, {kvr, H * (dn + dv) / tp}, {h, (double)m->vocab_size / tp}};
+    if (m->mla) {
+        in_out[AM_LORA_Q][0] = qr > 0 ? qr : h, in_out[AM_LORA_Q][1] = H * (dn + dr) / tp;
+        in_out[AM_LORA_O][0] = H * dv / tp;
+    }
     for (int t = head ? AM_LORA_HEAD : 0; t < (head ? AM_LORA_NTARGETS : AM_LORA_HEAD); t++)
-        if (r->peft.targets & (1u << t))
+        if ((r->peft.targets & (1u << t)) && !(t >= AM_LORA_GATE && t <= AM_LORA_DOWN && I <= 0))
             n += d * (in_out[t][0] + in_out[t][1]);
     return n;
 }
@@ -584,7 +603,11 @@ static int memory_of_rank(const struct am_recipe *r, const struct am_plan *p, in
          * replicated on every data-parallel rank (their gradients all-reduced), have master
          * weights (and their compute copy), gradients (and the reduce_dtype copy) and Adam's
          * moments */
-        double ad = layers * lora_rank_params(r, p, false) + (head ? lora_rank_params(r, p, true) : 0);
+        double ad = head ? lora_rank_params(r, p, true, 0) : 0, ad_layers = 0;
+        for (int s = 0; s < p->n_stages; s++)
+            for (int l = 0; p->stages[s].pp_rank == k && l < p->stages[s].n_layers; l++)
+                ad_layers += lora_rank_params(r, p, false, p->stages[s].first_layer + l);
+        ad += ad_layers;
         if (r->peft.experts) { /* the adapters of the rank's experts (ep's share; whole on every tp rank), in
                                 * a group of their own after the others (moe.h) */
             double moe_here = 0;
@@ -679,7 +702,7 @@ int am_plan_build(const struct am_recipe *r, const struct am_world *w, struct am
     double matmul = 6 * p->params.active_per_token;
     if (r->peft.enabled)
         matmul = 4 * p->params.active_per_token +
-                 6 * ((double)m->num_hidden_layers * am_lora_layer_params(r) + am_lora_head_params(r) +
+                 6 * (am_lora_layers_params(r) + am_lora_head_params(r) +
                       (r->peft.experts ? am_lora_expert_params(r, false) * (double)m->num_experts_per_tok /
                                              (double)m->num_experts : 0));
     p->flops_per_step = p->tokens_per_step * (matmul +

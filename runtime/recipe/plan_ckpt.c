@@ -44,7 +44,7 @@ void am_plan_ckpt_cost(const struct am_recipe *r, const struct am_world *w, cons
      * save on Slurm's warning: a save costs it with every (or true) alone */
     c->hf_bytes = r->ckpt.save_consolidated && !r->ckpt.consolidated_final ? 4 * p->params.total : 0;
     if (r->peft.enabled) /* LoRA: the adapters as peft saves them (step-N/peft), always, in place of the export */
-        c->hf_bytes = 4 * ((double)r->model.num_hidden_layers * am_lora_layer_params(r) + am_lora_head_params(r) +
+        c->hf_bytes = 4 * (am_lora_layers_params(r) + am_lora_head_params(r) +
                            am_lora_expert_params(r, true));
     c->bytes += c->hf_bytes;
 }

@@ -74,7 +74,7 @@ void am_plan_print(FILE *f, const struct am_recipe *r, const struct am_world *w,
         fprintf(f, "lora         dim %ld, alpha %g on", r->peft.dim, r->peft.alpha);
         for (int t = 0; t < AM_LORA_NTARGETS; t++)
             if (r->peft.targets & (1u << t))
-                fprintf(f, " %s", am_lora_target_name((enum am_lora_target)t));
+                fprintf(f, " %s", am_lora_target_name_of(&r->model, (enum am_lora_target)t));
         if (r->peft.experts && r->peft.rank_scaling) /* AutoModel's moe_rank_scaling */
             fprintf(f, " experts (gate, up, down of each, at rank %ld: dim / num_experts_per_tok)",
                     r->peft.experts_dim);

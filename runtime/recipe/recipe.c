@@ -698,13 +698,18 @@ static bool lora_any(const struct am_node *v, const char *path)
     return false;
 }
 
-/* The Hugging Face path of target t in layer l ("model.layers.3.self_attn.q_proj"). */
-static void lora_path(char *buf, size_t len, long l, int t)
+/* The Hugging Face path of target t in layer l of model m ("model.layers.3.self_attn.q_proj");
+ * false when m has no such projection (am_lora_target_path_of). */
+static bool lora_path(const struct am_model_config *m, char *buf, size_t len, long l, int t)
 {
+    const char *p = am_lora_target_path_of(m, t);
+    if (!p)
+        return false;
     if (t == AM_LORA_HEAD)
         snprintf(buf, len, "lm_head");
     else
-        snprintf(buf, len, "model.layers.%ld.%s", l, am_lora_target_path(t));
+        snprintf(buf, len, "model.layers.%ld.%s", l, p);
+    return true;
 }
 
 static bool lora_selects(struct reader *rd, const char *path)
@@ -724,28 +729,52 @@ static void experts_path(const struct am_model_config *m, char *buf, size_t len,
     snprintf(buf, len, "model.layers.%ld.%s.experts", l, mixtral ? "block_sparse_moe" : "mlp");
 }
 
+/* The Hugging Face path of MLP projection k (AM_LORA_GATE .. AM_LORA_DOWN) of layer l of a
+ * DeepSeekMoE model (glm4_moe, deepseek_v3): a dense layer's ("model.layers.0.mlp.gate_proj")
+ * or a MoE layer's shared experts' ("model.layers.3.mlp.shared_experts.gate_proj"). false when
+ * the layer has neither (a MoE layer without shared experts). */
+static bool deepseekmoe_mlp_path(const struct am_model_config *m, char *buf, size_t len, long l, int k)
+{
+    bool moe = am_model_layer_is_moe(m, l);
+    if (moe && m->n_shared_experts <= 0)
+        return false;
+    snprintf(buf, len, "model.layers.%ld.mlp.%s%s", l, moe ? "shared_experts." : "", am_lora_target_name(k));
+    return true;
+}
+
 /* A mixture-of-experts model: am adapts its attention projections (AutoModel's adapters on
  * q, k, v, o) and its experts (AutoModel's GroupedExpertsLoRA: a target_modules pattern that
  * matches model.layers.N.mlp.experts, as '*' does; match_all_linear and exclude_modules pick
  * linear layers only, which the experts are not), at rank dim or, with moe_rank_scaling, dim /
- * num_experts_per_tok. Refused: the experts of some MoE layers only, and the MLP projections of
- * its dense layers. -1 with the message. */
+ * num_experts_per_tok. A DeepSeekMoE model's MLPs (glm4_moe, deepseek_v3: the dense layers'
+ * mlp.gate_proj, up_proj, down_proj and the MoE layers' mlp.shared_experts.*: linear layers,
+ * which '*_proj' and match_all_linear pick) are adapted as one target each: in all of those
+ * layers or in none. Refused: the experts of some MoE layers only, a DeepSeekMoE MLP projection
+ * in some of its layers only, and the MLP projections of the other models' dense layers. -1
+ * with the message. */
 static int moe_targets(struct reader *rd, struct am_pos at)
 {
     const struct am_model_config *m = &rd->r->model;
     static const char fix[] = "on a mixture-of-experts model am adapts the attention projections (target_modules: "
                               "['*.q_proj', '*.k_proj', '*.v_proj', '*.o_proj'])";
     char path[128];
-    long n_moe = 0, n_sel = 0;
+    long n_moe = 0, n_sel = 0, n_mlp = 0, mlp_sel[AM_LORA_DOWN + 1] = {0};
     for (long l = 0; l < m->num_hidden_layers; l++) {
+        if (m->sigmoid_router && deepseekmoe_mlp_path(m, path, sizeof(path), l, AM_LORA_GATE)) {
+            n_mlp++;
+            for (int k = AM_LORA_GATE; k <= AM_LORA_DOWN; k++) {
+                deepseekmoe_mlp_path(m, path, sizeof(path), l, k);
+                mlp_sel[k] += lora_selects(rd, path);
+            }
+        }
         if (am_model_layer_is_moe(m, l)) {
             experts_path(m, path, sizeof(path), l);
             n_moe++;
             n_sel += rd->peft_targets && lora_any(rd->peft_targets, path);
             continue;
         }
-        for (int k = AM_LORA_GATE; k <= AM_LORA_DOWN; k++) {
-            lora_path(path, sizeof(path), l, k);
+        for (int k = AM_LORA_GATE; k <= AM_LORA_DOWN && !m->sigmoid_router; k++) {
+            lora_path(m, path, sizeof(path), l, k);
             if (lora_selects(rd, path)) {
                 am_errorf(rd->err, rd->peft_targets ? &rd->peft_targets->pos : rd->peft_excludes ? &rd->peft_excludes->pos : &at,
                           "peft: the patterns select %s of dense layer %ld: adapters on the MLP of a "
@@ -753,6 +782,18 @@ static int moe_targets(struct reader *rd, struct am_pos at)
                 return -1;
             }
         }
+    }
+    for (int k = AM_LORA_GATE; k <= AM_LORA_DOWN; k++) {
+        const char *name = am_lora_target_name(k);
+        if (mlp_sel[k] > 0 && mlp_sel[k] < n_mlp) {
+            am_errorf(rd->err, &(rd->peft_targets ? rd->peft_targets : rd->peft_excludes)->pos,
+                      "peft: the patterns select %s in %ld of the %ld layers with an MLP (the dense layers' "
+                      "mlp.%s, the shared experts' mlp.shared_experts.%s); am adapts a projection in every such "
+                      "layer or in none (select it in all, as '*.%s')", name, mlp_sel[k], n_mlp, name, name, name);
+            return -1;
+        }
+        if (mlp_sel[k] > 0)
+            rd->r->peft.targets |= 1u << k;
     }
     if (n_sel > 0 && n_sel < n_moe) {
         am_errorf(rd->err, &rd->peft_targets->pos, "peft: the patterns select the experts in %ld of the %ld "
@@ -802,15 +843,13 @@ static void resolve_peft(struct reader *rd, struct am_pos at)
         if (m->num_experts > 0 && k >= AM_LORA_GATE && k <= AM_LORA_DOWN)
             continue; /* a mixture of experts: no MLP projection in its expert layers (moe_targets) */
         long n = 0;
-        for (long l = 0; l < (k == AM_LORA_HEAD ? 1 : L); l++) {
-            lora_path(path, sizeof(path), l, k);
-            n += lora_selects(rd, path);
-        }
+        for (long l = 0; l < (k == AM_LORA_HEAD ? 1 : L); l++)
+            n += lora_path(m, path, sizeof(path), l, k) && lora_selects(rd, path);
         if (n && k != AM_LORA_HEAD && n < L) {
             am_errorf(rd->err, &(rd->peft_targets ? rd->peft_targets : rd->peft_excludes)->pos,
                       "peft: the patterns select %s in %ld of the %ld layers; am adapts a projection in every "
-                      "layer or in none (select it in all layers, as '*.%s')", am_lora_target_name(k), n, L,
-                      am_lora_target_name(k));
+                      "layer or in none (select it in all layers, as '*.%s')", am_lora_target_name_of(m, k), n, L,
+                      am_lora_target_name_of(m, k));
             return;
         }
         if (n)
@@ -823,27 +862,30 @@ static void resolve_peft(struct reader *rd, struct am_pos at)
         for (size_t i = 0; v && i < (v->kind == AM_NODE_SCALAR ? 1 : v->n); i++) {
             const struct am_node *pat = v->kind == AM_NODE_SCALAR ? v : v->entries[i].value;
             bool hit = false;
-            for (int k = 0; k < AM_LORA_NTARGETS && !hit; k++) {
-                lora_path(path, sizeof(path), k == AM_LORA_HEAD ? 0 : L - 1, k);
-                hit = lora_any(pat, path);
-            }
-            for (long l = 0; l < L && !hit && m->num_experts > 0; l++)
+            for (int k = 0; k < AM_LORA_NTARGETS && !hit; k++)
+                hit = lora_path(m, path, sizeof(path), k == AM_LORA_HEAD ? 0 : L - 1, k) && lora_any(pat, path);
+            for (long l = 0; l < L && !hit && m->num_experts > 0; l++) {
                 if (am_model_layer_is_moe(m, l)) { /* the experts (moe_targets) */
                     experts_path(m, path, sizeof(path), l);
                     hit = lora_any(pat, path);
                 }
+                for (int k = AM_LORA_GATE; k <= AM_LORA_DOWN && !hit && m->sigmoid_router; k++)
+                    hit = deepseekmoe_mlp_path(m, path, sizeof(path), l, k) && lora_any(pat, path);
+            }
             if (!hit) {
                 bool leaf = false;
                 for (int k = 0; k < AM_LORA_NTARGETS; k++)
-                    leaf |= strcmp(pat->str, am_lora_target_name(k)) == 0 && k != AM_LORA_HEAD;
+                    leaf |= k != AM_LORA_HEAD && am_lora_target_name_of(m, k) &&
+                            strcmp(pat->str, am_lora_target_name_of(m, k)) == 0;
                 if (leaf)
                     am_errorf(rd->err, &pat->pos, "peft.%s: '%s' matches no module: a pattern is compared with "
                               "whole dotted paths such as model.layers.0.self_attn.q_proj (write '*.%s')",
                               j ? "exclude_modules" : "target_modules", pat->str, pat->str);
                 else
                     am_errorf(rd->err, &pat->pos, "peft.%s: '%.80s' matches none of the linear layers am adapts "
-                              "(model.layers.N.self_attn.{q,k,v,o}_proj, model.layers.N.mlp.{gate,up,down}_proj, "
-                              "lm_head)", j ? "exclude_modules" : "target_modules", pat->str);
+                              "(model.layers.N.self_attn.%s, model.layers.N.mlp.{gate,up,down}_proj, lm_head)",
+                              j ? "exclude_modules" : "target_modules", pat->str,
+                              m->mla ? "{q_a,q_b,kv_a,kv_b,o}_proj (kv_a_proj_with_mqa)" : "{q,k,v,o}_proj");
             }
         }
     }
@@ -852,12 +894,33 @@ static void resolve_peft(struct reader *rd, struct am_pos at)
                   "such as '*_proj')");
 }
 
-/* A targeted layer's input and output sizes. */
-static void lora_shape(const struct am_model_config *m, int t, double *in, double *out)
+/* A targeted layer's input and output sizes, in layer l (a mixture of experts' MLP
+ * projections: a DeepSeekMoE MoE layer's shared experts, of n_shared_experts x
+ * moe_intermediate_size; false when layer l has no such projection). */
+static bool lora_shape(const struct am_model_config *m, int t, long l, double *in, double *out)
 {
     double h = (double)m->hidden_size, q = (double)m->num_attention_heads * (double)m->head_dim,
            kv = (double)m->num_key_value_heads * (double)m->head_dim, I = (double)m->intermediate_size;
-    static const int kinds[] = {0, 1, 1, 2, 3, 3, 4, 5};
+    static const int kinds[] = {0, 1, 1, 2, 3, 3, 4, 6, 7, 8, 5};
+    if (t >= AM_LORA_GATE && t <= AM_LORA_DOWN && m->num_experts > 0 && am_model_layer_is_moe(m, l)) {
+        I = (double)(m->n_shared_experts * m->moe_intermediate_size);
+        if (I <= 0)
+            return false;
+    }
+    if (!am_lora_target_path_of(m, t))
+        return false;
+    if (m->mla) { /* multi-head latent attention (runtime/model/mla.c) */
+        double H = (double)m->num_attention_heads, qr = (double)m->q_lora_rank, kvr = (double)m->kv_lora_rank;
+        double dn = (double)m->qk_nope_head_dim, dr = (double)m->qk_rope_head_dim, dv = (double)m->v_head_dim;
+        switch (t) {
+        case AM_LORA_Q: *in = qr > 0 ? qr : h, *out = H * (dn + dr); return true;
+        case AM_LORA_O: *in = H * dv, *out = h; return true;
+        case AM_LORA_Q_A: *in = h, *out = qr; return true;
+        case AM_LORA_KV_A: *in = h, *out = kvr + dr; return true;
+        case AM_LORA_KV_B: *in = kvr, *out = H * (dn + dv); return true;
+        default: break;
+        }
+    }
     switch (kinds[t]) {
     case 0: *in = h, *out = q; break;
     case 1: *in = h, *out = kv; break;
@@ -866,16 +929,23 @@ static void lora_shape(const struct am_model_config *m, int t, double *in, doubl
     case 4: *in = I, *out = h; break;
     default: *in = h, *out = (double)m->vocab_size; break;
     }
+    return true;
 }
 
-double am_lora_layer_params(const struct am_recipe *r)
+double am_lora_layer_params(const struct am_recipe *r, long l)
 {
     double n = 0, in, out;
     for (int t = 0; r->peft.enabled && t < AM_LORA_HEAD; t++)
-        if (r->peft.targets & (1u << t)) {
-            lora_shape(&r->model, t, &in, &out);
+        if ((r->peft.targets & (1u << t)) && lora_shape(&r->model, t, l, &in, &out))
             n += (double)r->peft.dim * (in + out);
-        }
+    return n;
+}
+
+double am_lora_layers_params(const struct am_recipe *r)
+{
+    double n = 0;
+    for (long l = 0; l < r->model.num_hidden_layers; l++)
+        n += am_lora_layer_params(r, l);
     return n;
 }
 
@@ -884,7 +954,7 @@ double am_lora_head_params(const struct am_recipe *r)
     double in, out;
     if (!r->peft.enabled || !(r->peft.targets & (1u << AM_LORA_HEAD)))
         return 0;
-    lora_shape(&r->model, AM_LORA_HEAD, &in, &out);
+    lora_shape(&r->model, AM_LORA_HEAD, 0, &in, &out);
     return (double)r->peft.dim * (in + out);
 }
 

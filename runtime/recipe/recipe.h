@@ -172,9 +172,11 @@ struct am_pos am_recipe_pos(const struct am_recipe *r, const char *path);
 
 const char *am_strategy_name(enum am_strategy s);
 const char *am_pp_schedule_name(enum am_pp_schedule s);
-/* Trainable LoRA parameters of one layer (counted whole, before tensor parallelism) and of the
- * head; 0 without peft. */
-double am_lora_layer_params(const struct am_recipe *r);
+/* Trainable LoRA parameters of layer l (counted whole, before tensor parallelism; a mixture
+ * of experts' layers differ: a DeepSeekMoE model's dense MLP against its shared experts), of
+ * all the layers, and of the head; 0 without peft. */
+double am_lora_layer_params(const struct am_recipe *r, long l);
+double am_lora_layers_params(const struct am_recipe *r);
 double am_lora_head_params(const struct am_recipe *r);
 /* With peft.experts: the experts' adapter parameters of the whole model (every MoE layer's E
  * experts), or with saved the values peft's file holds (the shared A of gate and up twice). */

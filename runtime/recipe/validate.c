@@ -345,14 +345,6 @@ static void lora_kv_tp(struct check *c)
              "out of the targets", r->dist.tp, kvh, kvh);
 }
 
-static void glm_lora(struct check *c)
-{
-    const struct am_recipe *r = c->r;
-    if (r->peft.enabled && r->model.sigmoid_router)
-        FAIL(c, "peft", "LoRA on %s is not run by am-train yet: its adapters would sit on the dense layers' and the "
-             "shared experts' MLPs, which peft names apart (train without peft)", r->model.model_type);
-}
-
 /* AutoModel's moe_rank_scaling: the experts' adapters of rank dim // num_experts_per_tok, which
  * must be 1 at least (AutoModel raises the same) */
 static void lora_moe_rank(struct check *c)
@@ -413,7 +405,7 @@ static const struct {
     void (*check)(struct check *c);
 } run_rules[] = {
     {"fp16", fp16},           {"moe-sp", moe_sp},       {"lora-head-dropout", lora_head_dropout},
-    {"lora-kv-tp", lora_kv_tp}, {"lora-moe-rank", lora_moe_rank}, {"glm-lora", glm_lora},
+    {"lora-kv-tp", lora_kv_tp}, {"lora-moe-rank", lora_moe_rank},
     {"glm-shared-tp", glm_shared_tp}, {"dsv3-bias-update", dsv3_bias_update}, {"dataset", dataset},
 };
 

@@ -1446,13 +1446,46 @@ LORA_CASES = {
     # and on a base whose head is tied to the embedding, with Gemma 2's final logit soft cap
     "gemma2_lora_head": dict(base="gemma2_tiny", r=4, alpha=8, targets=["q_proj", "v_proj", "lm_head"],
                              adapter_seed=3004),
+    # GLM-4.5 MoE: attention (q, k, v with their frozen biases; o), the dense layer's MLP
+    # (mlp.gate_proj, ...), the MoE layers' shared experts (mlp.shared_experts.gate_proj, ...) and
+    # lm_head, as AutoModel adapts linear layers by name; transformers' routed experts are fused
+    # 3-d parameters, not linear layers, and stay frozen (plain_peft: peft's own rewrite of these
+    # names onto the fused experts turned off). adapter_seed 3005 -> 3008: with 3005 the final
+    # adapters of fp32 were 7.9e-5 off fp64's after the 5 AdamW steps (an element of a gradient
+    # that nearly cancels), above golden_dist's 5e-5; 3008's are 4.7e-7 off
+    "glm4_moe_lora": dict(base="glm4_moe_tiny", r=4, alpha=8,
+                          targets=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                                   "lm_head"], adapter_seed=3008, plain_peft=True),
+    # DeepSeek-V3: multi-head latent attention's five projections (q_a_proj, q_b_proj,
+    # kv_a_proj_with_mqa, kv_b_proj, o_proj), the dense layer's and the shared experts' MLPs and
+    # lm_head (plain_peft as glm4_moe_lora). adapter_seed 3102: fp32's final adapters 4.3e-7 off
+    # fp64's (3101's 1.3e-4)
+    "deepseek_v3_lora": dict(base="deepseek_v3_tiny", r=4, alpha=8,
+                             targets=["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj",
+                                      "gate_proj", "up_proj", "down_proj", "lm_head"], adapter_seed=3102,
+                             plain_peft=True),
 }
+
+
+def plain_peft():
+    """peft adapting the linear layers its target_modules name, as AutoModel does. peft 0.21 on
+    transformers 5 rewrites the targets of MoE models whose experts transformers 5 fused (its
+    conversion of adapters trained on transformers 4): 'gate_proj', 'up_proj' and 'down_proj'
+    become the fused experts' parameters, and no longer adapt a dense layer's or the shared
+    experts' MLP. Turned off (for the cases of such models: glm4_moe_lora) so that the golden is
+    plain LoRA on those linear layers."""
+    import peft.utils.transformers_weight_conversion as conv
+
+    conv.convert_peft_config_for_transformers = lambda peft_config, model, conversions: None
+    conv.convert_peft_adapter_state_dict_for_transformers = lambda model, peft_config, adapter_state_dict, adapter_name="default": adapter_state_dict
 
 
 def make_lora_model(case, dtype=torch.float32):
     from peft import LoraConfig, get_peft_model
 
     spec = LORA_CASES[case]
+    if spec.get("plain_peft"):
+        plain_peft()
     model = make_model(spec["base"]).to(dtype)
     cfg = LoraConfig(r=spec["r"], lora_alpha=spec["alpha"], target_modules=spec["targets"], lora_dropout=0.0,
                      bias="none", init_lora_weights=True, task_type="CAUSAL_LM")

@@ -92,7 +92,7 @@ int main(int argc, char **argv)
     sh.lora_alpha = 8;
     sh.lora_targets = strcmp(argv[2], "qv") == 0 ? (1u << AM_LORA_Q | 1u << AM_LORA_V)
                       : strcmp(argv[2], "head") == 0 ? (1u << AM_LORA_Q | 1u << AM_LORA_V | 1u << AM_LORA_HEAD)
-                                                     : (1u << AM_LORA_NPROJ) - 1;
+                                                     : (1u << (AM_LORA_DOWN + 1)) - 1;
     struct am_model m;
     if (am_model_init(&m, &rc->model, &sh, &dev, tpc, NULL, B, T, err, sizeof(err)) < 0) {
         fprintf(stderr, "lora_tp_check: rank %d: %s\n", my_rank, err);

@@ -1060,6 +1060,74 @@ static void test_defaults(void **state)
              "layers are not supported by am yet; %s", moe_fix);
     expect(MOE "  mlp_only_layers: [1]\n", (const char *[]){"peft.target_modules=['*_proj']", NULL}, MSGS(want));
 #undef MOE
+    /* DeepSeekMoE (glm4_moe): the dense layers' MLP (mlp.gate_proj) and the shared experts'
+     * (mlp.shared_experts.gate_proj) are one target each: '*_proj', '*.gate_proj' and
+     * match_all_linear select both; a pattern that selects one kind alone is refused */
+#define GLM "model:\n  model_type: glm4_moe\n  hidden_size: 64\n  num_hidden_layers: 3\n  num_attention_heads: 4\n" \
+            "  vocab_size: 64\n  intermediate_size: 128\n  moe_intermediate_size: 32\n  n_routed_experts: 4\n" \
+            "  num_experts_per_tok: 2\n  first_k_dense_replace: 1\n"
+    unsigned all = (1u << (AM_LORA_DOWN + 1)) - 1;
+    r = parse_with("r.yaml", GLM, (const char *[]){"peft.target_modules=['*_proj']", NULL}, &err);
+    assert_int_equal(err.n, 0);
+    assert_int_equal(r->peft.targets, all);
+    assert_false(r->peft.experts);
+    am_recipe_free(r);
+    am_errors_free(&err);
+    r = parse_with("r.yaml", GLM, (const char *[]){"peft.match_all_linear=true", NULL}, &err);
+    assert_int_equal(err.n, 0);
+    assert_int_equal(r->peft.targets, all | 1u << AM_LORA_HEAD);
+    assert_false(r->peft.experts);
+    am_recipe_free(r);
+    am_errors_free(&err);
+    r = parse_with("r.yaml", GLM, (const char *[]){"peft.target_modules=['*.down_proj', '*.experts']", NULL}, &err);
+    assert_int_equal(err.n, 0);
+    assert_int_equal(r->peft.targets, 1u << AM_LORA_DOWN);
+    assert_true(r->peft.experts);
+    am_recipe_free(r);
+    am_errors_free(&err);
+    expect(GLM, (const char *[]){"peft.target_modules=['*.mlp.gate_proj']", NULL},
+           MSGS("--set peft.target_modules=['*.mlp.gate_proj']: peft: the patterns select gate_proj in 1 of the 3 "
+                "layers with an MLP (the dense layers' mlp.gate_proj, the shared experts' "
+                "mlp.shared_experts.gate_proj); am adapts a projection in every such layer or in none (select it "
+                "in all, as '*.gate_proj')"));
+    expect(GLM, (const char *[]){"peft.target_modules=['*.shared_experts.up_proj']", NULL},
+           MSGS("--set peft.target_modules=['*.shared_experts.up_proj']: peft: the patterns select up_proj in 2 of "
+                "the 3 layers with an MLP (the dense layers' mlp.up_proj, the shared experts' "
+                "mlp.shared_experts.up_proj); am adapts a projection in every such layer or in none (select it in "
+                "all, as '*.up_proj')"));
+#undef GLM
+    /* deepseek_v3: multi-head latent attention's q_a_proj, q_b_proj, kv_a_proj_with_mqa (which
+     * '*_proj' does not match), kv_b_proj and o_proj */
+#define DSV3_BASE "model:\n  model_type: deepseek_v3\n  hidden_size: 64\n  num_hidden_layers: 3\n" \
+             "  num_attention_heads: 4\n  num_key_value_heads: 4\n  vocab_size: 64\n  intermediate_size: 128\n" \
+             "  moe_intermediate_size: 32\n  n_routed_experts: 4\n  num_experts_per_tok: 2\n  n_group: 1\n" \
+             "  topk_group: 1\n  first_k_dense_replace: 1\n  kv_lora_rank: 16\n" \
+             "  qk_nope_head_dim: 8\n  qk_rope_head_dim: 8\n  v_head_dim: 12\n"
+#define DSV3 DSV3_BASE "  q_lora_rank: 24\n"
+    unsigned mlp = 1u << AM_LORA_GATE | 1u << AM_LORA_UP | 1u << AM_LORA_DOWN;
+    r = parse_with("r.yaml", DSV3, (const char *[]){"peft.target_modules=['*_proj']", NULL}, &err);
+    assert_int_equal(err.n, 0);
+    assert_int_equal(r->peft.targets, 1u << AM_LORA_Q | 1u << AM_LORA_O | 1u << AM_LORA_Q_A | 1u << AM_LORA_KV_B | mlp);
+    am_recipe_free(r);
+    am_errors_free(&err);
+    r = parse_with("r.yaml", DSV3, (const char *[]){"peft.match_all_linear=true", NULL}, &err);
+    assert_int_equal(err.n, 0);
+    assert_int_equal(r->peft.targets, 1u << AM_LORA_Q | 1u << AM_LORA_O | 1u << AM_LORA_Q_A | 1u << AM_LORA_KV_A |
+                                          1u << AM_LORA_KV_B | mlp | 1u << AM_LORA_HEAD);
+    am_recipe_free(r);
+    am_errors_free(&err);
+    r = parse_with("r.yaml", DSV3_BASE "  q_lora_rank: null\n", /* q_lora_rank null: q_proj */
+                   (const char *[]){"peft.target_modules=['*.q_proj']", NULL}, &err);
+    assert_int_equal(err.n, 0);
+    assert_int_equal(r->peft.targets, 1u << AM_LORA_Q);
+    am_recipe_free(r);
+    am_errors_free(&err);
+    expect(DSV3, (const char *[]){"peft.target_modules=['*.k_proj']", NULL},
+           MSGS("--set peft.target_modules=['*.k_proj']: peft.target_modules: '*.k_proj' matches none of the linear "
+                "layers am adapts (model.layers.N.self_attn.{q_a,q_b,kv_a,kv_b,o}_proj (kv_a_proj_with_mqa), "
+                "model.layers.N.mlp.{gate,up,down}_proj, lm_head)"));
+#undef DSV3
+#undef DSV3_BASE
 }
 
 int main(void)

@@ -1,0 +1,355 @@
+#!/bin/bash
+# LoRA on GLM-4.5 MoE (glm4_moe; docs/training.md, "LoRA") end to end with am-train, on CPU: the
+# bundled tiny_lora recipe as glm4_moe (partial rotary, q, k, v biases, q/k norms, layer 0 a
+# dense MLP, layers 1-3 8 experts in 4 groups with the sigmoid router and 2 shared experts) with
+# AutoModel's target_modules: ['*']: adapters on q, k, v, o, the dense layer's MLP
+# (mlp.gate_proj, up_proj, down_proj), the shared experts' (mlp.shared_experts.gate_proj, ...:
+# peft's names, apart from the dense one's), every expert (GroupedExpertsLoRA, as on qwen3_moe)
+# and lm_head; the router and the base frozen. In fp32:
+#   golden: golden_dist on the peft golden glm4_moe_lora (the same projections on transformers'
+#     Glm4MoeForCausalLM; README.md) at one rank and tp 2: 5 AdamW losses within 1e-5 and
+#     the final adapters within 5e-5 (test_lora_golden checks the first gradients);
+#   the adapters train: the loss falls, the gradients are the adapters' alone;
+#   checkpoint: step-N/peft holds the dense MLP's and the shared experts' adapters under their
+#     own names with their shapes (the shared experts' width 2 x 32), every expert's and
+#     lm_head's; adapter_config.json's target_modules name gate_proj, up_proj, down_proj;
+#   parity: tp 2 (the dense MLP's and the shared experts' adapters split with them: B of gate
+#     and up by rows, A of down by columns), ep 2, pp 2 and tp 2 x ep 2 against one rank: losses
+#     within 1e-5, grad norms 1e-5 relative; the saved adapters within 1e-5 of one rank's;
+#   bf16: tp 2 x ep 2 against one rank in bf16, within twice one rank's bf16-vs-fp32 differences;
+#   dropout: adapter dropout 0.1 (all adapters but the experts' and lm_head's) at tp 2 against
+#     one rank;
+#   resume: tp 2 stopped after step 2 and restored gives steps 3 and 4 to the last bit;
+#   memory: every rank's allocation equals am-plan's estimate for its pipeline rank, to the byte
+#     (less the CUDA kernels' scratch, which the CPU's kernels do not allocate);
+#   merge: am-ckpt merge makes the dense MLP's and the shared experts' weights W + s B A.
+# With LORA_ARCH=deepseek_v3 (tests/train/test-lora-mla.sh) the same on DeepSeek-V3 (its MoE
+# glm4_moe's; multi-head latent attention with q_lora_rank 24, kv_lora_rank 16, v narrower than
+# q and k): the attention's adapters are on q_a_proj, q_b_proj, kv_a_proj_with_mqa, kv_b_proj
+# and o_proj (under tp q_b_proj's and kv_b_proj's B split by heads, o_proj's A by columns,
+# q_a_proj's and kv_a_proj_with_mqa's whole with their gradients summed over tp), against the
+# golden deepseek_v3_lora, and the merge checks q_a_proj and kv_b_proj too.
+set -u
+arch=${LORA_ARCH:-glm4_moe}
+case $arch in
+glm4_moe)
+    golden=glm4_moe_lora golden_targets="['*_proj', 'lm_head']" drop_targets="['*_proj']"
+    edits='s/model_type: llama/model_type: glm4_moe\n  partial_rotary_factor: 0.5\n  attention_bias: true\n  use_qk_norm: true\n  n_routed_experts: 8\n  num_experts_per_tok: 2\n  n_group: 4\n  topk_group: 2\n  moe_intermediate_size: 32\n  n_shared_experts: 2\n  routed_scaling_factor: 1.5\n  first_k_dense_replace: 1\n  norm_topk_prob: true/'
+    attn=8 ;; # q, k, v, o: A and B
+deepseek_v3)
+    golden=deepseek_v3_lora golden_targets="['*_proj', '*.kv_a_proj_with_mqa', 'lm_head']"
+    drop_targets="['*_proj', '*.kv_a_proj_with_mqa']"
+    edits='s/model_type: llama/model_type: deepseek_v3\n  q_lora_rank: 24\n  kv_lora_rank: 16\n  qk_nope_head_dim: 8\n  qk_rope_head_dim: 8\n  v_head_dim: 12\n  rope_interleave: true\n  n_routed_experts: 8\n  num_experts_per_tok: 2\n  n_group: 4\n  topk_group: 2\n  moe_intermediate_size: 32\n  n_shared_experts: 2\n  routed_scaling_factor: 1.5\n  first_k_dense_replace: 1\n  norm_topk_prob: true/; s/num_key_value_heads: 2/num_key_value_heads: 4/'
+    attn=10 ;; # q_a, q_b, kv_a, kv_b, o
+*) echo "test-lora-glm.sh: LORA_ARCH $arch is not glm4_moe or deepseek_v3" >&2; exit 2 ;;
+esac
+: "${AM_SRCDIR:=$(cd "$(dirname "$0")/../.." && pwd)}"
+: "${AM_BUILDDIR:=$PWD}"
+AM_BUILDDIR=$(cd "$AM_BUILDDIR" && pwd)
+export AM_MODELS_DIR=${AM_MODELS_DIR:-$AM_SRCDIR/runtime/recipe/models} OMP_NUM_THREADS=1
+unset AM_RECIPE AM_TP AM_PP AM_EP AM_CP AM_LOG_DIR AM_DRY_RUN AM_FAULT PMIX_NAMESPACE PMIX_RANK 2>/dev/null || true
+work=$(mktemp -d)
+trap '[ -n "${AM_LORA_KEEP:-}" ] || rm -rf "$work"' EXIT
+fails=0 passes=0
+steps=4 loss_tol=1e-5 norm_tol=1e-5
+ok() { echo "ok: $*"; passes=$((passes + 1)); }
+bad() { echo "FAIL: $*"; fails=$((fails + 1)); }
+
+# golden: golden_dist on peft's glm4_moe_lora (deepseek_v3_lora)
+golden_recipe() { # TP PP
+    cat <<EOF
+model:
+  pretrained_model_name_or_path: $AM_SRCDIR/tests/golden/models/$golden/base
+distributed:
+  strategy: fsdp2
+  tp_size: $1
+  pp_size: $2
+  mp_policy:
+    param_dtype: float32
+  pipeline:
+    pp_schedule: 1f1b
+    pp_microbatch_size: 1
+step_scheduler:
+  global_batch_size: 2
+  local_batch_size: 2
+  max_steps: 5
+dataset:
+  seq_length: 16
+  paths: golden-rows
+optimizer:
+  _target_: torch.optim.AdamW
+  lr: 1.0e-2
+  betas: [0.9, 0.95]
+  eps: 1.0e-8
+  weight_decay: 0.1
+lr_scheduler:
+  lr_decay_style: constant
+  lr_warmup_steps: 0
+clip_grad_norm:
+  max_norm: null
+peft:
+  _target_: nemo_automodel.components._peft.lora.PeftConfig
+  target_modules: $golden_targets
+  dim: 4
+  alpha: 8
+  dropout: 0.0
+  lora_A_init: kaiming
+dist_env:
+  timeout_minutes: 1
+EOF
+}
+for run in "1 1" "2 1"; do
+    set -- $run
+    name=golden-tp$1-pp$2
+    golden_recipe "$1" "$2" >"$work/$name.yaml"
+    if (cd "$work" && AM_LOG_DIR="$work/logs-$name" timeout 300 "$AM_BUILDDIR/am-launch" --nproc $(($1 * $2)) \
+        "$work/$name.yaml" -- "$AM_BUILDDIR/tests/train/golden_dist" "$golden" >"$work/out-$name" 2>&1) &&
+        grep -q "^golden tp$1 pp$2 $golden: [0-9]* checks passed" "$work/out-$name" &&
+        [ "$(grep -c '^adamw step [1-5]: loss ' "$work/out-$name")" = 5 ]; then
+        ok "$golden against peft at tp $1 x pp $2: $(grep '^golden .*checks passed' "$work/out-$name" | sed 's/.*passed (//; s/)$//'); $(grep '^final adapters' "$work/out-$name")"
+    else
+        bad "$golden against peft at tp $1 x pp $2"; sed 's/^/    /' "$work/out-$name"
+    fi
+done
+
+awk 'NF { gsub(/\\/, "\\\\"); gsub(/"/, "\\\""); gsub(/\t/, " "); if (p != "") printf "{\"prompt\": \"%s\", \"response\": \"%s\"}\n", p, $0; p = $0 }' \
+    /usr/share/common-licenses/GPL-3 /usr/share/common-licenses/Apache-2.0 | head -600 >"$work/rows.jsonl"
+"$AM_BUILDDIR/am-data" build --tokenizer "$AM_SRCDIR/tests/data/tokenizer/gpt2.json" --instruction \
+    --eos '<|endoftext|>' --out "$work/ds" "$work/rows.jsonl" >/dev/null || { bad "am-data build --instruction"; exit 1; }
+
+train() { # NAME NPROC [VAR=VALUE...]
+    local name=$1 n=$2
+    shift 2
+    (cd "$work" && env "$@" AM_LOG_DIR="$work/logs-$name" timeout 600 "$AM_BUILDDIR/am-launch" --nproc "$n" \
+        "$work/$name.yaml" >"$work/out-$name" 2>&1)
+}
+steps_of() { # LOGDIR: "step loss grad_norm" of rank 0
+    grep -h '"type":"step"' "$1"/*/rank-0.jsonl | sed -E 's/.*"step":([0-9]+),"loss":([^,]*),.*"grad_norm":([^,]*),.*/\1 \2 \3/'
+}
+memory() { # LOGDIR RANK KEY
+    grep -h '"type":"memory"' "$1"/*/rank-"$2".jsonl | sed -E "s/.*\"$3\":([0-9a-z]*).*/\1/"
+}
+recipe() { # NAME EP: tiny_lora.yaml as $arch in fp32 on the instruction data, target_modules ['*']
+    sed -e "s|paths: .*|paths: $work/ds|" -e "s/max_steps: .*/max_steps: $steps/" -e "s/ckpt_every_steps: .*/ckpt_every_steps: 2/" \
+        -e "$edits" \
+        -e "s/target_modules: .*/target_modules: ['*']/" -e "s|checkpoint_dir: .*|checkpoint_dir: $work/ckpt-$1|" \
+        -e "s/tp_size: 1/tp_size: 1\n  ep_size: $2/" \
+        "$AM_SRCDIR/sbatch-templates/recipes/tiny_lora.yaml" >"$work/$1.yaml"
+}
+
+recipe ref 1
+train ref 1 || { sed 's/^/    /' "$work/out-ref"; bad "LoRA on $arch did not train on one rank"; exit 1; }
+steps_of "$work/logs-ref" >"$work/steps-ref"
+if [ "$(wc -l <"$work/steps-ref")" = "$steps" ] &&
+    awk 'NR == 1 { a = $2 } END { exit !($2 < a) }' "$work/steps-ref" &&
+    [ "$(memory "$work/logs-ref" 0 grads_bytes)" = "$(($(memory "$work/logs-ref" 0 adapter_params) * 4))" ]; then
+    ok "LoRA on $arch, one rank: losses $(awk '{ printf "%s ", $2 }' "$work/steps-ref"); gradients of the $(memory "$work/logs-ref" 0 adapter_params) adapter parameters only"
+else
+    bad "LoRA on $arch, one rank: losses $(awk '{ printf "%s ", $2 }' "$work/steps-ref"), grads_bytes $(memory "$work/logs-ref" 0 grads_bytes) for $(memory "$work/logs-ref" 0 adapter_params) adapter parameters"
+fi
+
+tensors() { # FILE: "name rows cols" of each tensor, sorted
+    local n
+    n=$(od -An -t u8 -N 8 "$1" | tr -d ' ')
+    head -c $((8 + n)) "$1" | tail -c "$n" | grep -oE '"[^"]+":\{"dtype":"[A-Z0-9]+","shape":\[[0-9]+,[0-9]+\]' |
+        sed -E 's/"([^"]+)".*\[([0-9]+),([0-9]+)\]/\1 \2 \3/' | sort
+}
+floats() { # FILE: every value of the data, in the header's order
+    local n
+    n=$(od -An -t u8 -N 8 "$1" | tr -d ' ')
+    od -An -v -t f4 -j $((8 + n)) "$1" | tr -s ' ' '\n' | grep .
+}
+values() { # FILE NAME: the tensor's values, one a line
+    local n off
+    n=$(od -An -t u8 -N 8 "$1" | tr -d ' ')
+    off=$(head -c $((8 + n)) "$1" | tail -c "$n" | grep -oE "\"$2\":\\{[^}]*\\}" | grep -oE 'data_offsets":\[[0-9]+,[0-9]+' |
+        grep -oE '[0-9]+,[0-9]+')
+    od -An -v -t f4 -j $((8 + n + ${off%,*})) -N $((${off#*,} - ${off%,*})) "$1" | tr -s ' ' '\n' | grep .
+}
+ad="$work/ckpt-ref/step-$steps/peft/adapter_model.safetensors" cfg="$work/ckpt-ref/step-$steps/peft/adapter_config.json"
+p=base_model.model.model.layers
+# per layer: the attention's adapters, the MLP's (6); per MoE layer 8 experts x 6; lm_head 2
+names_ok() {
+    grep -qx "$p.0.mlp.gate_proj.lora_A.weight 8 64" "$work/names-ref" &&
+        grep -qx "$p.0.mlp.gate_proj.lora_B.weight 176 8" "$work/names-ref" &&
+        grep -qx "$p.0.mlp.down_proj.lora_A.weight 8 176" "$work/names-ref" &&
+        grep -qx "$p.2.mlp.shared_experts.up_proj.lora_B.weight 64 8" "$work/names-ref" &&
+        grep -qx "$p.2.mlp.shared_experts.down_proj.lora_A.weight 8 64" "$work/names-ref" &&
+        grep -qx "$p.3.mlp.shared_experts.gate_proj.lora_A.weight 8 64" "$work/names-ref" &&
+        ! grep -q "$p.0.mlp.shared_experts" "$work/names-ref" && ! grep -q "$p.1.mlp.gate_proj" "$work/names-ref" &&
+        grep -qx "$p.3.mlp.experts.7.down_proj.lora_B.weight 64 8" "$work/names-ref" &&
+        grep -qx "base_model.model.lm_head.lora_B.weight 1024 8" "$work/names-ref" &&
+        [ "$(wc -l <"$work/names-ref")" = $((4 * (attn + 6) + 3 * 8 * 6 + 2)) ] &&
+        grep -q '"model.layers.3.mlp.experts.7.down_proj"' "$cfg" || return 1
+    if [ "$arch" = glm4_moe ]; then
+        tr -d ' \n' <"$cfg" | grep -qF '"q_proj","k_proj","v_proj","o_proj","gate_proj","up_proj","down_proj","lm_head"'
+    else # multi-head latent attention: q_a [24, 64], q_b [4 x 16, 24], kv_a [16 + 8, 64], kv_b [4 x (8 + 12), 16], o [64, 4 x 12]
+        grep -qx "$p.1.self_attn.q_a_proj.lora_B.weight 24 8" "$work/names-ref" &&
+            grep -qx "$p.1.self_attn.q_b_proj.lora_A.weight 8 24" "$work/names-ref" &&
+            grep -qx "$p.1.self_attn.q_b_proj.lora_B.weight 64 8" "$work/names-ref" &&
+            grep -qx "$p.2.self_attn.kv_a_proj_with_mqa.lora_B.weight 24 8" "$work/names-ref" &&
+            grep -qx "$p.2.self_attn.kv_b_proj.lora_A.weight 8 16" "$work/names-ref" &&
+            grep -qx "$p.2.self_attn.kv_b_proj.lora_B.weight 80 8" "$work/names-ref" &&
+            grep -qx "$p.3.self_attn.o_proj.lora_A.weight 8 48" "$work/names-ref" &&
+            tr -d ' \n' <"$cfg" |
+            grep -qF '"q_b_proj","o_proj","gate_proj","up_proj","down_proj","q_a_proj","kv_a_proj_with_mqa","kv_b_proj","lm_head"'
+    fi
+}
+if [ -f "$ad" ] && tensors "$ad" >"$work/names-ref" && names_ok; then
+    ok "step-$steps/peft holds the attention's adapters, the dense MLP's (mlp.gate_proj ...) and the shared experts' (mlp.shared_experts.gate_proj ...) apart, with their shapes, every expert's and lm_head's; target_modules name them"
+else
+    bad "step-$steps/peft: $(wc -l <"$work/names-ref" 2>&1) tensors; $(grep -E 'mlp\.(shared_experts\.)?gate_proj' "$work/names-ref" 2>&1 | tr '\n' ' '); $(tr -d ' \n' <"$cfg" | grep -o '"target_modules":\[[^]]*' | cut -c1-300)"
+fi
+
+compare() { # REF NAME LOSS_TOL NORM_TOL
+    paste "$work/steps-$1" "$work/steps-$2" | awk -v steps="$steps" -v lt="$3" -v nt="$4" '
+        { d = $2 - $5; if (d < 0) d = -d; if (d > w) w = d; g = ($3 - $6) / $3; if (g < 0) g = -g; if (g > gw) gw = g; n++ }
+        END { printf "%d steps, loss %.2g (tolerance %.2g), grad norm %.2g relative (%.2g)", n, w, lt, gw, nt
+              exit !(n == steps && w <= lt && gw <= nt) }'
+}
+for layout in "tp2 2 1 AM_TP=2" "ep2 2 2" "pp2 2 1 AM_PP=2" "tp2-ep2 4 2 AM_TP=2"; do
+    set -- $layout
+    name=$1 n=$2 ep=$3
+    shift 3
+    recipe "$name" "$ep"
+    if ! train "$name" "$n" "$@"; then
+        bad "$name did not train"; sed 's/^/    /' "$work/out-$name"; continue
+    fi
+    steps_of "$work/logs-$name" >"$work/steps-$name"
+    if compare ref "$name" "$loss_tol" "$norm_tol" >"$work/cmp-$name"; then
+        ok "LoRA on $arch $name matches one rank: $(cat "$work/cmp-$name")"
+    else
+        bad "LoRA on $arch $name: $(cat "$work/cmp-$name")"; paste "$work/steps-ref" "$work/steps-$name" | sed 's/^/    /'
+    fi
+    f="$work/ckpt-$name/step-$steps/peft/adapter_model.safetensors"
+    if [ -f "$f" ] && [ "$(tensors "$f")" = "$(cat "$work/names-ref")" ] && awk -v tol=1e-5 '
+            NR == FNR { a[FNR] = $0; n = FNR; next } { d = a[FNR] - $0; if (d < 0) d = -d; if (d > w) w = d }
+            END { printf "%.2g", w; exit !(FNR == n && w <= tol) }' <(floats "$ad") <(floats "$f") >"$work/ad-$name"; then
+        ok "LoRA on $arch $name saves one rank's adapters (names, shapes; values within $(cat "$work/ad-$name"))"
+    else
+        bad "LoRA on $arch $name: its saved adapters differ from one rank's ($(cat "$work/ad-$name" 2>/dev/null))"
+    fi
+done
+
+# bf16: tp 2 x ep 2 against one rank's bf16 run, within twice one rank's bf16-vs-fp32 differences
+for run in "ref-bf16 1 ref" "tp2-ep2-bf16 4 tp2-ep2 AM_TP=2"; do
+    set -- $run
+    sed -e 's/param_dtype: float32/param_dtype: bfloat16/' -e "s|ckpt-$3|ckpt-$1|" "$work/$3.yaml" >"$work/$1.yaml"
+    name=$1 n=$2
+    shift 3
+    train "$name" "$n" "$@" && steps_of "$work/logs-$name" >"$work/steps-$name" || { bad "$name did not train"; sed 's/^/    /' "$work/out-$name"; }
+done
+tol=$(paste "$work/steps-ref" "$work/steps-ref-bf16" | awk '
+    { d = $2 - $5; if (d < 0) d = -d; if (d > l) l = d; g = ($3 - $6) / $3; if (g < 0) g = -g; if (g > n) n = g }
+    END { printf "%.3g %.3g", 2 * l, 2 * n }')
+if ! awk -v t="${tol%% *}" 'BEGIN { exit !(t > 1e-5) }'; then
+    bad "one rank's bf16 run is not different from fp32 ($tol): is bf16 used?"
+fi
+if compare ref-bf16 tp2-ep2-bf16 "${tol%% *}" "${tol##* }" >"$work/cmp-bf16"; then
+    ok "LoRA on $arch tp2-ep2 matches one rank in bf16: $(cat "$work/cmp-bf16")"
+else
+    bad "LoRA on $arch tp2-ep2 in bf16: $(cat "$work/cmp-bf16")"; paste "$work/steps-ref-bf16" "$work/steps-tp2-ep2-bf16" | sed 's/^/    /'
+fi
+
+# adapter dropout 0.1 on every adapter but the experts' and lm_head's: tp 2 draws the masks of one rank
+for run in "drop 1" "drop-tp2 2 AM_TP=2"; do
+    set -- $run
+    recipe "$1" 1 && sed -i -e "s/target_modules: .*/target_modules: $drop_targets/" -e 's/dropout: 0.0/dropout: 0.1/' "$work/$1.yaml"
+    name=$1 n=$2
+    shift 2
+    train "$name" "$n" "$@" && steps_of "$work/logs-$name" >"$work/steps-$name" || { bad "$name did not train"; sed 's/^/    /' "$work/out-$name"; }
+done
+if compare drop drop-tp2 "$loss_tol" "$norm_tol" >"$work/cmp-drop" && [ "$(head -1 "$work/steps-drop")" != "$(head -1 "$work/steps-ref")" ]; then
+    ok "LoRA on $arch with adapter dropout 0.1: tp 2 matches one rank ($(cat "$work/cmp-drop"))"
+else
+    bad "LoRA on $arch with adapter dropout 0.1 at tp 2: $(cat "$work/cmp-drop")"; paste "$work/steps-drop" "$work/steps-drop-tp2" | sed 's/^/    /'
+fi
+
+# resume: tp 2 stopped after step 2 (its checkpoint) and restored gives steps 3 and 4 to the last bit
+recipe cut 1 && sed -i -e 's/max_steps: .*/max_steps: 2/' "$work/cut.yaml" &&
+    train cut 2 AM_TP=2 && sed -i 's/max_steps: .*/max_steps: 4/' "$work/cut.yaml" && rm -rf "$work/logs-cut" &&
+    train cut 2 AM_TP=2 && steps_of "$work/logs-cut" >"$work/steps-cut"
+if [ -f "$work/steps-cut" ] && [ "$(tail -2 "$work/steps-tp2")" = "$(cat "$work/steps-cut")" ]; then
+    ok "LoRA on $arch tp2: restored after step 2, steps 3-4 are the uninterrupted run's to the last bit"
+else
+    bad "LoRA on $arch tp2 resume: $(tail -2 "$work/steps-tp2" | tr '\n' ' ') against $(tr '\n' ' ' <"$work/steps-cut" 2>/dev/null)"
+fi
+
+# memory: every rank's allocation is am-plan's estimate for its pipeline rank, to the byte
+total_of() { # LOGDIR RANK: the bytes the rank allocated
+    local t=0 key v
+    for key in weights_bytes grads_bytes optimizer_bytes gathered_bytes grad_buffers_bytes act_bytes pipe_bytes; do
+        v=$(memory "$1" "$2" $key)
+        t=$((t + ${v:-0}))
+    done
+    echo "$t"
+}
+plan_of() { # RECIPE NPROC SETS...: am-plan's total of each pp rank, less the CUDA kernels' scratch
+    # (kernel_scratch: the CPU's kernels allocate none)
+    local y=$1 n=$2
+    shift 2
+    "$AM_BUILDDIR/am-plan" "$y" --gpus-per-node "$n" --json "$@" | sed -E 's/.*"memory_per_pp_rank"://' |
+        grep -oE '"kernel_scratch":[0-9.e+]+,"pipeline_buffers":[0-9.e+]+,"alltoall_buffers":[0-9.e+]+,"pp_rank":[0-9]+,"total":[0-9.e+]+' |
+        sed -E 's/"kernel_scratch":([0-9.e+]+),.*"total":([0-9.e+]+)/\1 \2/' | awk '{ printf "%.0f\n", $2 - $1 }'
+}
+for run in "ref 1" "tp2 2 AM_TP=2" "ep2 2" "pp2 2 AM_PP=2" "tp2-ep2 4 AM_TP=2" "tp2-ep2-bf16 4 AM_TP=2"; do
+    set -- $run
+    name=$1 n=$2
+    shift 2
+    sets=()
+    for v in "$@"; do
+        case $v in AM_TP=*) sets+=(--set "distributed.tp_size=${v#*=}") ;; AM_PP=*) sets+=(--set "distributed.pp_size=${v#*=}") ;; esac
+    done
+    want=($(plan_of "$work/$name.yaml" "$n" "${sets[@]}"))
+    equal=0 detail=
+    for r in $(seq 0 $((n - 1))); do
+        pp=$(grep -h '"coords":{"pp":' "$work/logs-$name"/*/rank-"$r".jsonl | sed -E 's/.*"coords":\{"pp":([0-9]+).*/\1/')
+        got=$(total_of "$work/logs-$name" "$r")
+        w=$(awk -v a="${want[$pp]:-0}" 'BEGIN { printf "%d", a }')
+        if [ "$got" = "$w" ]; then
+            equal=$((equal + 1))
+        else
+            detail="$detail rank $r (pp $pp): allocated $got bytes, am-plan $w;"
+        fi
+    done
+    if [ "$equal" = "$n" ]; then
+        ok "LoRA on $arch $name: every rank's allocation is am-plan's estimate, to the byte"
+    else
+        bad "LoRA on $arch $name: allocation off am-plan's estimate:$detail"
+    fi
+done
+
+# merge: am-ckpt merge writes the dense MLP's and the shared experts' weights as W + s B A into
+# the base the adapters were trained on, exported by a run of the same seed after one step at
+# lr 0 (the warmup's first: the initial weights)
+sed -e '/^peft:/,/^distributed:/{/^distributed:/!d}' -e 's/max_steps: .*/max_steps: 1/' -e 's/is_peft: true/is_peft: false/' \
+    -e "s|checkpoint_dir: .*|checkpoint_dir: $work/ckpt-base|" "$work/ref.yaml" >"$work/base.yaml"
+if train base 1 && "$AM_BUILDDIR/am-ckpt" merge "$work/ckpt-base/step-1/hf" "$work/ckpt-ref/step-$steps/peft" \
+    "$work/merged" >"$work/out-merge" 2>&1 &&
+    grep -q "merged $((4 * (attn / 2 + 3) + 3 * 8 * 3 + 1)) adapted weights" "$work/out-merge"; then
+    fit=1 mw=("model.layers.0.mlp.gate_proj 176 64" "model.layers.0.mlp.down_proj 64 176"
+        "model.layers.2.mlp.shared_experts.up_proj 64 64" "model.layers.3.mlp.shared_experts.down_proj 64 64")
+    [ "$arch" = deepseek_v3 ] && mw+=("model.layers.1.self_attn.q_a_proj 24 64" "model.layers.2.self_attn.kv_b_proj 80 16")
+    for w in "${mw[@]}"; do
+        set -- $w
+        awk -v s=4 -v r=8 -v rows="$2" -v cols="$3" '
+            FNR == 1 { f++ } f == 1 { B[FNR - 1] = $1 } f == 2 { A[FNR - 1] = $1 } f == 3 { W[FNR - 1] = $1 }
+            f == 4 { i = FNR - 1; o = int(i / cols); c = i % cols; d = 0
+                     for (k = 0; k < r; k++) d += B[o * r + k] * A[k * cols + c]
+                     e = $1 - W[i] - s * d; if (e < 0) e = -e; if (e > worst) worst = e; n++ }
+            END { printf "%.2g ", worst; exit !(n == rows * cols && worst < 1e-6) }' \
+            <(values "$ad" "base_model.model.$1.lora_B.weight") <(values "$ad" "base_model.model.$1.lora_A.weight") \
+            <(values "$work/ckpt-base/step-1/hf/model.safetensors" "$1.weight") \
+            <(values "$work/merged/model.safetensors" "$1.weight") >>"$work/merge-fit" || fit=0
+    done
+    if [ "$fit" = 1 ]; then
+        ok "am-ckpt merge: the dense MLP's and the shared experts' weights$([ "$arch" = deepseek_v3 ] && echo ", q_a_proj's and kv_b_proj's") become W + s B A (within $(cat "$work/merge-fit"))"
+    else
+        bad "am-ckpt merge: a merged weight is not W + s B A ($(cat "$work/merge-fit" 2>/dev/null))"
+    fi
+else
+    bad "am-ckpt merge of $arch's adapters: $(cat "$work/out-merge" 2>/dev/null)"; sed 's/^/    /' "$work/out-base" | tail -5
+fi
+
+echo "$passes passed, $fails failed"
+[ "$fails" = 0 ]
