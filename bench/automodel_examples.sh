@@ -22,9 +22,12 @@ mkdir -p "$out"
 # planning needs no weights: the configs shipped with am, and an empty Hugging Face cache
 export AM_MODELS_DIR=${AM_MODELS_DIR:-$(cd "$(dirname "$0")/.." && pwd)/runtime/recipe/models}
 export HF_HUB_CACHE=${HF_HUB_CACHE:-$out/empty-hub-cache}
-kind() { # RC FIRST_ERROR -> a kind
+kind() { # RC FIRST_ERROR -> a kind (read in the message, not in its position: a recipe's name may
+    # say peft.)
     [ "$1" = 0 ] && { echo plan; return; }
-    case $2 in
+    local msg=$2 re='^[^ ]*\.ya?ml(:[0-9]+:[0-9]+)?: (.*)$' # "FILE: message", "FILE:LINE:COL: key: message"
+    [[ $msg =~ $re ]] && msg=${BASH_REMATCH[2]}
+    case $msg in
     *"not found; looked in"*) echo no-config ;;
     *"model_type: '"*"is not supported"*|*"is not an architecture am builds"*) echo architecture ;;
     *"is not a causal language model"*|*"recipe: "*" trains a"*) echo not-causal-lm ;;
@@ -32,7 +35,7 @@ kind() { # RC FIRST_ERROR -> a kind
     *"peft: "*|*"peft."*) echo lora ;;
     *"knowledge distillation"*) echo distillation ;;
     *"fp8.enabled"*|*"quantiz"*|*"freezing"*|*"NEFTune"*) echo feature ;;
-    *"so far, and the compute dtype"*|*"not run yet"*|*"needs loss scaling"*|*"is not run by am-train"*|\
+    *"so far, and the compute dtype"*|*"not run yet"*|*"does not do yet"*|*"needs loss scaling"*|*"is not run by am-train"*|\
         *"not built yet"*|*"not exchanged between stages"*|*"experts are replicated over"*) echo run ;;
     *"estimated memory per GPU"*) echo memory ;;
     *"distributed."*|*"step_scheduler."*) echo layout ;;

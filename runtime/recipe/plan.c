@@ -100,10 +100,15 @@ static int build_stages(const struct am_recipe *r, struct am_plan *p)
     p->stages = calloc((size_t)p->n_stages, sizeof(*p->stages));
     if (!p->stages)
         return -1;
+    /* AutoModel's split (generate_hf_model_split): every stage num_hidden_layers / n_stages
+     * layers, the first num_hidden_layers % n_stages one more (validate.c: n_stages <= layers) */
     int per = (int)(r->model.num_hidden_layers / p->n_stages);
-    for (int s = 0; s < p->n_stages; s++) {
-        p->stages[s] = (struct am_stage){.pp_rank = s % p->pp, .first_layer = s * per, .n_layers = per,
+    int extra = (int)(r->model.num_hidden_layers % p->n_stages);
+    for (int s = 0, first = 0; s < p->n_stages; s++) {
+        int n = per + (s < extra);
+        p->stages[s] = (struct am_stage){.pp_rank = s % p->pp, .first_layer = first, .n_layers = n,
                                          .embedding = s == 0, .head = s == p->n_stages - 1};
+        first += n;
     }
     return 0;
 }
@@ -176,7 +181,8 @@ static double act_elems_per_token(const struct am_recipe *r, const struct am_pla
 
 /* Micro-batches whose activations pp rank k holds at its peak, in units of its layers: as the
  * executor allocates them, each chunk's slots (pp_schedule.h: the most micro-batches the
- * chunk holds at once) of the chunk's layers_on_rank / v layers. For gpipe and 1f1b that is
+ * chunk holds at once) of the chunk's layers (its stage's: they differ by one where the
+ * layers do not split evenly). For gpipe and 1f1b that is
  * the schedule's peak; for interleaved1f1b it can be more (the chunks peak at different
  * times). The schedule exists (validate.c: n_micro >= pp for gpipe and 1f1b; whole rounds for
  * interleaved1f1b, am_pipe_round) and has at most 2 * AM_PLAN_MAX_PIPE_PASSES actions (am_plan_build).
@@ -187,8 +193,7 @@ struct rank_slots {
     int moe_layers;         /* over the chunks, the MoE layers */
 };
 
-static double in_flight_layers(const struct am_recipe *r, const struct am_plan *p, int k, int layers_on_rank,
-                               struct rank_slots *rs)
+static double in_flight_layers(const struct am_recipe *r, const struct am_plan *p, int k, struct rank_slots *rs)
 {
     int v = p->virtual_stages, n_micro = (int)p->n_microbatches;
     struct am_pipe_action *actions = malloc(2 * (size_t)n_micro * (size_t)v * sizeof(*actions));
@@ -196,11 +201,13 @@ static double in_flight_layers(const struct am_recipe *r, const struct am_plan *
         return -1;
     int n = am_pipe_schedule(r->dist.pipeline.schedule, p->pp, v, n_micro, k, actions);
     int slots = 0;
+    double slot_layers = 0;
     for (int c = 0; c < v; c++) {
         int sc = am_pipe_slots(actions, n, c);
         if (sc < 1)
             sc = 1; /* the model gives every chunk one slot at least */
         slots += sc;
+        slot_layers += (double)sc * p->stages[c * p->pp + k].n_layers;
         rs->moe_layer_slots += sc * stage_moe_layers(r, &p->stages[c * p->pp + k]);
         rs->moe_layers += stage_moe_layers(r, &p->stages[c * p->pp + k]);
         if (c == 0)
@@ -210,7 +217,7 @@ static double in_flight_layers(const struct am_recipe *r, const struct am_plan *
     }
     rs->total = slots;
     free(actions);
-    return (double)slots * layers_on_rank / v;
+    return slot_layers;
 }
 
 /* The buffers the model allocates beside the layers' saved tensors (runtime/model/model.c,
@@ -568,7 +575,7 @@ static int memory_of_rank(const struct am_recipe *r, const struct am_plan *p, in
     double tokens = (double)(p->pp > 1 ? p->microbatch_size : p->local_batch) * (double)p->seq_length / p->cp;
     double full_layer = tokens * act_elems_per_token(r, p) * cs;
     struct rank_slots rs = {0, 0, 0, 0, 0};
-    double flight = in_flight_layers(r, p, k, layers, &rs);
+    double flight = in_flight_layers(r, p, k, &rs);
     if (flight < 0)
         return -1;
     if (r->dist.activation_checkpointing) {

@@ -42,10 +42,14 @@ void am_plan_print(FILE *f, const struct am_recipe *r, const struct am_world *w,
     fprintf(f, "layout       tp %d x pp %d x cp %d x dp %d (replicate %d x shard %d); ep %d (ep_shard %d); %s%s\n", p->tp,
             p->pp, p->cp, p->dp, p->dp_replicate, p->dp_shard, p->ep, p->ep_shard, am_strategy_name(r->dist.strategy),
             r->dist.sequence_parallel ? ", sequence parallel" : "");
-    if (p->pp > 1)
+    if (p->pp > 1 && p->stages[0].n_layers == p->stages[p->n_stages - 1].n_layers)
         fprintf(f, "pipeline     %s: %d stages of %d layers (%d per rank), %ld micro-batches of %ld\n",
                 am_pp_schedule_name(r->dist.pipeline.schedule), p->n_stages, p->stages[0].n_layers, p->virtual_stages,
                 p->n_microbatches, p->microbatch_size);
+    else if (p->pp > 1) /* the first stages one layer more (plan.c) */
+        fprintf(f, "pipeline     %s: %d stages of %d or %d layers (%d per rank), %ld micro-batches of %ld\n",
+                am_pp_schedule_name(r->dist.pipeline.schedule), p->n_stages, p->stages[0].n_layers,
+                p->stages[p->n_stages - 1].n_layers, p->virtual_stages, p->n_microbatches, p->microbatch_size);
     fprintf(f, "batch        global %ld = local %ld x dp %d x %ld accumulation steps; sequence %ld%s; %s tokens/step\n",
             p->global_batch, p->local_batch, p->dp, p->grad_accum, p->seq_length,
             p->seq_length_assumed ? " (assumed: set dataset.seq_len or seq_length)" : "",

@@ -116,7 +116,9 @@ static void model_rules(struct check *c)
              m->num_experts, divisors(m->num_experts, 1024, d, sizeof(d)));
 }
 
-/* Stages: pp * v, layers split evenly; v from layers_per_stage for interleaved schedules. */
+/* Stages: pp * v; v from layers_per_stage for interleaved schedules, whose layers split as
+ * AutoModel splits them (the first L % stages stages one more); one stage per rank, layers
+ * split evenly, otherwise. */
 static void pipeline_rules(struct check *c)
 {
     const struct am_recipe *r = c->r;
@@ -155,10 +157,13 @@ static void pipeline_rules(struct check *c)
     if (stages / pp < 2)
         FAIL(c, "distributed.pipeline.layers_per_stage", "%d gives one stage per rank; interleaved1f1b needs "
              "at least 2 (use layers_per_stage <= %ld)", lps, L / (2L * pp));
-    else if (L % stages)
-        FAIL(c, "distributed.pipeline.layers_per_stage", "num_hidden_layers = %ld cannot be split evenly into "
-             "%ld stages (%d ranks x %ld virtual stages); use a layers_per_stage that divides %ld", L, stages, pp,
-             stages / pp, L);
+    else if (stages > L && lps) /* the layers split as AutoModel splits them: the first L % stages one more */
+        FAIL(c, "distributed.pipeline.layers_per_stage", "%d makes %ld stages (%d ranks x %ld virtual stages) for "
+             "num_hidden_layers = %ld: a stage needs a layer at least (use round_virtual_stages_to_pp_multiple: down, "
+             "or a smaller pp_size)", lps, stages, pp, stages / pp, L);
+    else if (stages > L)
+        FAIL(c, "distributed.pp_size", "%d makes %ld stages (%d ranks x 2 virtual stages) for num_hidden_layers = "
+             "%ld: a stage needs a layer at least (use a smaller pp_size)", pp, stages, pp, L);
 }
 
 static void batch_rules(struct check *c, long dp)

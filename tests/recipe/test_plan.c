@@ -178,6 +178,48 @@ static void test_interleaved_stages(void **state)
     am_recipe_free(r);
 }
 
+/* 8 layers in 6 stages (layers_per_stage 1 makes 8, rounded down to a multiple of pp 3): split as
+ * AutoModel splits them, the first 8 % 6 = 2 stages of 2 layers, the other 4 of 1; each rank's
+ * activations count its own chunks' layers (rank 0: stages 0 and 3, 3 layers). */
+static void test_interleaved_stages_uneven(void **state)
+{
+    (void)state;
+    const char *sets[] = {"distributed.pp_size=3", "distributed.pipeline.pp_schedule=interleaved1f1b",
+                          "distributed.pipeline.layers_per_stage=1",
+                          "distributed.pipeline.round_virtual_stages_to_pp_multiple=down", NULL};
+    struct am_plan p;
+    struct am_recipe *r = plan_of(model8, sets, 3, &p);
+    assert_int_equal(p.virtual_stages, 2);
+    assert_int_equal(p.n_stages, 6);
+    static const int first[6] = {0, 2, 4, 5, 6, 7}, n[6] = {2, 2, 1, 1, 1, 1};
+    for (int s = 0; s < 6; s++) {
+        assert_int_equal(p.stages[s].pp_rank, s % 3);
+        assert_int_equal(p.stages[s].first_layer, first[s]);
+        assert_int_equal(p.stages[s].n_layers, n[s]);
+        assert_int_equal(p.stages[s].embedding, s == 0);
+        assert_int_equal(p.stages[s].head, s == 5);
+    }
+    am_plan_free(&p);
+    am_recipe_free(r);
+    /* more stages than layers: refused, naming the key */
+    struct am_errors err;
+    am_errors_init(&err);
+    const char *many[] = {"distributed.pp_size=3", "distributed.pipeline.pp_schedule=interleaved1f1b",
+                          "distributed.pipeline.layers_per_stage=1",
+                          "distributed.pipeline.round_virtual_stages_to_pp_multiple=up", NULL};
+    r = parse_with("plan.yaml", model8, many, &err);
+    assert_non_null(r);
+    struct am_world w = {.size = 3, .nodes = 1, .gpus_per_node = 3, .nvlink_domain = 3};
+    assert_int_not_equal(am_plan_build(r, &w, &p, &err), 0);
+    bool found = false;
+    for (size_t i = 0; i < err.n; i++)
+        found |= strstr(err.msg[i], "distributed.pipeline.layers_per_stage: 1 makes 9 stages (3 ranks x 3 virtual "
+                                    "stages) for num_hidden_layers = 8: a stage needs a layer at least") != NULL;
+    assert_true(found);
+    am_errors_free(&err);
+    am_recipe_free(r);
+}
+
 /* Parameters of model8 by hand:
  *   embedding 1024*256 = 262144, lm_head 262144 (untied), final norm 256
  *   per layer: q 256*256 + k,v 2*256*128 + o 256*256 = 196608; norms 512; mlp 3*256*512 = 393216
@@ -689,6 +731,7 @@ int main(void)
         cmocka_unit_test(test_groups),
         cmocka_unit_test(test_expert_groups),
         cmocka_unit_test(test_interleaved_stages),
+        cmocka_unit_test(test_interleaved_stages_uneven),
         cmocka_unit_test(test_param_count),
         cmocka_unit_test(test_param_count_moe_dense_layers),
         cmocka_unit_test(test_memory_ddp_16_bytes_per_parameter),

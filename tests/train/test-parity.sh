@@ -10,7 +10,8 @@
 #     rank): micro-batches of 1 sequence, gradients summed in another order; a tied embedding
 #     lives on the first and the last stage and its two gradients are summed; interleaved1f1b
 #     also with one micro-batch of 4 sequences for 2 ranks (fewer micro-batches than ranks:
-#     one round of all of them, as torch's ScheduleInterleaved1F1B);
+#     one round of all of them, as torch's ScheduleInterleaved1F1B), and 6 layers in 4 stages
+#     of 2, 2, 1 and 1 (AutoModel's uneven split) at pp 2 and tp 2 x pp 2 with checkpointing;
 #   activation checkpointing recomputes each layer in backward: bit-identical in principle;
 #   the other architectures at tp 2 x pp 2 (with and without sequence parallelism) against
 #   their own one rank: Qwen3 (per-head q/k norms, whose weights every tp rank holds and whose
@@ -141,6 +142,7 @@ recipe() { # NAME MODS: base.yaml with comma-separated changes, its checkpoints 
         glm) args+=(-e 's/model_type: llama/model_type: glm4_moe\n  partial_rotary_factor: 0.5\n  attention_bias: true\n  use_qk_norm: true\n  n_routed_experts: 8\n  num_experts_per_tok: 2\n  n_group: 4\n  topk_group: 2\n  moe_intermediate_size: 32\n  n_shared_experts: 2\n  routed_scaling_factor: 1.5\n  first_k_dense_replace: 1\n  norm_topk_prob: true/') ;;
         dsv3) args+=(-e 's/num_key_value_heads: 2/num_key_value_heads: 4/' -e 's/model_type: llama/model_type: deepseek_v3\n  q_lora_rank: 24\n  kv_lora_rank: 16\n  qk_nope_head_dim: 8\n  qk_rope_head_dim: 8\n  v_head_dim: 12\n  rope_interleave: true\n  n_routed_experts: 8\n  num_experts_per_tok: 2\n  n_group: 4\n  topk_group: 2\n  moe_intermediate_size: 32\n  n_shared_experts: 2\n  routed_scaling_factor: 1.5\n  first_k_dense_replace: 1\n  norm_topk_prob: true/') ;;
         long) args+=(-e 's/seq_length: .*/seq_length: 256/') ;;
+        l6) args+=(-e 's/num_hidden_layers: 4/num_hidden_layers: 6/') ;;
         packed) args+=(-e 's/^dataset:/packed_sequence:\n  packed_sequence_size: 256\ndataset:/') ;;
         neat) args+=(-e 's/^  packed_sequence_size: 256/  packed_sequence_size: 256\n  packing_strategy: neat/') ;;
         aux) args+=(-e 's/model_type: mixtral/model_type: mixtral\n  output_router_logits: true\n  router_aux_loss_coef: 0.02/') ;;
@@ -196,7 +198,7 @@ run() { # NAME N MODS [VAR=VALUE...]: N ranks, with the plugin's AM_TP-style ove
 
 for ref in "ref -" "ref-long long" "ref-packed packed" "ref-pneat packed,neat" "ref-tied tied" "ref-qwen3 qwen3" "ref-qwen2 qwen2" "ref-mistral mistral" "ref-bf16 bf16" "ref-long-bf16 long,bf16" "ref-packed-bf16 packed,bf16" "ref-moe moe" "ref-moe-aux moe,aux" "ref-moe-aux-bf16 moe,aux,bf16" "ref-moe-aux-lb2 moe,aux,lb2" "ref-qmoe qmoe" \
     "ref-gemma2 gemma2" "ref-gemma3 gemma3" "ref-gemma2-long gemma2,long" "ref-gemma2-packed gemma2,packed" \
-    "ref-gemma3-packed gemma3,packed" "ref-gemma2-bf16 gemma2,bf16" "ref-gemma2-packed-bf16 gemma2,packed,bf16" "ref-glm glm" "ref-dsv3 dsv3" "ref-dsv3-long dsv3,long"; do
+    "ref-gemma3-packed gemma3,packed" "ref-gemma2-bf16 gemma2,bf16" "ref-gemma2-packed-bf16 gemma2,packed,bf16" "ref-glm glm" "ref-dsv3 dsv3" "ref-dsv3-long dsv3,long" "ref-l6 l6"; do
     set -- $ref
     run "$1" 1 "$2" || { echo "FAIL: $1 (1 rank) did not train"; cat "$work/out-$1"; exit 1; }
     losses "$work/logs-$1" >"$work/$1"
@@ -238,6 +240,7 @@ exact=()   # layouts whose every rank must allocate exactly am-plan's estimate
 layouts+=("ac 1 ac ref" "pp2-tied 2 tied ref-tied AM_PP=2" "pp4-tied-gpipe 4 tied,gpipe ref-tied AM_PP=4"
     "tp2-pp2-tied-il 4 tied,il ref-tied AM_TP=2 AM_PP=2"
     "pp2-il-m1 2 il,mb4 ref AM_PP=2" "dp2-pp2-il-m1-ac 4 il,mb4,ac ref AM_PP=2"
+    "pp2-il-l6 2 l6,il ref-l6 AM_PP=2" "tp2-pp2-il-l6-ac 4 l6,il,ac ref-l6 AM_TP=2 AM_PP=2"
     "tp2-pp2-tied-il-m1 4 tied,il,mb4 ref-tied AM_TP=2 AM_PP=2"
     "tp2-pp2-qwen3 4 qwen3 ref-qwen3 AM_TP=2 AM_PP=2" "tp2-pp2-qwen3-sp 4 qwen3,sp ref-qwen3 AM_TP=2 AM_PP=2"
     "tp2-pp2-qwen2 4 qwen2 ref-qwen2 AM_TP=2 AM_PP=2" "tp2-pp2-qwen2-sp-ac 4 qwen2,sp,ac ref-qwen2 AM_TP=2 AM_PP=2"
@@ -310,6 +313,7 @@ for layout in "${layouts[@]}"; do
     fi
     trained+=("$name $n $*")
     [[ $name == *gemma*-packed* || $name == cp*-gemma* ]] && exact+=("$name") # the ring's and the packs' buffers
+    [[ $name == *-il-l6* ]] && exact+=("$name") # the uneven stages' activations
     compare "$name" "$ref" "$loss_tol" "$norm_tol" "$weight_tol"
 done
 # packed sequences: step 1's loss is the mean over the packs' targets (label_tokens), fewer than
