@@ -979,6 +979,27 @@ static const char *const automodel_model_keys[] = {
     "sdpa_method", "output_hidden_states", "is_meta_device", "force_hf", "backend", "name_or_path",
     "_attn_implementation", "cache_dir", "revision", "local_files_only", "low_cpu_mem_usage", "text_config", NULL};
 
+/* model.backend: AutoModel's kernel choices for its own models (attention, linear, experts,
+ * dispatcher: how, not what; ignored), but for the three that change what is computed. */
+static void check_backend(struct am_node *backend, const char *section, struct am_errors *err)
+{
+    for (size_t i = 0; backend && backend->kind == AM_NODE_MAP && i < backend->n; i++) {
+        const struct am_entry *e = &backend->entries[i];
+        bool on = false;
+        if (strcmp(e->key, "te_fp8") == 0 && !am_node_is_null(e->value))
+            am_errorf(err, &e->key_pos, "%s.backend.te_fp8: Transformer Engine's FP8 matrix multiplications are not "
+                      "supported by am: it computes in bf16 or fp32 (remove te_fp8)", section);
+        else if (strcmp(e->key, "experts") == 0 && e->value->kind == AM_NODE_SCALAR &&
+                 strcmp(e->value->str, "torch_mm_mxfp8") == 0)
+            am_errorf(err, &e->value->pos, "%s.backend.experts: torch_mm_mxfp8 computes the experts' GEMMs in MXFP8, "
+                      "which am does not: it computes in bf16 or fp32 (use experts: torch_mm)", section);
+        else if (strcmp(e->key, "fake_balanced_gate") == 0 &&
+                 am_node_bool(e->value, "backend.fake_balanced_gate", &on, err) == 0 && on)
+            am_errorf(err, &e->value->pos, "%s.backend.fake_balanced_gate: true routes tokens without the learned "
+                      "router, a different model than the config's: am trains the router (remove it)", section);
+    }
+}
+
 /* Without a model_type, the class that names the architecture: config.json's architectures
  * (LlamaForCausalLM) or AutoModel's config class (model.config._target_: ...DeepseekV4Config).
  * Sets *type for a class am builds; reports one it does not know as unsupported and returns
@@ -1204,6 +1225,8 @@ int am_model_config_read(struct am_arena *a, struct am_node *cfg, const char *se
                 continue; /* config.json may carry anything */
             char *name = am_arena_strdup(a, e->key);
             if (name && am_key_in(e->key, automodel_model_keys)) {
+                if (strcmp(e->key, "backend") == 0)
+                    check_backend(e->value, section, err);
                 char full[256];
                 snprintf(full, sizeof(full), "%s.%s", section, e->key);
                 am_list_add(a, ignored, am_arena_strdup(a, full));

@@ -430,6 +430,16 @@ static void test_model_rules(void **state)
                 "r.yaml:6:5: model.moe_overrides.score_func: not read by am (it trains the MoE transformers' class "
                 "computes; of AutoModel's MoEConfig it takes gate_bias_update_factor and aux_loss_coeff at 0 only): "
                 "remove it"));
+    /* model.backend: kernel choices are ignored, but FP8, MXFP8 and a fake router change what is computed */
+    expect("model:\n  hidden_size: 64\n  num_hidden_layers: 2\n  num_attention_heads: 2\n  intermediate_size: 128\n"
+           "  vocab_size: 64\n  backend:\n    attn: te\n    te_fp8:\n      recipe: mxfp8\n    experts: torch_mm_mxfp8\n"
+           "    fake_balanced_gate: true\n", NULL,
+           MSGS("r.yaml:9:5: model.backend.te_fp8: Transformer Engine's FP8 matrix multiplications are not supported "
+                "by am: it computes in bf16 or fp32 (remove te_fp8)",
+                "r.yaml:11:14: model.backend.experts: torch_mm_mxfp8 computes the experts' GEMMs in MXFP8, which am "
+                "does not: it computes in bf16 or fp32 (use experts: torch_mm)",
+                "r.yaml:12:25: model.backend.fake_balanced_gate: true routes tokens without the learned router, a "
+                "different model than the config's: am trains the router (remove it)"));
     /* deepseek_v3: AutoModel's selection-bias update, and what transformers' DeepseekV3 does not read */
     expect("model:\n  model_type: deepseek_v3\n  rope_scaling:\n    rope_type: yarn\n    factor: 40\n", NULL,
            MSGS("r.yaml:4:5: model.rope_scaling.original_max_position_embeddings: missing (required for rope_type yarn)"));
