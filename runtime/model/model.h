@@ -210,6 +210,10 @@ struct am_layer {
      * kv_a_proj_with_mqa and the two norms are whole on every tp rank, their gradients
      * partial (each rank's heads') and summed over tp. */
     struct am_param *wq_a, *q_a_norm, *wkv_a, *kv_a_norm, *wkv_b;
+    /* gpt_oss: o_proj's bias [C] (whole on every tp rank, added by tp rank 0 alone before the
+     * row-parallel sum; its gradient the same on each) and the attention sinks [H] (one logit per
+     * head, split over tp with the heads; kernels.h, attention_sink_*); else NULL */
+    struct am_param *bo, *sinks;
 };
 
 /* How a parameter group is kept across the data-parallel ranks: replicated (every rank holds
