@@ -369,22 +369,22 @@ static void test_model_rules(void **state)
     (void)state;
     expect("model:\n  model_type: gpt2\n  hidden_size: 64\n", NULL,
            MSGS("r.yaml:2:15: model.model_type: 'gpt2' is not supported (supported: llama, mistral, mixtral, qwen2, "
-                "qwen3, qwen3_moe, gemma2, gemma3_text, glm4_moe, deepseek_v3)"));
+                "qwen3, qwen3_moe, gemma2, gemma3_text, glm4_moe, deepseek_v3, gpt_oss)"));
     /* the architecture first and alone, not the keys of a config am does not build */
     expect("model:\n  model_type: phi3\n  hidden_act: gelu\n  attention_bias: true\n  rope_scaling:\n"
            "    rope_type: yarn\n    factor: 4\n", NULL,
            MSGS("r.yaml:2:15: model.model_type: 'phi3' is not supported (supported: llama, mistral, mixtral, qwen2, "
-                "qwen3, qwen3_moe, gemma2, gemma3_text, glm4_moe, deepseek_v3)"));
-    expect("model:\n  architectures: [GptOssForCausalLM]\n  first_k_dense_replace: 1\n", NULL,
-           MSGS("r.yaml:2:19: model.architectures: 'GptOssForCausalLM' is not an architecture am builds (supported: "
-                "llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, gemma2, gemma3_text, glm4_moe, deepseek_v3)"));
+                "qwen3, qwen3_moe, gemma2, gemma3_text, glm4_moe, deepseek_v3, gpt_oss)"));
+    expect("model:\n  architectures: [Phi3ForCausalLM]\n  first_k_dense_replace: 1\n", NULL,
+           MSGS("r.yaml:2:19: model.architectures: 'Phi3ForCausalLM' is not an architecture am builds (supported: "
+                "llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, gemma2, gemma3_text, glm4_moe, deepseek_v3, gpt_oss)"));
     expect("model:\n  config:\n    _target_: nemo_automodel.components.models.deepseek_v4.config.DeepseekV4Config\n"
            "    num_nextn_predict_layers: 0\n", NULL,
            MSGS("r.yaml:3:15: model.config._target_: 'DeepseekV4Config' is not an architecture am builds (supported: "
-                "llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, gemma2, gemma3_text, glm4_moe, deepseek_v3)"));
-    expect("model:\n  config:\n    _target_: pkg.models.gpt_oss.GptOssConfig.from_pretrained\n", NULL,
-           MSGS("r.yaml:3:15: model.config._target_: 'GptOssConfig' is not an architecture am builds (supported: "
-                "llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, gemma2, gemma3_text, glm4_moe, deepseek_v3)"));
+                "llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, gemma2, gemma3_text, glm4_moe, deepseek_v3, gpt_oss)"));
+    expect("model:\n  config:\n    _target_: pkg.models.phi3.Phi3Config.from_pretrained\n", NULL,
+           MSGS("r.yaml:3:15: model.config._target_: 'Phi3Config' is not an architecture am builds (supported: "
+                "llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, gemma2, gemma3_text, glm4_moe, deepseek_v3, gpt_oss)"));
     expect("model:\n  config:\n    _target_: transformers.Qwen3MoeConfig\n    hidden_size: 64\n"
            "    num_hidden_layers: 2\n    num_attention_heads: 2\n    intermediate_size: 128\n    vocab_size: 64\n",
            NULL, MSGS("r.yaml: model.config.num_experts: missing (a qwen3_moe model has experts)"));
