@@ -5,8 +5,10 @@
  * x += out(block(norm(x))): the column-parallel projections (q, k, v; gate, up) take their
  * input through am_tp_column_input, the row-parallel ones (o; down) give their output back
  * through am_tp_add_row_parallel (tp.c). Qwen2's biases, Qwen3's per-head q/k norms, Gemma's
- * post norms, GeGLU and capped attention, a sliding window, LoRA's adapters beside each
- * adapted projection, and a mixture of experts in place of the MLP (moe.h) are the variants.
+ * post norms, GeGLU and capped attention, a sliding window, gpt-oss's attention sinks (after
+ * whichever attention ran) and o's bias (added by tp rank 0 alone, before the sum over tp),
+ * LoRA's adapters beside each adapted projection, and a mixture of experts in place of the MLP
+ * (moe.h) are the variants.
  */
 #include "model_impl.h"
 #include "lora.h"

@@ -1,6 +1,7 @@
 /* model.h - a Llama-style decoder (llama; mistral with its sliding window; qwen2 with the
  * biases of its q, k, v projections; qwen3 with its per-head q/k norms; mixtral and qwen3_moe
- * with their experts, moe.h) on one rank's shard.
+ * with their experts, moe.h; gpt_oss with its attention sinks, q, k, v, o biases and biased
+ * experts, moe.h) on one rank's shard.
  *
  * The model is written once over the kernel table (kernels/kernels.h) and tensors that carry
  * their device and dtype. A rank holds:
