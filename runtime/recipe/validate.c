@@ -353,6 +353,26 @@ static void glm_lora(struct check *c)
              "shared experts' MLPs, which peft names apart (train without peft)", r->model.model_type);
 }
 
+/* AutoModel's own gpt_oss (NeMoAutoModelForCausalLM without force_hf) adds its load-balancing loss
+ * (aux_loss_coeff = router_aux_loss_coef) in every training step, whatever output_router_logits says */
+static void gpt_oss_aux(struct check *c)
+{
+    const struct am_recipe *r = c->r;
+    if (!r->model.gpt_oss || r->model.router_aux_loss_coef <= 0)
+        return;
+    const struct am_node *target = am_node_path(r->root, "model._target_");
+    const struct am_node *force = am_node_path(r->root, "model.force_hf");
+    if (!target || target->kind != AM_NODE_SCALAR || !strstr(target->str, "NeMoAutoModel") ||
+        (force && force->kind == AM_NODE_SCALAR && strcmp(force->str, "true") == 0) ||
+        am_node_path(r->root, "model.moe_overrides.aux_loss_coeff") ||
+        am_node_path(r->root, "model.moe_config.aux_loss_coeff"))
+        return;
+    FAIL(c, "model._target_", "AutoModel's own gpt_oss adds its load-balancing loss (aux_loss_coeff = "
+         "router_aux_loss_coef, %g) in every training step, which am-train does not compute (it computes "
+         "transformers' loss, added only with output_router_logits): set model.moe_overrides.aux_loss_coeff: 0 (or "
+         "force_hf: true) to train as transformers' GptOssForCausalLM does", r->model.router_aux_loss_coef);
+}
+
 static void gpt_oss_lora(struct check *c)
 {
     const struct am_recipe *r = c->r;
@@ -422,7 +442,7 @@ static const struct {
 } run_rules[] = {
     {"fp16", fp16},           {"moe-sp", moe_sp},       {"lora-head-dropout", lora_head_dropout},
     {"lora-kv-tp", lora_kv_tp}, {"lora-moe-rank", lora_moe_rank}, {"glm-lora", glm_lora},
-    {"gpt-oss-lora", gpt_oss_lora},
+    {"gpt-oss-lora", gpt_oss_lora}, {"gpt-oss-aux", gpt_oss_aux},
     {"glm-shared-tp", glm_shared_tp}, {"dsv3-bias-update", dsv3_bias_update}, {"dataset", dataset},
 };
 
