@@ -193,6 +193,13 @@ static int export(const char *arg, const char *out, bool show, bool bf16)
                 "shards holds them\n", am_sckpt_dir(c), cfg.model_type);
         goto out;
     }
+    if (cfg.gpt_oss) { /* the shards hold each expert apart; transformers reads them fused */
+        fprintf(stderr, "am-ckpt: %s is a gpt_oss model, whose shards hold each expert's matrices and biases apart "
+                "(am's names), where transformers' GptOssExperts reads them fused (gate_up_proj, down_proj and their "
+                "biases): am-ckpt export does not fuse them yet; train with checkpoint.save_consolidated (its hf/ "
+                "directory is transformers')\n", am_sckpt_dir(c));
+        goto out;
+    }
     char *text = am_ckpt_config_json(&cfg, NULL, &e);
     if (!text)
         goto errs;

@@ -364,7 +364,8 @@ static const char *architecture(const char *model_type)
                                          {"mixtral", "MixtralForCausalLM"}, {"qwen2", "Qwen2ForCausalLM"},
                                          {"qwen3", "Qwen3ForCausalLM"},     {"qwen3_moe", "Qwen3MoeForCausalLM"},
                                          {"gemma2", "Gemma2ForCausalLM"},   {"gemma3_text", "Gemma3ForCausalLM"},
-                                         {"glm4_moe", "Glm4MoeForCausalLM"}, {"deepseek_v3", "DeepseekV3ForCausalLM"}};
+                                         {"glm4_moe", "Glm4MoeForCausalLM"}, {"deepseek_v3", "DeepseekV3ForCausalLM"},
+                                         {"gpt_oss", "GptOssForCausalLM"}};
     for (size_t i = 0; i < sizeof(map) / sizeof(map[0]); i++)
         if (strcmp(model_type, map[i][0]) == 0)
             return map[i][1];
@@ -396,7 +397,7 @@ char *am_ckpt_config_json(const struct am_model_config *m, const char *base_conf
     const char *type = m->model_type ? m->model_type : "llama", *arch = architecture(type);
     if (!arch) {
         am_errorf(err, NULL, "config.json: model_type '%s' has no transformers class am knows (llama, mistral, "
-                  "mixtral, qwen2, qwen3, qwen3_moe, gemma2, gemma3_text, glm4_moe, deepseek_v3)", type);
+                  "mixtral, qwen2, qwen3, qwen3_moe, gemma2, gemma3_text, glm4_moe, deepseek_v3, gpt_oss)", type);
         goto done;
     }
     if (base_config) {
@@ -465,9 +466,11 @@ char *am_ckpt_config_json(const struct am_model_config *m, const char *base_conf
     } else {
         set(cfg, "rope_scaling", json_null());
     }
-    bool moe = strcmp(type, "mixtral") == 0 || strcmp(type, "qwen3_moe") == 0;
-    if (m->gemma) { /* Gemma2Config / Gemma3TextConfig: what am trained, as transformers reads it back */
+    bool moe = strcmp(type, "mixtral") == 0 || strcmp(type, "qwen3_moe") == 0 || m->gpt_oss;
+    if (m->gemma || m->gpt_oss) { /* Gemma2Config / Gemma3TextConfig: what am trained, as transformers reads it back */
         bool g3 = strcmp(type, "gemma3_text") == 0;
+        if (m->gpt_oss)
+            goto layer_types;
         set(cfg, "hidden_activation", json_string("gelu_pytorch_tanh"));
         double qs = m->query_pre_attn_scalar; /* Gemma2Config types it int: written as one when whole */
         set(cfg, "query_pre_attn_scalar", qs == (double)(json_int_t)qs ? json_integer((json_int_t)qs) : json_real(qs));
@@ -476,6 +479,7 @@ char *am_ckpt_config_json(const struct am_model_config *m, const char *base_conf
             m->final_logit_softcapping > 0 ? json_real(m->final_logit_softcapping) : json_null());
         set(cfg, "attention_bias", json_false());
         set(cfg, "use_bidirectional_attention", json_false());
+    layer_types:;
         json_t *lt = json_array();
         long window = 0;
         for (long l = 0; l < m->num_hidden_layers; l++) {
@@ -486,7 +490,16 @@ char *am_ckpt_config_json(const struct am_model_config *m, const char *base_conf
         set(cfg, "layer_types", lt);
         set(cfg, "sliding_window", window > 0 ? json_integer(window) : json_null());
         json_object_del(cfg, "sliding_window_pattern");
-        json_object_del(cfg, "rope_parameters"); /* rope_theta, rope_scaling (and rope_local_base_freq) above */
+        if (m->gpt_oss) { /* GptOssConfig: what am trained, as transformers reads it back */
+            set(cfg, "attention_bias", json_boolean(m->o_bias));
+            set(cfg, "swiglu_limit", json_real(m->swiglu_limit));
+            set(cfg, "swiglu_alpha", json_real(m->swiglu_alpha));
+            json_object_del(cfg, "experts_per_token"); /* gpt-oss's own code's copy of num_experts_per_tok */
+            if (!m->rope_scaling.type) /* GptOssConfig's rope without parameters is yarn: say default */
+                set(cfg, "rope_parameters", json_pack("{s:s, s:f}", "rope_type", "default", "rope_theta", m->rope_theta));
+        } else {
+            json_object_del(cfg, "rope_parameters"); /* rope_theta, rope_scaling (and rope_local_base_freq) above */
+        }
         if (g3)
             set(cfg, "rope_local_base_freq", json_real(m->rope_local_base_freq));
     }
@@ -516,7 +529,8 @@ char *am_ckpt_config_json(const struct am_model_config *m, const char *base_conf
         set(cfg, "layer_types", lt);
     }
     if (moe) {
-        set(cfg, strcmp(type, "mixtral") == 0 ? "num_local_experts" : "num_experts", json_integer(m->num_experts));
+        set(cfg, strcmp(type, "mixtral") == 0 || m->gpt_oss ? "num_local_experts" : "num_experts",
+            json_integer(m->num_experts));
         set(cfg, "num_experts_per_tok", json_integer(m->num_experts_per_tok));
         set(cfg, "router_aux_loss_coef", json_real(m->router_aux_loss_coef));
         set(cfg, "output_router_logits", json_boolean(m->output_router_logits));

@@ -5,8 +5,10 @@
  * x += out(block(norm(x))): the column-parallel projections (q, k, v; gate, up) take their
  * input through am_tp_column_input, the row-parallel ones (o; down) give their output back
  * through am_tp_add_row_parallel (tp.c). Qwen2's biases, Qwen3's per-head q/k norms, Gemma's
- * post norms, GeGLU and capped attention, a sliding window, LoRA's adapters beside each
- * adapted projection, and a mixture of experts in place of the MLP (moe.h) are the variants.
+ * post norms, GeGLU and capped attention, a sliding window, gpt-oss's attention sinks (after
+ * whichever attention ran) and o's bias (added by tp rank 0 alone, before the sum over tp),
+ * LoRA's adapters beside each adapted projection, and a mixture of experts in place of the MLP
+ * (moe.h) are the variants.
  */
 #include "model_impl.h"
 #include "lora.h"
@@ -88,6 +90,11 @@ void am_layer_params(struct am_model *m, int l, int local)
     L->window = am_model_layer_window(c, l);
     L->local_rope = c->rope_local_base_freq > 0 && L->window > 0;
     L->wo = add_param(m, NAME("self_attn.o_proj.weight"), C, m->heads * D, AM_SPLIT_COLS, C, Hq, 0, r * m->heads * D);
+    if (c->o_bias) /* gpt_oss: whole on every tp rank (added once, by tp rank 0) */
+        L->bo = add_param(m, NAME("self_attn.o_proj.bias"), C, 0, AM_SPLIT_NONE, C, 0, 0, 0);
+    if (c->gpt_oss) /* one sink logit per head, split over tp with the heads */
+        L->sinks = add_param(m, NAME("self_attn.sinks"), m->heads, 0, AM_SPLIT_ROWS, c->num_attention_heads, 0,
+                             r * m->heads, 0);
 mlp:
     L->mlp_norm = add_param(m, NAME(c->gemma ? "pre_feedforward_layernorm.weight" : "post_attention_layernorm.weight"), C,
                             0, AM_SPLIT_NONE, C, 0, 0, 0);
@@ -433,7 +440,11 @@ int am_layer_forward(struct am_model *m, const struct am_layer *L, struct am_lay
     am_layer_rope(m, L, &q4, &k4, false);
     if (am_attend_forward(m, L, &att4, &lse, &q4, &k4, &v4, err, err_len) < 0)
         return -1;
+    if (L->sinks) /* gpt_oss: each head's sink in the softmax's denominator (out and lse rescaled) */
+        K->attention_sink_forward(m->dev, &att4, &lse, &L->sinks->wc);
     K->matmul_forward(m->dev, &o, &att, &L->wo->wc);
+    if (L->bo && m->sh.tp_rank == 0) /* o's bias once in the sum over tp */
+        K->bias_forward(m->dev, &o, &L->bo->wc);
     am_layer_lora_forward(m, L, a, AM_LORA_O, &o, &att);
 attention_out:
     if (L->post_attn_norm) {
@@ -575,6 +586,8 @@ attention:;
     }
     K->zero(m->dev, &datt);
     K->matmul_backward(m->dev, &datt, base_grad(m, L->wo), &dy, &att, &L->wo->wc);
+    if (L->bo && m->sh.lora_r == 0) /* every tp rank has all of dy: the same gradient on each */
+        K->bias_backward(m->dev, &L->bo->g, &dy);
     am_layer_lora_backward(m, L, a, AM_LORA_O, &datt, &dy, &att);
     K->zero(m->dev, &dq);
     K->zero(m->dev, &dk);
@@ -583,6 +596,8 @@ attention:;
     struct am_tensor v4 = heads_of(&v, B, T, m->kv_heads, D), att4 = heads_of(&att, B, T, m->heads, D);
     struct am_tensor dq4 = heads_of(&dq, B, T, m->heads, D), dk4 = heads_of(&dk, B, T, m->kv_heads, D);
     struct am_tensor dv4 = heads_of(&dv, B, T, m->kv_heads, D), datt4 = heads_of(&datt, B, T, m->heads, D);
+    if (L->sinks && m->sh.lora_r == 0) /* the sinks' gradient; q, k and v's is the attention's given its out and lse */
+        K->attention_sink_backward(m->dev, &L->sinks->g, &datt4, &att4, &lse, &L->sinks->wc);
     if (am_attend_backward(m, L, &dq4, &dk4, &dv4, &datt4, &att4, &lse, &q4, &k4, &v4, err, err_len) < 0)
         return -1;
     am_layer_rope(m, L, &dq4, &dk4, true);

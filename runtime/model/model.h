@@ -1,6 +1,7 @@
 /* model.h - a Llama-style decoder (llama; mistral with its sliding window; qwen2 with the
  * biases of its q, k, v projections; qwen3 with its per-head q/k norms; mixtral and qwen3_moe
- * with their experts, moe.h) on one rank's shard.
+ * with their experts, moe.h; gpt_oss with its attention sinks, q, k, v, o biases and biased
+ * experts, moe.h) on one rank's shard.
  *
  * The model is written once over the kernel table (kernels/kernels.h) and tensors that carry
  * their device and dtype. A rank holds:
@@ -210,6 +211,10 @@ struct am_layer {
      * kv_a_proj_with_mqa and the two norms are whole on every tp rank, their gradients
      * partial (each rank's heads') and summed over tp. */
     struct am_param *wq_a, *q_a_norm, *wkv_a, *kv_a_norm, *wkv_b;
+    /* gpt_oss: o_proj's bias [C] (whole on every tp rank, added by tp rank 0 alone before the
+     * row-parallel sum; its gradient the same on each) and the attention sinks [H] (one logit per
+     * head, split over tp with the heads; kernels.h, attention_sink_*); else NULL */
+    struct am_param *bo, *sinks;
 };
 
 /* How a parameter group is kept across the data-parallel ranks: replicated (every rank holds

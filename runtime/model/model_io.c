@@ -24,6 +24,102 @@ int am_model_dir_has_weights(const char *dir)
     return stat(p, &st) == 0;
 }
 
+/* ---- gpt_oss's experts: transformers' fused tensors, am's per-expert parameters ---------------- */
+
+/* The prefix "model.layers.L.mlp.experts" of an expert parameter's name. */
+static void experts_prefix(char *buf, size_t len, const struct am_param *first)
+{
+    const char *dot = strstr(first->name, ".experts.");
+    snprintf(buf, len, "%.*s.experts", dot ? (int)(dot - first->name) : 0, first->name);
+}
+
+/* One of GptOssExperts' tensors, experts [e0, e0 + El) of it, into host (F32 [El, d1, d2] or
+ * [El, d1] for d2 0): the MXFP4 `_blocks` and `_scales` dequantised when the checkpoint has
+ * quant_method mxfp4 (the matrices only: their biases are stored as they are). */
+static int read_experts(struct am_ckpt *c, const struct am_model *m, const char *name, int64_t e0, int64_t El,
+                        int64_t d1, int64_t d2, float *host, struct am_errors *err)
+{
+    struct am_tensor dst = am_tensor_view(host, AM_DEV_CPU, AM_F32, El, d1, d2, 0);
+    if (!d2)
+        dst = am_tensor_view(host, AM_DEV_CPU, AM_F32, El, d1, 0, 0);
+    if (m->cfg.mxfp4 && d2)
+        return am_ckpt_read_mxfp4(c, name, e0, e0 + El, &dst, err);
+    struct am_ckpt_slice slice = am_ckpt_rows(e0, e0 + El);
+    return am_ckpt_read(c, name, &slice, &dst, err);
+}
+
+/* gpt_oss: each MoE layer's experts held here, from transformers' gate_up_proj [E, C, 2I] (x @ W;
+ * gate at the even columns, up at the odd), gate_up_proj_bias [E, 2I], down_proj [E, I, C] and
+ * down_proj_bias [E, C], into am's per-expert gate and up [I, C], down [C, I] and their biases
+ * (moe.h). Only this rank's experts are read. */
+static int load_gpt_oss_experts(struct am_model *m, struct am_ckpt *c, const char *dir, struct am_errors *err)
+{
+    int64_t C = m->cfg.hidden_size, I = m->cfg.moe_intermediate_size, E = m->cfg.num_experts;
+    int ep = m->sh.ep > 1 ? m->sh.ep : 1;
+    int64_t El = E / ep, e0 = (int64_t)(ep > 1 ? m->sh.ep_rank : 0) * El;
+    size_t big = (size_t)(El * C * 2 * I), n = big + (size_t)(El * 2 * I) + (size_t)(El * C);
+    float *buf = malloc(n * sizeof(float)), *w = malloc((size_t)(C * I) * sizeof(float));
+    int rc = 0;
+    if (!buf || !w) {
+        free(buf);
+        free(w);
+        am_errorf(err, NULL, "%s: out of memory reading gpt_oss's experts (%zu floats)", dir, n);
+        return -1;
+    }
+    float *gu = buf, *gub = buf + big, *db = gub + El * 2 * I;
+    for (int l = 0; l < m->n_layers && rc == 0; l++) {
+        const struct am_moe_layer *X = m->layers[l].moe;
+        if (!X || !X->b1)
+            continue;
+        char pre[96], name[160];
+        experts_prefix(pre, sizeof(pre), X->w1);
+        snprintf(name, sizeof(name), "%s.gate_up_proj", pre);
+        if (read_experts(c, m, name, e0, El, C, 2 * I, gu, err) < 0) {
+            rc = -1;
+            break;
+        }
+        snprintf(name, sizeof(name), "%s.gate_up_proj_bias", pre);
+        if (read_experts(c, m, name, e0, El, 2 * I, 0, gub, err) < 0) {
+            rc = -1;
+            break;
+        }
+        for (int64_t e = 0; e < El; e++) {
+            const float *g = gu + (size_t)(e * C * 2 * I);
+            for (int half = 0; half < 2; half++) { /* gate (even columns), up (odd) */
+                for (int64_t i = 0; i < I; i++)
+                    for (int64_t k = 0; k < C; k++)
+                        w[i * C + k] = g[k * 2 * I + 2 * i + half];
+                const struct am_param *pw = (half ? X->w3 : X->w1) + e, *pb = (half ? X->b3 : X->b1) + e;
+                m->K->upload(m->dev, pw->w.data, w, (size_t)(I * C) * sizeof(float));
+                for (int64_t i = 0; i < I; i++)
+                    w[i] = gub[e * 2 * I + 2 * i + half];
+                m->K->upload(m->dev, pb->w.data, w, (size_t)I * sizeof(float));
+            }
+        }
+        snprintf(name, sizeof(name), "%s.down_proj", pre);
+        if (read_experts(c, m, name, e0, El, I, C, gu, err) < 0) {
+            rc = -1;
+            break;
+        }
+        snprintf(name, sizeof(name), "%s.down_proj_bias", pre);
+        if (read_experts(c, m, name, e0, El, C, 0, db, err) < 0) {
+            rc = -1;
+            break;
+        }
+        for (int64_t e = 0; e < El; e++) { /* down_proj [I, C] (x @ W) is am's [C, I] transposed */
+            const float *d = gu + (size_t)(e * I * C);
+            for (int64_t k = 0; k < C; k++)
+                for (int64_t i = 0; i < I; i++)
+                    w[k * I + i] = d[i * C + k];
+            m->K->upload(m->dev, (X->w2 + e)->w.data, w, (size_t)(I * C) * sizeof(float));
+            m->K->upload(m->dev, (X->b2 + e)->w.data, db + e * C, (size_t)C * sizeof(float));
+        }
+    }
+    free(buf);
+    free(w);
+    return rc;
+}
+
 int am_model_load_hf(struct am_model *m, const char *dir, struct am_errors *err)
 {
     struct am_ckpt *c = NULL;
@@ -40,6 +136,8 @@ int am_model_load_hf(struct am_model *m, const char *dir, struct am_errors *err)
     for (int i = 0; i < m->n_params; i++) {
         struct am_param *p = &m->params[i];
         if (am_model_is_lora(p)) /* LoRA's adapters are not the base model's (am_model_load_peft) */
+            continue;
+        if (m->cfg.gpt_oss && am_moe_is_expert_param(m, p)) /* read fused, per layer (load_gpt_oss_experts) */
             continue;
         int64_t n = am_tensor_numel(&p->w);
         float *host = malloc((size_t)n * sizeof(float));
@@ -60,6 +158,8 @@ int am_model_load_hf(struct am_model *m, const char *dir, struct am_errors *err)
         if (m->load_bar)
             am_progress_set(m->load_bar, done, 0);
     }
+    if (m->cfg.gpt_oss && err->n == before)
+        load_gpt_oss_experts(m, c, dir, err);
     if (m->load_bar)
         am_progress_end(m->load_bar, err->n == before);
     for (int l = 0; l < m->n_layers; l++) { /* glm4_moe's selection biases: buffers, whole on every rank */
@@ -130,6 +230,7 @@ int am_model_load_peft(struct am_model *m, const char *dir, struct am_errors *er
 struct wire_tensor {
     char name[96];
     int64_t ndim, rows, cols; /* the full shape; cols 0 for a vector */
+    int64_t depth;            /* a third dimension (gpt_oss's fused experts, ndim 3); else 0 */
 };
 _Static_assert(sizeof(struct wire_tensor) % sizeof(int64_t) == 0, "a wire_tensor is sent as int64 elements");
 #define WIRE_I64 (sizeof(struct wire_tensor) / sizeof(int64_t))
@@ -267,7 +368,10 @@ static int msg_allgather(struct saver *s, struct am_comm *c, const void *send, v
     return 0;
 }
 
-static int64_t full_numel(const struct wire_tensor *t) { return t->rows * (t->cols > 0 ? t->cols : 1); }
+static int64_t full_numel(const struct wire_tensor *t)
+{
+    return t->rows * (t->cols > 0 ? t->cols : 1) * (t->depth > 0 ? t->depth : 1);
+}
 
 static struct wire_tensor wire_of(const struct am_param *p)
 {
@@ -289,10 +393,12 @@ static int expert_runs(const struct am_moe_layer *X, bool peft, const struct am_
 {
     if (!X || (peft && !X->la))
         return 0;
-    const struct am_param *base[3] = {X->w1, X->w3, X->w2}, *lora[5] = {X->la, X->lbg, X->lbu, X->lda, X->ldb};
-    for (int k = 0; k < (peft ? 5 : 3); k++)
+    const struct am_param *base[6] = {X->w1, X->w3, X->w2, X->b1, X->b3, X->b2};
+    const struct am_param *lora[5] = {X->la, X->lbg, X->lbu, X->lda, X->ldb};
+    int nb = X->b1 ? 6 : 3; /* gpt_oss: the experts' biases after their matrices */
+    for (int k = 0; k < (peft ? 5 : nb); k++)
         run[k] = peft ? lora[k] : base[k];
-    return peft ? 5 : 3;
+    return peft ? 5 : nb;
 }
 
 /* The name of expert e's tensor of the run whose first parameter is `first`, with the segment
@@ -316,7 +422,7 @@ static int gather_experts(struct saver *s, struct am_comm *ep, struct am_errors 
     bool peft = s->peft != NULL;
     int n = ep ? am_comm_size(ep) : 1, nr;
     int64_t E = m->cfg.num_experts, El = E / n, total = 0, per = 0;
-    const struct am_param *run[5];
+    const struct am_param *run[6];
     for (int l = 0; l < m->n_layers; l++)
         if ((nr = expert_runs(m->layers[l].moe, peft, run)) > 0) {
             per = 0;
@@ -376,6 +482,60 @@ static int gather_experts(struct saver *s, struct am_comm *ep, struct am_errors 
     return 0;
 }
 
+/* gpt_oss: the gathered experts (every layer's six runs of E entries: gate, up, down, their
+ * biases, in global order) replaced by transformers' four fused tensors per layer (the inverse of
+ * load_gpt_oss_experts): gate_up_proj [E, C, 2I], gate_up_proj_bias [E, 2I], down_proj
+ * [E, I, C], down_proj_bias [E, C]. */
+static int fuse_gpt_oss(struct saver *s, struct am_errors *err)
+{
+    const struct am_model *m = s->m;
+    int64_t C = m->cfg.hidden_size, I = m->cfg.moe_intermediate_size, E = m->cfg.num_experts;
+    int64_t layers = s->n_ep / (6 * E), per = E * (C * 2 * I + 2 * I + I * C + C);
+    struct ep_tensor *ep = calloc((size_t)(4 * layers + 1), sizeof(*ep));
+    float *mem = malloc((size_t)(layers * per + 1) * sizeof(float));
+    if (!ep || !mem) {
+        free(ep);
+        free(mem);
+        am_errorf(err, NULL, "%s: saving: out of memory for gpt_oss's fused experts", s->dir);
+        return -1;
+    }
+    for (int64_t l = 0; l < layers; l++) {
+        const struct ep_tensor *r = s->ep + l * 6 * E; /* run k's expert e: r[k * E + e] */
+        float *gu = mem + l * per, *gub = gu + E * C * 2 * I, *dn = gub + E * 2 * I, *db = dn + E * I * C;
+        for (int64_t e = 0; e < E; e++) {
+            const float *g = r[e].data, *u = r[E + e].data, *d = r[2 * E + e].data;
+            const float *bg = r[3 * E + e].data, *bu = r[4 * E + e].data, *bd = r[5 * E + e].data;
+            for (int64_t i = 0; i < I; i++) {
+                for (int64_t k = 0; k < C; k++) {
+                    gu[(e * C + k) * 2 * I + 2 * i] = g[i * C + k];
+                    gu[(e * C + k) * 2 * I + 2 * i + 1] = u[i * C + k];
+                    dn[(e * I + i) * C + k] = d[k * I + i];
+                }
+                gub[e * 2 * I + 2 * i] = bg[i];
+                gub[e * 2 * I + 2 * i + 1] = bu[i];
+            }
+            memcpy(db + e * C, bd, (size_t)C * sizeof(float));
+        }
+        char pre[96];
+        const char *first = r[0].t.name, *dot = strstr(first, ".experts.");
+        snprintf(pre, sizeof(pre), "%.*s.experts", dot ? (int)(dot - first) : 0, first);
+        struct ep_tensor *t = ep + 4 * l;
+        t[0] = (struct ep_tensor){.t = {.ndim = 3, .rows = E, .cols = C, .depth = 2 * I}, .data = gu};
+        t[1] = (struct ep_tensor){.t = {.ndim = 2, .rows = E, .cols = 2 * I}, .data = gub};
+        t[2] = (struct ep_tensor){.t = {.ndim = 3, .rows = E, .cols = I, .depth = C}, .data = dn};
+        t[3] = (struct ep_tensor){.t = {.ndim = 2, .rows = E, .cols = C}, .data = db};
+        static const char *const names[4] = {"gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"};
+        for (int k = 0; k < 4; k++)
+            snprintf(t[k].t.name, sizeof(t[k].t.name), "%.70s.%s", pre, names[k]);
+    }
+    free(s->ep);
+    free(s->ep_mem);
+    s->ep = ep;
+    s->ep_mem = mem;
+    s->n_ep = 4 * layers;
+    return 0;
+}
+
 /* glm4_moe's selection biases (moe.h), buffers whole on every rank of the layer's stage: copied
  * to the host and listed after the gathered experts, as those are (whole on every tp rank). */
 static int add_biases(struct saver *s, struct am_errors *err)
@@ -416,8 +576,10 @@ static int saver_init(struct saver *s, const struct am_model *m, struct am_comm 
     *s = (struct saver){.m = m, .tp = tp, .pp = pp, .dir = dir, .tp_size = 1, .pp_size = 1, .current = -1,
                         .peft = peft};
     /* the experts gathered over ep; with peft their adapters always (up's A written as gate's) */
-    bool gather = (ep && am_comm_size(ep) > 1) || (peft && m->sh.lora_experts);
+    bool gather = (ep && am_comm_size(ep) > 1) || (peft && m->sh.lora_experts) || (!peft && m->cfg.gpt_oss);
     if (gather && gather_experts(s, ep && am_comm_size(ep) > 1 ? ep : NULL, err) < 0)
+        return -1;
+    if (!peft && m->cfg.gpt_oss && fuse_gpt_oss(s, err) < 0) /* transformers' fused experts */
         return -1;
     if (!saves)
         return 0;
@@ -684,7 +846,8 @@ static int collect_lists(struct saver *s, bool ok, struct am_errors *err)
             if (msg_recv(s, s->pp, &t.t, WIRE_I64, AM_I64, p) < 0)
                 return comm_failed(s, err);
             t.t.name[sizeof(t.t.name) - 1] = '\0';
-            if (t.t.ndim < 1 || t.t.ndim > 2 || t.t.rows < 1 || t.t.cols < 0 || (t.t.ndim == 2) != (t.t.cols > 0)) {
+            if (t.t.ndim < 1 || t.t.ndim > 3 || t.t.rows < 1 || t.t.cols < 0 || (t.t.ndim >= 2) != (t.t.cols > 0) ||
+                (t.t.ndim == 3) != (t.t.depth > 0)) {
                 am_errorf(err, NULL, "%s: saving: pp rank %d sent tensor '%s' with a bad shape", s->dir, p, t.t.name);
                 ok = false;
             }
@@ -752,7 +915,7 @@ static int write_all(struct saver *s, const char *base_config, struct am_errors 
     for (int64_t i = 0; i < s->n_all; i++) {
         const struct wire_tensor *w = &s->all[i].t;
         t[i] = (struct am_st_wtensor){.name = w->name, .dtype = AM_ST_F32, .ndim = (int)w->ndim,
-                                      .shape = {w->rows, w->cols}, .fill = fill, .ctx = s};
+                                      .shape = {w->rows, w->cols, w->depth}, .fill = fill, .ctx = s};
     }
     int rc;
     if (s->peft) { /* peft's names: "base_model.model." + the parameter's */

@@ -71,6 +71,9 @@ int am_moe_check(const struct am_model_config *cfg, const struct am_model_shard 
         return am_fail(err, err_len, "model: ep_size %d does not divide %s's %d experts: each ep rank holds "
                        "num_experts / ep_size of them (use an ep_size that divides %d)", sh->ep, cfg->model_type,
                        (int)cfg->num_experts, (int)cfg->num_experts);
+    if (cfg->gpt_oss && sh->lora_r > 0)
+        return am_fail(err, err_len, "model: LoRA on gpt_oss: its experts' fused gate_up_proj and their biases have no "
+                       "adapters in am yet (train without peft)");
     if (cfg->n_shared_experts > 0 && (cfg->n_shared_experts * cfg->moe_intermediate_size) % sh->tp)
         return am_fail(err, err_len, "model: tp_size %d does not divide the shared experts' width %ld (n_shared_experts "
                        "x moe_intermediate_size), which tp splits as an MLP (use a tp_size that divides it)", sh->tp,
@@ -80,7 +83,7 @@ int am_moe_check(const struct am_model_config *cfg, const struct am_model_shard 
 
 int am_moe_extra_params(const struct am_model_config *cfg, int n_layers)
 {
-    return cfg->num_experts > 0 ? n_layers * (int)(3 * cfg->num_experts + 1) : 0;
+    return cfg->num_experts > 0 ? n_layers * (int)((cfg->gpt_oss ? 6 : 3) * cfg->num_experts + 2) : 0;
 }
 
 void am_moe_layer_params(struct am_model *m, int l, struct am_layer *L)
@@ -96,8 +99,12 @@ void am_moe_layer_params(struct am_model *m, int l, struct am_layer *L)
     L->moe = calloc(1, sizeof(*L->moe));
     if (!L->moe)
         return; /* am_moe_init reports it */
-    snprintf(n, sizeof(n), "model.layers.%d.%s.gate.weight", l, blk);
+    snprintf(n, sizeof(n), "model.layers.%d.%s.%s.weight", l, blk, c->gpt_oss ? "router" : "gate");
     L->moe->router = am_model_add_param(m, n, E, C, AM_SPLIT_NONE, E, C, 0, 0);
+    if (c->gpt_oss) {
+        snprintf(n, sizeof(n), "model.layers.%d.%s.router.bias", l, blk);
+        L->moe->router_b = am_model_add_param(m, n, E, 0, AM_SPLIT_NONE, E, 0, 0, 0);
+    }
     if (c->sigmoid_router)
         snprintf(L->moe->bias_name, sizeof(L->moe->bias_name), "model.layers.%d.%s.gate.e_score_correction_bias", l,
                  blk);
@@ -113,6 +120,15 @@ void am_moe_layer_params(struct am_model *m, int l, struct am_layer *L)
             struct am_param *p = am_model_add_param(m, n, rows, cols, AM_SPLIT_NONE, rows, cols, 0, 0);
             if (e == 0)
                 *first[w] = p;
+        }
+    struct am_param **bias[3] = {&L->moe->b1, &L->moe->b3, &L->moe->b2};
+    for (int w = 0; c->gpt_oss && w < 3; w++) /* gpt_oss: each expert's biases, after the matrices */
+        for (int64_t e = 0; e < El; e++) {
+            snprintf(n, sizeof(n), "model.layers.%d.%s.experts.%lld.%s.bias", l, blk, (long long)(e0 + e), kind[w]);
+            int64_t len = w == 2 ? C : I;
+            struct am_param *p = am_model_add_param(m, n, len, 0, AM_SPLIT_NONE, len, 0, 0, 0);
+            if (e == 0)
+                *bias[w] = p;
         }
 }
 
@@ -427,6 +443,41 @@ static struct am_tensor pos2_of(const struct moe_acts *A)
     return rows(&t, A->recv_total); /* 2-D even with no rows */
 }
 
+/* gpt_oss: each local expert's bias (the first of El consecutive parameters, where they are now)
+ * added to its rows of y (grouped by local expert, cnt rows each); its backward: each bias's
+ * gradient += the sum of its rows of dy. */
+static void experts_bias_forward(struct am_model *m, struct am_tensor *y, const struct am_param *first,
+                                 const int64_t *cnt)
+{
+    int64_t n = y->shape[1], r0 = 0;
+    size_t es = am_dtype_size(y->dtype), bs = (size_t)n * am_dtype_size(first->wc.dtype);
+    for (int64_t e = 0; e < m->moe->El; r0 += cnt[e], e++) {
+        if (cnt[e] == 0)
+            continue;
+        struct am_tensor rows_e = am_tensor_view((char *)y->data + (size_t)(r0 * n) * es, y->device, y->dtype, cnt[e],
+                                                 n, 0, 0);
+        struct am_tensor b = am_tensor_view((char *)first->wc.data + (size_t)e * bs, first->wc.device,
+                                            first->wc.dtype, n, 0, 0, 0);
+        m->K->bias_forward(m->dev, &rows_e, &b);
+    }
+}
+
+static void experts_bias_backward(struct am_model *m, const struct am_tensor *dy, const struct am_param *first,
+                                  const int64_t *cnt)
+{
+    int64_t n = dy->shape[1], r0 = 0;
+    size_t es = am_dtype_size(dy->dtype), bs = (size_t)n * sizeof(float);
+    for (int64_t e = 0; e < m->moe->El; r0 += cnt[e], e++) {
+        if (cnt[e] == 0)
+            continue;
+        struct am_tensor rows_e = am_tensor_view((char *)dy->data + (size_t)(r0 * n) * es, dy->device, dy->dtype,
+                                                 cnt[e], n, 0, 0);
+        struct am_tensor db = am_tensor_view((char *)first->g.data + (size_t)e * bs, first->g.device, AM_F32, n, 0, 0,
+                                             0);
+        m->K->bias_backward(m->dev, &db, &rows_e);
+    }
+}
+
 /* The experts over rows xp (grouped by local expert, cnt rows each): g, u, act and y (moe.h),
  * with their adapters beside them under LoRA on the experts. */
 static void experts_forward(struct am_model *m, const struct am_moe_layer *X, const int64_t *cnt, struct am_tensor *y,
@@ -450,8 +501,16 @@ static void experts_forward(struct am_model *m, const struct am_moe_layer *X, co
         K->scale(m->dev, &z, M->lscale);
         K->add(m->dev, u, &z);
     }
-    K->swiglu_forward(m->dev, act, g, u);
+    if (X->b1) { /* gpt_oss: the biases of gate and up, the clamped SwiGLU */
+        experts_bias_forward(m, g, X->b1, cnt);
+        experts_bias_forward(m, u, X->b3, cnt);
+        K->swiglu_clamped_forward(m->dev, act, g, u, (float)m->cfg.swiglu_alpha, (float)m->cfg.swiglu_limit);
+    } else {
+        K->swiglu_forward(m->dev, act, g, u);
+    }
     K->grouped_matmul_forward(m->dev, y, act, &W2, cnt);
+    if (X->b2)
+        experts_bias_forward(m, y, X->b2, cnt);
     if (X->la) { /* y += s · (a · A_dᵀ) · B_dᵀ (dxp: scratch) */
         struct am_tensor t = rows(&M->ltd, R), z = rows(&M->dxp, R);
         struct am_tensor LDA = weights_now(&X->LDA, X->lda), LDB = weights_now(&X->LDB, X->ldb);
@@ -545,6 +604,8 @@ int am_moe_forward(struct am_model *m, const struct am_layer *L, const struct am
     struct am_tensor wts = rows(&A->wts, N), pos = rows(&A->pos, N), xp = rows(&A->xp, S), g = rows(&A->g, S);
     struct am_tensor u = rows(&A->u, S), act = rows(&A->act, S), yp = rows(&A->yp, S);
     K->matmul_forward(m->dev, &logits, in, &L->moe->router->wc);
+    if (L->moe->router_b) /* gpt_oss: the router's bias */
+        K->bias_forward(m->dev, &logits, &L->moe->router_b->wc);
     if (M->sigmoid)
         K->moe_route_sigmoid_forward(m->dev, &probs, &idx, &wts, &logits, &L->moe->bias, M->n_group, M->topk_group,
                                      M->renorm, M->scale);
@@ -601,12 +662,23 @@ int am_moe_backward(struct am_model *m, const struct am_layer *L, const struct a
     G2.data = X->w2->g.data;
     struct am_tensor W1 = weights_now(&X->W1, X->w1), W3 = weights_now(&X->W3, X->w3), W2 = weights_now(&X->W2, X->w2);
     bool frozen = m->sh.lora_r > 0; /* LoRA: the router and the experts frozen with the base, no gradients */
+    if (X->b2 && !frozen)
+        experts_bias_backward(m, &dyl, X->b2, cnt);
     K->grouped_matmul_backward(m->dev, &da, frozen ? NULL : &G2, &dyl, &act, &W2, cnt);
     if (X->la) /* the down adapter's (dyl is spent) */
         lora_down_backward(m, X, cnt, &dyl, &da, &act);
     K->zero(m->dev, &dg);
     K->zero(m->dev, &du);
-    K->swiglu_backward(m->dev, &dg, &du, &da, &g, &u);
+    if (X->b1) { /* gpt_oss: the clamped SwiGLU, the biases of gate and up */
+        K->swiglu_clamped_backward(m->dev, &dg, &du, &da, &g, &u, (float)m->cfg.swiglu_alpha,
+                                   (float)m->cfg.swiglu_limit);
+        if (!frozen) {
+            experts_bias_backward(m, &dg, X->b1, cnt);
+            experts_bias_backward(m, &du, X->b3, cnt);
+        }
+    } else {
+        K->swiglu_backward(m->dev, &dg, &du, &da, &g, &u);
+    }
     K->zero(m->dev, &dxp);
     K->grouped_matmul_backward(m->dev, &dxp, frozen ? NULL : &G1, &dg, &xp, &W1, cnt);
     K->grouped_matmul_backward(m->dev, &dxp, frozen ? NULL : &G3, &du, &xp, &W3, cnt);
@@ -627,6 +699,8 @@ int am_moe_backward(struct am_model *m, const struct am_layer *L, const struct a
     else
         K->moe_route_backward(m->dev, &dlogits, &dwts, &probs, &idx, M->aux_on ? &Sl->cnt : NULL, Sl->aux_scale,
                               M->renorm);
+    if (X->router_b && !frozen)
+        K->bias_backward(m->dev, &X->router_b->g, &dlogits);
     K->matmul_backward(m->dev, dh, frozen ? NULL : &X->router->g, &dlogits, in, &X->router->wc);
     return 0;
 }
@@ -748,7 +822,7 @@ bool am_moe_is_expert_param(const struct am_model *m, const struct am_param *p)
         return false;
     for (int l = 0; l < m->n_layers; l++) {
         const struct am_moe_layer *X = m->layers[l].moe;
-        if (X && p >= X->w1 && p < X->w1 + 3 * m->moe->El)
+        if (X && p >= X->w1 && p < X->w1 + (X->b1 ? 6 : 3) * m->moe->El)
             return true;
         if (X && X->la && p >= X->la && p < X->la + 5 * m->moe->El)
             return true;

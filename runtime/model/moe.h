@@ -64,6 +64,17 @@
  * Not yet: experts split over tp, and sequence parallelism with experts, which am_moe_check
  * refuses.
  *
+ * gpt-oss (gpt_oss; model_config.h): the router mlp.router with a bias (logits = h · Wgᵀ + b; the
+ * top-k of the logits softmaxed over the k chosen is the renormalised top-k of the softmax, as
+ * here), experts with biases and the clamped SwiGLU (kernels.h, swiglu_clamped_*):
+ * g = x · W1ᵀ + b1, u = x · W3ᵀ + b3, y = ((clamp(u) + 1) * min(g, limit) * sigmoid(alpha ·
+ * min(g, limit))) · W2ᵀ + b2, each expert's bias added to its own rows (the host knows the
+ * counts); the load-balancing loss as Mixtral's (softmax of the biased logits). Checkpoints name
+ * them as transformers' GptOssExperts' fused tensors (model_io.c): mlp.experts.gate_up_proj
+ * [E, C, 2I] (gate at even, up at odd columns; x @ W), gate_up_proj_bias [E, 2I], down_proj
+ * [E, I, C], down_proj_bias [E, C]; am holds them per expert as the other MoEs
+ * (mlp.experts.e.{gate,up,down}_proj.{weight,bias}). No LoRA on gpt_oss yet (am_moe_check).
+ *
  * DeepSeekMoE (glm4_moe; model_config.h, sigmoid_router): the router's scores are sigmoids, the
  * experts chosen on the scores plus the layer's selection bias within the best groups, weighted
  * by the unbiased scores (renormalised when norm_topk_prob) times routed_scaling_factor
@@ -116,6 +127,10 @@ struct am_moe_layer {
     struct am_param *la, *lbg, *lbu, *lda, *ldb;
     struct am_tensor LA, LBG, LBU, LDA, LDB;
     struct am_tensor GLA, GLBG, GLBU, GLDA, GLDB;
+    /* gpt_oss: the router's bias [E] (in the layer's group, after the router), and the experts'
+     * biases, the first of El consecutive parameters each in the experts' group after their
+     * matrices: gate's and up's [I], down's [C] (NULL for the other models) */
+    struct am_param *router_b, *b1, *b3, *b2;
 };
 
 /* The model's state for its MoE layers (model.h: am_model.moe; NULL for a dense model). */

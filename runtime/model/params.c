@@ -249,6 +249,18 @@ static bool is_bias(const struct am_param *p)
     return n > 5 && strcmp(p->name + n - 5, ".bias") == 0;
 }
 
+/* The vectors transformers initialises from N(0, initializer_range): gpt_oss's attention sinks
+ * and router bias (GptOssPreTrainedModel._init_weights). */
+static bool normal_vector(const struct am_param *p)
+{
+    static const char *const ends[] = {".self_attn.sinks", ".router.bias"};
+    size_t n = strlen(p->name);
+    for (int i = 0; i < 2; i++)
+        if (n > strlen(ends[i]) && strcmp(p->name + n - strlen(ends[i]), ends[i]) == 0)
+            return true;
+    return false;
+}
+
 void am_model_init_weights(struct am_model *m, uint64_t seed)
 {
     double std = m->cfg.initializer_range;
@@ -263,6 +275,10 @@ void am_model_init_weights(struct am_model *m, uint64_t seed)
         uint64_t stream = am_hash_str(p->name);
         for (int64_t r = 0; r < rows; r++)
             for (int64_t c = 0; c < cols; c++) {
+                if (p->w.ndim == 1 && normal_vector(p)) { /* gpt_oss's sinks and router bias: N(0, std) */
+                    host[r] = (float)(std * am_rng_normal(seed, stream, (uint64_t)(p->row0 + r)));
+                    continue;
+                }
                 if (p->w.ndim == 1) { /* RMSNorm weights 1 (Gemma's, 1 + w: 0), biases 0 (transformers' _init_weights) */
                     host[r] = is_bias(p) || m->cfg.gemma ? 0.0f : 1.0f;
                     continue;

@@ -324,7 +324,7 @@ struct am_node *am_json_file_to_node(struct am_arena *a, const char *path, struc
 enum kind {
     K_LONG, K_DOUBLE, K_BOOL, K_STR, K_ACT, K_ROPE_SCALING, K_ROPE_PARAMETERS, K_CHECK_FALSE, K_CHECK_ZERO, K_MLP_ONLY,
     K_WINDOW, K_USE_WINDOW, K_MAX_WINDOW_LAYERS, K_LAYER_TYPES, K_QUANT, K_IGNORE, K_DOUBLE_NULL, K_HIDDEN_ACTIVATION,
-    K_BIDIRECTIONAL, K_WINDOW_PATTERN, K_ATTENTION_BIAS, K_MTP, K_MOE_OVERRIDES, K_DSV3_ONLY
+    K_BIDIRECTIONAL, K_WINDOW_PATTERN, K_ATTENTION_BIAS, K_MTP, K_MOE_OVERRIDES, K_DSV3_ONLY, K_GPT_OSS_ONLY
 };
 
 /* The sliding-window keys as written, resolved per model type once all keys are read. */
@@ -342,6 +342,8 @@ struct window_keys {
     bool attention_bias;                             /* glm4_moe: q, k and v with biases (o never) */
     bool use_qk_norm;                                /* glm4_moe: q/k norms */
     bool dsv3;                                       /* the model type, known before the keys: deepseek_v3 */
+    bool gpt_oss;                                    /* the model type, known before the keys: gpt_oss */
+    bool rope_given;                                 /* rope_scaling or rope_parameters written (not null) */
     long moe_layer_freq;                             /* deepseek_v3: as written (1 when absent) */
     struct am_node *moe_layer_freq_node, *topk_method, *scoring_func;
 };
@@ -414,6 +416,12 @@ static const struct hf_key hf_keys[] = {
                                         AutoModel's deepseek_v3 compute no such loss */
     {"seq_aux", K_IGNORE, 0},
     {"num_mtp_layers", K_MTP, 0},
+    /* gpt_oss */
+    {"swiglu_limit", K_GPT_OSS_ONLY, F(swiglu_limit)},
+    {"swiglu_alpha", K_GPT_OSS_ONLY, F(swiglu_alpha)},
+    {"experts_per_token", K_IGNORE, 0},      /* gpt-oss's own code's name: GptOssConfig reads num_experts_per_tok */
+    {"initial_context_length", K_IGNORE, 0}, /* gpt-oss's own code's: transformers reads rope_scaling's
+                                                original_max_position_embeddings */
     {"moe_overrides", K_MOE_OVERRIDES, 0}, /* AutoModel's MoEConfig fields for its own MoE models */
     {"moe_config", K_MOE_OVERRIDES, 0},
     {"mlp_bias", K_CHECK_FALSE, 0},
@@ -437,9 +445,10 @@ static const struct hf_key hf_keys[] = {
 };
 #undef F
 
-#define AM_SUPPORTED_TYPES "llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, gemma2, gemma3_text, glm4_moe, deepseek_v3"
+#define AM_SUPPORTED_TYPES                                                                                             \
+    "llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, gemma2, gemma3_text, glm4_moe, deepseek_v3, gpt_oss"
 static const char *const supported_types[] = {"llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3_text",
-                                              "glm4_moe", "deepseek_v3", NULL};
+                                              "glm4_moe", "deepseek_v3", "gpt_oss", NULL};
 
 bool am_model_type_supported(const char *t)
 {
@@ -546,13 +555,25 @@ static int read_rope_scaling(struct am_node *n, const char *section, struct am_m
  * quantisation is refused. modules_to_not_convert is read but not needed: a tensor stored in
  * F8_E4M3 is dequantised, any other loads as it is. activation_scheme concerns FP8 inference
  * (the activations' scales), not the weights am trains. */
-static int read_quant(struct am_node *v, const char *key, struct am_model_config *m, struct am_errors *err)
+static int read_quant(struct am_node *v, const char *key, struct am_model_config *m, bool gpt_oss,
+                      struct am_errors *err)
 {
-    m->fp8 = false;
+    m->fp8 = m->mxfp4 = false;
     if (am_node_is_null(v))
         return 0;
     struct am_node *method = v->kind == AM_NODE_MAP ? am_node_child(v, "quant_method") : NULL;
     bool fp8 = method && method->kind == AM_NODE_SCALAR && strcmp(method->str, "fp8") == 0;
+    if (method && method->kind == AM_NODE_SCALAR && strcmp(method->str, "mxfp4") == 0) {
+        /* gpt-oss's: its experts' `*_blocks` and `*_scales` dequantised at load; the other tensors
+         * (modules_to_not_convert) load as they are stored */
+        if (!gpt_oss) {
+            am_errorf(err, &method->pos, "%s.quant_method: mxfp4 is dequantized by am for gpt_oss's experts only "
+                      "(their *_blocks and *_scales): use the unquantized model", key);
+            return -1;
+        }
+        m->mxfp4 = true;
+        return 0;
+    }
     if (!fp8) {
         am_errorf(err, &v->pos, "%s: a quantized checkpoint%s%.40s%s is not supported: am trains bf16 or fp32 "
                   "weights and dequantizes only FP8 checkpoints (quant_method fp8, fmt e4m3, as DeepSeek-V3's); "
@@ -629,7 +650,7 @@ static int read_key(const struct hf_key *k, struct am_node *v, const char *secti
     case K_ATTENTION_BIAS: /* glm4_moe: q, k, v biases; qwen2 reads none (always biased); others have none */
         if (w->qwen2)
             return 0;
-        if (w->glm)
+        if (w->glm || w->gpt_oss) /* glm4_moe: q, k, v; gpt_oss: q, k, v and o */
             return am_node_is_null(v) ? 0 : am_node_bool(v, key, &w->attention_bias, err);
         if (am_node_bool(v, key, &b, err) < 0)
             return -1;
@@ -727,8 +748,10 @@ static int read_key(const struct hf_key *k, struct am_node *v, const char *secti
             return 0;
         return am_node_str(v, key, (const char **)(base + k->off), err);
     case K_ROPE_SCALING:
+        w->rope_given |= !am_node_is_null(v);
         return read_rope_scaling(v, section, m, err);
     case K_ROPE_PARAMETERS: {
+        w->rope_given |= !am_node_is_null(v);
         struct am_node *full = am_node_child(v, "full_attention"), *sliding = am_node_child(v, "sliding_attention");
         if (full || sliding) { /* Gemma 3: one set per attention type */
             if (sliding) {
@@ -801,7 +824,7 @@ static int read_key(const struct hf_key *k, struct am_node *v, const char *secti
             w->mlp_only_layers = v;
         return 0;
     case K_QUANT:
-        return read_quant(v, key, m, err);
+        return read_quant(v, key, m, w->gpt_oss, err);
     case K_DSV3_ONLY: /* resolved with the model type (dsv3_checks) */
         if (strcmp(k->name, "moe_layer_freq") == 0) {
             w->moe_layer_freq_node = v;
@@ -809,6 +832,19 @@ static int read_key(const struct hf_key *k, struct am_node *v, const char *secti
         }
         if (!am_node_is_null(v))
             *(strcmp(k->name, "topk_method") == 0 ? &w->topk_method : &w->scoring_func) = v;
+        return 0;
+    case K_GPT_OSS_ONLY: /* the experts' clamped SwiGLU: gpt_oss's alone */
+        if (!w->gpt_oss) {
+            am_errorf(err, &v->pos, "%s: gpt_oss's (its experts' clamped SwiGLU); a model of another type has none: "
+                      "remove it", key);
+            return -1;
+        }
+        if (am_node_double(v, key, (double *)(base + k->off), err) < 0)
+            return -1;
+        if (!(*(double *)(base + k->off) > 0)) {
+            am_errorf(err, &v->pos, "%s: %g; it must be > 0", key, *(double *)(base + k->off));
+            return -1;
+        }
         return 0;
     case K_IGNORE:
         return 0;
@@ -884,6 +920,8 @@ static void set_window_layer(struct am_model_config *m, long l) { m->window_laye
  *     layer_types marks "sliding_attention", by default layers max_window_layers (default 28)
  *     and up (Qwen3Config); a layer marked sliding without a window fails in transformers;
  *   qwen3_moe: sliding_window on every layer when use_sliding_window;
+ *   gpt_oss: sliding_window (default 128) on the layers layer_types marks sliding_attention, by
+ *     default every other layer from layer 0 (GptOssConfig's), as Gemma 2's;
  *   llama: no sliding window in LlamaAttention: a window given is refused, not ignored.
  * The mask is kv_idx > q_idx - sliding_window with the causal kv_idx <= q_idx. */
 static void resolve_windows(const struct window_keys *w, const struct am_pos *where, const char *section,
@@ -895,8 +933,10 @@ static void resolve_windows(const struct window_keys *w, const struct am_pos *wh
     bool qwen3 = strcmp(t, "qwen3") == 0 || strcmp(t, "qwen2") == 0, qwen3_moe = strcmp(t, "qwen3_moe") == 0;
     long window = 0;
     memset(m->window_layers, 0, sizeof(m->window_layers));
-    bool gemma = m->gemma, gemma3 = strcmp(t, "gemma3_text") == 0;
-    if (strcmp(t, "mistral") == 0 || strcmp(t, "mixtral") == 0)
+    bool gemma = m->gemma, gemma3 = strcmp(t, "gemma3_text") == 0, gpt_oss = m->gpt_oss;
+    if (gpt_oss) /* GptOssConfig: 128 */
+        window = w->sliding_window_given ? w->sliding_window : 128;
+    else if (strcmp(t, "mistral") == 0 || strcmp(t, "mixtral") == 0)
         window = w->sliding_window_given ? w->sliding_window : strcmp(t, "mistral") == 0 ? 4096 : 0;
     else if (gemma) /* Gemma2Config, Gemma3TextConfig: 4096 */
         window = w->sliding_window_given ? w->sliding_window : 4096;
@@ -909,7 +949,7 @@ static void resolve_windows(const struct window_keys *w, const struct am_pos *wh
         return;
     }
     m->sliding_window = 0;
-    struct am_node *lt = qwen3 || gemma ? w->layer_types : NULL;
+    struct am_node *lt = qwen3 || gemma || gpt_oss ? w->layer_types : NULL;
     if (lt) {
         if (lt->kind != AM_NODE_SEQ || (long)lt->n != m->num_hidden_layers) {
             am_errorf(err, &lt->pos, "%s.layer_types: expected a list of %ld entries (one per layer: "
@@ -939,14 +979,16 @@ static void resolve_windows(const struct window_keys *w, const struct am_pos *wh
             }
             set_window_layer(m, (long)l);
         }
-    } else if (gemma) { /* the default layer_types: every 2nd layer full (Gemma 2), every pattern-th (Gemma 3) */
+    } else if (gemma || gpt_oss) { /* the default layer_types: every 2nd layer full (Gemma 2, gpt-oss), every
+                                      pattern-th (Gemma 3) */
         long pattern = gemma3 ? (w->window_pattern > 0 ? w->window_pattern : 6) : 2;
         for (long l = 0; l < m->num_hidden_layers; l++) {
             if (!((l + 1) % pattern))
                 continue;
             if (window <= 0) {
-                am_errorf(err, wpos, "%s.sliding_window: null, but layer %ld is a sliding_attention layer (Gemma's "
-                          "default layer_types): set sliding_window, or give layer_types", section, l);
+                am_errorf(err, wpos, "%s.sliding_window: null, but layer %ld is a sliding_attention layer (%s's "
+                          "default layer_types): set sliding_window, or give layer_types", section, l,
+                          gpt_oss ? "gpt-oss" : "Gemma");
                 return;
             }
             if (l >= AM_MAX_WINDOW_LAYERS) {
@@ -1007,9 +1049,9 @@ static void check_backend(struct am_node *backend, const char *section, struct a
 static bool unsupported_class(struct am_node *cfg, const char *section, const char **type, struct am_errors *err)
 {
     static const char *const known[] = {"Llama", "Mistral", "Mixtral", "Qwen2", "Qwen3", "Qwen3Moe", "Gemma2", "Gemma3Text",
-                                        "Glm4Moe", "DeepseekV3", NULL};
+                                        "Glm4Moe", "DeepseekV3", "GptOss", NULL};
     static const char *const types[] = {"llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3_text",
-                                        "glm4_moe", "deepseek_v3"};
+                                        "glm4_moe", "deepseek_v3", "gpt_oss"};
     struct am_node *arch = am_node_path(cfg, "architectures"), *target = am_node_path(cfg, "_target_"), *v = NULL;
     const char *cls = NULL, *key = NULL;
     char name[128];
@@ -1168,6 +1210,7 @@ int am_model_config_read(struct am_arena *a, struct am_node *cfg, const char *se
     wk.qwen2 = pre_type && strcmp(pre_type, "qwen2") == 0;
     wk.glm = pre_type && strcmp(pre_type, "glm4_moe") == 0;
     wk.dsv3 = pre_type && strcmp(pre_type, "deepseek_v3") == 0;
+    wk.gpt_oss = pre_type && strcmp(pre_type, "gpt_oss") == 0;
     wk.moe_layer_freq = 1;
     if (wk.dsv3) { /* DeepseekV3Config's defaults, where they differ from Llama's */
         m->max_position_embeddings = 4096;
@@ -1187,6 +1230,18 @@ int am_model_config_read(struct am_arena *a, struct am_node *cfg, const char *se
         m->qk_nope_head_dim = 128;
         m->v_head_dim = 128;
         m->rope_interleave = true;
+    }
+    if (wk.gpt_oss) { /* GptOssConfig's defaults, where they differ from Llama's (its rope_parameters' below) */
+        m->head_dim = 64;
+        m->intermediate_size = 2880;
+        m->num_experts = 128;
+        m->num_experts_per_tok = 4;
+        m->rms_norm_eps = 1e-5;
+        m->max_position_embeddings = 131072;
+        m->rope_theta = 150000.0;
+        m->swiglu_alpha = 1.702;
+        m->swiglu_limit = 7.0;
+        wk.attention_bias = true;
     }
     if (wk.glm) { /* Glm4MoeConfig's defaults, where they differ from Llama's */
         m->partial_rotary_factor = 0.5;
@@ -1297,8 +1352,30 @@ int am_model_config_read(struct am_arena *a, struct am_node *cfg, const char *se
                   m->model_type);
     m->qkv_bias = strcmp(m->model_type, "qwen2") == 0;
     bool glm = strcmp(m->model_type, "glm4_moe") == 0, dsv3 = strcmp(m->model_type, "deepseek_v3") == 0;
+    bool gpt_oss = strcmp(m->model_type, "gpt_oss") == 0;
     m->rotary_dim = m->head_dim;
-    if (glm) {
+    m->gpt_oss = gpt_oss;
+    if (!gpt_oss) {
+        m->o_bias = m->mxfp4 = false;
+        m->swiglu_alpha = m->swiglu_limit = 0;
+    }
+    if (gpt_oss) {
+        m->qkv_bias = m->o_bias = wk.attention_bias;
+        m->norm_topk_prob = true; /* the softmax over the k chosen logits: the renormalised top-k */
+        m->partial_rotary_factor = 1.0;
+        m->n_shared_experts = 0;
+        if (!wk.rope_given) { /* GptOssConfig's default rope_parameters */
+            m->rope_scaling.type = "yarn";
+            m->rope_scaling.factor = 32.0;
+            m->rope_scaling.beta_fast = 32.0;
+            m->rope_scaling.beta_slow = 1.0;
+            m->rope_scaling.no_truncate = true;
+            m->rope_scaling.original_max_position_embeddings = 4096;
+        }
+        if (m->mxfp4 && m->hidden_size % 32)
+            am_errorf(err, &where, "%s.hidden_size: %ld; MXFP4 experts are stored in blocks of 32 values along "
+                      "hidden_size and intermediate_size, which must be multiples of 32", section, m->hidden_size);
+    } else if (glm) {
         m->qkv_bias = wk.attention_bias;
         m->qk_norm = wk.use_qk_norm;
         m->sigmoid_router = true;
@@ -1319,10 +1396,11 @@ int am_model_config_read(struct am_arena *a, struct am_node *cfg, const char *se
         m->q_lora_rank = m->kv_lora_rank = m->qk_nope_head_dim = m->qk_rope_head_dim = m->v_head_dim = 0;
         m->rope_interleave = false;
     }
-    bool moe = strcmp(m->model_type, "mixtral") == 0 || strcmp(m->model_type, "qwen3_moe") == 0 || glm || dsv3;
+    bool moe = strcmp(m->model_type, "mixtral") == 0 || strcmp(m->model_type, "qwen3_moe") == 0 || glm || dsv3 ||
+               gpt_oss;
     if (moe && m->num_experts <= 0)
         am_errorf(err, &where, "%s.%s: missing (a %s model has experts)", section,
-                  strcmp(m->model_type, "mixtral") == 0 ? "num_local_experts"
+                  strcmp(m->model_type, "mixtral") == 0 || gpt_oss ? "num_local_experts"
                   : glm || dsv3                          ? "n_routed_experts"
                                                          : "num_experts",
                   m->model_type);
@@ -1332,7 +1410,7 @@ int am_model_config_read(struct am_arena *a, struct am_node *cfg, const char *se
         if (m->num_experts_per_tok < 1 || m->num_experts_per_tok > m->num_experts)
             am_errorf(err, &where, "%s.num_experts_per_tok: %ld must be 1 to num_experts (%ld)", section,
                       m->num_experts_per_tok, m->num_experts);
-        if (strcmp(m->model_type, "mixtral") == 0)
+        if (strcmp(m->model_type, "mixtral") == 0 || gpt_oss) /* each expert of intermediate_size */
             m->moe_intermediate_size = m->intermediate_size;
         if (m->moe_intermediate_size <= 0)
             am_errorf(err, &where, "%s.moe_intermediate_size: missing (the width of each expert's MLP)", section);
@@ -1361,7 +1439,8 @@ void am_model_params(const struct am_model_config *m, struct am_param_count *p)
     p->embedding = (double)m->vocab_size * h;
     p->lm_head = m->tie_word_embeddings ? 0 : p->embedding;
     p->attn_per_layer =
-        h * q + 2 * h * kv + q * h + (m->qk_norm ? 2 * hd : 0) + (m->qkv_bias ? q + 2 * kv : 0); /* qwen2's biases */
+        h * q + 2 * h * kv + q * h + (m->qk_norm ? 2 * hd : 0) + (m->qkv_bias ? q + 2 * kv : 0) /* qwen2's biases */
+        + (m->o_bias ? h : 0) + (m->gpt_oss ? (double)m->num_attention_heads : 0); /* gpt_oss: o's bias, the sinks */
     double attn_matmul = h * q + 2 * h * kv + q * h; /* the attention's weights a token multiplies by */
     if (m->mla) { /* multi-head latent attention: its projections and its two norms (model_config.h) */
         double nh = (double)m->num_attention_heads, qr = (double)m->q_lora_rank, kvr = (double)m->kv_lora_rank;
@@ -1373,8 +1452,10 @@ void am_model_params(const struct am_model_config *m, struct am_param_count *p)
     }
     p->norms_per_layer = (m->gemma ? 4 : 2) * h; /* Gemma: post-attention, pre- and post-MLP norms */
     if (m->num_experts > 0) {
-        p->router_per_layer = h * (double)m->num_experts;
+        p->router_per_layer = h * (double)m->num_experts + (m->gpt_oss ? (double)m->num_experts : 0);
         p->experts_per_layer = (double)m->num_experts * 3 * h * (double)m->moe_intermediate_size;
+        if (m->gpt_oss) /* the experts' biases: gate and up [2I], down [C] */
+            p->experts_per_layer += (double)m->num_experts * (2 * (double)m->moe_intermediate_size + h);
         p->shared_per_layer = 3 * h * (double)(m->n_shared_experts * m->moe_intermediate_size);
     } else {
         p->mlp_per_layer = 3 * h * (double)m->intermediate_size;

@@ -26,7 +26,7 @@
 
 struct am_model_config {
     const char *model_type; /* llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, gemma2, gemma3_text, glm4_moe,
-                               deepseek_v3 */
+                               deepseek_v3, gpt_oss */
     long hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim;
     long intermediate_size, vocab_size, max_position_embeddings;
     double rope_theta, rms_norm_eps, initializer_range;
@@ -109,6 +109,18 @@ struct am_model_config {
     bool mla;
     long q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim;
     bool rope_interleave;
+    /* gpt-oss (gpt_oss), as transformers' GptOssForCausalLM computes it: attention_bias gives q, k,
+     * v and o biases (o_bias; qkv_bias), a learned sink logit per head in each softmax's
+     * denominator (self_attn.sinks), layer_types alternating sliding_attention (sliding_window,
+     * default 128) and full_attention, experts of intermediate_size (moe_intermediate_size =
+     * intermediate_size) with biases (gate_up_proj_bias, down_proj_bias) and the clamped SwiGLU
+     * (swiglu_alpha, swiglu_limit: (clamp(up) + 1) * g * sigmoid(alpha g), g = min(gate, limit)),
+     * the router mlp.router with a bias: the top-k of its logits, softmaxed over the k chosen (the
+     * renormalised top-k of the softmax, norm_topk_prob), the load-balancing loss as mixtral's
+     * when output_router_logits. mxfp4: quantization_config quant_method mxfp4 (the experts'
+     * `*_blocks` and `*_scales`, dequantised at load: runtime/ckpt/quant.h). */
+    bool gpt_oss, o_bias, mxfp4;
+    double swiglu_alpha, swiglu_limit;
 };
 
 /* Finds the config.json for a name or path (steps 1-3 above). Returns 0 and the path in

@@ -457,7 +457,9 @@ static int memory_of_rank(const struct am_recipe *r, const struct am_plan *p, in
     double q = (double)m->num_attention_heads * hd;
     double kv_rank = (m->num_key_value_heads >= p->tp ? (double)m->num_key_value_heads / tp : 1.0) * hd;
     double attn = 2 * h * q / tp + 2 * h * kv_rank + (m->qk_norm ? 2 * hd : 0) +
-                  (m->qkv_bias ? q / tp + 2 * kv_rank : 0); /* qwen2's q, k, v biases: split as their rows */
+                  (m->qkv_bias ? q / tp + 2 * kv_rank : 0) /* qwen2's q, k, v biases: split as their rows */
+                  + (m->o_bias ? h : 0) + (m->gpt_oss ? (double)m->num_attention_heads / tp : 0); /* gpt_oss: o's bias
+                                                                              whole, the sinks split with the heads */
     if (m->mla) { /* multi-head latent attention: q_b_proj (q_proj), kv_b_proj and o_proj split by heads,
                    * q_a_proj, kv_a_proj_with_mqa and their norms whole (runtime/model/model.h) */
         double nh = (double)m->num_attention_heads, qr = (double)m->q_lora_rank, kvr = (double)m->kv_lora_rank;
@@ -473,6 +475,10 @@ static int memory_of_rank(const struct am_recipe *r, const struct am_plan *p, in
     if (m->num_experts > 0) { /* the router, with glm4_moe's shared experts (split over tp as an MLP) */
         router = h * (double)m->num_experts + 3 * h * (double)(m->n_shared_experts * m->moe_intermediate_size) / tp;
         experts = (double)m->num_experts * 3 * h * (double)m->moe_intermediate_size / p->ep;
+        if (m->gpt_oss) { /* the router's bias; the experts' biases (gate and up [I], down [C]) */
+            router += (double)m->num_experts;
+            experts += (double)m->num_experts * (2 * (double)m->moe_intermediate_size + h) / p->ep;
+        }
     }
     double dense = 0, dense_params = 0, expert_params = 0; /* dense + experts: the largest layer */
     int layers = 0;

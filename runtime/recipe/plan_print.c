@@ -31,6 +31,9 @@ void am_plan_print(FILE *f, const struct am_recipe *r, const struct am_world *w,
     if (r->model.fp8)
         fprintf(f, "             an FP8 checkpoint (e4m3, one scale per %ld x %ld block): dequantised at load\n",
                 r->model.fp8_block[0], r->model.fp8_block[1]);
+    if (r->model.mxfp4)
+        fprintf(f, "             an MXFP4 checkpoint (the experts' e2m1 blocks, one e8m0 scale per 32 values): dequantised "
+                "at load\n");
     fprintf(f, "world        %d rank%s on %d node%s", p->world, p->world == 1 ? "" : "s", w->nodes,
             w->nodes == 1 ? "" : "s");
     if (w->gpus_per_node)

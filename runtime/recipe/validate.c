@@ -350,6 +350,34 @@ static void lora_kv_tp(struct check *c)
              "out of the targets", r->dist.tp, kvh, kvh);
 }
 
+/* AutoModel's own gpt_oss (NeMoAutoModelForCausalLM without force_hf) adds its load-balancing loss
+ * (aux_loss_coeff = router_aux_loss_coef) in every training step, whatever output_router_logits says */
+static void gpt_oss_aux(struct check *c)
+{
+    const struct am_recipe *r = c->r;
+    if (!r->model.gpt_oss || r->model.router_aux_loss_coef <= 0)
+        return;
+    const struct am_node *target = am_node_path(r->root, "model._target_");
+    const struct am_node *force = am_node_path(r->root, "model.force_hf");
+    if (!target || target->kind != AM_NODE_SCALAR || !strstr(target->str, "NeMoAutoModel") ||
+        (force && force->kind == AM_NODE_SCALAR && strcmp(force->str, "true") == 0) ||
+        am_node_path(r->root, "model.moe_overrides.aux_loss_coeff") ||
+        am_node_path(r->root, "model.moe_config.aux_loss_coeff"))
+        return;
+    FAIL(c, "model._target_", "AutoModel's own gpt_oss adds its load-balancing loss (aux_loss_coeff = "
+         "router_aux_loss_coef, %g) in every training step, which am-train does not compute (it computes "
+         "transformers' loss, added only with output_router_logits): set model.moe_overrides.aux_loss_coeff: 0 (or "
+         "force_hf: true) to train as transformers' GptOssForCausalLM does", r->model.router_aux_loss_coef);
+}
+
+static void gpt_oss_lora(struct check *c)
+{
+    const struct am_recipe *r = c->r;
+    if (r->peft.enabled && r->model.gpt_oss)
+        FAIL(c, "peft", "LoRA on gpt_oss is not run by am-train yet: its experts' fused gate_up_proj and their biases "
+             "have no adapters in am (train without peft)");
+}
+
 /* AutoModel's moe_rank_scaling: the experts' adapters of rank dim // num_experts_per_tok, which
  * must be 1 at least (AutoModel raises the same) */
 static void lora_moe_rank(struct check *c)
@@ -411,6 +439,7 @@ static const struct {
 } run_rules[] = {
     {"fp16", fp16},           {"moe-sp", moe_sp},       {"lora-head-dropout", lora_head_dropout},
     {"lora-kv-tp", lora_kv_tp}, {"lora-moe-rank", lora_moe_rank},
+    {"gpt-oss-lora", gpt_oss_lora}, {"gpt-oss-aux", gpt_oss_aux},
     {"glm-shared-tp", glm_shared_tp}, {"dsv3-bias-update", dsv3_bias_update}, {"dataset", dataset},
 };
 

@@ -309,7 +309,7 @@ static void test_save_single_and_config(void **state)
     m.model_type = "gpt2";
     assert_null(am_ckpt_config_json(&m, NULL, &err));
     expect_error(&err, "config.json: model_type 'gpt2' has no transformers class am knows (llama, mistral, mixtral, "
-                 "qwen2, qwen3, qwen3_moe, gemma2, gemma3_text, glm4_moe, deepseek_v3)");
+                 "qwen2, qwen3, qwen3_moe, gemma2, gemma3_text, glm4_moe, deepseek_v3, gpt_oss)");
     free_weights(&w);
     rm_tree(parent);
 }

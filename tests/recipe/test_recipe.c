@@ -369,22 +369,22 @@ static void test_model_rules(void **state)
     (void)state;
     expect("model:\n  model_type: gpt2\n  hidden_size: 64\n", NULL,
            MSGS("r.yaml:2:15: model.model_type: 'gpt2' is not supported (supported: llama, mistral, mixtral, qwen2, "
-                "qwen3, qwen3_moe, gemma2, gemma3_text, glm4_moe, deepseek_v3)"));
+                "qwen3, qwen3_moe, gemma2, gemma3_text, glm4_moe, deepseek_v3, gpt_oss)"));
     /* the architecture first and alone, not the keys of a config am does not build */
     expect("model:\n  model_type: phi3\n  hidden_act: gelu\n  attention_bias: true\n  rope_scaling:\n"
            "    rope_type: yarn\n    factor: 4\n", NULL,
            MSGS("r.yaml:2:15: model.model_type: 'phi3' is not supported (supported: llama, mistral, mixtral, qwen2, "
-                "qwen3, qwen3_moe, gemma2, gemma3_text, glm4_moe, deepseek_v3)"));
-    expect("model:\n  architectures: [GptOssForCausalLM]\n  first_k_dense_replace: 1\n", NULL,
-           MSGS("r.yaml:2:19: model.architectures: 'GptOssForCausalLM' is not an architecture am builds (supported: "
-                "llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, gemma2, gemma3_text, glm4_moe, deepseek_v3)"));
+                "qwen3, qwen3_moe, gemma2, gemma3_text, glm4_moe, deepseek_v3, gpt_oss)"));
+    expect("model:\n  architectures: [Phi3ForCausalLM]\n  first_k_dense_replace: 1\n", NULL,
+           MSGS("r.yaml:2:19: model.architectures: 'Phi3ForCausalLM' is not an architecture am builds (supported: "
+                "llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, gemma2, gemma3_text, glm4_moe, deepseek_v3, gpt_oss)"));
     expect("model:\n  config:\n    _target_: nemo_automodel.components.models.deepseek_v4.config.DeepseekV4Config\n"
            "    num_nextn_predict_layers: 0\n", NULL,
            MSGS("r.yaml:3:15: model.config._target_: 'DeepseekV4Config' is not an architecture am builds (supported: "
-                "llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, gemma2, gemma3_text, glm4_moe, deepseek_v3)"));
-    expect("model:\n  config:\n    _target_: pkg.models.gpt_oss.GptOssConfig.from_pretrained\n", NULL,
-           MSGS("r.yaml:3:15: model.config._target_: 'GptOssConfig' is not an architecture am builds (supported: "
-                "llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, gemma2, gemma3_text, glm4_moe, deepseek_v3)"));
+                "llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, gemma2, gemma3_text, glm4_moe, deepseek_v3, gpt_oss)"));
+    expect("model:\n  config:\n    _target_: pkg.models.phi3.Phi3Config.from_pretrained\n", NULL,
+           MSGS("r.yaml:3:15: model.config._target_: 'Phi3Config' is not an architecture am builds (supported: "
+                "llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, gemma2, gemma3_text, glm4_moe, deepseek_v3, gpt_oss)"));
     expect("model:\n  config:\n    _target_: transformers.Qwen3MoeConfig\n    hidden_size: 64\n"
            "    num_hidden_layers: 2\n    num_attention_heads: 2\n    intermediate_size: 128\n    vocab_size: 64\n",
            NULL, MSGS("r.yaml: model.config.num_experts: missing (a qwen3_moe model has experts)"));
@@ -578,6 +578,10 @@ static void test_model_windows(void **state)
     expect_windows("gemma3_text", "  sliding_window: 5\n  sliding_window_pattern: 2\n", "5 0 5");
     expect_windows("gemma3_text", "  sliding_window: 3\n  layer_types: [full_attention, sliding_attention, "
                    "full_attention]\n", "0 3 0");
+    /* gpt_oss: layer_types, by default every other layer from layer 0, window 128 (GptOssConfig's) */
+    expect_windows("gpt_oss", "", "128 0 128");
+    expect_windows("gpt_oss", "  sliding_window: 7\n  layer_types: [full_attention, sliding_attention, "
+                   "full_attention]\n", "0 7 0");
 }
 
 /* Gemma's defaults (Gemma2Config, Gemma3TextConfig) and Gemma 3's two rope thetas, from the
@@ -595,6 +599,43 @@ static struct am_recipe *parse_model(const char *keys)
     assert_int_equal(err.n, 0);
     am_errors_free(&err);
     return r;
+}
+
+/* gpt_oss: GptOssConfig's defaults, its biases by attention_bias, and its keys refused elsewhere */
+static void test_model_gpt_oss(void **state)
+{
+    (void)state;
+    struct am_recipe *r = parse_model("  model_type: gpt_oss\n");
+    const struct am_model_config *m = &r->model;
+    assert_true(m->gpt_oss && m->qkv_bias && m->o_bias && m->norm_topk_prob && !m->mxfp4 && !m->tie_word_embeddings);
+    assert_int_equal(m->head_dim, 64);
+    assert_int_equal(m->num_experts, 128);
+    assert_int_equal(m->num_experts_per_tok, 4);
+    assert_int_equal(m->moe_intermediate_size, 8); /* each expert of intermediate_size */
+    assert_true(m->swiglu_limit == 7.0 && m->swiglu_alpha == 1.702 && m->rope_theta == 150000.0);
+    assert_string_equal(m->rope_scaling.type, "yarn"); /* GptOssConfig's default rope_parameters */
+    assert_true(m->rope_scaling.factor == 32 && m->rope_scaling.beta_fast == 32 && m->rope_scaling.beta_slow == 1 &&
+                m->rope_scaling.no_truncate && m->rope_scaling.original_max_position_embeddings == 4096);
+    am_recipe_free(r);
+    /* rope_scaling null is GptOssConfig's default yarn too (transformers' rope_parameters None); a default rope
+     * is written as such */
+    r = parse_model("  model_type: gpt_oss\n  rope_scaling: null\n");
+    assert_string_equal(r->model.rope_scaling.type, "yarn");
+    am_recipe_free(r);
+    r = parse_model("  model_type: gpt_oss\n  attention_bias: false\n  rope_parameters: {rope_type: default, "
+                    "rope_theta: 10000.0}\n  swiglu_limit: 5.0\n"
+                    "  quantization_config:\n    quant_method: mxfp4\n");
+    m = &r->model;
+    assert_true(!m->qkv_bias && !m->o_bias && !m->rope_scaling.type && m->swiglu_limit == 5.0 && m->mxfp4);
+    am_recipe_free(r);
+    expect("model:\n  model_type: llama\n  swiglu_limit: 7.0\n", NULL,
+           MSGS("r.yaml:3:17: model.swiglu_limit: gpt_oss's (its experts' clamped SwiGLU); a model of another type has "
+                "none: remove it"));
+    expect("model:\n  model_type: gpt_oss\n  swiglu_limit: 0\n", NULL,
+           MSGS("r.yaml:3:17: model.swiglu_limit: 0; it must be > 0"));
+    expect("model:\n  model_type: llama\n  quantization_config:\n    quant_method: mxfp4\n", NULL,
+           MSGS("r.yaml:4:19: model.quantization_config.quant_method: mxfp4 is dequantized by am for gpt_oss's "
+                "experts only (their *_blocks and *_scales): use the unquantized model"));
 }
 
 static void test_model_gemma(void **state)
@@ -1154,7 +1195,7 @@ int main(void)
         cmocka_unit_test(test_overrides),
         cmocka_unit_test(test_strategy_from_target),
         cmocka_unit_test(test_model_rules),
-        cmocka_unit_test(test_model_windows), cmocka_unit_test(test_model_qwen2), cmocka_unit_test(test_model_gemma),
+        cmocka_unit_test(test_model_windows), cmocka_unit_test(test_model_qwen2), cmocka_unit_test(test_model_gemma), cmocka_unit_test(test_model_gpt_oss),
         cmocka_unit_test(test_model_moe_layers),
         cmocka_unit_test(test_model_from_hf_cache),
         cmocka_unit_test(test_model_shipped_configs),

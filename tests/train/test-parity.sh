@@ -54,7 +54,12 @@
 #   attention with q_lora_rank 24, kv_lora_rank 16, v narrower than q and k, rope_interleave; q_b_proj and
 #   kv_b_proj split over tp by heads, q_a_proj, kv_a_proj_with_mqa and their norms whole on every tp
 #   rank with their gradients summed; glm4_moe's MoE) at ep 2, tp 2, pp 2, fsdp2 dp 2, tp 2 x ep 2 and
-#   cp 2 (sequences of 256) likewise.
+#   cp 2 (sequences of 256) likewise. gpt-oss (gpt_oss: attention sinks split over tp with their
+#   heads, q, k, v and o biases, o's added by tp rank 0, layer_types alternating a window of 24 and
+#   full attention, yarn rope, the biased router, 4 experts with biases and the clamped SwiGLU) at
+#   ep 2, tp 2, pp 2, fsdp2 dp 2, tp 2 x ep 2 and cp 2 (sequences of 256: the sinks applied to the
+#   ring's merged out and lse) likewise; with its load-balancing loss (over the biased router's
+#   softmax) at tp 2, and at pp 2 with micro-batches of 2 against one rank with local batches of 2.
 #   context parallelism on sequences of 256 (each sequence in 2 x cp chunks, rank r holding
 #   chunks r and 2 cp - 1 - r: at cp 4 chunks of 32 tokens, every rank's queries against 4
 #   blocks of keys passed around the ring): cp 2 and cp 4 alone, with tp 2 (and sequence
@@ -95,7 +100,8 @@
 # the 101 layouts on this corpus: losses 4.2e-7, gradient norms 7.9e-8, weights 6.1e-7 at
 # most (a corpus of am's own sources gave 8.3e-6 in an embedding row); each layout's worst
 # case is printed. AM_PARITY_ONLY="NAME RANKS CHANGES REF
-# [VAR=VALUE...]" runs one layout (several separated by ';').
+# [VAR=VALUE...]" runs one layout (several separated by ';'), after only the references those
+# layouts name (and ref, ref-bf16; all of them with AM_PARITY_BF16).
 set -u
 : "${AM_SRCDIR:=$(cd "$(dirname "$0")/../.." && pwd)}"
 : "${AM_BUILDDIR:=$PWD}"
@@ -140,6 +146,8 @@ recipe() { # NAME MODS: base.yaml with comma-separated changes, its checkpoints 
         moe) args+=(-e 's/model_type: llama/model_type: mixtral\n  num_local_experts: 4\n  num_experts_per_tok: 2/') ;;
         qmoe) args+=(-e 's/model_type: llama/model_type: qwen3_moe\n  num_experts: 4\n  num_experts_per_tok: 2\n  moe_intermediate_size: 64\n  norm_topk_prob: true\n  mlp_only_layers: [1]/') ;;
         glm) args+=(-e 's/model_type: llama/model_type: glm4_moe\n  partial_rotary_factor: 0.5\n  attention_bias: true\n  use_qk_norm: true\n  n_routed_experts: 8\n  num_experts_per_tok: 2\n  n_group: 4\n  topk_group: 2\n  moe_intermediate_size: 32\n  n_shared_experts: 2\n  routed_scaling_factor: 1.5\n  first_k_dense_replace: 1\n  norm_topk_prob: true/') ;;
+        oss) args+=(-e 's/model_type: llama/model_type: gpt_oss\n  num_local_experts: 4\n  num_experts_per_tok: 2\n  head_dim: 16\n  sliding_window: 24/') ;;
+        ossaux) args+=(-e 's/model_type: gpt_oss/model_type: gpt_oss\n  output_router_logits: true\n  router_aux_loss_coef: 0.02/') ;;
         dsv3) args+=(-e 's/num_key_value_heads: 2/num_key_value_heads: 4/' -e 's/model_type: llama/model_type: deepseek_v3\n  q_lora_rank: 24\n  kv_lora_rank: 16\n  qk_nope_head_dim: 8\n  qk_rope_head_dim: 8\n  v_head_dim: 12\n  rope_interleave: true\n  n_routed_experts: 8\n  num_experts_per_tok: 2\n  n_group: 4\n  topk_group: 2\n  moe_intermediate_size: 32\n  n_shared_experts: 2\n  routed_scaling_factor: 1.5\n  first_k_dense_replace: 1\n  norm_topk_prob: true/') ;;
         long) args+=(-e 's/seq_length: .*/seq_length: 256/') ;;
         l6) args+=(-e 's/num_hidden_layers: 4/num_hidden_layers: 6/') ;;
@@ -198,8 +206,12 @@ run() { # NAME N MODS [VAR=VALUE...]: N ranks, with the plugin's AM_TP-style ove
 
 for ref in "ref -" "ref-long long" "ref-packed packed" "ref-pneat packed,neat" "ref-tied tied" "ref-qwen3 qwen3" "ref-qwen2 qwen2" "ref-mistral mistral" "ref-bf16 bf16" "ref-long-bf16 long,bf16" "ref-packed-bf16 packed,bf16" "ref-moe moe" "ref-moe-aux moe,aux" "ref-moe-aux-bf16 moe,aux,bf16" "ref-moe-aux-lb2 moe,aux,lb2" "ref-qmoe qmoe" \
     "ref-gemma2 gemma2" "ref-gemma3 gemma3" "ref-gemma2-long gemma2,long" "ref-gemma2-packed gemma2,packed" \
-    "ref-gemma3-packed gemma3,packed" "ref-gemma2-bf16 gemma2,bf16" "ref-gemma2-packed-bf16 gemma2,packed,bf16" "ref-glm glm" "ref-dsv3 dsv3" "ref-dsv3-long dsv3,long" "ref-l6 l6"; do
+    "ref-gemma3-packed gemma3,packed" "ref-gemma2-bf16 gemma2,bf16" "ref-gemma2-packed-bf16 gemma2,packed,bf16" "ref-glm glm" "ref-dsv3 dsv3" "ref-dsv3-long dsv3,long" "ref-l6 l6" "ref-oss oss" "ref-oss-long oss,long" "ref-oss-aux oss,ossaux" \
+    "ref-oss-aux-lb2 oss,ossaux,lb2"; do
     set -- $ref
+    # with AM_PARITY_ONLY (and no AM_PARITY_BF16), the references its layouts name, and ref and ref-bf16 (the bf16 check)
+    [ -n "${AM_PARITY_ONLY:-}" ] && [ -z "${AM_PARITY_BF16:-}" ] && [ "$1" != ref ] && [ "$1" != ref-bf16 ] &&
+        [[ " ${AM_PARITY_ONLY//;/ } " != *" $1 "* ]] && continue
     run "$1" 1 "$2" || { echo "FAIL: $1 (1 rank) did not train"; cat "$work/out-$1"; exit 1; }
     losses "$work/logs-$1" >"$work/$1"
     [ "$(wc -l <"$work/$1")" = "$steps" ] || { echo "FAIL: $1 logged $(wc -l <"$work/$1") steps, want $steps"; exit 1; }
@@ -278,6 +290,10 @@ layouts+=("ac 1 ac ref" "pp2-tied 2 tied ref-tied AM_PP=2" "pp4-tied-gpipe 4 tie
     "ep2-dsv3 2 dsv3 ref-dsv3 AM_EP=2" "tp2-dsv3 2 dsv3 ref-dsv3 AM_TP=2" "pp2-dsv3 2 dsv3 ref-dsv3 AM_PP=2"
     "fsdp2-dp2-dsv3 2 dsv3 ref-dsv3" "tp2-ep2-dsv3 4 dsv3 ref-dsv3 AM_TP=2 AM_EP=2"
     "cp2-dsv3 2 dsv3,long ref-dsv3-long AM_CP=2"
+    "ep2-oss 2 oss ref-oss AM_EP=2" "tp2-oss 2 oss ref-oss AM_TP=2" "pp2-oss 2 oss ref-oss AM_PP=2"
+    "fsdp2-dp2-oss 2 oss ref-oss" "tp2-ep2-oss 4 oss ref-oss AM_TP=2 AM_EP=2"
+    "cp2-oss 2 oss,long ref-oss-long AM_CP=2" "tp2-oss-aux 2 oss,ossaux ref-oss-aux AM_TP=2"
+    "pp2-oss-aux 2 oss,ossaux,mb2 ref-oss-aux-lb2 AM_PP=2"
     "cp2 2 long ref-long AM_CP=2" "cp4 4 long ref-long AM_CP=4" "cp2-ac 2 long,ac ref-long AM_CP=2"
     "cp2-tp2 4 long ref-long AM_CP=2 AM_TP=2" "cp2-tp2-sp 4 long,sp ref-long AM_CP=2 AM_TP=2"
     "cp2-pp2 4 long ref-long AM_CP=2 AM_PP=2" "cp4-pp2-gpipe 8 long,gpipe ref-long AM_CP=4 AM_PP=2"
@@ -376,6 +392,7 @@ bf16_tols() { # FP32REF BF16REF: "loss_tol norm_tol weight_tol", twice the bf16 
 }
 exact+=(ep2-glm tp2-glm pp2-glm fsdp2-dp2-glm) # the glm4_moe layouts above
 exact+=(ep2-dsv3 tp2-dsv3 pp2-dsv3 fsdp2-dp2-dsv3 tp2-ep2-dsv3 cp2-dsv3) # the deepseek_v3 layouts above
+exact+=(ep2-oss tp2-oss pp2-oss fsdp2-dp2-oss tp2-ep2-oss cp2-oss tp2-oss-aux pp2-oss-aux) # the gpt_oss layouts above
 for layout in "cp2-bf16 2 long,bf16 ref-long-bf16 ref-long AM_CP=2" \
     "cp2-tp2-bf16 4 long,bf16 ref-long-bf16 ref-long AM_CP=2 AM_TP=2" \
     "dp2-packed-bf16 2 packed,bf16 ref-packed-bf16 ref-packed" \

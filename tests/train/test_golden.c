@@ -298,7 +298,8 @@ static void check_adamw(const char *name, bool clip)
     if (clip) { /* the weights themselves after the clipped steps */
         static const char *const finals[] = {"model.norm.weight", "lm_head.weight", "model.embed_tokens.weight",
                                              "model.layers.0.block_sparse_moe.gate.weight",
-                                             "model.layers.0.mlp.gate.weight", "model.layers.1.mlp.gate.weight"};
+                                             "model.layers.0.mlp.gate.weight", "model.layers.1.mlp.gate.weight",
+                                             "model.layers.0.mlp.router.weight"};
         for (size_t f = 0; f < sizeof(finals) / sizeof(finals[0]); f++) {
             char key[128];
             snprintf(key, sizeof(key), "final.%s", finals[f]);
@@ -630,6 +631,7 @@ CASE(glm4_moe_tiny) /* GLM-4.5: partial rotary, q/k norms, DeepSeekMoE */
 CASE(deepseek_v3_tiny) /* DeepSeek-V3: multi-head latent attention (q_lora_rank, rope_interleave) */
 CASE_FP32(deepseek_v3_qproj) /* q_proj (q_lora_rank null), v wider than q and k; no bf16: make_bf16_golden.py */
 CASE(deepseek_v3_yarn) /* yarn rope scaling: the tables' ramp and attention factor, the softmax's mscale² */
+CASE_FP32(gpt_oss_tiny) /* gpt-oss: sinks, q/k/v/o biases, alternating windows, yarn, the biased router and experts */
 #define TESTS_FP32(name)                                                                                           \
     cmocka_unit_test(test_##name##_rope), cmocka_unit_test(test_##name##_forward_backward),                       \
         cmocka_unit_test(test_##name##_adamw), cmocka_unit_test(test_##name##_adamw_clip),                         \
@@ -651,6 +653,8 @@ int main(void)
                                        /* DeepSeek-V3 (deepseek_v3): multi-head latent attention, DeepSeekMoE */
                                        TESTS(deepseek_v3_tiny), TESTS_FP32(deepseek_v3_qproj),
                                        TESTS(deepseek_v3_yarn),
+                                       /* gpt-oss (gpt_oss): attention sinks, biases, clamped SwiGLU experts */
+                                       TESTS_FP32(gpt_oss_tiny),
                                        /* packed sequences: documents in a sequence, none seeing another */
                                        TESTS(llama_packed), cmocka_unit_test(test_packed),
                                        cmocka_unit_test(test_model_refuses)};
