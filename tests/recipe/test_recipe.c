@@ -428,16 +428,20 @@ static void test_model_rules(void **state)
                 "update the experts' selection bias (e_score_correction_bias) in training; AutoModel's glm4_moe does "
                 "not either (its model has no update_moe_gate_bias, which the train loop calls) (set it to 0)",
                 "r.yaml:6:5: model.moe_overrides.score_func: not read by am (it trains the MoE transformers' class "
-                "computes; of AutoModel's MoEConfig it takes gate_bias_update_factor and aux_loss_coeff at 0 only): "
-                "remove it"));
+                "computes; of AutoModel's MoEConfig it takes gate_bias_update_factor (deepseek_v3) and aux_loss_coeff "
+                "at 0): remove it"));
     /* deepseek_v3: AutoModel's selection-bias update, and what transformers' DeepseekV3 does not read */
     expect("model:\n  model_type: deepseek_v3\n  rope_scaling:\n    rope_type: yarn\n    factor: 40\n", NULL,
            MSGS("r.yaml:4:5: model.rope_scaling.original_max_position_embeddings: missing (required for rope_type yarn)"));
-    expect("model:\n  model_type: deepseek_v3\n  moe_overrides:\n    gate_bias_update_factor: 0.001\n", NULL,
-           MSGS("r.yaml:4:30: model.moe_overrides.gate_bias_update_factor: 0.001 is not supported by am: it does not "
-                "update the experts' selection bias (e_score_correction_bias) in training, as transformers' "
-                "DeepseekV3ForCausalLM does not (AutoModel's deepseek_v3 adds gate_bias_update_factor x sign(mean "
-                "load - load) after each step) (set it to 0)"));
+    expect("model:\n  model_type: deepseek_v3\n  moe_overrides:\n    gate_bias_update_factor: -0.001\n"
+           "    aux_loss_coeff: 0.0001\n", NULL,
+           MSGS("r.yaml:4:30: model.moe_overrides.gate_bias_update_factor: -0.001 is not supported by am: AutoModel "
+                "updates the selection bias when the factor is above 0 and never otherwise (set it to 0 or above)",
+                "r.yaml:5:21: model.moe_overrides.aux_loss_coeff: 0.0001 is not supported by am: AutoModel's "
+                "load-balancing loss of this MoE (Gate._compute_aux_loss: per MoE layer and micro-batch, sum over the "
+                "experts of f_e P_e, f_e = load_e x experts / (top-k x tokens), P_e the mean normalised sigmoid score, "
+                "its gradient scaled by aux_loss_coeff x cp / micro-batches and not added to the reported loss) is not "
+                "computed by am (set it to 0)"));
     expect("model:\n  model_type: deepseek_v3\n  hidden_size: 64\n  num_hidden_layers: 2\n  num_attention_heads: 4\n"
            "  num_key_value_heads: 2\n  vocab_size: 64\n  moe_layer_freq: 2\n  topk_method: greedy\n"
            "  scoring_func: softmax\n", NULL,
