@@ -688,6 +688,49 @@ static void expect_moe_layers(const char *type, const char *keys, const char *wa
     am_errors_free(&err);
 }
 
+/* deepseek_v3's gate_bias_update_factor (model_config.h): AutoModel's own model 1e-3 unless
+ * moe_overrides says otherwise, transformers' class (inline, force_hf) 0 */
+static double bias_factor(const char *keys, bool *forced)
+{
+    char y[768];
+    snprintf(y, sizeof(y), "model:\n  model_type: deepseek_v3\n  hidden_size: 64\n  num_hidden_layers: 2\n"
+             "  num_attention_heads: 4\n  vocab_size: 64\n%s", keys);
+    struct am_errors err;
+    am_errors_init(&err);
+    struct am_recipe *r = parse_with("r.yaml", y, NULL, &err);
+    for (size_t i = 0; i < err.n; i++)
+        print_error("%s\n", err.msg[i]);
+    assert_int_equal(err.n, 0);
+    double f = r->model.gate_bias_update_factor;
+    *forced = r->model.bias_forced;
+    am_recipe_free(r);
+    am_errors_free(&err);
+    return f;
+}
+
+static void test_model_bias_update(void **state)
+{
+    (void)state;
+    bool forced;
+    const char *own = "  _target_: nemo_automodel.NeMoAutoModelForCausalLM.from_pretrained\n";
+    char y[512];
+    assert_true(bias_factor("", &forced) == 0.0);
+    assert_true(bias_factor(own, &forced) == 1e-3);
+    snprintf(y, sizeof(y), "%s  force_hf: true\n", own);
+    assert_true(bias_factor(y, &forced) == 0.0);
+    snprintf(y, sizeof(y), "%s  moe_overrides:\n    gate_bias_update_factor: 0.05\n", own);
+    assert_true(bias_factor(y, &forced) == 0.05);
+    assert_true(bias_factor("  moe_config:\n    gate_bias_update_factor: 0.002\n", &forced) == 0.002);
+    snprintf(y, sizeof(y), "%s  moe_overrides:\n    gate_bias_update_factor: 0\n    force_e_score_correction_bias: true\n",
+             own);
+    assert_true(bias_factor(y, &forced) == 0.0 && forced);
+    /* glm4_moe's force_e_score_correction_bias is not read (AutoModel's glm4_moe always has its bias) */
+    expect("model:\n  model_type: glm4_moe\n  moe_overrides:\n    force_e_score_correction_bias: true\n", NULL,
+           MSGS("r.yaml:4:5: model.moe_overrides.force_e_score_correction_bias: not read by am (it trains the MoE "
+                "transformers' class computes; of AutoModel's MoEConfig it takes gate_bias_update_factor (deepseek_v3) "
+                "and aux_loss_coeff at 0): remove it"));
+}
+
 static void test_model_moe_layers(void **state)
 {
     (void)state;
@@ -1081,7 +1124,7 @@ int main(void)
         cmocka_unit_test(test_strategy_from_target),
         cmocka_unit_test(test_model_rules),
         cmocka_unit_test(test_model_windows), cmocka_unit_test(test_model_qwen2), cmocka_unit_test(test_model_gemma),
-        cmocka_unit_test(test_model_moe_layers),
+        cmocka_unit_test(test_model_moe_layers), cmocka_unit_test(test_model_bias_update),
         cmocka_unit_test(test_model_from_hf_cache),
         cmocka_unit_test(test_model_shipped_configs),
         cmocka_unit_test(test_env_interpolation),

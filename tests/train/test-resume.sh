@@ -105,7 +105,7 @@ same_state() {
 # NAME RANKS MODS [OVERRIDES]
 refs=("r1 1 -" "r-dp2 2 -" "r-tp2pp2 4 - AM_TP=2 AM_PP=2" "r-ddp2 2 ddp" "r-pp2dp2 4 - AM_PP=2"
     "r-moe-tp2dp2 4 moe AM_TP=2" "r-cp2dp2 4 - AM_CP=2" "r-moe-ep2dp4 4 moe AM_EP=2"
-    "r-dsv3bu-ep2pp2 4 dsv3bu AM_EP=2 AM_PP=2")
+    "r-dsv3bu-ep2pp2 4 dsv3bu,hf AM_EP=2 AM_PP=2")
 for ref in "${refs[@]}"; do
     set -- $ref
     name=$1 n=$2 mods=$3
@@ -183,6 +183,14 @@ trial kill-dsv3bu r-dsv3bu-ep2pp2 4 kill 2 3 AM_EP=2 AM_PP=2
 [ "$(ls "$work/ckpt-r-dsv3bu-ep2pp2/step-6/selection_bias" 2>/dev/null | wc -l)" = 2 ] &&
     ok "r-dsv3bu-ep2pp2: step-6/selection_bias holds one file per pipeline stage" ||
     bad "r-dsv3bu-ep2pp2: step-6/selection_bias holds '$(ls "$work/ckpt-r-dsv3bu-ep2pp2/step-6/selection_bias" 2>&1)'"
+# am-ckpt export takes the updated biases from selection_bias/: the same tensors as save_consolidated's
+if "$AM_BUILDDIR/am-ckpt" export "$work/ckpt-r-dsv3bu-ep2pp2/step-6" "$work/export-dsv3bu" >/dev/null 2>&1 &&
+    "$AM_BUILDDIR/tests/train/ckpt_diff" "$work/ckpt-r-dsv3bu-ep2pp2/step-6/hf" "$work/export-dsv3bu" 0 \
+        >"$work/wdiff-export-dsv3bu" 2>&1; then
+    ok "am-ckpt export of r-dsv3bu-ep2pp2's step 6 (the updated biases with it) equals its save_consolidated export"
+else
+    bad "am-ckpt export of r-dsv3bu-ep2pp2's step 6: $(cat "$work/wdiff-export-dsv3bu" 2>/dev/null)"
+fi
 trial kill-dp2 r-dp2 2 kill 1 5
 trial kill-tp2pp2 r-tp2pp2 4 kill 3 4 AM_TP=2 AM_PP=2
 trial kill-moe r-moe-tp2dp2 4 kill-in-save:shard 3 4 AM_TP=2
