@@ -56,7 +56,7 @@
 #   cp 2 (sequences of 256) likewise; with AutoModel's selection-bias update (moe_overrides'
 #   gate_bias_update_factor 0.01: each step's loads summed over dp x cp, every bias updated alike,
 #   the biases in the final checkpoint within the weights' tolerance, far below one update) at
-#   ep 2, pp 2, fsdp2 dp 2, tp 2 and cp 2 against its own one rank.
+#   ep 2, pp 2, fsdp2 dp 2, tp 2 and cp 2 against its own one rank, and ep 2 in bf16 (below).
 #   context parallelism on sequences of 256 (each sequence in 2 x cp chunks, rank r holding
 #   chunks r and 2 cp - 1 - r: at cp 4 chunks of 32 tokens, every rank's queries against 4
 #   blocks of keys passed around the ring): cp 2 and cp 4 alone, with tp 2 (and sequence
@@ -201,7 +201,7 @@ run() { # NAME N MODS [VAR=VALUE...]: N ranks, with the plugin's AM_TP-style ove
 for ref in "ref -" "ref-long long" "ref-packed packed" "ref-pneat packed,neat" "ref-tied tied" "ref-qwen3 qwen3" "ref-qwen2 qwen2" "ref-mistral mistral" "ref-bf16 bf16" "ref-long-bf16 long,bf16" "ref-packed-bf16 packed,bf16" "ref-moe moe" "ref-moe-aux moe,aux" "ref-moe-aux-bf16 moe,aux,bf16" "ref-moe-aux-lb2 moe,aux,lb2" "ref-qmoe qmoe" \
     "ref-gemma2 gemma2" "ref-gemma3 gemma3" "ref-gemma2-long gemma2,long" "ref-gemma2-packed gemma2,packed" \
     "ref-gemma3-packed gemma3,packed" "ref-gemma2-bf16 gemma2,bf16" "ref-gemma2-packed-bf16 gemma2,packed,bf16" "ref-glm glm" "ref-dsv3 dsv3" "ref-dsv3-long dsv3,long" \
-    "ref-dsv3-bupd dsv3,bupd" "ref-dsv3-long-bupd dsv3,long,bupd"; do
+    "ref-dsv3-bupd dsv3,bupd" "ref-dsv3-long-bupd dsv3,long,bupd" "ref-dsv3-bupd-bf16 dsv3,bupd,bf16"; do
     set -- $ref
     run "$1" 1 "$2" || { echo "FAIL: $1 (1 rank) did not train"; cat "$work/out-$1"; exit 1; }
     losses "$work/logs-$1" >"$work/$1"
@@ -363,11 +363,12 @@ done
 # ring attention and packed sequences in bf16 (bf16 storage; scores, softmax statistics and
 # the ring's running out, dq, dk, dv sums in fp32, each rounded once): cp 2, cp 2 x tp 2,
 # packed at dp 2, packed x cp 2, a mixture of experts with the load-balancing loss at cp 2,
-# Gemma 2 at cp 2 and packed at dp 2 (its scale and soft cap on the bf16 blocks) against one
-# rank in bf16 on the same sequences, with the tolerances above taken from their own
+# Gemma 2 at cp 2 and packed at dp 2 (its scale and soft cap on the bf16 blocks), deepseek_v3
+# with the selection-bias update at ep 2 (the biases fp32, the loads summed as in fp32) against
+# one rank in bf16 on the same sequences, with the tolerances above taken from their own
 # reference: twice one rank's bf16-vs-fp32 differences on sequences of 256 (ref-long), on the
-# packs (ref-packed), with the experts (ref-moe-aux) and with Gemma's (ref-gemma2,
-# ref-gemma2-packed). Each rank's whole allocation
+# packs (ref-packed), with the experts (ref-moe-aux), with Gemma's (ref-gemma2,
+# ref-gemma2-packed) and with the update (ref-dsv3-bupd). Each rank's whole allocation
 # must equal am-plan's estimate to the byte (below: the ring's bf16 k, v blocks and fp32 sums).
 bf16_tols() { # FP32REF BF16REF: "loss_tol norm_tol weight_tol", twice the bf16 run's distance from fp32
     local t w
@@ -387,7 +388,8 @@ for layout in "cp2-bf16 2 long,bf16 ref-long-bf16 ref-long AM_CP=2" \
     "cp2-packed-bf16 2 packed,bf16 ref-packed-bf16 ref-packed AM_CP=2" \
     "cp2-moe-aux-bf16 2 moe,aux,bf16 ref-moe-aux-bf16 ref-moe-aux AM_CP=2" \
     "cp2-gemma2-bf16 2 gemma2,bf16 ref-gemma2-bf16 ref-gemma2 AM_CP=2" \
-    "dp2-gemma2-packed-bf16 2 gemma2,packed,bf16 ref-gemma2-packed-bf16 ref-gemma2-packed"; do
+    "dp2-gemma2-packed-bf16 2 gemma2,packed,bf16 ref-gemma2-packed-bf16 ref-gemma2-packed" \
+    "ep2-dsv3-bupd-bf16 2 dsv3,bupd,bf16 ref-dsv3-bupd-bf16 ref-dsv3-bupd AM_EP=2"; do
     set -- $layout
     [ -n "${AM_PARITY_ONLY:-}" ] && [[ " ${AM_PARITY_BF16:-} " != *" $1 "* ]] && continue
     name=$1 n=$2 mods=$3 ref=$4 fref=$5
