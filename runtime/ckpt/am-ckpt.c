@@ -18,6 +18,7 @@
  * export and merge take --progress / --quiet (after the command): the progress line on stderr,
  * shown by default when stderr is a terminal (progress.h).
  * Exit status: 0, 1 when the checkpoint is refused (with the reason), 2 on a usage error. */
+#include <dirent.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -29,6 +30,7 @@
 #include "model_config.h"
 #include "peft_merge.h"
 #include "progress.h"
+#include "safetensors.h"
 #include "shard_ckpt.h"
 #include "version.h"
 
@@ -158,6 +160,58 @@ static int fill(void *ctx, size_t index, uint64_t offset, void *dst, size_t n, s
     return 0;
 }
 
+/* The experts' selection biases of a run that updated them (deepseek_v3's gate_bias_update_factor:
+ * the trainer's selection_bias/, one file per pipeline stage): each MoE layer's, fp32, appended
+ * to wt[*n] from the files kept open in files[] (closed by the caller). 0 when there is no such
+ * directory (*n unchanged), 1 with them all, -1 with a message in e. */
+#define AM_CKPT_BIAS_FILES 4096
+
+static int add_biases(const char *dir, const struct am_model_config *cfg, struct am_st_wtensor **wt, size_t *n,
+                      struct am_st_file **files, size_t *nf, struct am_arena *a, struct am_errors *e)
+{
+    char path[4200];
+    snprintf(path, sizeof(path), "%s/selection_bias", dir);
+    DIR *d = opendir(path);
+    if (!d)
+        return 0;
+    for (struct dirent *de; (de = readdir(d)) && *nf < AM_CKPT_BIAS_FILES;) {
+        size_t len = strlen(de->d_name);
+        if (len < 12 || strcmp(de->d_name + len - 12, ".safetensors") != 0)
+            continue;
+        char f[4600];
+        snprintf(f, sizeof(f), "%s/%s", path, de->d_name);
+        if (am_st_open(f, &files[*nf], e) < 0)
+            break;
+        (*nf)++;
+    }
+    closedir(d);
+    if (e->n)
+        return -1;
+    struct am_st_wtensor *v = realloc(*wt, (*n + (size_t)cfg->num_hidden_layers + 1) * sizeof(*v));
+    if (!v) {
+        am_errorf(e, NULL, "out of memory");
+        return -1;
+    }
+    *wt = v;
+    for (long l = 0; l < cfg->num_hidden_layers; l++) {
+        if (!am_model_layer_is_moe(cfg, l))
+            continue;
+        char name[128];
+        snprintf(name, sizeof(name), "model.layers.%ld.mlp.gate.e_score_correction_bias", l);
+        const struct am_st_info *t = NULL;
+        for (size_t i = 0; i < *nf && !t; i++)
+            t = am_st_find(files[i], name);
+        if (!t || t->dtype != AM_ST_F32 || t->ndim != 1 || t->shape[0] != cfg->num_experts) {
+            am_errorf(e, NULL, "%s: %s %s (the checkpoint is damaged: export another)", path, name,
+                      t ? "is not one fp32 per expert" : "is in none of its files");
+            return -1;
+        }
+        v[(*n)++] = (struct am_st_wtensor){.name = am_arena_strdup(a, name), .dtype = AM_ST_F32, .ndim = 1,
+                                           .shape = {t->shape[0]}, .data = t->data};
+    }
+    return 1;
+}
+
 static int export(const char *arg, const char *out, bool show, bool bf16)
 {
     struct am_sckpt *c;
@@ -166,6 +220,8 @@ static int export(const char *arg, const char *out, bool show, bool bf16)
     struct am_arena a;
     struct am_list ignored = {0};
     struct am_model_config cfg;
+    struct am_st_file *bias_files[AM_CKPT_BIAS_FILES]; /* selection_bias/ (add_biases) */
+    size_t n_bias_files = 0, n_wt = 0;
     int rc = 1;
     if (open_dir(arg, &c) < 0)
         return 1;
@@ -186,7 +242,12 @@ static int export(const char *arg, const char *out, bool show, bool bf16)
     struct am_node *node = am_json_file_to_node(&a, path, &e);
     if (!node || am_model_config_read(&a, node, "config.json", &cfg, &ignored, &e) < 0 || e.n)
         goto errs;
-    if (cfg.sigmoid_router) { /* its selection biases are buffers of the model, not in the shards */
+    n_wt = am_sckpt_n_tensors(c);
+    int biases = cfg.sigmoid_router ? add_biases(am_sckpt_dir(c), &cfg, &wt, &n_wt, bias_files, &n_bias_files, &a, &e)
+                                    : 0;
+    if (biases < 0)
+        goto errs;
+    if (cfg.sigmoid_router && biases == 0) { /* its selection biases are buffers of the model, not in the shards */
         fprintf(stderr, "am-ckpt: %s is a %s model, whose experts' selection biases (e_score_correction_bias, "
                 "not trained: the recipe's model directory's) are not in a sharded checkpoint: an export without "
                 "them would be another model; train with checkpoint.save_consolidated: its hf/ directory beside the "
@@ -229,19 +290,22 @@ static int export(const char *arg, const char *out, bool show, bool bf16)
     }
     am_progress_start(&x.bar, "am-ckpt export", NULL, total, show);
     struct am_ckpt_save_opts opts = {.torch_dtype = bf16 ? "bfloat16" : NULL};
-    if (am_ckpt_save(out, &cfg, wt, n, &opts, &e) < 0) {
+    /* the biases (add_biases) follow the n tensors of the shards */
+    if (am_ckpt_save(out, &cfg, wt, n + (n_wt - am_sckpt_n_tensors(c)), &opts, &e) < 0) {
         am_progress_end(&x.bar, false);
         goto errs;
     }
     am_progress_set(&x.bar, x.done, 0);
     am_progress_end(&x.bar, true);
-    printf("am-ckpt: exported step %ld (%zu tensors) to %s\n", am_sckpt_step(c), n, out);
+    printf("am-ckpt: exported step %ld (%zu tensors) to %s\n", am_sckpt_step(c), n + (n_wt - am_sckpt_n_tensors(c)), out);
     rc = 0;
     goto out;
 errs:
     for (size_t i = 0; i < e.n; i++)
         fprintf(stderr, "am-ckpt: %s\n", e.msg[i]);
 out:
+    for (size_t i = 0; i < n_bias_files; i++)
+        am_st_close(bias_files[i]);
     free(x.buf);
     free(x.which);
     free(wt);

@@ -1,6 +1,7 @@
 /* model_io.c - Hugging Face checkpoints of a model shard (model_io.h). */
 #include "model_io.h"
 
+#include <dirent.h>
 #include <limits.h>
 #include <stdbool.h>
 #include <stdio.h>
@@ -1058,4 +1059,83 @@ int am_model_save_hf(const struct am_model *m, const char *dir, const char *base
         return -1;
     }
     return am_model_save_hf_dist(m, NULL, NULL, dir, base_config, err);
+}
+
+/* ---- the selection biases in a sharded checkpoint (model_io.h) ----------------------------- */
+
+int am_model_save_biases(const struct am_model *m, const char *path, struct am_errors *err)
+{
+    int64_t E = m->cfg.num_experts;
+    int n = 0;
+    for (int l = 0; l < m->n_layers; l++)
+        n += m->layers[l].moe && m->layers[l].moe->bias_name[0];
+    if (n == 0)
+        return 0;
+    float *mem = malloc((size_t)(n * E) * sizeof(float));
+    struct am_st_wtensor *t = calloc((size_t)n, sizeof(*t));
+    int rc = -1, i = 0;
+    if (!mem || !t) {
+        am_errorf(err, NULL, "%s: out of memory for the experts' selection biases", path);
+        goto out;
+    }
+    for (int l = 0; l < m->n_layers; l++) {
+        const struct am_moe_layer *X = m->layers[l].moe;
+        if (!X || !X->bias_name[0])
+            continue;
+        m->K->download(m->dev, mem + i * E, X->bias.data, (size_t)E * sizeof(float));
+        t[i] = (struct am_st_wtensor){.name = X->bias_name, .dtype = AM_ST_F32, .ndim = 1, .shape = {E},
+                                      .data = mem + i * E};
+        i++;
+    }
+    rc = am_st_write(path, t, (size_t)n, NULL, 0, 0, err);
+out:
+    free(mem);
+    free(t);
+    return rc;
+}
+
+int am_model_load_biases(struct am_model *m, const char *dir, struct am_errors *err)
+{
+    size_t before = err->n;
+    int64_t E = m->cfg.num_experts;
+    struct am_st_file *files[AM_MODEL_BIAS_FILES] = {0};
+    size_t nf = 0;
+    char path[4200];
+    DIR *d = opendir(dir);
+    if (!d)
+        return 0; /* saved without the update: the model directory's biases stay */
+    for (struct dirent *de; (de = readdir(d)) && nf < AM_MODEL_BIAS_FILES;) {
+        size_t len = strlen(de->d_name);
+        if (len < 12 || strcmp(de->d_name + len - 12, ".safetensors") != 0)
+            continue;
+        snprintf(path, sizeof(path), "%s/%s", dir, de->d_name);
+        if (am_st_open(path, &files[nf], err) < 0)
+            break;
+        nf++;
+    }
+    closedir(d);
+    float *host = malloc((size_t)E * sizeof(float));
+    if (!host)
+        am_errorf(err, NULL, "%s: out of memory for the experts' selection biases", dir);
+    for (int l = 0; err->n == before && l < m->n_layers; l++) {
+        const struct am_moe_layer *X = m->layers[l].moe;
+        if (!X || !X->bias_name[0])
+            continue;
+        const struct am_st_info *ti = NULL;
+        size_t f = 0;
+        for (; f < nf && !ti; f++)
+            ti = am_st_find(files[f], X->bias_name);
+        if (!ti)
+            am_errorf(err, NULL, "%s: no file holds %s (the checkpoint is damaged or of another model: restore from "
+                      "another checkpoint)", dir, X->bias_name);
+        else if (ti->ndim != 1 || ti->shape[0] != E)
+            am_errorf(err, NULL, "%s: %s has %lld elements, the model's %lld experts want one each", dir,
+                      X->bias_name, (long long)ti->numel, (long long)E);
+        else if (am_st_read_f32(files[f - 1], ti, 0, E, host, err) == 0)
+            m->K->upload(m->dev, X->bias.data, host, (size_t)E * sizeof(float));
+    }
+    free(host);
+    for (size_t f = 0; f < nf; f++)
+        am_st_close(files[f]);
+    return err->n > before ? -1 : 0;
 }

@@ -78,4 +78,15 @@ int am_model_save_hf_ep(const struct am_model *m, struct am_comm *tp, struct am_
 int am_model_save_peft_dist(const struct am_model *m, struct am_comm *tp, struct am_comm *pp, struct am_comm *ep,
                             bool saves, const char *dir, const char *base_model, struct am_errors *err);
 
+/* The experts' selection biases (moe.h) in a sharded checkpoint, when training updates them
+ * (gate_bias_update_factor > 0): save writes the biases of m's MoE layers, whole, by their
+ * Hugging Face names, to one safetensors file at path (nothing without MoE layers); load reads
+ * each of m's from whichever of the *.safetensors files in dir holds it (the files of every
+ * rank that wrote: at any layout), 0 when dir does not exist (a checkpoint of a run without
+ * the update: the model directory's biases stay), or -1 with a message naming the missing
+ * tensor. */
+#define AM_MODEL_BIAS_FILES 4096
+int am_model_save_biases(const struct am_model *m, const char *path, struct am_errors *err);
+int am_model_load_biases(struct am_model *m, const char *dir, struct am_errors *err);
+
 #endif

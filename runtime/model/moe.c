@@ -40,6 +40,15 @@ struct am_moe {
     size_t *cnt_sz;          /* ep > 1: counts and displacements for am_alltoallv, 4 x ep */
     bool renorm, aux_on;
     bool sigmoid;            /* glm4_moe's router (moe.h) */
+    bool update;             /* the selection bias is updated (gate_bias_update_factor > 0) */
+    float factor;            /* deepseek_v3: gate_bias_update_factor, as AutoModel's fp32 product takes it */
+    int n_local;             /* the MoE layers held by this rank (every chunk's) */
+    int64_t *layer_loads;    /* factor > 0: tokens per expert of each held layer over the step, by
+                                the model's layer index [n_layers, E] (dense layers' rows unused) */
+    struct am_tensor loads;  /* factor > 0: the held MoE layers' loads in order, [n_local E] i64, for
+                                the sum over dp x cp (am_moe_bias_loads) */
+    int64_t *sum_host;       /* factor > 0: the summed loads as downloaded, [n_local E] */
+    float *bias_host;        /* factor > 0: a bias as downloaded, [E] */
     int n_group, topk_group;
     float scale;             /* routed_scaling_factor */
     double coef;
@@ -214,6 +223,8 @@ static size_t layout(struct am_model *m, struct am_moe *M, char *base)
     for (int l = 0; M->sigmoid && l < m->n_layers; l++) /* the selection biases */
         if (m->layers[l].moe)
             m->layers[l].moe->bias = carve(base, &off, dev, AM_F32, E, 0);
+    if (M->update) /* the selection-bias update's loads */
+        M->loads = carve(base, &off, dev, AM_I64, (int64_t)M->n_local * E, 0);
     M->dlogits = carve(base, &off, dev, dt, N, E);
     M->dwts = carve(base, &off, dev, AM_F32, N, k);
     M->dyp = carve(base, &off, dev, dt, S, C);
@@ -264,15 +275,25 @@ int am_moe_init(struct am_model *m, char *err, size_t err_len)
     M->aux_on = c->output_router_logits;
     M->coef = c->router_aux_loss_coef;
     M->n_moe = (int)am_model_moe_layers(c);
+    M->update = M->sigmoid && c->gate_bias_update_factor > 0;
+    M->factor = (float)c->gate_bias_update_factor;
+    for (int l = 0; l < m->n_layers; l++)
+        M->n_local += m->layers[l].moe != NULL;
     M->acts = calloc(m->n_acts + 1, sizeof(*M->acts));
     M->slots = calloc((size_t)m->n_slots, sizeof(*M->slots));
     M->step_counts = calloc((size_t)M->E, sizeof(*M->step_counts));
+    if (M->update) {
+        M->layer_loads = calloc((size_t)m->n_layers * (size_t)M->E, sizeof(int64_t));
+        M->sum_host = calloc((size_t)M->n_local * (size_t)M->E + 1, sizeof(int64_t));
+        M->bias_host = calloc((size_t)M->E, sizeof(float));
+    }
     M->h32 = calloc((size_t)M->E + (M->ep > 1 ? (size_t)(m->max_tokens * M->k * M->ep) : 0), sizeof(*M->h32));
     M->host = calloc((m->n_acts + 1) * (size_t)M->E, sizeof(*M->host));
     size_t per_ep = M->ep > 1 ? (size_t)(2 * M->ep + M->El + M->ep * M->El) : 0;
     M->ep_host = per_ep ? calloc((m->n_acts + 1) * per_ep, sizeof(int64_t)) : NULL;
     M->cnt_sz = M->ep > 1 ? calloc(4 * (size_t)M->ep, sizeof(size_t)) : NULL;
-    if (!M->acts || !M->slots || !M->step_counts || !M->h32 || !M->host || (per_ep && (!M->ep_host || !M->cnt_sz)))
+    if (!M->acts || !M->slots || !M->step_counts || !M->h32 || !M->host || (per_ep && (!M->ep_host || !M->cnt_sz)) ||
+        (M->update && (!M->layer_loads || !M->sum_host || !M->bias_host)))
         return am_fail(err, err_len, "model: out of memory for the mixture-of-experts state");
     for (int ch = 0; ch < m->sh.n_chunks; ch++)
         for (int l = 0; l < m->sh.chunks[ch].n_layers; l++)
@@ -346,6 +367,9 @@ void am_moe_free(struct am_model *m)
     free(M->acts);
     free(M->slots);
     free(M->step_counts);
+    free(M->layer_loads);
+    free(M->sum_host);
+    free(M->bias_host);
     free(M->h32);
     free(M->host);
     free(M->ep_host);
@@ -615,10 +639,13 @@ int am_moe_forward(struct am_model *m, const struct am_layer *L, const struct am
         K->moe_aux_stats(m->dev, &Sl->cnt, &Sl->psum, &probs, &idx);
     K->moe_plan(m->dev, &pos, &A->counts, &idx);
     K->download(m->dev, M->h32, A->counts.data, (size_t)M->E * sizeof(int32_t));
+    int64_t *load = M->layer_loads && !again ? M->layer_loads + (L - m->layers) * M->E : NULL;
     for (int64_t e = 0; e < M->E; e++) {
         A->hcount[e] = M->h32[e];
         if (!again)
             M->step_counts[e] += M->h32[e];
+        if (load)
+            load[e] += M->h32[e];
     }
     if (M->ep > 1)
         return forward_ep(m, L, A, in, out, &pos, &wts, err, err_len);
@@ -834,6 +861,8 @@ void am_moe_stats_reset(struct am_model *m)
 {
     if (m->moe) {
         memset(m->moe->step_counts, 0, (size_t)m->moe->E * sizeof(int64_t));
+        if (m->moe->layer_loads)
+            memset(m->moe->layer_loads, 0, (size_t)m->n_layers * (size_t)m->moe->E * sizeof(int64_t));
         m->moe->a2a_s = 0;
         m->moe->step_recv = 0;
     }
@@ -857,4 +886,50 @@ void am_moe_stats(struct am_model *m, struct am_moe_stats *out)
     out->imbalance = sum > 0 ? (double)out->max * (double)M->E / (double)sum : 0.0;
     if (M->aux_on)
         m->K->download(m->dev, &out->aux, M->slots[M->last_slot].aux.data, sizeof(double));
+}
+
+void *am_moe_bias_loads(struct am_model *m, size_t *n)
+{
+    struct am_moe *M = m->moe;
+    *n = 0;
+    if (!M || !M->update || M->n_local == 0)
+        return NULL;
+    size_t E = (size_t)M->E, at = 0;
+    for (int l = 0; l < m->n_layers; l++)
+        if (m->layers[l].moe) {
+            m->K->upload(m->dev, (int64_t *)M->loads.data + at, M->layer_loads + (size_t)l * E, E * sizeof(int64_t));
+            at += E;
+        }
+    *n = at;
+    return M->loads.data;
+}
+
+/* AutoModel's Gate.update_bias, in its dtypes: the loads as fp32, their mean in fp32, and the
+ * fp32 bias plus sign(mean - load) times the factor (an fp32 product). */
+void am_moe_bias_update(struct am_model *m)
+{
+    struct am_moe *M = m->moe;
+    if (!M || !M->update || M->n_local == 0)
+        return;
+    size_t E = (size_t)M->E;
+    int64_t *load = M->sum_host;
+    float *b = M->bias_host;
+    m->K->download(m->dev, load, M->loads.data, (size_t)M->n_local * E * sizeof(*load));
+    for (int l = 0; l < m->n_layers; l++) {
+        struct am_moe_layer *X = m->layers[l].moe;
+        if (!X)
+            continue;
+        float sum = 0;
+        for (size_t e = 0; e < E; e++)
+            sum += (float)load[e];
+        float mean = sum / (float)E;
+        m->K->download(m->dev, b, X->bias.data, E * sizeof(*b));
+        for (size_t e = 0; e < E; e++) {
+            float d = mean - (float)load[e];
+            float sign = d > 0 ? 1.0f : d < 0 ? -1.0f : 0.0f;
+            b[e] = b[e] + sign * M->factor;
+        }
+        m->K->upload(m->dev, X->bias.data, b, E * sizeof(*b));
+        load += E;
+    }
 }

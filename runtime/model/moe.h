@@ -80,8 +80,14 @@
  * by the unbiased scores (renormalised when norm_topk_prob) times routed_scaling_factor
  * (kernels.h, moe_route_sigmoid_*); shared experts (mlp.shared_experts) are a dense MLP of the
  * layer (layer.c: w_gate, w_up, w_down, split over tp), added beside the routed ones. The
- * selection bias is not updated in training: AutoModel's glm4_moe has no update_moe_gate_bias
- * (its gate_bias_update_factor 1e-3 never applies), and transformers' is a buffer.
+ * selection bias is updated in training only with gate_bias_update_factor > 0 (deepseek_v3 as
+ * AutoModel builds it; model_config.h): each held MoE layer counts the tokens routed to each
+ * expert over the step (every micro-batch's forward once, on the rank's own tokens), the
+ * trainer sums the counts over dp x cp after the optimizer's step (am_moe_bias_loads: one
+ * buffer for all the layers) and am_moe_bias_update adds factor x sign(mean - load) to each
+ * bias, the same on every rank (docs/training.md). AutoModel's glm4_moe has no
+ * update_moe_gate_bias (its gate_bias_update_factor 1e-3 never applies), and transformers' is a
+ * buffer.
  *
  * LoRA on the experts (sh.lora_experts; AutoModel's GroupedExpertsLoRA): each expert e gains,
  * beside its frozen matrices, A_e [r, C] shared by gate and up, B of gate and B of up [I, r]
@@ -195,6 +201,12 @@ void am_moe_backward_end(struct am_model *m, int slot, void *out);
 size_t am_moe_alltoall_bytes(const struct am_model *m);
 /* Whether p is one of the experts' matrices (not the router), or one of their adapters. */
 bool am_moe_is_expert_param(const struct am_model *m, const struct am_param *p);
+/* The selection-bias update (gate_bias_update_factor > 0; above): the step's loads of this
+ * rank's MoE layers (in layer order, E i64 each) in a device buffer of *n elements, for the
+ * caller's in-place sum over dp x cp; NULL (*n 0) without the update or without MoE layers here.
+ * am_moe_bias_update then adds factor x sign(mean load - load) to each layer's bias (fp32). */
+void *am_moe_bias_loads(struct am_model *m, size_t *n);
+void am_moe_bias_update(struct am_model *m);
 /* The step's statistics: reset by am_model_begin_step, read by the trainer. */
 void am_moe_stats_reset(struct am_model *m);
 void am_moe_stats(struct am_model *m, struct am_moe_stats *out);

@@ -660,8 +660,9 @@ static int read_key(const struct hf_key *k, struct am_node *v, const char *secti
             return -1;
         }
         return 0;
-    case K_MOE_OVERRIDES: { /* AutoModel's MoEConfig: what am computes is transformers' MoE, so only the
-                               training rules it would leave as they are (0) are accepted */
+    case K_MOE_OVERRIDES: { /* AutoModel's MoEConfig: what am computes is transformers' MoE, so of its
+                               training rules it takes deepseek_v3's selection-bias update and leaves
+                               the others at 0 */
         if (am_node_is_null(v))
             return 0;
         if (v->kind != AM_NODE_MAP) {
@@ -675,25 +676,37 @@ static int read_key(const struct hf_key *k, struct am_node *v, const char *secti
             double d;
             snprintf(sub, sizeof(sub), "%s.%s", key, f->key);
             bool bias = strcmp(f->key, "gate_bias_update_factor") == 0, aux = strcmp(f->key, "aux_loss_coeff") == 0;
+            if (w->dsv3 && strcmp(f->key, "force_e_score_correction_bias") == 0) { /* the bias without an update */
+                if (am_node_bool(f->value, sub, &m->bias_forced, err) < 0)
+                    rc = -1;
+                continue;
+            }
             if (!bias && !aux) {
                 am_errorf(err, &f->key_pos, "%s: not read by am (it trains the MoE transformers' class computes; of "
-                          "AutoModel's MoEConfig it takes gate_bias_update_factor and aux_loss_coeff at 0 only): "
-                          "remove it", sub);
+                          "AutoModel's MoEConfig it takes gate_bias_update_factor (deepseek_v3) and aux_loss_coeff at "
+                          "0): remove it", sub);
                 rc = -1;
             } else if (am_node_double(f->value, sub, &d, err) < 0) {
                 rc = -1;
+            } else if (bias && w->dsv3 && d >= 0.0) { /* AutoModel's deepseek_v3: its Gate.update_bias */
+                m->gate_bias_update_factor = d;
+                m->bias_update_set = true;
+            } else if (bias && w->dsv3) {
+                am_errorf(err, &f->value->pos, "%s: %g is not supported by am: AutoModel updates the selection bias "
+                          "when the factor is above 0 and never otherwise (set it to 0 or above)", sub, d);
+                rc = -1;
             } else if (d != 0.0) {
                 am_errorf(err, &f->value->pos, "%s: %g is not supported by am: %s (set it to 0)", sub, d,
-                          bias && w->dsv3 ? "it does not update the experts' selection bias (e_score_correction_bias) in "
-                                  "training, as transformers' DeepseekV3ForCausalLM does not (AutoModel's deepseek_v3 "
-                                  "adds gate_bias_update_factor x sign(mean load - load) after each step)"
-                : bias ? "it does not update the experts' selection bias (e_score_correction_bias) in "
-                         "training; AutoModel's glm4_moe does not either (its model has no "
-                         "update_moe_gate_bias, which the train loop calls)"
-                       : w->dsv3 ? "AutoModel's load-balancing loss is not computed by am (it computes transformers' own; "
-                                   "deepseek_v3 has none)"
-                                 : "AutoModel's load-balancing loss is not computed by am (it computes transformers' own: "
-                                   "output_router_logits and router_aux_loss_coef; glm4_moe has none)");
+                          bias ? "it does not update the experts' selection bias (e_score_correction_bias) in "
+                                 "training; AutoModel's glm4_moe does not either (its model has no "
+                                 "update_moe_gate_bias, which the train loop calls)"
+                : w->dsv3 || w->glm
+                    ? "AutoModel's load-balancing loss of this MoE (Gate._compute_aux_loss: per MoE layer and "
+                      "micro-batch, sum over the experts of f_e P_e, f_e = load_e x experts / (top-k x tokens), P_e the "
+                      "mean normalised sigmoid score, its gradient scaled by aux_loss_coeff x cp / micro-batches and "
+                      "not added to the reported loss) is not computed by am"
+                    : "AutoModel's load-balancing loss is not computed by am (it computes transformers' own: "
+                      "output_router_logits and router_aux_loss_coef)");
                 rc = -1;
             }
         }

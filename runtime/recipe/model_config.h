@@ -91,6 +91,15 @@ struct am_model_config {
     bool sigmoid_router;
     long n_group, topk_group, n_shared_experts, first_k_dense_replace;
     double routed_scaling_factor;
+    /* AutoModel's own deepseek_v3 (MoEConfig's gate_bias_update_factor, its Gate.update_bias):
+     * after every optimizer step each MoE layer's selection bias gets factor x sign(mean load -
+     * load), the loads counted over the step and summed over dp x cp (docs/training.md). 0: the
+     * bias stays as loaded (transformers' classes, glm4_moe). Set from model.moe_overrides or
+     * model.moe_config (bias_update_set), else 1e-3 for a deepseek_v3 built as AutoModel's own
+     * model (recipe.c). */
+    double gate_bias_update_factor;
+    bool bias_update_set;
+    bool bias_forced; /* moe_overrides' force_e_score_correction_bias: AutoModel keeps the bias at factor 0 */
     /* config.json's quantization_config of an FP8 checkpoint (quant_method fp8, fmt e4m3), whose
      * F8_E4M3 weights are dequantised at load (runtime/ckpt/quant.h): fp8_block is
      * weight_block_size, the rows and columns of one scale. false: not quantised. */

@@ -307,6 +307,8 @@ static double scratch_bytes(const struct am_recipe *r, const struct am_plan *p, 
         b += carved(N * E, cs) + carved(N * k, 4) + carved(S * C, cs) + carved(Re * C, cs) + 3 * carved(Re * Im, cs);
         if (m->sigmoid_router) /* glm4_moe: each MoE layer's e_score_correction_bias (fp32) */
             b += rs->moe_layers * carved(E, 4);
+        if (m->sigmoid_router && m->gate_bias_update_factor > 0 && rs->moe_layers > 0) /* their update's loads */
+            b += carved(rs->moe_layers * E, 8);
         if (r->peft.enabled && r->peft.experts) /* the experts' adapters (moe.c): x · Aᵀ of gate and up and of
                                                  * down, recomputed in the backward, and its gradient */
             b += 3 * carved(Re * (double)r->peft.experts_dim, cs);

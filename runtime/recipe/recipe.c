@@ -1215,6 +1215,14 @@ static void read_model(struct reader *rd, struct am_node *model)
     const char *section = inline_cfg == model ? "model" : "model.config";
     if (am_model_config_read(&r->arena, merged, section, &r->model, &r->ignored, rd->err) < 0)
         return;
+    /* AutoModel's own deepseek_v3 (NeMoAutoModelForCausalLM without force_hf) builds its gates
+     * with gate_bias_update_factor 1e-3 unless moe_overrides or moe_config says otherwise;
+     * transformers' class (am's inline model, force_hf: true) updates nothing */
+    const struct am_node *force = am_node_path(model, "force_hf");
+    if (r->model.mla && !r->model.bias_update_set && target && target->kind == AM_NODE_SCALAR &&
+        strstr(target->str, "NeMoAutoModel") &&
+        !(force && force->kind == AM_NODE_SCALAR && strcmp(force->str, "true") == 0))
+        r->model.gate_bias_update_factor = 1e-3;
     if (dtype_rc == 1 && r->model.torch_dtype) { /* absent or "auto": the checkpoint's dtype */
         struct am_node v = {.kind = AM_NODE_SCALAR, .str = r->model.torch_dtype, .plain = true};
         read_dtype(rd, &v, "config.json torch_dtype", &r->param_dtype);

@@ -399,26 +399,38 @@ static void glm_shared_tp(struct check *c)
              r->model.model_type, width);
 }
 
-/* AutoModel's own deepseek_v3 (NeMoAutoModelForCausalLM without force_hf) updates the selection
- * bias after every step (gate_bias_update_factor 1e-3 by default), which am does not: such a
- * recipe would train another model unless it sets the factor to 0 (model_config.c refuses any
- * other value) or asks for transformers' class. */
-static void dsv3_bias_update(struct check *c)
+/* AutoModel's own deepseek_v3 (NeMoAutoModelForCausalLM without force_hf) at
+ * gate_bias_update_factor 0: its Gate creates e_score_correction_bias only for a factor above 0
+ * (or force_e_score_correction_bias), and without it chooses the groups by their best score,
+ * not the two best: another router than the one am computes (transformers'). */
+static void dsv3_no_bias(struct check *c)
 {
     const struct am_recipe *r = c->r;
-    if (!r->model.mla)
+    if (!r->model.mla || !r->model.bias_update_set || r->model.gate_bias_update_factor > 0 || r->model.bias_forced)
         return;
     const struct am_node *target = am_node_path(r->root, "model._target_");
     const struct am_node *force = am_node_path(r->root, "model.force_hf");
     if (!target || target->kind != AM_NODE_SCALAR || !strstr(target->str, "NeMoAutoModel") ||
-        (force && force->kind == AM_NODE_SCALAR && strcmp(force->str, "true") == 0) ||
-        am_node_path(r->root, "model.moe_overrides.gate_bias_update_factor") ||
-        am_node_path(r->root, "model.moe_config.gate_bias_update_factor"))
+        (force && force->kind == AM_NODE_SCALAR && strcmp(force->str, "true") == 0))
         return;
-    FAIL(c, "model._target_", "AutoModel's own deepseek_v3 updates the experts' selection bias "
-         "(e_score_correction_bias) after every step by gate_bias_update_factor (default 1e-3) x sign(mean load - "
-         "load), which am-train does not do yet: set model.moe_overrides.gate_bias_update_factor: 0 (or force_hf: "
-         "true) to train without the update, as transformers' DeepseekV3ForCausalLM does");
+    FAIL(c, "model._target_", "AutoModel's own deepseek_v3 with gate_bias_update_factor 0 builds its gates without "
+         "the selection bias (Gate creates e_score_correction_bias only for a factor above 0 or with "
+         "force_e_score_correction_bias) and chooses the expert groups by their best score instead of the two best, "
+         "a router am does not compute: add force_e_score_correction_bias: true to moe_overrides (the bias kept, not "
+         "updated), set the factor above 0, or force_hf: true for transformers' class");
+}
+
+/* The selection-bias update counts every routed token; AutoModel's Gate leaves the padding out
+ * (token_mask), and a pack's pads are padding: not run until am counts them apart. */
+static void bias_packed(struct check *c)
+{
+    const struct am_recipe *r = c->r;
+    if (r->model.sigmoid_router && r->model.gate_bias_update_factor > 0 && r->packed_sequence_size > 0)
+        FAIL(c, "packed_sequence.packed_sequence_size", "%ld with %s's selection-bias update "
+             "(gate_bias_update_factor %g): the pads that end a pack would count in the experts' loads, which "
+             "AutoModel's gate leaves out (its token_mask), and am does not tell them apart yet (train without "
+             "packed sequences, or with the factor 0 and force_e_score_correction_bias: true)", r->packed_sequence_size,
+             r->model.model_type, r->model.gate_bias_update_factor);
 }
 
 static void dataset(struct check *c)
@@ -440,7 +452,8 @@ static const struct {
     {"fp16", fp16},           {"moe-sp", moe_sp},       {"lora-head-dropout", lora_head_dropout},
     {"lora-kv-tp", lora_kv_tp}, {"lora-moe-rank", lora_moe_rank},
     {"gpt-oss-lora", gpt_oss_lora}, {"gpt-oss-aux", gpt_oss_aux},
-    {"glm-shared-tp", glm_shared_tp}, {"dsv3-bias-update", dsv3_bias_update}, {"dataset", dataset},
+    {"glm-shared-tp", glm_shared_tp}, {"dsv3-no-bias", dsv3_no_bias}, {"bias-packed", bias_packed},
+    {"dataset", dataset},
 };
 
 int am_validate_run(const struct am_recipe *r, const struct am_world *w, struct am_errors *err)

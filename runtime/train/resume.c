@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "checkpoint.h"
 #include "errors.h"
@@ -251,6 +252,29 @@ out:
     return rc;
 }
 
+/* The experts' selection biases when training updates them (model_io.h): one file per
+ * pipeline stage (its first data-parallel, tp and cp rank writes), selection_bias/rank-R. */
+static bool biases_updated(const struct am_model *m)
+{
+    return m->cfg.sigmoid_router && m->cfg.gate_bias_update_factor > 0;
+}
+
+static int write_biases(const struct am_train_state *s, const char *tmp, char *err, size_t err_len)
+{
+    char path[4200];
+    snprintf(path, sizeof(path), "%s/selection_bias", tmp);
+    if (mkdir(path, 0755) < 0 && errno != EEXIST)
+        return am_fail(err, err_len, "checkpoint: %s: %s", path, strerror(errno));
+    snprintf(path, sizeof(path), "%s/selection_bias/rank-%05d.safetensors", tmp, s->rank);
+    struct am_errors e;
+    am_errors_init(&e);
+    int rc = am_model_save_biases(s->m, path, &e);
+    if (rc < 0)
+        am_fail(err, err_len, "checkpoint: %s", e.n ? e.msg[0] : "the selection biases");
+    am_errors_free(&e);
+    return rc;
+}
+
 int am_train_save(const struct am_train_state *s, long step, char *dir, size_t dir_len, double *seconds, char *err,
                   size_t err_len)
 {
@@ -277,6 +301,8 @@ int am_train_save(const struct am_train_state *s, long step, char *dir, size_t d
         goto fail;
     }
     bad = s->writes && write_rank(s, tmp, msg, sizeof(msg)) < 0;
+    if (!bad && s->bias_writes && biases_updated(s->m))
+        bad = write_biases(s, tmp, msg, sizeof(msg)) < 0;
     if (!bad && s->extra)
         bad = s->extra(s->extra_arg, tmp, msg, sizeof(msg)) < 0;
     flags[s->rank] = s->writes;
@@ -415,6 +441,18 @@ static int restore_local(const struct am_train_state *s, const char *dir, long *
     d->k->upload(d, s->optim->v_mem, L.sec[2], bytes);
     s->optim->step = opt_step;
     *step = am_sckpt_step(L.c);
+    if (s->m->cfg.sigmoid_router) { /* the biases as trained, when the run that saved updated them */
+        char bdir[4200];
+        struct am_errors e;
+        am_errors_init(&e);
+        snprintf(bdir, sizeof(bdir), "%s/selection_bias", dir);
+        if (am_model_load_biases(s->m, bdir, &e) < 0) {
+            am_fail(err, err_len, "checkpoint %s", e.n ? e.msg[0] : "the selection biases");
+            am_errors_free(&e);
+            goto out;
+        }
+        am_errors_free(&e);
+    }
     rc = 0;
 out:
     for (int i = 0; i < AM_SCKPT_SECTIONS; i++)
@@ -504,7 +542,8 @@ static struct am_train_state train_state(struct trainer *t)
     struct am_train_state st = {
         .job = {t->g.tp, t->g.pp, t->g.dp, t->g.cp}, .rank = t->s->info.rank, .world = t->s->info.size,
         .r = t->r, .p = t->p, .tag = job && *job ? job : "0", .hook = am_train_fault_in_save, .hook_arg = t,
-        .extra = t->r->ckpt.save_consolidated || t->model.sh.lora_r > 0 ? save_hf_extra : NULL, .extra_arg = t};
+        .extra = t->r->ckpt.save_consolidated || t->model.sh.lora_r > 0 ? save_hf_extra : NULL, .extra_arg = t,
+        .bias_writes = t->dp_rank == 0 && am_comm_rank(t->g.tp) == 0 && !(t->g.cp && am_comm_rank(t->g.cp) != 0)};
     am_dp_state(&t->dp, &st); /* the arrays' layout, and whether this rank writes them */
     return st;
 }

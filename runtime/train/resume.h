@@ -45,6 +45,8 @@ struct am_train_state {
     struct am_comm *job[4];   /* tp, pp, dp, cp (NULL at cp 1): together every rank of the job */
     int rank, world;
     bool writes;              /* this rank's state is not a copy of a lower data-parallel rank's */
+    bool bias_writes;         /* it writes its stage's selection biases when training updates them
+                                 (model_io.h: the first data-parallel, tp and cp rank of the stage) */
     bool experts_only;        /* unsharded: it writes the experts' adapters alone (LoRA under ep: the
                                  rest is a copy of a lower data-parallel rank's) */
     const struct am_recipe *r;

@@ -9,6 +9,7 @@
 
 #include "comm.h"
 #include "crash.h"
+#include "moe.h"
 #include "optim.h"
 #include "preempt.h"
 #include "trainer.h"
@@ -184,6 +185,23 @@ static int job_maxima(struct trainer *t, long step, double dt, struct am_errors 
     return 0;
 }
 
+/* AutoModel's selection-bias update (moe.h; docs/training.md), after the optimizer's step as
+ * its train loop calls update_moe_gate_bias: every held MoE layer's loads of the step summed
+ * over dp x cp in one all-reduce, then the same update of the biases on every rank. */
+static int update_bias(struct trainer *t, long step, struct am_errors *err)
+{
+    size_t n;
+    char msg[1024];
+    void *loads = am_moe_bias_loads(&t->model, &n);
+    if (!loads)
+        return 0;
+    if (t->p->dp * t->p->cp > 1 && (am_allreduce(t->g.dp_cp, loads, loads, n, AM_I64, AM_SUM, msg, sizeof(msg)) < 0 ||
+                                     am_comm_stream_wait(t->g.dp_cp, msg, sizeof(msg)) < 0))
+        return am_errors_fail(err, "step %ld: the experts' loads for the selection bias: %s", step, msg);
+    am_moe_bias_update(&t->model);
+    return 0;
+}
+
 /* The steps from start_step to max_steps: each step's passes, its values, the optimizer, its
  * record and line, the checkpoints and Slurm's warning; the last state saved at the end. */
 static int run(struct trainer *t, struct am_errors *err)
@@ -217,7 +235,8 @@ static int run(struct trainer *t, struct am_errors *err)
          * finite, on the device: enqueued before the one read of the step's values */
         if (am_dp_update(&t->dp, (float)lr, msg, sizeof(msg)) < 0)
             return am_errors_fail(err, "step %ld: %s", step + 1, msg);
-        if (step_values(t, step + 1, labels ? (double)labels : 1.0, &loss, &norm, err) < 0)
+        if (step_values(t, step + 1, labels ? (double)labels : 1.0, &loss, &norm, err) < 0 ||
+            update_bias(t, step + 1, err) < 0)
             return -1;
         double dt = am_mono_time() - ts;
         t->comm_s = am_comm_ctx_busy_s(t->g.ctx) - busy0;

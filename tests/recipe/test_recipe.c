@@ -428,8 +428,8 @@ static void test_model_rules(void **state)
                 "update the experts' selection bias (e_score_correction_bias) in training; AutoModel's glm4_moe does "
                 "not either (its model has no update_moe_gate_bias, which the train loop calls) (set it to 0)",
                 "r.yaml:6:5: model.moe_overrides.score_func: not read by am (it trains the MoE transformers' class "
-                "computes; of AutoModel's MoEConfig it takes gate_bias_update_factor and aux_loss_coeff at 0 only): "
-                "remove it"));
+                "computes; of AutoModel's MoEConfig it takes gate_bias_update_factor (deepseek_v3) and aux_loss_coeff "
+                "at 0): remove it"));
     /* model.backend: kernel choices are ignored, but FP8, MXFP8 and a fake router change what is computed */
     expect("model:\n  hidden_size: 64\n  num_hidden_layers: 2\n  num_attention_heads: 2\n  intermediate_size: 128\n"
            "  vocab_size: 64\n  backend:\n    attn: te\n    te_fp8:\n      recipe: mxfp8\n    experts: torch_mm_mxfp8\n"
@@ -443,11 +443,15 @@ static void test_model_rules(void **state)
     /* deepseek_v3: AutoModel's selection-bias update, and what transformers' DeepseekV3 does not read */
     expect("model:\n  model_type: deepseek_v3\n  rope_scaling:\n    rope_type: yarn\n    factor: 40\n", NULL,
            MSGS("r.yaml:4:5: model.rope_scaling.original_max_position_embeddings: missing (required for rope_type yarn)"));
-    expect("model:\n  model_type: deepseek_v3\n  moe_overrides:\n    gate_bias_update_factor: 0.001\n", NULL,
-           MSGS("r.yaml:4:30: model.moe_overrides.gate_bias_update_factor: 0.001 is not supported by am: it does not "
-                "update the experts' selection bias (e_score_correction_bias) in training, as transformers' "
-                "DeepseekV3ForCausalLM does not (AutoModel's deepseek_v3 adds gate_bias_update_factor x sign(mean "
-                "load - load) after each step) (set it to 0)"));
+    expect("model:\n  model_type: deepseek_v3\n  moe_overrides:\n    gate_bias_update_factor: -0.001\n"
+           "    aux_loss_coeff: 0.0001\n", NULL,
+           MSGS("r.yaml:4:30: model.moe_overrides.gate_bias_update_factor: -0.001 is not supported by am: AutoModel "
+                "updates the selection bias when the factor is above 0 and never otherwise (set it to 0 or above)",
+                "r.yaml:5:21: model.moe_overrides.aux_loss_coeff: 0.0001 is not supported by am: AutoModel's "
+                "load-balancing loss of this MoE (Gate._compute_aux_loss: per MoE layer and micro-batch, sum over the "
+                "experts of f_e P_e, f_e = load_e x experts / (top-k x tokens), P_e the mean normalised sigmoid score, "
+                "its gradient scaled by aux_loss_coeff x cp / micro-batches and not added to the reported loss) is not "
+                "computed by am (set it to 0)"));
     expect("model:\n  model_type: deepseek_v3\n  hidden_size: 64\n  num_hidden_layers: 2\n  num_attention_heads: 4\n"
            "  num_key_value_heads: 2\n  vocab_size: 64\n  moe_layer_freq: 2\n  topk_method: greedy\n"
            "  scoring_func: softmax\n", NULL,
@@ -733,6 +737,49 @@ static void expect_moe_layers(const char *type, const char *keys, const char *wa
     assert_string_equal(got, want);
     am_recipe_free(r);
     am_errors_free(&err);
+}
+
+/* deepseek_v3's gate_bias_update_factor (model_config.h): AutoModel's own model 1e-3 unless
+ * moe_overrides says otherwise, transformers' class (inline, force_hf) 0 */
+static double bias_factor(const char *keys, bool *forced)
+{
+    char y[768];
+    snprintf(y, sizeof(y), "model:\n  model_type: deepseek_v3\n  hidden_size: 64\n  num_hidden_layers: 2\n"
+             "  num_attention_heads: 4\n  vocab_size: 64\n%s", keys);
+    struct am_errors err;
+    am_errors_init(&err);
+    struct am_recipe *r = parse_with("r.yaml", y, NULL, &err);
+    for (size_t i = 0; i < err.n; i++)
+        print_error("%s\n", err.msg[i]);
+    assert_int_equal(err.n, 0);
+    double f = r->model.gate_bias_update_factor;
+    *forced = r->model.bias_forced;
+    am_recipe_free(r);
+    am_errors_free(&err);
+    return f;
+}
+
+static void test_model_bias_update(void **state)
+{
+    (void)state;
+    bool forced;
+    const char *own = "  _target_: nemo_automodel.NeMoAutoModelForCausalLM.from_pretrained\n";
+    char y[512];
+    assert_true(bias_factor("", &forced) == 0.0);
+    assert_true(bias_factor(own, &forced) == 1e-3);
+    snprintf(y, sizeof(y), "%s  force_hf: true\n", own);
+    assert_true(bias_factor(y, &forced) == 0.0);
+    snprintf(y, sizeof(y), "%s  moe_overrides:\n    gate_bias_update_factor: 0.05\n", own);
+    assert_true(bias_factor(y, &forced) == 0.05);
+    assert_true(bias_factor("  moe_config:\n    gate_bias_update_factor: 0.002\n", &forced) == 0.002);
+    snprintf(y, sizeof(y), "%s  moe_overrides:\n    gate_bias_update_factor: 0\n    force_e_score_correction_bias: true\n",
+             own);
+    assert_true(bias_factor(y, &forced) == 0.0 && forced);
+    /* glm4_moe's force_e_score_correction_bias is not read (AutoModel's glm4_moe always has its bias) */
+    expect("model:\n  model_type: glm4_moe\n  moe_overrides:\n    force_e_score_correction_bias: true\n", NULL,
+           MSGS("r.yaml:4:5: model.moe_overrides.force_e_score_correction_bias: not read by am (it trains the MoE "
+                "transformers' class computes; of AutoModel's MoEConfig it takes gate_bias_update_factor (deepseek_v3) "
+                "and aux_loss_coeff at 0): remove it"));
 }
 
 static void test_model_moe_layers(void **state)
@@ -1196,7 +1243,7 @@ int main(void)
         cmocka_unit_test(test_strategy_from_target),
         cmocka_unit_test(test_model_rules),
         cmocka_unit_test(test_model_windows), cmocka_unit_test(test_model_qwen2), cmocka_unit_test(test_model_gemma), cmocka_unit_test(test_model_gpt_oss),
-        cmocka_unit_test(test_model_moe_layers),
+        cmocka_unit_test(test_model_moe_layers), cmocka_unit_test(test_model_bias_update),
         cmocka_unit_test(test_model_from_hf_cache),
         cmocka_unit_test(test_model_shipped_configs),
         cmocka_unit_test(test_env_interpolation),

@@ -54,8 +54,11 @@
 #   attention with q_lora_rank 24, kv_lora_rank 16, v narrower than q and k, rope_interleave; q_b_proj and
 #   kv_b_proj split over tp by heads, q_a_proj, kv_a_proj_with_mqa and their norms whole on every tp
 #   rank with their gradients summed; glm4_moe's MoE) at ep 2, tp 2, pp 2, fsdp2 dp 2, tp 2 x ep 2 and
-#   cp 2 (sequences of 256) likewise. gpt-oss (gpt_oss: attention sinks split over tp with their
-#   heads, q, k, v and o biases, o's added by tp rank 0, layer_types alternating a window of 24 and
+#   cp 2 (sequences of 256) likewise; with AutoModel's selection-bias update (moe_overrides'
+#   gate_bias_update_factor 0.01: each step's loads summed over dp x cp, every bias updated alike,
+#   the biases in the final checkpoint within the weights' tolerance, far below one update) at
+#   ep 2, pp 2, fsdp2 dp 2, tp 2 and cp 2 against its own one rank, and ep 2 in bf16 (below).
+#   gpt-oss (gpt_oss: attention sinks split over tp with their heads, q, k, v and o biases, o's added by tp rank 0, layer_types alternating a window of 24 and
 #   full attention, yarn rope, the biased router, 4 experts with biases and the clamped SwiGLU) at
 #   ep 2, tp 2, pp 2, fsdp2 dp 2, tp 2 x ep 2 and cp 2 (sequences of 256: the sinks applied to the
 #   ring's merged out and lse) likewise; with its load-balancing loss (over the biased router's
@@ -149,6 +152,7 @@ recipe() { # NAME MODS: base.yaml with comma-separated changes, its checkpoints 
         oss) args+=(-e 's/model_type: llama/model_type: gpt_oss\n  num_local_experts: 4\n  num_experts_per_tok: 2\n  head_dim: 16\n  sliding_window: 24/') ;;
         ossaux) args+=(-e 's/model_type: gpt_oss/model_type: gpt_oss\n  output_router_logits: true\n  router_aux_loss_coef: 0.02/') ;;
         dsv3) args+=(-e 's/num_key_value_heads: 2/num_key_value_heads: 4/' -e 's/model_type: llama/model_type: deepseek_v3\n  q_lora_rank: 24\n  kv_lora_rank: 16\n  qk_nope_head_dim: 8\n  qk_rope_head_dim: 8\n  v_head_dim: 12\n  rope_interleave: true\n  n_routed_experts: 8\n  num_experts_per_tok: 2\n  n_group: 4\n  topk_group: 2\n  moe_intermediate_size: 32\n  n_shared_experts: 2\n  routed_scaling_factor: 1.5\n  first_k_dense_replace: 1\n  norm_topk_prob: true/') ;;
+        bupd) args+=(-e 's/  norm_topk_prob: true/  norm_topk_prob: true\n  moe_overrides:\n    gate_bias_update_factor: 0.01/') ;;
         long) args+=(-e 's/seq_length: .*/seq_length: 256/') ;;
         l6) args+=(-e 's/num_hidden_layers: 4/num_hidden_layers: 6/') ;;
         packed) args+=(-e 's/^dataset:/packed_sequence:\n  packed_sequence_size: 256\ndataset:/') ;;
@@ -207,7 +211,7 @@ run() { # NAME N MODS [VAR=VALUE...]: N ranks, with the plugin's AM_TP-style ove
 for ref in "ref -" "ref-long long" "ref-packed packed" "ref-pneat packed,neat" "ref-tied tied" "ref-qwen3 qwen3" "ref-qwen2 qwen2" "ref-mistral mistral" "ref-bf16 bf16" "ref-long-bf16 long,bf16" "ref-packed-bf16 packed,bf16" "ref-moe moe" "ref-moe-aux moe,aux" "ref-moe-aux-bf16 moe,aux,bf16" "ref-moe-aux-lb2 moe,aux,lb2" "ref-qmoe qmoe" \
     "ref-gemma2 gemma2" "ref-gemma3 gemma3" "ref-gemma2-long gemma2,long" "ref-gemma2-packed gemma2,packed" \
     "ref-gemma3-packed gemma3,packed" "ref-gemma2-bf16 gemma2,bf16" "ref-gemma2-packed-bf16 gemma2,packed,bf16" "ref-glm glm" "ref-dsv3 dsv3" "ref-dsv3-long dsv3,long" "ref-l6 l6" "ref-oss oss" "ref-oss-long oss,long" "ref-oss-aux oss,ossaux" \
-    "ref-oss-aux-lb2 oss,ossaux,lb2"; do
+    "ref-oss-aux-lb2 oss,ossaux,lb2" "ref-dsv3-bupd dsv3,bupd" "ref-dsv3-long-bupd dsv3,long,bupd" "ref-dsv3-bupd-bf16 dsv3,bupd,bf16"; do
     set -- $ref
     # with AM_PARITY_ONLY (and no AM_PARITY_BF16), the references its layouts name, and ref and ref-bf16 (the bf16 check)
     [ -n "${AM_PARITY_ONLY:-}" ] && [ -z "${AM_PARITY_BF16:-}" ] && [ "$1" != ref ] && [ "$1" != ref-bf16 ] &&
@@ -294,6 +298,9 @@ layouts+=("ac 1 ac ref" "pp2-tied 2 tied ref-tied AM_PP=2" "pp4-tied-gpipe 4 tie
     "fsdp2-dp2-oss 2 oss ref-oss" "tp2-ep2-oss 4 oss ref-oss AM_TP=2 AM_EP=2"
     "cp2-oss 2 oss,long ref-oss-long AM_CP=2" "tp2-oss-aux 2 oss,ossaux ref-oss-aux AM_TP=2"
     "pp2-oss-aux 2 oss,ossaux,mb2 ref-oss-aux-lb2 AM_PP=2"
+    "ep2-dsv3-bupd 2 dsv3,bupd ref-dsv3-bupd AM_EP=2" "pp2-dsv3-bupd 2 dsv3,bupd ref-dsv3-bupd AM_PP=2"
+    "fsdp2-dp2-dsv3-bupd 2 dsv3,bupd ref-dsv3-bupd" "tp2-dsv3-bupd 2 dsv3,bupd ref-dsv3-bupd AM_TP=2"
+    "cp2-dsv3-bupd 2 dsv3,long,bupd ref-dsv3-long-bupd AM_CP=2"
     "cp2 2 long ref-long AM_CP=2" "cp4 4 long ref-long AM_CP=4" "cp2-ac 2 long,ac ref-long AM_CP=2"
     "cp2-tp2 4 long ref-long AM_CP=2 AM_TP=2" "cp2-tp2-sp 4 long,sp ref-long AM_CP=2 AM_TP=2"
     "cp2-pp2 4 long ref-long AM_CP=2 AM_PP=2" "cp4-pp2-gpipe 8 long,gpipe ref-long AM_CP=4 AM_PP=2"
@@ -375,11 +382,12 @@ done
 # ring attention and packed sequences in bf16 (bf16 storage; scores, softmax statistics and
 # the ring's running out, dq, dk, dv sums in fp32, each rounded once): cp 2, cp 2 x tp 2,
 # packed at dp 2, packed x cp 2, a mixture of experts with the load-balancing loss at cp 2,
-# Gemma 2 at cp 2 and packed at dp 2 (its scale and soft cap on the bf16 blocks) against one
-# rank in bf16 on the same sequences, with the tolerances above taken from their own
+# Gemma 2 at cp 2 and packed at dp 2 (its scale and soft cap on the bf16 blocks), deepseek_v3
+# with the selection-bias update at ep 2 (the biases fp32, the loads summed as in fp32) against
+# one rank in bf16 on the same sequences, with the tolerances above taken from their own
 # reference: twice one rank's bf16-vs-fp32 differences on sequences of 256 (ref-long), on the
-# packs (ref-packed), with the experts (ref-moe-aux) and with Gemma's (ref-gemma2,
-# ref-gemma2-packed). Each rank's whole allocation
+# packs (ref-packed), with the experts (ref-moe-aux), with Gemma's (ref-gemma2,
+# ref-gemma2-packed) and with the update (ref-dsv3-bupd). Each rank's whole allocation
 # must equal am-plan's estimate to the byte (below: the ring's bf16 k, v blocks and fp32 sums).
 bf16_tols() { # FP32REF BF16REF: "loss_tol norm_tol weight_tol", twice the bf16 run's distance from fp32
     local t w
@@ -393,13 +401,15 @@ bf16_tols() { # FP32REF BF16REF: "loss_tol norm_tol weight_tol", twice the bf16 
 exact+=(ep2-glm tp2-glm pp2-glm fsdp2-dp2-glm) # the glm4_moe layouts above
 exact+=(ep2-dsv3 tp2-dsv3 pp2-dsv3 fsdp2-dp2-dsv3 tp2-ep2-dsv3 cp2-dsv3) # the deepseek_v3 layouts above
 exact+=(ep2-oss tp2-oss pp2-oss fsdp2-dp2-oss tp2-ep2-oss cp2-oss tp2-oss-aux pp2-oss-aux) # the gpt_oss layouts above
+exact+=(ep2-dsv3-bupd pp2-dsv3-bupd fsdp2-dp2-dsv3-bupd tp2-dsv3-bupd cp2-dsv3-bupd) # and with the bias update
 for layout in "cp2-bf16 2 long,bf16 ref-long-bf16 ref-long AM_CP=2" \
     "cp2-tp2-bf16 4 long,bf16 ref-long-bf16 ref-long AM_CP=2 AM_TP=2" \
     "dp2-packed-bf16 2 packed,bf16 ref-packed-bf16 ref-packed" \
     "cp2-packed-bf16 2 packed,bf16 ref-packed-bf16 ref-packed AM_CP=2" \
     "cp2-moe-aux-bf16 2 moe,aux,bf16 ref-moe-aux-bf16 ref-moe-aux AM_CP=2" \
     "cp2-gemma2-bf16 2 gemma2,bf16 ref-gemma2-bf16 ref-gemma2 AM_CP=2" \
-    "dp2-gemma2-packed-bf16 2 gemma2,packed,bf16 ref-gemma2-packed-bf16 ref-gemma2-packed"; do
+    "dp2-gemma2-packed-bf16 2 gemma2,packed,bf16 ref-gemma2-packed-bf16 ref-gemma2-packed" \
+    "ep2-dsv3-bupd-bf16 2 dsv3,bupd,bf16 ref-dsv3-bupd-bf16 ref-dsv3-bupd AM_EP=2"; do
     set -- $layout
     [ -n "${AM_PARITY_ONLY:-}" ] && [[ " ${AM_PARITY_BF16:-} " != *" $1 "* ]] && continue
     name=$1 n=$2 mods=$3 ref=$4 fref=$5

@@ -6,7 +6,8 @@
 #     its final state files byte for byte, at 1 rank, dp 2 (fsdp2), tp 2 x pp 2, cp 2 x dp 2
 #     (fsdp2 over dp x cp), and a mixture of experts (Mixtral's layers, 4 experts) at tp 2 x dp 2
 #     (fsdp2: the experts' own groups) and at ep 2 x dp 4 (the experts sharded over the ranks
-#     holding the same ones);
+#     holding the same ones), and deepseek_v3 with AutoModel's selection-bias update at ep 2 x pp 2
+#     (the updated biases saved per stage and restored);
 #   kills: a seeded random set of trials across layouts kills one rank at a random step or at a
 #     random phase inside a save (kind=kill-in-save:PHASE), then resumes: after every kill
 #     `latest` names a complete checkpoint (or none, before the first), the resumed job
@@ -67,6 +68,7 @@ recipe() { # NAME MODS: base.yaml with comma-separated changes, its checkpoints 
         wide) args+=(-e 's/hidden_size: 64/hidden_size: 128/') ;;
         gb4) args+=(-e 's/global_batch_size: .*/global_batch_size: 4/') ;;
         moe) args+=(-e 's/model_type: llama/model_type: mixtral\n  num_local_experts: 4\n  num_experts_per_tok: 2/') ;;
+        dsv3bu) args+=(-e 's/num_key_value_heads: 2/num_key_value_heads: 4/' -e 's/model_type: llama/model_type: deepseek_v3\n  q_lora_rank: 24\n  kv_lora_rank: 16\n  qk_nope_head_dim: 8\n  qk_rope_head_dim: 8\n  v_head_dim: 12\n  n_routed_experts: 8\n  num_experts_per_tok: 2\n  n_group: 4\n  topk_group: 2\n  moe_intermediate_size: 32\n  n_shared_experts: 2\n  first_k_dense_replace: 1\n  norm_topk_prob: true\n  moe_overrides:\n    gate_bias_update_factor: 0.01/') ;;
         -) ;;
         *) echo "test-resume.sh: unknown change $m" >&2; exit 2 ;;
         esac
@@ -89,17 +91,21 @@ steps_of() { # LOGS: "step loss grad_norm" of rank 0, as written (the exact deci
 }
 
 # same_state DIR_A DIR_B: the rank files and the tensor map of two checkpoints are the same bytes
+# (and the experts' selection biases where training updates them)
 same_state() {
     local f
     [ -f "$1/manifest.json" ] && [ -f "$2/manifest.json" ] || return 1
     for f in "$1"/rank-*.bin; do cmp -s "$f" "$2/$(basename "$f")" || return 1; done
+    [ "$(ls "$1/selection_bias" 2>/dev/null)" = "$(ls "$2/selection_bias" 2>/dev/null)" ] || return 1
+    for f in "$1"/selection_bias/*.safetensors; do [ ! -e "$f" ] || cmp -s "$f" "$2/selection_bias/$(basename "$f")" || return 1; done
     [ "$(ls "$1" | grep -c 'rank-.*\.bin')" = "$(ls "$2" | grep -c 'rank-.*\.bin')" ]
 }
 
 # ---- references: the uninterrupted runs --------------------------------------------------------
 # NAME RANKS MODS [OVERRIDES]
 refs=("r1 1 -" "r-dp2 2 -" "r-tp2pp2 4 - AM_TP=2 AM_PP=2" "r-ddp2 2 ddp" "r-pp2dp2 4 - AM_PP=2"
-    "r-moe-tp2dp2 4 moe AM_TP=2" "r-cp2dp2 4 - AM_CP=2" "r-moe-ep2dp4 4 moe AM_EP=2")
+    "r-moe-tp2dp2 4 moe AM_TP=2" "r-cp2dp2 4 - AM_CP=2" "r-moe-ep2dp4 4 moe AM_EP=2"
+    "r-dsv3bu-ep2pp2 4 dsv3bu,hf AM_EP=2 AM_PP=2")
 for ref in "${refs[@]}"; do
     set -- $ref
     name=$1 n=$2 mods=$3
@@ -171,6 +177,20 @@ trial() {
 }
 
 trial kill-r1 r1 1 kill 0 4
+# AutoModel's selection-bias update (deepseek_v3, gate_bias_update_factor 0.01): the biases of
+# step 2's checkpoint restored (one file per stage, selection_bias/), steps 3 to 6 bit-exact
+trial kill-dsv3bu r-dsv3bu-ep2pp2 4 kill 2 3 AM_EP=2 AM_PP=2
+[ "$(ls "$work/ckpt-r-dsv3bu-ep2pp2/step-6/selection_bias" 2>/dev/null | wc -l)" = 2 ] &&
+    ok "r-dsv3bu-ep2pp2: step-6/selection_bias holds one file per pipeline stage" ||
+    bad "r-dsv3bu-ep2pp2: step-6/selection_bias holds '$(ls "$work/ckpt-r-dsv3bu-ep2pp2/step-6/selection_bias" 2>&1)'"
+# am-ckpt export takes the updated biases from selection_bias/: the same tensors as save_consolidated's
+if "$AM_BUILDDIR/am-ckpt" export "$work/ckpt-r-dsv3bu-ep2pp2/step-6" "$work/export-dsv3bu" >/dev/null 2>&1 &&
+    "$AM_BUILDDIR/tests/train/ckpt_diff" "$work/ckpt-r-dsv3bu-ep2pp2/step-6/hf" "$work/export-dsv3bu" 0 \
+        >"$work/wdiff-export-dsv3bu" 2>&1; then
+    ok "am-ckpt export of r-dsv3bu-ep2pp2's step 6 (the updated biases with it) equals its save_consolidated export"
+else
+    bad "am-ckpt export of r-dsv3bu-ep2pp2's step 6: $(cat "$work/wdiff-export-dsv3bu" 2>/dev/null)"
+fi
 trial kill-dp2 r-dp2 2 kill 1 5
 trial kill-tp2pp2 r-tp2pp2 4 kill 3 4 AM_TP=2 AM_PP=2
 trial kill-moe r-moe-tp2dp2 4 kill-in-save:shard 3 4 AM_TP=2

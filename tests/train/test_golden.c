@@ -72,8 +72,8 @@ static enum am_device golden_device(void)
 }
 
 /* The golden model `name` loaded into a whole-model shard computing in `compute` (fp32, or
- * bf16 mixed precision). */
-static void open_golden_as(struct golden *G, const char *name, enum am_dtype compute)
+ * bf16 mixed precision), with AutoModel's selection-bias update at `bias_factor` (0: none). */
+static void open_golden_with(struct golden *G, const char *name, enum am_dtype compute, double bias_factor)
 {
     memset(G, 0, sizeof(*G));
     const char *src = getenv("AM_SRCDIR");
@@ -120,6 +120,7 @@ static void open_golden_as(struct golden *G, const char *name, enum am_dtype com
         print_error("%s\n", msg);
     assert_int_equal(rc_dev, 0);
     G->K = G->dev.k;
+    G->recipe->model.gate_bias_update_factor = bias_factor;
     struct am_model_shard sh = am_model_shard_whole(1, 0, (int)G->recipe->model.num_hidden_layers);
     sh.compute = compute;
     assert_int_equal(am_model_init(&G->m, &G->recipe->model, &sh, &G->dev, NULL, NULL, G->B, G->T, msg, sizeof(msg)), 0);
@@ -130,6 +131,11 @@ static void open_golden_as(struct golden *G, const char *name, enum am_dtype com
         print_error("%s\n", err.msg[i]);
     assert_int_equal(rc, 0);
     am_errors_free(&err);
+}
+
+static void open_golden_as(struct golden *G, const char *name, enum am_dtype compute)
+{
+    open_golden_with(G, name, compute, 0.0);
 }
 
 static void open_golden(struct golden *G, const char *name) { open_golden_as(G, name, AM_F32); }
@@ -245,8 +251,10 @@ static void check_forward_backward(const char *name)
 
 /* The golden AdamW (betas (0.9, 0.95), eps 1e-8, weight decay 0.1) at learning rate lr, 5 steps
  * on the golden batch, clipping to norm 1 when `clip`: the loss before each step and the
- * gradient norm before clipping. */
-static void adamw_steps(struct golden *G, float lr, bool clip, double *losses, double *norms)
+ * gradient norm before clipping. With `loads` (the selection-bias update on): after each
+ * optimizer step the trainer's update of the biases (one rank: nothing to sum), each step's
+ * loads kept in loads[step * n ..] for n = the MoE layers x experts. */
+static void adamw_steps(struct golden *G, float lr, bool clip, double *losses, double *norms, int64_t *loads)
 {
     size_t E = G->m.n_elems;
     enum am_device dv = G->dev.device;
@@ -267,6 +275,13 @@ static void adamw_steps(struct golden *G, float lr, bool clip, double *losses, d
         /* the trainer's step (am_optim_step): clipping to norm 1 decided from the scalar */
         struct am_adamw_tensor slab = {.param = &p, .m = &m, .v = &v, .grad = &g};
         G->K->adamw_multi(&G->dev, &slab, 1, &acc, clip ? 1.0 : 0.0, NULL, lr, 0.9f, 0.95f, 1e-8f, 0.1f, s + 1);
+        if (loads) {
+            size_t n;
+            void *at = am_moe_bias_loads(&G->m, &n);
+            assert_non_null(at);
+            G->K->download(&G->dev, loads + (size_t)s * n, at, n * sizeof(int64_t));
+            am_moe_bias_update(&G->m);
+        }
     }
     G->K->free(&G->dev, mom);
     G->K->free(&G->dev, var);
@@ -283,7 +298,7 @@ static void check_adamw(const char *name, bool clip)
     float *want = read_all(&G, clip ? "losses_adamw_clip" : "losses_adamw", &n);
     float *norms = read_all(&G, clip ? "grad_norms_adamw_clip" : "grad_norms_adamw", &n);
     double loss_worst = 0, norm_worst = 0, final_worst = 0, loss[5], norm[5];
-    adamw_steps(&G, 1e-2f, clip, loss, norm);
+    adamw_steps(&G, 1e-2f, clip, loss, norm, NULL);
     for (int s = 0; s < 5; s++)
         report("%s: step %d loss %.7f (transformers %.7f), grad norm %.7f (transformers %.7f)\n", name, s + 1, loss[s],
                want[s], norm[s], norms[s]);
@@ -450,10 +465,10 @@ static void check_bf16(const char *name)
     double l32[5], n32[5], l16[5], n16[5];
     struct golden G;
     open_golden_as(&G, name, AM_F32);
-    adamw_steps(&G, 1e-3f, true, l32, n32);
+    adamw_steps(&G, 1e-3f, true, l32, n32, NULL);
     close_golden(&G);
     open_golden_as(&G, name, AM_BF16);
-    adamw_steps(&G, 1e-3f, true, l16, n16);
+    adamw_steps(&G, 1e-3f, true, l16, n16, NULL);
 
     char path[1100];
     struct am_errors err;
@@ -604,6 +619,71 @@ static void test_packed(void **state)
     free(zero);
 }
 
+/* AutoModel's selection-bias update (tests/golden/make_bias_golden.py: transformers' model with
+ * AutoModel's Gate.update_bias after each optimizer step, at a factor that changes some routing
+ * choices within the 5 clipped AdamW steps): every step's tokens per expert and layer exactly,
+ * the losses and grad norms as check_adamw's, each bias after the steps bit for bit (the same
+ * fp32 sums of +-factor). */
+static void test_deepseek_v3_tiny_bias_update(void **state)
+{
+    (void)state;
+    const char *src = getenv("AM_SRCDIR");
+    char path[1200];
+    struct am_errors err;
+    am_errors_init(&err);
+    struct am_st_file *ref = NULL;
+    snprintf(path, sizeof(path), "%s/tests/golden/models/deepseek_v3_tiny/bias_update.safetensors", src ? src : ".");
+    assert_int_equal(am_st_open(path, &ref, &err), 0);
+    const struct am_st_info *fi = am_st_find(ref, "factor"), *li = am_st_find(ref, "loads");
+    const struct am_st_info *wl = am_st_find(ref, "losses"), *wn = am_st_find(ref, "grad_norms");
+    assert_true(fi && li && wl && wn && li->dtype == AM_ST_I32 && li->ndim == 3 && li->shape[0] == 5);
+    float factor, want_loss[5], want_norm[5];
+    assert_int_equal(am_st_read_f32(ref, fi, 0, 1, &factor, &err), 0);
+    assert_int_equal(am_st_read_f32(ref, wl, 0, 5, want_loss, &err), 0);
+    assert_int_equal(am_st_read_f32(ref, wn, 0, 5, want_norm, &err), 0);
+    struct golden G;
+    open_golden_with(&G, "deepseek_v3_tiny", AM_F32, factor);
+    int64_t per = li->shape[1] * li->shape[2], *loads = calloc(5 * (size_t)per, sizeof(int64_t));
+    double loss[5], norm[5], loss_worst = 0;
+    adamw_steps(&G, 1e-2f, true, loss, norm, loads);
+    const int32_t *want_loads = (const int32_t *)li->data;
+    for (int64_t i = 0; i < 5 * per; i++) {
+        if (loads[i] != want_loads[i])
+            print_error("deepseek_v3_tiny: step %lld, MoE layer %lld: expert %lld has %lld tokens, transformers' %d\n",
+                        (long long)(i / per + 1), (long long)(i % per / li->shape[2]), (long long)(i % li->shape[2]),
+                        (long long)loads[i], want_loads[i]);
+        assert_int_equal(loads[i], want_loads[i]);
+    }
+    for (int s = 0; s < 5; s++) {
+        loss_worst = fmax(loss_worst, fabs(loss[s] - want_loss[s]));
+        if (fabs(loss[s] - want_loss[s]) >= 1e-5)
+            print_error("deepseek_v3_tiny: bias update: step %d loss %.7f, transformers %.7f\n", s + 1, loss[s],
+                        want_loss[s]);
+        assert_true(fabs(loss[s] - want_loss[s]) < 1e-5);
+        assert_true(fabs(norm[s] - want_norm[s]) < 1e-5 * fmax(1.0, want_norm[s]));
+    }
+    int biases = 0;
+    for (int l = 0; l < G.m.n_layers; l++) {
+        const struct am_moe_layer *X = G.m.layers[l].moe;
+        if (!X)
+            continue;
+        char key[128];
+        snprintf(key, sizeof(key), "final.%s", X->bias_name);
+        const struct am_st_info *t = am_st_find(ref, key);
+        assert_non_null(t);
+        assert_int_equal(t->numel, am_tensor_numel(&X->bias));
+        assert_memory_equal(X->bias.data, t->data, (size_t)t->numel * sizeof(float));
+        biases++;
+    }
+    assert_int_equal(biases, li->shape[1]);
+    report("deepseek_v3_tiny: bias update (factor %g): loads and biases exact, losses %.2e (tolerance 1e-5)\n",
+           factor, loss_worst);
+    free(loads);
+    close_golden(&G);
+    am_st_close(ref);
+    am_errors_free(&err);
+}
+
 #define CASE_FP32(name)                                                                                            \
     static void test_##name##_forward_backward(void **s) { (void)s; check_forward_backward(#name); }            \
     static void test_##name##_adamw(void **s) { (void)s; check_adamw(#name, false); }                            \
@@ -652,7 +732,7 @@ int main(void)
                                        TESTS(glm4_moe_tiny),
                                        /* DeepSeek-V3 (deepseek_v3): multi-head latent attention, DeepSeekMoE */
                                        TESTS(deepseek_v3_tiny), TESTS_FP32(deepseek_v3_qproj),
-                                       TESTS(deepseek_v3_yarn),
+                                       TESTS(deepseek_v3_yarn), cmocka_unit_test(test_deepseek_v3_tiny_bias_update),
                                        /* gpt-oss (gpt_oss): attention sinks, biases, clamped SwiGLU experts */
                                        TESTS_FP32(gpt_oss_tiny),
                                        /* packed sequences: documents in a sequence, none seeing another */
