@@ -278,7 +278,24 @@ AM_HOT static void attn_backward_block(float *restrict dq, float *restrict dk, f
     pv_block(g, k + j0 * ks, ks, DS + j0, T, nmax - j0, D); /* dq_t += scale Σ_j ds_j k_j */
     const float *restrict q0 = xq[0], *restrict q1 = xq[1], *restrict q2 = xq[2], *restrict q3 = xq[3];
     const float *restrict d0 = xd[0], *restrict d1 = xd[1], *restrict d2 = xd[2], *restrict d3 = xd[3];
-    for (int64_t j = j0; j < nmax; j++) { /* dk_j += scale Σ_t ds_j q_t,  dv_j += Σ_t p_j dout_t */
+    int64_t j = j0;
+    for (; j + 1 < nmax; j += 2) { /* two keys at a time: each load of q_t and dout_t serves both */
+        float *restrict dkj = dk + j * ks, *restrict dvj = dv + j * ks;
+        float *restrict dkk = dkj + ks, *restrict dvk = dvj + ks;
+        float s0 = DS[j], s1 = DS[T + j], s2 = DS[2 * T + j], s3 = DS[3 * T + j];
+        float p0 = S[j], p1 = S[T + j], p2 = S[2 * T + j], p3 = S[3 * T + j];
+        float u0 = DS[j + 1], u1 = DS[T + j + 1], u2 = DS[2 * T + j + 1], u3 = DS[3 * T + j + 1];
+        float r0 = S[j + 1], r1 = S[T + j + 1], r2 = S[2 * T + j + 1], r3 = S[3 * T + j + 1];
+#pragma omp simd
+        for (int64_t d = 0; d < D; d++) {
+            float a0 = q0[d], a1 = q1[d], a2 = q2[d], a3 = q3[d], b0 = d0[d], b1 = d1[d], b2 = d2[d], b3 = d3[d];
+            dkj[d] += s0 * a0 + s1 * a1 + s2 * a2 + s3 * a3;
+            dvj[d] += p0 * b0 + p1 * b1 + p2 * b2 + p3 * b3;
+            dkk[d] += u0 * a0 + u1 * a1 + u2 * a2 + u3 * a3;
+            dvk[d] += r0 * b0 + r1 * b1 + r2 * b2 + r3 * b3;
+        }
+    }
+    for (; j < nmax; j++) { /* dk_j += scale Σ_t ds_j q_t,  dv_j += Σ_t p_j dout_t */
         float *restrict dkj = dk + j * ks, *restrict dvj = dv + j * ks;
         float s0 = DS[j], s1 = DS[T + j], s2 = DS[2 * T + j], s3 = DS[3 * T + j];
         float p0 = S[j], p1 = S[T + j], p2 = S[2 * T + j], p3 = S[3 * T + j];

@@ -6,6 +6,7 @@
  * bf16), scale a bf16 tensor (one rounding), sum_squares and all_finite read bf16 tensors
  * (widened exactly; a bf16 is finite unless its exponent bits are all ones). */
 #include <omp.h>
+#include <string.h>
 
 #include "cpu.h"
 #include "half.h"
@@ -252,6 +253,28 @@ void am_cpu_all_finite(const struct am_dev *dev, struct am_tensor *flag, const s
 }
 
 /* kernels.h: a block of columns, optionally de-interleaved (perm 1) or interleaved (perm -1). */
+/* One fp32 row of copy_cols (kernels.h): d[j] (or d[p(j)]) = s[j] (or s[p(j)]), or += */
+AM_INLINE void copy_cols_row(float *restrict d, const float *restrict s, int64_t width, int perm, bool accumulate)
+{
+    int64_t half = width / 2;
+    if (perm == 0 && !accumulate) {
+        memcpy(d, s, (size_t)width * sizeof(float));
+        return;
+    }
+    if (perm == 0) {
+#pragma omp simd
+        for (int64_t j = 0; j < width; j++)
+            d[j] += s[j];
+        return;
+    }
+    for (int64_t j = 0; j < half; j++) { /* p(j) = 2j for j < half, 2(j - half) + 1 after */
+        int64_t dj = perm < 0 ? 2 * j : j, sj = perm > 0 ? 2 * j : j;
+        int64_t dk = perm < 0 ? 2 * j + 1 : half + j, sk = perm > 0 ? 2 * j + 1 : half + j;
+        d[dj] = accumulate ? d[dj] + s[sj] : s[sj];
+        d[dk] = accumulate ? d[dk] + s[sk] : s[sk];
+    }
+}
+
 void am_cpu_copy_cols(const struct am_dev *dev, struct am_tensor *dst, int64_t dst_col, const struct am_tensor *src,
                       int64_t src_col, int64_t width, int perm, bool accumulate)
 {
@@ -270,6 +293,14 @@ void am_cpu_copy_cols(const struct am_dev *dev, struct am_tensor *dst, int64_t d
              am_tname(src), (long long)Ns, perm);
     int64_t half = width / 2;
     bool bf = dt == AM_BF16;
+    if (!bf) { /* fp32: whole rows of plain copies, or the two halves of an interleave */
+        float *d0 = (float *)dst->data + dst_col;
+        const float *s0 = (const float *)src->data + src_col;
+#pragma omp parallel for schedule(static) if (M * width >= AM_PAR_MIN)
+        for (int64_t i = 0; i < M; i++)
+            copy_cols_row(d0 + i * Nd, s0 + i * Ns, width, perm, accumulate);
+        return;
+    }
 #pragma omp parallel for schedule(static) if (M * width >= AM_PAR_MIN)
     for (int64_t i = 0; i < M; i++) {
         for (int64_t j = 0; j < width; j++) {

@@ -23,5 +23,7 @@ int am_log_record(struct am_log *l, const char *type, json_t *obj);
 /* Seconds since the epoch (wall clock) and since an arbitrary start (monotonic). */
 double am_wall_time(void);
 double am_mono_time(void);
+/* the process's CPU time (user and system, all its threads), in seconds */
+double am_cpu_time(void);
 
 #endif

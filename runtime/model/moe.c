@@ -65,6 +65,8 @@ struct am_moe {
     int64_t *ep_host;        /* ep > 1: every acts entry's send_rows, recv_rows, lcount, rc */
     int last_slot;
     double a2a_s;            /* seconds in the all-to-alls over the step */
+    double dispatch_s;       /* seconds in the routed block outside the experts over the step (moe.h) */
+    double experts_s;        /* seconds in the experts over the step (moe.h) */
     int64_t step_recv;       /* ep > 1: token rows this rank's experts received over the step */
 };
 
@@ -606,7 +608,9 @@ static int forward_ep(struct am_model *m, const struct am_layer *L, struct moe_a
     if (a2a_rows(m, &ts, A->send_rows, &t1, A->recv_rows, err, err_len) < 0)
         return -1;
     K->moe_permute_forward(m->dev, &xp, &t1, &p2);
+    double t0 = am_mono_time();
     experts_forward(m, L->moe, A->lcount, &t1, &act, &g, &u, &xp);
+    M->experts_s += am_mono_time() - t0;
     K->zero(m->dev, &t2);
     K->moe_permute_backward(m->dev, &t2, &t1, &p2); /* back to source order */
     if (a2a_rows(m, &t2, A->recv_rows, &yp, A->send_rows, err, err_len) < 0)
@@ -615,8 +619,8 @@ static int forward_ep(struct am_model *m, const struct am_layer *L, struct moe_a
     return 0;
 }
 
-int am_moe_forward(struct am_model *m, const struct am_layer *L, const struct am_layer_acts *a, const struct am_tensor *in,
-                   struct am_tensor *out, char *err, size_t err_len)
+static int moe_forward(struct am_model *m, const struct am_layer *L, const struct am_layer_acts *a,
+                       const struct am_tensor *in, struct am_tensor *out, char *err, size_t err_len)
 {
     const struct am_kernels *K = m->K;
     struct am_moe *M = m->moe;
@@ -650,13 +654,27 @@ int am_moe_forward(struct am_model *m, const struct am_layer *L, const struct am
     if (M->ep > 1)
         return forward_ep(m, L, A, in, out, &pos, &wts, err, err_len);
     K->moe_permute_forward(m->dev, &xp, in, &pos);
+    double t0 = am_mono_time();
     experts_forward(m, L->moe, A->hcount, &yp, &act, &g, &u, &xp);
+    M->experts_s += am_mono_time() - t0;
     K->moe_combine_forward(m->dev, out, &yp, &pos, &wts);
     return 0;
 }
 
-int am_moe_backward(struct am_model *m, const struct am_layer *L, const struct am_layer_acts *a, const struct am_tensor *dout,
-                    const struct am_tensor *in, struct am_tensor *dh, char *err, size_t err_len)
+/* The block's time goes to dispatch_s but for the experts' share (experts_s). */
+int am_moe_forward(struct am_model *m, const struct am_layer *L, const struct am_layer_acts *a, const struct am_tensor *in,
+                   struct am_tensor *out, char *err, size_t err_len)
+{
+    struct am_moe *M = m->moe;
+    double t0 = am_mono_time(), e0 = M->experts_s;
+    int rc = moe_forward(m, L, a, in, out, err, err_len);
+    M->dispatch_s += am_mono_time() - t0 - (M->experts_s - e0);
+    return rc;
+}
+
+static int moe_backward(struct am_model *m, const struct am_layer *L, const struct am_layer_acts *a,
+                        const struct am_tensor *dout, const struct am_tensor *in, struct am_tensor *dh, char *err,
+                        size_t err_len)
 {
     const struct am_kernels *K = m->K;
     struct am_moe *M = m->moe;
@@ -682,6 +700,7 @@ int am_moe_backward(struct am_model *m, const struct am_layer *L, const struct a
             return -1;
         K->moe_permute_forward(m->dev, &dyl, &t1, &p2);
     }
+    double t0 = am_mono_time();
     K->zero(m->dev, &da);
     struct am_tensor G2 = X->G2, G1 = X->G1, G3 = X->G3; /* where the gradients are now (grad_use) */
     G1.data = X->w1->g.data;
@@ -711,6 +730,7 @@ int am_moe_backward(struct am_model *m, const struct am_layer *L, const struct a
     K->grouped_matmul_backward(m->dev, &dxp, frozen ? NULL : &G3, &du, &xp, &W3, cnt);
     if (X->la) /* the gate and up adapter's (dg and du are spent) */
         lora_gate_up_backward(m, X, cnt, &dg, &du, &dxp, &xp);
+    M->experts_s += am_mono_time() - t0;
     if (M->ep > 1) { /* the inputs' gradients back to the tokens' ranks */
         struct am_tensor t1 = rows(&M->t1, R), ts = rows(&M->ts, S);
         K->zero(m->dev, &t1);
@@ -730,6 +750,16 @@ int am_moe_backward(struct am_model *m, const struct am_layer *L, const struct a
         K->bias_backward(m->dev, &X->router_b->g, &dlogits);
     K->matmul_backward(m->dev, dh, frozen ? NULL : &X->router->g, &dlogits, in, &X->router->wc);
     return 0;
+}
+
+int am_moe_backward(struct am_model *m, const struct am_layer *L, const struct am_layer_acts *a, const struct am_tensor *dout,
+                    const struct am_tensor *in, struct am_tensor *dh, char *err, size_t err_len)
+{
+    struct am_moe *M = m->moe;
+    double t0 = am_mono_time(), e0 = M->experts_s;
+    int rc = moe_backward(m, L, a, dout, in, dh, err, err_len);
+    M->dispatch_s += am_mono_time() - t0 - (M->experts_s - e0);
+    return rc;
 }
 
 /* Pipeline stages: the statistics that travel after a hidden state (am_moe_pipe_bytes), as
@@ -864,6 +894,7 @@ void am_moe_stats_reset(struct am_model *m)
         if (m->moe->layer_loads)
             memset(m->moe->layer_loads, 0, (size_t)m->n_layers * (size_t)m->moe->E * sizeof(int64_t));
         m->moe->a2a_s = 0;
+        m->moe->dispatch_s = m->moe->experts_s = 0;
         m->moe->step_recv = 0;
     }
 }
@@ -882,6 +913,8 @@ void am_moe_stats(struct am_model *m, struct am_moe_stats *out)
         out->max = M->step_counts[e] > out->max ? M->step_counts[e] : out->max;
     }
     out->alltoall_s = M->a2a_s;
+    out->dispatch_s = M->dispatch_s;
+    out->experts_s = M->experts_s;
     out->tokens_in = M->step_recv;
     out->imbalance = sum > 0 ? (double)out->max * (double)M->E / (double)sum : 0.0;
     if (M->aux_on)

@@ -150,6 +150,14 @@ struct am_moe_stats {
     double aux;        /* the load-balancing loss of the last micro-batch (unscaled; 0 without it) */
     double alltoall_s; /* expert parallelism: seconds in the experts' all-to-alls (counts, tokens,
                           gradients; the host's time in the calls) */
+    double experts_s;  /* seconds in the routed experts (their grouped matrix products, SwiGLU and
+                          adapters, forward and backward) */
+    double dispatch_s; /* seconds in the rest of the routed block: the router's product and its
+                          gradient, the top-k and its backward, the plan, the permutes to and from
+                          expert order, the weighted combine and, with ep > 1, the all-to-alls
+                          (alltoall_s of it); not the shared experts (a dense MLP). Both the host's
+                          time in the calls (the kernels' own on the CPU; on a GPU their launches
+                          and the waits for the routing counts) */
     int64_t tokens_in; /* expert parallelism: the token rows this rank's experts received over the
                           step (after the counts' all-to-all, from every rank of its ep group; every
                           MoE layer and micro-batch, each forward once): its share of the routing */

@@ -309,6 +309,7 @@ void am_train_log_step(struct trainer *t, long step, double loss, double lr, dou
                             "grad_norm", norm, "tokens", (json_int_t)p->tokens_per_step, "step_s", dt, "time",
                             am_wall_time(), "comm_s", t->comm_s, "max_rss_kib", (json_int_t)ru.ru_maxrss);
     json_object_set_new(rec, "grad_wait_s", json_real(t->dp.sync.wait_s));
+    json_object_set_new(rec, "cpu_s", json_real(t->cpu_s));
     json_object_set_new(rec, "step_s_max", json_real(t->job_max.step_s));
     json_object_set_new(rec, "work_s_max", json_real(t->job_max.work_s));
     json_object_set_new(rec, "work_s_max_rank", json_integer(t->job_max.work_rank));
@@ -338,6 +339,8 @@ void am_train_log_step(struct trainer *t, long step, double loss, double lr, dou
         json_object_set_new(rec, "expert_tokens_min", json_integer((json_int_t)ms.min));
         json_object_set_new(rec, "expert_tokens_max", json_integer((json_int_t)ms.max));
         json_object_set_new(rec, "expert_imbalance", json_real(ms.imbalance));
+        json_object_set_new(rec, "moe_experts_s", json_real(ms.experts_s));
+        json_object_set_new(rec, "moe_dispatch_s", json_real(ms.dispatch_s));
         if (r->model.output_router_logits && m->sh.last_stage) /* computed by the last pipeline stage */
             json_object_set_new(rec, "aux_loss", json_real(ms.aux));
         if (p->ep > 1) {

@@ -214,7 +214,7 @@ static int run(struct trainer *t, struct am_errors *err)
     double t0 = am_mono_time();
     int rank = t->s->info.rank;
     for (long step = t->start_step; step < r->steps.max_steps; step++) {
-        double ts = am_mono_time(), loss = 0, norm = 0;
+        double ts = am_mono_time(), cs = am_cpu_time(), loss = 0, norm = 0;
         t->step = step + 1;
         am_crash_set_step(step + 1);
         double busy0 = am_comm_ctx_busy_s(t->g.ctx);
@@ -239,6 +239,7 @@ static int run(struct trainer *t, struct am_errors *err)
             update_bias(t, step + 1, err) < 0)
             return -1;
         double dt = am_mono_time() - ts;
+        t->cpu_s = am_cpu_time() - cs;
         t->comm_s = am_comm_ctx_busy_s(t->g.ctx) - busy0;
         if (job_maxima(t, step + 1, dt, err) < 0)
             return -1;

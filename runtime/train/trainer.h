@@ -65,6 +65,7 @@ struct trainer {
     struct am_fault fault;
     const char **hosts;                 /* host of each global rank */
     double comm_s;                      /* seconds in communication calls this step */
+    double cpu_s;                       /* the process's CPU time over the step (all its threads) */
     struct {                            /* the step's maxima over the job's ranks (train.c) */
         double step_s;                  /* the largest step time */
         double work_s;                  /* the largest time outside communication calls (step_s - comm_s) */
