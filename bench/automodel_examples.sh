@@ -34,8 +34,8 @@ kind() { # RC FIRST_ERROR -> a kind (read in the message, not in its position: a
     *"is not an optimizer am runs"*) echo optimizer ;;
     *"peft: "*|*"peft."*) echo lora ;;
     *"knowledge distillation"*) echo distillation ;;
-    *"fp8.enabled"*|*"quantiz"*|*"freezing"*|*"NEFTune"*) echo feature ;;
-    *"so far, and the compute dtype"*|*"not run yet"*|*"does not do yet"*|*"needs loss scaling"*|*"is not run by am-train"*|\
+    *"fp8.enabled"*|*"te_fp8"*|*"MXFP8"*|*"quantiz"*|*"freezing"*|*"NEFTune"*) echo feature ;;
+    *"so far, and the compute dtype"*|*"not run yet"*|*"does not do yet"*|*"does not compute"*|*"needs loss scaling"*|*"is not run by am-train"*|\
         *"not built yet"*|*"not exchanged between stages"*|*"experts are replicated over"*) echo run ;;
     *"estimated memory per GPU"*) echo memory ;;
     *"distributed."*|*"step_scheduler."*) echo layout ;;
