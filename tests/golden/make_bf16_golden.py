@@ -25,7 +25,8 @@ the pack's targets with the logits upcast to fp32 first, as transformers' own lo
 Writes models/<case>/bf16.safetensors:
   losses_bf16 [5], grad_norms_bf16 [5]   the bf16 run (norms before clipping, of fp32 grads)
   losses_fp32 [5], grad_norms_fp32 [5]   the same in fp32
-  final_bf16.<name>, final_fp32.<name>   every parameter after 5 steps (checkpoint names)
+  final_bf16.<name>, final_fp32.<name>   every parameter after 5 steps (checkpoint names; gpt-oss's
+                                         fused experts under am's per-expert names, as make_golden.py)
 and for the DeepSeekMoE cases (SECOND) the bf16 run again with transformers' default sdpa
 attention and grouped_mm experts:
   losses_bf16_sdpa [5], grad_norms_bf16_sdpa [5]
@@ -118,6 +119,8 @@ def generate(case):
         model.train(False)
         losses, norms = train(model, ids, bf16)
         finals = G.to_checkpoint_names(model, {n: p.detach().clone() for n, p in model.named_parameters()})
+        if G.CASES[case]["arch"] == "gpt_oss":  # its fused experts under am's per-expert names
+            finals = G.am_expert_names(finals)
         runs[name] = (losses, norms, finals)
     tensors = {}
     for name, (losses, norms, finals) in runs.items():
