@@ -1,5 +1,5 @@
 # tests/train/lora-lib.sh - what the LoRA end-to-end tests share (sourced by test-lora.sh,
-# test-lora-dropout.sh, test-lora-moe.sh and test-lora-head.sh): the test environment, a work
+# test-lora-dropout.sh, test-lora-moe.sh, test-lora-head.sh and test-lora-glm.sh): the test environment, a work
 # directory $work (kept when AM_LORA_KEEP is set), the counts of passed and failed checks (ok,
 # bad), the instruction dataset, the runs and their steps compared with test-parity.sh's
 # measures.

@@ -43,17 +43,8 @@ deepseek_v3)
     attn=10 ;; # q_a, q_b, kv_a, kv_b, o
 *) echo "test-lora-glm.sh: LORA_ARCH $arch is not glm4_moe or deepseek_v3" >&2; exit 2 ;;
 esac
-: "${AM_SRCDIR:=$(cd "$(dirname "$0")/../.." && pwd)}"
-: "${AM_BUILDDIR:=$PWD}"
-AM_BUILDDIR=$(cd "$AM_BUILDDIR" && pwd)
-export AM_MODELS_DIR=${AM_MODELS_DIR:-$AM_SRCDIR/runtime/recipe/models} OMP_NUM_THREADS=1
-unset AM_RECIPE AM_TP AM_PP AM_EP AM_CP AM_LOG_DIR AM_DRY_RUN AM_FAULT PMIX_NAMESPACE PMIX_RANK 2>/dev/null || true
-work=$(mktemp -d)
-trap '[ -n "${AM_LORA_KEEP:-}" ] || rm -rf "$work"' EXIT
-fails=0 passes=0
+. "$(dirname "$0")/lora-lib.sh"
 steps=4 loss_tol=1e-5 norm_tol=1e-5
-ok() { echo "ok: $*"; passes=$((passes + 1)); }
-bad() { echo "FAIL: $*"; fails=$((fails + 1)); }
 
 # golden: golden_dist on peft's glm4_moe_lora (deepseek_v3_lora)
 golden_recipe() { # TP PP
@@ -112,23 +103,8 @@ for run in "1 1" "2 1"; do
     fi
 done
 
-awk 'NF { gsub(/\\/, "\\\\"); gsub(/"/, "\\\""); gsub(/\t/, " "); if (p != "") printf "{\"prompt\": \"%s\", \"response\": \"%s\"}\n", p, $0; p = $0 }' \
-    /usr/share/common-licenses/GPL-3 /usr/share/common-licenses/Apache-2.0 | head -600 >"$work/rows.jsonl"
-"$AM_BUILDDIR/am-data" build --tokenizer "$AM_SRCDIR/tests/data/tokenizer/gpt2.json" --instruction \
-    --eos '<|endoftext|>' --out "$work/ds" "$work/rows.jsonl" >/dev/null || { bad "am-data build --instruction"; exit 1; }
+lora_dataset 600 GPL-3 Apache-2.0
 
-train() { # NAME NPROC [VAR=VALUE...]
-    local name=$1 n=$2
-    shift 2
-    (cd "$work" && env "$@" AM_LOG_DIR="$work/logs-$name" timeout 600 "$AM_BUILDDIR/am-launch" --nproc "$n" \
-        "$work/$name.yaml" >"$work/out-$name" 2>&1)
-}
-steps_of() { # LOGDIR: "step loss grad_norm" of rank 0
-    grep -h '"type":"step"' "$1"/*/rank-0.jsonl | sed -E 's/.*"step":([0-9]+),"loss":([^,]*),.*"grad_norm":([^,]*),.*/\1 \2 \3/'
-}
-memory() { # LOGDIR RANK KEY
-    grep -h '"type":"memory"' "$1"/*/rank-"$2".jsonl | sed -E "s/.*\"$3\":([0-9a-z]*).*/\1/"
-}
 recipe() { # NAME EP: tiny_lora.yaml as $arch in fp32 on the instruction data, target_modules ['*']
     sed -e "s|paths: .*|paths: $work/ds|" -e "s/max_steps: .*/max_steps: $steps/" -e "s/ckpt_every_steps: .*/ckpt_every_steps: 2/" \
         -e "$edits" \
@@ -138,7 +114,7 @@ recipe() { # NAME EP: tiny_lora.yaml as $arch in fp32 on the instruction data, t
 }
 
 recipe ref 1
-train ref 1 || { sed 's/^/    /' "$work/out-ref"; bad "LoRA on $arch did not train on one rank"; exit 1; }
+train ref 1 "$work/ref.yaml" || { sed 's/^/    /' "$work/out-ref"; bad "LoRA on $arch did not train on one rank"; exit 1; }
 steps_of "$work/logs-ref" >"$work/steps-ref"
 if [ "$(wc -l <"$work/steps-ref")" = "$steps" ] &&
     awk 'NR == 1 { a = $2 } END { exit !($2 < a) }' "$work/steps-ref" &&
@@ -201,22 +177,16 @@ else
     bad "step-$steps/peft: $(wc -l <"$work/names-ref" 2>&1) tensors; $(grep -E 'mlp\.(shared_experts\.)?gate_proj' "$work/names-ref" 2>&1 | tr '\n' ' '); $(tr -d ' \n' <"$cfg" | grep -o '"target_modules":\[[^]]*' | cut -c1-300)"
 fi
 
-compare() { # REF NAME LOSS_TOL NORM_TOL
-    paste "$work/steps-$1" "$work/steps-$2" | awk -v steps="$steps" -v lt="$3" -v nt="$4" '
-        { d = $2 - $5; if (d < 0) d = -d; if (d > w) w = d; g = ($3 - $6) / $3; if (g < 0) g = -g; if (g > gw) gw = g; n++ }
-        END { printf "%d steps, loss %.2g (tolerance %.2g), grad norm %.2g relative (%.2g)", n, w, lt, gw, nt
-              exit !(n == steps && w <= lt && gw <= nt) }'
-}
 for layout in "tp2 2 1 AM_TP=2" "ep2 2 2" "pp2 2 1 AM_PP=2" "tp2-ep2 4 2 AM_TP=2"; do
     set -- $layout
     name=$1 n=$2 ep=$3
     shift 3
     recipe "$name" "$ep"
-    if ! train "$name" "$n" "$@"; then
+    if ! train "$name" "$n" "$work/$name.yaml" "$@"; then
         bad "$name did not train"; sed 's/^/    /' "$work/out-$name"; continue
     fi
     steps_of "$work/logs-$name" >"$work/steps-$name"
-    if compare ref "$name" "$loss_tol" "$norm_tol" >"$work/cmp-$name"; then
+    if compare ref "$name"; then
         ok "LoRA on $arch $name matches one rank: $(cat "$work/cmp-$name")"
     else
         bad "LoRA on $arch $name: $(cat "$work/cmp-$name")"; paste "$work/steps-ref" "$work/steps-$name" | sed 's/^/    /'
@@ -237,18 +207,16 @@ for run in "ref-bf16 1 ref" "tp2-ep2-bf16 4 tp2-ep2 AM_TP=2"; do
     sed -e 's/param_dtype: float32/param_dtype: bfloat16/' -e "s|ckpt-$3|ckpt-$1|" "$work/$3.yaml" >"$work/$1.yaml"
     name=$1 n=$2
     shift 3
-    train "$name" "$n" "$@" && steps_of "$work/logs-$name" >"$work/steps-$name" || { bad "$name did not train"; sed 's/^/    /' "$work/out-$name"; }
+    train "$name" "$n" "$work/$name.yaml" "$@" && steps_of "$work/logs-$name" >"$work/steps-$name" || { bad "$name did not train"; sed 's/^/    /' "$work/out-$name"; }
 done
-tol=$(paste "$work/steps-ref" "$work/steps-ref-bf16" | awk '
-    { d = $2 - $5; if (d < 0) d = -d; if (d > l) l = d; g = ($3 - $6) / $3; if (g < 0) g = -g; if (g > n) n = g }
-    END { printf "%.3g %.3g", 2 * l, 2 * n }')
+tol=$(bf16_tol ref ref-bf16)
 if ! awk -v t="${tol%% *}" 'BEGIN { exit !(t > 1e-5) }'; then
     bad "one rank's bf16 run is not different from fp32 ($tol): is bf16 used?"
 fi
-if compare ref-bf16 tp2-ep2-bf16 "${tol%% *}" "${tol##* }" >"$work/cmp-bf16"; then
-    ok "LoRA on $arch tp2-ep2 matches one rank in bf16: $(cat "$work/cmp-bf16")"
+if compare ref-bf16 tp2-ep2-bf16 "${tol%% *}" "${tol##* }"; then
+    ok "LoRA on $arch tp2-ep2 matches one rank in bf16: $(cat "$work/cmp-tp2-ep2-bf16")"
 else
-    bad "LoRA on $arch tp2-ep2 in bf16: $(cat "$work/cmp-bf16")"; paste "$work/steps-ref-bf16" "$work/steps-tp2-ep2-bf16" | sed 's/^/    /'
+    bad "LoRA on $arch tp2-ep2 in bf16: $(cat "$work/cmp-tp2-ep2-bf16")"; paste "$work/steps-ref-bf16" "$work/steps-tp2-ep2-bf16" | sed 's/^/    /'
 fi
 
 # adapter dropout 0.1 on every adapter but the experts' and lm_head's: tp 2 draws the masks of one rank
@@ -257,18 +225,18 @@ for run in "drop 1" "drop-tp2 2 AM_TP=2"; do
     recipe "$1" 1 && sed -i -e "s/target_modules: .*/target_modules: $drop_targets/" -e 's/dropout: 0.0/dropout: 0.1/' "$work/$1.yaml"
     name=$1 n=$2
     shift 2
-    train "$name" "$n" "$@" && steps_of "$work/logs-$name" >"$work/steps-$name" || { bad "$name did not train"; sed 's/^/    /' "$work/out-$name"; }
+    train "$name" "$n" "$work/$name.yaml" "$@" && steps_of "$work/logs-$name" >"$work/steps-$name" || { bad "$name did not train"; sed 's/^/    /' "$work/out-$name"; }
 done
-if compare drop drop-tp2 "$loss_tol" "$norm_tol" >"$work/cmp-drop" && [ "$(head -1 "$work/steps-drop")" != "$(head -1 "$work/steps-ref")" ]; then
-    ok "LoRA on $arch with adapter dropout 0.1: tp 2 matches one rank ($(cat "$work/cmp-drop"))"
+if compare drop drop-tp2 && [ "$(head -1 "$work/steps-drop")" != "$(head -1 "$work/steps-ref")" ]; then
+    ok "LoRA on $arch with adapter dropout 0.1: tp 2 matches one rank ($(cat "$work/cmp-drop-tp2"))"
 else
-    bad "LoRA on $arch with adapter dropout 0.1 at tp 2: $(cat "$work/cmp-drop")"; paste "$work/steps-drop" "$work/steps-drop-tp2" | sed 's/^/    /'
+    bad "LoRA on $arch with adapter dropout 0.1 at tp 2: $(cat "$work/cmp-drop-tp2")"; paste "$work/steps-drop" "$work/steps-drop-tp2" | sed 's/^/    /'
 fi
 
 # resume: tp 2 stopped after step 2 (its checkpoint) and restored gives steps 3 and 4 to the last bit
 recipe cut 1 && sed -i -e 's/max_steps: .*/max_steps: 2/' "$work/cut.yaml" &&
-    train cut 2 AM_TP=2 && sed -i 's/max_steps: .*/max_steps: 4/' "$work/cut.yaml" && rm -rf "$work/logs-cut" &&
-    train cut 2 AM_TP=2 && steps_of "$work/logs-cut" >"$work/steps-cut"
+    train cut 2 "$work/cut.yaml" AM_TP=2 && sed -i 's/max_steps: .*/max_steps: 4/' "$work/cut.yaml" && rm -rf "$work/logs-cut" &&
+    train cut 2 "$work/cut.yaml" AM_TP=2 && steps_of "$work/logs-cut" >"$work/steps-cut"
 if [ -f "$work/steps-cut" ] && [ "$(tail -2 "$work/steps-tp2")" = "$(cat "$work/steps-cut")" ]; then
     ok "LoRA on $arch tp2: restored after step 2, steps 3-4 are the uninterrupted run's to the last bit"
 else
@@ -324,7 +292,7 @@ done
 # lr 0 (the warmup's first: the initial weights)
 sed -e '/^peft:/,/^distributed:/{/^distributed:/!d}' -e 's/max_steps: .*/max_steps: 1/' -e 's/is_peft: true/is_peft: false/' \
     -e "s|checkpoint_dir: .*|checkpoint_dir: $work/ckpt-base|" "$work/ref.yaml" >"$work/base.yaml"
-if train base 1 && "$AM_BUILDDIR/am-ckpt" merge "$work/ckpt-base/step-1/hf" "$work/ckpt-ref/step-$steps/peft" \
+if train base 1 "$work/base.yaml" && "$AM_BUILDDIR/am-ckpt" merge "$work/ckpt-base/step-1/hf" "$work/ckpt-ref/step-$steps/peft" \
     "$work/merged" >"$work/out-merge" 2>&1 &&
     grep -q "merged $((4 * (attn / 2 + 3) + 3 * 8 * 3 + 1)) adapted weights" "$work/out-merge"; then
     fit=1 mw=("model.layers.0.mlp.gate_proj 176 64" "model.layers.0.mlp.down_proj 64 176"
