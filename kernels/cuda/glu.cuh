@@ -27,13 +27,32 @@ __global__ void glu_bwd_k(T *dgate, T *dup, const T *dout, const T *gate, const 
     }
 }
 
-static inline void glu_check(const char *k, const struct am_tensor *a, const struct am_tensor *gate,
-                             const struct am_tensor *up)
+/* The units' arguments: gate an activation tensor, up and a (out or dout, named `name`) of its
+ * dtype and element count; returns the dtype. */
+static inline enum am_dtype glu_check(const char *k, const char *name, const struct am_tensor *a,
+                                      const struct am_tensor *gate, const struct am_tensor *up)
 {
+    enum am_dtype dt = am_cuda_act(k, "gate", gate);
+    am_cuda_same(k, "up", up, "gate", gate);
+    am_cuda_same(k, name, a, "gate", gate);
     if (am_tensor_numel(a) != am_tensor_numel(gate) || am_tensor_numel(up) != am_tensor_numel(gate))
         am_cuda_fatal(k, "gate (%s), up (%s) and %s must have the same shape (%lld, %lld, %lld elements)", am_tname(gate),
                       am_tname(up), am_tname(a), (long long)am_tensor_numel(gate), (long long)am_tensor_numel(up),
                       (long long)am_tensor_numel(a));
+    return dt;
+}
+
+/* The backward's gradients, each optional: gate's dtype, and gate's and up's element counts. */
+static inline void glu_grads_check(const char *k, const struct am_tensor *dgate, const struct am_tensor *dup,
+                                   const struct am_tensor *gate, const struct am_tensor *up)
+{
+    if (dgate)
+        am_cuda_same(k, "dgate", dgate, "gate", gate);
+    if (dup)
+        am_cuda_same(k, "dup", dup, "gate", gate);
+    AM_CUDA_REQUIRE(k, !dgate || am_tensor_numel(dgate) == am_tensor_numel(gate), "dgate (%s) must have gate's shape",
+                    am_tname(dgate));
+    AM_CUDA_REQUIRE(k, !dup || am_tensor_numel(dup) == am_tensor_numel(up), "dup (%s) must have up's shape", am_tname(dup));
 }
 
 template <class Op>
@@ -41,10 +60,7 @@ static void glu_forward(const char *k, const struct am_dev *d, struct am_tensor 
                         const struct am_tensor *up)
 {
     am_cuda_ctx(k, d);
-    enum am_dtype dt = am_cuda_act(k, "gate", gate);
-    am_cuda_same(k, "up", up, "gate", gate);
-    am_cuda_same(k, "out", out, "gate", gate);
-    glu_check(k, out, gate, up);
+    enum am_dtype dt = glu_check(k, "out", out, gate, up);
     int64_t n = am_tensor_numel(out);
     if (!n)
         return;
@@ -63,17 +79,8 @@ static void glu_backward(const char *k, const struct am_dev *d, struct am_tensor
                          const struct am_tensor *dout, const struct am_tensor *gate, const struct am_tensor *up)
 {
     am_cuda_ctx(k, d);
-    enum am_dtype dt = am_cuda_act(k, "gate", gate);
-    am_cuda_same(k, "up", up, "gate", gate);
-    am_cuda_same(k, "dout", dout, "gate", gate);
-    if (dgate)
-        am_cuda_same(k, "dgate", dgate, "gate", gate);
-    if (dup)
-        am_cuda_same(k, "dup", dup, "gate", gate);
-    glu_check(k, dout, gate, up);
-    AM_CUDA_REQUIRE(k, !dgate || am_tensor_numel(dgate) == am_tensor_numel(gate), "dgate (%s) must have gate's shape",
-                    am_tname(dgate));
-    AM_CUDA_REQUIRE(k, !dup || am_tensor_numel(dup) == am_tensor_numel(up), "dup (%s) must have up's shape", am_tname(dup));
+    enum am_dtype dt = glu_check(k, "dout", dout, gate, up);
+    glu_grads_check(k, dgate, dup, gate, up);
     int64_t n = am_tensor_numel(dout);
     if (!n || (!dgate && !dup))
         return;

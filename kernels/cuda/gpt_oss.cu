@@ -3,7 +3,7 @@
  * rounded once). The sinks' backward runs one block per head, its rows summed in a fixed
  * order (a per-thread double in row order, then a tree over the block): deterministic.
  */
-#include "common.cuh"
+#include "glu.cuh"
 
 template <typename X, typename S>
 __global__ void sink_fwd_k(X *out, float *lse, const S *sinks, int64_t B, int64_t T, int64_t H, int64_t D)
@@ -159,23 +159,12 @@ __global__ void clamped_bwd_k(T *dgate, T *dup, const T *dout, const T *gate, co
     }
 }
 
-static void check_glu(const char *k, const struct am_tensor *a, const struct am_tensor *gate, const struct am_tensor *up)
-{
-    am_cuda_act(k, "gate", gate);
-    am_cuda_same(k, "up", up, "gate", gate);
-    am_cuda_same(k, "out", a, "gate", gate);
-    AM_CUDA_REQUIRE(k, am_tensor_numel(a) == am_tensor_numel(gate) && am_tensor_numel(up) == am_tensor_numel(gate),
-                    "gate (%s), up (%s) and %s must have the same shape (%lld, %lld, %lld elements)", am_tname(gate),
-                    am_tname(up), am_tname(a), (long long)am_tensor_numel(gate), (long long)am_tensor_numel(up),
-                    (long long)am_tensor_numel(a));
-}
-
 void am_cuda_swiglu_clamped_forward(const struct am_dev *d, struct am_tensor *out, const struct am_tensor *gate,
                                     const struct am_tensor *up, float alpha, float limit)
 {
     const char *k = "am_cuda_swiglu_clamped_forward";
     am_cuda_ctx(k, d);
-    check_glu(k, out, gate, up);
+    glu_check(k, "out", out, gate, up);
     int64_t n = am_tensor_numel(out);
     if (!n)
         return;
@@ -195,14 +184,8 @@ void am_cuda_swiglu_clamped_backward(const struct am_dev *d, struct am_tensor *d
 {
     const char *k = "am_cuda_swiglu_clamped_backward";
     am_cuda_ctx(k, d);
-    check_glu(k, dout, gate, up);
-    if (dgate)
-        am_cuda_same(k, "dgate", dgate, "gate", gate);
-    if (dup)
-        am_cuda_same(k, "dup", dup, "gate", gate);
-    AM_CUDA_REQUIRE(k, !dgate || am_tensor_numel(dgate) == am_tensor_numel(gate), "dgate (%s) must have gate's shape",
-                    am_tname(dgate));
-    AM_CUDA_REQUIRE(k, !dup || am_tensor_numel(dup) == am_tensor_numel(up), "dup (%s) must have up's shape", am_tname(dup));
+    glu_check(k, "dout", dout, gate, up);
+    glu_grads_check(k, dgate, dup, gate, up);
     int64_t n = am_tensor_numel(dout);
     if (!n || (!dgate && !dup))
         return;
