@@ -14,18 +14,8 @@
 # during the FP8 load on a terminal; am-ckpt export of the trained model writes no
 # quantization_config, in fp32 or (--dtype bfloat16) bf16, and refuses to re-quantise.
 set -u
-: "${AM_SRCDIR:=$(cd "$(dirname "$0")/../.." && pwd)}"
-: "${AM_BUILDDIR:=$PWD}"
-export AM_MODELS_DIR=${AM_MODELS_DIR:-$AM_SRCDIR/runtime/recipe/models}
-unset AM_RECIPE AM_TP AM_PP AM_EP AM_CP AM_LOG_DIR AM_DRY_RUN AM_FAULT 2>/dev/null || true
-PY=${AM_GOLDEN_PYTHON:-/tmp/goldenv/bin/python}
-T=$(mktemp -d /tmp/am-fp8-XXXXXX)
-trap '[ -n "${AM_KEEP:-}" ] || rm -rf "$T"' EXIT
-fails=0 passes=0
-ok() { echo "ok: $*"; passes=$((passes + 1)); }
-bad() { echo "FAIL: $*"; fails=$((fails + 1)); }
+source "$(dirname "$0")/load-lib.sh"
 
-"$AM_BUILDDIR/am-data" build --bytes --out "$T/corpus" /usr/share/common-licenses/* >/dev/null || exit 1
 for g in llama_tp:16:24 qwen3_moe_tiny:32:40; do
     IFS=: read -r name b0 b1 <<<"$g"
     "$AM_BUILDDIR/tests/ckpt/fp8_quantize" "$AM_SRCDIR/tests/golden/models/$name" "$T/$name" "$b0" "$b1" ||
@@ -40,28 +30,6 @@ for g in llama_tp:16:24 qwen3_moe_tiny:32:40; do
         echo "note: no torch at $PY: fp8_quantize's bytes not compared with torch's"
     fi
 done
-
-# recipe DIR NAME [bf16 [save]]: the tiny recipe on the model in DIR (save: a checkpoint, in ckpt-NAME)
-recipe() {
-    awk -v base="$1" -v data="$T/corpus" -v bf="${3:-}" -v save="${4:-}" -v name="$2" '
-        /^model:/ { print "model:\n  pretrained_model_name_or_path: " base "\n"; skip = 1; next }
-        skip && /^[a-z]/ { skip = 0 }
-        skip { next }
-        bf && /param_dtype:/ { sub(/param_dtype: .*/, "param_dtype: bfloat16") }
-        { sub(/paths: .*/, "paths: " data); sub(/max_steps: .*/, "max_steps: 1"); sub(/seq_length: .*/, "seq_length: 32");
-          sub(/ckpt_every_steps: .*/, "ckpt_every_steps: 1"); sub(/checkpoint_dir: .*/, "checkpoint_dir: ckpt-" name);
-          if (save) sub(/enabled: false/, "enabled: true"); print }' \
-        "$AM_SRCDIR/sbatch-templates/recipes/tiny.yaml" >"$T/$2.yaml"
-}
-
-# first NAME NPROC RECIPE [VAR=VALUE...]: trains one step; prints rank 0's first loss
-first() {
-    local name=$1 n=$2 r=$3
-    shift 3
-    (cd "$T" && env ${1+"$@"} "$AM_BUILDDIR/am-launch" --nproc "$n" --log-dir "$T/logs-$name" "$r.yaml" \
-        >"$T/$name.out" 2>"$T/$name.err") || { echo "did-not-train"; return; }
-    grep -h '"type":"step"' "$T/logs-$name"/*/rank-0.jsonl | head -1 | sed -E 's/.*"loss":([^,]*),.*/\1/'
-}
 
 for c in "llama_tp 1 - -" "llama_tp 2 AM_TP=2 -" "llama_tp 2 - -" "llama_tp 1 - bf16" "qwen3_moe_tiny 1 - -" "qwen3_moe_tiny 2 AM_EP=2 -"; do
     read -r name n var bf <<<"$c"

@@ -8,25 +8,15 @@
 # own weights give another first loss. The job's consolidated save is unquantised, without
 # quantization_config, and transformers' fused names.
 set -u
-: "${AM_SRCDIR:=$(cd "$(dirname "$0")/../.." && pwd)}"
-: "${AM_BUILDDIR:=$PWD}"
-export AM_MODELS_DIR=${AM_MODELS_DIR:-$AM_SRCDIR/runtime/recipe/models}
-unset AM_RECIPE AM_TP AM_PP AM_EP AM_CP AM_LOG_DIR AM_DRY_RUN AM_FAULT 2>/dev/null || true
-T=$(mktemp -d /tmp/am-mxfp4-XXXXXX)
-trap '[ -n "${AM_KEEP:-}" ] || rm -rf "$T"' EXIT
-fails=0 passes=0
-ok() { echo "ok: $*"; passes=$((passes + 1)); }
-bad() { echo "FAIL: $*"; fails=$((fails + 1)); }
+source "$(dirname "$0")/load-lib.sh"
 G=$AM_SRCDIR/tests/golden/models/gpt_oss_tiny
 
-"$AM_BUILDDIR/am-data" build --bytes --out "$T/corpus" /usr/share/common-licenses/* >/dev/null || exit 1
 "$AM_BUILDDIR/tests/ckpt/mxfp4_quantize" "$G" "$T/q" || { echo "FAIL: mxfp4_quantize"; exit 1; }
 "$AM_BUILDDIR/tests/ckpt/mxfp4_quantize" "$G" "$T/q2" && cmp -s "$T/q/mxfp4/model.safetensors" "$T/q2/mxfp4/model.safetensors" &&
     ok "mxfp4_quantize is deterministic" || bad "mxfp4_quantize gave other bytes the second time"
 
 # where the golden venv has torch (AM_GOLDEN_PYTHON): transformers' own MXFP4 conversion of the
 # blocks and scales gives the dequantised file's tensors exactly
-PY=${AM_GOLDEN_PYTHON:-/tmp/goldenv/bin/python}
 if "$PY" -c 'import torch, transformers.integrations.mxfp4' 2>/dev/null; then
     "$PY" - "$T/q" <<'PYEOF' >"$T/torch.check" 2>&1 && ok "transformers' convert_moe_packed_tensors of mxfp4_quantize's blocks and scales equals its dequantised tensors" || { bad "transformers' conversion differs:"; cat "$T/torch.check"; }
 import sys, torch
@@ -41,27 +31,6 @@ PYEOF
 else
     echo "note: no torch at $PY: mxfp4_quantize's layout not compared with transformers' conversion"
 fi
-
-# recipe DIR NAME [save]: the tiny recipe on the model in DIR (save: a consolidated checkpoint in ckpt-NAME)
-recipe() {
-    awk -v base="$1" -v data="$T/corpus" -v save="${3:-}" -v name="$2" '
-        /^model:/ { print "model:\n  pretrained_model_name_or_path: " base "\n"; skip = 1; next }
-        skip && /^[a-z]/ { skip = 0 }
-        skip { next }
-        { sub(/paths: .*/, "paths: " data); sub(/max_steps: .*/, "max_steps: 1"); sub(/seq_length: .*/, "seq_length: 32");
-          sub(/ckpt_every_steps: .*/, "ckpt_every_steps: 1"); sub(/checkpoint_dir: .*/, "checkpoint_dir: ckpt-" name);
-          if (save) sub(/enabled: false/, "enabled: true\n  save_consolidated: true"); print }' \
-        "$AM_SRCDIR/sbatch-templates/recipes/tiny.yaml" >"$T/$2.yaml"
-}
-
-# first NAME NPROC RECIPE [VAR=VALUE...]: trains one step; prints rank 0's first loss
-first() {
-    local name=$1 n=$2 r=$3
-    shift 3
-    (cd "$T" && env ${1+"$@"} "$AM_BUILDDIR/am-launch" --nproc "$n" --log-dir "$T/logs-$name" "$r.yaml" \
-        >"$T/$name.out" 2>"$T/$name.err") || { echo "did-not-train"; return; }
-    grep -h '"type":"step"' "$T/logs-$name"/*/rank-0.jsonl | head -1 | sed -E 's/.*"loss":([^,]*),.*/\1/'
-}
 
 recipe "$T/q/mxfp4" mx
 recipe "$T/q/deq" deq
@@ -96,7 +65,7 @@ else
     bad "the unquantised golden's first loss '$o' against the MXFP4 checkpoint's '$a'"
 fi
 
-recipe "$T/q/mxfp4" save save
+recipe "$T/q/mxfp4" save "" save
 first save 1 save >/dev/null
 hf=$(ls -d "$T"/ckpt-save/step-*/hf 2>/dev/null | head -1)
 if [ -n "$hf" ] && [ -f "$hf/config.json" ] && ! grep -q quantization_config "$hf/config.json" &&
