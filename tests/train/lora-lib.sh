@@ -1,8 +1,9 @@
 # tests/train/lora-lib.sh - what the LoRA end-to-end tests share (sourced by test-lora.sh,
-# test-lora-dropout.sh, test-lora-moe.sh, test-lora-head.sh and test-lora-glm.sh): the test environment, a work
-# directory $work (kept when AM_LORA_KEEP is set), the counts of passed and failed checks (ok,
-# bad), the instruction dataset, the runs and their steps compared with test-parity.sh's
-# measures.
+# test-lora-dropout.sh, test-lora-moe.sh, test-lora-head.sh and test-lora-glm.sh): the test
+# environment, a work directory $work (kept when AM_LORA_KEEP is set), the counts of passed and
+# failed checks (ok, bad), the instruction dataset, the runs and their steps compared with
+# test-parity.sh's measures, the saved adapters read back; for the MoE scripts (test-lora-moe.sh,
+# test-lora-glm.sh), one rank's run and the layouts against it (lora_ref, lora_layouts).
 
 : "${AM_SRCDIR:=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)}"
 : "${AM_BUILDDIR:=$PWD}"
@@ -55,4 +56,77 @@ bf16_tol() {
     paste "$work/steps-$1" "$work/steps-$2" | awk '
         { d = $2 - $5; if (d < 0) d = -d; if (d > l) l = d; g = ($3 - $6) / $3; if (g < 0) g = -g; if (g > n) n = g }
         END { printf "%.3g %.3g", 2 * l, 2 * n }'
+}
+total_of() { # LOGDIR RANK: the bytes the rank allocated
+    local t=0 key v
+    for key in weights_bytes grads_bytes optimizer_bytes gathered_bytes grad_buffers_bytes act_bytes pipe_bytes; do
+        v=$(memory "$1" "$2" $key)
+        t=$((t + ${v:-0}))
+    done
+    echo "$t"
+}
+
+# the saved adapters (a safetensors file of fp32 tensors), read from its header
+tensors() { # FILE: "name rows cols" of each tensor, sorted
+    local n
+    n=$(od -An -t u8 -N 8 "$1" | tr -d ' ')
+    head -c $((8 + n)) "$1" | tail -c "$n" | grep -oE '"[^"]+":\{"dtype":"[A-Z0-9]+","shape":\[[0-9]+,[0-9]+\]' |
+        sed -E 's/"([^"]+)".*\[([0-9]+),([0-9]+)\]/\1 \2 \3/' | sort
+}
+floats() { # FILE: every value of the data, in the header's order (names sorted by the writer)
+    local n
+    n=$(od -An -t u8 -N 8 "$1" | tr -d ' ')
+    od -An -v -t f4 -j $((8 + n)) "$1" | tr -s ' ' '\n' | grep .
+}
+values() { # FILE NAME: the tensor's values, one a line
+    local n off
+    n=$(od -An -t u8 -N 8 "$1" | tr -d ' ')
+    off=$(head -c $((8 + n)) "$1" | tail -c "$n" | grep -oE "\"$2\":\\{[^}]*\\}" | grep -oE 'data_offsets":\[[0-9]+,[0-9]+' |
+        grep -oE '[0-9]+,[0-9]+')
+    od -An -v -t f4 -j $((8 + n + ${off%,*})) -N $((${off#*,} - ${off%,*})) "$1" | tr -s ' ' '\n' | grep .
+}
+
+# lora_ref WHAT: one rank's run ref (the script's `recipe ref 1`, $steps steps): its steps in
+# steps-ref, the loss falling, the gradients the adapters' alone; the script ended when it does not
+# train
+lora_ref() {
+    recipe ref 1
+    train ref 1 "$work/ref.yaml" || { sed 's/^/    /' "$work/out-ref"; bad "$1 did not train on one rank"; exit 1; }
+    steps_of "$work/logs-ref" >"$work/steps-ref"
+    if [ "$(wc -l <"$work/steps-ref")" = "$steps" ] &&
+        awk 'NR == 1 { a = $2 } END { exit !($2 < a) }' "$work/steps-ref" &&
+        [ "$(memory "$work/logs-ref" 0 grads_bytes)" = "$(($(memory "$work/logs-ref" 0 adapter_params) * 4))" ]; then
+        ok "$1, one rank: losses $(awk '{ printf "%s ", $2 }' "$work/steps-ref"); gradients of the $(memory "$work/logs-ref" 0 adapter_params) adapter parameters only"
+    else
+        bad "$1, one rank: losses $(awk '{ printf "%s ", $2 }' "$work/steps-ref"), grads_bytes $(memory "$work/logs-ref" 0 grads_bytes) for $(memory "$work/logs-ref" 0 adapter_params) adapter parameters"
+    fi
+}
+
+# lora_layouts WHAT LAYOUT...: each LAYOUT "NAME NPROC EP [VAR=VALUE...]" (the script's `recipe
+# NAME EP` on NPROC ranks with the variables) against one rank's run ref: its steps (compare), and
+# its saved adapters one rank's (names-ref's names and shapes, values within 1e-5)
+lora_layouts() {
+    local what=$1 layout name n ep vars f ad="$work/ckpt-ref/step-$steps/peft/adapter_model.safetensors"
+    shift
+    for layout in "$@"; do
+        read -r name n ep vars <<<"$layout"
+        recipe "$name" "$ep"
+        if ! train "$name" "$n" "$work/$name.yaml" $vars; then
+            bad "$name did not train"; sed 's/^/    /' "$work/out-$name"; continue
+        fi
+        steps_of "$work/logs-$name" >"$work/steps-$name"
+        if compare ref "$name"; then
+            ok "$what $name matches one rank: $(cat "$work/cmp-$name")"
+        else
+            bad "$what $name: $(cat "$work/cmp-$name")"; paste "$work/steps-ref" "$work/steps-$name" | sed 's/^/    /'
+        fi
+        f="$work/ckpt-$name/step-$steps/peft/adapter_model.safetensors"
+        if [ -f "$f" ] && [ "$(tensors "$f")" = "$(cat "$work/names-ref")" ] && awk -v tol=1e-5 '
+                NR == FNR { a[FNR] = $0; n = FNR; next } { d = a[FNR] - $0; if (d < 0) d = -d; if (d > w) w = d }
+                END { printf "%.2g", w; exit !(FNR == n && w <= tol) }' <(floats "$ad") <(floats "$f") >"$work/ad-$name"; then
+            ok "$what $name saves one rank's adapters (names, shapes; values within $(cat "$work/ad-$name"))"
+        else
+            bad "$what $name: its saved adapters differ from one rank's ($(cat "$work/ad-$name" 2>/dev/null))"
+        fi
+    done
 }

@@ -113,35 +113,8 @@ recipe() { # NAME EP: tiny_lora.yaml as $arch in fp32 on the instruction data, t
         "$AM_SRCDIR/sbatch-templates/recipes/tiny_lora.yaml" >"$work/$1.yaml"
 }
 
-recipe ref 1
-train ref 1 "$work/ref.yaml" || { sed 's/^/    /' "$work/out-ref"; bad "LoRA on $arch did not train on one rank"; exit 1; }
-steps_of "$work/logs-ref" >"$work/steps-ref"
-if [ "$(wc -l <"$work/steps-ref")" = "$steps" ] &&
-    awk 'NR == 1 { a = $2 } END { exit !($2 < a) }' "$work/steps-ref" &&
-    [ "$(memory "$work/logs-ref" 0 grads_bytes)" = "$(($(memory "$work/logs-ref" 0 adapter_params) * 4))" ]; then
-    ok "LoRA on $arch, one rank: losses $(awk '{ printf "%s ", $2 }' "$work/steps-ref"); gradients of the $(memory "$work/logs-ref" 0 adapter_params) adapter parameters only"
-else
-    bad "LoRA on $arch, one rank: losses $(awk '{ printf "%s ", $2 }' "$work/steps-ref"), grads_bytes $(memory "$work/logs-ref" 0 grads_bytes) for $(memory "$work/logs-ref" 0 adapter_params) adapter parameters"
-fi
+lora_ref "LoRA on $arch"
 
-tensors() { # FILE: "name rows cols" of each tensor, sorted
-    local n
-    n=$(od -An -t u8 -N 8 "$1" | tr -d ' ')
-    head -c $((8 + n)) "$1" | tail -c "$n" | grep -oE '"[^"]+":\{"dtype":"[A-Z0-9]+","shape":\[[0-9]+,[0-9]+\]' |
-        sed -E 's/"([^"]+)".*\[([0-9]+),([0-9]+)\]/\1 \2 \3/' | sort
-}
-floats() { # FILE: every value of the data, in the header's order
-    local n
-    n=$(od -An -t u8 -N 8 "$1" | tr -d ' ')
-    od -An -v -t f4 -j $((8 + n)) "$1" | tr -s ' ' '\n' | grep .
-}
-values() { # FILE NAME: the tensor's values, one a line
-    local n off
-    n=$(od -An -t u8 -N 8 "$1" | tr -d ' ')
-    off=$(head -c $((8 + n)) "$1" | tail -c "$n" | grep -oE "\"$2\":\\{[^}]*\\}" | grep -oE 'data_offsets":\[[0-9]+,[0-9]+' |
-        grep -oE '[0-9]+,[0-9]+')
-    od -An -v -t f4 -j $((8 + n + ${off%,*})) -N $((${off#*,} - ${off%,*})) "$1" | tr -s ' ' '\n' | grep .
-}
 ad="$work/ckpt-ref/step-$steps/peft/adapter_model.safetensors" cfg="$work/ckpt-ref/step-$steps/peft/adapter_config.json"
 p=base_model.model.model.layers
 # per layer: the attention's adapters, the MLP's (6); per MoE layer 8 experts x 6; lm_head 2
@@ -177,29 +150,7 @@ else
     bad "step-$steps/peft: $(wc -l <"$work/names-ref" 2>&1) tensors; $(grep -E 'mlp\.(shared_experts\.)?gate_proj' "$work/names-ref" 2>&1 | tr '\n' ' '); $(tr -d ' \n' <"$cfg" | grep -o '"target_modules":\[[^]]*' | cut -c1-300)"
 fi
 
-for layout in "tp2 2 1 AM_TP=2" "ep2 2 2" "pp2 2 1 AM_PP=2" "tp2-ep2 4 2 AM_TP=2"; do
-    set -- $layout
-    name=$1 n=$2 ep=$3
-    shift 3
-    recipe "$name" "$ep"
-    if ! train "$name" "$n" "$work/$name.yaml" "$@"; then
-        bad "$name did not train"; sed 's/^/    /' "$work/out-$name"; continue
-    fi
-    steps_of "$work/logs-$name" >"$work/steps-$name"
-    if compare ref "$name"; then
-        ok "LoRA on $arch $name matches one rank: $(cat "$work/cmp-$name")"
-    else
-        bad "LoRA on $arch $name: $(cat "$work/cmp-$name")"; paste "$work/steps-ref" "$work/steps-$name" | sed 's/^/    /'
-    fi
-    f="$work/ckpt-$name/step-$steps/peft/adapter_model.safetensors"
-    if [ -f "$f" ] && [ "$(tensors "$f")" = "$(cat "$work/names-ref")" ] && awk -v tol=1e-5 '
-            NR == FNR { a[FNR] = $0; n = FNR; next } { d = a[FNR] - $0; if (d < 0) d = -d; if (d > w) w = d }
-            END { printf "%.2g", w; exit !(FNR == n && w <= tol) }' <(floats "$ad") <(floats "$f") >"$work/ad-$name"; then
-        ok "LoRA on $arch $name saves one rank's adapters (names, shapes; values within $(cat "$work/ad-$name"))"
-    else
-        bad "LoRA on $arch $name: its saved adapters differ from one rank's ($(cat "$work/ad-$name" 2>/dev/null))"
-    fi
-done
+lora_layouts "LoRA on $arch" "tp2 2 1 AM_TP=2" "ep2 2 2" "pp2 2 1 AM_PP=2" "tp2-ep2 4 2 AM_TP=2"
 
 # bf16: tp 2 x ep 2 against one rank's bf16 run, within twice one rank's bf16-vs-fp32 differences
 for run in "ref-bf16 1 ref" "tp2-ep2-bf16 4 tp2-ep2 AM_TP=2"; do
@@ -244,14 +195,6 @@ else
 fi
 
 # memory: every rank's allocation is am-plan's estimate for its pipeline rank, to the byte
-total_of() { # LOGDIR RANK: the bytes the rank allocated
-    local t=0 key v
-    for key in weights_bytes grads_bytes optimizer_bytes gathered_bytes grad_buffers_bytes act_bytes pipe_bytes; do
-        v=$(memory "$1" "$2" $key)
-        t=$((t + ${v:-0}))
-    done
-    echo "$t"
-}
 plan_of() { # RECIPE NPROC SETS...: am-plan's total of each pp rank, less the CUDA kernels' scratch
     # (kernel_scratch: the CPU's kernels allocate none)
     local y=$1 n=$2

@@ -56,29 +56,9 @@ checkpoint:
 YAML
 }
 
-recipe ref 1
-train ref 1 "$work/ref.yaml" || { sed 's/^/    /' "$work/out-ref"; bad "LoRA on tiny_moe did not train on one rank"; exit 1; }
-steps_of "$work/logs-ref" >"$work/steps-ref"
-if [ "$(wc -l <"$work/steps-ref")" = "$steps" ] &&
-    awk 'NR == 1 { a = $2 } END { exit !($2 < a) }' "$work/steps-ref" &&
-    [ "$(memory "$work/logs-ref" 0 grads_bytes)" = "$(($(memory "$work/logs-ref" 0 adapter_params) * 4))" ]; then
-    ok "LoRA on tiny_moe, one rank: losses $(awk '{ printf "%s ", $2 }' "$work/steps-ref"); gradients of the $(memory "$work/logs-ref" 0 adapter_params) adapter parameters only"
-else
-    bad "LoRA on tiny_moe, one rank: losses $(awk '{ printf "%s ", $2 }' "$work/steps-ref"), grads_bytes $(memory "$work/logs-ref" 0 grads_bytes) for $(memory "$work/logs-ref" 0 adapter_params) adapter parameters"
-fi
+lora_ref "LoRA on tiny_moe"
 # the saved adapters: their names and shapes (and up's lora_A the same values as gate's), from
 # the safetensors header, and target_modules
-tensors() { # FILE: "name rows cols" of each tensor, sorted
-    local n
-    n=$(od -An -t u8 -N 8 "$1" | tr -d ' ')
-    head -c $((8 + n)) "$1" | tail -c "$n" | grep -oE '"[^"]+":\{"dtype":"[A-Z0-9]+","shape":\[[0-9]+,[0-9]+\]' |
-        sed -E 's/"([^"]+)".*\[([0-9]+),([0-9]+)\]/\1 \2 \3/' | sort
-}
-floats() { # FILE: every value of the data, in the header's order (names sorted by the writer)
-    local n
-    n=$(od -An -t u8 -N 8 "$1" | tr -d ' ')
-    od -An -v -t f4 -j $((8 + n)) "$1" | tr -s ' ' '\n' | grep .
-}
 slice() { # FILE NAME: the tensor's bytes, as hex
     local n off
     n=$(od -An -t u8 -N 8 "$1" | tr -d ' ')
@@ -115,30 +95,7 @@ else
     bad "adapters on the attention alone: $(head -1 "$work/steps-att" 2>&1) against $(head -1 "$work/steps-ref")"
 fi
 
-for layout in "ep2 2 2" "tp2-ep2 4 2 AM_TP=2" "pp2 2 1 AM_PP=2"; do
-    set -- $layout
-    name=$1 n=$2 ep=$3
-    shift 3
-    recipe "$name" "$ep"
-    if ! train "$name" "$n" "$work/$name.yaml" "$@"; then
-        bad "$name did not train"; sed 's/^/    /' "$work/out-$name"; continue
-    fi
-    steps_of "$work/logs-$name" >"$work/steps-$name"
-    if compare ref "$name"; then
-        ok "LoRA on tiny_moe $name matches one rank: $(cat "$work/cmp-$name")"
-    else
-        bad "LoRA on tiny_moe $name: $(cat "$work/cmp-$name")"; paste "$work/steps-ref" "$work/steps-$name" | sed 's/^/    /'
-    fi
-    # the saved adapters: one rank's names and shapes, their values within 1e-5
-    f="$work/ckpt-$name/step-$steps/peft/adapter_model.safetensors"
-    if [ -f "$f" ] && [ "$(tensors "$f")" = "$(cat "$work/names-ref")" ] && awk -v tol=1e-5 '
-            NR == FNR { a[FNR] = $0; n = FNR; next } { d = a[FNR] - $0; if (d < 0) d = -d; if (d > w) w = d }
-            END { printf "%.2g", w; exit !(FNR == n && w <= tol) }' <(floats "$ad") <(floats "$f") >"$work/ad-$name"; then
-        ok "LoRA on tiny_moe $name saves one rank's adapters (names, shapes; values within $(cat "$work/ad-$name"))"
-    else
-        bad "LoRA on tiny_moe $name: its saved adapters differ from one rank's ($(cat "$work/ad-$name" 2>/dev/null))"
-    fi
-done
+lora_layouts "LoRA on tiny_moe" "ep2 2 2" "tp2-ep2 4 2 AM_TP=2" "pp2 2 1 AM_PP=2"
 
 # bf16: ep 2 and tp 2 x ep 2 against one rank's bf16 run, within twice one rank's bf16-vs-fp32
 # differences (loss; grad norm relative), as test-lora.sh tolerates bf16 layouts
@@ -175,13 +132,6 @@ fi
 # merge: am-ckpt merge writes each expert's weights as W + s B A (gate's and up's with the shared
 # A) into the base the adapters were trained on, exported by a run of the same seed after one
 # step at lr 0 (the warmup's first: the initial weights)
-values() { # FILE NAME: the tensor's values, one a line
-    local n off
-    n=$(od -An -t u8 -N 8 "$1" | tr -d ' ')
-    off=$(head -c $((8 + n)) "$1" | tail -c "$n" | grep -oE "\"$2\":\\{[^}]*\\}" | grep -oE 'data_offsets":\[[0-9]+,[0-9]+' |
-        grep -oE '[0-9]+,[0-9]+')
-    od -An -v -t f4 -j $((8 + n + ${off%,*})) -N $((${off#*,} - ${off%,*})) "$1" | tr -s ' ' '\n' | grep .
-}
 sed -e '/^peft:/,$d' -e 's/max_steps: .*/max_steps: 1/' "$work/ref.yaml" >"$work/base.yaml"
 printf '\ncheckpoint:\n  enabled: true\n  checkpoint_dir: %s\n' "$work/ckpt-base" >>"$work/base.yaml"
 if train base 1 "$work/base.yaml" && "$AM_BUILDDIR/am-ckpt" merge "$work/ckpt-base/step-1/hf" "$work/ckpt-ref/step-$steps/peft" \
@@ -272,14 +222,6 @@ fi
 # (Compared as differences: the MoE model's own allocation was a few hundred bytes off
 # am-plan's estimate, with or without LoRA, until am-plan counted each MoE layer's tokens per
 # expert as the 64-byte buffer am-train carves; test-parity.sh checks the totals themselves.)
-total_of() { # LOGDIR RANK: the bytes the rank allocated
-    local t=0 key v
-    for key in weights_bytes grads_bytes optimizer_bytes gathered_bytes grad_buffers_bytes act_bytes pipe_bytes; do
-        v=$(memory "$1" "$2" $key)
-        t=$((t + ${v:-0}))
-    done
-    echo "$t"
-}
 plan_of() { # RECIPE NPROC SETS...: am-plan's total of each pp rank
     local y=$1 n=$2
     shift 2
