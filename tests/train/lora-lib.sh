@@ -3,7 +3,8 @@
 # environment, a work directory $work (kept when AM_LORA_KEEP is set), the counts of passed and
 # failed checks (ok, bad), the instruction dataset, the runs and their steps compared with
 # test-parity.sh's measures, the saved adapters read back; for the MoE scripts (test-lora-moe.sh,
-# test-lora-glm.sh), one rank's run and the layouts against it (lora_ref, lora_layouts).
+# test-lora-glm.sh), one rank's run, the layouts and the bf16 runs against it (lora_ref,
+# lora_layouts, lora_bf16) and am-ckpt merge's weights against W + s B A (merge_error).
 
 : "${AM_SRCDIR:=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)}"
 : "${AM_BUILDDIR:=$PWD}"
@@ -129,4 +130,33 @@ lora_layouts() {
             bad "$what $name: its saved adapters differ from one rank's ($(cat "$work/ad-$name" 2>/dev/null))"
         fi
     done
+}
+
+# lora_bf16 RUN...: one rank's run ref in bf16 (ref-bf16), then each RUN "NAME NPROC FROM
+# [VAR=VALUE...]", FROM's recipe in bf16 on NPROC ranks with the variables (its checkpoints in
+# ckpt-NAME), their steps in steps-NAME; sets $tol to bf16_tol of ref and ref-bf16, a failed
+# check when ref-bf16 is not different from ref
+lora_bf16() {
+    local run name n from vars
+    for run in "ref-bf16 1 ref" "$@"; do
+        read -r name n from vars <<<"$run"
+        sed -e 's/param_dtype: float32/param_dtype: bfloat16/' -e "s|ckpt-$from|ckpt-$name|" "$work/$from.yaml" >"$work/$name.yaml"
+        train "$name" "$n" "$work/$name.yaml" $vars && steps_of "$work/logs-$name" >"$work/steps-$name" || { bad "$name did not train"; sed 's/^/    /' "$work/out-$name"; }
+    done
+    tol=$(bf16_tol ref ref-bf16)
+    if ! awk -v t="${tol%% *}" 'BEGIN { exit !(t > 1e-5) }'; then
+        bad "one rank's bf16 run is not different from fp32 ($tol): is bf16 used?"
+    fi
+}
+
+# merge_error S R ROWS COLS B A W MERGED: the files of a merged weight's values (one a line: an
+# adapter's B [ROWS, R] and A [R, COLS], the base's W and am-ckpt merge's result, [ROWS, COLS]):
+# prints the largest |MERGED - (W + S B A)| on a line; 1 when it is 1e-6 or more, or a count is off
+merge_error() {
+    awk -v s="$1" -v r="$2" -v rows="$3" -v cols="$4" '
+        FNR == 1 { f++ } f == 1 { B[FNR - 1] = $1 } f == 2 { A[FNR - 1] = $1 } f == 3 { W[FNR - 1] = $1 }
+        f == 4 { i = FNR - 1; o = int(i / cols); c = i % cols; d = 0
+                 for (k = 0; k < r; k++) d += B[o * r + k] * A[k * cols + c]
+                 e = $1 - W[i] - s * d; if (e < 0) e = -e; if (e > worst) worst = e; n++ }
+        END { printf "%.2g\n", worst; exit !(n == rows * cols && worst < 1e-6) }' "$5" "$6" "$7" "$8"
 }

@@ -153,17 +153,7 @@ fi
 lora_layouts "LoRA on $arch" "tp2 2 1 AM_TP=2" "ep2 2 2" "pp2 2 1 AM_PP=2" "tp2-ep2 4 2 AM_TP=2"
 
 # bf16: tp 2 x ep 2 against one rank's bf16 run, within twice one rank's bf16-vs-fp32 differences
-for run in "ref-bf16 1 ref" "tp2-ep2-bf16 4 tp2-ep2 AM_TP=2"; do
-    set -- $run
-    sed -e 's/param_dtype: float32/param_dtype: bfloat16/' -e "s|ckpt-$3|ckpt-$1|" "$work/$3.yaml" >"$work/$1.yaml"
-    name=$1 n=$2
-    shift 3
-    train "$name" "$n" "$work/$name.yaml" "$@" && steps_of "$work/logs-$name" >"$work/steps-$name" || { bad "$name did not train"; sed 's/^/    /' "$work/out-$name"; }
-done
-tol=$(bf16_tol ref ref-bf16)
-if ! awk -v t="${tol%% *}" 'BEGIN { exit !(t > 1e-5) }'; then
-    bad "one rank's bf16 run is not different from fp32 ($tol): is bf16 used?"
-fi
+lora_bf16 "tp2-ep2-bf16 4 tp2-ep2 AM_TP=2"
 if compare ref-bf16 tp2-ep2-bf16 "${tol%% *}" "${tol##* }"; then
     ok "LoRA on $arch tp2-ep2 matches one rank in bf16: $(cat "$work/cmp-tp2-ep2-bf16")"
 else
@@ -243,20 +233,15 @@ if train base 1 "$work/base.yaml" && "$AM_BUILDDIR/am-ckpt" merge "$work/ckpt-ba
     [ "$arch" = deepseek_v3 ] && mw+=("model.layers.1.self_attn.q_a_proj 24 64" "model.layers.2.self_attn.kv_b_proj 80 16")
     for w in "${mw[@]}"; do
         set -- $w
-        awk -v s=4 -v r=8 -v rows="$2" -v cols="$3" '
-            FNR == 1 { f++ } f == 1 { B[FNR - 1] = $1 } f == 2 { A[FNR - 1] = $1 } f == 3 { W[FNR - 1] = $1 }
-            f == 4 { i = FNR - 1; o = int(i / cols); c = i % cols; d = 0
-                     for (k = 0; k < r; k++) d += B[o * r + k] * A[k * cols + c]
-                     e = $1 - W[i] - s * d; if (e < 0) e = -e; if (e > worst) worst = e; n++ }
-            END { printf "%.2g ", worst; exit !(n == rows * cols && worst < 1e-6) }' \
+        merge_error 4 8 "$2" "$3" \
             <(values "$ad" "base_model.model.$1.lora_B.weight") <(values "$ad" "base_model.model.$1.lora_A.weight") \
             <(values "$work/ckpt-base/step-1/hf/model.safetensors" "$1.weight") \
             <(values "$work/merged/model.safetensors" "$1.weight") >>"$work/merge-fit" || fit=0
     done
     if [ "$fit" = 1 ]; then
-        ok "am-ckpt merge: the dense MLP's and the shared experts' weights$([ "$arch" = deepseek_v3 ] && echo ", q_a_proj's and kv_b_proj's") become W + s B A (within $(cat "$work/merge-fit"))"
+        ok "am-ckpt merge: the dense MLP's and the shared experts' weights$([ "$arch" = deepseek_v3 ] && echo ", q_a_proj's and kv_b_proj's") become W + s B A (within $(tr '\n' ' ' <"$work/merge-fit"))"
     else
-        bad "am-ckpt merge: a merged weight is not W + s B A ($(cat "$work/merge-fit" 2>/dev/null))"
+        bad "am-ckpt merge: a merged weight is not W + s B A ($(tr '\n' ' ' <"$work/merge-fit" 2>/dev/null))"
     fi
 else
     bad "am-ckpt merge of $arch's adapters: $(cat "$work/out-merge" 2>/dev/null)"; sed 's/^/    /' "$work/out-base" | tail -5

@@ -99,17 +99,7 @@ lora_layouts "LoRA on tiny_moe" "ep2 2 2" "tp2-ep2 4 2 AM_TP=2" "pp2 2 1 AM_PP=2
 
 # bf16: ep 2 and tp 2 x ep 2 against one rank's bf16 run, within twice one rank's bf16-vs-fp32
 # differences (loss; grad norm relative), as test-lora.sh tolerates bf16 layouts
-for run in "ref-bf16 1 ref" "ep2-bf16 2 ep2" "tp2-ep2-bf16 4 tp2-ep2 AM_TP=2"; do
-    set -- $run
-    sed -e 's/param_dtype: float32/param_dtype: bfloat16/' -e "s|ckpt-$3|ckpt-$1|" "$work/$3.yaml" >"$work/$1.yaml"
-    name=$1 n=$2
-    shift 3
-    train "$name" "$n" "$work/$name.yaml" "$@" && steps_of "$work/logs-$name" >"$work/steps-$name" || { bad "$name did not train"; sed 's/^/    /' "$work/out-$name"; }
-done
-tol=$(bf16_tol ref ref-bf16)
-if ! awk -v t="${tol%% *}" 'BEGIN { exit !(t > 1e-5) }'; then
-    bad "one rank's bf16 run is not different from fp32 ($tol): is bf16 used?"
-fi
+lora_bf16 "ep2-bf16 2 ep2" "tp2-ep2-bf16 4 tp2-ep2 AM_TP=2"
 for name in ep2-bf16 tp2-ep2-bf16; do
     if compare ref-bf16 "$name" "${tol%% *}" "${tol##* }"; then
         ok "LoRA on tiny_moe $name matches one rank in bf16: $(cat "$work/cmp-$name")"
@@ -139,12 +129,7 @@ if train base 1 "$work/base.yaml" && "$AM_BUILDDIR/am-ckpt" merge "$work/ckpt-ba
     e=model.layers.2.block_sparse_moe.experts.3 pe=base_model.model.model.layers.2.block_sparse_moe.experts.3 fit=1
     for w in "w1 w1 w1 96 64" "w3 w3 w1 96 64" "w2 w2 w2 64 96"; do
         set -- $w
-        awk -v s=4 -v rows="$4" -v cols="$5" -v r=8 '
-            FNR == 1 { f++ } f == 1 { B[FNR - 1] = $1 } f == 2 { A[FNR - 1] = $1 } f == 3 { W[FNR - 1] = $1 }
-            f == 4 { i = FNR - 1; o = int(i / cols); c = i % cols; d = 0
-                     for (k = 0; k < r; k++) d += B[o * r + k] * A[k * cols + c]
-                     e = $1 - W[i] - s * d; if (e < 0) e = -e; if (e > worst) worst = e; n++ }
-            END { printf "%.2g", worst; exit !(n == rows * cols && worst < 1e-6) }' \
+        merge_error 4 8 "$4" "$5" \
             <(values "$ad" "$pe.$2.lora_B.weight") <(values "$ad" "$pe.$3.lora_A.weight") \
             <(values "$work/ckpt-base/step-1/hf/model.safetensors" "$e.$1.weight") \
             <(values "$work/merged/model.safetensors" "$e.$1.weight") >"$work/merge-$1" || fit=0
@@ -195,16 +180,10 @@ if "$AM_BUILDDIR/am-ckpt" merge "$work/ckpt-base/step-1/hf" "$work/ckpt-rs/step-
     fit=1
     for w in "model.layers.2.block_sparse_moe.experts.3.w1 8 4 96 64" "model.layers.1.self_attn.q_proj 4 8 64 64"; do
         set -- $w
-        awk -v s="$2" -v r="$3" -v rows="$4" -v cols="$5" '
-            FNR == 1 { f++ } f == 1 { B[FNR - 1] = $1 } f == 2 { A[FNR - 1] = $1 } f == 3 { W[FNR - 1] = $1 }
-            f == 4 { i = FNR - 1; o = int(i / cols); c = i % cols; d = 0
-                     for (k = 0; k < r; k++) d += B[o * r + k] * A[k * cols + c]
-                     e = $1 - W[i] - s * d; if (e < 0) e = -e; if (e > worst) worst = e; n++ }
-            END { printf "%.2g", worst; exit !(n == rows * cols && worst < 1e-6) }' \
+        merge_error "$2" "$3" "$4" "$5" \
             <(values "$rad" "base_model.model.$1.lora_B.weight") <(values "$rad" "base_model.model.$1.lora_A.weight") \
             <(values "$work/ckpt-base/step-1/hf/model.safetensors" "$1.weight") \
             <(values "$work/merged-rs/model.safetensors" "$1.weight") >>"$work/merge-rs" || fit=0
-        echo >>"$work/merge-rs"
     done
     if [ "$fit" = 1 ]; then
         ok "moe_rank_scaling: am-ckpt merge makes an expert's w1 W + (32 / 4) B A and q_proj W + (32 / 8) B A (within $(tr '\n' ' ' <"$work/merge-rs"))"
