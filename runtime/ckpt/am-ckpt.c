@@ -9,7 +9,9 @@
  *                             (torch_dtype bfloat16), as AutoModel's consolidated save of a bf16
  *                             model; never quantised (no quantization_config: a model trained
  *                             from an FP8 checkpoint is exported dequantised, and --dtype asking
- *                             for FP8 is refused with the reason)
+ *                             for FP8 is refused with the reason); gpt_oss's experts, held
+ *                             apart in the shards, written fused as transformers reads them
+ *                             (gate_up_proj, down_proj and their biases: the consolidated save's)
  *   am-ckpt merge BASE PEFT OUT
  *                             LoRA adapters merged into their base model, as a Hugging Face
  *                             directory: W + (lora_alpha / r) * B @ A in the base's dtype, every
@@ -125,7 +127,9 @@ static int show(const char *arg)
 /* The safetensors writer's fill: tensor `index`, read whole once, then handed out in chunks. */
 struct exporter {
     struct am_sckpt *c;
-    size_t *which; /* safetensors index -> checkpoint tensor */
+    const struct am_model_config *cfg;
+    size_t *which; /* safetensors index -> checkpoint tensor; from am_sckpt_n_tensors on: gpt_oss's fused
+                      tensor 4 l + k of layer l (fuse_gpt_oss's k: gate_up_proj, its bias, down_proj, its bias) */
     size_t current;
     float *buf;
     bool bf16; /* --dtype bfloat16: buf's values rounded to bf16, in place */
@@ -134,19 +138,77 @@ struct exporter {
     uint64_t done;
 };
 
+/* The number of floats of gpt_oss's fused tensor k of a layer (fill's which): [E, C, 2I], [E, 2I], [E, I, C], [E, C]. */
+static int64_t fused_numel(const struct am_model_config *cfg, int k)
+{
+    int64_t C = cfg->hidden_size, I = cfg->moe_intermediate_size, E = cfg->num_experts;
+    return k == 0 ? E * C * 2 * I : k == 1 ? E * 2 * I : k == 2 ? E * I * C : E * C;
+}
+
+/* gpt_oss: fused tensor k of layer l into buf, from the checkpoint's per-expert tensors (am's
+ * mlp.experts.e.{gate,up,down}_proj.{weight,bias}), as the consolidated save fuses them
+ * (model_io.c's fuse_gpt_oss): gate at the even columns of gate_up_proj, up at the odd; down_proj
+ * [I, C] per expert (x @ W), am's [C, I] transposed. 0, or -1 with a message in x->err. */
+static int read_fused(struct exporter *x, long l, int k, float *buf)
+{
+    int64_t C = x->cfg->hidden_size, I = x->cfg->moe_intermediate_size, E = x->cfg->num_experts;
+    float *w = malloc((size_t)(I * C) * sizeof(float));
+    int rc = w ? 0 : -1;
+    if (!w)
+        snprintf(x->err, sizeof(x->err), "out of memory");
+    static const char *const kinds[3] = {"gate_proj", "up_proj", "down_proj"};
+    bool down = k >= 2, bias = k & 1;
+    for (int64_t e = 0; e < E && rc == 0; e++)
+        for (int h = down ? 2 : 0; h < (down ? 3 : 2) && rc == 0; h++) { /* gate and up, or down */
+            char name[160];
+            snprintf(name, sizeof(name), "model.layers.%ld.mlp.experts.%lld.%s.%s", l, (long long)e, kinds[h],
+                     bias ? "bias" : "weight");
+            int i = am_sckpt_find(x->c, name);
+            struct am_sckpt_tensor_info t = {0};
+            if (i >= 0)
+                am_sckpt_tensor(x->c, (size_t)i, &t);
+            int64_t rows = down ? C : I, cols = bias ? 1 : down ? I : C; /* a vector has one column */
+            if (i < 0 || t.rows != rows || t.cols != cols) {
+                snprintf(x->err, sizeof(x->err), "%s: tensor %s %s (the checkpoint is damaged: export another)",
+                         am_sckpt_dir(x->c), name, i < 0 ? "is missing" : "has another shape than the config's");
+                rc = -1;
+            } else if ((rc = am_sckpt_read(x->c, (size_t)i, 0, 0, rows, 0, cols, w, cols, NULL, x->err,
+                                           sizeof(x->err))) == 0) {
+                for (int64_t a = 0; k == 0 && a < I; a++) /* gate_up_proj [E, C, 2I] */
+                    for (int64_t b = 0; b < C; b++)
+                        buf[(e * C + b) * 2 * I + 2 * a + h] = w[a * C + b];
+                for (int64_t a = 0; k == 1 && a < I; a++) /* gate_up_proj_bias [E, 2I] */
+                    buf[e * 2 * I + 2 * a + h] = w[a];
+                for (int64_t a = 0; k == 2 && a < I; a++) /* down_proj [E, I, C] */
+                    for (int64_t b = 0; b < C; b++)
+                        buf[(e * I + a) * C + b] = w[b * I + a];
+                if (k == 3) /* down_proj_bias [E, C] */
+                    memcpy(buf + e * C, w, (size_t)C * sizeof(float));
+            }
+        }
+    free(w);
+    return rc;
+}
+
 static int fill(void *ctx, size_t index, uint64_t offset, void *dst, size_t n, struct am_errors *err)
 {
     struct exporter *x = ctx;
-    struct am_sckpt_tensor_info t;
-    am_sckpt_tensor(x->c, x->which[index], &t);
+    struct am_sckpt_tensor_info t = {0};
+    size_t nt = am_sckpt_n_tensors(x->c), fused = x->which[index] >= nt ? x->which[index] - nt : 0;
+    if (x->which[index] < nt)
+        am_sckpt_tensor(x->c, x->which[index], &t);
+    else /* gpt_oss's fused tensor: its floats as one row */
+        t = (struct am_sckpt_tensor_info){.rows = 1, .cols = fused_numel(x->cfg, (int)(fused % 4))};
     if (x->current != index || !x->buf) {
         am_progress_set(&x->bar, x->done, 0);
         x->done += (uint64_t)(t.rows * t.cols) * sizeof(float);
         free(x->buf);
         x->buf = malloc((size_t)(t.rows * t.cols) * sizeof(float) + 1);
         x->current = index;
-        if (!x->buf || am_sckpt_read(x->c, x->which[index], 0, 0, t.rows, 0, t.cols, x->buf, t.cols, NULL, x->err,
-                                     sizeof(x->err)) < 0) {
+        if (!x->buf ||
+            (x->which[index] < nt ? am_sckpt_read(x->c, x->which[index], 0, 0, t.rows, 0, t.cols, x->buf, t.cols, NULL,
+                                                  x->err, sizeof(x->err))
+                                  : read_fused(x, (long)(fused / 4), (int)(fused % 4), x->buf)) < 0) {
             am_errors_fail(err, "%s", x->buf ? x->err : "out of memory");
             free(x->buf);
             x->buf = NULL;
@@ -222,6 +284,7 @@ static int export(const char *arg, const char *out, bool show, bool bf16)
     struct am_model_config cfg;
     struct am_st_file *bias_files[AM_CKPT_BIAS_FILES]; /* selection_bias/ (add_biases) */
     size_t n_bias_files = 0, n_wt = 0;
+    bool *fused = NULL;
     int rc = 1;
     if (open_dir(arg, &c) < 0)
         return 1;
@@ -254,13 +317,6 @@ static int export(const char *arg, const char *out, bool show, bool bf16)
                 "shards holds them\n", am_sckpt_dir(c), cfg.model_type);
         goto out;
     }
-    if (cfg.gpt_oss) { /* the shards hold each expert apart; transformers reads them fused */
-        fprintf(stderr, "am-ckpt: %s is a gpt_oss model, whose shards hold each expert's matrices and biases apart "
-                "(am's names), where transformers' GptOssExperts reads them fused (gate_up_proj, down_proj and their "
-                "biases): am-ckpt export does not fuse them yet; train with checkpoint.save_consolidated (its hf/ "
-                "directory is transformers')\n", am_sckpt_dir(c));
-        goto out;
-    }
     char *text = am_ckpt_config_json(&cfg, NULL, &e);
     if (!text)
         goto errs;
@@ -271,11 +327,36 @@ static int export(const char *arg, const char *out, bool show, bool bf16)
                 "export another checkpoint)\n", path, hash, am_sckpt_model_hash(c));
         goto out;
     }
-    size_t n = am_sckpt_n_tensors(c);
+    size_t n = am_sckpt_n_tensors(c), k = 0; /* k: the tensors written */
     uint64_t total = 0;
+    x.cfg = &cfg;
+    fused = cfg.gpt_oss ? calloc((size_t)cfg.num_hidden_layers + 1, 1) : NULL; /* a layer's experts listed */
+    if (cfg.gpt_oss && !fused) {
+        fprintf(stderr, "am-ckpt: out of memory\n");
+        goto out;
+    }
     for (size_t i = 0; i < n; i++) {
         struct am_sckpt_tensor_info t;
         am_sckpt_tensor(c, i, &t);
+        long l;
+        long long ex;
+        if (cfg.gpt_oss && sscanf(t.name, "model.layers.%ld.mlp.experts.%lld.", &l, &ex) == 2 && l >= 0 &&
+            l < cfg.num_hidden_layers) { /* an expert's tensor: transformers' GptOssExperts reads them fused */
+            static const char *const names[4] = {"gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"};
+            int64_t C = cfg.hidden_size, I = cfg.moe_intermediate_size, E = cfg.num_experts;
+            const int64_t shapes[4][3] = {{E, C, 2 * I}, {E, 2 * I}, {E, I, C}, {E, C}};
+            for (int f = 0; !fused[l] && f < 4; f++) { /* in place of the layer's first expert tensor */
+                char name[128];
+                snprintf(name, sizeof(name), "model.layers.%ld.mlp.experts.%s", l, names[f]);
+                x.which[k] = n + 4 * (size_t)l + (size_t)f;
+                total += (uint64_t)fused_numel(&cfg, f) * sizeof(float);
+                wt[k++] = (struct am_st_wtensor){.name = am_arena_strdup(&a, name), .dtype = bf16 ? AM_ST_BF16 : AM_ST_F32,
+                                                 .ndim = f & 1 ? 2 : 3, .shape = {shapes[f][0], shapes[f][1], shapes[f][2]},
+                                                 .fill = fill, .ctx = &x};
+            }
+            fused[l] = true;
+            continue;
+        }
         if (strstr(t.name, ".lora_A.") || strstr(t.name, ".lora_B.")) { /* a LoRA fine-tune's state: no model */
             fprintf(stderr, "am-ckpt: %s holds LoRA adapters, not a model (the frozen base is the recipe's model "
                     "directory): its peft/ directory holds them as the peft library saves them, for "
@@ -283,21 +364,23 @@ static int export(const char *arg, const char *out, bool show, bool bf16)
                     "%s/peft OUT_DIR\n", am_sckpt_dir(c), am_sckpt_dir(c), am_sckpt_dir(c));
             goto out;
         }
-        x.which[i] = i;
+        x.which[k] = i;
         total += (uint64_t)(t.rows * t.cols) * sizeof(float);
-        wt[i] = (struct am_st_wtensor){.name = t.name, .dtype = bf16 ? AM_ST_BF16 : AM_ST_F32, .ndim = t.ndim, .shape = {t.rows, t.cols},
-                                       .fill = fill, .ctx = &x};
+        wt[k++] = (struct am_st_wtensor){.name = t.name, .dtype = bf16 ? AM_ST_BF16 : AM_ST_F32, .ndim = t.ndim,
+                                         .shape = {t.rows, t.cols}, .fill = fill, .ctx = &x};
     }
+    /* the biases (add_biases) after the tensors of the shards */
+    memmove(wt + k, wt + n, (n_wt - n) * sizeof(*wt));
+    k += n_wt - n;
     am_progress_start(&x.bar, "am-ckpt export", NULL, total, show);
     struct am_ckpt_save_opts opts = {.torch_dtype = bf16 ? "bfloat16" : NULL};
-    /* the biases (add_biases) follow the n tensors of the shards */
-    if (am_ckpt_save(out, &cfg, wt, n + (n_wt - am_sckpt_n_tensors(c)), &opts, &e) < 0) {
+    if (am_ckpt_save(out, &cfg, wt, k, &opts, &e) < 0) {
         am_progress_end(&x.bar, false);
         goto errs;
     }
     am_progress_set(&x.bar, x.done, 0);
     am_progress_end(&x.bar, true);
-    printf("am-ckpt: exported step %ld (%zu tensors) to %s\n", am_sckpt_step(c), n + (n_wt - am_sckpt_n_tensors(c)), out);
+    printf("am-ckpt: exported step %ld (%zu tensors) to %s\n", am_sckpt_step(c), k, out);
     rc = 0;
     goto out;
 errs:
@@ -306,6 +389,7 @@ errs:
 out:
     for (size_t i = 0; i < n_bias_files; i++)
         am_st_close(bias_files[i]);
+    free(fused);
     free(x.buf);
     free(x.which);
     free(wt);

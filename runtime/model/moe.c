@@ -82,9 +82,9 @@ int am_moe_check(const struct am_model_config *cfg, const struct am_model_shard 
         return am_fail(err, err_len, "model: ep_size %d does not divide %s's %d experts: each ep rank holds "
                        "num_experts / ep_size of them (use an ep_size that divides %d)", sh->ep, cfg->model_type,
                        (int)cfg->num_experts, (int)cfg->num_experts);
-    if (cfg->gpt_oss && sh->lora_r > 0)
-        return am_fail(err, err_len, "model: LoRA on gpt_oss: its experts' fused gate_up_proj and their biases have no "
-                       "adapters in am yet (train without peft)");
+    if (cfg->gpt_oss && sh->lora_r > 0 && sh->lora_experts)
+        return am_fail(err, err_len, "model: LoRA on gpt_oss's experts: their biases and clamped SwiGLU have no "
+                       "adapters in am yet (adapt the attention's projections alone)");
     if (cfg->n_shared_experts > 0 && (cfg->n_shared_experts * cfg->moe_intermediate_size) % sh->tp)
         return am_fail(err, err_len, "model: tp_size %d does not divide the shared experts' width %ld (n_shared_experts "
                        "x moe_intermediate_size), which tp splits as an MLP (use a tp_size that divides it)", sh->tp,

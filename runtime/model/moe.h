@@ -73,7 +73,8 @@
  * them as transformers' GptOssExperts' fused tensors (model_io.c): mlp.experts.gate_up_proj
  * [E, C, 2I] (gate at even, up at odd columns; x @ W), gate_up_proj_bias [E, 2I], down_proj
  * [E, I, C], down_proj_bias [E, C]; am holds them per expert as the other MoEs
- * (mlp.experts.e.{gate,up,down}_proj.{weight,bias}). No LoRA on gpt_oss yet (am_moe_check).
+ * (mlp.experts.e.{gate,up,down}_proj.{weight,bias}). LoRA on gpt_oss adapts its attention; no
+ * adapters on its experts yet (am_moe_check).
  *
  * DeepSeekMoE (glm4_moe; model_config.h, sigmoid_router): the router's scores are sigmoids, the
  * experts chosen on the scores plus the layer's selection bias within the best groups, weighted

@@ -15,7 +15,7 @@ fails=0
 py=$AM_GOLDENV/bin/python
 have_peft=0
 [ -x "$py" ] && "$py" -c 'import peft, transformers' 2>/dev/null && have_peft=1
-for case in llama_lora_qv llama_lora_all; do
+for case in llama_lora_qv llama_lora_all gpt_oss_lora; do
     g=$AM_SRCDIR/tests/golden/models/$case
     if ! "$AM_BUILDDIR/tests/ckpt/peft_save" "$g/adapter_init" "$T/$case"; then
         echo "FAIL: $case: peft_save"

@@ -1556,6 +1556,12 @@ LORA_CASES = {
                              targets=["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj",
                                       "gate_proj", "up_proj", "down_proj", "lm_head"], adapter_seed=3102,
                              plain_peft=True),
+    # gpt-oss: attention (q, k, v, o, with their frozen biases; the sinks frozen), as AutoModel's
+    # gpt-oss LoRA recipes select with target_modules '*_proj' (its experts, a module named
+    # mlp.experts, are not matched; transformers' are fused 3-d parameters, not linear layers, and
+    # stay frozen; plain_peft as glm4_moe_lora)
+    "gpt_oss_lora": dict(base="gpt_oss_tiny", r=4, alpha=8, targets=["q_proj", "k_proj", "v_proj", "o_proj"],
+                         adapter_seed=3201, plain_peft=True),
 }
 
 

@@ -4,7 +4,8 @@
  * tied to the embedding and whose logits are soft-capped; glm4_moe_lora: GLM-4.5 MoE's q, k, v,
  * o, its dense layer's MLP, its shared experts' MLP (peft's mlp.shared_experts.gate_proj ...)
  * and lm_head; deepseek_v3_lora: DeepSeek-V3's multi-head latent attention (q_a_proj, q_b_proj,
- * kv_a_proj_with_mqa, kv_b_proj, o_proj), its dense and shared MLPs and lm_head; README.md).
+ * kv_a_proj_with_mqa, kv_b_proj, o_proj), its dense and shared MLPs and lm_head; gpt_oss_lora:
+ * gpt-oss's q, k, v and o (their biases and the attention sinks frozen); README.md).
  *
  * For each case: the base model from base/, the adapters peft saved from adapter_init/
  * (am_model_load_peft), one forward and backward of the golden batch on the CPU in fp32: the
@@ -88,10 +89,12 @@ static int check_init(struct am_model *m, const char *name)
             lora += strstr(am_st_at(f, i)->name, ".lora_") != NULL;
             biases += strstr(am_st_at(f, i)->name, ".e_score_correction_bias") != NULL;
         }
-        int adapters = 0;
+        int adapters = 0, fused = 0; /* gpt_oss: each layer's 6 E expert parameters saved as 4 fused tensors */
         for (int i = 0; i < m->n_params; i++)
             adapters += am_model_is_lora(&m->params[i]);
-        bool ok = lora == 0 && (int)am_st_count(f) - biases == m->n_params - adapters;
+        for (int l = 0; m->cfg.gpt_oss && l < m->n_layers; l++)
+            fused += m->layers[l].moe ? 6 * (int)m->cfg.num_experts - 4 : 0;
+        bool ok = lora == 0 && (int)am_st_count(f) - biases == m->n_params - adapters - fused;
         printf("%s: %s: a full save holds the %zu base tensors, no adapter\n", ok ? "ok" : "FAIL", name,
                am_st_count(f));
         bad += !ok;
@@ -236,5 +239,6 @@ int main(void)
     fails += run_case("deepseek_v3_lora", 4, 8,
                       1u << AM_LORA_Q_A | 1u << AM_LORA_Q | 1u << AM_LORA_KV_A | 1u << AM_LORA_KV_B | 1u << AM_LORA_O |
                           1u << AM_LORA_GATE | 1u << AM_LORA_UP | 1u << AM_LORA_DOWN | 1u << AM_LORA_HEAD);
+    fails += run_case("gpt_oss_lora", 4, 8, 1u << AM_LORA_Q | 1u << AM_LORA_K | 1u << AM_LORA_V | 1u << AM_LORA_O);
     return fails ? 1 : 0;
 }

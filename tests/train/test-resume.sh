@@ -23,7 +23,9 @@
 #     writes) are those of the files the 8-rank job wrote, and with --logs it takes the save
 #     and step times the job's ranks recorded;
 #   am-ckpt: show prints the layout and state of a checkpoint; export writes the Hugging Face
-#     directory offline, the same bytes as save_consolidated's, and refuses a damaged shard;
+#     directory offline, the same bytes as save_consolidated's (gpt_oss's too, its experts fused as
+#     transformers reads them, from ep 2 x pp 2 and tp 2; transformers loads it), and refuses a
+#     damaged shard;
 #   Slurm's warning: SIGUSR1 to am-launch after step 2 makes both ranks save the same step and
 #     exit with status 85 (AM_EXIT_REQUEUE); the job started again finishes bit-exact;
 #   am-diag: after a kill inside a save, it names the last complete checkpoint and the save
@@ -69,6 +71,7 @@ recipe() { # NAME MODS: base.yaml with comma-separated changes, its checkpoints 
         gb4) args+=(-e 's/global_batch_size: .*/global_batch_size: 4/') ;;
         moe) args+=(-e 's/model_type: llama/model_type: mixtral\n  num_local_experts: 4\n  num_experts_per_tok: 2/') ;;
         dsv3bu) args+=(-e 's/num_key_value_heads: 2/num_key_value_heads: 4/' -e 's/model_type: llama/model_type: deepseek_v3\n  q_lora_rank: 24\n  kv_lora_rank: 16\n  qk_nope_head_dim: 8\n  qk_rope_head_dim: 8\n  v_head_dim: 12\n  n_routed_experts: 8\n  num_experts_per_tok: 2\n  n_group: 4\n  topk_group: 2\n  moe_intermediate_size: 32\n  n_shared_experts: 2\n  first_k_dense_replace: 1\n  norm_topk_prob: true\n  moe_overrides:\n    gate_bias_update_factor: 0.01/') ;;
+        oss) args+=(-e 's/model_type: llama/model_type: gpt_oss\n  num_local_experts: 4\n  num_experts_per_tok: 2\n  head_dim: 16\n  sliding_window: 24/') ;;
         -) ;;
         *) echo "test-resume.sh: unknown change $m" >&2; exit 2 ;;
         esac
@@ -105,7 +108,7 @@ same_state() {
 # NAME RANKS MODS [OVERRIDES]
 refs=("r1 1 -" "r-dp2 2 -" "r-tp2pp2 4 - AM_TP=2 AM_PP=2" "r-ddp2 2 ddp" "r-pp2dp2 4 - AM_PP=2"
     "r-moe-tp2dp2 4 moe AM_TP=2" "r-cp2dp2 4 - AM_CP=2" "r-moe-ep2dp4 4 moe AM_EP=2"
-    "r-dsv3bu-ep2pp2 4 dsv3bu,hf AM_EP=2 AM_PP=2")
+    "r-dsv3bu-ep2pp2 4 dsv3bu,hf AM_EP=2 AM_PP=2" "r-oss-ep2pp2 4 oss,hf AM_EP=2 AM_PP=2" "r-oss-tp2 2 oss,hf AM_TP=2")
 for ref in "${refs[@]}"; do
     set -- $ref
     name=$1 n=$2 mods=$3
@@ -190,6 +193,40 @@ if "$AM_BUILDDIR/am-ckpt" export "$work/ckpt-r-dsv3bu-ep2pp2/step-6" "$work/expo
     ok "am-ckpt export of r-dsv3bu-ep2pp2's step 6 (the updated biases with it) equals its save_consolidated export"
 else
     bad "am-ckpt export of r-dsv3bu-ep2pp2's step 6: $(cat "$work/wdiff-export-dsv3bu" 2>/dev/null)"
+fi
+# gpt_oss: the shards hold each expert's matrices and biases apart; am-ckpt export fuses them as the
+# consolidated save does (gate_up_proj, gate at the even columns and up at the odd, down_proj, their
+# biases): the same bytes, from ep 2 x pp 2 and from tp 2 (the attention's sinks and biases split)
+for name in r-oss-ep2pp2 r-oss-tp2; do
+    if "$AM_BUILDDIR/am-ckpt" export "$work/ckpt-$name/step-6" "$work/export-$name" >/dev/null 2>&1 &&
+        cmp -s "$work/ckpt-$name/step-6/hf/model.safetensors" "$work/export-$name/model.safetensors" &&
+        cmp -s "$work/ckpt-$name/step-6/hf/config.json" "$work/export-$name/config.json"; then
+        ok "am-ckpt export of $name's step 6 (gpt_oss's experts fused) is its save_consolidated export byte for byte"
+    else
+        bad "am-ckpt export of $name's step 6 differs from its save_consolidated export (or failed)"
+    fi
+done
+# transformers' GptOssForCausalLM loads the export, every tensor used and equal to the file's (where
+# the golden venv has torch: AM_GOLDEN_PYTHON, tests/golden/README.md)
+PY=${AM_GOLDEN_PYTHON:-/tmp/goldenv/bin/python}
+if ! "$PY" -c 'import torch, transformers' 2>/dev/null; then
+    echo "note: no torch at $PY: the gpt_oss export not loaded by transformers"
+elif "$PY" - "$work/export-r-oss-ep2pp2" <<'PYEOF' >"$work/oss-load.check" 2>&1; then
+import sys, torch
+from safetensors.torch import load_file
+from transformers import GptOssForCausalLM
+m, info = GptOssForCausalLM.from_pretrained(sys.argv[1], output_loading_info=True, dtype=torch.float32)
+assert not any(info.values()), info
+sd, msd = load_file(sys.argv[1] + "/model.safetensors"), m.state_dict()
+assert set(sd) == set(msd), set(sd) ^ set(msd)
+for k in sd:
+    assert torch.equal(sd[k], msd[k]), k
+ids = torch.arange(32).unsqueeze(0)
+assert torch.isfinite(m(input_ids=ids, labels=ids).loss)
+PYEOF
+    ok "transformers' GptOssForCausalLM loads the gpt_oss export: no key missing, unexpected or misshapen, every tensor the file's"
+else
+    bad "transformers on the gpt_oss export:"; sed 's/^/    /' "$work/oss-load.check" | tail -5
 fi
 trial kill-dp2 r-dp2 2 kill 1 5
 trial kill-tp2pp2 r-tp2pp2 4 kill 3 4 AM_TP=2 AM_PP=2

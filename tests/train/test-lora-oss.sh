@@ -1,0 +1,272 @@
+#!/bin/bash
+# LoRA on gpt-oss (gpt_oss; docs/training.md, "LoRA") end to end with am-train, on CPU: the
+# bundled tiny_lora recipe as gpt_oss (4 experts, top 2, q, k, v, o biases, attention sinks,
+# sliding and full layers) with the target_modules of AutoModel's gpt-oss LoRA recipes, '*_proj':
+# adapters on q, k, v and o (their biases, the sinks, the router and the experts frozen: the
+# experts, a module named mlp.experts, are not matched by '*_proj'). In fp32:
+#   golden: golden_dist on the peft golden gpt_oss_lora (the same projections on transformers'
+#     GptOssForCausalLM with its load-balancing loss; tests/golden/README.md) at one rank and tp 2:
+#     5 AdamW losses within 1e-5 and the final adapters within 5e-5 (test_lora_golden checks the
+#     first gradients; not at pp 2, whose micro-batches of one row each would take the
+#     load-balancing loss per row, where the golden's is the whole batch's);
+#   the adapters train: the loss falls, the gradients are the adapters' alone;
+#   checkpoint: step-N/peft holds q, k, v and o's adapters of every layer with their shapes and no
+#     expert's; adapter_config.json's target_modules name them;
+#   parity: tp 2 (q, k, v's B split by heads, o's A by columns, the sinks with their heads), ep 2,
+#     pp 2 and tp 2 x ep 2 against one rank: losses within 1e-5, grad norms 1e-5 relative; the
+#     saved adapters within 1e-5 of one rank's;
+#   bf16: tp 2 x ep 2 against one rank in bf16, within twice one rank's bf16-vs-fp32 differences;
+#   resume: tp 2 stopped after step 2 and restored gives steps 3 and 4 to the last bit;
+#   memory: every rank's allocation equals am-plan's estimate for its pipeline rank, to the byte
+#     (less the CUDA kernels' scratch, which the CPU's kernels do not allocate);
+#   merge: am-ckpt merge makes q_proj's and o_proj's weights W + s B A in the base (whose experts
+#     are transformers' fused tensors, copied as they are).
+# (refusals.tsv: the experts selected on gpt_oss, rule gpt-oss-lora-experts.)
+set -u
+. "$(dirname "$0")/lora-lib.sh"
+steps=4 loss_tol=1e-5 norm_tol=1e-5
+golden=gpt_oss_lora
+
+# golden: golden_dist on peft's gpt_oss_lora
+golden_recipe() { # TP PP
+    cat <<EOF
+model:
+  pretrained_model_name_or_path: $AM_SRCDIR/tests/golden/models/$golden/base
+distributed:
+  strategy: fsdp2
+  tp_size: $1
+  pp_size: $2
+  mp_policy:
+    param_dtype: float32
+  pipeline:
+    pp_schedule: 1f1b
+    pp_microbatch_size: 1
+step_scheduler:
+  global_batch_size: 2
+  local_batch_size: 2
+  max_steps: 5
+dataset:
+  seq_length: 16
+  paths: golden-rows
+optimizer:
+  _target_: torch.optim.AdamW
+  lr: 1.0e-2
+  betas: [0.9, 0.95]
+  eps: 1.0e-8
+  weight_decay: 0.1
+lr_scheduler:
+  lr_decay_style: constant
+  lr_warmup_steps: 0
+clip_grad_norm:
+  max_norm: null
+peft:
+  _target_: nemo_automodel.components._peft.lora.PeftConfig
+  target_modules: '*_proj'
+  dim: 4
+  alpha: 8
+  dropout: 0.0
+  lora_A_init: kaiming
+dist_env:
+  timeout_minutes: 1
+EOF
+}
+for run in "1 1" "2 1"; do
+    set -- $run
+    name=golden-tp$1-pp$2
+    golden_recipe "$1" "$2" >"$work/$name.yaml"
+    if (cd "$work" && AM_LOG_DIR="$work/logs-$name" timeout 300 "$AM_BUILDDIR/am-launch" --nproc $(($1 * $2)) \
+        "$work/$name.yaml" -- "$AM_BUILDDIR/tests/train/golden_dist" "$golden" >"$work/out-$name" 2>&1) &&
+        grep -q "^golden tp$1 pp$2 $golden: [0-9]* checks passed" "$work/out-$name" &&
+        [ "$(grep -c '^adamw step [1-5]: loss ' "$work/out-$name")" = 5 ]; then
+        ok "$golden against peft at tp $1 x pp $2: $(grep '^golden .*checks passed' "$work/out-$name" | sed 's/.*passed (//; s/)$//'); $(grep '^final adapters' "$work/out-$name")"
+    else
+        bad "$golden against peft at tp $1 x pp $2"; sed 's/^/    /' "$work/out-$name"
+    fi
+done
+
+lora_dataset 600 GPL-3 Apache-2.0
+
+recipe() { # NAME EP: tiny_lora.yaml as gpt_oss in fp32 on the instruction data, target_modules '*_proj'
+    sed -e "s|paths: .*|paths: $work/ds|" -e "s/max_steps: .*/max_steps: $steps/" -e "s/ckpt_every_steps: .*/ckpt_every_steps: 2/" \
+        -e 's/model_type: llama/model_type: gpt_oss\n  num_local_experts: 4\n  num_experts_per_tok: 2\n  head_dim: 16\n  sliding_window: 24/' \
+        -e "s/target_modules: .*/target_modules: '*_proj'/" -e "s|checkpoint_dir: .*|checkpoint_dir: $work/ckpt-$1|" \
+        -e "s/tp_size: 1/tp_size: 1\n  ep_size: $2/" \
+        "$AM_SRCDIR/sbatch-templates/recipes/tiny_lora.yaml" >"$work/$1.yaml"
+}
+
+recipe ref 1
+train ref 1 "$work/ref.yaml" || { sed 's/^/    /' "$work/out-ref"; bad "LoRA on gpt_oss did not train on one rank"; exit 1; }
+steps_of "$work/logs-ref" >"$work/steps-ref"
+if [ "$(wc -l <"$work/steps-ref")" = "$steps" ] &&
+    awk 'NR == 1 { a = $2 } END { exit !($2 < a) }' "$work/steps-ref" &&
+    [ "$(memory "$work/logs-ref" 0 grads_bytes)" = "$(($(memory "$work/logs-ref" 0 adapter_params) * 4))" ]; then
+    ok "LoRA on gpt_oss, one rank: losses $(awk '{ printf "%s ", $2 }' "$work/steps-ref"); gradients of the $(memory "$work/logs-ref" 0 adapter_params) adapter parameters only"
+else
+    bad "LoRA on gpt_oss, one rank: losses $(awk '{ printf "%s ", $2 }' "$work/steps-ref"), grads_bytes $(memory "$work/logs-ref" 0 grads_bytes) for $(memory "$work/logs-ref" 0 adapter_params) adapter parameters"
+fi
+
+tensors() { # FILE: "name rows cols" of each tensor, sorted
+    local n
+    n=$(od -An -t u8 -N 8 "$1" | tr -d ' ')
+    head -c $((8 + n)) "$1" | tail -c "$n" | grep -oE '"[^"]+":\{"dtype":"[A-Z0-9]+","shape":\[[0-9]+,[0-9]+\]' |
+        sed -E 's/"([^"]+)".*\[([0-9]+),([0-9]+)\]/\1 \2 \3/' | sort
+}
+floats() { # FILE: every value of the data, in the header's order
+    local n
+    n=$(od -An -t u8 -N 8 "$1" | tr -d ' ')
+    od -An -v -t f4 -j $((8 + n)) "$1" | tr -s ' ' '\n' | grep .
+}
+values() { # FILE NAME: the tensor's values, one a line
+    local n off
+    n=$(od -An -t u8 -N 8 "$1" | tr -d ' ')
+    off=$(head -c $((8 + n)) "$1" | tail -c "$n" | grep -oE "\"$2\":\\{[^}]*\\}" | grep -oE 'data_offsets":\[[0-9]+,[0-9]+' |
+        grep -oE '[0-9]+,[0-9]+')
+    od -An -v -t f4 -j $((8 + n + ${off%,*})) -N $((${off#*,} - ${off%,*})) "$1" | tr -s ' ' '\n' | grep .
+}
+ad="$work/ckpt-ref/step-$steps/peft/adapter_model.safetensors" cfg="$work/ckpt-ref/step-$steps/peft/adapter_config.json"
+p=base_model.model.model.layers
+# 4 layers x q, k, v, o x A, B; q [4 x 16, 64], k and v [2 x 16, 64], o [64, 4 x 16]
+if [ -f "$ad" ] && tensors "$ad" >"$work/names-ref" && [ "$(wc -l <"$work/names-ref")" = 32 ] &&
+    grep -qx "$p.0.self_attn.q_proj.lora_A.weight 8 64" "$work/names-ref" &&
+    grep -qx "$p.0.self_attn.q_proj.lora_B.weight 64 8" "$work/names-ref" &&
+    grep -qx "$p.1.self_attn.k_proj.lora_B.weight 32 8" "$work/names-ref" &&
+    grep -qx "$p.2.self_attn.v_proj.lora_B.weight 32 8" "$work/names-ref" &&
+    grep -qx "$p.3.self_attn.o_proj.lora_A.weight 8 64" "$work/names-ref" &&
+    ! grep -q "experts\|router\|sinks\|lm_head" "$work/names-ref" &&
+    tr -d ' \n' <"$cfg" | grep -qE '"target_modules":\["(q|k|v|o)_proj","(q|k|v|o)_proj","(q|k|v|o)_proj","(q|k|v|o)_proj"\]'; then
+    ok "step-$steps/peft holds q, k, v and o's adapters of every layer with their shapes, no expert's, router's or sinks'; target_modules name them"
+else
+    bad "step-$steps/peft: $(wc -l <"$work/names-ref" 2>&1) tensors; $(tr -d ' \n' <"$cfg" | grep -o '"target_modules":\[[^]]*' | cut -c1-300)"
+fi
+
+for layout in "tp2 2 1 AM_TP=2" "ep2 2 2" "pp2 2 1 AM_PP=2" "tp2-ep2 4 2 AM_TP=2"; do
+    set -- $layout
+    name=$1 n=$2 ep=$3
+    shift 3
+    recipe "$name" "$ep"
+    if ! train "$name" "$n" "$work/$name.yaml" "$@"; then
+        bad "$name did not train"; sed 's/^/    /' "$work/out-$name"; continue
+    fi
+    steps_of "$work/logs-$name" >"$work/steps-$name"
+    if compare ref "$name"; then
+        ok "LoRA on gpt_oss $name matches one rank: $(cat "$work/cmp-$name")"
+    else
+        bad "LoRA on gpt_oss $name: $(cat "$work/cmp-$name")"; paste "$work/steps-ref" "$work/steps-$name" | sed 's/^/    /'
+    fi
+    f="$work/ckpt-$name/step-$steps/peft/adapter_model.safetensors"
+    if [ -f "$f" ] && [ "$(tensors "$f")" = "$(cat "$work/names-ref")" ] && awk -v tol=1e-5 '
+            NR == FNR { a[FNR] = $0; n = FNR; next } { d = a[FNR] - $0; if (d < 0) d = -d; if (d > w) w = d }
+            END { printf "%.2g", w; exit !(FNR == n && w <= tol) }' <(floats "$ad") <(floats "$f") >"$work/ad-$name"; then
+        ok "LoRA on gpt_oss $name saves one rank's adapters (names, shapes; values within $(cat "$work/ad-$name"))"
+    else
+        bad "LoRA on gpt_oss $name: its saved adapters differ from one rank's ($(cat "$work/ad-$name" 2>/dev/null))"
+    fi
+done
+
+# bf16: tp 2 x ep 2 against one rank's bf16 run, within twice one rank's bf16-vs-fp32 differences
+for run in "ref-bf16 1 ref" "tp2-ep2-bf16 4 tp2-ep2 AM_TP=2"; do
+    set -- $run
+    sed -e 's/param_dtype: float32/param_dtype: bfloat16/' -e "s|ckpt-$3|ckpt-$1|" "$work/$3.yaml" >"$work/$1.yaml"
+    name=$1 n=$2
+    shift 3
+    train "$name" "$n" "$work/$name.yaml" "$@" && steps_of "$work/logs-$name" >"$work/steps-$name" || { bad "$name did not train"; sed 's/^/    /' "$work/out-$name"; }
+done
+tol=$(bf16_tol ref ref-bf16)
+if ! awk -v t="${tol%% *}" 'BEGIN { exit !(t > 1e-5) }'; then
+    bad "one rank's bf16 run is not different from fp32 ($tol): is bf16 used?"
+fi
+if compare ref-bf16 tp2-ep2-bf16 "${tol%% *}" "${tol##* }"; then
+    ok "LoRA on gpt_oss tp2-ep2 matches one rank in bf16: $(cat "$work/cmp-tp2-ep2-bf16")"
+else
+    bad "LoRA on gpt_oss tp2-ep2 in bf16: $(cat "$work/cmp-tp2-ep2-bf16")"; paste "$work/steps-ref-bf16" "$work/steps-tp2-ep2-bf16" | sed 's/^/    /'
+fi
+
+# resume: tp 2 stopped after step 2 (its checkpoint) and restored gives steps 3 and 4 to the last bit
+recipe cut 1 && sed -i -e 's/max_steps: .*/max_steps: 2/' "$work/cut.yaml" &&
+    train cut 2 "$work/cut.yaml" AM_TP=2 && sed -i 's/max_steps: .*/max_steps: 4/' "$work/cut.yaml" && rm -rf "$work/logs-cut" &&
+    train cut 2 "$work/cut.yaml" AM_TP=2 && steps_of "$work/logs-cut" >"$work/steps-cut"
+if [ -f "$work/steps-cut" ] && [ "$(tail -2 "$work/steps-tp2")" = "$(cat "$work/steps-cut")" ]; then
+    ok "LoRA on gpt_oss tp2: restored after step 2, steps 3-4 are the uninterrupted run's to the last bit"
+else
+    bad "LoRA on gpt_oss tp2 resume: $(tail -2 "$work/steps-tp2" | tr '\n' ' ') against $(tr '\n' ' ' <"$work/steps-cut" 2>/dev/null)"
+fi
+
+# memory: every rank's allocation is am-plan's estimate for its pipeline rank, to the byte
+total_of() { # LOGDIR RANK: the bytes the rank allocated
+    local t=0 key v
+    for key in weights_bytes grads_bytes optimizer_bytes gathered_bytes grad_buffers_bytes act_bytes pipe_bytes; do
+        v=$(memory "$1" "$2" $key)
+        t=$((t + ${v:-0}))
+    done
+    echo "$t"
+}
+plan_of() { # RECIPE NPROC SETS...: am-plan's total of each pp rank, less the CUDA kernels' scratch
+    # (kernel_scratch: the CPU's kernels allocate none)
+    local y=$1 n=$2
+    shift 2
+    "$AM_BUILDDIR/am-plan" "$y" --gpus-per-node "$n" --json "$@" | sed -E 's/.*"memory_per_pp_rank"://' |
+        grep -oE '"kernel_scratch":[0-9.e+]+,"pipeline_buffers":[0-9.e+]+,"alltoall_buffers":[0-9.e+]+,"pp_rank":[0-9]+,"total":[0-9.e+]+' |
+        sed -E 's/"kernel_scratch":([0-9.e+]+),.*"total":([0-9.e+]+)/\1 \2/' | awk '{ printf "%.0f\n", $2 - $1 }'
+}
+for run in "ref 1" "tp2 2 AM_TP=2" "ep2 2" "pp2 2 AM_PP=2" "tp2-ep2 4 AM_TP=2" "tp2-ep2-bf16 4 AM_TP=2"; do
+    set -- $run
+    name=$1 n=$2
+    shift 2
+    sets=()
+    for v in "$@"; do
+        case $v in AM_TP=*) sets+=(--set "distributed.tp_size=${v#*=}") ;; AM_PP=*) sets+=(--set "distributed.pp_size=${v#*=}") ;; esac
+    done
+    want=($(plan_of "$work/$name.yaml" "$n" "${sets[@]}"))
+    equal=0 detail=
+    for r in $(seq 0 $((n - 1))); do
+        pp=$(grep -h '"coords":{"pp":' "$work/logs-$name"/*/rank-"$r".jsonl | sed -E 's/.*"coords":\{"pp":([0-9]+).*/\1/')
+        got=$(total_of "$work/logs-$name" "$r")
+        w=$(awk -v a="${want[$pp]:-0}" 'BEGIN { printf "%d", a }')
+        if [ "$got" = "$w" ]; then
+            equal=$((equal + 1))
+        else
+            detail="$detail rank $r (pp $pp): allocated $got bytes, am-plan $w;"
+        fi
+    done
+    if [ "$equal" = "$n" ]; then
+        ok "LoRA on gpt_oss $name: every rank's allocation is am-plan's estimate, to the byte"
+    else
+        bad "LoRA on gpt_oss $name: allocation off am-plan's estimate:$detail"
+    fi
+done
+
+# merge: am-ckpt merge writes q_proj's and o_proj's weights as W + s B A into the base the adapters
+# were trained on, exported by a run of the same seed after one step at lr 0 (the warmup's first:
+# the initial weights); the experts' fused tensors copied as they are
+sed -e '/^peft:/,/^distributed:/{/^distributed:/!d}' -e 's/max_steps: .*/max_steps: 1/' -e 's/is_peft: true/is_peft: false/' \
+    -e "s|checkpoint_dir: .*|checkpoint_dir: $work/ckpt-base|" "$work/ref.yaml" >"$work/base.yaml"
+if train base 1 "$work/base.yaml" && "$AM_BUILDDIR/am-ckpt" merge "$work/ckpt-base/step-1/hf" "$work/ckpt-ref/step-$steps/peft" \
+    "$work/merged" >"$work/out-merge" 2>&1 && grep -q "merged 16 adapted weights" "$work/out-merge"; then
+    fit=1
+    for w in "model.layers.0.self_attn.q_proj 64 64" "model.layers.3.self_attn.o_proj 64 64"; do
+        set -- $w
+        awk -v s=4 -v r=8 -v rows="$2" -v cols="$3" '
+            FNR == 1 { f++ } f == 1 { B[FNR - 1] = $1 } f == 2 { A[FNR - 1] = $1 } f == 3 { W[FNR - 1] = $1 }
+            f == 4 { i = FNR - 1; o = int(i / cols); c = i % cols; d = 0
+                     for (k = 0; k < r; k++) d += B[o * r + k] * A[k * cols + c]
+                     e = $1 - W[i] - s * d; if (e < 0) e = -e; if (e > worst) worst = e; n++ }
+            END { printf "%.2g ", worst; exit !(n == rows * cols && worst < 1e-6) }' \
+            <(values "$ad" "base_model.model.$1.lora_B.weight") <(values "$ad" "base_model.model.$1.lora_A.weight") \
+            <(values "$work/ckpt-base/step-1/hf/model.safetensors" "$1.weight") \
+            <(values "$work/merged/model.safetensors" "$1.weight") >>"$work/merge-fit" || fit=0
+    done
+    for t in model.layers.1.mlp.experts.gate_up_proj model.layers.2.self_attn.sinks; do
+        [ "$(values "$work/ckpt-base/step-1/hf/model.safetensors" "$t" | md5sum)" = \
+            "$(values "$work/merged/model.safetensors" "$t" | md5sum)" ] || fit=0
+    done
+    if [ "$fit" = 1 ]; then
+        ok "am-ckpt merge: q_proj's and o_proj's weights become W + s B A (within $(cat "$work/merge-fit")), the fused experts and the sinks copied"
+    else
+        bad "am-ckpt merge: a merged weight is not W + s B A, or a base tensor changed ($(cat "$work/merge-fit" 2>/dev/null))"
+    fi
+else
+    bad "am-ckpt merge of gpt_oss's adapters: $(cat "$work/out-merge" 2>/dev/null)"; sed 's/^/    /' "$work/out-base" | tail -5
+fi
+
+echo "$passes passed, $fails failed"
+[ "$fails" = 0 ]
