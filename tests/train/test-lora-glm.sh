@@ -246,7 +246,8 @@ fi
 # memory: every rank's allocation is am-plan's estimate for its pipeline rank, to the byte
 total_of() { # LOGDIR RANK: the bytes the rank allocated
     local t=0 key v
-    for key in weights_bytes grads_bytes optimizer_bytes gathered_bytes grad_buffers_bytes act_bytes pipe_bytes; do
+    for key in weights_bytes grads_bytes optimizer_bytes gathered_bytes grad_buffers_bytes act_bytes pipe_bytes \
+        expert_rows_bytes; do # (with ep, the received rows' buffers at the start)
         v=$(memory "$1" "$2" $key)
         t=$((t + ${v:-0}))
     done

@@ -272,9 +272,10 @@ fi
 # (Compared as differences: the MoE model's own allocation was a few hundred bytes off
 # am-plan's estimate, with or without LoRA, until am-plan counted each MoE layer's tokens per
 # expert as the 64-byte buffer am-train carves; test-parity.sh checks the totals themselves.)
-total_of() { # LOGDIR RANK: the bytes the rank allocated
+total_of() { # LOGDIR RANK: the bytes the rank allocated (with ep, the received rows' buffers at the start)
     local t=0 key v
-    for key in weights_bytes grads_bytes optimizer_bytes gathered_bytes grad_buffers_bytes act_bytes pipe_bytes; do
+    for key in weights_bytes grads_bytes optimizer_bytes gathered_bytes grad_buffers_bytes act_bytes pipe_bytes \
+        expert_rows_bytes; do
         v=$(memory "$1" "$2" $key)
         t=$((t + ${v:-0}))
     done
