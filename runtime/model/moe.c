@@ -316,12 +316,12 @@ static void work_views(struct am_model *m)
 static int rows_oom(struct am_model *m, const char *what, int64_t R, int64_t held, int64_t plan, size_t bytes, char *err,
                     size_t err_len)
 {
-    return am_fail(err, err_len, "model: layer %d: this rank's experts received %lld rows (%s: %lld rows, where "
-                   "am-plan assumed the balanced load, %lld: micro-batch tokens x num_experts_per_tok a MoE layer); "
-                   "growing them to %zu bytes failed: the device is out of memory (balance the routing: "
+    return am_fail(err, err_len, "model: layer %d: this rank's experts received %lld rows, making %s %lld rows where "
+                   "am-plan assumed %lld at the balanced load (micro-batch tokens x num_experts_per_tok = %lld rows a "
+                   "MoE layer); growing them to %zu bytes failed: the device is out of memory (balance the routing: "
                    "router_aux_loss_coef, gate_bias_update_factor; or give each rank fewer tokens: a smaller "
                    "local_batch_size or pp_microbatch_size, or more GPUs)", m->where.layer, (long long)R, what,
-                   (long long)held, (long long)plan, bytes);
+                   (long long)held, (long long)plan, (long long)m->moe->max_S, bytes);
 }
 
 /* Slot Sl's pool grown to need rows: the rows of its micro-batch so far copied over, the
@@ -396,7 +396,7 @@ static int work_rows(struct am_model *m, int64_t R, char *err, size_t err_len)
     M->work = m->K->alloc(m->dev, bytes);
     if (!M->work) {
         M->work_cap = 0;
-        return rows_oom(m, "the work rows of one MoE layer", R, R, M->max_S, bytes, err, err_len);
+        return rows_oom(m, "the work rows of a MoE layer", R, R, M->max_S, bytes, err, err_len);
     }
     M->work_cap = R;
     work_views(m);
