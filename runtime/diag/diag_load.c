@@ -613,7 +613,8 @@ static void on_record(struct loader *L, struct am_diag_rank *r, const struct rec
         }
     } else if (strcmp(type, "memory") == 0) { /* what the rank allocated, as am-plan counts it */
         static const char *const parts[] = {"weights_bytes", "grads_bytes", "optimizer_bytes", "gathered_bytes",
-                                            "grad_buffers_bytes", "act_bytes", "pipe_bytes"};
+                                            "grad_buffers_bytes", "act_bytes", "pipe_bytes",
+                                            "expert_rows_bytes"}; /* (expert parallelism: at the start) */
         double sum = 0;
         for (size_t i = 0; i < sizeof(parts) / sizeof(parts[0]); i++)
             sum += (double)rec_long(x, parts[i], 0, (long long)1 << 60, 0);

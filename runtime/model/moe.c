@@ -21,6 +21,10 @@ struct moe_acts {
     int64_t *send_rows, *recv_rows, *lcount, *rc;
     int64_t recv_total;
     struct am_tensor pos2, rcounts;
+    /* ep > 1: xp, g, u, act and pos2 are recv_total rows of the slot's pool (moe_slot) from row
+     * r0, held for the micro-batch of the slot's generation gen */
+    int64_t r0, held;
+    unsigned gen;
     int slot;        /* the model's slot whose micro-batch these are */
     bool moe;        /* the layer has experts (dense layers' entries are unused) */
 };
@@ -30,13 +34,27 @@ struct moe_slot {
     struct am_tensor valid;          /* cp > 1: the micro-batch's tokens with a target, summed over the cp
                                         group (one i64, beside aux in its 64 bytes) */
     float aux_scale;                 /* the gradient of the loss with respect to Σ cnt·psum terms */
+    /* ep > 1: the saved expert rows of the slot's micro-batch (moe.h): one allocation of cap rows,
+     * as [cap] i32 (pos2), [cap, C] (xp), [cap, I] three times (g, u, act), each MoE layer's rows
+     * a run of them from its r0; used rows so far in the micro-batch; gen counts the micro-batches */
+    char *pool;
+    int64_t cap, used, plan_rows;
+    unsigned gen;
 };
 
 struct am_moe {
     int64_t E, k, I, C;
     int ep, ep_rank;         /* the expert-parallel group's size and this rank's place in it */
     int64_t El, e0;          /* the experts held here: El of them from global index e0 */
-    struct am_tensor t1, t2, ts; /* ep > 1: the all-to-all's scratch, [ep S, C] twice and [S, C] */
+    struct am_tensor t1, t2, ts; /* ep > 1: the all-to-all's buffers, [R, C] twice (the work rows) and [S, C] */
+    char *work;              /* ep > 1: the work rows (moe.h), work_cap rows of work_row bytes: t1, t2, dxp
+                                [., C], da, dg, du [., I], with LoRA on the experts lt, ltd, ldt [., r] */
+    int64_t work_cap;
+    size_t saved_row, work_row; /* ep > 1: the bytes of one saved row and of one work row */
+    int64_t max_S;           /* micro-batch tokens x top_k: the balanced load of a MoE layer */
+    int64_t step_rows_max;   /* ep > 1: the most rows one slot's MoE layers received for a micro-batch
+                                over the step */
+    int64_t step_layer_max;  /* ep > 1: the most rows one MoE layer received over the step */
     size_t *cnt_sz;          /* ep > 1: counts and displacements for am_alltoallv, 4 x ep */
     bool renorm, aux_on;
     bool sigmoid;            /* glm4_moe's router (moe.h) */
@@ -193,7 +211,6 @@ static size_t layout(struct am_model *m, struct am_moe *M, char *base)
     enum am_device dev = m->K->device;
     enum am_dtype dt = m->act_dt;
     int64_t N = m->max_tokens, E = M->E, k = M->k, S = N * k, I = M->I, C = M->C;
-    int64_t R = S * M->ep; /* the rows an ep rank's experts can receive: every rank's all (worst case) */
     size_t off = 0;
     for (size_t i = 0; i < m->n_acts; i++) {
         struct moe_acts *A = &M->acts[i];
@@ -205,15 +222,15 @@ static size_t layout(struct am_model *m, struct am_moe *M, char *base)
         A->wts = carve(base, &off, dev, AM_F32, N, k);
         A->pos = carve(base, &off, dev, AM_I32, N, k);
         A->counts = carve(base, &off, dev, AM_I32, E, 0);
-        A->xp = carve(base, &off, dev, dt, R, C);
-        A->g = carve(base, &off, dev, dt, R, I);
-        A->u = carve(base, &off, dev, dt, R, I);
-        A->act = carve(base, &off, dev, dt, R, I);
-        A->yp = carve(base, &off, dev, dt, S, C);
-        if (M->ep > 1) {
-            A->pos2 = carve(base, &off, dev, AM_I32, R, 0);
-            A->rcounts = carve(base, &off, dev, AM_I32, (int64_t)M->ep * M->El, 0);
+        if (M->ep == 1) { /* with ep > 1 in the slot's pool, sized to the rows received */
+            A->xp = carve(base, &off, dev, dt, S, C);
+            A->g = carve(base, &off, dev, dt, S, I);
+            A->u = carve(base, &off, dev, dt, S, I);
+            A->act = carve(base, &off, dev, dt, S, I);
         }
+        A->yp = carve(base, &off, dev, dt, S, C);
+        if (M->ep > 1)
+            A->rcounts = carve(base, &off, dev, AM_I32, (int64_t)M->ep * M->El, 0);
     }
     for (int s = 0; s < m->n_slots; s++) {
         M->slots[s].cnt = carve(base, &off, dev, AM_F32, E, 0);
@@ -230,21 +247,199 @@ static size_t layout(struct am_model *m, struct am_moe *M, char *base)
     M->dlogits = carve(base, &off, dev, dt, N, E);
     M->dwts = carve(base, &off, dev, AM_F32, N, k);
     M->dyp = carve(base, &off, dev, dt, S, C);
-    M->da = carve(base, &off, dev, dt, R, I);
-    M->dg = carve(base, &off, dev, dt, R, I);
-    M->du = carve(base, &off, dev, dt, R, I);
-    M->dxp = carve(base, &off, dev, dt, R, C);
-    if (m->sh.lora_r > 0 && m->sh.lora_experts) {
-        M->lt = carve(base, &off, dev, dt, R, experts_r(m));
-        M->ltd = carve(base, &off, dev, dt, R, experts_r(m));
-        M->ldt = carve(base, &off, dev, dt, R, experts_r(m));
-    }
-    if (M->ep > 1) {
-        M->t1 = carve(base, &off, dev, dt, R, C);
-        M->t2 = carve(base, &off, dev, dt, R, C);
+    if (M->ep == 1) { /* with ep > 1 the work rows (work_views) */
+        M->da = carve(base, &off, dev, dt, S, I);
+        M->dg = carve(base, &off, dev, dt, S, I);
+        M->du = carve(base, &off, dev, dt, S, I);
+        M->dxp = carve(base, &off, dev, dt, S, C);
+        if (m->sh.lora_r > 0 && m->sh.lora_experts) {
+            M->lt = carve(base, &off, dev, dt, S, experts_r(m));
+            M->ltd = carve(base, &off, dev, dt, S, experts_r(m));
+            M->ldt = carve(base, &off, dev, dt, S, experts_r(m));
+        }
+    } else {
         M->ts = carve(base, &off, dev, dt, S, C);
     }
     return off;
+}
+
+/* ---- expert parallelism: the rows received, sized to the loads (moe.h) ------------------- */
+
+/* n rows of w columns at p (1-D without w), of that many dimensions even with no rows */
+static struct am_tensor rows_at(char *p, enum am_device dev, enum am_dtype dt, int64_t n, int64_t w)
+{
+    struct am_tensor t = am_tensor_view(p, dev, dt, 1, w, 0, 0);
+    t.shape[0] = n;
+    return t;
+}
+
+/* entry A's saved rows, where its slot's pool holds them now */
+static void saved_views(struct am_model *m, const struct moe_slot *Sl, struct moe_acts *A)
+{
+    const struct am_moe *M = m->moe;
+    enum am_device dev = m->K->device;
+    enum am_dtype dt = m->act_dt;
+    size_t es = am_dtype_size(dt), cap = (size_t)Sl->cap, r0 = (size_t)A->r0;
+    int64_t R = A->held, C = M->C, I = M->I;
+    char *b = Sl->pool;
+    A->pos2 = rows_at(b + r0 * 4, dev, AM_I32, R, 0);
+    b += cap * 4;
+    A->xp = rows_at(b + r0 * (size_t)C * es, dev, dt, R, C);
+    b += cap * (size_t)C * es;
+    A->g = rows_at(b + r0 * (size_t)I * es, dev, dt, R, I);
+    b += cap * (size_t)I * es;
+    A->u = rows_at(b + r0 * (size_t)I * es, dev, dt, R, I);
+    b += cap * (size_t)I * es;
+    A->act = rows_at(b + r0 * (size_t)I * es, dev, dt, R, I);
+}
+
+/* the work rows' tensors, work_cap rows each */
+static void work_views(struct am_model *m)
+{
+    struct am_moe *M = m->moe;
+    enum am_device dev = m->K->device;
+    enum am_dtype dt = m->act_dt;
+    int64_t n = M->work_cap, C = M->C, I = M->I, r = experts_r(m);
+    size_t off = 0;
+    char *b = M->work;
+    struct am_tensor *t[9] = {&M->t1, &M->t2, &M->dxp, &M->da, &M->dg, &M->du, &M->lt, &M->ltd, &M->ldt};
+    int64_t w[9] = {C, C, C, I, I, I, r, r, r};
+    int nt = m->sh.lora_r > 0 && m->sh.lora_experts ? 9 : 6;
+    for (int i = 0; i < nt; i++) {
+        *t[i] = rows_at(b + off, dev, dt, n, w[i]);
+        off += (size_t)(n * w[i]) * am_dtype_size(dt);
+    }
+}
+
+/* The most rows a layer's experts received grew past what the buffers hold and the device has
+ * no more: the layer, the rows, what am-plan assumed and what to change. */
+static int rows_oom(struct am_model *m, const char *what, int64_t R, int64_t held, int64_t plan, size_t bytes, char *err,
+                    size_t err_len)
+{
+    return am_fail(err, err_len, "model: layer %d: this rank's experts received %lld rows, making %s %lld rows where "
+                   "am-plan assumed %lld at the balanced load (micro-batch tokens x num_experts_per_tok = %lld rows a "
+                   "MoE layer); growing them to %zu bytes failed: the device is out of memory (balance the routing: "
+                   "router_aux_loss_coef, gate_bias_update_factor; or give each rank fewer tokens: a smaller "
+                   "local_batch_size or pp_microbatch_size, or more GPUs)", m->where.layer, (long long)R, what,
+                   (long long)held, (long long)plan, (long long)m->moe->max_S, bytes);
+}
+
+/* Slot Sl's pool grown to need rows: the rows of its micro-batch so far copied over, the
+ * entries holding them pointed at their new place. */
+static int pool_grow(struct am_model *m, int slot, int64_t need, int64_t R, char *err, size_t err_len)
+{
+    struct am_moe *M = m->moe;
+    struct moe_slot *Sl = &M->slots[slot];
+    size_t bytes = (size_t)need * M->saved_row;
+    char *b = m->K->alloc(m->dev, bytes);
+    if (!b)
+        return rows_oom(m, "the saved expert rows of its micro-batch's MoE layers", R, Sl->used + R, Sl->plan_rows,
+                        bytes, err, err_len);
+    struct moe_slot old = *Sl;
+    Sl->pool = b;
+    Sl->cap = need;
+    for (size_t i = 0; i < m->n_acts; i++) {
+        struct moe_acts *A = &M->acts[i];
+        if (!A->moe || A->slot != slot || A->gen != Sl->gen || A->held < 0)
+            continue;
+        struct moe_acts was = *A;
+        saved_views(m, &old, &was);
+        saved_views(m, Sl, A);
+        if (A->held == 0)
+            continue;
+        m->K->copy(m->dev, &A->pos2, &was.pos2);
+        m->K->copy(m->dev, &A->xp, &was.xp);
+        m->K->copy(m->dev, &A->g, &was.g);
+        m->K->copy(m->dev, &A->u, &was.u);
+        m->K->copy(m->dev, &A->act, &was.act);
+    }
+    if (old.pool)
+        m->K->free(m->dev, old.pool);
+    return 0;
+}
+
+/* Entry A's R saved rows from its slot's pool: its micro-batch's next R rows (grown when
+ * needed), or a recomputed forward's own again. */
+static int saved_rows(struct am_model *m, struct moe_acts *A, int64_t R, char *err, size_t err_len)
+{
+    struct am_moe *M = m->moe;
+    struct moe_slot *Sl = &M->slots[A->slot];
+    if (A->gen == Sl->gen && A->held >= 0) { /* recomputed in the backward: the same rows */
+        if (A->held != R)
+            return am_fail(err, err_len, "model: layer %d: the recomputed forward's experts received %lld rows, its "
+                           "forward %lld (the routing must repeat)", m->where.layer, (long long)R, (long long)A->held);
+        return 0;
+    }
+    if (Sl->used + R > Sl->cap && pool_grow(m, A->slot, Sl->used + R, R, err, err_len) < 0)
+        return -1;
+    A->r0 = Sl->used;
+    A->held = R;
+    A->gen = Sl->gen;
+    Sl->used += R;
+    saved_views(m, Sl, A);
+    if (Sl->used > M->step_rows_max)
+        M->step_rows_max = Sl->used;
+    if (R > M->step_layer_max)
+        M->step_layer_max = R;
+    return 0;
+}
+
+/* The work rows for R rows received (grown when needed; nothing in them outlives a call). */
+static int work_rows(struct am_model *m, int64_t R, char *err, size_t err_len)
+{
+    struct am_moe *M = m->moe;
+    if (R <= M->work_cap)
+        return 0;
+    size_t bytes = (size_t)R * M->work_row;
+    if (M->work)
+        m->K->free(m->dev, M->work);
+    M->work = m->K->alloc(m->dev, bytes);
+    if (!M->work) {
+        M->work_cap = 0;
+        return rows_oom(m, "the work rows of a MoE layer", R, R, M->max_S, bytes, err, err_len);
+    }
+    M->work_cap = R;
+    work_views(m);
+    return 0;
+}
+
+/* The pools at the plan's balanced load: each slot's the S rows of each of its MoE layers, the
+ * work rows S (moe.h). */
+static int pools_init(struct am_model *m, char *err, size_t err_len)
+{
+    struct am_moe *M = m->moe;
+    size_t es = am_dtype_size(m->act_dt);
+    int64_t S = m->max_tokens * M->k;
+    M->max_S = S;
+    M->saved_row = 4 + (size_t)(M->C + 3 * M->I) * es;
+    M->work_row = (size_t)(3 * M->C + 3 * M->I + (m->sh.lora_r > 0 && m->sh.lora_experts ? 3 * experts_r(m) : 0)) * es;
+    for (size_t i = 0; i < m->n_acts; i++)
+        if (M->acts[i].moe)
+            M->slots[M->acts[i].slot].plan_rows += S;
+    for (int s = 0; s < m->n_slots; s++) {
+        struct moe_slot *Sl = &M->slots[s];
+        Sl->cap = Sl->plan_rows;
+        if (Sl->cap > 0 && !(Sl->pool = m->K->alloc(m->dev, (size_t)Sl->cap * M->saved_row)))
+            return am_fail(err, err_len, "model: out of memory for the experts' saved rows (%zu bytes)",
+                           (size_t)Sl->cap * M->saved_row);
+    }
+    M->work_cap = S;
+    if (!(M->work = m->K->alloc(m->dev, (size_t)S * M->work_row)))
+        return am_fail(err, err_len, "model: out of memory for the experts' work rows (%zu bytes)",
+                       (size_t)S * M->work_row);
+    work_views(m);
+    return 0;
+}
+
+size_t am_moe_rows_bytes(const struct am_model *m)
+{
+    const struct am_moe *M = m->moe;
+    if (!M || M->ep < 2)
+        return 0;
+    size_t b = (size_t)M->work_cap * M->work_row;
+    for (int s = 0; s < m->n_slots; s++)
+        b += (size_t)M->slots[s].cap * M->saved_row;
+    return b;
 }
 
 static struct am_tensor experts_view(const struct am_tensor *first, enum am_dtype dt, int64_t E)
@@ -325,6 +520,10 @@ int am_moe_init(struct am_model *m, char *err, size_t err_len)
         return am_fail(err, err_len, "model: out of memory for the experts' activations (%zu bytes)", bytes);
     layout(m, M, M->mem);
     m->act_bytes += bytes;
+    for (size_t i = 0; i < m->n_acts; i++)
+        M->acts[i].held = -1;
+    if (M->ep > 1 && pools_init(m, err, err_len) < 0)
+        return -1;
     for (int l = 0; M->sigmoid && l < m->n_layers; l++)
         if (m->layers[l].moe)
             m->K->zero(m->dev, &m->layers[l].moe->bias);
@@ -366,6 +565,11 @@ void am_moe_free(struct am_model *m)
         return;
     if (M->mem)
         m->K->free(m->dev, M->mem);
+    for (int s = 0; M->slots && s < m->n_slots; s++)
+        if (M->slots[s].pool)
+            m->K->free(m->dev, M->slots[s].pool);
+    if (M->work)
+        m->K->free(m->dev, M->work);
     free(M->acts);
     free(M->slots);
     free(M->step_counts);
@@ -458,8 +662,7 @@ static int exchange_counts(struct am_model *m, struct moe_acts *A, char *err, si
         for (int64_t e = 0; e < El; e++)
             for (int64_t i = 0; i < A->rc[r * El + e]; i++)
                 hp[row++] = (int32_t)cur[e]++;
-    m->K->upload(m->dev, A->pos2.data, hp, (size_t)A->recv_total * sizeof(int32_t));
-    return 0;
+    return 0; /* pos2 is uploaded where the rows are held (forward_ep) */
 }
 
 /* pos2 as the [R, 1] map of the permute kernels */
@@ -599,6 +802,9 @@ static int forward_ep(struct am_model *m, const struct am_layer *L, struct moe_a
     if (exchange_counts(m, A, err, err_len) < 0)
         return -1;
     int64_t R = A->recv_total;
+    if (saved_rows(m, A, R, err, err_len) < 0 || work_rows(m, R, err, err_len) < 0)
+        return -1;
+    m->K->upload(m->dev, A->pos2.data, M->h32 + M->E, (size_t)R * sizeof(int32_t));
     if (m->where.phase != AM_PHASE_BACKWARD) /* a recomputation in the backward counts once */
         M->step_recv += R;
     struct am_tensor ts = rows(&M->ts, S), t1 = rows(&M->t1, R), t2 = rows(&M->t2, R), p2 = pos2_of(A);
@@ -778,6 +984,10 @@ size_t am_moe_pipe_bytes(const struct am_model *m)
 void am_moe_forward_begin(struct am_model *m, int slot, const void *in)
 {
     struct am_moe *M = m->moe;
+    if (M) { /* a new micro-batch in the slot: its saved expert rows from the pool's start */
+        M->slots[slot].used = 0;
+        M->slots[slot].gen++;
+    }
     if (!M || !M->aux_on)
         return;
     struct moe_slot *Sl = &M->slots[slot];
@@ -867,10 +1077,7 @@ size_t am_moe_alltoall_bytes(const struct am_model *m)
     const struct am_moe *M = m->moe;
     if (!M || M->ep < 2)
         return 0;
-    size_t b[3] = {am_tensor_bytes(&M->t1), am_tensor_bytes(&M->t2), am_tensor_bytes(&M->ts)}, sum = 0;
-    for (int i = 0; i < 3; i++)
-        sum += (b[i] + 63) & ~(size_t)63;
-    return sum;
+    return (am_tensor_bytes(&M->ts) + 63) & ~(size_t)63;
 }
 
 bool am_moe_is_expert_param(const struct am_model *m, const struct am_param *p)
@@ -896,6 +1103,7 @@ void am_moe_stats_reset(struct am_model *m)
         m->moe->a2a_s = 0;
         m->moe->dispatch_s = m->moe->experts_s = 0;
         m->moe->step_recv = 0;
+        m->moe->step_rows_max = m->moe->step_layer_max = 0;
     }
 }
 
@@ -916,6 +1124,9 @@ void am_moe_stats(struct am_model *m, struct am_moe_stats *out)
     out->dispatch_s = M->dispatch_s;
     out->experts_s = M->experts_s;
     out->tokens_in = M->step_recv;
+    out->rows_max = M->step_rows_max;
+    out->layer_rows_max = M->step_layer_max;
+    out->rows_bytes = am_moe_rows_bytes(m);
     out->imbalance = sum > 0 ? (double)out->max * (double)M->E / (double)sum : 0.0;
     if (M->aux_on)
         m->K->download(m->dev, &out->aux, M->slots[M->last_slot].aux.data, sizeof(double));

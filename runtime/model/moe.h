@@ -58,7 +58,16 @@
  * counts (i32 [ep, E/ep]), one of the permuted rows, a regrouping of the received rows by
  * local expert (pos2, the permute kernels with k = 1), the grouped GEMMs, the inverse
  * regrouping and an alltoallv back; the backward runs the two row all-to-alls in reverse.
- * The received rows are sized for the worst case (ep x N x k). The experts' groups are reduced
+ * The received rows are sized to the loads (dropless: every token is kept): after the counts'
+ * all-to-all each rank knows the R rows its experts receive in a layer; the rows kept for the
+ * backward (xp, g, u, act, and pos2: 4 + (C + 3 I) x dtype bytes a row) come from the slot's
+ * pool, one allocation per micro-batch slot that holds the rows of every MoE layer of the
+ * slot's micro-batch one after the other; the per-call work rows (t1, t2, dxp [., C], da, dg,
+ * du [., I], LoRA's lt, ltd, ldt [., r]) from one buffer of the most rows of a layer. Both
+ * start at the plan's balanced load (S rows a MoE layer: the slot's MoE layers x S, and S),
+ * grow to what a micro-batch needs (the rows held so far copied over; a failed growth is an
+ * error naming the layer, the rows and the plan's assumption) and are kept: their high-water
+ * mark (am_moe_rows_bytes). The experts' groups are reduced
  * over the expert-data-parallel group (the trainer sets their comm; under fully sharded data
  * parallelism they are sharded, gathered and reduce-scattered over it: fsdp.h).
  * Not yet: experts split over tp, and sequence parallelism with experts, which am_moe_check
@@ -162,6 +171,11 @@ struct am_moe_stats {
     int64_t tokens_in; /* expert parallelism: the token rows this rank's experts received over the
                           step (after the counts' all-to-all, from every rank of its ep group; every
                           MoE layer and micro-batch, each forward once): its share of the routing */
+    int64_t rows_max;       /* expert parallelism: the most rows one micro-batch slot's MoE layers
+                               received for a micro-batch of the step (their sum) */
+    int64_t layer_rows_max; /* expert parallelism: the most rows one MoE layer received in the step */
+    size_t rows_bytes;      /* expert parallelism: the bytes of the buffers sized to the loads after the
+                               step (am_moe_rows_bytes: their high-water mark so far) */
 };
 
 /* The configurations the MoE block runs in; -1 with a message naming what is not supported. */
@@ -205,9 +219,13 @@ int am_moe_forward_end(struct am_model *m, int slot, int64_t N, const int32_t *t
 size_t am_moe_pipe_bytes(const struct am_model *m);
 void am_moe_backward_begin(struct am_model *m, int slot, const void *in);
 void am_moe_backward_end(struct am_model *m, int slot, void *out);
-/* Expert parallelism: the bytes of the all-to-all's buffers (within the activations' bytes,
- * m->act_bytes): [ep x S, C] twice and [S, C] for S = the micro-batch's tokens x top_k; 0 at ep 1. */
+/* Expert parallelism: the bytes of the all-to-all's fixed buffer (within the activations' bytes,
+ * m->act_bytes): the send rows [S, C] for S = the micro-batch's tokens x top_k; 0 at ep 1. */
 size_t am_moe_alltoall_bytes(const struct am_model *m);
+/* Expert parallelism: the bytes of the buffers sized to the loads (not in m->act_bytes): every
+ * slot's saved expert rows and the work rows, as allocated now (they grow to the high-water
+ * mark and are kept); 0 at ep 1. */
+size_t am_moe_rows_bytes(const struct am_model *m);
 /* Whether p is one of the experts' matrices (not the router), or one of their adapters. */
 bool am_moe_is_expert_param(const struct am_model *m, const struct am_param *p);
 /* The selection-bias update (gate_bias_update_factor > 0; above): the step's loads of this

@@ -198,6 +198,10 @@ static json_t *memory_json(const struct am_memory *m)
                           "activations", m->activations, "scratch", m->scratch, "kernel_scratch", m->kernel_scratch,
                           "pipeline_buffers", m->p2p, "alltoall_buffers", m->alltoall, "pp_rank", m->pp_rank);
     json_object_set_new(o, "total", json_real(m->total));
+    /* expert parallelism: the buffers sized to the loads, in total at the balanced load, and at
+     * the worst load (not in total) */
+    json_object_set_new(o, "expert_rows", json_real(m->expert_rows));
+    json_object_set_new(o, "expert_rows_worst", json_real(m->expert_rows_worst));
     return o;
 }
 

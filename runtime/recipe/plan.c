@@ -120,10 +120,9 @@ static double carved(double n, double es) { return (double)(((long long)(n * es)
 
 /* A MoE layer's tensors per token (in compute-dtype elements), kept per micro-batch slot and
  * MoE layer whether or not the dense part is recomputed (runtime/model/moe.c). With expert
- * parallelism the rows a rank's experts receive (the permuted input, gate, up and product) are
- * sized for the worst case: every slot of the ep group's ranks, ep times the rank's own, with
- * where each goes (an i32 per row); the counts (an i32 per expert, and those received) are
- * apart. */
+ * parallelism the rows a rank's experts receive (the permuted input, gate, up and product, and
+ * where each goes) depend on the loads: they are apart (expert_rows_bytes); the counts (an i32
+ * per expert, and those received) are apart too. */
 static double moe_elems_per_token(const struct am_recipe *r, const struct am_plan *p)
 {
     const struct am_model_config *m = &r->model;
@@ -131,9 +130,22 @@ static double moe_elems_per_token(const struct am_recipe *r, const struct am_pla
         return 0;
     double h = (double)m->hidden_size;
     double k = (double)m->num_experts_per_tok, E = (double)m->num_experts, cs = am_dtype_size(r->compute_dtype);
-    double ep = (double)p->ep;
-    return E + k * (h + ep * (h + 3 * (double)m->moe_intermediate_size)) + (E + 3 * k) * 4 / cs +
-           (p->ep > 1 ? ep * k * 4 / cs : 0);
+    return E + k * (h + (p->ep > 1 ? 0 : h + 3 * (double)m->moe_intermediate_size)) + (E + 3 * k) * 4 / cs;
+}
+
+/* Expert parallelism: the buffers sized to the loads (moe.c, moe.h), for `rows` rows a MoE
+ * layer: each slot's saved rows of its MoE layers (an i32, the permuted input and the gate, up
+ * and product a row) and the work rows of one layer (the two all-to-all buffers and the
+ * permuted input's gradient, the gradients of the product, gate and up, with LoRA on the
+ * experts three of its rank) */
+static double expert_rows_bytes(const struct am_recipe *r, const struct am_plan *p, int moe_layer_slots, double rows)
+{
+    const struct am_model_config *m = &r->model;
+    if (p->ep < 2 || m->num_experts <= 0)
+        return 0;
+    double h = (double)m->hidden_size, Im = (double)m->moe_intermediate_size, cs = am_dtype_size(r->compute_dtype);
+    double lora = r->peft.enabled && r->peft.experts ? 3 * (double)r->peft.experts_dim : 0;
+    return moe_layer_slots * rows * (4 + (h + 3 * Im) * cs) + rows * (3 * h + 3 * Im + lora) * cs;
 }
 
 /* The MoE layers of stage s. */
@@ -303,15 +315,19 @@ static double scratch_bytes(const struct am_recipe *r, const struct am_plan *p, 
         double E = (double)m->num_experts, k = (double)m->num_experts_per_tok, S = N * k;
         double Im = (double)m->moe_intermediate_size;
         b += rs->total * (2 * carved(E, 4) + carved(2, 8));
-        double Re = S * p->ep; /* the rows this rank's experts can receive (moe_elems_per_token) */
-        b += carved(N * E, cs) + carved(N * k, 4) + carved(S * C, cs) + carved(Re * C, cs) + 3 * carved(Re * Im, cs);
+        /* the dlogits, dwts and dyp work buffers, at ep 1 also the rows' (dxp, da, dg, du): with ep >
+         * 1 these are sized to the loads (expert_rows_bytes) */
+        b += carved(N * E, cs) + carved(N * k, 4) + carved(S * C, cs);
+        if (p->ep == 1)
+            b += carved(S * C, cs) + 3 * carved(S * Im, cs);
         if (m->sigmoid_router) /* glm4_moe: each MoE layer's e_score_correction_bias (fp32) */
             b += rs->moe_layers * carved(E, 4);
         if (m->sigmoid_router && m->gate_bias_update_factor > 0 && rs->moe_layers > 0) /* their update's loads */
             b += carved(rs->moe_layers * E, 8);
-        if (r->peft.enabled && r->peft.experts) /* the experts' adapters (moe.c): x · Aᵀ of gate and up and of
-                                                 * down, recomputed in the backward, and its gradient */
-            b += 3 * carved(Re * (double)r->peft.experts_dim, cs);
+        if (r->peft.enabled && r->peft.experts && p->ep == 1) /* the experts' adapters (moe.c): x · Aᵀ of gate
+                                                               * and up and of down, recomputed in the
+                                                               * backward, and its gradient */
+            b += 3 * carved(S * (double)r->peft.experts_dim, cs);
     }
     return b;
 }
@@ -605,12 +621,16 @@ static int memory_of_rank(const struct am_recipe *r, const struct am_plan *p, in
     out->p2p = p->pp == 1 ? 0 : (1 + 2 * sends) * (tokens * h * cs / (r->dist.sequence_parallel ? tp : 1) + trailer);
     out->scratch = scratch_bytes(r, p, emb, head, &rs);
     out->kernel_scratch = kernel_scratch_bytes(r, p, head, layers);
-    /* the all-to-all's buffers (moe.c): the slots received, twice, and the rank's own, each
-     * 64-byte aligned as allocated */
-    out->alltoall = 0;
+    /* the all-to-all's send buffer (moe.c): the rank's own slots, 64-byte aligned as allocated;
+     * the rows received are sized to the loads: planned at the balanced load, S rows a MoE layer
+     * on every rank, as AutoModel and Megatron plan (their worst, every slot of the ep group
+     * routed to this rank's experts: ep x S) */
+    out->alltoall = out->expert_rows = out->expert_rows_worst = 0;
     if (p->ep > 1 && m->num_experts > 0) {
         double S = (double)p->microbatch_size * (double)p->seq_length / p->cp * (double)m->num_experts_per_tok;
-        out->alltoall = 2 * carved(p->ep * S * h, cs) + carved(S * h, cs);
+        out->alltoall = carved(S * h, cs);
+        out->expert_rows = expert_rows_bytes(r, p, rs.moe_layer_slots, S);
+        out->expert_rows_worst = expert_rows_bytes(r, p, rs.moe_layer_slots, S * p->ep);
     }
     if (r->peft.enabled) {
         /* LoRA: the base weights frozen (held as above: whole, or from stage 3 the shards and the
@@ -641,7 +661,7 @@ static int memory_of_rank(const struct am_recipe *r, const struct am_plan *p, in
         out->weights += wb * ad;
     }
     out->total = out->weights + out->grads + out->grad_buffers + out->optimizer + out->gathered + out->activations +
-                 out->scratch + out->kernel_scratch + out->p2p + out->alltoall;
+                 out->scratch + out->kernel_scratch + out->p2p + out->alltoall + out->expert_rows;
     return 0;
 }
 

@@ -75,10 +75,13 @@ struct am_memory {
     double kernel_scratch;  /* the CUDA kernels' device scratch at its largest (the head's
                                cross-entropy tiles, the attention backward's buffers:
                                kernels/cuda/cuda_impl.h); the model allocates none of it */
-    double alltoall;        /* expert parallelism: the experts' all-to-all buffers, sized for the
-                               worst case (runtime/model/moe.c): every slot of every ep rank's
-                               micro-batch routed to this rank's experts, twice, and the rank's
-                               own slots once */
+    double alltoall;        /* expert parallelism: the experts' all-to-all send buffer (the
+                               rank's own slots; runtime/model/moe.c) */
+    double expert_rows;     /* expert parallelism: the buffers sized to the loads (moe.h): each
+                               slot's saved expert rows and the work rows, at the balanced load
+                               (S = micro-batch tokens x top_k rows a MoE layer on every rank) */
+    double expert_rows_worst; /* the same at the worst load, every slot of the ep group routed to
+                               this rank's experts (ep x S rows a MoE layer); not in total */
     double adapter_params;  /* LoRA: the trainable adapter parameters the rank holds (their bytes are
                                in weights, grads and optimizer; the frozen base has none in the
                                last two) */

@@ -74,6 +74,10 @@ void am_plan_print(FILE *f, const struct am_recipe *r, const struct am_world *w,
     if (m->alltoall > 0)
         fprintf(f, ", all-to-all buffers %s", am_format_bytes(m->alltoall, a, sizeof(a)));
     fputc('\n', f);
+    if (m->expert_rows > 0)
+        fprintf(f, "             received expert rows %s at the balanced load (in the total; %s if every slot of "
+                "the ep group chose this rank's experts)\n", am_format_bytes(m->expert_rows, a, sizeof(a)),
+                am_format_bytes(m->expert_rows_worst, b, sizeof(b)));
     fprintf(f, "             %s parameters%s, %s compute%s\n", am_dtype_torch_name(r->param_dtype),
             r->param_dtype_assumed ? " (assumed: set model.torch_dtype)" : "", am_dtype_torch_name(r->compute_dtype),
             r->dist.activation_checkpointing ? ", activation checkpointing" : "");

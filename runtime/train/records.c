@@ -233,7 +233,8 @@ void am_train_log_groups(struct trainer *t)
 
 /* What the rank allocated, as am-plan counts it: weights (fp32 masters and their copy in the
  * compute dtype), gradients (fp32, and their copy in a narrower reduce_dtype), Adam's moments,
- * activations and the pipeline's buffers. */
+ * activations and the pipeline's buffers; with expert parallelism the buffers sized to the
+ * loads apart (expert_rows_bytes: at the start, the plan's balanced load). */
 void am_train_log_memory(struct trainer *t)
 {
     const struct am_model *m = &t->model;
@@ -252,6 +253,9 @@ void am_train_log_memory(struct trainer *t)
     if (m->sh.lora_r > 0)
         json_object_set_new(o, "adapter_params", json_integer((json_int_t)m->grad_elems));
     json_object_set_new(o, "alltoall_bytes", json_integer((json_int_t)am_moe_alltoall_bytes(m)));
+    /* expert parallelism: the buffers sized to the loads, at the plan's balanced load at the start
+     * (they grow past it with the loads: the step records' expert_rows_bytes) */
+    json_object_set_new(o, "expert_rows_bytes", json_integer((json_int_t)am_moe_rows_bytes(m)));
     am_log_record(t->log, "memory", o);
 }
 
@@ -346,6 +350,9 @@ void am_train_log_step(struct trainer *t, long step, double loss, double lr, dou
         if (p->ep > 1) {
             json_object_set_new(rec, "alltoall_s", json_real(ms.alltoall_s));
             json_object_set_new(rec, "ep_tokens_in", json_integer((json_int_t)ms.tokens_in));
+            json_object_set_new(rec, "ep_rows_max", json_integer((json_int_t)ms.rows_max));
+            json_object_set_new(rec, "ep_layer_rows_max", json_integer((json_int_t)ms.layer_rows_max));
+            json_object_set_new(rec, "expert_rows_bytes", json_integer((json_int_t)ms.rows_bytes));
         }
     }
     if (t->tb.fd >= 0)

@@ -57,7 +57,7 @@ check "json memory" 0 '"memory_per_gpu_bytes":' -- "$bin" "$recipes/llama70b.yam
 # the first stage's attention row sums (4 x 64 tokens x 4 heads), the last's cross-entropy tile
 # (64 rows x 256 ids x 4)
 check "json has every pp rank's memory" 0 \
-    '"activations":1005568.0,"scratch":254720.0,"kernel_scratch":1024.0,"pipeline_buffers":81920.0,"alltoall_buffers":0.0,"pp_rank":0,"total":3084032.0},{"weights":435456.0,"grads":435456.0,"optimizer":870912.0,"gathered_params":0.0,"grad_buffers":0.0,"activations":502784.0,"scratch":288000.0,"kernel_scratch":65536.0,"pipeline_buffers":49152.0,"alltoall_buffers":0.0,"pp_rank":1,"total":2647296.0}]' \
+    '"activations":1005568.0,"scratch":254720.0,"kernel_scratch":1024.0,"pipeline_buffers":81920.0,"alltoall_buffers":0.0,"pp_rank":0,"total":3084032.0,"expert_rows":0.0,"expert_rows_worst":0.0},{"weights":435456.0,"grads":435456.0,"optimizer":870912.0,"gathered_params":0.0,"grad_buffers":0.0,"activations":502784.0,"scratch":288000.0,"kernel_scratch":65536.0,"pipeline_buffers":49152.0,"alltoall_buffers":0.0,"pp_rank":1,"total":2647296.0,"expert_rows":0.0,"expert_rows_worst":0.0}]' \
     -- "$bin" "$recipes/tiny.yaml" --gpus-per-node 2 --set distributed.pp_size=2 --json
 check "json flops" 0 '"flops_per_step":' -- "$bin" "$recipes/llama70b.yaml" --nodes 8 --gpus-per-node 8 --json
 check "override makes it invalid" 1 \

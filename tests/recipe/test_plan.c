@@ -241,6 +241,39 @@ static void test_param_count(void **state)
     am_recipe_free(r);
 }
 
+/* Expert parallelism: the rows the experts receive (runtime/model/moe.h) planned at the
+ * balanced load, S = micro-batch tokens x top_k rows a MoE layer: each of the 2 MoE layers'
+ * saved rows (an i32, the permuted input C and gate, up, product 3 I in the compute dtype) and
+ * one layer's work rows (3 C + 3 I); the worst case at ep x S; in the total at the balanced load
+ * only, and nothing of it at ep 1. */
+static void test_memory_expert_rows(void **state)
+{
+    (void)state;
+    static const char moe[] = "model:\n  model_type: mixtral\n  hidden_size: 64\n  num_hidden_layers: 2\n"
+                              "  num_attention_heads: 4\n  num_key_value_heads: 2\n  intermediate_size: 128\n"
+                              "  vocab_size: 256\n  num_local_experts: 4\n  num_experts_per_tok: 2\n"
+                              "step_scheduler:\n  global_batch_size: 8\n  local_batch_size: 2\n";
+    const char *sets[] = {"distributed.ep_size=2", NULL};
+    struct am_plan p;
+    struct am_recipe *r = plan_of(moe, sets, 4, &p);
+    double cs = am_dtype_size(r->compute_dtype), S = (double)p.microbatch_size * (double)p.seq_length * 2;
+    double saved = 4 + (64 + 3 * 128) * cs, work = (3 * 64 + 3 * 128) * cs;
+    assert_float_equal(p.mem.expert_rows, 2 * S * saved + S * work, 0);
+    assert_float_equal(p.mem.expert_rows_worst, 2 * 2 * S * saved + 2 * S * work, 0);
+    const struct am_memory *m = &p.mem;
+    assert_float_equal(m->total, m->weights + m->grads + m->grad_buffers + m->optimizer + m->gathered +
+                                     m->activations + m->scratch + m->kernel_scratch + m->p2p + m->alltoall +
+                                     m->expert_rows, 0);
+    am_plan_free(&p);
+    am_recipe_free(r);
+    r = plan_of(moe, NULL, 4, &p);
+    assert_float_equal(p.mem.expert_rows, 0, 0);
+    assert_float_equal(p.mem.expert_rows_worst, 0, 0);
+    assert_float_equal(p.mem.alltoall, 0, 0);
+    am_plan_free(&p);
+    am_recipe_free(r);
+}
+
 /* Qwen3-MoE's dense layers by hand: 4 layers, hidden 64, heads 4 x head_dim 16 (kv 2),
  * 8 experts of 32, top 2, intermediate 128 for the dense MLP; decoder_sparse_step 2 makes
  * layers 0 and 2 dense ((l + 1) % 2 != 0), mlp_only_layers [3] makes layer 3 dense too:
@@ -730,6 +763,7 @@ int main(void)
         cmocka_unit_test(test_mesh_coordinates),
         cmocka_unit_test(test_groups),
         cmocka_unit_test(test_expert_groups),
+        cmocka_unit_test(test_memory_expert_rows),
         cmocka_unit_test(test_interleaved_stages),
         cmocka_unit_test(test_interleaved_stages_uneven),
         cmocka_unit_test(test_param_count),

@@ -58,13 +58,22 @@ bf16_tol() {
         { d = $2 - $5; if (d < 0) d = -d; if (d > l) l = d; g = ($3 - $6) / $3; if (g < 0) g = -g; if (g > n) n = g }
         END { printf "%.3g %.3g", 2 * l, 2 * n }'
 }
-total_of() { # LOGDIR RANK: the bytes the rank allocated
+total_of() { # LOGDIR RANK: the bytes the rank allocated (with ep, the received rows' buffers at the start)
     local t=0 key v
-    for key in weights_bytes grads_bytes optimizer_bytes gathered_bytes grad_buffers_bytes act_bytes pipe_bytes; do
+    for key in weights_bytes grads_bytes optimizer_bytes gathered_bytes grad_buffers_bytes act_bytes pipe_bytes \
+        expert_rows_bytes; do
         v=$(memory "$1" "$2" $key)
         t=$((t + ${v:-0}))
     done
     echo "$t"
+}
+plan_of() { # RECIPE NPROC SETS...: am-plan's total of each pp rank, less the CUDA kernels' scratch
+    # (kernel_scratch: the CPU's kernels allocate none)
+    local y=$1 n=$2
+    shift 2
+    "$AM_BUILDDIR/am-plan" "$y" --gpus-per-node "$n" --json "$@" | sed -E 's/.*"memory_per_pp_rank"://' |
+        grep -oE '"kernel_scratch":[0-9.e+]+,"pipeline_buffers":[0-9.e+]+,"alltoall_buffers":[0-9.e+]+,"pp_rank":[0-9]+,"total":[0-9.e+]+' |
+        sed -E 's/"kernel_scratch":([0-9.e+]+),.*"total":([0-9.e+]+)/\1 \2/' | awk '{ printf "%.0f\n", $2 - $1 }'
 }
 
 # the saved adapters (a safetensors file of fp32 tensors), read from its header

@@ -185,14 +185,6 @@ else
 fi
 
 # memory: every rank's allocation is am-plan's estimate for its pipeline rank, to the byte
-plan_of() { # RECIPE NPROC SETS...: am-plan's total of each pp rank, less the CUDA kernels' scratch
-    # (kernel_scratch: the CPU's kernels allocate none)
-    local y=$1 n=$2
-    shift 2
-    "$AM_BUILDDIR/am-plan" "$y" --gpus-per-node "$n" --json "$@" | sed -E 's/.*"memory_per_pp_rank"://' |
-        grep -oE '"kernel_scratch":[0-9.e+]+,"pipeline_buffers":[0-9.e+]+,"alltoall_buffers":[0-9.e+]+,"pp_rank":[0-9]+,"total":[0-9.e+]+' |
-        sed -E 's/"kernel_scratch":([0-9.e+]+),.*"total":([0-9.e+]+)/\1 \2/' | awk '{ printf "%.0f\n", $2 - $1 }'
-}
 for run in "ref 1" "tp2 2 AM_TP=2" "ep2 2" "pp2 2 AM_PP=2" "tp2-ep2 4 AM_TP=2" "tp2-ep2-bf16 4 AM_TP=2"; do
     set -- $run
     name=$1 n=$2

@@ -201,12 +201,6 @@ fi
 # (Compared as differences: the MoE model's own allocation was a few hundred bytes off
 # am-plan's estimate, with or without LoRA, until am-plan counted each MoE layer's tokens per
 # expert as the 64-byte buffer am-train carves; test-parity.sh checks the totals themselves.)
-plan_of() { # RECIPE NPROC SETS...: am-plan's total of each pp rank
-    local y=$1 n=$2
-    shift 2
-    "$AM_BUILDDIR/am-plan" "$y" --gpus-per-node "$n" --json "$@" | sed -E 's/.*"memory_per_pp_rank"://' |
-        grep -oE '"pp_rank":[0-9]+,"total":[0-9.e+]+' | sed -E 's/.*"total":([0-9.e+]+)/\1/'
-}
 for run in "ref 1" "ep2 2" "tp2-ep2 4 AM_TP=2" "pp2 2 AM_PP=2" "rs 1" "rs-ep2 2"; do
     set -- $run
     name=$1 n=$2

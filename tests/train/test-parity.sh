@@ -531,7 +531,8 @@ for layout in "${trained[@]}"; do
     worst= wr=1 equal=0 detail=
     for r in $(seq 0 $((n - 1))); do
         t=0
-        for key in weights_bytes grads_bytes optimizer_bytes gathered_bytes grad_buffers_bytes act_bytes pipe_bytes; do
+        for key in weights_bytes grads_bytes optimizer_bytes gathered_bytes grad_buffers_bytes act_bytes pipe_bytes \
+            expert_rows_bytes; do
             t=$((t + $(memory "$work/logs-$name" "$r" $key)))
         done
         pp=$(grep -h '"coords":{"pp":' "$work/logs-$name"/*/rank-"$r".jsonl | sed -E 's/.*"coords":\{"pp":([0-9]+).*/\1/')
@@ -571,8 +572,8 @@ refuse() { # NAME RECIPE WANT [VAR=VALUE...]
 # (what the recipe alone decides, am-train refuses with am-plan's and sbatch's messages:
 # tests/recipe/test-refusals.sh; here what only the rank can see, its device)
 refuse device "$work/base.yaml" "am-train: rank 0: error: AM_DEVICE=gpu: not a device (cpu or cuda)" AM_DEVICE=gpu
-# expert parallelism: the all-to-all's buffers am-train allocated (sized for every slot of the
-# ep group routed to one rank) are what am-plan counts
+# expert parallelism: the all-to-all's send buffer am-train allocated (the rank's own slots)
+# is what am-plan counts
 if [ -d "$work/logs-ep2-moe" ]; then
     want=$("$AM_BUILDDIR/am-plan" "$work/ep2-moe.yaml" --gpus-per-node 2 --set distributed.ep_size=2 --json |
         sed -nE 's/.*"alltoall_buffers":([0-9.]+).*/\1/p' | awk '{ printf "%d", $1 }')
@@ -580,6 +581,61 @@ if [ -d "$work/logs-ep2-moe" ]; then
     check_memory "ep2-moe: all-to-all buffers allocated ($got bytes) are am-plan's ($want)" \
         "$([ -n "$got" ] && [ "$got" -gt 0 ] && [ "$got" = "$want" ] && echo 1)"
 fi
+# expert parallelism: the rows the experts receive are sized to the loads (moe.h). At the start
+# each rank holds am-plan's balanced load to the byte (expert_rows_bytes, apart from the fixed
+# part, which equals the rest of the plan to the byte); after each step exactly what the rows
+# it received needed: the saved rows of the most rows one micro-batch's MoE layers received so
+# far (ep_rows_max; never below the balanced L x S) times 4 + (C + 3 I) x dtype bytes, and the
+# work rows of the most one layer received (ep_layer_rows_max; never below S) times
+# (3 C + 3 I) x dtype bytes, S = micro-batch tokens x top_k; with one micro-batch a step,
+# ep_rows_max is the step's ep_tokens_in. The layouts of one pipeline stage (one slot a rank).
+for layout in "${trained[@]}"; do
+    set -- $layout
+    name=$1 n=$2
+    shift 2
+    [[ " $* " == *" AM_EP="* ]] && [[ " $* " != *" AM_PP="* ]] && [[ " $* " != *" AM_CP="* ]] || continue
+    sets=()
+    for v in "$@"; do
+        case $v in
+        AM_TP=*) sets+=(--set "distributed.tp_size=${v#AM_TP=}") ;;
+        AM_EP=*) sets+=(--set "distributed.ep_size=${v#AM_EP=}") ;;
+        esac
+    done
+    json=$("$AM_BUILDDIR/am-plan" "$work/$name.yaml" --gpus-per-node "$n" --json "${sets[@]}")
+    plan_rows=$(sed -nE 's/.*"memory_breakdown":\{[^}]*"expert_rows":([0-9.e+]+).*/\1/p' <<<"$json" | awk '{ printf "%.0f", $1 }')
+    plan_fixed=$(sed -nE 's/.*"memory_breakdown":\{[^}]*"kernel_scratch":([0-9.e+]+),[^}]*"total":([0-9.e+]+),"expert_rows":([0-9.e+]+).*/\1 \2 \3/p' <<<"$json" |
+        awk '{ printf "%.0f", $2 - $1 - $3 }')
+    mbs=$(sed -nE 's/.*"micro_batch_size":([0-9]+).*/\1/p' <<<"$json")
+    sl=$(sed -nE 's/.*"seq_length":([0-9]+).*/\1/p' <<<"$json")
+    one=$(sed -nE 's/.*"micro_batches":([0-9]+),"grad_accum_steps":([0-9]+).*/\1 \2/p' <<<"$json")
+    cfg() { sed -nE "s/^ *$1: *([0-9]+).*/\1/p" "$work/$name.yaml" | head -n1; }
+    C=$(cfg hidden_size) k=$(cfg num_experts_per_tok) I=$(cfg moe_intermediate_size)
+    [ -n "$I" ] || I=$(cfg intermediate_size)
+    S=$((mbs * sl * k)) bad=
+    for r in $(seq 0 $((n - 1))); do
+        es=4
+        grep -h '"type":"memory"' "$work/logs-$name"/*/rank-"$r".jsonl | grep -qF '"compute_dtype":"bfloat16"' && es=2
+        saved=$((4 + (C + 3 * I) * es)) wrow=$(((3 * C + 3 * I) * es))
+        b0=$(memory "$work/logs-$name" $r expert_rows_bytes)
+        fixed=0
+        for key in weights_bytes grads_bytes optimizer_bytes gathered_bytes grad_buffers_bytes act_bytes pipe_bytes; do
+            fixed=$((fixed + $(memory "$work/logs-$name" "$r" $key)))
+        done
+        [ "$b0" = "$plan_rows" ] && [ "$fixed" = "$plan_fixed" ] ||
+            bad="$bad; rank $r holds $b0 bytes of expert rows and $fixed fixed at the start, am-plan $plan_rows and $plan_fixed"
+        L=$(((b0 - S * wrow) / saved / S))
+        bad=$bad$(grep -h '"type":"step"' "$work/logs-$name"/*/rank-"$r".jsonl |
+            sed -E 's/.*"ep_tokens_in":([0-9]+),"ep_rows_max":([0-9]+),"ep_layer_rows_max":([0-9]+),"expert_rows_bytes":([0-9]+).*/\1 \2 \3 \4/' |
+            awk -v r="$r" -v LS=$((L * S)) -v S="$S" -v saved="$saved" -v wrow="$wrow" -v one="$one" '
+                NF != 4 { print "; rank " r ": a step record without the rows"; exit }
+                { if ($2 > hs) hs = $2; if ($3 > hl) hl = $3
+                  want = (hs > LS ? hs : LS) * saved + (hl > S ? hl : S) * wrow
+                  if ($4 != want) { printf "; rank %s step %d holds %s bytes, the rows need %d", r, NR, $4, want; exit }
+                  if (one == "1 1" && $1 != $2) { printf "; rank %s step %d: ep_rows_max %s, ep_tokens_in %s", r, NR, $2, $1; exit } }')
+    done
+    check_memory "$name: expert rows at the start are am-plan's balanced load ($plan_rows bytes, the rest $plan_fixed), then on every rank and step what the rows received need (saved ${saved:-?} bytes a row above $((L * S)) rows, work ${wrow:-?} above $S)${bad:+:$bad}" \
+        "$([ -z "$bad" ] && [ "${plan_rows:-0}" -gt 0 ] && echo 1)"
+done
 # the loss falls: the last step's loss is below the first's
 first=$(head -n1 "$work/ref" | cut -d' ' -f1) last=$(tail -n1 "$work/ref" | cut -d' ' -f1)
 if awk -v a="$first" -v b="$last" 'BEGIN { exit !(b < a - 0.5) }'; then
