@@ -232,7 +232,8 @@ static double in_flight_layers(const struct am_recipe *r, const struct am_plan *
  * buffer, with context parallelism the ring's buffers (T: the rank's rows of a sequence, whose
  * positions the rotary tables hold), with packed sequences their rotary tables and documents;
  * and for a mixture of experts, per slot the router's counts, probability sums, auxiliary
- * loss and count of targets (the last two in one buffer), shared the router's and the
+ * loss and count of targets (the last two in one buffer; with AutoModel's load-balancing loss
+ * also each MoE layer's loads and score sums), shared the router's and the
  * experts' gradient buffers. N: tokens of a micro-batch, R: its rows of the residual stream
  * on this rank (N / tp with sequence parallelism). */
 static double scratch_bytes(const struct am_recipe *r, const struct am_plan *p, bool emb, bool head,
@@ -305,6 +306,9 @@ static double scratch_bytes(const struct am_recipe *r, const struct am_plan *p, 
         b += rs->total * (2 * carved(E, 4) + carved(2, 8));
         double Re = S * p->ep; /* the rows this rank's experts can receive (moe_elems_per_token) */
         b += carved(N * E, cs) + carved(N * k, 4) + carved(S * C, cs) + carved(Re * C, cs) + 3 * carved(Re * Im, cs);
+        if (m->aux_loss_coeff > 0) /* AutoModel's load-balancing loss: each MoE layer's loads and score sums
+                                    * per slot (moe.c) */
+            b += rs->moe_layer_slots * carved(2 * E, 4);
         if (m->sigmoid_router) /* glm4_moe: each MoE layer's e_score_correction_bias (fp32) */
             b += rs->moe_layers * carved(E, 4);
         if (m->sigmoid_router && m->gate_bias_update_factor > 0 && rs->moe_layers > 0) /* their update's loads */

@@ -116,8 +116,8 @@ static void test_moe_route(void **state)
         /* the aux loss's statistics and value */
         struct am_tensor tcn = tview(&cnt, E, 0, 0, 0), tps = tview(&ps, E, 0, 0, 0);
         memset(cnt.f, 0, (size_t)E * sizeof(float));
-        K->moe_aux_stats(&kdev, &tcn, &tps, &tp, &ti);
-        K->moe_aux_stats(&kdev, &tcn, &tps, &tp, &ti); /* accumulates: twice the counts */
+        K->moe_aux_stats(&kdev, &tcn, &tps, &tp, &ti, false);
+        K->moe_aux_stats(&kdev, &tcn, &tps, &tp, &ti, false); /* accumulates: twice the counts */
         double want_loss = 0.0, *wp = dalloc(E);
         for (int64_t e = 0; e < E; e++) {
             int64_t n = 0;
@@ -241,7 +241,7 @@ static void test_moe_route_sigmoid(void **state)
         /* backward: dwts = R onto a random start, against finite differences */
         struct arr R = arr_rand(&r, N * k, -1, 1), dl = arr_rand(&r, N * E, -1, 1), dl0 = arr_copy(&dl);
         struct am_tensor tR = tview(&R, N, k, 0, 0), tdl = tview(&dl, N, E, 0, 0);
-        K->moe_route_sigmoid_backward(&kdev, &tdl, &tR, &tp, &ti, cases[c].renorm, cases[c].scale);
+        K->moe_route_sigmoid_backward(&kdev, &tdl, &tR, &tp, &ti, NULL, 0.0f, cases[c].renorm, cases[c].scale);
         ctx.R = R.d;
         double *fd = dalloc(N * E), *tl_ = dalloc(N * E);
         fd_grad(sig_loss, &ctx, lg.d, N * E, fd);
