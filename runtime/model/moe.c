@@ -87,7 +87,7 @@ int am_moe_check(const struct am_model_config *cfg, const struct am_model_shard 
         return am_fail(err, err_len, "model: ep_size %d does not divide %s's %d experts: each ep rank holds "
                        "num_experts / ep_size of them (use an ep_size that divides %d)", sh->ep, cfg->model_type,
                        (int)cfg->num_experts, (int)cfg->num_experts);
-    if (cfg->aux_loss_coeff > 0 && cfg->output_router_logits)
+    if (cfg->aux_loss_coeff > 0 && am_model_hf_aux(cfg))
         return am_fail(err, err_len, "model: %s with both load-balancing losses, transformers' (output_router_logits) "
                        "and AutoModel's (aux_loss_coeff %g): a model computes one of them (set output_router_logits: "
                        "false, or moe_overrides.aux_loss_coeff: 0)", cfg->model_type, cfg->aux_loss_coeff);
@@ -285,7 +285,7 @@ int am_moe_init(struct am_model *m, char *err, size_t err_len)
     M->n_group = (int)c->n_group;
     M->topk_group = (int)c->topk_group;
     M->scale = (float)c->routed_scaling_factor;
-    M->aux_on = c->output_router_logits;
+    M->aux_on = am_model_hf_aux(c);
     M->coef = c->router_aux_loss_coef;
     M->am_aux = c->aux_loss_coeff > 0;
     M->am_coef = c->aux_loss_coeff;

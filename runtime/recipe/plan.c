@@ -604,7 +604,7 @@ static int memory_of_rank(const struct am_recipe *r, const struct am_plan *p, in
      * micro-batch and chunk) and one receive buffer (pipeline.h) */
     double sends = p->virtual_stages == 1 ? flight / layers : (double)p->virtual_stages * (double)p->n_microbatches;
     /* with the load-balancing loss its statistics follow each hidden state (f32 [2 E + 1]) */
-    double trailer = m->num_experts > 0 && m->output_router_logits && am_model_moe_layers(m) > 0
+    double trailer = m->num_experts > 0 && am_model_hf_aux(m) && am_model_moe_layers(m) > 0
                          ? (2 * (double)m->num_experts + 1) * 4 : 0;
     out->p2p = p->pp == 1 ? 0 : (1 + 2 * sends) * (tokens * h * cs / (r->dist.sequence_parallel ? tp : 1) + trailer);
     out->scratch = scratch_bytes(r, p, emb, head, &rs);

@@ -1229,11 +1229,11 @@ static void read_model(struct reader *rd, struct am_node *model)
      * model, force_hf: true) adds transformers' loss with output_router_logits */
     bool own = target && target->kind == AM_NODE_SCALAR && strstr(target->str, "NeMoAutoModel") &&
                !(force && force->kind == AM_NODE_SCALAR && strcmp(force->str, "true") == 0);
-    if (own && r->model.num_experts > 0 && (r->model.gpt_oss || strcmp(r->model.model_type, "qwen3_moe") == 0)) {
-        if (!r->model.aux_loss_set)
-            r->model.aux_loss_coeff = r->model.router_aux_loss_coef > 0 ? r->model.router_aux_loss_coef : 0.0;
-        r->model.output_router_logits = false;
-    }
+    bool qwen3_moe = r->model.model_type && strcmp(r->model.model_type, "qwen3_moe") == 0;
+    if (own && r->model.num_experts > 0 && (r->model.gpt_oss || qwen3_moe || r->model.sigmoid_router))
+        r->model.automodel_gate = true;
+    if (own && r->model.num_experts > 0 && (r->model.gpt_oss || qwen3_moe) && !r->model.aux_loss_set)
+        r->model.aux_loss_coeff = r->model.router_aux_loss_coef > 0 ? r->model.router_aux_loss_coef : 0.0;
     if (dtype_rc == 1 && r->model.torch_dtype) { /* absent or "auto": the checkpoint's dtype */
         struct am_node v = {.kind = AM_NODE_SCALAR, .str = r->model.torch_dtype, .plain = true};
         read_dtype(rd, &v, "config.json torch_dtype", &r->param_dtype);

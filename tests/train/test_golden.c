@@ -126,7 +126,7 @@ static void open_golden_with(struct golden *G, const char *name, enum am_dtype c
     G->recipe->model.gate_bias_update_factor = bias_factor;
     if (aux_coeff > 0) {
         G->recipe->model.aux_loss_coeff = aux_coeff;
-        G->recipe->model.output_router_logits = false;
+        G->recipe->model.automodel_gate = true; /* AutoModel's own model: no transformers' loss */
     }
     struct am_model_shard sh = am_model_shard_whole(1, 0, (int)G->recipe->model.num_hidden_layers);
     sh.compute = compute;
