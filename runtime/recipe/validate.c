@@ -426,6 +426,18 @@ static void aux_packed(struct check *c)
              r->model.aux_loss_coeff);
 }
 
+/* transformers' class adds its loss with output_router_logits; moe_overrides' aux_loss_coeff asks
+ * for AutoModel's, which its own model computes instead of transformers': not both. */
+static void aux_twice(struct check *c)
+{
+    const struct am_recipe *r = c->r;
+    if (r->model.aux_loss_coeff > 0 && am_model_hf_aux(&r->model))
+        FAIL(c, "model.moe_overrides.aux_loss_coeff", "%g with output_router_logits: true on transformers' class "
+             "(no NeMoAutoModelForCausalLM _target_, or force_hf): two load-balancing losses, transformers' and "
+             "AutoModel's, where each model computes one (set output_router_logits: false for AutoModel's, or remove "
+             "aux_loss_coeff for transformers')", r->model.aux_loss_coeff);
+}
+
 static void dataset(struct check *c)
 {
     const struct am_recipe *r = c->r;
@@ -446,7 +458,7 @@ static const struct {
     {"lora-kv-tp", lora_kv_tp}, {"lora-moe-rank", lora_moe_rank},
     {"gpt-oss-lora", gpt_oss_lora},
     {"glm-shared-tp", glm_shared_tp}, {"dsv3-no-bias", dsv3_no_bias}, {"bias-packed", bias_packed},
-    {"aux-packed", aux_packed},
+    {"aux-packed", aux_packed}, {"aux-twice", aux_twice},
     {"dataset", dataset},
 };
 
