@@ -16,7 +16,9 @@ The loss trained and reported is the cross entropy alone (AutoModel adds nothing
 transformers' loss with output_router_logits is not AutoModel's own model's). Writes
 tests/golden/models/<case>/aux_loss.safetensors: losses and grad norms before clipping [5], each
 step's aux summed over the MoE layers [5], coeff, and every router weight (and bias) after the 5
-steps (final.<name>). Refuses to write when a routing choice is within MARGIN of a tie at any step,
+steps (final.<name>); and the same with the batch as two micro-batches of one sequence (mb2.*:
+the aux's backward scale 1 / 2, the cross entropy over the step's targets, aux the last
+micro-batch's). Refuses to write when a routing choice is within MARGIN of a tie at any step,
 and prints how far the losses moved against the same steps without the aux loss.
 
     /work/venv-golden/bin/python tests/golden/make_aux_golden.py
@@ -37,7 +39,10 @@ MARGIN = 1e-4
 
 
 class MoEAuxLossAutoScaler(torch.autograd.Function):
-    """AutoModel's (components/moe/megatron/moe_utils.py) with main_loss_backward_scale 1."""
+    """AutoModel's (components/moe/megatron/moe_utils.py); main_loss_backward_scale as its train
+    recipe sets it (base_recipe.py, _set_moe_aux_loss_backward_scale): cp / micro-batches."""
+
+    main_loss_backward_scale = torch.tensor(1.0)
 
     @staticmethod
     def forward(ctx, output, aux_loss):
@@ -47,7 +52,7 @@ class MoEAuxLossAutoScaler(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         (aux_loss,) = ctx.saved_tensors
-        return grad_output, torch.ones_like(aux_loss) * torch.tensor(1.0)
+        return grad_output, torch.ones_like(aux_loss) * MoEAuxLossAutoScaler.main_loss_backward_scale
 
 
 def routers(model):
@@ -92,7 +97,10 @@ def margin(router, logits):
     return float((s[:, router.top_k - 1] - s[:, router.top_k]).min())
 
 
-def run(case, coeff):
+def run(case, coeff, micro=1):
+    """micro > 1: each step's batch as that many micro-batches (gradient accumulation), the cross
+    entropy of each summed and divided by the step's targets (train_ft's num_label_tokens), the aux
+    loss per micro-batch, its backward scale 1 / micro (cp 1); aux: the last micro-batch's."""
     outdir = os.path.join(mg.HERE, "models", case)
     model = mg.load(outdir, case)
     ids = load_file(os.path.join(outdir, "golden.safetensors"))["input_ids"].long()
@@ -115,17 +123,23 @@ def run(case, coeff):
         r.register_forward_hook(hook)
     opt = torch.optim.AdamW(model.parameters(), foreach=False, **mg.ADAMW)
     losses, norms = [], []
+    MoEAuxLossAutoScaler.main_loss_backward_scale = torch.tensor(1.0 / micro)
+    labels = ids.shape[0] * (ids.shape[1] - 1)
     for _ in range(mg.ADAMW_STEPS):
-        step_aux.append(0.0)
         opt.zero_grad(set_to_none=True)
-        logits = model(input_ids=ids).logits
-        vocab = logits.shape[-1]
-        loss = F.cross_entropy(logits[:, :-1, :].reshape(-1, vocab), ids[:, 1:].reshape(-1))
-        loss.backward()
+        total = 0.0
+        for part in ids.chunk(micro, dim=0):
+            step_aux.append(0.0)
+            logits = model(input_ids=part).logits
+            vocab = logits.shape[-1]
+            loss = F.cross_entropy(logits[:, :-1, :].reshape(-1, vocab), part[:, 1:].reshape(-1), reduction="sum") / labels
+            loss.backward()
+            total += float(loss.detach())
         params = [p for p in model.parameters() if p.grad is not None]
         norms.append(float(torch.nn.utils.clip_grad_norm_(params, mg.CLIP_MAX_NORM)))
-        losses.append(float(loss.detach()))
+        losses.append(total)
         opt.step()
+    step_aux = step_aux[micro - 1::micro]  # each step's last micro-batch's
     return model, rs, losses, norms, step_aux, min(margins)
 
 
@@ -146,6 +160,17 @@ def main():
         for name, p in model.named_parameters():
             if ".gate.weight" in name or ".router." in name:
                 out[f"final.{name}"] = p.detach().clone().contiguous()
+        # two micro-batches of one sequence each: the aux loss's backward scale 1 / 2
+        model2, _, losses2, norms2, aux2, m2 = run(case, coeff, micro=2)
+        print(f"  2 micro-batches: losses {losses2}\n  aux {aux2}\n  smallest routing margin {m2:.3g}")
+        if m2 < MARGIN:
+            sys.exit(f"{case}: a routing choice is within {m2:.3g} of a tie (want {MARGIN}): not written")
+        out.update({"mb2.losses": torch.tensor(losses2, dtype=torch.float32),
+                    "mb2.grad_norms": torch.tensor(norms2, dtype=torch.float32),
+                    "mb2.aux": torch.tensor(aux2, dtype=torch.float32)})
+        for name, p in model2.named_parameters():
+            if ".gate.weight" in name or ".router." in name:
+                out[f"mb2.final.{name}"] = p.detach().clone().contiguous()
         path = os.path.join(mg.HERE, "models", case, "aux_loss.safetensors")
         save_file(out, path, metadata={"format": "pt"})
         print("wrote", path)

@@ -694,9 +694,16 @@ static void test_deepseek_v3_tiny_bias_update(void **state)
 /* AutoModel's own load-balancing loss (tests/golden/make_aux_golden.py: transformers' model with
  * AutoModel's Gate._compute_aux_loss and MoEAuxLossAutoScaler applied to each router's output, the
  * cross entropy alone trained and reported): 5 clipped AdamW steps' losses, grad norms and aux
- * values, and the routers after them. */
-static void check_aux_loss(const char *name)
+ * values, and the routers after them; micro 2: each step's batch as two micro-batches of one
+ * sequence (the aux loss's gradient over 2, as am_moe_set_aux_div says; keys mb2.*). */
+static void check_aux_loss(const char *name, int micro)
 {
+    const char *pre = micro > 1 ? "mb2." : "";
+    char kc[64], ka[64], kl[64], kn[64];
+    snprintf(kc, sizeof(kc), "coeff");
+    snprintf(ka, sizeof(ka), "%saux", pre);
+    snprintf(kl, sizeof(kl), "%slosses", pre);
+    snprintf(kn, sizeof(kn), "%sgrad_norms", pre);
     const char *src = getenv("AM_SRCDIR");
     char path[1200];
     struct am_errors err;
@@ -704,8 +711,8 @@ static void check_aux_loss(const char *name)
     struct am_st_file *ref = NULL;
     snprintf(path, sizeof(path), "%s/tests/golden/models/%s/aux_loss.safetensors", src ? src : ".", name);
     assert_int_equal(am_st_open(path, &ref, &err), 0);
-    const struct am_st_info *ci = am_st_find(ref, "coeff"), *ai = am_st_find(ref, "aux");
-    const struct am_st_info *wl = am_st_find(ref, "losses"), *wn = am_st_find(ref, "grad_norms");
+    const struct am_st_info *ci = am_st_find(ref, kc), *ai = am_st_find(ref, ka);
+    const struct am_st_info *wl = am_st_find(ref, kl), *wn = am_st_find(ref, kn);
     assert_true(ci && ai && wl && wn);
     float coeff, want_loss[5], want_norm[5], want_aux[5];
     assert_int_equal(am_st_read_f32(ref, ci, 0, 1, &coeff, &err), 0);
@@ -714,6 +721,8 @@ static void check_aux_loss(const char *name)
     assert_int_equal(am_st_read_f32(ref, ai, 0, 5, want_aux, &err), 0);
     struct golden G;
     open_golden_with(&G, name, AM_F32, 0.0, coeff);
+    assert_true(G.B % micro == 0 && !G.starts);
+    am_moe_set_aux_div(&G.m, micro); /* one rank: the step's micro-batches */
     size_t E = G.m.n_elems;
     enum am_device dv = G.dev.device;
     float *mom = G.K->alloc(&G.dev, E * sizeof(float)), *var = G.K->alloc(&G.dev, E * sizeof(float));
@@ -724,7 +733,24 @@ static void check_aux_loss(const char *name)
     struct am_tensor v = am_tensor_view(var, dv, AM_F32, (int64_t)E, 0, 0, 0);
     struct am_tensor acc = am_tensor_view(sumsq_dev, dv, AM_F64, 1, 0, 0, 0);
     for (int s = 0; s < 5; s++) {
-        double loss = step(&G), sumsq = 0;
+        double loss = 0, sumsq = 0;
+        if (micro == 1) {
+            loss = step(&G);
+        } else { /* gradient accumulation: each micro-batch's targets over the step's */
+            char msg[512];
+            int64_t rows = G.B / micro, n = rows * G.T;
+            am_model_begin_step(&G.m);
+            for (int mb = 0; mb < micro; mb++) {
+                double sum = 0;
+                int rc = am_model_step(&G.m, G.tokens + mb * n, G.targets + mb * n, NULL, rows,
+                                       1.0f / (float)G.n_targets, &sum, msg, sizeof(msg));
+                if (rc < 0)
+                    print_error("%s\n", msg);
+                assert_int_equal(rc, 0);
+                loss += sum;
+            }
+            loss /= G.n_targets;
+        }
         struct am_moe_stats st;
         am_moe_stats(&G.m, &st);
         G.K->zero(&G.dev, &acc);
@@ -748,8 +774,10 @@ static void check_aux_loss(const char *name)
     for (size_t i = 0; i < am_st_count(ref); i++) {
         const struct am_st_info *t = am_st_at(ref, i);
         const char *key = t->name;
-        if (strncmp(key, "final.", 6) != 0)
+        size_t lp = strlen(pre);
+        if (strncmp(key, pre, lp) != 0 || strncmp(key + lp, "final.", 6) != 0)
             continue;
+        key += lp;
         int k = am_model_find(&G.m, key + 6);
         assert_true(k >= 0);
         const float *mine = G.m.params[k].w.data, *want = (const float *)t->data;
@@ -762,8 +790,8 @@ static void check_aux_loss(const char *name)
         finals++;
     }
     assert_true(finals > 0);
-    report("%s: aux loss (coeff %g): losses %.2e, grad norms %.2e relative, aux %.2e (tolerances 1e-5), %d routers "
-           "after the steps\n", name, coeff, worst[0], worst[1], worst[2], finals);
+    report("%s: aux loss (coeff %g, %d micro-batch(es)): losses %.2e, grad norms %.2e relative, aux %.2e (tolerances "
+           "1e-5), %d routers after the steps\n", name, coeff, micro, worst[0], worst[1], worst[2], finals);
     G.K->free(&G.dev, mom);
     G.K->free(&G.dev, var);
     G.K->free(&G.dev, sumsq_dev);
@@ -772,8 +800,19 @@ static void check_aux_loss(const char *name)
     am_errors_free(&err);
 }
 
-static void test_deepseek_v3_tiny_aux_loss(void **s) { (void)s; check_aux_loss("deepseek_v3_tiny"); }
-static void test_gpt_oss_tiny_aux_loss(void **s) { (void)s; check_aux_loss("gpt_oss_tiny"); }
+static void test_deepseek_v3_tiny_aux_loss(void **s)
+{
+    (void)s;
+    check_aux_loss("deepseek_v3_tiny", 1);
+    check_aux_loss("deepseek_v3_tiny", 2);
+}
+
+static void test_gpt_oss_tiny_aux_loss(void **s)
+{
+    (void)s;
+    check_aux_loss("gpt_oss_tiny", 1);
+    check_aux_loss("gpt_oss_tiny", 2);
+}
 
 #define CASE_FP32(name)                                                                                            \
     static void test_##name##_forward_backward(void **s) { (void)s; check_forward_backward(#name); }            \
