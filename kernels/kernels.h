@@ -381,7 +381,8 @@ struct am_kernels {
      *     no gradient), plus aux_scale * cnt[e] on every entry e of every row (the gradient of
      *     the load-balancing loss; cnt NULL: none).
      *   moe_aux_stats: cnt[e] += how many of the rows' top-k slots chose e, psum[e] += Σ over
-     *     rows of probs[:, e] (rows in order).
+     *     rows of probs[:, e] (rows in order), each row divided by its Σ_e probs + 1e-20 when
+     *     renorm (AutoModel's normalised sigmoid scores).
      *   moe_aux_loss: acc (one f64) += scale * Σ_e cnt[e] * psum[e] (in double): with
      *     scale = E / R² over R rows of all the MoE layers it is transformers'
      *     load_balancing_loss_func (Switch Transformer's E Σ f_e P_e).
@@ -411,13 +412,16 @@ struct am_kernels {
      *     renorm, times scale (routed_scaling_factor).
      *   moe_route_sigmoid_backward: dlogits += the sigmoid's backward p (1 - p) of dprobs, where
      *     dprobs is dwts taken back through the scale and the renormalisation onto the chosen
-     *     entries (the choice itself has no gradient). */
+     *     entries (the choice itself has no gradient), plus the gradient of AutoModel's
+     *     load-balancing loss (cnt NULL: none): aux_scale * cnt[e] on every score q_e of the row,
+     *     q = p / (Σ_e p_e + 1e-20) when renorm (AutoModel's normalised scores), else q = p,
+     *     taken back through that normalisation. */
     void (*moe_route_sigmoid_forward)(const struct am_dev *d, struct am_tensor *probs, struct am_tensor *idx,
                                       struct am_tensor *wts, const struct am_tensor *logits, const struct am_tensor *bias,
                                       int n_group, int topk_group, bool renorm, float scale);
     void (*moe_route_sigmoid_backward)(const struct am_dev *d, struct am_tensor *dlogits, const struct am_tensor *dwts,
-                                       const struct am_tensor *probs, const struct am_tensor *idx, bool renorm,
-                                       float scale);
+                                       const struct am_tensor *probs, const struct am_tensor *idx, const struct am_tensor *cnt,
+                                       float aux_scale, bool renorm, float scale);
     /* ---- gpt-oss (transformers' GptOssForCausalLM) ----
      * attention_sink: a learned logit per head (sinks [H], f32 or the activations' dtype) in
      *   each softmax's denominator, given attention's out [B, T, H, D] and lse [B, H, T] over
@@ -444,7 +448,7 @@ struct am_kernels {
                                     const struct am_tensor *dout, const struct am_tensor *gate,
                                     const struct am_tensor *up, float alpha, float limit);
     void (*moe_aux_stats)(const struct am_dev *d, struct am_tensor *cnt, struct am_tensor *psum, const struct am_tensor *probs,
-                          const struct am_tensor *idx);
+                          const struct am_tensor *idx, bool renorm);
     void (*moe_aux_loss)(const struct am_dev *d, struct am_tensor *acc, const struct am_tensor *cnt,
                          const struct am_tensor *psum, double scale);
     void (*moe_plan)(const struct am_dev *d, struct am_tensor *pos, struct am_tensor *counts, const struct am_tensor *idx);

@@ -168,17 +168,19 @@ void am_cpu_moe_route_sigmoid_forward(const struct am_dev *d, struct am_tensor *
 }
 
 void am_cpu_moe_route_sigmoid_backward(const struct am_dev *d, struct am_tensor *dlogits, const struct am_tensor *dwts,
-                                       const struct am_tensor *probs, const struct am_tensor *idx, bool renorm,
-                                       float scale)
+                                       const struct am_tensor *probs, const struct am_tensor *idx, const struct am_tensor *cnt,
+                                       float aux_scale, bool renorm, float scale)
 {
     (void)d;
     am_cpu_act(__func__, "dlogits", dlogits);
     int64_t N = am_rows(dlogits), E = am_cols(dlogits), k = am_cols(idx);
-    const float *p = F32(probs), *dw = F32(dwts);
+    const float *p = F32(probs), *dw = F32(dwts), *c = cnt ? F32(cnt) : NULL;
     const int32_t *ix = I32(idx);
     want2(__func__, "probs", probs, N, E);
     want2(__func__, "idx", idx, N, k);
     want2(__func__, "dwts", dwts, N, k);
+    AM_CHECK(!cnt || am_tensor_numel(cnt) == E, "cnt (%s) must hold the %lld experts' counts", am_tname(cnt),
+             (long long)E);
 #pragma omp parallel for schedule(static) if (N * E >= AM_PAR_MIN)
     for (int64_t i = 0; i < N; i++) {
         const float *pr = p + i * E;
@@ -192,13 +194,25 @@ void am_cpu_moe_route_sigmoid_backward(const struct am_dev *d, struct am_tensor 
             float dp = renorm ? scale * (dw[i * k + j] / s - dot / (s * s)) : scale * dw[i * k + j];
             am_cpu_st(dlogits, i * E + e, am_cpu_ld(dlogits, i * E + e) + dp * pr[e] * (1.0f - pr[e]));
         }
+        if (!c)
+            continue;
+        /* AutoModel's load-balancing loss: g_e = aux_scale cnt[e] on every score q_e, q = p / (Σ p
+         * + 1e-20) when renorm (else p), taken back through the normalisation and the sigmoid */
+        float S = 1e-20f, gq = 0.0f;
+        for (int64_t e = 0; renorm && e < E; e++)
+            S += pr[e];
+        for (int64_t e = 0; renorm && e < E; e++)
+            gq += aux_scale * c[e] * (pr[e] / S);
+        for (int64_t e = 0; e < E; e++) {
+            float dp = renorm ? (aux_scale * c[e] - gq) / S : aux_scale * c[e];
+            am_cpu_st(dlogits, i * E + e, am_cpu_ld(dlogits, i * E + e) + dp * pr[e] * (1.0f - pr[e]));
+        }
     }
 }
 
 void am_cpu_moe_aux_stats(const struct am_dev *d, struct am_tensor *cnt, struct am_tensor *psum, const struct am_tensor *probs,
-                          const struct am_tensor *idx)
+                          const struct am_tensor *idx, bool renorm)
 {
-    (void)d;
     int64_t N = am_rows(probs), E = am_cols(probs), k = am_cols(idx);
     float *c = F32(cnt), *ps = F32(psum);
     const float *p = F32(probs);
@@ -206,10 +220,17 @@ void am_cpu_moe_aux_stats(const struct am_dev *d, struct am_tensor *cnt, struct 
     want2(__func__, "idx", idx, N, k);
     AM_CHECK(am_tensor_numel(cnt) == E && am_tensor_numel(psum) == E, "cnt (%s) and psum (%s) must hold %lld experts",
              am_tname(cnt), am_tname(psum), (long long)E);
+    float *den = renorm ? am_cpu_scratch(__func__, d, N > 0 ? N : 1) : NULL; /* each row's Σ p + 1e-20 */
+    for (int64_t i = 0; renorm && i < N; i++) {
+        float s = 0.0f;
+        for (int64_t e = 0; e < E; e++)
+            s += p[i * E + e];
+        den[i] = s + 1e-20f;
+    }
     for (int64_t e = 0; e < E; e++) {
         float s = 0.0f;
         for (int64_t i = 0; i < N; i++)
-            s += p[i * E + e];
+            s += renorm ? p[i * E + e] / den[i] : p[i * E + e];
         ps[e] += s;
     }
     for (int64_t i = 0; i < N * k; i++)

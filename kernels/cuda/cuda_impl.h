@@ -226,13 +226,13 @@ void am_cuda_moe_route_sigmoid_forward(const struct am_dev *d, struct am_tensor 
                                        struct am_tensor *wts, const struct am_tensor *logits, const struct am_tensor *bias,
                                        int n_group, int topk_group, bool renorm, float scale);
 void am_cuda_moe_route_sigmoid_backward(const struct am_dev *d, struct am_tensor *dlogits, const struct am_tensor *dwts,
-                                        const struct am_tensor *probs, const struct am_tensor *idx, bool renorm,
-                                        float scale);
+                                        const struct am_tensor *probs, const struct am_tensor *idx, const struct am_tensor *cnt,
+                                        float aux_scale, bool renorm, float scale);
 void am_cuda_moe_route_backward(const struct am_dev *d, struct am_tensor *dlogits, const struct am_tensor *dwts,
                            const struct am_tensor *probs, const struct am_tensor *idx, const struct am_tensor *cnt,
                            float aux_scale, bool renorm);
 void am_cuda_moe_aux_stats(const struct am_dev *d, struct am_tensor *cnt, struct am_tensor *psum, const struct am_tensor *probs,
-                      const struct am_tensor *idx);
+                      const struct am_tensor *idx, bool renorm);
 void am_cuda_moe_aux_loss(const struct am_dev *d, struct am_tensor *acc, const struct am_tensor *cnt, const struct am_tensor *psum,
                      double scale);
 void am_cuda_moe_plan(const struct am_dev *d, struct am_tensor *pos, struct am_tensor *counts, const struct am_tensor *idx);

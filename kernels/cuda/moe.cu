@@ -140,17 +140,30 @@ void am_cuda_moe_route_backward(const struct am_dev *d, struct am_tensor *dlogit
     AM_LAUNCHED(k);
 }
 
-__global__ void aux_stats_k(float *cnt, float *psum, const float *p, const int32_t *ix, int64_t N, int64_t E, int64_t k)
+__global__ void aux_stats_k(float *cnt, float *psum, const float *p, const float *den, const int32_t *ix, int64_t N,
+                            int64_t E, int64_t k)
 {
     AM_GRID_STRIDE(e, E)
     {
         float s = 0.0f, c = 0.0f;
         for (int64_t i = 0; i < N; i++)
-            s += p[i * E + e];
+            s += den ? p[i * E + e] / den[i] : p[i * E + e];
         for (int64_t i = 0; i < N * k; i++)
             c += ix[i] == e ? 1.0f : 0.0f;
         psum[e] += s;
         cnt[e] += c;
+    }
+}
+
+/* each row's Σ p + 1e-20 (moe_aux_stats' renorm), one thread per row */
+__global__ void row_den_k(float *den, const float *p, int64_t N, int64_t E)
+{
+    AM_GRID_STRIDE(i, N)
+    {
+        float s = 0.0f;
+        for (int64_t e = 0; e < E; e++)
+            s += p[i * E + e];
+        den[i] = s + 1e-20f;
     }
 }
 
@@ -242,8 +255,8 @@ void am_cuda_moe_route_sigmoid_forward(const struct am_dev *d, struct am_tensor 
     AM_LAUNCHED(k);
 }
 
-__global__ void route_sig_bwd_k(void *dl, bool bf, const float *p, const int32_t *ix, const float *dw, int64_t N, int64_t E,
-                                int64_t k, bool renorm, float scale)
+__global__ void route_sig_bwd_k(void *dl, bool bf, const float *p, const int32_t *ix, const float *dw, const float *cnt,
+                                float aux, int64_t N, int64_t E, int64_t k, bool renorm, float scale)
 {
     AM_GRID_STRIDE(i, N)
     {
@@ -259,12 +272,24 @@ __global__ void route_sig_bwd_k(void *dl, bool bf, const float *p, const int32_t
             float dp = renorm ? scale * (dwi[j] / s - dot / (s * s)) : scale * dwi[j];
             stv(dl, bf, i * E + e, ldv(dl, bf, i * E + e) + dp * pr[e] * (1.0f - pr[e]));
         }
+        if (!cnt)
+            continue;
+        /* AutoModel's load-balancing loss (kernels.h), as the CPU's */
+        float S = 1e-20f, gq = 0.0f;
+        for (int64_t e = 0; renorm && e < E; e++)
+            S += pr[e];
+        for (int64_t e = 0; renorm && e < E; e++)
+            gq += aux * cnt[e] * (pr[e] / S);
+        for (int64_t e = 0; e < E; e++) {
+            float dp = renorm ? (aux * cnt[e] - gq) / S : aux * cnt[e];
+            stv(dl, bf, i * E + e, ldv(dl, bf, i * E + e) + dp * pr[e] * (1.0f - pr[e]));
+        }
     }
 }
 
 void am_cuda_moe_route_sigmoid_backward(const struct am_dev *d, struct am_tensor *dlogits, const struct am_tensor *dwts,
-                                        const struct am_tensor *probs, const struct am_tensor *idx, bool renorm,
-                                        float scale)
+                                        const struct am_tensor *probs, const struct am_tensor *idx, const struct am_tensor *cnt,
+                                        float aux_scale, bool renorm, float scale)
 {
     const char *k = "am_cuda_moe_route_sigmoid_backward";
     am_cuda_ctx(k, d);
@@ -276,15 +301,18 @@ void am_cuda_moe_route_sigmoid_backward(const struct am_dev *d, struct am_tensor
     want2(k, "probs", probs, N, E);
     want2(k, "idx", idx, N, K);
     want2(k, "dwts", dwts, N, K);
+    const float *c = cnt ? (const float *)am_cuda_data(k, "cnt", cnt, AM_F32) : NULL;
+    AM_CUDA_REQUIRE(k, !cnt || am_tensor_numel(cnt) == E, "cnt (%s) must hold the %lld experts' counts", am_tname(cnt),
+                    (long long)E);
     if (!N)
         return;
-    route_sig_bwd_k<<<am_blocks(N), AM_THREADS, 0, am_cuda_stream(d)>>>(dlogits->data, dt == AM_BF16, p, ix, dw, N, E, K,
-                                                                         renorm, scale);
+    route_sig_bwd_k<<<am_blocks(N), AM_THREADS, 0, am_cuda_stream(d)>>>(dlogits->data, dt == AM_BF16, p, ix, dw, c,
+                                                                         aux_scale, N, E, K, renorm, scale);
     AM_LAUNCHED(k);
 }
 
 void am_cuda_moe_aux_stats(const struct am_dev *d, struct am_tensor *cnt, struct am_tensor *psum, const struct am_tensor *probs,
-                           const struct am_tensor *idx)
+                           const struct am_tensor *idx, bool renorm)
 {
     const char *k = "am_cuda_moe_aux_stats";
     am_cuda_ctx(k, d);
@@ -295,7 +323,13 @@ void am_cuda_moe_aux_stats(const struct am_dev *d, struct am_tensor *cnt, struct
     want2(k, "idx", idx, N, K);
     AM_CUDA_REQUIRE(k, am_tensor_numel(cnt) == E && am_tensor_numel(psum) == E, "cnt (%s) and psum (%s) must hold %lld experts",
                     am_tname(cnt), am_tname(psum), (long long)E);
-    aux_stats_k<<<am_blocks(E), AM_THREADS, 0, am_cuda_stream(d)>>>(c, ps, p, ix, N, E, K);
+    float *den = NULL;
+    if (renorm && N > 0) {
+        den = (float *)am_cuda_scratch(k, d, (size_t)N * sizeof(float));
+        row_den_k<<<am_blocks(N), AM_THREADS, 0, am_cuda_stream(d)>>>(den, p, N, E);
+        AM_LAUNCHED(k);
+    }
+    aux_stats_k<<<am_blocks(E), AM_THREADS, 0, am_cuda_stream(d)>>>(c, ps, p, den, ix, N, E, K);
     AM_LAUNCHED(k);
 }
 

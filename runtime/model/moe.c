@@ -25,6 +25,8 @@ struct moe_acts {
      * r0, held for the micro-batch of the slot's generation gen */
     int64_t r0, held;
     unsigned gen;
+    struct am_tensor am_stats; /* AutoModel's load-balancing loss: the layer's [load E | score sums E] f32 of
+                                  the micro-batch (summed over cp), kept from its forward for the backward */
     int slot;        /* the model's slot whose micro-batch these are */
     bool moe;        /* the layer has experts (dense layers' entries are unused) */
 };
@@ -70,6 +72,9 @@ struct am_moe {
     int n_group, topk_group;
     float scale;             /* routed_scaling_factor */
     double coef;
+    bool am_aux;             /* AutoModel's load-balancing loss (aux_loss_coeff > 0; moe.h) */
+    double am_coef;          /* aux_loss_coeff */
+    double am_div;           /* dp x micro-batches of a step per rank (am_moe_set_aux_div) */
     int n_moe;               /* the model's MoE layers */
     struct moe_acts *acts;   /* by index into m->acts_mem */
     struct moe_slot *slots;  /* by the model's slot index */
@@ -100,6 +105,10 @@ int am_moe_check(const struct am_model_config *cfg, const struct am_model_shard 
         return am_fail(err, err_len, "model: ep_size %d does not divide %s's %d experts: each ep rank holds "
                        "num_experts / ep_size of them (use an ep_size that divides %d)", sh->ep, cfg->model_type,
                        (int)cfg->num_experts, (int)cfg->num_experts);
+    if (cfg->aux_loss_coeff > 0 && am_model_hf_aux(cfg))
+        return am_fail(err, err_len, "model: %s with both load-balancing losses, transformers' (output_router_logits) "
+                       "and AutoModel's (aux_loss_coeff %g): a model computes one of them (set output_router_logits: "
+                       "false, or moe_overrides.aux_loss_coeff: 0)", cfg->model_type, cfg->aux_loss_coeff);
     if (cfg->gpt_oss && sh->lora_r > 0 && sh->lora_experts)
         return am_fail(err, err_len, "model: LoRA on gpt_oss's experts: their biases and clamped SwiGLU have no "
                        "adapters in am yet (adapt the attention's projections alone)");
@@ -229,6 +238,8 @@ static size_t layout(struct am_model *m, struct am_moe *M, char *base)
             A->act = carve(base, &off, dev, dt, S, I);
         }
         A->yp = carve(base, &off, dev, dt, S, C);
+        if (M->am_aux)
+            A->am_stats = carve(base, &off, dev, AM_F32, 2 * E, 0);
         if (M->ep > 1)
             A->rcounts = carve(base, &off, dev, AM_I32, (int64_t)M->ep * M->El, 0);
     }
@@ -469,8 +480,11 @@ int am_moe_init(struct am_model *m, char *err, size_t err_len)
     M->n_group = (int)c->n_group;
     M->topk_group = (int)c->topk_group;
     M->scale = (float)c->routed_scaling_factor;
-    M->aux_on = c->output_router_logits;
+    M->aux_on = am_model_hf_aux(c);
     M->coef = c->router_aux_loss_coef;
+    M->am_aux = c->aux_loss_coeff > 0;
+    M->am_coef = c->aux_loss_coeff;
+    M->am_div = 1.0;
     M->n_moe = (int)am_model_moe_layers(c);
     M->update = M->sigmoid && c->gate_bias_update_factor > 0;
     M->factor = (float)c->gate_bias_update_factor;
@@ -825,6 +839,42 @@ static int forward_ep(struct am_model *m, const struct am_layer *L, struct moe_a
     return 0;
 }
 
+/* The first or the second half of a layer's AutoModel statistics (loads, score sums), [E] f32 */
+static struct am_tensor am_half(const struct am_moe *M, const struct moe_acts *A, int half)
+{
+    return am_tensor_view(A->am_stats.data ? (float *)A->am_stats.data + half * M->E : NULL, A->am_stats.device, AM_F32,
+                          M->E, 0, 0, 0);
+}
+
+/* The tokens of the micro-batch AutoModel's gate counts: every row of the whole sequences (its
+ * token_mask; am's unpacked sequences have no padding, and packed ones are refused with the loss:
+ * rule aux-packed), its context_length summed over the cp group */
+static double am_tokens(const struct am_model *m, int64_t N)
+{
+    return (double)N * (double)(m->cp ? m->cp->size : 1);
+}
+
+/* AutoModel's load-balancing loss of one layer for the micro-batch (moe.h): the layer's loads and
+ * (normalised) score sums, summed over the cp group, kept for the backward; its value
+ * E / (k T²) Σ load score-sum added to the slot's aux (reported, never to the loss) */
+static int am_aux_forward(struct am_model *m, struct moe_acts *A, struct moe_slot *Sl, const struct am_tensor *probs,
+                          const struct am_tensor *idx, int64_t N, char *err, size_t err_len)
+{
+    struct am_moe *M = m->moe;
+    struct am_tensor cnt = am_half(M, A, 0), psum = am_half(M, A, 1);
+    m->K->zero(m->dev, &A->am_stats);
+    /* AutoModel normalises the sigmoid scores with norm_topk_prob and more than one expert a token */
+    m->K->moe_aux_stats(m->dev, &cnt, &psum, probs, idx, M->sigmoid && M->renorm && M->k > 1);
+    if (m->cp && m->cp->size > 1 &&
+        am_allreduce(m->cp->comm, A->am_stats.data, A->am_stats.data, 2 * (size_t)M->E, AM_F32, AM_SUM, err,
+                     err_len) < 0)
+        return -1;
+    double T = am_tokens(m, N);
+    m->K->moe_aux_loss(m->dev, &Sl->aux, &cnt, &psum, (double)M->E / ((double)M->k * T * T));
+    M->last_slot = A->slot;
+    return 0;
+}
+
 static int moe_forward(struct am_model *m, const struct am_layer *L, const struct am_layer_acts *a,
                        const struct am_tensor *in, struct am_tensor *out, char *err, size_t err_len)
 {
@@ -846,7 +896,9 @@ static int moe_forward(struct am_model *m, const struct am_layer *L, const struc
     else
         K->moe_route_forward(m->dev, &probs, &idx, &wts, &logits, M->renorm);
     if (M->aux_on && !again)
-        K->moe_aux_stats(m->dev, &Sl->cnt, &Sl->psum, &probs, &idx);
+        K->moe_aux_stats(m->dev, &Sl->cnt, &Sl->psum, &probs, &idx, false);
+    if (M->am_aux && !again && am_aux_forward(m, A, Sl, &probs, &idx, N, err, err_len) < 0)
+        return -1;
     K->moe_plan(m->dev, &pos, &A->counts, &idx);
     K->download(m->dev, M->h32, A->counts.data, (size_t)M->E * sizeof(int32_t));
     int64_t *load = M->layer_loads && !again ? M->layer_loads + (L - m->layers) * M->E : NULL;
@@ -947,10 +999,17 @@ static int moe_backward(struct am_model *m, const struct am_layer *L, const stru
     } else
         K->moe_permute_backward(m->dev, dh, &dxp, &pos);
     K->zero(m->dev, &dlogits);
+    /* AutoModel's load-balancing loss: the gradient of aux_loss_coeff E / (k T²) Σ load score-sum with
+     * respect to the scores, over dp x micro-batches (moe.h) */
+    struct am_tensor am_cnt = am_half(M, A, 0);
+    double T = am_tokens(m, N);
+    float am_scale = M->am_aux ? (float)(M->am_coef * (double)M->E / ((double)M->k * T * T) / M->am_div) : 0.0f;
     if (M->sigmoid)
-        K->moe_route_sigmoid_backward(m->dev, &dlogits, &dwts, &probs, &idx, M->renorm, M->scale);
+        K->moe_route_sigmoid_backward(m->dev, &dlogits, &dwts, &probs, &idx, M->am_aux ? &am_cnt : NULL, am_scale,
+                                      M->renorm, M->scale);
     else
-        K->moe_route_backward(m->dev, &dlogits, &dwts, &probs, &idx, M->aux_on ? &Sl->cnt : NULL, Sl->aux_scale,
+        K->moe_route_backward(m->dev, &dlogits, &dwts, &probs, &idx,
+                              M->aux_on ? &Sl->cnt : M->am_aux ? &am_cnt : NULL, M->aux_on ? Sl->aux_scale : am_scale,
                               M->renorm);
     if (X->router_b && !frozen)
         K->bias_backward(m->dev, &X->router_b->g, &dlogits);
@@ -988,10 +1047,12 @@ void am_moe_forward_begin(struct am_model *m, int slot, const void *in)
         M->slots[slot].used = 0;
         M->slots[slot].gen++;
     }
-    if (!M || !M->aux_on)
+    if (!M || (!M->aux_on && !M->am_aux))
         return;
     struct moe_slot *Sl = &M->slots[slot];
     m->K->zero(m->dev, &Sl->aux);
+    if (!M->aux_on)
+        return;
     if (in) { /* the earlier stages' sums go on */
         struct am_tensor c = trailer(m, in, 0, M->E), p = trailer(m, in, M->E, M->E);
         m->K->copy(m->dev, &Sl->cnt, &c);
@@ -1094,6 +1155,12 @@ bool am_moe_is_expert_param(const struct am_model *m, const struct am_param *p)
     return false;
 }
 
+void am_moe_set_aux_div(struct am_model *m, double div)
+{
+    if (m->moe && div > 0)
+        m->moe->am_div = div;
+}
+
 void am_moe_stats_reset(struct am_model *m)
 {
     if (m->moe) {
@@ -1128,7 +1195,7 @@ void am_moe_stats(struct am_model *m, struct am_moe_stats *out)
     out->layer_rows_max = M->step_layer_max;
     out->rows_bytes = am_moe_rows_bytes(m);
     out->imbalance = sum > 0 ? (double)out->max * (double)M->E / (double)sum : 0.0;
-    if (M->aux_on)
+    if (M->aux_on || M->am_aux)
         m->K->download(m->dev, &out->aux, M->slots[M->last_slot].aux.data, sizeof(double));
 }
 

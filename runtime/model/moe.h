@@ -30,6 +30,24 @@
  * target), whose derivative with respect to this rank's probabilities it is. Three small
  * all-reduces per micro-batch (cnt, psum, the targets' count).
  *
+ * AutoModel's own load-balancing loss (cfg aux_loss_coeff > 0: AutoModel's Gate of the MoEs it
+ * builds itself, deepseek_v3, glm4_moe, gpt_oss, qwen3_moe; model_config.h): per MoE layer and
+ * micro-batch, over its T tokens (the whole sequences under cp), aux = Σ_e f_e P_e with
+ * f_e = load_e E / (k T) (load_e: the top-k slots that chose e) and P_e = Σ_t q_te / T, q the
+ * softmax over all the experts (softmax routers, gpt_oss's included) or the sigmoid scores,
+ * divided by their sum + 1e-20 with norm_topk_prob and k > 1 (AutoModel's original_scores). Each
+ * layer's forward counts load and Σ q (moe_aux_stats, in fp32) and sums them over the cp group
+ * (one all-reduce of 2E floats per layer and micro-batch, as AutoModel's gate sums them), kept
+ * with the layer's activations; a recomputation in the backward (activation checkpointing)
+ * counts nothing again. Nothing is added to the loss (AutoModel's MoEAuxLossAutoScaler): the
+ * router's backward adds the gradient of aux_loss_coeff x aux / (dp x micro-batches) with respect
+ * to the rank's scores (moe_route_backward, moe_route_sigmoid_backward: aux_scale x load_e on
+ * every score), which summed over dp x cp is aux_loss_coeff times the mean over the data-parallel
+ * ranks and micro-batches of the step of each micro-batch's aux, AutoModel's gradient (its
+ * backward scale cp / micro-batches, FSDP2's mean over dp x cp; with pp its token scale cancels):
+ * a layer's gradient needs nothing from the other layers, so pipeline stages carry nothing for
+ * it. The step record's aux is the sum over this rank's layers of the last micro-batch's.
+ *
  * Parameters (Hugging Face names): Mixtral's block_sparse_moe.gate.weight [E, C] and
  * block_sparse_moe.experts.e.{w1 (gate), w3 (up)} [I, C], w2 (down) [C, I]; Qwen3-MoE's
  * mlp.gate.weight and mlp.experts.e.{gate_proj, up_proj, down_proj}. The router belongs to
@@ -157,7 +175,8 @@ struct am_moe;
 struct am_moe_stats {
     int64_t min, max;  /* the least and the most loaded expert's slots */
     double imbalance;  /* max / mean (1: balanced) */
-    double aux;        /* the load-balancing loss of the last micro-batch (unscaled; 0 without it) */
+    double aux;        /* the load-balancing loss of the last micro-batch (unscaled; 0 without it;
+                          AutoModel's: the sum over this rank's MoE layers) */
     double alltoall_s; /* expert parallelism: seconds in the experts' all-to-alls (counts, tokens,
                           gradients; the host's time in the calls) */
     double experts_s;  /* seconds in the routed experts (their grouped matrix products, SwiGLU and
@@ -234,6 +253,10 @@ bool am_moe_is_expert_param(const struct am_model *m, const struct am_param *p);
  * am_moe_bias_update then adds factor x sign(mean load - load) to each layer's bias (fp32). */
 void *am_moe_bias_loads(struct am_model *m, size_t *n);
 void am_moe_bias_update(struct am_model *m);
+/* AutoModel's load-balancing loss (above): the data-parallel ranks times the micro-batches of a
+ * step on each (grad accumulation x pipeline micro-batches), which its gradient is divided by
+ * (the trainer sets it after am_model_init; 1 until then). */
+void am_moe_set_aux_div(struct am_model *m, double div);
 /* The step's statistics: reset by am_model_begin_step, read by the trainer. */
 void am_moe_stats_reset(struct am_model *m);
 void am_moe_stats(struct am_model *m, struct am_moe_stats *out);

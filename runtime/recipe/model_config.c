@@ -343,6 +343,7 @@ struct window_keys {
     bool use_qk_norm;                                /* glm4_moe: q/k norms */
     bool dsv3;                                       /* the model type, known before the keys: deepseek_v3 */
     bool gpt_oss;                                    /* the model type, known before the keys: gpt_oss */
+    bool qwen3_moe;                                  /* the model type, known before the keys: qwen3_moe */
     bool rope_given;                                 /* rope_scaling or rope_parameters written (not null) */
     long moe_layer_freq;                             /* deepseek_v3: as written (1 when absent) */
     struct am_node *moe_layer_freq_node, *topk_method, *scoring_func;
@@ -661,8 +662,9 @@ static int read_key(const struct hf_key *k, struct am_node *v, const char *secti
         }
         return 0;
     case K_MOE_OVERRIDES: { /* AutoModel's MoEConfig: what am computes is transformers' MoE, so of its
-                               training rules it takes deepseek_v3's selection-bias update and leaves
-                               the others at 0 */
+                               training rules it takes deepseek_v3's selection-bias update and the
+                               load-balancing loss of the MoEs AutoModel builds its own gate for, and
+                               leaves the others at 0 */
         if (am_node_is_null(v))
             return 0;
         if (v->kind != AM_NODE_MAP) {
@@ -683,14 +685,17 @@ static int read_key(const struct hf_key *k, struct am_node *v, const char *secti
             }
             if (!bias && !aux) {
                 am_errorf(err, &f->key_pos, "%s: not read by am (it trains the MoE transformers' class computes; of "
-                          "AutoModel's MoEConfig it takes gate_bias_update_factor (deepseek_v3) and aux_loss_coeff at "
-                          "0): remove it", sub);
+                          "AutoModel's MoEConfig it takes gate_bias_update_factor (deepseek_v3) and aux_loss_coeff): "
+                          "remove it", sub);
                 rc = -1;
             } else if (am_node_double(f->value, sub, &d, err) < 0) {
                 rc = -1;
             } else if (bias && w->dsv3 && d >= 0.0) { /* AutoModel's deepseek_v3: its Gate.update_bias */
                 m->gate_bias_update_factor = d;
                 m->bias_update_set = true;
+            } else if (aux && (w->dsv3 || w->glm || w->gpt_oss || w->qwen3_moe)) { /* its Gate: on above 0 */
+                m->aux_loss_coeff = d > 0.0 ? d : 0.0;
+                m->aux_loss_set = true;
             } else if (bias && w->dsv3) {
                 am_errorf(err, &f->value->pos, "%s: %g is not supported by am: AutoModel updates the selection bias "
                           "when the factor is above 0 and never otherwise (set it to 0 or above)", sub, d);
@@ -700,13 +705,8 @@ static int read_key(const struct hf_key *k, struct am_node *v, const char *secti
                           bias ? "it does not update the experts' selection bias (e_score_correction_bias) in "
                                  "training; AutoModel's glm4_moe does not either (its model has no "
                                  "update_moe_gate_bias, which the train loop calls)"
-                : w->dsv3 || w->glm
-                    ? "AutoModel's load-balancing loss of this MoE (Gate._compute_aux_loss: per MoE layer and "
-                      "micro-batch, sum over the experts of f_e P_e, f_e = load_e x experts / (top-k x tokens), P_e the "
-                      "mean normalised sigmoid score, its gradient scaled by aux_loss_coeff x cp / micro-batches and "
-                      "not added to the reported loss) is not computed by am"
-                    : "AutoModel's load-balancing loss is not computed by am (it computes transformers' own: "
-                      "output_router_logits and router_aux_loss_coef)");
+                : "AutoModel's load-balancing loss is not computed by am for this model (AutoModel builds no gate "
+                  "of its own for it; am computes transformers' own: output_router_logits and router_aux_loss_coef)");
                 rc = -1;
             }
         }
@@ -1223,6 +1223,7 @@ int am_model_config_read(struct am_arena *a, struct am_node *cfg, const char *se
     wk.qwen2 = pre_type && strcmp(pre_type, "qwen2") == 0;
     wk.glm = pre_type && strcmp(pre_type, "glm4_moe") == 0;
     wk.dsv3 = pre_type && strcmp(pre_type, "deepseek_v3") == 0;
+    wk.qwen3_moe = pre_type && strcmp(pre_type, "qwen3_moe") == 0;
     wk.gpt_oss = pre_type && strcmp(pre_type, "gpt_oss") == 0;
     wk.moe_layer_freq = 1;
     if (wk.dsv3) { /* DeepseekV3Config's defaults, where they differ from Llama's */

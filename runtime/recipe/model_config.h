@@ -100,6 +100,17 @@ struct am_model_config {
     double gate_bias_update_factor;
     bool bias_update_set;
     bool bias_forced; /* moe_overrides' force_e_score_correction_bias: AutoModel keeps the bias at factor 0 */
+    /* AutoModel's own load-balancing loss (MoEConfig's aux_loss_coeff, its Gate._compute_aux_loss)
+     * of the MoEs it builds its own gate for (deepseek_v3, glm4_moe, gpt_oss, qwen3_moe): per MoE
+     * layer and micro-batch Σ_e f_e P_e, its gradient times aux_loss_coeff / (dp x micro-batches)
+     * injected in the backward, never added to the loss (moe.h, docs/training.md). 0: none. Set
+     * from model.moe_overrides or model.moe_config (aux_loss_set), else router_aux_loss_coef for a
+     * gpt_oss or qwen3_moe built as AutoModel's own model (recipe.c). */
+    double aux_loss_coeff;
+    bool aux_loss_set;
+    /* The model is AutoModel's own (NeMoAutoModelForCausalLM without force_hf) of one of those
+     * types: it adds no transformers' loss whatever output_router_logits says (am_model_hf_aux). */
+    bool automodel_gate;
     /* config.json's quantization_config of an FP8 checkpoint (quant_method fp8, fmt e4m3), whose
      * F8_E4M3 weights are dequantised at load (runtime/ckpt/quant.h): fp8_block is
      * weight_block_size, the rows and columns of one scale. false: not quantised. */
@@ -198,6 +209,12 @@ long am_model_moe_layers(const struct am_model_config *m);
 double am_model_layer_rope_theta(const struct am_model_config *m, long l, bool *scaled);
 
 /* The rotary part of each head (partial rotary: rotary_dim; else, or unset, head_dim). */
+/* Whether transformers' load-balancing loss is added (output_router_logits on transformers' class). */
+static inline bool am_model_hf_aux(const struct am_model_config *m)
+{
+    return m->output_router_logits && !m->automodel_gate;
+}
+
 static inline long am_model_rotary_dim(const struct am_model_config *m)
 {
     return m->rotary_dim > 0 ? m->rotary_dim : m->head_dim;

@@ -244,7 +244,8 @@ static double in_flight_layers(const struct am_recipe *r, const struct am_plan *
  * buffer, with context parallelism the ring's buffers (T: the rank's rows of a sequence, whose
  * positions the rotary tables hold), with packed sequences their rotary tables and documents;
  * and for a mixture of experts, per slot the router's counts, probability sums, auxiliary
- * loss and count of targets (the last two in one buffer), shared the router's and the
+ * loss and count of targets (the last two in one buffer; with AutoModel's load-balancing loss
+ * also each MoE layer's loads and score sums), shared the router's and the
  * experts' gradient buffers. N: tokens of a micro-batch, R: its rows of the residual stream
  * on this rank (N / tp with sequence parallelism). */
 static double scratch_bytes(const struct am_recipe *r, const struct am_plan *p, bool emb, bool head,
@@ -320,6 +321,9 @@ static double scratch_bytes(const struct am_recipe *r, const struct am_plan *p, 
         b += carved(N * E, cs) + carved(N * k, 4) + carved(S * C, cs);
         if (p->ep == 1)
             b += carved(S * C, cs) + 3 * carved(S * Im, cs);
+        if (m->aux_loss_coeff > 0) /* AutoModel's load-balancing loss: each MoE layer's loads and score sums
+                                    * per slot (moe.c) */
+            b += rs->moe_layer_slots * carved(2 * E, 4);
         if (m->sigmoid_router) /* glm4_moe: each MoE layer's e_score_correction_bias (fp32) */
             b += rs->moe_layers * carved(E, 4);
         if (m->sigmoid_router && m->gate_bias_update_factor > 0 && rs->moe_layers > 0) /* their update's loads */
@@ -616,7 +620,7 @@ static int memory_of_rank(const struct am_recipe *r, const struct am_plan *p, in
      * micro-batch and chunk) and one receive buffer (pipeline.h) */
     double sends = p->virtual_stages == 1 ? flight / layers : (double)p->virtual_stages * (double)p->n_microbatches;
     /* with the load-balancing loss its statistics follow each hidden state (f32 [2 E + 1]) */
-    double trailer = m->num_experts > 0 && m->output_router_logits && am_model_moe_layers(m) > 0
+    double trailer = m->num_experts > 0 && am_model_hf_aux(m) && am_model_moe_layers(m) > 0
                          ? (2 * (double)m->num_experts + 1) * 4 : 0;
     out->p2p = p->pp == 1 ? 0 : (1 + 2 * sends) * (tokens * h * cs / (r->dist.sequence_parallel ? tp : 1) + trailer);
     out->scratch = scratch_bytes(r, p, emb, head, &rs);

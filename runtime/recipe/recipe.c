@@ -1223,6 +1223,17 @@ static void read_model(struct reader *rd, struct am_node *model)
         strstr(target->str, "NeMoAutoModel") &&
         !(force && force->kind == AM_NODE_SCALAR && strcmp(force->str, "true") == 0))
         r->model.gate_bias_update_factor = 1e-3;
+    /* AutoModel's own gpt_oss and qwen3_moe build their gates with aux_loss_coeff =
+     * router_aux_loss_coef unless moe_overrides or moe_config says otherwise, and add no
+     * transformers' loss whatever output_router_logits says; transformers' class (am's inline
+     * model, force_hf: true) adds transformers' loss with output_router_logits */
+    bool own = target && target->kind == AM_NODE_SCALAR && strstr(target->str, "NeMoAutoModel") &&
+               !(force && force->kind == AM_NODE_SCALAR && strcmp(force->str, "true") == 0);
+    bool qwen3_moe = r->model.model_type && strcmp(r->model.model_type, "qwen3_moe") == 0;
+    if (own && r->model.num_experts > 0 && (r->model.gpt_oss || qwen3_moe || r->model.sigmoid_router))
+        r->model.automodel_gate = true;
+    if (own && r->model.num_experts > 0 && (r->model.gpt_oss || qwen3_moe) && !r->model.aux_loss_set)
+        r->model.aux_loss_coeff = r->model.router_aux_loss_coef > 0 ? r->model.router_aux_loss_coef : 0.0;
     if (dtype_rc == 1 && r->model.torch_dtype) { /* absent or "auto": the checkpoint's dtype */
         struct am_node v = {.kind = AM_NODE_SCALAR, .str = r->model.torch_dtype, .plain = true};
         read_dtype(rd, &v, "config.json torch_dtype", &r->param_dtype);

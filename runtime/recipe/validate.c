@@ -350,26 +350,6 @@ static void lora_kv_tp(struct check *c)
              "out of the targets", r->dist.tp, kvh, kvh);
 }
 
-/* AutoModel's own gpt_oss (NeMoAutoModelForCausalLM without force_hf) adds its load-balancing loss
- * (aux_loss_coeff = router_aux_loss_coef) in every training step, whatever output_router_logits says */
-static void gpt_oss_aux(struct check *c)
-{
-    const struct am_recipe *r = c->r;
-    if (!r->model.gpt_oss || r->model.router_aux_loss_coef <= 0)
-        return;
-    const struct am_node *target = am_node_path(r->root, "model._target_");
-    const struct am_node *force = am_node_path(r->root, "model.force_hf");
-    if (!target || target->kind != AM_NODE_SCALAR || !strstr(target->str, "NeMoAutoModel") ||
-        (force && force->kind == AM_NODE_SCALAR && strcmp(force->str, "true") == 0) ||
-        am_node_path(r->root, "model.moe_overrides.aux_loss_coeff") ||
-        am_node_path(r->root, "model.moe_config.aux_loss_coeff"))
-        return;
-    FAIL(c, "model._target_", "AutoModel's own gpt_oss adds its load-balancing loss (aux_loss_coeff = "
-         "router_aux_loss_coef, %g) in every training step, which am-train does not compute (it computes "
-         "transformers' loss, added only with output_router_logits): set model.moe_overrides.aux_loss_coeff: 0 (or "
-         "force_hf: true) to train as transformers' GptOssForCausalLM does", r->model.router_aux_loss_coef);
-}
-
 /* LoRA on gpt_oss: the attention's projections (AutoModel's gpt-oss recipes' target_modules '*_proj',
  * which its experts, a module named mlp.experts, do not match); the experts' adapters are not run */
 static void gpt_oss_lora_experts(struct check *c)
@@ -436,6 +416,31 @@ static void bias_packed(struct check *c)
              r->model.model_type, r->model.gate_bias_update_factor);
 }
 
+/* AutoModel's load-balancing loss counts the tokens of its token_mask, the padding left out; a
+ * pack's pads are padding, and am does not tell them apart yet. */
+static void aux_packed(struct check *c)
+{
+    const struct am_recipe *r = c->r;
+    if (r->model.aux_loss_coeff > 0 && r->packed_sequence_size > 0)
+        FAIL(c, "packed_sequence.packed_sequence_size", "%ld with AutoModel's load-balancing loss of %s (aux_loss_coeff "
+             "%g): the pads that end a pack would count in the experts' loads and mean scores, which AutoModel's gate "
+             "leaves out (its token_mask), and am does not tell them apart yet (train without packed sequences, or "
+             "with model.moe_overrides.aux_loss_coeff: 0)", r->packed_sequence_size, r->model.model_type,
+             r->model.aux_loss_coeff);
+}
+
+/* transformers' class adds its loss with output_router_logits; moe_overrides' aux_loss_coeff asks
+ * for AutoModel's, which its own model computes instead of transformers': not both. */
+static void aux_twice(struct check *c)
+{
+    const struct am_recipe *r = c->r;
+    if (r->model.aux_loss_coeff > 0 && am_model_hf_aux(&r->model))
+        FAIL(c, "model.moe_overrides.aux_loss_coeff", "%g with output_router_logits: true on transformers' class "
+             "(no NeMoAutoModelForCausalLM _target_, or force_hf): two load-balancing losses, transformers' and "
+             "AutoModel's, where each model computes one (set output_router_logits: false for AutoModel's, or remove "
+             "aux_loss_coeff for transformers')", r->model.aux_loss_coeff);
+}
+
 static void dataset(struct check *c)
 {
     const struct am_recipe *r = c->r;
@@ -454,8 +459,9 @@ static const struct {
 } run_rules[] = {
     {"fp16", fp16},           {"moe-sp", moe_sp},       {"lora-head-dropout", lora_head_dropout},
     {"lora-kv-tp", lora_kv_tp}, {"lora-moe-rank", lora_moe_rank},
-    {"gpt-oss-lora-experts", gpt_oss_lora_experts}, {"gpt-oss-aux", gpt_oss_aux},
+    {"gpt-oss-lora-experts", gpt_oss_lora_experts},
     {"glm-shared-tp", glm_shared_tp}, {"dsv3-no-bias", dsv3_no_bias}, {"bias-packed", bias_packed},
+    {"aux-packed", aux_packed}, {"aux-twice", aux_twice},
     {"dataset", dataset},
 };
 

@@ -345,7 +345,8 @@ void am_train_log_step(struct trainer *t, long step, double loss, double lr, dou
         json_object_set_new(rec, "expert_imbalance", json_real(ms.imbalance));
         json_object_set_new(rec, "moe_experts_s", json_real(ms.experts_s));
         json_object_set_new(rec, "moe_dispatch_s", json_real(ms.dispatch_s));
-        if (r->model.output_router_logits && m->sh.last_stage) /* computed by the last pipeline stage */
+        if ((am_model_hf_aux(&r->model) && m->sh.last_stage) || /* computed by the last pipeline stage, */
+            r->model.aux_loss_coeff > 0) /* or AutoModel's: over the rank's own MoE layers */
             json_object_set_new(rec, "aux_loss", json_real(ms.aux));
         if (p->ep > 1) {
             json_object_set_new(rec, "alltoall_s", json_real(ms.alltoall_s));

@@ -7,6 +7,7 @@
 
 #include "comm.h"
 #include "model_io.h"
+#include "moe.h"
 #include "packed.h"
 #include "ring.h"
 #include "trainer.h"
@@ -134,6 +135,8 @@ int am_train_build_model(struct trainer *t, struct am_errors *err)
                      sizeof(msg)) < 0)
         return am_errors_fail(err, "%s", msg);
     t->model.ep_comm = p->ep > 1 ? t->g.ep : NULL;
+    /* AutoModel's load-balancing loss: its gradient's mean over dp and the step's micro-batches (moe.h) */
+    am_moe_set_aux_div(&t->model, (double)p->dp * (double)p->grad_accum * (double)p->n_microbatches);
     if (r->peft.enabled) /* adapter dropout from rng.seed: the same masks in every layout (lora.h) */
         am_model_set_lora_dropout(&t->model, r->peft.dropout, r->peft.dropout_pre, (uint64_t)r->seed);
     t->base_config[0] = '\0';

@@ -670,13 +670,26 @@ static void case_moe_sigmoid(enum am_dtype dt)
     KG->upload(&gpu, idx.g.data, idx.c.data, am_tensor_bytes(&idx.c)); /* the same choice from here on */
     pair_upload(&probs);
     struct pair dl = rnd(dt, N, E, 0, 0), dwts = rnd(AM_F32, N, k, 0, 0);
-    KC->moe_route_sigmoid_backward(&cpu, &dl.c, &dwts.c, &probs.c, &idx.c, true, 2.5f);
-    KG->moe_route_sigmoid_backward(&gpu, &dl.g, &dwts.g, &probs.g, &idx.g, true, 2.5f);
+    KC->moe_route_sigmoid_backward(&cpu, &dl.c, &dwts.c, &probs.c, &idx.c, NULL, 0.0f, true, 2.5f);
+    KG->moe_route_sigmoid_backward(&gpu, &dl.g, &dwts.g, &probs.g, &idx.g, NULL, 0.0f, true, 2.5f);
     check("moe_route_sigmoid_backward dlogits", &dl, bf);
-    KC->moe_route_sigmoid_backward(&cpu, &dl.c, &dwts.c, &probs.c, &idx.c, false, 1.0f);
-    KG->moe_route_sigmoid_backward(&gpu, &dl.g, &dwts.g, &probs.g, &idx.g, false, 1.0f);
+    KC->moe_route_sigmoid_backward(&cpu, &dl.c, &dwts.c, &probs.c, &idx.c, NULL, 0.0f, false, 1.0f);
+    KG->moe_route_sigmoid_backward(&gpu, &dl.g, &dwts.g, &probs.g, &idx.g, NULL, 0.0f, false, 1.0f);
     check("moe_route_sigmoid_backward (no renorm)", &dl, bf);
-    struct pair *all[] = {&lg, &probs, &bias, &idx, &wts, &dl, &dwts};
+    /* AutoModel's load-balancing loss: the normalised scores' sums, and their gradient */
+    struct pair cnt = pair_new(AM_F32, E, 0, 0, 0), psum = pair_new(AM_F32, E, 0, 0, 0);
+    KC->moe_aux_stats(&cpu, &cnt.c, &psum.c, &probs.c, &idx.c, true);
+    KG->moe_aux_stats(&gpu, &cnt.g, &psum.g, &probs.g, &idx.g, true);
+    record("moe_aux_stats cnt (normalised scores)", "fp32", rel_err(&cnt), 0);
+    check("moe_aux_stats psum (normalised scores)", &psum, false);
+    pair_upload(&cnt);
+    KC->moe_route_sigmoid_backward(&cpu, &dl.c, &dwts.c, &probs.c, &idx.c, &cnt.c, 0.01f, true, 2.5f);
+    KG->moe_route_sigmoid_backward(&gpu, &dl.g, &dwts.g, &probs.g, &idx.g, &cnt.g, 0.01f, true, 2.5f);
+    check("moe_route_sigmoid_backward (AutoModel's aux)", &dl, bf);
+    KC->moe_route_sigmoid_backward(&cpu, &dl.c, &dwts.c, &probs.c, &idx.c, &cnt.c, 0.01f, false, 1.0f);
+    KG->moe_route_sigmoid_backward(&gpu, &dl.g, &dwts.g, &probs.g, &idx.g, &cnt.g, 0.01f, false, 1.0f);
+    check("moe_route_sigmoid_backward (AutoModel's aux, no renorm)", &dl, bf);
+    struct pair *all[] = {&lg, &probs, &bias, &idx, &wts, &dl, &dwts, &cnt, &psum};
     for (size_t i = 0; i < sizeof(all) / sizeof(all[0]); i++)
         pair_free(all[i]);
 }
@@ -750,8 +763,8 @@ static void case_moe(enum am_dtype dt)
     check("moe_permute_backward", &dx, bf);
     pair_upload(&probs);
     struct pair dl = rnd(dt, N, E, 0, 0), cnt = pair_new(AM_F32, E, 0, 0, 0), psum = pair_new(AM_F32, E, 0, 0, 0);
-    KC->moe_aux_stats(&cpu, &cnt.c, &psum.c, &probs.c, &idx.c);
-    KG->moe_aux_stats(&gpu, &cnt.g, &psum.g, &probs.g, &idx.g);
+    KC->moe_aux_stats(&cpu, &cnt.c, &psum.c, &probs.c, &idx.c, false);
+    KG->moe_aux_stats(&gpu, &cnt.g, &psum.g, &probs.g, &idx.g, false);
     record("moe_aux_stats cnt", "fp32", rel_err(&cnt), 0);
     check("moe_aux_stats psum", &psum, false);
     pair_upload(&cnt);

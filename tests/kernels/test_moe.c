@@ -116,8 +116,8 @@ static void test_moe_route(void **state)
         /* the aux loss's statistics and value */
         struct am_tensor tcn = tview(&cnt, E, 0, 0, 0), tps = tview(&ps, E, 0, 0, 0);
         memset(cnt.f, 0, (size_t)E * sizeof(float));
-        K->moe_aux_stats(&kdev, &tcn, &tps, &tp, &ti);
-        K->moe_aux_stats(&kdev, &tcn, &tps, &tp, &ti); /* accumulates: twice the counts */
+        K->moe_aux_stats(&kdev, &tcn, &tps, &tp, &ti, false);
+        K->moe_aux_stats(&kdev, &tcn, &tps, &tp, &ti, false); /* accumulates: twice the counts */
         double want_loss = 0.0, *wp = dalloc(E);
         for (int64_t e = 0; e < E; e++) {
             int64_t n = 0;
@@ -148,14 +148,17 @@ static void test_moe_route(void **state)
 }
 
 /* DeepSeekMoE's router (glm4_moe) in double with the experts chosen fixed (idx): the sigmoid
- * scores, the chosen weights (renormalised or not, times scale) and L = Σ wts ⊙ R, whose
- * gradient moe_route_sigmoid_backward computes (dwts = R). */
+ * scores, the chosen weights (renormalised or not, times scale) and L = Σ wts ⊙ R, plus with cnt
+ * AutoModel's load-balancing term aux Σ_e cnt_e Σ_i q_ie (q = p / (Σ_e p + 1e-20) when renorm,
+ * else p), whose gradient moe_route_sigmoid_backward computes (dwts = R). */
 struct sig_ctx {
     double *logits, *R, *p, *w;
     const int32_t *idx;
     int64_t N, E, k;
     bool renorm;
     double scale;
+    const double *cnt;
+    double aux;
 };
 
 static double sig_loss(void *q)
@@ -174,6 +177,11 @@ static double sig_loss(void *q)
             if (c->R)
                 L += c->w[i * c->k + j] * c->R[i * c->k + j];
         }
+        double all = 1e-20;
+        for (int64_t e = 0; c->cnt && e < c->E; e++)
+            all += c->p[i * c->E + e];
+        for (int64_t e = 0; c->cnt && e < c->E; e++)
+            L += c->aux * c->cnt[e] * (c->renorm ? c->p[i * c->E + e] / all : c->p[i * c->E + e]);
     }
     return L;
 }
@@ -228,7 +236,8 @@ static void test_moe_route_sigmoid(void **state)
                 assert_true(fabs(ch[e] - cand[j]) < 1e-6);
             }
         }
-        struct sig_ctx ctx = {lg.d, NULL, dalloc(N * E), dalloc(N * k), idx, N, E, k, cases[c].renorm, cases[c].scale};
+        struct sig_ctx ctx = {lg.d, NULL, dalloc(N * E), dalloc(N * k), idx, N, E, k, cases[c].renorm, cases[c].scale,
+                              NULL, 0.0};
         sig_loss(&ctx);
         double *tol = dalloc(N * E);
         for (int64_t i = 0; i < N * E; i++)
@@ -241,13 +250,48 @@ static void test_moe_route_sigmoid(void **state)
         /* backward: dwts = R onto a random start, against finite differences */
         struct arr R = arr_rand(&r, N * k, -1, 1), dl = arr_rand(&r, N * E, -1, 1), dl0 = arr_copy(&dl);
         struct am_tensor tR = tview(&R, N, k, 0, 0), tdl = tview(&dl, N, E, 0, 0);
-        K->moe_route_sigmoid_backward(&kdev, &tdl, &tR, &tp, &ti, cases[c].renorm, cases[c].scale);
+        K->moe_route_sigmoid_backward(&kdev, &tdl, &tR, &tp, &ti, NULL, 0.0f, cases[c].renorm, cases[c].scale);
         ctx.R = R.d;
         double *fd = dalloc(N * E), *tl_ = dalloc(N * E);
         fd_grad(sig_loss, &ctx, lg.d, N * E, fd);
         for (int64_t i = 0; i < N * E; i++)
             tl_[i] = (double)(4 * k + 16) * U * (1.0 + fabs(dl0.d[i]) + cases[c].scale);
         expect_fd("moe sigmoid route backward vs finite differences", dl.f, dl0.d, fd, tl_, N * E);
+        /* AutoModel's load-balancing loss: the (normalised) scores' sums, and their gradient */
+        struct arr cn = arr_new(E), ps = arr_new(E), dl2 = arr_rand(&r, N * E, -1, 1), dl20 = arr_copy(&dl2);
+        struct am_tensor tcn = tview(&cn, E, 0, 0, 0), tps = tview(&ps, E, 0, 0, 0), tdl2 = tview(&dl2, N, E, 0, 0);
+        K->zero(&kdev, &tcn);
+        K->zero(&kdev, &tps);
+        K->moe_aux_stats(&kdev, &tcn, &tps, &tp, &ti, cases[c].renorm);
+        double *want_ps = dalloc(E), *want_cn = dalloc(E);
+        for (int64_t i = 0; i < N; i++) {
+            double all = 1e-20;
+            for (int64_t e = 0; e < E; e++)
+                all += ctx.p[i * E + e];
+            for (int64_t e = 0; e < E; e++)
+                want_ps[e] += cases[c].renorm ? ctx.p[i * E + e] / all : ctx.p[i * E + e];
+            for (int64_t j = 0; j < k; j++)
+                want_cn[idx[i * k + j]] += 1.0;
+        }
+        for (int64_t e = 0; e < E; e++)
+            tol[e] = (double)(N + E + 8) * U * want_ps[e];
+        expect_close("moe aux stats score sums", ps.f, want_ps, tol, E);
+        for (int64_t e = 0; e < E; e++)
+            assert_true(cn.f[e] == (float)want_cn[e]);
+        K->moe_route_sigmoid_backward(&kdev, &tdl2, &tR, &tp, &ti, &tcn, 0.3f, cases[c].renorm, cases[c].scale);
+        ctx.cnt = want_cn;
+        ctx.aux = (double)0.3f;
+        fd_grad(sig_loss, &ctx, lg.d, N * E, fd);
+        for (int64_t i = 0; i < N * E; i++)
+            tl_[i] = (double)(4 * k + 4 * E + 16) * U * (1.0 + fabs(dl20.d[i]) + cases[c].scale + (double)N * k);
+        expect_fd("moe sigmoid route backward with the aux loss vs finite differences", dl2.f, dl20.d, fd, tl_, N * E);
+        ctx.cnt = NULL;
+        free(want_ps);
+        free(want_cn);
+        arr_free(&cn);
+        arr_free(&ps);
+        arr_free(&dl2);
+        arr_free(&dl20);
         free(fd);
         free(tl_);
         free(tol);

@@ -428,8 +428,8 @@ static void test_model_rules(void **state)
                 "update the experts' selection bias (e_score_correction_bias) in training; AutoModel's glm4_moe does "
                 "not either (its model has no update_moe_gate_bias, which the train loop calls) (set it to 0)",
                 "r.yaml:6:5: model.moe_overrides.score_func: not read by am (it trains the MoE transformers' class "
-                "computes; of AutoModel's MoEConfig it takes gate_bias_update_factor (deepseek_v3) and aux_loss_coeff "
-                "at 0): remove it"));
+                "computes; of AutoModel's MoEConfig it takes gate_bias_update_factor (deepseek_v3) and aux_loss_coeff): "
+                "remove it"));
     /* model.backend: kernel choices are ignored, but FP8, MXFP8 and a fake router change what is computed */
     expect("model:\n  hidden_size: 64\n  num_hidden_layers: 2\n  num_attention_heads: 2\n  intermediate_size: 128\n"
            "  vocab_size: 64\n  backend:\n    attn: te\n    te_fp8:\n      recipe: mxfp8\n    experts: torch_mm_mxfp8\n"
@@ -446,12 +446,13 @@ static void test_model_rules(void **state)
     expect("model:\n  model_type: deepseek_v3\n  moe_overrides:\n    gate_bias_update_factor: -0.001\n"
            "    aux_loss_coeff: 0.0001\n", NULL,
            MSGS("r.yaml:4:30: model.moe_overrides.gate_bias_update_factor: -0.001 is not supported by am: AutoModel "
-                "updates the selection bias when the factor is above 0 and never otherwise (set it to 0 or above)",
-                "r.yaml:5:21: model.moe_overrides.aux_loss_coeff: 0.0001 is not supported by am: AutoModel's "
-                "load-balancing loss of this MoE (Gate._compute_aux_loss: per MoE layer and micro-batch, sum over the "
-                "experts of f_e P_e, f_e = load_e x experts / (top-k x tokens), P_e the mean normalised sigmoid score, "
-                "its gradient scaled by aux_loss_coeff x cp / micro-batches and not added to the reported loss) is not "
-                "computed by am (set it to 0)"));
+                "updates the selection bias when the factor is above 0 and never otherwise (set it to 0 or above)"));
+    /* AutoModel's load-balancing loss: computed for the MoEs AutoModel builds its own gate for */
+    expect("model:\n  model_type: mixtral\n  num_local_experts: 4\n  moe_overrides:\n    aux_loss_coeff: 0.0001\n",
+           NULL,
+           MSGS("r.yaml:5:21: model.moe_overrides.aux_loss_coeff: 0.0001 is not supported by am: AutoModel's "
+                "load-balancing loss is not computed by am for this model (AutoModel builds no gate of its own for it; "
+                "am computes transformers' own: output_router_logits and router_aux_loss_coef) (set it to 0)"));
     expect("model:\n  model_type: deepseek_v3\n  hidden_size: 64\n  num_hidden_layers: 2\n  num_attention_heads: 4\n"
            "  num_key_value_heads: 2\n  vocab_size: 64\n  moe_layer_freq: 2\n  topk_method: greedy\n"
            "  scoring_func: softmax\n", NULL,
@@ -775,11 +776,51 @@ static void test_model_bias_update(void **state)
     snprintf(y, sizeof(y), "%s  moe_overrides:\n    gate_bias_update_factor: 0\n    force_e_score_correction_bias: true\n",
              own);
     assert_true(bias_factor(y, &forced) == 0.0 && forced);
+    /* AutoModel's load-balancing loss (model_config.h): moe_overrides' aux_loss_coeff on the MoEs AutoModel
+     * builds its own gate for; AutoModel's own gpt_oss and qwen3_moe take router_aux_loss_coef unless it is
+     * given, and add no transformers' loss */
+    struct {
+        const char *keys;
+        double coeff;
+        bool logits;
+    } aux[] = {
+        {"  model_type: deepseek_v3\n  moe_overrides:\n    aux_loss_coeff: 0.0001\n", 0.0001, false},
+        {"  model_type: glm4_moe\n  moe_overrides:\n    aux_loss_coeff: 0.001\n", 0.001, false},
+        {"  model_type: gpt_oss\n  num_local_experts: 4\n  head_dim: 16\n  router_aux_loss_coef: 0.9\n"
+         "  output_router_logits: true\n", 0.0, true},
+        {"  model_type: gpt_oss\n  num_local_experts: 4\n  head_dim: 16\n  router_aux_loss_coef: 0.9\n"
+         "  output_router_logits: true\n  _target_: nemo_automodel.NeMoAutoModelForCausalLM.from_pretrained\n", 0.9,
+         false},
+        {"  model_type: gpt_oss\n  num_local_experts: 4\n  head_dim: 16\n  router_aux_loss_coef: 0.9\n"
+         "  _target_: nemo_automodel.NeMoAutoModelForCausalLM.from_pretrained\n  moe_overrides:\n"
+         "    aux_loss_coeff: 0\n", 0.0, false},
+        {"  model_type: qwen3_moe\n  num_experts: 4\n  router_aux_loss_coef: 0.001\n"
+         "  _target_: nemo_automodel.NeMoAutoModelForCausalLM.from_pretrained\n", 0.001, false},
+        {"  model_type: qwen3_moe\n  num_experts: 4\n  router_aux_loss_coef: 0.001\n"
+         "  _target_: nemo_automodel.NeMoAutoModelForCausalLM.from_pretrained\n  force_hf: true\n", 0.0, false},
+    };
+    for (size_t i = 0; i < sizeof(aux) / sizeof(aux[0]); i++) {
+        snprintf(y, sizeof(y), "model:\n  hidden_size: 64\n  num_hidden_layers: 2\n  num_attention_heads: 4\n"
+                 "  vocab_size: 64\n  num_experts_per_tok: 2\n  intermediate_size: 128\n  moe_intermediate_size: 32\n%s",
+                 aux[i].keys);
+        struct am_errors err;
+        am_errors_init(&err);
+        struct am_recipe *r = parse_with("r.yaml", y, NULL, &err);
+        for (size_t j = 0; j < err.n; j++)
+            print_error("%s\n", err.msg[j]);
+        assert_int_equal(err.n, 0);
+        if (r->model.aux_loss_coeff != aux[i].coeff || am_model_hf_aux(&r->model) != aux[i].logits)
+            print_error("case %zu: aux_loss_coeff %g, transformers' loss %d\n", i, r->model.aux_loss_coeff,
+                        am_model_hf_aux(&r->model));
+        assert_true(r->model.aux_loss_coeff == aux[i].coeff && am_model_hf_aux(&r->model) == aux[i].logits);
+        am_recipe_free(r);
+        am_errors_free(&err);
+    }
     /* glm4_moe's force_e_score_correction_bias is not read (AutoModel's glm4_moe always has its bias) */
     expect("model:\n  model_type: glm4_moe\n  moe_overrides:\n    force_e_score_correction_bias: true\n", NULL,
            MSGS("r.yaml:4:5: model.moe_overrides.force_e_score_correction_bias: not read by am (it trains the MoE "
                 "transformers' class computes; of AutoModel's MoEConfig it takes gate_bias_update_factor (deepseek_v3) "
-                "and aux_loss_coeff at 0): remove it"));
+                "and aux_loss_coeff): remove it"));
 }
 
 static void test_model_moe_layers(void **state)

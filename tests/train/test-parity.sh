@@ -63,6 +63,15 @@
 #   ep 2, tp 2, pp 2, fsdp2 dp 2, tp 2 x ep 2 and cp 2 (sequences of 256: the sinks applied to the
 #   ring's merged out and lse) likewise; with its load-balancing loss (over the biased router's
 #   softmax) at tp 2, and at pp 2 with micro-batches of 2 against one rank with local batches of 2.
+#   AutoModel's own load-balancing loss (moe_overrides' aux_loss_coeff 0.1: per MoE layer and
+#   micro-batch, its gradient injected over dp x micro-batches, never added to the loss; moe.h) on
+#   gpt_oss and deepseek_v3 at ep 2, fsdp2 dp 2 and tp 2 x ep 2 (local batches of 1 against one rank's
+#   of 1: the loss is a mean over each micro-batch's tokens, and dp ranks hold every dp-th
+#   sequence), tp 2, cp 2 (its loads and score sums summed over the cp ranks), pp 2 with
+#   micro-batches of 2 (deepseek_v3's with activation checkpointing) against one rank with local
+#   batches of 2, one rank with activation checkpointing (gpt_oss), and ep 2 in bf16 (deepseek_v3,
+#   below); glm4_moe and Qwen3-MoE (the softmax before the top-k) at ep 2, Qwen3-MoE at tp 2 with
+#   activation checkpointing; against their own one rank.
 #   context parallelism on sequences of 256 (each sequence in 2 x cp chunks, rank r holding
 #   chunks r and 2 cp - 1 - r: at cp 4 chunks of 32 tokens, every rank's queries against 4
 #   blocks of keys passed around the ring): cp 2 and cp 4 alone, with tp 2 (and sequence
@@ -141,6 +150,7 @@ recipe() { # NAME MODS: base.yaml with comma-separated changes, its checkpoints 
         mz[123]) args+=(-e "s/strategy: fsdp2/strategy: megatron_fsdp\n  zero_dp_strategy: ${m#mz}/") ;;
         keep) args+=(-e 's/strategy: fsdp2/strategy: fsdp2\n  reshard_after_forward: false/') ;;
         lb2) args+=(-e 's/local_batch_size: .*/local_batch_size: 2/') ;;
+        lb1) args+=(-e 's/local_batch_size: .*/local_batch_size: 1/') ;;
         qwen3) args+=(-e 's/model_type: llama/model_type: qwen3\n  head_dim: 32/') ;;
         qwen2) args+=(-e 's/model_type: llama/model_type: qwen2/') ;;
         mistral) args+=(-e 's/model_type: llama/model_type: mistral\n  sliding_window: 24/') ;;
@@ -152,6 +162,8 @@ recipe() { # NAME MODS: base.yaml with comma-separated changes, its checkpoints 
         oss) args+=(-e 's/model_type: llama/model_type: gpt_oss\n  num_local_experts: 4\n  num_experts_per_tok: 2\n  head_dim: 16\n  sliding_window: 24/') ;;
         ossaux) args+=(-e 's/model_type: gpt_oss/model_type: gpt_oss\n  output_router_logits: true\n  router_aux_loss_coef: 0.02/') ;;
         dsv3) args+=(-e 's/num_key_value_heads: 2/num_key_value_heads: 4/' -e 's/model_type: llama/model_type: deepseek_v3\n  q_lora_rank: 24\n  kv_lora_rank: 16\n  qk_nope_head_dim: 8\n  qk_rope_head_dim: 8\n  v_head_dim: 12\n  rope_interleave: true\n  n_routed_experts: 8\n  num_experts_per_tok: 2\n  n_group: 4\n  topk_group: 2\n  moe_intermediate_size: 32\n  n_shared_experts: 2\n  routed_scaling_factor: 1.5\n  first_k_dense_replace: 1\n  norm_topk_prob: true/') ;;
+        ossam) args+=(-e 's/model_type: gpt_oss/model_type: gpt_oss\n  moe_overrides:\n    aux_loss_coeff: 0.1/') ;;
+        amaux) args+=(-e 's/  norm_topk_prob: true/  norm_topk_prob: true\n  moe_overrides:\n    aux_loss_coeff: 0.1/') ;; # dsv3, glm, qmoe
         bupd) args+=(-e 's/  norm_topk_prob: true/  norm_topk_prob: true\n  moe_overrides:\n    gate_bias_update_factor: 0.01/') ;;
         long) args+=(-e 's/seq_length: .*/seq_length: 256/') ;;
         l6) args+=(-e 's/num_hidden_layers: 4/num_hidden_layers: 6/') ;;
@@ -211,7 +223,11 @@ run() { # NAME N MODS [VAR=VALUE...]: N ranks, with the plugin's AM_TP-style ove
 for ref in "ref -" "ref-long long" "ref-packed packed" "ref-pneat packed,neat" "ref-tied tied" "ref-qwen3 qwen3" "ref-qwen2 qwen2" "ref-mistral mistral" "ref-bf16 bf16" "ref-long-bf16 long,bf16" "ref-packed-bf16 packed,bf16" "ref-moe moe" "ref-moe-aux moe,aux" "ref-moe-aux-bf16 moe,aux,bf16" "ref-moe-aux-lb2 moe,aux,lb2" "ref-qmoe qmoe" \
     "ref-gemma2 gemma2" "ref-gemma3 gemma3" "ref-gemma2-long gemma2,long" "ref-gemma2-packed gemma2,packed" \
     "ref-gemma3-packed gemma3,packed" "ref-gemma2-bf16 gemma2,bf16" "ref-gemma2-packed-bf16 gemma2,packed,bf16" "ref-glm glm" "ref-dsv3 dsv3" "ref-dsv3-long dsv3,long" "ref-l6 l6" "ref-oss oss" "ref-oss-long oss,long" "ref-oss-aux oss,ossaux" \
-    "ref-oss-aux-lb2 oss,ossaux,lb2" "ref-dsv3-bupd dsv3,bupd" "ref-dsv3-long-bupd dsv3,long,bupd" "ref-dsv3-bupd-bf16 dsv3,bupd,bf16"; do
+    "ref-oss-aux-lb2 oss,ossaux,lb2" "ref-dsv3-bupd dsv3,bupd" "ref-dsv3-long-bupd dsv3,long,bupd" "ref-dsv3-bupd-bf16 dsv3,bupd,bf16" \
+    "ref-oss-am oss,ossam" "ref-oss-am-lb2 oss,ossam,lb2" "ref-oss-am-lb1 oss,ossam,lb1" \
+    "ref-oss-long-am oss,long,ossam" "ref-dsv3-am dsv3,amaux" "ref-dsv3-am-lb2 dsv3,amaux,lb2" "ref-dsv3-am-lb1 dsv3,amaux,lb1" \
+    "ref-dsv3-long-am dsv3,long,amaux" "ref-dsv3-am-lb1-bf16 dsv3,amaux,lb1,bf16" \
+    "ref-glm-am-lb1 glm,amaux,lb1" "ref-qmoe-am-lb1 qmoe,amaux,lb1" "ref-qmoe-am qmoe,amaux"; do
     set -- $ref
     # with AM_PARITY_ONLY (and no AM_PARITY_BF16), the references its layouts name, and ref and ref-bf16 (the bf16 check)
     [ -n "${AM_PARITY_ONLY:-}" ] && [ -z "${AM_PARITY_BF16:-}" ] && [ "$1" != ref ] && [ "$1" != ref-bf16 ] &&
@@ -301,6 +317,15 @@ layouts+=("ac 1 ac ref" "pp2-tied 2 tied ref-tied AM_PP=2" "pp4-tied-gpipe 4 tie
     "ep2-dsv3-bupd 2 dsv3,bupd ref-dsv3-bupd AM_EP=2" "pp2-dsv3-bupd 2 dsv3,bupd ref-dsv3-bupd AM_PP=2"
     "fsdp2-dp2-dsv3-bupd 2 dsv3,bupd ref-dsv3-bupd" "tp2-dsv3-bupd 2 dsv3,bupd ref-dsv3-bupd AM_TP=2"
     "cp2-dsv3-bupd 2 dsv3,long,bupd ref-dsv3-long-bupd AM_CP=2"
+    "ep2-oss-am 2 oss,ossam,lb1 ref-oss-am-lb1 AM_EP=2" "tp2-oss-am 2 oss,ossam ref-oss-am AM_TP=2"
+    "pp2-oss-am 2 oss,ossam,mb2 ref-oss-am-lb2 AM_PP=2" "fsdp2-dp2-oss-am 2 oss,ossam,lb1 ref-oss-am-lb1"
+    "cp2-oss-am 2 oss,long,ossam ref-oss-long-am AM_CP=2" "ac-oss-am 1 oss,ossam,ac ref-oss-am"
+    "ep2-dsv3-am 2 dsv3,amaux,lb1 ref-dsv3-am-lb1 AM_EP=2" "tp2-dsv3-am 2 dsv3,amaux ref-dsv3-am AM_TP=2"
+    "pp2-dsv3-am-ac 2 dsv3,amaux,mb2,ac ref-dsv3-am-lb2 AM_PP=2" "fsdp2-dp2-dsv3-am 2 dsv3,amaux,lb1 ref-dsv3-am-lb1"
+    "cp2-dsv3-am 2 dsv3,long,amaux ref-dsv3-long-am AM_CP=2"
+    "tp2-ep2-dsv3-am 4 dsv3,amaux,lb1 ref-dsv3-am-lb1 AM_TP=2 AM_EP=2"
+    "ep2-glm-am 2 glm,amaux,lb1 ref-glm-am-lb1 AM_EP=2" "ep2-qmoe-am 2 qmoe,amaux,lb1 ref-qmoe-am-lb1 AM_EP=2"
+    "tp2-qmoe-am-ac 2 qmoe,amaux,ac ref-qmoe-am AM_TP=2"
     "cp2 2 long ref-long AM_CP=2" "cp4 4 long ref-long AM_CP=4" "cp2-ac 2 long,ac ref-long AM_CP=2"
     "cp2-tp2 4 long ref-long AM_CP=2 AM_TP=2" "cp2-tp2-sp 4 long,sp ref-long AM_CP=2 AM_TP=2"
     "cp2-pp2 4 long ref-long AM_CP=2 AM_PP=2" "cp4-pp2-gpipe 8 long,gpipe ref-long AM_CP=4 AM_PP=2"
@@ -383,7 +408,8 @@ done
 # the ring's running out, dq, dk, dv sums in fp32, each rounded once): cp 2, cp 2 x tp 2,
 # packed at dp 2, packed x cp 2, a mixture of experts with the load-balancing loss at cp 2,
 # Gemma 2 at cp 2 and packed at dp 2 (its scale and soft cap on the bf16 blocks), deepseek_v3
-# with the selection-bias update at ep 2 (the biases fp32, the loads summed as in fp32) against
+# with the selection-bias update at ep 2 (the biases fp32, the loads summed as in fp32) and with
+# AutoModel's load-balancing loss at ep 2 (its statistics in fp32, local batches of 1) against
 # one rank in bf16 on the same sequences, with the tolerances above taken from their own
 # reference: twice one rank's bf16-vs-fp32 differences on sequences of 256 (ref-long), on the
 # packs (ref-packed), with the experts (ref-moe-aux), with Gemma's (ref-gemma2,
@@ -402,6 +428,9 @@ exact+=(ep2-glm tp2-glm pp2-glm fsdp2-dp2-glm) # the glm4_moe layouts above
 exact+=(ep2-dsv3 tp2-dsv3 pp2-dsv3 fsdp2-dp2-dsv3 tp2-ep2-dsv3 cp2-dsv3) # the deepseek_v3 layouts above
 exact+=(ep2-oss tp2-oss pp2-oss fsdp2-dp2-oss tp2-ep2-oss cp2-oss tp2-oss-aux pp2-oss-aux) # the gpt_oss layouts above
 exact+=(ep2-dsv3-bupd pp2-dsv3-bupd fsdp2-dp2-dsv3-bupd tp2-dsv3-bupd cp2-dsv3-bupd) # and with the bias update
+exact+=(ep2-oss-am tp2-oss-am pp2-oss-am fsdp2-dp2-oss-am cp2-oss-am ac-oss-am) # AutoModel's load-balancing loss
+exact+=(ep2-dsv3-am tp2-dsv3-am pp2-dsv3-am-ac fsdp2-dp2-dsv3-am cp2-dsv3-am tp2-ep2-dsv3-am ep2-glm-am ep2-qmoe-am)
+exact+=(tp2-qmoe-am-ac)
 for layout in "cp2-bf16 2 long,bf16 ref-long-bf16 ref-long AM_CP=2" \
     "cp2-tp2-bf16 4 long,bf16 ref-long-bf16 ref-long AM_CP=2 AM_TP=2" \
     "dp2-packed-bf16 2 packed,bf16 ref-packed-bf16 ref-packed" \
@@ -409,7 +438,8 @@ for layout in "cp2-bf16 2 long,bf16 ref-long-bf16 ref-long AM_CP=2" \
     "cp2-moe-aux-bf16 2 moe,aux,bf16 ref-moe-aux-bf16 ref-moe-aux AM_CP=2" \
     "cp2-gemma2-bf16 2 gemma2,bf16 ref-gemma2-bf16 ref-gemma2 AM_CP=2" \
     "dp2-gemma2-packed-bf16 2 gemma2,packed,bf16 ref-gemma2-packed-bf16 ref-gemma2-packed" \
-    "ep2-dsv3-bupd-bf16 2 dsv3,bupd,bf16 ref-dsv3-bupd-bf16 ref-dsv3-bupd AM_EP=2"; do
+    "ep2-dsv3-bupd-bf16 2 dsv3,bupd,bf16 ref-dsv3-bupd-bf16 ref-dsv3-bupd AM_EP=2" \
+    "ep2-dsv3-am-bf16 2 dsv3,amaux,lb1,bf16 ref-dsv3-am-lb1-bf16 ref-dsv3-am-lb1 AM_EP=2"; do
     set -- $layout
     [ -n "${AM_PARITY_ONLY:-}" ] && [[ " ${AM_PARITY_BF16:-} " != *" $1 "* ]] && continue
     name=$1 n=$2 mods=$3 ref=$4 fref=$5

@@ -73,7 +73,10 @@ static enum am_device golden_device(void)
 
 /* The golden model `name` loaded into a whole-model shard computing in `compute` (fp32, or
  * bf16 mixed precision), with AutoModel's selection-bias update at `bias_factor` (0: none). */
-static void open_golden_with(struct golden *G, const char *name, enum am_dtype compute, double bias_factor)
+/* bias_factor: the selection-bias update's; aux_coeff > 0: AutoModel's load-balancing loss in place of
+ * transformers' (moe.h) */
+static void open_golden_with(struct golden *G, const char *name, enum am_dtype compute, double bias_factor,
+                             double aux_coeff)
 {
     memset(G, 0, sizeof(*G));
     const char *src = getenv("AM_SRCDIR");
@@ -121,6 +124,10 @@ static void open_golden_with(struct golden *G, const char *name, enum am_dtype c
     assert_int_equal(rc_dev, 0);
     G->K = G->dev.k;
     G->recipe->model.gate_bias_update_factor = bias_factor;
+    if (aux_coeff > 0) {
+        G->recipe->model.aux_loss_coeff = aux_coeff;
+        G->recipe->model.automodel_gate = true; /* AutoModel's own model: no transformers' loss */
+    }
     struct am_model_shard sh = am_model_shard_whole(1, 0, (int)G->recipe->model.num_hidden_layers);
     sh.compute = compute;
     assert_int_equal(am_model_init(&G->m, &G->recipe->model, &sh, &G->dev, NULL, NULL, G->B, G->T, msg, sizeof(msg)), 0);
@@ -135,7 +142,7 @@ static void open_golden_with(struct golden *G, const char *name, enum am_dtype c
 
 static void open_golden_as(struct golden *G, const char *name, enum am_dtype compute)
 {
-    open_golden_with(G, name, compute, 0.0);
+    open_golden_with(G, name, compute, 0.0, 0.0);
 }
 
 static void open_golden(struct golden *G, const char *name) { open_golden_as(G, name, AM_F32); }
@@ -642,7 +649,7 @@ static void test_deepseek_v3_tiny_bias_update(void **state)
     assert_int_equal(am_st_read_f32(ref, wl, 0, 5, want_loss, &err), 0);
     assert_int_equal(am_st_read_f32(ref, wn, 0, 5, want_norm, &err), 0);
     struct golden G;
-    open_golden_with(&G, "deepseek_v3_tiny", AM_F32, factor);
+    open_golden_with(&G, "deepseek_v3_tiny", AM_F32, factor, 0.0);
     int64_t per = li->shape[1] * li->shape[2], *loads = calloc(5 * (size_t)per, sizeof(int64_t));
     double loss[5], norm[5], loss_worst = 0;
     adamw_steps(&G, 1e-2f, true, loss, norm, loads);
@@ -682,6 +689,129 @@ static void test_deepseek_v3_tiny_bias_update(void **state)
     close_golden(&G);
     am_st_close(ref);
     am_errors_free(&err);
+}
+
+/* AutoModel's own load-balancing loss (tests/golden/make_aux_golden.py: transformers' model with
+ * AutoModel's Gate._compute_aux_loss and MoEAuxLossAutoScaler applied to each router's output, the
+ * cross entropy alone trained and reported): 5 clipped AdamW steps' losses, grad norms and aux
+ * values, and the routers after them; micro 2: each step's batch as two micro-batches of one
+ * sequence (the aux loss's gradient over 2, as am_moe_set_aux_div says; keys mb2.*). */
+static void check_aux_loss(const char *name, int micro)
+{
+    const char *pre = micro > 1 ? "mb2." : "";
+    char kc[64], ka[64], kl[64], kn[64];
+    snprintf(kc, sizeof(kc), "coeff");
+    snprintf(ka, sizeof(ka), "%saux", pre);
+    snprintf(kl, sizeof(kl), "%slosses", pre);
+    snprintf(kn, sizeof(kn), "%sgrad_norms", pre);
+    const char *src = getenv("AM_SRCDIR");
+    char path[1200];
+    struct am_errors err;
+    am_errors_init(&err);
+    struct am_st_file *ref = NULL;
+    snprintf(path, sizeof(path), "%s/tests/golden/models/%s/aux_loss.safetensors", src ? src : ".", name);
+    assert_int_equal(am_st_open(path, &ref, &err), 0);
+    const struct am_st_info *ci = am_st_find(ref, kc), *ai = am_st_find(ref, ka);
+    const struct am_st_info *wl = am_st_find(ref, kl), *wn = am_st_find(ref, kn);
+    assert_true(ci && ai && wl && wn);
+    float coeff, want_loss[5], want_norm[5], want_aux[5];
+    assert_int_equal(am_st_read_f32(ref, ci, 0, 1, &coeff, &err), 0);
+    assert_int_equal(am_st_read_f32(ref, wl, 0, 5, want_loss, &err), 0);
+    assert_int_equal(am_st_read_f32(ref, wn, 0, 5, want_norm, &err), 0);
+    assert_int_equal(am_st_read_f32(ref, ai, 0, 5, want_aux, &err), 0);
+    struct golden G;
+    open_golden_with(&G, name, AM_F32, 0.0, coeff);
+    assert_true(G.B % micro == 0 && !G.starts);
+    am_moe_set_aux_div(&G.m, micro); /* one rank: the step's micro-batches */
+    size_t E = G.m.n_elems;
+    enum am_device dv = G.dev.device;
+    float *mom = G.K->alloc(&G.dev, E * sizeof(float)), *var = G.K->alloc(&G.dev, E * sizeof(float));
+    double *sumsq_dev = G.K->alloc(&G.dev, sizeof(double)), worst[3] = {0, 0, 0};
+    struct am_tensor p = am_tensor_view(G.m.param_mem, dv, AM_F32, (int64_t)E, 0, 0, 0);
+    struct am_tensor g = am_tensor_view(G.m.grad_mem, dv, AM_F32, (int64_t)E, 0, 0, 0);
+    struct am_tensor m = am_tensor_view(mom, dv, AM_F32, (int64_t)E, 0, 0, 0);
+    struct am_tensor v = am_tensor_view(var, dv, AM_F32, (int64_t)E, 0, 0, 0);
+    struct am_tensor acc = am_tensor_view(sumsq_dev, dv, AM_F64, 1, 0, 0, 0);
+    for (int s = 0; s < 5; s++) {
+        double loss = 0, sumsq = 0;
+        if (micro == 1) {
+            loss = step(&G);
+        } else { /* gradient accumulation: each micro-batch's targets over the step's */
+            char msg[512];
+            int64_t rows = G.B / micro, n = rows * G.T;
+            am_model_begin_step(&G.m);
+            for (int mb = 0; mb < micro; mb++) {
+                double sum = 0;
+                int rc = am_model_step(&G.m, G.tokens + mb * n, G.targets + mb * n, NULL, rows,
+                                       1.0f / (float)G.n_targets, &sum, msg, sizeof(msg));
+                if (rc < 0)
+                    print_error("%s\n", msg);
+                assert_int_equal(rc, 0);
+                loss += sum;
+            }
+            loss /= G.n_targets;
+        }
+        struct am_moe_stats st;
+        am_moe_stats(&G.m, &st);
+        G.K->zero(&G.dev, &acc);
+        G.K->sum_squares(&G.dev, &acc, &g, 1.0);
+        G.K->download(&G.dev, &sumsq, sumsq_dev, sizeof(sumsq));
+        double d[3] = {fabs(loss - want_loss[s]), fabs(sqrt(sumsq) - want_norm[s]) / fmax(1.0, want_norm[s]),
+                       fabs(st.aux - want_aux[s])};
+        report("%s: aux loss: step %d loss %.7f (%.7f), grad norm %.7f (%.7f), aux %.7f (%.7f)\n", name, s + 1, loss,
+               want_loss[s], sqrt(sumsq), want_norm[s], st.aux, want_aux[s]);
+        for (int i = 0; i < 3; i++) {
+            if (d[i] >= 1e-5)
+                print_error("%s: aux loss: step %d: %s differs by %g\n", name, s + 1,
+                            i == 0 ? "loss" : i == 1 ? "grad norm" : "aux", d[i]);
+            assert_true(d[i] < 1e-5);
+            worst[i] = fmax(worst[i], d[i]);
+        }
+        struct am_adamw_tensor slab = {.param = &p, .m = &m, .v = &v, .grad = &g};
+        G.K->adamw_multi(&G.dev, &slab, 1, &acc, 1.0, NULL, 1e-2f, 0.9f, 0.95f, 1e-8f, 0.1f, s + 1);
+    }
+    int finals = 0;
+    for (size_t i = 0; i < am_st_count(ref); i++) {
+        const struct am_st_info *t = am_st_at(ref, i);
+        const char *key = t->name;
+        size_t lp = strlen(pre);
+        if (strncmp(key, pre, lp) != 0 || strncmp(key + lp, "final.", 6) != 0)
+            continue;
+        key += lp;
+        int k = am_model_find(&G.m, key + 6);
+        assert_true(k >= 0);
+        const float *mine = G.m.params[k].w.data, *want = (const float *)t->data;
+        double diff = 0;
+        for (int64_t j = 0; j < t->numel; j++)
+            diff = fmax(diff, fabs((double)mine[j] - want[j]));
+        if (diff >= 5e-5)
+            print_error("%s: aux loss: %s after 5 steps differs by %g\n", name, key + 6, diff);
+        assert_true(diff < 5e-5);
+        finals++;
+    }
+    assert_true(finals > 0);
+    report("%s: aux loss (coeff %g, %d micro-batch(es)): losses %.2e, grad norms %.2e relative, aux %.2e (tolerances "
+           "1e-5), %d routers after the steps\n", name, coeff, micro, worst[0], worst[1], worst[2], finals);
+    G.K->free(&G.dev, mom);
+    G.K->free(&G.dev, var);
+    G.K->free(&G.dev, sumsq_dev);
+    close_golden(&G);
+    am_st_close(ref);
+    am_errors_free(&err);
+}
+
+static void test_deepseek_v3_tiny_aux_loss(void **s)
+{
+    (void)s;
+    check_aux_loss("deepseek_v3_tiny", 1);
+    check_aux_loss("deepseek_v3_tiny", 2);
+}
+
+static void test_gpt_oss_tiny_aux_loss(void **s)
+{
+    (void)s;
+    check_aux_loss("gpt_oss_tiny", 1);
+    check_aux_loss("gpt_oss_tiny", 2);
 }
 
 #define CASE_FP32(name)                                                                                            \
@@ -733,8 +863,9 @@ int main(void)
                                        /* DeepSeek-V3 (deepseek_v3): multi-head latent attention, DeepSeekMoE */
                                        TESTS(deepseek_v3_tiny), TESTS_FP32(deepseek_v3_qproj),
                                        TESTS(deepseek_v3_yarn), cmocka_unit_test(test_deepseek_v3_tiny_bias_update),
+                                       cmocka_unit_test(test_deepseek_v3_tiny_aux_loss),
                                        /* gpt-oss (gpt_oss): attention sinks, biases, clamped SwiGLU experts */
-                                       TESTS(gpt_oss_tiny),
+                                       TESTS(gpt_oss_tiny), cmocka_unit_test(test_gpt_oss_tiny_aux_loss),
                                        /* packed sequences: documents in a sequence, none seeing another */
                                        TESTS(llama_packed), cmocka_unit_test(test_packed),
                                        cmocka_unit_test(test_model_refuses)};
