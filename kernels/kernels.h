@@ -244,8 +244,10 @@ struct am_kernels {
     void (*rope_backward)(const struct am_dev *d, struct am_tensor *dx, const struct am_tensor *cos, const struct am_tensor *sin);
 
     /* ---- causal grouped-query attention, softmax(q kᵀ / sqrt(D)) v ----
-     * q, out [B, T, H, D]; k, v [B, T, KVH, D] with H a multiple of KVH (query head h reads
-     * kv head h / (H / KVH)); lse [B, H, T] fp32 (log-sum-exp of each row, saved for
+     * q [B, T, H, D], k [B, T, KVH, D]; v [B, T, KVH, Dv], out [B, T, H, Dv] with H a multiple
+     * of KVH (query head h reads kv head h / (H / KVH)); Dv, v's head width, is D or another
+     * (multi-head latent attention's v_head_dim): the scale stays 1 / sqrt(D), and the backward's
+     * dout is out's shape, dq q's, dk k's, dv v's; lse [B, H, T] fp32 (log-sum-exp of each row, saved for
      * backward). Never materialises more than a few rows of scores per thread (never T x T).
      * window > 0: a sliding window (Mistral's sliding_window): the query at position t sees
      * the keys t - window < j <= t, itself and the window - 1 before it (transformers masks
@@ -259,7 +261,8 @@ struct am_kernels {
 
     /* ---- attention of one block of queries against one block of keys (context parallelism's
      * ring attention, runtime/model/ring.h) ----
-     * q, out [B, Tq, H, D]; k, v [B, Tk, KVH, D] (query head h reads kv head h / (H / KVH));
+     * q [B, Tq, H, D], k [B, Tk, KVH, D]; v [B, Tk, KVH, Dv], out [B, Tq, H, Dv] (Dv as
+     * attention_forward's; query head h reads kv head h / (H / KVH));
      * lse [B, H, Tq] fp32; qpos [Tq] and kpos [Tk] int32: each row's position in its sequence
      * (the same for every b). Query t sees key j when kpos[j] <= qpos[t], and with window > 0
      * also kpos[j] > qpos[t] - window (attention_forward's mask, by position). qstart: NULL, or

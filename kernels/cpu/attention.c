@@ -1,7 +1,8 @@
 /* attention.c - causal grouped-query attention, flash-style: a few query rows at a time.
  *
- * q, out [B, T, H, D]; k, v [B, T, KVH, D]; query head h reads kv head h / (H / KVH).
- * For query row t of head h (scale = 1/sqrt(D)), over the keys it sees,
+ * q [B, T, H, D], k [B, T, KVH, D]; v [B, T, KVH, Dv], out [B, T, H, Dv] (Dv: v's head width,
+ * D's or another: multi-head latent attention's v_head_dim); query head h reads kv head
+ * h / (H / KVH). For query row t of head h (scale = 1/sqrt(D)), over the keys it sees,
  * lo_t <= j <= t with lo_t = 0 (causal) or max(0, t - W + 1) with a sliding window of W
  * keys (Mistral's: transformers masks kv_idx <= q_idx - W):
  *   s_j   = scale * q_t · k_j             for lo_t <= j <= t
@@ -50,7 +51,7 @@
 #define KB 16 /* keys (or head dims) per register tile */
 
 struct attn_shape {
-    int64_t B, T, H, KVH, D;
+    int64_t B, T, H, KVH, D, DV; /* DV: v's and out's head width */
     float scale;
 };
 
@@ -168,21 +169,21 @@ AM_INLINE void pv_block(float *const o[QB], const float *restrict A, int64_t lda
         }
 }
 
-/* One block of QB rows starting at t0 (nr of them real) of one (batch, head). q, out: the
- * head's first row (qs floats between rows); kt: its kv head's k transposed [D, T]; v: the
- * kv head's rows (ks apart); lse: the head's T values. S: QB rows of T floats; spare: D
- * floats where the block's missing rows write. */
+/* One block of QB rows starting at t0 (nr of them real) of one (batch, head). q: the head's
+ * first row (qs floats between rows), out's (os apart, DV wide); kt: its kv head's k
+ * transposed [D, T]; v: the kv head's rows (vs apart, DV wide); lse: the head's T values. S:
+ * QB rows of T floats; spare: DV floats where the block's missing rows write. */
 AM_HOT static void attn_forward_block(float *restrict out, float *restrict lse, const float *restrict q,
                                       const float *restrict kt, const float *restrict v, int64_t t0, int64_t nr,
-                                      int64_t T, int64_t D, int64_t qs, int64_t ks, int64_t W, float scale,
-                                      float cap, float *restrict S, float *restrict spare)
+                                      int64_t T, int64_t D, int64_t DV, int64_t qs, int64_t os, int64_t vs, int64_t W,
+                                      float scale, float cap, float *restrict S, float *restrict spare)
 {
     int64_t nmax = t0 + nr, np = padded(nmax, T), j0 = block_start(t0, W);
     const float *x[QB];
     float *o[QB];
     for (int r = 0; r < QB; r++) {
         x[r] = q + (t0 + (r < nr ? r : nr - 1)) * qs; /* missing rows repeat the last one */
-        o[r] = r < nr ? out + (t0 + r) * qs : spare;
+        o[r] = r < nr ? out + (t0 + r) * os : spare;
     }
     scores_block(S + j0, T, kt + j0, T, x, D, np - j0);
     float inv[QB];
@@ -219,23 +220,25 @@ AM_HOT static void attn_forward_block(float *restrict out, float *restrict lse, 
         lse[t0 + r] = m + logf(l);
     }
     for (int r = 0; r < QB; r++)
-        for (int64_t d = 0; d < D; d++)
+        for (int64_t d = 0; d < DV; d++)
             o[r][d] = 0.0f;
-    pv_block(o, v + j0 * ks, ks, S + j0, T, nmax - j0, D);
+    pv_block(o, v + j0 * vs, vs, S + j0, T, nmax - j0, DV);
     for (int r = 0; r < nr; r++)
-        for (int64_t d = 0; d < D; d++)
+        for (int64_t d = 0; d < DV; d++)
             o[r][d] *= inv[r];
 }
 
 /* One block of the backward, for one (batch, query head); dk, dv belong to its kv head
  * (the caller runs every query head of a kv head on the same thread). k: the kv head's
- * rows; kt, vt: k and v transposed. S, DS: QB rows of T floats each. */
+ * rows; kt, vt: k [D, T] and v [DV, T] transposed; q, dq rows qs apart, dout, out os apart
+ * (DV wide), dk ks apart, dv vs apart. S, DS: QB rows of T floats each. */
 AM_HOT static void attn_backward_block(float *restrict dq, float *restrict dk, float *restrict dv,
                                        const float *restrict dout, const float *restrict out,
                                        const float *restrict lse, const float *restrict q, const float *restrict k,
                                        const float *restrict kt, const float *restrict vt, int64_t t0, int64_t nr,
-                                       int64_t T, int64_t D, int64_t qs, int64_t ks, int64_t W, float scale,
-                                       float cap, float *restrict S, float *restrict DS, float *restrict spare)
+                                       int64_t T, int64_t D, int64_t DV, int64_t qs, int64_t ks, int64_t os,
+                                       int64_t vs, int64_t W, float scale, float cap, float *restrict S,
+                                       float *restrict DS, float *restrict spare)
 {
     int64_t nmax = t0 + nr, np = padded(nmax, T), j0 = block_start(t0, W);
     const float *xq[QB], *xd[QB];
@@ -244,17 +247,17 @@ AM_HOT static void attn_backward_block(float *restrict dq, float *restrict dk, f
     for (int r = 0; r < QB; r++) {
         int64_t t = t0 + (r < nr ? r : nr - 1);
         xq[r] = q + t * qs;
-        xd[r] = dout + t * qs;
+        xd[r] = dout + t * os;
         g[r] = r < nr ? dq + (t0 + r) * qs : spare;
-        const float *restrict dor = dout + t * qs, *restrict oor = out + t * qs;
+        const float *restrict dor = dout + t * os, *restrict oor = out + t * os;
         float acc = 0.0f;
 #pragma omp simd reduction(+ : acc)
-        for (int64_t d = 0; d < D; d++)
+        for (int64_t d = 0; d < DV; d++)
             acc += dor[d] * oor[d];
         Dt[r] = acc;
     }
     scores_block(S + j0, T, kt + j0, T, xq, D, np - j0);  /* s_j  = q_t · k_j */
-    scores_block(DS + j0, T, vt + j0, T, xd, D, np - j0); /* dp_j = dout_t · v_j */
+    scores_block(DS + j0, T, vt + j0, T, xd, DV, np - j0); /* dp_j = dout_t · v_j */
     for (int r = 0; r < QB; r++) {
         float *restrict srow = S + r * T, *restrict dsrow = DS + r * T;
         int64_t n = r < nr ? t0 + r + 1 : 0, lo = first_key(t0 + r, W);
@@ -279,9 +282,9 @@ AM_HOT static void attn_backward_block(float *restrict dq, float *restrict dk, f
     const float *restrict q0 = xq[0], *restrict q1 = xq[1], *restrict q2 = xq[2], *restrict q3 = xq[3];
     const float *restrict d0 = xd[0], *restrict d1 = xd[1], *restrict d2 = xd[2], *restrict d3 = xd[3];
     int64_t j = j0;
-    for (; j + 1 < nmax; j += 2) { /* two keys at a time: each load of q_t and dout_t serves both */
-        float *restrict dkj = dk + j * ks, *restrict dvj = dv + j * ks;
-        float *restrict dkk = dkj + ks, *restrict dvk = dvj + ks;
+    for (; j + 1 < nmax && DV == D; j += 2) { /* two keys at a time: each load of q_t and dout_t serves both */
+        float *restrict dkj = dk + j * ks, *restrict dvj = dv + j * vs;
+        float *restrict dkk = dkj + ks, *restrict dvk = dvj + vs;
         float s0 = DS[j], s1 = DS[T + j], s2 = DS[2 * T + j], s3 = DS[3 * T + j];
         float p0 = S[j], p1 = S[T + j], p2 = S[2 * T + j], p3 = S[3 * T + j];
         float u0 = DS[j + 1], u1 = DS[T + j + 1], u2 = DS[2 * T + j + 1], u3 = DS[3 * T + j + 1];
@@ -295,15 +298,36 @@ AM_HOT static void attn_backward_block(float *restrict dq, float *restrict dk, f
             dvk[d] += r0 * b0 + r1 * b1 + r2 * b2 + r3 * b3;
         }
     }
+    for (; j + 1 < nmax; j += 2) { /* DV != D: two keys at a time, dk over D, dv over DV */
+        float *restrict dkj = dk + j * ks, *restrict dvj = dv + j * vs;
+        float *restrict dkk = dkj + ks, *restrict dvk = dvj + vs;
+        float s0 = DS[j], s1 = DS[T + j], s2 = DS[2 * T + j], s3 = DS[3 * T + j];
+        float p0 = S[j], p1 = S[T + j], p2 = S[2 * T + j], p3 = S[3 * T + j];
+        float u0 = DS[j + 1], u1 = DS[T + j + 1], u2 = DS[2 * T + j + 1], u3 = DS[3 * T + j + 1];
+        float r0 = S[j + 1], r1 = S[T + j + 1], r2 = S[2 * T + j + 1], r3 = S[3 * T + j + 1];
+#pragma omp simd
+        for (int64_t d = 0; d < D; d++) {
+            float a0 = q0[d], a1 = q1[d], a2 = q2[d], a3 = q3[d];
+            dkj[d] += s0 * a0 + s1 * a1 + s2 * a2 + s3 * a3;
+            dkk[d] += u0 * a0 + u1 * a1 + u2 * a2 + u3 * a3;
+        }
+#pragma omp simd
+        for (int64_t d = 0; d < DV; d++) {
+            float b0 = d0[d], b1 = d1[d], b2 = d2[d], b3 = d3[d];
+            dvj[d] += p0 * b0 + p1 * b1 + p2 * b2 + p3 * b3;
+            dvk[d] += r0 * b0 + r1 * b1 + r2 * b2 + r3 * b3;
+        }
+    }
     for (; j < nmax; j++) { /* dk_j += scale Σ_t ds_j q_t,  dv_j += Σ_t p_j dout_t */
-        float *restrict dkj = dk + j * ks, *restrict dvj = dv + j * ks;
+        float *restrict dkj = dk + j * ks, *restrict dvj = dv + j * vs;
         float s0 = DS[j], s1 = DS[T + j], s2 = DS[2 * T + j], s3 = DS[3 * T + j];
         float p0 = S[j], p1 = S[T + j], p2 = S[2 * T + j], p3 = S[3 * T + j];
 #pragma omp simd
-        for (int64_t d = 0; d < D; d++) {
+        for (int64_t d = 0; d < D; d++)
             dkj[d] += s0 * q0[d] + s1 * q1[d] + s2 * q2[d] + s3 * q3[d];
+#pragma omp simd
+        for (int64_t d = 0; d < DV; d++)
             dvj[d] += p0 * d0[d] + p1 * d1[d] + p2 * d2[d] + p3 * d3[d];
-        }
     }
 }
 
@@ -313,15 +337,18 @@ static struct attn_shape check_attention(const char *kernel, const struct am_ten
 {
     AM_CHECK(q->ndim == 4 && k->ndim == 4 && v->ndim == 4 && o->ndim == 4,
              "q (%s), k, v and out must be 4-d [B, T, heads, D] (called from %s)", am_tname(q), kernel);
-    struct attn_shape s = {q->shape[0], q->shape[1], q->shape[2], k->shape[2], q->shape[3], 0.0f};
-    for (int i = 0; i < 4; i++)
+    struct attn_shape s = {q->shape[0], q->shape[1], q->shape[2], k->shape[2], q->shape[3], v->shape[3], 0.0f};
+    for (int i = 0; i < 3; i++)
         AM_CHECK(o->shape[i] == q->shape[i], "out (%s) must have q's shape (called from %s)", am_tname(o), kernel);
+    AM_CHECK(o->shape[3] == s.DV, "out (%s) must be as wide as v's heads, %lld (called from %s)", am_tname(o),
+             (long long)s.DV, kernel);
     AM_CHECK(k->shape[0] == s.B && k->shape[1] == s.T && k->shape[3] == s.D,
              "k (%s) is [%lld, %lld, %lld, %lld]; q is [%lld, %lld, %lld, %lld]: B, T and D must match (called from %s)",
              am_tname(k), (long long)k->shape[0], (long long)k->shape[1], (long long)k->shape[2],
              (long long)k->shape[3], (long long)s.B, (long long)s.T, (long long)s.H, (long long)s.D, kernel);
-    for (int i = 0; i < 4; i++)
+    for (int i = 0; i < 3; i++)
         AM_CHECK(v->shape[i] == k->shape[i], "v (%s) must have k's shape (called from %s)", am_tname(v), kernel);
+    AM_CHECK(s.DV > 0, "v (%s) has heads of width 0 (called from %s)", am_tname(v), kernel);
     AM_CHECK(s.KVH > 0 && s.H % s.KVH == 0, "%lld query heads are not a multiple of %lld kv heads (called from %s)",
              (long long)s.H, (long long)s.KVH, kernel);
     AM_CHECK(am_tensor_numel(lse) == s.B * s.H * s.T, "lse (%s) must be [B, H, T] = [%lld, %lld, %lld] (called from %s)",
@@ -344,7 +371,8 @@ struct attn_chunk {
 static struct attn_chunk chunking(const struct am_dev *dev, const struct attn_shape *s, int64_t qarrays,
                                   int64_t karrays)
 {
-    int64_t G = s->H / s->KVH, per = s->T * s->D * (qarrays * G + karrays), budget = 4 * am_cpu_chunk(dev);
+    int64_t W = s->D > s->DV ? s->D : s->DV; /* the wider of the heads, for every array */
+    int64_t G = s->H / s->KVH, per = s->T * W * (qarrays * G + karrays), budget = 4 * am_cpu_chunk(dev);
     int64_t kc = budget / (per > 0 ? per : 1), need = (omp_get_max_threads() + G - 1) / G;
     kc = kc < need ? need : kc;
     kc = kc < 1 ? 1 : kc > s->KVH ? s->KVH : kc;
@@ -381,15 +409,16 @@ static void attention_forward_bf16(const struct am_dev *dev, struct am_tensor *o
     struct attn_shape s = check_attention(kernel, out, lse, q, k, v);
     struct attn_chunk ch = chunking(dev, &s, 2, 2);
     int64_t G = s.H / s.KVH, qn = ch.BC * s.T * ch.KC * G * s.D, kn = ch.BC * s.T * ch.KC * s.D;
-    float *ws = am_cpu_scratch(kernel, dev, 2 * qn + 2 * kn + 64);
-    float *qb = am_cpu_carve(&ws, qn), *ob = am_cpu_carve(&ws, qn), *kb = am_cpu_carve(&ws, kn);
-    float *vb = am_cpu_carve(&ws, kn);
+    int64_t on = ch.BC * s.T * ch.KC * G * s.DV, vn = ch.BC * s.T * ch.KC * s.DV; /* out's and v's */
+    float *ws = am_cpu_scratch(kernel, dev, qn + on + kn + vn + 64);
+    float *qb = am_cpu_carve(&ws, qn), *ob = am_cpu_carve(&ws, on), *kb = am_cpu_carve(&ws, kn);
+    float *vb = am_cpu_carve(&ws, vn);
     for (int64_t b0 = 0; b0 < s.B; b0 += ch.BC)
         for (int64_t kv0 = 0; kv0 < s.KVH; kv0 += ch.KC) {
             int64_t nb = s.B - b0 < ch.BC ? s.B - b0 : ch.BC, kc = s.KVH - kv0 < ch.KC ? s.KVH - kv0 : ch.KC;
             int64_t h0 = kv0 * G, hc = kc * G;
             struct am_tensor tq = gather(q, b0, nb, h0, hc, qb), tk = gather(k, b0, nb, kv0, kc, kb);
-            struct am_tensor tv = gather(v, b0, nb, kv0, kc, vb), to = am_f32_view(ob, nb, s.T, hc, s.D);
+            struct am_tensor tv = gather(v, b0, nb, kv0, kc, vb), to = am_f32_view(ob, nb, s.T, hc, s.DV);
             struct am_tensor tl = am_f32_view((float *)lse->data + (b0 * s.H + h0) * s.T, nb, hc, s.T, 0);
             am_cpu_attention_softcap_forward(dev, &to, &tl, &tq, &tk, &tv, window, scale, cap);
             scatter(out, b0, h0, &to);
@@ -409,16 +438,18 @@ static void attention_backward_bf16(const struct am_dev *dev, struct am_tensor *
         am_cpu_same(kernel, names[i], same[i], "q", q);
     am_cpu_stat(kernel, "lse", lse);
     struct attn_shape s = check_attention(kernel, out, lse, q, k, v);
-    AM_CHECK(am_tensor_numel(dq) == am_tensor_numel(q) && am_tensor_numel(dout) == am_tensor_numel(q) &&
+    AM_CHECK(am_tensor_numel(dq) == am_tensor_numel(q) && am_tensor_numel(dout) == am_tensor_numel(out) &&
                  am_tensor_numel(dk) == am_tensor_numel(k) && am_tensor_numel(dv) == am_tensor_numel(v) &&
-                 dq->ndim == 4 && dout->ndim == 4 && dk->ndim == 4 && dv->ndim == 4,
+                 dq->ndim == 4 && dout->ndim == 4 && dk->ndim == 4 && dv->ndim == 4 && dout->shape[3] == s.DV &&
+                 dv->shape[3] == s.DV,
              "dq (%s) and dout must have q's shape, dk (%s) and dv k's", am_tname(dq), am_tname(dk));
     struct attn_chunk ch = chunking(dev, &s, 4, 4);
     int64_t G = s.H / s.KVH, qn = ch.BC * s.T * ch.KC * G * s.D, kn = ch.BC * s.T * ch.KC * s.D;
-    float *ws = am_cpu_scratch(kernel, dev, 4 * qn + 4 * kn + 128);
-    float *qb = am_cpu_carve(&ws, qn), *ob = am_cpu_carve(&ws, qn), *dob = am_cpu_carve(&ws, qn);
-    float *dqb = am_cpu_carve(&ws, qn), *kb = am_cpu_carve(&ws, kn), *vb = am_cpu_carve(&ws, kn);
-    float *dkb = am_cpu_carve(&ws, kn), *dvb = am_cpu_carve(&ws, kn);
+    int64_t on = ch.BC * s.T * ch.KC * G * s.DV, vn = ch.BC * s.T * ch.KC * s.DV; /* out's and v's */
+    float *ws = am_cpu_scratch(kernel, dev, 2 * qn + 2 * on + 2 * kn + 2 * vn + 128);
+    float *qb = am_cpu_carve(&ws, qn), *ob = am_cpu_carve(&ws, on), *dob = am_cpu_carve(&ws, on);
+    float *dqb = am_cpu_carve(&ws, qn), *kb = am_cpu_carve(&ws, kn), *vb = am_cpu_carve(&ws, vn);
+    float *dkb = am_cpu_carve(&ws, kn), *dvb = am_cpu_carve(&ws, vn);
     for (int64_t b0 = 0; b0 < s.B; b0 += ch.BC)
         for (int64_t kv0 = 0; kv0 < s.KVH; kv0 += ch.KC) {
             int64_t nb = s.B - b0 < ch.BC ? s.B - b0 : ch.BC, kc = s.KVH - kv0 < ch.KC ? s.KVH - kv0 : ch.KC;
@@ -454,13 +485,13 @@ void am_cpu_attention_softcap_forward(const struct am_dev *dev, struct am_tensor
     struct attn_shape s = check_attention(__func__, out, lse, q, k, v);
     if (scale > 0.0f)
         s.scale = scale;
-    int64_t B = s.B, T = s.T, H = s.H, KVH = s.KVH, D = s.D, G = H / KVH;
-    int64_t qs = H * D, ks = KVH * D;
+    int64_t B = s.B, T = s.T, H = s.H, KVH = s.KVH, D = s.D, DV = s.DV, G = H / KVH;
+    int64_t qs = H * D, ks = KVH * D, os = H * DV, vs = KVH * DV;
     bool fail = false;
 #pragma omp parallel if (B * H > 1 && B * H * T * T * D >= AM_PAR_MIN) reduction(|| : fail)
     {
         /* QB rows of scores, the head's keys transposed, a spare row */
-        float *S = malloc(((size_t)(QB + D) * (size_t)T + (size_t)D) * sizeof(float));
+        float *S = malloc(((size_t)(QB + D) * (size_t)T + (size_t)DV) * sizeof(float));
         if (!S)
             fail = true;
 #pragma omp for collapse(2) schedule(static)
@@ -472,9 +503,9 @@ void am_cpu_attention_softcap_forward(const struct am_dev *dev, struct am_tensor
                 float *kt = S + QB * T, *spare = kt + D * T;
                 transpose_head(kt, kd + b * T * ks + kvh * D, T, D, ks);
                 for (int64_t t0 = 0; t0 < T; t0 += QB)
-                    attn_forward_block(o + b * T * qs + h * D, l + (b * H + h) * T, qd + b * T * qs + h * D, kt,
-                                       vd + b * T * ks + kvh * D, t0, T - t0 < QB ? T - t0 : QB, T, D, qs, ks,
-                                       window, s.scale, cap, S, spare);
+                    attn_forward_block(o + b * T * os + h * DV, l + (b * H + h) * T, qd + b * T * qs + h * D, kt,
+                                       vd + b * T * vs + kvh * DV, t0, T - t0 < QB ? T - t0 : QB, T, D, DV, qs, os,
+                                       vs, window, s.scale, cap, S, spare);
             }
         free(S);
     }
@@ -502,19 +533,19 @@ void am_cpu_attention_softcap_backward(const struct am_dev *dev, struct am_tenso
     float *dqd = F32(dq), *dkd = F32(dk), *dvd = F32(dv);
     const float *dod = F32(dout), *od = F32(out), *ld = F32(lse), *qd = F32(q), *kd = F32(k), *vd = F32(v);
     struct attn_shape s = check_attention(__func__, out, lse, q, k, v);
-    AM_CHECK(am_tensor_numel(dq) == am_tensor_numel(q) && am_tensor_numel(dout) == am_tensor_numel(q),
+    AM_CHECK(am_tensor_numel(dq) == am_tensor_numel(q) && am_tensor_numel(dout) == am_tensor_numel(out),
              "dq (%s) and dout (%s) must have q's shape", am_tname(dq), am_tname(dout));
-    AM_CHECK(am_tensor_numel(dk) == am_tensor_numel(k) && am_tensor_numel(dv) == am_tensor_numel(k),
+    AM_CHECK(am_tensor_numel(dk) == am_tensor_numel(k) && am_tensor_numel(dv) == am_tensor_numel(v),
              "dk (%s) and dv (%s) must have k's shape", am_tname(dk), am_tname(dv));
     if (scale > 0.0f)
         s.scale = scale;
-    int64_t B = s.B, T = s.T, H = s.H, KVH = s.KVH, D = s.D, G = H / KVH;
-    int64_t qs = H * D, ks = KVH * D;
+    int64_t B = s.B, T = s.T, H = s.H, KVH = s.KVH, D = s.D, DV = s.DV, G = H / KVH;
+    int64_t qs = H * D, ks = KVH * D, os = H * DV, vs = KVH * DV;
     bool fail = false;
 #pragma omp parallel if (B * KVH > 1 && B * H * T * T * D >= AM_PAR_MIN) reduction(|| : fail)
     {
         /* two blocks of QB rows (p, ds), k and v transposed, a spare row */
-        float *S = malloc(((size_t)(2 * QB + 2 * D) * (size_t)T + (size_t)D) * sizeof(float));
+        float *S = malloc(((size_t)(2 * QB + D + DV) * (size_t)T + (size_t)D) * sizeof(float));
         if (!S)
             fail = true;
 #pragma omp for collapse(2) schedule(static)
@@ -522,16 +553,16 @@ void am_cpu_attention_softcap_backward(const struct am_dev *dev, struct am_tenso
             for (int64_t kvh = 0; kvh < KVH; kvh++) {
                 if (!S)
                     continue;
-                int64_t ko = b * T * ks + kvh * D;
-                float *DS = S + QB * T, *kt = DS + QB * T, *vt = kt + D * T, *spare = vt + D * T;
+                int64_t ko = b * T * ks + kvh * D, vo = b * T * vs + kvh * DV;
+                float *DS = S + QB * T, *kt = DS + QB * T, *vt = kt + D * T, *spare = vt + DV * T;
                 transpose_head(kt, kd + ko, T, D, ks);
-                transpose_head(vt, vd + ko, T, D, ks);
+                transpose_head(vt, vd + vo, T, DV, vs);
                 for (int64_t h = kvh * G; h < (kvh + 1) * G; h++) {
-                    int64_t qo = b * T * qs + h * D;
+                    int64_t qo = b * T * qs + h * D, oo = b * T * os + h * DV;
                     for (int64_t t0 = 0; t0 < T; t0 += QB)
-                        attn_backward_block(dqd + qo, dkd + ko, dvd + ko, dod + qo, od + qo, ld + (b * H + h) * T,
-                                            qd + qo, kd + ko, kt, vt, t0, T - t0 < QB ? T - t0 : QB, T, D, qs, ks,
-                                            window, s.scale, cap, S, DS, spare);
+                        attn_backward_block(dqd + qo, dkd + ko, dvd + vo, dod + oo, od + oo, ld + (b * H + h) * T,
+                                            qd + qo, kd + ko, kt, vt, t0, T - t0 < QB ? T - t0 : QB, T, D, DV, qs,
+                                            ks, os, vs, window, s.scale, cap, S, DS, spare);
                 }
             }
         free(S);

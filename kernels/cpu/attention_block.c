@@ -2,7 +2,8 @@
  * the tokens' positions, with its log-sum-exp merged into a running result (kernels.h:
  * attention_block_forward and attention_block_backward; context parallelism's ring attention).
  *
- * q, out [B, Tq, H, D]; k, v [B, Tk, KVH, D]; query head h reads kv head h / (H / KVH);
+ * q [B, Tq, H, D], k [B, Tk, KVH, D]; v [B, Tk, KVH, Dv], out [B, Tq, H, Dv] (Dv: v's head
+ * width, D's or another: multi-head latent attention's); query head h reads kv head h / (H / KVH);
  * qpos [Tq], kpos [Tk]: positions in the sequence. Query t sees key j when
  * kpos[j] <= qpos[t] (and kpos[j] > qpos[t] - W with a window of W), and with qstart (packed
  * sequences: [B, Tq], the position where the query row's document starts) kpos[j] >= qstart. For a row t, over the
@@ -47,7 +48,7 @@
 #include "cpu.h"
 
 struct blk_shape {
-    int64_t B, Tq, Tk, H, KVH, D;
+    int64_t B, Tq, Tk, H, KVH, D, DV; /* DV: v's and out's head width */
     float scale;
 };
 
@@ -58,11 +59,14 @@ static struct blk_shape check_block(const char *kernel, const struct am_tensor *
 {
     AM_CHECK(q->ndim == 4 && k->ndim == 4 && v->ndim == 4 && o->ndim == 4,
              "q (%s), k, v and out must be 4-d [B, T, heads, D] (called from %s)", am_tname(q), kernel);
-    struct blk_shape s = {q->shape[0], q->shape[1], k->shape[1], q->shape[2], k->shape[2], q->shape[3], 0.0f};
-    for (int i = 0; i < 4; i++) {
+    struct blk_shape s = {q->shape[0], q->shape[1], k->shape[1], q->shape[2], k->shape[2], q->shape[3], v->shape[3],
+                          0.0f};
+    for (int i = 0; i < 3; i++) {
         AM_CHECK(o->shape[i] == q->shape[i], "out (%s) must have q's shape (called from %s)", am_tname(o), kernel);
         AM_CHECK(v->shape[i] == k->shape[i], "v (%s) must have k's shape (called from %s)", am_tname(v), kernel);
     }
+    AM_CHECK(s.DV > 0 && o->shape[3] == s.DV, "out (%s) must be as wide as v's heads (%s) (called from %s)", am_tname(o),
+             am_tname(v), kernel);
     AM_CHECK(k->shape[0] == s.B && k->shape[3] == s.D, "k (%s) must have q's B and D (called from %s)", am_tname(k),
              kernel);
     AM_CHECK(s.KVH > 0 && s.H % s.KVH == 0, "%lld query heads are not a multiple of %lld kv heads (called from %s)",
@@ -195,15 +199,16 @@ static void block_forward_bf16(const struct am_dev *dev, struct am_tensor *out, 
     AM_CHECK(out->dtype == AM_F32 || (out->dtype == q->dtype && !accumulate),
              "out (%s) must be f32, or q's dtype without accumulate: a running merge across blocks stays fp32 "
              "(called from %s)", am_tname(out), kernel);
-    int64_t qn = s.Tq * s.H * s.D, kn = s.Tk * s.KVH * s.D, bc = seqs_per_chunk(dev, 2 * qn + 2 * kn, s.B);
-    float *ws = am_cpu_scratch(kernel, dev, bc * (2 * qn + 2 * kn) + 64);
-    float *qb = am_cpu_carve(&ws, bc * qn), *ob = am_cpu_carve(&ws, bc * qn), *kb = am_cpu_carve(&ws, bc * kn);
-    float *vb = am_cpu_carve(&ws, bc * kn);
+    int64_t qn = s.Tq * s.H * s.D, kn = s.Tk * s.KVH * s.D, on = s.Tq * s.H * s.DV, vn = s.Tk * s.KVH * s.DV;
+    int64_t bc = seqs_per_chunk(dev, qn + on + kn + vn, s.B);
+    float *ws = am_cpu_scratch(kernel, dev, bc * (qn + on + kn + vn) + 64);
+    float *qb = am_cpu_carve(&ws, bc * qn), *ob = am_cpu_carve(&ws, bc * on), *kb = am_cpu_carve(&ws, bc * kn);
+    float *vb = am_cpu_carve(&ws, bc * vn);
     for (int64_t b0 = 0; b0 < s.B; b0 += bc) {
         int64_t nb = s.B - b0 < bc ? s.B - b0 : bc;
         struct am_tensor tq = chunk_of(q, b0, nb, qb), tk = chunk_of(k, b0, nb, kb), tv = chunk_of(v, b0, nb, vb);
         struct am_tensor to = out->dtype == AM_F32 ? chunk_of(out, b0, nb, NULL)
-                                                   : am_f32_view(ob, nb, s.Tq, s.H, s.D); /* written whole */
+                                                   : am_f32_view(ob, nb, s.Tq, s.H, s.DV); /* written whole */
         struct am_tensor tl = am_f32_view((float *)lse->data + b0 * s.H * s.Tq, nb, s.H, s.Tq, 0);
         struct am_tensor ts = qstart ? starts_of(qstart, b0, nb, s.Tq) : (struct am_tensor){0};
         am_cpu_attention_block_softcap_forward(dev, &to, &tl, &tq, &tk, &tv, qpos, kpos, qstart ? &ts : NULL, window,
@@ -231,15 +236,17 @@ static void block_backward_bf16(const struct am_dev *dev, struct am_tensor *dq, 
     struct blk_shape s = check_block(kernel, out, lse, q, k, v, qpos, kpos, qstart, scale);
     AM_CHECK(dq->dtype == AM_F32 || dq->dtype == q->dtype, "dq (%s), dk and dv must be f32 or q's dtype (called "
              "from %s)", am_tname(dq), kernel);
-    AM_CHECK(am_tensor_numel(dq) == am_tensor_numel(q) && am_tensor_numel(dout) == am_tensor_numel(q) &&
-                 am_tensor_numel(dk) == am_tensor_numel(k) && am_tensor_numel(dv) == am_tensor_numel(k) &&
-                 dq->ndim == 4 && dout->ndim == 4 && dk->ndim == 4 && dv->ndim == 4,
+    AM_CHECK(am_tensor_numel(dq) == am_tensor_numel(q) && am_tensor_numel(dout) == am_tensor_numel(out) &&
+                 am_tensor_numel(dk) == am_tensor_numel(k) && am_tensor_numel(dv) == am_tensor_numel(v) &&
+                 dq->ndim == 4 && dout->ndim == 4 && dk->ndim == 4 && dv->ndim == 4 && dout->shape[3] == s.DV &&
+                 dv->shape[3] == s.DV,
              "dq (%s) and dout must have q's shape, dk (%s) and dv k's", am_tname(dq), am_tname(dk));
-    int64_t qn = s.Tq * s.H * s.D, kn = s.Tk * s.KVH * s.D, bc = seqs_per_chunk(dev, 4 * qn + 4 * kn, s.B);
-    float *ws = am_cpu_scratch(kernel, dev, bc * (4 * qn + 4 * kn) + 128);
-    float *qb = am_cpu_carve(&ws, bc * qn), *ob = am_cpu_carve(&ws, bc * qn), *dob = am_cpu_carve(&ws, bc * qn);
-    float *dqb = am_cpu_carve(&ws, bc * qn), *kb = am_cpu_carve(&ws, bc * kn), *vb = am_cpu_carve(&ws, bc * kn);
-    float *dkb = am_cpu_carve(&ws, bc * kn), *dvb = am_cpu_carve(&ws, bc * kn);
+    int64_t qn = s.Tq * s.H * s.D, kn = s.Tk * s.KVH * s.D, on = s.Tq * s.H * s.DV, vn = s.Tk * s.KVH * s.DV;
+    int64_t bc = seqs_per_chunk(dev, 2 * qn + 2 * on + 2 * kn + 2 * vn, s.B);
+    float *ws = am_cpu_scratch(kernel, dev, bc * (2 * qn + 2 * on + 2 * kn + 2 * vn) + 128);
+    float *qb = am_cpu_carve(&ws, bc * qn), *ob = am_cpu_carve(&ws, bc * on), *dob = am_cpu_carve(&ws, bc * on);
+    float *dqb = am_cpu_carve(&ws, bc * qn), *kb = am_cpu_carve(&ws, bc * kn), *vb = am_cpu_carve(&ws, bc * vn);
+    float *dkb = am_cpu_carve(&ws, bc * kn), *dvb = am_cpu_carve(&ws, bc * vn);
     for (int64_t b0 = 0; b0 < s.B; b0 += bc) {
         int64_t nb = s.B - b0 < bc ? s.B - b0 : bc;
         struct am_tensor tq = chunk_of(q, b0, nb, qb), to = chunk_of(out, b0, nb, ob);
@@ -282,11 +289,12 @@ void am_cpu_attention_block_softcap_forward(const struct am_dev *dev, struct am_
     const int32_t *qp = I32(qpos), *kp = I32(kpos);
     struct blk_shape s = check_block(__func__, out, lse, q, k, v, qpos, kpos, qstart, scale);
     const int32_t *qst = qstart ? I32(qstart) : NULL;
-    int64_t B = s.B, Tq = s.Tq, Tk = s.Tk, H = s.H, D = s.D, G = H / s.KVH, qs = H * D, ks = s.KVH * D;
+    int64_t B = s.B, Tq = s.Tq, Tk = s.Tk, H = s.H, D = s.D, DV = s.DV, G = H / s.KVH, qs = H * D, ks = s.KVH * D;
+    int64_t os = H * DV, vs = s.KVH * DV;
     bool fail = false;
 #pragma omp parallel if (B * H > 1 && B * H * Tq * Tk * D >= AM_PAR_MIN) reduction(|| : fail)
     {
-        float *S = malloc(((size_t)RT * (size_t)Tk + (size_t)RT * (size_t)D) * sizeof(float)); /* scores, out_b */
+        float *S = malloc(((size_t)RT * (size_t)Tk + (size_t)RT * (size_t)DV) * sizeof(float)); /* scores, out_b */
         if (!S)
             fail = true;
 #pragma omp for collapse(2) schedule(static)
@@ -295,13 +303,13 @@ void am_cpu_attention_block_softcap_forward(const struct am_dev *dev, struct am_
                 if (!S || Tk == 0)
                     continue;
                 float *ob = S + RT * Tk;
-                const float *kh = kd + b * Tk * ks + (h / G) * D, *vh = vd + b * Tk * ks + (h / G) * D;
+                const float *kh = kd + b * Tk * ks + (h / G) * D, *vh = vd + b * Tk * vs + (h / G) * DV;
                 for (int64_t t0 = 0; t0 < Tq; t0 += RT) {
                     int64_t nr = Tq - t0 < RT ? Tq - t0 : RT, j0, j1;
                     if (!tile_keys(qp + t0, qst, b * Tq + t0, nr, kp, Tk, window, &j0, &j1)) { /* every row masked */
                         for (int64_t t = t0; t < t0 + nr && !accumulate; t++) {
-                            float *ot = o + (b * Tq + t) * qs + h * D;
-                            for (int64_t d = 0; d < D; d++)
+                            float *ot = o + (b * Tq + t) * os + h * DV;
+                            for (int64_t d = 0; d < DV; d++)
                                 ot[d] = 0.0f;
                             l[(b * H + h) * Tq + t] = -INFINITY;
                         }
@@ -314,13 +322,13 @@ void am_cpu_attention_block_softcap_forward(const struct am_dev *dev, struct am_
                     for (int64_t i = 0; i < nr; i++)
                         m[i] = softmax_row(S + i * n, n, qp[t0 + i], kp + j0, window, start_of(qst, b * Tq + t0 + i),
                                            cap, &sum[i]);
-                    am_cpu_sgemm1(false, false, nr, D, n, 1.0f, S, n, vh + j0 * ks, ks, 0.0f, ob, D);
+                    am_cpu_sgemm1(false, false, nr, DV, n, 1.0f, S, n, vh + j0 * vs, vs, 0.0f, ob, DV);
                     for (int64_t i = 0; i < nr; i++) {
                         int64_t t = t0 + i;
-                        float *ot = o + (b * Tq + t) * qs + h * D, *lt = l + (b * H + h) * Tq + t, *obi = ob + i * D;
+                        float *ot = o + (b * Tq + t) * os + h * DV, *lt = l + (b * H + h) * Tq + t, *obi = ob + i * DV;
                         if (m[i] == -INFINITY) { /* no key of this block: nothing to merge */
                             if (!accumulate) {
-                                for (int64_t d = 0; d < D; d++)
+                                for (int64_t d = 0; d < DV; d++)
                                     ot[d] = 0.0f;
                                 *lt = -INFINITY;
                             }
@@ -328,13 +336,13 @@ void am_cpu_attention_block_softcap_forward(const struct am_dev *dev, struct am_
                         }
                         float lb = m[i] + logf(sum[i]), inv = 1.0f / sum[i];
                         if (!accumulate || *lt == -INFINITY) {
-                            for (int64_t d = 0; d < D; d++)
+                            for (int64_t d = 0; d < DV; d++)
                                 ot[d] = obi[d] * inv;
                             *lt = lb;
                             continue;
                         }
                         float L = *lt > lb ? *lt : lb, a = am_expf(*lt - L), c = am_expf(lb - L), w = 1.0f / (a + c);
-                        for (int64_t d = 0; d < D; d++)
+                        for (int64_t d = 0; d < DV; d++)
                             ot[d] = (a * ot[d] + c * obi[d] * inv) * w;
                         *lt = L + logf(a + c);
                     }
@@ -374,11 +382,12 @@ void am_cpu_attention_block_softcap_backward(const struct am_dev *dev, struct am
     const int32_t *qp = I32(qpos), *kp = I32(kpos);
     struct blk_shape s = check_block(__func__, out, lse, q, k, v, qpos, kpos, qstart, scale);
     const int32_t *qst = qstart ? I32(qstart) : NULL;
-    AM_CHECK(am_tensor_numel(dq) == am_tensor_numel(q) && am_tensor_numel(dout) == am_tensor_numel(q),
+    AM_CHECK(am_tensor_numel(dq) == am_tensor_numel(q) && am_tensor_numel(dout) == am_tensor_numel(out),
              "dq (%s) and dout (%s) must have q's shape", am_tname(dq), am_tname(dout));
-    AM_CHECK(am_tensor_numel(dk) == am_tensor_numel(k) && am_tensor_numel(dv) == am_tensor_numel(k),
+    AM_CHECK(am_tensor_numel(dk) == am_tensor_numel(k) && am_tensor_numel(dv) == am_tensor_numel(v),
              "dk (%s) and dv (%s) must have k's shape", am_tname(dk), am_tname(dv));
     int64_t B = s.B, Tq = s.Tq, Tk = s.Tk, H = s.H, KVH = s.KVH, D = s.D, G = H / KVH, qs = H * D, ks = KVH * D;
+    int64_t DV = s.DV, os = H * DV, vs = KVH * DV;
     bool fail = false;
 #pragma omp parallel if (B * KVH > 1 && B * H * Tq * Tk * D >= AM_PAR_MIN) reduction(|| : fail)
     {
@@ -391,23 +400,24 @@ void am_cpu_attention_block_softcap_backward(const struct am_dev *dev, struct am
                 if (!P || Tk == 0)
                     continue;
                 float *dS = P + RT * Tk;
-                int64_t ko = b * Tk * ks + kvh * D;
+                int64_t ko = b * Tk * ks + kvh * D, vo = b * Tk * vs + kvh * DV;
                 for (int64_t h = kvh * G; h < (kvh + 1) * G; h++)
                     for (int64_t t0 = 0; t0 < Tq; t0 += RT) {
                         int64_t nr = Tq - t0 < RT ? Tq - t0 : RT, qo = (b * Tq + t0) * qs + h * D, j0, j1;
+                        int64_t oo = (b * Tq + t0) * os + h * DV;
                         if (!tile_keys(qp + t0, qst, b * Tq + t0, nr, kp, Tk, window, &j0, &j1)) /* no term */
                             continue;
-                        int64_t n = j1 - j0, kj = ko + j0 * ks; /* the tile's keys */
+                        int64_t n = j1 - j0, kj = ko + j0 * ks, vj = vo + j0 * vs; /* the tile's keys */
                         const int32_t *kpj = kp + j0;
                         am_cpu_sgemm1(false, true, nr, n, D, s.scale, qd + qo, qs, kd + kj, ks, 0.0f, P, n);
-                        am_cpu_sgemm1(false, true, nr, n, D, 1.0f, dod + qo, qs, vd + kj, ks, 0.0f, dS, n);
+                        am_cpu_sgemm1(false, true, nr, n, DV, 1.0f, dod + oo, os, vd + vj, vs, 0.0f, dS, n);
                         for (int64_t i = 0; i < nr; i++) {
                             int64_t t = t0 + i;
                             float *pr = P + i * n, *dr = dS + i * n, Lt = ld[(b * H + h) * Tq + t];
-                            const float *dot_ = dod + qo + i * qs, *ot = od + qo + i * qs;
+                            const float *dot_ = dod + oo + i * os, *ot = od + oo + i * os;
                             float Dt = 0.0f;
                             int32_t lo = start_of(qst, b * Tq + t);
-                            for (int64_t d = 0; d < D; d++)
+                            for (int64_t d = 0; d < DV; d++)
                                 Dt += dot_[d] * ot[d];
                             if (cap > 0.0f) /* through the cap: d tanh = 1 - tanh² */
                                 for (int64_t j = 0; j < n; j++) {
@@ -427,7 +437,7 @@ void am_cpu_attention_block_softcap_backward(const struct am_dev *dev, struct am
                         }
                         am_cpu_sgemm1(false, false, nr, D, n, 1.0f, dS, n, kd + kj, ks, 1.0f, dqd + qo, qs);
                         am_cpu_sgemm1(true, false, n, D, nr, 1.0f, dS, n, qd + qo, qs, 1.0f, dkd + kj, ks);
-                        am_cpu_sgemm1(true, false, n, D, nr, 1.0f, P, n, dod + qo, qs, 1.0f, dvd + kj, ks);
+                        am_cpu_sgemm1(true, false, n, DV, nr, 1.0f, P, n, dod + oo, os, 1.0f, dvd + vj, vs);
                     }
             }
         free(P);

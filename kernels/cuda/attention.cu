@@ -2,8 +2,9 @@
  * kernels (the reference and the fallback), and the choice between them and cuDNN's fused
  * attention (attention_cudnn.cu, in builds with cuDNN).
  *
- * Semantics: kernels/cpu/attention.c's (kernels.h has the contract). q, out [B, T, H, D];
- * k, v [B, T, KVH, D]; query head h reads kv head h / (H / KVH); scale = 1/sqrt(D) (Gemma's
+ * Semantics: kernels/cpu/attention.c's (kernels.h has the contract). q [B, T, H, D],
+ * k [B, T, KVH, D]; v [B, T, KVH, DV], out [B, T, H, DV] (DV: v's head width, D's or another:
+ * multi-head latent attention's); query head h reads kv head h / (H / KVH); scale = 1/sqrt(D) (Gemma's
  * attention_softcap: the scale given, and each scaled score capped to cap * tanh(s / cap)
  * before the softmax, its backward times 1 - tanh²; cuDNN is not asked for those); the
  * query at t sees the keys lo_t <= j <= t, lo_t = 0, or t - W + 1 with a window of W keys;
@@ -13,7 +14,7 @@
  *
  * Flash-attention tiling, fp32 on the CUDA cores (no tensor cores: the reference, not the
  * fast path), never more than a tile of scores in memory. A block has 8 warps; tiles of
- * 32 rows live in shared memory as fp32 with an odd row stride (D | 1), so that 32 lanes
+ * 32 rows live in shared memory as fp32 with an odd row stride (D | 1, v's and dout's DV | 1), so that 32 lanes
  * reading 32 rows at one column hit 32 banks.
  *   - forward: a block takes 32 query rows of one (batch, head), 4 rows per warp, and walks
  *     the tiles of 32 keys its rows see (from the first row's window start to its last
@@ -29,7 +30,7 @@
  *     the key tiles. Each gradient element has one writer and sums its terms in a fixed
  *     order (heads, then tiles, then rows or keys in order): no atomics, run to run the
  *     same bits.
- * Head sizes up to 256 (registers per lane: ceil(D/32) per row); 64 and 128 fill the lanes.
+ * Head sizes up to 256 (registers per lane: ceil(max(D, DV) / 32) per row); 64 and 128 fill the lanes.
  *
  * Which path (attention_forward and attention_backward choose per call): AM_ATTN=own runs
  * these kernels; AM_ATTN=cudnn (the default in a build with cuDNN) runs cuDNN's fused
@@ -51,7 +52,7 @@
 #define FULL 0xffffffffu
 
 struct att_shape {
-    int64_t B, T, H, KVH, D;
+    int64_t B, T, H, KVH, D, DV; /* DV: v's and out's head width */
     float scale;
     float cap; /* Gemma 2's attn_logit_softcapping (0: none) */
 };
@@ -101,14 +102,15 @@ __device__ __forceinline__ void load_tile(float *dst, int ld, const T *src, int6
 
 template <typename T, int NT>
 __global__ void __launch_bounds__(ATT_THREADS) attn_fwd_k(T *out, float *lse, const T *q, const T *k, const T *v, int64_t Tn,
-                                                          int64_t H, int64_t KVH, int D, int64_t W, float scale, float cap)
+                                                          int64_t H, int64_t KVH, int D, int DV, int64_t W, float scale,
+                                                          float cap)
 {
     extern __shared__ float sm[];
-    const int ld = D | 1, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int ld = D | 1, ldv = DV | 1, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     float *Qs = sm, *Ks = Qs + ATT_BQ * ld, *Vs = Ks + ATT_BK * ld;
     const int64_t t0 = (int64_t)blockIdx.x * ATT_BQ, bh = blockIdx.y, b = bh / H, h = bh % H, kvh = h / (H / KVH);
-    const int64_t qs = H * D, ks = KVH * D;
-    const T *qb = q + (b * Tn * H + h) * D, *kb = k + (b * Tn * KVH + kvh) * D, *vb = v + (b * Tn * KVH + kvh) * D;
+    const int64_t qs = H * D, ks = KVH * D, vs = KVH * DV;
+    const T *qb = q + (b * Tn * H + h) * D, *kb = k + (b * Tn * KVH + kvh) * D, *vb = v + (b * Tn * KVH + kvh) * DV;
     const int nq = (int)(Tn - t0 < ATT_BQ ? Tn - t0 : ATT_BQ);
     const int64_t tlast = t0 + nq - 1;
     load_tile(Qs, ld, qb, t0, nq, ATT_BQ, qs, D);
@@ -126,7 +128,7 @@ __global__ void __launch_bounds__(ATT_THREADS) attn_fwd_k(T *out, float *lse, co
         const int nk = (int)(tlast + 1 - j0 < ATT_BK ? tlast + 1 - j0 : ATT_BK);
         __syncthreads(); /* the previous tile is consumed (and Qs loaded) */
         load_tile(Ks, ld, kb, j0, nk, ATT_BK, ks, D);
-        load_tile(Vs, ld, vb, j0, nk, ATT_BK, ks, D);
+        load_tile(Vs, ldv, vb, j0, nk, ATT_BK, vs, DV);
         __syncthreads();
         float s[ATT_RPW];
 #pragma unroll
@@ -156,14 +158,14 @@ __global__ void __launch_bounds__(ATT_THREADS) attn_fwd_k(T *out, float *lse, co
             s[r] = p;
         }
         for (int jj = 0; jj < nk; jj++) {
-            const float *vr = Vs + jj * ld;
+            const float *vr = Vs + jj * ldv;
 #pragma unroll
             for (int r = 0; r < ATT_RPW; r++) {
                 float p = __shfl_sync(FULL, s[r], jj);
 #pragma unroll
                 for (int i = 0; i < NT; i++) {
                     int dd = lane + 32 * i;
-                    if (dd < D)
+                    if (dd < DV)
                         acc[r][i] += p * vr[dd];
                 }
             }
@@ -175,11 +177,11 @@ __global__ void __launch_bounds__(ATT_THREADS) attn_fwd_k(T *out, float *lse, co
         if (t > tlast)
             continue;
         float inv = 1.0f / l[r];
-        T *o = out + ((b * Tn + t) * H + h) * D;
+        T *o = out + ((b * Tn + t) * H + h) * DV;
 #pragma unroll
         for (int i = 0; i < NT; i++) {
             int dd = lane + 32 * i;
-            if (dd < D)
+            if (dd < DV)
                 am_st(o, dd, acc[r][i] * inv);
         }
         if (lane == 0)
@@ -189,7 +191,7 @@ __global__ void __launch_bounds__(ATT_THREADS) attn_fwd_k(T *out, float *lse, co
 
 /* ================= backward ================= */
 
-/* Dt[b, h, t] = Σ_d dout · out: one warp per row */
+/* Dt[b, h, t] = Σ_d dout · out: one warp per row (D: their head width, v's) */
 template <typename T>
 __global__ void attn_bwd_dot_k(float *Dt, const T *dout, const T *out, int64_t Tn, int64_t H, int D, int64_t rows)
 {
@@ -211,19 +213,19 @@ __global__ void attn_bwd_dot_k(float *Dt, const T *dout, const T *out, int64_t T
 template <typename T, int NT>
 __global__ void __launch_bounds__(ATT_THREADS) attn_bwd_dkdv_k(T *dk, T *dv, const T *dout, const float *lse, const float *Dt,
                                                                const T *q, const T *k, const T *v, int64_t Tn, int64_t H,
-                                                               int64_t KVH, int D, int64_t W, float scale, float cap)
+                                                               int64_t KVH, int D, int DV, int64_t W, float scale, float cap)
 {
     extern __shared__ float sm[];
-    const int ld = D | 1, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    float *Ks = sm, *Vs = Ks + ATT_BQ * ld, *Qs = Vs + ATT_BQ * ld, *Os = Qs + ATT_BK * ld, *Ls = Os + ATT_BK * ld;
+    const int ld = D | 1, ldv = DV | 1, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    float *Ks = sm, *Vs = Ks + ATT_BQ * ld, *Qs = Vs + ATT_BQ * ldv, *Os = Qs + ATT_BK * ld, *Ls = Os + ATT_BK * ldv;
     float *Ds = Ls + ATT_BK;
     const int64_t j0 = (int64_t)blockIdx.x * ATT_BQ, bk = blockIdx.y, b = bk / KVH, kvh = bk % KVH, G = H / KVH;
-    const int64_t qs = H * D, ks = KVH * D;
+    const int64_t qs = H * D, ks = KVH * D, os = H * DV, vs = KVH * DV;
     const int nk = (int)(Tn - j0 < ATT_BQ ? Tn - j0 : ATT_BQ);
     const int64_t jlast = j0 + nk - 1, tend = W > 0 && jlast + W - 1 < Tn - 1 ? jlast + W - 1 : Tn - 1;
-    const T *kb = k + (b * Tn * KVH + kvh) * D, *vb = v + (b * Tn * KVH + kvh) * D;
+    const T *kb = k + (b * Tn * KVH + kvh) * D, *vb = v + (b * Tn * KVH + kvh) * DV;
     load_tile(Ks, ld, kb, j0, nk, ATT_BQ, ks, D);
-    load_tile(Vs, ld, vb, j0, nk, ATT_BQ, ks, D);
+    load_tile(Vs, ldv, vb, j0, nk, ATT_BQ, vs, DV);
 
     float gk[ATT_RPW][NT], gv[ATT_RPW][NT];
 #pragma unroll
@@ -231,15 +233,15 @@ __global__ void __launch_bounds__(ATT_THREADS) attn_bwd_dkdv_k(T *dk, T *dv, con
 #pragma unroll
         for (int i = 0; i < NT; i++)
             gk[r][i] = gv[r][i] = 0.0f;
-    const float *kr = Ks + warp * ATT_RPW * ld, *vr = Vs + warp * ATT_RPW * ld;
+    const float *kr = Ks + warp * ATT_RPW * ld, *vr = Vs + warp * ATT_RPW * ldv;
     for (int64_t h = kvh * G; h < (kvh + 1) * G; h++) {
-        const T *qb = q + (b * Tn * H + h) * D, *ob = dout + (b * Tn * H + h) * D;
+        const T *qb = q + (b * Tn * H + h) * D, *ob = dout + (b * Tn * H + h) * DV;
         const float *lb = lse + (b * H + h) * Tn, *db = Dt + (b * H + h) * Tn;
         for (int64_t t0 = j0; t0 <= tend; t0 += ATT_BK) {
             const int nq = (int)(tend + 1 - t0 < ATT_BK ? tend + 1 - t0 : ATT_BK);
             __syncthreads(); /* the previous tile is consumed (and Ks, Vs loaded) */
             load_tile(Qs, ld, qb, t0, nq, ATT_BK, qs, D);
-            load_tile(Os, ld, ob, t0, nq, ATT_BK, qs, D);
+            load_tile(Os, ldv, ob, t0, nq, ATT_BK, os, DV);
             if (threadIdx.x < ATT_BK) {
                 Ls[threadIdx.x] = threadIdx.x < nq ? lb[t0 + threadIdx.x] : 0.0f;
                 Ds[threadIdx.x] = threadIdx.x < nq ? db[t0 + threadIdx.x] : 0.0f;
@@ -250,14 +252,18 @@ __global__ void __launch_bounds__(ATT_THREADS) attn_bwd_dkdv_k(T *dk, T *dv, con
 #pragma unroll
             for (int r = 0; r < ATT_RPW; r++)
                 s[r] = dp[r] = 0.0f;
-            const float *qr = Qs + lane * ld, *orow = Os + lane * ld;
+            const float *qr = Qs + lane * ld, *orow = Os + lane * ldv;
             for (int d = 0; d < D; d++) {
-                float qv = qr[d], ov = orow[d];
+                float qv = qr[d];
 #pragma unroll
-                for (int r = 0; r < ATT_RPW; r++) {
+                for (int r = 0; r < ATT_RPW; r++)
                     s[r] += qv * kr[r * ld + d];
-                    dp[r] += ov * vr[r * ld + d];
-                }
+            }
+            for (int d = 0; d < DV; d++) {
+                float ov = orow[d];
+#pragma unroll
+                for (int r = 0; r < ATT_RPW; r++)
+                    dp[r] += ov * vr[r * ldv + d];
             }
             const int64_t t = t0 + lane;
 #pragma unroll
@@ -271,17 +277,17 @@ __global__ void __launch_bounds__(ATT_THREADS) attn_bwd_dkdv_k(T *dk, T *dv, con
                                    : p * (dp[r] - Ds[lane]) * scale; /* scale * ds */
             }
             for (int tt = 0; tt < nq; tt++) {
-                const float *qt = Qs + tt * ld, *ot = Os + tt * ld;
+                const float *qt = Qs + tt * ld, *ot = Os + tt * ldv;
 #pragma unroll
                 for (int r = 0; r < ATT_RPW; r++) {
                     float p = __shfl_sync(FULL, s[r], tt), ds = __shfl_sync(FULL, dp[r], tt);
 #pragma unroll
                     for (int i = 0; i < NT; i++) {
                         int dd = lane + 32 * i;
-                        if (dd < D) {
+                        if (dd < DV)
                             gv[r][i] += p * ot[dd];
+                        if (dd < D)
                             gk[r][i] += ds * qt[dd];
-                        }
                     }
                 }
             }
@@ -292,14 +298,14 @@ __global__ void __launch_bounds__(ATT_THREADS) attn_bwd_dkdv_k(T *dk, T *dv, con
         const int kr_ = warp * ATT_RPW + r;
         if (kr_ >= nk)
             continue;
-        const int64_t off = ((b * Tn + j0 + kr_) * KVH + kvh) * D;
+        const int64_t off = ((b * Tn + j0 + kr_) * KVH + kvh) * D, offv = ((b * Tn + j0 + kr_) * KVH + kvh) * DV;
 #pragma unroll
         for (int i = 0; i < NT; i++) {
             int dd = lane + 32 * i;
-            if (dd < D) {
+            if (dd < D)
                 am_st(dk + off, dd, am_ld(dk + off, dd) + gk[r][i]);
-                am_st(dv + off, dd, am_ld(dv + off, dd) + gv[r][i]);
-            }
+            if (dd < DV)
+                am_st(dv + offv, dd, am_ld(dv + offv, dd) + gv[r][i]);
         }
     }
 }
@@ -308,19 +314,19 @@ __global__ void __launch_bounds__(ATT_THREADS) attn_bwd_dkdv_k(T *dk, T *dv, con
 template <typename T, int NT>
 __global__ void __launch_bounds__(ATT_THREADS) attn_bwd_dq_k(T *dq, const T *dout, const float *lse, const float *Dt, const T *q,
                                                              const T *k, const T *v, int64_t Tn, int64_t H, int64_t KVH, int D,
-                                                             int64_t W, float scale, float cap)
+                                                             int DV, int64_t W, float scale, float cap)
 {
     extern __shared__ float sm[];
-    const int ld = D | 1, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    float *Qs = sm, *Os = Qs + ATT_BQ * ld, *Ks = Os + ATT_BQ * ld, *Vs = Ks + ATT_BK * ld;
+    const int ld = D | 1, ldv = DV | 1, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    float *Qs = sm, *Os = Qs + ATT_BQ * ld, *Ks = Os + ATT_BQ * ldv, *Vs = Ks + ATT_BK * ld;
     const int64_t t0 = (int64_t)blockIdx.x * ATT_BQ, bh = blockIdx.y, b = bh / H, h = bh % H, kvh = h / (H / KVH);
-    const int64_t qs = H * D, ks = KVH * D;
-    const T *qb = q + (b * Tn * H + h) * D, *ob = dout + (b * Tn * H + h) * D;
-    const T *kb = k + (b * Tn * KVH + kvh) * D, *vb = v + (b * Tn * KVH + kvh) * D;
+    const int64_t qs = H * D, ks = KVH * D, os = H * DV, vs = KVH * DV;
+    const T *qb = q + (b * Tn * H + h) * D, *ob = dout + (b * Tn * H + h) * DV;
+    const T *kb = k + (b * Tn * KVH + kvh) * D, *vb = v + (b * Tn * KVH + kvh) * DV;
     const int nq = (int)(Tn - t0 < ATT_BQ ? Tn - t0 : ATT_BQ);
     const int64_t tlast = t0 + nq - 1;
     load_tile(Qs, ld, qb, t0, nq, ATT_BQ, qs, D);
-    load_tile(Os, ld, ob, t0, nq, ATT_BQ, qs, D);
+    load_tile(Os, ldv, ob, t0, nq, ATT_BQ, os, DV);
 
     float L[ATT_RPW], Dr[ATT_RPW], acc[ATT_RPW][NT];
 #pragma unroll
@@ -336,21 +342,25 @@ __global__ void __launch_bounds__(ATT_THREADS) attn_bwd_dq_k(T *dq, const T *dou
         const int nk = (int)(tlast + 1 - j0 < ATT_BK ? tlast + 1 - j0 : ATT_BK);
         __syncthreads();
         load_tile(Ks, ld, kb, j0, nk, ATT_BK, ks, D);
-        load_tile(Vs, ld, vb, j0, nk, ATT_BK, ks, D);
+        load_tile(Vs, ldv, vb, j0, nk, ATT_BK, vs, DV);
         __syncthreads();
         float s[ATT_RPW], dp[ATT_RPW];
 #pragma unroll
         for (int r = 0; r < ATT_RPW; r++)
             s[r] = dp[r] = 0.0f;
-        const float *kr = Ks + lane * ld, *vr = Vs + lane * ld;
-        const float *qr = Qs + warp * ATT_RPW * ld, *orow = Os + warp * ATT_RPW * ld;
+        const float *kr = Ks + lane * ld, *vr = Vs + lane * ldv;
+        const float *qr = Qs + warp * ATT_RPW * ld, *orow = Os + warp * ATT_RPW * ldv;
         for (int d = 0; d < D; d++) {
-            float kv = kr[d], vv = vr[d];
+            float kv = kr[d];
 #pragma unroll
-            for (int r = 0; r < ATT_RPW; r++) {
+            for (int r = 0; r < ATT_RPW; r++)
                 s[r] += qr[r * ld + d] * kv;
-                dp[r] += orow[r * ld + d] * vv;
-            }
+        }
+        for (int d = 0; d < DV; d++) {
+            float vv = vr[d];
+#pragma unroll
+            for (int r = 0; r < ATT_RPW; r++)
+                dp[r] += orow[r * ldv + d] * vv;
         }
         const int64_t j = j0 + lane;
 #pragma unroll
@@ -405,11 +415,11 @@ template <typename T, int NT>
 static void launch_fwd(const char *kn, cudaStream_t st, const struct att_shape *s, void *out, float *lse, const void *q,
                        const void *k, const void *v, int64_t W)
 {
-    size_t smem = (size_t)(ATT_BQ + 2 * ATT_BK) * (size_t)(s->D | 1) * sizeof(float);
+    size_t smem = ((size_t)(ATT_BQ + ATT_BK) * (size_t)(s->D | 1) + (size_t)ATT_BK * (size_t)(s->DV | 1)) * sizeof(float);
     att_smem(kn, attn_fwd_k<T, NT>, smem);
     dim3 grid((unsigned)((s->T + ATT_BQ - 1) / ATT_BQ), (unsigned)(s->B * s->H));
     attn_fwd_k<T, NT><<<grid, ATT_THREADS, smem, st>>>((T *)out, lse, (const T *)q, (const T *)k, (const T *)v, s->T, s->H,
-                                                       s->KVH, (int)s->D, W, s->scale, s->cap);
+                                                       s->KVH, (int)s->D, (int)s->DV, W, s->scale, s->cap);
     AM_LAUNCHED(kn);
 }
 
@@ -418,23 +428,23 @@ static void launch_bwd(const char *kn, cudaStream_t st, const struct att_shape *
                        const void *dout, const float *lse, const float *Dt, const void *q, const void *k, const void *v,
                        int64_t W)
 {
-    size_t ld = (size_t)(s->D | 1);
-    size_t smem_kv = ((size_t)(2 * ATT_BQ + 2 * ATT_BK) * ld + 2 * ATT_BK) * sizeof(float);
-    size_t smem_q = (size_t)(2 * ATT_BQ + 2 * ATT_BK) * ld * sizeof(float);
+    size_t ld = (size_t)(s->D | 1), ldv = (size_t)(s->DV | 1);
+    size_t smem_kv = ((size_t)(ATT_BQ + ATT_BK) * (ld + ldv) + 2 * ATT_BK) * sizeof(float);
+    size_t smem_q = (size_t)(ATT_BQ + ATT_BK) * (ld + ldv) * sizeof(float);
     att_smem(kn, attn_bwd_dkdv_k<T, NT>, smem_kv);
     att_smem(kn, attn_bwd_dq_k<T, NT>, smem_q);
     unsigned tiles = (unsigned)((s->T + ATT_BQ - 1) / ATT_BQ);
     attn_bwd_dkdv_k<T, NT><<<dim3(tiles, (unsigned)(s->B * s->KVH)), ATT_THREADS, smem_kv, st>>>(
         (T *)dk, (T *)dv, (const T *)dout, lse, Dt, (const T *)q, (const T *)k, (const T *)v, s->T, s->H, s->KVH, (int)s->D,
-        W, s->scale, s->cap);
+        (int)s->DV, W, s->scale, s->cap);
     AM_LAUNCHED(kn);
     attn_bwd_dq_k<T, NT><<<dim3(tiles, (unsigned)(s->B * s->H)), ATT_THREADS, smem_q, st>>>(
-        (T *)dq, (const T *)dout, lse, Dt, (const T *)q, (const T *)k, (const T *)v, s->T, s->H, s->KVH, (int)s->D, W,
-        s->scale, s->cap);
+        (T *)dq, (const T *)dout, lse, Dt, (const T *)q, (const T *)k, (const T *)v, s->T, s->H, s->KVH, (int)s->D,
+        (int)s->DV, W, s->scale, s->cap);
     AM_LAUNCHED(kn);
 }
 
-/* the instantiation for ceil(D / 32) registers per row (D <= 256, checked) */
+/* the instantiation for ceil(max(D, DV) / 32) registers per row (D, DV <= 256, checked) */
 #define ATT_DISPATCH(NTV, CALL)                                                                                      \
     switch (NTV) {                                                                                                   \
     case 1: CALL(1); break;                                                                                          \
@@ -454,14 +464,15 @@ static struct att_shape check_attention(const char *kn, const struct am_tensor *
 {
     AM_CUDA_REQUIRE(kn, q->ndim == 4 && k->ndim == 4 && v->ndim == 4 && o->ndim == 4,
                     "q (%s), k, v and out must be 4-d [B, T, heads, D]", am_tname(q));
-    struct att_shape s = {q->shape[0], q->shape[1], q->shape[2], k->shape[2], q->shape[3], 0.0f, 0.0f};
-    for (int i = 0; i < 4; i++)
+    struct att_shape s = {q->shape[0], q->shape[1], q->shape[2], k->shape[2], q->shape[3], v->shape[3], 0.0f, 0.0f};
+    for (int i = 0; i < 3; i++)
         AM_CUDA_REQUIRE(kn, o->shape[i] == q->shape[i], "out (%s) must have q's shape", am_tname(o));
+    AM_CUDA_REQUIRE(kn, o->shape[3] == s.DV, "out (%s) must be as wide as v's heads, %lld", am_tname(o), (long long)s.DV);
     AM_CUDA_REQUIRE(kn, k->shape[0] == s.B && k->shape[1] == s.T && k->shape[3] == s.D,
                     "k (%s) is [%lld, %lld, %lld, %lld]; q is [%lld, %lld, %lld, %lld]: B, T and D must match", am_tname(k),
                     (long long)k->shape[0], (long long)k->shape[1], (long long)k->shape[2], (long long)k->shape[3],
                     (long long)s.B, (long long)s.T, (long long)s.H, (long long)s.D);
-    for (int i = 0; i < 4; i++)
+    for (int i = 0; i < 3; i++)
         AM_CUDA_REQUIRE(kn, v->shape[i] == k->shape[i], "v (%s) must have k's shape", am_tname(v));
     AM_CUDA_REQUIRE(kn, s.KVH > 0 && s.H % s.KVH == 0, "%lld query heads are not a multiple of %lld kv heads", (long long)s.H,
                     (long long)s.KVH);
@@ -469,6 +480,8 @@ static struct att_shape check_attention(const char *kn, const struct am_tensor *
                     am_tname(lse), (long long)s.B, (long long)s.H, (long long)s.T);
     AM_CUDA_REQUIRE(kn, s.D >= 1 && s.D <= ATT_MAX_D, "head size %lld: the CUDA attention takes 1 .. %d", (long long)s.D,
                     ATT_MAX_D);
+    AM_CUDA_REQUIRE(kn, s.DV >= 1 && s.DV <= ATT_MAX_D, "v's head size %lld: the CUDA attention takes 1 .. %d",
+                    (long long)s.DV, ATT_MAX_D);
     s.scale = (float)(1.0 / sqrt((double)s.D)); /* transformers' head_dim ** -0.5, as an fp32 operand */
     return s;
 }
@@ -528,7 +541,7 @@ static void attention_forward(const char *kn, const struct am_dev *d, struct am_
     struct att_shape s = check_attention(kn, out, lse, q, k, v);
     if (!s.B || !s.T || !s.H)
         return;
-    bool plain = scale <= 0.0f && cap <= 0.0f; /* what cuDNN's case covers */
+    bool plain = scale <= 0.0f && cap <= 0.0f && s.DV == s.D; /* what cuDNN's case covers */
     if (scale > 0.0f)
         s.scale = scale;
     s.cap = cap > 0.0f ? cap : 0.0f;
@@ -544,7 +557,7 @@ static void attention_forward(const char *kn, const struct am_dev *d, struct am_
     check_own_grid(kn, &s);
     __atomic_fetch_add(&att_calls_own, 1, __ATOMIC_RELAXED);
     cudaStream_t st = am_cuda_stream(d);
-    int nt = (int)((s.D + 31) / 32);
+    int nt = (int)(((s.D > s.DV ? s.D : s.DV) + 31) / 32);
     float *l = (float *)lse->data;
     if (dt == AM_F32) {
 #define CALL(N) launch_fwd<float, N>(kn, st, &s, out->data, l, q->data, k->data, v->data, window)
@@ -584,14 +597,14 @@ static void attention_backward(const char *kn, const struct am_dev *d, struct am
     am_cuda_stat(kn, "lse", lse);
     struct att_shape s = check_attention(kn, out, lse, q, k, v);
     for (int i = 0; i < 4; i++) {
-        AM_CUDA_REQUIRE(kn, dq->ndim == 4 && dq->shape[i] == q->shape[i] && dout->ndim == 4 && dout->shape[i] == q->shape[i],
+        AM_CUDA_REQUIRE(kn, dq->ndim == 4 && dq->shape[i] == q->shape[i] && dout->ndim == 4 && dout->shape[i] == out->shape[i],
                         "dq (%s) and dout (%s) must have q's shape", am_tname(dq), am_tname(dout));
-        AM_CUDA_REQUIRE(kn, dk->ndim == 4 && dk->shape[i] == k->shape[i] && dv->ndim == 4 && dv->shape[i] == k->shape[i],
+        AM_CUDA_REQUIRE(kn, dk->ndim == 4 && dk->shape[i] == k->shape[i] && dv->ndim == 4 && dv->shape[i] == v->shape[i],
                         "dk (%s) and dv (%s) must have k's shape", am_tname(dk), am_tname(dv));
     }
     if (!s.B || !s.T || !s.H)
         return;
-    bool plain = scale <= 0.0f && cap <= 0.0f;
+    bool plain = scale <= 0.0f && cap <= 0.0f && s.DV == s.D;
     if (scale > 0.0f)
         s.scale = scale;
     s.cap = cap > 0.0f ? cap : 0.0f;
@@ -613,12 +626,12 @@ static void attention_backward(const char *kn, const struct am_dev *d, struct am
     unsigned blocks = (unsigned)(rblocks < 65536 ? rblocks : 65536);
     if (dt == AM_F32)
         attn_bwd_dot_k<<<blocks, ATT_THREADS, 0, st>>>(Dt, (const float *)dout->data, (const float *)out->data, s.T, s.H,
-                                                       (int)s.D, rows);
+                                                       (int)s.DV, rows);
     else
         attn_bwd_dot_k<<<blocks, ATT_THREADS, 0, st>>>(Dt, (const am_bf16_t *)dout->data, (const am_bf16_t *)out->data, s.T,
-                                                       s.H, (int)s.D, rows);
+                                                       s.H, (int)s.DV, rows);
     AM_LAUNCHED(kn);
-    int nt = (int)((s.D + 31) / 32);
+    int nt = (int)(((s.D > s.DV ? s.D : s.DV) + 31) / 32);
     const float *l = (const float *)lse->data;
     if (dt == AM_F32) {
 #define CALL(N)                                                                                                      \

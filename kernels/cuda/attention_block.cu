@@ -5,7 +5,8 @@
  * Gemma's scale and soft cap (attention_block_softcap_*: score u = cap tanh(scale q·k / cap),
  * the backward's ds times 1 - tanh²).
  *
- * One warp per row, lanes over the head dims (lane, lane + 32, ...: up to 256 = 8 per lane),
+ * q [B, Tq, H, D], k [B, Tk, KVH, D]; v [B, Tk, KVH, DV], out [B, Tq, H, DV] (DV: v's head
+ * width, D's or another: multi-head latent attention's). One warp per row, lanes over the head dims (lane, lane + 32, ...: up to 256 = 8 per lane),
  * dot products summed by warp shuffles. q, k, v, dout and out f32 or bf16 (one dtype), loaded
  * into fp32; the running out of the forward and dq, dk, dv f32, or bf16 where kernels.h allows
  * it (out without accumulate; a bf16 gradient element gets its block's sum added in fp32 and is
@@ -26,11 +27,11 @@
 
 #define BLK_WARPS 8
 #define BLK_THREADS (BLK_WARPS * 32)
-#define BLK_MAX_NT 8 /* head dims per lane: D <= 256 */
+#define BLK_MAX_NT 8 /* head dims per lane: D, DV <= 256 */
 #define FULLMASK 0xffffffffu
 
 struct blk_shape {
-    int64_t B, Tq, Tk, H, KVH, D;
+    int64_t B, Tq, Tk, H, KVH, D, DV; /* DV: v's and out's head width */
     float scale, cap; /* cap <= 0: no soft cap */
 };
 
@@ -98,13 +99,13 @@ __global__ void __launch_bounds__(BLK_THREADS) blk_fwd_k(O *out, float *lse, con
                                                           const int32_t *qs, struct blk_shape s, int64_t W,
                                                           int accumulate)
 {
-    int lane = threadIdx.x % 32, D = (int)s.D;
+    int lane = threadIdx.x % 32, D = (int)s.D, DV = (int)s.DV;
     int64_t G = s.H / s.KVH, rows = s.B * s.Tq * s.H;
     for (int64_t row = (int64_t)blockIdx.x * BLK_WARPS + threadIdx.x / 32; row < rows;
          row += (int64_t)gridDim.x * BLK_WARPS) {
         int64_t h = row % s.H, t = (row / s.H) % s.Tq, b = row / (s.H * s.Tq);
         const T *qt = q + row * D;
-        const T *kh = k + (b * s.Tk * s.KVH + h / G) * D, *vh = v + (b * s.Tk * s.KVH + h / G) * D;
+        const T *kh = k + (b * s.Tk * s.KVH + h / G) * D, *vh = v + (b * s.Tk * s.KVH + h / G) * DV;
         float acc[BLK_MAX_NT], m = -INFINITY, l = 0.0f;
         int32_t lo = blk_start(qs, b * s.Tq + t), qp = qpos[t];
         for (int i = 0; i < BLK_MAX_NT; i++)
@@ -117,19 +118,19 @@ __global__ void __launch_bounds__(BLK_THREADS) blk_fwd_k(O *out, float *lse, con
             float th, sc = blk_score(blk_dot(qt, kh + j * s.KVH * D, D), s, &th);
             float mn = fmaxf(m, sc), a = expf(m - mn), p = expf(sc - mn);
             l = l * a + p;
-            const T *vj = vh + j * s.KVH * D;
+            const T *vj = vh + j * s.KVH * DV;
             for (int i = 0; i < BLK_MAX_NT; i++) {
                 int d = lane + 32 * i;
-                if (d < D)
+                if (d < DV)
                     acc[i] = acc[i] * a + p * am_ld(vj, d);
             }
             m = mn;
         }
-        O *ot = out + row * D;
+        O *ot = out + row * DV;
         float *lt = lse + (b * s.H + h) * s.Tq + t;
         if (m == -INFINITY) { /* no key of this block */
             if (!accumulate) {
-                for (int d = lane; d < D; d += 32)
+                for (int d = lane; d < DV; d += 32)
                     am_st(ot, d, 0.0f);
                 if (lane == 0)
                     *lt = -INFINITY;
@@ -140,7 +141,7 @@ __global__ void __launch_bounds__(BLK_THREADS) blk_fwd_k(O *out, float *lse, con
         __syncwarp();
         if (!accumulate || old == -INFINITY) {
             for (int i = 0; i < BLK_MAX_NT; i++)
-                if (lane + 32 * i < D)
+                if (lane + 32 * i < DV)
                     am_st(ot, lane + 32 * i, acc[i] * inv);
             if (lane == 0)
                 *lt = lb;
@@ -149,7 +150,7 @@ __global__ void __launch_bounds__(BLK_THREADS) blk_fwd_k(O *out, float *lse, con
         float L = fmaxf(old, lb), a = expf(old - L), c = expf(lb - L), w = 1.0f / (a + c);
         for (int i = 0; i < BLK_MAX_NT; i++) {
             int d = lane + 32 * i;
-            if (d < D)
+            if (d < DV)
                 am_st(ot, d, (a * am_ld(ot, d) + c * acc[i] * inv) * w);
         }
         if (lane == 0)
@@ -160,7 +161,7 @@ __global__ void __launch_bounds__(BLK_THREADS) blk_fwd_k(O *out, float *lse, con
 /* Dt[b, h, t] = dout_t . out_t */
 template <typename T> __global__ void blk_dot_k(float *Dt, const T *dout, const T *out, struct blk_shape s)
 {
-    int D = (int)s.D;
+    int D = (int)s.DV; /* dout's and out's head width */
     int64_t rows = s.B * s.Tq * s.H;
     for (int64_t row = (int64_t)blockIdx.x * BLK_WARPS + threadIdx.x / 32; row < rows;
          row += (int64_t)gridDim.x * BLK_WARPS) {
@@ -177,7 +178,7 @@ __global__ void __launch_bounds__(BLK_THREADS) blk_dq_k(G *dq, const T *dout, co
                                                          const int32_t *qpos, const int32_t *kpos, const int32_t *qs,
                                                          struct blk_shape s, int64_t W)
 {
-    int lane = threadIdx.x % 32, D = (int)s.D;
+    int lane = threadIdx.x % 32, D = (int)s.D, DV = (int)s.DV;
     int64_t Gs = s.H / s.KVH, rows = s.B * s.Tq * s.H;
     for (int64_t row = (int64_t)blockIdx.x * BLK_WARPS + threadIdx.x / 32; row < rows;
          row += (int64_t)gridDim.x * BLK_WARPS) {
@@ -185,8 +186,8 @@ __global__ void __launch_bounds__(BLK_THREADS) blk_dq_k(G *dq, const T *dout, co
         float L = lse[(b * s.H + h) * s.Tq + t], Dr = Dt[(b * s.H + h) * s.Tq + t];
         if (L == -INFINITY)
             continue;
-        const T *qt = q + row * D, *dot_ = dout + row * D;
-        const T *kh = k + (b * s.Tk * s.KVH + h / Gs) * D, *vh = v + (b * s.Tk * s.KVH + h / Gs) * D;
+        const T *qt = q + row * D, *dot_ = dout + row * DV;
+        const T *kh = k + (b * s.Tk * s.KVH + h / Gs) * D, *vh = v + (b * s.Tk * s.KVH + h / Gs) * DV;
         float acc[BLK_MAX_NT];
         int32_t lo = blk_start(qs, b * s.Tq + t), qp = qpos[t];
         for (int i = 0; i < BLK_MAX_NT; i++)
@@ -198,7 +199,7 @@ __global__ void __launch_bounds__(BLK_THREADS) blk_dq_k(G *dq, const T *dout, co
                 continue;
             const T *kj = kh + j * s.KVH * D;
             float th, p = expf(blk_score(blk_dot(qt, kj, D), s, &th) - L);
-            float ds = p * (blk_dot(dot_, vh + j * s.KVH * D, D) - Dr) * (1.0f - th * th) * s.scale;
+            float ds = p * (blk_dot(dot_, vh + j * s.KVH * DV, DV) - Dr) * (1.0f - th * th) * s.scale;
             for (int i = 0; i < BLK_MAX_NT; i++)
                 if (lane + 32 * i < D)
                     acc[i] += ds * am_ld(kj, lane + 32 * i);
@@ -215,12 +216,12 @@ __global__ void __launch_bounds__(BLK_THREADS) blk_dkdv_k(G *dk, G *dv, const T 
                                                            const T *v, const int32_t *qpos, const int32_t *kpos,
                                                            const int32_t *qs, struct blk_shape s, int64_t W)
 {
-    int lane = threadIdx.x % 32, D = (int)s.D;
+    int lane = threadIdx.x % 32, D = (int)s.D, DV = (int)s.DV;
     int64_t Gs = s.H / s.KVH, rows = s.B * s.Tk * s.KVH;
     for (int64_t row = (int64_t)blockIdx.x * BLK_WARPS + threadIdx.x / 32; row < rows;
          row += (int64_t)gridDim.x * BLK_WARPS) {
         int64_t kvh = row % s.KVH, j = (row / s.KVH) % s.Tk, b = row / (s.KVH * s.Tk);
-        const T *kj = k + row * D, *vj = v + row * D;
+        const T *kj = k + row * D, *vj = v + row * DV;
         float gk[BLK_MAX_NT], gv[BLK_MAX_NT];
         for (int i = 0; i < BLK_MAX_NT; i++)
             gk[i] = gv[i] = 0.0f;
@@ -232,23 +233,23 @@ __global__ void __launch_bounds__(BLK_THREADS) blk_dkdv_k(G *dk, G *dv, const T 
                 float L = lse[(b * s.H + h) * s.Tq + t];
                 if (L == -INFINITY || !blk_sees(qpos[t], kpos[j], W, blk_start(qs, b * s.Tq + t)))
                     continue;
-                const T *qt = q + ((b * s.Tq + t) * s.H + h) * D, *dot_ = dout + ((b * s.Tq + t) * s.H + h) * D;
+                const T *qt = q + ((b * s.Tq + t) * s.H + h) * D, *dot_ = dout + ((b * s.Tq + t) * s.H + h) * DV;
                 float th, p = expf(blk_score(blk_dot(qt, kj, D), s, &th) - L);
-                float ds = p * (blk_dot(dot_, vj, D) - Dt[(b * s.H + h) * s.Tq + t]) * (1.0f - th * th) * s.scale;
+                float ds = p * (blk_dot(dot_, vj, DV) - Dt[(b * s.H + h) * s.Tq + t]) * (1.0f - th * th) * s.scale;
                 for (int i = 0; i < BLK_MAX_NT; i++) {
                     int d = lane + 32 * i;
-                    if (d < D) {
+                    if (d < D)
                         gk[i] += ds * am_ld(qt, d);
+                    if (d < DV)
                         gv[i] += p * am_ld(dot_, d);
-                    }
                 }
             }
         for (int i = 0; i < BLK_MAX_NT; i++) {
             int d = lane + 32 * i;
-            if (d < D) {
+            if (d < D)
                 am_st(dk, row * D + d, am_ld(dk, row * D + d) + gk[i]);
-                am_st(dv, row * D + d, am_ld(dv, row * D + d) + gv[i]);
-            }
+            if (d < DV)
+                am_st(dv, row * DV + d, am_ld(dv, row * DV + d) + gv[i]);
         }
     }
 }
@@ -269,15 +270,19 @@ static struct blk_shape check_block(const char *kn, const struct am_tensor *o, c
     am_cuda_data(kn, "kpos", kpos, AM_I32);
     AM_CUDA_REQUIRE(kn, q->ndim == 4 && k->ndim == 4 && v->ndim == 4 && o->ndim == 4,
                     "q (%s), k, v and out must be 4-d [B, T, heads, D]", am_tname(q));
-    struct blk_shape s = {q->shape[0], q->shape[1], k->shape[1], q->shape[2], k->shape[2], q->shape[3], 0.0f, cap};
-    for (int i = 0; i < 4; i++) {
+    struct blk_shape s = {q->shape[0], q->shape[1], k->shape[1], q->shape[2], k->shape[2], q->shape[3], v->shape[3],
+                          0.0f, cap};
+    for (int i = 0; i < 3; i++) {
         AM_CUDA_REQUIRE(kn, o->shape[i] == q->shape[i], "out (%s) must have q's shape", am_tname(o));
         AM_CUDA_REQUIRE(kn, v->shape[i] == k->shape[i], "v (%s) must have k's shape", am_tname(v));
     }
+    AM_CUDA_REQUIRE(kn, o->shape[3] == s.DV, "out (%s) must be as wide as v's heads (%s)", am_tname(o), am_tname(v));
     AM_CUDA_REQUIRE(kn, k->shape[0] == s.B && k->shape[3] == s.D, "k (%s) must have q's B and D", am_tname(k));
     AM_CUDA_REQUIRE(kn, s.KVH > 0 && s.H % s.KVH == 0, "%lld query heads are not a multiple of %lld kv heads",
                     (long long)s.H, (long long)s.KVH);
     AM_CUDA_REQUIRE(kn, s.D <= 32 * BLK_MAX_NT, "head size %lld: at most %d", (long long)s.D, 32 * BLK_MAX_NT);
+    AM_CUDA_REQUIRE(kn, s.DV >= 1 && s.DV <= 32 * BLK_MAX_NT, "v's head size %lld: 1 to %d", (long long)s.DV,
+                    32 * BLK_MAX_NT);
     AM_CUDA_REQUIRE(kn, am_tensor_numel(lse) == s.B * s.H * s.Tq, "lse (%s) must be [B, H, Tq]", am_tname(lse));
     AM_CUDA_REQUIRE(kn, am_tensor_numel(qpos) == s.Tq && am_tensor_numel(kpos) == s.Tk,
                     "qpos (%s) and kpos (%s) must hold Tq and Tk positions", am_tname(qpos), am_tname(kpos));
@@ -391,9 +396,9 @@ void am_cuda_attention_block_softcap_backward(const struct am_dev *d, struct am_
     am_cuda_same(kn, "dv", dv, "dq", dq);
     AM_CUDA_REQUIRE(kn, dq->dtype == AM_F32 || dq->dtype == q->dtype,
                     "dq (%s), dk and dv must be f32 or q's dtype", am_tname(dq));
-    AM_CUDA_REQUIRE(kn, am_tensor_numel(dq) == am_tensor_numel(q) && am_tensor_numel(dout) == am_tensor_numel(q),
+    AM_CUDA_REQUIRE(kn, am_tensor_numel(dq) == am_tensor_numel(q) && am_tensor_numel(dout) == am_tensor_numel(out),
                     "dq (%s) and dout (%s) must have q's shape", am_tname(dq), am_tname(dout));
-    AM_CUDA_REQUIRE(kn, am_tensor_numel(dk) == am_tensor_numel(k) && am_tensor_numel(dv) == am_tensor_numel(k),
+    AM_CUDA_REQUIRE(kn, am_tensor_numel(dk) == am_tensor_numel(k) && am_tensor_numel(dv) == am_tensor_numel(v),
                     "dk (%s) and dv (%s) must have k's shape", am_tname(dk), am_tname(dv));
     int64_t rows = s.B * s.Tq * s.H, krows = s.B * s.Tk * s.KVH;
     if (!rows || !krows)

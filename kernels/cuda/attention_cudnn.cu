@@ -465,7 +465,7 @@ static struct att_plan *plan_for(const char *kn, const struct am_dev *d, struct 
 
 static bool aligned16(const struct am_tensor *t) { return ((uintptr_t)t->data & 15u) == 0; }
 
-/* the key of a call that cuDNN may run (bf16, D 64 or 128, aligned), or false */
+/* the key of a call that cuDNN may run (bf16, D 64 or 128 for every head, v's too, aligned), or false */
 static bool key_for(struct att_key *key, int bwd, const struct am_tensor *q, const struct am_tensor *k, int64_t window,
                     const struct am_tensor *const *all, int nall)
 {
@@ -477,7 +477,7 @@ static bool key_for(struct att_key *key, int bwd, const struct am_tensor *q, con
     if (q->shape[1] < 2) /* no cuDNN backward for T = 1; the forward stays with it on one path */
         return false;
     for (int i = 0; i < nall; i++)
-        if (!aligned16(all[i]))
+        if (!aligned16(all[i]) || (all[i]->ndim == 4 && all[i]->shape[3] != D)) /* v's heads as wide as q's */
             return false;
     memset(key, 0, sizeof *key);
     key->bwd = bwd;

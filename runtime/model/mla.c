@@ -9,10 +9,12 @@
  *   attention of q = [q_nope, rope(q_pe)], k = [k_nope, rope(k_pe)], v, scaled by (dn + dr)^-0.5
  *   o  = o_proj(the heads' outputs [N, heads * dv])
  *
- * In the attention kernels a head is D = head_dim = max(dn + dr, dv) wide and laid out
- * [pe (dr), nope (dn), zeros]: the rope part first, so that the partial rotary tables (dr wide)
- * rotate it; the scores are the same dot products in another order of their terms, and the
- * zero columns add nothing (v's zero columns give zero outputs, dropped before o_proj). With
+ * In the attention kernels a head of q and k is dn + dr wide and laid out [pe (dr), nope (dn)]:
+ * the rope part first, so that the partial rotary tables (dr wide) rotate it; the scores are the
+ * same dot products in another order of their terms. v and the heads' outputs are dv wide (the
+ * kernels take v's head width apart from q's and k's), so the outputs [N, heads * dv] are
+ * o_proj's input as they are, and their gradient o_proj's dx. The saved q, k, v and outputs sit
+ * at the start of activations sized for head_dim = max(dn + dr, dv) wide heads. With
  * rope_interleave the rope part is taken de-interleaved (x0, x2, ..., x1, x3, ...), as
  * transformers' view/transpose before rotate-half (kernels.h, copy_cols).
  *
@@ -31,41 +33,43 @@
 
 /* The pieces of scratch_mla, in elements of the activation dtype, for N tokens of this rank's
  * heads: q (or its gradient) [N, Hl qk], kv_a's output (or gradient) [N, kvr + dr], kv_b's
- * [N, Hl (dn + dv)], the heads' outputs and their gradient [N, Hl dv] twice, and the
- * gradients of the compressed kv and of q_a's output, before and after their norms. */
+ * [N, Hl (dn + dv)], and the gradients of the compressed kv and of q_a's output, before and
+ * after their norms. */
 struct mla_scratch {
-    struct am_tensor q, kva, kvb, o_in, do_in, dckv_n, dckv, dqa_n, dqa;
+    struct am_tensor q, kva, kvb, dckv_n, dckv, dqa_n, dqa;
 };
 
-static int64_t widths(const struct am_model *m, int64_t w[9])
+#define MLA_PIECES 7
+
+static int64_t widths(const struct am_model *m, int64_t w[MLA_PIECES])
 {
     const struct am_model_config *c = &m->cfg;
     int64_t Hl = m->heads, qk = c->qk_nope_head_dim + c->qk_rope_head_dim;
     int64_t qr = c->q_lora_rank, kvr = c->kv_lora_rank;
-    int64_t v[9] = {Hl * qk, kvr + c->qk_rope_head_dim, Hl * (c->qk_nope_head_dim + c->v_head_dim),
-                    Hl * c->v_head_dim, Hl * c->v_head_dim, kvr, kvr, qr, qr};
+    int64_t v[MLA_PIECES] = {Hl * qk, kvr + c->qk_rope_head_dim, Hl * (c->qk_nope_head_dim + c->v_head_dim),
+                             kvr, kvr, qr, qr};
     int64_t sum = 0;
-    for (int i = 0; i < 9; i++)
+    for (int i = 0; i < MLA_PIECES; i++)
         sum += (w[i] = v[i]);
     return sum;
 }
 
 int64_t am_mla_scratch_elems(const struct am_model *m)
 {
-    int64_t w[9];
+    int64_t w[MLA_PIECES];
     return m->max_tokens * widths(m, w);
 }
 
 static struct mla_scratch scratch(const struct am_model *m, int64_t N)
 {
-    int64_t w[9];
+    int64_t w[MLA_PIECES];
     widths(m, w);
-    struct am_tensor *t[9];
+    struct am_tensor *t[MLA_PIECES];
     struct mla_scratch s;
-    t[0] = &s.q, t[1] = &s.kva, t[2] = &s.kvb, t[3] = &s.o_in, t[4] = &s.do_in;
-    t[5] = &s.dckv_n, t[6] = &s.dckv, t[7] = &s.dqa_n, t[8] = &s.dqa;
+    t[0] = &s.q, t[1] = &s.kva, t[2] = &s.kvb;
+    t[3] = &s.dckv_n, t[4] = &s.dckv, t[5] = &s.dqa_n, t[6] = &s.dqa;
     char *p = m->scratch_mla.data;
-    for (int i = 0; i < 9; i++) {
+    for (int i = 0; i < MLA_PIECES; i++) {
         *t[i] = am_tensor_view(p, m->K->device, m->act_dt, N, w[i], 0, 0);
         p += (size_t)(N * w[i]) * am_dtype_size(m->act_dt);
     }
@@ -83,8 +87,9 @@ int am_mla_forward(struct am_model *m, const struct am_layer *L, struct am_layer
 {
     const struct am_kernels *K = m->K;
     const struct am_model_config *c = &m->cfg;
-    int64_t T = m->seq_len, N = B * T, Hl = m->heads, D = m->head_dim;
+    int64_t T = m->seq_len, N = B * T, Hl = m->heads;
     int64_t dn = c->qk_nope_head_dim, dr = c->qk_rope_head_dim, dv = c->v_head_dim, kvr = c->kv_lora_rank;
+    int64_t D = dn + dr; /* q's and k's heads */
     int perm = c->rope_interleave ? 1 : 0;
     struct mla_scratch s = scratch(m, N);
     struct am_tensor q = rows_of(&a->q, N), k = rows_of(&a->k, N), v = rows_of(&a->v, N), att = rows_of(&a->att, N);
@@ -110,15 +115,9 @@ int am_mla_forward(struct am_model *m, const struct am_layer *L, struct am_layer
     K->matmul_forward(m->dev, &s.kvb, &ckv_n, &L->wkv_b->wc);
     am_layer_lora_forward(m, L, a, AM_LORA_KV_B, &s.kvb, &ckv_n);
 
-    /* the heads as the kernels take them: [pe, nope, zeros] for q and k, [v, zeros] for v */
-    struct am_tensor qh = as2d(&q, N * Hl, D), kh = as2d(&k, N * Hl, D), vh = as2d(&v, N * Hl, D);
+    /* the heads as the kernels take them: [pe, nope] for q and k, v as it is */
+    struct am_tensor qh = as2d(&q, N * Hl, D), kh = as2d(&k, N * Hl, D), vh = as2d(&v, N * Hl, dv);
     struct am_tensor qs = as2d(&s.q, N * Hl, dn + dr), kvs = as2d(&s.kvb, N * Hl, dn + dv), kt = as2d(&k, N, Hl * D);
-    if (D > dn + dr) {
-        K->zero(m->dev, &q);
-        K->zero(m->dev, &k);
-    }
-    if (D > dv)
-        K->zero(m->dev, &v);
     K->copy_cols(m->dev, &qh, 0, &qs, dn, dr, perm, false);
     K->copy_cols(m->dev, &qh, dr, &qs, 0, dn, 0, false);
     for (int64_t h = 0; h < Hl; h++) /* the one rope key, in every head */
@@ -128,15 +127,14 @@ int am_mla_forward(struct am_model *m, const struct am_layer *L, struct am_layer
 
     struct am_tensor q4 = am_tensor_view(q.data, K->device, m->act_dt, B, T, Hl, D);
     struct am_tensor k4 = am_tensor_view(k.data, K->device, m->act_dt, B, T, Hl, D);
-    struct am_tensor v4 = am_tensor_view(v.data, K->device, m->act_dt, B, T, Hl, D);
-    struct am_tensor att4 = am_tensor_view(att.data, K->device, m->act_dt, B, T, Hl, D);
+    struct am_tensor v4 = am_tensor_view(v.data, K->device, m->act_dt, B, T, Hl, dv);
+    struct am_tensor att4 = am_tensor_view(att.data, K->device, m->act_dt, B, T, Hl, dv);
     am_layer_rope(m, L, &q4, &k4, false);
     if (am_attend_forward(m, L, &att4, &lse, &q4, &k4, &v4, err, err_len) < 0)
         return -1;
-    struct am_tensor atth = as2d(&att, N * Hl, D), oh = as2d(&s.o_in, N * Hl, dv);
-    K->copy_cols(m->dev, &oh, 0, &atth, 0, dv, 0, false);
-    K->matmul_forward(m->dev, o, &s.o_in, &L->wo->wc);
-    am_layer_lora_forward(m, L, a, AM_LORA_O, o, &s.o_in);
+    struct am_tensor o_in = as2d(&att, N, Hl * dv); /* the heads' outputs: o_proj's input */
+    K->matmul_forward(m->dev, o, &o_in, &L->wo->wc);
+    am_layer_lora_forward(m, L, a, AM_LORA_O, o, &o_in);
     return 0;
 }
 
@@ -146,8 +144,9 @@ int am_mla_backward(struct am_model *m, const struct am_layer *L, const struct a
 {
     const struct am_kernels *K = m->K;
     const struct am_model_config *c = &m->cfg;
-    int64_t T = m->seq_len, N = B * T, Hl = m->heads, D = m->head_dim;
+    int64_t T = m->seq_len, N = B * T, Hl = m->heads;
     int64_t dn = c->qk_nope_head_dim, dr = c->qk_rope_head_dim, dv = c->v_head_dim, kvr = c->kv_lora_rank;
+    int64_t D = dn + dr; /* q's and k's heads */
     int perm = c->rope_interleave ? -1 : 0;
     struct mla_scratch s = scratch(m, N);
     struct am_tensor q = rows_of(&a->q, N), k = rows_of(&a->k, N), v = rows_of(&a->v, N), att = rows_of(&a->att, N);
@@ -156,33 +155,29 @@ int am_mla_backward(struct am_model *m, const struct am_layer *L, const struct a
     struct am_tensor datt = rows_of(&m->scratch_att, N), dq = rows_of(&m->scratch_q, N);
     struct am_tensor dk = rows_of(&m->scratch_kv_k, N), dv_ = rows_of(&m->scratch_kv_v, N);
 
-    /* o_proj, then the heads' outputs back into the kernels' width */
-    struct am_tensor atth = as2d(&att, N * Hl, D), oh = as2d(&s.o_in, N * Hl, dv), doh = as2d(&s.do_in, N * Hl, dv);
-    K->copy_cols(m->dev, &oh, 0, &atth, 0, dv, 0, false);
-    K->zero(m->dev, &s.do_in);
-    K->matmul_backward(m->dev, &s.do_in, base_grad(m, L->wo), dy, &s.o_in, &L->wo->wc);
-    am_layer_lora_backward(m, L, a, AM_LORA_O, &s.do_in, dy, &s.o_in);
-    struct am_tensor dattw = as2d(&datt, N * Hl, D);
-    K->zero(m->dev, &datt);
-    K->copy_cols(m->dev, &dattw, 0, &doh, 0, dv, 0, false);
+    /* o_proj: its input the heads' outputs [N, heads * dv], its dx their gradient */
+    struct am_tensor o_in = as2d(&att, N, Hl * dv), do_in = as2d(&datt, N, Hl * dv);
+    K->zero(m->dev, &do_in);
+    K->matmul_backward(m->dev, &do_in, base_grad(m, L->wo), dy, &o_in, &L->wo->wc);
+    am_layer_lora_backward(m, L, a, AM_LORA_O, &do_in, dy, &o_in);
 
-    K->zero(m->dev, &dq);
-    K->zero(m->dev, &dk);
-    K->zero(m->dev, &dv_);
     struct am_tensor q4 = am_tensor_view(q.data, K->device, m->act_dt, B, T, Hl, D);
     struct am_tensor k4 = am_tensor_view(k.data, K->device, m->act_dt, B, T, Hl, D);
-    struct am_tensor v4 = am_tensor_view(v.data, K->device, m->act_dt, B, T, Hl, D);
-    struct am_tensor att4 = am_tensor_view(att.data, K->device, m->act_dt, B, T, Hl, D);
+    struct am_tensor v4 = am_tensor_view(v.data, K->device, m->act_dt, B, T, Hl, dv);
+    struct am_tensor att4 = am_tensor_view(att.data, K->device, m->act_dt, B, T, Hl, dv);
     struct am_tensor dq4 = am_tensor_view(dq.data, K->device, m->act_dt, B, T, Hl, D);
     struct am_tensor dk4 = am_tensor_view(dk.data, K->device, m->act_dt, B, T, Hl, D);
-    struct am_tensor dv4 = am_tensor_view(dv_.data, K->device, m->act_dt, B, T, Hl, D);
-    struct am_tensor datt4 = am_tensor_view(datt.data, K->device, m->act_dt, B, T, Hl, D);
+    struct am_tensor dv4 = am_tensor_view(dv_.data, K->device, m->act_dt, B, T, Hl, dv);
+    struct am_tensor datt4 = am_tensor_view(datt.data, K->device, m->act_dt, B, T, Hl, dv);
+    K->zero(m->dev, &dq4);
+    K->zero(m->dev, &dk4);
+    K->zero(m->dev, &dv4);
     if (am_attend_backward(m, L, &dq4, &dk4, &dv4, &datt4, &att4, &lse, &q4, &k4, &v4, err, err_len) < 0)
         return -1;
     am_layer_rope(m, L, &dq4, &dk4, true);
 
     /* the heads' gradients back into the projections' layouts */
-    struct am_tensor dqh = as2d(&dq, N * Hl, D), dkh = as2d(&dk, N * Hl, D), dvh = as2d(&dv_, N * Hl, D);
+    struct am_tensor dqh = as2d(&dq, N * Hl, D), dkh = as2d(&dk, N * Hl, D), dvh = as2d(&dv_, N * Hl, dv);
     struct am_tensor dqs = as2d(&s.q, N * Hl, dn + dr), dkvs = as2d(&s.kvb, N * Hl, dn + dv);
     struct am_tensor dkt = as2d(&dk, N, Hl * D);
     K->copy_cols(m->dev, &dqs, dn, &dqh, 0, dr, perm, false);

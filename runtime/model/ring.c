@@ -158,14 +158,15 @@ static struct am_tensor like_f32(const struct am_tensor *t, void *p)
     return v;
 }
 
-/* Starts the shift of the k and v block (kb, vb) into buffers (nk, nv): two ishifts. */
+/* Starts the shift of the k and v block (kb, vb) into buffers (nk, nv): two ishifts (v's heads
+ * may be narrower than k's: multi-head latent attention's v_head_dim; the buffers hold
+ * head_dim-wide heads, the wider). */
 static int shift_kv(struct am_cp *c, const struct am_tensor *kb, const struct am_tensor *vb, void *nk, void *nv,
                     struct am_comm_req **q, char *err, size_t err_len)
 {
-    size_t n = (size_t)am_tensor_numel(kb);
-    if (am_ishift(c->comm, kb->data, nk, n, kb->dtype, &q[0], err, err_len) < 0)
+    if (am_ishift(c->comm, kb->data, nk, (size_t)am_tensor_numel(kb), kb->dtype, &q[0], err, err_len) < 0)
         return -1;
-    return am_ishift(c->comm, vb->data, nv, n, vb->dtype, &q[1], err, err_len);
+    return am_ishift(c->comm, vb->data, nv, (size_t)am_tensor_numel(vb), vb->dtype, &q[1], err, err_len);
 }
 
 /* Whether any of this rank's rows may see a key of rank r's block under a sliding window of

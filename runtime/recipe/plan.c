@@ -276,12 +276,11 @@ static double scratch_bytes(const struct am_recipe *r, const struct am_plan *p, 
     if (m->gemma) /* a post norm's output and its input's gradient */
         b += carved(R * C, cs);
     if (m->mla) { /* multi-head latent attention's work buffer (mla.c, am_mla_scratch_elems): q, kv_a's
-                   * and kv_b's outputs, the heads' outputs and their gradient, the gradients of the
-                   * compressed kv and of q_a's output before and after their norms */
+                   * and kv_b's outputs, the gradients of the compressed kv and of q_a's output before
+                   * and after their norms */
         double Hl = (double)(m->num_attention_heads / p->tp), dn = (double)m->qk_nope_head_dim;
         double dr = (double)m->qk_rope_head_dim, dv = (double)m->v_head_dim, kvr = (double)m->kv_lora_rank;
-        b += carved(N * (Hl * (dn + dr) + kvr + dr + Hl * (dn + dv) + 2 * Hl * dv + 2 * kvr +
-                         2 * (double)m->q_lora_rank), cs);
+        b += carved(N * (Hl * (dn + dr) + kvr + dr + Hl * (dn + dv) + 2 * kvr + 2 * (double)m->q_lora_rank), cs);
     }
     if (m->rope_local_base_freq > 0) /* Gemma 3: the sliding layers' rotary tables */
         b += 2 * carved(T * (D / 2), 4);

@@ -506,6 +506,27 @@ static void case_gemma(enum am_dtype dt, enum am_dtype gdt)
         check_attn_grad(twice ? "attention_softcap dk (accumulated twice)" : "attention_softcap dk", &dk, bf);
         check_attn_grad(twice ? "attention_softcap dv (accumulated twice)" : "attention_softcap dv", &dv, bf);
     }
+    /* v's heads wider than q's and k's, then narrower (multi-head latent attention's v_head_dim;
+     * cuDNN declines them: the own kernels run) */
+    for (int wide = 0; wide < 2; wide++) {
+        int64_t Dq = wide ? 24 : 48, Dv = wide ? 40 : 32;
+        struct pair mq = rnd(dt, B, T, H, Dq), mk = rnd(dt, B, T, KVH, Dq), mv = rnd(dt, B, T, KVH, Dv);
+        struct pair mo = pair_new(dt, B, T, H, Dv), ml = pair_new(AM_F32, B, H, T, 0), mdo = rnd(dt, B, T, H, Dv);
+        struct pair mdq = pair_new(dt, B, T, H, Dq), mdk = pair_new(dt, B, T, KVH, Dq), mdv = pair_new(dt, B, T, KVH, Dv);
+        KC->attention_softcap_forward(&cpu, &mo.c, &ml.c, &mq.c, &mk.c, &mv.c, 0, 0.2f, 0.0f);
+        KG->attention_softcap_forward(&gpu, &mo.g, &ml.g, &mq.g, &mk.g, &mv.g, 0, 0.2f, 0.0f);
+        check(wide ? "attention (v wider) out" : "attention (v narrower) out", &mo, bf);
+        record(wide ? "attention (v wider) lse" : "attention (v narrower) lse", dname(dt), rel_err(&ml), 1e-5);
+        pair_upload(&mo);
+        pair_upload(&ml);
+        KC->attention_softcap_backward(&cpu, &mdq.c, &mdk.c, &mdv.c, &mdo.c, &mo.c, &ml.c, &mq.c, &mk.c, &mv.c, 0, 0.2f,
+                                       0.0f);
+        KG->attention_softcap_backward(&gpu, &mdq.g, &mdk.g, &mdv.g, &mdo.g, &mo.g, &ml.g, &mq.g, &mk.g, &mv.g, 0, 0.2f,
+                                       0.0f);
+        check_attn_grad(wide ? "attention (v wider) dq" : "attention (v narrower) dq", &mdq, bf);
+        check_attn_grad(wide ? "attention (v wider) dk" : "attention (v narrower) dk", &mdk, bf);
+        check_attn_grad(wide ? "attention (v wider) dv" : "attention (v narrower) dv", &mdv, bf);
+    }
     unsetenv("AM_ATTN");
     int64_t V = 300, Vh = V / 2, Nt = 70;
     struct pair hx = rnd(dt, Nt, C, 0, 0), hw = rnd(dt, V, C, 0, 0), tg = pair_new(AM_I32, Nt, 0, 0, 0);

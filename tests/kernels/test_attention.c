@@ -1,6 +1,7 @@
 /* test_attention.c - the CPU kernels' tests (kernels_test.h: how they are tested): causal
  * grouped-query attention, and by blocks of keys (context parallelism's ring, packed
- * sequences), also with Gemma's scale and soft cap (attention_block_softcap).
+ * sequences), also with Gemma's scale and soft cap (attention_block_softcap), and with v's heads
+ * narrower or wider than q's and k's (multi-head latent attention).
  */
 #include "kernels_test.h"
 #include "cpu/cpu.h" /* the backend's private helpers (am_expf, am_cpu_set_chunk), used directly */
@@ -741,6 +742,123 @@ static void test_bf16_attention_block(void **state)
     am_cpu_set_chunk(&kdev, 0);
 }
 
+/* ---- v's head width apart from q's and k's (multi-head latent attention's v_head_dim) ----
+ * With v [B, T, KVH, DV] and out [B, T, H, DV], the causal kernels give the bits they give when
+ * every head is padded with zero columns to W = max(D, DV) (the scale given, 1 / sqrt(D)): out,
+ * lse, dq, dk and dv in their own columns; the zero columns add zero terms at the end of each
+ * sum. The block kernels' products run on OpenBLAS, whose kernels group a sum's terms by the
+ * matrices' widths: the same terms, summed in another order, so there within fp32 rounding
+ * (2^-20 of the largest element; bf16: one rounding, 2^-8). Causal and block kernels, fp32 and
+ * bf16. */
+
+/* rows of w values, as rows of W with zeros after (the bf16 bits and their widening) */
+static struct bt pad_cols(const struct bt *a, int64_t rows, int64_t w, int64_t W)
+{
+    struct bt p = bt_new(rows * W);
+    for (int64_t i = 0; i < rows; i++)
+        for (int64_t j = 0; j < W; j++) {
+            p.h[i * W + j] = j < w ? a->h[i * w + j] : 0;
+            p.f[i * W + j] = j < w ? a->f[i * w + j] : 0.0f;
+        }
+    return p;
+}
+
+static void expect_cols(const char *what, const struct bt *got, const struct bt *padded, int64_t rows, int64_t w,
+                        int64_t W, bool bf16, bool exact)
+{
+    int64_t bad = 0;
+    double mx = 0.0;
+    for (int64_t i = 0; i < rows * W; i++) {
+        double a = bf16 ? am_bf16_to_f32(padded->h[i]) : padded->f[i];
+        mx = fabs(a) > mx ? fabs(a) : mx;
+    }
+    double tol = (bf16 ? 0x1p-8 : 0x1p-20) * mx;
+    for (int64_t i = 0; i < rows; i++)
+        for (int64_t j = 0; j < w; j++) {
+            double g = bf16 ? am_bf16_to_f32(got->h[i * w + j]) : got->f[i * w + j];
+            double e = bf16 ? am_bf16_to_f32(padded->h[i * W + j]) : padded->f[i * W + j];
+            bad += exact ? (bf16 ? got->h[i * w + j] != padded->h[i * W + j]
+                                 : memcmp(&got->f[i * w + j], &padded->f[i * W + j], sizeof(float)) != 0)
+                         : !(fabs(g - e) <= tol);
+        }
+    if (bad)
+        fail_msg("%s: %lld elements differ from the zero-padded heads' (of %lld)", what, (long long)bad,
+                 (long long)(rows * w));
+}
+
+static void test_attention_v_width(void **state)
+{
+    (void)state;
+    struct rng r = {211};
+    struct {
+        int64_t B, T, H, KVH, D, DV, W;
+    } cases[] = {{2, 37, 4, 2, 24, 16, 0}, {1, 29, 4, 4, 16, 40, 0}, {2, 21, 6, 3, 12, 8, 5}};
+    for (size_t ci = 0; ci < sizeof cases / sizeof *cases; ci++)
+        for (int bf16 = 0; bf16 < 2; bf16++)
+            for (int block = 0; block < 2; block++) {
+                int64_t B = cases[ci].B, T = cases[ci].T, H = cases[ci].H, KVH = cases[ci].KVH, D = cases[ci].D;
+                int64_t DV = cases[ci].DV, W = D > DV ? D : DV, win = cases[ci].W;
+                int64_t qr = B * T * H, kr = B * T * KVH, nl = B * H * T;
+                float scale = (float)(1.0 / sqrt((double)D));
+                struct bt q = bt_rand(&r, qr * D, -2, 2), k = bt_rand(&r, kr * D, -2, 2), v = bt_rand(&r, kr * DV, -1, 1);
+                struct bt dout = bt_rand(&r, qr * DV, -1, 1), dq = bt_rand(&r, qr * D, -1, 1);
+                struct bt dk = bt_rand(&r, kr * D, -1, 1), dv = bt_rand(&r, kr * DV, -1, 1), out = bt_new(qr * DV);
+                struct bt qp = pad_cols(&q, qr, D, W), kp = pad_cols(&k, kr, D, W), vp = pad_cols(&v, kr, DV, W);
+                struct bt dop = pad_cols(&dout, qr, DV, W), dqp = pad_cols(&dq, qr, D, W);
+                struct bt dkp = pad_cols(&dk, kr, D, W), dvp = pad_cols(&dv, kr, DV, W), outp = bt_new(qr * W);
+                float *l = malloc((size_t)nl * 4), *lp = malloc((size_t)nl * 4);
+                int32_t *pos = malloc((size_t)T * 4);
+                for (int64_t t = 0; t < T; t++)
+                    pos[t] = (int32_t)t;
+                struct am_tensor (*view)(struct bt *, int64_t, int64_t, int64_t, int64_t) = bf16 ? hv : fv;
+                struct am_tensor tq = view(&q, B, T, H, D), tk = view(&k, B, T, KVH, D), tv = view(&v, B, T, KVH, DV);
+                struct am_tensor to = view(&out, B, T, H, DV), tdo = view(&dout, B, T, H, DV);
+                struct am_tensor tdq = view(&dq, B, T, H, D), tdk = view(&dk, B, T, KVH, D), tdv = view(&dv, B, T, KVH, DV);
+                struct am_tensor pq = view(&qp, B, T, H, W), pk = view(&kp, B, T, KVH, W), pv = view(&vp, B, T, KVH, W);
+                struct am_tensor po = view(&outp, B, T, H, W), pdo = view(&dop, B, T, H, W);
+                struct am_tensor pdq = view(&dqp, B, T, H, W), pdk = view(&dkp, B, T, KVH, W), pdv = view(&dvp, B, T, KVH, W);
+                struct am_tensor tl = f32v(l, B, H, T, 0), tlp = f32v(lp, B, H, T, 0);
+                struct am_tensor pos_t = am_tensor_view(pos, AM_DEV_CPU, AM_I32, T, 0, 0, 0);
+                if (block) {
+                    K->attention_block_softcap_forward(&kdev, &to, &tl, &tq, &tk, &tv, &pos_t, &pos_t, NULL, win, 0, scale, 0.0f);
+                    K->attention_block_softcap_forward(&kdev, &po, &tlp, &pq, &pk, &pv, &pos_t, &pos_t, NULL, win, 0, scale,
+                                                       0.0f);
+                } else {
+                    K->attention_softcap_forward(&kdev, &to, &tl, &tq, &tk, &tv, win, scale, 0.0f);
+                    K->attention_softcap_forward(&kdev, &po, &tlp, &pq, &pk, &pv, win, scale, 0.0f);
+                }
+                char what[160];
+                snprintf(what, sizeof what, "%s %s attention, D %lld, DV %lld%s: ", bf16 ? "bf16" : "fp32",
+                         block ? "block" : "causal", (long long)D, (long long)DV, win ? ", windowed" : "");
+                char w2[200];
+                snprintf(w2, sizeof w2, "%sout", what);
+                expect_cols(w2, &out, &outp, qr, DV, W, bf16, !block);
+                if (!block)
+                    assert_memory_equal(l, lp, (size_t)nl * 4);
+                if (block) {
+                    K->attention_block_softcap_backward(&kdev, &tdq, &tdk, &tdv, &tdo, &to, &tl, &tq, &tk, &tv, &pos_t, &pos_t,
+                                                        NULL, win, scale, 0.0f);
+                    K->attention_block_softcap_backward(&kdev, &pdq, &pdk, &pdv, &pdo, &po, &tlp, &pq, &pk, &pv, &pos_t,
+                                                        &pos_t, NULL, win, scale, 0.0f);
+                } else {
+                    K->attention_softcap_backward(&kdev, &tdq, &tdk, &tdv, &tdo, &to, &tl, &tq, &tk, &tv, win, scale, 0.0f);
+                    K->attention_softcap_backward(&kdev, &pdq, &pdk, &pdv, &pdo, &po, &tlp, &pq, &pk, &pv, win, scale, 0.0f);
+                }
+                snprintf(w2, sizeof w2, "%sdq", what);
+                expect_cols(w2, &dq, &dqp, qr, D, W, bf16, !block);
+                snprintf(w2, sizeof w2, "%sdk", what);
+                expect_cols(w2, &dk, &dkp, kr, D, W, bf16, !block);
+                snprintf(w2, sizeof w2, "%sdv", what);
+                expect_cols(w2, &dv, &dvp, kr, DV, W, bf16, !block);
+                struct bt *all[] = {&q, &k, &v, &dout, &dq, &dk, &dv, &out, &qp, &kp, &vp, &dop, &dqp, &dkp, &dvp, &outp};
+                for (size_t i = 0; i < sizeof all / sizeof *all; i++)
+                    bt_free(all[i]);
+                free(l);
+                free(lp);
+                free(pos);
+            }
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -748,6 +866,7 @@ int main(void)
         cmocka_unit_test(test_attention_block),
         cmocka_unit_test(test_bf16_attention),
         cmocka_unit_test(test_bf16_attention_block),
+        cmocka_unit_test(test_attention_v_width),
     };
     return cmocka_run_group_tests_name("kernels (cpu): attention", tests, kernels_test_setup, NULL);
 }
