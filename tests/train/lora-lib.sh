@@ -76,6 +76,52 @@ plan_of() { # RECIPE NPROC SETS...: am-plan's total of each pp rank, less the CU
         sed -E 's/"kernel_scratch":([0-9.e+]+),.*"total":([0-9.e+]+)/\1 \2/' | awk '{ printf "%.0f\n", $2 - $1 }'
 }
 
+# lora_resume WHAT: the tp 2 run (steps-tp2) stopped after step 2 (its checkpoint) and restored
+# gives steps 3 and 4 to the last bit
+lora_resume() {
+    recipe cut 1 && sed -i -e 's/max_steps: .*/max_steps: 2/' "$work/cut.yaml" &&
+        train cut 2 "$work/cut.yaml" AM_TP=2 && sed -i 's/max_steps: .*/max_steps: 4/' "$work/cut.yaml" && rm -rf "$work/logs-cut" &&
+        train cut 2 "$work/cut.yaml" AM_TP=2 && steps_of "$work/logs-cut" >"$work/steps-cut"
+    if [ -f "$work/steps-cut" ] && [ "$(tail -2 "$work/steps-tp2")" = "$(cat "$work/steps-cut")" ]; then
+        ok "$1 tp2: restored after step 2, steps 3-4 are the uninterrupted run's to the last bit"
+    else
+        bad "$1 tp2 resume: $(tail -2 "$work/steps-tp2" | tr '\n' ' ') against $(tr '\n' ' ' <"$work/steps-cut" 2>/dev/null)"
+    fi
+}
+
+# lora_memory WHAT RUN...: each RUN "NAME NPROC [AM_TP=N|AM_PP=N...]" already trained: every rank's
+# allocation is am-plan's estimate for its pipeline rank, to the byte
+lora_memory() {
+    local what=$1 run name n v r pp got w equal detail sets want
+    shift
+    for run in "$@"; do
+        set -- $run
+        name=$1 n=$2
+        shift 2
+        sets=()
+        for v in "$@"; do
+            case $v in AM_TP=*) sets+=(--set "distributed.tp_size=${v#*=}") ;; AM_PP=*) sets+=(--set "distributed.pp_size=${v#*=}") ;; esac
+        done
+        want=($(plan_of "$work/$name.yaml" "$n" "${sets[@]}"))
+        equal=0 detail=
+        for r in $(seq 0 $((n - 1))); do
+            pp=$(grep -h '"coords":{"pp":' "$work/logs-$name"/*/rank-"$r".jsonl | sed -E 's/.*"coords":\{"pp":([0-9]+).*/\1/')
+            got=$(total_of "$work/logs-$name" "$r")
+            w=$(awk -v a="${want[$pp]:-0}" 'BEGIN { printf "%d", a }')
+            if [ "$got" = "$w" ]; then
+                equal=$((equal + 1))
+            else
+                detail="$detail rank $r (pp $pp): allocated $got bytes, am-plan $w;"
+            fi
+        done
+        if [ "$equal" = "$n" ]; then
+            ok "$what $name: every rank's allocation is am-plan's estimate, to the byte"
+        else
+            bad "$what $name: allocation off am-plan's estimate:$detail"
+        fi
+    done
+}
+
 # the saved adapters (a safetensors file of fp32 tensors), read from its header
 tensors() { # FILE: "name rows cols" of each tensor, sorted
     local n

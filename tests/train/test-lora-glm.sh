@@ -174,43 +174,8 @@ else
     bad "LoRA on $arch with adapter dropout 0.1 at tp 2: $(cat "$work/cmp-drop-tp2")"; paste "$work/steps-drop" "$work/steps-drop-tp2" | sed 's/^/    /'
 fi
 
-# resume: tp 2 stopped after step 2 (its checkpoint) and restored gives steps 3 and 4 to the last bit
-recipe cut 1 && sed -i -e 's/max_steps: .*/max_steps: 2/' "$work/cut.yaml" &&
-    train cut 2 "$work/cut.yaml" AM_TP=2 && sed -i 's/max_steps: .*/max_steps: 4/' "$work/cut.yaml" && rm -rf "$work/logs-cut" &&
-    train cut 2 "$work/cut.yaml" AM_TP=2 && steps_of "$work/logs-cut" >"$work/steps-cut"
-if [ -f "$work/steps-cut" ] && [ "$(tail -2 "$work/steps-tp2")" = "$(cat "$work/steps-cut")" ]; then
-    ok "LoRA on $arch tp2: restored after step 2, steps 3-4 are the uninterrupted run's to the last bit"
-else
-    bad "LoRA on $arch tp2 resume: $(tail -2 "$work/steps-tp2" | tr '\n' ' ') against $(tr '\n' ' ' <"$work/steps-cut" 2>/dev/null)"
-fi
-
-# memory: every rank's allocation is am-plan's estimate for its pipeline rank, to the byte
-for run in "ref 1" "tp2 2 AM_TP=2" "ep2 2" "pp2 2 AM_PP=2" "tp2-ep2 4 AM_TP=2" "tp2-ep2-bf16 4 AM_TP=2"; do
-    set -- $run
-    name=$1 n=$2
-    shift 2
-    sets=()
-    for v in "$@"; do
-        case $v in AM_TP=*) sets+=(--set "distributed.tp_size=${v#*=}") ;; AM_PP=*) sets+=(--set "distributed.pp_size=${v#*=}") ;; esac
-    done
-    want=($(plan_of "$work/$name.yaml" "$n" "${sets[@]}"))
-    equal=0 detail=
-    for r in $(seq 0 $((n - 1))); do
-        pp=$(grep -h '"coords":{"pp":' "$work/logs-$name"/*/rank-"$r".jsonl | sed -E 's/.*"coords":\{"pp":([0-9]+).*/\1/')
-        got=$(total_of "$work/logs-$name" "$r")
-        w=$(awk -v a="${want[$pp]:-0}" 'BEGIN { printf "%d", a }')
-        if [ "$got" = "$w" ]; then
-            equal=$((equal + 1))
-        else
-            detail="$detail rank $r (pp $pp): allocated $got bytes, am-plan $w;"
-        fi
-    done
-    if [ "$equal" = "$n" ]; then
-        ok "LoRA on $arch $name: every rank's allocation is am-plan's estimate, to the byte"
-    else
-        bad "LoRA on $arch $name: allocation off am-plan's estimate:$detail"
-    fi
-done
+lora_resume "LoRA on $arch"
+lora_memory "LoRA on $arch" "ref 1" "tp2 2 AM_TP=2" "ep2 2" "pp2 2 AM_PP=2" "tp2-ep2 4 AM_TP=2" "tp2-ep2-bf16 4 AM_TP=2"
 
 # merge: am-ckpt merge writes the dense MLP's and the shared experts' weights as W + s B A into
 # the base the adapters were trained on, exported by a run of the same seed after one step at
