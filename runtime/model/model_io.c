@@ -186,7 +186,7 @@ int am_model_load_hf(struct am_model *m, const char *dir, struct am_errors *err)
 }
 
 /* gpt_oss: the experts' adapters held here from peft's ParamWrapper tensors of each MoE layer
- * (fuse_gpt_oss_lora's layout) into am's per-expert A, B of gate, B of up, A and B of down. */
+ * (fuse_gpt_oss_lora's layout, whose comment says it) into am's per-expert A, B of gate, B of up, A and B of down. */
 static void load_gpt_oss_lora(struct am_model *m, struct am_st_file *f, const char *path, struct am_errors *err)
 {
     int64_t C = m->cfg.hidden_size, I = m->cfg.moe_intermediate_size, E = m->cfg.num_experts;
@@ -195,7 +195,7 @@ static void load_gpt_oss_lora(struct am_model *m, struct am_st_file *f, const ch
     int64_t r = m->sh.lora_experts_r > 0 ? m->sh.lora_experts_r : m->sh.lora_r;
     static const char *const names[4] = {"base_layer.lora_A.weight", "base_layer.lora_B.weight", "lora_A.weight",
                                          "lora_B.weight"};
-    const int64_t shape[4][2] = {{r * E, 2 * I}, {C, r * E}, {r * E, C}, {I, r * E}};
+    const int64_t shape[4][2] = {{r * E, C}, {2 * I, r * E}, {r * E, I}, {C, r * E}};
     float *full[4] = {0}, *one = malloc((size_t)(r * (C > I ? C : I)) * sizeof(float));
     for (int k = 0; k < 4; k++)
         full[k] = malloc((size_t)(shape[k][0] * shape[k][1]) * sizeof(float));
@@ -223,13 +223,13 @@ static void load_gpt_oss_lora(struct am_model *m, struct am_st_file *f, const ch
             for (int w = 0; w < 5; w++) { /* la [r, C], lbg and lbu [I, r], lda [r, I], ldb [C, r] */
                 for (int64_t k = 0; k < r; k++) {
                     for (int64_t c = 0; w == 0 && c < C; c++)
-                        one[k * C + c] = gub[c * r * E + k * E + e];
+                        one[k * C + c] = gua[(e * r + k) * C + c];
                     for (int64_t i = 0; (w == 1 || w == 2) && i < I; i++)
-                        one[i * r + k] = gua[(e * r + k) * 2 * I + 2 * i + (w == 2)];
+                        one[i * r + k] = gub[(2 * i + (w == 2)) * r * E + k * E + e];
                     for (int64_t i = 0; w == 3 && i < I; i++)
-                        one[k * I + i] = dnb[i * r * E + k * E + e];
+                        one[k * I + i] = dna[(e * r + k) * I + i];
                     for (int64_t c = 0; w == 4 && c < C; c++)
-                        one[c * r + k] = dna[(e * r + k) * C + c];
+                        one[c * r + k] = dnb[c * r * E + k * E + e];
                 }
                 const struct am_param *first[5] = {X->la, X->lbg, X->lbu, X->lda, X->ldb};
                 const struct am_param *p = first[w] + j;
@@ -602,14 +602,13 @@ static int fuse_gpt_oss(struct saver *s, struct am_errors *err)
  * A, B of gate, B of up, A and B of down, A again for up; moe.h) replaced by the four tensors of
  * peft's ParamWrapper on transformers' fused experts (target_parameters mlp.experts.down_proj,
  * the outer wrapper, and mlp.experts.gate_up_proj, the inner one: peft wraps them in sorted
- * order), as AutoModel converts GroupedExpertsLoRA's (moe/state_dict_mixin.py): with peft's
- * in and out swapped for a 3-D parameter used as x @ W, expert e's rank rows k of lora_A are rows
- * e r + k, its columns of lora_B columns k E + e:
- *   experts.base_layer.lora_A.weight [r E, 2I]: gate's B at the even columns, up's at the odd;
- *   experts.base_layer.lora_B.weight [C, r E]: the A of gate and up;
- *   experts.lora_A.weight [r E, C]: down's B;  experts.lora_B.weight [I, r E]: down's A.
- * Each expert's delta is then lora_B_e lora_A_e = Aᵀ Bᵀ, transformers' x @ W orientation of am's
- * s B A (peft_merge.c merges the same). */
+ * order). GptOssExperts' parameters are [E, in, out] (used as x @ W, is_transposed), so peft keeps
+ * in and out, and folds the experts into the rank: expert e's rank row k of lora_A is row e r + k,
+ * its column of lora_B column k E + e, and its delta is s (A_e)ᵀ (B_e)ᵀ, am's s B A transposed:
+ *   experts.base_layer.lora_A.weight [r E, C]: the A of gate and up (GroupedExpertsLoRA's shared A);
+ *   experts.base_layer.lora_B.weight [2I, r E]: gate's B at the even rows, up's at the odd (as
+ *     gate_up_proj's columns are);
+ *   experts.lora_A.weight [r E, I]: down's A;  experts.lora_B.weight [C, r E]: down's B. */
 static int fuse_gpt_oss_lora(struct saver *s, struct am_errors *err)
 {
     const struct am_model *m = s->m;
@@ -626,30 +625,29 @@ static int fuse_gpt_oss_lora(struct saver *s, struct am_errors *err)
     }
     for (int64_t l = 0; l < layers; l++) {
         const struct ep_tensor *x = s->ep + l * 6 * E; /* run k's expert e: x[k * E + e] */
-        float *gua = mem + l * per, *gub = gua + r * E * 2 * I, *dna = gub + C * r * E, *dnb = dna + r * E * C;
+        float *gua = mem + l * per, *gub = gua + r * E * C, *dna = gub + 2 * I * r * E, *dnb = dna + r * E * I;
         for (int64_t e = 0; e < E; e++) {
             const float *a = x[e].data, *bg = x[E + e].data, *bu = x[2 * E + e].data; /* [r, C], [I, r] twice */
             const float *da = x[3 * E + e].data, *db = x[4 * E + e].data;             /* [r, I], [C, r] */
+            memcpy(gua + e * r * C, a, (size_t)(r * C) * sizeof(float));
+            memcpy(dna + e * r * I, da, (size_t)(r * I) * sizeof(float));
             for (int64_t k = 0; k < r; k++) {
                 for (int64_t i = 0; i < I; i++) {
-                    gua[(e * r + k) * 2 * I + 2 * i] = bg[i * r + k];
-                    gua[(e * r + k) * 2 * I + 2 * i + 1] = bu[i * r + k];
-                    dnb[i * r * E + k * E + e] = da[k * I + i];
+                    gub[2 * i * r * E + k * E + e] = bg[i * r + k];
+                    gub[(2 * i + 1) * r * E + k * E + e] = bu[i * r + k];
                 }
-                for (int64_t c = 0; c < C; c++) {
-                    gub[c * r * E + k * E + e] = a[k * C + c];
-                    dna[(e * r + k) * C + c] = db[c * r + k];
-                }
+                for (int64_t c = 0; c < C; c++)
+                    dnb[c * r * E + k * E + e] = db[c * r + k];
             }
         }
         char pre[96];
         const char *first = x[0].t.name, *dot = strstr(first, ".experts.");
         snprintf(pre, sizeof(pre), "%.*s.experts", dot ? (int)(dot - first) : 0, first);
         struct ep_tensor *t = ep + 4 * l;
-        t[0] = (struct ep_tensor){.t = {.ndim = 2, .rows = r * E, .cols = 2 * I}, .data = gua};
-        t[1] = (struct ep_tensor){.t = {.ndim = 2, .rows = C, .cols = r * E}, .data = gub};
-        t[2] = (struct ep_tensor){.t = {.ndim = 2, .rows = r * E, .cols = C}, .data = dna};
-        t[3] = (struct ep_tensor){.t = {.ndim = 2, .rows = I, .cols = r * E}, .data = dnb};
+        t[0] = (struct ep_tensor){.t = {.ndim = 2, .rows = r * E, .cols = C}, .data = gua};
+        t[1] = (struct ep_tensor){.t = {.ndim = 2, .rows = 2 * I, .cols = r * E}, .data = gub};
+        t[2] = (struct ep_tensor){.t = {.ndim = 2, .rows = r * E, .cols = I}, .data = dna};
+        t[3] = (struct ep_tensor){.t = {.ndim = 2, .rows = C, .cols = r * E}, .data = dnb};
         static const char *const names[4] = {"base_layer.lora_A.weight", "base_layer.lora_B.weight", "lora_A.weight",
                                              "lora_B.weight"};
         for (int k = 0; k < 4; k++)
