@@ -185,16 +185,80 @@ int am_model_load_hf(struct am_model *m, const char *dir, struct am_errors *err)
     return err->n > before ? -1 : 0;
 }
 
+/* gpt_oss's ParamWrapper tensors of a layer's experts' adapters (fuse_gpt_oss_lora) */
+static const char *const pw_names[4] = {"base_layer.lora_A.weight", "base_layer.lora_B.weight", "lora_A.weight",
+                                        "lora_B.weight"};
+
+/* Where element (y, c) of run w's expert e (w: A, B of gate, B of up, A and B of down; moe.h) lies
+ * in the ParamWrapper tensors: their index (pw_names) in *k, the flat index returned. */
+static int64_t pw_index(int w, int64_t e, int64_t E, int64_t r, int64_t I, int64_t C, int64_t y, int64_t c, int *k)
+{
+    switch (w) {
+    case 0: /* A [r, C]: base_layer.lora_A [r E, C] */
+        return *k = 0, (e * r + y) * C + c;
+    case 1: /* B of gate [I, r]: base_layer.lora_B [2I, r E], the even rows */
+    case 2: /* B of up, the odd rows */
+        return *k = 1, (2 * y + (w == 2)) * r * E + c * E + e;
+    case 3: /* down's A [r, I]: lora_A [r E, I] */
+        return *k = 2, (e * r + y) * I + c;
+    default: /* down's B [C, r]: lora_B [C, r E] */
+        return *k = 3, y * r * E + c * E + e;
+    }
+}
+
+/* gpt_oss: the run and the global expert of an expert adapter p (false: p is none) */
+static bool pw_run(const struct am_model *m, const struct am_param *p, int *w, int64_t *e)
+{
+    int ep = m->sh.ep > 1 ? m->sh.ep : 1;
+    int64_t El = m->cfg.num_experts / ep, e0 = (int64_t)(ep > 1 ? m->sh.ep_rank : 0) * El;
+    for (int l = 0; m->cfg.gpt_oss && l < m->n_layers; l++) {
+        const struct am_moe_layer *X = m->layers[l].moe;
+        const struct am_param *first[5] = {X ? X->la : NULL, X ? X->lbg : NULL, X ? X->lbu : NULL,
+                                           X ? X->lda : NULL, X ? X->ldb : NULL};
+        for (int k = 0; k < 5 && first[0]; k++)
+            if (p >= first[k] && p < first[k] + El)
+                return *w = k, *e = e0 + (p - first[k]), true;
+    }
+    return false;
+}
+
+int am_model_peft_place(const struct am_model *m, const struct am_param *p, char *name, size_t len, int64_t shape[2],
+                        int64_t *at)
+{
+    int w;
+    int64_t e, C = m->cfg.hidden_size, I = m->cfg.moe_intermediate_size, E = m->cfg.num_experts;
+    int64_t rows = p->full_rows, cols = p->full_cols > 0 ? p->full_cols : 1;
+    if (!pw_run(m, p, &w, &e)) {
+        snprintf(name, len, "base_model.model.%s", p->name);
+        shape[0] = p->full_rows, shape[1] = p->full_cols;
+        for (int64_t i = 0; at && i < rows * cols; i++)
+            at[i] = i;
+        return 0;
+    }
+    int64_t r = m->sh.lora_experts_r > 0 ? m->sh.lora_experts_r : m->sh.lora_r;
+    const int64_t shapes[4][2] = {{r * E, C}, {2 * I, r * E}, {r * E, I}, {C, r * E}};
+    int k = 0;
+    for (int64_t y = 0; y < rows; y++)
+        for (int64_t c = 0; c < cols; c++) {
+            int64_t i = pw_index(w, e, E, r, I, C, y, c, &k);
+            if (at)
+                at[y * cols + c] = i;
+        }
+    char pre[96];
+    experts_prefix(pre, sizeof(pre), p);
+    snprintf(name, len, "base_model.model.%s.%s", pre, pw_names[k]);
+    shape[0] = shapes[k][0], shape[1] = shapes[k][1];
+    return 1;
+}
+
 /* gpt_oss: the experts' adapters held here from peft's ParamWrapper tensors of each MoE layer
- * (fuse_gpt_oss_lora's layout, whose comment says it) into am's per-expert A, B of gate, B of up, A and B of down. */
+ * (fuse_gpt_oss_lora's layout), each tensor read once. */
 static void load_gpt_oss_lora(struct am_model *m, struct am_st_file *f, const char *path, struct am_errors *err)
 {
     int64_t C = m->cfg.hidden_size, I = m->cfg.moe_intermediate_size, E = m->cfg.num_experts;
     int ep = m->sh.ep > 1 ? m->sh.ep : 1;
     int64_t El = E / ep, e0 = (int64_t)(ep > 1 ? m->sh.ep_rank : 0) * El;
     int64_t r = m->sh.lora_experts_r > 0 ? m->sh.lora_experts_r : m->sh.lora_r;
-    static const char *const names[4] = {"base_layer.lora_A.weight", "base_layer.lora_B.weight", "lora_A.weight",
-                                         "lora_B.weight"};
     const int64_t shape[4][2] = {{r * E, C}, {2 * I, r * E}, {r * E, I}, {C, r * E}};
     float *full[4] = {0}, *one = malloc((size_t)(r * (C > I ? C : I)) * sizeof(float));
     for (int k = 0; k < 4; k++)
@@ -207,7 +271,7 @@ static void load_gpt_oss_lora(struct am_model *m, struct am_st_file *f, const ch
         experts_prefix(pre, sizeof(pre), X->la);
         bool ok = true;
         for (int k = 0; k < 4 && ok; k++) {
-            snprintf(name, sizeof(name), "base_model.model.%s.%s", pre, names[k]);
+            snprintf(name, sizeof(name), "base_model.model.%s.%s", pre, pw_names[k]);
             const struct am_st_info *t = am_st_find(f, name);
             if (!t || t->ndim != 2 || t->shape[0] != shape[k][0] || t->shape[1] != shape[k][1]) {
                 am_errorf(err, NULL, "%s: %s: %s (want [%lld, %lld])", path, name, t ? "another shape" : "missing",
@@ -217,25 +281,19 @@ static void load_gpt_oss_lora(struct am_model *m, struct am_st_file *f, const ch
                 ok = false;
             }
         }
-        const float *gua = full[0], *gub = full[1], *dna = full[2], *dnb = full[3];
-        for (int64_t j = 0; ok && j < El; j++) {
-            int64_t e = e0 + j;
-            for (int w = 0; w < 5; w++) { /* la [r, C], lbg and lbu [I, r], lda [r, I], ldb [C, r] */
-                for (int64_t k = 0; k < r; k++) {
-                    for (int64_t c = 0; w == 0 && c < C; c++)
-                        one[k * C + c] = gua[(e * r + k) * C + c];
-                    for (int64_t i = 0; (w == 1 || w == 2) && i < I; i++)
-                        one[i * r + k] = gub[(2 * i + (w == 2)) * r * E + k * E + e];
-                    for (int64_t i = 0; w == 3 && i < I; i++)
-                        one[k * I + i] = dna[(e * r + k) * I + i];
-                    for (int64_t c = 0; w == 4 && c < C; c++)
-                        one[c * r + k] = dnb[c * r * E + k * E + e];
-                }
-                const struct am_param *first[5] = {X->la, X->lbg, X->lbu, X->lda, X->ldb};
+        const struct am_param *first[5] = {X->la, X->lbg, X->lbu, X->lda, X->ldb};
+        for (int64_t j = 0; ok && j < El; j++)
+            for (int w = 0; w < 5; w++) {
                 const struct am_param *p = first[w] + j;
-                m->K->upload(m->dev, p->w.data, one, (size_t)am_tensor_numel(&p->w) * sizeof(float));
+                int64_t rows = p->w.shape[0], cols = p->w.shape[1];
+                int k = 0;
+                for (int64_t y = 0; y < rows; y++)
+                    for (int64_t c = 0; c < cols; c++) {
+                        int64_t i = pw_index(w, e0 + j, E, r, I, C, y, c, &k);
+                        one[y * cols + c] = full[k][i];
+                    }
+                m->K->upload(m->dev, p->w.data, one, (size_t)(rows * cols) * sizeof(float));
             }
-        }
     }
     if (!one || !full[0] || !full[1] || !full[2] || !full[3])
         am_errorf(err, NULL, "%s: out of memory reading gpt_oss's experts' adapters", path);
@@ -648,10 +706,8 @@ static int fuse_gpt_oss_lora(struct saver *s, struct am_errors *err)
         t[1] = (struct ep_tensor){.t = {.ndim = 2, .rows = 2 * I, .cols = r * E}, .data = gub};
         t[2] = (struct ep_tensor){.t = {.ndim = 2, .rows = r * E, .cols = I}, .data = dna};
         t[3] = (struct ep_tensor){.t = {.ndim = 2, .rows = C, .cols = r * E}, .data = dnb};
-        static const char *const names[4] = {"base_layer.lora_A.weight", "base_layer.lora_B.weight", "lora_A.weight",
-                                             "lora_B.weight"};
         for (int k = 0; k < 4; k++)
-            snprintf(t[k].t.name, sizeof(t[k].t.name), "%.60s.%s", pre, names[k]);
+            snprintf(t[k].t.name, sizeof(t[k].t.name), "%.60s.%s", pre, pw_names[k]);
     }
     free(s->ep);
     free(s->ep_mem);

@@ -1562,6 +1562,13 @@ LORA_CASES = {
     # stay frozen; plain_peft as glm4_moe_lora)
     "gpt_oss_lora": dict(base="gpt_oss_tiny", r=4, alpha=8, targets=["q_proj", "k_proj", "v_proj", "o_proj"],
                          adapter_seed=3201, plain_peft=True),
+    # gpt-oss with its experts adapted too, as AutoModel's GroupedExpertsLoRA does (one A for gate
+    # and up, a B each, an A and B for down; g/u = x W + s (x A) B + b, the down bias times the
+    # routing weight): peft's target_parameters on transformers' fused gate_up_proj and down_proj
+    # (its ParamWrapper, delta s A_e^T B_e^T per expert, the same sum), with the attention's
+    "gpt_oss_lora_experts": dict(base="gpt_oss_tiny", r=4, alpha=8, targets=["q_proj", "k_proj", "v_proj", "o_proj"],
+                                 params=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"], adapter_seed=3202,
+                                 plain_peft=True),
 }
 
 
@@ -1586,7 +1593,8 @@ def make_lora_model(case, dtype=torch.float32):
         plain_peft()
     model = make_model(spec["base"]).to(dtype)
     cfg = LoraConfig(r=spec["r"], lora_alpha=spec["alpha"], target_modules=spec["targets"], lora_dropout=0.0,
-                     bias="none", init_lora_weights=True, task_type="CAUSAL_LM")
+                     bias="none", init_lora_weights=True, task_type="CAUSAL_LM",
+                     target_parameters=spec.get("params"))
     torch.manual_seed(spec["adapter_seed"])  # peft's kaiming-uniform A
     pm = get_peft_model(model, cfg)
     g = torch.Generator().manual_seed(spec["adapter_seed"] + 500)
