@@ -32,6 +32,7 @@
 #     saved adapters within 5e-5 (golden_dist's tolerance for final adapters: after 4 AdamW steps
 #     an element whose gradient nearly cancels moves by up to lr on rounding alone; the experts'
 #     came within 1e-5 here);
+#   moe_rank_scaling: the experts' adapters at rank dim // top_k, rank_pattern naming them;
 #   memory: every rank's allocation is am-plan's estimate, to the byte;
 #   merge: am-ckpt merge makes gate_up_proj and down_proj W_e + s A_eᵀ B_eᵀ for each expert.
 set -u
@@ -269,9 +270,23 @@ else
     bad "LoRA on gpt_oss's experts tp2-ep2 in bf16: $(cat "$work/cmp-xtp2-ep2-bf16")"; paste "$work/steps-xref-bf16" "$work/steps-xtp2-ep2-bf16" | sed 's/^/    /'
 fi
 
+# moe_rank_scaling (AutoModel's): the experts' adapters of rank dim // num_experts_per_tok = 8 // 2
+# = 4 at ep 2: their ParamWrapper tensors at rank 4 x 4 experts, rank_pattern saying so
+recipe xrank 2 "$xt" && sed -i "s/target_modules: .*/&\n  moe_rank_scaling: true/" "$work/xrank.yaml"
+if train xrank 2 "$work/xrank.yaml" && tensors "$work/ckpt-xrank/step-$steps/peft/adapter_model.safetensors" >"$work/names-xrank" &&
+    grep -qx "$p.0.mlp.experts.base_layer.lora_A.weight 16 64" "$work/names-xrank" &&
+    grep -qx "$p.0.mlp.experts.lora_B.weight 64 16" "$work/names-xrank" &&
+    grep -qx "$p.0.self_attn.q_proj.lora_A.weight 8 64" "$work/names-xrank" &&
+    tr -d ' \n' <"$work/ckpt-xrank/step-$steps/peft/adapter_config.json" |
+    grep -qF '"rank_pattern":{"experts\\.(gate_up_proj|down_proj)":4}'; then
+    ok "moe_rank_scaling: the experts' ParamWrapper tensors at rank 4 (x 4 experts), the attention's at 8; rank_pattern {experts\\.(gate_up_proj|down_proj): 4}"
+else
+    bad "moe_rank_scaling on gpt_oss's experts: $(grep 'experts' "$work/names-xrank" 2>/dev/null | head -2 | tr '\n' ';') $(tail -3 "$work/out-xrank")"
+fi
+
 # memory: every rank's allocation is am-plan's estimate for its pipeline rank, to the byte
 for run in "ref 1" "tp2 2 AM_TP=2" "ep2 2" "pp2 2 AM_PP=2" "tp2-ep2 4 AM_TP=2" "tp2-ep2-bf16 4 AM_TP=2" \
-    "xref 1" "xtp2 2 AM_TP=2" "xep2 2" "xpp2 2 AM_PP=2" "xtp2-ep2 4 AM_TP=2" "xtp2-ep2-bf16 4 AM_TP=2"; do
+    "xref 1" "xtp2 2 AM_TP=2" "xep2 2" "xpp2 2 AM_PP=2" "xtp2-ep2 4 AM_TP=2" "xtp2-ep2-bf16 4 AM_TP=2" "xrank 2"; do
     set -- $run
     name=$1 n=$2
     shift 2
