@@ -32,6 +32,7 @@
 #     saved adapters within 5e-5 (golden_dist's tolerance for final adapters: after 4 AdamW steps
 #     an element whose gradient nearly cancels moves by up to lr on rounding alone; the experts'
 #     came within 1e-5 here);
+#   resume: ep 2 stopped after step 2 and restored gives steps 3 and 4 to the last bit;
 #   moe_rank_scaling: the experts' adapters at rank dim // top_k, rank_pattern naming them;
 #   memory: every rank's allocation is am-plan's estimate, to the byte;
 #   merge: am-ckpt merge makes gate_up_proj and down_proj W_e + s A_eᵀ B_eᵀ for each expert.
@@ -268,6 +269,16 @@ if compare xref-bf16 xtp2-ep2-bf16 "${tol%% *}" "${tol##* }"; then
     ok "LoRA on gpt_oss's experts tp2-ep2 matches one rank in bf16: $(cat "$work/cmp-xtp2-ep2-bf16")"
 else
     bad "LoRA on gpt_oss's experts tp2-ep2 in bf16: $(cat "$work/cmp-xtp2-ep2-bf16")"; paste "$work/steps-xref-bf16" "$work/steps-xtp2-ep2-bf16" | sed 's/^/    /'
+fi
+
+# resume: ep 2 with the experts stopped after step 2 and restored gives steps 3 and 4 to the last bit
+recipe xcut 2 "$xt" && sed -i -e 's/max_steps: .*/max_steps: 2/' "$work/xcut.yaml" &&
+    train xcut 2 "$work/xcut.yaml" && sed -i 's/max_steps: .*/max_steps: 4/' "$work/xcut.yaml" && rm -rf "$work/logs-xcut" &&
+    train xcut 2 "$work/xcut.yaml" && steps_of "$work/logs-xcut" >"$work/steps-xcut"
+if [ -f "$work/steps-xcut" ] && [ "$(tail -2 "$work/steps-xep2")" = "$(cat "$work/steps-xcut")" ]; then
+    ok "LoRA on gpt_oss's experts ep2: restored after step 2, steps 3-4 are the uninterrupted run's to the last bit"
+else
+    bad "LoRA on gpt_oss's experts ep2 resume: $(tail -2 "$work/steps-xep2" | tr '\n' ' ') against $(tr '\n' ' ' <"$work/steps-xcut" 2>/dev/null)"
 fi
 
 # moe_rank_scaling (AutoModel's): the experts' adapters of rank dim // num_experts_per_tok = 8 // 2
