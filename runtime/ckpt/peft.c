@@ -30,7 +30,15 @@ static json_t *config_json(const struct am_peft_config *cfg)
      * AutoModel's and peft's configs have it */
     json_object_set_new(o, "lora_alpha", cfg->alpha == (double)(long long)cfg->alpha
                                              ? json_integer((json_int_t)cfg->alpha) : json_real(cfg->alpha));
-    json_object_set_new(o, "target_modules", targets);
+    json_object_set_new(o, "target_modules", cfg->n_targets ? targets : json_null());
+    if (!cfg->n_targets)
+        json_decref(targets);
+    if (cfg->n_params) {
+        json_t *params = json_array();
+        for (size_t i = 0; i < cfg->n_params; i++)
+            json_array_append_new(params, json_string(cfg->params[i]));
+        json_object_set_new(o, "target_parameters", params);
+    }
     if (cfg->rank_key) {
         json_t *ranks = json_object();
         json_object_set_new(ranks, cfg->rank_key, json_integer(cfg->rank_r));

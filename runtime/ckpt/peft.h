@@ -3,7 +3,9 @@
  *
  * The tensors are named "base_model.model." + the base layer's module path + ".lora_A.weight"
  * (A [r, in]) or ".lora_B.weight" (B [out, r]), e.g.
- * base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight (am_peft_tensor_name).
+ * base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight (am_peft_tensor_name); the
+ * adapters of a 3-D parameter (target_parameters) are its module's, with the expert count
+ * folded into the rank (model_io.c: gpt_oss's experts).
  * adapter_config.json says peft_type LORA, r, lora_alpha, the target module names, the ranks of
  * modules whose adapters' rank is not r (rank_pattern), lora_dropout
  * (the training's; peft drops the adapters' input, AutoModel's "pre"),
@@ -21,8 +23,12 @@
 struct am_peft_config {
     long r;
     double alpha;
-    const char *const *targets; /* module names ("q_proj", ...) */
+    const char *const *targets; /* module names ("q_proj", ...); none: target_modules null */
     size_t n_targets;
+    /* target_parameters: 3-D parameters adapted through peft's ParamWrapper (gpt_oss's fused
+     * experts, "mlp.experts.gate_up_proj"), written when n_params > 0 */
+    const char *const *params;
+    size_t n_params;
     const char *base_model; /* base_model_name_or_path; NULL: null */
     double dropout;         /* lora_dropout: the adapters' training dropout (0: none) */
     /* rank_pattern: the modules whose name matches the regular expression rank_key (as peft

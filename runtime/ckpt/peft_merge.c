@@ -21,6 +21,12 @@
 
 #define PFX "base_model.model."
 
+static bool ends_with(const char *s, const char *suffix)
+{
+    size_t n = strlen(s), m = strlen(suffix);
+    return n >= m && strcmp(s + n - m, suffix) == 0;
+}
+
 struct module {
     char *name;                      /* the base layer's path, "model.layers.0.self_attn.q_proj" */
     long r;                          /* its adapters' rank: adapter_config.json's r, or rank_pattern's */
@@ -28,7 +34,58 @@ struct module {
     const struct am_st_info *w;      /* the base weight */
     const struct am_st_file *wfile;
     void *merged;                    /* the merged weight, in w's dtype */
+    /* peft's ParamWrapper on a 3-D parameter (target_parameters): w is [E, in, out], used as
+     * x @ W (transformers' is_transposed experts: gpt_oss's), a [r E, in] with expert e's rank row
+     * k at row e r + k, b [out, r E] with its column at k E + e */
+    bool param;
+    char *wname;                     /* the parameter's name, "model.layers.0.mlp.experts.gate_up_proj" */
 };
+
+/* adapter_config.json's target_parameters, sorted as peft wraps them (the first the outermost) */
+struct params {
+    char **name;
+    size_t n;
+};
+
+static int by_name(const void *a, const void *b)
+{
+    return strcmp(*(char *const *)a, *(char *const *)b);
+}
+
+static void params_free(struct params *p)
+{
+    for (size_t i = 0; i < p->n; i++)
+        free(p->name[i]);
+    free(p->name);
+    *p = (struct params){0};
+}
+
+/* The parameter adapted by the ParamWrapper tensors of module path `mod` (its base_layer
+ * segments count the wrappers inside the outermost): peft nests the target_parameters of one
+ * module in sorted order, the first outermost. NULL: none. */
+static char *param_of(const struct params *p, const char *mod)
+{
+    char base[4096];
+    snprintf(base, sizeof(base), "%s", mod);
+    int depth = 0;
+    size_t bl = strlen(".base_layer");
+    while (ends_with(base, ".base_layer")) {
+        base[strlen(base) - bl] = '\0';
+        depth++;
+    }
+    for (size_t i = 0; i < p->n; i++) {
+        const char *dot = strrchr(p->name[i], '.');
+        size_t ml = dot ? (size_t)(dot - p->name[i]) : 0, n = strlen(base);
+        bool on = dot && n >= ml && strncmp(base + n - ml, p->name[i], ml) == 0 && (n == ml || base[n - ml - 1] == '.');
+        if (on && depth-- == 0) {
+            char *w = malloc(n + strlen(dot) + 1);
+            if (w)
+                sprintf(w, "%s%s", base, dot);
+            return w;
+        }
+    }
+    return NULL;
+}
 
 /* v rounded once to the dtype: through float by round-to-odd (float has more than two bits
  * beyond bf16's and f16's mantissas, so the second rounding is then exact as one would be). */
@@ -52,11 +109,6 @@ static void store(enum am_st_dtype d, void *dst, int64_t i, double v)
         ((uint16_t *)dst)[i] = am_f32_to_f16(to_odd_f32(v));
 }
 
-static bool ends_with(const char *s, const char *suffix)
-{
-    size_t n = strlen(s), m = strlen(suffix);
-    return n >= m && strcmp(s + n - m, suffix) == 0;
-}
 
 static bool is_true(json_t *cfg, const char *key)
 {
@@ -133,7 +185,8 @@ static int read_ranks(const char *path, json_t *o, struct ranks *k, struct am_er
 
 /* The adapter_config.json checks: r, lora_alpha and rank_pattern's ranks; -1 with a message when
  * not plain LoRA. */
-static int read_config(const char *path, long *r, double *alpha, struct ranks *ranks, struct am_errors *err)
+static int read_config(const char *path, long *r, double *alpha, struct ranks *ranks, struct params *params,
+                       struct am_errors *err)
 {
     json_error_t je;
     json_t *cfg = json_load_file(path, 0, &je);
@@ -193,6 +246,23 @@ static int read_config(const char *path, long *r, double *alpha, struct ranks *r
     }
     if (rp && json_is_object(rp) && read_ranks(path, rp, ranks, err) < 0)
         goto out;
+    json_t *tp = json_object_get(cfg, "target_parameters");
+    if (tp && json_is_array(tp) && json_array_size(tp) > 0) {
+        size_t i;
+        json_t *v;
+        if (!(params->name = calloc(json_array_size(tp), sizeof(char *)))) {
+            am_errorf(err, NULL, "out of memory");
+            goto out;
+        }
+        json_array_foreach(tp, i, v) {
+            if (!json_is_string(v) || !(params->name[params->n++] = strdup(json_string_value(v)))) {
+                am_errorf(err, NULL, "%s: target_parameters must be parameter names: restore the file peft wrote",
+                          path);
+                goto out;
+            }
+        }
+        qsort(params->name, params->n, sizeof(char *), by_name);
+    }
     *r = (long)json_integer_value(jr);
     *alpha = json_number_value(ja);
     rc = 0;
@@ -208,7 +278,8 @@ static const char *shape(const struct am_st_info *t, char *buf, size_t len)
 
 /* Finds the adapters' modules and checks them against the base. */
 static int collect(const struct am_st_file *af, const struct am_ckpt *base, long r0, const struct ranks *ranks,
-                   struct module **out, size_t *n_out, struct am_errors *err)
+                   const struct params *params, bool transposed, struct module **out, size_t *n_out,
+                   struct am_errors *err)
 {
     const char *apath = am_st_path(af);
     size_t n = am_st_count(af), nm = 0;
@@ -257,6 +328,31 @@ static int collect(const struct am_st_file *af, const struct am_ckpt *base, long
         snprintf(wname, sizeof(wname), "%s.weight", m[j].name);
         const struct am_st_info *w = m[j].w = am_ckpt_find(base, wname, &m[j].wfile);
         const struct am_st_file *ef;
+        if (!w && params->n && (m[j].wname = param_of(params, m[j].name)) && /* a ParamWrapper's */
+            (w = m[j].w = am_ckpt_find(base, m[j].wname, &m[j].wfile))) {
+            const struct am_st_info *a = m[j].a, *b = m[j].b;
+            long r = m[j].r = rank_of(ranks, m[j].wname, r0);
+            int64_t E = w->ndim == 3 ? w->shape[0] : 0;
+            if (!transposed) {
+                am_errorf(err, NULL, "%s: module %s adapts the parameter %s (target_parameters): am-ckpt merge merges "
+                          "those of gpt_oss's experts (x @ W, [experts, in, out]) only: merge them with peft's "
+                          "merge_and_unload()", apath, m[j].name, m[j].wname);
+                return -1;
+            }
+            if (w->ndim != 3 || a->ndim != 2 || b->ndim != 2 || a->shape[0] != r * E || b->shape[1] != r * E ||
+                a->shape[1] != w->shape[1] || b->shape[0] != w->shape[2]) {
+                am_errorf(err, NULL, "%s: module %s: lora_A is %s and lora_B %s, but with r %ld the parameter %s %s "
+                          "needs lora_A [%lld, %lld] and lora_B [%lld, %lld]: the adapters were trained on another "
+                          "model: merge them into the base they were trained on", apath, m[j].name,
+                          shape(a, s1, sizeof(s1)), shape(b, s2, sizeof(s2)), r, m[j].wname, shape(w, s3, sizeof(s3)),
+                          (long long)(r * E), w->ndim == 3 ? (long long)w->shape[1] : -1LL,
+                          w->ndim == 3 ? (long long)w->shape[2] : -1LL, (long long)(r * E));
+                return -1;
+            }
+            m[j].param = true;
+            snprintf(wname, sizeof(wname), "%s", m[j].wname);
+            goto dtype;
+        }
         if (!w && strcmp(m[j].name, "lm_head") == 0 && am_ckpt_find(base, "model.embed_tokens.weight", &ef)) {
             am_errorf(err, NULL, "%s: module lm_head is adapted, but the base model %s ties it to the embedding "
                       "(no tensor lm_head.weight, tie_word_embeddings): merged, the head's adapter would change "
@@ -283,6 +379,7 @@ static int collect(const struct am_st_file *af, const struct am_ckpt *base, long
                       w->ndim == 2 ? (long long)w->shape[0] : -1LL, r);
             return -1;
         }
+    dtype:
         if (w->dtype != AM_ST_F32 && w->dtype != AM_ST_BF16 && w->dtype != AM_ST_F16) {
             am_errorf(err, NULL, "%s: tensor %s is %s: am-ckpt merge merges into F32, BF16 or F16 weights only",
                       am_ckpt_dir(base), wname, am_st_dtype_name(w->dtype));
@@ -294,8 +391,12 @@ static int collect(const struct am_st_file *af, const struct am_ckpt *base, long
 
 /* W + (alpha / r) * B @ A (r: the module's rank, peft's scale), in double, rounded once to W's
  * dtype. */
+static int merge_param(const struct am_st_file *af, struct module *m, double alpha, struct am_errors *err);
+
 static int merge_one(const struct am_st_file *af, struct module *m, double alpha, struct am_errors *err)
 {
+    if (m->param)
+        return merge_param(af, m, alpha, err);
     long r = m->r;
     double scale = alpha / (double)r;
     int64_t out = m->w->shape[0], in = m->w->shape[1];
@@ -324,6 +425,47 @@ static int merge_one(const struct am_st_file *af, struct module *m, double alpha
         for (int64_t i = 0; i < in; i++)
             store(m->w->dtype, m->merged, o * in + i, (double)w[i] + scale * row[i]);
     }
+    rc = 0;
+out:
+    free(a);
+    free(b);
+    free(w);
+    free(row);
+    return rc;
+}
+
+/* A ParamWrapper's parameter [E, in, out]: W_e + (alpha / r) * A_eᵀ B_eᵀ (peft's delta for x @ W),
+ * in double, rounded once to W's dtype. */
+static int merge_param(const struct am_st_file *af, struct module *m, double alpha, struct am_errors *err)
+{
+    long r = m->r;
+    double scale = alpha / (double)r;
+    int64_t E = m->w->shape[0], in = m->w->shape[1], out = m->w->shape[2], rE = r * E;
+    float *a = malloc((size_t)(rE * in) * sizeof(float) + 1), *b = malloc((size_t)(out * rE) * sizeof(float) + 1);
+    float *w = malloc((size_t)out * sizeof(float) + 1);
+    m->merged = malloc((size_t)(E * in * out) * (m->w->dtype == AM_ST_F32 ? 4 : 2) + 1);
+    double *row = malloc((size_t)out * sizeof(double) + 1);
+    int rc = -1;
+    if (!a || !b || !w || !m->merged || !row) {
+        am_errorf(err, NULL, "out of memory");
+        goto out;
+    }
+    if (am_st_read_f32(af, m->a, 0, rE * in, a, err) < 0 || am_st_read_f32(af, m->b, 0, out * rE, b, err) < 0)
+        goto out;
+    for (int64_t e = 0; e < E; e++)
+        for (int64_t i = 0; i < in; i++) {
+            int64_t at = (e * in + i) * out;
+            if (am_st_read_f32(m->wfile, m->w, at, out, w, err) < 0)
+                goto out;
+            for (int64_t o = 0; o < out; o++) {
+                double d = 0.0;
+                for (long k = 0; k < r; k++)
+                    d += (double)a[(e * r + k) * in + i] * (double)b[o * rE + k * E + e];
+                row[o] = d;
+            }
+            for (int64_t o = 0; o < out; o++)
+                store(m->w->dtype, m->merged, at + o, (double)w[o] + scale * row[o]);
+        }
     rc = 0;
 out:
     free(a);
@@ -448,6 +590,7 @@ long am_peft_merge(const char *base_dir, const char *peft_dir, const char *out_i
     long r = 0, rc = -1;
     double alpha = 0;
     struct ranks ranks = {0};
+    struct params params = {0};
     size_t len = strlen(out_in);
     while (len > 1 && out_in[len - 1] == '/')
         len--;
@@ -484,8 +627,16 @@ long am_peft_merge(const char *base_dir, const char *peft_dir, const char *out_i
     if (am_ckpt_open(base_dir, &base, err) < 0)
         return -1;
     if (am_path_cat(path, sizeof(path), peft_dir, "/", "adapter_config.json") < 0 ||
-        read_config(path, &r, &alpha, &ranks, err) < 0)
+        read_config(path, &r, &alpha, &ranks, &params, err) < 0)
         goto done;
+    /* the base's model_type: gpt_oss's experts are the parameters merged as x @ W */
+    bool transposed = false;
+    if (am_path_cat(path, sizeof(path), base_dir, "/", "config.json") == 0) {
+        json_t *bc = json_load_file(path, 0, NULL);
+        const char *mt = json_string_value(json_object_get(bc, "model_type"));
+        transposed = mt && strcmp(mt, "gpt_oss") == 0;
+        json_decref(bc);
+    }
     if (am_path_cat(path, sizeof(path), peft_dir, "/", "adapter_model.safetensors") < 0)
         goto done;
     if (access(path, F_OK) != 0) {
@@ -498,7 +649,7 @@ long am_peft_merge(const char *base_dir, const char *peft_dir, const char *out_i
                                          : "name a step-N/peft directory or one PeftModel.save_pretrained wrote");
         goto done;
     }
-    if (am_st_open(path, &af, err) < 0 || collect(af, base, r, &ranks, &m, &nm, err) < 0)
+    if (am_st_open(path, &af, err) < 0 || collect(af, base, r, &ranks, &params, transposed, &m, &nm, err) < 0)
         goto done;
     for (size_t j = 0; j < nm; j++)
         if (merge_one(af, &m[j], alpha, err) < 0)
@@ -519,10 +670,12 @@ done:
         am_remove_tree(tmp);
     for (size_t j = 0; m && j < nm; j++) {
         free(m[j].name);
+        free(m[j].wname);
         free(m[j].merged);
     }
     free(m);
     ranks_free(&ranks);
+    params_free(&params);
     if (af)
         am_st_close(af);
     am_ckpt_close(base);

@@ -11,6 +11,13 @@
  *     adapter_config.json's, or rank_pattern's for a module one of its keys matches (peft's
  *     match: the first key that is the whole name or its end after a '.', read as a POSIX
  *     extended regular expression; AutoModel's moe_rank_scaling experts);
+ *   - with adapter_config.json's target_parameters (peft's ParamWrapper), on a gpt_oss base: each
+ *     adapted 3-D parameter W [E, in, out] (the module path M, with one ".base_layer" per wrapper
+ *     inside the outermost, names the parameter: peft nests a module's target_parameters in
+ *     sorted order, the first outermost; gpt_oss's experts: M = ...mlp.experts for down_proj,
+ *     ...mlp.experts.base_layer for gate_up_proj) replaced by W_e + (lora_alpha / r) A_eᵀ B_eᵀ
+ *     for each expert e, A [r E, in] holding expert e's rows at e r + k, B [out, r E] its
+ *     columns at k E + e (peft's delta for a weight used as x @ W), rounded once as above;
  *   - every other tensor copied bit for bit, each in the same file as in BASE (the shards and
  *     model.safetensors.index.json keep their names);
  *   - config.json and the other top-level files of BASE (tokenizer files,
@@ -25,7 +32,8 @@
  * expression); a tensor of the adapters that is not a LoRA A or B matrix; a module with A and
  * no B (or B and no A); a module the base lacks (lm_head's adapter on a base that ties the
  * head to the embedding has its own message: merged, it would change the input embedding
- * too); shapes that do not fit the base weight and the module's r. lm_head's adapter on an
+ * too); shapes that do not fit the base weight and the module's r; target_parameters on a base
+ * other than gpt_oss (whose parameters' orientation am-ckpt does not know). lm_head's adapter on an
  * untied base is merged into lm_head.weight as any other.
  */
 #ifndef AM_PEFT_MERGE_H

@@ -185,6 +185,123 @@ int am_model_load_hf(struct am_model *m, const char *dir, struct am_errors *err)
     return err->n > before ? -1 : 0;
 }
 
+/* gpt_oss's ParamWrapper tensors of a layer's experts' adapters (fuse_gpt_oss_lora) */
+static const char *const pw_names[4] = {"base_layer.lora_A.weight", "base_layer.lora_B.weight", "lora_A.weight",
+                                        "lora_B.weight"};
+
+/* Where element (y, c) of run w's expert e (w: A, B of gate, B of up, A and B of down; moe.h) lies
+ * in the ParamWrapper tensors: their index (pw_names) in *k, the flat index returned. */
+static int64_t pw_index(int w, int64_t e, int64_t E, int64_t r, int64_t I, int64_t C, int64_t y, int64_t c, int *k)
+{
+    switch (w) {
+    case 0: /* A [r, C]: base_layer.lora_A [r E, C] */
+        return *k = 0, (e * r + y) * C + c;
+    case 1: /* B of gate [I, r]: base_layer.lora_B [2I, r E], the even rows */
+    case 2: /* B of up, the odd rows */
+        return *k = 1, (2 * y + (w == 2)) * r * E + c * E + e;
+    case 3: /* down's A [r, I]: lora_A [r E, I] */
+        return *k = 2, (e * r + y) * I + c;
+    default: /* down's B [C, r]: lora_B [C, r E] */
+        return *k = 3, y * r * E + c * E + e;
+    }
+}
+
+/* gpt_oss: the run and the global expert of an expert adapter p (false: p is none) */
+static bool pw_run(const struct am_model *m, const struct am_param *p, int *w, int64_t *e)
+{
+    int ep = m->sh.ep > 1 ? m->sh.ep : 1;
+    int64_t El = m->cfg.num_experts / ep, e0 = (int64_t)(ep > 1 ? m->sh.ep_rank : 0) * El;
+    for (int l = 0; m->cfg.gpt_oss && l < m->n_layers; l++) {
+        const struct am_moe_layer *X = m->layers[l].moe;
+        const struct am_param *first[5] = {X ? X->la : NULL, X ? X->lbg : NULL, X ? X->lbu : NULL,
+                                           X ? X->lda : NULL, X ? X->ldb : NULL};
+        for (int k = 0; k < 5 && first[0]; k++)
+            if (p >= first[k] && p < first[k] + El)
+                return *w = k, *e = e0 + (p - first[k]), true;
+    }
+    return false;
+}
+
+int am_model_peft_place(const struct am_model *m, const struct am_param *p, char *name, size_t len, int64_t shape[2],
+                        int64_t *at)
+{
+    int w;
+    int64_t e, C = m->cfg.hidden_size, I = m->cfg.moe_intermediate_size, E = m->cfg.num_experts;
+    int64_t rows = p->full_rows, cols = p->full_cols > 0 ? p->full_cols : 1;
+    if (!pw_run(m, p, &w, &e)) {
+        snprintf(name, len, "base_model.model.%s", p->name);
+        shape[0] = p->full_rows, shape[1] = p->full_cols;
+        for (int64_t i = 0; at && i < rows * cols; i++)
+            at[i] = i;
+        return 0;
+    }
+    int64_t r = m->sh.lora_experts_r > 0 ? m->sh.lora_experts_r : m->sh.lora_r;
+    const int64_t shapes[4][2] = {{r * E, C}, {2 * I, r * E}, {r * E, I}, {C, r * E}};
+    int k = 0;
+    for (int64_t y = 0; y < rows; y++)
+        for (int64_t c = 0; c < cols; c++) {
+            int64_t i = pw_index(w, e, E, r, I, C, y, c, &k);
+            if (at)
+                at[y * cols + c] = i;
+        }
+    char pre[96];
+    experts_prefix(pre, sizeof(pre), p);
+    snprintf(name, len, "base_model.model.%s.%s", pre, pw_names[k]);
+    shape[0] = shapes[k][0], shape[1] = shapes[k][1];
+    return 1;
+}
+
+/* gpt_oss: the experts' adapters held here from peft's ParamWrapper tensors of each MoE layer
+ * (fuse_gpt_oss_lora's layout), each tensor read once. */
+static void load_gpt_oss_lora(struct am_model *m, struct am_st_file *f, const char *path, struct am_errors *err)
+{
+    int64_t C = m->cfg.hidden_size, I = m->cfg.moe_intermediate_size, E = m->cfg.num_experts;
+    int ep = m->sh.ep > 1 ? m->sh.ep : 1;
+    int64_t El = E / ep, e0 = (int64_t)(ep > 1 ? m->sh.ep_rank : 0) * El;
+    int64_t r = m->sh.lora_experts_r > 0 ? m->sh.lora_experts_r : m->sh.lora_r;
+    const int64_t shape[4][2] = {{r * E, C}, {2 * I, r * E}, {r * E, I}, {C, r * E}};
+    float *full[4] = {0}, *one = malloc((size_t)(r * (C > I ? C : I)) * sizeof(float));
+    for (int k = 0; k < 4; k++)
+        full[k] = malloc((size_t)(shape[k][0] * shape[k][1]) * sizeof(float));
+    for (int l = 0; l < m->n_layers && one && full[0] && full[1] && full[2] && full[3]; l++) {
+        const struct am_moe_layer *X = m->layers[l].moe;
+        if (!X || !X->la)
+            continue;
+        char pre[96], name[160];
+        experts_prefix(pre, sizeof(pre), X->la);
+        bool ok = true;
+        for (int k = 0; k < 4 && ok; k++) {
+            snprintf(name, sizeof(name), "base_model.model.%s.%s", pre, pw_names[k]);
+            const struct am_st_info *t = am_st_find(f, name);
+            if (!t || t->ndim != 2 || t->shape[0] != shape[k][0] || t->shape[1] != shape[k][1]) {
+                am_errorf(err, NULL, "%s: %s: %s (want [%lld, %lld])", path, name, t ? "another shape" : "missing",
+                          (long long)shape[k][0], (long long)shape[k][1]);
+                ok = false;
+            } else if (am_st_read_f32(f, t, 0, shape[k][0] * shape[k][1], full[k], err) < 0) {
+                ok = false;
+            }
+        }
+        const struct am_param *first[5] = {X->la, X->lbg, X->lbu, X->lda, X->ldb};
+        for (int64_t j = 0; ok && j < El; j++)
+            for (int w = 0; w < 5; w++) {
+                const struct am_param *p = first[w] + j;
+                int64_t rows = p->w.shape[0], cols = p->w.shape[1];
+                int k = 0;
+                for (int64_t y = 0; y < rows; y++)
+                    for (int64_t c = 0; c < cols; c++) {
+                        int64_t i = pw_index(w, e0 + j, E, r, I, C, y, c, &k);
+                        one[y * cols + c] = full[k][i];
+                    }
+                m->K->upload(m->dev, p->w.data, one, (size_t)(rows * cols) * sizeof(float));
+            }
+    }
+    if (!one || !full[0] || !full[1] || !full[2] || !full[3])
+        am_errorf(err, NULL, "%s: out of memory reading gpt_oss's experts' adapters", path);
+    for (int k = 0; k < 4; k++)
+        free(full[k]);
+    free(one);
+}
+
 int am_model_load_peft(struct am_model *m, const char *dir, struct am_errors *err)
 {
     char path[4096];
@@ -195,7 +312,7 @@ int am_model_load_peft(struct am_model *m, const char *dir, struct am_errors *er
     size_t before = err->n;
     for (int i = 0; i < m->n_params; i++) {
         struct am_param *p = &m->params[i];
-        if (!am_model_is_lora(p))
+        if (!am_model_is_lora(p) || (m->cfg.gpt_oss && am_moe_is_expert_param(m, p))) /* load_gpt_oss_lora */
             continue;
         char name[160];
         snprintf(name, sizeof(name), "base_model.model.%s", p->name);
@@ -220,6 +337,8 @@ int am_model_load_peft(struct am_model *m, const char *dir, struct am_errors *er
         free(full);
         free(mine);
     }
+    if (m->cfg.gpt_oss && m->sh.lora_experts && m->moe)
+        load_gpt_oss_lora(m, f, path, err);
     am_st_close(f);
     am_model_cast_weights(m);
     return err->n > before ? -1 : 0;
@@ -537,6 +656,67 @@ static int fuse_gpt_oss(struct saver *s, struct am_errors *err)
     return 0;
 }
 
+/* gpt_oss with LoRA on the experts: the gathered adapters (every layer's six runs of E entries:
+ * A, B of gate, B of up, A and B of down, A again for up; moe.h) replaced by the four tensors of
+ * peft's ParamWrapper on transformers' fused experts (target_parameters mlp.experts.down_proj,
+ * the outer wrapper, and mlp.experts.gate_up_proj, the inner one: peft wraps them in sorted
+ * order). GptOssExperts' parameters are [E, in, out] (used as x @ W, is_transposed), so peft keeps
+ * in and out, and folds the experts into the rank: expert e's rank row k of lora_A is row e r + k,
+ * its column of lora_B column k E + e, and its delta is s (A_e)ᵀ (B_e)ᵀ, am's s B A transposed:
+ *   experts.base_layer.lora_A.weight [r E, C]: the A of gate and up (GroupedExpertsLoRA's shared A);
+ *   experts.base_layer.lora_B.weight [2I, r E]: gate's B at the even rows, up's at the odd (as
+ *     gate_up_proj's columns are);
+ *   experts.lora_A.weight [r E, I]: down's A;  experts.lora_B.weight [C, r E]: down's B. */
+static int fuse_gpt_oss_lora(struct saver *s, struct am_errors *err)
+{
+    const struct am_model *m = s->m;
+    int64_t C = m->cfg.hidden_size, I = m->cfg.moe_intermediate_size, E = m->cfg.num_experts;
+    int64_t layers = s->n_ep / (6 * E), r = m->sh.lora_experts_r > 0 ? m->sh.lora_experts_r : m->sh.lora_r;
+    int64_t per = r * E * (2 * I + C + C + I);
+    struct ep_tensor *ep = calloc((size_t)(4 * layers + 1), sizeof(*ep));
+    float *mem = malloc((size_t)(layers * per + 1) * sizeof(float));
+    if (!ep || !mem) {
+        free(ep);
+        free(mem);
+        am_errorf(err, NULL, "%s: saving: out of memory for gpt_oss's experts' adapters", s->dir);
+        return -1;
+    }
+    for (int64_t l = 0; l < layers; l++) {
+        const struct ep_tensor *x = s->ep + l * 6 * E; /* run k's expert e: x[k * E + e] */
+        float *gua = mem + l * per, *gub = gua + r * E * C, *dna = gub + 2 * I * r * E, *dnb = dna + r * E * I;
+        for (int64_t e = 0; e < E; e++) {
+            const float *a = x[e].data, *bg = x[E + e].data, *bu = x[2 * E + e].data; /* [r, C], [I, r] twice */
+            const float *da = x[3 * E + e].data, *db = x[4 * E + e].data;             /* [r, I], [C, r] */
+            memcpy(gua + e * r * C, a, (size_t)(r * C) * sizeof(float));
+            memcpy(dna + e * r * I, da, (size_t)(r * I) * sizeof(float));
+            for (int64_t k = 0; k < r; k++) {
+                for (int64_t i = 0; i < I; i++) {
+                    gub[2 * i * r * E + k * E + e] = bg[i * r + k];
+                    gub[(2 * i + 1) * r * E + k * E + e] = bu[i * r + k];
+                }
+                for (int64_t c = 0; c < C; c++)
+                    dnb[c * r * E + k * E + e] = db[c * r + k];
+            }
+        }
+        char pre[96];
+        const char *first = x[0].t.name, *dot = strstr(first, ".experts.");
+        snprintf(pre, sizeof(pre), "%.*s.experts", dot ? (int)(dot - first) : 0, first);
+        struct ep_tensor *t = ep + 4 * l;
+        t[0] = (struct ep_tensor){.t = {.ndim = 2, .rows = r * E, .cols = C}, .data = gua};
+        t[1] = (struct ep_tensor){.t = {.ndim = 2, .rows = 2 * I, .cols = r * E}, .data = gub};
+        t[2] = (struct ep_tensor){.t = {.ndim = 2, .rows = r * E, .cols = I}, .data = dna};
+        t[3] = (struct ep_tensor){.t = {.ndim = 2, .rows = C, .cols = r * E}, .data = dnb};
+        for (int k = 0; k < 4; k++)
+            snprintf(t[k].t.name, sizeof(t[k].t.name), "%.60s.%s", pre, pw_names[k]);
+    }
+    free(s->ep);
+    free(s->ep_mem);
+    s->ep = ep;
+    s->ep_mem = mem;
+    s->n_ep = 4 * layers;
+    return 0;
+}
+
 /* glm4_moe's selection biases (moe.h), buffers whole on every rank of the layer's stage: copied
  * to the host and listed after the gathered experts, as those are (whole on every tp rank). */
 static int add_biases(struct saver *s, struct am_errors *err)
@@ -581,6 +761,8 @@ static int saver_init(struct saver *s, const struct am_model *m, struct am_comm 
     if (gather && gather_experts(s, ep && am_comm_size(ep) > 1 ? ep : NULL, err) < 0)
         return -1;
     if (!peft && m->cfg.gpt_oss && fuse_gpt_oss(s, err) < 0) /* transformers' fused experts */
+        return -1;
+    if (peft && m->cfg.gpt_oss && s->n_ep && fuse_gpt_oss_lora(s, err) < 0) /* peft's ParamWrapper */
         return -1;
     if (!saves)
         return 0;
@@ -1009,7 +1191,7 @@ int am_model_save_peft_dist(const struct am_model *m, struct am_comm *tp, struct
     for (int64_t l = 0; experts && l < c->num_hidden_layers; l++)
         moe_layers += am_model_layer_is_moe(c, l);
     /* the projections' names, and with the experts each expert's gate, up and down by its path
-     * (AutoModel's per-expert target_modules) */
+     * (AutoModel's per-expert target_modules), or gpt_oss's fused experts as target_parameters */
     size_t cap = AM_LORA_NTARGETS + (size_t)(3 * moe_layers * c->num_experts), n = 0;
     const char **targets = calloc(cap, sizeof(*targets));
     char *paths = calloc(cap, 96);
@@ -1024,7 +1206,10 @@ int am_model_save_peft_dist(const struct am_model *m, struct am_comm *tp, struct
             targets[n++] = am_lora_target_name_of(c, t);
     bool mixtral = strcmp(c->model_type, "mixtral") == 0;
     const char *kind[3] = {mixtral ? "w1" : "gate_proj", mixtral ? "w3" : "up_proj", mixtral ? "w2" : "down_proj"};
-    for (int64_t l = 0; experts && l < c->num_hidden_layers; l++)
+    /* gpt_oss: transformers' fused experts, adapted as parameters (fuse_gpt_oss_lora) */
+    static const char *const fused[2] = {"mlp.experts.gate_up_proj", "mlp.experts.down_proj"};
+    bool pw = experts && c->gpt_oss;
+    for (int64_t l = 0; experts && !pw && l < c->num_hidden_layers; l++)
         for (int64_t e = 0; am_model_layer_is_moe(c, l) && e < c->num_experts; e++)
             for (int k = 0; k < 3; k++, n++) {
                 snprintf(paths + n * 96, 96, "model.layers.%lld.%s.experts.%lld.%s", (long long)l,
@@ -1032,16 +1217,18 @@ int am_model_save_peft_dist(const struct am_model *m, struct am_comm *tp, struct
                 targets[n] = paths + n * 96;
             }
     int rc = -1;
-    if (m->sh.lora_r < 1 || n == 0) {
+    if (m->sh.lora_r < 1 || (n == 0 && !pw)) {
         am_errorf(err, NULL, "%s: saving LoRA adapters: the model has none", dir);
     } else {
         struct am_peft_config cfg = {.r = m->sh.lora_r, .alpha = m->sh.lora_alpha, .targets = targets,
-                                     .n_targets = n, .base_model = base_model, .dropout = m->lora_drop.p};
+                                     .n_targets = n, .params = fused, .n_params = pw ? 2 : 0,
+                                     .base_model = base_model, .dropout = m->lora_drop.p};
         /* the experts' adapters of their own rank (moe_rank_scaling): peft's rank_pattern, matching
          * each expert's projections ("model.layers.0.mlp.experts.3.gate_proj") */
         if (experts && m->sh.lora_experts_r > 0 && m->sh.lora_experts_r != m->sh.lora_r) {
-            cfg.rank_key = mixtral ? "experts\\.[0-9]+\\.(w1|w3|w2)"
-                                   : "experts\\.[0-9]+\\.(gate_proj|up_proj|down_proj)";
+            cfg.rank_key = pw        ? "experts\\.(gate_up_proj|down_proj)"
+                           : mixtral ? "experts\\.[0-9]+\\.(w1|w3|w2)"
+                                     : "experts\\.[0-9]+\\.(gate_proj|up_proj|down_proj)";
             cfg.rank_r = m->sh.lora_experts_r;
         }
         rc = save_dist(m, tp, pp, experts ? ep : NULL, saves, dir, NULL, &cfg, err);

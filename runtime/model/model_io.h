@@ -20,9 +20,18 @@ int am_model_load_hf(struct am_model *m, const char *dir, struct am_errors *err)
 /* (LoRA's adapters, am_model_is_lora, are neither loaded nor saved by the am_model_*_hf functions.) */
 
 /* Copies every LoRA adapter of m from dir/adapter_model.safetensors, as the peft library saves
- * them ("base_model.model." + the parameter's name), each rank its tp slice. Returns 0, or -1
+ * them ("base_model.model." + the parameter's name; gpt_oss's experts' in peft's ParamWrapper
+ * tensors, am_model_peft_place), each rank its tp slice. Returns 0, or -1
  * with messages naming the tensor (missing, or of another shape). */
 int am_model_load_peft(struct am_model *m, const char *dir, struct am_errors *err);
+
+/* Where LoRA's adapter p lies in peft's adapter_model.safetensors (am_model_save_peft_dist):
+ * the tensor's name and shape, and (at not NULL) the flat index in it of each element (row y,
+ * column c) of p's full matrix, at[y * full_cols + c]. gpt_oss's experts' adapters lie in the
+ * four ParamWrapper tensors of their layer's fused experts (returns 1); every other adapter is its
+ * own tensor, "base_model.model." + its name, in order (returns 0). */
+int am_model_peft_place(const struct am_model *m, const struct am_param *p, char *name, size_t len, int64_t shape[2],
+                        int64_t *at);
 
 /* True when dir holds weights (model.safetensors or model.safetensors.index.json). */
 int am_model_dir_has_weights(const char *dir);

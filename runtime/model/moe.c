@@ -109,9 +109,6 @@ int am_moe_check(const struct am_model_config *cfg, const struct am_model_shard 
         return am_fail(err, err_len, "model: %s with both load-balancing losses, transformers' (output_router_logits) "
                        "and AutoModel's (aux_loss_coeff %g): a model computes one of them (set output_router_logits: "
                        "false, or moe_overrides.aux_loss_coeff: 0)", cfg->model_type, cfg->aux_loss_coeff);
-    if (cfg->gpt_oss && sh->lora_r > 0 && sh->lora_experts)
-        return am_fail(err, err_len, "model: LoRA on gpt_oss's experts: their biases and clamped SwiGLU have no "
-                       "adapters in am yet (adapt the attention's projections alone)");
     if (cfg->n_shared_experts > 0 && (cfg->n_shared_experts * cfg->moe_intermediate_size) % sh->tp)
         return am_fail(err, err_len, "model: tp_size %d does not divide the shared experts' width %ld (n_shared_experts "
                        "x moe_intermediate_size), which tp splits as an MLP (use a tp_size that divides it)", sh->tp,

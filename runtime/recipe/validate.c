@@ -352,15 +352,6 @@ static void lora_kv_tp(struct check *c)
 
 /* LoRA on gpt_oss: the attention's projections (AutoModel's gpt-oss recipes' target_modules '*_proj',
  * which its experts, a module named mlp.experts, do not match); the experts' adapters are not run */
-static void gpt_oss_lora_experts(struct check *c)
-{
-    const struct am_recipe *r = c->r;
-    if (r->peft.enabled && r->model.gpt_oss && r->peft.experts)
-        FAIL(c, "peft.target_modules", "the patterns select gpt_oss's experts (model.layers.N.mlp.experts), whose "
-             "adapters are not run by am-train yet (their biases and the clamped SwiGLU); AutoModel's gpt-oss LoRA "
-             "recipes adapt the attention alone: target_modules '*_proj' (q, k, v and o)");
-}
-
 /* AutoModel's moe_rank_scaling: the experts' adapters of rank dim // num_experts_per_tok, which
  * must be 1 at least (AutoModel raises the same) */
 static void lora_moe_rank(struct check *c)
@@ -459,7 +450,6 @@ static const struct {
 } run_rules[] = {
     {"fp16", fp16},           {"moe-sp", moe_sp},       {"lora-head-dropout", lora_head_dropout},
     {"lora-kv-tp", lora_kv_tp}, {"lora-moe-rank", lora_moe_rank},
-    {"gpt-oss-lora-experts", gpt_oss_lora_experts},
     {"glm-shared-tp", glm_shared_tp}, {"dsv3-no-bias", dsv3_no_bias}, {"bias-packed", bias_packed},
     {"aux-packed", aux_packed}, {"aux-twice", aux_twice},
     {"dataset", dataset},

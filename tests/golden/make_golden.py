@@ -1562,6 +1562,13 @@ LORA_CASES = {
     # stay frozen; plain_peft as glm4_moe_lora)
     "gpt_oss_lora": dict(base="gpt_oss_tiny", r=4, alpha=8, targets=["q_proj", "k_proj", "v_proj", "o_proj"],
                          adapter_seed=3201, plain_peft=True),
+    # gpt-oss with its experts adapted too, as AutoModel's GroupedExpertsLoRA does (one A for gate
+    # and up, a B each, an A and B for down; g/u = x W + s (x A) B + b, the down bias times the
+    # routing weight): peft's target_parameters on transformers' fused gate_up_proj and down_proj
+    # (its ParamWrapper, delta s A_e^T B_e^T per expert, the same sum), with the attention's
+    "gpt_oss_lora_experts": dict(base="gpt_oss_tiny", r=4, alpha=8, targets=["q_proj", "k_proj", "v_proj", "o_proj"],
+                                 params=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"], adapter_seed=3202,
+                                 plain_peft=True),
 }
 
 
@@ -1586,7 +1593,8 @@ def make_lora_model(case, dtype=torch.float32):
         plain_peft()
     model = make_model(spec["base"]).to(dtype)
     cfg = LoraConfig(r=spec["r"], lora_alpha=spec["alpha"], target_modules=spec["targets"], lora_dropout=0.0,
-                     bias="none", init_lora_weights=True, task_type="CAUSAL_LM")
+                     bias="none", init_lora_weights=True, task_type="CAUSAL_LM",
+                     target_parameters=spec.get("params"))
     torch.manual_seed(spec["adapter_seed"])  # peft's kaiming-uniform A
     pm = get_peft_model(model, cfg)
     g = torch.Generator().manual_seed(spec["adapter_seed"] + 500)
@@ -1596,6 +1604,42 @@ def make_lora_model(case, dtype=torch.float32):
                 p.copy_(LORA_B_INIT * torch.randn(p.shape, generator=g, dtype=torch.float32).to(dtype))
     pm.eval()
     return pm
+
+
+def check_automodel_experts(case, pm):
+    """A case with target_parameters on gpt-oss's fused experts: peft's ParamWrapper computes what
+    AutoModel's GroupedExpertsLoRA does (its _forward_loop), on random rows routed at random:
+    gu = x W + s (x A) B + b (A [E, C, r] shared by gate and up, B [E, r, 2I] interleaved as W),
+    the clamped SwiGLU of gate (even) and up (odd), times the routing weight, then
+    act W_d + s (act A_d) B_d + b_d times the weight; the adapters read from peft's file layout
+    (lora_A [r E, in] rows e r + k, lora_B [out, r E] columns k E + e)."""
+    spec = LORA_CASES[case]
+    base = make_model(spec["base"])
+    cfg, s = base.config, spec["alpha"] / spec["r"]
+    E, r, k = cfg.num_local_experts, spec["r"], cfg.num_experts_per_tok
+    g = torch.Generator().manual_seed(7)
+    sd = {n.replace(".default", ""): p.detach() for n, p in pm.named_parameters() if "lora" in n}
+    for l, layer in enumerate(base.model.layers):
+        ex = layer.mlp.experts
+        x = torch.randn(12, cfg.hidden_size, generator=g)
+        idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(12)])
+        w = torch.softmax(torch.randn(12, k, generator=g), -1)
+        want = pm.base_model.model.model.layers[l].mlp.experts(x, idx, w)
+        pre = f"base_model.model.model.layers.{l}.mlp.experts."
+        a_gu = sd[pre + "base_layer.lora_A.weight"].reshape(E, r, -1).permute(0, 2, 1)  # [E, C, r]
+        b_gu = sd[pre + "base_layer.lora_B.weight"].reshape(-1, r, E).permute(2, 1, 0)  # [E, r, 2I]
+        a_d = sd[pre + "lora_A.weight"].reshape(E, r, -1).permute(0, 2, 1)  # [E, I, r]
+        b_d = sd[pre + "lora_B.weight"].reshape(-1, r, E).permute(2, 1, 0)  # [E, r, C]
+        got = torch.zeros_like(x)
+        for t in range(12):
+            for j in range(k):
+                e = int(idx[t, j])
+                gu = x[t] @ ex.gate_up_proj[e] + (x[t] @ a_gu[e] @ b_gu[e]) * s + ex.gate_up_proj_bias[e]
+                gate, up = gu[::2].clamp(max=ex.limit), gu[1::2].clamp(-ex.limit, ex.limit)
+                act = gate * torch.sigmoid(ex.alpha * gate) * (up + 1) * w[t, j]
+                got[t] += act @ ex.down_proj[e] + (act @ a_d[e] @ b_d[e]) * s + ex.down_proj_bias[e] * w[t, j]
+        err = float((got - want).abs().max())
+        assert err <= 1e-5 * max(1.0, float(want.abs().max())), (case, l, err)
 
 
 def lora_run(pm, ids):
@@ -1647,6 +1691,9 @@ def generate_lora(case):
     pm.save_pretrained(os.path.join(outdir, "adapter_init"), save_embedding_layers=False)
     os.remove(os.path.join(outdir, "adapter_init", "README.md"))  # peft's model card: not data
     init = {k: v.detach().clone() for k, v in get_peft_model_state_dict(pm, save_embedding_layers=False).items()}
+    if spec.get("params"):
+        with torch.no_grad():
+            check_automodel_experts(case, pm)
     loss, grads, losses, final = lora_run(pm, ids)
     assert set(grads) == set(init), sorted(set(grads) ^ set(init))
     assert all(float(g.abs().max()) > 0 for g in grads.values()), "an adapter without gradient"

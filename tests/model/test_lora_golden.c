@@ -5,14 +5,16 @@
  * o, its dense layer's MLP, its shared experts' MLP (peft's mlp.shared_experts.gate_proj ...)
  * and lm_head; deepseek_v3_lora: DeepSeek-V3's multi-head latent attention (q_a_proj, q_b_proj,
  * kv_a_proj_with_mqa, kv_b_proj, o_proj), its dense and shared MLPs and lm_head; gpt_oss_lora:
- * gpt-oss's q, k, v and o (their biases and the attention sinks frozen); README.md).
+ * gpt-oss's q, k, v and o (their biases and the attention sinks frozen); gpt_oss_lora_experts:
+ * those and the experts, AutoModel's GroupedExpertsLoRA, whose gradients peft holds in its
+ * ParamWrapper tensors of the fused experts (am_model_peft_place finds each element); README.md).
  *
  * For each case: the base model from base/, the adapters peft saved from adapter_init/
  * (am_model_load_peft), one forward and backward of the golden batch on the CPU in fp32: the
  * loss within 1e-5 and every adapter's gradient within 1e-5 of that tensor's largest (the full
  * models' tolerances, tests/golden/README.md); the frozen base has no gradient memory at all (no
  * base parameter's g points anywhere: no weight-gradient kernel of the base can run); the
- * adapters are the model's last parameter group, alone.
+ * adapters are the model's last parameter group, alone (with the experts', the last two).
  * Before the load: am_model_init_lora's two initialisations (check_init) and a full save
  * (am_model_save_hf) that holds the base tensors only.
  * The 5 AdamW steps of the golden (losses_adamw, final.*) are checked with the trainer's
@@ -109,7 +111,7 @@ static int check_init(struct am_model *m, const char *name)
     return bad ? -1 : 0;
 }
 
-static int run_case(const char *name, int r, float alpha, unsigned targets)
+static int run_case(const char *name, int r, float alpha, unsigned targets, bool experts)
 {
     const char *src = getenv("AM_SRCDIR");
     char dir[1024], base[1100], path[1200], yaml[1300], msg[512];
@@ -143,20 +145,22 @@ static int run_case(const char *name, int r, float alpha, unsigned targets)
     sh.lora_r = r;
     sh.lora_alpha = alpha;
     sh.lora_targets = targets;
+    sh.lora_experts = experts;
     if (am_model_init(&m, &rc->model, &sh, &dev, NULL, NULL, B, T, msg, sizeof(msg)) < 0) {
         printf("FAIL: %s: %s\n", name, msg);
         return 1;
     }
-    /* the adapters: the last group, alone */
-    const struct am_pgroup *lg = &m.groups[m.n_groups - 1];
+    /* the adapters: the last group, alone (with the experts', "lora.experts", the last two) */
+    int ng = experts ? 2 : 1;
+    const struct am_pgroup *lg = &m.groups[m.n_groups - ng], *end = &m.groups[m.n_groups - 1];
     int misplaced = 0;
     for (int i = 0; i < m.n_params; i++)
-        misplaced += am_model_is_lora(&m.params[i]) != (i >= lg->first && i < lg->first + lg->n);
-    if (lg->kind != AM_PG_LORA || misplaced) {
+        misplaced += am_model_is_lora(&m.params[i]) != (i >= lg->first && i < end->first + end->n);
+    if (lg->kind != AM_PG_LORA || end->kind != AM_PG_LORA || misplaced) {
         printf("FAIL: %s: the adapters are not the last group, alone\n", name);
         return 1;
     }
-    if (check_init(&m, name) < 0)
+    if (!experts && check_init(&m, name) < 0) /* the experts' A are drawn as AutoModel's [E, in, dim] (test_lora_moe) */
         return 1;
     snprintf(path, sizeof(path), "%s/adapter_init", dir);
     if (am_model_load_hf(&m, base, &err) < 0 || am_model_load_peft(&m, path, &err) < 0) {
@@ -176,6 +180,7 @@ static int run_case(const char *name, int r, float alpha, unsigned targets)
     bad += !(fabs(loss - want) < 1e-5);
     int adapters = 0;
     double worst = 0;
+    char last[160] = "";
     for (int i = 0; i < m.n_params; i++) {
         const struct am_param *p = &m.params[i];
         const float *mine = p->g.data;
@@ -187,27 +192,34 @@ static int run_case(const char *name, int r, float alpha, unsigned targets)
             }
             continue;
         }
-        char key[200];
-        snprintf(key, sizeof(key), "grad.base_model.model.%s", p->name);
+        char key[200], name_in[160];
+        int64_t shape[2], *at = malloc((size_t)n * sizeof(int64_t));
+        /* gpt_oss's experts' adapters: elements of their layer's ParamWrapper tensors */
+        int fused = am_model_peft_place(&m, p, name_in, sizeof(name_in), shape, at);
+        snprintf(key, sizeof(key), "grad.%s", name_in);
         const struct am_st_info *t = am_st_find(g, key);
-        if (!t || t->numel != n) {
-            printf("FAIL: %s: golden has no %s of %lld elements\n", name, key, (long long)n);
+        if (!t || t->numel != shape[0] * (shape[1] > 0 ? shape[1] : 1)) {
+            printf("FAIL: %s: golden has no %s of %lld x %lld\n", name, key, (long long)shape[0], (long long)shape[1]);
             bad++;
+            free(at);
             continue;
         }
-        float *w = malloc((size_t)n * sizeof(float));
-        am_st_read_f32(g, t, 0, n, w, &err);
+        float *w = malloc((size_t)t->numel * sizeof(float));
+        am_st_read_f32(g, t, 0, t->numel, w, &err);
         double big = 0, diff = 0;
-        for (int64_t k = 0; k < n; k++) {
+        for (int64_t k = 0; k < t->numel; k++) /* the largest of the whole tensor, as for the others */
             big = fmax(big, fabs(w[k]));
-            diff = fmax(diff, fabs((double)mine[k] - w[k]));
-        }
+        for (int64_t k = 0; k < n; k++)
+            diff = fmax(diff, fabs((double)mine[k] - w[at[k]]));
+        free(at);
         if (!(diff <= 1e-5 * big) || big == 0) {
             printf("FAIL: %s: gradient of %s differs by %g (largest %g)\n", name, p->name, diff, big);
             bad++;
         }
         worst = fmax(worst, big > 0 ? diff / big : 1);
-        adapters++;
+        adapters += !fused || strcmp(name_in, last) != 0; /* gpt_oss: each ParamWrapper tensor once (its
+                                                             experts' runs are consecutive) */
+        snprintf(last, sizeof(last), "%s", fused ? name_in : "");
         free(w);
     }
     int64_t want_adapters = 0;
@@ -231,14 +243,17 @@ static int run_case(const char *name, int r, float alpha, unsigned targets)
 
 int main(void)
 {
-    fails += run_case("llama_lora_qv", 4, 8, 1u << AM_LORA_Q | 1u << AM_LORA_V);
-    fails += run_case("llama_lora_all", 4, 8, (1u << (AM_LORA_DOWN + 1)) - 1);
-    fails += run_case("llama_lora_head", 4, 8, 1u << AM_LORA_Q | 1u << AM_LORA_V | 1u << AM_LORA_HEAD);
-    fails += run_case("gemma2_lora_head", 4, 8, 1u << AM_LORA_Q | 1u << AM_LORA_V | 1u << AM_LORA_HEAD);
-    fails += run_case("glm4_moe_lora", 4, 8, ((1u << (AM_LORA_DOWN + 1)) - 1) | 1u << AM_LORA_HEAD);
+    fails += run_case("llama_lora_qv", 4, 8, 1u << AM_LORA_Q | 1u << AM_LORA_V, false);
+    fails += run_case("llama_lora_all", 4, 8, (1u << (AM_LORA_DOWN + 1)) - 1, false);
+    fails += run_case("llama_lora_head", 4, 8, 1u << AM_LORA_Q | 1u << AM_LORA_V | 1u << AM_LORA_HEAD, false);
+    fails += run_case("gemma2_lora_head", 4, 8, 1u << AM_LORA_Q | 1u << AM_LORA_V | 1u << AM_LORA_HEAD, false);
+    fails += run_case("glm4_moe_lora", 4, 8, ((1u << (AM_LORA_DOWN + 1)) - 1) | 1u << AM_LORA_HEAD, false);
     fails += run_case("deepseek_v3_lora", 4, 8,
                       1u << AM_LORA_Q_A | 1u << AM_LORA_Q | 1u << AM_LORA_KV_A | 1u << AM_LORA_KV_B | 1u << AM_LORA_O |
-                          1u << AM_LORA_GATE | 1u << AM_LORA_UP | 1u << AM_LORA_DOWN | 1u << AM_LORA_HEAD);
-    fails += run_case("gpt_oss_lora", 4, 8, 1u << AM_LORA_Q | 1u << AM_LORA_K | 1u << AM_LORA_V | 1u << AM_LORA_O);
+                          1u << AM_LORA_GATE | 1u << AM_LORA_UP | 1u << AM_LORA_DOWN | 1u << AM_LORA_HEAD, false);
+    fails += run_case("gpt_oss_lora", 4, 8, 1u << AM_LORA_Q | 1u << AM_LORA_K | 1u << AM_LORA_V | 1u << AM_LORA_O,
+                      false);
+    fails += run_case("gpt_oss_lora_experts", 4, 8,
+                      1u << AM_LORA_Q | 1u << AM_LORA_K | 1u << AM_LORA_V | 1u << AM_LORA_O, true);
     return fails ? 1 : 0;
 }

@@ -25,7 +25,8 @@
  * and then peft's initial adapters (CASE/adapter_init), and the optimizer steps the adapters
  * alone (the gradient slab's span, as am-train); one series without clipping, each loss against
  * losses_adamw (the golden has no grad norms), then every adapter element this rank holds
- * against the golden's final adapters (final.*) within 5e-5 absolute (test_golden's tolerance
+ * against the golden's final adapters (final.*; gpt_oss's experts' in their ParamWrapper tensors,
+ * am_model_peft_place) within 5e-5 absolute (test_golden's tolerance
  * for final weights: AdamW moves an element whose gradient nearly cancels by up to lr on
  * rounding alone).
  *
@@ -213,21 +214,25 @@ static int compare_final(const struct am_model *m, const struct golden *G, struc
         const struct am_param *p = &m->params[i];
         if (!am_model_is_lora(p))
             continue;
-        char key[200];
-        snprintf(key, sizeof(key), "final.base_model.model.%s", p->name);
-        const struct am_st_info *gi = am_st_find(f, key);
-        int64_t cols = p->full_cols, lr = p->w.shape[0], lc = p->w.shape[1];
-        float *want = gi && gi->numel == p->full_rows * cols ? malloc((size_t)gi->numel * sizeof(float)) : NULL;
+        char key[200], name[160];
+        int64_t shape[2], cols = p->full_cols, lr = p->w.shape[0], lc = p->w.shape[1];
+        int64_t *at = malloc((size_t)(p->full_rows * cols) * sizeof(int64_t));
+        if (at) /* gpt_oss's experts' adapters: in their layer's ParamWrapper tensors */
+            am_model_peft_place(m, p, name, sizeof(name), shape, at);
+        snprintf(key, sizeof(key), "final.%s", at ? name : p->name);
+        const struct am_st_info *gi = at ? am_st_find(f, key) : NULL;
+        float *want = gi && gi->numel == shape[0] * (shape[1] > 0 ? shape[1] : 1)
+                          ? malloc((size_t)gi->numel * sizeof(float)) : NULL;
         float *mine = malloc((size_t)(lr * lc) * sizeof(float));
         if (!want || !mine || am_st_read_f32(f, gi, 0, gi->numel, want, err) < 0) {
-            rc = am_errors_fail(err, "%s: no %s of %lld x %lld", G->golden, key, (long long)p->full_rows,
-                                (long long)cols);
+            rc = am_errors_fail(err, "%s: no %s of %lld x %lld", G->golden, key, (long long)shape[0],
+                                (long long)shape[1]);
         } else {
             m->K->download(m->dev, mine, p->w.data, (size_t)(lr * lc) * sizeof(float));
             double diff = 0;
             for (int64_t y = 0; y < lr; y++)
                 for (int64_t c = 0; c < lc; c++)
-                    diff = fmax(diff, fabs((double)mine[y * lc + c] - want[(p->row0 + y) * cols + p->col0 + c]));
+                    diff = fmax(diff, fabs((double)mine[y * lc + c] - want[at[(p->row0 + y) * cols + p->col0 + c]]));
             worst = fmax(worst, diff);
             t->checks++;
             t->failures += !(diff <= FINAL_TOL);
@@ -237,6 +242,7 @@ static int compare_final(const struct am_model *m, const struct golden *G, struc
         }
         free(want);
         free(mine);
+        free(at);
     }
     am_st_close(f);
     t->final_worst = fmax(t->final_worst, worst);
@@ -269,6 +275,8 @@ static int run_series(struct dist *d, const struct golden *G, bool clip, struct 
         sh.lora_r = (int)r->peft.dim;
         sh.lora_alpha = (float)r->peft.alpha;
         sh.lora_targets = r->peft.targets & ((1u << AM_LORA_NTARGETS) - 1);
+        sh.lora_experts = r->peft.experts;
+        sh.lora_experts_r = r->peft.experts ? (int)r->peft.experts_dim : 0;
     }
     if (am_model_init(&m, &r->model, &sh, &d->dev, d->g.tp, pp, p->microbatch_size, p->seq_length, msg, sizeof(msg)) < 0 ||
         am_pipe_bind(&pipe, &m, p->microbatch_size, pp, p->pp > 1 ? d->g.pp_grad : NULL, msg, sizeof(msg)) < 0) {

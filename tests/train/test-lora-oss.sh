@@ -21,13 +21,27 @@
 #     (less the CUDA kernels' scratch, which the CPU's kernels do not allocate);
 #   merge: am-ckpt merge makes q_proj's and o_proj's weights W + s B A in the base (whose experts
 #     are transformers' fused tensors, copied as they are).
-# (refusals.tsv: the experts selected on gpt_oss, rule gpt-oss-lora-experts.)
+# The experts adapted too (target_modules ['*_proj', '*.experts']), as AutoModel's
+# GroupedExpertsLoRA does (g/u = x W + s (x A) B + b, the down bias times the routing weight):
+#   golden: golden_dist on gpt_oss_lora_experts (peft's target_parameters on the fused experts,
+#     checked against AutoModel's formula by make_golden.py) at one rank and tp 2, as above;
+#   checkpoint: each layer's experts' adapters in peft's ParamWrapper tensors (experts.lora_A/B
+#     for down_proj, experts.base_layer.lora_A/B for gate_up_proj, the experts folded into the
+#     rank), adapter_config.json's target_parameters naming the fused parameters;
+#   parity: tp 2, ep 2, pp 2, tp 2 x ep 2 and tp 2 x ep 2 in bf16 against one rank, as above, the
+#     saved adapters within 5e-5 (golden_dist's tolerance for final adapters: after 4 AdamW steps
+#     an element whose gradient nearly cancels moves by up to lr on rounding alone; the experts'
+#     came within 1e-5 here);
+#   resume: ep 2 stopped after step 2 and restored gives steps 3 and 4 to the last bit;
+#   moe_rank_scaling: the experts' adapters at rank dim // top_k, rank_pattern naming them;
+#   memory: every rank's allocation is am-plan's estimate, to the byte;
+#   merge: am-ckpt merge makes gate_up_proj and down_proj W_e + s A_eᵀ B_eᵀ for each expert.
 set -u
 . "$(dirname "$0")/lora-lib.sh"
 steps=4 loss_tol=1e-5 norm_tol=1e-5
-golden=gpt_oss_lora
+golden=gpt_oss_lora targets="'*_proj'"
 
-# golden: golden_dist on peft's gpt_oss_lora
+# golden: golden_dist on peft's gpt_oss_lora (and gpt_oss_lora_experts)
 golden_recipe() { # TP PP
     cat <<EOF
 model:
@@ -61,7 +75,7 @@ clip_grad_norm:
   max_norm: null
 peft:
   _target_: nemo_automodel.components._peft.lora.PeftConfig
-  target_modules: '*_proj'
+  target_modules: $targets
   dim: 4
   alpha: 8
   dropout: 0.0
@@ -70,9 +84,10 @@ dist_env:
   timeout_minutes: 1
 EOF
 }
-for run in "1 1" "2 1"; do
+for run in "1 1 gpt_oss_lora" "2 1 gpt_oss_lora" "1 1 gpt_oss_lora_experts" "2 1 gpt_oss_lora_experts"; do
     set -- $run
-    name=golden-tp$1-pp$2
+    golden=$3 name=golden-tp$1-pp$2-$3 targets="'*_proj'"
+    [ "$golden" = gpt_oss_lora ] || targets="['*_proj', '*.experts']"
     golden_recipe "$1" "$2" >"$work/$name.yaml"
     if (cd "$work" && AM_LOG_DIR="$work/logs-$name" timeout 300 "$AM_BUILDDIR/am-launch" --nproc $(($1 * $2)) \
         "$work/$name.yaml" -- "$AM_BUILDDIR/tests/train/golden_dist" "$golden" >"$work/out-$name" 2>&1) &&
@@ -86,10 +101,10 @@ done
 
 lora_dataset 600 GPL-3 Apache-2.0
 
-recipe() { # NAME EP: tiny_lora.yaml as gpt_oss in fp32 on the instruction data, target_modules '*_proj'
+recipe() { # NAME EP [TARGETS]: tiny_lora.yaml as gpt_oss in fp32 on the instruction data, target_modules '*_proj'
     sed -e "s|paths: .*|paths: $work/ds|" -e "s/max_steps: .*/max_steps: $steps/" -e "s/ckpt_every_steps: .*/ckpt_every_steps: 2/" \
         -e 's/model_type: llama/model_type: gpt_oss\n  num_local_experts: 4\n  num_experts_per_tok: 2\n  head_dim: 16\n  sliding_window: 24/' \
-        -e "s/target_modules: .*/target_modules: '*_proj'/" -e "s|checkpoint_dir: .*|checkpoint_dir: $work/ckpt-$1|" \
+        -e "s/target_modules: .*/target_modules: ${3:-'*_proj'}/" -e "s|checkpoint_dir: .*|checkpoint_dir: $work/ckpt-$1|" \
         -e "s/tp_size: 1/tp_size: 1\n  ep_size: $2/" \
         "$AM_SRCDIR/sbatch-templates/recipes/tiny_lora.yaml" >"$work/$1.yaml"
 }
@@ -191,8 +206,98 @@ else
     bad "LoRA on gpt_oss tp2 resume: $(tail -2 "$work/steps-tp2" | tr '\n' ' ') against $(tr '\n' ' ' <"$work/steps-cut" 2>/dev/null)"
 fi
 
+# the experts adapted too: one rank, its checkpoint, the layouts and bf16 against it
+xt="['*_proj', '*.experts']"
+recipe xref 1 "$xt"
+train xref 1 "$work/xref.yaml" || { sed 's/^/    /' "$work/out-xref"; bad "LoRA on gpt_oss's experts did not train on one rank"; exit 1; }
+steps_of "$work/logs-xref" >"$work/steps-xref"
+if [ "$(wc -l <"$work/steps-xref")" = "$steps" ] &&
+    awk 'NR == 1 { a = $2 } END { exit !($2 < a) }' "$work/steps-xref" &&
+    [ "$(memory "$work/logs-xref" 0 grads_bytes)" = "$(($(memory "$work/logs-xref" 0 adapter_params) * 4))" ] &&
+    [ "$(memory "$work/logs-xref" 0 adapter_params)" -gt "$(memory "$work/logs-ref" 0 adapter_params)" ]; then
+    ok "LoRA on gpt_oss's attention and experts, one rank: losses $(awk '{ printf "%s ", $2 }' "$work/steps-xref"); gradients of the $(memory "$work/logs-xref" 0 adapter_params) adapter parameters only"
+else
+    bad "LoRA on gpt_oss's experts, one rank: losses $(awk '{ printf "%s ", $2 }' "$work/steps-xref"), grads_bytes $(memory "$work/logs-xref" 0 grads_bytes) for $(memory "$work/logs-xref" 0 adapter_params) adapter parameters"
+fi
+xad="$work/ckpt-xref/step-$steps/peft/adapter_model.safetensors" xcfg="$work/ckpt-xref/step-$steps/peft/adapter_config.json"
+# the attention's 32 and 4 layers x 4 ParamWrapper tensors: rank 8 x 4 experts = 32; C 64, I 176
+if [ -f "$xad" ] && tensors "$xad" >"$work/names-xref" && [ "$(wc -l <"$work/names-xref")" = 48 ] &&
+    [ "$(grep -v experts "$work/names-xref")" = "$(cat "$work/names-ref")" ] &&
+    grep -qx "$p.1.mlp.experts.base_layer.lora_A.weight 32 64" "$work/names-xref" &&
+    grep -qx "$p.1.mlp.experts.base_layer.lora_B.weight 352 32" "$work/names-xref" &&
+    grep -qx "$p.3.mlp.experts.lora_A.weight 32 176" "$work/names-xref" &&
+    grep -qx "$p.3.mlp.experts.lora_B.weight 64 32" "$work/names-xref" &&
+    [ "$(grep -c experts "$work/names-xref")" = 16 ] &&
+    tr -d ' \n' <"$xcfg" | grep -qF '"target_parameters":["mlp.experts.gate_up_proj","mlp.experts.down_proj"]' &&
+    ! tr -d ' \n' <"$xcfg" | grep -q 'experts\.[0-9]'; then
+    ok "step-$steps/peft holds each layer's experts' adapters in peft's ParamWrapper tensors (base_layer.lora_A [32, 64], base_layer.lora_B [352, 32], lora_A [32, 176], lora_B [64, 32]) beside the attention's; target_parameters name the fused experts"
+else
+    bad "step-$steps/peft with the experts: $(wc -l <"$work/names-xref" 2>&1) tensors; $(grep experts "$work/names-xref" | head -4 | tr '\n' ';'); $(tr -d ' \n' <"$xcfg" | grep -o '"target_parameters":\[[^]]*')"
+fi
+for layout in "xtp2 2 1 AM_TP=2" "xep2 2 2" "xpp2 2 1 AM_PP=2" "xtp2-ep2 4 2 AM_TP=2"; do
+    set -- $layout
+    name=$1 n=$2 ep=$3
+    shift 3
+    recipe "$name" "$ep" "$xt"
+    if ! train "$name" "$n" "$work/$name.yaml" "$@"; then
+        bad "$name did not train"; sed 's/^/    /' "$work/out-$name"; continue
+    fi
+    steps_of "$work/logs-$name" >"$work/steps-$name"
+    if compare xref "$name"; then
+        ok "LoRA on gpt_oss's experts ${name#x} matches one rank: $(cat "$work/cmp-$name")"
+    else
+        bad "LoRA on gpt_oss's experts ${name#x}: $(cat "$work/cmp-$name")"; paste "$work/steps-xref" "$work/steps-$name" | sed 's/^/    /'
+    fi
+    f="$work/ckpt-$name/step-$steps/peft/adapter_model.safetensors"
+    if [ -f "$f" ] && [ "$(tensors "$f")" = "$(cat "$work/names-xref")" ] && awk -v tol=5e-5 '
+            NR == FNR { a[FNR] = $0; n = FNR; next } { d = a[FNR] - $0; if (d < 0) d = -d; if (d > w) w = d }
+            END { printf "%.2g", w; exit !(FNR == n && w <= tol) }' <(floats "$xad") <(floats "$f") >"$work/ad-$name"; then
+        ok "LoRA on gpt_oss's experts ${name#x} saves one rank's adapters (names, shapes; values within $(cat "$work/ad-$name"))"
+    else
+        bad "LoRA on gpt_oss's experts ${name#x}: its saved adapters differ from one rank's ($(cat "$work/ad-$name" 2>/dev/null))"
+    fi
+done
+for run in "xref-bf16 1 xref" "xtp2-ep2-bf16 4 xtp2-ep2 AM_TP=2"; do
+    set -- $run
+    sed -e 's/param_dtype: float32/param_dtype: bfloat16/' -e "s|ckpt-$3|ckpt-$1|" "$work/$3.yaml" >"$work/$1.yaml"
+    name=$1 n=$2
+    shift 3
+    train "$name" "$n" "$work/$name.yaml" "$@" && steps_of "$work/logs-$name" >"$work/steps-$name" || { bad "$name did not train"; sed 's/^/    /' "$work/out-$name"; }
+done
+tol=$(bf16_tol xref xref-bf16)
+if compare xref-bf16 xtp2-ep2-bf16 "${tol%% *}" "${tol##* }"; then
+    ok "LoRA on gpt_oss's experts tp2-ep2 matches one rank in bf16: $(cat "$work/cmp-xtp2-ep2-bf16")"
+else
+    bad "LoRA on gpt_oss's experts tp2-ep2 in bf16: $(cat "$work/cmp-xtp2-ep2-bf16")"; paste "$work/steps-xref-bf16" "$work/steps-xtp2-ep2-bf16" | sed 's/^/    /'
+fi
+
+# resume: ep 2 with the experts stopped after step 2 and restored gives steps 3 and 4 to the last bit
+recipe xcut 2 "$xt" && sed -i -e 's/max_steps: .*/max_steps: 2/' "$work/xcut.yaml" &&
+    train xcut 2 "$work/xcut.yaml" && sed -i 's/max_steps: .*/max_steps: 4/' "$work/xcut.yaml" && rm -rf "$work/logs-xcut" &&
+    train xcut 2 "$work/xcut.yaml" && steps_of "$work/logs-xcut" >"$work/steps-xcut"
+if [ -f "$work/steps-xcut" ] && [ "$(tail -2 "$work/steps-xep2")" = "$(cat "$work/steps-xcut")" ]; then
+    ok "LoRA on gpt_oss's experts ep2: restored after step 2, steps 3-4 are the uninterrupted run's to the last bit"
+else
+    bad "LoRA on gpt_oss's experts ep2 resume: $(tail -2 "$work/steps-xep2" | tr '\n' ' ') against $(tr '\n' ' ' <"$work/steps-xcut" 2>/dev/null)"
+fi
+
+# moe_rank_scaling (AutoModel's): the experts' adapters of rank dim // num_experts_per_tok = 8 // 2
+# = 4 at ep 2: their ParamWrapper tensors at rank 4 x 4 experts, rank_pattern saying so
+recipe xrank 2 "$xt" && sed -i "s/target_modules: .*/&\n  moe_rank_scaling: true/" "$work/xrank.yaml"
+if train xrank 2 "$work/xrank.yaml" && tensors "$work/ckpt-xrank/step-$steps/peft/adapter_model.safetensors" >"$work/names-xrank" &&
+    grep -qx "$p.0.mlp.experts.base_layer.lora_A.weight 16 64" "$work/names-xrank" &&
+    grep -qx "$p.0.mlp.experts.lora_B.weight 64 16" "$work/names-xrank" &&
+    grep -qx "$p.0.self_attn.q_proj.lora_A.weight 8 64" "$work/names-xrank" &&
+    tr -d ' \n' <"$work/ckpt-xrank/step-$steps/peft/adapter_config.json" |
+    grep -qF '"rank_pattern":{"experts\\.(gate_up_proj|down_proj)":4}'; then
+    ok "moe_rank_scaling: the experts' ParamWrapper tensors at rank 4 (x 4 experts), the attention's at 8; rank_pattern {experts\\.(gate_up_proj|down_proj): 4}"
+else
+    bad "moe_rank_scaling on gpt_oss's experts: $(grep 'experts' "$work/names-xrank" 2>/dev/null | head -2 | tr '\n' ';') $(tail -3 "$work/out-xrank")"
+fi
+
 # memory: every rank's allocation is am-plan's estimate for its pipeline rank, to the byte
-for run in "ref 1" "tp2 2 AM_TP=2" "ep2 2" "pp2 2 AM_PP=2" "tp2-ep2 4 AM_TP=2" "tp2-ep2-bf16 4 AM_TP=2"; do
+for run in "ref 1" "tp2 2 AM_TP=2" "ep2 2" "pp2 2 AM_PP=2" "tp2-ep2 4 AM_TP=2" "tp2-ep2-bf16 4 AM_TP=2" \
+    "xref 1" "xtp2 2 AM_TP=2" "xep2 2" "xpp2 2 AM_PP=2" "xtp2-ep2 4 AM_TP=2" "xtp2-ep2-bf16 4 AM_TP=2" "xrank 2"; do
     set -- $run
     name=$1 n=$2
     shift 2
@@ -250,6 +355,37 @@ if train base 1 "$work/base.yaml" && "$AM_BUILDDIR/am-ckpt" merge "$work/ckpt-ba
     fi
 else
     bad "am-ckpt merge of gpt_oss's adapters: $(cat "$work/out-merge" 2>/dev/null)"; sed 's/^/    /' "$work/out-base" | tail -5
+fi
+
+# merge with the experts: gate_up_proj and down_proj become W_e + s A_eᵀ B_eᵀ for each expert
+# (A [r E, in] with expert e's rows at e r + k, B [out, r E] its columns at k E + e; r 8, E 4, s 4)
+if [ -d "$work/ckpt-base/step-1/hf" ] && "$AM_BUILDDIR/am-ckpt" merge "$work/ckpt-base/step-1/hf" \
+    "$work/ckpt-xref/step-$steps/peft" "$work/xmerged" >"$work/out-xmerge" 2>&1 &&
+    grep -q "merged 24 adapted weights" "$work/out-xmerge"; then
+    fit=1
+    for w in "model.layers.1.mlp.experts.base_layer gate_up_proj 64 352" "model.layers.2.mlp.experts down_proj 176 64"; do
+        set -- $w
+        awk -v s=4 -v r=8 -v E=4 -v ni="$3" -v no="$4" '
+            FNR == 1 { f++ } f == 1 { A[FNR - 1] = $1 } f == 2 { B[FNR - 1] = $1 } f == 3 { W[FNR - 1] = $1 }
+            f == 4 { i = FNR - 1; e = int(i / (ni * no)); x = int(i / no) % ni; o = i % no; d = 0
+                     for (k = 0; k < r; k++) d += A[(e * r + k) * ni + x] * B[o * r * E + k * E + e]
+                     g = $1 - W[i] - s * d; if (g < 0) g = -g; if (g > worst) worst = g; n++ }
+            END { printf "%.2g ", worst; exit !(n == E * ni * no && worst < 1e-6) }' \
+            <(values "$xad" "base_model.model.$1.lora_A.weight") <(values "$xad" "base_model.model.$1.lora_B.weight") \
+            <(values "$work/ckpt-base/step-1/hf/model.safetensors" "${1%.base_layer}.$2") \
+            <(values "$work/xmerged/model.safetensors" "${1%.base_layer}.$2") >>"$work/xmerge-fit" || fit=0
+    done
+    for t in model.layers.1.mlp.experts.gate_up_proj_bias model.layers.2.mlp.router.weight; do
+        [ "$(values "$work/ckpt-base/step-1/hf/model.safetensors" "$t" | md5sum)" = \
+            "$(values "$work/xmerged/model.safetensors" "$t" | md5sum)" ] || fit=0
+    done
+    if [ "$fit" = 1 ]; then
+        ok "am-ckpt merge: gate_up_proj and down_proj become W_e + s A_eᵀ B_eᵀ (within $(cat "$work/xmerge-fit")), the experts' biases and the router copied"
+    else
+        bad "am-ckpt merge of the experts' adapters: a merged parameter is not W_e + s A_eᵀ B_eᵀ, or a base tensor changed ($(cat "$work/xmerge-fit" 2>/dev/null))"
+    fi
+else
+    bad "am-ckpt merge of gpt_oss's experts' adapters: $(cat "$work/out-xmerge" 2>/dev/null)"
 fi
 
 echo "$passes passed, $fails failed"
