@@ -1,10 +1,11 @@
 # tests/train/lora-lib.sh - what the LoRA end-to-end tests share (sourced by test-lora.sh,
-# test-lora-dropout.sh, test-lora-moe.sh, test-lora-head.sh and test-lora-glm.sh): the test
+# test-lora-dropout.sh, test-lora-moe.sh, test-lora-head.sh, test-lora-glm.sh and test-lora-oss.sh): the test
 # environment, a work directory $work (kept when AM_LORA_KEEP is set), the counts of passed and
 # failed checks (ok, bad), the instruction dataset, the runs and their steps compared with
 # test-parity.sh's measures, the saved adapters read back; for the MoE scripts (test-lora-moe.sh,
-# test-lora-glm.sh), one rank's run, the layouts and the bf16 runs against it (lora_ref,
-# lora_layouts, lora_bf16) and am-ckpt merge's weights against W + s B A (merge_error).
+# test-lora-glm.sh, test-lora-oss.sh), one rank's run, the layouts, the bf16 runs and a resume
+# against it (lora_ref, lora_layouts, lora_bf16, lora_resume), every rank's allocation against
+# am-plan's (lora_memory) and am-ckpt merge's weights against W + s B A (merge_error).
 
 : "${AM_SRCDIR:=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)}"
 : "${AM_BUILDDIR:=$PWD}"
@@ -76,16 +77,21 @@ plan_of() { # RECIPE NPROC SETS...: am-plan's total of each pp rank, less the CU
         sed -E 's/"kernel_scratch":([0-9.e+]+),.*"total":([0-9.e+]+)/\1 \2/' | awk '{ printf "%.0f\n", $2 - $1 }'
 }
 
-# lora_resume WHAT: the tp 2 run (steps-tp2) stopped after step 2 (its checkpoint) and restored
-# gives steps 3 and 4 to the last bit
+# lora_resume [-x TARGETS] WHAT FROM NPROC EP [VAR=VALUE...]: the run FROM (steps-FROM, the
+# script's recipe on NPROC ranks with the variables) stopped after step 2 (its checkpoint) and
+# restored gives steps 3 and 4 to the last bit
 lora_resume() {
-    recipe cut 1 && sed -i -e 's/max_steps: .*/max_steps: 2/' "$work/cut.yaml" &&
-        train cut 2 "$work/cut.yaml" AM_TP=2 && sed -i 's/max_steps: .*/max_steps: 4/' "$work/cut.yaml" && rm -rf "$work/logs-cut" &&
-        train cut 2 "$work/cut.yaml" AM_TP=2 && steps_of "$work/logs-cut" >"$work/steps-cut"
-    if [ -f "$work/steps-cut" ] && [ "$(tail -2 "$work/steps-tp2")" = "$(cat "$work/steps-cut")" ]; then
-        ok "$1 tp2: restored after step 2, steps 3-4 are the uninterrupted run's to the last bit"
+    local targets= what from n ep cut
+    while [ "${1#-}" != "$1" ]; do case $1 in -x) targets=$2 ;; esac; shift 2; done
+    what=$1 from=$2 n=$3 ep=$4 cut=cut-$2
+    shift 4
+    recipe "$cut" "$ep" ${targets:+"$targets"} && sed -i -e 's/max_steps: .*/max_steps: 2/' "$work/$cut.yaml" &&
+        train "$cut" "$n" "$work/$cut.yaml" "$@" && sed -i 's/max_steps: .*/max_steps: 4/' "$work/$cut.yaml" &&
+        rm -rf "$work/logs-$cut" && train "$cut" "$n" "$work/$cut.yaml" "$@" && steps_of "$work/logs-$cut" >"$work/steps-$cut"
+    if [ -f "$work/steps-$cut" ] && [ "$(tail -2 "$work/steps-$from")" = "$(cat "$work/steps-$cut")" ]; then
+        ok "$what $from: restored after step 2, steps 3-4 are the uninterrupted run's to the last bit"
     else
-        bad "$1 tp2 resume: $(tail -2 "$work/steps-tp2" | tr '\n' ' ') against $(tr '\n' ' ' <"$work/steps-cut" 2>/dev/null)"
+        bad "$what $from resume: $(tail -2 "$work/steps-$from" | tr '\n' ' ') against $(tr '\n' ' ' <"$work/steps-$cut" 2>/dev/null)"
     fi
 }
 
@@ -108,7 +114,7 @@ lora_memory() {
             pp=$(grep -h '"coords":{"pp":' "$work/logs-$name"/*/rank-"$r".jsonl | sed -E 's/.*"coords":\{"pp":([0-9]+).*/\1/')
             got=$(total_of "$work/logs-$name" "$r")
             w=$(awk -v a="${want[$pp]:-0}" 'BEGIN { printf "%d", a }')
-            if [ "$got" = "$w" ]; then
+            if [ "$got" = "$w" ] && [ "$got" -gt 0 ]; then
                 equal=$((equal + 1))
             else
                 detail="$detail rank $r (pp $pp): allocated $got bytes, am-plan $w;"
@@ -158,26 +164,32 @@ lora_ref() {
     fi
 }
 
-# lora_layouts WHAT LAYOUT...: each LAYOUT "NAME NPROC EP [VAR=VALUE...]" (the script's `recipe
-# NAME EP` on NPROC ranks with the variables) against one rank's run ref: its steps (compare), and
-# its saved adapters one rank's (names-ref's names and shapes, values within 1e-5)
+# The layouts, bf16 and resume checks compare against one rank's run ref, its adapters within
+# 1e-5, each run's recipe `recipe NAME EP`; their options change that: -r REF another run of one
+# rank, -t TOL another tolerance for the adapters, -x TARGETS `recipe NAME EP TARGETS`.
+
+# lora_layouts [-r REF] [-t TOL] [-x TARGETS] WHAT LAYOUT...: each LAYOUT "NAME NPROC EP
+# [VAR=VALUE...]" (the script's recipe on NPROC ranks with the variables) against REF: its steps
+# (compare), and its saved adapters REF's (names-REF's names and shapes, values within TOL)
 lora_layouts() {
-    local what=$1 layout name n ep vars f ad="$work/ckpt-ref/step-$steps/peft/adapter_model.safetensors"
+    local ref=ref tol=1e-5 targets= what layout name n ep vars f ad
+    while [ "${1#-}" != "$1" ]; do case $1 in -r) ref=$2 ;; -t) tol=$2 ;; -x) targets=$2 ;; esac; shift 2; done
+    what=$1 ad="$work/ckpt-$ref/step-$steps/peft/adapter_model.safetensors"
     shift
     for layout in "$@"; do
         read -r name n ep vars <<<"$layout"
-        recipe "$name" "$ep"
+        recipe "$name" "$ep" ${targets:+"$targets"}
         if ! train "$name" "$n" "$work/$name.yaml" $vars; then
             bad "$name did not train"; sed 's/^/    /' "$work/out-$name"; continue
         fi
         steps_of "$work/logs-$name" >"$work/steps-$name"
-        if compare ref "$name"; then
+        if compare "$ref" "$name"; then
             ok "$what $name matches one rank: $(cat "$work/cmp-$name")"
         else
-            bad "$what $name: $(cat "$work/cmp-$name")"; paste "$work/steps-ref" "$work/steps-$name" | sed 's/^/    /'
+            bad "$what $name: $(cat "$work/cmp-$name")"; paste "$work/steps-$ref" "$work/steps-$name" | sed 's/^/    /'
         fi
         f="$work/ckpt-$name/step-$steps/peft/adapter_model.safetensors"
-        if [ -f "$f" ] && [ "$(tensors "$f")" = "$(cat "$work/names-ref")" ] && awk -v tol=1e-5 '
+        if [ -f "$f" ] && [ "$(tensors "$f")" = "$(cat "$work/names-$ref")" ] && awk -v tol="$tol" '
                 NR == FNR { a[FNR] = $0; n = FNR; next } { d = a[FNR] - $0; if (d < 0) d = -d; if (d > w) w = d }
                 END { printf "%.2g", w; exit !(FNR == n && w <= tol) }' <(floats "$ad") <(floats "$f") >"$work/ad-$name"; then
             ok "$what $name saves one rank's adapters (names, shapes; values within $(cat "$work/ad-$name"))"
@@ -187,18 +199,19 @@ lora_layouts() {
     done
 }
 
-# lora_bf16 RUN...: one rank's run ref in bf16 (ref-bf16), then each RUN "NAME NPROC FROM
+# lora_bf16 [-r REF] RUN...: REF in bf16 (REF-bf16), then each RUN "NAME NPROC FROM
 # [VAR=VALUE...]", FROM's recipe in bf16 on NPROC ranks with the variables (its checkpoints in
-# ckpt-NAME), their steps in steps-NAME; sets $tol to bf16_tol of ref and ref-bf16, a failed
-# check when ref-bf16 is not different from ref
+# ckpt-NAME), their steps in steps-NAME; sets $tol to bf16_tol of REF and REF-bf16, a failed
+# check when REF-bf16 is not different from REF
 lora_bf16() {
-    local run name n from vars
-    for run in "ref-bf16 1 ref" "$@"; do
+    local ref=ref run name n from vars
+    while [ "${1#-}" != "$1" ]; do case $1 in -r) ref=$2 ;; esac; shift 2; done
+    for run in "$ref-bf16 1 $ref" "$@"; do
         read -r name n from vars <<<"$run"
         sed -e 's/param_dtype: float32/param_dtype: bfloat16/' -e "s|ckpt-$from|ckpt-$name|" "$work/$from.yaml" >"$work/$name.yaml"
         train "$name" "$n" "$work/$name.yaml" $vars && steps_of "$work/logs-$name" >"$work/steps-$name" || { bad "$name did not train"; sed 's/^/    /' "$work/out-$name"; }
     done
-    tol=$(bf16_tol ref ref-bf16)
+    tol=$(bf16_tol "$ref" "$ref-bf16")
     if ! awk -v t="${tol%% *}" 'BEGIN { exit !(t > 1e-5) }'; then
         bad "one rank's bf16 run is not different from fp32 ($tol): is bf16 used?"
     fi

@@ -174,7 +174,7 @@ else
     bad "LoRA on $arch with adapter dropout 0.1 at tp 2: $(cat "$work/cmp-drop-tp2")"; paste "$work/steps-drop" "$work/steps-drop-tp2" | sed 's/^/    /'
 fi
 
-lora_resume "LoRA on $arch"
+lora_resume "LoRA on $arch" tp2 2 1 AM_TP=2
 lora_memory "LoRA on $arch" "ref 1" "tp2 2 AM_TP=2" "ep2 2" "pp2 2 AM_PP=2" "tp2-ep2 4 AM_TP=2" "tp2-ep2-bf16 4 AM_TP=2"
 
 # merge: am-ckpt merge writes the dense MLP's and the shared experts' weights as W + s B A into

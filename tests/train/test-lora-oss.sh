@@ -109,35 +109,7 @@ recipe() { # NAME EP [TARGETS]: tiny_lora.yaml as gpt_oss in fp32 on the instruc
         "$AM_SRCDIR/sbatch-templates/recipes/tiny_lora.yaml" >"$work/$1.yaml"
 }
 
-recipe ref 1
-train ref 1 "$work/ref.yaml" || { sed 's/^/    /' "$work/out-ref"; bad "LoRA on gpt_oss did not train on one rank"; exit 1; }
-steps_of "$work/logs-ref" >"$work/steps-ref"
-if [ "$(wc -l <"$work/steps-ref")" = "$steps" ] &&
-    awk 'NR == 1 { a = $2 } END { exit !($2 < a) }' "$work/steps-ref" &&
-    [ "$(memory "$work/logs-ref" 0 grads_bytes)" = "$(($(memory "$work/logs-ref" 0 adapter_params) * 4))" ]; then
-    ok "LoRA on gpt_oss, one rank: losses $(awk '{ printf "%s ", $2 }' "$work/steps-ref"); gradients of the $(memory "$work/logs-ref" 0 adapter_params) adapter parameters only"
-else
-    bad "LoRA on gpt_oss, one rank: losses $(awk '{ printf "%s ", $2 }' "$work/steps-ref"), grads_bytes $(memory "$work/logs-ref" 0 grads_bytes) for $(memory "$work/logs-ref" 0 adapter_params) adapter parameters"
-fi
-
-tensors() { # FILE: "name rows cols" of each tensor, sorted
-    local n
-    n=$(od -An -t u8 -N 8 "$1" | tr -d ' ')
-    head -c $((8 + n)) "$1" | tail -c "$n" | grep -oE '"[^"]+":\{"dtype":"[A-Z0-9]+","shape":\[[0-9]+,[0-9]+\]' |
-        sed -E 's/"([^"]+)".*\[([0-9]+),([0-9]+)\]/\1 \2 \3/' | sort
-}
-floats() { # FILE: every value of the data, in the header's order
-    local n
-    n=$(od -An -t u8 -N 8 "$1" | tr -d ' ')
-    od -An -v -t f4 -j $((8 + n)) "$1" | tr -s ' ' '\n' | grep .
-}
-values() { # FILE NAME: the tensor's values, one a line
-    local n off
-    n=$(od -An -t u8 -N 8 "$1" | tr -d ' ')
-    off=$(head -c $((8 + n)) "$1" | tail -c "$n" | grep -oE "\"$2\":\\{[^}]*\\}" | grep -oE 'data_offsets":\[[0-9]+,[0-9]+' |
-        grep -oE '[0-9]+,[0-9]+')
-    od -An -v -t f4 -j $((8 + n + ${off%,*})) -N $((${off#*,} - ${off%,*})) "$1" | tr -s ' ' '\n' | grep .
-}
+lora_ref "LoRA on gpt_oss"
 ad="$work/ckpt-ref/step-$steps/peft/adapter_model.safetensors" cfg="$work/ckpt-ref/step-$steps/peft/adapter_config.json"
 p=base_model.model.model.layers
 # 4 layers x q, k, v, o x A, B; q [4 x 16, 64], k and v [2 x 16, 64], o [64, 4 x 16]
@@ -154,57 +126,17 @@ else
     bad "step-$steps/peft: $(wc -l <"$work/names-ref" 2>&1) tensors; $(tr -d ' \n' <"$cfg" | grep -o '"target_modules":\[[^]]*' | cut -c1-300)"
 fi
 
-for layout in "tp2 2 1 AM_TP=2" "ep2 2 2" "pp2 2 1 AM_PP=2" "tp2-ep2 4 2 AM_TP=2"; do
-    set -- $layout
-    name=$1 n=$2 ep=$3
-    shift 3
-    recipe "$name" "$ep"
-    if ! train "$name" "$n" "$work/$name.yaml" "$@"; then
-        bad "$name did not train"; sed 's/^/    /' "$work/out-$name"; continue
-    fi
-    steps_of "$work/logs-$name" >"$work/steps-$name"
-    if compare ref "$name"; then
-        ok "LoRA on gpt_oss $name matches one rank: $(cat "$work/cmp-$name")"
-    else
-        bad "LoRA on gpt_oss $name: $(cat "$work/cmp-$name")"; paste "$work/steps-ref" "$work/steps-$name" | sed 's/^/    /'
-    fi
-    f="$work/ckpt-$name/step-$steps/peft/adapter_model.safetensors"
-    if [ -f "$f" ] && [ "$(tensors "$f")" = "$(cat "$work/names-ref")" ] && awk -v tol=1e-5 '
-            NR == FNR { a[FNR] = $0; n = FNR; next } { d = a[FNR] - $0; if (d < 0) d = -d; if (d > w) w = d }
-            END { printf "%.2g", w; exit !(FNR == n && w <= tol) }' <(floats "$ad") <(floats "$f") >"$work/ad-$name"; then
-        ok "LoRA on gpt_oss $name saves one rank's adapters (names, shapes; values within $(cat "$work/ad-$name"))"
-    else
-        bad "LoRA on gpt_oss $name: its saved adapters differ from one rank's ($(cat "$work/ad-$name" 2>/dev/null))"
-    fi
-done
+
+lora_layouts "LoRA on gpt_oss" "tp2 2 1 AM_TP=2" "ep2 2 2" "pp2 2 1 AM_PP=2" "tp2-ep2 4 2 AM_TP=2"
 
 # bf16: tp 2 x ep 2 against one rank's bf16 run, within twice one rank's bf16-vs-fp32 differences
-for run in "ref-bf16 1 ref" "tp2-ep2-bf16 4 tp2-ep2 AM_TP=2"; do
-    set -- $run
-    sed -e 's/param_dtype: float32/param_dtype: bfloat16/' -e "s|ckpt-$3|ckpt-$1|" "$work/$3.yaml" >"$work/$1.yaml"
-    name=$1 n=$2
-    shift 3
-    train "$name" "$n" "$work/$name.yaml" "$@" && steps_of "$work/logs-$name" >"$work/steps-$name" || { bad "$name did not train"; sed 's/^/    /' "$work/out-$name"; }
-done
-tol=$(bf16_tol ref ref-bf16)
-if ! awk -v t="${tol%% *}" 'BEGIN { exit !(t > 1e-5) }'; then
-    bad "one rank's bf16 run is not different from fp32 ($tol): is bf16 used?"
-fi
+lora_bf16 "tp2-ep2-bf16 4 tp2-ep2 AM_TP=2"
 if compare ref-bf16 tp2-ep2-bf16 "${tol%% *}" "${tol##* }"; then
     ok "LoRA on gpt_oss tp2-ep2 matches one rank in bf16: $(cat "$work/cmp-tp2-ep2-bf16")"
 else
     bad "LoRA on gpt_oss tp2-ep2 in bf16: $(cat "$work/cmp-tp2-ep2-bf16")"; paste "$work/steps-ref-bf16" "$work/steps-tp2-ep2-bf16" | sed 's/^/    /'
 fi
-
-# resume: tp 2 stopped after step 2 (its checkpoint) and restored gives steps 3 and 4 to the last bit
-recipe cut 1 && sed -i -e 's/max_steps: .*/max_steps: 2/' "$work/cut.yaml" &&
-    train cut 2 "$work/cut.yaml" AM_TP=2 && sed -i 's/max_steps: .*/max_steps: 4/' "$work/cut.yaml" && rm -rf "$work/logs-cut" &&
-    train cut 2 "$work/cut.yaml" AM_TP=2 && steps_of "$work/logs-cut" >"$work/steps-cut"
-if [ -f "$work/steps-cut" ] && [ "$(tail -2 "$work/steps-tp2")" = "$(cat "$work/steps-cut")" ]; then
-    ok "LoRA on gpt_oss tp2: restored after step 2, steps 3-4 are the uninterrupted run's to the last bit"
-else
-    bad "LoRA on gpt_oss tp2 resume: $(tail -2 "$work/steps-tp2" | tr '\n' ' ') against $(tr '\n' ' ' <"$work/steps-cut" 2>/dev/null)"
-fi
+lora_resume "LoRA on gpt_oss" tp2 2 1 AM_TP=2
 
 # the experts adapted too: one rank, its checkpoint, the layouts and bf16 against it
 xt="['*_proj', '*.experts']"
@@ -234,52 +166,14 @@ if [ -f "$xad" ] && tensors "$xad" >"$work/names-xref" && [ "$(wc -l <"$work/nam
 else
     bad "step-$steps/peft with the experts: $(wc -l <"$work/names-xref" 2>&1) tensors; $(grep experts "$work/names-xref" | head -4 | tr '\n' ';'); $(tr -d ' \n' <"$xcfg" | grep -o '"target_parameters":\[[^]]*')"
 fi
-for layout in "xtp2 2 1 AM_TP=2" "xep2 2 2" "xpp2 2 1 AM_PP=2" "xtp2-ep2 4 2 AM_TP=2"; do
-    set -- $layout
-    name=$1 n=$2 ep=$3
-    shift 3
-    recipe "$name" "$ep" "$xt"
-    if ! train "$name" "$n" "$work/$name.yaml" "$@"; then
-        bad "$name did not train"; sed 's/^/    /' "$work/out-$name"; continue
-    fi
-    steps_of "$work/logs-$name" >"$work/steps-$name"
-    if compare xref "$name"; then
-        ok "LoRA on gpt_oss's experts ${name#x} matches one rank: $(cat "$work/cmp-$name")"
-    else
-        bad "LoRA on gpt_oss's experts ${name#x}: $(cat "$work/cmp-$name")"; paste "$work/steps-xref" "$work/steps-$name" | sed 's/^/    /'
-    fi
-    f="$work/ckpt-$name/step-$steps/peft/adapter_model.safetensors"
-    if [ -f "$f" ] && [ "$(tensors "$f")" = "$(cat "$work/names-xref")" ] && awk -v tol=5e-5 '
-            NR == FNR { a[FNR] = $0; n = FNR; next } { d = a[FNR] - $0; if (d < 0) d = -d; if (d > w) w = d }
-            END { printf "%.2g", w; exit !(FNR == n && w <= tol) }' <(floats "$xad") <(floats "$f") >"$work/ad-$name"; then
-        ok "LoRA on gpt_oss's experts ${name#x} saves one rank's adapters (names, shapes; values within $(cat "$work/ad-$name"))"
-    else
-        bad "LoRA on gpt_oss's experts ${name#x}: its saved adapters differ from one rank's ($(cat "$work/ad-$name" 2>/dev/null))"
-    fi
-done
-for run in "xref-bf16 1 xref" "xtp2-ep2-bf16 4 xtp2-ep2 AM_TP=2"; do
-    set -- $run
-    sed -e 's/param_dtype: float32/param_dtype: bfloat16/' -e "s|ckpt-$3|ckpt-$1|" "$work/$3.yaml" >"$work/$1.yaml"
-    name=$1 n=$2
-    shift 3
-    train "$name" "$n" "$work/$name.yaml" "$@" && steps_of "$work/logs-$name" >"$work/steps-$name" || { bad "$name did not train"; sed 's/^/    /' "$work/out-$name"; }
-done
-tol=$(bf16_tol xref xref-bf16)
+lora_layouts -r xref -t 5e-5 -x "$xt" "LoRA on gpt_oss's experts" "xtp2 2 1 AM_TP=2" "xep2 2 2" "xpp2 2 1 AM_PP=2" "xtp2-ep2 4 2 AM_TP=2"
+lora_bf16 -r xref "xtp2-ep2-bf16 4 xtp2-ep2 AM_TP=2"
 if compare xref-bf16 xtp2-ep2-bf16 "${tol%% *}" "${tol##* }"; then
     ok "LoRA on gpt_oss's experts tp2-ep2 matches one rank in bf16: $(cat "$work/cmp-xtp2-ep2-bf16")"
 else
     bad "LoRA on gpt_oss's experts tp2-ep2 in bf16: $(cat "$work/cmp-xtp2-ep2-bf16")"; paste "$work/steps-xref-bf16" "$work/steps-xtp2-ep2-bf16" | sed 's/^/    /'
 fi
-
-# resume: ep 2 with the experts stopped after step 2 and restored gives steps 3 and 4 to the last bit
-recipe xcut 2 "$xt" && sed -i -e 's/max_steps: .*/max_steps: 2/' "$work/xcut.yaml" &&
-    train xcut 2 "$work/xcut.yaml" && sed -i 's/max_steps: .*/max_steps: 4/' "$work/xcut.yaml" && rm -rf "$work/logs-xcut" &&
-    train xcut 2 "$work/xcut.yaml" && steps_of "$work/logs-xcut" >"$work/steps-xcut"
-if [ -f "$work/steps-xcut" ] && [ "$(tail -2 "$work/steps-xep2")" = "$(cat "$work/steps-xcut")" ]; then
-    ok "LoRA on gpt_oss's experts ep2: restored after step 2, steps 3-4 are the uninterrupted run's to the last bit"
-else
-    bad "LoRA on gpt_oss's experts ep2 resume: $(tail -2 "$work/steps-xep2" | tr '\n' ' ') against $(tr '\n' ' ' <"$work/steps-xcut" 2>/dev/null)"
-fi
+lora_resume -x "$xt" "LoRA on gpt_oss's experts" xep2 2 2
 
 # moe_rank_scaling (AutoModel's): the experts' adapters of rank dim // num_experts_per_tok = 8 // 2
 # = 4 at ep 2: their ParamWrapper tensors at rank 4 x 4 experts, rank_pattern saying so
@@ -295,34 +189,8 @@ else
     bad "moe_rank_scaling on gpt_oss's experts: $(grep 'experts' "$work/names-xrank" 2>/dev/null | head -2 | tr '\n' ';') $(tail -3 "$work/out-xrank")"
 fi
 
-# memory: every rank's allocation is am-plan's estimate for its pipeline rank, to the byte
-for run in "ref 1" "tp2 2 AM_TP=2" "ep2 2" "pp2 2 AM_PP=2" "tp2-ep2 4 AM_TP=2" "tp2-ep2-bf16 4 AM_TP=2" \
-    "xref 1" "xtp2 2 AM_TP=2" "xep2 2" "xpp2 2 AM_PP=2" "xtp2-ep2 4 AM_TP=2" "xtp2-ep2-bf16 4 AM_TP=2" "xrank 2"; do
-    set -- $run
-    name=$1 n=$2
-    shift 2
-    sets=()
-    for v in "$@"; do
-        case $v in AM_TP=*) sets+=(--set "distributed.tp_size=${v#*=}") ;; AM_PP=*) sets+=(--set "distributed.pp_size=${v#*=}") ;; esac
-    done
-    want=($(plan_of "$work/$name.yaml" "$n" "${sets[@]}"))
-    equal=0 detail=
-    for r in $(seq 0 $((n - 1))); do
-        pp=$(grep -h '"coords":{"pp":' "$work/logs-$name"/*/rank-"$r".jsonl | sed -E 's/.*"coords":\{"pp":([0-9]+).*/\1/')
-        got=$(total_of "$work/logs-$name" "$r")
-        w=$(awk -v a="${want[$pp]:-0}" 'BEGIN { printf "%d", a }')
-        if [ "$got" = "$w" ]; then
-            equal=$((equal + 1))
-        else
-            detail="$detail rank $r (pp $pp): allocated $got bytes, am-plan $w;"
-        fi
-    done
-    if [ "$equal" = "$n" ]; then
-        ok "LoRA on gpt_oss $name: every rank's allocation is am-plan's estimate, to the byte"
-    else
-        bad "LoRA on gpt_oss $name: allocation off am-plan's estimate:$detail"
-    fi
-done
+lora_memory "LoRA on gpt_oss" "ref 1" "tp2 2 AM_TP=2" "ep2 2" "pp2 2 AM_PP=2" "tp2-ep2 4 AM_TP=2" "tp2-ep2-bf16 4 AM_TP=2" \
+    "xref 1" "xtp2 2 AM_TP=2" "xep2 2" "xpp2 2 AM_PP=2" "xtp2-ep2 4 AM_TP=2" "xtp2-ep2-bf16 4 AM_TP=2" "xrank 2"
 
 # merge: am-ckpt merge writes q_proj's and o_proj's weights as W + s B A into the base the adapters
 # were trained on, exported by a run of the same seed after one step at lr 0 (the warmup's first:
