@@ -736,9 +736,13 @@ static void test_deepseek_v3_tiny_bias_update_packed(void **state)
  * AutoModel's Gate._compute_aux_loss and MoEAuxLossAutoScaler applied to each router's output, the
  * cross entropy alone trained and reported): 5 clipped AdamW steps' losses, grad norms and aux
  * values, and the routers after them; micro 2: each step's batch as two micro-batches of one
- * sequence (the aux loss's gradient over 2, as am_moe_set_aux_div says; keys mb2.*). */
+ * sequence (the aux loss's gradient over 2, as am_moe_set_aux_div says; keys mb2.*); micro 0: the
+ * packed batch of aux_loss_packed.safetensors in one micro-batch (its pads out of load, score sums
+ * and T, and without the loss's gradient: AutoModel's token_mask). */
 static void check_aux_loss(const char *name, int micro)
 {
+    bool packed = micro == 0;
+    micro = packed ? 1 : micro;
     const char *pre = micro > 1 ? "mb2." : "";
     char kc[64], ka[64], kl[64], kn[64];
     snprintf(kc, sizeof(kc), "coeff");
@@ -750,7 +754,8 @@ static void check_aux_loss(const char *name, int micro)
     struct am_errors err;
     am_errors_init(&err);
     struct am_st_file *ref = NULL;
-    snprintf(path, sizeof(path), "%s/tests/golden/models/%s/aux_loss.safetensors", src ? src : ".", name);
+    snprintf(path, sizeof(path), "%s/tests/golden/models/%s/aux_loss%s.safetensors", src ? src : ".", name,
+             packed ? "_packed" : "");
     assert_int_equal(am_st_open(path, &ref, &err), 0);
     const struct am_st_info *ci = am_st_find(ref, kc), *ai = am_st_find(ref, ka);
     const struct am_st_info *wl = am_st_find(ref, kl), *wn = am_st_find(ref, kn);
@@ -763,6 +768,8 @@ static void check_aux_loss(const char *name, int micro)
     struct golden G;
     open_golden_with(&G, name, AM_F32, 0.0, coeff);
     assert_true(G.B % micro == 0 && !G.starts);
+    if (packed)
+        use_pack(&G, ref);
     am_moe_set_aux_div(&G.m, micro); /* one rank: the step's micro-batches */
     size_t E = G.m.n_elems;
     enum am_device dv = G.dev.device;
@@ -831,8 +838,9 @@ static void check_aux_loss(const char *name, int micro)
         finals++;
     }
     assert_true(finals > 0);
-    report("%s: aux loss (coeff %g, %d micro-batch(es)): losses %.2e, grad norms %.2e relative, aux %.2e (tolerances "
-           "1e-5), %d routers after the steps\n", name, coeff, micro, worst[0], worst[1], worst[2], finals);
+    report("%s: aux loss (coeff %g, %d micro-batch(es)%s): losses %.2e, grad norms %.2e relative, aux %.2e (tolerances "
+           "1e-5), %d routers after the steps\n", name, coeff, micro, packed ? ", packed" : "", worst[0], worst[1],
+           worst[2], finals);
     G.K->free(&G.dev, mom);
     G.K->free(&G.dev, var);
     G.K->free(&G.dev, sumsq_dev);
@@ -846,6 +854,7 @@ static void test_deepseek_v3_tiny_aux_loss(void **s)
     (void)s;
     check_aux_loss("deepseek_v3_tiny", 1);
     check_aux_loss("deepseek_v3_tiny", 2);
+    check_aux_loss("deepseek_v3_tiny", 0);
 }
 
 static void test_gpt_oss_tiny_aux_loss(void **s)
@@ -853,6 +862,7 @@ static void test_gpt_oss_tiny_aux_loss(void **s)
     (void)s;
     check_aux_loss("gpt_oss_tiny", 1);
     check_aux_loss("gpt_oss_tiny", 2);
+    check_aux_loss("gpt_oss_tiny", 0);
 }
 
 #define CASE_FP32(name)                                                                                            \
