@@ -621,10 +621,9 @@ static struct am_tensor span(const struct am_tensor *t, int64_t lo, int64_t hi)
 
 /* The runs of a micro-batch's rows that AutoModel's gate counts (its token_mask), for slot's B
  * sequences of N rows: with packed sequences those that are no pad (packed.h), else all of
- * them, one run (*runs then names a static pair). Returns their count. */
-static int64_t gate_runs(const struct am_model *m, int slot, int64_t N, const int64_t **runs)
+ * them, one run (*runs then names all, filled). Returns their count. */
+static int64_t gate_runs(const struct am_model *m, int slot, int64_t N, int64_t all[2], const int64_t **runs)
 {
-    static int64_t all[2];
     if (m->pk)
         return am_packed_runs(m, slot, N / m->seq_len, runs);
     all[0] = 0;
@@ -896,7 +895,7 @@ static int am_aux_forward(struct am_model *m, struct moe_acts *A, struct moe_slo
     /* AutoModel normalises the sigmoid scores with norm_topk_prob and more than one expert a token;
      * its token_mask: the runs of rows that are no pad */
     const int64_t *runs;
-    int64_t nr = gate_runs(m, A->slot, N, &runs);
+    int64_t all[2], nr = gate_runs(m, A->slot, N, all, &runs);
     for (int64_t r = 0; r < nr; r++) {
         struct am_tensor p = span(probs, runs[2 * r], runs[2 * r + 1]), i = span(idx, runs[2 * r], runs[2 * r + 1]);
         m->K->moe_aux_stats(m->dev, &cnt, &psum, &p, &i, M->sigmoid && M->renorm && M->k > 1);
@@ -947,7 +946,7 @@ static int moe_forward(struct am_model *m, const struct am_layer *L, const struc
     }
     if (load && m->pk) { /* the selection bias's loads: the rows that are no pad (AutoModel's token_mask) */
         const int64_t *runs;
-        int64_t nr = gate_runs(m, A->slot, N, &runs);
+        int64_t all[2], nr = gate_runs(m, A->slot, N, all, &runs);
         K->download(m->dev, M->idx_host, idx.data, (size_t)(N * M->k) * sizeof(int32_t));
         for (int64_t r = 0; r < nr; r++)
             for (int64_t j = runs[2 * r] * M->k; j < runs[2 * r + 1] * M->k; j++)
@@ -1052,7 +1051,7 @@ static int moe_backward(struct am_model *m, const struct am_layer *L, const stru
      * that are no pad are taken back without it */
     const int64_t *runs = NULL;
     bool masked = M->am_aux && m->pk;
-    int64_t nr = masked ? gate_runs(m, A->slot, N, &runs) : -1;
+    int64_t all[2], nr = masked ? gate_runs(m, A->slot, N, all, &runs) : -1;
     for (int64_t r = 0, lo = 0; r <= nr; r++) {
         int64_t hi = r < nr ? runs[2 * r] : N;
         if (lo < hi) { /* pads: no loss's gradient */
