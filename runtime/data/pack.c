@@ -252,6 +252,15 @@ int64_t am_packs_docs(const struct am_packs *p, int64_t i, const int64_t **docs)
     return p->first[i + 1] - p->first[i];
 }
 
+int64_t am_packs_rows(const struct am_packs *p, int64_t i)
+{
+    const int64_t *docs;
+    int64_t nd = am_packs_docs(p, i, &docs), rows = 0;
+    for (int64_t k = 0; k < nd; k++) /* a packed document has 2 tokens or more */
+        rows += rows_of(p->data, docs[k]);
+    return rows;
+}
+
 int am_packs_read(const struct am_packs *p, int64_t i, int32_t *tokens, int32_t *targets, int32_t *starts,
                   struct am_errors *err)
 {

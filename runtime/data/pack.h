@@ -58,6 +58,12 @@ bool am_packs_masked(const struct am_packs *p);     /* a loss mask was found bes
 /* The documents of pack i (their sequence numbers in the dataset, in the pack's order). */
 int64_t am_packs_docs(const struct am_packs *p, int64_t i, const int64_t **docs);
 
+/* The rows of pack i % count that its documents fill (the first ones; the rest of its size rows
+ * are pads): AutoModel's sum of the pack's seq_lens, what its THD batch's padding_mask leaves
+ * valid (thd_utils' _thd_padding_mask: a pack's trailing pad is no token of the MoE gate's
+ * token_mask, runtime/model/moe.h). */
+int64_t am_packs_rows(const struct am_packs *p, int64_t i);
+
 /* Pack i % count: tokens, targets (-1: none) and starts, size rows each. */
 int am_packs_read(const struct am_packs *p, int64_t i, int32_t *tokens, int32_t *targets, int32_t *starts,
                   struct am_errors *err);

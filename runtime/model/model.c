@@ -600,7 +600,7 @@ static int forward_chunk(struct am_model *m, int chunk, int slot, int64_t B, con
     if (!m->pk != !starts)
         return am_fail(err, err_len, m->pk ? "model: packed sequences need each row's document start (starts is NULL)"
                                            : "model: document starts given to a model without packed sequences");
-    if (m->pk && am_packed_load(m, m->slot_base[chunk] + slot, B, starts, err, err_len) < 0)
+    if (m->pk && am_packed_load(m, m->slot_base[chunk] + slot, B, starts, m->pack_fill_next, err, err_len) < 0)
         return -1;
     if (m->pk)
         am_packed_enter(m, m->slot_base[chunk] + slot, B);

@@ -379,6 +379,8 @@ struct am_model {
     struct am_tensor scratch_post;           /* Gemma: [R, C], a post norm's output, and its input's gradient */
     struct am_tensor lora_u, lora_du, lora_dt; /* LoRA: [N, widest output], twice, and [N, r] */
     struct am_lora_dropout lora_drop;          /* LoRA's adapter dropout (p 0: none) */
+    const int32_t *pack_fill, *pack_fill_next; /* packed sequences: the rows each sequence's documents fill
+                                                  (am_model_set_pack_fill; NULL: all of them) */
 };
 
 /* LoRA's adapter dropout: probability p (0: none) on the adapters' input (pre) or output,
@@ -404,6 +406,17 @@ static inline void am_model_set_batch_seq(struct am_model *m, int64_t seq0, int6
 static inline void am_model_set_micro(struct am_model *m, int64_t micro, int64_t batch)
 {
     m->lora_drop.seq0 = m->lora_drop.base + micro * batch * m->lora_drop.seq_step;
+    if (m->pack_fill)
+        m->pack_fill_next = m->pack_fill + micro * batch;
+}
+
+/* Packed sequences: for each sequence of the next run of micro-batches (host [micro-batches x
+ * batch], kept by the caller until their backwards), the rows its documents fill before its
+ * pads (pack.h's am_packs_rows), for the MoE gate's statistics that leave the pads out
+ * (moe.h); am_model_set_micro picks a micro-batch's. NULL (the default): no pads. */
+static inline void am_model_set_pack_fill(struct am_model *m, const int32_t *fill)
+{
+    m->pack_fill = m->pack_fill_next = fill;
 }
 
 /* Installs the trainer's hooks (after am_model_init, which clears them). */

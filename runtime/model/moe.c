@@ -8,6 +8,7 @@
 
 #include "comm.h"
 #include "log.h"
+#include "packed.h"
 #include "ring.h"
 #include "util.h"
 
@@ -69,6 +70,8 @@ struct am_moe {
                                 the sum over dp x cp (am_moe_bias_loads) */
     int64_t *sum_host;       /* factor > 0: the summed loads as downloaded, [n_local E] */
     float *bias_host;        /* factor > 0: a bias as downloaded, [E] */
+    int32_t *idx_host;       /* factor > 0: a micro-batch's choices as downloaded, [max_tokens k], for the loads
+                                of packed sequences' rows that are no pad */
     int n_group, topk_group;
     float scale;             /* routed_scaling_factor */
     double coef;
@@ -494,6 +497,7 @@ int am_moe_init(struct am_model *m, char *err, size_t err_len)
         M->layer_loads = calloc((size_t)m->n_layers * (size_t)M->E, sizeof(int64_t));
         M->sum_host = calloc((size_t)M->n_local * (size_t)M->E + 1, sizeof(int64_t));
         M->bias_host = calloc((size_t)M->E, sizeof(float));
+        M->idx_host = calloc((size_t)(m->max_tokens * M->k), sizeof(int32_t));
     }
     M->h32 = calloc((size_t)M->E + (M->ep > 1 ? (size_t)(m->max_tokens * M->k * M->ep) : 0), sizeof(*M->h32));
     M->host = calloc((m->n_acts + 1) * (size_t)M->E, sizeof(*M->host));
@@ -501,7 +505,7 @@ int am_moe_init(struct am_model *m, char *err, size_t err_len)
     M->ep_host = per_ep ? calloc((m->n_acts + 1) * per_ep, sizeof(int64_t)) : NULL;
     M->cnt_sz = M->ep > 1 ? calloc(4 * (size_t)M->ep, sizeof(size_t)) : NULL;
     if (!M->acts || !M->slots || !M->step_counts || !M->h32 || !M->host || (per_ep && (!M->ep_host || !M->cnt_sz)) ||
-        (M->update && (!M->layer_loads || !M->sum_host || !M->bias_host)))
+        (M->update && (!M->layer_loads || !M->sum_host || !M->bias_host || !M->idx_host)))
         return am_fail(err, err_len, "model: out of memory for the mixture-of-experts state");
     for (int ch = 0; ch < m->sh.n_chunks; ch++)
         for (int l = 0; l < m->sh.chunks[ch].n_layers; l++)
@@ -587,6 +591,7 @@ void am_moe_free(struct am_model *m)
     free(M->layer_loads);
     free(M->sum_host);
     free(M->bias_host);
+    free(M->idx_host);
     free(M->h32);
     free(M->host);
     free(M->ep_host);
@@ -600,6 +605,28 @@ static struct am_tensor rows(const struct am_tensor *t, int64_t n)
     struct am_tensor v = *t;
     v.shape[0] = n;
     return v;
+}
+
+/* Rows lo .. hi of t (a view) */
+static struct am_tensor span(const struct am_tensor *t, int64_t lo, int64_t hi)
+{
+    struct am_tensor v = *t;
+    v.data = (char *)t->data + lo * t->shape[1] * (int64_t)am_dtype_size(t->dtype);
+    v.shape[0] = hi - lo;
+    return v;
+}
+
+/* The runs of a micro-batch's rows that AutoModel's gate counts (its token_mask), for slot's B
+ * sequences of N rows: with packed sequences those that are no pad (packed.h), else all of
+ * them, one run (*runs then names all, filled). Returns their count. */
+static int64_t gate_runs(const struct am_model *m, int slot, int64_t N, int64_t all[2], const int64_t **runs)
+{
+    if (m->pk)
+        return am_packed_runs(m, slot, N / m->seq_len, runs);
+    all[0] = 0;
+    all[1] = N;
+    *runs = all;
+    return 1;
 }
 
 static struct moe_acts *acts_of(struct am_model *m, const struct am_layer_acts *a)
@@ -843,12 +870,14 @@ static struct am_tensor am_half(const struct am_moe *M, const struct moe_acts *A
                           M->E, 0, 0, 0);
 }
 
-/* The tokens of the micro-batch AutoModel's gate counts: every row of the whole sequences (its
- * token_mask; am's unpacked sequences have no padding, and packed ones are refused with the loss:
- * rule aux-packed), its context_length summed over the cp group */
-static double am_tokens(const struct am_model *m, int64_t N)
+/* The tokens of the micro-batch AutoModel's gate counts (its token_mask: every row of the whole
+ * sequences but the pads that end a pack), its context_length summed over the cp group, at
+ * least 1 (its clamp) */
+static double am_tokens(const struct am_model *m, int slot, int64_t N)
 {
-    return (double)N * (double)(m->cp ? m->cp->size : 1);
+    double T = m->pk ? (double)am_packed_filled(m, slot, N / m->seq_len)
+                     : (double)N * (double)(m->cp ? m->cp->size : 1);
+    return T < 1 ? 1 : T;
 }
 
 /* AutoModel's load-balancing loss of one layer for the micro-batch (moe.h): the layer's loads and
@@ -860,13 +889,19 @@ static int am_aux_forward(struct am_model *m, struct moe_acts *A, struct moe_slo
     struct am_moe *M = m->moe;
     struct am_tensor cnt = am_half(M, A, 0), psum = am_half(M, A, 1);
     m->K->zero(m->dev, &A->am_stats);
-    /* AutoModel normalises the sigmoid scores with norm_topk_prob and more than one expert a token */
-    m->K->moe_aux_stats(m->dev, &cnt, &psum, probs, idx, M->sigmoid && M->renorm && M->k > 1);
+    /* AutoModel normalises the sigmoid scores with norm_topk_prob and more than one expert a token;
+     * its token_mask: the runs of rows that are no pad */
+    const int64_t *runs;
+    int64_t all[2], nr = gate_runs(m, A->slot, N, all, &runs);
+    for (int64_t r = 0; r < nr; r++) {
+        struct am_tensor p = span(probs, runs[2 * r], runs[2 * r + 1]), i = span(idx, runs[2 * r], runs[2 * r + 1]);
+        m->K->moe_aux_stats(m->dev, &cnt, &psum, &p, &i, M->sigmoid && M->renorm && M->k > 1);
+    }
     if (m->cp && m->cp->size > 1 &&
         am_allreduce(m->cp->comm, A->am_stats.data, A->am_stats.data, 2 * (size_t)M->E, AM_F32, AM_SUM, err,
                      err_len) < 0)
         return -1;
-    double T = am_tokens(m, N);
+    double T = am_tokens(m, A->slot, N);
     m->K->moe_aux_loss(m->dev, &Sl->aux, &cnt, &psum, (double)M->E / ((double)M->k * T * T));
     M->last_slot = A->slot;
     return 0;
@@ -903,8 +938,16 @@ static int moe_forward(struct am_model *m, const struct am_layer *L, const struc
         A->hcount[e] = M->h32[e];
         if (!again)
             M->step_counts[e] += M->h32[e];
-        if (load)
+        if (load && !m->pk)
             load[e] += M->h32[e];
+    }
+    if (load && m->pk) { /* the selection bias's loads: the rows that are no pad (AutoModel's token_mask) */
+        const int64_t *runs;
+        int64_t all[2], nr = gate_runs(m, A->slot, N, all, &runs);
+        K->download(m->dev, M->idx_host, idx.data, (size_t)(N * M->k) * sizeof(int32_t));
+        for (int64_t r = 0; r < nr; r++)
+            for (int64_t j = runs[2 * r] * M->k; j < runs[2 * r + 1] * M->k; j++)
+                load[M->idx_host[j]]++;
     }
     if (M->ep > 1)
         return forward_ep(m, L, A, in, out, &pos, &wts, err, err_len);
@@ -999,15 +1042,43 @@ static int moe_backward(struct am_model *m, const struct am_layer *L, const stru
     /* AutoModel's load-balancing loss: the gradient of aux_loss_coeff E / (k T²) Σ load score-sum with
      * respect to the scores, over dp x micro-batches (moe.h) */
     struct am_tensor am_cnt = am_half(M, A, 0);
-    double T = am_tokens(m, N);
+    double T = am_tokens(m, A->slot, N);
     float am_scale = M->am_aux ? (float)(M->am_coef * (double)M->E / ((double)M->k * T * T) / M->am_div) : 0.0f;
-    if (M->sigmoid)
-        K->moe_route_sigmoid_backward(m->dev, &dlogits, &dwts, &probs, &idx, M->am_aux ? &am_cnt : NULL, am_scale,
-                                      M->renorm, M->scale);
-    else
-        K->moe_route_backward(m->dev, &dlogits, &dwts, &probs, &idx,
-                              M->aux_on ? &Sl->cnt : M->am_aux ? &am_cnt : NULL, M->aux_on ? Sl->aux_scale : am_scale,
-                              M->renorm);
+    /* AutoModel's loss has no gradient on the pads (its token_mask): the rows between the runs
+     * that are no pad are taken back without it */
+    const int64_t *runs = NULL;
+    bool masked = M->am_aux && m->pk;
+    int64_t all[2], nr = masked ? gate_runs(m, A->slot, N, all, &runs) : -1;
+    for (int64_t r = 0, lo = 0; r <= nr; r++) {
+        int64_t hi = r < nr ? runs[2 * r] : N;
+        if (lo < hi) { /* pads: no loss's gradient */
+            struct am_tensor dl = span(&dlogits, lo, hi), dw = span(&dwts, lo, hi), p = span(&probs, lo, hi),
+                             i = span(&idx, lo, hi);
+            if (M->sigmoid)
+                K->moe_route_sigmoid_backward(m->dev, &dl, &dw, &p, &i, NULL, 0.0f, M->renorm, M->scale);
+            else
+                K->moe_route_backward(m->dev, &dl, &dw, &p, &i, NULL, 0.0f, M->renorm);
+        }
+        if (r < nr) {
+            struct am_tensor dl = span(&dlogits, runs[2 * r], runs[2 * r + 1]),
+                             dw = span(&dwts, runs[2 * r], runs[2 * r + 1]),
+                             p = span(&probs, runs[2 * r], runs[2 * r + 1]), i = span(&idx, runs[2 * r], runs[2 * r + 1]);
+            if (M->sigmoid)
+                K->moe_route_sigmoid_backward(m->dev, &dl, &dw, &p, &i, &am_cnt, am_scale, M->renorm, M->scale);
+            else
+                K->moe_route_backward(m->dev, &dl, &dw, &p, &i, &am_cnt, am_scale, M->renorm);
+            lo = runs[2 * r + 1];
+        }
+    }
+    if (!masked) {
+        if (M->sigmoid)
+            K->moe_route_sigmoid_backward(m->dev, &dlogits, &dwts, &probs, &idx, M->am_aux ? &am_cnt : NULL, am_scale,
+                                          M->renorm, M->scale);
+        else
+            K->moe_route_backward(m->dev, &dlogits, &dwts, &probs, &idx,
+                                  M->aux_on ? &Sl->cnt : M->am_aux ? &am_cnt : NULL,
+                                  M->aux_on ? Sl->aux_scale : am_scale, M->renorm);
+    }
     if (X->router_b && !frozen)
         K->bias_backward(m->dev, &X->router_b->g, &dlogits);
     K->matmul_backward(m->dev, dh, frozen ? NULL : &X->router->g, &dlogits, in, &X->router->wc);

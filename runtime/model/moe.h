@@ -47,6 +47,10 @@
  * backward scale cp / micro-batches, FSDP2's mean over dp x cp; with pp its token scale cancels):
  * a layer's gradient needs nothing from the other layers, so pipeline stages carry nothing for
  * it. The step record's aux is the sum over this rank's layers of the last micro-batch's.
+ * Packed sequences (m->pk): AutoModel's gate counts the tokens of its token_mask, which leaves
+ * out the pads that end a pack (its THD batch's padding_mask); load, Σ q and T count the rows
+ * that are no pad (am_model_set_pack_fill, packed.h's am_packed_runs: the kernels run on each
+ * run of them), and the router's backward adds the loss's gradient on those rows only.
  *
  * Parameters (Hugging Face names): Mixtral's block_sparse_moe.gate.weight [E, C] and
  * block_sparse_moe.experts.e.{w1 (gate), w3 (up)} [I, C], w2 (down) [C, I]; Qwen3-MoE's
@@ -110,9 +114,10 @@
  * layer (layer.c: w_gate, w_up, w_down, split over tp), added beside the routed ones. The
  * selection bias is updated in training only with gate_bias_update_factor > 0 (deepseek_v3 as
  * AutoModel builds it; model_config.h): each held MoE layer counts the tokens routed to each
- * expert over the step (every micro-batch's forward once, on the rank's own tokens), the
- * trainer sums the counts over dp x cp after the optimizer's step (am_moe_bias_loads: one
- * buffer for all the layers) and am_moe_bias_update adds factor x sign(mean - load) to each
+ * expert over the step (every micro-batch's forward once, on the rank's own tokens; with packed
+ * sequences its rows that are no pad only, AutoModel's token_mask: the choices downloaded and
+ * counted on the host), the trainer sums the counts over dp x cp after the optimizer's step
+ * (am_moe_bias_loads: one buffer for all the layers) and am_moe_bias_update adds factor x sign(mean - load) to each
  * bias, the same on every rank (docs/training.md). AutoModel's glm4_moe has no
  * update_moe_gate_bias (its gate_bias_update_factor 1e-3 never applies), and transformers' is a
  * buffer.

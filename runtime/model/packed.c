@@ -28,11 +28,14 @@ int am_packed_init(struct am_model *m, int64_t seq_len, char *err, size_t err_le
     pk->rope_pos = calloc((size_t)m->n_slots, sizeof(*pk->rope_pos));
     pk->host_rows = malloc((size_t)Tl * sizeof(int32_t));
     pk->host_pos = malloc((size_t)N * sizeof(int32_t));
+    int64_t Bmax = N / Tl + 1;
+    pk->fill = malloc((size_t)(m->n_slots * Bmax) * sizeof(int32_t));
+    pk->runs = malloc((size_t)(4 * Bmax) * sizeof(int64_t));
     size_t tab = align64((size_t)(T * half) * sizeof(float)), rows = align64((size_t)(N * half) * sizeof(float));
     size_t ints = align64((size_t)N * sizeof(int32_t)), own = align64((size_t)Tl * sizeof(int32_t));
     int pairs = cfg->rope_local_base_freq > 0 ? 2 : 1; /* Gemma 3: its sliding layers' tables too */
     pk->bytes = (size_t)pairs * (2 * tab + 2 * rows) + own + 2 * ints * (size_t)m->n_slots;
-    if (!pk->starts || !pk->rope_pos || !pk->host_rows || !pk->host_pos || !(pk->mem = K->alloc(m->dev, pk->bytes))) {
+    if (!pk->starts || !pk->rope_pos || !pk->host_rows || !pk->host_pos || !pk->fill || !pk->runs || !(pk->mem = K->alloc(m->dev, pk->bytes))) {
         size_t bytes = pk->bytes;
         am_packed_free(m);
         return am_fail(err, err_len, "packed sequences: out of memory for %zu bytes of document starts and rotary "
@@ -86,14 +89,24 @@ void am_packed_free(struct am_model *m)
     free(pk->rope_pos);
     free(pk->host_rows);
     free(pk->host_pos);
+    free(pk->fill);
+    free(pk->runs);
     free(pk);
     m->pk = NULL;
 }
 
-int am_packed_load(struct am_model *m, int slot, int64_t B, const int32_t *starts, char *err, size_t err_len)
+int am_packed_load(struct am_model *m, int slot, int64_t B, const int32_t *starts, const int32_t *fill, char *err,
+                   size_t err_len)
 {
     struct am_packed *pk = m->pk;
-    int64_t Tl = m->seq_len, N = B * Tl;
+    int64_t Tl = m->seq_len, N = B * Tl, Bmax = m->max_tokens / Tl + 1;
+    for (int64_t b = 0; b < B; b++) {
+        int32_t f = fill ? fill[b] : (int32_t)pk->seq_len;
+        if (f < 0 || f > pk->seq_len)
+            return am_fail(err, err_len, "packed sequences: sequence %lld is filled to row %d, outside 0 .. %lld",
+                           (long long)b, f, (long long)pk->seq_len);
+        pk->fill[slot * Bmax + b] = f;
+    }
     for (int64_t b = 0; b < B; b++)
         for (int64_t i = 0; i < Tl; i++) {
             int32_t s = starts[b * Tl + i], p = pk->host_rows[i];
@@ -124,4 +137,35 @@ void am_packed_enter(struct am_model *m, int slot, int64_t B)
         m->K->embedding_forward(m->dev, &s, &ids, &pk->sin_local_all, 0);
     }
     pk->cur = am_tensor_view(pk->starts[slot].data, m->dev->device, AM_I32, N, 0, 0, 0);
+}
+
+int64_t am_packed_runs(const struct am_model *m, int slot, int64_t B, const int64_t **runs)
+{
+    const struct am_packed *pk = m->pk;
+    int64_t Tl = m->seq_len, Bmax = m->max_tokens / Tl + 1, n = 0;
+    const int32_t *fill = pk->fill + slot * Bmax;
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t i = 0; i < Tl; i++) {
+            if (pk->host_rows[i] >= fill[b])
+                continue;
+            int64_t r = b * Tl + i;
+            if (n > 0 && pk->runs[2 * n - 1] == r) /* the run goes on */
+                pk->runs[2 * n - 1] = r + 1;
+            else {
+                pk->runs[2 * n] = r;
+                pk->runs[2 * n + 1] = r + 1;
+                n++;
+            }
+        }
+    *runs = pk->runs;
+    return n;
+}
+
+int64_t am_packed_filled(const struct am_model *m, int slot, int64_t B)
+{
+    const struct am_packed *pk = m->pk;
+    int64_t Bmax = m->max_tokens / m->seq_len + 1, n = 0;
+    for (int64_t b = 0; b < B; b++)
+        n += pk->fill[slot * Bmax + b];
+    return n;
 }

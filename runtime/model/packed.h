@@ -50,6 +50,9 @@ struct am_packed {
     struct am_tensor *rope_pos;    /* per slot: [N] int32, each row's rotary position */
     struct am_tensor cur;          /* the starts of the slot being run ([B, T / cp]) */
     int32_t *host_rows, *host_pos; /* host copies: the rows' positions, a micro-batch's rotary positions */
+    int32_t *fill;                 /* per slot: [max_tokens / (T / cp)] host, the rows each sequence's documents
+                                      fill before its pads (am_model_set_pack_fill; T: no pads) */
+    int64_t *runs;                 /* am_packed_runs' answer */
     void *mem;
     size_t bytes;
 };
@@ -61,9 +64,20 @@ void am_packed_free(struct am_model *m);
 
 /* The forward's part: slot (an index into m->slots) takes the documents of its B sequences
  * from starts (host [B, T / cp]: each row's document start, a position of the whole
- * sequence); -1 with a message naming the row when a start lies outside 0 .. the row's
- * position. */
-int am_packed_load(struct am_model *m, int slot, int64_t B, const int32_t *starts, char *err, size_t err_len);
+ * sequence) and fill (host [B], the rows of each sequence its documents fill, the rest pads;
+ * NULL: T each); -1 with a message naming the row when a start lies outside 0 .. the row's
+ * position, or the sequence when a fill lies outside 0 .. T. */
+int am_packed_load(struct am_model *m, int slot, int64_t B, const int32_t *starts, const int32_t *fill, char *err,
+                   size_t err_len);
+
+/* The pads of slot's micro-batch (B sequences of the rank's T / cp rows): the runs of the
+ * rank's rows [runs[2 i], runs[2 i + 1]) that are no pad (a row at position p of sequence b
+ * is one when p < its fill), in order, in *runs; returns their count (at most 2 B: under cp
+ * a sequence's rows on a rank are two spans of positions, ring.h). What AutoModel's MoE gate
+ * counts (the token_mask of its THD batch: the pads that end a pack are no tokens, moe.h). */
+int64_t am_packed_runs(const struct am_model *m, int slot, int64_t B, const int64_t **runs);
+/* The rows of slot's micro-batch that are no pad over the whole sequences (all cp ranks'). */
+int64_t am_packed_filled(const struct am_model *m, int slot, int64_t B);
 
 /* Before a pass over slot (forward, backward): its rotary tables and starts become the ones
  * the layers use. */

@@ -394,32 +394,6 @@ static void dsv3_no_bias(struct check *c)
          "updated), set the factor above 0, or force_hf: true for transformers' class");
 }
 
-/* The selection-bias update counts every routed token; AutoModel's Gate leaves the padding out
- * (token_mask), and a pack's pads are padding: not run until am counts them apart. */
-static void bias_packed(struct check *c)
-{
-    const struct am_recipe *r = c->r;
-    if (r->model.sigmoid_router && r->model.gate_bias_update_factor > 0 && r->packed_sequence_size > 0)
-        FAIL(c, "packed_sequence.packed_sequence_size", "%ld with %s's selection-bias update "
-             "(gate_bias_update_factor %g): the pads that end a pack would count in the experts' loads, which "
-             "AutoModel's gate leaves out (its token_mask), and am does not tell them apart yet (train without "
-             "packed sequences, or with the factor 0 and force_e_score_correction_bias: true)", r->packed_sequence_size,
-             r->model.model_type, r->model.gate_bias_update_factor);
-}
-
-/* AutoModel's load-balancing loss counts the tokens of its token_mask, the padding left out; a
- * pack's pads are padding, and am does not tell them apart yet. */
-static void aux_packed(struct check *c)
-{
-    const struct am_recipe *r = c->r;
-    if (r->model.aux_loss_coeff > 0 && r->packed_sequence_size > 0)
-        FAIL(c, "packed_sequence.packed_sequence_size", "%ld with AutoModel's load-balancing loss of %s (aux_loss_coeff "
-             "%g): the pads that end a pack would count in the experts' loads and mean scores, which AutoModel's gate "
-             "leaves out (its token_mask), and am does not tell them apart yet (train without packed sequences, or "
-             "with model.moe_overrides.aux_loss_coeff: 0)", r->packed_sequence_size, r->model.model_type,
-             r->model.aux_loss_coeff);
-}
-
 /* transformers' class adds its loss with output_router_logits; moe_overrides' aux_loss_coeff asks
  * for AutoModel's, which its own model computes instead of transformers': not both. */
 static void aux_twice(struct check *c)
@@ -450,8 +424,7 @@ static const struct {
 } run_rules[] = {
     {"fp16", fp16},           {"moe-sp", moe_sp},       {"lora-head-dropout", lora_head_dropout},
     {"lora-kv-tp", lora_kv_tp}, {"lora-moe-rank", lora_moe_rank},
-    {"glm-shared-tp", glm_shared_tp}, {"dsv3-no-bias", dsv3_no_bias}, {"bias-packed", bias_packed},
-    {"aux-packed", aux_packed}, {"aux-twice", aux_twice},
+    {"glm-shared-tp", glm_shared_tp}, {"dsv3-no-bias", dsv3_no_bias}, {"aux-twice", aux_twice},
     {"dataset", dataset},
 };
 

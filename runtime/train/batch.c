@@ -86,7 +86,8 @@ int am_train_build_data(struct trainer *t, struct am_errors *err)
                                                  pc.neat ? "neat" : "thd", "masked", am_packs_masked(t->packs)));
         t->starts = malloc(n * sizeof(int32_t));
         t->pack_rows = malloc((size_t)(3 * t->p->seq_length) * sizeof(int32_t));
-        if (!t->starts || !t->pack_rows)
+        t->pack_fill = malloc((size_t)(t->p->microbatch_size * t->p->n_microbatches) * sizeof(int32_t));
+        if (!t->starts || !t->pack_rows || !t->pack_fill)
             return am_errors_fail(err, "out of memory for the batch");
     } else if (am_gpt_open(&cfg, &t->data, err) < 0 || open_mask(t, &cfg, err) < 0) {
         return -1;
@@ -107,7 +108,8 @@ int am_train_build_data(struct trainer *t, struct am_errors *err)
 
 /* Fills tokens/targets with the samples of accumulation step `accum` (its n_microbatches
  * micro-batches, one after the other): input = sample[0..T), target = sample[1..T] (a masked
- * label: -1), or with packed sequences a pack's rows, targets and document starts (pack.h); with
+ * label: -1), or with packed sequences a pack's rows, targets and document starts (pack.h) and the
+ * rows its documents fill (pack_fill); with
  * context parallelism this rank's T / cp rows of each (cp_pos: the zigzag of ring.h). */
 int am_train_read_microbatches(struct trainer *t, long step, int64_t accum, struct am_errors *err)
 {
@@ -120,6 +122,7 @@ int am_train_read_microbatches(struct trainer *t, long step, int64_t accum, stru
         if (t->packs) {
             if (am_packs_read(t->packs, idx, t->pack_rows, t->pack_rows + T, t->pack_rows + 2 * T, err) < 0)
                 return -1;
+            t->pack_fill[j] = (int32_t)am_packs_rows(t->packs, idx);
             rows = t->pack_rows;
             rtgt = rows + T;
             rst = rows + 2 * T;
@@ -150,6 +153,7 @@ void am_train_free_data(struct trainer *t)
     am_gpt_close(t->mask);
     am_packs_close(t->packs);
     free(t->starts);
+    free(t->pack_fill);
     free(t->pack_rows);
     for (int i = 0; t->mask_paths && i < t->r->data.n_paths; i++)
         free(t->mask_paths[i]);

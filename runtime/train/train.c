@@ -106,6 +106,7 @@ static int forward_backward(struct trainer *t, long step, float dloss_scale, str
         int64_t b = p->microbatch_size * p->n_microbatches;
         am_model_set_batch_seq(&t->model, am_gpt_global_index(step - 1, p->global_batch, t->dp_rank, p->dp, a * b),
                                p->dp);
+        am_model_set_pack_fill(&t->model, t->pack_fill); /* packed: the pads the MoE gate leaves out */
         if (am_pipe_run(&t->pipe, &t->model, t->tokens, t->targets, t->starts, p->microbatch_size, dloss_scale,
                         a == p->grad_accum - 1, msg, sizeof(msg)) < 0)
             return am_errors_fail(err, "step %ld: %s", step, msg);

@@ -56,6 +56,7 @@ struct trainer {
     struct am_packs *packs;             /* packed sequences (pack.h): the packs of whole documents, or NULL */
     int32_t *starts;                    /* packed: each row's document start, beside tokens and targets */
     int32_t *pack_rows;                 /* packed: one pack's tokens, targets and starts (3 x seq_length) */
+    int32_t *pack_fill;                 /* packed: each sequence's rows before its pads (am_model_set_pack_fill) */
     int32_t *cp_pos;                    /* context parallelism: this rank's positions of a sequence, or NULL */
     struct am_comm *grad_dp;            /* the loss and replicated gradients are summed over it: dp x cp */
     char base_config[4096];

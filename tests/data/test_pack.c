@@ -82,6 +82,10 @@ static void test_thd(void **state)
     /* the run's sample i is pack i % count: the next epoch walks the packs again */
     expect_pack(p, 5, ROW(200, 201, 202, 203, 204, 205, 206, 207), ROW(201, 202, 203, 204, 205, 206, 207, 208),
                 ROW(0, 0, 0, 0, 0, 0, 0, 0));
+    /* the rows the documents fill, before the pads (AutoModel's sum of seq_lens) */
+    const int64_t rows[] = {6, 8, 7, 3};
+    for (int64_t i = 0; i < 8; i++)
+        assert_int_equal(am_packs_rows(p, i), rows[i % 4]);
     am_packs_close(p);
     /* shuffled first */
     p = open_packs(prefix, false, true, 0);
@@ -119,6 +123,8 @@ static void test_neat(void **state)
         const int64_t *docs;
         assert_int_equal(am_packs_docs(p, 2, &docs), 3);
         assert_true(docs[0] == 0 && docs[1] == 6 && docs[2] == 3);
+        for (int64_t i = 0; i < 3; i++) /* full packs: no pad */
+            assert_int_equal(am_packs_rows(p, i), 8);
         am_packs_close(p);
     }
     rm_tree(dir);

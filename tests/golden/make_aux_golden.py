@@ -21,6 +21,12 @@ the aux's backward scale 1 / 2, the cross entropy over the step's targets, aux t
 micro-batch's). Refuses to write when a routing choice is within MARGIN of a tie at any step,
 and prints how far the losses moved against the same steps without the aux loss.
 
+And on make_bias_golden's packed batch (documents back to back, then pads), one micro-batch:
+the pads are no tokens of AutoModel's token_mask (its THD batch's padding_mask), so load, the
+score sums and T count the rows that are no pad only, and the pads' scores get no gradient;
+gpt_oss's sliding layers see their window within each document. Writes aux_loss_packed.safetensors
+(losses, grad_norms, aux, coeff, final.*, and the batch: input_ids, targets, starts, fill).
+
     /work/venv-golden/bin/python tests/golden/make_aux_golden.py
 """
 import os
@@ -77,12 +83,14 @@ def original_scores(router, logits):
     return logits.softmax(dim=-1, dtype=torch.float32)  # gpt_oss: softmax after top-k, full softmax for aux
 
 
-def aux_of(router, logits, indices):
-    """Gate._compute_expert_load and _compute_aux_loss (token_mask all true, no cp)."""
+def aux_of(router, logits, indices, mask=None):
+    """Gate._compute_expert_load and _compute_aux_loss (token_mask: mask, or all true; no cp)."""
     E, k = logits.shape[-1], indices.shape[-1]
     scores = original_scores(router, logits)
-    mask = torch.ones(scores.shape[0], dtype=torch.bool)
-    load = indices.new_zeros((indices.shape[0], E)).scatter_(1, indices, 1).sum(0).float()
+    if mask is None:
+        mask = torch.ones(scores.shape[0], dtype=torch.bool)
+    one = mask[:, None].expand(indices.shape).to(indices.dtype)
+    load = indices.new_zeros((indices.shape[0], E)).scatter_(1, indices, one).sum(0).float()
     T = torch.clamp(mask.sum(), min=1)
     f = load * E / (k * T)
     P = (scores * mask.unsqueeze(-1)).sum(0) / T
@@ -97,13 +105,35 @@ def margin(router, logits):
     return float((s[:, router.top_k - 1] - s[:, router.top_k]).min())
 
 
-def run(case, coeff, micro=1):
+def pack_inputs(model, pack):
+    """The pack's forward arguments: position_ids and the block-diagonal causal masks, as 4-d
+    additive masks; gpt_oss's sliding layers' within their window too (a dict by layer type)."""
+    dtype = model.dtype
+    mask = pack["mask"]
+
+    def add(m):
+        return torch.zeros(m.shape, dtype=dtype).masked_fill(~m, torch.finfo(dtype).min)[:, None]
+
+    window = getattr(model.config, "sliding_window", None)
+    am = add(mask)
+    if window and "sliding_attention" in (getattr(model.config, "layer_types", None) or []):
+        j = torch.arange(mask.shape[-1])
+        near = (j[None, :, None] - j[None, None, :]) < window  # row t sees key j when t - j < window
+        am = {"full_attention": add(mask), "sliding_attention": add(mask & near)}
+    extra = {"output_router_logits": False} if hasattr(model.config, "output_router_logits") else {}
+    return dict(input_ids=pack["input_ids"], position_ids=pack["position_ids"], attention_mask=am, **extra)
+
+
+def run(case, coeff, micro=1, packed=False):
     """micro > 1: each step's batch as that many micro-batches (gradient accumulation), the cross
     entropy of each summed and divided by the step's targets (train_ft's num_label_tokens), the aux
     loss per micro-batch, its backward scale 1 / micro (cp 1); aux: the last micro-batch's."""
     outdir = os.path.join(mg.HERE, "models", case)
     model = mg.load(outdir, case)
     ids = load_file(os.path.join(outdir, "golden.safetensors"))["input_ids"].long()
+    mask = pack = None
+    if packed:
+        pack, mask, _ = mb.make_pack(model.config.vocab_size)
     rs = routers(model)
     step_aux, margins = [], []
 
@@ -113,7 +143,7 @@ def run(case, coeff, micro=1):
             margins.append(mb.margin_of(mod, inp[0]))
         else:
             margins.append(margin(mod, logits))
-        aux = aux_of(mod, logits, indices)
+        aux = aux_of(mod, logits, indices, mask)
         step_aux[-1] += float(aux.detach())
         if coeff > 0:
             weights = MoEAuxLossAutoScaler.apply(weights, coeff * aux)
@@ -128,7 +158,15 @@ def run(case, coeff, micro=1):
     for _ in range(mg.ADAMW_STEPS):
         opt.zero_grad(set_to_none=True)
         total = 0.0
-        for part in ids.chunk(micro, dim=0):
+        if packed:  # one micro-batch: the mean cross entropy over the pack's targets
+            step_aux.append(0.0)
+            logits = model(**pack_inputs(model, pack)).logits
+            tg = pack["targets"].reshape(-1)
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tg, ignore_index=-100, reduction="sum")
+            loss = loss / int((tg >= 0).sum())
+            loss.backward()
+            total = float(loss.detach())
+        for part in ([] if packed else ids.chunk(micro, dim=0)):
             step_aux.append(0.0)
             logits = model(input_ids=part).logits
             vocab = logits.shape[-1]
@@ -175,6 +213,33 @@ def main():
         save_file(out, path, metadata={"format": "pt"})
         print("wrote", path)
         write_summary(case, path)
+        write_packed(case, coeff)
+
+
+def write_packed(case, coeff):
+    """The packed batch's golden (aux_loss_packed.safetensors)."""
+    mg.setup_torch()
+    model, rs, losses, norms, aux, m = run(case, coeff, packed=True)
+    _, _, losses0, _, _, _ = run(case, 0.0, packed=True)
+    moved = max(abs(a - b) for a, b in zip(losses, losses0))
+    print(f"{case} packed: losses {losses}\n  without the aux loss {losses0} (moved {moved:.3g})\n  aux {aux}\n"
+          f"  smallest routing margin {m:.3g}")
+    if m < MARGIN:
+        sys.exit(f"{case} packed: a routing choice is within {m:.3g} of a tie (want {MARGIN}): not written")
+    if moved < 1e-4:
+        sys.exit(f"{case} packed: the aux loss moved the losses by {moved:.3g} only: not written")
+    pack, _, fill = mb.make_pack(model.config.vocab_size)
+    out = {"losses": torch.tensor(losses, dtype=torch.float32), "grad_norms": torch.tensor(norms, dtype=torch.float32),
+           "aux": torch.tensor(aux, dtype=torch.float32), "coeff": torch.tensor([coeff], dtype=torch.float32),
+           "fill": fill.to(torch.int32)}
+    out.update({k: pack[k].to(torch.int32).contiguous() for k in ("input_ids", "targets", "starts")})
+    for name, p in model.named_parameters():
+        if ".gate.weight" in name or ".router." in name:
+            out[f"final.{name}"] = p.detach().clone().contiguous()
+    path = os.path.join(mg.HERE, "models", case, "aux_loss_packed.safetensors")
+    save_file(out, path, metadata={"format": "pt"})
+    print("wrote", path)
+    write_summary(case, path)
 
 
 def write_summary(case, path):
@@ -185,7 +250,7 @@ def write_summary(case, path):
     summary_path = os.path.join(mg.HERE, "summary.json")
     with open(summary_path) as f:
         summary = json.load(f)
-    summary["files"][f"models/{case}/aux_loss.safetensors"] = dict(bytes=os.path.getsize(path), sha256=mg.sha256(path))
+    summary["files"][f"models/{case}/{os.path.basename(path)}"] = dict(bytes=os.path.getsize(path), sha256=mg.sha256(path))
     summary["files"] = {k: summary["files"][k] for k in sorted(summary["files"])}
     with open(summary_path, "w") as f:
         json.dump(summary, f, indent=1, sort_keys=True)

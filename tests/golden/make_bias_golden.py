@@ -13,6 +13,12 @@ and each layer's bias after the 5 steps (final.<name>). Refuses to write when a 
 is within MARGIN of a tie at any step (a rounding difference could flip it), and reports how
 many choices the update changed against the same steps without it (the test must see some).
 
+And the same on a packed batch (PACK: each sequence's documents back to back, then pads, as
+make_golden.py's packs and am's): the pads are no tokens of AutoModel's token_mask (its THD
+batch's padding_mask, thd_utils._thd_padding_mask: the slots past a pack's real tokens), so the
+loads count the rows that are no pad only; writes bias_update_packed.safetensors with the same
+keys and the batch (input_ids, targets, starts, fill: each sequence's rows before its pads).
+
     /work/venv-golden/bin/python tests/golden/make_bias_golden.py
 """
 import os
@@ -27,6 +33,18 @@ import make_golden as mg  # noqa: E402
 CASE = "deepseek_v3_tiny"
 FACTOR = 1e-2  # AutoModel's default is 1e-3; larger so that 5 steps change some choices
 MARGIN = 1e-4
+# the packed batch: documents of these rows in each of the 2 sequences of 16, then pads
+PACK = dict(seq=16, packed=dict(rows=[[5, 7], [4, 6, 3]], masked=[(1, 1, 2)]))
+PACK_SEED = 2113
+
+
+def make_pack(vocab):
+    """make_golden's pack of PACK, and its token_mask [B * T] (True: no pad) and fill [B]."""
+    g = torch.Generator().manual_seed(PACK_SEED)
+    pack = mg.make_pack(PACK, g, vocab)
+    fill = torch.tensor([sum(r) for r in PACK["packed"]["rows"]], dtype=torch.int64)
+    mask = (torch.arange(PACK["seq"])[None, :] < fill[:, None]).reshape(-1)
+    return pack, mask, fill
 
 
 def margin_of(gate, h):
@@ -46,10 +64,13 @@ def margin_of(gate, h):
         return min(m, float((ss[:, gate.top_k - 1] - ss[:, gate.top_k]).min()))
 
 
-def run(update):
+def run(update, packed=False):
     outdir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "models", CASE)
     model = mg.load(outdir, CASE)
     ids = load_file(os.path.join(outdir, "golden.safetensors"))["input_ids"].long()
+    mask = None
+    if packed:  # AutoModel's token_mask: the pads' choices are no load
+        ids, mask, _ = make_pack(model.config.vocab_size)
     gates = [layer.mlp.gate for layer in model.model.layers if hasattr(layer.mlp, "gate")]
     step_idx, margins = [], []
 
@@ -74,7 +95,8 @@ def run(update):
         E = gates[0].num_experts
         step_loads = []
         for li, (g, idx) in enumerate(zip(gates, step_idx[-1])):
-            load = torch.zeros(idx.shape[0], E, dtype=torch.int64).scatter_(1, idx, 1).sum(0)  # _compute_expert_load
+            one = torch.ones(idx.shape, dtype=torch.int64) if mask is None else mask[:, None].expand(idx.shape).long()
+            load = torch.zeros(idx.shape[0], E, dtype=torch.int64).scatter_(1, idx, one).sum(0)  # _compute_expert_load
             step_loads.append(load)
             if update:  # Gate.update_bias
                 lf = load.float()
@@ -87,9 +109,14 @@ def run(update):
 
 
 def main():
+    for packed in (False, True):
+        write(packed)
+
+
+def write(packed):
     mg.setup_torch()
-    model, gates, losses, norms, loads, choices, margin = run(True)
-    _, _, losses0, _, _, choices0, _ = run(False)
+    model, gates, losses, norms, loads, choices, margin = run(True, packed)
+    _, _, losses0, _, _, choices0, _ = run(False, packed)
     changed = int((choices != choices0).any(dim=-1).sum())
     print(f"losses {losses}\nwithout the update {losses0}\nsmallest routing margin {margin:.3g}; "
           f"choices changed by the update: {changed} token-layer-steps")
@@ -103,7 +130,12 @@ def main():
         if hasattr(layer.mlp, "gate"):
             out[f"final.model.layers.{li}.mlp.gate.e_score_correction_bias"] = (
                 layer.mlp.gate.e_score_correction_bias.detach().clone().contiguous())
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "models", CASE, "bias_update.safetensors")
+    name = "bias_update_packed.safetensors" if packed else "bias_update.safetensors"
+    if packed:
+        pack, _, fill = make_pack(model.config.vocab_size)
+        out.update({k: pack[k].to(torch.int32).contiguous() for k in ("input_ids", "targets", "starts")})
+        out["fill"] = fill.to(torch.int32)
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "models", CASE, name)
     save_file(out, path, metadata={"format": "pt"})
     print("wrote", path)
     write_summary(path)
@@ -117,7 +149,7 @@ def write_summary(path):
     summary_path = os.path.join(mg.HERE, "summary.json")
     with open(summary_path) as f:
         summary = json.load(f)
-    summary["files"][f"models/{CASE}/bias_update.safetensors"] = dict(bytes=os.path.getsize(path),
+    summary["files"][f"models/{CASE}/{os.path.basename(path)}"] = dict(bytes=os.path.getsize(path),
                                                                        sha256=mg.sha256(path))
     summary["files"] = {k: summary["files"][k] for k in sorted(summary["files"])}
     with open(summary_path, "w") as f:

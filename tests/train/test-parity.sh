@@ -72,6 +72,11 @@
 #   batches of 2, one rank with activation checkpointing (gpt_oss), and ep 2 in bf16 (deepseek_v3,
 #   below); glm4_moe and Qwen3-MoE (the softmax before the top-k) at ep 2, Qwen3-MoE at tp 2 with
 #   activation checkpointing; against their own one rank.
+#   Both on packed sequences (packed_sequence_size 256; the pads that end each pack out of the
+#   loads, score sums and token counts, AutoModel's token_mask): deepseek_v3's update at ep 2, cp 2
+#   and pp 2, its loss at ep 2 (local batches of 1), cp 2 and tp 2, gpt_oss's loss at ep 2 (local
+#   batches of 1) and pp 2 with micro-batches of 2 (against local batches of 2), against their own
+#   one rank packing the same documents.
 #   context parallelism on sequences of 256 (each sequence in 2 x cp chunks, rank r holding
 #   chunks r and 2 cp - 1 - r: at cp 4 chunks of 32 tokens, every rank's queries against 4
 #   blocks of keys passed around the ring): cp 2 and cp 4 alone, with tp 2 (and sequence
@@ -227,7 +232,10 @@ for ref in "ref -" "ref-long long" "ref-packed packed" "ref-pneat packed,neat" "
     "ref-oss-am oss,ossam" "ref-oss-am-lb2 oss,ossam,lb2" "ref-oss-am-lb1 oss,ossam,lb1" \
     "ref-oss-long-am oss,long,ossam" "ref-dsv3-am dsv3,amaux" "ref-dsv3-am-lb2 dsv3,amaux,lb2" "ref-dsv3-am-lb1 dsv3,amaux,lb1" \
     "ref-dsv3-long-am dsv3,long,amaux" "ref-dsv3-am-lb1-bf16 dsv3,amaux,lb1,bf16" \
-    "ref-glm-am-lb1 glm,amaux,lb1" "ref-qmoe-am-lb1 qmoe,amaux,lb1" "ref-qmoe-am qmoe,amaux"; do
+    "ref-glm-am-lb1 glm,amaux,lb1" "ref-qmoe-am-lb1 qmoe,amaux,lb1" "ref-qmoe-am qmoe,amaux" \
+    "ref-dsv3-packed-bupd dsv3,packed,bupd" "ref-dsv3-packed-am dsv3,packed,amaux" \
+    "ref-dsv3-packed-am-lb1 dsv3,packed,amaux,lb1" "ref-oss-packed-am-lb1 oss,ossam,packed,lb1" \
+    "ref-oss-packed-am-lb2 oss,ossam,packed,lb2"; do
     set -- $ref
     # with AM_PARITY_ONLY (and no AM_PARITY_BF16), the references its layouts name, and ref and ref-bf16 (the bf16 check)
     [ -n "${AM_PARITY_ONLY:-}" ] && [ -z "${AM_PARITY_BF16:-}" ] && [ "$1" != ref ] && [ "$1" != ref-bf16 ] &&
@@ -326,6 +334,14 @@ layouts+=("ac 1 ac ref" "pp2-tied 2 tied ref-tied AM_PP=2" "pp4-tied-gpipe 4 tie
     "tp2-ep2-dsv3-am 4 dsv3,amaux,lb1 ref-dsv3-am-lb1 AM_TP=2 AM_EP=2"
     "ep2-glm-am 2 glm,amaux,lb1 ref-glm-am-lb1 AM_EP=2" "ep2-qmoe-am 2 qmoe,amaux,lb1 ref-qmoe-am-lb1 AM_EP=2"
     "tp2-qmoe-am-ac 2 qmoe,amaux,ac ref-qmoe-am AM_TP=2"
+    "ep2-dsv3-packed-bupd 2 dsv3,packed,bupd ref-dsv3-packed-bupd AM_EP=2"
+    "cp2-dsv3-packed-bupd 2 dsv3,packed,bupd ref-dsv3-packed-bupd AM_CP=2"
+    "pp2-dsv3-packed-bupd 2 dsv3,packed,bupd ref-dsv3-packed-bupd AM_PP=2"
+    "ep2-dsv3-packed-am 2 dsv3,packed,amaux,lb1 ref-dsv3-packed-am-lb1 AM_EP=2"
+    "cp2-dsv3-packed-am 2 dsv3,packed,amaux ref-dsv3-packed-am AM_CP=2"
+    "tp2-dsv3-packed-am 2 dsv3,packed,amaux ref-dsv3-packed-am AM_TP=2"
+    "ep2-oss-packed-am 2 oss,ossam,packed,lb1 ref-oss-packed-am-lb1 AM_EP=2"
+    "pp2-oss-packed-am 2 oss,ossam,packed,mb2 ref-oss-packed-am-lb2 AM_PP=2"
     "cp2 2 long ref-long AM_CP=2" "cp4 4 long ref-long AM_CP=4" "cp2-ac 2 long,ac ref-long AM_CP=2"
     "cp2-tp2 4 long ref-long AM_CP=2 AM_TP=2" "cp2-tp2-sp 4 long,sp ref-long AM_CP=2 AM_TP=2"
     "cp2-pp2 4 long ref-long AM_CP=2 AM_PP=2" "cp4-pp2-gpipe 8 long,gpipe ref-long AM_CP=4 AM_PP=2"
@@ -430,6 +446,8 @@ exact+=(ep2-oss tp2-oss pp2-oss fsdp2-dp2-oss tp2-ep2-oss cp2-oss tp2-oss-aux pp
 exact+=(ep2-dsv3-bupd pp2-dsv3-bupd fsdp2-dp2-dsv3-bupd tp2-dsv3-bupd cp2-dsv3-bupd) # and with the bias update
 exact+=(ep2-oss-am tp2-oss-am pp2-oss-am fsdp2-dp2-oss-am cp2-oss-am ac-oss-am) # AutoModel's load-balancing loss
 exact+=(ep2-dsv3-am tp2-dsv3-am pp2-dsv3-am-ac fsdp2-dp2-dsv3-am cp2-dsv3-am tp2-ep2-dsv3-am ep2-glm-am ep2-qmoe-am)
+exact+=(ep2-dsv3-packed-bupd cp2-dsv3-packed-bupd pp2-dsv3-packed-bupd ep2-dsv3-packed-am cp2-dsv3-packed-am) # and packed
+exact+=(tp2-dsv3-packed-am ep2-oss-packed-am pp2-oss-packed-am)
 exact+=(tp2-qmoe-am-ac)
 for layout in "cp2-bf16 2 long,bf16 ref-long-bf16 ref-long AM_CP=2" \
     "cp2-tp2-bf16 4 long,bf16 ref-long-bf16 ref-long AM_CP=2 AM_TP=2" \

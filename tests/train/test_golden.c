@@ -39,6 +39,7 @@ struct golden {
     int64_t B, T;
     int32_t *tokens, *targets;
     int32_t *starts; /* a packed case (llama_packed): each row's document start; else NULL */
+    int32_t *fill;   /* a packed batch with pads (use_pack): each sequence's rows before them; else NULL */
     int n_targets;
     char dir[1024];
 };
@@ -156,6 +157,7 @@ static void close_golden(struct golden *G)
     free(G->tokens);
     free(G->targets);
     free(G->starts);
+    free(G->fill);
 }
 
 /* AM_TEST_VERBOSE=1 prints each case's measured worst differences (what the tolerances above
@@ -626,20 +628,45 @@ static void test_packed(void **state)
     free(zero);
 }
 
+/* A packed batch of ref (input_ids, targets -100: none, starts, fill: each sequence's rows before its
+ * pads) in place of G's golden batch, the model given packed sequences of G's length. */
+static void use_pack(struct golden *G, const struct am_st_file *ref)
+{
+    const struct am_st_info *ids = am_st_find(ref, "input_ids"), *tg = am_st_find(ref, "targets");
+    const struct am_st_info *st = am_st_find(ref, "starts"), *fi = am_st_find(ref, "fill");
+    assert_true(ids && tg && st && fi && ids->numel == G->B * G->T && fi->numel == G->B);
+    int64_t N = G->B * G->T;
+    G->starts = realloc(G->starts, (size_t)N * sizeof(int32_t));
+    G->fill = malloc((size_t)G->B * sizeof(int32_t));
+    memcpy(G->tokens, ids->data, (size_t)N * sizeof(int32_t));
+    memcpy(G->starts, st->data, (size_t)N * sizeof(int32_t));
+    memcpy(G->fill, fi->data, (size_t)G->B * sizeof(int32_t));
+    G->n_targets = 0;
+    for (int64_t i = 0; i < N; i++) {
+        int32_t v = ((const int32_t *)tg->data)[i];
+        G->targets[i] = v < 0 ? -1 : v;
+        G->n_targets += v >= 0;
+    }
+    char msg[512];
+    if (!G->m.pk && am_packed_init(&G->m, G->T, msg, sizeof(msg)) < 0)
+        fail_msg("%s", msg);
+    am_model_set_pack_fill(&G->m, G->fill);
+}
+
 /* AutoModel's selection-bias update (tests/golden/make_bias_golden.py: transformers' model with
  * AutoModel's Gate.update_bias after each optimizer step, at a factor that changes some routing
  * choices within the 5 clipped AdamW steps): every step's tokens per expert and layer exactly,
  * the losses and grad norms as check_adamw's, each bias after the steps bit for bit (the same
- * fp32 sums of +-factor). */
-static void test_deepseek_v3_tiny_bias_update(void **state)
+ * fp32 sums of +-factor). file: bias_update, or bias_update_packed (a packed batch whose pads
+ * are no load: AutoModel's token_mask). */
+static void check_bias_update(const char *file)
 {
-    (void)state;
     const char *src = getenv("AM_SRCDIR");
     char path[1200];
     struct am_errors err;
     am_errors_init(&err);
     struct am_st_file *ref = NULL;
-    snprintf(path, sizeof(path), "%s/tests/golden/models/deepseek_v3_tiny/bias_update.safetensors", src ? src : ".");
+    snprintf(path, sizeof(path), "%s/tests/golden/models/deepseek_v3_tiny/%s.safetensors", src ? src : ".", file);
     assert_int_equal(am_st_open(path, &ref, &err), 0);
     const struct am_st_info *fi = am_st_find(ref, "factor"), *li = am_st_find(ref, "loads");
     const struct am_st_info *wl = am_st_find(ref, "losses"), *wn = am_st_find(ref, "grad_norms");
@@ -650,6 +677,8 @@ static void test_deepseek_v3_tiny_bias_update(void **state)
     assert_int_equal(am_st_read_f32(ref, wn, 0, 5, want_norm, &err), 0);
     struct golden G;
     open_golden_with(&G, "deepseek_v3_tiny", AM_F32, factor, 0.0);
+    if (am_st_find(ref, "fill"))
+        use_pack(&G, ref);
     int64_t per = li->shape[1] * li->shape[2], *loads = calloc(5 * (size_t)per, sizeof(int64_t));
     double loss[5], norm[5], loss_worst = 0;
     adamw_steps(&G, 1e-2f, true, loss, norm, loads);
@@ -683,7 +712,7 @@ static void test_deepseek_v3_tiny_bias_update(void **state)
         biases++;
     }
     assert_int_equal(biases, li->shape[1]);
-    report("deepseek_v3_tiny: bias update (factor %g): loads and biases exact, losses %.2e (tolerance 1e-5)\n",
+    report("deepseek_v3_tiny: %s (factor %g): loads and biases exact, losses %.2e (tolerance 1e-5)\n", file,
            factor, loss_worst);
     free(loads);
     close_golden(&G);
@@ -691,13 +720,29 @@ static void test_deepseek_v3_tiny_bias_update(void **state)
     am_errors_free(&err);
 }
 
+static void test_deepseek_v3_tiny_bias_update(void **state)
+{
+    (void)state;
+    check_bias_update("bias_update");
+}
+
+static void test_deepseek_v3_tiny_bias_update_packed(void **state)
+{
+    (void)state;
+    check_bias_update("bias_update_packed");
+}
+
 /* AutoModel's own load-balancing loss (tests/golden/make_aux_golden.py: transformers' model with
  * AutoModel's Gate._compute_aux_loss and MoEAuxLossAutoScaler applied to each router's output, the
  * cross entropy alone trained and reported): 5 clipped AdamW steps' losses, grad norms and aux
  * values, and the routers after them; micro 2: each step's batch as two micro-batches of one
- * sequence (the aux loss's gradient over 2, as am_moe_set_aux_div says; keys mb2.*). */
+ * sequence (the aux loss's gradient over 2, as am_moe_set_aux_div says; keys mb2.*); micro 0: the
+ * packed batch of aux_loss_packed.safetensors in one micro-batch (its pads out of load, score sums
+ * and T, and without the loss's gradient: AutoModel's token_mask). */
 static void check_aux_loss(const char *name, int micro)
 {
+    bool packed = micro == 0;
+    micro = packed ? 1 : micro;
     const char *pre = micro > 1 ? "mb2." : "";
     char kc[64], ka[64], kl[64], kn[64];
     snprintf(kc, sizeof(kc), "coeff");
@@ -709,7 +754,8 @@ static void check_aux_loss(const char *name, int micro)
     struct am_errors err;
     am_errors_init(&err);
     struct am_st_file *ref = NULL;
-    snprintf(path, sizeof(path), "%s/tests/golden/models/%s/aux_loss.safetensors", src ? src : ".", name);
+    snprintf(path, sizeof(path), "%s/tests/golden/models/%s/aux_loss%s.safetensors", src ? src : ".", name,
+             packed ? "_packed" : "");
     assert_int_equal(am_st_open(path, &ref, &err), 0);
     const struct am_st_info *ci = am_st_find(ref, kc), *ai = am_st_find(ref, ka);
     const struct am_st_info *wl = am_st_find(ref, kl), *wn = am_st_find(ref, kn);
@@ -722,6 +768,8 @@ static void check_aux_loss(const char *name, int micro)
     struct golden G;
     open_golden_with(&G, name, AM_F32, 0.0, coeff);
     assert_true(G.B % micro == 0 && !G.starts);
+    if (packed)
+        use_pack(&G, ref);
     am_moe_set_aux_div(&G.m, micro); /* one rank: the step's micro-batches */
     size_t E = G.m.n_elems;
     enum am_device dv = G.dev.device;
@@ -790,8 +838,9 @@ static void check_aux_loss(const char *name, int micro)
         finals++;
     }
     assert_true(finals > 0);
-    report("%s: aux loss (coeff %g, %d micro-batch(es)): losses %.2e, grad norms %.2e relative, aux %.2e (tolerances "
-           "1e-5), %d routers after the steps\n", name, coeff, micro, worst[0], worst[1], worst[2], finals);
+    report("%s: aux loss (coeff %g, %d micro-batch(es)%s): losses %.2e, grad norms %.2e relative, aux %.2e (tolerances "
+           "1e-5), %d routers after the steps\n", name, coeff, micro, packed ? ", packed" : "", worst[0], worst[1],
+           worst[2], finals);
     G.K->free(&G.dev, mom);
     G.K->free(&G.dev, var);
     G.K->free(&G.dev, sumsq_dev);
@@ -805,6 +854,7 @@ static void test_deepseek_v3_tiny_aux_loss(void **s)
     (void)s;
     check_aux_loss("deepseek_v3_tiny", 1);
     check_aux_loss("deepseek_v3_tiny", 2);
+    check_aux_loss("deepseek_v3_tiny", 0);
 }
 
 static void test_gpt_oss_tiny_aux_loss(void **s)
@@ -812,6 +862,7 @@ static void test_gpt_oss_tiny_aux_loss(void **s)
     (void)s;
     check_aux_loss("gpt_oss_tiny", 1);
     check_aux_loss("gpt_oss_tiny", 2);
+    check_aux_loss("gpt_oss_tiny", 0);
 }
 
 #define CASE_FP32(name)                                                                                            \
@@ -863,6 +914,7 @@ int main(void)
                                        /* DeepSeek-V3 (deepseek_v3): multi-head latent attention, DeepSeekMoE */
                                        TESTS(deepseek_v3_tiny), TESTS_FP32(deepseek_v3_qproj),
                                        TESTS(deepseek_v3_yarn), cmocka_unit_test(test_deepseek_v3_tiny_bias_update),
+                                       cmocka_unit_test(test_deepseek_v3_tiny_bias_update_packed),
                                        cmocka_unit_test(test_deepseek_v3_tiny_aux_loss),
                                        /* gpt-oss (gpt_oss): attention sinks, biases, clamped SwiGLU experts */
                                        TESTS(gpt_oss_tiny), cmocka_unit_test(test_gpt_oss_tiny_aux_loss),
