@@ -36,7 +36,7 @@ kind() { # RC FIRST_ERROR -> a kind (read in the message, not in its position: a
     *"knowledge distillation"*) echo distillation ;;
     *"fp8.enabled"*|*"te_fp8"*|*"MXFP8"*|*"quantiz"*|*"freezing"*|*"NEFTune"*) echo feature ;;
     *"so far, and the compute dtype"*|*"not run yet"*|*"does not do yet"*|*"does not compute"*|*"needs loss scaling"*|*"is not run by am-train"*|\
-        *"not built yet"*|*"not exchanged between stages"*|*"experts are replicated over"*|*"does not tell them apart yet"*) echo run ;;
+        *"not built yet"*|*"not exchanged between stages"*|*"experts are replicated over"*) echo run ;;
     *"estimated memory per GPU"*) echo memory ;;
     *"distributed."*|*"step_scheduler."*) echo layout ;;
     *) echo other ;;
