@@ -50,6 +50,13 @@
 #define QB 4  /* query rows per block */
 #define KB 16 /* keys (or head dims) per register tile */
 
+/* 8 floats, GCC's vector extension: the tiles' sums live in registers (a float[16] summed
+ * under `omp simd` stayed on the stack, a load and a store a multiply-add); v8u reads and
+ * writes 8 floats at any float's alignment. Element-wise as the scalar code: a += q * k is
+ * a multiply rounded, then an add rounded, in each lane (no contraction). */
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v8u __attribute__((vector_size(32), aligned(4), may_alias));
+
 struct attn_shape {
     int64_t B, T, H, KVH, D, DV; /* DV: v's and out's head width */
     float scale;
@@ -88,25 +95,21 @@ AM_INLINE void scores_block(float *restrict S, int64_t lds, const float *restric
 {
     const float *restrict x0 = x[0], *restrict x1 = x[1], *restrict x2 = x[2], *restrict x3 = x[3];
     int64_t j = 0;
-    for (; j + KB <= n; j += KB) {
-        float a0[KB] = {0}, a1[KB] = {0}, a2[KB] = {0}, a3[KB] = {0};
+    for (; j + KB <= n; j += KB) { /* the tile's 4 x 16 sums in eight registers of 8 lanes */
+        v8 a0 = {0}, b0 = {0}, a1 = {0}, b1 = {0}, a2 = {0}, b2 = {0}, a3 = {0}, b3 = {0};
         for (int64_t d = 0; d < D; d++) {
             const float *restrict k = At + d * ldt + j;
+            v8 klo = *(const v8u *)k, khi = *(const v8u *)(k + 8);
             float q0 = x0[d], q1 = x1[d], q2 = x2[d], q3 = x3[d];
-#pragma omp simd
-            for (int c = 0; c < KB; c++) {
-                a0[c] += q0 * k[c];
-                a1[c] += q1 * k[c];
-                a2[c] += q2 * k[c];
-                a3[c] += q3 * k[c];
-            }
+            a0 += q0 * klo, b0 += q0 * khi;
+            a1 += q1 * klo, b1 += q1 * khi;
+            a2 += q2 * klo, b2 += q2 * khi;
+            a3 += q3 * klo, b3 += q3 * khi;
         }
-        for (int c = 0; c < KB; c++) {
-            S[j + c] = a0[c];
-            S[lds + j + c] = a1[c];
-            S[2 * lds + j + c] = a2[c];
-            S[3 * lds + j + c] = a3[c];
-        }
+        *(v8u *)(S + j) = a0, *(v8u *)(S + j + 8) = b0;
+        *(v8u *)(S + lds + j) = a1, *(v8u *)(S + lds + j + 8) = b1;
+        *(v8u *)(S + 2 * lds + j) = a2, *(v8u *)(S + 2 * lds + j + 8) = b2;
+        *(v8u *)(S + 3 * lds + j) = a3, *(v8u *)(S + 3 * lds + j + 8) = b3;
     }
     for (; j < n; j++) { /* the last keys when T is not a multiple of KB */
         float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
@@ -133,31 +136,20 @@ AM_INLINE void pv_block(float *const o[QB], const float *restrict A, int64_t lda
     float *restrict o0 = o[0], *restrict o1 = o[1], *restrict o2 = o[2], *restrict o3 = o[3];
     const float *restrict P0 = P, *restrict P1 = P + ldp, *restrict P2 = P + 2 * ldp, *restrict P3 = P + 3 * ldp;
     int64_t dc = 0;
-    for (; dc + KB <= D; dc += KB) {
-        float a0[KB], a1[KB], a2[KB], a3[KB];
-        for (int c = 0; c < KB; c++) {
-            a0[c] = o0[dc + c];
-            a1[c] = o1[dc + c];
-            a2[c] = o2[dc + c];
-            a3[c] = o3[dc + c];
-        }
+    for (; dc + KB <= D; dc += KB) { /* the four rows' 16 head dims in eight registers of 8 lanes */
+        v8 a0 = *(v8u *)(o0 + dc), b0 = *(v8u *)(o0 + dc + 8), a1 = *(v8u *)(o1 + dc), b1 = *(v8u *)(o1 + dc + 8);
+        v8 a2 = *(v8u *)(o2 + dc), b2 = *(v8u *)(o2 + dc + 8), a3 = *(v8u *)(o3 + dc), b3 = *(v8u *)(o3 + dc + 8);
         for (int64_t j = 0; j < n; j++) {
             const float *restrict a = A + j * lda + dc;
+            v8 alo = *(const v8u *)a, ahi = *(const v8u *)(a + 8);
             float p0 = P0[j], p1 = P1[j], p2 = P2[j], p3 = P3[j];
-#pragma omp simd
-            for (int c = 0; c < KB; c++) {
-                a0[c] += p0 * a[c];
-                a1[c] += p1 * a[c];
-                a2[c] += p2 * a[c];
-                a3[c] += p3 * a[c];
-            }
+            a0 += p0 * alo, b0 += p0 * ahi;
+            a1 += p1 * alo, b1 += p1 * ahi;
+            a2 += p2 * alo, b2 += p2 * ahi;
+            a3 += p3 * alo, b3 += p3 * ahi;
         }
-        for (int c = 0; c < KB; c++) {
-            o0[dc + c] = a0[c];
-            o1[dc + c] = a1[c];
-            o2[dc + c] = a2[c];
-            o3[dc + c] = a3[c];
-        }
+        *(v8u *)(o0 + dc) = a0, *(v8u *)(o0 + dc + 8) = b0, *(v8u *)(o1 + dc) = a1, *(v8u *)(o1 + dc + 8) = b1;
+        *(v8u *)(o2 + dc) = a2, *(v8u *)(o2 + dc + 8) = b2, *(v8u *)(o3 + dc) = a3, *(v8u *)(o3 + dc + 8) = b3;
     }
     for (; dc < D; dc++) /* head sizes that are not a multiple of KB */
         for (int64_t j = 0; j < n; j++) {
