@@ -164,6 +164,64 @@ lora_ref() {
     fi
 }
 
+# lora_golden GOLDEN TARGETS TP PP: golden_dist on the peft golden GOLDEN (tests/golden/models)
+# with those target_modules at tp TP x pp PP: 5 AdamW steps, the losses and final adapters
+# within golden_dist's tolerances
+lora_golden_recipe() { # GOLDEN TARGETS TP PP
+    cat <<EOF
+model:
+  pretrained_model_name_or_path: $AM_SRCDIR/tests/golden/models/$1/base
+distributed:
+  strategy: fsdp2
+  tp_size: $3
+  pp_size: $4
+  mp_policy:
+    param_dtype: float32
+  pipeline:
+    pp_schedule: 1f1b
+    pp_microbatch_size: 1
+step_scheduler:
+  global_batch_size: 2
+  local_batch_size: 2
+  max_steps: 5
+dataset:
+  seq_length: 16
+  paths: golden-rows
+optimizer:
+  _target_: torch.optim.AdamW
+  lr: 1.0e-2
+  betas: [0.9, 0.95]
+  eps: 1.0e-8
+  weight_decay: 0.1
+lr_scheduler:
+  lr_decay_style: constant
+  lr_warmup_steps: 0
+clip_grad_norm:
+  max_norm: null
+peft:
+  _target_: nemo_automodel.components._peft.lora.PeftConfig
+  target_modules: $2
+  dim: 4
+  alpha: 8
+  dropout: 0.0
+  lora_A_init: kaiming
+dist_env:
+  timeout_minutes: 1
+EOF
+}
+lora_golden() {
+    local name=golden-tp$3-pp$4-$1
+    lora_golden_recipe "$@" >"$work/$name.yaml"
+    if (cd "$work" && AM_LOG_DIR="$work/logs-$name" timeout 300 "$AM_BUILDDIR/am-launch" --nproc $(($3 * $4)) \
+        "$work/$name.yaml" -- "$AM_BUILDDIR/tests/train/golden_dist" "$1" >"$work/out-$name" 2>&1) &&
+        grep -q "^golden tp$3 pp$4 $1: [0-9]* checks passed" "$work/out-$name" &&
+        [ "$(grep -c '^adamw step [1-5]: loss ' "$work/out-$name")" = 5 ]; then
+        ok "$1 against peft at tp $3 x pp $4: $(grep '^golden .*checks passed' "$work/out-$name" | sed 's/.*passed (//; s/)$//'); $(grep '^final adapters' "$work/out-$name")"
+    else
+        bad "$1 against peft at tp $3 x pp $4"; sed 's/^/    /' "$work/out-$name"
+    fi
+}
+
 # The layouts, bf16 and resume checks compare against one rank's run ref, its adapters within
 # 1e-5, each run's recipe `recipe NAME EP`; their options change that: -r REF another run of one
 # rank, -t TOL another tolerance for the adapters, -x TARGETS `recipe NAME EP TARGETS`.

@@ -47,61 +47,8 @@ esac
 steps=4 loss_tol=1e-5 norm_tol=1e-5
 
 # golden: golden_dist on peft's glm4_moe_lora (deepseek_v3_lora)
-golden_recipe() { # TP PP
-    cat <<EOF
-model:
-  pretrained_model_name_or_path: $AM_SRCDIR/tests/golden/models/$golden/base
-distributed:
-  strategy: fsdp2
-  tp_size: $1
-  pp_size: $2
-  mp_policy:
-    param_dtype: float32
-  pipeline:
-    pp_schedule: 1f1b
-    pp_microbatch_size: 1
-step_scheduler:
-  global_batch_size: 2
-  local_batch_size: 2
-  max_steps: 5
-dataset:
-  seq_length: 16
-  paths: golden-rows
-optimizer:
-  _target_: torch.optim.AdamW
-  lr: 1.0e-2
-  betas: [0.9, 0.95]
-  eps: 1.0e-8
-  weight_decay: 0.1
-lr_scheduler:
-  lr_decay_style: constant
-  lr_warmup_steps: 0
-clip_grad_norm:
-  max_norm: null
-peft:
-  _target_: nemo_automodel.components._peft.lora.PeftConfig
-  target_modules: $golden_targets
-  dim: 4
-  alpha: 8
-  dropout: 0.0
-  lora_A_init: kaiming
-dist_env:
-  timeout_minutes: 1
-EOF
-}
-for run in "1 1" "2 1"; do
-    set -- $run
-    name=golden-tp$1-pp$2
-    golden_recipe "$1" "$2" >"$work/$name.yaml"
-    if (cd "$work" && AM_LOG_DIR="$work/logs-$name" timeout 300 "$AM_BUILDDIR/am-launch" --nproc $(($1 * $2)) \
-        "$work/$name.yaml" -- "$AM_BUILDDIR/tests/train/golden_dist" "$golden" >"$work/out-$name" 2>&1) &&
-        grep -q "^golden tp$1 pp$2 $golden: [0-9]* checks passed" "$work/out-$name" &&
-        [ "$(grep -c '^adamw step [1-5]: loss ' "$work/out-$name")" = 5 ]; then
-        ok "$golden against peft at tp $1 x pp $2: $(grep '^golden .*checks passed' "$work/out-$name" | sed 's/.*passed (//; s/)$//'); $(grep '^final adapters' "$work/out-$name")"
-    else
-        bad "$golden against peft at tp $1 x pp $2"; sed 's/^/    /' "$work/out-$name"
-    fi
-done
+lora_golden "$golden" "$golden_targets" 1 1
+lora_golden "$golden" "$golden_targets" 2 1
 
 lora_dataset 600 GPL-3 Apache-2.0
 
