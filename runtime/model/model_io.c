@@ -602,6 +602,30 @@ static int gather_experts(struct saver *s, struct am_comm *ep, struct am_errors 
     return 0;
 }
 
+/* The gathered experts' list replaced by N tensors over FLOATS values (fuse_gpt_oss and
+ * fuse_gpt_oss_lora): the new list and its memory, or -1 naming WHAT when out of memory. */
+static int fused_new(const struct saver *s, int64_t n, int64_t floats, const char *what, struct ep_tensor **ep,
+                     float **mem, struct am_errors *err)
+{
+    *ep = calloc((size_t)(n + 1), sizeof(**ep));
+    *mem = malloc((size_t)(floats + 1) * sizeof(float));
+    if (*ep && *mem)
+        return 0;
+    free(*ep);
+    free(*mem);
+    am_errorf(err, NULL, "%s: saving: out of memory for %s", s->dir, what);
+    return -1;
+}
+
+static void fused_install(struct saver *s, struct ep_tensor *ep, float *mem, int64_t n)
+{
+    free(s->ep);
+    free(s->ep_mem);
+    s->ep = ep;
+    s->ep_mem = mem;
+    s->n_ep = n;
+}
+
 /* gpt_oss: the gathered experts (every layer's six runs of E entries: gate, up, down, their
  * biases, in global order) replaced by transformers' four fused tensors per layer (the inverse of
  * load_gpt_oss_experts): gate_up_proj [E, C, 2I], gate_up_proj_bias [E, 2I], down_proj
@@ -611,14 +635,10 @@ static int fuse_gpt_oss(struct saver *s, struct am_errors *err)
     const struct am_model *m = s->m;
     int64_t C = m->cfg.hidden_size, I = m->cfg.moe_intermediate_size, E = m->cfg.num_experts;
     int64_t layers = s->n_ep / (6 * E), per = E * (C * 2 * I + 2 * I + I * C + C);
-    struct ep_tensor *ep = calloc((size_t)(4 * layers + 1), sizeof(*ep));
-    float *mem = malloc((size_t)(layers * per + 1) * sizeof(float));
-    if (!ep || !mem) {
-        free(ep);
-        free(mem);
-        am_errorf(err, NULL, "%s: saving: out of memory for gpt_oss's fused experts", s->dir);
+    struct ep_tensor *ep;
+    float *mem;
+    if (fused_new(s, 4 * layers, layers * per, "gpt_oss's fused experts", &ep, &mem, err) < 0)
         return -1;
-    }
     for (int64_t l = 0; l < layers; l++) {
         const struct ep_tensor *r = s->ep + l * 6 * E; /* run k's expert e: r[k * E + e] */
         float *gu = mem + l * per, *gub = gu + E * C * 2 * I, *dn = gub + E * 2 * I, *db = dn + E * I * C;
@@ -648,11 +668,7 @@ static int fuse_gpt_oss(struct saver *s, struct am_errors *err)
         for (int k = 0; k < 4; k++)
             snprintf(t[k].t.name, sizeof(t[k].t.name), "%.70s.%s", pre, names[k]);
     }
-    free(s->ep);
-    free(s->ep_mem);
-    s->ep = ep;
-    s->ep_mem = mem;
-    s->n_ep = 4 * layers;
+    fused_install(s, ep, mem, 4 * layers);
     return 0;
 }
 
@@ -673,14 +689,10 @@ static int fuse_gpt_oss_lora(struct saver *s, struct am_errors *err)
     int64_t C = m->cfg.hidden_size, I = m->cfg.moe_intermediate_size, E = m->cfg.num_experts;
     int64_t layers = s->n_ep / (6 * E), r = m->sh.lora_experts_r > 0 ? m->sh.lora_experts_r : m->sh.lora_r;
     int64_t per = r * E * (2 * I + C + C + I);
-    struct ep_tensor *ep = calloc((size_t)(4 * layers + 1), sizeof(*ep));
-    float *mem = malloc((size_t)(layers * per + 1) * sizeof(float));
-    if (!ep || !mem) {
-        free(ep);
-        free(mem);
-        am_errorf(err, NULL, "%s: saving: out of memory for gpt_oss's experts' adapters", s->dir);
+    struct ep_tensor *ep;
+    float *mem;
+    if (fused_new(s, 4 * layers, layers * per, "gpt_oss's experts' adapters", &ep, &mem, err) < 0)
         return -1;
-    }
     for (int64_t l = 0; l < layers; l++) {
         const struct ep_tensor *x = s->ep + l * 6 * E; /* run k's expert e: x[k * E + e] */
         float *gua = mem + l * per, *gub = gua + r * E * C, *dna = gub + 2 * I * r * E, *dnb = dna + r * E * I;
@@ -709,11 +721,7 @@ static int fuse_gpt_oss_lora(struct saver *s, struct am_errors *err)
         for (int k = 0; k < 4; k++)
             snprintf(t[k].t.name, sizeof(t[k].t.name), "%.60s.%s", pre, pw_names[k]);
     }
-    free(s->ep);
-    free(s->ep_mem);
-    s->ep = ep;
-    s->ep_mem = mem;
-    s->n_ep = 4 * layers;
+    fused_install(s, ep, mem, 4 * layers);
     return 0;
 }
 
