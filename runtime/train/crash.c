@@ -40,6 +40,7 @@ static struct {
     _Atomic long step;
     _Atomic int report;          /* REPORT_* */
     void *alt_stack;
+    int leaving;                 /* am_crash_leaving: stop signals ignored */
 } crash = {.fd = -1};
 
 void am_crash_set_step(long step) { atomic_store_explicit(&crash.step, step, memory_order_relaxed); }
@@ -312,6 +313,13 @@ int am_crash_install(int log_fd, int rank, const struct am_flight *f, char *err,
 
 void am_crash_set_flight(const struct am_flight *f) { crash.flight = f; }
 
+void am_crash_leaving(void)
+{
+    crash.leaving = 1;
+    for (int i = 0; i < N_STOP; i++)
+        signal(stop_signals[i], SIG_IGN);
+}
+
 void am_crash_uninstall(void)
 {
     if (crash.fd < 0)
@@ -319,7 +327,7 @@ void am_crash_uninstall(void)
     for (int i = 0; i < N_CRASH; i++)
         signal(crash_signals[i], SIG_DFL);
     for (int i = 0; i < N_STOP; i++)
-        signal(stop_signals[i], SIG_DFL);
+        signal(stop_signals[i], crash.leaving ? SIG_IGN : SIG_DFL);
     if (crash.alt_stack) {
         stack_t st = {.ss_flags = SS_DISABLE};
         sigaltstack(&st, NULL);

@@ -55,6 +55,11 @@ int am_crash_install(int log_fd, int rank, const struct am_flight *f, char *err,
 void am_crash_set_flight(const struct am_flight *f);
 /* Default actions back, the fd closed (a normal end). */
 void am_crash_uninstall(void);
+/* The rank leaves on its own with a status its job needs (saved on Slurm's warning, to be
+ * requeued): stop signals are ignored from now on, past am_crash_uninstall too, so that a peer
+ * ending first (srun --kill-on-bad-exit then stops the step) cannot turn this rank's status
+ * into a signal's. */
+void am_crash_leaving(void);
 /* The 1-based training step in progress (0: none yet), for the cause records. */
 void am_crash_set_step(long step);
 long am_crash_step(void);

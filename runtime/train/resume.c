@@ -10,6 +10,7 @@
 #include <sys/stat.h>
 
 #include "checkpoint.h"
+#include "crash.h"
 #include "errors.h"
 #include "groups.h"
 #include "log.h"
@@ -583,6 +584,7 @@ int am_train_preempt_check(struct trainer *t, long step, bool saved, struct am_e
         return 0;
     if (!saved && am_train_save_checkpoint(t, step, err) < 0)
         return -1;
+    am_crash_leaving(); /* the ranks end one by one from here: status 85 each, whoever ends first */
     am_log_record(t->log, "preempted", json_pack("{s:i,s:f,s:i}", "step", (int)step, "time", am_wall_time(),
                                                  "exit", AM_EXIT_REQUEUE));
     if (t->s->info.rank == 0)

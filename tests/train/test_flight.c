@@ -1,6 +1,8 @@
 /* test_flight.c - the flight recorder's ring, its dump, AM_FLIGHT_RECORDER_SIZE, the
  * async-signal-safe formatter (sigfmt.h) and the crash handler's cause line (crash.h). */
+#include <fcntl.h>
 #include <setjmp.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -231,6 +233,30 @@ static void test_crash_line(void **state)
     assert_string_equal(small + n - 3, "]}\n");
 }
 
+/* am_crash_leaving: a stop signal after it neither ends the process nor writes a cause record,
+ * before am_crash_uninstall and after it */
+static void test_crash_leaving(void **state)
+{
+    (void)state;
+    char path[] = "/tmp/am-test-leaving-XXXXXX", err[256];
+    int fd = mkstemp(path);
+    assert_true(fd >= 0);
+    int log = open(path, O_WRONLY | O_APPEND);
+    assert_true(log >= 0);
+    assert_int_equal(am_crash_install(log, 0, NULL, err, sizeof(err)), 0);
+    am_crash_leaving();
+    raise(SIGTERM);
+    raise(SIGINT);
+    am_crash_uninstall();
+    raise(SIGTERM);
+    assert_int_equal(lseek(fd, 0, SEEK_END), 0); /* no cause record */
+    signal(SIGTERM, SIG_DFL);
+    signal(SIGINT, SIG_DFL);
+    close(log);
+    close(fd);
+    unlink(path);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -241,6 +267,7 @@ int main(void)
         cmocka_unit_test(test_dump),
         cmocka_unit_test(test_size_from_env),
         cmocka_unit_test(test_crash_line),
+        cmocka_unit_test(test_crash_leaving),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
