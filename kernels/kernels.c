@@ -2,6 +2,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "half.h"
 #include "kernels.h"
 
 /* The process's device-fault hook (kernels.h): the one mutable global of the kernels, because
@@ -166,4 +167,36 @@ void am_dev_close(struct am_dev *d)
     if (d->k && d->k->close)
         d->k->close(d);
     memset(d, 0, sizeof(*d));
+}
+
+#define CONVERT_CHUNK 4096 /* elements converted at a time on the host */
+
+void am_dev_download_f32(const struct am_dev *d, enum am_dtype dt, float *host, const void *src, size_t n)
+{
+    if (dt == AM_F32) {
+        d->k->download(d, host, src, n * sizeof(float));
+        return;
+    }
+    uint16_t h[CONVERT_CHUNK];
+    for (size_t i = 0; i < n; i += CONVERT_CHUNK) {
+        size_t k = n - i < CONVERT_CHUNK ? n - i : CONVERT_CHUNK;
+        d->k->download(d, h, (const uint16_t *)src + i, k * sizeof(*h));
+        for (size_t j = 0; j < k; j++)
+            host[i + j] = am_bf16_to_f32(h[j]);
+    }
+}
+
+void am_dev_upload_f32(const struct am_dev *d, enum am_dtype dt, void *dst, const float *host, size_t n)
+{
+    if (dt == AM_F32) {
+        d->k->upload(d, dst, host, n * sizeof(float));
+        return;
+    }
+    uint16_t h[CONVERT_CHUNK];
+    for (size_t i = 0; i < n; i += CONVERT_CHUNK) {
+        size_t k = n - i < CONVERT_CHUNK ? n - i : CONVERT_CHUNK;
+        for (size_t j = 0; j < k; j++)
+            h[j] = am_f32_to_bf16(host[i + j]);
+        d->k->upload(d, (uint16_t *)dst + i, h, k * sizeof(*h));
+    }
 }

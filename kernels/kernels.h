@@ -94,6 +94,12 @@ struct am_dev {
  * -1 with a message naming the device and why (no such backend in this build, no device). */
 int am_dev_open(struct am_dev *d, enum am_device device, int ordinal, char *err, size_t err_len);
 void am_dev_close(struct am_dev *d);
+
+/* n elements of device memory src in dtype dt (AM_F32 or AM_BF16) read into host fp32 (exact),
+ * and host fp32 written to device memory dst in dt (rounded to nearest even, as torch's
+ * .to(bfloat16)): the host side of weights and optimizer state kept in bf16. */
+void am_dev_download_f32(const struct am_dev *d, enum am_dtype dt, float *host, const void *src, size_t n);
+void am_dev_upload_f32(const struct am_dev *d, enum am_dtype dt, void *dst, const float *host, size_t n);
 const char *am_device_name(enum am_device device);
 
 /* ---- failures of the device, told to whoever runs it ----

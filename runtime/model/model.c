@@ -48,6 +48,9 @@ static int check_layout(const struct am_model *m, const struct am_model_config *
     if (m->act_dt != AM_F32 && m->act_dt != AM_BF16)
         return am_fail(err, err_len, "model: compute dtype %s: the model computes in fp32 or bf16 (mixed precision)",
                        am_dtype_name(m->act_dt));
+    if (m->store_dt != AM_F32 && m->store_dt != AM_BF16)
+        return am_fail(err, err_len, "model: storage dtype %s: the model keeps its weights in fp32 or bf16",
+                       am_dtype_name(m->store_dt));
     if (check_shard(sh, cfg, err, err_len) < 0)
         return -1;
     if (m->sh.sequence_parallel && (batch * seq_len) % sh->tp)
@@ -349,6 +352,7 @@ int am_model_init(struct am_model *m, const struct am_model_config *cfg, const s
     m->pp_comm = pp_comm;
     m->sh.sequence_parallel = sh->sequence_parallel && sh->tp > 1;
     m->act_dt = sh->compute;
+    m->store_dt = sh->storage;
     if (check_layout(m, cfg, sh, batch, seq_len, err, err_len) < 0)
         return -1;
     shard_shapes(m, cfg, sh, batch, seq_len);

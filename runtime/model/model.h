@@ -95,7 +95,8 @@
 enum am_split { AM_SPLIT_NONE, AM_SPLIT_ROWS, AM_SPLIT_COLS };
 
 struct am_param {
-    struct am_tensor w, g;  /* the fp32 master value and its fp32 gradient */
+    struct am_tensor w, g;  /* the master value, in the storage dtype (m->store_dt), and its fp32
+                               gradient; read and write w through am_param_read / am_param_write */
     struct am_tensor wc;    /* the value the kernels compute with: w itself, or its copy in the
                                compute dtype (mixed precision), refreshed by am_model_begin_step */
     char name[96];          /* Hugging Face name */
@@ -133,8 +134,12 @@ struct am_model_shard {
     int ep, ep_rank;              /* expert parallelism: the MoE layers' experts split over ep
                                      ranks (moe.h); 0 or 1: every expert here */
     enum am_dtype compute;        /* weights and activations in forward and backward: AM_F32
-                                     (the default), or AM_BF16 (mixed precision: fp32 master
-                                     weights and gradients, a bf16 copy of the weights) */
+                                     (the default), or AM_BF16 (mixed precision: a bf16 copy of
+                                     fp32 master weights, or the bf16 masters themselves) */
+    enum am_dtype storage;        /* the master weights (model.torch_dtype, as torch holds the
+                                     parameters): AM_F32 (the default) or AM_BF16; gradients are
+                                     fp32 either way. Equal to compute: the kernels read the
+                                     masters, no copy */
     int lora_r;                   /* LoRA (lora.h): the rank of the adapters on the lora_targets
                                      projections; 0: none */
     float lora_alpha;             /* their scale is lora_alpha / lora_r */
@@ -338,12 +343,13 @@ struct am_model {
     } scalars;
     void *scalar_mem;
     bool loss_reduced, sumsq_reduced; /* the f32 sums are the values to read */
-    void *param_mem, *grad_mem; /* fp32 masters and gradients */
-    void *param_lp_mem;         /* the compute copy of the weights (mixed precision), or NULL */
+    void *param_mem, *grad_mem; /* masters (store_dt) and fp32 gradients */
+    void *param_lp_mem;         /* the compute copy of the weights (act_dt != store_dt), or NULL */
     size_t param_off;           /* param_mem (and param_lp_mem) hold slab elements [param_off, slab_elems): all
                                    of them (0), or with LoRA's base sharded (am_model_drop_weights) the
                                    adapters' group alone (grad_off) */
     enum am_dtype act_dt;       /* compute dtype: the weights' copy and the activations */
+    enum am_dtype store_dt;     /* the masters' dtype (sh.storage) */
     size_t n_elems; /* parameters on this rank (all of them, in elements) */
     size_t slab_elems; /* the slabs' length: n_elems plus each group's padding (group_align) */
     size_t grad_off, grad_elems; /* the gradient slab (grad_mem) holds slab elements [grad_off, grad_off +
@@ -489,6 +495,13 @@ void am_model_begin_step(struct am_model *m);
 /* The compute copy of the weights from the masters (am_model_begin_step does it; after
  * writing masters outside a step, a load for instance, call it before a forward). */
 void am_model_cast_weights(struct am_model *m);
+
+/* Parameter p's master values [at, at + n) (elements from p's start, row-major; a run may go on
+ * into the parameters after p in the slab) from or to fp32 host memory: written rounded to the
+ * storage dtype (nearest even, as torch's .to(bfloat16)), read widened (exact). The one way
+ * the loaders, the initialisation and the savers touch p->w. */
+void am_param_write(const struct am_model *m, const struct am_param *p, const float *host, size_t at, size_t n);
+void am_param_read(const struct am_model *m, const struct am_param *p, float *host, size_t at, size_t n);
 
 /* Completing the gradients of one optimizer step, after its last micro-batch, once:
  * am_model_group_finish sums across the tp ranks what they computed separately in group g

@@ -91,10 +91,10 @@ static int load_gpt_oss_experts(struct am_model *m, struct am_ckpt *c, const cha
                     for (int64_t k = 0; k < C; k++)
                         w[i * C + k] = g[k * 2 * I + 2 * i + half];
                 const struct am_param *pw = (half ? X->w3 : X->w1) + e, *pb = (half ? X->b3 : X->b1) + e;
-                m->K->upload(m->dev, pw->w.data, w, (size_t)(I * C) * sizeof(float));
+                am_param_write(m, pw, w, 0, (size_t)(I * C));
                 for (int64_t i = 0; i < I; i++)
                     w[i] = gub[e * 2 * I + 2 * i + half];
-                m->K->upload(m->dev, pb->w.data, w, (size_t)I * sizeof(float));
+                am_param_write(m, pb, w, 0, (size_t)I);
             }
         }
         snprintf(name, sizeof(name), "%s.down_proj", pre);
@@ -112,8 +112,8 @@ static int load_gpt_oss_experts(struct am_model *m, struct am_ckpt *c, const cha
             for (int64_t k = 0; k < C; k++)
                 for (int64_t i = 0; i < I; i++)
                     w[k * I + i] = d[i * C + k];
-            m->K->upload(m->dev, (X->w2 + e)->w.data, w, (size_t)(I * C) * sizeof(float));
-            m->K->upload(m->dev, (X->b2 + e)->w.data, db + e * C, (size_t)C * sizeof(float));
+            am_param_write(m, (X->w2 + e), w, 0, (size_t)(I * C));
+            am_param_write(m, (X->b2 + e), db + e * C, 0, (size_t)C);
         }
     }
     free(buf);
@@ -153,7 +153,7 @@ int am_model_load_hf(struct am_model *m, const char *dir, struct am_errors *err)
                                      : p->split == AM_SPLIT_COLS ? am_ckpt_cols(p->col0, p->col0 + p->w.shape[1])
                                                                  : (struct am_ckpt_slice){0, 0, 0};
         if (am_ckpt_read(c, p->name, p->split == AM_SPLIT_NONE ? NULL : &slice, &dst, err) == 0)
-            m->K->upload(m->dev, p->w.data, host, (size_t)n * sizeof(float));
+            am_param_write(m, p, host, 0, (size_t)n);
         free(host);
         done += (uint64_t)n * sizeof(float);
         if (m->load_bar)
@@ -292,7 +292,7 @@ static void load_gpt_oss_lora(struct am_model *m, struct am_st_file *f, const ch
                         int64_t i = pw_index(w, e0 + j, E, r, I, C, y, c, &k);
                         one[y * cols + c] = full[k][i];
                     }
-                m->K->upload(m->dev, p->w.data, one, (size_t)(rows * cols) * sizeof(float));
+                am_param_write(m, p, one, 0, (size_t)(rows * cols));
             }
     }
     if (!one || !full[0] || !full[1] || !full[2] || !full[3])
@@ -330,7 +330,7 @@ int am_model_load_peft(struct am_model *m, const char *dir, struct am_errors *er
             int64_t lr = p->w.shape[0], lc = p->w.shape[1];
             for (int64_t r = 0; r < lr; r++)
                 memcpy(mine + r * lc, full + (r0 + r) * cols + c0, (size_t)lc * sizeof(float));
-            m->K->upload(m->dev, p->w.data, mine, (size_t)(lr * lc) * sizeof(float));
+            am_param_write(m, p, mine, 0, (size_t)(lr * lc));
         } else if (!full || !mine) {
             am_errorf(err, NULL, "%s: out of memory reading %s", path, name);
         }
@@ -567,13 +567,13 @@ static int gather_experts(struct saver *s, struct am_comm *ep, struct am_errors 
         for (int w = 0; w < nr; w++) {
             size_t one = (size_t)am_tensor_numel(&run[w]->w);
             if (ep) {
-                m->K->download(m->dev, mine, run[w]->w.data, one * (size_t)El * sizeof(float));
+                am_param_read(m, run[w], mine, 0, one * (size_t)El);
                 if (msg_allgather(s, ep, mine, at, one * (size_t)El, AM_F32) < 0) {
                     free(mine);
                     return comm_failed(s, err);
                 }
             } else {
-                m->K->download(m->dev, at, run[w]->w.data, one * (size_t)E * sizeof(float));
+                am_param_read(m, run[w], at, 0, one * (size_t)E);
             }
             for (int64_t e = 0; e < E; e++) { /* the names: this rank's first expert's, renumbered */
                 struct ep_tensor *t = &s->ep[j++];
@@ -926,7 +926,7 @@ static int gather(struct saver *s, int64_t i, struct am_errors *err)
     const struct am_param *p = &s->m->params[s->which[i]];
     size_t n = (size_t)am_tensor_numel(&p->w);
     float *mine = s->tp_size > 1 ? s->slices + (size_t)s->tp_rank * n : s->full;
-    s->m->K->download(s->m->dev, mine, p->w.data, n * sizeof(float));
+    am_param_read(s->m, p, mine, 0, n);
     if (s->tp_size == 1)
         return 0;
     if (msg_allgather(s, s->tp, mine, s->slices, n, AM_F32) < 0)
@@ -1070,7 +1070,7 @@ static int fetch(struct saver *s, int64_t i, struct am_errors *err)
 }
 
 /* fill callback of the writer: bytes of tensor `index` of all. The writer's own tensors with
- * tp 1 come straight from the device; the others through full, fetched at their first bytes
+ * tp 1 and fp32 masters come straight from the device; the others through full, fetched at their first bytes
  * (am_st_write asks for each tensor's bytes in order, in pieces). */
 static int fill(void *ctx, size_t index, uint64_t offset, void *dst, size_t n, struct am_errors *err)
 {
@@ -1080,7 +1080,7 @@ static int fill(void *ctx, size_t index, uint64_t offset, void *dst, size_t n, s
         memcpy(dst, (const char *)s->ep[-1 - s->which[t->index]].data + offset, n);
         return 0;
     }
-    if (t->owner == 0 && s->tp_size == 1) {
+    if (t->owner == 0 && s->tp_size == 1 && s->m->store_dt == AM_F32) {
         const struct am_param *p = &s->m->params[s->which[t->index]];
         s->m->K->download(s->m->dev, dst, (const char *)p->w.data + offset, n);
         return 0;

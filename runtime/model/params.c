@@ -26,8 +26,8 @@ struct am_param *am_model_add_param(struct am_model *m, const char *name, int64_
     struct am_param *p = &m->params[m->n_params++];
     memset(p, 0, sizeof(*p));
     snprintf(p->name, sizeof(p->name), "%s", name);
-    p->w = am_tensor_view(NULL, m->K->device, AM_F32, rows, cols, 0, 0);
-    p->g = p->w;
+    p->w = am_tensor_view(NULL, m->K->device, m->store_dt, rows, cols, 0, 0);
+    p->g = am_tensor_view(NULL, m->K->device, AM_F32, rows, cols, 0, 0);
     p->wc = am_tensor_view(NULL, m->K->device, m->act_dt, rows, cols, 0, 0);
     p->split = split;
     p->full_rows = full_rows;
@@ -115,7 +115,8 @@ int am_model_place_params(struct am_model *m)
     if (!offs)
         return -1;
     m->slab_elems = param_offsets(m, offs);
-    m->param_mem = K->alloc(m->dev, m->slab_elems * sizeof(float));
+    size_t ws = am_dtype_size(m->store_dt), cs = am_dtype_size(m->act_dt);
+    m->param_mem = K->alloc(m->dev, m->slab_elems * ws);
     m->param_off = 0;
     /* LoRA freezes the base: the gradient slab is the adapters' group alone, the last */
     m->grad_off = 0;
@@ -131,8 +132,7 @@ int am_model_place_params(struct am_model *m)
             m->groups[g].frozen = m->groups[g].kind != AM_PG_LORA;
     }
     m->grad_mem = K->alloc(m->dev, (m->grad_elems ? m->grad_elems : 1) * sizeof(float));
-    if (m->act_dt != AM_F32 && m->param_mem &&
-        !(m->param_lp_mem = K->alloc(m->dev, m->slab_elems * am_dtype_size(m->act_dt)))) {
+    if (m->act_dt != m->store_dt && m->param_mem && !(m->param_lp_mem = K->alloc(m->dev, m->slab_elems * cs))) {
         free(offs);
         return -1;
     }
@@ -141,16 +141,16 @@ int am_model_place_params(struct am_model *m)
         return -1;
     }
     if (m->slab_elems != m->n_elems) {
-        struct am_tensor all = am_tensor_view(m->param_mem, m->dev->device, AM_F32, (int64_t)m->slab_elems, 0, 0, 0);
+        struct am_tensor all = am_tensor_view(m->param_mem, m->dev->device, m->store_dt, (int64_t)m->slab_elems, 0, 0, 0);
         K->zero(m->dev, &all);
     }
     for (int i = 0; i < m->n_params; i++) {
         struct am_param *p = &m->params[i];
         size_t off = offs[i];
         p->slab_off = off;
-        p->w.data = (float *)m->param_mem + off;
+        p->w.data = (char *)m->param_mem + off * ws;
         p->g.data = off >= m->grad_off ? (float *)m->grad_mem + (off - m->grad_off) : NULL;
-        p->wc.data = m->param_lp_mem ? (char *)m->param_lp_mem + off * am_dtype_size(m->act_dt) : p->w.data;
+        p->wc.data = m->param_lp_mem ? (char *)m->param_lp_mem + off * cs : p->w.data;
     }
     free(offs);
     end_groups(m);
@@ -162,7 +162,7 @@ void am_model_cast_weights(struct am_model *m)
     if (!m->param_lp_mem || !m->param_mem)
         return;
     int64_t n = (int64_t)(m->slab_elems - m->param_off);
-    struct am_tensor w = am_tensor_view(m->param_mem, m->K->device, AM_F32, n, 0, 0, 0);
+    struct am_tensor w = am_tensor_view(m->param_mem, m->K->device, m->store_dt, n, 0, 0, 0);
     struct am_tensor c = am_tensor_view(m->param_lp_mem, m->K->device, m->act_dt, n, 0, 0, 0);
     m->K->convert(m->dev, &c, &w);
 }
@@ -173,8 +173,8 @@ void am_model_cast_weights(struct am_model *m)
 static int keep_adapters(struct am_model *m)
 {
     const struct am_kernels *K = m->K;
-    size_t n = m->grad_elems, cs = am_dtype_size(m->act_dt);
-    void *w = K->alloc(m->dev, (n ? n : 1) * sizeof(float)), *c = NULL;
+    size_t n = m->grad_elems, ws = am_dtype_size(m->store_dt), cs = am_dtype_size(m->act_dt);
+    void *w = K->alloc(m->dev, (n ? n : 1) * ws), *c = NULL;
     if (w && m->param_lp_mem && !(c = K->alloc(m->dev, (n ? n : 1) * cs))) {
         K->free(m->dev, w);
         return -1;
@@ -182,9 +182,9 @@ static int keep_adapters(struct am_model *m)
     if (!w)
         return -1;
     if (n) {
-        struct am_tensor dst = am_tensor_view(w, m->dev->device, AM_F32, (int64_t)n, 0, 0, 0);
-        struct am_tensor src = am_tensor_view((float *)m->param_mem + (m->grad_off - m->param_off), m->dev->device,
-                                              AM_F32, (int64_t)n, 0, 0, 0);
+        struct am_tensor dst = am_tensor_view(w, m->dev->device, m->store_dt, (int64_t)n, 0, 0, 0);
+        struct am_tensor src = am_tensor_view((char *)m->param_mem + (m->grad_off - m->param_off) * ws,
+                                              m->dev->device, m->store_dt, (int64_t)n, 0, 0, 0);
         K->copy(m->dev, &dst, &src);
     }
     K->free(m->dev, m->param_mem);
@@ -199,7 +199,7 @@ static int keep_adapters(struct am_model *m)
             p->w.data = p->wc.data = NULL;
             continue;
         }
-        p->w.data = (float *)w + (p->slab_off - m->grad_off);
+        p->w.data = (char *)w + (p->slab_off - m->grad_off) * ws;
         p->wc.data = c ? (char *)c + (p->slab_off - m->grad_off) * cs : p->w.data;
     }
     am_model_cast_weights(m);
@@ -286,7 +286,7 @@ void am_model_init_weights(struct am_model *m, uint64_t seed)
                 uint64_t idx = (uint64_t)((p->row0 + r) * p->full_cols + p->col0 + c);
                 host[r * cols + c] = (float)(std * am_rng_normal(seed, stream, idx));
             }
-        m->K->upload(m->dev, p->w.data, host, (size_t)(rows * cols) * sizeof(float));
+        am_param_write(m, p, host, 0, (size_t)(rows * cols));
         free(host);
     }
     am_model_cast_weights(m);
@@ -317,8 +317,20 @@ void am_model_init_lora(struct am_model *m, uint64_t seed, bool kaiming)
                 host[y * cols + c] = kaiming ? (float)((2 * am_rng_uniform(seed, stream, idx) - 1) / sqrt(fan_in))
                                              : (float)(sqrt(2.0 / fan_sum) * am_rng_normal(seed, stream, idx));
             }
-        m->K->upload(m->dev, p->w.data, host, (size_t)(rows * cols) * sizeof(float));
+        am_param_write(m, p, host, 0, (size_t)(rows * cols));
         free(host);
     }
     am_model_cast_weights(m);
+}
+
+/* ---- reading and writing the masters ------------------------------------------------- */
+
+void am_param_write(const struct am_model *m, const struct am_param *p, const float *host, size_t at, size_t n)
+{
+    am_dev_upload_f32(m->dev, m->store_dt, (char *)p->w.data + at * am_dtype_size(m->store_dt), host, n);
+}
+
+void am_param_read(const struct am_model *m, const struct am_param *p, float *host, size_t at, size_t n)
+{
+    am_dev_download_f32(m->dev, m->store_dt, host, (const char *)p->w.data + at * am_dtype_size(m->store_dt), n);
 }

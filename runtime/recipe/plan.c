@@ -526,13 +526,14 @@ static int memory_of_rank(const struct am_recipe *r, const struct am_plan *p, in
     if (head)
         dense_params += pc->final_norm + (m->tie_word_embeddings && emb ? 0 : pc->embedding / tp);
 
-    /* bytes per parameter, as am-train allocates them: fp32 master weights, gradients and
-     * Adam's two moments (ZeRO's accounting: 4 + 4 + 8 = 16 B) whatever model.torch_dtype says;
-     * with a compute dtype narrower than fp32 (mixed precision) a copy of the weights in it
-     * (+2 B for bf16), and with a bf16 reduce_dtype the gradients' copy that the data-parallel
-     * all-reduce sums (+2 B, only when there is more than one data-parallel rank) */
-    double cs = am_dtype_size(r->compute_dtype);
-    double wb = 4 + (cs < 4 ? cs : 0);
+    /* bytes per parameter, as am-train allocates them: master weights and Adam's two moments in
+     * the storage dtype (model.torch_dtype, as torch keeps parameters and AdamW's state: 4 + 8
+     * in fp32, 2 + 4 in bf16), fp32 gradients (4); with a compute dtype other than the storage's
+     * (mixed precision over fp32 masters) a copy of the weights in it (+2 B for bf16), and with
+     * a bf16 reduce_dtype the gradients' copy that the data-parallel all-reduce sums (+2 B,
+     * only when there is more than one data-parallel rank) */
+    double cs = am_dtype_size(r->compute_dtype), ss = am_dtype_size(r->param_dtype);
+    double wb = ss + (cs != ss ? cs : 0);
     double gb = 4 + (p->dp > 1 && am_dtype_size(r->reduce_dtype) < 4 ? am_dtype_size(r->reduce_dtype) : 0);
     /* the ranks each strategy's sharding spans; what it shards is p->zero_stage (nothing today) */
     double shard = 1, expert_shard = 1;
@@ -551,7 +552,7 @@ static int memory_of_rank(const struct am_recipe *r, const struct am_plan *p, in
     out->params = dense_params + expert_params;
     out->weights = wb * (dense_params / wshard + expert_params / ewshard);
     out->grads = gb * (dense_params / gshard + expert_params / egshard);
-    out->optimizer = 8 * (dense_params / oshard + expert_params / eoshard);
+    out->optimizer = 2 * ss * (dense_params / oshard + expert_params / eoshard);
     /* ZeRO-3 gathers each layer before use; the next one is prefetched */
     out->gathered = zero >= 3 && layers ? 2 * cs * (dense + experts) : 0;
     if (zero >= 1 && r->dist.strategy != AM_DDP) {
@@ -577,8 +578,8 @@ static int memory_of_rank(const struct am_recipe *r, const struct am_plan *p, in
             add_group(&f, pc->final_norm + (m->tie_word_embeddings && emb ? 0 : pc->embedding / tp));
         double glp = am_dtype_size(r->reduce_dtype) < 4 ? am_dtype_size(r->reduce_dtype) : 0;
         /* LoRA's frozen base (stage 3) in mixed precision: its shards in the compute dtype alone */
-        double swb = r->peft.enabled && cs < 4 ? cs : wb;
-        out->weights = zero >= 3 ? swb * (double)f.shard : wb * (double)f.slab + 4 * (double)f.shard;
+        double swb = r->peft.enabled && cs != ss ? cs : wb;
+        out->weights = zero >= 3 ? swb * (double)f.shard : wb * (double)f.slab + ss * (double)f.shard;
         /* stage 1: the full-size gradients (and their reduce_dtype copy) and the shards; from
          * stage 2 (train/grad_sync.h) the shards and a few per-group buffers of the largest
          * group's span (two; three when the head shares the embedding; four with MoE layers; one
@@ -593,7 +594,7 @@ static int memory_of_rank(const struct am_recipe *r, const struct am_plan *p, in
         } else {
             out->grads = (4 + glp) * (double)f.slab + 4 * (double)f.shard;
         }
-        out->optimizer = 8 * (double)f.shard;
+        out->optimizer = 2 * ss * (double)f.shard;
         int slots = !r->dist.reshard_after_forward ? (emb ? 1 : 0) + layers + moe_layers + (head ? 1 : 0)
                     : moe_layers ? 4 : m->tie_word_embeddings && emb && head ? 3 : 2;
         out->gathered = zero >= 3 ? slots * cs * (double)f.max_span : 0;
@@ -660,7 +661,7 @@ static int memory_of_rank(const struct am_recipe *r, const struct am_plan *p, in
         out->adapter_params = ad;
         out->grad_buffers = 0;
         out->grads = lgb * ad;
-        out->optimizer = 8 * ad;
+        out->optimizer = 2 * ss * ad;
         out->weights += wb * ad;
     }
     out->total = out->weights + out->grads + out->grad_buffers + out->optimizer + out->gathered + out->activations +

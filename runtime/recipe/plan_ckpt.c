@@ -29,9 +29,10 @@ void am_plan_ckpt_cost(const struct am_recipe *r, const struct am_world *w, cons
             node = 0;
         if (!writes(r, p, &co))
             continue;
-        /* the optimizer state is 8 bytes an element the rank updates; its file 12 */
+        /* the optimizer state is two moments an element the rank updates (2 x 4 bytes in fp32,
+         * 2 x 2 in bf16); its file holds them and the master, each fp32: 12 bytes */
         const struct am_memory *m = p->mem_pp && co.pp < p->pp ? &p->mem_pp[co.pp] : &p->mem;
-        double b = 1.5 * m->optimizer;
+        double b = 12 * m->optimizer / (2 * am_dtype_size(r->param_dtype));
         c->writers++;
         c->bytes += b;
         node += b;

@@ -1469,6 +1469,11 @@ static void read_recipe(struct reader *rd)
         r->compute_dtype = r->dist.strategy == AM_DDP || policy ? r->param_dtype : AM_BF16;
     if (!am_node_path(root, "distributed.mp_policy.reduce_dtype"))
         r->reduce_dtype = policy ? r->compute_dtype : AM_F32;
+    if (r->param_dtype == AM_BF16) /* AutoModel's guide: "Risky Pattern: torch AdamW with bf16 Model Storage" */
+        add_note(rd, "model.torch_dtype: bfloat16: the parameters%s and AdamW's moments are kept in bf16, as torch "
+                 "keeps them (fine for fine-tuning; for long full-parameter training model.torch_dtype: float32 "
+                 "keeps fp32 master weights and moments, still computing in bf16)%s", r->param_dtype_assumed ?
+                 " (assumed: no torch_dtype in the recipe or config.json)" : "", "");
     if (!am_node_path(root, "rng.seed") && am_node_path(root, "dataset.seed"))
         r->seed = r->data.seed;
     if (!am_node_path(root, "dataset.seed"))

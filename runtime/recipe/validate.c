@@ -322,6 +322,9 @@ static void fp16(struct check *c)
     else if (r->reduce_dtype == AM_F16)
         FAIL(c, "distributed.mp_policy.reduce_dtype", "float16 needs loss scaling, which am-train does not do (use "
              "bfloat16 or float32)");
+    else if (r->param_dtype == AM_F16)
+        FAIL(c, "model.torch_dtype", "float16 parameters need loss scaling, which am-train does not do (use "
+             "bfloat16, or float32 for fp32 master weights and AdamW state)");
 }
 
 static void moe_sp(struct check *c)

@@ -26,7 +26,7 @@ struct am_dp_ops {
 /* AdamW's moments for the n elements this rank steps. */
 static int optim_init(struct am_dp *d, size_t n, char *err, size_t err_len)
 {
-    if (am_optim_init(&d->optim, d->c.dev, n, d->c.r) < 0)
+    if (am_optim_init(&d->optim, d->c.dev, n, d->m->store_dt, d->c.r) < 0)
         return am_fail(err, err_len, "out of memory for the optimizer state of %zu parameters", n);
     return 0;
 }
@@ -52,11 +52,11 @@ static int rep_grad_sumsq(struct am_dp *d, char *err, size_t err_len)
     return am_model_grad_sumsq(d->m, err, err_len);
 }
 
-/* The fp32 masters of what the gradient slab spans: every parameter's, or LoRA's adapters'
+/* The masters of what the gradient slab spans: every parameter's, or LoRA's adapters'
  * (param_mem holds them from param_off: model.h). */
-static float *trained_masters(const struct am_model *m)
+static void *trained_masters(const struct am_model *m)
 {
-    return (float *)m->param_mem + (m->grad_off - m->param_off);
+    return (char *)m->param_mem + (m->grad_off - m->param_off) * am_dtype_size(m->store_dt);
 }
 
 /* every parameter, or with LoRA the adapters alone (the gradient slab's span) */
@@ -75,9 +75,9 @@ static void rep_bytes(const struct am_dp *d, struct am_dp_bytes *b)
     size_t n = m->n_elems, lp = m->param_lp_mem ? am_dtype_size(m->act_dt) : 0;
     size_t glp = d->sync.lp_mem ? am_dtype_size(d->sync.reduce) : 0;
     /* the gradients and the optimizer's moments: every parameter's, or with LoRA the adapters' */
-    b->weights = n * (sizeof(float) + lp);
+    b->weights = n * (am_dtype_size(m->store_dt) + lp);
     b->grads = m->grad_elems * (sizeof(float) + glp);
-    b->optimizer = d->optim.n * 2 * sizeof(float);
+    b->optimizer = d->optim.n * 2 * am_dtype_size(d->optim.dt);
     b->gathered = 0;
 }
 
@@ -182,7 +182,7 @@ static void sh_bytes(const struct am_dp *d, struct am_dp_bytes *b)
     size_t S = d->fsdp.n_shard, slab = d->m->slab_elems;
     b->weights = am_fsdp_weight_bytes(&d->fsdp);
     b->grads = (d->c.zero >= 2 ? 0 : slab * sizeof(float)) + am_gsync_bytes(&d->sync) + S * sizeof(float);
-    b->optimizer = S * 2 * sizeof(float);
+    b->optimizer = S * 2 * am_dtype_size(d->optim.dt);
     b->gathered = am_fsdp_gathered_bytes(&d->fsdp);
 }
 
@@ -267,9 +267,9 @@ static void lora_bytes(const struct am_dp *d, struct am_dp_bytes *b)
     const struct am_model *m = d->m;
     size_t lp = m->param_lp_mem ? am_dtype_size(m->act_dt) : 0;
     size_t glp = d->sync.lp_mem ? am_dtype_size(d->sync.reduce) : 0;
-    b->weights = am_fsdp_weight_bytes(&d->fsdp) + m->grad_elems * (sizeof(float) + lp);
+    b->weights = am_fsdp_weight_bytes(&d->fsdp) + m->grad_elems * (am_dtype_size(m->store_dt) + lp);
     b->grads = m->grad_elems * (sizeof(float) + glp);
-    b->optimizer = d->optim.n * 2 * sizeof(float);
+    b->optimizer = d->optim.n * 2 * am_dtype_size(d->optim.dt);
     b->gathered = am_fsdp_gathered_bytes(&d->fsdp);
 }
 

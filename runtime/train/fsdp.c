@@ -65,17 +65,19 @@ int am_fsdp_init(struct am_fsdp *f, struct am_model *m, struct am_comm *comm, in
     if (!f->slot_group || !f->slot_req || !f->slot_used)
         return am_fail(err, err_len, "fsdp: out of memory for %d gathered buffers", f->n_slots);
     bool grads = m->sh.lora_r == 0; /* LoRA: every sharded group is the frozen base's */
-    /* LoRA's frozen base in mixed precision keeps its compute copy alone: its masters never change,
-     * so the copy rounded once is the one every step would round from them */
-    bool masters = !(m->sh.lora_r > 0 && m->act_dt != AM_F32 && stage >= 3);
-    f->master = masters ? K->alloc(m->dev, f->n_shard * sizeof(float)) : NULL;
+    /* stage 3 gathers a copy of the master shards in the compute dtype when it is not theirs */
+    bool copy = m->act_dt != m->store_dt && stage >= 3;
+    /* LoRA's frozen base keeps that copy alone: its masters never change, so the copy rounded
+     * once is the one every step would round from them */
+    bool masters = !(m->sh.lora_r > 0 && copy);
+    size_t ws = am_dtype_size(m->store_dt);
+    f->master = masters ? K->alloc(m->dev, f->n_shard * ws) : NULL;
     f->grads = grads ? K->alloc(m->dev, f->n_shard * sizeof(float)) : NULL;
     if (f->n_slots)
         f->slot_mem = K->alloc(m->dev, (size_t)f->n_slots * f->slot_elems * cs);
-    if (m->act_dt != AM_F32 && stage >= 3)
+    if (copy)
         f->master_lp = K->alloc(m->dev, f->n_shard * cs);
-    if ((masters && !f->master) || (grads && !f->grads) || (f->n_slots && !f->slot_mem) ||
-        (m->act_dt != AM_F32 && stage >= 3 && !f->master_lp))
+    if ((masters && !f->master) || (grads && !f->grads) || (f->n_slots && !f->slot_mem) || (copy && !f->master_lp))
         return am_fail(err, err_len, "fsdp: out of memory for the shards of %zu parameters and %d gathered groups of "
                        "%zu", f->n_shard, f->n_slots, f->slot_elems);
     for (int g = 0; g < m->n_groups; g++) { /* this rank's shard of what init or load wrote */
@@ -83,13 +85,13 @@ int am_fsdp_init(struct am_fsdp *f, struct am_model *m, struct am_comm *comm, in
         if (G->kind == AM_PG_LORA)
             continue;
         size_t mine = G->offset + (size_t)am_comm_rank(G->comm) * G->shard_elems;
-        struct am_tensor src = flat((float *)m->param_mem + mine, m, AM_F32, G->shard_elems);
+        struct am_tensor src = flat((char *)m->param_mem + mine * ws, m, m->store_dt, G->shard_elems);
         if (!masters) {
             struct am_tensor dst = flat((char *)f->master_lp + G->shard_offset * cs, m, m->act_dt, G->shard_elems);
             K->convert(m->dev, &dst, &src);
             continue;
         }
-        struct am_tensor dst = flat((float *)f->master + G->shard_offset, m, AM_F32, G->shard_elems);
+        struct am_tensor dst = flat((char *)f->master + G->shard_offset * ws, m, m->store_dt, G->shard_elems);
         K->copy(m->dev, &dst, &src);
     }
     if (stage < 3)
@@ -119,19 +121,20 @@ void am_fsdp_free(struct am_fsdp *f)
 size_t am_fsdp_weight_bytes(const struct am_fsdp *f)
 {
     const struct am_model *m = f->m;
+    size_t ws = am_dtype_size(m->store_dt);
     if (f->stage < 3) /* the model's full masters and compute copy, and the master shards */
-        return m->slab_elems * (sizeof(float) + (m->param_lp_mem ? am_dtype_size(m->act_dt) : 0)) +
-               f->n_shard * sizeof(float);
-    return f->n_shard * ((f->master ? sizeof(float) : 0) + (f->master_lp ? am_dtype_size(m->act_dt) : 0));
+        return m->slab_elems * (ws + (m->param_lp_mem ? am_dtype_size(m->act_dt) : 0)) + f->n_shard * ws;
+    return f->n_shard * ((f->master ? ws : 0) + (f->master_lp ? am_dtype_size(m->act_dt) : 0));
 }
 
 int am_fsdp_publish(struct am_fsdp *f, char *err, size_t err_len)
 {
     struct am_model *m = f->m;
+    size_t ws = am_dtype_size(m->store_dt);
     for (int g = 0; g < m->n_groups; g++) {
         const struct am_pgroup *G = &m->groups[g];
-        if (am_allgather(G->comm, (float *)f->master + G->shard_offset, (float *)m->param_mem + G->offset,
-                         G->shard_elems, AM_F32, err, err_len) < 0)
+        if (am_allgather(G->comm, (char *)f->master + G->shard_offset * ws, (char *)m->param_mem + G->offset * ws,
+                         G->shard_elems, m->store_dt, err, err_len) < 0)
             return -1;
     }
     return 0;
@@ -158,9 +161,9 @@ void am_fsdp_begin_step(struct am_fsdp *f)
 {
     const struct am_model *m = f->m;
     f->gather_wait_s = 0;
-    if (!f->master_lp || !f->master) /* fp32; or LoRA's frozen base, its compute copy made once */
+    if (!f->master_lp || !f->master) /* the masters' dtype; or LoRA's frozen base, its compute copy made once */
         return;
-    struct am_tensor w = flat(f->master, m, AM_F32, f->n_shard), c = flat(f->master_lp, m, m->act_dt, f->n_shard);
+    struct am_tensor w = flat(f->master, m, m->store_dt, f->n_shard), c = flat(f->master_lp, m, m->act_dt, f->n_shard);
     m->K->convert(m->dev, &c, &w);
 }
 
@@ -280,17 +283,18 @@ int am_fsdp_use(struct am_fsdp *f, int group, bool backward, char *err, size_t e
 int am_fsdp_gather_masters(struct am_fsdp *f, void **slab, char *err, size_t err_len)
 {
     struct am_model *m = f->m;
-    *slab = m->K->alloc(m->dev, m->slab_elems * sizeof(float));
+    size_t ws = am_dtype_size(m->store_dt);
+    *slab = m->K->alloc(m->dev, m->slab_elems * ws);
     if (!*slab)
         return am_fail(err, err_len, "fsdp: out of memory for the %zu gathered weights of a checkpoint", m->slab_elems);
     for (int g = 0; g < m->n_groups; g++) {
         const struct am_pgroup *G = &m->groups[g];
-        if (am_allgather(G->comm, (float *)f->master + G->shard_offset, (float *)*slab + G->offset, G->shard_elems,
-                         AM_F32, err, err_len) < 0)
+        if (am_allgather(G->comm, (char *)f->master + G->shard_offset * ws, (char *)*slab + G->offset * ws,
+                         G->shard_elems, m->store_dt, err, err_len) < 0)
             return -1;
     }
     for (int i = 0; i < m->n_params; i++)
-        m->params[i].w.data = (float *)*slab + param_offset(m, &m->params[i]);
+        m->params[i].w.data = (char *)*slab + param_offset(m, &m->params[i]) * ws;
     return 0;
 }
 

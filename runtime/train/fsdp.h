@@ -4,12 +4,13 @@
  * norm with the head) is one flat span of the model's slabs, padded with zeros to a multiple
  * of the shard group's size D (am_model_shard.group_align). Rank r of the group keeps elements
  * [r * span / D, (r + 1) * span / D) of each group's span, for every group one after the
- * other in three slabs of its own: the fp32 master weights, the fp32 reduced gradients and
- * (the optimizer's, over the same slab) Adam's two moments. The model's full fp32 masters and
- * their compute copy are freed once the shards are taken from them.
+ * other in three slabs of its own: the master weights (in the model's storage dtype), the fp32
+ * reduced gradients and (the optimizer's, over the same slab) Adam's two moments. The model's
+ * full masters and their compute copy are freed once the shards are taken from them.
  *
  * Weights: at the start of a step the master shards are cast to the compute dtype (mixed
- * precision; fp32 gathers the masters themselves). Before a group's weights are read (the
+ * precision with fp32 masters; when the masters are in the compute dtype, fp32 or bf16, the
+ * masters themselves are gathered). Before a group's weights are read (the
  * model's group_use hook: its forward, its backward, the recompute of activation
  * checkpointing) the group is all-gathered in the compute dtype into one of a few gathered
  * buffers and its parameters' wc point there; the next group in the pass's direction (the
@@ -57,7 +58,7 @@
  * keeps it whole in slabs of its own (am_model_drop_weights). am_fsdp_publish, am_fsdp_take_grads
  * and am_fsdp_gather_masters are not for a LoRA model.
  *
- * A checkpoint gathers the masters of every group into a full fp32 slab for the save
+ * A checkpoint gathers the masters of every group into a full slab (storage dtype) for the save
  * (am_fsdp_gather_masters), which the caller frees after it.
  *
  * ZeRO stages below 3 (megatron_fsdp's zero_dp_strategy) use the same shards with the
@@ -82,8 +83,8 @@ struct am_fsdp {
     struct am_comm *comm; /* the shard group (the experts' with ep: their group's comm, model.h) */
     int rank, size;
     size_t n_shard;       /* this rank's elements: the sum of the groups' shards */
-    void *master;         /* fp32 master shards [n_shard] (NULL: LoRA's frozen base in mixed precision) */
-    void *master_lp;      /* their copy in the compute dtype (mixed precision), else NULL */
+    void *master;         /* master shards [n_shard], storage dtype (NULL: LoRA's frozen base in mixed precision) */
+    void *master_lp;      /* their copy in the compute dtype (stage 3 when it is not the storage dtype), else NULL */
     void *grads;          /* fp32 reduced gradient shards [n_shard] (accumulated over a step); NULL with LoRA */
     void *slot_mem;       /* n_slots gathered buffers of slot_elems in the compute dtype */
     size_t slot_elems;
@@ -127,7 +128,7 @@ int am_fsdp_end_step(struct am_fsdp *f, char *err, size_t err_len);
 /* Stage 3, for the model's group_use hook (model.h): group gathered, the next one prefetched. */
 int am_fsdp_use(struct am_fsdp *f, int group, bool backward, char *err, size_t err_len);
 
-/* Every group's master shards all-gathered into a new fp32 slab of the model's layout, the
+/* Every group's master shards all-gathered into a new slab of the model's layout (storage dtype), the
  * parameters' w pointed into it (*slab: free it with am_fsdp_release_masters). Collective
  * over the shard group. */
 int am_fsdp_gather_masters(struct am_fsdp *f, void **slab, char *err, size_t err_len);

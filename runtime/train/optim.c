@@ -3,12 +3,14 @@
 
 #include <math.h>
 
-int am_optim_init(struct am_optim *o, const struct am_dev *d, size_t n_elems, const struct am_recipe *r)
+int am_optim_init(struct am_optim *o, const struct am_dev *d, size_t n_elems, enum am_dtype dt,
+                  const struct am_recipe *r)
 {
-    *o = (struct am_optim){.dev = d, .n = n_elems, .beta1 = (float)r->optim.beta1, .beta2 = (float)r->optim.beta2,
-                           .eps = (float)r->optim.eps, .weight_decay = (float)r->optim.weight_decay};
-    o->m_mem = d->k->alloc(d, n_elems * sizeof(float));
-    o->v_mem = d->k->alloc(d, n_elems * sizeof(float));
+    *o = (struct am_optim){.dev = d, .n = n_elems, .dt = dt, .beta1 = (float)r->optim.beta1,
+                           .beta2 = (float)r->optim.beta2, .eps = (float)r->optim.eps,
+                           .weight_decay = (float)r->optim.weight_decay};
+    o->m_mem = d->k->alloc(d, n_elems * am_dtype_size(dt));
+    o->v_mem = d->k->alloc(d, n_elems * am_dtype_size(dt));
     if (!o->m_mem || !o->v_mem) {
         am_optim_free(o);
         return -1;
@@ -30,10 +32,10 @@ void am_optim_step(struct am_optim *o, void *params, const void *grads, const st
 {
     enum am_device dev = o->dev->device;
     int64_t n = (int64_t)o->n;
-    struct am_tensor p = am_tensor_view(params, dev, AM_F32, n, 0, 0, 0);
+    struct am_tensor p = am_tensor_view(params, dev, o->dt, n, 0, 0, 0);
     struct am_tensor g = am_tensor_view((void *)grads, dev, AM_F32, n, 0, 0, 0);
-    struct am_tensor m = am_tensor_view(o->m_mem, dev, AM_F32, n, 0, 0, 0);
-    struct am_tensor v = am_tensor_view(o->v_mem, dev, AM_F32, n, 0, 0, 0);
+    struct am_tensor m = am_tensor_view(o->m_mem, dev, o->dt, n, 0, 0, 0);
+    struct am_tensor v = am_tensor_view(o->v_mem, dev, o->dt, n, 0, 0, 0);
     struct am_adamw_tensor slab = {.param = &p, .m = &m, .v = &v, .grad = &g};
     o->step++;
     o->dev->k->adamw_multi(o->dev, &slab, 1, sumsq, max_norm, NULL, lr, o->beta1, o->beta2, o->eps, o->weight_decay,

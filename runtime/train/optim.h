@@ -22,13 +22,18 @@ struct am_optim {
     const struct am_dev *dev;
     void *m_mem, *v_mem;
     size_t n;
+    enum am_dtype dt; /* the parameters' and the moments' dtype: torch's AdamW keeps its state in
+                         the parameters' (fp32, or bf16 with bf16 parameters) */
     int64_t step; /* optimizer steps taken */
     float beta1, beta2, eps, weight_decay;
 };
 
-int am_optim_init(struct am_optim *o, const struct am_dev *d, size_t n_elems, const struct am_recipe *r);
+int am_optim_init(struct am_optim *o, const struct am_dev *d, size_t n_elems, enum am_dtype dt,
+                  const struct am_recipe *r);
 void am_optim_free(struct am_optim *o);
-/* One AdamW step over params given grads (both slabs of o->n fp32 on the device), in one
+/* One AdamW step over params (o->n elements of o->dt) given grads (o->n fp32; with bf16
+ * parameters rounded to bf16 first, as FSDP2 casts the reduced gradient to the parameters'
+ * dtype, then clipped in bf16: kernels.h), both on the device, in one
  * kernel call that reads nothing back (adamw_multi, kernels.h): with max_norm > 0 the
  * gradients are clipped to the global norm max_norm (coefficient max_norm / (norm + 1e-6),
  * applied when below 1), norm = sqrt of the device scalar sumsq (AM_F64 or AM_F32: the one

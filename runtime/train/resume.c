@@ -183,9 +183,10 @@ static json_t *meta_of(const struct am_train_state *s, long step)
                                                p->dp_shard, "cp", p->cp, "ep", p->ep));
     json_object_set_new(o, "strategy", json_string(am_strategy_name(r->dist.strategy)));
     json_object_set_new(o, "zero_stage", json_integer(p->zero_stage));
-    json_object_set_new(o, "optimizer", json_pack("{s:I,s:f,s:f,s:f,s:f,s:f}", "step", (json_int_t)s->optim->step,
+    json_object_set_new(o, "optimizer", json_pack("{s:I,s:f,s:f,s:f,s:f,s:f,s:s}", "step", (json_int_t)s->optim->step,
                                                   "lr", r->optim.lr, "beta1", r->optim.beta1, "beta2", r->optim.beta2,
-                                                  "eps", r->optim.eps, "weight_decay", r->optim.weight_decay));
+                                                  "eps", r->optim.eps, "weight_decay", r->optim.weight_decay,
+                                                  "dtype", am_dtype_torch_name(s->optim->dt)));
     json_object_set_new(o, "data", json_pack("{s:I,s:I,s:I,s:I,s:I,s:b}", "step", (json_int_t)step, "global_batch",
                                              (json_int_t)p->global_batch, "seq_length", (json_int_t)p->seq_length,
                                              "samples", (json_int_t)(step * p->global_batch), "seed",
@@ -238,9 +239,10 @@ static int write_rank(const struct am_train_state *s, const char *tmp, char *err
         am_fail(err, err_len, "checkpoint: out of host memory for %zu bytes of state", 3 * bytes);
         goto out;
     }
-    d->k->download(d, sec[0], s->master, bytes);
-    d->k->download(d, sec[1], s->optim->m_mem, bytes);
-    d->k->download(d, sec[2], s->optim->v_mem, bytes);
+    /* fp32 on disk: bf16 masters and moments widened (exact) */
+    am_dev_download_f32(d, s->optim->dt, sec[0], s->master, s->n);
+    am_dev_download_f32(d, s->optim->dt, sec[1], s->optim->m_mem, s->n);
+    am_dev_download_f32(d, s->optim->dt, sec[2], s->optim->v_mem, s->n);
     struct box_visit v = {add_piece, &ps};
     if (for_runs(s, true, run_to_boxes, &v, err, err_len) < 0)
         goto out;
@@ -437,9 +439,9 @@ static int restore_local(const struct am_train_state *s, const char *dir, long *
     if (for_runs(s, false, run_to_boxes, &v, err, err_len) < 0)
         goto out;
     const struct am_dev *d = s->m->dev;
-    d->k->upload(d, s->master, L.sec[0], bytes);
-    d->k->upload(d, s->optim->m_mem, L.sec[1], bytes);
-    d->k->upload(d, s->optim->v_mem, L.sec[2], bytes);
+    am_dev_upload_f32(d, s->optim->dt, s->master, L.sec[0], s->n);
+    am_dev_upload_f32(d, s->optim->dt, s->optim->m_mem, L.sec[1], s->n);
+    am_dev_upload_f32(d, s->optim->dt, s->optim->v_mem, L.sec[2], s->n);
     s->optim->step = opt_step;
     *step = am_sckpt_step(L.c);
     if (s->m->cfg.sigmoid_router) { /* the biases as trained, when the run that saved updated them */

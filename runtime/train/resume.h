@@ -1,8 +1,9 @@
 /* resume.h - what the trainer saves in a sharded checkpoint and restores from one
  * (ckpt/shard_ckpt.h holds the format).
  *
- * The training state of a rank is three fp32 arrays of the same layout: the master weights,
- * and AdamW's two moments. With LoRA they hold the adapters alone (the frozen base is read from
+ * The training state of a rank is three arrays of the same layout: the master weights, and
+ * AdamW's two moments, in the storage dtype (model.h; written fp32 on disk, bf16 ones widened
+ * exactly, and rounded to the storage dtype as they are restored). With LoRA they hold the adapters alone (the frozen base is read from
  * the model's directory at every start). Their layout is the model's slab (every parameter of the rank,
  * whole or as its tensor-parallel slice, each group padded to group_align) or, with sharded
  * data parallelism (fsdp.h), the rank's flat shards of each group's padded span. Every run of
@@ -37,7 +38,7 @@ struct am_train_state {
     struct am_model *m;
     struct am_fsdp *fsdp;     /* sharded data parallelism (its shards are the layout), or NULL */
     struct am_optim *optim;
-    void *master;             /* device: the fp32 masters of the layout (fsdp->master or m->param_mem) */
+    void *master;             /* device: the masters of the layout (fsdp->master or m->param_mem), optim->dt */
     size_t n;                 /* elements of each array */
     size_t base;              /* unsharded: the slab element the arrays start at (0; with LoRA the
                                  adapters' group, m->grad_off: the adapters and their moments are

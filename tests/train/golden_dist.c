@@ -228,7 +228,7 @@ static int compare_final(const struct am_model *m, const struct golden *G, struc
             rc = am_errors_fail(err, "%s: no %s of %lld x %lld", G->golden, key, (long long)shape[0],
                                 (long long)shape[1]);
         } else {
-            m->K->download(m->dev, mine, p->w.data, (size_t)(lr * lc) * sizeof(float));
+            am_param_read(m, p, mine, 0, (size_t)(lr * lc));
             double diff = 0;
             for (int64_t y = 0; y < lr; y++)
                 for (int64_t c = 0; c < lc; c++)
@@ -293,7 +293,7 @@ static int run_series(struct dist *d, const struct golden *G, bool clip, struct 
             goto out;
     }
     /* every parameter, or with LoRA the adapters alone: the gradient slab's span, as am-train */
-    if (am_optim_init(&optim, &d->dev, m.grad_elems, r) < 0) {
+    if (am_optim_init(&optim, &d->dev, m.grad_elems, m.store_dt, r) < 0) {
         am_errors_fail(err, "out of memory for the optimizer state of %zu parameters", m.grad_elems);
         goto out;
     }
@@ -308,7 +308,7 @@ static int run_series(struct dist *d, const struct golden *G, bool clip, struct 
             am_errors_fail(err, "%s step %d: %s", series, step + 1, msg);
             goto out;
         }
-        am_optim_step(&optim, (float *)m.param_mem + m.grad_off, m.grad_mem, am_model_sumsq(&m),
+        am_optim_step(&optim, (char *)m.param_mem + m.grad_off * am_dtype_size(m.store_dt), m.grad_mem, am_model_sumsq(&m),
                       clip ? r->optim.max_grad_norm : 0, (float)am_lr_at(r, step));
         am_model_read_scalars(&m, &v);
         double norm = sqrt(v.sumsq);
