@@ -4,10 +4,11 @@
  *                             schedule state, its files and tensors (DIR: a step-N directory,
  *                             or a checkpoint_dir, whose `latest` is shown)
  *   am-ckpt export DIR OUT    the master weights as a Hugging Face directory (config.json +
- *                             safetensors, fp32), offline, from any layout: every shard checked
- *                             (size, crc32c) first; --dtype bfloat16 writes them rounded to bf16
- *                             (torch_dtype bfloat16), as AutoModel's consolidated save of a bf16
- *                             model; never quantised (no quantization_config: a model trained
+ *                             safetensors), offline, from any layout: every shard checked
+ *                             (size, crc32c) first; in the dtype the run kept them in (bf16 for
+ *                             model.torch_dtype bfloat16, else fp32), or --dtype's: bfloat16
+ *                             rounds them to bf16 (torch_dtype bfloat16), as AutoModel's
+ *                             consolidated save of a bf16 model; never quantised (no quantization_config: a model trained
  *                             from an FP8 checkpoint is exported dequantised, and --dtype asking
  *                             for FP8 is refused with the reason); gpt_oss's experts, held
  *                             apart in the shards, written fused as transformers reads them
@@ -274,7 +275,9 @@ static int add_biases(const char *dir, const struct am_model_config *cfg, struct
     return 1;
 }
 
-static int export(const char *arg, const char *out, bool show, bool bf16)
+/* dtype: "float32", "bfloat16", or NULL for the dtype the run kept its weights in (the manifest's
+ * optimizer.dtype: bfloat16 for bf16 storage, float32 otherwise and for older checkpoints) */
+static int export(const char *arg, const char *out, bool show, const char *dtype)
 {
     struct am_sckpt *c;
     char path[4200], err[2048], hash[17];
@@ -290,6 +293,11 @@ static int export(const char *arg, const char *out, bool show, bool bf16)
         return 1;
     am_errors_init(&e);
     am_arena_init(&a, 64u << 20);
+    if (!dtype) {
+        const char *kept = json_string_value(json_object_get(json_object_get(am_sckpt_meta(c), "optimizer"), "dtype"));
+        dtype = kept && strcmp(kept, "bfloat16") == 0 ? "bfloat16" : "float32";
+    }
+    bool bf16 = strcmp(dtype, "bfloat16") == 0;
     struct exporter x = {.c = c, .current = (size_t)-1, .bf16 = bf16};
     struct am_st_wtensor *wt = calloc(am_sckpt_n_tensors(c) + 1, sizeof(*wt));
     x.which = calloc(am_sckpt_n_tensors(c) + 1, sizeof(size_t));
@@ -419,7 +427,7 @@ int main(int argc, char **argv)
     if (am_version_option(argc, argv, "am-ckpt"))
         return 0;
     bool show_progress = isatty(2); /* --progress / --quiet: shown or not, after the command */
-    const char *dtype = "float32";   /* export --dtype */
+    const char *dtype = NULL;        /* export --dtype (NULL: the run's) */
     int n = 0;
     for (int i = 0; i < argc; i++) {
         int o = i >= 2 ? am_progress_option(argv[i]) : -1;
@@ -432,8 +440,9 @@ int main(int argc, char **argv)
         else
             argv[n++] = argv[i];
     }
-    bool bf16 = strcmp(dtype, "bfloat16") == 0 || strcmp(dtype, "bf16") == 0;
-    if (!bf16 && strcmp(dtype, "float32") != 0 && strcmp(dtype, "fp32") != 0) {
+    if (dtype && (strcmp(dtype, "bf16") == 0 || strcmp(dtype, "fp32") == 0))
+        dtype = strcmp(dtype, "bf16") == 0 ? "bfloat16" : "float32";
+    if (dtype && strcmp(dtype, "bfloat16") != 0 && strcmp(dtype, "float32") != 0) {
         if (strstr(dtype, "fp8") || strstr(dtype, "float8") || strstr(dtype, "e4m3") || strstr(dtype, "fp4") ||
             strstr(dtype, "mxfp4") || strstr(dtype, "int8") || strstr(dtype, "int4")) {
             fprintf(stderr, "am-ckpt: --dtype %s: am does not re-quantise: the trained weights would be rounded to "
@@ -451,7 +460,7 @@ int main(int argc, char **argv)
     if (argc == 3 && strcmp(argv[1], "show") == 0)
         return show(argv[2]);
     if (argc == 4 && strcmp(argv[1], "export") == 0)
-        return export(argv[2], argv[3], show_progress, bf16);
+        return export(argv[2], argv[3], show_progress, dtype);
     if (argc == 2 && strcmp(argv[1], "--help") == 0)
         return usage(stdout);
     return usage(stderr);

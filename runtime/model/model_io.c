@@ -1069,25 +1069,40 @@ static int fetch(struct saver *s, int64_t i, struct am_errors *err)
     return 0;
 }
 
-/* fill callback of the writer: bytes of tensor `index` of all. The writer's own tensors with
- * tp 1 and fp32 masters come straight from the device; the others through full, fetched at their first bytes
- * (am_st_write asks for each tensor's bytes in order, in pieces). */
+/* The dtype tensor t is saved in: the masters' (bf16 storage writes bf16, as torch saves a bf16
+ * model), but the selection biases, fp32 as the checkpoints that hold them keep them. */
+static bool saved_bf16(const struct saver *s, const struct save_tensor *t)
+{
+    return s->m->store_dt == AM_BF16 && !strstr(t->t.name, "e_score_correction_bias");
+}
+
+/* fill callback of the writer: bytes of tensor `index` of all (am_st_write asks for each tensor's
+ * bytes in order, in pieces of whole elements). The writer's own tensors with tp 1 and fp32
+ * masters come straight from the device; the others through full (fetched at their first bytes)
+ * or the gathered experts, rounded to bf16 for a bf16 file. */
 static int fill(void *ctx, size_t index, uint64_t offset, void *dst, size_t n, struct am_errors *err)
 {
     struct saver *s = ctx;
     const struct save_tensor *t = &s->all[index];
+    const float *src;
     if (t->owner == 0 && s->tp_size == 1 && s->which[t->index] < 0) {
-        memcpy(dst, (const char *)s->ep[-1 - s->which[t->index]].data + offset, n);
-        return 0;
-    }
-    if (t->owner == 0 && s->tp_size == 1 && s->m->store_dt == AM_F32) {
+        src = s->ep[-1 - s->which[t->index]].data;
+    } else if (t->owner == 0 && s->tp_size == 1 && s->m->store_dt == AM_F32) {
         const struct am_param *p = &s->m->params[s->which[t->index]];
         s->m->K->download(s->m->dev, dst, (const char *)p->w.data + offset, n);
         return 0;
+    } else {
+        if ((int64_t)index != s->current && fetch(s, (int64_t)index, err) < 0)
+            return -1;
+        src = s->full;
     }
-    if ((int64_t)index != s->current && fetch(s, (int64_t)index, err) < 0)
-        return -1;
-    memcpy(dst, (const char *)s->full + offset, n);
+    if (!saved_bf16(s, t)) {
+        memcpy(dst, (const char *)src + offset, n);
+        return 0;
+    }
+    uint16_t *h = dst;
+    for (size_t k = 0; k < n / 2; k++)
+        h[k] = am_f32_to_bf16(src[offset / 2 + k]);
     return 0;
 }
 
@@ -1098,14 +1113,16 @@ static int write_all(struct saver *s, const char *base_config, struct am_errors 
     for (int64_t i = 0; i < s->n_all; i++)
         max_full = full_numel(&s->all[i].t) > max_full ? full_numel(&s->all[i].t) : max_full;
     struct am_st_wtensor *t = calloc((size_t)s->n_all + 1, sizeof(*t));
-    if (!t || ((s->tp_size > 1 || s->pp_size > 1) && !(s->full = malloc((size_t)max_full * sizeof(float))))) {
+    bool full = s->tp_size > 1 || s->pp_size > 1 || s->m->store_dt != AM_F32; /* else from the device */
+    if (!t || (full && !(s->full = malloc((size_t)max_full * sizeof(float))))) {
         free(t);
         am_errorf(err, NULL, "%s: saving: out of memory for the buffer of one tensor", s->dir);
         return -1;
     }
     for (int64_t i = 0; i < s->n_all; i++) {
         const struct wire_tensor *w = &s->all[i].t;
-        t[i] = (struct am_st_wtensor){.name = w->name, .dtype = AM_ST_F32, .ndim = (int)w->ndim,
+        t[i] = (struct am_st_wtensor){.name = w->name, .dtype = saved_bf16(s, &s->all[i]) ? AM_ST_BF16 : AM_ST_F32,
+                                      .ndim = (int)w->ndim,
                                       .shape = {w->rows, w->cols, w->depth}, .fill = fill, .ctx = s};
     }
     int rc;
@@ -1123,7 +1140,8 @@ static int write_all(struct saver *s, const char *base_config, struct am_errors 
         rc = am_peft_save(s->dir, s->peft, t, (size_t)s->n_all, err);
         free(names);
     } else {
-        struct am_ckpt_save_opts opts = {.base_config = base_config};
+        struct am_ckpt_save_opts opts = {.base_config = base_config,
+                                         .torch_dtype = s->m->store_dt == AM_BF16 ? "bfloat16" : NULL};
         rc = am_ckpt_save(s->dir, &s->m->cfg, t, (size_t)s->n_all, &opts, err);
     }
     free(t);
