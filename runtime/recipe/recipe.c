@@ -643,10 +643,11 @@ static int read_peft_init(struct reader *rd, struct am_node *v, const char *key)
 
 static int read_peft_dtype(struct reader *rd, struct am_node *v, const char *key)
 {
-    if (!am_node_is_null(v))
-        add_note(rd, "%s: am keeps the adapters as its other trained weights (fp32 master weights, computed in "
-                 "the compute dtype), not in %.40s", key, v->kind == AM_NODE_SCALAR ? v->str : "it");
-    return 0;
+    if (am_node_is_null(v))
+        return 0;
+    int rc = read_dtype(rd, v, key, &rd->r->peft.lora_dtype);
+    rd->r->peft.dtype_set = rc == 0;
+    return rc < 0 ? -1 : 0;
 }
 
 static const struct key_spec peft_keys[] = {

@@ -133,6 +133,9 @@ struct am_recipe {
         bool experts;     /* a mixture of experts: adapters on each expert's projections too (AutoModel's
                            * GroupedExpertsLoRA, moe.h), in every MoE layer; no dropout on them */
         bool rank_scaling; /* moe_rank_scaling: the experts' adapters of rank dim / num_experts_per_tok */
+        bool dtype_set;    /* lora_dtype given: the adapters' dtype (lora_dtype); without it, AutoModel's
+                            * adapters take their base layer's, the storage dtype (param_dtype) */
+        enum am_dtype lora_dtype;
         long experts_dim;  /* with experts: their adapters' rank, dim, or with rank_scaling (AutoModel's
                             * moe_dim) dim / num_experts_per_tok rounded down (0 when dim is below
                             * num_experts_per_tok: refused by am_validate_run); their scale is

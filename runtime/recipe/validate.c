@@ -327,6 +327,16 @@ static void fp16(struct check *c)
              "bfloat16, or float32 for fp32 master weights and AdamW state)");
 }
 
+static void lora_dtype(struct check *c)
+{
+    const struct am_recipe *r = c->r;
+    if (r->peft.enabled && r->peft.dtype_set && r->peft.lora_dtype != r->param_dtype)
+        FAIL(c, "peft.lora_dtype", "%s adapters beside %s parameters: am keeps the adapters in the parameters' dtype, "
+             "as AutoModel does without lora_dtype (remove lora_dtype, or set model.torch_dtype: %s)",
+             am_dtype_torch_name(r->peft.lora_dtype), am_dtype_torch_name(r->param_dtype),
+             am_dtype_torch_name(r->peft.lora_dtype));
+}
+
 static void moe_sp(struct check *c)
 {
     const struct am_recipe *r = c->r;
@@ -425,7 +435,8 @@ static const struct {
     const char *name; /* the row of tests/recipe/refusals.tsv */
     void (*check)(struct check *c);
 } run_rules[] = {
-    {"fp16", fp16},           {"moe-sp", moe_sp},       {"lora-head-dropout", lora_head_dropout},
+    {"fp16", fp16},           {"lora-dtype", lora_dtype}, {"moe-sp", moe_sp},
+    {"lora-head-dropout", lora_head_dropout},
     {"lora-kv-tp", lora_kv_tp}, {"lora-moe-rank", lora_moe_rank},
     {"glm-shared-tp", glm_shared_tp}, {"dsv3-no-bias", dsv3_no_bias}, {"aux-twice", aux_twice},
     {"dataset", dataset},
