@@ -23,7 +23,8 @@
  *     FSDP2's MixedPrecisionPolicy(param_dtype=bf16)) AM_BF16: a kernel's activations,
  *     activation gradients and weight (the bf16 working copy) share one dtype; a parameter
  *     gradient (dw, dwte, the norm's dw) is F32, or BF16 with BF16 activations; statistics
- *     saved for backward (rstd, lse, m, s, t, M, S) stay F32; adamw is F32 only. bf16
+ *     saved for backward (rstd, lse, m, s, t, M, S) stay F32; adamw's parameters and
+ *     moments are F32, or all three BF16 (see adamw), its gradient F32. bf16
  *     tensors are computed on in fp32 and each output is rounded once to bf16 (nearest
  *     even); a += into a bf16 gradient adds in fp32 and rounds once (kernels/cpu/cpu.h has
  *     the rules, each kernel's file where it rounds differently from PyTorch's bf16 ops).
@@ -67,8 +68,8 @@ static inline double am_yarn_mscale(double scale, double mscale)
 
 struct am_kernels;
 
-/* One tensor of adamw_multi's list: a parameter, its gradient and Adam's two moments (all
- * fp32, the same number of elements). */
+/* One tensor of adamw_multi's list: a parameter, its gradient and Adam's two moments (the
+ * same number of elements; param, m and v all fp32 or all bf16, grad fp32: see adamw). */
 struct am_adamw_tensor {
     struct am_tensor *param, *m, *v;
     const struct am_tensor *grad;
@@ -504,7 +505,12 @@ struct am_kernels {
                      const struct am_tensor *targets, float dloss_scale);
 
     /* ---- AdamW, PyTorch's torch.optim.AdamW semantics (decoupled weight decay, bias
-     * correction with step >= 1); weight_decay 0 gives Adam. m, v are fp32 state. ---- */
+     * correction with step >= 1); weight_decay 0 gives Adam. param, m and v are all F32, or
+     * all BF16 (bf16 storage: torch.optim.AdamW keeps the moments in the parameter's dtype);
+     * grad is F32 either way. A BF16 parameter is stepped as PyTorch steps it under FSDP2:
+     * the gradient rounded to bf16 (then multiplied by the clipping factor, rounded again),
+     * and each of AdamW's tensor ops computed in fp32 and rounded to bf16, as torch's CPU
+     * kernels do (kernels/cpu/adamw.c lists the ops). Any other combination is refused. ---- */
     void (*adamw)(const struct am_dev *d, struct am_tensor *param, const struct am_tensor *grad, struct am_tensor *m, struct am_tensor *v,
                   float lr, float beta1, float beta2, float eps, float weight_decay, int64_t step);
     /* The optimizer step of a whole model in one call, with nothing read by the host: adamw on
@@ -519,7 +525,9 @@ struct am_kernels {
      *   finite: NULL, or an AM_I32 device scalar (all_finite's flag).
      * When finite holds 0, or sumsq is an Inf or a NaN (which any Inf or NaN among the
      * gradients makes it), the step is skipped: no tensor is written. Otherwise each tensor
-     * ends bit for bit as adamw leaves it (after scale, when clipped). */
+     * ends bit for bit as adamw leaves it (after scale, when clipped; a bf16 tensor's gradient
+     * is rounded to bf16 before the factor multiplies it, and the product rounded again). The
+     * list may mix fp32 and bf16 tensors. */
     void (*adamw_multi)(const struct am_dev *d, const struct am_adamw_tensor *list, int n, const struct am_tensor *sumsq,
                         double max_norm, const struct am_tensor *finite, float lr, float beta1, float beta2, float eps,
                         float weight_decay, int64_t step);

@@ -1,5 +1,5 @@
 /* test_adamw.c - the CPU kernels' tests (kernels_test.h: how they are tested): AdamW and its
- * multi-tensor step.
+ * multi-tensor step, on fp32 and on bf16 parameters.
  */
 #include "kernels_test.h"
 
@@ -222,11 +222,365 @@ static void test_adamw_multi(void **state)
     }
 }
 
+
+/* ---- bf16 parameters: torch.optim.AdamW on bf16 storage (kernels/cpu/adamw.c) ---- */
+
+/* x rounded to bf16 and widened back: a torch op's bf16 result */
+static float r16(float x) { return am_bf16_to_f32(am_f32_to_bf16(x)); }
+
+/* One element of a bf16 parameter, written op by op from torch's _single_tensor_adamw: the
+ * fp32 gradient cast to bf16 (FSDP2), multiplied by the clipping factor gs (a bf16 tensor
+ * times a float), then each tensor op computed in fp32 and rounded to bf16; add_(eps) rounds
+ * eps to bf16 first. Checked once against torch 2.15 (CPU, foreach=False; the steps of
+ * 6 hyper-parameter sets, both lerp branches, clipping factors 1 to 0.01, 37 to 100003
+ * elements, 1 and 2 threads, then 4 threads on 5 to 65537 elements): 8,030,130 parameters,
+ * exp_avg and exp_avg_sq, 100% bitwise equal. To check again: test_adamw_bf16_torch. */
+static void torch_adamw_bf16_elem(uint16_t *p16, float g32, uint16_t *m16, uint16_t *v16, struct adam_hp h, float gs,
+                                  int64_t step)
+{
+    double lr = h.lr, b1 = h.b1, b2 = h.b2;
+    float g = r16(g32);                                              /* grad.to(bf16) */
+    g = r16(g * gs);                                                 /* clip: grad.mul_(coef) */
+    float p = r16(am_bf16_to_f32(*p16) * (float)(1.0 - lr * (double)h.wd)); /* param.mul_(1 - lr * wd) */
+    float m = am_bf16_to_f32(*m16), w = (float)(1.0 - b1);           /* exp_avg.lerp_(grad, 1 - beta1) */
+    m = r16(w < 0.5f ? fmaf(w, g - m, m) : fmaf(w - 1.0f, g - m, g));
+    float v = r16(am_bf16_to_f32(*v16) * h.b2);                      /* exp_avg_sq.mul_(beta2) */
+    v = r16(fmaf((float)(1.0 - b2) * g, g, v));                      /* .addcmul_(g, g, 1 - beta2) */
+    double bc1 = 1.0 - pow(b1, (double)step), bc2 = 1.0 - pow(b2, (double)step);
+    float denom = r16(sqrtf(v));                                     /* exp_avg_sq.sqrt() */
+    denom = r16(denom / (float)sqrt(bc2));                           /* / bias_correction2_sqrt */
+    denom = r16(denom + r16(h.eps));                                 /* .add_(eps) */
+    *p16 = am_f32_to_bf16(p + ((float)-(lr / bc1) * m) / denom);     /* addcdiv_(m, denom, -step_size) */
+    *m16 = am_f32_to_bf16(m);
+    *v16 = am_f32_to_bf16(v);
+}
+
+static void expect_bits16(const char *what, const uint16_t *got, const uint16_t *want, int64_t n)
+{
+    for (int64_t i = 0; i < n; i++)
+        if (got[i] != want[i]) {
+            print_error("%s: [%lld] got %.9g (0x%04x), want %.9g (0x%04x)\n", what, (long long)i,
+                        (double)am_bf16_to_f32(got[i]), got[i], (double)am_bf16_to_f32(want[i]), want[i]);
+            fail();
+        }
+}
+
+/* fp32 gradients of every scale, down to where eps decides the denominator */
+static void grad_fill(struct rng *r, float *g, int64_t n)
+{
+    for (int64_t i = 0; i < n; i++)
+        g[i] = (float)(rng_uniform(r, -1, 1) * pow(10.0, rng_uniform(r, -7, 0)));
+}
+
+/* adamw on bf16 parameters against the emulation above, bit for bit: 4 steps (the moments
+ * from zero, then from random values at a later step), both lerp branches (beta1 0.3 and
+ * 0.5 take the second), with and without weight decay, small tensors and one over several
+ * blocks of the kernel. And a loose check that it is AdamW: one step from zero moments
+ * lands within a few bf16 roundings of the fp32 kernel's step on the same values. */
+static void test_adamw_bf16(void **state)
+{
+    (void)state;
+    struct rng r = {53};
+    struct adam_hp hps[] = {
+        {1e-3f, 0.9f, 0.999f, 1e-8f, 0.01f},
+        {3e-4f, 0.95f, 0.95f, 1e-6f, 0.1f},
+        {1e-2f, 0.3f, 0.99f, 1e-8f, 0.0f},
+        {5e-3f, 0.5f, 0.98f, 1e-5f, 0.05f},
+    };
+    int64_t sizes[] = {37, 1000, 70001};
+    for (size_t hc = 0; hc < sizeof hps / sizeof *hps; hc++)
+        for (size_t c = 0; c < sizeof sizes / sizeof *sizes; c++) {
+            struct adam_hp h = hps[hc];
+            int64_t n = sizes[c];
+            struct bt p = bt_rand(&r, n, -1, 1), m = bt_rand(&r, n, 0, 0), v = bt_rand(&r, n, 0, 0);
+            struct bt rp = bt_copy(&p), rm = bt_copy(&m), rv = bt_copy(&v);
+            float *g = malloc((size_t)n * sizeof(float));
+            struct am_tensor tp = hv(&p, n, 0, 0, 0), tm = hv(&m, n, 0, 0, 0), tv = hv(&v, n, 0, 0, 0),
+                             tg = f32v(g, n, 0, 0, 0);
+            /* the fp32 kernel's first step on the same values, for the loose check */
+            struct arr fp = arr_new(n), fm = arr_new(n), fv32 = arr_new(n), fg = arr_new(n);
+            int64_t steps[] = {1, 2, 977, 978};
+            for (int s = 0; s < 4; s++) {
+                grad_fill(&r, g, n);
+                if (s == 2) /* random moments, as a long run leaves them */
+                    for (int64_t i = 0; i < n; i++) {
+                        m.h[i] = rm.h[i] = am_f32_to_bf16((float)(rng_uniform(&r, -1, 1) * pow(10.0, rng_uniform(&r, -6, -1))));
+                        v.h[i] = rv.h[i] = am_f32_to_bf16((float)pow(10.0, rng_uniform(&r, -14, -2)));
+                    }
+                if (s == 0) {
+                    for (int64_t i = 0; i < n; i++) {
+                        fp.f[i] = am_bf16_to_f32(p.h[i]);
+                        fg.f[i] = r16(g[i]);
+                    }
+                    struct am_tensor a = tview(&fp, n, 0, 0, 0), b = tview(&fg, n, 0, 0, 0), cm = tview(&fm, n, 0, 0, 0),
+                                     cv = tview(&fv32, n, 0, 0, 0);
+                    K->adamw(&kdev, &a, &b, &cm, &cv, h.lr, h.b1, h.b2, h.eps, h.wd, 1);
+                }
+                K->adamw(&kdev, &tp, &tg, &tm, &tv, h.lr, h.b1, h.b2, h.eps, h.wd, steps[s]);
+                for (int64_t i = 0; i < n; i++)
+                    torch_adamw_bf16_elem(&rp.h[i], g[i], &rm.h[i], &rv.h[i], h, 1.0f, steps[s]);
+                char what[96];
+                snprintf(what, sizeof what, "adamw bf16 param (b1 %g wd %g n %lld step %lld)", (double)h.b1,
+                         (double)h.wd, (long long)n, (long long)steps[s]);
+                expect_bits16(what, p.h, rp.h, n);
+                expect_bits16("adamw bf16 exp_avg", m.h, rm.h, n);
+                expect_bits16("adamw bf16 exp_avg_sq", v.h, rv.h, n);
+                if (s == 0) /* bf16(p * decay) and bf16 of an update of about lr: 2 roundings of |p|,
+                             * the update's (bf16 moments and denominator, eps rounded) within 5% */
+                    for (int64_t i = 0; i < n; i++) {
+                        double got = am_bf16_to_f32(p.h[i]), want = fp.f[i];
+                        if (fabs(got - want) > 0x1p-7 * fabs(want) + 0.05 * h.lr) {
+                            print_error("adamw bf16 [%lld]: %.9g, the fp32 step gives %.9g\n", (long long)i, got, want);
+                            fail();
+                        }
+                    }
+            }
+            free(g);
+            struct bt *b16[] = {&p, &m, &v, &rp, &rm, &rv};
+            for (size_t k = 0; k < sizeof b16 / sizeof *b16; k++)
+                bt_free(b16[k]);
+            arr_free(&fp);
+            arr_free(&fm);
+            arr_free(&fv32);
+            arr_free(&fg);
+        }
+}
+
+/* adamw_multi on a list mixing bf16 and fp32 parameters: clipping on (the bf16 gradients
+ * multiplied by the factor after their cast, the fp32 ones as scale would), off and
+ * inactive, both lerp branches; each bf16 tensor bit for bit as the emulation, each fp32
+ * tensor as scale + adamw; the gradients are left as they were; a zero flag, an Inf or a
+ * NaN norm write nothing. */
+static void test_adamw_multi_bf16(void **state)
+{
+    (void)state;
+    struct rng r = {59};
+    enum { NT = 4 };
+    int64_t sizes[NT] = {1000, 1, 40000, 7};
+    bool is16[NT] = {true, true, false, true};
+    struct bt p16[NT], m16[NT], v16[NT], rp16[NT], rm16[NT], rv16[NT];
+    struct arr p32[NT], m32[NT], v32[NT], rp32[NT], rm32[NT], rv32[NT], g[NT], rg[NT];
+    struct am_tensor tp[NT], tm[NT], tv[NT], tg[NT], trp[NT], trm[NT], trv[NT], trg[NT];
+    struct am_adamw_tensor list[NT];
+    for (int i = 0; i < NT; i++) {
+        int64_t n = sizes[i];
+        g[i] = arr_new(n);
+        rg[i] = arr_new(n);
+        tg[i] = tview(&g[i], n, 0, 0, 0);
+        trg[i] = tview(&rg[i], n, 0, 0, 0);
+        if (is16[i]) {
+            p16[i] = bt_rand(&r, n, -1, 1);
+            m16[i] = bt_rand(&r, n, -0.1, 0.1);
+            v16[i] = bt_rand(&r, n, 0, 0.01);
+            rp16[i] = bt_copy(&p16[i]);
+            rm16[i] = bt_copy(&m16[i]);
+            rv16[i] = bt_copy(&v16[i]);
+            tp[i] = hv(&p16[i], n, 0, 0, 0);
+            tm[i] = hv(&m16[i], n, 0, 0, 0);
+            tv[i] = hv(&v16[i], n, 0, 0, 0);
+        } else {
+            p32[i] = arr_rand(&r, n, -1, 1);
+            m32[i] = arr_rand(&r, n, -0.1, 0.1);
+            v32[i] = arr_rand(&r, n, 0, 0.01);
+            rp32[i] = arr_copy(&p32[i]);
+            rm32[i] = arr_copy(&m32[i]);
+            rv32[i] = arr_copy(&v32[i]);
+            tp[i] = tview(&p32[i], n, 0, 0, 0);
+            tm[i] = tview(&m32[i], n, 0, 0, 0);
+            tv[i] = tview(&v32[i], n, 0, 0, 0);
+            trp[i] = tview(&rp32[i], n, 0, 0, 0);
+            trm[i] = tview(&rm32[i], n, 0, 0, 0);
+            trv[i] = tview(&rv32[i], n, 0, 0, 0);
+        }
+        list[i] = (struct am_adamw_tensor){.param = &tp[i], .m = &tm[i], .v = &tv[i], .grad = &tg[i]};
+    }
+    struct {
+        double max_norm;
+        float beta1;
+        double gscale;
+    } cases[] = {{1.0, 0.9f, 1.0}, {0.3, 0.9f, 0.01}, {1e6, 0.9f, 1.0}, {0.0, 0.9f, 1.0}, {2.0, 0.3f, 1.0}};
+    struct adam_hp h = {1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f};
+    for (size_t c = 0; c < sizeof cases / sizeof *cases; c++) {
+        double ss = 0;
+        for (int i = 0; i < NT; i++)
+            for (int64_t e = 0; e < sizes[i]; e++) {
+                g[i].f[e] = rg[i].f[e] = (float)(rng_uniform(&r, -1, 1) * cases[c].gscale);
+                ss += (double)g[i].f[e] * g[i].f[e];
+            }
+        struct am_tensor s64 = am_tensor_view(&ss, AM_DEV_CPU, AM_F64, 1, 0, 0, 0);
+        int64_t step = (int64_t)c + 1;
+        double coef = cases[c].max_norm / (sqrt(ss) + 1e-6);
+        bool clipped = cases[c].max_norm > 0 && coef < 1.0;
+        assert_true(clipped == (c == 0 || c == 1 || c == 4)); /* the cases do what they say */
+        h.b1 = cases[c].beta1;
+        for (int i = 0; i < NT; i++) {
+            if (is16[i]) {
+                for (int64_t e = 0; e < sizes[i]; e++)
+                    torch_adamw_bf16_elem(&rp16[i].h[e], rg[i].f[e], &rm16[i].h[e], &rv16[i].h[e], h,
+                                          clipped ? (float)coef : 1.0f, step);
+                continue;
+            }
+            if (clipped)
+                K->scale(&kdev, &trg[i], (float)coef);
+            K->adamw(&kdev, &trp[i], &trg[i], &trm[i], &trv[i], h.lr, h.b1, h.b2, h.eps, h.wd, step);
+        }
+        K->adamw_multi(&kdev, list, NT, &s64, cases[c].max_norm, NULL, h.lr, h.b1, h.b2, h.eps, h.wd, step);
+        for (int i = 0; i < NT; i++) {
+            int64_t n = sizes[i];
+            char what[96];
+            snprintf(what, sizeof what, "adamw_multi bf16 case %zu tensor %d: param", c, i);
+            if (is16[i]) {
+                expect_bits16(what, p16[i].h, rp16[i].h, n);
+                expect_bits16("adamw_multi bf16: exp_avg", m16[i].h, rm16[i].h, n);
+                expect_bits16("adamw_multi bf16: exp_avg_sq", v16[i].h, rv16[i].h, n);
+                expect_bitwise("adamw_multi bf16: the gradients stay as they were", g[i].f, rg[i].f, n);
+            } else {
+                expect_bitwise(what, p32[i].f, rp32[i].f, n);
+                expect_bitwise("adamw_multi: exp_avg", m32[i].f, rm32[i].f, n);
+                expect_bitwise("adamw_multi: exp_avg_sq", v32[i].f, rv32[i].f, n);
+            }
+        }
+    }
+    /* a step that must not be taken writes no bf16 tensor */
+    size_t bytes = 3 * 1000 * sizeof(uint16_t);
+    uint16_t *before = malloc(bytes), *after = malloc(bytes);
+    for (int k = 0; k < 3; k++) {
+        double ss = k == 0 ? INFINITY : k == 1 ? NAN : 1.0;
+        int32_t flag = k == 2 ? 0 : 1;
+        struct am_tensor s64 = am_tensor_view(&ss, AM_DEV_CPU, AM_F64, 1, 0, 0, 0);
+        struct am_tensor fl = am_tensor_view(&flag, AM_DEV_CPU, AM_I32, 1, 0, 0, 0);
+        memcpy(before, p16[0].h, 2000);
+        memcpy(before + 1000, m16[0].h, 2000);
+        memcpy(before + 2000, v16[0].h, 2000);
+        K->adamw_multi(&kdev, list, NT, &s64, 1.0, &fl, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 9);
+        memcpy(after, p16[0].h, 2000);
+        memcpy(after + 1000, m16[0].h, 2000);
+        memcpy(after + 2000, v16[0].h, 2000);
+        if (memcmp(before, after, bytes) != 0) {
+            print_error("adamw_multi wrote the bf16 tensors of a skipped step (%s)\n",
+                        k == 0 ? "norm Inf" : k == 1 ? "norm NaN" : "flag 0");
+            fail();
+        }
+    }
+    free(before);
+    free(after);
+    for (int i = 0; i < NT; i++) {
+        arr_free(&g[i]);
+        arr_free(&rg[i]);
+        if (is16[i]) {
+            struct bt *all[] = {&p16[i], &m16[i], &v16[i], &rp16[i], &rm16[i], &rv16[i]};
+            for (size_t k = 0; k < sizeof all / sizeof *all; k++)
+                bt_free(all[k]);
+        } else {
+            struct arr *all[] = {&p32[i], &m32[i], &v32[i], &rp32[i], &rm32[i], &rv32[i]};
+            for (size_t k = 0; k < sizeof all / sizeof *all; k++)
+                arr_free(all[k]);
+        }
+    }
+}
+
+/* What adamw refuses: bf16 parameters with fp32 moments or a bf16 gradient, fp16 ones. */
+static void bad_adamw_call(int which)
+{
+    uint16_t h[12] = {0};
+    float f[12] = {0};
+    struct am_tensor p16 = am_tensor_view(h, AM_DEV_CPU, AM_BF16, 4, 0, 0, 0);
+    struct am_tensor b16 = am_tensor_view(h + 4, AM_DEV_CPU, AM_BF16, 4, 0, 0, 0);
+    struct am_tensor ph = am_tensor_view(h + 8, AM_DEV_CPU, AM_F16, 4, 0, 0, 0);
+    struct am_tensor f32 = am_tensor_view(f, AM_DEV_CPU, AM_F32, 4, 0, 0, 0);
+    struct am_tensor f32b = am_tensor_view(f + 4, AM_DEV_CPU, AM_F32, 4, 0, 0, 0);
+    p16.name = "model.embed_tokens.weight";
+    struct am_adamw_tensor l = {.param = &p16, .m = &b16, .v = &f32b, .grad = &f32};
+    switch (which) {
+    case 0: K->adamw(&kdev, &p16, &f32, &f32b, &b16, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.f, 1); break; /* f32 m */
+    case 1: K->adamw(&kdev, &p16, &b16, &b16, &b16, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.f, 1); break;  /* bf16 grad */
+    case 2: K->adamw(&kdev, &ph, &f32, &f32, &f32, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.f, 1); break;    /* f16 param */
+    case 3: K->adamw_multi(&kdev, &l, 1, NULL, 0, NULL, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.f, 1); break; /* f32 v */
+    }
+}
+
+static void test_adamw_bad_dtype_aborts(void **state)
+{
+    (void)state;
+    const char *want[][3] = {
+        {"am_cpu_adamw", "m (", "model.embed_tokens.weight) is bf16: Adam's moments have the parameter's dtype"},
+        {"am_cpu_adamw", "grad (", "the gradient is fp32, also for bf16 parameters"},
+        {"am_cpu_adamw", "is fp16", "AdamW steps fp32 or bf16 parameters"},
+        {"am_cpu_adamw_multi", "v (", "is fp32 but param (model.embed_tokens.weight) is bf16"},
+    };
+    for (int c = 0; c < 4; c++)
+        expect_abort(bad_adamw_call, c, want[c], 3);
+}
+
+/* The emulation and the kernel against torch's own steps, where a reference file is given:
+ *   python3 tests/kernels/adamw_bf16_torch.py /tmp/adamw_bf16.bin   (torch 2.15, the golden venv)
+ *   AM_ADAMW_TORCH_REF=/tmp/adamw_bf16.bin tests/kernels/test_adamw
+ * Each record: torch's state before and after one step; both must match it bit for bit. */
+static void test_adamw_bf16_torch(void **state)
+{
+    (void)state;
+    const char *path = getenv("AM_ADAMW_TORCH_REF");
+    if (!path || !*path)
+        skip();
+    FILE *f = fopen(path, "rb");
+    assert_non_null(f);
+    int64_t hdr[2];
+    float hp[6];
+    long long recs = 0, total = 0;
+    while (fread(hdr, sizeof(int64_t), 2, f) == 2) {
+        assert_int_equal(fread(hp, sizeof(float), 6, f), 6);
+        int64_t n = hdr[0], step = hdr[1];
+        struct adam_hp h = {hp[0], hp[1], hp[2], hp[3], hp[4]};
+        float gs = hp[5], *g = malloc((size_t)n * sizeof(float));
+        uint16_t *a[9];
+        assert_int_equal(fread(g, sizeof(float), (size_t)n, f), (size_t)n);
+        for (int k = 0; k < 6; k++) {
+            a[k] = malloc((size_t)n * sizeof(uint16_t));
+            assert_int_equal(fread(a[k], sizeof(uint16_t), (size_t)n, f), (size_t)n);
+        }
+        for (int k = 6; k < 9; k++) /* the emulation's p, m, v */
+            a[k] = memcpy(malloc((size_t)n * sizeof(uint16_t)), a[k - 6], (size_t)n * sizeof(uint16_t));
+        for (int64_t i = 0; i < n; i++)
+            torch_adamw_bf16_elem(&a[6][i], g[i], &a[7][i], &a[8][i], h, gs, step);
+        struct am_tensor tp = am_tensor_view(a[0], AM_DEV_CPU, AM_BF16, n, 0, 0, 0),
+                         tm = am_tensor_view(a[1], AM_DEV_CPU, AM_BF16, n, 0, 0, 0),
+                         tv = am_tensor_view(a[2], AM_DEV_CPU, AM_BF16, n, 0, 0, 0), tg = f32v(g, n, 0, 0, 0);
+        /* the clipping factor gs through a norm: max_norm / (sqrt(4) + 1e-6) rounds to gs */
+        double ss = 4.0, max_norm = gs == 1.0f ? 0.0 : (double)gs * (2.0 + 1e-6);
+        assert_true(gs == 1.0f || (float)(max_norm / (sqrt(ss) + 1e-6)) == gs);
+        struct am_tensor s64 = am_tensor_view(&ss, AM_DEV_CPU, AM_F64, 1, 0, 0, 0);
+        struct am_adamw_tensor l = {.param = &tp, .m = &tm, .v = &tv, .grad = &tg};
+        K->adamw_multi(&kdev, &l, 1, &s64, max_norm, NULL, h.lr, h.b1, h.b2, h.eps, h.wd, step);
+        char what[96];
+        snprintf(what, sizeof what, "record %lld (n %lld, step %lld, beta1 %g, gs %g): param", recs, (long long)n,
+                 (long long)step, (double)h.b1, (double)gs);
+        expect_bits16(what, a[0], a[3], n);
+        expect_bits16("exp_avg", a[1], a[4], n);
+        expect_bits16("exp_avg_sq", a[2], a[5], n);
+        expect_bits16("the emulation's param", a[6], a[3], n);
+        expect_bits16("the emulation's exp_avg", a[7], a[4], n);
+        expect_bits16("the emulation's exp_avg_sq", a[8], a[5], n);
+        for (int k = 0; k < 9; k++)
+            free(a[k]);
+        free(g);
+        recs++;
+        total += n;
+    }
+    fclose(f);
+    assert_true(recs > 0);
+    if (getenv("AM_TEST_VERBOSE"))
+        printf("    %lld torch steps, %lld elements: param, exp_avg, exp_avg_sq bitwise equal\n", recs, total);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_adamw),
         cmocka_unit_test(test_adamw_multi),
+        cmocka_unit_test(test_adamw_bf16),
+        cmocka_unit_test(test_adamw_multi_bf16),
+        cmocka_unit_test(test_adamw_bad_dtype_aborts),
+        cmocka_unit_test(test_adamw_bf16_torch),
     };
     return cmocka_run_group_tests_name("kernels (cpu): adamw", tests, kernels_test_setup, NULL);
 }
