@@ -58,6 +58,7 @@ struct am_moe {
     int64_t step_rows_max;   /* ep > 1: the most rows one slot's MoE layers received for a micro-batch
                                 over the step */
     int64_t step_layer_max;  /* ep > 1: the most rows one MoE layer received over the step */
+    bool fail_growth;        /* ep > 1: the next saved rows' growth is due and fails (am_moe_fail_growth) */
     size_t *cnt_sz;          /* ep > 1: counts and displacements for am_alltoallv, 4 x ep */
     bool renorm, aux_on;
     bool sigmoid;            /* glm4_moe's router (moe.h) */
@@ -341,7 +342,9 @@ static int pool_grow(struct am_model *m, int slot, int64_t need, int64_t R, char
 {
     struct am_moe *M = m->moe;
     struct moe_slot *Sl = &M->slots[slot];
-    size_t bytes = (size_t)need * M->saved_row;
+    /* AM_FAULT kind=expert-rows-oom: a size no device has, so that the allocation fails for real */
+    size_t bytes = M->fail_growth ? (size_t)1 << 62 : (size_t)need * M->saved_row;
+    M->fail_growth = false;
     char *b = m->K->alloc(m->dev, bytes);
     if (!b)
         return rows_oom(m, "the saved expert rows of its micro-batch's MoE layers", R, Sl->used + R, Sl->plan_rows,
@@ -381,7 +384,7 @@ static int saved_rows(struct am_model *m, struct moe_acts *A, int64_t R, char *e
                            "forward %lld (the routing must repeat)", m->where.layer, (long long)R, (long long)A->held);
         return 0;
     }
-    if (Sl->used + R > Sl->cap && pool_grow(m, A->slot, Sl->used + R, R, err, err_len) < 0)
+    if ((Sl->used + R > Sl->cap || M->fail_growth) && pool_grow(m, A->slot, Sl->used + R, R, err, err_len) < 0)
         return -1;
     A->r0 = Sl->used;
     A->held = R;
@@ -1221,6 +1224,12 @@ bool am_moe_is_expert_param(const struct am_model *m, const struct am_param *p)
             return true;
     }
     return false;
+}
+
+void am_moe_fail_growth(struct am_model *m)
+{
+    if (m->moe && m->moe->ep > 1)
+        m->moe->fail_growth = true;
 }
 
 void am_moe_set_aux_div(struct am_model *m, double div)

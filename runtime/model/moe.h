@@ -250,6 +250,13 @@ size_t am_moe_alltoall_bytes(const struct am_model *m);
  * slot's saved expert rows and the work rows, as allocated now (they grow to the high-water
  * mark and are kept); 0 at ep 1. */
 size_t am_moe_rows_bytes(const struct am_model *m);
+/* Fault injection (the trainer's AM_FAULT kind=expert-rows-oom): the next MoE layer whose
+ * experts receive rows here grows its slot's pool of saved rows whether or not they fit (as
+ * when the routing sends this rank's experts more than the pool holds) and asks the device for
+ * 2^62 bytes, which no device has: the allocation fails for real (the device's fault hook is
+ * told) and the layer's forward fails with the growth's error (the layer, the rows, the plan's
+ * balanced load). Once; nothing at ep 1. */
+void am_moe_fail_growth(struct am_model *m);
 /* Whether p is one of the experts' matrices (not the router), or one of their adapters. */
 bool am_moe_is_expert_param(const struct am_model *m, const struct am_param *p);
 /* The selection-bias update (gate_bias_update_factor > 0; above): the step's loads of this

@@ -13,7 +13,7 @@
 #include <unistd.h>
 
 #define KINDS "segv, abort, exit:CODE, nan, hang, hang-in-collective, slow:SECONDS, kill, oom, device-oom, " \
-              "kill-in-alltoall or kill-in-save:PHASE"
+              "kill-in-alltoall, expert-rows-oom or kill-in-save:PHASE"
 #define SAVE_PHASES "shard, written, manifest, commit or latest"
 #define FORM "AM_FAULT=rank=R,step=S,kind=K"
 
@@ -33,6 +33,7 @@ const char *am_fault_kind_name(enum am_fault_kind kind)
     case AM_FAULT_DEVICE_OOM: return "device-oom";
     case AM_FAULT_KILL_IN_ALLTOALL: return "kill-in-alltoall";
     case AM_FAULT_KILL_IN_SAVE: return "kill-in-save";
+    case AM_FAULT_EXPERT_ROWS_OOM: return "expert-rows-oom";
     }
     return "none";
 }
@@ -58,7 +59,8 @@ static int parse_kind(const char *v, struct am_fault *f, const char *spec, char 
         enum am_fault_kind kind;
     } plain[] = {{"segv", AM_FAULT_SEGV}, {"abort", AM_FAULT_ABORT}, {"nan", AM_FAULT_NAN}, {"hang", AM_FAULT_HANG},
                  {"hang-in-collective", AM_FAULT_HANG_IN_COLLECTIVE}, {"kill", AM_FAULT_KILL}, {"oom", AM_FAULT_OOM},
-                 {"device-oom", AM_FAULT_DEVICE_OOM}, {"kill-in-alltoall", AM_FAULT_KILL_IN_ALLTOALL}};
+                 {"device-oom", AM_FAULT_DEVICE_OOM}, {"kill-in-alltoall", AM_FAULT_KILL_IN_ALLTOALL},
+                 {"expert-rows-oom", AM_FAULT_EXPERT_ROWS_OOM}};
     for (size_t i = 0; i < sizeof(plain) / sizeof(plain[0]); i++)
         if (strcmp(v, plain[i].name) == 0) {
             f->kind = plain[i].kind;
@@ -205,6 +207,12 @@ int am_fault_check_ep(const struct am_fault *f, int ep, char *err, size_t err_le
     if (f->kind == AM_FAULT_KILL_IN_ALLTOALL && ep < 2) {
         snprintf(err, err_len, "AM_FAULT=%s: kind=kill-in-alltoall dies in the experts' all-to-all, and this job "
                  "has none (ep 1): run a mixture-of-experts model with ep_size 2 or more, or use kind=kill", f->spec);
+        return -1;
+    }
+    if (f->kind == AM_FAULT_EXPERT_ROWS_OOM && ep < 2) {
+        snprintf(err, err_len, "AM_FAULT=%s: kind=expert-rows-oom fails the growth of the rows this rank's experts "
+                 "receive from their ep group, and this job has none (ep 1): run a mixture-of-experts model with "
+                 "ep_size 2 or more, or use kind=device-oom", f->spec);
         return -1;
     }
     return 0;

@@ -28,6 +28,13 @@
  *                       the first MoE layer's tokens in step S, a second after the call began
  *                       (its flight entry open; its ep peers wait for it in that all-to-all);
  *                       needs expert parallelism (ep > 1)
+ *   expert-rows-oom     in the forward of step S, the first MoE layer whose experts receive
+ *                       rows on this rank grows its pool of saved expert rows as if the
+ *                       routing had sent them more than the pool holds, and the growth asks
+ *                       the device for 2^62 bytes: the allocation fails for real, the device's
+ *                       fault hook writes the "oom" cause record, and the rank stops with the
+ *                       growth's error (the layer, the rows received, the plan's balanced
+ *                       load: moe.h); needs expert parallelism (ep > 1)
  *   kill-in-save:PHASE  the rank sends itself SIGKILL inside the checkpoint saved after step S,
  *                       at PHASE (shard_ckpt.h's phases, in this order: shard: half of its shard
  *                       file written; written: its shard on disk, before the ranks agree;
@@ -58,6 +65,7 @@ enum am_fault_kind {
     AM_FAULT_DEVICE_OOM,
     AM_FAULT_KILL_IN_ALLTOALL,
     AM_FAULT_KILL_IN_SAVE,
+    AM_FAULT_EXPERT_ROWS_OOM,
 };
 
 struct am_fault {

@@ -3,6 +3,7 @@
 
 #include "comm.h"
 #include "log.h"
+#include "moe.h"
 #include "trainer.h"
 #include "util.h"
 
@@ -41,8 +42,9 @@ void am_train_fault_step_start(struct trainer *t, long step)
     }
 }
 
-/* AM_FAULT kind=hang-in-collective (dp's next all-reduce stalls) and kind=kill-in-alltoall
- * (the rank dies inside the ep group's dispatch), armed before the step's passes. */
+/* AM_FAULT kind=hang-in-collective (dp's next all-reduce stalls), kind=kill-in-alltoall
+ * (the rank dies inside the ep group's dispatch) and kind=expert-rows-oom (the growth of the
+ * rows its experts receive fails: moe.h), armed before the step's passes. */
 void am_train_fault_collectives(struct trainer *t, long step)
 {
     const struct am_plan *p = t->p;
@@ -53,6 +55,10 @@ void am_train_fault_collectives(struct trainer *t, long step)
     if (p->ep > 1 && am_fault_due(&t->fault, t->s->info.rank, step, AM_FAULT_KILL_IN_ALLTOALL)) {
         fault_record(t, step, NULL); /* the ep group's next call exchanges counts, the one after dispatches */
         am_comm_inject_kill(t->g.ep, am_comm_seq(t->g.ep) + 2);
+    }
+    if (p->ep > 1 && am_fault_due(&t->fault, t->s->info.rank, step, AM_FAULT_EXPERT_ROWS_OOM)) {
+        fault_record(t, step, NULL);
+        am_moe_fail_growth(&t->model);
     }
 }
 

@@ -1,5 +1,5 @@
 # tests/train/fault-lib.sh - the fault matrix's helpers (sourced by test-fault-standalone.sh,
-# test-fault-slurm.sh and test-early-failure.sh).
+# test-fault-slurm.sh, test-early-failure.sh and test-fault-expert-rows.sh).
 #
 # A case injects one AM_FAULT into a short training job (the tiny recipe, 6 steps), waits
 # for the job to end (bounded by `timeout`), and checks exactly:
@@ -9,8 +9,8 @@
 #     by timeout (except in the hang kinds, where the watchdog is what ends the job);
 #   - a hang is caught by the watchdog: some rank's cause is a watchdog timeout;
 #   - `am-diag --json` exits 1 (slow: 0) and names the injected rank, its host, cause,
-#     signal and step as the first failure (device-oom: the "oom" cause record's phase, layer
-#     and bytes in its detail), and every other rank as a victim (slow: the
+#     signal and step as the first failure (device-oom, expert-rows-oom: the "oom" cause
+#     record's phase, layer and bytes in its detail), and every other rank as a victim (slow: the
 #     injected rank a straggler, the others clean).
 
 : "${AM_SRCDIR:=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)}"
@@ -49,7 +49,7 @@ expected_first() {
     hang | hang-in-collective) echo "$head,\"cause\":\"hang\",\"signal\":null,\"step\":$step," ;;
     kill | kill-in-alltoall) echo "$head,\"cause\":\"killed\",\"signal\":\"SIGKILL\",\"step\":$step,\"status\":137," ;;
     oom) echo "$head,\"cause\":\"oom\",\"signal\":\"SIGKILL\",\"step\":$step,\"status\":137," ;;
-    device-oom) echo "$head,\"cause\":\"oom\",\"signal\":null,\"step\":$step,\"status\":1," ;;
+    device-oom | expert-rows-oom) echo "$head,\"cause\":\"oom\",\"signal\":null,\"step\":$step,\"status\":1," ;;
   esac
 }
 
@@ -84,6 +84,11 @@ check_case() {
     [[ $json == *"$want"* ]] || { fail "$name: am-diag's first failure is not $want"; ok=0; }
     if [[ $kind == device-oom ]]; then # the middle parameter's group: layer 2's (as nan's)
       want="\"detail\":\"rank $rank ran out of host (CPU device) memory in the backward of layer 2: "
+      [[ $json == *"$want"*"(asked for 4.0 EiB; the allocator holds "* ]] ||
+        { fail "$name: am-diag's detail does not start with $want... (asked for 4.0 EiB; ...)"; ok=0; }
+    fi
+    if [[ $kind == expert-rows-oom ]]; then # the first MoE layer's forward: layer 0's
+      want="\"detail\":\"rank $rank ran out of host (CPU device) memory in the forward of layer 0: "
       [[ $json == *"$want"*"(asked for 4.0 EiB; the allocator holds "* ]] ||
         { fail "$name: am-diag's detail does not start with $want... (asked for 4.0 EiB; ...)"; ok=0; }
     fi

@@ -5,7 +5,8 @@
 # test-parity.sh's measures, the saved adapters read back; for the MoE scripts (test-lora-moe.sh,
 # test-lora-glm.sh, test-lora-oss.sh), one rank's run, the layouts, the bf16 runs and a resume
 # against it (lora_ref, lora_layouts, lora_bf16, lora_resume), every rank's allocation against
-# am-plan's (lora_memory) and am-ckpt merge's weights against W + s B A (merge_error).
+# am-plan's (lora_memory) and am-ckpt merge's weights against W + s B A (merge_error); golden_dist
+# on a golden at tp x pp (lora_golden: also for test-lora-golden.sh and test-golden-dist.sh).
 
 : "${AM_SRCDIR:=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)}"
 : "${AM_BUILDDIR:=$PWD}"
@@ -164,32 +165,38 @@ lora_ref() {
     fi
 }
 
-# lora_golden GOLDEN TARGETS TP PP: golden_dist on the peft golden GOLDEN (tests/golden/models)
-# with those target_modules at tp TP x pp PP: 5 AdamW steps, the losses and final adapters
-# within golden_dist's tolerances
-lora_golden_recipe() { # GOLDEN TARGETS TP PP
+# lora_golden [-s SCHEDULE] [-q] [-n SEQ] [-p] GOLDEN TARGETS TP PP: golden_dist on the golden
+# GOLDEN (tests/golden/models) at tp TP x pp PP, one golden row a micro-batch: 5 AdamW steps (lr
+# 1e-2), the losses and grad norms within golden_dist's tolerances. TARGETS: the target_modules of
+# a peft golden (the base model in GOLDEN/base), its final adapters within golden_dist's tolerance
+# too; '' for a golden of the model alone (no peft section), trained again from a fresh load with
+# the grad norm clipped to 1.0, its 20 checks (5 losses and grad norms of each series). Options:
+# -s the pipeline schedule (1f1b), -q sequence parallelism, -n the tokens of a golden row (16);
+# -p the test of the test: lr 1.1e-2 instead of 1e-2 must fail, from step 2's loss on.
+lora_golden_recipe() { # GOLDEN TARGETS TP PP, with lora_golden's sched, sp, seq, lr and clip
     cat <<EOF
 model:
-  pretrained_model_name_or_path: $AM_SRCDIR/tests/golden/models/$1/base
+  pretrained_model_name_or_path: $AM_SRCDIR/tests/golden/models/$1${2:+/base}
 distributed:
   strategy: fsdp2
   tp_size: $3
   pp_size: $4
+  sequence_parallel: $sp
   mp_policy:
     param_dtype: float32
   pipeline:
-    pp_schedule: 1f1b
+    pp_schedule: $sched
     pp_microbatch_size: 1
 step_scheduler:
   global_batch_size: 2
   local_batch_size: 2
   max_steps: 5
 dataset:
-  seq_length: 16
+  seq_length: $seq
   paths: golden-rows
 optimizer:
   _target_: torch.optim.AdamW
-  lr: 1.0e-2
+  lr: $lr
   betas: [0.9, 0.95]
   eps: 1.0e-8
   weight_decay: 0.1
@@ -197,7 +204,11 @@ lr_scheduler:
   lr_decay_style: constant
   lr_warmup_steps: 0
 clip_grad_norm:
-  max_norm: null
+  max_norm: $clip
+dist_env:
+  timeout_minutes: 1
+EOF
+    [ -z "$2" ] || cat <<EOF
 peft:
   _target_: nemo_automodel.components._peft.lora.PeftConfig
   target_modules: $2
@@ -205,20 +216,36 @@ peft:
   alpha: 8
   dropout: 0.0
   lora_A_init: kaiming
-dist_env:
-  timeout_minutes: 1
 EOF
 }
 lora_golden() {
-    local name=golden-tp$3-pp$4-$1
+    local sched=1f1b sp=false seq=16 lr=1.0e-2 clip=null perturbed= name out what checks='[0-9]*' launched=0
+    while [ "${1#-}" != "$1" ]; do
+        case $1 in -s) sched=$2; shift ;; -q) sp=true ;; -n) seq=$2; shift ;; -p) perturbed=-perturbed lr=1.1e-2 ;; esac
+        shift
+    done
+    [ -n "$2" ] || checks=20 clip=1.0
+    name=golden-tp$3-pp$4-$1-$sched-sp$sp$perturbed
+    out="$work/out-$name"
+    what="$1 against $([ -n "$2" ] && echo peft || echo transformers) at tp $3 x pp $4"
+    [ "$sched" = 1f1b ] || what+=", $sched"
+    [ "$sp" = false ] || what+=", sequence parallel"
     lora_golden_recipe "$@" >"$work/$name.yaml"
-    if (cd "$work" && AM_LOG_DIR="$work/logs-$name" timeout 300 "$AM_BUILDDIR/am-launch" --nproc $(($3 * $4)) \
-        "$work/$name.yaml" -- "$AM_BUILDDIR/tests/train/golden_dist" "$1" >"$work/out-$name" 2>&1) &&
-        grep -q "^golden tp$3 pp$4 $1: [0-9]* checks passed" "$work/out-$name" &&
-        [ "$(grep -c '^adamw step [1-5]: loss ' "$work/out-$name")" = 5 ]; then
-        ok "$1 against peft at tp $3 x pp $4: $(grep '^golden .*checks passed' "$work/out-$name" | sed 's/.*passed (//; s/)$//'); $(grep '^final adapters' "$work/out-$name")"
+    (cd "$work" && AM_LOG_DIR="$work/logs-$name" timeout 300 "$AM_BUILDDIR/am-launch" --nproc $(($3 * $4)) \
+        "$work/$name.yaml" -- "$AM_BUILDDIR/tests/train/golden_dist" "$1" >"$out" 2>&1) && launched=1
+    if [ -n "$perturbed" ]; then # a learning rate 10% off moves the losses from step 2 on
+        if [ $launched = 1 ]; then
+            bad "$what: lr 1.1e-2 instead of 1e-2 went unnoticed"; sed 's/^/    /' "$out"
+        elif grep -q '^adamw step 2: loss .*MISMATCH' "$out" && grep -q "^golden tp$3 pp$4 $1: .* checks FAILED" "$out"; then
+            ok "$what: lr 1.1e-2 instead of 1e-2 is caught: $(grep '^adamw step 2: loss' "$out")"
+        else
+            bad "$what: the perturbed run failed for another reason"; sed 's/^/    /' "$out"
+        fi
+    elif [ $launched = 1 ] && grep -q "^golden tp$3 pp$4 $1: $checks checks passed" "$out" &&
+        [ "$(grep -c '^adamw step [1-5]: loss ' "$out")" = 5 ] && { [ -z "$2" ] || grep -q '^final adapters: ' "$out"; }; then
+        ok "$what: $(grep '^golden .*checks passed' "$out" | sed 's/.*passed (//; s/)$//')${2:+; $(grep '^final adapters' "$out")}"
     else
-        bad "$1 against peft at tp $3 x pp $4"; sed 's/^/    /' "$work/out-$name"
+        bad "$what"; sed 's/^/    /' "$out"
     fi
 }
 

@@ -75,14 +75,14 @@ static void test_errors(void **state)
 {
     (void)state;
     expect_error("rank=1,step=2", "AM_FAULT=rank=1,step=2: kind is missing (AM_FAULT=rank=R,step=S,kind=K; kinds: segv, "
-                 "abort, exit:CODE, nan, hang, hang-in-collective, slow:SECONDS, kill, oom, device-oom, kill-in-alltoall or "
-                 "kill-in-save:PHASE)");
+                 "abort, exit:CODE, nan, hang, hang-in-collective, slow:SECONDS, kill, oom, device-oom, kill-in-alltoall, "
+                 "expert-rows-oom or kill-in-save:PHASE)");
     expect_error("step=2,kind=segv", "AM_FAULT=step=2,kind=segv: rank is missing (AM_FAULT=rank=R,step=S,kind=K; kinds: "
-                 "segv, abort, exit:CODE, nan, hang, hang-in-collective, slow:SECONDS, kill, oom, device-oom, kill-in-alltoall or "
-                 "kill-in-save:PHASE)");
+                 "segv, abort, exit:CODE, nan, hang, hang-in-collective, slow:SECONDS, kill, oom, device-oom, kill-in-alltoall, "
+                 "expert-rows-oom or kill-in-save:PHASE)");
     expect_error("rank=1,kind=segv", "AM_FAULT=rank=1,kind=segv: step is missing (AM_FAULT=rank=R,step=S,kind=K; kinds: "
-                 "segv, abort, exit:CODE, nan, hang, hang-in-collective, slow:SECONDS, kill, oom, device-oom, kill-in-alltoall or "
-                 "kill-in-save:PHASE)");
+                 "segv, abort, exit:CODE, nan, hang, hang-in-collective, slow:SECONDS, kill, oom, device-oom, kill-in-alltoall, "
+                 "expert-rows-oom or kill-in-save:PHASE)");
     expect_error("rank=x,step=2,kind=segv", "AM_FAULT=rank=x,step=2,kind=segv: rank=x: the rank must be a whole number "
                  "from 0 (the global rank that misbehaves, for example rank=1)");
     expect_error("rank=-1,step=2,kind=segv", "AM_FAULT=rank=-1,step=2,kind=segv: rank=-1: the rank must be a whole "
@@ -92,8 +92,8 @@ static void test_errors(void **state)
     expect_error("rank=1,step=,kind=segv", "AM_FAULT=rank=1,step=,kind=segv: step=: the step must be a whole number "
                  "from 1 (the 1-based training step at which the rank misbehaves, for example step=3)");
     expect_error("rank=1,step=2,kind=boom", "AM_FAULT=rank=1,step=2,kind=boom: kind=boom: unknown kind (use segv, "
-                 "abort, exit:CODE, nan, hang, hang-in-collective, slow:SECONDS, kill, oom, device-oom, kill-in-alltoall or "
-                 "kill-in-save:PHASE)");
+                 "abort, exit:CODE, nan, hang, hang-in-collective, slow:SECONDS, kill, oom, device-oom, kill-in-alltoall, "
+                 "expert-rows-oom or kill-in-save:PHASE)");
     expect_error("rank=1,step=2,kind=exit", "AM_FAULT=rank=1,step=2,kind=exit: kind=exit: the exit code must be a whole "
                  "number from 0 to 255 (for example kind=exit:3)");
     expect_error("rank=1,step=2,kind=exit:256", "AM_FAULT=rank=1,step=2,kind=exit:256: kind=exit:256: the exit code "
@@ -142,6 +142,15 @@ static void test_checks(void **state)
     assert_string_equal(err, "AM_FAULT=rank=1,step=2,kind=kill-in-alltoall: kind=kill-in-alltoall dies in the "
                              "experts' all-to-all, and this job has none (ep 1): run a mixture-of-experts model with "
                              "ep_size 2 or more, or use kind=kill");
+    assert_int_equal(am_fault_check_ep(&f, 2, err, sizeof(err)), 0);
+    assert_int_equal(am_fault_parse("rank=1,step=2,kind=expert-rows-oom", &f, err, sizeof(err)), 0);
+    assert_int_equal(f.kind, AM_FAULT_EXPERT_ROWS_OOM);
+    assert_string_equal(am_fault_kind_name(f.kind), "expert-rows-oom");
+    assert_int_equal(am_fault_check(&f, 2, 2, err, sizeof(err)), 0);
+    assert_int_equal(am_fault_check_ep(&f, 1, err, sizeof(err)), -1);
+    assert_string_equal(err, "AM_FAULT=rank=1,step=2,kind=expert-rows-oom: kind=expert-rows-oom fails the growth of "
+                             "the rows this rank's experts receive from their ep group, and this job has none (ep 1): "
+                             "run a mixture-of-experts model with ep_size 2 or more, or use kind=device-oom");
     assert_int_equal(am_fault_check_ep(&f, 2, err, sizeof(err)), 0);
     assert_int_equal(am_fault_parse("rank=1,step=2,kind=kill-in-save:commit", &f, err, sizeof(err)), 0);
     assert_int_equal(am_fault_check(&f, 2, 2, err, sizeof(err)), -1);
