@@ -17,6 +17,17 @@ The same 5 steps in fp32 (the golden's own "clip" series, re-run here) give the 
 the C test's tolerances are derived from: an implementation of the same bf16 policy must be
 as close to this one as this one is to fp32 (tests/golden/README.md, "bf16").
 
+bf16 storage (the cases of STORE): model.torch_dtype bfloat16 with torch.optim.AdamW under FSDP2,
+as NeMo AutoModel trains it (its guide docs/guides/mixed-precision-training.mdx, "Risky Pattern:
+torch AdamW with bf16 Model Storage"). The initial weights are loaded as bf16 parameters (every
+parameter: transformers' from_pretrained would keep the DeepSeekMoE routers' gate.weight fp32,
+AutoModel's own Gate holds it in the model's dtype, as am holds every parameter in one; buffers
+as transformers keeps them, fp32); forward and backward in bf16 with eager attention, the loss
+on logits upcast to fp32; the bf16 gradients (FSDP2 reduces in fp32 and casts back to bf16: on
+one rank the same bf16 values) clipped as AutoModel's clip_grad_norm does it (clip_automodel:
+its _clip_grad_norm_impl for one rank); torch.optim.AdamW(foreach=False) steps the bf16
+parameters, its exp_avg and exp_avg_sq bf16 (torch makes the state in the parameter's dtype).
+
 Packed sequences (llama_packed): the same policy on the pack of golden.safetensors, given to the
 model as make_golden.py gives it (position_ids restarting in each document, the block-diagonal
 causal mask as a 4-d additive mask, 0 or the bf16 minimum), the loss the mean cross-entropy over
@@ -27,6 +38,9 @@ Writes models/<case>/bf16.safetensors:
   losses_fp32 [5], grad_norms_fp32 [5]   the same in fp32
   final_bf16.<name>, final_fp32.<name>   every parameter after 5 steps (checkpoint names; gpt-oss's
                                          fused experts under am's per-expert names, as make_golden.py)
+and for the cases of STORE, the bf16-storage run:
+  losses_bf16store [5], grad_norms_bf16store [5]  (the norms before clipping, clip_automodel's)
+  final_bf16store.<name>                 every parameter after 5 steps, BF16 (its stored values)
 and for the DeepSeekMoE cases (SECOND) the bf16 run again with transformers' default sdpa
 attention and grouped_mm experts:
   losses_bf16_sdpa [5], grad_norms_bf16_sdpa [5]
@@ -67,6 +81,10 @@ DENSE = [c for c in G.CASES
 # token near a routing tie may go to another expert in one of them (glm4_moe_tiny's layer 2 in
 # the sdpa run), which one run's |bf16 - fp32| does not show.
 SECOND = [c for c in DENSE if G.CASES[c]["arch"] in G.GLM_ARCHS]
+# The cases with the bf16-storage run (model.torch_dtype bfloat16, bf16 AdamW state; the
+# docstring): the basic Llama, a Qwen3 MoE, DeepSeek-V3 (MLA, DeepSeekMoE) and gpt-oss. The
+# others' files were written before it and are kept as they are (README.md, "Regenerating").
+STORE = ["llama_gqa", "qwen3_moe_tiny", "deepseek_v3_tiny", "gpt_oss_tiny"]
 
 
 ADAMW = dict(G.ADAMW, lr=1e-3)
@@ -110,14 +128,63 @@ def train(master, ids, bf16):
     return losses, norms
 
 
+@torch.no_grad()
+def clip_automodel(params, max_norm):
+    """AutoModel's clip_grad_norm (nemo_automodel/components/training/utils.py, _clip_grad_norm_impl
+    with norm_type 2) for one rank, where every parameter is in one sharding group: the largest
+    |g| in float64 as the scale; each gradient's |g| / scale in the gradient's dtype (bf16: a bf16
+    tensor divided by a 0-d float64 tensor stays bf16), squared in that dtype, summed in float64;
+    the norm scale * sqrt(sum), then _combine_norms over the one group (max * sqrt(sum of
+    (n / max)^2)); then torch.nn.utils.clip_grads_with_norm_ (coefficient max_norm / (norm + 1e-6),
+    clamped at 1, multiplied into each bf16 gradient). AutoModel passes foreach=True, which on a
+    GPU multiplies by the same coefficient with _foreach_mul_; the CPU has no foreach kernels
+    (foreach=True raises there), so foreach=False. Returns the norm (float64, before clipping)."""
+    grads = [p.grad for p in params if p.grad is not None and p.grad.numel() > 0]
+    local_max = torch.zeros((), dtype=torch.float64)
+    for g in grads:
+        local_max = torch.maximum(local_max, g.detach().abs().max().to(dtype=torch.float64))
+    scale = torch.where(torch.isfinite(local_max) & local_max.ne(0), local_max, torch.ones_like(local_max))
+    local_val = torch.zeros((), dtype=torch.float64)
+    for g in grads:
+        local_val = local_val + g.detach().abs().div(scale).square().sum(dtype=torch.float64)
+    group = local_max * local_val.pow(1.0 / 2.0)
+    stack = torch.stack([group.to(dtype=torch.float64)])  # _combine_norms
+    top = stack.abs().max()
+    top_scale = torch.where(torch.isfinite(top) & top.ne(0), top, torch.ones_like(top))
+    total = top * stack.div(top_scale).pow(2.0).sum().pow(1.0 / 2.0)
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=False)
+    return float(total)
+
+
+def train_store(model, ids):
+    """5 clipped AdamW steps of `model` with its parameters stored in bf16 (the docstring)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.data = p.data.to(torch.bfloat16)  # round to nearest even, as from_pretrained(dtype=bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), foreach=False, **ADAMW)
+    losses, norms = [], []
+    for _ in range(G.ADAMW_STEPS):
+        opt.zero_grad(set_to_none=True)
+        loss = loss_of(model, ids)
+        loss.backward()
+        params = [p for p in model.parameters() if p.grad is not None]
+        norms.append(clip_automodel(params, G.CLIP_MAX_NORM))
+        losses.append(float(loss.detach().float()))
+        opt.step()
+    for st in opt.state.values():  # the state torch made in the parameters' dtype
+        assert st["exp_avg"].dtype == torch.bfloat16 and st["exp_avg_sq"].dtype == torch.bfloat16
+    return losses, norms
+
+
 def generate(case):
     outdir = os.path.join(G.MODELS, case)
     ids = G.make_batch(case)
     runs = {}
-    for name, bf16 in (("fp32", False), ("bf16", True)) + ((("bf16_sdpa", True),) if case in SECOND else ()):
+    series = (("fp32", False), ("bf16", True)) + ((("bf16_sdpa", True),) if case in SECOND else ())
+    for name, bf16 in series + ((("bf16store", True),) if case in STORE else ()):
         model = G.load(outdir, case, fast=name == "bf16_sdpa")
         model.train(False)
-        losses, norms = train(model, ids, bf16)
+        losses, norms = train_store(model, ids) if name == "bf16store" else train(model, ids, bf16)
         finals = G.to_checkpoint_names(model, {n: p.detach().clone() for n, p in model.named_parameters()})
         if G.CASES[case]["arch"] == "gpt_oss":  # its fused experts under am's per-expert names
             finals = G.am_expert_names(finals)
@@ -131,14 +198,30 @@ def generate(case):
             d2 = sum(float(((v.double() - eager[k].double()) ** 2).sum()) for k, v in finals.items())
             tensors["final_bf16_sdpa_distance"] = torch.tensor([d2 ** 0.5], dtype=torch.float32)
             continue
-        for k, v in finals.items():
-            tensors[f"final_{name}.{k}"] = v.float().contiguous()
+        for k, v in finals.items():  # bf16store's as stored (exact), the others' fp32
+            tensors[f"final_{name}.{k}"] = (v if name == "bf16store" else v.float()).contiguous()
     path = os.path.join(outdir, "bf16.safetensors")
-    save_file(tensors, path, metadata={"policy": "param_dtype=bfloat16 reduce_dtype=float32, clip 1.0, 5 AdamW "
-                                                 "steps at lr 1e-3; see tests/golden/make_bf16_golden.py"})
+    policy = ("param_dtype=bfloat16 reduce_dtype=float32, clip 1.0, 5 AdamW steps at lr 1e-3"
+              + ("; bf16store: bf16 parameters and AdamW state, AutoModel's clip" if case in STORE else "")
+              + "; see tests/golden/make_bf16_golden.py")
+    save_file(tensors, path, metadata={"policy": policy})
     l32, lbf = runs["fp32"][0], runs["bf16"][0]
     G.log(f"  [{case}] losses fp32 {['%.5f' % x for x in l32]}  bf16 {['%.5f' % x for x in lbf]}  "
           f"max |bf16 - fp32| {max(abs(a - b) for a, b in zip(l32, lbf)):.2e}")
+    if "bf16store" in runs:
+        lst, nst = runs["bf16store"][0], runs["bf16store"][1]
+        n32, nbf = runs["fp32"][1], runs["bf16"][1]
+        G.log(f"  [{case}] bf16store {['%.5f' % x for x in lst]}  |bf16store - fp32| "
+              f"{['%.2e' % abs(a - b) for a, b in zip(lst, l32)]}  |bf16store - bf16| "
+              f"{['%.2e' % abs(a - b) for a, b in zip(lst, lbf)]}")
+        G.log(f"  [{case}] bf16store grad norms {['%.5f' % x for x in nst]}  relative to fp32 "
+              f"{['%.2e' % (abs(a - b) / b) for a, b in zip(nst, n32)]}  to bf16 "
+              f"{['%.2e' % (abs(a - b) / b) for a, b in zip(nst, nbf)]}")
+        w32, wbf, wst = runs["fp32"][2], runs["bf16"][2], runs["bf16store"][2]
+        d32 = sum(float(((v.double() - w32[k].double()) ** 2).sum()) for k, v in wst.items()) ** 0.5
+        dbf = sum(float(((v.double() - wbf[k].double()) ** 2).sum()) for k, v in wst.items()) ** 0.5
+        dbf32 = sum(float(((v.double() - w32[k].double()) ** 2).sum()) for k, v in wbf.items()) ** 0.5
+        G.log(f"  [{case}] final weights: bf16store {d32:.3e} from fp32, {dbf:.3e} from bf16 (bf16 {dbf32:.3e} from fp32)")
     if "bf16_sdpa" in runs:
         lsd = runs["bf16_sdpa"][0]
         G.log(f"  [{case}] bf16 sdpa {['%.5f' % x for x in lsd]}  max |sdpa - eager| "
