@@ -146,9 +146,10 @@ int am_model_load_hf(struct am_model *m, const char *dir, struct am_errors *err)
             am_errorf(err, NULL, "%s: out of memory reading %s", dir, p->name);
             break;
         }
-        struct am_tensor dst = p->w;
+        struct am_tensor dst = p->w; /* read as fp32 on the host, then written in the storage dtype */
         dst.data = host;
         dst.device = AM_DEV_CPU;
+        dst.dtype = AM_F32;
         struct am_ckpt_slice slice = p->split == AM_SPLIT_ROWS   ? am_ckpt_rows(p->row0, p->row0 + p->w.shape[0])
                                      : p->split == AM_SPLIT_COLS ? am_ckpt_cols(p->col0, p->col0 + p->w.shape[1])
                                                                  : (struct am_ckpt_slice){0, 0, 0};

@@ -639,7 +639,7 @@ static void check_bf16store(const char *name, bool nearer)
     open_golden_impl(&G, name, AM_BF16, 0.0, 0.0, true);
     const struct am_recipe *r = G.recipe;
     struct am_optim optim;
-    assert_int_equal(am_optim_init(&optim, &G.dev, G.m.grad_elems, r), 0);
+    assert_int_equal(am_optim_init(&optim, &G.dev, G.m.grad_elems, G.m.store_dt, r), 0);
     double l16[5], n16[5];
     char msg[512];
     for (int s = 0; s < 5; s++) { /* train.c's run(), one rank: nothing to reduce over dp */
