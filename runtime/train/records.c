@@ -231,8 +231,9 @@ void am_train_log_groups(struct trainer *t)
     am_log_record(t->log, "groups", json_pack("{s:i,s:o}", "rank", t->s->info.rank, "groups", a));
 }
 
-/* What the rank allocated, as am-plan counts it: weights (fp32 masters and their copy in the
- * compute dtype), gradients (fp32, and their copy in a narrower reduce_dtype), Adam's moments,
+/* What the rank allocated, as am-plan counts it: weights (the masters in the storage dtype and
+ * their copy in another compute dtype), gradients (fp32, and their copy in a narrower
+ * reduce_dtype), Adam's moments (the storage dtype),
  * activations and the pipeline's buffers; with expert parallelism the buffers sized to the
  * loads apart (expert_rows_bytes: at the start, the plan's balanced load). */
 void am_train_log_memory(struct trainer *t)
@@ -241,12 +242,13 @@ void am_train_log_memory(struct trainer *t)
     struct am_dp_bytes b;
     am_dp_bytes(&t->dp, &b);
     json_t *o = json_pack("{s:I,s:I,s:I,s:I,s:I,s:I,s:i,s:i,s:b}", "param_bytes",
-                          (json_int_t)(m->n_elems * sizeof(float)), "weights_bytes", (json_int_t)b.weights,
+                          (json_int_t)(m->n_elems * am_dtype_size(m->store_dt)), "weights_bytes", (json_int_t)b.weights,
                           "grads_bytes", (json_int_t)b.grads, "optimizer_bytes", (json_int_t)b.optimizer,
                           "act_bytes", (json_int_t)m->act_bytes, "pipe_bytes", (json_int_t)am_pipe_bytes(&t->pipe),
                           "slots", m->n_slots, "peak_micro", am_pipe_peak(t->pipe.actions, t->pipe.n_actions),
                           "recompute", m->sh.recompute);
     json_object_set_new(o, "compute_dtype", json_string(am_dtype_torch_name(m->act_dt)));
+    json_object_set_new(o, "storage_dtype", json_string(am_dtype_torch_name(m->store_dt)));
     json_object_set_new(o, "gathered_bytes", json_integer((json_int_t)b.gathered));
     json_object_set_new(o, "grad_buffers_bytes", json_integer((json_int_t)b.grad_buffers));
     json_object_set_new(o, "sharded", json_boolean(am_dp_sharded(&t->dp)));

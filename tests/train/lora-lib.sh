@@ -284,21 +284,26 @@ lora_layouts() {
     done
 }
 
-# lora_bf16 [-r REF] RUN...: REF in bf16 (REF-bf16), then each RUN "NAME NPROC FROM
-# [VAR=VALUE...]", FROM's recipe in bf16 on NPROC ranks with the variables (its checkpoints in
-# ckpt-NAME), their steps in steps-NAME; sets $tol to bf16_tol of REF and REF-bf16, a failed
-# check when REF-bf16 is not different from REF
+# lora_bf16 [-r REF] [-s] RUN...: REF in bf16 (REF-bf16; with -s bf16 storage too, model.torch_dtype
+# bfloat16: REF-s16), then each RUN "NAME NPROC FROM [VAR=VALUE...]", FROM's recipe so on NPROC
+# ranks with the variables (its checkpoints in ckpt-NAME), their steps in steps-NAME; sets $tol to
+# bf16_tol of REF and REF-bf16 (REF-s16), a failed check when that is not different from REF
 lora_bf16() {
-    local ref=ref run name n from vars
-    while [ "${1#-}" != "$1" ]; do case $1 in -r) ref=$2 ;; esac; shift 2; done
-    for run in "$ref-bf16 1 $ref" "$@"; do
+    local ref=ref sfx=bf16 store=() run name n from vars
+    while [ "${1#-}" != "$1" ]; do
+        case $1 in
+        -r) ref=$2; shift 2 ;;
+        -s) sfx=s16 store=(-e 's/torch_dtype: float32/torch_dtype: bfloat16/'); shift ;;
+        esac
+    done
+    for run in "$ref-$sfx 1 $ref" "$@"; do
         read -r name n from vars <<<"$run"
-        sed -e 's/param_dtype: float32/param_dtype: bfloat16/' -e "s|ckpt-$from|ckpt-$name|" "$work/$from.yaml" >"$work/$name.yaml"
+        sed -e 's/param_dtype: float32/param_dtype: bfloat16/' "${store[@]}" -e "s|ckpt-$from|ckpt-$name|" "$work/$from.yaml" >"$work/$name.yaml"
         train "$name" "$n" "$work/$name.yaml" $vars && steps_of "$work/logs-$name" >"$work/steps-$name" || { bad "$name did not train"; sed 's/^/    /' "$work/out-$name"; }
     done
-    tol=$(bf16_tol "$ref" "$ref-bf16")
+    tol=$(bf16_tol "$ref" "$ref-$sfx")
     if ! awk -v t="${tol%% *}" 'BEGIN { exit !(t > 1e-5) }'; then
-        bad "one rank's bf16 run is not different from fp32 ($tol): is bf16 used?"
+        bad "one rank's $sfx run is not different from fp32 ($tol): is bf16 used?"
     fi
 }
 

@@ -108,6 +108,19 @@ for name in ep2-bf16 tp2-ep2-bf16; do
     fi
 done
 
+# bf16 storage (model.torch_dtype bfloat16: the adapters, their AdamW moments and the frozen base
+# in bf16, as AutoModel keeps them without lora_dtype): ep 2 and tp 2 x ep 2 against one rank's
+# bf16-storage run, within twice that run's distance from fp32; every rank's allocation am-plan's
+lora_bf16 -s "ep2-s16 2 ep2" "tp2-ep2-s16 4 tp2-ep2 AM_TP=2"
+for name in ep2-s16 tp2-ep2-s16; do
+    if compare ref-s16 "$name" "${tol%% *}" "${tol##* }"; then
+        ok "LoRA on tiny_moe $name matches one rank with bf16 storage: $(cat "$work/cmp-$name")"
+    else
+        bad "LoRA on tiny_moe $name: $(cat "$work/cmp-$name")"; paste "$work/steps-ref-s16" "$work/steps-$name" | sed 's/^/    /'
+    fi
+done
+lora_memory "LoRA on tiny_moe, bf16 storage," "ref-s16 1" "ep2-s16 2" "tp2-ep2-s16 4 AM_TP=2"
+
 # resume: ep 2 stopped after step 2 (its checkpoint) and restored gives the uninterrupted run's
 # steps 3 and 4 to the last bit
 recipe cut 2 && sed -i -e 's/max_steps: .*/max_steps: 2/' -e 's|checkpoint_dir: .*|&\n  restore_from: latest|' "$work/cut.yaml" &&

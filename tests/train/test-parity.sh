@@ -148,6 +148,7 @@ recipe() { # NAME MODS: base.yaml with comma-separated changes, its checkpoints 
         mb2) args+=(-e 's/pp_microbatch_size: .*/pp_microbatch_size: 2/') ;;
         tied) args+=(-e 's/tie_word_embeddings: false/tie_word_embeddings: true/') ;;
         bf16) args+=(-e 's/param_dtype: float32.*/param_dtype: bfloat16/') ;;
+        s16) args+=(-e 's/torch_dtype: float32/torch_dtype: bfloat16/') ;; # bf16 masters and moments
         rbf16) args+=(-e 's/param_dtype: float32.*/param_dtype: bfloat16\n    reduce_dtype: bfloat16/') ;;
         ddp) args+=(-e 's/strategy: fsdp2/strategy: ddp/') ;;
         hsdp) args+=(-e 's/  dp_size: none.*/  dp_size: none\n  dp_replicate_size: 2/') ;;
@@ -235,7 +236,8 @@ for ref in "ref -" "ref-long long" "ref-packed packed" "ref-pneat packed,neat" "
     "ref-glm-am-lb1 glm,amaux,lb1" "ref-qmoe-am-lb1 qmoe,amaux,lb1" "ref-qmoe-am qmoe,amaux" \
     "ref-dsv3-packed-bupd dsv3,packed,bupd" "ref-dsv3-packed-am dsv3,packed,amaux" \
     "ref-dsv3-packed-am-lb1 dsv3,packed,amaux,lb1" "ref-oss-packed-am-lb1 oss,ossam,packed,lb1" \
-    "ref-oss-packed-am-lb2 oss,ossam,packed,lb2"; do
+    "ref-oss-packed-am-lb2 oss,ossam,packed,lb2" \
+    "ref-s16 bf16,s16" "ref-long-s16 long,bf16,s16" "ref-dsv3-s16 dsv3,bf16,s16"; do
     set -- $ref
     # with AM_PARITY_ONLY (and no AM_PARITY_BF16), the references its layouts name, and ref and ref-bf16 (the bf16 check)
     [ -n "${AM_PARITY_ONLY:-}" ] && [ -z "${AM_PARITY_BF16:-}" ] && [ "$1" != ref ] && [ "$1" != ref-bf16 ] &&
@@ -475,13 +477,55 @@ for layout in "cp2-bf16 2 long,bf16 ref-long-bf16 ref-long AM_CP=2" \
     echo "    $name: tolerances from $ref against $fref: loss $lt, grad norm $nt, weights $wt"
     compare "$name" "$ref" "$lt" "$nt" "$wt"
 done
+# bf16 storage (model.torch_dtype bfloat16, docs/training.md: bf16 master weights and AdamW
+# moments, fp32 gradients rounded to bf16 in the step): data (fsdp2, ddp, HSDP, megatron_fsdp's
+# ZeRO 1 and 2: the bf16 shards all-gathered into the bf16 masters), tensor (with sequence
+# parallelism) and pipeline parallelism, context parallelism on sequences of 256, and
+# deepseek_v3 at ep 2 and tp 2 x ep 2, against one rank with bf16 storage, with the tolerances
+# of the bf16 layouts above taken from their own reference: twice one rank's bf16-storage run's
+# distance from fp32 (ref, ref-long, ref-dsv3). A bf16 master moves only when an update
+# reaches half its ulp, so a layout whose sums round differently can move an element one ulp
+# where one rank does not: the weights' tolerance covers that (an ulp of 1, 0.0078, is below
+# the bf16-storage run's own distance from fp32).
+for layout in "dp2-s16 2 bf16,s16 ref-s16 ref" "tp2-sp-s16 2 bf16,s16,sp ref-s16 ref AM_TP=2" \
+    "pp2-s16 2 bf16,s16 ref-s16 ref AM_PP=2" "ddp-dp2-s16 2 bf16,s16,ddp ref-s16 ref" \
+    "hsdp-dp4-s16 4 bf16,s16,hsdp ref-s16 ref" "mfsdp-z1-dp2-s16 2 bf16,s16,mz1 ref-s16 ref" \
+    "mfsdp-z2-dp2-s16 2 bf16,s16,mz2 ref-s16 ref" "cp2-s16 2 long,bf16,s16 ref-long-s16 ref-long AM_CP=2" \
+    "ep2-dsv3-s16 2 dsv3,bf16,s16 ref-dsv3-s16 ref-dsv3 AM_EP=2" \
+    "tp2-ep2-dsv3-s16 4 dsv3,bf16,s16 ref-dsv3-s16 ref-dsv3 AM_TP=2 AM_EP=2"; do
+    set -- $layout
+    [ -n "${AM_PARITY_ONLY:-}" ] && [[ " ${AM_PARITY_BF16:-} " != *" $1 "* ]] && continue
+    name=$1 n=$2 mods=$3 ref=$4 fref=$5
+    shift 5
+    read -r lt nt wt <<<"$(bf16_tols "$fref" "$ref")"
+    if ! awk -v t="$lt" 'BEGIN { exit !(t > 1e-4) }'; then
+        echo "FAIL: $ref is not different from $fref (loss tolerance $lt): is bf16 storage used?"
+        fails=$((fails + 1)); continue
+    fi
+    if ! run "$name" "$n" "$mods" "$@"; then
+        echo "FAIL: $name did not train"; sed 's/^/    /' "$work/out-$name"; fails=$((fails + 1)); continue
+    fi
+    trained+=("$name $n $*")
+    exact+=("$name")
+    echo "    $name: tolerances from $ref against $fref: loss $lt, grad norm $nt, weights $wt"
+    compare "$name" "$ref" "$lt" "$nt" "$wt"
+done
+# the final checkpoint of a bf16-storage run is bf16 (torch_dtype bfloat16), as torch saves a
+# bf16 model
+if [ -d "$work/ckpt-ref-s16" ]; then
+    got=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1])).get("torch_dtype"))' \
+        "$work/ckpt-ref-s16/step-$steps/hf/config.json" 2>&1)
+    hdr=$(head -c 4096 "$work/ckpt-ref-s16/step-$steps/hf/model.safetensors" | tr -d '\0' | grep -o '"dtype":"[A-Z0-9]*"' | sort -u | tr '\n' ' ')
+    check_memory "ref-s16's Hugging Face checkpoint is bf16 (config: $got; tensors: $hdr)" \
+        "$([ "$got" = bfloat16 ] && [ "$hdr" = '"dtype":"BF16" ' ] && echo 1)"
+fi
 # what the trainer allocated for weights, gradients and AdamW state is what am-plan counts
 # (bf16: the fp32 masters and their bf16 copy; the gradients and their bf16 copy for the
-# reduction over dp 2)
+# reduction over dp 2; bf16 storage: the bf16 masters alone, their moments in bf16)
 if [ -z "${AM_PARITY_ONLY:-}" ]; then
-    for name in ref ref-bf16 dp2-bf16 ref-moe ref-qwen2; do
+    for name in ref ref-bf16 dp2-bf16 ref-moe ref-qwen2 ref-s16 ddp-dp2-s16; do
         n=1
-        [ "$name" = dp2-bf16 ] && n=2
+        [ "$name" = dp2-bf16 ] || [ "$name" = ddp-dp2-s16 ] && n=2
         want=$("$AM_BUILDDIR/am-plan" "$work/$name.yaml" --gpus-per-node "$n" --json |
             sed -nE 's/.*"weights":([0-9.]+),"grads":([0-9.]+),"optimizer":([0-9.]+).*/\1 \2 \3/p' |
             awk '{ printf "%d %d %d", $1, $2, $3 }')
@@ -512,7 +556,8 @@ if true; then # (with AM_PARITY_ONLY, the layouts that ran)
         "tp2-dp4-ep2-moe 8 --set distributed.tp_size=2 --set distributed.ep_size=2" \
         "ep2-hsdp-moe 4 --set distributed.ep_size=2" "ep4-hsdp-moe 4 --set distributed.ep_size=4" \
         "ep2-hsdp4-moe 8 --set distributed.ep_size=2" \
-        "cp2-hsdp 4 --set distributed.cp_size=2" "cp2-hsdp-dp4 8 --set distributed.cp_size=2"; do
+        "cp2-hsdp 4 --set distributed.cp_size=2" "cp2-hsdp-dp4 8 --set distributed.cp_size=2" \
+        "dp2-s16 2" "hsdp-dp4-s16 4" "mfsdp-z1-dp2-s16 2" "mfsdp-z2-dp2-s16 2" "ep2-dsv3-s16 2 --set distributed.ep_size=2"; do
         set -- $layout
         name=$1 n=$2
         shift 2

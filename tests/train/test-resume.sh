@@ -7,7 +7,9 @@
 #     (fsdp2 over dp x cp), and a mixture of experts (Mixtral's layers, 4 experts) at tp 2 x dp 2
 #     (fsdp2: the experts' own groups) and at ep 2 x dp 4 (the experts sharded over the ranks
 #     holding the same ones), and deepseek_v3 with AutoModel's selection-bias update at ep 2 x pp 2
-#     (the updated biases saved per stage and restored);
+#     (the updated biases saved per stage and restored); with bf16 storage (model.torch_dtype
+#     bfloat16) at dp 2 and the deepseek_v3 layout, whose bf16 save_consolidated export
+#     am-ckpt export reproduces byte for byte by default;
 #   kills: a seeded random set of trials across layouts kills one rank at a random step or at a
 #     random phase inside a save (kind=kill-in-save:PHASE), then resumes: after every kill
 #     `latest` names a complete checkpoint (or none, before the first), the resumed job
@@ -72,6 +74,7 @@ recipe() { # NAME MODS: base.yaml with comma-separated changes, its checkpoints 
         moe) args+=(-e 's/model_type: llama/model_type: mixtral\n  num_local_experts: 4\n  num_experts_per_tok: 2/') ;;
         dsv3bu) args+=(-e 's/num_key_value_heads: 2/num_key_value_heads: 4/' -e 's/model_type: llama/model_type: deepseek_v3\n  q_lora_rank: 24\n  kv_lora_rank: 16\n  qk_nope_head_dim: 8\n  qk_rope_head_dim: 8\n  v_head_dim: 12\n  n_routed_experts: 8\n  num_experts_per_tok: 2\n  n_group: 4\n  topk_group: 2\n  moe_intermediate_size: 32\n  n_shared_experts: 2\n  first_k_dense_replace: 1\n  norm_topk_prob: true\n  moe_overrides:\n    gate_bias_update_factor: 0.01/') ;;
         oss) args+=(-e 's/model_type: llama/model_type: gpt_oss\n  num_local_experts: 4\n  num_experts_per_tok: 2\n  head_dim: 16\n  sliding_window: 24/') ;;
+        s16) args+=(-e 's/param_dtype: float32.*/param_dtype: bfloat16/' -e 's/torch_dtype: float32/torch_dtype: bfloat16/') ;;
         -) ;;
         *) echo "test-resume.sh: unknown change $m" >&2; exit 2 ;;
         esac
@@ -264,6 +267,35 @@ for ((i = 1; i <= ${AM_RESUME_TRIALS:-20}; i++)); do
         kind=kill-in-save:$phase
     fi
     trial "t$i-$rname" "$rname" "$n" "$kind" "$rank" "$step" "$@"
+done
+
+# ---- bf16 storage (model.torch_dtype bfloat16: bf16 masters and AdamW moments) ------------------------
+# the shards hold the bf16 masters and moments widened to fp32, exactly: a run killed at dp 2 and
+# at ep 2 x pp 2 (deepseek_v3 with the selection-bias update) resumes bit-exact; the Hugging Face
+# save is bf16, and am-ckpt export writes the same bf16 file by default (the manifest's
+# optimizer.dtype)
+refs+=("r-s16-dp2 2 s16,hf" "r-s16-dsv3bu-ep2pp2 4 dsv3bu,s16,hf AM_EP=2 AM_PP=2")
+for ref in "${refs[@]: -2}"; do
+    set -- $ref
+    name=$1 n=$2 mods=$3
+    shift 3
+    recipe "$name" "$mods"
+    launch "$name" "$name" "$n" "$@" || { bad "reference $name did not train"; sed 's/^/    /' "$work/out-$name"; continue; }
+    steps_of "$name" >"$work/losses-$name"
+done
+trial kill-s16-dp2 r-s16-dp2 2 kill 1 4
+trial kill-s16-dsv3bu r-s16-dsv3bu-ep2pp2 4 kill-in-save:written 3 4 AM_EP=2 AM_PP=2
+for name in r-s16-dp2 r-s16-dsv3bu-ep2pp2; do
+    dir=$work/ckpt-$name/step-6
+    kept=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["meta"]["optimizer"]["dtype"])' "$dir/manifest.json" 2>&1)
+    if [ "$kept" = bfloat16 ] && "$AM_BUILDDIR/am-ckpt" export "$dir" "$work/export-$name" >/dev/null 2>&1 &&
+        cmp -s "$dir/hf/model.safetensors" "$work/export-$name/model.safetensors" &&
+        cmp -s "$dir/hf/config.json" "$work/export-$name/config.json" &&
+        head -c 8192 "$dir/hf/model.safetensors" | tr -d '\0' | grep -q '"dtype":"BF16"'; then
+        ok "$name: manifest optimizer.dtype bfloat16; its bf16 save_consolidated export and am-ckpt export's are the same bytes"
+    else
+        bad "$name: manifest optimizer.dtype '$kept'; am-ckpt export and save_consolidated differ (or the save is not bf16)"
+    fi
 done
 
 # ---- Slurm's warning (SIGUSR1 to am-launch, forwarded to the ranks): save, exit 85, resume ----------
