@@ -186,6 +186,7 @@ AM_HOT static void pack_chunks(float *restrict Ac, const float *restrict A, int6
         float *restrict dst = Ac + c * T;
         for (int64_t j = 0; j < T; j++) {
             if (w == KB) {
+#pragma omp simd
                 for (int64_t i = 0; i < KB; i++)
                     dst[j * KB + i] = A[j * ld + c + i];
                 continue;
