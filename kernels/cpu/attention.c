@@ -50,7 +50,6 @@
 #include <math.h>
 #include <omp.h>
 #include <stdlib.h>
-#include <string.h>
 
 #include "cpu.h"
 
@@ -197,16 +196,23 @@ AM_HOT static void pack_chunks(float *restrict Ac, const float *restrict A, int6
     }
 }
 
-static void pack_rows(float *restrict dst, const float *restrict A, int64_t n, int64_t D, int64_t ld)
+AM_INLINE void copy_row(float *restrict dst, const float *restrict src, int64_t n)
 {
-    for (int64_t j = 0; j < n; j++)
-        memcpy(dst + j * D, A + j * ld, (size_t)D * sizeof(float));
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++)
+        dst[i] = src[i];
 }
 
-static void unpack_rows(float *restrict A, const float *restrict src, int64_t n, int64_t D, int64_t ld)
+AM_HOT static void pack_rows(float *restrict dst, const float *restrict A, int64_t n, int64_t D, int64_t ld)
 {
     for (int64_t j = 0; j < n; j++)
-        memcpy(A + j * ld, src + j * D, (size_t)D * sizeof(float));
+        copy_row(dst + j * D, A + j * ld, D);
+}
+
+AM_HOT static void unpack_rows(float *restrict A, const float *restrict src, int64_t n, int64_t D, int64_t ld)
+{
+    for (int64_t j = 0; j < n; j++)
+        copy_row(A + j * ld, src + j * D, D);
 }
 
 /* Floats of a head's tiles or chunks */
@@ -237,14 +243,14 @@ static struct qgroup group_of(int64_t g0, int64_t T, int64_t W)
 
 /* The group's rows of a head (rows ld floats apart, D wide) back to back in X [QG QB][D], a
  * missing row a copy of its block's last, and x[b][r] pointing at them. */
-static void group_rows(float *restrict X, const float *x[QG][QB], const struct qgroup *G, const float *A, int64_t ld,
+AM_HOT static void group_rows(float *restrict X, const float *x[QG][QB], const struct qgroup *G, const float *A, int64_t ld,
                        int64_t D)
 {
     for (int b = 0; b < G->nb; b++)
         for (int r = 0; r < QB; r++) {
             float *dst = X + (b * QB + r) * D;
             int64_t t = G->t0[b] + (r < G->nr[b] ? r : G->nr[b] - 1);
-            memcpy(dst, A + t * ld, (size_t)D * sizeof(float));
+            copy_row(dst, A + t * ld, D);
             x[b][r] = dst;
         }
 }
