@@ -15,12 +15,18 @@
  *   dq_t  += scale Σ_j ds_j k_j
  *   dk_j  += scale ds_j q_t,   dv_j += p_j dout_t
  *
- * How the work is laid out. A thread takes QB = 4 query rows at a time and holds their
- * scores (4 x T floats: never the T x T matrix) beside a transposed copy of the head's k
- * (and v) [D, T]. The four rows share every load of k and v and every update of a dk, dv
- * row, and scores come from register tiles (4 rows x 16 keys) summed over d, so the inner
- * loops are contiguous and vectorised, without horizontal sums; a block's rows run to the
- * same padded length and the keys beyond each row's own t are masked (weight 0). With a
+ * How the work is laid out. A block is QB = 4 query rows: their scores (4 x T floats: never
+ * the T x T matrix) come from register tiles (4 rows x 16 keys) summed over d, the four rows
+ * share every load of k and v and every update of a dk, dv row, so the inner loops are
+ * contiguous and vectorised, without horizontal sums; a block's rows run to the same padded
+ * length and the keys beyond each row's own t are masked (weight 0). A thread walks QG = 4
+ * blocks at a time (a group of 16 rows), each block's sums exactly as if it ran alone, but
+ * interleaved so that each tile of 16 keys and each chunk of 16 value dims is read once for
+ * the group, and each key's dk and dv take the four blocks' updates in order while in cache.
+ * The head's k and v are packed first (a head's rows lie heads x D apart: walking them in
+ * place strides by kilobytes): as tiles of 16 keys transposed [D][16] for the scores, as
+ * chunks of 16 dims [T][16] for the weighted sums; the group's q and dout rows, and in the
+ * backward the kv head's dk and dv rows, are copied back to back. With a
  * window a block starts at the first tile holding a key of its first row's window, and the
  * keys before each row's own lo_t are masked too; a window of T or more (or none) gives the
  * same bits as causal attention.
@@ -49,6 +55,7 @@
 
 #define QB 4  /* query rows per block */
 #define KB 16 /* keys (or head dims) per register tile */
+#define QG 4  /* blocks a group walks together */
 
 /* 8 floats, GCC's vector extension: the tiles' sums live in registers (a float[16] summed
  * under `omp simd` stayed on the stack, a load and a store a multiply-add); v8u reads and
@@ -74,19 +81,6 @@ static inline int64_t first_key(int64_t t, int64_t W) { return W > 0 && t - W + 
 
 /* The first key a block from row t0 computes: its first row's, down to a whole tile. */
 static inline int64_t block_start(int64_t t0, int64_t W) { return first_key(t0, W) / KB * KB; }
-
-/* At[d, j] = A[j, d] for the T rows of one head (rows ld floats apart), in tiles of 16 x 16
- * so that both the reads and the writes stay within a few cache lines. */
-AM_HOT static void transpose_head(float *restrict At, const float *restrict A, int64_t T, int64_t D, int64_t ld)
-{
-    for (int64_t j0 = 0; j0 < T; j0 += 16)
-        for (int64_t d0 = 0; d0 < D; d0 += 16) {
-            int64_t j1 = j0 + 16 < T ? j0 + 16 : T, d1 = d0 + 16 < D ? d0 + 16 : D;
-            for (int64_t d = d0; d < d1; d++)
-                for (int64_t j = j0; j < j1; j++)
-                    At[d * T + j] = A[j * ld + d];
-        }
-}
 
 /* S[r, j] = Σ_d x_r[d] At[d, j] for the QB rows x_r and keys j < n (S rows lds apart,
  * At [D, ldt]): q_r · k_j (At = k transposed) or dout_r · v_j (At = v transposed). */
@@ -161,124 +155,209 @@ AM_INLINE void pv_block(float *const o[QB], const float *restrict A, int64_t lda
         }
 }
 
-/* One block of QB rows starting at t0 (nr of them real) of one (batch, head). q: the head's
- * first row (qs floats between rows), out's (os apart, DV wide); kt: its kv head's k
- * transposed [D, T]; v: the kv head's rows (vs apart, DV wide); lse: the head's T values. S:
- * QB rows of T floats; spare: DV floats where the block's missing rows write. */
-AM_HOT static void attn_forward_block(float *restrict out, float *restrict lse, const float *restrict q,
-                                      const float *restrict kt, const float *restrict v, int64_t t0, int64_t nr,
-                                      int64_t T, int64_t D, int64_t DV, int64_t qs, int64_t os, int64_t vs, int64_t W,
-                                      float scale, float cap, float *restrict S, float *restrict spare)
+/* Packed copies of one head (its rows lie heads x D apart in q, k and v, so that walking
+ * keys or head dims in place strides by kilobytes and misses the caches):
+ *   tiles:  At [ceil(T / KB)][D][KB], tile i the keys i KB .. i KB + KB - 1 transposed (the
+ *           scores' keys or values; keys beyond T zero): tile i starts at i KB D.
+ *   chunks: Ac [ceil(D / KB)][T][KB], chunk i the head dims i KB .. i KB + KB - 1 of every key
+ *           (pv_block's keys or values; dims beyond D zero): chunk i starts at i KB T.
+ * rows: [n][D] (the rows ld floats apart, back to back), and unpack_rows back. */
+AM_HOT static void pack_tiles(float *restrict At, const float *restrict A, int64_t T, int64_t D, int64_t ld)
 {
-    int64_t nmax = t0 + nr, np = padded(nmax, T), j0 = block_start(t0, W);
-    const float *x[QB];
-    float *o[QB];
-    for (int r = 0; r < QB; r++) {
-        x[r] = q + (t0 + (r < nr ? r : nr - 1)) * qs; /* missing rows repeat the last one */
-        o[r] = r < nr ? out + (t0 + r) * os : spare;
-    }
-    scores_block(S + j0, T, kt + j0, T, x, D, np - j0);
-    float inv[QB];
-    for (int r = 0; r < QB; r++) {
-        float *restrict row = S + r * T;
-        int64_t n = r < nr ? t0 + r + 1 : 0, lo = first_key(t0 + r, W); /* keys lo..n-1 this row sees */
-        float m = -INFINITY;
-        if (cap > 0.0f) { /* Gemma 2: scores / cap, tanh, * cap (transformers' order) */
-            for (int64_t j = j0; j < np; j++) {
-                row[j] = j >= lo && j < n ? tanhf(row[j] * scale / cap) * cap : -INFINITY;
-                m = row[j] > m ? row[j] : m;
-            }
-        } else {
-#pragma omp simd reduction(max : m)
-            for (int64_t j = j0; j < np; j++) {
-                row[j] = j >= lo && j < n ? row[j] * scale : -INFINITY;
-                m = row[j] > m ? row[j] : m;
-            }
-        }
-        if (n == 0) { /* a missing row: no weights */
-            for (int64_t j = j0; j < np; j++)
-                row[j] = 0.0f;
-            inv[r] = 0.0f;
+    for (int64_t j0 = 0; j0 < T; j0 += KB) {
+        float *restrict t = At + j0 * D;
+        if (T - j0 < KB) { /* the last keys */
+            for (int64_t d = 0; d < D; d++)
+                for (int64_t j = 0; j < KB; j++)
+                    t[d * KB + j] = j0 + j < T ? A[(j0 + j) * ld + d] : 0.0f;
             continue;
         }
-        float l = 0.0f;
-#pragma omp simd reduction(+ : l)
-        for (int64_t j = j0; j < np; j++) {
-            float p = am_expf(row[j] - m);
-            row[j] = p;
-            l += p;
-        }
-        inv[r] = 1.0f / l;
-        lse[t0 + r] = m + logf(l);
+        for (int64_t d = 0; d < D; d++)
+            for (int64_t j = 0; j < KB; j++)
+                t[d * KB + j] = A[(j0 + j) * ld + d];
     }
-    for (int r = 0; r < QB; r++)
-        for (int64_t d = 0; d < DV; d++)
-            o[r][d] = 0.0f;
-    pv_block(o, v + j0 * vs, vs, S + j0, T, nmax - j0, DV);
-    for (int r = 0; r < nr; r++)
-        for (int64_t d = 0; d < DV; d++)
-            o[r][d] *= inv[r];
 }
 
-/* One block of the backward, for one (batch, query head); dk, dv belong to its kv head
- * (the caller runs every query head of a kv head on the same thread). k: the kv head's
- * rows; kt, vt: k [D, T] and v [DV, T] transposed; q, dq rows qs apart, dout, out os apart
- * (DV wide), dk ks apart, dv vs apart. S, DS: QB rows of T floats each. */
-AM_HOT static void attn_backward_block(float *restrict dq, float *restrict dk, float *restrict dv,
-                                       const float *restrict dout, const float *restrict out,
-                                       const float *restrict lse, const float *restrict q, const float *restrict k,
-                                       const float *restrict kt, const float *restrict vt, int64_t t0, int64_t nr,
-                                       int64_t T, int64_t D, int64_t DV, int64_t qs, int64_t ks, int64_t os,
-                                       int64_t vs, int64_t W, float scale, float cap, float *restrict S,
-                                       float *restrict DS, float *restrict spare)
+AM_HOT static void pack_chunks(float *restrict Ac, const float *restrict A, int64_t T, int64_t D, int64_t ld)
 {
-    int64_t nmax = t0 + nr, np = padded(nmax, T), j0 = block_start(t0, W);
-    const float *xq[QB], *xd[QB];
-    float *g[QB];
-    float Dt[QB];
-    for (int r = 0; r < QB; r++) {
-        int64_t t = t0 + (r < nr ? r : nr - 1);
-        xq[r] = q + t * qs;
-        xd[r] = dout + t * os;
-        g[r] = r < nr ? dq + (t0 + r) * qs : spare;
-        const float *restrict dor = dout + t * os, *restrict oor = out + t * os;
-        float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-        for (int64_t d = 0; d < DV; d++)
-            acc += dor[d] * oor[d];
-        Dt[r] = acc;
-    }
-    scores_block(S + j0, T, kt + j0, T, xq, D, np - j0);  /* s_j  = q_t · k_j */
-    scores_block(DS + j0, T, vt + j0, T, xd, DV, np - j0); /* dp_j = dout_t · v_j */
-    for (int r = 0; r < QB; r++) {
-        float *restrict srow = S + r * T, *restrict dsrow = DS + r * T;
-        int64_t n = r < nr ? t0 + r + 1 : 0, lo = first_key(t0 + r, W);
-        float L = r < nr ? lse[t0 + r] : 0.0f, Dr = Dt[r];
-        if (cap > 0.0f) { /* through the cap: d tanh = 1 - tanh² */
-            for (int64_t j = j0; j < np; j++) {
-                float th = tanhf(srow[j] * scale / cap), u = th * cap;
-                float p = j >= lo && j < n ? am_expf(u - L) : 0.0f;
-                srow[j] = p;
-                dsrow[j] = p * (dsrow[j] - Dr) * (1.0f - th * th) * scale;
-            }
-            continue;
-        }
+    for (int64_t c = 0; c < D; c += KB) {
+        int64_t w = D - c < KB ? D - c : KB;
+        float *restrict dst = Ac + c * T;
+        for (int64_t j = 0; j < T; j++) {
+            if (w == KB) {
 #pragma omp simd
-        for (int64_t j = j0; j < np; j++) {
-            float p = j >= lo && j < n ? am_expf(srow[j] * scale - L) : 0.0f;
-            srow[j] = p;
-            dsrow[j] = p * (dsrow[j] - Dr) * scale; /* scale * ds_j */
+                for (int64_t i = 0; i < KB; i++)
+                    dst[j * KB + i] = A[j * ld + c + i];
+                continue;
+            }
+            for (int64_t i = 0; i < KB; i++)
+                dst[j * KB + i] = i < w ? A[j * ld + c + i] : 0.0f;
         }
     }
-    pv_block(g, k + j0 * ks, ks, DS + j0, T, nmax - j0, D); /* dq_t += scale Σ_j ds_j k_j */
+}
+
+AM_INLINE void copy_row(float *restrict dst, const float *restrict src, int64_t n)
+{
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++)
+        dst[i] = src[i];
+}
+
+AM_HOT static void pack_rows(float *restrict dst, const float *restrict A, int64_t n, int64_t D, int64_t ld)
+{
+    for (int64_t j = 0; j < n; j++)
+        copy_row(dst + j * D, A + j * ld, D);
+}
+
+AM_HOT static void unpack_rows(float *restrict A, const float *restrict src, int64_t n, int64_t D, int64_t ld)
+{
+    for (int64_t j = 0; j < n; j++)
+        copy_row(A + j * ld, src + j * D, D);
+}
+
+/* Floats of a head's tiles or chunks */
+static inline int64_t packed_size(int64_t T, int64_t D) { return (T + KB - 1) / KB * KB * ((D + KB - 1) / KB * KB); }
+
+/* A group: up to QG blocks of QB rows, from row g0 of one (batch, head), each block computed as
+ * it would be alone (the same sums in the same order, so the same bits), their loops
+ * interleaved so that a tile of keys or a chunk of values, read once, serves every block of
+ * the group. Block b: rows t0 .. t0 + nr - 1 (missing rows repeat the last one and write to
+ * spare), keys j0 .. nmax - 1 with scores computed to np (a whole tile where T allows). */
+struct qgroup {
+    int nb;                                       /* blocks */
+    int64_t t0[QG], nr[QG], nmax[QG], np[QG], j0[QG];
+    int64_t jlo, jhi;                             /* the tiles any block computes: jlo .. jhi - 1 */
+};
+
+static struct qgroup group_of(int64_t g0, int64_t T, int64_t W)
+{
+    struct qgroup G = {.jlo = T};
+    for (int b = 0; b < QG && g0 + b * QB < T; b++, G.nb++) {
+        int64_t t0 = g0 + b * QB, nr = T - t0 < QB ? T - t0 : QB;
+        G.t0[b] = t0, G.nr[b] = nr, G.nmax[b] = t0 + nr, G.np[b] = padded(t0 + nr, T), G.j0[b] = block_start(t0, W);
+        G.jlo = G.j0[b] < G.jlo ? G.j0[b] : G.jlo;
+        G.jhi = G.np[b] > G.jhi ? G.np[b] : G.jhi;
+    }
+    return G;
+}
+
+/* The group's rows of a head (rows ld floats apart, D wide) back to back in X [QG QB][D], a
+ * missing row a copy of its block's last, and x[b][r] pointing at them. */
+AM_HOT static void group_rows(float *restrict X, const float *x[QG][QB], const struct qgroup *G, const float *A, int64_t ld,
+                       int64_t D)
+{
+    for (int b = 0; b < G->nb; b++)
+        for (int r = 0; r < QB; r++) {
+            float *dst = X + (b * QB + r) * D;
+            int64_t t = G->t0[b] + (r < G->nr[b] ? r : G->nr[b] - 1);
+            copy_row(dst, A + t * ld, D);
+            x[b][r] = dst;
+        }
+}
+
+/* S[b] (QB rows of T floats each block, QB T floats apart) = x[b] · the tiles' keys over D,
+ * for each block's keys j0 .. np - 1, tile by tile. */
+AM_INLINE void group_scores(float *restrict S, int64_t T, const float *restrict At, const float *const x[QG][QB],
+                            int64_t D, const struct qgroup *G)
+{
+    for (int64_t j = G->jlo; j < G->jhi; j += KB)
+        for (int b = 0; b < G->nb; b++)
+            if (j >= G->j0[b] && j < G->np[b])
+                scores_block(S + b * QB * T + j, T, At + j * D, KB, x[b], D, G->np[b] - j < KB ? G->np[b] - j : KB);
+}
+
+/* o[b] += P[b] · the chunks' rows, for each block's keys j0 .. nmax - 1, chunk by chunk
+ * (D head dims). */
+AM_INLINE void group_pv(float *const o[QG][QB], const float *restrict Ac, int64_t T, const float *restrict P,
+                        int64_t D, const struct qgroup *G)
+{
+    for (int64_t c = 0; c < D; c += KB) {
+        int64_t w = D - c < KB ? D - c : KB;
+        for (int b = 0; b < G->nb; b++) {
+            float *oc[QB];
+            for (int r = 0; r < QB; r++)
+                oc[r] = o[b][r] + c;
+            pv_block(oc, Ac + c * T + G->j0[b] * KB, KB, P + b * QB * T + G->j0[b], T, G->nmax[b] - G->j0[b], w);
+        }
+    }
+}
+
+/* The forward of one group of one (batch, head). q: the head's first row (qs floats between
+ * rows), out's (os apart, DV wide); kt: its kv head's k in tiles, vc: its v in chunks; lse: the
+ * head's T values. S: QG QB rows of T floats; X: QG QB rows of D; spare: DV floats where
+ * missing rows write. */
+AM_HOT static void attn_forward_group(float *restrict out, float *restrict lse, const float *restrict q,
+                                      const float *restrict kt, const float *restrict vc, int64_t g0, int64_t T,
+                                      int64_t D, int64_t DV, int64_t qs, int64_t os, int64_t W, float scale, float cap,
+                                      float *restrict S, float *restrict X, float *restrict spare)
+{
+    struct qgroup G = group_of(g0, T, W);
+    const float *x[QG][QB];
+    float *o[QG][QB];
+    group_rows(X, x, &G, q, qs, D);
+    for (int b = 0; b < G.nb; b++)
+        for (int r = 0; r < QB; r++)
+            o[b][r] = r < G.nr[b] ? out + (G.t0[b] + r) * os : spare;
+    group_scores(S, T, kt, x, D, &G);
+    float inv[QG][QB];
+    for (int b = 0; b < G.nb; b++) {
+        int64_t t0 = G.t0[b], nr = G.nr[b], np = G.np[b], j0 = G.j0[b];
+        for (int r = 0; r < QB; r++) {
+            float *restrict row = S + (b * QB + r) * T;
+            int64_t n = r < nr ? t0 + r + 1 : 0, lo = first_key(t0 + r, W); /* keys lo..n-1 this row sees */
+            float m = -INFINITY;
+            if (cap > 0.0f) { /* Gemma 2: scores / cap, tanh, * cap (transformers' order) */
+                for (int64_t j = j0; j < np; j++) {
+                    row[j] = j >= lo && j < n ? tanhf(row[j] * scale / cap) * cap : -INFINITY;
+                    m = row[j] > m ? row[j] : m;
+                }
+            } else {
+#pragma omp simd reduction(max : m)
+                for (int64_t j = j0; j < np; j++) {
+                    row[j] = j >= lo && j < n ? row[j] * scale : -INFINITY;
+                    m = row[j] > m ? row[j] : m;
+                }
+            }
+            if (n == 0) { /* a missing row: no weights */
+                for (int64_t j = j0; j < np; j++)
+                    row[j] = 0.0f;
+                inv[b][r] = 0.0f;
+                continue;
+            }
+            float l = 0.0f;
+#pragma omp simd reduction(+ : l)
+            for (int64_t j = j0; j < np; j++) {
+                float p = am_expf(row[j] - m);
+                row[j] = p;
+                l += p;
+            }
+            inv[b][r] = 1.0f / l;
+            lse[t0 + r] = m + logf(l);
+        }
+        for (int r = 0; r < QB; r++)
+            for (int64_t d = 0; d < DV; d++)
+                o[b][r][d] = 0.0f;
+    }
+    group_pv(o, vc, T, S, DV, &G);
+    for (int b = 0; b < G.nb; b++)
+        for (int r = 0; r < G.nr[b]; r++)
+            for (int64_t d = 0; d < DV; d++)
+                o[b][r][d] *= inv[b][r];
+}
+
+/* dk_j += Σ_r ds_r q_r and dv_j += Σ_r p_r dout_r over one block's QB rows, for key j, or keys j
+ * and j + 1 (two): each load of q_t and dout_t serves both. dk, dv: key j's rows; their next
+ * rows ks, vs floats on. */
+AM_INLINE void kv_update(float *restrict dkj, float *restrict dvj, int64_t ks, int64_t vs, const float *restrict S,
+                         const float *restrict DS, int64_t T, int64_t j, const float *const xq[QB],
+                         const float *const xd[QB], int64_t D, int64_t DV, bool two)
+{
     const float *restrict q0 = xq[0], *restrict q1 = xq[1], *restrict q2 = xq[2], *restrict q3 = xq[3];
     const float *restrict d0 = xd[0], *restrict d1 = xd[1], *restrict d2 = xd[2], *restrict d3 = xd[3];
-    int64_t j = j0;
-    for (; j + 1 < nmax && DV == D; j += 2) { /* two keys at a time: each load of q_t and dout_t serves both */
-        float *restrict dkj = dk + j * ks, *restrict dvj = dv + j * vs;
+    float s0 = DS[j], s1 = DS[T + j], s2 = DS[2 * T + j], s3 = DS[3 * T + j];
+    float p0 = S[j], p1 = S[T + j], p2 = S[2 * T + j], p3 = S[3 * T + j];
+    if (two && DV == D) {
         float *restrict dkk = dkj + ks, *restrict dvk = dvj + vs;
-        float s0 = DS[j], s1 = DS[T + j], s2 = DS[2 * T + j], s3 = DS[3 * T + j];
-        float p0 = S[j], p1 = S[T + j], p2 = S[2 * T + j], p3 = S[3 * T + j];
         float u0 = DS[j + 1], u1 = DS[T + j + 1], u2 = DS[2 * T + j + 1], u3 = DS[3 * T + j + 1];
         float r0 = S[j + 1], r1 = S[T + j + 1], r2 = S[2 * T + j + 1], r3 = S[3 * T + j + 1];
 #pragma omp simd
@@ -289,12 +368,8 @@ AM_HOT static void attn_backward_block(float *restrict dq, float *restrict dk, f
             dkk[d] += u0 * a0 + u1 * a1 + u2 * a2 + u3 * a3;
             dvk[d] += r0 * b0 + r1 * b1 + r2 * b2 + r3 * b3;
         }
-    }
-    for (; j + 1 < nmax; j += 2) { /* DV != D: two keys at a time, dk over D, dv over DV */
-        float *restrict dkj = dk + j * ks, *restrict dvj = dv + j * vs;
+    } else if (two) { /* DV != D: dk over D, dv over DV */
         float *restrict dkk = dkj + ks, *restrict dvk = dvj + vs;
-        float s0 = DS[j], s1 = DS[T + j], s2 = DS[2 * T + j], s3 = DS[3 * T + j];
-        float p0 = S[j], p1 = S[T + j], p2 = S[2 * T + j], p3 = S[3 * T + j];
         float u0 = DS[j + 1], u1 = DS[T + j + 1], u2 = DS[2 * T + j + 1], u3 = DS[3 * T + j + 1];
         float r0 = S[j + 1], r1 = S[T + j + 1], r2 = S[2 * T + j + 1], r3 = S[3 * T + j + 1];
 #pragma omp simd
@@ -309,11 +384,7 @@ AM_HOT static void attn_backward_block(float *restrict dq, float *restrict dk, f
             dvj[d] += p0 * b0 + p1 * b1 + p2 * b2 + p3 * b3;
             dvk[d] += r0 * b0 + r1 * b1 + r2 * b2 + r3 * b3;
         }
-    }
-    for (; j < nmax; j++) { /* dk_j += scale Σ_t ds_j q_t,  dv_j += Σ_t p_j dout_t */
-        float *restrict dkj = dk + j * ks, *restrict dvj = dv + j * vs;
-        float s0 = DS[j], s1 = DS[T + j], s2 = DS[2 * T + j], s3 = DS[3 * T + j];
-        float p0 = S[j], p1 = S[T + j], p2 = S[2 * T + j], p3 = S[3 * T + j];
+    } else {
 #pragma omp simd
         for (int64_t d = 0; d < D; d++)
             dkj[d] += s0 * q0[d] + s1 * q1[d] + s2 * q2[d] + s3 * q3[d];
@@ -321,6 +392,71 @@ AM_HOT static void attn_backward_block(float *restrict dq, float *restrict dk, f
         for (int64_t d = 0; d < DV; d++)
             dvj[d] += p0 * d0[d] + p1 * d1[d] + p2 * d2[d] + p3 * d3[d];
     }
+}
+
+/* The backward of one group of one (batch, query head); dk, dv belong to its kv head (the
+ * caller runs every query head of a kv head on the same thread), rows D and DV floats apart.
+ * kt, vt: k and v in tiles; kc: k in chunks; q, dq rows qs apart, dout, out os apart (DV
+ * wide). S, DS: QG QB rows of T floats each; X: QG QB rows of D + DV floats; spare: D floats.
+ * Each key's dk and dv take the group's blocks in order, as the blocks one after another did. */
+AM_HOT static void attn_backward_group(float *restrict dq, float *restrict dk, float *restrict dv,
+                                       const float *restrict dout, const float *restrict out,
+                                       const float *restrict lse, const float *restrict q, const float *restrict kt,
+                                       const float *restrict vt, const float *restrict kc, int64_t g0, int64_t T,
+                                       int64_t D, int64_t DV, int64_t qs, int64_t os, int64_t W, float scale,
+                                       float cap, float *restrict S, float *restrict DS, float *restrict X,
+                                       float *restrict spare)
+{
+    struct qgroup G = group_of(g0, T, W);
+    const float *xq[QG][QB], *xd[QG][QB];
+    float *g[QG][QB];
+    float Dt[QG][QB];
+    group_rows(X, xq, &G, q, qs, D);
+    group_rows(X + QG * QB * D, xd, &G, dout, os, DV);
+    for (int b = 0; b < G.nb; b++)
+        for (int r = 0; r < QB; r++) {
+            int64_t t = G.t0[b] + (r < G.nr[b] ? r : G.nr[b] - 1);
+            g[b][r] = r < G.nr[b] ? dq + (G.t0[b] + r) * qs : spare;
+            const float *restrict dor = dout + t * os, *restrict oor = out + t * os;
+            float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+            for (int64_t d = 0; d < DV; d++)
+                acc += dor[d] * oor[d];
+            Dt[b][r] = acc;
+        }
+    group_scores(S, T, kt, xq, D, &G);  /* s_j  = q_t · k_j */
+    group_scores(DS, T, vt, xd, DV, &G); /* dp_j = dout_t · v_j */
+    for (int b = 0; b < G.nb; b++) {
+        int64_t t0 = G.t0[b], nr = G.nr[b], np = G.np[b], j0 = G.j0[b];
+        for (int r = 0; r < QB; r++) {
+            float *restrict srow = S + (b * QB + r) * T, *restrict dsrow = DS + (b * QB + r) * T;
+            int64_t n = r < nr ? t0 + r + 1 : 0, lo = first_key(t0 + r, W);
+            float L = r < nr ? lse[t0 + r] : 0.0f, Dr = Dt[b][r];
+            if (cap > 0.0f) { /* through the cap: d tanh = 1 - tanh² */
+                for (int64_t j = j0; j < np; j++) {
+                    float th = tanhf(srow[j] * scale / cap), u = th * cap;
+                    float p = j >= lo && j < n ? am_expf(u - L) : 0.0f;
+                    srow[j] = p;
+                    dsrow[j] = p * (dsrow[j] - Dr) * (1.0f - th * th) * scale;
+                }
+                continue;
+            }
+#pragma omp simd
+            for (int64_t j = j0; j < np; j++) {
+                float p = j >= lo && j < n ? am_expf(srow[j] * scale - L) : 0.0f;
+                srow[j] = p;
+                dsrow[j] = p * (dsrow[j] - Dr) * scale; /* scale * ds_j */
+            }
+        }
+    }
+    group_pv(g, kc, T, DS, D, &G); /* dq_t += scale Σ_j ds_j k_j */
+    /* dk_j += scale Σ_t ds_j q_t,  dv_j += Σ_t p_j dout_t: key by key (two at a time), the blocks in order */
+    int64_t jend = G.nmax[G.nb - 1];
+    for (int64_t j = G.jlo; j < jend; j += 2)
+        for (int b = 0; b < G.nb; b++)
+            if (j >= G.j0[b] && j < G.nmax[b])
+                kv_update(dk + j * D, dv + j * DV, D, DV, S + b * QB * T, DS + b * QB * T, T, j, xq[b], xd[b], D, DV,
+                          j + 1 < G.nmax[b]);
 }
 
 static struct attn_shape check_attention(const char *kernel, const struct am_tensor *o, const struct am_tensor *lse,
@@ -482,8 +618,9 @@ void am_cpu_attention_softcap_forward(const struct am_dev *dev, struct am_tensor
     bool fail = false;
 #pragma omp parallel if (B * H > 1 && B * H * T * T * D >= AM_PAR_MIN) reduction(|| : fail)
     {
-        /* QB rows of scores, the head's keys transposed, a spare row */
-        float *S = malloc(((size_t)(QB + D) * (size_t)T + (size_t)DV) * sizeof(float));
+        /* a group's rows of scores and of q, the head's keys in tiles and values in chunks, a spare row */
+        size_t tn = (size_t)packed_size(T, D), vn = (size_t)packed_size(T, DV);
+        float *S = malloc(((size_t)(QG * QB) * (size_t)(T + D) + tn + vn + (size_t)DV) * sizeof(float));
         if (!S)
             fail = true;
 #pragma omp for collapse(2) schedule(static)
@@ -492,12 +629,12 @@ void am_cpu_attention_softcap_forward(const struct am_dev *dev, struct am_tensor
                 if (!S)
                     continue;
                 int64_t kvh = h / G;
-                float *kt = S + QB * T, *spare = kt + D * T;
-                transpose_head(kt, kd + b * T * ks + kvh * D, T, D, ks);
-                for (int64_t t0 = 0; t0 < T; t0 += QB)
-                    attn_forward_block(o + b * T * os + h * DV, l + (b * H + h) * T, qd + b * T * qs + h * D, kt,
-                                       vd + b * T * vs + kvh * DV, t0, T - t0 < QB ? T - t0 : QB, T, D, DV, qs, os,
-                                       vs, window, s.scale, cap, S, spare);
+                float *X = S + QG * QB * T, *kt = X + QG * QB * D, *vc = kt + tn, *spare = vc + vn;
+                pack_tiles(kt, kd + b * T * ks + kvh * D, T, D, ks);
+                pack_chunks(vc, vd + b * T * vs + kvh * DV, T, DV, vs);
+                for (int64_t g0 = 0; g0 < T; g0 += QG * QB)
+                    attn_forward_group(o + b * T * os + h * DV, l + (b * H + h) * T, qd + b * T * qs + h * D, kt, vc,
+                                       g0, T, D, DV, qs, os, window, s.scale, cap, S, X, spare);
             }
         free(S);
     }
@@ -536,8 +673,11 @@ void am_cpu_attention_softcap_backward(const struct am_dev *dev, struct am_tenso
     bool fail = false;
 #pragma omp parallel if (B * KVH > 1 && B * H * T * T * D >= AM_PAR_MIN) reduction(|| : fail)
     {
-        /* two blocks of QB rows (p, ds), k and v transposed, a spare row */
-        float *S = malloc(((size_t)(2 * QB + D + DV) * (size_t)T + (size_t)D) * sizeof(float));
+        /* a group's rows of p, of ds, of q and of dout, k in tiles and in chunks, v in tiles, the kv
+         * head's dk and dv rows back to back, a spare row */
+        size_t tk = (size_t)packed_size(T, D), tv = (size_t)packed_size(T, DV), rows = (size_t)(QG * QB);
+        float *S = malloc((2 * rows * (size_t)T + rows * (size_t)(D + DV) + 2 * tk + tv + (size_t)(T * (D + DV)) +
+                           (size_t)D) * sizeof(float));
         if (!S)
             fail = true;
 #pragma omp for collapse(2) schedule(static)
@@ -546,16 +686,21 @@ void am_cpu_attention_softcap_backward(const struct am_dev *dev, struct am_tenso
                 if (!S)
                     continue;
                 int64_t ko = b * T * ks + kvh * D, vo = b * T * vs + kvh * DV;
-                float *DS = S + QB * T, *kt = DS + QB * T, *vt = kt + D * T, *spare = vt + DV * T;
-                transpose_head(kt, kd + ko, T, D, ks);
-                transpose_head(vt, vd + vo, T, DV, vs);
+                float *DS = S + QG * QB * T, *X = DS + QG * QB * T, *kt = X + QG * QB * (D + DV), *kc = kt + tk;
+                float *vt = kc + tk, *dkh = vt + tv, *dvh = dkh + T * D, *spare = dvh + T * DV;
+                pack_tiles(kt, kd + ko, T, D, ks);
+                pack_chunks(kc, kd + ko, T, D, ks);
+                pack_tiles(vt, vd + vo, T, DV, vs);
+                pack_rows(dkh, dkd + ko, T, D, ks);
+                pack_rows(dvh, dvd + vo, T, DV, vs);
                 for (int64_t h = kvh * G; h < (kvh + 1) * G; h++) {
                     int64_t qo = b * T * qs + h * D, oo = b * T * os + h * DV;
-                    for (int64_t t0 = 0; t0 < T; t0 += QB)
-                        attn_backward_block(dqd + qo, dkd + ko, dvd + vo, dod + oo, od + oo, ld + (b * H + h) * T,
-                                            qd + qo, kd + ko, kt, vt, t0, T - t0 < QB ? T - t0 : QB, T, D, DV, qs,
-                                            ks, os, vs, window, s.scale, cap, S, DS, spare);
+                    for (int64_t g0 = 0; g0 < T; g0 += QG * QB)
+                        attn_backward_group(dqd + qo, dkh, dvh, dod + oo, od + oo, ld + (b * H + h) * T, qd + qo, kt,
+                                            vt, kc, g0, T, D, DV, qs, os, window, s.scale, cap, S, DS, X, spare);
                 }
+                unpack_rows(dkd + ko, dkh, T, D, ks);
+                unpack_rows(dvd + vo, dvh, T, DV, vs);
             }
         free(S);
     }

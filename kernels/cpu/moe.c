@@ -273,6 +273,53 @@ void am_cpu_moe_plan(const struct am_dev *d, struct am_tensor *pos, struct am_te
         ps[i] = next[ix[i]]++;
 }
 
+/* f32 rows of the permutation's and the combination's loops: each element's sum takes the
+ * same terms in the same order as the element-wise loops below them (no contraction: mul,
+ * then add, each rounded), a row at a time so that the inner loops are contiguous. */
+AM_HOT static void add_row(float *restrict o, const float *restrict a, int64_t C)
+{
+#pragma omp simd
+    for (int64_t c = 0; c < C; c++)
+        o[c] += a[c];
+}
+
+AM_HOT static void add_row_scaled(float *restrict o, const float *restrict a, float w, int64_t C)
+{
+#pragma omp simd
+    for (int64_t c = 0; c < C; c++)
+        o[c] += a[c] * w;
+}
+
+/* Token i's slots in the combination's backward: dyp[r] += w_j dy, dwts[j] += dy · yp[r] (the
+ * dot over c in order, from 0); four slots' dots at a time, each its own chain of adds. */
+AM_HOT static void combine_backward_row(float *restrict dyp, float *restrict dw, const float *restrict g,
+                                        const float *restrict yp, const int32_t *ps, const float *w, int64_t k,
+                                        int64_t C)
+{
+    int64_t j = 0;
+    for (; j + 4 <= k; j += 4) {
+        const float *restrict y0 = yp + (int64_t)ps[j] * C, *restrict y1 = yp + (int64_t)ps[j + 1] * C;
+        const float *restrict y2 = yp + (int64_t)ps[j + 2] * C, *restrict y3 = yp + (int64_t)ps[j + 3] * C;
+        float d0 = 0.0f, d1 = 0.0f, d2 = 0.0f, d3 = 0.0f;
+        for (int64_t c = 0; c < C; c++) {
+            d0 += g[c] * y0[c];
+            d1 += g[c] * y1[c];
+            d2 += g[c] * y2[c];
+            d3 += g[c] * y3[c];
+        }
+        dw[j] += d0, dw[j + 1] += d1, dw[j + 2] += d2, dw[j + 3] += d3;
+    }
+    for (; j < k; j++) {
+        const float *restrict y0 = yp + (int64_t)ps[j] * C;
+        float d0 = 0.0f;
+        for (int64_t c = 0; c < C; c++)
+            d0 += g[c] * y0[c];
+        dw[j] += d0;
+    }
+    for (j = 0; j < k; j++) /* w_j g is g w_j, the same product */
+        add_row_scaled(dyp + (int64_t)ps[j] * C, g, w[j], C);
+}
+
 void am_cpu_moe_permute_forward(const struct am_dev *d, struct am_tensor *xp, const struct am_tensor *x, const struct am_tensor *pos)
 {
     (void)d;
@@ -298,6 +345,15 @@ void am_cpu_moe_permute_backward(const struct am_dev *d, struct am_tensor *dx, c
     const int32_t *ps = I32(pos);
     want2(__func__, "pos", pos, N, k);
     want2(__func__, "dxp", dxp, N * k, C);
+    if (dx->dtype == AM_F32) { /* the same sums, a slot's row at a time (vectorised over c) */
+        float *dxd = F32(dx);
+        const float *dpd = F32(dxp);
+#pragma omp parallel for schedule(static) if (N * k * C >= AM_PAR_MIN)
+        for (int64_t i = 0; i < N; i++)
+            for (int64_t j = 0; j < k; j++)
+                add_row(dxd + i * C, dpd + (int64_t)ps[i * k + j] * C, C);
+        return;
+    }
 #pragma omp parallel for schedule(static) if (N * k * C >= AM_PAR_MIN)
     for (int64_t i = 0; i < N; i++)
         for (int64_t c = 0; c < C; c++) {
@@ -321,6 +377,18 @@ void am_cpu_moe_combine_forward(const struct am_dev *d, struct am_tensor *y, con
     want2(__func__, "wts", wts, N, k);
     want2(__func__, "yp", yp, N * k, C);
     bool bf = y->dtype != AM_F32;
+    if (!bf) { /* the same sums from 0, a slot's row at a time (vectorised over c) */
+        float *yd = F32(y);
+        const float *ypd = F32(yp);
+#pragma omp parallel for schedule(static) if (N * k * C >= AM_PAR_MIN)
+        for (int64_t i = 0; i < N; i++) {
+            for (int64_t c = 0; c < C; c++)
+                yd[i * C + c] = 0.0f;
+            for (int64_t j = 0; j < k; j++)
+                add_row_scaled(yd + i * C, ypd + (int64_t)ps[i * k + j] * C, w[i * k + j], C);
+        }
+        return;
+    }
 #pragma omp parallel for schedule(static) if (N * k * C >= AM_PAR_MIN)
     for (int64_t i = 0; i < N; i++)
         for (int64_t c = 0; c < C; c++) {
@@ -349,6 +417,14 @@ void am_cpu_moe_combine_backward(const struct am_dev *d, struct am_tensor *dyp, 
     want2(__func__, "dwts", dwts, N, k);
     want2(__func__, "yp", yp, N * k, C);
     want2(__func__, "dyp", dyp, N * k, C);
+    if (dy->dtype == AM_F32) {
+        const float *dyd = F32(dy), *ypd = F32(yp);
+        float *dypd = F32(dyp);
+#pragma omp parallel for schedule(static) if (N * k * C >= AM_PAR_MIN)
+        for (int64_t i = 0; i < N; i++)
+            combine_backward_row(dypd, dw + i * k, dyd + i * C, ypd, ps + i * k, w + i * k, k, C);
+        return;
+    }
 #pragma omp parallel for schedule(static) if (N * k * C >= AM_PAR_MIN)
     for (int64_t i = 0; i < N; i++)
         for (int64_t j = 0; j < k; j++) {
