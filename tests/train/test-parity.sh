@@ -451,7 +451,30 @@ exact+=(ep2-dsv3-am tp2-dsv3-am pp2-dsv3-am-ac fsdp2-dp2-dsv3-am cp2-dsv3-am tp2
 exact+=(ep2-dsv3-packed-bupd cp2-dsv3-packed-bupd pp2-dsv3-packed-bupd ep2-dsv3-packed-am cp2-dsv3-packed-am) # and packed
 exact+=(tp2-dsv3-packed-am ep2-oss-packed-am pp2-oss-packed-am)
 exact+=(tp2-qmoe-am-ac)
-for layout in "cp2-bf16 2 long,bf16 ref-long-bf16 ref-long AM_CP=2" \
+# bf16_layouts "NAME RANKS CHANGES REF FREF [VAR=VALUE...]"...: each layout against its bf16
+# reference REF, with the tolerances bf16_tols takes from REF and its fp32 run FREF
+bf16_layouts() {
+    local layout name n mods ref fref lt nt wt
+    for layout; do
+        set -- $layout
+        [ -n "${AM_PARITY_ONLY:-}" ] && [[ " ${AM_PARITY_BF16:-} " != *" $1 "* ]] && continue
+        name=$1 n=$2 mods=$3 ref=$4 fref=$5
+        shift 5
+        read -r lt nt wt <<<"$(bf16_tols "$fref" "$ref")"
+        if ! awk -v t="$lt" 'BEGIN { exit !(t > 1e-4) }'; then
+            echo "FAIL: $ref is not different from $fref (loss tolerance $lt): is bf16 used?"
+            fails=$((fails + 1)); continue
+        fi
+        if ! run "$name" "$n" "$mods" "$@"; then
+            echo "FAIL: $name did not train"; sed 's/^/    /' "$work/out-$name"; fails=$((fails + 1)); continue
+        fi
+        trained+=("$name $n $*")
+        exact+=("$name")
+        echo "    $name: tolerances from $ref against $fref: loss $lt, grad norm $nt, weights $wt"
+        compare "$name" "$ref" "$lt" "$nt" "$wt"
+    done
+}
+bf16_layouts "cp2-bf16 2 long,bf16 ref-long-bf16 ref-long AM_CP=2" \
     "cp2-tp2-bf16 4 long,bf16 ref-long-bf16 ref-long AM_CP=2 AM_TP=2" \
     "dp2-packed-bf16 2 packed,bf16 ref-packed-bf16 ref-packed" \
     "cp2-packed-bf16 2 packed,bf16 ref-packed-bf16 ref-packed AM_CP=2" \
@@ -459,24 +482,7 @@ for layout in "cp2-bf16 2 long,bf16 ref-long-bf16 ref-long AM_CP=2" \
     "cp2-gemma2-bf16 2 gemma2,bf16 ref-gemma2-bf16 ref-gemma2 AM_CP=2" \
     "dp2-gemma2-packed-bf16 2 gemma2,packed,bf16 ref-gemma2-packed-bf16 ref-gemma2-packed" \
     "ep2-dsv3-bupd-bf16 2 dsv3,bupd,bf16 ref-dsv3-bupd-bf16 ref-dsv3-bupd AM_EP=2" \
-    "ep2-dsv3-am-bf16 2 dsv3,amaux,lb1,bf16 ref-dsv3-am-lb1-bf16 ref-dsv3-am-lb1 AM_EP=2"; do
-    set -- $layout
-    [ -n "${AM_PARITY_ONLY:-}" ] && [[ " ${AM_PARITY_BF16:-} " != *" $1 "* ]] && continue
-    name=$1 n=$2 mods=$3 ref=$4 fref=$5
-    shift 5
-    read -r lt nt wt <<<"$(bf16_tols "$fref" "$ref")"
-    if ! awk -v t="$lt" 'BEGIN { exit !(t > 1e-4) }'; then
-        echo "FAIL: $ref is not different from $fref (loss tolerance $lt): is bf16 used?"
-        fails=$((fails + 1)); continue
-    fi
-    if ! run "$name" "$n" "$mods" "$@"; then
-        echo "FAIL: $name did not train"; sed 's/^/    /' "$work/out-$name"; fails=$((fails + 1)); continue
-    fi
-    trained+=("$name $n $*")
-    exact+=("$name")
-    echo "    $name: tolerances from $ref against $fref: loss $lt, grad norm $nt, weights $wt"
-    compare "$name" "$ref" "$lt" "$nt" "$wt"
-done
+    "ep2-dsv3-am-bf16 2 dsv3,amaux,lb1,bf16 ref-dsv3-am-lb1-bf16 ref-dsv3-am-lb1 AM_EP=2"
 # bf16 storage (model.torch_dtype bfloat16, docs/training.md: bf16 master weights and AdamW
 # moments, fp32 gradients rounded to bf16 in the step): data (fsdp2, ddp, HSDP, megatron_fsdp's
 # ZeRO 1 and 2: the bf16 shards all-gathered into the bf16 masters), tensor (with sequence
@@ -487,29 +493,12 @@ done
 # reaches half its ulp, so a layout whose sums round differently can move an element one ulp
 # where one rank does not: the weights' tolerance covers that (an ulp of 1, 0.0078, is below
 # the bf16-storage run's own distance from fp32).
-for layout in "dp2-s16 2 bf16,s16 ref-s16 ref" "tp2-sp-s16 2 bf16,s16,sp ref-s16 ref AM_TP=2" \
+bf16_layouts "dp2-s16 2 bf16,s16 ref-s16 ref" "tp2-sp-s16 2 bf16,s16,sp ref-s16 ref AM_TP=2" \
     "pp2-s16 2 bf16,s16 ref-s16 ref AM_PP=2" "ddp-dp2-s16 2 bf16,s16,ddp ref-s16 ref" \
     "hsdp-dp4-s16 4 bf16,s16,hsdp ref-s16 ref" "mfsdp-z1-dp2-s16 2 bf16,s16,mz1 ref-s16 ref" \
     "mfsdp-z2-dp2-s16 2 bf16,s16,mz2 ref-s16 ref" "cp2-s16 2 long,bf16,s16 ref-long-s16 ref-long AM_CP=2" \
     "ep2-dsv3-s16 2 dsv3,bf16,s16 ref-dsv3-s16 ref-dsv3 AM_EP=2" \
-    "tp2-ep2-dsv3-s16 4 dsv3,bf16,s16 ref-dsv3-s16 ref-dsv3 AM_TP=2 AM_EP=2"; do
-    set -- $layout
-    [ -n "${AM_PARITY_ONLY:-}" ] && [[ " ${AM_PARITY_BF16:-} " != *" $1 "* ]] && continue
-    name=$1 n=$2 mods=$3 ref=$4 fref=$5
-    shift 5
-    read -r lt nt wt <<<"$(bf16_tols "$fref" "$ref")"
-    if ! awk -v t="$lt" 'BEGIN { exit !(t > 1e-4) }'; then
-        echo "FAIL: $ref is not different from $fref (loss tolerance $lt): is bf16 storage used?"
-        fails=$((fails + 1)); continue
-    fi
-    if ! run "$name" "$n" "$mods" "$@"; then
-        echo "FAIL: $name did not train"; sed 's/^/    /' "$work/out-$name"; fails=$((fails + 1)); continue
-    fi
-    trained+=("$name $n $*")
-    exact+=("$name")
-    echo "    $name: tolerances from $ref against $fref: loss $lt, grad norm $nt, weights $wt"
-    compare "$name" "$ref" "$lt" "$nt" "$wt"
-done
+    "tp2-ep2-dsv3-s16 4 dsv3,bf16,s16 ref-dsv3-s16 ref-dsv3 AM_TP=2 AM_EP=2"
 # the final checkpoint of a bf16-storage run is bf16 (torch_dtype bfloat16), as torch saves a
 # bf16 model
 if [ -d "$work/ckpt-ref-s16" ]; then
