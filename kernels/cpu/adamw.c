@@ -45,10 +45,12 @@
  * Checked against torch 2.15 (CPU, AVX2 build, foreach=False, 1 and 2 threads): 180 steps of
  * 6 hyper-parameter sets (beta1 0.9, 0.95, 0.5, 0.3 and 0 for both lerp branches, weight decay
  * 0 to 0.3, eps 1e-8 to 1e-3, clipping factors 1, 0.8, 0.37, 0.01, steps 1 to 2000, tensors of
- * 37, 1000 and 100003 elements, gradients from 1e-7 to 1), each step from torch's own state:
- * 6,062,400 elements, param, exp_avg and exp_avg_sq 100% bitwise equal. Without eps's
- * rounding to bf16, 0.42% of the parameters differ (where eps matters); with addcmul unfused,
- * 0.0006% of exp_avg_sq. torch's CUDA foreach path rounds differently (_foreach_add_ keeps
+ * 37, 1000 and 100003 elements, gradients from 1e-7 to 1), each step from torch's own state,
+ * then 120 more on 4 threads and 5 to 65537 elements: 8,030,130 elements, param, exp_avg and
+ * exp_avg_sq 100% bitwise equal (tests/kernels/adamw_bf16_torch.py and test_adamw check it
+ * again). Without eps's rounding to bf16, 0.42% of the parameters differ (where eps matters);
+ * with addcmul unfused, 0.0006% of exp_avg_sq; with addcdiv as fma(value, t1 / t2, self),
+ * 0.0003% of the parameters. torch's CUDA foreach path rounds differently (_foreach_add_ keeps
  * eps in fp32; _foreach_addcmul_ and _foreach_addcdiv_ compute fma(value, t1 op t2, self));
  * kernels/cuda/adamw.cu computes this file's arithmetic, as it does for fp32.
  */

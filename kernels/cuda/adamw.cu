@@ -10,7 +10,18 @@
  * flag) whether the step is skipped and by what factor the gradients are clipped, in double
  * as the host would (IEEE sqrt and division, no contraction): nothing is read by the host.
  * The gradient is multiplied by that factor (1 when not clipping, which changes no bit)
- * before adamw's arithmetic, so that a tensor ends as scale then adamw leave it. */
+ * before adamw's arithmetic, so that a tensor ends as scale then adamw leave it.
+ *
+ * bf16 parameters (param, m, v bf16; grad fp32): kernels/cpu/adamw.c's bf16 step, op for op
+ * (each of torch's tensor ops in fp32, rounded to bf16; the same fmaf, eps rounded to bf16),
+ * so that the CPU and CUDA backends agree to the bit here too. That is torch's CPU
+ * arithmetic: torch's CUDA AdamW (the foreach path) runs the same sequence of ops
+ * (_foreach_mul_, _foreach_lerp_, _foreach_mul_, _foreach_addcmul_, _foreach_sqrt,
+ * _foreach_div_, _foreach_add_, _foreach_addcdiv_, each rounded to bf16) but keeps eps in
+ * fp32 in _foreach_add_ and computes addcmul and addcdiv as fma(value, t1 op t2, self), so
+ * torch on a GPU differs from torch on the CPU (and from am) in the last bits of a few
+ * elements, mostly where eps matters. A list may mix fp32 and bf16 tensors: each block takes
+ * its tensor's path. */
 #include <math.h>
 #include <string.h>
 
@@ -34,9 +45,32 @@ __device__ __forceinline__ void adamw_elem(float *p, const float *g, float *m, f
     v[i] = vi;
 }
 
+/* element i of a bf16 parameter, op for op as kernels/cpu/adamw.c's adamw_block_bf16: each
+ * tensor op's result rounded to bf16 (am_round_bf16); eps16 is eps rounded to bf16 */
+__device__ __forceinline__ void adamw_elem_bf16(am_bf16_t *p, const float *g, am_bf16_t *m, am_bf16_t *v,
+                                                const struct adamw_scalars &k, float gs, float eps16, int64_t i)
+{
+    float gi = am_round_bf16(am_round_bf16(g[i]) * gs);
+    float pi = am_round_bf16(am_ld(p, i) * k.decay);
+    float m0 = am_ld(m, i);
+    float mi = am_round_bf16(k.w1 < 0.5f ? fmaf(k.w1, gi - m0, m0) : fmaf(k.w1_minus_1, gi - m0, gi));
+    float vi = am_round_bf16(am_ld(v, i) * k.b2);
+    vi = am_round_bf16(fmaf(k.c2 * gi, gi, vi));
+    float denom = am_round_bf16(am_round_bf16(am_round_bf16(sqrtf(vi)) / k.bc2_sqrt) + eps16);
+    am_st(p, i, pi + (k.neg_step * mi) / denom);
+    am_st(m, i, mi);
+    am_st(v, i, vi);
+}
+
 __global__ void adamw_k(float *p, const float *g, float *m, float *v, struct adamw_scalars k, int64_t n)
 {
     AM_GRID_STRIDE(i, n) adamw_elem(p, g, m, v, k, 1.0f, i);
+}
+
+__global__ void adamw_bf16_k(am_bf16_t *p, const float *g, am_bf16_t *m, am_bf16_t *v, struct adamw_scalars k, int64_t n)
+{
+    float eps16 = am_round_bf16(k.eps);
+    AM_GRID_STRIDE(i, n) adamw_elem_bf16(p, g, m, v, k, 1.0f, eps16, i);
 }
 
 /* torch's scalars, from Python floats (double) rounded where they meet fp32 tensors */
@@ -58,13 +92,35 @@ static struct adamw_scalars adamw_scalars_for(const char *kn, float lr, float be
     return k;
 }
 
+/* param, m and v all f32 or all bf16, grad f32 (kernels.h) */
 static int64_t adamw_check(const char *kn, const struct am_tensor *param, const struct am_tensor *grad,
                            const struct am_tensor *m, const struct am_tensor *v)
 {
-    am_cuda_data(kn, "param", param, AM_F32);
-    am_cuda_data(kn, "m", m, AM_F32);
-    am_cuda_data(kn, "v", v, AM_F32);
-    am_cuda_data(kn, "grad", grad, AM_F32);
+    if (param && param->dtype == AM_BF16) { /* bf16 storage: bf16 moments, an fp32 gradient */
+        am_cuda_tensor(kn, "param", param);
+        const struct am_tensor *mv[2] = {m, v};
+        for (int j = 0; j < 2; j++) {
+            am_cuda_tensor(kn, j ? "v" : "m", mv[j]);
+            if (mv[j]->dtype != AM_BF16)
+                am_cuda_fatal(kn, "%s (%s) is %s but param (%s) is bf16: Adam's moments have the parameter's dtype "
+                              "(torch.optim.AdamW on bf16 parameters keeps exp_avg and exp_avg_sq in bf16)",
+                              j ? "v" : "m", am_tname(mv[j]), am_dtype_name(mv[j]->dtype), am_tname(param));
+        }
+        am_cuda_tensor(kn, "grad", grad);
+        if (grad->dtype != AM_F32)
+            am_cuda_fatal(kn, "grad (%s) is %s; the gradient is fp32, also for bf16 parameters (reduced in fp32, "
+                          "rounded to bf16 by the step as FSDP2's cast does)", am_tname(grad), am_dtype_name(grad->dtype));
+    } else {
+        if (param && param->dtype != AM_F32) {
+            am_cuda_tensor(kn, "param", param);
+            am_cuda_fatal(kn, "param (%s) is %s; AdamW steps fp32 or bf16 parameters", am_tname(param),
+                          am_dtype_name(param->dtype));
+        }
+        am_cuda_data(kn, "param", param, AM_F32);
+        am_cuda_data(kn, "m", m, AM_F32);
+        am_cuda_data(kn, "v", v, AM_F32);
+        am_cuda_data(kn, "grad", grad, AM_F32);
+    }
     int64_t n = am_tensor_numel(param);
     AM_CUDA_REQUIRE(kn, am_tensor_numel(grad) == n && am_tensor_numel(m) == n && am_tensor_numel(v) == n,
                     "param (%s), grad, m and v must have the same number of elements", am_tname(param));
@@ -80,8 +136,12 @@ void am_cuda_adamw(const struct am_dev *d, struct am_tensor *param, const struct
     struct adamw_scalars k = adamw_scalars_for(kn, lr, beta1, beta2, eps, weight_decay, step);
     if (!n)
         return;
-    adamw_k<<<am_blocks(n), AM_THREADS, 0, am_cuda_stream(d)>>>((float *)param->data, (const float *)grad->data,
-                                                               (float *)m->data, (float *)v->data, k, n);
+    if (param->dtype == AM_BF16)
+        adamw_bf16_k<<<am_blocks(n), AM_THREADS, 0, am_cuda_stream(d)>>>(
+            (am_bf16_t *)param->data, (const float *)grad->data, (am_bf16_t *)m->data, (am_bf16_t *)v->data, k, n);
+    else
+        adamw_k<<<am_blocks(n), AM_THREADS, 0, am_cuda_stream(d)>>>((float *)param->data, (const float *)grad->data,
+                                                                   (float *)m->data, (float *)v->data, k, n);
     AM_LAUNCHED(kn);
 }
 
@@ -90,10 +150,11 @@ void am_cuda_adamw(const struct am_dev *d, struct am_tensor *param, const struct
 #define MT_CHUNK 16384    /* elements per block */
 
 struct adamw_list {
-    float *p[MT_MAX], *m[MT_MAX], *v[MT_MAX];
+    void *p[MT_MAX], *m[MT_MAX], *v[MT_MAX]; /* float, or am_bf16_t where bf16[i] */
     const float *g[MT_MAX];
     int64_t n[MT_MAX];
     int64_t first_block[MT_MAX + 1]; /* tensor i's blocks are first_block[i] .. first_block[i + 1] - 1 */
+    bool bf16[MT_MAX];
     int count;
 };
 
@@ -130,8 +191,14 @@ __global__ void adamw_multi_k(struct adamw_list l, struct adamw_scalars k, const
     while (t + 1 < l.count && b >= l.first_block[t + 1])
         t++;
     int64_t lo = (b - l.first_block[t]) * MT_CHUNK, hi = lo + MT_CHUNK < l.n[t] ? lo + MT_CHUNK : l.n[t];
+    if (l.bf16[t]) {
+        float eps16 = am_round_bf16(k.eps);
+        for (int64_t i = lo + threadIdx.x; i < hi; i += blockDim.x)
+            adamw_elem_bf16((am_bf16_t *)l.p[t], l.g[t], (am_bf16_t *)l.m[t], (am_bf16_t *)l.v[t], k, gs, eps16, i);
+        return;
+    }
     for (int64_t i = lo + threadIdx.x; i < hi; i += blockDim.x)
-        adamw_elem(l.p[t], l.g[t], l.m[t], l.v[t], k, gs, i);
+        adamw_elem((float *)l.p[t], l.g[t], (float *)l.m[t], (float *)l.v[t], k, gs, i);
 }
 
 void am_cuda_adamw_multi(const struct am_dev *d, const struct am_adamw_tensor *list, int n, const struct am_tensor *sumsq,
@@ -172,10 +239,11 @@ void am_cuda_adamw_multi(const struct am_dev *d, const struct am_adamw_tensor *l
         }
         if (i == n || ni == 0)
             continue;
-        l.p[l.count] = (float *)list[i].param->data;
+        l.p[l.count] = list[i].param->data;
         l.g[l.count] = (const float *)list[i].grad->data;
-        l.m[l.count] = (float *)list[i].m->data;
-        l.v[l.count] = (float *)list[i].v->data;
+        l.m[l.count] = list[i].m->data;
+        l.v[l.count] = list[i].v->data;
+        l.bf16[l.count] = list[i].param->dtype == AM_BF16;
         l.n[l.count] = ni;
         l.first_block[l.count] = blocks;
         l.count++;

@@ -1018,21 +1018,37 @@ static void case_attention(const char *path, enum am_dtype dt, int64_t B, int64_
     pair_free(&dv);
 }
 
-static void case_adamw(float beta1)
+/* fp32 parameters, or bf16 ones (bf16 moments, fp32 gradients: the CUDA kernel computes the
+ * CPU's ops in the CPU's order, so the bf16 rows want every bit; some gradients small enough
+ * for eps to matter) */
+static void case_adamw(float beta1, enum am_dtype pdt)
 {
     int64_t n = 10007;
-    struct pair p = rnd(AM_F32, n, 0, 0, 0), m = pair_new(AM_F32, n, 0, 0, 0), v = pair_new(AM_F32, n, 0, 0, 0);
+    bool bf16 = pdt == AM_BF16;
+    struct pair p = rnd(pdt, n, 0, 0, 0), m = pair_new(pdt, n, 0, 0, 0), v = pair_new(pdt, n, 0, 0, 0);
     struct pair g = pair_new(AM_F32, n, 0, 0, 0);
     for (int64_t step = 1; step <= 3; step++) {
         pair_fill(&g, -1, 1);
+        if (bf16) {
+            for (int64_t i = 0; i < n; i += 7)
+                ((float *)g.c.data)[i] *= 1e-6f;
+            pair_upload(&g);
+        }
         KC->adamw(&cpu, &p.c, &g.c, &m.c, &v.c, 1e-3f, beta1, 0.95f, 1e-8f, 0.1f, step);
         KG->adamw(&gpu, &p.g, &g.g, &m.g, &v.g, 1e-3f, beta1, 0.95f, 1e-8f, 0.1f, step);
     }
     char what[64];
-    snprintf(what, sizeof what, "adamw param, 3 steps (beta1 %.1f)", beta1);
-    check(what, &p, false);
-    check("adamw m", &m, false);
-    check("adamw v", &v, false);
+    if (bf16) {
+        snprintf(what, sizeof what, "adamw param, 3 steps (beta1 %.1f, bitwise)", beta1);
+        record(what, "bf16", rel_err(&p), 0);
+        record("adamw m (bitwise)", "bf16", rel_err(&m), 0);
+        record("adamw v (bitwise)", "bf16", rel_err(&v), 0);
+    } else {
+        snprintf(what, sizeof what, "adamw param, 3 steps (beta1 %.1f)", beta1);
+        check(what, &p, false);
+        check("adamw m", &m, false);
+        check("adamw v", &v, false);
+    }
     pair_free(&p);
     pair_free(&m);
     pair_free(&v);
@@ -1177,8 +1193,10 @@ static void case_ce(enum am_dtype dt, enum am_dtype gdt, int64_t N, int64_t C, i
 /* ---- adamw_multi: 37 tensors (two launches of at most 32), one over a block of 16384
  * elements, the clipping decided on the device from an f64 or f32 squared norm; a step with
  * a zero flag or a NaN norm leaves every tensor as it was. The CPU's adamw_multi is
- * adamw's arithmetic to the bit (tests/kernels), and so is this kernel's. */
-static void case_adamw_multi(enum am_dtype ss_dtype, float beta1)
+ * adamw's arithmetic to the bit (tests/kernels), and so is this kernel's. With bf16, every
+ * odd tensor (the one over a block among them) is a bf16 parameter with bf16 moments, the
+ * list mixing both paths; the bf16 rows want every bit. */
+static void case_adamw_multi(enum am_dtype ss_dtype, float beta1, bool bf16)
 {
     enum { NT = 37 };
     struct pair p[NT], g[NT], m[NT], v[NT];
@@ -1186,10 +1204,11 @@ static void case_adamw_multi(enum am_dtype ss_dtype, float beta1)
     double ss = 0;
     for (int i = 0; i < NT; i++) {
         int64_t n = i == 5 ? 50001 : 1 + (int64_t)urand(0, 3000);
-        p[i] = rnd(AM_F32, n, 0, 0, 0);
+        enum am_dtype pdt = bf16 && i % 2 ? AM_BF16 : AM_F32;
+        p[i] = rnd(pdt, n, 0, 0, 0);
         g[i] = rnd(AM_F32, n, 0, 0, 0);
-        m[i] = pair_new(AM_F32, n, 0, 0, 0);
-        v[i] = pair_new(AM_F32, n, 0, 0, 0);
+        m[i] = pair_new(pdt, n, 0, 0, 0);
+        v[i] = pair_new(pdt, n, 0, 0, 0);
         pair_fill(&m[i], -0.1, 0.1);
         pair_fill(&v[i], 0, 0.01);
         for (int64_t e = 0; e < n; e++)
@@ -1211,17 +1230,24 @@ static void case_adamw_multi(enum am_dtype ss_dtype, float beta1)
         KG->adamw_multi(&gpu, lg, NT, &sq.g, max_norm, &fl.g, 1e-3f, beta1, 0.95f, 1e-8f, 0.1f, step);
     }
     char what[64];
-    double ep = 0, em = 0, ev = 0, eg = 0;
+    double e[2][3] = {{0}}, eg = 0; /* [fp32, bf16 tensors][param, m, v] */
     for (int i = 0; i < NT; i++) {
-        ep = fmax(ep, rel_err(&p[i]));
-        em = fmax(em, rel_err(&m[i]));
-        ev = fmax(ev, rel_err(&v[i]));
+        int b = p[i].c.dtype == AM_BF16;
+        e[b][0] = fmax(e[b][0], rel_err(&p[i]));
+        e[b][1] = fmax(e[b][1], rel_err(&m[i]));
+        e[b][2] = fmax(e[b][2], rel_err(&v[i]));
         eg = fmax(eg, rel_err(&g[i]));
     }
     snprintf(what, sizeof what, "adamw_multi param (%s norm, beta1 %.1f)", dname(ss_dtype), beta1);
-    record(what, "fp32", ep, 1e-5);
-    record("adamw_multi m", "fp32", em, 1e-5);
-    record("adamw_multi v", "fp32", ev, 1e-5);
+    record(what, "fp32", e[0][0], 1e-5);
+    record("adamw_multi m", "fp32", e[0][1], 1e-5);
+    record("adamw_multi v", "fp32", e[0][2], 1e-5);
+    if (bf16) {
+        snprintf(what, sizeof what, "adamw_multi param (%s norm, beta1 %.1f, bitwise)", dname(ss_dtype), beta1);
+        record(what, "bf16", e[1][0], 0);
+        record("adamw_multi m (bitwise)", "bf16", e[1][1], 0);
+        record("adamw_multi v (bitwise)", "bf16", e[1][2], 0);
+    }
     record("adamw_multi leaves the gradients (bitwise)", "fp32", eg, 0);
     /* skipped steps: the flag 0, then a NaN norm */
     for (int k = 0; k < 2; k++) {
@@ -1633,8 +1659,10 @@ int main(int argc, char **argv)
         }
     else
         printf("note: this build has no cuDNN: the attention's cuDNN path is not checked\n");
-    RUN(case_adamw(0.9f));
-    RUN(case_adamw(0.3f));
+    RUN(case_adamw(0.9f, AM_F32));
+    RUN(case_adamw(0.3f, AM_F32));
+    RUN(case_adamw(0.9f, AM_BF16));
+    RUN(case_adamw(0.3f, AM_BF16));
     RUN(case_ce(AM_F32, AM_F32, 300, 96, 1000, 500, true));
     RUN(case_ce(AM_BF16, AM_BF16, 300, 96, 1000, 500, true));
     RUN(case_ce(AM_BF16, AM_F32, 300, 96, 1000, 500, true));
@@ -1642,8 +1670,10 @@ int main(int argc, char **argv)
     RUN(case_ce(AM_BF16, AM_F32, 4100, 64, 5000, 123, false));
     RUN(case_ce(AM_F32, AM_F32, 4100, 64, 3000, 0, true));
     RUN(case_ce(AM_BF16, AM_BF16, 4100, 64, 3000, 0, true));
-    RUN(case_adamw_multi(AM_F64, 0.9f));
-    RUN(case_adamw_multi(AM_F32, 0.3f));
+    RUN(case_adamw_multi(AM_F64, 0.9f, false));
+    RUN(case_adamw_multi(AM_F32, 0.3f, false));
+    RUN(case_adamw_multi(AM_F64, 0.9f, true));
+    RUN(case_adamw_multi(AM_F32, 0.3f, true));
     KG->sync(&gpu);
 
     printf("\n%-44s %-6s %-11s %-7s %s\n", "kernel (CUDA vs CPU)", "dtype", "rel err", "tol", "");
