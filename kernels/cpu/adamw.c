@@ -57,8 +57,10 @@
  * Transformer Engine's FusedAdam (a tensor with te & AM_TE_ADAM, kernels.h): the functors of
  * TransformerEngine's transformer_engine/common/multi_tensor/adam.cu (AdamFunctor,
  * AdamFunctorMaster, AdamFunctorMasterParamRemainder: one formula; multi_tensor_adam_cuda
- * computes the bias corrections), with the scalars as the floats its kernel takes (lr, beta1,
- * beta2, eps, decay) and every value widened to fp32 (MATH_T float):
+ * computes the bias corrections; read at TransformerEngine d0067d0, 2026-08, with
+ * transformer_engine/pytorch/optimizers/fused_adam.py for the options), with the scalars as
+ * the floats its kernel takes (lr, beta1, beta2, eps, decay) and every value widened to fp32
+ * (MATH_T float):
  *
  *   g   = grad                                    (bf16 model parameters: bf16(grad), then
  *                                                  bf16(g * gs) when clipped; else g * gs)

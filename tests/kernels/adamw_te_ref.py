@@ -2,7 +2,7 @@
 """adamw_te_ref.py - reference steps of Transformer Engine's FusedAdam for test_adamw.
 
 A numpy float32 transcription of TransformerEngine's transformer_engine/common/multi_tensor/
-adam.cu (AdamFunctor / AdamFunctorMaster: MATH_T float, one rounding per op in the source's
+adam.cu (read at TransformerEngine d0067d0; AdamFunctor / AdamFunctorMaster: MATH_T float, one rounding per op in the source's
 order) and of multi_tensor_adam_cuda's bias corrections (1 - std::pow(beta, step), in double,
 rounded to float). TE itself needs a GPU; this runs its arithmetic on the CPU, without the fma
 contraction nvcc may add (--fmad=true is TE's default build, its choices the compiler's).
