@@ -1547,6 +1547,10 @@ static void read_recipe(struct reader *rd)
     r->optim.master_dtype = r->optim.te && r->optim.master_weights ? r->optim.master_weight_dtype : r->param_dtype;
     r->optim.moment_dtype[0] = r->optim.te ? r->optim.exp_avg_dtype : r->param_dtype;
     r->optim.moment_dtype[1] = r->optim.te ? r->optim.exp_avg_sq_dtype : r->param_dtype;
+    if (r->optim.te && r->optim.master_dtype == AM_BF16)
+        add_note(rd, "model.torch_dtype: bfloat16%s: FusedAdam without master_weights steps the bf16 parameters "
+                 "themselves (master_weights: true keeps fp32 master weights beside them, as AutoModel's examples do)%s",
+                 r->param_dtype_assumed ? " (assumed: no torch_dtype in the recipe or config.json)" : "", "");
     if (r->param_dtype == AM_BF16 && !r->optim.te) /* AutoModel's guide: "Risky Pattern: torch AdamW with bf16 Model Storage" */
         add_note(rd, "model.torch_dtype: bfloat16: the parameters%s and AdamW's moments are kept in bf16, as torch "
                  "keeps them (fine for fine-tuning; for long full-parameter training model.torch_dtype: float32 "
