@@ -68,11 +68,26 @@ static inline double am_yarn_mscale(double scale, double mscale)
 
 struct am_kernels;
 
+/* The update rule of one tensor of adamw_multi (am_adamw_tensor.te): 0 is torch.optim.AdamW's
+ * arithmetic (adamw); AM_TE_ADAM is Transformer Engine's FusedAdam's functor (adamw_multi),
+ * with its options as further bits. */
+enum {
+    AM_TE_ADAM = 1,        /* Transformer Engine's arithmetic */
+    AM_TE_L2 = 2,          /* adam_w_mode false: decay * p added to the gradient (else AdamW's) */
+    AM_TE_NO_BIAS_CORR = 4, /* bias_correction false */
+    AM_TE_GRAD_BF16 = 8,   /* the model's parameters are bf16 (with fp32 masters or without): the
+                              gradient TE reads is bf16, the fp32 one rounded (FSDP2's cast), the
+                              clipping's product rounded again */
+};
+
 /* One tensor of adamw_multi's list: a parameter, its gradient and Adam's two moments (the
- * same number of elements; param, m and v all fp32 or all bf16, grad fp32: see adamw). */
+ * same number of elements). te 0 (torch's AdamW): param, m and v all fp32 or all bf16, grad
+ * fp32 (see adamw). te with AM_TE_ADAM: param (the master), m and v each fp32 or bf16 on its
+ * own, grad fp32. */
 struct am_adamw_tensor {
     struct am_tensor *param, *m, *v;
     const struct am_tensor *grad;
+    unsigned te; /* 0, or AM_TE_ADAM | its options */
 };
 
 /* A device context (see above). One per rank for now; a later stream for communication
@@ -527,7 +542,14 @@ struct am_kernels {
      * gradients makes it), the step is skipped: no tensor is written. Otherwise each tensor
      * ends bit for bit as adamw leaves it (after scale, when clipped; a bf16 tensor's gradient
      * is rounded to bf16 before the factor multiplies it, and the product rounded again). The
-     * list may mix fp32 and bf16 tensors. */
+     * list may mix fp32 and bf16 tensors.
+     * A tensor with te & AM_TE_ADAM is stepped with Transformer Engine's FusedAdam arithmetic
+     * instead (kernels/cpu/adamw.c writes it out, from TE's multi_tensor/adam.cu): every value
+     * widened to fp32, the update in fp32 in TE's order, each stored value (param, m, v)
+     * rounded once to its dtype (nearest even); the gradient g (fp32; with AM_TE_GRAD_BF16
+     * rounded to bf16, times the clipping factor rounded to bf16 again; else times the factor
+     * in fp32), the scalars lr, beta1, beta2, eps, weight_decay as the fp32 floats TE's kernel
+     * takes, and bias corrections 1 - beta^step in double rounded to fp32 (1 without them). */
     void (*adamw_multi)(const struct am_dev *d, const struct am_adamw_tensor *list, int n, const struct am_tensor *sumsq,
                         double max_norm, const struct am_tensor *finite, float lr, float beta1, float beta2, float eps,
                         float weight_decay, int64_t step);

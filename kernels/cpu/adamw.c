@@ -53,6 +53,34 @@
  * 0.0003% of the parameters. torch's CUDA foreach path rounds differently (_foreach_add_ keeps
  * eps in fp32; _foreach_addcmul_ and _foreach_addcdiv_ compute fma(value, t1 op t2, self));
  * kernels/cuda/adamw.cu computes this file's arithmetic, as it does for fp32.
+ *
+ * Transformer Engine's FusedAdam (a tensor with te & AM_TE_ADAM, kernels.h): the functors of
+ * TransformerEngine's transformer_engine/common/multi_tensor/adam.cu (AdamFunctor,
+ * AdamFunctorMaster, AdamFunctorMasterParamRemainder: one formula; multi_tensor_adam_cuda
+ * computes the bias corrections; read at TransformerEngine d0067d0, 2026-08, with
+ * transformer_engine/pytorch/optimizers/fused_adam.py for the options), with the scalars as
+ * the floats its kernel takes (lr, beta1, beta2, eps, decay) and every value widened to fp32
+ * (MATH_T float):
+ *
+ *   g   = grad                                    (bf16 model parameters: bf16(grad), then
+ *                                                  bf16(g * gs) when clipped; else g * gs)
+ *   bc1 = 1 - beta1^step, bc2 = 1 - beta2^step    std::pow(float, int) in double, then fp32;
+ *                                                  1 with bias_correction false
+ *   L2 (adam_w_mode false):  g = g + (decay * p)
+ *   m = beta1 * m + (1 - beta1) * g               (1 - beta1) in fp32
+ *   v = beta2 * v + (1 - beta2) * g * g           ((1 - beta2) * g) * g
+ *   m_hat = m / bc1,  v_hat = v / bc2
+ *   denom = sqrtf(v_hat) + eps
+ *   update = m_hat / denom                        AdamW: (m_hat / denom) + (decay * p)
+ *   p = p - (lr * update)
+ *
+ * each op rounded to fp32, in that order; then p (the master), m and v stored, each rounded
+ * once to its dtype (fp32, or bf16 nearest even as static_cast<bf16> and torch's copy_ round
+ * TE's bf16 states). TE's own build is nvcc's default --fmad=true, which may contract
+ * beta1 * m + (1 - beta1) * g and the like into fmas where the compiler chooses: this file
+ * computes the source's arithmetic without contraction, so TE on a GPU may differ from it in
+ * the last bit of such an op (tests/kernels/test_adamw.c checks it bit for bit against a
+ * numpy float32 transcription of the functor, tests/kernels/adamw_te_ref.py).
  */
 #include <math.h>
 
@@ -203,6 +231,90 @@ static void adamw_run_bf16(uint16_t *p, const float *g, uint16_t *md, uint16_t *
     }
 }
 
+/* ---- Transformer Engine's FusedAdam ---- */
+
+struct te_scalars {
+    float lr, b1, b2, c1, c2, bc1, bc2, eps, decay, gs;
+};
+
+static struct te_scalars te_scalars(float lr, float beta1, float beta2, float eps, float weight_decay, int64_t step,
+                                    float gs, unsigned te)
+{
+    struct te_scalars k = {.lr = lr, .b1 = beta1, .b2 = beta2, .c1 = 1.0f - beta1, .c2 = 1.0f - beta2,
+                           .bc1 = 1.0f, .bc2 = 1.0f, .eps = eps, .decay = weight_decay, .gs = gs};
+    if (!(te & AM_TE_NO_BIAS_CORR)) {
+        k.bc1 = (float)(1.0 - pow((double)beta1, (double)step));
+        k.bc2 = (float)(1.0 - pow((double)beta2, (double)step));
+    }
+    return k;
+}
+
+AM_INLINE float te_ld(const void *x, bool bf, int64_t i)
+{
+    return bf ? am_bf16_to_f32(((const uint16_t *)x)[i]) : ((const float *)x)[i];
+}
+
+AM_INLINE void te_st(void *x, bool bf, int64_t i, float f)
+{
+    if (bf)
+        ((uint16_t *)x)[i] = am_f32_to_bf16(f);
+    else
+        ((float *)x)[i] = f;
+}
+
+static void te_block(void *pd, const float *g, void *md, void *vd, bool pb, bool mb, bool vb, unsigned te,
+                     struct te_scalars k, int64_t n)
+{
+    bool l2 = te & AM_TE_L2, gb = te & AM_TE_GRAD_BF16;
+    for (int64_t i = 0; i < n; i++) {
+        float gi = gb ? rb(rb(g[i]) * k.gs) : g[i] * k.gs;
+        float p = te_ld(pd, pb, i), m = te_ld(md, mb, i), v = te_ld(vd, vb, i);
+        if (l2)
+            gi = gi + (k.decay * p);
+        m = k.b1 * m + k.c1 * gi;
+        v = k.b2 * v + k.c2 * gi * gi;
+        float m_hat = m / k.bc1, v_hat = v / k.bc2;
+        float denom = sqrtf(v_hat) + k.eps;
+        float update = l2 ? m_hat / denom : (m_hat / denom) + (k.decay * p);
+        p = p - (k.lr * update);
+        te_st(pd, pb, i, p);
+        te_st(md, mb, i, m);
+        te_st(vd, vb, i, v);
+    }
+}
+
+static void te_tensor(const char *kernel, const struct am_adamw_tensor *t, struct te_scalars k)
+{
+    int64_t n = am_tensor_numel(t->param), nb = (n + ADAMW_BLOCK - 1) / ADAMW_BLOCK;
+    bool pb = t->param->dtype == AM_BF16, mb = t->m->dtype == AM_BF16, vb = t->v->dtype == AM_BF16;
+    char *p = am_cpu_data(kernel, "param", t->param, t->param->dtype), *m = am_cpu_data(kernel, "m", t->m, t->m->dtype),
+         *v = am_cpu_data(kernel, "v", t->v, t->v->dtype);
+    const float *g = am_cpu_f32(kernel, "grad", t->grad);
+    size_t ps = pb ? 2 : 4, ms = mb ? 2 : 4, vs = vb ? 2 : 4;
+#pragma omp parallel for schedule(static) if (n >= AM_PAR_MIN)
+    for (int64_t b = 0; b < nb; b++) {
+        int64_t lo = b * ADAMW_BLOCK, len = n - lo < ADAMW_BLOCK ? n - lo : ADAMW_BLOCK;
+        te_block(p + lo * ps, g + lo, m + lo * ms, v + lo * vs, pb, mb, vb, t->te, k, len);
+    }
+}
+
+/* a TE tensor: param, m and v each fp32 or bf16, grad fp32 */
+static void te_check(const char *kernel, const struct am_adamw_tensor *t)
+{
+    const struct am_tensor *pmv[3] = {t->param, t->m, t->v};
+    const char *names[3] = {"param", "m", "v"};
+    for (int j = 0; j < 3; j++) {
+        am_cpu_check(kernel, names[j], pmv[j]);
+        if (pmv[j]->dtype != AM_F32 && pmv[j]->dtype != AM_BF16)
+            am_cpu_fatal(kernel, "%s (%s) is %s; FusedAdam's arithmetic steps fp32 or bf16 masters and moments",
+                         names[j], am_tname(pmv[j]), am_dtype_name(pmv[j]->dtype));
+    }
+    am_cpu_f32(kernel, "grad", t->grad);
+    int64_t n = am_tensor_numel(t->param);
+    if (am_tensor_numel(t->grad) != n || am_tensor_numel(t->m) != n || am_tensor_numel(t->v) != n)
+        am_cpu_fatal(kernel, "param (%s), grad, m and v must have the same number of elements", am_tname(t->param));
+}
+
 /* one tensor of the list, on its dtype's path (adamw_check has checked it) */
 static void adamw_tensor(const char *kernel, struct am_tensor *param, const struct am_tensor *grad, struct am_tensor *m,
                          struct am_tensor *v, struct adamw_scalars k)
@@ -230,8 +342,12 @@ void am_cpu_adamw_multi(const struct am_dev *dev, const struct am_adamw_tensor *
 {
     const char *kernel = __func__;
     AM_CHECK(n >= 0 && (n == 0 || list), "a list of %d tensors", n);
-    for (int i = 0; i < n; i++)
-        adamw_check(kernel, list[i].param, list[i].grad, list[i].m, list[i].v);
+    for (int i = 0; i < n; i++) {
+        if (list[i].te & AM_TE_ADAM)
+            te_check(kernel, &list[i]);
+        else
+            adamw_check(kernel, list[i].param, list[i].grad, list[i].m, list[i].v);
+    }
     AM_CHECK(max_norm <= 0 || sumsq, "clipping to max_norm %g needs the squared gradient norm (sumsq)", max_norm);
     struct adamw_scalars k = adamw_scalars(kernel, lr, beta1, beta2, eps, weight_decay, step);
     bool ok = !finite || *(const int32_t *)am_cpu_data(kernel, "finite", finite, AM_I32) != 0;
@@ -251,6 +367,10 @@ void am_cpu_adamw_multi(const struct am_dev *dev, const struct am_adamw_tensor *
     }
     if (!ok)
         return; /* a non-finite step: nothing written */
-    for (int i = 0; i < n; i++)
-        adamw_tensor(kernel, list[i].param, list[i].grad, list[i].m, list[i].v, k);
+    for (int i = 0; i < n; i++) {
+        if (list[i].te & AM_TE_ADAM)
+            te_tensor(kernel, &list[i], te_scalars(lr, beta1, beta2, eps, weight_decay, step, k.gs, list[i].te));
+        else
+            adamw_tensor(kernel, list[i].param, list[i].grad, list[i].m, list[i].v, k);
+    }
 }

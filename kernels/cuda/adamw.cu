@@ -21,7 +21,12 @@
  * fp32 in _foreach_add_ and computes addcmul and addcdiv as fma(value, t1 op t2, self), so
  * torch on a GPU differs from torch on the CPU (and from am) in the last bits of a few
  * elements, mostly where eps matters. A list may mix fp32 and bf16 tensors: each block takes
- * its tensor's path. */
+ * its tensor's path.
+ *
+ * A tensor with te & AM_TE_ADAM takes Transformer Engine's FusedAdam arithmetic, as
+ * kernels/cpu/adamw.c writes it out (from TE's multi_tensor/adam.cu): fp32 throughout, no
+ * contraction (--fmad=false; TE's own build contracts where nvcc chooses), param, m and v each
+ * fp32 or bf16, so that both backends agree to the bit. */
 #include <math.h>
 #include <string.h>
 
@@ -60,6 +65,60 @@ __device__ __forceinline__ void adamw_elem_bf16(am_bf16_t *p, const float *g, am
     am_st(p, i, pi + (k.neg_step * mi) / denom);
     am_st(m, i, mi);
     am_st(v, i, vi);
+}
+
+/* Transformer Engine's FusedAdam: its scalars as the floats its kernel takes */
+struct te_scalars {
+    float lr, b1, b2, c1, c2, bc1, bc2, eps, decay;
+};
+
+__device__ __forceinline__ float te_ld(const void *x, bool bf, int64_t i)
+{
+    return bf ? am_ld((const am_bf16_t *)x, i) : am_ld((const float *)x, i);
+}
+
+__device__ __forceinline__ void te_st(void *x, bool bf, int64_t i, float f)
+{
+    if (bf)
+        am_st((am_bf16_t *)x, i, f);
+    else
+        am_st((float *)x, i, f);
+}
+
+/* element i, as kernels/cpu/adamw.c's te_block */
+__device__ __forceinline__ void te_elem(void *pd, const float *g, void *md, void *vd, bool pb, bool mb, bool vb,
+                                        unsigned te, const struct te_scalars &k, float gs, int64_t i)
+{
+    bool l2 = te & AM_TE_L2;
+    float bc1 = te & AM_TE_NO_BIAS_CORR ? 1.0f : k.bc1, bc2 = te & AM_TE_NO_BIAS_CORR ? 1.0f : k.bc2;
+    float gi = te & AM_TE_GRAD_BF16 ? am_round_bf16(am_round_bf16(g[i]) * gs) : g[i] * gs;
+    float p = te_ld(pd, pb, i), m = te_ld(md, mb, i), v = te_ld(vd, vb, i);
+    if (l2)
+        gi = gi + (k.decay * p);
+    m = k.b1 * m + k.c1 * gi;
+    v = k.b2 * v + k.c2 * gi * gi;
+    float m_hat = m / bc1, v_hat = v / bc2;
+    float denom = sqrtf(v_hat) + k.eps;
+    float update = l2 ? m_hat / denom : (m_hat / denom) + (k.decay * p);
+    p = p - (k.lr * update);
+    te_st(pd, pb, i, p);
+    te_st(md, mb, i, m);
+    te_st(vd, vb, i, v);
+}
+
+static struct te_scalars te_scalars_for(float lr, float beta1, float beta2, float eps, float weight_decay, int64_t step)
+{
+    struct te_scalars k;
+    k.lr = lr;
+    k.b1 = beta1;
+    k.b2 = beta2;
+    k.c1 = 1.0f - beta1;
+    k.c2 = 1.0f - beta2;
+    k.bc1 = (float)(1.0 - pow((double)beta1, (double)step));
+    k.bc2 = (float)(1.0 - pow((double)beta2, (double)step));
+    k.eps = eps;
+    k.decay = weight_decay;
+    return k;
 }
 
 __global__ void adamw_k(float *p, const float *g, float *m, float *v, struct adamw_scalars k, int64_t n)
@@ -127,6 +186,23 @@ static int64_t adamw_check(const char *kn, const struct am_tensor *param, const 
     return n;
 }
 
+/* a TE tensor: param, m and v each fp32 or bf16, grad fp32 */
+static void te_check(const char *kn, const struct am_adamw_tensor *t)
+{
+    const struct am_tensor *pmv[3] = {t->param, t->m, t->v};
+    const char *names[3] = {"param", "m", "v"};
+    for (int j = 0; j < 3; j++) {
+        am_cuda_tensor(kn, names[j], pmv[j]);
+        if (pmv[j]->dtype != AM_F32 && pmv[j]->dtype != AM_BF16)
+            am_cuda_fatal(kn, "%s (%s) is %s; FusedAdam's arithmetic steps fp32 or bf16 masters and moments",
+                          names[j], am_tname(pmv[j]), am_dtype_name(pmv[j]->dtype));
+    }
+    am_cuda_data(kn, "grad", t->grad, AM_F32);
+    int64_t n = am_tensor_numel(t->param);
+    AM_CUDA_REQUIRE(kn, am_tensor_numel(t->grad) == n && am_tensor_numel(t->m) == n && am_tensor_numel(t->v) == n,
+                    "param (%s), grad, m and v must have the same number of elements", am_tname(t->param));
+}
+
 void am_cuda_adamw(const struct am_dev *d, struct am_tensor *param, const struct am_tensor *grad, struct am_tensor *m,
                    struct am_tensor *v, float lr, float beta1, float beta2, float eps, float weight_decay, int64_t step)
 {
@@ -155,6 +231,8 @@ struct adamw_list {
     int64_t n[MT_MAX];
     int64_t first_block[MT_MAX + 1]; /* tensor i's blocks are first_block[i] .. first_block[i + 1] - 1 */
     bool bf16[MT_MAX];
+    bool m16[MT_MAX], v16[MT_MAX]; /* TE's tensors: m, v bf16 */
+    unsigned char te[MT_MAX];      /* am_adamw_tensor.te */
     int count;
 };
 
@@ -175,8 +253,8 @@ __device__ static bool step_factor(const double *ss64, const float *ss32, double
     return ok;
 }
 
-__global__ void adamw_multi_k(struct adamw_list l, struct adamw_scalars k, const double *ss64, const float *ss32,
-                              double max_norm, const int32_t *finite)
+__global__ void adamw_multi_k(struct adamw_list l, struct adamw_scalars k, struct te_scalars tk, const double *ss64,
+                              const float *ss32, double max_norm, const int32_t *finite)
 {
     __shared__ float gs_sh;
     __shared__ bool ok_sh;
@@ -191,6 +269,11 @@ __global__ void adamw_multi_k(struct adamw_list l, struct adamw_scalars k, const
     while (t + 1 < l.count && b >= l.first_block[t + 1])
         t++;
     int64_t lo = (b - l.first_block[t]) * MT_CHUNK, hi = lo + MT_CHUNK < l.n[t] ? lo + MT_CHUNK : l.n[t];
+    if (l.te[t] & AM_TE_ADAM) {
+        for (int64_t i = lo + threadIdx.x; i < hi; i += blockDim.x)
+            te_elem(l.p[t], l.g[t], l.m[t], l.v[t], l.bf16[t], l.m16[t], l.v16[t], l.te[t], tk, gs, i);
+        return;
+    }
     if (l.bf16[t]) {
         float eps16 = am_round_bf16(k.eps);
         for (int64_t i = lo + threadIdx.x; i < hi; i += blockDim.x)
@@ -208,11 +291,16 @@ void am_cuda_adamw_multi(const struct am_dev *d, const struct am_adamw_tensor *l
     const char *kn = "am_cuda_adamw_multi";
     am_cuda_ctx(kn, d);
     AM_CUDA_REQUIRE(kn, n >= 0 && (n == 0 || list), "a list of %d tensors", n);
-    for (int i = 0; i < n; i++)
-        adamw_check(kn, list[i].param, list[i].grad, list[i].m, list[i].v);
+    for (int i = 0; i < n; i++) {
+        if (list[i].te & AM_TE_ADAM)
+            te_check(kn, &list[i]);
+        else
+            adamw_check(kn, list[i].param, list[i].grad, list[i].m, list[i].v);
+    }
     AM_CUDA_REQUIRE(kn, max_norm <= 0 || sumsq, "clipping to max_norm %g needs the squared gradient norm (sumsq)",
                     max_norm);
     struct adamw_scalars k = adamw_scalars_for(kn, lr, beta1, beta2, eps, weight_decay, step);
+    struct te_scalars tk = te_scalars_for(lr, beta1, beta2, eps, weight_decay, step);
     const double *ss64 = NULL;
     const float *ss32 = NULL;
     if (sumsq) {
@@ -232,7 +320,7 @@ void am_cuda_adamw_multi(const struct am_dev *d, const struct am_adamw_tensor *l
                         am_tname(list[i].param), (long long)ni, (long long)INT32_MAX * MT_CHUNK);
         if (l.count > 0 && (i == n || l.count == MT_MAX || blocks + bi > INT32_MAX)) { /* launch what is listed */
             l.first_block[l.count] = blocks;
-            adamw_multi_k<<<(unsigned)blocks, AM_THREADS, 0, am_cuda_stream(d)>>>(l, k, ss64, ss32, max_norm, fl);
+            adamw_multi_k<<<(unsigned)blocks, AM_THREADS, 0, am_cuda_stream(d)>>>(l, k, tk, ss64, ss32, max_norm, fl);
             AM_LAUNCHED(kn);
             memset(&l, 0, sizeof l);
             blocks = 0;
@@ -244,6 +332,9 @@ void am_cuda_adamw_multi(const struct am_dev *d, const struct am_adamw_tensor *l
         l.m[l.count] = list[i].m->data;
         l.v[l.count] = list[i].v->data;
         l.bf16[l.count] = list[i].param->dtype == AM_BF16;
+        l.m16[l.count] = list[i].m->dtype == AM_BF16;
+        l.v16[l.count] = list[i].v->dtype == AM_BF16;
+        l.te[l.count] = (unsigned char)list[i].te;
         l.n[l.count] = ni;
         l.first_block[l.count] = blocks;
         l.count++;

@@ -353,6 +353,7 @@ int am_model_init(struct am_model *m, const struct am_model_config *cfg, const s
     m->sh.sequence_parallel = sh->sequence_parallel && sh->tp > 1;
     m->act_dt = sh->compute;
     m->store_dt = sh->storage;
+    m->save_dt = sh->params == AM_BF16 ? AM_BF16 : sh->storage;
     if (check_layout(m, cfg, sh, batch, seq_len, err, err_len) < 0)
         return -1;
     shard_shapes(m, cfg, sh, batch, seq_len);

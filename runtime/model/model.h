@@ -140,6 +140,10 @@ struct am_model_shard {
                                      parameters): AM_F32 (the default) or AM_BF16; gradients are
                                      fp32 either way. Equal to compute: the kernels read the
                                      masters, no copy */
+    enum am_dtype params;         /* the parameters' dtype the recipe's users hold (model.torch_dtype)
+                                     where the masters are kept apart from them (FusedAdam's
+                                     master_weights: bf16 parameters, fp32 masters): AM_BF16 makes
+                                     the HF save bf16; AM_F32 (the default): the storage's */
     int lora_r;                   /* LoRA (lora.h): the rank of the adapters on the lora_targets
                                      projections; 0: none */
     float lora_alpha;             /* their scale is lora_alpha / lora_r */
@@ -350,6 +354,7 @@ struct am_model {
                                    adapters' group alone (grad_off) */
     enum am_dtype act_dt;       /* compute dtype: the weights' copy and the activations */
     enum am_dtype store_dt;     /* the masters' dtype (sh.storage) */
+    enum am_dtype save_dt;      /* the HF save's: bf16 with sh.params or sh.storage bf16, else fp32 */
     size_t n_elems; /* parameters on this rank (all of them, in elements) */
     size_t slab_elems; /* the slabs' length: n_elems plus each group's padding (group_align) */
     size_t grad_off, grad_elems; /* the gradient slab (grad_mem) holds slab elements [grad_off, grad_off +

@@ -1070,11 +1070,12 @@ static int fetch(struct saver *s, int64_t i, struct am_errors *err)
     return 0;
 }
 
-/* The dtype tensor t is saved in: the masters' (bf16 storage writes bf16, as torch saves a bf16
- * model), but the selection biases, fp32 as the checkpoints that hold them keep them. */
+/* The dtype tensor t is saved in: the parameters' (bf16 storage writes bf16, as torch saves a bf16
+ * model; so do bf16 parameters beside fp32 masters, as FusedAdam's users save them: m->save_dt),
+ * but the selection biases, fp32 as the checkpoints that hold them keep them. */
 static bool saved_bf16(const struct saver *s, const struct save_tensor *t)
 {
-    return s->m->store_dt == AM_BF16 && !strstr(t->t.name, "e_score_correction_bias");
+    return s->m->save_dt == AM_BF16 && !strstr(t->t.name, "e_score_correction_bias");
 }
 
 /* fill callback of the writer: bytes of tensor `index` of all (am_st_write asks for each tensor's
@@ -1088,7 +1089,7 @@ static int fill(void *ctx, size_t index, uint64_t offset, void *dst, size_t n, s
     const float *src;
     if (t->owner == 0 && s->tp_size == 1 && s->which[t->index] < 0) {
         src = s->ep[-1 - s->which[t->index]].data;
-    } else if (t->owner == 0 && s->tp_size == 1 && s->m->store_dt == AM_F32) {
+    } else if (t->owner == 0 && s->tp_size == 1 && s->m->store_dt == AM_F32 && s->m->save_dt == AM_F32) {
         const struct am_param *p = &s->m->params[s->which[t->index]];
         s->m->K->download(s->m->dev, dst, (const char *)p->w.data + offset, n);
         return 0;
@@ -1114,7 +1115,7 @@ static int write_all(struct saver *s, const char *base_config, struct am_errors 
     for (int64_t i = 0; i < s->n_all; i++)
         max_full = full_numel(&s->all[i].t) > max_full ? full_numel(&s->all[i].t) : max_full;
     struct am_st_wtensor *t = calloc((size_t)s->n_all + 1, sizeof(*t));
-    bool full = s->tp_size > 1 || s->pp_size > 1 || s->m->store_dt != AM_F32; /* else from the device */
+    bool full = s->tp_size > 1 || s->pp_size > 1 || s->m->store_dt != AM_F32 || s->m->save_dt != AM_F32; /* else from the device */
     if (!t || (full && !(s->full = malloc((size_t)max_full * sizeof(float))))) {
         free(t);
         am_errorf(err, NULL, "%s: saving: out of memory for the buffer of one tensor", s->dir);
@@ -1142,7 +1143,7 @@ static int write_all(struct saver *s, const char *base_config, struct am_errors 
         free(names);
     } else {
         struct am_ckpt_save_opts opts = {.base_config = base_config,
-                                         .torch_dtype = s->m->store_dt == AM_BF16 ? "bfloat16" : NULL};
+                                         .torch_dtype = s->m->save_dt == AM_BF16 ? "bfloat16" : NULL};
         rc = am_ckpt_save(s->dir, &s->m->cfg, t, (size_t)s->n_all, &opts, err);
     }
     free(t);

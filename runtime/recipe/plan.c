@@ -526,13 +526,16 @@ static int memory_of_rank(const struct am_recipe *r, const struct am_plan *p, in
     if (head)
         dense_params += pc->final_norm + (m->tie_word_embeddings && emb ? 0 : pc->embedding / tp);
 
-    /* bytes per parameter, as am-train allocates them: master weights and Adam's two moments in
-     * the storage dtype (model.torch_dtype, as torch keeps parameters and AdamW's state: 4 + 8
-     * in fp32, 2 + 4 in bf16), fp32 gradients (4); with a compute dtype other than the storage's
-     * (mixed precision over fp32 masters) a copy of the weights in it (+2 B for bf16), and with
-     * a bf16 reduce_dtype the gradients' copy that the data-parallel all-reduce sums (+2 B,
-     * only when there is more than one data-parallel rank) */
-    double cs = am_dtype_size(r->compute_dtype), ss = am_dtype_size(r->param_dtype);
+    /* bytes per parameter, as am-train allocates them: master weights in the storage dtype and
+     * Adam's two moments in theirs (torch's AdamW: both model.torch_dtype, as torch keeps
+     * parameters and AdamW's state: 4 + 8 in fp32, 2 + 4 in bf16; FusedAdam: the masters in
+     * master_weight_dtype with master_weights, each moment in its exp_avg(_sq)_dtype),
+     * fp32 gradients (4); with a compute dtype other than the storage's (mixed precision over
+     * fp32 masters) a copy of the weights in it (+2 B for bf16), and with a bf16 reduce_dtype
+     * the gradients' copy that the data-parallel all-reduce sums (+2 B, only when there is more
+     * than one data-parallel rank) */
+    double cs = am_dtype_size(r->compute_dtype), ss = am_dtype_size(r->optim.master_dtype);
+    double ms = (double)am_dtype_size(r->optim.moment_dtype[0]) + am_dtype_size(r->optim.moment_dtype[1]);
     double wb = ss + (cs != ss ? cs : 0);
     double gb = 4 + (p->dp > 1 && am_dtype_size(r->reduce_dtype) < 4 ? am_dtype_size(r->reduce_dtype) : 0);
     /* the ranks each strategy's sharding spans; what it shards is p->zero_stage (nothing today) */
@@ -552,7 +555,7 @@ static int memory_of_rank(const struct am_recipe *r, const struct am_plan *p, in
     out->params = dense_params + expert_params;
     out->weights = wb * (dense_params / wshard + expert_params / ewshard);
     out->grads = gb * (dense_params / gshard + expert_params / egshard);
-    out->optimizer = 2 * ss * (dense_params / oshard + expert_params / eoshard);
+    out->optimizer = ms * (dense_params / oshard + expert_params / eoshard);
     /* ZeRO-3 gathers each layer before use; the next one is prefetched */
     out->gathered = zero >= 3 && layers ? 2 * cs * (dense + experts) : 0;
     if (zero >= 1 && r->dist.strategy != AM_DDP) {
@@ -594,7 +597,7 @@ static int memory_of_rank(const struct am_recipe *r, const struct am_plan *p, in
         } else {
             out->grads = (4 + glp) * (double)f.slab + 4 * (double)f.shard;
         }
-        out->optimizer = 2 * ss * (double)f.shard;
+        out->optimizer = ms * (double)f.shard;
         int slots = !r->dist.reshard_after_forward ? (emb ? 1 : 0) + layers + moe_layers + (head ? 1 : 0)
                     : moe_layers ? 4 : m->tie_word_embeddings && emb && head ? 3 : 2;
         out->gathered = zero >= 3 ? slots * cs * (double)f.max_span : 0;
@@ -661,7 +664,7 @@ static int memory_of_rank(const struct am_recipe *r, const struct am_plan *p, in
         out->adapter_params = ad;
         out->grad_buffers = 0;
         out->grads = lgb * ad;
-        out->optimizer = 2 * ss * ad;
+        out->optimizer = ms * ad;
         out->weights += wb * ad;
     }
     out->total = out->weights + out->grads + out->grad_buffers + out->optimizer + out->gathered + out->activations +

@@ -29,10 +29,11 @@ void am_plan_ckpt_cost(const struct am_recipe *r, const struct am_world *w, cons
             node = 0;
         if (!writes(r, p, &co))
             continue;
-        /* the optimizer state is two moments an element the rank updates (2 x 4 bytes in fp32,
-         * 2 x 2 in bf16); its file holds them and the master, each fp32: 12 bytes */
+        /* the optimizer state is two moments an element the rank updates (4 bytes each in fp32,
+         * 2 in bf16); its file holds them and the master, each fp32: 12 bytes */
         const struct am_memory *m = p->mem_pp && co.pp < p->pp ? &p->mem_pp[co.pp] : &p->mem;
-        double b = 12 * m->optimizer / (2 * am_dtype_size(r->param_dtype));
+        double b = 12 * m->optimizer /
+                   (double)(am_dtype_size(r->optim.moment_dtype[0]) + am_dtype_size(r->optim.moment_dtype[1]));
         c->writers++;
         c->bytes += b;
         node += b;

@@ -81,6 +81,10 @@ void am_plan_print(FILE *f, const struct am_recipe *r, const struct am_world *w,
     fprintf(f, "             %s parameters%s, %s compute%s\n", am_dtype_torch_name(r->param_dtype),
             r->param_dtype_assumed ? " (assumed: set model.torch_dtype)" : "", am_dtype_torch_name(r->compute_dtype),
             r->dist.activation_checkpointing ? ", activation checkpointing" : "");
+    if (r->optim.te)
+        fprintf(f, "optimizer    Transformer Engine's FusedAdam (%s): %s masters, %s exp_avg, %s exp_avg_sq\n",
+                r->optim.adam_w_mode ? "adam_w_mode" : "L2 weight decay", am_dtype_torch_name(r->optim.master_dtype),
+                am_dtype_torch_name(r->optim.moment_dtype[0]), am_dtype_torch_name(r->optim.moment_dtype[1]));
     if (r->peft.enabled) {
         fprintf(f, "lora         dim %ld, alpha %g on", r->peft.dim, r->peft.alpha);
         for (int t = 0; t < AM_LORA_NTARGETS; t++)

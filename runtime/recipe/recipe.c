@@ -434,6 +434,13 @@ static const struct key_spec packed_keys[] = {
     IGNORE("split_across_pack"), IGNORE("prepacked"), IGNORE("num_proc"),
     {NULL, 0, 0, 0, NULL, NULL}};
 
+/* Transformer Engine's FusedAdam, by either of its import paths */
+static bool te_fused_adam(const char *target)
+{
+    return strcmp(target, "transformer_engine.pytorch.optimizers.fused_adam.FusedAdam") == 0 ||
+           strcmp(target, "transformer_engine.pytorch.optimizers.FusedAdam") == 0;
+}
+
 static int read_optimizer_target(struct reader *rd, struct am_node *v, const char *key)
 {
     const char *s;
@@ -443,6 +450,8 @@ static int read_optimizer_target(struct reader *rd, struct am_node *v, const cha
         rd->r->optim.name = "adamw";
     else if (strcmp(s, "torch.optim.Adam") == 0)
         rd->r->optim.name = "adam";
+    else if (te_fused_adam(s))
+        rd->r->optim.name = "adamw", rd->r->optim.te = true;
     else if (strstr(s, "FusedAdam") || strstr(s, "FlashAdamW")) {
         /* the same update rule, with their own precisions for the master weights and moments */
         am_errorf(rd->err, &v->pos, "%s: '%.60s' is not an optimizer am runs: its update is AdamW's, with its own "
@@ -483,6 +492,66 @@ static const struct key_spec optimizer_keys[] = {
     {"eps", K_DOUBLE, R(optim.eps), 0, NULL, "1.0e-8"},
     {"weight_decay", K_DOUBLE, R(optim.weight_decay), 0, NULL, "0.01"},
     IGNORE("foreach"), IGNORE("fused"), IGNORE("capturable"), IGNORE("differentiable"),
+    {NULL, 0, 0, 0, NULL, NULL}};
+
+/* FusedAdam's state dtypes: torch.float32, torch.bfloat16, torch.float16, or torch.uint8 (FP8) */
+static int read_te_dtype(struct reader *rd, struct am_node *v, const char *key, enum am_dtype *out, bool *fp8)
+{
+    *fp8 = false;
+    if (v->kind == AM_NODE_SCALAR && (strcmp(v->str, "torch.uint8") == 0 || strcmp(v->str, "uint8") == 0)) {
+        *fp8 = true;
+        return 0;
+    }
+    int rc = read_dtype(rd, v, key, out);
+    if (rc > 0) {
+        am_errorf(rd->err, &v->pos, "%s: 'auto' is not a dtype FusedAdam takes (torch.float32 or torch.bfloat16)", key);
+        return -1;
+    }
+    return rc;
+}
+
+static int read_te_master(struct reader *rd, struct am_node *v, const char *key)
+{
+    bool fp8;
+    if (read_te_dtype(rd, v, key, &rd->r->optim.master_weight_dtype, &fp8) < 0)
+        return -1;
+    if (fp8) { /* TE raises: "FusedAdam only supports fp32/fp16 master weights." */
+        am_errorf(rd->err, &v->pos, "%s: %s: FusedAdam keeps master weights in fp32 or fp16 only (use torch.float32)",
+                  key, v->str);
+        return -1;
+    }
+    return 0;
+}
+
+static int read_te_exp_avg(struct reader *rd, struct am_node *v, const char *key)
+{
+    return read_te_dtype(rd, v, key, &rd->r->optim.exp_avg_dtype, &rd->r->optim.exp_avg_fp8);
+}
+
+static int read_te_exp_avg_sq(struct reader *rd, struct am_node *v, const char *key)
+{
+    return read_te_dtype(rd, v, key, &rd->r->optim.exp_avg_sq_dtype, &rd->r->optim.exp_avg_sq_fp8);
+}
+
+/* Transformer Engine's FusedAdam (transformer_engine/pytorch/optimizers/fused_adam.py), its
+ * defaults. capturable changes nothing computed (the same functor, CUDA-graph friendly);
+ * set_grad_none is deprecated (how zero_grad clears, nothing computed). */
+static const struct key_spec te_adam_keys[] = {
+    {"_target_", K_FN, 0, 0, read_optimizer_target, NULL},
+    {"lr", K_DOUBLE, R(optim.lr), 0, NULL, "1.0e-3"},
+    {"betas", K_FN, 0, 0, read_betas, "[0.9, 0.999]"},
+    {"eps", K_DOUBLE, R(optim.eps), 0, NULL, "1.0e-8"},
+    {"weight_decay", K_DOUBLE, R(optim.weight_decay), 0, NULL, "0.0"},
+    {"amsgrad", K_BOOL, R(optim.amsgrad), 0, NULL, "false"},
+    {"bias_correction", K_BOOL, R(optim.bias_correction), 0, NULL, "true"},
+    {"adam_w_mode", K_BOOL, R(optim.adam_w_mode), 0, NULL, "true"},
+    {"master_weights", K_BOOL, R(optim.master_weights), 0, NULL, "false"},
+    {"master_weight_dtype", K_FN, 0, 0, read_te_master, "torch.float32"},
+    {"exp_avg_dtype", K_FN, 0, 0, read_te_exp_avg, "torch.float32"},
+    {"exp_avg_sq_dtype", K_FN, 0, 0, read_te_exp_avg_sq, "torch.float32"},
+    {"use_decoupled_grad", K_BOOL, R(optim.decoupled_grad), 0, NULL, "false"},
+    {"store_param_remainders", K_BOOL, R(optim.remainders), 0, NULL, "false"},
+    IGNORE("capturable"), IGNORE("set_grad_none"),
     {NULL, 0, 0, 0, NULL, NULL}};
 
 static int read_lr_style(struct reader *rd, struct am_node *v, const char *key)
@@ -1432,6 +1501,10 @@ static void read_recipe(struct reader *rd)
         read_optimizer_target(rd, opt_target, "optimizer._target_");
         for (size_t i = 0; i < opt->n; i++)
             opt->entries[i].used = true;
+    } else if (opt && opt->kind == AM_NODE_MAP && opt_target && opt_target->kind == AM_NODE_SCALAR &&
+               te_fused_adam(opt_target->str)) {
+        apply_defaults(rd, "optimizer", te_adam_keys);
+        read_section(rd, opt, "optimizer", te_adam_keys);
     } else {
         read_section(rd, opt, "optimizer", optimizer_keys);
     }
@@ -1470,7 +1543,15 @@ static void read_recipe(struct reader *rd)
         r->compute_dtype = r->dist.strategy == AM_DDP || policy ? r->param_dtype : AM_BF16;
     if (!am_node_path(root, "distributed.mp_policy.reduce_dtype"))
         r->reduce_dtype = policy ? r->compute_dtype : AM_F32;
-    if (r->param_dtype == AM_BF16) /* AutoModel's guide: "Risky Pattern: torch AdamW with bf16 Model Storage" */
+    /* what the optimizer keeps: torch's, everything in the parameters' dtype; FusedAdam, its own */
+    r->optim.master_dtype = r->optim.te && r->optim.master_weights ? r->optim.master_weight_dtype : r->param_dtype;
+    r->optim.moment_dtype[0] = r->optim.te ? r->optim.exp_avg_dtype : r->param_dtype;
+    r->optim.moment_dtype[1] = r->optim.te ? r->optim.exp_avg_sq_dtype : r->param_dtype;
+    if (r->optim.te && r->optim.master_dtype == AM_BF16)
+        add_note(rd, "model.torch_dtype: bfloat16%s: FusedAdam without master_weights steps the bf16 parameters "
+                 "themselves (master_weights: true keeps fp32 master weights beside them, as AutoModel's examples do)%s",
+                 r->param_dtype_assumed ? " (assumed: no torch_dtype in the recipe or config.json)" : "", "");
+    if (r->param_dtype == AM_BF16 && !r->optim.te) /* AutoModel's guide: "Risky Pattern: torch AdamW with bf16 Model Storage" */
         add_note(rd, "model.torch_dtype: bfloat16: the parameters%s and AdamW's moments are kept in bf16, as torch "
                  "keeps them (fine for fine-tuning; for long full-parameter training model.torch_dtype: float32 "
                  "keeps fp32 master weights and moments, still computing in bf16)%s", r->param_dtype_assumed ?

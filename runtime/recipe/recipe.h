@@ -103,6 +103,23 @@ struct am_recipe {
         const char *name; /* "adam" or "adamw" */
         double lr, beta1, beta2, eps, weight_decay;
         double max_grad_norm; /* clip_grad_norm.max_norm; 0: no clipping */
+        /* Transformer Engine's FusedAdam (transformer_engine.pytorch.optimizers.FusedAdam): its
+         * arithmetic (kernels.h, am_adamw_tensor.te) and its keys, TE's defaults where left out */
+        bool te;
+        bool adam_w_mode;      /* decoupled weight decay (true, AdamW), else L2: decay * p added
+                                  to the gradient */
+        bool bias_correction;  /* Adam's bias correction (true), else none */
+        bool master_weights;   /* separate master weights in master_weight_dtype */
+        bool remainders;       /* store_param_remainders (TE's memory layout of an fp32 master
+                                  beside bf16 parameters; am keeps the whole fp32 master) */
+        bool amsgrad, decoupled_grad; /* amsgrad, use_decoupled_grad: refused (validate.c) */
+        enum am_dtype master_weight_dtype, exp_avg_dtype, exp_avg_sq_dtype; /* as given */
+        bool exp_avg_fp8, exp_avg_sq_fp8; /* the dtype given is torch.uint8 (FP8): refused */
+        /* Resolved once the model's dtype is known: the masters' dtype (torch's optimizers: the
+         * parameters', model.torch_dtype; FusedAdam: master_weight_dtype with master_weights,
+         * else the parameters') and the two moments' (torch's: the parameters'; FusedAdam: its
+         * exp_avg_dtype and exp_avg_sq_dtype) */
+        enum am_dtype master_dtype, moment_dtype[2];
     } optim;
 
     struct {

@@ -431,6 +431,37 @@ static void dataset(struct check *c)
              "--bytes --out PREFIX FILES...)");
 }
 
+/* Transformer Engine's FusedAdam: what of it am computes is its fp32 functor over fp32 or
+ * bf16 masters and moments (kernels.h); its scaled fp16 and FP8 states, AMSGrad and the
+ * decoupled gradients are not */
+static void te_adam(struct check *c)
+{
+    const struct am_recipe *r = c->r;
+    if (!r->optim.te)
+        return;
+    if (r->optim.amsgrad)
+        FAIL(c, "optimizer.amsgrad", "true: FusedAdam has no AMSGrad variant (Transformer Engine raises on it; "
+             "remove amsgrad)");
+    if (r->optim.master_weights && r->optim.master_weight_dtype != AM_F32)
+        FAIL(c, "optimizer.master_weight_dtype", "%s: FusedAdam keeps such master weights scaled per tensor to the "
+             "dtype's range, which am does not compute (use torch.float32)",
+             am_dtype_torch_name(r->optim.master_weight_dtype));
+    const char *mk[2] = {"optimizer.exp_avg_dtype", "optimizer.exp_avg_sq_dtype"};
+    bool fp8[2] = {r->optim.exp_avg_fp8, r->optim.exp_avg_sq_fp8};
+    enum am_dtype dt[2] = {r->optim.exp_avg_dtype, r->optim.exp_avg_sq_dtype};
+    for (int i = 0; i < 2; i++)
+        if (fp8[i] || dt[i] == AM_F16) {
+            struct am_pos pos = am_recipe_pos(r, mk[i]);
+            am_errorf(c->err, &pos, "%s: %s: FusedAdam keeps such moments scaled per tensor to the dtype's range "
+                      "(its own scale and amax), which am does not compute (use torch.float32 or torch.bfloat16)",
+                      mk[i], fp8[i] ? "torch.uint8 (FP8)" : "float16");
+            c->added++;
+        }
+    if (r->optim.decoupled_grad)
+        FAIL(c, "optimizer.use_decoupled_grad", "true: FusedAdam then reads each parameter's .decoupled_grad, which "
+             "AutoModel's training loop never sets (no parameter would be stepped; remove use_decoupled_grad)");
+}
+
 static const struct {
     const char *name; /* the row of tests/recipe/refusals.tsv */
     void (*check)(struct check *c);
@@ -439,7 +470,7 @@ static const struct {
     {"lora-head-dropout", lora_head_dropout},
     {"lora-kv-tp", lora_kv_tp}, {"lora-moe-rank", lora_moe_rank},
     {"glm-shared-tp", glm_shared_tp}, {"dsv3-no-bias", dsv3_no_bias}, {"aux-twice", aux_twice},
-    {"dataset", dataset},
+    {"dataset", dataset},     {"te-adam", te_adam},
 };
 
 int am_validate_run(const struct am_recipe *r, const struct am_world *w, struct am_errors *err)

@@ -9,8 +9,15 @@ int am_optim_init(struct am_optim *o, const struct am_dev *d, size_t n_elems, en
     *o = (struct am_optim){.dev = d, .n = n_elems, .dt = dt, .beta1 = (float)r->optim.beta1,
                            .beta2 = (float)r->optim.beta2, .eps = (float)r->optim.eps,
                            .weight_decay = (float)r->optim.weight_decay};
-    o->m_mem = d->k->alloc(d, n_elems * am_dtype_size(dt));
-    o->v_mem = d->k->alloc(d, n_elems * am_dtype_size(dt));
+    o->mdt[0] = o->mdt[1] = dt;
+    if (r->optim.te) {
+        o->mdt[0] = r->optim.moment_dtype[0];
+        o->mdt[1] = r->optim.moment_dtype[1];
+        o->te = AM_TE_ADAM | (r->optim.adam_w_mode ? 0 : AM_TE_L2) | (r->optim.bias_correction ? 0 : AM_TE_NO_BIAS_CORR) |
+                (r->param_dtype == AM_BF16 ? AM_TE_GRAD_BF16 : 0);
+    }
+    o->m_mem = d->k->alloc(d, n_elems * am_dtype_size(o->mdt[0]));
+    o->v_mem = d->k->alloc(d, n_elems * am_dtype_size(o->mdt[1]));
     if (!o->m_mem || !o->v_mem) {
         am_optim_free(o);
         return -1;
@@ -34,9 +41,9 @@ void am_optim_step(struct am_optim *o, void *params, const void *grads, const st
     int64_t n = (int64_t)o->n;
     struct am_tensor p = am_tensor_view(params, dev, o->dt, n, 0, 0, 0);
     struct am_tensor g = am_tensor_view((void *)grads, dev, AM_F32, n, 0, 0, 0);
-    struct am_tensor m = am_tensor_view(o->m_mem, dev, o->dt, n, 0, 0, 0);
-    struct am_tensor v = am_tensor_view(o->v_mem, dev, o->dt, n, 0, 0, 0);
-    struct am_adamw_tensor slab = {.param = &p, .m = &m, .v = &v, .grad = &g};
+    struct am_tensor m = am_tensor_view(o->m_mem, dev, o->mdt[0], n, 0, 0, 0);
+    struct am_tensor v = am_tensor_view(o->v_mem, dev, o->mdt[1], n, 0, 0, 0);
+    struct am_adamw_tensor slab = {.param = &p, .m = &m, .v = &v, .grad = &g, .te = o->te};
     o->step++;
     o->dev->k->adamw_multi(o->dev, &slab, 1, sumsq, max_norm, NULL, lr, o->beta1, o->beta2, o->eps, o->weight_decay,
                            o->step);

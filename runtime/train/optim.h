@@ -1,9 +1,10 @@
 /* optim.h - AdamW over a model's parameter slab, and the learning-rate schedule.
  *
  * The optimizer keeps Adam's two moments in two slabs parallel to the parameters, so one
- * kernel call updates every parameter (torch.optim.AdamW semantics, weight decay applied
- * to every parameter as AutoModel's default optimizer does), the gradient clipping and the
- * skip of a non-finite step decided on the device in that same call.
+ * kernel call updates every parameter (torch.optim.AdamW semantics, or Transformer Engine's
+ * FusedAdam's with that optimizer in the recipe; weight decay applied to every parameter as
+ * AutoModel's default optimizer does), the gradient clipping and the skip of a non-finite
+ * step decided on the device in that same call.
  *
  * The schedule is AutoModel's (Megatron's OptimizerParamScheduler): linear warm-up from 0
  * over lr_warmup_steps, then constant, linear or cosine decay to min_lr at lr_decay_steps
@@ -22,8 +23,12 @@ struct am_optim {
     const struct am_dev *dev;
     void *m_mem, *v_mem;
     size_t n;
-    enum am_dtype dt; /* the parameters' and the moments' dtype: torch's AdamW keeps its state in
-                         the parameters' (fp32, or bf16 with bf16 parameters) */
+    enum am_dtype dt; /* the masters' dtype (the parameters' for torch's AdamW: fp32, or bf16
+                         with bf16 parameters; FusedAdam's master_weight_dtype with its
+                         master_weights) */
+    enum am_dtype mdt[2]; /* the moments' (m, v): torch's AdamW keeps them in the parameters'
+                             dtype, FusedAdam in its exp_avg_dtype and exp_avg_sq_dtype */
+    unsigned te;          /* 0: torch's AdamW; FusedAdam: AM_TE_ADAM and its options (kernels.h) */
     int64_t step; /* optimizer steps taken */
     float beta1, beta2, eps, weight_decay;
 };

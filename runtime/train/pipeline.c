@@ -14,7 +14,8 @@ static void shard_of(const struct am_pipe *P, const struct am_plan *p, const str
 {
     *sh = (struct am_model_shard){.tp = p->tp, .tp_rank = c->tp, .sequence_parallel = r->dist.sequence_parallel,
                                   .recompute = r->dist.activation_checkpointing,
-                                  .compute = r->compute_dtype, .storage = r->param_dtype};
+                                  .compute = r->compute_dtype, .storage = r->optim.master_dtype,
+                                  .params = r->param_dtype};
     for (int s = 0; s < p->n_stages; s++) {
         const struct am_stage *st = &p->stages[s];
         if (st->pp_rank != c->pp)

@@ -241,8 +241,8 @@ static int write_rank(const struct am_train_state *s, const char *tmp, char *err
     }
     /* fp32 on disk: bf16 masters and moments widened (exact) */
     am_dev_download_f32(d, s->optim->dt, sec[0], s->master, s->n);
-    am_dev_download_f32(d, s->optim->dt, sec[1], s->optim->m_mem, s->n);
-    am_dev_download_f32(d, s->optim->dt, sec[2], s->optim->v_mem, s->n);
+    am_dev_download_f32(d, s->optim->mdt[0], sec[1], s->optim->m_mem, s->n);
+    am_dev_download_f32(d, s->optim->mdt[1], sec[2], s->optim->v_mem, s->n);
     struct box_visit v = {add_piece, &ps};
     if (for_runs(s, true, run_to_boxes, &v, err, err_len) < 0)
         goto out;
@@ -440,8 +440,8 @@ static int restore_local(const struct am_train_state *s, const char *dir, long *
         goto out;
     const struct am_dev *d = s->m->dev;
     am_dev_upload_f32(d, s->optim->dt, s->master, L.sec[0], s->n);
-    am_dev_upload_f32(d, s->optim->dt, s->optim->m_mem, L.sec[1], s->n);
-    am_dev_upload_f32(d, s->optim->dt, s->optim->v_mem, L.sec[2], s->n);
+    am_dev_upload_f32(d, s->optim->mdt[0], s->optim->m_mem, L.sec[1], s->n);
+    am_dev_upload_f32(d, s->optim->mdt[1], s->optim->v_mem, L.sec[2], s->n);
     s->optim->step = opt_step;
     *step = am_sckpt_step(L.c);
     if (s->m->cfg.sigmoid_router) { /* the biases as trained, when the run that saved updated them */

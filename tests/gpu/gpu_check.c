@@ -1190,6 +1190,54 @@ static void case_ce(enum am_dtype dt, enum am_dtype gdt, int64_t N, int64_t C, i
         pair_free(all[i]);
 }
 
+/* ---- adamw_multi with Transformer Engine's FusedAdam arithmetic (am_adamw_tensor.te): 16
+ * tensors, every dtype combination of param, m and v twice, with the options in turn (L2
+ * decay, no bias correction, the bf16 model gradient), beside a torch-rule tensor; clipped,
+ * then not: bitwise against the CPU. */
+static void case_adamw_te(void)
+{
+    enum { NT = 17 };
+    struct pair p[NT], g[NT], m[NT], v[NT];
+    struct am_adamw_tensor lc[NT], lg[NT];
+    unsigned opts[4] = {0, AM_TE_L2, AM_TE_NO_BIAS_CORR, AM_TE_GRAD_BF16 | AM_TE_L2};
+    double ss = 0;
+    for (int i = 0; i < NT; i++) {
+        int64_t n = i == 3 ? 40000 : 1 + (int64_t)urand(0, 3000);
+        int dt = i % 8;
+        bool te = i < 16;
+        p[i] = rnd(te && dt & 1 ? AM_BF16 : AM_F32, n, 0, 0, 0);
+        g[i] = rnd(AM_F32, n, 0, 0, 0);
+        m[i] = pair_new(te && dt & 2 ? AM_BF16 : AM_F32, n, 0, 0, 0);
+        v[i] = pair_new(te && dt & 4 ? AM_BF16 : AM_F32, n, 0, 0, 0);
+        pair_fill(&m[i], -0.1, 0.1);
+        pair_fill(&v[i], 0, 0.01);
+        for (int64_t e = 0; e < n; e++)
+            ss += (double)((float *)g[i].c.data)[e] * ((float *)g[i].c.data)[e];
+        unsigned t = te ? AM_TE_ADAM | opts[(i / 2) % 4] : 0;
+        lc[i] = (struct am_adamw_tensor){.param = &p[i].c, .m = &m[i].c, .v = &v[i].c, .grad = &g[i].c, .te = t};
+        lg[i] = (struct am_adamw_tensor){.param = &p[i].g, .m = &m[i].g, .v = &v[i].g, .grad = &g[i].g, .te = t};
+    }
+    struct pair sq = pair_new(AM_F64, 1, 0, 0, 0);
+    ((double *)sq.c.data)[0] = ss;
+    pair_upload(&sq);
+    for (int64_t step = 1; step <= 2; step++) {
+        double max_norm = step == 1 ? 1.0 : 1e9;
+        KC->adamw_multi(&cpu, lc, NT, &sq.c, max_norm, NULL, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, step);
+        KG->adamw_multi(&gpu, lg, NT, &sq.g, max_norm, NULL, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, step);
+    }
+    double e = 0;
+    for (int i = 0; i < NT; i++)
+        e = fmax(e, fmax(rel_err(&p[i]), fmax(rel_err(&m[i]), rel_err(&v[i]))));
+    record("adamw_multi FusedAdam param, m, v (bitwise)", "mixed", e, 0);
+    for (int i = 0; i < NT; i++) {
+        pair_free(&p[i]);
+        pair_free(&g[i]);
+        pair_free(&m[i]);
+        pair_free(&v[i]);
+    }
+    pair_free(&sq);
+}
+
 /* ---- adamw_multi: 37 tensors (two launches of at most 32), one over a block of 16384
  * elements, the clipping decided on the device from an f64 or f32 squared norm; a step with
  * a zero flag or a NaN norm leaves every tensor as it was. The CPU's adamw_multi is
@@ -1674,6 +1722,7 @@ int main(int argc, char **argv)
     RUN(case_adamw_multi(AM_F32, 0.3f, false));
     RUN(case_adamw_multi(AM_F64, 0.9f, true));
     RUN(case_adamw_multi(AM_F32, 0.3f, true));
+    RUN(case_adamw_te());
     KG->sync(&gpu);
 
     printf("\n%-44s %-6s %-11s %-7s %s\n", "kernel (CUDA vs CPU)", "dtype", "rel err", "tol", "");

@@ -572,6 +572,203 @@ static void test_adamw_bf16_torch(void **state)
         printf("    %lld torch steps, %lld elements: param, exp_avg, exp_avg_sq bitwise equal\n", recs, total);
 }
 
+/* ---- Transformer Engine's FusedAdam (am_adamw_tensor.te) ---- */
+
+/* TE's functor for one element, written from transformer_engine/common/multi_tensor/adam.cu
+ * (every value widened to fp32, one rounding per op; kernels/cpu/adamw.c's header has the
+ * formula); p, m, v are rounded to bf16 after where p16, m16, v16 */
+static void te_adam_elem(float *p, float g, float *m, float *v, struct adam_hp h, float gs, int64_t step, unsigned te,
+                         bool p16, bool m16, bool v16)
+{
+    float bc1 = 1.0f, bc2 = 1.0f;
+    if (!(te & AM_TE_NO_BIAS_CORR)) {
+        bc1 = (float)(1.0 - pow((double)h.b1, (double)step));
+        bc2 = (float)(1.0 - pow((double)h.b2, (double)step));
+    }
+    g = te & AM_TE_GRAD_BF16 ? r16(r16(g) * gs) : g * gs;
+    float pp = *p, mm = *m, vv = *v;
+    if (te & AM_TE_L2)
+        g = g + h.wd * pp;
+    mm = h.b1 * mm + (1.0f - h.b1) * g;
+    vv = h.b2 * vv + (1.0f - h.b2) * g * g;
+    float m_hat = mm / bc1, v_hat = vv / bc2, denom = sqrtf(v_hat) + h.eps;
+    float update = te & AM_TE_L2 ? m_hat / denom : m_hat / denom + h.wd * pp;
+    pp = pp - h.lr * update;
+    *p = p16 ? r16(pp) : pp;
+    *m = m16 ? r16(mm) : mm;
+    *v = v16 ? r16(vv) : vv;
+}
+
+/* a float array as a tensor of dtype dt (bf16: a copy, rounded) */
+static struct am_tensor te_view(float *x, uint16_t **h16, bool bf, int64_t n)
+{
+    if (!bf) {
+        *h16 = NULL;
+        return f32v(x, n, 0, 0, 0);
+    }
+    *h16 = malloc((size_t)n * sizeof(uint16_t));
+    for (int64_t i = 0; i < n; i++)
+        (*h16)[i] = am_f32_to_bf16(x[i]);
+    return am_tensor_view(*h16, AM_DEV_CPU, AM_BF16, n, 0, 0, 0);
+}
+
+/* what a tensor holds, widened */
+static void te_read(float *out, const float *x, const uint16_t *h16, int64_t n)
+{
+    for (int64_t i = 0; i < n; i++)
+        out[i] = h16 ? am_bf16_to_f32(h16[i]) : x[i];
+}
+
+static void expect_f32_bits(const char *what, const float *got, const float *want, int64_t n)
+{
+    for (int64_t i = 0; i < n; i++)
+        if (memcmp(&got[i], &want[i], sizeof(float)) != 0) {
+            print_error("%s [%lld]: %.9g, want %.9g\n", what, (long long)i, (double)got[i], (double)want[i]);
+            fail();
+        }
+}
+
+/* One adamw_multi call over one TE tensor (param, m, v of the dtypes bits dt: 1, 2, 4), from
+ * the values given in p, m, v, clipped to gs through a norm as test_adamw_bf16_torch does;
+ * the results widened into p, m, v. */
+static void te_kernel_step(float *p, const float *g, float *m, float *v, int64_t n, int dt, struct adam_hp h, float gs,
+                           int64_t step, unsigned te)
+{
+    uint16_t *h16[3];
+    struct am_tensor tp = te_view(p, &h16[0], dt & 1, n), tm = te_view(m, &h16[1], dt & 2, n),
+                     tv = te_view(v, &h16[2], dt & 4, n), tg = f32v((float *)g, n, 0, 0, 0);
+    double ss = 4.0, max_norm = gs == 1.0f ? 0.0 : (double)gs * (2.0 + 1e-6);
+    assert_true(gs == 1.0f || (float)(max_norm / (sqrt(ss) + 1e-6)) == gs);
+    struct am_tensor s64 = am_tensor_view(&ss, AM_DEV_CPU, AM_F64, 1, 0, 0, 0);
+    struct am_adamw_tensor l = {.param = &tp, .m = &tm, .v = &tv, .grad = &tg, .te = te};
+    K->adamw_multi(&kdev, &l, 1, &s64, max_norm, NULL, h.lr, h.b1, h.b2, h.eps, h.wd, step);
+    te_read(p, p, h16[0], n);
+    te_read(m, m, h16[1], n);
+    te_read(v, v, h16[2], n);
+    for (int k = 0; k < 3; k++)
+        free(h16[k]);
+}
+
+/* The kernel against the emulation: every dtype combination of param, m and v, both
+ * adam_w_mode settings, with and without bias correction, fp32 and bf16 model gradients,
+ * clipped and not, several steps from one state. */
+static void test_adamw_te(void **state)
+{
+    (void)state;
+    struct rng r = {71};
+    struct adam_hp hps[] = {{1e-5f, 0.9f, 0.999f, 1e-8f, 0.0f}, {2e-4f, 0.9f, 0.95f, 1e-8f, 0.1f},
+                            {1e-3f, 0.3f, 0.99f, 1e-3f, 0.3f}};
+    unsigned tes[] = {AM_TE_ADAM, AM_TE_ADAM | AM_TE_L2, AM_TE_ADAM | AM_TE_NO_BIAS_CORR, AM_TE_ADAM | AM_TE_GRAD_BF16,
+                      AM_TE_ADAM | AM_TE_L2 | AM_TE_GRAD_BF16};
+    int64_t n = 1000;
+    float *p = malloc(n * sizeof(float)), *m = malloc(n * sizeof(float)), *v = malloc(n * sizeof(float)),
+          *g = malloc(n * sizeof(float)), *rp = malloc(n * sizeof(float)), *rm = malloc(n * sizeof(float)),
+          *rv = malloc(n * sizeof(float));
+    for (int dt = 0; dt < 8; dt++)
+        for (size_t hc = 0; hc < sizeof hps / sizeof *hps; hc++)
+            for (size_t t = 0; t < sizeof tes / sizeof *tes; t++) {
+                for (int64_t i = 0; i < n; i++) {
+                    p[i] = (float)rng_uniform(&r, -0.1, 0.1);
+                    m[i] = v[i] = 0;
+                    if (dt & 1)
+                        p[i] = r16(p[i]);
+                }
+                memcpy(rp, p, n * sizeof(float));
+                memcpy(rm, m, n * sizeof(float));
+                memcpy(rv, v, n * sizeof(float));
+                int64_t steps[] = {1, 2, 3, 500};
+                for (int s = 0; s < 4; s++) {
+                    grad_fill(&r, g, n);
+                    float gs = s == 1 ? 0.37f : 1.0f;
+                    te_kernel_step(p, g, m, v, n, dt, hps[hc], gs, steps[s], tes[t]);
+                    for (int64_t i = 0; i < n; i++)
+                        te_adam_elem(&rp[i], g[i], &rm[i], &rv[i], hps[hc], gs, steps[s], tes[t], dt & 1, dt & 2, dt & 4);
+                    char what[96];
+                    snprintf(what, sizeof what, "te adam param (dtypes %d, hp %zu, te %u, step %lld)", dt, hc, tes[t],
+                             (long long)steps[s]);
+                    expect_f32_bits(what, p, rp, n);
+                    expect_f32_bits("te adam exp_avg", m, rm, n);
+                    expect_f32_bits("te adam exp_avg_sq", v, rv, n);
+                }
+            }
+    float *all[] = {p, m, v, g, rp, rm, rv};
+    for (size_t k = 0; k < sizeof all / sizeof *all; k++)
+        free(all[k]);
+}
+
+/* FusedAdam with fp32 masters and moments, decay 0, is Adam: torch's AdamW and TE's formulas
+ * differ only in how they round (TE divides m and v by the bias corrections, torch scales the
+ * step), so one step from the same state agrees to a few ulps of the update */
+static void test_adamw_te_vs_torch(void **state)
+{
+    (void)state;
+    struct rng r = {73};
+    int64_t n = 5000;
+    struct adam_hp h = {1e-3f, 0.9f, 0.999f, 1e-8f, 0.01f};
+    float *p = malloc(n * sizeof(float)), *m = calloc(n, sizeof(float)), *v = calloc(n, sizeof(float)),
+          *g = malloc(n * sizeof(float)), *tp = malloc(n * sizeof(float)), *tm = calloc(n, sizeof(float)),
+          *tv = calloc(n, sizeof(float));
+    for (int64_t i = 0; i < n; i++)
+        tp[i] = p[i] = (float)rng_uniform(&r, -0.1, 0.1);
+    for (int64_t step = 1; step <= 20; step++) {
+        grad_fill(&r, g, n);
+        te_kernel_step(p, g, m, v, n, 0, h, 1.0f, step, AM_TE_ADAM);
+        for (int64_t i = 0; i < n; i++)
+            torch_adamw_elem(&tp[i], g[i], &tm[i], &tv[i], h, step);
+    }
+    for (int64_t i = 0; i < n; i++)
+        if (fabsf(p[i] - tp[i]) > 1e-6f * fabsf(tp[i]) + 20 * 1e-3f * 1e-5f) {
+            print_error("te vs torch [%lld]: %.9g vs %.9g\n", (long long)i, (double)p[i], (double)tp[i]);
+            fail();
+        }
+    float *all[] = {p, m, v, g, tp, tm, tv};
+    for (size_t k = 0; k < sizeof all / sizeof *all; k++)
+        free(all[k]);
+}
+
+/* The kernel against tests/kernels/adamw_te_ref.py's numpy transcription of TE's functor,
+ * where a reference file is given:
+ *   python3 tests/kernels/adamw_te_ref.py /tmp/adamw_te.bin   (numpy: the golden venv)
+ *   AM_ADAMW_TE_REF=/tmp/adamw_te.bin tests/kernels/test_adamw
+ * Each record: one step's state before and after; the kernel must match it bit for bit. */
+static void test_adamw_te_ref(void **state)
+{
+    (void)state;
+    const char *path = getenv("AM_ADAMW_TE_REF");
+    if (!path || !*path)
+        skip();
+    FILE *f = fopen(path, "rb");
+    assert_non_null(f);
+    int64_t hdr[4];
+    float hp[6];
+    long long recs = 0, total = 0;
+    while (fread(hdr, sizeof(int64_t), 4, f) == 4) {
+        assert_int_equal(fread(hp, sizeof(float), 6, f), 6);
+        int64_t n = hdr[0], step = hdr[1];
+        struct adam_hp h = {hp[0], hp[1], hp[2], hp[3], hp[4]};
+        float *a[7];
+        for (int k = 0; k < 7; k++) {
+            a[k] = malloc((size_t)n * sizeof(float));
+            assert_int_equal(fread(a[k], sizeof(float), (size_t)n, f), (size_t)n);
+        }
+        te_kernel_step(a[1], a[0], a[2], a[3], n, (int)hdr[3], h, hp[5], step, (unsigned)hdr[2]);
+        char what[128];
+        snprintf(what, sizeof what, "record %lld (n %lld, step %lld, te %lld, dtypes %lld, gs %g): param", recs,
+                 (long long)n, (long long)step, (long long)hdr[2], (long long)hdr[3], (double)hp[5]);
+        expect_f32_bits(what, a[1], a[4], n);
+        expect_f32_bits("exp_avg", a[2], a[5], n);
+        expect_f32_bits("exp_avg_sq", a[3], a[6], n);
+        for (int k = 0; k < 7; k++)
+            free(a[k]);
+        recs++;
+        total += n;
+    }
+    fclose(f);
+    assert_true(recs > 0);
+    if (getenv("AM_TEST_VERBOSE"))
+        printf("    %lld FusedAdam steps, %lld elements: param, exp_avg, exp_avg_sq bitwise equal\n", recs, total);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -581,6 +778,9 @@ int main(void)
         cmocka_unit_test(test_adamw_multi_bf16),
         cmocka_unit_test(test_adamw_bad_dtype_aborts),
         cmocka_unit_test(test_adamw_bf16_torch),
+        cmocka_unit_test(test_adamw_te),
+        cmocka_unit_test(test_adamw_te_vs_torch),
+        cmocka_unit_test(test_adamw_te_ref),
     };
     return cmocka_run_group_tests_name("kernels (cpu): adamw", tests, kernels_test_setup, NULL);
 }

@@ -1063,6 +1063,59 @@ static void test_recipe_files(void **state)
     am_errors_free(&err);
 }
 
+/* Transformer Engine's FusedAdam: TE's defaults; the masters' and the moments' dtypes resolved
+ * from master_weights, master_weight_dtype, the moments' dtypes and model.torch_dtype */
+static void test_te_fused_adam(void **state)
+{
+    (void)state;
+    struct am_errors err;
+    char y[2048];
+    am_errors_init(&err);
+    snprintf(y, sizeof(y), "%soptimizer:\n  _target_: transformer_engine.pytorch.optimizers.FusedAdam\n", arch);
+    struct am_recipe *r = parse_with("r.yaml", y, NULL, &err);
+    assert_int_equal(err.n, 0);
+    assert_true(r->optim.te);
+    assert_float_equal(r->optim.lr, 1e-3, 0);
+    assert_float_equal(r->optim.weight_decay, 0, 0);
+    assert_float_equal(r->optim.beta2, 0.999, 0);
+    assert_true(r->optim.adam_w_mode);
+    assert_true(r->optim.bias_correction);
+    assert_false(r->optim.master_weights);
+    assert_int_equal(r->param_dtype, AM_BF16);
+    assert_int_equal(r->optim.master_dtype, AM_BF16); /* no master_weights: the bf16 parameters */
+    assert_int_equal(r->optim.moment_dtype[0], AM_F32);
+    assert_int_equal(r->optim.moment_dtype[1], AM_F32);
+    am_recipe_free(r);
+    /* Pattern A: fp32 masters beside bf16 parameters; bf16 moments; L2 */
+    snprintf(y, sizeof(y),
+             "%soptimizer:\n  _target_: transformer_engine.pytorch.optimizers.fused_adam.FusedAdam\n"
+             "  master_weights: true\n  store_param_remainders: true\n  exp_avg_dtype: torch.bfloat16\n"
+             "  exp_avg_sq_dtype: torch.float32\n  adam_w_mode: false\n  bias_correction: false\n  capturable: true\n",
+             arch);
+    r = parse_with("r.yaml", y, NULL, &err);
+    assert_int_equal(err.n, 0);
+    assert_int_equal(r->optim.master_dtype, AM_F32);
+    assert_int_equal(r->optim.moment_dtype[0], AM_BF16);
+    assert_int_equal(r->optim.moment_dtype[1], AM_F32);
+    assert_false(r->optim.adam_w_mode);
+    assert_false(r->optim.bias_correction);
+    assert_true(r->optim.remainders);
+    am_recipe_free(r);
+    /* torch's AdamW keeps everything in the parameters' dtype */
+    r = parse_with("r.yaml", arch, NULL, &err);
+    assert_false(r->optim.te);
+    assert_int_equal(r->optim.master_dtype, r->param_dtype);
+    assert_int_equal(r->optim.moment_dtype[0], r->param_dtype);
+    am_recipe_free(r);
+    /* another FusedAdam (apex's) and FlashAdamW keep their refusal */
+    snprintf(y, sizeof(y), "%soptimizer:\n  _target_: apex.optimizers.FusedAdam\n", arch);
+    r = parse_with("r.yaml", y, NULL, &err);
+    assert_int_equal(err.n, 1);
+    assert_non_null(strstr(err.msg[0], "'apex.optimizers.FusedAdam' is not an optimizer am runs: its update is AdamW's"));
+    am_recipe_free(r);
+    am_errors_free(&err);
+}
+
 /* AutoModel's defaults, each from its key's row: a recipe that leaves every key out */
 static void test_defaults(void **state)
 {
@@ -1275,6 +1328,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_positions_and_types),
         cmocka_unit_test(test_defaults),
+        cmocka_unit_test(test_te_fused_adam),
         cmocka_unit_test(test_yaml_errors),
         cmocka_unit_test(test_yaml_limits),
         cmocka_unit_test(test_aliases_resolve),
