@@ -5,7 +5,7 @@
  *                             or a checkpoint_dir, whose `latest` is shown)
  *   am-ckpt export DIR OUT    the master weights as a Hugging Face directory (config.json +
  *                             safetensors), offline, from any layout: every shard checked
- *                             (size, crc32c) first; in the dtype the run kept them in (bf16 for
+ *                             (size, crc32c) first; in the dtype of the run's own save (bf16 for
  *                             model.torch_dtype bfloat16, else fp32), or --dtype's: bfloat16
  *                             rounds them to bf16 (torch_dtype bfloat16), as AutoModel's
  *                             consolidated save of a bf16 model; never quantised (no quantization_config: a model trained
@@ -275,8 +275,9 @@ static int add_biases(const char *dir, const struct am_model_config *cfg, struct
     return 1;
 }
 
-/* dtype: "float32", "bfloat16", or NULL for the dtype the run kept its weights in (the manifest's
- * optimizer.dtype: bfloat16 for bf16 storage, float32 otherwise and for older checkpoints) */
+/* dtype: "float32", "bfloat16", or NULL for the dtype of the run's own Hugging Face save (the
+ * manifest's model_dtype: bfloat16 for bf16 parameters, float32 otherwise and for older
+ * checkpoints) */
 static int export(const char *arg, const char *out, bool show, const char *dtype)
 {
     struct am_sckpt *c;
@@ -294,7 +295,7 @@ static int export(const char *arg, const char *out, bool show, const char *dtype
     am_errors_init(&e);
     am_arena_init(&a, 64u << 20);
     if (!dtype) {
-        const char *kept = json_string_value(json_object_get(json_object_get(am_sckpt_meta(c), "optimizer"), "dtype"));
+        const char *kept = json_string_value(json_object_get(am_sckpt_meta(c), "model_dtype"));
         dtype = kept && strcmp(kept, "bfloat16") == 0 ? "bfloat16" : "float32";
     }
     bool bf16 = strcmp(dtype, "bfloat16") == 0;

@@ -183,6 +183,8 @@ static json_t *meta_of(const struct am_train_state *s, long step)
                                                p->dp_shard, "cp", p->cp, "ep", p->ep));
     json_object_set_new(o, "strategy", json_string(am_strategy_name(r->dist.strategy)));
     json_object_set_new(o, "zero_stage", json_integer(p->zero_stage));
+    /* the dtype of the model's Hugging Face save (am-ckpt export's default) */
+    json_object_set_new(o, "model_dtype", json_string(am_dtype_torch_name(s->m->save_dt)));
     json_object_set_new(o, "optimizer", json_pack("{s:I,s:f,s:f,s:f,s:f,s:f,s:s}", "step", (json_int_t)s->optim->step,
                                                   "lr", r->optim.lr, "beta1", r->optim.beta1, "beta2", r->optim.beta2,
                                                   "eps", r->optim.eps, "weight_decay", r->optim.weight_decay,

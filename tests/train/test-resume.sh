@@ -273,7 +273,7 @@ done
 # the shards hold the bf16 masters and moments widened to fp32, exactly: a run killed at dp 2 and
 # at ep 2 x pp 2 (deepseek_v3 with the selection-bias update) resumes bit-exact; the Hugging Face
 # save is bf16, and am-ckpt export writes the same bf16 file by default (the manifest's
-# optimizer.dtype)
+# model_dtype)
 refs+=("r-s16-dp2 2 s16,hf" "r-s16-dsv3bu-ep2pp2 4 dsv3bu,s16,hf AM_EP=2 AM_PP=2")
 for ref in "${refs[@]: -2}"; do
     set -- $ref
@@ -287,14 +287,14 @@ trial kill-s16-dp2 r-s16-dp2 2 kill 1 4
 trial kill-s16-dsv3bu r-s16-dsv3bu-ep2pp2 4 kill-in-save:written 3 4 AM_EP=2 AM_PP=2
 for name in r-s16-dp2 r-s16-dsv3bu-ep2pp2; do
     dir=$work/ckpt-$name/step-6
-    kept=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["meta"]["optimizer"]["dtype"])' "$dir/manifest.json" 2>&1)
-    if [ "$kept" = bfloat16 ] && "$AM_BUILDDIR/am-ckpt" export "$dir" "$work/export-$name" >/dev/null 2>&1 &&
+    kept=$(python3 -c 'import json,sys; m=json.load(open(sys.argv[1]))["meta"]; print(m["optimizer"]["dtype"], m["model_dtype"])' "$dir/manifest.json" 2>&1)
+    if [ "$kept" = "bfloat16 bfloat16" ] && "$AM_BUILDDIR/am-ckpt" export "$dir" "$work/export-$name" >/dev/null 2>&1 &&
         cmp -s "$dir/hf/model.safetensors" "$work/export-$name/model.safetensors" &&
         cmp -s "$dir/hf/config.json" "$work/export-$name/config.json" &&
         head -c 8192 "$dir/hf/model.safetensors" | tr -d '\0' | grep -q '"dtype":"BF16"'; then
-        ok "$name: manifest optimizer.dtype bfloat16; its bf16 save_consolidated export and am-ckpt export's are the same bytes"
+        ok "$name: manifest optimizer.dtype and model_dtype bfloat16; its bf16 save_consolidated export and am-ckpt export's are the same bytes"
     else
-        bad "$name: manifest optimizer.dtype '$kept'; am-ckpt export and save_consolidated differ (or the save is not bf16)"
+        bad "$name: manifest optimizer.dtype and model_dtype '$kept'; am-ckpt export and save_consolidated differ (or the save is not bf16)"
     fi
 done
 

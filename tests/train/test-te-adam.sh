@@ -135,6 +135,14 @@ if grep -q '"torch_dtype": *"bfloat16"' "$hf/config.json" && head -c 20000 "$hf"
 else
     bad "FusedAdam's Hugging Face save is not bf16: $(grep torch_dtype "$hf/config.json")"
 fi
+# am-ckpt export writes the run's own save's dtype (the manifest's model_dtype, bf16), not the
+# fp32 masters' the shards hold: the same bytes as the save
+if "$AM_BUILDDIR/am-ckpt" export "$work/ckpt-te/step-$steps" "$work/export-te" >/dev/null 2>&1 &&
+    cmp -s "$hf/model.safetensors" "$work/export-te/model.safetensors" && cmp -s "$hf/config.json" "$work/export-te/config.json"; then
+    ok "am-ckpt export of FusedAdam's checkpoint (fp32 masters in the shards) is its bf16 save, byte for byte"
+else
+    bad "am-ckpt export of FusedAdam's checkpoint differs from its bf16 save (or failed)"
+fi
 
 echo "te-adam: $passes passed, $fails failed"
 [ "$fails" = 0 ]
