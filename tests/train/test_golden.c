@@ -70,6 +70,21 @@ static float *read_all(struct golden *G, const char *name, int64_t *n)
     return v;
 }
 
+/* The golden's bf16 runs (make_bf16_golden.py's bf16.safetensors), made the file read_all reads;
+ * the caller keeps G->g to put it back and closes the one returned. */
+static struct am_st_file *open_bf16_ref(struct golden *G)
+{
+    char path[1100];
+    struct am_errors err;
+    struct am_st_file *ref = NULL;
+    am_errors_init(&err);
+    snprintf(path, sizeof(path), "%s/bf16.safetensors", G->dir);
+    assert_int_equal(am_st_open(path, &ref, &err), 0);
+    am_errors_free(&err);
+    G->g = ref;
+    return ref;
+}
+
 /* AM_GOLDEN_DEVICE=cuda runs the bf16 cases on the GPU (tests/gpu/run); the others need the
  * model in host memory and run on the CPU only. */
 static enum am_device golden_device(void)
@@ -523,14 +538,7 @@ static void check_bf16(const char *name)
     open_golden_as(&G, name, AM_BF16);
     adamw_steps(&G, 1e-3f, true, l16, n16, NULL);
 
-    char path[1100];
-    struct am_errors err;
-    am_errors_init(&err);
-    struct am_st_file *ref;
-    snprintf(path, sizeof(path), "%s/bf16.safetensors", G.dir);
-    assert_int_equal(am_st_open(path, &ref, &err), 0);
-    struct am_st_file *keep = G.g;
-    G.g = ref; /* read_all reads from G.g */
+    struct am_st_file *keep = G.g, *ref = open_bf16_ref(&G); /* read_all reads from G.g: ref's */
     int64_t n;
     float *tl16 = read_all(&G, "losses_bf16", &n), *tl32 = read_all(&G, "losses_fp32", &n);
     float *tn16 = read_all(&G, "grad_norms_bf16", &n), *tn32 = read_all(&G, "grad_norms_fp32", &n);
@@ -604,7 +612,6 @@ static void check_bf16(const char *name)
     free(tn32);
     am_st_close(ref);
     G.g = keep;
-    am_errors_free(&err);
     close_golden(&G);
 }
 
@@ -653,14 +660,7 @@ static void check_bf16store(const char *name, bool nearer)
         n16[s] = sqrt(v.sumsq);
     }
 
-    char path[1100];
-    struct am_errors err;
-    am_errors_init(&err);
-    struct am_st_file *ref;
-    snprintf(path, sizeof(path), "%s/bf16.safetensors", G.dir);
-    assert_int_equal(am_st_open(path, &ref, &err), 0);
-    struct am_st_file *keep = G.g;
-    G.g = ref; /* read_all reads from G.g */
+    struct am_st_file *keep = G.g, *ref = open_bf16_ref(&G); /* read_all reads from G.g: ref's */
     int64_t n;
     float *tst = read_all(&G, "losses_bf16store", &n), *tl32 = read_all(&G, "losses_fp32", &n);
     float *tnst = read_all(&G, "grad_norms_bf16store", &n), *tn32 = read_all(&G, "grad_norms_fp32", &n);
@@ -775,7 +775,6 @@ static void check_bf16store(const char *name, bool nearer)
     free(tn16);
     am_st_close(ref);
     G.g = keep;
-    am_errors_free(&err);
     am_optim_free(&optim);
     close_golden(&G);
 }
