@@ -1089,7 +1089,7 @@ static int fill(void *ctx, size_t index, uint64_t offset, void *dst, size_t n, s
     const float *src;
     if (t->owner == 0 && s->tp_size == 1 && s->which[t->index] < 0) {
         src = s->ep[-1 - s->which[t->index]].data;
-    } else if (t->owner == 0 && s->tp_size == 1 && s->m->store_dt == AM_F32 && s->m->save_dt == AM_F32) {
+    } else if (t->owner == 0 && s->tp_size == 1 && s->m->save_dt == AM_F32) { /* fp32 masters saved fp32 */
         const struct am_param *p = &s->m->params[s->which[t->index]];
         s->m->K->download(s->m->dev, dst, (const char *)p->w.data + offset, n);
         return 0;
@@ -1115,7 +1115,7 @@ static int write_all(struct saver *s, const char *base_config, struct am_errors 
     for (int64_t i = 0; i < s->n_all; i++)
         max_full = full_numel(&s->all[i].t) > max_full ? full_numel(&s->all[i].t) : max_full;
     struct am_st_wtensor *t = calloc((size_t)s->n_all + 1, sizeof(*t));
-    bool full = s->tp_size > 1 || s->pp_size > 1 || s->m->store_dt != AM_F32 || s->m->save_dt != AM_F32; /* else from the device */
+    bool full = s->tp_size > 1 || s->pp_size > 1 || s->m->save_dt != AM_F32; /* else from the device */
     if (!t || (full && !(s->full = malloc((size_t)max_full * sizeof(float))))) {
         free(t);
         am_errorf(err, NULL, "%s: saving: out of memory for the buffer of one tensor", s->dir);

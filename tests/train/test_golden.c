@@ -726,18 +726,8 @@ static void check_bf16store(const char *name, bool nearer)
         assert_int_equal(n, am_tensor_numel(&p->w));
         float *mine = malloc((size_t)n * sizeof(float)); /* the stored value, widened */
         assert_non_null(mine);
-        if (p->w.dtype == AM_BF16) {
-            uint16_t *h = malloc((size_t)n * sizeof(uint16_t));
-            assert_non_null(h);
-            G.K->download(&G.dev, h, p->w.data, (size_t)n * sizeof(uint16_t));
-            for (int64_t k = 0; k < n; k++)
-                mine[k] = am_bf16_to_f32(h[k]);
-            free(h);
-        } else {
-            assert_int_equal(p->w.dtype, AM_F32);
-            G.K->download(&G.dev, mine, p->w.data, (size_t)n * sizeof(float));
-            not_bf16++;
-        }
+        am_param_read(&G.m, p, mine, 0, (size_t)n);
+        not_bf16 += p->w.dtype != AM_BF16;
         for (int64_t k = 0; k < n; k++) {
             d_am += ((double)mine[k] - wst[k]) * ((double)mine[k] - wst[k]);
             d_torch += ((double)w32[k] - wst[k]) * ((double)w32[k] - wst[k]);
