@@ -406,7 +406,10 @@ static int trainer_zero_stage(const struct am_recipe *r, const struct am_plan *p
 /* fsdp2 as am-train shards (train/fsdp.h): each group (the embedding, each layer, the final
  * norm with the head) padded to a multiple of D elements, a flat shard of 1/D of it per rank. */
 struct flat_shards {
-    long long D, shard, slab, max_span, max_shard; /* max_shard: the largest group's shard (experts: over fewer ranks) */
+    long long D, shard, slab, max_span;
+    bool f32;                       /* the gradients reduced in fp32 (reduce_dtype) */
+    long long buf_span, buf_shard;  /* of the groups that take a gradient buffer: the largest span and shard
+                                     * (experts: over fewer ranks) */
 };
 
 static long long lcm(long long a, long long b)
@@ -422,19 +425,26 @@ static long long lcm(long long a, long long b)
 
 /* A group of elems parameters, padded to a multiple of D and sharded over d ranks (D for the
  * dense groups; for the experts with expert parallelism the ranks holding the same experts,
- * padded to a multiple of both: with HSDP d need not divide D) */
-static void add_group_over(struct flat_shards *f, double elems, long long d)
+ * padded to a multiple of both: with HSDP d need not divide D). Whether it takes a gradient
+ * buffer (from stage 2): unless d is one rank and the reduction fp32, when its gradients
+ * accumulate in its shard (train/grad_sync.h). */
+static bool add_group_over(struct flat_shards *f, double elems, long long d)
 {
     long long n = (long long)elems, pad = lcm(f->D, d), span = (n + pad - 1) / pad * pad;
     f->shard += span / d;
     f->slab += span;
     if (span > f->max_span)
         f->max_span = span;
-    if (span / d > f->max_shard)
-        f->max_shard = span / d;
+    if (d == 1 && f->f32)
+        return false;
+    if (span > f->buf_span)
+        f->buf_span = span;
+    if (span / d > f->buf_shard)
+        f->buf_shard = span / d;
+    return true;
 }
 
-static void add_group(struct flat_shards *f, double elems) { add_group_over(f, elems, f->D); }
+static bool add_group(struct flat_shards *f, double elems) { return add_group_over(f, elems, f->D); }
 
 /* LoRA's trainable parameters on one tensor-parallel rank: of layer l (head false) or of the
  * head. A column-parallel base layer (q, k, v, gate, up, the head) splits B by rows and keeps A
@@ -564,36 +574,42 @@ static int memory_of_rank(const struct am_recipe *r, const struct am_plan *p, in
          * the gradients (below), Adam's moments
          * of the shards, and from stage 3 two gathered groups (three when the head shares the
          * embedding; four with MoE layers: a layer and its experts, and the next two) */
-        struct flat_shards f = {.D = (long long)shard};
-        int moe_layers = 0;
+        double glp = am_dtype_size(r->reduce_dtype) < 4 ? am_dtype_size(r->reduce_dtype) : 0;
+        struct flat_shards f = {.D = (long long)shard, .f32 = glp == 0};
+        int moe_layers = 0, buffered_experts = 0; /* the MoE layers, and those whose experts take a buffer */
+        bool buffered = false;                    /* any group takes one */
         if (emb)
-            add_group(&f, pc->embedding / tp);
+            buffered |= add_group(&f, pc->embedding / tp);
         for (int s = 0; s < p->n_stages; s++)
             for (int l = 0; p->stages[s].pp_rank == k && l < p->stages[s].n_layers; l++) {
                 bool moe = m->num_experts > 0 && am_model_layer_is_moe(m, p->stages[s].first_layer + l);
-                add_group(&f, attn + pc->norms_per_layer + (moe ? router : mlp));
+                buffered |= add_group(&f, attn + pc->norms_per_layer + (moe ? router : mlp));
                 if (moe) { /* a MoE layer's experts: a group of their own, gathered with the layer */
-                    add_group_over(&f, experts_of_layer, (long long)expert_shard);
+                    bool b = add_group_over(&f, experts_of_layer, (long long)expert_shard);
+                    buffered |= b;
+                    buffered_experts += b;
                     moe_layers++;
                 }
             }
         if (head)
-            add_group(&f, pc->final_norm + (m->tie_word_embeddings && emb ? 0 : pc->embedding / tp));
-        double glp = am_dtype_size(r->reduce_dtype) < 4 ? am_dtype_size(r->reduce_dtype) : 0;
+            buffered |= add_group(&f, pc->final_norm + (m->tie_word_embeddings && emb ? 0 : pc->embedding / tp));
         /* LoRA's frozen base (stage 3) in mixed precision: its shards in the compute dtype alone */
         double swb = r->peft.enabled && cs != ss ? cs : wb;
         out->weights = zero >= 3 ? swb * (double)f.shard : wb * (double)f.slab + ss * (double)f.shard;
         /* stage 1: the full-size gradients (and their reduce_dtype copy) and the shards; from
-         * stage 2 (train/grad_sync.h) the shards and a few per-group buffers of the largest
-         * group's span (two; three when the head shares the embedding; four with MoE layers; one
-         * more for a tied embedding split over two stages), each with its reduce_dtype copy and
-         * its receive shard (grad_buffers), and with HSDP in bf16 the shards' copy all-reduced
-         * over the replicas */
+         * stage 2 (train/grad_sync.h) the shards and a few per-group buffers of the largest span
+         * of the groups that take one (two; three when the head shares the embedding; four with
+         * MoE layers whose experts take one; one more for a tied embedding split over two
+         * stages; none when no group takes one), each with its reduce_dtype copy and its
+         * receive shard (grad_buffers), and with HSDP in bf16 the shards' copy all-reduced over
+         * the replicas. A group sharded over one rank (the experts with ep_shard 1) with an fp32
+         * reduction takes none: its gradients accumulate in its shard. */
         if (zero >= 2) {
-            double nb = (moe_layers ? 4 : m->tie_word_embeddings && emb && head ? 3 : 2) +
-                        (m->tie_word_embeddings && p->pp > 1 && (emb || head) ? 1 : 0);
+            double nb = !buffered ? 0
+                                  : (buffered_experts ? 4 : m->tie_word_embeddings && emb && head ? 3 : 2) +
+                                        (m->tie_word_embeddings && p->pp > 1 && (emb || head) ? 1 : 0);
             out->grads = 4 * (double)f.shard + (glp && p->dp_replicate > 1 ? glp * (double)f.shard : 0);
-            out->grad_buffers = nb * (double)f.max_span * (4 + glp) + nb * (double)f.max_shard * (glp ? glp : 4);
+            out->grad_buffers = nb * (double)f.buf_span * (4 + glp) + nb * (double)f.buf_shard * (glp ? glp : 4);
         } else {
             out->grads = (4 + glp) * (double)f.slab + 4 * (double)f.shard;
         }

@@ -12,15 +12,20 @@ static struct am_tensor flat(const struct am_model *m, void *p, enum am_dtype dt
     return am_tensor_view(p, m->dev->device, dt, (int64_t)n, 0, 0, 0);
 }
 
-/* The buffers sharded gradients need (grad_sync.h), from the model's groups. */
-static int buffers_needed(const struct am_model *m)
+/* The buffers sharded gradients need (grad_sync.h), from the model's groups that take one
+ * (none: none); s->direct set. */
+static int buffers_needed(const struct am_gsync *s)
 {
-    bool moe = false, tied = false;
+    const struct am_model *m = s->m;
+    bool any = false, moe = false, tied = false;
     for (int g = 0; g < m->n_groups; g++) {
+        if (s->direct[g])
+            continue;
+        any = true;
         moe |= m->groups[g].kind == AM_PG_EXPERTS;
         tied |= m->groups[g].tied;
     }
-    return (moe ? 4 : m->embed && m->head == m->embed ? 3 : 2) + (tied ? 1 : 0);
+    return !any ? 0 : (moe ? 4 : m->embed && m->head == m->embed ? 3 : 2) + (tied ? 1 : 0);
 }
 
 static int init_shards(struct am_gsync *s, const struct am_gsync_shards *sh, char *err, size_t err_len)
@@ -30,23 +35,32 @@ static int init_shards(struct am_gsync *s, const struct am_gsync_shards *sh, cha
     size_t es = am_dtype_size(s->reduce);
     s->shard_g = sh->grads;
     s->n_shard = sh->n_shard;
-    s->n_bufs = buffers_needed(m);
+    s->direct = calloc((size_t)m->n_groups + 1, sizeof(*s->direct));
+    s->open = calloc((size_t)m->n_groups + 1, sizeof(*s->open));
+    if (!s->direct || !s->open)
+        return am_fail(err, err_len, "out of memory for %d parameter groups", m->n_groups);
     for (int g = 0; g < m->n_groups; g++) {
         struct am_pgroup *G = &m->groups[g];
         /* with expert parallelism the experts' shards span the replicas (their expert-data-parallel
          * group, AutoModel's ep_shard): no replica all-reduce for them */
         G->replicate = G->kind == AM_PG_EXPERTS && m->ep_comm ? NULL : sh->replicate;
+        /* a shard group of one rank reduced in fp32: its shard is its whole span, where its
+         * gradients accumulate (no buffer, no receive shard) */
+        s->direct[g] = G->shard == AM_SHARD_SHARDED && s->reduce == AM_F32 && am_comm_size(G->comm) == 1;
+        if (s->direct[g])
+            continue;
         if (G->span > s->buf_elems)
             s->buf_elems = G->span;
         if (G->shard_elems > s->recv_elems)
             s->recv_elems = G->shard_elems;
     }
+    s->n_bufs = buffers_needed(s);
     int n = s->n_bufs;
-    s->buf_group = malloc((size_t)n * sizeof(*s->buf_group));
-    s->buf_sent = malloc((size_t)n * sizeof(*s->buf_sent));
-    s->buf_final = calloc((size_t)n, sizeof(*s->buf_final));
-    s->buf_seq = calloc((size_t)n, sizeof(*s->buf_seq));
-    s->buf_req = calloc((size_t)n, sizeof(*s->buf_req));
+    s->buf_group = malloc(((size_t)n + 1) * sizeof(*s->buf_group));
+    s->buf_sent = malloc(((size_t)n + 1) * sizeof(*s->buf_sent));
+    s->buf_final = calloc((size_t)n + 1, sizeof(*s->buf_final));
+    s->buf_seq = calloc((size_t)n + 1, sizeof(*s->buf_seq));
+    s->buf_req = calloc((size_t)n + 1, sizeof(*s->buf_req));
     s->ones = malloc(((size_t)m->n_params + 1) * sizeof(*s->ones));
     if (!s->buf_group || !s->buf_sent || !s->buf_final || !s->buf_seq || !s->buf_req || !s->ones)
         return am_fail(err, err_len, "out of memory for %d gradient buffers", n);
@@ -54,12 +68,16 @@ static int init_shards(struct am_gsync *s, const struct am_gsync_shards *sh, cha
         s->buf_group[b] = s->buf_sent[b] = -1;
     for (int i = 0; i < m->n_params; i++)
         s->ones[i] = 1;
-    s->buf_mem = K->alloc(m->dev, (size_t)n * s->buf_elems * sizeof(float));
-    s->recv_mem = K->alloc(m->dev, (size_t)n * s->recv_elems * es);
     s->finite = K->alloc(m->dev, ((size_t)m->n_params + 1) * sizeof(int32_t));
-    if (!s->buf_mem || !s->recv_mem || !s->finite)
-        return am_fail(err, err_len, "out of memory for %d gradient buffers of %zu", n, s->buf_elems);
-    if (s->reduce != AM_F32 && !(s->buf_lp = K->alloc(m->dev, (size_t)n * s->buf_elems * es)))
+    if (!s->finite)
+        return am_fail(err, err_len, "out of memory for the gradients' %d finite flags", m->n_params);
+    if (n) { /* none when every group accumulates in its shard */
+        s->buf_mem = K->alloc(m->dev, (size_t)n * s->buf_elems * sizeof(float));
+        s->recv_mem = K->alloc(m->dev, (size_t)n * s->recv_elems * es);
+        if (!s->buf_mem || !s->recv_mem)
+            return am_fail(err, err_len, "out of memory for %d gradient buffers of %zu", n, s->buf_elems);
+    }
+    if (n && s->reduce != AM_F32 && !(s->buf_lp = K->alloc(m->dev, (size_t)n * s->buf_elems * es)))
         return am_fail(err, err_len, "out of memory for %d gradient buffers of %zu in the reduction's dtype", n,
                        s->buf_elems);
     if (s->reduce != AM_F32 && sh->replicate && !(s->shard_lp = K->alloc(m->dev, s->n_shard * es)))
@@ -102,6 +120,8 @@ void am_gsync_free(struct am_gsync *s)
     free(s->buf_final);
     free(s->buf_seq);
     free(s->buf_req);
+    free(s->direct);
+    free(s->open);
     free(s->ones);
     memset(s, 0, sizeof(*s));
 }
@@ -226,6 +246,12 @@ int am_gsync_use(struct am_gsync *s, int group, char *err, size_t err_len)
     struct am_model *m = s->m;
     const struct am_pgroup *G = &m->groups[group];
     int b = -1;
+    if (s->direct[group]) { /* into its shard, which holds its span whole (unless accumulating there already) */
+        for (int i = G->first; i < G->first + G->n && !s->open[group]; i++)
+            m->params[i].g.data = (float *)s->shard_g + G->shard_offset + (m->params[i].slab_off - G->offset);
+        s->open[group] = true;
+        return 0;
+    }
     for (int i = 0; i < s->n_bufs; i++)
         if (s->buf_group[i] == group)
             return 0; /* accumulating there already (the embedding the head shares, a tied copy) */
@@ -252,6 +278,36 @@ int am_gsync_use(struct am_gsync *s, int group, char *err, size_t err_len)
     return 0;
 }
 
+/* A group that accumulates in its shard (its shard group is this rank alone) ended a backward:
+ * after the step's last, its sum checked and into local_sumsq (a gradient that was not finite
+ * in a micro-batch is not in their sum: an infinity or a NaN stays one through additions), and
+ * with HSDP its shard all-reduced over the replicas (started, or done when blocking). */
+static int end_direct(struct am_gsync *s, int group, bool final, char *err, size_t err_len)
+{
+    struct am_model *m = s->m;
+    const struct am_pgroup *G = &m->groups[group];
+    if (!s->open[group])
+        return am_fail(err, err_len, "gradient shards: group %s ended a backward it did not start", G->name);
+    s->open[group] = false;
+    struct am_tensor flag = am_tensor_view(s->finite, m->dev->device, AM_I32, 1, 0, 0, 0);
+    for (int i = G->first; i < G->first + G->n; i++) {
+        flag.data = (int32_t *)s->finite + i;
+        if (final)
+            m->K->all_finite(m->dev, &flag, &m->params[i].g);
+        m->params[i].g.data = NULL;
+    }
+    if (!final)
+        return 0;
+    struct am_tensor dst = flat(m, (float *)s->shard_g + G->shard_offset, AM_F32, G->shard_elems);
+    struct am_tensor sq = flat(m, dst.data, AM_F32, G->n_elems);
+    m->K->sum_squares(m->dev, &m->scalars.local_sumsq, &sq, 1.0);
+    if (!G->replicate)
+        return 0;
+    return s->overlap ? am_iallreduce(G->replicate, dst.data, dst.data, G->shard_elems, AM_F32, AM_SUM,
+                                      &s->reqs[s->n_reqs++], err, err_len)
+                      : am_allreduce(G->replicate, dst.data, dst.data, G->shard_elems, AM_F32, AM_SUM, err, err_len);
+}
+
 /* The group's backward ended (or, a tied copy, the step's): its buffer's gradients checked,
  * into local_sumsq, and reduce-scattered (started, or done and added when blocking). */
 static int send_group(struct am_gsync *s, int group, bool final, char *err, size_t err_len)
@@ -259,6 +315,8 @@ static int send_group(struct am_gsync *s, int group, bool final, char *err, size
     struct am_model *m = s->m;
     const struct am_pgroup *G = &m->groups[group];
     int b = -1;
+    if (s->direct[group])
+        return end_direct(s, group, final, err, err_len);
     for (int i = 0; i < s->n_bufs; i++)
         if (s->buf_group[i] == group)
             b = i;
@@ -346,7 +404,7 @@ int am_gsync_finish(struct am_gsync *s, char *err, size_t err_len)
     int rc = am_model_finish_tied(m, err, err_len);
     for (int g = 0; g < m->n_groups && rc == 0; g++) {
         if (m->groups[g].shard == AM_SHARD_SHARDED) { /* a tied copy, held for the step */
-            bool held = false;
+            bool held = s->open[g];
             for (int b = 0; b < s->n_bufs; b++)
                 held |= s->buf_group[b] == g;
             if (held && (am_model_group_finish(m, g, err, err_len) < 0 || send_group(s, g, true, err, err_len) < 0))
@@ -369,6 +427,8 @@ int am_gsync_finish(struct am_gsync *s, char *err, size_t err_len)
         s->buf_req[b] = NULL;
         s->buf_group[b] = s->buf_sent[b] = -1;
     }
+    for (int g = 0; s->shard_g && g < m->n_groups; g++) /* after a failure: forgotten */
+        s->open[g] = false;
     s->n_reqs = 0;
     if (s->shard_lp && rc == 0) { /* HSDP in reduce_dtype: the replicas' sums back into the fp32 shards */
         struct am_tensor g = flat(m, s->shard_g, AM_F32, s->n_shard), r = flat(m, s->shard_lp, s->reduce, s->n_shard);

@@ -31,10 +31,19 @@
  * four with mixture-of-experts layers (a layer and its experts, twice), one more for a tied
  * embedding split over two pipeline stages (its copy is kept for the whole step and reduced
  * in am_gsync_finish, after the two copies are summed), each of the largest group's span.
+ * A group whose shard communicator is one rank (the experts' with expert parallelism where ep
+ * is dp: ep_shard 1) and whose reduction is fp32 takes none: its shard is its whole span, its
+ * parameters' g point into it and its gradients accumulate there over the micro-batches, as
+ * a single rank's do in its slab; after the step's last backward its sum is checked and added
+ * to local_sumsq (which only tells whether this rank's gradients were finite), and there is
+ * no reduce-scatter and no receive shard. The buffers and receive shards are sized, and the
+ * MoE layers' four counted, over the groups that take them (none: none allocated); a bf16
+ * reduce_dtype keeps every group in a buffer (its reduction rounds to bf16).
  * HSDP (G->replicate; none for the experts' groups with expert parallelism, whose
  * expert-data-parallel group spans the replicas): once a group's last reduce-scatter of the
- * step has been added to its shard, the shard is all-reduced over the replicas, non-blocking (it runs while the backward
- * goes on), waited for in am_gsync_finish. The reduce-scatters are completed, and these
+ * step has been added to its shard (one accumulating in its shard: after its last backward),
+ * the shard is all-reduced over the replicas, non-blocking (it runs while the backward goes
+ * on), waited for in am_gsync_finish. The reduce-scatters are completed, and these
  * all-reduces started, at points of the schedule only (when the next group's reduce-scatter
  * starts, when a buffer is needed, after the backward), never on a request found complete, so
  * that every rank issues its collectives in the same order across groups (comm.h).
@@ -82,10 +91,12 @@ struct am_gsync {
     size_t n_shard;
     void *shard_lp;       /* HSDP with a bf16 reduce_dtype: the shards' copy all-reduced */
     int n_bufs;
-    size_t buf_elems, recv_elems; /* the largest group's span, and its shard */
+    size_t buf_elems, recv_elems; /* the largest span and shard of the groups that take a buffer */
     void *buf_mem;        /* n_bufs x buf_elems fp32 gradients */
     void *buf_lp;         /* bf16 reduce_dtype: their copy that is reduce-scattered, or NULL */
     void *recv_mem;       /* n_bufs x recv_elems in reduce_dtype: what the reduce-scatters write */
+    bool *direct;         /* [n_groups]: accumulates in its shard (its shard group is one rank, fp32) */
+    bool *open;           /* [n_groups]: such a group's backward started, its g on its shard */
     int *buf_group;       /* [n_bufs]: the group accumulating there, or -1 */
     int *buf_sent;        /* [n_bufs]: the group whose reduce-scatter it is in, or -1 */
     bool *buf_final;      /* [n_bufs]: that was the group's last this step */

@@ -274,6 +274,44 @@ static void test_memory_expert_rows(void **state)
     am_recipe_free(r);
 }
 
+/* fsdp2's gradient buffers with expert parallelism on 4 ranks (the Mixtral above: the
+ * embedding 16384, each layer 12288 + 128 + the router 256 = 12672, the final norm with the
+ * head 16448, each layer's 4 experts 4 * 3 * 64 * 128 = 98304, E / ep on a rank; dp_shard 4).
+ * ep 4 = dp: the experts' groups are sharded over one rank (ep_shard 1) and, reduced in fp32,
+ * accumulate in their shards (train/grad_sync.h): two buffers of the largest other group (the
+ * head, 16448) with their receive shards over 4 ranks, in fp32. ep 2 (ep_shard 2): four
+ * buffers of the experts' span (49152) with their receive shards over 2 ranks. A bf16
+ * reduce_dtype keeps the ep 4 experts in buffers too: four of their span (fp32 and bf16) with
+ * bf16 receive shards of all of it. */
+static void test_memory_grad_buffers_ep(void **state)
+{
+    (void)state;
+    static const char moe[] = "model:\n  model_type: mixtral\n  hidden_size: 64\n  num_hidden_layers: 2\n"
+                              "  num_attention_heads: 4\n  num_key_value_heads: 2\n  intermediate_size: 128\n"
+                              "  vocab_size: 256\n  num_local_experts: 4\n  num_experts_per_tok: 2\n"
+                              "step_scheduler:\n  global_batch_size: 8\n  local_batch_size: 2\n";
+    const char *ep4[] = {"distributed.ep_size=4", NULL};
+    struct am_plan p;
+    struct am_recipe *r = plan_of(moe, ep4, 4, &p);
+    assert_int_equal(p.ep_shard, 1);
+    assert_int_equal(p.zero_stage, 3);
+    assert_float_equal(p.mem.grad_buffers, 2 * 4 * 16448.0 + 2 * 4 * 16448.0 / 4, 0);
+    am_plan_free(&p);
+    am_recipe_free(r);
+    const char *ep2[] = {"distributed.ep_size=2", NULL};
+    r = plan_of(moe, ep2, 4, &p);
+    assert_int_equal(p.ep_shard, 2);
+    assert_float_equal(p.mem.grad_buffers, 4 * 4 * 49152.0 + 4 * 4 * 49152.0 / 2, 0);
+    am_plan_free(&p);
+    am_recipe_free(r);
+    const char *ep4_bf16[] = {"distributed.ep_size=4", "distributed.mp_policy.param_dtype=bfloat16",
+                              "distributed.mp_policy.reduce_dtype=bfloat16", NULL};
+    r = plan_of(moe, ep4_bf16, 4, &p);
+    assert_float_equal(p.mem.grad_buffers, 4 * 6 * 24576.0 + 4 * 2 * 24576.0, 0);
+    am_plan_free(&p);
+    am_recipe_free(r);
+}
+
 /* Qwen3-MoE's dense layers by hand: 4 layers, hidden 64, heads 4 x head_dim 16 (kv 2),
  * 8 experts of 32, top 2, intermediate 128 for the dense MLP; decoder_sparse_step 2 makes
  * layers 0 and 2 dense ((l + 1) % 2 != 0), mlp_only_layers [3] makes layer 3 dense too:
@@ -767,6 +805,7 @@ int main(void)
         cmocka_unit_test(test_groups),
         cmocka_unit_test(test_expert_groups),
         cmocka_unit_test(test_memory_expert_rows),
+        cmocka_unit_test(test_memory_grad_buffers_ep),
         cmocka_unit_test(test_interleaved_stages),
         cmocka_unit_test(test_interleaved_stages_uneven),
         cmocka_unit_test(test_param_count),
