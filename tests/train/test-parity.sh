@@ -561,6 +561,20 @@ if true; then # (with AM_PARITY_ONLY, the layouts that ran)
         done
         check_memory "$name: every rank's weights, gradients, optimizer, gathered, gradient buffer bytes are am-plan's ($ww $wg $wo $wga $wgb)" 1
     done
+    # ep 2 on 2 ranks (ep_shard 1, fp32 reduction): the experts' groups accumulate in their
+    # shards (train/grad_sync.h), so the gradient buffers (two, of a dense group's span, and
+    # their receive shards) are below one experts group's fp32 span (gathered: four of it, in
+    # fp32); ep 2 x dp 4 (ep_shard 2) keeps four buffers of the experts' span
+    if [ -d "$work/logs-ep2-moe" ]; then
+        gb=$(memory "$work/logs-ep2-moe" 0 grad_buffers_bytes) ga=$(memory "$work/logs-ep2-moe" 0 gathered_bytes)
+        check_memory "ep2-moe: no gradient buffer for the experts (ep_shard 1): $gb bytes of buffers, below one experts group's $((ga / 4))" \
+            "$([ "$gb" -gt 0 ] && [ "$gb" -lt $((ga / 4)) ] && echo 1)"
+    fi
+    if [ -d "$work/logs-ep2-dp4-moe" ]; then
+        gb=$(memory "$work/logs-ep2-dp4-moe" 0 grad_buffers_bytes) ga=$(memory "$work/logs-ep2-dp4-moe" 0 gathered_bytes)
+        check_memory "ep2-dp4-moe: four gradient buffers of the experts' span (ep_shard 2): $gb bytes, at least $ga" \
+            "$([ "$gb" -ge "$ga" ] && echo 1)"
+    fi
     all=1
     for name in ref tp1-pp1-dp2-1f1b tp1-pp1-dp4-1f1b dp8 ddp-dp2; do [ -d "$work/logs-$name" ] || all=0; done
 fi
