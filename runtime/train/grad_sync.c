@@ -246,7 +246,7 @@ int am_gsync_use(struct am_gsync *s, int group, char *err, size_t err_len)
     struct am_model *m = s->m;
     const struct am_pgroup *G = &m->groups[group];
     int b = -1;
-    if (s->direct[group]) { /* into its shard, which holds its span whole (unless accumulating there already) */
+    if (s->direct && s->direct[group]) { /* into its shard, its span whole (unless accumulating there already) */
         for (int i = G->first; i < G->first + G->n && !s->open[group]; i++)
             m->params[i].g.data = (float *)s->shard_g + G->shard_offset + (m->params[i].slab_off - G->offset);
         s->open[group] = true;
@@ -315,7 +315,7 @@ static int send_group(struct am_gsync *s, int group, bool final, char *err, size
     struct am_model *m = s->m;
     const struct am_pgroup *G = &m->groups[group];
     int b = -1;
-    if (s->direct[group])
+    if (s->direct && s->direct[group])
         return end_direct(s, group, final, err, err_len);
     for (int i = 0; i < s->n_bufs; i++)
         if (s->buf_group[i] == group)
@@ -404,7 +404,7 @@ int am_gsync_finish(struct am_gsync *s, char *err, size_t err_len)
     int rc = am_model_finish_tied(m, err, err_len);
     for (int g = 0; g < m->n_groups && rc == 0; g++) {
         if (m->groups[g].shard == AM_SHARD_SHARDED) { /* a tied copy, held for the step */
-            bool held = s->open[g];
+            bool held = s->open && s->open[g];
             for (int b = 0; b < s->n_bufs; b++)
                 held |= s->buf_group[b] == g;
             if (held && (am_model_group_finish(m, g, err, err_len) < 0 || send_group(s, g, true, err, err_len) < 0))
@@ -427,7 +427,7 @@ int am_gsync_finish(struct am_gsync *s, char *err, size_t err_len)
         s->buf_req[b] = NULL;
         s->buf_group[b] = s->buf_sent[b] = -1;
     }
-    for (int g = 0; s->shard_g && g < m->n_groups; g++) /* after a failure: forgotten */
+    for (int g = 0; s->open && g < m->n_groups; g++) /* after a failure: forgotten */
         s->open[g] = false;
     s->n_reqs = 0;
     if (s->shard_lp && rc == 0) { /* HSDP in reduce_dtype: the replicas' sums back into the fp32 shards */
