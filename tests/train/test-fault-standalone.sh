@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # test-fault-standalone.sh - the fault matrix on one machine: `am-launch --nproc 4` with
 # AM_FAULT, every kind at two (rank, step) places (dp 4), and three kinds in a pipeline (pp 2
-# x dp 2); checks in tests/train/fault-lib.sh. The oom
+# x dp 2), with expert parallelism a kill in the all-to-all, a slow rank and a NaN in an
+# experts' gradient; checks in tests/train/fault-lib.sh. The oom
 # kind runs in a fresh memory cgroup with a 1 GiB limit (skipped, with a message, where
 # none can be made: every other kind still runs).
 set -uo pipefail
@@ -78,6 +79,21 @@ if grep -qE "$want" <<<"$diag_text" &&
 else
   fail "ep slow: am-diag does not weigh rank 1's expert load (want /$want/):"
   grep "^  rank" <<<"$diag_text" | sed "s/^/    /"
+fi
+# a NaN in an experts' gradient at ep 2 = dp 2 (ep_shard 1: the experts' gradients accumulate
+# in their shard without a buffer, train/grad_sync.h, checked after the step's last backward):
+# the rank it came from stops as its origin and names the tensor (one layer: the middle
+# parameter is one of its experts')
+sed 's/num_hidden_layers: 4/num_hidden_layers: 1/' "$T/moe.yaml" >"$T/moe1.yaml"
+mkdir -p "$T/ep-nan"
+(cd "$T" && env AM_EP=2 AM_FAULT="rank=1,step=2,kind=nan" timeout 60 "$LAUNCH" --nproc 2 --log-dir "$T/ep-nan/logs" \
+  "$T/moe1.yaml") >"$T/ep-nan/out" 2>&1
+cause=$(grep -h '"type":"cause"' "$T/ep-nan/logs"/*/rank-1.jsonl 2>/dev/null)
+if [[ $cause == *'"cause":"nonfinite","step":2,"tensor":"model.layers.0.block_sparse_moe.experts.'*'"origin":"local"'* ]]; then
+  pass "ep 2 nan in an experts' gradient (ep_shard 1, no buffer): rank 1 stops as its origin and names it"
+else
+  fail "ep 2 nan in an experts' gradient: rank 1's cause is not a local nonfinite naming an experts tensor: ${cause:-none}"
+  sed 's/^/    /' "$T/ep-nan/out"
 fi
 LAYOUT="" RECIPE=tiny.yaml
 
