@@ -382,6 +382,23 @@ void am_layer_lora_backward(struct am_model *m, const struct am_layer *L, const 
 
 /* ---- the layer ----------------------------------------------------------------------- */
 
+/* The first N rows of the layer's saved MLP tensor t (gate, up or product), at the layer's MLP
+ * width (its w_gate's rows): t may be wider (recompute's work set is the rank's widest MLP's). */
+static struct am_tensor mlp_view(const struct am_model *m, const struct am_tensor *t, const struct am_layer *L,
+                                 int64_t N)
+{
+    return am_tensor_view(t->data, m->K->device, m->act_dt, N, L->w_gate->w.shape[0], 0, 0);
+}
+
+/* Piece i of the MLP's backward scratch (the product's gradient, gate's, up's) for N rows at the
+ * layer's MLP width. */
+static struct am_tensor mlp_scratch(const struct am_model *m, const struct am_layer *L, int64_t N, int i)
+{
+    int64_t I = L->w_gate->w.shape[0];
+    size_t part = (size_t)(N * I) * am_dtype_size(m->act_dt);
+    return am_tensor_view((char *)m->scratch_mlp.data + i * part, m->K->device, m->act_dt, N, I, 0, 0);
+}
+
 /* One decoder layer on the residual stream x (R rows), saving what backward needs in a. */
 int am_layer_forward(struct am_model *m, const struct am_layer *L, struct am_layer_acts *a, struct am_tensor *x,
                      int64_t B, char *err, size_t err_len)
@@ -392,7 +409,6 @@ int am_layer_forward(struct am_model *m, const struct am_layer *L, struct am_lay
     struct am_tensor q = rows_of(&a->q, N), k = rows_of(&a->k, N), v = rows_of(&a->v, N);
     struct am_tensor att = rows_of(&a->att, N), lse = a->lse;
     struct am_tensor x_mid = rows_of(&a->x_mid, R), h2 = rows_of(&a->h2, R), rstd2 = rows_of(&a->rstd2, R);
-    struct am_tensor gate = rows_of(&a->gate, N), up = rows_of(&a->up, N), act = rows_of(&a->act, N);
     struct am_tensor o = rows_of(&m->scratch_c, N), in;
     lse.shape[0] = B;
 
@@ -466,12 +482,11 @@ attention_out:
         K->add(m->dev, x, &o);
         if (!L->w_gate)
             return 0;
-        /* glm4_moe's shared experts beside them: an MLP of their width, split over tp */
-        int64_t Il = L->w_gate->w.shape[0];
-        gate = am_tensor_view(a->gate.data, K->device, m->act_dt, N, Il, 0, 0);
-        up = am_tensor_view(a->up.data, K->device, m->act_dt, N, Il, 0, 0);
-        act = am_tensor_view(a->act.data, K->device, m->act_dt, N, Il, 0, 0);
+        /* deepseek_v3's and glm4_moe's shared experts beside them: an MLP of their width, split over tp */
     }
+    /* the MLP at its width (the saved tensors' with recompute are the rank's widest MLP's) */
+    struct am_tensor gate = mlp_view(m, &a->gate, L, N), up = mlp_view(m, &a->up, L, N);
+    struct am_tensor act = mlp_view(m, &a->act, L, N);
     K->matmul_forward(m->dev, &gate, &in, &L->w_gate->wc);
     K->matmul_forward(m->dev, &up, &in, &L->w_up->wc);
     am_layer_lora_forward(m, L, a, AM_LORA_GATE, &gate, &in);
@@ -495,17 +510,12 @@ int am_layer_backward(struct am_model *m, const struct am_layer *L, const struct
                       struct am_tensor *dx, int64_t B, char *err, size_t err_len)
 {
     const struct am_kernels *K = m->K;
-    int64_t T = m->seq_len, N = B * T, D = m->head_dim, I = m->inter, R = stream_rows(m, N);
+    int64_t T = m->seq_len, N = B * T, D = m->head_dim, R = stream_rows(m, N);
     struct am_tensor x_in = rows_of(&a->x_in, R), h1 = rows_of(&a->h1, R), rstd1 = rows_of(&a->rstd1, R);
     struct am_tensor q = rows_of(&a->q, N), k = rows_of(&a->k, N), v = rows_of(&a->v, N);
     struct am_tensor att = rows_of(&a->att, N), lse = a->lse;
     struct am_tensor x_mid = rows_of(&a->x_mid, R), h2 = rows_of(&a->h2, R), rstd2 = rows_of(&a->rstd2, R);
-    struct am_tensor gate = rows_of(&a->gate, N), up = rows_of(&a->up, N), act = rows_of(&a->act, N);
     struct am_tensor dh = rows_of(&m->scratch_c, N), dy, in;
-    size_t part = (size_t)(N * I) * am_dtype_size(m->act_dt);
-    struct am_tensor dact = am_tensor_view(m->scratch_mlp.data, K->device, m->act_dt, N, I, 0, 0);
-    struct am_tensor dgate = am_tensor_view((char *)m->scratch_mlp.data + part, K->device, m->act_dt, N, I, 0, 0);
-    struct am_tensor dup = am_tensor_view((char *)m->scratch_mlp.data + 2 * part, K->device, m->act_dt, N, I, 0, 0);
     lse.shape[0] = B;
 
     /* MLP block, in reverse; dx already holds the residual's gradient */
@@ -524,15 +534,10 @@ int am_layer_backward(struct am_model *m, const struct am_layer *L, const struct
             return -1;
         if (m->tp_comm) /* each tp rank holds all of dh, which am_norm_backward sums over tp */
             K->scale(m->dev, &dh, 1.0f / (float)m->sh.tp);
-        if (L->w_gate) { /* glm4_moe's shared experts: their MLP's backward adds to dh (partial over tp) */
-            int64_t Il = L->w_gate->w.shape[0];
-            size_t ps = (size_t)(N * Il) * am_dtype_size(m->act_dt);
-            struct am_tensor sg = am_tensor_view(a->gate.data, K->device, m->act_dt, N, Il, 0, 0);
-            struct am_tensor su = am_tensor_view(a->up.data, K->device, m->act_dt, N, Il, 0, 0);
-            struct am_tensor sa = am_tensor_view(a->act.data, K->device, m->act_dt, N, Il, 0, 0);
-            struct am_tensor sda = am_tensor_view(m->scratch_mlp.data, K->device, m->act_dt, N, Il, 0, 0);
-            struct am_tensor sdg = am_tensor_view((char *)m->scratch_mlp.data + ps, K->device, m->act_dt, N, Il, 0, 0);
-            struct am_tensor sdu = am_tensor_view((char *)m->scratch_mlp.data + 2 * ps, K->device, m->act_dt, N, Il, 0, 0);
+        if (L->w_gate) { /* the shared experts (deepseek_v3, glm4_moe): their MLP's backward adds to dh (partial over tp) */
+            struct am_tensor sg = mlp_view(m, &a->gate, L, N), su = mlp_view(m, &a->up, L, N);
+            struct am_tensor sa = mlp_view(m, &a->act, L, N), sda = mlp_scratch(m, L, N, 0);
+            struct am_tensor sdg = mlp_scratch(m, L, N, 1), sdu = mlp_scratch(m, L, N, 2);
             K->zero(m->dev, &sda);
             K->matmul_backward(m->dev, &sda, base_grad(m, L->w_down), &dy, &sa, &L->w_down->wc);
             am_layer_lora_backward(m, L, a, AM_LORA_DOWN, &sda, &dy, &sa);
@@ -548,6 +553,9 @@ int am_layer_backward(struct am_model *m, const struct am_layer *L, const struct
             return -1;
         goto attention;
     }
+    struct am_tensor gate = mlp_view(m, &a->gate, L, N), up = mlp_view(m, &a->up, L, N);
+    struct am_tensor act = mlp_view(m, &a->act, L, N), dact = mlp_scratch(m, L, N, 0);
+    struct am_tensor dgate = mlp_scratch(m, L, N, 1), dup = mlp_scratch(m, L, N, 2);
     K->zero(m->dev, &dact);
     K->matmul_backward(m->dev, &dact, base_grad(m, L->w_down), &dy, &act, &L->w_down->wc);
     am_layer_lora_backward(m, L, a, AM_LORA_DOWN, &dact, &dy, &act);

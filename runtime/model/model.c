@@ -188,32 +188,66 @@ static struct am_tensor carve(struct slab *s, enum am_dtype dt, int64_t d0, int6
     return t;
 }
 
-/* A layer's saved tensors but x_in (own per slot, or the shared work set with recompute). */
-static void carve_layer(struct am_model *m, struct slab *c, struct am_layer_acts *a)
+/* The widths of a token's q, k, v and attention output on this rank (multi-head latent
+ * attention: q and k at qk_nope + qk_rope a head, v and the output at v_head_dim; mla.c). */
+struct att_widths {
+    int64_t q, k, v, o;
+};
+
+static struct att_widths att_widths(const struct am_model *m)
 {
-    int64_t N = m->max_tokens, R = stream_rows(m, N), C = m->cfg.hidden_size, D = m->head_dim;
-    int64_t Q = m->heads * D, KV = m->kv_heads * D, I = m->inter, B = N / m->seq_len, T = m->seq_len;
+    int64_t qk = am_model_qk_head_dim(&m->cfg), vd = am_model_v_head_dim(&m->cfg);
+    return (struct att_widths){m->heads * qk, m->kv_heads * qk, m->kv_heads * vd, m->heads * vd};
+}
+
+/* The width of the rank's share of layer l's (the model's index) dense MLP (a MoE layer's
+ * shared experts; 0 for a MoE layer without them). */
+static int64_t mlp_width(const struct am_model *m, int l)
+{
+    return am_model_layer_mlp_width(&m->cfg, l) / m->sh.tp;
+}
+
+/* The widest MLP of the rank's layers: recompute's work set and the MLP's backward scratch. */
+static int64_t rank_mlp_width(const struct am_model *m)
+{
+    int64_t w = 0;
+    for (int c = 0; c < m->sh.n_chunks; c++)
+        for (int i = 0; i < m->sh.chunks[c].n_layers; i++) {
+            int64_t wl = mlp_width(m, m->sh.chunks[c].first_layer + i);
+            w = wl > w ? wl : w;
+        }
+    return w;
+}
+
+/* A layer's saved tensors but x_in (own per slot, or the shared work set with recompute), its
+ * MLP I wide (the layer's; the widest of the rank's for the work set; 0: none). */
+static void carve_layer(struct am_model *m, struct slab *c, struct am_layer_acts *a, int64_t I)
+{
+    int64_t N = m->max_tokens, R = stream_rows(m, N), C = m->cfg.hidden_size, B = N / m->seq_len, T = m->seq_len;
+    struct att_widths w = att_widths(m);
     a->h1 = carve(c, m->act_dt, R, C, 0, 0);
     a->rstd1 = carve(c, AM_F32, R, 0, 0, 0);
-    a->q = carve(c, m->act_dt, N, Q, 0, 0);
-    a->k = carve(c, m->act_dt, N, KV, 0, 0);
+    a->q = carve(c, m->act_dt, N, w.q, 0, 0);
+    a->k = carve(c, m->act_dt, N, w.k, 0, 0);
     if (m->cfg.qk_norm) {
-        a->q_raw = carve(c, m->act_dt, N, Q, 0, 0);
-        a->k_raw = carve(c, m->act_dt, N, KV, 0, 0);
+        a->q_raw = carve(c, m->act_dt, N, w.q, 0, 0);
+        a->k_raw = carve(c, m->act_dt, N, w.k, 0, 0);
         a->rstd_q = carve(c, AM_F32, N * m->heads, 0, 0, 0);
         a->rstd_k = carve(c, AM_F32, N * m->kv_heads, 0, 0, 0);
     }
-    a->v = carve(c, m->act_dt, N, KV, 0, 0);
-    a->att = carve(c, m->act_dt, N, Q, 0, 0);
+    a->v = carve(c, m->act_dt, N, w.v, 0, 0);
+    a->att = carve(c, m->act_dt, N, w.o, 0, 0);
     a->lse = carve(c, AM_F32, B, m->heads, T, 0);
     a->x_mid = carve(c, m->act_dt, R, C, 0, 0);
     a->h2 = carve(c, m->act_dt, R, C, 0, 0);
     a->rstd2 = carve(c, AM_F32, R, 0, 0, 0);
-    a->gate = carve(c, m->act_dt, N, I, 0, 0);
-    a->up = carve(c, m->act_dt, N, I, 0, 0);
-    a->act = carve(c, m->act_dt, N, I, 0, 0);
-    for (int t = 0; m->sh.lora_r > 0 && t < AM_LORA_NPROJ; t++)
-        if (m->sh.lora_targets >> t & 1u)
+    if (I > 0) {
+        a->gate = carve(c, m->act_dt, N, I, 0, 0);
+        a->up = carve(c, m->act_dt, N, I, 0, 0);
+        a->act = carve(c, m->act_dt, N, I, 0, 0);
+    }
+    for (int t = 0; m->sh.lora_r > 0 && t < AM_LORA_NPROJ; t++) /* the MLP's adapters where there is one */
+        if (m->sh.lora_targets >> t & 1u && (I > 0 || (t != AM_LORA_GATE && t != AM_LORA_UP && t != AM_LORA_DOWN)))
             a->lora_t[t] = carve(c, m->act_dt, N, m->sh.lora_r, 0, 0);
     if (m->cfg.mla) { /* multi-head latent attention's low-rank activations (mla.c) */
         if (m->cfg.q_lora_rank > 0) {
@@ -238,7 +272,8 @@ static void carve_layer(struct am_model *m, struct slab *c, struct am_layer_acts
 static size_t layout_acts(struct am_model *m, char *base)
 {
     int64_t N = m->max_tokens, R = stream_rows(m, N), C = m->cfg.hidden_size, D = m->head_dim;
-    int64_t Q = m->heads * D, KV = m->kv_heads * D, I = m->inter, T = m->seq_len;
+    int64_t KV = m->kv_heads * D, I = rank_mlp_width(m), T = m->seq_len;
+    struct att_widths w = att_widths(m);
     struct slab c = {.base = base, .dev = m->K->device};
     for (int k = 0; k < m->sh.n_chunks; k++) {
         for (int s = 0; s < m->sh.chunks[k].slots; s++) {
@@ -246,7 +281,7 @@ static size_t layout_acts(struct am_model *m, char *base)
             for (int l = 0; l < m->sh.chunks[k].n_layers; l++) {
                 S->acts[l].x_in = carve(&c, m->act_dt, R, C, 0, 0);
                 if (!m->sh.recompute)
-                    carve_layer(m, &c, &S->acts[l]);
+                    carve_layer(m, &c, &S->acts[l], mlp_width(m, m->sh.chunks[k].first_layer + l));
             }
             if (m->sh.first_stage && k == 0)
                 S->tokens = carve(&c, AM_I32, N, 0, 0, 0);
@@ -261,8 +296,8 @@ static size_t layout_acts(struct am_model *m, char *base)
         }
     }
     if (m->sh.recompute) {
-        struct am_layer_acts work;
-        carve_layer(m, &c, &work);
+        struct am_layer_acts work = {0};
+        carve_layer(m, &c, &work, I);
         for (size_t i = 0; i < m->n_acts; i++) {
             struct am_tensor x_in = m->acts_mem[i].x_in;
             m->acts_mem[i] = work;
@@ -281,11 +316,12 @@ static size_t layout_acts(struct am_model *m, char *base)
     if (m->sh.tp > m->cfg.num_key_value_heads) /* k's and v's weights (and biases) of every kv head */
         m->kv_sum = carve(&c, AM_F32, 2 * m->cfg.num_key_value_heads * D * (C + (m->cfg.qkv_bias ? 1 : 0)), 0, 0, 0);
     m->scratch_c = carve(&c, m->act_dt, N, C, 0, 0);
-    m->scratch_q = carve(&c, m->act_dt, N, Q, 0, 0);
-    m->scratch_att = carve(&c, m->act_dt, N, Q, 0, 0);
-    m->scratch_kv_k = carve(&c, m->act_dt, N, KV, 0, 0);
-    m->scratch_kv_v = carve(&c, m->act_dt, N, KV, 0, 0);
-    m->scratch_mlp = carve(&c, m->act_dt, N, 3 * I, 0, 0); /* dact, dgate, dup */
+    m->scratch_q = carve(&c, m->act_dt, N, w.q, 0, 0);
+    m->scratch_att = carve(&c, m->act_dt, N, w.o, 0, 0); /* with qk_norm also q's gradient before the norm */
+    m->scratch_kv_k = carve(&c, m->act_dt, N, w.k, 0, 0);
+    m->scratch_kv_v = carve(&c, m->act_dt, N, w.v, 0, 0);
+    if (I > 0) /* the widest MLP's dact, dgate and dup (none where no layer has an MLP) */
+        m->scratch_mlp = carve(&c, m->act_dt, N, 3 * I, 0, 0);
     if (m->cfg.qk_norm)
         m->scratch_kn = carve(&c, m->act_dt, N, KV, 0, 0);
     if (m->cfg.gemma)
@@ -293,7 +329,7 @@ static size_t layout_acts(struct am_model *m, char *base)
     if (m->cfg.mla)
         m->scratch_mla = carve(&c, m->act_dt, am_mla_scratch_elems(m), 0, 0, 0);
     if (m->sh.lora_r > 0) {
-        int64_t wide = Q > C ? Q : C;
+        int64_t wide = w.q > C ? w.q : C;
         wide = I > wide ? I : wide;
         if (m->cfg.mla) { /* q_a's output, kv_a's and kv_b's (mla.c; am-plan counts the same) */
             int64_t kvw = m->cfg.kv_lora_rank + m->cfg.qk_rope_head_dim, qr = m->cfg.q_lora_rank;

@@ -170,8 +170,11 @@ static inline struct am_model_shard am_model_shard_whole(int tp, int tp_rank, in
                                    .first_stage = true, .last_stage = true};
 }
 
-/* Saved activations of one layer for one micro-batch. With recompute only x_in is the
- * micro-batch's own; the other tensors are one work set shared by every layer. */
+/* Saved activations of one layer for one micro-batch, sized for the layer's kind: gate, up and
+ * act as wide as its dense MLP (a MoE layer's shared experts; none without them: empty, as the
+ * MLP's LoRA x · Aᵀ), v and att at v's head width (multi-head latent attention: v_head_dim).
+ * With recompute only x_in is the micro-batch's own; the other tensors are one work set shared
+ * by every layer, its MLP's as wide as the rank's widest (layer.c views them at each layer's). */
 struct am_layer_acts {
     struct am_tensor x_in, h1, rstd1, q, k, v, att, lse, x_mid, h2, rstd2, gate, up, act;
     struct am_tensor q_raw, k_raw, rstd_q, rstd_k; /* qk_norm: q, k before their norms, and the norms' rstd

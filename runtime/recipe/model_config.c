@@ -916,6 +916,13 @@ bool am_model_layer_is_moe(const struct am_model_config *m, long l)
     return l >= AM_MAX_WINDOW_LAYERS || !((m->dense_layers[l / 64] >> (l % 64)) & 1);
 }
 
+long am_model_layer_mlp_width(const struct am_model_config *m, long l)
+{
+    if (!am_model_layer_is_moe(m, l))
+        return m->intermediate_size;
+    return m->n_shared_experts > 0 ? m->n_shared_experts * m->moe_intermediate_size : 0;
+}
+
 long am_model_moe_layers(const struct am_model_config *m)
 {
     long n = 0;

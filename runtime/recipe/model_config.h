@@ -123,9 +123,10 @@ struct am_model_config {
      * every head)]; kv_b_proj(kv_a_layernorm(c)) per head [k_nope, v (v_head_dim)]; q = [q_nope,
      * rope(q_pe)], k = [k_nope, rope(k_pe)]; the softmax scale (qk_nope + qk_rope)^-0.5. With
      * rope_interleave the rope part is taken in the order (x0, x2, ..., x1, x3, ...) before
-     * rotate-half. head_dim is then the width of a head in the attention kernels,
-     * max(qk_nope + qk_rope, v_head_dim) (the narrower of q/k and v padded with zeros), and
-     * rotary_dim qk_rope_head_dim. num_key_value_heads equals num_attention_heads. */
+     * rotate-half. head_dim is then max(qk_nope + qk_rope, v_head_dim) (the attention kernels
+     * take q's and k's heads at qk_nope + qk_rope, v's and the output's at v_head_dim:
+     * am_model_qk_head_dim, am_model_v_head_dim), and rotary_dim qk_rope_head_dim.
+     * num_key_value_heads equals num_attention_heads. */
     bool mla;
     long q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim;
     bool rope_interleave;
@@ -203,6 +204,21 @@ long am_model_layer_window(const struct am_model_config *m, long l);
 bool am_model_layer_is_moe(const struct am_model_config *m, long l);
 /* How many of the model's layers have experts. */
 long am_model_moe_layers(const struct am_model_config *m);
+/* The width of layer l's dense MLP (gate, up and their product), before tp splits it: a dense
+ * layer's intermediate_size; a MoE layer's shared experts' n_shared_experts x
+ * moe_intermediate_size (deepseek_v3, glm4_moe), 0 without them (Qwen3-MoE, Mixtral, gpt_oss;
+ * the routed experts' tensors are apart). */
+long am_model_layer_mlp_width(const struct am_model_config *m, long l);
+/* A head's width in q and k, and in v and the attention's output: head_dim, or with multi-head
+ * latent attention qk_nope + qk_rope and v_head_dim. */
+static inline long am_model_qk_head_dim(const struct am_model_config *m)
+{
+    return m->mla ? m->qk_nope_head_dim + m->qk_rope_head_dim : m->head_dim;
+}
+static inline long am_model_v_head_dim(const struct am_model_config *m)
+{
+    return m->mla ? m->v_head_dim : m->head_dim;
+}
 
 /* The rope theta of layer l and whether rope_scaling applies there: rope_local_base_freq
  * without scaling on a gemma3_text sliding layer, rope_theta with rope_scaling elsewhere. */

@@ -157,18 +157,18 @@ static int stage_moe_layers(const struct am_recipe *r, const struct am_stage *st
     return n;
 }
 
-/* Elements saved for backward per token of one layer on one tp rank (see docs/recipes.md). */
+/* Elements saved for backward per token of one layer on one tp rank but its MLP's (every
+ * layer's the same; see docs/recipes.md). */
 static double act_elems_per_token(const struct am_recipe *r, const struct am_plan *p)
 {
     const struct am_model_config *m = &r->model;
-    double tp = p->tp, h = (double)m->hidden_size, hd = (double)m->head_dim;
-    double q = (double)m->num_attention_heads * hd;
-    double kv_rank = (m->num_key_value_heads >= p->tp ? (double)m->num_key_value_heads / tp : 1.0) * hd;
-    /* the MLP's gate, up and product (every layer: a MoE model's dense layers use them); a MoE
-     * layer also keeps, per token, its router logits and probabilities, its k slots' choice,
-     * weight and row (i32 / f32), and for each slot the permuted input, gate, up, product and
-     * output (runtime/model/moe.c), averaged over the layers (qwen3_moe's dense layers) */
-    double mlp = 3 * (double)m->intermediate_size / tp; /* the MoE part: moe_layer_slots */
+    double tp = p->tp, h = (double)m->hidden_size;
+    /* the rank's heads and kv heads (one when tp exceeds the kv heads); a head's width in q and k,
+     * and in v and the attention's output (multi-head latent attention: qk_nope + qk_rope and
+     * v_head_dim; runtime/model/mla.c) */
+    double heads = (double)(m->num_attention_heads / p->tp);
+    double kv_heads = m->num_key_value_heads >= p->tp ? (double)(m->num_key_value_heads / p->tp) : 1.0;
+    double qkd = (double)am_model_qk_head_dim(m), vd = (double)am_model_v_head_dim(m);
     /* norm inputs and outputs, and the two norms' inverse rms (fp32) */
     double f32 = 4 / am_dtype_size(r->compute_dtype);
     double replicated = 4 * h + 2 * f32;
@@ -176,19 +176,44 @@ static double act_elems_per_token(const struct am_recipe *r, const struct am_pla
         replicated += 2 * h + 2 * f32;
     if (r->dist.sequence_parallel)
         replicated /= tp;
-    double heads = (double)(m->num_attention_heads / p->tp), kv_heads = kv_rank / hd;
+    /* q, k, v and the attention's output */
+    double att = heads * qkd + kv_heads * qkd + kv_heads * vd + heads * vd;
     /* q and k before their per-head norms, and the norms' inverse rms (fp32) */
-    double qk_norm = m->qk_norm ? q / tp + kv_rank + (heads + kv_heads) * f32 : 0;
-    /* LoRA: each adapter's A x (dim values per token; a row-parallel layer's summed over tp) */
+    double qk_norm = m->qk_norm ? heads * qkd + kv_heads * qkd + (heads + kv_heads) * f32 : 0;
+    /* LoRA: each adapter's x · Aᵀ (dim values per token; a row-parallel layer's summed over tp)
+     * but the MLP's (mlp_elems_per_token) */
     double lora = 0;
     for (int t = 0; r->peft.enabled && t < AM_LORA_HEAD; t++)
-        lora += (r->peft.targets >> t & 1u) ? (double)r->peft.dim : 0;
+        if (t != AM_LORA_GATE && t != AM_LORA_UP && t != AM_LORA_DOWN)
+            lora += (r->peft.targets >> t & 1u) ? (double)r->peft.dim : 0;
     /* multi-head latent attention (runtime/model/mla.c): q_a_proj's output before and after its
      * norm, the compressed kv before and after its norm, and the norms' inverse rms (fp32) */
     double mla = !m->mla ? 0 : (m->q_lora_rank > 0 ? 2 * (double)m->q_lora_rank + f32 : 0) +
                                    2 * (double)m->kv_lora_rank + f32;
     /* the attention's log-sum-exp per head (fp32) */
-    return replicated + 2 * q / tp + 2 * kv_rank + heads * f32 + qk_norm + mlp + lora + mla;
+    return replicated + att + heads * f32 + qk_norm + lora + mla;
+}
+
+/* The width of the tp rank's share of layer l's dense MLP (am_model_layer_mlp_width: a dense
+ * layer's intermediate_size, a MoE layer's shared experts' width, 0 in a MoE layer without
+ * them). */
+static double mlp_width(const struct am_recipe *r, const struct am_plan *p, long l)
+{
+    return (double)(am_model_layer_mlp_width(&r->model, l) / p->tp);
+}
+
+/* The MLP's elements saved for backward per token of a layer whose dense MLP is w wide on the
+ * tp rank: its gate, up and product, and with LoRA on gate_proj, up_proj or down_proj their
+ * adapters' x · Aᵀ; nothing without an MLP (the routed experts' tensors are
+ * moe_elems_per_token's). */
+static double mlp_elems_per_token(const struct am_recipe *r, double w)
+{
+    if (w <= 0)
+        return 0;
+    double lora = 0;
+    for (int t = AM_LORA_GATE; r->peft.enabled && t <= AM_LORA_DOWN; t++)
+        lora += (r->peft.targets >> t & 1u) ? (double)r->peft.dim : 0;
+    return 3 * w + lora;
 }
 
 /* Micro-batches whose activations pp rank k holds at its peak, in units of its layers: as the
@@ -198,11 +223,15 @@ static double act_elems_per_token(const struct am_recipe *r, const struct am_pla
  * the schedule's peak; for interleaved1f1b it can be more (the chunks peak at different
  * times). The schedule exists (validate.c: n_micro >= pp for gpipe and 1f1b; whole rounds for
  * interleaved1f1b, am_pipe_round) and has at most 2 * AM_PLAN_MAX_PIPE_PASSES actions (am_plan_build).
+ * The layers' MLPs differ by kind (a dense layer's, a MoE layer's shared experts' or none): rs
+ * gets their elements per token over the slots and the widest of the rank's MLPs.
  * Returns -1 when out of memory. */
 struct rank_slots {
     int total, first, last; /* over the rank's chunks; of its first chunk; of its last */
     int moe_layer_slots;    /* over the chunks, slots x the chunk's MoE layers */
     int moe_layers;         /* over the chunks, the MoE layers */
+    double mlp_slot_elems;  /* over the chunks, slots x the chunk's layers' MLP elements per token */
+    double mlp_max;         /* the widest MLP of the rank's layers (mlp_width) */
 };
 
 static double in_flight_layers(const struct am_recipe *r, const struct am_plan *p, int k, struct rank_slots *rs)
@@ -219,7 +248,13 @@ static double in_flight_layers(const struct am_recipe *r, const struct am_plan *
         if (sc < 1)
             sc = 1; /* the model gives every chunk one slot at least */
         slots += sc;
-        slot_layers += (double)sc * p->stages[c * p->pp + k].n_layers;
+        const struct am_stage *st = &p->stages[c * p->pp + k];
+        slot_layers += (double)sc * st->n_layers;
+        for (int l = st->first_layer; l < st->first_layer + st->n_layers; l++) {
+            double w = mlp_width(r, p, l);
+            rs->mlp_slot_elems += sc * mlp_elems_per_token(r, w);
+            rs->mlp_max = w > rs->mlp_max ? w : rs->mlp_max;
+        }
         rs->moe_layer_slots += sc * stage_moe_layers(r, &p->stages[c * p->pp + k]);
         rs->moe_layers += stage_moe_layers(r, &p->stages[c * p->pp + k]);
         if (c == 0)
@@ -239,7 +274,7 @@ static double in_flight_layers(const struct am_recipe *r, const struct am_plan *
  * gradient, the head's input gradient, the rotary tables, the cross entropy's target logits
  * (and with tp > 1 the shards' max), the grouped-query key/value gradient sums when tp exceeds
  * the key/value heads, the backward's work buffers (hidden, query, attention, key, value, the
- * MLP's three, qk_norm's key; Gemma's post norm rows and Gemma 3's second pair of rotary
+ * MLP's three as wide as the rank's widest MLP, qk_norm's key; Gemma's post norm rows and Gemma 3's second pair of rotary
  * tables), with sequence parallelism the gathered stream and a rows'
  * buffer, with context parallelism the ring's buffers (T: the rank's rows of a sequence, whose
  * positions the rotary tables hold), with packed sequences their rotary tables and documents;
@@ -256,9 +291,14 @@ static double scratch_bytes(const struct am_recipe *r, const struct am_plan *p, 
     bool sp = r->dist.sequence_parallel && p->tp > 1;
     double N = (double)p->microbatch_size * (double)p->seq_length / p->cp, R = sp ? N / tp : N;
     double C = (double)m->hidden_size, D = (double)m->head_dim, T = (double)p->seq_length / p->cp;
-    double Q = (double)(m->num_attention_heads / p->tp) * D;
-    double KV = (m->num_key_value_heads >= p->tp ? (double)(m->num_key_value_heads / p->tp) : 1.0) * D;
-    double I = (double)(m->intermediate_size / p->tp);
+    double Hl = (double)(m->num_attention_heads / p->tp);
+    double KVl = m->num_key_value_heads >= p->tp ? (double)(m->num_key_value_heads / p->tp) : 1.0;
+    double Q = Hl * D, KV = KVl * D;
+    double I = rs->mlp_max; /* the widest MLP of the rank's layers */
+    /* q's, k's, v's and the attention output's widths (multi-head latent attention: q and k at
+     * qk_nope + qk_rope a head, v and the output at v_head_dim) */
+    double qkd = (double)am_model_qk_head_dim(m), vd = (double)am_model_v_head_dim(m);
+    double Qw = Hl * qkd, Kw = KVl * qkd, Vw = KVl * vd, Ow = Hl * vd;
     double b = 0;
     if (emb)
         b += rs->first * carved(N, 4);
@@ -270,7 +310,8 @@ static double scratch_bytes(const struct am_recipe *r, const struct am_plan *p, 
         b += carved(N, 4);
     if (p->tp > m->num_key_value_heads)
         b += carved(2 * (double)m->num_key_value_heads * D * (C + (m->qkv_bias ? 1 : 0)), 4);
-    b += carved(N * C, cs) + 2 * carved(N * Q, cs) + 2 * carved(N * KV, cs) + carved(N * 3 * I, cs);
+    b += carved(N * C, cs) + carved(N * Qw, cs) + carved(N * Ow, cs) + carved(N * Kw, cs) + carved(N * Vw, cs) +
+         carved(N * 3 * I, cs);
     if (m->qk_norm)
         b += carved(N * KV, cs);
     if (m->gemma) /* a post norm's output and its input's gradient */
@@ -278,8 +319,8 @@ static double scratch_bytes(const struct am_recipe *r, const struct am_plan *p, 
     if (m->mla) { /* multi-head latent attention's work buffer (mla.c, am_mla_scratch_elems): q, kv_a's
                    * and kv_b's outputs, the gradients of the compressed kv and of q_a's output before
                    * and after their norms */
-        double Hl = (double)(m->num_attention_heads / p->tp), dn = (double)m->qk_nope_head_dim;
-        double dr = (double)m->qk_rope_head_dim, dv = (double)m->v_head_dim, kvr = (double)m->kv_lora_rank;
+        double dn = (double)m->qk_nope_head_dim, dr = (double)m->qk_rope_head_dim, dv = (double)m->v_head_dim;
+        double kvr = (double)m->kv_lora_rank;
         b += carved(N * (Hl * (dn + dr) + kvr + dr + Hl * (dn + dv) + 2 * kvr + 2 * (double)m->q_lora_rank), cs);
     }
     if (m->rope_local_base_freq > 0) /* Gemma 3: the sliding layers' rotary tables */
@@ -300,10 +341,10 @@ static double scratch_bytes(const struct am_recipe *r, const struct am_plan *p, 
              carved(T, 4) + rs->total * 2 * carved(N, 4);
     if (r->peft.enabled) { /* LoRA (model.c): an adapter's output and its gradient, as wide as the widest
                             * projection of the rank, and x · Aᵀ's gradient */
-        double wide = Q > C ? Q : C;
+        double wide = Qw > C ? Qw : C;
         wide = I > wide ? I : wide;
         if (m->mla) { /* multi-head latent attention: q_a's output, kv_a's and kv_b's (mla.c) */
-            double Hl = (double)(m->num_attention_heads / p->tp), kvw = (double)(m->kv_lora_rank + m->qk_rope_head_dim);
+            double kvw = (double)(m->kv_lora_rank + m->qk_rope_head_dim);
             double kvb = Hl * (double)(m->qk_nope_head_dim + m->v_head_dim), qr = (double)m->q_lora_rank;
             wide = qr > wide ? qr : wide;
             wide = kvw > wide ? kvw : wide;
@@ -620,17 +661,18 @@ static int memory_of_rank(const struct am_recipe *r, const struct am_plan *p, in
     }
 
     double tokens = (double)(p->pp > 1 ? p->microbatch_size : p->local_batch) * (double)p->seq_length / p->cp;
-    double full_layer = tokens * act_elems_per_token(r, p) * cs;
-    struct rank_slots rs = {0, 0, 0, 0, 0};
+    double layer_but_mlp = tokens * act_elems_per_token(r, p) * cs;
+    struct rank_slots rs = {0};
     double flight = in_flight_layers(r, p, k, &rs);
     if (flight < 0)
         return -1;
     if (r->dist.activation_checkpointing) {
         double saved = tokens * h * cs / (r->dist.sequence_parallel ? tp : 1);
-        /* each layer's input per slot, one layer's other tensors shared */
-        out->activations = flight * saved + (layers ? full_layer - saved : 0);
+        /* each layer's input per slot, one layer's other tensors shared (its MLP the rank's widest) */
+        double work = layer_but_mlp + tokens * mlp_elems_per_token(r, rs.mlp_max) * cs;
+        out->activations = flight * saved + (layers ? work - saved : 0);
     } else {
-        out->activations = flight * full_layer;
+        out->activations = flight * layer_but_mlp + tokens * rs.mlp_slot_elems * cs;
     }
     out->activations += rs.moe_layer_slots * tokens * moe_elems_per_token(r, p) * cs;
     if (m->num_experts > 0) /* each slot's counts per expert, and with ep those received from the ep ranks */

@@ -647,6 +647,74 @@ static void test_memory_activations(void **state)
     am_recipe_free(r);
 }
 
+/* Each layer's saved tensors are its kind's (runtime/model/model.c, carve_layer): the MLP's
+ * gate, up and product at intermediate_size in a dense layer, nothing in a MoE layer without
+ * shared experts, so intermediate_size counts 3 x (intermediate_size / tp) per token once per
+ * dense layer (and in the MLP's backward scratch); with activation checkpointing once, in the
+ * recomputed layer (the widest of the rank's); a model of MoE layers alone does not count it.
+ * Multi-head latent attention keeps v and the output at v_head_dim (head_dim is
+ * max(qk_nope + qk_rope, v_head_dim)): 2 x heads x v_head_dim per token and layer. */
+static void test_memory_activations_by_layer_kind(void **state)
+{
+    (void)state;
+    /* layers 0, 2, 3 dense, 1 MoE (test_param_count_moe_dense_layers); 2 x 64 tokens, ddp (fp32) */
+    char yaml[1024];
+    const char *fmt = "model:\n  model_type: qwen3_moe\n  hidden_size: 64\n  num_hidden_layers: 4\n"
+                      "  num_attention_heads: 4\n  num_key_value_heads: 2\n  head_dim: 16\n"
+                      "  intermediate_size: %d\n  moe_intermediate_size: 32\n  vocab_size: 256\n"
+                      "  num_experts: 8\n  num_experts_per_tok: 2\n  %s\n  torch_dtype: float32\n"
+                      "step_scheduler:\n  global_batch_size: 2\n  local_batch_size: 2\n"
+                      "dataset:\n  seq_length: 64\n";
+    const char *ddp[] = {"distributed.strategy=ddp", NULL};
+    const char *ddp_ac[] = {"distributed.strategy=ddp", "distributed.activation_checkpointing=true", NULL};
+    const char *const *sets[] = {ddp, ddp_ac};
+    for (int ac = 0; ac < 2; ac++) {
+        double act[2], scratch[2], cs = 0;
+        for (int i = 0; i < 2; i++) {
+            struct am_plan p;
+            snprintf(yaml, sizeof(yaml), fmt, i ? 256 : 128, "decoder_sparse_step: 2\n  mlp_only_layers: [3]");
+            struct am_recipe *r = plan_of(yaml, sets[ac], 1, &p);
+            cs = am_dtype_size(r->compute_dtype);
+            act[i] = p.mem.activations, scratch[i] = p.mem.scratch;
+            am_plan_free(&p);
+            am_recipe_free(r);
+        }
+        assert_float_equal(act[1] - act[0], (ac ? 1 : 3) * 128.0 * 3 * 128 * cs, 0);
+        assert_float_equal(scratch[1] - scratch[0], 128.0 * 3 * 128 * cs, 0);
+        for (int i = 0; i < 2; i++) { /* every layer MoE: intermediate_size is no tensor's */
+            struct am_plan p;
+            snprintf(yaml, sizeof(yaml), fmt, i ? 256 : 128, "decoder_sparse_step: 1");
+            struct am_recipe *r = plan_of(yaml, sets[ac], 1, &p);
+            act[i] = p.mem.activations, scratch[i] = p.mem.scratch;
+            am_plan_free(&p);
+            am_recipe_free(r);
+        }
+        assert_float_equal(act[1], act[0], 0);
+        assert_float_equal(scratch[1], scratch[0], 0);
+    }
+    /* deepseek_v3, 2 layers (layer 0 dense), q and k 8 + 8 = 16 a head: v_head_dim 8 against 12 */
+    const char *mla = "model:\n  model_type: deepseek_v3\n  hidden_size: 64\n  num_hidden_layers: 2\n"
+                      "  num_attention_heads: 4\n  num_key_value_heads: 4\n  intermediate_size: 128\n"
+                      "  q_lora_rank: 24\n  kv_lora_rank: 16\n  qk_nope_head_dim: 8\n  qk_rope_head_dim: 8\n"
+                      "  v_head_dim: %d\n  n_routed_experts: 8\n  num_experts_per_tok: 2\n  n_group: 4\n"
+                      "  topk_group: 2\n  moe_intermediate_size: 32\n  n_shared_experts: 2\n"
+                      "  first_k_dense_replace: 1\n  norm_topk_prob: true\n  vocab_size: 256\n  torch_dtype: float32\n"
+                      "step_scheduler:\n  global_batch_size: 2\n  local_batch_size: 2\n"
+                      "dataset:\n  seq_length: 64\n";
+    double act[2], cs = 0;
+    for (int i = 0; i < 2; i++) {
+        struct am_plan p;
+        snprintf(yaml, sizeof(yaml), mla, i ? 12 : 8);
+        struct am_recipe *r = plan_of(yaml, ddp, 1, &p);
+        assert_int_equal(r->model.head_dim, 16);
+        cs = am_dtype_size(r->compute_dtype);
+        act[i] = p.mem.activations;
+        am_plan_free(&p);
+        am_recipe_free(r);
+    }
+    assert_float_equal(act[1] - act[0], 2 * 128.0 * 2 * 4 * 4 * cs, 0);
+}
+
 /* The CUDA kernels' scratch (kernels/cuda/cuda_impl.h, plan.c): the largest of the head's
  * cross-entropy tiles (crossentropy.cu) and the attention backward's buffers, each piece 256-byte
  * aligned. bf16 compute, tp 2, 64 sequences of 128: N = 8192 tokens a micro-batch, 4 query and
@@ -814,7 +882,8 @@ int main(void)
         cmocka_unit_test(test_memory_fsdp_shards),
         cmocka_unit_test(test_memory_full_replicas),
         cmocka_unit_test(test_memory_megatron_zero_stages),
-        cmocka_unit_test(test_memory_activations), cmocka_unit_test(test_memory_kernel_scratch),
+        cmocka_unit_test(test_memory_activations), cmocka_unit_test(test_memory_activations_by_layer_kind),
+        cmocka_unit_test(test_memory_kernel_scratch),
         cmocka_unit_test(test_ckpt_cost),
         cmocka_unit_test(test_signal_lead),
         cmocka_unit_test(test_memory_pipeline_schedules),
