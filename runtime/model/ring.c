@@ -10,6 +10,9 @@
 
 static int mod(int a, int p) { return ((a % p) + p) % p; }
 
+/* n rounded up to a multiple of 64 bytes (each ring buffer starts aligned). */
+static size_t align64(size_t n) { return (n + 63) & ~(size_t)63; }
+
 void am_cp_positions(int64_t T, int cp, int rank, int32_t *pos)
 {
     int64_t c = T / (2 * cp);
@@ -83,14 +86,19 @@ int am_cp_init(struct am_model *m, struct am_comm *cp, int64_t seq_len, char *er
     c->seq_len = seq_len;
     const char *ov = getenv("AM_RING_OVERLAP");
     c->overlap = !(ov && strcmp(ov, "0") == 0);
-    int64_t Tl = m->seq_len, kvn = m->max_tokens * m->kv_heads * m->head_dim;
-    size_t kvb = ((size_t)kvn * am_dtype_size(m->act_dt) + 63) & ~(size_t)63; /* k, v: the compute dtype */
-    size_t gb = ((size_t)kvn * sizeof(float) + 63) & ~(size_t)63;            /* dk, dv sums: fp32 */
-    size_t accb = m->act_dt == AM_F32 ? 0
-                                      : ((size_t)(m->max_tokens * m->heads * m->head_dim) * sizeof(float) + 63) &
-                                            ~(size_t)63;
-    size_t posb = ((size_t)(P * Tl) * sizeof(int32_t) + 63) & ~(size_t)63;
-    c->bytes = posb + 4 * kvb + 6 * gb + accb;
+    /* each buffer at what it holds (multi-head latent attention: k at qk_nope + qk_rope a head, v
+     * at v_head_dim; ring.h) */
+    int64_t Tl = m->seq_len, qk = am_model_qk_head_dim(&m->cfg), vd = am_model_v_head_dim(&m->cfg);
+    int64_t kn = m->max_tokens * m->kv_heads * qk, vn = m->max_tokens * m->kv_heads * vd;
+    size_t kb = align64((size_t)kn * am_dtype_size(m->act_dt)); /* k, v: the compute dtype */
+    size_t vb = align64((size_t)vn * am_dtype_size(m->act_dt));
+    size_t gk = align64((size_t)kn * sizeof(float)); /* dk, dv sums: fp32 */
+    size_t gv = align64((size_t)vn * sizeof(float));
+    /* bf16: the running out (heads x v wide) and dq sum (heads x qk wide) share one, the wider */
+    int64_t an = m->max_tokens * m->heads * (qk > vd ? qk : vd);
+    size_t accb = m->act_dt == AM_F32 ? 0 : align64((size_t)an * sizeof(float));
+    size_t posb = align64((size_t)(P * Tl) * sizeof(int32_t));
+    c->bytes = posb + 2 * (kb + vb) + 3 * (gk + gv) + accb;
     c->mem = m->K->alloc(m->dev, c->bytes);
     if (!c->mem) {
         size_t bytes = c->bytes;
@@ -100,16 +108,19 @@ int am_cp_init(struct am_model *m, struct am_comm *cp, int64_t seq_len, char *er
     char *p = c->mem;
     c->pos = (int32_t *)p;
     p += posb;
-    for (int b = 0; b < 2; b++)
-        for (int i = 0; i < 2; i++) {
-            c->kv[b][i] = p;
-            p += kvb;
-            c->dkv[b][i] = p;
-            p += gb;
-        }
+    for (int b = 0; b < 2; b++) {
+        c->kv[b][0] = p;
+        p += kb;
+        c->kv[b][1] = p;
+        p += vb;
+        c->dkv[b][0] = p;
+        p += gk;
+        c->dkv[b][1] = p;
+        p += gv;
+    }
     c->part[0] = p;
-    c->part[1] = p + gb;
-    c->acc = accb ? p + 2 * gb : NULL;
+    c->part[1] = p + gk;
+    c->acc = accb ? p + gk + gv : NULL;
     int32_t *host = malloc((size_t)(P * Tl) * sizeof(int32_t));
     if (!host) {
         m->K->free(m->dev, c->mem);
@@ -159,8 +170,8 @@ static struct am_tensor like_f32(const struct am_tensor *t, void *p)
 }
 
 /* Starts the shift of the k and v block (kb, vb) into buffers (nk, nv): two ishifts (v's heads
- * may be narrower than k's: multi-head latent attention's v_head_dim; the buffers hold
- * head_dim-wide heads, the wider). */
+ * may be narrower than k's: multi-head latent attention's v_head_dim; each buffer is as wide as
+ * what it receives, k's or v's, am_cp_init). */
 static int shift_kv(struct am_cp *c, const struct am_tensor *kb, const struct am_tensor *vb, void *nk, void *nv,
                     struct am_comm_req **q, char *err, size_t err_len)
 {

@@ -34,10 +34,13 @@
  * on the wire, added to dk and dv once when they come home).
  *
  * Memory (counted in the model's act_bytes, and by am-plan): the positions of every rank's
- * rows (int32), two buffers for the k and v block that arrives next (4 x tokens x kv width
- * elements of the compute dtype), two for the travelling dk and dv sums and one for a step's
- * own terms (6 x tokens x kv width fp32), and in bf16 the fp32 running out / dq sum (tokens x
- * q width fp32).
+ * rows (int32), two buffers for the k and v block that arrives next (2 x tokens x (k width + v
+ * width) elements of the compute dtype), two for the travelling dk and dv sums and one for a
+ * step's own terms (3 x tokens x (k width + v width) fp32), and in bf16 the fp32 running out /
+ * dq sum, one buffer for both (tokens x heads x the wider of a q head and an output head,
+ * fp32). k and dk are kv heads x qk wide, v and dv kv heads x v wide: with multi-head latent
+ * attention qk_nope + qk_rope and v_head_dim a head (am_model_qk_head_dim, _v_head_dim),
+ * otherwise both head_dim.
  */
 #ifndef AM_RING_H
 #define AM_RING_H

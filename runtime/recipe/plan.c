@@ -293,7 +293,7 @@ static double scratch_bytes(const struct am_recipe *r, const struct am_plan *p, 
     double C = (double)m->hidden_size, D = (double)m->head_dim, T = (double)p->seq_length / p->cp;
     double Hl = (double)(m->num_attention_heads / p->tp);
     double KVl = m->num_key_value_heads >= p->tp ? (double)(m->num_key_value_heads / p->tp) : 1.0;
-    double Q = Hl * D, KV = KVl * D;
+    double KV = KVl * D;
     double I = rs->mlp_max; /* the widest MLP of the rank's layers */
     /* q's, k's, v's and the attention output's widths (multi-head latent attention: q and k at
      * qk_nope + qk_rope a head, v and the output at v_head_dim) */
@@ -328,10 +328,10 @@ static double scratch_bytes(const struct am_recipe *r, const struct am_plan *p, 
     if (sp)
         b += carved(N * C, cs) + carved(R * C, cs);
     if (p->cp > 1) /* ring attention (runtime/model/ring.h): every rank's positions, two k and v blocks
-                    * arriving, two travelling dk and dv sums and one step's own terms (fp32), and in bf16
-                    * the fp32 running out / dq sum */
-        b += carved((double)p->seq_length, 4) + 4 * carved(N * KV, cs) + 6 * carved(N * KV, 4) +
-             (cs != 4 ? carved(N * Q, 4) : 0);
+                    * arriving, two travelling dk and dv sums and one step's own terms (fp32), each at k's or
+                    * v's width, and in bf16 the fp32 running out / dq sum (one buffer, the wider) */
+        b += carved((double)p->seq_length, 4) + 2 * (carved(N * Kw, cs) + carved(N * Vw, cs)) +
+             3 * (carved(N * Kw, 4) + carved(N * Vw, 4)) + (cs != 4 ? carved(N * (Qw > Ow ? Qw : Ow), 4) : 0);
     if (r->packed_sequence_size > 0) /* packed sequences (runtime/model/packed.h): the rotary tables of the
                                       * whole sequence and of the micro-batch's rows (Gemma 3: two pairs of
                                       * each), the rank's rows' positions, per slot each row's document start

@@ -715,6 +715,56 @@ static void test_memory_activations_by_layer_kind(void **state)
     assert_float_equal(act[1] - act[0], 2 * 128.0 * 2 * 4 * 4 * cs, 0);
 }
 
+/* The scratch of a deepseek_v3 of 4 heads, q and k 8 + 8 = 16 a head, v_head_dim vd, on cp ranks
+ * of a local batch of cp sequences of 64 (N = 64 tokens a rank at any cp); dtype the compute's. */
+static double mla_scratch(int vd, int cp, const char *dtype)
+{
+    char yaml[1024], cps[64], dts[96];
+    snprintf(yaml, sizeof(yaml),
+             "model:\n  model_type: deepseek_v3\n  hidden_size: 64\n  num_hidden_layers: 2\n"
+             "  num_attention_heads: 4\n  num_key_value_heads: 4\n  intermediate_size: 128\n"
+             "  q_lora_rank: 24\n  kv_lora_rank: 16\n  qk_nope_head_dim: 8\n  qk_rope_head_dim: 8\n"
+             "  v_head_dim: %d\n  n_routed_experts: 8\n  num_experts_per_tok: 2\n  n_group: 4\n"
+             "  topk_group: 2\n  moe_intermediate_size: 32\n  n_shared_experts: 2\n"
+             "  first_k_dense_replace: 1\n  norm_topk_prob: true\n  vocab_size: 256\n  torch_dtype: float32\n"
+             "step_scheduler:\n  global_batch_size: %d\n  local_batch_size: %d\n"
+             "dataset:\n  seq_length: 64\n",
+             vd, cp, cp);
+    snprintf(cps, sizeof(cps), "distributed.cp_size=%d", cp);
+    snprintf(dts, sizeof(dts), "distributed.mp_policy.param_dtype=%s", dtype);
+    const char *sets[] = {cps, dts, NULL};
+    struct am_plan p;
+    struct am_recipe *r = plan_of(yaml, sets, cp, &p);
+    assert_int_equal(p.cp, cp);
+    double s = p.mem.scratch;
+    am_plan_free(&p);
+    am_recipe_free(r);
+    return s;
+}
+
+/* Context parallelism's ring buffers (runtime/model/ring.h) at k's and v's own widths: with
+ * multi-head latent attention k and the dk sums kv heads x (qk_nope + qk_rope), v and the dv
+ * sums kv heads x v_head_dim, the bf16 running out / dq sum heads x the wider of the two. The
+ * ring's bytes are cp 2's scratch less cp 1's at the same N = 64 tokens; v_head_dim moves v's
+ * buffers alone (2 blocks of the compute dtype, 3 fp32 sums: 4 heads x dv x N each) while it
+ * stays within q's and k's 16 (head_dim 16 throughout), the running out with it beyond. */
+static void test_memory_ring_mla(void **state)
+{
+    (void)state;
+    double N = 64, H = 4;
+    const char *dts[] = {"float32", "bfloat16"};
+    for (int i = 0; i < 2; i++) {
+        double cs = i ? 2 : 4, ring[3];
+        int vds[] = {8, 12, 24};
+        for (int j = 0; j < 3; j++)
+            ring[j] = mla_scratch(vds[j], 2, dts[i]) - mla_scratch(vds[j], 1, dts[i]);
+        /* v_head_dim 8 to 12: 4 more elements a head in v's 2 blocks and 3 sums */
+        assert_float_equal(ring[1] - ring[0], N * H * 4 * (2 * cs + 3 * 4), 0);
+        /* 12 to 24: v's 12 more, and in bf16 the fp32 running out 24 wide a head, not q's 16 */
+        assert_float_equal(ring[2] - ring[1], N * H * 12 * (2 * cs + 3 * 4) + (i ? N * H * 8 * 4 : 0), 0);
+    }
+}
+
 /* The CUDA kernels' scratch (kernels/cuda/cuda_impl.h, plan.c): the largest of the head's
  * cross-entropy tiles (crossentropy.cu) and the attention backward's buffers, each piece 256-byte
  * aligned. bf16 compute, tp 2, 64 sequences of 128: N = 8192 tokens a micro-batch, 4 query and
@@ -883,7 +933,7 @@ int main(void)
         cmocka_unit_test(test_memory_full_replicas),
         cmocka_unit_test(test_memory_megatron_zero_stages),
         cmocka_unit_test(test_memory_activations), cmocka_unit_test(test_memory_activations_by_layer_kind),
-        cmocka_unit_test(test_memory_kernel_scratch),
+        cmocka_unit_test(test_memory_ring_mla), cmocka_unit_test(test_memory_kernel_scratch),
         cmocka_unit_test(test_ckpt_cost),
         cmocka_unit_test(test_signal_lead),
         cmocka_unit_test(test_memory_pipeline_schedules),

@@ -232,7 +232,7 @@ for ref in "ref -" "ref-long long" "ref-packed packed" "ref-pneat packed,neat" "
     "ref-oss-aux-lb2 oss,ossaux,lb2" "ref-dsv3-bupd dsv3,bupd" "ref-dsv3-long-bupd dsv3,long,bupd" "ref-dsv3-bupd-bf16 dsv3,bupd,bf16" \
     "ref-oss-am oss,ossam" "ref-oss-am-lb2 oss,ossam,lb2" "ref-oss-am-lb1 oss,ossam,lb1" \
     "ref-oss-long-am oss,long,ossam" "ref-dsv3-am dsv3,amaux" "ref-dsv3-am-lb2 dsv3,amaux,lb2" "ref-dsv3-am-lb1 dsv3,amaux,lb1" \
-    "ref-dsv3-long-am dsv3,long,amaux" "ref-dsv3-am-lb1-bf16 dsv3,amaux,lb1,bf16" \
+    "ref-dsv3-long-am dsv3,long,amaux" "ref-dsv3-am-lb1-bf16 dsv3,amaux,lb1,bf16" "ref-dsv3-long-bf16 dsv3,long,bf16" \
     "ref-glm-am-lb1 glm,amaux,lb1" "ref-qmoe-am-lb1 qmoe,amaux,lb1" "ref-qmoe-am qmoe,amaux" \
     "ref-dsv3-packed-bupd dsv3,packed,bupd" "ref-dsv3-packed-am dsv3,packed,amaux" \
     "ref-dsv3-packed-am-lb1 dsv3,packed,amaux,lb1" "ref-oss-packed-am-lb1 oss,ossam,packed,lb1" \
@@ -427,11 +427,14 @@ done
 # packed at dp 2, packed x cp 2, a mixture of experts with the load-balancing loss at cp 2,
 # Gemma 2 at cp 2 and packed at dp 2 (its scale and soft cap on the bf16 blocks), deepseek_v3
 # with the selection-bias update at ep 2 (the biases fp32, the loads summed as in fp32) and with
-# AutoModel's load-balancing loss at ep 2 (its statistics in fp32, local batches of 1) against
+# AutoModel's load-balancing loss at ep 2 (its statistics in fp32, local batches of 1), and
+# deepseek_v3 at cp 2 (multi-head latent attention: the ring's k and dk buffers qk wide, v and
+# dv v_head_dim wide, the fp32 running out / dq sum the wider) against
 # one rank in bf16 on the same sequences, with the tolerances above taken from their own
 # reference: twice one rank's bf16-vs-fp32 differences on sequences of 256 (ref-long), on the
 # packs (ref-packed), with the experts (ref-moe-aux), with Gemma's (ref-gemma2,
-# ref-gemma2-packed) and with the update (ref-dsv3-bupd). Each rank's whole allocation
+# ref-gemma2-packed), with the update (ref-dsv3-bupd) and deepseek_v3's (ref-dsv3-long).
+# Each rank's whole allocation
 # must equal am-plan's estimate to the byte (below: the ring's bf16 k, v blocks and fp32 sums).
 bf16_tols() { # FP32REF BF16REF: "loss_tol norm_tol weight_tol", twice the bf16 run's distance from fp32
     local t w
@@ -482,7 +485,8 @@ bf16_layouts "cp2-bf16 2 long,bf16 ref-long-bf16 ref-long AM_CP=2" \
     "cp2-gemma2-bf16 2 gemma2,bf16 ref-gemma2-bf16 ref-gemma2 AM_CP=2" \
     "dp2-gemma2-packed-bf16 2 gemma2,packed,bf16 ref-gemma2-packed-bf16 ref-gemma2-packed" \
     "ep2-dsv3-bupd-bf16 2 dsv3,bupd,bf16 ref-dsv3-bupd-bf16 ref-dsv3-bupd AM_EP=2" \
-    "ep2-dsv3-am-bf16 2 dsv3,amaux,lb1,bf16 ref-dsv3-am-lb1-bf16 ref-dsv3-am-lb1 AM_EP=2"
+    "ep2-dsv3-am-bf16 2 dsv3,amaux,lb1,bf16 ref-dsv3-am-lb1-bf16 ref-dsv3-am-lb1 AM_EP=2" \
+    "cp2-dsv3-bf16 2 dsv3,long,bf16 ref-dsv3-long-bf16 ref-dsv3-long AM_CP=2"
 # bf16 storage (model.torch_dtype bfloat16, docs/training.md: bf16 master weights and AdamW
 # moments, fp32 gradients rounded to bf16 in the step): data (fsdp2, ddp, HSDP, megatron_fsdp's
 # ZeRO 1 and 2: the bf16 shards all-gathered into the bf16 masters), tensor (with sequence
@@ -645,7 +649,8 @@ for layout in "${trained[@]}"; do
         "$(awk -v r="$wr" -v e="$equal" -v need="$need" 'BEGIN { print (r != "none" && r >= 0.95 && r <= 1.05 && e >= need) }')"
 done
 # context parallelism: each rank's activations (saved tensors and scratch) fall as 1/cp; the
-# ring's buffers (10 x tokens x kv width, and the positions) add a few percent
+# ring's buffers (the k, v blocks and the dk, dv sums: 10 x tokens x kv width here, and the
+# positions) add a few percent
 if [ -z "${AM_PARITY_ONLY:-}" ] || [ -d "$work/logs-cp4" ]; then
     a1=$(memory "$work/logs-ref-long" 0 act_bytes) a2=$(memory "$work/logs-cp2" 0 act_bytes)
     a4=$(memory "$work/logs-cp4" 0 act_bytes)
