@@ -246,8 +246,10 @@ int am_gsync_use(struct am_gsync *s, int group, char *err, size_t err_len)
     struct am_model *m = s->m;
     const struct am_pgroup *G = &m->groups[group];
     int b = -1;
-    if (s->direct && s->direct[group]) { /* into its shard, its span whole (unless accumulating there already) */
-        for (int i = G->first; i < G->first + G->n && !s->open[group]; i++)
+    if (s->direct && s->direct[group]) { /* into its shard, its span whole */
+        if (s->open[group])
+            return 0; /* accumulating there already */
+        for (int i = G->first; i < G->first + G->n; i++)
             m->params[i].g.data = (float *)s->shard_g + G->shard_offset + (m->params[i].slab_off - G->offset);
         s->open[group] = true;
         return 0;
