@@ -24,7 +24,8 @@
  *     activation gradients and weight (the bf16 working copy) share one dtype; a parameter
  *     gradient (dw, dwte, the norm's dw) is F32, or BF16 with BF16 activations; statistics
  *     saved for backward (rstd, lse, m, s, t, M, S) stay F32; adamw's parameters and
- *     moments are F32, or all three BF16 (see adamw), its gradient F32. bf16
+ *     moments are F32, or all three BF16 (see adamw), its gradient F32 (or BF16 for
+ *     BF16 parameters). bf16
  *     tensors are computed on in fp32 and each output is rounded once to bf16 (nearest
  *     even); a += into a bf16 gradient adds in fp32 and rounds once (kernels/cpu/cpu.h has
  *     the rules, each kernel's file where it rounds differently from PyTorch's bf16 ops).
@@ -76,14 +77,14 @@ enum {
     AM_TE_L2 = 2,          /* adam_w_mode false: decay * p added to the gradient (else AdamW's) */
     AM_TE_NO_BIAS_CORR = 4, /* bias_correction false */
     AM_TE_GRAD_BF16 = 8,   /* the model's parameters are bf16 (with fp32 masters or without): the
-                              gradient TE reads is bf16, the fp32 one rounded (FSDP2's cast), the
-                              clipping's product rounded again */
+                              gradient TE reads is bf16, the fp32 one rounded (FSDP2's cast; or a
+                              bf16 gradient as it is), the clipping's product rounded again */
 };
 
 /* One tensor of adamw_multi's list: a parameter, its gradient and Adam's two moments (the
  * same number of elements). te 0 (torch's AdamW): param, m and v all fp32 or all bf16, grad
- * fp32 (see adamw). te with AM_TE_ADAM: param (the master), m and v each fp32 or bf16 on its
- * own, grad fp32. */
+ * fp32, or bf16 with bf16 ones (see adamw). te with AM_TE_ADAM: param (the master), m and v
+ * each fp32 or bf16 on its own, grad fp32, or bf16 with AM_TE_GRAD_BF16. */
 struct am_adamw_tensor {
     struct am_tensor *param, *m, *v;
     const struct am_tensor *grad;
@@ -522,8 +523,10 @@ struct am_kernels {
     /* ---- AdamW, PyTorch's torch.optim.AdamW semantics (decoupled weight decay, bias
      * correction with step >= 1); weight_decay 0 gives Adam. param, m and v are all F32, or
      * all BF16 (bf16 storage: torch.optim.AdamW keeps the moments in the parameter's dtype);
-     * grad is F32 either way. A BF16 parameter is stepped as PyTorch steps it under FSDP2:
-     * the gradient rounded to bf16 (then multiplied by the clipping factor, rounded again),
+     * grad is F32, or with BF16 parameters also BF16 (FSDP2's sharded gradient in the
+     * parameter's dtype). A BF16 parameter is stepped as PyTorch steps it under FSDP2:
+     * the gradient rounded to bf16 (a BF16 grad is that already: the step is bit for bit the
+     * one its fp32 value would give; then multiplied by the clipping factor, rounded again),
      * and each of AdamW's tensor ops computed in fp32 and rounded to bf16, as torch's CPU
      * kernels do (kernels/cpu/adamw.c lists the ops). Any other combination is refused. ---- */
     void (*adamw)(const struct am_dev *d, struct am_tensor *param, const struct am_tensor *grad, struct am_tensor *m, struct am_tensor *v,
@@ -547,8 +550,8 @@ struct am_kernels {
      * instead (kernels/cpu/adamw.c writes it out, from TE's multi_tensor/adam.cu): every value
      * widened to fp32, the update in fp32 in TE's order, each stored value (param, m, v)
      * rounded once to its dtype (nearest even); the gradient g (fp32; with AM_TE_GRAD_BF16
-     * rounded to bf16, times the clipping factor rounded to bf16 again; else times the factor
-     * in fp32), the scalars lr, beta1, beta2, eps, weight_decay as the fp32 floats TE's kernel
+     * rounded to bf16, or bf16 already, times the clipping factor rounded to bf16 again; else
+     * times the factor in fp32), the scalars lr, beta1, beta2, eps, weight_decay as the fp32 floats TE's kernel
      * takes, and bias corrections 1 - beta^step in double rounded to fp32 (1 without them). */
     void (*adamw_multi)(const struct am_dev *d, const struct am_adamw_tensor *list, int n, const struct am_tensor *sumsq,
                         double max_norm, const struct am_tensor *finite, float lr, float beta1, float beta2, float eps,

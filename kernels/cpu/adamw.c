@@ -25,12 +25,14 @@
  * adamw is adamw_multi's loop with gs = 1), the factor and the skip of a non-finite step
  * decided from the device scalars as kernels.h says (here they are host memory).
  *
- * bf16 parameters (param, m and v all bf16, grad fp32): torch.optim.AdamW on bf16 storage
+ * bf16 parameters (param, m and v all bf16, grad fp32 or bf16): torch.optim.AdamW on bf16 storage
  * as NeMo AutoModel trains with FSDP2 (its moments take the parameter's dtype), each tensor
  * op's result rounded to bf16 (nearest even), the arithmetic inside an op in fp32 as torch's
  * CPU kernels do it for bf16 (widen, compute in float, narrow once):
  *
- *   g = bf16(grad)                              FSDP2's cast of the reduced gradient
+ *   g = bf16(grad)                              FSDP2's cast of the reduced gradient (a bf16
+ *                                               gradient, FSDP2's sharded .grad, is that already:
+ *                                               the same step as its fp32 value would give)
  *   g = bf16(g * gs)                            the clipping (x * 1 is x: no-op unclipped)
  *   p = bf16(p * decay)                         mul_: the scalar as an fp32 float
  *   m = bf16(lerp(m, g, w1))                    lerp_: the fp32 path's two fma branches
@@ -63,7 +65,8 @@
  * (MATH_T float):
  *
  *   g   = grad                                    (bf16 model parameters: bf16(grad), then
- *                                                  bf16(g * gs) when clipped; else g * gs)
+ *                                                  bf16(g * gs) when clipped; else g * gs; the
+ *                                                  gradient may then be bf16 itself)
  *   bc1 = 1 - beta1^step, bc2 = 1 - beta2^step    std::pow(float, int) in double, then fp32;
  *                                                  1 with bias_correction false
  *   L2 (adam_w_mode false):  g = g + (decay * p)
@@ -151,7 +154,7 @@ static struct adamw_scalars adamw_scalars(const char *kernel, float lr, float be
 static void adamw_check(const char *kernel, const struct am_tensor *param, const struct am_tensor *grad,
                         const struct am_tensor *m, const struct am_tensor *v)
 {
-    if (param && param->dtype == AM_BF16) { /* bf16 storage: bf16 moments, an fp32 gradient */
+    if (param && param->dtype == AM_BF16) { /* bf16 storage: bf16 moments, an fp32 or bf16 gradient */
         am_cpu_check(kernel, "param", param);
         const struct am_tensor *mv[2] = {m, v};
         for (int j = 0; j < 2; j++) {
@@ -162,9 +165,9 @@ static void adamw_check(const char *kernel, const struct am_tensor *param, const
                              j ? "v" : "m", am_tname(mv[j]), am_dtype_name(mv[j]->dtype), am_tname(param));
         }
         am_cpu_check(kernel, "grad", grad);
-        if (grad->dtype != AM_F32)
-            am_cpu_fatal(kernel, "grad (%s) is %s; the gradient is fp32, also for bf16 parameters (reduced in fp32, "
-                         "rounded to bf16 by the step as FSDP2's cast does)", am_tname(grad), am_dtype_name(grad->dtype));
+        if (grad->dtype != AM_F32 && grad->dtype != AM_BF16)
+            am_cpu_fatal(kernel, "grad (%s) is %s; the gradient of a bf16 parameter is fp32 (rounded to bf16 by the "
+                         "step as FSDP2's cast does) or bf16", am_tname(grad), am_dtype_name(grad->dtype));
     } else {
         if (param && param->dtype != AM_F32) {
             am_cpu_check(kernel, "param", param);
@@ -200,14 +203,21 @@ static void adamw_run(float *p, const float *g, float *md, float *vd, struct ada
 /* x rounded to bf16 and widened back: a torch op's bf16 result, as the next op reads it */
 AM_INLINE float rb(float x) { return am_bf16_to_f32(am_f32_to_bf16(x)); }
 
-AM_HOT static void adamw_block_bf16(uint16_t *restrict p, const float *restrict g, uint16_t *restrict m,
+/* element i of an fp32 or (bf) a bf16 tensor, widened to fp32 */
+AM_INLINE float ld(const void *x, bool bf, int64_t i)
+{
+    return bf ? am_bf16_to_f32(((const uint16_t *)x)[i]) : ((const float *)x)[i];
+}
+
+/* g: fp32, or (g16) bf16: rb(g) is then g itself, the step the same bit for bit */
+AM_HOT static void adamw_block_bf16(uint16_t *restrict p, const void *restrict g, bool g16, uint16_t *restrict m,
                                     uint16_t *restrict v, struct adamw_scalars k, float eps_bf16, int64_t n)
 {
     bool small = k.w1 < 0.5f; /* torch's lerp branch (is_lerp_weight_small) */
     float coef = small ? k.w1 : k.w1 - 1.0f;
 #pragma omp simd
     for (int64_t i = 0; i < n; i++) {
-        float gi = rb(rb(g[i]) * k.gs);
+        float gi = rb(rb(ld(g, g16, i)) * k.gs);
         float pi = rb(am_bf16_to_f32(p[i]) * k.decay);
         float m0 = am_bf16_to_f32(m[i]);
         float mi = rb(fmaf(coef, gi - m0, small ? m0 : gi));
@@ -220,14 +230,16 @@ AM_HOT static void adamw_block_bf16(uint16_t *restrict p, const float *restrict 
     }
 }
 
-static void adamw_run_bf16(uint16_t *p, const float *g, uint16_t *md, uint16_t *vd, struct adamw_scalars k, int64_t n)
+static void adamw_run_bf16(uint16_t *p, const void *g, bool g16, uint16_t *md, uint16_t *vd, struct adamw_scalars k,
+                           int64_t n)
 {
     float eps_bf16 = rb(k.eps);
+    size_t gs = g16 ? 2 : 4;
     int64_t nb = (n + ADAMW_BLOCK - 1) / ADAMW_BLOCK;
 #pragma omp parallel for schedule(static) if (n >= AM_PAR_MIN)
     for (int64_t b = 0; b < nb; b++) {
         int64_t lo = b * ADAMW_BLOCK, len = n - lo < ADAMW_BLOCK ? n - lo : ADAMW_BLOCK;
-        adamw_block_bf16(p + lo, g + lo, md + lo, vd + lo, k, eps_bf16, len);
+        adamw_block_bf16(p + lo, (const char *)g + lo * gs, g16, md + lo, vd + lo, k, eps_bf16, len);
     }
 }
 
@@ -249,11 +261,6 @@ static struct te_scalars te_scalars(float lr, float beta1, float beta2, float ep
     return k;
 }
 
-AM_INLINE float te_ld(const void *x, bool bf, int64_t i)
-{
-    return bf ? am_bf16_to_f32(((const uint16_t *)x)[i]) : ((const float *)x)[i];
-}
-
 AM_INLINE void te_st(void *x, bool bf, int64_t i, float f)
 {
     if (bf)
@@ -262,13 +269,13 @@ AM_INLINE void te_st(void *x, bool bf, int64_t i, float f)
         ((float *)x)[i] = f;
 }
 
-static void te_block(void *pd, const float *g, void *md, void *vd, bool pb, bool mb, bool vb, unsigned te,
+static void te_block(void *pd, const void *g, bool g16, void *md, void *vd, bool pb, bool mb, bool vb, unsigned te,
                      struct te_scalars k, int64_t n)
 {
     bool l2 = te & AM_TE_L2, gb = te & AM_TE_GRAD_BF16;
     for (int64_t i = 0; i < n; i++) {
-        float gi = gb ? rb(rb(g[i]) * k.gs) : g[i] * k.gs;
-        float p = te_ld(pd, pb, i), m = te_ld(md, mb, i), v = te_ld(vd, vb, i);
+        float gi = gb ? rb(rb(ld(g, g16, i)) * k.gs) : ld(g, g16, i) * k.gs;
+        float p = ld(pd, pb, i), m = ld(md, mb, i), v = ld(vd, vb, i);
         if (l2)
             gi = gi + (k.decay * p);
         m = k.b1 * m + k.c1 * gi;
@@ -289,16 +296,17 @@ static void te_tensor(const char *kernel, const struct am_adamw_tensor *t, struc
     bool pb = t->param->dtype == AM_BF16, mb = t->m->dtype == AM_BF16, vb = t->v->dtype == AM_BF16;
     char *p = am_cpu_data(kernel, "param", t->param, t->param->dtype), *m = am_cpu_data(kernel, "m", t->m, t->m->dtype),
          *v = am_cpu_data(kernel, "v", t->v, t->v->dtype);
-    const float *g = am_cpu_f32(kernel, "grad", t->grad);
-    size_t ps = pb ? 2 : 4, ms = mb ? 2 : 4, vs = vb ? 2 : 4;
+    bool gb = t->grad->dtype == AM_BF16;
+    const char *g = am_cpu_data(kernel, "grad", t->grad, t->grad->dtype);
+    size_t ps = pb ? 2 : 4, ms = mb ? 2 : 4, vs = vb ? 2 : 4, gs = gb ? 2 : 4;
 #pragma omp parallel for schedule(static) if (n >= AM_PAR_MIN)
     for (int64_t b = 0; b < nb; b++) {
         int64_t lo = b * ADAMW_BLOCK, len = n - lo < ADAMW_BLOCK ? n - lo : ADAMW_BLOCK;
-        te_block(p + lo * ps, g + lo, m + lo * ms, v + lo * vs, pb, mb, vb, t->te, k, len);
+        te_block(p + lo * ps, g + lo * gs, gb, m + lo * ms, v + lo * vs, pb, mb, vb, t->te, k, len);
     }
 }
 
-/* a TE tensor: param, m and v each fp32 or bf16, grad fp32 */
+/* a TE tensor: param, m and v each fp32 or bf16, grad fp32 (bf16 with AM_TE_GRAD_BF16) */
 static void te_check(const char *kernel, const struct am_adamw_tensor *t)
 {
     const struct am_tensor *pmv[3] = {t->param, t->m, t->v};
@@ -309,7 +317,10 @@ static void te_check(const char *kernel, const struct am_adamw_tensor *t)
             am_cpu_fatal(kernel, "%s (%s) is %s; FusedAdam's arithmetic steps fp32 or bf16 masters and moments",
                          names[j], am_tname(pmv[j]), am_dtype_name(pmv[j]->dtype));
     }
-    am_cpu_f32(kernel, "grad", t->grad);
+    am_cpu_check(kernel, "grad", t->grad);
+    if (t->grad->dtype != AM_F32 && !(t->grad->dtype == AM_BF16 && (t->te & AM_TE_GRAD_BF16)))
+        am_cpu_fatal(kernel, "grad (%s) is %s; FusedAdam's gradient is fp32, or bf16 for bf16 model parameters "
+                     "(AM_TE_GRAD_BF16)", am_tname(t->grad), am_dtype_name(t->grad->dtype));
     int64_t n = am_tensor_numel(t->param);
     if (am_tensor_numel(t->grad) != n || am_tensor_numel(t->m) != n || am_tensor_numel(t->v) != n)
         am_cpu_fatal(kernel, "param (%s), grad, m and v must have the same number of elements", am_tname(t->param));
@@ -321,8 +332,8 @@ static void adamw_tensor(const char *kernel, struct am_tensor *param, const stru
 {
     int64_t n = am_tensor_numel(param);
     if (param->dtype == AM_BF16)
-        adamw_run_bf16(am_cpu_data(kernel, "param", param, AM_BF16), am_cpu_f32(kernel, "grad", grad),
-                       am_cpu_data(kernel, "m", m, AM_BF16), am_cpu_data(kernel, "v", v, AM_BF16), k, n);
+        adamw_run_bf16(am_cpu_data(kernel, "param", param, AM_BF16), am_cpu_data(kernel, "grad", grad, grad->dtype),
+                       grad->dtype == AM_BF16, am_cpu_data(kernel, "m", m, AM_BF16), am_cpu_data(kernel, "v", v, AM_BF16), k, n);
     else
         adamw_run(am_cpu_f32(kernel, "param", param), am_cpu_f32(kernel, "grad", grad), am_cpu_f32(kernel, "m", m),
                   am_cpu_f32(kernel, "v", v), k, n);

@@ -12,7 +12,7 @@
  * The gradient is multiplied by that factor (1 when not clipping, which changes no bit)
  * before adamw's arithmetic, so that a tensor ends as scale then adamw leave it.
  *
- * bf16 parameters (param, m, v bf16; grad fp32): kernels/cpu/adamw.c's bf16 step, op for op
+ * bf16 parameters (param, m, v bf16; grad fp32 or bf16): kernels/cpu/adamw.c's bf16 step, op for op
  * (each of torch's tensor ops in fp32, rounded to bf16; the same fmaf, eps rounded to bf16),
  * so that the CPU and CUDA backends agree to the bit here too. That is torch's CPU
  * arithmetic: torch's CUDA AdamW (the foreach path) runs the same sequence of ops
@@ -26,7 +26,8 @@
  * A tensor with te & AM_TE_ADAM takes Transformer Engine's FusedAdam arithmetic, as
  * kernels/cpu/adamw.c writes it out (from TE's multi_tensor/adam.cu): fp32 throughout, no
  * contraction (--fmad=false; TE's own build contracts where nvcc chooses), param, m and v each
- * fp32 or bf16, so that both backends agree to the bit. */
+ * fp32 or bf16 (the gradient bf16 too with AM_TE_GRAD_BF16), so that both backends agree to
+ * the bit. */
 #include <math.h>
 #include <string.h>
 
@@ -50,12 +51,19 @@ __device__ __forceinline__ void adamw_elem(float *p, const float *g, float *m, f
     v[i] = vi;
 }
 
+/* element i of an fp32 or (bf) a bf16 tensor, widened to fp32 */
+__device__ __forceinline__ float te_ld(const void *x, bool bf, int64_t i)
+{
+    return bf ? am_ld((const am_bf16_t *)x, i) : am_ld((const float *)x, i);
+}
+
 /* element i of a bf16 parameter, op for op as kernels/cpu/adamw.c's adamw_block_bf16: each
- * tensor op's result rounded to bf16 (am_round_bf16); eps16 is eps rounded to bf16 */
-__device__ __forceinline__ void adamw_elem_bf16(am_bf16_t *p, const float *g, am_bf16_t *m, am_bf16_t *v,
+ * tensor op's result rounded to bf16 (am_round_bf16); eps16 is eps rounded to bf16; the
+ * gradient fp32 or (g16) bf16 */
+__device__ __forceinline__ void adamw_elem_bf16(am_bf16_t *p, const void *g, bool g16, am_bf16_t *m, am_bf16_t *v,
                                                 const struct adamw_scalars &k, float gs, float eps16, int64_t i)
 {
-    float gi = am_round_bf16(am_round_bf16(g[i]) * gs);
+    float gi = am_round_bf16(am_round_bf16(te_ld(g, g16, i)) * gs);
     float pi = am_round_bf16(am_ld(p, i) * k.decay);
     float m0 = am_ld(m, i);
     float mi = am_round_bf16(k.w1 < 0.5f ? fmaf(k.w1, gi - m0, m0) : fmaf(k.w1_minus_1, gi - m0, gi));
@@ -72,11 +80,6 @@ struct te_scalars {
     float lr, b1, b2, c1, c2, bc1, bc2, eps, decay;
 };
 
-__device__ __forceinline__ float te_ld(const void *x, bool bf, int64_t i)
-{
-    return bf ? am_ld((const am_bf16_t *)x, i) : am_ld((const float *)x, i);
-}
-
 __device__ __forceinline__ void te_st(void *x, bool bf, int64_t i, float f)
 {
     if (bf)
@@ -86,12 +89,13 @@ __device__ __forceinline__ void te_st(void *x, bool bf, int64_t i, float f)
 }
 
 /* element i, as kernels/cpu/adamw.c's te_block */
-__device__ __forceinline__ void te_elem(void *pd, const float *g, void *md, void *vd, bool pb, bool mb, bool vb,
-                                        unsigned te, const struct te_scalars &k, float gs, int64_t i)
+__device__ __forceinline__ void te_elem(void *pd, const void *g, bool g16, void *md, void *vd, bool pb, bool mb,
+                                        bool vb, unsigned te, const struct te_scalars &k, float gs, int64_t i)
 {
     bool l2 = te & AM_TE_L2;
     float bc1 = te & AM_TE_NO_BIAS_CORR ? 1.0f : k.bc1, bc2 = te & AM_TE_NO_BIAS_CORR ? 1.0f : k.bc2;
-    float gi = te & AM_TE_GRAD_BF16 ? am_round_bf16(am_round_bf16(g[i]) * gs) : g[i] * gs;
+    float g0 = te_ld(g, g16, i);
+    float gi = te & AM_TE_GRAD_BF16 ? am_round_bf16(am_round_bf16(g0) * gs) : g0 * gs;
     float p = te_ld(pd, pb, i), m = te_ld(md, mb, i), v = te_ld(vd, vb, i);
     if (l2)
         gi = gi + (k.decay * p);
@@ -126,10 +130,11 @@ __global__ void adamw_k(float *p, const float *g, float *m, float *v, struct ada
     AM_GRID_STRIDE(i, n) adamw_elem(p, g, m, v, k, 1.0f, i);
 }
 
-__global__ void adamw_bf16_k(am_bf16_t *p, const float *g, am_bf16_t *m, am_bf16_t *v, struct adamw_scalars k, int64_t n)
+__global__ void adamw_bf16_k(am_bf16_t *p, const void *g, bool g16, am_bf16_t *m, am_bf16_t *v,
+                             struct adamw_scalars k, int64_t n)
 {
     float eps16 = am_round_bf16(k.eps);
-    AM_GRID_STRIDE(i, n) adamw_elem_bf16(p, g, m, v, k, 1.0f, eps16, i);
+    AM_GRID_STRIDE(i, n) adamw_elem_bf16(p, g, g16, m, v, k, 1.0f, eps16, i);
 }
 
 /* torch's scalars, from Python floats (double) rounded where they meet fp32 tensors */
@@ -151,11 +156,11 @@ static struct adamw_scalars adamw_scalars_for(const char *kn, float lr, float be
     return k;
 }
 
-/* param, m and v all f32 or all bf16, grad f32 (kernels.h) */
+/* param, m and v all f32 or all bf16, grad f32 (or bf16 for bf16 parameters: kernels.h) */
 static int64_t adamw_check(const char *kn, const struct am_tensor *param, const struct am_tensor *grad,
                            const struct am_tensor *m, const struct am_tensor *v)
 {
-    if (param && param->dtype == AM_BF16) { /* bf16 storage: bf16 moments, an fp32 gradient */
+    if (param && param->dtype == AM_BF16) { /* bf16 storage: bf16 moments, an fp32 or bf16 gradient */
         am_cuda_tensor(kn, "param", param);
         const struct am_tensor *mv[2] = {m, v};
         for (int j = 0; j < 2; j++) {
@@ -166,9 +171,9 @@ static int64_t adamw_check(const char *kn, const struct am_tensor *param, const 
                               j ? "v" : "m", am_tname(mv[j]), am_dtype_name(mv[j]->dtype), am_tname(param));
         }
         am_cuda_tensor(kn, "grad", grad);
-        if (grad->dtype != AM_F32)
-            am_cuda_fatal(kn, "grad (%s) is %s; the gradient is fp32, also for bf16 parameters (reduced in fp32, "
-                          "rounded to bf16 by the step as FSDP2's cast does)", am_tname(grad), am_dtype_name(grad->dtype));
+        if (grad->dtype != AM_F32 && grad->dtype != AM_BF16)
+            am_cuda_fatal(kn, "grad (%s) is %s; the gradient of a bf16 parameter is fp32 (rounded to bf16 by the "
+                          "step as FSDP2's cast does) or bf16", am_tname(grad), am_dtype_name(grad->dtype));
     } else {
         if (param && param->dtype != AM_F32) {
             am_cuda_tensor(kn, "param", param);
@@ -186,7 +191,7 @@ static int64_t adamw_check(const char *kn, const struct am_tensor *param, const 
     return n;
 }
 
-/* a TE tensor: param, m and v each fp32 or bf16, grad fp32 */
+/* a TE tensor: param, m and v each fp32 or bf16, grad fp32 (bf16 with AM_TE_GRAD_BF16) */
 static void te_check(const char *kn, const struct am_adamw_tensor *t)
 {
     const struct am_tensor *pmv[3] = {t->param, t->m, t->v};
@@ -197,7 +202,10 @@ static void te_check(const char *kn, const struct am_adamw_tensor *t)
             am_cuda_fatal(kn, "%s (%s) is %s; FusedAdam's arithmetic steps fp32 or bf16 masters and moments",
                           names[j], am_tname(pmv[j]), am_dtype_name(pmv[j]->dtype));
     }
-    am_cuda_data(kn, "grad", t->grad, AM_F32);
+    am_cuda_tensor(kn, "grad", t->grad);
+    if (t->grad->dtype != AM_F32 && !(t->grad->dtype == AM_BF16 && (t->te & AM_TE_GRAD_BF16)))
+        am_cuda_fatal(kn, "grad (%s) is %s; FusedAdam's gradient is fp32, or bf16 for bf16 model parameters "
+                      "(AM_TE_GRAD_BF16)", am_tname(t->grad), am_dtype_name(t->grad->dtype));
     int64_t n = am_tensor_numel(t->param);
     AM_CUDA_REQUIRE(kn, am_tensor_numel(t->grad) == n && am_tensor_numel(t->m) == n && am_tensor_numel(t->v) == n,
                     "param (%s), grad, m and v must have the same number of elements", am_tname(t->param));
@@ -214,7 +222,7 @@ void am_cuda_adamw(const struct am_dev *d, struct am_tensor *param, const struct
         return;
     if (param->dtype == AM_BF16)
         adamw_bf16_k<<<am_blocks(n), AM_THREADS, 0, am_cuda_stream(d)>>>(
-            (am_bf16_t *)param->data, (const float *)grad->data, (am_bf16_t *)m->data, (am_bf16_t *)v->data, k, n);
+            (am_bf16_t *)param->data, grad->data, grad->dtype == AM_BF16, (am_bf16_t *)m->data, (am_bf16_t *)v->data, k, n);
     else
         adamw_k<<<am_blocks(n), AM_THREADS, 0, am_cuda_stream(d)>>>((float *)param->data, (const float *)grad->data,
                                                                    (float *)m->data, (float *)v->data, k, n);
@@ -227,11 +235,12 @@ void am_cuda_adamw(const struct am_dev *d, struct am_tensor *param, const struct
 
 struct adamw_list {
     void *p[MT_MAX], *m[MT_MAX], *v[MT_MAX]; /* float, or am_bf16_t where bf16[i] */
-    const float *g[MT_MAX];
+    const void *g[MT_MAX]; /* float, or am_bf16_t where g16[i] */
     int64_t n[MT_MAX];
     int64_t first_block[MT_MAX + 1]; /* tensor i's blocks are first_block[i] .. first_block[i + 1] - 1 */
     bool bf16[MT_MAX];
     bool m16[MT_MAX], v16[MT_MAX]; /* TE's tensors: m, v bf16 */
+    bool g16[MT_MAX];              /* the gradient bf16 */
     unsigned char te[MT_MAX];      /* am_adamw_tensor.te */
     int count;
 };
@@ -271,17 +280,17 @@ __global__ void adamw_multi_k(struct adamw_list l, struct adamw_scalars k, struc
     int64_t lo = (b - l.first_block[t]) * MT_CHUNK, hi = lo + MT_CHUNK < l.n[t] ? lo + MT_CHUNK : l.n[t];
     if (l.te[t] & AM_TE_ADAM) {
         for (int64_t i = lo + threadIdx.x; i < hi; i += blockDim.x)
-            te_elem(l.p[t], l.g[t], l.m[t], l.v[t], l.bf16[t], l.m16[t], l.v16[t], l.te[t], tk, gs, i);
+            te_elem(l.p[t], l.g[t], l.g16[t], l.m[t], l.v[t], l.bf16[t], l.m16[t], l.v16[t], l.te[t], tk, gs, i);
         return;
     }
     if (l.bf16[t]) {
         float eps16 = am_round_bf16(k.eps);
         for (int64_t i = lo + threadIdx.x; i < hi; i += blockDim.x)
-            adamw_elem_bf16((am_bf16_t *)l.p[t], l.g[t], (am_bf16_t *)l.m[t], (am_bf16_t *)l.v[t], k, gs, eps16, i);
+            adamw_elem_bf16((am_bf16_t *)l.p[t], l.g[t], l.g16[t], (am_bf16_t *)l.m[t], (am_bf16_t *)l.v[t], k, gs, eps16, i);
         return;
     }
     for (int64_t i = lo + threadIdx.x; i < hi; i += blockDim.x)
-        adamw_elem((float *)l.p[t], l.g[t], (float *)l.m[t], (float *)l.v[t], k, gs, i);
+        adamw_elem((float *)l.p[t], (const float *)l.g[t], (float *)l.m[t], (float *)l.v[t], k, gs, i);
 }
 
 void am_cuda_adamw_multi(const struct am_dev *d, const struct am_adamw_tensor *list, int n, const struct am_tensor *sumsq,
@@ -328,7 +337,8 @@ void am_cuda_adamw_multi(const struct am_dev *d, const struct am_adamw_tensor *l
         if (i == n || ni == 0)
             continue;
         l.p[l.count] = list[i].param->data;
-        l.g[l.count] = (const float *)list[i].grad->data;
+        l.g[l.count] = list[i].grad->data;
+        l.g16[l.count] = list[i].grad->dtype == AM_BF16;
         l.m[l.count] = list[i].m->data;
         l.v[l.count] = list[i].v->data;
         l.bf16[l.count] = list[i].param->dtype == AM_BF16;

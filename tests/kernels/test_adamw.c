@@ -479,7 +479,89 @@ static void test_adamw_multi_bf16(void **state)
     }
 }
 
-/* What adamw refuses: bf16 parameters with fp32 moments or a bf16 gradient, fp16 ones. */
+/* A bf16 gradient (FSDP2's sharded gradient of a bf16 parameter, train/grad_sync.h) steps a
+ * bf16 parameter, and a FusedAdam tensor with AM_TE_GRAD_BF16 of every dtype combination, bit
+ * for bit as its fp32 gradient would (the step rounds that to bf16 first): two lists, one
+ * with the fp32 gradients, one with them rounded to bf16, from the same state; clipped, not
+ * clipped, both lerp branches, several steps; a list mixing both gradient dtypes. The fp32
+ * gradients are not bf16 values, so the cases compare two different inputs' steps. */
+static void test_adamw_grad_bf16(void **state)
+{
+    (void)state;
+    struct rng r = {83};
+    enum { NT = 9 }; /* torch's AdamW on bf16 parameters, then FusedAdam on dtypes 0 to 7 */
+    int64_t n = 3001;
+    struct bt p[2][NT], m[2][NT], v[2][NT];
+    struct bt g16[NT];
+    float *g32[NT];
+    struct am_tensor tp[2][NT], tm[2][NT], tv[2][NT], tg[2][NT];
+    struct am_adamw_tensor list[2][NT];
+    for (int i = 0; i < NT; i++) {
+        g32[i] = malloc((size_t)n * sizeof(float));
+        g16[i] = bt_new(n);
+        int dt = i == 0 ? 7 : i - 1; /* bits: param, m, v bf16 */
+        struct bt p0 = bt_rand(&r, n, -1, 1), m0 = bt_rand(&r, n, -0.01, 0.01), v0 = bt_rand(&r, n, 0, 1e-4);
+        for (int k = 0; k < 2; k++) {
+            p[k][i] = bt_copy(&p0);
+            m[k][i] = bt_copy(&m0);
+            v[k][i] = bt_copy(&v0);
+            tp[k][i] = dt & 1 ? hv(&p[k][i], n, 0, 0, 0) : fv(&p[k][i], n, 0, 0, 0);
+            tm[k][i] = dt & 2 ? hv(&m[k][i], n, 0, 0, 0) : fv(&m[k][i], n, 0, 0, 0);
+            tv[k][i] = dt & 4 ? hv(&v[k][i], n, 0, 0, 0) : fv(&v[k][i], n, 0, 0, 0);
+            tg[k][i] = k ? hv(&g16[i], n, 0, 0, 0) : f32v(g32[i], n, 0, 0, 0);
+            list[k][i] = (struct am_adamw_tensor){.param = &tp[k][i], .m = &tm[k][i], .v = &tv[k][i],
+                                                  .grad = &tg[k][i],
+                                                  .te = i == 0 ? 0 : AM_TE_ADAM | AM_TE_GRAD_BF16 | (i % 2 ? AM_TE_L2 : 0)};
+        }
+        bt_free(&p0);
+        bt_free(&m0);
+        bt_free(&v0);
+    }
+    struct {
+        double max_norm;
+        float beta1;
+    } cases[] = {{1.0, 0.9f}, {0.0, 0.9f}, {0.05, 0.3f}, {1e6, 0.3f}};
+    for (size_t c = 0; c < sizeof cases / sizeof *cases; c++) {
+        double ss = 0;
+        for (int i = 0; i < NT; i++) {
+            grad_fill(&r, g32[i], n);
+            for (int64_t e = 0; e < n; e++) {
+                g16[i].h[e] = am_f32_to_bf16(g32[i][e]);
+                g16[i].f[e] = am_bf16_to_f32(g16[i].h[e]);
+                ss += (double)g32[i][e] * g32[i][e];
+            }
+        }
+        struct am_tensor s64 = am_tensor_view(&ss, AM_DEV_CPU, AM_F64, 1, 0, 0, 0);
+        int64_t step = (int64_t)c + 1;
+        for (int k = 0; k < 2; k++)
+            K->adamw_multi(&kdev, list[k], NT, &s64, cases[c].max_norm, NULL, 1e-3f, cases[c].beta1, 0.95f, 1e-8f,
+                           0.1f, step);
+        for (int i = 0; i < NT; i++) {
+            char what[96];
+            snprintf(what, sizeof what, "adamw_multi, a bf16 gradient vs its fp32 value: case %zu tensor %d", c, i);
+            struct bt *x[3][2] = {{&p[0][i], &p[1][i]}, {&m[0][i], &m[1][i]}, {&v[0][i], &v[1][i]}};
+            for (int j = 0; j < 3; j++) {
+                const struct am_tensor *t = j == 0 ? &tp[0][i] : j == 1 ? &tm[0][i] : &tv[0][i];
+                if (t->dtype == AM_BF16)
+                    expect_bits16(what, x[j][1]->h, x[j][0]->h, n);
+                else
+                    expect_bitwise(what, x[j][1]->f, x[j][0]->f, n);
+            }
+        }
+    }
+    for (int i = 0; i < NT; i++) {
+        free(g32[i]);
+        bt_free(&g16[i]);
+        for (int k = 0; k < 2; k++) {
+            bt_free(&p[k][i]);
+            bt_free(&m[k][i]);
+            bt_free(&v[k][i]);
+        }
+    }
+}
+
+/* What adamw refuses: bf16 parameters with fp32 moments, an fp32 parameter with a bf16 gradient,
+ * fp16 ones, a FusedAdam tensor with a bf16 gradient without AM_TE_GRAD_BF16. */
 static void bad_adamw_call(int which)
 {
     uint16_t h[12] = {0};
@@ -493,9 +575,13 @@ static void bad_adamw_call(int which)
     struct am_adamw_tensor l = {.param = &p16, .m = &b16, .v = &f32b, .grad = &f32};
     switch (which) {
     case 0: K->adamw(&kdev, &p16, &f32, &f32b, &b16, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.f, 1); break; /* f32 m */
-    case 1: K->adamw(&kdev, &p16, &b16, &b16, &b16, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.f, 1); break;  /* bf16 grad */
+    case 1: K->adamw(&kdev, &f32, &b16, &f32b, &f32b, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.f, 1); break; /* bf16 grad */
     case 2: K->adamw(&kdev, &ph, &f32, &f32, &f32, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.f, 1); break;    /* f16 param */
     case 3: K->adamw_multi(&kdev, &l, 1, NULL, 0, NULL, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.f, 1); break; /* f32 v */
+    case 4: /* FusedAdam, a bf16 gradient without bf16 model parameters */
+        l = (struct am_adamw_tensor){.param = &f32, .m = &f32b, .v = &b16, .grad = &p16, .te = AM_TE_ADAM};
+        K->adamw_multi(&kdev, &l, 1, NULL, 0, NULL, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.f, 1);
+        break;
     }
 }
 
@@ -504,11 +590,13 @@ static void test_adamw_bad_dtype_aborts(void **state)
     (void)state;
     const char *want[][3] = {
         {"am_cpu_adamw", "m (", "model.embed_tokens.weight) is bf16: Adam's moments have the parameter's dtype"},
-        {"am_cpu_adamw", "grad (", "the gradient is fp32, also for bf16 parameters"},
+        {"am_cpu_adamw", "grad (", "is bf16"},
         {"am_cpu_adamw", "is fp16", "AdamW steps fp32 or bf16 parameters"},
         {"am_cpu_adamw_multi", "v (", "is fp32 but param (model.embed_tokens.weight) is bf16"},
+        {"am_cpu_adamw_multi", "grad (model.embed_tokens.weight) is bf16",
+         "FusedAdam's gradient is fp32, or bf16 for bf16 model parameters"},
     };
-    for (int c = 0; c < 4; c++)
+    for (int c = 0; c < 5; c++)
         expect_abort(bad_adamw_call, c, want[c], 3);
 }
 
@@ -776,6 +864,7 @@ int main(void)
         cmocka_unit_test(test_adamw_multi),
         cmocka_unit_test(test_adamw_bf16),
         cmocka_unit_test(test_adamw_multi_bf16),
+        cmocka_unit_test(test_adamw_grad_bf16),
         cmocka_unit_test(test_adamw_bad_dtype_aborts),
         cmocka_unit_test(test_adamw_bf16_torch),
         cmocka_unit_test(test_adamw_te),
