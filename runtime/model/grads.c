@@ -173,7 +173,7 @@ int am_model_grad_sumsq(struct am_model *m, char *err, size_t err_len)
     return sum_scalar(m, &m->scalars.sumsq, &m->scalars.sumsq_f, groups, 3, &m->sumsq_reduced, err, err_len);
 }
 
-int am_model_grad_sumsq_shards(struct am_model *m, const float *shards, int rank, struct am_comm *dp,
+int am_model_grad_sumsq_shards(struct am_model *m, const void *shards, enum am_dtype dt, int rank, struct am_comm *dp,
                                struct am_comm *replicas, char *err, size_t err_len)
 {
     m->K->zero(m->dev, &m->scalars.sumsq);
@@ -191,8 +191,9 @@ int am_model_grad_sumsq_shards(struct am_model *m, const float *shards, int rank
                 continue;
             a = a > lo ? a : lo;
             b = b < hi ? b : hi;
-            struct am_tensor piece = am_tensor_view((float *)shards + G->shard_offset + (a - lo), m->dev->device,
-                                                    AM_F32, (int64_t)(b - a), 0, 0, 0);
+            struct am_tensor piece =
+                am_tensor_view((char *)shards + (G->shard_offset + (a - lo)) * am_dtype_size(dt), m->dev->device, dt,
+                               (int64_t)(b - a), 0, 0, 0);
             m->K->sum_squares(m->dev, &m->scalars.sumsq, &piece, (double)p->copies_in_tp * copies);
         }
     }

@@ -451,6 +451,7 @@ struct flat_shards {
     bool f32;                       /* the gradients reduced in fp32 (reduce_dtype) */
     long long buf_span, buf_shard;  /* of the groups that take a gradient buffer: the largest span and shard
                                      * (experts: over fewer ranks) */
+    long long direct_span;          /* of those that accumulate in their shard: the largest span */
 };
 
 static long long lcm(long long a, long long b)
@@ -476,8 +477,11 @@ static bool add_group_over(struct flat_shards *f, double elems, long long d)
     f->slab += span;
     if (span > f->max_span)
         f->max_span = span;
-    if (d == 1 && f->f32)
+    if (d == 1 && f->f32) {
+        if (span > f->direct_span)
+            f->direct_span = span;
         return false;
+    }
     if (span > f->buf_span)
         f->buf_span = span;
     if (span / d > f->buf_shard)
@@ -581,8 +585,9 @@ static int memory_of_rank(const struct am_recipe *r, const struct am_plan *p, in
      * Adam's two moments in theirs (torch's AdamW: both model.torch_dtype, as torch keeps
      * parameters and AdamW's state: 4 + 8 in fp32, 2 + 4 in bf16; FusedAdam: the masters in
      * master_weight_dtype with master_weights, each moment in its exp_avg(_sq)_dtype),
-     * fp32 gradients (4); with a compute dtype other than the storage's (mixed precision over
-     * fp32 masters) a copy of the weights in it (+2 B for bf16), and with a bf16 reduce_dtype
+     * fp32 gradients (4; fsdp2's bf16 shards 2, below); with a compute dtype other than the
+     * storage's (mixed precision over fp32 masters) a copy of the weights in it (+2 B for
+     * bf16), and with a bf16 reduce_dtype
      * the gradients' copy that the data-parallel all-reduce sums (+2 B, only when there is more
      * than one data-parallel rank) */
     double cs = am_dtype_size(r->compute_dtype), ss = am_dtype_size(r->optim.master_dtype);
@@ -644,13 +649,21 @@ static int memory_of_rank(const struct am_recipe *r, const struct am_plan *p, in
          * stages; none when no group takes one), each with its reduce_dtype copy and its
          * receive shard (grad_buffers), and with HSDP in bf16 the shards' copy all-reduced over
          * the replicas. A group sharded over one rank (the experts with ep_shard 1) with an fp32
-         * reduction takes none: its gradients accumulate in its shard. */
+         * reduction takes none: its gradients accumulate in its shard.
+         * fsdp2 with bf16 parameters (model.torch_dtype bfloat16, also under FusedAdam's fp32
+         * masters) keeps the shards in bf16, as FSDP2 keeps a sharded gradient in the parameter's
+         * dtype (2 B a parameter, not 4), and those groups then stage each backward's fp32
+         * gradients in one buffer of the largest one's span, with its bf16 copy (4 + 2 B, in
+         * grad_buffers); not with HSDP (dp_replicate > 1), whose replica all-reduce sums the
+         * shards in reduce_dtype: fp32 shards there, as megatron_fsdp's (train/grad_sync.h). */
         if (zero >= 2) {
             double nb = !buffered ? 0
                                   : (buffered_experts ? 4 : m->tie_word_embeddings && emb && head ? 3 : 2) +
                                         (m->tie_word_embeddings && p->pp > 1 && (emb || head) ? 1 : 0);
-            out->grads = 4 * (double)f.shard + (glp && p->dp_replicate > 1 ? glp * (double)f.shard : 0);
-            out->grad_buffers = nb * (double)f.buf_span * (4 + glp) + nb * (double)f.buf_shard * (glp ? glp : 4);
+            bool g16 = r->dist.strategy == AM_FSDP2 && r->param_dtype == AM_BF16 && p->dp_replicate == 1;
+            out->grads = (g16 ? 2 : 4) * (double)f.shard + (glp && p->dp_replicate > 1 ? glp * (double)f.shard : 0);
+            out->grad_buffers = nb * (double)f.buf_span * (4 + glp) + nb * (double)f.buf_shard * (glp ? glp : 4) +
+                                (g16 ? (4 + 2) * (double)f.direct_span : 0);
         } else {
             out->grads = (4 + glp) * (double)f.slab + 4 * (double)f.shard;
         }

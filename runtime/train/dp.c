@@ -65,7 +65,8 @@ static int rep_update(struct am_dp *d, float lr, char *err, size_t err_len)
     struct am_model *m = d->m;
     (void)err;
     (void)err_len;
-    am_optim_step(&d->optim, trained_masters(m), m->grad_mem, am_model_sumsq(m), d->c.r->optim.max_grad_norm, lr);
+    am_optim_step(&d->optim, trained_masters(m), m->grad_mem, AM_F32, am_model_sumsq(m), d->c.r->optim.max_grad_norm,
+                  lr);
     return 0;
 }
 
@@ -118,16 +119,28 @@ static const struct am_dp_ops replicated = {
 /* the groups padded to a multiple of the shard group's size */
 static int sh_group_align(const struct am_dp *d) { return am_comm_size(d->c.shard); }
 
+/* The gradient shards' dtype: FSDP2 keeps a bf16 parameter's sharded gradient in bf16 (its
+ * reduce-scatter's output cast to the parameter's dtype, accumulated in it: grad_sync.h),
+ * with fp32 masters under FusedAdam too (master_weights: the model's parameters are still
+ * bf16); megatron_fsdp keeps fp32 main gradients, as Megatron-FSDP does, and HSDP fp32
+ * shards, whose replica all-reduce sums in reduce_dtype. */
+static enum am_dtype sh_grad_dtype(const struct am_dp *d)
+{
+    const struct am_recipe *r = d->c.r;
+    return d->c.zero >= 2 && r->dist.strategy == AM_FSDP2 && r->param_dtype == AM_BF16 && !d->c.replicate ? AM_BF16
+                                                                                                       : AM_F32;
+}
+
 static int sh_init(struct am_dp *d, char *err, size_t err_len)
 {
     const struct am_dp_config *c = &d->c;
     struct am_fsdp *f = &d->fsdp;
-    if (am_fsdp_init(f, d->m, c->shard, c->zero, c->reshard_after_forward, err, err_len) < 0 ||
+    if (am_fsdp_init(f, d->m, c->shard, c->zero, c->reshard_after_forward, sh_grad_dtype(d), err, err_len) < 0 ||
         optim_init(d, f->n_shard, err, err_len) < 0)
         return -1;
     /* from ZeRO stage 2 the gradients are sharded too: per-group buffers reduce-scattered into
      * the shards (grad_sync.h) */
-    struct am_gsync_shards shards = {f->grads, f->n_shard, c->replicate};
+    struct am_gsync_shards shards = {f->grads, f->n_shard, f->grad_dt, c->replicate};
     return am_gsync_init(&d->sync, d->m, c->grad_comm, c->overlap, c->reduce, c->zero >= 2 ? &shards : NULL, err,
                          err_len);
 }
@@ -164,14 +177,15 @@ static struct am_comm *expert_replicas(const struct am_dp *d)
 
 static int sh_grad_sumsq(struct am_dp *d, char *err, size_t err_len)
 {
-    return am_model_grad_sumsq_shards(d->m, d->fsdp.grads, d->fsdp.rank, d->c.shard, expert_replicas(d), err,
+    return am_model_grad_sumsq_shards(d->m, d->fsdp.grads, d->fsdp.grad_dt, d->fsdp.rank, d->c.shard, expert_replicas(d), err,
                                       err_len);
 }
 
 /* the shards alone; below stage 3 then gathered into the model */
 static int sh_update(struct am_dp *d, float lr, char *err, size_t err_len)
 {
-    am_optim_step(&d->optim, d->fsdp.master, d->fsdp.grads, am_model_sumsq(d->m), d->c.r->optim.max_grad_norm, lr);
+    am_optim_step(&d->optim, d->fsdp.master, d->fsdp.grads, d->fsdp.grad_dt, am_model_sumsq(d->m),
+                  d->c.r->optim.max_grad_norm, lr);
     return d->c.zero < 3 ? am_fsdp_publish(&d->fsdp, err, err_len) : 0;
 }
 
@@ -181,7 +195,8 @@ static void sh_bytes(const struct am_dp *d, struct am_dp_bytes *b)
 {
     size_t S = d->fsdp.n_shard, slab = d->m->slab_elems;
     b->weights = am_fsdp_weight_bytes(&d->fsdp);
-    b->grads = (d->c.zero >= 2 ? 0 : slab * sizeof(float)) + am_gsync_bytes(&d->sync) + S * sizeof(float);
+    b->grads = (d->c.zero >= 2 ? 0 : slab * sizeof(float)) + am_gsync_bytes(&d->sync) +
+               S * am_dtype_size(d->fsdp.grad_dt);
     b->optimizer = S * (am_dtype_size(d->optim.mdt[0]) + am_dtype_size(d->optim.mdt[1]));
     b->gathered = am_fsdp_gathered_bytes(&d->fsdp);
 }
@@ -246,7 +261,7 @@ static const struct am_dp_ops sharded = {
 static int lora_init(struct am_dp *d, char *err, size_t err_len)
 {
     const struct am_dp_config *c = &d->c;
-    if (am_fsdp_init(&d->fsdp, d->m, c->shard, 3, c->reshard_after_forward, err, err_len) < 0)
+    if (am_fsdp_init(&d->fsdp, d->m, c->shard, 3, c->reshard_after_forward, AM_F32, err, err_len) < 0)
         return -1;
     return rep_init(d, err, err_len);
 }

@@ -20,12 +20,13 @@ static size_t param_offset(const struct am_model *m, const struct am_param *p)
 }
 
 int am_fsdp_init(struct am_fsdp *f, struct am_model *m, struct am_comm *comm, int stage, bool reshard_after_forward,
-                 char *err, size_t err_len)
+                 enum am_dtype grad_dt, char *err, size_t err_len)
 {
     const struct am_kernels *K = m->K;
     memset(f, 0, sizeof(*f));
     f->m = m;
     f->stage = stage;
+    f->grad_dt = grad_dt;
     f->comm = comm;
     f->rank = am_comm_rank(comm);
     f->size = am_comm_size(comm);
@@ -65,6 +66,9 @@ int am_fsdp_init(struct am_fsdp *f, struct am_model *m, struct am_comm *comm, in
     if (!f->slot_group || !f->slot_req || !f->slot_used)
         return am_fail(err, err_len, "fsdp: out of memory for %d gathered buffers", f->n_slots);
     bool grads = m->sh.lora_r == 0; /* LoRA: every sharded group is the frozen base's */
+    if (grads && grad_dt != AM_F32 && (grad_dt != AM_BF16 || stage < 2))
+        return am_fail(err, err_len, "fsdp: gradient shards in %s at ZeRO stage %d: fp32, or bf16 from stage 2",
+                       am_dtype_name(grad_dt), stage);
     /* stage 3 gathers a copy of the master shards in the compute dtype when it is not theirs */
     bool copy = m->act_dt != m->store_dt && stage >= 3;
     /* LoRA's frozen base keeps that copy alone: its masters never change, so the copy rounded
@@ -72,7 +76,7 @@ int am_fsdp_init(struct am_fsdp *f, struct am_model *m, struct am_comm *comm, in
     bool masters = !(m->sh.lora_r > 0 && copy);
     size_t ws = am_dtype_size(m->store_dt);
     f->master = masters ? K->alloc(m->dev, f->n_shard * ws) : NULL;
-    f->grads = grads ? K->alloc(m->dev, f->n_shard * sizeof(float)) : NULL;
+    f->grads = grads ? K->alloc(m->dev, f->n_shard * am_dtype_size(grad_dt)) : NULL;
     if (f->n_slots)
         f->slot_mem = K->alloc(m->dev, (size_t)f->n_slots * f->slot_elems * cs);
     if (copy)

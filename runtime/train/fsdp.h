@@ -4,8 +4,10 @@
  * norm with the head) is one flat span of the model's slabs, padded with zeros to a multiple
  * of the shard group's size D (am_model_shard.group_align). Rank r of the group keeps elements
  * [r * span / D, (r + 1) * span / D) of each group's span, for every group one after the
- * other in three slabs of its own: the master weights (in the model's storage dtype), the fp32
- * reduced gradients and (the optimizer's, over the same slab) Adam's two moments. The model's
+ * other in three slabs of its own: the master weights (in the model's storage dtype), the
+ * reduced gradients (fp32; bf16 when am_fsdp_init is given bf16: FSDP2's sharded gradient in a
+ * bf16 parameter's dtype, grad_sync.h) and (the optimizer's, over the same slab) Adam's two
+ * moments. The model's
  * full masters and their compute copy are freed once the shards are taken from them.
  *
  * Weights: at the start of a step the master shards are cast to the compute dtype (mixed
@@ -29,7 +31,7 @@
  *
  * Gradients (stages 2 and 3): the model keeps no full-size gradients; each group's live in a
  * per-group buffer while its backward runs and are reduce-scattered, in reduce_dtype, into
- * the group's fp32 shard after every backward (with gradient accumulation, every micro-batch:
+ * the group's shard (fp32, or rounded to bf16 and added in bf16) after every backward (with gradient accumulation, every micro-batch:
  * FSDP2's default, set_requires_gradient_sync(True)), HSDP's replica all-reduce of each
  * group's shard started as its last reduce-scatter of the step completes (grad_sync.h). The
  * gradient norm is the shards' sum of squares summed over the shard group, tp and pp
@@ -80,12 +82,13 @@
 struct am_fsdp {
     struct am_model *m;
     int stage;            /* ZeRO stage: 3 (fsdp2; megatron_fsdp 3), 2 or 1 (megatron_fsdp) */
+    enum am_dtype grad_dt; /* the gradient shards': AM_F32, or AM_BF16 (from stage 2) */
     struct am_comm *comm; /* the shard group (the experts' with ep: their group's comm, model.h) */
     int rank, size;
     size_t n_shard;       /* this rank's elements: the sum of the groups' shards */
     void *master;         /* master shards [n_shard], storage dtype (NULL: LoRA's frozen base in mixed precision) */
     void *master_lp;      /* their copy in the compute dtype (stage 3 when it is not the storage dtype), else NULL */
-    void *grads;          /* fp32 reduced gradient shards [n_shard] (accumulated over a step); NULL with LoRA */
+    void *grads;          /* reduced gradient shards [n_shard] in grad_dt (accumulated over a step); NULL with LoRA */
     void *slot_mem;       /* n_slots gathered buffers of slot_elems in the compute dtype */
     size_t slot_elems;
     int n_slots;
@@ -102,9 +105,10 @@ struct am_fsdp {
  * (G->shard: AM_SHARD_SHARDED from stage 2, whose gradients grad_sync.h reduce-scatters, else
  * AM_SHARD_REPLICATED) and takes each shard of the weights init or load put in the model's
  * slabs; stage 3 then frees them, and the model's group_use hook must call am_fsdp_use.
- * Returns 0, or -1 with a message. */
+ * grad_dt: the gradient shards' dtype (AM_BF16 from stage 2 only). Returns 0, or -1 with a
+ * message. */
 int am_fsdp_init(struct am_fsdp *f, struct am_model *m, struct am_comm *comm, int stage, bool reshard_after_forward,
-                 char *err, size_t err_len);
+                 enum am_dtype grad_dt, char *err, size_t err_len);
 /* After the communicators are destroyed (requests still in flight go with them). */
 void am_fsdp_free(struct am_fsdp *f);
 

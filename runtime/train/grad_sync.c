@@ -35,6 +35,10 @@ static int init_shards(struct am_gsync *s, const struct am_gsync_shards *sh, cha
     size_t es = am_dtype_size(s->reduce);
     s->shard_g = sh->grads;
     s->n_shard = sh->n_shard;
+    s->shard_dt = sh->dtype;
+    if (s->shard_dt != AM_F32 && (s->shard_dt != AM_BF16 || sh->replicate))
+        return am_fail(err, err_len, "gradient shards in %s%s: they are fp32, or bf16 without replicas",
+                       am_dtype_name(s->shard_dt), sh->replicate ? " with HSDP's replicas" : "");
     s->direct = calloc((size_t)m->n_groups + 1, sizeof(*s->direct));
     s->open = calloc((size_t)m->n_groups + 1, sizeof(*s->open));
     if (!s->direct || !s->open)
@@ -47,6 +51,8 @@ static int init_shards(struct am_gsync *s, const struct am_gsync_shards *sh, cha
         /* a shard group of one rank reduced in fp32: its shard is its whole span, where its
          * gradients accumulate (no buffer, no receive shard) */
         s->direct[g] = G->shard == AM_SHARD_SHARDED && s->reduce == AM_F32 && am_comm_size(G->comm) == 1;
+        if (s->direct[g] && s->shard_dt != AM_F32 && G->span > s->stage_elems)
+            s->stage_elems = G->span; /* bf16 shards: its fp32 gradients staged */
         if (s->direct[g])
             continue;
         if (G->span > s->buf_elems)
@@ -82,6 +88,9 @@ static int init_shards(struct am_gsync *s, const struct am_gsync_shards *sh, cha
                        s->buf_elems);
     if (s->reduce != AM_F32 && sh->replicate && !(s->shard_lp = K->alloc(m->dev, s->n_shard * es)))
         return am_fail(err, err_len, "out of memory for the %zu gradient shards in the reduction's dtype", s->n_shard);
+    if (s->stage_elems && !(s->stage = K->alloc(m->dev, s->stage_elems * (sizeof(float) + am_dtype_size(s->shard_dt)))))
+        return am_fail(err, err_len, "out of memory for the %zu fp32 gradients staged before their bf16 shard",
+                       s->stage_elems);
     am_model_drop_grads(m);
     return 0;
 }
@@ -109,7 +118,7 @@ int am_gsync_init(struct am_gsync *s, struct am_model *m, struct am_comm *dp, bo
 
 void am_gsync_free(struct am_gsync *s)
 {
-    void *dev_mem[] = {s->lp_mem, s->shard_lp, s->buf_mem, s->buf_lp, s->recv_mem, s->finite};
+    void *dev_mem[] = {s->lp_mem, s->shard_lp, s->buf_mem, s->buf_lp, s->recv_mem, s->stage, s->finite};
     for (size_t i = 0; i < sizeof(dev_mem) / sizeof(dev_mem[0]); i++)
         if (dev_mem[i])
             s->m->K->free(s->m->dev, dev_mem[i]);
@@ -136,7 +145,7 @@ size_t am_gsync_buffer_bytes(const struct am_gsync *s)
 {
     size_t es = am_dtype_size(s->reduce);
     size_t per = s->buf_elems * sizeof(float) + (s->buf_lp ? s->buf_elems * es : 0) + s->recv_elems * es;
-    return (size_t)s->n_bufs * per;
+    return (size_t)s->n_bufs * per + s->stage_elems * (sizeof(float) + am_dtype_size(s->shard_dt));
 }
 
 void am_gsync_begin_step(struct am_gsync *s)
@@ -145,7 +154,7 @@ void am_gsync_begin_step(struct am_gsync *s)
     s->wait_s = 0;
     if (!s->shard_g)
         return;
-    struct am_tensor g = flat(m, s->shard_g, AM_F32, s->n_shard);
+    struct am_tensor g = flat(m, s->shard_g, s->shard_dt, s->n_shard);
     m->K->zero(m->dev, &g);
     m->K->upload(m->dev, s->finite, s->ones, (size_t)m->n_params * sizeof(int32_t));
 }
@@ -172,6 +181,12 @@ enum { PENDING, FINISHED, REDUCED };
 
 static float *buf_at(const struct am_gsync *s, int b) { return (float *)s->buf_mem + (size_t)b * s->buf_elems; }
 
+/* Element i of the shard slab, in its dtype. */
+static void *shard_at(const struct am_gsync *s, size_t i)
+{
+    return (char *)s->shard_g + i * am_dtype_size(s->shard_dt);
+}
+
 static void *recv_at(const struct am_gsync *s, int b)
 {
     return (char *)s->recv_mem + (size_t)b * s->recv_elems * am_dtype_size(s->reduce);
@@ -179,15 +194,18 @@ static void *recv_at(const struct am_gsync *s, int b)
 
 /* Buffer b's reduce-scatter is complete: its shard added to the group's, and after the group's
  * last one of the step its shard all-reduced over the replicas (HSDP: started, or done when
- * blocking). */
+ * blocking). The reduced shard takes the shards' dtype first, in the buffer (free now):
+ * widened from a bf16 reduction into fp32 shards, or rounded from an fp32 one to bf16 shards
+ * (FSDP2's cast of the reduce-scatter's output to the parameter's dtype, then its += in bf16:
+ * the sum in fp32, rounded once). */
 static int added(struct am_gsync *s, int b, char *err, size_t err_len)
 {
     struct am_model *m = s->m;
     const struct am_pgroup *G = &m->groups[s->buf_sent[b]];
     struct am_tensor sum = flat(m, recv_at(s, b), s->reduce, G->shard_elems);
-    struct am_tensor dst = flat(m, (float *)s->shard_g + G->shard_offset, AM_F32, G->shard_elems);
-    if (s->reduce != AM_F32) { /* widened into the buffer, free now */
-        struct am_tensor w = flat(m, buf_at(s, b), AM_F32, G->shard_elems);
+    struct am_tensor dst = flat(m, shard_at(s, G->shard_offset), s->shard_dt, G->shard_elems);
+    if (s->reduce != s->shard_dt) {
+        struct am_tensor w = flat(m, buf_at(s, b), s->shard_dt, G->shard_elems);
         m->K->convert(m->dev, &w, &sum);
         sum = w;
     }
@@ -246,11 +264,21 @@ int am_gsync_use(struct am_gsync *s, int group, char *err, size_t err_len)
     struct am_model *m = s->m;
     const struct am_pgroup *G = &m->groups[group];
     int b = -1;
-    if (s->direct && s->direct[group]) { /* into its shard, its span whole */
+    if (s->direct && s->direct[group]) { /* into its shard, its span whole; bf16 shards: the staging buffer */
         if (s->open[group])
             return 0; /* accumulating there already */
+        float *base = (float *)s->shard_g + G->shard_offset;
+        if (s->stage) {
+            for (int g = 0; g < m->n_groups; g++)
+                if (s->open[g] && s->direct[g])
+                    return am_fail(err, err_len, "gradient shards: %s's backward began while %s's holds the staging "
+                                   "buffer", G->name, m->groups[g].name);
+            base = s->stage;
+            struct am_tensor z = flat(m, base, AM_F32, G->span);
+            m->K->zero(m->dev, &z);
+        }
         for (int i = G->first; i < G->first + G->n; i++)
-            m->params[i].g.data = (float *)s->shard_g + G->shard_offset + (m->params[i].slab_off - G->offset);
+            m->params[i].g.data = base + (m->params[i].slab_off - G->offset);
         s->open[group] = true;
         return 0;
     }
@@ -283,7 +311,10 @@ int am_gsync_use(struct am_gsync *s, int group, char *err, size_t err_len)
 /* A group that accumulates in its shard (its shard group is this rank alone) ended a backward:
  * after the step's last, its sum checked and into local_sumsq (a gradient that was not finite
  * in a micro-batch is not in their sum: an infinity or a NaN stays one through additions), and
- * with HSDP its shard all-reduced over the replicas (started, or done when blocking). */
+ * with HSDP its shard all-reduced over the replicas (started, or done when blocking). With bf16
+ * shards the pass's fp32 gradients in the staging buffer are checked and into local_sumsq
+ * (which only tells whether this rank's gradients were finite), rounded to bf16 and added to
+ * the shard, as FSDP2 adds a one-rank reduce-scatter's output cast to the parameter's dtype. */
 static int end_direct(struct am_gsync *s, int group, bool final, char *err, size_t err_len)
 {
     struct am_model *m = s->m;
@@ -294,9 +325,18 @@ static int end_direct(struct am_gsync *s, int group, bool final, char *err, size
     struct am_tensor flag = am_tensor_view(s->finite, m->dev->device, AM_I32, 1, 0, 0, 0);
     for (int i = G->first; i < G->first + G->n; i++) {
         flag.data = (int32_t *)s->finite + i;
-        if (final)
+        if (final || s->stage)
             m->K->all_finite(m->dev, &flag, &m->params[i].g);
         m->params[i].g.data = NULL;
+    }
+    if (s->stage) {
+        struct am_tensor g = flat(m, s->stage, AM_F32, G->shard_elems), sq = flat(m, s->stage, AM_F32, G->n_elems);
+        struct am_tensor lp = flat(m, (float *)s->stage + s->stage_elems, s->shard_dt, G->shard_elems);
+        struct am_tensor dst = flat(m, shard_at(s, G->shard_offset), s->shard_dt, G->shard_elems);
+        m->K->sum_squares(m->dev, &m->scalars.local_sumsq, &sq, 1.0);
+        m->K->convert(m->dev, &lp, &g);
+        m->K->add(m->dev, &dst, &lp);
+        return 0; /* no replicas with bf16 shards */
     }
     if (!final)
         return 0;

@@ -19,9 +19,14 @@
  * in flight, waiting for it) and its parameters' g point into it, zeroed; when its backward
  * ends (grad_ready after every backward: the model's grads_each_pass) its tp sums are done
  * and the buffer is reduce-scattered, in reduce_dtype, over the group's shard communicator
- * (G->comm) into the buffer's receive shard, which is added to the group's fp32 shard of the
+ * (G->comm) into the buffer's receive shard, which is added to the group's shard of the
  * shard slab once the reduce-scatter completes (oldest first, the same order on every rank,
- * so that a group's micro-batches are summed in their order). With gradient accumulation
+ * so that a group's micro-batches are summed in their order). The shards are fp32, or bf16
+ * (am_gsync_shards.dtype: FSDP2 with bf16 parameters, which keeps a sharded gradient in the
+ * parameter's dtype): then each reduced shard is rounded to bf16 and added to the bf16 shard
+ * (the sum in fp32, rounded once), as FSDP2 casts the reduce-scatter's output to the
+ * parameter's dtype and adds it to the sharded .grad; at one micro-batch a step the shard is
+ * the reduced gradient rounded to bf16, which is what the optimizer rounds an fp32 one to. With gradient accumulation
  * this reduce-scatters every micro-batch (FSDP2's set_requires_gradient_sync(True), its
  * default): n_microbatches reductions per step for gradients that take 1/dp_shard of the
  * memory; accumulating full-size gradients over the micro-batches and reducing once would
@@ -36,11 +41,19 @@
  * parameters' g point into it and its gradients accumulate there over the micro-batches, as
  * a single rank's do in its slab; after the step's last backward its sum is checked and added
  * to local_sumsq (which only tells whether this rank's gradients were finite), and there is
- * no reduce-scatter and no receive shard. The buffers and receive shards are sized, and the
+ * no reduce-scatter and no receive shard. With bf16 shards such a group's gradients are
+ * written instead into one fp32 staging buffer (with its bf16 copy) of the largest such
+ * group's span, zeroed when each of its backward passes starts; each backward pass's gradients there are
+ * checked, added to local_sumsq, rounded to bf16 and added to the shard when the pass ends
+ * (FSDP2's one-rank reduce-scatter, cast and +=). One buffer serves them all: these groups
+ * are experts, and a backward pass (am_model_backward, one at a time on a rank whatever the
+ * pipeline schedule) ends a MoE layer's experts' backward before it starts the previous
+ * layer's. The buffers and receive shards are sized, and the
  * MoE layers' four counted, over the groups that take them (none: none allocated); a bf16
  * reduce_dtype keeps every group in a buffer (its reduction rounds to bf16).
- * HSDP (G->replicate; none for the experts' groups with expert parallelism, whose
- * expert-data-parallel group spans the replicas): once a group's last reduce-scatter of the
+ * HSDP (G->replicate, with fp32 shards only: the replicas' sum is in reduce_dtype; none for
+ * the experts' groups with expert parallelism, whose expert-data-parallel group spans the
+ * replicas): once a group's last reduce-scatter of the
  * step has been added to its shard (one accumulating in its shard: after its last backward),
  * the shard is all-reduced over the replicas, non-blocking (it runs while the backward goes
  * on), waited for in am_gsync_finish. The reduce-scatters are completed, and these
@@ -48,8 +61,9 @@
  * starts, when a buffer is needed, after the backward), never on a request found complete, so
  * that every rank issues its collectives in the same order across groups (comm.h).
  *
- * Gradients are fp32; with mp_policy.reduce_dtype bfloat16 each group is rounded to bf16,
- * all-reduced in bf16 (as FSDP2 reduces in its reduce_dtype) and widened back after the wait.
+ * Gradients are fp32 (but bf16 shards); with mp_policy.reduce_dtype bfloat16 each group is
+ * rounded to bf16, all-reduced (reduce-scattered) in bf16, as FSDP2 reduces in its
+ * reduce_dtype, and widened back after the wait (added to the shard).
  *
  * Overlapped (the default) the reductions are started in the backward and progress while it
  * goes on; blocking (AM_GRAD_OVERLAP=0), every group is reduced in am_gsync_finish (sharded:
@@ -68,11 +82,13 @@
 #include "comm.h"
 #include "model.h"
 
-/* Sharded gradients: the fp32 shard slab (each group's shard at its shard_offset, over
- * G->comm, which the caller set) and the replicas' group (HSDP), or NULL. */
+/* Sharded gradients: the shard slab (each group's shard at its shard_offset, over G->comm,
+ * which the caller set), its dtype (AM_F32, or AM_BF16 when replicate is NULL) and the
+ * replicas' group (HSDP), or NULL. */
 struct am_gsync_shards {
     void *grads;
     size_t n_shard;
+    enum am_dtype dtype;
     struct am_comm *replicate;
 };
 
@@ -87,8 +103,9 @@ struct am_gsync {
     size_t n_reqs;
     double wait_s;        /* this step: seconds in am_gsync_finish */
     /* sharded gradients (above) */
-    void *shard_g;        /* the fp32 gradient shards, or NULL */
+    void *shard_g;        /* the gradient shards (shard_dt), or NULL */
     size_t n_shard;
+    enum am_dtype shard_dt;
     void *shard_lp;       /* HSDP with a bf16 reduce_dtype: the shards' copy all-reduced */
     int n_bufs;
     size_t buf_elems, recv_elems; /* the largest span and shard of the groups that take a buffer */
@@ -96,6 +113,8 @@ struct am_gsync {
     void *buf_lp;         /* bf16 reduce_dtype: their copy that is reduce-scattered, or NULL */
     void *recv_mem;       /* n_bufs x recv_elems in reduce_dtype: what the reduce-scatters write */
     bool *direct;         /* [n_groups]: accumulates in its shard (its shard group is one rank, fp32) */
+    void *stage;          /* bf16 shards: the direct groups' fp32 gradients, stage_elems, then their bf16 copy */
+    size_t stage_elems;
     bool *open;           /* [n_groups]: such a group's backward started, its g on its shard */
     int *buf_group;       /* [n_bufs]: the group accumulating there, or -1 */
     int *buf_sent;        /* [n_bufs]: the group whose reduce-scatter it is in, or -1 */
@@ -119,7 +138,8 @@ void am_gsync_free(struct am_gsync *s);
 
 /* The bytes it allocated beside the model's slab and the shard slab: the gradients' copies
  * in reduce_dtype (full-size; HSDP's of the shards), and apart (buffer_bytes) the per-group
- * buffers of sharded gradients with their reduce_dtype copies and receive shards. */
+ * buffers of sharded gradients with their reduce_dtype copies and receive shards, and the
+ * staging buffer of bf16 shards. */
 size_t am_gsync_bytes(const struct am_gsync *s);
 size_t am_gsync_buffer_bytes(const struct am_gsync *s);
 

@@ -34,13 +34,13 @@ void am_optim_free(struct am_optim *o)
     o->m_mem = o->v_mem = NULL;
 }
 
-void am_optim_step(struct am_optim *o, void *params, const void *grads, const struct am_tensor *sumsq, double max_norm,
-                   float lr)
+void am_optim_step(struct am_optim *o, void *params, const void *grads, enum am_dtype gdt, const struct am_tensor *sumsq,
+                   double max_norm, float lr)
 {
     enum am_device dev = o->dev->device;
     int64_t n = (int64_t)o->n;
     struct am_tensor p = am_tensor_view(params, dev, o->dt, n, 0, 0, 0);
-    struct am_tensor g = am_tensor_view((void *)grads, dev, AM_F32, n, 0, 0, 0);
+    struct am_tensor g = am_tensor_view((void *)grads, dev, gdt, n, 0, 0, 0);
     struct am_tensor m = am_tensor_view(o->m_mem, dev, o->mdt[0], n, 0, 0, 0);
     struct am_tensor v = am_tensor_view(o->v_mem, dev, o->mdt[1], n, 0, 0, 0);
     struct am_adamw_tensor slab = {.param = &p, .m = &m, .v = &v, .grad = &g, .te = o->te};

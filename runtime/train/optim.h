@@ -36,17 +36,18 @@ struct am_optim {
 int am_optim_init(struct am_optim *o, const struct am_dev *d, size_t n_elems, enum am_dtype dt,
                   const struct am_recipe *r);
 void am_optim_free(struct am_optim *o);
-/* One AdamW step over params (o->n elements of o->dt) given grads (o->n fp32; with bf16
- * parameters rounded to bf16 first, as FSDP2 casts the reduced gradient to the parameters'
- * dtype, then clipped in bf16: kernels.h), both on the device, in one
+/* One AdamW step over params (o->n elements of o->dt) given grads (o->n of gdt: fp32; with
+ * bf16 parameters rounded to bf16 first, as FSDP2 casts the reduced gradient to the
+ * parameters' dtype, then clipped in bf16: kernels.h; or, with bf16 parameters, bf16 already:
+ * FSDP2's bf16 gradient shards), both on the device, in one
  * kernel call that reads nothing back (adamw_multi, kernels.h): with max_norm > 0 the
  * gradients are clipped to the global norm max_norm (coefficient max_norm / (norm + 1e-6),
  * applied when below 1), norm = sqrt of the device scalar sumsq (AM_F64 or AM_F32: the one
  * am_model_read_scalars reads, am_model_sumsq); and when sumsq is an Inf or a NaN (a
  * gradient is not finite) the step is skipped on the device, nothing written (the trainer
  * then fails the step, having read the same value). sumsq may be NULL without clipping. */
-void am_optim_step(struct am_optim *o, void *params, const void *grads, const struct am_tensor *sumsq, double max_norm,
-                   float lr);
+void am_optim_step(struct am_optim *o, void *params, const void *grads, enum am_dtype gdt, const struct am_tensor *sumsq,
+                   double max_norm, float lr);
 
 double am_lr_at(const struct am_recipe *r, long step);
 

@@ -279,7 +279,10 @@ static void test_memory_expert_rows(void **state)
  * head 16448, each layer's 4 experts 4 * 3 * 64 * 128 = 98304, E / ep on a rank; dp_shard 4).
  * ep 4 = dp: the experts' groups are sharded over one rank (ep_shard 1) and, reduced in fp32,
  * accumulate in their shards (train/grad_sync.h): two buffers of the largest other group (the
- * head, 16448) with their receive shards over 4 ranks, in fp32. ep 2 (ep_shard 2): four
+ * head, 16448) with their receive shards over 4 ranks, in fp32; the recipe's bf16 parameters
+ * (torch_dtype assumed bfloat16) keep bf16 shards, so those experts' fp32 gradients are staged
+ * in one buffer of a layer's experts' span on the rank (one expert: 24576) with its bf16 copy
+ * (6 B each), and float32 parameters need none. ep 2 (ep_shard 2): four
  * buffers of the experts' span (49152) with their receive shards over 2 ranks. A bf16
  * reduce_dtype keeps the ep 4 experts in buffers too: four of their span (fp32 and bf16) with
  * bf16 receive shards of all of it. */
@@ -295,6 +298,11 @@ static void test_memory_grad_buffers_ep(void **state)
     struct am_recipe *r = plan_of(moe, ep4, 4, &p);
     assert_int_equal(p.ep_shard, 1);
     assert_int_equal(p.zero_stage, 3);
+    assert_float_equal(p.mem.grad_buffers, 2 * 4 * 16448.0 + 2 * 4 * 16448.0 / 4 + 6 * 24576.0, 0);
+    am_plan_free(&p);
+    am_recipe_free(r);
+    const char *ep4_f32[] = {"distributed.ep_size=4", "model.torch_dtype=float32", NULL};
+    r = plan_of(moe, ep4_f32, 4, &p);
     assert_float_equal(p.mem.grad_buffers, 2 * 4 * 16448.0 + 2 * 4 * 16448.0 / 4, 0);
     am_plan_free(&p);
     am_recipe_free(r);
@@ -308,6 +316,45 @@ static void test_memory_grad_buffers_ep(void **state)
                               "distributed.mp_policy.reduce_dtype=bfloat16", NULL};
     r = plan_of(moe, ep4_bf16, 4, &p);
     assert_float_equal(p.mem.grad_buffers, 4 * 6 * 24576.0 + 4 * 2 * 24576.0, 0);
+    am_plan_free(&p);
+    am_recipe_free(r);
+}
+
+/* fsdp2 with bf16 parameters (model.torch_dtype bfloat16; under FusedAdam with fp32 master
+ * weights too) keeps the gradient shards in bf16, as FSDP2 keeps a sharded gradient in the
+ * parameter's dtype (train/grad_sync.h): model8 over dp 4, 2 B a parameter of the shard
+ * instead of 4, the buffers as before (no group accumulates in its shard: no staging). HSDP
+ * (its replica all-reduce sums in reduce_dtype), megatron_fsdp (fp32 main gradients) and
+ * float32 parameters keep fp32 shards. */
+static void test_memory_grad_shards_bf16(void **state)
+{
+    (void)state;
+    double params = 5247232, layer = 590336;
+    struct {
+        const char *sets[4];
+        double grad_bytes;
+    } cases[] = {
+        {{"model.torch_dtype=bfloat16", NULL}, 2},
+        {{"model.torch_dtype=bfloat16", "optimizer._target_=transformer_engine.pytorch.optimizers.FusedAdam",
+          "optimizer.master_weights=true", NULL},
+         2},
+        {{NULL}, 4},
+        {{"model.torch_dtype=bfloat16", "distributed.strategy=megatron_fsdp", "distributed.zero_dp_strategy=3", NULL}, 4},
+    };
+    for (size_t c = 0; c < sizeof cases / sizeof *cases; c++) {
+        struct am_plan p;
+        struct am_recipe *r = plan_of(model8, cases[c].sets, 4, &p);
+        assert_int_equal(p.zero_stage, 3);
+        assert_float_equal(p.mem.grads, cases[c].grad_bytes * params / 4, 0);
+        assert_float_equal(p.mem.grad_buffers, 2 * 4 * layer + 2 * 4 * layer / 4, 0);
+        am_plan_free(&p);
+        am_recipe_free(r);
+    }
+    const char *hsdp[] = {"model.torch_dtype=bfloat16", "distributed.dp_replicate_size=2", NULL};
+    struct am_plan p;
+    struct am_recipe *r = plan_of(model8, hsdp, 4, &p);
+    assert_int_equal(p.dp_shard, 2);
+    assert_float_equal(p.mem.grads, 4 * params / 2, 0);
     am_plan_free(&p);
     am_recipe_free(r);
 }
@@ -924,6 +971,7 @@ int main(void)
         cmocka_unit_test(test_expert_groups),
         cmocka_unit_test(test_memory_expert_rows),
         cmocka_unit_test(test_memory_grad_buffers_ep),
+        cmocka_unit_test(test_memory_grad_shards_bf16),
         cmocka_unit_test(test_interleaved_stages),
         cmocka_unit_test(test_interleaved_stages_uneven),
         cmocka_unit_test(test_param_count),

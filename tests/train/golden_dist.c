@@ -308,8 +308,8 @@ static int run_series(struct dist *d, const struct golden *G, bool clip, struct 
             am_errors_fail(err, "%s step %d: %s", series, step + 1, msg);
             goto out;
         }
-        am_optim_step(&optim, (char *)m.param_mem + m.grad_off * am_dtype_size(m.store_dt), m.grad_mem, am_model_sumsq(&m),
-                      clip ? r->optim.max_grad_norm : 0, (float)am_lr_at(r, step));
+        am_optim_step(&optim, (char *)m.param_mem + m.grad_off * am_dtype_size(m.store_dt), m.grad_mem, AM_F32,
+                      am_model_sumsq(&m), clip ? r->optim.max_grad_norm : 0, (float)am_lr_at(r, step));
         am_model_read_scalars(&m, &v);
         double norm = sqrt(v.sumsq);
         compare(t, series, step, "loss", v.loss_sum / G->n_targets, G->losses[clip][step], false);

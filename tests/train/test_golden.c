@@ -653,7 +653,7 @@ static void check_bf16store(const char *name, bool nearer)
         l16[s] = step(&G);
         if (am_model_grad_sumsq(&G.m, msg, sizeof(msg)) < 0)
             fail_msg("%s", msg);
-        am_optim_step(&optim, G.m.param_mem, G.m.grad_mem, am_model_sumsq(&G.m), r->optim.max_grad_norm,
+        am_optim_step(&optim, G.m.param_mem, G.m.grad_mem, AM_F32, am_model_sumsq(&G.m), r->optim.max_grad_norm,
                       (float)am_lr_at(r, s));
         struct am_model_values v;
         am_model_read_scalars(&G.m, &v);
