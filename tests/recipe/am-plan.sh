@@ -67,7 +67,7 @@ check "json carries errors" 1 \
     '{"assumed":{},"errors":["--set distributed.ep_size=2: distributed.ep_size: 2 needs a mixture-of-experts model; llama has no experts (use ep_size: 1)"]' \
     -- "$bin" "$recipes/llama70b.yaml" --nodes 8 --gpus-per-node 8 --set distributed.ep_size=2 --json
 check "too little GPU memory names the fix" 1 \
-    "error: $recipes/llama70b.yaml: estimated memory per GPU 128.2 GiB exceeds the GPU's 80.0 GiB by 48.2 GiB; it fits with distributed.activation_checkpointing=true (37.4 GiB), distributed.sequence_parallel=true (56.1 GiB)" \
+    "error: $recipes/llama70b.yaml: estimated memory per GPU 126.1 GiB exceeds the GPU's 80.0 GiB by 46.1 GiB; it fits with distributed.activation_checkpointing=true (35.3 GiB), distributed.sequence_parallel=true (54.0 GiB)" \
     -- "$bin" "$recipes/llama70b.yaml" --nodes 8 --gpus-per-node 8 --gpu-mem 80G \
     --set distributed.activation_checkpointing=false --set distributed.sequence_parallel=false \
     --set step_scheduler.local_batch_size=16 --set distributed.pipeline.pp_microbatch_size=2

@@ -150,6 +150,7 @@ recipe() { # NAME MODS: base.yaml with comma-separated changes, its checkpoints 
         bf16) args+=(-e 's/param_dtype: float32.*/param_dtype: bfloat16/') ;;
         s16) args+=(-e 's/torch_dtype: float32/torch_dtype: bfloat16/') ;; # bf16 masters and moments
         rbf16) args+=(-e 's/param_dtype: float32.*/param_dtype: bfloat16\n    reduce_dtype: bfloat16/') ;;
+        rf32) args+=(-e 's/param_dtype: bfloat16.*/param_dtype: bfloat16\n    reduce_dtype: float32/') ;; # after bf16
         ddp) args+=(-e 's/strategy: fsdp2/strategy: ddp/') ;;
         hsdp) args+=(-e 's/  dp_size: none.*/  dp_size: none\n  dp_replicate_size: 2/') ;;
         hsdp4) args+=(-e 's/  dp_size: none.*/  dp_size: none\n  dp_replicate_size: 4/') ;;
@@ -488,7 +489,12 @@ bf16_layouts "cp2-bf16 2 long,bf16 ref-long-bf16 ref-long AM_CP=2" \
     "ep2-dsv3-am-bf16 2 dsv3,amaux,lb1,bf16 ref-dsv3-am-lb1-bf16 ref-dsv3-am-lb1 AM_EP=2" \
     "cp2-dsv3-bf16 2 dsv3,long,bf16 ref-dsv3-long-bf16 ref-dsv3-long AM_CP=2"
 # bf16 storage (model.torch_dtype bfloat16, docs/training.md: bf16 master weights and AdamW
-# moments, fp32 gradients rounded to bf16 in the step): data (fsdp2, ddp, HSDP, megatron_fsdp's
+# moments, fp32 gradients rounded to bf16 in the step; fsdp2 keeps its gradient shards in bf16,
+# each micro-batch's reduced shard rounded to bf16 and added in bf16, as FSDP2 does: at dp 2
+# two micro-batches a step, four with local batches of 2 (lb2), reduced in bf16 (the mp_policy's
+# default here: its compute dtype) or fp32 (rf32), where at ep 2 the experts' (ep_shard 1) fp32
+# gradients are staged and added to their bf16 shards after each backward, also under 1F1B
+# with pp 2): data (fsdp2, ddp, HSDP, megatron_fsdp's
 # ZeRO 1 and 2: the bf16 shards all-gathered into the bf16 masters), tensor (with sequence
 # parallelism) and pipeline parallelism, context parallelism on sequences of 256, and
 # deepseek_v3 at ep 2 and tp 2 x ep 2, against one rank with bf16 storage, with the tolerances
@@ -502,7 +508,10 @@ bf16_layouts "dp2-s16 2 bf16,s16 ref-s16 ref" "tp2-sp-s16 2 bf16,s16,sp ref-s16 
     "hsdp-dp4-s16 4 bf16,s16,hsdp ref-s16 ref" "mfsdp-z1-dp2-s16 2 bf16,s16,mz1 ref-s16 ref" \
     "mfsdp-z2-dp2-s16 2 bf16,s16,mz2 ref-s16 ref" "cp2-s16 2 long,bf16,s16 ref-long-s16 ref-long AM_CP=2" \
     "ep2-dsv3-s16 2 dsv3,bf16,s16 ref-dsv3-s16 ref-dsv3 AM_EP=2" \
-    "tp2-ep2-dsv3-s16 4 dsv3,bf16,s16 ref-dsv3-s16 ref-dsv3 AM_TP=2 AM_EP=2"
+    "tp2-ep2-dsv3-s16 4 dsv3,bf16,s16 ref-dsv3-s16 ref-dsv3 AM_TP=2 AM_EP=2" \
+    "dp2-s16-lb2 2 bf16,s16,lb2 ref-s16 ref" "dp2-s16-rf32 2 bf16,s16,rf32 ref-s16 ref" \
+    "ep2-dsv3-s16-rf32 2 dsv3,bf16,s16,rf32 ref-dsv3-s16 ref-dsv3 AM_EP=2" \
+    "pp2-ep2-dsv3-s16-rf32 4 dsv3,bf16,s16,rf32 ref-dsv3-s16 ref-dsv3 AM_PP=2 AM_EP=2"
 # the final checkpoint of a bf16-storage run is bf16 (torch_dtype bfloat16), as torch saves a
 # bf16 model
 if [ -d "$work/ckpt-ref-s16" ]; then
@@ -550,7 +559,8 @@ if true; then # (with AM_PARITY_ONLY, the layouts that ran)
         "ep2-hsdp-moe 4 --set distributed.ep_size=2" "ep4-hsdp-moe 4 --set distributed.ep_size=4" \
         "ep2-hsdp4-moe 8 --set distributed.ep_size=2" \
         "cp2-hsdp 4 --set distributed.cp_size=2" "cp2-hsdp-dp4 8 --set distributed.cp_size=2" \
-        "dp2-s16 2" "hsdp-dp4-s16 4" "mfsdp-z1-dp2-s16 2" "mfsdp-z2-dp2-s16 2" "ep2-dsv3-s16 2 --set distributed.ep_size=2"; do
+        "dp2-s16 2" "hsdp-dp4-s16 4" "mfsdp-z1-dp2-s16 2" "mfsdp-z2-dp2-s16 2" "ep2-dsv3-s16 2 --set distributed.ep_size=2" \
+        "dp2-s16-lb2 2" "dp2-s16-rf32 2" "ep2-dsv3-s16-rf32 2 --set distributed.ep_size=2"; do
         set -- $layout
         name=$1 n=$2
         shift 2
