@@ -2,7 +2,7 @@
 # test-fault-standalone.sh - the fault matrix on one machine: `am-launch --nproc 4` with
 # AM_FAULT, every kind at two (rank, step) places (dp 4), and three kinds in a pipeline (pp 2
 # x dp 2), with expert parallelism a kill in the all-to-all, a slow rank and a NaN in an
-# experts' gradient; checks in tests/train/fault-lib.sh. The oom
+# experts' gradient (fp32 gradient shards, and bf16 ones); checks in tests/train/fault-lib.sh. The oom
 # kind runs in a fresh memory cgroup with a 1 GiB limit (skipped, with a message, where
 # none can be made: every other kind still runs).
 set -uo pipefail
@@ -94,6 +94,21 @@ if [[ $cause == *'"cause":"nonfinite","step":2,"tensor":"model.layers.0.block_sp
 else
   fail "ep 2 nan in an experts' gradient: rank 1's cause is not a local nonfinite naming an experts tensor: ${cause:-none}"
   sed 's/^/    /' "$T/ep-nan/out"
+fi
+# the same with bf16 parameters reduced in fp32: the experts' gradient shards are bf16, their
+# fp32 gradients staged and checked after each backward (train/grad_sync.h)
+sed -e 's/torch_dtype: float32/torch_dtype: bfloat16/' \
+  -e 's/param_dtype: float32.*/param_dtype: bfloat16\n    reduce_dtype: float32/' "$T/moe1.yaml" >"$T/moe1-bf16.yaml"
+mkdir -p "$T/ep-nan-bf16"
+(cd "$T" && env AM_EP=2 AM_FAULT="rank=1,step=2,kind=nan" timeout 60 "$LAUNCH" --nproc 2 --log-dir "$T/ep-nan-bf16/logs" \
+  "$T/moe1-bf16.yaml") >"$T/ep-nan-bf16/out" 2>&1
+cause=$(grep -h '"type":"cause"' "$T/ep-nan-bf16/logs"/*/rank-1.jsonl 2>/dev/null)
+if grep -q '^    reduce_dtype: float32' "$T/moe1-bf16.yaml" && grep -q 'torch_dtype: bfloat16' "$T/moe1-bf16.yaml" &&
+  [[ $cause == *'"cause":"nonfinite","step":2,"tensor":"model.layers.0.block_sparse_moe.experts.'*'"origin":"local"'* ]]; then
+  pass "ep 2 nan in an experts' gradient (ep_shard 1, bf16 shards, staged): rank 1 stops as its origin and names it"
+else
+  fail "ep 2 nan in an experts' gradient, bf16 shards: rank 1's cause is not a local nonfinite naming an experts tensor: ${cause:-none}"
+  sed 's/^/    /' "$T/ep-nan-bf16/out"
 fi
 LAYOUT="" RECIPE=tiny.yaml
 
