@@ -93,9 +93,10 @@ int am_dp_end_backward(struct am_dp *d, char *err, size_t err_len);
 int am_dp_grad_sumsq(struct am_dp *d, char *err, size_t err_len);
 int am_dp_update(struct am_dp *d, float lr, char *err, size_t err_len);
 
-/* What the rank allocated, as am-plan counts it (the memory record): weights (fp32 masters and
- * their compute copy), gradients (fp32 and their reduce_dtype copy), AdamW's moments, gathered
- * groups, per-group gradient buffers. */
+/* What the rank allocated, as am-plan counts it (the memory record): weights (masters and
+ * their compute copy), gradients (fp32, or fsdp2's bf16 shards with bf16 parameters, and
+ * their reduce_dtype copy), AdamW's moments, gathered groups, per-group gradient buffers
+ * (with the staging buffer of bf16 shards). */
 struct am_dp_bytes {
     size_t weights, grads, optimizer, gathered, grad_buffers;
 };
