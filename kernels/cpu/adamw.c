@@ -333,7 +333,8 @@ static void adamw_tensor(const char *kernel, struct am_tensor *param, const stru
     int64_t n = am_tensor_numel(param);
     if (param->dtype == AM_BF16)
         adamw_run_bf16(am_cpu_data(kernel, "param", param, AM_BF16), am_cpu_data(kernel, "grad", grad, grad->dtype),
-                       grad->dtype == AM_BF16, am_cpu_data(kernel, "m", m, AM_BF16), am_cpu_data(kernel, "v", v, AM_BF16), k, n);
+                       grad->dtype == AM_BF16, am_cpu_data(kernel, "m", m, AM_BF16),
+                       am_cpu_data(kernel, "v", v, AM_BF16), k, n);
     else
         adamw_run(am_cpu_f32(kernel, "param", param), am_cpu_f32(kernel, "grad", grad), am_cpu_f32(kernel, "m", m),
                   am_cpu_f32(kernel, "v", v), k, n);

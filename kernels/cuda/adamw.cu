@@ -222,7 +222,8 @@ void am_cuda_adamw(const struct am_dev *d, struct am_tensor *param, const struct
         return;
     if (param->dtype == AM_BF16)
         adamw_bf16_k<<<am_blocks(n), AM_THREADS, 0, am_cuda_stream(d)>>>(
-            (am_bf16_t *)param->data, grad->data, grad->dtype == AM_BF16, (am_bf16_t *)m->data, (am_bf16_t *)v->data, k, n);
+            (am_bf16_t *)param->data, grad->data, grad->dtype == AM_BF16, (am_bf16_t *)m->data, (am_bf16_t *)v->data, k,
+            n);
     else
         adamw_k<<<am_blocks(n), AM_THREADS, 0, am_cuda_stream(d)>>>((float *)param->data, (const float *)grad->data,
                                                                    (float *)m->data, (float *)v->data, k, n);
@@ -286,7 +287,8 @@ __global__ void adamw_multi_k(struct adamw_list l, struct adamw_scalars k, struc
     if (l.bf16[t]) {
         float eps16 = am_round_bf16(k.eps);
         for (int64_t i = lo + threadIdx.x; i < hi; i += blockDim.x)
-            adamw_elem_bf16((am_bf16_t *)l.p[t], l.g[t], l.g16[t], (am_bf16_t *)l.m[t], (am_bf16_t *)l.v[t], k, gs, eps16, i);
+            adamw_elem_bf16((am_bf16_t *)l.p[t], l.g[t], l.g16[t], (am_bf16_t *)l.m[t], (am_bf16_t *)l.v[t], k, gs,
+                            eps16, i);
         return;
     }
     for (int64_t i = lo + threadIdx.x; i < hi; i += blockDim.x)

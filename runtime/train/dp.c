@@ -177,8 +177,8 @@ static struct am_comm *expert_replicas(const struct am_dp *d)
 
 static int sh_grad_sumsq(struct am_dp *d, char *err, size_t err_len)
 {
-    return am_model_grad_sumsq_shards(d->m, d->fsdp.grads, d->fsdp.grad_dt, d->fsdp.rank, d->c.shard, expert_replicas(d), err,
-                                      err_len);
+    return am_model_grad_sumsq_shards(d->m, d->fsdp.grads, d->fsdp.grad_dt, d->fsdp.rank, d->c.shard,
+                                      expert_replicas(d), err, err_len);
 }
 
 /* the shards alone; below stage 3 then gathered into the model */

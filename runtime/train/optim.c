@@ -34,8 +34,8 @@ void am_optim_free(struct am_optim *o)
     o->m_mem = o->v_mem = NULL;
 }
 
-void am_optim_step(struct am_optim *o, void *params, const void *grads, enum am_dtype gdt, const struct am_tensor *sumsq,
-                   double max_norm, float lr)
+void am_optim_step(struct am_optim *o, void *params, const void *grads, enum am_dtype gdt,
+                   const struct am_tensor *sumsq, double max_norm, float lr)
 {
     enum am_device dev = o->dev->device;
     int64_t n = (int64_t)o->n;

@@ -46,8 +46,8 @@ void am_optim_free(struct am_optim *o);
  * am_model_read_scalars reads, am_model_sumsq); and when sumsq is an Inf or a NaN (a
  * gradient is not finite) the step is skipped on the device, nothing written (the trainer
  * then fails the step, having read the same value). sumsq may be NULL without clipping. */
-void am_optim_step(struct am_optim *o, void *params, const void *grads, enum am_dtype gdt, const struct am_tensor *sumsq,
-                   double max_norm, float lr);
+void am_optim_step(struct am_optim *o, void *params, const void *grads, enum am_dtype gdt,
+                   const struct am_tensor *sumsq, double max_norm, float lr);
 
 double am_lr_at(const struct am_recipe *r, long step);
 

@@ -509,9 +509,9 @@ static void test_adamw_grad_bf16(void **state)
             tm[k][i] = dt & 2 ? hv(&m[k][i], n, 0, 0, 0) : fv(&m[k][i], n, 0, 0, 0);
             tv[k][i] = dt & 4 ? hv(&v[k][i], n, 0, 0, 0) : fv(&v[k][i], n, 0, 0, 0);
             tg[k][i] = k ? hv(&g16[i], n, 0, 0, 0) : f32v(g32[i], n, 0, 0, 0);
+            unsigned te = i == 0 ? 0 : AM_TE_ADAM | AM_TE_GRAD_BF16 | (i % 2 ? AM_TE_L2 : 0);
             list[k][i] = (struct am_adamw_tensor){.param = &tp[k][i], .m = &tm[k][i], .v = &tv[k][i],
-                                                  .grad = &tg[k][i],
-                                                  .te = i == 0 ? 0 : AM_TE_ADAM | AM_TE_GRAD_BF16 | (i % 2 ? AM_TE_L2 : 0)};
+                                                  .grad = &tg[k][i], .te = te};
         }
         bt_free(&p0);
         bt_free(&m0);

@@ -339,7 +339,8 @@ static void test_memory_grad_shards_bf16(void **state)
           "optimizer.master_weights=true", NULL},
          2},
         {{NULL}, 4},
-        {{"model.torch_dtype=bfloat16", "distributed.strategy=megatron_fsdp", "distributed.zero_dp_strategy=3", NULL}, 4},
+        {{"model.torch_dtype=bfloat16", "distributed.strategy=megatron_fsdp", "distributed.zero_dp_strategy=3", NULL},
+         4},
     };
     for (size_t c = 0; c < sizeof cases / sizeof *cases; c++) {
         struct am_plan p;
