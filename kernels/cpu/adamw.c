@@ -296,13 +296,13 @@ static void te_tensor(const char *kernel, const struct am_adamw_tensor *t, struc
     bool pb = t->param->dtype == AM_BF16, mb = t->m->dtype == AM_BF16, vb = t->v->dtype == AM_BF16;
     char *p = am_cpu_data(kernel, "param", t->param, t->param->dtype), *m = am_cpu_data(kernel, "m", t->m, t->m->dtype),
          *v = am_cpu_data(kernel, "v", t->v, t->v->dtype);
-    bool gb = t->grad->dtype == AM_BF16;
+    bool g16 = t->grad->dtype == AM_BF16;
     const char *g = am_cpu_data(kernel, "grad", t->grad, t->grad->dtype);
-    size_t ps = pb ? 2 : 4, ms = mb ? 2 : 4, vs = vb ? 2 : 4, gs = gb ? 2 : 4;
+    size_t ps = pb ? 2 : 4, ms = mb ? 2 : 4, vs = vb ? 2 : 4, gs = g16 ? 2 : 4;
 #pragma omp parallel for schedule(static) if (n >= AM_PAR_MIN)
     for (int64_t b = 0; b < nb; b++) {
         int64_t lo = b * ADAMW_BLOCK, len = n - lo < ADAMW_BLOCK ? n - lo : ADAMW_BLOCK;
-        te_block(p + lo * ps, g + lo * gs, gb, m + lo * ms, v + lo * vs, pb, mb, vb, t->te, k, len);
+        te_block(p + lo * ps, g + lo * gs, g16, m + lo * ms, v + lo * vs, pb, mb, vb, t->te, k, len);
     }
 }
 
