@@ -528,16 +528,16 @@ int am_model_finish_grads(struct am_model *m, char *err, size_t err_len);
 int am_model_grad_sumsq(struct am_model *m, char *err, size_t err_len);
 
 /* The same norm from gradient shards (fully sharded data parallelism): the reduced gradients
- * (dtype dt: fp32, or bf16 as torch takes the norm of bf16 gradients: squares and sum in
- * double, sum_squares) are rank `rank` of `ranks`'s flat shard of each group (shards + the
- * group's shard_offset, its
- * elements [offset + rank * shard_elems, + shard_elems) of the padded span; a group with a comm
- * set, its rank in it instead: the experts' with expert parallelism). Each parameter's part of
- * the shard counted as am_model_grad_sumsq counts it; summed over tp, pp and the shard group dp
- * (dp_shard x cp: the ep groups x the expert-data-parallel groups, so each expert counted
- * once). replicas: HSDP's replica group when the experts' shards span it (expert parallelism
- * with HSDP: dp_shard holds only some of them), else NULL; then every group but the experts'
- * is counted 1 / replicas (each replica holds the same shards) and the sum taken over it too. */
+ * (dtype dt: fp32, or bf16 as torch takes the norm of bf16 gradients: squares and sum in double,
+ * sum_squares) are rank `rank` of `ranks`'s flat shard of each group (shards + the group's
+ * shard_offset, its elements [offset + rank * shard_elems, + shard_elems) of the padded span; a
+ * group with a comm set, its rank in it instead: the experts' with expert parallelism). Each
+ * parameter's part of the shard counted as am_model_grad_sumsq counts it; summed over tp, pp and
+ * the shard group dp (dp_shard x cp: the ep groups x the expert-data-parallel groups, so each
+ * expert counted once). replicas: HSDP's replica group when the experts' shards span it (expert
+ * parallelism with HSDP: dp_shard holds only some of them), else NULL; then every group but the
+ * experts' is counted 1 / replicas (each replica holds the same shards) and the sum taken over it
+ * too. */
 int am_model_grad_sumsq_shards(struct am_model *m, const void *shards, enum am_dtype dt, int rank, struct am_comm *dp,
                                struct am_comm *replicas, char *err, size_t err_len);
 

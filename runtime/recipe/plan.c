@@ -584,12 +584,11 @@ static int memory_of_rank(const struct am_recipe *r, const struct am_plan *p, in
     /* bytes per parameter, as am-train allocates them: master weights in the storage dtype and
      * Adam's two moments in theirs (torch's AdamW: both model.torch_dtype, as torch keeps
      * parameters and AdamW's state: 4 + 8 in fp32, 2 + 4 in bf16; FusedAdam: the masters in
-     * master_weight_dtype with master_weights, each moment in its exp_avg(_sq)_dtype),
-     * fp32 gradients (4; fsdp2's bf16 shards 2, below); with a compute dtype other than the
-     * storage's (mixed precision over fp32 masters) a copy of the weights in it (+2 B for
-     * bf16), and with a bf16 reduce_dtype
-     * the gradients' copy that the data-parallel all-reduce sums (+2 B, only when there is more
-     * than one data-parallel rank) */
+     * master_weight_dtype with master_weights, each moment in its exp_avg(_sq)_dtype), fp32
+     * gradients (4; fsdp2's bf16 shards 2, below); with a compute dtype other than the storage's
+     * (mixed precision over fp32 masters) a copy of the weights in it (+2 B for bf16), and with a
+     * bf16 reduce_dtype the gradients' copy that the data-parallel all-reduce sums (+2 B, only when
+     * there is more than one data-parallel rank) */
     double cs = am_dtype_size(r->compute_dtype), ss = am_dtype_size(r->optim.master_dtype);
     double ms = (double)am_dtype_size(r->optim.moment_dtype[0]) + am_dtype_size(r->optim.moment_dtype[1]);
     double wb = ss + (cs != ss ? cs : 0);

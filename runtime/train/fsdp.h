@@ -1,14 +1,13 @@
 /* fsdp.h - fully sharded data parallelism (FSDP2's flat shards, ZeRO-3) over the shard group.
  *
- * Each parameter group of the model (model.h: the embedding, each decoder layer, the final
- * norm with the head) is one flat span of the model's slabs, padded with zeros to a multiple
- * of the shard group's size D (am_model_shard.group_align). Rank r of the group keeps elements
- * [r * span / D, (r + 1) * span / D) of each group's span, for every group one after the
- * other in three slabs of its own: the master weights (in the model's storage dtype), the
- * reduced gradients (fp32; bf16 when am_fsdp_init is given bf16: FSDP2's sharded gradient in a
- * bf16 parameter's dtype, grad_sync.h) and (the optimizer's, over the same slab) Adam's two
- * moments. The model's
- * full masters and their compute copy are freed once the shards are taken from them.
+ * Each parameter group of the model (model.h: the embedding, each decoder layer, the final norm
+ * with the head) is one flat span of the model's slabs, padded with zeros to a multiple of the
+ * shard group's size D (am_model_shard.group_align). Rank r of the group keeps elements
+ * [r * span / D, (r + 1) * span / D) of each group's span, for every group one after the other
+ * in three slabs of its own: the master weights (in the model's storage dtype), the reduced
+ * gradients (fp32; bf16 when am_fsdp_init is given bf16: FSDP2's sharded gradient in a bf16
+ * parameter's dtype, grad_sync.h) and (the optimizer's, over the same slab) Adam's two moments.
+ * The model's full masters and their compute copy are freed once the shards are taken from them.
  *
  * Weights: at the start of a step the master shards are cast to the compute dtype (mixed
  * precision with fp32 masters; when the masters are in the compute dtype, fp32 or bf16, the
@@ -30,15 +29,14 @@
  * shard group.
  *
  * Gradients (stages 2 and 3): the model keeps no full-size gradients; each group's live in a
- * per-group buffer while its backward runs and are reduce-scattered, in reduce_dtype, into
- * the group's shard (fp32, or rounded to bf16 and added in bf16) after every backward (with
- * gradient accumulation, every micro-batch: FSDP2's default, set_requires_gradient_sync(True)),
- * HSDP's replica all-reduce of each
- * group's shard started as its last reduce-scatter of the step completes (grad_sync.h). The
- * gradient norm is the shards' sum of squares summed over the shard group, tp and pp
- * (am_model_grad_sumsq_shards); the optimizer steps the shards alone. Each group carries the
- * communicator its shard spans (G->comm, all-gathers and reduce-scatters; G->replicate for
- * HSDP): the dp_shard group, but for the experts with expert parallelism.
+ * per-group buffer while its backward runs and are reduce-scattered, in reduce_dtype, into the
+ * group's shard (fp32, or rounded to bf16 and added in bf16) after every backward (with gradient
+ * accumulation, every micro-batch: FSDP2's default, set_requires_gradient_sync(True)), HSDP's
+ * replica all-reduce of each group's shard started as its last reduce-scatter of the step completes
+ * (grad_sync.h). The gradient norm is the shards' sum of squares summed over the shard group, tp
+ * and pp (am_model_grad_sumsq_shards); the optimizer steps the shards alone. Each group carries the
+ * communicator its shard spans (G->comm, all-gathers and reduce-scatters; G->replicate for HSDP):
+ * the dp_shard group, but for the experts with expert parallelism.
  *
  * Expert parallelism (ep > 1): the ranks of a shard group hold different experts, so a MoE
  * layer's experts group is sharded over the expert-data-parallel group instead (the ranks

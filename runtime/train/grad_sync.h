@@ -23,19 +23,19 @@
  * shard slab once the reduce-scatter completes (oldest first, the same order on every rank,
  * so that a group's micro-batches are summed in their order). The shards are fp32, or bf16
  * (am_gsync_shards.dtype: FSDP2 with bf16 parameters, which keeps a sharded gradient in the
- * parameter's dtype): then each reduced shard is rounded to bf16 and added to the bf16 shard
- * (the sum in fp32, rounded once), as FSDP2 casts the reduce-scatter's output to the
- * parameter's dtype and adds it to the sharded .grad; at one micro-batch a step the shard is
- * the reduced gradient rounded to bf16, which is what the optimizer rounds an fp32 one to. With gradient accumulation
- * this reduce-scatters every micro-batch (FSDP2's set_requires_gradient_sync(True), its
- * default): n_microbatches reductions per step for gradients that take 1/dp_shard of the
- * memory; accumulating full-size gradients over the micro-batches and reducing once would
- * keep a whole replica of them, which is what sharding removes. The buffers: two (a group
- * accumulating, the previous one reducing), three when the head shares the embedding on this
- * rank (the embedding's gradients accumulate from the head's backward to the embedding's),
- * four with mixture-of-experts layers (a layer and its experts, twice), one more for a tied
- * embedding split over two pipeline stages (its copy is kept for the whole step and reduced
- * in am_gsync_finish, after the two copies are summed), each of the largest group's span.
+ * parameter's dtype): then each reduced shard is rounded to bf16 and added to the bf16 shard (the
+ * sum in fp32, rounded once), as FSDP2 casts the reduce-scatter's output to the parameter's dtype
+ * and adds it to the sharded .grad; at one micro-batch a step the shard is the reduced gradient
+ * rounded to bf16, which is what the optimizer rounds an fp32 one to. With gradient accumulation
+ * this reduce-scatters every micro-batch (FSDP2's set_requires_gradient_sync(True), its default):
+ * n_microbatches reductions per step for gradients that take 1/dp_shard of the memory; accumulating
+ * full-size gradients over the micro-batches and reducing once would keep a whole replica of them,
+ * which is what sharding removes. The buffers: two (a group accumulating, the previous one
+ * reducing), three when the head shares the embedding on this rank (the embedding's gradients
+ * accumulate from the head's backward to the embedding's), four with mixture-of-experts layers (a
+ * layer and its experts, twice), one more for a tied embedding split over two pipeline stages (its
+ * copy is kept for the whole step and reduced in am_gsync_finish, after the two copies are summed),
+ * each of the largest group's span.
  * A group whose shard communicator is one rank (the experts' with expert parallelism where ep
  * is dp: ep_shard 1) and whose reduction is fp32 takes none: its shard is its whole span, its
  * parameters' g point into it and its gradients accumulate there over the micro-batches, as
@@ -43,23 +43,22 @@
  * to local_sumsq (which only tells whether this rank's gradients were finite), and there is
  * no reduce-scatter and no receive shard. With bf16 shards such a group's gradients are
  * written instead into one fp32 staging buffer (with its bf16 copy) of the largest such
- * group's span, zeroed when each of its backward passes starts; each backward pass's gradients there are
- * checked, added to local_sumsq, rounded to bf16 and added to the shard when the pass ends
- * (FSDP2's one-rank reduce-scatter, cast and +=). One buffer serves them all: these groups
- * are experts, and a backward pass (am_model_backward, one at a time on a rank whatever the
- * pipeline schedule) ends a MoE layer's experts' backward before it starts the previous
- * layer's. The buffers and receive shards are sized, and the
- * MoE layers' four counted, over the groups that take them (none: none allocated); a bf16
- * reduce_dtype keeps every group in a buffer (its reduction rounds to bf16).
- * HSDP (G->replicate, with fp32 shards only: the replicas' sum is in reduce_dtype; none for
- * the experts' groups with expert parallelism, whose expert-data-parallel group spans the
- * replicas): once a group's last reduce-scatter of the
- * step has been added to its shard (one accumulating in its shard: after its last backward),
- * the shard is all-reduced over the replicas, non-blocking (it runs while the backward goes
- * on), waited for in am_gsync_finish. The reduce-scatters are completed, and these
- * all-reduces started, at points of the schedule only (when the next group's reduce-scatter
- * starts, when a buffer is needed, after the backward), never on a request found complete, so
- * that every rank issues its collectives in the same order across groups (comm.h).
+ * group's span, zeroed when each of its backward passes starts; each backward pass's gradients
+ * there are checked, added to local_sumsq, rounded to bf16 and added to the shard when the pass
+ * ends (FSDP2's one-rank reduce-scatter, cast and +=). One buffer serves them all: these groups are
+ * experts, and a backward pass (am_model_backward, one at a time on a rank whatever the pipeline
+ * schedule) ends a MoE layer's experts' backward before it starts the previous layer's. The buffers
+ * and receive shards are sized, and the MoE layers' four counted, over the groups that take them
+ * (none: none allocated); a bf16 reduce_dtype keeps every group in a buffer (its reduction rounds
+ * to bf16). HSDP (G->replicate, with fp32 shards only: the replicas' sum is in reduce_dtype; none
+ * for the experts' groups with expert parallelism, whose expert-data-parallel group spans the
+ * replicas): once a group's last reduce-scatter of the step has been added to its shard (one
+ * accumulating in its shard: after its last backward), the shard is all-reduced over the replicas,
+ * non-blocking (it runs while the backward goes on), waited for in am_gsync_finish. The
+ * reduce-scatters are completed, and these all-reduces started, at points of the schedule only
+ * (when the next group's reduce-scatter starts, when a buffer is needed, after the backward), never
+ * on a request found complete, so that every rank issues its collectives in the same order across
+ * groups (comm.h).
  *
  * Gradients are fp32 (but bf16 shards); with mp_policy.reduce_dtype bfloat16 each group is
  * rounded to bf16, all-reduced (reduce-scattered) in bf16, as FSDP2 reduces in its
