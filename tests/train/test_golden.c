@@ -1137,12 +1137,18 @@ int main(void)
                                        cmocka_unit_test(test_qwen3_moe_tiny_bf16store),
                                        cmocka_unit_test(test_deepseek_v3_tiny_bf16store),
                                        cmocka_unit_test(test_gpt_oss_tiny_bf16store)};
-    /* on a GPU (AM_GOLDEN_DEVICE=cuda): the bf16 cases, the models in device memory */
-    const struct CMUnitTest gpu[] = {cmocka_unit_test(test_llama_gqa_bf16),       cmocka_unit_test(test_llama_tied_bf16),
-                                     cmocka_unit_test(test_llama3_scaling_bf16),  cmocka_unit_test(test_llama_tp_bf16),
-                                     cmocka_unit_test(test_qwen2_tiny_bf16),      cmocka_unit_test(test_qwen2_window_bf16),
-                                     cmocka_unit_test(test_qwen3_tiny_bf16),      cmocka_unit_test(test_mistral_window_bf16),
-                                     cmocka_unit_test(test_qwen3_moe_tiny_bf16)};
+    /* on a GPU (AM_GOLDEN_DEVICE=cuda): the bf16 cases and bf16 storage, the models in device memory */
+    const struct CMUnitTest gpu[] = {
+        cmocka_unit_test(test_llama_gqa_bf16),        cmocka_unit_test(test_llama_tied_bf16),
+        cmocka_unit_test(test_llama3_scaling_bf16),   cmocka_unit_test(test_llama_tp_bf16),
+        cmocka_unit_test(test_llama_yarn_bf16),       cmocka_unit_test(test_qwen2_tiny_bf16),
+        cmocka_unit_test(test_qwen2_window_bf16),     cmocka_unit_test(test_qwen3_tiny_bf16),
+        cmocka_unit_test(test_mistral_window_bf16),   cmocka_unit_test(test_qwen3_moe_tiny_bf16),
+        cmocka_unit_test(test_glm4_moe_tiny_bf16),    cmocka_unit_test(test_deepseek_v3_tiny_bf16),
+        cmocka_unit_test(test_deepseek_v3_yarn_bf16), cmocka_unit_test(test_gpt_oss_tiny_bf16),
+        cmocka_unit_test(test_llama_packed_bf16),     cmocka_unit_test(test_llama_gqa_bf16store),
+        cmocka_unit_test(test_qwen3_moe_tiny_bf16store), cmocka_unit_test(test_deepseek_v3_tiny_bf16store),
+        cmocka_unit_test(test_gpt_oss_tiny_bf16store)};
     if (golden_device() == AM_DEV_CUDA)
         return cmocka_run_group_tests_name("golden bf16 (cuda)", gpu, NULL, NULL);
     return cmocka_run_group_tests_name("golden", tests, NULL, NULL);
