@@ -84,10 +84,19 @@ enum {
 /* One tensor of adamw_multi's list: a parameter, its gradient and Adam's two moments (the
  * same number of elements). te 0 (torch's AdamW): param, m and v all fp32 or all bf16, grad
  * fp32, or bf16 with bf16 ones (see adamw). te with AM_TE_ADAM: param (the master), m and v
- * each fp32 or bf16 on its own, grad fp32, or bf16 with AM_TE_GRAD_BF16. */
+ * each fp32 or bf16 on its own, grad fp32, or bf16 with AM_TE_GRAD_BF16.
+ *
+ * rem (AM_TE_ADAM only; NULL: none): FusedAdam's store_param_remainders, an fp32 master kept
+ * as the bf16 parameter (param, bf16) and the master's low 16 bits (rem: 16-bit words, its
+ * dtype AM_BF16 only as their container). TE's split: the parameter is the master's high half
+ * plus one when the low half's top bit is set (the master rounded to nearest, ties away from
+ * zero), the remainder the low half; the master is rebuilt from the two exactly (the high
+ * half less one when the remainder's top bit is set), stepped as an fp32 master, and split
+ * again: am_te_master_split and am_te_master_join (half.h). */
 struct am_adamw_tensor {
     struct am_tensor *param, *m, *v;
     const struct am_tensor *grad;
+    struct am_tensor *rem;
     unsigned te; /* 0, or AM_TE_ADAM | its options */
 };
 
@@ -552,7 +561,9 @@ struct am_kernels {
      * rounded once to its dtype (nearest even); the gradient g (fp32; with AM_TE_GRAD_BF16
      * rounded to bf16, or bf16 already, times the clipping factor rounded to bf16 again; else
      * times the factor in fp32), the scalars lr, beta1, beta2, eps, weight_decay as the fp32 floats TE's kernel
-     * takes, and bias corrections 1 - beta^step in double rounded to fp32 (1 without them). */
+     * takes, and bias corrections 1 - beta^step in double rounded to fp32 (1 without them);
+     * with rem the master rebuilt from param and rem and split back into them
+     * (am_adamw_tensor.rem). */
     void (*adamw_multi)(const struct am_dev *d, const struct am_adamw_tensor *list, int n, const struct am_tensor *sumsq,
                         double max_norm, const struct am_tensor *finite, float lr, float beta1, float beta2, float eps,
                         float weight_decay, int64_t step);

@@ -84,6 +84,11 @@
  * computes the source's arithmetic without contraction, so TE on a GPU may differ from it in
  * the last bit of such an op (tests/kernels/test_adamw.c checks it bit for bit against a
  * numpy float32 transcription of the functor, tests/kernels/adamw_te_ref.py).
+ * With remainders (store_param_remainders, AdamFunctorMasterParamRemainder) p is the master
+ * rebuilt from the bf16 parameter and its remainder, and the new master is split back into
+ * the two (half.h, am_te_master_split: its high half rounded ties away from zero, as TE's
+ * "round up" of the parameter when the remainder's top bit is set), bit for bit the master a
+ * separate fp32 master would hold (test_adamw).
  */
 #include <math.h>
 
@@ -269,13 +274,15 @@ AM_INLINE void te_st(void *x, bool bf, int64_t i, float f)
         ((float *)x)[i] = f;
 }
 
-static void te_block(void *pd, const void *g, bool g16, void *md, void *vd, bool pb, bool mb, bool vb, unsigned te,
-                     struct te_scalars k, int64_t n)
+/* rem: the masters' remainders (am_adamw_tensor.rem; pd then holds the bf16 parameters), or NULL */
+static void te_block(void *pd, uint16_t *rem, const void *g, bool g16, void *md, void *vd, bool pb, bool mb, bool vb,
+                     unsigned te, struct te_scalars k, int64_t n)
 {
     bool l2 = te & AM_TE_L2, gb = te & AM_TE_GRAD_BF16;
     for (int64_t i = 0; i < n; i++) {
         float gi = gb ? rb(rb(ld(g, g16, i)) * k.gs) : ld(g, g16, i) * k.gs;
-        float p = ld(pd, pb, i), m = ld(md, mb, i), v = ld(vd, vb, i);
+        float p = rem ? am_bits_f32(am_te_master_join(((uint16_t *)pd)[i], rem[i])) : ld(pd, pb, i);
+        float m = ld(md, mb, i), v = ld(vd, vb, i);
         if (l2)
             gi = gi + (k.decay * p);
         m = k.b1 * m + k.c1 * gi;
@@ -284,7 +291,10 @@ static void te_block(void *pd, const void *g, bool g16, void *md, void *vd, bool
         float denom = sqrtf(v_hat) + k.eps;
         float update = l2 ? m_hat / denom : (m_hat / denom) + (k.decay * p);
         p = p - (k.lr * update);
-        te_st(pd, pb, i, p);
+        if (rem)
+            am_te_master_split(am_f32_bits(p), (uint16_t *)pd + i, rem + i);
+        else
+            te_st(pd, pb, i, p);
         te_st(md, mb, i, m);
         te_st(vd, vb, i, v);
     }
@@ -298,11 +308,13 @@ static void te_tensor(const char *kernel, const struct am_adamw_tensor *t, struc
          *v = am_cpu_data(kernel, "v", t->v, t->v->dtype);
     bool g16 = t->grad->dtype == AM_BF16;
     const char *g = am_cpu_data(kernel, "grad", t->grad, t->grad->dtype);
+    uint16_t *rem = t->rem ? am_cpu_data(kernel, "rem", t->rem, AM_BF16) : NULL;
     size_t ps = pb ? 2 : 4, ms = mb ? 2 : 4, vs = vb ? 2 : 4, gs = g16 ? 2 : 4;
 #pragma omp parallel for schedule(static) if (n >= AM_PAR_MIN)
     for (int64_t b = 0; b < nb; b++) {
         int64_t lo = b * ADAMW_BLOCK, len = n - lo < ADAMW_BLOCK ? n - lo : ADAMW_BLOCK;
-        te_block(p + lo * ps, g + lo * gs, g16, m + lo * ms, v + lo * vs, pb, mb, vb, t->te, k, len);
+        te_block(p + lo * ps, rem ? rem + lo : NULL, g + lo * gs, g16, m + lo * ms, v + lo * vs, pb, mb, vb, t->te, k,
+                 len);
     }
 }
 
@@ -324,6 +336,13 @@ static void te_check(const char *kernel, const struct am_adamw_tensor *t)
     int64_t n = am_tensor_numel(t->param);
     if (am_tensor_numel(t->grad) != n || am_tensor_numel(t->m) != n || am_tensor_numel(t->v) != n)
         am_cpu_fatal(kernel, "param (%s), grad, m and v must have the same number of elements", am_tname(t->param));
+    if (t->rem) {
+        am_cpu_check(kernel, "rem", t->rem);
+        if (t->param->dtype != AM_BF16 || t->rem->dtype != AM_BF16 || am_tensor_numel(t->rem) != n)
+            am_cpu_fatal(kernel, "rem (%s): a master kept as remainders takes a bf16 param (%s is %s) and %lld "
+                         "16-bit remainders", am_tname(t->rem), am_tname(t->param), am_dtype_name(t->param->dtype),
+                         (long long)n);
+    }
 }
 
 /* one tensor of the list, on its dtype's path (adamw_check has checked it) */
@@ -357,8 +376,10 @@ void am_cpu_adamw_multi(const struct am_dev *dev, const struct am_adamw_tensor *
     for (int i = 0; i < n; i++) {
         if (list[i].te & AM_TE_ADAM)
             te_check(kernel, &list[i]);
-        else
+        else {
+            AM_CHECK(!list[i].rem, "param (%s): remainders (rem) are FusedAdam's (AM_TE_ADAM)", am_tname(list[i].param));
             adamw_check(kernel, list[i].param, list[i].grad, list[i].m, list[i].v);
+        }
     }
     AM_CHECK(max_norm <= 0 || sumsq, "clipping to max_norm %g needs the squared gradient norm (sumsq)", max_norm);
     struct adamw_scalars k = adamw_scalars(kernel, lr, beta1, beta2, eps, weight_decay, step);

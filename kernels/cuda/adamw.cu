@@ -26,7 +26,8 @@
  * A tensor with te & AM_TE_ADAM takes Transformer Engine's FusedAdam arithmetic, as
  * kernels/cpu/adamw.c writes it out (from TE's multi_tensor/adam.cu): fp32 throughout, no
  * contraction (--fmad=false; TE's own build contracts where nvcc chooses), param, m and v each
- * fp32 or bf16 (the gradient bf16 too with AM_TE_GRAD_BF16), so that both backends agree to
+ * fp32 or bf16 (the gradient bf16 too with AM_TE_GRAD_BF16; the master kept as a bf16
+ * parameter and its remainder with store_param_remainders), so that both backends agree to
  * the bit. */
 #include <math.h>
 #include <string.h>
@@ -88,15 +89,22 @@ __device__ __forceinline__ void te_st(void *x, bool bf, int64_t i, float f)
         am_st((float *)x, i, f);
 }
 
-/* element i, as kernels/cpu/adamw.c's te_block */
-__device__ __forceinline__ void te_elem(void *pd, const void *g, bool g16, void *md, void *vd, bool pb, bool mb,
-                                        bool vb, unsigned te, const struct te_scalars &k, float gs, int64_t i)
+/* element i, as kernels/cpu/adamw.c's te_block; rem: the masters' remainders (pd then holds the
+ * bf16 parameters: kernels.h, am_adamw_tensor.rem), or NULL */
+__device__ __forceinline__ void te_elem(void *pd, uint16_t *rem, const void *g, bool g16, void *md, void *vd, bool pb,
+                                        bool mb, bool vb, unsigned te, const struct te_scalars &k, float gs, int64_t i)
 {
     bool l2 = te & AM_TE_L2;
     float bc1 = te & AM_TE_NO_BIAS_CORR ? 1.0f : k.bc1, bc2 = te & AM_TE_NO_BIAS_CORR ? 1.0f : k.bc2;
     float g0 = te_ld(g, g16, i);
     float gi = te & AM_TE_GRAD_BF16 ? am_round_bf16(am_round_bf16(g0) * gs) : g0 * gs;
-    float p = te_ld(pd, pb, i), m = te_ld(md, mb, i), v = te_ld(vd, vb, i);
+    float p, m = te_ld(md, mb, i), v = te_ld(vd, vb, i);
+    if (rem) { /* am_te_master_join */
+        uint16_t hi = ((const uint16_t *)pd)[i], lo = rem[i];
+        p = __uint_as_float(((uint32_t)(uint16_t)(hi - ((lo & 0x8000u) ? 1u : 0u)) << 16) | lo);
+    } else {
+        p = te_ld(pd, pb, i);
+    }
     if (l2)
         gi = gi + (k.decay * p);
     m = k.b1 * m + k.c1 * gi;
@@ -105,7 +113,13 @@ __device__ __forceinline__ void te_elem(void *pd, const void *g, bool g16, void 
     float denom = sqrtf(v_hat) + k.eps;
     float update = l2 ? m_hat / denom : (m_hat / denom) + (k.decay * p);
     p = p - (k.lr * update);
-    te_st(pd, pb, i, p);
+    if (rem) { /* am_te_master_split */
+        uint32_t u = __float_as_uint(p);
+        rem[i] = (uint16_t)(u & 0xffffu);
+        ((uint16_t *)pd)[i] = (uint16_t)((u >> 16) + ((u & 0x8000u) ? 1u : 0u));
+    } else {
+        te_st(pd, pb, i, p);
+    }
     te_st(md, mb, i, m);
     te_st(vd, vb, i, v);
 }
@@ -209,6 +223,13 @@ static void te_check(const char *kn, const struct am_adamw_tensor *t)
     int64_t n = am_tensor_numel(t->param);
     AM_CUDA_REQUIRE(kn, am_tensor_numel(t->grad) == n && am_tensor_numel(t->m) == n && am_tensor_numel(t->v) == n,
                     "param (%s), grad, m and v must have the same number of elements", am_tname(t->param));
+    if (t->rem) {
+        am_cuda_tensor(kn, "rem", t->rem);
+        AM_CUDA_REQUIRE(kn, t->param->dtype == AM_BF16 && t->rem->dtype == AM_BF16 && am_tensor_numel(t->rem) == n,
+                        "rem (%s): a master kept as remainders takes a bf16 param (%s is %s) and %lld 16-bit "
+                        "remainders", am_tname(t->rem), am_tname(t->param), am_dtype_name(t->param->dtype),
+                        (long long)n);
+    }
 }
 
 void am_cuda_adamw(const struct am_dev *d, struct am_tensor *param, const struct am_tensor *grad, struct am_tensor *m,
@@ -231,11 +252,12 @@ void am_cuda_adamw(const struct am_dev *d, struct am_tensor *param, const struct
 }
 
 /* ---- adamw_multi ---- */
-#define MT_MAX 32         /* tensors per launch: 1.6 KB of kernel arguments */
+#define MT_MAX 32         /* tensors per launch: 2 KB of kernel arguments */
 #define MT_CHUNK 16384    /* elements per block */
 
 struct adamw_list {
     void *p[MT_MAX], *m[MT_MAX], *v[MT_MAX]; /* float, or am_bf16_t where bf16[i] */
+    uint16_t *rem[MT_MAX];                   /* the masters' remainders, or NULL */
     const void *g[MT_MAX]; /* float, or am_bf16_t where g16[i] */
     int64_t n[MT_MAX];
     int64_t first_block[MT_MAX + 1]; /* tensor i's blocks are first_block[i] .. first_block[i + 1] - 1 */
@@ -281,7 +303,7 @@ __global__ void adamw_multi_k(struct adamw_list l, struct adamw_scalars k, struc
     int64_t lo = (b - l.first_block[t]) * MT_CHUNK, hi = lo + MT_CHUNK < l.n[t] ? lo + MT_CHUNK : l.n[t];
     if (l.te[t] & AM_TE_ADAM) {
         for (int64_t i = lo + threadIdx.x; i < hi; i += blockDim.x)
-            te_elem(l.p[t], l.g[t], l.g16[t], l.m[t], l.v[t], l.bf16[t], l.m16[t], l.v16[t], l.te[t], tk, gs, i);
+            te_elem(l.p[t], l.rem[t], l.g[t], l.g16[t], l.m[t], l.v[t], l.bf16[t], l.m16[t], l.v16[t], l.te[t], tk, gs, i);
         return;
     }
     if (l.bf16[t]) {
@@ -305,8 +327,11 @@ void am_cuda_adamw_multi(const struct am_dev *d, const struct am_adamw_tensor *l
     for (int i = 0; i < n; i++) {
         if (list[i].te & AM_TE_ADAM)
             te_check(kn, &list[i]);
-        else
+        else {
+            AM_CUDA_REQUIRE(kn, !list[i].rem, "param (%s): remainders (rem) are FusedAdam's (AM_TE_ADAM)",
+                            am_tname(list[i].param));
             adamw_check(kn, list[i].param, list[i].grad, list[i].m, list[i].v);
+        }
     }
     AM_CUDA_REQUIRE(kn, max_norm <= 0 || sumsq, "clipping to max_norm %g needs the squared gradient norm (sumsq)",
                     max_norm);
@@ -339,6 +364,7 @@ void am_cuda_adamw_multi(const struct am_dev *d, const struct am_adamw_tensor *l
         if (i == n || ni == 0)
             continue;
         l.p[l.count] = list[i].param->data;
+        l.rem[l.count] = list[i].rem ? (uint16_t *)list[i].rem->data : NULL;
         l.g[l.count] = list[i].grad->data;
         l.g16[l.count] = list[i].grad->dtype == AM_BF16;
         l.m[l.count] = list[i].m->data;

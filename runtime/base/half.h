@@ -75,4 +75,19 @@ static inline uint16_t am_f32_to_f16(float f)
     return (uint16_t)(sign | q);
 }
 
+/* Transformer Engine's split of an fp32 master (its bits u) into a bf16 parameter *hi and a
+ * 16-bit remainder *lo (FusedAdam's store_param_remainders): the high half, plus one when the
+ * low half's top bit is set (the master rounded to nearest, ties away from zero, not to even:
+ * TE's "round up"), and the low half; and the master rebuilt from the two, exactly. */
+static inline void am_te_master_split(uint32_t u, uint16_t *hi, uint16_t *lo)
+{
+    *lo = (uint16_t)(u & 0xffffu);
+    *hi = (uint16_t)((u >> 16) + ((u & 0x8000u) ? 1u : 0u));
+}
+
+static inline uint32_t am_te_master_join(uint16_t hi, uint16_t lo)
+{
+    return ((uint32_t)(uint16_t)(hi - ((lo & 0x8000u) ? 1u : 0u)) << 16) | lo;
+}
+
 #endif

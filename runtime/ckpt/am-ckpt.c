@@ -134,6 +134,7 @@ struct exporter {
     size_t current;
     float *buf;
     bool bf16; /* --dtype bfloat16: buf's values rounded to bf16, in place */
+    bool split; /* ... as FusedAdam's store_param_remainders splits its masters: ties away from zero */
     char err[2048];
     struct am_progress bar; /* the bytes of the tensors read */
     uint64_t done;
@@ -216,8 +217,13 @@ static int fill(void *ctx, size_t index, uint64_t offset, void *dst, size_t n, s
             return -1;
         }
         uint16_t *h = (uint16_t *)x->buf; /* in place: element i's 2 bytes lie below float i's */
-        for (int64_t i = 0; x->bf16 && i < t.rows * t.cols; i++)
-            h[i] = am_f32_to_bf16(x->buf[i]);
+        for (int64_t i = 0; x->bf16 && i < t.rows * t.cols; i++) {
+            uint16_t lo;
+            if (x->split)
+                am_te_master_split(am_f32_bits(x->buf[i]), &h[i], &lo);
+            else
+                h[i] = am_f32_to_bf16(x->buf[i]);
+        }
     }
     memcpy(dst, (char *)x->buf + offset, n);
     return 0;
@@ -299,7 +305,9 @@ static int export(const char *arg, const char *out, bool show, const char *dtype
         dtype = kept && strcmp(kept, "bfloat16") == 0 ? "bfloat16" : "float32";
     }
     bool bf16 = strcmp(dtype, "bfloat16") == 0;
-    struct exporter x = {.c = c, .current = (size_t)-1, .bf16 = bf16};
+    /* a run whose parameters are its masters split as TE splits them (resume.c): those exactly */
+    bool split = json_is_true(json_object_get(json_object_get(am_sckpt_meta(c), "optimizer"), "param_remainders"));
+    struct exporter x = {.c = c, .current = (size_t)-1, .bf16 = bf16, .split = bf16 && split};
     struct am_st_wtensor *wt = calloc(am_sckpt_n_tensors(c) + 1, sizeof(*wt));
     x.which = calloc(am_sckpt_n_tensors(c) + 1, sizeof(size_t));
     if (!wt || !x.which) {

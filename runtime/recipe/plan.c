@@ -588,9 +588,12 @@ static int memory_of_rank(const struct am_recipe *r, const struct am_plan *p, in
      * gradients (4; fsdp2's bf16 shards 2, below); with a compute dtype other than the storage's
      * (mixed precision over fp32 masters) a copy of the weights in it (+2 B for bf16), and with a
      * bf16 reduce_dtype the gradients' copy that the data-parallel all-reduce sums (+2 B, only when
-     * there is more than one data-parallel rank) */
+     * there is more than one data-parallel rank). FusedAdam's store_param_remainders keeps the
+     * fp32 master as the bf16 parameter (2) and a 16-bit remainder, counted with the moments
+     * (+2 B: optim.h). */
     double cs = am_dtype_size(r->compute_dtype), ss = am_dtype_size(r->optim.master_dtype);
-    double ms = (double)am_dtype_size(r->optim.moment_dtype[0]) + am_dtype_size(r->optim.moment_dtype[1]);
+    double ms = (double)am_dtype_size(r->optim.moment_dtype[0]) + am_dtype_size(r->optim.moment_dtype[1]) +
+                (r->optim.split_master ? 2 : 0);
     double wb = ss + (cs != ss ? cs : 0);
     double gb = 4 + (p->dp > 1 && am_dtype_size(r->reduce_dtype) < 4 ? am_dtype_size(r->reduce_dtype) : 0);
     /* the ranks each strategy's sharding spans; what it shards is p->zero_stage (nothing today) */

@@ -1544,10 +1544,14 @@ static void read_recipe(struct reader *rd)
     if (!am_node_path(root, "distributed.mp_policy.reduce_dtype"))
         r->reduce_dtype = policy ? r->compute_dtype : AM_F32;
     /* what the optimizer keeps: torch's, everything in the parameters' dtype; FusedAdam, its own */
-    r->optim.master_dtype = r->optim.te && r->optim.master_weights ? r->optim.master_weight_dtype : r->param_dtype;
+    r->optim.split_master = r->optim.te && r->optim.master_weights && r->optim.remainders &&
+                            r->optim.master_weight_dtype == AM_F32 && r->param_dtype == AM_BF16;
+    r->optim.master_dtype = r->optim.te && r->optim.master_weights && !r->optim.split_master
+                                ? r->optim.master_weight_dtype
+                                : r->param_dtype;
     r->optim.moment_dtype[0] = r->optim.te ? r->optim.exp_avg_dtype : r->param_dtype;
     r->optim.moment_dtype[1] = r->optim.te ? r->optim.exp_avg_sq_dtype : r->param_dtype;
-    if (r->optim.te && r->optim.master_dtype == AM_BF16)
+    if (r->optim.te && !r->optim.split_master && r->optim.master_dtype == AM_BF16)
         add_note(rd, "model.torch_dtype: bfloat16%s: FusedAdam without master_weights steps the bf16 parameters "
                  "themselves (master_weights: true keeps fp32 master weights beside them, as AutoModel's examples do)%s",
                  r->param_dtype_assumed ? " (assumed: no torch_dtype in the recipe or config.json)" : "", "");

@@ -110,8 +110,7 @@ struct am_recipe {
                                   to the gradient */
         bool bias_correction;  /* Adam's bias correction (true), else none */
         bool master_weights;   /* separate master weights in master_weight_dtype */
-        bool remainders;       /* store_param_remainders (TE's memory layout of an fp32 master
-                                  beside bf16 parameters; am keeps the whole fp32 master) */
+        bool remainders;       /* store_param_remainders, as given */
         bool amsgrad, decoupled_grad; /* amsgrad, use_decoupled_grad: refused (validate.c) */
         enum am_dtype master_weight_dtype, exp_avg_dtype, exp_avg_sq_dtype; /* as given */
         bool exp_avg_fp8, exp_avg_sq_fp8; /* the dtype given is torch.uint8 (FP8): refused */
@@ -120,6 +119,11 @@ struct am_recipe {
          * else the parameters') and the two moments' (torch's: the parameters'; FusedAdam: its
          * exp_avg_dtype and exp_avg_sq_dtype) */
         enum am_dtype master_dtype, moment_dtype[2];
+        /* Resolved: FusedAdam keeps each fp32 master as the bf16 parameter and its 16-bit
+         * remainder (store_param_remainders with master_weights in fp32 and bf16 parameters, as
+         * TE applies it; kernels.h, am_adamw_tensor.rem): master_dtype is then bf16, the
+         * parameters', and the optimizer holds the remainders beside the moments */
+        bool split_master;
     } optim;
 
     struct {

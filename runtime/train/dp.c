@@ -78,7 +78,7 @@ static void rep_bytes(const struct am_dp *d, struct am_dp_bytes *b)
     /* the gradients and the optimizer's moments: every parameter's, or with LoRA the adapters' */
     b->weights = n * (am_dtype_size(m->store_dt) + lp);
     b->grads = m->grad_elems * (sizeof(float) + glp);
-    b->optimizer = d->optim.n * (am_dtype_size(d->optim.mdt[0]) + am_dtype_size(d->optim.mdt[1]));
+    b->optimizer = am_optim_bytes(&d->optim);
     b->gathered = 0;
 }
 
@@ -197,7 +197,7 @@ static void sh_bytes(const struct am_dp *d, struct am_dp_bytes *b)
     b->weights = am_fsdp_weight_bytes(&d->fsdp);
     b->grads = (d->c.zero >= 2 ? 0 : slab * sizeof(float)) + am_gsync_bytes(&d->sync) +
                S * am_dtype_size(d->fsdp.grad_dt);
-    b->optimizer = S * (am_dtype_size(d->optim.mdt[0]) + am_dtype_size(d->optim.mdt[1]));
+    b->optimizer = am_optim_bytes(&d->optim);
     b->gathered = am_fsdp_gathered_bytes(&d->fsdp);
 }
 
@@ -284,7 +284,7 @@ static void lora_bytes(const struct am_dp *d, struct am_dp_bytes *b)
     size_t glp = d->sync.lp_mem ? am_dtype_size(d->sync.reduce) : 0;
     b->weights = am_fsdp_weight_bytes(&d->fsdp) + m->grad_elems * (am_dtype_size(m->store_dt) + lp);
     b->grads = m->grad_elems * (sizeof(float) + glp);
-    b->optimizer = d->optim.n * (am_dtype_size(d->optim.mdt[0]) + am_dtype_size(d->optim.mdt[1]));
+    b->optimizer = am_optim_bytes(&d->optim);
     b->gathered = am_fsdp_gathered_bytes(&d->fsdp);
 }
 

@@ -18,11 +18,21 @@ int am_optim_init(struct am_optim *o, const struct am_dev *d, size_t n_elems, en
     }
     o->m_mem = d->k->alloc(d, n_elems * am_dtype_size(o->mdt[0]));
     o->v_mem = d->k->alloc(d, n_elems * am_dtype_size(o->mdt[1]));
-    if (!o->m_mem || !o->v_mem) {
+    bool rem = r->optim.te && r->optim.split_master && dt == AM_BF16;
+    if (rem && (o->rem_mem = d->k->alloc(d, n_elems * sizeof(uint16_t)))) {
+        struct am_tensor z = am_tensor_view(o->rem_mem, d->device, AM_BF16, (int64_t)n_elems, 0, 0, 0);
+        d->k->zero(d, &z);
+    }
+    if (!o->m_mem || !o->v_mem || (rem && !o->rem_mem)) {
         am_optim_free(o);
         return -1;
     }
     return 0;
+}
+
+size_t am_optim_bytes(const struct am_optim *o)
+{
+    return o->n * (am_dtype_size(o->mdt[0]) + am_dtype_size(o->mdt[1]) + (o->rem_mem ? sizeof(uint16_t) : 0));
 }
 
 void am_optim_free(struct am_optim *o)
@@ -31,7 +41,9 @@ void am_optim_free(struct am_optim *o)
         o->dev->k->free(o->dev, o->m_mem);
     if (o->dev && o->v_mem)
         o->dev->k->free(o->dev, o->v_mem);
-    o->m_mem = o->v_mem = NULL;
+    if (o->dev && o->rem_mem)
+        o->dev->k->free(o->dev, o->rem_mem);
+    o->m_mem = o->v_mem = o->rem_mem = NULL;
 }
 
 void am_optim_step(struct am_optim *o, void *params, const void *grads, enum am_dtype gdt,
@@ -43,7 +55,9 @@ void am_optim_step(struct am_optim *o, void *params, const void *grads, enum am_
     struct am_tensor g = am_tensor_view((void *)grads, dev, gdt, n, 0, 0, 0);
     struct am_tensor m = am_tensor_view(o->m_mem, dev, o->mdt[0], n, 0, 0, 0);
     struct am_tensor v = am_tensor_view(o->v_mem, dev, o->mdt[1], n, 0, 0, 0);
-    struct am_adamw_tensor slab = {.param = &p, .m = &m, .v = &v, .grad = &g, .te = o->te};
+    struct am_tensor rem = am_tensor_view(o->rem_mem, dev, AM_BF16, n, 0, 0, 0);
+    struct am_adamw_tensor slab = {.param = &p, .m = &m, .v = &v, .grad = &g, .rem = o->rem_mem ? &rem : NULL,
+                                   .te = o->te};
     o->step++;
     o->dev->k->adamw_multi(o->dev, &slab, 1, sumsq, max_norm, NULL, lr, o->beta1, o->beta2, o->eps, o->weight_decay,
                            o->step);

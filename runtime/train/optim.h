@@ -29,6 +29,9 @@ struct am_optim {
     enum am_dtype mdt[2]; /* the moments' (m, v): torch's AdamW keeps them in the parameters'
                              dtype, FusedAdam in its exp_avg_dtype and exp_avg_sq_dtype */
     unsigned te;          /* 0: torch's AdamW; FusedAdam: AM_TE_ADAM and its options (kernels.h) */
+    void *rem_mem;        /* FusedAdam's store_param_remainders (recipe optim.split_master): the
+                             fp32 masters' low halves, n 16-bit words beside the bf16 parameters
+                             (kernels.h, am_adamw_tensor.rem), zero at first as TE's; else NULL */
     int64_t step; /* optimizer steps taken */
     float beta1, beta2, eps, weight_decay;
 };
@@ -36,6 +39,8 @@ struct am_optim {
 int am_optim_init(struct am_optim *o, const struct am_dev *d, size_t n_elems, enum am_dtype dt,
                   const struct am_recipe *r);
 void am_optim_free(struct am_optim *o);
+/* The bytes it allocated: the moments, and the remainders when it keeps them. */
+size_t am_optim_bytes(const struct am_optim *o);
 /* One AdamW step over params (o->n elements of o->dt) given grads (o->n of gdt: fp32; with
  * bf16 parameters rounded to bf16 first, as FSDP2 casts the reduced gradient to the
  * parameters' dtype, then clipped in bf16: kernels.h; or, with bf16 parameters, bf16 already:

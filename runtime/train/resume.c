@@ -11,6 +11,7 @@
 
 #include "checkpoint.h"
 #include "crash.h"
+#include "half.h"
 #include "errors.h"
 #include "groups.h"
 #include "log.h"
@@ -189,6 +190,11 @@ static json_t *meta_of(const struct am_train_state *s, long step)
                                                   "lr", r->optim.lr, "beta1", r->optim.beta1, "beta2", r->optim.beta2,
                                                   "eps", r->optim.eps, "weight_decay", r->optim.weight_decay,
                                                   "dtype", am_dtype_torch_name(s->optim->dt)));
+    /* FusedAdam's store_param_remainders: the shards hold the fp32 masters the parameters and
+     * remainders make, and the parameters are those masters split as TE splits them (am-ckpt
+     * export rounds them so: half.h, am_te_master_split) */
+    if (s->optim->rem_mem)
+        json_object_set_new(json_object_get(o, "optimizer"), "param_remainders", json_true());
     json_object_set_new(o, "data", json_pack("{s:I,s:I,s:I,s:I,s:I,s:b}", "step", (json_int_t)step, "global_batch",
                                              (json_int_t)p->global_batch, "seq_length", (json_int_t)p->seq_length,
                                              "samples", (json_int_t)(step * p->global_batch), "seed",
@@ -229,6 +235,51 @@ static int write_config(const struct am_train_state *s, const char *tmp, char *e
     return rc;
 }
 
+/* The masters into host fp32: widened from their dtype, or (FusedAdam's remainders) rebuilt
+ * from the bf16 parameters and their remainders (half.h). 0, or -1 out of host memory. */
+static int masters_to_host(const struct am_train_state *s, float *out)
+{
+    const struct am_dev *d = s->m->dev;
+    if (!s->optim->rem_mem) {
+        am_dev_download_f32(d, s->optim->dt, out, s->master, s->n);
+        return 0;
+    }
+    uint16_t *hi = malloc(s->n * sizeof(uint16_t) + 1), *lo = malloc(s->n * sizeof(uint16_t) + 1);
+    if (hi && lo) {
+        d->k->download(d, hi, s->master, s->n * sizeof(uint16_t));
+        d->k->download(d, lo, s->optim->rem_mem, s->n * sizeof(uint16_t));
+        for (size_t i = 0; i < s->n; i++)
+            out[i] = am_bits_f32(am_te_master_join(hi[i], lo[i]));
+    }
+    int rc = hi && lo ? 0 : -1;
+    free(hi);
+    free(lo);
+    return rc;
+}
+
+/* The masters from host fp32: rounded to their dtype (exact: saved from it), or split into
+ * the bf16 parameters and their remainders (from any fp32 master: a checkpoint of a run
+ * without remainders too). 0, or -1 out of host memory. */
+static int masters_from_host(const struct am_train_state *s, const float *in)
+{
+    const struct am_dev *d = s->m->dev;
+    if (!s->optim->rem_mem) {
+        am_dev_upload_f32(d, s->optim->dt, s->master, in, s->n);
+        return 0;
+    }
+    uint16_t *hi = malloc(s->n * sizeof(uint16_t) + 1), *lo = malloc(s->n * sizeof(uint16_t) + 1);
+    if (hi && lo) {
+        for (size_t i = 0; i < s->n; i++)
+            am_te_master_split(am_f32_bits(in[i]), &hi[i], &lo[i]);
+        d->k->upload(d, s->master, hi, s->n * sizeof(uint16_t));
+        d->k->upload(d, s->optim->rem_mem, lo, s->n * sizeof(uint16_t));
+    }
+    int rc = hi && lo ? 0 : -1;
+    free(hi);
+    free(lo);
+    return rc;
+}
+
 /* This rank's three arrays and pieces into tmp. */
 static int write_rank(const struct am_train_state *s, const char *tmp, char *err, size_t err_len)
 {
@@ -242,7 +293,10 @@ static int write_rank(const struct am_train_state *s, const char *tmp, char *err
         goto out;
     }
     /* fp32 on disk: bf16 masters and moments widened (exact) */
-    am_dev_download_f32(d, s->optim->dt, sec[0], s->master, s->n);
+    if (masters_to_host(s, sec[0]) < 0) {
+        am_fail(err, err_len, "checkpoint: out of host memory for %zu bytes of parameters", s->n * 4);
+        goto out;
+    }
     am_dev_download_f32(d, s->optim->mdt[0], sec[1], s->optim->m_mem, s->n);
     am_dev_download_f32(d, s->optim->mdt[1], sec[2], s->optim->v_mem, s->n);
     struct box_visit v = {add_piece, &ps};
@@ -441,7 +495,10 @@ static int restore_local(const struct am_train_state *s, const char *dir, long *
     if (for_runs(s, false, run_to_boxes, &v, err, err_len) < 0)
         goto out;
     const struct am_dev *d = s->m->dev;
-    am_dev_upload_f32(d, s->optim->dt, s->master, L.sec[0], s->n);
+    if (masters_from_host(s, L.sec[0]) < 0) {
+        am_fail(err, err_len, "checkpoint %s: out of host memory for %zu bytes of parameters", dir, s->n * 4);
+        goto out;
+    }
     am_dev_upload_f32(d, s->optim->mdt[0], s->optim->m_mem, L.sec[1], s->n);
     am_dev_upload_f32(d, s->optim->mdt[1], s->optim->v_mem, L.sec[2], s->n);
     s->optim->step = opt_step;

@@ -784,6 +784,88 @@ static void test_adamw_te(void **state)
         free(all[k]);
 }
 
+/* store_param_remainders (am_adamw_tensor.rem): TE's split of an fp32 master into a bf16
+ * parameter and a 16-bit remainder loses nothing (join(split(u)) is u for every pattern tried,
+ * the parameter the master rounded to nearest with ties away from zero), and a step on the two
+ * is bit for bit the step on the fp32 master (its m and v too), for every moment dtype, both
+ * weight-decay modes, clipped and not, over several steps; the masters drawn with every low
+ * half, ties (0x8000) and carries into the exponent among them. */
+static void test_adamw_te_remainders(void **state)
+{
+    (void)state;
+    struct rng r = {79};
+    int64_t n = 4096;
+    struct adam_hp hps[] = {{2e-4f, 0.9f, 0.95f, 1e-8f, 0.1f}, {1e-2f, 0.3f, 0.99f, 1e-3f, 0.3f}};
+    unsigned tes[] = {AM_TE_ADAM | AM_TE_GRAD_BF16, AM_TE_ADAM | AM_TE_L2 | AM_TE_GRAD_BF16};
+    float *p = malloc(n * sizeof(float)), *m = malloc(n * sizeof(float)), *v = malloc(n * sizeof(float)),
+          *g = malloc(n * sizeof(float)), *m2 = malloc(n * sizeof(float)), *v2 = malloc(n * sizeof(float));
+    uint16_t *hi = malloc(n * sizeof(uint16_t)), *lo = malloc(n * sizeof(uint16_t));
+    int ties = 0;
+    for (int dt = 0; dt < 4; dt++)
+        for (size_t hc = 0; hc < sizeof hps / sizeof *hps; hc++)
+            for (size_t t = 0; t < sizeof tes / sizeof *tes; t++) {
+                for (int64_t i = 0; i < n; i++) {
+                    uint32_t u;
+                    p[i] = (float)rng_uniform(&r, -0.1, 0.1);
+                    memcpy(&u, &p[i], sizeof u);
+                    if (i % 8 == 0) /* a tie; every 64th also a carry: the high half's mantissa all ones */
+                        u = (u & 0xffff0000u) | 0x8000u | (i % 64 == 0 ? 0x007f0000u : 0);
+                    else if (i % 8 == 1)
+                        u = (u & 0xffff0000u) | (i % 16 == 1 ? 0x7fffu : 0xffffu);
+                    memcpy(&p[i], &u, sizeof u);
+                    am_te_master_split(u, &hi[i], &lo[i]);
+                    assert_true(am_te_master_join(hi[i], lo[i]) == u);
+                    float h = am_bf16_to_f32(hi[i]);
+                    if ((u & 0xffffu) == 0x8000u) { /* away from zero */
+                        assert_true(fabsf(h) > fabsf(p[i]));
+                        ties++;
+                    } else {
+                        assert_true(hi[i] == am_f32_to_bf16(p[i])); /* nearest */
+                    }
+                    m[i] = v[i] = m2[i] = v2[i] = 0;
+                }
+                for (int64_t step = 1; step <= 4; step++) {
+                    grad_fill(&r, g, n);
+                    float gs = step == 2 ? 0.37f : 1.0f;
+                    /* the fp32 master */
+                    te_kernel_step(p, g, m, v, n, dt << 1, hps[hc], gs, step, tes[t]);
+                    /* the bf16 parameter and its remainders */
+                    uint16_t *h16[2];
+                    struct am_tensor tp = am_tensor_view(hi, AM_DEV_CPU, AM_BF16, n, 0, 0, 0),
+                                     tr = am_tensor_view(lo, AM_DEV_CPU, AM_BF16, n, 0, 0, 0),
+                                     tm = te_view(m2, &h16[0], dt & 1, n), tv = te_view(v2, &h16[1], dt & 2, n),
+                                     tg = f32v(g, n, 0, 0, 0);
+                    double ss = 4.0, max_norm = gs == 1.0f ? 0.0 : (double)gs * (2.0 + 1e-6);
+                    struct am_tensor s64 = am_tensor_view(&ss, AM_DEV_CPU, AM_F64, 1, 0, 0, 0);
+                    struct am_adamw_tensor l = {.param = &tp, .m = &tm, .v = &tv, .grad = &tg, .rem = &tr, .te = tes[t]};
+                    K->adamw_multi(&kdev, &l, 1, &s64, max_norm, NULL, hps[hc].lr, hps[hc].b1, hps[hc].b2,
+                                   hps[hc].eps, hps[hc].wd, step);
+                    te_read(m2, m2, h16[0], n);
+                    te_read(v2, v2, h16[1], n);
+                    free(h16[0]);
+                    free(h16[1]);
+                    float *joined = malloc(n * sizeof(float));
+                    for (int64_t i = 0; i < n; i++) {
+                        uint32_t u = am_te_master_join(hi[i], lo[i]);
+                        memcpy(&joined[i], &u, sizeof u);
+                    }
+                    char what[96];
+                    snprintf(what, sizeof what, "remainders' master (moments %d, hp %zu, te %u, step %lld)", dt, hc,
+                             tes[t], (long long)step);
+                    expect_f32_bits(what, joined, p, n);
+                    expect_f32_bits("remainders' exp_avg", m2, m, n);
+                    expect_f32_bits("remainders' exp_avg_sq", v2, v, n);
+                    free(joined);
+                }
+            }
+    assert_true(ties >= 16 * 512);
+    float *all[] = {p, m, v, g, m2, v2};
+    for (size_t k = 0; k < sizeof all / sizeof *all; k++)
+        free(all[k]);
+    free(hi);
+    free(lo);
+}
+
 /* FusedAdam with fp32 masters and moments, decay 0, is Adam: torch's AdamW and TE's formulas
  * differ only in how they round (TE divides m and v by the bias corrections, torch scales the
  * step), so one step from the same state agrees to a few ulps of the update */
@@ -868,6 +950,7 @@ int main(void)
         cmocka_unit_test(test_adamw_bad_dtype_aborts),
         cmocka_unit_test(test_adamw_bf16_torch),
         cmocka_unit_test(test_adamw_te),
+        cmocka_unit_test(test_adamw_te_remainders),
         cmocka_unit_test(test_adamw_te_vs_torch),
         cmocka_unit_test(test_adamw_te_ref),
     };
