@@ -450,6 +450,11 @@ void am_model_free(struct am_model *m);
  * index in the full tensor), so every layout of tp and pp initialises the same model. */
 void am_model_init_weights(struct am_model *m, uint64_t seed);
 
+/* Every parameter's value rounded to bf16 (nearest even), kept in the storage's dtype: fp32
+ * masters beside bf16 parameters begin as those parameters (FusedAdam's master_weights).
+ * 0, or -1 out of host memory (a parameter's values pass through it). */
+int am_model_round_to_bf16(struct am_model *m);
+
 /* LoRA: whether p is an adapter's A or B. */
 bool am_model_is_lora(const struct am_param *p);
 

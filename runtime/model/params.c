@@ -13,6 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "half.h"
 #include "rng.h"
 #include "util.h"
 
@@ -259,6 +260,23 @@ static bool normal_vector(const struct am_param *p)
         if (n > strlen(ends[i]) && strcmp(p->name + n - strlen(ends[i]), ends[i]) == 0)
             return true;
     return false;
+}
+
+int am_model_round_to_bf16(struct am_model *m)
+{
+    for (int i = 0; i < m->n_params; i++) {
+        struct am_param *p = &m->params[i];
+        size_t n = (size_t)am_tensor_numel(&p->w);
+        float *host = malloc(n * sizeof(float) + 1);
+        if (!host)
+            return -1;
+        am_param_read(m, p, host, 0, n);
+        for (size_t k = 0; k < n; k++)
+            host[k] = am_bf16_to_f32(am_f32_to_bf16(host[k]));
+        am_param_write(m, p, host, 0, n);
+        free(host);
+    }
+    return 0;
 }
 
 void am_model_init_weights(struct am_model *m, uint64_t seed)

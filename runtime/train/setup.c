@@ -95,10 +95,17 @@ static int lcm(int a, int b)
 
 /* LoRA: the adapters as peft and AutoModel start them (B zero, A by peft.lora_A_init), from
  * rng.seed: every layout starts the same adapters. */
-static void init_adapters(struct trainer *t)
+/* After the weights are loaded or drawn: LoRA's adapters drawn, and fp32 masters beside bf16
+ * parameters (FusedAdam's master_weights) made the bf16 parameters' values, as FusedAdam takes
+ * its masters from a model built in bf16 (model.torch_dtype), not from the file's or the
+ * draw's fp32. */
+static int finish_weights(struct trainer *t, struct am_errors *err)
 {
     if (t->model.sh.lora_r > 0)
         am_model_init_lora(&t->model, (uint64_t)t->r->seed, t->r->peft.a_init == AM_LORA_INIT_KAIMING);
+    if (t->model.save_dt == AM_BF16 && t->model.store_dt == AM_F32 && am_model_round_to_bf16(&t->model) < 0)
+        return am_errors_fail(err, "out of host memory rounding the fp32 masters to the bf16 parameters");
+    return 0;
 }
 
 /* Weights: the checkpoint named by the recipe when it has any, else a random init. */
@@ -153,13 +160,11 @@ int am_train_build_model(struct trainer *t, struct am_errors *err)
             t->model.load_bar = NULL;
             if (rc < 0)
                 return -1;
-            init_adapters(t);
-            return 0;
+            return finish_weights(t, err);
         }
     }
     am_model_init_weights(&t->model, (uint64_t)r->seed);
-    init_adapters(t);
-    return 0;
+    return finish_weights(t, err);
 }
 
 int am_train_build_dp(struct trainer *t, struct am_errors *err)
