@@ -1190,14 +1190,28 @@ static void case_ce(enum am_dtype dt, enum am_dtype gdt, int64_t N, int64_t C, i
         pair_free(all[i]);
 }
 
+/* the elements whose bits differ between the CPU's and the GPU's copy */
+static int64_t bits_apart(const struct pair *p)
+{
+    size_t b = am_tensor_bytes(&p->c), es = am_dtype_size(p->c.dtype);
+    char *h = malloc(b ? b : 1);
+    KG->download(&gpu, h, p->g.data, b);
+    int64_t apart = 0, n = am_tensor_numel(&p->c);
+    for (int64_t i = 0; i < n; i++)
+        apart += memcmp(h + i * es, (const char *)p->c.data + i * es, es) != 0;
+    free(h);
+    return apart;
+}
+
 /* ---- adamw_multi with Transformer Engine's FusedAdam arithmetic (am_adamw_tensor.te): 16
  * tensors, every dtype combination of param, m and v twice, with the options in turn (L2
- * decay, no bias correction, the bf16 model gradient), beside a torch-rule tensor; clipped,
- * then not: bitwise against the CPU. */
+ * decay, no bias correction, the bf16 model gradient), the bf16 parameters of the second eight
+ * with their masters' remainders (store_param_remainders), beside a torch-rule tensor;
+ * clipped, then not: bitwise against the CPU. */
 static void case_adamw_te(void)
 {
     enum { NT = 17 };
-    struct pair p[NT], g[NT], m[NT], v[NT];
+    struct pair p[NT], g[NT], m[NT], v[NT], rem[NT];
     struct am_adamw_tensor lc[NT], lg[NT];
     unsigned opts[4] = {0, AM_TE_L2, AM_TE_NO_BIAS_CORR, AM_TE_GRAD_BF16 | AM_TE_L2};
     double ss = 0;
@@ -1211,11 +1225,16 @@ static void case_adamw_te(void)
         v[i] = pair_new(te && dt & 4 ? AM_BF16 : AM_F32, n, 0, 0, 0);
         pair_fill(&m[i], -0.1, 0.1);
         pair_fill(&v[i], 0, 0.01);
+        bool split = te && (dt & 1) && i >= 8;
+        if (split) /* 16 bits of both signs: bf16 values in [-1, 1) */
+            rem[i] = rnd(AM_BF16, n, 0, 0, 0);
         for (int64_t e = 0; e < n; e++)
             ss += (double)((float *)g[i].c.data)[e] * ((float *)g[i].c.data)[e];
         unsigned t = te ? AM_TE_ADAM | opts[(i / 2) % 4] : 0;
-        lc[i] = (struct am_adamw_tensor){.param = &p[i].c, .m = &m[i].c, .v = &v[i].c, .grad = &g[i].c, .te = t};
-        lg[i] = (struct am_adamw_tensor){.param = &p[i].g, .m = &m[i].g, .v = &v[i].g, .grad = &g[i].g, .te = t};
+        lc[i] = (struct am_adamw_tensor){.param = &p[i].c, .m = &m[i].c, .v = &v[i].c, .grad = &g[i].c,
+                                         .rem = split ? &rem[i].c : NULL, .te = t};
+        lg[i] = (struct am_adamw_tensor){.param = &p[i].g, .m = &m[i].g, .v = &v[i].g, .grad = &g[i].g,
+                                         .rem = split ? &rem[i].g : NULL, .te = t};
     }
     struct pair sq = pair_new(AM_F64, 1, 0, 0, 0);
     ((double *)sq.c.data)[0] = ss;
@@ -1229,7 +1248,13 @@ static void case_adamw_te(void)
     for (int i = 0; i < NT; i++)
         e = fmax(e, fmax(rel_err(&p[i]), fmax(rel_err(&m[i]), rel_err(&v[i]))));
     record("adamw_multi FusedAdam param, m, v (bitwise)", "mixed", e, 0);
+    int64_t apart = 0;
+    for (int i = 0; i < NT; i++)
+        apart += lc[i].rem ? bits_apart(&rem[i]) : 0;
+    record("adamw_multi FusedAdam remainders (bits apart)", "bf16", (double)apart, 0);
     for (int i = 0; i < NT; i++) {
+        if (lc[i].rem)
+            pair_free(&rem[i]);
         pair_free(&p[i]);
         pair_free(&g[i]);
         pair_free(&m[i]);
