@@ -82,10 +82,10 @@ void am_plan_print(FILE *f, const struct am_recipe *r, const struct am_world *w,
             r->param_dtype_assumed ? " (assumed: set model.torch_dtype)" : "", am_dtype_torch_name(r->compute_dtype),
             r->dist.activation_checkpointing ? ", activation checkpointing" : "");
     if (r->optim.te)
-        fprintf(f, "optimizer    Transformer Engine's FusedAdam (%s): %s masters, %s exp_avg, %s exp_avg_sq\n",
+        fprintf(f, "optimizer    Transformer Engine's FusedAdam (%s): %s masters%s, %s exp_avg, %s exp_avg_sq\n",
                 r->optim.adam_w_mode ? "adam_w_mode" : "L2 weight decay",
-                r->optim.split_master ? "float32 (bfloat16 parameters and their 16-bit remainders)"
-                                      : am_dtype_torch_name(r->optim.master_dtype),
+                r->optim.split_master ? "float32" : am_dtype_torch_name(r->optim.master_dtype),
+                r->optim.split_master ? " (the bfloat16 parameters and their 16-bit remainders)" : "",
                 am_dtype_torch_name(r->optim.moment_dtype[0]), am_dtype_torch_name(r->optim.moment_dtype[1]));
     if (r->peft.enabled) {
         fprintf(f, "lora         dim %ld, alpha %g on", r->peft.dim, r->peft.alpha);

@@ -1094,12 +1094,24 @@ static void test_te_fused_adam(void **state)
              arch);
     r = parse_with("r.yaml", y, NULL, &err);
     assert_int_equal(err.n, 0);
-    assert_int_equal(r->optim.master_dtype, AM_F32);
+    /* store_param_remainders: the fp32 masters kept as the bf16 parameters and remainders */
+    assert_true(r->optim.remainders);
+    assert_true(r->optim.split_master);
+    assert_int_equal(r->optim.master_dtype, AM_BF16);
     assert_int_equal(r->optim.moment_dtype[0], AM_BF16);
     assert_int_equal(r->optim.moment_dtype[1], AM_F32);
     assert_false(r->optim.adam_w_mode);
     assert_false(r->optim.bias_correction);
-    assert_true(r->optim.remainders);
+    am_recipe_free(r);
+    /* without it, whole fp32 masters */
+    snprintf(y, sizeof(y),
+             "%soptimizer:\n  _target_: transformer_engine.pytorch.optimizers.fused_adam.FusedAdam\n"
+             "  master_weights: true\n  store_param_remainders: false\n",
+             arch);
+    r = parse_with("r.yaml", y, NULL, &err);
+    assert_int_equal(err.n, 0);
+    assert_false(r->optim.split_master);
+    assert_int_equal(r->optim.master_dtype, AM_F32);
     am_recipe_free(r);
     /* torch's AdamW keeps everything in the parameters' dtype */
     r = parse_with("r.yaml", arch, NULL, &err);
