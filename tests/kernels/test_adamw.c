@@ -561,7 +561,8 @@ static void test_adamw_grad_bf16(void **state)
 }
 
 /* What adamw refuses: bf16 parameters with fp32 moments, an fp32 parameter with a bf16 gradient,
- * fp16 ones, a FusedAdam tensor with a bf16 gradient without AM_TE_GRAD_BF16. */
+ * fp16 ones, a FusedAdam tensor with a bf16 gradient without AM_TE_GRAD_BF16, remainders beside
+ * an fp32 parameter. */
 static void bad_adamw_call(int which)
 {
     uint16_t h[12] = {0};
@@ -582,6 +583,12 @@ static void bad_adamw_call(int which)
         l = (struct am_adamw_tensor){.param = &f32, .m = &f32b, .v = &b16, .grad = &p16, .te = AM_TE_ADAM};
         K->adamw_multi(&kdev, &l, 1, NULL, 0, NULL, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.f, 1);
         break;
+    case 5: /* FusedAdam's remainders beside an fp32 parameter (a whole master) */
+        f32.name = "model.norm.weight";
+        l = (struct am_adamw_tensor){.param = &f32, .m = &f32b, .v = &f32b, .grad = &f32b, .rem = &b16,
+                                     .te = AM_TE_ADAM};
+        K->adamw_multi(&kdev, &l, 1, NULL, 0, NULL, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.f, 1);
+        break;
     }
 }
 
@@ -595,8 +602,10 @@ static void test_adamw_bad_dtype_aborts(void **state)
         {"am_cpu_adamw_multi", "v (", "is fp32 but param (model.embed_tokens.weight) is bf16"},
         {"am_cpu_adamw_multi", "grad (model.embed_tokens.weight) is bf16",
          "FusedAdam's gradient is fp32, or bf16 for bf16 model parameters"},
+        {"am_cpu_adamw_multi", "a master kept as remainders takes a bf16 param",
+         "(model.norm.weight is fp32) and 4 16-bit remainders"},
     };
-    for (int c = 0; c < 5; c++)
+    for (int c = 0; c < 6; c++)
         expect_abort(bad_adamw_call, c, want[c], 3);
 }
 
