@@ -99,7 +99,7 @@ __device__ __forceinline__ void te_elem(void *pd, uint16_t *rem, const void *g, 
     float g0 = te_ld(g, g16, i);
     float gi = te & AM_TE_GRAD_BF16 ? am_round_bf16(am_round_bf16(g0) * gs) : g0 * gs;
     float p, m = te_ld(md, mb, i), v = te_ld(vd, vb, i);
-    if (rem) { /* am_te_master_join */
+    if (rem) { /* half.h's am_te_master_join, on the device */
         uint16_t hi = ((const uint16_t *)pd)[i], lo = rem[i];
         p = __uint_as_float(((uint32_t)(uint16_t)(hi - ((lo & 0x8000u) ? 1u : 0u)) << 16) | lo);
     } else {
@@ -113,7 +113,7 @@ __device__ __forceinline__ void te_elem(void *pd, uint16_t *rem, const void *g, 
     float denom = sqrtf(v_hat) + k.eps;
     float update = l2 ? m_hat / denom : (m_hat / denom) + (k.decay * p);
     p = p - (k.lr * update);
-    if (rem) { /* am_te_master_split */
+    if (rem) { /* half.h's am_te_master_split */
         uint32_t u = __float_as_uint(p);
         rem[i] = (uint16_t)(u & 0xffffu);
         ((uint16_t *)pd)[i] = (uint16_t)((u >> 16) + ((u & 0x8000u) ? 1u : 0u));

@@ -18,7 +18,7 @@ int am_optim_init(struct am_optim *o, const struct am_dev *d, size_t n_elems, en
     }
     o->m_mem = d->k->alloc(d, n_elems * am_dtype_size(o->mdt[0]));
     o->v_mem = d->k->alloc(d, n_elems * am_dtype_size(o->mdt[1]));
-    bool rem = r->optim.te && r->optim.split_master && dt == AM_BF16;
+    bool rem = r->optim.split_master && dt == AM_BF16;
     if (rem && (o->rem_mem = d->k->alloc(d, n_elems * sizeof(uint16_t)))) {
         struct am_tensor z = am_tensor_view(o->rem_mem, d->device, AM_BF16, (int64_t)n_elems, 0, 0, 0);
         d->k->zero(d, &z);

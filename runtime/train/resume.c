@@ -11,9 +11,9 @@
 
 #include "checkpoint.h"
 #include "crash.h"
-#include "half.h"
 #include "errors.h"
 #include "groups.h"
+#include "half.h"
 #include "log.h"
 #include "model_io.h"
 #include "moe.h"

@@ -93,12 +93,11 @@ static int lcm(int a, int b)
     return a / x * b;
 }
 
-/* LoRA: the adapters as peft and AutoModel start them (B zero, A by peft.lora_A_init), from
- * rng.seed: every layout starts the same adapters. */
-/* After the weights are loaded or drawn: LoRA's adapters drawn, and fp32 masters beside bf16
- * parameters (FusedAdam's master_weights) made the bf16 parameters' values, as FusedAdam takes
- * its masters from a model built in bf16 (model.torch_dtype), not from the file's or the
- * draw's fp32. */
+/* After the weights are loaded or drawn: LoRA's adapters as peft and AutoModel start them (B
+ * zero, A by peft.lora_A_init, from rng.seed: every layout starts the same adapters), and fp32
+ * masters beside bf16 parameters (FusedAdam's master_weights) made the bf16 parameters' values,
+ * as FusedAdam takes its masters from a model built in bf16 (model.torch_dtype), not from the
+ * file's or the draw's fp32. */
 static int finish_weights(struct trainer *t, struct am_errors *err)
 {
     if (t->model.sh.lora_r > 0)
