@@ -449,6 +449,7 @@ static int trainer_zero_stage(const struct am_recipe *r, const struct am_plan *p
 struct flat_shards {
     long long D, shard, slab, max_span;
     bool f32;                       /* the gradients reduced in fp32 (reduce_dtype) */
+    bool g16_replicas;              /* bf16 gradient shards with HSDP's replicas */
     long long buf_span, buf_shard;  /* of the groups that take a gradient buffer: the largest span and shard
                                      * (experts: over fewer ranks) */
     long long direct_span;          /* of those that accumulate in their shard: the largest span */
@@ -467,17 +468,18 @@ static long long lcm(long long a, long long b)
 
 /* A group of elems parameters, padded to a multiple of D and sharded over d ranks (D for the
  * dense groups; for the experts with expert parallelism the ranks holding the same experts,
- * padded to a multiple of both: with HSDP d need not divide D). Whether it takes a gradient
- * buffer (from stage 2): unless d is one rank and the reduction fp32, when its gradients
- * accumulate in its shard (train/grad_sync.h). */
-static bool add_group_over(struct flat_shards *f, double elems, long long d)
+ * padded to a multiple of both: with HSDP d need not divide D), replicated over HSDP's replicas
+ * or not. Whether it takes a gradient buffer (from stage 2): unless d is one rank and the
+ * reduction fp32, when its gradients accumulate in its shard (train/grad_sync.h), but for bf16
+ * shards whose group has replicas. */
+static bool add_group_over(struct flat_shards *f, double elems, long long d, bool replicated)
 {
     long long n = (long long)elems, pad = lcm(f->D, d), span = (n + pad - 1) / pad * pad;
     f->shard += span / d;
     f->slab += span;
     if (span > f->max_span)
         f->max_span = span;
-    if (d == 1 && f->f32) {
+    if (d == 1 && f->f32 && !(f->g16_replicas && replicated)) {
         if (span > f->direct_span)
             f->direct_span = span;
         return false;
@@ -489,7 +491,7 @@ static bool add_group_over(struct flat_shards *f, double elems, long long d)
     return true;
 }
 
-static bool add_group(struct flat_shards *f, double elems) { return add_group_over(f, elems, f->D); }
+static bool add_group(struct flat_shards *f, double elems) { return add_group_over(f, elems, f->D, true); }
 
 /* LoRA's trainable parameters on one tensor-parallel rank: of layer l (head false) or of the
  * head. A column-parallel base layer (q, k, v, gate, up, the head) splits B by rows and keeps A
@@ -623,7 +625,8 @@ static int memory_of_rank(const struct am_recipe *r, const struct am_plan *p, in
          * of the shards, and from stage 3 two gathered groups (three when the head shares the
          * embedding; four with MoE layers: a layer and its experts, and the next two) */
         double glp = am_dtype_size(r->reduce_dtype) < 4 ? am_dtype_size(r->reduce_dtype) : 0;
-        struct flat_shards f = {.D = (long long)shard, .f32 = glp == 0};
+        bool g16 = r->dist.strategy == AM_FSDP2 && r->param_dtype == AM_BF16;
+        struct flat_shards f = {.D = (long long)shard, .f32 = glp == 0, .g16_replicas = g16 && p->dp_replicate > 1};
         int moe_layers = 0, buffered_experts = 0; /* the MoE layers, and those whose experts take a buffer */
         bool buffered = false;                    /* any group takes one */
         if (emb)
@@ -633,7 +636,7 @@ static int memory_of_rank(const struct am_recipe *r, const struct am_plan *p, in
                 bool moe = m->num_experts > 0 && am_model_layer_is_moe(m, p->stages[s].first_layer + l);
                 buffered |= add_group(&f, attn + pc->norms_per_layer + (moe ? router : mlp));
                 if (moe) { /* a MoE layer's experts: a group of their own, gathered with the layer */
-                    bool b = add_group_over(&f, experts_of_layer, (long long)expert_shard);
+                    bool b = add_group_over(&f, experts_of_layer, (long long)expert_shard, p->ep == 1);
                     buffered |= b;
                     buffered_experts += b;
                     moe_layers++;
@@ -656,14 +659,15 @@ static int memory_of_rank(const struct am_recipe *r, const struct am_plan *p, in
          * masters) keeps the shards in bf16, as FSDP2 keeps a sharded gradient in the parameter's
          * dtype (2 B a parameter, not 4), and those groups then stage each backward's fp32
          * gradients in one buffer of the largest one's span, with its bf16 copy (4 + 2 B, in
-         * grad_buffers); not with HSDP (dp_replicate > 1), whose replica all-reduce sums the
-         * shards in reduce_dtype: fp32 shards there, as megatron_fsdp's (train/grad_sync.h). */
+         * grad_buffers); with HSDP each backward's reduced shard is all-reduced over the replicas
+         * in its receive shard before it is rounded (no copy of the shards; a group over one rank
+         * with replicas takes a buffer: train/grad_sync.h). megatron_fsdp keeps fp32 shards. */
         if (zero >= 2) {
             double nb = !buffered ? 0
                                   : (buffered_experts ? 4 : m->tie_word_embeddings && emb && head ? 3 : 2) +
                                         (m->tie_word_embeddings && p->pp > 1 && (emb || head) ? 1 : 0);
-            bool g16 = r->dist.strategy == AM_FSDP2 && r->param_dtype == AM_BF16 && p->dp_replicate == 1;
-            out->grads = (g16 ? 2 : 4) * (double)f.shard + (glp && p->dp_replicate > 1 ? glp * (double)f.shard : 0);
+            out->grads = (g16 ? 2 : 4) * (double)f.shard +
+                         (glp && p->dp_replicate > 1 && !g16 ? glp * (double)f.shard : 0);
             out->grad_buffers = nb * (double)f.buf_span * (4 + glp) + nb * (double)f.buf_shard * (glp ? glp : 4) +
                                 (g16 ? (4 + 2) * (double)f.direct_span : 0);
         } else {

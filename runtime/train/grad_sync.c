@@ -36,9 +36,8 @@ static int init_shards(struct am_gsync *s, const struct am_gsync_shards *sh, cha
     s->shard_g = sh->grads;
     s->n_shard = sh->n_shard;
     s->shard_dt = sh->dtype;
-    if (s->shard_dt != AM_F32 && (s->shard_dt != AM_BF16 || sh->replicate))
-        return am_fail(err, err_len, "gradient shards in %s%s: they are fp32, or bf16 without replicas",
-                       am_dtype_name(s->shard_dt), sh->replicate ? " with HSDP's replicas" : "");
+    if (s->shard_dt != AM_F32 && s->shard_dt != AM_BF16)
+        return am_fail(err, err_len, "gradient shards in %s: they are fp32 or bf16", am_dtype_name(s->shard_dt));
     s->direct = calloc((size_t)m->n_groups + 1, sizeof(*s->direct));
     s->open = calloc((size_t)m->n_groups + 1, sizeof(*s->open));
     if (!s->direct || !s->open)
@@ -49,8 +48,10 @@ static int init_shards(struct am_gsync *s, const struct am_gsync_shards *sh, cha
          * group, AutoModel's ep_shard): no replica all-reduce for them */
         G->replicate = G->kind == AM_PG_EXPERTS && m->ep_comm ? NULL : sh->replicate;
         /* a shard group of one rank reduced in fp32: its shard is its whole span, where its
-         * gradients accumulate (no buffer, no receive shard) */
-        s->direct[g] = G->shard == AM_SHARD_SHARDED && s->reduce == AM_F32 && am_comm_size(G->comm) == 1;
+         * gradients accumulate (no buffer, no receive shard); not with bf16 shards and replicas,
+         * whose every backward's sum is all-reduced over them before it is rounded */
+        s->direct[g] = G->shard == AM_SHARD_SHARDED && s->reduce == AM_F32 && am_comm_size(G->comm) == 1 &&
+                       !(s->shard_dt == AM_BF16 && G->replicate);
         if (s->direct[g] && s->shard_dt != AM_F32 && G->span > s->stage_elems)
             s->stage_elems = G->span; /* bf16 shards: its fp32 gradients staged */
         if (s->direct[g])
@@ -86,7 +87,8 @@ static int init_shards(struct am_gsync *s, const struct am_gsync_shards *sh, cha
     if (n && s->reduce != AM_F32 && !(s->buf_lp = K->alloc(m->dev, (size_t)n * s->buf_elems * es)))
         return am_fail(err, err_len, "out of memory for %d gradient buffers of %zu in the reduction's dtype", n,
                        s->buf_elems);
-    if (s->reduce != AM_F32 && sh->replicate && !(s->shard_lp = K->alloc(m->dev, s->n_shard * es)))
+    if (s->reduce != AM_F32 && sh->replicate && s->shard_dt == AM_F32 &&
+        !(s->shard_lp = K->alloc(m->dev, s->n_shard * es)))
         return am_fail(err, err_len, "out of memory for the %zu gradient shards in the reduction's dtype", s->n_shard);
     if (s->stage_elems && !(s->stage = K->alloc(m->dev, s->stage_elems * (sizeof(float) + am_dtype_size(s->shard_dt)))))
         return am_fail(err, err_len, "out of memory for the %zu fp32 gradients staged before their bf16 shard",
@@ -197,13 +199,20 @@ static void *recv_at(const struct am_gsync *s, int b)
  * blocking). The reduced shard takes the shards' dtype first, in the buffer (free now):
  * widened from a bf16 reduction into fp32 shards, or rounded from an fp32 one to bf16 shards
  * (FSDP2's cast of the reduce-scatter's output to the parameter's dtype, then its += in bf16:
- * the sum in fp32, rounded once). */
+ * the sum in fp32, rounded once). bf16 shards with HSDP: the reduced shard is all-reduced over
+ * the replicas first, in reduce_dtype, every backward (FSDP2's all-reduce of the
+ * reduce-scatter's output before that cast), done here: its sum is what is rounded and added. */
 static int added(struct am_gsync *s, int b, char *err, size_t err_len)
 {
     struct am_model *m = s->m;
     const struct am_pgroup *G = &m->groups[s->buf_sent[b]];
     struct am_tensor sum = flat(m, recv_at(s, b), s->reduce, G->shard_elems);
     struct am_tensor dst = flat(m, shard_at(s, G->shard_offset), s->shard_dt, G->shard_elems);
+    bool each = s->shard_dt != AM_F32 && G->replicate; /* over the replicas every backward */
+    if (each && am_allreduce(G->replicate, sum.data, sum.data, G->shard_elems, s->reduce, AM_SUM, err, err_len) < 0) {
+        s->buf_sent[b] = -1;
+        return -1;
+    }
     if (s->reduce != s->shard_dt) {
         struct am_tensor w = flat(m, buf_at(s, b), s->shard_dt, G->shard_elems);
         m->K->convert(m->dev, &w, &sum);
@@ -211,7 +220,7 @@ static int added(struct am_gsync *s, int b, char *err, size_t err_len)
     }
     m->K->add(m->dev, &dst, &sum);
     s->buf_sent[b] = -1;
-    if (!s->buf_final[b] || !G->replicate)
+    if (!s->buf_final[b] || !G->replicate || each)
         return 0;
     void *r = dst.data;
     if (s->shard_lp) {
@@ -336,7 +345,7 @@ static int end_direct(struct am_gsync *s, int group, bool final, char *err, size
         m->K->sum_squares(m->dev, &m->scalars.local_sumsq, &sq, 1.0);
         m->K->convert(m->dev, &lp, &g);
         m->K->add(m->dev, &dst, &lp);
-        return 0; /* no replicas with bf16 shards */
+        return 0; /* no replicas: such a group with replicas takes a buffer (init_shards) */
     }
     if (!final)
         return 0;

@@ -50,11 +50,14 @@
  * schedule) ends a MoE layer's experts' backward before it starts the previous layer's. The buffers
  * and receive shards are sized, and the MoE layers' four counted, over the groups that take them
  * (none: none allocated); a bf16 reduce_dtype keeps every group in a buffer (its reduction rounds
- * to bf16). HSDP (G->replicate, with fp32 shards only: the replicas' sum is in reduce_dtype; none
- * for the experts' groups with expert parallelism, whose expert-data-parallel group spans the
- * replicas): once a group's last reduce-scatter of the step has been added to its shard (one
- * accumulating in its shard: after its last backward), the shard is all-reduced over the replicas,
- * non-blocking (it runs while the backward goes on), waited for in am_gsync_finish. The
+ * to bf16), and so do bf16 shards a group with replicas. HSDP (G->replicate; none for the
+ * experts' groups with expert parallelism, whose expert-data-parallel group spans the replicas):
+ * with fp32 shards, once a group's last reduce-scatter of the step has been added to its shard
+ * (one accumulating in its shard: after its last backward), the shard is all-reduced over the
+ * replicas, non-blocking (it runs while the backward goes on), waited for in am_gsync_finish;
+ * with bf16 shards, as FSDP2 does, each backward's reduced shard is all-reduced over the replicas
+ * in reduce_dtype (in its receive shard, when its reduce-scatter is completed, blocking) and the
+ * sum rounded to bf16 and added. The
  * reduce-scatters are completed, and these all-reduces started, at points of the schedule only
  * (when the next group's reduce-scatter starts, when a buffer is needed, after the backward), never
  * on a request found complete, so that every rank issues its collectives in the same order across
@@ -82,8 +85,8 @@
 #include "model.h"
 
 /* Sharded gradients: the shard slab (each group's shard at its shard_offset, over G->comm,
- * which the caller set), its dtype (AM_F32, or AM_BF16 when replicate is NULL) and the
- * replicas' group (HSDP), or NULL. */
+ * which the caller set), its dtype (AM_F32 or AM_BF16) and the replicas' group (HSDP), or
+ * NULL. */
 struct am_gsync_shards {
     void *grads;
     size_t n_shard;
@@ -105,7 +108,7 @@ struct am_gsync {
     void *shard_g;        /* the gradient shards (shard_dt), or NULL */
     size_t n_shard;
     enum am_dtype shard_dt;
-    void *shard_lp;       /* HSDP with a bf16 reduce_dtype: the shards' copy all-reduced */
+    void *shard_lp;       /* HSDP with a bf16 reduce_dtype and fp32 shards: the shards' copy all-reduced */
     int n_bufs;
     size_t buf_elems, recv_elems; /* the largest span and shard of the groups that take a buffer */
     void *buf_mem;        /* n_bufs x buf_elems fp32 gradients */

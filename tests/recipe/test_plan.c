@@ -323,9 +323,11 @@ static void test_memory_grad_buffers_ep(void **state)
 /* fsdp2 with bf16 parameters (model.torch_dtype bfloat16; under FusedAdam with fp32 master
  * weights too) keeps the gradient shards in bf16, as FSDP2 keeps a sharded gradient in the
  * parameter's dtype (train/grad_sync.h): model8 over dp 4, 2 B a parameter of the shard
- * instead of 4, the buffers as before (no group accumulates in its shard: no staging). HSDP
- * (its replica all-reduce sums in reduce_dtype), megatron_fsdp (fp32 main gradients) and
- * float32 parameters keep fp32 shards. */
+ * instead of 4, the buffers as before (no group accumulates in its shard: no staging); with
+ * HSDP too (each backward's shard all-reduced over the replicas before it is rounded), where
+ * a bf16 reduction then needs no copy of the shards. megatron_fsdp (fp32 main gradients) and
+ * float32 parameters keep fp32 shards, and HSDP's fp32 shards with a bf16 reduction their bf16
+ * copy (2 B). */
 static void test_memory_grad_shards_bf16(void **state)
 {
     (void)state;
@@ -351,13 +353,24 @@ static void test_memory_grad_shards_bf16(void **state)
         am_plan_free(&p);
         am_recipe_free(r);
     }
-    const char *hsdp[] = {"model.torch_dtype=bfloat16", "distributed.dp_replicate_size=2", NULL};
-    struct am_plan p;
-    struct am_recipe *r = plan_of(model8, hsdp, 4, &p);
-    assert_int_equal(p.dp_shard, 2);
-    assert_float_equal(p.mem.grads, 4 * params / 2, 0);
-    am_plan_free(&p);
-    am_recipe_free(r);
+    struct {
+        const char *sets[4];
+        double grad_bytes;
+    } hsdp[] = {
+        {{"model.torch_dtype=bfloat16", "distributed.dp_replicate_size=2", NULL}, 2},
+        {{"model.torch_dtype=bfloat16", "distributed.dp_replicate_size=2", "distributed.mp_policy.reduce_dtype=bfloat16",
+          NULL},
+         2},
+        {{"distributed.dp_replicate_size=2", "distributed.mp_policy.reduce_dtype=bfloat16", NULL}, 4 + 2},
+    };
+    for (size_t c = 0; c < sizeof hsdp / sizeof *hsdp; c++) {
+        struct am_plan p;
+        struct am_recipe *r = plan_of(model8, hsdp[c].sets, 4, &p);
+        assert_int_equal(p.dp_shard, 2);
+        assert_float_equal(p.mem.grads, hsdp[c].grad_bytes * params / 2, 0);
+        am_plan_free(&p);
+        am_recipe_free(r);
+    }
 }
 
 /* Qwen3-MoE's dense layers by hand: 4 layers, hidden 64, heads 4 x head_dim 16 (kv 2),

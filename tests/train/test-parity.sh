@@ -494,7 +494,11 @@ bf16_layouts "cp2-bf16 2 long,bf16 ref-long-bf16 ref-long AM_CP=2" \
 # two micro-batches a step, four with local batches of 2 (lb2), reduced in bf16 (the mp_policy's
 # default here: its compute dtype) or fp32 (rf32), where at ep 2 the experts' (ep_shard 1) fp32
 # gradients are staged and added to their bf16 shards after each backward, also under 1F1B
-# with pp 2): data (fsdp2, ddp, HSDP, megatron_fsdp's
+# with pp 2; with HSDP each backward's reduced shard all-reduced over the replicas before it is
+# rounded: at dp 4 with four micro-batches, and at ep 4 in fp32 where the experts are staged
+# while the dense groups are all-reduced over the replicas; 2 replicas of one rank each run
+# replicated, its fp32 gradients whole): data (fsdp2, ddp,
+# HSDP, megatron_fsdp's
 # ZeRO 1 and 2: the bf16 shards all-gathered into the bf16 masters), tensor (with sequence
 # parallelism) and pipeline parallelism, context parallelism on sequences of 256, and
 # deepseek_v3 at ep 2 and tp 2 x ep 2, against one rank with bf16 storage, with the tolerances
@@ -511,7 +515,9 @@ bf16_layouts "dp2-s16 2 bf16,s16 ref-s16 ref" "tp2-sp-s16 2 bf16,s16,sp ref-s16 
     "tp2-ep2-dsv3-s16 4 dsv3,bf16,s16 ref-dsv3-s16 ref-dsv3 AM_TP=2 AM_EP=2" \
     "dp2-s16-lb2 2 bf16,s16,lb2 ref-s16 ref" "dp2-s16-rf32 2 bf16,s16,rf32 ref-s16 ref" \
     "ep2-dsv3-s16-rf32 2 dsv3,bf16,s16,rf32 ref-dsv3-s16 ref-dsv3 AM_EP=2" \
-    "pp2-ep2-dsv3-s16-rf32 4 dsv3,bf16,s16,rf32 ref-dsv3-s16 ref-dsv3 AM_PP=2 AM_EP=2"
+    "pp2-ep2-dsv3-s16-rf32 4 dsv3,bf16,s16,rf32 ref-dsv3-s16 ref-dsv3 AM_PP=2 AM_EP=2" \
+    "hsdp-dp4-s16-lb2 4 bf16,s16,hsdp,lb2 ref-s16 ref" "hsdp-rep2-s16-rf32 2 bf16,s16,hsdp,rf32 ref-s16 ref" \
+    "ep4-hsdp-dsv3-s16-rf32 4 dsv3,bf16,s16,hsdp,rf32 ref-dsv3-s16 ref-dsv3 AM_EP=4"
 # the final checkpoint of a bf16-storage run is bf16 (torch_dtype bfloat16), as torch saves a
 # bf16 model
 if [ -d "$work/ckpt-ref-s16" ]; then
@@ -560,7 +566,8 @@ if true; then # (with AM_PARITY_ONLY, the layouts that ran)
         "ep2-hsdp4-moe 8 --set distributed.ep_size=2" \
         "cp2-hsdp 4 --set distributed.cp_size=2" "cp2-hsdp-dp4 8 --set distributed.cp_size=2" \
         "dp2-s16 2" "hsdp-dp4-s16 4" "mfsdp-z1-dp2-s16 2" "mfsdp-z2-dp2-s16 2" "ep2-dsv3-s16 2 --set distributed.ep_size=2" \
-        "dp2-s16-lb2 2" "dp2-s16-rf32 2" "ep2-dsv3-s16-rf32 2 --set distributed.ep_size=2"; do
+        "dp2-s16-lb2 2" "dp2-s16-rf32 2" "ep2-dsv3-s16-rf32 2 --set distributed.ep_size=2" \
+        "hsdp-dp4-s16-lb2 4" "hsdp-rep2-s16-rf32 2" "ep4-hsdp-dsv3-s16-rf32 4 --set distributed.ep_size=4"; do
         set -- $layout
         name=$1 n=$2
         shift 2
