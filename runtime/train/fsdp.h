@@ -33,8 +33,9 @@
  * group's shard (fp32, or rounded to bf16 and added in bf16) after every backward (with gradient
  * accumulation, every micro-batch: FSDP2's default, set_requires_gradient_sync(True)), HSDP's
  * replica all-reduce of each group's fp32 shard started as its last reduce-scatter of the step
- * completes (bf16 shards: each reduced shard all-reduced before it is added; grad_sync.h). The gradient norm is the shards' sum of squares summed over the shard group, tp
- * and pp (am_model_grad_sumsq_shards); the optimizer steps the shards alone. Each group carries the
+ * completes (bf16 shards: each reduced shard all-reduced before it is added; grad_sync.h). The
+ * gradient norm is the shards' sum of squares summed over the shard group, tp and pp
+ * (am_model_grad_sumsq_shards); the optimizer steps the shards alone. Each group carries the
  * communicator its shard spans (G->comm, all-gathers and reduce-scatters; G->replicate for HSDP):
  * the dp_shard group, but for the experts with expert parallelism.
  *
