@@ -625,7 +625,7 @@ static int memory_of_rank(const struct am_recipe *r, const struct am_plan *p, in
          * of the shards, and from stage 3 two gathered groups (three when the head shares the
          * embedding; four with MoE layers: a layer and its experts, and the next two) */
         double glp = am_dtype_size(r->reduce_dtype) < 4 ? am_dtype_size(r->reduce_dtype) : 0;
-        bool g16 = r->dist.strategy == AM_FSDP2 && r->param_dtype == AM_BF16;
+        bool g16 = r->grad_shard_dtype == AM_BF16;
         struct flat_shards f = {.D = (long long)shard, .f32 = glp == 0, .g16_replicas = g16 && p->dp_replicate > 1};
         int moe_layers = 0, buffered_experts = 0; /* the MoE layers, and those whose experts take a buffer */
         bool buffered = false;                    /* any group takes one */

@@ -1543,6 +1543,7 @@ static void read_recipe(struct reader *rd)
         r->compute_dtype = r->dist.strategy == AM_DDP || policy ? r->param_dtype : AM_BF16;
     if (!am_node_path(root, "distributed.mp_policy.reduce_dtype"))
         r->reduce_dtype = policy ? r->compute_dtype : AM_F32;
+    r->grad_shard_dtype = r->dist.strategy == AM_FSDP2 && r->param_dtype == AM_BF16 ? AM_BF16 : AM_F32;
     /* what the optimizer keeps: torch's, everything in the parameters' dtype; FusedAdam, its own */
     r->optim.split_master = r->optim.te && r->optim.master_weights && r->optim.remainders &&
                             r->optim.master_weight_dtype == AM_F32 && r->param_dtype == AM_BF16;

@@ -59,6 +59,9 @@ struct am_recipe {
     bool param_dtype_assumed;    /* neither the recipe nor config.json gives it: bfloat16 */
     enum am_dtype compute_dtype; /* distributed.mp_policy.param_dtype, else per strategy */
     enum am_dtype reduce_dtype;  /* distributed.mp_policy.reduce_dtype: gradients' all-reduce */
+    enum am_dtype grad_shard_dtype; /* resolved: fsdp2's reduced gradient shards, bf16 with bf16
+                                       parameters as FSDP2 keeps them (train/grad_sync.h), else
+                                       fp32 (megatron_fsdp's main gradients too) */
 
     struct {
         enum am_strategy strategy;

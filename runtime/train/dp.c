@@ -119,15 +119,12 @@ static const struct am_dp_ops replicated = {
 /* the groups padded to a multiple of the shard group's size */
 static int sh_group_align(const struct am_dp *d) { return am_comm_size(d->c.shard); }
 
-/* The gradient shards' dtype: FSDP2 keeps a bf16 parameter's sharded gradient in bf16 (its
- * reduce-scatter's output, with HSDP all-reduced over the replicas, cast to the parameter's
- * dtype and accumulated in it: grad_sync.h), with fp32 masters under FusedAdam too
- * (master_weights: the model's parameters are still bf16); megatron_fsdp keeps fp32 main
- * gradients, as Megatron-FSDP does. */
+/* The gradient shards' dtype, the recipe's (grad_shard_dtype: FSDP2 keeps a bf16 parameter's
+ * sharded gradient in bf16, also with FusedAdam's fp32 masters; megatron_fsdp fp32 main
+ * gradients), from ZeRO stage 2, where the shards are the reduced gradients. */
 static enum am_dtype sh_grad_dtype(const struct am_dp *d)
 {
-    const struct am_recipe *r = d->c.r;
-    return d->c.zero >= 2 && r->dist.strategy == AM_FSDP2 && r->param_dtype == AM_BF16 ? AM_BF16 : AM_F32;
+    return d->c.zero >= 2 ? d->c.r->grad_shard_dtype : AM_F32;
 }
 
 static int sh_init(struct am_dp *d, char *err, size_t err_len)

@@ -276,13 +276,12 @@ int am_gsync_use(struct am_gsync *s, int group, char *err, size_t err_len)
     if (s->direct && s->direct[group]) { /* into its shard, its span whole; bf16 shards: the staging buffer */
         if (s->open[group])
             return 0; /* accumulating there already */
-        float *base = (float *)s->shard_g + G->shard_offset;
+        float *base = s->stage ? s->stage : (float *)s->shard_g + G->shard_offset;
         if (s->stage) {
             for (int g = 0; g < m->n_groups; g++)
                 if (s->open[g] && s->direct[g])
                     return am_fail(err, err_len, "gradient shards: %s's backward began while %s's holds the staging "
                                    "buffer", G->name, m->groups[g].name);
-            base = s->stage;
             struct am_tensor z = flat(m, base, AM_F32, G->span);
             m->K->zero(m->dev, &z);
         }
