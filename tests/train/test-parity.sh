@@ -50,17 +50,17 @@
 #   Qwen3-MoE (q/k norms, renormalised top 2, layer 1 a dense MLP split over tp) at tp 2 x pp 2.
 #   GLM-4.5 (glm4_moe: partial rotary, q, k, v biases, q/k norms, layer 0 dense, then 8 experts in 4
 #   groups with the sigmoid router and 2 shared experts, split over tp as an MLP) at ep 2, tp 2,
-#   pp 2 and fsdp2 dp 2 against its own one rank. DeepSeek-V3 (deepseek_v3: multi-head latent
+#   pp 2 and fsdp2 dp 2 and dp 4 against its own one rank. DeepSeek-V3 (deepseek_v3: multi-head latent
 #   attention with q_lora_rank 24, kv_lora_rank 16, v narrower than q and k, rope_interleave; q_b_proj and
 #   kv_b_proj split over tp by heads, q_a_proj, kv_a_proj_with_mqa and their norms whole on every tp
-#   rank with their gradients summed; glm4_moe's MoE) at ep 2, tp 2, pp 2, fsdp2 dp 2, tp 2 x ep 2 and
+#   rank with their gradients summed; glm4_moe's MoE) at ep 2, tp 2, pp 2, fsdp2 dp 2 and dp 4, tp 2 x ep 2 and
 #   cp 2 (sequences of 256) likewise; with AutoModel's selection-bias update (moe_overrides'
 #   gate_bias_update_factor 0.01: each step's loads summed over dp x cp, every bias updated alike,
 #   the biases in the final checkpoint within the weights' tolerance, far below one update) at
 #   ep 2, pp 2, fsdp2 dp 2, tp 2 and cp 2 against its own one rank, and ep 2 in bf16 (below).
 #   gpt-oss (gpt_oss: attention sinks split over tp with their heads, q, k, v and o biases, o's added by tp rank 0, layer_types alternating a window of 24 and
 #   full attention, yarn rope, the biased router, 4 experts with biases and the clamped SwiGLU) at
-#   ep 2, tp 2, pp 2, fsdp2 dp 2, tp 2 x ep 2 and cp 2 (sequences of 256: the sinks applied to the
+#   ep 2, tp 2, pp 2, fsdp2 dp 2 and dp 4, tp 2 x ep 2 and cp 2 (sequences of 256: the sinks applied to the
 #   ring's merged out and lse) likewise; with its load-balancing loss (over the biased router's
 #   softmax) at tp 2, and at pp 2 with micro-batches of 2 against one rank with local batches of 2.
 #   AutoModel's own load-balancing loss (moe_overrides' aux_loss_coeff 0.1: per MoE layer and
@@ -317,12 +317,12 @@ layouts+=("ac 1 ac ref" "pp2-tied 2 tied ref-tied AM_PP=2" "pp4-tied-gpipe 4 tie
     "ep2-hsdp-moe 4 moe,hsdp ref-moe AM_EP=2" "ep4-hsdp-moe 4 moe,hsdp ref-moe AM_EP=4"
     "ep2-hsdp4-moe 8 moe,hsdp4,lb2 ref-moe AM_EP=2"
     "ep2-glm 2 glm ref-glm AM_EP=2" "tp2-glm 2 glm ref-glm AM_TP=2" "pp2-glm 2 glm ref-glm AM_PP=2"
-    "fsdp2-dp2-glm 2 glm ref-glm"
+    "fsdp2-dp2-glm 2 glm ref-glm" "fsdp2-dp4-glm 4 glm ref-glm"
     "ep2-dsv3 2 dsv3 ref-dsv3 AM_EP=2" "tp2-dsv3 2 dsv3 ref-dsv3 AM_TP=2" "pp2-dsv3 2 dsv3 ref-dsv3 AM_PP=2"
-    "fsdp2-dp2-dsv3 2 dsv3 ref-dsv3" "tp2-ep2-dsv3 4 dsv3 ref-dsv3 AM_TP=2 AM_EP=2"
+    "fsdp2-dp2-dsv3 2 dsv3 ref-dsv3" "fsdp2-dp4-dsv3 4 dsv3 ref-dsv3" "tp2-ep2-dsv3 4 dsv3 ref-dsv3 AM_TP=2 AM_EP=2"
     "cp2-dsv3 2 dsv3,long ref-dsv3-long AM_CP=2"
     "ep2-oss 2 oss ref-oss AM_EP=2" "tp2-oss 2 oss ref-oss AM_TP=2" "pp2-oss 2 oss ref-oss AM_PP=2"
-    "fsdp2-dp2-oss 2 oss ref-oss" "tp2-ep2-oss 4 oss ref-oss AM_TP=2 AM_EP=2"
+    "fsdp2-dp2-oss 2 oss ref-oss" "fsdp2-dp4-oss 4 oss ref-oss" "tp2-ep2-oss 4 oss ref-oss AM_TP=2 AM_EP=2"
     "cp2-oss 2 oss,long ref-oss-long AM_CP=2" "tp2-oss-aux 2 oss,ossaux ref-oss-aux AM_TP=2"
     "pp2-oss-aux 2 oss,ossaux,mb2 ref-oss-aux-lb2 AM_PP=2"
     "ep2-dsv3-bupd 2 dsv3,bupd ref-dsv3-bupd AM_EP=2" "pp2-dsv3-bupd 2 dsv3,bupd ref-dsv3-bupd AM_PP=2"
@@ -446,9 +446,9 @@ bf16_tols() { # FP32REF BF16REF: "loss_tol norm_tol weight_tol", twice the bf16 
     w=$(sed -nE 's/.*largest difference ([^ ]*) .*/\1/p' "$work/wdiff-$2-fp32" | awk '{ printf "%.3g", 2 * $1 }')
     echo "$t $w"
 }
-exact+=(ep2-glm tp2-glm pp2-glm fsdp2-dp2-glm) # the glm4_moe layouts above
-exact+=(ep2-dsv3 tp2-dsv3 pp2-dsv3 fsdp2-dp2-dsv3 tp2-ep2-dsv3 cp2-dsv3) # the deepseek_v3 layouts above
-exact+=(ep2-oss tp2-oss pp2-oss fsdp2-dp2-oss tp2-ep2-oss cp2-oss tp2-oss-aux pp2-oss-aux) # the gpt_oss layouts above
+exact+=(ep2-glm tp2-glm pp2-glm fsdp2-dp2-glm fsdp2-dp4-glm) # the glm4_moe layouts above
+exact+=(ep2-dsv3 tp2-dsv3 pp2-dsv3 fsdp2-dp2-dsv3 fsdp2-dp4-dsv3 tp2-ep2-dsv3 cp2-dsv3) # the deepseek_v3 layouts above
+exact+=(ep2-oss tp2-oss pp2-oss fsdp2-dp2-oss fsdp2-dp4-oss tp2-ep2-oss cp2-oss tp2-oss-aux pp2-oss-aux) # the gpt_oss layouts above
 exact+=(ep2-dsv3-bupd pp2-dsv3-bupd fsdp2-dp2-dsv3-bupd tp2-dsv3-bupd cp2-dsv3-bupd) # and with the bias update
 exact+=(ep2-oss-am tp2-oss-am pp2-oss-am fsdp2-dp2-oss-am cp2-oss-am ac-oss-am) # AutoModel's load-balancing loss
 exact+=(ep2-dsv3-am tp2-dsv3-am pp2-dsv3-am-ac fsdp2-dp2-dsv3-am cp2-dsv3-am tp2-ep2-dsv3-am ep2-glm-am ep2-qmoe-am)
