@@ -1,11 +1,12 @@
 #!/bin/bash
 # bench-small in bf16 mixed precision against fp32, am and PyTorch side by side: am-train with
 # mp_policy.param_dtype float32 and bfloat16, and transformers' LlamaForCausalLM under the same
-# policy (bench/torch_mixed.py), at 1 and 2 threads, one after the other REPEAT times (default
-# 3), median tokens/s. PYTHON names an interpreter with torch and transformers (the venv of
-# tests/golden/README.md; default /tmp/goldenv/bin/python). PyTorch's bf16 on a CPU without
-# bf16 instructions takes about a minute a step here, so its bf16 runs time 2 steps after one
-# of warm-up (TORCH_BF16_STEPS, default 3) where every other run times 10 after 2.
+# policy (bench/torch_mixed.py, with torch's fused AdamW), at 1 and 2 threads, one after the other
+# REPEAT times (default 3), median tokens/s. PYTHON names an interpreter with torch and
+# transformers (the venv of tests/golden/README.md; default /tmp/goldenv/bin/python). PyTorch's
+# bf16 on a CPU without bf16 instructions takes about a minute a step here, so its bf16 runs time
+# 2 steps after one of warm-up (TORCH_BF16_STEPS, default 3) where every other run times 10 after
+# 2.
 #   bench/mixed_small.sh [BUILDDIR]
 set -eu
 src=$(cd "$(dirname "$0")/.." && pwd)

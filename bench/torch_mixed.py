@@ -4,7 +4,7 @@ as am runs it (MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32) 
 fp32 master weights and AdamW state, a bf16 copy of the model for forward and backward, the
 bf16 gradients cast to fp32 onto the masters, clipping, AdamW). Prints one line: tokens/s
 (median over the timed steps).
-  python torch_mixed.py --threads 2 --policy bf16 [--attn sdpa|eager] [--compile]"""
+  python torch_mixed.py --threads 2 --policy bf16 [--attn sdpa|eager] [--compile] [--adamw default]"""
 import argparse
 import copy
 import statistics
@@ -19,6 +19,9 @@ p.add_argument("--threads", type=int, default=1)
 p.add_argument("--policy", choices=["fp32", "bf16"], default="fp32")
 p.add_argument("--attn", choices=["sdpa", "eager"], default="sdpa")
 p.add_argument("--compile", action="store_true")
+p.add_argument("--adamw", choices=["fused", "foreach", "default"], default="fused",
+               help="torch.optim.AdamW's implementation: fused=True (its fastest on the CPU), "
+               "foreach=True, or its own choice (one tensor at a time on the CPU)")
 p.add_argument("--steps", type=int, default=12)
 p.add_argument("--warmup", type=int, default=2)
 a = p.parse_args()
@@ -36,7 +39,8 @@ if a.policy == "bf16":
     for q in work.parameters():  # parameters only: buffers (rotary inv_freq) stay fp32, as in FSDP2
         q.data = q.data.to(torch.bfloat16)
 fwd = torch.compile(work) if a.compile else work
-opt = torch.optim.AdamW(master.parameters(), lr=1e-4, weight_decay=0.01)
+impl = {} if a.adamw == "default" else {a.adamw: True}
+opt = torch.optim.AdamW(master.parameters(), lr=1e-4, weight_decay=0.01, **impl)
 times = []
 for step in range(a.steps):
     ids = torch.randint(0, V, (B, T))
