@@ -447,8 +447,9 @@ void am_model_free(struct am_model *m);
 
 /* Random initialisation as transformers does it: linear and embedding weights from
  * N(0, initializer_range), norm weights 1. Each element is a function of (seed, name,
- * index in the full tensor), so every layout of tp and pp initialises the same model. */
-void am_model_init_weights(struct am_model *m, uint64_t seed);
+ * index in the full tensor), so every layout of tp and pp initialises the same model. 0, or -1
+ * out of host memory (a parameter's values pass through it; the model is then not usable). */
+int am_model_init_weights(struct am_model *m, uint64_t seed);
 
 /* Every parameter's value rounded to bf16 (nearest even), kept in the storage's dtype: fp32
  * masters beside bf16 parameters begin as those parameters (FusedAdam's master_weights).
@@ -461,8 +462,8 @@ bool am_model_is_lora(const struct am_param *p);
 /* LoRA's adapters as peft and AutoModel start them: B zero; A kaiming-uniform with a = sqrt(5)
  * (bound 1 / sqrt(in), kaiming true: peft's) or xavier-normal (std sqrt(2 / (in + r)):
  * AutoModel's default). Each element a function of (seed, name, index in the full tensor), as
- * am_model_init_weights, which leaves the adapters alone. */
-void am_model_init_lora(struct am_model *m, uint64_t seed, bool kaiming);
+ * am_model_init_weights, which leaves the adapters alone. 0, or -1 out of host memory. */
+int am_model_init_lora(struct am_model *m, uint64_t seed, bool kaiming);
 
 /* Elements of the hidden state one pipeline stage hands the next for a micro-batch of
  * `batch` sequences: its rows of the residual stream (all tokens, or its 1/tp with sequence

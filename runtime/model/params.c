@@ -279,7 +279,7 @@ int am_model_round_to_bf16(struct am_model *m)
     return 0;
 }
 
-void am_model_init_weights(struct am_model *m, uint64_t seed)
+int am_model_init_weights(struct am_model *m, uint64_t seed)
 {
     double std = m->cfg.initializer_range;
     for (int i = 0; i < m->n_params; i++) {
@@ -289,7 +289,7 @@ void am_model_init_weights(struct am_model *m, uint64_t seed)
         int64_t rows = p->w.shape[0], cols = p->w.ndim > 1 ? p->w.shape[1] : 1;
         float *host = malloc((size_t)(rows * cols) * sizeof(float));
         if (!host)
-            continue;
+            return -1;
         uint64_t stream = am_hash_str(p->name);
         for (int64_t r = 0; r < rows; r++)
             for (int64_t c = 0; c < cols; c++) {
@@ -308,11 +308,12 @@ void am_model_init_weights(struct am_model *m, uint64_t seed)
         free(host);
     }
     am_model_cast_weights(m);
+    return 0;
 }
 
 bool am_model_is_lora(const struct am_param *p) { return strstr(p->name, ".lora_A.") || strstr(p->name, ".lora_B."); }
 
-void am_model_init_lora(struct am_model *m, uint64_t seed, bool kaiming)
+int am_model_init_lora(struct am_model *m, uint64_t seed, bool kaiming)
 {
     for (int i = 0; i < m->n_params; i++) {
         struct am_param *p = &m->params[i];
@@ -321,7 +322,7 @@ void am_model_init_lora(struct am_model *m, uint64_t seed, bool kaiming)
         int64_t rows = p->w.shape[0], cols = p->w.shape[1];
         float *host = calloc((size_t)(rows * cols), sizeof(float));
         if (!host)
-            continue;
+            return -1;
         uint64_t stream = am_hash_str(p->name);
         double in = (double)p->full_cols, r = (double)p->full_rows;
         /* an expert's A (moe.h): as torch's init of AutoModel's [E, in, r] tensor, whose fans are
@@ -339,6 +340,7 @@ void am_model_init_lora(struct am_model *m, uint64_t seed, bool kaiming)
         free(host);
     }
     am_model_cast_weights(m);
+    return 0;
 }
 
 /* ---- reading and writing the masters ------------------------------------------------- */

@@ -100,8 +100,9 @@ static int lcm(int a, int b)
  * file's or the draw's fp32. */
 static int finish_weights(struct trainer *t, struct am_errors *err)
 {
-    if (t->model.sh.lora_r > 0)
-        am_model_init_lora(&t->model, (uint64_t)t->r->seed, t->r->peft.a_init == AM_LORA_INIT_KAIMING);
+    if (t->model.sh.lora_r > 0 &&
+        am_model_init_lora(&t->model, (uint64_t)t->r->seed, t->r->peft.a_init == AM_LORA_INIT_KAIMING) < 0)
+        return am_errors_fail(err, "out of host memory drawing the LoRA adapters' initial values");
     if (t->model.save_dt == AM_BF16 && t->model.store_dt == AM_F32 && am_model_round_to_bf16(&t->model) < 0)
         return am_errors_fail(err, "out of host memory rounding the fp32 masters to the bf16 parameters");
     return 0;
@@ -162,7 +163,8 @@ int am_train_build_model(struct trainer *t, struct am_errors *err)
             return finish_weights(t, err);
         }
     }
-    am_model_init_weights(&t->model, (uint64_t)r->seed);
+    if (am_model_init_weights(&t->model, (uint64_t)r->seed) < 0)
+        return am_errors_fail(err, "out of host memory drawing the initial weights");
     return finish_weights(t, err);
 }
 

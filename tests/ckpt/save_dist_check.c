@@ -178,7 +178,8 @@ static void check_against_whole(struct run *r, bool tie, const char *dist, const
     am_errors_init(&err);
     if (!check(r, am_model_init(&m, &cfg, &sh, &r->dev, NULL, NULL, 1, 4, msg, sizeof(msg)) == 0, "%s", msg))
         return;
-    am_model_init_weights(&m, SEED);
+    if (!check(r, am_model_init_weights(&m, SEED) == 0, "am_model_init_weights: out of host memory"))
+        return;
     fill_biases(&m);
     am_model_save_hf(&m, ref, base, &err);
     struct am_ckpt *d = NULL, *w = NULL;
@@ -259,7 +260,8 @@ static void run_case(struct run *r, bool tie, bool perturb)
     am_errors_init(&err);
     if (!check(r, am_model_init(&m, &cfg, &sh, &r->dev, r->tpc, r->ppc, 1, 4, msg, sizeof(msg)) == 0, "%s", msg))
         return;
-    am_model_init_weights(&m, SEED);
+    if (!check(r, am_model_init_weights(&m, SEED) == 0, "am_model_init_weights: out of host memory"))
+        return;
     fill_biases(&m);
     if (perturb && r->rank == r->size - 1) { /* the test of the test */
         float *h = download(&m, &m.params[1]);

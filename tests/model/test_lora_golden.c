@@ -40,7 +40,10 @@ static int check_init(struct am_model *m, const char *name)
 {
     int bad = 0;
     for (int kaiming = 0; kaiming < 2; kaiming++) {
-        am_model_init_lora(m, 7, kaiming);
+        if (am_model_init_lora(m, 7, kaiming) < 0) {
+            printf("FAIL: am_model_init_lora: out of host memory\n");
+            return -1;
+        }
         double sum2 = 0, want2 = 0, worst = 0;
         int64_t n_a = 0;
         for (int i = 0; i < m->n_params; i++) {

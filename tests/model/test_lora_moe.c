@@ -144,7 +144,10 @@ static int run(int RE)
         printf("FAIL: am_model_init: %s\n", err);
         return 1;
     }
-    am_model_init_weights(&m, 7);
+    if (am_model_init_weights(&m, 7) < 0) {
+        printf("FAIL: am_model_init_weights: out of host memory\n");
+        return 1;
+    }
     for (int i = 0; i < m.n_params; i++) /* every adapter random, B too */
         if (am_model_is_lora(&m.params[i]))
             for (int64_t k = 0; k < am_tensor_numel(&m.params[i].w); k++)
