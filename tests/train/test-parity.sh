@@ -50,7 +50,8 @@
 #   Qwen3-MoE (q/k norms, renormalised top 2, layer 1 a dense MLP split over tp) at tp 2 x pp 2.
 #   GLM-4.5 (glm4_moe: partial rotary, q, k, v biases, q/k norms, layer 0 dense, then 8 experts in 4
 #   groups with the sigmoid router and 2 shared experts, split over tp as an MLP) at ep 2, tp 2,
-#   pp 2 and fsdp2 dp 2 and dp 4 against its own one rank. DeepSeek-V3 (deepseek_v3: multi-head latent
+#   pp 2, fsdp2 dp 2 and dp 4, tp 2 x ep 2 and cp 2 (sequences of 256: partial rotary on each
+#   rank's chunks) against its own one rank. DeepSeek-V3 (deepseek_v3: multi-head latent
 #   attention with q_lora_rank 24, kv_lora_rank 16, v narrower than q and k, rope_interleave; q_b_proj and
 #   kv_b_proj split over tp by heads, q_a_proj, kv_a_proj_with_mqa and their norms whole on every tp
 #   rank with their gradients summed; glm4_moe's MoE) at ep 2, tp 2, pp 2, fsdp2 dp 2 and dp 4, tp 2 x ep 2 and
@@ -229,7 +230,7 @@ run() { # NAME N MODS [VAR=VALUE...]: N ranks, with the plugin's AM_TP-style ove
 
 for ref in "ref -" "ref-long long" "ref-packed packed" "ref-pneat packed,neat" "ref-tied tied" "ref-qwen3 qwen3" "ref-qwen2 qwen2" "ref-mistral mistral" "ref-bf16 bf16" "ref-long-bf16 long,bf16" "ref-packed-bf16 packed,bf16" "ref-moe moe" "ref-moe-aux moe,aux" "ref-moe-aux-bf16 moe,aux,bf16" "ref-moe-aux-lb2 moe,aux,lb2" "ref-qmoe qmoe" \
     "ref-gemma2 gemma2" "ref-gemma3 gemma3" "ref-gemma2-long gemma2,long" "ref-gemma2-packed gemma2,packed" \
-    "ref-gemma3-packed gemma3,packed" "ref-gemma2-bf16 gemma2,bf16" "ref-gemma2-packed-bf16 gemma2,packed,bf16" "ref-glm glm" "ref-dsv3 dsv3" "ref-dsv3-long dsv3,long" "ref-l6 l6" "ref-oss oss" "ref-oss-long oss,long" "ref-oss-aux oss,ossaux" \
+    "ref-gemma3-packed gemma3,packed" "ref-gemma2-bf16 gemma2,bf16" "ref-gemma2-packed-bf16 gemma2,packed,bf16" "ref-glm glm" "ref-glm-long glm,long" "ref-dsv3 dsv3" "ref-dsv3-long dsv3,long" "ref-l6 l6" "ref-oss oss" "ref-oss-long oss,long" "ref-oss-aux oss,ossaux" \
     "ref-oss-aux-lb2 oss,ossaux,lb2" "ref-dsv3-bupd dsv3,bupd" "ref-dsv3-long-bupd dsv3,long,bupd" "ref-dsv3-bupd-bf16 dsv3,bupd,bf16" \
     "ref-oss-am oss,ossam" "ref-oss-am-lb2 oss,ossam,lb2" "ref-oss-am-lb1 oss,ossam,lb1" \
     "ref-oss-long-am oss,long,ossam" "ref-dsv3-am dsv3,amaux" "ref-dsv3-am-lb2 dsv3,amaux,lb2" "ref-dsv3-am-lb1 dsv3,amaux,lb1" \
@@ -238,7 +239,9 @@ for ref in "ref -" "ref-long long" "ref-packed packed" "ref-pneat packed,neat" "
     "ref-dsv3-packed-bupd dsv3,packed,bupd" "ref-dsv3-packed-am dsv3,packed,amaux" \
     "ref-dsv3-packed-am-lb1 dsv3,packed,amaux,lb1" "ref-oss-packed-am-lb1 oss,ossam,packed,lb1" \
     "ref-oss-packed-am-lb2 oss,ossam,packed,lb2" \
-    "ref-s16 bf16,s16" "ref-long-s16 long,bf16,s16" "ref-dsv3-s16 dsv3,bf16,s16"; do
+    "ref-s16 bf16,s16" "ref-long-s16 long,bf16,s16" "ref-dsv3-s16 dsv3,bf16,s16" \
+    "ref-glm-bf16 glm,bf16" "ref-glm-long-bf16 glm,long,bf16" "ref-glm-s16 glm,bf16,s16" "ref-oss-bf16 oss,bf16" \
+    "ref-oss-long-bf16 oss,long,bf16" "ref-oss-s16 oss,bf16,s16"; do
     set -- $ref
     # with AM_PARITY_ONLY (and no AM_PARITY_BF16), the references its layouts name, and ref and ref-bf16 (the bf16 check)
     [ -n "${AM_PARITY_ONLY:-}" ] && [ -z "${AM_PARITY_BF16:-}" ] && [ "$1" != ref ] && [ "$1" != ref-bf16 ] &&
@@ -317,7 +320,8 @@ layouts+=("ac 1 ac ref" "pp2-tied 2 tied ref-tied AM_PP=2" "pp4-tied-gpipe 4 tie
     "ep2-hsdp-moe 4 moe,hsdp ref-moe AM_EP=2" "ep4-hsdp-moe 4 moe,hsdp ref-moe AM_EP=4"
     "ep2-hsdp4-moe 8 moe,hsdp4,lb2 ref-moe AM_EP=2"
     "ep2-glm 2 glm ref-glm AM_EP=2" "tp2-glm 2 glm ref-glm AM_TP=2" "pp2-glm 2 glm ref-glm AM_PP=2"
-    "fsdp2-dp2-glm 2 glm ref-glm" "fsdp2-dp4-glm 4 glm ref-glm"
+    "fsdp2-dp2-glm 2 glm ref-glm" "fsdp2-dp4-glm 4 glm ref-glm" "tp2-ep2-glm 4 glm ref-glm AM_TP=2 AM_EP=2"
+    "cp2-glm 2 glm,long ref-glm-long AM_CP=2"
     "ep2-dsv3 2 dsv3 ref-dsv3 AM_EP=2" "tp2-dsv3 2 dsv3 ref-dsv3 AM_TP=2" "pp2-dsv3 2 dsv3 ref-dsv3 AM_PP=2"
     "fsdp2-dp2-dsv3 2 dsv3 ref-dsv3" "fsdp2-dp4-dsv3 4 dsv3 ref-dsv3" "tp2-ep2-dsv3 4 dsv3 ref-dsv3 AM_TP=2 AM_EP=2"
     "cp2-dsv3 2 dsv3,long ref-dsv3-long AM_CP=2"
@@ -430,11 +434,13 @@ done
 # with the selection-bias update at ep 2 (the biases fp32, the loads summed as in fp32) and with
 # AutoModel's load-balancing loss at ep 2 (its statistics in fp32, local batches of 1), and
 # deepseek_v3 at cp 2 (multi-head latent attention: the ring's k and dk buffers qk wide, v and
-# dv v_head_dim wide, the fp32 running out / dq sum the wider) against
+# dv v_head_dim wide, the fp32 running out / dq sum the wider), glm4_moe at tp 2 x ep 2 and cp 2
+# (partial rotary), gpt_oss at tp 2 x ep 2, pp 2 and cp 2 (the sinks on bf16 scores) against
 # one rank in bf16 on the same sequences, with the tolerances above taken from their own
 # reference: twice one rank's bf16-vs-fp32 differences on sequences of 256 (ref-long), on the
 # packs (ref-packed), with the experts (ref-moe-aux), with Gemma's (ref-gemma2,
-# ref-gemma2-packed), with the update (ref-dsv3-bupd) and deepseek_v3's (ref-dsv3-long).
+# ref-gemma2-packed), with the update (ref-dsv3-bupd), deepseek_v3's (ref-dsv3-long),
+# glm4_moe's and gpt_oss's (ref-glm, ref-glm-long, ref-oss, ref-oss-long).
 # Each rank's whole allocation
 # must equal am-plan's estimate to the byte (below: the ring's bf16 k, v blocks and fp32 sums).
 bf16_tols() { # FP32REF BF16REF: "loss_tol norm_tol weight_tol", twice the bf16 run's distance from fp32
@@ -446,7 +452,7 @@ bf16_tols() { # FP32REF BF16REF: "loss_tol norm_tol weight_tol", twice the bf16 
     w=$(sed -nE 's/.*largest difference ([^ ]*) .*/\1/p' "$work/wdiff-$2-fp32" | awk '{ printf "%.3g", 2 * $1 }')
     echo "$t $w"
 }
-exact+=(ep2-glm tp2-glm pp2-glm fsdp2-dp2-glm fsdp2-dp4-glm) # the glm4_moe layouts above
+exact+=(ep2-glm tp2-glm pp2-glm fsdp2-dp2-glm fsdp2-dp4-glm tp2-ep2-glm cp2-glm) # the glm4_moe layouts above
 exact+=(ep2-dsv3 tp2-dsv3 pp2-dsv3 fsdp2-dp2-dsv3 fsdp2-dp4-dsv3 tp2-ep2-dsv3 cp2-dsv3) # the deepseek_v3 layouts above
 exact+=(ep2-oss tp2-oss pp2-oss fsdp2-dp2-oss fsdp2-dp4-oss tp2-ep2-oss cp2-oss tp2-oss-aux pp2-oss-aux) # the gpt_oss layouts above
 exact+=(ep2-dsv3-bupd pp2-dsv3-bupd fsdp2-dp2-dsv3-bupd tp2-dsv3-bupd cp2-dsv3-bupd) # and with the bias update
@@ -487,7 +493,12 @@ bf16_layouts "cp2-bf16 2 long,bf16 ref-long-bf16 ref-long AM_CP=2" \
     "dp2-gemma2-packed-bf16 2 gemma2,packed,bf16 ref-gemma2-packed-bf16 ref-gemma2-packed" \
     "ep2-dsv3-bupd-bf16 2 dsv3,bupd,bf16 ref-dsv3-bupd-bf16 ref-dsv3-bupd AM_EP=2" \
     "ep2-dsv3-am-bf16 2 dsv3,amaux,lb1,bf16 ref-dsv3-am-lb1-bf16 ref-dsv3-am-lb1 AM_EP=2" \
-    "cp2-dsv3-bf16 2 dsv3,long,bf16 ref-dsv3-long-bf16 ref-dsv3-long AM_CP=2"
+    "cp2-dsv3-bf16 2 dsv3,long,bf16 ref-dsv3-long-bf16 ref-dsv3-long AM_CP=2" \
+    "tp2-ep2-glm-bf16 4 glm,bf16 ref-glm-bf16 ref-glm AM_TP=2 AM_EP=2" \
+    "cp2-glm-bf16 2 glm,long,bf16 ref-glm-long-bf16 ref-glm-long AM_CP=2" \
+    "tp2-ep2-oss-bf16 4 oss,bf16 ref-oss-bf16 ref-oss AM_TP=2 AM_EP=2" \
+    "pp2-oss-bf16 2 oss,bf16 ref-oss-bf16 ref-oss AM_PP=2" \
+    "cp2-oss-bf16 2 oss,long,bf16 ref-oss-long-bf16 ref-oss-long AM_CP=2"
 # bf16 storage (model.torch_dtype bfloat16, docs/training.md: bf16 master weights and AdamW
 # moments, fp32 gradients rounded to bf16 in the step; fsdp2 keeps its gradient shards in bf16,
 # each micro-batch's reduced shard rounded to bf16 and added in bf16, as FSDP2 does: at dp 2
@@ -501,9 +512,10 @@ bf16_layouts "cp2-bf16 2 long,bf16 ref-long-bf16 ref-long AM_CP=2" \
 # HSDP, megatron_fsdp's
 # ZeRO 1 and 2: the bf16 shards all-gathered into the bf16 masters), tensor (with sequence
 # parallelism) and pipeline parallelism, context parallelism on sequences of 256, and
-# deepseek_v3 at ep 2 and tp 2 x ep 2, against one rank with bf16 storage, with the tolerances
-# of the bf16 layouts above taken from their own reference: twice one rank's bf16-storage run's
-# distance from fp32 (ref, ref-long, ref-dsv3). A bf16 master moves only when an update
+# deepseek_v3 at ep 2 and tp 2 x ep 2, glm4_moe at ep 2, gpt_oss at ep 2 and fsdp2 dp 4, against
+# one rank with bf16 storage, with the tolerances of the bf16 layouts above taken from their own
+# reference: twice one rank's bf16-storage run's distance from fp32 (ref, ref-long, ref-dsv3,
+# ref-glm, ref-oss). A bf16 master moves only when an update
 # reaches half its ulp, so a layout whose sums round differently can move an element one ulp
 # where one rank does not: the weights' tolerance covers that (an ulp of 1, 0.0078, is below
 # the bf16-storage run's own distance from fp32).
@@ -517,7 +529,9 @@ bf16_layouts "dp2-s16 2 bf16,s16 ref-s16 ref" "tp2-sp-s16 2 bf16,s16,sp ref-s16 
     "ep2-dsv3-s16-rf32 2 dsv3,bf16,s16,rf32 ref-dsv3-s16 ref-dsv3 AM_EP=2" \
     "pp2-ep2-dsv3-s16-rf32 4 dsv3,bf16,s16,rf32 ref-dsv3-s16 ref-dsv3 AM_PP=2 AM_EP=2" \
     "hsdp-dp4-s16-lb2 4 bf16,s16,hsdp,lb2 ref-s16 ref" "hsdp-rep2-s16-rf32 2 bf16,s16,hsdp,rf32 ref-s16 ref" \
-    "ep4-hsdp-dsv3-s16-rf32 4 dsv3,bf16,s16,hsdp,rf32 ref-dsv3-s16 ref-dsv3 AM_EP=4"
+    "ep4-hsdp-dsv3-s16-rf32 4 dsv3,bf16,s16,hsdp,rf32 ref-dsv3-s16 ref-dsv3 AM_EP=4" \
+    "ep2-glm-s16 2 glm,bf16,s16 ref-glm-s16 ref-glm AM_EP=2" "ep2-oss-s16 2 oss,bf16,s16 ref-oss-s16 ref-oss AM_EP=2" \
+    "fsdp2-dp4-oss-s16 4 oss,bf16,s16 ref-oss-s16 ref-oss"
 # the final checkpoint of a bf16-storage run is bf16 (torch_dtype bfloat16), as torch saves a
 # bf16 model
 if [ -d "$work/ckpt-ref-s16" ]; then
