@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # test-early-failure.sh - a rank that fails before training (the bootstrap, the recipe, the
-# placement, the dataset) leaves its error in its log: the start record (host, job, rank) is
+# placement, the dataset, host memory while drawing the initial weights) leaves its error in its log: the start record (host, job, rank) is
 # the log's first line, the message the rank printed is its cause record, and am-diag names
 # the rank, its host and that message as the first failure (am-launch --nproc; the same on
 # Slurm is in tests/slurm/test-jobs.sh).
@@ -59,6 +59,16 @@ case_ recipe 2 "$T/badkey.yaml" 0 1 "$T/badkey.yaml:23:3: distributed.tp_sise: u
 # a bootstrap that fails (the rank program handed a descriptor that is not open)
 PROG="AM_BOOTSTRAP_FD=99 exec $AM_BUILDDIR/am-train" case_ bootstrap 1 "$T/tiny.yaml" 0 1 "no launcher: AM_BOOTSTRAP_FD is not an open descriptor; start rank programs with am-launch (\`am-launch --nproc N RECIPE\` on one machine, \`srun --mpi=pmix am-launch RECIPE\` under Slurm)"
 case_ dataset 2 "$T/nodata.yaml" "0|1" "1|143" "$T/nonexistent/corpus.idx: cannot open: No such file or directory (build the dataset with am-data build --out PREFIX)"
+# host memory that runs out while the initial weights are drawn (the first allocation of one
+# MLP matrix's 176 x 64 floats fails: tests/train/fail_alloc.c), and while LoRA's adapters are
+# (the first adapter A of rank 5 over the hidden size 64)
+FAIL_ALLOC=$AM_BUILDDIR/tests/train/.libs/libfailalloc.so
+sed 's/^peft:.*//' "$T/tiny.yaml" >"$T/lora.yaml"
+printf 'peft:\n  _target_: nemo_automodel.components._peft.lora.PeftConfig\n  target_modules: "*_proj"\n  dim: 5\n  alpha: 10\n' >>"$T/lora.yaml"
+case_ init-alloc 1 "$T/tiny.yaml" 0 1 "out of host memory drawing the initial weights" \
+  LD_PRELOAD="$FAIL_ALLOC" AM_TEST_FAIL_MALLOC=$((176 * 64 * 4))
+case_ lora-alloc 1 "$T/lora.yaml" 0 1 "out of host memory drawing the LoRA adapters' initial values" \
+  LD_PRELOAD="$FAIL_ALLOC" AM_TEST_FAIL_CALLOC=$((5 * 64 * 4))
 
 if [[ $FAILED == 0 ]]; then echo "$TEST_NAME: all $CASES cases passed"; exit 0; fi
 echo "$TEST_NAME: some checks FAILED"
